@@ -317,6 +317,18 @@ class KubernetesConfig(_Section):
     data_pvc: Optional[str] = "rangefinder-data"  # mounted at data_mount_path in every step
     data_mount_path: str = "/data"
     mlflow_secret: Optional[str] = "mlflow-credentials"  # its keys become environment variables
+    # The keys of mlflow_secret, each exposed as the environment variable of the same name (manifests/pipeline-namespace
+    # ships the template). USERNAME/PASSWORD may stay empty: MLflow sends basic auth only when both are set.
+    mlflow_secret_keys: list[str] = Field(
+        default_factory=lambda: ["MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"]
+    )
+    # The MLflow server of manifests/mlflow as seen from inside the cluster (Service `mlflow`, namespace `rangefinder`).
+    mlflow_tracking_uri: str = "http://mlflow.rangefinder.svc.cluster.local:5000"
+    # Labels every step's pod carries; manifests/mlflow's NetworkPolicy admits only pods with them to MLflow.
+    pod_labels: dict[str, str] = Field(default_factory=lambda: {"rangefinder.io/mlflow-client": "true"})
+    # The runs' Kubernetes service account (manifests/pipeline-namespace grants it least-privilege RBAC).
+    service_account: Optional[str] = "rangefinder-pipeline-runner"
+    cpu_image: Optional[str] = None  # None: the CPU image for the cheap steps, tagged with the package version
     image_pull_secrets: list[str] = Field(default_factory=list)
     shm_size: str = "8Gi"  # /dev/shm for data loader workers
     retries: int = Field(2, ge=0)  # training steps resume from their newest checkpoint on retry
