@@ -1,0 +1,80 @@
+"""Full fine-tuning: every UNet weight trains (and the text encoder's, when asked); the result is a whole pipeline."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from components.training.methods.base import Method, module_state, split_state
+
+if TYPE_CHECKING:
+    from components.models.loading import SDComponents
+
+
+class FullFineTune(Method):
+    name = "full"
+
+    def setup(self, sd: "SDComponents", weight_dtype: torch.dtype) -> None:
+        # Trainable weights stay fp32 under mixed precision (autocast computes in half); the frozen text encoder can
+        # be cast down to save memory.
+        self._modules: dict[str, torch.nn.Module] = {"unet": sd.unet}
+        sd.unet.requires_grad_(True)
+        sd.unet.to(torch.float32)
+        if self.cfg.train_text_encoder:
+            sd.text_encoder.requires_grad_(True)
+            sd.text_encoder.to(torch.float32)
+            self._modules["text_encoder"] = sd.text_encoder
+        else:
+            sd.text_encoder.requires_grad_(False)
+            sd.text_encoder.to(weight_dtype)
+
+    @property
+    def text_encoder_changes(self) -> bool:
+        return self.cfg.train_text_encoder
+
+    def trainable_modules(self) -> dict[str, torch.nn.Module]:
+        return dict(self._modules)
+
+    def param_groups(self) -> list[dict[str, Any]]:
+        params = [p for m in self._modules.values() for p in m.parameters() if p.requires_grad]
+        return [{"params": params}]
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        state: dict[str, torch.Tensor] = {}
+        for name, module in self._modules.items():
+            state.update(module_state(name, module))
+        return state
+
+    def load_trainable_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for name, module in self._modules.items():
+            module.load_state_dict(split_state(state, name), strict=True)
+
+    def save_final(self, sd: "SDComponents", out_dir: Path) -> None:
+        save_pipeline(sd, out_dir)
+
+
+def save_pipeline(sd: "SDComponents", out_dir: Path) -> None:
+    """A StableDiffusionPipeline folder (diffusers layout) that `from_pretrained` loads, in fp32 safetensors."""
+    from diffusers import StableDiffusionPipeline
+
+    pipe = StableDiffusionPipeline(
+        vae=sd.vae,
+        text_encoder=sd.text_encoder,
+        tokenizer=sd.tokenizer,
+        unet=sd.unet,
+        # A copy: the pipeline's constructor rewrites outdated scheduler configs in place.
+        scheduler=type(sd.noise_scheduler).from_config(sd.noise_scheduler.config),
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+    # Frozen parts may have been cast to half for training; the saved model is fp32 like its base.
+    dtypes = {n: m.dtype for n, m in (("vae", sd.vae), ("text_encoder", sd.text_encoder), ("unet", sd.unet))}
+    try:
+        pipe.to(torch.float32)
+        pipe.save_pretrained(str(out_dir), safe_serialization=True)
+    finally:
+        for n, dt in dtypes.items():
+            getattr(sd, n).to(dt)
