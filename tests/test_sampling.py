@@ -1,0 +1,76 @@
+"""The sampling grid: one column per model, one row per prompt x seed, only the weights differ along a row."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from components.errors import ConfigError
+from components.sampling import render_grid
+from pipelines.cli import main as cli_main
+
+PROMPTS = ["a red circle", "a blue square"]
+SEEDS = [0, 7]
+
+
+@pytest.fixture(scope="module")
+def base_twice_grid(tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("grid")
+    return render_grid(
+        [tiny_model_dir, tiny_model_dir], PROMPTS, SEEDS, out_dir=out, steps=4, guidance_scale=3.0, device="cpu"
+    )
+
+
+def test_grid_has_one_cell_per_model_prompt_and_seed(base_twice_grid):
+    r = base_twice_grid
+    rows, cols = len(PROMPTS) * len(SEEDS), 2
+    lay = r["layout"]
+    assert (lay["rows"], lay["cols"]) == (rows, cols)
+    grid = Image.open(r["grid"])
+    assert grid.size == (lay["label_width"] + cols * lay["cell"], lay["header_height"] + rows * lay["cell"])
+    assert len(r["images"]) == rows and all(len(row) == cols for row in r["images"])
+    singles = {p for row in r["images"] for p in row}
+    assert len(singles) == rows * cols
+    for row_i, row in enumerate(r["images"]):
+        for col_i, path in enumerate(row):
+            single = Image.open(path).convert("RGB")
+            # Each single image is what the grid shows in its cell (upscaled with nearest-neighbour).
+            x0, y0 = lay["label_width"] + col_i * lay["cell"], lay["header_height"] + row_i * lay["cell"]
+            cell = grid.crop((x0, y0, x0 + lay["cell"], y0 + lay["cell"]))
+            expect = single.resize((lay["cell"], lay["cell"]), Image.NEAREST)
+            assert np.array_equal(np.asarray(cell), np.asarray(expect))
+    manifest = json.loads(open(r["manifest"]).read())
+    assert [c["label"] for c in manifest["columns"]] == [c["label"] for c in r["columns"]]
+    page = open(r["html"]).read()
+    assert page.count("data:image/png;base64,") == rows * cols
+
+
+def test_identical_weights_and_seed_give_identical_cells(base_twice_grid):
+    for row in base_twice_grid["images"]:
+        a, b = (np.asarray(Image.open(p)) for p in row)
+        assert np.array_equal(a, b)
+    # ... while another seed gives another image (the seed is really used).
+    rows = base_twice_grid["images"]
+    assert not np.array_equal(np.asarray(Image.open(rows[0][0])), np.asarray(Image.open(rows[1][0])))
+
+
+def test_cli_sample_writes_grid(tiny_model_dir, tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("# comment\na red circle\n\n")
+    out = tmp_path / "out"
+    rc = cli_main(["sample", "--model", str(tiny_model_dir), "--prompts", str(prompts), "--seeds", "3",
+                   "--out", str(out), "--steps", "2", "--scheduler", "DDIMScheduler", "--json"])
+    assert rc == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["images"] == 1 and (out / "grid.png").is_file() and (out / "grid.json").is_file()
+
+
+def test_bad_scheduler_and_missing_model_are_one_clear_error(tiny_model_dir, tmp_path):
+    with pytest.raises(ConfigError, match="DDIMScheduler"):
+        render_grid([tiny_model_dir], PROMPTS, SEEDS, out_dir=tmp_path, scheduler="NoSuchScheduler")
+    with pytest.raises(ConfigError, match="does not exist"):
+        render_grid([tmp_path / "nope"], PROMPTS, SEEDS, out_dir=tmp_path)
+    assert not (tmp_path / "grid.json").exists()
