@@ -19,6 +19,7 @@ from components.errors import RangefinderError
 # Order is the order `rangefinder --help` lists them in.
 COMMANDS = [
     "plan",
+    "sample",
 ]
 
 
