@@ -187,6 +187,9 @@ class TrainingConfig(_Section):
     ema_decay: float = Field(0.9999, gt=0, lt=1)
     cache_latents: bool = True  # encode every image once; reused across runs of the same data and base model
     latent_sampling: Literal["mode", "sample"] = "mode"  # a random-init VAE's sample drowns the signal: use mode
+    # Where encoded latents and text embeddings are cached (keyed by content); None: $RANGEFINDER_CACHE or
+    # ~/.cache/rangefinder. On a cluster, a path on the shared volume lets the pipeline's runs share one cache.
+    cache_dir: Optional[str] = None
 
     # --- reproducibility and checkpoints
     seed: int = 1234
