@@ -19,6 +19,11 @@ from components.errors import RangefinderError
 # Order is the order `rangefinder --help` lists them in.
 COMMANDS = [
     "plan",
+    "compile",
+    "demo",
+    "run",
+    "submit",
+    "schedule",
     "sample",
 ]
 

@@ -1,0 +1,112 @@
+"""Run the whole pipeline on this machine through `kfp.local` (SubprocessRunner, no containers).
+
+The same compiled DAG as on a cluster runs step by step in subprocesses of this Python (the `components` package is
+installed here, so `use_venv=False`). GPU and Kubernetes settings have no meaning locally and kfp.local ignores them.
+Everything lands under one output folder: the pipeline root (every step's artifacts), and the MLflow store
+`sqlite:///<out>/mlflow.db` unless `MLFLOW_TRACKING_URI` is set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from components.config import RangefinderConfig
+from components.errors import RangefinderError
+
+
+@dataclass
+class LocalRun:
+    out_dir: Path
+    run_dir: Path  # the pipeline root folder of this run: one sub-folder per task
+    tracking_uri: str
+    outputs: dict[str, dict[str, Any]] = field(default_factory=dict)  # task name -> output parameters
+    artifacts: dict[str, dict[str, str]] = field(default_factory=dict)  # task name -> output name -> path
+
+    def task(self, prefix: str) -> Optional[str]:
+        """The task whose name starts with `prefix` and that really ran (kfp.local suffixes repeated names)."""
+        names = sorted(n for n in self.outputs if n == prefix or n.startswith(prefix + "-"))
+        return names[-1] if names else None
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        lr_task = self.task("choose-lr")
+        if lr_task:
+            lr = self.outputs[lr_task]
+            out.update(lr_source=lr.get("source"), lr_low=lr.get("lr_low"), lr_high=lr.get("lr_high"),
+                       lr_mid=lr.get("lr_mid"))
+        ft = self.task("finetune")
+        if ft:
+            out.update(recommended_epochs=self.outputs[ft].get("recommended_epochs"),
+                       recommended_updates=self.outputs[ft].get("recommended_updates"),
+                       still_improving=self.outputs[ft].get("still_improving"))
+        rt = self.task("retrain-full")
+        if rt:
+            out["retrained_epochs"] = self.outputs[rt].get("Output")
+        reg = self.task("register-model")
+        if reg:
+            out["registered_model"] = self.outputs[reg].get("model_uri")
+        reports = []
+        for name in sorted(self.artifacts):
+            for key, path in sorted(self.artifacts[name].items()):
+                if key in ("report_html", "report_md", "grid", "decision", "report") and Path(path).exists():
+                    reports.append(f"{name}/{key}: {path}")
+        out["reports"] = reports
+        out["pipeline_root"] = str(self.run_dir)
+        out["mlflow"] = self.tracking_uri
+        return out
+
+
+def local_tracking_uri(out_dir: Path) -> str:
+    """$MLFLOW_TRACKING_URI, else a SQLite store inside the output folder."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(out_dir / 'mlflow.db').resolve()}"
+
+
+def run_pipeline_locally(cfg: RangefinderConfig, out_dir: str | Path, *, dataset_uri: str = "") -> LocalRun:
+    """Run the pipeline for `cfg` with kfp.local; raise RangefinderError naming the failed step."""
+    from kfp import local
+
+    from components.resolve_config import parameters_from_config
+    from pipelines.pipeline import PIPELINE_NAME, build_pipeline
+
+    out = Path(out_dir).resolve()
+    root = out / "pipeline-root"
+    root.mkdir(parents=True, exist_ok=True)
+    tracking_uri = cfg.tracking.tracking_uri or local_tracking_uri(out)
+    # The steps run in subprocesses that inherit this environment.
+    os.environ["MLFLOW_TRACKING_URI"] = tracking_uri
+
+    before = {p.name for p in root.iterdir()}
+    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(root), raise_on_error=True)
+    pipeline = build_pipeline(cfg)
+    try:
+        pipeline(**parameters_from_config(cfg, dataset_uri=dataset_uri))
+    except RuntimeError as e:
+        # kfp.local names the failed task; the step's own one-line error is in its log above.
+        raise RangefinderError(f"the local pipeline run failed: {e}") from None
+    new = sorted((p for p in root.iterdir() if p.name not in before and p.name.startswith(PIPELINE_NAME)),
+                 key=lambda p: p.stat().st_mtime)
+    if not new:
+        raise RangefinderError(f"kfp.local wrote no run folder under {root}")
+    run = LocalRun(out_dir=out, run_dir=new[-1], tracking_uri=tracking_uri)
+    _collect(run)
+    return run
+
+
+def _collect(run: LocalRun) -> None:
+    """Read every task's executor output: parameters, and the paths of its output artifacts."""
+    for eo in run.run_dir.rglob("executor_output.json"):
+        task = eo.parent.name
+        try:
+            data = json.loads(eo.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        run.outputs[task] = dict(data.get("parameterValues", {}))
+        arts: dict[str, str] = {}
+        for name in eo.parent.iterdir():
+            if name.name != "executor_output.json":
+                arts[name.name] = str(name)
+        run.artifacts[task] = arts

@@ -1,0 +1,295 @@
+"""submit / schedule against real loopback HTTP servers: the real kfp.Client talks to them, they record what it sent."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import sys
+import threading
+from email.parser import BytesParser
+from email.policy import HTTP
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, urlparse
+
+import pytest
+import yaml
+
+from components.config import parse_config
+from components.errors import ConfigError
+from pipelines.client import EndpointError, submit, validate_cron
+from pipelines.pipeline import PIPELINE_NAME
+
+
+class FakeKFP:
+    """Just enough of the KFP v2beta1 REST API for upload, experiments, runs and recurring runs."""
+
+    def __init__(self, refuse: int | None = None, token: str | None = None):
+        self.requests: list[dict] = []
+        self.pipelines: dict[str, dict] = {}
+        self.versions: dict[str, list[dict]] = {}
+        self.experiments: dict[str, dict] = {}
+        self.packages: dict[str, str] = {}  # version id -> uploaded YAML
+        self.refuse = refuse
+        self.token = token
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _reply(self, code: int, body: dict):
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def _handle(self, method: str):
+                n = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(n) if n else b""
+                url = urlparse(self.path)
+                rec = {"method": method, "path": url.path, "query": parse_qs(url.query), "body": body,
+                       "headers": {k.lower(): v for k, v in self.headers.items()}}
+                fake.requests.append(rec)
+                if fake.refuse:
+                    return self._reply(fake.refuse, {"error": "denied", "code": 16, "message": "denied"})
+                if fake.token and self.headers.get("Authorization") != f"Bearer {fake.token}":
+                    return self._reply(401, {"error": "no token", "code": 16, "message": "no token"})
+                code, out = fake.route(method, url.path, rec)
+                self._reply(code, out)
+
+            def do_GET(self):
+                self._handle("GET")
+
+            def do_POST(self):
+                self._handle("POST")
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+    @staticmethod
+    def _name_filter(rec) -> str | None:
+        f = rec["query"].get("filter")
+        if not f:
+            return None
+        return json.loads(f[0])["predicates"][0]["stringValue"]
+
+    @staticmethod
+    def _upload(rec) -> tuple[str, str]:
+        msg = BytesParser(policy=HTTP).parsebytes(
+            b"Content-Type: " + rec["headers"]["content-type"].encode() + b"\r\n\r\n" + rec["body"])
+        (part,) = [p for p in msg.iter_parts() if p.get_param("name", header="content-disposition") == "uploadfile"]
+        return part.get_filename(), part.get_payload(decode=True).decode()
+
+    def route(self, method: str, path: str, rec) -> tuple[int, dict]:
+        api = "/apis/v2beta1"
+        if path == f"{api}/healthz":
+            return 200, {"multi_user": False}
+        if method == "GET" and path == f"{api}/pipelines":
+            name = self._name_filter(rec)
+            found = [p for p in self.pipelines.values() if name is None or p["display_name"] == name]
+            return 200, ({"pipelines": found, "total_size": len(found)} if found else {})
+        if method == "POST" and path == f"{api}/pipelines/upload":
+            pid = f"p{len(self.pipelines) + 1}"
+            name = rec["query"]["name"][0]
+            self.pipelines[pid] = {"pipeline_id": pid, "display_name": name}
+            _, text = self._upload(rec)
+            vid = f"{pid}-v0"
+            self.versions[pid] = [{"pipeline_id": pid, "pipeline_version_id": vid, "display_name": name}]
+            self.packages[vid] = text
+            return 200, self.pipelines[pid]
+        m = re.fullmatch(rf"{api}/pipelines/(\w+)/versions", path)
+        if method == "GET" and m:
+            name = self._name_filter(rec)
+            found = [v for v in self.versions.get(m.group(1), []) if name is None or v["display_name"] == name]
+            return 200, ({"pipeline_versions": found, "total_size": len(found)} if found else {})
+        if method == "POST" and path == f"{api}/pipelines/upload_version":
+            pid = rec["query"]["pipelineid"][0]
+            vid = f"{pid}-v{len(self.versions[pid])}"
+            v = {"pipeline_id": pid, "pipeline_version_id": vid, "display_name": rec["query"]["name"][0]}
+            self.versions[pid].append(v)
+            self.packages[vid] = self._upload(rec)[1]
+            return 200, v
+        if method == "GET" and path == f"{api}/experiments":
+            name = self._name_filter(rec)
+            found = [e for e in self.experiments.values() if e["display_name"] == name]
+            return 200, ({"experiments": found, "total_size": len(found)} if found else {})
+        if method == "POST" and path == f"{api}/experiments":
+            e = json.loads(rec["body"])
+            eid = f"e{len(self.experiments) + 1}"
+            self.experiments[eid] = {"experiment_id": eid, "display_name": e["display_name"]}
+            return 200, self.experiments[eid]
+        if method == "POST" and path == f"{api}/runs":
+            return 200, {"run_id": "r1", **json.loads(rec["body"])}
+        if method == "GET" and path == f"{api}/runs/r1":
+            return 200, {"run_id": "r1", "state": "SUCCEEDED"}
+        if method == "POST" and path == f"{api}/recurringruns":
+            return 200, {"recurring_run_id": "rr1", **json.loads(rec["body"])}
+        return 404, {"error": f"no route {method} {path}", "code": 5, "message": "not found"}
+
+    def sent(self, method: str, path_end: str) -> list[dict]:
+        return [r for r in self.requests if r["method"] == method and r["path"].endswith(path_end)]
+
+
+@pytest.fixture
+def kfp_server():
+    s = FakeKFP()
+    yield s
+    s.close()
+
+
+@pytest.fixture(autouse=True)
+def _no_ambient_endpoint(monkeypatch, tmp_path):
+    monkeypatch.delenv("KF_PIPELINES_ENDPOINT", raising=False)
+    monkeypatch.setenv("KF_PIPELINES_SA_TOKEN_PATH", str(tmp_path / "no-token"))
+    monkeypatch.setenv("HOME", str(tmp_path))  # kfp reads ~/.config/kfp/context.json
+
+
+CFG = {"data": {"resolution": 256, "dataset_dir": "/data/sets/cats"}, "lr_range_test": {"lr_max": 0.02},
+       "retrain": {"enabled": True}, "kubernetes": {"gpu_count": 2, "service_account": "sa-runner"},
+       "tracking": {"experiment_name": "cats"}}
+
+
+def test_submit_uploads_once_and_creates_a_run(kfp_server):
+    cfg = parse_config(CFG)
+    sub = submit(cfg, host=kfp_server.url, token="secret-token")
+    assert sub.run_id == "r1" and sub.uploaded
+
+    # The package uploaded is the compiled pipeline of this config.
+    (upload,) = kfp_server.sent("POST", "/pipelines/upload_version")
+    spec = next(yaml.safe_load_all(kfp_server.packages[sub.version_id]))
+    assert spec["pipelineInfo"]["name"] == PIPELINE_NAME
+    assert spec["root"]["inputDefinitions"]["parameters"]["resolution"]["defaultValue"] == 256
+    ft = [e for n, e in spec["deploymentSpec"]["executors"].items() if n.startswith("exec-finetune")]
+    assert ft and ft[0]["container"]["resources"]["accelerator"]["resourceCount"] == "2"
+    assert re.fullmatch(r"v[\d.]+-[0-9a-f]{12}", upload["query"]["name"][0])
+
+    # The run: the experiment of the config, that version, the config as parameters, the service account.
+    (run,) = kfp_server.sent("POST", "/runs")
+    body = json.loads(run["body"])
+    assert body["experiment_id"] == sub.experiment_id
+    assert kfp_server.experiments[sub.experiment_id]["display_name"] == "cats"
+    assert body["pipeline_version_reference"] == {"pipeline_id": sub.pipeline_id,
+                                                  "pipeline_version_id": sub.version_id}
+    params = body["runtime_config"]["parameters"]
+    assert params["resolution"] == 256 and params["lr_max"] == 0.02 and params["retrain"] is True
+    assert params["dataset_dir"] == "/data/sets/cats"
+    assert json.loads(params["base_config"])["data"]["resolution"] == 256
+    assert body["service_account"] == "sa-runner"
+    assert all(r["headers"].get("authorization") == "Bearer secret-token" for r in kfp_server.requests)
+
+    # The same config again reuses the pipeline and its version: nothing is uploaded twice.
+    sub2 = submit(cfg, host=kfp_server.url, token="secret-token", wait=True, timeout_s=30)
+    assert (sub2.pipeline_id, sub2.version_id, sub2.uploaded) == (sub.pipeline_id, sub.version_id, False)
+    assert len(kfp_server.sent("POST", "/pipelines/upload")) == 1
+    assert len(kfp_server.sent("POST", "/pipelines/upload_version")) == 1
+    assert sub2.state and sub2.state.upper() == "SUCCEEDED"
+
+    # A changed config is a new version of the same pipeline.
+    sub3 = submit(parse_config({**CFG, "data": {"resolution": 512}}), host=kfp_server.url, token="secret-token")
+    assert sub3.pipeline_id == sub.pipeline_id and sub3.version_id != sub.version_id
+
+
+def test_schedule_creates_a_recurring_run(kfp_server, monkeypatch):
+    monkeypatch.setenv("KF_PIPELINES_ENDPOINT", kfp_server.url)  # the endpoint from the environment, as kfp does
+    sub = submit(parse_config(CFG), cron="0 30 2 * * mon-fri")
+    assert sub.recurring_run_id == "rr1"
+    (rr,) = kfp_server.sent("POST", "/recurringruns")
+    body = json.loads(rr["body"])
+    assert body["trigger"]["cron_schedule"]["cron"] == "0 30 2 * * mon-fri"
+    assert body["max_concurrency"] == "1" or body["max_concurrency"] == 1
+    assert body["runtime_config"]["parameters"]["resolution"] == 256
+    assert body["pipeline_version_reference"]["pipeline_version_id"] == sub.version_id
+
+
+def test_service_account_token_is_sent(kfp_server, monkeypatch, tmp_path):
+    token = tmp_path / "token"
+    token.write_text("sa-token\n")
+    monkeypatch.setenv("KF_PIPELINES_SA_TOKEN_PATH", str(token))
+    kfp_server.token = "sa-token"
+    sub = submit(parse_config(CFG), host=kfp_server.url)
+    assert sub.run_id == "r1"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_unreachable_endpoint_is_one_clear_error():
+    url = f"http://127.0.0.1:{_free_port()}"  # bound then closed: nothing listens there
+    with pytest.raises(EndpointError, match=r"cannot reach the KFP endpoint http://127\.0\.0\.1:\d+"):
+        submit(parse_config(CFG), host=url)
+
+
+@pytest.mark.parametrize("code", [401, 403])
+def test_refused_token_is_one_clear_error(code):
+    s = FakeKFP(refuse=code)
+    try:
+        with pytest.raises(EndpointError, match=rf"refused the credentials \(HTTP {code}, token from --token\)"):
+            submit(parse_config(CFG), host=s.url, token="wrong")
+        assert len(s.requests) == 1  # one healthz probe, no retry loop, nothing uploaded
+    finally:
+        s.close()
+
+
+def test_cli_reports_refusal_on_one_line(tmp_path):
+    s = FakeKFP(refuse=401)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(CFG))
+    try:
+        r = subprocess.run([sys.executable, "-m", "pipelines.cli", "submit", "--host", s.url, "--config", str(cfg),
+                            "--token", "bad"], capture_output=True, text=True, env={"PATH": "", "HOME": str(tmp_path)})
+    finally:
+        s.close()
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "refused the credentials (HTTP 401" in lines[0]
+
+
+def test_schedule_cli_rejects_bad_cron_before_any_request(tmp_path):
+    s = FakeKFP()
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(CFG))
+    try:
+        r = subprocess.run([sys.executable, "-m", "pipelines.cli", "schedule", "--host", s.url, "--config", str(cfg),
+                            "--cron", "0 3 * * *"], capture_output=True, text=True)
+    finally:
+        s.close()
+    assert r.returncode == 2 and "5 fields" in r.stderr and "'0 0 3 * * *'" in r.stderr
+    assert s.requests == []
+
+
+@pytest.mark.parametrize("expr", ["0 0 3 * * *", "*/30 * * * * ?", "0 0 9 ? * 2-6", "0 15 10 1,15 jan-jun *",
+                                  "0 0 0 * * SUN", "5-10/2 0 0 * * *"])
+def test_valid_crons(expr):
+    assert validate_cron(expr) == expr
+
+
+@pytest.mark.parametrize("expr, message", [
+    ("0 3 * * *", "5 fields"),
+    ("* * * * * * *", "7 fields"),
+    ("60 * * * * *", r"seconds must be in 0-59 \(got 60\)"),
+    ("0 0 24 * * *", "hours must be in 0-23"),
+    ("0 0 0 0 * *", "day of month must be in 1-31"),
+    ("0 0 0 * 13 *", "month must be in 1-12"),
+    ("0 0 0 * * 7", "day of week must be in 0-6"),
+    ("0 0 0 * * fun", "day of week field has 'fun'"),
+    ("0 */0 * * * *", "step '0'"),
+    ("0 10-5 * * * *", "runs backwards"),
+    ("? * * * * *", r"'\?' is only allowed"),
+    ("0 1,,2 * * * *", "empty entry"),
+])
+def test_invalid_crons(expr, message):
+    with pytest.raises(ConfigError, match=message):
+        validate_cron(expr)

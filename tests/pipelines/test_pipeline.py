@@ -1,0 +1,272 @@
+"""The compiled pipeline, read back from its IR YAML as KFP's own PipelineSpec / KubernetesExecutorConfig protos."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from google.protobuf import json_format
+from kfp.kubernetes import kubernetes_executor_config_pb2 as k8s_pb
+from kfp.pipeline_spec import pipeline_spec_pb2 as pb
+
+from components.config import RangefinderConfig, parse_config
+from pipelines.pipeline import PIPELINE_NAME, compile_pipeline
+
+TRAINING = ("lr-range-test", "finetune", "retrain-full", "sample-images")
+RETRIED = ("lr-range-test", "finetune", "retrain-full")
+CHEAP = ("resolve-config", "prepare-dataset", "choose-lr", "register-model", "record-status")
+
+
+class Compiled:
+    """A compiled package: the PipelineSpec, and each executor's Kubernetes settings."""
+
+    def __init__(self, path: Path):
+        docs = list(yaml.safe_load_all(path.read_text()))
+        self.spec = json_format.ParseDict(docs[0], pb.PipelineSpec())
+        platform = docs[1]["platforms"]["kubernetes"]["deploymentSpec"]["executors"] if len(docs) > 1 else {}
+        self.k8s = {name: json_format.ParseDict(v, k8s_pb.KubernetesExecutorConfig()) for name, v in platform.items()}
+        self.executors = {
+            name: json_format.ParseDict(v, pb.PipelineDeploymentConfig.ExecutorSpec())
+            for name, v in json_format.MessageToDict(self.spec.deployment_spec)["executors"].items()
+        }
+
+    def dags(self):
+        """(component name, dag) for the root and every sub-DAG (conditions, sub-pipelines, exit handler)."""
+        yield "root", self.spec.root.dag
+        for name, comp in self.spec.components.items():
+            if comp.WhichOneof("implementation") == "dag":
+                yield name, comp.dag
+
+    def tasks(self, prefix: str):
+        """Every task (in any DAG) whose component is `comp-<prefix>` or `comp-<prefix>-N`."""
+        out = []
+        for dag_name, dag in self.dags():
+            for task_name, task in dag.tasks.items():
+                ref = task.component_ref.name
+                if ref == f"comp-{prefix}" or (ref.startswith(f"comp-{prefix}-") and ref[len(prefix) + 6:].replace("-", "").isdigit()):
+                    out.append((dag_name, task_name, task))
+        assert out, f"no task of component {prefix}"
+        return out
+
+    def executor_of(self, task) -> str:
+        return self.spec.components[task.component_ref.name].executor_label
+
+    def condition_of(self, dag_name: str) -> str:
+        """The trigger condition of the task that runs sub-DAG `dag_name`."""
+        for _, dag in self.dags():
+            for task in dag.tasks.values():
+                if task.component_ref.name == dag_name:
+                    return task.trigger_policy.condition
+        raise AssertionError(f"no task runs {dag_name}")
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory) -> Compiled:
+    path = tmp_path_factory.mktemp("compiled") / "pipeline.yaml"
+    compile_pipeline(RangefinderConfig(), str(path))
+    return Compiled(path)
+
+
+def test_parameters_are_typed_with_descriptions(compiled):
+    assert compiled.spec.pipeline_info.name == PIPELINE_NAME
+    params = compiled.spec.root.input_definitions.parameters
+    P = pb.ParameterType
+    expected = {
+        "dataset_uri": P.STRING, "dataset_dir": P.STRING, "base_model": P.STRING, "method": P.STRING,
+        "resolution": P.NUMBER_INTEGER, "batch_size": P.NUMBER_INTEGER, "grad_accum": P.NUMBER_INTEGER,
+        "ramp": P.STRING, "lr_min": P.NUMBER_DOUBLE, "lr_max": P.NUMBER_DOUBLE, "range_test_epochs": P.NUMBER_INTEGER,
+        "finetune_epochs": P.NUMBER_INTEGER, "val_split": P.NUMBER_DOUBLE, "split_seed": P.NUMBER_INTEGER,
+        "seed": P.NUMBER_INTEGER, "fixed_lr": P.NUMBER_DOUBLE, "retrain": P.BOOLEAN,
+        "retrain_epochs": P.NUMBER_INTEGER, "prompts": P.LIST, "mlflow_experiment": P.STRING,
+        "base_config": P.STRING,
+    }
+    assert {k: v.parameter_type for k, v in params.items()} == expected
+    for name, p in params.items():
+        assert len(p.description) > 10, f"{name} has no UI description"
+    assert params["lr_max"].default_value.number_value == pytest.approx(1e-2)
+    assert params["fixed_lr"].default_value.number_value == 0.0
+
+
+def test_dag_order_and_conditions(compiled):
+    # The exit handler records the final status whatever happened inside.
+    (_, _, status), = compiled.tasks("record-status")
+    assert status.trigger_policy.strategy == pb.PipelineTaskSpec.TriggerPolicy.ALL_UPSTREAM_TASKS_COMPLETED
+    assert status.inputs.parameters["status"].task_final_status.producer_task == "exit-handler-1"
+
+    # The importer runs only when a dataset URI is given, and feeds prepare-dataset.
+    (imp_dag, imp_name, imp), = compiled.tasks("importer")
+    assert "dataset_uri" in compiled.condition_of(imp_dag) and "!= ''" in compiled.condition_of(imp_dag)
+    preps = compiled.tasks("prepare-dataset")
+    assert len(preps) == 2
+    fed = [t for d, _, t in preps if "dataset" in t.inputs.artifacts]
+    assert len(fed) == 1 and fed[0].inputs.artifacts["dataset"].task_output_artifact.producer_task == imp_name
+
+    # Discovery runs only without a fixed LR; the zoom re-test only when the first test asks for it.
+    tests = compiled.tasks("lr-range-test")
+    stages = {t.inputs.parameters["stage"].runtime_value.constant.string_value: (d, t) for d, _, t in tests}
+    assert set(stages) == {"first", "zoom"}
+    zoom_dag, zoom = stages["zoom"]
+    assert "needs_zoom" in compiled.condition_of(zoom_dag)
+    assert source(zoom.inputs.parameters["lr_min"]).endswith("zoom_lr_min")
+    assert source(zoom.inputs.parameters["lr_max"]).endswith("zoom_lr_max")
+    first_dag, _ = stages["first"]
+    assert first_dag.startswith("comp-discover-lr")
+    for dag_name, _, _ in compiled.tasks("discover-lr"):
+        assert "fixed_lr" in compiled.condition_of(dag_name) and "== 0.0" in compiled.condition_of(dag_name)
+    fixed = [t for d, _, t in compiled.tasks("choose-lr")
+             if t.inputs.parameters["source"].runtime_value.constant.string_value == "fixed"]
+    assert fixed and fixed[0].inputs.parameters["lr_mid"].component_input_parameter
+
+    # The fine-tune takes the LR the branches agreed on, and the split.
+    for dag_name, _, ft in compiled.tasks("finetune"):
+        dag = dict(compiled.dags())[dag_name]
+        assert ft.inputs.parameters["lr_mid"].task_output_parameter.producer_task.startswith("condition-branches")
+        assert ft.inputs.artifacts["split"].component_input_artifact == "split"
+        branches = dag.tasks[ft.inputs.parameters["lr_mid"].task_output_parameter.producer_task]
+        assert branches.component_ref.name.startswith("comp-condition-branches")
+
+    # The retrain is conditional and takes the fine-tune's recommended epochs.
+    for dag_name, _, rt in compiled.tasks("retrain-full"):
+        assert "retrain" in compiled.condition_of(dag_name)
+        assert source(rt.inputs.parameters["recommended_epochs"]).endswith("recommended_epochs")
+
+    # Samples and registration come last, on the retrained model when there is one.
+    regs = compiled.tasks("register-model")
+    assert regs
+    for dag_name, _, reg in regs:
+        dag = dict(compiled.dags())[dag_name]
+        model = reg.inputs.artifacts["model"]
+        producer = model.task_output_artifact.producer_task or model.component_input_artifact
+        assert producer, "register-model has no model input"
+    samples = compiled.tasks("sample-images")
+    assert any("retrained" in t.inputs.artifacts for _, _, t in samples)
+    assert any("retrained" not in t.inputs.artifacts for _, _, t in samples)
+
+
+def test_gpu_and_limits_only_on_training_steps(compiled):
+    for prefix in TRAINING:
+        for _, _, task in compiled.tasks(prefix):
+            res = compiled.executors[compiled.executor_of(task)].container.resources
+            assert res.accelerator.resource_type == "nvidia.com/gpu", prefix
+            assert res.accelerator.resource_count == "1", prefix
+            assert res.resource_cpu_limit == "8" and res.resource_memory_limit == "48Gi", prefix
+    for prefix in CHEAP:
+        for _, _, task in compiled.tasks(prefix):
+            res = compiled.executors[compiled.executor_of(task)].container.resources
+            assert not res.accelerator.resource_type, prefix
+
+
+def test_kubernetes_settings(compiled):
+    cfg = RangefinderConfig().kubernetes
+    for prefix in TRAINING:
+        for _, _, task in compiled.tasks(prefix):
+            k = compiled.k8s[compiler_exec(compiled, task)]
+            assert dict(k.node_selector.labels) == cfg.node_selector, prefix
+            assert [(t.key, t.operator, t.effect) for t in k.tolerations] == [("nvidia.com/gpu", "Exists", "NoSchedule")]
+            shm = [m for m in k.empty_dir_mounts if m.mount_path == "/dev/shm"]
+            assert shm and shm[0].medium == "Memory" and shm[0].size_limit == cfg.shm_size
+    for prefix in ("prepare-dataset", "choose-lr", "resolve-config"):
+        for _, _, task in compiled.tasks(prefix):
+            k = compiled.k8s[compiler_exec(compiled, task)]
+            assert not k.node_selector.labels and not k.tolerations, prefix
+    # MLflow credentials come from the Secret, as environment variables, on every step that logs.
+    for prefix in ("lr-range-test", "finetune", "register-model", "record-status", "resolve-config"):
+        for _, _, task in compiled.tasks(prefix):
+            k = compiled.k8s[compiler_exec(compiled, task)]
+            (sec,) = k.secret_as_env
+            assert sec.secret_name_parameter.runtime_value.constant.string_value == cfg.mlflow_secret
+            assert {m.env_var for m in sec.key_to_env} == set(cfg.mlflow_secret_keys)
+    for _, _, task in compiled.tasks("prepare-dataset"):
+        k = compiled.k8s[compiler_exec(compiled, task)]
+        assert not k.secret_as_env
+        assert [(p.mount_path, p.pvc_name_parameter.runtime_value.constant.string_value) for p in k.pvc_mount] == [
+            ("/data", "rangefinder-data")]
+
+
+def source(spec) -> str:
+    """Where a task input comes from: `task.output` or a DAG input (a channel from outside a condition)."""
+    if spec.task_output_parameter.producer_task:
+        return f"{spec.task_output_parameter.producer_task}.{spec.task_output_parameter.output_parameter_key}"
+    return spec.component_input_parameter
+
+
+def compiler_exec(compiled: Compiled, task) -> str:
+    return compiled.executor_of(task)
+
+
+def test_retries_and_caching(compiled):
+    for prefix in RETRIED:
+        for _, _, task in compiled.tasks(prefix):
+            assert task.retry_policy.max_retry_count == 2, prefix
+            assert not task.caching_options.enable_cache, prefix
+    for prefix in ("sample-images", "resolve-config", "register-model"):
+        for _, _, task in compiled.tasks(prefix):
+            assert not task.caching_options.enable_cache, prefix
+    for prefix in ("prepare-dataset", "choose-lr"):
+        for _, _, task in compiled.tasks(prefix):
+            assert task.caching_options.enable_cache, prefix
+            assert task.retry_policy.max_retry_count == 0, prefix
+
+
+def test_config_drives_pods_and_defaults(tmp_path):
+    cfg = parse_config({
+        "data": {"resolution": 768},
+        "lr_range_test": {"lr_max": 0.05},
+        "kubernetes": {
+            "image": "registry.example.com/team/trainer:1", "gpu_count": 2, "accelerator_type": "nvidia.com/gpu",
+            "node_selector": {"cloud.google.com/gke-accelerator": "nvidia-l4"},
+            "tolerations": [{"key": "spot", "operator": "Equal", "value": "true", "effect": "NoExecute"}],
+            "image_pull_secrets": ["regcred"], "retries": 0, "data_pvc": None,
+        },
+    })
+    path = tmp_path / "p.yaml"
+    compile_pipeline(cfg, str(path))
+    c = Compiled(path)
+    params = c.spec.root.input_definitions.parameters
+    assert params["resolution"].default_value.number_value == 768
+    assert params["lr_max"].default_value.number_value == pytest.approx(0.05)
+    for _, _, task in c.tasks("finetune"):
+        ex = c.executors[c.executor_of(task)].container
+        assert ex.image == "registry.example.com/team/trainer:1"
+        assert ex.resources.accelerator.resource_count == "2"
+        k = c.k8s[c.executor_of(task)]
+        assert dict(k.node_selector.labels) == {"cloud.google.com/gke-accelerator": "nvidia-l4"}
+        assert [(t.key, t.value, t.effect) for t in k.tolerations] == [("spot", "true", "NoExecute")]
+        assert [s.secret_name for s in k.image_pull_secret] == ["regcred"]
+        assert not k.pvc_mount
+        assert task.retry_policy.max_retry_count == 0
+    for _, _, task in c.tasks("prepare-dataset"):
+        assert c.executors[c.executor_of(task)].container.image != "registry.example.com/team/trainer:1"
+
+
+def test_no_gpu_config_requests_no_accelerator(tmp_path):
+    path = tmp_path / "cpu.yaml"
+    compile_pipeline(parse_config({"kubernetes": {"gpu_count": 0}}), str(path))
+    c = Compiled(path)
+    for _, _, task in c.tasks("finetune"):
+        assert not c.executors[c.executor_of(task)].container.resources.accelerator.resource_type
+        assert not c.k8s[c.executor_of(task)].node_selector.labels
+
+
+def test_compile_cli(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("data:\n  resolution: 256\nkubernetes:\n  gpu_count: 1\n")
+    out = tmp_path / "sub" / "p.yaml"
+    r = subprocess.run([sys.executable, "-m", "pipelines.cli", "compile", "--out", str(out), "--config", str(cfg)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    c = Compiled(out)
+    assert c.spec.root.input_definitions.parameters["resolution"].default_value.number_value == 256
+    assert list(out.parent.iterdir()) == [out]
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data:\n  resolution: 250\n")
+    out2 = tmp_path / "p2.yaml"
+    r = subprocess.run([sys.executable, "-m", "pipelines.cli", "compile", "--out", str(out2), "--config", str(bad)],
+                       capture_output=True, text=True)
+    assert r.returncode == 2
+    assert "data.resolution" in r.stderr and "multiple of 8" in r.stderr
+    assert not out2.exists()
