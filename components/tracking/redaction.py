@@ -1,0 +1,74 @@
+"""Keeping secrets out of MLflow: params, tags, run names and error messages pass through `redact` first.
+
+Three nets, because a config or a message can carry a secret in several ways:
+1. by name: a setting whose last dotted part names a secret (`password`, `api_key`, `token`, ...);
+2. by value: anything equal to the value of a secret-looking environment variable (MLFLOW_TRACKING_PASSWORD,
+   HF_TOKEN, AWS_SECRET_ACCESS_KEY, ...), and well-known token shapes (Hugging Face, GitHub, AWS, JWT);
+3. in URLs: the `user:password@` part of any URL is dropped.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+REDACTED = "***"
+
+# The last dotted segment of a param/tag key that marks it secret. `placeholder_token` (textual inversion) is a
+# word of the prompt, not a credential, so only the bare word `token` or these compounds count.
+_SECRET_KEY = re.compile(
+    r"(?:^|[._-])(?:password|passwd|pwd|secret|secret_key|api_?key|access_?key|private_?key|credentials?|"
+    r"auth_?token|access_?token|bearer|hf_?token|client_?secret)$|^token$|\.token$",
+    re.IGNORECASE,
+)
+# Environment variables whose values are secrets wherever they turn up.
+_SECRET_ENV = re.compile(r"PASSWORD|PASSWD|SECRET|TOKEN|API_?KEY|ACCESS_?KEY|PRIVATE_?KEY|CREDENTIAL", re.IGNORECASE)
+_TOKEN_SHAPES = re.compile(
+    r"hf_[A-Za-z0-9]{20,}"  # Hugging Face
+    r"|gh[pousr]_[A-Za-z0-9]{20,}"  # GitHub
+    r"|AKIA[0-9A-Z]{16}"  # AWS access key id
+    r"|eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}"  # JWT (bearer tokens, service-account tokens)
+)
+_URL_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]+@")
+_MIN_SECRET_LEN = 4  # shorter env values ("1", "true") would redact half of every message
+
+
+def is_secret_key(key: str) -> bool:
+    return bool(_SECRET_KEY.search(key))
+
+
+def _env_secrets() -> list[str]:
+    env: dict[str, str] = {}
+    for _ in range(5):  # another thread (mlflow's telemetry) may change os.environ while we copy it
+        try:
+            env = dict(os.environ)
+            break
+        except (KeyError, RuntimeError):
+            continue
+    vals = {v for k, v in env.items() if _SECRET_ENV.search(k) and v and len(v) >= _MIN_SECRET_LEN}
+    return sorted(vals, key=len, reverse=True)  # longest first, so a secret containing another is hidden whole
+
+
+def redact(text: Any) -> str:
+    """`text` as a string with every secret it carries replaced by ***."""
+    s = str(text)
+    s = _URL_USERINFO.sub(r"\g<scheme>", s)
+    for secret in _env_secrets():
+        s = s.replace(secret, REDACTED)
+    return _TOKEN_SHAPES.sub(REDACTED, s)
+
+
+def safe_uri(uri: str) -> str:
+    """A tracking URI fit for a message or a tag: no `user:password@`, no query string (it may hold a token)."""
+    try:
+        parts = urlsplit(uri)
+    except ValueError:
+        return redact(uri)
+    if not parts.scheme or parts.scheme in ("sqlite", "file", "postgresql", "mysql", "mssql") and "@" not in uri:
+        return redact(uri)
+    netloc = parts.hostname or ""
+    if parts.port:
+        netloc = f"{netloc}:{parts.port}"
+    return redact(urlunsplit((parts.scheme, netloc, parts.path, "", "")))

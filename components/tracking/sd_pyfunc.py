@@ -1,0 +1,62 @@
+"""The MLflow pyfunc model of a fine-tuned Stable Diffusion pipeline: prompts in, PNG images out.
+
+This file is an MLflow "model from code" script: `log_diffusers_model` hands its path to mlflow, which copies it into
+the model and runs it when the model is loaded (it ends with `mlflow.models.set_model`). Do not import it. It needs
+only mlflow, diffusers, torch, pandas and pillow, not rangefinder, so anyone with MLflow can load the model.
+
+Input: a pandas DataFrame with a `prompt` column and optional `seed` (int; default: the row number) and
+`negative_prompt` columns. Params (per call, defaults from the model config): num_inference_steps, guidance_scale,
+height, width. Output: a DataFrame with `prompt`, `seed` and `image`, the image as a base64-encoded PNG (a string,
+so it survives MLflow's JSON serving as well). Each image depends only on its own (prompt, seed), never on the
+other rows, because each row gets its own seeded generator.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import mlflow
+import pandas as pd
+from mlflow.pyfunc import PythonModel
+
+
+class StableDiffusionPyfunc(PythonModel):
+    def load_context(self, context):
+        import torch
+        from diffusers import DiffusionPipeline
+
+        self.defaults = dict(context.model_config or {})
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        dtype = torch.float16 if self.device == "cuda" else torch.float32
+        self.pipe = DiffusionPipeline.from_pretrained(context.artifacts["pipeline"], dtype=dtype)
+        self.pipe.to(self.device)
+        self.pipe.set_progress_bar_config(disable=True)
+
+    def predict(self, context, model_input, params=None):
+        import torch
+
+        df = model_input if isinstance(model_input, pd.DataFrame) else pd.DataFrame({"prompt": list(model_input)})
+        settings = {**self.defaults, **{k: v for k, v in (params or {}).items() if v is not None}}
+        call = {k: settings[k] for k in ("num_inference_steps", "guidance_scale", "height", "width")
+                if settings.get(k) is not None}
+        rows = []
+        for i, row in enumerate(df.to_dict("records")):
+            seed = row.get("seed")
+            seed = i if seed is None or pd.isna(seed) else int(seed)
+            negative = row.get("negative_prompt")
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+            image = self.pipe(
+                prompt=str(row["prompt"]),
+                negative_prompt=None if negative is None or pd.isna(negative) else str(negative),
+                generator=generator,
+                **call,
+            ).images[0]
+            buf = io.BytesIO()
+            image.save(buf, format="PNG")
+            rows.append({"prompt": str(row["prompt"]), "seed": seed,
+                         "image": base64.b64encode(buf.getvalue()).decode("ascii")})
+        return pd.DataFrame(rows, columns=["prompt", "seed", "image"])
+
+
+mlflow.models.set_model(StableDiffusionPyfunc())

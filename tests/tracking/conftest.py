@@ -1,0 +1,171 @@
+"""Real MLflow tracking targets for tests: a `mlflow server` on loopback, one with basic auth, and a local sqlite store.
+
+Other test folders can use them with `from tests.tracking.conftest import *` in their conftest.py, or
+`pytest_plugins = ["tests.tracking.conftest"]` in tests/conftest.py:
+
+- `mlflow_server_uri` (session): `http://127.0.0.1:PORT` of a real `mlflow server` (sqlite backend, local artifact
+  root, proxied artifacts), started once per session with `--allowed-hosts 127.0.0.1:PORT`.
+- `mlflow_auth_server` (session): a server started with `--app-name basic-auth`; yields (uri, username, password).
+  MLflow's basic auth needs Flask-WTF, which is not a project dependency: it is installed once into a cache folder
+  used only by that server process (skipped, with the reason, when that is not possible).
+- `sqlite_tracking_uri`: `sqlite:///<tmp_path>/.../mlflow.db`, the local default, fresh per test;
+  `shared_sqlite_tracking_uri` (session): one such store for many tests (give each its own experiment).
+- `clean_mlflow_env` (autouse here): no MLFLOW_* variables leak from the caller's shell into a test.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+_MLFLOW_VARS = (
+    "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID", "MLFLOW_RUN_ID",
+    "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN", "KFP_RUN_ID", "KFP_RUN_NAME",
+)
+SERVER_START_TIMEOUT_S = 90
+AUTH_TOOLS = ("flask-wtf==1.3.0", "wtforms==3.3.2")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _mlflow_cli() -> str:
+    return str(Path(sys.executable).with_name("mlflow"))
+
+
+def start_mlflow_server(workdir: Path, *, app_name: str | None = None, env: dict | None = None,
+                        allowed_hosts: str | None = None) -> tuple[str, subprocess.Popen]:
+    """Start `mlflow server` on 127.0.0.1 and a free port; return (uri, process) once /health answers."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    cmd = [
+        _mlflow_cli(), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+        "--backend-store-uri", f"sqlite:///{workdir / 'mlflow.db'}",
+        "--artifacts-destination", str(workdir / "mlartifacts"),
+        "--allowed-hosts", allowed_hosts or f"127.0.0.1:{port},127.0.0.1",
+    ]
+    if app_name:
+        cmd += ["--app-name", app_name]
+    server_env = {k: v for k, v in os.environ.items() if k not in _MLFLOW_VARS}
+    server_env.update(env or {})
+    server_env.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    server_env.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")  # a third process we do not need
+    log = open(workdir / "server.log", "wb")
+    # Own session, so teardown can stop the server and its uvicorn worker together.
+    proc = subprocess.Popen(cmd, cwd=workdir, env=server_env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    uri = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"mlflow server exited with {proc.returncode}: "
+                               f"{(workdir / 'server.log').read_text()[-2000:]}")
+        try:
+            with urllib.request.urlopen(f"{uri}/health", timeout=2) as r:
+                if r.status == 200:
+                    return uri, proc
+        except OSError:
+            pass
+        time.sleep(0.3)
+    stop_mlflow_server(proc)
+    raise RuntimeError(f"mlflow server did not answer on {uri} within {SERVER_START_TIMEOUT_S}s")
+
+
+def stop_mlflow_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=5)
+
+
+@pytest.fixture(scope="session")
+def mlflow_server_uri(tmp_path_factory):
+    uri, proc = start_mlflow_server(tmp_path_factory.mktemp("mlflow-server"))
+    yield uri
+    stop_mlflow_server(proc)
+
+
+def _auth_tools_path() -> str | None:
+    """A folder holding Flask-WTF for the basic-auth server, or None when it cannot be had."""
+    try:
+        import flask_wtf  # noqa: F401
+
+        return ""  # already importable
+    except ImportError:
+        pass
+    cache = Path(os.environ.get("RANGEFINDER_CACHE", Path.home() / ".cache" / "rangefinder")) / "test-tools" / "mlflow-auth"
+    if not (cache / "flask_wtf").is_dir():
+        tmp = cache.with_name(cache.name + f".tmp-{os.getpid()}")
+        r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(tmp),
+                            *AUTH_TOOLS], capture_output=True, text=True, timeout=120)
+        if r.returncode != 0:
+            return None
+        if not (cache / "flask_wtf").is_dir():
+            tmp.rename(cache)
+    return str(cache)
+
+
+@pytest.fixture(scope="session")
+def mlflow_auth_server(tmp_path_factory):
+    tools = _auth_tools_path()
+    if tools is None:
+        pytest.skip("MLflow's basic-auth app needs Flask-WTF (mlflow[auth]), which could not be installed")
+    workdir = tmp_path_factory.mktemp("mlflow-auth-server")
+    username, password = "admin", "rf-Admin-pass-7431"
+    ini = workdir / "basic_auth.ini"
+    ini.write_text(
+        "[mlflow]\ndefault_permission = READ\n"
+        f"database_uri = sqlite:///{workdir / 'basic_auth.db'}\n"
+        f"admin_username = {username}\nadmin_password = {password}\n"
+        "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+        # Without the cache every request re-runs PBKDF2, seconds each on a loaded 2-core machine.
+        "auth_cache_ttl_seconds = 300\n"
+    )
+    env = {"MLFLOW_AUTH_CONFIG_PATH": str(ini), "MLFLOW_FLASK_SERVER_SECRET_KEY": "rangefinder-tests"}
+    if tools:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [tools, os.environ.get("PYTHONPATH")]))
+    uri, proc = start_mlflow_server(workdir, app_name="basic-auth", env=env)
+    yield uri, username, password
+    stop_mlflow_server(proc)
+
+
+@pytest.fixture
+def sqlite_tracking_uri(tmp_path) -> str:
+    return f"sqlite:///{tmp_path / 'mlruns-local' / 'mlflow.db'}"
+
+
+@pytest.fixture(scope="session")
+def shared_sqlite_tracking_uri(tmp_path_factory) -> str:
+    """One local store for the session: creating a sqlite store runs all of MLflow's migrations (seconds)."""
+    return f"sqlite:///{tmp_path_factory.mktemp('mlflow-sqlite') / 'mlflow.db'}"
+
+
+@pytest.fixture(autouse=True)
+def clean_mlflow_env(monkeypatch):
+    import mlflow
+
+    for var in _MLFLOW_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
+    # A down server must fail in seconds, not after mlflow's default minutes of back-off.
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "0")
+    previous = mlflow.get_tracking_uri() if mlflow.is_tracking_uri_set() else None
+    yield
+    if mlflow.active_run():
+        mlflow.end_run()
+    mlflow.set_tracking_uri(previous)

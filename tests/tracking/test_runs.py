@@ -1,0 +1,178 @@
+"""The run tree and what a step logs, read back through MlflowClient, on a real server and on a local sqlite store."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from mlflow import MlflowClient
+
+from components import __version__
+from components.config import RangefinderConfig, TrackingConfig, plan_for
+from components.tracking import ensure_parent_run, finish_pipeline_run, step_run
+
+
+@pytest.fixture(params=["server", "sqlite"])
+def cfg(request, tmp_path) -> RangefinderConfig:
+    uri = request.getfixturevalue("mlflow_server_uri" if request.param == "server" else "shared_sqlite_tracking_uri")
+    # A fresh experiment per test keeps searches by tag independent of the other tests on the shared server.
+    name = f"t-{request.node.name}-{tmp_path.name}"
+    return RangefinderConfig(
+        model={"base_model": "/models/sd15"},
+        training={"epochs": 2, "batch_size": 2, "grad_accum": 2, "scale_lr": "linear", "lr": 1e-5},
+        tracking=TrackingConfig(tracking_uri=uri, experiment_name=name, log_every_updates=2),
+    )
+
+
+def _client(cfg) -> MlflowClient:
+    return MlflowClient(tracking_uri=cfg.tracking.tracking_uri)
+
+
+def test_run_tree_metrics_decisions_and_artifacts(cfg, tmp_path):
+    parent_id = ensure_parent_run(cfg, name="rf-demo-1", kfp_run_id="kfp-123", kfp_run_name="rf-demo-1",
+                                  tags={"rangefinder.dataset_digest": "d1g35t"})
+    assert ensure_parent_run(cfg, kfp_run_id="kfp-123") == parent_id  # any later step finds the same parent
+
+    plan = plan_for(cfg.training, train_images=16)
+    csv = tmp_path / "metrics.csv"
+    csv.write_text("update,epoch,lr,train_loss,val_loss\n0,0,1e-5,,1.0\n")
+    report = tmp_path / "report"
+    report.mkdir()
+    (report / "report.html").write_text("<html></html>")
+    (report / "lr_curve.png").write_bytes(b"\x89PNG fake")
+
+    with step_run(cfg, "lr_range_test", parent_run_id=parent_id) as run:
+        run.log_config(cfg, plan=plan)
+        for update in range(1, 9):
+            metrics = {"lr": 1e-5 * update, "train_loss": 1.0 / update, "grad_norm": 0.1 * update}
+            if update % 4 == 0:  # a validation measurement
+                metrics.update(val_loss=2.0 / update, stabilize_loss=1.5 / update, val_loss_b0=3.0 / update)
+            run.log_metrics(metrics, step=update)
+        run.log_metrics({"val_loss": 1.0, "val_loss_b0": 1.2}, step=3)  # kept although 3 % 2: validation
+        run.log_metrics({"val_loss": float("nan")}, step=9)  # a diverged point stays visible
+        assert run.metrics.pending > 0  # buffered, not one request per update
+        run.log_artifact(csv, "curves")
+        run.log_artifact(report, "report")
+        run.log_image(np.zeros((8, 8, 3), dtype=np.uint8), key="sample_grid", step=8)
+        run.log_decisions({"lr_low": 2e-5, "lr_high": 6e-5, "lr_mid": 4e-5, "quality": 0.75,
+                           "status": "ok", "flags": ["zoomed", "censored_right"], "detail": {"points": 5}})
+    with step_run(cfg, "select_steps", parent_run_id=parent_id) as run2:
+        run2.log_decisions({"recommended_epochs": 12, "status": "still_improving"})
+    finish_pipeline_run(cfg, parent_id)
+
+    client = _client(cfg)
+    parent = client.get_run(parent_id)
+    assert parent.info.run_name == "rf-demo-1" and parent.info.status == "FINISHED"
+    ptags = parent.data.tags
+    assert ptags["kfp.run_id"] == "kfp-123" and ptags["kfp.run_name"] == "rf-demo-1"
+    assert ptags["rangefinder.version"] == __version__
+    assert ptags["rangefinder.base_model"] == "/models/sd15"
+    assert ptags["rangefinder.dataset_digest"] == "d1g35t"
+    assert len(ptags["mlflow.source.git.commit"]) == 40
+    assert parent.data.params["training.batch_size"] == "2"  # the parent carries the pipeline's settings
+
+    children = client.search_runs([parent.info.experiment_id], f"tags.`mlflow.parentRunId` = '{parent_id}'")
+    assert sorted(r.info.run_name for r in children) == ["lr_range_test", "select_steps"]
+    assert all(r.info.status == "FINISHED" for r in children)
+
+    child = client.get_run(run.run_id)
+    params = child.data.params
+    assert params["training.grad_accum"] == "2"
+    assert params["training.lora.target_modules"] == json.dumps(cfg.training.lora.target_modules,
+                                                                separators=(",", ":"))
+    assert params["plan.effective_batch"] == "4" and float(params["plan.updates_per_epoch"]) == 4
+    assert float(params["plan.lr"]) == pytest.approx(4e-5)  # scaled: 1e-5 x effective batch 4
+
+    def history(key):
+        return [(m.step, m.value) for m in sorted(client.get_metric_history(run.run_id, key), key=lambda m: m.step)]
+
+    assert [s for s, _ in history("train_loss")] == [2, 4, 6, 8]  # log_every_updates=2 thins per-update metrics
+    assert history("grad_norm")[-1] == (8, pytest.approx(0.8))
+    val = history("val_loss")
+    assert [s for s, _ in val] == [3, 4, 8, 9] and val[1][1] == pytest.approx(0.5) and math.isnan(val[3][1])
+    assert [s for s, _ in history("stabilize_loss")] == [4, 8]
+    assert history("val_loss_b0")[0] == (3, pytest.approx(1.2))
+
+    assert child.data.metrics["lr_mid"] == pytest.approx(4e-5)
+    assert child.data.metrics["detail.points"] == 5
+    assert child.data.tags["status"] == "ok" and child.data.tags["flags"] == "zoomed,censored_right"
+    # The parent collects the decisions of every step: numbers by name, words by step.
+    assert parent.data.metrics["lr_mid"] == pytest.approx(4e-5)
+    assert parent.data.metrics["recommended_epochs"] == 12
+    assert ptags["lr_range_test.status"] == "ok" and ptags["select_steps.status"] == "still_improving"
+
+    top = {a.path for a in client.list_artifacts(run.run_id)}
+    assert {"curves", "report", "images"} <= top
+    assert [a.path for a in client.list_artifacts(run.run_id, "curves")] == ["curves/metrics.csv"]
+    assert {a.path for a in client.list_artifacts(run.run_id, "report")} == {"report/report.html",
+                                                                             "report/lr_curve.png"}
+    local = client.download_artifacts(run.run_id, "curves/metrics.csv", str(tmp_path / "dl"))
+    assert open(local).read() == csv.read_text()
+
+
+def test_steps_nest_under_mlflow_run_id_when_kfp_sets_it(cfg, monkeypatch, tmp_path):
+    client = _client(cfg)
+    exp = client.create_experiment(cfg.tracking.experiment_name + "-kfp", artifact_location=tmp_path.as_uri())
+    kfp_run = client.create_run(exp, run_name="kfp-plugin-run").info.run_id
+    monkeypatch.setenv("MLFLOW_RUN_ID", kfp_run)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_ID", exp)
+
+    assert ensure_parent_run(cfg, name="ignored") == kfp_run
+    with step_run(cfg, "split") as run:
+        run.log_metrics({"train_images": 16}, step=0)
+    child = client.get_run(run.run_id)
+    assert child.data.tags["mlflow.parentRunId"] == kfp_run and child.info.experiment_id == exp
+    finish_pipeline_run(cfg, kfp_run)  # the plugin's run is the plugin's to end
+    assert client.get_run(kfp_run).info.status == "RUNNING"
+
+
+def test_another_process_finds_the_same_parent(mlflow_server_uri):
+    cfg = RangefinderConfig(tracking=TrackingConfig(tracking_uri=mlflow_server_uri, experiment_name="cross-process"))
+    parent_id = ensure_parent_run(cfg, name="rf-cross-process")
+    code = (
+        "import sys, json; from components.config import RangefinderConfig; "
+        "from components.tracking import ensure_parent_run; "
+        "cfg = RangefinderConfig.model_validate(json.loads(sys.argv[1])); "
+        "print(ensure_parent_run(cfg, name='rf-cross-process'))"
+    )
+    out = subprocess.run([sys.executable, "-c", code, cfg.model_dump_json()], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == parent_id
+
+
+def test_a_failing_step_is_marked_failed_with_its_error(cfg):
+    with pytest.raises(ValueError):
+        with step_run(cfg, "train") as run:
+            run.log_metrics({"train_loss": 0.3}, step=2)
+            raise ValueError("loss is NaN at update 7")
+    data = _client(cfg).get_run(run.run_id)
+    assert data.info.status == "FAILED"
+    assert data.data.tags["rangefinder.error"] == "ValueError: loss is NaN at update 7"
+    assert data.data.metrics["train_loss"] == 0.3  # what was measured before the failure is kept
+
+
+def test_no_secret_reaches_params_tags_or_errors(cfg, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_abcdefghijklmnopqrstuvwxyz123456")
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "pa55-w0rd-xyz")
+    leaky = cfg.model_copy(deep=True)
+    leaky.model.base_model = "https://bob:pa55-w0rd-xyz@models.example/sd15"
+    leaky.sampling.prompts = ["a cat hf_abcdefghijklmnopqrstuvwxyz123456"]
+    with pytest.raises(RuntimeError):
+        with step_run(leaky, "train", tags={"note": "token pa55-w0rd-xyz"}) as run:
+            run.log_config(leaky)
+            run.log_params({"hub.token": "whatever-it-is", "api_key": "k-123456"})
+            run.log_decisions({"status": "auth with pa55-w0rd-xyz"}, to_parent=False)
+            raise RuntimeError("could not open https://bob:pa55-w0rd-xyz@models.example")
+    data = _client(cfg).get_run(run.run_id).data
+    everything = json.dumps({"params": data.params, "tags": data.tags})
+    for secret in ("pa55-w0rd-xyz", "hf_abcdefghijklmnopqrstuvwxyz123456", "whatever-it-is", "k-123456"):
+        assert secret not in everything
+    assert data.params["model.base_model"] == "https://models.example/sd15"
+    assert data.params["hub.token"] == "***"
+    # Look-alikes that are not secrets stay readable.
+    assert data.params["training.textual_inversion.placeholder_token"] == "<rf-concept>"

@@ -1,0 +1,102 @@
+"""Where runs go, and the fail-fast check: a down server or refused credentials stop a step before any training."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from components.config import RangefinderConfig, TrackingConfig
+from components.errors import TrackingError
+from components.tracking import check_tracking_server, resolve_experiment_name, resolve_tracking_uri, step_run
+from tests.tracking.conftest import free_port
+
+
+def test_uri_from_config_then_environment_then_local_sqlite(monkeypatch):
+    assert resolve_tracking_uri(None) == "sqlite:///mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow.example:5000")
+    assert resolve_tracking_uri(RangefinderConfig()) == "http://mlflow.example:5000"
+    cfg = RangefinderConfig(tracking=TrackingConfig(tracking_uri="sqlite:////tmp/x/mlflow.db"))
+    assert resolve_tracking_uri(cfg) == "sqlite:////tmp/x/mlflow.db"
+
+
+def test_experiment_name_from_environment_wins(monkeypatch):
+    assert resolve_experiment_name(TrackingConfig(experiment_name="mine")) == "mine"
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "kfp-experiment")
+    assert resolve_experiment_name(TrackingConfig(experiment_name="mine")) == "kfp-experiment"
+
+
+def test_server_down_fails_in_seconds_with_the_uri_and_the_fix():
+    uri = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    t0 = time.monotonic()
+    with pytest.raises(TrackingError) as e:
+        check_tracking_server(uri)
+    assert time.monotonic() - t0 < 10
+    msg = str(e.value)
+    assert uri in msg and "MLFLOW_TRACKING_URI" in msg and "port-forward" in msg
+
+
+def test_step_run_against_a_down_server_raises_before_the_body_runs():
+    cfg = RangefinderConfig(tracking=TrackingConfig(tracking_uri=f"http://127.0.0.1:{free_port()}"))
+    entered = False
+    with pytest.raises(TrackingError):
+        with step_run(cfg, "train"):
+            entered = True
+    assert not entered
+
+
+def test_a_server_that_is_up_passes(mlflow_server_uri):
+    check_tracking_server(mlflow_server_uri)
+
+
+def test_host_header_not_allowed_names_allowed_hosts(mlflow_server_uri):
+    # The fixture's server allows only 127.0.0.1:PORT, so "localhost" is refused as MLflow refuses foreign names.
+    port = mlflow_server_uri.rsplit(":", 1)[1]
+    with pytest.raises(TrackingError, match="--allowed-hosts"):
+        check_tracking_server(f"http://localhost:{port}")
+
+
+def test_not_an_mlflow_server(mlflow_server_uri):
+    with pytest.raises(TrackingError, match="did not answer like an MLflow tracking server"):
+        check_tracking_server(mlflow_server_uri + "/not-mlflow")
+
+
+def test_unwritable_sqlite_folder(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(TrackingError, match="writable location"):
+        check_tracking_server(f"sqlite:///{blocker / 'sub' / 'mlflow.db'}")
+
+
+def test_missing_credentials_are_refused_with_the_variables_to_set(mlflow_auth_server):
+    uri, _, _ = mlflow_auth_server
+    with pytest.raises(TrackingError) as e:
+        check_tracking_server(uri)
+    msg = str(e.value)
+    assert "401" in msg and "MLFLOW_TRACKING_USERNAME" in msg and "none of them is set" in msg
+
+
+def test_wrong_password_is_refused_and_never_shown(mlflow_auth_server, monkeypatch):
+    uri, user, _ = mlflow_auth_server
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", user)
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "wrong-password-123")
+    cfg = RangefinderConfig(tracking=TrackingConfig(tracking_uri=uri))
+    with pytest.raises(TrackingError) as e:
+        with step_run(cfg, "train"):
+            pytest.fail("the step body must not run")
+    assert "refused the credentials" in str(e.value)
+    assert "wrong-password-123" not in str(e.value)
+
+
+def test_right_credentials_log_a_run(mlflow_auth_server, monkeypatch):
+    uri, user, password = mlflow_auth_server
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", user)
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", password)
+    cfg = RangefinderConfig(tracking=TrackingConfig(tracking_uri=uri))
+    with step_run(cfg, "train") as run:
+        run.log_metrics({"train_loss": 0.5}, step=1)
+    run_data = run.client.get_run(run.run_id)
+    assert run_data.info.status == "FINISHED"
+    assert run_data.data.metrics["train_loss"] == 0.5
+    values = list(run_data.data.params.values()) + list(run_data.data.tags.values())
+    assert not any(password in v for v in values)
