@@ -130,8 +130,10 @@ def run_resolve_config(base_config: str = "", *, pipeline_job_id: str = "", **pa
 
 
 def start_parent_run(cfg: RangefinderConfig, pipeline_job_id: str) -> str:
-    """The MLflow run every step of this pipeline run logs under; its id."""
-    return ""
+    """The MLflow run every step of this pipeline run logs under (found or made by the KFP run id); its id."""
+    from components import tracking
+
+    return tracking.ensure_parent_run(cfg, name=f"rangefinder-{pipeline_job_id}", kfp_run_id=pipeline_job_id)
 
 
 def load_step_config(config_json: str) -> RangefinderConfig:

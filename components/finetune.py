@@ -1,0 +1,117 @@
+"""Step `finetune`: train at the chosen LR for longer than needed, with validation; the step window is found in it.
+
+The LR is constant at the midpoint of the range test's bounds, or cycles between the bounds (Smith 2017's
+triangular schedules) when `finetune.schedule` says so. The step window is where smoothed validation loss is within
+`finetune.tolerance` of its minimum; its start gives the recommended epochs (components.analysis).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from components.config import RangefinderConfig, TrainingConfig, plan_for
+from components.errors import RangefinderError
+
+
+@dataclass
+class FinetuneResult:
+    recommended_epochs: int
+    recommended_updates: int
+    still_improving: bool
+    best_val_loss: Optional[float]
+    model_dir: Path
+    curve_csv: Path
+    checkpoints: list[Path]
+
+    def metrics(self) -> dict[str, float]:
+        out = {"recommended_epochs": float(self.recommended_epochs),
+               "recommended_updates": float(self.recommended_updates)}
+        if self.best_val_loss is not None:
+            out["best_val_loss"] = float(self.best_val_loss)
+        return out
+
+
+def finetune_training_config(cfg: RangefinderConfig, lr_low: float, lr_high: float, lr_mid: float,
+                             train_images: int, epochs: Optional[int] = None) -> TrainingConfig:
+    ft = cfg.finetune
+    update: dict[str, Any] = {"epochs": epochs or ft.epochs, "steps": None, "lr": lr_mid, "scale_lr": "none"}
+    if ft.schedule == "constant" or lr_high <= lr_low:
+        update.update(schedule="constant", lr_min=None, lr_max=None)
+    else:
+        update.update(schedule=ft.schedule, lr_min=lr_low, lr_max=lr_high)
+    tc = cfg.training.model_copy(update=update)
+    if ft.checkpoint_every_epochs:
+        per_epoch = plan_for(tc, train_images).updates_per_epoch
+        tc = tc.model_copy(update={"checkpoint_every_updates": max(1, math.ceil(ft.checkpoint_every_epochs * per_epoch))})
+    return TrainingConfig.model_validate(tc.model_dump())
+
+
+def run_finetune(
+    cfg: RangefinderConfig,
+    *,
+    split_dir: Path,
+    lr_low: float,
+    lr_high: float,
+    lr_mid: float,
+    lr_source: str = "range-test",
+    model_dir: Path,
+    out_dir: Optional[Path] = None,
+    report_html: Optional[Path] = None,
+    report_md: Optional[Path] = None,
+    mlflow_parent_run_id: Optional[str] = None,
+) -> FinetuneResult:
+    from components import tracking
+    from components.analysis import select_step_window
+    from components.analysis.curves import read_curve_csv
+    from components.data.split import read_split
+    from components.training.loop import train
+
+    split = read_split(split_dir)
+    tc = finetune_training_config(cfg, lr_low, lr_high, lr_mid, len(split.train))
+    validating = cfg.validation.enabled() and len(split.val) > 0
+    model_dir = Path(model_dir)
+    with tracking.step_run(cfg, "finetune", parent_run_id=mlflow_parent_run_id) as run:
+        run.log_config(cfg, plan=plan_for(tc, len(split.train)),
+                       extra={"lr_low": lr_low, "lr_high": lr_high, "lr_mid": lr_mid, "lr_source": lr_source})
+        result = train(tc, cfg.validation, split_dir=split_dir, model=cfg.model, out_dir=model_dir,
+                       metric_sink=run, data=cfg.data)
+        if validating:
+            curve = read_curve_csv(result.metrics_csv)
+            window = select_step_window(curve["epoch"], curve["val_loss"], tolerance=cfg.finetune.tolerance,
+                                        update=curve.get("update"))
+            rec_epochs = int(window.recommended_epochs)
+            rec_updates = int(window.recommended_updates)
+            improving = bool(window.still_improving)
+            decision = window.to_dict() if hasattr(window, "to_dict") else dict(vars(window))
+        else:
+            # No validation set (a fixed LR with val_split 0): nothing to read a window from; keep the budget.
+            rec_epochs, rec_updates, improving = tc.epochs or 0, result.updates, False
+            decision = {"recommended_epochs": rec_epochs, "note": "no validation: the configured epochs are kept"}
+        decision.update(lr_low=lr_low, lr_high=lr_high, lr_mid=lr_mid, lr_source=lr_source)
+        (model_dir / "step_window.json").write_text(json.dumps(decision, indent=2, default=str))
+        if out_dir is not None:
+            Path(out_dir).mkdir(parents=True, exist_ok=True)
+            (Path(out_dir) / "metrics.csv").write_bytes(result.metrics_csv.read_bytes())
+            (Path(out_dir) / "step_window.json").write_text(json.dumps(decision, indent=2, default=str))
+        _reports(decision, result.metrics_csv, report_html, report_md)
+        run.log_artifact(result.metrics_csv, "curves")
+        for p in (report_html, report_md):
+            if p is not None and Path(p).is_file():
+                run.log_artifact(p, "report")
+        run.log_decisions({"recommended_epochs": rec_epochs, "recommended_updates": rec_updates,
+                           "still_improving": improving, "lr_mid": lr_mid, "lr_source": lr_source})
+    if result.final_dir is None:
+        raise RangefinderError(f"the fine-tune wrote no final weights under {model_dir}")
+    return FinetuneResult(recommended_epochs=max(1, rec_epochs), recommended_updates=rec_updates,
+                          still_improving=improving, best_val_loss=result.best_val_loss, model_dir=model_dir,
+                          curve_csv=result.metrics_csv, checkpoints=list(result.checkpoints))
+
+
+def _reports(decision: dict, curve_csv: Path, report_html: Optional[Path], report_md: Optional[Path]) -> None:
+    from components.step_reports import write_step_window_reports
+
+    write_step_window_reports(decision, curve_csv, html_path=report_html, md_path=report_md)

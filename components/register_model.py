@@ -1,0 +1,33 @@
+"""Step `register_model`: log the final weights to MLflow with the LR and epochs that made them, and register them.
+
+The new version gets the `candidate` alias; promotion to `champion` stays a person's decision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from components.config import RangefinderConfig
+
+
+@dataclass(frozen=True)
+class Registered:
+    model_uri: str
+    version: Optional[str]
+
+
+def run_register_model(cfg: RangefinderConfig, *, model_dir: Path, lr_mid: float, epochs: int,
+                       mlflow_parent_run_id: Optional[str] = None) -> Registered:
+    from components import tracking
+
+    final = Path(model_dir) / "final"
+    weights = final if final.is_dir() else Path(model_dir)
+    with tracking.step_run(cfg, "register_model", parent_run_id=mlflow_parent_run_id) as run:
+        v = run.log_diffusers_model(weights, metrics={"lr_mid": lr_mid, "epochs": epochs},
+                                    num_inference_steps=cfg.sampling.num_inference_steps,
+                                    guidance_scale=cfg.sampling.guidance_scale, resolution=cfg.data.resolution)
+    uri = getattr(v, "model_uri", None) or getattr(v, "source", None) or ""
+    version = getattr(v, "version", None)
+    return Registered(model_uri=str(uri), version=str(version) if version is not None else None)
