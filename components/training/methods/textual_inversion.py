@@ -61,7 +61,8 @@ class TextualInversion(Method):
         s = self.cfg.textual_inversion
         tok, te = sd.tokenizer, sd.text_encoder
         self.tokens = placeholder_tokens(s.placeholder_token, s.num_vectors)
-        clash = [t for t in self.tokens if t in tok.get_vocab()]
+        # A word the tokenizer already has as one token would be shadowed in every prompt, not learned afresh.
+        clash = [t for t in self.tokens if t in tok.get_vocab() or len(tok.encode(t, add_special_tokens=False)) == 1]
         if clash:
             raise ConfigError(
                 f"training.textual_inversion.placeholder_token: {clash[0]!r} is already in the tokenizer's "

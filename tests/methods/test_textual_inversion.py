@@ -1,0 +1,99 @@
+"""Textual inversion: only the new rows train; the diffusers and A1111 files load into a pipeline and generate."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from components.config import TrainingConfig
+from components.errors import ConfigError
+from components.export import TI_A1111_NAME, TI_A1111_PT_NAME, TI_WEIGHTS_NAME, read_metadata
+from components.training.methods import make_method
+from tests.methods.harness import load_parts, pipeline_image, state_of, train_updates
+
+TOKEN = "<rf-concept>"
+
+
+def _cfg(**ti):
+    return TrainingConfig(method="textual_inversion", textual_inversion={"num_vectors": 2, **ti}, lr=5e-2, epochs=1)
+
+
+@pytest.fixture(scope="module")
+def trained_ti(tiny_model_dir, tmp_path_factory):
+    cfg = _cfg()
+    method = make_method(cfg)
+    parts = load_parts(tiny_model_dir)
+    before = {"unet": state_of(parts.unet), "text_encoder": state_of(parts.text_encoder)}
+    init_row = parts.text_encoder.get_input_embeddings().weight[
+        parts.tokenizer.convert_tokens_to_ids(cfg.textual_inversion.initializer_token)].detach().clone()
+    method.setup(parts, torch.float32)
+    train_updates(method, parts, ["", "a red circle"], updates=3, lr=5e-2)
+    out = tmp_path_factory.mktemp("ti") / "final"
+    out.mkdir()
+    method.save_final(parts, out)
+    parts.text_encoder.eval()
+    return method, parts, before, init_row, out
+
+
+def test_captions_carry_the_placeholder(tiny_model_dir):
+    method = make_method(_cfg(learnable_property="style"))
+    method.setup(load_parts(tiny_model_dir), torch.float32)
+    expanded = f"{TOKEN} {TOKEN}_1"
+    assert method.transform_caption("") == f"a painting in the style of {expanded}"
+    assert method.transform_caption("") != method.transform_caption("")  # templates vary across captionless items
+    assert method.transform_caption("a red circle") == f"a red circle, in the style of {expanded}"
+    assert method.transform_caption(f"a {TOKEN} circle") == f"a {expanded} circle"
+
+
+def test_only_the_new_rows_train(trained_ti):
+    method, parts, before, init_row, _ = trained_ti
+    emb_key = next(k for k in before["text_encoder"] if "token_embedding" in k)
+    now = parts.text_encoder.state_dict()
+    old = before["text_encoder"][emb_key]
+    keep = [i for i in range(old.shape[0]) if i not in method.token_ids]
+    assert torch.equal(now[emb_key][keep], old[keep])
+    assert all(torch.equal(now[k], v) for k, v in before["text_encoder"].items() if k != emb_key)
+    assert all(torch.equal(parts.unet.state_dict()[k], v) for k, v in before["unet"].items())
+    learned = now[emb_key][method.token_ids]
+    assert not torch.equal(learned[0], init_row) and not torch.equal(learned[1], init_row)
+    assert [p.shape for p in method.trainable_parameters()] == [now[emb_key].shape]
+
+
+@pytest.mark.parametrize("file_name,token", [(TI_WEIGHTS_NAME, None), (TI_A1111_NAME, TOKEN), (TI_A1111_PT_NAME, None)])
+def test_embedding_files_load_and_generate(trained_ti, tiny_model_dir, file_name, token):
+    from diffusers import StableDiffusionPipeline
+
+    method, parts, _, _, out = trained_ti
+    prompt = f"a photo of a {TOKEN}"
+    pipe = StableDiffusionPipeline.from_pretrained(str(tiny_model_dir), safety_checker=None)
+    base_img = pipeline_image(pipe, prompt)
+    pipe.load_textual_inversion(str(out / file_name), token=token)
+    # The pipeline expands the token the way training did, and encodes it with the learned rows.
+    ids = pipe.tokenizer(pipe.maybe_convert_prompt(prompt, pipe.tokenizer), padding="max_length", max_length=77,
+                         return_tensors="pt").input_ids
+    trained_ids = parts.tokenizer(method.transform_caption(prompt), padding="max_length", max_length=77,
+                                  return_tensors="pt").input_ids
+    assert torch.equal(ids, trained_ids)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe.text_encoder(ids)[0], parts.text_encoder(trained_ids)[0], rtol=0, atol=1e-6)
+    img = pipeline_image(pipe, prompt)
+    assert np.isfinite(img).all() and np.abs(img - base_img).max() > 0
+
+
+def test_metadata_and_resume_state(trained_ti, tiny_model_dir):
+    method, parts, _, _, out = trained_ti
+    meta = read_metadata(out / TI_WEIGHTS_NAME)
+    assert meta["rangefinder.method"] == "textual_inversion" and meta["rangefinder.placeholder_token"] == TOKEN
+    state = method.trainable_state_dict()
+    fresh = make_method(_cfg())
+    fresh.setup(load_parts(tiny_model_dir), torch.float32)
+    fresh.load_trainable_state_dict(state)
+    assert torch.equal(fresh.learned_embeds(), method.learned_embeds())
+
+
+def test_bad_tokens_are_one_clear_error(tiny_model_dir):
+    with pytest.raises(ConfigError, match="initializer_token"):
+        make_method(_cfg(initializer_token="a red circle")).setup(load_parts(tiny_model_dir), torch.float32)
+    with pytest.raises(ConfigError, match="already in the tokenizer"):
+        make_method(_cfg(placeholder_token="red")).setup(load_parts(tiny_model_dir), torch.float32)
