@@ -183,6 +183,8 @@ def test_the_runner_account_is_bound_to_its_role_only(rendered, entry):
         assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule["apiGroups"], rule
         if "secrets" in rule["resources"]:
             assert rule["verbs"] == ["get"] and rule.get("resourceNames"), "Secrets: read named ones only"
+        if "configmaps" in rule["resources"]:
+            assert rule.get("resourceNames"), "ConfigMaps: named ones only"
     writes = {(g, res) for rule in role["rules"] for g in rule["apiGroups"] for res in rule["resources"]
               if set(rule["verbs"]) & {"create", "update", "patch", "delete", "deletecollection"}}
     assert writes == {("argoproj.io", "workflowtaskresults")}
