@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -65,8 +66,7 @@ def run_finetune(
     mlflow_parent_run_id: Optional[str] = None,
 ) -> FinetuneResult:
     from components import tracking
-    from components.analysis import select_step_window
-    from components.analysis.curves import read_curve_csv
+    from components.analysis import read_curve_csv, select_step_window, write_step_report
     from components.data.split import read_split
     from components.training.loop import train
 
@@ -79,29 +79,33 @@ def run_finetune(
                        extra={"lr_low": lr_low, "lr_high": lr_high, "lr_mid": lr_mid, "lr_source": lr_source})
         result = train(tc, cfg.validation, split_dir=split_dir, model=cfg.model, out_dir=model_dir,
                        metric_sink=run, data=cfg.data)
+        report_dir = Path(out_dir or model_dir / "report")
+        report_dir.mkdir(parents=True, exist_ok=True)
         if validating:
             curve = read_curve_csv(result.metrics_csv)
-            window = select_step_window(curve["epoch"], curve["val_loss"], tolerance=cfg.finetune.tolerance,
-                                        update=curve.get("update"))
-            rec_epochs = int(window.recommended_epochs)
-            rec_updates = int(window.recommended_updates)
-            improving = bool(window.still_improving)
-            decision = window.to_dict() if hasattr(window, "to_dict") else dict(vars(window))
+            window = select_step_window(curve["update"], curve.get("epoch"), curve["val_loss"],
+                                        stabilize_loss=curve.get("stabilize_loss"), tolerance=cfg.finetune.tolerance,
+                                        seed=cfg.validation.seed,
+                                        divergence_factor=cfg.validation.divergence_factor)
+            report = write_step_report(window, curve, report_dir, source=str(result.metrics_csv))
+            _copy_reports(report, report_html, report_md)
+            # No window (no improvement at all): keep the configured budget and say so in the report.
+            rec_epochs = int(window.recommended_epochs or tc.epochs or 1)
+            rec_updates = int(window.recommended_updates or result.updates)
+            improving = window.status == "still_improving"
+            decision = window.to_dict()
         else:
             # No validation set (a fixed LR with val_split 0): nothing to read a window from; keep the budget.
-            rec_epochs, rec_updates, improving = tc.epochs or 0, result.updates, False
+            rec_epochs, rec_updates, improving = tc.epochs or 1, result.updates, False
             decision = {"recommended_epochs": rec_epochs, "note": "no validation: the configured epochs are kept"}
+            for p in (report_html, report_md):
+                if p is not None:
+                    Path(p).write_text(f"No validation set: trained {rec_epochs} epochs at lr {lr_mid:.3g}.\n")
         decision.update(lr_low=lr_low, lr_high=lr_high, lr_mid=lr_mid, lr_source=lr_source)
-        (model_dir / "step_window.json").write_text(json.dumps(decision, indent=2, default=str))
-        if out_dir is not None:
-            Path(out_dir).mkdir(parents=True, exist_ok=True)
-            (Path(out_dir) / "metrics.csv").write_bytes(result.metrics_csv.read_bytes())
-            (Path(out_dir) / "step_window.json").write_text(json.dumps(decision, indent=2, default=str))
-        _reports(decision, result.metrics_csv, report_html, report_md)
+        (report_dir / "decision.json").write_text(json.dumps(decision, indent=2, default=str))
+        shutil.copyfile(result.metrics_csv, report_dir / "metrics.csv")
+        run.log_artifact(report_dir, "report")
         run.log_artifact(result.metrics_csv, "curves")
-        for p in (report_html, report_md):
-            if p is not None and Path(p).is_file():
-                run.log_artifact(p, "report")
         run.log_decisions({"recommended_epochs": rec_epochs, "recommended_updates": rec_updates,
                            "still_improving": improving, "lr_mid": lr_mid, "lr_source": lr_source})
     if result.final_dir is None:
@@ -111,7 +115,8 @@ def run_finetune(
                           curve_csv=result.metrics_csv, checkpoints=list(result.checkpoints))
 
 
-def _reports(decision: dict, curve_csv: Path, report_html: Optional[Path], report_md: Optional[Path]) -> None:
-    from components.step_reports import write_step_window_reports
-
-    write_step_window_reports(decision, curve_csv, html_path=report_html, md_path=report_md)
+def _copy_reports(report: dict, report_html: Optional[Path], report_md: Optional[Path]) -> None:
+    if report_html is not None:
+        shutil.copyfile(report["html"], report_html)
+    if report_md is not None:
+        shutil.copyfile(report["markdown"], report_md)

@@ -111,8 +111,7 @@ def run_lr_range_test(
 ) -> RangeTestResult:
     """Sweep, analyse, report; `lr_min`/`lr_max` None: the configured range (a zoom passes its own)."""
     from components import tracking
-    from components.analysis.curves import read_curve_csv
-    from components.analysis.lr_bounds import analyze_lr_curve
+    from components.analysis import analyze_lr_curve, read_curve_csv, write_lr_report
     from components.training.loop import train
 
     if stage not in ("first", "zoom"):
@@ -147,14 +146,13 @@ def run_lr_range_test(
         decision = {**bounds.to_dict(), "stage": stage, "lr_min": lo, "lr_max": hi, "points_between": n_between,
                     "needs_zoom": zoom is not None, "zoom_range": list(zoom) if zoom else None,
                     "updates": result.updates, "curve_csv": str(result.metrics_csv)}
+        report = write_lr_report(bounds, curve, out_dir / "report", source=str(result.metrics_csv))
+        _copy_reports(report, report_html, report_md)
         bounds_json = out_dir / "bounds.json"
         _atomic_write(bounds_json, json.dumps(decision, indent=2, default=str))
-        _write_reports(bounds, result.metrics_csv, out_dir, report_html, report_md, decision)
         run.log_artifact(result.metrics_csv, "curves")
         run.log_artifact(bounds_json, "analysis")
-        for p in (report_html, report_md):
-            if p is not None and Path(p).is_file():
-                run.log_artifact(p, "report")
+        run.log_artifact(out_dir / "report", "report")
         run.log_decisions({k: decision[k] for k in ("status", "lr_low", "lr_high", "lr_mid", "quality", "flags",
                                                      "points_between", "needs_zoom")}, prefix="" if stage == "first"
                           else "zoom.")
@@ -172,12 +170,14 @@ def run_lr_range_test(
     )
 
 
-def _write_reports(bounds, curve_csv: Path, out_dir: Path, report_html: Optional[Path], report_md: Optional[Path],
-                   decision: dict) -> None:
-    """The analysis' HTML (plots embedded) and Markdown reports, at the paths KFP gave the step's outputs."""
-    from components.step_reports import write_lr_reports
+def _copy_reports(report: dict, report_html: Optional[Path], report_md: Optional[Path]) -> None:
+    """The analysis' self-contained HTML (plots embedded) and its Markdown, at the paths KFP gave the outputs."""
+    import shutil
 
-    write_lr_reports(decision, curve_csv, html_path=report_html, md_path=report_md)
+    if report_html is not None:
+        shutil.copyfile(report["html"], report_html)
+    if report_md is not None:
+        shutil.copyfile(report["markdown"], report_md)
 
 
 def _atomic_write(path: Path, text: str) -> None:

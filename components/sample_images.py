@@ -16,15 +16,15 @@ from components.config import RangefinderConfig
 def grid_columns(cfg: RangefinderConfig, finetuned_dir: Path, retrained_dir: Optional[Path]) -> tuple[list, list]:
     """(models, labels) of the grid, base model first."""
     from components.models.tiny import ensure_tiny_base_model
+    from components.training.checkpoints import list_checkpoints
 
     base = cfg.model.base_model or str(ensure_tiny_base_model(cfg.model.cache_dir))
     models: list = [base]
     labels = ["base"]
-    ckpt_root = Path(finetuned_dir) / "checkpoints"
-    if ckpt_root.is_dir():
-        for ckpt in sorted(p for p in ckpt_root.iterdir() if p.is_dir() and (p / "final").is_dir()):
-            models.append(ckpt / "final")
-            labels.append(ckpt.name)
+    # Kept checkpoints hold the method's trained tensors only; the grid applies them on top of the base model.
+    for ckpt in list_checkpoints(Path(finetuned_dir) / "checkpoints"):
+        models.append(ckpt / "weights.safetensors")
+        labels.append(f"update {int(ckpt.name.split('-')[-1])}")
     models.append(Path(finetuned_dir) / "final")
     labels.append("fine-tuned")
     if retrained_dir is not None:

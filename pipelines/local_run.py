@@ -76,17 +76,23 @@ def run_pipeline_locally(cfg: RangefinderConfig, out_dir: str | Path, *, dataset
     root = out / "pipeline-root"
     root.mkdir(parents=True, exist_ok=True)
     tracking_uri = cfg.tracking.tracking_uri or local_tracking_uri(out)
-    # The steps run in subprocesses that inherit this environment.
-    os.environ["MLFLOW_TRACKING_URI"] = tracking_uri
 
     before = {p.name for p in root.iterdir()}
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(root), raise_on_error=True)
     pipeline = build_pipeline(cfg)
+    # The steps run in subprocesses that inherit this environment; the caller's is put back afterwards.
+    saved = os.environ.get("MLFLOW_TRACKING_URI")
+    os.environ["MLFLOW_TRACKING_URI"] = tracking_uri
     try:
         pipeline(**parameters_from_config(cfg, dataset_uri=dataset_uri))
     except RuntimeError as e:
         # kfp.local names the failed task; the step's own one-line error is in its log above.
         raise RangefinderError(f"the local pipeline run failed: {e}") from None
+    finally:
+        if saved is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = saved
     new = sorted((p for p in root.iterdir() if p.name not in before and p.name.startswith(PIPELINE_NAME)),
                  key=lambda p: p.stat().st_mtime)
     if not new:
