@@ -9,9 +9,11 @@ install, torch 2.13.0 from the CUDA index matching the CUDA base, a non-root num
 from __future__ import annotations
 
 import fnmatch
+import os
 import json
 import re
 import subprocess
+import sys
 from dataclasses import dataclass, field
 
 import pytest
@@ -214,3 +216,35 @@ def test_dockerignore_lets_in_what_the_builds_copy():
                                   "mlruns/0/meta.yaml", "tests/conftest.py", "components/__pycache__/x.pyc"])
 def test_dockerignore_keeps_out_local_state(path):
     assert _ignored(path, _dockerignore())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The Python the builds run inline, run here against the real pyproject.toml and torch
+
+
+def _inline_python(path, marker: str) -> str:
+    """The `python -c "..."` program in a RUN instruction that contains `marker`."""
+    (code,) = [c for stage in parse(path) for run in stage.args_of("RUN")
+               for c in re.findall(r'python -c "((?:[^"\\]|\\.)*)"', run) if marker in c]
+    return code
+
+
+@pytest.mark.parametrize("name, extras", [("Dockerfile.trainer", ["cuda"]), ("Dockerfile.cpu", [])])
+def test_the_requirements_the_build_installs_are_the_project_dependencies(name, extras):
+    import tomllib
+
+    code = _inline_python(REPO / "images" / name, "import tomllib")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True).stdout
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    expected = project["dependencies"] + [d for e in extras for d in project["optional-dependencies"][e]]
+    assert out.splitlines() == expected
+
+
+def test_the_torch_build_guards_tell_cpu_from_cuda():
+    # Here torch is the CPU build: the CPU image's guard passes and the trainer's refuses it.
+    cpu_guard = _inline_python(REPO / "images" / "Dockerfile.cpu", "torch.version.cuda is None")
+    subprocess.run([sys.executable, "-c", cpu_guard], check=True, capture_output=True)
+    trainer_guard = _inline_python(REPO / "images" / "Dockerfile.trainer", "torch.version.cuda or")
+    proc = subprocess.run([sys.executable, "-c", trainer_guard], capture_output=True, text=True,
+                          env={**os.environ, "TORCH_INDEX_URL": "https://download.pytorch.org/whl/cu128"})
+    assert proc.returncode != 0 and "is not the cu128 build" in proc.stderr
