@@ -2,3 +2,21 @@
 
 numpy and matplotlib only (no torch), so every piece is fast to test on curves built from formulas.
 """
+
+from components.analysis.curves import read_curve_csv
+from components.analysis.lr_bounds import LRBounds, analyze_lr_curve
+from components.analysis.plots import plot_lr_range_test, plot_step_window
+from components.analysis.reports import write_lr_report, write_step_report
+from components.analysis.step_window import StepWindow, select_step_window
+
+__all__ = [
+    "LRBounds",
+    "StepWindow",
+    "analyze_lr_curve",
+    "plot_lr_range_test",
+    "plot_step_window",
+    "read_curve_csv",
+    "select_step_window",
+    "write_lr_report",
+    "write_step_report",
+]

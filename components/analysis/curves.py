@@ -36,9 +36,12 @@ CURVE_COLUMNS = ("update", "epoch", "lr", "train_loss", "val_loss", "stabilize_l
 # Reading
 
 
-def read_curve_csv(path: str | Path, required: Sequence[str] = ("val_loss",)) -> dict[str, np.ndarray]:
+def read_curve_csv(path: str | Path, required: Sequence[str] = ("val_loss",),
+                   skip_empty: Sequence[str] = ()) -> dict[str, np.ndarray]:
     """Read a curve CSV (the engine's metrics.csv) into float arrays, one per column; empty cells become NaN.
 
+    Rows whose cell is empty in a `skip_empty` column are left out (not measured there), while a written `nan` or
+    `inf` is kept: it is a measurement that blew up.
     Columns that are not numbers throughout (none in the contract) are kept as string arrays. Raises
     RangefinderError naming the file, line and column when the file is missing, empty, ragged, lacks a
     `required` column or has a non-number in a contract column.
@@ -60,6 +63,8 @@ def read_curve_csv(path: str | Path, required: Sequence[str] = ("val_loss",)) ->
                 f"{p} line {lineno} has {len(row)} cells but the header has {len(header)}; "
                 "the file is cut or not a curve CSV"
             )
+        if any(not row[header.index(c)].strip() for c in skip_empty if c in header):
+            continue
         for h, c in zip(header, row):
             cells[h].append(c.strip())
     missing = [c for c in required if c not in cells]
@@ -321,6 +326,16 @@ def contrast_se(kernel: np.ndarray, i: np.ndarray | int, j: np.ndarray | int, si
     """Standard error of fitted[i] - fitted[j] for independent noise of s.d. sigma (batched over kernel's lead)."""
     diff = np.take(kernel, np.atleast_1d(i), axis=-2) - np.take(kernel, np.atleast_1d(j), axis=-2)
     return np.asarray(sigma)[..., None] * np.sqrt((diff * diff).sum(-1))
+
+
+def end_slope(x: np.ndarray, y: np.ndarray, sigma: float, share: float = 0.2) -> tuple[float, float]:
+    """Least-squares slope of the last `share` of the points (at least 4) and its standard error for noise sigma."""
+    k = min(x.size, max(4, int(math.ceil(share * x.size))))
+    dx = x[-k:] - x[-k:].mean()
+    sxx = float((dx * dx).sum())
+    if sxx <= 0:
+        return 0.0, math.inf
+    return float((dx * y[-k:]).sum() / sxx), sigma / math.sqrt(sxx)
 
 
 def crossing(x: np.ndarray, f: np.ndarray, level: float, start: int, stop: int) -> Optional[float]:

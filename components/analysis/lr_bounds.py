@@ -39,6 +39,7 @@ from components.analysis.curves import (
     choose_span,
     crossing,
     divergence_cut,
+    end_slope,
     finite_prefix,
     infer_ramp,
     lowess,
@@ -219,11 +220,14 @@ def _read(x: np.ndarray, f: np.ndarray, slope: np.ndarray, kernel: np.ndarray, s
     # Fell a fifth of the drop within the first steps: the descent may have begun before lr_min.
     if x_low is not None and x_low <= x[min(2, n - 1) if n >= 8 else 1]:
         flags.append("lower_censored")
-    # Minimum at the end and still falling at least half as fast as over the last tenth of the descent.
-    if i_min >= n - 2 and x_high is not None:
-        se_slope = sigma * math.sqrt(float((slope_kernel[n - 1] ** 2).sum()))
-        falling = -slope[n - 1]
-        if falling > 2 * se_slope and falling * (x[n - 1] - x_high) >= 0.5 * UPPER_FRACTION * drop:
+    # Minimum at the end and still clearly falling there: a sweep a tenth longer would lower the minimum by at
+    # least half the upper threshold, moving the upper bound.
+    # The slope is a straight-line fit over the last fifth of the curve: the edge slope of a narrow local fit
+    # scatters as much as it measures.
+    if i_min >= n - max(2, math.ceil(0.1 * n)) and x_high is not None:
+        falling, se_slope = end_slope(x, f, sigma)
+        falling = -falling
+        if falling > 2 * se_slope and falling * 0.1 * np.ptp(x) >= 0.5 * UPPER_FRACTION * drop:
             flags.append("upper_censored")
     rise = f[n - 1] - f[i_min]
     if i_min < n - 1 and rise > UPPER_FRACTION * drop and rise > 2 * se_min[n - 1]:

@@ -18,7 +18,7 @@ from typing import Any, Literal, Optional
 
 import numpy as np
 
-from components.analysis.curves import choose_span, divergence_cut, finite_prefix, lowess, noise_sigma, trend_test
+from components.analysis.curves import choose_span, divergence_cut, end_slope, finite_prefix, lowess, noise_sigma, trend_test
 from components.analysis.lr_bounds import DIVERGENCE_FACTOR, PERMUTATIONS, SIGNIFICANCE, _jsonable
 from components.errors import RangefinderError
 
@@ -180,8 +180,8 @@ def select_step_window(
 
     # Still improving: the minimum is at the end and the curve is still significantly falling there, so the
     # real minimum (and the window's end) lies beyond the run.
-    se_slope = sigma * math.sqrt(float((sm.slope_kernel[n - 1] ** 2).sum()))
-    still = i_best >= n - 2 and -float(sm.slope[n - 1]) > 2 * se_slope
+    slope, se_slope = end_slope(u, f, sigma)
+    still = i_best >= n - max(2, math.ceil(0.1 * n)) and -slope > 2 * se_slope
     se_min = np.sqrt(((sm.kernel[i_best][None, :] - sm.kernel) ** 2).sum(-1)) * sigma
     if hi < n - 1 and f[-1] - f[i_best] > max(band, 2 * se_min[-1]):
         flags.append("rose_after_min")

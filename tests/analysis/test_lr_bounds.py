@@ -1,0 +1,150 @@
+"""LR bounds on curves built from formulas with known true bounds (components/analysis/synthetic.py)."""
+
+import math
+
+import numpy as np
+import pytest
+
+from components.analysis import analyze_lr_curve
+from components.analysis.synthetic import RangeTestShape, lr_sweep, noisy, true_lr_bounds
+from components.errors import RangefinderError
+
+U = RangeTestShape(rise=0.05)  # descent around 1e-5, turns up from ~1e-3
+DECADE = 0.2  # bounds must be within 0.2 decade of the truth
+
+
+def decades(a, b):
+    return abs(math.log10(a / b))
+
+
+def check_bounds(b, shape, lr_min=1e-7, lr_max=1e-2, ramp="exp", tol=DECADE):
+    lo, hi = true_lr_bounds(shape, lr_min, lr_max, ramp, start=shape.base)
+    assert b.status == "ok", b.to_dict()
+    assert decades(b.lr_low, lo) <= tol, (b.lr_low, lo)
+    assert decades(b.lr_high, hi) <= tol, (b.lr_high, hi)
+    assert b.lr_low < b.lr_mid < b.lr_high
+    mid_true = math.sqrt(lo * hi) if ramp == "exp" else 0.5 * (lo + hi)
+    assert decades(b.lr_mid, mid_true) <= tol
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_u_shape(seed):
+    lr = lr_sweep(40)
+    b = analyze_lr_curve(lr, noisy(U.loss(lr), 0.002, seed), seed=seed)
+    check_bounds(b, U)
+    assert b.flags == ["rose_after_min"]
+    assert b.quality_label == "high"
+    lo, hi = b.lr_mid_ci80
+    assert lo < b.lr_mid < hi
+    # The JSON keys of the issue.
+    d = b.to_dict()
+    for k in ("status", "lr_low", "lr_high", "lr_mid", "flags", "quality", "quality_label", "lr_mid_ci80",
+              "points_used", "lr_steepest", "lr_min_div10"):
+        assert k in d
+
+
+def test_deterministic():
+    lr = lr_sweep(40)
+    y = noisy(U.loss(lr), 0.003, 7)
+    assert analyze_lr_curve(lr, y).to_dict() == analyze_lr_curve(lr, y).to_dict()
+
+
+def test_heavy_noise_keeps_the_midpoint():
+    # Noise a tenth of the whole drop per point: the midpoint (what one trains at) stays within 0.2 decade.
+    lr = lr_sweep(40)
+    hits = 0
+    for seed in range(5):
+        b = analyze_lr_curve(lr, noisy(U.loss(lr), 0.004, seed))
+        lo, hi = true_lr_bounds(U, 1e-7, 1e-2, start=U.base)
+        assert b.status == "ok"
+        hits += decades(b.lr_mid, math.sqrt(lo * hi)) <= DECADE
+    assert hits >= 4
+
+
+def test_never_rises_flattens():
+    shape = RangeTestShape(rise=0.0)
+    lr = lr_sweep(40)
+    b = analyze_lr_curve(lr, noisy(shape.loss(lr), 0.002, 0))
+    check_bounds(b, shape)
+    assert "rose_after_min" not in b.flags and "upper_censored" not in b.flags
+
+
+def test_still_falling_at_the_end_is_upper_censored():
+    shape = RangeTestShape(lr_fall=3e-3, fall_width=0.5)
+    lr = lr_sweep(40)
+    for seed in range(3):
+        b = analyze_lr_curve(lr, noisy(shape.loss(lr), 0.002, seed))
+        assert b.status == "ok" and "upper_censored" in b.flags
+    assert any("Raise lr_max" in a for a in b.advice)
+
+
+def test_already_descending_is_lower_censored():
+    shape = RangeTestShape(lr_fall=1e-7, rise=0.05)
+    lr = lr_sweep(40)
+    b = analyze_lr_curve(lr, noisy(shape.loss(lr), 0.002, 0))
+    assert b.status == "ok" and "lower_censored" in b.flags
+    assert decades(b.lr_low, true_lr_bounds(shape, 1e-7, 1e-2, start=shape.base)[0]) <= DECADE
+
+
+def test_rising_from_start():
+    shape = RangeTestShape(drop=0.0, lr_rise=1e-7, rise=0.02)
+    lr = lr_sweep(40)
+    b = analyze_lr_curve(lr, noisy(shape.loss(lr), 0.002, 0))
+    assert b.status == "rising_from_start"
+    assert b.lr_low is None and b.lr_high is None and b.lr_mid is None and b.lr_mid_ci80 is None
+
+
+def test_explodes_then_nan():
+    lr = lr_sweep(40)
+    y = noisy(U.loss(lr), 0.002, 0)
+    y[-6:] = [0.9, 3.0, 40.0, np.inf, np.nan, np.nan]
+    b = analyze_lr_curve(lr, y)
+    check_bounds(b, U)
+    assert "diverged" in b.flags and b.points_dropped >= 5
+
+
+def test_diverged_before_any_descent():
+    lr = lr_sweep(20)
+    y = noisy(np.full(lr.shape, 0.2), 0.002, 0)
+    y[6:] = np.nan
+    b = analyze_lr_curve(lr, y)
+    assert b.status == "diverged" and b.lr_mid is None
+
+
+def test_outlier_spikes():
+    lr = lr_sweep(40)
+    b = analyze_lr_curve(lr, noisy(U.loss(lr), 0.002, 0, spikes=3, spike_size=10))
+    check_bounds(b, U)
+
+
+def test_ten_point_linear_sweep():
+    shape = RangeTestShape(lr_fall=4e-4, fall_width=0.08, lr_rise=1e-3, rise=0.05, rise_width=0.05)
+    lr = lr_sweep(10, 1e-4, 1.2e-3, "linear")
+    b = analyze_lr_curve(lr, noisy(shape.loss(lr), 0.002, 0))  # ramp inferred from the spacing
+    assert b.ramp == "linear"
+    check_bounds(b, shape, 1e-4, 1.2e-3, "linear")
+    assert abs(b.lr_mid - 0.5 * (b.lr_low + b.lr_high)) < 1e-12  # arithmetic mean on a linear sweep
+
+
+def test_flat_noise_false_ok_rate():
+    # 500 seeds of pure noise: "ok" (a claimed descent) at most 2% of the time.
+    lr = lr_sweep(10)  # the default range test: 10 epochs, a validation each, plus the baseline
+    ok = sum(analyze_lr_curve(lr, noisy(np.full(lr.shape, 0.2), 0.002, s), seed=s).status == "ok"
+             for s in range(500))
+    assert ok <= 10, ok
+
+
+def test_flat_noise_many_points():
+    lr = lr_sweep(40)
+    ok = sum(analyze_lr_curve(lr, noisy(np.full(lr.shape, 0.2), 0.002, s), seed=s).status == "ok"
+             for s in range(100))
+    assert ok <= 3, ok
+    b = analyze_lr_curve(lr, noisy(np.full(lr.shape, 0.2), 0.002, 0))
+    assert b.status == "no_descent" and b.lr_mid is None
+
+
+def test_bad_input():
+    with pytest.raises(RangefinderError, match="at least 3"):
+        analyze_lr_curve([0, 1e-6, 1e-5], [0.2, np.nan, np.nan])
+    with pytest.raises(RangefinderError, match="differ in length"):
+        analyze_lr_curve([0, 1e-6], [0.2, 0.1, 0.3])

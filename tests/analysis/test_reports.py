@@ -1,0 +1,124 @@
+"""Plots, HTML/Markdown reports and the two CLI commands, on real files."""
+
+import csv
+import json
+from html.parser import HTMLParser
+
+import numpy as np
+
+from components.analysis import (analyze_lr_curve, plot_lr_range_test, read_curve_csv, select_step_window,
+                                 write_lr_report, write_step_report)
+from components.analysis.synthetic import ConstantRunShape, RangeTestShape, lr_sweep, noisy
+from pipelines.cli import main
+
+
+def png_size(path):
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+class _Collect(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.tags, self.srcs = [], []
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append(tag)
+        a = dict(attrs)
+        for k in ("src", "href"):
+            if k in a:
+                self.srcs.append(a[k])
+
+
+def write_lr_csv(path, lr, y):
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["update", "epoch", "lr", "train_loss", "val_loss", "stabilize_loss", "val_loss_b0"])
+        for i, (l, v) in enumerate(zip(lr, y)):
+            w.writerow([i * 5, i * 0.5, l, "" if i == 0 else 0.25, v, v - 0.01, v])
+
+
+def test_lr_report_is_self_contained(tmp_path):
+    shape = RangeTestShape(rise=0.05)
+    lr = lr_sweep(30)
+    y = noisy(shape.loss(lr), 0.002, 0)
+    y[-2:] = np.nan
+    b = analyze_lr_curve(lr, y, stabilize_loss=y - 0.01)
+    paths = write_lr_report(b, None, tmp_path, source="metrics.csv")
+    assert png_size(paths["plot"]) == (800, 480)
+    page = paths["html"].read_text()
+    parser = _Collect()
+    parser.feed(page)
+    assert "img" in parser.tags and "table" in parser.tags
+    assert parser.srcs and all(s.startswith("data:image/png;base64,") for s in parser.srcs)
+    assert "http" not in page and "<script" not in page and "<link" not in page
+    assert "rose_after_min" in page and "diverged" in page
+    md = paths["markdown"].read_text()
+    assert md.startswith("## LR range test") and "lr_mid" in md
+    assert json.loads(paths["json"].read_text())["status"] == "ok"
+    assert not list(tmp_path.glob(".*.tmp"))  # nothing left half-written
+
+
+def test_not_ok_report_says_what_to_do(tmp_path):
+    lr = lr_sweep(20)
+    b = analyze_lr_curve(lr, noisy(np.full(lr.shape, 0.2), 0.002, 0))
+    assert b.status == "no_descent"
+    page = write_lr_report(b, None, tmp_path)["html"].read_text()
+    assert "Widen the sweep" in page
+
+
+def test_step_report(tmp_path):
+    e = np.arange(61) / 2
+    shape = ConstantRunShape()
+    w = select_step_window(e * 10, e, noisy(shape.loss(e), 0.001, 0), stabilize_loss=shape.loss(e) - 0.01)
+    paths = write_step_report(w, None, tmp_path)
+    assert png_size(paths["plot"]) == (800, 480)
+    page = paths["html"].read_text()
+    assert "data:image/png;base64," in page and f"Train for {w.recommended_epochs} epochs" in page
+    assert "rose_after_min" in paths["markdown"].read_text()
+
+
+def test_cli_analyze_lr_and_select_steps(tmp_path, capsys):
+    shape = RangeTestShape(rise=0.05)
+    lr = lr_sweep(30)
+    write_lr_csv(tmp_path / "lr.csv", lr, noisy(shape.loss(lr), 0.002, 0))
+    assert main(["analyze-lr", str(tmp_path / "lr.csv"), "--json", "--plot", str(tmp_path / "lr.png"),
+                 "--report", str(tmp_path / "rep")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["status"] == "ok" and out["ramp"] == "exp" and len(out["lr_mid_ci80"]) == 2
+    assert png_size(tmp_path / "lr.png") == (800, 480) and (tmp_path / "rep" / "lr_report.html").is_file()
+    # The same CSV gives the same JSON.
+    main(["analyze-lr", str(tmp_path / "lr.csv"), "--json"])
+    again = json.loads(capsys.readouterr().out)
+    assert {k: v for k, v in out.items() if k not in ("plot", "report")} == again
+
+    e = np.arange(41) / 2
+    c = ConstantRunShape()
+    with open(tmp_path / "ft.csv", "w", newline="") as f:
+        wr = csv.writer(f)
+        wr.writerow(["update", "epoch", "lr", "train_loss", "val_loss", "stabilize_loss"])
+        for ep, v in zip(e, noisy(c.loss(e), 0.001, 0)):
+            wr.writerow([int(ep * 10), ep, 1e-5, "", v, ""])
+    assert main(["select-steps", str(tmp_path / "ft.csv"), "--json", "--tolerance", "0.02"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["status"] == "ok" and out["recommended_epochs"] >= 1
+
+
+def test_cli_bad_input(tmp_path, capsys):
+    assert main(["analyze-lr", str(tmp_path / "missing.csv")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    (tmp_path / "noval.csv").write_text("update,lr\n0,0\n1,1e-6\n")
+    assert main(["select-steps", str(tmp_path / "noval.csv")]) == 2
+    err = capsys.readouterr().err
+    assert "no val_loss column" in err and len(err.strip().splitlines()) == 1
+    (tmp_path / "short.csv").write_text("update,lr,val_loss\n0,0,0.2\n1,1e-6,nan\n2,2e-6,0.3\n")
+    assert main(["analyze-lr", str(tmp_path / "short.csv")]) == 2
+    assert "at least 3" in capsys.readouterr().err
+
+
+def test_read_curve_roundtrip(tmp_path):
+    lr = lr_sweep(5)
+    write_lr_csv(tmp_path / "m.csv", lr, np.linspace(0.2, 0.1, lr.size))
+    c = read_curve_csv(tmp_path / "m.csv")
+    assert np.allclose(c["lr"], lr) and np.isnan(c["train_loss"][0])

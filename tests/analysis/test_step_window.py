@@ -1,0 +1,63 @@
+"""The step window on constant-run curves built from formulas (clear U, still improving, flat)."""
+
+import numpy as np
+import pytest
+
+from components.analysis import select_step_window
+from components.analysis.synthetic import ConstantRunShape, noisy, true_step_window
+from components.errors import RangefinderError
+
+EPOCHS = np.arange(61) / 2  # 30 epochs, validated twice per epoch
+UPDATES = EPOCHS * 10  # 10 updates per epoch
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_clear_u(seed):
+    shape = ConstantRunShape()  # falls with tau 3 epochs, overfits from epoch 12
+    best, start, end = true_step_window(shape, 30, 0.02)
+    w = select_step_window(UPDATES, EPOCHS, noisy(shape.loss(EPOCHS), 0.001, seed),
+                           stabilize_loss=shape.loss(EPOCHS) - 0.01)
+    assert w.status == "ok"
+    assert abs(w.window_start_epoch - start) <= 1.5 and abs(w.window_end_epoch - end) <= 1.5
+    assert start - 1 <= w.recommended_epochs <= end + 1
+    assert abs(w.best_epoch - best) <= 3
+    assert "rose_after_min" in w.flags
+    assert w.val_minus_stabilize == pytest.approx(0.01, abs=0.003)
+    assert w.recommended_updates == pytest.approx(10 * w.recommended_epochs, abs=10)
+
+
+def test_still_improving():
+    shape = ConstantRunShape(tau=30, rise=0.0)
+    w = select_step_window(UPDATES, EPOCHS, noisy(shape.loss(EPOCHS), 0.001, 0))
+    assert w.status == "still_improving"
+    assert w.recommended_epochs >= 30 and w.window_end_epoch == pytest.approx(30)
+
+
+def test_flat():
+    w = select_step_window(UPDATES, EPOCHS, noisy(np.full(EPOCHS.shape, 0.2), 0.001, 0))
+    assert w.status == "no_improvement" and w.recommended_epochs is None and w.window_start_epoch is None
+
+
+def test_flat_rarely_improves():
+    e = EPOCHS[::2]  # once per epoch keeps this quick
+    ok = sum(select_step_window(10 * e, e, noisy(np.full(e.shape, 0.2), 0.001, s), seed=s).status != "no_improvement"
+             for s in range(60))
+    assert ok <= 2
+
+
+def test_epochs_missing_are_interpolated_and_nan_cut():
+    shape = ConstantRunShape()
+    y = noisy(shape.loss(EPOCHS), 0.001, 0)
+    y[-3:] = np.nan
+    e = EPOCHS.copy()
+    e[5:10] = np.nan
+    w = select_step_window(UPDATES, e, y)
+    assert w.status == "ok" and "diverged" in w.flags and w.points_dropped == 3
+    assert w.best_epoch == pytest.approx(w.best_update / 10)
+
+
+def test_bad_input():
+    with pytest.raises(RangefinderError, match="tolerance"):
+        select_step_window([0, 1, 2], [0, 1, 2], [1, 1, 1], tolerance=2)
+    with pytest.raises(RangefinderError, match="at least 3"):
+        select_step_window([0, 1, 2], [0, 1, 2], [1, np.nan, np.nan])
