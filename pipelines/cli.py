@@ -25,6 +25,8 @@ COMMANDS = [
     "submit",
     "schedule",
     "sample",
+    "analyze_lr",
+    "select_steps",
 ]
 
 
