@@ -97,8 +97,12 @@ class ModelConfig(_Section):
     base_model: Optional[str] = None
     revision: Optional[str] = None
     variant: Optional[str] = None
-    # Where the embedded model and hub downloads are cached; None means ~/.cache/rangefinder.
+    # Where the embedded model is cached (None: $RANGEFINDER_CACHE or ~/.cache/rangefinder) and, when set, where hub
+    # downloads go (None: the Hugging Face cache, $HF_HOME).
     cache_dir: Optional[str] = None
+    # A local diffusers folder with the architecture of a single-file base_model, so nothing is fetched to read it.
+    # None: the base model named in the file's rangefinder metadata, else diffusers infers one (from the hub).
+    single_file_config: Optional[str] = None
 
 
 # ---------------------------------------------------------------------------------------------------------------

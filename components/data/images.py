@@ -1,0 +1,60 @@
+"""Reading images the same way everywhere: EXIF orientation applied, RGB, centre-cropped and resized to a square.
+
+Training, validation and latent caching all go through `to_model_array`, so one image always becomes the same
+array (PIL's resampling is deterministic), which the deterministic validation loss relies on.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageOps
+
+
+def load_rgb(path: str | Path) -> Image.Image:
+    """Open an image fully (so a truncated file fails here, not mid-training), upright and in RGB.
+
+    Phone photos store their rotation in EXIF instead of rotating the pixels; `exif_transpose` applies it, as every
+    viewer does. Transparent pixels are composited on white rather than on whatever colour the file stored there.
+    """
+    with Image.open(path) as im:
+        im.load()
+        im = ImageOps.exif_transpose(im)
+        if im.mode in ("RGBA", "LA") or (im.mode == "P" and "transparency" in im.info):
+            rgba = im.convert("RGBA")
+            canvas = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+            canvas.alpha_composite(rgba)
+            return canvas.convert("RGB")
+        return im.convert("RGB")
+
+
+def center_crop_square(img: Image.Image) -> Image.Image:
+    w, h = img.size
+    side = min(w, h)
+    left, top = (w - side) // 2, (h - side) // 2
+    return img.crop((left, top, left + side, top + side))
+
+
+def resize_square(img: Image.Image, resolution: int, center_crop: bool = True) -> Image.Image:
+    """The square `resolution` x `resolution` image the model sees (before normalisation)."""
+    if center_crop:
+        img = center_crop_square(img)
+    if img.size != (resolution, resolution):
+        # Lanczos when shrinking (anti-aliased), bicubic when enlarging; both deterministic in Pillow.
+        shrinking = min(img.size) > resolution
+        img = img.resize((resolution, resolution), Image.Resampling.LANCZOS if shrinking else Image.Resampling.BICUBIC)
+    return img
+
+
+def to_model_array(img: Image.Image, resolution: int, center_crop: bool = True) -> np.ndarray:
+    """(3, resolution, resolution) float32 in [-1, 1], the range Stable Diffusion's VAE was trained on."""
+    img = resize_square(img.convert("RGB"), resolution, center_crop)
+    arr = np.asarray(img, dtype=np.float32) / 127.5 - 1.0  # (H, W, 3)
+    return np.ascontiguousarray(arr.transpose(2, 0, 1))
+
+
+def from_model_array(arr: np.ndarray) -> Image.Image:
+    """Inverse of `to_model_array`: (3, H, W) in [-1, 1] -> RGB image (values clipped)."""
+    hwc = np.clip((np.asarray(arr, dtype=np.float32).transpose(1, 2, 0) + 1.0) * 127.5, 0, 255)
+    return Image.fromarray(np.round(hwc).astype(np.uint8), "RGB")

@@ -1,0 +1,87 @@
+import json
+import math
+import zlib
+
+import pytest
+from PIL import Image
+
+from components.data.split import make_split, read_split, seeded_shuffle, split_dataset
+from components.errors import DataError
+from pipelines.cli import main
+
+
+def _dataset(folder, n):
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        Image.new("RGB", (8, 8), (i, 0, 0)).save(folder / f"img{i:03d}.png")
+        (folder / f"img{i:03d}.txt").write_text(f"caption {i}")
+    return folder
+
+
+def test_shuffle_is_pinned():
+    # The split must be the same on every machine and Python version: pin one shuffle.
+    assert seeded_shuffle(list(range(10)), 555) == [5, 8, 3, 7, 2, 0, 6, 4, 9, 1]
+
+
+@pytest.mark.parametrize("n,p", [(5, 0.2), (20, 0.2), (21, 0.2), (7, 0.5), (10, 0.01), (3, 0.9)])
+def test_counts_are_ceil_p_n_and_subsets_disjoint(tmp_path, n, p, capsys):
+    data = _dataset(tmp_path / "data", n)
+    assert main(["split", str(data), "--out", str(tmp_path / "s"), "--val-split", str(p), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    expected_val = min(max(1, math.ceil(p * n)), n - 1)
+    assert out["val_images"] == expected_val and out["train_images"] == n - expected_val
+    assert out["stabilize_images"] == min(out["train_images"], max(1, math.ceil(0.2 * out["train_images"])))
+    split = read_split(tmp_path / "s")
+    train, val, stab = ({it.file_name for it in s} for s in (split.train, split.val, split.stabilize))
+    assert not train & val and stab <= train and len(train | val) == n
+    for it in split.train + split.val:
+        assert it.id == zlib.crc32(it.file_name.encode())
+        assert split.path_of(it).is_file()
+
+
+def test_two_runs_give_byte_identical_manifests(tmp_path):
+    data = _dataset(tmp_path / "data", 12)
+    split_dataset(data, tmp_path / "a", seed=3)
+    split_dataset(data, tmp_path / "b", seed=3)
+    split_dataset(data, tmp_path / "c", seed=4)
+    names = ["train.jsonl", "val.jsonl", "stabilize.jsonl", "split.json"]
+    for name in names:
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+    assert (tmp_path / "a" / "val.jsonl").read_bytes() != (tmp_path / "c" / "val.jsonl").read_bytes()
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == sorted(names)  # no temporary files left
+    first = json.loads((tmp_path / "a" / "train.jsonl").read_text().splitlines()[0])
+    assert list(first) == ["id", "file_name", "text"]
+
+
+def test_bad_files_are_listed_in_the_summary_and_skipped(tmp_path, capsys):
+    data = _dataset(tmp_path / "data", 6)
+    (data / "broken.png").write_bytes(b"junk")
+    (data / "broken.txt").write_text("x")
+    assert main(["split", str(data), "--out", str(tmp_path / "s"), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["images"] == 6 and out["val_images"] == 2
+    assert out["skipped"] == ["broken.png: unreadable image: not a file format Pillow recognises (corrupt or not an image)"]
+    summary = json.loads((tmp_path / "s" / "split.json").read_text())
+    assert summary["skipped"][0]["file_name"] == "broken.png" and summary["root"] == str(data.resolve())
+
+
+def test_manual_validation_folder(tmp_path):
+    data = _dataset(tmp_path / "data", 6)
+    _dataset(data / "val", 2)  # inside the dataset: its images must not also be trained on
+    split = split_dataset(data, tmp_path / "s", val_dir=data / "val")
+    assert [it.file_name for it in split.val] == ["val/img000.png", "val/img001.png"]
+    assert len(split.train) == 6 and not any(it.file_name.startswith("val/") for it in split.train)
+    outside = _dataset(tmp_path / "heldout", 1)
+    split = split_dataset(data, tmp_path / "s2", val_dir=outside)
+    assert [it.file_name for it in split.val] == ["../heldout/img000.png"]
+    assert read_split(tmp_path / "s2").path_of(split.val[0]) == (outside / "img000.png").resolve()
+
+
+def test_errors(tmp_path, capsys):
+    data = _dataset(tmp_path / "data", 1)
+    assert main(["split", str(data), "--out", str(tmp_path / "s")]) == 2
+    assert "only 1 usable image" in capsys.readouterr().err
+    with pytest.raises(DataError, match="val_split"):
+        make_split(data, val_split=1.0)
+    with pytest.raises(DataError, match="not a finished split folder"):
+        read_split(tmp_path)

@@ -1,0 +1,90 @@
+import json
+import shutil
+
+import pytest
+from PIL import Image
+
+from components.data.dataset import item_id, scan_dataset
+from components.data.validate import validate_dataset
+from components.errors import DataError
+
+
+def _good(folder, n, start=0):
+    for i in range(start, start + n):
+        Image.new("RGB", (32, 32), (10 * i, 100, 200)).save(folder / f"good{i:02d}.png")
+        (folder / f"good{i:02d}.txt").write_text(f"a blue square number {i}\n")
+
+
+@pytest.fixture
+def messy_dir(tmp_path):
+    d = tmp_path / "messy"
+    d.mkdir()
+    _good(d, 5)
+    (d / "corrupt.png").write_bytes(b"not really a png" * 20)
+    (d / "corrupt.txt").write_text("a corrupt file")
+    whole = d / "good00.png"
+    Image.new("RGB", (64, 64), (200, 10, 10)).save(d / "full.png")
+    data = (d / "full.png").read_bytes()
+    (d / "full.png").unlink()
+    (d / "truncated.png").write_bytes(data[: len(data) // 2])
+    (d / "truncated.txt").write_text("a truncated file")
+    shutil.copy(whole, d / "nocaption.png")
+    shutil.copy(whole, d / "emptycaption.png")
+    (d / "emptycaption.txt").write_text("  \n\t")
+    Image.new("RGB", (4, 4)).save(d / "tiny.png")
+    (d / "tiny.txt").write_text("a tiny image")
+    (d / "notes.txt").write_text("not a caption of anything")  # ignored: no image of that stem
+    return d
+
+
+def test_every_bad_item_is_reported_by_name_and_the_rest_used(messy_dir):
+    result = validate_dataset(messy_dir, min_image_size=16, min_images=2)
+    assert [it.file_name for it in result.items] == [f"good{i:02d}.png" for i in range(5)]
+    reasons = {s.file_name: s.reason for s in result.skipped}
+    assert set(reasons) == {"corrupt.png", "truncated.png", "nocaption.png", "emptycaption.png", "tiny.png"}
+    assert reasons["corrupt.png"].startswith("unreadable image")
+    assert reasons["truncated.png"].startswith("truncated or corrupt image")
+    assert reasons["nocaption.png"].startswith("missing caption")
+    assert reasons["emptycaption.png"].startswith("empty caption")
+    assert reasons["tiny.png"].startswith("too small: 4x4 px")
+    assert result.items[0].text == "a blue square number 0"
+    assert result.items[0].id == item_id("good00.png")
+
+
+def test_too_few_usable_images_fail_before_training_with_counts_and_reasons(messy_dir):
+    for f in messy_dir.glob("good0[1-4].*"):
+        f.unlink()
+    with pytest.raises(DataError) as e:
+        validate_dataset(messy_dir, min_image_size=16, min_images=2)
+    msg = str(e.value)
+    assert "only 1 usable image," in msg and "fewer than the 2 needed" in msg
+    for name in ("corrupt.png", "truncated.png", "nocaption.png", "emptycaption.png", "tiny.png"):
+        assert name in msg
+    assert "fix or caption" in msg
+
+
+def test_empty_and_missing_folders(tmp_path):
+    with pytest.raises(DataError, match="holds no images"):
+        validate_dataset(tmp_path, min_images=2)
+    with pytest.raises(DataError, match="does not exist"):
+        validate_dataset(tmp_path / "nowhere")
+
+
+def test_metadata_jsonl_captions_subfolders_and_hidden_files(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / ".cache").mkdir()
+    for name in ("b.png", "sub/a.JPG", ".cache/x.png", "c.png"):
+        Image.new("RGB", (16, 16)).save(tmp_path / name, format="JPEG" if name.endswith("JPG") else "PNG")
+    (tmp_path / "c.txt").write_text("from the txt file")
+    (tmp_path / "b.txt").write_text("loses to metadata")
+    lines = [{"file_name": "b.png", "text": "a black\nsquare"}, {"file_name": "sub/a.JPG", "text": "a photo"},
+             {"file_name": "gone.png", "text": "nothing"}]
+    (tmp_path / "metadata.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines) + "{broken\n")
+    scan = scan_dataset(tmp_path)
+    assert [c.file_name for c in scan.candidates] == ["b.png", "c.png", "sub/a.JPG"]
+    result = validate_dataset(tmp_path)
+    assert [(it.file_name, it.text) for it in result.items] == [
+        ("b.png", "a black square"), ("c.png", "from the txt file"), ("sub/a.JPG", "a photo")]
+    reasons = {s.file_name: s.reason for s in result.skipped}
+    assert "no such image file" in reasons["gone.png"]
+    assert "metadata.jsonl:4" in reasons
