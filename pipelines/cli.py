@@ -30,6 +30,7 @@ COMMANDS = [
     "sample",
     "analyze_lr",
     "select_steps",
+    "promote",
 ]
 
 

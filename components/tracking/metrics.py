@@ -46,6 +46,8 @@ class BatchedMetricLogger:
         self._buffer: list = []
         self._last_flush = time.monotonic()
         self._warned = False
+        self._retry_after = 0.0  # monotonic time before which a failed flush is not tried again
+        self._retry_wait = 0.0
         self.sent = 0  # values delivered to MLflow so far
         self.closed = False
 
@@ -64,7 +66,9 @@ class BatchedMetricLogger:
             value = float(value)
             # NaN/inf are kept: a diverged run's curve must show the divergence. MLflow stores them as such.
             self._buffer.append(Metric(key=key, value=value, timestamp=ts, step=step))
-        if len(self._buffer) >= self.flush_every or time.monotonic() - self._last_flush >= self.flush_seconds:
+        now = time.monotonic()
+        due = len(self._buffer) >= self.flush_every or now - self._last_flush >= self.flush_seconds
+        if due and now >= self._retry_after:
             self.flush(raise_errors=False)
 
     def flush(self, *, raise_errors: bool = True) -> None:
@@ -80,13 +84,18 @@ class BatchedMetricLogger:
                         f"could not send {len(self._buffer)} metric values to MLflow run {self.run_id} "
                         f"({redact(e).splitlines()[0][:300]}); the curves are still in the step's CSV files"
                     ) from None
+                # Each failed try already spent mlflow's own retries; wait longer and longer (up to 10 min)
+                # before the next, so a server that stays away does not stall training at every flush.
+                self._retry_wait = min(600.0, max(30.0, 2 * self._retry_wait))
+                self._retry_after = time.monotonic() + self._retry_wait
                 if not self._warned:
-                    _log.warning("MLflow metric logging failed, will retry at the next flush: %s",
-                                 redact(e).splitlines()[0][:300])
+                    _log.warning("MLflow metric logging failed; keeping %d values and retrying later: %s",
+                                 len(self._buffer), redact(e).splitlines()[0][:300])
                     self._warned = True
                 return
             del self._buffer[: len(chunk)]
             self.sent += len(chunk)
+            self._retry_wait = 0.0
 
     @property
     def pending(self) -> int:

@@ -1,0 +1,71 @@
+"""The final weights as a registered MLflow model that loads back and generates, and the explicit promotion."""
+
+from __future__ import annotations
+
+import json
+
+import mlflow
+import pandas as pd
+import pytest
+from mlflow import MlflowClient
+
+from components.config import RangefinderConfig, TrackingConfig
+from components.errors import TrackingError
+from components.tracking import decode_image, promote, step_run
+from pipelines.cli import main as cli_main
+
+
+@pytest.mark.slow
+def test_registered_model_loads_from_its_alias_and_generates(mlflow_server_uri, tiny_model_dir, capsys):
+    name = "rf-test-model"
+    cfg = RangefinderConfig(tracking=TrackingConfig(tracking_uri=mlflow_server_uri, experiment_name="registry",
+                                                    registered_model_name=name))
+    with step_run(cfg, "finetune") as run:
+        run.log_metrics({"val_loss": 0.21}, step=10)
+        version = run.log_diffusers_model(tiny_model_dir, num_inference_steps=2, guidance_scale=1.0)
+    assert (version.name, version.version, version.alias) == (name, "1", "candidate")
+
+    client = MlflowClient(tracking_uri=mlflow_server_uri)
+    mv = client.get_model_version_by_alias(name, "candidate")
+    assert mv.version == "1" and mv.run_id == run.run_id
+    assert mv.tags["val_loss"] == "0.21" and mv.tags["rangefinder.run_id"] == run.run_id
+    assert "val_loss=0.21" in mv.description
+
+    mlflow.set_tracking_uri(mlflow_server_uri)
+    model = mlflow.pyfunc.load_model(f"models:/{name}@candidate")
+    prompts = pd.DataFrame({"prompt": ["a red circle on a blue background", "a yellow square"], "seed": [3, 3]})
+    out = model.predict(prompts)
+    assert list(out.columns) == ["prompt", "seed", "image"] and len(out) == 2
+    images = [decode_image(b64) for b64 in out["image"]]
+    assert images[0].size == (32, 32)  # the tiny model's resolution, the model's default
+    assert images[0].tobytes() != images[1].tobytes()  # the prompt steers the image
+    again = model.predict(prompts.iloc[[0]], params={"num_inference_steps": 2})
+    assert decode_image(again["image"][0]).tobytes() == images[0].tobytes()  # (prompt, seed) fixes the image
+
+    # A second run's model becomes the new candidate; champion moves only by hand.
+    with step_run(cfg, "retrain") as run2:
+        run2.log_diffusers_model(tiny_model_dir, metrics={"val_loss": 0.19}, num_inference_steps=2)
+    assert client.get_model_version_by_alias(name, "candidate").version == "2"
+    with pytest.raises(Exception):
+        client.get_model_version_by_alias(name, "champion")
+
+    assert promote(name, 1, tracking_uri=mlflow_server_uri)["version"] == "1"
+    capsys.readouterr()
+    assert cli_main(["promote", "--model", name, "--tracking-uri", mlflow_server_uri, "--json"]) == 0
+    printed = capsys.readouterr().out
+    assert json.loads(printed[printed.index("{"):]) == {"name": name, "version": "2", "alias": "champion",
+                                                         "previous_version": "1"}
+    assert client.get_model_version_by_alias(name, "champion").version == "2"  # from @candidate
+
+    with pytest.raises(TrackingError, match="has no version 9"):
+        promote(name, 9, tracking_uri=mlflow_server_uri)
+    with pytest.raises(TrackingError, match="no registered model 'nope'"):
+        promote("nope", 1, tracking_uri=mlflow_server_uri)
+
+
+def test_a_folder_that_is_not_a_pipeline_is_refused(shared_sqlite_tracking_uri, tmp_path):
+    cfg = RangefinderConfig(tracking=TrackingConfig(tracking_uri=shared_sqlite_tracking_uri,
+                                                    experiment_name="registry-bad"))
+    with pytest.raises(TrackingError, match="model_index.json"):
+        with step_run(cfg, "finetune") as run:
+            run.log_diffusers_model(tmp_path)
