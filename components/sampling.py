@@ -28,8 +28,11 @@ from components.errors import ConfigError
 # What the methods write (see components/training/methods/ and components/export.py).
 LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
 TI_WEIGHTS_NAME = "learned_embeds.safetensors"
+# A training checkpoint (components/training/checkpoints.py): the method's trained tensors and the run's settings.
+ENGINE_WEIGHTS_NAME = "weights.safetensors"
+ENGINE_STATE_NAME = "state.json"
 
-ColumnKind = str  # "pipeline" | "single_file" | "unet" | "lora" | "textual_inversion"
+ColumnKind = str  # "pipeline" | "single_file" | "unet" | "lora" | "textual_inversion" | "engine_checkpoint"
 
 
 @dataclass(frozen=True)
@@ -83,7 +86,11 @@ def resolve_column(path: Union[str, Path], label: Optional[str] = None) -> GridC
     p = Path(path)
     if not p.exists():
         raise ConfigError(f"{p} does not exist; pass a model folder, a checkpoint folder or a weights file")
+    if p.is_file() and p.name == ENGINE_WEIGHTS_NAME and (p.parent / ENGINE_STATE_NAME).is_file():
+        p = p.parent
     label = label or (p.parent.name if p.name == "final" else p.stem if p.is_file() else p.name)
+    if p.is_dir() and (p / ENGINE_WEIGHTS_NAME).is_file() and (p / ENGINE_STATE_NAME).is_file():
+        return GridColumn(label, p, "engine_checkpoint")
     if p.is_file():
         kind, token = _classify_file(p)
         return GridColumn(label, p, kind, token)
@@ -125,6 +132,8 @@ def load_column_pipeline(column: GridColumn, base_model: Path, *, device: str, d
         pipe = StableDiffusionPipeline.from_single_file(
             str(column.path), config=str(base_model), local_files_only=True, **common
         )
+    elif column.kind == "engine_checkpoint":
+        pipe = _engine_checkpoint_pipeline(column.path, base_model, common)
     else:
         pipe = StableDiffusionPipeline.from_pretrained(str(base_model), local_files_only=True, **common)
         if column.kind == "unet":
@@ -146,6 +155,30 @@ def load_column_pipeline(column: GridColumn, base_model: Path, *, device: str, d
         pipe.scheduler = getattr(diffusers, scheduler).from_config(pipe.scheduler.config)
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(device)
+
+
+def _engine_checkpoint_pipeline(ckpt_dir: Path, base_model: Path, common: dict):
+    """A pipeline with a training checkpoint's weights: the run's method rebuilds its trainable parts on the base
+    model (adapters, new tokens) and puts the checkpoint's tensors back, as a resume does."""
+    import torch
+    from diffusers import StableDiffusionPipeline
+    from safetensors.torch import load_file
+
+    from components.config import ModelConfig, TrainingConfig
+    from components.models.loading import load_sd_components
+    from components.training.methods import make_method
+
+    state = json.loads((ckpt_dir / ENGINE_STATE_NAME).read_text())
+    cfg = TrainingConfig.model_validate(state["training"])
+    method = make_method(cfg)
+    sd = load_sd_components(ModelConfig(base_model=str(base_model)))
+    method.setup(sd, torch.float32)
+    method.load_trainable_state_dict(load_file(str(ckpt_dir / ENGINE_WEIGHTS_NAME)))
+    pipe = StableDiffusionPipeline.from_pretrained(
+        str(base_model), local_files_only=True, unet=sd.unet, text_encoder=sd.text_encoder, tokenizer=sd.tokenizer,
+        **common,
+    )
+    return pipe.to(common["torch_dtype"])
 
 
 def check_scheduler_name(name: Optional[str]) -> None:
@@ -306,7 +339,7 @@ def render_grid(
             fixed.append(c if n == 0 else GridColumn(f"{c.label} ({n + 1})", c.path, c.kind, c.token))
         columns = fixed
     base = Path(base_model) if base_model is not None else columns[0].path
-    if any(c.kind in ("lora", "textual_inversion", "unet", "single_file") for c in columns):
+    if any(c.kind != "pipeline" for c in columns):
         if not (base / "model_index.json").is_file():
             raise ConfigError(
                 f"base model {base} is not a diffusers folder (no model_index.json); adapters and checkpoints "
