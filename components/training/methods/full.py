@@ -52,7 +52,11 @@ class FullFineTune(Method):
             module.load_state_dict(split_state(state, name), strict=True)
 
     def save_final(self, sd: "SDComponents", out_dir: Path) -> None:
+        from components.export import SINGLE_FILE_NAME, export_full, training_metadata
+
         save_pipeline(sd, out_dir)
+        # The same weights as one file in the original SD layout, for A1111 and ComfyUI (components/export.py).
+        export_full(out_dir, out_dir / SINGLE_FILE_NAME, training_metadata(self.cfg, getattr(sd, "source", None)))
 
 
 def save_pipeline(sd: "SDComponents", out_dir: Path) -> None:
