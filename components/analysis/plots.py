@@ -38,6 +38,13 @@ def _save(fig, out_path: str | Path) -> Path:
     return out
 
 
+def _y_limits(*series: Optional[np.ndarray]) -> tuple[float, float]:
+    vals = np.concatenate([np.asarray(v, float)[np.isfinite(v)] for v in series if v is not None and len(v)])
+    lo, hi = float(vals.min()), float(vals.max())
+    pad = 0.06 * (hi - lo or abs(hi) or 1.0)
+    return lo - pad, hi + pad
+
+
 def plot_lr_range_test(bounds: LRBounds, out_path: str | Path, *, title: Optional[str] = None) -> Path:
     """Raw and smoothed validation loss against LR, stabilize loss, the bounds shaded and the midpoint marked.
 
@@ -55,24 +62,30 @@ def plot_lr_range_test(bounds: LRBounds, out_path: str | Path, *, title: Optiona
     if bounds.lr_low is not None and bounds.lr_high is not None:
         ax.axvspan(bounds.lr_low, bounds.lr_high, color=BAND, alpha=0.15, lw=0,
                    label=f"bounds {bounds.lr_low:.2g} - {bounds.lr_high:.2g}")
-    if bounds.lr_mid_ci80:
-        ax.axvspan(*bounds.lr_mid_ci80, color=BAND, alpha=0.18, lw=0, ymax=0.04)
     ax.plot(xs, fit.val_loss, "o", color=RAW, ms=4, label="val loss (measured)")
     ax.plot(xs, fit.smoothed, "-", color=SMOOTH, lw=2.2, label="val loss (smoothed)")
-    if fit.dropped_lr.size:
-        finite = np.isfinite(fit.dropped_val_loss)
-        lo, hi = ax.get_ylim()
-        shown = np.where(finite, np.clip(fit.dropped_val_loss, lo, hi), hi)
-        ax.plot(fit.dropped_lr if not log else np.where(fit.dropped_lr > 0, fit.dropped_lr, np.nan), shown, "x",
-                color="#c23030", ms=6, label="left out (NaN / exploded)")
-        ax.set_ylim(lo, hi)
+    stab_ok = None
     if fit.stabilize_loss is not None and fit.all_lr is not None:
-        ok = np.isfinite(fit.stabilize_loss) & (fit.all_lr > 0 if log else np.isfinite(fit.all_lr))
-        if ok.sum() >= 2:
-            ax.plot(fit.all_lr[ok], fit.stabilize_loss[ok], "-", color=STABILIZE, lw=1.4, alpha=0.9,
+        stab_ok = np.isfinite(fit.stabilize_loss) & (fit.all_lr > 0 if log else np.isfinite(fit.all_lr))
+        # Only the part measured alongside the validation points used: an exploded tail would squash the plot.
+        stab_ok[len(fit.all_lr) - fit.dropped_lr.size:] = False
+        if stab_ok.sum() >= 2:
+            ax.plot(fit.all_lr[stab_ok], fit.stabilize_loss[stab_ok], "-", color=STABILIZE, lw=1.4, alpha=0.9,
                     label="stabilize loss (train subset)")
+    lo, hi = _y_limits(fit.val_loss, fit.smoothed,
+                       None if stab_ok is None else fit.stabilize_loss[stab_ok])
+    if fit.dropped_lr.size:
+        # Left-out points (NaN or exploded) are drawn as crosses on the top edge.
+        ax.plot(np.where(fit.dropped_lr > 0, fit.dropped_lr, np.nan) if log else fit.dropped_lr,
+                np.full(fit.dropped_lr.shape, hi), "x", color="#c23030", ms=7, clip_on=False,
+                label="left out (NaN / exploded)")
+    ax.set_ylim(lo, hi)
     if bounds.lr_mid is not None:
         ax.axvline(bounds.lr_mid, color=BAND, lw=2, ls="--", label=f"lr_mid {bounds.lr_mid:.2g}")
+        if bounds.lr_mid_ci80:
+            y_bar = lo + 0.04 * (hi - lo)
+            ax.plot(bounds.lr_mid_ci80, [y_bar, y_bar], "-", color=BAND, lw=5, alpha=0.8, solid_capstyle="butt",
+                    label="lr_mid 80% interval")
     if log:
         ax.set_xscale("log")
     ax.set_xlabel("learning rate" + (" (log scale)" if log else ""))
@@ -105,11 +118,11 @@ def plot_step_window(window: StepWindow, out_path: str | Path, *, title: Optiona
         ax.plot(fit.update[ok], fit.stabilize_loss[ok], ".", color=STABILIZE, ms=3, alpha=0.6)
         if fit.stabilize_smoothed is not None:
             ax.plot(fit.update, fit.stabilize_smoothed, "-", color=STABILIZE, lw=1.6, label="stabilize loss (train subset)")
+    lo, hi = _y_limits(fit.val_loss, fit.smoothed, fit.stabilize_loss)
     if fit.dropped_update.size:
-        lo, hi = ax.get_ylim()
-        ax.plot(fit.dropped_update, np.full(fit.dropped_update.shape, hi), "x", color="#c23030", ms=6,
-                label="left out (NaN / exploded)")
-        ax.set_ylim(lo, hi)
+        ax.plot(fit.dropped_update, np.full(fit.dropped_update.shape, hi), "x", color="#c23030", ms=7,
+                clip_on=False, label="left out (NaN / exploded)")
+    ax.set_ylim(lo, hi)
     if window.best_update is not None:
         ax.plot([window.best_update], [window.best_val_loss], "v", color=SMOOTH, ms=9, label="best (smoothed)")
     if window.recommended_updates is not None:
