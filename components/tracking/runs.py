@@ -15,9 +15,11 @@ import contextlib
 import hashlib
 import json
 import logging
+import numbers as numbers_abc
 import os
 import re
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -276,6 +278,12 @@ def finish_pipeline_run(cfg: Any, run_id: str, *, status: str = "FINISHED") -> N
     client = tracking_client(cfg)
     run = _get_run(client, run_id, "finish_pipeline_run")
     if run.data.tags.get(TAG_CREATED_BY) == "rangefinder":
+        _end_run(client, run_id, status)
+
+
+def _end_run(client: Any, run_id: str, status: str) -> None:
+    # mlflow prints the run's URL on stdout, where it would break a command's --json output; stderr still shows it.
+    with contextlib.redirect_stdout(sys.stderr):
         client.set_terminated(run_id, status=status)
 
 
@@ -343,9 +351,11 @@ class StepRun:
         numbers: dict[str, float] = {}
         words: dict[str, Any] = {}
         for k, v in _flatten_any(decisions, prefix).items():
+            if hasattr(v, "item") and getattr(v, "ndim", None) == 0:
+                v = v.item()  # numpy scalars as the Python number or bool they are
             if v is None:
                 continue
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
+            if isinstance(v, numbers_abc.Real) and not isinstance(v, bool):
                 numbers[k] = float(v)
             else:
                 words[k] = v
@@ -375,10 +385,15 @@ class StepRun:
 
     def log_image(self, image: Any, artifact_file: Optional[str] = None, *, key: Optional[str] = None,
                   step: Optional[int] = None) -> None:
-        """A PIL image or (H, W[, C]) array: as one file (`artifact_file`), or as a step of the image series `key`
-        (shown as a slider in MLflow's UI, e.g. the sample grid per checkpoint)."""
+        """A PIL image, (H, W[, C]) array or image file: as one file (`artifact_file`), or as a step of the image
+        series `key` (shown in MLflow's UI with a step slider, e.g. the sample grid)."""
         if (artifact_file is None) == (key is None):
             raise ValueError("give either artifact_file or key")
+        if isinstance(image, (str, os.PathLike)):
+            from PIL import Image
+
+            with Image.open(image) as im:
+                image = im.convert("RGB")
         if key is not None:
             self.client.log_image(self.run_id, image, key=key, step=step or 0, synchronous=True)
         else:
@@ -463,13 +478,13 @@ def step_run(
         with contextlib.suppress(Exception):
             msg = f"{type(e).__name__}: {e}".splitlines()[0] if str(e) else type(e).__name__
             client.set_tag(step.run_id, TAG_ERROR, redact(msg)[:MAX_TAG_CHARS])
-            client.set_terminated(step.run_id, status=status)
+            _end_run(client, step.run_id, status)
         raise
     else:
         try:
             step.metrics.close()
         except TrackingError:
             with contextlib.suppress(Exception):
-                client.set_terminated(step.run_id, status="FAILED")
+                _end_run(client, step.run_id, "FAILED")
             raise
-        client.set_terminated(step.run_id, status="FINISHED")
+        _end_run(client, step.run_id, "FINISHED")

@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 from mlflow import MlflowClient
+from PIL import Image
 
 from components import __version__
 from components.config import RangefinderConfig, TrackingConfig, plan_for
@@ -32,7 +33,7 @@ def _client(cfg) -> MlflowClient:
     return MlflowClient(tracking_uri=cfg.tracking.tracking_uri)
 
 
-def test_run_tree_metrics_decisions_and_artifacts(cfg, tmp_path):
+def test_run_tree_metrics_decisions_and_artifacts(cfg, tmp_path, capsys):
     parent_id = ensure_parent_run(cfg, name="rf-demo-1", kfp_run_id="kfp-123", kfp_run_name="rf-demo-1",
                                   tags={"rangefinder.dataset_digest": "d1g35t"})
     assert ensure_parent_run(cfg, kfp_run_id="kfp-123") == parent_id  # any later step finds the same parent
@@ -57,12 +58,17 @@ def test_run_tree_metrics_decisions_and_artifacts(cfg, tmp_path):
         assert run.metrics.pending > 0  # buffered, not one request per update
         run.log_artifact(csv, "curves")
         run.log_artifact(report, "report")
-        run.log_image(np.zeros((8, 8, 3), dtype=np.uint8), key="sample_grid", step=8)
-        run.log_decisions({"lr_low": 2e-5, "lr_high": 6e-5, "lr_mid": 4e-5, "quality": 0.75,
-                           "status": "ok", "flags": ["zoomed", "censored_right"], "detail": {"points": 5}})
+        grid = tmp_path / "grid.png"
+        Image.fromarray(np.full((8, 16, 3), 200, dtype=np.uint8)).save(grid)
+        run.log_image(grid, key="sample_grid", step=8)
+        run.log_image(np.zeros((8, 8, 3), dtype=np.uint8), artifact_file="samples/first.png")
+        run.log_decisions({"lr_low": 2e-5, "lr_high": np.float64(6e-5), "lr_mid": 4e-5, "quality": 0.75,
+                           "status": "ok", "flags": ["zoomed", "censored_right"], "needs_zoom": np.bool_(False),
+                           "detail": {"points": np.int64(5)}})
     with step_run(cfg, "select_steps", parent_run_id=parent_id) as run2:
         run2.log_decisions({"recommended_epochs": 12, "status": "still_improving"})
     finish_pipeline_run(cfg, parent_id)
+    assert "View run" not in capsys.readouterr().out  # stdout stays clean for the CLI's --json
 
     client = _client(cfg)
     parent = client.get_run(parent_id)
@@ -100,13 +106,16 @@ def test_run_tree_metrics_decisions_and_artifacts(cfg, tmp_path):
     assert child.data.metrics["lr_mid"] == pytest.approx(4e-5)
     assert child.data.metrics["detail.points"] == 5
     assert child.data.tags["status"] == "ok" and child.data.tags["flags"] == "zoomed,censored_right"
+    assert child.data.tags["needs_zoom"] == "false" and child.data.metrics["lr_high"] == pytest.approx(6e-5)
     # The parent collects the decisions of every step: numbers by name, words by step.
     assert parent.data.metrics["lr_mid"] == pytest.approx(4e-5)
     assert parent.data.metrics["recommended_epochs"] == 12
     assert ptags["lr_range_test.status"] == "ok" and ptags["select_steps.status"] == "still_improving"
 
     top = {a.path for a in client.list_artifacts(run.run_id)}
-    assert {"curves", "report", "images"} <= top
+    assert {"curves", "report", "images", "samples"} <= top
+    series = [a.path for a in client.list_artifacts(run.run_id, "images")]
+    assert any(p.startswith("images/sample_grid+step+8+") and p.endswith(".png") for p in series), series
     assert [a.path for a in client.list_artifacts(run.run_id, "curves")] == ["curves/metrics.csv"]
     assert {a.path for a in client.list_artifacts(run.run_id, "report")} == {"report/report.html",
                                                                              "report/lr_curve.png"}
