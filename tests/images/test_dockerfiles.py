@@ -246,5 +246,5 @@ def test_the_torch_build_guards_tell_cpu_from_cuda():
     subprocess.run([sys.executable, "-c", cpu_guard], check=True, capture_output=True)
     trainer_guard = _inline_python(REPO / "images" / "Dockerfile.trainer", "torch.version.cuda or")
     proc = subprocess.run([sys.executable, "-c", trainer_guard], capture_output=True, text=True,
-                          env={**os.environ, "TORCH_INDEX_URL": "https://download.pytorch.org/whl/cu128"})
-    assert proc.returncode != 0 and "is not the cu128 build" in proc.stderr
+                          env={**os.environ, "TORCH_INDEX_URL": "https://download.pytorch.org/whl/cu130"})
+    assert proc.returncode != 0 and "is not the cu130 build" in proc.stderr
