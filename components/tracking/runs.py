@@ -400,15 +400,35 @@ class StepRun:
             self.client.log_image(self.run_id, image, artifact_file=artifact_file)
 
     def log_dataset_manifest(self, split_dir: str | os.PathLike, artifact_path: str = "dataset") -> str:
-        """The split folder's manifests (train/val/stabilize.jsonl, split.json) as artifacts; returns its digest,
-        also set as the tag `rangefinder.dataset_digest` here and on the parent run."""
+        """The split folder's manifests (train/val/stabilize.jsonl, split.json) as artifacts, and each part as an
+        MLflow dataset input (the run's "Datasets" column: name, digest, row count, context). Returns the digest of
+        the whole split, also set as the tag `rangefinder.dataset_digest` here and on the parent run."""
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+
         folder = Path(split_dir)
-        files = [p for p in sorted(folder.iterdir()) if p.suffix in (".jsonl", ".json") and p.is_file()]
+        files = [p for p in sorted(folder.iterdir()) if p.suffix in (".jsonl", ".json") and p.is_file()] \
+            if folder.is_dir() else []
         if not files:
             raise TrackingError(f"{folder} holds no split manifests (*.jsonl, split.json); run `rangefinder split`")
         for p in files:
             self.client.log_artifact(self.run_id, str(p), artifact_path)
         digest = folder_digest(folder, "*.jsonl")
+        try:
+            root = json.loads((folder / "split.json").read_text()).get("root") or str(folder)
+        except (OSError, ValueError):
+            root = str(folder)
+        name = Path(root).name or "dataset"
+        inputs = []
+        for part, context in (("train", "training"), ("val", "validation"), ("stabilize", "stabilize")):
+            manifest = folder / f"{part}.jsonl"
+            if not manifest.is_file():
+                continue
+            rows = sum(1 for line in manifest.read_text().splitlines() if line.strip())
+            ds = Dataset(name=f"{name}-{part}", digest=folder_digest(folder, manifest.name), source_type="local",
+                         source=json.dumps({"uri": redact(root)}), profile=json.dumps({"num_rows": rows}))
+            inputs.append(DatasetInput(ds, tags=[InputTag("mlflow.data.context", context)]))
+        if inputs:
+            self.client.log_inputs(self.run_id, datasets=inputs)
         for run_id in filter(None, (self.run_id, self.parent_run_id)):
             _batched_tags(self.client, run_id, {"rangefinder.dataset_digest": digest})
         return digest

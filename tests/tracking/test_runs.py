@@ -185,3 +185,21 @@ def test_no_secret_reaches_params_tags_or_errors(cfg, monkeypatch):
     assert data.params["hub.token"] == "***"
     # Look-alikes that are not secrets stay readable.
     assert data.params["training.textual_inversion.placeholder_token"] == "<rf-concept>"
+
+
+def test_dataset_manifests_are_artifacts_and_dataset_inputs(mlflow_server_uri, split_dir):
+    cfg = RangefinderConfig(tracking=TrackingConfig(tracking_uri=mlflow_server_uri, experiment_name="datasets"))
+    parent_id = ensure_parent_run(cfg, name="rf-datasets")
+    with step_run(cfg, "split", parent_run_id=parent_id) as run:
+        digest = run.log_dataset_manifest(split_dir)
+    client = MlflowClient(tracking_uri=mlflow_server_uri)
+    names = {a.path for a in client.list_artifacts(run.run_id, "dataset")}
+    assert {"dataset/train.jsonl", "dataset/val.jsonl", "dataset/stabilize.jsonl", "dataset/split.json"} <= names
+    child = client.get_run(run.run_id)
+    assert child.data.tags["rangefinder.dataset_digest"] == digest
+    assert client.get_run(parent_id).data.tags["rangefinder.dataset_digest"] == digest
+    inputs = {d.dataset.name.rsplit("-", 1)[1]: d for d in child.inputs.dataset_inputs}
+    assert set(inputs) == {"train", "val", "stabilize"}
+    rows = {part: json.loads(d.dataset.profile)["num_rows"] for part, d in inputs.items()}
+    assert rows == {part: len((split_dir / f"{part}.jsonl").read_text().splitlines()) for part in rows}
+    assert {t.key: t.value for t in inputs["val"].tags}["mlflow.data.context"] == "validation"
