@@ -36,9 +36,17 @@ def tracking_settings(cfg: Any = None):
 
 
 def resolve_tracking_uri(cfg: Any = None) -> str:
-    """tracking.tracking_uri, else $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db (relative to the working folder)."""
-    uri = tracking_settings(cfg).tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
-    return uri.strip()
+    """tracking.tracking_uri, else $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working folder.
+
+    A relative sqlite path is made absolute here, so that the steps a local run starts in other folders (kfp.local
+    subprocesses) write to the same database.
+    """
+    uri = (tracking_settings(cfg).tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI).strip()
+    db = sqlite_path(uri)
+    if db is not None and not uri.startswith("sqlite:////"):
+        query = uri.split("?", 1)[1] if "?" in uri else ""
+        uri = f"sqlite:///{db}" + (f"?{query}" if query else "")
+    return uri
 
 
 def resolve_experiment_name(cfg: Any = None) -> str:

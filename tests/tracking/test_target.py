@@ -12,8 +12,9 @@ from components.tracking import check_tracking_server, resolve_experiment_name, 
 from tests.tracking.conftest import free_port
 
 
-def test_uri_from_config_then_environment_then_local_sqlite(monkeypatch):
-    assert resolve_tracking_uri(None) == "sqlite:///mlflow.db"
+def test_uri_from_config_then_environment_then_local_sqlite(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    assert resolve_tracking_uri(None) == f"sqlite:///{tmp_path / 'mlflow.db'}"  # absolute: subprocesses agree
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow.example:5000")
     assert resolve_tracking_uri(RangefinderConfig()) == "http://mlflow.example:5000"
     cfg = RangefinderConfig(tracking=TrackingConfig(tracking_uri="sqlite:////tmp/x/mlflow.db"))
