@@ -151,6 +151,7 @@ class Smooth:
     slope: np.ndarray  # (..., n) d fitted / dx of the local polynomial
     kernel: np.ndarray  # (..., n, n) equivalent kernel (hat matrix) of the final, robust pass
     slope_kernel: np.ndarray  # same shape as kernel
+    leverage: np.ndarray  # (..., n) the kernel's diagonal L_ii, also when the kernels are not built
     span: int  # neighbours in each local fit
     degree: int  # 1: local lines; 2: local parabolas
 
@@ -231,7 +232,9 @@ def lowess(x: np.ndarray, y: np.ndarray, span: int, robust_iters: int = 2, kerne
         w = w0 * rw[..., None, :]
         L = w * sum(r[..., None] * dx**k for k, r in enumerate(r0))
         M = w * sum(r[..., None] * dx**k for k, r in enumerate(r1)) / scale
-    return Smooth(fitted=fitted, slope=slope / scale, kernel=L, slope_kernel=M, span=span, degree=degree)
+    leverage = rw * r0[0]  # L_ii = w_ii rw_i (S^-1)_00 with w_ii = 1 and dx_ii = 0
+    return Smooth(fitted=fitted, slope=slope / scale, kernel=L, slope_kernel=M, leverage=leverage, span=span,
+                  degree=degree)
 
 
 def choose_span(x: np.ndarray, y: np.ndarray, min_span: int = 4) -> tuple[int, int]:

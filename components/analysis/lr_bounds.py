@@ -89,8 +89,8 @@ FLAG_ADVICE: dict[str, str] = {
 STATUS_ADVICE: dict[str, str] = {
     "ok": "A real descent was found; train at lr_mid, or cycle between lr_low and lr_high.",
     "no_descent": (
-        "Validation loss never fell by more than its noise. Widen the sweep (lower lr_min, raise lr_max), train "
-        "more epochs per sweep, or use more validation images to lower the noise."
+        "Validation loss never fell by more than its noise. Validate more often during the sweep (more points), "
+        "widen it (lower lr_min, raise lr_max), or use more validation images to lower the noise."
     ),
     "rising_from_start": (
         "Validation loss rose from the very first LRs: even lr_min is too high. Lower lr_min and lr_max "
@@ -314,7 +314,9 @@ def analyze_lr_curve(
     if p_down > SIGNIFICANCE or reading.x_low is None or reading.x_high is None:
         if dropped:
             status: Status = "diverged"
-        elif p_up <= SIGNIFICANCE:
+        elif p_up <= SIGNIFICANCE and reading.snr < REPLICATE_SNR:
+            # Only when nothing dips below the start: a valley too narrow for the test (a few points between a
+            # flat start and a steep rise) is no evidence that lr_min is already too high.
             status = "rising_from_start"
         else:
             status = "no_descent"

@@ -148,3 +148,19 @@ def test_bad_input():
         analyze_lr_curve([0, 1e-6, 1e-5], [0.2, np.nan, np.nan])
     with pytest.raises(RangefinderError, match="differ in length"):
         analyze_lr_curve([0, 1e-6], [0.2, 0.1, 0.3])
+
+
+def test_narrow_valley_in_eleven_points_is_not_called_rising():
+    # The default sweep (10 validations + baseline, half a decade apart) can miss a valley 2-3 points wide; it
+    # must then say "no descent, validate more often", never "rising from the start" (which says lower the range).
+    lr = lr_sweep(10)
+    statuses = {analyze_lr_curve(lr, noisy(U.loss(lr), 0.002, s), seed=s).status for s in range(10)}
+    assert "rising_from_start" not in statuses
+
+
+def test_eleven_point_sweep_of_a_broad_u():
+    shape = RangeTestShape(fall_width=0.5, lr_fall=1e-5, rise=0.05, lr_rise=3e-3, rise_width=0.4)
+    lr = lr_sweep(10)
+    b = analyze_lr_curve(lr, noisy(shape.loss(lr), 0.002, 0))
+    # Half a decade between points: the bounds are read to within one step.
+    check_bounds(b, shape, tol=0.5)

@@ -65,7 +65,7 @@ def test_not_ok_report_says_what_to_do(tmp_path):
     b = analyze_lr_curve(lr, noisy(np.full(lr.shape, 0.2), 0.002, 0))
     assert b.status == "no_descent"
     page = write_lr_report(b, None, tmp_path)["html"].read_text()
-    assert "Widen the sweep" in page
+    assert "Validate more often" in page
 
 
 def test_step_report(tmp_path):
