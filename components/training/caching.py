@@ -1,0 +1,216 @@
+"""Encode once: VAE latents and text embeddings, cached on disk and keyed by content.
+
+An entry's key is a hash of what determines it, never of a path or a run: a latent is keyed by the image file's
+bytes under a folder keyed by the VAE's weights and config and the preprocessing (resolution, crop, mode or seeded
+sample); a text embedding is keyed by its token ids under a folder keyed by the text encoder's weights. So the LR
+range test, the fine-tune and the retrain of a pipeline (and the train+val retrain, which needs the same images)
+encode each image once, and a changed image or base model can never be served a stale entry.
+
+Layout: `<cache_root>/latents/<setting key>/<image sha256>.safetensors` holding `latent` (4, h, w) and, once a run
+with flipping has needed it, `flipped` (the mirrored image's latent: mirroring a latent is not the latent of the
+mirrored image); `<cache_root>/text/<encoder key>/<ids hash>.safetensors` holding `hidden` (77, D). Each file is
+written to a temporary name and renamed, so concurrent or killed writers never leave a torn entry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+CACHE_VERSION = "1"  # bump when the meaning of an entry changes
+
+
+def cache_root(configured: Optional[str] = None) -> Path:
+    """training.cache_dir, else $RANGEFINDER_CACHE, else ~/.cache/rangefinder (shared with the embedded model)."""
+    base = configured or os.environ.get("RANGEFINDER_CACHE") or Path.home() / ".cache" / "rangefinder"
+    return Path(base) / "encoded"
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def module_fingerprint(module: torch.nn.Module) -> str:
+    """Hash of a module's class, config and every tensor's name, dtype, shape and bytes."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(type(module).__name__.encode())
+    config = getattr(module, "config", None)
+    if config is not None:
+        as_dict = dict(config) if not hasattr(config, "to_dict") else config.to_dict()
+        h.update(json.dumps(as_dict, sort_keys=True, default=str).encode())
+    for name, t in sorted(module.state_dict().items()):
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def _key(*parts: object) -> str:
+    return hashlib.blake2b("|".join(map(str, (CACHE_VERSION,) + parts)).encode(), digest_size=12).hexdigest()
+
+
+def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+    os.replace(tmp, path)
+
+
+@dataclass
+class CacheStats:
+    encoded: int = 0
+    reused: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {"encoded": self.encoded, "reused": self.reused}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Latents
+
+
+class VaeEncoder:
+    """Pixels -> scaled latents, with the distribution's mode or a sample seeded by the image's content hash."""
+
+    def __init__(self, vae: torch.nn.Module, device: torch.device, sampling: str, seed: int) -> None:
+        self.vae, self.device, self.sampling, self.seed = vae, device, sampling, seed
+        self.scaling = float(vae.config.scaling_factor)
+        shift = getattr(vae.config, "shift_factor", None)
+        self.shift = float(shift) if shift is not None else 0.0
+        self.fingerprint = module_fingerprint(vae)
+
+    @torch.no_grad()
+    def __call__(self, pixels: torch.Tensor, keys: Sequence[str]) -> torch.Tensor:
+        """(B, 3, H, W) in [-1, 1] -> (B, 4, H/8, W/8) fp32 on CPU."""
+        dtype = next(self.vae.parameters()).dtype
+        dist = self.vae.encode(pixels.to(self.device, dtype)).latent_dist
+        if self.sampling == "mode":
+            z = dist.mode()
+        else:
+            # One generator per image, seeded by its content: the same image gets the same sample in every run.
+            eps = torch.stack(
+                [torch.randn(dist.mean.shape[1:], generator=_seeded(self.seed, k), dtype=torch.float32) for k in keys]
+            )
+            z = dist.mean + dist.std * eps.to(dist.mean.device, dist.mean.dtype)
+        return ((z.float() - self.shift) * self.scaling).cpu()
+
+
+def _seeded(seed: int, key: str) -> torch.Generator:
+    digest = hashlib.blake2b(f"{seed}|{key}".encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
+
+
+def latent_cache_dir(root: Path, encoder: VaeEncoder, resolution: int, center_crop: bool) -> Path:
+    seed = encoder.seed if encoder.sampling == "sample" else None
+    return root / "latents" / _key(encoder.fingerprint, resolution, center_crop, encoder.sampling, seed)
+
+
+def cached_latents(
+    paths: Sequence[Path],
+    keys: Sequence[str],
+    encoder: VaeEncoder,
+    load: Callable[[Path], np.ndarray],
+    folder: Path,
+    *,
+    flipped: bool,
+    batch_size: int = 8,
+    stats: Optional[CacheStats] = None,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(N, 4, h, w) latents for the images (and of their mirror images when `flipped`), encoding only new ones."""
+    stats = stats if stats is not None else CacheStats()
+    wanted = ("latent", "flipped") if flipped else ("latent",)
+    found: dict[str, dict[str, torch.Tensor]] = {}
+    missing: list[int] = []
+    for i, k in enumerate(keys):
+        f = folder / f"{k}.safetensors"
+        entry = _try_load(f)
+        if entry is not None and all(w in entry for w in wanted):
+            found[k] = entry
+        else:
+            missing.append(i)
+    todo = sorted({keys[i]: i for i in missing}.values())  # one encode per distinct image
+    stats.reused += len(keys) - len(todo)
+    for start in range(0, len(todo), batch_size):
+        chunk = todo[start : start + batch_size]
+        arrays = [load(paths[i]) for i in chunk]
+        z = encoder(torch.from_numpy(np.stack(arrays)), [keys[i] for i in chunk])
+        zf = None
+        if flipped:
+            mirrored = np.stack([np.ascontiguousarray(a[:, :, ::-1]) for a in arrays])
+            zf = encoder(torch.from_numpy(mirrored), [keys[i] + "/flip" for i in chunk])
+        for j, i in enumerate(chunk):
+            entry = {"latent": z[j].clone()}
+            if zf is not None:
+                entry["flipped"] = zf[j].clone()
+            _atomic_save(entry, folder / f"{keys[i]}.safetensors")
+            found[keys[i]] = entry
+        stats.encoded += len(chunk)
+    latents = torch.stack([found[k]["latent"] for k in keys])
+    mirrored_latents = torch.stack([found[k]["flipped"] for k in keys]) if flipped else None
+    return latents, mirrored_latents
+
+
+def _try_load(path: Path) -> Optional[dict[str, torch.Tensor]]:
+    if not path.is_file():
+        return None
+    try:
+        return load_file(str(path))
+    except Exception:  # a file from an older writer or another format: encode again and overwrite it
+        return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Text
+
+
+def tokenize(tokenizer, captions: Sequence[str]) -> torch.Tensor:
+    """(N, 77) token ids, padded and truncated to the tokenizer's length as SD 1.x was trained."""
+    # A tokenizer saved without its length reports a huge sentinel; CLIP's context is 77 tokens.
+    length = tokenizer.model_max_length if tokenizer.model_max_length < 100_000 else 77
+    return tokenizer(list(captions), padding="max_length", max_length=length, truncation=True, return_tensors="pt").input_ids
+
+
+@torch.no_grad()
+def cached_text_embeddings(
+    input_ids: torch.Tensor,
+    encode: Callable[[torch.Tensor], torch.Tensor],
+    folder: Path,
+    device: torch.device,
+    *,
+    batch_size: int = 32,
+    stats: Optional[CacheStats] = None,
+) -> torch.Tensor:
+    """(N, 77, D) fp32 hidden states for (N, 77) ids, encoding each distinct caption once ever."""
+    stats = stats if stats is not None else CacheStats()
+    keys = [hashlib.blake2b(row.numpy().tobytes(), digest_size=16).hexdigest() for row in input_ids]
+    found: dict[str, torch.Tensor] = {}
+    for k in dict.fromkeys(keys):
+        entry = _try_load(folder / f"{k}.safetensors")
+        if entry is not None and "hidden" in entry:
+            found[k] = entry["hidden"]
+    todo = [keys.index(k) for k in dict.fromkeys(keys) if k not in found]
+    stats.reused += len(set(keys)) - len(todo)
+    for start in range(0, len(todo), batch_size):
+        chunk = todo[start : start + batch_size]
+        hidden = encode(input_ids[chunk].to(device)).float().cpu()
+        for j, i in enumerate(chunk):
+            found[keys[i]] = hidden[j].clone()
+            _atomic_save({"hidden": found[keys[i]]}, folder / f"{keys[i]}.safetensors")
+        stats.encoded += len(chunk)
+    return torch.stack([found[k] for k in keys])
+
+
+def text_cache_dir(root: Path, text_encoder: torch.nn.Module) -> Path:
+    return root / "text" / _key(module_fingerprint(text_encoder))

@@ -1,0 +1,243 @@
+"""Real training runs of the engine on the tiny base model (CPU, 32 px, a handful of updates each)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from components.config import TrainingConfig, ValidationConfig, plan_for
+from components.data.split import read_split
+from components.errors import ConfigError
+from components.training.loop import train
+
+NO_VALIDATION = ValidationConfig(every_epochs=0)
+
+
+@pytest.fixture(scope="module")
+def encoded_cache(tmp_path_factory):
+    """One latent/text cache for this module's runs (the first run encodes, the rest reuse)."""
+    return str(tmp_path_factory.mktemp("encoded"))
+
+
+def settings(cache: str, **kw) -> TrainingConfig:
+    base = dict(batch_size=4, lr=1e-4, seed=7, cache_dir=cache)
+    return TrainingConfig(**{**base, **kw})
+
+
+def rows(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def unet_weights(final_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(final_dir / "unet" / "diffusion_pytorch_model.safetensors"))
+
+
+def train_images(split_dir) -> int:
+    return len(read_split(split_dir).train)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The planner's counts are the engine's counts
+
+
+@pytest.mark.parametrize(
+    "combo",
+    [
+        dict(batch_size=3, epochs=1),  # partial last micro-batch
+        dict(batch_size=2, grad_accum=3, epochs=2),  # accumulation carries across the epoch boundary
+        dict(batch_size=3, grad_accum=2, steps=5, steps_unit="micro-batch"),  # A1111-style steps
+        dict(batch_size=5, grad_accum=2, drop_last=True, epochs=2),  # each epoch cut on its own
+    ],
+    ids=["partial-micro-batch", "grad-accum", "micro-batch-steps", "drop-last"],
+)
+def test_updates_taken_equal_the_planners_total_updates(combo, split_dir, tiny_model_dir, encoded_cache, tmp_path):
+    cfg = settings(encoded_cache, checkpoint_every_updates=1000, **combo)  # one checkpoint, at the end
+    expected = plan_for(cfg, train_images(split_dir))
+
+    result = train(cfg, NO_VALIDATION, split_dir=split_dir, model=tiny_model_dir, out_dir=tmp_path, save_final=False)
+
+    assert result.updates == expected.total_updates
+    assert len(rows(tmp_path / "updates.csv")) == expected.total_updates
+    # Independent of the loop's own counting: AdamW's per-parameter step counter in the saved optimizer state.
+    optimizer = torch.load(result.checkpoints[-1] / "optimizer.pt", weights_only=False)
+    steps = {float(s["step"]) for s in optimizer["state"].values()}
+    assert steps == {float(expected.total_updates)}
+    assert math.isclose(result.epochs, expected.images_seen / expected.train_images if not cfg.drop_last else cfg.epochs)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Validation: deterministic, and it never changes training
+
+
+@pytest.fixture(scope="module")
+def triangular_runs(split_dir, tiny_model_dir, encoded_cache, tmp_path_factory):
+    """The same triangular-LR run twice: validated every epoch, and not validated at all."""
+    cfg = settings(encoded_cache, epochs=2, schedule="triangular", lr_min=1e-5, lr_max=3e-4, cycle_epochs=0.5,
+                   random_flip=True, cond_dropout=0.25, min_snr_gamma=5.0, noise_offset=0.05)
+    out = {}
+    for name, val_cfg in (("validated", ValidationConfig(every_epochs=1)), ("plain", NO_VALIDATION)):
+        d = tmp_path_factory.mktemp(name)
+        out[name] = (d, train(cfg, val_cfg, split_dir=split_dir, model=tiny_model_dir, out_dir=d))
+    return cfg, out
+
+
+def test_validation_does_not_change_the_trained_weights(triangular_runs):
+    _, runs = triangular_runs
+    (val_dir, validated), (plain_dir, plain) = runs["validated"], runs["plain"]
+    assert len(rows(val_dir / "metrics.csv")) == 3  # baseline + 2 epochs
+    assert rows(plain_dir / "metrics.csv") == []
+    a, b = unet_weights(validated.final_dir), unet_weights(plain.final_dir)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert rows(val_dir / "updates.csv") == rows(plain_dir / "updates.csv")
+
+
+def test_metrics_csv_has_the_curve_columns(triangular_runs, split_dir):
+    _, runs = triangular_runs
+    d, result = runs["validated"]
+    table = rows(d / "metrics.csv")
+    k = ValidationConfig().timesteps
+    assert list(table[0]) == (
+        ["update", "epoch", "lr", "train_loss", "val_loss", "stabilize_loss"]
+        + [f"val_loss_b{i}" for i in range(k)]
+        + [f"stabilize_loss_b{i}" for i in range(k)]
+    )
+    baseline, last = table[0], table[-1]
+    assert baseline["update"] == "0" and baseline["train_loss"] == "" and baseline["lr"] == ""
+    assert float(last["epoch"]) == 2.0 and int(last["update"]) == result.updates
+    for row in table:
+        buckets = [float(row[f"val_loss_b{i}"]) for i in range(k)]
+        assert float(row["val_loss"]) == pytest.approx(sum(buckets) / k)
+    summary = json.loads((d / "run_summary.json").read_text())
+    assert summary["status"] == "ok" and summary["updates"] == result.updates
+    assert summary["best_val_loss"] == min(float(r["val_loss"]) for r in table)
+
+
+def test_logged_lr_follows_the_triangular_formula(triangular_runs, split_dir):
+    cfg, runs = triangular_runs
+    d, result = runs["plain"]
+    p = plan_for(cfg, train_images(split_dir))
+    step_size = cfg.cycle_epochs * p.updates_per_epoch  # Smith 2017: half a cycle, in updates
+    for r in rows(d / "updates.csv"):
+        u = int(r["update"]) - 1
+        cycle = math.floor(1 + u / (2 * step_size))
+        x = abs(u / step_size - 2 * cycle + 1)
+        assert float(r["lr"]) == pytest.approx(1e-5 + (3e-4 - 1e-5) * max(0.0, 1 - x), rel=1e-12)
+    lrs = [float(r["lr"]) for r in rows(d / "updates.csv")]
+    assert max(lrs) == pytest.approx(3e-4) and min(lrs) < 1e-4  # it really cycles
+
+
+def test_two_validation_passes_of_one_model_are_bit_identical(tiny_model_dir, split_dir):
+    from components.config import ModelConfig
+    from components.models.loading import load_sd_components
+    from components.training.caching import tokenize
+    from components.training.validation import ValidationSet, measure
+
+    sd = load_sd_components(ModelConfig(base_model=str(tiny_model_dir)))
+    items = read_split(split_dir).val
+    with torch.no_grad():
+        hidden = sd.text_encoder(tokenize(sd.tokenizer, [it.text for it in items]))[0]
+    g = torch.Generator().manual_seed(0)
+    latents = torch.randn((len(items), 4, 8, 8), generator=g)
+    vset = ValidationSet("val", [it.id for it in items], latents, hidden)
+    kw = dict(unet=sd.unet.eval(), encode=None, noise_scheduler=sd.noise_scheduler, prediction_type="epsilon",
+              num_buckets=4, seed=0, batch_size=3, device=torch.device("cpu"))
+    torch.manual_seed(1)
+    first = measure(vset, **kw)
+    torch.manual_seed(2)  # the global RNG plays no part
+    second = measure(vset, **kw)
+    assert first == second
+    assert measure(vset, **{**kw, "seed": 1}) != first  # the noise does come from the seed
+
+
+def test_final_is_a_loadable_pipeline_with_the_trained_weights(triangular_runs, tiny_model_dir):
+    from diffusers import StableDiffusionPipeline, UNet2DConditionModel
+
+    _, runs = triangular_runs
+    _, result = runs["plain"]
+    pipe = StableDiffusionPipeline.from_pretrained(str(result.final_dir))
+    base = UNet2DConditionModel.from_pretrained(str(tiny_model_dir), subfolder="unet")
+    trained = dict(pipe.unet.named_parameters())
+    assert any(not torch.equal(p, trained[n]) for n, p in base.named_parameters())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Caching, v-prediction, bad settings
+
+
+def test_latents_are_encoded_once_and_keyed_by_content(split_dir, tiny_model_dir, tmp_path):
+    split = read_split(split_dir)
+    data = tmp_path / "data"
+    shutil.copytree(split.root, data)
+    own_split = tmp_path / "split"
+    shutil.copytree(split_dir, own_split)
+    meta = json.loads((own_split / "split.json").read_text())
+    meta["root"] = str(data)
+    (own_split / "split.json").write_text(json.dumps(meta))
+    n_items = len({it.id for it in split.train + split.val + split.stabilize})
+
+    cfg = settings(str(tmp_path / "cache"), steps=1)
+    first = train(cfg, NO_VALIDATION, split_dir=own_split, model=tiny_model_dir, out_dir=tmp_path / "a", save_final=False)
+    second = train(cfg, NO_VALIDATION, split_dir=own_split, model=tiny_model_dir, out_dir=tmp_path / "b", save_final=False)
+    assert first.cache["latents"]["encoded"] == n_items
+    assert second.cache["latents"]["encoded"] == 0 and second.cache["latents"]["reused"] >= n_items
+    assert second.cache["text"]["encoded"] == 0
+
+    changed = split.path_of(split.train[0]).relative_to(split.root)
+    from PIL import Image
+
+    with Image.open(data / changed) as im:
+        im.transpose(Image.Transpose.ROTATE_90).save(data / changed)
+    third = train(cfg, NO_VALIDATION, split_dir=own_split, model=tiny_model_dir, out_dir=tmp_path / "c", save_final=False)
+    assert third.cache["latents"]["encoded"] == 1
+
+
+def test_v_prediction_and_train_plus_val(split_dir, tiny_model_dir, encoded_cache, tmp_path):
+    cfg = settings(encoded_cache, steps=2, prediction_type="v_prediction", use_ema=True, gradient_checkpointing=True)
+    result = train(cfg, ValidationConfig(every_updates=1), split_dir=split_dir, model=tiny_model_dir,
+                   out_dir=tmp_path, train_on="train+val")
+    table = rows(tmp_path / "metrics.csv")
+    assert [r["update"] for r in table] == ["0", "1", "2"]
+    assert all(r["val_loss"] == "" and r["stabilize_loss"] != "" for r in table)  # val is trained on: not measured
+    scheduler = json.loads((result.final_dir / "scheduler" / "scheduler_config.json").read_text())
+    assert scheduler["prediction_type"] == "v_prediction"
+    split = read_split(split_dir)
+    assert json.loads(result.summary_path.read_text())["plan"]["train_images"] == len(split.train) + len(split.val)
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (dict(schedule="linear-ramp", lr_min=1e-3, lr_max=1e-5, epochs=1), "lr_max"),
+        (dict(batch_size=1000, drop_last=True, epochs=1), "drop_last"),
+        (dict(schedule="zigzag", epochs=1), "schedule"),
+        (dict(use_8bit_adam=True, epochs=1), "use_8bit_adam"),
+    ],
+    ids=["ramp-upside-down", "batch-larger-than-set", "unknown-schedule", "8bit-adam-on-cpu"],
+)
+def test_bad_settings_fail_before_training(bad, message, split_dir, tiny_model_dir, tmp_path):
+    if bad.get("use_8bit_adam") and torch.cuda.is_available():
+        pytest.skip("8-bit AdamW is allowed where CUDA is")
+    cfg = TrainingConfig.model_construct(**{**dict(TrainingConfig()), **bad})  # skip the constructor's checks
+    out = tmp_path / "out"
+    with pytest.raises(ConfigError, match=message) as err:
+        train(cfg, NO_VALIDATION, split_dir=split_dir, model=tiny_model_dir, out_dir=out)
+    assert "\n" not in str(err.value)
+    assert not out.exists()  # nothing was written
+
+
+def test_an_existing_run_is_not_overwritten_without_resume(split_dir, tiny_model_dir, encoded_cache, tmp_path):
+    cfg = settings(encoded_cache, steps=1)
+    train(cfg, NO_VALIDATION, split_dir=split_dir, model=tiny_model_dir, out_dir=tmp_path, save_final=False)
+    before = (tmp_path / "updates.csv").read_text()
+    with pytest.raises(ConfigError, match="resume"):
+        train(cfg, NO_VALIDATION, split_dir=split_dir, model=tiny_model_dir, out_dir=tmp_path)
+    assert (tmp_path / "updates.csv").read_text() == before
