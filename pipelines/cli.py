@@ -28,6 +28,7 @@ COMMANDS = [
     "make_base_model",
     "split",
     "sample",
+    "train",
     "analyze_lr",
     "select_steps",
     "promote",
