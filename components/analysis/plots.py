@@ -138,7 +138,8 @@ def plot_step_window(window: StepWindow, out_path: str | Path, *, title: Optiona
     flags = f" · {', '.join(window.flags)}" if window.flags else ""
     ax.set_title(title or f"Step window: {window.status}{flags}", fontsize=11)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8.5, loc="best", framealpha=0.85)
+    # Below the axes: a U-shaped curve leaves no free corner for it.
+    fig.legend(fontsize=8.5, loc="outside lower center", ncols=3, frameon=False)
     out = _save(fig, out_path)
     plt.close(fig)
     return out
