@@ -1,7 +1,8 @@
 """Real MLflow tracking targets for tests: a `mlflow server` on loopback, one with basic auth, and a local sqlite store.
 
-Other test folders can use them with `from tests.tracking.conftest import *` in their conftest.py, or
-`pytest_plugins = ["tests.tracking.conftest"]` in tests/conftest.py:
+tests/tracking/conftest.py loads these. Other test folders can use them with `pytest_plugins =
+["tests.tracking.fixtures"]` in tests/conftest.py, or `from tests.tracking.fixtures import *` in their conftest.py
+(session fixtures are then started once per session either way):
 
 - `mlflow_server_uri` (session): `http://127.0.0.1:PORT` of a real `mlflow server` (sqlite backend, local artifact
   root, proxied artifacts), started once per session with `--allowed-hosts 127.0.0.1:PORT`.
@@ -10,7 +11,8 @@ Other test folders can use them with `from tests.tracking.conftest import *` in 
   used only by that server process (skipped, with the reason, when that is not possible).
 - `sqlite_tracking_uri`: `sqlite:///<tmp_path>/.../mlflow.db`, the local default, fresh per test;
   `shared_sqlite_tracking_uri` (session): one such store for many tests (give each its own experiment).
-- `clean_mlflow_env` (autouse here): no MLFLOW_* variables leak from the caller's shell into a test.
+- `clean_mlflow_env`: no MLFLOW_* variables leak from the caller's shell into a test, a down server fails in seconds,
+  and the global tracking URI is restored afterwards (autouse in tests/tracking only).
 """
 
 from __future__ import annotations
@@ -154,7 +156,7 @@ def shared_sqlite_tracking_uri(tmp_path_factory) -> str:
     return f"sqlite:///{tmp_path_factory.mktemp('mlflow-sqlite') / 'mlflow.db'}"
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def clean_mlflow_env(monkeypatch):
     import mlflow
 

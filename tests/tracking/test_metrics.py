@@ -9,7 +9,7 @@ from mlflow import MlflowClient
 from components.errors import TrackingError
 from components.tracking import BatchedMetricLogger
 from components.training import MetricSink
-from tests.tracking.conftest import free_port
+from tests.tracking.fixtures import free_port
 
 
 @pytest.fixture

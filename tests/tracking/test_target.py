@@ -9,7 +9,7 @@ import pytest
 from components.config import RangefinderConfig, TrackingConfig
 from components.errors import TrackingError
 from components.tracking import check_tracking_server, resolve_experiment_name, resolve_tracking_uri, step_run
-from tests.tracking.conftest import free_port
+from tests.tracking.fixtures import free_port
 
 
 def test_uri_from_config_then_environment_then_local_sqlite(monkeypatch, tmp_path):
