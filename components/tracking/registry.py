@@ -13,6 +13,7 @@ import io
 import logging
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -113,17 +114,21 @@ def log_diffusers_model(
     defaults = {"num_inference_steps": int(num_inference_steps), "guidance_scale": float(guidance_scale),
                 "height": res, "width": res}
     mlflow.set_tracking_uri(run.tracking_uri)
-    info = Model.log(
-        artifact_path=None,
-        name=name,
-        flavor=mlflow.pyfunc,
-        run_id=run.run_id,
-        python_model=str(SD_PYFUNC_PATH),
-        artifacts={"pipeline": str(folder)},
-        model_config=defaults,
-        signature=_signature(defaults),
-        pip_requirements=_requirements(),
-    )
+    with warnings.catch_warnings():
+        # An input example would make mlflow load the whole pipeline and generate at logging time; the signature
+        # already says what goes in and out.
+        warnings.filterwarnings("ignore", message=".*input example was not provided.*")
+        info = Model.log(
+            artifact_path=None,
+            name=name,
+            flavor=mlflow.pyfunc,
+            run_id=run.run_id,
+            python_model=str(SD_PYFUNC_PATH),
+            artifacts={"pipeline": str(folder)},
+            model_config=defaults,
+            signature=_signature(defaults),
+            pip_requirements=_requirements(),
+        )
     if not registered_model_name:
         return RegisteredVersion(model_uri=info.model_uri, name=None, version=None, alias=None)
 

@@ -11,8 +11,6 @@ so it survives MLflow's JSON serving as well). Each image depends only on its ow
 other rows, because each row gets its own seeded generator.
 """
 
-from __future__ import annotations
-
 import base64
 import io
 
@@ -33,7 +31,8 @@ class StableDiffusionPyfunc(PythonModel):
         self.pipe.to(self.device)
         self.pipe.set_progress_bar_config(disable=True)
 
-    def predict(self, context, model_input, params=None):
+    # The DataFrame hint tells mlflow to validate against the logged signature rather than infer one from the hint.
+    def predict(self, context, model_input: pd.DataFrame, params: dict | None = None) -> pd.DataFrame:
         import torch
 
         df = model_input if isinstance(model_input, pd.DataFrame) else pd.DataFrame({"prompt": list(model_input)})
