@@ -1,0 +1,63 @@
+"""Exact resume: a run SIGKILLed after its second checkpoint and resumed ends exactly like one never stopped."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+CHILD = Path(__file__).with_name("engine_child.py")
+
+
+def run_child(settings: dict, tmp: Path, name: str) -> subprocess.CompletedProcess:
+    path = tmp / f"{name}.json"
+    path.write_text(json.dumps(settings))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, str(CHILD), str(path)], capture_output=True, text=True, env=env, timeout=600)
+
+
+@pytest.mark.slow
+def test_sigkill_after_second_checkpoint_then_resume_equals_uninterrupted(split_dir, tiny_model_dir, tmp_path):
+    training = dict(
+        batch_size=4, epochs=3, lr=2e-4, seed=11, checkpoint_every_updates=3, keep_checkpoints=2,
+        random_flip=True, cond_dropout=0.2, min_snr_gamma=5.0, noise_offset=0.05, use_ema=True, ema_decay=0.9,
+        cache_dir=str(tmp_path / "cache"),
+    )
+    base = dict(split_dir=str(split_dir), model=str(tiny_model_dir), training=training,
+                validation=dict(every_epochs=1))
+
+    whole = run_child({**base, "out_dir": str(tmp_path / "whole")}, tmp_path, "whole")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+
+    # 16 images / batch 4 = 4 updates per epoch, 12 in all; checkpoints at 3 and 6, then killed inside update 7.
+    cut = tmp_path / "cut"
+    killed = run_child({**base, "out_dir": str(cut), "kill_at_update": 7}, tmp_path, "killed")
+    assert killed.returncode == -signal.SIGKILL
+    assert sorted(p.name for p in (cut / "checkpoints").iterdir()) == ["checkpoint-000003", "checkpoint-000006"]
+    assert not (cut / "final").exists() and not (cut / "run_summary.json").exists()
+    # A save torn by a crash must be ignored: a temporary folder, and a folder that never got its state.json.
+    (cut / "checkpoints" / "checkpoint-000009.tmp").mkdir()
+    torn = cut / "checkpoints" / "checkpoint-000008"
+    torn.mkdir()
+    (torn / "weights.safetensors").write_bytes(b"half a file")
+
+    resumed = run_child({**base, "out_dir": str(cut), "training": {**training, "resume": True}}, tmp_path, "resumed")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = json.loads(resumed.stdout.strip().splitlines()[-1])
+    assert summary["resumed_from"] == 6 and summary["updates"] == 12
+
+    for name in ("metrics.csv", "updates.csv"):
+        assert (cut / name).read_text() == (tmp_path / "whole" / name).read_text(), name
+    a = load_file(str(tmp_path / "whole" / "final" / "unet" / "diffusion_pytorch_model.safetensors"))
+    b = load_file(str(cut / "final" / "unet" / "diffusion_pytorch_model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # keep_checkpoints=2: only the newest two whole checkpoints remain, the torn ones are gone or ignored.
+    kept = sorted(p.name for p in (cut / "checkpoints").iterdir() if not p.name.endswith(".tmp"))
+    assert kept[-2:] == ["checkpoint-000009", "checkpoint-000012"]
