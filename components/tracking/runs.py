@@ -12,6 +12,7 @@ fluent API would silently resume $MLFLOW_RUN_ID instead of opening a child.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -68,14 +69,16 @@ def tracking_client(cfg: Any = None, *, check: bool = True):
 
 def git_revision() -> Optional[str]:
     """$RANGEFINDER_GIT_REVISION (baked into images), else `git rev-parse HEAD` of this checkout, else None."""
-    rev = os.environ.get("RANGEFINDER_GIT_REVISION")
-    if rev:
-        return rev
+    return os.environ.get("RANGEFINDER_GIT_REVISION") or _checkout_revision()
+
+
+@functools.lru_cache(maxsize=1)
+def _checkout_revision() -> Optional[str]:
+    root = Path(__file__).resolve().parents[2]
+    if not (root / ".git").exists():  # an installed package: whatever repo encloses site-packages is not ours
+        return None
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, capture_output=True, text=True,
-            timeout=2,
-        )
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=2)
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None if out.returncode == 0 else None
