@@ -39,7 +39,9 @@ class FinetuneResult:
 def finetune_training_config(cfg: RangefinderConfig, lr_low: float, lr_high: float, lr_mid: float,
                              train_images: int, epochs: Optional[int] = None) -> TrainingConfig:
     ft = cfg.finetune
-    update: dict[str, Any] = {"epochs": epochs or ft.epochs, "steps": None, "lr": lr_mid, "scale_lr": "none"}
+    # resume: the folder is this task's own, so a retry (a preempted node) goes on from its newest checkpoint.
+    update: dict[str, Any] = {"epochs": epochs or ft.epochs, "steps": None, "lr": lr_mid, "scale_lr": "none",
+                              "resume": True}
     if ft.schedule == "constant" or lr_high <= lr_low:
         update.update(schedule="constant", lr_min=None, lr_max=None)
     else:

@@ -59,7 +59,9 @@ def ramp_training_config(cfg: RangefinderConfig, lr_min: float, lr_max: float) -
     return cfg.training.model_copy(update={
         "schedule": "exp-ramp" if rt.ramp == "exp" else "linear-ramp",
         "lr_min": lr_min, "lr_max": lr_max, "lr": lr_max, "scale_lr": "none",
-        "epochs": rt.epochs, "steps": None, "resume": cfg.training.resume,
+        "epochs": rt.epochs, "steps": None,
+        # The folder is this task's own: a retry (a preempted node) goes on from its newest checkpoint.
+        "resume": True,
     })
 
 
@@ -77,7 +79,8 @@ def points_between(lr: Any, lr_low: Optional[float], lr_high: Optional[float]) -
 
 
 def zoom_range(status: str, flags: list[str], lr_low: Optional[float], lr_high: Optional[float],
-               lr_min: float, lr_max: float, n_between: int, min_points: int) -> Optional[tuple[float, float]]:
+               lr_min: float, lr_max: float, n_between: int, min_points: int,
+               lr_at_min: Optional[float] = None) -> Optional[tuple[float, float]]:
     """The range of a second test, or None when the first curve is readable enough (see the module docstring)."""
     if status == "ok":
         assert lr_low is not None and lr_high is not None
@@ -91,6 +94,9 @@ def zoom_range(status: str, flags: list[str], lr_low: Optional[float], lr_high: 
     if status == "rising_from_start":
         return lr_min / ZOOM_EXTEND ** 2, lr_min
     if status == "diverged":
+        if lr_at_min is not None and lr_min < lr_at_min < lr_max:
+            # It fell before it blew up: spend the second sweep on the part below the blow-up.
+            return lr_min, min(lr_max, lr_at_min * ZOOM_EXTEND)
         return lr_min / ZOOM_EXTEND, max(lr_max / ZOOM_EXTEND ** 2, lr_min * ZOOM_EXTEND)
     if status == "no_descent":
         return lr_min, lr_max * ZOOM_EXTEND
@@ -110,6 +116,8 @@ def run_lr_range_test(
     mlflow_parent_run_id: Optional[str] = None,
 ) -> RangeTestResult:
     """Sweep, analyse, report; `lr_min`/`lr_max` None: the configured range (a zoom passes its own)."""
+    import numpy as np
+
     from components import tracking
     from components.analysis import analyze_lr_curve, read_curve_csv, write_lr_report
     from components.training.loop import train
@@ -136,13 +144,17 @@ def run_lr_range_test(
                        metric_sink=run, data=cfg.data, save_final=False)
         curve = read_curve_csv(result.metrics_csv)
         stabilize = curve.get("stabilize_loss")
-        bounds = analyze_lr_curve(curve["lr"], curve["val_loss"], ramp=rt.ramp, stabilize_loss=stabilize,
+        # The engine leaves the LR of the update-0 baseline empty (no step taken yet); the analysis reads a
+        # baseline as LR 0, and would otherwise cut the curve at its first non-finite LR.
+        lr = np.where((curve["update"] == 0) & np.isnan(curve["lr"]), 0.0, curve["lr"])
+        curve["lr"] = lr
+        bounds = analyze_lr_curve(lr, curve["val_loss"], ramp=rt.ramp, stabilize_loss=stabilize,
                                   seed=cfg.validation.seed, divergence_factor=cfg.validation.divergence_factor)
         n_between = points_between(curve["lr"], bounds.lr_low, bounds.lr_high)
         zoom = None
         if stage == "first" and rt.zoom:
             zoom = zoom_range(bounds.status, bounds.flags, bounds.lr_low, bounds.lr_high, lo, hi, n_between,
-                              rt.zoom_min_points)
+                              rt.zoom_min_points, lr_at_min=bounds.lr_at_min)
         decision = {**bounds.to_dict(), "stage": stage, "lr_min": lo, "lr_max": hi, "points_between": n_between,
                     "needs_zoom": zoom is not None, "zoom_range": list(zoom) if zoom else None,
                     "updates": result.updates, "curve_csv": str(result.metrics_csv)}

@@ -35,8 +35,8 @@ def run_prepare_dataset(
     dataset_dir: Optional[Path] = None,
     report_path: Optional[Path] = None,
 ) -> PreparedDataset:
+    from components.data.split import split_dataset
     from components.data.synthetic import make_synthetic_dataset
-    from components.data import split as splitting
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -54,15 +54,18 @@ def run_prepare_dataset(
         root = out_dir / "dataset"
         make_synthetic_dataset(root, kind="shapes", count=EMBEDDED_IMAGES, seed=0,
                                resolution=max(32, cfg.data.resolution))
-    split = splitting.make_split(root, out_dir, split_cfg=cfg.split, data_cfg=cfg.data)
-    skipped = len(getattr(split, "skipped", []) or [])
+    split = split_dataset(root, out_dir, val_split=cfg.split.val_split, stabilize_split=cfg.split.stabilize_split,
+                          seed=cfg.split.seed, val_dir=cfg.split.val_dir,
+                          min_image_size=cfg.data.effective_min_image_size(), min_images=cfg.data.min_images)
+    skipped_files = list(split.summary.get("skipped", []))
+    skipped = len(skipped_files)
     result = PreparedDataset(split_dir=out_dir, dataset_root=root.resolve(), train_images=len(split.train),
                              val_images=len(split.val), skipped=skipped)
     if report_path is not None:
         lines = ["# Dataset", "", f"- images from: `{dataset_dir or cfg.data.dataset_dir or 'embedded shapes'}`",
                  f"- training images: {result.train_images}", f"- validation images: {result.val_images}",
                  f"- stabilize subset: {len(split.stabilize)}", f"- skipped files: {skipped}"]
-        for item in getattr(split, "skipped", []) or []:
-            lines.append(f"  - {item}")
+        for item in skipped_files:
+            lines.append(f"  - `{item.get('file_name')}`: {item.get('reason')}")
         Path(report_path).write_text("\n".join(lines) + "\n")
     return result

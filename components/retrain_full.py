@@ -25,7 +25,7 @@ class RetrainResult:
 
 def retrain_training_config(cfg: RangefinderConfig, lr_low: float, lr_high: float, lr_mid: float,
                             epochs: int) -> TrainingConfig:
-    update = {"epochs": epochs, "steps": None, "lr": lr_mid, "scale_lr": "none", "checkpoint_every_updates": None}
+    update = {"epochs": epochs, "steps": None, "lr": lr_mid, "scale_lr": "none", "resume": True}
     if cfg.retrain.schedule == "triangular" and lr_high > lr_low:
         update.update(schedule="triangular", lr_min=lr_low, lr_max=lr_high)
     else:

@@ -79,7 +79,8 @@ def run_pipeline_locally(cfg: RangefinderConfig, out_dir: str | Path, *, dataset
 
     before = {p.name for p in root.iterdir()}
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(root), raise_on_error=True)
-    pipeline = build_pipeline(cfg)
+    # Pod settings mean nothing here, but kfp.local does honour retries: a failed step would rerun for nothing.
+    pipeline = build_pipeline(cfg.model_copy(update={"kubernetes": cfg.kubernetes.model_copy(update={"retries": 0})}))
     # The steps run in subprocesses that inherit this environment; the caller's is put back afterwards.
     saved = os.environ.get("MLFLOW_TRACKING_URI")
     os.environ["MLFLOW_TRACKING_URI"] = tracking_uri

@@ -53,7 +53,7 @@ def prepare_demo(out: Path, retrain: bool = False, lr: float | None = None):
 
 # What the steps call from the other parts of the project: (module, attribute or None, what it provides).
 STEP_NEEDS = (
-    ("components.data.split", "make_split", "the train/validation split (prepare-dataset)"),
+    ("components.data.split", "split_dataset", "the train/validation split (prepare-dataset)"),
     ("components.data.split", "read_split", "reading the split (every training step)"),
     ("components.models.loading", "load_sd_components", "loading the base model (every training step)"),
     ("components.training.loop", "train", "the training engine (range tests, fine-tune, retrain)"),

@@ -42,3 +42,8 @@ def test_zoom_range(status, flags, low, high, n, expect):
 def test_zoom_on_divergence_stays_below_the_blow_up():
     lo, hi = zoom_range("diverged", ["diverged"], None, None, 1e-6, 1.0, 0, 5)
     assert lo < hi <= 1.0 / 100
+
+
+def test_zoom_after_a_descent_that_blew_up_goes_below_the_blow_up():
+    lo, hi = zoom_range("diverged", ["diverged"], None, None, 1e-5, 0.1, 0, 5, lr_at_min=8e-4)
+    assert (lo, hi) == pytest.approx((1e-5, 8e-3))
