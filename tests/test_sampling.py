@@ -74,3 +74,33 @@ def test_bad_scheduler_and_missing_model_are_one_clear_error(tiny_model_dir, tmp
     with pytest.raises(ConfigError, match="does not exist"):
         render_grid([tmp_path / "nope"], PROMPTS, SEEDS, out_dir=tmp_path)
     assert not (tmp_path / "grid.json").exists()
+
+
+def test_columns_are_recognised_by_their_contents(tmp_path):
+    """Each output the methods write resolves to the loader that can read it (by its keys, not its name)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from components.sampling import resolve_column
+
+    def st(name, keys):
+        path = tmp_path / name
+        save_file({k: torch.zeros(2, 2) for k in keys}, str(path))
+        return path
+
+    assert resolve_column(st("a.safetensors", ["model.diffusion_model.out.2.weight"])).kind == "single_file"
+    assert resolve_column(st("b.safetensors", ["lora_unet_x.lora_down.weight"])).kind == "lora"
+    ti = resolve_column(st("c.safetensors", ["<tok>"]))
+    assert (ti.kind, ti.token) == ("textual_inversion", "<tok>")
+    assert resolve_column(st("d.safetensors", ["emb_params"])).kind == "textual_inversion"
+    ckpt = tmp_path / "checkpoint-000002"
+    ckpt.mkdir()
+    save_file({"unet.w": torch.zeros(1)}, str(ckpt / "weights.safetensors"))
+    (ckpt / "state.json").write_text("{}")
+    assert resolve_column(ckpt / "weights.safetensors").kind == "engine_checkpoint"
+    with pytest.raises(ConfigError, match="not a checkpoint"):
+        resolve_column(st("e.safetensors", ["foo", "bar"]))
+    with pytest.raises(ConfigError, match="no model_index.json"):
+        empty = tmp_path / "empty"
+        empty.mkdir()
+        resolve_column(empty)

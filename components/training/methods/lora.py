@@ -2,8 +2,8 @@
 
 The base weights are frozen (and may be cast to half); only the adapters train, stay fp32, enter the optimizer and
 go into checkpoints. The adapter output is scaled by alpha / rank, as in peft and kohya's sd-scripts. The text
-encoder gets adapters too when `training.lora.train_text_encoder` is set (on CLIP's attention projections, as in
-diffusers' train_text_to_image_lora example).
+encoder gets adapters too when `training.lora.train_text_encoder` (or `training.train_text_encoder`) is set, on
+CLIP's attention projections as in diffusers' LoRA examples.
 
 Outputs in `final/`: `pytorch_lora_weights.safetensors` (diffusers' `save_lora_weights`; `load_lora_weights`
 reads it) and `lora_kohya.safetensors` (A1111, ComfyUI), both with the run's metadata.
@@ -43,7 +43,7 @@ class LoraMethod(Method):
                        target_modules=list(s.target_modules))
         )
         self._modules: dict[str, torch.nn.Module] = {"unet": sd.unet}
-        if s.train_text_encoder:
+        if self._lora_text_encoder:
             sd.text_encoder.add_adapter(
                 LoraConfig(r=s.rank, lora_alpha=s.alpha, lora_dropout=s.dropout, init_lora_weights="gaussian",
                            target_modules=TEXT_ENCODER_TARGET_MODULES)
@@ -56,8 +56,13 @@ class LoraMethod(Method):
         self._sd = sd
 
     @property
+    def _lora_text_encoder(self) -> bool:
+        # `training.train_text_encoder` (the CLI's flag) means the same for LoRA: adapters on the text encoder too.
+        return self.cfg.lora.train_text_encoder or self.cfg.train_text_encoder
+
+    @property
     def text_encoder_changes(self) -> bool:
-        return self.cfg.lora.train_text_encoder
+        return self._lora_text_encoder
 
     def trainable_modules(self) -> dict[str, torch.nn.Module]:
         return dict(self._modules)
