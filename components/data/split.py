@@ -9,6 +9,8 @@ subset, `ceil(q * train)` of the training items, is measured like validation to 
 Output folder (the contract the engine reads): `train.jsonl`, `val.jsonl`, `stabilize.jsonl`, one
 `{"id", "file_name", "text"}` per line with `file_name` relative to the dataset root, and `split.json`, a summary.
 Every file is written under a temporary name and renamed, `split.json` last: a split folder without it is unfinished.
+`split.json` records the dataset root both absolute and relative to the split folder; `read_split` falls back to the
+relative one when the absolute one is gone (the split and its data moved together).
 """
 
 from __future__ import annotations
@@ -143,7 +145,10 @@ def write_split(split: Split, out_dir: str | Path) -> Path:
         summary_path.unlink()  # the folder is unfinished until the new summary lands
     for name in SUBSETS:
         _write_atomic(out / f"{name}.jsonl", _jsonl(split.subset(name)))
-    _write_atomic(summary_path, json.dumps(split.summary, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+    # The root also relative to the split folder: a split handed to another machine or pod with its data beside it
+    # (a KFP artifact mounted elsewhere) still finds the images.
+    summary = {**split.summary, "root_relative": Path(os.path.relpath(split.root, out)).as_posix()}
+    _write_atomic(summary_path, json.dumps(summary, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
     return out
 
 
@@ -169,7 +174,13 @@ def read_split(split_dir: str | Path, root: str | Path | None = None) -> Split:
             subsets[name] = [Item.from_json(json.loads(ln)) for ln in lines]
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise DataError(f"{path} is not a valid manifest ({e}); write it again with `rangefinder split`") from None
-    data_root = Path(root).expanduser().resolve() if root is not None else Path(summary["root"])
+    if root is not None:
+        data_root = Path(root).expanduser().resolve()
+    else:
+        data_root = Path(summary["root"])
+        relative = summary.get("root_relative")
+        if not data_root.is_dir() and relative is not None and (d / relative).is_dir():
+            data_root = (d / relative).resolve()
     return Split(root=data_root, summary=summary, **subsets)
 
 

@@ -180,6 +180,7 @@ def make_synthetic_dataset(
             img.save(tmp / f"{i:05d}.png", format="PNG")
             (tmp / f"{i:05d}.txt").write_text(caption + "\n")
         (tmp / MARKER).write_text(json.dumps(settings, sort_keys=True) + "\n")
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private
         try:
             if out.exists():
                 out.rmdir()  # empty (checked above)

@@ -85,3 +85,16 @@ def test_errors(tmp_path, capsys):
         make_split(data, val_split=1.0)
     with pytest.raises(DataError, match="not a finished split folder"):
         read_split(tmp_path)
+
+
+def test_split_moved_with_its_data_still_finds_the_images(tmp_path):
+    import shutil
+
+    data = _dataset(tmp_path / "job" / "data", 4)
+    split_dataset(data, tmp_path / "job" / "split")
+    shutil.move(tmp_path / "job", tmp_path / "elsewhere")
+    split = read_split(tmp_path / "elsewhere" / "split")
+    assert split.root == (tmp_path / "elsewhere" / "data").resolve()
+    assert all(split.path_of(it).is_file() for it in split.train + split.val)
+    other = read_split(tmp_path / "elsewhere" / "split", root=tmp_path / "elsewhere" / "data")
+    assert other.root == split.root

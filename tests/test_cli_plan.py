@@ -1,0 +1,70 @@
+"""`rangefinder plan --json`, run as the installed console script, reproduces the published recipes."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def _script() -> str:
+    beside = Path(sys.executable).parent / "rangefinder"
+    found = str(beside) if beside.exists() else shutil.which("rangefinder")
+    assert found, "the rangefinder console script is not installed (pip install -e .)"
+    return found
+
+
+def plan(*args: str) -> dict:
+    proc = subprocess.run([_script(), "plan", "--json", *args], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_recipe_26_images_batch_13_accum_2_full_cycle():
+    p = plan("--images", "26", "--batch-size", "13", "--grad-accum", "2", "--steps", "3000",
+             "--steps-unit", "micro-batch")
+    assert (p["total_updates"], p["epochs"], p["full_cycle"]) == (1500, 1500, True)
+    assert p["effective_batch"] == 26 and p["steps_in_micro_batches"] == 3000 and p["val_images"] == 0
+
+
+@pytest.mark.parametrize("steps,updates,epochs", [("3000", 176, 346), ("150", 8, 17)])
+def test_recipe_26_images_batch_3_accum_17(steps, updates, epochs):
+    p = plan("--images", "26", "--batch-size", "3", "--grad-accum", "17", "--steps", steps,
+             "--steps-unit", "micro-batch")
+    assert (p["total_updates"], p["epochs"]) == (updates, epochs)
+    assert p["full_cycle"] is False
+    assert any("larger than the 26 training images" in w for w in p["warnings"])  # effective batch 51
+
+
+def test_recipe_20_images_val_split_batch_4_100_epochs():
+    p = plan("--images", "20", "--val-split", "0.2", "--batch-size", "4", "--epochs", "100")
+    assert (p["train_images"], p["val_images"]) == (16, 4)
+    assert (p["updates_per_epoch"], p["total_updates"], p["images_seen"]) == (4, 400, 1600)
+
+
+def test_recipe_textual_inversion_scale_lr():
+    p = plan("--images", "5", "--batch-size", "1", "--grad-accum", "4", "--steps", "3000", "--lr", "5e-4",
+             "--scale-lr", "linear")
+    assert p["lr"] == pytest.approx(2e-3) and p["lr_scale_factor"] == 4 and p["effective_batch"] == 4
+
+
+def test_warnings():
+    partial = plan("--images", "10", "--batch-size", "4", "--epochs", "1")["warnings"]
+    assert any(w.startswith("partial last micro-batch") for w in partial)
+    tiny = plan("--images", "20", "--batch-size", "2", "--epochs", "3")["warnings"]
+    assert any("not full-cycle" in w for w in tiny)
+    big = plan("--images", "8", "--batch-size", "4", "--grad-accum", "4", "--epochs", "1")["warnings"]
+    assert any("effective batch 16 is larger than the 8 training images" in w for w in big)
+    scaled = plan("--images", "64", "--batch-size", "16", "--epochs", "1", "--lr", "1e-6", "--scale-lr", "linear")
+    assert any("multiplies the LR by 16" in w for w in scaled["warnings"])
+    quiet = plan("--images", "16", "--batch-size", "4", "--grad-accum", "4", "--epochs", "10")
+    assert quiet["warnings"] == [] and quiet["full_cycle"] is True
+
+
+def test_bad_input_is_one_line_and_exit_2():
+    proc = subprocess.run([_script(), "plan", "--images", "2", "--val-split", "0.5", "--batch-size", "0",
+                           "--epochs", "1"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "batch_size must be >= 1" in proc.stderr
