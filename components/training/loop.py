@@ -89,6 +89,7 @@ def train(
     `train_on="train+val"` trains on both sets (the full-data retrain); the val set is then not measured.
     """
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
     from accelerate.utils import set_seed
 
     from components.data.images import load_rgb, to_model_array
@@ -116,6 +117,9 @@ def train(
     model_cfg = model if isinstance(model, ModelConfig) else ModelConfig(base_model=None if model is None else str(model))
 
     # --- device and precision (accelerate); gradient accumulation is done by hand below ----------------------
+    # accelerate keeps its settings process-wide; each train() call is its own run and may use another precision
+    # (the process group, PartialState, is kept).
+    AcceleratorState._reset_state()
     accelerator = Accelerator(mixed_precision=cfg.mixed_precision)
     if accelerator.num_processes != cfg.world_size:
         raise ConfigError(
@@ -129,13 +133,13 @@ def train(
     # --- model ---------------------------------------------------------------------------------------------
     sd = load_sd_components(model_cfg)
     sd.vae.requires_grad_(False)
-    sd.vae.to(device, torch.float32)  # encodes once: fp32 avoids the SD VAE's fp16 overflow
+    _to(sd.vae, device, torch.float32)  # encodes once: fp32 avoids the SD VAE's fp16 overflow
     method.setup(sd, weight_dtype)
     sd.unet.eval()  # frozen modules stay in eval mode; the loop switches the trainable ones
     sd.text_encoder.eval()
     for m in (sd.unet, sd.text_encoder):
         if not any(m is t for t in method.trainable_modules().values()):
-            m.to(device)
+            _to(m, device)
     if cfg.prediction_type is not None:
         sd.noise_scheduler.register_to_config(prediction_type=cfg.prediction_type)
     prediction_type = sd.noise_scheduler.config.prediction_type
@@ -179,7 +183,7 @@ def train(
             )
         val_latents = {name: latents_of(items, False)[0] for name, items in val_sets_items.items() if items}
         if cfg.cache_latents:  # the VAE is not needed again; give its memory back
-            sd.vae.to("cpu")
+            _to(sd.vae, torch.device("cpu"))
 
         captions = [method.transform_caption(it.text) for it in train_items]
         train_ids, empty_ids = tokenize(sd.tokenizer, captions), tokenize(sd.tokenizer, [""])
@@ -551,6 +555,14 @@ def _save_checkpoint(root, update, cfg, accelerator, method, optimizer, ema, tra
         )
         checkpoints.commit(tmp, cfg.keep_checkpoints)
     accelerator.wait_for_everyone()
+
+
+def _to(module: torch.nn.Module, device: torch.device, dtype: Optional[torch.dtype] = None) -> None:
+    """Move/cast only when needed (diffusers warns on every cast of a loaded model)."""
+    p = next(module.parameters(), None)
+    if p is None or (p.device == torch.device(device) and (dtype is None or p.dtype == dtype)):
+        return
+    module.to(device, dtype) if dtype is not None else module.to(device)
 
 
 def _replace_dir(src: Path, dst: Path) -> None:

@@ -241,3 +241,17 @@ def test_an_existing_run_is_not_overwritten_without_resume(split_dir, tiny_model
     with pytest.raises(ConfigError, match="resume"):
         train(cfg, NO_VALIDATION, split_dir=split_dir, model=tiny_model_dir, out_dir=tmp_path)
     assert (tmp_path / "updates.csv").read_text() == before
+
+
+def test_bf16_with_the_text_encoder_training(split_dir, tiny_model_dir, encoded_cache, tmp_path):
+    # Also a second precision in one process: accelerate's process-wide settings must not leak between runs.
+    cfg = settings(encoded_cache, steps=2, mixed_precision="bf16", train_text_encoder=True)
+    result = train(cfg, ValidationConfig(every_updates=1), split_dir=split_dir, model=tiny_model_dir, out_dir=tmp_path)
+    assert result.status == "ok" and result.cache["text"] == {"encoded": 0, "reused": 0}  # encoded every step
+    assert all(math.isfinite(float(r["val_loss"])) for r in rows(tmp_path / "metrics.csv"))
+    from transformers import CLIPTextModel
+
+    base = CLIPTextModel.from_pretrained(str(tiny_model_dir), subfolder="text_encoder")
+    tuned = CLIPTextModel.from_pretrained(str(result.final_dir), subfolder="text_encoder")
+    assert tuned.dtype == torch.float32
+    assert any(not torch.equal(a, b) for a, b in zip(base.parameters(), tuned.parameters()))

@@ -21,14 +21,14 @@ class FullFineTune(Method):
         # be cast down to save memory.
         self._modules: dict[str, torch.nn.Module] = {"unet": sd.unet}
         sd.unet.requires_grad_(True)
-        sd.unet.to(torch.float32)
+        _cast(sd.unet, torch.float32)
         if self.cfg.train_text_encoder:
             sd.text_encoder.requires_grad_(True)
-            sd.text_encoder.to(torch.float32)
+            _cast(sd.text_encoder, torch.float32)
             self._modules["text_encoder"] = sd.text_encoder
         else:
             sd.text_encoder.requires_grad_(False)
-            sd.text_encoder.to(weight_dtype)
+            _cast(sd.text_encoder, weight_dtype)
 
     @property
     def text_encoder_changes(self) -> bool:
@@ -77,8 +77,15 @@ def save_pipeline(sd: "SDComponents", out_dir: Path) -> None:
     # Frozen parts may have been cast to half for training; the saved model is fp32 like its base.
     dtypes = {n: m.dtype for n, m in (("vae", sd.vae), ("text_encoder", sd.text_encoder), ("unet", sd.unet))}
     try:
-        pipe.to(torch.float32)
+        for n in dtypes:
+            _cast(getattr(sd, n), torch.float32)
         pipe.save_pretrained(str(out_dir), safe_serialization=True)
     finally:
         for n, dt in dtypes.items():
-            getattr(sd, n).to(dt)
+            _cast(getattr(sd, n), dt)
+
+
+def _cast(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    # Only when needed: diffusers warns on every cast of a loaded model.
+    if module.dtype != dtype:
+        module.to(dtype)
