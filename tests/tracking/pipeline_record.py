@@ -1,0 +1,62 @@
+"""What a pipeline run must leave in MLflow, as one check that any test running the pipeline can call.
+
+Running the pipeline is the expensive part (minutes on 2 CPU cores), so rather than run it again for tracking, a test
+that already runs it (tests/pipelines/test_local_run.py) points it at a tracking target and calls
+`check_pipeline_record` on the result: once with `mlflow_server_uri` (tests/tracking/fixtures.py), once with the
+default local sqlite store. Verified once standalone against a real server (all assertions passed).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+
+def check_pipeline_record(tracking_uri: str, experiment: str, summary: dict, *, model_name: str | None = None,
+                          generate: bool = True) -> None:
+    """Read back through MlflowClient: one parent run with its tags, the step child runs, the range test's metric
+    histories with the update as step, the decisions on the step and the parent, the artifacts, and (model_name)
+    the registered version behind @candidate, which loads and generates an image."""
+    import mlflow
+    import pandas as pd
+    from mlflow import MlflowClient
+
+    from components.tracking import decode_image
+
+    client = MlflowClient(tracking_uri=tracking_uri)
+    exp = client.get_experiment_by_name(experiment)
+    assert exp is not None, f"no experiment {experiment!r} in {tracking_uri}"
+    runs = client.search_runs([exp.experiment_id])
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    assert len(parents) == 1, [r.info.run_name for r in parents]
+    parent = parents[0]
+    assert parent.data.tags["kfp.run_id"] and parent.data.tags["rangefinder.version"]
+    assert parent.data.tags["rangefinder.dataset_digest"]
+    children = {r.info.run_name: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
+    assert {"lr_range_test", "finetune"} <= set(children), sorted(children)
+    assert all(r.info.status == "FINISHED" for r in children.values())
+
+    rt = children["lr_range_test"]
+    val = sorted(client.get_metric_history(rt.info.run_id, "val_loss"), key=lambda m: m.step)
+    lrs = sorted(client.get_metric_history(rt.info.run_id, "lr"), key=lambda m: m.step)
+    assert len(val) >= 3 and val[0].step == 0  # the update-0 baseline, then one per validation
+    assert [m.step for m in val] == sorted({m.step for m in val})
+    assert lrs[-1].value > lrs[0].value  # the ramp climbs
+    assert "training.batch_size" in rt.data.params
+
+    for key in ("lr_low", "lr_mid", "lr_high"):
+        assert rt.data.metrics[key] == pytest.approx(summary[key])
+        assert parent.data.metrics[key] == pytest.approx(summary[key])
+    assert parent.data.metrics["recommended_epochs"] == summary["recommended_epochs"]
+    assert "status" in rt.data.tags
+
+    assert {"curves", "report", "dataset"} <= {a.path for a in client.list_artifacts(rt.info.run_id)}
+    assert client.list_artifacts(children["finetune"].info.run_id, "curves")
+
+    if model_name:
+        mv = client.get_model_version_by_alias(model_name, "candidate")
+        assert mv.run_id in {r.info.run_id for r in children.values()}
+        if generate:
+            mlflow.set_tracking_uri(tracking_uri)
+            model = mlflow.pyfunc.load_model(f"models:/{model_name}@candidate")
+            out = model.predict(pd.DataFrame({"prompt": ["a red circle"], "seed": [0]}))
+            assert decode_image(out["image"][0]).size[0] > 0
