@@ -1,0 +1,216 @@
+"""What every benchmark here needs: the machine it ran on, peak memory, a table on stdout and JSON on disk."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import threading
+import time
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def machine_info() -> dict[str, Any]:
+    """CPU model and count, memory, load, library versions and the UTC time: what a number needs beside it."""
+    import torch
+
+    info: dict[str, Any] = {
+        "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "loadavg_1_5_15": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
+    for lib in ("diffusers", "transformers", "accelerate"):
+        try:
+            info[lib] = __import__(lib).__version__
+        except ImportError:
+            info[lib] = None
+    info["cpu_model"] = _cpu_model()
+    info["memory_total_gib"] = _memory_total_gib()
+    if torch.cuda.is_available():
+        info["cuda_device"] = torch.cuda.get_device_name(0)
+        info["cuda"] = torch.version.cuda
+    return info
+
+
+def _cpu_model() -> Optional[str]:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return platform.processor() or None
+
+
+def _memory_total_gib() -> Optional[float]:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    return None
+
+
+def current_rss_bytes() -> int:
+    """Resident memory of this process now (Linux /proc; 0 where it is not there)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+class PeakMemory:
+    """Peak memory over a block of code: CUDA allocator peak on a GPU, else the process' resident set, sampled.
+
+    On CPU the process-wide high-water mark (ru_maxrss) never comes down, so it cannot tell two runs of one process
+    apart; a thread samples the resident set every few milliseconds instead. `peak_bytes` is the highest sample,
+    `added_bytes` that minus the resident set when the block began (what the block itself needed, roughly: freed
+    memory the allocator keeps counts as still in use).
+    """
+
+    def __init__(self, device: str = "cpu", interval_s: float = 0.005) -> None:
+        self.device, self.interval_s = device, interval_s
+        self.peak_bytes = 0
+        self.start_bytes = 0
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    @property
+    def added_bytes(self) -> int:
+        return max(0, self.peak_bytes - self.start_bytes)
+
+    def __enter__(self) -> "PeakMemory":
+        if self.device.startswith("cuda"):
+            import torch
+
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.start_bytes = torch.cuda.memory_allocated()
+            return self
+        self.start_bytes = self.peak_bytes = current_rss_bytes()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak_bytes = max(self.peak_bytes, current_rss_bytes())
+            self._stop.wait(self.interval_s)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.device.startswith("cuda"):
+            import torch
+
+            torch.cuda.synchronize()
+            self.peak_bytes = torch.cuda.max_memory_allocated()
+            return
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.peak_bytes = max(self.peak_bytes, current_rss_bytes())
+
+
+@contextmanager
+def torch_threads(n: Optional[int]) -> Iterator[None]:
+    """Run with n intra-op threads (None: leave torch's choice)."""
+    import torch
+
+    before = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+class Stopwatch:
+    """Wall seconds of a block; synchronises CUDA first so queued kernels are counted where they belong."""
+
+    def __init__(self, device: str = "cpu") -> None:
+        self.device, self.seconds = device, 0.0
+
+    def __enter__(self) -> "Stopwatch":
+        self._sync()
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._sync()
+        self.seconds = time.perf_counter() - self._t0
+
+    def _sync(self) -> None:
+        if self.device.startswith("cuda"):
+            import torch
+
+            torch.cuda.synchronize()
+
+
+def quiet_libraries() -> None:
+    """Keep the benchmark's own table readable: the libraries' info messages and cast warnings are not results."""
+    import logging
+
+    for name in ("diffusers", "transformers"):
+        try:
+            getattr(__import__(f"{name}.utils", fromlist=["logging"]), "logging").set_verbosity_error()
+        except (ImportError, AttributeError):
+            pass
+    logging.getLogger("mlflow").setLevel(logging.WARNING)
+
+
+def write_json(path: Path, obj: Any) -> Path:
+    """Write under a temporary name, then rename: a killed benchmark never leaves a half result."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def default_out(name: str) -> Path:
+    return RESULTS_DIR / f"{name}.json"
+
+
+def fmt(v: Any, digits: int = 4) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        if v != v:  # NaN
+            return "nan"
+        if v == 0:
+            return "0"
+        return f"{v:.{digits}g}"
+    return str(v)
+
+
+def table(rows: Sequence[dict[str, Any]], columns: Sequence[str], title: Optional[str] = None) -> str:
+    """A plain aligned text table (also valid Markdown), columns in the given order."""
+    cells = [[fmt(r.get(c)) for c in columns] for r in rows]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
+    lines = []
+    if title:
+        lines.append(title)
+    lines.append("| " + " | ".join(c.ljust(w) for c, w in zip(columns, widths)) + " |")
+    lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for row in cells:
+        lines.append("| " + " | ".join(v.ljust(w) for v, w in zip(row, widths)) + " |")
+    return "\n".join(lines)
+
+
+def mib(n_bytes: Optional[float]) -> Optional[float]:
+    return None if n_bytes is None else round(n_bytes / 2**20, 1)

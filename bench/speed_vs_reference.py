@@ -1,0 +1,335 @@
+"""Training speed of rangefinder's engine against the plain reference loop (bench/reference_loop.py).
+
+`python -m bench.speed_vs_reference` trains the same model on the same split, batch and precision with both, in one
+process, in alternating order (reference then engine, then engine then reference, ...), so that drift in the
+machine's load falls on both alike. For each it reports updates/s and images/s of the training loop (model loading
+and, for the engine, the one-time encoding into its cache are outside the loop and reported as setup), peak memory,
+and the engine/reference ratio of the median updates/s.
+
+On CPU it runs the embedded tiny model at 32 px. On CUDA it also runs a randomly initialised model of Stable
+Diffusion 1.5's size at 512 px in bf16, at batch 4 and at the largest batch the engine fits, and reports model FLOPs
+utilisation: FLOPs of one UNet forward+backward counted by torch.utils.flop_counter.FlopCounterMode, times
+updates/s, over the device's dense bf16 peak.
+
+Validation is off in both (this times training; bench/validation_overhead.py times validation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from bench.common import quiet_libraries, PeakMemory, default_out, machine_info, mib, table, torch_threads, write_json
+
+NAME = "speed_vs_reference"
+
+# Dense (no sparsity) bf16 tensor-core peaks from the vendors' data sheets, FLOP/s. Matched on the device name.
+PEAK_BF16_FLOPS = (
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),  # SXM
+    ("H200", 989e12),
+    ("GH200", 989e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+    ("L4", 121e12),
+    ("A10G", 70e12),
+)
+
+
+def device_peak_flops(name: str) -> Optional[float]:
+    for key, flops in PEAK_BF16_FLOPS:
+        if key.lower() in name.lower():
+            return flops
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One run of each
+
+
+def engine_run(setup, *, updates: int, batch_size: int, mixed_precision: str, device: str, cache_dir: Path,
+               seed: int = 0, lr: float = 1e-5, gradient_checkpointing: bool = False) -> dict[str, Any]:
+    """One engine run (components.training.train) with validation off; its loop time is the engine's own timer."""
+    from components.config import DataConfig, TrainingConfig, ValidationConfig
+    from components.training.loop import train
+
+    cfg = TrainingConfig(
+        batch_size=batch_size, steps=updates, lr=lr, schedule="constant", mixed_precision=mixed_precision,
+        max_grad_norm=1.0, seed=seed, cache_dir=str(cache_dir), gradient_checkpointing=gradient_checkpointing,
+    )
+    out = Path(tempfile.mkdtemp(prefix="engine-run-"))
+    try:
+        with PeakMemory(device) as mem:
+            t0 = time.perf_counter()
+            result = train(cfg, ValidationConfig(every_epochs=0), split_dir=setup.split_dir, model=str(setup.model_dir),
+                           out_dir=out / "run", data=DataConfig(resolution=setup.resolution), save_final=False)
+            wall = time.perf_counter() - t0
+        summary = json.loads(result.summary_path.read_text())
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    loop = float(summary["seconds"])
+    return {
+        "loop": "engine", "batch_size": batch_size, "updates": result.updates, "loop_seconds": loop,
+        "setup_seconds": wall - loop, "updates_per_second": result.updates / loop,
+        "images_per_second": result.updates * batch_size / loop,
+        "peak_mib": mib(mem.peak_bytes), "added_mib": mib(mem.added_bytes), "cache": result.cache,
+    }
+
+
+def reference_run(setup, *, updates: int, batch_size: int, mixed_precision: str, device: str, seed: int = 0,
+                  lr: float = 1e-5, gradient_checkpointing: bool = False) -> dict[str, Any]:
+    from bench.reference_loop import train_reference
+
+    with PeakMemory(device) as mem:
+        r = train_reference(setup.model_dir, setup.split_dir, updates=updates, batch_size=batch_size,
+                            resolution=setup.resolution, lr=lr, mixed_precision=mixed_precision, seed=seed,
+                            gradient_checkpointing=gradient_checkpointing)
+    return {
+        "loop": "reference", "batch_size": batch_size, "updates": r.updates, "loop_seconds": r.loop_seconds,
+        "setup_seconds": r.setup_seconds, "updates_per_second": r.updates_per_second,
+        "images_per_second": r.images_per_second, "peak_mib": mib(mem.peak_bytes), "added_mib": mib(mem.added_bytes),
+    }
+
+
+def _release(device: str) -> None:
+    gc.collect()
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# FLOPs
+
+
+def unet_flops_per_update(model_dir: Path, *, batch_size: int, resolution: int, mixed_precision: str,
+                          device: str) -> float:
+    """FLOPs of one UNet forward and backward on a batch, counted op by op (FlopCounterMode counts matmuls,
+    convolutions and attention; elementwise work and the optimizer step are left out, as MFU conventionally does)."""
+    import torch
+    from diffusers import UNet2DConditionModel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    unet = UNet2DConditionModel.from_pretrained(str(model_dir), subfolder="unet").to(device)
+    unet.train()
+    vae_cfg = json.loads((Path(model_dir) / "vae" / "config.json").read_text())
+    scale = 2 ** (len(vae_cfg["block_out_channels"]) - 1)  # SD's VAE downsamples by 8, the tiny one by 4
+    side = resolution // scale
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(batch_size, unet.config.in_channels, side, side, generator=g).to(device)
+    t = torch.randint(0, 1000, (batch_size,), generator=g).to(device)
+    cond = torch.randn(batch_size, 77, unet.config.cross_attention_dim, generator=g).to(device)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision)
+    device_type = "cuda" if device.startswith("cuda") else "cpu"
+    with FlopCounterMode(display=False) as counter:
+        with torch.autocast(device_type, dtype=dtype or torch.float32, enabled=dtype is not None):
+            pred = unet(x, t, cond, return_dict=False)[0]
+        pred.float().pow(2).mean().backward()
+    flops = float(counter.get_total_flops())
+    del unet, x, t, cond, pred
+    _release(device)
+    return flops
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The comparison
+
+
+def compare(setup, *, rounds: int, updates: int, batch_size: int, mixed_precision: str, device: str,
+            cache_dir: Path, warmup_updates: int, label: str, gradient_checkpointing: bool = False,
+            log=print) -> dict[str, Any]:
+    """Alternating rounds of reference and engine; medians and their ratio."""
+    kw = dict(batch_size=batch_size, mixed_precision=mixed_precision, device=device,
+              gradient_checkpointing=gradient_checkpointing)
+    warmup: dict[str, Any] = {}
+    if warmup_updates:
+        # Untimed: first imports and allocations, and the engine's one-time encoding of the dataset into its cache
+        # (its cost is kept: the pipeline pays it once for its three training runs).
+        warmup["engine"] = engine_run(setup, updates=warmup_updates, cache_dir=cache_dir, **kw)
+        _release(device)
+        warmup["reference"] = reference_run(setup, updates=warmup_updates, **kw)
+        _release(device)
+    runs: list[dict[str, Any]] = []
+    for r in range(rounds):
+        order = ("reference", "engine") if r % 2 == 0 else ("engine", "reference")
+        for which in order:
+            if which == "engine":
+                row = engine_run(setup, updates=updates, cache_dir=cache_dir, **kw)
+            else:
+                row = reference_run(setup, updates=updates, **kw)
+            row.update(round=r, setting=label)
+            log(f"  [{label}] round {r} {which:9s} {row['updates_per_second']:.3f} updates/s "
+                f"peak {row['peak_mib']} MiB")
+            runs.append(row)
+            _release(device)
+    summary: dict[str, Any] = {"setting": label, "batch_size": batch_size, "mixed_precision": mixed_precision,
+                               "updates": updates, "rounds": rounds}
+    for which in ("reference", "engine"):
+        mine = [x for x in runs if x["loop"] == which]
+        summary[f"{which}_updates_per_second"] = statistics.median(x["updates_per_second"] for x in mine)
+        summary[f"{which}_images_per_second"] = statistics.median(x["images_per_second"] for x in mine)
+        summary[f"{which}_peak_mib"] = max(x["peak_mib"] for x in mine)
+        summary[f"{which}_setup_seconds"] = statistics.median(x["setup_seconds"] for x in mine)
+    summary["ratio"] = summary["engine_updates_per_second"] / summary["reference_updates_per_second"]
+    per_round = []
+    for r in range(rounds):
+        e = next(x for x in runs if x["round"] == r and x["loop"] == "engine")
+        f = next(x for x in runs if x["round"] == r and x["loop"] == "reference")
+        per_round.append(e["updates_per_second"] / f["updates_per_second"])
+    summary["ratio_per_round"] = per_round
+    if warmup:
+        summary["engine_cold_setup_seconds"] = warmup["engine"]["setup_seconds"]
+    return {"summary": summary, "runs": runs, "warmup": warmup}
+
+
+def largest_batch(setup, *, candidates: list[int], mixed_precision: str, device: str, cache_dir: Path,
+                  log=print) -> tuple[Optional[int], list[dict[str, Any]]]:
+    """The largest candidate batch the engine trains without running out of GPU memory (3 updates each)."""
+    import torch
+
+    tried, best = [], None
+    for b in sorted(candidates):
+        try:
+            row = engine_run(setup, updates=3, batch_size=b, mixed_precision=mixed_precision, device=device,
+                             cache_dir=cache_dir)
+            tried.append({"batch_size": b, "fits": True, "peak_mib": row["peak_mib"]})
+            best = b
+            log(f"  batch {b}: fits, peak {row['peak_mib']} MiB")
+        except torch.cuda.OutOfMemoryError:
+            tried.append({"batch_size": b, "fits": False})
+            log(f"  batch {b}: out of memory")
+            _release(device)
+            break
+        _release(device)
+    return best, tried
+
+
+def cuda_section(args, work: Path, log=print) -> dict[str, Any]:
+    """SD 1.5-sized UNet at 512 px, bf16: batch 4 and the largest that fits; MFU."""
+    import torch
+
+    from bench.fixtures import sd15_setup
+
+    device = "cuda"
+    name = torch.cuda.get_device_name(0)
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else device_peak_flops(name)
+    largest_candidates = [int(b) for b in args.cuda_batches.split(",")]
+    setup = sd15_setup(work, images=max(max(largest_candidates) + 8, 40), resolution=args.cuda_resolution)
+    cache_dir = work / "cache-sd15"
+    out: dict[str, Any] = {"device": name, "peak_bf16_flops": peak, "resolution": args.cuda_resolution}
+    log(f"CUDA: {name}; SD 1.5-sized model at {args.cuda_resolution} px, bf16")
+    largest, tried = largest_batch(setup, candidates=largest_candidates, mixed_precision="bf16", device=device,
+                                   cache_dir=cache_dir, log=log)
+    out["largest_batch_search"] = tried
+    out["largest_batch"] = largest
+    out["settings"] = []
+    for b in sorted({4, largest} - {None}):
+        try:
+            res = compare(setup, rounds=args.cuda_rounds, updates=args.cuda_updates, batch_size=b,
+                          mixed_precision="bf16", device=device, cache_dir=cache_dir, warmup_updates=2,
+                          label=f"sd15-512px-bf16-b{b}", log=log)
+        except torch.cuda.OutOfMemoryError as e:  # the reference may not fit where the engine does
+            out["settings"].append({"summary": {"setting": f"sd15-512px-bf16-b{b}", "error": f"out of memory: {e}"}})
+            _release(device)
+            continue
+        flops = unet_flops_per_update(setup.model_dir, batch_size=b, resolution=setup.resolution,
+                                      mixed_precision="bf16", device=device)
+        s = res["summary"]
+        s["flops_per_update"] = flops
+        for which in ("reference", "engine"):
+            achieved = flops * s[f"{which}_updates_per_second"]
+            s[f"{which}_tflops"] = achieved / 1e12
+            s[f"{which}_mfu"] = achieved / peak if peak else None
+        out["settings"].append(res)
+    return out
+
+
+def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(prog="python -m bench.speed_vs_reference", description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds (each runs both loops once)")
+    p.add_argument("--updates", type=int, default=60, help="optimizer updates per timed run")
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--images", type=int, default=20, help="synthetic shapes in the dataset (20: the embedded default)")
+    p.add_argument("--warmup-updates", type=int, default=3, help="untimed updates of each loop first (0: none)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (default 1: steadier on a shared machine; 0 leaves torch's choice)")
+    p.add_argument("--cpu-only", action="store_true", help="skip the CUDA section even where a GPU is present")
+    p.add_argument("--cuda-resolution", type=int, default=512)
+    p.add_argument("--cuda-batches", default="4,8,16,24,32,48,64",
+                   help="batch sizes tried (ascending) for the largest that fits")
+    p.add_argument("--cuda-updates", type=int, default=20)
+    p.add_argument("--cuda-rounds", type=int, default=2)
+    p.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak (default: from its name)")
+    p.add_argument("--smoke", action="store_true", help="2 updates, 1 round, no warm-up, CPU only (CI)")
+    p.add_argument("--out", type=Path, default=default_out(NAME), help="JSON output")
+    p.add_argument("--work-dir", type=Path, help="datasets and model copies (default: a temporary folder)")
+    args = p.parse_args(argv)
+    quiet_libraries()
+    if args.smoke:
+        args.rounds, args.updates, args.warmup_updates, args.cpu_only = 1, 2, 0, True
+
+    import torch
+
+    from bench.fixtures import tiny_setup
+
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench-speed-"))
+    result: dict[str, Any] = {"benchmark": NAME, "smoke": args.smoke}
+    try:
+        with torch_threads(args.threads or None):
+            result["machine"] = machine_info()
+            setup = tiny_setup(work, "shapes", images=args.images)
+            print(f"CPU: tiny model, {args.images} shapes at {setup.resolution} px, batch {args.batch_size}, fp32, "
+                  f"{torch.get_num_threads()} thread(s)", file=sys.stderr)
+            cpu = compare(setup, rounds=args.rounds, updates=args.updates, batch_size=args.batch_size,
+                          mixed_precision="no", device="cpu", cache_dir=work / "cache", label="tiny-cpu-fp32",
+                          warmup_updates=args.warmup_updates, log=lambda m: print(m, file=sys.stderr))
+            cpu["summary"]["flops_per_update"] = unet_flops_per_update(
+                setup.model_dir, batch_size=args.batch_size, resolution=setup.resolution, mixed_precision="no",
+                device="cpu")
+            for which in ("reference", "engine"):
+                cpu["summary"][f"{which}_tflops"] = (
+                    cpu["summary"]["flops_per_update"] * cpu["summary"][f"{which}_updates_per_second"] / 1e12)
+            result["cpu"] = cpu
+            if torch.cuda.is_available() and not args.cpu_only:
+                try:
+                    result["cuda"] = cuda_section(args, work, log=lambda m: print(m, file=sys.stderr))
+                except Exception as e:  # keep the CPU numbers; say what broke
+                    result["cuda"] = {"error": f"{type(e).__name__}: {e}"}
+            else:
+                result["cuda"] = {"skipped": "no CUDA device" if not torch.cuda.is_available() else "--cpu-only"}
+            result["machine"]["loadavg_after"] = list(__import__("os").getloadavg())
+    finally:
+        if args.work_dir is None:
+            shutil.rmtree(work, ignore_errors=True)
+    write_json(args.out, result)
+    print(report(result))
+    print(f"\nwritten: {args.out}")
+    return result
+
+
+def report(result: dict[str, Any]) -> str:
+    rows = [result["cpu"]["summary"]]
+    cuda = result.get("cuda", {})
+    rows += [s["summary"] for s in cuda.get("settings", [])]
+    cols = ["setting", "batch_size", "reference_updates_per_second", "engine_updates_per_second", "ratio",
+            "reference_images_per_second", "engine_images_per_second", "reference_peak_mib", "engine_peak_mib"]
+    text = table(rows, cols, title="Training loop speed: engine vs reference (median of rounds)")
+    flops_cols = ["setting", "flops_per_update", "reference_tflops", "engine_tflops", "reference_mfu", "engine_mfu"]
+    text += "\n\n" + table(rows, flops_cols, title="UNet forward+backward FLOPs and utilisation")
+    if "skipped" in cuda or "error" in cuda:
+        text += f"\n\nCUDA section: {cuda.get('skipped') or cuda.get('error')}"
+    return text
+
+
+if __name__ == "__main__":
+    main()
