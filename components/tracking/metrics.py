@@ -9,6 +9,7 @@ a long run loses nothing; only `close()` reports a server that stayed away.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from typing import Any, Mapping, Optional
 
@@ -20,6 +21,14 @@ _log = logging.getLogger(__name__)
 MAX_METRICS_PER_BATCH = 1000  # MLflow's log_batch limit
 # Keys of validation measurements: always kept, whatever `every_updates` thins the per-update ones to.
 VALIDATION_PREFIXES = ("val_", "stabilize_")
+
+
+_BAD_NAME_CHARS = re.compile(r"[^\w\-. :/]")  # what MLflow accepts in a metric name
+
+
+def metric_name(key: str) -> str:
+    """`key` with characters MLflow refuses replaced by "_": one bad name must not block every later batch."""
+    return _BAD_NAME_CHARS.sub("_", str(key)) or "_"
 
 
 class BatchedMetricLogger:
@@ -64,6 +73,7 @@ class BatchedMetricLogger:
             if value is None:
                 continue  # not measured at this step (an empty cell in the curve CSV)
             value = float(value)
+            key = metric_name(key)
             # NaN/inf are kept: a diverged run's curve must show the divergence. MLflow stores them as such.
             self._buffer.append(Metric(key=key, value=value, timestamp=ts, step=step))
         now = time.monotonic()

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional
 
 from components.errors import TrackingError
-from components.tracking.metrics import BatchedMetricLogger
+from components.tracking.metrics import BatchedMetricLogger, metric_name
 from components.tracking.redaction import REDACTED, is_secret_key, redact, safe_uri
 from components.tracking.target import (
     default_experiment_id,
@@ -363,7 +363,7 @@ class StepRun:
             else:
                 words[k] = v
         ts = int(time.time() * 1000)
-        metrics = [Metric(k, v, ts, step or 0) for k, v in numbers.items()]
+        metrics = [Metric(metric_name(k), v, ts, step or 0) for k, v in numbers.items()]
         targets = [(self.run_id, words)]
         if to_parent and self.parent_run_id:
             targets.append((self.parent_run_id, {f"{self.step_name}.{k}": v for k, v in words.items()}))

@@ -30,6 +30,9 @@ def test_values_are_sent_in_batches_and_all_arrive(mlflow_server_uri, run_id):
     assert sink.sent == 500
     history = client.get_metric_history(run_id, "train_loss")
     assert sorted(m.step for m in history) == list(range(250))
+    with sink.__class__(client, run_id) as odd:
+        odd.log_metrics({"val_loss@b0 (mean)": 0.5}, step=1)  # MLflow would refuse the whole batch for '@()'
+    assert client.get_metric_history(run_id, "val_loss_b0 _mean_")[0].value == 0.5
     with pytest.raises(TrackingError, match="closed"):
         sink.log_metrics({"lr": 1.0}, step=251)
 
