@@ -8,6 +8,9 @@ validation.py; checkpoints in checkpoints.py.
 Outputs under out_dir: `metrics.csv` (one row per validation measurement; the curve CSV), `updates.csv` (one row
 per update), `checkpoints/`, `final/` (the method's deliverable; a StableDiffusionPipeline folder for full
 fine-tuning) and `run_summary.json`.
+
+With EMA on, validation measures the raw weights (the curve is the training trajectory the LR and step choices are
+read from); the EMA weights are what `final/` holds.
 """
 
 from __future__ import annotations
@@ -276,7 +279,9 @@ def train(
         loss_since_row[:] = [0.0, 0]
         log.add_metrics(row)
         if metric_sink is not None and main:
-            metric_sink.log_metrics({k: float(v) for k, v in row.items() if k != "update" and v is not None}, at_update)
+            # Only the measurements: lr, epoch and the per-update train loss were logged with the update itself.
+            measured = {k: float(v) for k, v in row.items() if k.startswith(("val_", "stabilize_")) and v is not None}
+            metric_sink.log_metrics(measured, at_update)
 
     if validating and update == 0:
         validate(0)  # the baseline: the base model before any update

@@ -201,9 +201,21 @@ def test_latents_are_encoded_once_and_keyed_by_content(split_dir, tiny_model_dir
 
 
 def test_v_prediction_and_train_plus_val(split_dir, tiny_model_dir, encoded_cache, tmp_path):
+    class Sink:  # a MetricSink, as the MLflow tracker is
+        def __init__(self):
+            self.calls = []
+
+        def log_metrics(self, metrics, step):
+            self.calls.append((step, dict(metrics)))
+
+    sink = Sink()
     cfg = settings(encoded_cache, steps=2, prediction_type="v_prediction", use_ema=True, gradient_checkpointing=True)
     result = train(cfg, ValidationConfig(every_updates=1), split_dir=split_dir, model=tiny_model_dir,
-                   out_dir=tmp_path, train_on="train+val")
+                   out_dir=tmp_path, train_on="train+val", metric_sink=sink)
+    updates = [(step, m) for step, m in sink.calls if "train_loss" in m]
+    assert [step for step, _ in updates] == [1, 2] and all({"lr", "grad_norm", "epoch"} <= set(m) for _, m in updates)
+    measured = [(step, m) for step, m in sink.calls if "stabilize_loss" in m]
+    assert [step for step, _ in measured] == [0, 1, 2] and all("train_loss" not in m for _, m in measured)
     table = rows(tmp_path / "metrics.csv")
     assert [r["update"] for r in table] == ["0", "1", "2"]
     assert all(r["val_loss"] == "" and r["stabilize_loss"] != "" for r in table)  # val is trained on: not measured
