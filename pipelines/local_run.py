@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -87,8 +88,12 @@ def run_pipeline_locally(cfg: RangefinderConfig, out_dir: str | Path, *, dataset
     try:
         pipeline(**parameters_from_config(cfg, dataset_uri=dataset_uri))
     except RuntimeError as e:
-        # kfp.local names the failed task; the step's own one-line error is in its log above.
-        raise RangefinderError(f"the local pipeline run failed: {e}") from None
+        # kfp.local names the failed task (inside a chain of sub-DAGs); the step's own error is in its log above.
+        text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))
+        m = re.search(r"Inner task failed: '([^']+)'", text)
+        where = f"step {m.group(1)} failed" if m else text
+        raise RangefinderError(f"the local pipeline run stopped: {where} (its error is in the log above; "
+                               f"artifacts so far under {root})") from None
     finally:
         if saved is None:
             os.environ.pop("MLFLOW_TRACKING_URI", None)

@@ -31,6 +31,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def demo_model_cache(out: Path) -> Path:
+    """Where the tiny model is read or built: $RANGEFINDER_CACHE, else the user cache when it already holds the
+    model (reading it writes nothing), else a cache inside --out (everything the demo writes stays there)."""
+    from components.models.tiny import TinyModelSettings, default_cache_dir, settings_key
+
+    if os.environ.get("RANGEFINDER_CACHE"):
+        return Path(os.environ["RANGEFINDER_CACHE"]).expanduser()
+    shared = default_cache_dir()
+    if (shared / f"tiny-sd-{settings_key(TinyModelSettings())}" / "model_index.json").is_file():
+        return shared
+    return out / "cache"
+
+
 def prepare_demo(out: Path, retrain: bool = False, lr: float | None = None):
     """The demo's config, with its dataset and base model made under `out` (or reused)."""
     from components.config import demo_config
@@ -39,8 +52,7 @@ def prepare_demo(out: Path, retrain: bool = False, lr: float | None = None):
 
     dataset = out / "dataset"
     make_synthetic_dataset(dataset, kind="shapes", count=DEMO_IMAGES, seed=0, resolution=32)
-    cache = Path(os.environ.get("RANGEFINDER_CACHE") or out / "cache")
-    base_model = ensure_tiny_base_model(cache_dir=cache)
+    base_model = ensure_tiny_base_model(cache_dir=demo_model_cache(out))
     overrides: dict = {
         "data": {"dataset_dir": str(dataset)},
         "model": {"base_model": str(base_model)},

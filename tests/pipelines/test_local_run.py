@@ -1,4 +1,7 @@
-"""The whole pipeline through kfp.local (SubprocessRunner, no containers) on the tiny model and shapes dataset."""
+"""The whole pipeline through kfp.local (SubprocessRunner, no containers) on the tiny model and shapes dataset.
+
+Two runs cover the DAG's branches: discovery then the full-data retrain, and a fixed LR (no discovery) without it.
+"""
 
 from __future__ import annotations
 
@@ -12,10 +15,12 @@ from pipelines.commands.demo import missing_pieces
 
 pytestmark = pytest.mark.slow
 
-# The smallest run that still has a readable curve: few epochs, few prompts, few sampling steps.
+# The smallest run that still reads a curve: 4 epochs of 4 updates, validated every 2 (9 points); 2 fine-tune
+# epochs (3 points); one prompt, 2 denoising steps.
 TINY = {
     "lr_range_test": {"epochs": 4, "zoom": False},
-    "finetune": {"epochs": 3},
+    "finetune": {"epochs": 2},
+    "retrain": {"epochs": 1},
     "sampling": {"prompts": ["a red circle"], "seeds": [0], "num_inference_steps": 2},
 }
 
@@ -27,38 +32,66 @@ def _pieces():
         pytest.skip("the steps' dependencies have not landed: " + "; ".join(missing))
 
 
+@pytest.fixture(autouse=True)
+def _local_mlflow(monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+
+
 def _cfg(dataset: Path, model: Path, **extra):
     return demo_config(data={"dataset_dir": str(dataset), "resolution": 32}, model={"base_model": str(model)},
                        **{**TINY, **extra})
 
 
-def _parent_runs(db: Path) -> list[tuple[str, str]]:
+def _mlflow_runs(db: Path) -> dict[str, str]:
+    """run name -> status, from the SQLite store the run wrote."""
     with sqlite3.connect(db) as con:
-        return con.execute("select run_uuid, status from runs").fetchall()
+        return dict(con.execute("select name, status from runs").fetchall())
 
 
-@pytest.mark.parametrize("retrain", [False, True])
-def test_discovery_with_and_without_retrain(tmp_path, shapes_dataset_dir, tiny_model_dir, monkeypatch, retrain):
+def test_discovery_then_retrain(tmp_path, shapes_dataset_dir, tiny_model_dir):
     from pipelines.local_run import run_pipeline_locally
 
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    run = run_pipeline_locally(_cfg(shapes_dataset_dir, tiny_model_dir, retrain={"enabled": retrain}), tmp_path)
+    run = run_pipeline_locally(_cfg(shapes_dataset_dir, tiny_model_dir, retrain={"enabled": True, "epochs": 1}),
+                               tmp_path)
     s = run.summary()
     assert s["lr_source"] == "range-test"
-    assert 0 < s["lr_low"] <= s["lr_mid"] <= s["lr_high"]
-    assert s["recommended_epochs"] >= 1
-    assert ("retrained_epochs" in s) is retrain
-    assert any("lr-range-test" in r and r.endswith("report_html") for r in [x.split(":")[0] for x in s["reports"]])
-    assert (tmp_path / "mlflow.db").is_file() and _parent_runs(tmp_path / "mlflow.db")
-    # Everything the run wrote is under the output folder.
+    assert 0 < s["lr_low"] <= s["lr_mid"] <= s["lr_high"] < 1e-2
+    assert s["recommended_epochs"] >= 1 and s["retrained_epochs"] == 1
+    assert s["registered_model"].startswith("models:/")
+    # The reports exist and the HTML embeds its plot (the KFP UI shows no image files).
+    html = Path(run.artifacts[run.task("lr-range-test")]["report_html"]).read_text()
+    assert "data:image/png;base64," in html
+    assert Path(run.artifacts[run.task("sample-images")]["grid"]).stat().st_size > 1000
+    # MLflow: one parent run closed by the exit handler, and a child per step, all under the output folder.
+    runs = _mlflow_runs(tmp_path / "mlflow.db")
+    for step in ("lr_range_test", "finetune", "retrain_full", "sample_images", "register_model"):
+        assert runs.get(step) == "FINISHED", (step, runs)
+    parents = [status for name, status in runs.items() if name.startswith("rangefinder-")]
+    assert parents == ["FINISHED"]
     assert Path(s["pipeline_root"]).is_relative_to(tmp_path)
 
 
-def test_fixed_lr_skips_discovery(tmp_path, shapes_dataset_dir, tiny_model_dir, monkeypatch):
+def test_fixed_lr_skips_discovery_and_retrain_off(tmp_path, shapes_dataset_dir, tiny_model_dir):
     from pipelines.local_run import run_pipeline_locally
 
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     run = run_pipeline_locally(_cfg(shapes_dataset_dir, tiny_model_dir, lr=2e-4), tmp_path)
     s = run.summary()
     assert (s["lr_source"], s["lr_low"], s["lr_mid"], s["lr_high"]) == ("fixed", 2e-4, 2e-4, 2e-4)
     assert not [t for t in run.outputs if t.startswith("lr-range-test")]
+    assert "retrained_epochs" not in s and not [t for t in run.outputs if t.startswith("retrain-full")]
+    runs = _mlflow_runs(tmp_path / "mlflow.db")
+    assert "lr_range_test" not in runs and runs.get("finetune") == "FINISHED"
+
+
+def test_failed_step_is_one_error_and_recorded(tmp_path, shapes_dataset_dir, tiny_model_dir):
+    """A step that fails stops the run with one error naming it; the exit handler still marks MLflow FAILED."""
+    from components.errors import RangefinderError
+    from pipelines.local_run import run_pipeline_locally
+
+    cfg = _cfg(tmp_path / "no-such-dataset", tiny_model_dir)
+    with pytest.raises(RangefinderError, match="prepare-dataset"):
+        run_pipeline_locally(cfg, tmp_path)
+    parents = [status for name, status in _mlflow_runs(tmp_path / "mlflow.db").items()
+               if name.startswith("rangefinder-")]
+    assert parents == ["FAILED"]
