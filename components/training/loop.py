@@ -358,8 +358,8 @@ def train(
         loss_since_row[1] += 1
         if metric_sink is not None and main:
             metric_sink.log_metrics({"train_loss": train_loss, "lr": lr, "grad_norm": grad_norm, "epoch": epoch}, update)
-        progress.update(1)
         progress.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.3g}", refresh=False)
+        progress.update(1)
 
         # Validation: every N updates, or whenever an every-N-epochs boundary was crossed; and at the end.
         last = update == stream.total_updates
