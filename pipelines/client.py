@@ -300,14 +300,14 @@ def submit(
         cron = validate_cron(cron)  # before any network traffic
     params = parameters_from_config(cfg, dataset_uri=dataset_uri)
     experiment = experiment or cfg.tracking.experiment_name
+    ep = resolve_endpoint(host, token)
     client = connect(host, token, namespace)
-    ep_host = client._existing_config.host  # what kfp.Client really talks to
-    with _kfp_errors(resolve_endpoint(host, token)), _compiled(cfg) as tmp:
+    with _kfp_errors(ep), _compiled(cfg) as tmp:
         package = str(Path(tmp) / "pipeline.yaml")
         pipeline_id, version_id, uploaded = ensure_pipeline_version(client, package, PIPELINE_NAME,
                                                                     PIPELINE_DESCRIPTION)
         exp = client.create_experiment(experiment)
-        sub = Submission(host=ep_host, pipeline_id=pipeline_id, version_id=version_id, uploaded=uploaded,
+        sub = Submission(host=ep.host, pipeline_id=pipeline_id, version_id=version_id, uploaded=uploaded,
                          experiment_id=exp.experiment_id)
         name = run_name or f"{PIPELINE_NAME}-{version_id[:8]}"
         sa = cfg.kubernetes.service_account

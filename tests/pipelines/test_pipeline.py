@@ -163,24 +163,24 @@ def test_kubernetes_settings(compiled):
     cfg = RangefinderConfig().kubernetes
     for prefix in TRAINING:
         for _, _, task in compiled.tasks(prefix):
-            k = compiled.k8s[compiler_exec(compiled, task)]
+            k = compiled.k8s[compiled.executor_of(task)]
             assert dict(k.node_selector.labels) == cfg.node_selector, prefix
             assert [(t.key, t.operator, t.effect) for t in k.tolerations] == [("nvidia.com/gpu", "Exists", "NoSchedule")]
             shm = [m for m in k.empty_dir_mounts if m.mount_path == "/dev/shm"]
             assert shm and shm[0].medium == "Memory" and shm[0].size_limit == cfg.shm_size
     for prefix in ("prepare-dataset", "choose-lr", "resolve-config"):
         for _, _, task in compiled.tasks(prefix):
-            k = compiled.k8s[compiler_exec(compiled, task)]
+            k = compiled.k8s[compiled.executor_of(task)]
             assert not k.node_selector.labels and not k.tolerations, prefix
     # MLflow credentials come from the Secret, as environment variables, on every step that logs.
     for prefix in ("lr-range-test", "finetune", "register-model", "record-status", "resolve-config"):
         for _, _, task in compiled.tasks(prefix):
-            k = compiled.k8s[compiler_exec(compiled, task)]
+            k = compiled.k8s[compiled.executor_of(task)]
             (sec,) = k.secret_as_env
             assert sec.secret_name_parameter.runtime_value.constant.string_value == cfg.mlflow_secret
             assert {m.env_var for m in sec.key_to_env} == set(cfg.mlflow_secret_keys)
     for _, _, task in compiled.tasks("prepare-dataset"):
-        k = compiled.k8s[compiler_exec(compiled, task)]
+        k = compiled.k8s[compiled.executor_of(task)]
         assert not k.secret_as_env
         assert [(p.mount_path, p.pvc_name_parameter.runtime_value.constant.string_value) for p in k.pvc_mount] == [
             ("/data", "rangefinder-data")]
@@ -191,10 +191,6 @@ def source(spec) -> str:
     if spec.task_output_parameter.producer_task:
         return f"{spec.task_output_parameter.producer_task}.{spec.task_output_parameter.output_parameter_key}"
     return spec.component_input_parameter
-
-
-def compiler_exec(compiled: Compiled, task) -> str:
-    return compiled.executor_of(task)
 
 
 def test_retries_and_caching(compiled):
