@@ -198,14 +198,17 @@ def fmt(v: Any, digits: int = 4) -> str:
     return str(v)
 
 
-def table(rows: Sequence[dict[str, Any]], columns: Sequence[str], title: Optional[str] = None) -> str:
-    """A plain aligned text table (also valid Markdown), columns in the given order."""
+def table(rows: Sequence[dict[str, Any]], columns: Sequence[str], title: Optional[str] = None,
+          headers: Optional[Sequence[str]] = None) -> str:
+    """A plain aligned text table (also valid Markdown), columns in the given order, headed by `headers` (default:
+    the column keys)."""
     cells = [[fmt(r.get(c)) for c in columns] for r in rows]
-    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
+    heads = list(headers) if headers is not None else list(columns)
+    widths = [max([len(h)] + [len(row[i]) for row in cells]) for i, h in enumerate(heads)]
     lines = []
     if title:
         lines.append(title)
-    lines.append("| " + " | ".join(c.ljust(w) for c, w in zip(columns, widths)) + " |")
+    lines.append("| " + " | ".join(h.ljust(w) for h, w in zip(heads, widths)) + " |")
     lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for row in cells:
         lines.append("| " + " | ".join(v.ljust(w) for v, w in zip(row, widths)) + " |")

@@ -85,7 +85,11 @@ def train_reference(
     from diffusers.optimization import get_scheduler
     from transformers import CLIPTextModel, CLIPTokenizer
 
+    from accelerate.state import AcceleratorState
+
     t_setup = time.perf_counter()
+    # accelerate keeps its settings process-wide; this run may use another precision than the run before it.
+    AcceleratorState._reset_state()
     accelerator = Accelerator(mixed_precision=mixed_precision)
     set_seed(seed)
     model_dir = str(model_dir)

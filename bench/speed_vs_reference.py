@@ -112,33 +112,30 @@ def _release(device: str) -> None:
 # FLOPs
 
 
-def unet_flops_per_update(model_dir: Path, *, batch_size: int, resolution: int, mixed_precision: str,
-                          device: str) -> float:
-    """FLOPs of one UNet forward and backward on a batch, counted op by op (FlopCounterMode counts matmuls,
-    convolutions and attention; elementwise work and the optimizer step are left out, as MFU conventionally does)."""
+def unet_flops_per_update(model_dir: Path, *, batch_size: int, resolution: int) -> float:
+    """FLOPs of one UNet forward and backward on a batch, counted op by op by FlopCounterMode (matmuls,
+    convolutions, attention; elementwise work and the optimizer step are left out, as MFU conventionally does).
+
+    The UNet is built from its config on the meta device: the count needs shapes only, so it costs no memory and
+    no time, on any machine. Precision does not change the count.
+    """
     import torch
     from diffusers import UNet2DConditionModel
     from torch.utils.flop_counter import FlopCounterMode
 
-    unet = UNet2DConditionModel.from_pretrained(str(model_dir), subfolder="unet").to(device)
+    config = UNet2DConditionModel.load_config(str(model_dir), subfolder="unet")
+    with torch.device("meta"):
+        unet = UNet2DConditionModel.from_config(config)
     unet.train()
     vae_cfg = json.loads((Path(model_dir) / "vae" / "config.json").read_text())
-    scale = 2 ** (len(vae_cfg["block_out_channels"]) - 1)  # SD's VAE downsamples by 8, the tiny one by 4
-    side = resolution // scale
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(batch_size, unet.config.in_channels, side, side, generator=g).to(device)
-    t = torch.randint(0, 1000, (batch_size,), generator=g).to(device)
-    cond = torch.randn(batch_size, 77, unet.config.cross_attention_dim, generator=g).to(device)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision)
-    device_type = "cuda" if device.startswith("cuda") else "cpu"
+    side = resolution // 2 ** (len(vae_cfg["block_out_channels"]) - 1)  # SD's VAE downsamples by 8, the tiny by 4
+    x = torch.empty(batch_size, unet.config.in_channels, side, side, device="meta")
+    t = torch.zeros(batch_size, dtype=torch.long, device="meta")
+    cond = torch.empty(batch_size, 77, unet.config.cross_attention_dim, device="meta")
     with FlopCounterMode(display=False) as counter:
-        with torch.autocast(device_type, dtype=dtype or torch.float32, enabled=dtype is not None):
-            pred = unet(x, t, cond, return_dict=False)[0]
+        pred = unet(x, t, cond, return_dict=False)[0]
         pred.float().pow(2).mean().backward()
-    flops = float(counter.get_total_flops())
-    del unet, x, t, cond, pred
-    _release(device)
-    return flops
+    return float(counter.get_total_flops())
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -224,7 +221,10 @@ def cuda_section(args, work: Path, log=print) -> dict[str, Any]:
     name = torch.cuda.get_device_name(0)
     peak = args.peak_tflops * 1e12 if args.peak_tflops else device_peak_flops(name)
     largest_candidates = [int(b) for b in args.cuda_batches.split(",")]
-    setup = sd15_setup(work, images=max(max(largest_candidates) + 8, 40), resolution=args.cuda_resolution)
+    # Enough training images (after the 0.2 validation split) for the largest batch tried, so the reference loop's
+    # data loader never serves a short batch.
+    images = max(40, int(max(largest_candidates) / 0.8) + 8)
+    setup = sd15_setup(work, images=images, resolution=args.cuda_resolution)
     cache_dir = work / "cache-sd15"
     out: dict[str, Any] = {"device": name, "peak_bf16_flops": peak, "resolution": args.cuda_resolution}
     log(f"CUDA: {name}; SD 1.5-sized model at {args.cuda_resolution} px, bf16")
@@ -242,8 +242,7 @@ def cuda_section(args, work: Path, log=print) -> dict[str, Any]:
             out["settings"].append({"summary": {"setting": f"sd15-512px-bf16-b{b}", "error": f"out of memory: {e}"}})
             _release(device)
             continue
-        flops = unet_flops_per_update(setup.model_dir, batch_size=b, resolution=setup.resolution,
-                                      mixed_precision="bf16", device=device)
+        flops = unet_flops_per_update(setup.model_dir, batch_size=b, resolution=setup.resolution)
         s = res["summary"]
         s["flops_per_update"] = flops
         for which in ("reference", "engine"):
@@ -256,8 +255,8 @@ def cuda_section(args, work: Path, log=print) -> dict[str, Any]:
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(prog="python -m bench.speed_vs_reference", description=__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=int, default=3, help="alternating rounds (each runs both loops once)")
-    p.add_argument("--updates", type=int, default=60, help="optimizer updates per timed run")
+    p.add_argument("--rounds", type=int, default=5, help="alternating rounds (each runs both loops once)")
+    p.add_argument("--updates", type=int, default=100, help="optimizer updates per timed run")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--images", type=int, default=20, help="synthetic shapes in the dataset (20: the embedded default)")
     p.add_argument("--warmup-updates", type=int, default=3, help="untimed updates of each loop first (0: none)")
@@ -294,8 +293,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                           mixed_precision="no", device="cpu", cache_dir=work / "cache", label="tiny-cpu-fp32",
                           warmup_updates=args.warmup_updates, log=lambda m: print(m, file=sys.stderr))
             cpu["summary"]["flops_per_update"] = unet_flops_per_update(
-                setup.model_dir, batch_size=args.batch_size, resolution=setup.resolution, mixed_precision="no",
-                device="cpu")
+                setup.model_dir, batch_size=args.batch_size, resolution=setup.resolution)
             for which in ("reference", "engine"):
                 cpu["summary"][f"{which}_tflops"] = (
                     cpu["summary"]["flops_per_update"] * cpu["summary"][f"{which}_updates_per_second"] / 1e12)
@@ -322,10 +320,15 @@ def report(result: dict[str, Any]) -> str:
     cuda = result.get("cuda", {})
     rows += [s["summary"] for s in cuda.get("settings", [])]
     cols = ["setting", "batch_size", "reference_updates_per_second", "engine_updates_per_second", "ratio",
-            "reference_images_per_second", "engine_images_per_second", "reference_peak_mib", "engine_peak_mib"]
-    text = table(rows, cols, title="Training loop speed: engine vs reference (median of rounds)")
+            "reference_images_per_second", "engine_images_per_second", "reference_peak_mib", "engine_peak_mib",
+            "engine_cold_setup_seconds"]
+    heads = ["setting", "batch", "ref upd/s", "engine upd/s", "ratio", "ref img/s", "engine img/s", "ref peak MiB",
+             "engine peak MiB", "engine first setup s"]
+    text = table(rows, cols, title="Training loop speed: engine vs reference (median of rounds)", headers=heads)
     flops_cols = ["setting", "flops_per_update", "reference_tflops", "engine_tflops", "reference_mfu", "engine_mfu"]
-    text += "\n\n" + table(rows, flops_cols, title="UNet forward+backward FLOPs and utilisation")
+    text += "\n\n" + table(rows, flops_cols, title="UNet forward+backward FLOPs and utilisation",
+                           headers=["setting", "FLOPs/update", "ref TFLOP/s", "engine TFLOP/s", "ref MFU",
+                                    "engine MFU"])
     if "skipped" in cuda or "error" in cuda:
         text += f"\n\nCUDA section: {cuda.get('skipped') or cuda.get('error')}"
     return text

@@ -92,7 +92,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--val-batch-size", type=int, default=8, help="items per validation forward pass")
     p.add_argument("--every-epochs", type=float, default=1.0, help="validation interval of the `on` runs")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--target-pct", type=float, default=5.0)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's choice)")
     p.add_argument("--smoke", action="store_true", help="1 round of 1-epoch runs on 10 images (CI)")

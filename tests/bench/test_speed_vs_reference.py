@@ -1,0 +1,73 @@
+"""The speed benchmark keeps working: the reference loop trains, and a two-update smoke run of the comparison."""
+
+import json
+import math
+
+import pytest
+
+
+@pytest.mark.slow
+def test_reference_loop_trains_the_unet(tmp_path, tiny_model_dir, split_dir):
+    import torch
+    from diffusers import UNet2DConditionModel
+
+    from bench.reference_loop import train_reference
+
+    torch.set_num_threads(1)
+    r = train_reference(tiny_model_dir, split_dir, updates=3, batch_size=4, resolution=32, lr=1e-3)
+    assert (r.updates, r.images) == (3, 12)
+    assert math.isfinite(r.final_loss) and 0 < r.final_loss < 10
+    assert r.updates_per_second > 0 and r.loop_seconds > 0
+    # It is the model folder's UNet that trains: its config matches the folder's.
+    assert UNet2DConditionModel.load_config(str(tiny_model_dir), subfolder="unet")["sample_size"] == 8
+
+
+@pytest.mark.slow
+def test_speed_vs_reference_smoke(tmp_path):
+    from bench.speed_vs_reference import main
+
+    out = tmp_path / "speed.json"
+    result = main(["--smoke", "--out", str(out), "--work-dir", str(tmp_path / "work")])
+    saved = json.loads(out.read_text())
+    s = saved["cpu"]["summary"]
+    assert s == result["cpu"]["summary"]
+    runs = saved["cpu"]["runs"]
+    assert sorted(r["loop"] for r in runs) == ["engine", "reference"]
+    assert all(r["updates"] == 2 and r["images_per_second"] == pytest.approx(4 * r["updates_per_second"])
+               for r in runs)
+    assert s["ratio"] == pytest.approx(s["engine_updates_per_second"] / s["reference_updates_per_second"])
+    assert s["flops_per_update"] > 0 and s["engine_peak_mib"] > 0
+    assert saved["machine"]["torch"] and saved["cuda"]
+
+
+def test_flops_grow_with_the_batch(tiny_model_dir):
+    from bench.speed_vs_reference import unet_flops_per_update
+
+    one = unet_flops_per_update(tiny_model_dir, batch_size=1, resolution=32)
+    four = unet_flops_per_update(tiny_model_dir, batch_size=4, resolution=32)
+    assert one > 1e6
+    assert four == pytest.approx(4 * one, rel=0.05)
+
+
+def test_sd15_sized_unet_flops(tmp_path):
+    """SD 1.5's UNet (860 M parameters) at 512 px: about 0.8 TFLOPs forward, 2.4 forward+backward per image."""
+    import json
+
+    from bench.fixtures import SD15_UNET, SD15_VAE
+    from bench.speed_vs_reference import unet_flops_per_update
+
+    for part, cfg in (("unet", dict(SD15_UNET, _class_name="UNet2DConditionModel")),
+                      ("vae", dict(SD15_VAE, _class_name="AutoencoderKL"))):
+        (tmp_path / part).mkdir()
+        (tmp_path / part / "config.json").write_text(json.dumps(cfg))
+    flops = unet_flops_per_update(tmp_path, batch_size=1, resolution=512)
+    assert 2.2e12 < flops < 2.6e12
+
+
+def test_device_peaks_by_name():
+    from bench.speed_vs_reference import device_peak_flops
+
+    assert device_peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert device_peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert device_peak_flops("NVIDIA A100-SXM4-40GB") == 312e12
+    assert device_peak_flops("Some Unknown GPU") is None

@@ -1,0 +1,26 @@
+"""The validation-overhead benchmark keeps working: one round of one-epoch runs on 10 images."""
+
+import json
+
+import pytest
+
+
+@pytest.mark.slow
+def test_validation_overhead_smoke(tmp_path):
+    from bench.validation_overhead import main
+
+    out = tmp_path / "val.json"
+    result = main(["--smoke", "--threads", "1", "--out", str(out), "--work-dir", str(tmp_path / "work")])
+    saved = json.loads(out.read_text())
+    assert saved["summary"] == result["summary"]
+    assert saved["split"] == {"train": 8, "val": 2, "stabilize": 2}
+    on = next(r for r in saved["runs"] if r["arm"] == "on")
+    off = next(r for r in saved["runs"] if r["arm"] == "off")
+    # One epoch validated every epoch: the baseline and the end; each validation measures val and stabilize.
+    assert on["validation_rows"] == 2 and on["measure_calls"] == 4 and on["measure_seconds"] > 0
+    assert off["measure_calls"] == 0 and off["updates"] == on["updates"] == 2
+    assert on["cache"]["latents"]["encoded"] == 0  # latents came from the cache the warm-up filled
+    s = saved["summary"]
+    assert s["share_direct_pct"] > 0 and s["seconds_per_pass"] > 0
+    # K=4 x (2 val + 2 stabilize) forwards per validation vs ~3 x 8 per epoch of training.
+    assert s["expected_share_pct"] == pytest.approx(100 * 4 * 4 / (3 * 8))
