@@ -217,38 +217,45 @@ def cuda_section(args, work: Path, log=print) -> dict[str, Any]:
 
     from bench.fixtures import sd15_setup
 
-    device = "cuda"
     name = torch.cuda.get_device_name(0)
     peak = args.peak_tflops * 1e12 if args.peak_tflops else device_peak_flops(name)
-    largest_candidates = [int(b) for b in args.cuda_batches.split(",")]
+    candidates = [int(b) for b in args.cuda_batches.split(",")]
     # Enough training images (after the 0.2 validation split) for the largest batch tried, so the reference loop's
     # data loader never serves a short batch.
-    images = max(40, int(max(largest_candidates) / 0.8) + 8)
+    images = max(40, int(max(candidates) / 0.8) + 8)
     setup = sd15_setup(work, images=images, resolution=args.cuda_resolution)
-    cache_dir = work / "cache-sd15"
-    out: dict[str, Any] = {"device": name, "peak_bf16_flops": peak, "resolution": args.cuda_resolution}
     log(f"CUDA: {name}; SD 1.5-sized model at {args.cuda_resolution} px, bf16")
-    largest, tried = largest_batch(setup, candidates=largest_candidates, mixed_precision="bf16", device=device,
+    out = sized_section(setup, device="cuda", mixed_precision="bf16", candidates=candidates, rounds=args.cuda_rounds,
+                        updates=args.cuda_updates, peak_flops=peak, cache_dir=work / "cache-sd15",
+                        label=f"sd15-{args.cuda_resolution}px-bf16", log=log)
+    return {"device": name, "resolution": args.cuda_resolution, **out}
+
+
+def sized_section(setup, *, device: str, mixed_precision: str, candidates: list[int], rounds: int, updates: int,
+                  peak_flops: Optional[float], cache_dir: Path, label: str, log=print) -> dict[str, Any]:
+    """The largest batch of `candidates` the engine fits, then the comparison at batch 4 and at that batch, with
+    FLOPs per update and, given the device's peak, MFU."""
+    import torch
+
+    largest, tried = largest_batch(setup, candidates=candidates, mixed_precision=mixed_precision, device=device,
                                    cache_dir=cache_dir, log=log)
-    out["largest_batch_search"] = tried
-    out["largest_batch"] = largest
-    out["settings"] = []
+    out: dict[str, Any] = {"peak_flops": peak_flops, "largest_batch_search": tried, "largest_batch": largest,
+                           "settings": []}
     for b in sorted({4, largest} - {None}):
         try:
-            res = compare(setup, rounds=args.cuda_rounds, updates=args.cuda_updates, batch_size=b,
-                          mixed_precision="bf16", device=device, cache_dir=cache_dir, warmup_updates=2,
-                          label=f"sd15-512px-bf16-b{b}", log=log)
+            res = compare(setup, rounds=rounds, updates=updates, batch_size=b, mixed_precision=mixed_precision,
+                          device=device, cache_dir=cache_dir, warmup_updates=2, label=f"{label}-b{b}", log=log)
         except torch.cuda.OutOfMemoryError as e:  # the reference may not fit where the engine does
-            out["settings"].append({"summary": {"setting": f"sd15-512px-bf16-b{b}", "error": f"out of memory: {e}"}})
+            out["settings"].append({"summary": {"setting": f"{label}-b{b}", "batch_size": b,
+                                                "error": f"out of memory: {e}"}})
             _release(device)
             continue
-        flops = unet_flops_per_update(setup.model_dir, batch_size=b, resolution=setup.resolution)
         s = res["summary"]
-        s["flops_per_update"] = flops
+        s["flops_per_update"] = unet_flops_per_update(setup.model_dir, batch_size=b, resolution=setup.resolution)
         for which in ("reference", "engine"):
-            achieved = flops * s[f"{which}_updates_per_second"]
+            achieved = s["flops_per_update"] * s[f"{which}_updates_per_second"]
             s[f"{which}_tflops"] = achieved / 1e12
-            s[f"{which}_mfu"] = achieved / peak if peak else None
+            s[f"{which}_mfu"] = achieved / peak_flops if peak_flops else None
         out["settings"].append(res)
     return out
 
@@ -287,17 +294,20 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         with torch_threads(args.threads or None):
             result["machine"] = machine_info()
             setup = tiny_setup(work, "shapes", images=args.images)
-            print(f"CPU: tiny model, {args.images} shapes at {setup.resolution} px, batch {args.batch_size}, fp32, "
-                  f"{torch.get_num_threads()} thread(s)", file=sys.stderr)
+            # accelerate (in both loops) trains on the GPU when there is one, so the tiny comparison runs there too.
+            tiny_device = "cuda" if torch.cuda.is_available() else "cpu"
+            print(f"{tiny_device}: tiny model, {args.images} shapes at {setup.resolution} px, batch {args.batch_size}, "
+                  f"fp32, {torch.get_num_threads()} CPU thread(s)", file=sys.stderr)
             cpu = compare(setup, rounds=args.rounds, updates=args.updates, batch_size=args.batch_size,
-                          mixed_precision="no", device="cpu", cache_dir=work / "cache", label="tiny-cpu-fp32",
-                          warmup_updates=args.warmup_updates, log=lambda m: print(m, file=sys.stderr))
+                          mixed_precision="no", device=tiny_device, cache_dir=work / "cache",
+                          label=f"tiny-{tiny_device}-fp32", warmup_updates=args.warmup_updates,
+                          log=lambda m: print(m, file=sys.stderr))
             cpu["summary"]["flops_per_update"] = unet_flops_per_update(
                 setup.model_dir, batch_size=args.batch_size, resolution=setup.resolution)
             for which in ("reference", "engine"):
                 cpu["summary"][f"{which}_tflops"] = (
                     cpu["summary"]["flops_per_update"] * cpu["summary"][f"{which}_updates_per_second"] / 1e12)
-            result["cpu"] = cpu
+            result["tiny"] = cpu
             if torch.cuda.is_available() and not args.cpu_only:
                 try:
                     result["cuda"] = cuda_section(args, work, log=lambda m: print(m, file=sys.stderr))
@@ -316,7 +326,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
 
 
 def report(result: dict[str, Any]) -> str:
-    rows = [result["cpu"]["summary"]]
+    rows = [result["tiny"]["summary"]]
     cuda = result.get("cuda", {})
     rows += [s["summary"] for s in cuda.get("settings", [])]
     cols = ["setting", "batch_size", "reference_updates_per_second", "engine_updates_per_second", "ratio",

@@ -29,9 +29,9 @@ def test_speed_vs_reference_smoke(tmp_path):
     out = tmp_path / "speed.json"
     result = main(["--smoke", "--out", str(out), "--work-dir", str(tmp_path / "work")])
     saved = json.loads(out.read_text())
-    s = saved["cpu"]["summary"]
-    assert s == result["cpu"]["summary"]
-    runs = saved["cpu"]["runs"]
+    s = saved["tiny"]["summary"]
+    assert s == result["tiny"]["summary"]
+    runs = saved["tiny"]["runs"]
     assert sorted(r["loop"] for r in runs) == ["engine", "reference"]
     assert all(r["updates"] == 2 and r["images_per_second"] == pytest.approx(4 * r["updates_per_second"])
                for r in runs)
@@ -71,3 +71,23 @@ def test_device_peaks_by_name():
     assert device_peak_flops("NVIDIA H100 PCIe") == 756e12
     assert device_peak_flops("NVIDIA A100-SXM4-40GB") == 312e12
     assert device_peak_flops("Some Unknown GPU") is None
+
+
+@pytest.mark.slow
+def test_sized_section_logic_on_cpu(tmp_path):
+    """The GPU section's steps (largest batch, comparison at 4 and at it, FLOPs, MFU) on the tiny model on CPU:
+    no GPU here, so this is what keeps that path honest until one runs it."""
+    import torch
+
+    from bench.fixtures import tiny_setup
+    from bench.speed_vs_reference import sized_section
+
+    torch.set_num_threads(1)
+    setup = tiny_setup(tmp_path / "work", "shapes", images=20)
+    out = sized_section(setup, device="cpu", mixed_precision="no", candidates=[2, 8], rounds=1, updates=2,
+                        peak_flops=1e12, cache_dir=tmp_path / "cache", label="tiny")
+    assert out["largest_batch"] == 8 and [t["fits"] for t in out["largest_batch_search"]] == [True, True]
+    assert [s["summary"]["batch_size"] for s in out["settings"]] == [4, 8]
+    for s in (x["summary"] for x in out["settings"]):
+        assert s["engine_mfu"] == pytest.approx(s["flops_per_update"] * s["engine_updates_per_second"] / 1e12)
+        assert s["reference_images_per_second"] == pytest.approx(s["batch_size"] * s["reference_updates_per_second"])
