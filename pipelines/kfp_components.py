@@ -9,7 +9,7 @@ package version (`components.images`); `pipelines.pipeline` sets each task's ima
 Imports live inside the bodies: KFP ships each body to the pod as source, so module-level names do not exist there.
 """
 
-
+# No `from __future__ import annotations`: KFP reads the components' annotations as real types.
 from typing import NamedTuple, Optional
 
 from kfp import dsl

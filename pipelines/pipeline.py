@@ -23,8 +23,7 @@ Everything about pods (GPU, node pool, volumes, secrets, retries, caching) comes
 kfp's and kfp-kubernetes' own calls, at compile time. Nothing here reads the environment or the cluster at import.
 """
 
-
-
+# No `from __future__ import annotations`: KFP reads the pipeline functions' annotations as real types.
 from typing import Callable, NamedTuple, Optional
 
 from kfp import dsl, kubernetes

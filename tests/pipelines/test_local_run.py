@@ -5,10 +5,15 @@ Two runs cover the DAG's branches: discovery then the full-data retrain, and a f
 
 from __future__ import annotations
 
+import json
+import os
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from components.config import demo_config
 from pipelines.commands.demo import missing_pieces
@@ -73,14 +78,22 @@ def test_discovery_then_retrain(tmp_path, shapes_dataset_dir, tiny_model_dir):
 
 
 def test_fixed_lr_skips_discovery_and_retrain_off(tmp_path, shapes_dataset_dir, tiny_model_dir):
-    from pipelines.local_run import run_pipeline_locally
-
-    run = run_pipeline_locally(_cfg(shapes_dataset_dir, tiny_model_dir, lr=2e-4), tmp_path)
-    s = run.summary()
+    """Through the CLI: `rangefinder run --local --config FILE`, as a person runs it on their own data."""
+    cfg = _cfg(shapes_dataset_dir, tiny_model_dir, lr=2e-4)
+    config = tmp_path / "mine.yaml"
+    config.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude={"kubernetes"})))
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    r = subprocess.run([sys.executable, "-m", "pipelines.cli", "run", "--local", "--config", str(config),
+                        "--out", str(out), "--json"], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads(r.stdout[r.stdout.rindex("\n{") + 1:] if "\n{" in r.stdout else r.stdout)
     assert (s["lr_source"], s["lr_low"], s["lr_mid"], s["lr_high"]) == ("fixed", 2e-4, 2e-4, 2e-4)
-    assert not [t for t in run.outputs if t.startswith("lr-range-test")]
-    assert "retrained_epochs" not in s and not [t for t in run.outputs if t.startswith("retrain-full")]
-    runs = _mlflow_runs(tmp_path / "mlflow.db")
+    run_dir = Path(s["pipeline_root"])
+    tasks = {p.name for p in run_dir.iterdir()}
+    assert not [t for t in tasks if t.startswith("lr-range-test") or t.startswith("retrain-full")], tasks
+    assert [t for t in tasks if t.startswith("finetune")] and "retrained_epochs" not in s
+    runs = _mlflow_runs(out / "mlflow.db")
     assert "lr_range_test" not in runs and runs.get("finetune") == "FINISHED"
 
 
