@@ -123,7 +123,9 @@ def train(
     # accelerate keeps its settings process-wide; each train() call is its own run and may use another precision
     # (the process group, PartialState, is kept).
     AcceleratorState._reset_state()
-    accelerator = Accelerator(mixed_precision=cfg.mixed_precision)
+    # Without an accelerator, say so: accelerate then runs several processes (torchrun, accelerate launch) on gloo.
+    no_accelerator = not (torch.cuda.is_available() or torch.backends.mps.is_available())
+    accelerator = Accelerator(mixed_precision=cfg.mixed_precision, cpu=no_accelerator)
     if accelerator.num_processes != cfg.world_size:
         raise ConfigError(
             f"training.world_size is {cfg.world_size} but accelerate started {accelerator.num_processes} processes; "
