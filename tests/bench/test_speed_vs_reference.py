@@ -64,6 +64,16 @@ def test_sd15_sized_unet_flops(tmp_path):
     assert 2.2e12 < flops < 2.6e12
 
 
+def test_reference_encoders_flops(tiny_model_dir):
+    """What the reference adds per update (VAE encode + text encoder) grows with the batch and is a real share."""
+    from bench.speed_vs_reference import encoders_flops_per_update, unet_flops_per_update
+
+    one = encoders_flops_per_update(tiny_model_dir, batch_size=1, resolution=32)
+    two = encoders_flops_per_update(tiny_model_dir, batch_size=2, resolution=32)
+    assert two == pytest.approx(2 * one, rel=0.01)
+    assert 0.01 < one / unet_flops_per_update(tiny_model_dir, batch_size=1, resolution=32) < 10
+
+
 def test_device_peaks_by_name():
     from bench.speed_vs_reference import device_peak_flops
 
@@ -89,5 +99,6 @@ def test_sized_section_logic_on_cpu(tmp_path):
     assert out["largest_batch"] == 8 and [t["fits"] for t in out["largest_batch_search"]] == [True, True]
     assert [s["summary"]["batch_size"] for s in out["settings"]] == [4, 8]
     for s in (x["summary"] for x in out["settings"]):
+        assert s["ratio_predicted_by_flops"] > 1
         assert s["engine_mfu"] == pytest.approx(s["flops_per_update"] * s["engine_updates_per_second"] / 1e12)
         assert s["reference_images_per_second"] == pytest.approx(s["batch_size"] * s["reference_updates_per_second"])
