@@ -10,7 +10,7 @@ so resuming needs nothing but the number of micro-batches already done.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -118,7 +118,6 @@ class EncodedOnTheFly(LatentSource):
     keys: list[str]  # content hash of each image (seeds the latent sample when latent_sampling == "sample")
     encode: Callable[[torch.Tensor, list[str]], torch.Tensor]  # (B, 3, H, W) pixels, seeds -> (B, 4, h, w)
     load: Callable[[Path], np.ndarray]  # path -> (3, H, W) in [-1, 1]
-    extra: dict = field(default_factory=dict)
 
     def get(self, indices: Sequence[int], flips: Sequence[bool], device: torch.device) -> torch.Tensor:
         arrays = []

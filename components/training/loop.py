@@ -173,20 +173,27 @@ def train(
     latent_stats, text_stats = CacheStats(), CacheStats()
     latent_folder = latent_cache_dir(root, encoder, data.resolution, data.center_crop)
     with accelerator.main_process_first():  # one process encodes, the others then read the cache
-        def latents_of(items, flipped):
-            return cached_latents(
-                [paths[it.id] for it in items], [keys[it.id] for it in items], encoder, load_array, latent_folder,
-                flipped=flipped, stats=latent_stats,
-            )
+        # Each distinct image once (the stabilize subset is part of train): (N, 4, h, w) latents, and of the
+        # mirrored images when flipping; without the cache only the validation images are encoded up front.
+        val_item_ids = {it.id for items in val_sets_items.values() for it in items}
+        encode_now = [it for i, it in all_items.items() if cfg.cache_latents or i in val_item_ids]
+        z, z_flipped = cached_latents(
+            [paths[it.id] for it in encode_now], [keys[it.id] for it in encode_now], encoder, load_array,
+            latent_folder, flipped=cfg.cache_latents and cfg.random_flip, stats=latent_stats,
+        )
+        row_of = {it.id: r for r, it in enumerate(encode_now)}
+
+        def rows_for(items):
+            return torch.tensor([row_of[it.id] for it in items], dtype=torch.long)
 
         if cfg.cache_latents:
-            z, z_flipped = latents_of(train_items, cfg.random_flip)
-            train_latents = CachedLatents(z, z_flipped)
+            train_rows = rows_for(train_items)
+            train_latents = CachedLatents(z[train_rows], None if z_flipped is None else z_flipped[train_rows])
         else:
             train_latents = EncodedOnTheFly(
                 [paths[it.id] for it in train_items], [keys[it.id] for it in train_items], encoder, load_array
             )
-        val_latents = {name: latents_of(items, False)[0] for name, items in val_sets_items.items() if items}
+        val_latents = {name: z[rows_for(items)] for name, items in val_sets_items.items() if items}
         if cfg.cache_latents:  # the VAE is not needed again; give its memory back
             _to(sd.vae, torch.device("cpu"))
 
