@@ -7,8 +7,7 @@ tests/tracking/conftest.py loads these. Other test folders can use them with `py
 - `mlflow_server_uri` (session): `http://127.0.0.1:PORT` of a real `mlflow server` (sqlite backend, local artifact
   root, proxied artifacts), started once per session with `--allowed-hosts 127.0.0.1:PORT`.
 - `mlflow_auth_server` (session): a server started with `--app-name basic-auth`; yields (uri, username, password).
-  MLflow's basic auth needs Flask-WTF, which is not a project dependency: it is installed once into a cache folder
-  used only by that server process (skipped, with the reason, when that is not possible).
+  MLflow's basic auth needs Flask-WTF: the `dev` extra installs `mlflow[auth]`.
 - `sqlite_tracking_uri`: `sqlite:///<tmp_path>/.../mlflow.db`, the local default, fresh per test;
   `shared_sqlite_tracking_uri` (session): one such store for many tests (give each its own experiment).
 - `clean_mlflow_env`: no MLFLOW_* variables leak from the caller's shell into a test, a down server fails in seconds,
@@ -33,7 +32,6 @@ _MLFLOW_VARS = (
     "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN", "KFP_RUN_ID", "KFP_RUN_NAME",
 )
 SERVER_START_TIMEOUT_S = 90
-AUTH_TOOLS = ("flask-wtf==1.3.0", "wtforms==3.3.2")
 
 
 def free_port() -> int:
@@ -101,31 +99,8 @@ def mlflow_server_uri(tmp_path_factory):
     stop_mlflow_server(proc)
 
 
-def _auth_tools_path() -> str | None:
-    """A folder holding Flask-WTF for the basic-auth server, or None when it cannot be had."""
-    try:
-        import flask_wtf  # noqa: F401
-
-        return ""  # already importable
-    except ImportError:
-        pass
-    cache = Path(os.environ.get("RANGEFINDER_CACHE", Path.home() / ".cache" / "rangefinder")) / "test-tools" / "mlflow-auth"
-    if not (cache / "flask_wtf").is_dir():
-        tmp = cache.with_name(cache.name + f".tmp-{os.getpid()}")
-        r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(tmp),
-                            *AUTH_TOOLS], capture_output=True, text=True, timeout=120)
-        if r.returncode != 0:
-            return None
-        if not (cache / "flask_wtf").is_dir():
-            tmp.rename(cache)
-    return str(cache)
-
-
 @pytest.fixture(scope="session")
 def mlflow_auth_server(tmp_path_factory):
-    tools = _auth_tools_path()
-    if tools is None:
-        pytest.skip("MLflow's basic-auth app needs Flask-WTF (mlflow[auth]), which could not be installed")
     workdir = tmp_path_factory.mktemp("mlflow-auth-server")
     username, password = "admin", "rf-Admin-pass-7431"
     ini = workdir / "basic_auth.ini"
@@ -138,8 +113,6 @@ def mlflow_auth_server(tmp_path_factory):
         "auth_cache_ttl_seconds = 300\n"
     )
     env = {"MLFLOW_AUTH_CONFIG_PATH": str(ini), "MLFLOW_FLASK_SERVER_SECRET_KEY": "rangefinder-tests"}
-    if tools:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [tools, os.environ.get("PYTHONPATH")]))
     uri, proc = start_mlflow_server(workdir, app_name="basic-auth", env=env)
     yield uri, username, password
     stop_mlflow_server(proc)
