@@ -302,7 +302,7 @@ def train(
         m.train()
     progress = tqdm(total=stream.total_updates, initial=update, disable=not main, desc=f"train ({cfg.schedule})",
                     unit="update", dynamic_ncols=True)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     first_update = update
     while update < stream.total_updates and status == "ok":
         micro_steps = stream.update_micro_batches(update)
@@ -386,7 +386,7 @@ def train(
                 len(train_items), micro_batches_done, loss_since_row, status,
             )
     progress.close()
-    seconds = time.perf_counter() - t0
+    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - cpu0
 
     # --- final weights and summary ------------------------------------------------------------------------
     final_dir = None
@@ -432,7 +432,8 @@ def train(
             "train_on": train_on,
             "resolution": data.resolution,
             "prediction_type": prediction_type,
-            "seconds": seconds,
+            "seconds": seconds,  # the loop's wall time (loading and encoding excluded)
+            "cpu_seconds": cpu_seconds,  # this process' CPU time in the loop (all threads)
             "updates_per_second": (update - first_update) / seconds if seconds > 0 else None,
         }
         _write_json(result.summary_path, summary)
