@@ -43,7 +43,8 @@ def format_validation_error(err: ValidationError, prefix: str = "") -> str:
         got_txt = ""
         if e.get("type") not in ("value_error", "missing") and not isinstance(got, (dict, list)):
             got_txt = f" (got {got!r})"
-        lines.append(f"{where}: {msg}{got_txt}")
+        # Cross-field checks already name their fields in the message.
+        lines.append(f"{msg}{got_txt}" if msg.startswith(where) else f"{where}: {msg}{got_txt}")
     return "; ".join(lines)
 
 
