@@ -8,9 +8,12 @@ Everything lands under one output folder: the pipeline root (every step's artifa
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -57,6 +60,8 @@ class LocalRun:
                     reports.append(f"{name}/{key}: {path}")
         out["reports"] = reports
         out["pipeline_root"] = str(self.run_dir)
+        if (self.out_dir / "pipeline.log").is_file():
+            out["log"] = str(self.out_dir / "pipeline.log")
         out["mlflow"] = self.tracking_uri
         return out
 
@@ -66,7 +71,8 @@ def local_tracking_uri(out_dir: Path) -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(out_dir / 'mlflow.db').resolve()}"
 
 
-def run_pipeline_locally(cfg: RangefinderConfig, out_dir: str | Path, *, dataset_uri: str = "") -> LocalRun:
+def run_pipeline_locally(cfg: RangefinderConfig, out_dir: str | Path, *, dataset_uri: str = "",
+                         quiet: bool = False) -> LocalRun:
     """Run the pipeline for `cfg` with kfp.local; raise RangefinderError naming the failed step."""
     from kfp import local
 
@@ -85,14 +91,25 @@ def run_pipeline_locally(cfg: RangefinderConfig, out_dir: str | Path, *, dataset
     # The steps run in subprocesses that inherit this environment; the caller's is put back afterwards.
     saved = os.environ.get("MLFLOW_TRACKING_URI")
     os.environ["MLFLOW_TRACKING_URI"] = tracking_uri
+    log_path = out / "pipeline.log"
+    if quiet:
+        print(f"rangefinder: running the pipeline with kfp.local; step logs in {log_path}", file=sys.stderr)
     try:
-        pipeline(**parameters_from_config(cfg, dataset_uri=dataset_uri))
+        # kfp.local prints every step's log and outputs on stdout; with `quiet` they go to the log file instead,
+        # so the terminal (and --json) shows only the result.
+        with open(log_path, "a", encoding="utf-8") if quiet else contextlib.nullcontext() as log, \
+                contextlib.redirect_stdout(log) if quiet else contextlib.nullcontext(), warnings.catch_warnings():
+            # Known and meant: the pod settings and the image do nothing here (this environment has the package).
+            warnings.filterwarnings("ignore", message=r"Task .* have no effect in the current local runner")
+            warnings.filterwarnings("ignore", message=r"You may be attemping to run a task that uses custom")
+            pipeline(**parameters_from_config(cfg, dataset_uri=dataset_uri))
     except RuntimeError as e:
         # kfp.local names the failed task (inside a chain of sub-DAGs); the step's own error is in its log above.
         text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))
         m = re.search(r"Inner task failed: '([^']+)'", text)
         where = f"step {m.group(1)} failed" if m else text
-        raise RangefinderError(f"the local pipeline run stopped: {where} (its error is in the log above; "
+        log_hint = f"see {log_path}" if quiet else "its error is in the log above"
+        raise RangefinderError(f"the local pipeline run stopped: {where} ({log_hint}; "
                                f"artifacts so far under {root})") from None
     finally:
         if saved is None:

@@ -27,6 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="rangefinder-demo", help="output folder (default ./rangefinder-demo)")
     p.add_argument("--retrain", action="store_true", help="also retrain on all data for the recommended epochs")
     p.add_argument("--lr", type=float, help="a fixed learning rate: skips the LR range test")
+    p.add_argument("--verbose", action="store_true", help="stream every step's log here instead of to OUT/pipeline.log")
     add_json_flag(p)
     p.set_defaults(func=run)
 
@@ -109,4 +110,4 @@ def run(args: argparse.Namespace) -> dict:
             "compiled_pipeline": str(out / "pipeline.yaml"),
             "skipped": ["running the pipeline (kfp.local): these pieces are not in this checkout yet"] + missing,
         }
-    return run_pipeline_locally(cfg, out).summary()
+    return run_pipeline_locally(cfg, out, quiet=not args.verbose).summary()

@@ -18,6 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="run on this machine (the only mode; `submit` runs on a cluster)")
     p.add_argument("--config", required=True, help="a rangefinder config YAML")
     p.add_argument("--out", default="rangefinder-run", help="output folder (default ./rangefinder-run)")
+    p.add_argument("--verbose", action="store_true", help="stream every step's log here instead of to OUT/pipeline.log")
     add_json_flag(p)
     p.set_defaults(func=run)
 
@@ -27,4 +28,4 @@ def run(args: argparse.Namespace) -> dict:
     from pipelines.local_run import run_pipeline_locally
 
     cfg = load_config(args.config)
-    return run_pipeline_locally(cfg, args.out).summary()
+    return run_pipeline_locally(cfg, args.out, quiet=not args.verbose).summary()

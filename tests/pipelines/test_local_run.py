@@ -87,7 +87,8 @@ def test_fixed_lr_skips_discovery_and_retrain_off(tmp_path, shapes_dataset_dir, 
     r = subprocess.run([sys.executable, "-m", "pipelines.cli", "run", "--local", "--config", str(config),
                         "--out", str(out), "--json"], capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
-    s = json.loads(r.stdout[r.stdout.rindex("\n{") + 1:] if "\n{" in r.stdout else r.stdout)
+    s = json.loads(r.stdout)  # the steps' logs went to OUT/pipeline.log: stdout is the result only
+    assert Path(s["log"]).is_file() and "finetune" in Path(s["log"]).read_text()
     assert (s["lr_source"], s["lr_low"], s["lr_mid"], s["lr_high"]) == ("fixed", 2e-4, 2e-4, 2e-4)
     run_dir = Path(s["pipeline_root"])
     tasks = {p.name for p in run_dir.iterdir()}
