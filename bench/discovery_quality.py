@@ -189,6 +189,12 @@ def one_case(kind: str, seed: int, args, work: Path, log=print) -> dict[str, Any
         row["updates_with_range_test"] = row["updates"] + int(first.get("updates") or 0)
         log(f"[{kind} seed {seed}]   {name} {lr:.3g}: best {row['best_val_loss']}")
         out["classic"][name] = row
+    if args.diagnose_lr_high and d.get("lr_high"):
+        # Not one of the compared methods: where the discovery's own upper bound would have landed, to tell a
+        # misplaced midpoint from misplaced bounds.
+        row = train_fixed_lr(cfg, split_dir, float(d["lr_high"]), case / "diagnostic-lr_high")
+        log(f"[{kind} seed {seed}]   diagnostic lr_high {d['lr_high']:.3g}: best {row['best_val_loss']}")
+        out["diagnostic_lr_high"] = row
     out["summary"] = summarize_case(out)
     if not args.keep:
         for p in case.iterdir():
@@ -228,6 +234,10 @@ def summarize_case(case: dict[str, Any]) -> dict[str, Any]:
     base, gb, db = s["baseline_val_loss"], s["grid_best_val_loss"], s["discovery_best_val_loss"]
     if None not in (base, gb, db) and base - gb > 0:
         s["share_of_grid_improvement"] = (base - db) / (base - gb)
+    diag = case.get("diagnostic_lr_high")
+    if diag:
+        s["diagnostic_lr_high"] = diag["lr"]
+        s["diagnostic_lr_high_gap_pct"] = gap_pct(diag.get("best_val_loss"), s["grid_best_val_loss"])
     for name, row in case["classic"].items():
         s[f"{name}"] = row.get("lr")
         s[f"{name}_best_val_loss"] = row.get("best_val_loss")
@@ -245,7 +255,8 @@ def aggregate(summaries: list[dict[str, Any]], within_pct: float) -> dict[str, A
 
     out: dict[str, Any] = {"cases": len(summaries),
                            "discovery_ok": sum(s["discovery_status"] == "ok" for s in summaries)}
-    for key in ("discovery_gap_pct", "discovery_gap_at_recommended_pct", "lr_steepest_gap_pct",
+    for key in ("discovery_gap_pct", "discovery_gap_at_recommended_pct", "diagnostic_lr_high_gap_pct",
+                "discovery_lr_decades_from_grid_best", "lr_steepest_gap_pct",
                 "lr_min_div10_gap_pct", "cost_fraction_updates", "cost_fraction_seconds",
                 "share_of_grid_improvement"):
         out[key] = stats([s.get(key) for s in summaries])
@@ -269,6 +280,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--range-test-every-updates", type=int, help="validation interval of the range test "
                    "(default: the demo config's)")
     p.add_argument("--finetune-epochs", type=int, help="the epochs budget of every arm (default: the demo config's)")
+    p.add_argument("--no-diagnose-lr-high", dest="diagnose_lr_high", action="store_false",
+                   help="skip the diagnostic run at the discovery's own lr_high")
     p.add_argument("--target-pct", type=float, default=2.0, help="the 'within x%% of the grid's best' target")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's choice)")
     p.add_argument("--keep", action="store_true", help="keep every run's folder (with --work-dir)")
@@ -318,10 +331,12 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
 def report(result: dict[str, Any]) -> str:
     rows = [c["summary"] for c in result["cases"]]
     cols = ["kind", "seed", "baseline_val_loss", "grid_best_lr", "grid_best_val_loss", "discovery_lr_mid",
-            "discovery_best_val_loss", "discovery_gap_pct", "recommended_epochs", "discovery_still_improving",
-            "lr_steepest", "lr_steepest_gap_pct", "lr_min_div10", "lr_min_div10_gap_pct"]
-    heads = ["kind", "seed", "base loss", "grid best lr", "grid best", "disc lr_mid", "disc best", "disc gap %",
-             "rec epochs", "still improving", "steepest lr", "steepest gap %", "min/10 lr", "min/10 gap %"]
+            "discovery_lr_decades_from_grid_best", "discovery_best_val_loss", "discovery_gap_pct",
+            "recommended_epochs", "discovery_still_improving", "lr_steepest", "lr_steepest_gap_pct", "lr_min_div10",
+            "lr_min_div10_gap_pct", "diagnostic_lr_high_gap_pct"]
+    heads = ["kind", "seed", "base loss", "grid best lr", "grid best", "disc lr_mid", "decades off", "disc best",
+             "disc gap %", "rec epochs", "still improving", "steepest lr", "steepest gap %", "min/10 lr",
+             "min/10 gap %", "(at lr_high gap %)"]
     text = table(rows, cols, title="Best validation loss (gap: % above the grid's best)", headers=heads)
     cost_cols = ["kind", "seed", "discovery_status", "discovery_lr_source", "discovery_updates", "grid_updates",
                  "cost_fraction_updates", "discovery_seconds", "grid_seconds", "cost_fraction_seconds"]
@@ -337,8 +352,12 @@ def report(result: dict[str, Any]) -> str:
         f"of {agg['cases']} cases (a failed discovery counts as a miss)",
         f"cost: median {_f(agg['cost_fraction_updates']['median'])} of the grid's updates, "
         f"{_f(agg['cost_fraction_seconds']['median'])} of its wall time",
-        f"classic steepest: median gap {_f(agg['lr_steepest_gap_pct']['median'])}%; "
-        f"min/10: median gap {_f(agg['lr_min_div10_gap_pct']['median'])}%",
+        f"classic steepest: median gap {_f(agg['lr_steepest_gap_pct']['median'])}%, worst "
+        f"{_f(agg['lr_steepest_gap_pct']['max'])}%; min/10: median gap {_f(agg['lr_min_div10_gap_pct']['median'])}%, "
+        f"worst {_f(agg['lr_min_div10_gap_pct']['max'])}%",
+        f"discovered lr_mid vs the grid's best LR: median {_f(agg['discovery_lr_decades_from_grid_best']['median'])} "
+        f"decades; diagnostic run at the discovery's lr_high: median gap "
+        f"{_f(agg['diagnostic_lr_high_gap_pct']['median'])}%",
     ]
     return text + "\n\n" + "\n".join(lines)
 
