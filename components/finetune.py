@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 from components.config import RangefinderConfig, TrainingConfig, plan_for
 from components.errors import RangefinderError
+from components.workdir import publish, work_dir
 
 
 @dataclass
@@ -79,8 +80,10 @@ def run_finetune(
     with tracking.step_run(cfg, "finetune", parent_run_id=mlflow_parent_run_id) as run:
         run.log_config(cfg, plan=plan_for(tc, len(split.train)),
                        extra={"lr_low": lr_low, "lr_high": lr_high, "lr_mid": lr_mid, "lr_source": lr_source})
-        result = train(tc, cfg.validation, split_dir=split_dir, model=cfg.model, out_dir=model_dir,
+        work = work_dir(model_dir, f"{mlflow_parent_run_id}/finetune" if mlflow_parent_run_id else None)
+        result = train(tc, cfg.validation, split_dir=split_dir, model=cfg.model, out_dir=work,
                        metric_sink=run, data=cfg.data)
+        publish(work, model_dir)
         report_dir = Path(out_dir or model_dir / "report")
         report_dir.mkdir(parents=True, exist_ok=True)
         if validating:

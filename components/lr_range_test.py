@@ -25,6 +25,7 @@ from typing import Any, Optional
 
 from components.config import RangefinderConfig, TrainingConfig, ValidationConfig
 from components.errors import RangefinderError
+from components.workdir import publish, work_dir
 
 ZOOM_MARGIN = 3.0  # x/÷ around ok bounds that hold too few points
 ZOOM_EXTEND = 10.0  # one decade past a censored end
@@ -140,8 +141,10 @@ def run_lr_range_test(
     with tracking.step_run(cfg, step_name, parent_run_id=mlflow_parent_run_id) as run:
         run.log_config(cfg, extra={"range_test.lr_min": lo, "range_test.lr_max": hi, "range_test.stage": stage})
         run.log_dataset_manifest(split_dir)
-        result = train(train_cfg, val_cfg, split_dir=split_dir, model=cfg.model, out_dir=out_dir / "run",
+        work = work_dir(out_dir / "run", f"{mlflow_parent_run_id}/{step_name}" if mlflow_parent_run_id else None)
+        result = train(train_cfg, val_cfg, split_dir=split_dir, model=cfg.model, out_dir=work,
                        metric_sink=run, data=cfg.data, save_final=False)
+        publish(work, out_dir / "run")
         curve = read_curve_csv(result.metrics_csv)
         stabilize = curve.get("stabilize_loss")
         # The engine leaves the LR of the update-0 baseline empty (no step taken yet); the analysis reads a

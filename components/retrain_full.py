@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 from components.config import RangefinderConfig, TrainingConfig, plan_for
+from components.workdir import publish, work_dir
 
 
 @dataclass
@@ -47,7 +48,9 @@ def run_retrain_full(cfg: RangefinderConfig, *, split_dir: Path, lr_low: float, 
     no_val = cfg.validation.model_copy(update={"every_epochs": 0.0, "every_updates": None})
     with tracking.step_run(cfg, "retrain_full", parent_run_id=mlflow_parent_run_id) as run:
         run.log_config(cfg, plan=plan_for(tc, n), extra={"retrain.epochs_used": epochs, "lr_mid": lr_mid})
-        result = train(tc, no_val, split_dir=split_dir, model=cfg.model, out_dir=model_dir, train_on="train+val",
+        work = work_dir(model_dir, f"{mlflow_parent_run_id}/retrain_full" if mlflow_parent_run_id else None)
+        result = train(tc, no_val, split_dir=split_dir, model=cfg.model, out_dir=work, train_on="train+val",
                        metric_sink=run, data=cfg.data)
+        publish(work, model_dir)
         run.log_decisions({"retrain_epochs": epochs, "retrain_updates": result.updates})
     return RetrainResult(epochs=epochs, updates=result.updates, model_dir=Path(model_dir))

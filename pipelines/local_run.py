@@ -86,8 +86,9 @@ def run_pipeline_locally(cfg: RangefinderConfig, out_dir: str | Path, *, dataset
 
     before = {p.name for p in root.iterdir()}
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(root), raise_on_error=True)
-    # Pod settings mean nothing here, but kfp.local does honour retries: a failed step would rerun for nothing.
-    pipeline = build_pipeline(cfg.model_copy(update={"kubernetes": cfg.kubernetes.model_copy(update={"retries": 0})}))
+    # No pod settings: kfp.local would rerun a failed step on retries, and hand the cluster's environment
+    # (data-volume paths, MLflow URI) to the steps.
+    pipeline = build_pipeline(cfg, local=True)
     # The steps run in subprocesses that inherit this environment; the caller's is put back afterwards.
     saved = os.environ.get("MLFLOW_TRACKING_URI")
     os.environ["MLFLOW_TRACKING_URI"] = tracking_uri

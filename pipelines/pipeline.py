@@ -49,9 +49,13 @@ CACHED_STEPS = ("prepare_dataset", "choose_lr")
 SHM_VOLUME = "dshm"
 
 
-def configure_task(task: dsl.PipelineTask, step: str, k8s: KubernetesConfig) -> dsl.PipelineTask:
-    """The pod settings of one step, from the config."""
+def configure_task(task: dsl.PipelineTask, step: str, k8s: KubernetesConfig, local: bool = False) -> dsl.PipelineTask:
+    """The pod settings of one step, from the config. `local`: for kfp.local, which ignores pod settings but does
+    pass a task's environment variables on, so the cluster's paths and URIs are left out."""
     training = step in TRAINING_STEPS
+    if local:
+        task.set_caching_options(False)  # a local rerun is meant to run again
+        return task.set_display_name(step.replace("_", "-"))
     task.set_container_image(trainer_image(k8s.image) if training else cpu_image(k8s.cpu_image))
     task.set_caching_options(step in CACHED_STEPS)
     if training:
@@ -86,19 +90,23 @@ def configure_task(task: dsl.PipelineTask, step: str, k8s: KubernetesConfig) -> 
     if step in TRAINING_STEPS or step == "prepare_dataset":
         # Downloads (hub models) and the latent cache land on the data volume, not in the pod's small disk.
         if k8s.data_pvc:
-            task.set_env_variable("RANGEFINDER_CACHE", f"{k8s.data_mount_path.rstrip('/')}/cache")
-            task.set_env_variable("HF_HOME", f"{k8s.data_mount_path.rstrip('/')}/cache/huggingface")
+            mount = k8s.data_mount_path.rstrip("/")
+            task.set_env_variable("RANGEFINDER_CACHE", f"{mount}/cache")
+            task.set_env_variable("HF_HOME", f"{mount}/cache/huggingface")
+            if step in TRAINING_STEPS:
+                # Runs (and their checkpoints) outlive a preempted pod there; the retry resumes from them.
+                task.set_env_variable("RANGEFINDER_WORK", f"{mount}/work")
     return task.set_display_name(step.replace("_", "-"))
 
 
-def build_pipeline(cfg: Optional[RangefinderConfig] = None) -> Callable:
-    """The pipeline function; `cfg` gives the parameters' defaults and the pod settings."""
+def build_pipeline(cfg: Optional[RangefinderConfig] = None, *, local: bool = False) -> Callable:
+    """The pipeline function; `cfg` gives the parameters' defaults and the pod settings (none when `local`)."""
     cfg = cfg or RangefinderConfig()
     k8s = cfg.kubernetes
     d = parameters_from_config(cfg)
 
     def step(task: dsl.PipelineTask, name: str) -> dsl.PipelineTask:
-        return configure_task(task, name, k8s)
+        return configure_task(task, name, k8s, local=local)
 
     @dsl.pipeline(name="discover-lr")
     def discover_lr(

@@ -59,6 +59,9 @@ def prepare_demo(out: Path, retrain: bool = False, lr: float | None = None):
         "model": {"base_model": str(base_model)},
         "retrain": {"enabled": retrain},
     }
+    if not os.environ.get("RANGEFINDER_CACHE"):
+        # The encoded latents and captions are written too: keep them under --out with the rest.
+        overrides["training"] = {"cache_dir": str(out / "cache")}
     if lr is not None:
         overrides["lr"] = lr
     return demo_config(**overrides)

@@ -166,6 +166,8 @@ def test_kubernetes_settings(compiled):
             k = compiled.k8s[compiled.executor_of(task)]
             assert dict(k.node_selector.labels) == cfg.node_selector, prefix
             assert [(t.key, t.operator, t.effect) for t in k.tolerations] == [("nvidia.com/gpu", "Exists", "NoSchedule")]
+            env = {e.name: e.value for e in compiled.executors[compiled.executor_of(task)].container.env}
+            assert env["RANGEFINDER_WORK"] == "/data/work" and env["RANGEFINDER_CACHE"] == "/data/cache", prefix
             shm = [m for m in k.empty_dir_mounts if m.mount_path == "/dev/shm"]
             assert shm and shm[0].medium == "Memory" and shm[0].size_limit == cfg.shm_size
     for prefix in ("prepare-dataset", "choose-lr", "resolve-config"):
@@ -266,3 +268,20 @@ def test_compile_cli(tmp_path):
     assert r.returncode == 2
     assert "data.resolution" in r.stderr and "multiple of 8" in r.stderr
     assert not out2.exists()
+
+
+def test_local_build_carries_no_cluster_environment(tmp_path):
+    """kfp.local hands a task's environment variables to the step: the local build must carry none of the cluster's
+    (data-volume paths, MLflow URI), nor retries (kfp.local would rerun a failing step) or cached steps."""
+    from kfp import compiler
+
+    from pipelines.pipeline import build_pipeline
+
+    path = tmp_path / "local.yaml"
+    compiler.Compiler().compile(build_pipeline(RangefinderConfig(), local=True), package_path=str(path))
+    c = Compiled(path)
+    for name, ex in c.executors.items():
+        if ex.HasField("container"):
+            assert not ex.container.env, name
+    for dag_name, task_name, task in c.tasks("finetune") + c.tasks("prepare-dataset") + c.tasks("lr-range-test"):
+        assert task.retry_policy.max_retry_count == 0 and not task.caching_options.enable_cache

@@ -1,0 +1,32 @@
+"""Where a training step writes its run, so that a retried pod goes on from the preempted pod's checkpoints.
+
+A KFP output artifact lives on the pod's own disk until the step ends; a pod killed by a preempted node takes its
+checkpoints with it. When `$RANGEFINDER_WORK` is set (the pipeline sets it to a folder on the data volume), a
+training step runs in `$RANGEFINDER_WORK/<pipeline run>/<step>` instead, resumes from there on a retry
+(`training.resume`), and copies the finished run into its artifact at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Optional
+
+WORK_ENV = "RANGEFINDER_WORK"
+
+
+def work_dir(artifact_dir: Path, key: Optional[str]) -> Path:
+    """The folder to train in: `$RANGEFINDER_WORK/<key>` when both are set, else the artifact folder itself."""
+    root = os.environ.get(WORK_ENV, "").strip()
+    if not root or not key:
+        return Path(artifact_dir)
+    return Path(root).expanduser() / key
+
+
+def publish(work: Path, artifact_dir: Path) -> None:
+    """Copy a finished run from the work folder into the artifact folder (nothing to do when they are one)."""
+    work, artifact_dir = Path(work), Path(artifact_dir)
+    if work.resolve() == artifact_dir.resolve():
+        return
+    shutil.copytree(work, artifact_dir, dirs_exist_ok=True)
