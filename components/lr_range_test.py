@@ -117,8 +117,6 @@ def run_lr_range_test(
     mlflow_parent_run_id: Optional[str] = None,
 ) -> RangeTestResult:
     """Sweep, analyse, report; `lr_min`/`lr_max` None: the configured range (a zoom passes its own)."""
-    import numpy as np
-
     from components import tracking
     from components.analysis import analyze_lr_curve, read_curve_csv, write_lr_report
     from components.training.loop import train
@@ -147,11 +145,7 @@ def run_lr_range_test(
         publish(work, out_dir / "run")
         curve = read_curve_csv(result.metrics_csv)
         stabilize = curve.get("stabilize_loss")
-        # The engine leaves the LR of the update-0 baseline empty (no step taken yet); the analysis reads a
-        # baseline as LR 0, and would otherwise cut the curve at its first non-finite LR.
-        lr = np.where((curve["update"] == 0) & np.isnan(curve["lr"]), 0.0, curve["lr"])
-        curve["lr"] = lr
-        bounds = analyze_lr_curve(lr, curve["val_loss"], ramp=rt.ramp, stabilize_loss=stabilize,
+        bounds = analyze_lr_curve(curve["lr"], curve["val_loss"], ramp=rt.ramp, stabilize_loss=stabilize,
                                   seed=cfg.validation.seed, divergence_factor=cfg.validation.divergence_factor)
         n_between = points_between(curve["lr"], bounds.lr_low, bounds.lr_high)
         zoom = None

@@ -22,10 +22,12 @@ def run_record_status(*, state: str, error_message: str = "", failed_task: str =
                                         log_config=False)
     client = tracking.tracking_client(cfg)
     client.set_tag(parent, "rangefinder.final_state", state or "UNKNOWN")
-    if error_message:
-        client.set_tag(parent, "rangefinder.error", tracking.redact(error_message)[:4000])
-    if failed_task:
-        client.set_tag(parent, "rangefinder.failed_task", failed_task)
+    # KFP fills failed_task (with the exit handler's own group) even when nothing failed: only a failure names it.
+    if status != "FINISHED":
+        if error_message:
+            client.set_tag(parent, "rangefinder.error", tracking.redact(error_message)[:4000])
+        if failed_task:
+            client.set_tag(parent, "rangefinder.failed_task", failed_task)
     tracking.finish_pipeline_run(cfg, parent, status=status)
     print(f"pipeline run {pipeline_job_id}: {state} -> MLflow run {parent} {status}")
     return status

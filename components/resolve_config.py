@@ -118,9 +118,10 @@ class ResolvedConfig:
     mlflow_parent_run_id: str  # "" when tracking is off
 
 
-def run_resolve_config(base_config: str = "", *, pipeline_job_id: str = "", **params: Any) -> ResolvedConfig:
+def run_resolve_config(base_config: str = "", *, pipeline_job_id: str = "", pipeline_job_name: str = "",
+                       **params: Any) -> ResolvedConfig:
     cfg = config_from_parameters(base_config, **params)
-    parent = start_parent_run(cfg, pipeline_job_id) if pipeline_job_id else ""
+    parent = start_parent_run(cfg, pipeline_job_id, pipeline_job_name) if pipeline_job_id else ""
     return ResolvedConfig(
         config_json=cfg.model_dump_json(),
         fixed_lr=float(cfg.lr or 0.0),
@@ -129,11 +130,14 @@ def run_resolve_config(base_config: str = "", *, pipeline_job_id: str = "", **pa
     )
 
 
-def start_parent_run(cfg: RangefinderConfig, pipeline_job_id: str) -> str:
-    """The MLflow run every step of this pipeline run logs under (found or made by the KFP run id); its id."""
+def start_parent_run(cfg: RangefinderConfig, pipeline_job_id: str, pipeline_job_name: str = "") -> str:
+    """The MLflow run every step of this pipeline run logs under (found or made by the KFP run id); its id.
+
+    Named after the KFP run (its name when KFP gives one) so the two are easy to match in the UIs."""
     from components import tracking
 
-    return tracking.ensure_parent_run(cfg, name=f"rangefinder-{pipeline_job_id}", kfp_run_id=pipeline_job_id)
+    return tracking.ensure_parent_run(cfg, name=pipeline_job_name or f"rangefinder-{pipeline_job_id}",
+                                      kfp_run_id=pipeline_job_id, kfp_run_name=pipeline_job_name or None)
 
 
 def load_step_config(config_json: str) -> RangefinderConfig:

@@ -48,4 +48,6 @@ def run_sample_images(cfg: RangefinderConfig, *, finetuned_dir: Path, retrained_
         if grid_html is not None:
             shutil.copyfile(out["html"], grid_html)
         run.log_artifact(out_dir, "samples")
+        # Also as an MLflow image, so the grid shows in the run's image view, not only as a file.
+        run.log_image(out["grid"], key="sample_grid")
     return out

@@ -45,6 +45,7 @@ def resolve_config(
     prompts: list,
     mlflow_experiment: str,
     pipeline_job_id: str,
+    pipeline_job_name: str = "",
 ) -> NamedTuple("ResolvedConfig", config_json=str, fixed_lr=float, retrain=bool, mlflow_parent_run_id=str):
     """Validate the parameters into one config (fails fast, before any GPU is requested); open the MLflow parent
     run of this pipeline run."""
@@ -58,6 +59,7 @@ def resolve_config(
         range_test_epochs=range_test_epochs, finetune_epochs=finetune_epochs, val_split=val_split,
         split_seed=split_seed, seed=seed, fixed_lr=fixed_lr, retrain=retrain, retrain_epochs=retrain_epochs,
         prompts=prompts, mlflow_experiment=mlflow_experiment, pipeline_job_id=pipeline_job_id,
+        pipeline_job_name=pipeline_job_name,
     )
     out = namedtuple("ResolvedConfig", "config_json fixed_lr retrain mlflow_parent_run_id")
     return out(r.config_json, r.fixed_lr, r.retrain, r.mlflow_parent_run_id)

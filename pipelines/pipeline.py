@@ -230,6 +230,7 @@ def build_pipeline(cfg: Optional[RangefinderConfig] = None, *, local: bool = Fal
                 val_split=val_split, split_seed=split_seed, seed=seed, fixed_lr=fixed_lr, retrain=retrain,
                 retrain_epochs=retrain_epochs, prompts=prompts, mlflow_experiment=mlflow_experiment,
                 pipeline_job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
+                pipeline_job_name=dsl.PIPELINE_JOB_NAME_PLACEHOLDER,
             ), "resolve_config")
             config_json = resolved.outputs["config_json"]
             rest = dict(fixed_lr=resolved.outputs["fixed_lr"], retrain=resolved.outputs["retrain"],

@@ -265,7 +265,8 @@ def train(
             for m in modules.values():
                 m.eval()
             row: dict[str, Any] = {"update": at_update, "epoch": stream.epochs_after(micro_batches_done)}
-            row["lr"] = log.update_rows[-1]["lr"] if log.update_rows else None
+            # The update-0 baseline has taken no step: its LR is 0, the start of a range test's curve.
+            row["lr"] = log.update_rows[-1]["lr"] if log.update_rows else 0.0
             row["train_loss"] = loss_since_row[0] / loss_since_row[1] if loss_since_row[1] else None
             te = accelerator.unwrap_model(text_encoder)
             for vset in val_sets:

@@ -111,7 +111,7 @@ def test_metrics_csv_has_the_curve_columns(triangular_runs, split_dir):
         + [f"stabilize_loss_b{i}" for i in range(k)]
     )
     baseline, last = table[0], table[-1]
-    assert baseline["update"] == "0" and baseline["train_loss"] == "" and baseline["lr"] == ""
+    assert baseline["update"] == "0" and baseline["train_loss"] == "" and float(baseline["lr"]) == 0.0
     assert float(last["epoch"]) == 2.0 and int(last["update"]) == result.updates
     for row in table:
         buckets = [float(row[f"val_loss_b{i}"]) for i in range(k)]
