@@ -124,8 +124,9 @@ def run_lr_range_test(
     if stage not in ("first", "zoom"):
         raise RangefinderError(f"lr_range_test stage must be 'first' or 'zoom' (got {stage!r})")
     rt = cfg.lr_range_test
-    lo = lr_min if lr_min is not None else rt.lr_min
-    hi = lr_max if lr_max is not None else rt.lr_max
+    default_lo, default_hi = rt.range_for(cfg.training.method)
+    lo = lr_min if lr_min is not None else default_lo
+    hi = lr_max if lr_max is not None else default_hi
     if not 0 < lo < hi:
         raise RangefinderError(f"LR range {lo:g}..{hi:g} is empty; lr_min must be above 0 and below lr_max")
     out_dir = Path(out_dir)

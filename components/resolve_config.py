@@ -6,7 +6,8 @@ sent by `rangefinder submit --config FILE`). The typed parameters are laid over 
 UI wins. Validation happens here, in the first step, so a bad value stops the run before any GPU is asked for.
 
 Strings and numbers cannot be None in the KFP UI, so an empty string or 0 means "unset" for the parameters below
-whose config field is Optional (dataset_dir, base_model, fixed_lr, retrain_epochs).
+whose config field is Optional (dataset_dir, base_model, fixed_lr, retrain_epochs, and lr_min/lr_max, whose unset
+value means the method's default sweep).
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ PARAMETER_FIELDS: dict[str, str] = {
 }
 
 # Parameters whose config field is Optional: the UI's "empty" value stands for None.
-_UNSET: dict[str, Any] = {"dataset_dir": "", "base_model": "", "fixed_lr": 0.0, "retrain_epochs": 0}
+_UNSET: dict[str, Any] = {"dataset_dir": "", "base_model": "", "fixed_lr": 0.0, "retrain_epochs": 0,
+                          "lr_min": 0.0, "lr_max": 0.0}
 
 
 def _get(cfg: RangefinderConfig, dotted: str) -> Any:

@@ -205,8 +205,10 @@ def build_pipeline(cfg: Optional[RangefinderConfig] = None, *, local: bool = Fal
             batch_size: Images per micro-batch per GPU.
             grad_accum: Micro-batches per optimizer update (effective batch = batch_size x grad_accum x GPUs).
             ramp: LR range test ramp: exp (geometric, the usual choice for a wide range) or linear (Smith 2017).
-            lr_min: LR range test start (a value surely too low to learn), e.g. 1e-7.
-            lr_max: LR range test end (a value surely too high), e.g. 1e-2.
+            lr_min: LR range test start (a value surely too low to learn), e.g. 1e-7. 0: the method's default
+                (full 1e-7; lora and textual_inversion 1e-6).
+            lr_max: LR range test end (a value surely too high), e.g. 1e-2. 0: the method's default (full 1e-2;
+                lora and textual_inversion 1.0).
             range_test_epochs: Epochs the LR range test ramps over.
             finetune_epochs: Epochs of the constant-LR fine-tune; longer than needed, the step window is found in it.
             val_split: Share of images held out for validation loss (0.2 = 20 %, rounded up, at least one image).

@@ -85,3 +85,18 @@ def test_yaml_errors_name_the_file_and_field(tmp_path):
     wrong.write_text("data:\n  resolution: 100\n")
     with pytest.raises(ConfigError, match=r"data\.resolution: must be a multiple of 8.*try 96"):
         load_config(wrong)
+
+
+def test_lr_range_defaults_follow_the_method():
+    """Adapters and embeddings learn ~100x higher than full fine-tuning: their default sweep reaches higher."""
+    from components.config import DEFAULT_LR_RANGE, RangefinderConfig
+
+    for method, (lo, hi) in DEFAULT_LR_RANGE.items():
+        cfg = RangefinderConfig.model_validate({"training": {"method": method}})
+        assert cfg.lr_range_test.range_for(method) == (lo, hi)
+    assert DEFAULT_LR_RANGE["lora"][1] >= 100 * DEFAULT_LR_RANGE["full"][1]
+    # One end set by hand keeps the other's default, and an impossible pair is refused naming both fields.
+    cfg = RangefinderConfig.model_validate({"lr_range_test": {"lr_max": 0.5}, "training": {"method": "lora"}})
+    assert cfg.lr_range_test.range_for("lora") == (DEFAULT_LR_RANGE["lora"][0], 0.5)
+    with pytest.raises(ConfigError, match="lr_range_test.lr_max .* must be above lr_range_test.lr_min"):
+        parse_config({"lr_range_test": {"lr_min": 0.05}, "training": {"method": "full"}})

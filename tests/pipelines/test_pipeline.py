@@ -86,7 +86,8 @@ def test_parameters_are_typed_with_descriptions(compiled):
     assert {k: v.parameter_type for k, v in params.items()} == expected
     for name, p in params.items():
         assert len(p.description) > 10, f"{name} has no UI description"
-    assert params["lr_max"].default_value.number_value == pytest.approx(1e-2)
+    # Unset in the config: 0 in the UI, which the first step reads as the method's default sweep.
+    assert params["lr_max"].default_value.number_value == 0.0
     assert params["fixed_lr"].default_value.number_value == 0.0
 
 
