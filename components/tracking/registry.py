@@ -114,6 +114,9 @@ def log_diffusers_model(
     defaults = {"num_inference_steps": int(num_inference_steps), "guidance_scale": float(guidance_scale),
                 "height": res, "width": res}
     mlflow.set_tracking_uri(run.tracking_uri)
+    # MLflow 3 files a logged model under the fluent API's active experiment, not under `run_id`'s: without this it
+    # lands in experiment 0, whose artifacts go to ./mlruns of whatever folder the step happens to run in.
+    mlflow.set_experiment(experiment_id=run.experiment_id)
     with warnings.catch_warnings():
         # An input example would make mlflow load the whole pipeline and generate at logging time; the signature
         # already says what goes in and out.

@@ -69,3 +69,18 @@ def test_a_folder_that_is_not_a_pipeline_is_refused(shared_sqlite_tracking_uri, 
     with pytest.raises(TrackingError, match="model_index.json"):
         with step_run(cfg, "finetune") as run:
             run.log_diffusers_model(tmp_path)
+
+
+def test_model_is_filed_under_the_runs_experiment(sqlite_tracking_uri, tiny_model_dir, tmp_path, monkeypatch):
+    """MLflow 3 files logged models under the active experiment; ours must go with the step's run, and nothing may
+    land in ./mlruns of the folder a step happens to run in (the demo keeps everything under its --out)."""
+    workdir = tmp_path / "cwd"
+    workdir.mkdir()
+    monkeypatch.chdir(workdir)
+    cfg = RangefinderConfig(tracking=TrackingConfig(tracking_uri=sqlite_tracking_uri, experiment_name="filed",
+                                                    registered_model_name=None))
+    with step_run(cfg, "finetune") as run:
+        version = run.log_diffusers_model(tiny_model_dir, num_inference_steps=2)
+    model_id = version.model_uri.removeprefix("models:/")
+    assert mlflow.get_logged_model(model_id).experiment_id == run.experiment_id
+    assert not (workdir / "mlruns").exists()
