@@ -28,6 +28,6 @@ def run_register_model(cfg: RangefinderConfig, *, model_dir: Path, lr_mid: float
         v = run.log_diffusers_model(weights, metrics={"lr_mid": lr_mid, "epochs": epochs},
                                     num_inference_steps=cfg.sampling.num_inference_steps,
                                     guidance_scale=cfg.sampling.guidance_scale, resolution=cfg.data.resolution)
-    uri = getattr(v, "model_uri", None) or getattr(v, "source", None) or ""
-    version = getattr(v, "version", None)
-    return Registered(model_uri=str(uri), version=str(version) if version is not None else None)
+    # The registry's name for it when registered (what a person loads or promotes), else the logged model's URI.
+    uri = f"models:/{v.name}/{v.version}" if v.version else v.model_uri
+    return Registered(model_uri=uri, version=v.version)

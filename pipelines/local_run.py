@@ -29,6 +29,7 @@ class LocalRun:
     tracking_uri: str
     outputs: dict[str, dict[str, Any]] = field(default_factory=dict)  # task name -> output parameters
     artifacts: dict[str, dict[str, str]] = field(default_factory=dict)  # task name -> output name -> path
+    reports: list[Path] = field(default_factory=list)  # copies under OUT/reports/, named to open in a browser
 
     def task(self, prefix: str) -> Optional[str]:
         """The task whose name starts with `prefix` and that really ran (kfp.local suffixes repeated names)."""
@@ -53,12 +54,7 @@ class LocalRun:
         reg = self.task("register-model")
         if reg:
             out["registered_model"] = self.outputs[reg].get("model_uri")
-        reports = []
-        for name in sorted(self.artifacts):
-            for key, path in sorted(self.artifacts[name].items()):
-                if key in ("report_html", "report_md", "grid", "decision", "report") and Path(path).exists():
-                    reports.append(f"{name}/{key}: {path}")
-        out["reports"] = reports
+        out["reports"] = [str(p) for p in self.reports]
         out["pipeline_root"] = str(self.run_dir)
         if (self.out_dir / "pipeline.log").is_file():
             out["log"] = str(self.out_dir / "pipeline.log")
@@ -123,7 +119,30 @@ def run_pipeline_locally(cfg: RangefinderConfig, out_dir: str | Path, *, dataset
         raise RangefinderError(f"kfp.local wrote no run folder under {root}")
     run = LocalRun(out_dir=out, run_dir=new[-1], tracking_uri=tracking_uri)
     _collect(run)
+    _publish_reports(run)
     return run
+
+
+# The artifacts a person reads, by output name; KFP names artifact files after the output, without an extension.
+REPORT_OUTPUTS = ("report_html", "report_md", "grid", "decision", "report")
+
+
+def _publish_reports(run: LocalRun) -> None:
+    """Copy the reports to OUT/reports/<task>-<output>.<html|md> so they open with a double click."""
+    import shutil
+
+    dest = run.out_dir / "reports"
+    dest.mkdir(exist_ok=True)
+    for task in sorted(run.artifacts):
+        for key, path in sorted(run.artifacts[task].items()):
+            src = Path(path)
+            if key not in REPORT_OUTPUTS or not src.is_file():
+                continue
+            head = src.read_bytes()[:64].lstrip().lower()
+            ext = ".html" if head.startswith((b"<!doctype html", b"<html")) else ".md"
+            target = dest / f"{task}-{key.removeprefix('report_')}{ext}"
+            shutil.copyfile(src, target)
+            run.reports.append(target)
 
 
 def _collect(run: LocalRun) -> None:

@@ -66,7 +66,13 @@ def test_discovery_then_retrain(tmp_path, shapes_dataset_dir, tiny_model_dir, ml
     assert s["lr_source"] == "range-test"
     assert 0 < s["lr_low"] <= s["lr_mid"] <= s["lr_high"] < 1e-2
     assert s["recommended_epochs"] >= 1 and s["retrained_epochs"] == 1
-    assert s["registered_model"].startswith("models:/")
+    assert s["registered_model"] == "models:/rf-e2e-retrain/1"  # by name and version, as a person loads it
+    # The reports are copied under OUT/reports with extensions a browser or editor opens.
+    reports = sorted(Path(p).name for p in s["reports"])
+    assert any(n.startswith("lr-range-test") and n.endswith("-html.html") for n in reports), reports
+    assert any(n.startswith("finetune") and n.endswith("-md.md") for n in reports), reports
+    assert any(n.startswith("sample-images") and n.endswith("-grid.html") for n in reports), reports
+    assert all(Path(p).parent == tmp_path / "reports" for p in s["reports"])
     # The reports exist and the HTML embeds its plot (the KFP UI shows no image files).
     html = Path(run.artifacts[run.task("lr-range-test")]["report_html"]).read_text()
     assert "data:image/png;base64," in html
