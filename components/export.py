@@ -359,3 +359,32 @@ def save_textual_inversion(out_dir: Path, token: str, embeds, metadata: Optional
     os.replace(tmp, pt)
     paths["a1111_pt"] = pt
     return paths
+
+
+def export_pipeline(weights: Path, base_model: Path, out_dir: Path) -> Path:
+    """A whole diffusers pipeline folder for any trained output: a full fine-tune's folder as it is; LoRA adapters
+    fused into the base model's weights; a textual-inversion embedding added to the base tokenizer and text encoder.
+
+    What a registry or a plain `from_pretrained` user needs when the method only trained a small part. Written to a
+    temporary name and renamed, so a half-written folder never looks finished.
+    """
+    import shutil
+
+    from components.sampling import load_column_pipeline, resolve_column
+
+    weights, out_dir = Path(weights), Path(out_dir)
+    column = resolve_column(weights)
+    if column.kind == "pipeline":
+        return weights
+    pipe = load_column_pipeline(column, Path(base_model), device="cpu")
+    if column.kind == "lora":
+        # Bake the adapters into the base weights, then drop the adapter layers: a plain pipeline remains.
+        pipe.fuse_lora()
+        pipe.unload_lora_weights()
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    pipe.save_pretrained(str(tmp))
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+    return out_dir
