@@ -1,5 +1,7 @@
 """The typed config rejects every invalid value with a message naming the field, and loads from YAML."""
 
+from pathlib import Path
+
 import pytest
 
 from components.config import RangefinderConfig, demo_config, load_config, parse_config, plan, val_count
@@ -100,3 +102,13 @@ def test_lr_range_defaults_follow_the_method():
     assert cfg.lr_range_test.range_for("lora") == (DEFAULT_LR_RANGE["lora"][0], 0.5)
     with pytest.raises(ConfigError, match="lr_range_test.lr_max .* must be above lr_range_test.lr_min"):
         parse_config({"lr_range_test": {"lr_min": 0.05}, "training": {"method": "full"}})
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[1] / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_load_and_compile(path, tmp_path):
+    """The README points people at configs/: each must validate and compile into a pipeline package."""
+    from pipelines.pipeline import compile_pipeline
+
+    cfg = load_config(path)
+    out = compile_pipeline(cfg, str(tmp_path / "pipeline.yaml"))
+    assert Path(out).stat().st_size > 1000
