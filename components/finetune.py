@@ -2,7 +2,8 @@
 
 The LR is constant at the midpoint of the range test's bounds, or cycles between the bounds (Smith 2017's
 triangular schedules) when `finetune.schedule` says so. The step window is where smoothed validation loss is within
-`finetune.tolerance` of its minimum; its start gives the recommended epochs (components.analysis).
+`finetune.tolerance` of its minimum; its centre gives the recommended epochs, since the window's edges are
+better determined than the minimum itself (components.analysis.step_window).
 """
 
 from __future__ import annotations
