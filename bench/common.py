@@ -184,6 +184,13 @@ def default_out(name: str) -> Path:
     return RESULTS_DIR / f"{name}.json"
 
 
+def smoke_out(name: str) -> Path:
+    """Where a --smoke run writes by default: outside the repository, never over a real result."""
+    import tempfile
+
+    return Path(tempfile.gettempdir()) / "rangefinder-bench" / f"{name}.smoke.json"
+
+
 def fmt(v: Any, digits: int = 4) -> str:
     if v is None:
         return "-"

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from bench.common import quiet_libraries, default_out, machine_info, table, torch_threads, write_json
+from bench.common import smoke_out, quiet_libraries, default_out, machine_info, table, torch_threads, write_json
 
 NAME = "discovery_quality"
 
@@ -286,9 +286,11 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's choice)")
     p.add_argument("--keep", action="store_true", help="keep every run's folder (with --work-dir)")
     p.add_argument("--smoke", action="store_true", help="one tiny case, 2 grid points, 2-epoch runs (CI)")
-    p.add_argument("--out", type=Path, default=default_out(NAME))
+    p.add_argument("--out", type=Path, help="JSON output (default bench/results/<name>.json; with --smoke a "
+                   "temporary file, so a smoke run never replaces a real result)")
     p.add_argument("--work-dir", type=Path, help="where runs go (default: a temporary folder, removed)")
     args = p.parse_args(argv)
+    args.out = args.out or (smoke_out(NAME) if args.smoke else default_out(NAME))
     quiet_libraries()
     if args.smoke:
         args.kinds, args.seeds, args.images, args.grid_points = "shapes", "0", 10, 2

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from bench.common import quiet_libraries, PeakMemory, default_out, machine_info, mib, table, torch_threads, write_json
+from bench.common import smoke_out, quiet_libraries, PeakMemory, default_out, machine_info, mib, table, torch_threads, write_json
 
 NAME = "speed_vs_reference"
 
@@ -307,9 +307,11 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--cuda-rounds", type=int, default=2)
     p.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak (default: from its name)")
     p.add_argument("--smoke", action="store_true", help="2 updates, 1 round, no warm-up, CPU only (CI)")
-    p.add_argument("--out", type=Path, default=default_out(NAME), help="JSON output")
+    p.add_argument("--out", type=Path, help="JSON output (default bench/results/<name>.json; with --smoke a "
+                   "temporary file, so a smoke run never replaces a real result)")
     p.add_argument("--work-dir", type=Path, help="datasets and model copies (default: a temporary folder)")
     args = p.parse_args(argv)
+    args.out = args.out or (smoke_out(NAME) if args.smoke else default_out(NAME))
     quiet_libraries()
     if args.smoke:
         args.rounds, args.updates, args.warmup_updates, args.cpu_only = 1, 2, 0, True

@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from bench.common import default_out, machine_info, quiet_libraries, table, torch_threads, write_json
+from bench.common import smoke_out, default_out, machine_info, quiet_libraries, table, torch_threads, write_json
 
 NAME = "validation_overhead"
 
@@ -96,9 +96,11 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--target-pct", type=float, default=5.0)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's choice)")
     p.add_argument("--smoke", action="store_true", help="1 round of 1-epoch runs on 10 images (CI)")
-    p.add_argument("--out", type=Path, default=default_out(NAME))
+    p.add_argument("--out", type=Path, help="JSON output (default bench/results/<name>.json; with --smoke a "
+                   "temporary file, so a smoke run never replaces a real result)")
     p.add_argument("--work-dir", type=Path)
     args = p.parse_args(argv)
+    args.out = args.out or (smoke_out(NAME) if args.smoke else default_out(NAME))
     quiet_libraries()
     if args.smoke:
         args.images, args.epochs, args.rounds = 10, 1, 1
