@@ -9,6 +9,7 @@ hand (`rangefinder promote`), after someone has looked at the samples.
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import logging
 import math
@@ -82,6 +83,31 @@ def _default_resolution(pipeline_dir: Path) -> int:
         return 512
 
 
+@contextlib.contextmanager
+def _active_experiment(experiment_id: str):
+    """Make `experiment_id` MLflow's active experiment for the block, then put back what was there.
+
+    MLflow 3 files a logged model under the fluent API's active experiment, not under its `run_id`'s: without this it
+    lands in experiment 0, whose artifacts go to ./mlruns of whatever folder the step runs in. `set_experiment` also
+    exports MLFLOW_EXPERIMENT_ID to the environment, which subprocesses (kfp.local's steps) inherit, so both the
+    module's active id and the variable are restored afterwards.
+    """
+    import mlflow
+    import mlflow.tracking.fluent as fluent
+
+    saved_env = os.environ.get("MLFLOW_EXPERIMENT_ID")
+    saved_active = getattr(fluent, "_active_experiment_id", None)
+    mlflow.set_experiment(experiment_id=experiment_id)
+    try:
+        yield
+    finally:
+        fluent._active_experiment_id = saved_active
+        if saved_env is None:
+            os.environ.pop("MLFLOW_EXPERIMENT_ID", None)
+        else:
+            os.environ["MLFLOW_EXPERIMENT_ID"] = saved_env
+
+
 def log_diffusers_model(
     run: Any,
     pipeline_dir: str | os.PathLike,
@@ -114,10 +140,7 @@ def log_diffusers_model(
     defaults = {"num_inference_steps": int(num_inference_steps), "guidance_scale": float(guidance_scale),
                 "height": res, "width": res}
     mlflow.set_tracking_uri(run.tracking_uri)
-    # MLflow 3 files a logged model under the fluent API's active experiment, not under `run_id`'s: without this it
-    # lands in experiment 0, whose artifacts go to ./mlruns of whatever folder the step happens to run in.
-    mlflow.set_experiment(experiment_id=run.experiment_id)
-    with warnings.catch_warnings():
+    with _active_experiment(run.experiment_id), warnings.catch_warnings():
         # An input example would make mlflow load the whole pipeline and generate at logging time; the signature
         # already says what goes in and out.
         warnings.filterwarnings("ignore", message=".*input example was not provided.*")

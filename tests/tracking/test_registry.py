@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import mlflow
 import pandas as pd
@@ -84,3 +85,5 @@ def test_model_is_filed_under_the_runs_experiment(sqlite_tracking_uri, tiny_mode
     model_id = version.model_uri.removeprefix("models:/")
     assert mlflow.get_logged_model(model_id).experiment_id == run.experiment_id
     assert not (workdir / "mlruns").exists()
+    # Nothing leaks into the process: later runs (and subprocesses such as kfp.local's steps) see no experiment set.
+    assert "MLFLOW_EXPERIMENT_ID" not in os.environ
