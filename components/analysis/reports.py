@@ -96,6 +96,19 @@ def _markdown(title: str, status: str, lead: str, rows: list[tuple[str, Any, str
     return "\n".join(lines) + "\n"
 
 
+def _write_report(out: Path, stem: str, json_name: str, title: str, status: str, lead: str, png: Path,
+                  rows: list[tuple[str, Any, str]], notes: list[tuple[str, str]], source_line: Optional[str],
+                  decision: dict) -> dict[str, Path]:
+    """The HTML page, the Markdown summary and the decision's JSON beside the plot; {"plot", "html", ...} paths."""
+    page = _page(title, status, lead, png, rows, notes, source_line)
+    return {
+        "plot": png,
+        "html": _write_atomic(out / f"{stem}.html", page.encode("utf-8")),
+        "markdown": _write_atomic(out / f"{stem}.md", _markdown(title, status, lead, rows, notes).encode()),
+        "json": _write_atomic(out / json_name, json.dumps(decision, indent=2).encode()),
+    }
+
+
 def _source_line(curve: Optional[dict], source: Optional[str]) -> Optional[str]:
     rows = None
     if curve:
@@ -135,14 +148,8 @@ def write_lr_report(bounds: LRBounds, curve: Optional[dict], out_dir: str | Path
     ]
     notes = [(bounds.status, LR_STATUS_ADVICE[bounds.status])]
     notes += [(f, LR_FLAG_ADVICE[f]) for f in bounds.flags]
-    title = "LR range test"
-    page = _page(title, bounds.status, lead, png, rows, notes, _source_line(curve, source))
-    return {
-        "plot": png,
-        "html": _write_atomic(out / "lr_report.html", page.encode("utf-8")),
-        "markdown": _write_atomic(out / "lr_report.md", _markdown(title, bounds.status, lead, rows, notes).encode()),
-        "json": _write_atomic(out / "lr_bounds.json", json.dumps(bounds.to_dict(), indent=2).encode()),
-    }
+    return _write_report(out, "lr_report", "lr_bounds.json", "LR range test", bounds.status, lead, png, rows, notes,
+                         _source_line(curve, source), bounds.to_dict())
 
 
 def write_step_report(window: StepWindow, curve: Optional[dict], out_dir: str | Path, *,
@@ -174,11 +181,5 @@ def write_step_report(window: StepWindow, curve: Optional[dict], out_dir: str | 
     ]
     notes = [(window.status, STEP_STATUS_ADVICE[window.status])]
     notes += [(f, STEP_FLAG_ADVICE[f]) for f in window.flags]
-    title = "Step window"
-    page = _page(title, window.status, lead, png, rows, notes, _source_line(curve, source))
-    return {
-        "plot": png,
-        "html": _write_atomic(out / "step_report.html", page.encode("utf-8")),
-        "markdown": _write_atomic(out / "step_report.md", _markdown(title, window.status, lead, rows, notes).encode()),
-        "json": _write_atomic(out / "step_window.json", json.dumps(window.to_dict(), indent=2).encode()),
-    }
+    return _write_report(out, "step_report", "step_window.json", "Step window", window.status, lead, png, rows,
+                         notes, _source_line(curve, source), window.to_dict())
