@@ -99,6 +99,20 @@ class Method(ABC):
         """Write the finished model into the empty folder `out_dir`."""
 
 
+class ModuleMethod(Method):
+    """A method whose trainable parameters are those with requires_grad in a few whole modules (full fine-tuning,
+    LoRA adapters): `setup` fills `self._modules` ({'unet': ..., 'text_encoder': ...}); one optimizer group."""
+
+    _modules: dict[str, torch.nn.Module]
+
+    def trainable_modules(self) -> dict[str, torch.nn.Module]:
+        return dict(self._modules)
+
+    def param_groups(self) -> list[dict[str, Any]]:
+        params = [p for m in self._modules.values() for p in m.parameters() if p.requires_grad]
+        return [{"params": params}]
+
+
 def module_state(prefix: str, module: torch.nn.Module, only_trainable: bool = False) -> dict[str, torch.Tensor]:
     """`module.state_dict()` with `prefix.` in front of each key, detached and contiguous (safetensors wants that)."""
     if only_trainable:

@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from components.training.methods.base import Method, module_state, split_state
+from components.training.methods.base import ModuleMethod, module_state, split_state
 
 if TYPE_CHECKING:
     from components.models.loading import SDComponents
 
 
-class FullFineTune(Method):
+class FullFineTune(ModuleMethod):
     name = "full"
 
     def setup(self, sd: "SDComponents", weight_dtype: torch.dtype) -> None:
@@ -33,13 +33,6 @@ class FullFineTune(Method):
     @property
     def text_encoder_changes(self) -> bool:
         return self.cfg.train_text_encoder
-
-    def trainable_modules(self) -> dict[str, torch.nn.Module]:
-        return dict(self._modules)
-
-    def param_groups(self) -> list[dict[str, Any]]:
-        params = [p for m in self._modules.values() for p in m.parameters() if p.requires_grad]
-        return [{"params": params}]
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         state: dict[str, torch.Tensor] = {}

@@ -12,11 +12,11 @@ reads it) and `lora_kohya.safetensors` (A1111, ComfyUI), both with the run's met
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from components.training.methods.base import Method, module_state, split_state
+from components.training.methods.base import ModuleMethod, module_state, split_state
 
 if TYPE_CHECKING:
     from components.models.loading import SDComponents
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 TEXT_ENCODER_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "out_proj"]
 
 
-class LoraMethod(Method):
+class LoraMethod(ModuleMethod):
     name = "lora"
 
     def setup(self, sd: "SDComponents", weight_dtype: torch.dtype) -> None:
@@ -63,13 +63,6 @@ class LoraMethod(Method):
     @property
     def text_encoder_changes(self) -> bool:
         return self._lora_text_encoder
-
-    def trainable_modules(self) -> dict[str, torch.nn.Module]:
-        return dict(self._modules)
-
-    def param_groups(self) -> list[dict[str, Any]]:
-        params = [p for m in self._modules.values() for p in m.parameters() if p.requires_grad]
-        return [{"params": params}]
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         state: dict[str, torch.Tensor] = {}
