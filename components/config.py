@@ -237,7 +237,10 @@ class ValidationConfig(_Section):
     # Ramps stop when smoothed validation loss exceeds this multiple of its best (or turns NaN/inf).
     divergence_factor: Optional[float] = Field(4.0, gt=1)
     divergence_window: int = Field(3, ge=1)  # points in the centred median used for that check
-    batch_size: int = Field(8, ge=1)  # items per validation forward pass (does not change the numbers)
+    # (item, timestep) pairs per validation forward pass. No backward runs, so memory is small; bigger batches cut
+    # the per-forward overhead (tiny model, CPU: 16 pairs per pass instead of 8 is ~30% faster). It changes the last
+    # bits of the losses (~1e-9 relative: kernels sum in another order), so it is part of what reproduces a curve.
+    batch_size: int = Field(32, ge=1)
 
     def enabled(self) -> bool:
         return self.every_updates is not None or self.every_epochs > 0
