@@ -259,8 +259,10 @@ def train(
         log.restore(state["metrics_rows"], state["update_rows"])
         resumed_from = update
 
-    def validate(at_update: int) -> None:
-        """One row of metrics.csv: mean and per-bucket losses on val and stabilize, RNGs untouched."""
+    def validate(at_update: int, last: bool = False) -> None:
+        """One row of metrics.csv: mean and per-bucket losses on val and stabilize, RNGs untouched. The stabilize
+        subset is measured at every `stabilize_every`th row (the row count survives a resume) and at the last."""
+        nth = len(log.metrics_rows)
         with preserved_rng((train_gen,)):
             for m in modules.values():
                 m.eval()
@@ -270,6 +272,9 @@ def train(
             row["train_loss"] = loss_since_row[0] / loss_since_row[1] if loss_since_row[1] else None
             te = accelerator.unwrap_model(text_encoder)
             for vset in val_sets:
+                sparse = vset.name == "stabilize" and len(val_sets) > 1 and not last
+                if sparse and nth % val_cfg.stabilize_every != 0:
+                    continue
                 mean, buckets = measure(
                     vset,
                     unet=accelerator.unwrap_model(unet),
@@ -374,7 +379,7 @@ def train(
         # Validation: every N updates, or whenever an every-N-epochs boundary was crossed; and at the end.
         last = update == stream.total_updates
         if validating and (_due(val_cfg, stream, micro_steps[0], micro_batches_done, update) or last):
-            validate(update)
+            validate(update, last)
             watched = log.series("val_loss") or log.series("stabilize_loss")
             if schedule.is_ramp and val_cfg.divergence_factor and diverged(watched, val_cfg.divergence_factor, val_cfg.divergence_window):
                 status = "diverged"

@@ -1,0 +1,111 @@
+"""Validation's cost knobs on real tiny-model runs: what they skip, and what they must leave alone (the numbers that
+are measured, and training)."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from components.config import TrainingConfig, ValidationConfig
+from components.data.split import read_split
+from components.training.loop import train
+
+UPDATES = 5  # validated after every update: rows 0 (baseline) .. 5
+
+
+def rows(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def unet_weights(final_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(final_dir / "unet" / "diffusion_pytorch_model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def cadence_runs(split_dir, tiny_model_dir, tmp_path_factory):
+    """One run three times: stabilize measured at every validation, at every 3rd, and no validation at all."""
+    cache = str(tmp_path_factory.mktemp("encoded"))
+    cfg = TrainingConfig(batch_size=4, lr=1e-4, seed=3, steps=UPDATES, cache_dir=cache, random_flip=True)
+    out = {}
+    for name, val_cfg in (("every", ValidationConfig(every_updates=1)),
+                          ("third", ValidationConfig(every_updates=1, stabilize_every=3)),
+                          ("off", ValidationConfig(every_epochs=0))):
+        d = tmp_path_factory.mktemp(name)
+        out[name] = (d, train(cfg, val_cfg, split_dir=split_dir, model=tiny_model_dir, out_dir=d))
+    return out
+
+
+def test_stabilize_every_n_measures_every_nth_row_and_the_last(cadence_runs):
+    table = rows(cadence_runs["third"][0] / "metrics.csv")
+    assert [r["update"] for r in table] == [str(u) for u in range(UPDATES + 1)]
+    assert all(r["val_loss"] != "" for r in table)  # val at every row
+    measured = [int(r["update"]) for r in table if r["stabilize_loss"] != ""]
+    assert measured == [0, 3, UPDATES]  # rows 0 and 3 (every 3rd from the baseline) and the last
+    skipped = [r for r in table if r["stabilize_loss"] == ""]
+    assert all(r[k] == "" for r in skipped for k in r if k.startswith("stabilize_loss_b"))
+    every = rows(cadence_runs["every"][0] / "metrics.csv")
+    assert all(r["stabilize_loss"] != "" for r in every)
+
+
+def test_skipping_stabilize_leaves_the_measured_numbers_bit_identical(cadence_runs):
+    """Sets are never batched together, so a row's val loss does not depend on whether stabilize was measured."""
+    every = rows(cadence_runs["every"][0] / "metrics.csv")
+    third = rows(cadence_runs["third"][0] / "metrics.csv")
+    assert len(every) == len(third) == UPDATES + 1
+    for a, b in zip(every, third):
+        assert {k: v for k, v in b.items() if not k.startswith("stabilize_")} == \
+            {k: v for k, v in a.items() if not k.startswith("stabilize_")}
+        if b["stabilize_loss"]:
+            assert b == a
+
+
+def test_weights_are_the_same_with_validation_on_sparse_and_off(cadence_runs):
+    weights = {name: unet_weights(result.final_dir) for name, (_, result) in cadence_runs.items()}
+    for name in ("every", "third"):
+        assert weights[name].keys() == weights["off"].keys()
+        assert all(torch.equal(weights[name][k], weights["off"][k]) for k in weights["off"])
+    assert rows(cadence_runs["third"][0] / "updates.csv") == rows(cadence_runs["off"][0] / "updates.csv")
+
+
+def test_without_a_val_set_stabilize_is_measured_every_time(split_dir, tiny_model_dir, tmp_path):
+    # train+val: the stabilize subset is the only measurement (and the divergence watch), so it is never thinned.
+    cfg = TrainingConfig(batch_size=4, lr=1e-4, seed=3, steps=3, cache_dir=str(tmp_path / "cache"))
+    train(cfg, ValidationConfig(every_updates=1, stabilize_every=4), split_dir=split_dir, model=tiny_model_dir,
+          out_dir=tmp_path / "run", train_on="train+val", save_final=False)
+    table = rows(tmp_path / "run" / "metrics.csv")
+    assert [r["update"] for r in table] == ["0", "1", "2", "3"]
+    assert all(r["val_loss"] == "" and r["stabilize_loss"] != "" for r in table)
+
+
+def test_a_pass_reuses_its_fixed_draws_and_matches_the_per_pair_definition(split_dir, tiny_model_dir):
+    """The draws kept on the set are the ones fixed_draw gives for (seed, id, k); a pass is the same bit for bit
+    whatever the global RNG, at any batch size the numbers agree to the float tolerance."""
+    from components.config import ModelConfig
+    from components.models.loading import load_sd_components
+    from components.training.caching import tokenize
+    from components.training.validation import ValidationSet, fixed_draw, measure
+
+    sd = load_sd_components(ModelConfig(base_model=str(tiny_model_dir)))
+    items = read_split(split_dir).val
+    with torch.no_grad():
+        hidden = sd.text_encoder(tokenize(sd.tokenizer, [it.text for it in items]))[0]
+    latents = torch.randn((len(items), 4, 8, 8), generator=torch.Generator().manual_seed(0))
+    vset = ValidationSet("val", [it.id for it in items], latents, hidden)
+    kw = dict(unet=sd.unet.eval(), encode=None, noise_scheduler=sd.noise_scheduler, prediction_type="epsilon",
+              num_buckets=4, seed=5, device=torch.device("cpu"))
+    torch.manual_seed(1)
+    first = measure(vset, **kw, batch_size=32)
+    fixed = vset.fixed_inputs(5, 4, sd.noise_scheduler.config.num_train_timesteps, torch.device("cpu"))
+    torch.manual_seed(2)
+    assert measure(vset, **kw, batch_size=32) == first
+    assert vset.fixed_inputs(5, 4, sd.noise_scheduler.config.num_train_timesteps, torch.device("cpu")) is fixed
+    t, noise = fixed_draw(5, items[-1].id, 3, 4, sd.noise_scheduler.config.num_train_timesteps, (4, 8, 8))
+    assert int(fixed.timesteps[-1]) == t and torch.equal(fixed.noise[-1], noise)
+    small = measure(vset, **kw, batch_size=3)
+    assert small[0] == pytest.approx(first[0], rel=1e-6)
+    assert small[1] == pytest.approx(first[1], rel=1e-6)
