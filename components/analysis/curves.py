@@ -121,6 +121,26 @@ def divergence_cut(y: np.ndarray, factor: float) -> int:
     return k
 
 
+def rise_cut(y: np.ndarray, min_points: int) -> int:
+    """Length of the prefix before the first point back above the start, after the curve dipped below it.
+
+    From that point on the LR is beyond any upper bound (the loss is worse than before training), so the rest of
+    the curve says nothing more about where the descent starts or stops; but a steep rise there, often many times
+    the size of the descent, swells the second-difference noise estimate and lets shuffled curves start high, which
+    hides a small, clean descent from the permutation test. Even the one point above the start costs the test most
+    of its power on a prefix of 6-8 points (shuffles that put it first drop further than the real curve), so it is
+    left out too. Returns len(y) when there is no such point or the prefix would hold fewer than `min_points`.
+    """
+    n = len(y)
+    dipped = False
+    for i in range(1, n):
+        if y[i] < y[0]:
+            dipped = True
+        elif dipped and y[i] > y[0]:
+            return i if i >= min_points else n
+    return n
+
+
 def infer_ramp(lr: np.ndarray) -> Ramp:
     """`exp` when the positive LRs grow by a near-constant factor, `linear` when by a near-constant step.
 

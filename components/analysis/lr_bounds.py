@@ -8,7 +8,9 @@ noise-sensitive (the steepest point of a noisy curve is mostly the noisiest poin
 the curve to higher LRs. This module instead:
 
 1. keeps the points up to the first non-finite one, and cuts a tail that has exploded (each point above
-   `divergence_factor` x the best before it);
+   `divergence_factor` x the best before it); when the curve dips and then climbs back above where it started,
+   the bounds are read on the part up to that point if a descent is found there (`curves.rise_cut`: a rise many
+   times the size of the descent otherwise drowns a small, clean descent in the permutation test);
 2. smooths with a centred robust LOWESS (curves.py) in log-LR for exponential ramps and in LR for linear ones, its
    span chosen by cross-validation;
 3. calls a descent real only when a seeded permutation test says the best drop of the smoothed curve below its
@@ -16,7 +18,8 @@ the curve to higher LRs. This module instead:
    for the signal-to-noise ratio and the standard errors behind the flags;
 4. puts the lower bound where the smoothed curve has fallen `LOWER_FRACTION` of its total drop below its start and
    the upper bound where it first comes within `UPPER_FRACTION` of the drop above its minimum, both interpolated
-   between measurements; the midpoint is their geometric mean (exp ramp) or arithmetic mean (linear ramp);
+   between measurements; the midpoint lies `mid_position` of the way from the lower to the upper bound on the
+   sweep's axis (log LR for an exp ramp: 0.5 would be the geometric mean);
 5. repeats 2-4 on a seeded residual bootstrap (Davison & Hinkley 1997, section 7.3): the bounds are the medians
    over resampled curves (bagging), which halves the misses at heavy noise; the replicates also give an 80%
    interval of the midpoint and the share of resampled curves that still show a descent, folded with the
@@ -39,6 +42,7 @@ from components.analysis.curves import (
     choose_span,
     crossing,
     divergence_cut,
+    rise_cut,
     end_slope,
     finite_prefix,
     infer_ramp,
@@ -64,9 +68,19 @@ LOWER_FRACTION = 0.20
 UPPER_FRACTION = 0.20
 # Resampled curves for the interval and the stability score; the seed makes the same CSV give the same JSON.
 BOOTSTRAP_REPLICATES = 200
+# Where between the bounds the fine-tune trains, as a share of the way from lr_low to lr_high on the sweep's axis
+# (LRRangeTestConfig.mid_position). Not the halfway point: on the tiny model (bench/discovery_quality, 6 datasets)
+# the best constant LR of a grid sweep lay at or above lr_high in most cases, and validation loss rises more slowly
+# above that optimum than it falls short below it, so erring high costs less. 0.75 kept every case within 1% of the
+# grid's best; 0.5 missed by 2-5%.
+MID_POSITION = 0.75
 # The engine stops a ramp when smoothed loss exceeds 4x its best (ValidationConfig.divergence_factor).
 DIVERGENCE_FACTOR = 4.0
+# The part before the climb back above the start is read on its own only when it holds this many points: on
+# shorter prefixes the permutation test has too few orderings, and the pick of the cut would bias it.
+RISE_CUT_MIN_POINTS = 6
 
+FLAG_ORDER = ["lower_censored", "upper_censored", "rose_after_min", "diverged"]
 FLAG_ADVICE: dict[str, str] = {
     "upper_censored": (
         "Still falling at the end of the sweep: the real upper bound lies above the range tested. "
@@ -116,6 +130,7 @@ class LRCurveFit:
     dropped_val_loss: np.ndarray
     stabilize_loss: Optional[np.ndarray] = None  # (n_all,) aligned with all_lr, raw
     all_lr: Optional[np.ndarray] = None
+    dropped_label: str = "left out (NaN / exploded)"
 
 
 @dataclass
@@ -142,6 +157,7 @@ class LRBounds:
     span: int  # LOWESS neighbours
     degree: int  # LOWESS local polynomial degree
     advice: list[str]
+    mid_position: float = MID_POSITION  # where lr_mid lies between the bounds (0: lr_low, 1: lr_high)
     fit: Optional[LRCurveFit] = field(default=None, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
@@ -249,10 +265,14 @@ def analyze_lr_curve(
     seed: int = 0,
     divergence_factor: Optional[float] = DIVERGENCE_FACTOR,
     bootstrap: int = BOOTSTRAP_REPLICATES,
+    rise_cut_points: Optional[int] = RISE_CUT_MIN_POINTS,
+    mid_position: float = MID_POSITION,
 ) -> LRBounds:
     """Read LR bounds off a range-test curve: one (lr, val_loss) per validation, in run order.
 
     `ramp` is `exp` or `linear` (None: inferred from the LR spacing). A baseline at lr 0 is used as the start.
+    `rise_cut_points` None reads the whole curve even when it climbs back above its start (step 1).
+    `mid_position` places lr_mid between the bounds (0: lr_low, 1: lr_high).
     Raises RangefinderError when the arrays differ in length or hold fewer than 3 finite losses.
     """
     lr_all = np.asarray(lr, dtype=float).ravel()
@@ -274,10 +294,18 @@ def analyze_lr_curve(
         ramp = infer_ramp(lr_all)
     if ramp not in ("exp", "linear"):
         raise RangefinderError(f"ramp must be 'exp' or 'linear' (got {ramp!r})")
+    if not 0.0 <= mid_position <= 1.0:
+        raise RangefinderError(f"mid_position must lie in [0, 1] (0: lr_low, 1: lr_high); got {mid_position!r}")
 
     # --- 1. cut at the first non-finite point and at an explosion
     n_ok = finite_prefix(lr_all, y_all)
     n_ok = divergence_cut(y_all[:n_ok], divergence_factor) if divergence_factor else n_ok
+    n_rise = rise_cut(y_all[:n_ok], rise_cut_points) if rise_cut_points else n_ok
+    if n_rise < n_ok:
+        head = analyze_lr_curve(lr_all[:n_rise], y_all[:n_rise], ramp=ramp, seed=seed, divergence_factor=None,
+                                bootstrap=bootstrap, rise_cut_points=None, mid_position=mid_position)
+        if head.status == "ok":
+            return _with_tail(head, lr_all, y_all, stab_all, n_rise, exploded=n_ok < lr_all.size)
     lr_u, y = lr_all[:n_ok], y_all[:n_ok]
     if ramp == "exp":
         # Leading baseline rows (lr <= 0) sit one step left of the first LR on the log axis; a 0 LR behaves like
@@ -295,7 +323,7 @@ def analyze_lr_curve(
     n = x.size
     flags: list[str] = ["diverged"] if dropped else []
     base = dict(ramp=ramp, flags=flags, points_used=n, points_dropped=int(lr_all.size - n), span=n, degree=1, p_descent=1.0,
-                lr_steepest=None, lr_min_div10=None, lr_at_min=None)
+                lr_steepest=None, lr_min_div10=None, lr_at_min=None, mid_position=mid_position)
     if n < 3 or np.ptp(x) <= 0:
         return _not_ok("diverged" if dropped else "no_descent", base, snr=0.0, sigma=math.nan, drop=0.0,
                        fit=LRCurveFit(ramp, lr_u, x, y, y.copy(), fit_dropped_lr, fit_dropped_y, stab_all, lr_all))
@@ -324,8 +352,8 @@ def analyze_lr_curve(
 
     # --- 4. bounds
     flags.extend(reading.flags)
-    flags.sort(key=["lower_censored", "upper_censored", "rose_after_min", "diverged"].index)
-    x_mid = _mid(reading.x_low, reading.x_high, ramp)
+    flags.sort(key=FLAG_ORDER.index)
+    x_mid = _mid(reading.x_low, reading.x_high, mid_position)
 
     # --- 5. bootstrap: interval of the midpoint, share of replicates that still descend
     found, ok_share = _bootstrap(x, y, sm, sigma, ramp, seed, bootstrap)
@@ -335,8 +363,8 @@ def analyze_lr_curve(
         # Bagging (Breiman 1996): the median over resampled curves of each crossing varies less than the crossing
         # of the one observed curve, which jumps with the noise at the knees of the descent.
         reading.x_low, reading.x_high = float(np.median(found[:, 0])), float(np.median(found[:, 1]))
-        x_mid = _mid(reading.x_low, reading.x_high, ramp)
-        lo, hi = np.percentile(0.5 * (found[:, 0] + found[:, 1]), [10, 90])
+        x_mid = _mid(reading.x_low, reading.x_high, mid_position)
+        lo, hi = np.percentile(_mid(found[:, 0], found[:, 1], mid_position), [10, 90])
         ci = [float(_to_lr(lo, ramp)), float(_to_lr(hi, ramp))]
         q = np.percentile(found, [10, 90], axis=0)
         spread = float(np.mean(q[1] - q[0]))
@@ -356,7 +384,7 @@ def analyze_lr_curve(
     }
     quality = float(np.prod([max(p, 1e-3) for p in parts.values()]) ** (1 / len(parts)))
     quality *= 0.8 ** sum(f in ("upper_censored", "lower_censored") for f in flags)
-    label = "high" if quality >= 0.7 else "medium" if quality >= 0.4 else "low"
+    label = _quality_label(quality)
     return LRBounds(
         status="ok",
         lr_low=float(_to_lr(reading.x_low, ramp)),
@@ -373,6 +401,34 @@ def analyze_lr_curve(
         fit=fit,
         **base,
     )
+
+
+def _quality_label(quality: float) -> str:
+    return "high" if quality >= 0.7 else "medium" if quality >= 0.4 else "low"
+
+
+def _with_tail(head: LRBounds, lr_all: np.ndarray, y_all: np.ndarray, stab_all: Optional[np.ndarray], n_head: int,
+               exploded: bool) -> LRBounds:
+    """The reading of the part before the climb back above the start, with the rest of the curve attached as
+    left-out points (plots and reports show them; `points_dropped` counts them)."""
+    fit = head.fit
+    assert fit is not None
+    fit.dropped_lr, fit.dropped_val_loss = lr_all[n_head:], y_all[n_head:]
+    fit.stabilize_loss, fit.all_lr = stab_all, lr_all
+    fit.dropped_label = "left out (past the climb above the start" + (", or exploded)" if exploded else ")")
+    head.points_dropped = int(lr_all.size - head.points_used)
+    flags = set(head.flags)
+    if "upper_censored" in flags:
+        # The part read may end on its lowest point, but the next point is above the start: the curve turned.
+        flags.discard("upper_censored")
+        head.quality = round(min(1.0, head.quality / 0.8), 4)
+        head.quality_label = _quality_label(head.quality)
+    flags.add("rose_after_min")
+    if exploded:
+        flags.add("diverged")
+    head.flags = sorted(flags, key=FLAG_ORDER.index)
+    head.advice = [STATUS_ADVICE["ok"]] + [FLAG_ADVICE[f] for f in head.flags]
+    return head
 
 
 def _not_ok(status: Status, base: dict, *, snr: float, sigma: float, drop: float, fit: LRCurveFit) -> LRBounds:
@@ -407,9 +463,9 @@ def _axis_of(lr: float, ramp: Ramp) -> float:
     return math.log(lr) if ramp == "exp" else lr
 
 
-def _mid(x_low: float, x_high: float, ramp: Ramp) -> float:
-    # On the log axis the arithmetic mean is the geometric mean of the LRs; on the linear axis it is the LR mean.
-    return 0.5 * (x_low + x_high)
+def _mid(x_low, x_high, position: float):
+    # On the log axis (exp ramp) this interpolates log LR: position 0.5 is the geometric mean of the bounds.
+    return (1.0 - position) * x_low + position * x_high
 
 
 def _classic_suggestions(lr: np.ndarray, x: np.ndarray, y: np.ndarray) -> tuple[Optional[float], Optional[float]]:

@@ -78,7 +78,7 @@ def plot_lr_range_test(bounds: LRBounds, out_path: str | Path, *, title: Optiona
         # Left-out points (NaN or exploded) are drawn as crosses on the top edge.
         ax.plot(np.where(fit.dropped_lr > 0, fit.dropped_lr, np.nan) if log else fit.dropped_lr,
                 np.full(fit.dropped_lr.shape, hi), "x", color="#c23030", ms=7, clip_on=False,
-                label="left out (NaN / exploded)")
+                label=fit.dropped_label)
     ax.set_ylim(lo, hi)
     if bounds.lr_mid is not None:
         ax.axvline(bounds.lr_mid, color=BAND, lw=2, ls="--", label=f"lr_mid {bounds.lr_mid:.2g}")

@@ -136,7 +136,8 @@ def write_lr_report(bounds: LRBounds, curve: Optional[dict], out_dir: str | Path
     rows: list[tuple[str, Any, str]] = [
         ("lr_low", bounds.lr_low, "validation loss has started to fall"),
         ("lr_high", bounds.lr_high, "it has nearly reached its minimum (flattens or turns up after)"),
-        ("lr_mid", bounds.lr_mid, "geometric mean for exponential sweeps, arithmetic for linear"),
+        ("lr_mid", bounds.lr_mid, f"{bounds.mid_position:g} of the way from lr_low to lr_high"
+                                  + (" in log LR" if bounds.ramp == "exp" else "")),
         ("lr_mid 80% interval", bounds.lr_mid_ci80, "from a seeded bootstrap of the curve"),
         ("quality", f"{bounds.quality:.2f} ({bounds.quality_label})",
          ", ".join(f"{k} {v:.2f}" for k, v in bounds.quality_parts.items())),
