@@ -271,6 +271,11 @@ class LRRangeTestConfig(_Section):
     epochs: int = Field(10, ge=1)
     # Validate every N updates during the test (None: every epoch, as in validation.every_epochs).
     validate_every_updates: Optional[int] = Field(None, ge=1)
+    # Where the fine-tune trains between the bounds: the share of the way from lr_low to lr_high on the sweep's axis
+    # (log LR on an exp ramp; 0.5 is the geometric mean). 0.75 because the best constant LR of a grid sweep lay at
+    # or above lr_high in most cases of bench/discovery_quality, and erring high cost less than erring low there.
+    # Must equal components.analysis.lr_bounds.MID_POSITION (a test checks).
+    mid_position: float = Field(0.75, ge=0, le=1)
     # Re-test on a narrower range when the first curve is censored or has fewer points between its bounds.
     zoom: bool = True
     zoom_min_points: int = Field(5, ge=2)

@@ -8,9 +8,15 @@ When the curve is censored (still falling at an end of the sweep) or too few mea
 the step says so (`needs_zoom`) and proposes the range of a second test ("zoom"), derived from the first:
 
 - too few points between ok bounds: the bounds widened by `ZOOM_MARGIN` on each side (more points land inside);
-- still falling at the top (upper_censored): from the lower bound up to `ZOOM_EXTEND` x the old top;
-- already falling at the bottom (lower_censored): from `1/ZOOM_EXTEND` x the old bottom up to the upper bound;
-- rising from the start: the decade(s) below the old range; diverged: the range below where it blew up.
+- still falling at the top (upper_censored): from the lower bound (less `ZOOM_MARGIN`) up to `ZOOM_EXTEND` x the
+  old top;
+- already falling at the bottom (lower_censored): from `1/ZOOM_EXTEND` x the old bottom up to the upper bound (plus
+  `ZOOM_MARGIN`: a sweep that stops right at the old upper bound is still falling at its top, and is read as
+  upper-censored);
+- rising from the start: the decade(s) below the old range; diverged: the range below where it blew up;
+- no descent: one decade higher when the curve stayed flat (nothing was learned yet), but when the loss ended above
+  where it started (the top of the sweep made the model worse, as when the base model has little left to learn) a
+  decade lower, up to a little past the lowest point: widening upwards there only finds the blow-up.
 
 A second test never asks for a third: if its curve still cannot be read the step stops with the analysis' advice.
 """
@@ -79,16 +85,25 @@ def points_between(lr: Any, lr_low: Optional[float], lr_high: Optional[float]) -
     return sum(1 for x in lr if lr_low <= float(x) <= lr_high)
 
 
+def ended_above_start(val_loss: Any) -> bool:
+    """The last points of the sweep (median of up to 3 finite ones) are above its first: the top LRs did harm."""
+    finite = [float(v) for v in val_loss if math.isfinite(float(v))]
+    if len(finite) < 3:
+        return False
+    tail = sorted(finite[-3:])[1]
+    return tail > finite[0]
+
+
 def zoom_range(status: str, flags: list[str], lr_low: Optional[float], lr_high: Optional[float],
                lr_min: float, lr_max: float, n_between: int, min_points: int,
-               lr_at_min: Optional[float] = None) -> Optional[tuple[float, float]]:
+               lr_at_min: Optional[float] = None, rose_at_top: bool = False) -> Optional[tuple[float, float]]:
     """The range of a second test, or None when the first curve is readable enough (see the module docstring)."""
     if status == "ok":
         assert lr_low is not None and lr_high is not None
         if "upper_censored" in flags:
-            return lr_low, lr_max * ZOOM_EXTEND
+            return lr_low / ZOOM_MARGIN, lr_max * ZOOM_EXTEND
         if "lower_censored" in flags:
-            return lr_min / ZOOM_EXTEND, lr_high
+            return lr_min / ZOOM_EXTEND, lr_high * ZOOM_MARGIN
         if n_between < min_points:
             return max(lr_low / ZOOM_MARGIN, lr_min / ZOOM_EXTEND), lr_high * ZOOM_MARGIN
         return None
@@ -100,7 +115,10 @@ def zoom_range(status: str, flags: list[str], lr_low: Optional[float], lr_high: 
             return lr_min, min(lr_max, lr_at_min * ZOOM_EXTEND)
         return lr_min / ZOOM_EXTEND, max(lr_max / ZOOM_EXTEND ** 2, lr_min * ZOOM_EXTEND)
     if status == "no_descent":
-        return lr_min, lr_max * ZOOM_EXTEND
+        if not rose_at_top:
+            return lr_min, lr_max * ZOOM_EXTEND
+        top = lr_at_min * ZOOM_MARGIN if lr_at_min is not None and lr_min < lr_at_min < lr_max else lr_min
+        return lr_min / ZOOM_EXTEND, max(top, lr_min)
     return None
 
 
@@ -147,12 +165,14 @@ def run_lr_range_test(
         curve = read_curve_csv(result.metrics_csv)
         stabilize = curve.get("stabilize_loss")
         bounds = analyze_lr_curve(curve["lr"], curve["val_loss"], ramp=rt.ramp, stabilize_loss=stabilize,
-                                  seed=cfg.validation.seed, divergence_factor=cfg.validation.divergence_factor)
+                                  seed=cfg.validation.seed, divergence_factor=cfg.validation.divergence_factor,
+                                  mid_position=rt.mid_position)
         n_between = points_between(curve["lr"], bounds.lr_low, bounds.lr_high)
         zoom = None
         if stage == "first" and rt.zoom:
             zoom = zoom_range(bounds.status, bounds.flags, bounds.lr_low, bounds.lr_high, lo, hi, n_between,
-                              rt.zoom_min_points, lr_at_min=bounds.lr_at_min)
+                              rt.zoom_min_points, lr_at_min=bounds.lr_at_min,
+                              rose_at_top=ended_above_start(curve["val_loss"]))
         decision = {**bounds.to_dict(), "stage": stage, "lr_min": lo, "lr_max": hi, "points_between": n_between,
                     "needs_zoom": zoom is not None, "zoom_range": list(zoom) if zoom else None,
                     "updates": result.updates, "curve_csv": str(result.metrics_csv)}

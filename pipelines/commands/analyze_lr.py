@@ -19,6 +19,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plot", metavar="OUT.png", help="write the range-test plot here")
     p.add_argument("--report", metavar="DIR", help="write an HTML report, a Markdown summary, the plot and JSON here")
     p.add_argument("--seed", type=int, default=0, help="seed of the bootstrap and permutation test (default 0)")
+    p.add_argument("--mid-position", type=float, default=None, metavar="P",
+                   help="where lr_mid lies between the bounds: 0 = lr_low, 1 = lr_high, on the sweep's axis "
+                   "(default: the config's lr_range_test.mid_position, 0.75)")
     add_json_flag(p)
     p.set_defaults(func=run)
 
@@ -30,8 +33,9 @@ def run(args: argparse.Namespace) -> dict:
     curve = read_curve_csv(args.curve, required=("lr", "val_loss"), skip_empty=("val_loss",))
     if curve["val_loss"].dtype == object or curve["lr"].dtype == object:
         raise RangefinderError(f"{args.curve}: lr and val_loss must be numbers")
+    extra = {} if args.mid_position is None else {"mid_position": args.mid_position}
     bounds = analyze_lr_curve(curve["lr"], curve["val_loss"], ramp=args.ramp, seed=args.seed,
-                              stabilize_loss=curve.get("stabilize_loss"))
+                              stabilize_loss=curve.get("stabilize_loss"), **extra)
     result = bounds.to_dict()
     if args.plot:
         result["plot"] = str(plot_lr_range_test(bounds, args.plot))
