@@ -58,13 +58,15 @@ def device_peak_flops(name: str) -> Optional[float]:
 
 def engine_run(setup, *, updates: int, batch_size: int, mixed_precision: str, device: str, cache_dir: Path,
                seed: int = 0, lr: float = 1e-5, gradient_checkpointing: bool = False) -> dict[str, Any]:
-    """One engine run (components.training.train) with validation off; its loop time is the engine's own timer."""
+    """One engine run (components.training.train) with validation off; its loop time is the engine's own timer.
+    On CUDA the engine runs its UNet channels_last (the issue's GPU settings); on CPU it seldom helps."""
     from components.config import DataConfig, TrainingConfig, ValidationConfig
     from components.training.loop import train
 
     cfg = TrainingConfig(
         batch_size=batch_size, steps=updates, lr=lr, schedule="constant", mixed_precision=mixed_precision,
         max_grad_norm=1.0, seed=seed, cache_dir=str(cache_dir), gradient_checkpointing=gradient_checkpointing,
+        channels_last=device == "cuda",
     )
     out = Path(tempfile.mkdtemp(prefix="engine-run-"))
     try:
@@ -78,7 +80,7 @@ def engine_run(setup, *, updates: int, batch_size: int, mixed_precision: str, de
         shutil.rmtree(out, ignore_errors=True)
     loop = float(summary["seconds"])
     return {
-        "loop": "engine", "batch_size": batch_size, "updates": result.updates, "loop_seconds": loop,
+        "loop": "engine", "channels_last": cfg.channels_last, "batch_size": batch_size, "updates": result.updates, "loop_seconds": loop,
         "setup_seconds": wall - loop, "updates_per_second": result.updates / loop,
         "images_per_second": result.updates * batch_size / loop,
         "peak_mib": mib(mem.peak_bytes), "added_mib": mib(mem.added_bytes), "cache": result.cache,

@@ -187,6 +187,10 @@ class TrainingConfig(_Section):
     # --- model and memory
     train_text_encoder: bool = False
     gradient_checkpointing: bool = False
+    # The UNet's weights in channels_last (NHWC) memory format, so its convolutions run NHWC: faster on NVIDIA
+    # tensor cores under bf16/fp16 (PyTorch's channels_last guide); the same numbers up to kernel rounding. Off by
+    # default because on CPU it seldom helps; bench/speed_vs_reference turns it on for its GPU rows.
+    channels_last: bool = False
     mixed_precision: Literal["no", "fp16", "bf16"] = "no"
     use_ema: bool = False
     ema_decay: float = Field(0.9999, gt=0, lt=1)

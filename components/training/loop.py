@@ -160,6 +160,9 @@ def train(
                 m.enable_gradient_checkpointing()
             elif hasattr(m, "gradient_checkpointing_enable"):
                 m.gradient_checkpointing_enable()
+    if cfg.channels_last:
+        # NHWC convolution weights; the convolutions then run NHWC whatever the inputs' layout.
+        sd.unet.to(memory_format=torch.channels_last)
 
     # --- data: latents and text embeddings, encoded once per dataset and base model ------------------------
     def load_array(path: Path) -> np.ndarray:  # (3, H, W) in [-1, 1]
@@ -406,6 +409,8 @@ def train(
         if ema is not None:
             ema.store(trainable)
             ema.copy_to(trainable)
+        if cfg.channels_last:
+            sd.unet.to(memory_format=torch.contiguous_format)  # safetensors writes contiguous tensors only
         method.save_final(sd, tmp)
         if ema is not None:
             ema.restore(trainable)
