@@ -1,11 +1,18 @@
 """Validation overhead: time spent measuring validation loss as a share of training time.
 
 `python -m bench.validation_overhead` trains the embedded tiny model with the engine at val split 0.2 (and the
-stabilize subset, 0.2 of training, which every validation also measures), K=4 timesteps per item, latents cached
+stabilize subset, 0.2 of training, which validations also measure: every one by default), K=4 timesteps per item,
+latents cached
 (the cache is filled by an untimed warm-up run first), in alternating rounds of:
 
 - `off`: validation turned off, the training-only time;
-- `on`: validation at the given interval (default every epoch, the fine-tune's setting).
+- `on`: validation at the given interval (default every epoch, the fine-tune's setting), with the config's
+  defaults otherwise (`validation.batch_size`, `validation.stabilize_every`);
+- any `--variant LABEL:key=value,...` (ValidationConfig fields: batch_size, stabilize_every, every_epochs,
+  every_updates, timesteps), each its own arm in the same alternating rounds, so levers are compared under the same
+  load, e.g. `--variant bs8:batch_size=8 --variant stab3:stabilize_every=3`.
+
+Each round runs the arms in a rotated order (the first arm of one round is the last of the next).
 
 Two estimates of the share, which should agree:
 - direct: seconds inside the engine's validation measurement (`components.training.validation.measure`, timed by a
@@ -22,7 +29,9 @@ and backward) per epoch, so the share is set by the split and K, not by the data
 from __future__ import annotations
 
 import argparse
+import csv
 import json
+import math
 import shutil
 import statistics
 import sys
@@ -59,14 +68,14 @@ def timed_measure() -> Iterator[list[float]]:
         loop.measure = original
 
 
-def run(setup, *, epochs: int, batch_size: int, timesteps: int, every_epochs: float, cache_dir: Path,
-        val_batch_size: int, seed: int = 0) -> dict[str, Any]:
+def run(setup, *, epochs: int, batch_size: int, cache_dir: Path, validation: dict[str, Any],
+        seed: int = 0) -> dict[str, Any]:
     from components.config import DataConfig, TrainingConfig, ValidationConfig
     from components.training.loop import train
 
     cfg = TrainingConfig(batch_size=batch_size, epochs=epochs, lr=1e-4, schedule="constant", seed=seed,
                          cache_dir=str(cache_dir), cache_latents=True)
-    val = ValidationConfig(every_epochs=every_epochs, timesteps=timesteps, batch_size=val_batch_size)
+    val = ValidationConfig(**validation)
     out = Path(tempfile.mkdtemp(prefix="val-overhead-"))
     try:
         with timed_measure() as passes:
@@ -75,12 +84,14 @@ def run(setup, *, epochs: int, batch_size: int, timesteps: int, every_epochs: fl
                            data=DataConfig(resolution=setup.resolution), save_final=False)
             wall = time.perf_counter() - t0
         summary = json.loads(result.summary_path.read_text())
-        rows = sum(1 for _ in open(result.metrics_csv)) - 1
+        with open(result.metrics_csv, newline="") as f:
+            table = list(csv.DictReader(f))
+        rows, stabilize_rows = len(table), sum(1 for r in table if r["stabilize_loss"])
     finally:
         shutil.rmtree(out, ignore_errors=True)
-    return {"every_epochs": every_epochs, "updates": result.updates, "loop_seconds": float(summary["seconds"]),
+    return {"every_epochs": val.every_epochs, "validation": val.model_dump(), "updates": result.updates, "loop_seconds": float(summary["seconds"]),
             "wall_seconds": wall, "measure_calls": len(passes), "measure_seconds": sum(passes),
-            "validation_rows": rows, "cache": result.cache}
+            "validation_rows": rows, "stabilize_rows": stabilize_rows, "cache": result.cache}
 
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
@@ -90,7 +101,12 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--timesteps", type=int, default=4, help="K, validation timesteps per item")
     p.add_argument("--epochs", type=int, default=12, help="epochs per run (12: the demo fine-tune's)")
     p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--val-batch-size", type=int, default=8, help="items per validation forward pass")
+    p.add_argument("--val-batch-size", type=int, help="(item, timestep) pairs per validation forward pass "
+                   "(default: validation.batch_size's default)")
+    p.add_argument("--stabilize-every", type=int, help="measure the stabilize subset at every Nth validation "
+                   "(default: validation.stabilize_every's default)")
+    p.add_argument("--variant", action="append", default=[], metavar="LABEL:key=value,...",
+                   help="another validated arm, e.g. bs8:batch_size=8 or stab3:stabilize_every=3 (repeatable)")
     p.add_argument("--every-epochs", type=float, default=1.0, help="validation interval of the `on` runs")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--target-pct", type=float, default=5.0)
@@ -104,13 +120,23 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     quiet_libraries()
     if args.smoke:
         args.images, args.epochs, args.rounds = 10, 1, 1
+    from components.config import ValidationConfig
+
+    defaults = ValidationConfig()
+    args.val_batch_size = args.val_batch_size or defaults.batch_size
+    args.stabilize_every = args.stabilize_every or defaults.stabilize_every
+    base = {"every_epochs": args.every_epochs, "timesteps": args.timesteps, "batch_size": args.val_batch_size,
+            "stabilize_every": args.stabilize_every}
+    arms = {"off": {**base, "every_epochs": 0.0, "every_updates": None}, "on": base}
+    for spec in args.variant:
+        arms.update(parse_variant(spec, base))
 
     from bench.fixtures import tiny_setup
 
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench-val-"))
     result: dict[str, Any] = {"benchmark": NAME, "smoke": args.smoke, "settings": {
         k: getattr(args, k) for k in ("images", "val_split", "timesteps", "epochs", "batch_size", "val_batch_size",
-                                      "every_epochs", "rounds", "target_pct")}}
+                                      "stabilize_every", "every_epochs", "rounds", "target_pct")} | {"arms": arms}}
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     try:
         with torch_threads(args.threads or None):
@@ -120,16 +146,17 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
 
             split = read_split(setup.split_dir)
             result["split"] = {"train": len(split.train), "val": len(split.val), "stabilize": len(split.stabilize)}
-            kw = dict(epochs=args.epochs, batch_size=args.batch_size, timesteps=args.timesteps,
-                      cache_dir=work / "cache", val_batch_size=args.val_batch_size)
-            run(setup, **{**kw, "epochs": 1}, every_epochs=args.every_epochs)  # untimed: fills the latent cache
+            kw = dict(epochs=args.epochs, batch_size=args.batch_size, cache_dir=work / "cache")
+            run(setup, **{**kw, "epochs": 1}, validation=base)  # untimed: fills the latent cache
             runs = []
+            names = list(arms)
+            result["machine"]["loadavg_before"] = list(__import__("os").getloadavg())
             for r in range(args.rounds):
-                order = (0.0, args.every_epochs) if r % 2 == 0 else (args.every_epochs, 0.0)
-                for every in order:
-                    row = run(setup, **kw, every_epochs=every) | {"round": r, "arm": "on" if every else "off"}
-                    log(f"  round {r} {row['arm']:3s}: loop {row['loop_seconds']:.2f} s, "
-                        f"{row['validation_rows']} validations {row['measure_seconds']:.2f} s")
+                for name in names[r % len(names):] + names[: r % len(names)]:
+                    row = run(setup, **kw, validation=arms[name]) | {"round": r, "arm": name}
+                    log(f"  round {r} {row['arm']:6s}: loop {row['loop_seconds']:.2f} s, "
+                        f"{row['validation_rows']} validations ({row['stabilize_rows']} with stabilize) "
+                        f"{row['measure_seconds']:.2f} s")
                     runs.append(row)
             result["runs"] = runs
             result["machine"]["loadavg_after"] = list(__import__("os").getloadavg())
@@ -143,22 +170,52 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     return result
 
 
+def parse_variant(spec: str, base: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """`LABEL:key=value,...` -> {LABEL: base with those ValidationConfig fields set}."""
+    from components.config import ValidationConfig
+
+    label, _, body = spec.partition(":")
+    if not label or not body or label in ("on", "off"):
+        raise SystemExit(f"--variant {spec!r}: write LABEL:key=value,... with a label other than on/off")
+    fields = dict(base)
+    for pair in body.split(","):
+        key, _, value = pair.partition("=")
+        if key not in ValidationConfig.model_fields:
+            raise SystemExit(f"--variant {spec!r}: {key!r} is not a validation setting")
+        fields[key] = None if value == "None" else json.loads(value)
+    ValidationConfig(**fields)  # a bad value fails here, before any run
+    return {label: fields}
+
+
 def summarize(result: dict[str, Any], args) -> dict[str, Any]:
+    """The `on` arm's summary (as before), plus one per variant under `variants`."""
+    arms = result["settings"]["arms"]
+    s = summarize_arm(result, args, "on")
+    others = [a for a in arms if a not in ("on", "off")]
+    if others:
+        s["variants"] = {a: summarize_arm(result, args, a) for a in others}
+    return s
+
+
+def summarize_arm(result: dict[str, Any], args, arm: str) -> dict[str, Any]:
     runs = result["runs"]
+    settings = result["settings"]["arms"][arm]
     off = [r for r in runs if r["arm"] == "off"]
-    on = [r for r in runs if r["arm"] == "on"]
+    on = [r for r in runs if r["arm"] == arm]
     train_s = statistics.median(r["loop_seconds"] for r in off)
     on_loop = statistics.median(r["loop_seconds"] for r in on)
     val_s = statistics.median(r["measure_seconds"] for r in on)
-    passes = on[0]["validation_rows"]  # validations (metrics.csv rows); each measures val and stabilize
+    passes = on[0]["validation_rows"]  # validations (metrics.csv rows); each measures val, some stabilize
     per_pass = val_s / passes if passes else None
     epochs = args.epochs
-    # Each pass measures val and stabilize; the share at interval N epochs is per_pass / (N x train time per epoch).
+    # The share at interval N epochs is per_pass / (N x train time per epoch).
     per_epoch_train = train_s / epochs
     s = {
+        "validation": {k: settings.get(k) for k in ("every_epochs", "every_updates", "batch_size", "stabilize_every")},
         "train_seconds": train_s,
         "validation_seconds": val_s,
         "validation_passes": passes,
+        "stabilize_passes": on[0]["stabilize_rows"],
         "seconds_per_pass": per_pass,
         "train_seconds_per_epoch": per_epoch_train,
         "share_direct_pct": 100 * val_s / train_s,
@@ -168,9 +225,13 @@ def summarize(result: dict[str, Any], args) -> dict[str, Any]:
     if per_pass:
         s["interval_epochs_for_target"] = per_pass / (args.target_pct / 100 * per_epoch_train)
     split = result["split"]
-    # Forward-pass count model: K forwards per val/stabilize item vs ~3 forward-equivalents per trained image.
-    s["expected_share_pct"] = (100 * args.timesteps * (split["val"] + split["stabilize"])
-                               / (3 * split["train"] * args.every_epochs))
+    # Forward-pass count model: K forwards per val/stabilize item measured vs ~3 forward-equivalents per trained
+    # image; the stabilize subset counts in the share of validations that measured it.
+    stab = split["stabilize"] * (on[0]["stabilize_rows"] / passes if passes else 1.0)
+    every = settings["every_epochs"]
+    if settings.get("every_updates"):
+        every = settings["every_updates"] / math.ceil(split["train"] / args.batch_size)
+    s["expected_share_pct"] = 100 * settings["timesteps"] * (split["val"] + stab) / (3 * split["train"] * every)
     s["meets_target"] = s["share_direct_pct"] <= args.target_pct
     return s
 
@@ -178,11 +239,17 @@ def summarize(result: dict[str, Any], args) -> dict[str, Any]:
 def report(result: dict[str, Any]) -> str:
     s = result["summary"]
     st = result["settings"]
-    rows = [{"quantity": k, "value": v} for k, v in s.items()]
     head = (f"Validation overhead: {result['split']['train']} train / {result['split']['val']} val / "
-            f"{result['split']['stabilize']} stabilize images, K={st['timesteps']}, every {st['every_epochs']:g} "
-            f"epoch(s), {st['epochs']} epochs, latents cached (median of {st['rounds']} rounds)")
-    return table(rows, ["quantity", "value"], title=head)
+            f"{result['split']['stabilize']} stabilize images, K={st['timesteps']}, {st['epochs']} epochs, latents "
+            f"cached (median of {st['rounds']} rounds)")
+    arms = {"on": s} | s.get("variants", {})
+    keys = [k for k in s if k not in ("variants", "validation")]
+    rows = [{"arm": a, "every_epochs": v["validation"]["every_epochs"], "batch_size": v["validation"]["batch_size"],
+             "stabilize_every": v["validation"]["stabilize_every"]} | {k: v.get(k) for k in keys}
+            for a, v in arms.items()]
+    columns = ["quantity"] + list(arms)
+    table_rows = [{"quantity": k, **{r["arm"]: r[k] for r in rows}} for k in rows[0] if k != "arm"]
+    return table(table_rows, columns, title=head)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ def test_validation_overhead_smoke(tmp_path):
     from bench.validation_overhead import main
 
     out = tmp_path / "val.json"
-    result = main(["--smoke", "--threads", "1", "--out", str(out), "--work-dir", str(tmp_path / "work")])
+    result = main(["--smoke", "--threads", "1", "--out", str(out), "--work-dir", str(tmp_path / "work"),
+                   "--variant", "sparse:every_updates=1,stabilize_every=3"])
     saved = json.loads(out.read_text())
     assert saved["summary"] == result["summary"]
     assert saved["split"] == {"train": 8, "val": 2, "stabilize": 2}
@@ -24,3 +25,11 @@ def test_validation_overhead_smoke(tmp_path):
     assert s["share_direct_pct"] > 0 and s["seconds_per_pass"] > 0
     # K=4 x (2 val + 2 stabilize) forwards per validation vs ~3 x 8 per epoch of training.
     assert s["expected_share_pct"] == pytest.approx(100 * 4 * 4 / (3 * 8))
+    # The variant is its own arm in the same rounds: every update (rows 0, 1, 2), stabilize at rows 0 and 2 (the last).
+    sparse = next(r for r in saved["runs"] if r["arm"] == "sparse")
+    assert sparse["validation_rows"] == 3 and sparse["stabilize_rows"] == 2 and sparse["measure_calls"] == 5
+    assert sparse["validation"]["stabilize_every"] == 3 and sparse["updates"] == on["updates"]
+    v = s["variants"]["sparse"]
+    assert v["validation_passes"] == 3 and v["stabilize_passes"] == 2
+    # Half an epoch per validation (2 updates per epoch), val every time, stabilize at 2 of 3.
+    assert v["expected_share_pct"] == pytest.approx(100 * 4 * (2 + 2 * 2 / 3) / (3 * 8 * 0.5))
