@@ -109,3 +109,26 @@ def test_a_pass_reuses_its_fixed_draws_and_matches_the_per_pair_definition(split
     small = measure(vset, **kw, batch_size=3)
     assert small[0] == pytest.approx(first[0], rel=1e-6)
     assert small[1] == pytest.approx(first[1], rel=1e-6)
+
+
+def test_stabilize_cadence_counts_rows_across_a_resume(split_dir, tiny_model_dir, tmp_path):
+    """Resumed from the checkpoint of update 1 (rows 0 and 1 written), the next stabilize row is still the 3rd;
+    a count restarted at the resume would measure it at update 2."""
+    import shutil
+
+    cfg = TrainingConfig(batch_size=4, lr=1e-4, seed=3, steps=UPDATES, cache_dir=str(tmp_path / "cache"),
+                         checkpoint_every_updates=1, keep_checkpoints=UPDATES)
+    val_cfg = ValidationConfig(every_updates=1, stabilize_every=3)
+    out = tmp_path / "run"
+    train(cfg, val_cfg, split_dir=split_dir, model=tiny_model_dir, out_dir=out, save_final=False)
+    whole = (out / "metrics.csv").read_text()
+    # As if the run had died after its checkpoint at update 1.
+    for ckpt in (out / "checkpoints").iterdir():
+        if int(ckpt.name.rsplit("-", 1)[1]) > 1:
+            shutil.rmtree(ckpt)
+    (out / "run_summary.json").unlink()
+    resumed = train(cfg.model_copy(update={"resume": True}), val_cfg, split_dir=split_dir, model=tiny_model_dir,
+                    out_dir=out, save_final=False)
+    assert resumed.resumed_from == 1
+    assert (out / "metrics.csv").read_text() == whole
+    assert [int(r["update"]) for r in rows(out / "metrics.csv") if r["stabilize_loss"]] == [0, 3, UPDATES]
