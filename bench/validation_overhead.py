@@ -89,8 +89,9 @@ def run(setup, *, epochs: int, batch_size: int, cache_dir: Path, validation: dic
         rows, stabilize_rows = len(table), sum(1 for r in table if r["stabilize_loss"])
     finally:
         shutil.rmtree(out, ignore_errors=True)
-    return {"every_epochs": val.every_epochs, "validation": val.model_dump(), "updates": result.updates, "loop_seconds": float(summary["seconds"]),
-            "wall_seconds": wall, "measure_calls": len(passes), "measure_seconds": sum(passes),
+    return {"every_epochs": val.every_epochs, "validation": val.model_dump(), "updates": result.updates,
+            "loop_seconds": float(summary["seconds"]), "wall_seconds": wall, "measure_calls": len(passes),
+            "measure_seconds": sum(passes),
             "validation_rows": rows, "stabilize_rows": stabilize_rows, "cache": result.cache}
 
 

@@ -243,7 +243,8 @@ class ValidationConfig(_Section):
     divergence_window: int = Field(3, ge=1)  # points in the centred median used for that check
     # (item, timestep) pairs per validation forward pass. No backward runs, so memory is small; bigger batches cut
     # the per-forward overhead (tiny model, CPU: 16 pairs per pass instead of 8 is ~30% faster). It changes the last
-    # bits of the losses (~1e-9 relative: kernels sum in another order), so it is part of what reproduces a curve.
+    # bits of the losses (up to ~3e-8 relative: kernels sum in another order), so it is part of what reproduces a
+    # curve.
     batch_size: int = Field(32, ge=1)
     # Measure the stabilize subset at every Nth validation only (counted from the update-0 baseline; the last one of
     # a run always). It gives the smooth training loss of the plots and the overfitting gap (val - stabilize) at the
