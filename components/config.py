@@ -413,7 +413,7 @@ def demo_config(**overrides: Any) -> RangefinderConfig:
         # The tiny model's validation loss falls from ~2e-5 to its minimum near ~1e-3 and blows up past ~1e-2
         # (measured at batch 4); validating every 2 updates gives 13 points over 6 epochs of 16 images.
         "lr_range_test": {"ramp": "exp", "lr_min": 1e-5, "lr_max": 1e-2, "epochs": 6, "validate_every_updates": 2},
-        # At the demo's midpoint (~1e-4) validation loss bottoms out near epoch 30 and the gap to the stabilize
+        # At the demo's midpoint (~1.4e-4) validation loss bottoms out near epoch 33 and the gap to the stabilize
         # loss widens after it (overfitting 16 images): 40 epochs show the whole step window.
         "finetune": {"epochs": 40},
         "sampling": {"num_inference_steps": 10, "guidance_scale": 3.0},
