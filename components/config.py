@@ -192,6 +192,8 @@ class TrainingConfig(_Section):
     # default because on CPU it seldom helps; bench/speed_vs_reference turns it on for its GPU rows.
     channels_last: bool = False
     mixed_precision: Literal["no", "fp16", "bf16"] = "no"
+    # Keep an exponential moving average of the trained weights and save it; validation then measures the average
+    # (what is saved), except on the range test's ramps, where it would lag behind the LR.
     use_ema: bool = False
     ema_decay: float = Field(0.9999, gt=0, lt=1)
     cache_latents: bool = True  # encode every image once; reused across runs of the same data and base model

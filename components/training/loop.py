@@ -266,7 +266,7 @@ def train(
         """One row of metrics.csv: mean and per-bucket losses on val and stabilize, RNGs untouched. The stabilize
         subset is measured at every `stabilize_every`th row (the row count survives a resume) and at the last."""
         nth = len(log.metrics_rows)
-        with preserved_rng((train_gen,)):
+        with preserved_rng((train_gen,)), _ema_weights(ema, trainable, on=not cfg.schedule.endswith("-ramp")):
             for m in modules.values():
                 m.eval()
             row: dict[str, Any] = {"update": at_update, "epoch": stream.epochs_after(micro_batches_done)}
@@ -581,6 +581,23 @@ def _save_checkpoint(root, update, cfg, accelerator, method, optimizer, ema, tra
         )
         checkpoints.commit(tmp, cfg.keep_checkpoints)
     accelerator.wait_for_everyone()
+
+
+@contextlib.contextmanager
+def _ema_weights(ema, params, on: bool):
+    """Measure the EMA weights, which are what the run saves, so that the step window is read on the model it
+    recommends (diffusers' example trainers validate the same way); the trained weights are put back bit for bit
+    after. Not on ramps: the average lags behind the climbing LR and would shift the range test's curve towards
+    higher LRs, the lag the analysis avoids."""
+    if ema is None or not on:
+        yield
+        return
+    ema.store(params)
+    ema.copy_to(params)
+    try:
+        yield
+    finally:
+        ema.restore(params)
 
 
 def _to(module: torch.nn.Module, device: torch.device, dtype: Optional[torch.dtype] = None) -> None:

@@ -284,3 +284,23 @@ def test_channels_last_trains_the_same_model_and_saves_it(split_dir, tiny_model_
     va = [float(r["val_loss"]) for r in rows(tmp_path / "False" / "metrics.csv")]
     vb = [float(r["val_loss"]) for r in rows(tmp_path / "True" / "metrics.csv")]
     assert vb == pytest.approx(va, rel=1e-4)
+
+
+def test_with_ema_validation_measures_the_weights_that_are_saved(split_dir, tiny_model_dir, encoded_cache, tmp_path):
+    # The saved model is the EMA average; the step window must be read on it. Measure the saved model afresh (the
+    # update-0 baseline of a run starting from it) and compare with the EMA run's last validation.
+    cfg = settings(encoded_cache, steps=3, use_ema=True, ema_decay=0.9)
+    ema_run = train(cfg, ValidationConfig(every_updates=1), split_dir=split_dir, model=tiny_model_dir,
+                    out_dir=tmp_path / "ema")
+    last = rows(tmp_path / "ema" / "metrics.csv")[-1]
+    again = train(settings(encoded_cache, steps=1), ValidationConfig(every_updates=1), split_dir=split_dir,
+                  model=str(ema_run.final_dir), out_dir=tmp_path / "again")
+    baseline = rows(tmp_path / "again" / "metrics.csv")[0]
+    assert float(baseline["update"]) == 0
+    assert float(last["val_loss"]) == pytest.approx(float(baseline["val_loss"]), rel=1e-6)
+    assert float(last["stabilize_loss"]) == pytest.approx(float(baseline["stabilize_loss"]), rel=1e-6)
+    # ... and the run without EMA measures other (the raw) weights.
+    raw = train(settings(encoded_cache, steps=3), ValidationConfig(every_updates=1), split_dir=split_dir,
+                model=tiny_model_dir, out_dir=tmp_path / "raw")
+    assert float(rows(tmp_path / "raw" / "metrics.csv")[-1]["val_loss"]) != pytest.approx(
+        float(last["val_loss"]), rel=1e-4)
