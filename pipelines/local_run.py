@@ -128,11 +128,13 @@ REPORT_OUTPUTS = ("report_html", "report_md", "grid", "decision", "report")
 
 
 def _publish_reports(run: LocalRun) -> None:
-    """Copy the reports to OUT/reports/<task>-<output>.<html|md> so they open with a double click."""
+    """Copy the reports to OUT/reports/<step>[-<output>].<html|md> (lr-range-test-first.html, finetune.md,
+    sample-images-grid.html, ...) so they open with a double click and say what they are."""
     import shutil
 
     dest = run.out_dir / "reports"
     dest.mkdir(exist_ok=True)
+    taken: set[str] = set()
     for task in sorted(run.artifacts):
         for key, path in sorted(run.artifacts[task].items()):
             src = Path(path)
@@ -140,9 +142,26 @@ def _publish_reports(run: LocalRun) -> None:
                 continue
             head = src.read_bytes()[:64].lstrip().lower()
             ext = ".html" if head.startswith((b"<!doctype html", b"<html")) else ".md"
-            target = dest / f"{task}-{key.removeprefix('report_')}{ext}"
+            stem = _step_name(task, run)
+            if key not in ("report_html", "report_md"):
+                stem += f"-{key}"
+            if stem + ext in taken:  # the same step twice (not in today's DAG): keep kfp.local's task name
+                stem = f"{task}-{key}"
+            taken.add(stem + ext)
+            target = dest / f"{stem}{ext}"
             shutil.copyfile(src, target)
             run.reports.append(target)
+
+
+def _step_name(task: str, run: LocalRun) -> str:
+    """kfp.local's task folder without the suffixes it adds inside sub-DAGs (lr-range-test-2-2 -> lr-range-test).
+    The range tests are told apart by what they output: the first asks for the zoom, the zoom never asks again."""
+    step = re.sub(r"(-\d+)+$", "", task)
+    if step == "lr-range-test":
+        tests = [t for t in run.artifacts if re.sub(r"(-\d+)+$", "", t) == step]
+        is_zoom = len(tests) > 1 and not run.outputs.get(task, {}).get("needs_zoom")
+        step += "-zoom" if is_zoom else "-first"
+    return step
 
 
 def _collect(run: LocalRun) -> None:

@@ -63,9 +63,10 @@ def test_discovery_then_retrain(tmp_path, shapes_dataset_dir, tiny_model_dir, ml
     assert s["registered_model"] == "models:/rf-e2e-retrain/1"  # by name and version, as a person loads it
     # The reports are copied under OUT/reports with extensions a browser or editor opens.
     reports = sorted(Path(p).name for p in s["reports"])
-    assert any(n.startswith("lr-range-test") and n.endswith("-html.html") for n in reports), reports
-    assert any(n.startswith("finetune") and n.endswith("-md.md") for n in reports), reports
-    assert any(n.startswith("sample-images") and n.endswith("-grid.html") for n in reports), reports
+    # Named after the step, not kfp.local's task folder (lr-range-test-3): one range test here, no zoom.
+    assert {"lr-range-test-first.html", "lr-range-test-first.md", "finetune.html", "finetune.md",
+            "sample-images-grid.html", "choose-lr-decision.md"} <= set(reports), reports
+    assert not any(n.startswith("lr-range-test-zoom") for n in reports), reports
     assert all(Path(p).parent == tmp_path / "reports" for p in s["reports"])
     # The reports exist and the HTML embeds its plot (the KFP UI shows no image files).
     html = Path(run.artifacts[run.task("lr-range-test")]["report_html"]).read_text()
@@ -132,3 +133,31 @@ def test_failed_step_is_one_error_and_recorded(tmp_path, shapes_dataset_dir, tin
     parents = [status for name, status in _mlflow_runs(tmp_path / "mlflow.db").items()
                if name.startswith("rangefinder-")]
     assert parents == ["FAILED"]
+
+
+def test_report_names_tell_the_first_range_test_from_the_zoom(tmp_path):
+    """A run folder laid out as kfp.local writes it (the demo's, with a zoom): the copies say which test is which."""
+    import json
+
+    from pipelines.local_run import LocalRun, _collect, _publish_reports
+
+    run_dir = tmp_path / "root" / "rangefinder-finetune-2026"
+    tasks = {
+        "lr-range-test-3": {"needs_zoom": True, "zoom_lr_min": 1e-5, "zoom_lr_max": 1e-3},
+        "lr-range-test-2-2": {"needs_zoom": False, "zoom_lr_min": 0.0, "zoom_lr_max": 0.0},
+        "finetune-2": {"recommended_epochs": 33},
+    }
+    for task, outputs in tasks.items():
+        (run_dir / task).mkdir(parents=True)
+        (run_dir / task / "executor_output.json").write_text(json.dumps({"parameterValues": outputs}))
+        (run_dir / task / "report_html").write_text(f"<!DOCTYPE html><p>{task}</p>")
+        (run_dir / task / "report_md").write_text(f"# {task}\n")
+    run = LocalRun(out_dir=tmp_path / "out", run_dir=run_dir, tracking_uri="sqlite:///unused.db")
+    (tmp_path / "out").mkdir()
+    _collect(run)
+    _publish_reports(run)
+    names = {p.name: p.read_text() for p in run.reports}
+    assert set(names) == {"lr-range-test-first.html", "lr-range-test-first.md", "lr-range-test-zoom.html",
+                          "lr-range-test-zoom.md", "finetune.html", "finetune.md"}
+    assert "lr-range-test-3" in names["lr-range-test-first.html"]
+    assert "lr-range-test-2-2" in names["lr-range-test-zoom.md"]
