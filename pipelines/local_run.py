@@ -151,6 +151,7 @@ def _publish_reports(run: LocalRun) -> None:
             target = dest / f"{stem}{ext}"
             shutil.copyfile(src, target)
             run.reports.append(target)
+    run.reports.sort(key=lambda p: p.name)
 
 
 def _step_name(task: str, run: LocalRun) -> str:
