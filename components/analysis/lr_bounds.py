@@ -267,6 +267,7 @@ def analyze_lr_curve(
     bootstrap: int = BOOTSTRAP_REPLICATES,
     rise_cut_points: Optional[int] = RISE_CUT_MIN_POINTS,
     mid_position: float = MID_POSITION,
+    _turns_up_after: bool = False,
 ) -> LRBounds:
     """Read LR bounds off a range-test curve: one (lr, val_loss) per validation, in run order.
 
@@ -303,7 +304,8 @@ def analyze_lr_curve(
     n_rise = rise_cut(y_all[:n_ok], rise_cut_points) if rise_cut_points else n_ok
     if n_rise < n_ok:
         head = analyze_lr_curve(lr_all[:n_rise], y_all[:n_rise], ramp=ramp, seed=seed, divergence_factor=None,
-                                bootstrap=bootstrap, rise_cut_points=None, mid_position=mid_position)
+                                bootstrap=bootstrap, rise_cut_points=None, mid_position=mid_position,
+                                _turns_up_after=True)
         if head.status == "ok":
             return _with_tail(head, lr_all, y_all, stab_all, n_rise, exploded=n_ok < lr_all.size)
     lr_u, y = lr_all[:n_ok], y_all[:n_ok]
@@ -352,6 +354,9 @@ def analyze_lr_curve(
 
     # --- 4. bounds
     flags.extend(reading.flags)
+    if _turns_up_after:
+        # The part read may end on its lowest point, but the curve goes on above its start: it turned.
+        flags[:] = [f for f in flags if f != "upper_censored"] + ["rose_after_min"] * ("rose_after_min" not in flags)
     flags.sort(key=FLAG_ORDER.index)
     x_mid = _mid(reading.x_low, reading.x_high, mid_position)
 
@@ -384,7 +389,7 @@ def analyze_lr_curve(
     }
     quality = float(np.prod([max(p, 1e-3) for p in parts.values()]) ** (1 / len(parts)))
     quality *= 0.8 ** sum(f in ("upper_censored", "lower_censored") for f in flags)
-    label = _quality_label(quality)
+    label = "high" if quality >= 0.7 else "medium" if quality >= 0.4 else "low"
     return LRBounds(
         status="ok",
         lr_low=float(_to_lr(reading.x_low, ramp)),
@@ -403,10 +408,6 @@ def analyze_lr_curve(
     )
 
 
-def _quality_label(quality: float) -> str:
-    return "high" if quality >= 0.7 else "medium" if quality >= 0.4 else "low"
-
-
 def _with_tail(head: LRBounds, lr_all: np.ndarray, y_all: np.ndarray, stab_all: Optional[np.ndarray], n_head: int,
                exploded: bool) -> LRBounds:
     """The reading of the part before the climb back above the start, with the rest of the curve attached as
@@ -417,17 +418,9 @@ def _with_tail(head: LRBounds, lr_all: np.ndarray, y_all: np.ndarray, stab_all: 
     fit.stabilize_loss, fit.all_lr = stab_all, lr_all
     fit.dropped_label = "left out (past the climb above the start" + (", or exploded)" if exploded else ")")
     head.points_dropped = int(lr_all.size - head.points_used)
-    flags = set(head.flags)
-    if "upper_censored" in flags:
-        # The part read may end on its lowest point, but the next point is above the start: the curve turned.
-        flags.discard("upper_censored")
-        head.quality = round(min(1.0, head.quality / 0.8), 4)
-        head.quality_label = _quality_label(head.quality)
-    flags.add("rose_after_min")
     if exploded:
-        flags.add("diverged")
-    head.flags = sorted(flags, key=FLAG_ORDER.index)
-    head.advice = [STATUS_ADVICE["ok"]] + [FLAG_ADVICE[f] for f in head.flags]
+        head.flags.append("diverged")
+        head.advice.append(FLAG_ADVICE["diverged"])
     return head
 
 
