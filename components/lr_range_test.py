@@ -118,7 +118,7 @@ def zoom_range(status: str, flags: list[str], lr_low: Optional[float], lr_high: 
         if not rose_at_top:
             return lr_min, lr_max * ZOOM_EXTEND
         top = lr_at_min * ZOOM_MARGIN if lr_at_min is not None and lr_min < lr_at_min < lr_max else lr_min
-        return lr_min / ZOOM_EXTEND, max(top, lr_min)
+        return lr_min / ZOOM_EXTEND, top
     return None
 
 

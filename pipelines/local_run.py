@@ -157,12 +157,16 @@ def _publish_reports(run: LocalRun) -> None:
 def _step_name(task: str, run: LocalRun) -> str:
     """kfp.local's task folder without the suffixes it adds inside sub-DAGs (lr-range-test-2-2 -> lr-range-test).
     The range tests are told apart by what they output: the first asks for the zoom, the zoom never asks again."""
-    step = re.sub(r"(-\d+)+$", "", task)
+    step = _without_suffix(task)
     if step == "lr-range-test":
-        tests = [t for t in run.artifacts if re.sub(r"(-\d+)+$", "", t) == step]
+        tests = [t for t in run.artifacts if _without_suffix(t) == step]
         is_zoom = len(tests) > 1 and not run.outputs.get(task, {}).get("needs_zoom")
         step += "-zoom" if is_zoom else "-first"
     return step
+
+
+def _without_suffix(task: str) -> str:
+    return re.sub(r"(-\d+)+$", "", task)
 
 
 def _collect(run: LocalRun) -> None:

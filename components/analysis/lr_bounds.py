@@ -356,7 +356,7 @@ def analyze_lr_curve(
     flags.extend(reading.flags)
     if _turns_up_after:
         # The part read may end on its lowest point, but the curve goes on above its start: it turned.
-        flags[:] = [f for f in flags if f != "upper_censored"] + ["rose_after_min"] * ("rose_after_min" not in flags)
+        flags[:] = [f for f in flags if f not in ("upper_censored", "rose_after_min")] + ["rose_after_min"]
     flags.sort(key=FLAG_ORDER.index)
     x_mid = _mid(reading.x_low, reading.x_high, mid_position)
 

@@ -406,14 +406,10 @@ def train(
             import shutil
 
             shutil.rmtree(tmp)
-        if ema is not None:
-            ema.store(trainable)
-            ema.copy_to(trainable)
         if cfg.channels_last:
             sd.unet.to(memory_format=torch.contiguous_format)  # safetensors writes contiguous tensors only
-        method.save_final(sd, tmp)
-        if ema is not None:
-            ema.restore(trainable)
+        with _ema_weights(ema, trainable, on=True):  # the average is what the run saves
+            method.save_final(sd, tmp)
         _replace_dir(tmp, final_dir)
     accelerator.wait_for_everyone()
 
@@ -585,10 +581,10 @@ def _save_checkpoint(root, update, cfg, accelerator, method, optimizer, ema, tra
 
 @contextlib.contextmanager
 def _ema_weights(ema, params, on: bool):
-    """Measure the EMA weights, which are what the run saves, so that the step window is read on the model it
-    recommends (diffusers' example trainers validate the same way); the trained weights are put back bit for bit
-    after. Not on ramps: the average lags behind the climbing LR and would shift the range test's curve towards
-    higher LRs, the lag the analysis avoids."""
+    """The EMA weights in place of the trained ones while inside (put back bit for bit after), when `on` and EMA is
+    kept. The run saves them, and validation measures them so that the step window is read on the model it
+    recommends (diffusers' example trainers validate the same way); not on ramps, where the average lags behind the
+    climbing LR and would shift the range test's curve towards higher LRs, the lag the analysis avoids."""
     if ema is None or not on:
         yield
         return
