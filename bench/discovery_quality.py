@@ -41,7 +41,7 @@ def arm_config(base_cfg, **update):
 
 def curve_stats(curve_csv: Path, recommended_updates: Optional[int] = None) -> dict[str, Any]:
     """Baseline, best (after update 0) and, when given, the loss at the recommended number of updates."""
-    from components.analysis import read_curve_csv
+    from rangefinder.analysis import read_curve_csv
 
     c = read_curve_csv(curve_csv)
     u, v = c["update"], c["val_loss"]
@@ -62,7 +62,7 @@ def _updates_of(run_dir: Path) -> int:
 
 def train_fixed_lr(cfg, split_dir: Path, lr: float, out: Path) -> dict[str, Any]:
     """One constant-LR run exactly as the fine-tune step runs it (the grid's and the classic suggestions' arm)."""
-    from components.finetune import run_finetune
+    from rangefinder.steps.finetune import run_finetune
 
     t0 = time.perf_counter()
     ft = run_finetune(cfg, split_dir=split_dir, lr_low=lr, lr_high=lr, lr_mid=lr, lr_source="fixed", model_dir=out)
@@ -75,10 +75,10 @@ def train_fixed_lr(cfg, split_dir: Path, lr: float, out: Path) -> dict[str, Any]
 
 def discover(cfg, split_dir: Path, out: Path) -> dict[str, Any]:
     """The pipeline's discovery: range test (-> zoom) -> choose LR -> constant fine-tune at the midpoint."""
-    from components.choose_lr import run_choose_lr
-    from components.errors import RangefinderError
-    from components.finetune import run_finetune
-    from components.lr_range_test import run_lr_range_test
+    from rangefinder.steps.choose_lr import run_choose_lr
+    from rangefinder.errors import RangefinderError
+    from rangefinder.steps.finetune import run_finetune
+    from rangefinder.steps.lr_range_test import run_lr_range_test
 
     res: dict[str, Any] = {"updates": 0, "seconds": 0.0, "range_tests": []}
     t0 = time.perf_counter()
@@ -124,7 +124,7 @@ def discover(cfg, split_dir: Path, out: Path) -> dict[str, Any]:
 
 def _open_store(cfg) -> None:
     """Create the MLflow store's tables now, so that the one-time migration is not timed as the first step's."""
-    from components.tracking import runs
+    from rangefinder.tracking import runs
 
     runs.tracking_client(cfg).search_experiments(max_results=1)
 
@@ -137,10 +137,10 @@ def gap_pct(loss: Optional[float], best: Optional[float]) -> Optional[float]:
 
 def one_case(kind: str, seed: int, args, work: Path, log=print) -> dict[str, Any]:
     """Discovery, grid and classic suggestions on one dataset (kind, seed) with one training seed."""
-    from components.config import demo_config
-    from components.prepare_dataset import run_prepare_dataset
-    from components.data.synthetic import make_synthetic_dataset
-    from components.models.tiny import ensure_tiny_base_model
+    from rangefinder.config import demo_config
+    from rangefinder.steps.prepare_dataset import run_prepare_dataset
+    from rangefinder.data.synthetic import make_synthetic_dataset
+    from rangefinder.models.tiny import ensure_tiny_base_model
 
     case = work / f"{kind}-seed{seed}"
     dataset = case / "dataset"
@@ -270,7 +270,7 @@ def aggregate(summaries: list[dict[str, Any]], within_pct: float) -> dict[str, A
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(prog="python -m bench.discovery_quality", description=__doc__.split("\n\n")[0])
-    p.add_argument("--kinds", default="shapes,stripes", help="synthetic dataset kinds (components.data.synthetic)")
+    p.add_argument("--kinds", default="shapes,stripes", help="synthetic dataset kinds (rangefinder.data.synthetic)")
     p.add_argument("--seeds", default="0,1,2", help="dataset and training seeds; shapes seed 0 is the embedded default")
     p.add_argument("--images", type=int, default=20, help="images per dataset (20: the embedded default)")
     p.add_argument("--grid-points", type=int, default=8)
@@ -310,7 +310,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     try:
         with torch_threads(args.threads or None):
             result["machine"] = machine_info()
-            from components.models.tiny import ensure_tiny_base_model
+            from rangefinder.models.tiny import ensure_tiny_base_model
 
             result["base_model"] = str(ensure_tiny_base_model())  # its folder name is the builder's content key
             t0 = time.perf_counter()

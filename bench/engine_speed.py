@@ -4,7 +4,7 @@
     python -m bench.engine_speed --updates 4 --smoke
 
 Each variant trains in a process of its own (so one variant's memory does not count against the next) through the
-public `components.training.loop.train`, with validation off. `updates/s` is the loop's own rate (the summary's
+public `rangefinder.training.loop.train`, with validation off. `updates/s` is the loop's own rate (the summary's
 `updates_per_second`: the updates over the loop's wall time, model loading and the one-time encoding excluded);
 `cpu s/update` is the process' CPU time in the loop per update (steadier than wall time on a shared machine);
 `run s` is the whole call. Rounds alternate the variants and the median round is reported. Peak memory: the process' resident set sampled during the call on
@@ -37,8 +37,8 @@ def one_variant(setup_kind: str, cache: bool, *, updates: int, batch_size: int, 
     import torch
 
     from bench.fixtures import sd15_setup, tiny_setup
-    from components.config import DataConfig, TrainingConfig, ValidationConfig
-    from components.training.loop import train
+    from rangefinder.config import DataConfig, TrainingConfig, ValidationConfig
+    from rangefinder.training.loop import train
 
     device = "cuda" if setup_kind == "sd15" else "cpu"
     setup = sd15_setup(work) if setup_kind == "sd15" else tiny_setup(work)

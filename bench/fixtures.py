@@ -25,9 +25,9 @@ def tiny_setup(work_dir: Path, kind: str = "shapes", images: int = 20, seed: int
     The defaults are the embedded default: 20 shapes at 32 px, val 0.2 and stabilize 0.2 with the split seed the
     config uses (`rangefinder demo` and the prepare step make the same dataset).
     """
-    from components.data.split import split_dataset
-    from components.data.synthetic import make_synthetic_dataset
-    from components.models.tiny import ensure_tiny_base_model
+    from rangefinder.data.split import split_dataset
+    from rangefinder.data.synthetic import make_synthetic_dataset
+    from rangefinder.models.tiny import ensure_tiny_base_model
 
     work_dir = Path(work_dir)
     dataset = work_dir / f"{kind}-{images}-seed{seed}-{resolution}px"
@@ -67,7 +67,7 @@ def sd15_sized_model(out_dir: Path, seed: int = 0) -> Path:
     from diffusers import AutoencoderKL, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
-    from components.models.tiny import ensure_tiny_base_model
+    from rangefinder.models.tiny import ensure_tiny_base_model
 
     out_dir = Path(out_dir)
     done = out_dir / "model_index.json"
@@ -94,8 +94,8 @@ def sd15_sized_model(out_dir: Path, seed: int = 0) -> Path:
 
 def sd15_setup(work_dir: Path, images: int = 32, resolution: int = 512, model_dir: Optional[Path] = None) -> BenchSetup:
     """The SD 1.5-sized model and `images` shapes at `resolution` (512 px, SD 1.5's native size)."""
-    from components.data.split import split_dataset
-    from components.data.synthetic import make_synthetic_dataset
+    from rangefinder.data.split import split_dataset
+    from rangefinder.data.synthetic import make_synthetic_dataset
 
     work_dir = Path(work_dir)
     model = sd15_sized_model(model_dir or work_dir / "sd15-sized")

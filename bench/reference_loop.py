@@ -10,7 +10,7 @@ VAE and text encoder cast to the mixed dtype, as in the example. Written here fr
 
 The engine's extras (cached latents and text, fused AdamW, deterministic batching, logging) are what the comparison
 measures, so this loop deliberately has none of them. It trains on the same split folder, images and preprocessing
-(components.data.images) as the engine, so the two see the same data.
+(rangefinder.data.pixels) as the engine, so the two see the same data.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class _CaptionedImages(torch.utils.data.Dataset):
     """The split's training items: (3, H, W) pixels in [-1, 1] and (77,) token ids, made anew on every access."""
 
     def __init__(self, split_dir: Union[str, Path], tokenizer, resolution: int) -> None:
-        from components.data.split import read_split
+        from rangefinder.data.split import read_split
 
         split = read_split(split_dir)
         self.paths = [split.path_of(it) for it in split.train]
@@ -55,7 +55,7 @@ class _CaptionedImages(torch.utils.data.Dataset):
         return len(self.paths)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        from components.data.images import load_rgb, to_model_array
+        from rangefinder.data.pixels import load_rgb, to_model_array
 
         pixels = torch.from_numpy(to_model_array(load_rgb(self.paths[i]), self.resolution, center_crop=True))
         ids = self.tokenizer(

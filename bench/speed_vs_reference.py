@@ -58,10 +58,10 @@ def device_peak_flops(name: str) -> Optional[float]:
 
 def engine_run(setup, *, updates: int, batch_size: int, mixed_precision: str, device: str, cache_dir: Path,
                seed: int = 0, lr: float = 1e-5, gradient_checkpointing: bool = False) -> dict[str, Any]:
-    """One engine run (components.training.train) with validation off; its loop time is the engine's own timer.
+    """One engine run (rangefinder.training.train) with validation off; its loop time is the engine's own timer.
     On CUDA the engine runs its UNet channels_last (the issue's GPU settings); on CPU it seldom helps."""
-    from components.config import DataConfig, TrainingConfig, ValidationConfig
-    from components.training.loop import train
+    from rangefinder.config import DataConfig, TrainingConfig, ValidationConfig
+    from rangefinder.training.loop import train
 
     cfg = TrainingConfig(
         batch_size=batch_size, steps=updates, lr=lr, schedule="constant", mixed_precision=mixed_precision,

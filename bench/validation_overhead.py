@@ -15,7 +15,7 @@ latents cached
 Each round runs the arms in a rotated order (the first arm of one round is the last of the next).
 
 Two estimates of the share, which should agree:
-- direct: seconds inside the engine's validation measurement (`components.training.validation.measure`, timed by a
+- direct: seconds inside the engine's validation measurement (`rangefinder.training.validation.measure`, timed by a
   wrapper around the engine's own function for the run; every pass, the update-0 baseline included) over the
   training-only time of the `off` run with the same updates;
 - paired: (loop time of `on` - loop time of `off`) / loop time of `off` (the engine's loop timer; it starts after
@@ -49,7 +49,7 @@ NAME = "validation_overhead"
 @contextmanager
 def timed_measure() -> Iterator[list[float]]:
     """Time every call the engine makes to its validation measurement (the real function runs unchanged)."""
-    from components.training import loop
+    from rangefinder.training import loop
 
     seconds: list[float] = []
     original = loop.measure
@@ -70,8 +70,8 @@ def timed_measure() -> Iterator[list[float]]:
 
 def run(setup, *, epochs: int, batch_size: int, cache_dir: Path, validation: dict[str, Any],
         seed: int = 0) -> dict[str, Any]:
-    from components.config import DataConfig, TrainingConfig, ValidationConfig
-    from components.training.loop import train
+    from rangefinder.config import DataConfig, TrainingConfig, ValidationConfig
+    from rangefinder.training.loop import train
 
     cfg = TrainingConfig(batch_size=batch_size, epochs=epochs, lr=1e-4, schedule="constant", seed=seed,
                          cache_dir=str(cache_dir), cache_latents=True)
@@ -121,7 +121,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     quiet_libraries()
     if args.smoke:
         args.images, args.epochs, args.rounds = 10, 1, 1
-    from components.config import ValidationConfig
+    from rangefinder.config import ValidationConfig
 
     defaults = ValidationConfig()
     args.val_batch_size = args.val_batch_size or defaults.batch_size
@@ -143,7 +143,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         with torch_threads(args.threads or None):
             result["machine"] = machine_info()
             setup = tiny_setup(work, "shapes", images=args.images, val_split=args.val_split)
-            from components.data.split import read_split
+            from rangefinder.data.split import read_split
 
             split = read_split(setup.split_dir)
             result["split"] = {"train": len(split.train), "val": len(split.val), "stabilize": len(split.stabilize)}
@@ -173,7 +173,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
 
 def parse_variant(spec: str, base: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """`LABEL:key=value,...` -> {LABEL: base with those ValidationConfig fields set}."""
-    from components.config import ValidationConfig
+    from rangefinder.config import ValidationConfig
 
     label, _, body = spec.partition(":")
     if not label or not body or label in ("on", "off"):

@@ -1,4 +1,4 @@
-"""Regenerate the example plots and reports under docs/images/ from curves built from formulas.
+"""Regenerate the example plots and reports under docs/figures/ from curves built from formulas.
 
     .venv/bin/python docs/make_report_examples.py
 
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from components.analysis import analyze_lr_curve, select_step_window, write_lr_report, write_step_report
-from components.analysis.synthetic import ConstantRunShape, RangeTestShape, lr_sweep, noisy
+from rangefinder.analysis import analyze_lr_curve, select_step_window, write_lr_report, write_step_report
+from rangefinder.analysis.synthetic import ConstantRunShape, RangeTestShape, lr_sweep, noisy
 
 OUT = Path(__file__).resolve().parent / "images"
 

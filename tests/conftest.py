@@ -15,7 +15,7 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     """The embedded tiny Stable Diffusion folder (diffusers layout), built once (about a minute) and cached."""
-    from components.models.tiny import ensure_tiny_base_model
+    from rangefinder.models.tiny import ensure_tiny_base_model
 
     return ensure_tiny_base_model()
 
@@ -23,8 +23,8 @@ def tiny_model_dir() -> Path:
 @pytest.fixture(scope="session")
 def shapes_dataset_dir() -> Path:
     """20 synthetic 32 px images with .txt captions (`rangefinder make-dataset --kind shapes --count 20 --seed 0`)."""
-    from components.data import synthetic
-    from components.models.tiny import default_cache_dir
+    from rangefinder.data import synthetic
+    from rangefinder.models.tiny import default_cache_dir
 
     code = hashlib.sha256(Path(synthetic.__file__).read_bytes()).hexdigest()[:12]
     out = default_cache_dir() / "datasets" / f"shapes-20-seed0-32px-{code}"
@@ -35,7 +35,7 @@ def shapes_dataset_dir() -> Path:
 @pytest.fixture(scope="session")
 def split_dir(shapes_dataset_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The default split of `shapes_dataset_dir` (val 0.2, stabilize 0.2, seed 555): 16 train, 4 val, 4 stabilize."""
-    from components.data.split import split_dataset
+    from rangefinder.data.split import split_dataset
 
     out = tmp_path_factory.mktemp("split")
     split_dataset(shapes_dataset_dir, out, val_split=0.2, stabilize_split=0.2, seed=555)

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from components.config import RangefinderConfig, demo_config, load_config, parse_config, plan, val_count
-from components.errors import ConfigError
+from rangefinder.config import RangefinderConfig, demo_config, load_config, parse_config, plan, val_count
+from rangefinder.errors import ConfigError
 
 
 @pytest.mark.parametrize(
@@ -91,7 +91,7 @@ def test_yaml_errors_name_the_file_and_field(tmp_path):
 
 def test_lr_range_defaults_follow_the_method():
     """Adapters and embeddings learn ~100x higher than full fine-tuning: their default sweep reaches higher."""
-    from components.config import DEFAULT_LR_RANGE, RangefinderConfig
+    from rangefinder.config import DEFAULT_LR_RANGE, RangefinderConfig
 
     for method, (lo, hi) in DEFAULT_LR_RANGE.items():
         cfg = RangefinderConfig.model_validate({"training": {"method": method}})
@@ -107,7 +107,7 @@ def test_lr_range_defaults_follow_the_method():
 @pytest.mark.parametrize("path", sorted((Path(__file__).parents[1] / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_shipped_configs_load_and_compile(path, tmp_path):
     """The README points people at configs/: each must validate and compile into a pipeline package."""
-    from pipelines.pipeline import compile_pipeline
+    from rangefinder.pipelines.pipeline import compile_pipeline
 
     cfg = load_config(path)
     out = compile_pipeline(cfg, str(tmp_path / "pipeline.yaml"))

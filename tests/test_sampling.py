@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from components.errors import ConfigError
-from components.sampling import render_grid
-from pipelines.cli import main as cli_main
+from rangefinder.errors import ConfigError
+from rangefinder.sampling import render_grid
+from rangefinder.cli.main import main as cli_main
 
 PROMPTS = ["a red circle", "a blue square"]
 SEEDS = [0, 7]
@@ -81,7 +81,7 @@ def test_columns_are_recognised_by_their_contents(tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    from components.sampling import resolve_column
+    from rangefinder.sampling import resolve_column
 
     def st(name, keys):
         path = tmp_path / name

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from components.analysis.curves import infer_ramp, lowess, noise_sigma, read_curve_csv
-from components.errors import RangefinderError
+from rangefinder.analysis.curves import infer_ramp, lowess, noise_sigma, read_curve_csv
+from rangefinder.errors import RangefinderError
 
 
 def test_read_curve_csv_empty_cells_and_skips(tmp_path):

@@ -1,15 +1,15 @@
-"""LR bounds on curves built from formulas with known true bounds (components/analysis/synthetic.py)."""
+"""LR bounds on curves built from formulas with known true bounds (src/rangefinder/analysis/synthetic.py)."""
 
 import math
 
 import numpy as np
 import pytest
 
-from components.analysis import analyze_lr_curve
-from components.analysis.lr_bounds import MID_POSITION
-from components.config import LRRangeTestConfig
-from components.analysis.synthetic import RangeTestShape, lr_sweep, noisy, true_lr_bounds
-from components.errors import RangefinderError
+from rangefinder.analysis import analyze_lr_curve
+from rangefinder.analysis.lr_bounds import MID_POSITION
+from rangefinder.config import LRRangeTestConfig
+from rangefinder.analysis.synthetic import RangeTestShape, lr_sweep, noisy, true_lr_bounds
+from rangefinder.errors import RangefinderError
 
 U = RangeTestShape(rise=0.05)  # descent around 1e-5, turns up from ~1e-3
 DECADE = 0.2  # bounds must be within 0.2 decade of the truth

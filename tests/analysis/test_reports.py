@@ -6,10 +6,10 @@ from html.parser import HTMLParser
 
 import numpy as np
 
-from components.analysis import (analyze_lr_curve, plot_lr_range_test, read_curve_csv, select_step_window,
+from rangefinder.analysis import (analyze_lr_curve, plot_lr_range_test, read_curve_csv, select_step_window,
                                  write_lr_report, write_step_report)
-from components.analysis.synthetic import ConstantRunShape, RangeTestShape, lr_sweep, noisy
-from pipelines.cli import main
+from rangefinder.analysis.synthetic import ConstantRunShape, RangeTestShape, lr_sweep, noisy
+from rangefinder.cli.main import main
 
 
 def png_size(path):

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from components.analysis import select_step_window
-from components.analysis.synthetic import ConstantRunShape, noisy, true_step_window
-from components.errors import RangefinderError
+from rangefinder.analysis import select_step_window
+from rangefinder.analysis.synthetic import ConstantRunShape, noisy, true_step_window
+from rangefinder.errors import RangefinderError
 
 EPOCHS = np.arange(61) / 2  # 30 epochs, validated twice per epoch
 UPDATES = EPOCHS * 10  # 10 updates per epoch

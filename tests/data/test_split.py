@@ -5,9 +5,9 @@ import zlib
 import pytest
 from PIL import Image
 
-from components.data.split import make_split, read_split, seeded_shuffle, split_dataset
-from components.errors import DataError
-from pipelines.cli import main
+from rangefinder.data.split import make_split, read_split, seeded_shuffle, split_dataset
+from rangefinder.errors import DataError
+from rangefinder.cli.main import main
 
 
 def _dataset(folder, n):

@@ -3,9 +3,9 @@ import json
 import pytest
 from PIL import Image
 
-from components.data.synthetic import COLOURS, SHAPES, make_synthetic_dataset, render_item
-from components.errors import DataError
-from pipelines.cli import main
+from rangefinder.data.synthetic import COLOURS, SHAPES, make_synthetic_dataset, render_item
+from rangefinder.errors import DataError
+from rangefinder.cli.main import main
 
 
 def test_same_seed_gives_byte_identical_files(tmp_path, capsys):

@@ -4,9 +4,9 @@ import shutil
 import pytest
 from PIL import Image
 
-from components.data.dataset import item_id, scan_dataset
-from components.data.validate import validate_dataset
-from components.errors import DataError
+from rangefinder.data.dataset import item_id, scan_dataset
+from rangefinder.data.validate import validate_dataset
+from rangefinder.errors import DataError
 
 
 def _good(folder, n, start=0):

@@ -10,15 +10,15 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from components import images
-from components.config import RangefinderConfig
+from rangefinder import container_images as images
+from rangefinder.config import RangefinderConfig
 from tests.manifests.manifest_support import MANIFESTS, pod_specs
 
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory, monkeypatch_module) -> tuple[dict, dict]:
     """(executor -> container image, executor -> Kubernetes platform settings) of the default pipeline."""
-    from pipelines.pipeline import compile_pipeline
+    from rangefinder.pipelines.pipeline import compile_pipeline
 
     path = tmp_path_factory.mktemp("compiled") / "pipeline.yaml"
     compile_pipeline(RangefinderConfig(), str(path))

@@ -1,4 +1,4 @@
-"""The names in manifests/ are the ones the pipeline's defaults use (KubernetesConfig, components.images).
+"""The names in manifests/ are the ones the pipeline's defaults use (KubernetesConfig, rangefinder.container_images).
 
 Nothing here repeats a literal from config.py: every expected value is read from the defaults, so a rename on one
 side without the other fails here instead of as a pod stuck in ContainerCreating on a cluster.
@@ -12,8 +12,8 @@ from urllib.parse import urlparse
 import pytest
 import yaml
 
-from components import images
-from components.config import KubernetesConfig
+from rangefinder import container_images as images
+from rangefinder.config import KubernetesConfig
 from tests.manifests.manifest_support import MANIFESTS, pod_specs
 
 K8S = KubernetesConfig()
@@ -124,7 +124,7 @@ def test_only_pipeline_pods_reach_mlflow(rendered, entry):
     assert policy["spec"]["podSelector"]["matchLabels"].items() <= mlflow_labels.items()
     (rule,) = policy["spec"]["ingress"]
     (peer,) = rule["from"]
-    # The step pods carry KubernetesConfig.pod_labels (pipelines.pipeline adds them to every task).
+    # The step pods carry KubernetesConfig.pod_labels (rangefinder.pipelines.pipeline adds them to every task).
     assert peer["podSelector"]["matchLabels"] == K8S.pod_labels
     # Alone, manifests/mlflow admits the namespace manifests/pipeline-namespace deploys to.
     pipeline_side = r if r.has("ServiceAccount", K8S.service_account) else rendered["pipeline-namespace"]
@@ -248,7 +248,7 @@ def test_the_recurring_run_is_a_valid_kfp_request_for_the_runner_account():
     assert all(getattr(run, key) is not None for key in body), body
     assert run.service_account == K8S.service_account
     # The same cron check `rangefinder schedule` makes (six fields, seconds first, as KFP's scheduler reads them).
-    from pipelines.client import validate_cron
+    from rangefinder.pipelines.client import validate_cron
 
     assert validate_cron(run.trigger.cron_schedule.cron) == run.trigger.cron_schedule.cron
     assert run.max_concurrency == "1" and run.no_catchup is True and run.mode == "ENABLE"

@@ -9,7 +9,7 @@ from urllib.parse import urlparse
 
 import pytest
 
-from components.config import KubernetesConfig
+from rangefinder.config import KubernetesConfig
 from tests.tracking.conftest import start_mlflow_server, stop_mlflow_server
 
 PATH = "/api/2.0/mlflow/experiments/get-by-name?experiment_name=Default"

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 @dataclass
 class Parts:
-    """The fields of components.models.loading.SDComponents the methods use."""
+    """The fields of rangefinder.models.loading.SDComponents the methods use."""
 
     unet: torch.nn.Module
     vae: torch.nn.Module

@@ -13,11 +13,11 @@ import mlflow
 import pandas as pd
 import pytest
 
-from components.config import demo_config
-from components.finetune import run_finetune
-from components.lr_range_test import run_lr_range_test
-from components.register_model import run_register_model
-from components.tracking import decode_image
+from rangefinder.config import demo_config
+from rangefinder.steps.finetune import run_finetune
+from rangefinder.steps.lr_range_test import run_lr_range_test
+from rangefinder.steps.register_model import run_register_model
+from rangefinder.tracking import decode_image
 
 pytestmark = pytest.mark.slow
 
@@ -75,7 +75,7 @@ def test_small_deliverables_register_as_whole_pipelines(discovered, method, tiny
     from safetensors.torch import load_file
     from transformers import CLIPTextModel, CLIPTokenizer
 
-    from components.export import export_pipeline
+    from rangefinder.formats.export import export_pipeline
 
     cfg, rt, ft = discovered[method]
     whole = export_pipeline(Path(ft.model_dir) / "final", tiny_model_dir, tmp_path / "whole")

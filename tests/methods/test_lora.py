@@ -7,9 +7,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from components.config import TrainingConfig
-from components.export import LORA_KOHYA_NAME, LORA_WEIGHTS_NAME
-from components.training.methods import make_method
+from rangefinder.config import TrainingConfig
+from rangefinder.formats.export import LORA_KOHYA_NAME, LORA_WEIGHTS_NAME
+from rangefinder.training.methods import make_method
 from tests.methods.harness import load_parts, pipeline_image, state_of, train_updates
 
 RANK, ALPHA = 4, 8.0  # alpha != rank, so a file that drops the scale alpha/rank is caught

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from components.config import TrainingConfig
-from components.errors import ConfigError
-from components.export import TI_A1111_NAME, TI_A1111_PT_NAME, TI_WEIGHTS_NAME, read_metadata
-from components.training.methods import make_method
+from rangefinder.config import TrainingConfig
+from rangefinder.errors import ConfigError
+from rangefinder.formats.export import TI_A1111_NAME, TI_A1111_PT_NAME, TI_WEIGHTS_NAME, read_metadata
+from rangefinder.training.methods import make_method
 from tests.methods.harness import load_parts, pipeline_image, state_of, train_updates
 
 TOKEN = "<rf-concept>"

@@ -12,10 +12,10 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from components.config import TrainingConfig, ValidationConfig
-from components.export import LORA_WEIGHTS_NAME, SINGLE_FILE_NAME, TI_WEIGHTS_NAME
-from components.sampling import render_grid
-from components.training.loop import train
+from rangefinder.config import TrainingConfig, ValidationConfig
+from rangefinder.formats.export import LORA_WEIGHTS_NAME, SINGLE_FILE_NAME, TI_WEIGHTS_NAME
+from rangefinder.sampling import render_grid
+from rangefinder.training.loop import train
 
 TOKEN = "<rf-concept>"
 SETTINGS = {

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from components.config import ModelConfig
-from components.errors import ConfigError
-from components.models.loading import load_sd_components
+from rangefinder.config import ModelConfig
+from rangefinder.errors import ConfigError
+from rangefinder.models.loading import load_sd_components
 
 
 def _same_weights(a, b) -> bool:
@@ -32,7 +32,7 @@ def test_folder_and_embedded_default(tiny_model_dir, folder_parts):
 
 
 def test_single_file_checkpoint_round_trip(tiny_model_dir, folder_parts, tmp_path):
-    from components.export import export_full, export_metadata
+    from rangefinder.formats.export import export_full, export_metadata
 
     meta = export_metadata(method="full", base_model=str(tiny_model_dir), lr=1e-4, epochs=1, updates=1)
     path = export_full(tiny_model_dir, tmp_path / "tiny.safetensors", meta)

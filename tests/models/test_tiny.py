@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from components.models.tiny import (
+from rangefinder.models.tiny import (
     TinyModelSettings,
     build_tiny_base_model,
     build_tokenizer,
@@ -55,8 +55,8 @@ def test_loads_offline_with_from_pretrained_and_generates(tiny_model_dir):
 def test_vae_is_pretrained_with_latents_scaled_to_unit_std(tiny_model_dir):
     from diffusers import AutoencoderKL
 
-    from components.data.images import to_model_array
-    from components.data.synthetic import render_item
+    from rangefinder.data.pixels import to_model_array
+    from rangefinder.data.synthetic import render_item
 
     vae = AutoencoderKL.from_pretrained(str(tiny_model_dir), subfolder="vae")
     x = torch.from_numpy(np.stack([to_model_array(render_item(kind, 99, i, 32)[0], 32)
@@ -100,7 +100,7 @@ def test_cache_builds_once_and_never_exposes_a_partial_model(tmp_path):
 
 
 def test_make_base_model_command_copies_the_cached_model(tmp_path, monkeypatch, capsys, tiny_model_dir):
-    from pipelines.cli import main
+    from rangefinder.cli.main import main
 
     monkeypatch.setenv("RANGEFINDER_CACHE", str(tiny_model_dir.parent))
     assert main(["make-base-model", "--out", str(tmp_path / "m"), "--json"]) == 0

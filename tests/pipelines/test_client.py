@@ -17,10 +17,10 @@ from urllib.parse import parse_qs, urlparse
 import pytest
 import yaml
 
-from components.config import parse_config
-from components.errors import ConfigError
-from pipelines.client import EndpointError, submit, validate_cron
-from pipelines.pipeline import PIPELINE_NAME
+from rangefinder.config import parse_config
+from rangefinder.errors import ConfigError
+from rangefinder.pipelines.client import EndpointError, submit, validate_cron
+from rangefinder.pipelines.pipeline import PIPELINE_NAME
 
 
 class FakeKFP:
@@ -248,7 +248,7 @@ def test_cli_reports_refusal_on_one_line(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump(CFG))
     try:
-        r = subprocess.run([sys.executable, "-m", "pipelines.cli", "submit", "--host", s.url, "--config", str(cfg),
+        r = subprocess.run([sys.executable, "-m", "rangefinder.cli.main", "submit", "--host", s.url, "--config", str(cfg),
                             "--token", "bad"], capture_output=True, text=True, env={"PATH": "", "HOME": str(tmp_path)})
     finally:
         s.close()
@@ -262,7 +262,7 @@ def test_schedule_cli_rejects_bad_cron_before_any_request(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump(CFG))
     try:
-        r = subprocess.run([sys.executable, "-m", "pipelines.cli", "schedule", "--host", s.url, "--config", str(cfg),
+        r = subprocess.run([sys.executable, "-m", "rangefinder.cli.main", "schedule", "--host", s.url, "--config", str(cfg),
                             "--cron", "0 3 * * *"], capture_output=True, text=True)
     finally:
         s.close()

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from components.config import demo_config
+from rangefinder.config import demo_config
 from tests.tracking.fixtures import mlflow_server_uri  # noqa: F401  (a real `mlflow server` on loopback)
 from tests.tracking.pipeline_record import check_pipeline_record
 
@@ -50,7 +50,7 @@ def _mlflow_runs(db: Path) -> dict[str, str]:
 
 def test_discovery_then_retrain(tmp_path, shapes_dataset_dir, tiny_model_dir, mlflow_server_uri):
     """Against a real MLflow server: the whole record reads back through MlflowClient, model included."""
-    from pipelines.local_run import run_pipeline_locally
+    from rangefinder.pipelines.local_run import run_pipeline_locally
 
     tracking = {"tracking_uri": mlflow_server_uri, "experiment_name": "e2e-retrain",
                 "registered_model_name": "rf-e2e-retrain"}
@@ -89,7 +89,7 @@ def test_discovery_then_retrain(tmp_path, shapes_dataset_dir, tiny_model_dir, ml
 
 def test_discovery_without_retrain_on_default_sqlite(tmp_path, shapes_dataset_dir, tiny_model_dir):
     """The local default: no tracking URI anywhere, so the run writes sqlite:///<out>/mlflow.db."""
-    from pipelines.local_run import run_pipeline_locally
+    from rangefinder.pipelines.local_run import run_pipeline_locally
 
     run = run_pipeline_locally(_cfg(shapes_dataset_dir, tiny_model_dir), tmp_path)
     s = run.summary()
@@ -108,7 +108,7 @@ def test_fixed_lr_skips_discovery_and_retrain_off(tmp_path, shapes_dataset_dir, 
     config.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude={"kubernetes"})))
     out = tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
-    r = subprocess.run([sys.executable, "-m", "pipelines.cli", "run", "--local", "--config", str(config),
+    r = subprocess.run([sys.executable, "-m", "rangefinder.cli.main", "run", "--local", "--config", str(config),
                         "--out", str(out), "--json"], capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     s = json.loads(r.stdout)  # the steps' logs went to OUT/pipeline.log: stdout is the result only
@@ -124,8 +124,8 @@ def test_fixed_lr_skips_discovery_and_retrain_off(tmp_path, shapes_dataset_dir, 
 
 def test_failed_step_is_one_error_and_recorded(tmp_path, shapes_dataset_dir, tiny_model_dir):
     """A step that fails stops the run with one error naming it; the exit handler still marks MLflow FAILED."""
-    from components.errors import RangefinderError
-    from pipelines.local_run import run_pipeline_locally
+    from rangefinder.errors import RangefinderError
+    from rangefinder.pipelines.local_run import run_pipeline_locally
 
     cfg = _cfg(tmp_path / "no-such-dataset", tiny_model_dir)
     with pytest.raises(RangefinderError, match="prepare-dataset"):
@@ -139,7 +139,7 @@ def test_report_names_tell_the_first_range_test_from_the_zoom(tmp_path):
     """A run folder laid out as kfp.local writes it (the demo's, with a zoom): the copies say which test is which."""
     import json
 
-    from pipelines.local_run import LocalRun, _collect, _publish_reports
+    from rangefinder.pipelines.local_run import LocalRun, _collect, _publish_reports
 
     run_dir = tmp_path / "root" / "rangefinder-finetune-2026"
     tasks = {

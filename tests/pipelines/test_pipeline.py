@@ -12,8 +12,8 @@ from google.protobuf import json_format
 from kfp.kubernetes import kubernetes_executor_config_pb2 as k8s_pb
 from kfp.pipeline_spec import pipeline_spec_pb2 as pb
 
-from components.config import RangefinderConfig, parse_config
-from pipelines.pipeline import PIPELINE_NAME, compile_pipeline
+from rangefinder.config import RangefinderConfig, parse_config
+from rangefinder.pipelines.pipeline import PIPELINE_NAME, compile_pipeline
 
 TRAINING = ("lr-range-test", "finetune", "retrain-full", "sample-images")
 RETRIED = ("lr-range-test", "finetune", "retrain-full")
@@ -254,7 +254,7 @@ def test_compile_cli(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("data:\n  resolution: 256\nkubernetes:\n  gpu_count: 1\n")
     out = tmp_path / "sub" / "p.yaml"
-    r = subprocess.run([sys.executable, "-m", "pipelines.cli", "compile", "--out", str(out), "--config", str(cfg)],
+    r = subprocess.run([sys.executable, "-m", "rangefinder.cli.main", "compile", "--out", str(out), "--config", str(cfg)],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     c = Compiled(out)
@@ -264,7 +264,7 @@ def test_compile_cli(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("data:\n  resolution: 250\n")
     out2 = tmp_path / "p2.yaml"
-    r = subprocess.run([sys.executable, "-m", "pipelines.cli", "compile", "--out", str(out2), "--config", str(bad)],
+    r = subprocess.run([sys.executable, "-m", "rangefinder.cli.main", "compile", "--out", str(out2), "--config", str(bad)],
                        capture_output=True, text=True)
     assert r.returncode == 2
     assert "data.resolution" in r.stderr and "multiple of 8" in r.stderr
@@ -276,7 +276,7 @@ def test_local_build_carries_no_cluster_environment(tmp_path):
     (data-volume paths, MLflow URI), nor retries (kfp.local would rerun a failing step) or cached steps."""
     from kfp import compiler
 
-    from pipelines.pipeline import build_pipeline
+    from rangefinder.pipelines.pipeline import build_pipeline
 
     path = tmp_path / "local.yaml"
     compiler.Compiler().compile(build_pipeline(RangefinderConfig(), local=True), package_path=str(path))

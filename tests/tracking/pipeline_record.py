@@ -20,7 +20,7 @@ def check_pipeline_record(tracking_uri: str, experiment: str, summary: dict, *, 
     import pandas as pd
     from mlflow import MlflowClient
 
-    from components.tracking import decode_image
+    from rangefinder.tracking import decode_image
 
     client = MlflowClient(tracking_uri=tracking_uri)
     exp = client.get_experiment_by_name(experiment)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from mlflow import MlflowClient
 
-from components.errors import TrackingError
-from components.tracking import BatchedMetricLogger
-from components.training import MetricSink
+from rangefinder.errors import TrackingError
+from rangefinder.tracking import BatchedMetricLogger
+from rangefinder.training import MetricSink
 from tests.tracking.fixtures import free_port
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from components.tracking import flatten_params, redact, safe_uri
+from rangefinder.tracking import flatten_params, redact, safe_uri
 
 
 def test_urls_lose_their_credentials_and_query():

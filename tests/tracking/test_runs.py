@@ -12,9 +12,9 @@ import pytest
 from mlflow import MlflowClient
 from PIL import Image
 
-from components import __version__
-from components.config import RangefinderConfig, TrackingConfig, plan_for
-from components.tracking import ensure_parent_run, finish_pipeline_run, step_run
+from rangefinder import __version__
+from rangefinder.config import RangefinderConfig, TrackingConfig, plan_for
+from rangefinder.tracking import ensure_parent_run, finish_pipeline_run, step_run
 
 
 @pytest.fixture(params=["server", "sqlite"])
@@ -143,8 +143,8 @@ def test_another_process_finds_the_same_parent(mlflow_server_uri):
     cfg = RangefinderConfig(tracking=TrackingConfig(tracking_uri=mlflow_server_uri, experiment_name="cross-process"))
     parent_id = ensure_parent_run(cfg, name="rf-cross-process")
     code = (
-        "import sys, json; from components.config import RangefinderConfig; "
-        "from components.tracking import ensure_parent_run; "
+        "import sys, json; from rangefinder.config import RangefinderConfig; "
+        "from rangefinder.tracking import ensure_parent_run; "
         "cfg = RangefinderConfig.model_validate(json.loads(sys.argv[1])); "
         "print(ensure_parent_run(cfg, name='rf-cross-process'))"
     )

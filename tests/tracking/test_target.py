@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from components.config import RangefinderConfig, TrackingConfig
-from components.errors import TrackingError
-from components.tracking import check_tracking_server, resolve_experiment_name, resolve_tracking_uri, step_run
+from rangefinder.config import RangefinderConfig, TrackingConfig
+from rangefinder.errors import TrackingError
+from rangefinder.tracking import check_tracking_server, resolve_experiment_name, resolve_tracking_uri, step_run
 from tests.tracking.fixtures import free_port
 
 

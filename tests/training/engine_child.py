@@ -24,8 +24,8 @@ class KillAt:
 def main(path):
     torch.set_num_threads(1)  # every run of the comparison computes with the same reduction order
     s = json.loads(open(path).read())
-    from components.config import TrainingConfig, ValidationConfig
-    from components.training.loop import train
+    from rangefinder.config import TrainingConfig, ValidationConfig
+    from rangefinder.training.loop import train
 
     result = train(
         TrainingConfig(**s["training"]),

@@ -6,8 +6,8 @@ from collections import Counter
 
 import pytest
 
-from components.config import plan
-from components.training.data import ImageStream
+from rangefinder.config import plan
+from rangefinder.training.data import ImageStream
 
 
 @pytest.mark.parametrize("n, bs, ga, ws, epochs, drop_last", [

@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from components.config import TrainingConfig, ValidationConfig, plan_for
-from components.data.split import read_split
-from components.errors import ConfigError
-from components.training.loop import train
+from rangefinder.config import TrainingConfig, ValidationConfig, plan_for
+from rangefinder.data.split import read_split
+from rangefinder.errors import ConfigError
+from rangefinder.training.loop import train
 
 NO_VALIDATION = ValidationConfig(every_epochs=0)
 
@@ -136,10 +136,10 @@ def test_logged_lr_follows_the_triangular_formula(triangular_runs, split_dir):
 
 
 def test_two_validation_passes_of_one_model_are_bit_identical(tiny_model_dir, split_dir):
-    from components.config import ModelConfig
-    from components.models.loading import load_sd_components
-    from components.training.caching import tokenize
-    from components.training.validation import ValidationSet, measure
+    from rangefinder.config import ModelConfig
+    from rangefinder.models.loading import load_sd_components
+    from rangefinder.training.caching import tokenize
+    from rangefinder.training.validation import ValidationSet, measure
 
     sd = load_sd_components(ModelConfig(base_model=str(tiny_model_dir)))
     items = read_split(split_dir).val

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from components.config import TrainingConfig, plan_for
-from components.data.split import read_split
+from rangefinder.config import TrainingConfig, plan_for
+from rangefinder.data.split import read_split
 
 CHILD = Path(__file__).with_name("engine_child.py")
 

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from components.config import TrainingConfig, ValidationConfig
-from components.training.loop import train
+from rangefinder.config import TrainingConfig, ValidationConfig
+from rangefinder.training.loop import train
 
 
 @pytest.mark.slow

@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from components.config import TrainingConfig, ValidationConfig
-from components.training.loop import train
+from rangefinder.config import TrainingConfig, ValidationConfig
+from rangefinder.training.loop import train
 
 CHILD = Path(__file__).with_name("engine_child.py")
 

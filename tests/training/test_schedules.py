@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from components.config import TrainingConfig
-from components.errors import ConfigError
-from components.training.schedules import make_schedule
+from rangefinder.config import TrainingConfig
+from rangefinder.errors import ConfigError
+from rangefinder.training.schedules import make_schedule
 
 U = 40  # updates in the run
 PER_EPOCH = 4.0  # updates per epoch

@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from components.config import TrainingConfig, ValidationConfig
-from components.data.split import read_split
-from components.training.loop import train
+from rangefinder.config import TrainingConfig, ValidationConfig
+from rangefinder.data.split import read_split
+from rangefinder.training.loop import train
 
 UPDATES = 5  # validated after every update: rows 0 (baseline) .. 5
 
@@ -85,10 +85,10 @@ def test_without_a_val_set_stabilize_is_measured_every_time(split_dir, tiny_mode
 def test_a_pass_reuses_its_fixed_draws_and_matches_the_per_pair_definition(split_dir, tiny_model_dir):
     """The draws kept on the set are the ones fixed_draw gives for (seed, id, k); a pass is the same bit for bit
     whatever the global RNG, at any batch size the numbers agree to the float tolerance."""
-    from components.config import ModelConfig
-    from components.models.loading import load_sd_components
-    from components.training.caching import tokenize
-    from components.training.validation import ValidationSet, fixed_draw, measure
+    from rangefinder.config import ModelConfig
+    from rangefinder.models.loading import load_sd_components
+    from rangefinder.training.caching import tokenize
+    from rangefinder.training.validation import ValidationSet, fixed_draw, measure
 
     sd = load_sd_components(ModelConfig(base_model=str(tiny_model_dir)))
     items = read_split(split_dir).val

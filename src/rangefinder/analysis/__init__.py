@@ -1,0 +1,22 @@
+"""Turning measured curves into decisions: LR bounds, the step window, their plots and reports.
+
+numpy and matplotlib only (no torch), so every piece is fast to test on curves built from formulas.
+"""
+
+from rangefinder.analysis.curves import read_curve_csv
+from rangefinder.analysis.lr_bounds import LRBounds, analyze_lr_curve
+from rangefinder.analysis.plots import plot_lr_range_test, plot_step_window
+from rangefinder.analysis.reports import write_lr_report, write_step_report
+from rangefinder.analysis.step_window import StepWindow, select_step_window
+
+__all__ = [
+    "LRBounds",
+    "StepWindow",
+    "analyze_lr_curve",
+    "plot_lr_range_test",
+    "plot_step_window",
+    "read_curve_csv",
+    "select_step_window",
+    "write_lr_report",
+    "write_step_report",
+]

@@ -1,0 +1,373 @@
+"""Curve CSVs, a lag-free robust smoother, and noise estimates taken from the data itself.
+
+Both decisions (LR bounds, step window) rest on the same three tools:
+
+- `lowess`: Cleveland's robust locally weighted linear regression (Cleveland 1979, JASA 74:829). It is centred, so
+  it does not shift a curve to the right as a one-sided EMA does, and its local *linear* fit keeps the ends
+  unbiased where a running mean would flatten them. Its bisquare robustness weights ignore isolated spikes.
+- `choose_span`: the neighbourhood size by robust leave-one-out cross-validation, so clean curves are smoothed
+  lightly and noisy ones heavily, with no tuning knob for the user.
+- `noise_sigma`: the per-point noise from second-difference pseudo-residuals (Gasser, Sroka & Jennen-Steinmetz
+  1986, Biometrika 73:625), which cancel any locally linear trend and so measure noise, not the curve's shape.
+
+Everything is vectorised over leading batch axes so a seeded residual bootstrap costs a few milliseconds.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from statistics import NormalDist
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Optional, Sequence
+
+import numpy as np
+
+from rangefinder.errors import RangefinderError
+
+Ramp = Literal["linear", "exp"]
+
+# The columns the engine writes (see the Curve CSV contract); per-bucket columns follow them.
+CURVE_COLUMNS = ("update", "epoch", "lr", "train_loss", "val_loss", "stabilize_loss")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading
+
+
+def read_curve_csv(path: str | Path, required: Sequence[str] = ("val_loss",),
+                   skip_empty: Sequence[str] = ()) -> dict[str, np.ndarray]:
+    """Read a curve CSV (the engine's metrics.csv) into float arrays, one per column; empty cells become NaN.
+
+    Rows whose cell is empty in a `skip_empty` column are left out (not measured there), while a written `nan` or
+    `inf` is kept: it is a measurement that blew up.
+    Columns that are not numbers throughout (none in the contract) are kept as string arrays. Raises
+    RangefinderError naming the file, line and column when the file is missing, empty, ragged, lacks a
+    `required` column or has a non-number in a contract column.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise RangefinderError(f"curve file {p} does not exist; pass the metrics.csv a training run wrote")
+    with p.open(newline="", encoding="utf-8") as f:
+        reader = csv.reader(f)
+        header = next(reader, None)
+        rows = [(i, r) for i, r in enumerate(reader, start=2) if any(c.strip() for c in r)]
+    if not header or not any(h.strip() for h in header):
+        raise RangefinderError(f"curve file {p} is empty; it needs a header row such as update,epoch,lr,val_loss")
+    header = [h.strip() for h in header]
+    cells: dict[str, list[str]] = {h: [] for h in header}
+    for lineno, row in rows:
+        if len(row) != len(header):
+            raise RangefinderError(
+                f"{p} line {lineno} has {len(row)} cells but the header has {len(header)}; "
+                "the file is cut or not a curve CSV"
+            )
+        if any(not row[header.index(c)].strip() for c in skip_empty if c in header):
+            continue
+        for h, c in zip(header, row):
+            cells[h].append(c.strip())
+    missing = [c for c in required if c not in cells]
+    if missing:
+        raise RangefinderError(
+            f"{p} has no {', '.join(missing)} column (it has {', '.join(header)}); "
+            "pass the metrics.csv of a run that measured validation loss"
+        )
+    out: dict[str, np.ndarray] = {}
+    for h, col in cells.items():
+        try:
+            out[h] = np.array([float(c) if c else math.nan for c in col], dtype=float)
+        except ValueError:
+            if h in CURVE_COLUMNS or h.startswith(("val_loss_b", "stabilize_loss_b")):
+                bad = next((i, c) for i, c in zip((r[0] for r in rows), col) if not _is_float(c))
+                raise RangefinderError(
+                    f"{p} line {bad[0]}, column {h}: {bad[1]!r} is not a number; leave a cell empty when not measured"
+                ) from None
+            out[h] = np.array(col, dtype=object)
+    return out
+
+
+def _is_float(c: str) -> bool:
+    if not c:
+        return True
+    try:
+        float(c)
+        return True
+    except ValueError:
+        return False
+
+
+def finite_prefix(*arrays: np.ndarray) -> int:
+    """Length of the leading run in which every array is finite (a NaN/inf ends a ramp: all after it is void)."""
+    ok = np.ones(len(arrays[0]), dtype=bool)
+    for a in arrays:
+        ok &= np.isfinite(a)
+    bad = np.flatnonzero(~ok)
+    return int(bad[0]) if bad.size else len(ok)
+
+
+def divergence_cut(y: np.ndarray, factor: float) -> int:
+    """Index where a positive loss has exploded for good: every point from there on is above `factor` x the best
+    point before it. Returns len(y) when it never does. A lone spike followed by a normal point is not cut."""
+    n = len(y)
+    if n < 2 or factor is None or np.any(y <= 0):
+        return n
+    best_before = np.minimum.accumulate(np.concatenate([[np.inf], y[:-1]]))
+    above = y > factor * best_before
+    # Walk back from the end while every point is above: the explosion is the whole tail or nothing.
+    k = n
+    while k > 1 and above[k - 1]:
+        k -= 1
+    return k
+
+
+def rise_cut(y: np.ndarray, min_points: int) -> int:
+    """Length of the prefix before the first point back above the start, after the curve dipped below it.
+
+    From that point on the LR is beyond any upper bound (the loss is worse than before training), so the rest of
+    the curve says nothing more about where the descent starts or stops; but a steep rise there, often many times
+    the size of the descent, swells the second-difference noise estimate and lets shuffled curves start high, which
+    hides a small, clean descent from the permutation test. Even the one point above the start costs the test most
+    of its power on a prefix of 6-8 points (shuffles that put it first drop further than the real curve), so it is
+    left out too. Returns len(y) when there is no such point or the prefix would hold fewer than `min_points`.
+    """
+    n = len(y)
+    dipped = False
+    for i in range(1, n):
+        if y[i] < y[0]:
+            dipped = True
+        elif dipped and y[i] > y[0]:
+            return i if i >= min_points else n
+    return n
+
+
+def infer_ramp(lr: np.ndarray) -> Ramp:
+    """`exp` when the positive LRs grow by a near-constant factor, `linear` when by a near-constant step.
+
+    Compares the spread of the log-ratios with the spread of the differences, each relative to its mean; a
+    baseline at LR 0 is ignored. With fewer than 3 positive LRs there is nothing to compare and `exp` (the
+    default sweep) is returned.
+    """
+    pos = lr[np.isfinite(lr) & (lr > 0)]
+    if pos.size < 3:
+        return "exp"
+    d_lin = np.diff(pos)
+    d_log = np.diff(np.log(pos))
+    cv_lin = np.std(d_lin) / max(abs(np.mean(d_lin)), 1e-300)
+    cv_log = np.std(d_log) / max(abs(np.mean(d_log)), 1e-300)
+    return "linear" if cv_lin < cv_log else "exp"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Smoothing
+
+
+@dataclass(frozen=True)
+class Smooth:
+    """A LOWESS fit. `fitted = kernel @ y` and `slope = slope_kernel @ y` (per batch row), so standard errors of
+    any linear contrast of the fitted curve follow from the kernels and the noise."""
+
+    fitted: np.ndarray  # (..., n) smoothed values at the data's x
+    slope: np.ndarray  # (..., n) d fitted / dx of the local polynomial
+    kernel: np.ndarray  # (..., n, n) equivalent kernel (hat matrix) of the final, robust pass
+    slope_kernel: np.ndarray  # same shape as kernel
+    leverage: np.ndarray  # (..., n) the kernel's diagonal L_ii, also when the kernels are not built
+    span: int  # neighbours in each local fit
+    degree: int  # 1: local lines; 2: local parabolas
+
+
+def _tricube_weights(x: np.ndarray, span: int) -> tuple[np.ndarray, np.ndarray]:
+    n = x.size
+    dx = x[None, :] - x[:, None]  # (n, n): dx[i, j] = x_j - x_i
+    dist = np.abs(dx)
+    srt = np.sort(dist, axis=1)
+    # Radius halfway between the span-th and the next neighbour, so exactly `span` points get weight.
+    h = srt[:, span - 1] * 1.1 if span >= n else 0.5 * (srt[:, span - 1] + srt[:, span])
+    h = np.maximum(h, 1e-12 * max(float(np.ptp(x)), 1e-300))
+    u = np.clip(dist / h[:, None], 0.0, 1.0)
+    return (1 - u**3) ** 3, dx
+
+
+def _solve_local(s: list, t: list, degree: int) -> tuple:
+    """Value and slope of weighted local polynomials from their moment sums s_k = sum w dx^k and t_k = sum w dx^k y
+    (closed-form 2x2 / symmetric 3x3 inverses, elementwise, so any batch shape works). Also returns the first two
+    rows of the inverse moment matrix, which give the kernels. A degenerate neighbourhood (too few distinct x)
+    falls back to the local mean."""
+    if degree == 1:
+        a, b, c = s[0], s[1], s[2]
+        det = a * c - b * b
+        ok = det > 1e-10 * np.maximum(a * c, 1e-300)
+        det = np.where(ok, det, 1.0)
+        r0 = (np.where(ok, c / det, 1.0 / np.maximum(a, 1e-300)), np.where(ok, -b / det, 0.0))
+        r1 = (np.where(ok, -b / det, 0.0), np.where(ok, a / det, 0.0))
+    else:
+        a, b, c, d, e = s
+        c00, c01, c02 = c * e - d * d, c * d - b * e, b * d - c * c
+        c11, c12 = a * e - c * c, b * c - a * d
+        det = a * c00 + b * c01 + c * c02
+        ok = det > 1e-10 * np.maximum(a * c * e, 1e-300)
+        det = np.where(ok, det, 1.0)
+        r0 = (np.where(ok, c00 / det, 1.0 / np.maximum(a, 1e-300)), np.where(ok, c01 / det, 0.0),
+              np.where(ok, c02 / det, 0.0))
+        r1 = tuple(np.where(ok, v / det, 0.0) for v in (c01, c11, c12))
+    value = sum(r * tk for r, tk in zip(r0, t))
+    slope = sum(r * tk for r, tk in zip(r1, t))
+    return value, slope, r0, r1
+
+
+def lowess(x: np.ndarray, y: np.ndarray, span: int, robust_iters: int = 2, kernels: bool = True,
+           degree: int = 1) -> Smooth:
+    """Robust LOWESS of y (..., n) on x (n,) with `span` nearest neighbours per local polynomial of `degree`.
+
+    The weighted sums are matrix products with the (n, n) tricube weights, so a batch of B curves costs
+    O(B n^2) without building B kernels; `kernels=False` skips them (the bootstrap and permutation test).
+    Local parabolas (degree 2) follow the knees of a sigmoid and the bottom of a U without the bias of lines
+    (Cleveland & Devlin 1988, JASA 83:596), at the cost of more variance; `choose_span` picks between them.
+    """
+    x = np.asarray(x, float)
+    y = np.asarray(y, float)
+    n = x.size
+    span = int(min(max(span, degree + 2), n))
+    # Standardise x so the moment sums stay well conditioned on an LR axis (dx ~ 1e-4, dx^4 ~ 1e-16).
+    scale = float(np.std(x)) or 1.0
+    w0, dx = _tricube_weights(x / scale, span)
+    pw = [(w0 * dx**k).T for k in range(2 * degree + 1)]
+    rw = np.ones_like(y)
+    for it in range(robust_iters + 1):
+        ry = rw * y
+        s = [rw @ p for p in pw]
+        t = [ry @ p for p in pw[: degree + 1]]
+        fitted, slope, r0, r1 = _solve_local(s, t, degree)
+        if it == robust_iters:
+            break
+        # Bisquare robustness weights on residuals scaled by 6 MADs (Cleveland 1979).
+        resid = y - fitted
+        mad = np.median(np.abs(resid), axis=-1, keepdims=True)
+        # A floor far below any real noise, so an exact fit (residuals at rounding level) keeps all its weights.
+        mad = np.maximum(mad, 1e-7 * (np.median(np.abs(y), axis=-1, keepdims=True) + np.ptp(y, axis=-1, keepdims=True)))
+        u = resid / np.where(mad > 0, 6.0 * mad, np.inf)
+        rw = np.where(np.abs(u) < 1, (1 - u * u) ** 2, 0.0)
+    L = M = np.empty(0)
+    if kernels:
+        w = w0 * rw[..., None, :]
+        L = w * sum(r[..., None] * dx**k for k, r in enumerate(r0))
+        M = w * sum(r[..., None] * dx**k for k, r in enumerate(r1)) / scale
+    leverage = rw * r0[0]  # L_ii = w_ii rw_i (S^-1)_00 with w_ii = 1 and dx_ii = 0
+    return Smooth(fitted=fitted, slope=slope / scale, kernel=L, slope_kernel=M, leverage=leverage, span=span,
+                  degree=degree)
+
+
+def choose_span(x: np.ndarray, y: np.ndarray, min_span: int = 4) -> tuple[int, int]:
+    """The LOWESS (span, degree) with the smallest robust leave-one-out error.
+
+    LOO residuals of a linear smoother are e_i / (1 - L_ii) (no refits needed). The largest tenth of them are
+    trimmed so an outlier spike cannot pull the choice toward wiggly fits.
+    """
+    n = x.size
+    if n <= min_span:
+        return n, 1
+    fractions = (0.1, 0.15, 0.2, 0.25, 0.33, 0.45, 0.6, 0.8, 1.0)
+    best, best_err = (n, 1), math.inf
+    keep = n - max(1, int(math.ceil(0.1 * n)))
+    for degree in (1, 2):
+        lo = min_span + degree - 1
+        if n < lo + 1:
+            continue
+        for span in sorted({int(min(n, max(lo, round(f * n)))) for f in fractions}):
+            sm = lowess(x, y, span, degree=degree)
+            lev = np.clip(np.diagonal(sm.kernel), 0.0, 0.99)
+            loo = ((y - sm.fitted) / (1 - lev)) ** 2
+            err = float(np.mean(np.sort(loo)[:keep]))
+            if err < best_err * (1 - 1e-9):
+                best, best_err = (span, degree), err
+    return best
+
+
+def trend_test(x: np.ndarray, y: np.ndarray, seed: int, permutations: int = 299) -> tuple[float, float]:
+    """Permutation p-values of "the smoothed curve falls below its start" and "rises above it".
+
+    The statistic is the largest (fitted_0 - fitted_k) / (sigma ||L_0 - L_k||) over k (the drop in units of its
+    standard error, sigma from `noise_sigma`), on a robust LOWESS with a span of half the
+    points (a quarter as well lost more power on broad descents than it gained on narrow valleys). It is compared
+    with the same statistic on the same losses in shuffled order, which is what pure noise looks like, so the test
+    is exact for any number of points and needs no noise model. The span is fixed because cross-validating it on
+    the observed curve alone would favour that curve. Permutations are seeded: the same curve, the same p-value.
+    """
+    n = x.size
+    rng = np.random.default_rng([seed, 1])
+    perms = np.argsort(rng.random((permutations, n)), axis=1)
+    ys = np.concatenate([y[None, :], y[perms]])
+    noise = noise_sigma(x, ys)[:, None]
+    down = np.full(permutations + 1, -np.inf)
+    up = np.full(permutations + 1, -np.inf)
+    for span in (max(4, int(math.ceil(n / 2))),):
+        kernel = lowess(x, y, span, robust_iters=0).kernel
+        d = kernel[0][None, :] - kernel
+        norm = np.sqrt((d * d).sum(-1))
+        norm[0] = np.inf
+        f = lowess(x, ys, span, kernels=False).fitted
+        # Studentised by each curve's own second-difference noise: shuffling a smooth trend makes neighbours
+        # jump, so its noise estimate swells and the shuffled statistic shrinks; for pure noise nothing changes.
+        scale = norm[None, :] * noise
+        down = np.maximum(down, np.max((f[:, :1] - f) / scale, axis=1))
+        up = np.maximum(up, np.max((f - f[:, :1]) / scale, axis=1))
+    p_down = (1 + np.sum(down[1:] >= down[0] - 1e-12)) / (permutations + 1)
+    p_up = (1 + np.sum(up[1:] >= up[0] - 1e-12)) / (permutations + 1)
+    return float(p_down), float(p_up)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Noise
+
+
+def noise_sigma(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Per-point noise standard deviation from Gasser et al.'s pseudo-residuals, robustly (trimmed). Batched over
+    leading axes of y. Each pseudo-residual compares y_i with the line through its two neighbours, so a smooth
+    trend cancels and what is left is noise (curvature adds a little, which only errs on the cautious side)."""
+    x = np.asarray(x, float)
+    y = np.asarray(y, float)
+    if x.size < 3:
+        return np.full(y.shape[:-1], np.nan)
+    span = x[2:] - x[:-2]
+    a = (x[2:] - x[1:-1]) / span
+    b = (x[1:-1] - x[:-2]) / span
+    eps = (a * y[..., :-2] + b * y[..., 2:] - y[..., 1:-1]) / np.sqrt(a * a + b * b + 1)
+    # Root mean square of the smallest 90% (a spike or two cannot inflate it), rescaled to a normal s.d.; more
+    # efficient than the MAD, which scatters by +-30% on 60 points.
+    m = eps.shape[-1]
+    keep = max(1, m - int(math.ceil(0.1 * m))) if m >= 5 else m
+    q = keep / m
+    z = NormalDist().inv_cdf(0.5 + 0.5 * q) if q < 1 else math.inf
+    consistency = 1.0 - (2 * z * math.exp(-z * z / 2) / math.sqrt(2 * math.pi) / q if q < 1 else 0.0)
+    sigma = np.sqrt(np.mean(np.sort(eps * eps, axis=-1)[..., :keep], axis=-1) / consistency)
+    # An exactly smooth curve gives 0; keep a floor so ratios stay finite (relative to the curve's scale).
+    scale = np.maximum(np.abs(np.median(y, axis=-1)), 1e-12)
+    return np.maximum(sigma, 1e-9 * scale)
+
+
+def contrast_se(kernel: np.ndarray, i: np.ndarray | int, j: np.ndarray | int, sigma: np.ndarray | float) -> np.ndarray:
+    """Standard error of fitted[i] - fitted[j] for independent noise of s.d. sigma (batched over kernel's lead)."""
+    diff = np.take(kernel, np.atleast_1d(i), axis=-2) - np.take(kernel, np.atleast_1d(j), axis=-2)
+    return np.asarray(sigma)[..., None] * np.sqrt((diff * diff).sum(-1))
+
+
+def end_slope(x: np.ndarray, y: np.ndarray, sigma: float, share: float = 0.2) -> tuple[float, float]:
+    """Least-squares slope of the last `share` of the points (at least 4) and its standard error for noise sigma."""
+    k = min(x.size, max(4, int(math.ceil(share * x.size))))
+    dx = x[-k:] - x[-k:].mean()
+    sxx = float((dx * dx).sum())
+    if sxx <= 0:
+        return 0.0, math.inf
+    return float((dx * y[-k:]).sum() / sxx), sigma / math.sqrt(sxx)
+
+
+def crossing(x: np.ndarray, f: np.ndarray, level: float, start: int, stop: int) -> Optional[float]:
+    """First x in [x[start], x[stop]] where f falls to `level` or below, linearly interpolated; None if never."""
+    for k in range(start, stop + 1):
+        if f[k] <= level:
+            if k == start:
+                return float(x[k])
+            f0, f1 = f[k - 1], f[k]
+            t = (f0 - level) / (f0 - f1) if f0 != f1 else 1.0
+            return float(x[k - 1] + t * (x[k] - x[k - 1]))
+    return None

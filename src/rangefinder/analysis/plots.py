@@ -1,0 +1,145 @@
+"""PNG plots of the two decisions, made to be read at a glance (matplotlib, Agg backend: no display needed)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from rangefinder.analysis.lr_bounds import LRBounds
+from rangefinder.analysis.step_window import StepWindow
+
+FIGSIZE = (8.0, 4.8)  # inches
+DPI = 100  # 800 x 480 px: sharp in the KFP/MLflow UI, ~40 KB
+RAW = "#9aa5b1"
+SMOOTH = "#1f4e9c"
+STABILIZE = "#d9822b"
+BAND = "#2e9e5b"
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, out_path: str | Path) -> Path:
+    """Write to a temporary name, then rename, so a half-written PNG never looks finished."""
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    fig.savefig(tmp, format="png", dpi=DPI)
+    os.replace(tmp, out)
+    return out
+
+
+def _y_limits(*series: Optional[np.ndarray]) -> tuple[float, float]:
+    vals = np.concatenate([np.asarray(v, float)[np.isfinite(v)] for v in series if v is not None and len(v)])
+    lo, hi = float(vals.min()), float(vals.max())
+    pad = 0.06 * (hi - lo or abs(hi) or 1.0)
+    return lo - pad, hi + pad
+
+
+def plot_lr_range_test(bounds: LRBounds, out_path: str | Path, *, title: Optional[str] = None) -> Path:
+    """Raw and smoothed validation loss against LR, stabilize loss, the bounds shaded and the midpoint marked.
+
+    Log LR axis for exponential sweeps, linear for linear ones; a baseline at LR 0 is drawn at the left edge of a
+    log axis. Returns the PNG's path.
+    """
+    plt = _pyplot()
+    fit = bounds.fit
+    if fit is None:
+        raise ValueError("bounds carry no curve (fit is None); pass the result of analyze_lr_curve")
+    log = fit.ramp == "exp"
+    # Where each point is drawn: a 0 LR cannot sit on a log axis, so it goes one step left (as analysed).
+    xs = np.exp(fit.x) if log else fit.lr
+    fig, ax = plt.subplots(figsize=FIGSIZE, constrained_layout=True)
+    if bounds.lr_low is not None and bounds.lr_high is not None:
+        ax.axvspan(bounds.lr_low, bounds.lr_high, color=BAND, alpha=0.15, lw=0,
+                   label=f"bounds {bounds.lr_low:.2g} - {bounds.lr_high:.2g}")
+    ax.plot(xs, fit.val_loss, "o", color=RAW, ms=4, label="val loss (measured)")
+    ax.plot(xs, fit.smoothed, "-", color=SMOOTH, lw=2.2, label="val loss (smoothed)")
+    stab_ok = None
+    if fit.stabilize_loss is not None and fit.all_lr is not None:
+        stab_ok = np.isfinite(fit.stabilize_loss) & (fit.all_lr > 0 if log else np.isfinite(fit.all_lr))
+        # Only the part measured alongside the validation points used: an exploded tail would squash the plot.
+        stab_ok[len(fit.all_lr) - fit.dropped_lr.size:] = False
+        if stab_ok.sum() >= 2:
+            ax.plot(fit.all_lr[stab_ok], fit.stabilize_loss[stab_ok], "-", color=STABILIZE, lw=1.4, alpha=0.9,
+                    label="stabilize loss (train subset)")
+    lo, hi = _y_limits(fit.val_loss, fit.smoothed,
+                       None if stab_ok is None else fit.stabilize_loss[stab_ok])
+    if fit.dropped_lr.size:
+        # Left-out points (NaN or exploded) are drawn as crosses on the top edge.
+        ax.plot(np.where(fit.dropped_lr > 0, fit.dropped_lr, np.nan) if log else fit.dropped_lr,
+                np.full(fit.dropped_lr.shape, hi), "x", color="#c23030", ms=7, clip_on=False,
+                label=fit.dropped_label)
+    ax.set_ylim(lo, hi)
+    if bounds.lr_mid is not None:
+        ax.axvline(bounds.lr_mid, color=BAND, lw=2, ls="--", label=f"lr_mid {bounds.lr_mid:.2g}")
+        if bounds.lr_mid_ci80:
+            y_bar = lo + 0.04 * (hi - lo)
+            ax.plot(bounds.lr_mid_ci80, [y_bar, y_bar], "-", color=BAND, lw=5, alpha=0.8, solid_capstyle="butt",
+                    label="lr_mid 80% interval")
+    if log:
+        ax.set_xscale("log")
+    ax.set_xlabel("learning rate" + (" (log scale)" if log else ""))
+    ax.set_ylabel("validation loss (MSE)")
+    flags = f" · {', '.join(bounds.flags)}" if bounds.flags else ""
+    ax.set_title(title or f"LR range test: {bounds.status}, quality {bounds.quality_label} "
+                          f"({bounds.quality:.2f}){flags}", fontsize=11)
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize=8.5, loc="best", framealpha=0.85)
+    out = _save(fig, out_path)
+    plt.close(fig)
+    return out
+
+
+def plot_step_window(window: StepWindow, out_path: str | Path, *, title: Optional[str] = None) -> Path:
+    """Validation and stabilize loss of the constant run against updates (epochs on the top axis), the window
+    shaded and the recommended length marked. Returns the PNG's path."""
+    plt = _pyplot()
+    fit = window.fit
+    if fit is None:
+        raise ValueError("window carries no curve (fit is None); pass the result of select_step_window")
+    fig, ax = plt.subplots(figsize=FIGSIZE, constrained_layout=True)
+    if window.window_start_update is not None:
+        ax.axvspan(window.window_start_update, window.window_end_update, color=BAND, alpha=0.15, lw=0,
+                   label=f"window (within {window.band:.3g} of the best)")
+    ax.plot(fit.update, fit.val_loss, "o", color=RAW, ms=3.5, label="val loss (measured)")
+    ax.plot(fit.update, fit.smoothed, "-", color=SMOOTH, lw=2.2, label="val loss (smoothed)")
+    if fit.stabilize_loss is not None:
+        ok = np.isfinite(fit.stabilize_loss)
+        ax.plot(fit.update[ok], fit.stabilize_loss[ok], ".", color=STABILIZE, ms=3, alpha=0.6)
+        if fit.stabilize_smoothed is not None:
+            ax.plot(fit.update, fit.stabilize_smoothed, "-", color=STABILIZE, lw=1.6, label="stabilize loss (train subset)")
+    lo, hi = _y_limits(fit.val_loss, fit.smoothed, fit.stabilize_loss)
+    if fit.dropped_update.size:
+        ax.plot(fit.dropped_update, np.full(fit.dropped_update.shape, hi), "x", color="#c23030", ms=7,
+                clip_on=False, label="left out (NaN / exploded)")
+    ax.set_ylim(lo, hi)
+    if window.best_update is not None:
+        ax.plot([window.best_update], [window.best_val_loss], "v", color=SMOOTH, ms=9, label="best (smoothed)")
+    if window.recommended_updates is not None:
+        ax.axvline(window.recommended_updates, color=BAND, lw=2, ls="--",
+                   label=f"recommended: {window.recommended_epochs} epochs")
+    ax.set_xlabel("update (optimizer step)")
+    ax.set_ylabel("loss (MSE)")
+    e = fit.epoch
+    if np.all(np.isfinite(e)) and np.ptp(fit.update) > 0 and np.ptp(e) > 0:
+        a, b = np.polyfit(fit.update, e, 1)  # epochs grow linearly with updates
+        top = ax.secondary_xaxis("top", functions=(lambda u: a * u + b, lambda ep: (ep - b) / a))
+        top.set_xlabel("epoch")
+    flags = f" · {', '.join(window.flags)}" if window.flags else ""
+    ax.set_title(title or f"Step window: {window.status}{flags}", fontsize=11)
+    ax.grid(True, alpha=0.3)
+    # Below the axes: a U-shaped curve leaves no free corner for it.
+    fig.legend(fontsize=8.5, loc="outside lower center", ncols=3, frameon=False)
+    out = _save(fig, out_path)
+    plt.close(fig)
+    return out

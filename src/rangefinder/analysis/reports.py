@@ -1,0 +1,186 @@
+"""Self-contained HTML reports and short Markdown summaries of the two decisions.
+
+The KFP UI renders HTML and Markdown artifacts but shows no images, so the HTML embeds its plot as a base64 data
+URI and carries its own CSS: no external file, script or font. Every file is written under a temporary name and
+renamed, so a half-written report never looks finished.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+from rangefinder.analysis.lr_bounds import FLAG_ADVICE as LR_FLAG_ADVICE
+from rangefinder.analysis.lr_bounds import STATUS_ADVICE as LR_STATUS_ADVICE
+from rangefinder.analysis.lr_bounds import LRBounds
+from rangefinder.analysis.plots import plot_lr_range_test, plot_step_window
+from rangefinder.analysis.step_window import FLAG_ADVICE as STEP_FLAG_ADVICE
+from rangefinder.analysis.step_window import STATUS_ADVICE as STEP_STATUS_ADVICE
+from rangefinder.analysis.step_window import StepWindow
+
+_CSS = """
+body{font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;max-width:860px;margin:24px auto;padding:0 16px;
+color:#1d2733;line-height:1.45}
+h1{font-size:1.4em;margin-bottom:4px} h2{font-size:1.1em;margin-top:28px}
+.status{display:inline-block;padding:2px 10px;border-radius:10px;font-weight:600;color:#fff}
+.ok{background:#2e9e5b} .warn{background:#d9822b} .bad{background:#c23030}
+table{border-collapse:collapse;margin:8px 0} td,th{padding:4px 12px;border-bottom:1px solid #e3e7ec;text-align:left}
+td.num{font-family:ui-monospace,Menlo,Consolas,monospace}
+img{max-width:100%;border:1px solid #e3e7ec}
+li{margin:6px 0} .flag{font-family:ui-monospace,Menlo,Consolas,monospace;font-weight:600}
+.muted{color:#6b7785;font-size:.9em}
+"""
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, (list, tuple)):
+        return " - ".join(_fmt(i) for i in v)
+    return str(v)
+
+
+def _write_atomic(path: Path, data: bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+    return path
+
+
+def _png_data_uri(png: Path) -> str:
+    return "data:image/png;base64," + base64.b64encode(png.read_bytes()).decode("ascii")
+
+
+def _status_class(status: str) -> str:
+    return "ok" if status == "ok" else "bad" if status in ("diverged", "no_descent", "no_improvement") else "warn"
+
+
+def _page(title: str, status: str, lead: str, png: Path, rows: list[tuple[str, Any, str]],
+          notes: list[tuple[str, str]], source: Optional[str]) -> str:
+    e = html.escape
+    table = "\n".join(
+        f"<tr><th>{e(k)}</th><td class='num'>{e(_fmt(v))}</td><td class='muted'>{e(why)}</td></tr>" for k, v, why in rows
+    )
+    items = "\n".join(f"<li><span class='flag'>{e(k)}</span>: {e(text)}</li>" for k, text in notes)
+    src = f"<p class='muted'>Curve: {e(source)}</p>" if source else ""
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>{e(title)}</title><style>{_CSS}</style></head>
+<body>
+<h1>{e(title)}</h1>
+<p><span class="status {_status_class(status)}">{e(status)}</span> {e(lead)}</p>
+{src}
+<img alt="{e(title)} plot" src="{_png_data_uri(png)}">
+<h2>Numbers</h2>
+<table>
+{table}
+</table>
+<h2>What it means and what to do</h2>
+<ul>
+{items}
+</ul>
+</body></html>
+"""
+
+
+def _markdown(title: str, status: str, lead: str, rows: list[tuple[str, Any, str]], notes: list[tuple[str, str]]) -> str:
+    lines = [f"## {title}", "", f"**{status}**: {lead}", "", "| | |", "|---|---|"]
+    lines += [f"| {k} | {_fmt(v)} |" for k, v, _ in rows]
+    lines += [""] + [f"- **{k}**: {text}" for k, text in notes]
+    return "\n".join(lines) + "\n"
+
+
+def _write_report(out: Path, stem: str, json_name: str, title: str, status: str, lead: str, png: Path,
+                  rows: list[tuple[str, Any, str]], notes: list[tuple[str, str]], source_line: Optional[str],
+                  decision: dict) -> dict[str, Path]:
+    """The HTML page, the Markdown summary and the decision's JSON beside the plot; {"plot", "html", ...} paths."""
+    page = _page(title, status, lead, png, rows, notes, source_line)
+    return {
+        "plot": png,
+        "html": _write_atomic(out / f"{stem}.html", page.encode("utf-8")),
+        "markdown": _write_atomic(out / f"{stem}.md", _markdown(title, status, lead, rows, notes).encode()),
+        "json": _write_atomic(out / json_name, json.dumps(decision, indent=2).encode()),
+    }
+
+
+def _source_line(curve: Optional[dict], source: Optional[str]) -> Optional[str]:
+    rows = None
+    if curve:
+        rows = max((len(v) for v in curve.values()), default=0)
+    if source is None and rows is None:
+        return None
+    return ", ".join(p for p in (source, None if rows is None else f"{rows} rows") if p)
+
+
+def write_lr_report(bounds: LRBounds, curve: Optional[dict], out_dir: str | Path, *,
+                    source: Optional[str] = None) -> dict[str, Path]:
+    """Write lr_range_test.png, lr_report.html (self-contained), lr_report.md and lr_bounds.json into out_dir.
+
+    `curve` is the dict from read_curve_csv (or None): its rows are counted in the report; `source` names the
+    curve file.
+    Returns {"plot", "html", "markdown", "json"} -> paths.
+    """
+    out = Path(out_dir)
+    png = plot_lr_range_test(bounds, out / "lr_range_test.png")
+    if bounds.status == "ok":
+        lead = (f"Train at lr_mid = {bounds.lr_mid:.3g} (between {bounds.lr_low:.3g} and {bounds.lr_high:.3g}); "
+                f"confidence {bounds.quality_label}.")
+    else:
+        lead = LR_STATUS_ADVICE[bounds.status]
+    rows: list[tuple[str, Any, str]] = [
+        ("lr_low", bounds.lr_low, "validation loss has started to fall"),
+        ("lr_high", bounds.lr_high, "it has nearly reached its minimum (flattens or turns up after)"),
+        ("lr_mid", bounds.lr_mid, f"{bounds.mid_position:g} of the way from lr_low to lr_high"
+                                  + (" in log LR" if bounds.ramp == "exp" else "")),
+        ("lr_mid 80% interval", bounds.lr_mid_ci80, "from a seeded bootstrap of the curve"),
+        ("quality", f"{bounds.quality:.2f} ({bounds.quality_label})",
+         ", ".join(f"{k} {v:.2f}" for k, v in bounds.quality_parts.items())),
+        ("signal-to-noise", bounds.snr, f"drop below the start in standard errors; p = {bounds.p_descent:.3g}"),
+        ("noise (s.d.)", bounds.noise_sigma, "per-point validation-loss noise, from the data"),
+        ("points used", bounds.points_used, f"{bounds.points_dropped} left out; sweep {bounds.ramp}"),
+        ("lr_steepest (fastai 'steep')", bounds.lr_steepest, "for comparison: steepest raw slope, noise-sensitive"),
+        ("lr_min / 10 (fastai 'minimum')", bounds.lr_min_div10, "for comparison"),
+    ]
+    notes = [(bounds.status, LR_STATUS_ADVICE[bounds.status])]
+    notes += [(f, LR_FLAG_ADVICE[f]) for f in bounds.flags]
+    return _write_report(out, "lr_report", "lr_bounds.json", "LR range test", bounds.status, lead, png, rows, notes,
+                         _source_line(curve, source), bounds.to_dict())
+
+
+def write_step_report(window: StepWindow, curve: Optional[dict], out_dir: str | Path, *,
+                      source: Optional[str] = None) -> dict[str, Path]:
+    """Write step_window.png, step_report.html (self-contained), step_report.md and step_window.json into out_dir.
+
+    `curve` and `source` as for write_lr_report.
+    Returns {"plot", "html", "markdown", "json"} -> paths.
+    """
+    out = Path(out_dir)
+    png = plot_step_window(window, out / "step_window.png")
+    if window.recommended_epochs is not None:
+        lead = f"Train for {window.recommended_epochs} epochs (about {window.recommended_updates} updates)."
+        if window.status == "still_improving":
+            lead += " At least: the run ended while still improving."
+    else:
+        lead = STEP_STATUS_ADVICE[window.status]
+    rows: list[tuple[str, Any, str]] = [
+        ("recommended epochs", window.recommended_epochs, "the centre of the window (its edges are better determined)"),
+        ("window (epochs)", [window.window_start_epoch, window.window_end_epoch],
+         f"smoothed val loss within {window.band:.3g} of its minimum" if window.band == window.band else ""),
+        ("best epoch", window.best_epoch, f"update {_fmt(window.best_update)}; smoothed val loss "
+                                          f"{_fmt(window.best_val_loss)}"),
+        ("val - stabilize at best", window.val_minus_stabilize,
+         "the generalisation gap; growing after the best means overfitting"),
+        ("tolerance", window.tolerance, "relative; widened to 2 standard errors when the curve is noisier"),
+        ("noise (s.d.)", window.noise_sigma, f"p(improvement) = {window.p_improvement:.3g}"),
+        ("points used", window.points_used, f"{window.points_dropped} left out"),
+    ]
+    notes = [(window.status, STEP_STATUS_ADVICE[window.status])]
+    notes += [(f, STEP_FLAG_ADVICE[f]) for f in window.flags]
+    return _write_report(out, "step_report", "step_window.json", "Step window", window.status, lead, png, rows,
+                         notes, _source_line(curve, source), window.to_dict())

@@ -1,0 +1,239 @@
+"""The step window of a constant-LR fine-tune: how long to train.
+
+Validation loss of a fine-tune falls, bottoms out and, once the model starts to memorise its images, rises. The
+window is the stretch where the smoothed validation loss is within a tolerance of its minimum: relative
+(`tolerance` of the minimum, FinetuneConfig.tolerance) or, when the curve is noisier than that, two standard
+errors of the smoothed minimum. Smoothing, noise and the improvement test are those of the LR bounds (curves.py):
+a centred robust LOWESS in updates, noise from second differences, and a seeded permutation test of "it fell".
+
+The recommendation is the centre of the window in epochs: the minimum itself wanders along a flat bottom with the
+noise, while both window edges sit where the curve is steeper and so are better determined.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+import numpy as np
+
+from rangefinder.analysis.curves import choose_span, divergence_cut, end_slope, finite_prefix, lowess, noise_sigma, trend_test
+from rangefinder.analysis.lr_bounds import DIVERGENCE_FACTOR, PERMUTATIONS, SIGNIFICANCE, _jsonable
+from rangefinder.errors import RangefinderError
+
+WindowStatus = Literal["ok", "still_improving", "no_improvement"]
+
+FLAG_ADVICE: dict[str, str] = {
+    "rose_after_min": (
+        "Validation loss rises after its minimum: the model starts to overfit its training images. "
+        "Train for the recommended epochs, not longer."
+    ),
+    "diverged": (
+        "The loss exploded (NaN, inf or more than 4x its best) near the end; those points were left out. "
+        "Lower the LR (e.g. lr_low instead of lr_mid) if it happened early."
+    ),
+}
+
+STATUS_ADVICE: dict[str, str] = {
+    "ok": "Validation loss bottomed out inside the run; train for the recommended epochs.",
+    "still_improving": (
+        "Still improving at the end of the run: the best length lies beyond it. Fine-tune for more epochs "
+        "(e.g. twice as many) and select again."
+    ),
+    "no_improvement": (
+        "Validation loss never fell by more than its noise: this LR does not help. Check the LR bounds "
+        "(try lr_low), the data and captions, or use more validation images."
+    ),
+}
+
+
+@dataclass
+class StepCurveFit:
+    """The curve as the analysis saw it, for plots and reports (not part of the JSON)."""
+
+    update: np.ndarray
+    epoch: np.ndarray
+    val_loss: np.ndarray
+    smoothed: np.ndarray
+    stabilize_loss: Optional[np.ndarray]  # aligned with update, raw (NaN where not measured)
+    stabilize_smoothed: Optional[np.ndarray]
+    dropped_update: np.ndarray
+    dropped_val_loss: np.ndarray
+
+
+@dataclass
+class StepWindow:
+    status: WindowStatus
+    best_update: Optional[float]
+    best_epoch: Optional[float]
+    best_val_loss: Optional[float]  # smoothed, at best_update
+    window_start_epoch: Optional[float]
+    window_end_epoch: Optional[float]
+    window_start_update: Optional[float]
+    window_end_update: Optional[float]
+    recommended_epochs: Optional[int]
+    recommended_updates: Optional[int]
+    val_minus_stabilize: Optional[float]  # smoothed val minus smoothed stabilize loss at the best point
+    tolerance: float  # relative tolerance asked for
+    band: float  # the window's height in loss units: max(tolerance x |min|, 2 s.e. of the minimum)
+    flags: list[str]
+    p_improvement: float
+    noise_sigma: float
+    points_used: int
+    points_dropped: int
+    span: int
+    advice: list[str]
+    fit: Optional[StepCurveFit] = field(default=None, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON of `rangefinder select-steps` (NaN becomes null)."""
+        return {k: _jsonable(v) for k, v in self.__dict__.items() if k != "fit"}
+
+
+def select_step_window(
+    update: Any,
+    epoch: Any,
+    val_loss: Any,
+    *,
+    stabilize_loss: Any = None,
+    tolerance: float = 0.02,
+    seed: int = 0,
+    divergence_factor: Optional[float] = DIVERGENCE_FACTOR,
+) -> StepWindow:
+    """Find where a constant-LR run's smoothed validation loss is within `tolerance` of its minimum.
+
+    One (update, epoch, val_loss) per validation in run order; `epoch` may be None or NaN where unknown (it is
+    then interpolated from the rows that have it, or left out). Raises RangefinderError for mismatched lengths,
+    a tolerance outside (0, 1) or fewer than 3 finite losses.
+    """
+    u_all = np.asarray(update, dtype=float).ravel()
+    y_all = np.asarray(val_loss, dtype=float).ravel()
+    e_all = np.full_like(u_all, np.nan) if epoch is None else np.asarray(epoch, dtype=float).ravel()
+    if not (u_all.shape == y_all.shape == e_all.shape):
+        raise RangefinderError(
+            f"update, epoch and val_loss differ in length ({u_all.size}, {e_all.size}, {y_all.size}); pass one per row"
+        )
+    if not 0 < tolerance < 1:
+        raise RangefinderError(f"tolerance must be in (0, 1), e.g. 0.02 for 2% (got {tolerance})")
+    n_finite = int(np.sum(np.isfinite(y_all) & np.isfinite(u_all)))
+    if n_finite < 3:
+        raise RangefinderError(
+            f"the curve has {n_finite} finite (update, val_loss) points; the step window needs at least 3 "
+            "(validate more often during the fine-tune)"
+        )
+    s_all = None
+    if stabilize_loss is not None:
+        s_all = np.asarray(stabilize_loss, dtype=float).ravel()
+        if s_all.shape != u_all.shape:
+            raise RangefinderError(f"stabilize_loss has {s_all.size} values for {u_all.size} updates; one per row")
+        if not np.any(np.isfinite(s_all)):
+            s_all = None
+
+    # Epochs where missing: interpolate from the rows that have them (epochs grow linearly with updates).
+    known = np.isfinite(e_all) & np.isfinite(u_all)
+    if known.sum() >= 2:
+        e_all = np.where(known, e_all, np.interp(u_all, u_all[known], e_all[known]))
+
+    n_ok = finite_prefix(u_all, y_all)
+    if divergence_factor:
+        n_ok = divergence_cut(y_all[:n_ok], divergence_factor)
+    flags: list[str] = ["diverged"] if n_ok < u_all.size else []
+    u, y, e = u_all[:n_ok], y_all[:n_ok], e_all[:n_ok]
+    s = None if s_all is None else s_all[:n_ok]
+    n = u.size
+    fit = StepCurveFit(u, e, y, y.copy(), s, None, u_all[n_ok:], y_all[n_ok:])
+    common = dict(tolerance=tolerance, points_used=n, points_dropped=int(u_all.size - n), fit=fit)
+    if n < 3 or np.ptp(u) <= 0:
+        return _no_improvement(flags, common, sigma=math.nan, p=1.0, span=n)
+
+    span, degree = choose_span(u, y)
+    sm = lowess(u, y, span, degree=degree)
+    f = sm.fitted
+    fit.smoothed = f
+    sigma = float(noise_sigma(u, y))
+    p_down, _ = trend_test(u, y, seed, PERMUTATIONS)
+    if p_down > SIGNIFICANCE:
+        return _no_improvement(flags, common, sigma=sigma, p=p_down, span=span)
+
+    i_best = int(np.argmin(f))
+    se_best = sigma * math.sqrt(float((sm.kernel[i_best] ** 2).sum()))
+    band = max(tolerance * abs(float(f[i_best])), 2.0 * se_best)
+    level = f[i_best] + band
+    lo = i_best
+    while lo > 0 and f[lo - 1] <= level:
+        lo -= 1
+    hi = i_best
+    while hi < n - 1 and f[hi + 1] <= level:
+        hi += 1
+
+    def edge(i_in: int, i_out: int) -> float:
+        """Update where the smoothed curve crosses `level` between an inside and an outside point."""
+        t = (level - f[i_in]) / (f[i_out] - f[i_in]) if f[i_out] != f[i_in] else 0.0
+        return float(u[i_in] + t * (u[i_out] - u[i_in]))
+
+    start_u = edge(lo, lo - 1) if lo > 0 else float(u[0])
+    end_u = edge(hi, hi + 1) if hi < n - 1 else float(u[-1])
+
+    def epoch_at(upd: float) -> Optional[float]:
+        return float(np.interp(upd, u, e)) if np.all(np.isfinite(e)) else None
+
+    # Still improving: the minimum is at the end and the curve is still significantly falling there, so the
+    # real minimum (and the window's end) lies beyond the run.
+    slope, se_slope = end_slope(u, f, sigma)
+    still = i_best >= n - max(2, math.ceil(0.1 * n)) and -slope > 2 * se_slope
+    se_min = np.sqrt(((sm.kernel[i_best][None, :] - sm.kernel) ** 2).sum(-1)) * sigma
+    if hi < n - 1 and f[-1] - f[i_best] > max(band, 2 * se_min[-1]):
+        flags.append("rose_after_min")
+
+    status: WindowStatus = "still_improving" if still else "ok"
+    start_e, end_e = epoch_at(start_u), epoch_at(end_u)
+    if status == "ok":
+        rec_u = 0.5 * (start_u + end_u)
+    else:
+        rec_u = float(u[-1])
+    rec_e = epoch_at(rec_u)
+    rec_epochs = None
+    if rec_e is not None:
+        # Still improving: at least the whole run (rounded up); ok: the nearest whole epoch to the centre.
+        rec_epochs = max(1, math.ceil(rec_e - 1e-9) if status == "still_improving" else int(round(rec_e)))
+
+    vms = None
+    if s is not None and np.sum(np.isfinite(s)) >= 3:
+        ok = np.isfinite(s)
+        sspan, sdeg = choose_span(u[ok], s[ok])
+        s_smooth = lowess(u[ok], s[ok], sspan, degree=sdeg).fitted
+        fit.stabilize_smoothed = np.interp(u, u[ok], s_smooth)
+        vms = float(f[i_best] - np.interp(u[i_best], u[ok], s_smooth))
+
+    flags.sort(key=["rose_after_min", "diverged"].index)
+    return StepWindow(
+        status=status,
+        best_update=float(u[i_best]),
+        best_epoch=epoch_at(float(u[i_best])),
+        best_val_loss=float(f[i_best]),
+        window_start_epoch=start_e,
+        window_end_epoch=end_e,
+        window_start_update=start_u,
+        window_end_update=end_u,
+        recommended_epochs=rec_epochs,
+        recommended_updates=int(round(rec_u)),
+        val_minus_stabilize=vms,
+        band=band,
+        flags=flags,
+        p_improvement=p_down,
+        noise_sigma=sigma,
+        span=span,
+        advice=[STATUS_ADVICE[status]] + [FLAG_ADVICE[fl] for fl in flags],
+        **common,
+    )
+
+
+def _no_improvement(flags: list[str], common: dict, *, sigma: float, p: float, span: int) -> StepWindow:
+    return StepWindow(
+        status="no_improvement", best_update=None, best_epoch=None, best_val_loss=None, window_start_epoch=None,
+        window_end_epoch=None, window_start_update=None, window_end_update=None, recommended_epochs=None,
+        recommended_updates=None, val_minus_stabilize=None, band=math.nan, flags=flags, p_improvement=p,
+        noise_sigma=sigma, span=span, advice=[STATUS_ADVICE["no_improvement"]] + [FLAG_ADVICE[f] for f in flags],
+        **common,
+    )

@@ -1,0 +1,45 @@
+"""`rangefinder analyze-lr`: LR bounds (low, high, midpoint) from an LR range test's curve CSV."""
+
+from __future__ import annotations
+
+import argparse
+
+from rangefinder.cli.main import add_json_flag
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "analyze-lr",
+        help="read LR bounds off an LR range test (metrics.csv)",
+        description="Find where validation loss starts to fall (lr_low), where it flattens or turns up (lr_high), "
+        "and the midpoint to train at, with a quality score and flags for curves it cannot read.",
+    )
+    p.add_argument("curve", metavar="CURVE.csv", help="the range test's metrics.csv (columns lr, val_loss, ...)")
+    p.add_argument("--ramp", choices=["linear", "exp"], help="how the LR climbed (default: inferred from the LRs)")
+    p.add_argument("--plot", metavar="OUT.png", help="write the range-test plot here")
+    p.add_argument("--report", metavar="DIR", help="write an HTML report, a Markdown summary, the plot and JSON here")
+    p.add_argument("--seed", type=int, default=0, help="seed of the bootstrap and permutation test (default 0)")
+    p.add_argument("--mid-position", type=float, default=None, metavar="P",
+                   help="where lr_mid lies between the bounds: 0 = lr_low, 1 = lr_high, on the sweep's axis "
+                   "(default: the config's lr_range_test.mid_position, 0.75)")
+    add_json_flag(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> dict:
+    from rangefinder.analysis import analyze_lr_curve, plot_lr_range_test, read_curve_csv, write_lr_report
+    from rangefinder.errors import RangefinderError
+
+    curve = read_curve_csv(args.curve, required=("lr", "val_loss"), skip_empty=("val_loss",))
+    if curve["val_loss"].dtype == object or curve["lr"].dtype == object:
+        raise RangefinderError(f"{args.curve}: lr and val_loss must be numbers")
+    extra = {} if args.mid_position is None else {"mid_position": args.mid_position}
+    bounds = analyze_lr_curve(curve["lr"], curve["val_loss"], ramp=args.ramp, seed=args.seed,
+                              stabilize_loss=curve.get("stabilize_loss"), **extra)
+    result = bounds.to_dict()
+    if args.plot:
+        result["plot"] = str(plot_lr_range_test(bounds, args.plot))
+    if args.report:
+        paths = write_lr_report(bounds, curve, args.report, source=str(args.curve))
+        result["report"] = str(paths["html"])
+    return result

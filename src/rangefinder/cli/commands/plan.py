@@ -1,0 +1,53 @@
+"""`rangefinder plan`: the hyperparameter arithmetic for a dataset size and settings, in both steps conventions."""
+
+from __future__ import annotations
+
+import argparse
+
+from rangefinder.cli.main import add_json_flag
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="count updates, epochs and images for a dataset size and settings",
+        description="Translate settings between epochs, updates (diffusers, EveryDream) and micro-batch steps (A1111).",
+    )
+    p.add_argument("--images", type=int, required=True, help="number of images in the dataset")
+    p.add_argument("--val-split", type=float, default=0.0, help="share held out for validation (default 0)")
+    p.add_argument("--batch-size", type=int, default=1, help="images per micro-batch per process")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per update")
+    p.add_argument("--world-size", type=int, default=1, help="processes (GPUs)")
+    budget = p.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--epochs", type=int, help="passes over the training images")
+    budget.add_argument("--steps", type=int, help="steps, counted in --steps-unit")
+    p.add_argument("--steps-unit", choices=["update", "micro-batch"], default="update",
+                   help="what a step is: an optimizer update (diffusers) or a micro-batch (A1111)")
+    p.add_argument("--lr", type=float, help="base learning rate (before --scale-lr)")
+    p.add_argument("--scale-lr", choices=["none", "linear", "sqrt"], default="none",
+                   help="multiply the LR by the effective batch (linear) or its square root")
+    p.add_argument("--drop-last", action="store_true", help="skip each epoch's trailing partial micro-batch")
+    add_json_flag(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> dict:
+    from rangefinder.config import plan
+
+    result = plan(
+        args.images,
+        val_split=args.val_split,
+        batch_size=args.batch_size,
+        grad_accum=args.grad_accum,
+        world_size=args.world_size,
+        epochs=args.epochs,
+        steps=args.steps,
+        steps_unit=args.steps_unit,
+        lr=args.lr,
+        scale_lr=args.scale_lr,
+        drop_last=args.drop_last,
+    ).model_dump()
+    # Both conventions side by side, so a recipe can be read either way.
+    result["steps_in_updates"] = result["total_updates"]
+    result["steps_in_micro_batches"] = result["total_micro_batches"]
+    return result

@@ -1,0 +1,80 @@
+"""`rangefinder sample`: render fixed prompts and seeds for the base model and each checkpoint into one grid."""
+
+from __future__ import annotations
+
+import argparse
+
+from rangefinder.cli.main import add_json_flag
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from rangefinder.config import SamplingConfig
+
+    d = SamplingConfig()
+    p = sub.add_parser(
+        "sample",
+        help="render a prompt x seed grid for the base model and each checkpoint",
+        description=(
+            "Every prompt x seed (rows) for the base model (first column) and each checkpoint, with the same seed "
+            "and settings across a row so only the weights differ. Writes grid.png, grid.html, grid.json and "
+            "the single images under --out."
+        ),
+    )
+    p.add_argument("--model", required=True, help="the base model: a diffusers folder (the first column)")
+    p.add_argument(
+        "--checkpoints",
+        nargs="*",
+        default=[],
+        help="further columns: diffusers folders, checkpoint folders, single-file checkpoints, LoRA or "
+        "textual-inversion files (LoRA and embeddings are applied on top of --model)",
+    )
+    p.add_argument("--labels", nargs="*", help="column labels, one per column (base model first)")
+    p.add_argument("--prompts", help="text file with one prompt per line (default: the sampling config's prompts)")
+    p.add_argument("--seeds", nargs="+", type=int, default=None, help=f"seeds (default {d.seeds})")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--steps", type=int, default=d.num_inference_steps, help="denoising steps")
+    p.add_argument("--guidance", type=float, default=d.guidance_scale, help="classifier-free guidance scale")
+    p.add_argument("--scheduler", help="a diffusers scheduler class name, e.g. DDIMScheduler (default: the model's)")
+    p.add_argument("--resolution", type=int, help="image size in pixels (default: the model's)")
+    p.add_argument("--negative-prompt", help="negative prompt for every cell")
+    add_json_flag(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> dict:
+    from rangefinder.config import SamplingConfig
+    from rangefinder.errors import ConfigError
+    from rangefinder.sampling import read_prompts, render_grid
+
+    d = SamplingConfig()
+    prompts = read_prompts(args.prompts) if args.prompts else d.prompts
+    seeds = args.seeds if args.seeds else d.seeds
+    models = [args.model, *args.checkpoints]
+    if args.labels and len(args.labels) != len(models):
+        raise ConfigError(
+            f"--labels: {len(args.labels)} labels for {len(models)} columns (the base model and "
+            f"{len(args.checkpoints)} checkpoints); give one label per column"
+        )
+    if args.steps < 1:
+        raise ConfigError(f"--steps must be at least 1 (got {args.steps})")
+    result = render_grid(
+        models,
+        prompts,
+        seeds,
+        out_dir=args.out,
+        labels=args.labels or None,
+        base_model=args.model,
+        steps=args.steps,
+        guidance_scale=args.guidance,
+        scheduler=args.scheduler,
+        resolution=args.resolution,
+        negative_prompt=args.negative_prompt,
+    )
+    return {
+        "grid": result["grid"],
+        "html": result["html"],
+        "manifest": result["manifest"],
+        "columns": [c["label"] for c in result["columns"]],
+        "rows": len(result["rows"]),
+        "images": sum(len(r) for r in result["images"]),
+    }

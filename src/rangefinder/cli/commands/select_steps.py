@@ -1,0 +1,39 @@
+"""`rangefinder select-steps`: the step window and recommended epochs from a constant-LR run's curve CSV."""
+
+from __future__ import annotations
+
+import argparse
+
+from rangefinder.cli.main import add_json_flag
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "select-steps",
+        help="find the step window of a constant-LR fine-tune (metrics.csv)",
+        description="Find where smoothed validation loss is within a tolerance of its minimum, and how many "
+        "epochs to train for.",
+    )
+    p.add_argument("curve", metavar="CURVE.csv", help="the fine-tune's metrics.csv (columns update, epoch, val_loss)")
+    p.add_argument("--tolerance", type=float, default=0.02,
+                   help="relative distance from the minimum that still counts as in the window (default 0.02)")
+    p.add_argument("--plot", metavar="OUT.png", help="write the step-window plot here")
+    p.add_argument("--report", metavar="DIR", help="write an HTML report, a Markdown summary, the plot and JSON here")
+    p.add_argument("--seed", type=int, default=0, help="seed of the permutation test (default 0)")
+    add_json_flag(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> dict:
+    from rangefinder.analysis import plot_step_window, read_curve_csv, select_step_window, write_step_report
+
+    curve = read_curve_csv(args.curve, required=("update", "val_loss"), skip_empty=("val_loss",))
+    window = select_step_window(curve["update"], curve.get("epoch"), curve["val_loss"], tolerance=args.tolerance,
+                                stabilize_loss=curve.get("stabilize_loss"), seed=args.seed)
+    result = window.to_dict()
+    if args.plot:
+        result["plot"] = str(plot_step_window(window, args.plot))
+    if args.report:
+        paths = write_step_report(window, curve, args.report, source=str(args.curve))
+        result["report"] = str(paths["html"])
+    return result

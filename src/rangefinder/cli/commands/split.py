@@ -1,0 +1,54 @@
+"""`rangefinder split`: the deterministic train / validation / stabilize split of a dataset folder."""
+
+from __future__ import annotations
+
+import argparse
+
+from rangefinder.cli.main import add_json_flag
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "split",
+        help="validate a dataset folder and split it into train, validation and stabilize manifests",
+        description="Check every image and caption (bad ones are listed and skipped), then split deterministically: "
+        "items sorted by path, a seeded shuffle, ceil(p*N) to validation, the stabilize subset drawn from training.",
+    )
+    p.add_argument("data_dir", metavar="DATA_DIR", help="dataset folder: images with .txt captions or metadata.jsonl")
+    p.add_argument("--out", required=True, help="folder for train.jsonl, val.jsonl, stabilize.jsonl and split.json")
+    p.add_argument("--val-split", type=float, default=0.2, help="share of images for validation, rounded up (0.2)")
+    p.add_argument("--stabilize-split", type=float, default=0.2,
+                   help="share of training images in the stabilize subset, rounded up (0.2)")
+    p.add_argument("--seed", type=int, default=555, help="seed of the shuffle (555)")
+    p.add_argument("--val-dir", help="a folder of validation images chosen by hand (replaces --val-split)")
+    p.add_argument("--min-image-size", type=int, default=1,
+                   help="skip images whose short side is smaller than this, in pixels (1)")
+    p.add_argument("--min-images", type=int, default=2, help="fail when fewer usable images remain (2)")
+    add_json_flag(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> dict:
+    from rangefinder.data.split import split_dataset
+
+    split = split_dataset(
+        args.data_dir,
+        args.out,
+        val_split=args.val_split,
+        stabilize_split=args.stabilize_split,
+        seed=args.seed,
+        val_dir=args.val_dir,
+        min_image_size=args.min_image_size,
+        min_images=args.min_images,
+    )
+    s = split.summary
+    return {
+        "out": str(args.out),
+        "root": s["root"],
+        "images": s["images"],
+        "train_images": s["train_images"],
+        "val_images": s["val_images"],
+        "stabilize_images": s["stabilize_images"],
+        "seed": s["seed"],
+        "skipped": [f"{x['file_name']}: {x['reason']}" for x in s["skipped"]],
+    }

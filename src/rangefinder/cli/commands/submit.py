@@ -1,0 +1,49 @@
+"""`rangefinder submit`: upload (or reuse) the pipeline on a Kubeflow endpoint and start a run of a config."""
+
+from __future__ import annotations
+
+import argparse
+
+from rangefinder.cli.main import add_json_flag
+
+
+def add_endpoint_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", help="KFP endpoint URL (default: $KF_PIPELINES_ENDPOINT)")
+    p.add_argument("--token", help="bearer token (default: the in-cluster service-account token, if any)")
+    p.add_argument("--namespace", help="Kubeflow profile namespace (multi-user installs)")
+    p.add_argument("--config", required=True, help="a rangefinder config YAML: parameters and pod settings")
+    p.add_argument("--experiment", help="KFP experiment (default: tracking.experiment_name of the config)")
+    p.add_argument("--dataset-uri", default="", help="object-store URI of the dataset folder (s3://, gs://, minio://)")
+    p.add_argument("--name", help="display name of the run")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "submit",
+        help="run the pipeline on a Kubeflow Pipelines endpoint",
+        description="Compile the pipeline for a config, upload it (or reuse the same version), and create a run.",
+    )
+    add_endpoint_args(p)
+    p.add_argument("--wait", action="store_true", help="wait until the run finishes and print its state")
+    p.add_argument("--timeout", type=int, default=24 * 3600, help="seconds --wait waits (default 86400)")
+    add_json_flag(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> dict:
+    from dataclasses import asdict
+
+    from rangefinder.config import load_config
+    from rangefinder.pipelines.client import submit
+
+    cfg = load_config(args.config)
+    sub = submit(cfg, host=args.host, token=args.token, experiment=args.experiment, run_name=args.name,
+                 dataset_uri=args.dataset_uri, wait=args.wait, timeout_s=args.timeout, namespace=args.namespace)
+    out = {k: v for k, v in asdict(sub).items() if v is not None}
+    if sub.run_id:
+        out["run_url"] = f"{sub.host}/#/runs/details/{sub.run_id}"
+    if args.wait and sub.state and sub.state.lower() not in ("succeeded",):
+        from rangefinder.errors import RangefinderError
+
+        raise RangefinderError(f"run {sub.run_id} finished as {sub.state}; see {out['run_url']}")
+    return out

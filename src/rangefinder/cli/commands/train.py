@@ -1,0 +1,100 @@
+"""`rangefinder train`: one training run on a split, without KFP (the engine the pipeline steps share)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from rangefinder.cli.main import add_json_flag
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train",
+        help="train one run (full fine-tune, LR ramp, ...) on a split, with deterministic validation",
+        description="Train on SPLIT_DIR from MODEL_DIR into OUT_DIR: metrics.csv, updates.csv, checkpoints/, final/. "
+        "Settings come from --config (YAML sections training:, validation:, data:) and the flags below, which win.",
+    )
+    p.add_argument("--data", required=True, metavar="SPLIT_DIR", help="a split folder written by `rangefinder split`")
+    p.add_argument("--model", metavar="MODEL_DIR", help="base model folder, single file or hub id (default: the tiny model)")
+    p.add_argument("--out", required=True, metavar="OUT_DIR", help="output folder (checkpoints under OUT_DIR/checkpoints)")
+    p.add_argument("--config", metavar="FILE", help="YAML config (sections as in `rangefinder` configs)")
+    p.add_argument("--method", help="full | lora | textual_inversion")
+    p.add_argument("--schedule", help="constant, linear-ramp, exp-ramp, cosine, triangular, triangular2, exp_range")
+    p.add_argument("--lr", type=float, help="learning rate (constant, or the peak of cosine)")
+    p.add_argument("--lr-min", type=float, help="lower end of a ramp or cycle")
+    p.add_argument("--lr-max", type=float, help="upper end of a ramp or cycle")
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--epochs", type=int, help="passes over the training images")
+    budget.add_argument("--steps", type=int, help="optimizer updates (see --steps-unit in the config)")
+    p.add_argument("--batch-size", type=int, help="images per micro-batch per process")
+    p.add_argument("--grad-accum", type=int, help="micro-batches per update")
+    p.add_argument("--seed", type=int, help="training seed (data order, noise, timesteps)")
+    p.add_argument("--resolution", type=int, help="training resolution in pixels (default: the model's native one)")
+    p.add_argument("--validate-every-epochs", type=float, help="validate every N epochs; 0 turns validation off")
+    p.add_argument("--validate-every-updates", type=int, help="validate every N updates instead")
+    p.add_argument("--checkpoint-every-updates", type=int, help="save a checkpoint every N updates (and at the end)")
+    p.add_argument("--train-on", choices=["train", "train+val"], default="train",
+                   help="train+val: the full-data retrain (the validation set is then not measured)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest whole checkpoint in OUT_DIR")
+    add_json_flag(p)
+    p.set_defaults(func=run)
+
+
+def settings_from_args(args: argparse.Namespace):
+    """(TrainingConfig, ValidationConfig, DataConfig or None, ModelConfig) from --config and the flags."""
+    from rangefinder.config import load_config
+
+    overrides: dict[str, Any] = {"training": {}, "validation": {}, "data": {}}
+    t, v = overrides["training"], overrides["validation"]
+    for flag, key in (
+        ("method", "method"), ("schedule", "schedule"), ("lr", "lr"), ("lr_min", "lr_min"), ("lr_max", "lr_max"),
+        ("epochs", "epochs"), ("steps", "steps"), ("batch_size", "batch_size"), ("grad_accum", "grad_accum"),
+        ("seed", "seed"), ("checkpoint_every_updates", "checkpoint_every_updates"),
+    ):
+        if getattr(args, flag) is not None:
+            t[key] = getattr(args, flag)
+    if args.epochs is not None:
+        t["steps"] = None  # a flag budget replaces the file's budget of the other kind
+    if args.steps is not None:
+        t["epochs"] = None
+    if args.resume:
+        t["resume"] = True
+    if args.validate_every_epochs is not None:
+        v["every_epochs"] = args.validate_every_epochs
+        v.setdefault("every_updates", None)
+    if args.validate_every_updates is not None:
+        v["every_updates"] = args.validate_every_updates
+    if args.resolution is not None:
+        overrides["data"]["resolution"] = args.resolution
+    if args.model is not None:
+        overrides["model"] = {"base_model": args.model}
+    cfg = load_config(args.config, overrides)
+    data_given = args.resolution is not None or (args.config is not None and _file_has_section(args.config, "data"))
+    return cfg.training, cfg.validation, (cfg.data if data_given else None), cfg.model
+
+
+def _file_has_section(path: str, section: str) -> bool:
+    import yaml
+
+    with open(path) as f:
+        raw = yaml.safe_load(f) or {}
+    return isinstance(raw, dict) and section in raw
+
+
+def run(args: argparse.Namespace) -> dict:
+    from rangefinder.errors import ConfigError
+
+    training, validation, data, model = settings_from_args(args)
+    if not training.budget_given():
+        raise ConfigError("give a budget: --epochs N or --steps N (or training.epochs / training.steps in --config)")
+
+    from rangefinder.training.loop import train
+
+    result = train(
+        training, validation, split_dir=args.data, model=model, out_dir=args.out, train_on=args.train_on, data=data
+    )
+    out = result.as_dict()
+    out.pop("checkpoints")
+    out["checkpoints"] = [str(p) for p in result.checkpoints]
+    return out

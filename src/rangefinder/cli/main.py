@@ -1,0 +1,93 @@
+"""`rangefinder`: one subcommand per module in src/rangefinder/cli/commands/.
+
+Each command module defines `register(subparsers)`, which adds its parser and sets `func(args) -> dict`. The
+returned dict is printed as a human table, or as JSON with `--json`. Bad input raises RangefinderError, which is
+printed as one line on stderr with exit status 2. Heavy imports (torch, kfp, mlflow) happen inside `func`, so
+`rangefinder --help` and `rangefinder plan` stay fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from typing import Any, Optional, Sequence
+
+from rangefinder.errors import RangefinderError
+
+# Order is the order `rangefinder --help` lists them in.
+COMMANDS = [
+    "plan",
+    "compile",
+    "demo",
+    "run",
+    "submit",
+    "schedule",
+    "make_dataset",
+    "make_base_model",
+    "split",
+    "sample",
+    "train",
+    "analyze_lr",
+    "select_steps",
+    "promote",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rangefinder",
+        description="Fine-tune Stable Diffusion with the learning rate and training length found by measurement.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMANDS:
+        importlib.import_module(f"rangefinder.cli.commands.{name}").register(sub)
+    return parser
+
+
+def add_json_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def print_table(result: dict[str, Any], out=None) -> None:
+    """Key/value rows; nested lists are printed one item per line under their key."""
+    out = out or sys.stdout
+    width = max((len(k) for k in result), default=0)
+    for k, v in result.items():
+        if isinstance(v, list):
+            print(f"{k:<{width}}  {'' if v else '-'}", file=out)
+            for item in v:
+                print(f"{'':<{width}}  - {item}", file=out)
+        elif isinstance(v, dict):
+            print(f"{k}:", file=out)
+            for kk, vv in v.items():
+                print(f"  {kk}: {vv}", file=out)
+        elif isinstance(v, float):
+            print(f"{k:<{width}}  {v:.6g}", file=out)
+        else:
+            print(f"{k:<{width}}  {v}", file=out)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        result = args.func(args)
+    except RangefinderError as e:
+        print(f"rangefinder {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"rangefinder {args.command}: interrupted", file=sys.stderr)
+        return 130
+    if result is None:
+        return 0
+    if getattr(args, "json", False):
+        print(json.dumps(result, indent=2, default=str))
+    else:
+        print_table(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

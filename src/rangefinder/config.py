@@ -1,0 +1,658 @@
+"""Typed settings for every step, and the hyperparameter arithmetic (one place, used everywhere).
+
+One `RangefinderConfig` flows from the CLI, a YAML file or the KFP parameters into every step. Each section is a
+pydantic model that rejects unknown keys and bad values with a message naming the field and the fix.
+
+The arithmetic (see DESIGN.md, "Hyperparameter arithmetic"):
+
+- micro-batch: `batch_size` images through one forward/backward on one process;
+- update: one optimizer step, after `grad_accum` micro-batches on each of `world_size` processes;
+- effective batch: `batch_size * grad_accum * world_size`;
+- epoch: every training image seen once.
+
+The engine draws micro-batches from a *stream* of images: one seeded permutation of the training set per epoch,
+concatenated, cut into consecutive chunks of `batch_size * world_size`. So a micro-batch may straddle an epoch
+boundary, gradient accumulation carries across it, and an epoch is exactly `train_images` images. With
+`drop_last=True` each epoch is instead cut on its own and the trailing `train_images % (batch_size * world_size)`
+images of each permutation are skipped. `plan()` counts exactly what the engine does.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from rangefinder.errors import ConfigError
+
+# ---------------------------------------------------------------------------------------------------------------
+# Errors
+
+
+def format_validation_error(err: ValidationError, prefix: str = "") -> str:
+    """One line per problem: `section.field: what is wrong (got VALUE)`."""
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e.get("loc", ()) if p != "__root__")
+        where = f"{prefix}{loc}" if loc else (prefix.rstrip(".") or "config")
+        msg = e.get("msg", "invalid value").removeprefix("Value error, ")
+        got = e.get("input")
+        got_txt = ""
+        if e.get("type") not in ("value_error", "missing") and not isinstance(got, (dict, list)):
+            got_txt = f" (got {got!r})"
+        # Cross-field checks already name their fields in the message.
+        lines.append(f"{msg}{got_txt}" if msg.startswith(where) else f"{where}: {msg}{got_txt}")
+    return "; ".join(lines)
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Data, split, model
+
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp")
+
+
+class DataConfig(_Section):
+    # None means the embedded default dataset (synthetic shapes, made offline by `rangefinder make-dataset`).
+    dataset_dir: Optional[str] = None
+    # Training resolution in pixels (square). 512 suits SD 1.x; the embedded tiny model uses 32.
+    resolution: int = Field(512, ge=8)
+    # Centre-crop to a square before resizing (False: resize the whole image, changing its aspect).
+    center_crop: bool = True
+    # Images smaller than this on their short side are reported and skipped; None means resolution // 2.
+    min_image_size: Optional[int] = Field(None, ge=1)
+    # Fewer usable images than this stops the run before training (1 train + 1 validation at the very least).
+    min_images: int = Field(2, ge=2)
+
+    @field_validator("resolution")
+    @classmethod
+    def _multiple_of_8(cls, v: int) -> int:
+        if v % 8:
+            raise ValueError(f"must be a multiple of 8 (the VAE downsamples by 8); got {v}, try {v - v % 8 or 8}")
+        return v
+
+    def effective_min_image_size(self) -> int:
+        return self.min_image_size if self.min_image_size is not None else max(1, self.resolution // 2)
+
+
+class SplitConfig(_Section):
+    # Share of images put into validation, rounded up (ceil(p*N)); 0 means no validation set (full-data retrain).
+    val_split: float = Field(0.2, ge=0.0, lt=1.0)
+    # Share of the *training* images drawn into the stabilize subset (a smooth, validation-style training loss).
+    stabilize_split: float = Field(0.2, ge=0.0, le=1.0)
+    # Seed of the shuffle; the same seed and files give the same split on any machine.
+    seed: int = 555
+    # A folder of validation images chosen by hand; when set, val_split is ignored.
+    val_dir: Optional[str] = None
+
+
+class ModelConfig(_Section):
+    # A local diffusers folder, a single-file checkpoint (.safetensors/.ckpt) or a hub id (on a cluster with access).
+    # None means the embedded tiny model (`rangefinder make-base-model`).
+    base_model: Optional[str] = None
+    revision: Optional[str] = None
+    variant: Optional[str] = None
+    # Where the embedded model is cached (None: $RANGEFINDER_CACHE or ~/.cache/rangefinder) and, when set, where hub
+    # downloads go (None: the Hugging Face cache, $HF_HOME).
+    cache_dir: Optional[str] = None
+    # A local diffusers folder with the architecture of a single-file base_model, so nothing is fetched to read it.
+    # None: the base model named in the file's rangefinder metadata, else diffusers infers one (from the hub).
+    single_file_config: Optional[str] = None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Methods
+
+
+class LoraSettings(_Section):
+    rank: int = Field(4, ge=1)  # adapter rank r
+    alpha: float = Field(4.0, gt=0)  # scale = alpha / rank
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    # UNet attention projections, as in diffusers' LoRA example.
+    target_modules: list[str] = Field(default_factory=lambda: ["to_k", "to_q", "to_v", "to_out.0"])
+    train_text_encoder: bool = False
+
+
+class TextualInversionSettings(_Section):
+    placeholder_token: str = "<rf-concept>"
+    # An existing single-token word whose embedding seeds the new one(s).
+    initializer_token: str = "object"
+    num_vectors: int = Field(1, ge=1)
+    # Used to build captions from templates when a dataset has none.
+    learnable_property: Literal["object", "style"] = "object"
+
+
+Method = Literal["full", "lora", "textual_inversion"]
+Schedule = Literal["constant", "linear-ramp", "exp-ramp", "cosine", "triangular", "triangular2", "exp_range"]
+RAMP_SCHEDULES = ("linear-ramp", "exp-ramp")
+CYCLIC_SCHEDULES = ("triangular", "triangular2", "exp_range")
+StepsUnit = Literal["update", "micro-batch"]
+ScaleLR = Literal["none", "linear", "sqrt"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One training run (the engine's settings)
+
+
+class TrainingConfig(_Section):
+    method: Method = "full"
+    lora: LoraSettings = Field(default_factory=LoraSettings)
+    textual_inversion: TextualInversionSettings = Field(default_factory=TextualInversionSettings)
+
+    # --- batch arithmetic
+    batch_size: int = Field(1, ge=1)  # images per micro-batch per process
+    grad_accum: int = Field(1, ge=1)  # micro-batches per update
+    # Processes the launcher (accelerate) starts; the engine checks it against the real number.
+    world_size: int = Field(1, ge=1)
+    # Skip the trailing images of each epoch instead of letting micro-batches straddle epochs.
+    drop_last: bool = False
+
+    # --- budget: exactly one of epochs / steps
+    epochs: Optional[int] = Field(None, ge=1)
+    steps: Optional[int] = Field(None, ge=1)
+    steps_unit: StepsUnit = "update"  # diffusers/EveryDream count updates; A1111 counts micro-batches
+
+    # --- learning rate
+    lr: float = Field(1e-5, gt=0)  # constant LR, or the peak of cosine; per effective batch if scale_lr != none
+    scale_lr: ScaleLR = "none"  # multiply lr by effective_batch (linear) or its square root (sqrt)
+    schedule: Schedule = "constant"
+    lr_min: Optional[float] = Field(None, ge=0)  # lower end of a ramp or cycle
+    lr_max: Optional[float] = Field(None, gt=0)  # upper end of a ramp or cycle
+    warmup_updates: int = Field(0, ge=0)  # linear warmup for cosine
+    # Half-cycle length of the cyclical schedules in epochs; Smith 2017 suggests 2-10 epochs' worth of updates.
+    cycle_epochs: float = Field(2.0, gt=0)
+    exp_range_gamma: float = Field(0.999, gt=0, le=1)  # per-update amplitude decay of exp_range
+
+    # --- optimizer
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    adam_beta2: float = Field(0.999, ge=0, lt=1)
+    adam_epsilon: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(1e-2, ge=0)
+    use_8bit_adam: bool = False  # bitsandbytes AdamW8bit; CUDA only
+    max_grad_norm: Optional[float] = Field(1.0, gt=0)  # None turns clipping off
+
+    # --- loss and augmentation
+    prediction_type: Optional[Literal["epsilon", "v_prediction"]] = None  # None: the base model's scheduler config
+    min_snr_gamma: Optional[float] = Field(None, gt=0)  # min-SNR weighting (Hang et al. 2023); 5.0 is usual
+    noise_offset: float = Field(0.0, ge=0)  # 0.05-0.1 helps very dark/bright images
+    cond_dropout: float = Field(0.0, ge=0, lt=1)  # share of captions replaced by "" (classifier-free guidance)
+    random_flip: bool = False
+
+    # --- model and memory
+    train_text_encoder: bool = False
+    gradient_checkpointing: bool = False
+    # The UNet's weights in channels_last (NHWC) memory format, so its convolutions run NHWC: faster on NVIDIA
+    # tensor cores under bf16/fp16 (PyTorch's channels_last guide); the same numbers up to kernel rounding. Off by
+    # default because on CPU it seldom helps; bench/speed_vs_reference turns it on for its GPU rows.
+    channels_last: bool = False
+    mixed_precision: Literal["no", "fp16", "bf16"] = "no"
+    # Keep an exponential moving average of the trained weights and save it; validation then measures the average
+    # (what is saved), except on the range test's ramps, where it would lag behind the LR.
+    use_ema: bool = False
+    ema_decay: float = Field(0.9999, gt=0, lt=1)
+    cache_latents: bool = True  # encode every image once; reused across runs of the same data and base model
+    latent_sampling: Literal["mode", "sample"] = "mode"  # a random-init VAE's sample drowns the signal: use mode
+    # Where encoded latents and text embeddings are cached (keyed by content); None: $RANGEFINDER_CACHE or
+    # ~/.cache/rangefinder. On a cluster, a path on the shared volume lets the pipeline's runs share one cache.
+    cache_dir: Optional[str] = None
+
+    # --- reproducibility and checkpoints
+    seed: int = 1234
+    checkpoint_every_updates: Optional[int] = Field(None, ge=1)
+    keep_checkpoints: int = Field(2, ge=1)
+    resume: bool = False  # resume from the newest whole checkpoint under the output folder
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "TrainingConfig":
+        if self.epochs is not None and self.steps is not None:
+            raise ValueError("set either training.epochs or training.steps, not both")
+        if self.schedule in RAMP_SCHEDULES + CYCLIC_SCHEDULES:
+            if self.lr_max is None:
+                raise ValueError(f"training.lr_max: schedule {self.schedule!r} needs lr_max (the top of the range)")
+            lo = self.lr_min if self.lr_min is not None else 0.0
+            if self.lr_max <= lo:
+                raise ValueError(
+                    f"training.lr_max ({self.lr_max:g}) must be above training.lr_min ({lo:g}); "
+                    "swap them or widen the range"
+                )
+            if self.schedule == "exp-ramp" and not (self.lr_min and self.lr_min > 0):
+                raise ValueError("training.lr_min: an exp-ramp needs lr_min > 0 (it climbs geometrically), e.g. 1e-7")
+        return self
+
+    def budget_given(self) -> bool:
+        return self.epochs is not None or self.steps is not None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Validation and the three runs of the method
+
+
+class ValidationConfig(_Section):
+    # Validate every N epochs (0 turns validation off) or, when set, every N updates instead.
+    every_epochs: float = Field(1.0, ge=0)
+    every_updates: Optional[int] = Field(None, ge=1)
+    # K fixed, stratified timesteps per item, one per 1/K of the noise schedule.
+    timesteps: int = Field(4, ge=1)
+    seed: int = 0  # noise for item i, bucket k comes from a generator seeded by (seed, i, k)
+    # Ramps stop when smoothed validation loss exceeds this multiple of its best (or turns NaN/inf).
+    divergence_factor: Optional[float] = Field(4.0, gt=1)
+    divergence_window: int = Field(3, ge=1)  # points in the centred median used for that check
+    # (item, timestep) pairs per validation forward pass. No backward runs, so memory is small; bigger batches cut
+    # the per-forward overhead (tiny model, CPU: 16 pairs per pass instead of 8 is ~30% faster). It changes the last
+    # bits of the losses (up to ~3e-8 relative: kernels sum in another order), so it is part of what reproduces a
+    # curve.
+    batch_size: int = Field(32, ge=1)
+    # Measure the stabilize subset at every Nth validation only (counted from the update-0 baseline; the last one of
+    # a run always). It gives the smooth training loss of the plots and the overfitting gap (val - stabilize) at the
+    # step window's best point, both read from the measured rows; 1 measures it with every validation. N > 1 cuts
+    # the cost of a validation by up to the stabilize share (at splits 0.2 / 0.2: 4 of 9 forwards) for a sparser
+    # stabilize curve (the step window needs 3 points of it for the gap). Without a val set (the train+val retrain)
+    # the stabilize subset is the only measurement and is taken every time.
+    stabilize_every: int = Field(1, ge=1)
+
+    def enabled(self) -> bool:
+        return self.every_updates is not None or self.every_epochs > 0
+
+
+# The default sweep per method: from a value surely too low to learn to one surely too high. Adapters (LoRA) and
+# new embeddings (textual inversion) learn at LRs about 100x those of full fine-tuning (measured on the tiny model:
+# LoRA and TI midpoints near 4e-3 and 6e-3 against 4e-5 for full), so one range would cut off their curves.
+DEFAULT_LR_RANGE: dict[str, tuple[float, float]] = {
+    "full": (1e-7, 1e-2),
+    "lora": (1e-6, 1.0),
+    "textual_inversion": (1e-6, 1.0),
+}
+
+
+class LRRangeTestConfig(_Section):
+    ramp: Literal["linear", "exp"] = "exp"
+    # The sweep's ends; None: DEFAULT_LR_RANGE for training.method.
+    lr_min: Optional[float] = Field(None, gt=0)
+    lr_max: Optional[float] = Field(None, gt=0)
+    epochs: int = Field(10, ge=1)
+    # Validate every N updates during the test (None: every epoch, as in validation.every_epochs).
+    validate_every_updates: Optional[int] = Field(None, ge=1)
+    # Where the fine-tune trains between the bounds: the share of the way from lr_low to lr_high on the sweep's axis
+    # (log LR on an exp ramp; 0.5 is the geometric mean). 0.75 because the best constant LR of a grid sweep lay at
+    # or above lr_high in most cases of bench/discovery_quality, and erring high cost less than erring low there.
+    # Must equal rangefinder.analysis.lr_bounds.MID_POSITION (a test checks).
+    mid_position: float = Field(0.75, ge=0, le=1)
+    # Re-test on a narrower range when the first curve is censored or has fewer points between its bounds.
+    zoom: bool = True
+    zoom_min_points: int = Field(5, ge=2)
+
+    def range_for(self, method: str) -> tuple[float, float]:
+        """(lr_min, lr_max) of the sweep: the values set here, else the method's default."""
+        lo, hi = DEFAULT_LR_RANGE[method]
+        return (self.lr_min if self.lr_min is not None else lo, self.lr_max if self.lr_max is not None else hi)
+
+
+class FinetuneConfig(_Section):
+    # Train at the midpoint for longer than needed; the step window is found on the way.
+    epochs: int = Field(30, ge=1)
+    schedule: Literal["constant", "triangular", "triangular2", "exp_range"] = "constant"
+    # The step window: smoothed val loss within this relative distance of its minimum.
+    tolerance: float = Field(0.02, gt=0, lt=1)
+    checkpoint_every_epochs: Optional[int] = Field(None, ge=1)  # kept checkpoints feed the sample grid
+
+
+class RetrainConfig(_Section):
+    enabled: bool = False
+    schedule: Literal["constant", "triangular"] = "constant"
+    epochs: Optional[int] = Field(None, ge=1)  # None: the recommended epochs from the fine-tune
+
+
+class SamplingConfig(_Section):
+    prompts: list[str] = Field(
+        default_factory=lambda: ["a red circle on a blue background", "a yellow square on a green background"]
+    )
+    seeds: list[int] = Field(default_factory=lambda: [0, 1])
+    num_inference_steps: int = Field(25, ge=1)
+    guidance_scale: float = Field(7.5, ge=0)
+    scheduler: Optional[str] = None  # a diffusers scheduler class name, e.g. "DDIMScheduler"; None keeps the model's
+    resolution: Optional[int] = Field(None, ge=8)  # None: data.resolution
+
+    @field_validator("prompts", "seeds")
+    @classmethod
+    def _non_empty(cls, v: list) -> list:
+        if not v:
+            raise ValueError("must list at least one entry")
+        return v
+
+
+class TrackingConfig(_Section):
+    # None: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working folder.
+    tracking_uri: Optional[str] = None
+    experiment_name: str = "rangefinder"  # $MLFLOW_EXPERIMENT_NAME wins when set
+    registered_model_name: Optional[str] = "rangefinder-sd"  # None: log the model but do not register it
+    log_every_updates: int = Field(1, ge=1)
+
+
+class Toleration(_Section):
+    key: str
+    operator: Literal["Equal", "Exists"] = "Equal"
+    value: Optional[str] = None
+    effect: Optional[Literal["NoSchedule", "PreferNoSchedule", "NoExecute"]] = None
+
+
+class KubernetesConfig(_Section):
+    image: Optional[str] = None  # None: the trainer image tagged with the package version (images/)
+    accelerator_type: str = "nvidia.com/gpu"
+    gpu_count: int = Field(1, ge=0)
+    cpu_limit: str = "8"
+    memory_limit: str = "48Gi"
+    node_selector: dict[str, str] = Field(default_factory=lambda: {"rangefinder.io/pool": "gpu"})
+    tolerations: list[Toleration] = Field(
+        default_factory=lambda: [Toleration(key="nvidia.com/gpu", operator="Exists", effect="NoSchedule")]
+    )
+    data_pvc: Optional[str] = "rangefinder-data"  # mounted at data_mount_path in every step
+    data_mount_path: str = "/data"
+    mlflow_secret: Optional[str] = "mlflow-credentials"  # its keys become environment variables
+    # The keys of mlflow_secret, each exposed as the environment variable of the same name (manifests/pipeline-namespace
+    # ships the template). USERNAME/PASSWORD may stay empty: MLflow sends basic auth only when both are set.
+    mlflow_secret_keys: list[str] = Field(
+        default_factory=lambda: ["MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"]
+    )
+    # The MLflow server of manifests/mlflow as seen from inside the cluster (Service `mlflow`, namespace `rangefinder`).
+    mlflow_tracking_uri: str = "http://mlflow.rangefinder.svc.cluster.local:5000"
+    # Labels every step's pod carries; manifests/mlflow's NetworkPolicy admits only pods with them to MLflow.
+    pod_labels: dict[str, str] = Field(default_factory=lambda: {"rangefinder.io/mlflow-client": "true"})
+    # The runs' Kubernetes service account (manifests/pipeline-namespace grants it least-privilege RBAC).
+    service_account: Optional[str] = "rangefinder-pipeline-runner"
+    cpu_image: Optional[str] = None  # None: the CPU image for the cheap steps, tagged with the package version
+    image_pull_secrets: list[str] = Field(default_factory=list)
+    shm_size: str = "8Gi"  # /dev/shm for data loader workers
+    retries: int = Field(2, ge=0)  # training steps resume from their newest checkpoint on retry
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The whole pipeline
+
+
+class RangefinderConfig(_Section):
+    data: DataConfig = Field(default_factory=DataConfig)
+    split: SplitConfig = Field(default_factory=SplitConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    validation: ValidationConfig = Field(default_factory=ValidationConfig)
+    lr_range_test: LRRangeTestConfig = Field(default_factory=LRRangeTestConfig)
+    finetune: FinetuneConfig = Field(default_factory=FinetuneConfig)
+    retrain: RetrainConfig = Field(default_factory=RetrainConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    kubernetes: KubernetesConfig = Field(default_factory=KubernetesConfig)
+    # A learning rate chosen by hand skips discovery (range test and zoom).
+    lr: Optional[float] = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _cross(self) -> "RangefinderConfig":
+        lo, hi = self.lr_range_test.range_for(self.training.method)
+        if hi <= lo:
+            raise ValueError(
+                f"lr_range_test.lr_max ({hi:g}) must be above lr_range_test.lr_min ({lo:g}) for method "
+                f"{self.training.method}; set both, or leave them unset for the method's default range"
+            )
+        if self.split.val_dir is None and self.split.val_split == 0 and self.lr is None:
+            raise ValueError(
+                "split.val_split: discovery measures validation loss, so it needs val_split > 0 "
+                "(or split.val_dir, or a fixed lr to skip discovery)"
+            )
+        return self
+
+
+def demo_config(**overrides: Any) -> RangefinderConfig:
+    """Settings for the embedded default: the tiny model at 32 px, sized to finish on 2 CPU cores in minutes."""
+    base: dict[str, Any] = {
+        "data": {"resolution": 32},
+        "training": {"batch_size": 4, "lr": 1e-4, "max_grad_norm": 1.0},
+        "validation": {"every_epochs": 1.0, "timesteps": 4},
+        # The tiny model's validation loss falls from ~2e-5 to its minimum near ~1e-3 and blows up past ~1e-2
+        # (measured at batch 4); validating every 2 updates gives 13 points over 6 epochs of 16 images.
+        "lr_range_test": {"ramp": "exp", "lr_min": 1e-5, "lr_max": 1e-2, "epochs": 6, "validate_every_updates": 2},
+        # At the demo's midpoint (~1.4e-4) validation loss bottoms out near epoch 33 and the gap to the stabilize
+        # loss widens after it (overfitting 16 images): 40 epochs show the whole step window.
+        "finetune": {"epochs": 40},
+        "sampling": {"num_inference_steps": 10, "guidance_scale": 3.0},
+    }
+    return RangefinderConfig.model_validate(_deep_merge(base, overrides))
+
+
+def _deep_merge(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: Optional[dict] = None) -> RangefinderConfig:
+    """Read a YAML file (sections as in RangefinderConfig), apply overrides, validate; ConfigError on problems."""
+    raw: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist; pass the path of a YAML file")
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {p} must hold a mapping of sections (data:, training:, ...)")
+    if overrides:
+        raw = _deep_merge(raw, overrides)
+    return parse_config(raw)
+
+
+def parse_config(raw: dict) -> RangefinderConfig:
+    try:
+        return RangefinderConfig.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e)) from None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The planner: the hyperparameter arithmetic
+
+
+class Plan(BaseModel):
+    train_images: int
+    val_images: int
+    batch_size: int
+    grad_accum: int
+    world_size: int
+    effective_batch: int
+    micro_batches_per_epoch: float  # per process; fractional when micro-batches straddle epochs
+    updates_per_epoch: float
+    total_updates: int
+    total_micro_batches: int  # per process: what the engine runs
+    epochs: int  # whole passes over the training set
+    images_seen: int  # across all processes
+    full_cycle: bool
+    drop_last: bool
+    lr: Optional[float]
+    lr_base: Optional[float]
+    lr_scale_factor: float
+    steps_unit: StepsUnit
+    warnings: list[str]
+
+
+def val_count(n_images: int, val_split: float) -> int:
+    """ceil(p*N) validation images; at least 1 when p > 0, and at least 1 left for training."""
+    if val_split <= 0:
+        return 0
+    return min(max(1, math.ceil(val_split * n_images - 1e-9)), n_images - 1)
+
+
+def lr_scale_factor(scale_lr: str, effective_batch: int) -> float:
+    if scale_lr == "linear":
+        return float(effective_batch)
+    if scale_lr == "sqrt":
+        return math.sqrt(effective_batch)
+    return 1.0
+
+
+def _num(x: float) -> float:
+    return int(x) if float(x).is_integer() else round(x, 4)
+
+
+def plan(
+    num_images: int,
+    *,
+    val_split: float = 0.0,
+    batch_size: int = 1,
+    grad_accum: int = 1,
+    world_size: int = 1,
+    epochs: Optional[int] = None,
+    steps: Optional[int] = None,
+    steps_unit: StepsUnit = "update",
+    lr: Optional[float] = None,
+    scale_lr: ScaleLR = "none",
+    drop_last: bool = False,
+    train_images: Optional[int] = None,
+) -> Plan:
+    """Translate a dataset size and settings into the counts the engine will really run.
+
+    Give either `epochs` or `steps` (counted in `steps_unit`). `train_images`, when given, overrides the split
+    (e.g. a hand-made validation folder). Raises ConfigError for impossible settings.
+    """
+    for name, v in (("batch_size", batch_size), ("grad_accum", grad_accum), ("world_size", world_size)):
+        if v < 1:
+            raise ConfigError(f"{name} must be >= 1 (got {v})")
+    if (epochs is None) == (steps is None):
+        raise ConfigError("give exactly one budget: epochs, or steps with steps_unit update|micro-batch")
+    if (epochs is not None and epochs < 1) or (steps is not None and steps < 1):
+        raise ConfigError(f"the budget must be >= 1 (got epochs={epochs}, steps={steps})")
+    if not 0 <= val_split < 1:
+        raise ConfigError(f"val_split must be in [0, 1) (got {val_split})")
+
+    n_val = 0 if train_images is not None else val_count(num_images, val_split)
+    n_train = train_images if train_images is not None else num_images - n_val
+    if n_train < 1:
+        raise ConfigError(f"no training images left ({num_images} images, val_split {val_split}); add images")
+    per_step = batch_size * world_size  # images consumed by one micro-batch step across processes
+    eff = batch_size * grad_accum * world_size
+    warnings: list[str] = []
+
+    if drop_last:
+        if per_step > n_train:
+            raise ConfigError(
+                f"batch_size x world_size = {per_step} is larger than the {n_train} training images with "
+                "drop_last: no micro-batch would ever run; lower batch_size or set drop_last false"
+            )
+        mb_per_epoch: float = n_train // per_step
+        if n_train % per_step:
+            warnings.append(
+                f"drop_last skips {n_train % per_step} of {n_train} images each epoch (a different few each time)"
+            )
+    else:
+        mb_per_epoch = n_train / per_step
+    images_per_epoch = mb_per_epoch * per_step  # == n_train unless drop_last
+
+    if epochs is not None:
+        total_mb = math.ceil(epochs * mb_per_epoch - 1e-9)
+        total_updates = math.ceil(total_mb / grad_accum)
+        n_epochs = epochs
+        images_seen = round(epochs * images_per_epoch)
+        if not drop_last and images_seen % per_step:
+            warnings.append(
+                f"partial last micro-batch: {epochs} epochs x {n_train} images is not a multiple of "
+                f"batch_size x world_size = {per_step}; the last one has {images_seen % per_step} images"
+            )
+        if total_mb % grad_accum:
+            warnings.append(
+                f"the last update accumulates {total_mb % grad_accum} of {grad_accum} micro-batches "
+                f"({total_mb} micro-batches in all)"
+            )
+    else:
+        assert steps is not None
+        if steps_unit == "update":
+            total_updates = steps
+            total_mb = steps * grad_accum
+            budget_mb = total_mb
+        else:
+            total_updates = steps // grad_accum
+            total_mb = total_updates * grad_accum
+            budget_mb = steps
+            if total_updates == 0:
+                raise ConfigError(
+                    f"{steps} micro-batch steps is fewer than grad_accum = {grad_accum}: no update would run; "
+                    "raise steps or lower grad_accum"
+                )
+            if steps % grad_accum:
+                warnings.append(
+                    f"{steps} micro-batch steps is not a multiple of grad_accum = {grad_accum}: the last "
+                    f"{steps % grad_accum} do not complete an update and are not run"
+                )
+        # Whole passes in the stated budget, rounded down as a person counting passes would.
+        n_epochs = int(budget_mb // mb_per_epoch) if drop_last else (budget_mb * per_step) // n_train
+        images_seen = total_mb * per_step
+        if not drop_last and n_train % per_step:
+            warnings.append(
+                f"{n_train} training images is not a multiple of batch_size x world_size = {per_step}: "
+                "micro-batches straddle epoch boundaries"
+            )
+
+    full_cycle = n_train == eff
+    if eff > n_train:
+        warnings.append(
+            f"effective batch {eff} is larger than the {n_train} training images: each update sees some images "
+            f"twice; lower batch_size or grad_accum to at most {n_train}"
+        )
+    elif not full_cycle and n_train <= 64:
+        warnings.append(
+            f"tiny dataset ({n_train} images) but not full-cycle: batch_size x grad_accum x world_size = {eff}; "
+            f"setting it to {n_train} gives one smooth update per epoch"
+        )
+
+    factor = lr_scale_factor(scale_lr, eff)
+    if factor > 8:
+        warnings.append(
+            f"scale_lr={scale_lr} multiplies the LR by {factor:g} (effective batch {eff}); check it is meant"
+        )
+    lr_final = None if lr is None else lr * factor
+
+    return Plan(
+        train_images=n_train,
+        val_images=n_val,
+        batch_size=batch_size,
+        grad_accum=grad_accum,
+        world_size=world_size,
+        effective_batch=eff,
+        micro_batches_per_epoch=_num(mb_per_epoch),
+        updates_per_epoch=_num(mb_per_epoch / grad_accum),
+        total_updates=total_updates,
+        total_micro_batches=total_mb,
+        epochs=int(n_epochs),
+        images_seen=int(images_seen),
+        full_cycle=full_cycle,
+        drop_last=drop_last,
+        lr=lr_final,
+        lr_base=lr,
+        lr_scale_factor=factor,
+        steps_unit=steps_unit,
+        warnings=warnings,
+    )
+
+
+def plan_for(cfg: TrainingConfig, train_images: int) -> Plan:
+    """The plan of one engine run, from its settings and the size of its training set."""
+    if not cfg.budget_given():
+        raise ConfigError("training.epochs or training.steps must be set for a training run")
+    return plan(
+        train_images,
+        train_images=train_images,
+        batch_size=cfg.batch_size,
+        grad_accum=cfg.grad_accum,
+        world_size=cfg.world_size,
+        epochs=cfg.epochs,
+        steps=cfg.steps,
+        steps_unit=cfg.steps_unit,
+        lr=cfg.lr,
+        scale_lr=cfg.scale_lr,
+        drop_last=cfg.drop_last,
+    )

@@ -1,0 +1,89 @@
+"""The container images the steps run in: the one place that names their tags.
+
+Tags follow the package version (`rangefinder.__version__`), so a pipeline compiled from release X runs in the images
+built from release X. The Dockerfiles are in `images/`; `.github/workflows/images.yml` builds and pushes them under
+these same names, and manifests/ pins the MLflow server image to the same tag.
+
+Each name can be overridden at run time (read when called, never at import):
+
+- `RANGEFINDER_IMAGE`: the whole trainer image reference (CUDA; the training and sampling steps);
+- `RANGEFINDER_CPU_IMAGE`: the whole CPU image reference (prepare, analysis, reports, registration);
+- `RANGEFINDER_MLFLOW_IMAGE`: the whole MLflow server image reference;
+- `RANGEFINDER_REGISTRY`: the registry and namespace the three default names live under (a mirror, say).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from rangefinder import __version__
+from rangefinder.errors import ConfigError
+
+DEFAULT_REGISTRY = "ghcr.io/rangefinder"
+TRAINER_REPOSITORY = "rangefinder-trainer"
+CPU_REPOSITORY = "rangefinder-cpu"
+MLFLOW_REPOSITORY = "rangefinder-mlflow"
+
+
+def registry() -> str:
+    """The registry/namespace prefix of the default image names ($RANGEFINDER_REGISTRY wins)."""
+    value = os.environ.get("RANGEFINDER_REGISTRY", "").strip().rstrip("/")
+    return value or DEFAULT_REGISTRY
+
+
+def image_tag() -> str:
+    """The tag every image of this release carries: the package version."""
+    return __version__
+
+
+def _reference(repository: str, env_name: str) -> str:
+    override = os.environ.get(env_name, "").strip()
+    if override:
+        _check_reference(override, env_name)
+        return override
+    return f"{registry()}/{repository}:{image_tag()}"
+
+
+def _check_reference(ref: str, where: str) -> None:
+    # A reference with whitespace or no repository part would only fail later, on a node, as ImagePullBackOff.
+    if any(c.isspace() for c in ref) or ref.startswith((":", "@", "/")) or ref.endswith((":", "@", "/")):
+        raise ConfigError(f"{where}={ref!r} is not an image reference; use e.g. registry.example.com/team/name:tag")
+
+
+def trainer_image(override: Optional[str] = None) -> str:
+    """The CUDA trainer image (`docker/Dockerfile.trainer`): `override`, else $RANGEFINDER_IMAGE, else the default."""
+    if override:
+        _check_reference(override, "kubernetes.image")
+        return override
+    return _reference(TRAINER_REPOSITORY, "RANGEFINDER_IMAGE")
+
+
+def cpu_image(override: Optional[str] = None) -> str:
+    """The CPU image (`docker/Dockerfile.cpu`): `override`, else $RANGEFINDER_CPU_IMAGE, else the default."""
+    if override:
+        _check_reference(override, "kubernetes.cpu_image")
+        return override
+    return _reference(CPU_REPOSITORY, "RANGEFINDER_CPU_IMAGE")
+
+
+def mlflow_server_image() -> str:
+    """The MLflow tracking server image (`docker/Dockerfile.mlflow`), deployed by manifests/mlflow."""
+    return _reference(MLFLOW_REPOSITORY, "RANGEFINDER_MLFLOW_IMAGE")
+
+
+def default_images() -> dict[str, str]:
+    """Every image of this release under its default name (no overrides): what CI builds and pushes."""
+    tag = image_tag()
+    return {
+        "trainer": f"{DEFAULT_REGISTRY}/{TRAINER_REPOSITORY}:{tag}",
+        "cpu": f"{DEFAULT_REGISTRY}/{CPU_REPOSITORY}:{tag}",
+        "mlflow": f"{DEFAULT_REGISTRY}/{MLFLOW_REPOSITORY}:{tag}",
+    }
+
+
+if __name__ == "__main__":
+    # `python -m rangefinder.container_images` prints NAME=REFERENCE lines; the Makefile and the CI example read them.
+    refs = {"trainer": trainer_image(), "cpu": cpu_image(), "mlflow": mlflow_server_image()}
+    for name, ref in refs.items():
+        print(f"{name}={ref}")

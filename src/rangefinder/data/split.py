@@ -1,0 +1,196 @@
+"""The deterministic split: validation, training and the stabilize subset of training.
+
+Items are sorted by relative path, then shuffled with a seeded generator that does not depend on the platform
+(Python's `random.Random(seed).random()`, the one stream Python promises to keep stable, driving a Fisher-Yates
+shuffle), so the same files and seed give the same split on any machine. `ceil(p*N)` items go to validation (at
+least one, and at least one left for training); a hand-made validation folder replaces that draw. The stabilize
+subset, `ceil(q * train)` of the training items, is measured like validation to give a smooth training loss.
+
+Output folder (the contract the engine reads): `train.jsonl`, `val.jsonl`, `stabilize.jsonl`, one
+`{"id", "file_name", "text"}` per line with `file_name` relative to the dataset root, and `split.json`, a summary.
+Every file is written under a temporary name and renamed, `split.json` last: a split folder without it is unfinished.
+`split.json` records the dataset root both absolute and relative to the split folder; `read_split` falls back to the
+relative one when the absolute one is gone (the split and its data moved together).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from rangefinder.config import val_count
+from rangefinder.data.dataset import Item, item_id
+from rangefinder.data.validate import validate_dataset
+from rangefinder.errors import DataError
+
+SUBSETS = ("train", "val", "stabilize")
+SUMMARY_FILE = "split.json"
+FORMAT_VERSION = 1
+
+
+@dataclass
+class Split:
+    root: Path  # absolute dataset root; file_names are relative to it
+    train: list[Item]
+    val: list[Item]
+    stabilize: list[Item]  # a subset of train
+    summary: dict = field(default_factory=dict)
+
+    def path_of(self, item: Item) -> Path:
+        return (self.root / item.file_name).resolve()
+
+    def subset(self, name: str) -> list[Item]:
+        if name not in SUBSETS:
+            raise KeyError(f"unknown subset {name!r}; one of {', '.join(SUBSETS)}")
+        return getattr(self, name)
+
+
+def seeded_shuffle(items: list, seed: int) -> list:
+    """Fisher-Yates driven only by `random.Random(seed).random()`: identical on every platform and Python 3."""
+    rng = random.Random(seed)
+    out = list(items)
+    for i in range(len(out) - 1, 0, -1):
+        j = min(int(rng.random() * (i + 1)), i)
+        out[i], out[j] = out[j], out[i]
+    return out
+
+
+def stabilize_count(n_train: int, share: float) -> int:
+    return 0 if share <= 0 else min(n_train, max(1, math.ceil(share * n_train - 1e-9)))
+
+
+def make_split(
+    data_dir: str | Path,
+    *,
+    val_split: float = 0.2,
+    stabilize_split: float = 0.2,
+    seed: int = 555,
+    val_dir: str | Path | None = None,
+    min_image_size: int = 1,
+    min_images: int = 2,
+) -> Split:
+    """Validate the dataset (bad items skipped and listed) and split it; DataError when too few usable images."""
+    if not 0 <= val_split < 1:
+        raise DataError(f"val_split must be in [0, 1) (got {val_split}); 0.2 is usual")
+    if not 0 <= stabilize_split <= 1:
+        raise DataError(f"stabilize_split must be in [0, 1] (got {stabilize_split}); 0.2 is usual")
+    root = Path(data_dir).expanduser().resolve()
+    manual_val = Path(val_dir).expanduser().resolve() if val_dir is not None else None
+    if manual_val is not None and manual_val == root:
+        raise DataError(f"--val-dir {manual_val} is the dataset folder itself; pass a separate folder of images")
+
+    exclude = manual_val if manual_val is not None and root in manual_val.parents else None
+    data = validate_dataset(root, min_image_size=min_image_size, exclude=exclude)
+    skipped = [s.to_json() for s in data.skipped]
+
+    if manual_val is None:
+        data.require(min_images)
+        order = seeded_shuffle(data.items, seed)
+        n_val = val_count(len(order), val_split)
+        val, train = order[:n_val], order[n_val:]
+    else:
+        data.require(max(1, min_images - 1))
+        vdata = validate_dataset(manual_val, min_image_size=min_image_size)
+        vdata.require(1)
+        # Validation file names relative to the dataset root (e.g. "../val/x.png"), so one root serves all subsets.
+        rel = Path(os.path.relpath(manual_val, root)).as_posix()
+        val = [Item(item_id(f"{rel}/{it.file_name}"), f"{rel}/{it.file_name}", it.text) for it in vdata.items]
+        skipped += [{"file_name": f"{rel}/{s.file_name}", "reason": s.reason} for s in vdata.skipped]
+        train = seeded_shuffle(data.items, seed)
+        val_split = len(val) / (len(val) + len(train))
+
+    # The stabilize subset: a seeded draw from the training items, independent of the validation draw's size.
+    n_stab = stabilize_count(len(train), stabilize_split)
+    stabilize = seeded_shuffle(train, seed + 1)[:n_stab]
+
+    # Manifests list items by relative path: readable, and the order never depends on the shuffle.
+    train, val, stabilize = (sorted(s, key=lambda it: it.file_name) for s in (train, val, stabilize))
+    summary = {
+        "format": FORMAT_VERSION,
+        "root": str(root),
+        "val_dir": str(manual_val) if manual_val is not None else None,
+        "seed": seed,
+        "val_split": val_split,
+        "stabilize_split": stabilize_split,
+        "images": len(data.items) + (len(val) if manual_val is not None else 0),
+        "train_images": len(train),
+        "val_images": len(val),
+        "stabilize_images": len(stabilize),
+        "skipped": skipped,
+    }
+    return Split(root=root, train=train, val=val, stabilize=stabilize, summary=summary)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _jsonl(items: list[Item]) -> str:
+    return "".join(json.dumps(it.to_json(), ensure_ascii=False) + "\n" for it in items)
+
+
+def write_split(split: Split, out_dir: str | Path) -> Path:
+    """Write the manifests and the summary; two runs on the same inputs give byte-identical files."""
+    out = Path(out_dir).expanduser().resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    summary_path = out / SUMMARY_FILE
+    if summary_path.exists():
+        summary_path.unlink()  # the folder is unfinished until the new summary lands
+    for name in SUBSETS:
+        _write_atomic(out / f"{name}.jsonl", _jsonl(split.subset(name)))
+    # The root also relative to the split folder: a split handed to another machine or pod with its data beside it
+    # (a KFP artifact mounted elsewhere) still finds the images.
+    summary = {**split.summary, "root_relative": Path(os.path.relpath(split.root, out)).as_posix()}
+    _write_atomic(summary_path, json.dumps(summary, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+    return out
+
+
+def read_split(split_dir: str | Path, root: str | Path | None = None) -> Split:
+    """Read a split folder written by `write_split` (`rangefinder split`).
+
+    `root` replaces the recorded dataset root, for data mounted at another path than where it was split.
+    """
+    d = Path(split_dir).expanduser()
+    summary_path = d / SUMMARY_FILE
+    if not summary_path.is_file():
+        raise DataError(
+            f"{d} is not a finished split folder (no {SUMMARY_FILE}); make one with `rangefinder split DATA_DIR --out {d}`"
+        )
+    summary = json.loads(summary_path.read_text(encoding="utf-8"))
+    subsets: dict[str, list[Item]] = {}
+    for name in SUBSETS:
+        path = d / f"{name}.jsonl"
+        if not path.is_file():
+            raise DataError(f"split folder {d} lacks {path.name}; write it again with `rangefinder split`")
+        lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+        try:
+            subsets[name] = [Item.from_json(json.loads(ln)) for ln in lines]
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise DataError(f"{path} is not a valid manifest ({e}); write it again with `rangefinder split`") from None
+    if root is not None:
+        data_root = Path(root).expanduser().resolve()
+    else:
+        data_root = Path(summary["root"])
+        relative = summary.get("root_relative")
+        if not data_root.is_dir() and relative is not None and (d / relative).is_dir():
+            data_root = (d / relative).resolve()
+    return Split(root=data_root, summary=summary, **subsets)
+
+
+def split_dataset(
+    data_dir: str | Path,
+    out_dir: str | Path,
+    **kwargs,
+) -> Split:
+    """`make_split` then `write_split`: what `rangefinder split` and the pipeline's split step run."""
+    split = make_split(data_dir, **kwargs)
+    write_split(split, out_dir)
+    return split
+

@@ -1,0 +1,107 @@
+"""The validation pass: every bad item reported by name with its reason and skipped, before any training.
+
+A run must never crash halfway through on a bad file, so every image is opened and fully decoded here (a truncated
+file fails only when its last bytes are read), every caption is checked, and the run stops with one clear error when
+too few usable images remain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from PIL import Image, UnidentifiedImageError
+
+from rangefinder.data.dataset import Item, clean_caption, item_id, scan_dataset
+from rangefinder.data.pixels import load_rgb
+from rangefinder.errors import DataError
+
+
+@dataclass(frozen=True)
+class Skipped:
+    file_name: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.file_name}: {self.reason}"
+
+    def to_json(self) -> dict:
+        return {"file_name": self.file_name, "reason": self.reason}
+
+
+@dataclass
+class ValidatedDataset:
+    root: Path
+    items: list[Item]  # usable, sorted by file_name
+    skipped: list[Skipped] = field(default_factory=list)
+
+    def require(self, min_images: int = 2) -> "ValidatedDataset":
+        """DataError unless at least `min_images` usable images remain."""
+        if len(self.items) >= min_images:
+            return self
+        n = len(self.items)
+        if not self.skipped and n == 0:
+            raise DataError(
+                f"dataset folder {self.root} holds no images (png, jpg, jpeg, webp); put images with a .txt caption "
+                "of the same stem (or a metadata.jsonl) there"
+            )
+        shown = "; ".join(str(s) for s in self.skipped[:10])
+        more = f"; and {len(self.skipped) - 10} more" if len(self.skipped) > 10 else ""
+        raise DataError(
+            f"dataset folder {self.root} has only {n} usable image{'s' if n != 1 else ''}, fewer than the "
+            f"{min_images} needed (at least one to train and one to validate); skipped: {shown or 'none'}{more}; "
+            "fix or caption the skipped files, or add images"
+        )
+
+
+def check_image(path: Path, min_image_size: int = 1) -> Optional[str]:
+    """None if the image can be used, else why not (one short phrase)."""
+    try:
+        img = load_rgb(path)  # decodes every pixel: truncated files fail here
+    except UnidentifiedImageError:
+        return "unreadable image: not a file format Pillow recognises (corrupt or not an image)"
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+        msg = str(e)
+        if "truncated" in msg.lower():
+            return f"truncated or corrupt image ({msg})"
+        return f"unreadable image ({type(e).__name__}: {msg})"
+    w, h = img.size
+    if min(w, h) < min_image_size:
+        return f"too small: {w}x{h} px, the short side must be at least {min_image_size} px"
+    return None
+
+
+def validate_dataset(
+    root: str | Path,
+    *,
+    min_image_size: int = 1,
+    min_images: Optional[int] = None,
+    exclude: Optional[Path] = None,
+) -> ValidatedDataset:
+    """Scan `root`, check every item, return the usable ones and the skipped ones with reasons.
+
+    With `min_images`, raise DataError when fewer usable images remain.
+    """
+    scan = scan_dataset(root, exclude=exclude)
+    skipped = [Skipped(name, reason) for name, reason in scan.problems]
+    items: list[Item] = []
+    for c in scan.candidates:
+        if c.caption is None:
+            stem_txt = str(Path(c.file_name).with_suffix(".txt").as_posix())
+            skipped.append(Skipped(c.file_name, f"missing caption (no {stem_txt} and no metadata.jsonl entry)"))
+            continue
+        text = clean_caption(c.caption)
+        if not text:
+            skipped.append(Skipped(c.file_name, f"empty caption in {c.caption_source}"))
+            continue
+        problem = check_image(scan.root / c.file_name, min_image_size)
+        if problem:
+            skipped.append(Skipped(c.file_name, problem))
+            continue
+        items.append(Item(id=item_id(c.file_name), file_name=c.file_name, text=text))
+    skipped.sort(key=lambda s: s.file_name)
+    result = ValidatedDataset(root=scan.root, items=items, skipped=skipped)
+    if min_images is not None:
+        result.require(min_images)
+    return result

@@ -1,0 +1,411 @@
+"""The embedded tiny Stable Diffusion model: built from config, briefly pre-trained, offline and deterministic.
+
+It has every part of SD 1.x (UNet2DConditionModel, AutoencoderKL, CLIP text encoder and tokenizer, DDPM scheduler)
+in diffusers' folder layout, only a few hundred times smaller, so that the whole method runs on a laptop CPU in
+minutes. The tokenizer's vocabulary is written here, from the caption words of the synthetic datasets and the
+prompt templates of textual inversion; every such word is a single token.
+
+Pre-training, in two stages, on data the demo never uses (see src/rangefinder/data/synthetic.py):
+1. the VAE as an autoencoder on stripes and on shapes drawn with seeds the demo never uses, so that decoded latents
+   look like images (blurred: a few hundred steps is all a minute buys);
+2. the UNet (and text encoder) as a denoiser on the *stripes* dataset only, so that what the demo later does on
+   shapes is fine-tuning of a model that already knows colours, not training from scratch.
+
+Two traps of a freshly initialised VAE are handled as Stable Diffusion handles them: latents are scaled by
+`scaling_factor` = 1 / std of the training latents (Rombach et al. 2022, sec. 4.3 and app. G), and images are
+encoded with the posterior's mode, not a sample.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+# ---------------------------------------------------------------------------------------------------------------
+# Settings and cache
+
+BUILDER_VERSION = 1  # bump when the builder changes what it writes (the cache key also hashes this file's source)
+
+
+@dataclass(frozen=True)
+class TinyModelSettings:
+    resolution: int = 32  # pixels; the VAE downsamples by 4, so latents are (4, 8, 8)
+    seed: int = 0
+    # Architecture. Attention only at the 4x4 level keeps a CPU step cheap.
+    unet_channels: tuple[int, ...] = (32, 64)
+    vae_channels: tuple[int, ...] = (16, 32, 32)
+    text_hidden: int = 32
+    text_layers: int = 2
+    text_heads: int = 4
+    max_length: int = 77  # tokens, as in CLIP
+    # Pre-training (see the module docstring). Steps x batch chosen to finish in about a minute on 2 CPU cores.
+    pretrain_images: int = 256  # per kind
+    vae_steps: int = 400  # reconstruction MSE ~0.08 in [-1, 1] units, about a 4x blur (a flat colour scores 0.18)
+    vae_batch: int = 16
+    vae_lr: float = 1e-3  # faster rates stall at the flat-colour solution
+    unet_steps: int = 300
+    unet_batch: int = 16
+    unet_lr: float = 1e-3
+    cond_dropout: float = 0.1  # captions dropped to "" so classifier-free guidance has an unconditional branch
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get("RANGEFINDER_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "rangefinder"
+
+
+def settings_key(settings: TinyModelSettings) -> str:
+    """Hash of the settings, the builder's source and the library versions: a change to any rebuilds the model."""
+    import diffusers
+    import torch
+    import transformers
+
+    from rangefinder.data import synthetic
+
+    h = hashlib.sha256()
+    h.update(json.dumps(dataclasses.asdict(settings), sort_keys=True).encode())
+    h.update(f"{BUILDER_VERSION}|{torch.__version__}|{diffusers.__version__}|{transformers.__version__}".encode())
+    for mod_file in (__file__, synthetic.__file__):
+        h.update(Path(mod_file).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def ensure_tiny_base_model(cache_dir: str | Path | None = None, settings: Optional[TinyModelSettings] = None) -> Path:
+    """Return the folder of the embedded tiny model, building it once per cache (about a minute on 2 CPU cores).
+
+    Concurrent callers (several test sessions, pipeline steps) wait on a file lock instead of building it twice.
+    """
+    from filelock import FileLock
+
+    settings = settings or TinyModelSettings()
+    root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"tiny-sd-{settings_key(settings)}"
+    if (final / "model_index.json").is_file():
+        return final
+    with FileLock(str(final) + ".lock"):
+        if not (final / "model_index.json").is_file():
+            _log_stderr(f"building the embedded tiny model into {final} (once; about a minute on 2 CPU cores)")
+            build_tiny_base_model(final, settings)
+    return final
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tokenizer: a CLIP BPE vocabulary written locally
+
+# diffusers' textual-inversion prompt templates (object and style) use these words; the initializer tokens "object"
+# and "style" must be single tokens.
+TEMPLATE_WORDS = (
+    "a photo of the rendering cropped clean dirty dark my cool close up bright good one rendition nice small weird "
+    "large painting in style picture object"
+).split()
+EXTRA_WORDS = "image with shape color colour pattern big tiny left right top bottom middle center".split()
+
+
+def vocabulary_words() -> list[str]:
+    from rangefinder.data.synthetic import CAPTION_WORDS
+
+    return sorted(set(CAPTION_WORDS) | set(TEMPLATE_WORDS) | set(EXTRA_WORDS))
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2/CLIP byte-level alphabet: every byte maps to a printable character (Radford et al. 2019)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs)))
+
+
+def tokenizer_vocab_and_merges(words: list[str]) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """A CLIP BPE vocabulary in which each of `words` is one token.
+
+    Merges grow each word from its end ("d</w>" <- "e"+"d</w>" <- "r"+"ed</w>"): the only symbol carrying "</w>" is
+    the last, so at every point exactly one merge applies and merge ranks cannot make words collide. Any other text
+    still tokenizes (into bytes), as with CLIP.
+    """
+    alphabet = list(_bytes_to_unicode().values())
+    vocab_list = alphabet + [c + "</w>" for c in alphabet]
+    merges: list[tuple[str, str]] = []
+    seen = set(vocab_list)
+    for w in words:
+        for k in range(len(w) - 2, -1, -1):
+            pair = (w[k], w[k + 1:] + "</w>")
+            merged = w[k:] + "</w>"
+            if merged not in seen:
+                seen.add(merged)
+                merges.append(pair)
+                vocab_list.append(merged)
+    vocab_list += ["<|startoftext|>", "<|endoftext|>"]
+    return {tok: i for i, tok in enumerate(vocab_list)}, merges
+
+
+def _write_bpe_files(folder: Path) -> None:
+    """vocab.json and merges.txt beside tokenizer.json: what older transformers and other tools read."""
+    vocab, merges = tokenizer_vocab_and_merges(vocabulary_words())
+    (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False) + "\n", encoding="utf-8")
+    lines = ["#version: 0.2"] + [f"{a} {b}" for a, b in merges]
+    (folder / "merges.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def build_tokenizer(max_length: int = 77):
+    from transformers import CLIPTokenizer
+
+    vocab, merges = tokenizer_vocab_and_merges(vocabulary_words())
+    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=max_length)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Architecture
+
+
+def build_tiny_components(settings: TinyModelSettings) -> dict:
+    """Randomly initialised parts (seeded by `settings.seed`), in SD 1.x's structure."""
+    import torch
+    from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    torch.manual_seed(settings.seed)
+    tokenizer = build_tokenizer(settings.max_length)
+    text_encoder = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=settings.text_hidden,
+            intermediate_size=settings.text_hidden * 2,
+            num_hidden_layers=settings.text_layers,
+            num_attention_heads=settings.text_heads,
+            max_position_embeddings=settings.max_length,
+            projection_dim=settings.text_hidden,
+            # The real ids: CLIP pools at the first eos, which then stays right after tokens are added.
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    )
+    n_vae = len(settings.vae_channels)
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * n_vae,
+        up_block_types=("UpDecoderBlock2D",) * n_vae,
+        block_out_channels=settings.vae_channels,
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=8,
+        sample_size=settings.resolution,
+    )
+    latent_size = settings.resolution // 2 ** (n_vae - 1)
+    n_unet = len(settings.unet_channels)
+    unet = UNet2DConditionModel(
+        sample_size=latent_size,
+        in_channels=4,
+        out_channels=4,
+        layers_per_block=1,
+        block_out_channels=settings.unet_channels,
+        down_block_types=("DownBlock2D",) * (n_unet - 1) + ("CrossAttnDownBlock2D",),
+        up_block_types=("CrossAttnUpBlock2D",) + ("UpBlock2D",) * (n_unet - 1),
+        cross_attention_dim=settings.text_hidden,
+        attention_head_dim=8,
+        norm_num_groups=8,
+    )
+    # SD 1.x's noise schedule and objective.
+    scheduler = DDPMScheduler(
+        num_train_timesteps=1000,
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        clip_sample=False,
+        prediction_type="epsilon",
+        steps_offset=1,
+    )
+    return {"unet": unet, "vae": vae, "text_encoder": text_encoder, "tokenizer": tokenizer, "scheduler": scheduler}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pre-training
+
+
+def _images(kind: str, seed: int, count: int, resolution: int):
+    import numpy as np
+    import torch
+
+    from rangefinder.data.pixels import to_model_array
+    from rangefinder.data.synthetic import render_item
+
+    arrays, captions = [], []
+    for i in range(count):
+        img, caption = render_item(kind, seed, i, resolution)
+        arrays.append(to_model_array(img, resolution))
+        captions.append(caption)
+    return torch.from_numpy(np.stack(arrays)), captions  # (N, 3, R, R) in [-1, 1]
+
+
+def _pretrain(parts: dict, settings: TinyModelSettings, log: Callable[[str], None]) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    unet, vae, text_encoder, tokenizer, scheduler = (
+        parts["unet"], parts["vae"], parts["text_encoder"], parts["tokenizer"], parts["scheduler"]
+    )
+    g = torch.Generator().manual_seed(settings.seed)
+    n = settings.pretrain_images
+    # Seeds far from the small seeds a user passes to `make-dataset`, so the demo never sees these images.
+    stripes, stripe_captions = _images("stripes", 1_000_003 + settings.seed, n, settings.resolution)
+    shapes, _ = _images("shapes", 2_000_003 + settings.seed, n, settings.resolution)
+
+    # --- stage 1: VAE on stripes and shapes, as a plain autoencoder through the posterior's mode. Sampling and a KL
+    # term slow this short training down; the engine encodes with the mode anyway (training.latent_sampling), and a
+    # small penalty on the latents' size keeps them from drifting (the scaling factor below normalises them).
+    vae_data = torch.cat([stripes, shapes])
+    vae.train()
+    opt = torch.optim.Adam(vae.parameters(), lr=settings.vae_lr)
+    t0 = time.time()
+    for step in range(settings.vae_steps):
+        idx = torch.randint(0, len(vae_data), (settings.vae_batch,), generator=g)
+        x = vae_data[idx]
+        z = vae.encode(x).latent_dist.mode()
+        recon = vae.decode(z).sample
+        loss = F.mse_loss(recon, x) + 1e-4 * z.pow(2).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    vae.eval()
+    vae.requires_grad_(False)
+    with torch.no_grad():
+        all_latents = vae.encode(vae_data).latent_dist.mode()  # (2N, 4, h, w): stripes then shapes
+        recon_mse = F.mse_loss(vae.decode(all_latents).sample, vae_data).item()
+    scaling = float(1.0 / all_latents.std())  # over both kinds: the demo's shapes get unit-variance latents too
+    latents = all_latents[:n]  # stripes only from here on
+    vae.register_to_config(scaling_factor=scaling)
+    log(f"tiny model: VAE {settings.vae_steps} steps in {time.time() - t0:.0f}s, recon MSE {recon_mse:.4f}, "
+        f"scaling_factor {scaling:.4f}")
+
+    # --- stage 2: UNet and text encoder as an epsilon-prediction denoiser on stripes (DDPM, Ho et al. 2020)
+    latents = latents * scaling
+    tokens = tokenizer(
+        stripe_captions + [""], padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
+        return_tensors="pt",
+    ).input_ids
+    caption_ids, empty_ids = tokens[:-1], tokens[-1:]
+    unet.train()
+    text_encoder.train()
+    params = list(unet.parameters()) + list(text_encoder.parameters())
+    opt = torch.optim.AdamW(params, lr=settings.unet_lr, weight_decay=1e-2)
+    t0 = time.time()
+    running = None
+    for step in range(settings.unet_steps):
+        idx = torch.randint(0, len(latents), (settings.unet_batch,), generator=g)
+        z0 = latents[idx]
+        ids = caption_ids[idx].clone()
+        drop = torch.rand(len(idx), generator=g) < settings.cond_dropout
+        ids[drop] = empty_ids
+        noise = torch.randn(z0.shape, generator=g)
+        t = torch.randint(0, scheduler.config.num_train_timesteps, (len(idx),), generator=g)
+        zt = scheduler.add_noise(z0, noise, t)
+        cond = text_encoder(ids)[0]
+        pred = unet(zt, t, encoder_hidden_states=cond).sample
+        loss = F.mse_loss(pred, noise)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        running = loss.item() if running is None else 0.95 * running + 0.05 * loss.item()
+    unet.eval()
+    text_encoder.eval()
+    log(f"tiny model: UNet {settings.unet_steps} steps in {time.time() - t0:.0f}s, denoising loss ~{running:.4f}")
+    return {"vae_recon_mse": recon_mse, "scaling_factor": scaling, "unet_loss": running}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Build
+
+
+def _log_stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)  # stdout stays clean for `--json`
+
+
+def build_tiny_base_model(
+    out_dir: str | Path, settings: Optional[TinyModelSettings] = None, log: Optional[Callable[[str], None]] = None
+) -> Path:
+    """Build, pre-train and save the tiny model into `out_dir` (written under a temporary name, then renamed)."""
+    import torch
+    from diffusers import StableDiffusionPipeline
+
+    settings = settings or TinyModelSettings()
+    log = log or _log_stderr
+    out = Path(out_dir).expanduser().resolve()
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} already exists and is not empty")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        # One thread: the same reduction order, hence bit-for-bit the same weights, whatever the core count; and
+        # for layers this small a second thread gains little while it loses much on a busy machine.
+        was_deterministic = torch.are_deterministic_algorithms_enabled()
+        threads = torch.get_num_threads()
+        torch.use_deterministic_algorithms(True)
+        torch.set_num_threads(1)
+        try:
+            with torch.random.fork_rng(devices=[]):
+                parts = build_tiny_components(settings)
+                stats = _pretrain(parts, settings, log=log)
+        finally:
+            torch.use_deterministic_algorithms(was_deterministic)
+            torch.set_num_threads(threads)
+        pipe = StableDiffusionPipeline(
+            vae=parts["vae"],
+            text_encoder=parts["text_encoder"],
+            tokenizer=parts["tokenizer"],
+            unet=parts["unet"],
+            scheduler=parts["scheduler"],
+            safety_checker=None,
+            feature_extractor=None,
+            requires_safety_checker=False,
+        )
+        pipe.save_pretrained(tmp, safe_serialization=True)
+        _write_bpe_files(tmp / "tokenizer")
+        info = {"builder_version": BUILDER_VERSION, "settings": dataclasses.asdict(settings), "pretraining": stats,
+                "vocabulary": vocabulary_words()}
+        (tmp / "rangefinder_tiny.json").write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the model is shared like any cache entry
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def copy_model(src: Path, out_dir: str | Path) -> Path:
+    """Copy a model folder to `out_dir` (new or empty), complete or not at all."""
+    out = Path(out_dir).expanduser().resolve()
+    if out.exists() and any(out.iterdir()):
+        from rangefinder.errors import RangefinderError
+
+        raise RangefinderError(f"{out} already exists and is not empty; pass a new --out folder (nothing was changed)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        shutil.copytree(src, tmp, dirs_exist_ok=True)
+        os.chmod(tmp, 0o755)
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

@@ -1,0 +1,328 @@
+"""Talking to a Kubeflow Pipelines endpoint: upload (or reuse) the pipeline, create a run or a recurring run.
+
+Endpoint and credentials are found the way `kfp.Client` finds them:
+
+- the endpoint is `--host`, else `$KF_PIPELINES_ENDPOINT`;
+- the token is `--token`, else the service-account token a pod gets from a projected volume
+  (`$KF_PIPELINES_SA_TOKEN_PATH`, default `/var/run/secrets/kubeflow/pipelines/token`), else none (a port-forward
+  or an endpoint without auth).
+
+Before handing over to `kfp.Client` (which retries a refused healthz for half a minute), one quick request to the
+healthz endpoint turns "nothing listens there" and "the token was refused" into one clear sentence each.
+
+A pipeline version is named after the package version and a hash of the compiled YAML: submitting the same
+package twice reuses the uploaded version, a changed one becomes a new version of the same pipeline.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import tempfile
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from rangefinder.errors import RangefinderError
+
+ENDPOINT_ENV = "KF_PIPELINES_ENDPOINT"
+SA_TOKEN_ENV = "KF_PIPELINES_SA_TOKEN_PATH"
+SA_TOKEN_DEFAULT_PATH = "/var/run/secrets/kubeflow/pipelines/token"
+HEALTHZ_PATH = "/apis/v2beta1/healthz"
+
+
+class EndpointError(RangefinderError):
+    """The KFP endpoint cannot be reached, or refuses the credentials."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Cron (6 fields, as KFP's scheduler reads them: robfig/cron with seconds)
+
+_CRON_FIELDS = (
+    ("seconds", 0, 59, {}),
+    ("minutes", 0, 59, {}),
+    ("hours", 0, 23, {}),
+    ("day of month", 1, 31, {}),
+    ("month", 1, 12, {m: i + 1 for i, m in enumerate(
+        ("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec"))}),
+    ("day of week", 0, 6, {d: i for i, d in enumerate(("sun", "mon", "tue", "wed", "thu", "fri", "sat"))}),
+)
+_CRON_EXAMPLE = "'0 0 3 * * *' (every day at 03:00:00)"
+
+
+def validate_cron(expr: str) -> str:
+    """Check a 6-field cron expression (seconds minutes hours day-of-month month day-of-week); return it normalised.
+
+    Raises ConfigError naming the field at fault. KFP's scheduler uses robfig/cron with a seconds field, so a
+    5-field crontab line is refused with the fix rather than silently meaning something else.
+    """
+    from rangefinder.errors import ConfigError
+
+    fields = expr.split()
+    if len(fields) == 5:
+        raise ConfigError(
+            f"cron {expr!r} has 5 fields; KFP schedules take 6 (seconds first): try '0 {' '.join(fields)}'"
+        )
+    if len(fields) != 6:
+        raise ConfigError(
+            f"cron {expr!r} has {len(fields)} fields; give 6: seconds minutes hours day-of-month month day-of-week, "
+            f"e.g. {_CRON_EXAMPLE}"
+        )
+    for value, (name, lo, hi, names) in zip(fields, _CRON_FIELDS):
+        if value == "?":
+            if name not in ("day of month", "day of week"):
+                raise ConfigError(f"cron {expr!r}: '?' is only allowed in day-of-month or day-of-week, not {name}")
+            continue
+        for part in value.split(","):
+            _check_cron_part(expr, part, name, lo, hi, names)
+    return " ".join(fields)
+
+
+def _check_cron_part(expr: str, part: str, name: str, lo: int, hi: int, names: dict[str, int]) -> None:
+    from rangefinder.errors import ConfigError
+
+    def number(tok: str) -> int:
+        t = tok.lower()
+        if t in names:
+            return names[t]
+        if not re.fullmatch(r"\d+", tok):
+            raise ConfigError(f"cron {expr!r}: {name} field has {tok!r}, which is not a number in {lo}-{hi}")
+        v = int(tok)
+        if not lo <= v <= hi:
+            raise ConfigError(f"cron {expr!r}: {name} must be in {lo}-{hi} (got {v})")
+        return v
+
+    base, _, step = part.partition("/")
+    if step:
+        if not re.fullmatch(r"\d+", step) or int(step) == 0:
+            raise ConfigError(f"cron {expr!r}: step {step!r} in the {name} field must be a positive whole number")
+    if base == "*":
+        return
+    if not base:
+        raise ConfigError(f"cron {expr!r}: empty entry in the {name} field")
+    start, dash, end = base.partition("-")
+    a = number(start)
+    if dash:
+        b = number(end)
+        if b < a:
+            raise ConfigError(f"cron {expr!r}: range {base!r} in the {name} field runs backwards")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Endpoint and credentials
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    host: str
+    token: Optional[str]  # a bearer token given by hand
+    token_path: Optional[Path]  # a service-account token file (re-read by kfp on every request)
+
+    def bearer(self) -> Optional[str]:
+        if self.token:
+            return self.token
+        if self.token_path is not None:
+            return self.token_path.read_text().strip()
+        return None
+
+    def describe_auth(self) -> str:
+        if self.token:
+            return "token from --token"
+        if self.token_path is not None:
+            return f"service-account token {self.token_path}"
+        return "no token"
+
+
+def resolve_endpoint(host: Optional[str] = None, token: Optional[str] = None) -> Endpoint:
+    from rangefinder.errors import ConfigError
+
+    host = (host or os.environ.get(ENDPOINT_ENV, "")).strip()
+    if not host:
+        raise ConfigError(f"no KFP endpoint: pass --host URL or set ${ENDPOINT_ENV} (e.g. http://localhost:8080 "
+                          "after `kubectl port-forward -n kubeflow svc/ml-pipeline-ui 8080:80`)")
+    if not re.match(r"^https?://", host):
+        raise ConfigError(f"--host {host!r} must start with http:// or https://")
+    host = host.rstrip("/")
+    token_path = None
+    if not token:
+        p = Path(os.environ.get(SA_TOKEN_ENV) or SA_TOKEN_DEFAULT_PATH)
+        token_path = p if p.is_file() else None
+    return Endpoint(host=host, token=token or None, token_path=token_path)
+
+
+def check_endpoint(ep: Endpoint, timeout: float = 10.0) -> dict:
+    """One GET of the healthz endpoint; EndpointError with one clear sentence when it fails."""
+    req = urllib.request.Request(ep.host + HEALTHZ_PATH, headers={"Accept": "application/json"})
+    bearer = ep.bearer()
+    if bearer:
+        req.add_header("Authorization", f"Bearer {bearer}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            body = resp.read()
+    except urllib.error.HTTPError as e:
+        if e.code in (401, 403):
+            raise EndpointError(
+                f"the KFP endpoint {ep.host} refused the credentials (HTTP {e.code}, {ep.describe_auth()}); "
+                "pass a valid --token or check the service account's access to the namespace"
+            ) from None
+        raise EndpointError(f"the KFP endpoint {ep.host} answered HTTP {e.code} {e.reason} on {HEALTHZ_PATH}; "
+                            "check that --host is the KFP API (ml-pipeline or its UI proxy)") from None
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        raise EndpointError(f"cannot reach the KFP endpoint {ep.host} ({reason}); check --host / ${ENDPOINT_ENV} "
+                            "and that the port-forward or ingress is up") from None
+    try:
+        return json.loads(body or b"{}")
+    except json.JSONDecodeError:
+        raise EndpointError(f"{ep.host}{HEALTHZ_PATH} did not answer JSON; is --host the KFP endpoint?") from None
+
+
+def connect(host: Optional[str] = None, token: Optional[str] = None, namespace: Optional[str] = None):
+    """A `kfp.Client` for the endpoint, after the quick reachability and credentials check."""
+    import kfp
+    from kfp.client.set_volume_credentials import ServiceAccountTokenVolumeCredentials
+
+    ep = resolve_endpoint(host, token)
+    check_endpoint(ep)
+    kwargs: dict[str, Any] = {"host": ep.host}
+    if ep.token:
+        kwargs["existing_token"] = ep.token
+    elif ep.token_path is not None:
+        kwargs["credentials"] = ServiceAccountTokenVolumeCredentials(str(ep.token_path))
+    if namespace:
+        kwargs["namespace"] = namespace
+    with _kfp_errors(ep):
+        return kfp.Client(**kwargs)
+
+
+class _kfp_errors:
+    """Turn kfp_server_api / urllib3 failures inside a block into EndpointError with one sentence."""
+
+    def __init__(self, ep: Endpoint):
+        self.ep = ep
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc is None or isinstance(exc, RangefinderError):
+            return False
+        import kfp_server_api
+        import urllib3
+
+        if isinstance(exc, kfp_server_api.ApiException):
+            if exc.status in (401, 403):
+                raise EndpointError(f"the KFP endpoint {self.ep.host} refused the credentials (HTTP {exc.status}, "
+                                    f"{self.ep.describe_auth()}); pass a valid --token") from None
+            body = (exc.body or "").strip().replace("\n", " ")[:300] if isinstance(exc.body, str) else ""
+            raise EndpointError(f"the KFP endpoint {self.ep.host} answered HTTP {exc.status} {exc.reason}: {body}") from None
+        if isinstance(exc, (urllib3.exceptions.HTTPError, OSError)):
+            raise EndpointError(f"lost the KFP endpoint {self.ep.host} ({exc})") from None
+        return False
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pipeline upload, runs, recurring runs
+
+
+def package_version_name(package_path: str | Path) -> str:
+    from rangefinder import __version__
+
+    digest = hashlib.sha256(Path(package_path).read_bytes()).hexdigest()[:12]
+    return f"v{__version__}-{digest}"
+
+
+def _filter_by_name(name: str) -> str:
+    return json.dumps({"predicates": [{"operation": "EQUALS", "key": "display_name", "stringValue": name}]})
+
+
+def ensure_pipeline_version(client, package_path: str, pipeline_name: str, description: str = "") -> tuple[str, str, bool]:
+    """(pipeline_id, version_id, uploaded): reuse the pipeline and the version of the same name, else upload."""
+    version_name = package_version_name(package_path)
+    pipeline_id = client.get_pipeline_id(pipeline_name)
+    uploaded = False
+    if pipeline_id is None:
+        pipeline_id = client.upload_pipeline(package_path, pipeline_name=pipeline_name,
+                                             description=description).pipeline_id
+        uploaded = True
+    versions = client.list_pipeline_versions(pipeline_id=pipeline_id, page_size=10,
+                                             filter=_filter_by_name(version_name)).pipeline_versions or []
+    for v in versions:
+        if v.display_name == version_name:
+            return pipeline_id, v.pipeline_version_id, uploaded
+    version = client.upload_pipeline_version(package_path, pipeline_version_name=version_name,
+                                             pipeline_id=pipeline_id, description=description)
+    return pipeline_id, version.pipeline_version_id, True
+
+
+@dataclass
+class Submission:
+    host: str
+    pipeline_id: str
+    version_id: str
+    uploaded: bool
+    experiment_id: str
+    run_id: Optional[str] = None
+    recurring_run_id: Optional[str] = None
+    state: Optional[str] = None
+
+
+def _compiled(cfg) -> tempfile.TemporaryDirectory:
+    from rangefinder.pipelines.pipeline import compile_pipeline
+
+    tmp = tempfile.TemporaryDirectory(prefix="rangefinder-submit-")
+    compile_pipeline(cfg, str(Path(tmp.name) / "pipeline.yaml"))
+    return tmp
+
+
+def submit(
+    cfg,
+    *,
+    host: Optional[str] = None,
+    token: Optional[str] = None,
+    experiment: Optional[str] = None,
+    run_name: Optional[str] = None,
+    dataset_uri: str = "",
+    wait: bool = False,
+    timeout_s: int = 24 * 3600,
+    cron: Optional[str] = None,
+    namespace: Optional[str] = None,
+) -> Submission:
+    """Compile `cfg` into a package, upload or reuse it, and create a run (or a recurring run when `cron` is set)."""
+    from rangefinder.steps.resolve_config import parameters_from_config
+    from rangefinder.pipelines.pipeline import PIPELINE_DESCRIPTION, PIPELINE_NAME
+
+    if cron is not None:
+        cron = validate_cron(cron)  # before any network traffic
+    params = parameters_from_config(cfg, dataset_uri=dataset_uri)
+    experiment = experiment or cfg.tracking.experiment_name
+    ep = resolve_endpoint(host, token)
+    client = connect(host, token, namespace)
+    with _kfp_errors(ep), _compiled(cfg) as tmp:
+        package = str(Path(tmp) / "pipeline.yaml")
+        pipeline_id, version_id, uploaded = ensure_pipeline_version(client, package, PIPELINE_NAME,
+                                                                    PIPELINE_DESCRIPTION)
+        exp = client.create_experiment(experiment)
+        sub = Submission(host=ep.host, pipeline_id=pipeline_id, version_id=version_id, uploaded=uploaded,
+                         experiment_id=exp.experiment_id)
+        name = run_name or f"{PIPELINE_NAME}-{version_id[:8]}"
+        sa = cfg.kubernetes.service_account
+        if cron is not None:
+            rr = client.create_recurring_run(
+                experiment_id=exp.experiment_id, job_name=name, cron_expression=cron, params=params,
+                pipeline_id=pipeline_id, version_id=version_id, max_concurrency=1, no_catchup=True,
+                service_account=sa,
+            )
+            sub.recurring_run_id = rr.recurring_run_id
+            return sub
+        run = client.run_pipeline(exp.experiment_id, name, params=params, pipeline_id=pipeline_id,
+                                  version_id=version_id, service_account=sa)
+        sub.run_id = run.run_id
+        if wait:
+            done = client.wait_for_run_completion(run.run_id, timeout=timeout_s)
+            sub.state = str(done.state)
+    return sub

@@ -1,0 +1,185 @@
+"""Run the whole pipeline on this machine through `kfp.local` (SubprocessRunner, no containers).
+
+The same compiled DAG as on a cluster runs step by step in subprocesses of this Python (the `rangefinder` package is
+installed here, so `use_venv=False`). GPU and Kubernetes settings have no meaning locally and kfp.local ignores them.
+Everything lands under one output folder: the pipeline root (every step's artifacts), and the MLflow store
+`sqlite:///<out>/mlflow.db` unless `MLFLOW_TRACKING_URI` is set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import sys
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from rangefinder.config import RangefinderConfig
+from rangefinder.errors import RangefinderError
+
+
+@dataclass
+class LocalRun:
+    out_dir: Path
+    run_dir: Path  # the pipeline root folder of this run: one sub-folder per task
+    tracking_uri: str
+    outputs: dict[str, dict[str, Any]] = field(default_factory=dict)  # task name -> output parameters
+    artifacts: dict[str, dict[str, str]] = field(default_factory=dict)  # task name -> output name -> path
+    reports: list[Path] = field(default_factory=list)  # copies under OUT/reports/, named to open in a browser
+
+    def task(self, prefix: str) -> Optional[str]:
+        """The task whose name starts with `prefix` and that really ran (kfp.local suffixes repeated names)."""
+        names = sorted(n for n in self.outputs if n == prefix or n.startswith(prefix + "-"))
+        return names[-1] if names else None
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        lr_task = self.task("choose-lr")
+        if lr_task:
+            lr = self.outputs[lr_task]
+            out.update(lr_source=lr.get("source"), lr_low=lr.get("lr_low"), lr_high=lr.get("lr_high"),
+                       lr_mid=lr.get("lr_mid"))
+        ft = self.task("finetune")
+        if ft:
+            out.update(recommended_epochs=self.outputs[ft].get("recommended_epochs"),
+                       recommended_updates=self.outputs[ft].get("recommended_updates"),
+                       still_improving=self.outputs[ft].get("still_improving"))
+        rt = self.task("retrain-full")
+        if rt:
+            out["retrained_epochs"] = self.outputs[rt].get("Output")
+        reg = self.task("register-model")
+        if reg:
+            out["registered_model"] = self.outputs[reg].get("model_uri")
+        out["reports"] = [str(p) for p in self.reports]
+        out["pipeline_root"] = str(self.run_dir)
+        if (self.out_dir / "pipeline.log").is_file():
+            out["log"] = str(self.out_dir / "pipeline.log")
+        out["mlflow"] = self.tracking_uri
+        return out
+
+
+def local_tracking_uri(out_dir: Path) -> str:
+    """$MLFLOW_TRACKING_URI, else a SQLite store inside the output folder."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(out_dir / 'mlflow.db').resolve()}"
+
+
+def run_pipeline_locally(cfg: RangefinderConfig, out_dir: str | Path, *, dataset_uri: str = "",
+                         quiet: bool = False) -> LocalRun:
+    """Run the pipeline for `cfg` with kfp.local; raise RangefinderError naming the failed step."""
+    from kfp import local
+
+    from rangefinder.steps.resolve_config import parameters_from_config
+    from rangefinder.pipelines.pipeline import PIPELINE_NAME, build_pipeline
+
+    out = Path(out_dir).resolve()
+    root = out / "pipeline-root"
+    root.mkdir(parents=True, exist_ok=True)
+    tracking_uri = cfg.tracking.tracking_uri or local_tracking_uri(out)
+
+    before = {p.name for p in root.iterdir()}
+    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(root), raise_on_error=True)
+    # No pod settings: kfp.local would rerun a failed step on retries, and hand the cluster's environment
+    # (data-volume paths, MLflow URI) to the steps.
+    pipeline = build_pipeline(cfg, local=True)
+    # The steps run in subprocesses that inherit this environment; the caller's is put back afterwards.
+    saved = os.environ.get("MLFLOW_TRACKING_URI")
+    os.environ["MLFLOW_TRACKING_URI"] = tracking_uri
+    log_path = out / "pipeline.log"
+    if quiet:
+        print(f"rangefinder: running the pipeline with kfp.local; step logs in {log_path}", file=sys.stderr)
+    try:
+        # kfp.local prints every step's log and outputs on stdout; with `quiet` they go to the log file instead,
+        # so the terminal (and --json) shows only the result.
+        with open(log_path, "a", encoding="utf-8") if quiet else contextlib.nullcontext() as log, \
+                contextlib.redirect_stdout(log) if quiet else contextlib.nullcontext(), warnings.catch_warnings():
+            # Known and meant: the pod settings and the image do nothing here (this environment has the package).
+            warnings.filterwarnings("ignore", message=r"Task .* have no effect in the current local runner")
+            warnings.filterwarnings("ignore", message=r"You may be attemping to run a task that uses custom")
+            pipeline(**parameters_from_config(cfg, dataset_uri=dataset_uri))
+    except RuntimeError as e:
+        # kfp.local names the failed task (inside a chain of sub-DAGs); the step's own error is in its log above.
+        text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))
+        m = re.search(r"Inner task failed: '([^']+)'", text)
+        where = f"step {m.group(1)} failed" if m else text
+        log_hint = f"see {log_path}" if quiet else "its error is in the log above"
+        raise RangefinderError(f"the local pipeline run stopped: {where} ({log_hint}; "
+                               f"artifacts so far under {root})") from None
+    finally:
+        if saved is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = saved
+    new = sorted((p for p in root.iterdir() if p.name not in before and p.name.startswith(PIPELINE_NAME)),
+                 key=lambda p: p.stat().st_mtime)
+    if not new:
+        raise RangefinderError(f"kfp.local wrote no run folder under {root}")
+    run = LocalRun(out_dir=out, run_dir=new[-1], tracking_uri=tracking_uri)
+    _collect(run)
+    _publish_reports(run)
+    return run
+
+
+# The artifacts a person reads, by output name; KFP names artifact files after the output, without an extension.
+REPORT_OUTPUTS = ("report_html", "report_md", "grid", "decision", "report")
+
+
+def _publish_reports(run: LocalRun) -> None:
+    """Copy the reports to OUT/reports/<step>[-<output>].<html|md> (lr-range-test-first.html, finetune.md,
+    sample-images-grid.html, ...) so they open with a double click and say what they are."""
+    import shutil
+
+    dest = run.out_dir / "reports"
+    dest.mkdir(exist_ok=True)
+    taken: set[str] = set()
+    for task in sorted(run.artifacts):
+        for key, path in sorted(run.artifacts[task].items()):
+            src = Path(path)
+            if key not in REPORT_OUTPUTS or not src.is_file():
+                continue
+            head = src.read_bytes()[:64].lstrip().lower()
+            ext = ".html" if head.startswith((b"<!doctype html", b"<html")) else ".md"
+            stem = _step_name(task, run)
+            if key not in ("report_html", "report_md"):
+                stem += f"-{key}"
+            if stem + ext in taken:  # the same step twice (not in today's DAG): keep kfp.local's task name
+                stem = f"{task}-{key}"
+            taken.add(stem + ext)
+            target = dest / f"{stem}{ext}"
+            shutil.copyfile(src, target)
+            run.reports.append(target)
+    run.reports.sort(key=lambda p: p.name)
+
+
+def _step_name(task: str, run: LocalRun) -> str:
+    """kfp.local's task folder without the suffixes it adds inside sub-DAGs (lr-range-test-2-2 -> lr-range-test).
+    The range tests are told apart by what they output: the first asks for the zoom, the zoom never asks again."""
+    step = _without_suffix(task)
+    if step == "lr-range-test":
+        tests = [t for t in run.artifacts if _without_suffix(t) == step]
+        is_zoom = len(tests) > 1 and not run.outputs.get(task, {}).get("needs_zoom")
+        step += "-zoom" if is_zoom else "-first"
+    return step
+
+
+def _without_suffix(task: str) -> str:
+    return re.sub(r"(-\d+)+$", "", task)
+
+
+def _collect(run: LocalRun) -> None:
+    """Read every task's executor output: parameters, and the paths of its output artifacts."""
+    for eo in run.run_dir.rglob("executor_output.json"):
+        task = eo.parent.name
+        try:
+            data = json.loads(eo.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        run.outputs[task] = dict(data.get("parameterValues", {}))
+        arts: dict[str, str] = {}
+        for name in eo.parent.iterdir():
+            if name.name != "executor_output.json":
+                arts[name.name] = str(name)
+        run.artifacts[task] = arts

@@ -1,0 +1,258 @@
+"""The DAG: dataset -> prepare -> LR range test (-> zoom) -> fine-tune (-> full-data retrain) -> samples -> registry.
+
+```
+record-status  (exit handler: runs whatever happened, records the final state)
+└── resolve-config
+    ├── if dataset_uri:  importer -> prepare-dataset -> train-and-evaluate
+    └── else:            prepare-dataset (dataset_dir or the embedded default) -> train-and-evaluate
+
+train-and-evaluate (one sub-pipeline, so the two dataset branches share everything after the split)
+    ├── if fixed_lr == 0:  discover-lr
+    │       lr-range-test -> if censored / too few points: lr-range-test (zoom) -> choose-lr
+    │                        else:                                             choose-lr
+    ├── else:              choose-lr (the fixed LR; no discovery)
+    ├── finetune (at the chosen midpoint)
+    ├── if retrain:  retrain-full -> sample-images(finetuned, retrained) -> register-model(retrained)
+    └── else:        sample-images(finetuned) -> register-model(finetuned)
+```
+
+Branches meet through `dsl.OneOf` on *parameters* (the LR bounds) only: kfp.local resolves a parameter OneOf but
+not an artifact one, and the same DAG must run there.
+
+Everything about pods (GPU, node pool, volumes, secrets, retries, caching) comes from `KubernetesConfig` through
+kfp's and kfp-kubernetes' own calls, at compile time. Nothing here reads the environment or the cluster at import.
+"""
+
+# No `from __future__ import annotations`: KFP reads the pipeline functions' annotations as real types.
+from typing import Callable, NamedTuple, Optional
+
+from kfp import dsl, kubernetes
+
+from rangefinder.config import KubernetesConfig, RangefinderConfig
+from rangefinder.container_images import cpu_image, trainer_image
+from rangefinder.steps.resolve_config import parameters_from_config
+from rangefinder.pipelines import kfp_components as c
+
+PIPELINE_NAME = "rangefinder-finetune"
+PIPELINE_DESCRIPTION = (
+    "Fine-tune Stable Diffusion with the learning rate found by an LR range test and the training length found by "
+    "a constant-LR fine-tune; every metric, report and model is tracked in MLflow."
+)
+
+# Steps whose pods need the GPU node pool; the cheap ones run on any node and may be cached.
+TRAINING_STEPS = ("lr_range_test", "finetune", "retrain_full", "sample_images")
+# Steps whose pods talk to MLflow (they log to the parent run) and so get its credentials.
+MLFLOW_STEPS = ("resolve_config", "lr_range_test", "finetune", "retrain_full", "sample_images", "register_model",
+                "record_status")
+# Deterministic, cheap steps: the same inputs give the same outputs, so a rerun may reuse them.
+CACHED_STEPS = ("prepare_dataset", "choose_lr")
+SHM_VOLUME = "dshm"
+
+
+def configure_task(task: dsl.PipelineTask, step: str, k8s: KubernetesConfig, local: bool = False) -> dsl.PipelineTask:
+    """The pod settings of one step, from the config. `local`: for kfp.local, which ignores pod settings but does
+    pass a task's environment variables on, so the cluster's paths and URIs are left out."""
+    training = step in TRAINING_STEPS
+    if local:
+        task.set_caching_options(False)  # a local rerun is meant to run again
+        return task.set_display_name(step.replace("_", "-"))
+    task.set_container_image(trainer_image(k8s.image) if training else cpu_image(k8s.cpu_image))
+    task.set_caching_options(step in CACHED_STEPS)
+    if training:
+        if k8s.gpu_count > 0:
+            task.set_accelerator_type(k8s.accelerator_type)
+            task.set_accelerator_limit(k8s.gpu_count)
+            for key, value in k8s.node_selector.items():
+                kubernetes.add_node_selector(task, label_key=key, label_value=value)
+            for t in k8s.tolerations:
+                kubernetes.add_toleration(task, key=t.key, operator=t.operator, value=t.value, effect=t.effect)
+        task.set_cpu_limit(k8s.cpu_limit)
+        task.set_memory_limit(k8s.memory_limit)
+        # Data loader workers share batches through /dev/shm, which is 64 MiB in a default pod.
+        kubernetes.empty_dir_mount(task, volume_name=SHM_VOLUME, mount_path="/dev/shm", medium="Memory",
+                                   size_limit=k8s.shm_size)
+        if k8s.retries and step != "sample_images":
+            # A preempted node kills the pod; the retry resumes from the newest whole checkpoint (training.resume).
+            task.set_retry(num_retries=k8s.retries, backoff_duration="60s", backoff_factor=2.0)
+    if k8s.data_pvc:
+        kubernetes.mount_pvc(task, pvc_name=k8s.data_pvc, mount_path=k8s.data_mount_path)
+    if step in MLFLOW_STEPS:
+        secret_keys = list(k8s.mlflow_secret_keys) if k8s.mlflow_secret else []
+        if "MLFLOW_TRACKING_URI" not in secret_keys:
+            task.set_env_variable("MLFLOW_TRACKING_URI", k8s.mlflow_tracking_uri)
+        if secret_keys:
+            kubernetes.use_secret_as_env(task, secret_name=k8s.mlflow_secret,
+                                         secret_key_to_env={key: key for key in secret_keys})
+    if k8s.image_pull_secrets:
+        kubernetes.set_image_pull_secrets(task, list(k8s.image_pull_secrets))
+    for key, value in k8s.pod_labels.items():
+        kubernetes.add_pod_label(task, label_key=key, label_value=value)
+    if step in TRAINING_STEPS or step == "prepare_dataset":
+        # Downloads (hub models) and the latent cache land on the data volume, not in the pod's small disk.
+        if k8s.data_pvc:
+            mount = k8s.data_mount_path.rstrip("/")
+            task.set_env_variable("RANGEFINDER_CACHE", f"{mount}/cache")
+            task.set_env_variable("HF_HOME", f"{mount}/cache/huggingface")
+            if step in TRAINING_STEPS:
+                # Runs (and their checkpoints) outlive a preempted pod there; the retry resumes from them.
+                task.set_env_variable("RANGEFINDER_WORK", f"{mount}/work")
+    return task.set_display_name(step.replace("_", "-"))
+
+
+def build_pipeline(cfg: Optional[RangefinderConfig] = None, *, local: bool = False) -> Callable:
+    """The pipeline function; `cfg` gives the parameters' defaults and the pod settings (none when `local`)."""
+    cfg = cfg or RangefinderConfig()
+    k8s = cfg.kubernetes
+    d = parameters_from_config(cfg)
+
+    def step(task: dsl.PipelineTask, name: str) -> dsl.PipelineTask:
+        return configure_task(task, name, k8s, local=local)
+
+    @dsl.pipeline(name="discover-lr")
+    def discover_lr(
+        config_json: str, split: dsl.Input[dsl.Dataset], mlflow_parent_run_id: str
+    ) -> NamedTuple("Bounds", lr_low=float, lr_high=float, lr_mid=float, source=str):
+        """LR range test, and a second one on a narrower range when the first curve cannot be read well."""
+        first = step(c.lr_range_test(config_json=config_json, split=split, stage="first",
+                                     mlflow_parent_run_id=mlflow_parent_run_id), "lr_range_test")
+        first.set_display_name("lr-range-test")
+        with dsl.If(first.outputs["needs_zoom"] == True, name="zoom-needed"):  # noqa: E712 (a KFP expression)
+            zoom = step(c.lr_range_test(config_json=config_json, split=split, stage="zoom",
+                                        lr_min=first.outputs["zoom_lr_min"], lr_max=first.outputs["zoom_lr_max"],
+                                        mlflow_parent_run_id=mlflow_parent_run_id), "lr_range_test")
+            zoom.set_display_name("lr-range-test-zoom")
+            zoomed = step(c.choose_lr(config_json=config_json, source="zoom", lr_low=zoom.outputs["lr_low"],
+                                      lr_high=zoom.outputs["lr_high"], lr_mid=zoom.outputs["lr_mid"]), "choose_lr")
+        with dsl.Else(name="first-test-readable"):
+            kept = step(c.choose_lr(config_json=config_json, source="range-test", lr_low=first.outputs["lr_low"],
+                                    lr_high=first.outputs["lr_high"], lr_mid=first.outputs["lr_mid"]), "choose_lr")
+        bounds = NamedTuple("Bounds", lr_low=float, lr_high=float, lr_mid=float, source=str)
+        return bounds(
+            lr_low=dsl.OneOf(zoomed.outputs["lr_low"], kept.outputs["lr_low"]),
+            lr_high=dsl.OneOf(zoomed.outputs["lr_high"], kept.outputs["lr_high"]),
+            lr_mid=dsl.OneOf(zoomed.outputs["lr_mid"], kept.outputs["lr_mid"]),
+            source=dsl.OneOf(zoomed.outputs["source"], kept.outputs["source"]),
+        )
+
+    @dsl.pipeline(name="train-and-evaluate")
+    def train_and_evaluate(
+        config_json: str, split: dsl.Input[dsl.Dataset], fixed_lr: float, retrain: bool, mlflow_parent_run_id: str
+    ):
+        """Everything after the split: the LR, the fine-tune, the optional retrain, the samples and the registry."""
+        with dsl.If(fixed_lr == 0.0, name="discover-lr"):
+            found = discover_lr(config_json=config_json, split=split, mlflow_parent_run_id=mlflow_parent_run_id)
+        with dsl.Else(name="fixed-lr"):
+            fixed = step(c.choose_lr(config_json=config_json, source="fixed", lr_low=fixed_lr, lr_high=fixed_lr,
+                                     lr_mid=fixed_lr), "choose_lr")
+        lr = {k: dsl.OneOf(found.outputs[k], fixed.outputs[k]) for k in ("lr_low", "lr_high", "lr_mid", "source")}
+
+        tuned = step(c.finetune(config_json=config_json, split=split, lr_low=lr["lr_low"], lr_high=lr["lr_high"],
+                                lr_mid=lr["lr_mid"], lr_source=lr["source"],
+                                mlflow_parent_run_id=mlflow_parent_run_id), "finetune")
+        with dsl.If(retrain == True, name="retrain-on-all-data"):  # noqa: E712
+            full = step(c.retrain_full(config_json=config_json, split=split, lr_low=lr["lr_low"],
+                                       lr_high=lr["lr_high"], lr_mid=lr["lr_mid"],
+                                       recommended_epochs=tuned.outputs["recommended_epochs"],
+                                       mlflow_parent_run_id=mlflow_parent_run_id), "retrain_full")
+            step(c.sample_images(config_json=config_json, finetuned=tuned.outputs["model"],
+                                 retrained=full.outputs["model"], mlflow_parent_run_id=mlflow_parent_run_id),
+                 "sample_images")
+            step(c.register_model(config_json=config_json, model=full.outputs["model"], lr_mid=lr["lr_mid"],
+                                  epochs=full.outputs["Output"], mlflow_parent_run_id=mlflow_parent_run_id),
+                 "register_model")
+        with dsl.Else(name="keep-finetuned"):
+            step(c.sample_images(config_json=config_json, finetuned=tuned.outputs["model"],
+                                 mlflow_parent_run_id=mlflow_parent_run_id), "sample_images")
+            step(c.register_model(config_json=config_json, model=tuned.outputs["model"], lr_mid=lr["lr_mid"],
+                                  epochs=tuned.outputs["recommended_epochs"],
+                                  mlflow_parent_run_id=mlflow_parent_run_id), "register_model")
+
+    @dsl.pipeline(name=PIPELINE_NAME, description=PIPELINE_DESCRIPTION)
+    def rangefinder_finetune(
+        dataset_uri: str = d["dataset_uri"],
+        dataset_dir: str = d["dataset_dir"],
+        base_model: str = d["base_model"],
+        method: str = d["method"],
+        resolution: int = d["resolution"],
+        batch_size: int = d["batch_size"],
+        grad_accum: int = d["grad_accum"],
+        ramp: str = d["ramp"],
+        lr_min: float = d["lr_min"],
+        lr_max: float = d["lr_max"],
+        range_test_epochs: int = d["range_test_epochs"],
+        finetune_epochs: int = d["finetune_epochs"],
+        val_split: float = d["val_split"],
+        split_seed: int = d["split_seed"],
+        seed: int = d["seed"],
+        fixed_lr: float = d["fixed_lr"],
+        retrain: bool = d["retrain"],
+        retrain_epochs: int = d["retrain_epochs"],
+        prompts: list = d["prompts"],
+        mlflow_experiment: str = d["mlflow_experiment"],
+        base_config: str = d["base_config"],
+    ):
+        """Fine-tune Stable Diffusion with the learning rate and training length found by measurement.
+
+        Args:
+            dataset_uri: Object-store URI (s3://, gs://, minio://) of a dataset folder: images with a caption in a
+                sibling .txt, or a metadata.jsonl. Imported as a Dataset artifact. Empty: use dataset_dir.
+            dataset_dir: Path of the dataset folder on the data volume (e.g. /data/datasets/mine). Empty with an
+                empty dataset_uri: the embedded synthetic shapes dataset.
+            base_model: Base model: a diffusers folder or single-file checkpoint on the data volume, or a hub id
+                (e.g. stable-diffusion-v1-5/stable-diffusion-v1-5). Empty: the embedded tiny model.
+            method: What trains: full, lora or textual_inversion.
+            resolution: Training resolution in pixels (square, a multiple of 8); 512 for SD 1.x.
+            batch_size: Images per micro-batch per GPU.
+            grad_accum: Micro-batches per optimizer update (effective batch = batch_size x grad_accum x GPUs).
+            ramp: LR range test ramp: exp (geometric, the usual choice for a wide range) or linear (Smith 2017).
+            lr_min: LR range test start (a value surely too low to learn), e.g. 1e-7. 0: the method's default
+                (full 1e-7; lora and textual_inversion 1e-6).
+            lr_max: LR range test end (a value surely too high), e.g. 1e-2. 0: the method's default (full 1e-2;
+                lora and textual_inversion 1.0).
+            range_test_epochs: Epochs the LR range test ramps over.
+            finetune_epochs: Epochs of the constant-LR fine-tune; longer than needed, the step window is found in it.
+            val_split: Share of images held out for validation loss (0.2 = 20 %, rounded up, at least one image).
+            split_seed: Seed of the train/validation split; the same seed and files give the same split.
+            seed: Seed of training (weights, noise, shuffling).
+            fixed_lr: A learning rate chosen by hand; skips the LR range tests. 0: find it by measurement.
+            retrain: Retrain on train + validation for the recommended epochs, and register that model.
+            retrain_epochs: Epochs of the full-data retrain. 0: the epochs the fine-tune recommends.
+            prompts: Prompts of the evaluation grid (one row each, fixed seeds).
+            mlflow_experiment: MLflow experiment the runs are logged under.
+            base_config: Every other setting, as the JSON of a rangefinder config (`rangefinder compile --config`
+                fills it in); the parameters above override it.
+        """
+        status = step(c.record_status(mlflow_experiment=mlflow_experiment,
+                                      pipeline_job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER), "record_status")
+        with dsl.ExitHandler(status, name="run-and-record"):
+            resolved = step(c.resolve_config(
+                base_config=base_config, dataset_dir=dataset_dir, base_model=base_model, method=method,
+                resolution=resolution, batch_size=batch_size, grad_accum=grad_accum, ramp=ramp, lr_min=lr_min,
+                lr_max=lr_max, range_test_epochs=range_test_epochs, finetune_epochs=finetune_epochs,
+                val_split=val_split, split_seed=split_seed, seed=seed, fixed_lr=fixed_lr, retrain=retrain,
+                retrain_epochs=retrain_epochs, prompts=prompts, mlflow_experiment=mlflow_experiment,
+                pipeline_job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
+                pipeline_job_name=dsl.PIPELINE_JOB_NAME_PLACEHOLDER,
+            ), "resolve_config")
+            config_json = resolved.outputs["config_json"]
+            rest = dict(fixed_lr=resolved.outputs["fixed_lr"], retrain=resolved.outputs["retrain"],
+                        mlflow_parent_run_id=resolved.outputs["mlflow_parent_run_id"])
+            with dsl.If(dataset_uri != "", name="import-dataset"):
+                imported = dsl.importer(artifact_uri=dataset_uri, artifact_class=dsl.Dataset, reimport=False)
+                imported.set_display_name("dataset-importer")
+                prepared = step(c.prepare_dataset(config_json=config_json, dataset=imported.output),
+                                "prepare_dataset")
+                train_and_evaluate(config_json=config_json, split=prepared.outputs["split"], **rest)
+            with dsl.Else(name="dataset-folder"):
+                prepared = step(c.prepare_dataset(config_json=config_json), "prepare_dataset")
+                train_and_evaluate(config_json=config_json, split=prepared.outputs["split"], **rest)
+
+    return rangefinder_finetune
+
+
+def compile_pipeline(cfg: Optional[RangefinderConfig], package_path: str) -> str:
+    """Write the IR YAML of the pipeline built from `cfg`; returns the path."""
+    from kfp import compiler
+
+    compiler.Compiler().compile(build_pipeline(cfg), package_path=package_path)
+    return package_path

@@ -1,0 +1,427 @@
+"""The evaluation grid: fixed prompts and seeds, one column per model, so that only the weights differ along a row.
+
+A column is a base model or anything the training methods write (see `resolve_column`): a diffusers folder, a
+single-file checkpoint, a LoRA (diffusers or kohya file) or a textual-inversion embedding, the last two applied on
+top of the base model. Each cell draws its initial latents from a CPU `torch.Generator` seeded with the row's seed,
+so a cell is the same on any device order and identical weights give identical cells.
+
+Outputs under `out_dir`: `grid.png` (labelled rows and columns), the single images under `images/`, `grid.html`
+(images embedded as base64, since the KFP UI shows no plain image files) and `grid.json` (the manifest, written
+last: its presence means the grid is complete).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import os
+import re
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+from rangefinder.errors import ConfigError
+
+# What the methods write (see src/rangefinder/training/methods/ and src/rangefinder/formats/export.py).
+LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
+TI_WEIGHTS_NAME = "learned_embeds.safetensors"
+# A training checkpoint (src/rangefinder/formats/checkpoints.py): the method's trained tensors and the run's settings.
+ENGINE_WEIGHTS_NAME = "weights.safetensors"
+ENGINE_STATE_NAME = "state.json"
+
+ColumnKind = str  # "pipeline" | "single_file" | "unet" | "lora" | "textual_inversion" | "engine_checkpoint"
+
+
+@dataclass(frozen=True)
+class GridColumn:
+    """One column of the grid: what to load, and how to label it."""
+
+    label: str
+    path: Path
+    kind: ColumnKind
+    token: Optional[str] = None  # textual inversion: the placeholder token its prompts use
+
+
+def _safetensors_info(path: Path) -> tuple[list[str], dict[str, str]]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return list(f.keys()), dict(f.metadata() or {})
+
+
+def _classify_file(path: Path) -> tuple[ColumnKind, Optional[str]]:
+    """The kind of a weights file, from its keys (the file name is not trusted)."""
+    if path.suffix == ".safetensors":
+        keys, meta = _safetensors_info(path)
+    elif path.suffix in (".pt", ".bin", ".ckpt"):
+        import torch
+
+        sd = torch.load(str(path), map_location="cpu", weights_only=True)
+        if isinstance(sd, dict) and "state_dict" in sd:
+            sd = sd["state_dict"]
+        keys, meta = (list(sd) if isinstance(sd, dict) else []), {}
+        if "string_to_param" in keys:
+            return "textual_inversion", sd.get("name")
+    else:
+        raise ConfigError(f"{path}: unknown weights file type; pass a .safetensors, .pt or .ckpt file or a folder")
+    if any(k.startswith("model.diffusion_model.") for k in keys):
+        return "single_file", None
+    if any("lora" in k for k in keys):
+        return "lora", None
+    if keys == ["emb_params"]:
+        return "textual_inversion", meta.get("rangefinder.placeholder_token") or meta.get("name") or path.stem
+    if len(keys) == 1:  # diffusers' learned_embeds: {token: (num_vectors, dim)}
+        return "textual_inversion", keys[0]
+    raise ConfigError(
+        f"{path}: not a checkpoint, LoRA or embedding file rangefinder knows (keys {keys[:3]}...); "
+        "pass a diffusers folder or a file written by `rangefinder train`"
+    )
+
+
+def resolve_column(path: Union[str, Path], label: Optional[str] = None) -> GridColumn:
+    """What a path holds, for the grid: a diffusers pipeline folder, a training checkpoint or an adapter."""
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"{p} does not exist; pass a model folder, a checkpoint folder or a weights file")
+    if p.is_file() and p.name == ENGINE_WEIGHTS_NAME and (p.parent / ENGINE_STATE_NAME).is_file():
+        p = p.parent
+    label = label or (p.parent.name if p.name == "final" else p.stem if p.is_file() else p.name)
+    if p.is_dir() and (p / ENGINE_WEIGHTS_NAME).is_file() and (p / ENGINE_STATE_NAME).is_file():
+        return GridColumn(label, p, "engine_checkpoint")
+    if p.is_file():
+        kind, token = _classify_file(p)
+        return GridColumn(label, p, kind, token)
+    if (p / "model_index.json").is_file():
+        return GridColumn(label, p, "pipeline")
+    if (p / LORA_WEIGHTS_NAME).is_file():
+        return GridColumn(label, p, "lora")
+    if (p / TI_WEIGHTS_NAME).is_file():
+        _, token = _classify_file(p / TI_WEIGHTS_NAME)
+        return GridColumn(label, p / TI_WEIGHTS_NAME, "textual_inversion", token)
+    if (p / "unet" / "config.json").is_file():
+        return GridColumn(label, p, "unet")  # a full fine-tune checkpoint: unet/ (and text_encoder/) only
+    raise ConfigError(
+        f"{p}: no model_index.json, unet/, {LORA_WEIGHTS_NAME} or {TI_WEIGHTS_NAME} inside; "
+        "pass a diffusers model folder or a checkpoint folder written by `rangefinder train`"
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Loading one column
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_column_pipeline(column: GridColumn, base_model: Path, *, device: str, dtype=None, scheduler=None):
+    """A StableDiffusionPipeline with the column's weights; adapters go on top of `base_model`."""
+    import torch
+    from diffusers import StableDiffusionPipeline, UNet2DConditionModel
+
+    dtype = dtype or (torch.float16 if device.startswith("cuda") else torch.float32)
+    common = dict(torch_dtype=dtype, safety_checker=None, requires_safety_checker=False)
+    if column.kind == "pipeline":
+        pipe = StableDiffusionPipeline.from_pretrained(str(column.path), local_files_only=True, **common)
+    elif column.kind == "single_file":
+        pipe = StableDiffusionPipeline.from_single_file(
+            str(column.path), config=str(base_model), local_files_only=True, **common
+        )
+    elif column.kind == "engine_checkpoint":
+        pipe = _engine_checkpoint_pipeline(column.path, base_model, common)
+    else:
+        pipe = StableDiffusionPipeline.from_pretrained(str(base_model), local_files_only=True, **common)
+        if column.kind == "unet":
+            pipe.unet = UNet2DConditionModel.from_pretrained(str(column.path / "unet"), torch_dtype=dtype)
+            if (column.path / "text_encoder" / "config.json").is_file():
+                from transformers import CLIPTextModel
+
+                pipe.text_encoder = CLIPTextModel.from_pretrained(str(column.path / "text_encoder"), dtype=dtype)
+        elif column.kind == "lora":
+            if column.path.is_dir():
+                pipe.load_lora_weights(str(column.path), weight_name=LORA_WEIGHTS_NAME)
+            else:
+                pipe.load_lora_weights(str(column.path.parent), weight_name=column.path.name)
+        elif column.kind == "textual_inversion":
+            pipe.load_textual_inversion(str(column.path), token=column.token)
+    if scheduler is not None:
+        import diffusers
+
+        pipe.scheduler = getattr(diffusers, scheduler).from_config(pipe.scheduler.config)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe.to(device)
+
+
+def _engine_checkpoint_pipeline(ckpt_dir: Path, base_model: Path, common: dict):
+    """A pipeline with a training checkpoint's weights: the run's method rebuilds its trainable parts on the base
+    model (adapters, new tokens) and puts the checkpoint's tensors back, as a resume does."""
+    import torch
+    from diffusers import StableDiffusionPipeline
+    from safetensors.torch import load_file
+
+    from rangefinder.config import ModelConfig, TrainingConfig
+    from rangefinder.models.loading import load_sd_components
+    from rangefinder.training.methods import make_method
+
+    state = json.loads((ckpt_dir / ENGINE_STATE_NAME).read_text())
+    cfg = TrainingConfig.model_validate(state["training"])
+    method = make_method(cfg)
+    sd = load_sd_components(ModelConfig(base_model=str(base_model)))
+    method.setup(sd, torch.float32)
+    method.load_trainable_state_dict(load_file(str(ckpt_dir / ENGINE_WEIGHTS_NAME)))
+    pipe = StableDiffusionPipeline.from_pretrained(
+        str(base_model), local_files_only=True, unet=sd.unet, text_encoder=sd.text_encoder, tokenizer=sd.tokenizer,
+        **common,
+    )
+    return pipe.to(common["torch_dtype"])
+
+
+def check_scheduler_name(name: Optional[str]) -> None:
+    if name is None:
+        return
+    import diffusers
+    from diffusers import SchedulerMixin
+
+    cls = getattr(diffusers, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, SchedulerMixin)):
+        raise ConfigError(
+            f"sampling.scheduler: {name!r} is not a diffusers scheduler class; "
+            "use a class name such as DDIMScheduler, EulerDiscreteScheduler or DPMSolverMultistepScheduler"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The grid
+
+
+def _slug(text: str, limit: int = 40) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-")[:limit] or "x"
+
+
+def _atomic_save_png(img, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    img.save(tmp, format="PNG")
+    os.replace(tmp, path)
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _png_b64(img) -> str:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+@dataclass(frozen=True)
+class GridLayout:
+    """Pixel geometry of grid.png: a header band of column labels, a band of row labels, then square cells."""
+
+    cell: int  # displayed cell size; images are upscaled (nearest) when smaller, so tiny models stay readable
+    label_width: int
+    header_height: int
+    rows: int
+    cols: int
+
+    @property
+    def size(self) -> tuple[int, int]:
+        return (self.label_width + self.cols * self.cell, self.header_height + self.rows * self.cell)
+
+    def cell_box(self, row: int, col: int) -> tuple[int, int, int, int]:
+        x = self.label_width + col * self.cell
+        y = self.header_height + row * self.cell
+        return (x, y, x + self.cell, y + self.cell)
+
+
+def compose_grid(images: list[list[Any]], row_labels: list[str], col_labels: list[str], cell: int):
+    """One PIL image: `images[row][col]` in cells, row labels on the left, column labels on top."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    font = ImageFont.load_default()
+    wrap = max(8, cell // 7)
+    col_lines = [textwrap.wrap(c, wrap) or [""] for c in col_labels]
+    row_lines = [textwrap.wrap(r, 28) or [""] for r in row_labels]
+    line_h = 12
+    layout = GridLayout(
+        cell=cell,
+        label_width=max(160, 8 + 7 * max(len(line) for lines in row_lines for line in lines)),
+        header_height=8 + line_h * max(len(lines) for lines in col_lines),
+        rows=len(row_labels),
+        cols=len(col_labels),
+    )
+    grid = Image.new("RGB", layout.size, "white")
+    draw = ImageDraw.Draw(grid)
+    for c, lines in enumerate(col_lines):
+        x0 = layout.label_width + c * cell + 4
+        for i, line in enumerate(lines):
+            draw.text((x0, 4 + i * line_h), line, fill="black", font=font)
+    for r, lines in enumerate(row_lines):
+        y0 = layout.header_height + r * cell + 4
+        for i, line in enumerate(lines[: max(1, (cell - 4) // line_h)]):
+            draw.text((4, y0 + i * line_h), line, fill="black", font=font)
+    for r, row in enumerate(images):
+        for c, img in enumerate(row):
+            x0, y0, _, _ = layout.cell_box(r, c)
+            grid.paste(img.resize((cell, cell), Image.NEAREST) if img.size != (cell, cell) else img, (x0, y0))
+    return grid, layout
+
+
+def _grid_html(images, row_labels, col_labels, cell: int, settings: dict) -> str:
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in col_labels)
+    body = []
+    for r, row in enumerate(images):
+        cells = "".join(
+            f'<td><img width="{cell}" height="{cell}" src="data:image/png;base64,{_png_b64(img)}"></td>' for img in row
+        )
+        body.append(f"<tr><th class=row>{html.escape(row_labels[r])}</th>{cells}</tr>")
+    settings_txt = html.escape(", ".join(f"{k}={v}" for k, v in settings.items()))
+    return (
+        "<!doctype html><html><head><meta charset=utf-8><title>rangefinder samples</title><style>"
+        "body{font-family:sans-serif}table{border-collapse:collapse}td,th{padding:2px;vertical-align:top}"
+        "th.row{text-align:left;max-width:16em;font-weight:normal}img{image-rendering:pixelated}"
+        f"</style></head><body><h1>Samples</h1><p>{settings_txt}</p>"
+        "<p>Every row uses one prompt and one seed; columns differ only in their weights.</p>"
+        f"<table><tr><th></th>{head}</tr>{''.join(body)}</table></body></html>"
+    )
+
+
+def render_grid(
+    models: Sequence[Union[str, Path, GridColumn]],
+    prompts: Sequence[str],
+    seeds: Sequence[int],
+    *,
+    out_dir: Union[str, Path],
+    labels: Optional[Sequence[str]] = None,
+    base_model: Union[str, Path, None] = None,
+    steps: int = 25,
+    guidance_scale: float = 7.5,
+    scheduler: Optional[str] = None,
+    resolution: Optional[int] = None,
+    negative_prompt: Optional[str] = None,
+    device: Optional[str] = None,
+    dtype=None,
+    cell_size: Optional[int] = None,
+) -> dict[str, Any]:
+    """Render every prompt x seed (rows) for every model (columns) into `out_dir`.
+
+    `models[0]` is normally the base model, so the first column shows what training changed. A LoRA or embedding
+    column is applied on top of `base_model` (default: `models[0]`). Returns the paths written and the layout:
+    `{"grid", "html", "manifest", "images": [[path per column] per row], "rows", "columns", "layout"}`.
+    """
+    import torch
+
+    if not models:
+        raise ConfigError("render_grid: pass at least one model (the base model first)")
+    if not prompts or not seeds:
+        raise ConfigError("sampling.prompts and sampling.seeds must each list at least one entry")
+    if labels is not None and len(labels) != len(models):
+        raise ConfigError(f"render_grid: {len(labels)} labels for {len(models)} models; give one label per model")
+    check_scheduler_name(scheduler)
+    columns = [
+        m if isinstance(m, GridColumn) else resolve_column(m, labels[i] if labels else None)
+        for i, m in enumerate(models)
+    ]
+    if labels is None:
+        seen: dict[str, int] = {}
+        fixed = []
+        for c in columns:  # the same folder twice (or two `final`s) must still be told apart
+            n = seen.get(c.label, 0)
+            seen[c.label] = n + 1
+            fixed.append(c if n == 0 else GridColumn(f"{c.label} ({n + 1})", c.path, c.kind, c.token))
+        columns = fixed
+    base = Path(base_model) if base_model is not None else columns[0].path
+    if any(c.kind != "pipeline" for c in columns):
+        if not (base / "model_index.json").is_file():
+            raise ConfigError(
+                f"base model {base} is not a diffusers folder (no model_index.json); adapters and checkpoints "
+                "are applied on top of it, so pass --model DIR with the base model's folder"
+            )
+    device = device or _default_device()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    manifest_path = out / "grid.json"
+    if manifest_path.exists():
+        manifest_path.unlink()  # an older grid's manifest must not vouch for a half-written new one
+
+    rows = [(i, p, s) for i, p in enumerate(prompts) for s in seeds]
+    row_labels = [f"{p} | seed {s}" for _, p, s in rows]
+    images: list[list[Any]] = [[None] * len(columns) for _ in rows]
+    paths: list[list[str]] = [[""] * len(columns) for _ in rows]
+    size = None
+    for c, column in enumerate(columns):
+        pipe = load_column_pipeline(column, base, device=device, dtype=dtype, scheduler=scheduler)
+        res = resolution or pipe.unet.config.sample_size * pipe.vae_scale_factor
+        col_dir = out / "images" / f"{c:02d}-{_slug(column.label)}"
+        for r, (p_index, prompt, seed) in enumerate(rows):
+            # One CPU generator per cell: the initial latents depend on the seed alone, not on what ran before.
+            generator = torch.Generator("cpu").manual_seed(int(seed))
+            img = pipe(
+                prompt,
+                negative_prompt=negative_prompt,
+                num_inference_steps=steps,
+                guidance_scale=guidance_scale,
+                height=res,
+                width=res,
+                generator=generator,
+            ).images[0]
+            path = col_dir / f"p{p_index:02d}-s{seed}.png"
+            _atomic_save_png(img, path)
+            images[r][c] = img
+            paths[r][c] = str(path)
+            size = res
+        del pipe
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+    cell = cell_size or max(size, 128)
+    grid, layout = compose_grid(images, row_labels, [c.label for c in columns], cell)
+    grid_path = out / "grid.png"
+    _atomic_save_png(grid, grid_path)
+    settings = {
+        "steps": steps,
+        "guidance_scale": guidance_scale,
+        "scheduler": scheduler or "model default",
+        "resolution": size,
+    }
+    html_path = out / "grid.html"
+    _atomic_write_text(html_path, _grid_html(images, row_labels, [c.label for c in columns], cell, settings))
+    result = {
+        "grid": str(grid_path),
+        "html": str(html_path),
+        "manifest": str(manifest_path),
+        "images": paths,
+        "rows": [{"prompt": p, "seed": s} for _, p, s in rows],
+        "columns": [{"label": c.label, "path": str(c.path), "kind": c.kind} for c in columns],
+        "layout": {
+            "cell": layout.cell,
+            "label_width": layout.label_width,
+            "header_height": layout.header_height,
+            "rows": layout.rows,
+            "cols": layout.cols,
+            "size": list(layout.size),
+        },
+        "settings": settings,
+    }
+    _atomic_write_text(manifest_path, json.dumps(result, indent=2))
+    return result
+
+
+def read_prompts(path: Union[str, Path]) -> list[str]:
+    """Prompts from a text file, one per line; blank lines and lines starting with # are skipped."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"prompts file {p} does not exist; pass a text file with one prompt per line")
+    prompts = [ln.strip() for ln in p.read_text(encoding="utf-8").splitlines()]
+    prompts = [ln for ln in prompts if ln and not ln.startswith("#")]
+    if not prompts:
+        raise ConfigError(f"prompts file {p} holds no prompts; write one prompt per line")
+    return prompts

@@ -1,0 +1,47 @@
+"""Step `choose_lr`: the LR bounds the fine-tune uses, and where they came from.
+
+Three branches of the DAG end here: the first range test was readable, a zoom re-test was needed, or a person fixed
+the LR (no discovery; the bounds collapse onto that LR). The step checks the numbers and writes the decision down.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from rangefinder.config import RangefinderConfig
+from rangefinder.errors import RangefinderError
+
+SOURCES = ("range-test", "zoom", "fixed")
+
+
+@dataclass(frozen=True)
+class ChosenLR:
+    lr_low: float
+    lr_high: float
+    lr_mid: float
+    source: str
+
+
+def run_choose_lr(cfg: RangefinderConfig, *, source: str, lr_low: float, lr_high: float, lr_mid: float,
+                  decision_path: Optional[Path] = None) -> ChosenLR:
+    if source not in SOURCES:
+        raise RangefinderError(f"choose_lr source must be one of {', '.join(SOURCES)} (got {source!r})")
+    for name, v in (("lr_low", lr_low), ("lr_high", lr_high), ("lr_mid", lr_mid)):
+        if not (math.isfinite(v) and v > 0):
+            raise RangefinderError(f"{name} = {v!r} from the {source} step is not a positive learning rate")
+    if not lr_low <= lr_mid <= lr_high:
+        raise RangefinderError(f"the bounds from the {source} step are out of order: "
+                               f"lr_low {lr_low:g}, lr_mid {lr_mid:g}, lr_high {lr_high:g}")
+    chosen = ChosenLR(float(lr_low), float(lr_high), float(lr_mid), source)
+    if decision_path is not None:
+        why = {"range-test": "read off the LR range test", "zoom": "read off the zoomed (second) LR range test",
+               "fixed": "fixed by hand; discovery skipped"}[source]
+        Path(decision_path).write_text(
+            "# Learning rate\n\n| lr_low | lr_mid | lr_high | source |\n|---|---|---|---|\n"
+            f"| {lr_low:.3g} | {lr_mid:.3g} | {lr_high:.3g} | {why} |\n"
+            f"\nThe fine-tune trains at lr_mid ({cfg.finetune.schedule} schedule).\n"
+        )
+    return chosen

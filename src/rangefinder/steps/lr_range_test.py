@@ -1,0 +1,220 @@
+"""Step `lr_range_test`: one run whose LR climbs from too low to too high, then the bounds read off its curve.
+
+The LR climbs exponentially or linearly (Smith 2017, "Cyclical Learning Rates for Training Neural Networks",
+section 3.3) over `lr_range_test.epochs`, with validation loss measured at update 0 and then every epoch (or every
+N updates). `rangefinder.analysis` reads the lower bound, the upper bound and the midpoint off the curve.
+
+When the curve is censored (still falling at an end of the sweep) or too few measurements lie between the bounds,
+the step says so (`needs_zoom`) and proposes the range of a second test ("zoom"), derived from the first:
+
+- too few points between ok bounds: the bounds widened by `ZOOM_MARGIN` on each side (more points land inside);
+- still falling at the top (upper_censored): from the lower bound (less `ZOOM_MARGIN`) up to `ZOOM_EXTEND` x the
+  old top;
+- already falling at the bottom (lower_censored): from `1/ZOOM_EXTEND` x the old bottom up to the upper bound (plus
+  `ZOOM_MARGIN`: a sweep that stops right at the old upper bound is still falling at its top, and is read as
+  upper-censored);
+- rising from the start: the decade(s) below the old range; diverged: the range below where it blew up;
+- no descent: one decade higher when the curve stayed flat (nothing was learned yet), but when the loss ended above
+  where it started (the top of the sweep made the model worse, as when the base model has little left to learn) a
+  decade lower, up to a little past the lowest point: widening upwards there only finds the blow-up.
+
+A second test never asks for a third: if its curve still cannot be read the step stops with the analysis' advice.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from rangefinder.config import RangefinderConfig, TrainingConfig, ValidationConfig
+from rangefinder.errors import RangefinderError
+from rangefinder.steps.workdir import publish, work_dir
+
+ZOOM_MARGIN = 3.0  # x/÷ around ok bounds that hold too few points
+ZOOM_EXTEND = 10.0  # one decade past a censored end
+
+
+@dataclass
+class RangeTestResult:
+    stage: str
+    lr_min: float
+    lr_max: float
+    status: str
+    lr_low: float
+    lr_high: float
+    lr_mid: float
+    quality: float
+    flags: list[str]
+    points_between: int
+    needs_zoom: bool
+    zoom_lr_min: float  # 0.0 when no zoom is needed (KFP outputs cannot be None)
+    zoom_lr_max: float
+    curve_csv: Path
+    bounds_json: Path
+
+    def metrics(self) -> dict[str, float]:
+        return {"lr_low": self.lr_low, "lr_high": self.lr_high, "lr_mid": self.lr_mid, "quality": self.quality,
+                "points_between_bounds": float(self.points_between)}
+
+
+def ramp_training_config(cfg: RangefinderConfig, lr_min: float, lr_max: float) -> TrainingConfig:
+    """The training settings of one sweep from lr_min to lr_max over the range test's epochs."""
+    rt = cfg.lr_range_test
+    return cfg.training.model_copy(update={
+        "schedule": "exp-ramp" if rt.ramp == "exp" else "linear-ramp",
+        "lr_min": lr_min, "lr_max": lr_max, "lr": lr_max, "scale_lr": "none",
+        "epochs": rt.epochs, "steps": None,
+        # The folder is this task's own: a retry (a preempted node) goes on from its newest checkpoint.
+        "resume": True,
+    })
+
+
+def ramp_validation_config(cfg: RangefinderConfig) -> ValidationConfig:
+    every = cfg.lr_range_test.validate_every_updates
+    if every is None:
+        return cfg.validation
+    return cfg.validation.model_copy(update={"every_updates": every})
+
+
+def points_between(lr: Any, lr_low: Optional[float], lr_high: Optional[float]) -> int:
+    if lr_low is None or lr_high is None:
+        return 0
+    return sum(1 for x in lr if lr_low <= float(x) <= lr_high)
+
+
+def ended_above_start(val_loss: Any) -> bool:
+    """The last points of the sweep (median of up to 3 finite ones) are above its first: the top LRs did harm."""
+    finite = [float(v) for v in val_loss if math.isfinite(float(v))]
+    if len(finite) < 3:
+        return False
+    tail = sorted(finite[-3:])[1]
+    return tail > finite[0]
+
+
+def zoom_range(status: str, flags: list[str], lr_low: Optional[float], lr_high: Optional[float],
+               lr_min: float, lr_max: float, n_between: int, min_points: int,
+               lr_at_min: Optional[float] = None, rose_at_top: bool = False) -> Optional[tuple[float, float]]:
+    """The range of a second test, or None when the first curve is readable enough (see the module docstring)."""
+    if status == "ok":
+        assert lr_low is not None and lr_high is not None
+        if "upper_censored" in flags:
+            return lr_low / ZOOM_MARGIN, lr_max * ZOOM_EXTEND
+        if "lower_censored" in flags:
+            return lr_min / ZOOM_EXTEND, lr_high * ZOOM_MARGIN
+        if n_between < min_points:
+            return max(lr_low / ZOOM_MARGIN, lr_min / ZOOM_EXTEND), lr_high * ZOOM_MARGIN
+        return None
+    if status == "rising_from_start":
+        return lr_min / ZOOM_EXTEND ** 2, lr_min
+    if status == "diverged":
+        if lr_at_min is not None and lr_min < lr_at_min < lr_max:
+            # It fell before it blew up: spend the second sweep on the part below the blow-up.
+            return lr_min, min(lr_max, lr_at_min * ZOOM_EXTEND)
+        return lr_min / ZOOM_EXTEND, max(lr_max / ZOOM_EXTEND ** 2, lr_min * ZOOM_EXTEND)
+    if status == "no_descent":
+        if not rose_at_top:
+            return lr_min, lr_max * ZOOM_EXTEND
+        top = lr_at_min * ZOOM_MARGIN if lr_at_min is not None and lr_min < lr_at_min < lr_max else lr_min
+        return lr_min / ZOOM_EXTEND, top
+    return None
+
+
+def run_lr_range_test(
+    cfg: RangefinderConfig,
+    *,
+    split_dir: Path,
+    out_dir: Path,
+    stage: str = "first",
+    lr_min: Optional[float] = None,
+    lr_max: Optional[float] = None,
+    report_html: Optional[Path] = None,
+    report_md: Optional[Path] = None,
+    mlflow_parent_run_id: Optional[str] = None,
+) -> RangeTestResult:
+    """Sweep, analyse, report; `lr_min`/`lr_max` None: the configured range (a zoom passes its own)."""
+    from rangefinder import tracking
+    from rangefinder.analysis import analyze_lr_curve, read_curve_csv, write_lr_report
+    from rangefinder.training.loop import train
+
+    if stage not in ("first", "zoom"):
+        raise RangefinderError(f"lr_range_test stage must be 'first' or 'zoom' (got {stage!r})")
+    rt = cfg.lr_range_test
+    default_lo, default_hi = rt.range_for(cfg.training.method)
+    lo = lr_min if lr_min is not None else default_lo
+    hi = lr_max if lr_max is not None else default_hi
+    if not 0 < lo < hi:
+        raise RangefinderError(f"LR range {lo:g}..{hi:g} is empty; lr_min must be above 0 and below lr_max")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    train_cfg = ramp_training_config(cfg, lo, hi)
+    val_cfg = ramp_validation_config(cfg)
+    if not val_cfg.enabled():
+        raise RangefinderError("the LR range test measures validation loss: set validation.every_epochs > 0")
+
+    step_name = "lr_range_test" if stage == "first" else "lr_range_test_zoom"
+    with tracking.step_run(cfg, step_name, parent_run_id=mlflow_parent_run_id) as run:
+        run.log_config(cfg, extra={"range_test.lr_min": lo, "range_test.lr_max": hi, "range_test.stage": stage})
+        run.log_dataset_manifest(split_dir)
+        work = work_dir(out_dir / "run", f"{mlflow_parent_run_id}/{step_name}" if mlflow_parent_run_id else None)
+        result = train(train_cfg, val_cfg, split_dir=split_dir, model=cfg.model, out_dir=work,
+                       metric_sink=run, data=cfg.data, save_final=False)
+        publish(work, out_dir / "run")
+        curve = read_curve_csv(result.metrics_csv)
+        stabilize = curve.get("stabilize_loss")
+        bounds = analyze_lr_curve(curve["lr"], curve["val_loss"], ramp=rt.ramp, stabilize_loss=stabilize,
+                                  seed=cfg.validation.seed, divergence_factor=cfg.validation.divergence_factor,
+                                  mid_position=rt.mid_position)
+        n_between = points_between(curve["lr"], bounds.lr_low, bounds.lr_high)
+        zoom = None
+        if stage == "first" and rt.zoom:
+            zoom = zoom_range(bounds.status, bounds.flags, bounds.lr_low, bounds.lr_high, lo, hi, n_between,
+                              rt.zoom_min_points, lr_at_min=bounds.lr_at_min,
+                              rose_at_top=ended_above_start(curve["val_loss"]))
+        decision = {**bounds.to_dict(), "stage": stage, "lr_min": lo, "lr_max": hi, "points_between": n_between,
+                    "needs_zoom": zoom is not None, "zoom_range": list(zoom) if zoom else None,
+                    "updates": result.updates, "curve_csv": str(result.metrics_csv)}
+        report = write_lr_report(bounds, curve, out_dir / "report", source=str(result.metrics_csv))
+        _copy_reports(report, report_html, report_md)
+        bounds_json = out_dir / "bounds.json"
+        _atomic_write(bounds_json, json.dumps(decision, indent=2, default=str))
+        run.log_artifact(result.metrics_csv, "curves")
+        run.log_artifact(bounds_json, "analysis")
+        run.log_artifact(out_dir / "report", "report")
+        run.log_decisions({k: decision[k] for k in ("status", "lr_low", "lr_high", "lr_mid", "quality", "flags",
+                                                     "points_between", "needs_zoom")}, prefix="" if stage == "first"
+                          else "zoom.")
+
+    if bounds.status != "ok" and zoom is None:
+        advice = " ".join(bounds.advice) or "widen the range or set a fixed lr"
+        raise RangefinderError(f"the {stage} LR range test ({lo:g}..{hi:g}) found no usable bounds "
+                               f"({bounds.status}): {advice}")
+    return RangeTestResult(
+        stage=stage, lr_min=lo, lr_max=hi, status=bounds.status,
+        lr_low=float(bounds.lr_low or 0.0), lr_high=float(bounds.lr_high or 0.0), lr_mid=float(bounds.lr_mid or 0.0),
+        quality=float(bounds.quality), flags=list(bounds.flags), points_between=n_between,
+        needs_zoom=zoom is not None, zoom_lr_min=float(zoom[0]) if zoom else 0.0,
+        zoom_lr_max=float(zoom[1]) if zoom else 0.0, curve_csv=result.metrics_csv, bounds_json=bounds_json,
+    )
+
+
+def _copy_reports(report: dict, report_html: Optional[Path], report_md: Optional[Path]) -> None:
+    """The analysis' self-contained HTML (plots embedded) and its Markdown, at the paths KFP gave the outputs."""
+    import shutil
+
+    if report_html is not None:
+        shutil.copyfile(report["html"], report_html)
+    if report_md is not None:
+        shutil.copyfile(report["markdown"], report_md)
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def fmt_lr(x: float) -> str:
+    return f"{x:.3g}" if x and math.isfinite(x) else "-"

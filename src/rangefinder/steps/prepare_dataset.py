@@ -1,0 +1,71 @@
+"""Step `prepare_dataset`: validate the images and captions and split them into one self-contained Dataset folder.
+
+Where the images come from, in order: an imported Dataset artifact (the pipeline's `dataset_uri`), else
+`data.dataset_dir` (a folder on the data volume, or on this machine), else the embedded synthetic shapes dataset,
+made here. Images from an artifact or made here are written inside the split folder (`dataset/`), because each
+later step gets its own download of the split and nothing else; a `dataset_dir` on a shared volume stays in place.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from rangefinder.config import RangefinderConfig
+from rangefinder.errors import DataError
+
+EMBEDDED_IMAGES = 20  # the embedded shapes dataset: 16 train + 4 validation images at the default 0.2 split
+
+
+@dataclass
+class PreparedDataset:
+    split_dir: Path
+    dataset_root: Path
+    train_images: int
+    val_images: int
+    skipped: int
+
+
+def run_prepare_dataset(
+    cfg: RangefinderConfig,
+    *,
+    out_dir: Path,
+    dataset_dir: Optional[Path] = None,
+    report_path: Optional[Path] = None,
+) -> PreparedDataset:
+    from rangefinder.data.split import split_dataset
+    from rangefinder.data.synthetic import make_synthetic_dataset
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if dataset_dir is not None:
+        # An imported artifact: copy it into the split so every later pod has the images.
+        root = out_dir / "dataset"
+        if root.exists():
+            shutil.rmtree(root)
+        shutil.copytree(dataset_dir, root)
+    elif cfg.data.dataset_dir:
+        root = Path(cfg.data.dataset_dir).expanduser()
+        if not root.is_dir():
+            raise DataError(f"data.dataset_dir {root} is not a folder; give the folder of images and captions")
+    else:
+        root = out_dir / "dataset"
+        make_synthetic_dataset(root, kind="shapes", count=EMBEDDED_IMAGES, seed=0,
+                               resolution=max(32, cfg.data.resolution))
+    split = split_dataset(root, out_dir, val_split=cfg.split.val_split, stabilize_split=cfg.split.stabilize_split,
+                          seed=cfg.split.seed, val_dir=cfg.split.val_dir,
+                          min_image_size=cfg.data.effective_min_image_size(), min_images=cfg.data.min_images)
+    skipped_files = list(split.summary.get("skipped", []))
+    skipped = len(skipped_files)
+    result = PreparedDataset(split_dir=out_dir, dataset_root=root.resolve(), train_images=len(split.train),
+                             val_images=len(split.val), skipped=skipped)
+    if report_path is not None:
+        lines = ["# Dataset", "", f"- images from: `{dataset_dir or cfg.data.dataset_dir or 'embedded shapes'}`",
+                 f"- training images: {result.train_images}", f"- validation images: {result.val_images}",
+                 f"- stabilize subset: {len(split.stabilize)}", f"- skipped files: {skipped}"]
+        for item in skipped_files:
+            lines.append(f"  - `{item.get('file_name')}`: {item.get('reason')}")
+        Path(report_path).write_text("\n".join(lines) + "\n")
+    return result

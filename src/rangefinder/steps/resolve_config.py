@@ -1,0 +1,151 @@
+"""Step `resolve_config`: the pipeline's typed parameters -> one validated `RangefinderConfig`.
+
+The Kubeflow UI shows a handful of typed parameters (the ones a person changes between runs). Everything else comes
+from `base_config`, the whole config as JSON (baked in at compile time by `rangefinder compile --config FILE`, or
+sent by `rangefinder submit --config FILE`). The typed parameters are laid over it, so what a person types in the
+UI wins. Validation happens here, in the first step, so a bad value stops the run before any GPU is asked for.
+
+Strings and numbers cannot be None in the KFP UI, so an empty string or 0 means "unset" for the parameters below
+whose config field is Optional (dataset_dir, base_model, fixed_lr, retrain_epochs, and lr_min/lr_max, whose unset
+value means the method's default sweep).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from rangefinder.config import RangefinderConfig, _deep_merge, parse_config
+from rangefinder.errors import ConfigError
+
+# Pipeline parameter -> dotted config field. The order is the order the UI lists them in.
+PARAMETER_FIELDS: dict[str, str] = {
+    "dataset_dir": "data.dataset_dir",
+    "base_model": "model.base_model",
+    "method": "training.method",
+    "resolution": "data.resolution",
+    "batch_size": "training.batch_size",
+    "grad_accum": "training.grad_accum",
+    "ramp": "lr_range_test.ramp",
+    "lr_min": "lr_range_test.lr_min",
+    "lr_max": "lr_range_test.lr_max",
+    "range_test_epochs": "lr_range_test.epochs",
+    "finetune_epochs": "finetune.epochs",
+    "val_split": "split.val_split",
+    "split_seed": "split.seed",
+    "seed": "training.seed",
+    "fixed_lr": "lr",
+    "retrain": "retrain.enabled",
+    "retrain_epochs": "retrain.epochs",
+    "prompts": "sampling.prompts",
+    "mlflow_experiment": "tracking.experiment_name",
+}
+
+# Parameters whose config field is Optional: the UI's "empty" value stands for None.
+_UNSET: dict[str, Any] = {"dataset_dir": "", "base_model": "", "fixed_lr": 0.0, "retrain_epochs": 0,
+                          "lr_min": 0.0, "lr_max": 0.0}
+
+
+def _get(cfg: RangefinderConfig, dotted: str) -> Any:
+    obj: Any = cfg
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _nested(dotted: str, value: Any) -> dict:
+    out: dict = {}
+    cur = out
+    parts = dotted.split(".")
+    for part in parts[:-1]:
+        cur = cur.setdefault(part, {})
+    cur[parts[-1]] = value
+    return out
+
+
+def base_config_json(cfg: RangefinderConfig) -> str:
+    """The config as the `base_config` parameter carries it. Kubernetes settings are compiled into the pipeline
+    itself (they shape the pods), so they are left out."""
+    return cfg.model_dump_json(exclude={"kubernetes"})
+
+
+def parameters_from_config(cfg: RangefinderConfig, dataset_uri: str = "") -> dict[str, Any]:
+    """The pipeline arguments that reproduce `cfg` (used for compile-time defaults, submit and local runs)."""
+    params: dict[str, Any] = {"dataset_uri": dataset_uri}
+    for name, dotted in PARAMETER_FIELDS.items():
+        value = _get(cfg, dotted)
+        params[name] = _UNSET[name] if value is None and name in _UNSET else value
+    params["prompts"] = list(params["prompts"])
+    params["base_config"] = base_config_json(cfg)
+    return params
+
+
+def config_from_parameters(base_config: str = "", **params: Any) -> RangefinderConfig:
+    """Lay the typed parameters over `base_config` and validate; ConfigError names the parameter at fault."""
+    unknown = sorted(set(params) - set(PARAMETER_FIELDS) - {"dataset_uri"})
+    if unknown:
+        raise ConfigError(f"unknown pipeline parameter(s) {', '.join(unknown)}; known: {', '.join(PARAMETER_FIELDS)}")
+    raw: dict = {}
+    if base_config and base_config.strip():
+        try:
+            raw = json.loads(base_config)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"pipeline parameter base_config is not valid JSON ({e}); leave it empty or paste "
+                              "the output of `rangefinder compile --config FILE` defaults") from None
+        if not isinstance(raw, dict):
+            raise ConfigError("pipeline parameter base_config must be a JSON object of sections (data, training, ...)")
+        raw.pop("kubernetes", None)
+    for name, value in params.items():
+        if name == "dataset_uri":
+            continue
+        if name in _UNSET and value == _UNSET[name]:
+            value = None
+        raw = _deep_merge(raw, _nested(PARAMETER_FIELDS[name], value))
+    try:
+        return parse_config(raw)
+    except ConfigError as e:
+        # Name the pipeline parameter a person typed, not only the config field behind it.
+        msg = str(e)
+        for name, dotted in PARAMETER_FIELDS.items():
+            msg = msg.replace(f"{dotted}:", f"{dotted} (pipeline parameter {name}):")
+        raise ConfigError(msg) from None
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    config_json: str  # the whole validated config, handed to every later step
+    fixed_lr: float  # 0.0: discover the LR (the DAG's condition needs a number, not None)
+    retrain: bool
+    mlflow_parent_run_id: str  # "" when tracking is off
+
+
+def run_resolve_config(base_config: str = "", *, pipeline_job_id: str = "", pipeline_job_name: str = "",
+                       **params: Any) -> ResolvedConfig:
+    cfg = config_from_parameters(base_config, **params)
+    parent = start_parent_run(cfg, pipeline_job_id, pipeline_job_name) if pipeline_job_id else ""
+    return ResolvedConfig(
+        config_json=cfg.model_dump_json(),
+        fixed_lr=float(cfg.lr or 0.0),
+        retrain=bool(cfg.retrain.enabled),
+        mlflow_parent_run_id=parent,
+    )
+
+
+def start_parent_run(cfg: RangefinderConfig, pipeline_job_id: str, pipeline_job_name: str = "") -> str:
+    """The MLflow run every step of this pipeline run logs under (found or made by the KFP run id); its id.
+
+    Named after the KFP run (its name when KFP gives one) so the two are easy to match in the UIs."""
+    from rangefinder import tracking
+
+    return tracking.ensure_parent_run(cfg, name=pipeline_job_name or f"rangefinder-{pipeline_job_id}",
+                                      kfp_run_id=pipeline_job_id, kfp_run_name=pipeline_job_name or None)
+
+
+def load_step_config(config_json: str) -> RangefinderConfig:
+    """What every later step calls on its `config_json` parameter."""
+    try:
+        raw = json.loads(config_json)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"config_json is not valid JSON ({e}); it should come from the resolve-config step") from None
+    return parse_config(raw)

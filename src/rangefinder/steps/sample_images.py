@@ -1,0 +1,53 @@
+"""Step `sample_images`: the fixed prompts and seeds rendered by the base model and each trained model, one grid.
+
+Columns: the base model, the fine-tune's kept checkpoints, its final weights, and the full-data retrain when there
+is one. Only the weights differ between two cells of a row (rangefinder.sampling).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Optional
+
+from rangefinder.config import RangefinderConfig
+
+
+def grid_columns(cfg: RangefinderConfig, finetuned_dir: Path, retrained_dir: Optional[Path]) -> tuple[list, list]:
+    """(models, labels) of the grid, base model first."""
+    from rangefinder.models.tiny import ensure_tiny_base_model
+    from rangefinder.formats.checkpoints import list_checkpoints
+
+    base = cfg.model.base_model or str(ensure_tiny_base_model(cfg.model.cache_dir))
+    models: list = [base]
+    labels = ["base"]
+    # Kept checkpoints hold the method's trained tensors only; the grid applies them on top of the base model.
+    for ckpt in list_checkpoints(Path(finetuned_dir) / "checkpoints"):
+        models.append(ckpt / "weights.safetensors")
+        labels.append(f"update {int(ckpt.name.split('-')[-1])}")
+    models.append(Path(finetuned_dir) / "final")
+    labels.append("fine-tuned")
+    if retrained_dir is not None:
+        models.append(Path(retrained_dir) / "final")
+        labels.append("retrained")
+    return models, labels
+
+
+def run_sample_images(cfg: RangefinderConfig, *, finetuned_dir: Path, retrained_dir: Optional[Path] = None,
+                      out_dir: Path, grid_html: Optional[Path] = None,
+                      mlflow_parent_run_id: Optional[str] = None) -> dict:
+    from rangefinder import tracking
+    from rangefinder.sampling import render_grid
+
+    models, labels = grid_columns(cfg, finetuned_dir, retrained_dir)
+    s = cfg.sampling
+    with tracking.step_run(cfg, "sample_images", parent_run_id=mlflow_parent_run_id) as run:
+        out = render_grid(models, s.prompts, s.seeds, out_dir=out_dir, labels=labels, base_model=models[0],
+                          steps=s.num_inference_steps, guidance_scale=s.guidance_scale, scheduler=s.scheduler,
+                          resolution=s.resolution or cfg.data.resolution)
+        if grid_html is not None:
+            shutil.copyfile(out["html"], grid_html)
+        run.log_artifact(out_dir, "samples")
+        # Also as an MLflow image, so the grid shows in the run's image view, not only as a file.
+        run.log_image(out["grid"], key="sample_grid")
+    return out

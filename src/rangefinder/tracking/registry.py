@@ -1,0 +1,237 @@
+"""The final weights as a registered MLflow model, and the explicit promotion from `candidate` to `champion`.
+
+The model is a pyfunc (see sd_pyfunc.py) holding the whole diffusers pipeline folder as an artifact, so
+`mlflow.pyfunc.load_model("models:/NAME@candidate").predict(pd.DataFrame({"prompt": [...]}))` generates images
+anywhere mlflow, diffusers and torch are installed. A pipeline run only ever moves `candidate`; `champion` moves by
+hand (`rangefinder promote`), after someone has looked at the samples.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import io
+import logging
+import math
+import os
+import warnings
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+from rangefinder.errors import TrackingError
+from rangefinder.tracking.redaction import redact, safe_uri
+
+_log = logging.getLogger(__name__)
+
+SD_PYFUNC_PATH = Path(__file__).with_name("sd_pyfunc.py")
+CANDIDATE = "candidate"
+CHAMPION = "champion"
+# What loading the model needs, pinned to the versions that logged it.
+_REQUIREMENTS = ("mlflow", "diffusers", "transformers", "torch", "safetensors", "accelerate", "pillow", "pandas",
+                 "numpy")
+
+
+@dataclass(frozen=True)
+class RegisteredVersion:
+    model_uri: str  # the logged model (models:/m-...), loadable whether or not it was registered
+    name: Optional[str]  # registered model name; None when registration is off
+    version: Optional[str]
+    alias: Optional[str]
+
+    @property
+    def registry_uri(self) -> Optional[str]:
+        return f"models:/{self.name}@{self.alias}" if self.name and self.alias else None
+
+
+def _requirements() -> list[str]:
+    reqs = []
+    for dist in _REQUIREMENTS:
+        try:
+            reqs.append(f"{dist}=={metadata.version(dist)}")
+        except metadata.PackageNotFoundError:
+            continue
+    return reqs
+
+
+def _signature(defaults: Mapping[str, Any]):
+    from mlflow.models import ModelSignature
+    from mlflow.types.schema import ColSpec, ParamSchema, ParamSpec, Schema
+
+    inputs = Schema([ColSpec("string", "prompt"), ColSpec("long", "seed", required=False),
+                     ColSpec("string", "negative_prompt", required=False)])
+    outputs = Schema([ColSpec("string", "prompt"), ColSpec("long", "seed"), ColSpec("string", "image")])
+    params = ParamSchema([
+        ParamSpec("num_inference_steps", "long", int(defaults["num_inference_steps"])),
+        ParamSpec("guidance_scale", "double", float(defaults["guidance_scale"])),
+        ParamSpec("height", "long", int(defaults["height"])),
+        ParamSpec("width", "long", int(defaults["width"])),
+    ])
+    return ModelSignature(inputs=inputs, outputs=outputs, params=params)
+
+
+def _default_resolution(pipeline_dir: Path) -> int:
+    """The UNet's sample size times the VAE's downsampling, as diffusers' pipeline computes its default."""
+    import json
+
+    try:
+        unet = json.loads((pipeline_dir / "unet" / "config.json").read_text())
+        vae = json.loads((pipeline_dir / "vae" / "config.json").read_text())
+        return int(unet["sample_size"]) * 2 ** (len(vae["block_out_channels"]) - 1)
+    except (OSError, KeyError, ValueError, TypeError):
+        return 512
+
+
+@contextlib.contextmanager
+def _active_experiment(experiment_id: str):
+    """Make `experiment_id` MLflow's active experiment for the block, then put back what was there.
+
+    MLflow 3 files a logged model under the fluent API's active experiment, not under its `run_id`'s: without this it
+    lands in experiment 0, whose artifacts go to ./mlruns of whatever folder the step runs in. `set_experiment` also
+    exports MLFLOW_EXPERIMENT_ID to the environment, which subprocesses (kfp.local's steps) inherit, so both the
+    module's active id and the variable are restored afterwards.
+    """
+    import mlflow
+    import mlflow.tracking.fluent as fluent
+
+    saved_env = os.environ.get("MLFLOW_EXPERIMENT_ID")
+    saved_active = getattr(fluent, "_active_experiment_id", None)
+    mlflow.set_experiment(experiment_id=experiment_id)
+    try:
+        yield
+    finally:
+        fluent._active_experiment_id = saved_active
+        if saved_env is None:
+            os.environ.pop("MLFLOW_EXPERIMENT_ID", None)
+        else:
+            os.environ["MLFLOW_EXPERIMENT_ID"] = saved_env
+
+
+def log_diffusers_model(
+    run: Any,
+    pipeline_dir: str | os.PathLike,
+    *,
+    registered_model_name: Optional[str] = None,
+    metrics: Optional[Mapping[str, Any]] = None,
+    description: Optional[str] = None,
+    alias: Optional[str] = CANDIDATE,
+    num_inference_steps: int = 25,
+    guidance_scale: float = 7.5,
+    resolution: Optional[int] = None,
+    name: str = "model",
+) -> RegisteredVersion:
+    """Log a diffusers pipeline folder (model_index.json, unet/, vae/, ...) from the StepRun `run` as a pyfunc model;
+    register it as a new version of `registered_model_name` (skipped when None) with `metrics` (default: the run's
+    latest metric values) as version tags and in its description, and point `alias` at it.
+
+    num_inference_steps, guidance_scale and resolution become the model's defaults (overridable per predict call).
+    """
+    import mlflow
+    from mlflow.models import Model
+
+    folder = Path(pipeline_dir)
+    if not (folder / "model_index.json").is_file():
+        raise TrackingError(
+            f"{folder} is not a diffusers pipeline folder (no model_index.json); save the final pipeline with "
+            "save_pretrained() before logging it"
+        )
+    res = int(resolution or _default_resolution(folder))
+    defaults = {"num_inference_steps": int(num_inference_steps), "guidance_scale": float(guidance_scale),
+                "height": res, "width": res}
+    mlflow.set_tracking_uri(run.tracking_uri)
+    with _active_experiment(run.experiment_id), warnings.catch_warnings():
+        # An input example would make mlflow load the whole pipeline and generate at logging time; the signature
+        # already says what goes in and out.
+        warnings.filterwarnings("ignore", message=".*input example was not provided.*")
+        info = Model.log(
+            artifact_path=None,
+            name=name,
+            flavor=mlflow.pyfunc,
+            run_id=run.run_id,
+            python_model=str(SD_PYFUNC_PATH),
+            artifacts={"pipeline": str(folder)},
+            model_config=defaults,
+            signature=_signature(defaults),
+            pip_requirements=_requirements(),
+        )
+    if not registered_model_name:
+        return RegisteredVersion(model_uri=info.model_uri, name=None, version=None, alias=None)
+
+    if metrics is None:  # the run's own latest values
+        run.metrics.flush()
+        metrics = run.client.get_run(run.run_id).data.metrics
+    clean = {k: float(v) for k, v in metrics.items()
+             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))}
+    tags = {k: f"{v:.6g}" for k, v in clean.items()}
+    tags["rangefinder.run_id"] = run.run_id
+    if run.parent_run_id:
+        tags["rangefinder.parent_run_id"] = run.parent_run_id
+    mv = mlflow.register_model(info.model_uri, registered_model_name, tags=tags)
+    summary = ", ".join(f"{k}={v:.4g}" for k, v in clean.items())
+    text = description or f"Fine-tuned by rangefinder step {run.step_name} (run {run.run_id})."
+    if summary:
+        text += f" Metrics: {summary}."
+    run.client.update_model_version(registered_model_name, mv.version, description=redact(text))
+    if alias:
+        run.client.set_registered_model_alias(registered_model_name, alias, mv.version)
+    _log.info("registered %s version %s as @%s", registered_model_name, mv.version, alias)
+    return RegisteredVersion(model_uri=info.model_uri, name=registered_model_name, version=str(mv.version),
+                             alias=alias)
+
+
+def promote(
+    name: str,
+    version: Optional[str | int] = None,
+    *,
+    from_alias: str = CANDIDATE,
+    to_alias: str = CHAMPION,
+    tracking_uri: Optional[str] = None,
+) -> dict[str, Optional[str]]:
+    """Point `to_alias` (champion) at `version`, or at the version `from_alias` (candidate) points to.
+
+    Returns {name, version, alias, previous_version}. Raises TrackingError naming the model, version or alias that
+    does not exist.
+    """
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    from rangefinder.tracking.target import ensure_tracking_server, resolve_tracking_uri
+    from rangefinder.config import TrackingConfig
+
+    uri = tracking_uri or resolve_tracking_uri(TrackingConfig())
+    ensure_tracking_server(uri)
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    try:
+        client.get_registered_model(name)
+    except MlflowException:
+        raise TrackingError(
+            f"no registered model {name!r} in {safe_uri(uri)}; check --model (and MLFLOW_TRACKING_URI)"
+        ) from None
+    if version is None:
+        try:
+            version = client.get_model_version_by_alias(name, from_alias).version
+        except MlflowException:
+            raise TrackingError(
+                f"registered model {name!r} has no version with alias {from_alias!r}; pass --version N"
+            ) from None
+    else:
+        try:
+            client.get_model_version(name, str(version))
+        except MlflowException:
+            raise TrackingError(f"registered model {name!r} has no version {version}; list them in the MLflow UI "
+                                "(Models tab) and pass an existing --version") from None
+    previous = None
+    try:
+        previous = client.get_model_version_by_alias(name, to_alias).version
+    except MlflowException:
+        pass
+    client.set_registered_model_alias(name, to_alias, str(version))
+    return {"name": name, "version": str(version), "alias": to_alias, "previous_version": previous}
+
+
+def decode_image(b64_png: str):
+    """One `image` cell of the model's output as a PIL image."""
+    from PIL import Image
+
+    return Image.open(io.BytesIO(base64.b64decode(b64_png))).convert("RGB")

@@ -1,0 +1,222 @@
+"""Where runs go (tracking URI, experiment) and the fail-fast check that the server is there and takes our credentials.
+
+A training step that only finds out at its end that MLflow is unreachable loses an hour of GPU time and the record
+of it, so every run-opening call checks first, with a short timeout and no long retry loop.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Optional
+from urllib.parse import unquote, urlsplit
+
+from rangefinder.errors import TrackingError
+from rangefinder.tracking.redaction import safe_uri
+
+DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"  # in the working folder, as `mlflow ui` / `mlflow server` expect
+CHECK_TIMEOUT_S = 5.0  # per request; a healthy server answers the check in milliseconds
+CHECK_RETRIES = 2  # a restarting server or a blip gets two more chances (0.5 s, 1 s apart), then we stop
+_CREDENTIAL_VARS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
+_checked: set[tuple[str, str]] = set()
+
+
+def tracking_settings(cfg: Any = None):
+    """The TrackingConfig inside `cfg` (a RangefinderConfig, a TrackingConfig, or None for the defaults)."""
+    from rangefinder.config import TrackingConfig
+
+    if cfg is None:
+        return TrackingConfig()
+    if isinstance(cfg, TrackingConfig):
+        return cfg
+    tracking = getattr(cfg, "tracking", None)
+    if isinstance(tracking, TrackingConfig):
+        return tracking
+    raise TypeError(f"expected a RangefinderConfig or TrackingConfig, got {type(cfg).__name__}")
+
+
+def resolve_tracking_uri(cfg: Any = None) -> str:
+    """tracking.tracking_uri, else $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working folder.
+
+    A relative sqlite path is made absolute here, so that the steps a local run starts in other folders (kfp.local
+    subprocesses) write to the same database.
+    """
+    uri = (tracking_settings(cfg).tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI).strip()
+    db = sqlite_path(uri)
+    if db is not None and not uri.startswith("sqlite:////"):
+        query = uri.split("?", 1)[1] if "?" in uri else ""
+        uri = f"sqlite:///{db}" + (f"?{query}" if query else "")
+    return uri
+
+
+def resolve_experiment_name(cfg: Any = None) -> str:
+    """$MLFLOW_EXPERIMENT_NAME wins (KFP's MLflow plugin and users set it), else tracking.experiment_name."""
+    return os.environ.get("MLFLOW_EXPERIMENT_NAME") or tracking_settings(cfg).experiment_name
+
+
+def _credential_hint() -> str:
+    set_vars = [v for v in _CREDENTIAL_VARS if os.environ.get(v)]
+    now = f"now set: {', '.join(set_vars)}" if set_vars else "none of them is set now"
+    return (
+        "set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (basic auth) or MLFLOW_TRACKING_TOKEN (bearer) "
+        f"to credentials the server accepts ({now})"
+    )
+
+
+def check_tracking_server(uri: str, *, experiment_name: str = "Default", timeout: float = CHECK_TIMEOUT_S) -> None:
+    """Raise TrackingError unless `uri` can be written to: the server answers and accepts our credentials.
+
+    For http(s) this makes one cheap authenticated REST call (get-experiment-by-name) with mlflow's own request
+    helper, so the credentials, TLS and auth-plugin settings are exactly those later logging uses. For sqlite it
+    makes sure the database's folder exists. Other stores (file, databricks, SQL servers) are left to mlflow.
+    """
+    scheme = urlsplit(uri).scheme.lower()
+    if scheme in ("http", "https"):
+        _check_http(uri, experiment_name, timeout)
+    elif scheme == "sqlite":
+        _check_sqlite(uri)
+
+
+def ensure_tracking_server(uri: str, *, experiment_name: str = "Default") -> None:
+    """check_tracking_server once per process and (uri, credentials); steps call it through the run-opening calls."""
+    key = (uri, "|".join(os.environ.get(v, "") for v in _CREDENTIAL_VARS))
+    if key in _checked:
+        return
+    check_tracking_server(uri, experiment_name=experiment_name)
+    _checked.add(key)
+
+
+def _check_sqlite(uri: str) -> None:
+    db = sqlite_path(uri)  # sqlite:///relative.db, sqlite:////absolute.db; in-memory databases need nothing
+    if db is None:
+        return
+    folder = db.parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise TrackingError(
+            f"cannot create the folder {folder} of the MLflow database {safe_uri(uri)} ({e.strerror}); "
+            "set MLFLOW_TRACKING_URI or tracking.tracking_uri to a writable location"
+        ) from None
+    if not os.access(folder, os.W_OK):
+        raise TrackingError(
+            f"the folder {folder} of the MLflow database {safe_uri(uri)} is not writable; "
+            "set MLFLOW_TRACKING_URI or tracking.tracking_uri to a writable location"
+        )
+
+
+def _check_http(uri: str, experiment_name: str, timeout: float) -> None:
+    from mlflow.exceptions import MlflowException
+    from mlflow.utils.credentials import get_default_host_creds
+    from mlflow.utils.rest_utils import http_request
+
+    where = safe_uri(uri)
+    try:
+        resp = http_request(
+            get_default_host_creds(uri),
+            "/api/2.0/mlflow/experiments/get-by-name",
+            "GET",
+            params={"experiment_name": experiment_name},
+            max_retries=CHECK_RETRIES,
+            backoff_factor=0.5,
+            backoff_jitter=0.0,
+            timeout=timeout,
+            raise_on_status=False,
+        )
+    except MlflowException as e:
+        reason = _connection_reason(str(e))
+        raise TrackingError(
+            f"cannot reach the MLflow tracking server at {where} ({reason}); check MLFLOW_TRACKING_URI "
+            "(or tracking.tracking_uri), that the server is running, and any port-forward to it "
+            "(e.g. kubectl -n rangefinder port-forward svc/mlflow 5000)"
+        ) from None
+
+    status = resp.status_code
+    body = resp.text[:500] if resp.text else ""
+    if status in (200, 404) and _is_mlflow_json(resp):
+        return  # 404 RESOURCE_DOES_NOT_EXIST: the experiment is new, which is fine; we were let in
+    if status == 401:
+        raise TrackingError(f"the MLflow tracking server at {where} refused the credentials (HTTP 401); "
+                            + _credential_hint())
+    if status == 403 and "host" in body.lower():
+        raise TrackingError(
+            f"the MLflow tracking server at {where} rejected the request's Host header (HTTP 403); start it with "
+            f"--allowed-hosts including '{urlsplit(uri).netloc.rsplit('@', 1)[-1]}' (or reach it by an allowed name)"
+        )
+    if status == 403:
+        raise TrackingError(
+            f"the MLflow tracking server at {where} accepted the credentials but denied access (HTTP 403); "
+            "ask its admin for permission on the experiment, or " + _credential_hint()
+        )
+    raise TrackingError(
+        f"{where} did not answer like an MLflow tracking server (HTTP {status}); check MLFLOW_TRACKING_URI "
+        "(scheme, host, port and path prefix) and the server's log"
+    )
+
+
+def _is_mlflow_json(resp: Any) -> bool:
+    try:
+        data = resp.json()
+    except ValueError:
+        return False
+    return isinstance(data, dict) and ("experiment" in data or "error_code" in data)
+
+
+def _connection_reason(message: str) -> str:
+    low = message.lower()
+    for needle, reason in (
+        ("connection refused", "connection refused"),
+        ("name or service not known", "unknown host name"),
+        ("nodename nor servname", "unknown host name"),
+        ("temporary failure in name resolution", "unknown host name"),
+        ("timed out", "timed out"),
+        ("certificate verify failed", "TLS certificate not trusted; set MLFLOW_TRACKING_SERVER_CERT_PATH"),
+        ("max retries exceeded", "no answer after retries"),
+    ):
+        if needle in low:
+            return reason
+    return "no answer"
+
+
+def default_experiment_id(client: Any, cfg: Any = None) -> str:
+    """$MLFLOW_EXPERIMENT_ID if set (KFP's plugin), else the id of the named experiment, created when missing."""
+    from mlflow.exceptions import MlflowException
+
+    exp_id = os.environ.get("MLFLOW_EXPERIMENT_ID")
+    if exp_id:
+        return exp_id
+    name = resolve_experiment_name(cfg)
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        if exp.lifecycle_stage == "deleted":
+            raise TrackingError(
+                f"the MLflow experiment {name!r} is deleted; restore it (mlflow experiments restore) or set "
+                "MLFLOW_EXPERIMENT_NAME / tracking.experiment_name to another name"
+            )
+        return exp.experiment_id
+    try:
+        return client.create_experiment(name, artifact_location=_local_artifact_location(client.tracking_uri))
+    except MlflowException:
+        # Another step created it between our look-up and create (steps of one pipeline may start together).
+        exp = client.get_experiment_by_name(name)
+        if exp is None:
+            raise
+        return exp.experiment_id
+
+
+def sqlite_path(uri: str) -> Optional[Path]:
+    """The database file of a sqlite:/// URI (absolute), None for other URIs and in-memory databases."""
+    if urlsplit(uri).scheme.lower() != "sqlite" or "://" not in uri:
+        return None
+    path = unquote(uri.split("://", 1)[1].split("?", 1)[0])
+    path = path[1:] if path.startswith("/") else path
+    if not path or path.startswith(":memory:"):
+        return None
+    return Path(path).expanduser().absolute()
+
+
+def _local_artifact_location(uri: str) -> Optional[str]:
+    # With a local database, mlflow would put artifacts in ./mlruns of whatever folder the step runs in; keeping
+    # them beside the database keeps one run's record in one place (the demo's --out folder).
+    db = sqlite_path(uri)
+    return (db.parent / "mlartifacts").as_uri() if db else None

@@ -1,0 +1,30 @@
+"""The training engine shared by the LR range test, the constant fine-tune and the full-data retrain.
+
+`train(...)` (in loop.py) runs one training run; `MetricSink` is what it reports metrics to (the MLflow tracker
+implements it; the engine never imports mlflow). Importing this package stays cheap: torch is loaded only when
+`train` is used.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from rangefinder.training.loop import TrainResult, train
+
+__all__ = ["MetricSink", "TrainResult", "train"]
+
+
+@runtime_checkable
+class MetricSink(Protocol):
+    """Receives the metrics of each update and each validation measurement, keyed by update number."""
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("train", "TrainResult"):
+        from rangefinder.training import loop
+
+        return getattr(loop, name)
+    raise AttributeError(name)

@@ -1,0 +1,129 @@
+"""The small interface through which a fine-tuning method plugs into the training loop.
+
+The loop (src/rangefinder/training/loop.py) knows nothing about full fine-tuning, LoRA or textual inversion. It asks the
+method, in this order:
+
+1. `setup(sd, weight_dtype)`: freeze what does not train, add adapters or tokens, cast frozen weights.
+2. `transform_caption(text)`: e.g. textual inversion puts its placeholder token into every caption.
+3. `text_encoder_changes`: whether the text encoder's output can change during training. When False the loop
+   caches the text embeddings once (with the latents); when True it encodes prompts every micro-batch through
+   `encode_prompt`.
+4. `trainable_modules()`: the modules the loop hands to accelerate (`prepare`), switches between train/eval mode
+   and enables gradient checkpointing on.
+5. `param_groups()`: what the optimizer updates. A group may carry `lr_scale` (its LR is the schedule's LR times
+   that); every other key (e.g. `weight_decay`) is passed to the optimizer as is.
+6. `after_optimizer_step()`: called after every optimizer update (e.g. textual inversion restores the embedding
+   rows of the tokens it does not train).
+7. `trainable_state_dict()` / `load_trainable_state_dict()`: what a checkpoint stores (as safetensors) and how a
+   resume puts it back. Keys are prefixed by the module name (`unet.`, `text_encoder.`). Bit-exact round trip.
+8. `save_final(sd, out_dir)`: write the deliverable (a diffusers folder, adapter files, learned embeddings) into
+   an empty folder; the loop writes to a temporary name and renames it into place, and swaps EMA weights in
+   before calling it when EMA is on.
+
+EMA, the optimizer, LR schedules, checkpoints and validation stay in the loop; methods only say *what* trains.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from rangefinder.config import TrainingConfig
+    from rangefinder.models.loading import SDComponents
+
+
+class Method(ABC):
+    """One way of fine-tuning: which weights train, how prompts are encoded, what is saved."""
+
+    name: ClassVar[str]
+
+    def __init__(self, cfg: "TrainingConfig") -> None:
+        self.cfg = cfg
+
+    # --- setup -------------------------------------------------------------------------------------------------
+
+    @abstractmethod
+    def setup(self, sd: "SDComponents", weight_dtype: torch.dtype) -> None:
+        """Set requires_grad, add adapters/tokens, cast frozen modules to `weight_dtype` (trainable ones stay fp32).
+
+        Called once, before caching, before the optimizer is built and before accelerate wraps anything. The VAE is
+        frozen and cast by the loop; the method owns the UNet and the text encoder.
+        """
+
+    def transform_caption(self, text: str) -> str:
+        """The caption the model is trained on for an item's caption (identity unless the method needs a token)."""
+        return text
+
+    @property
+    @abstractmethod
+    def text_encoder_changes(self) -> bool:
+        """True when the text encoder's output changes during training (no text-embedding cache then)."""
+
+    @abstractmethod
+    def trainable_modules(self) -> dict[str, torch.nn.Module]:
+        """Modules holding trainable parameters, by name ('unet', 'text_encoder')."""
+
+    @abstractmethod
+    def param_groups(self) -> list[dict[str, Any]]:
+        """Optimizer parameter groups: [{'params': [...], optional 'lr_scale': float, other AdamW keys}]."""
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """Every parameter the optimizer updates (EMA tracks these), in a fixed order."""
+        return [p for g in self.param_groups() for p in g["params"]]
+
+    # --- during training ----------------------------------------------------------------------------------------
+
+    def encode_prompt(self, text_encoder: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        """(B, 77) token ids -> (B, 77, D) hidden states the UNet is conditioned on (SD 1.x: last hidden state)."""
+        return text_encoder(input_ids, return_dict=False)[0]
+
+    def after_optimizer_step(self) -> None:
+        """Hook after each optimizer update (textual inversion restores the frozen embedding rows here)."""
+
+    # --- persistence ------------------------------------------------------------------------------------------
+
+    @abstractmethod
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint stores: the trained tensors, keys prefixed 'unet.' / 'text_encoder.'."""
+
+    @abstractmethod
+    def load_trainable_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Put back what `trainable_state_dict` returned (resume); must round-trip bit for bit."""
+
+    @abstractmethod
+    def save_final(self, sd: "SDComponents", out_dir: Path) -> None:
+        """Write the finished model into the empty folder `out_dir`."""
+
+
+class ModuleMethod(Method):
+    """A method whose trainable parameters are those with requires_grad in a few whole modules (full fine-tuning,
+    LoRA adapters): `setup` fills `self._modules` ({'unet': ..., 'text_encoder': ...}); one optimizer group."""
+
+    _modules: dict[str, torch.nn.Module]
+
+    def trainable_modules(self) -> dict[str, torch.nn.Module]:
+        return dict(self._modules)
+
+    def param_groups(self) -> list[dict[str, Any]]:
+        params = [p for m in self._modules.values() for p in m.parameters() if p.requires_grad]
+        return [{"params": params}]
+
+
+def module_state(prefix: str, module: torch.nn.Module, only_trainable: bool = False) -> dict[str, torch.Tensor]:
+    """`module.state_dict()` with `prefix.` in front of each key, detached and contiguous (safetensors wants that)."""
+    if only_trainable:
+        names = {n for n, p in module.named_parameters() if p.requires_grad}
+        items = [(n, p) for n, p in module.named_parameters() if n in names]
+    else:
+        items = list(module.state_dict().items())
+    return {f"{prefix}.{k}": v.detach().contiguous() for k, v in items}
+
+
+def split_state(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """The entries of `state` under `prefix.`, with the prefix removed."""
+    cut = len(prefix) + 1
+    return {k[cut:]: v for k, v in state.items() if k.startswith(prefix + ".")}

@@ -1,0 +1,84 @@
+"""Full fine-tuning: every UNet weight trains (and the text encoder's, when asked); the result is a whole pipeline."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from rangefinder.training.methods.base import ModuleMethod, module_state, split_state
+
+if TYPE_CHECKING:
+    from rangefinder.models.loading import SDComponents
+
+
+class FullFineTune(ModuleMethod):
+    name = "full"
+
+    def setup(self, sd: "SDComponents", weight_dtype: torch.dtype) -> None:
+        # Trainable weights stay fp32 under mixed precision (autocast computes in half); the frozen text encoder can
+        # be cast down to save memory.
+        self._modules: dict[str, torch.nn.Module] = {"unet": sd.unet}
+        sd.unet.requires_grad_(True)
+        _cast(sd.unet, torch.float32)
+        if self.cfg.train_text_encoder:
+            sd.text_encoder.requires_grad_(True)
+            _cast(sd.text_encoder, torch.float32)
+            self._modules["text_encoder"] = sd.text_encoder
+        else:
+            sd.text_encoder.requires_grad_(False)
+            _cast(sd.text_encoder, weight_dtype)
+
+    @property
+    def text_encoder_changes(self) -> bool:
+        return self.cfg.train_text_encoder
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        state: dict[str, torch.Tensor] = {}
+        for name, module in self._modules.items():
+            state.update(module_state(name, module))
+        return state
+
+    def load_trainable_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for name, module in self._modules.items():
+            module.load_state_dict(split_state(state, name), strict=True)
+
+    def save_final(self, sd: "SDComponents", out_dir: Path) -> None:
+        from rangefinder.formats.export import SINGLE_FILE_NAME, export_full, training_metadata
+
+        save_pipeline(sd, out_dir)
+        # The same weights as one file in the original SD layout, for A1111 and ComfyUI (src/rangefinder/formats/export.py).
+        export_full(out_dir, out_dir / SINGLE_FILE_NAME, training_metadata(self.cfg, getattr(sd, "source", None)))
+
+
+def save_pipeline(sd: "SDComponents", out_dir: Path) -> None:
+    """A StableDiffusionPipeline folder (diffusers layout) that `from_pretrained` loads, in fp32 safetensors."""
+    from diffusers import StableDiffusionPipeline
+
+    pipe = StableDiffusionPipeline(
+        vae=sd.vae,
+        text_encoder=sd.text_encoder,
+        tokenizer=sd.tokenizer,
+        unet=sd.unet,
+        # A copy: the pipeline's constructor rewrites outdated scheduler configs in place.
+        scheduler=type(sd.noise_scheduler).from_config(sd.noise_scheduler.config),
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+    # Frozen parts may have been cast to half for training; the saved model is fp32 like its base.
+    dtypes = {n: m.dtype for n, m in (("vae", sd.vae), ("text_encoder", sd.text_encoder), ("unet", sd.unet))}
+    try:
+        for n in dtypes:
+            _cast(getattr(sd, n), torch.float32)
+        pipe.save_pretrained(str(out_dir), safe_serialization=True)
+    finally:
+        for n, dt in dtypes.items():
+            _cast(getattr(sd, n), dt)
+
+
+def _cast(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    # Only when needed: diffusers warns on every cast of a loaded model.
+    if module.dtype != dtype:
+        module.to(dtype)

@@ -1,0 +1,98 @@
+"""LoRA (Hu et al. 2021, arXiv:2106.09685) through peft: low-rank adapters on the UNet's attention projections.
+
+The base weights are frozen (and may be cast to half); only the adapters train, stay fp32, enter the optimizer and
+go into checkpoints. The adapter output is scaled by alpha / rank, as in peft and kohya's sd-scripts. The text
+encoder gets adapters too when `training.lora.train_text_encoder` (or `training.train_text_encoder`) is set, on
+CLIP's attention projections as in diffusers' LoRA examples.
+
+Outputs in `final/`: `pytorch_lora_weights.safetensors` (diffusers' `save_lora_weights`; `load_lora_weights`
+reads it) and `lora_kohya.safetensors` (A1111, ComfyUI), both with the run's metadata.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from rangefinder.training.methods.base import ModuleMethod, module_state, split_state
+
+if TYPE_CHECKING:
+    from rangefinder.models.loading import SDComponents
+
+# CLIP's attention projections (transformers' CLIPAttention), the text-encoder counterpart of to_q/to_k/to_v/to_out.0.
+TEXT_ENCODER_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "out_proj"]
+
+
+class LoraMethod(ModuleMethod):
+    name = "lora"
+
+    def setup(self, sd: "SDComponents", weight_dtype: torch.dtype) -> None:
+        from peft import LoraConfig
+
+        s = self.cfg.lora
+        sd.unet.requires_grad_(False)
+        sd.text_encoder.requires_grad_(False)
+        sd.unet.to(weight_dtype)
+        sd.text_encoder.to(weight_dtype)
+        # Gaussian init of A and zero B (peft's "gaussian", as diffusers' LoRA examples): the adapter starts as a no-op,
+        # so update 0 validates the base model itself.
+        sd.unet.add_adapter(
+            LoraConfig(r=s.rank, lora_alpha=s.alpha, lora_dropout=s.dropout, init_lora_weights="gaussian",
+                       target_modules=list(s.target_modules))
+        )
+        self._modules: dict[str, torch.nn.Module] = {"unet": sd.unet}
+        if self._lora_text_encoder:
+            sd.text_encoder.add_adapter(
+                LoraConfig(r=s.rank, lora_alpha=s.alpha, lora_dropout=s.dropout, init_lora_weights="gaussian",
+                           target_modules=TEXT_ENCODER_TARGET_MODULES)
+            )
+            self._modules["text_encoder"] = sd.text_encoder
+        for m in self._modules.values():
+            for p in m.parameters():
+                if p.requires_grad:  # the adapters: fp32 master weights under mixed precision
+                    p.data = p.data.float()
+        self._sd = sd
+
+    @property
+    def _lora_text_encoder(self) -> bool:
+        # `training.train_text_encoder` (the CLI's flag) means the same for LoRA: adapters on the text encoder too.
+        return self.cfg.lora.train_text_encoder or self.cfg.train_text_encoder
+
+    @property
+    def text_encoder_changes(self) -> bool:
+        return self._lora_text_encoder
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        state: dict[str, torch.Tensor] = {}
+        for name, module in self._modules.items():
+            state.update(module_state(name, module, only_trainable=True))
+        return state
+
+    def load_trainable_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for name, module in self._modules.items():
+            part = split_state(state, name)
+            params = {n: p for n, p in module.named_parameters() if p.requires_grad}
+            if set(part) != set(params):
+                missing, extra = sorted(set(params) - set(part)), sorted(set(part) - set(params))
+                raise ValueError(
+                    f"LoRA checkpoint does not match the adapters of {name} (missing {missing[:3]}, unexpected "
+                    f"{extra[:3]}); resume with the same training.lora settings"
+                )
+            with torch.no_grad():
+                for n, p in params.items():
+                    p.copy_(part[n])
+
+    def save_final(self, sd: "SDComponents", out_dir: Path) -> None:
+        from rangefinder.formats.export import LORA_KOHYA_NAME, save_lora_diffusers, save_lora_kohya, training_metadata
+
+        meta = training_metadata(self.cfg, getattr(sd, "source", None), extra={"lora_rank": str(self.cfg.lora.rank),
+                                                 "lora_alpha": repr(float(self.cfg.lora.alpha)),
+                                                 "lora_target_modules": self.cfg.lora.target_modules})
+        unet = sd.unet
+        te = sd.text_encoder if "text_encoder" in self._modules else None
+        save_lora_diffusers(out_dir, unet=unet, text_encoder=te, metadata=meta)
+        save_lora_kohya(out_dir / LORA_KOHYA_NAME, unet=unet, text_encoder=te, alpha=self.cfg.lora.alpha,
+                        metadata=meta)
+

@@ -1,0 +1,159 @@
+"""Textual inversion (Gal et al. 2022, arXiv:2208.01618): learn the embedding of a new word, nothing else.
+
+New placeholder tokens are added to the tokenizer (`<tok>`, and `<tok>_1`, `<tok>_2`, ... for several vectors,
+diffusers' naming, which its `load_textual_inversion` expands in prompts the same way); their embedding rows start
+as the initializer word's. The whole token-embedding matrix is handed to the optimizer, as in diffusers'
+textual_inversion example, and after every update all rows but the new ones are put back, so weight decay and Adam
+cannot move them. Everything else is frozen.
+
+Captions: a caption with the placeholder keeps it (expanded to all vectors); an empty caption becomes a prompt
+template for `learnable_property` ("a photo of a <tok>" / "a painting in the style of <tok>"); any other caption
+gets the token added ("<tok>, caption" / "caption, in the style of <tok>").
+
+Outputs in `final/`: `learned_embeds.safetensors` (diffusers: `{token: (vectors, dim)}`) and
+`embedding_a1111.safetensors` (`emb_params`, A1111's safetensors embedding) with the run's metadata, and the
+legacy `embedding_a1111.pt` (`string_to_param`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from rangefinder.errors import ConfigError
+from rangefinder.training.methods.base import Method
+
+if TYPE_CHECKING:
+    from rangefinder.models.loading import SDComponents
+
+# Prompt templates in the manner of the TI paper's (which follow CLIP's ImageNet prompts): varied plain framings,
+# so the token absorbs the concept rather than one sentence.
+OBJECT_TEMPLATES = (
+    "a photo of a {}",
+    "a rendering of a {}",
+    "a close up photo of the {}",
+    "a bright photo of a {}",
+    "a good photo of the {}",
+    "a cropped photo of a {}",
+    "a photo of one {}",
+    "a large picture of the {}",
+)
+STYLE_TEMPLATES = (
+    "a painting in the style of {}",
+    "a rendering in the style of {}",
+    "a picture in the style of {}",
+    "a large painting in the style of {}",
+    "a nice picture in the style of {}",
+    "a small painting in the style of {}",
+)
+
+
+def placeholder_tokens(token: str, num_vectors: int) -> list[str]:
+    return [token] + [f"{token}_{i}" for i in range(1, num_vectors)]
+
+
+class TextualInversion(Method):
+    name = "textual_inversion"
+
+    def setup(self, sd: "SDComponents", weight_dtype: torch.dtype) -> None:
+        s = self.cfg.textual_inversion
+        tok, te = sd.tokenizer, sd.text_encoder
+        self.tokens = placeholder_tokens(s.placeholder_token, s.num_vectors)
+        # A word the tokenizer already has as one token would be shadowed in every prompt, not learned afresh.
+        clash = [t for t in self.tokens if t in tok.get_vocab() or len(tok.encode(t, add_special_tokens=False)) == 1]
+        if clash:
+            raise ConfigError(
+                f"training.textual_inversion.placeholder_token: {clash[0]!r} is already in the tokenizer's "
+                "vocabulary; choose a new word, e.g. '<my-concept>'"
+            )
+        init_ids = tok.encode(s.initializer_token, add_special_tokens=False)
+        if len(init_ids) != 1:
+            raise ConfigError(
+                f"training.textual_inversion.initializer_token: {s.initializer_token!r} is {len(init_ids)} tokens "
+                "for this tokenizer; pick a word that is a single token (e.g. 'object', 'style')"
+            )
+        tok.add_tokens(self.tokens)
+        self.token_ids = tok.convert_tokens_to_ids(self.tokens)
+        if len(tok) > te.get_input_embeddings().weight.shape[0]:  # never shrink: a model may have spare rows
+            # mean_resizing=False: the new rows are set just below; drawing them at random would spend global RNG.
+            te.resize_token_embeddings(len(tok), mean_resizing=False)
+        sd.unet.requires_grad_(False)
+        sd.unet.to(weight_dtype)
+        te.requires_grad_(False)
+        te.to(torch.float32)  # the trained rows live in it; the rest of CLIP is small
+        emb = te.get_input_embeddings()
+        with torch.no_grad():
+            for i in self.token_ids:
+                emb.weight[i] = emb.weight[init_ids[0]]
+        emb.weight.requires_grad_(True)
+        self._te = te
+        self._frozen_rows = emb.weight.detach().clone()  # (vocab, dim): restored after each update
+        self._keep = torch.ones(emb.weight.shape[0], dtype=torch.bool)
+        self._keep[self.token_ids] = False
+        self._template_i = 0
+
+    def transform_caption(self, text: str) -> str:
+        s = self.cfg.textual_inversion
+        token = s.placeholder_token
+        text = text.strip()
+        if not text:
+            templates = OBJECT_TEMPLATES if s.learnable_property == "object" else STYLE_TEMPLATES
+            # Captionless items cycle through the templates (the loop asks once per item, in a fixed order).
+            text = templates[self._template_i % len(templates)].format(token)
+            self._template_i += 1
+        elif token not in text:
+            text = f"{token}, {text}" if s.learnable_property == "object" else f"{text}, in the style of {token}"
+        # The pipeline expands "<tok>" to "<tok> <tok>_1 ..." at inference (diffusers' maybe_convert_prompt).
+        return text.replace(token, " ".join(self.tokens))
+
+    @property
+    def text_encoder_changes(self) -> bool:
+        return True
+
+    def trainable_modules(self) -> dict[str, torch.nn.Module]:
+        return {"text_encoder": self._te}
+
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [{"params": [self._te.get_input_embeddings().weight]}]
+
+    def after_optimizer_step(self) -> None:
+        weight = self._te.get_input_embeddings().weight
+        with torch.no_grad():
+            keep = self._keep.to(weight.device)
+            weight[keep] = self._frozen_rows.to(weight.device, weight.dtype)[keep]
+
+    def learned_embeds(self) -> torch.Tensor:
+        """(num_vectors, dim) the trained rows."""
+        return self._te.get_input_embeddings().weight[self.token_ids].detach()
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        return {"text_encoder.learned_embeds": self.learned_embeds().contiguous()}
+
+    def load_trainable_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        rows = state.get("text_encoder.learned_embeds")
+        if rows is None or rows.shape[0] != len(self.token_ids):
+            raise ValueError(
+                "textual-inversion checkpoint does not hold "
+                f"{len(self.token_ids)} embedding vectors; resume with the same training.textual_inversion settings"
+            )
+        weight = self._te.get_input_embeddings().weight
+        with torch.no_grad():
+            weight[self.token_ids] = rows.to(weight.device, weight.dtype)
+
+    def save_final(self, sd: "SDComponents", out_dir: Path) -> None:
+        from rangefinder.formats.export import save_textual_inversion, training_metadata
+
+        s = self.cfg.textual_inversion
+        meta = training_metadata(
+            self.cfg,
+            getattr(sd, "source", None),
+            extra={
+                "placeholder_token": s.placeholder_token,
+                "initializer_token": s.initializer_token,
+                "num_vectors": str(s.num_vectors),
+                "learnable_property": s.learnable_property,
+            },
+        )
+        save_textual_inversion(out_dir, s.placeholder_token, self.learned_embeds().float().cpu(), metadata=meta)

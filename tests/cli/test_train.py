@@ -1,0 +1,59 @@
+"""`rangefinder train`: a short run from the command line, and bad settings refused with one line."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+import yaml
+
+from rangefinder.cli.main import main
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # a shared 2-core machine: a second intra-op thread mostly waits
+    yield
+    torch.set_num_threads(before)
+
+
+def test_train_command_writes_curve_checkpoints_and_final(split_dir, tiny_model_dir, tmp_path, capsys):
+    config = tmp_path / "rf.yaml"
+    config.write_text(yaml.safe_dump({"training": {"cache_dir": str(tmp_path / "cache"), "lr": 1e-4, "epochs": 5}}))
+    out = tmp_path / "out"
+    rc = main(["train", "--data", str(split_dir), "--model", str(tiny_model_dir), "--out", str(out),
+               "--config", str(config), "--steps", "2", "--batch-size", "4", "--schedule", "cosine",
+               "--validate-every-updates", "1", "--checkpoint-every-updates", "1", "--json"])
+    assert rc == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["status"] == "ok" and result["updates"] == 2  # --steps replaced the file's epochs
+    with open(out / "metrics.csv", newline="") as f:
+        assert [r["update"] for r in csv.DictReader(f)] == ["0", "1", "2"]
+    assert (out / "final" / "model_index.json").is_file()
+    assert [p.rsplit("/", 1)[-1] for p in result["checkpoints"]] == ["checkpoint-000001", "checkpoint-000002"]
+
+    # Resuming a finished run redoes nothing and ends the same.
+    rc = main(["train", "--data", str(split_dir), "--model", str(tiny_model_dir), "--out", str(out),
+               "--config", str(config), "--steps", "2", "--batch-size", "4", "--schedule", "cosine",
+               "--validate-every-updates", "1", "--checkpoint-every-updates", "1", "--resume", "--json"])
+    assert rc == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["resumed_from"] == 2 and again["updates"] == 2
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--schedule", "linear-ramp", "--lr-min", "1e-3", "--lr-max", "1e-5", "--epochs", "1"], "lr_max"),
+    (["--schedule", "zigzag", "--epochs", "1"], "schedule"),
+    (["--batch-size", "0", "--epochs", "1"], "batch_size"),
+    ([], "budget"),
+])
+def test_bad_settings_exit_2_with_one_line(flags, words, split_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    rc = main(["train", "--data", str(split_dir), "--out", str(out), *flags])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and words in err
+    assert not out.exists()

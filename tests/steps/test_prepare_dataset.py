@@ -1,0 +1,47 @@
+"""The prepare step: a real dataset folder in, a split folder (and its report) out."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rangefinder.config import demo_config
+from rangefinder.data.split import read_split
+from rangefinder.errors import DataError
+from rangefinder.steps.prepare_dataset import run_prepare_dataset
+
+
+def test_dataset_dir_is_split_in_place(tmp_path, shapes_dataset_dir):
+    cfg = demo_config(data={"dataset_dir": str(shapes_dataset_dir)})
+    r = run_prepare_dataset(cfg, out_dir=tmp_path / "split", report_path=tmp_path / "report.md")
+    split = read_split(r.split_dir)
+    assert (r.train_images, r.val_images) == (16, 4) == (len(split.train), len(split.val))
+    assert split.root == Path(shapes_dataset_dir).resolve()
+    assert all(split.path_of(it).is_file() for it in split.train + split.val)
+    assert "training images: 16" in (tmp_path / "report.md").read_text()
+
+
+def test_imported_artifact_is_copied_into_the_split(tmp_path, shapes_dataset_dir):
+    r = run_prepare_dataset(demo_config(), out_dir=tmp_path / "split", dataset_dir=Path(shapes_dataset_dir))
+    split = read_split(r.split_dir)
+    assert split.root == (tmp_path / "split" / "dataset").resolve()
+    assert all(split.path_of(it).is_file() for it in split.train)
+
+
+def test_bad_files_are_listed_not_fatal(tmp_path, shapes_dataset_dir):
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(shapes_dataset_dir, data)
+    (data / "broken.png").write_bytes(b"not a png")
+    (data / "broken.txt").write_text("a broken image")
+    r = run_prepare_dataset(demo_config(data={"dataset_dir": str(data)}), out_dir=tmp_path / "split",
+                            report_path=tmp_path / "r.md")
+    assert r.skipped == 1 and r.train_images + r.val_images == 20
+    assert "broken.png" in (tmp_path / "r.md").read_text()
+
+
+def test_missing_folder_is_one_clear_error(tmp_path):
+    with pytest.raises(DataError, match="is not a folder"):
+        run_prepare_dataset(demo_config(data={"dataset_dir": str(tmp_path / "nope")}), out_dir=tmp_path / "s")

@@ -1,0 +1,66 @@
+"""The pipeline's typed parameters <-> the one validated config."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rangefinder.config import RangefinderConfig, demo_config, parse_config
+from rangefinder.errors import ConfigError
+from rangefinder.steps.resolve_config import (
+    PARAMETER_FIELDS,
+    config_from_parameters,
+    load_step_config,
+    parameters_from_config,
+    run_resolve_config,
+)
+
+
+def _without_k8s(cfg: RangefinderConfig) -> dict:
+    return cfg.model_dump(exclude={"kubernetes"})
+
+
+@pytest.mark.parametrize("cfg", [
+    RangefinderConfig(),
+    demo_config(),
+    parse_config({"data": {"dataset_dir": "/data/x", "resolution": 256}, "lr": 3e-5, "retrain": {"enabled": True,
+                  "epochs": 7}, "training": {"method": "lora", "lora": {"rank": 16}},
+                  "sampling": {"prompts": ["a cat"]}}),
+])
+def test_round_trip(cfg):
+    params = parameters_from_config(cfg)
+    assert set(params) == set(PARAMETER_FIELDS) | {"dataset_uri", "base_config"}
+    back = config_from_parameters(**params)
+    assert _without_k8s(back) == _without_k8s(cfg)
+
+
+def test_unset_values_become_none_and_typed_parameters_win():
+    cfg = parse_config({"data": {"dataset_dir": "/data/x"}, "lr": 1e-4, "training": {"lora": {"rank": 8}}})
+    params = parameters_from_config(cfg)
+    assert params["dataset_dir"] == "/data/x" and params["fixed_lr"] == 1e-4
+    params.update(dataset_dir="", fixed_lr=0.0, resolution=320, prompts=["x", "y"])
+    out = config_from_parameters(**params)
+    assert out.data.dataset_dir is None and out.lr is None
+    assert out.data.resolution == 320 and out.sampling.prompts == ["x", "y"]
+    assert out.training.lora.rank == 8  # what only base_config carries survives
+
+
+def test_bad_parameter_names_the_parameter():
+    params = parameters_from_config(RangefinderConfig())
+    params["resolution"] = 500
+    with pytest.raises(ConfigError, match=r"data\.resolution \(pipeline parameter resolution\): .*multiple of 8"):
+        config_from_parameters(**params)
+    with pytest.raises(ConfigError, match="unknown pipeline parameter"):
+        config_from_parameters(learning_rate=1.0)
+    with pytest.raises(ConfigError, match="base_config is not valid JSON"):
+        config_from_parameters(base_config="{nope")
+
+
+def test_run_resolve_config_outputs():
+    params = parameters_from_config(demo_config(lr=2e-4, retrain={"enabled": True}))
+    base = params.pop("base_config")
+    r = run_resolve_config(base, **params)
+    assert r.fixed_lr == 2e-4 and r.retrain is True and r.mlflow_parent_run_id == ""
+    assert load_step_config(r.config_json) == config_from_parameters(base, **params)
+    assert json.loads(r.config_json)["lr"] == 2e-4
