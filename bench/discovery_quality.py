@@ -30,7 +30,15 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from bench.common import smoke_out, quiet_libraries, default_out, machine_info, table, torch_threads, write_json
+from bench.common import (
+    default_out,
+    machine_info,
+    quiet_libraries,
+    smoke_out,
+    table,
+    torch_threads,
+    write_json,
+)
 
 NAME = "discovery_quality"
 
@@ -75,8 +83,8 @@ def train_fixed_lr(cfg, split_dir: Path, lr: float, out: Path) -> dict[str, Any]
 
 def discover(cfg, split_dir: Path, out: Path) -> dict[str, Any]:
     """The pipeline's discovery: range test (-> zoom) -> choose LR -> constant fine-tune at the midpoint."""
-    from rangefinder.steps.choose_lr import run_choose_lr
     from rangefinder.errors import RangefinderError
+    from rangefinder.steps.choose_lr import run_choose_lr
     from rangefinder.steps.finetune import run_finetune
     from rangefinder.steps.lr_range_test import run_lr_range_test
 
@@ -138,9 +146,9 @@ def gap_pct(loss: Optional[float], best: Optional[float]) -> Optional[float]:
 def one_case(kind: str, seed: int, args, work: Path, log=print) -> dict[str, Any]:
     """Discovery, grid and classic suggestions on one dataset (kind, seed) with one training seed."""
     from rangefinder.config import demo_config
-    from rangefinder.steps.prepare_dataset import run_prepare_dataset
     from rangefinder.data.synthetic import make_synthetic_dataset
     from rangefinder.models.tiny import ensure_tiny_base_model
+    from rangefinder.steps.prepare_dataset import run_prepare_dataset
 
     case = work / f"{kind}-seed{seed}"
     dataset = case / "dataset"

@@ -80,12 +80,11 @@ def train_reference(
 ) -> ReferenceResult:
     """Train the UNet of the model folder for `updates` optimizer steps of `batch_size` images; time the loop."""
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
     from accelerate.utils import set_seed
     from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
     from diffusers.optimization import get_scheduler
     from transformers import CLIPTextModel, CLIPTokenizer
-
-    from accelerate.state import AcceleratorState
 
     t_setup = time.perf_counter()
     # accelerate keeps its settings process-wide; this run may use another precision than the run before it.

@@ -27,7 +27,17 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from bench.common import smoke_out, quiet_libraries, PeakMemory, default_out, machine_info, mib, table, torch_threads, write_json
+from bench.common import (
+    PeakMemory,
+    default_out,
+    machine_info,
+    mib,
+    quiet_libraries,
+    smoke_out,
+    table,
+    torch_threads,
+    write_json,
+)
 
 NAME = "speed_vs_reference"
 

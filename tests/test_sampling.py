@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from rangefinder.cli.main import main as cli_main
 from rangefinder.errors import ConfigError
 from rangefinder.sampling import render_grid
-from rangefinder.cli.main import main as cli_main
 
 PROMPTS = ["a red circle", "a blue square"]
 SEEDS = [0, 7]

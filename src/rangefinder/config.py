@@ -24,8 +24,16 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
+from rangefinder.defaults import DIVERGENCE_FACTOR, MID_POSITION
 from rangefinder.errors import ConfigError
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -241,7 +249,7 @@ class ValidationConfig(_Section):
     timesteps: int = Field(4, ge=1)
     seed: int = 0  # noise for item i, bucket k comes from a generator seeded by (seed, i, k)
     # Ramps stop when smoothed validation loss exceeds this multiple of its best (or turns NaN/inf).
-    divergence_factor: Optional[float] = Field(4.0, gt=1)
+    divergence_factor: Optional[float] = Field(DIVERGENCE_FACTOR, gt=1)
     divergence_window: int = Field(3, ge=1)  # points in the centred median used for that check
     # (item, timestep) pairs per validation forward pass. No backward runs, so memory is small; bigger batches cut
     # the per-forward overhead (tiny model, CPU: 16 pairs per pass instead of 8 is ~30% faster). It changes the last
@@ -279,10 +287,8 @@ class LRRangeTestConfig(_Section):
     # Validate every N updates during the test (None: every epoch, as in validation.every_epochs).
     validate_every_updates: Optional[int] = Field(None, ge=1)
     # Where the fine-tune trains between the bounds: the share of the way from lr_low to lr_high on the sweep's axis
-    # (log LR on an exp ramp; 0.5 is the geometric mean). 0.75 because the best constant LR of a grid sweep lay at
-    # or above lr_high in most cases of bench/discovery_quality, and erring high cost less than erring low there.
-    # Must equal rangefinder.analysis.lr_bounds.MID_POSITION (a test checks).
-    mid_position: float = Field(0.75, ge=0, le=1)
+    # (log LR on an exp ramp; 0.5 is the geometric mean). Why 0.75: see rangefinder/defaults.py.
+    mid_position: float = Field(MID_POSITION, ge=0, le=1)
     # Re-test on a narrower range when the first curve is censored or has fewer points between its bounds.
     zoom: bool = True
     zoom_min_points: int = Field(5, ge=2)

@@ -16,7 +16,6 @@ import base64
 import html
 import io
 import json
-import os
 import re
 import textwrap
 from dataclasses import dataclass
@@ -24,13 +23,9 @@ from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
 from rangefinder.errors import ConfigError
-
-# What the methods write (see src/rangefinder/training/methods/ and src/rangefinder/formats/export.py).
-LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
-TI_WEIGHTS_NAME = "learned_embeds.safetensors"
-# A training checkpoint (src/rangefinder/formats/checkpoints.py): the method's trained tensors and the run's settings.
-ENGINE_WEIGHTS_NAME = "weights.safetensors"
-ENGINE_STATE_NAME = "state.json"
+from rangefinder.formats import checkpoints
+from rangefinder.formats.atomic import atomic_dir, atomic_path, write_text
+from rangefinder.formats.export import LORA_WEIGHTS_NAME, TI_WEIGHTS_NAME
 
 ColumnKind = str  # "pipeline" | "single_file" | "unet" | "lora" | "textual_inversion" | "engine_checkpoint"
 
@@ -86,10 +81,10 @@ def resolve_column(path: Union[str, Path], label: Optional[str] = None) -> GridC
     p = Path(path)
     if not p.exists():
         raise ConfigError(f"{p} does not exist; pass a model folder, a checkpoint folder or a weights file")
-    if p.is_file() and p.name == ENGINE_WEIGHTS_NAME and (p.parent / ENGINE_STATE_NAME).is_file():
+    if p.is_file() and p.name == checkpoints.WEIGHTS_NAME and (p.parent / checkpoints.STATE_NAME).is_file():
         p = p.parent
     label = label or (p.parent.name if p.name == "final" else p.stem if p.is_file() else p.name)
-    if p.is_dir() and (p / ENGINE_WEIGHTS_NAME).is_file() and (p / ENGINE_STATE_NAME).is_file():
+    if p.is_dir() and (p / checkpoints.WEIGHTS_NAME).is_file() and (p / checkpoints.STATE_NAME).is_file():
         return GridColumn(label, p, "engine_checkpoint")
     if p.is_file():
         kind, token = _classify_file(p)
@@ -157,23 +152,42 @@ def load_column_pipeline(column: GridColumn, base_model: Path, *, device: str, d
     return pipe.to(device)
 
 
+def export_pipeline(weights: Path, base_model: Path, out_dir: Path) -> Path:
+    """A whole diffusers pipeline folder for any trained output: a full fine-tune's folder as it is; LoRA adapters
+    fused into the base model's weights; a textual-inversion embedding added to the base tokenizer and text encoder.
+
+    What a registry or a plain `from_pretrained` user needs when the method only trained a small part. Written to a
+    temporary name and renamed, so a half-written folder never looks finished.
+    """
+    weights, out_dir = Path(weights), Path(out_dir)
+    column = resolve_column(weights)
+    if column.kind == "pipeline":
+        return weights
+    pipe = load_column_pipeline(column, Path(base_model), device="cpu")
+    if column.kind == "lora":
+        # Bake the adapters into the base weights, then drop the adapter layers: a plain pipeline remains.
+        pipe.fuse_lora()
+        pipe.unload_lora_weights()
+    with atomic_dir(out_dir) as tmp:
+        pipe.save_pretrained(str(tmp))
+    return out_dir
+
+
 def _engine_checkpoint_pipeline(ckpt_dir: Path, base_model: Path, common: dict):
     """A pipeline with a training checkpoint's weights: the run's method rebuilds its trainable parts on the base
     model (adapters, new tokens) and puts the checkpoint's tensors back, as a resume does."""
     import torch
     from diffusers import StableDiffusionPipeline
-    from safetensors.torch import load_file
 
     from rangefinder.config import ModelConfig, TrainingConfig
     from rangefinder.models.loading import load_sd_components
     from rangefinder.training.methods import make_method
 
-    state = json.loads((ckpt_dir / ENGINE_STATE_NAME).read_text())
-    cfg = TrainingConfig.model_validate(state["training"])
+    cfg = TrainingConfig.model_validate(checkpoints.read_state(ckpt_dir)["training"])
     method = make_method(cfg)
     sd = load_sd_components(ModelConfig(base_model=str(base_model)))
     method.setup(sd, torch.float32)
-    method.load_trainable_state_dict(load_file(str(ckpt_dir / ENGINE_WEIGHTS_NAME)))
+    method.load_trainable_state_dict(checkpoints.read_weights(ckpt_dir))
     pipe = StableDiffusionPipeline.from_pretrained(
         str(base_model), local_files_only=True, unet=sd.unet, text_encoder=sd.text_encoder, tokenizer=sd.tokenizer,
         **common,
@@ -203,17 +217,9 @@ def _slug(text: str, limit: int = 40) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-")[:limit] or "x"
 
 
-def _atomic_save_png(img, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    img.save(tmp, format="PNG")
-    os.replace(tmp, path)
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+def _save_png(img, path: Path) -> None:
+    with atomic_path(path) as tmp:
+        img.save(tmp, format="PNG")
 
 
 def _png_b64(img) -> str:
@@ -374,7 +380,7 @@ def render_grid(
                 generator=generator,
             ).images[0]
             path = col_dir / f"p{p_index:02d}-s{seed}.png"
-            _atomic_save_png(img, path)
+            _save_png(img, path)
             images[r][c] = img
             paths[r][c] = str(path)
             size = res
@@ -385,7 +391,7 @@ def render_grid(
     cell = cell_size or max(size, 128)
     grid, layout = compose_grid(images, row_labels, [c.label for c in columns], cell)
     grid_path = out / "grid.png"
-    _atomic_save_png(grid, grid_path)
+    _save_png(grid, grid_path)
     settings = {
         "steps": steps,
         "guidance_scale": guidance_scale,
@@ -393,7 +399,7 @@ def render_grid(
         "resolution": size,
     }
     html_path = out / "grid.html"
-    _atomic_write_text(html_path, _grid_html(images, row_labels, [c.label for c in columns], cell, settings))
+    write_text(html_path, _grid_html(images, row_labels, [c.label for c in columns], cell, settings))
     result = {
         "grid": str(grid_path),
         "html": str(html_path),
@@ -411,7 +417,7 @@ def render_grid(
         },
         "settings": settings,
     }
-    _atomic_write_text(manifest_path, json.dumps(result, indent=2))
+    write_text(manifest_path, json.dumps(result, indent=2))
     return result
 
 

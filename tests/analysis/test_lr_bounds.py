@@ -7,8 +7,12 @@ import pytest
 
 from rangefinder.analysis import analyze_lr_curve
 from rangefinder.analysis.lr_bounds import MID_POSITION
-from rangefinder.config import LRRangeTestConfig
-from rangefinder.analysis.synthetic import RangeTestShape, lr_sweep, noisy, true_lr_bounds
+from rangefinder.analysis.synthetic import (
+    RangeTestShape,
+    lr_sweep,
+    noisy,
+    true_lr_bounds,
+)
 from rangefinder.errors import RangefinderError
 
 U = RangeTestShape(rise=0.05)  # descent around 1e-5, turns up from ~1e-3
@@ -226,7 +230,5 @@ def test_mid_position_places_the_midpoint_between_the_bounds():
     assert b.lr_mid == pytest.approx(math.sqrt(b.lr_low * b.lr_high))  # geometric mean on an exp sweep
     # The 80% interval moves with the midpoint.
     assert at[1.0].lr_mid_ci80[0] > b.lr_mid_ci80[0]
-    # The config's default is the analysis' default.
-    assert LRRangeTestConfig().mid_position == MID_POSITION
     with pytest.raises(RangefinderError, match="mid_position"):
         analyze_lr_curve(lr, y, mid_position=1.5)

@@ -6,9 +6,19 @@ from html.parser import HTMLParser
 
 import numpy as np
 
-from rangefinder.analysis import (analyze_lr_curve, plot_lr_range_test, read_curve_csv, select_step_window,
-                                 write_lr_report, write_step_report)
-from rangefinder.analysis.synthetic import ConstantRunShape, RangeTestShape, lr_sweep, noisy
+from rangefinder.analysis import (
+    analyze_lr_curve,
+    read_curve_csv,
+    select_step_window,
+    write_lr_report,
+    write_step_report,
+)
+from rangefinder.analysis.synthetic import (
+    ConstantRunShape,
+    RangeTestShape,
+    lr_sweep,
+    noisy,
+)
 from rangefinder.cli.main import main
 
 

@@ -5,9 +5,9 @@ import zlib
 import pytest
 from PIL import Image
 
+from rangefinder.cli.main import main
 from rangefinder.data.split import make_split, read_split, seeded_shuffle, split_dataset
 from rangefinder.errors import DataError
-from rangefinder.cli.main import main
 
 
 def _dataset(folder, n):

@@ -3,9 +3,14 @@ import json
 import pytest
 from PIL import Image
 
-from rangefinder.data.synthetic import COLOURS, SHAPES, make_synthetic_dataset, render_item
-from rangefinder.errors import DataError
 from rangefinder.cli.main import main
+from rangefinder.data.synthetic import (
+    COLOURS,
+    SHAPES,
+    make_synthetic_dataset,
+    render_item,
+)
+from rangefinder.errors import DataError
 
 
 def test_same_seed_gives_byte_identical_files(tmp_path, capsys):

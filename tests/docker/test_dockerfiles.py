@@ -9,8 +9,8 @@ install, torch 2.13.0 from the CUDA index matching the CUDA base, a non-root num
 from __future__ import annotations
 
 import fnmatch
-import os
 import json
+import os
 import re
 import subprocess
 import sys

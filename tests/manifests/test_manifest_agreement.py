@@ -6,7 +6,6 @@ side without the other fails here instead of as a pod stuck in ContainerCreating
 
 from __future__ import annotations
 
-from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest

@@ -75,7 +75,7 @@ def test_small_deliverables_register_as_whole_pipelines(discovered, method, tiny
     from safetensors.torch import load_file
     from transformers import CLIPTextModel, CLIPTokenizer
 
-    from rangefinder.formats.export import export_pipeline
+    from rangefinder.sampling import export_pipeline
 
     cfg, rt, ft = discovered[method]
     whole = export_pipeline(Path(ft.model_dir) / "final", tiny_model_dir, tmp_path / "whole")

@@ -4,7 +4,6 @@ import dataclasses
 import json
 
 import numpy as np
-import pytest
 import torch
 from safetensors.torch import load_file
 

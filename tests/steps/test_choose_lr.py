@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from rangefinder.steps.choose_lr import run_choose_lr
 from rangefinder.config import demo_config
 from rangefinder.errors import RangefinderError
+from rangefinder.steps.choose_lr import run_choose_lr
 
 
 def test_fixed_lr_and_decision_file(tmp_path):

@@ -1,18 +1,9 @@
-"""The range-test step's pure parts: the sweep's settings and the zoom decision."""
+"""The range-test step's pure parts: the sweep's settings (the zoom decision is tests/analysis/test_zoom.py)."""
 
 from __future__ import annotations
 
-import pytest
-
 from rangefinder.config import demo_config, parse_config
-from rangefinder.steps.lr_range_test import (
-    ZOOM_EXTEND,
-    ZOOM_MARGIN,
-    ended_above_start,
-    points_between,
-    ramp_training_config,
-    zoom_range,
-)
+from rangefinder.steps.lr_range_test import ramp_training_config
 
 
 def test_ramp_settings_follow_the_range_test_section():
@@ -22,53 +13,3 @@ def test_ramp_settings_follow_the_range_test_section():
     assert tc.epochs == cfg.lr_range_test.epochs and tc.steps is None and tc.scale_lr == "none"
     lin = ramp_training_config(parse_config({"lr_range_test": {"ramp": "linear"}}), 0.0001, 0.01)
     assert lin.schedule == "linear-ramp"
-
-
-def test_points_between_counts_inclusive():
-    assert points_between([0.0, 1e-5, 1e-4, 1e-3, 1e-2], 1e-4, 1e-3) == 2
-    assert points_between([1e-5], None, 1e-3) == 0
-
-
-@pytest.mark.parametrize("status, flags, low, high, n, expect", [
-    ("ok", [], 1e-4, 1e-2, 6, None),                                    # readable: no zoom
-    ("ok", [], 1e-4, 1e-3, 2, (1e-4 / 3, 1e-3 * 3)),                  # too few points: widen the bounds a little
-    ("ok", ["upper_censored"], 1e-4, 1.0, 9, (1e-4 / 3, 1.0 * ZOOM_EXTEND)),  # still falling at the top
-    ("ok", ["lower_censored"], 1e-5, 1e-3, 9, (1e-5 / ZOOM_EXTEND, 1e-3 * 3)),
-    ("rising_from_start", [], None, None, 0, (1e-5 / 100, 1e-5)),
-    ("no_descent", [], None, None, 0, (1e-5, 10.0)),
-])
-def test_zoom_range(status, flags, low, high, n, expect):
-    got = zoom_range(status, flags, low, high, 1e-5, 1.0, n, min_points=5)
-    if expect is None:
-        assert got is None
-    else:
-        assert got == pytest.approx(expect)
-        assert got[0] < got[1]
-
-
-def test_zoom_on_divergence_stays_below_the_blow_up():
-    lo, hi = zoom_range("diverged", ["diverged"], None, None, 1e-6, 1.0, 0, 5)
-    assert lo < hi <= 1.0 / 100
-
-
-def test_zoom_after_a_descent_that_blew_up_goes_below_the_blow_up():
-    lo, hi = zoom_range("diverged", ["diverged"], None, None, 1e-5, 0.1, 0, 5, lr_at_min=8e-4)
-    assert (lo, hi) == pytest.approx((1e-5, 8e-3))
-
-
-def test_no_descent_that_ended_worse_zooms_down_not_up():
-    # The stripes case of bench/discovery_quality: a dip too shallow for the test, then the top LRs made the model
-    # worse. Widening upwards found only the blow-up; the descent lies below the lowest point.
-    lo, hi = zoom_range("no_descent", [], None, None, 1e-5, 1e-2, 0, 5, lr_at_min=5e-4, rose_at_top=True)
-    assert (lo, hi) == pytest.approx((1e-6, 5e-4 * ZOOM_MARGIN))
-    # No interior minimum: the whole sweep was too high.
-    lo, hi = zoom_range("no_descent", [], None, None, 1e-5, 1e-2, 0, 5, lr_at_min=1e-5, rose_at_top=True)
-    assert lo == pytest.approx(1e-6) and hi == pytest.approx(1e-5)
-
-
-def test_ended_above_start():
-    assert ended_above_start([0.10, 0.099, 0.098, 0.11, 0.13, 0.2])
-    assert not ended_above_start([0.10, 0.099, 0.098, 0.097, 0.0975, 0.0972])
-    # One spike at the end is not the end of the sweep.
-    assert not ended_above_start([0.10, 0.099, 0.098, 0.097, 0.096, 0.3])
-    assert not ended_above_start([0.10, float("nan")])

@@ -10,10 +10,10 @@ import pandas as pd
 import pytest
 from mlflow import MlflowClient
 
+from rangefinder.cli.main import main as cli_main
 from rangefinder.config import RangefinderConfig, TrackingConfig
 from rangefinder.errors import TrackingError
 from rangefinder.tracking import decode_image, promote, step_run
-from rangefinder.cli.main import main as cli_main
 
 
 @pytest.mark.slow

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import csv
 import math
-from statistics import NormalDist
 from dataclasses import dataclass
 from pathlib import Path
+from statistics import NormalDist
 from typing import Literal, Optional, Sequence
 
 import numpy as np

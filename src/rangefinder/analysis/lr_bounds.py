@@ -42,14 +42,15 @@ from rangefinder.analysis.curves import (
     choose_span,
     crossing,
     divergence_cut,
-    rise_cut,
     end_slope,
     finite_prefix,
     infer_ramp,
     lowess,
     noise_sigma,
+    rise_cut,
     trend_test,
 )
+from rangefinder.defaults import DIVERGENCE_FACTOR, MID_POSITION
 from rangefinder.errors import RangefinderError
 
 Status = Literal["ok", "no_descent", "rising_from_start", "diverged"]
@@ -62,20 +63,12 @@ SIGNIFICANCE = 0.01
 PERMUTATIONS = 299
 # Descriptive signal-to-noise a bootstrap replicate needs to count as still showing the descent.
 REPLICATE_SNR = 2.0
-# Lower bound: the smoothed curve has fallen 10% of its total drop below its start ("starts to fall").
+# Lower bound: the smoothed curve has fallen 20% of its total drop below its start ("starts to fall").
 LOWER_FRACTION = 0.20
-# Upper bound: the smoothed curve has come within 10% of the drop above its minimum ("flattens").
+# Upper bound: the smoothed curve has come within 20% of the drop above its minimum ("flattens").
 UPPER_FRACTION = 0.20
 # Resampled curves for the interval and the stability score; the seed makes the same CSV give the same JSON.
 BOOTSTRAP_REPLICATES = 200
-# Where between the bounds the fine-tune trains, as a share of the way from lr_low to lr_high on the sweep's axis
-# (LRRangeTestConfig.mid_position). Not the halfway point: on the tiny model (bench/discovery_quality, 6 datasets)
-# the best constant LR of a grid sweep lay at or above lr_high in most cases, and validation loss rises more slowly
-# above that optimum than it falls short below it, so erring high costs less. 0.75 kept every case within 1% of the
-# grid's best; 0.5 missed by 2-5%.
-MID_POSITION = 0.75
-# The engine stops a ramp when smoothed loss exceeds 4x its best (ValidationConfig.divergence_factor).
-DIVERGENCE_FACTOR = 4.0
 # The part before the climb back above the start is read on its own only when it holds this many points: on
 # shorter prefixes the permutation test has too few orderings, and the pick of the cut would bias it.
 RISE_CUT_MIN_POINTS = 6

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Optional
 
@@ -10,6 +9,7 @@ import numpy as np
 
 from rangefinder.analysis.lr_bounds import LRBounds
 from rangefinder.analysis.step_window import StepWindow
+from rangefinder.formats.atomic import atomic_path
 
 FIGSIZE = (8.0, 4.8)  # inches
 DPI = 100  # 800 x 480 px: sharp in the KFP/MLflow UI, ~40 KB
@@ -30,12 +30,9 @@ def _pyplot():
 
 def _save(fig, out_path: str | Path) -> Path:
     """Write to a temporary name, then rename, so a half-written PNG never looks finished."""
-    out = Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    fig.savefig(tmp, format="png", dpi=DPI)
-    os.replace(tmp, out)
-    return out
+    with atomic_path(out_path) as tmp:
+        fig.savefig(tmp, format="png", dpi=DPI)
+    return Path(out_path)
 
 
 def _y_limits(*series: Optional[np.ndarray]) -> tuple[float, float]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import html
 import json
-import os
 from pathlib import Path
 from typing import Any, Optional
 
@@ -21,6 +20,7 @@ from rangefinder.analysis.plots import plot_lr_range_test, plot_step_window
 from rangefinder.analysis.step_window import FLAG_ADVICE as STEP_FLAG_ADVICE
 from rangefinder.analysis.step_window import STATUS_ADVICE as STEP_STATUS_ADVICE
 from rangefinder.analysis.step_window import StepWindow
+from rangefinder.formats.atomic import write_bytes
 
 _CSS = """
 body{font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;max-width:860px;margin:24px auto;padding:0 16px;
@@ -44,14 +44,6 @@ def _fmt(v: Any) -> str:
     if isinstance(v, (list, tuple)):
         return " - ".join(_fmt(i) for i in v)
     return str(v)
-
-
-def _write_atomic(path: Path, data: bytes) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-    return path
 
 
 def _png_data_uri(png: Path) -> str:
@@ -103,9 +95,9 @@ def _write_report(out: Path, stem: str, json_name: str, title: str, status: str,
     page = _page(title, status, lead, png, rows, notes, source_line)
     return {
         "plot": png,
-        "html": _write_atomic(out / f"{stem}.html", page.encode("utf-8")),
-        "markdown": _write_atomic(out / f"{stem}.md", _markdown(title, status, lead, rows, notes).encode()),
-        "json": _write_atomic(out / json_name, json.dumps(decision, indent=2).encode()),
+        "html": write_bytes(out / f"{stem}.html", page.encode("utf-8")),
+        "markdown": write_bytes(out / f"{stem}.md", _markdown(title, status, lead, rows, notes).encode()),
+        "json": write_bytes(out / json_name, json.dumps(decision, indent=2).encode()),
     }
 
 
@@ -184,3 +176,11 @@ def write_step_report(window: StepWindow, curve: Optional[dict], out_dir: str | 
     notes += [(f, STEP_FLAG_ADVICE[f]) for f in window.flags]
     return _write_report(out, "step_report", "step_window.json", "Step window", window.status, lead, png, rows,
                          notes, _source_line(curve, source), window.to_dict())
+
+
+def copy_report(report: dict, html_path: Optional[Path], markdown_path: Optional[Path]) -> None:
+    """A written report's self-contained HTML (plots embedded) and Markdown, also at the given paths (the KFP
+    outputs' files); None skips one."""
+    for key, dest in (("html", html_path), ("markdown", markdown_path)):
+        if dest is not None:
+            write_bytes(dest, Path(report[key]).read_bytes())

@@ -18,8 +18,17 @@ from typing import Any, Literal, Optional
 
 import numpy as np
 
-from rangefinder.analysis.curves import choose_span, divergence_cut, end_slope, finite_prefix, lowess, noise_sigma, trend_test
-from rangefinder.analysis.lr_bounds import DIVERGENCE_FACTOR, PERMUTATIONS, SIGNIFICANCE, _jsonable
+from rangefinder.analysis.curves import (
+    choose_span,
+    divergence_cut,
+    end_slope,
+    finite_prefix,
+    lowess,
+    noise_sigma,
+    trend_test,
+)
+from rangefinder.analysis.lr_bounds import PERMUTATIONS, SIGNIFICANCE, _jsonable
+from rangefinder.defaults import DIVERGENCE_FACTOR
 from rangefinder.errors import RangefinderError
 
 WindowStatus = Literal["ok", "still_improving", "no_improvement"]

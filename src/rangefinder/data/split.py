@@ -21,12 +21,12 @@ import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 from rangefinder.config import val_count
 from rangefinder.data.dataset import Item, item_id
 from rangefinder.data.validate import validate_dataset
 from rangefinder.errors import DataError
+from rangefinder.formats.atomic import write_text
 
 SUBSETS = ("train", "val", "stabilize")
 SUMMARY_FILE = "split.json"
@@ -126,12 +126,6 @@ def make_split(
     return Split(root=root, train=train, val=val, stabilize=stabilize, summary=summary)
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def _jsonl(items: list[Item]) -> str:
     return "".join(json.dumps(it.to_json(), ensure_ascii=False) + "\n" for it in items)
 
@@ -144,11 +138,11 @@ def write_split(split: Split, out_dir: str | Path) -> Path:
     if summary_path.exists():
         summary_path.unlink()  # the folder is unfinished until the new summary lands
     for name in SUBSETS:
-        _write_atomic(out / f"{name}.jsonl", _jsonl(split.subset(name)))
+        write_text(out / f"{name}.jsonl", _jsonl(split.subset(name)))
     # The root also relative to the split folder: a split handed to another machine or pod with its data beside it
     # (a KFP artifact mounted elsewhere) still finds the images.
     summary = {**split.summary, "root_relative": Path(os.path.relpath(split.root, out)).as_posix()}
-    _write_atomic(summary_path, json.dumps(summary, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+    write_text(summary_path, json.dumps(summary, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
     return out
 
 

@@ -16,10 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -27,6 +24,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from rangefinder.errors import DataError
+from rangefinder.formats.atomic import atomic_dir
 
 # Saturated, well-separated colours (RGB) whose names a caption can use without ambiguity.
 COLOURS: dict[str, tuple[int, int, int]] = {
@@ -172,26 +170,16 @@ def make_synthetic_dataset(
                 f"{out} already exists and is not a {kind} dataset made with these settings; "
                 "pass an empty or new --out folder (nothing was overwritten)"
             )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        for i in range(count):
-            img, caption = render_item(kind, seed, i, resolution)
-            img.save(tmp / f"{i:05d}.png", format="PNG")
-            (tmp / f"{i:05d}.txt").write_text(caption + "\n")
-        (tmp / MARKER).write_text(json.dumps(settings, sort_keys=True) + "\n")
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private
-        try:
-            if out.exists():
-                out.rmdir()  # empty (checked above)
-            os.replace(tmp, out)
-        except OSError:
-            # Another process finished the same dataset first: use theirs.
-            if marker.is_file() and json.loads(marker.read_text()) == settings:
-                shutil.rmtree(tmp, ignore_errors=True)
-                return {**summary, "reused": True}
-            raise
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        with atomic_dir(out, replace=False) as tmp:
+            for i in range(count):
+                img, caption = render_item(kind, seed, i, resolution)
+                img.save(tmp / f"{i:05d}.png", format="PNG")
+                (tmp / f"{i:05d}.txt").write_text(caption + "\n")
+            (tmp / MARKER).write_text(json.dumps(settings, sort_keys=True) + "\n")
+    except OSError:
+        # Another process finished the same dataset first: use theirs.
+        if marker.is_file() and json.loads(marker.read_text()) == settings:
+            return {**summary, "reused": True}
         raise
     return {**summary, "reused": False}

@@ -1,50 +1,75 @@
-"""Checkpoints that are either whole or absent, and resume from the newest whole one.
+"""The training checkpoint: its layout, the one reader every other part uses, and the pieces the engine writes.
 
 A checkpoint is a folder `checkpoints/checkpoint-<update:06d>/` holding:
 - `weights.safetensors`: the method's trained tensors (Method.trainable_state_dict);
 - `optimizer.pt`, and `ema.pt` / `scaler.pt` when used;
 - `rng-<rank>.pt`: Python, NumPy, torch CPU/CUDA RNG states and the training generator of each process;
-- `state.json`: update, micro-batches done (the stream position), the metrics and per-update rows so far, and
-  what the loop needs to go on exactly as if never stopped. Written last.
+- `state.json`: update, micro-batches done (the stream position), the settings, the metrics and per-update rows so
+  far, and what the loop needs to go on exactly as if never stopped. Written last.
 It is assembled under a temporary name and renamed into place, so a killed run leaves either a whole checkpoint or a
-`.tmp` folder that resume ignores (and the next save removes).
+`.tmp` folder that readers ignore (and the next save removes). Only the training engine writes checkpoints;
+sampling, export and registration read them through `list_checkpoints`, `read_state` and `read_weights`.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-import torch
-from safetensors.torch import load_file, save_file
+from rangefinder.formats.atomic import replace_dir
 
+if TYPE_CHECKING:
+    import torch
+
+WEIGHTS_NAME = "weights.safetensors"
+STATE_NAME = "state.json"
+OPTIMIZER_NAME = "optimizer.pt"
+REQUIRED = (WEIGHTS_NAME, OPTIMIZER_NAME, STATE_NAME)
 _NAME = re.compile(r"^checkpoint-(\d+)$")
-REQUIRED = ("weights.safetensors", "optimizer.pt", "state.json")
 
 
 def checkpoint_name(update: int) -> str:
     return f"checkpoint-{update:06d}"
 
 
+def checkpoint_update(path: Path) -> Optional[int]:
+    """The update a checkpoint folder was written at, from its name; None when it is not a checkpoint's name."""
+    m = _NAME.match(Path(path).name)
+    return int(m.group(1)) if m else None
+
+
+def is_checkpoint(path: Path) -> bool:
+    """A whole checkpoint: the folder holds every required file (a `.tmp` one being assembled does not count)."""
+    path = Path(path)
+    return path.is_dir() and all((path / f).is_file() for f in REQUIRED)
+
+
 def list_checkpoints(root: Path) -> list[Path]:
     """Whole checkpoints under root, oldest first."""
-    if not root.is_dir():
+    if not Path(root).is_dir():
         return []
-    found = []
-    for p in root.iterdir():
-        m = _NAME.match(p.name)
-        if m and p.is_dir() and all((p / f).is_file() for f in REQUIRED):
-            found.append((int(m.group(1)), p))
-    return [p for _, p in sorted(found)]
+    found = [(checkpoint_update(p), p) for p in Path(root).iterdir()]
+    return [p for u, p in sorted((u, p) for u, p in found if u is not None and is_checkpoint(p))]
 
 
 def latest_checkpoint(root: Path) -> Optional[Path]:
     found = list_checkpoints(root)
     return found[-1] if found else None
+
+
+def read_state(path: Path) -> dict[str, Any]:
+    """`state.json`: the update, the training settings it ran with, its metrics rows, ..."""
+    return json.loads((Path(path) / STATE_NAME).read_text())
+
+
+def read_weights(path: Path) -> dict:
+    """The method's trained tensors (CPU), as `Method.load_trainable_state_dict` takes them."""
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(path) / WEIGHTS_NAME))
 
 
 def begin(root: Path, update: int) -> Path:
@@ -62,6 +87,8 @@ def tmp_folder(root: Path, update: int) -> Path:
 
 
 def write_rng(tmp: Path, rank: int, states: dict[str, Any]) -> None:
+    import torch
+
     torch.save(states, tmp / f"rng-{rank}.pt")
 
 
@@ -74,38 +101,37 @@ def write_main(
     ema: Optional[dict] = None,
     scaler: Optional[dict] = None,
 ) -> None:
-    save_file(weights, str(tmp / "weights.safetensors"))
-    torch.save(optimizer, tmp / "optimizer.pt")
+    import torch
+    from safetensors.torch import save_file
+
+    save_file(weights, str(tmp / WEIGHTS_NAME))
+    torch.save(optimizer, tmp / OPTIMIZER_NAME)
     if ema is not None:
         torch.save(ema, tmp / "ema.pt")
     if scaler is not None:
         torch.save(scaler, tmp / "scaler.pt")
     # state.json last: its presence is part of what makes a checkpoint whole.
-    (tmp / "state.json").write_text(json.dumps(state, indent=1))
+    (tmp / STATE_NAME).write_text(json.dumps(state, indent=1))
 
 
 def commit(tmp: Path, keep: int) -> Path:
     """Rename the finished temporary folder into place, then drop all but the newest `keep` checkpoints."""
-    final = tmp.with_name(tmp.name.removesuffix(".tmp"))
-    if final.exists():  # the same update saved again (e.g. the end of a resumed run that had already finished)
-        old = final.with_name(final.name + ".old.tmp")
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
+    # The same update may be saved again (the end of a resumed run that had already finished): replaced whole.
+    final = replace_dir(tmp, tmp.with_name(tmp.name.removesuffix(".tmp")))
     for stale in list_checkpoints(final.parent)[:-keep]:
         shutil.rmtree(stale, ignore_errors=True)
     return final
 
 
 def load(path: Path, rank: int) -> dict[str, Any]:
-    """Everything a checkpoint holds, as written."""
+    """Everything a checkpoint holds, as written (the engine's resume)."""
+    import torch
+
     out: dict[str, Any] = {
         "path": path,
-        "weights": load_file(str(path / "weights.safetensors")),
-        "optimizer": torch.load(path / "optimizer.pt", weights_only=False),
-        "state": json.loads((path / "state.json").read_text()),
+        "weights": read_weights(path),
+        "optimizer": torch.load(path / OPTIMIZER_NAME, weights_only=False),
+        "state": read_state(path),
         "ema": torch.load(path / "ema.pt", weights_only=False) if (path / "ema.pt").is_file() else None,
         "scaler": torch.load(path / "scaler.pt", weights_only=False) if (path / "scaler.pt").is_file() else None,
     }

@@ -13,11 +13,11 @@ Every file carries the run's facts in its safetensors metadata (`rangefinder.*` 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from rangefinder import __version__
+from rangefinder.formats.atomic import atomic_path
 
 SINGLE_FILE_NAME = "model.safetensors"
 LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
@@ -75,13 +75,11 @@ def save_safetensors(tensors: Mapping[str, Any], path: Path, metadata: Optional[
     """Write to a temporary name and rename, so a half-written file never looks finished."""
     from safetensors.torch import save_file
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
     # safetensors refuses shared or non-contiguous storage; a clone per tensor keeps the caller's tensors intact.
-    save_file({k: v.detach().contiguous().clone() for k, v in tensors.items()}, str(tmp), metadata=dict(metadata or {}))
-    os.replace(tmp, path)
-    return path
+    with atomic_path(path) as tmp:
+        save_file({k: v.detach().contiguous().clone() for k, v in tensors.items()}, str(tmp),
+                  metadata=dict(metadata or {}))
+    return Path(path)
 
 
 def read_metadata(path: Path) -> dict[str, str]:
@@ -354,37 +352,7 @@ def save_textual_inversion(out_dir: Path, token: str, embeds, metadata: Optional
         "rangefinder": meta,
     }
     pt = out_dir / TI_A1111_PT_NAME
-    tmp = pt.with_name(f".{pt.name}.tmp")
-    torch.save(legacy, tmp)
-    os.replace(tmp, pt)
+    with atomic_path(pt) as tmp:
+        torch.save(legacy, tmp)
     paths["a1111_pt"] = pt
     return paths
-
-
-def export_pipeline(weights: Path, base_model: Path, out_dir: Path) -> Path:
-    """A whole diffusers pipeline folder for any trained output: a full fine-tune's folder as it is; LoRA adapters
-    fused into the base model's weights; a textual-inversion embedding added to the base tokenizer and text encoder.
-
-    What a registry or a plain `from_pretrained` user needs when the method only trained a small part. Written to a
-    temporary name and renamed, so a half-written folder never looks finished.
-    """
-    import shutil
-
-    from rangefinder.sampling import load_column_pipeline, resolve_column
-
-    weights, out_dir = Path(weights), Path(out_dir)
-    column = resolve_column(weights)
-    if column.kind == "pipeline":
-        return weights
-    pipe = load_column_pipeline(column, Path(base_model), device="cpu")
-    if column.kind == "lora":
-        # Bake the adapters into the base weights, then drop the adapter layers: a plain pipeline remains.
-        pipe.fuse_lora()
-        pipe.unload_lora_weights()
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    pipe.save_pretrained(str(tmp))
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
-    return out_dir

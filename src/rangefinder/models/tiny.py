@@ -24,11 +24,12 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
+
+from rangefinder.formats.atomic import atomic_dir
 
 # ---------------------------------------------------------------------------------------------------------------
 # Settings and cache
@@ -349,9 +350,7 @@ def build_tiny_base_model(
     out = Path(out_dir).expanduser().resolve()
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} already exists and is not empty")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with atomic_dir(out, replace=False) as tmp:
         # One thread: the same reduction order, hence bit-for-bit the same weights, whatever the core count; and
         # for layers this small a second thread gains little while it loses much on a busy machine.
         was_deterministic = torch.are_deterministic_algorithms_enabled()
@@ -380,13 +379,6 @@ def build_tiny_base_model(
         info = {"builder_version": BUILDER_VERSION, "settings": dataclasses.asdict(settings), "pretraining": stats,
                 "vocabulary": vocabulary_words()}
         (tmp / "rangefinder_tiny.json").write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the model is shared like any cache entry
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
@@ -397,15 +389,6 @@ def copy_model(src: Path, out_dir: str | Path) -> Path:
         from rangefinder.errors import RangefinderError
 
         raise RangefinderError(f"{out} already exists and is not empty; pass a new --out folder (nothing was changed)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with atomic_dir(out, replace=False) as tmp:
         shutil.copytree(src, tmp, dirs_exist_ok=True)
-        os.chmod(tmp, 0o755)
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out

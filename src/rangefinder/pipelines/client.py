@@ -293,8 +293,8 @@ def submit(
     namespace: Optional[str] = None,
 ) -> Submission:
     """Compile `cfg` into a package, upload or reuse it, and create a run (or a recurring run when `cron` is set)."""
-    from rangefinder.steps.resolve_config import parameters_from_config
     from rangefinder.pipelines.pipeline import PIPELINE_DESCRIPTION, PIPELINE_NAME
+    from rangefinder.steps.resolve_config import parameters_from_config
 
     if cron is not None:
         cron = validate_cron(cron)  # before any network traffic

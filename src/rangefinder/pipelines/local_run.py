@@ -72,8 +72,8 @@ def run_pipeline_locally(cfg: RangefinderConfig, out_dir: str | Path, *, dataset
     """Run the pipeline for `cfg` with kfp.local; raise RangefinderError naming the failed step."""
     from kfp import local
 
-    from rangefinder.steps.resolve_config import parameters_from_config
     from rangefinder.pipelines.pipeline import PIPELINE_NAME, build_pipeline
+    from rangefinder.steps.resolve_config import parameters_from_config
 
     out = Path(out_dir).resolve()
     root = out / "pipeline-root"

@@ -30,8 +30,8 @@ from kfp import dsl, kubernetes
 
 from rangefinder.config import KubernetesConfig, RangefinderConfig
 from rangefinder.container_images import cpu_image, trainer_image
-from rangefinder.steps.resolve_config import parameters_from_config
 from rangefinder.pipelines import kfp_components as c
+from rangefinder.steps.resolve_config import parameters_from_config
 
 PIPELINE_NAME = "rangefinder-finetune"
 PIPELINE_DESCRIPTION = (

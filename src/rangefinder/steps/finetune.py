@@ -8,7 +8,6 @@ better determined than the minimum itself (rangefinder.analysis.step_window).
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from typing import Any, Optional
 
 from rangefinder.config import RangefinderConfig, TrainingConfig, plan_for
 from rangefinder.errors import RangefinderError
+from rangefinder.formats.atomic import write_json, write_text
 from rangefinder.steps.workdir import publish, work_dir
 
 
@@ -70,7 +70,12 @@ def run_finetune(
     mlflow_parent_run_id: Optional[str] = None,
 ) -> FinetuneResult:
     from rangefinder import tracking
-    from rangefinder.analysis import read_curve_csv, select_step_window, write_step_report
+    from rangefinder.analysis import (
+        copy_report,
+        read_curve_csv,
+        select_step_window,
+        write_step_report,
+    )
     from rangefinder.data.split import read_split
     from rangefinder.training.loop import train
 
@@ -94,7 +99,7 @@ def run_finetune(
                                         seed=cfg.validation.seed,
                                         divergence_factor=cfg.validation.divergence_factor)
             report = write_step_report(window, curve, report_dir, source=str(result.metrics_csv))
-            _copy_reports(report, report_html, report_md)
+            copy_report(report, report_html, report_md)
             # No window (no improvement at all): keep the configured budget and say so in the report.
             rec_epochs = int(window.recommended_epochs or tc.epochs or 1)
             rec_updates = int(window.recommended_updates or result.updates)
@@ -106,9 +111,9 @@ def run_finetune(
             decision = {"recommended_epochs": rec_epochs, "note": "no validation: the configured epochs are kept"}
             for p in (report_html, report_md):
                 if p is not None:
-                    Path(p).write_text(f"No validation set: trained {rec_epochs} epochs at lr {lr_mid:.3g}.\n")
+                    write_text(p, f"No validation set: trained {rec_epochs} epochs at lr {lr_mid:.3g}.\n")
         decision.update(lr_low=lr_low, lr_high=lr_high, lr_mid=lr_mid, lr_source=lr_source)
-        (report_dir / "decision.json").write_text(json.dumps(decision, indent=2, default=str))
+        write_json(report_dir / "decision.json", decision)
         shutil.copyfile(result.metrics_csv, report_dir / "metrics.csv")
         run.log_artifact(report_dir, "report")
         run.log_artifact(result.metrics_csv, "curves")
@@ -120,9 +125,3 @@ def run_finetune(
                           still_improving=improving, best_val_loss=result.best_val_loss, model_dir=model_dir,
                           curve_csv=result.metrics_csv, checkpoints=list(result.checkpoints))
 
-
-def _copy_reports(report: dict, report_html: Optional[Path], report_md: Optional[Path]) -> None:
-    if report_html is not None:
-        shutil.copyfile(report["html"], report_html)
-    if report_md is not None:
-        shutil.copyfile(report["markdown"], report_md)

@@ -4,37 +4,22 @@ The LR climbs exponentially or linearly (Smith 2017, "Cyclical Learning Rates fo
 section 3.3) over `lr_range_test.epochs`, with validation loss measured at update 0 and then every epoch (or every
 N updates). `rangefinder.analysis` reads the lower bound, the upper bound and the midpoint off the curve.
 
-When the curve is censored (still falling at an end of the sweep) or too few measurements lie between the bounds,
-the step says so (`needs_zoom`) and proposes the range of a second test ("zoom"), derived from the first:
-
-- too few points between ok bounds: the bounds widened by `ZOOM_MARGIN` on each side (more points land inside);
-- still falling at the top (upper_censored): from the lower bound (less `ZOOM_MARGIN`) up to `ZOOM_EXTEND` x the
-  old top;
-- already falling at the bottom (lower_censored): from `1/ZOOM_EXTEND` x the old bottom up to the upper bound (plus
-  `ZOOM_MARGIN`: a sweep that stops right at the old upper bound is still falling at its top, and is read as
-  upper-censored);
-- rising from the start: the decade(s) below the old range; diverged: the range below where it blew up;
-- no descent: one decade higher when the curve stayed flat (nothing was learned yet), but when the loss ended above
-  where it started (the top of the sweep made the model worse, as when the base model has little left to learn) a
-  decade lower, up to a little past the lowest point: widening upwards there only finds the blow-up.
-
-A second test never asks for a third: if its curve still cannot be read the step stops with the analysis' advice.
+When the curve is censored or too few measurements lie between the bounds, the step says so (`needs_zoom`) and
+proposes the range of a second test ("zoom") by `rangefinder.analysis.zoom`.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
+from rangefinder.analysis.zoom import ended_above_start, points_between, zoom_range
 from rangefinder.config import RangefinderConfig, TrainingConfig, ValidationConfig
 from rangefinder.errors import RangefinderError
+from rangefinder.formats.atomic import write_json
 from rangefinder.steps.workdir import publish, work_dir
-
-ZOOM_MARGIN = 3.0  # x/÷ around ok bounds that hold too few points
-ZOOM_EXTEND = 10.0  # one decade past a censored end
 
 
 @dataclass
@@ -79,49 +64,6 @@ def ramp_validation_config(cfg: RangefinderConfig) -> ValidationConfig:
     return cfg.validation.model_copy(update={"every_updates": every})
 
 
-def points_between(lr: Any, lr_low: Optional[float], lr_high: Optional[float]) -> int:
-    if lr_low is None or lr_high is None:
-        return 0
-    return sum(1 for x in lr if lr_low <= float(x) <= lr_high)
-
-
-def ended_above_start(val_loss: Any) -> bool:
-    """The last points of the sweep (median of up to 3 finite ones) are above its first: the top LRs did harm."""
-    finite = [float(v) for v in val_loss if math.isfinite(float(v))]
-    if len(finite) < 3:
-        return False
-    tail = sorted(finite[-3:])[1]
-    return tail > finite[0]
-
-
-def zoom_range(status: str, flags: list[str], lr_low: Optional[float], lr_high: Optional[float],
-               lr_min: float, lr_max: float, n_between: int, min_points: int,
-               lr_at_min: Optional[float] = None, rose_at_top: bool = False) -> Optional[tuple[float, float]]:
-    """The range of a second test, or None when the first curve is readable enough (see the module docstring)."""
-    if status == "ok":
-        assert lr_low is not None and lr_high is not None
-        if "upper_censored" in flags:
-            return lr_low / ZOOM_MARGIN, lr_max * ZOOM_EXTEND
-        if "lower_censored" in flags:
-            return lr_min / ZOOM_EXTEND, lr_high * ZOOM_MARGIN
-        if n_between < min_points:
-            return max(lr_low / ZOOM_MARGIN, lr_min / ZOOM_EXTEND), lr_high * ZOOM_MARGIN
-        return None
-    if status == "rising_from_start":
-        return lr_min / ZOOM_EXTEND ** 2, lr_min
-    if status == "diverged":
-        if lr_at_min is not None and lr_min < lr_at_min < lr_max:
-            # It fell before it blew up: spend the second sweep on the part below the blow-up.
-            return lr_min, min(lr_max, lr_at_min * ZOOM_EXTEND)
-        return lr_min / ZOOM_EXTEND, max(lr_max / ZOOM_EXTEND ** 2, lr_min * ZOOM_EXTEND)
-    if status == "no_descent":
-        if not rose_at_top:
-            return lr_min, lr_max * ZOOM_EXTEND
-        top = lr_at_min * ZOOM_MARGIN if lr_at_min is not None and lr_min < lr_at_min < lr_max else lr_min
-        return lr_min / ZOOM_EXTEND, top
-    return None
-
-
 def run_lr_range_test(
     cfg: RangefinderConfig,
     *,
@@ -136,7 +78,12 @@ def run_lr_range_test(
 ) -> RangeTestResult:
     """Sweep, analyse, report; `lr_min`/`lr_max` None: the configured range (a zoom passes its own)."""
     from rangefinder import tracking
-    from rangefinder.analysis import analyze_lr_curve, read_curve_csv, write_lr_report
+    from rangefinder.analysis import (
+        analyze_lr_curve,
+        copy_report,
+        read_curve_csv,
+        write_lr_report,
+    )
     from rangefinder.training.loop import train
 
     if stage not in ("first", "zoom"):
@@ -177,9 +124,9 @@ def run_lr_range_test(
                     "needs_zoom": zoom is not None, "zoom_range": list(zoom) if zoom else None,
                     "updates": result.updates, "curve_csv": str(result.metrics_csv)}
         report = write_lr_report(bounds, curve, out_dir / "report", source=str(result.metrics_csv))
-        _copy_reports(report, report_html, report_md)
+        copy_report(report, report_html, report_md)
         bounds_json = out_dir / "bounds.json"
-        _atomic_write(bounds_json, json.dumps(decision, indent=2, default=str))
+        write_json(bounds_json, decision)
         run.log_artifact(result.metrics_csv, "curves")
         run.log_artifact(bounds_json, "analysis")
         run.log_artifact(out_dir / "report", "report")
@@ -198,22 +145,6 @@ def run_lr_range_test(
         needs_zoom=zoom is not None, zoom_lr_min=float(zoom[0]) if zoom else 0.0,
         zoom_lr_max=float(zoom[1]) if zoom else 0.0, curve_csv=result.metrics_csv, bounds_json=bounds_json,
     )
-
-
-def _copy_reports(report: dict, report_html: Optional[Path], report_md: Optional[Path]) -> None:
-    """The analysis' self-contained HTML (plots embedded) and its Markdown, at the paths KFP gave the outputs."""
-    import shutil
-
-    if report_html is not None:
-        shutil.copyfile(report["html"], report_html)
-    if report_md is not None:
-        shutil.copyfile(report["markdown"], report_md)
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
 
 
 def fmt_lr(x: float) -> str:

@@ -29,8 +29,8 @@ def run_register_model(cfg: RangefinderConfig, *, model_dir: Path, lr_mid: float
         if not (weights / "model_index.json").is_file():
             # LoRA and textual inversion deliver a small file; the registry gets a whole pipeline that generates
             # on its own (the step's input artifact may be read-only, so it is built in scratch space).
-            from rangefinder.formats.export import export_pipeline
             from rangefinder.models.tiny import ensure_tiny_base_model
+            from rangefinder.sampling import export_pipeline
 
             base = Path(cfg.model.base_model) if cfg.model.base_model else ensure_tiny_base_model(cfg.model.cache_dir)
             weights = export_pipeline(weights, base, Path(scratch) / "pipeline")

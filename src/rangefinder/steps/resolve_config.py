@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from rangefinder.config import RangefinderConfig, _deep_merge, parse_config
 from rangefinder.errors import ConfigError

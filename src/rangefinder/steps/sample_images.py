@@ -15,16 +15,16 @@ from rangefinder.config import RangefinderConfig
 
 def grid_columns(cfg: RangefinderConfig, finetuned_dir: Path, retrained_dir: Optional[Path]) -> tuple[list, list]:
     """(models, labels) of the grid, base model first."""
+    from rangefinder.formats import checkpoints
     from rangefinder.models.tiny import ensure_tiny_base_model
-    from rangefinder.formats.checkpoints import list_checkpoints
 
     base = cfg.model.base_model or str(ensure_tiny_base_model(cfg.model.cache_dir))
     models: list = [base]
     labels = ["base"]
     # Kept checkpoints hold the method's trained tensors only; the grid applies them on top of the base model.
-    for ckpt in list_checkpoints(Path(finetuned_dir) / "checkpoints"):
-        models.append(ckpt / "weights.safetensors")
-        labels.append(f"update {int(ckpt.name.split('-')[-1])}")
+    for ckpt in checkpoints.list_checkpoints(Path(finetuned_dir) / "checkpoints"):
+        models.append(ckpt)
+        labels.append(f"update {checkpoints.checkpoint_update(ckpt)}")
     models.append(Path(finetuned_dir) / "final")
     labels.append("fine-tuned")
     if retrained_dir is not None:

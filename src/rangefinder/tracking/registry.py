@@ -196,8 +196,8 @@ def promote(
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
-    from rangefinder.tracking.target import ensure_tracking_server, resolve_tracking_uri
     from rangefinder.config import TrackingConfig
+    from rangefinder.tracking.target import ensure_tracking_server, resolve_tracking_uri
 
     uri = tracking_uri or resolve_tracking_uri(TrackingConfig())
     ensure_tracking_server(uri)

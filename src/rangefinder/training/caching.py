@@ -23,7 +23,9 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+
+from rangefinder.formats.export import save_safetensors
 
 CACHE_VERSION = "1"  # bump when the meaning of an entry changes
 
@@ -59,13 +61,6 @@ def module_fingerprint(module: torch.nn.Module) -> str:
 
 def _key(*parts: object) -> str:
     return hashlib.blake2b("|".join(map(str, (CACHE_VERSION,) + parts)).encode(), digest_size=12).hexdigest()
-
-
-def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
-    os.replace(tmp, path)
 
 
 @dataclass
@@ -154,7 +149,7 @@ def cached_latents(
             entry = {"latent": z[j].clone()}
             if zf is not None:
                 entry["flipped"] = zf[j].clone()
-            _atomic_save(entry, folder / f"{keys[i]}.safetensors")
+            save_safetensors(entry, folder / f"{keys[i]}.safetensors")
             found[keys[i]] = entry
         stats.encoded += len(chunk)
     latents = torch.stack([found[k]["latent"] for k in keys])
@@ -207,7 +202,7 @@ def cached_text_embeddings(
         hidden = encode(input_ids[chunk].to(device)).float().cpu()
         for j, i in enumerate(chunk):
             found[keys[i]] = hidden[j].clone()
-            _atomic_save({"hidden": found[keys[i]]}, folder / f"{keys[i]}.safetensors")
+            save_safetensors({"hidden": found[keys[i]]}, folder / f"{keys[i]}.safetensors")
         stats.encoded += len(chunk)
     return torch.stack([found[k] for k in keys])
 

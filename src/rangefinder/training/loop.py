@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import json
 import math
-import os
 import random
 import time
 from dataclasses import asdict, dataclass, field
@@ -30,9 +28,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from rangefinder.config import DataConfig, ModelConfig, TrainingConfig, ValidationConfig, plan_for
+from rangefinder.config import (
+    DataConfig,
+    ModelConfig,
+    TrainingConfig,
+    ValidationConfig,
+    plan_for,
+)
 from rangefinder.errors import ConfigError, DataError
 from rangefinder.formats import checkpoints
+from rangefinder.formats.atomic import atomic_dir, atomic_path, write_json
 from rangefinder.training import MetricSink
 from rangefinder.training.caching import (
     CacheStats,
@@ -48,7 +53,12 @@ from rangefinder.training.caching import (
 from rangefinder.training.data import CachedLatents, EncodedOnTheFly, ImageStream
 from rangefinder.training.methods import make_method
 from rangefinder.training.schedules import make_schedule
-from rangefinder.training.validation import ValidationSet, diverged, measure, preserved_rng
+from rangefinder.training.validation import (
+    ValidationSet,
+    diverged,
+    measure,
+    preserved_rng,
+)
 
 TrainOn = Literal["train", "train+val"]
 
@@ -402,16 +412,10 @@ def train(
     final_dir = None
     if save_final and status == "ok" and main:
         final_dir = out_dir / "final"
-        tmp = out_dir / "final.tmp"
-        if tmp.exists():
-            import shutil
-
-            shutil.rmtree(tmp)
         if cfg.channels_last:
             sd.unet.to(memory_format=torch.contiguous_format)  # safetensors writes contiguous tensors only
-        with _ema_weights(ema, trainable, on=True):  # the average is what the run saves
+        with _ema_weights(ema, trainable, on=True), atomic_dir(final_dir) as tmp:  # the average is what it saves
             method.save_final(sd, tmp)
-        _replace_dir(tmp, final_dir)
     accelerator.wait_for_everyone()
 
     val_series = log.series("val_loss")
@@ -444,7 +448,7 @@ def train(
             "cpu_seconds": cpu_seconds,  # this process' CPU time in the loop (all threads)
             "updates_per_second": (update - first_update) / seconds if seconds > 0 else None,
         }
-        _write_json(result.summary_path, summary)
+        write_json(result.summary_path, summary)
     return result
 
 
@@ -605,24 +609,6 @@ def _to(module: torch.nn.Module, device: torch.device, dtype: Optional[torch.dty
     module.to(device, dtype) if dtype is not None else module.to(device)
 
 
-def _replace_dir(src: Path, dst: Path) -> None:
-    import shutil
-
-    if dst.exists():
-        old = dst.with_name(dst.name + ".old")
-        os.replace(dst, old)
-        os.replace(src, dst)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(src, dst)
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str))
-    os.replace(tmp, path)
-
-
 class _RunLog:
     """metrics.csv (rewritten whole, atomically, per row) and updates.csv (appended per update)."""
 
@@ -674,10 +660,8 @@ def _cells(row: dict, columns: list[str]) -> dict:
 
 
 def _write_csv(path: Path, columns: list[str], rows: list[dict]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", newline="") as f:
+    with atomic_path(path) as tmp, open(tmp, "w", newline="") as f:
         w = csv.DictWriter(f, columns)
         w.writeheader()
         for r in rows:
             w.writerow(_cells(r, columns))
-    os.replace(tmp, path)

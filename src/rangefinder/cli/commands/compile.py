@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 from rangefinder.cli.main import add_json_flag
@@ -24,18 +23,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     from rangefinder.config import load_config
+    from rangefinder.formats.atomic import atomic_path
     from rangefinder.pipelines.pipeline import PIPELINE_NAME, compile_pipeline
 
     cfg = load_config(args.config)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # Compile next to the target and rename: a failed compile never leaves a half-written package behind.
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp.yaml")
-    try:
+    # Compile next to the target and rename: a failed compile never leaves a half-written package behind. The
+    # temporary name keeps .yaml, from which the KFP compiler picks the format.
+    with atomic_path(out, suffix=".yaml") as tmp:
         compile_pipeline(cfg, str(tmp))
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
     k8s = cfg.kubernetes
     return {
         "pipeline": PIPELINE_NAME,

@@ -1,0 +1,16 @@
+"""The method's numbers that both the settings (config.py) and the analysis read: one copy of each.
+
+A plain module with no imports, so that config.py (pydantic) and analysis/ (numpy and matplotlib only) can both use
+it without either importing the other.
+"""
+
+# Where between the bounds the fine-tune trains, as a share of the way from lr_low to lr_high on the sweep's axis
+# (log LR on an exp ramp, so 0.5 is the geometric mean). Not the halfway point: on the tiny model
+# (bench/discovery_quality, 6 datasets) the best constant LR of a grid sweep lay at or above lr_high in most cases,
+# and validation loss rises more slowly above that optimum than it falls short below it, so erring high costs less.
+# 0.75 kept every case within 1% of the grid's best; 0.5 missed by 2-5%.
+MID_POSITION = 0.75
+
+# A ramp is stopped, and a curve read as diverged, when smoothed validation loss exceeds this multiple of its best
+# (or turns NaN/inf).
+DIVERGENCE_FACTOR = 4.0

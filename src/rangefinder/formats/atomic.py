@@ -1,0 +1,87 @@
+"""Whole or absent: every file and folder the project writes goes to a temporary sibling first, then is renamed.
+
+A rename within one folder is atomic on POSIX file systems, so a reader (a resumed run, the next pipeline step, a
+user's tool) sees the old content or the new one, never half of it; a killed writer leaves only a dot-named `.tmp`
+sibling behind. The temporary name carries the process id, so two writers of the same path never share one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator, Union
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+@contextlib.contextmanager
+def atomic_path(path: PathLike, *, suffix: str = "") -> Iterator[Path]:
+    """A temporary sibling of `path` to write; renamed onto `path` when the block ends, removed if it raises.
+
+    `suffix` ends the temporary name, for writers that choose the format by extension (e.g. `.yaml`).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp{suffix}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_bytes(path: PathLike, data: bytes) -> Path:
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+    return Path(path)
+
+
+def write_text(path: PathLike, text: str) -> Path:
+    return write_bytes(path, text.encode("utf-8"))
+
+
+def write_json(path: PathLike, obj: Any, *, indent: int = 2) -> Path:
+    """JSON with a trailing newline; objects json cannot encode (paths, numpy scalars) are written as str()."""
+    return write_text(path, json.dumps(obj, indent=indent, default=str) + "\n")
+
+
+def replace_dir(src: PathLike, dst: PathLike) -> Path:
+    """Put the finished folder `src` in the place of `dst` (which may exist): the old one is moved aside first (to a
+    `.tmp` name, which the checkpoint writer sweeps up after a kill) and removed once the new one is in place."""
+    src, dst = Path(src), Path(dst)
+    if dst.exists():
+        old = dst.with_name(f".{dst.name}.{os.getpid()}.old.tmp")
+        os.replace(dst, old)
+        os.replace(src, dst)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(src, dst)
+    return dst
+
+
+@contextlib.contextmanager
+def atomic_dir(path: PathLike, *, replace: bool = True) -> Iterator[Path]:
+    """A fresh temporary folder beside `path` to fill; it takes the place of `path` when the block ends, and is
+    removed if the block raises (an existing `path` is then left as it was).
+
+    `replace=False` is for shared caches that several processes may fill at once: `path` must then be absent or
+    empty, and OSError says another writer finished first (its folder stays; the caller may use it).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.{os.getpid()}.tmp", dir=path.parent))
+    try:
+        yield tmp
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; what we publish is read like any other folder
+        if replace:
+            replace_dir(tmp, path)
+        else:
+            if path.exists():
+                path.rmdir()  # only an empty folder: a finished one fails here
+            os.replace(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
