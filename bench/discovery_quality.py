@@ -30,15 +30,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from bench.common import (
-    default_out,
-    machine_info,
-    quiet_libraries,
-    smoke_out,
-    table,
-    torch_threads,
-    write_json,
-)
+from bench.common import default_out, machine_info, quiet_libraries, smoke_out, table, torch_threads, write_json
 
 NAME = "discovery_quality"
 

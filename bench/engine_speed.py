@@ -26,15 +26,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from bench.common import (
-    PeakMemory,
-    default_out,
-    machine_info,
-    mib,
-    table,
-    torch_threads,
-    write_json,
-)
+from bench.common import PeakMemory, default_out, machine_info, mib, table, torch_threads, write_json
 
 VARIANTS = {"cache_on": True, "cache_off": False}
 

@@ -41,15 +41,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from bench.common import (
-    default_out,
-    machine_info,
-    quiet_libraries,
-    smoke_out,
-    table,
-    torch_threads,
-    write_json,
-)
+from bench.common import default_out, machine_info, quiet_libraries, smoke_out, table, torch_threads, write_json
 
 NAME = "validation_overhead"
 

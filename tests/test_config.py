@@ -4,14 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from rangefinder.config import (
-    RangefinderConfig,
-    demo_config,
-    load_config,
-    parse_config,
-    plan,
-    val_count,
-)
+from rangefinder.config import RangefinderConfig, demo_config, load_config, parse_config, plan, val_count
 from rangefinder.errors import ConfigError
 
 

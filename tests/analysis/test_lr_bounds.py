@@ -7,12 +7,7 @@ import pytest
 
 from rangefinder.analysis import analyze_lr_curve
 from rangefinder.analysis.lr_bounds import MID_POSITION
-from rangefinder.analysis.synthetic import (
-    RangeTestShape,
-    lr_sweep,
-    noisy,
-    true_lr_bounds,
-)
+from rangefinder.analysis.synthetic import RangeTestShape, lr_sweep, noisy, true_lr_bounds
 from rangefinder.errors import RangefinderError
 
 U = RangeTestShape(rise=0.05)  # descent around 1e-5, turns up from ~1e-3

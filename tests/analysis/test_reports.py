@@ -13,12 +13,7 @@ from rangefinder.analysis import (
     write_lr_report,
     write_step_report,
 )
-from rangefinder.analysis.synthetic import (
-    ConstantRunShape,
-    RangeTestShape,
-    lr_sweep,
-    noisy,
-)
+from rangefinder.analysis.synthetic import ConstantRunShape, RangeTestShape, lr_sweep, noisy
 from rangefinder.cli.main import main
 
 

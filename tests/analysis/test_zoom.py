@@ -4,13 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rangefinder.analysis.zoom import (
-    ZOOM_EXTEND,
-    ZOOM_MARGIN,
-    ended_above_start,
-    points_between,
-    zoom_range,
-)
+from rangefinder.analysis.zoom import ZOOM_EXTEND, ZOOM_MARGIN, ended_above_start, points_between, zoom_range
 
 
 def test_points_between_counts_inclusive():

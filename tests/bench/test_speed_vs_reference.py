@@ -66,10 +66,7 @@ def test_sd15_sized_unet_flops(tmp_path):
 
 def test_reference_encoders_flops(tiny_model_dir):
     """What the reference adds per update (VAE encode + text encoder) grows with the batch and is a real share."""
-    from bench.speed_vs_reference import (
-        encoders_flops_per_update,
-        unet_flops_per_update,
-    )
+    from bench.speed_vs_reference import encoders_flops_per_update, unet_flops_per_update
 
     one = encoders_flops_per_update(tiny_model_dir, batch_size=1, resolution=32)
     two = encoders_flops_per_update(tiny_model_dir, batch_size=2, resolution=32)

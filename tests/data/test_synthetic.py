@@ -4,12 +4,7 @@ import pytest
 from PIL import Image
 
 from rangefinder.cli.main import main
-from rangefinder.data.synthetic import (
-    COLOURS,
-    SHAPES,
-    make_synthetic_dataset,
-    render_item,
-)
+from rangefinder.data.synthetic import COLOURS, SHAPES, make_synthetic_dataset, render_item
 from rangefinder.errors import DataError
 
 

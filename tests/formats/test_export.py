@@ -31,10 +31,7 @@ def _assert_same(a: dict, b: dict, what: str) -> None:
 
 
 def test_ldm_layout_inverts_diffusers_converters(tiny_pipe):
-    from diffusers.loaders.single_file_utils import (
-        convert_ldm_unet_checkpoint,
-        convert_ldm_vae_checkpoint,
-    )
+    from diffusers.loaders.single_file_utils import convert_ldm_unet_checkpoint, convert_ldm_vae_checkpoint
 
     sd = diffusers_to_ldm_state_dict(tiny_pipe.unet, tiny_pipe.vae, tiny_pipe.text_encoder)
     assert {k.split(".")[0] for k in sd} == {"model", "first_stage_model", "cond_stage_model"}

@@ -7,12 +7,7 @@ import subprocess
 import pytest
 import yaml
 
-from tests.manifests.manifest_support import (
-    MANIFESTS,
-    Rendered,
-    entry_points,
-    find_tool,
-)
+from tests.manifests.manifest_support import MANIFESTS, Rendered, entry_points, find_tool
 
 
 @pytest.fixture(scope="session")

@@ -8,12 +8,7 @@ import torch
 
 from rangefinder.config import TrainingConfig
 from rangefinder.errors import ConfigError
-from rangefinder.formats.export import (
-    TI_A1111_NAME,
-    TI_A1111_PT_NAME,
-    TI_WEIGHTS_NAME,
-    read_metadata,
-)
+from rangefinder.formats.export import TI_A1111_NAME, TI_A1111_PT_NAME, TI_WEIGHTS_NAME, read_metadata
 from rangefinder.training.methods import make_method
 from tests.methods.harness import load_parts, pipeline_image, state_of, train_updates
 

@@ -13,11 +13,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from rangefinder.config import TrainingConfig, ValidationConfig
-from rangefinder.formats.export import (
-    LORA_WEIGHTS_NAME,
-    SINGLE_FILE_NAME,
-    TI_WEIGHTS_NAME,
-)
+from rangefinder.formats.export import LORA_WEIGHTS_NAME, SINGLE_FILE_NAME, TI_WEIGHTS_NAME
 from rangefinder.sampling import render_grid
 from rangefinder.training.loop import train
 

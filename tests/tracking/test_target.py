@@ -8,12 +8,7 @@ import pytest
 
 from rangefinder.config import RangefinderConfig, TrackingConfig
 from rangefinder.errors import TrackingError
-from rangefinder.tracking import (
-    check_tracking_server,
-    resolve_experiment_name,
-    resolve_tracking_uri,
-    step_run,
-)
+from rangefinder.tracking import check_tracking_server, resolve_experiment_name, resolve_tracking_uri, step_run
 from tests.tracking.fixtures import free_port
 
 

@@ -187,11 +187,7 @@ def _load_hub(repo_id: str, model_cfg: ModelConfig) -> SDComponents:
 def _check_hub(repo_id: str, revision: Optional[str]) -> None:
     """Fail in a second, with the reason, rather than after diffusers' minute of retries."""
     from huggingface_hub import HfApi
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
 
     if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
         raise ConfigError(

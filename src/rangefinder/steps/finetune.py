@@ -70,12 +70,7 @@ def run_finetune(
     mlflow_parent_run_id: Optional[str] = None,
 ) -> FinetuneResult:
     from rangefinder import tracking
-    from rangefinder.analysis import (
-        copy_report,
-        read_curve_csv,
-        select_step_window,
-        write_step_report,
-    )
+    from rangefinder.analysis import copy_report, read_curve_csv, select_step_window, write_step_report
     from rangefinder.data.split import read_split
     from rangefinder.training.loop import train
 

@@ -78,12 +78,7 @@ def run_lr_range_test(
 ) -> RangeTestResult:
     """Sweep, analyse, report; `lr_min`/`lr_max` None: the configured range (a zoom passes its own)."""
     from rangefinder import tracking
-    from rangefinder.analysis import (
-        analyze_lr_curve,
-        copy_report,
-        read_curve_csv,
-        write_lr_report,
-    )
+    from rangefinder.analysis import analyze_lr_curve, copy_report, read_curve_csv, write_lr_report
     from rangefinder.training.loop import train
 
     if stage not in ("first", "zoom"):

@@ -37,13 +37,7 @@ from __future__ import annotations
 
 from rangefinder.tracking.metrics import BatchedMetricLogger
 from rangefinder.tracking.redaction import redact, safe_uri
-from rangefinder.tracking.registry import (
-    CANDIDATE,
-    CHAMPION,
-    RegisteredVersion,
-    decode_image,
-    promote,
-)
+from rangefinder.tracking.registry import CANDIDATE, CHAMPION, RegisteredVersion, decode_image, promote
 from rangefinder.tracking.runs import (
     StepRun,
     common_tags,

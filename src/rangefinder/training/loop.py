@@ -28,13 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from rangefinder.config import (
-    DataConfig,
-    ModelConfig,
-    TrainingConfig,
-    ValidationConfig,
-    plan_for,
-)
+from rangefinder.config import DataConfig, ModelConfig, TrainingConfig, ValidationConfig, plan_for
 from rangefinder.errors import ConfigError, DataError
 from rangefinder.formats import checkpoints
 from rangefinder.formats.atomic import atomic_dir, atomic_path, write_json
@@ -53,12 +47,7 @@ from rangefinder.training.caching import (
 from rangefinder.training.data import CachedLatents, EncodedOnTheFly, ImageStream
 from rangefinder.training.methods import make_method
 from rangefinder.training.schedules import make_schedule
-from rangefinder.training.validation import (
-    ValidationSet,
-    diverged,
-    measure,
-    preserved_rng,
-)
+from rangefinder.training.validation import ValidationSet, diverged, measure, preserved_rng
 
 TrainOn = Literal["train", "train+val"]
 

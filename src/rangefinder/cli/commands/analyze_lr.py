@@ -27,12 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from rangefinder.analysis import (
-        analyze_lr_curve,
-        plot_lr_range_test,
-        read_curve_csv,
-        write_lr_report,
-    )
+    from rangefinder.analysis import analyze_lr_curve, plot_lr_range_test, read_curve_csv, write_lr_report
     from rangefinder.errors import RangefinderError
 
     curve = read_curve_csv(args.curve, required=("lr", "val_loss"), skip_empty=("val_loss",))

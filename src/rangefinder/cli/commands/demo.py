@@ -35,11 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def demo_model_cache(out: Path) -> Path:
     """Where the tiny model is read or built: $RANGEFINDER_CACHE, else the user cache when it already holds the
     model (reading it writes nothing), else a cache inside --out (everything the demo writes stays there)."""
-    from rangefinder.models.tiny import (
-        TinyModelSettings,
-        default_cache_dir,
-        settings_key,
-    )
+    from rangefinder.models.tiny import TinyModelSettings, default_cache_dir, settings_key
 
     if os.environ.get("RANGEFINDER_CACHE"):
         return Path(os.environ["RANGEFINDER_CACHE"]).expanduser()

@@ -25,12 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from rangefinder.analysis import (
-        plot_step_window,
-        read_curve_csv,
-        select_step_window,
-        write_step_report,
-    )
+    from rangefinder.analysis import plot_step_window, read_curve_csv, select_step_window, write_step_report
 
     curve = read_curve_csv(args.curve, required=("update", "val_loss"), skip_empty=("val_loss",))
     window = select_step_window(curve["update"], curve.get("epoch"), curve["val_loss"], tolerance=args.tolerance,

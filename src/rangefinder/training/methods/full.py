@@ -45,11 +45,7 @@ class FullFineTune(ModuleMethod):
             module.load_state_dict(split_state(state, name), strict=True)
 
     def save_final(self, sd: "SDComponents", out_dir: Path) -> None:
-        from rangefinder.formats.export import (
-            SINGLE_FILE_NAME,
-            export_full,
-            training_metadata,
-        )
+        from rangefinder.formats.export import SINGLE_FILE_NAME, export_full, training_metadata
 
         save_pipeline(sd, out_dir)
         # The same weights as one file in the original SD layout, for A1111 and ComfyUI (src/rangefinder/formats/export.py).

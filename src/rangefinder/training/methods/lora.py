@@ -85,12 +85,7 @@ class LoraMethod(ModuleMethod):
                     p.copy_(part[n])
 
     def save_final(self, sd: "SDComponents", out_dir: Path) -> None:
-        from rangefinder.formats.export import (
-            LORA_KOHYA_NAME,
-            save_lora_diffusers,
-            save_lora_kohya,
-            training_metadata,
-        )
+        from rangefinder.formats.export import LORA_KOHYA_NAME, save_lora_diffusers, save_lora_kohya, training_metadata
 
         meta = training_metadata(self.cfg, getattr(sd, "source", None), extra={"lora_rank": str(self.cfg.lora.rank),
                                                  "lora_alpha": repr(float(self.cfg.lora.alpha)),
