@@ -3,7 +3,7 @@
 One `RangefinderConfig` flows from the CLI, a YAML file or the KFP parameters into every step. Each section is a
 pydantic model that rejects unknown keys and bad values with a message naming the field and the fix.
 
-The arithmetic (see DESIGN.md, "Hyperparameter arithmetic"):
+The arithmetic (see docs/design.md, section 3, "Hyperparameter arithmetic"):
 
 - micro-batch: `batch_size` images through one forward/backward on one process;
 - update: one optimizer step, after `grad_accum` micro-batches on each of `world_size` processes;

@@ -1,10 +1,13 @@
 """The KFP components: one lightweight Python component per step.
 
 Each body only turns KFP artifacts and parameters into the typed config and paths, then calls `run_<step>()` from
-`rangefinder.steps.<step>`, which is the same function the CLI calls. The image already holds the `rangefinder` package, so
+`rangefinder.steps.<step>`, a plain function that also runs without KFP (the tests and bench/discovery_quality call
+it; the CLI's one-step commands call the library functions beneath it). docs/design.md, section 4.3, maps each
+component to its step function and library call. The image already holds the `rangefinder` package, so
 `install_kfp_package=False` and nothing is pip-installed at run time. `base_image` is the default image of this
-package version (`rangefinder.container_images`); `rangefinder.pipelines.pipeline` sets each task's image (`set_container_image`) from
-`kubernetes.image` / `kubernetes.cpu_image` or the environment overrides when it compiles.
+package version (`rangefinder.container_images`); `rangefinder.pipelines.pipeline` sets each task's image
+(`set_container_image`) from `kubernetes.image` / `kubernetes.cpu_image` or the environment overrides when it
+compiles.
 
 Imports live inside the bodies: KFP ships each body to the pod as source, so module-level names do not exist there.
 """

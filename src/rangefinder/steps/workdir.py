@@ -1,9 +1,11 @@
 """Where a training step writes its run, so that a retried pod goes on from the preempted pod's checkpoints.
 
 A KFP output artifact lives on the pod's own disk until the step ends; a pod killed by a preempted node takes its
-checkpoints with it. When `$RANGEFINDER_WORK` is set (the pipeline sets it to a folder on the data volume), a
-training step runs in `$RANGEFINDER_WORK/<pipeline run>/<step>` instead, resumes from there on a retry
-(`training.resume`), and copies the finished run into its artifact at the end.
+checkpoints with it. When `$RANGEFINDER_WORK` is set, a training step runs in
+`$RANGEFINDER_WORK/<MLflow parent run id>/<step>` instead, resumes from there on a retry (`training.resume`), and
+copies the finished run into its artifact at the end. The pipeline sets it to `<kubernetes.data_mount_path>/work`
+(`/data/work` by default) on the training steps' pods when a data PVC is mounted (`configure_task` in
+rangefinder/pipelines/pipeline.py); kfp.local runs and the CLI leave it unset. See docs/design.md, section 4.3.
 """
 
 from __future__ import annotations

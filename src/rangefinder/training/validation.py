@@ -1,4 +1,6 @@
-"""Deterministic validation loss: the measurement the LR range test and the step window rest on (DESIGN.md).
+"""Deterministic validation loss: the measurement the LR range test and the step window rest on.
+
+See docs/design.md, section 2 ("Deterministic validation").
 
 Each item is scored at K stratified timesteps, one drawn inside each 1/K of the noise schedule, each with fixed
 noise; timestep and noise come from a generator seeded by (seed, item id, k) and never from the global RNG. Latents
