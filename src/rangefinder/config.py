@@ -341,7 +341,7 @@ class Toleration(_Section):
 
 
 class KubernetesConfig(_Section):
-    image: Optional[str] = None  # None: the trainer image tagged with the package version (images/)
+    image: Optional[str] = None  # None: the trainer image tagged with the package version (docker/)
     accelerator_type: str = "nvidia.com/gpu"
     gpu_count: int = Field(1, ge=0)
     cpu_limit: str = "8"

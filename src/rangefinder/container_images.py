@@ -1,13 +1,14 @@
 """The container images the steps run in: the one place that names their tags.
 
 Tags follow the package version (`rangefinder.__version__`), so a pipeline compiled from release X runs in the images
-built from release X. The Dockerfiles are in `images/`; `.github/workflows/images.yml` builds and pushes them under
+built from release X. The Dockerfiles are in `docker/`; `.github/workflows/images.yml` builds and pushes them under
 these same names, and manifests/ pins the MLflow server image to the same tag.
 
 Each name can be overridden at run time (read when called, never at import):
 
 - `RANGEFINDER_IMAGE`: the whole trainer image reference (CUDA; the training and sampling steps);
-- `RANGEFINDER_CPU_IMAGE`: the whole CPU image reference (prepare, analysis, reports, registration);
+- `RANGEFINDER_CPU_IMAGE`: the whole CPU image reference (the cheap steps: resolve-config, prepare-dataset,
+  choose-lr, register-model, record-status);
 - `RANGEFINDER_MLFLOW_IMAGE`: the whole MLflow server image reference;
 - `RANGEFINDER_REGISTRY`: the registry and namespace the three default names live under (a mirror, say).
 """

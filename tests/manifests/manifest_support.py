@@ -1,4 +1,4 @@
-"""The check tools and helpers to read rendered manifests (tests/manifests and tests/images use them).
+"""The check tools and helpers to read rendered manifests (tests/manifests and tests/docker use them).
 
 The tools (kubectl with its built-in kustomize, kubernetes-validate, checkov, hadolint) live in `.venv-tools/`, made
 by `make tools` (a dependency of `make test`) from the pins in constraints-tools.txt. A missing tool fails the test
