@@ -279,7 +279,9 @@ def test_channels_last_trains_the_same_model_and_saves_it(split_dir, tiny_model_
     # layout really changed. The final weights were written (safetensors takes contiguous tensors only).
     a, b = unet_weights(runs[False].final_dir), unet_weights(runs[True].final_dir)
     assert a.keys() == b.keys()
-    assert all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6) for k in a)
+    # The absolute part of the tolerance scales with each tensor: how far rounding moves an Adam step depends on the
+    # CPU's kernels (up to 2.9e-6 on weights of magnitude 0.1 on an AMD EPYC), while one update moves them ~1e-4.
+    assert all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-4 * float(a[k].abs().max())) for k in a)
     assert any(not torch.equal(a[k], b[k]) for k in a)
     va = [float(r["val_loss"]) for r in rows(tmp_path / "False" / "metrics.csv")]
     vb = [float(r["val_loss"]) for r in rows(tmp_path / "True" / "metrics.csv")]

@@ -74,7 +74,7 @@ def git_revision() -> Optional[str]:
 
 @functools.lru_cache(maxsize=1)
 def _checkout_revision() -> Optional[str]:
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]  # src/rangefinder/tracking/runs.py -> the checkout
     if not (root / ".git").exists():  # an installed package: whatever repo encloses site-packages is not ours
         return None
     try:
