@@ -49,10 +49,10 @@ NAME = "validation_overhead"
 @contextmanager
 def timed_measure() -> Iterator[list[float]]:
     """Time every call the engine makes to its validation measurement (the real function runs unchanged)."""
-    from rangefinder.training import loop
+    from rangefinder.training import validation
 
     seconds: list[float] = []
-    original = loop.measure
+    original = validation.measure
 
     def measure(*a, **kw):
         t0 = time.perf_counter()
@@ -61,11 +61,11 @@ def timed_measure() -> Iterator[list[float]]:
         finally:
             seconds.append(time.perf_counter() - t0)
 
-    loop.measure = measure
+    validation.measure = measure
     try:
         yield seconds
     finally:
-        loop.measure = original
+        validation.measure = original
 
 
 def run(setup, *, epochs: int, batch_size: int, cache_dir: Path, validation: dict[str, Any],

@@ -55,7 +55,7 @@ def train_updates(method, parts: Parts, captions: list[str], updates: int, lr: f
         latents = torch.randn((len(texts), 4, size, size), generator=g)
         noise = torch.randn(latents.shape, generator=g)
         t = torch.randint(0, parts.noise_scheduler.config.num_train_timesteps, (len(texts),), generator=g)
-        hidden = method.encode_prompt(parts.text_encoder, ids)
+        hidden = parts.text_encoder(ids, return_dict=False)[0]  # SD 1.x conditioning: the last hidden state
         pred = parts.unet(parts.noise_scheduler.add_noise(latents, noise, t), t, hidden).sample
         loss = F.mse_loss(pred, noise)
         loss.backward()

@@ -139,6 +139,7 @@ def test_two_validation_passes_of_one_model_are_bit_identical(tiny_model_dir, sp
     from rangefinder.config import ModelConfig
     from rangefinder.models.loading import load_sd_components
     from rangefinder.training.caching import tokenize
+    from rangefinder.training.family import Denoiser, Sd1Family
     from rangefinder.training.validation import ValidationSet, measure
 
     sd = load_sd_components(ModelConfig(base_model=str(tiny_model_dir)))
@@ -148,8 +149,8 @@ def test_two_validation_passes_of_one_model_are_bit_identical(tiny_model_dir, sp
     g = torch.Generator().manual_seed(0)
     latents = torch.randn((len(items), 4, 8, 8), generator=g)
     vset = ValidationSet("val", [it.id for it in items], latents, hidden)
-    kw = dict(unet=sd.unet.eval(), encode=None, noise_scheduler=sd.noise_scheduler, prediction_type="epsilon",
-              num_buckets=4, seed=0, batch_size=3, device=torch.device("cpu"))
+    denoiser = Denoiser(Sd1Family(sd.tokenizer, sd.noise_scheduler, prediction_type="epsilon"), sd.unet.eval())
+    kw = dict(denoiser=denoiser, num_buckets=4, seed=0, batch_size=3, device=torch.device("cpu"))
     torch.manual_seed(1)
     first = measure(vset, **kw)
     torch.manual_seed(2)  # the global RNG plays no part

@@ -88,6 +88,7 @@ def test_a_pass_reuses_its_fixed_draws_and_matches_the_per_pair_definition(split
     from rangefinder.config import ModelConfig
     from rangefinder.models.loading import load_sd_components
     from rangefinder.training.caching import tokenize
+    from rangefinder.training.family import Denoiser, Sd1Family
     from rangefinder.training.validation import ValidationSet, fixed_draw, measure
 
     sd = load_sd_components(ModelConfig(base_model=str(tiny_model_dir)))
@@ -96,8 +97,8 @@ def test_a_pass_reuses_its_fixed_draws_and_matches_the_per_pair_definition(split
         hidden = sd.text_encoder(tokenize(sd.tokenizer, [it.text for it in items]))[0]
     latents = torch.randn((len(items), 4, 8, 8), generator=torch.Generator().manual_seed(0))
     vset = ValidationSet("val", [it.id for it in items], latents, hidden)
-    kw = dict(unet=sd.unet.eval(), encode=None, noise_scheduler=sd.noise_scheduler, prediction_type="epsilon",
-              num_buckets=4, seed=5, device=torch.device("cpu"))
+    denoiser = Denoiser(Sd1Family(sd.tokenizer, sd.noise_scheduler, prediction_type="epsilon"), sd.unet.eval())
+    kw = dict(denoiser=denoiser, num_buckets=4, seed=5, device=torch.device("cpu"))
     torch.manual_seed(1)
     first = measure(vset, **kw, batch_size=32)
     fixed = vset.fixed_inputs(5, 4, sd.noise_scheduler.config.num_train_timesteps, torch.device("cpu"))

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -112,49 +112,50 @@ def latent_cache_dir(root: Path, encoder: VaeEncoder, resolution: int, center_cr
     return root / "latents" / _key(encoder.fingerprint, resolution, center_crop, encoder.sampling, seed)
 
 
-def cached_latents(
-    paths: Sequence[Path],
-    keys: Sequence[str],
-    encoder: VaeEncoder,
-    load: Callable[[Path], np.ndarray],
-    folder: Path,
-    *,
-    flipped: bool,
-    batch_size: int = 8,
-    stats: Optional[CacheStats] = None,
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(N, 4, h, w) latents for the images (and of their mirror images when `flipped`), encoding only new ones."""
-    stats = stats if stats is not None else CacheStats()
-    wanted = ("latent", "flipped") if flipped else ("latent",)
-    found: dict[str, dict[str, torch.Tensor]] = {}
-    missing: list[int] = []
-    for i, k in enumerate(keys):
-        f = folder / f"{k}.safetensors"
-        entry = _try_load(f)
-        if entry is not None and all(w in entry for w in wanted):
-            found[k] = entry
-        else:
-            missing.append(i)
-    todo = sorted({keys[i]: i for i in missing}.values())  # one encode per distinct image
-    stats.reused += len(keys) - len(todo)
-    for start in range(0, len(todo), batch_size):
-        chunk = todo[start : start + batch_size]
-        arrays = [load(paths[i]) for i in chunk]
-        z = encoder(torch.from_numpy(np.stack(arrays)), [keys[i] for i in chunk])
-        zf = None
-        if flipped:
-            mirrored = np.stack([np.ascontiguousarray(a[:, :, ::-1]) for a in arrays])
-            zf = encoder(torch.from_numpy(mirrored), [keys[i] + "/flip" for i in chunk])
-        for j, i in enumerate(chunk):
-            entry = {"latent": z[j].clone()}
-            if zf is not None:
-                entry["flipped"] = zf[j].clone()
-            save_safetensors(entry, folder / f"{keys[i]}.safetensors")
-            found[keys[i]] = entry
-        stats.encoded += len(chunk)
-    latents = torch.stack([found[k]["latent"] for k in keys])
-    mirrored_latents = torch.stack([found[k]["flipped"] for k in keys]) if flipped else None
-    return latents, mirrored_latents
+@dataclass
+class LatentCache:
+    """The latents of image files under one setting's folder (latent_cache_dir), encoding only images not there yet."""
+
+    encoder: VaeEncoder
+    load: Callable[[Path], np.ndarray]  # path -> (3, H, W) pixels in [-1, 1] at the setting's resolution and crop
+    folder: Path
+    stats: CacheStats = field(default_factory=CacheStats)
+    batch_size: int = 8  # images per VAE forward
+
+    def latents(
+        self, paths: Sequence[Path], keys: Sequence[str], *, flipped: bool
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(N, 4, h, w) latents for the images (and of their mirror images when `flipped`); `keys` are the images'
+        content hashes."""
+        wanted = ("latent", "flipped") if flipped else ("latent",)
+        found: dict[str, dict[str, torch.Tensor]] = {}
+        missing: list[int] = []
+        for i, k in enumerate(keys):
+            entry = _try_load(self.folder / f"{k}.safetensors")
+            if entry is not None and all(w in entry for w in wanted):
+                found[k] = entry
+            else:
+                missing.append(i)
+        todo = sorted({keys[i]: i for i in missing}.values())  # one encode per distinct image
+        self.stats.reused += len(keys) - len(todo)
+        for start in range(0, len(todo), self.batch_size):
+            chunk = todo[start : start + self.batch_size]
+            arrays = [self.load(paths[i]) for i in chunk]
+            z = self.encoder(torch.from_numpy(np.stack(arrays)), [keys[i] for i in chunk])
+            zf = None
+            if flipped:
+                mirrored = np.stack([np.ascontiguousarray(a[:, :, ::-1]) for a in arrays])
+                zf = self.encoder(torch.from_numpy(mirrored), [keys[i] + "/flip" for i in chunk])
+            for j, i in enumerate(chunk):
+                entry = {"latent": z[j].clone()}
+                if zf is not None:
+                    entry["flipped"] = zf[j].clone()
+                save_safetensors(entry, self.folder / f"{keys[i]}.safetensors")
+                found[keys[i]] = entry
+            self.stats.encoded += len(chunk)
+        latents = torch.stack([found[k]["latent"] for k in keys])
+        mirrored_latents = torch.stack([found[k]["flipped"] for k in keys]) if flipped else None
+        return latents, mirrored_latents
 
 
 def _try_load(path: Path) -> Optional[dict[str, torch.Tensor]]:

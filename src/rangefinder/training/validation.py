@@ -8,18 +8,26 @@ are the cached mode (or seeded sample), never flipped; captions are never droppe
 against the model's target (epsilon or v), unweighted, so the same model gives the same numbers bit for bit on
 CPU. Every RNG the forward pass could touch is saved and restored around the measurement, so validating never
 changes what training does.
+
+`measure` scores one set; `validate` writes one row of the run's curve (metrics.csv) from the sets it measures.
 """
 
 from __future__ import annotations
 
 import hashlib
 import random
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from rangefinder.training import MetricSink
+    from rangefinder.training.family import Denoiser
+    from rangefinder.training.setup import Run
+    from rangefinder.training.state import RunState
 
 
 @dataclass
@@ -77,28 +85,17 @@ def fixed_draw(seed: int, item_id: int, k: int, num_buckets: int, num_timesteps:
 # tensor during the forward (a lazily built buffer) would hand training an inference tensor it cannot backprop.
 @torch.no_grad()
 def measure(
-    vset: ValidationSet,
-    *,
-    unet: torch.nn.Module,
-    encode: Optional[Callable[[torch.Tensor], torch.Tensor]],
-    noise_scheduler,
-    prediction_type: str,
-    num_buckets: int,
-    seed: int,
-    batch_size: int,
-    device: torch.device,
-    autocast: Callable = nullcontext,  # accelerator.autocast under mixed precision
+    vset: ValidationSet, denoiser: Denoiser, *, num_buckets: int, seed: int, batch_size: int, device: torch.device
 ) -> tuple[float, list[float]]:
-    """(mean loss, per-bucket losses) of the model on one validation set. `encode` turns token ids into hidden
-    states when the set holds ids (text encoder trains); None when it holds cached hidden states.
+    """(mean loss, per-bucket losses) of the model on one validation set. The denoiser encodes the set's token ids
+    when it holds ids (the text encoder trains), and uses its cached hidden states otherwise.
 
     The (item, k) pairs go through the UNet `batch_size` at a time, in a fixed order and never mixed with another
     set, so the numbers depend on the model, the set, the seed, K and batch_size only. batch_size does change the
     last bits (the CPU kernels sum in another order for another batch shape: up to ~3e-8 relative on the tiny
     model), so it is part of the setting that reproduces a curve.
     """
-    T = noise_scheduler.config.num_train_timesteps
-    fixed = vset.fixed_inputs(seed, num_buckets, T, device)
+    fixed = vset.fixed_inputs(seed, num_buckets, denoiser.family.num_timesteps, device)
     n_pairs = len(vset) * num_buckets
     per_pair = []
     for start in range(0, n_pairs, batch_size):
@@ -106,11 +103,7 @@ def measure(
         idx = torch.arange(start, end, device=device) // num_buckets
         latents, cond = fixed.latents[idx], fixed.conditioning[idx]
         timesteps, noise = fixed.timesteps[start:end], fixed.noise[start:end]
-        with autocast():
-            hidden = encode(cond) if encode is not None else cond
-            noisy = noise_scheduler.add_noise(latents, noise, timesteps)
-            pred = unet(noisy, timesteps, hidden.to(noisy.dtype), return_dict=False)[0]
-        target = noise if prediction_type == "epsilon" else noise_scheduler.get_velocity(latents, noise, timesteps)
+        pred, target = denoiser(latents, noise, timesteps, cond)
         per_pair.append(((pred.float() - target.float()) ** 2).mean(dim=(1, 2, 3)).double())
     # One copy back per pass (no device sync per batch); then sum in float64 in pair order, as before.
     losses = torch.cat(per_pair).cpu().tolist()
@@ -119,6 +112,40 @@ def measure(
         bucket_sums[p % num_buckets] += loss
     per_bucket = [s / len(vset) for s in bucket_sums]
     return sum(per_bucket) / num_buckets, per_bucket
+
+
+def validate(run: Run, state: RunState, metric_sink: Optional[MetricSink], last: bool = False) -> None:
+    """One row of metrics.csv: mean and per-bucket losses on val and stabilize, RNGs untouched. The stabilize
+    subset is measured at every `stabilize_every`th row (the row count survives a resume) and at the last."""
+    val_cfg, log = run.val_cfg, state.log
+    nth = len(log.metrics_rows)
+    # With EMA on, the EMA weights are measured, so the step window is read on the model that is saved (diffusers'
+    # example trainers validate the same way); not on ramps, where the average lags behind the climbing LR and would
+    # shift the range test's curve towards higher LRs, the lag the analysis avoids.
+    with preserved_rng((state.train_gen,)), run.ema_weights(on=not run.schedule.is_ramp):
+        for m in run.modules.values():
+            m.eval()
+        row: dict[str, Any] = {"update": state.update, "epoch": run.stream.epochs_after(state.micro_batches_done)}
+        # The update-0 baseline has taken no step: its LR is 0, the start of a range test's curve.
+        row["lr"] = log.update_rows[-1]["lr"] if log.update_rows else 0.0
+        row["train_loss"] = state.train_loss_since_row()
+        val_sets = run.data.val_sets
+        for vset in val_sets:
+            sparse = vset.name == "stabilize" and len(val_sets) > 1 and not last
+            if sparse and nth % val_cfg.stabilize_every != 0:
+                continue
+            mean, buckets = measure(vset, run.eval_denoiser, num_buckets=val_cfg.timesteps, seed=val_cfg.seed,
+                                    batch_size=val_cfg.batch_size, device=run.device)
+            row[f"{vset.name}_loss"] = mean
+            row.update({f"{vset.name}_loss_b{k}": b for k, b in enumerate(buckets)})
+        for m in run.modules.values():
+            m.train()
+    state.start_row()
+    log.add_metrics(row)
+    if metric_sink is not None and run.main:
+        # Only the measurements: lr, epoch and the per-update train loss were logged with the update itself.
+        measured = {k: float(v) for k, v in row.items() if k.startswith(("val_", "stabilize_")) and v is not None}
+        metric_sink.log_metrics(measured, state.update)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,14 +1,14 @@
-"""The small interface through which a fine-tuning method plugs into the training loop.
+"""The small interface through which a fine-tuning method plugs into the training engine.
 
-The loop (src/rangefinder/training/loop.py) knows nothing about full fine-tuning, LoRA or textual inversion. It asks the
+The engine (src/rangefinder/training/) knows nothing about full fine-tuning, LoRA or textual inversion. It asks the
 method, in this order:
 
 1. `setup(sd, weight_dtype)`: freeze what does not train, add adapters or tokens, cast frozen weights.
 2. `transform_caption(text)`: e.g. textual inversion puts its placeholder token into every caption.
-3. `text_encoder_changes`: whether the text encoder's output can change during training. When False the loop
-   caches the text embeddings once (with the latents); when True it encodes prompts every micro-batch through
-   `encode_prompt`.
-4. `trainable_modules()`: the modules the loop hands to accelerate (`prepare`), switches between train/eval mode
+3. `text_encoder_changes`: whether the text encoder's output can change during training. When False the engine
+   caches the text embeddings once (with the latents); when True it encodes prompts every micro-batch (how a
+   prompt is encoded is the model family's business: family.py).
+4. `trainable_modules()`: the modules the engine hands to accelerate (`prepare`), switches between train/eval mode
    and enables gradient checkpointing on.
 5. `param_groups()`: what the optimizer updates. A group may carry `lr_scale` (its LR is the schedule's LR times
    that); every other key (e.g. `weight_decay`) is passed to the optimizer as is.
@@ -17,10 +17,10 @@ method, in this order:
 7. `trainable_state_dict()` / `load_trainable_state_dict()`: what a checkpoint stores (as safetensors) and how a
    resume puts it back. Keys are prefixed by the module name (`unet.`, `text_encoder.`). Bit-exact round trip.
 8. `save_final(sd, out_dir)`: write the deliverable (a diffusers folder, adapter files, learned embeddings) into
-   an empty folder; the loop writes to a temporary name and renames it into place, and swaps EMA weights in
+   an empty folder; the engine writes to a temporary name and renames it into place, and swaps EMA weights in
    before calling it when EMA is on.
 
-EMA, the optimizer, LR schedules, checkpoints and validation stay in the loop; methods only say *what* trains.
+EMA, the optimizer, LR schedules, checkpoints and validation stay in the engine; methods only say *what* trains.
 """
 
 from __future__ import annotations
@@ -76,10 +76,6 @@ class Method(ABC):
         return [p for g in self.param_groups() for p in g["params"]]
 
     # --- during training ----------------------------------------------------------------------------------------
-
-    def encode_prompt(self, text_encoder: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-        """(B, 77) token ids -> (B, 77, D) hidden states the UNet is conditioned on (SD 1.x: last hidden state)."""
-        return text_encoder(input_ids, return_dict=False)[0]
 
     def after_optimizer_step(self) -> None:
         """Hook after each optimizer update (textual inversion restores the frozen embedding rows here)."""

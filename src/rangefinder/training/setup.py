@@ -1,0 +1,413 @@
+"""Setting up one training run, act by act, as `train()` (loop.py) calls them: the settings (checked before anything
+heavy), the device (the launcher), the model, the data (latents and text encoded once), then the optimizer and EMA,
+which complete the `Run` the loop trains with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator, Literal, Optional, Union
+
+import numpy as np
+import torch
+
+from rangefinder.config import DataConfig, ModelConfig, Plan, TrainingConfig, ValidationConfig, plan_for
+from rangefinder.errors import ConfigError, DataError
+from rangefinder.formats import checkpoints
+from rangefinder.training.caching import (
+    CacheStats,
+    LatentCache,
+    VaeEncoder,
+    cache_root,
+    cached_text_embeddings,
+    file_sha256,
+    latent_cache_dir,
+    text_cache_dir,
+)
+from rangefinder.training.data import CachedLatents, EncodedOnTheFly, ImageStream, LatentSource
+from rangefinder.training.family import Denoiser, Sd1Family
+from rangefinder.training.methods import make_method
+from rangefinder.training.schedules import LRSchedule, make_schedule
+from rangefinder.training.validation import ValidationSet
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+    from rangefinder.data.dataset import Item
+    from rangefinder.data.split import Split
+    from rangefinder.models.loading import SDComponents
+    from rangefinder.training.methods.base import Method
+
+TrainOn = Literal["train", "train+val"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Settings: everything that can be wrong fails here, before anything heavy
+
+
+@dataclass
+class RunSettings:
+    cfg: TrainingConfig
+    val_cfg: ValidationConfig
+    train_on: TrainOn
+    split: Split
+    train_items: list[Item]  # train, or train + val for the full-data retrain
+    val_items: dict[str, list[Item]]  # "val" (empty when training on it) and "stabilize"
+    plan: Plan
+    schedule: LRSchedule
+    method: Method
+    model_cfg: ModelConfig
+    out_dir: Path
+
+    @property
+    def ckpt_root(self) -> Path:
+        return self.out_dir / "checkpoints"
+
+    @property
+    def validating(self) -> bool:
+        return self.val_cfg.enabled() and any(self.val_items.values())
+
+
+def check_settings(
+    cfg: TrainingConfig,
+    val_cfg: ValidationConfig,
+    *,
+    split_dir: Union[str, Path],
+    model: Union[ModelConfig, str, Path, None],
+    out_dir: Union[str, Path],
+    train_on: TrainOn,
+) -> RunSettings:
+    from rangefinder.data.split import read_split
+
+    cfg, val_cfg = _revalidated(cfg), _revalidated(val_cfg)
+    if train_on not in ("train", "train+val"):
+        raise ConfigError(f"train_on must be 'train' or 'train+val' (got {train_on!r})")
+    split = read_split(split_dir)
+    train_items = list(split.train) + (list(split.val) if train_on == "train+val" else [])
+    if not train_items:
+        raise DataError(f"split {split_dir} has no training images; re-run `rangefinder split` with more images")
+    run_plan = plan_for(cfg, len(train_items))  # ConfigError e.g. for a batch larger than the set with drop_last
+    schedule = make_schedule(cfg, run_plan.total_updates, run_plan.updates_per_epoch, run_plan.lr or cfg.lr)
+    method = make_method(cfg)
+    val_items = {"val": list(split.val) if train_on == "train" else [], "stabilize": list(split.stabilize)}
+    out_dir = Path(out_dir)
+    _check_out_dir(out_dir, cfg.resume)
+    if cfg.use_8bit_adam and not torch.cuda.is_available():
+        raise ConfigError("training.use_8bit_adam needs a CUDA GPU (bitsandbytes); set it false to use AdamW")
+    if not isinstance(model, ModelConfig):
+        model = ModelConfig(base_model=None if model is None else str(model))
+    return RunSettings(cfg=cfg, val_cfg=val_cfg, train_on=train_on, split=split, train_items=train_items,
+                       val_items=val_items, plan=run_plan, schedule=schedule, method=method, model_cfg=model,
+                       out_dir=out_dir)
+
+
+def _revalidated(cfg: Any) -> Any:
+    """Run the pydantic checks again (a config may have been built with model_construct or edited in place)."""
+    from pydantic import ValidationError
+
+    from rangefinder.config import format_validation_error
+
+    section = "training." if isinstance(cfg, TrainingConfig) else "validation."
+    try:
+        return type(cfg).model_validate(cfg.model_dump())
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, prefix=section)) from None
+
+
+def _check_out_dir(out_dir: Path, resume: bool) -> None:
+    if resume:
+        return
+    if checkpoints.list_checkpoints(out_dir / "checkpoints") or (out_dir / "run_summary.json").exists():
+        raise ConfigError(
+            f"output folder {out_dir} already holds a run; pass --resume (training.resume) to continue it, "
+            "or choose an empty folder"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Device and precision: the launcher (accelerate) says how many processes there are and where they run
+
+
+def start_accelerator(cfg: TrainingConfig) -> Accelerator:
+    """The run's Accelerator; gradient accumulation is done by hand in the loop."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    # accelerate keeps its settings process-wide; each train() call is its own run and may use another precision
+    # (the process group, PartialState, is kept).
+    AcceleratorState._reset_state()
+    # Without an accelerator, say so: accelerate then runs several processes (torchrun, accelerate launch) on gloo.
+    no_accelerator = not (torch.cuda.is_available() or torch.backends.mps.is_available())
+    accelerator = Accelerator(mixed_precision=cfg.mixed_precision, cpu=no_accelerator)
+    if accelerator.num_processes != cfg.world_size:
+        raise ConfigError(
+            f"training.world_size is {cfg.world_size} but accelerate started {accelerator.num_processes} processes; "
+            "set world_size to the number of processes (it changes the batch arithmetic)"
+        )
+    return accelerator
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Model
+
+
+def load_model(settings: RunSettings, accelerator: Accelerator) -> tuple[SDComponents, Sd1Family]:
+    """The base model with the method's trainable parts set up, frozen parts on the device; and its family."""
+    from accelerate.utils import set_seed
+
+    from rangefinder.models.loading import load_sd_components
+
+    cfg, method, device = settings.cfg, settings.method, accelerator.device
+    weight_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(cfg.mixed_precision, torch.float32)
+    set_seed(cfg.seed)  # adapters' initial weights come from the global RNG
+    sd = load_sd_components(settings.model_cfg)
+    sd.vae.requires_grad_(False)
+    _to(sd.vae, device, torch.float32)  # encodes once: fp32 avoids the SD VAE's fp16 overflow
+    method.setup(sd, weight_dtype)
+    sd.unet.eval()  # frozen modules stay in eval mode; the loop switches the trainable ones
+    sd.text_encoder.eval()
+    for m in (sd.unet, sd.text_encoder):
+        if not any(m is t for t in method.trainable_modules().values()):
+            _to(m, device)
+    family = Sd1Family.for_model(sd, cfg.prediction_type)
+    if cfg.gradient_checkpointing:
+        for m in method.trainable_modules().values():
+            enable = (getattr(m, "enable_gradient_checkpointing", None)  # diffusers' name
+                      or getattr(m, "gradient_checkpointing_enable", None))  # transformers'
+            if enable is not None:
+                enable()
+    if cfg.channels_last:
+        # NHWC convolution weights; the convolutions then run NHWC whatever the inputs' layout.
+        sd.unet.to(memory_format=torch.channels_last)
+    return sd, family
+
+
+def native_data_config(sd: SDComponents) -> DataConfig:
+    """The base model's native resolution (the UNet's sample size times the VAE's downscale), centre-cropped."""
+    vae_scale = 2 ** (len(sd.vae.config.block_out_channels) - 1)
+    return DataConfig(resolution=int(sd.unet.config.sample_size) * vae_scale)
+
+
+def _to(module: torch.nn.Module, device: torch.device, dtype: Optional[torch.dtype] = None) -> None:
+    """Move/cast only when needed (diffusers warns on every cast of a loaded model)."""
+    p = next(module.parameters(), None)
+    if p is None or (p.device == torch.device(device) and (dtype is None or p.dtype == dtype)):
+        return
+    module.to(device, dtype) if dtype is not None else module.to(device)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Data: latents and text embeddings, encoded once per dataset and base model
+
+
+@dataclass
+class EncodedData:
+    data_cfg: DataConfig  # resolution and crop the latents were made at
+    train_latents: LatentSource  # (B, 4, h, w) latents of training items, cached or encoded per micro-batch
+    # (N, 77, D) hidden states of the training captions, computed once with the frozen encoder; or (N, 77) token ids
+    # when the text encoder's output changes (prompts are then encoded every micro-batch). `empty_cond` is the same
+    # for the empty caption (caption dropout).
+    train_cond: torch.Tensor
+    empty_cond: torch.Tensor
+    val_sets: list[ValidationSet]
+    latent_stats: CacheStats
+    text_stats: CacheStats
+
+
+def encode_data(settings: RunSettings, sd: SDComponents, family: Sd1Family, accelerator: Accelerator,
+                data: DataConfig) -> EncodedData:
+    from rangefinder.data.pixels import load_rgb, to_model_array
+
+    def load_array(path: Path) -> np.ndarray:  # (3, H, W) in [-1, 1]
+        return to_model_array(load_rgb(path), data.resolution, data.center_crop)
+
+    cfg, device = settings.cfg, accelerator.device
+    encoder = VaeEncoder(sd.vae, device, cfg.latent_sampling, cfg.seed)
+    root = cache_root(cfg.cache_dir)
+    latent_cache = LatentCache(encoder, load_array, latent_cache_dir(root, encoder, data.resolution, data.center_crop))
+    with accelerator.main_process_first():  # one process encodes, the others then read the cache
+        train_latents, val_latents = _encode_latents(settings, latent_cache)
+        if cfg.cache_latents:  # the VAE is not needed again; give its memory back
+            _to(sd.vae, torch.device("cpu"))
+        text = _encode_text(settings, sd, family, device, root)
+    val_sets = [
+        ValidationSet(name, [it.id for it in items], val_latents[name], text.val_cond[name])
+        for name, items in settings.val_items.items()
+        if items
+    ]
+    return EncodedData(data, train_latents, text.train_cond, text.empty_cond, val_sets, latent_cache.stats, text.stats)
+
+
+def _encode_latents(settings: RunSettings, cache: LatentCache) -> tuple[LatentSource, dict[str, torch.Tensor]]:
+    """The training latents and (N, 4, h, w) latents of each validation set."""
+    cfg, split, val_items = settings.cfg, settings.split, settings.val_items
+    all_items = {it.id: it for it in settings.train_items + val_items["val"] + val_items["stabilize"]}
+    paths = {i: split.path_of(it) for i, it in all_items.items()}
+    keys = {i: file_sha256(p) for i, p in paths.items()}  # content hash: the cache key and the sample seed
+    # Each distinct image once (the stabilize subset is part of train): (N, 4, h, w) latents, and of the mirrored
+    # images when flipping; without the cache only the validation images are encoded up front.
+    val_item_ids = {it.id for items in val_items.values() for it in items}
+    encode_now = [it for i, it in all_items.items() if cfg.cache_latents or i in val_item_ids]
+    z, z_flipped = cache.latents([paths[it.id] for it in encode_now], [keys[it.id] for it in encode_now],
+                                 flipped=cfg.cache_latents and cfg.random_flip)
+    row_of = {it.id: r for r, it in enumerate(encode_now)}
+
+    def rows_for(items: list[Item]) -> torch.Tensor:
+        return torch.tensor([row_of[it.id] for it in items], dtype=torch.long)
+
+    train_items = settings.train_items
+    train_latents: LatentSource
+    if cfg.cache_latents:
+        train_rows = rows_for(train_items)
+        train_latents = CachedLatents(z[train_rows], None if z_flipped is None else z_flipped[train_rows])
+    else:
+        train_latents = EncodedOnTheFly(
+            [paths[it.id] for it in train_items], [keys[it.id] for it in train_items], cache.encoder, cache.load
+        )
+    return train_latents, {name: z[rows_for(items)] for name, items in val_items.items() if items}
+
+
+@dataclass
+class _EncodedText:
+    train_cond: torch.Tensor
+    empty_cond: torch.Tensor
+    val_cond: dict[str, torch.Tensor]
+    stats: CacheStats
+
+
+def _encode_text(settings: RunSettings, sd: SDComponents, family: Sd1Family, device: torch.device,
+                 root: Path) -> _EncodedText:
+    method, stats = settings.method, CacheStats()
+    captions = [method.transform_caption(it.text) for it in settings.train_items]
+    train_ids, empty_ids = family.tokenize(captions), family.tokenize([""])
+    val_ids = {name: family.tokenize([method.transform_caption(it.text) for it in items])
+               for name, items in settings.val_items.items() if items}
+    if method.text_encoder_changes:
+        # (N, 77) ids: prompts are encoded every micro-batch through the training text encoder.
+        return _EncodedText(train_ids, empty_ids, val_ids, stats)
+    # (N, 77, D) hidden states, computed once with the frozen encoder.
+    folder = text_cache_dir(root, sd.text_encoder)
+
+    def embed(ids: torch.Tensor) -> torch.Tensor:
+        return cached_text_embeddings(
+            ids, lambda x: family.encode_prompt(sd.text_encoder, x), folder, device, stats=stats
+        )
+
+    train_cond, empty_cond = embed(train_ids), embed(empty_ids)
+    return _EncodedText(train_cond, empty_cond, {name: embed(ids) for name, ids in val_ids.items()}, stats)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Optimizer, EMA: the Run is complete
+
+
+@dataclass
+class Run:
+    """One run's parts, fixed once setup is done: the loop reads them and never replaces them (what changes as it
+    trains is state.RunState)."""
+
+    settings: RunSettings
+    accelerator: Accelerator
+    sd: SDComponents
+    family: Sd1Family
+    data: EncodedData
+    stream: ImageStream  # which images go into each micro-batch
+    optimizer: Any  # torch AdamW (or bitsandbytes AdamW8bit), as accelerate prepared it
+    ema: Any  # diffusers EMAModel of the trainable parameters, or None
+    trainable: list[torch.nn.Parameter]  # what the optimizer updates (and EMA tracks), in a fixed order
+    modules: dict[str, torch.nn.Module]  # the method's trainable modules
+    prepared: dict[str, torch.nn.Module]  # the same as accelerate prepared them (DDP-wrapped when multi-process)
+    denoiser: Denoiser  # the training forward pass, through the prepared modules
+    eval_denoiser: Denoiser  # the same through the unwrapped modules (validation)
+
+    @property
+    def cfg(self) -> TrainingConfig:
+        return self.settings.cfg
+
+    @property
+    def val_cfg(self) -> ValidationConfig:
+        return self.settings.val_cfg
+
+    @property
+    def method(self) -> Method:
+        return self.settings.method
+
+    @property
+    def schedule(self) -> LRSchedule:
+        return self.settings.schedule
+
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
+    @property
+    def main(self) -> bool:
+        return bool(self.accelerator.is_main_process)
+
+    @property
+    def validating(self) -> bool:
+        return self.settings.validating
+
+    @contextlib.contextmanager
+    def ema_weights(self, on: bool = True) -> Iterator[None]:
+        """The EMA weights in place of the trained ones while inside (put back bit for bit after), when `on` and
+        EMA is kept."""
+        if self.ema is None or not on:
+            yield
+            return
+        self.ema.store(self.trainable)
+        self.ema.copy_to(self.trainable)
+        try:
+            yield
+        finally:
+            self.ema.restore(self.trainable)
+
+
+def prepare_run(settings: RunSettings, accelerator: Accelerator, sd: SDComponents, family: Sd1Family,
+                data: EncodedData) -> Run:
+    """The optimizer (at the schedule's first LR) and EMA; the trainable modules and the optimizer handed to
+    accelerate."""
+    cfg, method, device = settings.cfg, settings.method, accelerator.device
+    stream = ImageStream.from_plan(settings.plan, cfg.seed)
+    groups = method.param_groups()
+    trainable = method.trainable_parameters()
+    optimizer = _make_optimizer(cfg, groups, settings.schedule(0))
+    ema = None
+    if cfg.use_ema:
+        from diffusers.training_utils import EMAModel
+
+        ema = EMAModel(trainable, decay=cfg.ema_decay)
+        ema.to(device)
+    modules = method.trainable_modules()
+    prepared = {name: accelerator.prepare(m) for name, m in modules.items()}  # DDP-wrapped when multi-process
+    optimizer = accelerator.prepare(optimizer)
+    unet = prepared.get("unet", sd.unet)
+    text_encoder = prepared.get("text_encoder", sd.text_encoder) if method.text_encoder_changes else None
+    unwrap = accelerator.unwrap_model
+    return Run(
+        settings, accelerator, sd, family, data, stream, optimizer, ema, trainable, modules, prepared,
+        denoiser=Denoiser(family, unet, text_encoder, accelerator.autocast),
+        eval_denoiser=Denoiser(family, unwrap(unet), None if text_encoder is None else unwrap(text_encoder),
+                               accelerator.autocast),
+    )
+
+
+def _make_optimizer(cfg: TrainingConfig, groups: list[dict], lr: float) -> torch.optim.Optimizer:
+    kwargs: dict[str, Any] = dict(
+        lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay
+    )
+    if cfg.use_8bit_adam:
+        try:
+            import bitsandbytes as bnb
+        except ImportError:
+            raise ConfigError(
+                "training.use_8bit_adam needs bitsandbytes: pip install 'rangefinder[cuda]', or set it false"
+            ) from None
+        return bnb.optim.AdamW8bit(groups, **kwargs)
+    # The fused kernel does the whole update in one pass (CUDA, and CPU in recent torch); it is not in older builds.
+    try:
+        return torch.optim.AdamW(groups, fused=True, **kwargs)
+    except (RuntimeError, TypeError, ValueError):
+        return torch.optim.AdamW(groups, **kwargs)

@@ -1,0 +1,108 @@
+"""What a training run changes as it goes: `RunState` (position, running train loss, status, the training RNG) and
+`RunLog` (the rows of metrics.csv and updates.csv so far).
+
+A checkpoint saves the state (checkpointing.py) and a resume puts it back, so a resumed run goes on exactly as if
+it had never stopped. Everything else the loop uses is fixed once setup is done (setup.Run).
+"""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from rangefinder.formats.atomic import atomic_path
+
+
+@dataclass
+class RunState:
+    """The loop's mutable state: where the run is, what it has measured, and the generator it draws from."""
+
+    train_gen: torch.Generator  # all training randomness (flips, caption dropout, timesteps, noise); CPU, any device
+    log: RunLog
+    update: int = 0  # optimizer updates taken
+    micro_batches_done: int = 0  # the position in the image stream (data.ImageStream)
+    # Per-update train losses since the last metrics row: their sum and count (the row's train_loss is the mean).
+    loss_sum: float = 0.0
+    loss_count: int = 0
+    status: str = "ok"  # "ok" | "diverged"
+    resumed_from: Optional[int] = None  # the update this process resumed at (not saved)
+
+    @classmethod
+    def fresh(cls, seed: int, log: RunLog) -> RunState:
+        """The state before the first update; `seed` is the run's seed plus the process rank."""
+        return cls(train_gen=torch.Generator().manual_seed(seed), log=log)
+
+    def add_update(self, row: dict[str, Any]) -> None:
+        """Record one update's row of updates.csv (`train_loss` also counts towards the next metrics row)."""
+        self.log.add_update(row)
+        self.loss_sum += row["train_loss"]
+        self.loss_count += 1
+
+    def train_loss_since_row(self) -> Optional[float]:
+        return self.loss_sum / self.loss_count if self.loss_count else None
+
+    def start_row(self) -> None:
+        """A metrics row was written: the next one averages the updates after it."""
+        self.loss_sum, self.loss_count = 0.0, 0
+
+
+class RunLog:
+    """metrics.csv (rewritten whole, atomically, per row) and updates.csv (appended per update)."""
+
+    def __init__(self, out_dir: Path, num_buckets: int, write: bool) -> None:
+        self.metrics_path, self.updates_path, self.write = out_dir / "metrics.csv", out_dir / "updates.csv", write
+        buckets = [f"{s}_loss_b{k}" for s in ("val", "stabilize") for k in range(num_buckets)]
+        self.metric_columns = ["update", "epoch", "lr", "train_loss", "val_loss", "stabilize_loss"] + buckets
+        self.update_columns = ["update", "epoch", "lr", "train_loss", "grad_norm"]
+        self.metrics_rows: list[dict[str, Any]] = []
+        self.update_rows: list[dict[str, Any]] = []
+        if write:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            self._rewrite_metrics()
+            self._rewrite_updates()
+
+    def restore(self, metrics_rows: list[dict], update_rows: list[dict]) -> None:
+        self.metrics_rows, self.update_rows = list(metrics_rows), list(update_rows)
+        if self.write:
+            self._rewrite_metrics()
+            self._rewrite_updates()
+
+    def add_metrics(self, row: dict[str, Any]) -> None:
+        self.metrics_rows.append(row)
+        if self.write:
+            self._rewrite_metrics()
+
+    def add_update(self, row: dict[str, Any]) -> None:
+        self.update_rows.append(row)
+        if self.write:
+            with open(self.updates_path, "a", newline="") as f:
+                csv.DictWriter(f, self.update_columns).writerow(_cells(row, self.update_columns))
+
+    def series(self, column: str) -> list[float]:
+        return [float(r[column]) for r in self.rows_with(column)]
+
+    def rows_with(self, column: str) -> list[dict]:
+        return [r for r in self.metrics_rows if r.get(column) is not None]
+
+    def _rewrite_metrics(self) -> None:
+        _write_csv(self.metrics_path, self.metric_columns, self.metrics_rows)
+
+    def _rewrite_updates(self) -> None:
+        _write_csv(self.updates_path, self.update_columns, self.update_rows)
+
+
+def _cells(row: dict, columns: list[str]) -> dict:
+    # repr() round-trips a float exactly, so two runs' CSVs compare equal only if their numbers are bit-identical.
+    return {c: ("" if row.get(c) is None else repr(row[c]) if isinstance(row[c], float) else row[c]) for c in columns}
+
+
+def _write_csv(path: Path, columns: list[str], rows: list[dict]) -> None:
+    with atomic_path(path) as tmp, open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, columns)
+        w.writeheader()
+        for r in rows:
+            w.writerow(_cells(r, columns))
