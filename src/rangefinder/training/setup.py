@@ -218,6 +218,8 @@ class EncodedData:
 
 def encode_data(settings: RunSettings, sd: SDComponents, family: Sd1Family, accelerator: Accelerator,
                 data: DataConfig) -> EncodedData:
+    """Latents (at `data`'s resolution and crop) and text conditioning of the training and validation items, from
+    the content-keyed cache where they were encoded before."""
     from rangefinder.data.pixels import load_rgb, to_model_array
 
     def load_array(path: Path) -> np.ndarray:  # (3, H, W) in [-1, 1]
