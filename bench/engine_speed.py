@@ -38,26 +38,25 @@ def one_variant(setup_kind: str, cache: bool, *, updates: int, batch_size: int, 
 
     from bench.fixtures import sd15_setup, tiny_setup
     from rangefinder.config import DataConfig, TrainingConfig, ValidationConfig
-    from rangefinder.training.loop import train
+    from rangefinder.training.loop import TrainSpec, train
 
     device = "cuda" if setup_kind == "sd15" else "cpu"
     setup = sd15_setup(work) if setup_kind == "sd15" else tiny_setup(work)
     cfg = TrainingConfig(batch_size=batch_size, steps=updates, lr=1e-5, mixed_precision=mixed_precision,
                          cache_latents=cache, cache_dir=str(work / "encoded"), seed=0)
-    kwargs = dict(split_dir=setup.split_dir, model=str(setup.model_dir), data=DataConfig(resolution=setup.resolution),
-                  save_final=False)
+    inputs = dict(split_dir=setup.split_dir, model=str(setup.model_dir), data=DataConfig(resolution=setup.resolution))
     with torch_threads(threads):
         # Untimed: fills the latent/text cache (caching's one-time cost is reported separately as `encode s`).
         t0 = time.perf_counter()
-        train(cfg.model_copy(update={"steps": 1, "cache_latents": True}), ValidationConfig(every_epochs=0),
-              out_dir=Path(tempfile.mkdtemp(dir=work)) / "warm", **kwargs)
+        train(TrainSpec(cfg.model_copy(update={"steps": 1, "cache_latents": True}), ValidationConfig(every_epochs=0),
+                        **inputs), out_dir=Path(tempfile.mkdtemp(dir=work)) / "warm", save_final=False)
         warm_seconds = time.perf_counter() - t0
         if device == "cuda":
             torch.cuda.empty_cache()
         with PeakMemory(device) as mem:
             t0 = time.perf_counter()
-            result = train(cfg, ValidationConfig(every_epochs=0), out_dir=Path(tempfile.mkdtemp(dir=work)) / "run",
-                           **kwargs)
+            result = train(TrainSpec(cfg, ValidationConfig(every_epochs=0), **inputs),
+                           out_dir=Path(tempfile.mkdtemp(dir=work)) / "run", save_final=False)
             wall = time.perf_counter() - t0
     summary = json.loads(result.summary_path.read_text())
     return {

@@ -71,7 +71,7 @@ def engine_run(setup, *, updates: int, batch_size: int, mixed_precision: str, de
     """One engine run (rangefinder.training.train) with validation off; its loop time is the engine's own timer.
     On CUDA the engine runs its UNet channels_last (the issue's GPU settings); on CPU it seldom helps."""
     from rangefinder.config import DataConfig, TrainingConfig, ValidationConfig
-    from rangefinder.training.loop import train
+    from rangefinder.training.loop import TrainSpec, train
 
     cfg = TrainingConfig(
         batch_size=batch_size, steps=updates, lr=lr, schedule="constant", mixed_precision=mixed_precision,
@@ -82,8 +82,9 @@ def engine_run(setup, *, updates: int, batch_size: int, mixed_precision: str, de
     try:
         with PeakMemory(device) as mem:
             t0 = time.perf_counter()
-            result = train(cfg, ValidationConfig(every_epochs=0), split_dir=setup.split_dir, model=str(setup.model_dir),
-                           out_dir=out / "run", data=DataConfig(resolution=setup.resolution), save_final=False)
+            result = train(TrainSpec(cfg, ValidationConfig(every_epochs=0), split_dir=setup.split_dir,
+                                     model=str(setup.model_dir), data=DataConfig(resolution=setup.resolution)),
+                           out_dir=out / "run", save_final=False)
             wall = time.perf_counter() - t0
         summary = json.loads(result.summary_path.read_text())
     finally:

@@ -71,7 +71,7 @@ def timed_measure() -> Iterator[list[float]]:
 def run(setup, *, epochs: int, batch_size: int, cache_dir: Path, validation: dict[str, Any],
         seed: int = 0) -> dict[str, Any]:
     from rangefinder.config import DataConfig, TrainingConfig, ValidationConfig
-    from rangefinder.training.loop import train
+    from rangefinder.training.loop import TrainSpec, train
 
     cfg = TrainingConfig(batch_size=batch_size, epochs=epochs, lr=1e-4, schedule="constant", seed=seed,
                          cache_dir=str(cache_dir), cache_latents=True)
@@ -80,8 +80,9 @@ def run(setup, *, epochs: int, batch_size: int, cache_dir: Path, validation: dic
     try:
         with timed_measure() as passes:
             t0 = time.perf_counter()
-            result = train(cfg, val, split_dir=setup.split_dir, model=str(setup.model_dir), out_dir=out / "run",
-                           data=DataConfig(resolution=setup.resolution), save_final=False)
+            result = train(TrainSpec(cfg, val, split_dir=setup.split_dir, model=str(setup.model_dir),
+                                     data=DataConfig(resolution=setup.resolution)),
+                           out_dir=out / "run", save_final=False)
             wall = time.perf_counter() - t0
         summary = json.loads(result.summary_path.read_text())
         with open(result.metrics_csv, newline="") as f:

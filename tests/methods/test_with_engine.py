@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from rangefinder.config import TrainingConfig, ValidationConfig
 from rangefinder.formats.export import LORA_WEIGHTS_NAME, SINGLE_FILE_NAME, TI_WEIGHTS_NAME
 from rangefinder.sampling import render_grid
-from rangefinder.training.loop import train
+from rangefinder.training.loop import TrainSpec, train
 
 TOKEN = "<rf-concept>"
 SETTINGS = {
@@ -43,7 +43,7 @@ def test_run_resume_outputs_and_grid(method, split_dir, tiny_model_dir, encoded_
     cfg = TrainingConfig(method=method, batch_size=8, steps=4, seed=3, checkpoint_every_updates=2,
                          keep_checkpoints=2, cache_dir=encoded_cache, **SETTINGS[method])
     val = ValidationConfig(every_updates=2, timesteps=2)
-    straight = train(cfg, val, split_dir=split_dir, model=tiny_model_dir, out_dir=tmp_path / "straight")
+    straight = train(TrainSpec(cfg, val, split_dir=split_dir, model=tiny_model_dir), out_dir=tmp_path / "straight")
     assert straight.status == "ok" and straight.updates == 4
     assert [int(p.name.split("-")[-1]) for p in straight.checkpoints] == [2, 4]
     curve = _rows(straight.metrics_csv)
@@ -52,7 +52,7 @@ def test_run_resume_outputs_and_grid(method, split_dir, tiny_model_dir, encoded_
     # Exact resume: a fresh folder holding only the update-2 checkpoint ends where the straight run ended.
     resumed_dir = tmp_path / "resumed"
     shutil.copytree(straight.checkpoints[0], resumed_dir / "checkpoints" / straight.checkpoints[0].name)
-    resumed = train(cfg.model_copy(update={"resume": True}), val, split_dir=split_dir, model=tiny_model_dir,
+    resumed = train(TrainSpec(cfg.model_copy(update={"resume": True}), val, split_dir=split_dir, model=tiny_model_dir),
                     out_dir=resumed_dir)
     assert resumed.resumed_from == 2
     assert _rows(resumed.metrics_csv) == curve

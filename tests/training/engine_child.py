@@ -25,16 +25,11 @@ def main(path):
     torch.set_num_threads(1)  # every run of the comparison computes with the same reduction order
     s = json.loads(open(path).read())
     from rangefinder.config import TrainingConfig, ValidationConfig
-    from rangefinder.training.loop import train
+    from rangefinder.training.loop import TrainSpec, train
 
-    result = train(
-        TrainingConfig(**s["training"]),
-        ValidationConfig(**s["validation"]),
-        split_dir=s["split_dir"],
-        model=s["model"],
-        out_dir=s["out_dir"],
-        metric_sink=KillAt(s.get("kill_at_update")),
-    )
+    result = train(TrainSpec(TrainingConfig(**s["training"]), ValidationConfig(**s["validation"]),
+                             split_dir=s["split_dir"], model=s["model"]),
+                   out_dir=s["out_dir"], metric_sink=KillAt(s.get("kill_at_update")))
     print(json.dumps(result.as_dict()))
 
 

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from rangefinder.config import TrainingConfig, ValidationConfig, plan_for
 from rangefinder.data.split import read_split
 from rangefinder.errors import ConfigError
-from rangefinder.training.loop import train
+from rangefinder.training.loop import TrainSpec, train
 
 NO_VALIDATION = ValidationConfig(every_epochs=0)
 
@@ -62,7 +62,8 @@ def test_updates_taken_equal_the_planners_total_updates(combo, split_dir, tiny_m
     cfg = settings(encoded_cache, checkpoint_every_updates=1000, **combo)  # one checkpoint, at the end
     expected = plan_for(cfg, train_images(split_dir))
 
-    result = train(cfg, NO_VALIDATION, split_dir=split_dir, model=tiny_model_dir, out_dir=tmp_path, save_final=False)
+    result = train(TrainSpec(cfg, NO_VALIDATION, split_dir=split_dir, model=tiny_model_dir),
+                   out_dir=tmp_path, save_final=False)
 
     assert result.updates == expected.total_updates
     assert len(rows(tmp_path / "updates.csv")) == expected.total_updates
@@ -85,7 +86,7 @@ def triangular_runs(split_dir, tiny_model_dir, encoded_cache, tmp_path_factory):
     out = {}
     for name, val_cfg in (("validated", ValidationConfig(every_epochs=1)), ("plain", NO_VALIDATION)):
         d = tmp_path_factory.mktemp(name)
-        out[name] = (d, train(cfg, val_cfg, split_dir=split_dir, model=tiny_model_dir, out_dir=d))
+        out[name] = (d, train(TrainSpec(cfg, val_cfg, split_dir=split_dir, model=tiny_model_dir), out_dir=d))
     return cfg, out
 
 
@@ -186,8 +187,10 @@ def test_latents_are_encoded_once_and_keyed_by_content(split_dir, tiny_model_dir
     n_items = len({it.id for it in split.train + split.val + split.stabilize})
 
     cfg = settings(str(tmp_path / "cache"), steps=1)
-    first = train(cfg, NO_VALIDATION, split_dir=own_split, model=tiny_model_dir, out_dir=tmp_path / "a", save_final=False)
-    second = train(cfg, NO_VALIDATION, split_dir=own_split, model=tiny_model_dir, out_dir=tmp_path / "b", save_final=False)
+    first = train(TrainSpec(cfg, NO_VALIDATION, split_dir=own_split, model=tiny_model_dir),
+                  out_dir=tmp_path / "a", save_final=False)
+    second = train(TrainSpec(cfg, NO_VALIDATION, split_dir=own_split, model=tiny_model_dir),
+                   out_dir=tmp_path / "b", save_final=False)
     assert first.cache["latents"]["encoded"] == n_items
     assert second.cache["latents"] == {"encoded": 0, "reused": n_items}
     assert second.cache["text"]["encoded"] == 0
@@ -197,7 +200,8 @@ def test_latents_are_encoded_once_and_keyed_by_content(split_dir, tiny_model_dir
 
     with Image.open(data / changed) as im:
         im.transpose(Image.Transpose.ROTATE_90).save(data / changed)
-    third = train(cfg, NO_VALIDATION, split_dir=own_split, model=tiny_model_dir, out_dir=tmp_path / "c", save_final=False)
+    third = train(TrainSpec(cfg, NO_VALIDATION, split_dir=own_split, model=tiny_model_dir),
+                  out_dir=tmp_path / "c", save_final=False)
     assert third.cache["latents"]["encoded"] == 1
 
 
@@ -211,8 +215,9 @@ def test_v_prediction_and_train_plus_val(split_dir, tiny_model_dir, encoded_cach
 
     sink = Sink()
     cfg = settings(encoded_cache, steps=2, prediction_type="v_prediction", use_ema=True, gradient_checkpointing=True)
-    result = train(cfg, ValidationConfig(every_updates=1), split_dir=split_dir, model=tiny_model_dir,
-                   out_dir=tmp_path, train_on="train+val", metric_sink=sink)
+    result = train(TrainSpec(cfg, ValidationConfig(every_updates=1), split_dir=split_dir, model=tiny_model_dir,
+                             train_on="train+val"),
+                   out_dir=tmp_path, metric_sink=sink)
     updates = [(step, m) for step, m in sink.calls if "train_loss" in m]
     assert [step for step, _ in updates] == [1, 2] and all({"lr", "grad_norm", "epoch"} <= set(m) for _, m in updates)
     measured = [(step, m) for step, m in sink.calls if "stabilize_loss" in m]
@@ -242,24 +247,25 @@ def test_bad_settings_fail_before_training(bad, message, split_dir, tiny_model_d
     cfg = TrainingConfig.model_construct(**{**dict(TrainingConfig()), **bad})  # skip the constructor's checks
     out = tmp_path / "out"
     with pytest.raises(ConfigError, match=message) as err:
-        train(cfg, NO_VALIDATION, split_dir=split_dir, model=tiny_model_dir, out_dir=out)
+        train(TrainSpec(cfg, NO_VALIDATION, split_dir=split_dir, model=tiny_model_dir), out_dir=out)
     assert "\n" not in str(err.value)
     assert not out.exists()  # nothing was written
 
 
 def test_an_existing_run_is_not_overwritten_without_resume(split_dir, tiny_model_dir, encoded_cache, tmp_path):
     cfg = settings(encoded_cache, steps=1)
-    train(cfg, NO_VALIDATION, split_dir=split_dir, model=tiny_model_dir, out_dir=tmp_path, save_final=False)
+    train(TrainSpec(cfg, NO_VALIDATION, split_dir=split_dir, model=tiny_model_dir), out_dir=tmp_path, save_final=False)
     before = (tmp_path / "updates.csv").read_text()
     with pytest.raises(ConfigError, match="resume"):
-        train(cfg, NO_VALIDATION, split_dir=split_dir, model=tiny_model_dir, out_dir=tmp_path)
+        train(TrainSpec(cfg, NO_VALIDATION, split_dir=split_dir, model=tiny_model_dir), out_dir=tmp_path)
     assert (tmp_path / "updates.csv").read_text() == before
 
 
 def test_bf16_with_the_text_encoder_training(split_dir, tiny_model_dir, encoded_cache, tmp_path):
     # Also a second precision in one process: accelerate's process-wide settings must not leak between runs.
     cfg = settings(encoded_cache, steps=2, mixed_precision="bf16", train_text_encoder=True)
-    result = train(cfg, ValidationConfig(every_updates=1), split_dir=split_dir, model=tiny_model_dir, out_dir=tmp_path)
+    result = train(TrainSpec(cfg, ValidationConfig(every_updates=1), split_dir=split_dir, model=tiny_model_dir),
+                   out_dir=tmp_path)
     assert result.status == "ok" and result.cache["text"] == {"encoded": 0, "reused": 0}  # encoded every step
     assert all(math.isfinite(float(r["val_loss"])) for r in rows(tmp_path / "metrics.csv"))
     from transformers import CLIPTextModel
@@ -274,7 +280,7 @@ def test_channels_last_trains_the_same_model_and_saves_it(split_dir, tiny_model_
     runs = {}
     for cl in (False, True):
         cfg = settings(encoded_cache, steps=3, channels_last=cl)
-        runs[cl] = train(cfg, ValidationConfig(every_updates=1), split_dir=split_dir, model=tiny_model_dir,
+        runs[cl] = train(TrainSpec(cfg, ValidationConfig(every_updates=1), split_dir=split_dir, model=tiny_model_dir),
                          out_dir=tmp_path / str(cl))
     # NHWC convolutions are other kernels: the same numbers up to rounding, but not bit for bit, which shows the
     # layout really changed. The final weights were written (safetensors takes contiguous tensors only).
@@ -293,17 +299,19 @@ def test_with_ema_validation_measures_the_weights_that_are_saved(split_dir, tiny
     # The saved model is the EMA average; the step window must be read on it. Measure the saved model afresh (the
     # update-0 baseline of a run starting from it) and compare with the EMA run's last validation.
     cfg = settings(encoded_cache, steps=3, use_ema=True, ema_decay=0.9)
-    ema_run = train(cfg, ValidationConfig(every_updates=1), split_dir=split_dir, model=tiny_model_dir,
+    ema_run = train(TrainSpec(cfg, ValidationConfig(every_updates=1), split_dir=split_dir, model=tiny_model_dir),
                     out_dir=tmp_path / "ema")
     last = rows(tmp_path / "ema" / "metrics.csv")[-1]
-    again = train(settings(encoded_cache, steps=1), ValidationConfig(every_updates=1), split_dir=split_dir,
-                  model=str(ema_run.final_dir), out_dir=tmp_path / "again")
+    again = train(TrainSpec(settings(encoded_cache, steps=1), ValidationConfig(every_updates=1), split_dir=split_dir,
+                            model=str(ema_run.final_dir)),
+                  out_dir=tmp_path / "again")
     baseline = rows(tmp_path / "again" / "metrics.csv")[0]
     assert float(baseline["update"]) == 0
     assert float(last["val_loss"]) == pytest.approx(float(baseline["val_loss"]), rel=1e-6)
     assert float(last["stabilize_loss"]) == pytest.approx(float(baseline["stabilize_loss"]), rel=1e-6)
     # ... and the run without EMA measures other (the raw) weights.
-    raw = train(settings(encoded_cache, steps=3), ValidationConfig(every_updates=1), split_dir=split_dir,
-                model=tiny_model_dir, out_dir=tmp_path / "raw")
+    raw = train(TrainSpec(settings(encoded_cache, steps=3), ValidationConfig(every_updates=1), split_dir=split_dir,
+                          model=tiny_model_dir),
+                out_dir=tmp_path / "raw")
     assert float(rows(tmp_path / "raw" / "metrics.csv")[-1]["val_loss"]) != pytest.approx(
         float(last["val_loss"]), rel=1e-4)

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from rangefinder.config import TrainingConfig, ValidationConfig
-from rangefinder.training.loop import train
+from rangefinder.training.loop import TrainSpec, train
 
 
 @pytest.mark.slow
@@ -17,7 +17,7 @@ def test_linear_ramp_falls_then_rises_and_stops_on_divergence(split_dir, tiny_mo
     cfg = TrainingConfig(batch_size=4, epochs=10, schedule="linear-ramp", lr_max=0.03, seed=3,
                          cache_dir=str(tmp_path / "cache"))
     val_cfg = ValidationConfig(every_updates=2, divergence_factor=4.0, divergence_window=3)
-    result = train(cfg, val_cfg, split_dir=split_dir, model=tiny_model_dir, out_dir=tmp_path / "run")
+    result = train(TrainSpec(cfg, val_cfg, split_dir=split_dir, model=tiny_model_dir), out_dir=tmp_path / "run")
 
     assert result.status == "diverged"
     assert result.updates < result.planned_updates == 40

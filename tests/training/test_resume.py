@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from rangefinder.config import TrainingConfig, ValidationConfig
-from rangefinder.training.loop import train
+from rangefinder.training.loop import TrainSpec, train
 
 CHILD = Path(__file__).with_name("engine_child.py")
 
@@ -38,8 +38,9 @@ def test_sigkill_after_second_checkpoint_then_resume_equals_uninterrupted(split_
 
     # The uninterrupted run and the resume run here (one torch thread, as in the child); only the crash needs a
     # process of its own.
-    train(TrainingConfig(**training), ValidationConfig(**base["validation"]), split_dir=split_dir,
-          model=tiny_model_dir, out_dir=tmp_path / "whole")
+    train(TrainSpec(TrainingConfig(**training), ValidationConfig(**base["validation"]), split_dir=split_dir,
+                    model=tiny_model_dir),
+          out_dir=tmp_path / "whole")
 
     # 16 images / batch 4 = 4 updates per epoch, 12 in all; checkpoints at 3 and 6, then killed inside update 7.
     cut = tmp_path / "cut"
@@ -53,8 +54,9 @@ def test_sigkill_after_second_checkpoint_then_resume_equals_uninterrupted(split_
     torn.mkdir()
     (torn / "weights.safetensors").write_bytes(b"half a file")
 
-    resumed = train(TrainingConfig(**training, resume=True), ValidationConfig(**base["validation"]),
-                    split_dir=split_dir, model=tiny_model_dir, out_dir=cut)
+    resumed = train(TrainSpec(TrainingConfig(**training, resume=True), ValidationConfig(**base["validation"]),
+                              split_dir=split_dir, model=tiny_model_dir),
+                    out_dir=cut)
     assert resumed.resumed_from == 6 and resumed.updates == 12
 
     for name in ("metrics.csv", "updates.csv"):

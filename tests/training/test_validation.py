@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from rangefinder.config import TrainingConfig, ValidationConfig
 from rangefinder.data.split import read_split
-from rangefinder.training.loop import train
+from rangefinder.training.loop import TrainSpec, train
 
 UPDATES = 5  # validated after every update: rows 0 (baseline) .. 5
 
@@ -36,7 +36,7 @@ def cadence_runs(split_dir, tiny_model_dir, tmp_path_factory):
                           ("third", ValidationConfig(every_updates=1, stabilize_every=3)),
                           ("off", ValidationConfig(every_epochs=0))):
         d = tmp_path_factory.mktemp(name)
-        out[name] = (d, train(cfg, val_cfg, split_dir=split_dir, model=tiny_model_dir, out_dir=d))
+        out[name] = (d, train(TrainSpec(cfg, val_cfg, split_dir=split_dir, model=tiny_model_dir), out_dir=d))
     return out
 
 
@@ -75,8 +75,9 @@ def test_weights_are_the_same_with_validation_on_sparse_and_off(cadence_runs):
 def test_without_a_val_set_stabilize_is_measured_every_time(split_dir, tiny_model_dir, tmp_path):
     # train+val: the stabilize subset is the only measurement (and the divergence watch), so it is never thinned.
     cfg = TrainingConfig(batch_size=4, lr=1e-4, seed=3, steps=3, cache_dir=str(tmp_path / "cache"))
-    train(cfg, ValidationConfig(every_updates=1, stabilize_every=4), split_dir=split_dir, model=tiny_model_dir,
-          out_dir=tmp_path / "run", train_on="train+val", save_final=False)
+    train(TrainSpec(cfg, ValidationConfig(every_updates=1, stabilize_every=4), split_dir=split_dir,
+                    model=tiny_model_dir, train_on="train+val"),
+          out_dir=tmp_path / "run", save_final=False)
     table = rows(tmp_path / "run" / "metrics.csv")
     assert [r["update"] for r in table] == ["0", "1", "2", "3"]
     assert all(r["val_loss"] == "" and r["stabilize_loss"] != "" for r in table)
@@ -121,14 +122,15 @@ def test_stabilize_cadence_counts_rows_across_a_resume(split_dir, tiny_model_dir
                          checkpoint_every_updates=1, keep_checkpoints=UPDATES)
     val_cfg = ValidationConfig(every_updates=1, stabilize_every=3)
     out = tmp_path / "run"
-    train(cfg, val_cfg, split_dir=split_dir, model=tiny_model_dir, out_dir=out, save_final=False)
+    train(TrainSpec(cfg, val_cfg, split_dir=split_dir, model=tiny_model_dir), out_dir=out, save_final=False)
     whole = (out / "metrics.csv").read_text()
     # As if the run had died after its checkpoint at update 1.
     for ckpt in (out / "checkpoints").iterdir():
         if int(ckpt.name.rsplit("-", 1)[1]) > 1:
             shutil.rmtree(ckpt)
     (out / "run_summary.json").unlink()
-    resumed = train(cfg.model_copy(update={"resume": True}), val_cfg, split_dir=split_dir, model=tiny_model_dir,
+    resumed = train(TrainSpec(cfg.model_copy(update={"resume": True}), val_cfg, split_dir=split_dir,
+                              model=tiny_model_dir),
                     out_dir=out, save_final=False)
     assert resumed.resumed_from == 1
     assert (out / "metrics.csv").read_text() == whole

@@ -72,7 +72,7 @@ def run_finetune(
     from rangefinder import tracking
     from rangefinder.analysis import copy_report, read_curve_csv, select_step_window, write_step_report
     from rangefinder.data.split import read_split
-    from rangefinder.training.loop import train
+    from rangefinder.training.loop import TrainSpec, train
 
     split = read_split(split_dir)
     tc = finetune_training_config(cfg, lr_low, lr_high, lr_mid, len(split.train))
@@ -82,8 +82,8 @@ def run_finetune(
         run.log_config(cfg, plan=plan_for(tc, len(split.train)),
                        extra={"lr_low": lr_low, "lr_high": lr_high, "lr_mid": lr_mid, "lr_source": lr_source})
         work = work_dir(model_dir, f"{mlflow_parent_run_id}/finetune" if mlflow_parent_run_id else None)
-        result = train(tc, cfg.validation, split_dir=split_dir, model=cfg.model, out_dir=work,
-                       metric_sink=run, data=cfg.data)
+        result = train(TrainSpec(tc, cfg.validation, split_dir=split_dir, model=cfg.model, data=cfg.data),
+                       out_dir=work, metric_sink=run)
         publish(work, model_dir)
         report_dir = Path(out_dir or model_dir / "report")
         report_dir.mkdir(parents=True, exist_ok=True)

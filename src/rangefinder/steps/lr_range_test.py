@@ -79,7 +79,7 @@ def run_lr_range_test(
     """Sweep, analyse, report; `lr_min`/`lr_max` None: the configured range (a zoom passes its own)."""
     from rangefinder import tracking
     from rangefinder.analysis import analyze_lr_curve, copy_report, read_curve_csv, write_lr_report
-    from rangefinder.training.loop import train
+    from rangefinder.training.loop import TrainSpec, train
 
     if stage not in ("first", "zoom"):
         raise RangefinderError(f"lr_range_test stage must be 'first' or 'zoom' (got {stage!r})")
@@ -101,8 +101,8 @@ def run_lr_range_test(
         run.log_config(cfg, extra={"range_test.lr_min": lo, "range_test.lr_max": hi, "range_test.stage": stage})
         run.log_dataset_manifest(split_dir)
         work = work_dir(out_dir / "run", f"{mlflow_parent_run_id}/{step_name}" if mlflow_parent_run_id else None)
-        result = train(train_cfg, val_cfg, split_dir=split_dir, model=cfg.model, out_dir=work,
-                       metric_sink=run, data=cfg.data, save_final=False)
+        result = train(TrainSpec(train_cfg, val_cfg, split_dir=split_dir, model=cfg.model, data=cfg.data),
+                       out_dir=work, metric_sink=run, save_final=False)
         publish(work, out_dir / "run")
         curve = read_curve_csv(result.metrics_csv)
         stabilize = curve.get("stabilize_loss")

@@ -39,7 +39,7 @@ def run_retrain_full(cfg: RangefinderConfig, *, split_dir: Path, lr_low: float, 
                      mlflow_parent_run_id: Optional[str] = None) -> RetrainResult:
     from rangefinder import tracking
     from rangefinder.data.split import read_split
-    from rangefinder.training.loop import train
+    from rangefinder.training.loop import TrainSpec, train
 
     epochs = cfg.retrain.epochs or max(1, int(recommended_epochs))
     tc = retrain_training_config(cfg, lr_low, lr_high, lr_mid, epochs)
@@ -49,8 +49,8 @@ def run_retrain_full(cfg: RangefinderConfig, *, split_dir: Path, lr_low: float, 
     with tracking.step_run(cfg, "retrain_full", parent_run_id=mlflow_parent_run_id) as run:
         run.log_config(cfg, plan=plan_for(tc, n), extra={"retrain.epochs_used": epochs, "lr_mid": lr_mid})
         work = work_dir(model_dir, f"{mlflow_parent_run_id}/retrain_full" if mlflow_parent_run_id else None)
-        result = train(tc, no_val, split_dir=split_dir, model=cfg.model, out_dir=work, train_on="train+val",
-                       metric_sink=run, data=cfg.data)
+        result = train(TrainSpec(tc, no_val, split_dir=split_dir, model=cfg.model, data=cfg.data, train_on="train+val"),
+                       out_dir=work, metric_sink=run)
         publish(work, model_dir)
         run.log_decisions({"retrain_epochs": epochs, "retrain_updates": result.updates})
     return RetrainResult(epochs=epochs, updates=result.updates, model_dir=Path(model_dir))

@@ -1,6 +1,7 @@
 """The training engine shared by the LR range test, the constant fine-tune and the full-data retrain.
 
-`train(...)` (in loop.py) runs one training run; `MetricSink` is what it reports metrics to (the MLflow tracker
+`train(TrainSpec(...),
+       out_dir=...)` (in loop.py) runs one training run; `MetricSink` is what it reports metrics to (the MLflow tracker
 implements it; the engine never imports mlflow). Importing this package stays cheap: torch is loaded only when
 `train` is used.
 """
@@ -10,9 +11,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from rangefinder.training.loop import TrainResult, train
+    from rangefinder.training.loop import TrainResult, TrainSpec, train
 
-__all__ = ["MetricSink", "TrainResult", "train"]
+__all__ = ["MetricSink", "TrainResult", "TrainSpec", "train"]
 
 
 @runtime_checkable
@@ -23,7 +24,7 @@ class MetricSink(Protocol):
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("train", "TrainResult"):
+    if name in ("train", "TrainResult", "TrainSpec"):
         from rangefinder.training import loop
 
         return getattr(loop, name)

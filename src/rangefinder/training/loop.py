@@ -38,7 +38,7 @@ from rangefinder.training.checkpointing import restore_checkpoint, save_checkpoi
 from rangefinder.training.data import ImageStream
 from rangefinder.training.setup import (
     Run,
-    TrainOn,
+    TrainSpec,
     check_settings,
     encode_data,
     load_model,
@@ -76,24 +76,11 @@ class TrainResult:
 
 
 def train(
-    cfg: TrainingConfig,
-    val_cfg: ValidationConfig,
-    *,
-    split_dir: Union[str, Path],
-    model: Union[ModelConfig, str, Path, None],
-    out_dir: Union[str, Path],
-    train_on: TrainOn = "train",
-    metric_sink: Optional[MetricSink] = None,
-    data: Optional[DataConfig] = None,
-    save_final: bool = True,
+    spec: TrainSpec, *, out_dir: Union[str, Path], metric_sink: Optional[MetricSink] = None, save_final: bool = True
 ) -> TrainResult:
-    """Train one run and write its curve, checkpoints and final weights under out_dir.
-
-    `data` gives the resolution and crop (None: the base model's native resolution, centre-cropped).
-    `train_on="train+val"` trains on both sets (the full-data retrain); the val set is then not measured.
-    """
+    """Train one run and write its curve, checkpoints and final weights (unless `save_final` is off) under out_dir."""
     # --- settings: everything that can be wrong fails here, before anything heavy ---------------------------------
-    settings = check_settings(cfg, val_cfg, split_dir=split_dir, model=model, out_dir=out_dir, train_on=train_on)
+    settings = check_settings(spec, out_dir)
     cfg = settings.cfg
 
     # --- device and precision (the launcher: accelerate) ----------------------------------------------------------
@@ -103,7 +90,7 @@ def train(
     sd, family = load_model(settings, accelerator)
 
     # --- data: latents and text embeddings, encoded once per dataset and base model -------------------------------
-    encoded = encode_data(settings, sd, family, accelerator, data if data is not None else native_data_config(sd))
+    encoded = encode_data(settings, sd, family, accelerator, spec.data or native_data_config(sd))
 
     # --- optimizer, EMA -------------------------------------------------------------------------------------------
     run = prepare_run(settings, accelerator, sd, family, encoded)

@@ -43,6 +43,22 @@ if TYPE_CHECKING:
 TrainOn = Literal["train", "train+val"]
 
 
+@dataclass(frozen=True)
+class TrainSpec:
+    """What one training run trains: its settings, the split it reads its images from, and the base model.
+
+    `data` gives the resolution and crop (None: the base model's native resolution, centre-cropped).
+    `train_on="train+val"` trains on both sets (the full-data retrain); the val set is then not measured.
+    """
+
+    training: TrainingConfig
+    validation: ValidationConfig
+    split_dir: Union[str, Path]
+    model: Union[ModelConfig, str, Path, None]
+    data: Optional[DataConfig] = None
+    train_on: TrainOn = "train"
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Settings: everything that can be wrong fails here, before anything heavy
 
@@ -70,18 +86,11 @@ class RunSettings:
         return self.val_cfg.enabled() and any(self.val_items.values())
 
 
-def check_settings(
-    cfg: TrainingConfig,
-    val_cfg: ValidationConfig,
-    *,
-    split_dir: Union[str, Path],
-    model: Union[ModelConfig, str, Path, None],
-    out_dir: Union[str, Path],
-    train_on: TrainOn,
-) -> RunSettings:
+def check_settings(spec: TrainSpec, out_dir: Union[str, Path]) -> RunSettings:
     from rangefinder.data.split import read_split
 
-    cfg, val_cfg = _revalidated(cfg), _revalidated(val_cfg)
+    cfg, val_cfg = _revalidated(spec.training), _revalidated(spec.validation)
+    split_dir, model, train_on = spec.split_dir, spec.model, spec.train_on
     if train_on not in ("train", "train+val"):
         raise ConfigError(f"train_on must be 'train' or 'train+val' (got {train_on!r})")
     split = read_split(split_dir)

@@ -89,11 +89,10 @@ def run(args: argparse.Namespace) -> dict:
     if not training.budget_given():
         raise ConfigError("give a budget: --epochs N or --steps N (or training.epochs / training.steps in --config)")
 
-    from rangefinder.training.loop import train
+    from rangefinder.training.loop import TrainSpec, train
 
-    result = train(
-        training, validation, split_dir=args.data, model=model, out_dir=args.out, train_on=args.train_on, data=data
-    )
+    result = train(TrainSpec(training, validation, split_dir=args.data, model=model, data=data, train_on=args.train_on),
+                   out_dir=args.out)
     out = result.as_dict()
     out.pop("checkpoints")
     out["checkpoints"] = [str(p) for p in result.checkpoints]
