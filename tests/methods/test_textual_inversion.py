@@ -142,3 +142,32 @@ def test_bad_tokens_are_one_clear_error(tiny_model_dir):
     with pytest.raises(ConfigError, match="already in the tokenizer"):
         make_method(_cfg(placeholder_token="red")).setup(load_parts(tiny_model_dir), torch.float32)
 
+
+def test_whole_pipeline_export_keeps_the_new_tokens_for_slow_tokenizers(trained_ti, tiny_model_dir, tmp_path):
+    """The pipeline registered for a textual-inversion run (embedding added to the base model) tokenizes and encodes
+    the new tokens from the slow tokenizer's files alone, with every text-encoder weight in the shared layout."""
+    import json
+    import shutil
+
+    from safetensors import safe_open
+    from transformers import CLIPTextModel, CLIPTokenizer
+
+    from rangefinder.sampling import export_pipeline
+
+    method, parts, *_, out = trained_ti
+    whole = export_pipeline(out, tiny_model_dir, tmp_path / "whole")
+    added = json.loads((whole / "tokenizer" / "added_tokens.json").read_text())
+    assert {t: added[t] for t in method.tokens} == dict(zip(method.tokens, method.token_ids))
+    slow_only = tmp_path / "slow"
+    shutil.copytree(whole / "tokenizer", slow_only)
+    (slow_only / "tokenizer.json").unlink()
+    tok = CLIPTokenizer.from_pretrained(str(slow_only))
+    prompt = method.transform_caption(f"a photo of a {TOKEN}")
+    ids = tok(prompt, padding="max_length", max_length=77, return_tensors="pt").input_ids
+    assert torch.equal(ids, parts.tokenizer(prompt, padding="max_length", max_length=77, return_tensors="pt").input_ids)
+    with safe_open(str(whole / "text_encoder" / "model.safetensors"), framework="pt") as f:
+        assert all(k.startswith("text_model.") for k in f.keys())
+    te, info = CLIPTextModel.from_pretrained(str(whole / "text_encoder"), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    with torch.no_grad():
+        torch.testing.assert_close(te.eval()(ids)[0], parts.text_encoder(ids)[0], rtol=0, atol=1e-6)
