@@ -25,7 +25,7 @@ from typing import Any, Optional, Sequence, Union
 from rangefinder.errors import ConfigError
 from rangefinder.formats import checkpoints
 from rangefinder.formats.atomic import atomic_dir, atomic_path, write_text
-from rangefinder.formats.export import LORA_WEIGHTS_NAME, TI_WEIGHTS_NAME
+from rangefinder.formats.export import LORA_WEIGHTS_NAME, TI_WEIGHTS_NAME, save_pipeline_folder
 
 ColumnKind = str  # "pipeline" | "single_file" | "unet" | "lora" | "textual_inversion" | "engine_checkpoint"
 
@@ -169,7 +169,7 @@ def export_pipeline(weights: Path, base_model: Path, out_dir: Path) -> Path:
         pipe.fuse_lora()
         pipe.unload_lora_weights()
     with atomic_dir(out_dir) as tmp:
-        pipe.save_pretrained(str(tmp))
+        save_pipeline_folder(pipe, tmp)  # loadable under transformers 4.x too (text_model. names, vocab.json)
     return out_dir
 
 

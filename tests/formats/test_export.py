@@ -59,3 +59,134 @@ def test_single_file_loads_back_with_from_single_file(tiny_model_dir, tiny_pipe,
     )
     for name in ("unet", "vae", "text_encoder"):
         _assert_same(getattr(loaded, name).state_dict(), getattr(tiny_pipe, name).state_dict(), name)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# diffusers folders: transformers 5.x here, and 4.x's own loaders in a venv of their own
+
+PROMPTS = ["a red circle", "a photo of the small blue square", "<rf-added> on the left"]
+
+# Runs inside the transformers 4.x venv: load the folder's text encoder and both tokenizers with 4.x's own classes and
+# report what they made of it.
+TRANSFORMERS4_SCRIPT = """
+import json, sys
+import torch, transformers
+from safetensors.torch import save_file
+from transformers import CLIPTextModel, CLIPTokenizer, CLIPTokenizerFast
+
+folder, out = sys.argv[1], sys.argv[2]
+model, info = CLIPTextModel.from_pretrained(folder, subfolder="text_encoder", output_loading_info=True)
+slow = CLIPTokenizer.from_pretrained(folder, subfolder="tokenizer")
+fast = CLIPTokenizerFast.from_pretrained(folder, subfolder="tokenizer")
+prompts = json.loads(sys.argv[3])
+ids = slow(prompts, padding="max_length", max_length=slow.model_max_length, return_tensors="pt").input_ids
+with torch.no_grad():
+    hidden = model.eval()(ids)[0]
+save_file({"ids": ids.contiguous(), "hidden": hidden.contiguous()}, out)
+print(json.dumps({"version": transformers.__version__, "slow_class": type(slow).__name__,
+                  "fast_ids": fast(prompts, padding="max_length", max_length=77).input_ids,
+                  **{k: sorted(v) for k, v in info.items() if k in ("missing_keys", "unexpected_keys")}}))
+"""
+
+
+@pytest.fixture(scope="module")
+def saved_folder(tiny_model_dir, tmp_path_factory):
+    """A pipeline folder as a full fine-tune's `final/` is written (full.save_pipeline), its tokenizer extended by a
+    token as textual inversion extends it, so added tokens are covered too."""
+    from rangefinder.training.methods.full import save_pipeline
+    from tests.methods.harness import load_parts
+
+    parts = load_parts(tiny_model_dir)
+    parts.tokenizer.add_tokens(["<rf-added>"])
+    parts.text_encoder.resize_token_embeddings(len(parts.tokenizer), mean_resizing=False)
+    out = tmp_path_factory.mktemp("pipeline") / "final"
+    out.mkdir()
+    save_pipeline(parts, out)
+    return out, parts
+
+
+def _hidden(text_encoder, tokenizer, prompts):
+    ids = tokenizer(prompts, padding="max_length", max_length=tokenizer.model_max_length, return_tensors="pt").input_ids
+    with torch.no_grad():
+        return ids, text_encoder.eval()(ids)[0]
+
+
+@pytest.mark.parametrize("which", ["tiny model", "full fine-tune final/"])
+def test_diffusers_folder_loads_in_transformers_5_with_no_key_missing(which, tiny_model_dir, saved_folder, tmp_path):
+    import shutil
+
+    from safetensors import safe_open
+    from transformers import CLIPTextModel, CLIPTokenizer
+
+    folder = tiny_model_dir if which == "tiny model" else saved_folder[0]
+    with safe_open(str(folder / "text_encoder" / "model.safetensors"), framework="pt") as f:
+        keys = list(f.keys())
+        assert f.metadata().get("format") == "pt"
+    assert keys and all(k.startswith("text_model.") for k in keys)  # the layout transformers 4.x and 5.x share
+    model, info = CLIPTextModel.from_pretrained(str(folder / "text_encoder"), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+
+    # The slow tokenizer's files are complete: built from vocab.json/merges.txt alone (+ the added tokens in
+    # tokenizer_config.json), the tokenizer gives the ids tokenizer.json gives.
+    assert (folder / "tokenizer" / "vocab.json").is_file() and (folder / "tokenizer" / "merges.txt").is_file()
+    slow_only = tmp_path / "tokenizer"
+    shutil.copytree(folder / "tokenizer", slow_only)
+    (slow_only / "tokenizer.json").unlink()
+    from_bpe = CLIPTokenizer.from_pretrained(str(slow_only))
+    from_json = CLIPTokenizer.from_pretrained(str(folder / "tokenizer"))
+    assert from_bpe(PROMPTS).input_ids == from_json(PROMPTS).input_ids
+    if which != "tiny model":
+        assert from_bpe.convert_tokens_to_ids("<rf-added>") == saved_folder[1].tokenizer.convert_tokens_to_ids(
+            "<rf-added>")
+        _, expected = _hidden(saved_folder[1].text_encoder, saved_folder[1].tokenizer, PROMPTS)
+        torch.testing.assert_close(_hidden(model, from_bpe, PROMPTS)[1], expected, rtol=0, atol=0)
+
+
+def test_text_encoder_saved_without_the_prefix_is_rewritten(tiny_model_dir, tmp_path):
+    """What transformers 5 writes for a CLIPTextModel built from scratch, unprefixed, becomes the shared layout."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import CLIPTextModel
+
+    from rangefinder.formats.export import write_text_encoder_weights_with_prefix
+
+    te_dir = tmp_path / "text_encoder"
+    shutil.copytree(tiny_model_dir / "text_encoder", te_dir)
+    original = load_file(str(te_dir / "model.safetensors"))
+    save_file({k.removeprefix("text_model."): v for k, v in original.items()}, str(te_dir / "model.safetensors"))
+    write_text_encoder_weights_with_prefix(te_dir)
+    rewritten = load_file(str(te_dir / "model.safetensors"))
+    assert set(rewritten) == set(original) and all(torch.equal(rewritten[k], original[k]) for k in original)
+    assert not list(te_dir.glob(".*.tmp"))
+    _, info = CLIPTextModel.from_pretrained(str(te_dir), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["tiny model", "full fine-tune final/"])
+def test_diffusers_folder_loads_in_transformers_4(which, transformers4_python, tiny_model_dir, saved_folder,
+                                                    tmp_path):
+    """transformers 4.x's own CLIPTextModel, slow CLIPTokenizer and fast tokenizer load the folder with no key
+    missing, and give the text embeddings transformers 5 gives here."""
+    import json
+    import subprocess
+
+    from safetensors.torch import load_file
+    from transformers import CLIPTextModel, CLIPTokenizer
+
+    folder = tiny_model_dir if which == "tiny model" else saved_folder[0]
+    out = tmp_path / "t4.safetensors"
+    proc = subprocess.run([str(transformers4_python), "-c", TRANSFORMERS4_SCRIPT, str(folder), str(out),
+                           json.dumps(PROMPTS)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["version"].startswith("4.") and report["slow_class"] == "CLIPTokenizer"
+    assert report["missing_keys"] == [] and report["unexpected_keys"] == [], report
+
+    ids5, hidden5 = _hidden(CLIPTextModel.from_pretrained(str(folder / "text_encoder")),
+                            CLIPTokenizer.from_pretrained(str(folder / "tokenizer")), PROMPTS)
+    got = load_file(str(out))
+    assert torch.equal(got["ids"], ids5)
+    assert report["fast_ids"] == ids5.tolist()
+    torch.testing.assert_close(got["hidden"], hidden5, rtol=0, atol=1e-6)

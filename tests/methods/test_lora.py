@@ -1,4 +1,5 @@
-"""LoRA: only adapters train; diffusers and kohya files load back into a pipeline and reproduce the trained model."""
+"""LoRA: only adapters train; both files load in diffusers and in ComfyUI, every key, and reproduce the trained model
+(alpha != rank, adapters on attention, linear and convolution layers)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,18 @@ import torch
 from safetensors import safe_open
 
 from rangefinder.config import TrainingConfig
-from rangefinder.formats.export import LORA_KOHYA_NAME, LORA_WEIGHTS_NAME
+from rangefinder.formats.export import LORA_KOHYA_NAME, LORA_WEIGHTS_NAME, trained_lora_layers
 from rangefinder.training.methods import make_method
+from rangefinder.training.methods.base import UPDATES_KEY
+from tests.formats.consumers import comfy_load_lora, comfy_patched_state, comfy_sd1_key_map
 from tests.methods.harness import load_parts, pipeline_image, state_of, train_updates
 
 RANK, ALPHA = 4, 8.0  # alpha != rank, so a file that drops the scale alpha/rank is caught
+UPDATES = 3
+# Attention projections (to_out.0: the one ComfyUI names without its `.0`), a 1x1 convolution (proj_in), a linear
+# layer outside attention (ff.net.2) and 3x3 convolutions (conv1).
+TARGETS = ["to_k", "to_q", "to_v", "to_out.0", "proj_in", "ff.net.2", "conv1"]
+PROMPT_IDS_TEXT = ["a red circle"]
 
 
 def _unet_out(unet):
@@ -26,13 +34,13 @@ def _unet_out(unet):
 
 @pytest.fixture(scope="module")
 def trained_lora(tiny_model_dir, tmp_path_factory):
-    cfg = TrainingConfig(method="lora", lora={"rank": RANK, "alpha": ALPHA, "train_text_encoder": True}, lr=1e-2,
-                         epochs=1)
+    cfg = TrainingConfig(method="lora", lora={"rank": RANK, "alpha": ALPHA, "train_text_encoder": True,
+                                              "target_modules": TARGETS}, lr=1e-2, epochs=1)
     method = make_method(cfg)
     parts = load_parts(tiny_model_dir)
     before = {"unet": state_of(parts.unet), "text_encoder": state_of(parts.text_encoder)}
     method.setup(parts, torch.float32)
-    train_updates(method, parts, ["a red circle", "a blue square"], updates=3, lr=1e-2)
+    train_updates(method, parts, ["a red circle", "a blue square"], updates=UPDATES, lr=1e-2)
     out = tmp_path_factory.mktemp("lora") / "final"
     out.mkdir()
     method.save_final(parts, out)
@@ -46,14 +54,26 @@ def test_only_adapters_train_and_base_weights_are_unchanged(trained_lora):
     trainable = method.trainable_parameters()
     named = {id(p): n for m in method.trainable_modules().values() for n, p in m.named_parameters()}
     assert trainable and all("lora_" in named[id(p)] for p in trainable)
-    assert all(k.split(".", 1)[1].count("lora_") for k in method.trainable_state_dict())
+    assert all(k.split(".", 1)[1].count("lora_") for k in method.trainable_state_dict() if k != UPDATES_KEY)
     for name in ("unet", "text_encoder"):
         now = {k.replace(".base_layer", ""): v for k, v in getattr(parts, name).state_dict().items() if "lora_" not in k}
         assert set(now) == set(before[name])
         assert all(torch.equal(now[k], before[name][k]) for k in before[name]), f"{name} base weights moved"
 
 
-def test_diffusers_and_kohya_files_reproduce_the_trained_model(trained_lora, tiny_model_dir):
+def _te_out(text_encoder, tokenizer):
+    ids = tokenizer(PROMPT_IDS_TEXT, padding="max_length", max_length=77, return_tensors="pt").input_ids
+    with torch.no_grad():
+        return text_encoder(ids)[0]
+
+
+def _trained_modules(parts) -> set[tuple[str, str]]:
+    return {(part, f"{path}.weight") for part in ("unet", "text_encoder")
+            for path in trained_lora_layers(getattr(parts, part))}
+
+
+@pytest.mark.parametrize("weight_name", [LORA_WEIGHTS_NAME, LORA_KOHYA_NAME])
+def test_diffusers_loads_every_adapter_and_reproduces_the_trained_model(trained_lora, tiny_model_dir, weight_name):
     from diffusers import StableDiffusionPipeline
 
     _, parts, _, out, _ = trained_lora
@@ -61,18 +81,61 @@ def test_diffusers_and_kohya_files_reproduce_the_trained_model(trained_lora, tin
     base = StableDiffusionPipeline.from_pretrained(str(tiny_model_dir), safety_checker=None)
     base_out, base_img = _unet_out(base.unet), pipeline_image(base, "a red circle")
     assert not torch.allclose(trained, base_out)
-    for weight_name in (LORA_WEIGHTS_NAME, LORA_KOHYA_NAME):
-        pipe = StableDiffusionPipeline.from_pretrained(str(tiny_model_dir), safety_checker=None)
-        pipe.load_lora_weights(str(out), weight_name=weight_name)
-        torch.testing.assert_close(_unet_out(pipe.unet), trained, rtol=0, atol=1e-5, msg=weight_name)
-        ids = pipe.tokenizer(["a red circle"], padding="max_length", max_length=77, return_tensors="pt").input_ids
-        with torch.no_grad():
-            torch.testing.assert_close(pipe.text_encoder(ids)[0], parts.text_encoder(ids)[0], rtol=0, atol=1e-5)
-        img = pipeline_image(pipe, "a red circle")
-        assert np.abs(img - base_img).max() > 0, f"{weight_name} did not change the output"
+
+    pipe = StableDiffusionPipeline.from_pretrained(str(tiny_model_dir), safety_checker=None)
+    pipe.load_lora_weights(str(out), weight_name=weight_name, adapter_name="loaded")
+    # Every trained adapter, and nothing else, is in place (a file key diffusers dropped would leave one out).
+    loaded = {(part, f"{path}.weight") for part in ("unet", "text_encoder")
+              for path in trained_lora_layers(getattr(pipe, part), adapter="loaded")}
+    assert loaded == _trained_modules(parts)
+    torch.testing.assert_close(_unet_out(pipe.unet), trained, rtol=0, atol=1e-5, msg=weight_name)
+    torch.testing.assert_close(_te_out(pipe.text_encoder, pipe.tokenizer), _te_out(parts.text_encoder, parts.tokenizer),
+                               rtol=0, atol=1e-5)
+    img = pipeline_image(pipe, "a red circle")
+    assert np.abs(img - base_img).max() > 0, f"{weight_name} did not change the output"
 
 
-def test_files_have_kohya_keys_alpha_and_metadata(trained_lora):
+@pytest.mark.parametrize("weight_name", [LORA_WEIGHTS_NAME, LORA_KOHYA_NAME])
+def test_comfyui_maps_every_key_and_reproduces_the_trained_model(trained_lora, tiny_model_dir, weight_name):
+    """ComfyUI's key map and LoRA reader (re-expressed in tests/formats/consumers.py) take every tensor of the file,
+    patch every trained module, and the patched weights compute what the trained adapters compute."""
+    from safetensors.torch import load_file
+
+    _, parts, _, out, _ = trained_lora
+    base = load_parts(tiny_model_dir)
+    patches, left_over = comfy_load_lora(load_file(str(out / weight_name)), comfy_sd1_key_map(base.unet,
+                                                                                              base.text_encoder))
+    assert not left_over, f"ComfyUI would not load {sorted(left_over)[:5]}"
+    assert set(patches) == _trained_modules(parts)
+    base.unet.load_state_dict(comfy_patched_state(base.unet.state_dict(), patches, "unet"))
+    base.text_encoder.load_state_dict(comfy_patched_state(base.text_encoder.state_dict(), patches, "text_encoder"))
+    torch.testing.assert_close(_unet_out(base.unet), _unet_out(parts.unet), rtol=0, atol=1e-5)
+    torch.testing.assert_close(_te_out(base.text_encoder, base.tokenizer), _te_out(parts.text_encoder, parts.tokenizer),
+                               rtol=0, atol=1e-5)
+
+
+def test_comfyui_check_catches_a_peft_named_file(trained_lora, tiny_model_dir, tmp_path):
+    """What diffusers' own `save_lora_weights` writes (peft names, the file shipped before): ComfyUI maps none of its
+    attention projections (all the UNet keys with the default target modules); it finds the other modules. The
+    check above would fail on such a file."""
+    from diffusers import StableDiffusionPipeline
+    from diffusers.utils import convert_state_dict_to_diffusers
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    _, parts, _, _, _ = trained_lora
+    StableDiffusionPipeline.save_lora_weights(
+        str(tmp_path), unet_lora_layers=convert_state_dict_to_diffusers(get_peft_model_state_dict(parts.unet)),
+        safe_serialization=True)
+    lora = load_file(str(tmp_path / LORA_WEIGHTS_NAME))
+    base = load_parts(tiny_model_dir)
+    patches, left_over = comfy_load_lora(lora, comfy_sd1_key_map(base.unet, base.text_encoder))
+    attention = {k for k in lora if ".to_" in k}
+    assert attention and left_over == attention
+    assert patches and not any(".to_" in key for _, key in patches)
+
+
+def test_files_have_their_consumers_keys_alpha_and_metadata(trained_lora):
     _, _, _, out, cfg = trained_lora
     with safe_open(str(out / LORA_KOHYA_NAME), framework="pt") as f:
         keys, meta = list(f.keys()), f.metadata()
@@ -80,11 +143,18 @@ def test_files_have_kohya_keys_alpha_and_metadata(trained_lora):
     assert any(k.startswith("lora_unet_") and k.endswith(".lora_down.weight") for k in keys)
     assert any(k.startswith("lora_te_text_model_encoder_layers_") for k in keys)
     assert alphas and all(float(a) == ALPHA for a in alphas)
+    assert meta["ss_network_dim"] == str(RANK) and float(meta["ss_network_alpha"]) == ALPHA
+    assert meta["ss_steps"] == str(UPDATES)
     with safe_open(str(out / LORA_WEIGHTS_NAME), framework="pt") as f:
-        dmeta = f.metadata()
+        dkeys, dmeta = list(f.keys()), f.metadata()
+    # alpha/rank is folded into the weights: no `.alpha` (diffusers refuses it in these names) and no peft config
+    # (which would make diffusers scale a second time).
+    assert not any(k.endswith(".alpha") for k in dkeys) and "lora_adapter_metadata" not in dmeta
+    assert any(".processor.to_out_lora.up.weight" in k for k in dkeys)
     for m in (meta, dmeta):
         assert m["rangefinder.method"] == "lora" and float(m["rangefinder.lr"]) == cfg.lr
         assert m["rangefinder.lora_rank"] == str(RANK) and "rangefinder.version" in m
+        assert m["rangefinder.updates"] == str(UPDATES)
 
 
 def test_checkpoint_state_round_trips_bit_for_bit(trained_lora, tiny_model_dir):
@@ -95,6 +165,7 @@ def test_checkpoint_state_round_trips_bit_for_bit(trained_lora, tiny_model_dir):
     fresh.setup(fresh_parts, torch.float32)
     fresh.load_trainable_state_dict(state)
     assert all(torch.equal(v, state[k]) for k, v in fresh.trainable_state_dict().items())
+    assert fresh.updates_taken == UPDATES
     fresh_parts.unet.eval()
     assert torch.equal(_unet_out(fresh_parts.unet), _unet_out(parts.unet))
     with pytest.raises(ValueError, match="same training.lora settings"):

@@ -1,4 +1,5 @@
-"""Textual inversion: only the new rows train; the diffusers and A1111 files load into a pipeline and generate."""
+"""Textual inversion: only the new rows train; the diffusers and A1111 files load into a pipeline and generate, and
+A1111's own rules accept its files under the trigger word, with the update count and base model filled in."""
 
 from __future__ import annotations
 
@@ -8,11 +9,16 @@ import torch
 
 from rangefinder.config import TrainingConfig
 from rangefinder.errors import ConfigError
-from rangefinder.formats.export import TI_A1111_NAME, TI_A1111_PT_NAME, TI_WEIGHTS_NAME, read_metadata
+from rangefinder.formats.export import TI_A1111_DIR, TI_WEIGHTS_NAME, a1111_embedding_name, read_metadata
 from rangefinder.training.methods import make_method
+from tests.formats.consumers import A1111Rejected, a1111_load_embedding, a1111_safe_check
 from tests.methods.harness import load_parts, pipeline_image, state_of, train_updates
 
 TOKEN = "<rf-concept>"
+TRIGGER = "rf-concept"  # what A1111 will call it: the token less the characters file names cannot hold
+UPDATES = 3
+A1111_ST = f"{TI_A1111_DIR}/{TRIGGER}.safetensors"
+A1111_PT = f"{TI_A1111_DIR}/{TRIGGER}.pt"
 
 
 def _cfg(**ti):
@@ -28,7 +34,7 @@ def trained_ti(tiny_model_dir, tmp_path_factory):
     init_row = parts.text_encoder.get_input_embeddings().weight[
         parts.tokenizer.convert_tokens_to_ids(cfg.textual_inversion.initializer_token)].detach().clone()
     method.setup(parts, torch.float32)
-    train_updates(method, parts, ["", "a red circle"], updates=3, lr=5e-2)
+    train_updates(method, parts, ["", "a red circle"], updates=UPDATES, lr=5e-2)
     out = tmp_path_factory.mktemp("ti") / "final"
     out.mkdir()
     method.save_final(parts, out)
@@ -60,7 +66,7 @@ def test_only_the_new_rows_train(trained_ti):
     assert [p.shape for p in method.trainable_parameters()] == [now[emb_key].shape]
 
 
-@pytest.mark.parametrize("file_name,token", [(TI_WEIGHTS_NAME, None), (TI_A1111_NAME, TOKEN), (TI_A1111_PT_NAME, None)])
+@pytest.mark.parametrize("file_name,token", [(TI_WEIGHTS_NAME, None), (A1111_ST, TOKEN), (A1111_PT, TOKEN)])
 def test_embedding_files_load_and_generate(trained_ti, tiny_model_dir, file_name, token):
     from diffusers import StableDiffusionPipeline
 
@@ -81,15 +87,53 @@ def test_embedding_files_load_and_generate(trained_ti, tiny_model_dir, file_name
     assert np.isfinite(img).all() and np.abs(img - base_img).max() > 0
 
 
+def test_final_folder_holds_the_diffusers_file_and_the_a1111_embedding_under_its_trigger_word(trained_ti):
+    *_, out = trained_ti
+    files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    assert files == sorted([TI_WEIGHTS_NAME, A1111_ST, A1111_PT])
+
+
+@pytest.mark.parametrize("file_name", [A1111_ST, A1111_PT])
+def test_a1111_loads_the_embedding_with_its_step_and_checkpoint(trained_ti, tiny_model_dir, file_name):
+    """A1111's safe loader lets the file through, and its embedding reader finds the learned vectors under the
+    trigger word; the .pt also says how many updates made it and on which model."""
+    method, *_, out = trained_ti
+    emb = a1111_load_embedding(out / file_name)
+    assert emb["name"] == TRIGGER
+    torch.testing.assert_close(emb["vec"], method.learned_embeds().float(), rtol=0, atol=0)
+    if file_name.endswith(".pt"):
+        assert emb["step"] == UPDATES
+        assert emb["sd_checkpoint_name"] == tiny_model_dir.name
+
+
+def test_a1111_safe_check_refuses_what_torch_save_writes_by_default(tmp_path):
+    """The check above can fail: torch's own zip format (what the .pt used to be) is refused by A1111's loader."""
+    path = tmp_path / "plain.pt"
+    torch.save({"string_to_param": {"*": torch.zeros(1, 4)}}, path)
+    with pytest.raises(A1111Rejected, match="bad file inside"):
+        a1111_safe_check(path)
+
+
 def test_metadata_and_resume_state(trained_ti, tiny_model_dir):
     method, parts, _, _, out = trained_ti
-    meta = read_metadata(out / TI_WEIGHTS_NAME)
-    assert meta["rangefinder.method"] == "textual_inversion" and meta["rangefinder.placeholder_token"] == TOKEN
+    for name in (TI_WEIGHTS_NAME, A1111_ST):
+        meta = read_metadata(out / name)
+        assert meta["rangefinder.method"] == "textual_inversion" and meta["rangefinder.placeholder_token"] == TOKEN
+        assert meta["rangefinder.updates"] == str(UPDATES) and meta["rangefinder.a1111_trigger"] == TRIGGER
     state = method.trainable_state_dict()
     fresh = make_method(_cfg())
     fresh.setup(load_parts(tiny_model_dir), torch.float32)
     fresh.load_trainable_state_dict(state)
     assert torch.equal(fresh.learned_embeds(), method.learned_embeds())
+    assert fresh.updates_taken == UPDATES
+
+
+def test_a1111_embedding_names():
+    assert a1111_embedding_name("<rf-concept>") == "rf-concept"
+    assert a1111_embedding_name("my concept.v2") == "my concept.v2"
+    assert a1111_embedding_name("../a/b:c") == "abc"  # never a path, nothing Windows refuses
+    with pytest.raises(ValueError, match="no letter or digit"):
+        a1111_embedding_name("<*>")
 
 
 def test_bad_tokens_are_one_clear_error(tiny_model_dir):
@@ -97,3 +141,33 @@ def test_bad_tokens_are_one_clear_error(tiny_model_dir):
         make_method(_cfg(initializer_token="a red circle")).setup(load_parts(tiny_model_dir), torch.float32)
     with pytest.raises(ConfigError, match="already in the tokenizer"):
         make_method(_cfg(placeholder_token="red")).setup(load_parts(tiny_model_dir), torch.float32)
+
+
+def test_whole_pipeline_export_keeps_the_new_tokens_for_slow_tokenizers(trained_ti, tiny_model_dir, tmp_path):
+    """The pipeline registered for a textual-inversion run (embedding added to the base model) tokenizes and encodes
+    the new tokens from the slow tokenizer's files alone, with every text-encoder weight in the shared layout."""
+    import json
+    import shutil
+
+    from safetensors import safe_open
+    from transformers import CLIPTextModel, CLIPTokenizer
+
+    from rangefinder.sampling import export_pipeline
+
+    method, parts, *_, out = trained_ti
+    whole = export_pipeline(out, tiny_model_dir, tmp_path / "whole")
+    added = json.loads((whole / "tokenizer" / "added_tokens.json").read_text())
+    assert {t: added[t] for t in method.tokens} == dict(zip(method.tokens, method.token_ids))
+    slow_only = tmp_path / "slow"
+    shutil.copytree(whole / "tokenizer", slow_only)
+    (slow_only / "tokenizer.json").unlink()
+    tok = CLIPTokenizer.from_pretrained(str(slow_only))
+    prompt = method.transform_caption(f"a photo of a {TOKEN}")
+    ids = tok(prompt, padding="max_length", max_length=77, return_tensors="pt").input_ids
+    assert torch.equal(ids, parts.tokenizer(prompt, padding="max_length", max_length=77, return_tensors="pt").input_ids)
+    with safe_open(str(whole / "text_encoder" / "model.safetensors"), framework="pt") as f:
+        assert all(k.startswith("text_model.") for k in f.keys())
+    te, info = CLIPTextModel.from_pretrained(str(whole / "text_encoder"), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    with torch.no_grad():
+        torch.testing.assert_close(te.eval()(ids)[0], parts.text_encoder(ids)[0], rtol=0, atol=1e-6)

@@ -13,7 +13,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from rangefinder.config import TrainingConfig, ValidationConfig
-from rangefinder.formats.export import LORA_WEIGHTS_NAME, SINGLE_FILE_NAME, TI_WEIGHTS_NAME
+from rangefinder.formats.export import LORA_WEIGHTS_NAME, SINGLE_FILE_NAME, TI_WEIGHTS_NAME, read_metadata
 from rangefinder.sampling import render_grid
 from rangefinder.training.loop import TrainSpec, train
 
@@ -61,6 +61,9 @@ def test_run_resume_outputs_and_grid(method, split_dir, tiny_model_dir, encoded_
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
     name = FINAL_FILE[method]
     assert (straight.final_dir / name).is_file(), f"{method}: final/ lacks {name}"
+    # The deliverable says how many updates made it, the resumed run's included (the count rides in checkpoints).
+    for run in (straight, resumed):
+        assert read_metadata(run.final_dir / name)["rangefinder.updates"] == "4"
     if method == "full":  # the single file holds the final folder's weights
         from diffusers import StableDiffusionPipeline, UNet2DConditionModel
 

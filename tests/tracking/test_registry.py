@@ -87,3 +87,22 @@ def test_model_is_filed_under_the_runs_experiment(sqlite_tracking_uri, tiny_mode
     assert not (workdir / "mlruns").exists()
     # Nothing leaks into the process: later runs (and subprocesses such as kfp.local's steps) see no experiment set.
     assert "MLFLOW_EXPERIMENT_ID" not in os.environ
+
+
+def test_model_requirements_pin_public_releases(sqlite_tracking_uri, tiny_model_dir, tmp_path, monkeypatch):
+    """The logged model's requirements.txt names versions an index serves: no local label (`torch==2.13.0+cpu` is a
+    name no index has), and torch pinned to the release that logged it."""
+    from importlib import metadata
+
+    monkeypatch.chdir(tmp_path)
+    cfg = RangefinderConfig(tracking=TrackingConfig(tracking_uri=sqlite_tracking_uri, experiment_name="reqs",
+                                                    registered_model_name=None))
+    with step_run(cfg, "finetune") as run:
+        version = run.log_diffusers_model(tiny_model_dir, num_inference_steps=2)
+    mlflow.set_tracking_uri(sqlite_tracking_uri)
+    reqs_path = mlflow.pyfunc.get_model_dependencies(version.model_uri)  # the logged requirements.txt
+    lines = [ln.strip() for ln in open(reqs_path) if ln.strip() and not ln.startswith("#")]
+    assert lines and not [ln for ln in lines if "+" in ln], lines
+    torch_release = metadata.version("torch").split("+", 1)[0]
+    assert f"torch=={torch_release}" in lines
+    assert f"transformers=={metadata.version('transformers')}" in lines

@@ -1,11 +1,17 @@
-"""Output formats other tools load: single-file SD checkpoints, LoRA (diffusers and kohya), embeddings (A1111).
+"""Output formats other tools load: diffusers folders, single-file SD checkpoints, LoRA files, embeddings.
 
-- `full`: the diffusers folder (written by the engine) and one `.safetensors` file in the original Stable Diffusion
-  (LDM, CompVis) key layout, which AUTOMATIC1111, ComfyUI and diffusers' `from_single_file` load.
-- `lora`: `pytorch_lora_weights.safetensors` exactly as diffusers' `save_lora_weights` writes it, plus the kohya
-  (sd-scripts) layout, `lora_unet_...lora_down.weight` with an `.alpha` per module, that A1111 and ComfyUI load.
-- `textual_inversion`: `learned_embeds.safetensors` (diffusers: `{token: (vectors, dim)}`) and an A1111 embedding
-  (`emb_params` in safetensors; `string_to_param` in the legacy .pt).
+Each file is written for named consumers, and the tests load it with those consumers' own code or key rules:
+
+- `full`: the diffusers folder (`save_pipeline_folder`: its text encoder in the `text_model.` layout that
+  transformers 4.x and 5.x both load, its tokenizer with `vocab.json`/`merges.txt` for slow tokenizers) and one
+  `.safetensors` file in the original Stable Diffusion (LDM, CompVis) key layout, which AUTOMATIC1111, ComfyUI and
+  diffusers' `from_single_file` load.
+- `lora`: `pytorch_lora_weights.safetensors` (diffusers' default file name) in a naming that both diffusers'
+  `load_lora_weights` and ComfyUI map completely, alpha/rank folded into the weights; and `lora_kohya.safetensors`
+  in kohya's sd-scripts layout with an `.alpha` per module, for A1111, ComfyUI and kohya.
+- `textual_inversion`: `learned_embeds.safetensors` (diffusers: `{token: (vectors, dim)}`) and, under `a1111/`,
+  an embedding named after its trigger word (A1111 names an embedding after its file) as `.safetensors` and as a
+  `.pt` that A1111's restricted unpickler accepts, with the update count and base model filled in.
 
 Every file carries the run's facts in its safetensors metadata (`rangefinder.*` keys, see `export_metadata`).
 """
@@ -13,18 +19,19 @@ Every file carries the run's facts in its safetensors metadata (`rangefinder.*` 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from rangefinder import __version__
-from rangefinder.formats.atomic import atomic_path
+from rangefinder.formats.atomic import atomic_path, write_json, write_text
 
 SINGLE_FILE_NAME = "model.safetensors"
-LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
-LORA_KOHYA_NAME = "lora_kohya.safetensors"
-TI_WEIGHTS_NAME = "learned_embeds.safetensors"
-TI_A1111_NAME = "embedding_a1111.safetensors"
-TI_A1111_PT_NAME = "embedding_a1111.pt"
+LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"  # diffusers' default name; ComfyUI reads it as well
+LORA_KOHYA_NAME = "lora_kohya.safetensors"  # A1111, ComfyUI, kohya's sd-scripts
+TI_WEIGHTS_NAME = "learned_embeds.safetensors"  # diffusers' default name for `load_textual_inversion`
+TI_A1111_DIR = "a1111"  # `<trigger>.safetensors` and `<trigger>.pt`, for A1111's embeddings folder
+CLIP_TEXT_PREFIX = "text_model."
 
 
 def export_metadata(
@@ -53,8 +60,11 @@ def export_metadata(
     return meta
 
 
-def training_metadata(cfg, base_model: Optional[str] = None, extra=None) -> dict[str, str]:
-    """The facts every output file carries: base model, method, LR (or the schedule's range), budget, version."""
+def training_metadata(
+    cfg, base_model: Optional[str] = None, extra=None, updates: Optional[int] = None
+) -> dict[str, str]:
+    """The facts every output file carries: base model, method, LR (or the schedule's range), budget, updates taken,
+    version."""
     info: dict[str, Any] = {"schedule": cfg.schedule}
     if cfg.schedule != "constant":
         info.update(lr_min=cfg.lr_min, lr_max=cfg.lr_max)
@@ -67,6 +77,7 @@ def training_metadata(cfg, base_model: Optional[str] = None, extra=None) -> dict
         base_model=base_model,
         lr=cfg.lr,
         epochs=cfg.epochs,
+        updates=updates,
         extra=info,
     )
 
@@ -222,8 +233,7 @@ def diffusers_to_ldm_state_dict(unet, vae, text_encoder) -> dict[str, Any]:
     if "embeddings.token_embedding.weight" not in te_sd and "text_model.embeddings.token_embedding.weight" not in te_sd:
         raise ValueError("single-file export supports a CLIPTextModel text encoder (SD 1.x)")
     for k, v in te_sd.items():
-        # SD 1.x files hold the HF CLIPTextModel under `text_model.`; transformers >= 5 drops that wrapper.
-        sd[LDM_CLIP_PREFIX + (k if k.startswith("text_model.") else "text_model." + k)] = v
+        sd[LDM_CLIP_PREFIX + clip_text_key(k)] = v
     return sd
 
 
@@ -245,114 +255,258 @@ def export_full(model_dir: Path, out_path: Optional[Path] = None, metadata: Opti
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# lora: diffusers (what save_lora_weights writes) and kohya (sd-scripts; what A1111 and ComfyUI load)
+# diffusers folders: what transformers 4.x and 5.x, fast and slow tokenizers all load
 
 
-def peft_lora_state(module) -> dict[str, Any]:
-    """The adapter tensors of a peft-wrapped module, in peft's saved layout (`...to_q.lora_A.weight`)."""
-    from peft.utils import get_peft_model_state_dict
+def clip_text_key(key: str) -> str:
+    """A CLIPTextModel weight name in the layout every consumer knows, under `text_model.`.
 
-    return get_peft_model_state_dict(module)
-
-
-def save_lora_diffusers(
-    out_dir: Path,
-    unet=None,
-    text_encoder=None,
-    metadata: Optional[Mapping[str, str]] = None,
-) -> Path:
-    """`pytorch_lora_weights.safetensors` through diffusers' own `save_lora_weights`, plus our metadata.
-
-    The peft LoraConfig goes into the file too (diffusers' `lora_adapter_metadata`), so `load_lora_weights` gets
-    alpha right when alpha != rank.
+    transformers 5 dropped that wrapper module (and strips the prefix when it loads: its conversion_mapping.py,
+    `PrefixChange(prefix_to_remove="text_model")` for CLIPTextModel); transformers 4.x, SD 1.x single files, kohya and
+    ComfyUI all name the weights under it.
     """
-    from diffusers import StableDiffusionPipeline
-    from diffusers.utils import convert_state_dict_to_diffusers
-    from safetensors.torch import load_file
+    return key if key.startswith(CLIP_TEXT_PREFIX) else CLIP_TEXT_PREFIX + key
 
+
+def write_text_encoder_weights_with_prefix(text_encoder_dir: Path) -> None:
+    """Rename the saved CLIP text encoder's weights to the `text_model.` layout, in place (one file at a time, each
+    atomically). transformers 4.x loads a CLIPTextModel saved without the prefix with every weight missing: a text
+    encoder left at random initialisation, with only a warning."""
+    from safetensors import safe_open
+
+    text_encoder_dir = Path(text_encoder_dir)
+    config = json.loads((text_encoder_dir / "config.json").read_text())
+    if "CLIPTextModel" not in config.get("architectures", []):
+        return  # only CLIPTextModel has the wrapper (CLIPTextModelWithProjection keeps `text_model.` in 5.x)
+    for path in sorted(text_encoder_dir.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            if all(k.startswith(CLIP_TEXT_PREFIX) for k in f.keys()):
+                continue
+            tensors = {clip_text_key(k): f.get_tensor(k) for k in f.keys()}
+        # transformers 4.x refuses a safetensors file whose metadata lacks {"format": "pt"}.
+        save_safetensors(tensors, path, {"format": "pt", **meta})
+    index = text_encoder_dir / "model.safetensors.index.json"
+    if index.is_file():
+        data = json.loads(index.read_text())
+        data["weight_map"] = {clip_text_key(k): v for k, v in data["weight_map"].items()}
+        write_json(index, data)
+
+
+def write_slow_tokenizer_files(tokenizer, tokenizer_dir: Path) -> None:
+    """`vocab.json`, `merges.txt` and (when tokens were added) `added_tokens.json` beside `tokenizer.json`, from the
+    tokenizer's own BPE model.
+
+    transformers 5 saves only `tokenizer.json` (added tokens included); the slow (pure Python) CLIPTokenizer of
+    transformers 4.x and the tools built on it read these files instead. Tokens added on top of the BPE vocabulary
+    (textual inversion's) go to `added_tokens.json`, `{token: id}`, the slow tokenizers' file for them.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return  # a slow tokenizer's save_pretrained writes these files itself
+    spec = json.loads(backend.to_str())
+    model = spec["model"]
+    if model.get("type") != "BPE":
+        raise ValueError(f"tokenizer model {model.get('type')!r} is not BPE; cannot write vocab.json/merges.txt")
+    vocab = model["vocab"]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    tokenizer_dir = Path(tokenizer_dir)
+    write_text(tokenizer_dir / "vocab.json", json.dumps(vocab, ensure_ascii=False) + "\n")
+    # The header line is part of the format: CLIP's slow tokenizer skips the first line of merges.txt.
+    write_text(tokenizer_dir / "merges.txt", "\n".join(["#version: 0.2", *merges]) + "\n")
+    added = {t["content"]: t["id"] for t in spec.get("added_tokens", []) if t["content"] not in vocab}
+    if added:
+        write_json(tokenizer_dir / "added_tokens.json", added)
+
+
+def save_pipeline_folder(pipe, out_dir: Path) -> Path:
+    """`pipe.save_pretrained` (safetensors), then the two fixes above, so the folder loads under transformers 4.x
+    and 5.x, with fast or slow tokenizers."""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    kwargs: dict[str, Any] = {}
-    if unet is not None:
-        kwargs["unet_lora_layers"] = convert_state_dict_to_diffusers(peft_lora_state(unet))
-        kwargs["unet_lora_adapter_metadata"] = unet.peft_config["default"].to_dict()
-    if text_encoder is not None:
-        kwargs["text_encoder_lora_layers"] = convert_state_dict_to_diffusers(peft_lora_state(text_encoder))
-        kwargs["text_encoder_lora_adapter_metadata"] = text_encoder.peft_config["default"].to_dict()
-    staging = out_dir / ".lora.tmp"
-    StableDiffusionPipeline.save_lora_weights(str(staging), safe_serialization=True, **kwargs)
-    written = staging / LORA_WEIGHTS_NAME
-    merged = read_metadata(written) | dict(metadata or {})
-    path = save_safetensors(load_file(str(written)), out_dir / LORA_WEIGHTS_NAME, merged)
-    import shutil
-
-    shutil.rmtree(staging)
-    return path
+    pipe.save_pretrained(str(out_dir), safe_serialization=True)
+    if (out_dir / "text_encoder").is_dir():
+        write_text_encoder_weights_with_prefix(out_dir / "text_encoder")
+    if getattr(pipe, "tokenizer", None) is not None:
+        write_slow_tokenizer_files(pipe.tokenizer, out_dir / "tokenizer")
+    return out_dir
 
 
-def lora_to_kohya(unet_state: Mapping[str, Any], text_encoder_state: Mapping[str, Any], alpha: float) -> dict:
-    """kohya's layout from peft adapter tensors, by diffusers' `convert_state_dict_to_kohya`.
+# ---------------------------------------------------------------------------------------------------------------
+# lora: one file named for diffusers that ComfyUI also maps, and kohya's layout for A1111, ComfyUI and kohya
+#
+# ComfyUI (comfy/lora.py, `model_lora_keys_unet`) does not map today's diffusers/peft UNet names
+# (`unet.<block>.attn1.to_q.lora_A.weight`): such a file loads no UNet weight there, with only "lora key not loaded"
+# lines in its console. It does map diffusers' attention-processor names (`unet.<block>.attn1.processor.to_q`,
+# `processor.to_out` for `to_out.0`), which diffusers' own loader still reads (state_dict_utils.py drops
+# `.processor.` and maps `_lora.up`/`.lora.up` to `lora_B`). ComfyUI reads alpha only from an `.alpha` tensor, which
+# diffusers refuses in diffusers naming; so the diffusers-named file has alpha/rank folded into `up`, and loads at
+# scale 1 in both (no `.alpha`, no peft config: diffusers then takes alpha = rank).
 
-    Two fixes on top of it: kohya's `.alpha` is the LoRA alpha (the scale is alpha / rank), where the converter writes
-    the rank (scale 1); and SD 1.x's single text encoder is `lora_te_` (the converter's `lora_te1_` is SDXL's first).
+
+@dataclass(frozen=True)
+class LoraWeights:
+    down: Any  # (r, in) lora_A
+    up: Any  # (out, r) lora_B
+    scale: float  # what peft multiplies up @ down by: alpha / r (alpha / sqrt(r) with rsLoRA)
+
+    @property
+    def rank(self) -> int:
+        return int(self.down.shape[0])
+
+
+def trained_lora_layers(module, adapter: str = "default") -> dict[str, LoraWeights]:
+    """{module path: its adapter} for every peft LoRA layer of `module` that has `adapter`, with the scale peft
+    itself applies, so rank and alpha patterns and rsLoRA come out as trained."""
+    from peft.tuners.lora import LoraLayer
+
+    layers = {}
+    for name, m in module.named_modules():
+        if isinstance(m, LoraLayer) and adapter in m.lora_A:
+            layers[name] = LoraWeights(
+                down=m.lora_A[adapter].weight.detach(),
+                up=m.lora_B[adapter].weight.detach(),
+                scale=float(m.scaling[adapter]),
+            )
+    return layers
+
+
+def _comfy_readable_unet_name(path: str) -> tuple[str, str]:
+    """(module name, separator before `up`/`down`) under which both ComfyUI and diffusers find a UNet module."""
+    name = path.replace(".to_", ".processor.to_")
+    if name.endswith(".to_out.0"):
+        return name[: -len(".0")], "_lora."  # ComfyUI maps `processor.to_out`; diffusers knows `to_out_lora`
+    return name, ".lora."
+
+
+def lora_to_diffusers(unet_layers: Mapping[str, LoraWeights], text_encoder_layers: Mapping[str, LoraWeights]) -> dict:
+    """The diffusers-named file's tensors (see the section comment), alpha/rank folded into `up`."""
+    out = {}
+    for path, w in unet_layers.items():
+        name, sep = _comfy_readable_unet_name(path)
+        out[f"unet.{name}{sep}down.weight"] = w.down
+        out[f"unet.{name}{sep}up.weight"] = (w.up.float() * w.scale).to(w.up.dtype)
+    for path, w in text_encoder_layers.items():
+        # peft's names under the text encoder, which ComfyUI maps as `text_encoder.text_model.encoder.layers...`.
+        name = "text_encoder." + clip_text_key(path)
+        out[f"{name}.lora_A.weight"] = w.down
+        out[f"{name}.lora_B.weight"] = (w.up.float() * w.scale).to(w.up.dtype)
+    return out
+
+
+def lora_to_kohya(unet_layers: Mapping[str, LoraWeights], text_encoder_layers: Mapping[str, LoraWeights]) -> dict:
+    """kohya's sd-scripts layout (networks/lora.py names a module `lora_unet_` / `lora_te_` + its path with `_` for
+    `.`): `lora_down`/`lora_up` as trained and `.alpha` = scale * rank, from which every reader takes alpha / rank.
+
+    SD 1.x's single text encoder is `lora_te_` (`lora_te1_`/`lora_te2_` are SDXL's), under `text_model.`.
     """
     import torch
-    from diffusers.utils import convert_state_dict_to_kohya
 
-    peft_sd = {f"unet.{k}": v for k, v in unet_state.items()}
-    for k, v in text_encoder_state.items():
-        # sd-scripts names CLIP modules as in transformers < 5, under `text_model.`.
-        peft_sd["text_encoder." + (k if k.startswith("text_model.") else "text_model." + k)] = v
-    kohya = {}
-    for k, v in convert_state_dict_to_kohya(peft_sd).items():
-        if k.startswith("lora_te1_"):
-            k = "lora_te_" + k[len("lora_te1_"):]
-        kohya[k] = torch.tensor(float(alpha), dtype=torch.float32) if k.endswith(".alpha") else v
-    return kohya
+    out = {}
+    for prefix, layers in (("lora_unet_", unet_layers), ("lora_te_", text_encoder_layers)):
+        for path, w in layers.items():
+            path = clip_text_key(path) if prefix == "lora_te_" else path
+            name = prefix + path.replace(".", "_")
+            out[f"{name}.lora_down.weight"] = w.down
+            out[f"{name}.lora_up.weight"] = w.up
+            out[f"{name}.alpha"] = torch.tensor(w.scale * w.rank, dtype=torch.float32)
+    return out
 
 
-def save_lora_kohya(out_path: Path, unet=None, text_encoder=None, alpha: float = 1.0, metadata=None) -> Path:
-    unet_state = peft_lora_state(unet) if unet is not None else {}
-    te_state = peft_lora_state(text_encoder) if text_encoder is not None else {}
+def save_lora_files(out_dir: Path, unet=None, text_encoder=None, metadata: Optional[Mapping[str, str]] = None):
+    """Both LoRA files into `out_dir`; returns {"diffusers": path, "kohya": path}."""
+    out_dir = Path(out_dir)
+    unet_layers = trained_lora_layers(unet) if unet is not None else {}
+    te_layers = trained_lora_layers(text_encoder) if text_encoder is not None else {}
+    if not unet_layers and not te_layers:
+        raise ValueError("no LoRA adapters found on the UNet or the text encoder; nothing to export")
     meta = dict(metadata or {})
+    kohya_meta = dict(meta)
     # sd-scripts' own training metadata keys, which A1111's and ComfyUI's LoRA browsers show.
-    meta.setdefault("ss_network_module", "networks.lora")
-    if unet is not None:
-        meta.setdefault("ss_network_dim", str(unet.peft_config["default"].r))
-    meta.setdefault("ss_network_alpha", repr(float(alpha)))
-    return save_safetensors(lora_to_kohya(unet_state, te_state, alpha), Path(out_path), meta)
+    kohya_meta.setdefault("ss_network_module", "networks.lora")
+    any_layer = next(iter({**unet_layers, **te_layers}.values()))
+    kohya_meta.setdefault("ss_network_dim", str(any_layer.rank))
+    kohya_meta.setdefault("ss_network_alpha", repr(any_layer.scale * any_layer.rank))
+    if "rangefinder.updates" in meta:
+        kohya_meta.setdefault("ss_steps", meta["rangefinder.updates"])
+    return {
+        "diffusers": save_safetensors(lora_to_diffusers(unet_layers, te_layers), out_dir / LORA_WEIGHTS_NAME, meta),
+        "kohya": save_safetensors(lora_to_kohya(unet_layers, te_layers), out_dir / LORA_KOHYA_NAME, kohya_meta),
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # textual_inversion: diffusers' learned_embeds and A1111's embedding files
 
 
-def save_textual_inversion(out_dir: Path, token: str, embeds, metadata: Optional[Mapping[str, str]] = None) -> dict:
-    """`embeds` is (num_vectors, dim). Writes the diffusers file and A1111's two embedding layouts.
+def a1111_embedding_name(token: str) -> str:
+    """The file stem, hence A1111's trigger word, for a placeholder token: `<rf-concept>` -> `rf-concept`.
 
-    A1111 reads `emb_params` from a .safetensors embedding and `string_to_param["*"]` from a .pt one
-    (modules/textual_inversion/textual_inversion.py); the .pt also carries `name`, `step` and the token's text.
+    Kept are the characters A1111 keeps when it names an embedding file itself (`create_embedding` in
+    modules/textual_inversion/textual_inversion.py): letters, digits and `._- `. What it drops includes every
+    character some file system refuses (Windows: <>:"/\\|?*) and the path separators.
+    """
+    name = "".join(ch for ch in token if ch.isalnum() or ch in "._- ").strip(" .")
+    if not name:
+        raise ValueError(
+            f"placeholder token {token!r} has no letter or digit to name its A1111 embedding file by; "
+            "choose a token with some (e.g. '<my-concept>')"
+        )
+    return name
+
+
+def base_model_name(base_model: Optional[str]) -> str:
+    """What A1111 shows as an embedding's checkpoint: a file or folder's name, a hub id as is."""
+    if not base_model:
+        return "embedded tiny model"
+    p = Path(base_model)
+    if p.is_absolute() or p.exists():
+        return p.stem if p.suffix in (".safetensors", ".ckpt") else p.name
+    return base_model
+
+
+def save_a1111_pt(path: Path, embeds, name: str, step: Optional[int], checkpoint_name: Optional[str]) -> Path:
+    """An A1111 `.pt` embedding that passes its restricted unpickler (modules/safe.py).
+
+    That loader accepts a zip only if every entry is `<dir>/data.pkl`, `<dir>/version` or `<dir>/data/<n>`, and
+    today's torch zip writer adds `byteorder`, `.format_version` and `.data/serialization_id`. torch's legacy
+    (non-zip) serialization has none of those: safe.py then checks the five pickles in turn, and they hold only
+    what its unpickler allows (dict, str, int, None, `torch._utils._rebuild_tensor_v2`, `torch.FloatStorage`,
+    `collections.OrderedDict`). The fields are A1111's own (`Embedding.save`).
     """
     import torch
 
+    data = {
+        "string_to_token": {"*": 265},  # CLIP's id of "*", as A1111 writes it
+        "string_to_param": {"*": embeds.detach().to(torch.float32).contiguous().clone()},
+        "name": name,
+        "step": step,
+        "sd_checkpoint": None,  # A1111's short hash of the checkpoint file; not known for a folder or hub model
+        "sd_checkpoint_name": checkpoint_name,
+    }
+    with atomic_path(path) as tmp:
+        torch.save(data, tmp, _use_new_zipfile_serialization=False)
+    return Path(path)
+
+
+def save_textual_inversion(
+    out_dir: Path, token: str, embeds, metadata: Optional[Mapping[str, str]] = None
+) -> dict[str, Path]:
+    """`embeds` is (num_vectors, dim). Writes diffusers' `learned_embeds.safetensors` and A1111's embedding.
+
+    A1111 names an embedding after its file, so the A1111 files are `a1111/<trigger>.safetensors` (one tensor,
+    `emb_params`: A1111 takes a single-tensor file as an embedding) and `a1111/<trigger>.pt` (which also carries the
+    update count and the base model, shown in A1111's UI).
+    """
     out_dir = Path(out_dir)
     meta = dict(metadata or {})
     meta.setdefault("rangefinder.placeholder_token", token)
-    paths = {
+    name = a1111_embedding_name(token)
+    meta["rangefinder.a1111_trigger"] = name
+    updates = meta.get("rangefinder.updates")
+    a1111 = out_dir / TI_A1111_DIR
+    return {
         "diffusers": save_safetensors({token: embeds}, out_dir / TI_WEIGHTS_NAME, meta),
-        "a1111": save_safetensors({"emb_params": embeds}, out_dir / TI_A1111_NAME, meta),
+        "a1111": save_safetensors({"emb_params": embeds}, a1111 / f"{name}.safetensors", meta),
+        "a1111_pt": save_a1111_pt(a1111 / f"{name}.pt", embeds, name, None if updates is None else int(updates),
+                                  base_model_name(meta.get("rangefinder.base_model"))),
     }
-    legacy = {
-        "string_to_token": {"*": 265},  # the token id of "*" in CLIP's vocabulary, as A1111 writes it
-        "string_to_param": {"*": embeds.detach().clone()},
-        "name": token,
-        "step": int(meta.get("rangefinder.updates", 0)),
-        "sd_checkpoint": None,
-        "sd_checkpoint_name": meta.get("rangefinder.base_model"),
-        "rangefinder": meta,
-    }
-    pt = out_dir / TI_A1111_PT_NAME
-    with atomic_path(pt) as tmp:
-        torch.save(legacy, tmp)
-    paths["a1111_pt"] = pt
-    return paths

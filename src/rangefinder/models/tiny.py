@@ -30,11 +30,12 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from rangefinder.formats.atomic import atomic_dir
+from rangefinder.formats.export import save_pipeline_folder
 
 # ---------------------------------------------------------------------------------------------------------------
 # Settings and cache
 
-BUILDER_VERSION = 1  # bump when the builder changes what it writes (the cache key also hashes this file's source)
+BUILDER_VERSION = 2  # bump when the builder changes what it writes (the cache key also hashes this file's source)
 
 
 @dataclass(frozen=True)
@@ -152,14 +153,6 @@ def tokenizer_vocab_and_merges(words: list[str]) -> tuple[dict[str, int], list[t
                 vocab_list.append(merged)
     vocab_list += ["<|startoftext|>", "<|endoftext|>"]
     return {tok: i for i, tok in enumerate(vocab_list)}, merges
-
-
-def _write_bpe_files(folder: Path) -> None:
-    """vocab.json and merges.txt beside tokenizer.json: what older transformers and other tools read."""
-    vocab, merges = tokenizer_vocab_and_merges(vocabulary_words())
-    (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False) + "\n", encoding="utf-8")
-    lines = ["#version: 0.2"] + [f"{a} {b}" for a, b in merges]
-    (folder / "merges.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
 def build_tokenizer(max_length: int = 77):
@@ -374,8 +367,8 @@ def build_tiny_base_model(
             feature_extractor=None,
             requires_safety_checker=False,
         )
-        pipe.save_pretrained(tmp, safe_serialization=True)
-        _write_bpe_files(tmp / "tokenizer")
+        # With vocab.json/merges.txt and the `text_model.` weight names, so transformers 4.x loads it too.
+        save_pipeline_folder(pipe, tmp)
         info = {"builder_version": BUILDER_VERSION, "settings": dataclasses.asdict(settings), "pretraining": stats,
                 "vocabulary": vocabulary_words()}
         (tmp / "rangefinder_tiny.json").write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")

@@ -28,7 +28,7 @@ _log = logging.getLogger(__name__)
 SD_PYFUNC_PATH = Path(__file__).with_name("sd_pyfunc.py")
 CANDIDATE = "candidate"
 CHAMPION = "champion"
-# What loading the model needs, pinned to the versions that logged it.
+# What loading the model needs, pinned to the public release of the versions that logged it.
 _REQUIREMENTS = ("mlflow", "diffusers", "transformers", "torch", "safetensors", "accelerate", "pillow", "pandas",
                  "numpy")
 
@@ -46,12 +46,20 @@ class RegisteredVersion:
 
 
 def _requirements() -> list[str]:
+    """`dist==X.Y.Z` for each of _REQUIREMENTS that is installed.
+
+    A local version label (PEP 440: `torch==2.13.0+cpu`, `+cu130`) is dropped: no public index serves those names,
+    so pip could not install the model's environment. PyPI's torch of the same release is the CUDA build on Linux
+    x86_64 (the CPU-only and other CUDA variants of that release come from PyTorch's own wheel indexes); a
+    loaded model runs on whichever it finds (sd_pyfunc.py picks CUDA when available).
+    """
     reqs = []
     for dist in _REQUIREMENTS:
         try:
-            reqs.append(f"{dist}=={metadata.version(dist)}")
+            installed = metadata.version(dist)
         except metadata.PackageNotFoundError:
             continue
+        reqs.append(f"{dist}=={installed.split('+', 1)[0]}")  # PEP 440: the local label starts at the first '+'
     return reqs
 
 

@@ -13,9 +13,10 @@ method, in this order:
 5. `param_groups()`: what the optimizer updates. A group may carry `lr_scale` (its LR is the schedule's LR times
    that); every other key (e.g. `weight_decay`) is passed to the optimizer as is.
 6. `after_optimizer_step()`: called after every optimizer update (e.g. textual inversion restores the embedding
-   rows of the tokens it does not train).
+   rows of the tokens it does not train). It counts the updates (`updates_taken`); overrides call super().
 7. `trainable_state_dict()` / `load_trainable_state_dict()`: what a checkpoint stores (as safetensors) and how a
-   resume puts it back. Keys are prefixed by the module name (`unet.`, `text_encoder.`). Bit-exact round trip.
+   resume puts it back. Keys are prefixed by the module name (`unet.`, `text_encoder.`), and `method.updates` holds
+   `updates_taken`, so a resumed run's deliverables still say how many updates made them. Bit-exact round trip.
 8. `save_final(sd, out_dir)`: write the deliverable (a diffusers folder, adapter files, learned embeddings) into
    an empty folder; the engine writes to a temporary name and renames it into place, and swaps EMA weights in
    before calling it when EMA is on.
@@ -27,13 +28,16 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 import torch
 
 if TYPE_CHECKING:
     from rangefinder.config import TrainingConfig
     from rangefinder.models.loading import SDComponents
+
+
+UPDATES_KEY = "method.updates"  # in `trainable_state_dict`: `updates_taken`, an int64 scalar
 
 
 class Method(ABC):
@@ -43,6 +47,9 @@ class Method(ABC):
 
     def __init__(self, cfg: "TrainingConfig") -> None:
         self.cfg = cfg
+        # Optimizer updates taken: the deliverables record it (A1111 shows an embedding's `step`). None when unknown
+        # (resumed from a checkpoint written before it was kept).
+        self.updates_taken: Optional[int] = 0
 
     # --- setup -------------------------------------------------------------------------------------------------
 
@@ -78,7 +85,10 @@ class Method(ABC):
     # --- during training ----------------------------------------------------------------------------------------
 
     def after_optimizer_step(self) -> None:
-        """Hook after each optimizer update (textual inversion restores the frozen embedding rows here)."""
+        """Hook after each optimizer update (textual inversion restores the frozen embedding rows here); overrides
+        call super(), which counts the update."""
+        if self.updates_taken is not None:
+            self.updates_taken += 1
 
     # --- persistence ------------------------------------------------------------------------------------------
 
@@ -93,6 +103,17 @@ class Method(ABC):
     @abstractmethod
     def save_final(self, sd: "SDComponents", out_dir: Path) -> None:
         """Write the finished model into the empty folder `out_dir`."""
+
+    def _with_updates(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`state` plus the update count, for `trainable_state_dict`."""
+        if self.updates_taken is not None:
+            state[UPDATES_KEY] = torch.tensor(self.updates_taken, dtype=torch.int64)
+        return state
+
+    def _restore_updates(self, state: dict[str, torch.Tensor]) -> None:
+        """The update count back from a checkpoint's state, for `load_trainable_state_dict`."""
+        count = state.get(UPDATES_KEY)
+        self.updates_taken = None if count is None else int(count)
 
 
 class ModuleMethod(Method):

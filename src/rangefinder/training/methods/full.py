@@ -38,23 +38,28 @@ class FullFineTune(ModuleMethod):
         state: dict[str, torch.Tensor] = {}
         for name, module in self._modules.items():
             state.update(module_state(name, module))
-        return state
+        return self._with_updates(state)
 
     def load_trainable_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         for name, module in self._modules.items():
             module.load_state_dict(split_state(state, name), strict=True)
+        self._restore_updates(state)
 
     def save_final(self, sd: "SDComponents", out_dir: Path) -> None:
         from rangefinder.formats.export import SINGLE_FILE_NAME, export_full, training_metadata
 
         save_pipeline(sd, out_dir)
         # The same weights as one file in the original SD layout, for A1111 and ComfyUI (src/rangefinder/formats/export.py).
-        export_full(out_dir, out_dir / SINGLE_FILE_NAME, training_metadata(self.cfg, getattr(sd, "source", None)))
+        meta = training_metadata(self.cfg, getattr(sd, "source", None), updates=self.updates_taken)
+        export_full(out_dir, out_dir / SINGLE_FILE_NAME, meta)
 
 
 def save_pipeline(sd: "SDComponents", out_dir: Path) -> None:
-    """A StableDiffusionPipeline folder (diffusers layout) that `from_pretrained` loads, in fp32 safetensors."""
+    """A StableDiffusionPipeline folder (diffusers layout) that `from_pretrained` loads, in fp32 safetensors, under
+    transformers 4.x and 5.x alike (see `formats.export.save_pipeline_folder`)."""
     from diffusers import StableDiffusionPipeline
+
+    from rangefinder.formats.export import save_pipeline_folder
 
     pipe = StableDiffusionPipeline(
         vae=sd.vae,
@@ -72,7 +77,7 @@ def save_pipeline(sd: "SDComponents", out_dir: Path) -> None:
     try:
         for n in dtypes:
             _cast(getattr(sd, n), torch.float32)
-        pipe.save_pretrained(str(out_dir), safe_serialization=True)
+        save_pipeline_folder(pipe, out_dir)
     finally:
         for n, dt in dtypes.items():
             _cast(getattr(sd, n), dt)

@@ -5,8 +5,9 @@ go into checkpoints. The adapter output is scaled by alpha / rank, as in peft an
 encoder gets adapters too when `training.lora.train_text_encoder` (or `training.train_text_encoder`) is set, on
 CLIP's attention projections as in diffusers' LoRA examples.
 
-Outputs in `final/`: `pytorch_lora_weights.safetensors` (diffusers' `save_lora_weights`; `load_lora_weights`
-reads it) and `lora_kohya.safetensors` (A1111, ComfyUI), both with the run's metadata.
+Outputs in `final/` (src/rangefinder/formats/export.py): `pytorch_lora_weights.safetensors` (diffusers'
+`load_lora_weights` and ComfyUI; alpha/rank folded into the weights) and `lora_kohya.safetensors` (kohya's layout
+with `.alpha`: A1111, ComfyUI, kohya), both with the run's metadata.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ class LoraMethod(ModuleMethod):
         state: dict[str, torch.Tensor] = {}
         for name, module in self._modules.items():
             state.update(module_state(name, module, only_trainable=True))
-        return state
+        return self._with_updates(state)
 
     def load_trainable_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         for name, module in self._modules.items():
@@ -83,16 +84,18 @@ class LoraMethod(ModuleMethod):
             with torch.no_grad():
                 for n, p in params.items():
                     p.copy_(part[n])
+        self._restore_updates(state)
 
     def save_final(self, sd: "SDComponents", out_dir: Path) -> None:
-        from rangefinder.formats.export import LORA_KOHYA_NAME, save_lora_diffusers, save_lora_kohya, training_metadata
+        from rangefinder.formats.export import save_lora_files, training_metadata
 
-        meta = training_metadata(self.cfg, getattr(sd, "source", None), extra={"lora_rank": str(self.cfg.lora.rank),
-                                                 "lora_alpha": repr(float(self.cfg.lora.alpha)),
-                                                 "lora_target_modules": self.cfg.lora.target_modules})
-        unet = sd.unet
+        lora = self.cfg.lora
+        meta = training_metadata(
+            self.cfg,
+            getattr(sd, "source", None),
+            extra={"lora_rank": str(lora.rank), "lora_alpha": repr(float(lora.alpha)),
+                   "lora_target_modules": lora.target_modules},
+            updates=self.updates_taken,
+        )
         te = sd.text_encoder if "text_encoder" in self._modules else None
-        save_lora_diffusers(out_dir, unet=unet, text_encoder=te, metadata=meta)
-        save_lora_kohya(out_dir / LORA_KOHYA_NAME, unet=unet, text_encoder=te, alpha=self.cfg.lora.alpha,
-                        metadata=meta)
-
+        save_lora_files(out_dir, unet=sd.unet, text_encoder=te, metadata=meta)

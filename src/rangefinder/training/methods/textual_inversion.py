@@ -10,9 +10,10 @@ Captions: a caption with the placeholder keeps it (expanded to all vectors); an 
 template for `learnable_property` ("a photo of a <tok>" / "a painting in the style of <tok>"); any other caption
 gets the token added ("<tok>, caption" / "caption, in the style of <tok>").
 
-Outputs in `final/`: `learned_embeds.safetensors` (diffusers: `{token: (vectors, dim)}`) and
-`embedding_a1111.safetensors` (`emb_params`, A1111's safetensors embedding) with the run's metadata, and the
-legacy `embedding_a1111.pt` (`string_to_param`).
+Outputs in `final/` (src/rangefinder/formats/export.py): `learned_embeds.safetensors` (diffusers:
+`{token: (vectors, dim)}`) and, for A1111, `a1111/<trigger>.safetensors` and `a1111/<trigger>.pt`, named after the
+trigger word A1111 will know them by (the token, less characters file names cannot hold: `<rf-concept>` ->
+`rf-concept`), the .pt with the update count and base model A1111 shows.
 """
 
 from __future__ import annotations
@@ -119,6 +120,7 @@ class TextualInversion(Method):
         return [{"params": [self._te.get_input_embeddings().weight]}]
 
     def after_optimizer_step(self) -> None:
+        super().after_optimizer_step()
         weight = self._te.get_input_embeddings().weight
         with torch.no_grad():
             keep = self._keep.to(weight.device)
@@ -129,7 +131,7 @@ class TextualInversion(Method):
         return self._te.get_input_embeddings().weight[self.token_ids].detach()
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
-        return {"text_encoder.learned_embeds": self.learned_embeds().contiguous()}
+        return self._with_updates({"text_encoder.learned_embeds": self.learned_embeds().contiguous()})
 
     def load_trainable_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         rows = state.get("text_encoder.learned_embeds")
@@ -141,6 +143,7 @@ class TextualInversion(Method):
         weight = self._te.get_input_embeddings().weight
         with torch.no_grad():
             weight[self.token_ids] = rows.to(weight.device, weight.dtype)
+        self._restore_updates(state)
 
     def save_final(self, sd: "SDComponents", out_dir: Path) -> None:
         from rangefinder.formats.export import save_textual_inversion, training_metadata
@@ -155,5 +158,6 @@ class TextualInversion(Method):
                 "num_vectors": str(s.num_vectors),
                 "learnable_property": s.learnable_property,
             },
+            updates=self.updates_taken,
         )
         save_textual_inversion(out_dir, s.placeholder_token, self.learned_embeds().float().cpu(), metadata=meta)
