@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from rangefinder.analysis.curves import infer_ramp, lowess, noise_sigma, read_curve_csv
+from rangefinder.analysis.curves import infer_ramp, lowess, noise_sigma, read_curve_csv, rise_cut
 from rangefinder.errors import RangefinderError
 
 
@@ -64,3 +64,33 @@ def test_noise_sigma_ignores_trend():
     rng = np.random.default_rng(1)
     y = np.sin(6 * x) + 0.05 * rng.standard_normal(400)
     assert 0.04 < float(noise_sigma(x, y)) < 0.06
+
+
+# Flat to within 1e-6, then a fall over the last three points: a near noiseless range test sampled coarser than its
+# knee (the LoRA curve in test_lr_bounds.py, log-LR steps of 1.2).
+KNEE_X = np.arange(10) * 1.2
+KNEE_Y = np.array([0, -1e-6, -3e-6, -1.2e-5, -4.1e-5, -1.4e-4, -4.9e-4, -1.8e-3, -7.1e-3, -2.66e-2]) + 0.184
+
+
+def test_lowess_does_not_set_a_sharp_knee_aside():
+    # The flat part fits to ~1e-6, so the whole fall lies beyond 6 MADs; a robust fit that drops it reads flat.
+    for span, degree in ((4, 1), (5, 1), (5, 2)):
+        f = lowess(KNEE_X, KNEE_Y, span, degree=degree).fitted
+        assert abs(f[-1] - KNEE_Y[-1]) < 0.005 and np.all(np.abs(f - KNEE_Y) < 0.006), (span, degree, f - KNEE_Y)
+
+
+def test_noise_sigma_trims_a_sharp_knee():
+    # The bend's 2-3 pseudo-residuals are hundreds of times the others; they are not noise.
+    assert float(noise_sigma(KNEE_X, KNEE_Y)) < 2e-4
+    assert float(noise_sigma(KNEE_X, KNEE_Y, trim_gross=False)) > 5e-4
+    # On plain noise both agree.
+    x, y = np.arange(40.0), np.random.default_rng(3).standard_normal(40)
+    assert float(noise_sigma(x, y)) == pytest.approx(float(noise_sigma(x, y, trim_gross=False)))
+
+
+def test_rise_cut_looks_for_the_climb_after_the_minimum():
+    # A noise blip above the start on the flat part (index 3) is no climb; the climb after the minimum is.
+    y = np.array([0.2, 0.2001, 0.1999, 0.2002, 0.19, 0.18, 0.17, 0.21, 0.5])
+    assert rise_cut(y, 6) == 7
+    assert rise_cut(y, 8) == y.size  # too short a prefix: read whole
+    assert rise_cut(np.array([0.2, 0.21, 0.3, 0.5]), 2) == 4  # never below the start

@@ -4,7 +4,8 @@ Both decisions (LR bounds, step window) rest on the same three tools:
 
 - `lowess`: Cleveland's robust locally weighted linear regression (Cleveland 1979, JASA 74:829). It is centred, so
   it does not shift a curve to the right as a one-sided EMA does, and its local *linear* fit keeps the ends
-  unbiased where a running mean would flatten them. Its bisquare robustness weights ignore isolated spikes.
+  unbiased where a running mean would flatten them. Its bisquare robustness weights ignore isolated spikes, but
+  never most of a window (a knee sharper than the sampling is the curve, not a run of outliers).
 - `choose_span`: the neighbourhood size by robust leave-one-out cross-validation, so clean curves are smoothed
   lightly and noisy ones heavily, with no tuning knob for the user.
 - `noise_sigma`: the per-point noise from second-difference pseudo-residuals (Gasser, Sroka & Jennen-Steinmetz
@@ -122,23 +123,26 @@ def divergence_cut(y: np.ndarray, factor: float) -> int:
 
 
 def rise_cut(y: np.ndarray, min_points: int) -> int:
-    """Length of the prefix before the first point back above the start, after the curve dipped below it.
+    """Length of the prefix before the curve climbs back above its start after its lowest point.
 
     From that point on the LR is beyond any upper bound (the loss is worse than before training), so the rest of
     the curve says nothing more about where the descent starts or stops; but a steep rise there, often many times
     the size of the descent, swells the second-difference noise estimate and lets shuffled curves start high, which
     hides a small, clean descent from the permutation test. Even the one point above the start costs the test most
     of its power on a prefix of 6-8 points (shuffles that put it first drop further than the real curve), so it is
-    left out too. Returns len(y) when there is no such point or the prefix would hold fewer than `min_points`.
+    left out too. The climb is looked for after the lowest point: on a flat start, noise puts points on both sides
+    of the start, and the first of them above it is no climb. Returns len(y) when there is no such point or the
+    prefix would hold fewer than `min_points`.
     """
     n = len(y)
-    dipped = False
-    for i in range(1, n):
-        if y[i] < y[0]:
-            dipped = True
-        elif dipped and y[i] > y[0]:
-            return i if i >= min_points else n
-    return n
+    i_min = int(np.argmin(y))
+    if n < 2 or not y[i_min] < y[0]:
+        return n
+    above = np.flatnonzero(y[i_min + 1:] > y[0])
+    if not above.size:
+        return n
+    i = i_min + 1 + int(above[0])
+    return i if i >= min_points else n
 
 
 def infer_ramp(lr: np.ndarray) -> Ramp:
@@ -233,10 +237,28 @@ def lowess(x: np.ndarray, y: np.ndarray, span: int, robust_iters: int = 2, kerne
     w0, dx = _tricube_weights(x / scale, span)
     pw = [(w0 * dx**k).T for k in range(2 * degree + 1)]
     rw = np.ones_like(y)
+    inside = (w0 > 0).astype(float)  # (n, n): the points of each window
+    plain_s = plain_t = keep_plain = None
     for it in range(robust_iters + 1):
         ry = rw * y
         s = [rw @ p for p in pw]
         t = [ry @ p for p in pw[: degree + 1]]
+        if it == 0:
+            plain_s, plain_t = s, t
+        else:
+            if it < robust_iters:
+                # A window whose every point is set aside has no fit (it would read 0): it keeps the plain one
+                # for this pass; the next pass usually restores the points a spike had only pulled off the fit.
+                keep_plain = s[0] <= 1e-12 * plain_s[0]
+            else:
+                # The final fit may set aside a minority of its window's points as outliers, never most of them
+                # (a robust fit's breakdown point is one half): then the "outliers" are the curve. On a near
+                # noiseless curve with a knee sharper than the sampling (flat, then a steep fall over 2-3
+                # points), the flat part fits to ~0 and every point of the knee lies beyond 6 MADs; robust fits
+                # there flatten the descent away. Such windows keep the plain fit.
+                keep_plain = rw @ inside.T < 0.5 * inside.sum(axis=1)
+            s = [np.where(keep_plain, a, b) for a, b in zip(plain_s, s)]
+            t = [np.where(keep_plain, a, b) for a, b in zip(plain_t, t)]
         fitted, slope, r0, r1 = _solve_local(s, t, degree)
         if it == robust_iters:
             break
@@ -247,12 +269,18 @@ def lowess(x: np.ndarray, y: np.ndarray, span: int, robust_iters: int = 2, kerne
         mad = np.maximum(mad, 1e-7 * (np.median(np.abs(y), axis=-1, keepdims=True) + np.ptp(y, axis=-1, keepdims=True)))
         u = resid / np.where(mad > 0, 6.0 * mad, np.inf)
         rw = np.where(np.abs(u) < 1, (1 - u * u) ** 2, 0.0)
+    if keep_plain is not None:
+        # Row i of the weights: the robustness weights window i's final fit used (all 1 where it kept the plain fit).
+        rw_row = np.where(keep_plain[..., :, None], 1.0, rw[..., None, :])
+        rw_own = np.where(keep_plain, 1.0, rw)
+    else:
+        rw_row, rw_own = rw[..., None, :], rw
     L = M = np.empty(0)
     if kernels:
-        w = w0 * rw[..., None, :]
+        w = w0 * rw_row
         L = w * sum(r[..., None] * dx**k for k, r in enumerate(r0))
         M = w * sum(r[..., None] * dx**k for k, r in enumerate(r1)) / scale
-    leverage = rw * r0[0]  # L_ii = w_ii rw_i (S^-1)_00 with w_ii = 1 and dx_ii = 0
+    leverage = rw_own * r0[0]  # L_ii = w_ii rw_i (S^-1)_00 with w_ii = 1 and dx_ii = 0
     return Smooth(fitted=fitted, slope=slope / scale, kernel=L, slope_kernel=M, leverage=leverage, span=span,
                   degree=degree)
 
@@ -297,7 +325,10 @@ def trend_test(x: np.ndarray, y: np.ndarray, seed: int, permutations: int = 299)
     rng = np.random.default_rng([seed, 1])
     perms = np.argsort(rng.random((permutations, n)), axis=1)
     ys = np.concatenate([y[None, :], y[perms]])
-    noise = noise_sigma(x, ys)[:, None]
+    # The 90%-trimmed noise, not the one that also trims gross pseudo-residuals: trimming those would trim the
+    # scattered low points of the shuffles too, and cost power (the small-descent synthetic case in
+    # tests/analysis/test_lr_bounds.py: 6 instead of 8 of 12 read).
+    noise = noise_sigma(x, ys, trim_gross=False)[:, None]
     down = np.full(permutations + 1, -np.inf)
     up = np.full(permutations + 1, -np.inf)
     for span in (max(4, int(math.ceil(n / 2))),):
@@ -320,10 +351,11 @@ def trend_test(x: np.ndarray, y: np.ndarray, seed: int, permutations: int = 299)
 # Noise
 
 
-def noise_sigma(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+def noise_sigma(x: np.ndarray, y: np.ndarray, trim_gross: bool = True) -> np.ndarray:
     """Per-point noise standard deviation from Gasser et al.'s pseudo-residuals, robustly (trimmed). Batched over
     leading axes of y. Each pseudo-residual compares y_i with the line through its two neighbours, so a smooth
-    trend cancels and what is left is noise (curvature adds a little, which only errs on the cautious side)."""
+    trend cancels and what is left is noise. Curvature the sampling resolves adds a little, which errs on the
+    cautious side; a knee sharper than the sampling is trimmed like a spike when `trim_gross` (below)."""
     x = np.asarray(x, float)
     y = np.asarray(y, float)
     if x.size < 3:
@@ -333,13 +365,24 @@ def noise_sigma(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     b = (x[1:-1] - x[:-2]) / span
     eps = (a * y[..., :-2] + b * y[..., 2:] - y[..., 1:-1]) / np.sqrt(a * a + b * b + 1)
     # Root mean square of the smallest 90% (a spike or two cannot inflate it), rescaled to a normal s.d.; more
-    # efficient than the MAD, which scatters by +-30% on 60 points.
+    # efficient than the MAD, which scatters by +-30% on 60 points. With `trim_gross`, more are trimmed where more
+    # lie beyond 3 robust s.d.s (1.4826 x the median |pseudo-residual|; never more than half): the bend of a near
+    # noiseless curve from flat into a steep fall between two LRs of a coarse sweep gives 2-3 pseudo-residuals
+    # hundreds of times the others, which would otherwise pass for the noise (the LoRA range test in
+    # tests/analysis/test_lr_bounds.py: 0.0028 instead of ~1e-4, on a drop of 0.027). The rescaling treats every
+    # trimmed one as a normal tail, so it errs high when they are a knee.
     m = eps.shape[-1]
-    keep = max(1, m - int(math.ceil(0.1 * m))) if m >= 5 else m
-    q = keep / m
-    z = NormalDist().inv_cdf(0.5 + 0.5 * q) if q < 1 else math.inf
-    consistency = 1.0 - (2 * z * math.exp(-z * z / 2) / math.sqrt(2 * math.pi) / q if q < 1 else 0.0)
-    sigma = np.sqrt(np.mean(np.sort(eps * eps, axis=-1)[..., :keep], axis=-1) / consistency)
+    e2 = np.sort(eps * eps, axis=-1)
+    keep = np.full(e2.shape[:-1], m)
+    if m >= 5:
+        gross = np.sum(e2 > 9 * 1.4826**2 * np.median(e2, axis=-1, keepdims=True), axis=-1) * trim_gross
+        keep = np.clip(m - gross, math.ceil(m / 2), m - math.ceil(0.1 * m))
+    q = np.arange(1, m + 1) / m  # kept share for each possible count
+    z = np.array([NormalDist().inv_cdf(0.5 + 0.5 * v) if v < 1 else math.inf for v in q])
+    with np.errstate(invalid="ignore"):
+        consistency = np.where(q < 1, 1.0 - 2 * z * np.exp(-z * z / 2) / math.sqrt(2 * math.pi) / q, 1.0)
+    mean_kept = np.take_along_axis(np.cumsum(e2, axis=-1), keep[..., None] - 1, axis=-1)[..., 0] / keep
+    sigma = np.sqrt(mean_kept / consistency[keep - 1])
     # An exactly smooth curve gives 0; keep a floor so ratios stay finite (relative to the curve's scale).
     scale = np.maximum(np.abs(np.median(y, axis=-1)), 1e-12)
     return np.maximum(sigma, 1e-9 * scale)

@@ -347,8 +347,9 @@ def analyze_lr_curve(
 
     # --- 4. bounds
     flags.extend(reading.flags)
-    if _turns_up_after:
-        # The part read may end on its lowest point, but the curve goes on above its start: it turned.
+    if _turns_up_after or dropped:
+        # The part read may end on its lowest point, but the curve goes on above its start, or explodes: it turned,
+        # and the LRs above are too high, not untested.
         flags[:] = [f for f in flags if f not in ("upper_censored", "rose_after_min")] + ["rose_after_min"]
     flags.sort(key=FLAG_ORDER.index)
     x_mid = _mid(reading.x_low, reading.x_high, mid_position)
