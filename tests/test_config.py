@@ -28,6 +28,7 @@ from rangefinder.errors import ConfigError
         ({"training": {"schedule": "cosine-ish"}}, "training.schedule", "Input should be"),
         ({"training": {"steps_unit": "epoch"}}, "training.steps_unit", "'update' or 'micro-batch'"),
         ({"lr_range_test": {"lr_min": 1e-2, "lr_max": 1e-3}}, "lr_range_test.lr_max", "must be above"),
+        ({"lr_range_test": {"midpoint": "harmonic"}}, "lr_range_test.midpoint", "'tuned', 'geometric' or 'arithmetic'"),
         ({"validation": {"divergence_factor": 1.0}}, "validation.divergence_factor", "greater than 1"),
         ({"finetune": {"tolerance": 0}}, "finetune.tolerance", "greater than 0"),
         ({"sampling": {"prompts": []}}, "sampling.prompts", "at least one"),

@@ -26,7 +26,7 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from rangefinder.defaults import DIVERGENCE_FACTOR, MID_POSITION
+from rangefinder.defaults import DIVERGENCE_FACTOR, MID_POSITION, MIDPOINT
 from rangefinder.errors import ConfigError
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -282,6 +282,10 @@ class LRRangeTestConfig(_Section):
     # Where the fine-tune trains between the bounds: the share of the way from lr_low to lr_high on the sweep's axis
     # (log LR on an exp ramp; 0.5 is the geometric mean). Why 0.75: see rangefinder/defaults.py.
     mid_position: float = Field(MID_POSITION, ge=0, le=1)
+    # Which point between the bounds lr_mid is: "tuned", mid_position of the way (above); "geometric",
+    # sqrt(lr_low * lr_high); "arithmetic", (lr_low + lr_high) / 2 (the EveryDream2 write-up's rule). The LR report
+    # shows all three. "tuned" is the default: it is the one bench/discovery_quality measured (see defaults.py).
+    midpoint: Literal["tuned", "geometric", "arithmetic"] = MIDPOINT
     # Re-test on a narrower range when the first curve is censored or has fewer points between its bounds.
     zoom: bool = True
     zoom_min_points: int = Field(5, ge=2)

@@ -11,6 +11,12 @@ it without either importing the other.
 # 0.75 kept every case within 1% of the grid's best; 0.5 missed by 2-5%.
 MID_POSITION = 0.75
 
+# Which point between the bounds lr_mid is (issue 23): "tuned", MID_POSITION of the way from lr_low to lr_high on
+# the sweep's axis; "geometric", sqrt(lr_low * lr_high); "arithmetic", (lr_low + lr_high) / 2, the rule of the
+# EveryDream2 write-up. The report shows all three.
+MIDPOINT_RULES = ("tuned", "geometric", "arithmetic")
+MIDPOINT = "tuned"
+
 # A ramp is stopped, and a curve read as diverged, when smoothed validation loss exceeds this multiple of its best
 # (or turns NaN/inf).
 DIVERGENCE_FACTOR = 4.0

@@ -274,3 +274,33 @@ def test_descent_then_explosion_with_noise():
     for seed in range(10):
         y = noisy(np.asarray(LORA_LOSS), 5e-5, seed)
         check_descent_then_explosion(analyze_lr_curve(LORA_LR, y, ramp="exp", seed=seed, bootstrap=50))
+
+
+# A linear sweep whose bounds land at ~1.9e-7 and ~1.13e-6 (issue 23): the loss falls from the first LRs, slowing
+# (a power 0.75 of the LR), to its minimum at 1.6e-6, and rises after.
+LINEAR_LR = np.concatenate([[0.0], np.linspace(1e-7, 2.4e-6, 24)])
+LINEAR_LOSS = noisy(0.2 - 0.04 * np.minimum(LINEAR_LR / 1.6e-6, 1) ** 0.75
+                    + 0.05 * np.maximum(LINEAR_LR - 1.6e-6, 0) / 5e-7, 0.0005, 0)
+
+
+def test_midpoint_rules():
+    at = {m: analyze_lr_curve(LINEAR_LR, LINEAR_LOSS, midpoint=m) for m in ("tuned", "geometric", "arithmetic")}
+    b = at["arithmetic"]
+    assert b.ramp == "linear" and b.status == "ok"
+    assert b.lr_low == pytest.approx(1.9e-7, rel=0.1) and b.lr_high == pytest.approx(1.13e-6, rel=0.1)
+    # EveryDream2's rule: halfway in LR.
+    assert b.lr_mid == pytest.approx((b.lr_low + b.lr_high) / 2, rel=1e-12)
+    assert b.lr_mid == pytest.approx(6.6e-7, rel=0.05)
+    assert at["geometric"].lr_mid == pytest.approx(math.sqrt(b.lr_low * b.lr_high), rel=1e-12)
+    # The default is the tuned rule, mid_position of the way (on a linear sweep: in LR).
+    default = analyze_lr_curve(LINEAR_LR, LINEAR_LOSS)
+    assert default.midpoint == "tuned" and default.lr_mid == at["tuned"].lr_mid
+    assert default.lr_mid == pytest.approx((1 - MID_POSITION) * b.lr_low + MID_POSITION * b.lr_high, rel=1e-12)
+    # Only lr_mid (and its interval) follows the rule; every reading lists all three.
+    for m, r in at.items():
+        assert (r.lr_low, r.lr_high) == (b.lr_low, b.lr_high) and r.midpoints == b.midpoints
+        assert r.lr_mid == r.midpoints[m] and r.lr_mid_ci80[0] < r.lr_mid < r.lr_mid_ci80[1]
+        assert r.to_dict()["midpoint"] == m
+    assert at["geometric"].lr_mid < at["arithmetic"].lr_mid < at["tuned"].lr_mid
+    with pytest.raises(RangefinderError, match="midpoint must be one of"):
+        analyze_lr_curve(LINEAR_LR, LINEAR_LOSS, midpoint="harmonic")

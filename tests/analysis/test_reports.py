@@ -5,6 +5,7 @@ import json
 from html.parser import HTMLParser
 
 import numpy as np
+import pytest
 
 from rangefinder.analysis import (
     analyze_lr_curve,
@@ -108,6 +109,25 @@ def test_cli_analyze_lr_and_select_steps(tmp_path, capsys):
     assert main(["select-steps", str(tmp_path / "ft.csv"), "--json", "--tolerance", "0.02"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["status"] == "ok" and out["recommended_epochs"] >= 1
+
+
+def test_report_shows_every_midpoint_and_marks_the_chosen(tmp_path, capsys):
+    shape = RangeTestShape(rise=0.05)
+    lr = lr_sweep(30)
+    write_lr_csv(tmp_path / "lr.csv", lr, noisy(shape.loss(lr), 0.002, 0))
+    assert main(["analyze-lr", str(tmp_path / "lr.csv"), "--json", "--midpoint", "arithmetic",
+                 "--report", str(tmp_path / "rep")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["midpoint"] == "arithmetic" and out["lr_mid"] == out["midpoints"]["arithmetic"]
+    assert out["lr_mid"] == (out["lr_low"] + out["lr_high"]) / 2
+    md = (tmp_path / "rep" / "lr_report.md").read_text()
+    rows = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in md.splitlines() if "midpoint:" in line}
+    assert set(rows) == {"midpoint: tuned", "midpoint: geometric", "midpoint: arithmetic (chosen)"}
+    assert rows["midpoint: arithmetic (chosen)"] == f"{out['lr_mid']:.4g}"
+    assert "midpoint: arithmetic (chosen)" in (tmp_path / "rep" / "lr_report.html").read_text()
+    with pytest.raises(SystemExit) as e:  # argparse: usage and "invalid choice" on stderr
+        main(["analyze-lr", str(tmp_path / "lr.csv"), "--midpoint", "harmonic"])
+    assert e.value.code == 2 and "invalid choice: 'harmonic'" in capsys.readouterr().err
 
 
 def test_cli_bad_input(tmp_path, capsys):

@@ -19,7 +19,8 @@ the curve to higher LRs. This module instead:
 4. puts the lower bound where the smoothed curve has fallen `LOWER_FRACTION` of its total drop below its start and
    the upper bound where it first comes within `UPPER_FRACTION` of the drop above its minimum, both interpolated
    between measurements; the midpoint lies `mid_position` of the way from the lower to the upper bound on the
-   sweep's axis (log LR for an exp ramp: 0.5 would be the geometric mean);
+   sweep's axis (log LR for an exp ramp: 0.5 would be the geometric mean), or, by the `midpoint` rule, at the
+   geometric or the arithmetic mean of the bounds (all three are reported);
 5. repeats 2-4 on a seeded residual bootstrap (Davison & Hinkley 1997, section 7.3): the bounds are the medians
    over resampled curves (bagging), which halves the misses at heavy noise; the replicates also give an 80%
    interval of the midpoint and the share of resampled curves that still show a descent, folded with the
@@ -50,10 +51,11 @@ from rangefinder.analysis.curves import (
     rise_cut,
     trend_test,
 )
-from rangefinder.defaults import DIVERGENCE_FACTOR, MID_POSITION
+from rangefinder.defaults import DIVERGENCE_FACTOR, MID_POSITION, MIDPOINT, MIDPOINT_RULES
 from rangefinder.errors import RangefinderError
 
 Status = Literal["ok", "no_descent", "rising_from_start", "diverged"]
+Midpoint = Literal["tuned", "geometric", "arithmetic"]
 
 # A descent (or a rise) counts when a permutation test says so at this level: the curve's best smoothed drop below
 # its start is compared with the same statistic on the same losses in shuffled order, which is what pure noise
@@ -150,7 +152,9 @@ class LRBounds:
     span: int  # LOWESS neighbours
     degree: int  # LOWESS local polynomial degree
     advice: list[str]
-    mid_position: float = MID_POSITION  # where lr_mid lies between the bounds (0: lr_low, 1: lr_high)
+    mid_position: float = MID_POSITION  # where the "tuned" midpoint lies between the bounds (0: lr_low, 1: lr_high)
+    midpoint: Midpoint = MIDPOINT  # the rule lr_mid follows (defaults.MIDPOINT_RULES)
+    midpoints: Optional[dict[str, float]] = None  # lr_mid under each rule, for comparison
     fit: Optional[LRCurveFit] = field(default=None, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
@@ -260,13 +264,15 @@ def analyze_lr_curve(
     bootstrap: int = BOOTSTRAP_REPLICATES,
     rise_cut_points: Optional[int] = RISE_CUT_MIN_POINTS,
     mid_position: float = MID_POSITION,
+    midpoint: Midpoint = MIDPOINT,
     _turns_up_after: bool = False,
 ) -> LRBounds:
     """Read LR bounds off a range-test curve: one (lr, val_loss) per validation, in run order.
 
     `ramp` is `exp` or `linear` (None: inferred from the LR spacing). A baseline at lr 0 is used as the start.
     `rise_cut_points` None reads the whole curve even when it climbs back above its start (step 1).
-    `mid_position` places lr_mid between the bounds (0: lr_low, 1: lr_high).
+    `midpoint` picks the rule for lr_mid: "tuned" places it `mid_position` of the way from lr_low to lr_high on
+    the sweep's axis (0: lr_low, 1: lr_high), "geometric" at sqrt(lr_low * lr_high), "arithmetic" at their mean.
     Raises RangefinderError when the arrays differ in length or hold fewer than 3 finite losses.
     """
     lr_all = np.asarray(lr, dtype=float).ravel()
@@ -290,6 +296,8 @@ def analyze_lr_curve(
         raise RangefinderError(f"ramp must be 'exp' or 'linear' (got {ramp!r})")
     if not 0.0 <= mid_position <= 1.0:
         raise RangefinderError(f"mid_position must lie in [0, 1] (0: lr_low, 1: lr_high); got {mid_position!r}")
+    if midpoint not in MIDPOINT_RULES:
+        raise RangefinderError(f"midpoint must be one of {', '.join(MIDPOINT_RULES)} (got {midpoint!r})")
 
     # --- 1. cut at the first non-finite point and at an explosion
     n_ok = finite_prefix(lr_all, y_all)
@@ -298,7 +306,7 @@ def analyze_lr_curve(
     if n_rise < n_ok:
         head = analyze_lr_curve(lr_all[:n_rise], y_all[:n_rise], ramp=ramp, seed=seed, divergence_factor=None,
                                 bootstrap=bootstrap, rise_cut_points=None, mid_position=mid_position,
-                                _turns_up_after=True)
+                                midpoint=midpoint, _turns_up_after=True)
         if head.status == "ok":
             return _with_tail(head, lr_all, y_all, stab_all, n_rise, exploded=n_ok < lr_all.size)
     lr_u, y = lr_all[:n_ok], y_all[:n_ok]
@@ -318,7 +326,7 @@ def analyze_lr_curve(
     n = x.size
     flags: list[str] = ["diverged"] if dropped else []
     base = dict(ramp=ramp, flags=flags, points_used=n, points_dropped=int(lr_all.size - n), span=n, degree=1, p_descent=1.0,
-                lr_steepest=None, lr_min_div10=None, lr_at_min=None, mid_position=mid_position)
+                lr_steepest=None, lr_min_div10=None, lr_at_min=None, mid_position=mid_position, midpoint=midpoint)
     if n < 3 or np.ptp(x) <= 0:
         return _not_ok("diverged" if dropped else "no_descent", base, snr=0.0, sigma=math.nan, drop=0.0,
                        fit=LRCurveFit(ramp, lr_u, x, y, y.copy(), fit_dropped_lr, fit_dropped_y, stab_all, lr_all))
@@ -352,7 +360,6 @@ def analyze_lr_curve(
         # and the LRs above are too high, not untested.
         flags[:] = [f for f in flags if f not in ("upper_censored", "rose_after_min")] + ["rose_after_min"]
     flags.sort(key=FLAG_ORDER.index)
-    x_mid = _mid(reading.x_low, reading.x_high, mid_position)
 
     # --- 5. bootstrap: interval of the midpoint, share of replicates that still descend
     found, ok_share = _bootstrap(x, y, sm, sigma, ramp, seed, bootstrap)
@@ -362,11 +369,11 @@ def analyze_lr_curve(
         # Bagging (Breiman 1996): the median over resampled curves of each crossing varies less than the crossing
         # of the one observed curve, which jumps with the noise at the knees of the descent.
         reading.x_low, reading.x_high = float(np.median(found[:, 0])), float(np.median(found[:, 1]))
-        x_mid = _mid(reading.x_low, reading.x_high, mid_position)
-        lo, hi = np.percentile(_mid(found[:, 0], found[:, 1], mid_position), [10, 90])
-        ci = [float(_to_lr(lo, ramp)), float(_to_lr(hi, ramp))]
+        lo, hi = np.percentile(_midpoints(found[:, 0], found[:, 1], ramp, mid_position)[midpoint], [10, 90])
+        ci = [float(lo), float(hi)]
         q = np.percentile(found, [10, 90], axis=0)
         spread = float(np.mean(q[1] - q[0]))
+    mids = {k: float(v) for k, v in _midpoints(reading.x_low, reading.x_high, ramp, mid_position).items()}
 
     dx = float(np.median(np.diff(x)))
     inside = int(np.sum((x >= reading.x_low - 1e-12) & (x <= reading.x_high + 1e-12)))
@@ -388,8 +395,9 @@ def analyze_lr_curve(
         status="ok",
         lr_low=float(_to_lr(reading.x_low, ramp)),
         lr_high=float(_to_lr(reading.x_high, ramp)),
-        lr_mid=float(_to_lr(x_mid, ramp)),
+        lr_mid=mids[midpoint],
         lr_mid_ci80=ci,
+        midpoints=mids,
         quality=round(quality, 4),
         quality_label=label,
         quality_parts={k: round(v, 4) for k, v in parts.items()},
@@ -450,9 +458,19 @@ def _axis_of(lr: float, ramp: Ramp) -> float:
     return math.log(lr) if ramp == "exp" else lr
 
 
-def _mid(x_low, x_high, position: float):
-    # On the log axis (exp ramp) this interpolates log LR: position 0.5 is the geometric mean of the bounds.
-    return (1.0 - position) * x_low + position * x_high
+def _midpoints(x_low, x_high, ramp: Ramp, position: float) -> dict[str, Any]:
+    """lr_mid (in LR) under each rule, from the bounds on the x axis (floats or arrays of bootstrap replicates).
+
+    "tuned" interpolates on the sweep's axis (log LR for an exp ramp, where position 0.5 is the geometric mean);
+    the other two are the same on either axis.
+    """
+    to_lr = np.exp if ramp == "exp" else np.asarray
+    lo, hi = to_lr(x_low), to_lr(x_high)
+    return {
+        "tuned": to_lr((1.0 - position) * np.asarray(x_low) + position * np.asarray(x_high)),
+        "geometric": np.sqrt(np.maximum(lo, 0.0) * hi),  # a linear sweep's lr_low may be its baseline, 0
+        "arithmetic": 0.5 * (lo + hi),
+    }
 
 
 def _classic_suggestions(lr: np.ndarray, x: np.ndarray, y: np.ndarray) -> tuple[Optional[float], Optional[float]]:

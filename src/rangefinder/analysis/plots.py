@@ -17,6 +17,8 @@ RAW = "#9aa5b1"
 SMOOTH = "#1f4e9c"
 STABILIZE = "#d9822b"
 BAND = "#2e9e5b"
+OTHER_MID = "#7a5195"
+MID_STYLES = {"tuned": (0, (6, 2)), "geometric": ":", "arithmetic": "-."}
 
 
 def _pyplot():
@@ -43,7 +45,8 @@ def _y_limits(*series: Optional[np.ndarray]) -> tuple[float, float]:
 
 
 def plot_lr_range_test(bounds: LRBounds, out_path: str | Path, *, title: Optional[str] = None) -> Path:
-    """Raw and smoothed validation loss against LR, stabilize loss, the bounds shaded and the midpoint marked.
+    """Raw and smoothed validation loss against LR, stabilize loss, the bounds shaded, lr_mid marked and the
+    other midpoint rules' points drawn thin.
 
     Log LR axis for exponential sweeps, linear for linear ones; a baseline at LR 0 is drawn at the left edge of a
     log axis. Returns the PNG's path.
@@ -77,8 +80,12 @@ def plot_lr_range_test(bounds: LRBounds, out_path: str | Path, *, title: Optiona
                 np.full(fit.dropped_lr.shape, hi), "x", color="#c23030", ms=7, clip_on=False,
                 label=fit.dropped_label)
     ax.set_ylim(lo, hi)
+    for rule, lr_rule in (bounds.midpoints or {}).items():
+        # The other rules' midpoints, thin, for comparison (analysis.midpoint picks lr_mid among them).
+        if rule != bounds.midpoint:
+            ax.axvline(lr_rule, color=OTHER_MID, lw=1.2, ls=MID_STYLES[rule], label=f"{rule} midpoint {lr_rule:.2g}")
     if bounds.lr_mid is not None:
-        ax.axvline(bounds.lr_mid, color=BAND, lw=2, ls="--", label=f"lr_mid {bounds.lr_mid:.2g}")
+        ax.axvline(bounds.lr_mid, color=BAND, lw=2, ls="--", label=f"lr_mid ({bounds.midpoint}) {bounds.lr_mid:.2g}")
         if bounds.lr_mid_ci80:
             y_bar = lo + 0.04 * (hi - lo)
             ax.plot(bounds.lr_mid_ci80, [y_bar, y_bar], "-", color=BAND, lw=5, alpha=0.8, solid_capstyle="butt",

@@ -128,9 +128,9 @@ def write_lr_report(bounds: LRBounds, curve: Optional[dict], out_dir: str | Path
     rows: list[tuple[str, Any, str]] = [
         ("lr_low", bounds.lr_low, "validation loss has started to fall"),
         ("lr_high", bounds.lr_high, "it has nearly reached its minimum (flattens or turns up after)"),
-        ("lr_mid", bounds.lr_mid, f"{bounds.mid_position:g} of the way from lr_low to lr_high"
-                                  + (" in log LR" if bounds.ramp == "exp" else "")),
+        ("lr_mid", bounds.lr_mid, f"the {bounds.midpoint} midpoint (below)"),
         ("lr_mid 80% interval", bounds.lr_mid_ci80, "from a seeded bootstrap of the curve"),
+        *_midpoint_rows(bounds),
         ("quality", f"{bounds.quality:.2f} ({bounds.quality_label})",
          ", ".join(f"{k} {v:.2f}" for k, v in bounds.quality_parts.items())),
         ("signal-to-noise", bounds.snr, f"drop below the start in standard errors; p = {bounds.p_descent:.3g}"),
@@ -143,6 +143,19 @@ def write_lr_report(bounds: LRBounds, curve: Optional[dict], out_dir: str | Path
     notes += [(f, LR_FLAG_ADVICE[f]) for f in bounds.flags]
     return _write_report(out, "lr_report", "lr_bounds.json", "LR range test", bounds.status, lead, png, rows, notes,
                          _source_line(curve, source), bounds.to_dict())
+
+
+def _midpoint_rows(bounds: LRBounds) -> list[tuple[str, Any, str]]:
+    """One row per midpoint rule, the one lr_mid follows marked (analysis.midpoint)."""
+    how = {
+        "tuned": f"{bounds.mid_position:g} of the way from lr_low to lr_high"
+                 + (" in log LR" if bounds.ramp == "exp" else ""),
+        "geometric": "sqrt(lr_low x lr_high)",
+        "arithmetic": "(lr_low + lr_high) / 2, the EveryDream2 write-up's rule",
+    }
+    mids = bounds.midpoints or {}
+    return [(f"midpoint: {rule}" + (" (chosen)" if rule == bounds.midpoint else ""), mids.get(rule), text)
+            for rule, text in how.items()]
 
 
 def write_step_report(window: StepWindow, curve: Optional[dict], out_dir: str | Path, *,

@@ -108,7 +108,7 @@ def run_lr_range_test(
         stabilize = curve.get("stabilize_loss")
         bounds = analyze_lr_curve(curve["lr"], curve["val_loss"], ramp=rt.ramp, stabilize_loss=stabilize,
                                   seed=cfg.validation.seed, divergence_factor=cfg.validation.divergence_factor,
-                                  mid_position=rt.mid_position)
+                                  mid_position=rt.mid_position, midpoint=rt.midpoint)
         n_between = points_between(curve["lr"], bounds.lr_low, bounds.lr_high)
         zoom = None
         if stage == "first" and rt.zoom:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from rangefinder.cli.main import add_json_flag
+from rangefinder.defaults import MIDPOINT_RULES
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -21,7 +22,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the bootstrap and permutation test (default 0)")
     p.add_argument("--mid-position", type=float, default=None, metavar="P",
                    help="where lr_mid lies between the bounds: 0 = lr_low, 1 = lr_high, on the sweep's axis "
-                   "(default: the config's lr_range_test.mid_position, 0.75)")
+                   "(default: the config's lr_range_test.mid_position, 0.75); used by --midpoint tuned")
+    p.add_argument("--midpoint", choices=list(MIDPOINT_RULES), default=None,
+                   help="the rule for lr_mid: tuned (mid_position of the way), geometric (sqrt(lr_low * lr_high)) "
+                   "or arithmetic ((lr_low + lr_high) / 2) (default: the config's lr_range_test.midpoint, tuned)")
     add_json_flag(p)
     p.set_defaults(func=run)
 
@@ -33,7 +37,7 @@ def run(args: argparse.Namespace) -> dict:
     curve = read_curve_csv(args.curve, required=("lr", "val_loss"), skip_empty=("val_loss",))
     if curve["val_loss"].dtype == object or curve["lr"].dtype == object:
         raise RangefinderError(f"{args.curve}: lr and val_loss must be numbers")
-    extra = {} if args.mid_position is None else {"mid_position": args.mid_position}
+    extra = {k: v for k, v in (("mid_position", args.mid_position), ("midpoint", args.midpoint)) if v is not None}
     bounds = analyze_lr_curve(curve["lr"], curve["val_loss"], ramp=args.ramp, seed=args.seed,
                               stabilize_loss=curve.get("stabilize_loss"), **extra)
     result = bounds.to_dict()
