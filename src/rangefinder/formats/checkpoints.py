@@ -5,20 +5,31 @@ A checkpoint is a folder `checkpoints/checkpoint-<update:06d>/` holding:
 - `optimizer.pt`, and `ema.pt` / `scaler.pt` when used;
 - `rng-<rank>.pt`: Python, NumPy, torch CPU/CUDA RNG states and the training generator of each process;
 - `state.json`: update, micro-batches done (the stream position), the settings, the metrics and per-update rows so
-  far, and what the loop needs to go on exactly as if never stopped. Written last.
+  far, and what the loop needs to go on exactly as if never stopped;
+- `manifest.json`: the sha256 of every other file. Written last.
 It is assembled under a temporary name and renamed into place, so a killed run leaves either a whole checkpoint or a
 `.tmp` folder that readers ignore (and the next save removes). Only the training engine writes checkpoints;
 sampling, export and registration read them through `list_checkpoints`, `read_state` and `read_weights`.
+
+Resuming must never run code found in an output folder (one may come from anyone: a shared bucket, a colleague's
+run). The `.pt` files hold only tensors, numbers, strings and lists/tuples/dicts of them, and are read with
+`torch.load(weights_only=True)`, which refuses anything else (a pickled object's `__reduce__` is never called);
+the RNG states are converted to such values before saving (checkpointing.py). The checksums are checked before any
+file is parsed: a torn write or a bad block makes a checkpoint fail `verify`, and the engine resumes from the
+previous intact one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import pickle
 import re
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
+from rangefinder.errors import RangefinderError
 from rangefinder.formats.atomic import replace_dir
 
 if TYPE_CHECKING:
@@ -27,7 +38,8 @@ if TYPE_CHECKING:
 WEIGHTS_NAME = "weights.safetensors"
 STATE_NAME = "state.json"
 OPTIMIZER_NAME = "optimizer.pt"
-REQUIRED = (WEIGHTS_NAME, OPTIMIZER_NAME, STATE_NAME)
+MANIFEST_NAME = "manifest.json"
+REQUIRED = (WEIGHTS_NAME, OPTIMIZER_NAME, STATE_NAME, MANIFEST_NAME)
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -110,8 +122,35 @@ def write_main(
         torch.save(ema, tmp / "ema.pt")
     if scaler is not None:
         torch.save(scaler, tmp / "scaler.pt")
-    # state.json last: its presence is part of what makes a checkpoint whole.
     (tmp / STATE_NAME).write_text(json.dumps(state, indent=1))
+    # The manifest last (every process's rng file is written by now): its presence makes a checkpoint whole.
+    files = sorted(p.name for p in tmp.iterdir() if p.is_file())
+    (tmp / MANIFEST_NAME).write_text(json.dumps({"sha256": {f: _sha256(tmp / f) for f in files}}, indent=1))
+
+
+def verify(path: Path) -> Optional[str]:
+    """What is wrong with the checkpoint at `path` (a missing or changed file, by its checksum); None when intact."""
+    path = Path(path)
+    try:
+        sums = json.loads((path / MANIFEST_NAME).read_text())["sha256"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"its {MANIFEST_NAME} cannot be read ({e})"
+    for name, want in sums.items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if _sha256(f) != want:
+            return f"{name} does not match its checksum (a torn write, a bad block, or changed by hand)"
+    missing = [n for n in REQUIRED if n != MANIFEST_NAME and n not in sums]
+    return f"the manifest lists no checksum for {', '.join(missing)}" if missing else None
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def commit(tmp: Path, keep: int) -> Path:
@@ -124,17 +163,29 @@ def commit(tmp: Path, keep: int) -> Path:
 
 
 def load(path: Path, rank: int) -> dict[str, Any]:
-    """Everything a checkpoint holds, as written (the engine's resume)."""
-    import torch
-
-    out: dict[str, Any] = {
+    """Everything a checkpoint holds, as written (the engine's resume). Call `verify` first."""
+    path = Path(path)
+    rng = path / f"rng-{rank}.pt"
+    return {
         "path": path,
         "weights": read_weights(path),
-        "optimizer": torch.load(path / OPTIMIZER_NAME, weights_only=False),
+        "optimizer": _load_plain(path / OPTIMIZER_NAME),
         "state": read_state(path),
-        "ema": torch.load(path / "ema.pt", weights_only=False) if (path / "ema.pt").is_file() else None,
-        "scaler": torch.load(path / "scaler.pt", weights_only=False) if (path / "scaler.pt").is_file() else None,
+        "ema": _load_plain(path / "ema.pt") if (path / "ema.pt").is_file() else None,
+        "scaler": _load_plain(path / "scaler.pt") if (path / "scaler.pt").is_file() else None,
+        "rng": _load_plain(rng) if rng.is_file() else None,
     }
-    rng = path / f"rng-{rank}.pt"
-    out["rng"] = torch.load(rng, weights_only=False) if rng.is_file() else None
-    return out
+
+
+def _load_plain(path: Path) -> Any:
+    """A `.pt` file of tensors, numbers, strings and containers of them; anything else is refused, never run."""
+    import torch
+
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError:
+        raise RangefinderError(
+            f"refusing to load {path}: it holds Python objects other than tensors and numbers, which could run "
+            "code when loaded (it was not written by this version of rangefinder, or was tampered with); "
+            "remove this checkpoint folder to resume from an earlier one, or start in an empty folder"
+        ) from None
