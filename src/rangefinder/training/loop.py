@@ -34,7 +34,13 @@ from rangefinder.config import DataConfig, ModelConfig, TrainingConfig, Validati
 from rangefinder.formats import checkpoints
 from rangefinder.formats.atomic import atomic_dir, write_json
 from rangefinder.training import MetricSink
-from rangefinder.training.checkpointing import restore_checkpoint, save_checkpoint
+from rangefinder.training.checkpointing import (
+    OutDirLock,
+    restore_checkpoint,
+    save_checkpoint,
+    trainable_finite,
+    update_finite,
+)
 from rangefinder.training.data import ImageStream
 from rangefinder.training.setup import (
     Run,
@@ -85,6 +91,7 @@ def train(
 
     # --- device and precision (the launcher: accelerate) ----------------------------------------------------------
     accelerator = start_accelerator(cfg)
+    out_lock = OutDirLock(settings.out_dir, hold=accelerator.is_main_process)  # one run per out_dir; until the end
 
     # --- model: the method's trainable parts set up, the family's conditioning and objective ----------------------
     sd, family = load_model(settings, accelerator)
@@ -115,6 +122,8 @@ def train(
         first_micro_batch = state.micro_batches_done
         row = _train_one_update(run, state)
         state.add_update(row)
+        if not update_finite(run, row):
+            state.status = "diverged"  # a NaN/inf loss stops any run, validation on or off
         if metric_sink is not None and run.main:
             metric_sink.log_metrics({k: row[k] for k in ("train_loss", "lr", "grad_norm", "epoch")}, state.update)
         progress.set_postfix(loss=f"{row['train_loss']:.4f}", lr=f"{row['lr']:.3g}", refresh=False)
@@ -128,7 +137,8 @@ def train(
             if run.schedule.is_ramp and _diverged(run.val_cfg, state.log):
                 state.status = "diverged"
 
-        # Checkpoint: every N updates and at the end (also when stopping on divergence).
+        # Checkpoint: every N updates and at the end (also when stopping on divergence; weights that are no longer
+        # finite are not saved, so the last checkpoint is the last finite one).
         every = cfg.checkpoint_every_updates
         if every and (state.update % every == 0 or last or state.status != "ok"):
             save_checkpoint(run, state)
@@ -136,7 +146,9 @@ def train(
     seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - cpu0
 
     # --- final weights and summary --------------------------------------------------------------------------------
-    return _finish(run, state, save_final=save_final, seconds=seconds, cpu_seconds=cpu_seconds)
+    result = _finish(run, state, save_final=save_final, seconds=seconds, cpu_seconds=cpu_seconds)
+    out_lock.release()
+    return result
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -246,6 +258,8 @@ def _diverged(val_cfg: ValidationConfig, log: RunLog) -> bool:
 def _finish(run: Run, state: RunState, *, save_final: bool, seconds: float, cpu_seconds: float) -> TrainResult:
     """Write the final weights (a finished, undiverged run) and run_summary.json; the run's result."""
     settings, log = run.settings, state.log
+    if not trainable_finite(run):
+        state.status = "diverged"  # never a final/ of NaN weights
     final_dir = None
     if save_final and state.status == "ok" and run.main:
         final_dir = settings.out_dir / "final"

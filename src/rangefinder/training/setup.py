@@ -26,6 +26,7 @@ from rangefinder.training.caching import (
     latent_cache_dir,
     text_cache_dir,
 )
+from rangefinder.training.checkpointing import check_out_dir_free
 from rangefinder.training.data import CachedLatents, EncodedOnTheFly, ImageStream, LatentSource
 from rangefinder.training.family import Denoiser, Sd1Family
 from rangefinder.training.methods import make_method
@@ -102,6 +103,7 @@ def check_settings(spec: TrainSpec, out_dir: Union[str, Path]) -> RunSettings:
     method = make_method(cfg)
     val_items = {"val": list(split.val) if train_on == "train" else [], "stabilize": list(split.stabilize)}
     out_dir = Path(out_dir)
+    check_out_dir_free(out_dir)  # another live run in out_dir: fail now, naming it
     _check_out_dir(out_dir, cfg.resume)
     if cfg.use_8bit_adam and not torch.cuda.is_available():
         raise ConfigError("training.use_8bit_adam needs a CUDA GPU (bitsandbytes); set it false to use AdamW")
