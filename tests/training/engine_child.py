@@ -1,35 +1,55 @@
 """A training run in a process of its own, for the resume test: `python engine_child.py SETTINGS.json`.
 
 SETTINGS holds split_dir, model, out_dir, training (TrainingConfig fields), validation, and optionally
-kill_at_update: the process SIGKILLs itself while logging that update (no cleanup, no atexit), as a crash would.
+kill_at_update: the process SIGKILLs itself while logging that update (no cleanup, no atexit), as a crash would;
+pause_at_update: it creates the file `pause_marker` and sleeps (until killed) while logging that update;
+max_file_bytes: no file it writes may grow past that many bytes (RLIMIT_FSIZE; a write past it fails with EFBIG,
+as on a full disk). A RangefinderError is printed on one line with exit status 2, as the CLI does.
 """
 
 import json
 import os
+import resource
 import signal
 import sys
+import time
 
 import torch
 
 
 class KillAt:
-    def __init__(self, update):
-        self.update = update
+    def __init__(self, update, pause_at=None, pause_marker=None):
+        self.update, self.pause_at, self.pause_marker = update, pause_at, pause_marker
 
     def log_metrics(self, metrics, step):
-        if self.update is not None and step == self.update and "train_loss" in metrics and "val_loss" not in metrics:
+        if "train_loss" not in metrics or "val_loss" in metrics:
+            return
+        if self.update is not None and step == self.update:
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.pause_at is not None and step == self.pause_at:
+            open(self.pause_marker, "w").close()
+            while True:
+                time.sleep(1)
 
 
 def main(path):
     torch.set_num_threads(1)  # every run of the comparison computes with the same reduction order
     s = json.loads(open(path).read())
+    if s.get("max_file_bytes"):
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write then fails with EFBIG instead of killing us
+        resource.setrlimit(resource.RLIMIT_FSIZE, (s["max_file_bytes"], s["max_file_bytes"]))
     from rangefinder.config import TrainingConfig, ValidationConfig
+    from rangefinder.errors import RangefinderError
     from rangefinder.training.loop import TrainSpec, train
 
-    result = train(TrainSpec(TrainingConfig(**s["training"]), ValidationConfig(**s["validation"]),
-                             split_dir=s["split_dir"], model=s["model"]),
-                   out_dir=s["out_dir"], metric_sink=KillAt(s.get("kill_at_update")))
+    try:
+        result = train(TrainSpec(TrainingConfig(**s["training"]), ValidationConfig(**s["validation"]),
+                                 split_dir=s["split_dir"], model=s["model"]),
+                       out_dir=s["out_dir"],
+                       metric_sink=KillAt(s.get("kill_at_update"), s.get("pause_at_update"), s.get("pause_marker")))
+    except RangefinderError as e:
+        print(f"rangefinder train: error: {e}", file=sys.stderr)
+        sys.exit(2)
     print(json.dumps(result.as_dict()))
 
 

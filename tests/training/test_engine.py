@@ -68,7 +68,7 @@ def test_updates_taken_equal_the_planners_total_updates(combo, split_dir, tiny_m
     assert result.updates == expected.total_updates
     assert len(rows(tmp_path / "updates.csv")) == expected.total_updates
     # Independent of the loop's own counting: AdamW's per-parameter step counter in the saved optimizer state.
-    optimizer = torch.load(result.checkpoints[-1] / "optimizer.pt", weights_only=False)
+    optimizer = torch.load(result.checkpoints[-1] / "optimizer.pt", weights_only=True)
     steps = {float(s["step"]) for s in optimizer["state"].values()}
     assert steps == {float(expected.total_updates)}
     assert math.isclose(result.epochs, expected.images_seen / expected.train_images if not cfg.drop_last else cfg.epochs)

@@ -1,0 +1,232 @@
+"""What a resume must survive (issue 16): a planted pickle, a corrupt newest checkpoint, a second run on the same
+folder, a full disk mid-save, and a run whose weights blow up with validation off. Real tiny-model runs, real files
+and real processes throughout."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rangefinder.config import TrainingConfig, ValidationConfig
+from rangefinder.errors import RangefinderError
+from rangefinder.formats import checkpoints
+from rangefinder.training.loop import TrainSpec, train
+
+CHILD = Path(__file__).with_name("engine_child.py")
+NO_VALIDATION = dict(every_epochs=0)
+
+
+@pytest.fixture(scope="module")
+def base(split_dir, tiny_model_dir, tmp_path_factory) -> dict:
+    """16 images, batch 4, one epoch: 4 updates, checkpoints at 2 and 4 (with EMA, so ema.pt is there too)."""
+    training = dict(batch_size=4, epochs=1, lr=2e-4, seed=5, checkpoint_every_updates=2, keep_checkpoints=5,
+                    use_ema=True, ema_decay=0.9, random_flip=True,
+                    cache_dir=str(tmp_path_factory.mktemp("encoded")))
+    return dict(split_dir=str(split_dir), model=str(tiny_model_dir), training=training, validation=NO_VALIDATION)
+
+
+def run_here(base: dict, out_dir: Path, **training):
+    spec = TrainSpec(TrainingConfig(**{**base["training"], **training}), ValidationConfig(**base["validation"]),
+                     split_dir=base["split_dir"], model=base["model"])
+    return train(spec, out_dir=out_dir)
+
+
+@pytest.fixture(scope="module")
+def finished(base, tmp_path_factory) -> Path:
+    """A whole uninterrupted run (its checkpoints and final/), which the tests copy and damage."""
+    out = tmp_path_factory.mktemp("runs") / "whole"
+    result = run_here(base, out)
+    assert result.status == "ok" and [p.name for p in result.checkpoints] == ["checkpoint-000002",
+                                                                               "checkpoint-000004"]
+    return out
+
+
+def copy_run(finished: Path, dst: Path) -> Path:
+    shutil.copytree(finished, dst)
+    return dst
+
+
+def unet(out_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(out_dir / "final" / "unet" / "diffusion_pytorch_model.safetensors"))
+
+
+def start_child(settings: dict, tmp: Path, name: str) -> subprocess.Popen:
+    path = tmp / f"{name}.json"
+    path.write_text(json.dumps(settings))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, str(CHILD), str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+
+
+def rewrite_checksum(ckpt: Path, name: str) -> None:
+    """Make the manifest agree with a changed file: the attacker's best case, so only the loader stands in the way."""
+    manifest = json.loads((ckpt / checkpoints.MANIFEST_NAME).read_text())
+    manifest["sha256"][name] = hashlib.sha256((ckpt / name).read_bytes()).hexdigest()
+    (ckpt / checkpoints.MANIFEST_NAME).write_text(json.dumps(manifest))
+
+
+class Payload:
+    """Unpickling this calls open(marker, "w"): the marker file is created by whoever unpickles it."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Item 5: resuming never unpickles arbitrary objects
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("planted", ["optimizer.pt", "rng-0.pt"])
+def test_a_planted_pickle_is_refused_and_never_run(base, finished, tmp_path, planted):
+    cut = copy_run(finished, tmp_path / "cut")
+    newest = cut / "checkpoints" / "checkpoint-000004"
+    marker = tmp_path / "code-ran"
+    torch.save({"state": Payload(marker)}, newest / planted)
+    rewrite_checksum(newest, planted)
+
+    with pytest.raises(RangefinderError, match=f"refusing to load .*{planted}.*could run code"):
+        run_here(base, cut, resume=True)
+    assert not marker.exists()
+    # The test can fail: loading the same file the unsafe way runs the payload.
+    torch.load(newest / planted, weights_only=False)
+    assert marker.exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Item 3: checksums; a corrupt newest checkpoint falls back to the previous intact one
+
+
+def flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # inside the tensor data: the file still parses, only its numbers are wrong
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.slow
+def test_corrupt_newest_checkpoint_falls_back_to_previous_and_ends_bit_identical(base, finished, tmp_path, caplog):
+    cut = copy_run(finished, tmp_path / "cut")
+    shutil.rmtree(cut / "final")
+    (cut / "run_summary.json").unlink()
+    flip_a_byte(cut / "checkpoints" / "checkpoint-000004" / checkpoints.WEIGHTS_NAME)
+
+    with caplog.at_level(logging.WARNING):
+        resumed = run_here(base, cut, resume=True)
+    assert resumed.resumed_from == 2 and resumed.updates == 4 and resumed.status == "ok"
+    assert "checkpoint-000004" in caplog.text and "weights.safetensors does not match its checksum" in caplog.text
+    a, b = unet(finished), unet(cut)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # The bad one was replaced by a good save of the same update.
+    assert checkpoints.verify(cut / "checkpoints" / "checkpoint-000004") is None
+
+
+@pytest.mark.slow
+def test_no_intact_checkpoint_is_a_clear_error(base, finished, tmp_path):
+    cut = copy_run(finished, tmp_path / "cut")
+    for ckpt in checkpoints.list_checkpoints(cut / "checkpoints"):
+        flip_a_byte(ckpt / checkpoints.WEIGHTS_NAME)
+    with pytest.raises(RangefinderError, match="no intact checkpoint under .*checkpoints"):
+        run_here(base, cut, resume=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Item 2: one run per output folder; a SIGKILLed run's lock does not block its resume
+
+
+@pytest.mark.slow
+def test_second_run_on_the_same_out_fails_naming_the_holder_and_a_killed_holder_does_not_block(base, tmp_path):
+    out, marker = tmp_path / "out", tmp_path / "first-is-training"
+    first = start_child({**base, "out_dir": str(out), "pause_at_update": 1, "pause_marker": str(marker)},
+                        tmp_path, "first")
+    try:
+        deadline = time.monotonic() + 300
+        while not marker.exists():
+            assert first.poll() is None, first.communicate()
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+        for name, resume in (("second", False), ("second-resume", True)):
+            settings = {**base, "out_dir": str(out), "training": {**base["training"], "resume": resume}}
+            second = start_child(settings, tmp_path, name)
+            _, err = second.communicate(timeout=300)
+            assert second.returncode == 2, err
+            assert "is in use by another training run" in err and f"pid {first.pid} on host" in err, err
+            assert "Traceback" not in err
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.communicate()
+    assert first.returncode == -signal.SIGKILL
+    assert (out / ".rangefinder.lock").exists()  # the file stays; the kernel dropped the flock with the process
+
+    resumed = run_here(base, out, resume=True)
+    assert resumed.status == "ok" and resumed.updates == 4
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Item 4: a save that cannot be written is one clear error; the previous checkpoint stays intact
+
+
+@pytest.mark.slow
+def test_full_disk_mid_save_is_a_clear_error_and_the_previous_checkpoint_stays_intact(base, finished, tmp_path):
+    # As root, chmod does not stop a write; RLIMIT_FSIZE does: no file the child writes may grow past the limit,
+    # and a write past it fails with EFBIG, as a full disk fails with ENOSPC.
+    cut = copy_run(finished, tmp_path / "cut")
+    for p in ("final", "checkpoints/checkpoint-000004"):
+        shutil.rmtree(cut / p)
+    (cut / "run_summary.json").unlink()
+    previous = cut / "checkpoints" / "checkpoint-000002"
+    before = {p.name: p.read_bytes() for p in previous.iterdir()}
+    limit = (previous / checkpoints.WEIGHTS_NAME).stat().st_size // 2
+
+    settings = {**base, "out_dir": str(cut), "training": {**base["training"], "resume": True},
+                "max_file_bytes": limit}
+    child = start_child(settings, tmp_path, "full")
+    _, err = child.communicate(timeout=600)
+    assert child.returncode == 2, err
+    assert "Traceback" not in err
+    assert "cannot write checkpoint checkpoint-000004 under" in err and "GiB free" in err, err
+    assert "checkpoint-000002 is intact" in err, err
+    assert {p.name: p.read_bytes() for p in previous.iterdir()} == before
+    assert checkpoints.verify(previous) is None
+    assert sorted(p.name for p in (cut / "checkpoints").iterdir()) == ["checkpoint-000002"]  # no partial folder
+    assert not (cut / "final").exists()
+
+
+@pytest.mark.slow
+def test_checkpoints_path_occupied_by_a_file_is_a_clear_error(base, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "checkpoints").write_text("not a folder")
+    with pytest.raises(RangefinderError, match="cannot write checkpoint checkpoint-000002 under .*checkpoints.*free"):
+        run_here(base, out, epochs=None, steps=2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Item 8: a NaN or inf loss or weight stops the run as diverged, validation off
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lr", [1e30, math.inf])
+def test_huge_lr_with_validation_off_stops_as_diverged_and_saves_nothing_nan(base, tmp_path, lr):
+    out = tmp_path / "out"
+    result = run_here(base, out, lr=lr, checkpoint_every_updates=1, use_ema=False)
+    assert result.status == "diverged" and result.updates < 4
+    assert result.final_dir is None and not (out / "final").exists()
+    assert json.loads((out / "run_summary.json").read_text())["status"] == "diverged"
+    for ckpt in checkpoints.list_checkpoints(out / "checkpoints"):
+        assert all(torch.isfinite(t).all() for t in checkpoints.read_weights(ckpt).values()), ckpt
