@@ -12,8 +12,10 @@ import argparse
 import importlib
 import json
 import sys
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
+from rangefinder.cli.output import print_table
 from rangefinder.errors import RangefinderError
 
 # Order is the order `rangefinder --help` lists them in.
@@ -44,29 +46,6 @@ def build_parser() -> argparse.ArgumentParser:
     for name in COMMANDS:
         importlib.import_module(f"rangefinder.cli.commands.{name}").register(sub)
     return parser
-
-
-def add_json_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-
-
-def print_table(result: dict[str, Any], out=None) -> None:
-    """Key/value rows; nested lists are printed one item per line under their key."""
-    out = out or sys.stdout
-    width = max((len(k) for k in result), default=0)
-    for k, v in result.items():
-        if isinstance(v, list):
-            print(f"{k:<{width}}  {'' if v else '-'}", file=out)
-            for item in v:
-                print(f"{'':<{width}}  - {item}", file=out)
-        elif isinstance(v, dict):
-            print(f"{k}:", file=out)
-            for kk, vv in v.items():
-                print(f"  {kk}: {vv}", file=out)
-        elif isinstance(v, float):
-            print(f"{k:<{width}}  {v:.6g}", file=out)
-        else:
-            print(f"{k:<{width}}  {v}", file=out)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -11,7 +11,7 @@ import argparse
 import os
 from pathlib import Path
 
-from rangefinder.cli.main import add_json_flag
+from rangefinder.cli.output import add_json_flag
 
 # The embedded dataset: enough images for a 20 % validation split with several points per ramp on 2 CPU cores.
 DEMO_IMAGES = 20

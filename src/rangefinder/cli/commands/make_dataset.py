@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from rangefinder.cli.main import add_json_flag
+from rangefinder.cli.output import add_json_flag
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from rangefinder.cli.commands.submit import add_endpoint_args
-from rangefinder.cli.main import add_json_flag
+from rangefinder.cli.output import add_json_flag
 
 
 def register(sub: argparse._SubParsersAction) -> None:

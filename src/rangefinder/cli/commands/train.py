@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from rangefinder.cli.main import add_json_flag
+from rangefinder.cli.output import add_json_flag
 
 
 def register(sub: argparse._SubParsersAction) -> None:
