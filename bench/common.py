@@ -8,10 +8,11 @@ import platform
 import subprocess
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Optional
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -91,7 +92,7 @@ class PeakMemory:
     def added_bytes(self) -> int:
         return max(0, self.peak_bytes - self.start_bytes)
 
-    def __enter__(self) -> "PeakMemory":
+    def __enter__(self) -> PeakMemory:
         if self.device.startswith("cuda"):
             import torch
 
@@ -142,7 +143,7 @@ class Stopwatch:
     def __init__(self, device: str = "cpu") -> None:
         self.device, self.seconds = device, 0.0
 
-    def __enter__(self) -> "Stopwatch":
+    def __enter__(self) -> Stopwatch:
         self._sync()
         self._t0 = time.perf_counter()
         return self
@@ -164,7 +165,7 @@ def quiet_libraries() -> None:
 
     for name in ("diffusers", "transformers"):
         try:
-            getattr(__import__(f"{name}.utils", fromlist=["logging"]), "logging").set_verbosity_error()
+            __import__(f"{name}.utils", fromlist=["logging"]).logging.set_verbosity_error()
         except (ImportError, AttributeError):
             pass
     logging.getLogger("mlflow").setLevel(logging.WARNING)
@@ -215,10 +216,10 @@ def table(rows: Sequence[dict[str, Any]], columns: Sequence[str], title: Optiona
     lines = []
     if title:
         lines.append(title)
-    lines.append("| " + " | ".join(h.ljust(w) for h, w in zip(heads, widths)) + " |")
+    lines.append("| " + " | ".join(h.ljust(w) for h, w in zip(heads, widths, strict=True)) + " |")
     lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for row in cells:
-        lines.append("| " + " | ".join(v.ljust(w) for v, w in zip(row, widths)) + " |")
+        lines.append("| " + " | ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) + " |")
     return "\n".join(lines)
 
 

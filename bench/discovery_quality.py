@@ -45,8 +45,8 @@ def curve_stats(curve_csv: Path, recommended_updates: Optional[int] = None) -> d
 
     c = read_curve_csv(curve_csv)
     u, v = c["update"], c["val_loss"]
-    baseline = next((float(y) for x, y in zip(u, v) if x == 0 and math.isfinite(y)), None)
-    trained = [(float(y), int(x)) for x, y in zip(u, v) if x > 0 and math.isfinite(y)]
+    baseline = next((float(y) for x, y in zip(u, v, strict=True) if x == 0 and math.isfinite(y)), None)
+    trained = [(float(y), int(x)) for x, y in zip(u, v, strict=True) if x > 0 and math.isfinite(y)]
     best, best_update = min(trained) if trained else (None, None)
     out = {"baseline_val_loss": baseline, "best_val_loss": best, "best_update": best_update,
            "final_val_loss": trained[-1][0] if trained else None}

@@ -7,9 +7,10 @@ Each variant trains in a process of its own (so one variant's memory does not co
 public `rangefinder.training.loop.train`, with validation off. `updates/s` is the loop's own rate (the summary's
 `updates_per_second`: the updates over the loop's wall time, model loading and the one-time encoding excluded);
 `cpu s/update` is the process' CPU time in the loop per update (steadier than wall time on a shared machine);
-`run s` is the whole call. Rounds alternate the variants and the median round is reported. Peak memory: the process' resident set sampled during the call on
-CPU, `torch.cuda.max_memory_allocated` on CUDA. Caching on means the latents come from the content-keyed cache
-(warmed by an untimed first run), off means every micro-batch is loaded, preprocessed and VAE-encoded.
+`run s` is the whole call. Rounds alternate the variants and the median round is reported. Peak memory: the process'
+resident set sampled during the call on CPU, `torch.cuda.max_memory_allocated` on CUDA. Caching on means the latents
+come from the content-keyed cache (warmed by an untimed first run), off means every micro-batch is loaded, preprocessed
+and VAE-encoded.
 
 Prints a table and writes JSON to bench/results/engine_speed.json (or --out).
 """
@@ -126,7 +127,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             for variant in VARIANTS:
                 rounds.setdefault((kind, variant), []).append(run_isolated(args, kind, variant, work))
     rows = []
-    for (kind, variant), runs in rounds.items():
+    for runs in rounds.values():
         row = dict(sorted(runs, key=lambda r: r["s_per_update"])[len(runs) // 2])
         row["cpu_s_per_update"] = statistics.median(r["cpu_s_per_update"] for r in runs)
         row["rounds"] = len(runs)

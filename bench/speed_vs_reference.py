@@ -91,7 +91,8 @@ def engine_run(setup, *, updates: int, batch_size: int, mixed_precision: str, de
         shutil.rmtree(out, ignore_errors=True)
     loop = float(summary["seconds"])
     return {
-        "loop": "engine", "channels_last": cfg.channels_last, "batch_size": batch_size, "updates": result.updates, "loop_seconds": loop,
+        "loop": "engine", "channels_last": cfg.channels_last, "batch_size": batch_size, "updates": result.updates,
+        "loop_seconds": loop,
         "setup_seconds": wall - loop, "updates_per_second": result.updates / loop,
         "images_per_second": result.updates * batch_size / loop,
         "peak_mib": mib(mem.peak_bytes), "added_mib": mib(mem.added_bytes), "cache": result.cache,

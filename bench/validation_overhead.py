@@ -37,9 +37,10 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 from bench.common import default_out, machine_info, quiet_libraries, smoke_out, table, torch_threads, write_json
 

@@ -210,7 +210,7 @@ class TrainingConfig(_Section):
     resume: bool = False  # resume from the newest whole checkpoint under the output folder
 
     @model_validator(mode="after")
-    def _consistent(self) -> "TrainingConfig":
+    def _consistent(self) -> TrainingConfig:
         if self.epochs is not None and self.steps is not None:
             raise ValueError("set either training.epochs or training.steps, not both")
         if self.schedule in RAMP_SCHEDULES + CYCLIC_SCHEDULES:
@@ -394,7 +394,7 @@ class RangefinderConfig(_Section):
     lr: Optional[float] = Field(None, gt=0)
 
     @model_validator(mode="after")
-    def _cross(self) -> "RangefinderConfig":
+    def _cross(self) -> RangefinderConfig:
         lo, hi = self.lr_range_test.range_for(self.training.method)
         if hi <= lo:
             raise ValueError(

@@ -1,8 +1,10 @@
 """The method's numbers that both the settings (config.py) and the analysis read: one copy of each.
 
-A plain module with no imports, so that config.py (pydantic) and analysis/ (numpy and matplotlib only) can both use
-it without either importing the other.
+A plain module that imports nothing of the project, so that config.py (pydantic) and analysis/ (numpy and matplotlib
+only) can both use it without either importing the other.
 """
+
+from typing import Final
 
 # Where between the bounds the fine-tune trains, as a share of the way from lr_low to lr_high on the sweep's axis
 # (log LR on an exp ramp, so 0.5 is the geometric mean). Not the halfway point: on the tiny model
@@ -15,7 +17,7 @@ MID_POSITION = 0.75
 # the sweep's axis; "geometric", sqrt(lr_low * lr_high); "arithmetic", (lr_low + lr_high) / 2, the rule of the
 # EveryDream2 write-up. The report shows all three.
 MIDPOINT_RULES = ("tuned", "geometric", "arithmetic")
-MIDPOINT = "tuned"
+MIDPOINT: Final = "tuned"  # Final: a Literal["tuned"] to the type checker, as the settings' field requires
 
 # A ramp is stopped, and a curve read as diverged, when smoothed validation loss exceeds this multiple of its best
 # (or turns NaN/inf).

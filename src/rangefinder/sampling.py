@@ -18,9 +18,10 @@ import io
 import json
 import re
 import textwrap
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Union
 
 from rangefinder.errors import ConfigError
 from rangefinder.formats import checkpoints
@@ -277,7 +278,8 @@ def compose_grid(images: list[list[Any]], row_labels: list[str], col_labels: lis
     for r, row in enumerate(images):
         for c, img in enumerate(row):
             x0, y0, _, _ = layout.cell_box(r, c)
-            grid.paste(img.resize((cell, cell), Image.NEAREST) if img.size != (cell, cell) else img, (x0, y0))
+            fitted = img.resize((cell, cell), Image.Resampling.NEAREST) if img.size != (cell, cell) else img
+            grid.paste(fitted, (x0, y0))
     return grid, layout
 
 
@@ -362,11 +364,11 @@ def render_grid(
     row_labels = [f"{p} | seed {s}" for _, p, s in rows]
     images: list[list[Any]] = [[None] * len(columns) for _ in rows]
     paths: list[list[str]] = [[""] * len(columns) for _ in rows]
-    size = None
-    for c, column in enumerate(columns):
+    size: Optional[int] = None
+    for c_index, column in enumerate(columns):
         pipe = load_column_pipeline(column, base, device=device, dtype=dtype, scheduler=scheduler)
         res = resolution or pipe.unet.config.sample_size * pipe.vae_scale_factor
-        col_dir = out / "images" / f"{c:02d}-{_slug(column.label)}"
+        col_dir = out / "images" / f"{c_index:02d}-{_slug(column.label)}"
         for r, (p_index, prompt, seed) in enumerate(rows):
             # One CPU generator per cell: the initial latents depend on the seed alone, not on what ran before.
             generator = torch.Generator("cpu").manual_seed(int(seed))
@@ -381,14 +383,14 @@ def render_grid(
             ).images[0]
             path = col_dir / f"p{p_index:02d}-s{seed}.png"
             _save_png(img, path)
-            images[r][c] = img
-            paths[r][c] = str(path)
+            images[r][c_index] = img
+            paths[r][c_index] = str(path)
             size = res
         del pipe
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
 
-    cell = cell_size or max(size, 128)
+    cell = cell_size or max(size or 0, 128)
     grid, layout = compose_grid(images, row_labels, [c.label for c in columns], cell)
     grid_path = out / "grid.png"
     _save_png(grid, grid_path)

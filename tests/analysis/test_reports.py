@@ -41,8 +41,8 @@ def write_lr_csv(path, lr, y):
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["update", "epoch", "lr", "train_loss", "val_loss", "stabilize_loss", "val_loss_b0"])
-        for i, (l, v) in enumerate(zip(lr, y)):
-            w.writerow([i * 5, i * 0.5, l, "" if i == 0 else 0.25, v, v - 0.01, v])
+        for i, (lr_i, v) in enumerate(zip(lr, y, strict=True)):
+            w.writerow([i * 5, i * 0.5, lr_i, "" if i == 0 else 0.25, v, v - 0.01, v])
 
 
 def test_lr_report_is_self_contained(tmp_path):
@@ -104,7 +104,7 @@ def test_cli_analyze_lr_and_select_steps(tmp_path, capsys):
     with open(tmp_path / "ft.csv", "w", newline="") as f:
         wr = csv.writer(f)
         wr.writerow(["update", "epoch", "lr", "train_loss", "val_loss", "stabilize_loss"])
-        for ep, v in zip(e, noisy(c.loss(e), 0.001, 0)):
+        for ep, v in zip(e, noisy(c.loss(e), 0.001, 0), strict=True):
             wr.writerow([int(ep * 10), ep, 1e-5, "", v, ""])
     assert main(["select-steps", str(tmp_path / "ft.csv"), "--json", "--tolerance", "0.02"]) == 0
     out = json.loads(capsys.readouterr().out)

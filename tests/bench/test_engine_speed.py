@@ -14,4 +14,7 @@ def test_engine_speed_smoke(tmp_path):
     saved = json.loads((tmp_path / "r.json").read_text())
     assert saved["rows"] == result["rows"]
     assert {r["latent_cache"] for r in result["rows"]} == {"on", "off"}
-    assert all(r["updates"] == 2 and r["updates_per_s"] > 0 and r["cpu_s_per_update"] > 0 and r["peak_mib"] > 0 for r in result["rows"])
+    assert all(
+        r["updates"] == 2 and r["updates_per_s"] > 0 and r["cpu_s_per_update"] > 0 and r["peak_mib"] > 0
+        for r in result["rows"]
+    )

@@ -60,7 +60,9 @@ def test_bad_files_are_listed_in_the_summary_and_skipped(tmp_path, capsys):
     assert main(["split", str(data), "--out", str(tmp_path / "s"), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["images"] == 6 and out["val_images"] == 2
-    assert out["skipped"] == ["broken.png: unreadable image: not a file format Pillow recognises (corrupt or not an image)"]
+    assert out["skipped"] == [
+        "broken.png: unreadable image: not a file format Pillow recognises (corrupt or not an image)"
+    ]
     summary = json.loads((tmp_path / "s" / "split.json").read_text())
     assert summary["skipped"][0]["file_name"] == "broken.png" and summary["root"] == str(data.resolve())
 

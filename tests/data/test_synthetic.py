@@ -34,9 +34,9 @@ def test_captions_are_true():
         px = img.load()
         corners = [px[0, 0], px[31, 0], px[0, 31], px[31, 31]]
         # At least three corners show the background (the shape covers at most one).
-        assert sum(max(abs(a - b) for a, b in zip(c, COLOURS[bg])) < 12 for c in corners) >= 3, caption
+        assert sum(max(abs(a - b) for a, b in zip(c, COLOURS[bg], strict=True)) < 12 for c in corners) >= 3, caption
         colours = [px[x, y] for x in range(32) for y in range(32)]
-        assert any(max(abs(a - b) for a, b in zip(c, COLOURS[fg])) < 12 for c in colours), caption
+        assert any(max(abs(a - b) for a, b in zip(c, COLOURS[fg], strict=True)) < 12 for c in colours), caption
 
 
 def test_stripes_differ_from_shapes_and_reuse(tmp_path):

@@ -1,4 +1,5 @@
-"""rangefinder.container_images: the one place that names the image tags, tied to the package version, overridable at run time."""
+"""rangefinder.container_images: the one place that names the image tags, tied to the package version, overridable at
+run time."""
 
 from __future__ import annotations
 

@@ -115,7 +115,7 @@ def _restricted_violations(spec: dict) -> list[str]:
             problems.append(f"{name}: capabilities do not drop ALL")
         if set(sc.get("capabilities", {}).get("add", [])) - {"NET_BIND_SERVICE"}:
             problems.append(f"{name}: adds capabilities")
-        if not (sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot")) is True):
+        if sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot")) is not True:
             problems.append(f"{name}: runAsNonRoot is not true")
         if sc.get("runAsUser", pod_sc.get("runAsUser")) == 0:
             problems.append(f"{name}: runs as uid 0")
@@ -138,7 +138,8 @@ def test_every_workload_meets_the_restricted_pod_security_standard(rendered):
         for d in r.docs:
             for spec in pod_specs(d):
                 seen += 1
-                problems += [f"{r.entry}: {d['kind']}/{d['metadata']['name']}: {p}" for p in _restricted_violations(spec)]
+                where = f"{r.entry}: {d['kind']}/{d['metadata']['name']}"
+                problems += [f"{where}: {p}" for p in _restricted_violations(spec)]
     assert seen >= 3, "expected the MLflow Deployment, the PostgreSQL StatefulSet and the GPU check Job"
     assert not problems, "\n".join(problems)
 

@@ -56,7 +56,8 @@ def test_only_adapters_train_and_base_weights_are_unchanged(trained_lora):
     assert trainable and all("lora_" in named[id(p)] for p in trainable)
     assert all(k.split(".", 1)[1].count("lora_") for k in method.trainable_state_dict() if k != UPDATES_KEY)
     for name in ("unet", "text_encoder"):
-        now = {k.replace(".base_layer", ""): v for k, v in getattr(parts, name).state_dict().items() if "lora_" not in k}
+        state = getattr(parts, name).state_dict()
+        now = {k.replace(".base_layer", ""): v for k, v in state.items() if "lora_" not in k}
         assert set(now) == set(before[name])
         assert all(torch.equal(now[k], before[name][k]) for k in before[name]), f"{name} base weights moved"
 

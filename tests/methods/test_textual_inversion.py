@@ -157,7 +157,7 @@ def test_whole_pipeline_export_keeps_the_new_tokens_for_slow_tokenizers(trained_
     method, parts, *_, out = trained_ti
     whole = export_pipeline(out, tiny_model_dir, tmp_path / "whole")
     added = json.loads((whole / "tokenizer" / "added_tokens.json").read_text())
-    assert {t: added[t] for t in method.tokens} == dict(zip(method.tokens, method.token_ids))
+    assert {t: added[t] for t in method.tokens} == dict(zip(method.tokens, method.token_ids, strict=True))
     slow_only = tmp_path / "slow"
     shutil.copytree(whole / "tokenizer", slow_only)
     (slow_only / "tokenizer.json").unlink()

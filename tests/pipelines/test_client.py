@@ -247,8 +247,9 @@ def test_cli_reports_refusal_on_one_line(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump(CFG))
     try:
-        r = subprocess.run([sys.executable, "-m", "rangefinder.cli.main", "submit", "--host", s.url, "--config", str(cfg),
-                            "--token", "bad"], capture_output=True, text=True, env={"PATH": "", "HOME": str(tmp_path)})
+        r = subprocess.run([sys.executable, "-m", "rangefinder.cli.main", "submit", "--host", s.url,
+                            "--config", str(cfg), "--token", "bad"],
+                           capture_output=True, text=True, env={"PATH": "", "HOME": str(tmp_path)})
     finally:
         s.close()
     assert r.returncode == 2
@@ -261,8 +262,8 @@ def test_schedule_cli_rejects_bad_cron_before_any_request(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump(CFG))
     try:
-        r = subprocess.run([sys.executable, "-m", "rangefinder.cli.main", "schedule", "--host", s.url, "--config", str(cfg),
-                            "--cron", "0 3 * * *"], capture_output=True, text=True)
+        r = subprocess.run([sys.executable, "-m", "rangefinder.cli.main", "schedule", "--host", s.url,
+                            "--config", str(cfg), "--cron", "0 3 * * *"], capture_output=True, text=True)
     finally:
         s.close()
     assert r.returncode == 2 and "5 fields" in r.stderr and "'0 0 3 * * *'" in r.stderr

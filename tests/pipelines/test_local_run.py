@@ -16,7 +16,6 @@ import pytest
 import yaml
 
 from rangefinder.config import demo_config
-from tests.tracking.fixtures import mlflow_server_uri  # noqa: F401  (a real `mlflow server` on loopback)
 from tests.tracking.pipeline_record import check_pipeline_record
 
 pytestmark = pytest.mark.slow

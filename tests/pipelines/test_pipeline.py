@@ -46,7 +46,8 @@ class Compiled:
         for dag_name, dag in self.dags():
             for task_name, task in dag.tasks.items():
                 ref = task.component_ref.name
-                if ref == f"comp-{prefix}" or (ref.startswith(f"comp-{prefix}-") and ref[len(prefix) + 6:].replace("-", "").isdigit()):
+                numbered = ref.startswith(f"comp-{prefix}-") and ref[len(prefix) + 6:].replace("-", "").isdigit()
+                if ref == f"comp-{prefix}" or numbered:
                     out.append((dag_name, task_name, task))
         assert out, f"no task of component {prefix}"
         return out
@@ -166,7 +167,8 @@ def test_kubernetes_settings(compiled):
         for _, _, task in compiled.tasks(prefix):
             k = compiled.k8s[compiled.executor_of(task)]
             assert dict(k.node_selector.labels) == cfg.node_selector, prefix
-            assert [(t.key, t.operator, t.effect) for t in k.tolerations] == [("nvidia.com/gpu", "Exists", "NoSchedule")]
+            tolerations = [(t.key, t.operator, t.effect) for t in k.tolerations]
+            assert tolerations == [("nvidia.com/gpu", "Exists", "NoSchedule")]
             env = {e.name: e.value for e in compiled.executors[compiled.executor_of(task)].container.env}
             assert env["RANGEFINDER_WORK"] == "/data/work" and env["RANGEFINDER_CACHE"] == "/data/cache", prefix
             shm = [m for m in k.empty_dir_mounts if m.mount_path == "/dev/shm"]
@@ -254,8 +256,8 @@ def test_compile_cli(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("data:\n  resolution: 256\nkubernetes:\n  gpu_count: 1\n")
     out = tmp_path / "sub" / "p.yaml"
-    r = subprocess.run([sys.executable, "-m", "rangefinder.cli.main", "compile", "--out", str(out), "--config", str(cfg)],
-                       capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "rangefinder.cli.main", "compile", "--out", str(out),
+                        "--config", str(cfg)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     c = Compiled(out)
     assert c.spec.root.input_definitions.parameters["resolution"].default_value.number_value == 256
@@ -264,8 +266,8 @@ def test_compile_cli(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("data:\n  resolution: 250\n")
     out2 = tmp_path / "p2.yaml"
-    r = subprocess.run([sys.executable, "-m", "rangefinder.cli.main", "compile", "--out", str(out2), "--config", str(bad)],
-                       capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "rangefinder.cli.main", "compile", "--out", str(out2),
+                        "--config", str(bad)], capture_output=True, text=True)
     assert r.returncode == 2
     assert "data.resolution" in r.stderr and "multiple of 8" in r.stderr
     assert not out2.exists()
@@ -284,5 +286,5 @@ def test_local_build_carries_no_cluster_environment(tmp_path):
     for name, ex in c.executors.items():
         if ex.HasField("container"):
             assert not ex.container.env, name
-    for dag_name, task_name, task in c.tasks("finetune") + c.tasks("prepare-dataset") + c.tasks("lr-range-test"):
+    for _dag, _name, task in c.tasks("finetune") + c.tasks("prepare-dataset") + c.tasks("lr-range-test"):
         assert task.retry_policy.max_retry_count == 0 and not task.caching_options.enable_cache

@@ -9,6 +9,7 @@ import mlflow
 import pandas as pd
 import pytest
 from mlflow import MlflowClient
+from mlflow.exceptions import MlflowException
 
 from rangefinder.cli.main import main as cli_main
 from rangefinder.config import RangefinderConfig, TrackingConfig
@@ -47,7 +48,7 @@ def test_registered_model_loads_from_its_alias_and_generates(mlflow_server_uri, 
     with step_run(cfg, "retrain") as run2:
         run2.log_diffusers_model(tiny_model_dir, metrics={"val_loss": 0.19}, num_inference_steps=2)
     assert client.get_model_version_by_alias(name, "candidate").version == "2"
-    with pytest.raises(Exception):
+    with pytest.raises(MlflowException):  # no version is @champion until promoted
         client.get_model_version_by_alias(name, "champion")
 
     assert promote(name, 1, tracking_uri=mlflow_server_uri)["version"] == "1"

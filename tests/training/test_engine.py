@@ -71,7 +71,8 @@ def test_updates_taken_equal_the_planners_total_updates(combo, split_dir, tiny_m
     optimizer = torch.load(result.checkpoints[-1] / "optimizer.pt", weights_only=True)
     steps = {float(s["step"]) for s in optimizer["state"].values()}
     assert steps == {float(expected.total_updates)}
-    assert math.isclose(result.epochs, expected.images_seen / expected.train_images if not cfg.drop_last else cfg.epochs)
+    epochs = expected.images_seen / expected.train_images if not cfg.drop_last else cfg.epochs
+    assert math.isclose(result.epochs, epochs)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -273,7 +274,7 @@ def test_bf16_with_the_text_encoder_training(split_dir, tiny_model_dir, encoded_
     base = CLIPTextModel.from_pretrained(str(tiny_model_dir), subfolder="text_encoder")
     tuned = CLIPTextModel.from_pretrained(str(result.final_dir), subfolder="text_encoder")
     assert tuned.dtype == torch.float32
-    assert any(not torch.equal(a, b) for a, b in zip(base.parameters(), tuned.parameters()))
+    assert any(not torch.equal(a, b) for a, b in zip(base.parameters(), tuned.parameters(), strict=True))
 
 
 def test_channels_last_trains_the_same_model_and_saves_it(split_dir, tiny_model_dir, encoded_cache, tmp_path):
@@ -302,16 +303,16 @@ def test_with_ema_validation_measures_the_weights_that_are_saved(split_dir, tiny
     ema_run = train(TrainSpec(cfg, ValidationConfig(every_updates=1), split_dir=split_dir, model=tiny_model_dir),
                     out_dir=tmp_path / "ema")
     last = rows(tmp_path / "ema" / "metrics.csv")[-1]
-    again = train(TrainSpec(settings(encoded_cache, steps=1), ValidationConfig(every_updates=1), split_dir=split_dir,
-                            model=str(ema_run.final_dir)),
-                  out_dir=tmp_path / "again")
+    train(TrainSpec(settings(encoded_cache, steps=1), ValidationConfig(every_updates=1), split_dir=split_dir,
+                    model=str(ema_run.final_dir)),
+          out_dir=tmp_path / "again")
     baseline = rows(tmp_path / "again" / "metrics.csv")[0]
     assert float(baseline["update"]) == 0
     assert float(last["val_loss"]) == pytest.approx(float(baseline["val_loss"]), rel=1e-6)
     assert float(last["stabilize_loss"]) == pytest.approx(float(baseline["stabilize_loss"]), rel=1e-6)
     # ... and the run without EMA measures other (the raw) weights.
-    raw = train(TrainSpec(settings(encoded_cache, steps=3), ValidationConfig(every_updates=1), split_dir=split_dir,
-                          model=tiny_model_dir),
-                out_dir=tmp_path / "raw")
+    train(TrainSpec(settings(encoded_cache, steps=3), ValidationConfig(every_updates=1), split_dir=split_dir,
+                    model=tiny_model_dir),
+          out_dir=tmp_path / "raw")
     assert float(rows(tmp_path / "raw" / "metrics.csv")[-1]["val_loss"]) != pytest.approx(
         float(last["val_loss"]), rel=1e-4)

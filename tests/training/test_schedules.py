@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from itertools import pairwise
 
 import pytest
 
@@ -37,7 +38,7 @@ def test_linear_ramp_from_lr_min():
 def test_exp_ramp_is_geometric_from_lr_min_to_lr_max():
     got = lrs(schedule="exp-ramp", lr_min=1e-7, lr_max=1e-1)
     assert got[0] == pytest.approx(1e-7) and got[-1] == pytest.approx(1e-1)
-    ratios = [b / a for a, b in zip(got, got[1:])]
+    ratios = [b / a for a, b in pairwise(got)]
     assert ratios == pytest.approx([(1e-1 / 1e-7) ** (1 / (U - 1))] * (U - 1), rel=1e-9)
 
 
@@ -69,7 +70,8 @@ def test_cyclical(name):
 
 
 def test_impossible_ranges_are_refused():
-    cfg = TrainingConfig.model_construct(**{**dict(TrainingConfig()), "schedule": "exp-ramp", "lr_min": 0.0, "lr_max": 1.0})
+    fields = {**dict(TrainingConfig()), "schedule": "exp-ramp", "lr_min": 0.0, "lr_max": 1.0}
+    cfg = TrainingConfig.model_construct(**fields)
     with pytest.raises(ConfigError, match="lr_min"):
         make_schedule(cfg, U, PER_EPOCH, 1e-4)
     cfg = TrainingConfig.model_construct(**{**dict(TrainingConfig()), "schedule": "spiral"})

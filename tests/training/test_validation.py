@@ -57,7 +57,7 @@ def test_skipping_stabilize_leaves_the_measured_numbers_bit_identical(cadence_ru
     every = rows(cadence_runs["every"][0] / "metrics.csv")
     third = rows(cadence_runs["third"][0] / "metrics.csv")
     assert len(every) == len(third) == UPDATES + 1
-    for a, b in zip(every, third):
+    for a, b in zip(every, third, strict=True):
         assert {k: v for k, v in b.items() if not k.startswith("stabilize_")} == \
             {k: v for k, v in a.items() if not k.startswith("stabilize_")}
         if b["stabilize_loss"]:

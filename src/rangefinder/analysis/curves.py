@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import csv
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import NormalDist
-from typing import Literal, Optional, Sequence
+from typing import Literal, Optional
 
 import numpy as np
 
@@ -58,6 +59,7 @@ def read_curve_csv(path: str | Path, required: Sequence[str] = ("val_loss",),
         raise RangefinderError(f"curve file {p} is empty; it needs a header row such as update,epoch,lr,val_loss")
     header = [h.strip() for h in header]
     cells: dict[str, list[str]] = {h: [] for h in header}
+    kept_lines: list[int] = []  # the line number of each kept row, for error messages
     for lineno, row in rows:
         if len(row) != len(header):
             raise RangefinderError(
@@ -66,7 +68,8 @@ def read_curve_csv(path: str | Path, required: Sequence[str] = ("val_loss",),
             )
         if any(not row[header.index(c)].strip() for c in skip_empty if c in header):
             continue
-        for h, c in zip(header, row):
+        kept_lines.append(lineno)
+        for h, c in zip(header, row, strict=True):
             cells[h].append(c.strip())
     missing = [c for c in required if c not in cells]
     if missing:
@@ -80,7 +83,7 @@ def read_curve_csv(path: str | Path, required: Sequence[str] = ("val_loss",),
             out[h] = np.array([float(c) if c else math.nan for c in col], dtype=float)
         except ValueError:
             if h in CURVE_COLUMNS or h.startswith(("val_loss_b", "stabilize_loss_b")):
-                bad = next((i, c) for i, c in zip((r[0] for r in rows), col) if not _is_float(c))
+                bad = next((i, c) for i, c in zip(kept_lines, col, strict=True) if not _is_float(c))
                 raise RangefinderError(
                     f"{p} line {bad[0]}, column {h}: {bad[1]!r} is not a number; leave a cell empty when not measured"
                 ) from None
@@ -202,8 +205,8 @@ def _solve_local(s: list, t: list, degree: int) -> tuple:
         det = a * c - b * b
         ok = det > 1e-10 * np.maximum(a * c, 1e-300)
         det = np.where(ok, det, 1.0)
-        r0 = (np.where(ok, c / det, 1.0 / np.maximum(a, 1e-300)), np.where(ok, -b / det, 0.0))
-        r1 = (np.where(ok, -b / det, 0.0), np.where(ok, a / det, 0.0))
+        r0: tuple[np.ndarray, ...] = (np.where(ok, c / det, 1.0 / np.maximum(a, 1e-300)), np.where(ok, -b / det, 0.0))
+        r1: tuple[np.ndarray, ...] = (np.where(ok, -b / det, 0.0), np.where(ok, a / det, 0.0))
     else:
         a, b, c, d, e = s
         c00, c01, c02 = c * e - d * d, c * d - b * e, b * d - c * c
@@ -214,8 +217,8 @@ def _solve_local(s: list, t: list, degree: int) -> tuple:
         r0 = (np.where(ok, c00 / det, 1.0 / np.maximum(a, 1e-300)), np.where(ok, c01 / det, 0.0),
               np.where(ok, c02 / det, 0.0))
         r1 = tuple(np.where(ok, v / det, 0.0) for v in (c01, c11, c12))
-    value = sum(r * tk for r, tk in zip(r0, t))
-    slope = sum(r * tk for r, tk in zip(r1, t))
+    value = sum(r * tk for r, tk in zip(r0, t, strict=True))
+    slope = sum(r * tk for r, tk in zip(r1, t, strict=True))
     return value, slope, r0, r1
 
 
@@ -238,7 +241,9 @@ def lowess(x: np.ndarray, y: np.ndarray, span: int, robust_iters: int = 2, kerne
     pw = [(w0 * dx**k).T for k in range(2 * degree + 1)]
     rw = np.ones_like(y)
     inside = (w0 > 0).astype(float)  # (n, n): the points of each window
-    plain_s = plain_t = keep_plain = None
+    plain_s: list[np.ndarray] = []  # the first (not robust) pass's moment sums
+    plain_t: list[np.ndarray] = []
+    keep_plain = None
     for it in range(robust_iters + 1):
         ry = rw * y
         s = [rw @ p for p in pw]
@@ -257,8 +262,8 @@ def lowess(x: np.ndarray, y: np.ndarray, span: int, robust_iters: int = 2, kerne
                 # points), the flat part fits to ~0 and every point of the knee lies beyond 6 MADs; robust fits
                 # there flatten the descent away. Such windows keep the plain fit.
                 keep_plain = rw @ inside.T < 0.5 * inside.sum(axis=1)
-            s = [np.where(keep_plain, a, b) for a, b in zip(plain_s, s)]
-            t = [np.where(keep_plain, a, b) for a, b in zip(plain_t, t)]
+            s = [np.where(keep_plain, a, b) for a, b in zip(plain_s, s, strict=True)]
+            t = [np.where(keep_plain, a, b) for a, b in zip(plain_t, t, strict=True)]
         fitted, slope, r0, r1 = _solve_local(s, t, degree)
         if it == robust_iters:
             break

@@ -325,8 +325,10 @@ def analyze_lr_curve(
     x = _axis(lr_u, ramp)
     n = x.size
     flags: list[str] = ["diverged"] if dropped else []
-    base = dict(ramp=ramp, flags=flags, points_used=n, points_dropped=int(lr_all.size - n), span=n, degree=1, p_descent=1.0,
-                lr_steepest=None, lr_min_div10=None, lr_at_min=None, mid_position=mid_position, midpoint=midpoint)
+    base: dict[str, Any] = dict(
+        ramp=ramp, flags=flags, points_used=n, points_dropped=int(lr_all.size - n), span=n, degree=1, p_descent=1.0,
+        lr_steepest=None, lr_min_div10=None, lr_at_min=None, mid_position=mid_position, midpoint=midpoint,
+    )
     if n < 3 or np.ptp(x) <= 0:
         return _not_ok("diverged" if dropped else "no_descent", base, snr=0.0, sigma=math.nan, drop=0.0,
                        fit=LRCurveFit(ramp, lr_u, x, y, y.copy(), fit_dropped_lr, fit_dropped_y, stab_all, lr_all))
@@ -390,7 +392,7 @@ def analyze_lr_curve(
     }
     quality = float(np.prod([max(p, 1e-3) for p in parts.values()]) ** (1 / len(parts)))
     quality *= 0.8 ** sum(f in ("upper_censored", "lower_censored") for f in flags)
-    label = "high" if quality >= 0.7 else "medium" if quality >= 0.4 else "low"
+    label: Literal["high", "medium", "low"] = "high" if quality >= 0.7 else "medium" if quality >= 0.4 else "low"
     return LRBounds(
         status="ok",
         lr_low=float(_to_lr(reading.x_low, ramp)),

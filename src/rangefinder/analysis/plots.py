@@ -73,7 +73,7 @@ def plot_lr_range_test(bounds: LRBounds, out_path: str | Path, *, title: Optiona
             ax.plot(fit.all_lr[stab_ok], fit.stabilize_loss[stab_ok], "-", color=STABILIZE, lw=1.4, alpha=0.9,
                     label="stabilize loss (train subset)")
     lo, hi = _y_limits(fit.val_loss, fit.smoothed,
-                       None if stab_ok is None else fit.stabilize_loss[stab_ok])
+                       None if stab_ok is None or fit.stabilize_loss is None else fit.stabilize_loss[stab_ok])
     if fit.dropped_lr.size:
         # Left-out points (NaN or exploded) are drawn as crosses on the top edge.
         ax.plot(np.where(fit.dropped_lr > 0, fit.dropped_lr, np.nan) if log else fit.dropped_lr,
@@ -121,7 +121,8 @@ def plot_step_window(window: StepWindow, out_path: str | Path, *, title: Optiona
         ok = np.isfinite(fit.stabilize_loss)
         ax.plot(fit.update[ok], fit.stabilize_loss[ok], ".", color=STABILIZE, ms=3, alpha=0.6)
         if fit.stabilize_smoothed is not None:
-            ax.plot(fit.update, fit.stabilize_smoothed, "-", color=STABILIZE, lw=1.6, label="stabilize loss (train subset)")
+            ax.plot(fit.update, fit.stabilize_smoothed, "-", color=STABILIZE, lw=1.6,
+                    label="stabilize loss (train subset)")
     lo, hi = _y_limits(fit.val_loss, fit.smoothed, fit.stabilize_loss)
     if fit.dropped_update.size:
         ax.plot(fit.dropped_update, np.full(fit.dropped_update.shape, hi), "x", color="#c23030", ms=7,

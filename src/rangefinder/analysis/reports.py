@@ -58,7 +58,8 @@ def _page(title: str, status: str, lead: str, png: Path, rows: list[tuple[str, A
           notes: list[tuple[str, str]], source: Optional[str]) -> str:
     e = html.escape
     table = "\n".join(
-        f"<tr><th>{e(k)}</th><td class='num'>{e(_fmt(v))}</td><td class='muted'>{e(why)}</td></tr>" for k, v, why in rows
+        f"<tr><th>{e(k)}</th><td class='num'>{e(_fmt(v))}</td><td class='muted'>{e(why)}</td></tr>"
+        for k, v, why in rows
     )
     items = "\n".join(f"<li><span class='flag'>{e(k)}</span>: {e(text)}</li>" for k, text in notes)
     src = f"<p class='muted'>Curve: {e(source)}</p>" if source else ""
@@ -81,7 +82,9 @@ def _page(title: str, status: str, lead: str, png: Path, rows: list[tuple[str, A
 """
 
 
-def _markdown(title: str, status: str, lead: str, rows: list[tuple[str, Any, str]], notes: list[tuple[str, str]]) -> str:
+def _markdown(
+    title: str, status: str, lead: str, rows: list[tuple[str, Any, str]], notes: list[tuple[str, str]]
+) -> str:
     lines = [f"## {title}", "", f"**{status}**: {lead}", "", "| | |", "|---|---|"]
     lines += [f"| {k} | {_fmt(v)} |" for k, v, _ in rows]
     lines += [""] + [f"- **{k}**: {text}" for k, text in notes]
@@ -139,7 +142,7 @@ def write_lr_report(bounds: LRBounds, curve: Optional[dict], out_dir: str | Path
         ("lr_steepest (fastai 'steep')", bounds.lr_steepest, "for comparison: steepest raw slope, noise-sensitive"),
         ("lr_min / 10 (fastai 'minimum')", bounds.lr_min_div10, "for comparison"),
     ]
-    notes = [(bounds.status, LR_STATUS_ADVICE[bounds.status])]
+    notes: list[tuple[str, str]] = [(bounds.status, LR_STATUS_ADVICE[bounds.status])]
     notes += [(f, LR_FLAG_ADVICE[f]) for f in bounds.flags]
     return _write_report(out, "lr_report", "lr_bounds.json", "LR range test", bounds.status, lead, png, rows, notes,
                          _source_line(curve, source), bounds.to_dict())
@@ -185,7 +188,7 @@ def write_step_report(window: StepWindow, curve: Optional[dict], out_dir: str | 
         ("noise (s.d.)", window.noise_sigma, f"p(improvement) = {window.p_improvement:.3g}"),
         ("points used", window.points_used, f"{window.points_dropped} left out"),
     ]
-    notes = [(window.status, STEP_STATUS_ADVICE[window.status])]
+    notes: list[tuple[str, str]] = [(window.status, STEP_STATUS_ADVICE[window.status])]
     notes += [(f, STEP_FLAG_ADVICE[f]) for f in window.flags]
     return _write_report(out, "step_report", "step_window.json", "Step window", window.status, lead, png, rows,
                          notes, _source_line(curve, source), window.to_dict())

@@ -152,7 +152,7 @@ def select_step_window(
     s = None if s_all is None else s_all[:n_ok]
     n = u.size
     fit = StepCurveFit(u, e, y, y.copy(), s, None, u_all[n_ok:], y_all[n_ok:])
-    common = dict(tolerance=tolerance, points_used=n, points_dropped=int(u_all.size - n), fit=fit)
+    common: dict[str, Any] = dict(tolerance=tolerance, points_used=n, points_dropped=int(u_all.size - n), fit=fit)
     if n < 3 or np.ptp(u) <= 0:
         return _no_improvement(flags, common, sigma=math.nan, p=1.0, span=n)
 

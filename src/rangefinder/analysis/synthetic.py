@@ -40,7 +40,9 @@ class RangeTestShape:
         return self.base - self.drop * fall + self.rise * up
 
 
-def lr_sweep(n: int, lr_min: float = 1e-7, lr_max: float = 1e-2, ramp: str = "exp", baseline: bool = True) -> np.ndarray:
+def lr_sweep(
+    n: int, lr_min: float = 1e-7, lr_max: float = 1e-2, ramp: str = "exp", baseline: bool = True
+) -> np.ndarray:
     """The LRs at which a range test validates: n points from lr_min to lr_max, after a baseline at 0."""
     lr = np.geomspace(lr_min, lr_max, n) if ramp == "exp" else np.linspace(lr_min, lr_max, n)
     return np.concatenate([[0.0], lr]) if baseline else lr

@@ -35,7 +35,7 @@ class Item:
         return {"id": self.id, "file_name": self.file_name, "text": self.text}
 
     @classmethod
-    def from_json(cls, obj: dict) -> "Item":
+    def from_json(cls, obj: dict) -> Item:
         return cls(id=int(obj["id"]), file_name=str(obj["file_name"]), text=str(obj["text"]))
 
 

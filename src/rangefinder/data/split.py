@@ -155,7 +155,8 @@ def read_split(split_dir: str | Path, root: str | Path | None = None) -> Split:
     summary_path = d / SUMMARY_FILE
     if not summary_path.is_file():
         raise DataError(
-            f"{d} is not a finished split folder (no {SUMMARY_FILE}); make one with `rangefinder split DATA_DIR --out {d}`"
+            f"{d} is not a finished split folder (no {SUMMARY_FILE}); "
+            f"make one with `rangefinder split DATA_DIR --out {d}`"
         )
     summary = json.loads(summary_path.read_text(encoding="utf-8"))
     subsets: dict[str, list[Item]] = {}

@@ -36,7 +36,7 @@ class ValidatedDataset:
     items: list[Item]  # usable, sorted by file_name
     skipped: list[Skipped] = field(default_factory=list)
 
-    def require(self, min_images: int = 2) -> "ValidatedDataset":
+    def require(self, min_images: int = 2) -> ValidatedDataset:
         """DataError unless at least `min_images` usable images remain."""
         if len(self.items) >= min_images:
             return self

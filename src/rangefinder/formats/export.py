@@ -19,9 +19,10 @@ Every file carries the run's facts in its safetensors metadata (`rangefinder.*` 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
 from rangefinder import __version__
 from rangefinder.formats.atomic import atomic_path, write_json, write_text
@@ -195,7 +196,8 @@ def _top_level_tables() -> tuple[dict[str, str], dict[str, str]]:
     """The non-block layers, from diffusers' own diffusers->LDM name table (used by its single-file loader)."""
     from diffusers.loaders.single_file_utils import DIFFUSERS_TO_LDM_MAPPING
 
-    return dict(DIFFUSERS_TO_LDM_MAPPING["unet"]["layers"]), dict(DIFFUSERS_TO_LDM_MAPPING["vae"])
+    mapping: dict[str, Any] = DIFFUSERS_TO_LDM_MAPPING  # diffusers types it as dict[str, object]
+    return dict(mapping["unet"]["layers"]), dict(mapping["vae"])
 
 
 def _map_keys(state_dict, table, top_level: Mapping[str, str], what: str) -> dict[str, Any]:
@@ -362,9 +364,10 @@ def trained_lora_layers(module, adapter: str = "default") -> dict[str, LoraWeigh
     layers = {}
     for name, m in module.named_modules():
         if isinstance(m, LoraLayer) and adapter in m.lora_A:
+            # lora_A/B are nn.ModuleDicts; mypy reads them through nn.Module.__getattr__ (Tensor | Module).
             layers[name] = LoraWeights(
-                down=m.lora_A[adapter].weight.detach(),
-                up=m.lora_B[adapter].weight.detach(),
+                down=m.lora_A[adapter].weight.detach(),  # type: ignore[operator]
+                up=m.lora_B[adapter].weight.detach(),  # type: ignore[operator]
                 scale=float(m.scaling[adapter]),
             )
     return layers

@@ -94,8 +94,8 @@ def _from_folder_like(location: str, model_cfg: ModelConfig, **hub_kwargs) -> di
     from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
     from transformers import CLIPTextModel, CLIPTokenizer
 
-    rev = {"revision": model_cfg.revision} if model_cfg.revision else {}
-    var = {"variant": model_cfg.variant} if model_cfg.variant else {}
+    rev: dict[str, Any] = {"revision": model_cfg.revision} if model_cfg.revision else {}
+    var: dict[str, Any] = {"variant": model_cfg.variant} if model_cfg.variant else {}
     return {
         "tokenizer": CLIPTokenizer.from_pretrained(location, subfolder="tokenizer", **rev, **hub_kwargs),
         "text_encoder": CLIPTextModel.from_pretrained(location, subfolder="text_encoder", **rev, **var, **hub_kwargs),
@@ -114,7 +114,7 @@ def _finish(parts: dict, source: str, model_dir: Optional[Path], kind: str) -> S
 def _load_folder(folder: Path, model_cfg: ModelConfig) -> SDComponents:
     try:
         parts = _from_folder_like(str(folder), model_cfg, local_files_only=True)
-    except (OSError, ValueError, EnvironmentError) as e:
+    except (OSError, ValueError) as e:
         raise ConfigError(f"model.base_model: cannot load the diffusers folder {folder}: {_first_line(e)}") from e
     return _finish(parts, f"diffusers folder {folder}", folder, "folder")
 

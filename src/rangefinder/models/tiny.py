@@ -25,9 +25,10 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 from rangefinder.formats.atomic import atomic_dir
 from rangefinder.formats.export import save_pipeline_folder
@@ -129,7 +130,7 @@ def _bytes_to_unicode() -> dict[int, str]:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    return dict(zip(bs, (chr(c) for c in cs)))
+    return dict(zip(bs, (chr(c) for c in cs), strict=True))
 
 
 def tokenizer_vocab_and_merges(words: list[str]) -> tuple[dict[str, int], list[tuple[str, str]]]:
@@ -159,7 +160,8 @@ def build_tokenizer(max_length: int = 77):
     from transformers import CLIPTokenizer
 
     vocab, merges = tokenizer_vocab_and_merges(vocabulary_words())
-    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=max_length)
+    # tokenizers' BPE takes the merges as (a, b) pairs; transformers annotates them as strings.
+    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=max_length)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -267,7 +269,7 @@ def _pretrain(parts: dict, settings: TinyModelSettings, log: Callable[[str], Non
     vae.train()
     opt = torch.optim.Adam(vae.parameters(), lr=settings.vae_lr)
     t0 = time.time()
-    for step in range(settings.vae_steps):
+    for _ in range(settings.vae_steps):
         idx = torch.randint(0, len(vae_data), (settings.vae_batch,), generator=g)
         x = vae_data[idx]
         z = vae.encode(x).latent_dist.mode()
@@ -300,7 +302,7 @@ def _pretrain(parts: dict, settings: TinyModelSettings, log: Callable[[str], Non
     opt = torch.optim.AdamW(params, lr=settings.unet_lr, weight_decay=1e-2)
     t0 = time.time()
     running = None
-    for step in range(settings.unet_steps):
+    for _ in range(settings.unet_steps):
         idx = torch.randint(0, len(latents), (settings.unet_batch,), generator=g)
         z0 = latents[idx]
         ids = caption_ids[idx].clone()

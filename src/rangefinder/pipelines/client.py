@@ -42,7 +42,7 @@ class EndpointError(RangefinderError):
 # ---------------------------------------------------------------------------------------------------------------
 # Cron (6 fields, as KFP's scheduler reads them: robfig/cron with seconds)
 
-_CRON_FIELDS = (
+_CRON_FIELDS: tuple[tuple[str, int, int, dict[str, int]], ...] = (
     ("seconds", 0, 59, {}),
     ("minutes", 0, 59, {}),
     ("hours", 0, 23, {}),
@@ -72,7 +72,7 @@ def validate_cron(expr: str) -> str:
             f"cron {expr!r} has {len(fields)} fields; give 6: seconds minutes hours day-of-month month day-of-week, "
             f"e.g. {_CRON_EXAMPLE}"
         )
-    for value, (name, lo, hi, names) in zip(fields, _CRON_FIELDS):
+    for value, (name, lo, hi, names) in zip(fields, _CRON_FIELDS, strict=True):
         if value == "?":
             if name not in ("day of month", "day of week"):
                 raise ConfigError(f"cron {expr!r}: '?' is only allowed in day-of-month or day-of-week, not {name}")
@@ -219,7 +219,9 @@ class _kfp_errors:
                 raise EndpointError(f"the KFP endpoint {self.ep.host} refused the credentials (HTTP {exc.status}, "
                                     f"{self.ep.describe_auth()}); pass a valid --token") from None
             body = (exc.body or "").strip().replace("\n", " ")[:300] if isinstance(exc.body, str) else ""
-            raise EndpointError(f"the KFP endpoint {self.ep.host} answered HTTP {exc.status} {exc.reason}: {body}") from None
+            raise EndpointError(
+                f"the KFP endpoint {self.ep.host} answered HTTP {exc.status} {exc.reason}: {body}"
+            ) from None
         if isinstance(exc, (urllib3.exceptions.HTTPError, OSError)):
             raise EndpointError(f"lost the KFP endpoint {self.ep.host} ({exc})") from None
         return False
@@ -240,7 +242,9 @@ def _filter_by_name(name: str) -> str:
     return json.dumps({"predicates": [{"operation": "EQUALS", "key": "display_name", "stringValue": name}]})
 
 
-def ensure_pipeline_version(client, package_path: str, pipeline_name: str, description: str = "") -> tuple[str, str, bool]:
+def ensure_pipeline_version(
+    client, package_path: str, pipeline_name: str, description: str = ""
+) -> tuple[str, str, bool]:
     """(pipeline_id, version_id, uploaded): reuse the pipeline and the version of the same name, else upload."""
     version_name = package_version_name(package_path)
     pipeline_id = client.get_pipeline_id(pipeline_name)

@@ -12,7 +12,9 @@ compiles.
 Imports live inside the bodies: KFP ships each body to the pod as source, so module-level names do not exist there.
 """
 
-# No `from __future__ import annotations`: KFP reads the components' annotations as real types.
+# No `from __future__ import annotations`: KFP reads the components' annotations as real types. Their outputs are
+# declared the way KFP documents, `-> NamedTuple("Name", field=type)`, a call mypy does not accept as a type; hence
+# the `type: ignore[valid-type]` on each. A class-based NamedTuple would not exist in the pod: KFP ships only the body.
 from typing import NamedTuple, Optional
 
 from kfp import dsl
@@ -20,7 +22,8 @@ from kfp.dsl import HTML, Dataset, Input, Markdown, Metrics, Model, Output
 
 from rangefinder.container_images import default_images
 
-# The release's default names; `rangefinder.pipelines.pipeline` sets the image each task really runs in when it compiles.
+# The release's default names; `rangefinder.pipelines.pipeline` sets the image each task really runs in when it
+# compiles.
 TRAINER_IMAGE = default_images()["trainer"]
 CPU_IMAGE = default_images()["cpu"]
 
@@ -49,7 +52,7 @@ def resolve_config(
     mlflow_experiment: str,
     pipeline_job_id: str,
     pipeline_job_name: str = "",
-) -> NamedTuple("ResolvedConfig", config_json=str, fixed_lr=float, retrain=bool, mlflow_parent_run_id=str):
+) -> NamedTuple("ResolvedConfig", config_json=str, fixed_lr=float, retrain=bool, mlflow_parent_run_id=str):  # type: ignore[valid-type]
     """Validate the parameters into one config (fails fast, before any GPU is requested); open the MLflow parent
     run of this pipeline run."""
     from collections import namedtuple
@@ -64,8 +67,8 @@ def resolve_config(
         prompts=prompts, mlflow_experiment=mlflow_experiment, pipeline_job_id=pipeline_job_id,
         pipeline_job_name=pipeline_job_name,
     )
-    out = namedtuple("ResolvedConfig", "config_json fixed_lr retrain mlflow_parent_run_id")
-    return out(r.config_json, r.fixed_lr, r.retrain, r.mlflow_parent_run_id)
+    ResolvedConfig = namedtuple("ResolvedConfig", "config_json fixed_lr retrain mlflow_parent_run_id")
+    return ResolvedConfig(r.config_json, r.fixed_lr, r.retrain, r.mlflow_parent_run_id)
 
 
 @dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
@@ -74,7 +77,7 @@ def prepare_dataset(
     split: Output[Dataset],
     report: Output[Markdown],
     dataset: Optional[Input[Dataset]] = None,
-) -> NamedTuple("Prepared", train_images=int, val_images=int, skipped_files=int):
+) -> NamedTuple("Prepared", train_images=int, val_images=int, skipped_files=int):  # type: ignore[valid-type]
     """Validate the images and captions and split them (train / validation / stabilize) into one Dataset folder."""
     from collections import namedtuple
     from pathlib import Path
@@ -88,7 +91,8 @@ def prepare_dataset(
         dataset_dir=Path(dataset.path) if dataset is not None else None,
         report_path=Path(report.path),
     )
-    return namedtuple("Prepared", "train_images val_images skipped_files")(r.train_images, r.val_images, r.skipped)
+    Prepared = namedtuple("Prepared", "train_images val_images skipped_files")
+    return Prepared(r.train_images, r.val_images, r.skipped)
 
 
 @dsl.component(base_image=TRAINER_IMAGE, install_kfp_package=False)
@@ -103,7 +107,7 @@ def lr_range_test(
     report_md: Output[Markdown],
     lr_min: float = 0.0,
     lr_max: float = 0.0,
-) -> NamedTuple(
+) -> NamedTuple(  # type: ignore[valid-type]
     "LRBounds", lr_low=float, lr_high=float, lr_mid=float, needs_zoom=bool, zoom_lr_min=float, zoom_lr_max=float
 ):
     """One training run whose LR climbs from lr_min to lr_max (0: the configured range), then the bounds."""
@@ -126,8 +130,8 @@ def lr_range_test(
     )
     for name, value in r.metrics().items():
         metrics.log_metric(name, value)
-    out = namedtuple("LRBounds", "lr_low lr_high lr_mid needs_zoom zoom_lr_min zoom_lr_max")
-    return out(r.lr_low, r.lr_high, r.lr_mid, r.needs_zoom, r.zoom_lr_min, r.zoom_lr_max)
+    LRBounds = namedtuple("LRBounds", "lr_low lr_high lr_mid needs_zoom zoom_lr_min zoom_lr_max")
+    return LRBounds(r.lr_low, r.lr_high, r.lr_mid, r.needs_zoom, r.zoom_lr_min, r.zoom_lr_max)
 
 
 @dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
@@ -138,7 +142,7 @@ def choose_lr(
     lr_high: float,
     lr_mid: float,
     decision: Output[Markdown],
-) -> NamedTuple("ChosenLR", lr_low=float, lr_high=float, lr_mid=float, source=str):
+) -> NamedTuple("ChosenLR", lr_low=float, lr_high=float, lr_mid=float, source=str):  # type: ignore[valid-type]
     """The LR bounds the fine-tune uses, and where they came from (first test, zoom re-test or fixed by hand)."""
     from collections import namedtuple
     from pathlib import Path
@@ -148,7 +152,8 @@ def choose_lr(
 
     r = run_choose_lr(load_step_config(config_json), source=source, lr_low=lr_low, lr_high=lr_high, lr_mid=lr_mid,
                       decision_path=Path(decision.path))
-    return namedtuple("ChosenLR", "lr_low lr_high lr_mid source")(r.lr_low, r.lr_high, r.lr_mid, r.source)
+    ChosenLR = namedtuple("ChosenLR", "lr_low lr_high lr_mid source")
+    return ChosenLR(r.lr_low, r.lr_high, r.lr_mid, r.source)
 
 
 @dsl.component(base_image=TRAINER_IMAGE, install_kfp_package=False)
@@ -165,7 +170,7 @@ def finetune(
     metrics: Output[Metrics],
     report_html: Output[HTML],
     report_md: Output[Markdown],
-) -> NamedTuple("Finetuned", recommended_epochs=int, recommended_updates=int, still_improving=bool):
+) -> NamedTuple("Finetuned", recommended_epochs=int, recommended_updates=int, still_improving=bool):  # type: ignore[valid-type]
     """Train at the midpoint LR (or cycle between the bounds) for longer than needed; find the step window."""
     from collections import namedtuple
     from pathlib import Path
@@ -185,8 +190,8 @@ def finetune(
     )
     for name, value in r.metrics().items():
         metrics.log_metric(name, value)
-    out = namedtuple("Finetuned", "recommended_epochs recommended_updates still_improving")
-    return out(r.recommended_epochs, r.recommended_updates, r.still_improving)
+    Finetuned = namedtuple("Finetuned", "recommended_epochs recommended_updates still_improving")
+    return Finetuned(r.recommended_epochs, r.recommended_updates, r.still_improving)
 
 
 @dsl.component(base_image=TRAINER_IMAGE, install_kfp_package=False)
@@ -252,7 +257,7 @@ def register_model(
     lr_mid: float,
     epochs: int,
     mlflow_parent_run_id: str,
-) -> NamedTuple("Registered", model_uri=str, version=str):
+) -> NamedTuple("Registered", model_uri=str, version=str):  # type: ignore[valid-type]
     """Log the final weights to MLflow with the chosen LR and epochs, and register them."""
     from collections import namedtuple
     from pathlib import Path
@@ -262,7 +267,8 @@ def register_model(
 
     r = run_register_model(load_step_config(config_json), model_dir=Path(model.path), lr_mid=lr_mid, epochs=epochs,
                            mlflow_parent_run_id=mlflow_parent_run_id or None)
-    return namedtuple("Registered", "model_uri version")(r.model_uri, r.version or "")
+    Registered = namedtuple("Registered", "model_uri version")
+    return Registered(r.model_uri, r.version or "")
 
 
 @dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)

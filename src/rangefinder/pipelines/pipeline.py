@@ -24,7 +24,8 @@ kfp's and kfp-kubernetes' own calls, at compile time. Nothing here reads the env
 """
 
 # No `from __future__ import annotations`: KFP reads the pipeline functions' annotations as real types.
-from typing import Callable, NamedTuple, Optional
+from collections.abc import Callable
+from typing import NamedTuple, Optional
 
 from kfp import dsl, kubernetes
 
@@ -99,6 +100,15 @@ def configure_task(task: dsl.PipelineTask, step: str, k8s: KubernetesConfig, loc
     return task.set_display_name(step.replace("_", "-"))
 
 
+class Bounds(NamedTuple):
+    """discover-lr's outputs (KFP reads the fields): the LR range to fine-tune with, and which test chose it."""
+
+    lr_low: float
+    lr_high: float
+    lr_mid: float
+    source: str  # "range-test" or "zoom"
+
+
 def build_pipeline(cfg: Optional[RangefinderConfig] = None, *, local: bool = False) -> Callable:
     """The pipeline function; `cfg` gives the parameters' defaults and the pod settings (none when `local`)."""
     cfg = cfg or RangefinderConfig()
@@ -111,7 +121,7 @@ def build_pipeline(cfg: Optional[RangefinderConfig] = None, *, local: bool = Fal
     @dsl.pipeline(name="discover-lr")
     def discover_lr(
         config_json: str, split: dsl.Input[dsl.Dataset], mlflow_parent_run_id: str
-    ) -> NamedTuple("Bounds", lr_low=float, lr_high=float, lr_mid=float, source=str):
+    ) -> Bounds:
         """LR range test, and a second one on a narrower range when the first curve cannot be read well."""
         first = step(c.lr_range_test(config_json=config_json, split=split, stage="first",
                                      mlflow_parent_run_id=mlflow_parent_run_id), "lr_range_test")
@@ -126,8 +136,7 @@ def build_pipeline(cfg: Optional[RangefinderConfig] = None, *, local: bool = Fal
         with dsl.Else(name="first-test-readable"):
             kept = step(c.choose_lr(config_json=config_json, source="range-test", lr_low=first.outputs["lr_low"],
                                     lr_high=first.outputs["lr_high"], lr_mid=first.outputs["lr_mid"]), "choose_lr")
-        bounds = NamedTuple("Bounds", lr_low=float, lr_high=float, lr_mid=float, source=str)
-        return bounds(
+        return Bounds(
             lr_low=dsl.OneOf(zoomed.outputs["lr_low"], kept.outputs["lr_low"]),
             lr_high=dsl.OneOf(zoomed.outputs["lr_high"], kept.outputs["lr_high"]),
             lr_mid=dsl.OneOf(zoomed.outputs["lr_mid"], kept.outputs["lr_mid"]),

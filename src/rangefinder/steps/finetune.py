@@ -51,7 +51,8 @@ def finetune_training_config(cfg: RangefinderConfig, lr_low: float, lr_high: flo
     tc = cfg.training.model_copy(update=update)
     if ft.checkpoint_every_epochs:
         per_epoch = plan_for(tc, train_images).updates_per_epoch
-        tc = tc.model_copy(update={"checkpoint_every_updates": max(1, math.ceil(ft.checkpoint_every_epochs * per_epoch))})
+        every = max(1, math.ceil(ft.checkpoint_every_epochs * per_epoch))
+        tc = tc.model_copy(update={"checkpoint_every_updates": every})
     return TrainingConfig.model_validate(tc.model_dump())
 
 

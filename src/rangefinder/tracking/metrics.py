@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 import re
 import time
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any, Optional
 
 from rangefinder.errors import TrackingError
 from rangefinder.tracking.redaction import redact
@@ -118,7 +119,7 @@ class BatchedMetricLogger:
             finally:
                 self.closed = True
 
-    def __enter__(self) -> "BatchedMetricLogger":
+    def __enter__(self) -> BatchedMetricLogger:
         return self
 
     def __exit__(self, *exc: Any) -> None:

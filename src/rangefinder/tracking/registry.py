@@ -15,10 +15,11 @@ import logging
 import math
 import os
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
 from rangefinder.errors import TrackingError
 from rangefinder.tracking.redaction import redact, safe_uri

@@ -22,14 +22,16 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Optional
 
 from rangefinder.errors import TrackingError
 from rangefinder.tracking.metrics import BatchedMetricLogger, metric_name
 from rangefinder.tracking.redaction import REDACTED, is_secret_key, redact, safe_uri
 from rangefinder.tracking.target import (
+    TrackingSource,
     default_experiment_id,
     ensure_tracking_server,
     resolve_experiment_name,
@@ -54,7 +56,7 @@ _SAFE_TAG_VALUE = re.compile(r"^[\w.:/@+ -]{1,200}$")
 # Client and the facts every run is tagged with
 
 
-def tracking_client(cfg: Any = None, *, check: bool = True):
+def tracking_client(cfg: Optional[TrackingSource] = None, *, check: bool = True):
     """An MlflowClient for the resolved tracking URI, after the fail-fast check (see target.py)."""
     import mlflow
     from mlflow import MlflowClient
@@ -84,7 +86,7 @@ def _checkout_revision() -> Optional[str]:
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
-def common_tags(cfg: Any = None) -> dict[str, str]:
+def common_tags(cfg: Optional[TrackingSource] = None) -> dict[str, str]:
     """Pipeline version, git revision, image and base model: the facts that make a run reproducible."""
     from rangefinder import __version__
 
@@ -101,7 +103,7 @@ def common_tags(cfg: Any = None) -> dict[str, str]:
     return tags
 
 
-def _get(cfg: Any, section: str, name: str) -> Any:
+def _get(cfg: Optional[TrackingSource], section: str, name: str) -> Any:
     return getattr(getattr(cfg, section, None), name, None)
 
 
@@ -204,7 +206,7 @@ def _pipeline_key(kfp_run_id: Optional[str], name: Optional[str]) -> str:
 
 
 def ensure_parent_run(
-    cfg: Any = None,
+    cfg: Optional[TrackingSource] = None,
     *,
     name: Optional[str] = None,
     kfp_run_id: Optional[str] = None,
@@ -276,7 +278,7 @@ def _get_run(client: Any, run_id: str, what: str):
         ) from None
 
 
-def finish_pipeline_run(cfg: Any, run_id: str, *, status: str = "FINISHED") -> None:
+def finish_pipeline_run(cfg: Optional[TrackingSource], run_id: str, *, status: str = "FINISHED") -> None:
     """Mark the parent run ended (FINISHED, FAILED or KILLED), unless KFP's plugin owns it (it ends it itself)."""
     client = tracking_client(cfg)
     run = _get_run(client, run_id, "finish_pipeline_run")
@@ -304,7 +306,7 @@ class StepRun:
     step_name: str
     parent_run_id: Optional[str]
     tracking_uri: str
-    cfg: Any = None
+    cfg: Optional[TrackingSource] = None
     metrics: BatchedMetricLogger = field(init=False)
 
     def __post_init__(self) -> None:
@@ -317,7 +319,9 @@ class StepRun:
         self.metrics.log_metrics(metrics, step)
 
     # --- settings
-    def log_config(self, cfg: Any = None, *, plan: Any = None, extra: Optional[Mapping[str, Any]] = None) -> None:
+    def log_config(
+        self, cfg: Optional[TrackingSource] = None, *, plan: Any = None, extra: Optional[Mapping[str, Any]] = None
+    ) -> None:
         """All resolved settings as flat params (`training.batch_size`, ...), the planner's figures as `plan.*`.
 
         `plan` is a rangefinder.config.Plan (effective_batch, updates_per_epoch, lr = the scaled LR, ...);
@@ -461,7 +465,7 @@ def _flatten_any(obj: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 @contextlib.contextmanager
 def step_run(
-    cfg: Any,
+    cfg: Optional[TrackingSource],
     step_name: str,
     *,
     parent_run_id: Optional[str] = None,

@@ -8,11 +8,17 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
 from urllib.parse import unquote, urlsplit
 
 from rangefinder.errors import TrackingError
 from rangefinder.tracking.redaction import safe_uri
+
+if TYPE_CHECKING:
+    from rangefinder.config import RangefinderConfig, TrackingConfig
+
+# What the tracking calls take as `cfg`: the whole config, or only its tracking section (None: the defaults).
+TrackingSource = Union["RangefinderConfig", "TrackingConfig"]
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"  # in the working folder, as `mlflow ui` / `mlflow server` expect
 CHECK_TIMEOUT_S = 5.0  # per request; a healthy server answers the check in milliseconds
@@ -21,7 +27,7 @@ _CREDENTIAL_VARS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLF
 _checked: set[tuple[str, str]] = set()
 
 
-def tracking_settings(cfg: Any = None):
+def tracking_settings(cfg: Optional[TrackingSource] = None) -> TrackingConfig:
     """The TrackingConfig inside `cfg` (a RangefinderConfig, a TrackingConfig, or None for the defaults)."""
     from rangefinder.config import TrackingConfig
 
@@ -35,7 +41,7 @@ def tracking_settings(cfg: Any = None):
     raise TypeError(f"expected a RangefinderConfig or TrackingConfig, got {type(cfg).__name__}")
 
 
-def resolve_tracking_uri(cfg: Any = None) -> str:
+def resolve_tracking_uri(cfg: Optional[TrackingSource] = None) -> str:
     """tracking.tracking_uri, else $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working folder.
 
     A relative sqlite path is made absolute here, so that the steps a local run starts in other folders (kfp.local
@@ -49,7 +55,7 @@ def resolve_tracking_uri(cfg: Any = None) -> str:
     return uri
 
 
-def resolve_experiment_name(cfg: Any = None) -> str:
+def resolve_experiment_name(cfg: Optional[TrackingSource] = None) -> str:
     """$MLFLOW_EXPERIMENT_NAME wins (KFP's MLflow plugin and users set it), else tracking.experiment_name."""
     return os.environ.get("MLFLOW_EXPERIMENT_NAME") or tracking_settings(cfg).experiment_name
 
@@ -178,7 +184,7 @@ def _connection_reason(message: str) -> str:
     return "no answer"
 
 
-def default_experiment_id(client: Any, cfg: Any = None) -> str:
+def default_experiment_id(client: Any, cfg: Optional[TrackingSource] = None) -> str:
     """$MLFLOW_EXPERIMENT_ID if set (KFP's plugin), else the id of the named experiment, created when missing."""
     from mlflow.exceptions import MlflowException
 

@@ -17,9 +17,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -79,7 +80,9 @@ class CacheStats:
 class VaeEncoder:
     """Pixels -> scaled latents, with the distribution's mode or a sample seeded by the image's content hash."""
 
-    def __init__(self, vae: torch.nn.Module, device: torch.device, sampling: str, seed: int) -> None:
+    # vae: a diffusers AutoencoderKL. Typed Any: for mypy, `from diffusers import AutoencoderKL` is diffusers' dummy
+    # placeholder class (its __init__ picks those when it cannot see torch), so the real type would hide every method.
+    def __init__(self, vae: Any, device: torch.device, sampling: str, seed: int) -> None:
         self.vae, self.device, self.sampling, self.seed = vae, device, sampling, seed
         self.scaling = float(vae.config.scaling_factor)
         shift = getattr(vae.config, "shift_factor", None)
@@ -175,7 +178,8 @@ def tokenize(tokenizer, captions: Sequence[str]) -> torch.Tensor:
     """(N, 77) token ids, padded and truncated to the tokenizer's length as SD 1.x was trained."""
     # A tokenizer saved without its length reports a huge sentinel; CLIP's context is 77 tokens.
     length = tokenizer.model_max_length if tokenizer.model_max_length < 100_000 else 77
-    return tokenizer(list(captions), padding="max_length", max_length=length, truncation=True, return_tensors="pt").input_ids
+    tokens = tokenizer(list(captions), padding="max_length", max_length=length, truncation=True, return_tensors="pt")
+    return tokens.input_ids
 
 
 @torch.no_grad()

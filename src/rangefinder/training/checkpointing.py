@@ -183,7 +183,9 @@ def _rng_states(train_gen: torch.Generator) -> dict[str, Any]:
     """Every RNG state as tensors, ints and floats only, which `torch.load(weights_only=True)` reads back: Python's
     state is a tuple of ints; NumPy's legacy state is ('MT19937', (624,) uint32 keys, pos, has_gauss, gauss), whose
     key array is stored as an int64 tensor; the torch states are already uint8 tensors."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+    state = np.random.get_state(legacy=True)
+    assert isinstance(state, tuple)  # legacy=True: the tuple form, not the dict
+    kind, keys, pos, has_gauss, gauss = state
     return {
         "python": random.getstate(),
         "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),

@@ -10,10 +10,11 @@ so resuming needs nothing but the number of micro-batches already done.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Optional
 
 import numpy as np
 import torch
@@ -33,7 +34,7 @@ class ImageStream:
     total_images: int  # images in the stream (all processes); the last chunk may be partial
 
     @classmethod
-    def from_plan(cls, p: Plan, seed: int) -> "ImageStream":
+    def from_plan(cls, p: Plan, seed: int) -> ImageStream:
         return cls(
             train_images=p.train_images,
             batch_size=p.batch_size,
@@ -105,7 +106,8 @@ class CachedLatents(LatentSource):
 
     def get(self, indices: Sequence[int], flips: Sequence[bool], device: torch.device) -> torch.Tensor:
         rows = [
-            (self.flipped[i] if f and self.flipped is not None else self.latents[i]) for i, f in zip(indices, flips)
+            (self.flipped[i] if f and self.flipped is not None else self.latents[i])
+            for i, f in zip(indices, flips, strict=True)
         ]
         return torch.stack(rows).to(device)
 
@@ -121,9 +123,9 @@ class EncodedOnTheFly(LatentSource):
 
     def get(self, indices: Sequence[int], flips: Sequence[bool], device: torch.device) -> torch.Tensor:
         arrays = []
-        for i, f in zip(indices, flips):
+        for i, f in zip(indices, flips, strict=True):
             a = self.load(self.paths[i])
             arrays.append(np.ascontiguousarray(a[:, :, ::-1]) if f else a)
         pixels = torch.from_numpy(np.stack(arrays))
-        keys = [self.keys[i] + ("/flip" if f else "") for i, f in zip(indices, flips)]
+        keys = [self.keys[i] + ("/flip" if f else "") for i, f in zip(indices, flips, strict=True)]
         return self.encode(pixels, keys).to(device)

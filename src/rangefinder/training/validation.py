@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 import torch
@@ -43,7 +44,7 @@ class ValidationSet:
     def __len__(self) -> int:
         return len(self.ids)
 
-    def fixed_inputs(self, seed: int, num_buckets: int, num_timesteps: int, device: torch.device) -> "FixedInputs":
+    def fixed_inputs(self, seed: int, num_buckets: int, num_timesteps: int, device: torch.device) -> FixedInputs:
         key = (seed, num_buckets, num_timesteps, str(device))
         if key not in self._fixed:
             # (item, k) pairs item-major: pair p is item p // K at bucket p % K.
@@ -72,7 +73,9 @@ def noise_seed(seed: int, item_id: int, k: int) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
-def fixed_draw(seed: int, item_id: int, k: int, num_buckets: int, num_timesteps: int, shape) -> tuple[int, torch.Tensor]:
+def fixed_draw(
+    seed: int, item_id: int, k: int, num_buckets: int, num_timesteps: int, shape
+) -> tuple[int, torch.Tensor]:
     """Timestep inside bucket k (of num_buckets equal parts of [0, T)) and its (4, h, w) noise, for one item."""
     g = torch.Generator().manual_seed(noise_seed(seed, item_id, k))
     lo, hi = k * num_timesteps // num_buckets, (k + 1) * num_timesteps // num_buckets
@@ -166,7 +169,7 @@ def preserved_rng(extra: tuple[torch.Generator, ...] = ()) -> Iterator[None]:
         torch.set_rng_state(cpu)
         if cuda is not None:
             torch.cuda.set_rng_state_all(cuda)
-        for g, s in zip(extra, gens):
+        for g, s in zip(extra, gens, strict=True):
             g.set_state(s)
 
 

@@ -16,8 +16,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "Settings come from --config (YAML sections training:, validation:, data:) and the flags below, which win.",
     )
     p.add_argument("--data", required=True, metavar="SPLIT_DIR", help="a split folder written by `rangefinder split`")
-    p.add_argument("--model", metavar="MODEL_DIR", help="base model folder, single file or hub id (default: the tiny model)")
-    p.add_argument("--out", required=True, metavar="OUT_DIR", help="output folder (checkpoints under OUT_DIR/checkpoints)")
+    p.add_argument("--model", metavar="MODEL_DIR",
+                   help="base model folder, single file or hub id (default: the tiny model)")
+    p.add_argument("--out", required=True, metavar="OUT_DIR",
+                   help="output folder (checkpoints under OUT_DIR/checkpoints)")
     p.add_argument("--config", metavar="FILE", help="YAML config (sections as in `rangefinder` configs)")
     p.add_argument("--method", help="full | lora | textual_inversion")
     p.add_argument("--schedule", help="constant, linear-ramp, exp-ramp, cosine, triangular, triangular2, exp_range")

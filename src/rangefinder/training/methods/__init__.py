@@ -19,7 +19,7 @@ METHODS = {
 }
 
 
-def make_method(cfg: "TrainingConfig") -> "Method":
+def make_method(cfg: TrainingConfig) -> Method:
     target = METHODS.get(cfg.method)
     if target is None:
         raise ConfigError(f"training.method: unknown method {cfg.method!r}; choose one of {', '.join(METHODS)}")

@@ -45,7 +45,7 @@ class Method(ABC):
 
     name: ClassVar[str]
 
-    def __init__(self, cfg: "TrainingConfig") -> None:
+    def __init__(self, cfg: TrainingConfig) -> None:
         self.cfg = cfg
         # Optimizer updates taken: the deliverables record it (A1111 shows an embedding's `step`). None when unknown
         # (resumed from a checkpoint written before it was kept).
@@ -54,7 +54,7 @@ class Method(ABC):
     # --- setup -------------------------------------------------------------------------------------------------
 
     @abstractmethod
-    def setup(self, sd: "SDComponents", weight_dtype: torch.dtype) -> None:
+    def setup(self, sd: SDComponents, weight_dtype: torch.dtype) -> None:
         """Set requires_grad, add adapters/tokens, cast frozen modules to `weight_dtype` (trainable ones stay fp32).
 
         Called once, before caching, before the optimizer is built and before accelerate wraps anything. The VAE is
@@ -101,7 +101,7 @@ class Method(ABC):
         """Put back what `trainable_state_dict` returned (resume); must round-trip bit for bit."""
 
     @abstractmethod
-    def save_final(self, sd: "SDComponents", out_dir: Path) -> None:
+    def save_final(self, sd: SDComponents, out_dir: Path) -> None:
         """Write the finished model into the empty folder `out_dir`."""
 
     def _with_updates(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

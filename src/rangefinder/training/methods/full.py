@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 class FullFineTune(ModuleMethod):
     name = "full"
 
-    def setup(self, sd: "SDComponents", weight_dtype: torch.dtype) -> None:
+    def setup(self, sd: SDComponents, weight_dtype: torch.dtype) -> None:
         # Trainable weights stay fp32 under mixed precision (autocast computes in half); the frozen text encoder can
         # be cast down to save memory.
         self._modules: dict[str, torch.nn.Module] = {"unet": sd.unet}
@@ -45,16 +45,17 @@ class FullFineTune(ModuleMethod):
             module.load_state_dict(split_state(state, name), strict=True)
         self._restore_updates(state)
 
-    def save_final(self, sd: "SDComponents", out_dir: Path) -> None:
+    def save_final(self, sd: SDComponents, out_dir: Path) -> None:
         from rangefinder.formats.export import SINGLE_FILE_NAME, export_full, training_metadata
 
         save_pipeline(sd, out_dir)
-        # The same weights as one file in the original SD layout, for A1111 and ComfyUI (src/rangefinder/formats/export.py).
+        # The same weights as one file in the original SD layout, for A1111 and ComfyUI
+        # (src/rangefinder/formats/export.py).
         meta = training_metadata(self.cfg, getattr(sd, "source", None), updates=self.updates_taken)
         export_full(out_dir, out_dir / SINGLE_FILE_NAME, meta)
 
 
-def save_pipeline(sd: "SDComponents", out_dir: Path) -> None:
+def save_pipeline(sd: SDComponents, out_dir: Path) -> None:
     """A StableDiffusionPipeline folder (diffusers layout) that `from_pretrained` loads, in fp32 safetensors, under
     transformers 4.x and 5.x alike (see `formats.export.save_pipeline_folder`)."""
     from diffusers import StableDiffusionPipeline

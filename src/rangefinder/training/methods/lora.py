@@ -13,7 +13,7 @@ with `.alpha`: A1111, ComfyUI, kohya), both with the run's metadata.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,7 +29,7 @@ TEXT_ENCODER_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "out_proj"]
 class LoraMethod(ModuleMethod):
     name = "lora"
 
-    def setup(self, sd: "SDComponents", weight_dtype: torch.dtype) -> None:
+    def setup(self, sd: SDComponents, weight_dtype: torch.dtype) -> None:
         from peft import LoraConfig
 
         s = self.cfg.lora
@@ -39,14 +39,16 @@ class LoraMethod(ModuleMethod):
         sd.text_encoder.to(weight_dtype)
         # Gaussian init of A and zero B (peft's "gaussian", as diffusers' LoRA examples): the adapter starts as a no-op,
         # so update 0 validates the base model itself.
+        # peft annotates lora_alpha as int but only uses lora_alpha / r, so a fractional alpha is fine.
+        alpha: Any = s.alpha
         sd.unet.add_adapter(
-            LoraConfig(r=s.rank, lora_alpha=s.alpha, lora_dropout=s.dropout, init_lora_weights="gaussian",
+            LoraConfig(r=s.rank, lora_alpha=alpha, lora_dropout=s.dropout, init_lora_weights="gaussian",
                        target_modules=list(s.target_modules))
         )
         self._modules: dict[str, torch.nn.Module] = {"unet": sd.unet}
         if self._lora_text_encoder:
             sd.text_encoder.add_adapter(
-                LoraConfig(r=s.rank, lora_alpha=s.alpha, lora_dropout=s.dropout, init_lora_weights="gaussian",
+                LoraConfig(r=s.rank, lora_alpha=alpha, lora_dropout=s.dropout, init_lora_weights="gaussian",
                            target_modules=TEXT_ENCODER_TARGET_MODULES)
             )
             self._modules["text_encoder"] = sd.text_encoder
@@ -86,7 +88,7 @@ class LoraMethod(ModuleMethod):
                     p.copy_(part[n])
         self._restore_updates(state)
 
-    def save_final(self, sd: "SDComponents", out_dir: Path) -> None:
+    def save_final(self, sd: SDComponents, out_dir: Path) -> None:
         from rangefinder.formats.export import save_lora_files, training_metadata
 
         lora = self.cfg.lora

@@ -58,7 +58,7 @@ def placeholder_tokens(token: str, num_vectors: int) -> list[str]:
 class TextualInversion(Method):
     name = "textual_inversion"
 
-    def setup(self, sd: "SDComponents", weight_dtype: torch.dtype) -> None:
+    def setup(self, sd: SDComponents, weight_dtype: torch.dtype) -> None:
         s = self.cfg.textual_inversion
         tok, te = sd.tokenizer, sd.text_encoder
         self.tokens = placeholder_tokens(s.placeholder_token, s.num_vectors)
@@ -145,7 +145,7 @@ class TextualInversion(Method):
             weight[self.token_ids] = rows.to(weight.device, weight.dtype)
         self._restore_updates(state)
 
-    def save_final(self, sd: "SDComponents", out_dir: Path) -> None:
+    def save_final(self, sd: SDComponents, out_dir: Path) -> None:
         from rangefinder.formats.export import save_textual_inversion, training_metadata
 
         s = self.cfg.textual_inversion
