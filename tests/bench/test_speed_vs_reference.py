@@ -23,21 +23,46 @@ def test_reference_loop_trains_the_unet(tmp_path, tiny_model_dir, split_dir):
 
 
 @pytest.mark.slow
-def test_speed_vs_reference_smoke(tmp_path):
-    from bench.speed_vs_reference import main
+def test_speed_vs_reference_smoke(tmp_path, tiny_model_dir):
+    import torch
+
+    from bench.speed_vs_reference import encoders_flops_per_update, main, unet_flops_per_update
 
     out = tmp_path / "speed.json"
     result = main(["--smoke", "--out", str(out), "--work-dir", str(tmp_path / "work")])
     saved = json.loads(out.read_text())
+    assert saved["smoke"] is True
+    assert saved["tiny"] == json.loads(json.dumps(result["tiny"]))
+    # --smoke is one round of 2 updates at batch 4, fp32, one torch thread, no warm-up, and never the CUDA section.
+    gpu = torch.cuda.is_available()
+    assert saved["cuda"] == {"skipped": "--cpu-only" if gpu else "no CUDA device"}
+    assert saved["machine"]["torch"] == torch.__version__ and saved["machine"]["torch_threads"] == 1
     s = saved["tiny"]["summary"]
-    assert s == result["tiny"]["summary"]
+    assert {k: s[k] for k in ("setting", "batch_size", "mixed_precision", "updates", "rounds")} == {
+        "setting": f"tiny-{'cuda' if gpu else 'cpu'}-fp32", "batch_size": 4, "mixed_precision": "no", "updates": 2,
+        "rounds": 1,
+    }
+    assert saved["tiny"]["warmup"] == {} and "engine_cold_setup_seconds" not in s
     runs = saved["tiny"]["runs"]
-    assert sorted(r["loop"] for r in runs) == ["engine", "reference"]
-    assert all(r["updates"] == 2 and r["images_per_second"] == pytest.approx(4 * r["updates_per_second"])
-               for r in runs)
-    assert s["ratio"] == pytest.approx(s["engine_updates_per_second"] / s["reference_updates_per_second"])
-    assert s["flops_per_update"] > 0 and s["engine_peak_mib"] > 0
-    assert saved["machine"]["torch"] and saved["cuda"]
+    assert [(r["loop"], r["round"]) for r in runs] == [("reference", 0), ("engine", 0)]  # round 0: reference first
+    for r in runs:
+        assert (r["updates"], r["batch_size"]) == (2, 4)
+        assert r["loop_seconds"] > 0 and r["peak_mib"] > 0
+        assert r["images_per_second"] == pytest.approx(4 * r["updates_per_second"])
+        # One round: each median is that round's own number.
+        assert s[f"{r['loop']}_updates_per_second"] == r["updates_per_second"]
+    reference, engine = runs
+    # The engine's cache starts empty: it encodes the split's 20 images (16 train, 4 validation) and reuses none.
+    assert engine["cache"]["latents"] == {"encoded": 20, "reused": 0}
+    assert s["ratio"] == pytest.approx(engine["updates_per_second"] / reference["updates_per_second"])
+    assert s["ratio_per_round"] == [pytest.approx(s["ratio"])]
+    # FLOPs are counted from the model's shapes, not timed: the same on every machine.
+    flops = unet_flops_per_update(tiny_model_dir, batch_size=4, resolution=32)
+    encoders = encoders_flops_per_update(tiny_model_dir, batch_size=4, resolution=32)
+    assert (s["flops_per_update"], s["encoder_flops_per_update"]) == (flops, encoders)
+    assert s["ratio_predicted_by_flops"] == pytest.approx(1 + encoders / flops)
+    assert s["engine_tflops"] == pytest.approx(flops * engine["updates_per_second"] / 1e12)
+    assert s["engine_mfu"] is None and s["reference_mfu"] is None  # no peak to compare with on the CPU run
 
 
 def test_flops_grow_with_the_batch(tiny_model_dir):

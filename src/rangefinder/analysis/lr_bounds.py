@@ -456,10 +456,6 @@ def _to_lr(x: float, ramp: Ramp) -> float:
     return float(math.exp(x)) if ramp == "exp" else float(x)
 
 
-def _axis_of(lr: float, ramp: Ramp) -> float:
-    return math.log(lr) if ramp == "exp" else lr
-
-
 def _midpoints(x_low, x_high, ramp: Ramp, position: float) -> dict[str, Any]:
     """lr_mid (in LR) under each rule, from the bounds on the x axis (floats or arrays of bootstrap replicates).
 
