@@ -38,8 +38,14 @@ images:
 demo: $(STAMP)
 	$(VENV)/bin/rangefinder demo --out $(DEMO_OUT)
 
+# Lint, type-check and the tests. All three always run, so one CI run shows every failure; the target fails if any
+# does. Settings: pyproject.toml ([tool.ruff], [tool.mypy]); tests/test_architecture.py checks the import layering.
 test: $(STAMP) $(TOOLS_STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	@status=0; \
+	$(VENV)/bin/ruff check src tests bench || status=1; \
+	$(VENV)/bin/mypy || status=1; \
+	$(PY) -m pytest $(PYTEST_ARGS) || status=1; \
+	exit $$status
 
 clean:
-	rm -rf $(VENV) $(DEMO_OUT) .pytest_cache
+	rm -rf $(VENV) $(DEMO_OUT) .pytest_cache .mypy_cache .ruff_cache
