@@ -22,15 +22,16 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Optional, Union
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from rangefinder.config import DataConfig, ModelConfig, TrainingConfig, ValidationConfig
+from rangefinder.config import ValidationConfig
 from rangefinder.formats import checkpoints
 from rangefinder.formats.atomic import atomic_dir, write_json
 from rangefinder.training import MetricSink
