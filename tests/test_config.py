@@ -1,5 +1,6 @@
 """The typed config rejects every invalid value with a message naming the field, and loads from YAML."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -113,3 +114,131 @@ def test_shipped_configs_load_and_compile(path, tmp_path):
     cfg = load_config(path)
     out = compile_pipeline(cfg, str(tmp_path / "pipeline.yaml"))
     assert Path(out).stat().st_size > 1000
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Bounded, strict reading (issue 16): sizes, duplicate keys, finite numbers, seeds, credentials
+
+
+def test_a_key_given_twice_is_an_error_naming_it_and_both_lines(tmp_path):
+    path = tmp_path / "dup.yaml"
+    path.write_text("training:\n  lr: 1.0e-4\n  batch_size: 2\n  lr: 1.0e-2\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    msg = str(e.value)
+    assert str(path) in msg and "'lr'" in msg and "lines 2 and 4" in msg, msg
+    # The same key in two different sections is two settings, and a YAML merge key may be overridden beside it.
+    ok = tmp_path / "ok.yaml"
+    ok.write_text("lr_range_test:\n  lr_min: 1.0e-6\ntraining:\n  lr_min: 1.0e-6\n  lr_max: 1.0e-3\n"
+                  "  schedule: linear-ramp\nsampling:\n  seeds: [0]\n")
+    assert load_config(ok).training.lr_min == 1e-6
+    merged = tmp_path / "merged.yaml"
+    merged.write_text("training: &t {batch_size: 2, lr: 1.0e-4}\nretrain: {enabled: false}\n"
+                      "finetune: {epochs: 3}\nsampling: {<<: {num_inference_steps: 4}, num_inference_steps: 5}\n")
+    cfg = load_config(merged)
+    assert cfg.training.batch_size == 2 and cfg.sampling.num_inference_steps == 5
+
+
+def test_a_file_over_the_size_limit_is_refused_before_parsing(tmp_path):
+    from rangefinder.config import MAX_CONFIG_BYTES
+
+    path = tmp_path / "big.yaml"
+    prompt = "a red circle on a blue background " * 8
+    path.write_text("sampling:\n  prompts:\n" + f"    - {prompt}\n" * (MAX_CONFIG_BYTES // len(prompt) + 1))
+    assert path.stat().st_size > MAX_CONFIG_BYTES
+    with pytest.raises(ConfigError, match=r"larger than 1024 KiB; a config holds settings, not data"):
+        load_config(path)
+
+
+@pytest.mark.parametrize(
+    "raw,where,words",
+    [
+        ({"sampling": {"prompts": ["a cat"] * 1001}}, "sampling.prompts", "1001 entries, more than the 1000"),
+        ({"data": {"dataset_dir": "/d/" + "x" * 5000}}, "data.dataset_dir", "5003 characters, more than the 4096"),
+        ({"kubernetes": {"node_selector": {f"k{i}": "v" for i in range(1001)}}}, "kubernetes.node_selector",
+         "1001 entries"),
+        ({"training": {"lora": {"target_modules": ["to_q"] * 5000}}}, "training.lora.target_modules", "5000 entries"),
+    ],
+)
+def test_strings_and_lists_are_capped_naming_the_field(raw, where, words):
+    with pytest.raises(ConfigError) as e:
+        parse_config(raw)
+    assert str(e.value).startswith(where + ":") and words in str(e.value), str(e.value)
+    assert "x" * 100 not in str(e.value)  # the value itself is not echoed back
+
+
+def test_yaml_aliases_cannot_multiply_a_config(tmp_path):
+    """A 'billion laughs' file is tiny but expands into millions of values; it is refused by the value count."""
+    path = tmp_path / "laughs.yaml"
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 7)]
+    path.write_text("\n".join(lines) + "\n")
+    assert path.stat().st_size < 2000
+    with pytest.raises(ConfigError, match="more than 20000 values"):
+        load_config(path)
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("data: " + "[" * 50_000 + "]" * 50_000 + "\n")
+    with pytest.raises(ConfigError, match="nests too deeply|more than 20000 values"):
+        load_config(deep)
+
+
+@pytest.mark.parametrize("lr", [float("inf"), float("nan"), -1.0, 0.0])
+def test_a_non_finite_or_non_positive_lr_is_refused_everywhere(lr, tmp_path):
+    for raw in ({"training": {"lr": lr}}, {"lr": lr}, {"training": {"lr_max": lr}},
+                {"lr_range_test": {"lr_max": lr}}):
+        with pytest.raises(ConfigError, match="lr"):
+            parse_config(raw)
+    with pytest.raises(ConfigError, match="lr must be a finite number above 0"):
+        plan(10, epochs=1, lr=lr)
+    yaml_inf = tmp_path / "inf.yaml"
+    yaml_inf.write_text("training:\n  lr: .inf\n")
+    with pytest.raises(ConfigError, match=r"training\.lr: Input should be a finite number"):
+        load_config(yaml_inf)
+    assert plan(10, epochs=1, lr=10.0).lr == 10.0  # large, but a number: the planner only counts
+
+
+@pytest.mark.parametrize("field", ["training.seed", "split.seed", "validation.seed", "sampling.seeds.0"])
+def test_seeds_outside_what_numpy_and_torch_take_are_refused(field):
+    from rangefinder.config import MAX_SEED
+    from rangefinder.steps.resolve_config import _nested
+
+    section, name = field.split(".")[:2]
+    for bad in (-1, MAX_SEED + 1, 2**64):
+        value = [bad] if name == "seeds" else bad
+        with pytest.raises(ConfigError, match=re.escape(field) + ": Input should be"):
+            parse_config(_nested(f"{section}.{name}", value))
+    value = [MAX_SEED] if name == "seeds" else MAX_SEED
+    parse_config(_nested(f"{section}.{name}", value))
+
+
+def test_the_largest_seed_really_seeds_numpy_and_torch():
+    """The bound is what the libraries take, not a guess: 2**32-1 works, 2**32 does not (numpy)."""
+    import numpy as np
+    import torch
+
+    from rangefinder.config import MAX_SEED
+
+    np.random.seed(MAX_SEED)
+    torch.Generator().manual_seed(MAX_SEED)
+    np.random.default_rng([MAX_SEED, 3])
+    with pytest.raises(ValueError):
+        np.random.seed(MAX_SEED + 1)
+    with pytest.raises(ValueError):
+        np.random.seed(-1)
+
+
+@pytest.mark.parametrize("field", ["tracking.tracking_uri", "kubernetes.mlflow_tracking_uri"])
+@pytest.mark.parametrize("uri,held", [
+    ("http://alice:hunter2-pw@mlflow.example:5000", "a user name and password"),
+    ("https://alice@mlflow.example", "a user name"),
+    ("https://mlflow.example/?access_token=hunter2-pw", "a secret in its query (access_token=)"),
+])
+def test_credentials_in_a_tracking_uri_are_refused_without_echoing_them(field, uri, held):
+    from rangefinder.steps.resolve_config import _nested
+
+    with pytest.raises(ConfigError) as e:
+        parse_config(_nested(field, uri))
+    msg = str(e.value)
+    assert msg.startswith(field + ":") and held in msg and "MLFLOW_TRACKING_USERNAME" in msg, msg
+    assert "hunter2" not in msg and "alice" not in msg
+    parse_config(_nested(field, "https://mlflow.example:5000/prefix?x=1"))  # no secret: fine

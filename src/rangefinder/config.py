@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -50,7 +50,24 @@ def format_validation_error(err: ValidationError, prefix: str = "") -> str:
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # No NaN or infinity anywhere: no setting means "unbounded" by inf (None does), and a NaN LR trains nothing.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+
+# A random seed. numpy's global seeding (accelerate's set_seed, at the start of every run) takes 0..2**32-1 and
+# raises on anything else; every other generator here takes that range too.
+MAX_SEED = 2**32 - 1
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
+
+
+def _refuse_uri_credentials(uri: Optional[str]) -> None:
+    """A tracking URI must not carry credentials: it is shown in tables and logs and compiled into the pipeline."""
+    if uri:
+        from rangefinder.tracking.redaction import CREDENTIALS_FIX, uri_credentials
+
+        held = uri_credentials(uri)
+        if held:
+            raise ValueError(f"the URI holds {held}; remove it and {CREDENTIALS_FIX}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -88,7 +105,7 @@ class SplitConfig(_Section):
     # Share of the *training* images drawn into the stabilize subset (a smooth, validation-style training loss).
     stabilize_split: float = Field(0.2, ge=0.0, le=1.0)
     # Seed of the shuffle; the same seed and files give the same split on any machine.
-    seed: int = 555
+    seed: Seed = 555
     # A folder of validation images chosen by hand; when set, val_split is ignored.
     val_dir: Optional[str] = None
 
@@ -204,7 +221,7 @@ class TrainingConfig(_Section):
     cache_dir: Optional[str] = None
 
     # --- reproducibility and checkpoints
-    seed: int = 1234
+    seed: Seed = 1234
     checkpoint_every_updates: Optional[int] = Field(None, ge=1)
     keep_checkpoints: int = Field(2, ge=1)
     resume: bool = False  # resume from the newest whole checkpoint under the output folder
@@ -240,7 +257,7 @@ class ValidationConfig(_Section):
     every_updates: Optional[int] = Field(None, ge=1)
     # K fixed, stratified timesteps per item, one per 1/K of the noise schedule.
     timesteps: int = Field(4, ge=1)
-    seed: int = 0  # noise for item i, bucket k comes from a generator seeded by (seed, i, k)
+    seed: Seed = 0  # noise for item i, bucket k comes from a generator seeded by (seed, i, k)
     # Ramps stop when smoothed validation loss exceeds this multiple of its best (or turns NaN/inf).
     divergence_factor: Optional[float] = Field(DIVERGENCE_FACTOR, gt=1)
     divergence_window: int = Field(3, ge=1)  # points in the centred median used for that check
@@ -315,7 +332,7 @@ class SamplingConfig(_Section):
     prompts: list[str] = Field(
         default_factory=lambda: ["a red circle on a blue background", "a yellow square on a green background"]
     )
-    seeds: list[int] = Field(default_factory=lambda: [0, 1])
+    seeds: list[Seed] = Field(default_factory=lambda: [0, 1])
     num_inference_steps: int = Field(25, ge=1)
     guidance_scale: float = Field(7.5, ge=0)
     scheduler: Optional[str] = None  # a diffusers scheduler class name, e.g. "DDIMScheduler"; None keeps the model's
@@ -335,6 +352,12 @@ class TrackingConfig(_Section):
     experiment_name: str = "rangefinder"  # $MLFLOW_EXPERIMENT_NAME wins when set
     registered_model_name: Optional[str] = "rangefinder-sd"  # None: log the model but do not register it
     log_every_updates: int = Field(1, ge=1)
+
+    @field_validator("tracking_uri")
+    @classmethod
+    def _no_credentials(cls, v: Optional[str]) -> Optional[str]:
+        _refuse_uri_credentials(v)
+        return v
 
 
 class Toleration(_Section):
@@ -372,6 +395,12 @@ class KubernetesConfig(_Section):
     image_pull_secrets: list[str] = Field(default_factory=list)
     shm_size: str = "8Gi"  # /dev/shm for data loader workers
     retries: int = Field(2, ge=0)  # training steps resume from their newest checkpoint on retry
+
+    @field_validator("mlflow_tracking_uri")
+    @classmethod
+    def _no_credentials(cls, v: str) -> str:
+        _refuse_uri_credentials(v)
+        return v
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -423,7 +452,7 @@ def demo_config(**overrides: Any) -> RangefinderConfig:
         "finetune": {"epochs": 40},
         "sampling": {"num_inference_steps": 10, "guidance_scale": 3.0},
     }
-    return RangefinderConfig.model_validate(_deep_merge(base, overrides))
+    return parse_config(_deep_merge(base, overrides))
 
 
 def _deep_merge(a: dict, b: dict) -> dict:
@@ -433,25 +462,99 @@ def _deep_merge(a: dict, b: dict) -> dict:
     return out
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Reading a config: bounded, and strict about what YAML lets slip
+
+# A config holds settings, not data. These bounds are far above any real config (the shipped ones are ~2 KiB with
+# lists of a few entries) and keep a mistaken or hostile one from growing the compiled pipeline, which carries
+# the whole config as a parameter default, into hundreds of MB.
+MAX_CONFIG_BYTES = 1 << 20  # 1 MiB of YAML
+MAX_STRING_CHARS = 4096  # one value: PATH_MAX on Linux; prompts are cut at 77 CLIP tokens anyway
+MAX_LIST_ITEMS = 1000  # one list or mapping: prompts, seeds, LoRA target modules, node selector, ...
+MAX_VALUES = 20_000  # values in the whole config; also bounds YAML aliases that repeat a list inside itself
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping (PyYAML silently keeps the last one)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        first_line: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *defaults` is meant to be overridden by the keys beside it
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                if key in first_line:
+                    raise ConfigError(f"key {key!r} appears twice in one mapping, on lines {first_line[key]} and "
+                                      f"{line} (YAML would silently keep the last); remove one")
+                first_line[key] = line
+            except TypeError:
+                pass  # an unhashable key: SafeLoader itself says so below
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_config_file(path: str | Path) -> dict:
+    """The raw sections of a YAML config file; ConfigError naming the file for anything that is not a sane config."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {p} does not exist; pass the path of a YAML file")
+    with open(p, "rb") as f:
+        data = f.read(MAX_CONFIG_BYTES + 1)  # never more, whatever the file claims to be
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config file {p} is larger than {MAX_CONFIG_BYTES // 1024} KiB; a config holds settings, "
+                          "not data: keep prompts and file lists short and put data in the dataset folder")
+    try:
+        raw = yaml.load(data, Loader=_ConfigLoader) or {}
+    except ConfigError as e:
+        raise ConfigError(f"config file {p}: {e}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"config file {p} nests too deeply to be a config; a config has sections of settings "
+                          "(data:, training:, ...) one or two levels deep") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {p} must hold a mapping of sections (data:, training:, ...)")
+    return raw
+
+
+def _check_sizes(raw: Any) -> None:
+    """ConfigError naming the first string, list or mapping over its bound (by its dotted path), or a config with
+    more values in all than MAX_VALUES. Iterative, so a deep structure cannot exhaust the stack."""
+    seen = 0
+    todo: list[tuple[str, Any]] = [("", raw)]
+    while todo:
+        where, value = todo.pop()
+        seen += 1
+        if seen > MAX_VALUES:
+            raise ConfigError(f"the config holds more than {MAX_VALUES} values; a config holds settings, not data "
+                              "(check for a list repeated through YAML aliases)")
+        name = where or "config"
+        if isinstance(value, str) and len(value) > MAX_STRING_CHARS:
+            raise ConfigError(f"{name}: a string of {len(value)} characters, more than the {MAX_STRING_CHARS} a "
+                              "setting may have; shorten it")
+        if isinstance(value, (dict, list)) and len(value) > MAX_LIST_ITEMS:
+            raise ConfigError(f"{name}: {len(value)} entries, more than the {MAX_LIST_ITEMS} a setting may have; "
+                              "shorten it")
+        if isinstance(value, dict):
+            for k, v in value.items():
+                todo.append((f"{where}.{k}" if where else str(k), v))
+                todo.append((f"{where}.{k} (the key)" if where else f"{k} (the key)", k))
+        elif isinstance(value, list):
+            todo.extend((f"{name}.{i}", v) for i, v in enumerate(value))
+
+
 def load_config(path: str | Path | None = None, overrides: Optional[dict] = None) -> RangefinderConfig:
     """Read a YAML file (sections as in RangefinderConfig), apply overrides, validate; ConfigError on problems."""
-    raw: dict = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {p} does not exist; pass the path of a YAML file")
-        try:
-            raw = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"config file {p} must hold a mapping of sections (data:, training:, ...)")
+    raw: dict = read_config_file(path) if path is not None else {}
     if overrides:
         raw = _deep_merge(raw, overrides)
     return parse_config(raw)
 
 
 def parse_config(raw: dict) -> RangefinderConfig:
+    """Validate raw sections (from YAML, JSON or the KFP parameters); ConfigError with one line per problem."""
+    _check_sizes(raw)
     try:
         return RangefinderConfig.model_validate(raw)
     except ValidationError as e:
@@ -532,6 +635,8 @@ def plan(
         raise ConfigError(f"the budget must be >= 1 (got epochs={epochs}, steps={steps})")
     if not 0 <= val_split < 1:
         raise ConfigError(f"val_split must be in [0, 1) (got {val_split})")
+    if lr is not None and not (math.isfinite(lr) and lr > 0):
+        raise ConfigError(f"lr must be a finite number above 0 (got {lr}); e.g. 1e-5")
 
     n_val = 0 if train_images is not None else val_count(num_images, val_split)
     n_train = train_images if train_images is not None else num_images - n_val

@@ -63,8 +63,10 @@ class LocalRun:
 
 
 def local_tracking_uri(out_dir: Path) -> str:
-    """$MLFLOW_TRACKING_URI, else a SQLite store inside the output folder."""
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(out_dir / 'mlflow.db').resolve()}"
+    """$MLFLOW_TRACKING_URI (refused when it holds credentials), else a SQLite store inside the output folder."""
+    from rangefinder.tracking.target import env_tracking_uri
+
+    return env_tracking_uri() or f"sqlite:///{(out_dir / 'mlflow.db').resolve()}"
 
 
 def run_pipeline_locally(cfg: RangefinderConfig, out_dir: str | Path, *, dataset_uri: str = "",
@@ -76,9 +78,9 @@ def run_pipeline_locally(cfg: RangefinderConfig, out_dir: str | Path, *, dataset
     from rangefinder.steps.resolve_config import parameters_from_config
 
     out = Path(out_dir).resolve()
+    tracking_uri = cfg.tracking.tracking_uri or local_tracking_uri(out)
     root = out / "pipeline-root"
     root.mkdir(parents=True, exist_ok=True)
-    tracking_uri = cfg.tracking.tracking_uri or local_tracking_uri(out)
 
     before = {p.name for p in root.iterdir()}
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(root), raise_on_error=True)

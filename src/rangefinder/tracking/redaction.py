@@ -11,10 +11,15 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from typing import Any, Optional
+from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 REDACTED = "***"
+# Where MLflow credentials belong instead of a URI (config messages and the tracking-URI check say it alike).
+CREDENTIALS_FIX = (
+    "set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) in the environment, "
+    "from a Kubernetes Secret on a cluster (kubernetes.mlflow_secret)"
+)
 
 # The last dotted segment of a param/tag key that marks it secret. `placeholder_token` (textual inversion) is a
 # word of the prompt, not a credential, so only the bare word `token` or these compounds count.
@@ -58,6 +63,23 @@ def redact(text: Any) -> str:
     for secret in _env_secrets():
         s = s.replace(secret, REDACTED)
     return _TOKEN_SHAPES.sub(REDACTED, s)
+
+
+def uri_credentials(uri: str) -> Optional[str]:
+    """What secret `uri` carries in itself ("a user name and password", "a secret in its query (token=)"), or None.
+
+    Only names what is there, never the value, so the answer can go into an error message.
+    """
+    try:
+        parts = urlsplit(uri.strip())
+    except ValueError:
+        return None
+    if "@" in parts.netloc:
+        return "a user name and password" if ":" in parts.netloc.rsplit("@", 1)[0] else "a user name"
+    keys = [k for k, _ in parse_qsl(parts.query, keep_blank_values=True) if is_secret_key(k)]
+    if keys:
+        return f"a secret in its query ({', '.join(f'{k}=' for k in keys)})"
+    return None
 
 
 def safe_uri(uri: str) -> str:

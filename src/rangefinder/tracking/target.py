@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 from urllib.parse import unquote, urlsplit
 
 from rangefinder.errors import TrackingError
-from rangefinder.tracking.redaction import safe_uri
+from rangefinder.tracking.redaction import CREDENTIALS_FIX, safe_uri, uri_credentials
 
 if TYPE_CHECKING:
     from rangefinder.config import RangefinderConfig, TrackingConfig
@@ -45,13 +45,24 @@ def resolve_tracking_uri(cfg: Optional[TrackingSource] = None) -> str:
     """tracking.tracking_uri, else $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working folder.
 
     A relative sqlite path is made absolute here, so that the steps a local run starts in other folders (kfp.local
-    subprocesses) write to the same database.
+    subprocesses) write to the same database. A URI with credentials in it is refused (TrackingError).
     """
-    uri = (tracking_settings(cfg).tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI).strip()
+    uri = (tracking_settings(cfg).tracking_uri or env_tracking_uri() or DEFAULT_TRACKING_URI).strip()
     db = sqlite_path(uri)
     if db is not None and not uri.startswith("sqlite:////"):
         query = uri.split("?", 1)[1] if "?" in uri else ""
         uri = f"sqlite:///{db}" + (f"?{query}" if query else "")
+    return uri
+
+
+def env_tracking_uri() -> Optional[str]:
+    """$MLFLOW_TRACKING_URI, or None; TrackingError when it carries credentials (they belong in their own variables,
+    which MLflow reads and nothing here prints)."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or None
+    held = uri_credentials(uri) if uri else None
+    if held:
+        raise TrackingError(f"MLFLOW_TRACKING_URI ({safe_uri(uri)}) holds {held}; remove it from the URI and "
+                            f"{CREDENTIALS_FIX}")
     return uri
 
 

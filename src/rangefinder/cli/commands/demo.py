@@ -52,19 +52,17 @@ def prepare_demo(out: Path, retrain: bool = False, lr: float | None = None):
     from rangefinder.models.tiny import ensure_tiny_base_model
 
     dataset = out / "dataset"
-    make_synthetic_dataset(dataset, kind="shapes", count=DEMO_IMAGES, seed=0, resolution=32)
-    base_model = ensure_tiny_base_model(cache_dir=demo_model_cache(out))
-    overrides: dict = {
-        "data": {"dataset_dir": str(dataset)},
-        "model": {"base_model": str(base_model)},
-        "retrain": {"enabled": retrain},
-    }
+    overrides: dict = {"data": {"dataset_dir": str(dataset)}, "retrain": {"enabled": retrain}}
     if not os.environ.get("RANGEFINDER_CACHE"):
         # The encoded latents and captions are written too: keep them under --out with the rest.
         overrides["training"] = {"cache_dir": str(out / "cache")}
     if lr is not None:
         overrides["lr"] = lr
-    return demo_config(**overrides)
+    # Validated before anything is made: a bad --lr costs one line, not a dataset and a model build.
+    cfg = demo_config(**overrides)
+    make_synthetic_dataset(dataset, kind="shapes", count=DEMO_IMAGES, seed=0, resolution=32)
+    cfg.model.base_model = str(ensure_tiny_base_model(cache_dir=demo_model_cache(out)))
+    return cfg
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -77,11 +77,9 @@ def settings_from_args(args: argparse.Namespace):
 
 
 def _file_has_section(path: str, section: str) -> bool:
-    import yaml
+    from rangefinder.config import read_config_file
 
-    with open(path) as f:
-        raw = yaml.safe_load(f) or {}
-    return isinstance(raw, dict) and section in raw
+    return section in read_config_file(path)
 
 
 def run(args: argparse.Namespace) -> dict:

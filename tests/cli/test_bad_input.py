@@ -1,0 +1,128 @@
+"""Bad input through the real CLI (issue 16): one line on stderr naming the problem and the fix, exit status 2, no
+traceback, and nothing written or built before the check."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.tracking.fixtures import free_port
+
+
+def rangefinder(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-m", "rangefinder.cli.main", *args], capture_output=True, text=True,
+                          timeout=timeout, env=full_env)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *words: str) -> str:
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    for w in words:
+        assert w in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("lr", ["-1", "nan", "inf", "0"])
+def test_plan_refuses_a_non_finite_or_non_positive_lr(lr):
+    assert_one_line_error(rangefinder("plan", "--images", "10", "--epochs", "1", "--lr", lr),
+                          "lr must be a finite number above 0")
+
+
+def test_plan_takes_a_large_lr():
+    proc = rangefinder("plan", "--images", "10", "--epochs", "1", "--lr", "10", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert '"lr": 10.0' in proc.stdout
+
+
+@pytest.mark.parametrize("lr", ["-1", "nan", "inf"])
+def test_demo_refuses_a_bad_lr_before_building_anything(lr, tmp_path):
+    out = tmp_path / "demo"
+    line = assert_one_line_error(rangefinder("demo", "--lr", lr, "--out", str(out)), "lr:")
+    assert "rangefinder demo: error:" in line
+    assert not (out / "dataset").exists() and not (out / "cache").exists()  # no dataset, no model build
+
+
+@pytest.mark.parametrize(
+    "yaml_text,words",
+    [
+        ("training:\n  lr: .inf\n", ["training.lr", "finite number"]),
+        ("training:\n  lr: .nan\n", ["training.lr", "finite number"]),
+        ("training:\n  lr: -1\n", ["training.lr", "greater than 0"]),
+        ("lr: .inf\n", ["lr: Input should be a finite number"]),
+        ("training:\n  seed: -1\n", ["training.seed", "greater than or equal to 0"]),
+        ("training:\n  seed: 4294967296\n", ["training.seed", "less than or equal to 4294967295"]),
+        ("split:\n  seed: -5\n", ["split.seed"]),
+        ("sampling:\n  seeds: [0, 99999999999999999999]\n", ["sampling.seeds.1"]),
+        ("data:\n  resolution: 64\ndata:\n  resolution: 32\n", ["'data'", "lines 1 and 3", "remove one"]),
+        ("sampling:\n  prompts: [" + ", ".join(["a cat"] * 1500) + "]\n", ["sampling.prompts", "1500 entries"]),
+        ("tracking:\n  tracking_uri: http://rf-user:hunter2-pw@127.0.0.1:5000\n",
+         ["tracking.tracking_uri", "a user name and password", "MLFLOW_TRACKING_PASSWORD", "Secret"]),
+        ("kubernetes:\n  mlflow_tracking_uri: http://rf-user:hunter2-pw@mlflow:5000\n",
+         ["kubernetes.mlflow_tracking_uri", "MLFLOW_TRACKING_USERNAME"]),
+    ],
+    ids=["lr-inf", "lr-nan", "lr-negative", "fixed-lr-inf", "seed-negative", "seed-2**32", "split-seed",
+         "sampling-seed-huge", "duplicate-key", "long-list", "uri-credentials", "k8s-uri-credentials"],
+)
+def test_compile_refuses_a_bad_config_and_writes_nothing(yaml_text, words, tmp_path):
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml_text)
+    out = tmp_path / "pipeline.yaml"
+    line = assert_one_line_error(rangefinder("compile", "--config", str(cfg), "--out", str(out)), *words)
+    assert "hunter2" not in line and "rf-user" not in line
+    assert list(tmp_path.iterdir()) == [cfg]  # no package, not even a temporary one
+
+
+def test_compile_refuses_a_config_file_over_1_mib(tmp_path):
+    cfg = tmp_path / "big.yaml"
+    with open(cfg, "w") as f:  # 50 MB, as in the issue: refused after reading at most 1 MiB of it
+        f.write("sampling:\n  prompts:\n")
+        line = "    - " + "a red circle on a blue background " * 30 + "\n"
+        f.write(line * (50_000_000 // len(line)))
+    out = tmp_path / "pipeline.yaml"
+    assert_one_line_error(rangefinder("compile", "--config", str(cfg), "--out", str(out)),
+                          str(cfg), "larger than 1024 KiB")
+    assert not out.exists()
+
+
+def test_the_largest_seeds_compile(tmp_path):
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("training:\n  seed: 4294967295\nsplit:\n  seed: 0\nsampling:\n  seeds: [4294967295]\n")
+    out = tmp_path / "pipeline.yaml"
+    proc = rangefinder("compile", "--config", str(cfg), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert out.stat().st_size > 1000
+
+
+def test_run_local_refuses_credentials_in_mlflow_tracking_uri_before_running(tmp_path):
+    """From the environment too: refused before a step runs, so no table, log, executor output or store has it."""
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("data:\n  resolution: 32\n")
+    out = tmp_path / "out"
+    uri = f"http://rf-user:hunter2-pw@127.0.0.1:{free_port()}"
+    proc = rangefinder("run", "--local", "--config", str(cfg), "--out", str(out), env={"MLFLOW_TRACKING_URI": uri})
+    line = assert_one_line_error(proc, "MLFLOW_TRACKING_URI", "a user name and password", "MLFLOW_TRACKING_PASSWORD")
+    assert "hunter2" not in proc.stdout + proc.stderr and "rf-user" not in line
+    written = [p for p in out.rglob("*") if p.is_file()] if out.exists() else []
+    assert not written, written
+
+
+def test_train_reads_its_config_with_the_same_checks(tmp_path, split_dir):
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("training:\n  epochs: 1\n  epochs: 2\n")
+    assert_one_line_error(rangefinder("train", "--data", str(split_dir), "--out", str(tmp_path / "run"),
+                                      "--config", str(cfg)), "'epochs'", "lines 2 and 3")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_bad_seed_flag_is_one_line(tmp_path, split_dir):
+    assert_one_line_error(rangefinder("train", "--data", str(split_dir), "--out", str(tmp_path / "run"),
+                                      "--epochs", "1", "--seed", "-3"), "training.seed")
+    assert not Path(tmp_path / "run").exists()
