@@ -518,9 +518,10 @@ def read_config_file(path: str | Path) -> dict:
     return raw
 
 
-def _check_sizes(raw: Any) -> None:
-    """ConfigError naming the first string, list or mapping over its bound (by its dotted path), or a config with
-    more values in all than MAX_VALUES. Iterative, so a deep structure cannot exhaust the stack."""
+def _check_raw(raw: Any) -> None:
+    """ConfigError naming (by its dotted path) the first string, list or mapping over its bound, or string holding a
+    URL with credentials; or a config with more values in all than MAX_VALUES. Iterative, so a deep structure cannot
+    exhaust the stack."""
     seen = 0
     todo: list[tuple[str, Any]] = [("", raw)]
     while todo:
@@ -533,6 +534,13 @@ def _check_sizes(raw: Any) -> None:
         if isinstance(value, str) and len(value) > MAX_STRING_CHARS:
             raise ConfigError(f"{name}: a string of {len(value)} characters, more than the {MAX_STRING_CHARS} a "
                               "setting may have; shorten it")
+        if isinstance(value, str) and "://" in value:
+            # Any URL, not only the tracking URIs: the whole config is a parameter of the compiled pipeline, printed
+            # by kfp.local and kept in every step's executor output.
+            try:
+                _refuse_uri_credentials(value)
+            except ValueError as e:
+                raise ConfigError(f"{name}: {e}") from None
         if isinstance(value, (dict, list)) and len(value) > MAX_LIST_ITEMS:
             raise ConfigError(f"{name}: {len(value)} entries, more than the {MAX_LIST_ITEMS} a setting may have; "
                               "shorten it")
@@ -554,7 +562,7 @@ def load_config(path: str | Path | None = None, overrides: Optional[dict] = None
 
 def parse_config(raw: dict) -> RangefinderConfig:
     """Validate raw sections (from YAML, JSON or the KFP parameters); ConfigError with one line per problem."""
-    _check_sizes(raw)
+    _check_raw(raw)
     try:
         return RangefinderConfig.model_validate(raw)
     except ValidationError as e:

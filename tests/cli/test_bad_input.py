@@ -67,9 +67,12 @@ def test_demo_refuses_a_bad_lr_before_building_anything(lr, tmp_path):
          ["tracking.tracking_uri", "a user name and password", "MLFLOW_TRACKING_PASSWORD", "Secret"]),
         ("kubernetes:\n  mlflow_tracking_uri: http://rf-user:hunter2-pw@mlflow:5000\n",
          ["kubernetes.mlflow_tracking_uri", "MLFLOW_TRACKING_USERNAME"]),
+        ("model:\n  base_model: https://rf-user:hunter2-pw@models.example/sd15.safetensors\n",
+         ["model.base_model", "a user name and password"]),
     ],
     ids=["lr-inf", "lr-nan", "lr-negative", "fixed-lr-inf", "seed-negative", "seed-2**32", "split-seed",
-         "sampling-seed-huge", "duplicate-key", "long-list", "uri-credentials", "k8s-uri-credentials"],
+         "sampling-seed-huge", "duplicate-key", "long-list", "uri-credentials", "k8s-uri-credentials",
+         "credentials-in-any-url"],
 )
 def test_compile_refuses_a_bad_config_and_writes_nothing(yaml_text, words, tmp_path):
     cfg = tmp_path / "cfg.yaml"

@@ -288,3 +288,17 @@ def test_local_build_carries_no_cluster_environment(tmp_path):
             assert not ex.container.env, name
     for _dag, _name, task in c.tasks("finetune") + c.tasks("prepare-dataset") + c.tasks("lr-range-test"):
         assert task.retry_policy.max_retry_count == 0 and not task.caching_options.enable_cache
+
+
+def test_a_package_carrying_a_url_with_credentials_is_refused(tmp_path):
+    """Defence in depth: the config refuses such URLs when read; a config changed without validation (model_copy)
+    is still caught when compiled, and no package is left behind."""
+    from rangefinder.config import ModelConfig
+    from rangefinder.errors import ConfigError
+
+    cfg = RangefinderConfig().model_copy(
+        update={"model": ModelConfig.model_construct(base_model="https://rf-user:hunter2-pw@models.example/sd.ckpt")})
+    out = tmp_path / "p.yaml"
+    with pytest.raises(ConfigError, match="credentials in the URL https://models.example/sd.ckpt") as e:
+        compile_pipeline(cfg, str(out))
+    assert "hunter2" not in str(e.value) and not out.exists()

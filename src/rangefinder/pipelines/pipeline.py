@@ -25,6 +25,7 @@ kfp's and kfp-kubernetes' own calls, at compile time. Nothing here reads the env
 
 # No `from __future__ import annotations`: KFP reads the pipeline functions' annotations as real types.
 from collections.abc import Callable
+from pathlib import Path
 from typing import NamedTuple, Optional
 
 from kfp import dsl, kubernetes
@@ -260,8 +261,21 @@ def build_pipeline(cfg: Optional[RangefinderConfig] = None, *, local: bool = Fal
 
 
 def compile_pipeline(cfg: Optional[RangefinderConfig], package_path: str) -> str:
-    """Write the IR YAML of the pipeline built from `cfg`; returns the path."""
+    """Write the IR YAML of the pipeline built from `cfg`; returns the path.
+
+    The package is read back before it is handed on: one that carries a URL with credentials in it (the config
+    refuses those when it is read; this catches any other way in) is removed and refused, since anyone who can
+    see the pipeline in Kubeflow can read its YAML.
+    """
     from kfp import compiler
 
+    from rangefinder.errors import ConfigError
+    from rangefinder.tracking.redaction import CREDENTIALS_FIX, url_with_credentials
+
     compiler.Compiler().compile(build_pipeline(cfg), package_path=package_path)
+    leaked = url_with_credentials(Path(package_path).read_text(encoding="utf-8"))
+    if leaked:
+        Path(package_path).unlink()
+        raise ConfigError(f"the compiled pipeline would carry credentials in the URL {leaked}; remove them from the "
+                          f"config and {CREDENTIALS_FIX}")
     return package_path

@@ -82,6 +82,12 @@ def uri_credentials(uri: str) -> Optional[str]:
     return None
 
 
+def url_with_credentials(text: str) -> Optional[str]:
+    """The first URL in `text` that carries `user[:password]@`, shown without them; None when there is none."""
+    m = re.search(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^/@\s\"']+@[^\s\"',]*", text)
+    return safe_uri(m.group(0)) if m else None
+
+
 def safe_uri(uri: str) -> str:
     """A tracking URI fit for a message or a tag: no `user:password@`, no query string (it may hold a token)."""
     try:
