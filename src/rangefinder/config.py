@@ -352,6 +352,9 @@ class TrackingConfig(_Section):
     experiment_name: str = "rangefinder"  # $MLFLOW_EXPERIMENT_NAME wins when set
     registered_model_name: Optional[str] = "rangefinder-sd"  # None: log the model but do not register it
     log_every_updates: int = Field(1, ge=1)
+    # Seconds a step waits at its end for an MLflow server that stopped answering, before it leaves what the server
+    # did not take in its spool (`rangefinder relog`) and ends with a warning. A minute covers a server pod's restart.
+    server_wait_seconds: float = Field(60.0, ge=0)
 
     @field_validator("tracking_uri")
     @classmethod

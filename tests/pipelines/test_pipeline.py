@@ -184,6 +184,9 @@ def test_kubernetes_settings(compiled):
             (sec,) = k.secret_as_env
             assert sec.secret_name_parameter.runtime_value.constant.string_value == cfg.mlflow_secret
             assert {m.env_var for m in sec.key_to_env} == set(cfg.mlflow_secret_keys)
+            # What the step cannot log while MLflow is away outlives the pod, on the data volume.
+            env = {e.name: e.value for e in compiled.executors[compiled.executor_of(task)].container.env}
+            assert env["RANGEFINDER_MLFLOW_SPOOL"] == "/data/work/mlflow-spool", prefix
     for _, _, task in compiled.tasks("prepare-dataset"):
         k = compiled.k8s[compiled.executor_of(task)]
         assert not k.secret_as_env

@@ -31,3 +31,28 @@ def test_secret_named_settings_are_hidden_and_look_alikes_kept():
     assert params["textual_inversion.initializer_token"] == "object"
     assert params["training.lr"] == "0.0001" and params["training.target_modules"] == '["to_k","to_q"]'
     assert len(params["sampling.prompts"]) <= 500 and params["sampling.prompts"].endswith("chars)")
+
+
+def test_a_redacting_stream_sees_secrets_written_in_pieces(monkeypatch):
+    import io
+
+    from rangefinder.tracking.redaction import RedactingWriter
+
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "rf-Secret-4417-pw")
+    sink = io.StringIO()
+    w = RedactingWriter(sink)
+    for piece in ("uri http://alice:pw1234", "5@host:5000/x and rf-Secr", "et-4417-pw", "\n", "tail rf-Secret-4417-pw"):
+        w.write(piece)
+    assert sink.getvalue() == "uri http://host:5000/x and ***\n"  # nothing of an unfinished line yet
+    w.flush()
+    assert sink.getvalue() == "uri http://host:5000/x and ***\ntail ***"
+
+
+def test_uri_credentials_names_what_is_there_never_the_value():
+    from rangefinder.tracking.redaction import uri_credentials
+
+    assert uri_credentials("http://alice:pw@host:5000") == "a user name and password"
+    assert uri_credentials("https://alice@host") == "a user name"
+    assert uri_credentials("https://host/api?token=abc&x=1") == "a secret in its query (token=)"
+    for clean in ("http://host:5000", "sqlite:////tmp/a@b.db", "https://host/?placeholder_token=x", "databricks"):
+        assert uri_credentials(clean) is None, clean

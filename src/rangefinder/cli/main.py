@@ -34,6 +34,7 @@ COMMANDS = [
     "analyze_lr",
     "select_steps",
     "promote",
+    "relog",
 ]
 
 

@@ -2,8 +2,10 @@
 
 The same compiled DAG as on a cluster runs step by step in subprocesses of this Python (the `rangefinder` package is
 installed here, so `use_venv=False`). GPU and Kubernetes settings have no meaning locally and kfp.local ignores them.
-Everything lands under one output folder: the pipeline root (every step's artifacts), and the MLflow store
-`sqlite:///<out>/mlflow.db` unless `MLFLOW_TRACKING_URI` is set.
+Everything lands under one output folder: the pipeline root (every step's artifacts), the MLflow store
+`sqlite:///<out>/mlflow.db` unless `MLFLOW_TRACKING_URI` is set, and `<out>/mlflow-spool/` with what a step could not
+log to an MLflow server that stopped answering (`rangefinder relog` logs it later). What kfp.local prints (step
+logs, inputs, outputs) passes through `redact` on its way to the terminal or `pipeline.log`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from typing import Any, Optional
 
 from rangefinder.config import RangefinderConfig
 from rangefinder.errors import RangefinderError
+from rangefinder.tracking.redaction import RedactingWriter, redact, safe_uri
+from rangefinder.tracking.spool import SPOOL_ENV
 
 
 @dataclass
@@ -58,8 +62,17 @@ class LocalRun:
         out["pipeline_root"] = str(self.run_dir)
         if (self.out_dir / "pipeline.log").is_file():
             out["log"] = str(self.out_dir / "pipeline.log")
-        out["mlflow"] = self.tracking_uri
+        out["mlflow"] = safe_uri(self.tracking_uri)
+        spools = unlogged_spools(self.out_dir)
+        if spools:
+            # A step's warning says this too, in the log; the table is what a person reads.
+            out["mlflow_not_logged"] = [f"{p} (when MLflow answers: rangefinder relog {p})" for p in spools]
         return out
+
+
+def unlogged_spools(out_dir: Path) -> list[Path]:
+    """The spools steps of a local run left under OUT/mlflow-spool: what MLflow did not take."""
+    return sorted((Path(out_dir) / "mlflow-spool").glob("*.jsonl"))
 
 
 def local_tracking_uri(out_dir: Path) -> str:
@@ -88,33 +101,41 @@ def run_pipeline_locally(cfg: RangefinderConfig, out_dir: str | Path, *, dataset
     # (data-volume paths, MLflow URI) to the steps.
     pipeline = build_pipeline(cfg, local=True)
     # The steps run in subprocesses that inherit this environment; the caller's is put back afterwards.
-    saved = os.environ.get("MLFLOW_TRACKING_URI")
-    os.environ["MLFLOW_TRACKING_URI"] = tracking_uri
+    step_env = {"MLFLOW_TRACKING_URI": tracking_uri,
+                SPOOL_ENV: os.environ.get(SPOOL_ENV) or str(out / "mlflow-spool")}
+    saved = {name: os.environ.get(name) for name in step_env}
+    os.environ.update(step_env)
     log_path = out / "pipeline.log"
+    log_start = log_path.stat().st_size if log_path.is_file() else 0  # this run's part of an appended log
     if quiet:
         print(f"rangefinder: running the pipeline with kfp.local; step logs in {log_path}", file=sys.stderr)
     try:
         # kfp.local prints every step's log and outputs on stdout; with `quiet` they go to the log file instead,
-        # so the terminal (and --json) shows only the result.
-        with open(log_path, "a", encoding="utf-8") if quiet else contextlib.nullcontext() as log, \
-                contextlib.redirect_stdout(log) if quiet else contextlib.nullcontext(), warnings.catch_warnings():
-            # Known and meant: the pod settings and the image do nothing here (this environment has the package).
-            warnings.filterwarnings("ignore", message=r"Task .* have no effect in the current local runner")
-            warnings.filterwarnings("ignore", message=r"You may be attemping to run a task that uses custom")
-            pipeline(**parameters_from_config(cfg, dataset_uri=dataset_uri))
+        # so the terminal (and --json) shows only the result. Either way they pass through redact().
+        with open(log_path, "a", encoding="utf-8") if quiet else contextlib.nullcontext(sys.stdout) as log, \
+                contextlib.redirect_stdout(RedactingWriter(log)) as redacted, warnings.catch_warnings():
+            try:
+                # Known and meant: the pod settings and the image do nothing here (this environment has the package).
+                warnings.filterwarnings("ignore", message=r"Task .* have no effect in the current local runner")
+                warnings.filterwarnings("ignore", message=r"You may be attemping to run a task that uses custom")
+                pipeline(**parameters_from_config(cfg, dataset_uri=dataset_uri))
+            finally:
+                redacted.flush()
     except RuntimeError as e:
-        # kfp.local names the failed task (inside a chain of sub-DAGs); the step's own error is in its log above.
+        # kfp.local names the failed task (the first, inside a chain of sub-DAGs); the step's own error is in its log.
         text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))
         m = re.search(r"Inner task failed: '([^']+)'", text)
-        where = f"step {m.group(1)} failed" if m else text
-        log_hint = f"see {log_path}" if quiet else "its error is in the log above"
-        raise RangefinderError(f"the local pipeline run stopped: {where} ({log_hint}; "
-                               f"artifacts so far under {root})") from None
+        where = f"step {m.group(1)} failed" if m else redact(text)
+        cause = step_error(_read_from(log_path, log_start), m.group(1)) if m and quiet else None
+        log_hint = f"full log: {log_path}" if quiet else "its error is in the log above"
+        raise RangefinderError(f"the local pipeline run stopped: {where}{f': {cause}' if cause else ''} "
+                               f"({log_hint}; artifacts so far under {root})") from None
     finally:
-        if saved is None:
-            os.environ.pop("MLFLOW_TRACKING_URI", None)
-        else:
-            os.environ["MLFLOW_TRACKING_URI"] = saved
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     new = sorted((p for p in root.iterdir() if p.name not in before and p.name.startswith(PIPELINE_NAME)),
                  key=lambda p: p.stat().st_mtime)
     if not new:
@@ -123,6 +144,41 @@ def run_pipeline_locally(cfg: RangefinderConfig, out_dir: str | Path, *, dataset
     _collect(run)
     _publish_reports(run)
     return run
+
+
+def _read_from(path: Path, offset: int) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            f.seek(offset)
+            return f.read()
+    except OSError:
+        return ""
+
+
+MAX_CAUSE_LINES = 6
+
+
+def step_error(log: str, task: str) -> Optional[str]:
+    """The error `task` ended with, from kfp.local's log: the exception line of its last traceback and the lines
+    after it (module path dropped: `TrackingError: cannot reach ...`), else its last lines; None if not there."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", log)
+    name = re.escape(task)
+    # From kfp's "... Executing task 'x'" line to its "... ERROR - Task 'x' finished with status FAILURE" line.
+    sections = re.findall(rf"Executing task '{name}'\n(.*?)\n[^\n]*Task '{name}' finished with status FAILURE",
+                          text, re.S)
+    if not sections:
+        return None
+    lines = [line.strip() for line in sections[-1].splitlines() if line.strip()]
+    exception = re.compile(r"^(?:[A-Za-z_][\w]*\.)*([A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit|Failure))(?::\s*|$)")
+    for i in range(len(lines) - 1, -1, -1):
+        m = exception.match(lines[i])
+        if m:
+            cause = [m.group(1) + ": " + lines[i][m.end():] if lines[i][m.end():] else m.group(1)]
+            cause += lines[i + 1: i + MAX_CAUSE_LINES]
+            break
+    else:
+        cause = lines[-3:]
+    return " ".join(cause)[:2000] or None
 
 
 # The artifacts a person reads, by output name; KFP names artifact files after the output, without an extension.

@@ -34,6 +34,7 @@ from rangefinder.config import KubernetesConfig, RangefinderConfig
 from rangefinder.container_images import cpu_image, trainer_image
 from rangefinder.pipelines import kfp_components as c
 from rangefinder.steps.resolve_config import parameters_from_config
+from rangefinder.tracking.spool import SPOOL_ENV
 
 PIPELINE_NAME = "rangefinder-finetune"
 PIPELINE_DESCRIPTION = (
@@ -85,6 +86,10 @@ def configure_task(task: dsl.PipelineTask, step: str, k8s: KubernetesConfig, loc
         if secret_keys:
             kubernetes.use_secret_as_env(task, secret_name=k8s.mlflow_secret,
                                          secret_key_to_env={key: key for key in secret_keys})
+        if k8s.data_pvc:
+            # What a step cannot log while MLflow is away must outlive its pod: on the data volume, for
+            # `rangefinder relog` (tracking/spool.py).
+            task.set_env_variable(SPOOL_ENV, f"{k8s.data_mount_path.rstrip('/')}/work/mlflow-spool")
     if k8s.image_pull_secrets:
         kubernetes.set_image_pull_secrets(task, list(k8s.image_pull_secrets))
     for key, value in k8s.pod_labels.items():

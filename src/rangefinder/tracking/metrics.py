@@ -2,8 +2,11 @@
 
 One REST round trip per update would cost a training step ~10 ms to a remote server for every metric; buffering and
 sending `MlflowClient.log_batch` every `flush_every` values or `flush_seconds` seconds (and on close) makes logging
-free for training. A failed flush keeps its values and tries again at the next one, so a server that blinks during
-a long run loses nothing; only `close()` reports a server that stayed away.
+free for training. A failed flush keeps its values and tries again later (30 s, then ever longer up to 10 min), so a
+server that blinks during a long run loses nothing and one that stays away stalls training once per try, for the
+bounded time of one call (tracking/target.py's HTTP_LIMITS). With a spool (a step's run has one), values beyond
+MAX_BUFFERED and whatever `close()` cannot send go there, on disk, for `rangefinder relog`; without one, `close()`
+reports a server that stayed away.
 """
 
 from __future__ import annotations
@@ -16,10 +19,12 @@ from typing import Any, Optional
 
 from rangefinder.errors import TrackingError
 from rangefinder.tracking.redaction import redact
+from rangefinder.tracking.spool import MAX_METRICS_PER_BATCH, Spool
 
 _log = logging.getLogger(__name__)
 
-MAX_METRICS_PER_BATCH = 1000  # MLflow's log_batch limit
+# Values held in memory while the server is away; older ones move to the spool. ~200 bytes each: 20 MB.
+MAX_BUFFERED = 100_000
 # Keys of validation measurements: always kept, whatever `every_updates` thins the per-update ones to.
 VALIDATION_PREFIXES = ("val_", "stabilize_")
 
@@ -47,9 +52,11 @@ class BatchedMetricLogger:
         every_updates: int = 1,
         flush_every: int = 500,
         flush_seconds: float = 10.0,
+        spool: Optional[Spool] = None,
     ) -> None:
         self.client = client
         self.run_id = run_id
+        self.spool = spool
         self.every_updates = max(1, int(every_updates))
         self.flush_every = max(1, int(flush_every))
         self.flush_seconds = float(flush_seconds)
@@ -59,6 +66,7 @@ class BatchedMetricLogger:
         self._retry_after = 0.0  # monotonic time before which a failed flush is not tried again
         self._retry_wait = 0.0
         self.sent = 0  # values delivered to MLflow so far
+        self.spooled = 0  # values put in the spool instead
         self.closed = False
 
     def log_metrics(self, metrics: Mapping[str, Optional[float]], step: int) -> None:
@@ -81,6 +89,8 @@ class BatchedMetricLogger:
         due = len(self._buffer) >= self.flush_every or now - self._last_flush >= self.flush_seconds
         if due and now >= self._retry_after:
             self.flush(raise_errors=False)
+        if self.spool is not None and len(self._buffer) > MAX_BUFFERED:
+            self._to_spool(len(self._buffer) - MAX_BUFFERED)  # the oldest, so the newest still go live
 
     def flush(self, *, raise_errors: bool = True) -> None:
         """Send what is buffered. With raise_errors=False a failure is logged once and the values are kept."""
@@ -109,15 +119,41 @@ class BatchedMetricLogger:
             self._retry_wait = 0.0
 
     @property
+    def failing(self) -> bool:
+        """The last try to send failed (the server is away, as far as this logger knows)."""
+        return self._retry_wait > 0
+
+    def _to_spool(self, n: int) -> None:
+        assert self.spool is not None
+        chunk = self._buffer[:n]
+        self.spool.append({"kind": "metrics", "run_id": self.run_id,
+                           "metrics": [[m.key, m.value, m.timestamp, m.step] for m in chunk]})
+        del self._buffer[:n]
+        self.spooled += n
+
+    @property
     def pending(self) -> int:
         return len(self._buffer)
 
-    def close(self) -> None:
-        if not self.closed:
-            try:
-                self.flush(raise_errors=True)
-            finally:
-                self.closed = True
+    def close(self, *, send: bool = True) -> None:
+        """Send what is buffered (`send=False`: the server is known to be away, do not try). With a spool, what
+        cannot be sent goes there; without one, TrackingError says how many values were lost."""
+        if self.closed:
+            return
+        try:
+            if send:
+                try:
+                    self.flush(raise_errors=True)
+                except TrackingError:
+                    if self.spool is None:
+                        raise
+            if self._buffer:
+                if self.spool is None:
+                    raise TrackingError(f"{len(self._buffer)} metric values of MLflow run {self.run_id} were not "
+                                        "sent; the curves are still in the step's CSV files")
+                self._to_spool(len(self._buffer))
+        finally:
+            self.closed = True
 
     def __enter__(self) -> BatchedMetricLogger:
         return self

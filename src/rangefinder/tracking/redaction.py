@@ -100,3 +100,31 @@ def safe_uri(uri: str) -> str:
     if parts.port:
         netloc = f"{netloc}:{parts.port}"
     return redact(urlunsplit((parts.scheme, netloc, parts.path, "", "")))
+
+
+class RedactingWriter:
+    """A text stream that passes whole lines through `redact` on their way to `stream` (a log file, the terminal).
+
+    Text is held until its line ends, so a secret written in two pieces (print writes the text, then the newline)
+    is still seen whole; `flush` writes out what is held.
+    """
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self._held = ""
+
+    def write(self, text: str) -> int:
+        self._held += text
+        if "\n" in self._held:
+            lines, self._held = self._held.rsplit("\n", 1)
+            self.stream.write(redact(lines) + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        if self._held:
+            self.stream.write(redact(self._held))
+            self._held = ""
+        self.stream.flush()
+
+    def isatty(self) -> bool:
+        return bool(getattr(self.stream, "isatty", lambda: False)())

@@ -7,6 +7,10 @@ KFP's MLflow plugin has made a run for us ($MLFLOW_RUN_ID), that run is the pare
 
 Everything here goes through `MlflowClient` with explicit run ids, never mlflow's global "active run", because the
 fluent API would silently resume $MLFLOW_RUN_ID instead of opening a child.
+
+A server that stops answering while a step runs does not stop the step: what the step logs goes to its spool
+(tracking/spool.py) instead, the step waits a bounded time (`tracking.server_wait_seconds`) at its end for the server
+to come back, and otherwise ends with a warning naming what was not logged and the `rangefinder relog` command.
 """
 
 from __future__ import annotations
@@ -20,7 +24,6 @@ import numbers as numbers_abc
 import os
 import re
 import subprocess
-import sys
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -30,12 +33,16 @@ from typing import Any, Optional
 from rangefinder.errors import TrackingError
 from rangefinder.tracking.metrics import BatchedMetricLogger, metric_name
 from rangefinder.tracking.redaction import REDACTED, is_secret_key, redact, safe_uri
+from rangefinder.tracking.spool import Spool, apply_record, describe, read_spool, replay, spool_dir
 from rangefinder.tracking.target import (
     TrackingSource,
+    bound_http_requests,
+    check_tracking_server,
     default_experiment_id,
     ensure_tracking_server,
     resolve_experiment_name,
     resolve_tracking_uri,
+    server_unreachable,
     tracking_settings,
 )
 
@@ -62,6 +69,7 @@ def tracking_client(cfg: Optional[TrackingSource] = None, *, check: bool = True)
     from mlflow import MlflowClient
 
     uri = resolve_tracking_uri(cfg)
+    bound_http_requests()
     if check:
         ensure_tracking_server(uri, experiment_name=resolve_experiment_name(cfg))
     # The fluent calls mlflow makes inside Model.log / register_model read the global URI.
@@ -168,31 +176,6 @@ def _tag_value(v: Any) -> str:
     return redact(s)[:MAX_TAG_CHARS]
 
 
-def _batched_params(client: Any, run_id: str, params: Mapping[str, str]) -> None:
-    """Log params 100 at a time; skip those already logged with the same value (a resumed run)."""
-    from mlflow.entities import Param
-
-    existing = client.get_run(run_id).data.params
-    new = []
-    for k, v in params.items():
-        if k in existing:
-            if existing[k] != v:
-                _log.warning("param %s already logged as %r; keeping it (MLflow params cannot change), not %r",
-                             k, existing[k], v)
-            continue
-        new.append(Param(k, v))
-    for i in range(0, len(new), 100):
-        client.log_batch(run_id, params=new[i: i + 100], synchronous=True)
-
-
-def _batched_tags(client: Any, run_id: str, tags: Mapping[str, Any]) -> None:
-    from mlflow.entities import RunTag
-
-    items = [RunTag(k, _tag_value(v)) for k, v in tags.items() if v is not None]
-    for i in range(0, len(items), 100):
-        client.log_batch(run_id, tags=items[i: i + 100], synchronous=True)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # The parent run of a pipeline run
 
@@ -251,7 +234,7 @@ def ensure_parent_run(
         client.delete_run(run_id)
         return first
     if log_config and cfg is not None and hasattr(cfg, "tracking"):
-        _batched_params(client, run_id, flatten_params(cfg))
+        apply_record(client, {"kind": "params", "run_id": run_id, "params": flatten_params(cfg)})
     _log.info("MLflow parent run %s (%s) in %s", run_id, name, safe_uri(resolve_tracking_uri(cfg)))
     return run_id
 
@@ -287,9 +270,7 @@ def finish_pipeline_run(cfg: Optional[TrackingSource], run_id: str, *, status: s
 
 
 def _end_run(client: Any, run_id: str, status: str) -> None:
-    # mlflow prints the run's URL on stdout, where it would break a command's --json output; stderr still shows it.
-    with contextlib.redirect_stdout(sys.stderr):
-        client.set_terminated(run_id, status=status)
+    apply_record(client, {"kind": "end", "run_id": run_id, "status": status})
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -298,7 +279,12 @@ def _end_run(client: Any, run_id: str, status: str) -> None:
 
 @dataclass
 class StepRun:
-    """An open child run of one step. Use it inside `with step_run(...) as run:`."""
+    """An open child run of one step. Use it inside `with step_run(...) as run:`.
+
+    Each logging call is a record (tracking/spool.py) sent at once; when the server does not answer, that record and
+    every later one go to the run's spool instead (no call waits on a server known to be away), and `finish` waits
+    a bounded time for the server before leaving them there for `rangefinder relog`.
+    """
 
     client: Any
     run_id: str
@@ -307,11 +293,31 @@ class StepRun:
     parent_run_id: Optional[str]
     tracking_uri: str
     cfg: Optional[TrackingSource] = None
+    spool_dir: Optional[Path] = None  # None: tracking.spool.spool_dir() (env, data volume or ./mlflow-spool)
     metrics: BatchedMetricLogger = field(init=False)
+    spool: Spool = field(init=False)
+    offline: bool = field(init=False, default=False)  # the server stopped answering; records go to the spool
 
     def __post_init__(self) -> None:
         every = tracking_settings(self.cfg).log_every_updates if self.cfg is not None else 1
-        self.metrics = BatchedMetricLogger(self.client, self.run_id, every_updates=every)
+        path = spool_dir(self.spool_dir) / f"{self.step_name}-{self.run_id}.jsonl"
+        self.spool = Spool(path, tracking_uri=self.tracking_uri, run_id=self.run_id, step=self.step_name)
+        self.metrics = BatchedMetricLogger(self.client, self.run_id, every_updates=every, spool=self.spool)
+
+    def _deliver(self, record: Mapping[str, Any]) -> None:
+        """Log one record now, or put it in the spool when the server is away (found now or before)."""
+        if not self.offline:
+            try:
+                apply_record(self.client, record)
+                return
+            except Exception as e:
+                if not server_unreachable(e):
+                    raise
+                self.offline = True
+                _log.warning("MLflow at %s stopped answering (%s); step %s goes on and keeps what it logs in %s",
+                             safe_uri(self.tracking_uri), redact(e).splitlines()[0][:300], self.step_name,
+                             self.spool.path)
+        self.spool.append(record)
 
     # --- the engine's MetricSink: the run itself can be passed as the sink
     def log_metrics(self, metrics: Mapping[str, Optional[float]], step: int) -> None:
@@ -335,13 +341,18 @@ class StepRun:
             params.update(flatten_params(plan, "plan."))
         if extra:
             params.update(flatten_params(dict(extra)))
-        _batched_params(self.client, self.run_id, params)
+        self._deliver({"kind": "params", "run_id": self.run_id, "params": params})
 
     def log_params(self, params: Mapping[str, Any]) -> None:
-        _batched_params(self.client, self.run_id, flatten_params(dict(params)))
+        self._deliver({"kind": "params", "run_id": self.run_id, "params": flatten_params(dict(params))})
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
-        _batched_tags(self.client, self.run_id, {k: v for k, v in tags.items() if not is_secret_key(k)})
+        self._set_tags(self.run_id, {k: v for k, v in tags.items() if not is_secret_key(k)})
+
+    def _set_tags(self, run_id: str, tags: Mapping[str, Any]) -> None:
+        clean = {k: _tag_value(v) for k, v in tags.items() if v is not None}
+        if clean:
+            self._deliver({"kind": "tags", "run_id": run_id, "tags": clean})
 
     # --- decisions
     def log_decisions(
@@ -353,8 +364,6 @@ class StepRun:
         With `to_parent`, the parent run gets the numbers under the same names (one row per pipeline run in
         MLflow's table) and the tags prefixed by the step name (`analyze_lr.status`), since every step has a status.
         """
-        from mlflow.entities import Metric
-
         numbers: dict[str, float] = {}
         words: dict[str, Any] = {}
         for k, v in _flatten_any(decisions, prefix).items():
@@ -367,28 +376,26 @@ class StepRun:
             else:
                 words[k] = v
         ts = int(time.time() * 1000)
-        metrics = [Metric(metric_name(k), v, ts, step or 0) for k, v in numbers.items()]
+        rows = [[metric_name(k), v, ts, step or 0] for k, v in numbers.items()]
         targets = [(self.run_id, words)]
         if to_parent and self.parent_run_id:
             targets.append((self.parent_run_id, {f"{self.step_name}.{k}": v for k, v in words.items()}))
         for run_id, tags in targets:
-            for i in range(0, len(metrics), 1000):
-                self.client.log_batch(run_id, metrics=metrics[i: i + 1000], synchronous=True)
-            _batched_tags(self.client, run_id, tags)
+            if rows:
+                self._deliver({"kind": "metrics", "run_id": run_id, "metrics": rows})
+            self._set_tags(run_id, tags)
 
     # --- artifacts
     def log_artifact(self, path: str | os.PathLike, artifact_path: Optional[str] = None) -> None:
         """A file, or a folder's contents, under `artifact_path` (plots, reports, curve CSVs, manifests)."""
         p = Path(path)
-        if p.is_dir():
-            self.client.log_artifacts(self.run_id, str(p), artifact_path)
-        elif p.is_file():
-            self.client.log_artifact(self.run_id, str(p), artifact_path)
-        else:
+        if not p.exists():
             raise TrackingError(f"cannot log {p} to MLflow: no such file or folder")
+        self._deliver({"kind": "artifact", "run_id": self.run_id, "path": str(p.absolute()),
+                       "artifact_path": artifact_path})
 
     def log_text(self, text: str, artifact_file: str) -> None:
-        self.client.log_text(self.run_id, text, artifact_file)
+        self._deliver({"kind": "text", "run_id": self.run_id, "text": text, "artifact_file": artifact_file})
 
     def log_image(self, image: Any, artifact_file: Optional[str] = None, *, key: Optional[str] = None,
                   step: Optional[int] = None) -> None:
@@ -396,48 +403,44 @@ class StepRun:
         series `key` (shown in MLflow's UI with a step slider, e.g. the sample grid)."""
         if (artifact_file is None) == (key is None):
             raise ValueError("give either artifact_file or key")
+        record: dict[str, Any] = {"kind": "image", "run_id": self.run_id, "artifact_file": artifact_file,
+                                  "key": key, "step": step or 0}
         if isinstance(image, (str, os.PathLike)):
-            from PIL import Image
-
-            with Image.open(image) as im:
-                image = im.convert("RGB")
-        if key is not None:
-            self.client.log_image(self.run_id, image, key=key, step=step or 0, synchronous=True)
+            record["path"] = str(Path(image).absolute())
         else:
-            self.client.log_image(self.run_id, image, artifact_file=artifact_file)
+            record["image"] = image
+        self._deliver(record)
 
     def log_dataset_manifest(self, split_dir: str | os.PathLike, artifact_path: str = "dataset") -> str:
         """The split folder's manifests (train/val/stabilize.jsonl, split.json) as artifacts, and each part as an
         MLflow dataset input (the run's "Datasets" column: name, digest, row count, context). Returns the digest of
         the whole split, also set as the tag `rangefinder.dataset_digest` here and on the parent run."""
-        from mlflow.entities import Dataset, DatasetInput, InputTag
-
         folder = Path(split_dir)
         files = [p for p in sorted(folder.iterdir()) if p.suffix in (".jsonl", ".json") and p.is_file()] \
             if folder.is_dir() else []
         if not files:
             raise TrackingError(f"{folder} holds no split manifests (*.jsonl, split.json); run `rangefinder split`")
         for p in files:
-            self.client.log_artifact(self.run_id, str(p), artifact_path)
+            self.log_artifact(p, artifact_path)
         digest = folder_digest(folder, "*.jsonl")
         try:
             root = json.loads((folder / "split.json").read_text()).get("root") or str(folder)
         except (OSError, ValueError):
             root = str(folder)
         name = Path(root).name or "dataset"
-        inputs = []
+        datasets = []
         for part, context in (("train", "training"), ("val", "validation"), ("stabilize", "stabilize")):
             manifest = folder / f"{part}.jsonl"
             if not manifest.is_file():
                 continue
             rows = sum(1 for line in manifest.read_text().splitlines() if line.strip())
-            ds = Dataset(name=f"{name}-{part}", digest=folder_digest(folder, manifest.name), source_type="local",
-                         source=json.dumps({"uri": redact(root)}), profile=json.dumps({"num_rows": rows}))
-            inputs.append(DatasetInput(ds, tags=[InputTag("mlflow.data.context", context)]))
-        if inputs:
-            self.client.log_inputs(self.run_id, datasets=inputs)
+            datasets.append({"name": f"{name}-{part}", "digest": folder_digest(folder, manifest.name),
+                             "source_type": "local", "source": json.dumps({"uri": redact(root)}),
+                             "profile": json.dumps({"num_rows": rows}), "context": context})
+        if datasets:
+            self._deliver({"kind": "inputs", "run_id": self.run_id, "datasets": datasets})
         for run_id in filter(None, (self.run_id, self.parent_run_id)):
-            _batched_tags(self.client, run_id, {"rangefinder.dataset_digest": digest})
+            self._set_tags(run_id, {"rangefinder.dataset_digest": digest})
         return digest
 
     # --- models
@@ -451,6 +454,43 @@ class StepRun:
     @property
     def artifact_uri(self) -> str:
         return self.client.get_run(self.run_id).info.artifact_uri
+
+    # --- the end
+    def finish(self, status: str = "FINISHED", *, error: Optional[str] = None, wait: bool = True) -> None:
+        """Send what waits (buffered metrics, the spool), record `error` and end the run as `status`.
+
+        When the server has stopped answering, wait up to tracking.server_wait_seconds for it (not with
+        `wait=False`); if it is still away, everything not logged stays in the spool and a warning says what and
+        how to log it later. Never raises for a server that is away.
+        """
+        if error:
+            self._set_tags(self.run_id, {TAG_ERROR: redact(error)[:MAX_TAG_CHARS]})
+        if not self.offline:
+            self.metrics.flush(raise_errors=False)
+        if self.offline or self.metrics.failing:
+            self.offline = not self._server_back(tracking_settings(self.cfg).server_wait_seconds if wait else 0.0)
+        self.metrics.close(send=not self.offline)
+        self._deliver({"kind": "end", "run_id": self.run_id, "status": status})
+        if self.spool.exists() and not self.offline:
+            replay(self.spool.path, self.client)  # the server came back: what was spooled goes now
+        if self.spool.exists():
+            left = describe(read_spool(self.spool.path).counts())
+            _log.warning("MLflow at %s did not take everything step %s logged: %s of run %s are not in MLflow. "
+                         "They are kept in %s; when the server answers again, run: rangefinder relog %s",
+                         safe_uri(self.tracking_uri), self.step_name, left, self.run_id, self.spool.path,
+                         self.spool.path)
+
+    def _server_back(self, wait_s: float) -> bool:
+        """Whether the server answers, trying every few seconds for up to `wait_s`."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                check_tracking_server(self.tracking_uri, timeout=max(1.0, min(5.0, deadline - time.monotonic())))
+                return True
+            except TrackingError:
+                if time.monotonic() >= deadline:
+                    return False
+            time.sleep(max(0.0, min(2.0, deadline - time.monotonic())))
 
 
 def _flatten_any(obj: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -473,12 +513,14 @@ def step_run(
     kfp_run_id: Optional[str] = None,
     run_name: Optional[str] = None,
     tags: Optional[Mapping[str, Any]] = None,
+    spool_dir: Optional[str | os.PathLike] = None,
 ) -> Iterator[StepRun]:
     """Open a child run for one step; end it FINISHED, or FAILED (KILLED on Ctrl-C) with the error as a tag.
 
     The parent is, in order: `parent_run_id`; $MLFLOW_RUN_ID; the pipeline run's parent found or made by
     `ensure_parent_run(name=pipeline_run_name, kfp_run_id=...)` when either is given; else none (a step run from
-    the CLI on its own is a top-level run). The tracking server is checked before anything else.
+    the CLI on its own is a top-level run). The tracking server is checked before anything else. If it stops
+    answering later, the step goes on; see StepRun.finish. `spool_dir`: where the run's spool goes if needed.
     """
     client = tracking_client(cfg)
     parent = parent_run_id or os.environ.get("MLFLOW_RUN_ID") or None
@@ -495,23 +537,15 @@ def step_run(
     run = client.create_run(exp_id, run_name=run_name or step_name,
                             tags={k: _tag_value(v) for k, v in all_tags.items() if v is not None})
     step = StepRun(client=client, run_id=run.info.run_id, experiment_id=exp_id, step_name=step_name,
-                   parent_run_id=parent, tracking_uri=resolve_tracking_uri(cfg), cfg=cfg)
+                   parent_run_id=parent, tracking_uri=resolve_tracking_uri(cfg), cfg=cfg,
+                   spool_dir=Path(spool_dir) if spool_dir is not None else None)
     try:
         yield step
     except BaseException as e:
-        status = "KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED"
+        interrupted = isinstance(e, KeyboardInterrupt)
+        msg = f"{type(e).__name__}: {e}".splitlines()[0] if str(e) else type(e).__name__
         with contextlib.suppress(Exception):  # the step's own error matters more than a lost record of it
-            step.metrics.close()
-        with contextlib.suppress(Exception):
-            msg = f"{type(e).__name__}: {e}".splitlines()[0] if str(e) else type(e).__name__
-            client.set_tag(step.run_id, TAG_ERROR, redact(msg)[:MAX_TAG_CHARS])
-            _end_run(client, step.run_id, status)
+            step.finish("KILLED" if interrupted else "FAILED", error=msg, wait=not interrupted)
         raise
     else:
-        try:
-            step.metrics.close()
-        except TrackingError:
-            with contextlib.suppress(Exception):
-                _end_run(client, step.run_id, "FAILED")
-            raise
-        _end_run(client, step.run_id, "FINISHED")
+        step.finish("FINISHED")

@@ -1,7 +1,8 @@
 """Where runs go (tracking URI, experiment) and the fail-fast check that the server is there and takes our credentials.
 
 A training step that only finds out at its end that MLflow is unreachable loses an hour of GPU time and the record
-of it, so every run-opening call checks first, with a short timeout and no long retry loop.
+of it, so every run-opening call checks first, with a short timeout and no long retry loop. Later calls get bounded
+timeouts too (`bound_http_requests`): a server that dies mid-run costs a step seconds per call, not minutes.
 """
 
 from __future__ import annotations
@@ -25,6 +26,25 @@ CHECK_TIMEOUT_S = 5.0  # per request; a healthy server answers the check in mill
 CHECK_RETRIES = 2  # a restarting server or a blip gets two more chances (0.5 s, 1 s apart), then we stop
 _CREDENTIAL_VARS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
 _checked: set[tuple[str, str]] = set()
+
+# What every MLflow HTTP call of a step may cost, unless the user's environment says otherwise. MLflow's defaults
+# (120 s timeout, 7 retries with backoff factor 2) keep one call retrying ~4 minutes against a dead server, and
+# the training loop logs every few updates. 20 s still covers a busy server answering a metadata call (it takes
+# milliseconds when healthy); 2 retries at 1 s, 2 s ride out a blip or a restarting pod. A dead server then costs a
+# call ~5 s (connection refused) and at most ~65 s (no answer at all). A very large artifact upload through a slow
+# artifact store may need MLFLOW_HTTP_REQUEST_TIMEOUT raised, which is respected.
+HTTP_LIMITS = {
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "20",
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+}
+
+
+def bound_http_requests() -> None:
+    """Give this process's MLflow HTTP calls the bounded timeout and retries of HTTP_LIMITS, keeping any of those
+    variables the user has set. MLflow reads them at every call, so this works whenever it runs."""
+    for name, value in HTTP_LIMITS.items():
+        os.environ.setdefault(name, value)
 
 
 def tracking_settings(cfg: Optional[TrackingSource] = None) -> TrackingConfig:
@@ -169,6 +189,22 @@ def _check_http(uri: str, experiment_name: str, timeout: float) -> None:
         f"{where} did not answer like an MLflow tracking server (HTTP {status}); check MLFLOW_TRACKING_URI "
         "(scheme, host, port and path prefix) and the server's log"
     )
+
+
+def server_unreachable(e: BaseException) -> bool:
+    """Whether an error from an MLflow call means the server did not answer (down, unreachable, timed out, or a
+    5xx from it or a proxy in front), as opposed to an answer refusing the request (a bad value, a deleted run)."""
+    import requests
+    from mlflow.exceptions import MlflowException, RestException
+
+    if isinstance(e, RestException):
+        return e.get_http_status_code() >= 500
+    if isinstance(e, requests.exceptions.HTTPError):  # artifact uploads raise the response's own error
+        return e.response is None or e.response.status_code >= 500
+    if isinstance(e, (requests.exceptions.ConnectionError, requests.exceptions.Timeout)):
+        return True
+    # mlflow's http_request wraps every failure to get any answer in a plain MlflowException of this wording.
+    return isinstance(e, MlflowException) and str(e).startswith("API request to")
 
 
 def _is_mlflow_json(resp: Any) -> bool:

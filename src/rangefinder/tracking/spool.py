@@ -1,0 +1,306 @@
+"""What a step could not log to MLflow, kept on disk until `rangefinder relog SPOOL` logs it.
+
+Every logging call of a step (tracking/runs.py) is a *record*: a JSON object naming the run and what to log
+(metrics, params, tags, dataset inputs, an artifact, a text, an image, the run's end). `apply_record` is the one
+place a record reaches MLflow, live or replayed, so a relog does exactly what the step would have done.
+
+A spool is a JSON Lines file: a header (the tracking URI without credentials, the run and its step), then one record
+per line. Each line goes out in one `write` to a file opened for appending and is fsynced, so a step killed while
+writing leaves whole lines and at worst a torn last one, which reading skips and counts. Files a record names
+(artifacts, images) are copied beside the spool when it is written, because a pod's output folder is gone by the
+time someone relogs. A replay that stops part-way rewrites the spool (atomically) to what is left, so nothing is
+logged twice and nothing is dropped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+from rangefinder.errors import TrackingError
+from rangefinder.formats.atomic import atomic_dir, write_text
+from rangefinder.tracking.redaction import redact, safe_uri
+
+_log = logging.getLogger(__name__)
+
+SPOOL_ENV = "RANGEFINDER_MLFLOW_SPOOL"  # the folder spools go to; a local run sets it inside its output folder
+SPOOL_VERSION = 1
+MAX_METRICS_PER_BATCH = 1000  # MLflow's log_batch limits
+MAX_PARAMS_PER_BATCH = 100
+MAX_TAGS_PER_BATCH = 100
+
+# What each kind of record is called in a warning, singular and plural.
+_KIND_WORDS = {
+    "metrics": ("metric value", "metric values"),
+    "params": ("param", "params"),
+    "tags": ("tag", "tags"),
+    "inputs": ("dataset input", "dataset inputs"),
+    "artifact": ("artifact", "artifacts"),
+    "text": ("text artifact", "text artifacts"),
+    "image": ("image", "images"),
+    "end": ("end of the run", "ends of the run"),
+}
+
+
+def spool_dir(explicit: Optional[str | os.PathLike] = None) -> Path:
+    """Where a step's spool goes: `explicit`, else $RANGEFINDER_MLFLOW_SPOOL, else $RANGEFINDER_WORK/mlflow-spool (the
+    data volume on a cluster, which outlives the pod), else ./mlflow-spool."""
+    if explicit is not None:
+        return Path(explicit)
+    if os.environ.get(SPOOL_ENV, "").strip():
+        return Path(os.environ[SPOOL_ENV]).expanduser()
+    if os.environ.get("RANGEFINDER_WORK", "").strip():
+        return Path(os.environ["RANGEFINDER_WORK"]).expanduser() / "mlflow-spool"
+    return Path("mlflow-spool").absolute()
+
+
+def record_size(record: Mapping[str, Any]) -> int:
+    """How many things a record logs: its metric values, params or tags, else 1."""
+    for key in ("metrics", "params", "tags", "datasets"):
+        if key in record:
+            return len(record[key])
+    return 1
+
+
+def describe(counts: Mapping[str, int]) -> str:
+    """{"metrics": 812, "artifact": 2} -> "812 metric values, 2 artifacts"."""
+    parts = []
+    for kind, n in counts.items():
+        one, many = _KIND_WORDS.get(kind, (kind, kind))
+        parts.append(f"{n} {one if n == 1 else many}")
+    return ", ".join(parts) or "nothing"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Applying a record: the one way anything a step logs reaches MLflow
+
+
+def apply_record(client: Any, record: Mapping[str, Any], base: Optional[Path] = None) -> None:
+    """Log one record to MLflow through `client`; relative file paths are read from `base` (the spool's folder)."""
+    from mlflow.entities import Metric, Param, RunTag
+
+    kind, run_id = record["kind"], record["run_id"]
+    if kind == "metrics":
+        rows = [Metric(key, float(value), int(ts), int(step)) for key, value, ts, step in record["metrics"]]
+        for i in range(0, len(rows), MAX_METRICS_PER_BATCH):
+            client.log_batch(run_id, metrics=rows[i: i + MAX_METRICS_PER_BATCH], synchronous=True)
+    elif kind == "params":
+        # A resumed or replayed run may have some already: the same value is skipped, a different one kept as it
+        # was (MLflow params cannot change) with a warning.
+        existing = client.get_run(run_id).data.params
+        new = []
+        for k, v in record["params"].items():
+            if k not in existing:
+                new.append(Param(k, v))
+            elif existing[k] != v:
+                _log.warning("param %s already logged as %r; keeping it (MLflow params cannot change), not %r",
+                             k, existing[k], v)
+        for i in range(0, len(new), MAX_PARAMS_PER_BATCH):
+            client.log_batch(run_id, params=new[i: i + MAX_PARAMS_PER_BATCH], synchronous=True)
+    elif kind == "tags":
+        tags = [RunTag(k, v) for k, v in record["tags"].items()]
+        for i in range(0, len(tags), MAX_TAGS_PER_BATCH):
+            client.log_batch(run_id, tags=tags[i: i + MAX_TAGS_PER_BATCH], synchronous=True)
+    elif kind == "inputs":
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+
+        inputs = [DatasetInput(Dataset(name=d["name"], digest=d["digest"], source_type=d["source_type"],
+                                       source=d["source"], profile=d["profile"]),
+                               tags=[InputTag("mlflow.data.context", d["context"])]) for d in record["datasets"]]
+        client.log_inputs(run_id, datasets=inputs)
+    elif kind == "artifact":
+        path = _resolve(record["path"], base)
+        if path.is_dir():
+            client.log_artifacts(run_id, str(path), record.get("artifact_path"))
+        elif path.is_file():
+            client.log_artifact(run_id, str(path), record.get("artifact_path"))
+        else:
+            raise TrackingError(f"cannot log {path} to MLflow: no such file or folder")
+    elif kind == "text":
+        client.log_text(run_id, record["text"], record["artifact_file"])
+    elif kind == "image":
+        image = record.get("image")
+        if image is None:
+            from PIL import Image
+
+            with Image.open(_resolve(record["path"], base)) as im:
+                image = im.convert("RGB")
+        if record.get("key") is not None:
+            client.log_image(run_id, image, key=record["key"], step=int(record.get("step") or 0), synchronous=True)
+        else:
+            client.log_image(run_id, image, artifact_file=record["artifact_file"])
+    elif kind == "end":
+        # mlflow prints the run's URL on stdout, where it would break a command's --json output.
+        with contextlib.redirect_stdout(sys.stderr):
+            client.set_terminated(run_id, status=record["status"])
+    else:
+        raise TrackingError(f"unknown MLflow spool record kind {kind!r}; was the spool written by a newer rangefinder?")
+
+
+def _resolve(path: str, base: Optional[Path]) -> Path:
+    p = Path(path)
+    return p if p.is_absolute() or base is None else base / p
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The spool file
+
+
+@dataclass
+class Spool:
+    """The spool of one step run, created on its first record."""
+
+    path: Path
+    tracking_uri: str
+    run_id: str
+    step: str
+    counts: Counter = field(default_factory=Counter)  # what this process put in it, by kind
+
+    @property
+    def files_dir(self) -> Path:
+        return self.path.with_name(self.path.stem + ".files")
+
+    def exists(self) -> bool:
+        return self.path.is_file()
+
+    def append(self, record: Mapping[str, Any]) -> None:
+        """Add one record (copying the files it names beside the spool) as one fsynced, appended line."""
+        record = self._keep_files(dict(record))
+        lines = []
+        if not self.path.exists():
+            lines.append({"kind": "spool", "version": SPOOL_VERSION, "tracking_uri": safe_uri(self.tracking_uri),
+                          "run_id": self.run_id, "step": self.step})
+        lines.append(record)
+        data = "".join(json.dumps(r, default=str) + "\n" for r in lines).encode("utf-8")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self.counts[record["kind"]] += record_size(record)
+
+    def _keep_files(self, record: dict) -> dict:
+        """A copy of the file or folder (or in-memory image) the record names, under files_dir, named relatively."""
+        if record["kind"] not in ("artifact", "image"):
+            return record
+        kept_before = [f for f in self.files_dir.iterdir() if not f.name.startswith(".")] \
+            if self.files_dir.is_dir() else []
+        n = len(kept_before)
+        with atomic_dir(self.files_dir / str(n)) as tmp:
+            if record.get("image") is not None:
+                from PIL import Image
+
+                image = record.pop("image")
+                image = image if isinstance(image, Image.Image) else Image.fromarray(image)
+                image.save(tmp / "image.png")
+                kept = "image.png"
+            else:
+                src = Path(record["path"])
+                kept = src.name
+                if src.is_dir():
+                    shutil.copytree(src, tmp / kept)
+                elif src.is_file():
+                    shutil.copy2(src, tmp / kept)
+                else:
+                    raise TrackingError(f"cannot log {src} to MLflow: no such file or folder")
+        record["path"] = str(Path(self.files_dir.name) / str(n) / kept)
+        return record
+
+
+@dataclass
+class SpoolContents:
+    header: dict
+    records: list[dict]
+    torn: int  # lines that could not be read (a write cut off by a kill): skipped
+
+    def counts(self) -> Counter:
+        c: Counter = Counter()
+        for r in self.records:
+            c[r["kind"]] += record_size(r)
+        return c
+
+
+def read_spool(path: str | os.PathLike) -> SpoolContents:
+    p = Path(path)
+    if not p.is_file():
+        raise TrackingError(f"{p} does not exist; pass the spool file (*.jsonl) a step named in its warning")
+    header: Optional[dict] = None
+    records: list[dict] = []
+    torn = 0
+    with open(p, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                torn += 1
+                continue
+            if not isinstance(obj, dict) or "kind" not in obj:
+                torn += 1
+            elif obj["kind"] == "spool":
+                header = header or obj
+            else:
+                records.append(obj)
+    if header is None:
+        raise TrackingError(f"{p} is not an MLflow spool written by rangefinder (no header line)")
+    if header.get("version", 0) > SPOOL_VERSION:
+        raise TrackingError(f"{p} was written by a newer rangefinder (spool version {header['version']}); "
+                            "relog it with that version")
+    return SpoolContents(header=header, records=records, torn=torn)
+
+
+@dataclass
+class ReplayResult:
+    sent: Counter
+    left: Counter  # what is still in the spool (the server stopped answering again)
+    torn: int
+
+
+def replay(path: str | os.PathLike, client: Any) -> ReplayResult:
+    """Log every record of the spool at `path` in order. When all went, the spool (and its files) is removed; when
+    the server stops answering part-way, the spool is rewritten to what is left and the result says what.
+
+    Any other error (a run deleted meanwhile, a record MLflow refuses) raises TrackingError naming the record; the
+    records before it are logged and dropped from the spool, that one and the rest are kept.
+    """
+    from rangefinder.tracking.target import server_unreachable
+
+    p = Path(path)
+    contents = read_spool(p)
+    sent: Counter = Counter()
+    for i, record in enumerate(contents.records):
+        try:
+            apply_record(client, record, base=p.parent)
+        except Exception as e:
+            rest = contents.records[i:]
+            _rewrite(p, contents.header, rest)
+            if server_unreachable(e):
+                left: Counter = Counter()
+                for r in rest:
+                    left[r["kind"]] += record_size(r)
+                return ReplayResult(sent=sent, left=left, torn=contents.torn)
+            msg = redact(e).splitlines()[0][:300] if str(e) else type(e).__name__
+            raise TrackingError(f"MLflow refused a {record['kind']} record of run {record['run_id']} in {p} ({msg}); "
+                                f"logged {describe(sent)} before it, which are dropped from the spool") from None
+        sent[record["kind"]] += record_size(record)
+    p.unlink()
+    files = p.with_name(p.stem + ".files")
+    shutil.rmtree(files, ignore_errors=True)
+    return ReplayResult(sent=sent, left=Counter(), torn=contents.torn)
+
+
+def _rewrite(path: Path, header: dict, records: list[dict]) -> None:
+    write_text(path, "".join(json.dumps(r, default=str) + "\n" for r in [header, *records]))

@@ -1,0 +1,65 @@
+"""What `rangefinder run --local` shows when a step fails or MLflow is away (issue 16): the step's own error on the
+terminal, secrets nowhere in the terminal or pipeline.log, and what MLflow did not take listed in the result."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rangefinder.pipelines.local_run import LocalRun
+from tests.tracking.fixtures import free_port
+
+
+def run_local(cfg: Path, out: Path, env: dict) -> subprocess.CompletedProcess:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    full_env.update(env)
+    return subprocess.run([sys.executable, "-m", "rangefinder.cli.main", "run", "--local", "--config", str(cfg),
+                           "--out", str(out)], capture_output=True, text=True, timeout=600, env=full_env)
+
+
+@pytest.mark.slow
+def test_mlflow_down_shows_the_cause_on_the_terminal(tmp_path):
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("data:\n  resolution: 32\n")
+    uri = f"http://127.0.0.1:{free_port()}"
+    proc = run_local(cfg, tmp_path / "out", {"MLFLOW_TRACKING_URI": uri})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    error = proc.stderr.strip().splitlines()[-1]
+    assert error.startswith("rangefinder run: error: the local pipeline run stopped: step resolve-config failed: "
+                            f"TrackingError: cannot reach the MLflow tracking server at {uri}"), error
+    assert "connection refused" in error and f"full log: {tmp_path / 'out' / 'pipeline.log'}" in error
+
+
+@pytest.mark.slow
+def test_secrets_stay_out_of_the_terminal_and_pipeline_log(tmp_path):
+    """A secret's value that turns up in what kfp.local prints (here inside a dataset path, printed with the step's
+    inputs and in its error) is redacted in pipeline.log and in the error shown."""
+    secret = "rf-Secret-4417-pw"
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(f"data:\n  resolution: 32\n  dataset_dir: {tmp_path / ('no-such-' + secret)}\n")
+    out = tmp_path / "out"
+    proc = run_local(cfg, out, {"MLFLOW_TRACKING_PASSWORD": secret})
+    assert proc.returncode == 2, proc.stderr
+    error = proc.stderr.strip().splitlines()[-1]
+    assert re.search(r"step prepare-dataset(-\d+)? failed: DataError: data.dataset_dir \S*/no-such-\*\*\* is not a "
+                     "folder", error), error
+    log = (out / "pipeline.log").read_text()
+    assert "no-such-***" in log and "Executing task" in log
+    assert secret not in log and secret not in proc.stdout + proc.stderr
+
+
+def test_the_result_names_what_mlflow_did_not_take_and_no_credentials(tmp_path):
+    out = tmp_path / "out"
+    (out / "mlflow-spool").mkdir(parents=True)
+    spool = out / "mlflow-spool" / "finetune-abc.jsonl"
+    spool.write_text('{"kind": "spool", "version": 1, "tracking_uri": "http://mlflow:5000", "run_id": "abc"}\n')
+    run = LocalRun(out_dir=out, run_dir=out / "pipeline-root" / "x", tracking_uri="http://u:hunter2-pw@mlflow:5000")
+    summary = run.summary()
+    assert summary["mlflow"] == "http://mlflow:5000"
+    assert summary["mlflow_not_logged"] == [f"{spool} (when MLflow answers: rangefinder relog {spool})"]
+    assert "mlflow_not_logged" not in LocalRun(out_dir=tmp_path, run_dir=tmp_path, tracking_uri="x").summary()

@@ -1,0 +1,175 @@
+"""The spool of what MLflow did not take: bounded HTTP calls, whole lines on disk, and a replay that logs each record
+once, against a real `mlflow server` on loopback (tests/tracking/test_server_loss.py kills one mid-training)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import subprocess
+import sys
+import time
+
+import pytest
+from mlflow import MlflowClient
+
+from rangefinder.config import RangefinderConfig
+from rangefinder.errors import TrackingError
+from rangefinder.tracking import step_run, tracking_client
+from rangefinder.tracking.spool import Spool, read_spool, replay
+from rangefinder.tracking.target import HTTP_LIMITS, bound_http_requests
+from tests.tracking.fixtures import free_port, start_mlflow_server, stop_mlflow_server
+
+
+@pytest.fixture
+def run_id(mlflow_server_uri):
+    client = MlflowClient(tracking_uri=mlflow_server_uri)
+    exp = client.get_experiment_by_name("spool") or client.get_experiment(client.create_experiment("spool"))
+    return client.create_run(exp.experiment_id).info.run_id
+
+
+def spool_of(tmp_path, uri: str, run_id: str) -> Spool:
+    return Spool(tmp_path / "spool" / f"step-{run_id}.jsonl", tracking_uri=uri, run_id=run_id, step="step")
+
+
+def test_steps_bound_mlflow_http_calls_and_keep_the_users_values(monkeypatch, sqlite_tracking_uri):
+    for name in HTTP_LIMITS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "300")  # the user's own choice wins
+    tracking_client(RangefinderConfig(tracking={"tracking_uri": sqlite_tracking_uri}))
+    from mlflow.environment_variables import (
+        MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR,
+        MLFLOW_HTTP_REQUEST_MAX_RETRIES,
+        MLFLOW_HTTP_REQUEST_TIMEOUT,
+    )
+
+    assert MLFLOW_HTTP_REQUEST_TIMEOUT.get() == 300
+    assert MLFLOW_HTTP_REQUEST_MAX_RETRIES.get() == 2 and MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR.get() == 1
+    bound_http_requests()  # idempotent
+    assert MLFLOW_HTTP_REQUEST_TIMEOUT.get() == 300
+
+
+def test_a_dead_server_costs_a_logging_call_seconds(monkeypatch, mlflow_server_uri, run_id):
+    """With the step's limits, one call to a server that is gone fails in seconds, not mlflow's ~4 minutes."""
+    for name in HTTP_LIMITS:
+        monkeypatch.delenv(name, raising=False)
+    bound_http_requests()
+    dead = MlflowClient(tracking_uri=f"http://127.0.0.1:{free_port()}")
+    start = time.monotonic()
+    with pytest.raises(Exception, match="API request to"):
+        dead.set_tag(run_id, "k", "v")
+    assert time.monotonic() - start < 15
+
+
+def test_records_survive_a_torn_line_and_replay_once(tmp_path, mlflow_server_uri, run_id):
+    spool = spool_of(tmp_path, mlflow_server_uri, run_id)
+    spool.append({"kind": "metrics", "run_id": run_id, "metrics": [["loss", 0.5, 1000, 1], ["loss", math.nan, 1001, 2]]})
+    spool.append({"kind": "params", "run_id": run_id, "params": {"training.lr": "0.0001"}})
+    spool.append({"kind": "tags", "run_id": run_id, "tags": {"status": "ok"}})
+    spool.append({"kind": "text", "run_id": run_id, "text": "hello", "artifact_file": "notes/hello.txt"})
+    artifact = tmp_path / "report.md"
+    artifact.write_text("# report\n")
+    spool.append({"kind": "artifact", "run_id": run_id, "path": str(artifact), "artifact_path": "report"})
+    artifact.unlink()  # a pod's outputs are gone by relog time: the spool kept its own copy
+    with open(spool.path, "a") as f:
+        f.write('{"kind": "metrics", "run_id": "')  # a write cut off by a kill
+    assert dict(spool.counts) == {"metrics": 2, "params": 1, "tags": 1, "text": 1, "artifact": 1}
+
+    kept = read_spool(spool.path)
+    assert kept.torn == 1 and kept.header["tracking_uri"] == mlflow_server_uri and len(kept.records) == 5
+    result = replay(spool.path, MlflowClient(tracking_uri=mlflow_server_uri))
+    assert result.torn == 1 and not result.left and sum(result.sent.values()) == 6
+    assert not spool.path.exists() and not spool.files_dir.exists()
+
+    client = MlflowClient(tracking_uri=mlflow_server_uri)
+    history = sorted(client.get_metric_history(run_id, "loss"), key=lambda m: m.step)
+    assert history[0].value == 0.5 and math.isnan(history[1].value)
+    run = client.get_run(run_id)
+    assert run.data.params == {"training.lr": "0.0001"} and run.data.tags["status"] == "ok"
+    assert {a.path for a in client.list_artifacts(run_id, "report")} == {"report/report.md"}
+    assert client.download_artifacts(run_id, "notes/hello.txt", str(tmp_path)).endswith("hello.txt")
+
+
+def test_replay_against_a_dead_server_keeps_everything_then_finishes(tmp_path, mlflow_server_uri, run_id):
+    spool = spool_of(tmp_path, mlflow_server_uri, run_id)
+    spool.append({"kind": "metrics", "run_id": run_id, "metrics": [["m", float(i), 1000 + i, i] for i in range(2500)]})
+    spool.append({"kind": "end", "run_id": run_id, "status": "FINISHED"})
+    dead = MlflowClient(tracking_uri=f"http://127.0.0.1:{free_port()}")
+    result = replay(spool.path, dead)
+    assert not result.sent and dict(result.left) == {"metrics": 2500, "end": 1}
+    assert read_spool(spool.path).counts() == result.left
+    replay(spool.path, MlflowClient(tracking_uri=mlflow_server_uri))
+    client = MlflowClient(tracking_uri=mlflow_server_uri)
+    assert len(client.get_metric_history(run_id, "m")) == 2500  # every batch of 1000, once
+    assert client.get_run(run_id).info.status == "FINISHED"
+
+
+def test_a_record_mlflow_refuses_is_named_and_kept_with_the_rest(tmp_path, mlflow_server_uri, run_id):
+    spool = spool_of(tmp_path, mlflow_server_uri, run_id)
+    spool.append({"kind": "tags", "run_id": run_id, "tags": {"a": "1"}})
+    spool.append({"kind": "tags", "run_id": "0" * 32, "tags": {"b": "2"}})  # no such run
+    spool.append({"kind": "tags", "run_id": run_id, "tags": {"c": "3"}})
+    with pytest.raises(TrackingError, match=f"refused a tags record of run {'0' * 32}"):
+        replay(spool.path, MlflowClient(tracking_uri=mlflow_server_uri))
+    left = read_spool(spool.path).records
+    assert [r["tags"] for r in left] == [{"b": "2"}, {"c": "3"}]  # the first went, and is not sent twice
+
+
+def test_relog_command_reports_a_spool_it_cannot_read(tmp_path):
+    not_a_spool = tmp_path / "x.jsonl"
+    not_a_spool.write_text('{"kind": "metrics"}\n')
+    for arg in (str(not_a_spool), str(tmp_path / "missing.jsonl"), str(tmp_path / "empty-dir")):
+        (tmp_path / "empty-dir").mkdir(exist_ok=True)
+        proc = subprocess.run([sys.executable, "-m", "rangefinder.cli.main", "relog", arg], capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "rangefinder.cli.main", "relog", str(not_a_spool),
+                           "--tracking-uri", "http://u:hunter2-pw@127.0.0.1:1"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "MLFLOW_TRACKING_PASSWORD" in proc.stderr and "hunter2" not in proc.stderr
+
+
+def test_a_step_whose_server_dies_waits_a_bounded_time_and_keeps_its_records(tmp_path, monkeypatch, caplog):
+    """No training here (test_server_loss.py has it): the step's own calls after the server went away."""
+    for name in HTTP_LIMITS:
+        monkeypatch.delenv(name, raising=False)
+    uri, proc = start_mlflow_server(tmp_path / "server")
+    cfg = RangefinderConfig(tracking={"tracking_uri": uri, "experiment_name": "dies", "server_wait_seconds": 2})
+    report = tmp_path / "report.html"
+    report.write_text("<html></html>")
+    caplog.set_level(logging.WARNING)
+    try:
+        with step_run(cfg, "sample_images", spool_dir=tmp_path / "spool") as run:
+            run.log_metrics({"train_loss": 0.5}, step=1)
+            stop_mlflow_server(proc)
+            start = time.monotonic()
+            run.log_artifact(report, "report")  # the first call to find the server gone: seconds
+            run.log_image(_png(tmp_path), key="sample_grid")
+            run.set_tags({"status": "ok"})
+            assert run.offline and time.monotonic() - start < 15  # the later calls do not wait at all
+    finally:
+        stop_mlflow_server(proc)
+    assert time.monotonic() - start < 15 + 2 + 10  # plus the bounded wait and its last probe
+    (spool,) = (tmp_path / "spool").glob("*.jsonl")
+    counts = read_spool(spool).counts()
+    assert dict(counts) == {"artifact": 1, "image": 1, "tags": 1, "metrics": 1, "end": 1}
+    assert any("rangefinder relog" in r.getMessage() and "1 metric value" in r.getMessage() for r in caplog.records)
+
+
+def _png(tmp_path):
+    from PIL import Image
+
+    path = tmp_path / "grid.png"
+    Image.new("RGB", (8, 8), (255, 0, 0)).save(path)
+    return path
+
+
+def test_a_step_against_a_healthy_server_writes_no_spool(tmp_path, mlflow_server_uri):
+    cfg = RangefinderConfig(tracking={"tracking_uri": mlflow_server_uri, "experiment_name": "healthy"})
+    with step_run(cfg, "finetune", spool_dir=tmp_path / "spool") as run:
+        run.log_metrics({"train_loss": 0.5}, step=1)
+        run.log_decisions({"recommended_epochs": 3, "status": "ok"})
+    assert not (tmp_path / "spool").exists()
+    client = MlflowClient(tracking_uri=mlflow_server_uri)
+    assert client.get_run(run.run_id).data.metrics == {"train_loss": 0.5, "recommended_epochs": 3.0}
+    assert client.get_run(run.run_id).data.tags["status"] == "ok"
