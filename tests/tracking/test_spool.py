@@ -3,6 +3,7 @@ once, against a real `mlflow server` on loopback (tests/tracking/test_server_los
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import subprocess
@@ -173,3 +174,15 @@ def test_a_step_against_a_healthy_server_writes_no_spool(tmp_path, mlflow_server
     client = MlflowClient(tracking_uri=mlflow_server_uri)
     assert client.get_run(run.run_id).data.metrics == {"train_loss": 0.5, "recommended_epochs": 3.0}
     assert client.get_run(run.run_id).data.tags["status"] == "ok"
+
+
+def test_a_replayed_record_may_only_name_files_the_spool_keeps(tmp_path, mlflow_server_uri, run_id):
+    """relog uploads what a record names: a spool edited to name any other file (/etc/passwd) is refused."""
+    spool = spool_of(tmp_path, mlflow_server_uri, run_id)
+    spool.append({"kind": "tags", "run_id": run_id, "tags": {"a": "1"}})
+    with open(spool.path, "a") as f:
+        f.write(json.dumps({"kind": "artifact", "run_id": run_id, "path": "/etc/passwd", "artifact_path": "x"}) + "\n")
+        f.write(json.dumps({"kind": "artifact", "run_id": run_id, "path": "../../x", "artifact_path": "x"}) + "\n")
+    with pytest.raises(TrackingError, match="outside the spool's folder"):
+        replay(spool.path, MlflowClient(tracking_uri=mlflow_server_uri))
+    assert not MlflowClient(tracking_uri=mlflow_server_uri).list_artifacts(run_id, "x")

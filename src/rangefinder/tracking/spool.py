@@ -146,8 +146,15 @@ def apply_record(client: Any, record: Mapping[str, Any], base: Optional[Path] = 
 
 
 def _resolve(path: str, base: Optional[Path]) -> Path:
-    p = Path(path)
-    return p if p.is_absolute() or base is None else base / p
+    """A live record's own path; a replayed one's inside the spool's folder, where the spool copied it. A spool that
+    names any other file (edited, or not written by rangefinder) would have relog upload whatever it points at."""
+    if base is None:
+        return Path(path)
+    p = (base / path).resolve()
+    if Path(path).is_absolute() or not p.is_relative_to(base.resolve()):
+        raise TrackingError(f"a spool record names {path}, outside the spool's folder {base}; a spool only names "
+                            "the copies it keeps beside it: relog only spools rangefinder wrote")
+    return p
 
 
 # ---------------------------------------------------------------------------------------------------------------
