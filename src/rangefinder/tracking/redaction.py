@@ -84,8 +84,11 @@ def uri_credentials(uri: str) -> Optional[str]:
 
 def url_with_credentials(text: str) -> Optional[str]:
     """The first URL in `text` that carries `user[:password]@`, shown without them; None when there is none."""
-    m = re.search(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^/@\s\"']+@[^\s\"',]*", text)
-    return safe_uri(m.group(0)) if m else None
+    m = _URL_USERINFO.search(text)
+    if not m:
+        return None
+    url = re.match(r"[^\s\"',]*", text[m.start():])
+    return safe_uri(url.group(0) if url else m.group(0))
 
 
 def safe_uri(uri: str) -> str:

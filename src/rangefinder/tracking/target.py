@@ -76,14 +76,19 @@ def resolve_tracking_uri(cfg: Optional[TrackingSource] = None) -> str:
 
 
 def env_tracking_uri() -> Optional[str]:
-    """$MLFLOW_TRACKING_URI, or None; TrackingError when it carries credentials (they belong in their own variables,
-    which MLflow reads and nothing here prints)."""
+    """$MLFLOW_TRACKING_URI, or None; TrackingError when it carries credentials."""
     uri = os.environ.get("MLFLOW_TRACKING_URI") or None
-    held = uri_credentials(uri) if uri else None
-    if held:
-        raise TrackingError(f"MLFLOW_TRACKING_URI ({safe_uri(uri)}) holds {held}; remove it from the URI and "
-                            f"{CREDENTIALS_FIX}")
+    if uri:
+        refuse_uri_credentials(uri, "MLFLOW_TRACKING_URI")
     return uri
+
+
+def refuse_uri_credentials(uri: str, where: str) -> None:
+    """TrackingError when `uri` (given as `where`) carries credentials: they belong in their own variables, which
+    MLflow reads and nothing here prints."""
+    held = uri_credentials(uri)
+    if held:
+        raise TrackingError(f"{where} ({safe_uri(uri)}) holds {held}; remove it from the URI and {CREDENTIALS_FIX}")
 
 
 def resolve_experiment_name(cfg: Optional[TrackingSource] = None) -> str:

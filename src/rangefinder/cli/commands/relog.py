@@ -49,13 +49,17 @@ def run(args: argparse.Namespace) -> dict:
     from mlflow import MlflowClient
 
     from rangefinder.errors import TrackingError
-    from rangefinder.tracking.redaction import CREDENTIALS_FIX, safe_uri, uri_credentials
+    from rangefinder.tracking.redaction import safe_uri
     from rangefinder.tracking.spool import describe, read_spool, replay
-    from rangefinder.tracking.target import bound_http_requests, ensure_tracking_server, env_tracking_uri
+    from rangefinder.tracking.target import (
+        bound_http_requests,
+        ensure_tracking_server,
+        env_tracking_uri,
+        refuse_uri_credentials,
+    )
 
-    if args.tracking_uri and uri_credentials(args.tracking_uri):
-        raise TrackingError(f"--tracking-uri holds {uri_credentials(args.tracking_uri)}; remove it from the URI and "
-                            f"{CREDENTIALS_FIX}")
+    if args.tracking_uri:
+        refuse_uri_credentials(args.tracking_uri, "--tracking-uri")
     bound_http_requests()
     done: list[str] = []
     for path in spool_files(args.spools):
