@@ -72,12 +72,13 @@ def test_server_killed_mid_training_then_relogged(tmp_path, split_dir, tiny_mode
 
         def step(name: str, sink_of) -> tuple[str, float, Path]:
             from rangefinder.training.loop import train
+            from rangefinder.training.setup import TrainSpec
 
             start = time.monotonic()
             with step_run(cfg, name, spool_dir=tmp_path / "spool") as run:
                 run.log_config(cfg)
-                result = train(tc, vc, split_dir=split_dir, model=str(tiny_model_dir), out_dir=tmp_path / name,
-                               metric_sink=sink_of(run))
+                spec = TrainSpec(training=tc, validation=vc, split_dir=split_dir, model=str(tiny_model_dir))
+                result = train(spec, out_dir=tmp_path / name, metric_sink=sink_of(run))
                 run.log_artifact(result.metrics_csv, "curves")
                 run.log_decisions({"best_val_loss": result.best_val_loss, "status": "ok"})
             return run.run_id, time.monotonic() - start, result.metrics_csv
