@@ -20,8 +20,10 @@ images of each permutation are skipped. `plan()` counts exactly what the engine 
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional
+from urllib.parse import parse_qsl, urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -60,11 +62,48 @@ MAX_SEED = 2**32 - 1
 Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
 
 
-def _refuse_uri_credentials(uri: Optional[str]) -> None:
-    """A tracking URI must not carry credentials: it is shown in tables and logs and compiled into the pipeline."""
-    if uri:
-        from rangefinder.tracking.redaction import CREDENTIALS_FIX, uri_credentials
+# ---------------------------------------------------------------------------------------------------------------
+# Credentials: never in a setting (tracking/redaction.py keeps them out of what is logged, by the same rules)
 
+# Where MLflow credentials belong instead of a URI (config messages and the tracking-URI check say it alike).
+CREDENTIALS_FIX = (
+    "set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) in the environment, "
+    "from a Kubernetes Secret on a cluster (kubernetes.mlflow_secret)"
+)
+
+# The last dotted segment of a param/tag key that marks it secret. `placeholder_token` (textual inversion) is a
+# word of the prompt, not a credential, so only the bare word `token` or these compounds count.
+_SECRET_KEY = re.compile(
+    r"(?:^|[._-])(?:password|passwd|pwd|secret|secret_key|api_?key|access_?key|private_?key|credentials?|"
+    r"auth_?token|access_?token|bearer|hf_?token|client_?secret)$|^token$|\.token$",
+    re.IGNORECASE,
+)
+
+
+def is_secret_key(key: str) -> bool:
+    return bool(_SECRET_KEY.search(key))
+
+
+def uri_credentials(uri: str) -> Optional[str]:
+    """What secret `uri` carries in itself ("a user name and password", "a secret in its query (token=)"), or None.
+
+    Only names what is there, never the value, so the answer can go into an error message.
+    """
+    try:
+        parts = urlsplit(uri.strip())
+    except ValueError:
+        return None
+    if "@" in parts.netloc:
+        return "a user name and password" if ":" in parts.netloc.rsplit("@", 1)[0] else "a user name"
+    keys = [k for k, _ in parse_qsl(parts.query, keep_blank_values=True) if is_secret_key(k)]
+    if keys:
+        return f"a secret in its query ({', '.join(f'{k}=' for k in keys)})"
+    return None
+
+
+def _refuse_uri_credentials(uri: Optional[str]) -> None:
+    """A URI in a setting must not carry credentials: it is shown in tables and logs and compiled into the pipeline."""
+    if uri:
         held = uri_credentials(uri)
         if held:
             raise ValueError(f"the URI holds {held}; remove it and {CREDENTIALS_FIX}")

@@ -63,7 +63,8 @@ def test_a_dead_server_costs_a_logging_call_seconds(monkeypatch, mlflow_server_u
 
 def test_records_survive_a_torn_line_and_replay_once(tmp_path, mlflow_server_uri, run_id):
     spool = spool_of(tmp_path, mlflow_server_uri, run_id)
-    spool.append({"kind": "metrics", "run_id": run_id, "metrics": [["loss", 0.5, 1000, 1], ["loss", math.nan, 1001, 2]]})
+    spool.append({"kind": "metrics", "run_id": run_id,
+                  "metrics": [["loss", 0.5, 1000, 1], ["loss", math.nan, 1001, 2]]})
     spool.append({"kind": "params", "run_id": run_id, "params": {"training.lr": "0.0001"}})
     spool.append({"kind": "tags", "run_id": run_id, "tags": {"status": "ok"}})
     spool.append({"kind": "text", "run_id": run_id, "text": "hello", "artifact_file": "notes/hello.txt"})

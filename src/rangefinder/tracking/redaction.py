@@ -12,22 +12,17 @@ from __future__ import annotations
 import os
 import re
 from typing import Any, Optional
-from urllib.parse import parse_qsl, urlsplit, urlunsplit
+from urllib.parse import urlsplit, urlunsplit
+
+# The rules for what is a secret setting and a URL with credentials live with the settings (config reads them when
+# it validates); they are used from here too.
+from rangefinder.config import CREDENTIALS_FIX, is_secret_key, uri_credentials
+
+__all__ = ["CREDENTIALS_FIX", "REDACTED", "RedactingWriter", "is_secret_key", "redact", "safe_uri", "uri_credentials",
+           "url_with_credentials"]
 
 REDACTED = "***"
-# Where MLflow credentials belong instead of a URI (config messages and the tracking-URI check say it alike).
-CREDENTIALS_FIX = (
-    "set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) in the environment, "
-    "from a Kubernetes Secret on a cluster (kubernetes.mlflow_secret)"
-)
 
-# The last dotted segment of a param/tag key that marks it secret. `placeholder_token` (textual inversion) is a
-# word of the prompt, not a credential, so only the bare word `token` or these compounds count.
-_SECRET_KEY = re.compile(
-    r"(?:^|[._-])(?:password|passwd|pwd|secret|secret_key|api_?key|access_?key|private_?key|credentials?|"
-    r"auth_?token|access_?token|bearer|hf_?token|client_?secret)$|^token$|\.token$",
-    re.IGNORECASE,
-)
 # Environment variables whose values are secrets wherever they turn up.
 _SECRET_ENV = re.compile(r"PASSWORD|PASSWD|SECRET|TOKEN|API_?KEY|ACCESS_?KEY|PRIVATE_?KEY|CREDENTIAL", re.IGNORECASE)
 _TOKEN_SHAPES = re.compile(
@@ -38,10 +33,6 @@ _TOKEN_SHAPES = re.compile(
 )
 _URL_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]+@")
 _MIN_SECRET_LEN = 4  # shorter env values ("1", "true") would redact half of every message
-
-
-def is_secret_key(key: str) -> bool:
-    return bool(_SECRET_KEY.search(key))
 
 
 def _env_secrets() -> list[str]:
@@ -63,23 +54,6 @@ def redact(text: Any) -> str:
     for secret in _env_secrets():
         s = s.replace(secret, REDACTED)
     return _TOKEN_SHAPES.sub(REDACTED, s)
-
-
-def uri_credentials(uri: str) -> Optional[str]:
-    """What secret `uri` carries in itself ("a user name and password", "a secret in its query (token=)"), or None.
-
-    Only names what is there, never the value, so the answer can go into an error message.
-    """
-    try:
-        parts = urlsplit(uri.strip())
-    except ValueError:
-        return None
-    if "@" in parts.netloc:
-        return "a user name and password" if ":" in parts.netloc.rsplit("@", 1)[0] else "a user name"
-    keys = [k for k, _ in parse_qsl(parts.query, keep_blank_values=True) if is_secret_key(k)]
-    if keys:
-        return f"a secret in its query ({', '.join(f'{k}=' for k in keys)})"
-    return None
 
 
 def url_with_credentials(text: str) -> Optional[str]:

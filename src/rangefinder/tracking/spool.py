@@ -21,9 +21,10 @@ import os
 import shutil
 import sys
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
 from rangefinder.errors import TrackingError
 from rangefinder.formats.atomic import atomic_dir, write_text

@@ -199,7 +199,7 @@ def _check_http(uri: str, experiment_name: str, timeout: float) -> None:
 def server_unreachable(e: BaseException) -> bool:
     """Whether an error from an MLflow call means the server did not answer (down, unreachable, timed out, or a
     5xx from it or a proxy in front), as opposed to an answer refusing the request (a bad value, a deleted run)."""
-    import requests
+    import requests  # type: ignore[import-untyped]  # no stubs in the pinned set
     from mlflow.exceptions import MlflowException, RestException
 
     if isinstance(e, RestException):

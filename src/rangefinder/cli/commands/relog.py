@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from rangefinder.cli.main import add_json_flag
+from rangefinder.cli.output import add_json_flag
 
 
 def register(sub: argparse._SubParsersAction) -> None:
