@@ -361,6 +361,7 @@ def _encode_text(settings: RunSettings, sd: SDComponents, family: Sd1Family, dev
     # (N, 77, D) hidden states, computed once with the frozen encoder.
     folder = text_cache_dir(root, sd.text_encoder)
 
+    @torch.no_grad()  # the frozen encoder: no autograd bookkeeping for its forward
     def embed(ids: torch.Tensor) -> torch.Tensor:
         return cached_text_embeddings(
             ids, lambda x: family.encode_prompt(sd.text_encoder, x), folder, device, stats=stats
