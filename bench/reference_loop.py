@@ -111,6 +111,9 @@ def train_reference(
     dataset = _CaptionedImages(split_dir, tokenizer, resolution)
     loader = torch.utils.data.DataLoader(
         dataset, batch_size=batch_size, shuffle=True, num_workers=0, generator=torch.Generator().manual_seed(seed),
+        # Every update sees exactly batch_size images, as the engine's (epoch-straddling) micro-batches do, so
+        # images/s = batch_size x updates/s for both; the callers size the dataset for their largest batch.
+        drop_last=True,
     )
     lr_scheduler = get_scheduler("constant", optimizer=optimizer, num_warmup_steps=0, num_training_steps=updates)
     unet, optimizer, loader, lr_scheduler = accelerator.prepare(unet, optimizer, loader, lr_scheduler)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import shutil
 import statistics
 import sys
@@ -67,16 +68,19 @@ def device_peak_flops(name: str) -> Optional[float]:
 
 
 def engine_run(setup, *, updates: int, batch_size: int, mixed_precision: str, device: str, cache_dir: Path,
-               seed: int = 0, lr: float = 1e-5, gradient_checkpointing: bool = False) -> dict[str, Any]:
-    """One engine run (rangefinder.training.train) with validation off; its loop time is the engine's own timer.
+               seed: int = 0, lr: float = 1e-5, gradient_checkpointing: bool = False, method: str = "full",
+               compile: str = "off", use_8bit_adam: bool = False) -> dict[str, Any]:
+    """One engine run (rangefinder.training.train) with validation off; its loop time is the engine's own timer
+    (with compile on it includes the compile, which happens in the first update).
     On CUDA the engine runs its UNet channels_last (the issue's GPU settings); on CPU it seldom helps."""
     from rangefinder.config import DataConfig, TrainingConfig, ValidationConfig
     from rangefinder.training.loop import TrainSpec, train
 
     cfg = TrainingConfig(
-        batch_size=batch_size, steps=updates, lr=lr, schedule="constant", mixed_precision=mixed_precision,
-        max_grad_norm=1.0, seed=seed, cache_dir=str(cache_dir), gradient_checkpointing=gradient_checkpointing,
-        channels_last=device == "cuda",
+        method=method, batch_size=batch_size, steps=updates, lr=lr, schedule="constant",
+        mixed_precision=mixed_precision, max_grad_norm=1.0, seed=seed, cache_dir=str(cache_dir),
+        gradient_checkpointing=gradient_checkpointing, channels_last=device == "cuda", compile=compile,
+        use_8bit_adam=use_8bit_adam,
     )
     out = Path(tempfile.mkdtemp(prefix="engine-run-"))
     try:
@@ -91,8 +95,8 @@ def engine_run(setup, *, updates: int, batch_size: int, mixed_precision: str, de
         shutil.rmtree(out, ignore_errors=True)
     loop = float(summary["seconds"])
     return {
-        "loop": "engine", "channels_last": cfg.channels_last, "batch_size": batch_size, "updates": result.updates,
-        "loop_seconds": loop,
+        "loop": "engine", "method": method, "compile": summary["compile"], "channels_last": cfg.channels_last,
+        "batch_size": batch_size, "updates": result.updates, "loop_seconds": loop,
         "setup_seconds": wall - loop, "updates_per_second": result.updates / loop,
         "images_per_second": result.updates * batch_size / loop,
         "peak_mib": mib(mem.peak_bytes), "added_mib": mib(mem.added_bytes), "cache": result.cache,
@@ -126,12 +130,14 @@ def _release(device: str) -> None:
 # FLOPs
 
 
-def unet_flops_per_update(model_dir: Path, *, batch_size: int, resolution: int) -> float:
+def unet_flops_per_update(model_dir: Path, *, batch_size: int, resolution: int, unet_trains: bool = True) -> float:
     """FLOPs of one UNet forward and backward on a batch, counted op by op by FlopCounterMode (matmuls,
     convolutions, attention; elementwise work and the optimizer step are left out, as MFU conventionally does).
 
     The UNet is built from its config on the meta device: the count needs shapes only, so it costs no memory and
-    no time, on any machine. Precision does not change the count.
+    no time, on any machine. Precision does not change the count. `unet_trains=False` (LoRA, textual inversion:
+    the UNet's weights are frozen) counts the backward to the inputs only, without the weight gradients; LoRA's
+    adapters add a negligible count on top.
     """
     import torch
     from diffusers import UNet2DConditionModel
@@ -141,9 +147,10 @@ def unet_flops_per_update(model_dir: Path, *, batch_size: int, resolution: int) 
     with torch.device("meta"):
         unet = UNet2DConditionModel.from_config(config)
     unet.train()
+    unet.requires_grad_(unet_trains)
     vae_cfg = json.loads((Path(model_dir) / "vae" / "config.json").read_text())
     side = resolution // 2 ** (len(vae_cfg["block_out_channels"]) - 1)  # SD's VAE downsamples by 8, the tiny by 4
-    x = torch.empty(batch_size, unet.config.in_channels, side, side, device="meta")
+    x = torch.empty(batch_size, unet.config.in_channels, side, side, device="meta", requires_grad=not unet_trains)
     t = torch.zeros(batch_size, dtype=torch.long, device="meta")
     cond = torch.empty(batch_size, 77, unet.config.cross_attention_dim, device="meta")
     with FlopCounterMode(display=False) as counter:
@@ -239,19 +246,24 @@ def compare(setup, *, rounds: int, updates: int, batch_size: int, mixed_precisio
 
 
 def largest_batch(setup, *, candidates: list[int], mixed_precision: str, device: str, cache_dir: Path,
-                  log=print) -> tuple[Optional[int], list[dict[str, Any]]]:
-    """The largest candidate batch the engine trains without running out of GPU memory (3 updates each)."""
+                  log=print, **training: Any) -> tuple[Optional[int], list[dict[str, Any]]]:
+    """The largest candidate batch the engine trains without running out of GPU memory (3 updates each);
+    `training` passes engine_run's memory settings (compile, gradient_checkpointing, use_8bit_adam)."""
     import torch
+
+    from rangefinder.errors import ConfigError
 
     tried, best = [], None
     for b in sorted(candidates):
         try:
             row = engine_run(setup, updates=3, batch_size=b, mixed_precision=mixed_precision, device=device,
-                             cache_dir=cache_dir)
+                             cache_dir=cache_dir, **training)
             tried.append({"batch_size": b, "fits": True, "peak_mib": row["peak_mib"]})
             best = b
             log(f"  batch {b}: fits, peak {row['peak_mib']} MiB")
-        except torch.cuda.OutOfMemoryError:
+        except (torch.cuda.OutOfMemoryError, ConfigError) as e:  # the engine words an OOM as a ConfigError
+            if isinstance(e, ConfigError) and not isinstance(e.__cause__, torch.cuda.OutOfMemoryError):
+                raise
             tried.append({"batch_size": b, "fits": False})
             log(f"  batch {b}: out of memory")
             _release(device)
@@ -277,6 +289,11 @@ def cuda_section(args, work: Path, log=print) -> dict[str, Any]:
     out = sized_section(setup, device="cuda", mixed_precision="bf16", candidates=candidates, rounds=args.cuda_rounds,
                         updates=args.cuda_updates, peak_flops=peak, cache_dir=work / "cache-sd15",
                         label=f"sd15-{args.cuda_resolution}px-bf16", log=log)
+    methods = [m for m in args.methods.split(",") if m]
+    out["methods"] = methods_section(setup, methods=methods, compile_arms=args.compile_arms.split(","),
+                                     rounds=args.method_rounds, updates=args.method_updates, batch_size=4,
+                                     mixed_precision="bf16", device="cuda", cache_dir=work / "cache-sd15",
+                                     peak_flops=peak, log=log)
     return {"device": name, "resolution": args.cuda_resolution, **out}
 
 
@@ -286,6 +303,8 @@ def sized_section(setup, *, device: str, mixed_precision: str, candidates: list[
     FLOPs per update and, given the device's peak, MFU."""
     import torch
 
+    from rangefinder.errors import ConfigError
+
     largest, tried = largest_batch(setup, candidates=candidates, mixed_precision=mixed_precision, device=device,
                                    cache_dir=cache_dir, log=log)
     out: dict[str, Any] = {"peak_flops": peak_flops, "largest_batch_search": tried, "largest_batch": largest,
@@ -294,7 +313,9 @@ def sized_section(setup, *, device: str, mixed_precision: str, candidates: list[
         try:
             res = compare(setup, rounds=rounds, updates=updates, batch_size=b, mixed_precision=mixed_precision,
                           device=device, cache_dir=cache_dir, warmup_updates=2, label=f"{label}-b{b}", log=log)
-        except torch.cuda.OutOfMemoryError as e:  # the reference may not fit where the engine does
+        except (torch.cuda.OutOfMemoryError, ConfigError) as e:  # the reference may not fit where the engine does
+            if isinstance(e, ConfigError) and not isinstance(e.__cause__, torch.cuda.OutOfMemoryError):
+                raise
             out["settings"].append({"summary": {"setting": f"{label}-b{b}", "batch_size": b,
                                                 "error": f"out of memory: {e}"}})
             _release(device)
@@ -302,6 +323,65 @@ def sized_section(setup, *, device: str, mixed_precision: str, candidates: list[
         add_flops(res["summary"], setup, peak_flops)
         out["settings"].append(res)
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The engine alone, per method, eager and compiled
+
+METHODS = ("full", "lora", "textual_inversion")
+COMPILE_ARMS = ("eager", "compile")
+SHORT_RUN_UPDATES = 2  # the short run of each pair: it carries the first-call (and compile) cost
+
+
+def methods_section(setup, *, methods: list[str], compile_arms: list[str], rounds: int, updates: int,
+                    batch_size: int, mixed_precision: str, device: str, cache_dir: Path, peak_flops: Optional[float],
+                    log=print) -> list[dict[str, Any]]:
+    """images/s of the engine for each method, eager and compiled (training.compile on), with the compile time
+    apart. Dynamo is reset before each arm, then a cold short run (SHORT_RUN_UPDATES) pays the compile; each round
+    then trains a short and a long run (SHORT_RUN_UPDATES + `updates`) of the same arm, warm: steady s/update =
+    (long - short) / updates, which cancels whatever the first update costs. compile_seconds = cold short - median
+    warm short (inductor's on-disk cache may shorten a cold compile that ran before on this machine). MFU (given the
+    device's peak) counts the UNet's forward and backward as the method runs it (frozen UNet: no weight
+    gradients)."""
+    import torch
+
+    rows = []
+    for method in methods:
+        flops = unet_flops_per_update(setup.model_dir, batch_size=batch_size, resolution=setup.resolution,
+                                      unet_trains=method == "full")
+        for arm in compile_arms:
+            kw = dict(batch_size=batch_size, mixed_precision=mixed_precision, device=device, cache_dir=cache_dir,
+                      method=method, compile="on" if arm == "compile" else "off")
+            torch._dynamo.reset()
+            cold = engine_run(setup, updates=SHORT_RUN_UPDATES, **kw)
+            _release(device)
+            steady, warm_short = [], []
+            for r in range(rounds):
+                short = engine_run(setup, updates=SHORT_RUN_UPDATES, **kw)
+                _release(device)
+                long = engine_run(setup, updates=SHORT_RUN_UPDATES + updates, **kw)
+                _release(device)
+                per_update = (long["loop_seconds"] - short["loop_seconds"]) / updates
+                if per_update <= 0:  # noise larger than the difference (a smoke run): the long run's mean instead
+                    per_update = long["loop_seconds"] / long["updates"]
+                steady.append(per_update)
+                warm_short.append(short["loop_seconds"])
+                log(f"  [{method} {arm}] round {r}: {batch_size / per_update:.2f} images/s; cold first run "
+                    f"{cold['loop_seconds']:.2f} s, warm {short['loop_seconds']:.2f} s")
+            s_per_update = statistics.median(steady)
+            ups = 1 / s_per_update
+            rows.append({
+                "setting": f"{method}-{arm}", "method": method, "compile": long["compile"],
+                "batch_size": batch_size, "updates": updates, "rounds": rounds,
+                "updates_per_second": ups, "images_per_second": batch_size * ups,
+                # The cold run's extra time over a warm one of the same length; eager's is the baseline (first-call
+                # allocations), so compile costs about compile's value minus eager's.
+                "compile_seconds": cold["loop_seconds"] - statistics.median(warm_short),
+                "peak_mib": long["peak_mib"], "flops_per_update": flops, "tflops": flops * ups / 1e12,
+                "mfu": flops * ups / peak_flops if peak_flops else None,
+            })
+    torch._dynamo.reset()
+    return rows
 
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
@@ -320,20 +400,31 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--cuda-updates", type=int, default=20)
     p.add_argument("--cuda-rounds", type=int, default=2)
     p.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak (default: from its name)")
+    p.add_argument("--methods", default=",".join(METHODS), help="methods of the engine-only section ('' skips it)")
+    p.add_argument("--compile-arms", default=",".join(COMPILE_ARMS),
+                   help="eager and/or compile for the engine-only section (the smoke runs eager only unless given)")
+    p.add_argument("--method-updates", type=int, default=30, help="updates of the long minus the short run")
+    p.add_argument("--method-rounds", type=int, default=3)
     p.add_argument("--smoke", action="store_true", help="2 updates, 1 round, no warm-up, CPU only (CI)")
     p.add_argument("--out", type=Path, help="JSON output (default bench/results/<name>.json; with --smoke a "
                    "temporary file, so a smoke run never replaces a real result)")
     p.add_argument("--work-dir", type=Path, help="datasets and model copies (default: a temporary folder)")
+    given = set(argv if argv is not None else sys.argv[1:])
     args = p.parse_args(argv)
     args.out = args.out or (smoke_out(NAME) if args.smoke else default_out(NAME))
     quiet_libraries()
     if args.smoke:
         args.rounds, args.updates, args.warmup_updates, args.cpu_only = 1, 2, 0, True
+        args.method_updates, args.method_rounds = 2, 1
+        if "--compile-arms" not in given:  # inductor's compile of even the tiny UNet takes a minute on 2 cores
+            args.compile_arms = "eager"
 
     import torch
 
     from bench.fixtures import tiny_setup
 
+    # Enough training images (after the 0.2 validation split) for every update to see a full batch in both loops.
+    args.images = max(args.images, math.ceil(args.batch_size / 0.8) + 2)
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench-speed-"))
     result: dict[str, Any] = {"benchmark": NAME, "smoke": args.smoke}
     try:
@@ -350,6 +441,11 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                           log=lambda m: print(m, file=sys.stderr))
             add_flops(cpu["summary"], setup, None)
             result["tiny"] = cpu
+            methods = [m for m in args.methods.split(",") if m]
+            result["methods"] = methods_section(
+                setup, methods=methods, compile_arms=args.compile_arms.split(","), rounds=args.method_rounds,
+                updates=args.method_updates, batch_size=args.batch_size, mixed_precision="no", device=tiny_device,
+                cache_dir=work / "cache", peak_flops=None, log=lambda m: print(m, file=sys.stderr))
             if torch.cuda.is_available() and not args.cpu_only:
                 try:
                     result["cuda"] = cuda_section(args, work, log=lambda m: print(m, file=sys.stderr))
@@ -382,6 +478,13 @@ def report(result: dict[str, Any]) -> str:
     text += "\n\n" + table(rows, flops_cols, title="FLOPs per update and utilisation (UNet forward+backward)",
                            headers=["setting", "UNet FLOPs/update", "+ encoders (ref)", "ratio by FLOPs",
                                     "ref TFLOP/s", "engine TFLOP/s", "ref MFU", "engine MFU"])
+    method_rows = result.get("methods", []) + cuda.get("methods", [])
+    if method_rows:
+        text += "\n\n" + table(method_rows, ["setting", "compile", "batch_size", "images_per_second",
+                                              "compile_seconds", "peak_mib", "tflops", "mfu"],
+                                title="The engine per method, eager and compiled (steady rate; compile apart)",
+                                headers=["setting", "compile", "batch", "img/s", "compile s", "peak MiB",
+                                         "TFLOP/s", "MFU"])
     if "skipped" in cuda or "error" in cuda:
         text += f"\n\nCUDA section: {cuda.get('skipped') or cuda.get('error')}"
     return text

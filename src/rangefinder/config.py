@@ -249,6 +249,10 @@ class TrainingConfig(_Section):
     # default because on CPU it seldom helps; bench/speed_vs_reference turns it on for its GPU rows.
     channels_last: bool = False
     mixed_precision: Literal["no", "fp16", "bf16"] = "no"
+    # torch.compile of the denoiser (regional: the UNet's repeated transformer blocks, diffusers'
+    # compile_repeated_blocks). auto: on for CUDA runs longer than training.setup.COMPILE_AUTO_MIN_UPDATES updates
+    # (shorter ones do not repay the compile time), off on CPU. The same numbers up to kernel rounding.
+    compile: Literal["off", "on", "auto"] = "auto"
     # Keep an exponential moving average of the trained weights and save it; validation then measures the average
     # (what is saved), except on the range test's ramps, where it would lag behind the LR.
     use_ema: bool = False
@@ -264,6 +268,12 @@ class TrainingConfig(_Section):
     checkpoint_every_updates: Optional[int] = Field(None, ge=1)
     keep_checkpoints: int = Field(2, ge=1)
     resume: bool = False  # resume from the newest whole checkpoint under the output folder
+
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, v: Any) -> Any:
+        # YAML 1.1 (PyYAML) reads a bare on/off as a boolean.
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainingConfig:

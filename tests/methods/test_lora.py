@@ -171,3 +171,30 @@ def test_checkpoint_state_round_trips_bit_for_bit(trained_lora, tiny_model_dir):
     assert torch.equal(_unet_out(fresh_parts.unet), _unet_out(parts.unet))
     with pytest.raises(ValueError, match="same training.lora settings"):
         fresh.load_trainable_state_dict({k: v for k, v in list(state.items())[1:]})
+
+
+@pytest.mark.slow
+def test_engine_keeps_optimizer_state_for_adapters_only(tiny_model_dir, split_dir, tmp_path):
+    """Through the engine (text encoder not trained): AdamW holds state for the UNet's adapters and nothing else,
+    the frozen weights take no gradients, and the adapters have no dropout (peft then skips it: nn.Identity)."""
+    from rangefinder.config import ValidationConfig
+    from rangefinder.training.loop import TrainSpec, train
+
+    cfg = TrainingConfig(method="lora", batch_size=4, steps=1, seed=7, cache_dir=str(tmp_path / "cache"),
+                         checkpoint_every_updates=1)
+    assert cfg.lora.dropout == 0.0
+    parts = load_parts(tiny_model_dir)
+    method = make_method(cfg)
+    method.setup(parts, torch.float32)
+    adapters = [n for n, p in parts.unet.named_parameters() if p.requires_grad]
+    assert adapters and all("lora_" in n for n in adapters)
+    assert not any(p.requires_grad for p in parts.text_encoder.parameters())
+    dropouts = [m for n, m in parts.unet.named_modules() if n.endswith("lora_dropout.default")]
+    assert dropouts and all(isinstance(m, torch.nn.Identity) for m in dropouts)
+
+    result = train(TrainSpec(cfg, ValidationConfig(every_epochs=0), split_dir=split_dir, model=tiny_model_dir),
+                   out_dir=tmp_path / "run", save_final=False)
+    optimizer = torch.load(result.checkpoints[-1] / "optimizer.pt", weights_only=False)
+    assert len(optimizer["state"]) == len(adapters)  # one AdamW state per adapter tensor, none for frozen weights
+    shapes = sorted(tuple(s["exp_avg"].shape) for s in optimizer["state"].values())
+    assert shapes == sorted(tuple(p.shape) for p in parts.unet.parameters() if p.requires_grad)

@@ -49,6 +49,7 @@ from rangefinder.training.setup import (
     check_settings,
     encode_data,
     load_model,
+    memory_advice,
     native_data_config,
     prepare_run,
     start_accelerator,
@@ -164,9 +165,10 @@ def _train_one_update(run: Run, state: RunState) -> dict[str, Any]:
     # its images whatever their split into micro-batches and processes (DDP averages, hence x world size).
     images_in_update = sum(len(stream.micro_batch(j)) for j in micro_steps)
     loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)
-    for j in micro_steps:
-        with _gradient_sync(run, sync=j == micro_steps[-1]):
-            loss_sum += _micro_batch_loss(run, state.train_gen, j, images_in_update)
+    with memory_advice(run.cfg):  # a CUDA OOM becomes a sentence naming what to lower
+        for j in micro_steps:
+            with _gradient_sync(run, sync=j == micro_steps[-1]):
+                loss_sum += _micro_batch_loss(run, state.train_gen, j, images_in_update)
 
     # One update: clip, set this update's LR, step, hooks, EMA.
     clip = run.cfg.max_grad_norm if run.cfg.max_grad_norm is not None else float("inf")
@@ -174,7 +176,8 @@ def _train_one_update(run: Run, state: RunState) -> dict[str, Any]:
     lr = run.schedule(state.update)
     for g in run.optimizer.param_groups:
         g["lr"] = lr * g.get("lr_scale", 1.0)
-    run.optimizer.step()
+    with memory_advice(run.cfg):  # AdamW allocates its state on the first step
+        run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     run.method.after_optimizer_step()
     if run.ema is not None:
@@ -297,6 +300,7 @@ def _finish(run: Run, state: RunState, *, save_final: bool, seconds: float, cpu_
             "train_on": settings.train_on,
             "resolution": run.data.data_cfg.resolution,
             "prediction_type": run.family.prediction_type,
+            "compile": "on" if settings.compile else "off",  # training.compile resolved
             "seconds": seconds,  # the loop's wall time (loading and encoding excluded)
             "cpu_seconds": cpu_seconds,  # this process' CPU time in the loop (all threads)
             "updates_per_second": updates_here / seconds if seconds > 0 else None,

@@ -78,6 +78,7 @@ class RunSettings:
     method: Method
     model_cfg: ModelConfig
     out_dir: Path
+    compile: bool = False  # training.compile resolved (auto -> on or off); written to run_summary.json
 
     @property
     def ckpt_root(self) -> Path:
@@ -112,7 +113,25 @@ def check_settings(spec: TrainSpec, out_dir: Union[str, Path]) -> RunSettings:
         model = ModelConfig(base_model=None if model is None else str(model))
     return RunSettings(cfg=cfg, val_cfg=val_cfg, train_on=train_on, split=split, train_items=train_items,
                        val_items=val_items, plan=run_plan, schedule=schedule, method=method, model_cfg=model,
-                       out_dir=out_dir)
+                       out_dir=out_dir,
+                       compile=resolve_compile(cfg.compile, run_plan.total_updates, torch.cuda.is_available()))
+
+
+# Runs of more updates than this compile under training.compile=auto. Why 1000: regional compilation of SD 1.5's
+# 16 transformer blocks costs on the order of 30-60 s on an H100 (forward and backward graphs, and again for
+# validation's no-grad forward), and torch.compile's usual training gain on a UNet is 10-30% of a ~0.2 s update
+# (512 px, batch 4, bf16): 0.02-0.06 s saved per update, so it breaks even after roughly 500-3000 updates. 1000
+# sits inside that range and keeps the range test's short ramps (a few hundred updates) eager. The bench's GPU rows
+# (compile seconds and per-update gain, bench/RESULTS.md) are what should move it.
+COMPILE_AUTO_MIN_UPDATES = 1000
+
+
+def resolve_compile(setting: str, total_updates: int, cuda: bool) -> bool:
+    """training.compile as on/off: `auto` compiles CUDA runs of more than COMPILE_AUTO_MIN_UPDATES updates only
+    (on CPU inductor's compile time is seldom repaid; accelerate trains on the GPU whenever there is one)."""
+    if setting == "auto":
+        return cuda and total_updates > COMPILE_AUTO_MIN_UPDATES
+    return setting == "on"
 
 
 def _revalidated(cfg: Any) -> Any:
@@ -193,7 +212,45 @@ def load_model(settings: RunSettings, accelerator: Accelerator) -> tuple[SDCompo
     if cfg.channels_last:
         # NHWC convolution weights; the convolutions then run NHWC whatever the inputs' layout.
         sd.unet.to(memory_format=torch.channels_last)
+    if settings.compile:
+        compile_forward_modules(sd, method)
     return sd, family
+
+
+def compile_forward_modules(sd: SDComponents, method: Method) -> None:
+    """torch.compile, in place, of what runs every micro-batch: the UNet, and the text encoder when its output
+    changes (it is then part of every forward). In place (`Module.compile`, not a `torch.compile` wrapper) so that
+    accelerate's prepare, unwrap_model and validation all see the same module and share its compiled graphs
+    (validation's no-grad forward is one more graph of the same code, compiled once).
+
+    The UNet is compiled by region (diffusers' compile_repeated_blocks: its BasicTransformerBlocks): the blocks are
+    identical code, so one compile serves them all and compile time is a fraction of the whole UNet's
+    (pytorch.org/tutorials/recipes/regional_compilation). Models without `_repeated_blocks` are compiled whole.
+    Bucketing (several resolutions per run) is not implemented; when it lands, the latent height and width must be
+    marked dynamic (torch._dynamo.mark_dynamic) or the buckets capped, or each new shape recompiles.
+    """
+    modules = [sd.unet] + ([sd.text_encoder] if method.text_encoder_changes else [])
+    for m in modules:
+        if getattr(m, "_repeated_blocks", None) and hasattr(m, "compile_repeated_blocks"):
+            m.compile_repeated_blocks()
+        else:
+            m.compile()
+
+
+@contextlib.contextmanager
+def memory_advice(cfg: TrainingConfig) -> Iterator[None]:
+    """Turn a CUDA out-of-memory error inside an update into one sentence that says what to lower."""
+    try:
+        yield
+    except torch.cuda.OutOfMemoryError as e:
+        fixes = [f"a smaller training.batch_size (now {cfg.batch_size}; raise grad_accum to keep the effective batch)"]
+        if not cfg.gradient_checkpointing:
+            fixes.append("training.gradient_checkpointing: true")
+        if not cfg.use_8bit_adam and cfg.method == "full":
+            fixes.append("training.use_8bit_adam: true")
+        if cfg.mixed_precision == "no":
+            fixes.append("training.mixed_precision: bf16")
+        raise ConfigError(f"the GPU ran out of memory during a training update; try {', or '.join(fixes)}") from e
 
 
 def native_data_config(sd: SDComponents) -> DataConfig:
@@ -304,6 +361,7 @@ def _encode_text(settings: RunSettings, sd: SDComponents, family: Sd1Family, dev
     # (N, 77, D) hidden states, computed once with the frozen encoder.
     folder = text_cache_dir(root, sd.text_encoder)
 
+    @torch.no_grad()  # the frozen encoder: no autograd bookkeeping for its forward
     def embed(ids: torch.Tensor) -> torch.Tensor:
         return cached_text_embeddings(
             ids, lambda x: family.encode_prompt(sd.text_encoder, x), folder, device, stats=stats
