@@ -34,8 +34,8 @@ if TYPE_CHECKING:
 
 _log = logging.getLogger(__name__)
 
-# Settings a resume may change: they do not change what the run computes.
-RESUMABLE_CHANGES = {"resume", "checkpoint_every_updates", "keep_checkpoints", "cache_dir"}
+# Settings a resume may change: they do not change what the run computes (compile: the same maths, other kernels).
+RESUMABLE_CHANGES = {"resume", "checkpoint_every_updates", "keep_checkpoints", "cache_dir", "compile"}
 LOCK_NAME = ".rangefinder.lock"
 
 

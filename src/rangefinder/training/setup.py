@@ -104,11 +104,12 @@ def check_settings(spec: TrainSpec, out_dir: Union[str, Path]) -> RunSettings:
     schedule = make_schedule(cfg, run_plan.total_updates, run_plan.updates_per_epoch, run_plan.lr or cfg.lr)
     method = make_method(cfg)
     val_items = {"val": list(split.val) if train_on == "train" else [], "stabilize": list(split.stabilize)}
+    if cfg.use_8bit_adam and not torch.cuda.is_available():
+        raise ConfigError("training.use_8bit_adam needs a CUDA GPU (bitsandbytes); set it false to use AdamW")
+    # The output folder last: every settings error above leaves nothing behind (the lock probe creates the folder).
     out_dir = Path(out_dir)
     check_out_dir_free(out_dir)  # another live run in out_dir: fail now, naming it
     _check_out_dir(out_dir, cfg.resume)
-    if cfg.use_8bit_adam and not torch.cuda.is_available():
-        raise ConfigError("training.use_8bit_adam needs a CUDA GPU (bitsandbytes); set it false to use AdamW")
     if not isinstance(model, ModelConfig):
         model = ModelConfig(base_model=None if model is None else str(model))
     return RunSettings(cfg=cfg, val_cfg=val_cfg, train_on=train_on, split=split, train_items=train_items,
