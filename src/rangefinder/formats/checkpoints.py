@@ -21,7 +21,6 @@ previous intact one.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import pickle
 import re
@@ -31,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from rangefinder.errors import RangefinderError
 from rangefinder.formats.atomic import replace_dir
+from rangefinder.formats.digest import file_sha256
 
 if TYPE_CHECKING:
     import torch
@@ -125,7 +125,7 @@ def write_main(
     (tmp / STATE_NAME).write_text(json.dumps(state, indent=1))
     # The manifest last (every process's rng file is written by now): its presence makes a checkpoint whole.
     files = sorted(p.name for p in tmp.iterdir() if p.is_file())
-    (tmp / MANIFEST_NAME).write_text(json.dumps({"sha256": {f: _sha256(tmp / f) for f in files}}, indent=1))
+    (tmp / MANIFEST_NAME).write_text(json.dumps({"sha256": {f: file_sha256(tmp / f) for f in files}}, indent=1))
 
 
 def verify(path: Path) -> Optional[str]:
@@ -139,18 +139,10 @@ def verify(path: Path) -> Optional[str]:
         f = path / name
         if not f.is_file():
             return f"{name} is missing"
-        if _sha256(f) != want:
+        if file_sha256(f) != want:
             return f"{name} does not match its checksum (a torn write, a bad block, or changed by hand)"
     missing = [n for n in REQUIRED if n != MANIFEST_NAME and n not in sums]
     return f"the manifest lists no checksum for {', '.join(missing)}" if missing else None
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def commit(tmp: Path, keep: int) -> Path:

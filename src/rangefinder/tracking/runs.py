@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rangefinder.errors import TrackingError
+from rangefinder.formats.digest import hash_file_into
 from rangefinder.tracking.metrics import BatchedMetricLogger, metric_name
 from rangefinder.tracking.redaction import REDACTED, is_secret_key, redact, safe_uri
 from rangefinder.tracking.spool import Spool, apply_record, describe, read_spool, replay, spool_dir
@@ -121,9 +122,7 @@ def folder_digest(folder: str | os.PathLike, pattern: str = "*") -> str:
     h = hashlib.sha256()
     for p in sorted(x for x in root.rglob(pattern) if x.is_file()):
         h.update(p.relative_to(root).as_posix().encode() + b"\0")
-        with open(p, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
+        hash_file_into(h, p)
         h.update(b"\0")
     return h.hexdigest()[:16]
 

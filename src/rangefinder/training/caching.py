@@ -37,14 +37,6 @@ def cache_root(configured: Optional[str] = None) -> Path:
     return Path(base) / "encoded"
 
 
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def module_fingerprint(module: torch.nn.Module) -> str:
     """Hash of a module's class, config and every tensor's name, dtype, shape and bytes."""
     h = hashlib.blake2b(digest_size=16)

@@ -17,13 +17,13 @@ import torch
 from rangefinder.config import DataConfig, ModelConfig, Plan, TrainingConfig, ValidationConfig, plan_for
 from rangefinder.errors import ConfigError, DataError
 from rangefinder.formats import checkpoints
+from rangefinder.formats.digest import file_sha256
 from rangefinder.training.caching import (
     CacheStats,
     LatentCache,
     VaeEncoder,
     cache_root,
     cached_text_embeddings,
-    file_sha256,
     latent_cache_dir,
     text_cache_dir,
 )
