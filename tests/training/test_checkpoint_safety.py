@@ -230,3 +230,19 @@ def test_huge_lr_with_validation_off_stops_as_diverged_and_saves_nothing_nan(bas
     assert json.loads((out / "run_summary.json").read_text())["status"] == "diverged"
     for ckpt in checkpoints.list_checkpoints(out / "checkpoints"):
         assert all(torch.isfinite(t).all() for t in checkpoints.read_weights(ckpt).values()), ckpt
+
+
+@pytest.mark.slow
+def test_full_disk_while_writing_final_is_a_clear_error(base, finished, tmp_path):
+    # No checkpoints here: the first large file the run writes is final/'s UNet, and it cannot grow past the limit.
+    # The curve CSVs, final/ and run_summary.json fail as one sentence too, not only the checkpoints.
+    limit = (finished / "final" / "unet" / "diffusion_pytorch_model.safetensors").stat().st_size // 2
+    out = tmp_path / "out"
+    settings = {**base, "out_dir": str(out), "training": {**base["training"], "checkpoint_every_updates": None},
+                "max_file_bytes": limit}
+    child = start_child(settings, tmp_path, "final")
+    _, err = child.communicate(timeout=600)
+    assert child.returncode == 2, err
+    assert "Traceback" not in err
+    assert f"cannot write the run's outputs under {out}" in err and "GiB free" in err, err
+    assert not (out / "final").exists() and not (out / "run_summary.json").exists()  # nothing looks finished

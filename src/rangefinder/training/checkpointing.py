@@ -8,16 +8,20 @@ whose loss or weights are no longer finite is stopped as diverged without saving
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import errno
 import fcntl
 import json
 import logging
 import math
 import os
 import random
+import re
 import shutil
 import socket
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -109,6 +113,34 @@ def disk_error(what: str, path: Path, e: Exception) -> RangefinderError:
         "free some space or "
         "make the folder writable (or choose another --out), then run again with --resume"
     )
+
+
+# A write that failed for lack of room or rights (full disk, quota, read-only, file too large), not for a missing
+# or unreadable input: those say what to fix about the data.
+_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG, errno.EACCES, errno.EPERM}
+
+
+@contextlib.contextmanager
+def outputs_written(out_dir: Path) -> Iterator[None]:
+    """The run's other outputs (the curve CSVs, final/, run_summary.json): a failed write is one sentence naming
+    the folder and its free space, like a failed checkpoint, instead of a traceback."""
+    try:
+        yield
+    except (OSError, SafetensorError, RuntimeError) as e:
+        if _write_errno(e) not in _WRITE_ERRNOS:
+            raise
+        raise disk_error("the run's outputs", out_dir, e) from None
+
+
+def _write_errno(e: BaseException) -> Optional[int]:
+    """The errno of a failed write: OSError carries it; safetensors (SafetensorError) and torch.save (RuntimeError)
+    only name it in their message, as "(os error 28)" and "file write failed" respectively."""
+    if isinstance(e, OSError):
+        return e.errno
+    m = re.search(r"\(os error (\d+)\)", str(e))
+    if m:
+        return int(m.group(1))
+    return errno.ENOSPC if "file write failed" in str(e) else None
 
 
 def trainable_finite(run: Run) -> bool:

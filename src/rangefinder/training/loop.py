@@ -37,6 +37,7 @@ from rangefinder.formats.atomic import atomic_dir, write_json
 from rangefinder.training import MetricSink
 from rangefinder.training.checkpointing import (
     OutDirLock,
+    outputs_written,
     restore_checkpoint,
     save_checkpoint,
     trainable_finite,
@@ -104,51 +105,54 @@ def train(
     # --- optimizer, EMA -------------------------------------------------------------------------------------------
     run = prepare_run(settings, accelerator, sd, family, encoded)
 
-    # --- resume, or the update-0 baseline -------------------------------------------------------------------------
-    log = RunLog(settings.out_dir, settings.val_cfg.timesteps, run.main)
-    state = RunState.fresh(cfg.seed + accelerator.process_index, log)
-    restore_checkpoint(run, state)
-    if run.validating and state.update == 0:
-        validate(run, state, metric_sink)  # the baseline: the base model before any update
+    # A full disk or a read-only folder while writing the curve, final/ or the summary: one sentence, no traceback.
+    with outputs_written(settings.out_dir):
+        # --- resume, or the update-0 baseline -------------------------------------------------------------------------
+        log = RunLog(settings.out_dir, settings.val_cfg.timesteps, run.main)
+        state = RunState.fresh(cfg.seed + accelerator.process_index, log)
+        restore_checkpoint(run, state)
+        if run.validating and state.update == 0:
+            validate(run, state, metric_sink)  # the baseline: the base model before any update
 
-    # --- the loop -------------------------------------------------------------------------------------------------
-    from tqdm.auto import tqdm
+        # --- the loop -------------------------------------------------------------------------------------------------
+        from tqdm.auto import tqdm
 
-    for m in run.modules.values():
-        m.train()
-    stream = run.stream
-    progress = tqdm(total=stream.total_updates, initial=state.update, disable=not run.main,
-                    desc=f"train ({cfg.schedule})", unit="update", dynamic_ncols=True)
-    t0, cpu0 = time.perf_counter(), time.process_time()
-    while state.update < stream.total_updates and state.status == "ok":
-        first_micro_batch = state.micro_batches_done
-        row = _train_one_update(run, state)
-        state.add_update(row)
-        if not update_finite(run, row):
-            state.status = "diverged"  # a NaN/inf loss stops any run, validation on or off
-        if metric_sink is not None and run.main:
-            metric_sink.log_metrics({k: row[k] for k in ("train_loss", "lr", "grad_norm", "epoch")}, state.update)
-        progress.set_postfix(loss=f"{row['train_loss']:.4f}", lr=f"{row['lr']:.3g}", refresh=False)
-        progress.update(1)
+        for m in run.modules.values():
+            m.train()
+        stream = run.stream
+        progress = tqdm(total=stream.total_updates, initial=state.update, disable=not run.main,
+                        desc=f"train ({cfg.schedule})", unit="update", dynamic_ncols=True)
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        while state.update < stream.total_updates and state.status == "ok":
+            first_micro_batch = state.micro_batches_done
+            row = _train_one_update(run, state)
+            state.add_update(row)
+            if not update_finite(run, row):
+                state.status = "diverged"  # a NaN/inf loss stops any run, validation on or off
+            if metric_sink is not None and run.main:
+                logged = {k: row[k] for k in ("train_loss", "lr", "grad_norm", "epoch")}
+                metric_sink.log_metrics(logged, state.update)
+            progress.set_postfix(loss=f"{row['train_loss']:.4f}", lr=f"{row['lr']:.3g}", refresh=False)
+            progress.update(1)
 
-        # Validation: every N updates, or whenever an every-N-epochs boundary was crossed; and at the end. A ramp
-        # stops once it diverges: the range test has found its upper bound.
-        last = state.update == stream.total_updates
-        if run.validating and (_validation_due(run.val_cfg, stream, first_micro_batch, state) or last):
-            validate(run, state, metric_sink, last=last)
-            if run.schedule.is_ramp and _diverged(run.val_cfg, state.log):
-                state.status = "diverged"
+            # Validation: every N updates, or whenever an every-N-epochs boundary was crossed; and at the end. A ramp
+            # stops once it diverges: the range test has found its upper bound.
+            last = state.update == stream.total_updates
+            if run.validating and (_validation_due(run.val_cfg, stream, first_micro_batch, state) or last):
+                validate(run, state, metric_sink, last=last)
+                if run.schedule.is_ramp and _diverged(run.val_cfg, state.log):
+                    state.status = "diverged"
 
-        # Checkpoint: every N updates and at the end (also when stopping on divergence; weights that are no longer
-        # finite are not saved, so the last checkpoint is the last finite one).
-        every = cfg.checkpoint_every_updates
-        if every and (state.update % every == 0 or last or state.status != "ok"):
-            save_checkpoint(run, state)
-    progress.close()
-    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - cpu0
+            # Checkpoint: every N updates and at the end (also when stopping on divergence; weights that are no longer
+            # finite are not saved, so the last checkpoint is the last finite one).
+            every = cfg.checkpoint_every_updates
+            if every and (state.update % every == 0 or last or state.status != "ok"):
+                save_checkpoint(run, state)
+        progress.close()
+        seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - cpu0
 
-    # --- final weights and summary --------------------------------------------------------------------------------
-    result = _finish(run, state, save_final=save_final, seconds=seconds, cpu_seconds=cpu_seconds)
+        # --- final weights and summary --------------------------------------------------------------------------------
+        result = _finish(run, state, save_final=save_final, seconds=seconds, cpu_seconds=cpu_seconds)
     out_lock.release()
     return result
 
