@@ -29,10 +29,11 @@ STEP_ERROR_PREFIX = "rangefinder step"
 @contextlib.contextmanager
 def one_line_errors(step: str) -> Iterator[None]:
     """Inside a pipeline step: bad input ends the step with exit status 2 and one line on stderr,
-    `rangefinder step STEP: error: MESSAGE`, instead of a traceback. The local runner quotes that line
-    (rangefinder.pipelines.local_run); on a cluster it is the last line of the pod's log."""
+    `rangefinder step STEP: error: ConfigError: MESSAGE`, instead of a traceback. The local runner quotes it from
+    `ConfigError:` on, as it quotes other exceptions (rangefinder.pipelines.local_run); on a cluster it is the last
+    line of the pod's log."""
     try:
         yield
     except RangefinderError as e:
-        print(f"{STEP_ERROR_PREFIX} {step}: error: {e}", file=sys.stderr, flush=True)
+        print(f"{STEP_ERROR_PREFIX} {step}: error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None

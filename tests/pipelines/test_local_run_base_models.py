@@ -107,7 +107,8 @@ def test_a_hub_id_missing_from_the_offline_cache_stops_the_first_step(tmp_path, 
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("rangefinder run: error:")]
     assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
     (line,) = lines
-    assert "step resolve-config failed: model.base_model: hub model 'rangefinder-tests/never-downloaded'" in line
+    assert ("step resolve-config failed: ConfigError: model.base_model: hub model "
+            "'rangefinder-tests/never-downloaded'") in line
     assert "hf download rangefinder-tests/never-downloaded --revision main" in line
     log = (tmp_path / "out" / "pipeline.log").read_text()
     assert "Traceback" not in log

@@ -105,7 +105,7 @@ def test_one_line_errors_end_a_step_without_a_traceback(capsys):
     with pytest.raises(SystemExit) as e, one_line_errors("resolve-config"):
         raise ConfigError("model.base_model: nothing there; pass a folder")
     assert e.value.code == 2
-    assert capsys.readouterr().err == "rangefinder step resolve-config: error: model.base_model: nothing there; pass " \
-                                      "a folder\n"
+    assert capsys.readouterr().err == "rangefinder step resolve-config: error: ConfigError: model.base_model: " \
+                                      "nothing there; pass a folder\n"
     with pytest.raises(KeyError), one_line_errors("finetune"):  # a bug keeps its traceback
         raise KeyError("not bad input")
