@@ -52,13 +52,13 @@ def test_checkpoints_every_epoch_all_kept_until_the_window_is_known():
 @pytest.fixture(scope="module")
 def ema_run(split_dir, tiny_model_dir, tmp_path_factory):
     """A 2-epoch full fine-tune of the tiny model with an EMA average (decay 0.5: far from the raw weights)."""
-    from rangefinder.training.loop import train
+    from rangefinder.training.loop import TrainSpec, train
 
     cfg = demo_config(model={"base_model": str(tiny_model_dir)}, training={"use_ema": True, "ema_decay": 0.5},
                       finetune={"epochs": 2})
     tc = finetune_training_config(cfg, 1e-3, 1e-3, 1e-3, train_images=16)
     out = tmp_path_factory.mktemp("ema-run")
-    result = train(tc, cfg.validation, split_dir=split_dir, model=cfg.model, out_dir=out, data=cfg.data)
+    result = train(TrainSpec(tc, cfg.validation, split_dir=split_dir, model=cfg.model, data=cfg.data), out_dir=out)
     return out, result
 
 
