@@ -40,3 +40,17 @@ def split_dir(shapes_dataset_dir: Path, tmp_path_factory: pytest.TempPathFactory
     out = tmp_path_factory.mktemp("split")
     split_dataset(shapes_dataset_dir, out, val_split=0.2, stabilize_split=0.2, seed=555)
     return out
+
+
+HUB_REPO = "rangefinder-tests/tiny-sd"  # the tiny model as a hub repo in a fake, offline Hugging Face cache
+
+
+@pytest.fixture(scope="session")
+def fake_hub_cache(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """(cache folder, commit): the tiny model as hub repo HUB_REPO in the Hugging Face cache layout (refs main and
+    v1 at one commit). Point HF_HUB_CACHE at the folder and set HF_HUB_OFFLINE=1 to load it by its id."""
+    from tests.models.fake_hub import make_cached_repo
+
+    cache = tmp_path_factory.mktemp("hf-hub-cache")
+    commit = make_cached_repo(cache, HUB_REPO, tiny_model_dir, refs=("main", "v1"))
+    return cache, commit

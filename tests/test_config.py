@@ -242,3 +242,19 @@ def test_credentials_in_a_tracking_uri_are_refused_without_echoing_them(field, u
     assert msg.startswith(field + ":") and held in msg and "MLFLOW_TRACKING_USERNAME" in msg, msg
     assert "hunter2" not in msg and "alice" not in msg
     parse_config(_nested(field, "https://mlflow.example:5000/prefix?x=1"))  # no secret: fine
+def test_mixed_precision_auto_is_the_default_and_resolves_per_device():
+    import torch
+
+    from rangefinder.config import RangefinderConfig, resolve_mixed_precision
+
+    assert RangefinderConfig().training.mixed_precision == "auto"
+    assert resolve_mixed_precision("auto", device="cpu") == "no"
+    assert resolve_mixed_precision("auto", device="mps") == "no"
+    for fixed in ("no", "fp16", "bf16"):
+        assert resolve_mixed_precision(fixed, device="cpu") == fixed  # a setting given by hand is kept
+    # On this machine: bf16 on a GPU that has it, fp16 on an older one, none without a GPU.
+    if not torch.cuda.is_available():
+        expected = "no"
+    else:
+        expected = "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
+    assert resolve_mixed_precision("auto") == expected

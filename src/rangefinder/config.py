@@ -150,17 +150,22 @@ class SplitConfig(_Section):
 
 
 class ModelConfig(_Section):
-    # A local diffusers folder, a single-file checkpoint (.safetensors/.ckpt) or a hub id (on a cluster with access).
-    # None means the embedded tiny model (`rangefinder make-base-model`).
+    # A local diffusers folder, a single-file checkpoint (.safetensors; pickle formats are refused) or a Hugging Face
+    # hub id (org/name). None means the embedded tiny model (`rangefinder make-base-model`). See models/loading.py.
     base_model: Optional[str] = None
+    # A hub id's branch, tag or commit (None: main). Pin a commit for a run that can be repeated exactly.
     revision: Optional[str] = None
-    variant: Optional[str] = None
-    # Where the embedded model is cached (None: $RANGEFINDER_CACHE or ~/.cache/rangefinder) and, when set, where hub
-    # downloads go (None: the Hugging Face cache, $HF_HOME).
+    variant: Optional[str] = None  # a hub or folder model's weights variant, e.g. "fp16" (smaller download)
+    # Where the embedded model and converted single files are cached (None: $RANGEFINDER_CACHE or
+    # ~/.cache/rangefinder) and, when set, where hub models are cached (None: the Hugging Face cache, $HF_HUB_CACHE
+    # or $HF_HOME/hub).
     cache_dir: Optional[str] = None
     # A local diffusers folder with the architecture of a single-file base_model, so nothing is fetched to read it.
     # None: the base model named in the file's rangefinder metadata, else diffusers infers one (from the hub).
     single_file_config: Optional[str] = None
+    # Set by the pipeline's first step, not by hand: the local diffusers folder base_model resolved to (downloaded
+    # or converted once), which every later step loads. A step that cannot see it resolves base_model again.
+    resolved_dir: Optional[str] = None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -248,7 +253,9 @@ class TrainingConfig(_Section):
     # tensor cores under bf16/fp16 (PyTorch's channels_last guide); the same numbers up to kernel rounding. Off by
     # default because on CPU it seldom helps; bench/speed_vs_reference turns it on for its GPU rows.
     channels_last: bool = False
-    mixed_precision: Literal["no", "fp16", "bf16"] = "no"
+    # auto: bf16 on a CUDA GPU that supports it (Ampere and newer), else fp16 on CUDA, else no (CPU, MPS); see
+    # resolve_mixed_precision. Trainable weights stay fp32 either way (the methods keep fp32 master weights).
+    mixed_precision: Literal["auto", "no", "fp16", "bf16"] = "auto"
     # torch.compile of the denoiser (regional: the UNet's repeated transformer blocks, diffusers'
     # compile_repeated_blocks). auto: on for CUDA runs longer than training.setup.COMPILE_AUTO_MIN_UPDATES updates
     # (shorter ones do not repay the compile time), off on CPU. The same numbers up to kernel rounding.
@@ -294,6 +301,22 @@ class TrainingConfig(_Section):
 
     def budget_given(self) -> bool:
         return self.epochs is not None or self.steps is not None
+
+
+def resolve_mixed_precision(setting: str, device: Optional[str] = None) -> Literal["no", "fp16", "bf16"]:
+    """What `training.mixed_precision` means on this machine: `auto` is bf16 on a CUDA GPU that supports it
+    (compute capability 8.0+: A100, L4, H100, RTX 30xx and newer), fp16 on an older CUDA GPU (T4, V100), and no
+    mixed precision elsewhere (CPU, Apple MPS); any other value is kept. `device` ("cuda", "cpu", ...) defaults to
+    CUDA when one is visible. bf16 first: its exponent range is fp32's, so it needs no loss scaling."""
+    if setting != "auto":
+        return setting  # type: ignore[return-value]
+    import torch
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if not str(device).startswith("cuda"):
+        return "no"
+    return "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -368,10 +391,18 @@ class FinetuneConfig(_Section):
     schedule: Literal["constant", "triangular", "triangular2", "exp_range"] = "constant"
     # The step window: smoothed val loss within this relative distance of its minimum.
     tolerance: float = Field(0.02, gt=0, lt=1)
-    checkpoint_every_epochs: Optional[int] = Field(None, ge=1)  # kept checkpoints feed the sample grid
+    # Save a checkpoint every N epochs. Every one is kept until the step window is known; then only the one nearest
+    # the recommended length stays: it is the model delivered (registered) when retrain is off. 1 (every epoch)
+    # makes the delivered model at most half an epoch from the recommendation. Disk: for LoRA and textual inversion
+    # a checkpoint is small; for a full fine-tune it is the UNet and its Adam state, ~10 GB per epoch for SD 1.5.
+    checkpoint_every_epochs: int = Field(1, ge=1)
 
 
 class RetrainConfig(_Section):
+    # Off: the registered model is the fine-tune's checkpoint at the recommended length, whose validation loss was
+    # measured. On: a second run on train+validation for the recommended epochs (about 1.25x the cost at val_split 0.2,
+    # on top of the fine-tune), whose result nobody measured; worth it when the held-out images are a real share of
+    # the little data there is. README.md, "Which model is registered".
     enabled: bool = False
     schedule: Literal["constant", "triangular"] = "constant"
     epochs: Optional[int] = Field(None, ge=1)  # None: the recommended epochs from the fine-tune
@@ -447,6 +478,11 @@ class KubernetesConfig(_Section):
     image_pull_secrets: list[str] = Field(default_factory=list)
     shm_size: str = "8Gi"  # /dev/shm for data loader workers
     retries: int = Field(2, ge=0)  # training steps resume from their newest checkpoint on retry
+    # A Secret whose key `hf_token_secret_key` becomes HF_TOKEN in the steps that load the base model, for gated or
+    # private hub models (manifests/pipeline-namespace ships the template). Mounted as optional: a run on a public
+    # model works without it. None: no token. Never logged.
+    hf_token_secret: Optional[str] = "hf-token"
+    hf_token_secret_key: str = "HF_TOKEN"
 
     @field_validator("mlflow_tracking_uri")
     @classmethod

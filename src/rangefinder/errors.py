@@ -1,5 +1,11 @@
 """The errors a user can act on. Each message is one sentence naming the file, field or value, and the fix."""
 
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+
 
 class RangefinderError(Exception):
     """Bad input or an impossible setting; the CLI prints it on one line and exits non-zero."""
@@ -15,3 +21,19 @@ class DataError(RangefinderError):
 
 class TrackingError(RangefinderError):
     """The MLflow tracking server cannot be reached or refuses the credentials."""
+
+
+STEP_ERROR_PREFIX = "rangefinder step"
+
+
+@contextlib.contextmanager
+def one_line_errors(step: str) -> Iterator[None]:
+    """Inside a pipeline step: bad input ends the step with exit status 2 and one line on stderr,
+    `rangefinder step STEP: error: ConfigError: MESSAGE`, instead of a traceback. The local runner quotes it from
+    `ConfigError:` on, as it quotes other exceptions (rangefinder.pipelines.local_run); on a cluster it is the last
+    line of the pod's log."""
+    try:
+        yield
+    except RangefinderError as e:
+        print(f"{STEP_ERROR_PREFIX} {step}: error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None

@@ -175,20 +175,13 @@ def export_pipeline(weights: Path, base_model: Path, out_dir: Path) -> Path:
 
 
 def _engine_checkpoint_pipeline(ckpt_dir: Path, base_model: Path, common: dict):
-    """A pipeline with a training checkpoint's weights: the run's method rebuilds its trainable parts on the base
-    model (adapters, new tokens) and puts the checkpoint's tensors back, as a resume does."""
-    import torch
+    """A pipeline with a training checkpoint's weights (rangefinder.training.restore: the run's method rebuilt on the
+    base model, the checkpoint's tensors, or their EMA average, put back)."""
     from diffusers import StableDiffusionPipeline
 
-    from rangefinder.config import ModelConfig, TrainingConfig
-    from rangefinder.models.loading import load_sd_components
-    from rangefinder.training.methods import make_method
+    from rangefinder.training.restore import method_from_checkpoint
 
-    cfg = TrainingConfig.model_validate(checkpoints.read_state(ckpt_dir)["training"])
-    method = make_method(cfg)
-    sd = load_sd_components(ModelConfig(base_model=str(base_model)))
-    method.setup(sd, torch.float32)
-    method.load_trainable_state_dict(checkpoints.read_weights(ckpt_dir))
+    _, sd = method_from_checkpoint(ckpt_dir, base_model)
     pipe = StableDiffusionPipeline.from_pretrained(
         str(base_model), local_files_only=True, unet=sd.unet, text_encoder=sd.text_encoder, tokenizer=sd.tokenizer,
         **common,

@@ -162,6 +162,14 @@ def test_the_mlflow_secret_has_the_keys_the_steps_read(rendered, entry):
 
 
 @pytest.mark.parametrize("entry", PIPELINE_ENTRIES)
+def test_the_hf_token_secret_is_an_empty_template(rendered, entry):
+    r = rendered[entry]
+    secret = r.find("Secret", K8S.hf_token_secret)
+    assert secret["metadata"]["namespace"] == _pipeline_namespace(r)
+    assert secret["stringData"] == {K8S.hf_token_secret_key: ""}  # never a real token in the repository
+
+
+@pytest.mark.parametrize("entry", PIPELINE_ENTRIES)
 def test_the_data_pvc_is_there(rendered, entry):
     r = rendered[entry]
     pvc = r.find("PersistentVolumeClaim", K8S.data_pvc)

@@ -1,11 +1,14 @@
-"""Loading a base model from the embedded default, a diffusers folder, a single file and a hub id."""
+"""The base model from each source (embedded, folder, single file, hub id), resolved to one local diffusers folder;
+and each bad source's one clear error."""
 
 import pytest
 import torch
 
 from rangefinder.config import ModelConfig
 from rangefinder.errors import ConfigError
-from rangefinder.models.loading import load_sd_components
+from rangefinder.models.loading import load_sd_components, resolve_base_model
+from tests.conftest import HUB_REPO
+from tests.models.fake_hub import FakeHubServer
 
 
 def _same_weights(a, b) -> bool:
@@ -16,6 +19,14 @@ def _same_weights(a, b) -> bool:
 @pytest.fixture(scope="module")
 def folder_parts(tiny_model_dir):
     return load_sd_components(ModelConfig(base_model=str(tiny_model_dir)))
+
+
+@pytest.fixture
+def offline_hub(fake_hub_cache, monkeypatch):
+    cache, commit = fake_hub_cache
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return cache, commit
 
 
 def test_folder_and_embedded_default(tiny_model_dir, folder_parts):
@@ -31,45 +42,197 @@ def test_folder_and_embedded_default(tiny_model_dir, folder_parts):
     assert _same_weights(embedded.unet, folder_parts.unet)
 
 
-def test_single_file_checkpoint_round_trip(tiny_model_dir, folder_parts, tmp_path):
+def test_single_file_is_converted_once_into_a_diffusers_folder(tiny_model_dir, folder_parts, tmp_path):
     from rangefinder.formats.export import export_full, export_metadata
 
     meta = export_metadata(method="full", base_model=str(tiny_model_dir), lr=1e-4, epochs=1, updates=1)
     path = export_full(tiny_model_dir, tmp_path / "tiny.safetensors", meta)
+    cfg = ModelConfig(base_model=str(path), cache_dir=str(tmp_path / "cache"))
     # The architecture comes from the base model named in the file's metadata: nothing is fetched.
-    parts = load_sd_components(ModelConfig(base_model=str(path)))
-    assert parts.kind == "single_file" and parts.model_dir == tiny_model_dir
+    resolved = resolve_base_model(cfg)
+    assert resolved.kind == "single_file" and resolved.source == str(path)
+    assert resolved.path.is_relative_to(tmp_path / "cache" / "base-models")
+    assert (resolved.path / "model_index.json").is_file()
+    parts = load_sd_components(cfg)
+    assert parts.kind == "single_file" and parts.model_dir == resolved.path
     for name in ("unet", "vae", "text_encoder"):
         assert _same_weights(getattr(parts, name), getattr(folder_parts, name)), name
     assert parts.vae.config.scaling_factor == folder_parts.vae.config.scaling_factor
-    # Without metadata, model.single_file_config names the architecture.
+    # Converted once: a second resolution finds the folder (same files, untouched).
+    stamp = (resolved.path / "model_index.json").stat().st_mtime_ns
+    assert resolve_base_model(cfg).path == resolved.path
+    assert (resolved.path / "model_index.json").stat().st_mtime_ns == stamp
+    # Without metadata, model.single_file_config names the architecture; another file is another folder.
     bare = export_full(tiny_model_dir, tmp_path / "bare.safetensors")
-    parts = load_sd_components(ModelConfig(base_model=str(bare), single_file_config=str(tiny_model_dir)))
+    other = resolve_base_model(ModelConfig(base_model=str(bare), single_file_config=str(tiny_model_dir),
+                                           cache_dir=str(tmp_path / "cache")))
+    assert other.path != resolved.path
+    parts = load_sd_components(ModelConfig(base_model=str(bare), single_file_config=str(tiny_model_dir),
+                                           cache_dir=str(tmp_path / "cache")))
     assert _same_weights(parts.unet, folder_parts.unet)
 
 
-def test_hub_id_offline_fails_with_the_id_and_the_reason(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+def test_hub_id_resolves_from_the_offline_cache_at_a_branch_tag_or_commit(offline_hub, folder_parts):
+    cache, commit = offline_hub
+    resolved = resolve_base_model(ModelConfig(base_model=HUB_REPO))
+    assert resolved.kind == "hub" and resolved.source == f"{HUB_REPO}@main"
+    assert resolved.path == cache / f"models--{HUB_REPO.replace('/', '--')}" / "snapshots" / commit
+    for rev in ("v1", commit):
+        assert resolve_base_model(ModelConfig(base_model=HUB_REPO, revision=rev)).path == resolved.path
+    parts = load_sd_components(ModelConfig(base_model=HUB_REPO))
+    assert parts.kind == "hub" and parts.source == f"{HUB_REPO}@main"
+    for name in ("unet", "vae", "text_encoder"):
+        assert _same_weights(getattr(parts, name), getattr(folder_parts, name)), name
+
+
+def test_a_resolved_folder_is_loaded_without_resolving_again(offline_hub, tmp_path, monkeypatch):
+    """What every step after the first does: the config carries the folder; the hub cache is not looked at."""
+    resolved = resolve_base_model(ModelConfig(base_model=HUB_REPO))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty"))
+    again = resolve_base_model(ModelConfig(base_model=HUB_REPO, resolved_dir=str(resolved.path)))
+    assert again.path == resolved.path and again.kind == "hub"
+    # A resolved_dir this step cannot see (another pod's disk) is resolved again, here from an empty cache.
+    with pytest.raises(ConfigError, match="not in the Hugging Face cache"):
+        resolve_base_model(ModelConfig(base_model=HUB_REPO, resolved_dir=str(tmp_path / "gone")))
+
+
+def test_hub_id_not_in_the_offline_cache_says_how_to_fill_it(offline_hub):
+    cache, _ = offline_hub
     with pytest.raises(ConfigError) as e:
-        load_sd_components(ModelConfig(base_model="rangefinder-tests/no-such-model"))
+        resolve_base_model(ModelConfig(base_model="rangefinder-tests/not-downloaded", revision="v2"))
     msg = str(e.value)
-    assert "'rangefinder-tests/no-such-model'" in msg and "offline" in msg and "model.base_model" in msg
+    assert msg.startswith("model.base_model: hub model 'rangefinder-tests/not-downloaded' (revision 'v2')")
+    assert "HF_HUB_OFFLINE is set" in msg and str(cache) in msg
+    assert "hf download rangefinder-tests/not-downloaded --revision v2" in msg and "HF_TOKEN" in msg
+    assert "\n" not in msg
 
 
-def test_hub_id_unreachable_fails_fast_with_the_id():
-    # This machine cannot reach the hub; where it can, the id does not exist. Either way: one clear error.
+def test_revision_not_in_the_offline_cache_names_what_is_there(offline_hub):
+    _, commit = offline_hub
     with pytest.raises(ConfigError) as e:
-        load_sd_components(ModelConfig(base_model="rangefinder-tests/no-such-model"))
+        resolve_base_model(ModelConfig(base_model=HUB_REPO, revision="v9"))
     msg = str(e.value)
-    assert "'rangefinder-tests/no-such-model'" in msg
-    assert "hub is unreachable" in msg or "no hub model" in msg
+    assert msg.startswith(f"model.revision: 'v9' of hub model '{HUB_REPO}' is not in the Hugging Face cache")
+    assert "refs main, v1" in msg and commit[:12] in msg and "--revision v9" in msg
 
 
-def test_bad_paths(tmp_path):
+def test_incomplete_hub_snapshot_names_the_missing_parts(offline_hub, tiny_model_dir, tmp_path, monkeypatch):
+    from tests.models.fake_hub import make_cached_repo
+
+    partial = tmp_path / "partial"
+    (partial / "unet").mkdir(parents=True)
+    for f in ("model_index.json",):
+        (partial / f).write_bytes((tiny_model_dir / f).read_bytes())
+    (partial / "unet" / "config.json").write_bytes((tiny_model_dir / "unet" / "config.json").read_bytes())
+    cache = tmp_path / "cache"
+    make_cached_repo(cache, "rangefinder-tests/partial", partial)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    with pytest.raises(ConfigError, match=r"lacks vae/, text_encoder/, tokenizer/, scheduler/"):
+        resolve_base_model(ModelConfig(base_model="rangefinder-tests/partial"))
+
+
+def test_folder_without_model_index(tmp_path, tiny_model_dir):
+    import shutil
+
+    folder = tmp_path / "no-index"
+    shutil.copytree(tiny_model_dir, folder)
+    (folder / "model_index.json").unlink()
+    with pytest.raises(ConfigError) as e:
+        resolve_base_model(ModelConfig(base_model=str(folder)))
+    assert str(e.value).startswith(f"model.base_model: {folder} is not a diffusers model folder (no model_index.json)")
+
+
+def test_files_that_are_not_stable_diffusion_checkpoints(tmp_path):
+    from safetensors.torch import save_file
+
+    lora = tmp_path / "adapter.safetensors"
+    save_file({"lora_unet_down_blocks_0_attentions_0_proj_in.lora_down.weight": torch.zeros(4, 8)}, str(lora))
+    with pytest.raises(ConfigError, match=r"is not a Stable Diffusion checkpoint .*looks like a LoRA"):
+        resolve_base_model(ModelConfig(base_model=str(lora)))
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"not safetensors at all")
+    with pytest.raises(ConfigError, match="is not a readable safetensors file"):
+        resolve_base_model(ModelConfig(base_model=str(junk)))
+    notes = tmp_path / "notes.txt"
+    notes.write_text("hello")
+    with pytest.raises(ConfigError, match=r"is not a \.safetensors checkpoint"):
+        resolve_base_model(ModelConfig(base_model=str(notes)))
+
+
+def test_pickle_checkpoints_are_refused_unread(tmp_path):
+    ckpt = tmp_path / "model.ckpt"
+    ckpt.write_bytes(b"\x80\x04 a pickle that must never be loaded")
+    with pytest.raises(ConfigError, match=r"pickle checkpoint \(\.ckpt\), which can run code .* convert it to"):
+        resolve_base_model(ModelConfig(base_model=str(ckpt)))
+
+
+def test_missing_paths_and_malformed_ids(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
-        load_sd_components(ModelConfig(base_model=str(tmp_path / "nowhere.safetensors")))
-    with pytest.raises(ConfigError, match="not a diffusers model"):
-        load_sd_components(ModelConfig(base_model=str(tmp_path)))
-    (tmp_path / "notes.txt").write_text("hello")
-    with pytest.raises(ConfigError, match="not a .safetensors or .ckpt"):
-        load_sd_components(ModelConfig(base_model=str(tmp_path / "notes.txt")))
+        resolve_base_model(ModelConfig(base_model=str(tmp_path / "nowhere.safetensors")))
+    with pytest.raises(ConfigError, match="neither an existing path nor a valid hub id"):
+        resolve_base_model(ModelConfig(base_model="org/bad name!"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Online: the hub's own answers, from a loopback stand-in (HF_ENDPOINT), through huggingface_hub
+
+
+@pytest.fixture
+def fake_hub(monkeypatch, tmp_path):
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        pytest.skip("huggingface_hub was imported with HF_HUB_OFFLINE set: no HTTP call can be made")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    with FakeHubServer() as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        yield hub
+
+
+def test_gated_repo_without_a_token_or_with_one_that_has_no_access(fake_hub, monkeypatch):
+    cfg = ModelConfig(base_model=fake_hub.gated_repo)
+    with pytest.raises(ConfigError) as e:
+        resolve_base_model(cfg)
+    msg = str(e.value)
+    assert msg.startswith(f"model.base_model: hub model '{fake_hub.gated_repo}' is gated")
+    assert "HF_TOKEN" in msg and "kubernetes.hf_token_secret" in msg
+    # A token whose account has not accepted the licence: the file download is refused (403 GatedRepo).
+    token = "hf_" + "x" * 34
+    monkeypatch.setenv("HF_TOKEN", token)
+    with pytest.raises(ConfigError, match="is gated") as e:
+        resolve_base_model(cfg)
+    assert token not in str(e.value)
+    assert any("/resolve/" in r for r in fake_hub.requests), fake_hub.requests
+
+
+def test_missing_repo_and_missing_revision_online(fake_hub):
+    with pytest.raises(ConfigError, match=r"no hub model 'someone/nothing-here' \(or it is private"):
+        resolve_base_model(ModelConfig(base_model="someone/nothing-here"))
+    with pytest.raises(ConfigError) as e:
+        resolve_base_model(ModelConfig(base_model=fake_hub.gated_repo, revision=fake_hub.missing_revision))
+    assert str(e.value).startswith(f"model.revision: '{fake_hub.missing_revision}' does not exist for hub model")
+
+
+def test_unreachable_hub_fails_in_seconds_with_the_id(monkeypatch, tmp_path):
+    """Nothing listens on the endpoint: one error naming the model, not diffusers' minute of retries."""
+    import socket
+    import time
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        pytest.skip("huggingface_hub was imported with HF_HUB_OFFLINE set")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: connections to it are refused
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError) as e:
+        resolve_base_model(ModelConfig(base_model="rangefinder-tests/no-such-model"))
+    assert time.monotonic() - t0 < 30
+    msg = str(e.value)
+    assert "'rangefinder-tests/no-such-model'" in msg and "cannot be reached" in msg and "hf download" in msg

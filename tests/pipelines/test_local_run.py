@@ -1,6 +1,7 @@
 """The whole pipeline through kfp.local (SubprocessRunner, no containers) on the tiny model and shapes dataset.
 
-Two runs cover the DAG's branches: discovery then the full-data retrain, and a fixed LR (no discovery) without it.
+Three runs cover the DAG's branches: discovery then the full-data retrain, discovery without it, and a fixed LR (no
+discovery) with LoRA. tests/pipelines/test_local_run_base_models.py runs the other base-model sources.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 import yaml
 
 from rangefinder.config import demo_config
+from tests.pipelines.registered_model import check_registered_is_the_kept_checkpoint
 from tests.tracking.pipeline_record import check_pipeline_record
 
 pytestmark = pytest.mark.slow
@@ -101,8 +103,10 @@ def test_discovery_without_retrain_on_default_sqlite(tmp_path, shapes_dataset_di
 
 
 def test_fixed_lr_skips_discovery_and_retrain_off(tmp_path, shapes_dataset_dir, tiny_model_dir):
-    """Through the CLI: `rangefinder run --local --config FILE`, as a person runs it on their own data."""
-    cfg = _cfg(shapes_dataset_dir, tiny_model_dir, lr=2e-4)
+    """Through the CLI: `rangefinder run --local --config FILE`, as a person runs it on their own data: LoRA on a
+    diffusers folder, validated every update so the step window is read and its checkpoint registered."""
+    cfg = _cfg(shapes_dataset_dir, tiny_model_dir, lr=2e-4, training={"method": "lora"},
+               validation={"every_updates": 1})
     config = tmp_path / "mine.yaml"
     config.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude={"kubernetes"})))
     out = tmp_path / "out"
@@ -119,6 +123,7 @@ def test_fixed_lr_skips_discovery_and_retrain_off(tmp_path, shapes_dataset_dir, 
     assert [t for t in tasks if t.startswith("finetune")] and "retrained_epochs" not in s
     runs = _mlflow_runs(out / "mlflow.db")
     assert "lr_range_test" not in runs and runs.get("finetune") == "FINISHED"
+    check_registered_is_the_kept_checkpoint(s, out, tiny_model_dir.resolve(), "lora")
 
 
 def test_failed_step_is_one_error_and_recorded(tmp_path, shapes_dataset_dir, tiny_model_dir):

@@ -76,7 +76,8 @@ def test_parameters_are_typed_with_descriptions(compiled):
     params = compiled.spec.root.input_definitions.parameters
     P = pb.ParameterType
     expected = {
-        "dataset_uri": P.STRING, "dataset_dir": P.STRING, "base_model": P.STRING, "method": P.STRING,
+        "dataset_uri": P.STRING, "dataset_dir": P.STRING, "base_model": P.STRING, "base_model_revision": P.STRING,
+        "method": P.STRING,
         "resolution": P.NUMBER_INTEGER, "batch_size": P.NUMBER_INTEGER, "grad_accum": P.NUMBER_INTEGER,
         "ramp": P.STRING, "lr_min": P.NUMBER_DOUBLE, "lr_max": P.NUMBER_DOUBLE, "range_test_epochs": P.NUMBER_INTEGER,
         "finetune_epochs": P.NUMBER_INTEGER, "val_split": P.NUMBER_DOUBLE, "split_seed": P.NUMBER_INTEGER,
@@ -181,9 +182,9 @@ def test_kubernetes_settings(compiled):
     for prefix in ("lr-range-test", "finetune", "register-model", "record-status", "resolve-config"):
         for _, _, task in compiled.tasks(prefix):
             k = compiled.k8s[compiled.executor_of(task)]
-            (sec,) = k.secret_as_env
-            assert sec.secret_name_parameter.runtime_value.constant.string_value == cfg.mlflow_secret
-            assert {m.env_var for m in sec.key_to_env} == set(cfg.mlflow_secret_keys)
+            (sec,) = [s for s in k.secret_as_env if s.secret_name_parameter.runtime_value.constant.string_value
+                      == cfg.mlflow_secret]
+            assert {m.env_var for m in sec.key_to_env} == set(cfg.mlflow_secret_keys) and not sec.optional
             # What the step cannot log while MLflow is away outlives the pod, on the data volume.
             env = {e.name: e.value for e in compiled.executors[compiled.executor_of(task)].container.env}
             assert env["RANGEFINDER_MLFLOW_SPOOL"] == "/data/work/mlflow-spool", prefix
@@ -192,6 +193,47 @@ def test_kubernetes_settings(compiled):
         assert not k.secret_as_env
         assert [(p.mount_path, p.pvc_name_parameter.runtime_value.constant.string_value) for p in k.pvc_mount] == [
             ("/data", "rangefinder-data")]
+
+
+def _hf_token_secrets(c: Compiled, prefix: str) -> list:
+    """The HF token Secrets wired into every task of `prefix` (one list per task, concatenated)."""
+    out = []
+    for _, _, task in c.tasks(prefix):
+        for sec in c.k8s[c.executor_of(task)].secret_as_env:
+            if any(m.env_var == "HF_TOKEN" for m in sec.key_to_env):
+                out.append(sec)
+    return out
+
+
+MODEL_STEPS = ("resolve-config", "lr-range-test", "finetune", "retrain-full", "sample-images", "register-model")
+
+
+def test_hf_token_secret_reaches_the_steps_that_load_the_base_model(tmp_path):
+    """Named in the config: HF_TOKEN from that Secret in every step that loads (or first downloads) the model,
+    optional so a public model needs none; nowhere else. With the shared caches on the data volume."""
+    path = tmp_path / "p.yaml"
+    compile_pipeline(parse_config({"kubernetes": {"hf_token_secret": "my-hf", "hf_token_secret_key": "token"}}),
+                     str(path))
+    c = Compiled(path)
+    for prefix in MODEL_STEPS:
+        secrets = _hf_token_secrets(c, prefix)
+        assert secrets, f"{prefix} gets no HF_TOKEN"
+        for sec in secrets:
+            assert sec.secret_name_parameter.runtime_value.constant.string_value == "my-hf", prefix
+            assert [(m.secret_key, m.env_var) for m in sec.key_to_env] == [("token", "HF_TOKEN")], prefix
+            assert sec.optional, prefix
+        for _, _, task in c.tasks(prefix):
+            env = {e.name: e.value for e in c.executors[c.executor_of(task)].container.env}
+            assert env["HF_HOME"] == "/data/cache/huggingface" and env["RANGEFINDER_CACHE"] == "/data/cache", prefix
+    for prefix in ("prepare-dataset", "choose-lr", "record-status"):
+        assert not _hf_token_secrets(c, prefix), prefix
+    # The token is a Secret reference only: no parameter, default or env value carries one.
+    assert "HF_TOKEN" not in json_format.MessageToJson(c.spec.root.input_definitions)
+
+    off = tmp_path / "off.yaml"
+    compile_pipeline(parse_config({"kubernetes": {"hf_token_secret": None}}), str(off))
+    for prefix in MODEL_STEPS:
+        assert not _hf_token_secrets(Compiled(off), prefix), prefix
 
 
 def source(spec) -> str:

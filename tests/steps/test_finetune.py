@@ -1,9 +1,15 @@
-"""The fine-tune and retrain steps' settings: what LR and schedule the engine is given."""
+"""The fine-tune and retrain steps' settings (what LR, schedule and checkpoints the engine is given), and the
+checkpoint the fine-tune keeps as its chosen model."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import pytest
+import torch
+
 from rangefinder.config import demo_config, parse_config
-from rangefinder.steps.finetune import finetune_training_config
+from rangefinder.steps.finetune import finetune_training_config, keep_chosen_checkpoint
 from rangefinder.steps.retrain_full import retrain_training_config
 
 
@@ -14,7 +20,7 @@ def test_constant_at_the_midpoint():
     assert tc.lr_min is None and tc.lr_max is None
 
 
-def test_cyclical_between_the_bounds_and_checkpoints_per_epoch():
+def test_cyclical_between_the_bounds_and_checkpoints_every_two_epochs():
     cfg = parse_config({"finetune": {"schedule": "triangular", "checkpoint_every_epochs": 2},
                         "training": {"batch_size": 4}, "split": {"val_split": 0.2}})
     tc = finetune_training_config(cfg, 1e-4, 1e-2, 1e-3, train_images=16)
@@ -34,3 +40,63 @@ def test_retrain_uses_recommended_epochs_and_schedule():
     assert (tc.epochs, tc.schedule, tc.lr) == (5, "constant", 1e-3)
     tri = retrain_training_config(parse_config({"retrain": {"schedule": "triangular"}}), 1e-4, 1e-2, 1e-3, 5)
     assert (tri.schedule, tri.lr_min, tri.lr_max) == ("triangular", 1e-4, 1e-2)
+
+
+def test_checkpoints_every_epoch_all_kept_until_the_window_is_known():
+    cfg = demo_config()  # 40 epochs of 16 images at batch 4: 4 updates per epoch
+    tc = finetune_training_config(cfg, 1e-4, 1e-2, 1e-3, train_images=16)
+    assert tc.checkpoint_every_updates == 4
+    assert tc.keep_checkpoints == 41  # 40 epochs' checkpoints (and one spare): none is dropped during the run
+
+
+@pytest.fixture(scope="module")
+def ema_run(split_dir, tiny_model_dir, tmp_path_factory):
+    """A 2-epoch full fine-tune of the tiny model with an EMA average (decay 0.5: far from the raw weights)."""
+    from rangefinder.training.loop import TrainSpec, train
+
+    cfg = demo_config(model={"base_model": str(tiny_model_dir)}, training={"use_ema": True, "ema_decay": 0.5},
+                      finetune={"epochs": 2})
+    tc = finetune_training_config(cfg, 1e-3, 1e-3, 1e-3, train_images=16)
+    out = tmp_path_factory.mktemp("ema-run")
+    result = train(TrainSpec(tc, cfg.validation, split_dir=split_dir, model=cfg.model, data=cfg.data), out_dir=out)
+    return out, result
+
+
+def test_the_checkpoint_nearest_the_recommendation_becomes_the_chosen_model(ema_run, tiny_model_dir):
+    """Recommended update 5 of 8: the epoch-1 checkpoint (update 4) is kept, the others removed, and chosen/
+    holds its weights as the run validated them, the EMA average, not the raw ones."""
+    from diffusers import UNet2DConditionModel
+
+    from rangefinder.analysis import read_curve_csv
+    from rangefinder.formats import checkpoints
+
+    run_dir, result = ema_run
+    assert [checkpoints.checkpoint_update(p) for p in result.checkpoints] == [4, 8]
+    curve = read_curve_csv(result.metrics_csv)
+    window = SimpleNamespace(recommended_updates=5, recommended_epochs=1, status="ok", tolerance=0.02,
+                             window_start_update=2.0, window_end_update=8.0)
+    raw = checkpoints.read_weights(run_dir / "checkpoints" / "checkpoint-000004")
+    shadow = checkpoints.read_ema(run_dir / "checkpoints" / "checkpoint-000004")["shadow_params"]
+    info = keep_chosen_checkpoint(run_dir, window, curve, tiny_model_dir)
+
+    assert (info["checkpoint"], info["update"], info["epoch"]) == ("checkpoint-000004", 4, 1.0)
+    assert info["val_loss"] == pytest.approx(float(curve["val_loss"][list(curve["update"]).index(4)]))
+    assert "update 4 (epoch 1)" in info["reason"] and "centre of that window, update 5" in info["reason"]
+    assert [p.name for p in checkpoints.list_checkpoints(run_dir / "checkpoints")] == ["checkpoint-000004"]
+    assert checkpoints.read_chosen(run_dir) == info
+
+    chosen = UNet2DConditionModel.from_pretrained(str(run_dir / checkpoints.CHOSEN_DIR / "unet"))
+    names = [n for n, p in chosen.named_parameters()]
+    assert len(names) == len(shadow)
+    for name, avg in zip(names, shadow, strict=True):
+        assert torch.equal(dict(chosen.named_parameters())[name].detach(), avg.float()), name
+    assert any(not torch.equal(raw[f"unet.{n}"], avg) for n, avg in zip(names, shadow, strict=True))  # not the raw
+    # The method's whole output, like final/: a diffusers folder and the single file for A1111/ComfyUI.
+    assert {"model_index.json", "model.safetensors"} <= {p.name for p in (run_dir / "chosen").iterdir()}
+
+
+def test_no_recommendation_keeps_everything(tmp_path):
+    window = SimpleNamespace(recommended_updates=None)
+    (tmp_path / "checkpoints" / "checkpoint-000004").mkdir(parents=True)
+    assert keep_chosen_checkpoint(tmp_path, window, {}, tmp_path) is None
+    assert (tmp_path / "checkpoints" / "checkpoint-000004").is_dir() and not (tmp_path / "chosen").exists()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -62,5 +63,49 @@ def test_run_resolve_config_outputs():
     base = params.pop("base_config")
     r = run_resolve_config(base, **params)
     assert r.fixed_lr == 2e-4 and r.retrain is True and r.mlflow_parent_run_id == ""
-    assert load_step_config(r.config_json) == config_from_parameters(base, **params)
+    resolved = load_step_config(r.config_json)
+    # The embedded tiny model, resolved once for every later step.
+    assert (Path(resolved.model.resolved_dir) / "model_index.json").is_file() and resolved.model.base_model is None
+    assert resolved.model_copy(update={"model": resolved.model.model_copy(update={"resolved_dir": None})}) \
+        == config_from_parameters(base, **params)
     assert json.loads(r.config_json)["lr"] == 2e-4
+
+
+def test_the_first_step_resolves_the_base_model_once_for_every_later_step(fake_hub_cache, monkeypatch):
+    """A hub id becomes the cached snapshot folder in the config the later steps receive; the UI's revision wins."""
+    from tests.conftest import HUB_REPO
+
+    cache, commit = fake_hub_cache
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    params = parameters_from_config(demo_config(model={"base_model": HUB_REPO, "revision": "main",
+                                                       "resolved_dir": "/elsewhere/stale"}))
+    base = params.pop("base_config")
+    assert "resolved_dir" not in json.loads(base)["model"]  # each run resolves its own
+    params["base_model_revision"] = "v1"
+    r = run_resolve_config(base, **params)
+    model = json.loads(r.config_json)["model"]
+    assert model["base_model"] == HUB_REPO and model["revision"] == "v1"
+    assert model["resolved_dir"] == str(cache / f"models--{HUB_REPO.replace('/', '--')}" / "snapshots" / commit)
+    assert load_step_config(r.config_json).model.resolved_dir == model["resolved_dir"]
+
+
+def test_a_bad_base_model_stops_the_first_step(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    params = parameters_from_config(demo_config(model={"base_model": "org/not-downloaded"}))
+    base = params.pop("base_config")
+    with pytest.raises(ConfigError, match=r"hub model 'org/not-downloaded' \(revision 'main'\) is not in the"):
+        run_resolve_config(base, **params)
+
+
+def test_one_line_errors_end_a_step_without_a_traceback(capsys):
+    from rangefinder.errors import one_line_errors
+
+    with pytest.raises(SystemExit) as e, one_line_errors("resolve-config"):
+        raise ConfigError("model.base_model: nothing there; pass a folder")
+    assert e.value.code == 2
+    assert capsys.readouterr().err == "rangefinder step resolve-config: error: ConfigError: model.base_model: " \
+                                      "nothing there; pass a folder\n"
+    with pytest.raises(KeyError), one_line_errors("finetune"):  # a bug keeps its traceback
+        raise KeyError("not bad input")

@@ -9,7 +9,8 @@ A checkpoint is a folder `checkpoints/checkpoint-<update:06d>/` holding:
 - `manifest.json`: the sha256 of every other file. Written last.
 It is assembled under a temporary name and renamed into place, so a killed run leaves either a whole checkpoint or a
 `.tmp` folder that readers ignore (and the next save removes). Only the training engine writes checkpoints;
-sampling, export and registration read them through `list_checkpoints`, `read_state` and `read_weights`.
+sampling, export and registration read them through `list_checkpoints`, `read_state`, `read_weights` and
+`read_ema`.
 
 Resuming must never run code found in an output folder (one may come from anyone: a shared bucket, a colleague's
 run). The `.pt` files hold only tensors, numbers, strings and lists/tuples/dicts of them, and are read with
@@ -17,6 +18,10 @@ run). The `.pt` files hold only tensors, numbers, strings and lists/tuples/dicts
 the RNG states are converted to such values before saving (checkpointing.py). The checksums are checked before any
 file is parsed: a torn write or a bad block makes a checkpoint fail `verify`, and the engine resumes from the
 previous intact one.
+
+The fine-tune keeps one checkpoint at the end: the one nearest the recommended length. It writes that checkpoint's
+model beside `final/` as `chosen/` (the same files `final/` holds), with `chosen.json` saying which update, epoch
+and validation loss it is and why it was chosen; that is the model registered when there is no retrain.
 """
 
 from __future__ import annotations
@@ -40,6 +45,9 @@ STATE_NAME = "state.json"
 OPTIMIZER_NAME = "optimizer.pt"
 MANIFEST_NAME = "manifest.json"
 REQUIRED = (WEIGHTS_NAME, OPTIMIZER_NAME, STATE_NAME, MANIFEST_NAME)
+EMA_NAME = "ema.pt"
+CHOSEN_DIR = "chosen"
+CHOSEN_INFO = "chosen.json"
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -84,6 +92,34 @@ def read_weights(path: Path) -> dict:
     return load_file(str(Path(path) / WEIGHTS_NAME))
 
 
+def read_ema(path: Path) -> Optional[dict]:
+    """The EMA state (diffusers' EMAModel.state_dict) when the run kept an average, else None. Call `verify` first."""
+    ema = Path(path) / EMA_NAME
+    return _load_plain(ema) if ema.is_file() else None
+
+
+def nearest_checkpoint(root: Path, update: float) -> Optional[Path]:
+    """The whole checkpoint under root whose update is nearest `update` (the earlier one on a tie)."""
+    found = [(u, p) for p in list_checkpoints(root) if (u := checkpoint_update(p)) is not None]
+    return min(found, key=lambda up: (abs(up[0] - update), up[0]))[1] if found else None
+
+
+def keep_only(root: Path, kept: Path) -> None:
+    """Remove every checkpoint under root but `kept` (folders still being written included)."""
+    for p in Path(root).iterdir():
+        if p.is_dir() and p.resolve() != Path(kept).resolve() and (checkpoint_update(p) is not None
+                                                                   or p.name.endswith(".tmp")):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def read_chosen(model_dir: Path) -> Optional[dict[str, Any]]:
+    """`chosen.json` of a fine-tune's output folder, or None (a retrain, or a fine-tune without a step window)."""
+    info = Path(model_dir) / CHOSEN_INFO
+    if not (info.is_file() and (Path(model_dir) / CHOSEN_DIR).is_dir()):
+        return None
+    return json.loads(info.read_text())
+
+
 def begin(root: Path, update: int) -> Path:
     """A fresh temporary folder for the checkpoint of `update` (main process)."""
     root.mkdir(parents=True, exist_ok=True)
@@ -119,7 +155,7 @@ def write_main(
     save_file(weights, str(tmp / WEIGHTS_NAME))
     torch.save(optimizer, tmp / OPTIMIZER_NAME)
     if ema is not None:
-        torch.save(ema, tmp / "ema.pt")
+        torch.save(ema, tmp / EMA_NAME)
     if scaler is not None:
         torch.save(scaler, tmp / "scaler.pt")
     (tmp / STATE_NAME).write_text(json.dumps(state, indent=1))
@@ -149,9 +185,14 @@ def commit(tmp: Path, keep: int) -> Path:
     """Rename the finished temporary folder into place, then drop all but the newest `keep` checkpoints."""
     # The same update may be saved again (the end of a resumed run that had already finished): replaced whole.
     final = replace_dir(tmp, tmp.with_name(tmp.name.removesuffix(".tmp")))
-    for stale in list_checkpoints(final.parent)[:-keep]:
-        shutil.rmtree(stale, ignore_errors=True)
+    keep_newest(final.parent, keep)
     return final
+
+
+def keep_newest(root: Path, keep: int) -> None:
+    """Remove all but the newest `keep` whole checkpoints under root."""
+    for stale in list_checkpoints(root)[:-keep]:
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def load(path: Path, rank: int) -> dict[str, Any]:
@@ -163,7 +204,7 @@ def load(path: Path, rank: int) -> dict[str, Any]:
         "weights": read_weights(path),
         "optimizer": _load_plain(path / OPTIMIZER_NAME),
         "state": read_state(path),
-        "ema": _load_plain(path / "ema.pt") if (path / "ema.pt").is_file() else None,
+        "ema": _load_plain(path / EMA_NAME) if (path / EMA_NAME).is_file() else None,
         "scaler": _load_plain(path / "scaler.pt") if (path / "scaler.pt").is_file() else None,
         "rng": _load_plain(rng) if rng.is_file() else None,
     }

@@ -1,13 +1,22 @@
-"""Loading a base model's parts for training, from wherever it lives.
+"""The base model: where it comes from, resolved once to a local diffusers folder; and loading its parts.
 
 `model.base_model` may be:
 - None: the embedded tiny model (built once, cached; see tiny.py);
 - a local diffusers folder (model_index.json, unet/, vae/, text_encoder/, tokenizer/, scheduler/);
-- a single-file checkpoint (`.safetensors` / `.ckpt`, the layout A1111 and ComfyUI share), read by diffusers'
-  `from_single_file`. Its architecture comes from a local diffusers folder so nothing is fetched: the
-  `model.single_file_config` setting, else the base model named in the file's rangefinder metadata, else diffusers'
-  own inference (which fetches the matching config from the hub);
-- a Hugging Face hub id, downloaded on a machine that can reach the hub (or taken from the local cache).
+- a single-file checkpoint in safetensors (the layout A1111 and ComfyUI share). It is converted once, by diffusers'
+  `from_single_file` and `save_pretrained`, into a diffusers folder in the rangefinder cache, keyed by the file's
+  content. Its architecture comes from a local diffusers folder, so nothing is fetched: `model.single_file_config`,
+  else the base model named in the file's rangefinder metadata, else diffusers' own inference (which fetches the
+  matching config from the hub). Pickle formats (.ckpt, .pt, .pth, .bin) are refused: loading one can run code;
+- a Hugging Face hub id (`org/name`, at `model.revision`), taken from the Hugging Face cache ($HF_HUB_CACHE, else
+  $HF_HOME/hub) when it is there, downloaded into it otherwise, unless HF_HUB_OFFLINE is set. A gated or private
+  repo needs HF_TOKEN (on a cluster: the Secret named by `kubernetes.hf_token_secret`).
+
+`resolve_base_model` turns each into a local diffusers folder. The pipeline's first step (resolve-config) calls it
+once and hands the folder on in the config (`model.resolved_dir`), so a download or conversion happens once per
+pipeline run and every later step (range test, fine-tune, retrain, samples, export, registry) loads the same files.
+On a cluster the caches are on the data volume, shared by every pod; a step that cannot see `resolved_dir` (a
+cluster without a shared volume) resolves again from `base_model`, through the same caches.
 
 The training noise scheduler is always a DDPMScheduler built from the model's scheduler config, as in diffusers'
 training examples, whatever scheduler the model samples with.
@@ -15,6 +24,7 @@ training examples, whatever scheduler the model samples with.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +33,23 @@ from typing import Any, Optional
 from rangefinder.config import ModelConfig
 from rangefinder.errors import ConfigError
 
-SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt")
+SINGLE_FILE_SUFFIX = ".safetensors"
+# Refused: torch.load of a pickle runs whatever code the file holds (safetensors holds tensors only).
+PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".pkl")
+# The parts training and sampling load; each is a sub-folder of a diffusers Stable Diffusion folder.
+REQUIRED_PARTS = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
+HUB_TIMEOUT_S = 10.0  # seconds for one hub metadata request (downloads use huggingface_hub's per-read timeout)
+# What a diffusers Stable Diffusion repo needs, for `hf download --include` in the offline message.
+HUB_INCLUDE = '"model_index.json" "*/*.json" "*/*.txt" "*/*.safetensors"'
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """A base model as a local diffusers folder, and where it came from."""
+
+    path: Path  # a diffusers folder with model_index.json and REQUIRED_PARTS
+    kind: str  # "embedded" | "folder" | "single_file" | "hub"
+    source: str  # for logs, tags and file metadata: "org/name@main", a path, "embedded tiny model"
 
 
 @dataclass
@@ -34,89 +60,162 @@ class SDComponents:
     tokenizer: Any  # transformers CLIPTokenizer
     noise_scheduler: Any  # diffusers DDPMScheduler (training)
     source: str  # what was loaded, for logs and MLflow tags
-    # A diffusers folder holding this model's configs (the folder itself, or the config of a single file);
-    # None for a hub id. Samplers and exporters use it to assemble a pipeline.
-    model_dir: Optional[Path] = None
+    model_dir: Optional[Path] = None  # the local diffusers folder the parts came from
     kind: str = "folder"  # "embedded" | "folder" | "single_file" | "hub"
 
 
 def describe_base_model(model_cfg: ModelConfig) -> str:
+    if model_cfg.base_model and model_cfg.revision and _looks_like_hub_id(model_cfg.base_model):
+        return f"{model_cfg.base_model}@{model_cfg.revision}"
     return model_cfg.base_model or "embedded tiny model"
 
 
 def load_sd_components(model_cfg: Optional[ModelConfig] = None) -> SDComponents:
     """The five parts of a Stable Diffusion model, in eval mode on the CPU; ConfigError when it cannot be loaded."""
-    model_cfg = model_cfg or ModelConfig()
+    resolved = resolve_base_model(model_cfg or ModelConfig())
+    return _load_folder(resolved, model_cfg or ModelConfig())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Resolving a source to a local diffusers folder
+
+
+def resolve_base_model(model_cfg: ModelConfig) -> ResolvedModel:
+    """The local diffusers folder of `model.base_model`, downloading or converting it once; ConfigError (one
+    sentence naming the value and the fix) when it cannot be had."""
+    kind = _kind(model_cfg.base_model)
+    if model_cfg.resolved_dir:
+        done = Path(model_cfg.resolved_dir)
+        if _missing_parts(done) == []:  # resolved by the pipeline's first step, and visible here
+            return ResolvedModel(done, kind, describe_base_model(model_cfg))
     name = model_cfg.base_model
     if name is None:
         from rangefinder.models.tiny import ensure_tiny_base_model
 
         folder = ensure_tiny_base_model(model_cfg.cache_dir)
-        parts = _load_folder(folder, model_cfg)
-        parts.source, parts.kind = f"embedded tiny model ({folder})", "embedded"
-        return parts
-
+        return ResolvedModel(folder, "embedded", f"embedded tiny model ({folder})")
+    if kind == "hub":
+        return _resolve_hub(name, model_cfg)
     path = Path(name).expanduser()
     if path.is_dir():
-        if not (path / "model_index.json").is_file() and not (path / "unet").is_dir():
-            raise ConfigError(
-                f"model.base_model: {path} is a folder but not a diffusers model (no model_index.json or unet/); "
-                "pass a diffusers folder, a .safetensors/.ckpt file or a hub id"
-            )
-        return _load_folder(path.resolve(), model_cfg)
+        return _resolve_folder(path.resolve())
     if path.is_file():
-        if path.suffix.lower() not in SINGLE_FILE_SUFFIXES:
-            raise ConfigError(
-                f"model.base_model: {path} is a file but not a .safetensors or .ckpt checkpoint; "
-                "pass one of those, a diffusers folder or a hub id"
-            )
-        return _load_single_file(path.resolve(), model_cfg)
-    if _looks_like_path(name):
-        raise ConfigError(f"model.base_model: {name} does not exist; check the path (relative to {Path.cwd()})")
-    return _load_hub(name, model_cfg)
-
-
-def _looks_like_path(name: str) -> bool:
-    return (
-        name.startswith(("/", "./", "../", "~"))
-        or name.lower().endswith(SINGLE_FILE_SUFFIXES)
-        or name.count("/") > 1
-        or os.sep in name and os.sep != "/"
+        return _resolve_single_file(path.resolve(), model_cfg)
+    raise ConfigError(
+        f"model.base_model: {name} does not exist (relative to {Path.cwd()}); pass an existing diffusers folder, "
+        f"a {SINGLE_FILE_SUFFIX} checkpoint file or a hub id such as org/name"
     )
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The three sources
+def _kind(name: Optional[str]) -> str:
+    if name is None:
+        return "embedded"
+    if _looks_like_hub_id(name):
+        return "hub"
+    path = Path(name).expanduser()
+    return "single_file" if path.is_file() or path.suffix.lower() in (SINGLE_FILE_SUFFIX, *PICKLE_SUFFIXES) \
+        else "folder"
 
 
-def _from_folder_like(location: str, model_cfg: ModelConfig, **hub_kwargs) -> dict:
-    """Each part from `location` (a local folder or a hub id), as diffusers' training scripts load them."""
-    from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
-    from transformers import CLIPTextModel, CLIPTokenizer
-
-    rev: dict[str, Any] = {"revision": model_cfg.revision} if model_cfg.revision else {}
-    var: dict[str, Any] = {"variant": model_cfg.variant} if model_cfg.variant else {}
-    return {
-        "tokenizer": CLIPTokenizer.from_pretrained(location, subfolder="tokenizer", **rev, **hub_kwargs),
-        "text_encoder": CLIPTextModel.from_pretrained(location, subfolder="text_encoder", **rev, **var, **hub_kwargs),
-        "vae": AutoencoderKL.from_pretrained(location, subfolder="vae", **rev, **var, **hub_kwargs),
-        "unet": UNet2DConditionModel.from_pretrained(location, subfolder="unet", **rev, **var, **hub_kwargs),
-        "noise_scheduler": DDPMScheduler.from_pretrained(location, subfolder="scheduler", **rev, **hub_kwargs),
-    }
+def _looks_like_hub_id(name: str) -> bool:
+    """`org/name` or a bare `name` that is not a path on this machine (hub ids have at most one slash)."""
+    return not (
+        name.startswith(("/", "./", "../", "~", "."))
+        or name.lower().endswith((SINGLE_FILE_SUFFIX, *PICKLE_SUFFIXES))
+        or name.count("/") > 1
+        or (os.sep != "/" and os.sep in name)
+        or Path(name).expanduser().exists()
+    )
 
 
-def _finish(parts: dict, source: str, model_dir: Optional[Path], kind: str) -> SDComponents:
-    for key in ("unet", "vae", "text_encoder"):
-        parts[key].eval()
-    return SDComponents(source=source, model_dir=model_dir, kind=kind, **parts)
+def _missing_parts(folder: Path) -> Optional[list[str]]:
+    """None when `folder` has no model_index.json; else the required parts without a config inside."""
+    if not (folder / "model_index.json").is_file():
+        return None
+    configs = {"tokenizer": ("tokenizer_config.json", "vocab.json"), "scheduler": ("scheduler_config.json",)}
+    return [p for p in REQUIRED_PARTS if not any((folder / p / f).is_file() for f in configs.get(p, ("config.json",)))]
 
 
-def _load_folder(folder: Path, model_cfg: ModelConfig) -> SDComponents:
+def _check_folder(folder: Path, what: str) -> None:
+    missing = _missing_parts(folder)
+    if missing is None:
+        raise ConfigError(
+            f"model.base_model: {what} is not a diffusers model folder (no model_index.json); pass a folder saved "
+            f"with save_pretrained(), a {SINGLE_FILE_SUFFIX} checkpoint file or a hub id"
+        )
+    if missing:
+        raise ConfigError(
+            f"model.base_model: {what} lacks {', '.join(f'{p}/' for p in missing)} (or their config files); a "
+            "Stable Diffusion folder needs unet/, vae/, text_encoder/, tokenizer/ and scheduler/"
+        )
+
+
+def _resolve_folder(folder: Path) -> ResolvedModel:
+    _check_folder(folder, str(folder))
+    return ResolvedModel(folder, "folder", str(folder))
+
+
+# --- single file -------------------------------------------------------------------------------------------------
+
+
+def _resolve_single_file(path: Path, model_cfg: ModelConfig) -> ResolvedModel:
+    from filelock import FileLock
+
+    from rangefinder.formats.atomic import atomic_dir
+    from rangefinder.models.tiny import default_cache_dir
+
+    suffix = path.suffix.lower()
+    if suffix in PICKLE_SUFFIXES:
+        raise ConfigError(
+            f"model.base_model: {path} is a pickle checkpoint ({suffix}), which can run code when loaded, so it is "
+            f"refused; convert it to {SINGLE_FILE_SUFFIX} (most model pages offer one) or pass a diffusers folder"
+        )
+    if suffix != SINGLE_FILE_SUFFIX:
+        raise ConfigError(
+            f"model.base_model: {path} is not a {SINGLE_FILE_SUFFIX} checkpoint; pass a Stable Diffusion "
+            f"{SINGLE_FILE_SUFFIX} file, a diffusers folder or a hub id"
+        )
+    _check_sd_checkpoint(path)
+    config = _single_file_config(path, model_cfg)
+    root = Path(model_cfg.cache_dir).expanduser() if model_cfg.cache_dir else default_cache_dir()
+    out = root / "base-models" / f"{path.stem[:40]}-{_single_file_key(path, config)}"
+    if _missing_parts(out) != []:
+        with FileLock(str(out) + ".lock"):
+            if _missing_parts(out) != []:
+                with atomic_dir(out) as tmp:
+                    _convert_single_file(path, config, tmp)
+    return ResolvedModel(out, "single_file", str(path))
+
+
+def _check_sd_checkpoint(path: Path) -> None:
+    """A whole Stable Diffusion checkpoint holds the UNet under `model.diffusion_model.` (the LDM layout)."""
+    from safetensors import SafetensorError, safe_open
+
     try:
-        parts = _from_folder_like(str(folder), model_cfg, local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"model.base_model: cannot load the diffusers folder {folder}: {_first_line(e)}") from e
-    return _finish(parts, f"diffusers folder {folder}", folder, "folder")
+        with safe_open(str(path), framework="pt") as f:
+            keys = list(f.keys())
+    except (SafetensorError, OSError) as e:
+        raise ConfigError(
+            f"model.base_model: {path} is not a readable safetensors file ({_first_line(e)}); download it again"
+        ) from None
+    if not any(k.startswith("model.diffusion_model.") for k in keys):
+        hint = "a LoRA" if any("lora" in k for k in keys) else "an embedding, a VAE or another kind of file"
+        raise ConfigError(
+            f"model.base_model: {path} is not a Stable Diffusion checkpoint (no model.diffusion_model.* UNet weights; "
+            f"it looks like {hint}); pass a whole SD checkpoint, a diffusers folder or a hub id"
+        )
+
+
+def _single_file_key(path: Path, config: Optional[Path]) -> str:
+    """sha256 of the file's bytes and of the architecture it is read with: a new file or config converts anew."""
+    import diffusers
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    h.update(f"|{config}|{diffusers.__version__}".encode())
+    return h.hexdigest()[:16]
 
 
 def _single_file_config(path: Path, model_cfg: ModelConfig) -> Optional[Path]:
@@ -125,28 +224,27 @@ def _single_file_config(path: Path, model_cfg: ModelConfig) -> Optional[Path]:
     if explicit:
         folder = Path(explicit).expanduser()
         if not (folder / "unet").is_dir():
-            raise ConfigError(f"model.single_file_config: {folder} is not a diffusers folder (no unet/)")
+            raise ConfigError(f"model.single_file_config: {folder} is not a diffusers folder (no unet/); pass the "
+                              "folder of a model with the same architecture")
         return folder.resolve()
-    if path.suffix.lower() == ".safetensors":
-        from safetensors import safe_open
+    from safetensors import safe_open
 
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-        base = meta.get("rangefinder.base_model")
-        if base and (Path(base) / "unet").is_dir():
-            return Path(base)
-        if base in (None, "", "None") and "rangefinder.method" in meta:
-            # Exported from the embedded model: its config is the tiny model's.
-            from rangefinder.models.tiny import ensure_tiny_base_model
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+    base = meta.get("rangefinder.base_model")
+    if base and (Path(base) / "unet").is_dir():
+        return Path(base)
+    if base in (None, "", "None", "embedded tiny model") and "rangefinder.method" in meta:
+        # Exported from the embedded model: its config is the tiny model's.
+        from rangefinder.models.tiny import ensure_tiny_base_model
 
-            return ensure_tiny_base_model(model_cfg.cache_dir)
+        return ensure_tiny_base_model(model_cfg.cache_dir)
     return None
 
 
-def _load_single_file(path: Path, model_cfg: ModelConfig) -> SDComponents:
-    from diffusers import DDPMScheduler, StableDiffusionPipeline
+def _convert_single_file(path: Path, config: Optional[Path], out: Path) -> None:
+    from diffusers import StableDiffusionPipeline
 
-    config = _single_file_config(path, model_cfg)
     kwargs: dict[str, Any] = {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False}
     if config is not None:
         kwargs.update(config=str(config), local_files_only=True)
@@ -158,60 +256,177 @@ def _load_single_file(path: Path, model_cfg: ModelConfig) -> SDComponents:
             else "set model.single_file_config to a local diffusers folder of the same architecture "
                  "(diffusers otherwise fetches one from the hub)"
         )
-        raise ConfigError(f"model.base_model: cannot load the checkpoint {path}: {_first_line(e)}; {hint}") from e
-    parts = {
-        "unet": pipe.unet,
-        "vae": pipe.vae,
-        "text_encoder": pipe.text_encoder,
-        "tokenizer": pipe.tokenizer,
-        "noise_scheduler": DDPMScheduler.from_config(pipe.scheduler.config),
-    }
-    return _finish(parts, f"single-file checkpoint {path}", config, "single_file")
+        raise ConfigError(f"model.base_model: cannot convert the checkpoint {path}: {_first_line(e)}; {hint}") from None
+    pipe.save_pretrained(str(out), safe_serialization=True)
 
 
-def _load_hub(repo_id: str, model_cfg: ModelConfig) -> SDComponents:
-    cache = {"cache_dir": model_cfg.cache_dir} if model_cfg.cache_dir else {}
-    try:  # already downloaded: no network needed
-        parts = _from_folder_like(repo_id, model_cfg, local_files_only=True, **cache)
-        return _finish(parts, f"hub model {repo_id} (cached)", None, "hub")
-    except (OSError, ValueError):
-        pass
-    _check_hub(repo_id, model_cfg.revision)
+# --- hub id --------------------------------------------------------------------------------------------------
+
+
+def hub_cache_dir(model_cfg: ModelConfig) -> Path:
+    """Where hub models are cached, read when called: model.cache_dir, $HF_HUB_CACHE, $HF_HOME/hub, or
+    ~/.cache/huggingface/hub (huggingface_hub reads the same variables, but only once, at import)."""
+    if model_cfg.cache_dir:
+        return Path(model_cfg.cache_dir).expanduser()
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+def hub_offline() -> bool:
+    from huggingface_hub import constants
+
+    flags = (os.environ.get("HF_HUB_OFFLINE", ""), os.environ.get("TRANSFORMERS_OFFLINE", ""))
+    return constants.HF_HUB_OFFLINE or any(f.strip().lower() in ("1", "true", "yes", "on") for f in flags)
+
+
+def _resolve_hub(repo_id: str, model_cfg: ModelConfig) -> ResolvedModel:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
     try:
-        parts = _from_folder_like(repo_id, model_cfg, **cache)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"model.base_model: cannot load hub model {repo_id!r}: {_first_line(e)}") from e
-    return _finish(parts, f"hub model {repo_id}", None, "hub")
-
-
-def _check_hub(repo_id: str, revision: Optional[str]) -> None:
-    """Fail in a second, with the reason, rather than after diffusers' minute of retries."""
-    from huggingface_hub import HfApi
-    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
-
-    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        validate_repo_id(repo_id)
+    except HFValidationError:
         raise ConfigError(
-            f"model.base_model: hub model {repo_id!r} is not in the local cache and the hub is offline "
-            "(HF_HUB_OFFLINE is set); download it on a machine with access, or pass a local folder or file"
-        )
-    try:
-        HfApi().model_info(repo_id, revision=revision, timeout=10)
-    except GatedRepoError:
-        raise ConfigError(
-            f"model.base_model: hub model {repo_id!r} is gated: accept its licence on huggingface.co and set HF_TOKEN"
+            f"model.base_model: {repo_id!r} is neither an existing path nor a valid hub id; pass a diffusers folder, "
+            f"a {SINGLE_FILE_SUFFIX} file or a hub id such as stable-diffusion-v1-5/stable-diffusion-v1-5"
         ) from None
+    revision = model_cfg.revision or "main"
+    cache = hub_cache_dir(model_cfg)
+    where = f"hub model {repo_id!r} at revision {revision!r}"
+    folder = _cached_snapshot(repo_id, revision, cache)
+    if folder is None:
+        if hub_offline():
+            _raise_not_cached(repo_id, revision, cache)
+        folder = _download(repo_id, revision, model_cfg, cache)
+    _check_folder(folder, f"{where} ({folder})")
+    return ResolvedModel(folder, "hub", f"{repo_id}@{revision}")
+
+
+def _cached_snapshot(repo_id: str, revision: str, cache: Path) -> Optional[Path]:
+    """The snapshot folder of `revision` (a branch, tag or commit) in the cache, without any network call."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, cache_dir=str(cache), local_files_only=True))
+    except LocalEntryNotFoundError:  # also an incomplete snapshot (IncompleteSnapshotError)
+        return None
+
+
+def _raise_not_cached(repo_id: str, revision: str, cache: Path) -> None:
+    from huggingface_hub.file_download import repo_folder_name
+
+    repo = cache / repo_folder_name(repo_id=repo_id, repo_type="model")
+    refs = sorted(str(p.relative_to(repo / "refs")) for p in (repo / "refs").rglob("*") if p.is_file()) \
+        if (repo / "refs").is_dir() else []
+    snapshots = sorted(p.name[:12] for p in (repo / "snapshots").iterdir()) if (repo / "snapshots").is_dir() else []
+    fill = (f"pre-fill it with `HF_HUB_CACHE={cache} hf download {repo_id} --revision {revision} "
+            f"--include {HUB_INCLUDE}`, or unset HF_HUB_OFFLINE (with HF_TOKEN for a gated or private repo) so the "
+            "first step downloads it")
+    if refs or snapshots:
+        raise ConfigError(
+            f"model.revision: {revision!r} of hub model {repo_id!r} is not in the Hugging Face cache {cache} (it "
+            f"holds refs {', '.join(refs) or 'none'} and snapshots {', '.join(snapshots) or 'none'}) and "
+            f"HF_HUB_OFFLINE is set; set model.revision to one of those, or {fill}"
+        )
+    raise ConfigError(
+        f"model.base_model: hub model {repo_id!r} (revision {revision!r}) is not in the Hugging Face cache {cache} "
+        f"and HF_HUB_OFFLINE is set; {fill}"
+    )
+
+
+def _gated(repo_id: str) -> ConfigError:
+    return ConfigError(
+        f"model.base_model: hub model {repo_id!r} is gated and no token with access was given; accept its licence "
+        f"on huggingface.co/{repo_id} and give that account's token as HF_TOKEN (on a cluster: the Secret named by "
+        "kubernetes.hf_token_secret)"
+    )
+
+
+def _download(repo_id: str, revision: str, model_cfg: ModelConfig, cache: Path) -> Path:
+    """Check the repo in one metadata call (failing in seconds, with the reason), then download what a diffusers
+    pipeline loads (diffusers' own file selection: one weights format, the asked variant, no safety checker)."""
+    from diffusers import DiffusionPipeline
+    from huggingface_hub import HfApi, get_token, hf_hub_download
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        GatedRepoError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    endpoint = os.environ.get("HF_ENDPOINT") or None  # read now: huggingface_hub reads it once, at import
+    try:
+        info = HfApi(endpoint=endpoint).model_info(repo_id, revision=revision, timeout=HUB_TIMEOUT_S)
+        if info.gated and get_token() is None:
+            raise _gated(repo_id)
+        hf_hub_download(repo_id, "model_index.json", revision=revision, cache_dir=str(cache), endpoint=endpoint,
+                        etag_timeout=HUB_TIMEOUT_S)
+    except GatedRepoError:  # a token that has not accepted the licence
+        raise _gated(repo_id) from None
     except RevisionNotFoundError:
-        raise ConfigError(f"model.revision: {revision!r} does not exist for hub model {repo_id!r}") from None
+        raise ConfigError(
+            f"model.revision: {revision!r} does not exist for hub model {repo_id!r}; give a branch, tag or commit "
+            "of the repo (its Files tab lists them), or leave model.revision unset for main"
+        ) from None
     except RepositoryNotFoundError:
         raise ConfigError(
-            f"model.base_model: no hub model {repo_id!r} (or it is private: set HF_TOKEN); check the id"
+            f"model.base_model: no hub model {repo_id!r} (or it is private and HF_TOKEN has no access); check the id"
         ) from None
+    except EntryNotFoundError:
+        raise ConfigError(
+            f"model.base_model: hub model {repo_id!r} is not in diffusers format (no model_index.json); pass a "
+            f"diffusers repo, or download its {SINGLE_FILE_SUFFIX} checkpoint and pass the file"
+        ) from None
+    except ConfigError:
+        raise
     except Exception as e:  # network errors come from the HTTP library, whose classes vary by version
         raise ConfigError(
-            f"model.base_model: hub model {repo_id!r} cannot be downloaded: the Hugging Face hub is unreachable "
-            f"from here (offline: {_first_line(e)}) and the model is not in the local cache; pass a local diffusers "
-            "folder or checkpoint file, or run where the hub can be reached"
+            f"model.base_model: hub model {repo_id!r} is not in the Hugging Face cache {cache} and the hub cannot be "
+            f"reached from here ({_first_line(e)}); pre-fill the cache on a machine that can reach it (`hf download "
+            f"{repo_id} --revision {revision}`), or pass a local folder or checkpoint file"
         ) from None
+    try:
+        folder = DiffusionPipeline.download(repo_id, revision=revision, variant=model_cfg.variant,
+                                            cache_dir=str(cache), safety_checker=None, feature_extractor=None)
+    except GatedRepoError:
+        raise _gated(repo_id) from None
+    except Exception as e:  # a missing variant, a repo of another pipeline, the network gone mid-download
+        raise ConfigError(f"model.base_model: cannot download hub model {repo_id!r} at revision {revision!r}: "
+                          f"{_first_line(e)}") from None
+    return Path(folder)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Loading the parts
+
+
+def _load_folder(resolved: ResolvedModel, model_cfg: ModelConfig) -> SDComponents:
+    """Each part from the resolved folder, as diffusers' training scripts load them."""
+    from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
+    from transformers import CLIPTextModel, CLIPTokenizer
+
+    folder = str(resolved.path)
+    # Variant files (e.g. fp16) keep their names in a hub snapshot or a saved folder; a converted file has none.
+    has_variants = model_cfg.variant and resolved.kind in ("hub", "folder")
+    var: dict[str, Any] = {"variant": model_cfg.variant} if has_variants else {}
+    try:
+        parts = {
+            "tokenizer": CLIPTokenizer.from_pretrained(folder, subfolder="tokenizer", local_files_only=True),
+            "text_encoder": CLIPTextModel.from_pretrained(folder, subfolder="text_encoder", local_files_only=True,
+                                                          **var),
+            "vae": AutoencoderKL.from_pretrained(folder, subfolder="vae", local_files_only=True, **var),
+            "unet": UNet2DConditionModel.from_pretrained(folder, subfolder="unet", local_files_only=True, **var),
+            "noise_scheduler": DDPMScheduler.from_pretrained(folder, subfolder="scheduler", local_files_only=True),
+        }
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            f"model.base_model: cannot load the diffusers folder {folder} ({resolved.source}): {_first_line(e)}"
+        ) from None
+    for key in ("unet", "vae", "text_encoder"):
+        parts[key].eval()
+    return SDComponents(source=resolved.source, model_dir=resolved.path, kind=resolved.kind, **parts)
 
 
 def _first_line(e: BaseException) -> str:

@@ -33,6 +33,7 @@ def resolve_config(
     base_config: str,
     dataset_dir: str,
     base_model: str,
+    base_model_revision: str,
     method: str,
     resolution: int,
     batch_size: int,
@@ -53,20 +54,22 @@ def resolve_config(
     pipeline_job_id: str,
     pipeline_job_name: str = "",
 ) -> NamedTuple("ResolvedConfig", config_json=str, fixed_lr=float, retrain=bool, mlflow_parent_run_id=str):  # type: ignore[valid-type]
-    """Validate the parameters into one config (fails fast, before any GPU is requested); open the MLflow parent
-    run of this pipeline run."""
+    """Validate the parameters into one config and resolve the base model to a local folder (downloaded or
+    converted once; fails fast, before any GPU is requested); open the MLflow parent run of this pipeline run."""
     from collections import namedtuple
 
+    from rangefinder.errors import one_line_errors
     from rangefinder.steps.resolve_config import run_resolve_config
 
-    r = run_resolve_config(
-        base_config, dataset_dir=dataset_dir, base_model=base_model, method=method, resolution=resolution,
-        batch_size=batch_size, grad_accum=grad_accum, ramp=ramp, lr_min=lr_min, lr_max=lr_max,
-        range_test_epochs=range_test_epochs, finetune_epochs=finetune_epochs, val_split=val_split,
-        split_seed=split_seed, seed=seed, fixed_lr=fixed_lr, retrain=retrain, retrain_epochs=retrain_epochs,
-        prompts=prompts, mlflow_experiment=mlflow_experiment, pipeline_job_id=pipeline_job_id,
-        pipeline_job_name=pipeline_job_name,
-    )
+    with one_line_errors("resolve-config"):
+        r = run_resolve_config(
+            base_config, dataset_dir=dataset_dir, base_model=base_model, base_model_revision=base_model_revision,
+            method=method, resolution=resolution, batch_size=batch_size, grad_accum=grad_accum, ramp=ramp,
+            lr_min=lr_min, lr_max=lr_max, range_test_epochs=range_test_epochs, finetune_epochs=finetune_epochs,
+            val_split=val_split, split_seed=split_seed, seed=seed, fixed_lr=fixed_lr, retrain=retrain,
+            retrain_epochs=retrain_epochs, prompts=prompts, mlflow_experiment=mlflow_experiment,
+            pipeline_job_id=pipeline_job_id, pipeline_job_name=pipeline_job_name,
+        )
     ResolvedConfig = namedtuple("ResolvedConfig", "config_json fixed_lr retrain mlflow_parent_run_id")
     return ResolvedConfig(r.config_json, r.fixed_lr, r.retrain, r.mlflow_parent_run_id)
 
@@ -82,15 +85,17 @@ def prepare_dataset(
     from collections import namedtuple
     from pathlib import Path
 
+    from rangefinder.errors import one_line_errors
     from rangefinder.steps.prepare_dataset import run_prepare_dataset
     from rangefinder.steps.resolve_config import load_step_config
 
-    r = run_prepare_dataset(
-        load_step_config(config_json),
-        out_dir=Path(split.path),
-        dataset_dir=Path(dataset.path) if dataset is not None else None,
-        report_path=Path(report.path),
-    )
+    with one_line_errors("prepare-dataset"):
+        r = run_prepare_dataset(
+            load_step_config(config_json),
+            out_dir=Path(split.path),
+            dataset_dir=Path(dataset.path) if dataset is not None else None,
+            report_path=Path(report.path),
+        )
     Prepared = namedtuple("Prepared", "train_images val_images skipped_files")
     return Prepared(r.train_images, r.val_images, r.skipped)
 
@@ -114,20 +119,22 @@ def lr_range_test(
     from collections import namedtuple
     from pathlib import Path
 
+    from rangefinder.errors import one_line_errors
     from rangefinder.steps.lr_range_test import run_lr_range_test
     from rangefinder.steps.resolve_config import load_step_config
 
-    r = run_lr_range_test(
-        load_step_config(config_json),
-        split_dir=Path(split.path),
-        out_dir=Path(curve.path),
-        stage=stage,
-        lr_min=lr_min or None,
-        lr_max=lr_max or None,
-        report_html=Path(report_html.path),
-        report_md=Path(report_md.path),
-        mlflow_parent_run_id=mlflow_parent_run_id or None,
-    )
+    with one_line_errors("lr-range-test"):
+        r = run_lr_range_test(
+            load_step_config(config_json),
+            split_dir=Path(split.path),
+            out_dir=Path(curve.path),
+            stage=stage,
+            lr_min=lr_min or None,
+            lr_max=lr_max or None,
+            report_html=Path(report_html.path),
+            report_md=Path(report_md.path),
+            mlflow_parent_run_id=mlflow_parent_run_id or None,
+        )
     for name, value in r.metrics().items():
         metrics.log_metric(name, value)
     LRBounds = namedtuple("LRBounds", "lr_low lr_high lr_mid needs_zoom zoom_lr_min zoom_lr_max")
@@ -147,11 +154,13 @@ def choose_lr(
     from collections import namedtuple
     from pathlib import Path
 
+    from rangefinder.errors import one_line_errors
     from rangefinder.steps.choose_lr import run_choose_lr
     from rangefinder.steps.resolve_config import load_step_config
 
-    r = run_choose_lr(load_step_config(config_json), source=source, lr_low=lr_low, lr_high=lr_high, lr_mid=lr_mid,
-                      decision_path=Path(decision.path))
+    with one_line_errors("choose-lr"):
+        r = run_choose_lr(load_step_config(config_json), source=source, lr_low=lr_low, lr_high=lr_high, lr_mid=lr_mid,
+                          decision_path=Path(decision.path))
     ChosenLR = namedtuple("ChosenLR", "lr_low lr_high lr_mid source")
     return ChosenLR(r.lr_low, r.lr_high, r.lr_mid, r.source)
 
@@ -170,28 +179,36 @@ def finetune(
     metrics: Output[Metrics],
     report_html: Output[HTML],
     report_md: Output[Markdown],
-) -> NamedTuple("Finetuned", recommended_epochs=int, recommended_updates=int, still_improving=bool):  # type: ignore[valid-type]
+) -> NamedTuple(  # type: ignore[valid-type]
+    "Finetuned", recommended_epochs=int, recommended_updates=int, still_improving=bool, chosen_update=int,
+    chosen_epoch=float, mixed_precision=str,
+):
     """Train at the midpoint LR (or cycle between the bounds) for longer than needed; find the step window."""
     from collections import namedtuple
     from pathlib import Path
 
+    from rangefinder.errors import one_line_errors
     from rangefinder.steps.finetune import run_finetune
     from rangefinder.steps.resolve_config import load_step_config
 
-    r = run_finetune(
-        load_step_config(config_json),
-        split_dir=Path(split.path),
-        lr_low=lr_low, lr_high=lr_high, lr_mid=lr_mid, lr_source=lr_source,
-        model_dir=Path(model.path),
-        out_dir=Path(curve.path),
-        report_html=Path(report_html.path),
-        report_md=Path(report_md.path),
-        mlflow_parent_run_id=mlflow_parent_run_id or None,
-    )
+    with one_line_errors("finetune"):
+        r = run_finetune(
+            load_step_config(config_json),
+            split_dir=Path(split.path),
+            lr_low=lr_low, lr_high=lr_high, lr_mid=lr_mid, lr_source=lr_source,
+            model_dir=Path(model.path),
+            out_dir=Path(curve.path),
+            report_html=Path(report_html.path),
+            report_md=Path(report_md.path),
+            mlflow_parent_run_id=mlflow_parent_run_id or None,
+        )
     for name, value in r.metrics().items():
         metrics.log_metric(name, value)
-    Finetuned = namedtuple("Finetuned", "recommended_epochs recommended_updates still_improving")
-    return Finetuned(r.recommended_epochs, r.recommended_updates, r.still_improving)
+    chosen = r.chosen or {}
+    Finetuned = namedtuple("Finetuned", "recommended_epochs recommended_updates still_improving chosen_update "
+                                        "chosen_epoch mixed_precision")
+    return Finetuned(r.recommended_epochs, r.recommended_updates, r.still_improving, int(chosen.get("update") or 0),
+                     float(chosen.get("epoch") or 0.0), r.mixed_precision)
 
 
 @dsl.component(base_image=TRAINER_IMAGE, install_kfp_package=False)
@@ -209,17 +226,19 @@ def retrain_full(
     """Retrain from the base model on train + validation for the recommended epochs, without validation."""
     from pathlib import Path
 
+    from rangefinder.errors import one_line_errors
     from rangefinder.steps.resolve_config import load_step_config
     from rangefinder.steps.retrain_full import run_retrain_full
 
-    r = run_retrain_full(
-        load_step_config(config_json),
-        split_dir=Path(split.path),
-        lr_low=lr_low, lr_high=lr_high, lr_mid=lr_mid,
-        recommended_epochs=recommended_epochs,
-        model_dir=Path(model.path),
-        mlflow_parent_run_id=mlflow_parent_run_id or None,
-    )
+    with one_line_errors("retrain-full"):
+        r = run_retrain_full(
+            load_step_config(config_json),
+            split_dir=Path(split.path),
+            lr_low=lr_low, lr_high=lr_high, lr_mid=lr_mid,
+            recommended_epochs=recommended_epochs,
+            model_dir=Path(model.path),
+            mlflow_parent_run_id=mlflow_parent_run_id or None,
+        )
     for name, value in r.metrics().items():
         metrics.log_metric(name, value)
     return r.epochs
@@ -234,20 +253,23 @@ def sample_images(
     images: Output[Dataset],
     retrained: Optional[Input[Model]] = None,
 ):
-    """Render the fixed prompts and seeds with the base model and every kept checkpoint into one comparison grid."""
+    """Render the fixed prompts and seeds with the base model, the chosen checkpoint and the final weights into one
+    comparison grid."""
     from pathlib import Path
 
+    from rangefinder.errors import one_line_errors
     from rangefinder.steps.resolve_config import load_step_config
     from rangefinder.steps.sample_images import run_sample_images
 
-    run_sample_images(
-        load_step_config(config_json),
-        finetuned_dir=Path(finetuned.path),
-        retrained_dir=Path(retrained.path) if retrained is not None else None,
-        out_dir=Path(images.path),
-        grid_html=Path(grid.path),
-        mlflow_parent_run_id=mlflow_parent_run_id or None,
-    )
+    with one_line_errors("sample-images"):
+        run_sample_images(
+            load_step_config(config_json),
+            finetuned_dir=Path(finetuned.path),
+            retrained_dir=Path(retrained.path) if retrained is not None else None,
+            out_dir=Path(images.path),
+            grid_html=Path(grid.path),
+            mlflow_parent_run_id=mlflow_parent_run_id or None,
+        )
 
 
 @dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
@@ -258,15 +280,18 @@ def register_model(
     epochs: int,
     mlflow_parent_run_id: str,
 ) -> NamedTuple("Registered", model_uri=str, version=str):  # type: ignore[valid-type]
-    """Log the final weights to MLflow with the chosen LR and epochs, and register them."""
+    """Register the delivered model in MLflow: the fine-tune's checkpoint at the recommended length (or the
+    retrain's final weights), tagged with the update, epoch and validation loss it was taken at."""
     from collections import namedtuple
     from pathlib import Path
 
+    from rangefinder.errors import one_line_errors
     from rangefinder.steps.register_model import run_register_model
     from rangefinder.steps.resolve_config import load_step_config
 
-    r = run_register_model(load_step_config(config_json), model_dir=Path(model.path), lr_mid=lr_mid, epochs=epochs,
-                           mlflow_parent_run_id=mlflow_parent_run_id or None)
+    with one_line_errors("register-model"):
+        r = run_register_model(load_step_config(config_json), model_dir=Path(model.path), lr_mid=lr_mid, epochs=epochs,
+                               mlflow_parent_run_id=mlflow_parent_run_id or None)
     Registered = namedtuple("Registered", "model_uri version")
     return Registered(r.model_uri, r.version or "")
 

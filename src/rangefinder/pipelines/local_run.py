@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rangefinder.config import RangefinderConfig
-from rangefinder.errors import RangefinderError
+from rangefinder.errors import STEP_ERROR_PREFIX, RangefinderError
 from rangefinder.tracking.redaction import RedactingWriter, redact, safe_uri
 from rangefinder.tracking.spool import SPOOL_ENV
 
@@ -52,6 +52,10 @@ class LocalRun:
             out.update(recommended_epochs=self.outputs[ft].get("recommended_epochs"),
                        recommended_updates=self.outputs[ft].get("recommended_updates"),
                        still_improving=self.outputs[ft].get("still_improving"))
+            if self.outputs[ft].get("chosen_update"):  # the kept checkpoint: the model registered without retrain
+                out.update(chosen_update=self.outputs[ft]["chosen_update"],
+                           chosen_epoch=self.outputs[ft].get("chosen_epoch"))
+            out["mixed_precision"] = self.outputs[ft].get("mixed_precision")
         rt = self.task("retrain-full")
         if rt:
             out["retrained_epochs"] = self.outputs[rt].get("Output")
@@ -156,6 +160,7 @@ def _read_from(path: Path, offset: int) -> str:
 
 
 MAX_CAUSE_LINES = 6
+_STEP_ERROR = re.compile(rf"{STEP_ERROR_PREFIX} [\w-]+: error: (.*\S)")
 
 
 def step_error(log: str, task: str) -> Optional[str]:
@@ -169,6 +174,10 @@ def step_error(log: str, task: str) -> Optional[str]:
     if not sections:
         return None
     lines = [line.strip() for line in sections[-1].splitlines() if line.strip()]
+    # Bad input ends a step with one line and no traceback (rangefinder.errors.one_line_errors): that line is it.
+    said = [m.group(1) for m in map(_STEP_ERROR.match, lines) if m]
+    if said:
+        return said[-1][:2000]
     exception = re.compile(r"^(?:[A-Za-z_][\w]*\.)*([A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit|Failure))(?::\s*|$)")
     for i in range(len(lines) - 1, -1, -1):
         m = exception.match(lines[i])

@@ -2,7 +2,7 @@
 
 ```
 record-status  (exit handler: runs whatever happened, records the final state)
-└── resolve-config
+└── resolve-config (validates the config; resolves the base model once, for every later step)
     ├── if dataset_uri:  importer -> prepare-dataset -> train-and-evaluate
     └── else:            prepare-dataset (dataset_dir or the embedded default) -> train-and-evaluate
 
@@ -13,7 +13,7 @@ train-and-evaluate (one sub-pipeline, so the two dataset branches share everythi
     ├── else:              choose-lr (the fixed LR; no discovery)
     ├── finetune (at the chosen midpoint)
     ├── if retrain:  retrain-full -> sample-images(finetuned, retrained) -> register-model(retrained)
-    └── else:        sample-images(finetuned) -> register-model(finetuned)
+    └── else:        sample-images(finetuned) -> register-model(finetuned: its chosen checkpoint's model)
 ```
 
 Branches meet through `dsl.OneOf` on *parameters* (the LR bounds) only: kfp.local resolves a parameter OneOf but
@@ -47,6 +47,9 @@ TRAINING_STEPS = ("lr_range_test", "finetune", "retrain_full", "sample_images")
 # Steps whose pods talk to MLflow (they log to the parent run) and so get its credentials.
 MLFLOW_STEPS = ("resolve_config", "lr_range_test", "finetune", "retrain_full", "sample_images", "register_model",
                 "record_status")
+# Steps that load the base model: the first resolves (downloads, converts) it into the caches on the data volume, the
+# others load what it resolved (or resolve again where they cannot see it). They get the caches' paths and HF_TOKEN.
+MODEL_STEPS = ("resolve_config", "lr_range_test", "finetune", "retrain_full", "sample_images", "register_model")
 # Deterministic, cheap steps: the same inputs give the same outputs, so a rerun may reuse them.
 CACHED_STEPS = ("prepare_dataset", "choose_lr")
 SHM_VOLUME = "dshm"
@@ -94,8 +97,14 @@ def configure_task(task: dsl.PipelineTask, step: str, k8s: KubernetesConfig, loc
         kubernetes.set_image_pull_secrets(task, list(k8s.image_pull_secrets))
     for key, value in k8s.pod_labels.items():
         kubernetes.add_pod_label(task, label_key=key, label_value=value)
-    if step in TRAINING_STEPS or step == "prepare_dataset":
-        # Downloads (hub models) and the latent cache land on the data volume, not in the pod's small disk.
+    if step in MODEL_STEPS and k8s.hf_token_secret:
+        # Gated or private hub models; optional, so a run on a public model needs no Secret. The token stays in the
+        # environment, where huggingface_hub reads it: never a parameter, param or tag.
+        kubernetes.use_secret_as_env(task, secret_name=k8s.hf_token_secret,
+                                     secret_key_to_env={k8s.hf_token_secret_key: "HF_TOKEN"}, optional=True)
+    if step in MODEL_STEPS or step == "prepare_dataset":
+        # Downloads (hub models), converted single files and the latent cache land on the data volume, shared by
+        # every pod of the run, not in the pod's small disk.
         if k8s.data_pvc:
             mount = k8s.data_mount_path.rstrip("/")
             task.set_env_variable("RANGEFINDER_CACHE", f"{mount}/cache")
@@ -187,6 +196,7 @@ def build_pipeline(cfg: Optional[RangefinderConfig] = None, *, local: bool = Fal
         dataset_uri: str = d["dataset_uri"],
         dataset_dir: str = d["dataset_dir"],
         base_model: str = d["base_model"],
+        base_model_revision: str = d["base_model_revision"],
         method: str = d["method"],
         resolution: int = d["resolution"],
         batch_size: int = d["batch_size"],
@@ -213,8 +223,10 @@ def build_pipeline(cfg: Optional[RangefinderConfig] = None, *, local: bool = Fal
                 sibling .txt, or a metadata.jsonl. Imported as a Dataset artifact. Empty: use dataset_dir.
             dataset_dir: Path of the dataset folder on the data volume (e.g. /data/datasets/mine). Empty with an
                 empty dataset_uri: the embedded synthetic shapes dataset.
-            base_model: Base model: a diffusers folder or single-file checkpoint on the data volume, or a hub id
-                (e.g. stable-diffusion-v1-5/stable-diffusion-v1-5). Empty: the embedded tiny model.
+            base_model: Base model: a diffusers folder or single-file .safetensors checkpoint on the data volume, or
+                a hub id (e.g. stable-diffusion-v1-5/stable-diffusion-v1-5), downloaded once per run into the data
+                volume's cache (gated repos: the HF token Secret). Empty: the embedded tiny model.
+            base_model_revision: Branch, tag or commit of a hub base_model. Empty: main.
             method: What trains: full, lora or textual_inversion.
             resolution: Training resolution in pixels (square, a multiple of 8); 512 for SD 1.x.
             batch_size: Images per micro-batch per GPU.
@@ -230,7 +242,8 @@ def build_pipeline(cfg: Optional[RangefinderConfig] = None, *, local: bool = Fal
             split_seed: Seed of the train/validation split; the same seed and files give the same split.
             seed: Seed of training (weights, noise, shuffling).
             fixed_lr: A learning rate chosen by hand; skips the LR range tests. 0: find it by measurement.
-            retrain: Retrain on train + validation for the recommended epochs, and register that model.
+            retrain: Retrain on train + validation for the recommended epochs, and register that model. Off: the
+                fine-tune's checkpoint at the recommended length is registered (its validation loss was measured).
             retrain_epochs: Epochs of the full-data retrain. 0: the epochs the fine-tune recommends.
             prompts: Prompts of the evaluation grid (one row each, fixed seeds).
             mlflow_experiment: MLflow experiment the runs are logged under.
@@ -241,7 +254,8 @@ def build_pipeline(cfg: Optional[RangefinderConfig] = None, *, local: bool = Fal
                                       pipeline_job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER), "record_status")
         with dsl.ExitHandler(status, name="run-and-record"):
             resolved = step(c.resolve_config(
-                base_config=base_config, dataset_dir=dataset_dir, base_model=base_model, method=method,
+                base_config=base_config, dataset_dir=dataset_dir, base_model=base_model,
+                base_model_revision=base_model_revision, method=method,
                 resolution=resolution, batch_size=batch_size, grad_accum=grad_accum, ramp=ramp, lr_min=lr_min,
                 lr_max=lr_max, range_test_epochs=range_test_epochs, finetune_epochs=finetune_epochs,
                 val_split=val_split, split_seed=split_seed, seed=seed, fixed_lr=fixed_lr, retrain=retrain,

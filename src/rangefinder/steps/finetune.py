@@ -4,6 +4,11 @@ The LR is constant at the midpoint of the range test's bounds, or cycles between
 triangular schedules) when `finetune.schedule` says so. The step window is where smoothed validation loss is within
 `finetune.tolerance` of its minimum; its centre gives the recommended epochs, since the window's edges are
 better determined than the minimum itself (rangefinder.analysis.step_window).
+
+The run deliberately trains past the window, so its final weights are not the model to deliver. It saves a
+checkpoint every `finetune.checkpoint_every_epochs` and keeps them all until the window is known; then it keeps only
+the one nearest the recommended length and writes its model as `chosen/` beside `final/`, with `chosen.json`
+(rangefinder.formats.checkpoints). Without a retrain, that is the model registered.
 """
 
 from __future__ import annotations
@@ -14,8 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from rangefinder.config import RangefinderConfig, TrainingConfig, plan_for
+from rangefinder.config import RangefinderConfig, TrainingConfig, plan_for, resolve_mixed_precision
 from rangefinder.errors import RangefinderError
+from rangefinder.formats import checkpoints
 from rangefinder.formats.atomic import write_json, write_text
 from rangefinder.steps.workdir import publish, work_dir
 
@@ -29,12 +35,17 @@ class FinetuneResult:
     model_dir: Path
     curve_csv: Path
     checkpoints: list[Path]
+    chosen: Optional[dict[str, Any]] = None  # chosen.json: the kept checkpoint's update, epoch, val_loss, reason
+    mixed_precision: str = "no"  # what training.mixed_precision (e.g. auto) meant on this machine
 
     def metrics(self) -> dict[str, float]:
         out = {"recommended_epochs": float(self.recommended_epochs),
                "recommended_updates": float(self.recommended_updates)}
         if self.best_val_loss is not None:
             out["best_val_loss"] = float(self.best_val_loss)
+        for key in ("update", "epoch", "val_loss"):
+            if self.chosen and self.chosen.get(key) is not None:
+                out[f"chosen_{key}"] = float(self.chosen[key])
         return out
 
 
@@ -49,11 +60,60 @@ def finetune_training_config(cfg: RangefinderConfig, lr_low: float, lr_high: flo
     else:
         update.update(schedule=ft.schedule, lr_min=lr_low, lr_max=lr_high)
     tc = cfg.training.model_copy(update=update)
-    if ft.checkpoint_every_epochs:
-        per_epoch = plan_for(tc, train_images).updates_per_epoch
-        every = max(1, math.ceil(ft.checkpoint_every_epochs * per_epoch))
-        tc = tc.model_copy(update={"checkpoint_every_updates": every})
+    run_plan = plan_for(tc, train_images)
+    every = max(1, math.ceil(ft.checkpoint_every_epochs * run_plan.updates_per_epoch - 1e-9))
+    # Every checkpoint stays until the step window is known (the run's last one included): the engine would otherwise
+    # drop all but the newest `keep_checkpoints`, among them the one the window picks.
+    tc = tc.model_copy(update={"checkpoint_every_updates": every,
+                               "keep_checkpoints": math.ceil(run_plan.total_updates / every) + 1})
     return TrainingConfig.model_validate(tc.model_dump())
+
+
+def keep_chosen_checkpoint(run_dir: Path, window: Any, curve: dict, base_model: Path,
+                           base_source: Optional[str] = None) -> Optional[dict[str, Any]]:
+    """Keep the checkpoint nearest the window's recommended update, write its model as `chosen/` with `chosen.json`,
+    and remove the other checkpoints. None (everything left as it is) when the window recommends nothing."""
+    from rangefinder.training.restore import save_checkpoint_model
+
+    if window.recommended_updates is None:
+        return None
+    ckpt_root = Path(run_dir) / "checkpoints"
+    ckpt = checkpoints.nearest_checkpoint(ckpt_root, window.recommended_updates)
+    if ckpt is None:
+        return None
+    update = int(checkpoints.checkpoint_update(ckpt) or 0)  # a listed checkpoint always has its update in its name
+    rows = [r for r in checkpoints.read_state(ckpt)["metrics_rows"] if r.get("update") == update]
+    val_loss = rows[-1].get("val_loss") if rows else None
+    epoch = rows[-1].get("epoch") if rows else None
+    if epoch is None:  # a checkpoint between validations: the epoch from the curve's update -> epoch line
+        import numpy as np
+
+        epoch = float(np.interp(update, curve["update"], curve["epoch"])) if curve.get("epoch") is not None else None
+    if window.status == "still_improving":
+        why = ("validation loss was still falling when the run ended, so the recommended length is the whole run and "
+               "its last checkpoint is kept; fine-tune for more epochs to find the minimum")
+    else:
+        why = (f"smoothed validation loss stays within {window.tolerance:.0%} of its minimum from update "
+               f"{window.window_start_update:.0f} to {window.window_end_update:.0f}; the centre of that window, update "
+               f"{window.recommended_updates} (epoch {window.recommended_epochs}), is the recommended length, and this "
+               "is the kept checkpoint nearest it (the run went on past the window, so its final weights overfit)")
+    info = {
+        "checkpoint": ckpt.name,
+        "update": update,
+        "epoch": epoch,
+        "val_loss": None if val_loss is None or not math.isfinite(val_loss) else float(val_loss),
+        "recommended_updates": window.recommended_updates,
+        "recommended_epochs": window.recommended_epochs,
+        "window_start_update": window.window_start_update,
+        "window_end_update": window.window_end_update,
+        "status": window.status,
+        "reason": f"Weights at update {update} (epoch {epoch:g}) of the constant-LR fine-tune: {why}."
+        if epoch is not None else f"Weights at update {update} of the constant-LR fine-tune: {why}.",
+    }
+    save_checkpoint_model(ckpt, base_model, Path(run_dir) / checkpoints.CHOSEN_DIR, source=base_source)
+    checkpoints.keep_only(ckpt_root, ckpt)
+    write_json(Path(run_dir) / checkpoints.CHOSEN_INFO, info)
+    return info
 
 
 def run_finetune(
@@ -73,19 +133,22 @@ def run_finetune(
     from rangefinder import tracking
     from rangefinder.analysis import copy_report, read_curve_csv, select_step_window, write_step_report
     from rangefinder.data.split import read_split
+    from rangefinder.models.loading import resolve_base_model
     from rangefinder.training.loop import TrainSpec, train
 
     split = read_split(split_dir)
     tc = finetune_training_config(cfg, lr_low, lr_high, lr_mid, len(split.train))
     validating = cfg.validation.enabled() and len(split.val) > 0
     model_dir = Path(model_dir)
+    precision = resolve_mixed_precision(tc.mixed_precision)
+    chosen = None
     with tracking.step_run(cfg, "finetune", parent_run_id=mlflow_parent_run_id) as run:
         run.log_config(cfg, plan=plan_for(tc, len(split.train)),
-                       extra={"lr_low": lr_low, "lr_high": lr_high, "lr_mid": lr_mid, "lr_source": lr_source})
+                       extra={"lr_low": lr_low, "lr_high": lr_high, "lr_mid": lr_mid, "lr_source": lr_source,
+                              "training.mixed_precision_used": precision})
         work = work_dir(model_dir, f"{mlflow_parent_run_id}/finetune" if mlflow_parent_run_id else None)
         result = train(TrainSpec(tc, cfg.validation, split_dir=split_dir, model=cfg.model, data=cfg.data),
                        out_dir=work, metric_sink=run)
-        publish(work, model_dir)
         report_dir = Path(out_dir or model_dir / "report")
         report_dir.mkdir(parents=True, exist_ok=True)
         if validating:
@@ -101,6 +164,8 @@ def run_finetune(
             rec_updates = int(window.recommended_updates or result.updates)
             improving = window.status == "still_improving"
             decision = window.to_dict()
+            base = resolve_base_model(cfg.model)
+            chosen = keep_chosen_checkpoint(work, window, curve, base.path, base.source)
         else:
             # No validation set (a fixed LR with val_split 0): nothing to read a window from; keep the budget.
             rec_epochs, rec_updates, improving = tc.epochs or 1, result.updates, False
@@ -108,16 +173,23 @@ def run_finetune(
             for p in (report_html, report_md):
                 if p is not None:
                     write_text(p, f"No validation set: trained {rec_epochs} epochs at lr {lr_mid:.3g}.\n")
-        decision.update(lr_low=lr_low, lr_high=lr_high, lr_mid=lr_mid, lr_source=lr_source)
+        if chosen is None:  # no step window: nothing to choose; the final weights are delivered, as configured
+            checkpoints.keep_newest(work / "checkpoints", cfg.training.keep_checkpoints)
+        publish(work, model_dir)
+        decision.update(lr_low=lr_low, lr_high=lr_high, lr_mid=lr_mid, lr_source=lr_source,
+                        mixed_precision=precision, chosen=chosen)
         write_json(report_dir / "decision.json", decision)
         shutil.copyfile(result.metrics_csv, report_dir / "metrics.csv")
         run.log_artifact(report_dir, "report")
         run.log_artifact(result.metrics_csv, "curves")
-        run.log_decisions({"recommended_epochs": rec_epochs, "recommended_updates": rec_updates,
-                           "still_improving": improving, "lr_mid": lr_mid, "lr_source": lr_source})
+        decisions: dict[str, Any] = {"recommended_epochs": rec_epochs, "recommended_updates": rec_updates,
+                                     "still_improving": improving, "lr_mid": lr_mid, "lr_source": lr_source}
+        if chosen is not None:
+            decisions.update({f"chosen_{k}": chosen[k] for k in ("update", "epoch", "val_loss")})
+        run.log_decisions(decisions)
     if result.final_dir is None:
         raise RangefinderError(f"the fine-tune wrote no final weights under {model_dir}")
     return FinetuneResult(recommended_epochs=max(1, rec_epochs), recommended_updates=rec_updates,
                           still_improving=improving, best_val_loss=result.best_val_loss, model_dir=model_dir,
-                          curve_csv=result.metrics_csv, checkpoints=list(result.checkpoints))
-
+                          curve_csv=result.metrics_csv, checkpoints=checkpoints.list_checkpoints(work / "checkpoints"),
+                          chosen=chosen, mixed_precision=precision)

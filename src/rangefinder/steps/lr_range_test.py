@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from rangefinder.analysis.zoom import ended_above_start, points_between, zoom_range
-from rangefinder.config import RangefinderConfig, TrainingConfig, ValidationConfig
+from rangefinder.config import RangefinderConfig, TrainingConfig, ValidationConfig, resolve_mixed_precision
 from rangefinder.errors import RangefinderError
 from rangefinder.formats.atomic import write_json
 from rangefinder.steps.workdir import publish, work_dir
@@ -98,7 +98,9 @@ def run_lr_range_test(
 
     step_name = "lr_range_test" if stage == "first" else "lr_range_test_zoom"
     with tracking.step_run(cfg, step_name, parent_run_id=mlflow_parent_run_id) as run:
-        run.log_config(cfg, extra={"range_test.lr_min": lo, "range_test.lr_max": hi, "range_test.stage": stage})
+        precision = resolve_mixed_precision(cfg.training.mixed_precision)
+        run.log_config(cfg, extra={"range_test.lr_min": lo, "range_test.lr_max": hi, "range_test.stage": stage,
+                                   "training.mixed_precision_used": precision})
         run.log_dataset_manifest(split_dir)
         work = work_dir(out_dir / "run", f"{mlflow_parent_run_id}/{step_name}" if mlflow_parent_run_id else None)
         result = train(TrainSpec(train_cfg, val_cfg, split_dir=split_dir, model=cfg.model, data=cfg.data),

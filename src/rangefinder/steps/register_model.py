@@ -1,6 +1,10 @@
-"""Step `register_model`: log the final weights to MLflow with the LR and epochs that made them, and register them.
+"""Step `register_model`: log the delivered weights to MLflow with the LR and length that made them, and register them.
 
-The new version gets the `candidate` alias; promotion to `champion` stays a person's decision.
+Which weights: with the full-data retrain, its final weights; without, the fine-tune's `chosen/` model, the kept
+checkpoint nearest the recommended length (rangefinder.steps.finetune), not its final weights, which the run took
+deliberately past the step window. The version's tags record the update, epoch and validation loss it was taken
+at, and its description says why. The new version gets the `candidate` alias; promotion to `champion` stays a
+person's decision.
 """
 
 from __future__ import annotations
@@ -17,27 +21,53 @@ from rangefinder.config import RangefinderConfig
 class Registered:
     model_uri: str
     version: Optional[str]
+    weights: Path  # the folder that was registered (chosen/ or final/)
+
+
+def delivered_weights(model_dir: Path) -> tuple[Path, Optional[dict]]:
+    """(folder, chosen.json or None): the fine-tune's chosen model when it has one, else the run's final weights."""
+    from rangefinder.formats import checkpoints
+
+    model_dir = Path(model_dir)
+    chosen = checkpoints.read_chosen(model_dir)
+    if chosen is not None:
+        return model_dir / checkpoints.CHOSEN_DIR, chosen
+    final = model_dir / "final"
+    return (final if final.is_dir() else model_dir), None
 
 
 def run_register_model(cfg: RangefinderConfig, *, model_dir: Path, lr_mid: float, epochs: int,
                        mlflow_parent_run_id: Optional[str] = None) -> Registered:
     from rangefinder import tracking
 
-    final = Path(model_dir) / "final"
-    weights = final if final.is_dir() else Path(model_dir)
+    delivered, chosen = delivered_weights(model_dir)
+    weights = delivered
+    metrics: dict[str, float] = {"lr_mid": lr_mid, "epochs": epochs}
+    tags: dict[str, str] = {}
+    if chosen is not None:
+        metrics.update({k: chosen[k] for k in ("update", "epoch", "val_loss") if chosen.get(k) is not None})
+        tags = {"rangefinder.weights": f"finetune {chosen['checkpoint']}", "rangefinder.chosen_because":
+                chosen["status"]}
+        description = chosen["reason"]
+    else:
+        retrained = cfg.retrain.enabled
+        tags = {"rangefinder.weights": "retrain_full final" if retrained else "finetune final"}
+        description = (f"Retrained on train + validation for {epochs} epochs (the fine-tune's recommended length) "
+                       f"at lr {lr_mid:.3g}, without validation." if retrained else
+                       f"The fine-tune's final weights after {epochs} epochs at lr {lr_mid:.3g} (no step window "
+                       "was found, so no checkpoint was chosen).")
     with tempfile.TemporaryDirectory(prefix="rangefinder-register-") as scratch:
         if not (weights / "model_index.json").is_file():
             # LoRA and textual inversion deliver a small file; the registry gets a whole pipeline that generates
             # on its own (the step's input artifact may be read-only, so it is built in scratch space).
-            from rangefinder.models.tiny import ensure_tiny_base_model
+            from rangefinder.models.loading import resolve_base_model
             from rangefinder.sampling import export_pipeline
 
-            base = Path(cfg.model.base_model) if cfg.model.base_model else ensure_tiny_base_model(cfg.model.cache_dir)
-            weights = export_pipeline(weights, base, Path(scratch) / "pipeline")
+            weights = export_pipeline(weights, resolve_base_model(cfg.model).path, Path(scratch) / "pipeline")
         with tracking.step_run(cfg, "register_model", parent_run_id=mlflow_parent_run_id) as run:
-            v = run.log_diffusers_model(weights, metrics={"lr_mid": lr_mid, "epochs": epochs},
+            v = run.log_diffusers_model(weights, metrics=metrics, tags=tags, description=description,
                                         num_inference_steps=cfg.sampling.num_inference_steps,
                                         guidance_scale=cfg.sampling.guidance_scale, resolution=cfg.data.resolution)
     # The registry's name for it when registered (what a person loads or promotes), else the logged model's URI.
     uri = f"models:/{v.name}/{v.version}" if v.version else v.model_uri
-    return Registered(model_uri=uri, version=v.version)
+    return Registered(model_uri=uri, version=v.version, weights=delivered)

@@ -5,6 +5,11 @@ from `base_config`, the whole config as JSON (baked in at compile time by `range
 sent by `rangefinder submit --config FILE`). The typed parameters are laid over it, so what a person types in the
 UI wins. Validation happens here, in the first step, so a bad value stops the run before any GPU is asked for.
 
+The base model is resolved here too (rangefinder.models.loading): a hub id is found in the Hugging Face cache or
+downloaded into it, a single file is converted to a diffusers folder, and `model.resolved_dir` in the config every
+later step receives names that folder. So a missing, gated or malformed model stops the run here, with one clear
+error, and the model is fetched once per pipeline run, not once per step.
+
 Strings and numbers cannot be None in the KFP UI, so an empty string or 0 means "unset" for the parameters below
 whose config field is Optional (dataset_dir, base_model, fixed_lr, retrain_epochs, and lr_min/lr_max, whose unset
 value means the method's default sweep).
@@ -23,6 +28,7 @@ from rangefinder.errors import ConfigError
 PARAMETER_FIELDS: dict[str, str] = {
     "dataset_dir": "data.dataset_dir",
     "base_model": "model.base_model",
+    "base_model_revision": "model.revision",
     "method": "training.method",
     "resolution": "data.resolution",
     "batch_size": "training.batch_size",
@@ -43,8 +49,8 @@ PARAMETER_FIELDS: dict[str, str] = {
 }
 
 # Parameters whose config field is Optional: the UI's "empty" value stands for None.
-_UNSET: dict[str, Any] = {"dataset_dir": "", "base_model": "", "fixed_lr": 0.0, "retrain_epochs": 0,
-                          "lr_min": 0.0, "lr_max": 0.0}
+_UNSET: dict[str, Any] = {"dataset_dir": "", "base_model": "", "base_model_revision": "", "fixed_lr": 0.0,
+                          "retrain_epochs": 0, "lr_min": 0.0, "lr_max": 0.0}
 
 
 def _get(cfg: RangefinderConfig, dotted: str) -> Any:
@@ -66,8 +72,9 @@ def _nested(dotted: str, value: Any) -> dict:
 
 def base_config_json(cfg: RangefinderConfig) -> str:
     """The config as the `base_config` parameter carries it. Kubernetes settings are compiled into the pipeline
-    itself (they shape the pods), so they are left out."""
-    return cfg.model_dump_json(exclude={"kubernetes"})
+    itself (they shape the pods), so they are left out, and so is a resolved model folder (each run resolves its
+    own)."""
+    return cfg.model_dump_json(exclude={"kubernetes": True, "model": {"resolved_dir"}})
 
 
 def parameters_from_config(cfg: RangefinderConfig, dataset_uri: str = "") -> dict[str, Any]:
@@ -124,12 +131,24 @@ def run_resolve_config(base_config: str = "", *, pipeline_job_id: str = "", pipe
                        **params: Any) -> ResolvedConfig:
     cfg = config_from_parameters(base_config, **params)
     parent = start_parent_run(cfg, pipeline_job_id, pipeline_job_name) if pipeline_job_id else ""
+    cfg = with_resolved_base_model(cfg)
     return ResolvedConfig(
         config_json=cfg.model_dump_json(),
         fixed_lr=float(cfg.lr or 0.0),
         retrain=bool(cfg.retrain.enabled),
         mlflow_parent_run_id=parent,
     )
+
+
+def with_resolved_base_model(cfg: RangefinderConfig) -> RangefinderConfig:
+    """`cfg` with `model.resolved_dir` set to the local diffusers folder of `model.base_model` (downloaded or
+    converted now, once); ConfigError when the model cannot be had. A resolved_dir already in the config (a
+    base_config copied from an earlier run's) is ignored: this run resolves its own."""
+    from rangefinder.models.loading import resolve_base_model
+
+    resolved = resolve_base_model(cfg.model.model_copy(update={"resolved_dir": None}))
+    print(f"base model: {resolved.source} -> {resolved.path}")
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"resolved_dir": str(resolved.path)})})
 
 
 def start_parent_run(cfg: RangefinderConfig, pipeline_job_id: str, pipeline_job_name: str = "") -> str:

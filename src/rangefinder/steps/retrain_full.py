@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from rangefinder.config import RangefinderConfig, TrainingConfig, plan_for
+from rangefinder.config import RangefinderConfig, TrainingConfig, plan_for, resolve_mixed_precision
 from rangefinder.steps.workdir import publish, work_dir
 
 
@@ -47,7 +47,9 @@ def run_retrain_full(cfg: RangefinderConfig, *, split_dir: Path, lr_low: float, 
     n = len(split.train) + len(split.val)
     no_val = cfg.validation.model_copy(update={"every_epochs": 0.0, "every_updates": None})
     with tracking.step_run(cfg, "retrain_full", parent_run_id=mlflow_parent_run_id) as run:
-        run.log_config(cfg, plan=plan_for(tc, n), extra={"retrain.epochs_used": epochs, "lr_mid": lr_mid})
+        run.log_config(cfg, plan=plan_for(tc, n),
+                       extra={"retrain.epochs_used": epochs, "lr_mid": lr_mid,
+                              "training.mixed_precision_used": resolve_mixed_precision(tc.mixed_precision)})
         work = work_dir(model_dir, f"{mlflow_parent_run_id}/retrain_full" if mlflow_parent_run_id else None)
         result = train(TrainSpec(tc, no_val, split_dir=split_dir, model=cfg.model, data=cfg.data, train_on="train+val"),
                        out_dir=work, metric_sink=run)

@@ -1,7 +1,8 @@
 """Step `sample_images`: the fixed prompts and seeds rendered by the base model and each trained model, one grid.
 
-Columns: the base model, the fine-tune's kept checkpoints, its final weights, and the full-data retrain when there
-is one. Only the weights differ between two cells of a row (rangefinder.sampling).
+Columns: the base model (the same resolved folder the runs trained from), the fine-tune's chosen checkpoint (the
+model registered without a retrain) and any other kept checkpoints, its final weights, and the full-data retrain
+when there is one. Only the weights differ between two cells of a row (rangefinder.sampling).
 """
 
 from __future__ import annotations
@@ -16,17 +17,23 @@ from rangefinder.config import RangefinderConfig
 def grid_columns(cfg: RangefinderConfig, finetuned_dir: Path, retrained_dir: Optional[Path]) -> tuple[list, list]:
     """(models, labels) of the grid, base model first."""
     from rangefinder.formats import checkpoints
-    from rangefinder.models.tiny import ensure_tiny_base_model
+    from rangefinder.models.loading import resolve_base_model
 
-    base = cfg.model.base_model or str(ensure_tiny_base_model(cfg.model.cache_dir))
-    models: list = [base]
+    models: list = [resolve_base_model(cfg.model).path]
     labels = ["base"]
+    chosen = checkpoints.read_chosen(finetuned_dir)
+    if chosen is not None:
+        models.append(Path(finetuned_dir) / checkpoints.CHOSEN_DIR)
+        epoch = f"epoch {chosen['epoch']:g}, " if chosen.get("epoch") is not None else ""
+        labels.append(f"chosen ({epoch}update {chosen['update']})")
     # Kept checkpoints hold the method's trained tensors only; the grid applies them on top of the base model.
     for ckpt in checkpoints.list_checkpoints(Path(finetuned_dir) / "checkpoints"):
+        if chosen is not None and ckpt.name == chosen["checkpoint"]:
+            continue  # the chosen column already shows these weights
         models.append(ckpt)
         labels.append(f"update {checkpoints.checkpoint_update(ckpt)}")
     models.append(Path(finetuned_dir) / "final")
-    labels.append("fine-tuned")
+    labels.append("fine-tuned (final)")
     if retrained_dir is not None:
         models.append(Path(retrained_dir) / "final")
         labels.append("retrained")

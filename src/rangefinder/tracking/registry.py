@@ -123,6 +123,7 @@ def log_diffusers_model(
     *,
     registered_model_name: Optional[str] = None,
     metrics: Optional[Mapping[str, Any]] = None,
+    tags: Optional[Mapping[str, str]] = None,
     description: Optional[str] = None,
     alias: Optional[str] = CANDIDATE,
     num_inference_steps: int = 25,
@@ -132,7 +133,8 @@ def log_diffusers_model(
 ) -> RegisteredVersion:
     """Log a diffusers pipeline folder (model_index.json, unet/, vae/, ...) from the StepRun `run` as a pyfunc model;
     register it as a new version of `registered_model_name` (skipped when None) with `metrics` (default: the run's
-    latest metric values) as version tags and in its description, and point `alias` at it.
+    latest metric values) as version tags and in its description, `tags` as further version tags, and point
+    `alias` at it.
 
     num_inference_steps, guidance_scale and resolution become the model's defaults (overridable per predict call).
     """
@@ -172,11 +174,12 @@ def log_diffusers_model(
         metrics = run.client.get_run(run.run_id).data.metrics
     clean = {k: float(v) for k, v in metrics.items()
              if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))}
-    tags = {k: f"{v:.6g}" for k, v in clean.items()}
-    tags["rangefinder.run_id"] = run.run_id
+    version_tags = {k: f"{v:.6g}" for k, v in clean.items()}
+    version_tags.update({k: redact(str(v)) for k, v in (tags or {}).items()})
+    version_tags["rangefinder.run_id"] = run.run_id
     if run.parent_run_id:
-        tags["rangefinder.parent_run_id"] = run.parent_run_id
-    mv = mlflow.register_model(info.model_uri, registered_model_name, tags=tags)
+        version_tags["rangefinder.parent_run_id"] = run.parent_run_id
+    mv = mlflow.register_model(info.model_uri, registered_model_name, tags=version_tags)
     summary = ", ".join(f"{k}={v:.4g}" for k, v in clean.items())
     text = description or f"Fine-tuned by rangefinder step {run.step_name} (run {run.run_id})."
     if summary:

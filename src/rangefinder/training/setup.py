@@ -14,7 +14,15 @@ from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 import numpy as np
 import torch
 
-from rangefinder.config import DataConfig, ModelConfig, Plan, TrainingConfig, ValidationConfig, plan_for
+from rangefinder.config import (
+    DataConfig,
+    ModelConfig,
+    Plan,
+    TrainingConfig,
+    ValidationConfig,
+    plan_for,
+    resolve_mixed_precision,
+)
 from rangefinder.errors import ConfigError, DataError
 from rangefinder.formats import checkpoints
 from rangefinder.formats.digest import file_sha256
@@ -93,6 +101,7 @@ def check_settings(spec: TrainSpec, out_dir: Union[str, Path]) -> RunSettings:
     from rangefinder.data.split import read_split
 
     cfg, val_cfg = _revalidated(spec.training), _revalidated(spec.validation)
+    cfg = cfg.model_copy(update={"mixed_precision": resolve_mixed_precision(cfg.mixed_precision)})  # auto: per device
     split_dir, model, train_on = spec.split_dir, spec.model, spec.train_on
     if train_on not in ("train", "train+val"):
         raise ConfigError(f"train_on must be 'train' or 'train+val' (got {train_on!r})")

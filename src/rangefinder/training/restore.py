@@ -1,0 +1,56 @@
+"""A training checkpoint's model, outside the run that wrote it: the grid's checkpoint columns and the fine-tune's
+chosen model.
+
+The run's method is rebuilt on the base model (adapters, new tokens) and the checkpoint's tensors are put back, as a
+resume does. When the run kept an EMA average, the average replaces them: it is what that run validated and what it
+saves as its final weights, so the chosen model is the one whose validation loss was measured.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rangefinder.formats import checkpoints
+
+if TYPE_CHECKING:
+    from rangefinder.models.loading import SDComponents
+    from rangefinder.training.methods.base import Method
+
+
+def method_from_checkpoint(ckpt_dir: Path, base_model: Path) -> tuple[Method, SDComponents]:
+    """(method, parts): the base model's parts in fp32 on the CPU, carrying the checkpoint's trained weights."""
+    import torch
+
+    from rangefinder.config import ModelConfig, TrainingConfig
+    from rangefinder.models.loading import load_sd_components
+    from rangefinder.training.methods import make_method
+
+    cfg = TrainingConfig.model_validate(checkpoints.read_state(ckpt_dir)["training"])
+    method = make_method(cfg)
+    sd = load_sd_components(ModelConfig(base_model=str(base_model)))
+    method.setup(sd, torch.float32)
+    method.load_trainable_state_dict(checkpoints.read_weights(ckpt_dir))
+    ema_state = checkpoints.read_ema(ckpt_dir)
+    if ema_state is not None:
+        from diffusers.training_utils import EMAModel
+
+        params = method.trainable_parameters()
+        ema = EMAModel(params, decay=cfg.ema_decay)
+        ema.load_state_dict(ema_state)
+        ema.copy_to(params)
+    return method, sd
+
+
+def save_checkpoint_model(ckpt_dir: Path, base_model: Path, out_dir: Path, source: str | None = None) -> Path:
+    """Write the checkpoint's model into `out_dir` in the method's own output format, the files `final/` holds (a
+    diffusers folder and single file; LoRA files; embeddings). Whole or absent (a temporary name, then a rename).
+    `source` names the base model in the files' metadata (default: the folder)."""
+    from rangefinder.formats.atomic import atomic_dir
+
+    method, sd = method_from_checkpoint(Path(ckpt_dir), Path(base_model))
+    if source is not None:
+        sd.source = source
+    with atomic_dir(out_dir) as tmp:
+        method.save_final(sd, tmp)
+    return Path(out_dir)

@@ -1,0 +1,83 @@
+"""What a finished local run must show about the model it registered, for the tests that run the whole pipeline."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+
+def task_dir(summary: dict, prefix: str) -> Path:
+    found = sorted(p for p in Path(summary["pipeline_root"]).iterdir() if p.name.startswith(prefix))
+    assert found, f"no task {prefix}"
+    return found[-1]
+
+
+def check_registered_is_the_kept_checkpoint(summary: dict, out: Path, base_dir: Path, method: str) -> None:
+    """The registered version's weights are the kept checkpoint's (the one nearest the recommended update); its
+    tags name that update, epoch and validation loss, its description says why."""
+    import mlflow
+    from mlflow import MlflowClient
+    from safetensors.torch import load_file
+
+    from rangefinder.formats import checkpoints
+
+    ft_model = task_dir(summary, "finetune") / "model"
+    kept = checkpoints.list_checkpoints(ft_model / "checkpoints")
+    assert len(kept) == 1, kept  # every other checkpoint was removed once the window was known
+    (ckpt,) = kept
+    update = checkpoints.checkpoint_update(ckpt)
+    chosen = checkpoints.read_chosen(ft_model)
+    assert chosen["update"] == update == summary["chosen_update"]
+    assert abs(update - summary["recommended_updates"]) <= 2  # checkpoints every epoch = 4 updates apart
+    assert summary["mixed_precision"] == "no"  # auto, on this CPU
+
+    uri = f"sqlite:///{out / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    name, version = summary["registered_model"].removeprefix("models:/").split("/")
+    mv = client.get_model_version(name, version)
+    assert mv.tags["update"] == str(update) and float(mv.tags["epoch"]) == pytest.approx(chosen["epoch"])
+    assert float(mv.tags["val_loss"]) == pytest.approx(chosen["val_loss"], rel=1e-5)
+    assert mv.tags["rangefinder.weights"] == f"finetune {ckpt.name}"
+    assert f"update {update}" in mv.description and "recommended length" in mv.description
+
+    mlflow.set_tracking_uri(uri)
+    local = Path(mlflow.artifacts.download_artifacts(f"models:/{name}/{version}", dst_path=str(out / "registered")))
+    (pipe_dir,) = {p.parent for p in local.rglob("model_index.json")}
+    unet = load_file(str(pipe_dir / "unet" / "diffusion_pytorch_model.safetensors"))
+    base_unet = load_file(str(base_dir / "unet" / "diffusion_pytorch_model.safetensors"))
+    trained = checkpoints.read_weights(ckpt)
+    if method == "full":
+        assert trained.keys() == {f"unet.{k}" for k in unet}
+        for k, v in unet.items():
+            assert torch.equal(v, trained[f"unet.{k}"]), k
+    elif method == "lora":
+        # Fused: W + (alpha / rank) * B @ A on every adapted projection; every other weight is the base model's.
+        scale = 4.0 / 4  # demo_config's lora: alpha 4, rank 4
+        adapted = set()
+        for key in (k for k in trained if ".lora_A." in k):
+            module = key.removeprefix("unet.").split(".lora_A.")[0]
+            a, b = trained[key], trained[key.replace(".lora_A.", ".lora_B.")]
+            expected = base_unet[f"{module}.weight"] + scale * (b @ a)
+            assert torch.allclose(unet[f"{module}.weight"], expected, atol=1e-6), module
+            assert not torch.equal(unet[f"{module}.weight"], base_unet[f"{module}.weight"]), module
+            adapted.add(f"{module}.weight")
+        assert adapted
+        for k in unet.keys() - adapted:
+            assert torch.equal(unet[k], base_unet[k]), k
+    else:  # textual inversion: the embedding rows of the new tokens are the checkpoint's
+        from transformers import CLIPTextModel, CLIPTokenizer
+
+        tok = CLIPTokenizer.from_pretrained(str(pipe_dir / "tokenizer"))
+        emb = CLIPTextModel.from_pretrained(str(pipe_dir / "text_encoder")).get_input_embeddings().weight
+        ids = tok.convert_tokens_to_ids(["<rf-concept>"])
+        assert torch.equal(emb[ids].detach(), trained["text_encoder.learned_embeds"])
+        for k, v in unet.items():
+            assert torch.equal(v, base_unet[k]), k
+
+    # The grid's base column is the same resolved folder the runs trained from; the chosen model has its column.
+    grid = json.loads((task_dir(summary, "sample-images") / "images" / "grid.json").read_text())
+    assert grid["columns"][0]["label"] == "base" and Path(grid["columns"][0]["path"]) == base_dir
+    assert any(c["label"].startswith("chosen (") and "/chosen" in c["path"] for c in grid["columns"])
