@@ -794,6 +794,8 @@ def plan(
     eff = batch_size * grad_accum * world_size
     warnings: list[str] = []
 
+    mb_per_epoch: float  # per process; whole unless micro-batches straddle epochs
+    images_per_epoch: float
     if bucketed:
         # Each bucket is shuffled and cut into micro-batches on its own, every epoch (data/buckets.py): a bucket's
         # last micro-batch is partial (or skipped, with drop_last), and no micro-batch straddles epochs.
@@ -826,7 +828,7 @@ def plan(
                 f"batch_size x world_size = {per_step} is larger than the {n_train} training images with "
                 "drop_last: no micro-batch would ever run; lower batch_size or set drop_last false"
             )
-        mb_per_epoch: float = n_train // per_step
+        mb_per_epoch = n_train // per_step
         if n_train % per_step:
             warnings.append(
                 f"drop_last skips {n_train % per_step} of {n_train} images each epoch (a different few each time)"

@@ -230,6 +230,22 @@ def test_resume_refuses_a_checkpoint_of_other_buckets(bucketed_runs, split_repor
               out_dir=out, save_final=False)
 
 
+def test_without_the_latent_cache_each_micro_batch_is_encoded_at_its_buckets_shape(split_report, tiny_model_dir,
+                                                                                      tmp_path):
+    cfg = TrainingConfig(batch_size=3, steps=4, lr=1e-4, seed=1, cache_latents=False, random_flip=True,
+                         cache_dir=str(tmp_path / "cache"))
+    watch = UNetInputs()
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(watch)
+    try:
+        result = train(TrainSpec(cfg, ValidationConfig(every_epochs=0), split_dir=split_report[0],
+                                 model=tiny_model_dir, data=DATA), out_dir=tmp_path / "run", save_final=False)
+    finally:
+        handle.remove()
+    # Only the 3 validation and 3 stabilize images are encoded up front; the training images per micro-batch.
+    assert result.updates == 4 and result.cache["latents"]["encoded"] == 6
+    assert len(watch.train) == 4 and {s[2:] for s in watch.train} <= {(10, 6), (8, 8), (6, 10)}
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Square images: bucketing changes nothing
 

@@ -203,8 +203,8 @@ class LatentSource:
 class CachedLatents(LatentSource):
     # (N, 4, h, w) scaled latents on CPU; with aspect-ratio buckets one (4, h, w) per item, each its bucket's shape
     # (a micro-batch holds one bucket, so the rows it stacks agree).
-    latents: Sequence[torch.Tensor]
-    flipped: Optional[Sequence[torch.Tensor]] = None  # latents of the mirrored images, when flip is on
+    latents: Union[torch.Tensor, Sequence[torch.Tensor]]
+    flipped: Union[torch.Tensor, Sequence[torch.Tensor], None] = None  # of the mirrored images, when flip is on
 
     def get(self, indices: Sequence[int], flips: Sequence[bool], device: torch.device) -> torch.Tensor:
         rows = [

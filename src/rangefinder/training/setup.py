@@ -119,13 +119,16 @@ def check_settings(spec: TrainSpec, out_dir: Union[str, Path]) -> RunSettings:
         raise DataError(f"split {split_dir} has no training images; re-run `rangefinder split` with more images")
     val_items = {"val": list(split.val) if train_on == "train" else [], "stabilize": list(split.stabilize)}
     buckets = BucketSettings.from_data_config(spec.data) if spec.data is not None else None
-    placements = train_buckets = train_bucket_of = None
+    placements: Optional[dict[int, Placement]] = None
+    train_buckets: Optional[list[Size]] = None
+    train_bucket_of: Optional[list[int]] = None
+    bucket_counts: Optional[list[int]] = None
     if buckets is not None:
         placements = place_items(split, train_items + val_items["val"] + val_items["stabilize"], buckets)
         train_buckets = sorted({placements[it.id].bucket for it in train_items})
         index = {b: i for i, b in enumerate(train_buckets)}
         train_bucket_of = [index[placements[it.id].bucket] for it in train_items]
-    bucket_counts = None if train_bucket_of is None else [train_bucket_of.count(i) for i in range(len(train_buckets))]
+        bucket_counts = [train_bucket_of.count(i) for i in range(len(train_buckets))]
     # ConfigError e.g. for a batch larger than the set with drop_last
     run_plan = plan_for(cfg, len(train_items), bucket_counts)
     schedule = make_schedule(cfg, run_plan.total_updates, run_plan.updates_per_epoch, run_plan.lr or cfg.lr)
