@@ -23,7 +23,7 @@ from rangefinder.config import (
     plan_for,
     resolve_mixed_precision,
 )
-from rangefinder.data.buckets import BucketSettings, Placement, Size
+from rangefinder.data.buckets import BucketSettings, Placement, Size, bucket_array, bucket_name, image_size, place
 from rangefinder.errors import ConfigError, DataError
 from rangefinder.formats import checkpoints
 from rangefinder.formats.digest import file_sha256
@@ -151,8 +151,6 @@ def check_settings(spec: TrainSpec, out_dir: Union[str, Path]) -> RunSettings:
 
 def place_items(split: Split, items: list[Item], buckets: BucketSettings) -> dict[int, Placement]:
     """Each item's bucket, from the size the split recorded (or, in an older split, the image file's header)."""
-    from rangefinder.data.buckets import image_size, place
-
     out = {}
     for it in items:
         if it.id not in out:
@@ -337,7 +335,6 @@ def encode_data(settings: RunSettings, sd: SDComponents, family: Sd1Family, acce
                 data: DataConfig) -> EncodedData:
     """Latents (at `data`'s resolution and crop, or each image's aspect-ratio bucket) and text conditioning of the
     training and validation items, from the content-keyed cache where they were encoded before."""
-    from rangefinder.data.buckets import bucket_array, bucket_name
     from rangefinder.data.pixels import load_rgb, to_model_array
 
     placements = settings.placements
