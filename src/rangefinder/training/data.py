@@ -110,7 +110,7 @@ class BucketedStream:
     drop_last: bool
     seed: int
     total_micro_batches: int  # per process == micro-batch steps of the run
-    _epochs: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # the newest epoch's chunks
+    _epochs: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # the newest epochs' chunks
     # The training items of each bucket, in item order; computed once.
     members: list[np.ndarray] = field(default_factory=list, init=False, repr=False, compare=False)
 
@@ -151,7 +151,8 @@ class BucketedStream:
                 order = members[rng.permutation(len(members))]
                 stop = len(order) - len(order) % c if self.drop_last else len(order)
                 chunks += [order[i : min(i + c, stop)].tolist() for i in range(0, stop, c)]
-            self._epochs.clear()  # the loop moves forward: keep one epoch
+            if len(self._epochs) >= 2:  # the loop moves forward; an update straddling epochs reads two
+                del self._epochs[min(self._epochs)]
             self._epochs[epoch] = [chunks[k] for k in rng.permutation(len(chunks))]
         return self._epochs[epoch]
 
