@@ -54,3 +54,28 @@ def fake_hub_cache(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
     cache = tmp_path_factory.mktemp("hf-hub-cache")
     commit = make_cached_repo(cache, HUB_REPO, tiny_model_dir, refs=("main", "v1"))
     return cache, commit
+
+
+# Mixed shapes for aspect-ratio buckets: (width, height) px of each image. At 32 px with the default bucket step
+# (8) and max aspect (2) the buckets are 24x40, 32x32 and 40x24: portraits, squares and landscapes, five of each,
+# with odd sizes, a 3:1 strip (cropped to 5:3) and images smaller than the bucket (enlarged).
+MIXED_SIZES = (
+    (48, 80), (30, 50), (45, 61), (20, 41), (33, 100),  # portrait
+    (64, 64), (40, 40), (37, 33), (29, 31), (32, 32),  # square-ish
+    (80, 48), (64, 36), (61, 45), (41, 23), (100, 33),  # landscape
+)
+
+
+@pytest.fixture(scope="session")
+def mixed_aspect_dataset_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """15 real PNGs of portrait, landscape, square and odd sizes (MIXED_SIZES) with .txt captions: the synthetic
+    shapes, each drawn at 96 px and resized to its size (so it is squashed or stretched, as a photo's content
+    would not be, but every pixel is a real decoded image)."""
+    from rangefinder.data.synthetic import render_item
+
+    out = tmp_path_factory.mktemp("mixed-aspect")
+    for i, size in enumerate(MIXED_SIZES):
+        img, caption = render_item("shapes", 3, i, resolution=96)
+        img.resize(size).save(out / f"img{i:02d}_{size[0]}x{size[1]}.png")
+        (out / f"img{i:02d}_{size[0]}x{size[1]}.txt").write_text(caption + "\n")
+    return out

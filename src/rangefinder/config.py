@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional
 from urllib.parse import parse_qsl, urlsplit
@@ -126,6 +127,21 @@ class DataConfig(_Section):
     min_image_size: Optional[int] = Field(None, ge=1)
     # Fewer usable images than this stops the run before training (1 train + 1 validation at the very least).
     min_images: int = Field(2, ge=2)
+    # Aspect-ratio buckets, as kohya sd-scripts, EveryDream2 and OneTrainer train: each image goes to the bucket of
+    # about resolution^2 pixels whose aspect ratio is nearest its own, resized and cropped minimally, and every batch
+    # comes from one bucket (data/buckets.py). On by default because photo sets are mixed portrait and landscape and
+    # a square crop cuts off heads and feet; a set of square images (the embedded demo) lands in the one square
+    # bucket and trains exactly as with `false`, which centre-crops every image to a square.
+    bucketing: bool = True
+    # Bucket sides are multiples of this many pixels. It must be a multiple of the base model's own divisor, the VAE's
+    # downscale times the UNet's (SD 1.x/2.x/SDXL: 8 x 8 = 64; the embedded tiny model: 4 x 2 = 8); the engine checks
+    # it. None: min(64, resolution // 4) rounded down to a multiple of 8 (64 from 256 px up; 8 at the tiny model's
+    # 32 px, where 64 would leave one bucket).
+    bucket_step: Optional[int] = Field(None, ge=8)
+    # Largest long-side / short-side ratio of a bucket. 2.0 covers 16:9 and 2:3 photos; wider images are cropped to
+    # 2:1. Fewer, fuller buckets than kohya's reach of 4:1 mean fewer partial batches and steadier per-bucket
+    # validation losses on the small sets this tool is for.
+    max_aspect: float = Field(2.0, ge=1.0, le=8.0)
 
     @field_validator("resolution")
     @classmethod
@@ -134,8 +150,32 @@ class DataConfig(_Section):
             raise ValueError(f"must be a multiple of 8 (the VAE downsamples by 8); got {v}, try {v - v % 8 or 8}")
         return v
 
+    @field_validator("bucket_step")
+    @classmethod
+    def _step_multiple_of_8(cls, v: Optional[int]) -> Optional[int]:
+        if v is not None and v % 8:
+            raise ValueError(f"must be a multiple of 8 px (the VAE downsamples by 8); got {v}, try {v - v % 8 or 8}")
+        return v
+
+    @model_validator(mode="after")
+    def _step_fits(self) -> DataConfig:
+        if self.bucketing and self.effective_bucket_step() > self.resolution:
+            raise ValueError(
+                f"data.bucket_step ({self.bucket_step}) is larger than data.resolution ({self.resolution}): no bucket "
+                "fits; lower bucket_step or leave it unset"
+            )
+        return self
+
     def effective_min_image_size(self) -> int:
         return self.min_image_size if self.min_image_size is not None else max(1, self.resolution // 2)
+
+    def effective_bucket_step(self) -> int:
+        return default_bucket_step(self.resolution) if self.bucket_step is None else self.bucket_step
+
+
+def default_bucket_step(resolution: int) -> int:
+    """min(64, resolution // 4), rounded down to a multiple of 8 and at least 8 (see DataConfig.bucket_step)."""
+    return max(8, min(64, resolution // 4) // 8 * 8)
 
 
 class SplitConfig(_Section):
@@ -676,6 +716,9 @@ class Plan(BaseModel):
     images_seen: int  # across all processes
     full_cycle: bool
     drop_last: bool
+    # Training images per aspect-ratio bucket when there are two or more (each micro-batch then comes from one
+    # bucket, so each bucket ends its epoch with its own partial micro-batch); None: one shape for all images.
+    bucket_counts: Optional[list[int]] = None
     lr: Optional[float]
     lr_base: Optional[float]
     lr_scale_factor: float
@@ -716,11 +759,14 @@ def plan(
     scale_lr: ScaleLR = "none",
     drop_last: bool = False,
     train_images: Optional[int] = None,
+    bucket_counts: Optional[Sequence[int]] = None,
 ) -> Plan:
     """Translate a dataset size and settings into the counts the engine will really run.
 
     Give either `epochs` or `steps` (counted in `steps_unit`). `train_images`, when given, overrides the split
-    (e.g. a hand-made validation folder). Raises ConfigError for impossible settings.
+    (e.g. a hand-made validation folder). `bucket_counts`, the training images in each aspect-ratio bucket, gives
+    the training set instead (`rangefinder split` lists them): every micro-batch then holds images of one bucket.
+    Raises ConfigError for impossible settings.
     """
     for name, v in (("batch_size", batch_size), ("grad_accum", grad_accum), ("world_size", world_size)):
         if v < 1:
@@ -734,6 +780,12 @@ def plan(
     if lr is not None and not (math.isfinite(lr) and lr > 0):
         raise ConfigError(f"lr must be a finite number above 0 (got {lr}); e.g. 1e-5")
 
+    counts = [int(c) for c in bucket_counts or () if c]
+    if any(c < 0 for c in counts):
+        raise ConfigError(f"bucket counts must be >= 0 (got {list(bucket_counts or ())})")
+    if counts:
+        train_images = sum(counts)
+    bucketed = len(counts) >= 2  # one bucket: every image has one shape, the plain stream below
     n_val = 0 if train_images is not None else val_count(num_images, val_split)
     n_train = train_images if train_images is not None else num_images - n_val
     if n_train < 1:
@@ -742,27 +794,56 @@ def plan(
     eff = batch_size * grad_accum * world_size
     warnings: list[str] = []
 
-    if drop_last:
+    mb_per_epoch: float  # per process; whole unless micro-batches straddle epochs
+    images_per_epoch: float
+    if bucketed:
+        # Each bucket is shuffled and cut into micro-batches on its own, every epoch (data/buckets.py): a bucket's
+        # last micro-batch is partial (or skipped, with drop_last), and no micro-batch straddles epochs.
+        if drop_last:
+            mb_per_epoch = sum(c // per_step for c in counts)
+            if mb_per_epoch == 0:
+                raise ConfigError(
+                    f"batch_size x world_size = {per_step} is larger than every bucket ({counts}) with drop_last: no "
+                    "micro-batch would ever run; lower batch_size or set drop_last false"
+                )
+            skipped = sum(c % per_step for c in counts)
+            if skipped:
+                warnings.append(
+                    f"drop_last skips {skipped} of {n_train} images each epoch: each bucket's remainder after "
+                    f"micro-batches of {per_step}"
+                )
+        else:
+            mb_per_epoch = sum(-(-c // per_step) for c in counts)
+            partial = sum(1 for c in counts if c % per_step)
+            if partial:
+                warnings.append(
+                    f"{partial} of the {mb_per_epoch} micro-batches of each epoch are partial: a micro-batch holds one "
+                    f"aspect-ratio bucket, and {partial} of the {len(counts)} buckets ({counts}) are not a multiple "
+                    f"of batch_size x world_size = {per_step}"
+                )
+        images_per_epoch = sum(c // per_step * per_step for c in counts) if drop_last else n_train
+    elif drop_last:
         if per_step > n_train:
             raise ConfigError(
                 f"batch_size x world_size = {per_step} is larger than the {n_train} training images with "
                 "drop_last: no micro-batch would ever run; lower batch_size or set drop_last false"
             )
-        mb_per_epoch: float = n_train // per_step
+        mb_per_epoch = n_train // per_step
         if n_train % per_step:
             warnings.append(
                 f"drop_last skips {n_train % per_step} of {n_train} images each epoch (a different few each time)"
             )
     else:
         mb_per_epoch = n_train / per_step
-    images_per_epoch = mb_per_epoch * per_step  # == n_train unless drop_last
+    if not bucketed:
+        images_per_epoch = mb_per_epoch * per_step  # == n_train unless drop_last
 
     if epochs is not None:
         total_mb = math.ceil(epochs * mb_per_epoch - 1e-9)
         total_updates = math.ceil(total_mb / grad_accum)
         n_epochs = epochs
         images_seen = round(epochs * images_per_epoch)
-        if not drop_last and images_seen % per_step:
+        if not drop_last and not bucketed and images_seen % per_step:
             warnings.append(
                 f"partial last micro-batch: {epochs} epochs x {n_train} images is not a multiple of "
                 f"batch_size x world_size = {per_step}; the last one has {images_seen % per_step} images"
@@ -793,21 +874,37 @@ def plan(
                     f"{steps % grad_accum} do not complete an update and are not run"
                 )
         # Whole passes in the stated budget, rounded down as a person counting passes would.
-        n_epochs = int(budget_mb // mb_per_epoch) if drop_last else (budget_mb * per_step) // n_train
+        n_epochs = int(budget_mb // mb_per_epoch) if drop_last or bucketed else (budget_mb * per_step) // n_train
         images_seen = total_mb * per_step
-        if not drop_last and n_train % per_step:
+        if bucketed:
+            whole, rest = divmod(total_mb, int(mb_per_epoch))
+            # Which buckets' micro-batches fill the last, unfinished epoch depends on its shuffle: the images of
+            # those micro-batches are estimated at the epoch's mean micro-batch size.
+            images_seen = round(whole * images_per_epoch + rest * images_per_epoch / mb_per_epoch)
+            if rest:
+                warnings.append(
+                    f"the budget ends {rest} micro-batches into epoch {whole + 1}; with aspect-ratio buckets its "
+                    "images seen is an estimate (which buckets come first is drawn each epoch)"
+                )
+        elif not drop_last and n_train % per_step:
             warnings.append(
                 f"{n_train} training images is not a multiple of batch_size x world_size = {per_step}: "
                 "micro-batches straddle epoch boundaries"
             )
 
-    full_cycle = n_train == eff
+    full_cycle = n_train == eff if not bucketed else mb_per_epoch == grad_accum
+    if bucketed and not full_cycle and n_train <= 64:
+        warnings.append(
+            f"tiny dataset ({n_train} images) but not full-cycle: with aspect-ratio buckets an epoch is "
+            f"{_num(mb_per_epoch)} micro-batches of batch_size x world_size = {per_step}; grad_accum = "
+            f"{_num(mb_per_epoch)} gives one smooth update per epoch"
+        )
     if eff > n_train:
         warnings.append(
             f"effective batch {eff} is larger than the {n_train} training images: each update sees some images "
             f"twice; lower batch_size or grad_accum to at most {n_train}"
         )
-    elif not full_cycle and n_train <= 64:
+    elif not full_cycle and not bucketed and n_train <= 64:
         warnings.append(
             f"tiny dataset ({n_train} images) but not full-cycle: batch_size x grad_accum x world_size = {eff}; "
             f"setting it to {n_train} gives one smooth update per epoch"
@@ -835,6 +932,7 @@ def plan(
         images_seen=int(images_seen),
         full_cycle=full_cycle,
         drop_last=drop_last,
+        bucket_counts=counts if bucketed else None,
         lr=lr_final,
         lr_base=lr,
         lr_scale_factor=factor,
@@ -843,8 +941,9 @@ def plan(
     )
 
 
-def plan_for(cfg: TrainingConfig, train_images: int) -> Plan:
-    """The plan of one engine run, from its settings and the size of its training set."""
+def plan_for(cfg: TrainingConfig, train_images: int, bucket_counts: Optional[Sequence[int]] = None) -> Plan:
+    """The plan of one engine run, from its settings and the size of its training set (and its images per
+    aspect-ratio bucket, when bucketed)."""
     if not cfg.budget_given():
         raise ConfigError("training.epochs or training.steps must be set for a training run")
     return plan(
@@ -859,4 +958,5 @@ def plan_for(cfg: TrainingConfig, train_images: int) -> Plan:
         lr=cfg.lr,
         scale_lr=cfg.scale_lr,
         drop_last=cfg.drop_last,
+        bucket_counts=bucket_counts,
     )

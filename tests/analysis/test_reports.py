@@ -85,6 +85,21 @@ def test_step_report(tmp_path):
     assert "rose_after_min" in paths["markdown"].read_text()
 
 
+def test_step_report_lists_each_aspect_buckets_validation_loss(tmp_path):
+    e = np.arange(61) / 2
+    loss = noisy(ConstantRunShape().loss(e), 0.001, 0)
+    w = select_step_window(e * 10, e, loss)
+    # The engine's columns for a validation set in two buckets (40x24 before 24x40 in the file, sorted in the report).
+    curve = {"update": e * 10, "epoch": e, "val_loss": loss, "val_loss_40x24": loss + 0.1, "val_loss_24x40": loss - 0.1}
+    text = write_step_report(w, curve, tmp_path)["markdown"].read_text()
+    at = int(np.argmin(np.abs(e * 10 - w.best_update)))
+    lines = [ln for ln in text.splitlines() if ln.startswith("| val loss, bucket")]
+    assert lines == [f"| val loss, bucket 24x40 | {loss[at] - 0.1:.4g} |",
+                     f"| val loss, bucket 40x24 | {loss[at] + 0.1:.4g} |"]
+    plain = write_step_report(w, {"update": e * 10, "val_loss": loss}, tmp_path / "plain")["markdown"].read_text()
+    assert "bucket" not in plain
+
+
 def test_cli_analyze_lr_and_select_steps(tmp_path, capsys):
     shape = RangeTestShape(rise=0.05)
     lr = lr_sweep(30)

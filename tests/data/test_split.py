@@ -50,7 +50,7 @@ def test_two_runs_give_byte_identical_manifests(tmp_path):
     assert (tmp_path / "a" / "val.jsonl").read_bytes() != (tmp_path / "c" / "val.jsonl").read_bytes()
     assert sorted(p.name for p in (tmp_path / "a").iterdir()) == sorted(names)  # no temporary files left
     first = json.loads((tmp_path / "a" / "train.jsonl").read_text().splitlines()[0])
-    assert list(first) == ["id", "file_name", "text"]
+    assert list(first) == ["id", "file_name", "text", "size"]
 
 
 def test_bad_files_are_listed_in_the_summary_and_skipped(tmp_path, capsys):

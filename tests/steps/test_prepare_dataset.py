@@ -45,3 +45,18 @@ def test_bad_files_are_listed_not_fatal(tmp_path, shapes_dataset_dir):
 def test_missing_folder_is_one_clear_error(tmp_path):
     with pytest.raises(DataError, match="is not a folder"):
         run_prepare_dataset(demo_config(data={"dataset_dir": str(tmp_path / "nope")}), out_dir=tmp_path / "s")
+
+
+def test_the_report_lists_the_aspect_ratio_buckets(tmp_path, mixed_aspect_dataset_dir):
+    cfg = demo_config(data={"dataset_dir": str(mixed_aspect_dataset_dir)})  # 32 px, bucketing on
+    run_prepare_dataset(cfg, out_dir=tmp_path / "split", report_path=tmp_path / "report.md")
+    report = (tmp_path / "report.md").read_text()
+    assert "## Aspect-ratio buckets (32 px, sides in steps of 8 px, at most 2:1)" in report
+    table = read_split(tmp_path / "split").summary["buckets"]["table"]
+    assert [b["bucket"] for b in table] == ["24x40", "32x32", "40x24"]
+    for b in table:
+        assert f"| {b['bucket']} | {b['train']} | {b['val']} | {b['stabilize']} |" in report
+    off = demo_config(data={"dataset_dir": str(mixed_aspect_dataset_dir), "bucketing": False})
+    run_prepare_dataset(off, out_dir=tmp_path / "square", report_path=tmp_path / "square.md")
+    assert "Aspect-ratio buckets" not in (tmp_path / "square.md").read_text()
+    assert read_split(tmp_path / "square").summary["buckets"] is None

@@ -1,6 +1,7 @@
 """A training run in a process of its own, for the resume test: `python engine_child.py SETTINGS.json`.
 
-SETTINGS holds split_dir, model, out_dir, training (TrainingConfig fields), validation, and optionally
+SETTINGS holds split_dir, model, out_dir, training (TrainingConfig fields), validation, and optionally data
+(DataConfig fields);
 kill_at_update: the process SIGKILLs itself while logging that update (no cleanup, no atexit), as a crash would;
 pause_at_update: it creates the file `pause_marker` and sleeps (until killed) while logging that update;
 max_file_bytes: no file it writes may grow past that many bytes (RLIMIT_FSIZE; a write past it fails with EFBIG,
@@ -38,13 +39,14 @@ def main(path):
     if s.get("max_file_bytes"):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write then fails with EFBIG instead of killing us
         resource.setrlimit(resource.RLIMIT_FSIZE, (s["max_file_bytes"], s["max_file_bytes"]))
-    from rangefinder.config import TrainingConfig, ValidationConfig
+    from rangefinder.config import DataConfig, TrainingConfig, ValidationConfig
     from rangefinder.errors import RangefinderError
     from rangefinder.training.loop import TrainSpec, train
 
+    data = DataConfig(**s["data"]) if s.get("data") else None  # e.g. aspect-ratio buckets
     try:
         result = train(TrainSpec(TrainingConfig(**s["training"]), ValidationConfig(**s["validation"]),
-                                 split_dir=s["split_dir"], model=s["model"]),
+                                 split_dir=s["split_dir"], model=s["model"], data=data),
                        out_dir=s["out_dir"],
                        metric_sink=KillAt(s.get("kill_at_update"), s.get("pause_at_update"), s.get("pause_marker")))
     except RangefinderError as e:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 import pytest
 
 from rangefinder.config import plan
@@ -43,3 +44,56 @@ def test_order_depends_on_seed_and_epoch_only():
     assert a.micro_batch(0) != c.micro_batch(0) or a.micro_batch(1) != c.micro_batch(1)
     first_half = a.micro_batch(0) + a.micro_batch(1) + a.micro_batch(2)
     assert first_half != a.micro_batch(3) + a.micro_batch(4) + a.micro_batch(5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Aspect-ratio buckets: one bucket per micro-batch, counted as plan() counts them
+
+
+@pytest.mark.parametrize("counts, bs, ga, ws, epochs, drop_last", [
+    ((4, 5, 3), 2, 2, 1, 3, False), ((7, 1, 9), 3, 1, 2, 2, False), ((6, 6), 4, 1, 1, 2, False),
+    ((5, 4, 3), 2, 3, 1, 2, True), ((10, 2, 7), 1, 1, 3, 2, True),
+])
+def test_bucketed_epochs_see_each_image_once_in_batches_of_one_bucket(counts, bs, ga, ws, epochs, drop_last):
+    from rangefinder.training.data import BucketedStream, make_stream
+
+    bucket_of = [b for b, c in enumerate(counts) for _ in range(c)]
+    bucket_of = [bucket_of[i] for i in np.random.default_rng(0).permutation(len(bucket_of))]  # buckets interleaved
+    n, chunk = len(bucket_of), bs * ws
+    p = plan(n, bucket_counts=counts, batch_size=bs, grad_accum=ga, world_size=ws, epochs=epochs, drop_last=drop_last)
+    s = make_stream(p, 5, bucket_of)
+    assert isinstance(s, BucketedStream) and s.total_updates == p.total_updates
+    per_epoch = sum(c // chunk if drop_last else -(-c // chunk) for c in counts)
+    assert p.total_micro_batches == epochs * per_epoch
+    chunks = [s.micro_batch(j) for j in range(p.total_micro_batches)]
+    assert all(len({bucket_of[i] for i in c}) == 1 and 0 < len(c) <= chunk for c in chunks)
+    assert sum(len(c) for c in chunks) == p.images_seen
+    assert sum(len(s.local(j, r)) for j in range(p.total_micro_batches) for r in range(ws)) == p.images_seen
+    for e in range(epochs):
+        seen = [i for c in chunks[e * per_epoch : (e + 1) * per_epoch] for i in c]
+        assert len(set(seen)) == len(seen)  # no image twice in an epoch
+        if not drop_last:
+            assert sorted(seen) == list(range(n))
+        assert s.epochs_after((e + 1) * per_epoch) == e + 1
+    # Partial chunks: one per bucket not a multiple of the chunk, each epoch (none with drop_last).
+    partial = sum(1 for c in chunks if len(c) < chunk)
+    assert partial == (0 if drop_last else epochs * sum(1 for c in counts if c % chunk))
+    # The order depends on (seed, epoch) only: a fresh stream read backwards agrees.
+    again = make_stream(p, 5, bucket_of)
+    assert [again.micro_batch(j) for j in reversed(range(p.total_micro_batches))][::-1] == chunks
+    assert make_stream(p, 6, bucket_of).micro_batch(0) != chunks[0] or make_stream(p, 6, bucket_of).micro_batch(
+        1) != chunks[1]
+
+
+def test_one_bucket_keeps_the_plain_stream_and_plan():
+    from rangefinder.training.data import ImageStream, make_stream
+
+    p = plan(10, bucket_counts=[10], batch_size=3, epochs=2)
+    assert p.bucket_counts is None and p == plan(10, train_images=10, batch_size=3, epochs=2)
+    assert isinstance(make_stream(p, 1, [0] * 10), ImageStream)
+
+
+def test_a_steps_budget_ending_mid_epoch_is_flagged_with_buckets():
+    p = plan(12, bucket_counts=[4, 5, 3], batch_size=2, steps=10)
+    assert p.total_updates == 10 and p.epochs == 1
+    assert any("ends 3 micro-batches into epoch 2" in w for w in p.warnings)

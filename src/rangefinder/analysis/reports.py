@@ -10,8 +10,11 @@ from __future__ import annotations
 import base64
 import html
 import json
+import re
 from pathlib import Path
 from typing import Any, Optional
+
+import numpy as np
 
 from rangefinder.analysis.lr_bounds import FLAG_ADVICE as LR_FLAG_ADVICE
 from rangefinder.analysis.lr_bounds import STATUS_ADVICE as LR_STATUS_ADVICE
@@ -188,10 +191,29 @@ def write_step_report(window: StepWindow, curve: Optional[dict], out_dir: str | 
         ("noise (s.d.)", window.noise_sigma, f"p(improvement) = {window.p_improvement:.3g}"),
         ("points used", window.points_used, f"{window.points_dropped} left out"),
     ]
+    rows += _bucket_rows(curve, window.best_update)
     notes: list[tuple[str, str]] = [(window.status, STEP_STATUS_ADVICE[window.status])]
     notes += [(f, STEP_FLAG_ADVICE[f]) for f in window.flags]
     return _write_report(out, "step_report", "step_window.json", "Step window", window.status, lead, png, rows,
                          notes, _source_line(curve, source), window.to_dict())
+
+
+_BUCKET_COLUMN = re.compile(r"^val_loss_(\d+)x(\d+)$")
+
+
+def _bucket_rows(curve: Optional[dict], best_update: Optional[float]) -> list[tuple[str, Any, str]]:
+    """One row per aspect-ratio bucket of the validation set (the curve's val_loss_<W>x<H> columns): its measured
+    loss at the row nearest the best update, and at the baseline."""
+    if not curve or "update" not in curve:
+        return []
+    matched = [(m, c) for c in curve if (m := _BUCKET_COLUMN.match(c))]
+    columns = [c for _, c in sorted(matched, key=lambda mc: (int(mc[0][1]), int(mc[0][2])))]
+    if not columns:
+        return []
+    updates = np.asarray(curve["update"], dtype=float)
+    at = int(np.argmin(np.abs(updates - best_update))) if best_update is not None else len(updates) - 1
+    return [(f"val loss, bucket {c.removeprefix('val_loss_')}", float(curve[c][at]),
+             f"at update {int(updates[at])} (baseline {_fmt(float(curve[c][0]))})") for c in columns]
 
 
 def copy_report(report: dict, html_path: Optional[Path], markdown_path: Optional[Path]) -> None:

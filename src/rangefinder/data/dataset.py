@@ -30,13 +30,21 @@ class Item:
     id: int
     file_name: str
     text: str
+    # The upright image's (width, height) in px, recorded by the split; the aspect-ratio bucket follows from it
+    # (data/buckets.py). None in splits written before it was recorded: the engine then reads the file's header.
+    size: Optional[tuple[int, int]] = None
 
     def to_json(self) -> dict:
-        return {"id": self.id, "file_name": self.file_name, "text": self.text}
+        out: dict = {"id": self.id, "file_name": self.file_name, "text": self.text}
+        if self.size is not None:
+            out["size"] = list(self.size)
+        return out
 
     @classmethod
     def from_json(cls, obj: dict) -> Item:
-        return cls(id=int(obj["id"]), file_name=str(obj["file_name"]), text=str(obj["text"]))
+        size = obj.get("size")
+        return cls(id=int(obj["id"]), file_name=str(obj["file_name"]), text=str(obj["text"]),
+                   size=None if size is None else (int(size[0]), int(size[1])))
 
 
 def item_id(file_name: str) -> int:

@@ -49,7 +49,11 @@ def resize_square(img: Image.Image, resolution: int, center_crop: bool = True) -
 
 def to_model_array(img: Image.Image, resolution: int, center_crop: bool = True) -> np.ndarray:
     """(3, resolution, resolution) float32 in [-1, 1], the range Stable Diffusion's VAE was trained on."""
-    img = resize_square(img.convert("RGB"), resolution, center_crop)
+    return array_from_rgb(resize_square(img.convert("RGB"), resolution, center_crop))
+
+
+def array_from_rgb(img: Image.Image) -> np.ndarray:
+    """(3, H, W) float32 in [-1, 1] of an RGB image of any shape (data/buckets.py sizes it for a bucket)."""
     arr = np.asarray(img, dtype=np.float32) / 127.5 - 1.0  # (H, W, 3)
     return np.ascontiguousarray(arr.transpose(2, 0, 1))
 

@@ -7,7 +7,10 @@ least one, and at least one left for training); a hand-made validation folder re
 subset, `ceil(q * train)` of the training items, is measured like validation to give a smooth training loss.
 
 Output folder (the contract the engine reads): `train.jsonl`, `val.jsonl`, `stabilize.jsonl`, one
-`{"id", "file_name", "text"}` per line with `file_name` relative to the dataset root, and `split.json`, a summary.
+`{"id", "file_name", "text", "size"}` per line with `file_name` relative to the dataset root and `size` the upright
+image's [width, height], and `split.json`, a summary. With aspect-ratio buckets (data/buckets.py) each line also
+has the image's `bucket` [width, height] and `crop` [left, top], and the summary a table of the buckets' sizes and
+image counts; the engine buckets again from `size` with its own settings, by the same function.
 Every file is written under a temporary name and renamed, `split.json` last: a split folder without it is unfinished.
 `split.json` records the dataset root both absolute and relative to the split folder; `read_split` falls back to the
 relative one when the absolute one is gone (the split and its data moved together).
@@ -19,10 +22,12 @@ import json
 import math
 import os
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Optional
 
 from rangefinder.config import val_count
+from rangefinder.data.buckets import BucketSettings, bucket_table, image_size, place
 from rangefinder.data.dataset import Item, item_id
 from rangefinder.data.validate import validate_dataset
 from rangefinder.errors import DataError
@@ -40,6 +45,7 @@ class Split:
     val: list[Item]
     stabilize: list[Item]  # a subset of train
     summary: dict = field(default_factory=dict)
+    buckets: Optional[BucketSettings] = None  # the aspect-ratio buckets the split was reported for
 
     def path_of(self, item: Item) -> Path:
         return (self.root / item.file_name).resolve()
@@ -73,8 +79,11 @@ def make_split(
     val_dir: str | Path | None = None,
     min_image_size: int = 1,
     min_images: int = 2,
+    buckets: Optional[BucketSettings] = None,
 ) -> Split:
-    """Validate the dataset (bad items skipped and listed) and split it; DataError when too few usable images."""
+    """Validate the dataset (bad items skipped and listed) and split it; DataError when too few usable images.
+
+    Every item gets its image's size; with `buckets`, the summary also counts the images of each bucket."""
     if not 0 <= val_split < 1:
         raise DataError(f"val_split must be in [0, 1) (got {val_split}); 0.2 is usual")
     if not 0 <= stabilize_split <= 1:
@@ -110,6 +119,9 @@ def make_split(
 
     # Manifests list items by relative path: readable, and the order never depends on the shuffle.
     train, val, stabilize = (sorted(s, key=lambda it: it.file_name) for s in (train, val, stabilize))
+    # Each image's upright size, from its header (validation has decoded it already): its bucket follows from it.
+    sizes = {it.id: image_size(root / it.file_name) for it in train + val}
+    train, val, stabilize = ([replace(it, size=sizes[it.id]) for it in s] for s in (train, val, stabilize))
     summary = {
         "format": FORMAT_VERSION,
         "root": str(root),
@@ -122,12 +134,22 @@ def make_split(
         "val_images": len(val),
         "stabilize_images": len(stabilize),
         "skipped": skipped,
+        "buckets": None,
     }
-    return Split(root=root, train=train, val=val, stabilize=stabilize, summary=summary)
+    if buckets is not None:
+        table = bucket_table({name: [place(it.size, buckets) for it in items if it.size is not None]
+                              for name, items in (("train", train), ("val", val), ("stabilize", stabilize))})
+        summary["buckets"] = {**buckets.to_json(), "table": table}
+    return Split(root=root, train=train, val=val, stabilize=stabilize, summary=summary, buckets=buckets)
 
 
-def _jsonl(items: list[Item]) -> str:
-    return "".join(json.dumps(it.to_json(), ensure_ascii=False) + "\n" for it in items)
+def _jsonl(items: list[Item], buckets: Optional[BucketSettings] = None) -> str:
+    def line(it: Item) -> dict:
+        if buckets is None or it.size is None:
+            return it.to_json()
+        return it.to_json() | place(it.size, buckets).to_json()  # bucket and crop, for the reader's information
+
+    return "".join(json.dumps(line(it), ensure_ascii=False) + "\n" for it in items)
 
 
 def write_split(split: Split, out_dir: str | Path) -> Path:
@@ -138,7 +160,7 @@ def write_split(split: Split, out_dir: str | Path) -> Path:
     if summary_path.exists():
         summary_path.unlink()  # the folder is unfinished until the new summary lands
     for name in SUBSETS:
-        write_text(out / f"{name}.jsonl", _jsonl(split.subset(name)))
+        write_text(out / f"{name}.jsonl", _jsonl(split.subset(name), split.buckets))
     # The root also relative to the split folder: a split handed to another machine or pod with its data beside it
     # (a KFP artifact mounted elsewhere) still finds the images.
     summary = {**split.summary, "root_relative": Path(os.path.relpath(split.root, out)).as_posix()}
@@ -176,7 +198,12 @@ def read_split(split_dir: str | Path, root: str | Path | None = None) -> Split:
         relative = summary.get("root_relative")
         if not data_root.is_dir() and relative is not None and (d / relative).is_dir():
             data_root = (d / relative).resolve()
-    return Split(root=data_root, summary=summary, **subsets)
+    recorded = summary.get("buckets")
+    buckets = None
+    if recorded:
+        buckets = BucketSettings(int(recorded["resolution"]), int(recorded["step"]), float(recorded["max_aspect"]),
+                                 bool(recorded.get("crop", True)))
+    return Split(root=data_root, summary=summary, buckets=buckets, **subsets)
 
 
 def split_dataset(

@@ -35,6 +35,7 @@ def run_prepare_dataset(
     dataset_dir: Optional[Path] = None,
     report_path: Optional[Path] = None,
 ) -> PreparedDataset:
+    from rangefinder.data.buckets import BucketSettings
     from rangefinder.data.split import split_dataset
     from rangefinder.data.synthetic import make_synthetic_dataset
 
@@ -56,7 +57,8 @@ def run_prepare_dataset(
                                resolution=max(32, cfg.data.resolution))
     split = split_dataset(root, out_dir, val_split=cfg.split.val_split, stabilize_split=cfg.split.stabilize_split,
                           seed=cfg.split.seed, val_dir=cfg.split.val_dir,
-                          min_image_size=cfg.data.effective_min_image_size(), min_images=cfg.data.min_images)
+                          min_image_size=cfg.data.effective_min_image_size(), min_images=cfg.data.min_images,
+                          buckets=BucketSettings.from_data_config(cfg.data))
     skipped_files = list(split.summary.get("skipped", []))
     skipped = len(skipped_files)
     result = PreparedDataset(split_dir=out_dir, dataset_root=root.resolve(), train_images=len(split.train),
@@ -67,5 +69,11 @@ def run_prepare_dataset(
                  f"- stabilize subset: {len(split.stabilize)}", f"- skipped files: {skipped}"]
         for item in skipped_files:
             lines.append(f"  - `{item.get('file_name')}`: {item.get('reason')}")
+        buckets = split.summary.get("buckets")
+        if buckets:
+            lines += ["", f"## Aspect-ratio buckets ({buckets['resolution']} px, sides in steps of "
+                      f"{buckets['step']} px, at most {buckets['max_aspect']:g}:1)", "",
+                      "| bucket | train | val | stabilize |", "|---|---|---|---|"]
+            lines += [f"| {b['bucket']} | {b['train']} | {b['val']} | {b['stabilize']} |" for b in buckets["table"]]
         Path(report_path).write_text("\n".join(lines) + "\n")
     return result

@@ -1,10 +1,11 @@
 """Encode once: VAE latents and text embeddings, cached on disk and keyed by content.
 
 An entry's key is a hash of what determines it, never of a path or a run: a latent is keyed by the image file's
-bytes under a folder keyed by the VAE's weights and config and the preprocessing (resolution, crop, mode or seeded
-sample); a text embedding is keyed by its token ids under a folder keyed by the text encoder's weights. So the LR
-range test, the fine-tune and the retrain of a pipeline (and the train+val retrain, which needs the same images)
-encode each image once, and a changed image or base model can never be served a stale entry.
+bytes under a folder keyed by the VAE's weights and config and the preprocessing (square resolution or aspect-ratio
+bucket, crop, mode or seeded sample); a text embedding is keyed by its token ids under a folder keyed by the text
+encoder's weights. So the LR range test, the fine-tune and the retrain of a pipeline (and the train+val retrain,
+which needs the same images) encode each image once, and a changed image or base model can never be served a stale
+entry.
 
 Layout: `<cache_root>/latents/<setting key>/<image sha256>.safetensors` holding `latent` (4, h, w) and, once a run
 with flipping has needed it, `flipped` (the mirrored image's latent: mirroring a latent is not the latent of the
@@ -102,9 +103,15 @@ def _seeded(seed: int, key: str) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
 
 
-def latent_cache_dir(root: Path, encoder: VaeEncoder, resolution: int, center_crop: bool) -> Path:
+def latent_cache_dir(
+    root: Path, encoder: VaeEncoder, resolution: int, center_crop: bool, bucket: Optional[tuple[int, int]] = None
+) -> Path:
+    """The folder of one preprocessing setting's latents: a square of `resolution`, or one aspect-ratio `bucket`
+    (width, height) px, into which each image is resized and cropped from its own size (data/buckets.py)."""
     seed = encoder.seed if encoder.sampling == "sample" else None
-    return root / "latents" / _key(encoder.fingerprint, resolution, center_crop, encoder.sampling, seed)
+    if bucket is None:
+        return root / "latents" / _key(encoder.fingerprint, resolution, center_crop, encoder.sampling, seed)
+    return root / "latents" / _key(encoder.fingerprint, "bucket", *bucket, center_crop, encoder.sampling, seed)
 
 
 @dataclass

@@ -88,6 +88,7 @@ def _main_parts(run: Run, state: RunState) -> dict[str, Any]:
             "micro_batches_done": state.micro_batches_done,
             "total_updates": run.settings.plan.total_updates,
             "train_images": len(run.settings.train_items),
+            "train_buckets": _train_buckets(run),
             "loss_since_row": [state.loss_sum, state.loss_count],
             "status": state.status,
             "training": run.cfg.model_dump(mode="json"),
@@ -203,12 +204,23 @@ def _check_same_run(saved: dict[str, Any], run: Run) -> None:
     same_data = saved["total_updates"] == run.settings.plan.total_updates and saved["train_images"] == len(
         run.settings.train_items
     )
-    if changed or not same_data:
-        what = ", ".join(f"training.{k}" for k in changed) or "the training set"
+    same_buckets = saved.get("train_buckets") == _train_buckets(run)  # None both ways without bucketing
+    if changed or not same_data or not same_buckets:
+        what = ", ".join(f"training.{k}" for k in changed) or (
+            "the training set" if same_data else "the training set's aspect-ratio buckets (data.*)")
         raise ConfigError(
             f"cannot resume: the checkpoint was written with different settings ({what}); "
             "resume with the same settings and data, or start in an empty folder"
         )
+
+
+def _train_buckets(run: Run) -> Optional[dict[str, int]]:
+    """Training images per aspect-ratio bucket ({"40x24": 5, ...}); None without bucketing."""
+    settings = run.settings
+    if settings.train_buckets is None or settings.train_bucket_of is None:
+        return None
+    names = [f"{w}x{h}" for w, h in settings.train_buckets]
+    return {name: settings.train_bucket_of.count(i) for i, name in enumerate(names)}
 
 
 def _rng_states(train_gen: torch.Generator) -> dict[str, Any]:

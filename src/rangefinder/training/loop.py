@@ -43,7 +43,7 @@ from rangefinder.training.checkpointing import (
     trainable_finite,
     update_finite,
 )
-from rangefinder.training.data import ImageStream
+from rangefinder.training.data import Stream
 from rangefinder.training.setup import (
     Run,
     TrainSpec,
@@ -56,7 +56,7 @@ from rangefinder.training.setup import (
     start_accelerator,
 )
 from rangefinder.training.state import RunLog, RunState
-from rangefinder.training.validation import diverged, validate
+from rangefinder.training.validation import bucket_columns, diverged, validate
 
 
 @dataclass
@@ -108,7 +108,7 @@ def train(
     # A full disk or a read-only folder while writing the curve, final/ or the summary: one sentence, no traceback.
     with outputs_written(settings.out_dir):
         # --- resume, or the update-0 baseline -------------------------------------------------------------------------
-        log = RunLog(settings.out_dir, settings.val_cfg.timesteps, run.main)
+        log = RunLog(settings.out_dir, settings.val_cfg.timesteps, run.main, bucket_columns(run.data.val_sets))
         state = RunState.fresh(cfg.seed + accelerator.process_index, log)
         restore_checkpoint(run, state)
         if run.validating and state.update == 0:
@@ -240,7 +240,7 @@ def _micro_batch_loss(run: Run, gen: torch.Generator, j: int, images_in_update: 
 # When to validate, when a ramp has diverged
 
 
-def _validation_due(val_cfg: ValidationConfig, stream: ImageStream, first_micro_batch: int, state: RunState) -> bool:
+def _validation_due(val_cfg: ValidationConfig, stream: Stream, first_micro_batch: int, state: RunState) -> bool:
     """After the update just taken (which began at `first_micro_batch`)."""
     if val_cfg.every_updates is not None:
         return state.update % val_cfg.every_updates == 0
@@ -261,6 +261,27 @@ def _diverged(val_cfg: ValidationConfig, log: RunLog) -> bool:
 
 # ---------------------------------------------------------------------------------------------------------------
 # Finish
+
+
+def _bucket_summary(run: Run, state: RunState) -> Optional[dict[str, Any]]:
+    """The aspect-ratio buckets of run_summary.json: the settings, and each bucket's image counts and its last
+    measured validation losses; None when every image was a centre-cropped square."""
+    from rangefinder.data.buckets import bucket_name, bucket_table
+
+    settings = run.settings
+    if settings.buckets is None or settings.placements is None:
+        return None
+    placed = settings.placements
+    table = bucket_table({"train": [placed[it.id] for it in settings.train_items],
+                          **{name: [placed[it.id] for it in items] for name, items in settings.val_items.items()}})
+    last = state.log.metrics_rows[-1] if state.log.metrics_rows else {}
+    for row in table:
+        for name in settings.val_items:
+            loss = last.get(f"{name}_loss_{row['bucket']}")
+            if loss is not None:
+                row[f"{name}_loss"] = loss
+    return {**settings.buckets.to_json(), "table": table,
+            "train_buckets": [bucket_name(b) for b in settings.train_buckets or []]}
 
 
 def _finish(run: Run, state: RunState, *, save_final: bool, seconds: float, cpu_seconds: float) -> TrainResult:
@@ -303,6 +324,7 @@ def _finish(run: Run, state: RunState, *, save_final: bool, seconds: float, cpu_
             "validation": run.val_cfg.model_dump(),
             "train_on": settings.train_on,
             "resolution": run.data.data_cfg.resolution,
+            "buckets": _bucket_summary(run, state),
             "prediction_type": run.family.prediction_type,
             "compile": "on" if settings.compile else "off",  # training.compile resolved
             "seconds": seconds,  # the loop's wall time (loading and encoding excluded)

@@ -6,7 +6,7 @@ which complete the `Run` the loop trains with.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
@@ -23,6 +23,7 @@ from rangefinder.config import (
     plan_for,
     resolve_mixed_precision,
 )
+from rangefinder.data.buckets import BucketSettings, Placement, Size, bucket_array, bucket_name, image_size, place
 from rangefinder.errors import ConfigError, DataError
 from rangefinder.formats import checkpoints
 from rangefinder.formats.digest import file_sha256
@@ -36,7 +37,7 @@ from rangefinder.training.caching import (
     text_cache_dir,
 )
 from rangefinder.training.checkpointing import check_out_dir_free
-from rangefinder.training.data import CachedLatents, EncodedOnTheFly, ImageStream, LatentSource
+from rangefinder.training.data import CachedLatents, EncodedOnTheFly, LatentSource, Stream, make_stream
 from rangefinder.training.family import Denoiser, Sd1Family
 from rangefinder.training.methods import make_method
 from rangefinder.training.schedules import LRSchedule, make_schedule
@@ -57,7 +58,8 @@ TrainOn = Literal["train", "train+val"]
 class TrainSpec:
     """What one training run trains: its settings, the split it reads its images from, and the base model.
 
-    `data` gives the resolution and crop (None: the base model's native resolution, centre-cropped).
+    `data` gives the resolution, crop and aspect-ratio buckets (None: the base model's native resolution, every
+    image centre-cropped to a square).
     `train_on="train+val"` trains on both sets (the full-data retrain); the val set is then not measured.
     """
 
@@ -87,6 +89,12 @@ class RunSettings:
     model_cfg: ModelConfig
     out_dir: Path
     compile: bool = False  # training.compile resolved (auto -> on or off); written to run_summary.json
+    # Aspect-ratio buckets (data.bucketing), None when every image is a centre-cropped square; then where each
+    # item (by id, every subset) goes, and the bucket of each training item as an index into `train_buckets`.
+    buckets: Optional[BucketSettings] = None
+    placements: Optional[dict[int, Placement]] = None
+    train_buckets: Optional[list[Size]] = None  # the buckets training items are in, sorted by (width, height)
+    train_bucket_of: Optional[list[int]] = None
 
     @property
     def ckpt_root(self) -> Path:
@@ -109,10 +117,22 @@ def check_settings(spec: TrainSpec, out_dir: Union[str, Path]) -> RunSettings:
     train_items = list(split.train) + (list(split.val) if train_on == "train+val" else [])
     if not train_items:
         raise DataError(f"split {split_dir} has no training images; re-run `rangefinder split` with more images")
-    run_plan = plan_for(cfg, len(train_items))  # ConfigError e.g. for a batch larger than the set with drop_last
+    val_items = {"val": list(split.val) if train_on == "train" else [], "stabilize": list(split.stabilize)}
+    buckets = BucketSettings.from_data_config(spec.data) if spec.data is not None else None
+    placements: Optional[dict[int, Placement]] = None
+    train_buckets: Optional[list[Size]] = None
+    train_bucket_of: Optional[list[int]] = None
+    bucket_counts: Optional[list[int]] = None
+    if buckets is not None:
+        placements = place_items(split, train_items + val_items["val"] + val_items["stabilize"], buckets)
+        train_buckets = sorted({placements[it.id].bucket for it in train_items})
+        index = {b: i for i, b in enumerate(train_buckets)}
+        train_bucket_of = [index[placements[it.id].bucket] for it in train_items]
+        bucket_counts = [train_bucket_of.count(i) for i in range(len(train_buckets))]
+    # ConfigError e.g. for a batch larger than the set with drop_last
+    run_plan = plan_for(cfg, len(train_items), bucket_counts)
     schedule = make_schedule(cfg, run_plan.total_updates, run_plan.updates_per_epoch, run_plan.lr or cfg.lr)
     method = make_method(cfg)
-    val_items = {"val": list(split.val) if train_on == "train" else [], "stabilize": list(split.stabilize)}
     if cfg.use_8bit_adam and not torch.cuda.is_available():
         raise ConfigError("training.use_8bit_adam needs a CUDA GPU (bitsandbytes); set it false to use AdamW")
     # The output folder last: every settings error above leaves nothing behind (the lock probe creates the folder).
@@ -124,7 +144,22 @@ def check_settings(spec: TrainSpec, out_dir: Union[str, Path]) -> RunSettings:
     return RunSettings(cfg=cfg, val_cfg=val_cfg, train_on=train_on, split=split, train_items=train_items,
                        val_items=val_items, plan=run_plan, schedule=schedule, method=method, model_cfg=model,
                        out_dir=out_dir,
-                       compile=resolve_compile(cfg.compile, run_plan.total_updates, torch.cuda.is_available()))
+                       compile=resolve_compile(cfg.compile, run_plan.total_updates, torch.cuda.is_available()),
+                       buckets=buckets, placements=placements, train_buckets=train_buckets,
+                       train_bucket_of=train_bucket_of)
+
+
+def place_items(split: Split, items: list[Item], buckets: BucketSettings) -> dict[int, Placement]:
+    """Each item's bucket, from the size the split recorded (or, in an older split, the image file's header)."""
+    out = {}
+    for it in items:
+        if it.id not in out:
+            try:
+                size = it.size or image_size(split.path_of(it))
+            except OSError as e:
+                raise DataError(f"cannot read image {split.path_of(it)} ({e}); restore it, or split again") from None
+            out[it.id] = place(size, buckets)
+    return out
 
 
 # Runs of more updates than this compile under training.compile=auto. Why 1000: regional compilation of SD 1.5's
@@ -236,8 +271,9 @@ def compile_forward_modules(sd: SDComponents, method: Method) -> None:
     The UNet is compiled by region (diffusers' compile_repeated_blocks: its BasicTransformerBlocks): the blocks are
     identical code, so one compile serves them all and compile time is a fraction of the whole UNet's
     (pytorch.org/tutorials/recipes/regional_compilation). Models without `_repeated_blocks` are compiled whole.
-    Bucketing (several resolutions per run) is not implemented; when it lands, the latent height and width must be
-    marked dynamic (torch._dynamo.mark_dynamic) or the buckets capped, or each new shape recompiles.
+    With aspect-ratio buckets a run feeds several latent shapes: dynamo recompiles on the second shape with the
+    height and width marked dynamic (its automatic dynamic shapes), so one more compile, not one per bucket;
+    `max_aspect` keeps the number of shapes small.
     """
     modules = [sd.unet] + ([sd.text_encoder] if method.text_encoder_changes else [])
     for m in modules:
@@ -297,57 +333,119 @@ class EncodedData:
 
 def encode_data(settings: RunSettings, sd: SDComponents, family: Sd1Family, accelerator: Accelerator,
                 data: DataConfig) -> EncodedData:
-    """Latents (at `data`'s resolution and crop) and text conditioning of the training and validation items, from
-    the content-keyed cache where they were encoded before."""
+    """Latents (at `data`'s resolution and crop, or each image's aspect-ratio bucket) and text conditioning of the
+    training and validation items, from the content-keyed cache where they were encoded before."""
     from rangefinder.data.pixels import load_rgb, to_model_array
 
+    placements = settings.placements
+    bucket_of_path: dict[Path, Size] = {}
+    if placements is not None:
+        check_bucket_sides(sd, {p.bucket for p in placements.values()}, data)
+        items = settings.train_items + settings.val_items["val"] + settings.val_items["stabilize"]
+        bucket_of_path = {settings.split.path_of(it): placements[it.id].bucket for it in items}
+
     def load_array(path: Path) -> np.ndarray:  # (3, H, W) in [-1, 1]
-        return to_model_array(load_rgb(path), data.resolution, data.center_crop)
+        if placements is None:
+            return to_model_array(load_rgb(path), data.resolution, data.center_crop)
+        # Resized and cropped from the file's real size into the bucket the split's record of it chose.
+        return bucket_array(load_rgb(path), bucket_of_path[path], data.center_crop)
 
     cfg, device = settings.cfg, accelerator.device
     encoder = VaeEncoder(sd.vae, device, cfg.latent_sampling, cfg.seed)
     root = cache_root(cfg.cache_dir)
-    latent_cache = LatentCache(encoder, load_array, latent_cache_dir(root, encoder, data.resolution, data.center_crop))
+    stats = CacheStats()
+
+    def cache_for(bucket: Optional[Size]) -> LatentCache:  # the latent cache is keyed by bucket
+        return LatentCache(encoder, load_array, latent_cache_dir(root, encoder, data.resolution, data.center_crop,
+                                                                 bucket=bucket), stats=stats)
+
     with accelerator.main_process_first():  # one process encodes, the others then read the cache
-        train_latents, val_latents = _encode_latents(settings, latent_cache)
+        train_latents, val_latents = _encode_latents(settings, cache_for)
         if cfg.cache_latents:  # the VAE is not needed again; give its memory back
             _to(sd.vae, torch.device("cpu"))
         text = _encode_text(settings, sd, family, device, root)
-    val_sets = [
-        ValidationSet(name, [it.id for it in items], val_latents[name], text.val_cond[name])
-        for name, items in settings.val_items.items()
-        if items
-    ]
-    return EncodedData(data, train_latents, text.train_cond, text.empty_cond, val_sets, latent_cache.stats, text.stats)
+    # One validation set per subset and bucket (the same shape throughout, so its passes batch); sets of one
+    # subset are measured together and reported per bucket (validation.validate).
+    val_sets = []
+    for name, items in settings.val_items.items():
+        rows_of: dict[Optional[Size], list[int]] = {}
+        for r, it in enumerate(items):
+            rows_of.setdefault(None if placements is None else placements[it.id].bucket, []).append(r)
+        for bucket, rows in sorted(rows_of.items(), key=lambda kv: kv[0] or (0, 0)):
+            index = torch.tensor(rows, dtype=torch.long)
+            val_sets.append(ValidationSet(name, [items[r].id for r in rows], val_latents[name, bucket],
+                                          text.val_cond[name][index] if len(rows) < len(items) else text.val_cond[name],
+                                          bucket=None if bucket is None else bucket_name(bucket)))
+    return EncodedData(data, train_latents, text.train_cond, text.empty_cond, val_sets, stats, text.stats)
 
 
-def _encode_latents(settings: RunSettings, cache: LatentCache) -> tuple[LatentSource, dict[str, torch.Tensor]]:
-    """The training latents and (N, 4, h, w) latents of each validation set."""
-    cfg, split, val_items = settings.cfg, settings.split, settings.val_items
+def check_bucket_sides(sd: SDComponents, buckets: set[Size], data: DataConfig) -> None:
+    """ConfigError unless every bucket side is a multiple of the model's divisor (the VAE's downscale times the
+    UNet's), so that every latent passes the UNet's down- and upsampling evenly."""
+    vae_scale = 2 ** (len(sd.vae.config.block_out_channels) - 1)
+    divisor = vae_scale * 2 ** (len(sd.unet.config.down_block_types) - 1)
+    odd = sorted(b for b in buckets if b[0] % divisor or b[1] % divisor)
+    if odd:
+        raise ConfigError(
+            f"data.bucket_step {data.effective_bucket_step()} px does not fit the base model: its image sides must "
+            f"be multiples of {divisor} px (VAE x{vae_scale}, UNet x{divisor // vae_scale}), but buckets "
+            f"{', '.join(f'{w}x{h}' for w, h in odd)} are not; set data.bucket_step to a multiple of {divisor}"
+        )
+
+
+def _encode_latents(
+    settings: RunSettings, cache_for: Callable[[Optional[Size]], LatentCache]
+) -> tuple[LatentSource, dict[tuple[str, Optional[Size]], torch.Tensor]]:
+    """The training latents, and (n, 4, h, w) latents of each validation set's items in each bucket (keyed by
+    (set name, bucket); the bucket is None without bucketing)."""
+    cfg, split, val_items, placements = settings.cfg, settings.split, settings.val_items, settings.placements
     all_items = {it.id: it for it in settings.train_items + val_items["val"] + val_items["stabilize"]}
     paths = {i: split.path_of(it) for i, it in all_items.items()}
     keys = {i: file_sha256(p) for i, p in paths.items()}  # content hash: the cache key and the sample seed
-    # Each distinct image once (the stabilize subset is part of train): (N, 4, h, w) latents, and of the mirrored
-    # images when flipping; without the cache only the validation images are encoded up front.
+
+    def bucket_of(item_id: int) -> Optional[Size]:
+        return None if placements is None else placements[item_id].bucket
+
+    # Each distinct image once (the stabilize subset is part of train), bucket by bucket: (4, h, w) latents, and of
+    # the mirrored images when flipping; without the cache only the validation images are encoded up front.
     val_item_ids = {it.id for items in val_items.values() for it in items}
     encode_now = [it for i, it in all_items.items() if cfg.cache_latents or i in val_item_ids]
-    z, z_flipped = cache.latents([paths[it.id] for it in encode_now], [keys[it.id] for it in encode_now],
-                                 flipped=cfg.cache_latents and cfg.random_flip)
-    row_of = {it.id: r for r, it in enumerate(encode_now)}
+    by_bucket: dict[Optional[Size], list[Item]] = {}
+    for it in encode_now:
+        by_bucket.setdefault(bucket_of(it.id), []).append(it)
+    latent: dict[int, torch.Tensor] = {}
+    mirrored: dict[int, torch.Tensor] = {}
+    for bucket, group in by_bucket.items():
+        z, z_flipped = cache_for(bucket).latents([paths[it.id] for it in group], [keys[it.id] for it in group],
+                                                 flipped=cfg.cache_latents and cfg.random_flip)
+        latent.update((it.id, z[r]) for r, it in enumerate(group))
+        if z_flipped is not None:
+            mirrored.update((it.id, z_flipped[r]) for r, it in enumerate(group))
 
-    def rows_for(items: list[Item]) -> torch.Tensor:
-        return torch.tensor([row_of[it.id] for it in items], dtype=torch.long)
+    def stacked(items: list[Item], of: dict[int, torch.Tensor]) -> torch.Tensor:
+        return torch.stack([of[it.id] for it in items])
 
     train_items = settings.train_items
     train_latents: LatentSource
-    if cfg.cache_latents:
-        train_rows = rows_for(train_items)
-        train_latents = CachedLatents(z[train_rows], None if z_flipped is None else z_flipped[train_rows])
-    else:
+    if not cfg.cache_latents:
+        one_bucket = cache_for(None)
         train_latents = EncodedOnTheFly(
-            [paths[it.id] for it in train_items], [keys[it.id] for it in train_items], cache.encoder, cache.load
+            [paths[it.id] for it in train_items], [keys[it.id] for it in train_items], one_bucket.encoder,
+            one_bucket.load,
         )
-    return train_latents, {name: z[rows_for(items)] for name, items in val_items.items() if items}
+    elif len(by_bucket) == 1:  # one shape: one (N, 4, h, w) tensor
+        train_latents = CachedLatents(stacked(train_items, latent),
+                                      stacked(train_items, mirrored) if mirrored else None)
+    else:  # one (4, h, w) per item, each its bucket's shape
+        train_latents = CachedLatents([latent[it.id] for it in train_items],
+                                      [mirrored[it.id] for it in train_items] if mirrored else None)
+    val_latents = {}
+    for name, items in val_items.items():
+        groups: dict[Optional[Size], list[Item]] = {}
+        for it in items:
+            groups.setdefault(bucket_of(it.id), []).append(it)
+        val_latents.update({(name, bucket): stacked(group, latent) for bucket, group in groups.items()})
+    return train_latents, val_latents
 
 
 @dataclass
@@ -395,7 +493,7 @@ class Run:
     sd: SDComponents
     family: Sd1Family
     data: EncodedData
-    stream: ImageStream  # which images go into each micro-batch
+    stream: Stream  # which images go into each micro-batch (one bucket each, when bucketed)
     optimizer: Any  # torch AdamW (or bitsandbytes AdamW8bit), as accelerate prepared it
     ema: Any  # diffusers EMAModel of the trainable parameters, or None
     trainable: list[torch.nn.Parameter]  # what the optimizer updates (and EMA tracks), in a fixed order
@@ -452,7 +550,7 @@ def prepare_run(settings: RunSettings, accelerator: Accelerator, sd: SDComponent
     """The optimizer (at the schedule's first LR) and EMA; the trainable modules and the optimizer handed to
     accelerate."""
     cfg, method, device = settings.cfg, settings.method, accelerator.device
-    stream = ImageStream.from_plan(settings.plan, cfg.seed)
+    stream = make_stream(settings.plan, cfg.seed, settings.train_bucket_of)
     groups = method.param_groups()
     trainable = method.trainable_parameters()
     optimizer = _make_optimizer(cfg, groups, settings.schedule(0))

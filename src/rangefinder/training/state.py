@@ -8,6 +8,7 @@ it had never stopped. Everything else the loop uses is fixed once setup is done 
 from __future__ import annotations
 
 import csv
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -53,10 +54,13 @@ class RunState:
 class RunLog:
     """metrics.csv (rewritten whole, atomically, per row) and updates.csv (appended per update)."""
 
-    def __init__(self, out_dir: Path, num_buckets: int, write: bool) -> None:
+    def __init__(self, out_dir: Path, num_buckets: int, write: bool, extra_columns: Sequence[str] = ()) -> None:
+        """`num_buckets`: validation's K timestep buckets; `extra_columns`: the per-aspect-bucket losses
+        (validation.bucket_columns), after the contract's columns."""
         self.metrics_path, self.updates_path, self.write = out_dir / "metrics.csv", out_dir / "updates.csv", write
         buckets = [f"{s}_loss_b{k}" for s in ("val", "stabilize") for k in range(num_buckets)]
         self.metric_columns = ["update", "epoch", "lr", "train_loss", "val_loss", "stabilize_loss"] + buckets
+        self.metric_columns += list(extra_columns)
         self.update_columns = ["update", "epoch", "lr", "train_loss", "grad_norm"]
         self.metrics_rows: list[dict[str, Any]] = []
         self.update_rows: list[dict[str, Any]] = []

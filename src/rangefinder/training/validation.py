@@ -9,6 +9,11 @@ against the model's target (epsilon or v), unweighted, so the same model gives t
 CPU. Every RNG the forward pass could touch is saved and restored around the measurement, so validating never
 changes what training does.
 
+With aspect-ratio buckets (data/buckets.py) a subset is held as one `ValidationSet` per bucket, each of one latent
+shape: an item is always in the bucket its size puts it in, and its noise, drawn from (seed, item id, k), has that
+bucket's latent shape, so the measurement stays a fixed function of the model. `measure_subset` scores a subset's
+sets together (the subset's loss is the mean over all its items) and gives each bucket's loss too.
+
 `measure` scores one set; `validate` writes one row of the run's curve (metrics.csv) from the sets it measures.
 """
 
@@ -37,6 +42,7 @@ class ValidationSet:
     ids: list[int]  # stable item ids from the split (seed the noise)
     latents: torch.Tensor  # (N, 4, h, w) scaled latents, CPU
     conditioning: torch.Tensor  # (N, 77, D) cached hidden states, or (N, 77) token ids when the encoder trains
+    bucket: Optional[str] = None  # the aspect-ratio bucket ("40x24") all its items are in; None: not bucketed
     # The fixed inputs of every pass, built on the first one and kept: the draws depend only on (seed, id, k), so
     # they never change during a run, and the set's tensors need not be copied to the device again each pass.
     _fixed: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -98,6 +104,40 @@ def measure(
     last bits (the CPU kernels sum in another order for another batch shape: up to ~3e-8 relative on the tiny
     model), so it is part of the setting that reproduces a curve.
     """
+    mean, per_bucket, _ = measure_subset([vset], denoiser, num_buckets=num_buckets, seed=seed, batch_size=batch_size,
+                                         device=device)
+    return mean, per_bucket
+
+
+@torch.no_grad()
+def measure_subset(
+    vsets: list[ValidationSet], denoiser: Denoiser, *, num_buckets: int, seed: int, batch_size: int,
+    device: torch.device,
+) -> tuple[float, list[float], dict[str, float]]:
+    """(mean loss, per-timestep-bucket losses, mean loss per aspect-ratio bucket) of one subset held as several
+    sets, one per aspect-ratio bucket. Each set's pairs go through the UNet on their own (one latent shape per
+    batch), the sets in the given order; the subset's numbers are then summed over all its pairs in that order, so
+    a subset of one set gives exactly what `measure` always gave."""
+    losses: list[float] = []
+    per_set: dict[str, float] = {}
+    for vset in vsets:
+        pair_losses = _pair_losses(vset, denoiser, num_buckets=num_buckets, seed=seed, batch_size=batch_size,
+                                   device=device)
+        if vset.bucket is not None:
+            per_set[vset.bucket] = sum(pair_losses) / len(pair_losses)
+        losses += pair_losses
+    n_items = sum(len(v) for v in vsets)
+    bucket_sums = [0.0] * num_buckets
+    for p, loss in enumerate(losses):  # every set's pairs are item-major, so pair p is at timestep bucket p % K
+        bucket_sums[p % num_buckets] += loss
+    per_bucket = [s / n_items for s in bucket_sums]
+    return sum(per_bucket) / num_buckets, per_bucket, per_set
+
+
+def _pair_losses(
+    vset: ValidationSet, denoiser: Denoiser, *, num_buckets: int, seed: int, batch_size: int, device: torch.device
+) -> list[float]:
+    """The loss of every (item, k) pair of one set, in pair order (float64 values)."""
     fixed = vset.fixed_inputs(seed, num_buckets, denoiser.family.num_timesteps, device)
     n_pairs = len(vset) * num_buckets
     per_pair = []
@@ -108,13 +148,8 @@ def measure(
         timesteps, noise = fixed.timesteps[start:end], fixed.noise[start:end]
         pred, target = denoiser(latents, noise, timesteps, cond)
         per_pair.append(((pred.float() - target.float()) ** 2).mean(dim=(1, 2, 3)).double())
-    # One copy back per pass (no device sync per batch); then sum in float64 in pair order, as before.
-    losses = torch.cat(per_pair).cpu().tolist()
-    bucket_sums = [0.0] * num_buckets
-    for p, loss in enumerate(losses):
-        bucket_sums[p % num_buckets] += loss
-    per_bucket = [s / len(vset) for s in bucket_sums]
-    return sum(per_bucket) / num_buckets, per_bucket
+    # One copy back per pass (no device sync per batch); the caller sums in float64 in pair order.
+    return torch.cat(per_pair).cpu().tolist()
 
 
 def validate(run: Run, state: RunState, metric_sink: Optional[MetricSink], last: bool = False) -> None:
@@ -132,15 +167,20 @@ def validate(run: Run, state: RunState, metric_sink: Optional[MetricSink], last:
         # The update-0 baseline has taken no step: its LR is 0, the start of a range test's curve.
         row["lr"] = log.update_rows[-1]["lr"] if log.update_rows else 0.0
         row["train_loss"] = state.train_loss_since_row()
-        val_sets = run.data.val_sets
-        for vset in val_sets:
-            sparse = vset.name == "stabilize" and len(val_sets) > 1 and not last
+        subsets: dict[str, list[ValidationSet]] = {}
+        for vset in run.data.val_sets:  # one set per subset and aspect-ratio bucket
+            subsets.setdefault(vset.name, []).append(vset)
+        for name, vsets in subsets.items():
+            sparse = name == "stabilize" and len(subsets) > 1 and not last
             if sparse and nth % val_cfg.stabilize_every != 0:
                 continue
-            mean, buckets = measure(vset, run.eval_denoiser, num_buckets=val_cfg.timesteps, seed=val_cfg.seed,
-                                    batch_size=val_cfg.batch_size, device=run.device)
-            row[f"{vset.name}_loss"] = mean
-            row.update({f"{vset.name}_loss_b{k}": b for k, b in enumerate(buckets)})
+            mean, buckets, by_shape = measure_subset(vsets, run.eval_denoiser, num_buckets=val_cfg.timesteps,
+                                                     seed=val_cfg.seed, batch_size=val_cfg.batch_size,
+                                                     device=run.device)
+            row[f"{name}_loss"] = mean
+            row.update({f"{name}_loss_b{k}": b for k, b in enumerate(buckets)})
+            if len(vsets) > 1:  # the loss of each aspect-ratio bucket: val_loss_40x24, ...
+                row.update({f"{name}_loss_{shape}": loss for shape, loss in by_shape.items()})
         for m in run.modules.values():
             m.train()
     state.start_row()
@@ -149,6 +189,16 @@ def validate(run: Run, state: RunState, metric_sink: Optional[MetricSink], last:
         # Only the measurements: lr, epoch and the per-update train loss were logged with the update itself.
         measured = {k: float(v) for k, v in row.items() if k.startswith(("val_", "stabilize_")) and v is not None}
         metric_sink.log_metrics(measured, state.update)
+
+
+def bucket_columns(val_sets: list[ValidationSet]) -> list[str]:
+    """The metrics.csv columns of the per-aspect-bucket losses (`val_loss_40x24`, ...): for each subset held in two
+    or more buckets, in the order `validate` measures them."""
+    by_name: dict[str, list[str]] = {}
+    for vset in val_sets:
+        if vset.bucket is not None:
+            by_name.setdefault(vset.name, []).append(f"{vset.name}_loss_{vset.bucket}")
+    return [c for cols in by_name.values() if len(cols) > 1 for c in cols]
 
 
 # ---------------------------------------------------------------------------------------------------------------

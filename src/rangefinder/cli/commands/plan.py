@@ -13,7 +13,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="count updates, epochs and images for a dataset size and settings",
         description="Translate settings between epochs, updates (diffusers, EveryDream) and micro-batch steps (A1111).",
     )
-    p.add_argument("--images", type=int, required=True, help="number of images in the dataset")
+    sizes = p.add_mutually_exclusive_group(required=True)
+    sizes.add_argument("--images", type=int, help="number of images in the dataset")
+    sizes.add_argument("--bucket-counts", metavar="N,N,...",
+                       help="training images in each aspect-ratio bucket (the train column of `rangefinder split`); "
+                       "each micro-batch then holds one bucket's images")
     p.add_argument("--val-split", type=float, default=0.0, help="share held out for validation (default 0)")
     p.add_argument("--batch-size", type=int, default=1, help="images per micro-batch per process")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per update")
@@ -33,9 +37,19 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     from rangefinder.config import plan
+    from rangefinder.errors import ConfigError
 
+    counts = None
+    if args.bucket_counts is not None:
+        try:
+            counts = [int(c) for c in args.bucket_counts.split(",") if c.strip()]
+        except ValueError:
+            raise ConfigError(f"--bucket-counts takes whole numbers separated by commas, e.g. 5,4,3 (got "
+                              f"{args.bucket_counts!r})") from None
+        if not counts or sum(counts) < 1:
+            raise ConfigError(f"--bucket-counts needs at least one training image (got {args.bucket_counts!r})")
     result = plan(
-        args.images,
+        args.images if counts is None else sum(counts),
         val_split=args.val_split,
         batch_size=args.batch_size,
         grad_accum=args.grad_accum,
@@ -46,6 +60,7 @@ def run(args: argparse.Namespace) -> dict:
         lr=args.lr,
         scale_lr=args.scale_lr,
         drop_last=args.drop_last,
+        bucket_counts=counts,
     ).model_dump()
     # Both conventions side by side, so a recipe can be read either way.
     result["steps_in_updates"] = result["total_updates"]

@@ -24,13 +24,30 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--min-image-size", type=int, default=1,
                    help="skip images whose short side is smaller than this, in pixels (1)")
     p.add_argument("--min-images", type=int, default=2, help="fail when fewer usable images remain (2)")
+    p.add_argument("--resolution", type=int, default=512,
+                   help="training resolution the aspect-ratio buckets are reported for, px (512; data.resolution)")
+    p.add_argument("--no-bucketing", action="store_true",
+                   help="report no aspect-ratio buckets (data.bucketing: false, every image a centre-cropped square)")
+    p.add_argument("--bucket-step", type=int, help="bucket sides are multiples of this, px (data.bucket_step)")
+    p.add_argument("--max-aspect", type=float, default=2.0,
+                   help="longest bucket side over its shortest (2.0; data.max_aspect)")
     add_json_flag(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> dict:
-    from rangefinder.data.split import split_dataset
+    from pydantic import ValidationError
 
+    from rangefinder.config import DataConfig, format_validation_error
+    from rangefinder.data.buckets import BucketSettings
+    from rangefinder.data.split import split_dataset
+    from rangefinder.errors import ConfigError
+
+    try:
+        data = DataConfig(resolution=args.resolution, bucketing=not args.no_bucketing, bucket_step=args.bucket_step,
+                          max_aspect=args.max_aspect)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, prefix="data.")) from None
     split = split_dataset(
         args.data_dir,
         args.out,
@@ -40,9 +57,11 @@ def run(args: argparse.Namespace) -> dict:
         val_dir=args.val_dir,
         min_image_size=args.min_image_size,
         min_images=args.min_images,
+        buckets=BucketSettings.from_data_config(data),
     )
     s = split.summary
-    return {
+    buckets = s["buckets"]
+    result = {
         "out": str(args.out),
         "root": s["root"],
         "images": s["images"],
@@ -52,3 +71,14 @@ def run(args: argparse.Namespace) -> dict:
         "seed": s["seed"],
         "skipped": [f"{x['file_name']}: {x['reason']}" for x in s["skipped"]],
     }
+    if buckets is None:
+        result["buckets"] = "off (every image centre-cropped to a square)"
+        return result
+    # The images of each aspect-ratio bucket: `rangefinder plan --bucket-counts` takes the train column.
+    result["bucket_settings"] = {k: buckets[k] for k in ("resolution", "step", "max_aspect")}
+    if args.json:
+        result["buckets"] = buckets["table"]
+    else:
+        result["buckets"] = [f"{b['bucket']}: train {b['train']}, val {b['val']}, stabilize {b['stabilize']}"
+                             for b in buckets["table"]]
+    return result

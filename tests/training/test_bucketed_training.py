@@ -1,0 +1,309 @@
+"""Aspect-ratio buckets in real runs of the engine: the tiny model on 15 real PNGs of mixed shapes (conftest's
+`mixed_aspect_dataset_dir`) at 32 px, where the buckets are 24x40, 32x32 and 40x24."""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rangefinder.cli.main import main as cli
+from rangefinder.config import DataConfig, TrainingConfig, ValidationConfig, plan_for
+from rangefinder.data.buckets import BucketSettings, place
+from rangefinder.data.split import read_split
+from rangefinder.training.data import BucketedStream
+from rangefinder.training.loop import TrainSpec, train
+
+DATA = DataConfig(resolution=32)  # bucketing on (the default), step 8, max aspect 2
+# Batch 2 and grad_accum 2 over buckets of 4, 5 and 3 training images: each epoch has 7 micro-batches, two of them
+# partial, and the 4th update accumulates across the epoch boundary.
+TRAINING = dict(batch_size=2, grad_accum=2, epochs=2, lr=2e-4, seed=5, random_flip=True, cond_dropout=0.2,
+                checkpoint_every_updates=3, keep_checkpoints=10)
+VALIDATION = ValidationConfig(every_epochs=1)
+
+
+def rows(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.fixture(scope="module")
+def split_report(mixed_aspect_dataset_dir, tmp_path_factory) -> tuple[Path, dict, str]:
+    """`rangefinder split` of the mixed set: (split folder, its --json report, its table)."""
+    import contextlib
+    import io
+
+    out = tmp_path_factory.mktemp("mixed-split")
+    args = ["split", str(mixed_aspect_dataset_dir), "--out", str(out), "--resolution", "32"]
+    table, as_json = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(table):
+        assert cli(args) == 0
+    with contextlib.redirect_stdout(as_json):
+        assert cli([*args, "--json"]) == 0
+    return out, json.loads(as_json.getvalue()), table.getvalue()
+
+
+class UNetInputs:
+    """Records the latent shape of every UNet forward (training ones have grad enabled; validation's do not)."""
+
+    def __init__(self) -> None:
+        self.train: list[tuple[int, ...]] = []
+        self.validation: list[tuple[int, ...]] = []
+
+    def __call__(self, module, args):
+        from diffusers import UNet2DConditionModel
+
+        if isinstance(module, UNet2DConditionModel):
+            (self.train if torch.is_grad_enabled() else self.validation).append(tuple(args[0].shape))
+
+
+@pytest.fixture(scope="module")
+def bucketed_runs(split_report, tiny_model_dir, tmp_path_factory):
+    """The same bucketed run twice (the first watched forward by forward), sharing one latent cache."""
+    split_dir = split_report[0]
+    cache = tmp_path_factory.mktemp("bucket-cache")
+    cfg = TrainingConfig(**TRAINING, cache_dir=str(cache))
+    runs = {}
+    for name in ("first", "second"):
+        out = tmp_path_factory.mktemp(name)
+        watch = UNetInputs()
+        handle = torch.nn.modules.module.register_module_forward_pre_hook(watch)
+        try:
+            result = train(TrainSpec(cfg, VALIDATION, split_dir=split_dir, model=tiny_model_dir, data=DATA),
+                           out_dir=out, save_final=False)
+        finally:
+            handle.remove()
+        runs[name] = (out, result, watch)
+    return cfg, cache, runs
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The split report
+
+
+def test_split_report_lists_each_bucket_with_its_image_counts(split_report):
+    split_dir, report, table = split_report
+    assert report["bucket_settings"] == {"resolution": 32, "step": 8, "max_aspect": 2.0}
+    buckets = {b["bucket"]: b for b in report["buckets"]}
+    assert list(buckets) == ["24x40", "32x32", "40x24"]  # portraits, squares, landscapes: five images each
+    assert {name: b["train"] + b["val"] for name, b in buckets.items()} == {"24x40": 5, "32x32": 5, "40x24": 5}
+    assert sum(b["train"] for b in buckets.values()) == report["train_images"] == 12
+    assert sum(b["val"] for b in buckets.values()) == report["val_images"] == 3
+    assert sum(b["stabilize"] for b in buckets.values()) == report["stabilize_images"]
+    assert all((b["width"], b["height"]) == tuple(map(int, name.split("x"))) for name, b in buckets.items())
+    for name, b in buckets.items():
+        assert f"{name}: train {b['train']}, val {b['val']}, stabilize {b['stabilize']}" in table
+
+    # Each manifest line carries the image's size, and the bucket and crop offsets the engine will use.
+    split = read_split(split_dir)
+    settings = BucketSettings(32, 8, 2.0)
+    for subset in ("train", "val", "stabilize"):
+        for line in (split_dir / f"{subset}.jsonl").read_text().splitlines():
+            entry = json.loads(line)
+            w, h = entry["size"]
+            assert entry["file_name"].endswith(f"_{w}x{h}.png")  # the real size, read from the file
+            placed = place((w, h), settings)
+            assert (entry["bucket"], entry["crop"]) == (list(placed.bucket), list(placed.crop))
+    assert split.buckets == settings
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Training: one bucket per batch, plan == updates, deterministic validation
+
+
+def test_every_batch_comes_from_one_bucket_with_that_buckets_latent_shape(bucketed_runs, split_report):
+    cfg, _, runs = bucketed_runs
+    _, result, watch = runs["first"]
+    split = read_split(split_report[0])
+    buckets = [place(it.size, BucketSettings(32, 8, 2.0)).bucket for it in split.train]
+    names = sorted(set(buckets))
+    stream = BucketedStream.from_plan(plan_for(cfg, len(buckets), [buckets.count(b) for b in names]), cfg.seed,
+                                      [names.index(b) for b in buckets])
+    expected = []
+    for j in range(stream.total_micro_batches):
+        batch = stream.micro_batch(j)
+        assert len({buckets[i] for i in batch}) == 1  # one bucket per micro-batch
+        w, h = buckets[batch[0]]
+        expected.append((len(batch), 4, h // 4, w // 4))  # the tiny VAE downsamples by 4
+    # What the UNet really got, forward by forward: each micro-batch's latents have its bucket's shape.
+    assert watch.train == expected
+    assert {s[2:] for s in watch.train} == {(10, 6), (8, 8), (6, 10)}  # all three buckets were trained
+    assert {s[0] for s in watch.train} == {1, 2}  # and the partial micro-batches ran as they are
+    # Validation measured every bucket at its own shape: 3 rows x (val + stabilize) sets, per bucket.
+    assert {s[2:] for s in watch.validation} <= {(10, 6), (8, 8), (6, 10)}
+    assert result.status == "ok"
+
+
+def test_the_latent_cache_is_keyed_by_bucket(bucketed_runs):
+    _, cache, runs = bucketed_runs
+    folders = sorted((cache / "encoded" / "latents").iterdir())
+    shapes = set()
+    for folder in folders:
+        entries = [load_file(str(p)) for p in folder.glob("*.safetensors")]
+        assert len({tuple(e["latent"].shape) for e in entries}) == 1  # one shape per folder
+        assert all("flipped" in e for e in entries)  # random_flip: the mirrored images' latents too
+        shapes.add(tuple(entries[0]["latent"].shape))
+    assert len(folders) == 3 and shapes == {(4, 10, 6), (4, 8, 8), (4, 6, 10)}
+    first, second = runs["first"][1], runs["second"][1]
+    assert first.cache["latents"]["encoded"] == 15 and second.cache["latents"] == {"encoded": 0, "reused": 15}
+
+
+def test_plan_agrees_with_the_updates_actually_run(bucketed_runs, split_report, capsys):
+    cfg, _, runs = bucketed_runs
+    out, result, _ = runs["first"]
+    report = split_report[1]
+    counts = ",".join(str(b["train"]) for b in report["buckets"])
+    assert cli(["plan", "--json", "--bucket-counts", counts, "--batch-size", "2", "--grad-accum", "2",
+                "--epochs", "2"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    # 2 epochs x (2 + 3 + 2 micro-batches of the 4, 5 and 3 images) = 14 micro-batches, 7 updates.
+    assert (planned["total_micro_batches"], planned["total_updates"]) == (14, 7)
+    assert any("2 of the 7 micro-batches of each epoch are partial" in w for w in planned["warnings"])
+    assert result.updates == result.planned_updates == planned["total_updates"]
+    assert len(rows(out / "updates.csv")) == planned["total_updates"]
+    optimizer = torch.load(result.checkpoints[-1] / "optimizer.pt", weights_only=True)
+    assert {float(s["step"]) for s in optimizer["state"].values()} == {float(planned["total_updates"])}
+    assert result.epochs == 2.0
+    # Validated after the update that crosses each epoch boundary: update 4 ends one micro-batch (1 or 2 of the
+    # 12 images) into epoch 2.
+    epochs = [float(r["epoch"]) for r in rows(out / "metrics.csv")]
+    assert epochs[0] == 0.0 and epochs[1] in (1 + 1 / 12, 1 + 2 / 12) and epochs[2] == 2.0
+
+
+def test_per_bucket_validation_losses_are_reported(bucketed_runs, split_report):
+    _, _, runs = bucketed_runs
+    out, _, _ = runs["first"]
+    report = {b["bucket"]: b for b in split_report[1]["buckets"]}
+    table = rows(out / "metrics.csv")
+    val_buckets = [name for name, b in report.items() if b["val"]]
+    assert [c for c in table[0] if c.startswith("val_loss_") and "x" in c] == [f"val_loss_{b}" for b in val_buckets]
+    for row in table:
+        # The set's loss is the mean over its items: the buckets' losses weighted by their images.
+        weighted = sum(float(row[f"val_loss_{b}"]) * report[b]["val"] for b in val_buckets) / 3
+        assert float(row["val_loss"]) == pytest.approx(weighted, rel=1e-12)
+    summary = json.loads((out / "run_summary.json").read_text())["buckets"]
+    assert [b["bucket"] for b in summary["table"]] == list(report)
+    for b in summary["table"]:
+        assert (b["train"], b["val"], b["stabilize"]) == tuple(report[b["bucket"]][k]
+                                                               for k in ("train", "val", "stabilize"))
+        if b["val"]:
+            assert b["val_loss"] == float(table[-1][f"val_loss_{b['bucket']}"])
+
+
+def test_validation_is_bit_identical_across_two_runs_and_a_resume(bucketed_runs, split_report, tiny_model_dir):
+    cfg, _, runs = bucketed_runs
+    first, second = runs["first"][0], runs["second"][0]
+    whole = (first / "metrics.csv").read_text()
+    assert (second / "metrics.csv").read_text() == whole
+    assert (second / "updates.csv").read_text() == (first / "updates.csv").read_text()
+
+    # As if the first run had stopped after its checkpoint at update 3 (mid-epoch 1: the next update straddles
+    # the epoch boundary): resumed through the checkpoint machinery, it writes the same curve, bit for bit.
+    resumed_dir = first.parent / "resumed"
+    shutil.copytree(first, resumed_dir)
+    for ckpt in (resumed_dir / "checkpoints").iterdir():
+        if int(ckpt.name.rsplit("-", 1)[1]) > 3:
+            shutil.rmtree(ckpt)
+    (resumed_dir / "run_summary.json").unlink()
+    resumed = train(TrainSpec(cfg.model_copy(update={"resume": True}), VALIDATION, split_dir=split_report[0],
+                              model=tiny_model_dir, data=DATA),
+                    out_dir=resumed_dir, save_final=False)
+    assert resumed.resumed_from == 3 and resumed.updates == 7
+    assert (resumed_dir / "metrics.csv").read_text() == whole
+    assert (resumed_dir / "updates.csv").read_text() == (first / "updates.csv").read_text()
+
+
+def test_resume_refuses_a_checkpoint_of_other_buckets(bucketed_runs, split_report, tiny_model_dir):
+    from rangefinder.errors import ConfigError
+
+    cfg, _, runs = bucketed_runs
+    out = runs["second"][0]
+    wider = DataConfig(resolution=32, max_aspect=4.0)  # other buckets, other batches
+    with pytest.raises(ConfigError, match="cannot resume"):
+        train(TrainSpec(cfg.model_copy(update={"resume": True}), VALIDATION, split_dir=split_report[0],
+                        model=tiny_model_dir, data=wider),
+              out_dir=out, save_final=False)
+
+
+def test_without_the_latent_cache_each_micro_batch_is_encoded_at_its_buckets_shape(split_report, tiny_model_dir,
+                                                                                      tmp_path):
+    cfg = TrainingConfig(batch_size=3, steps=4, lr=1e-4, seed=1, cache_latents=False, random_flip=True,
+                         cache_dir=str(tmp_path / "cache"))
+    watch = UNetInputs()
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(watch)
+    try:
+        result = train(TrainSpec(cfg, ValidationConfig(every_epochs=0), split_dir=split_report[0],
+                                 model=tiny_model_dir, data=DATA), out_dir=tmp_path / "run", save_final=False)
+    finally:
+        handle.remove()
+    # Only the 3 validation and 3 stabilize images are encoded up front; the training images per micro-batch.
+    assert result.updates == 4 and result.cache["latents"]["encoded"] == 6
+    assert len(watch.train) == 4 and {s[2:] for s in watch.train} <= {(10, 6), (8, 8), (6, 10)}
+
+
+@pytest.mark.slow
+def test_two_processes_share_each_buckets_micro_batches(bucketed_runs, split_report, tiny_model_dir, tmp_path):
+    """torchrun, gloo on CPU: chunks of 2 x 2 images, one bucket each, split between the ranks; the buckets of 5
+    and 3 images end their epoch with chunks that leave a rank one image or none."""
+    import os
+    import subprocess
+    import sys
+
+    training = dict(batch_size=2, epochs=1, world_size=2, lr=1e-4, cache_dir=str(tmp_path / "cache"))
+    out = tmp_path / "out"
+    settings = tmp_path / "settings.json"
+    settings.write_text(json.dumps(dict(split_dir=str(split_report[0]), model=str(tiny_model_dir), out_dir=str(out),
+                                        training=training, validation=dict(every_epochs=1), data=dict(resolution=32))))
+    child = Path(__file__).with_name("engine_child.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(child),
+           str(settings)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    report = split_report[1]
+    planned = plan_for(TrainingConfig(**training), 12, [b["train"] for b in report["buckets"]])
+    assert planned.total_updates == 4  # 1 + 2 + 1 chunks of 4 images for buckets of 4, 5 and 3
+    assert len(rows(out / "updates.csv")) == planned.total_updates
+    curve = rows(out / "metrics.csv")
+    assert [float(r["epoch"]) for r in curve] == [0.0, 1.0]
+    # The baseline is the base model measured by rank 0: the single-process runs' baseline, bit for bit.
+    assert curve[0] == rows(bucketed_runs[2]["first"][0] / "metrics.csv")[0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Square images: bucketing changes nothing
+
+
+def test_square_images_train_the_same_with_bucketing_on_and_off(split_dir, tiny_model_dir, tmp_path):
+    """The embedded shapes are square: with bucketing on they all land in the one 32x32 bucket, and the run is the
+    run of `data.bucketing: false` (the old square crop) bit for bit, so the default changed no demo number."""
+    cfg = TrainingConfig(batch_size=3, epochs=1, lr=1e-4, seed=2, cache_dir=str(tmp_path / "cache"))
+    val = ValidationConfig(every_updates=3)
+    curves = {}
+    for on in (True, False):
+        out = tmp_path / f"bucketing-{on}"
+        train(TrainSpec(cfg, val, split_dir=split_dir, model=tiny_model_dir,
+                        data=DataConfig(resolution=32, bucketing=on)), out_dir=out, save_final=False)
+        curves[on] = (out / "metrics.csv").read_text()
+    assert curves[True] == curves[False]
+    assert "32x32" not in curves[True].splitlines()[0]  # one bucket: no per-bucket columns
+
+
+def test_a_bucket_the_model_cannot_take_is_one_clear_error(tiny_model_dir):
+    """Every latent side must pass the UNet's downsampling evenly. The tiny model needs sides in multiples of 8 px
+    (VAE x4, UNet x2), which every valid bucket_step (a multiple of 8) gives; SD needs 64, which a 32 px step does
+    not. The check reads the model's own configs, so it is shown here on buckets the tiny model cannot take."""
+    from rangefinder.config import ModelConfig
+    from rangefinder.errors import ConfigError
+    from rangefinder.models.loading import load_sd_components
+    from rangefinder.training.setup import check_bucket_sides
+
+    sd = load_sd_components(ModelConfig(base_model=str(tiny_model_dir)))
+    check_bucket_sides(sd, {(24, 40), (32, 32)}, DATA)  # multiples of 8: fine
+    with pytest.raises(ConfigError, match=r"must be multiples of 8 px \(VAE x4, UNet x2\), but buckets 20x44 are not"):
+        check_bucket_sides(sd, {(20, 44), (32, 32)}, DATA)
