@@ -208,12 +208,12 @@ _intact: dict[tuple[str, tuple[str, ...]], tuple] = {}
 
 
 def _signature(path: Path, names: tuple[str, ...]) -> tuple:
-    sig = []
+    sig: list[tuple[str, Optional[int], Optional[int]]] = []
     for name in (MANIFEST_NAME, *names):
         try:
             st = (path / name).stat()
         except OSError:
-            sig.append((name, None))
+            sig.append((name, None, None))
         else:
             sig.append((name, st.st_size, st.st_mtime_ns))
     return tuple(sig)
