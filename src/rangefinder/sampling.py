@@ -346,6 +346,9 @@ def render_grid(
                 f"base model {base} is not a diffusers folder (no model_index.json); adapters and checkpoints "
                 "are applied on top of it, so pass --model DIR with the base model's folder"
             )
+    for c in columns:  # a damaged checkpoint is refused before any cell is rendered or the old grid touched
+        if c.kind == "engine_checkpoint":
+            checkpoints.require_intact(c.path)
     device = device or _default_device()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

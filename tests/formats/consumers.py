@@ -5,8 +5,13 @@ code is copied.
 ComfyUI: comfy/lora.py (`model_lora_keys_unet`, `model_lora_keys_clip`, `load_lora`) at 41444b5236c6 and its later
 form that hands the tensors to comfy/weight_adapter (same SD 1.x key map), and comfy/weight_adapter/lora.py
 (`LoRAAdapter.load`, `calculate_weight`) at 6fd406fb14ca.
-A1111: modules/safe.py (`check_zip_filenames`, `RestrictedUnpickler`, `check_pt`) at 05933840f067, and
-modules/textual_inversion/textual_inversion.py (`EmbeddingDatabase.load_from_file`) at 22ecb78b51f7.
+A1111: modules/safe.py (`check_zip_filenames`, `RestrictedUnpickler`, `check_pt`) at 05933840f067,
+modules/textual_inversion/textual_inversion.py (`EmbeddingDatabase.load_from_file`) at 22ecb78b51f7, and its LoRA
+loader: extensions-builtin/Lora/networks.py (`convert_diffusers_name_to_compvis`,
+`assign_network_names_to_compvis_modules`, `load_network`) at 873edba44bed (the same SD 1.x rules in later versions,
+which add `norm1`/`norm2` to the resnet renames), network.py (`NetworkModule`: `alpha`, `calc_scale`) at
+f2844bd024ff and network_lora.py (`ModuleTypeLora`, `NetworkModuleLora.create_module`/`calc_updown`) at
+ea903819cb7e.
 """
 
 from __future__ import annotations
@@ -232,3 +237,123 @@ def a1111_load_embedding(path: Path) -> dict[str, Any]:
         "step": data.get("step"),
         "sd_checkpoint_name": data.get("sd_checkpoint_name"),
     }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A1111: which LoRA tensor names patch which module of an SD 1.x model (its original LDM backend)
+
+# networks.py suffix_conversion: diffusers' resnet layer names -> LDM's, '_'-joined.
+A1111_RESNET_SUFFIXES = {
+    "conv1": "in_layers_2",
+    "conv2": "out_layers_3",
+    "norm1": "in_layers_0",
+    "norm2": "out_layers_0",
+    "time_emb_proj": "emb_layers_1",
+    "conv_shortcut": "skip_connection",
+}
+# networks.py convert_diffusers_name_to_compvis, the SD 1.x rules (is_sd2 False). The block arithmetic is SD 1.x's
+# UNet (two layers per level, four levels), written into A1111's rules: only an SD 1.x-shaped model can be checked.
+_A1111_RULES: list[tuple[re.Pattern, Any]] = [
+    (re.compile(r"lora_unet_conv_in(.*)"), lambda m: f"diffusion_model_input_blocks_0_0{m[0]}"),
+    (re.compile(r"lora_unet_conv_out(.*)"), lambda m: f"diffusion_model_out_2{m[0]}"),
+    (re.compile(r"lora_unet_time_embedding_linear_(\d+)(.*)"),
+     lambda m: f"diffusion_model_time_embed_{m[0] * 2 - 2}{m[1]}"),
+    (re.compile(r"lora_unet_down_blocks_(\d+)_(attentions|resnets)_(\d+)_(.+)"),
+     lambda m: f"diffusion_model_input_blocks_{1 + m[0] * 3 + m[2]}_{1 if m[1] == 'attentions' else 0}_"
+               f"{_a1111_suffix(m[1], m[3])}"),
+    (re.compile(r"lora_unet_mid_block_(attentions|resnets)_(\d+)_(.+)"),
+     lambda m: f"diffusion_model_middle_block_{1 if m[0] == 'attentions' else m[1] * 2}_{_a1111_suffix(m[0], m[2])}"),
+    (re.compile(r"lora_unet_up_blocks_(\d+)_(attentions|resnets)_(\d+)_(.+)"),
+     lambda m: f"diffusion_model_output_blocks_{m[0] * 3 + m[2]}_{1 if m[1] == 'attentions' else 0}_"
+               f"{_a1111_suffix(m[1], m[3])}"),
+    (re.compile(r"lora_unet_down_blocks_(\d+)_downsamplers_0_conv"),
+     lambda m: f"diffusion_model_input_blocks_{3 + m[0] * 3}_0_op"),
+    (re.compile(r"lora_unet_up_blocks_(\d+)_upsamplers_0_conv"),
+     lambda m: f"diffusion_model_output_blocks_{2 + m[0] * 3}_{2 if m[0] > 0 else 1}_conv"),
+    (re.compile(r"lora_te_text_model_encoder_layers_(\d+)_(.+)"),
+     lambda m: f"transformer_text_model_encoder_layers_{m[0]}_{m[1]}"),
+]
+
+
+def _a1111_suffix(kind: str, name: str) -> str:
+    return A1111_RESNET_SUFFIXES.get(name, name) if kind == "resnets" else name
+
+
+def a1111_compvis_name(key: str) -> str:
+    """convert_diffusers_name_to_compvis: a kohya module name -> the '_'-joined LDM module name A1111 looks up."""
+    for pattern, build in _A1111_RULES:
+        r = pattern.match(key)
+        if r:
+            return build([int(g) if re.match(r"\d+", g) else g for g in r.groups()])
+    return key
+
+
+def a1111_sd1_modules(unet, text_encoder) -> dict[str, tuple[str, str, torch.nn.Module]]:
+    """assign_network_names_to_compvis_modules for SD 1.x: {'_'-joined LDM module name: (part, module path in our
+    diffusers/transformers model, the module)}. A1111's UNet is LDM's, under `diffusion_model.`; its text encoder is
+    `cond_stage_model.wrapped`, whose `transformer` is a transformers CLIPTextModel (4.x: `text_model.` layout)."""
+    modules: dict[str, tuple[str, str, torch.nn.Module]] = {}
+    for d_key, ldm_key in _diffusers_to_ldm_unet_keys(unet).items():
+        if d_key.endswith(".weight"):
+            path = d_key[: -len(".weight")]
+            name = "diffusion_model_" + ldm_key[: -len(".weight")].replace(".", "_")
+            modules[name] = ("unet", path, unet.get_submodule(path))
+    for path, module in text_encoder.named_modules():
+        if path:
+            modules["transformer_" + clip_text_key(path).replace(".", "_")] = ("text_encoder", path, module)
+    return modules
+
+
+def a1111_load_lora(lora: Mapping[str, torch.Tensor], modules) -> tuple[dict[tuple[str, str], ComfyPatch], set]:
+    """(patches by target weight, file keys not matched): what networks.py `load_network` and network_lora.py make of
+    a LoRA file. A key left over is one A1111 lists as "Failed to match keys" (or drops as a part no LoRA module
+    reads) and does not apply. Raises AssertionError where A1111 would (a module without up and down, a module type
+    LoRA cannot patch, weights that do not fit the module)."""
+    matched: dict[str, dict[str, torch.Tensor]] = {}
+    failed: set[str] = set()
+    for key, weight in lora.items():
+        base, _, part = key.partition(".")
+        name = a1111_compvis_name(base)
+        found = modules.get(name)
+        if found is None and "lora_unet" in base:  # LDM names under lora_unet_ (SDXL files)
+            name = base.replace("lora_unet", "diffusion_model")
+            found = modules.get(name)
+        elif found is None and "lora_te1_text_model" in base:
+            name = base.replace("lora_te1_text_model", "transformer_text_model")
+            found = modules.get(name)
+        if found is None:
+            failed.add(key)
+            continue
+        matched.setdefault(name, {})[part] = weight
+    patches: dict[tuple[str, str], ComfyPatch] = {}
+    for name, w in matched.items():
+        part, path, module = modules[name]
+        if "lora_A.weight" in w and "lora_B.weight" in w:  # ModuleTypeLora renames peft's pair
+            w["lora_up.weight"], w["lora_down.weight"] = w.pop("lora_B.weight"), w.pop("lora_A.weight")
+        if not ("lora_up.weight" in w and "lora_down.weight" in w):
+            raise AssertionError(f"Could not find a module type that would accept those keys: {', '.join(w)}")
+        failed.update(f"{name}.{k}" for k in w if k not in ("lora_up.weight", "lora_down.weight", "alpha"))
+        up, down = w["lora_up.weight"], w["lora_down.weight"]
+        if type(module) is torch.nn.Linear:  # create_module: both reshaped to 2-D linear layers
+            fits = (down.reshape(down.shape[0], -1).shape[1] == module.in_features
+                    and up.reshape(up.shape[0], -1).shape == (module.out_features, down.shape[0]))
+        elif type(module) is torch.nn.Conv2d:  # down: the module's kernel (or 1x1); up: 1x1
+            kernel = tuple(down.shape[2:]) if down.ndim == 4 else (1, 1)
+            fits = (down.shape[1] == module.in_channels and kernel in ((1, 1), tuple(module.kernel_size))
+                    and up.shape[0] == module.out_channels and up.reshape(up.shape[0], -1).shape[1] == down.shape[0])
+        else:
+            raise AssertionError(f"Lora layer {name} matched a layer with unsupported type: {type(module).__name__}")
+        if not fits:
+            raise AssertionError(f"Lora layer {name}: up {tuple(up.shape)} / down {tuple(down.shape)} do not fit "
+                                 f"{type(module).__name__} weight {tuple(module.weight.shape)}")
+        # NetworkModule.calc_scale: alpha / dim, dim = down's first dimension; 1 without alpha (as ComfyPatch.scale).
+        alpha = float(w["alpha"].item()) if "alpha" in w else None
+        patches[(part, f"{path}.weight")] = ComfyPatch(up, down, alpha)
+    return patches, failed
+
+
+def lora_delta(patch: ComfyPatch, weight_shape) -> torch.Tensor:
+    """What a loader adds to a weight at strength 1: scale * up @ down, in the weight's shape (lyco_helpers
+    rebuild_conventional in A1111, calculate_weight in ComfyUI)."""
+    diff = patch.up.flatten(start_dim=1).float() @ patch.down.flatten(start_dim=1).float()
+    return patch.scale * diff.reshape(weight_shape)

@@ -144,6 +144,54 @@ def test_no_intact_checkpoint_is_a_clear_error(base, finished, tmp_path):
         run_here(base, cut, resume=True)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["weights", "ema", "state", "manifest"])
+def test_sampling_and_export_refuse_a_damaged_checkpoint(base, finished, tmp_path, capsys, damage):
+    """Sampling (the grid, `rangefinder sample`) and export (a checkpoint's model written out, as the fine-tune's
+    `chosen/` is) check the files they read against the manifest first. A flipped byte inside the tensor data still
+    parses, so without the check each of these would quietly use wrong weights."""
+    from rangefinder.cli.main import main as cli_main
+    from rangefinder.sampling import export_pipeline, render_grid
+    from rangefinder.training.restore import save_checkpoint_model
+
+    ckpt = Path(shutil.copytree(finished / "checkpoints" / "checkpoint-000002", tmp_path / "checkpoint-000002"))
+    if damage == "weights":
+        flip_a_byte(ckpt / checkpoints.WEIGHTS_NAME)
+        problem = "weights.safetensors does not match its checksum"
+    elif damage == "ema":
+        flip_a_byte(ckpt / checkpoints.EMA_NAME)
+        problem = "ema.pt does not match its checksum"
+    elif damage == "state":
+        state = checkpoints.read_state(ckpt)
+        state["training"]["lr"] = 1.0  # another run's settings: a method rebuilt from them would differ
+        (ckpt / checkpoints.STATE_NAME).write_text(json.dumps(state))
+        problem = "state.json does not match its checksum"
+    else:
+        (ckpt / checkpoints.MANIFEST_NAME).unlink()
+        problem = "it has no manifest.json"
+    model = Path(base["model"])
+    expected = f"checkpoint {ckpt} is damaged: {problem}.*another checkpoint"
+
+    with pytest.raises(RangefinderError, match=expected):
+        save_checkpoint_model(ckpt, model, tmp_path / "chosen")
+    assert not (tmp_path / "chosen").exists()
+    with pytest.raises(RangefinderError, match=expected):
+        export_pipeline(ckpt, model, tmp_path / "whole")
+    assert not (tmp_path / "whole").exists()
+
+    grid = tmp_path / "grid"
+    grid.mkdir()
+    (grid / "grid.json").write_text("{}")  # an earlier grid: refused before anything is rendered, it stays whole
+    with pytest.raises(RangefinderError, match=expected):
+        render_grid([model, ckpt], ["a red circle"], [0], out_dir=grid, steps=1, device="cpu")
+    assert sorted(p.name for p in grid.iterdir()) == ["grid.json"]
+    capsys.readouterr()
+    assert cli_main(["sample", "--model", str(model), "--checkpoints", str(ckpt), "--out", str(tmp_path / "cli"),
+                     "--steps", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and problem in err and "Traceback" not in err, err
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Item 2: one run per output folder; a SIGKILLed run's lock does not block its resume
 

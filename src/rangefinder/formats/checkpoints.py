@@ -10,7 +10,8 @@ A checkpoint is a folder `checkpoints/checkpoint-<update:06d>/` holding:
 It is assembled under a temporary name and renamed into place, so a killed run leaves either a whole checkpoint or a
 `.tmp` folder that readers ignore (and the next save removes). Only the training engine writes checkpoints;
 sampling, export and registration read them through `list_checkpoints`, `read_state`, `read_weights` and
-`read_ema`.
+`read_ema`, after `require_intact` has checked the files they read against the manifest (a damaged checkpoint is one
+error naming it, never a silently wrong model).
 
 Resuming must never run code found in an output folder (one may come from anyone: a shared bucket, a colleague's
 run). The `.pt` files hold only tensors, numbers, strings and lists/tuples/dicts of them, and are read with
@@ -30,6 +31,7 @@ import json
 import pickle
 import re
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -93,7 +95,8 @@ def read_weights(path: Path) -> dict:
 
 
 def read_ema(path: Path) -> Optional[dict]:
-    """The EMA state (diffusers' EMAModel.state_dict) when the run kept an average, else None. Call `verify` first."""
+    """The EMA state (diffusers' EMAModel.state_dict) when the run kept an average, else None. Call
+    `require_intact` (or `verify`) first."""
     ema = Path(path) / EMA_NAME
     return _load_plain(ema) if ema.is_file() else None
 
@@ -164,21 +167,74 @@ def write_main(
     (tmp / MANIFEST_NAME).write_text(json.dumps({"sha256": {f: file_sha256(tmp / f) for f in files}}, indent=1))
 
 
-def verify(path: Path) -> Optional[str]:
-    """What is wrong with the checkpoint at `path` (a missing or changed file, by its checksum); None when intact."""
+def verify(path: Path, only: Optional[Iterable[str]] = None) -> Optional[str]:
+    """What is wrong with the checkpoint at `path` (a missing or changed file, by its checksum); None when intact.
+
+    `only`: check just these files (those a reader is about to read), each of which must then be in the manifest
+    when it is there; by default every file the manifest lists."""
     path = Path(path)
+    if not (path / MANIFEST_NAME).is_file():
+        return f"it has no {MANIFEST_NAME} (it was not written whole, or not by rangefinder's training engine)"
     try:
         sums = json.loads((path / MANIFEST_NAME).read_text())["sha256"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"its {MANIFEST_NAME} cannot be read ({e})"
-    for name, want in sums.items():
+    if not isinstance(sums, dict):
+        return f"its {MANIFEST_NAME} holds no checksum table"
+    missing = [n for n in REQUIRED if n != MANIFEST_NAME and n not in sums]
+    if missing:
+        return f"the manifest lists no checksum for {', '.join(missing)}"
+    names = list(sums)
+    if only is not None:
+        wanted = set(only)
+        unlisted = sorted(n for n in wanted if n not in sums and (path / n).exists())
+        if unlisted:
+            return f"{unlisted[0]} is not in its {MANIFEST_NAME} (added after the checkpoint was written)"
+        names = [n for n in names if n in wanted]
+    for name in names:
         f = path / name
         if not f.is_file():
             return f"{name} is missing"
-        if file_sha256(f) != want:
+        if file_sha256(f) != sums[name]:
             return f"{name} does not match its checksum (a torn write, a bad block, or changed by hand)"
-    missing = [n for n in REQUIRED if n != MANIFEST_NAME and n not in sums]
-    return f"the manifest lists no checksum for {', '.join(missing)}" if missing else None
+    return None
+
+
+# The files a reader of the trained model uses (restore.method_from_checkpoint): not the optimizer or RNG states.
+MODEL_FILES = (WEIGHTS_NAME, STATE_NAME, EMA_NAME)
+# Checkpoints found intact in this process, with the (name, size, mtime) of the files checked: a grid that checks its
+# columns before rendering and then loads each one hashes a multi-GB checkpoint once, not twice.
+_intact: dict[tuple[str, tuple[str, ...]], tuple] = {}
+
+
+def _signature(path: Path, names: tuple[str, ...]) -> tuple:
+    sig: list[tuple[str, Optional[int], Optional[int]]] = []
+    for name in (MANIFEST_NAME, *names):
+        try:
+            st = (path / name).stat()
+        except OSError:
+            sig.append((name, None, None))
+        else:
+            sig.append((name, st.st_size, st.st_mtime_ns))
+    return tuple(sig)
+
+
+def require_intact(path: Path, only: Iterable[str] = MODEL_FILES) -> None:
+    """Raise one RangefinderError naming the checkpoint, what is wrong and the fix, unless the files a reader is about
+    to read (`only`, default: those of the trained model) match the checkpoint's manifest."""
+    path = Path(path)
+    names = tuple(sorted(only))
+    key = (str(path.resolve()), names)
+    sig = _signature(path, names)
+    if _intact.get(key) == sig:
+        return
+    problem = verify(path, names)
+    if problem is not None:
+        raise RangefinderError(
+            f"checkpoint {path} is damaged: {problem}; its weights cannot be trusted. Use another checkpoint of the "
+            "run, or run the training again to write it anew (with --resume it goes on from the newest intact one)"
+        )
+    _intact[key] = sig
 
 
 def commit(tmp: Path, keep: int) -> Path:

@@ -81,6 +81,7 @@ def keep_chosen_checkpoint(run_dir: Path, window: Any, curve: dict, base_model: 
     ckpt = checkpoints.nearest_checkpoint(ckpt_root, window.recommended_updates)
     if ckpt is None:
         return None
+    checkpoints.require_intact(ckpt)  # before its state.json is read here and its weights by save_checkpoint_model
     update = int(checkpoints.checkpoint_update(ckpt) or 0)  # a listed checkpoint always has its update in its name
     rows = [r for r in checkpoints.read_state(ckpt)["metrics_rows"] if r.get("update") == update]
     val_loss = rows[-1].get("val_loss") if rows else None

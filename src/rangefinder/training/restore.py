@@ -19,13 +19,17 @@ if TYPE_CHECKING:
 
 
 def method_from_checkpoint(ckpt_dir: Path, base_model: Path) -> tuple[Method, SDComponents]:
-    """(method, parts): the base model's parts in fp32 on the CPU, carrying the checkpoint's trained weights."""
+    """(method, parts): the base model's parts in fp32 on the CPU, carrying the checkpoint's trained weights.
+
+    The files read are first checked against the checkpoint's manifest: a damaged checkpoint is one RangefinderError
+    naming it, before anything is loaded."""
     import torch
 
     from rangefinder.config import ModelConfig, TrainingConfig
     from rangefinder.models.loading import load_sd_components
     from rangefinder.training.methods import make_method
 
+    checkpoints.require_intact(ckpt_dir)
     cfg = TrainingConfig.model_validate(checkpoints.read_state(ckpt_dir)["training"])
     method = make_method(cfg)
     sd = load_sd_components(ModelConfig(base_model=str(base_model)))
