@@ -23,7 +23,7 @@ from rangefinder.config import RangefinderConfig, TrainingConfig, plan_for, reso
 from rangefinder.errors import RangefinderError
 from rangefinder.formats import checkpoints
 from rangefinder.formats.atomic import write_json, write_text
-from rangefinder.steps.launch import run_training, step_world_size
+from rangefinder.steps.launch import batch_note, run_training, step_world_size
 from rangefinder.steps.workdir import publish, work_dir
 
 
@@ -158,7 +158,8 @@ def run_finetune(
                                         stabilize_loss=curve.get("stabilize_loss"), tolerance=cfg.finetune.tolerance,
                                         seed=cfg.validation.seed,
                                         divergence_factor=cfg.validation.divergence_factor)
-            report = write_step_report(window, curve, report_dir, source=str(result.metrics_csv))
+            report = write_step_report(window, curve, report_dir,
+                                       source=f"{result.metrics_csv}; {batch_note(tc)}")
             copy_report(report, report_html, report_md)
             # No window (no improvement at all): keep the configured budget and say so in the report.
             rec_epochs = int(window.recommended_epochs or tc.epochs or 1)
@@ -178,7 +179,8 @@ def run_finetune(
             checkpoints.keep_newest(work / "checkpoints", cfg.training.keep_checkpoints)
         publish(work, model_dir)
         decision.update(lr_low=lr_low, lr_high=lr_high, lr_mid=lr_mid, lr_source=lr_source,
-                        mixed_precision=precision, chosen=chosen)
+                        mixed_precision=precision, chosen=chosen, world_size=tc.world_size,
+                        global_batch=tc.batch_size * tc.grad_accum * tc.world_size)
         write_json(report_dir / "decision.json", decision)
         shutil.copyfile(result.metrics_csv, report_dir / "metrics.csv")
         run.log_artifact(report_dir, "report")

@@ -57,6 +57,13 @@ def step_world_size(cfg: RangefinderConfig, gpus: Optional[int] = None) -> int:
     return processes_per_node(cfg, gpus) * cfg.distributed.num_nodes
 
 
+def batch_note(tc: TrainingConfig) -> str:
+    """The global batch in words, for the step's report."""
+    eff = tc.batch_size * tc.grad_accum * tc.world_size
+    return (f"global batch {eff} = {tc.batch_size} per device x {tc.world_size} process(es) x "
+            f"{tc.grad_accum} accumulation")
+
+
 def check_global_batch(tc: TrainingConfig, train_images: int) -> None:
     """Several processes with a global batch above the training set would leave devices without images."""
     if tc.world_size > 1:
@@ -82,12 +89,20 @@ def run_training(cfg: RangefinderConfig, spec: Any, *, out_dir: Path, metric_sin
     if tc.world_size == 1:
         return train(spec, out_dir=out_dir, metric_sink=metric_sink, save_final=save_final)
     out_dir = Path(out_dir)
+    if cfg.distributed.num_nodes > 1:
+        # The nodes see the data volume, not this pod's disk: the split (a KFP artifact here) goes beside the job.
+        import dataclasses
+        import shutil
+
+        shared_split = job_dir(out_dir) / "split"
+        shutil.copytree(spec.split_dir, shared_split, dirs_exist_ok=True)
+        spec = dataclasses.replace(spec, split_dir=shared_split)
     job = write_job(cfg, spec, out_dir, save_final=save_final, step_name=step_name,
                     mlflow_run_id=getattr(metric_sink, "run_id", None))
     if cfg.distributed.num_nodes > 1:
         from rangefinder.steps.trainjob import run_trainjob
 
-        run_trainjob(cfg, job, step_name=step_name)
+        run_trainjob(cfg, job, step_name=step_name, processes_per_node=processes_per_node(cfg))
     else:
         _torchrun(job, tc.world_size)
     return read_result(job)

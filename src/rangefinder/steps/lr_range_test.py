@@ -19,7 +19,7 @@ from rangefinder.analysis.zoom import ended_above_start, points_between, zoom_ra
 from rangefinder.config import RangefinderConfig, TrainingConfig, ValidationConfig, resolve_mixed_precision
 from rangefinder.errors import RangefinderError
 from rangefinder.formats.atomic import write_json
-from rangefinder.steps.launch import run_training, step_world_size
+from rangefinder.steps.launch import batch_note, run_training, step_world_size
 from rangefinder.steps.workdir import publish, work_dir
 
 
@@ -120,8 +120,11 @@ def run_lr_range_test(
                               rose_at_top=ended_above_start(curve["val_loss"]))
         decision = {**bounds.to_dict(), "stage": stage, "lr_min": lo, "lr_max": hi, "points_between": n_between,
                     "needs_zoom": zoom is not None, "zoom_range": list(zoom) if zoom else None,
-                    "updates": result.updates, "curve_csv": str(result.metrics_csv)}
-        report = write_lr_report(bounds, curve, out_dir / "report", source=str(result.metrics_csv))
+                    "updates": result.updates, "curve_csv": str(result.metrics_csv),
+                    "world_size": train_cfg.world_size,
+                    "global_batch": train_cfg.batch_size * train_cfg.grad_accum * train_cfg.world_size}
+        report = write_lr_report(bounds, curve, out_dir / "report",
+                                 source=f"{result.metrics_csv}; {batch_note(train_cfg)}")
         copy_report(report, report_html, report_md)
         bounds_json = out_dir / "bounds.json"
         write_json(bounds_json, decision)
