@@ -20,7 +20,7 @@ import yaml
 
 from rangefinder.config import RangefinderConfig
 from rangefinder.errors import ConfigError
-from rangefinder.steps import trainjob
+from rangefinder.steps import launch, trainjob
 
 FIXTURES = Path(__file__).with_name("fixtures") / "kubeflow-trainer-v2.3.0"
 JOB = Path("/data/work/run-1/.finetune.launch/launch-job.json")
@@ -49,7 +49,8 @@ def _cfg(**distributed) -> RangefinderConfig:
 
 
 def _manifest(cfg: RangefinderConfig, processes: int = 8) -> dict:
-    trainer, options = trainjob.trainer_and_options(cfg, JOB, "rf-finetune-0123456789", processes)
+    trainer, options = trainjob.trainer_and_options(cfg, JOB, "rf-finetune-0123456789", processes,
+                                                    launch.WORKER_MODULE)
     return trainjob.trainjob_manifest(trainer, options, trainjob.runtime_stub(cfg.distributed.runtime))
 
 
@@ -145,7 +146,7 @@ def test_the_crd_check_rejects_a_broken_trainjob(trainjob_schema, breakage):
 def test_several_nodes_need_the_shared_volume():
     cfg = _cfg().model_copy(update={"kubernetes": _cfg().kubernetes.model_copy(update={"data_pvc": None})})
     with pytest.raises(ConfigError, match="needs kubernetes.data_pvc"):
-        trainjob.trainer_and_options(cfg, JOB, "x", 8)
+        trainjob.trainer_and_options(cfg, JOB, "x", 8, launch.WORKER_MODULE)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ from rangefinder.config import (
 from rangefinder.errors import ConfigError, RangefinderError
 from rangefinder.formats.atomic import write_json
 
+WORKER_MODULE = "rangefinder.steps.launch"  # this module: `python -m` runs `worker` in every process
 JOB_NAME = "launch-job.json"
 RESULT_NAME = "launch-result.json"
 ERROR_PREFIX = "launch-error-"
@@ -102,7 +103,8 @@ def run_training(cfg: RangefinderConfig, spec: Any, *, out_dir: Path, metric_sin
     if cfg.distributed.num_nodes > 1:
         from rangefinder.steps.trainjob import run_trainjob
 
-        run_trainjob(cfg, job, step_name=step_name, processes_per_node=processes_per_node(cfg))
+        run_trainjob(cfg, job, step_name=step_name, processes_per_node=processes_per_node(cfg),
+                     worker_module=WORKER_MODULE)
     else:
         _torchrun(job, tc.world_size)
     return read_result(job)
@@ -174,7 +176,7 @@ def read_result(job: Path) -> Any:
 def torchrun_command(job: Path, nproc: int) -> list[str]:
     """PyTorch's elastic launcher (torchrun) on this one node, running `worker` in `nproc` processes."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-            "--nproc_per_node", str(nproc), "-m", "rangefinder.steps.launch", str(job)]
+            "--nproc_per_node", str(nproc), "-m", WORKER_MODULE, str(job)]
 
 
 def _torchrun(job: Path, nproc: int) -> None:

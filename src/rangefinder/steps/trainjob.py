@@ -6,7 +6,7 @@ step's pod submits a TrainJob on the runtime `distributed.runtime` (Trainer's `t
 ClusterTrainingRuntime), whose torch plugin starts the trainer container on every node with the PET_* variables
 torchrun reads (nodes, node rank, master address and port, processes per node). Each node runs
 
-    torchrun [--nproc_per_node N] -m rangefinder.steps.launch <job file on the data volume>
+    torchrun [--nproc_per_node N] -m <the launcher module> <job file on the data volume>
 
 so every process rebuilds the same run from the job file, as on one node (rangefinder.steps.launch). Each node gets
 the step's image, the data volume (split copy, caches, work folder, job file), the MLflow and Hugging Face Secrets as
@@ -47,9 +47,11 @@ def trainjob_name(job: Path, step_name: str) -> str:
     return f"rf-{step_name.replace('_', '-')}-{digest}"[:63]
 
 
-def trainer_and_options(cfg: RangefinderConfig, job: Path, name: str, processes_per_node: int) -> tuple[Any, list]:
-    """The SDK's CustomTrainerContainer and options (name, labels, command, deadline, runtime patch) of the TrainJob.
-    `submit` hands exactly these to TrainerClient.train; `trainjob_manifest` builds the object they make."""
+def trainer_and_options(cfg: RangefinderConfig, job: Path, name: str, processes_per_node: int,
+                        worker_module: str) -> tuple[Any, list]:
+    """The SDK's CustomTrainerContainer and options (name, labels, command, deadline, runtime patch) of the TrainJob
+    whose nodes run `torchrun -m <worker_module> <job>` (rangefinder.steps.launch passes itself). `run_trainjob`
+    hands exactly these to TrainerClient.train; `trainjob_manifest` builds the object they make."""
     from kubeflow.trainer import CustomTrainerContainer
     from kubeflow.trainer.options import (
         ActiveDeadlineSeconds,
@@ -109,7 +111,7 @@ def trainer_and_options(cfg: RangefinderConfig, job: Path, name: str, processes_
     # GPUs of resourcesPerNode), unless training.processes_per_node asks for fewer.
     nproc = [] if k8s.gpu_count > 0 and processes_per_node == k8s.gpu_count else \
         ["--nproc_per_node", str(processes_per_node)]
-    command = [*ENTRYPOINT, *nproc, "-m", "rangefinder.steps.launch", str(job)]
+    command = [*ENTRYPOINT, *nproc, "-m", worker_module, str(job)]
     trainer = CustomTrainerContainer(image=trainer_image(k8s.image), num_nodes=cfg.distributed.num_nodes,
                                      resources_per_node=resources, env=env)
     options = [
@@ -218,7 +220,8 @@ def _sigterm_raises() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def run_trainjob(cfg: RangefinderConfig, job: Path, *, step_name: str, processes_per_node: int) -> None:
+def run_trainjob(cfg: RangefinderConfig, job: Path, *, step_name: str, processes_per_node: int,
+                 worker_module: str) -> None:
     """Submit the TrainJob, stream node 0's log, wait for it; delete it unless it completed."""
     from kubeflow.trainer import KubernetesBackendConfig, TrainerClient
     from kubeflow.trainer.constants import constants
@@ -229,7 +232,7 @@ def run_trainjob(cfg: RangefinderConfig, job: Path, *, step_name: str, processes
     check_trainer(backend.core_api.api_client, namespace, cfg.distributed.runtime)
     runtime = trainer_client.get_runtime(cfg.distributed.runtime)
     name = trainjob_name(job, step_name)
-    trainer, options = trainer_and_options(cfg, job, name, processes_per_node)
+    trainer, options = trainer_and_options(cfg, job, name, processes_per_node, worker_module)
     with contextlib.suppress(Exception):  # a previous attempt's TrainJob (the step was retried): replace it
         trainer_client.delete_job(name)
     completed = False
