@@ -107,7 +107,8 @@ def test_the_trainjob_fits_the_crd_and_the_runtime(trainjob_schema, runtime, mon
     (rjob,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
     runtime_jobs = runtime["spec"]["template"]["spec"]["replicatedJobs"]
     assert rjob["name"] in [j["name"] for j in runtime_jobs]
-    runtime_containers = [c["name"] for j in runtime_jobs for c in j["template"]["spec"]["template"]["spec"]["containers"]]
+    runtime_containers = [c["name"] for j in runtime_jobs
+                          for c in j["template"]["spec"]["template"]["spec"]["containers"]]
     pod = rjob["template"]["spec"]["template"]
     (container,) = pod["spec"]["containers"]
     assert container["name"] in runtime_containers
