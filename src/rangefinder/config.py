@@ -321,6 +321,15 @@ class TrainingConfig(_Section):
     keep_checkpoints: int = Field(2, ge=1)
     resume: bool = False  # resume from the newest whole checkpoint under the output folder
 
+    @field_validator("processes_per_node", mode="before")
+    @classmethod
+    def _auto_or_count(cls, v: Any) -> Any:
+        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+            return v
+        if isinstance(v, str) and v.strip().isdigit() and int(v) >= 1:
+            return int(v)
+        raise ValueError(f"must be auto (one process per GPU) or a whole number of processes >= 1 (got {v!r})")
+
     @field_validator("compile", mode="before")
     @classmethod
     def _yaml_on_off(cls, v: Any) -> Any:
