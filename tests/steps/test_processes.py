@@ -99,6 +99,10 @@ def test_two_processes_train_what_one_does_and_resume_after_sigkill(split_dir, t
     done = [checkpoints.checkpoint_update(c) for c in checkpoints.list_checkpoints(cut / "checkpoints")]
     assert done and max(done) < 12
 
+    # Without resume, every rank refuses the folder: one error in the step, the rank's own sentence.
+    fresh = _spec(two, split_dir, tiny_model_dir, resume=False)
+    with pytest.raises(ConfigError, match="already holds a run; pass --resume"):
+        launch.run_training(two, fresh, out_dir=cut)
     resumed = launch.run_training(two, spec2, out_dir=cut)  # training.resume is on in the fine-tune's settings
     assert resumed.resumed_from == max(done) and resumed.updates == 12
     assert _val_losses(cut) == _val_losses(tmp_path / "two")

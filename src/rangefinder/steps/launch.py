@@ -158,8 +158,12 @@ def read_result(job: Path) -> Any:
     folder = job.parent
     errors = sorted(folder.glob(f"{ERROR_PREFIX}*.json"))
     if errors:
+        from rangefinder import errors as error_types
+
         e = json.loads(errors[0].read_text())
-        raise RangefinderError(e["message"])
+        kind = getattr(error_types, str(e.get("type")), RangefinderError)  # the rank's own error type, if it is ours
+        raise (kind if isinstance(kind, type) and issubclass(kind, RangefinderError) else RangefinderError)(
+            e["message"])
     path = folder / RESULT_NAME
     if not path.is_file():
         raise RangefinderError(
