@@ -258,3 +258,12 @@ def test_mixed_precision_auto_is_the_default_and_resolves_per_device():
     else:
         expected = "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
     assert resolve_mixed_precision("auto") == expected
+
+
+@pytest.mark.parametrize("value", ["many", 0, True, -2])
+def test_processes_per_node_is_auto_or_a_count(value):
+    from rangefinder.config import parse_config
+
+    with pytest.raises(ConfigError, match=r"training.processes_per_node: must be auto .* or a whole number"):
+        parse_config({"training": {"processes_per_node": value}})
+    assert parse_config({"training": {"processes_per_node": "2"}}).training.processes_per_node == 2

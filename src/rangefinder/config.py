@@ -23,7 +23,7 @@ import math
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, Union
 from urllib.parse import parse_qsl, urlsplit
 
 import yaml
@@ -236,6 +236,7 @@ RAMP_SCHEDULES = ("linear-ramp", "exp-ramp")
 CYCLIC_SCHEDULES = ("triangular", "triangular2", "exp_range")
 StepsUnit = Literal["update", "micro-batch"]
 ScaleLR = Literal["none", "linear", "sqrt"]
+ProcessesPerNode = Union[Literal["auto"], Annotated[int, Field(ge=1)]]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -250,8 +251,12 @@ class TrainingConfig(_Section):
     # --- batch arithmetic
     batch_size: int = Field(1, ge=1)  # images per micro-batch per process
     grad_accum: int = Field(1, ge=1)  # micro-batches per update
-    # Processes the launcher (accelerate) starts; the engine checks it against the real number.
+    # Processes the launcher (accelerate) starts; the engine checks it against the real number. The pipeline's
+    # training steps set it themselves: processes_per_node x distributed.num_nodes.
     world_size: int = Field(1, ge=1)
+    # Processes the range test, fine-tune and retrain steps start on each node, one per accelerator (DDP):
+    # auto = the GPUs the step's pod sees (kubernetes.gpu_count), 1 on CPU; an integer forces it (on CPU: gloo).
+    processes_per_node: ProcessesPerNode = "auto"
     # Skip the trailing images of each epoch instead of letting micro-batches straddle epochs.
     drop_last: bool = False
 
@@ -316,6 +321,15 @@ class TrainingConfig(_Section):
     keep_checkpoints: int = Field(2, ge=1)
     resume: bool = False  # resume from the newest whole checkpoint under the output folder
 
+    @field_validator("processes_per_node", mode="before")
+    @classmethod
+    def _auto_or_count(cls, v: Any) -> Any:
+        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+            return v
+        if isinstance(v, str) and v.strip().isdigit() and int(v) >= 1:
+            return int(v)
+        raise ValueError(f"must be auto (one process per GPU) or a whole number of processes >= 1 (got {v!r})")
+
     @field_validator("compile", mode="before")
     @classmethod
     def _yaml_on_off(cls, v: Any) -> Any:
@@ -357,6 +371,29 @@ def resolve_mixed_precision(setting: str, device: Optional[str] = None) -> Liter
     if not str(device).startswith("cuda"):
         return "no"
     return "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
+
+
+def visible_gpus() -> int:
+    """CUDA devices this process sees (a pod sees the GPUs of its limit); 0 without CUDA."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def resolve_processes_per_node(setting: Union[str, int], gpus: Optional[int] = None) -> int:
+    """`training.processes_per_node` as a number: auto = one process per visible GPU (1 without a GPU). On a GPU
+    node a number above the visible GPUs is refused (two processes would share a device); without a GPU any number
+    runs, on gloo (how the multi-process engine is tested on CPU). `gpus` defaults to what this process sees."""
+    gpus = visible_gpus() if gpus is None else gpus
+    if setting == "auto":
+        return max(1, gpus)
+    n = int(setting)
+    if gpus > 0 and n > gpus:
+        raise ConfigError(
+            f"training.processes_per_node is {n} but this node sees only {gpus} GPU(s); set it to auto or at most "
+            f"{gpus}, or request more GPUs per node (kubernetes.gpu_count)"
+        )
+    return n
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -531,6 +568,19 @@ class KubernetesConfig(_Section):
         return v
 
 
+class DistributedConfig(_Section):
+    """Training across nodes: with num_nodes > 1 the training steps submit a Kubeflow Trainer v2 TrainJob
+    (docs/scaling.md); each node runs training.processes_per_node processes."""
+
+    num_nodes: int = Field(1, ge=1)
+    # The (Cluster)TrainingRuntime the TrainJob refers to; Trainer v2 ships `torch-distributed` (torchrun per node).
+    runtime: str = "torch-distributed"
+    # The TrainJob's namespace; None: the namespace the step's pod runs in.
+    namespace: Optional[str] = None
+    # How long the step waits for the TrainJob to finish before it deletes it and fails.
+    timeout_hours: float = Field(72.0, gt=0)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The whole pipeline
 
@@ -547,6 +597,7 @@ class RangefinderConfig(_Section):
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     kubernetes: KubernetesConfig = Field(default_factory=KubernetesConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     # A learning rate chosen by hand skips discovery (range test and zoom).
     lr: Optional[float] = Field(None, gt=0)
 

@@ -68,3 +68,11 @@ def test_bad_input_is_one_line_and_exit_2():
                            "--epochs", "1"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "batch_size must be >= 1" in proc.stderr
+
+
+def test_global_batch_across_processes_and_nodes():
+    # 8 GPUs per node on 2 nodes, batch 4, accumulation 2: 128 images per update.
+    p = plan("--images", "1000", "--batch-size", "4", "--grad-accum", "2", "--processes-per-node", "8",
+             "--nodes", "2", "--epochs", "1")
+    assert p["world_size"] == 16 and p["global_batch"] == p["effective_batch"] == 128
+    assert p["total_updates"] == 8  # 1000 / 128, the last update partial

@@ -260,3 +260,22 @@ def test_the_recurring_run_is_a_valid_kfp_request_for_the_runner_account():
     assert validate_cron(run.trigger.cron_schedule.cron) == run.trigger.cron_schedule.cron
     assert run.max_concurrency == "1" and run.no_catchup is True and run.mode == "ENABLE"
     assert run.pipeline_version_reference.pipeline_id and run.pipeline_version_reference.pipeline_version_id
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Training across nodes (distributed.num_nodes > 1)
+
+
+def test_the_multi_node_rbac_lets_the_runner_manage_its_trainjobs_only(rendered):
+    r = rendered["multi-node"]
+    binding = r.find("RoleBinding", "rangefinder-trainjob-submitter")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": K8S.service_account, "namespace": "kubeflow"}]
+    role = r.find("Role", binding["roleRef"]["name"])
+    writes = {(g, res): set(rule["verbs"]) for rule in role["rules"] for g in rule["apiGroups"]
+              for res in rule["resources"] if set(rule["verbs"]) & {"create", "update", "patch", "delete"}}
+    assert writes == {("trainer.kubeflow.org", "trainjobs"): {"create", "get", "list", "watch", "delete"}}
+    cluster_role = r.find("ClusterRole", "rangefinder-trainingruntime-reader")
+    assert cluster_role["rules"] == [{"apiGroups": ["trainer.kubeflow.org"], "resources": ["clustertrainingruntimes"],
+                                      "verbs": ["get", "list"]}]
+    cluster_binding = r.find("ClusterRoleBinding", "rangefinder-trainingruntime-reader")
+    assert cluster_binding["subjects"] == binding["subjects"]

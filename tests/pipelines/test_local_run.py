@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from rangefinder.config import demo_config
-from tests.pipelines.registered_model import check_registered_is_the_kept_checkpoint
+from tests.pipelines.registered_model import check_registered_is_the_kept_checkpoint, task_dir
 from tests.tracking.pipeline_record import check_pipeline_record
 
 pytestmark = pytest.mark.slow
@@ -104,8 +104,10 @@ def test_discovery_without_retrain_on_default_sqlite(tmp_path, shapes_dataset_di
 
 def test_fixed_lr_skips_discovery_and_retrain_off(tmp_path, shapes_dataset_dir, tiny_model_dir):
     """Through the CLI: `rangefinder run --local --config FILE`, as a person runs it on their own data: LoRA on a
-    diffusers folder, validated every update so the step window is read and its checkpoint registered."""
-    cfg = _cfg(shapes_dataset_dir, tiny_model_dir, lr=2e-4, training={"method": "lora"},
+    diffusers folder, validated every update so the step window is read and its checkpoint registered. The
+    fine-tune runs as 2 processes (torchrun, gloo) of batch 2: the demo's global batch of 4."""
+    cfg = _cfg(shapes_dataset_dir, tiny_model_dir, lr=2e-4,
+               training={"method": "lora", "processes_per_node": 2, "batch_size": 2},
                validation={"every_updates": 1})
     config = tmp_path / "mine.yaml"
     config.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude={"kubernetes"})))
@@ -124,6 +126,27 @@ def test_fixed_lr_skips_discovery_and_retrain_off(tmp_path, shapes_dataset_dir, 
     runs = _mlflow_runs(out / "mlflow.db")
     assert "lr_range_test" not in runs and runs.get("finetune") == "FINISHED"
     check_registered_is_the_kept_checkpoint(s, out, tiny_model_dir.resolve(), "lora")
+    # Two processes, one curve: rank 0 logged it into the step's MLflow run; the report names the global batch.
+    ft = task_dir(s, "finetune")
+    summary = json.loads((ft / "model" / "run_summary.json").read_text())
+    assert summary["plan"]["world_size"] == 2 and summary["plan"]["effective_batch"] == 4
+    assert (ft / "model" / "checkpoints").is_dir()
+    decision = json.loads(next(ft.rglob("decision.json")).read_text())
+    assert decision["world_size"] == 2 and decision["global_batch"] == 4
+    assert "global batch 4 = 2 per device x 2 process(es)" in next(ft.rglob("step_report.html")).read_text()
+    with sqlite3.connect(out / "mlflow.db") as con:
+        (val_points,) = con.execute("select count(*) from metrics m join runs r on m.run_uuid = r.run_uuid "
+                                    "where r.name = 'finetune' and m.key = 'val_loss'").fetchone()
+    assert val_points == summary["updates"] + 1  # every update and the baseline, each logged once (rank 0)
+
+
+def test_several_nodes_are_refused_locally(tmp_path):
+    from rangefinder.errors import ConfigError
+    from rangefinder.pipelines.local_run import run_pipeline_locally
+
+    with pytest.raises(ConfigError, match="kfp.local.*single-node.*num_nodes: 1"):
+        run_pipeline_locally(demo_config(distributed={"num_nodes": 2}), tmp_path)
+    assert not any(tmp_path.iterdir())
 
 
 def test_failed_step_is_one_error_and_recorded(tmp_path, shapes_dataset_dir, tiny_model_dir):

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rangefinder.config import RangefinderConfig
-from rangefinder.errors import STEP_ERROR_PREFIX, RangefinderError
+from rangefinder.errors import STEP_ERROR_PREFIX, ConfigError, RangefinderError
 from rangefinder.tracking.redaction import RedactingWriter, redact, safe_uri
 from rangefinder.tracking.spool import SPOOL_ENV
 
@@ -89,6 +89,12 @@ def local_tracking_uri(out_dir: Path) -> str:
 def run_pipeline_locally(cfg: RangefinderConfig, out_dir: str | Path, *, dataset_uri: str = "",
                          quiet: bool = False) -> LocalRun:
     """Run the pipeline for `cfg` with kfp.local; raise RangefinderError naming the failed step."""
+    if cfg.distributed.num_nodes > 1:
+        raise ConfigError(
+            f"distributed.num_nodes is {cfg.distributed.num_nodes}, but a local run (kfp.local) is single-node: set "
+            "num_nodes: 1 here (training.processes_per_node still uses every GPU of this machine), or submit the run "
+            "to a cluster with Kubeflow Trainer (`rangefinder submit`)"
+        )
     from kfp import local
 
     from rangefinder.pipelines.pipeline import PIPELINE_NAME, build_pipeline

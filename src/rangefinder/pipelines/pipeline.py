@@ -53,18 +53,36 @@ MODEL_STEPS = ("resolve_config", "lr_range_test", "finetune", "retrain_full", "s
 # Deterministic, cheap steps: the same inputs give the same outputs, so a rerun may reuse them.
 CACHED_STEPS = ("prepare_dataset", "choose_lr")
 SHM_VOLUME = "dshm"
+# With distributed.num_nodes > 1 these steps submit a Kubeflow Trainer TrainJob instead of training in their own pod.
+TRAINJOB_STEPS = ("lr_range_test", "finetune", "retrain_full")
+SUBMITTER_CPU, SUBMITTER_MEMORY = "1", "4Gi"  # the submitting pod copies the split, streams logs, writes reports
+NAMESPACE_ENV = "RANGEFINDER_NAMESPACE"
+NUM_NODES_ENV = "RANGEFINDER_NUM_NODES"
 
 
-def configure_task(task: dsl.PipelineTask, step: str, k8s: KubernetesConfig, local: bool = False) -> dsl.PipelineTask:
+def configure_task(task: dsl.PipelineTask, step: str, k8s: KubernetesConfig, local: bool = False,
+                   num_nodes: int = 1) -> dsl.PipelineTask:
     """The pod settings of one step, from the config. `local`: for kfp.local, which ignores pod settings but does
-    pass a task's environment variables on, so the cluster's paths and URIs are left out."""
+    pass a task's environment variables on, so the cluster's paths and URIs are left out. `num_nodes` > 1: the
+    training runs (TRAINJOB_STEPS) go to a Kubeflow Trainer TrainJob that this step's pod submits and watches
+    (rangefinder.steps.trainjob); the pod itself then needs no GPU, only the volume, the secrets and its namespace."""
     training = step in TRAINING_STEPS
     if local:
         task.set_caching_options(False)  # a local rerun is meant to run again
         return task.set_display_name(step.replace("_", "-"))
     task.set_container_image(trainer_image(k8s.image) if training else cpu_image(k8s.cpu_image))
     task.set_caching_options(step in CACHED_STEPS)
-    if training:
+    submits = num_nodes > 1 and step in TRAINJOB_STEPS
+    if submits:
+        task.set_cpu_limit(SUBMITTER_CPU)
+        task.set_memory_limit(SUBMITTER_MEMORY)
+        # The TrainJob goes to the namespace the step runs in (the runner's RBAC: manifests/multi-node).
+        kubernetes.use_field_path_as_env(task, env_name=NAMESPACE_ENV, field_path="metadata.namespace")
+        task.set_env_variable(NUM_NODES_ENV, str(num_nodes))
+        if k8s.retries:
+            # A retry replaces the TrainJob, which resumes from the newest whole checkpoint on the data volume.
+            task.set_retry(num_retries=k8s.retries, backoff_duration="60s", backoff_factor=2.0)
+    elif training:
         if k8s.gpu_count > 0:
             task.set_accelerator_type(k8s.accelerator_type)
             task.set_accelerator_limit(k8s.gpu_count)
@@ -131,7 +149,7 @@ def build_pipeline(cfg: Optional[RangefinderConfig] = None, *, local: bool = Fal
     d = parameters_from_config(cfg)
 
     def step(task: dsl.PipelineTask, name: str) -> dsl.PipelineTask:
-        return configure_task(task, name, k8s, local=local)
+        return configure_task(task, name, k8s, local=local, num_nodes=cfg.distributed.num_nodes)
 
     @dsl.pipeline(name="discover-lr")
     def discover_lr(
@@ -290,6 +308,10 @@ def compile_pipeline(cfg: Optional[RangefinderConfig], package_path: str) -> str
 
     from rangefinder.errors import ConfigError
     from rangefinder.tracking.redaction import CREDENTIALS_FIX, url_with_credentials
+
+    if cfg is not None and cfg.distributed.num_nodes > 1 and not cfg.kubernetes.data_pvc:
+        raise ConfigError("distributed.num_nodes > 1 needs kubernetes.data_pvc: the nodes share the run's data, "
+                          "caches and outputs through it (a ReadWriteMany volume)")
 
     compiler.Compiler().compile(build_pipeline(cfg), package_path=package_path)
     leaked = url_with_credentials(Path(package_path).read_text(encoding="utf-8"))

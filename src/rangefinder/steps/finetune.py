@@ -23,6 +23,7 @@ from rangefinder.config import RangefinderConfig, TrainingConfig, plan_for, reso
 from rangefinder.errors import RangefinderError
 from rangefinder.formats import checkpoints
 from rangefinder.formats.atomic import write_json, write_text
+from rangefinder.steps.launch import batch_note, run_training, step_world_size
 from rangefinder.steps.workdir import publish, work_dir
 
 
@@ -54,7 +55,7 @@ def finetune_training_config(cfg: RangefinderConfig, lr_low: float, lr_high: flo
     ft = cfg.finetune
     # resume: the folder is this task's own, so a retry (a preempted node) goes on from its newest checkpoint.
     update: dict[str, Any] = {"epochs": epochs or ft.epochs, "steps": None, "lr": lr_mid, "scale_lr": "none",
-                              "resume": True}
+                              "resume": True, "world_size": step_world_size(cfg)}
     if ft.schedule == "constant" or lr_high <= lr_low:
         update.update(schedule="constant", lr_min=None, lr_max=None)
     else:
@@ -135,7 +136,7 @@ def run_finetune(
     from rangefinder.analysis import copy_report, read_curve_csv, select_step_window, write_step_report
     from rangefinder.data.split import read_split
     from rangefinder.models.loading import resolve_base_model
-    from rangefinder.training.loop import TrainSpec, train
+    from rangefinder.training.loop import TrainSpec
 
     split = read_split(split_dir)
     tc = finetune_training_config(cfg, lr_low, lr_high, lr_mid, len(split.train))
@@ -148,8 +149,8 @@ def run_finetune(
                        extra={"lr_low": lr_low, "lr_high": lr_high, "lr_mid": lr_mid, "lr_source": lr_source,
                               "training.mixed_precision_used": precision})
         work = work_dir(model_dir, f"{mlflow_parent_run_id}/finetune" if mlflow_parent_run_id else None)
-        result = train(TrainSpec(tc, cfg.validation, split_dir=split_dir, model=cfg.model, data=cfg.data),
-                       out_dir=work, metric_sink=run)
+        result = run_training(cfg, TrainSpec(tc, cfg.validation, split_dir=split_dir, model=cfg.model, data=cfg.data),
+                              out_dir=work, metric_sink=run, step_name="finetune")
         report_dir = Path(out_dir or model_dir / "report")
         report_dir.mkdir(parents=True, exist_ok=True)
         if validating:
@@ -158,7 +159,8 @@ def run_finetune(
                                         stabilize_loss=curve.get("stabilize_loss"), tolerance=cfg.finetune.tolerance,
                                         seed=cfg.validation.seed,
                                         divergence_factor=cfg.validation.divergence_factor)
-            report = write_step_report(window, curve, report_dir, source=str(result.metrics_csv))
+            report = write_step_report(window, curve, report_dir,
+                                       source=f"{result.metrics_csv}; {batch_note(tc)}")
             copy_report(report, report_html, report_md)
             # No window (no improvement at all): keep the configured budget and say so in the report.
             rec_epochs = int(window.recommended_epochs or tc.epochs or 1)
@@ -178,7 +180,8 @@ def run_finetune(
             checkpoints.keep_newest(work / "checkpoints", cfg.training.keep_checkpoints)
         publish(work, model_dir)
         decision.update(lr_low=lr_low, lr_high=lr_high, lr_mid=lr_mid, lr_source=lr_source,
-                        mixed_precision=precision, chosen=chosen)
+                        mixed_precision=precision, chosen=chosen, world_size=tc.world_size,
+                        global_batch=tc.batch_size * tc.grad_accum * tc.world_size)
         write_json(report_dir / "decision.json", decision)
         shutil.copyfile(result.metrics_csv, report_dir / "metrics.csv")
         run.log_artifact(report_dir, "report")

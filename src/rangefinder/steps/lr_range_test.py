@@ -19,6 +19,7 @@ from rangefinder.analysis.zoom import ended_above_start, points_between, zoom_ra
 from rangefinder.config import RangefinderConfig, TrainingConfig, ValidationConfig, resolve_mixed_precision
 from rangefinder.errors import RangefinderError
 from rangefinder.formats.atomic import write_json
+from rangefinder.steps.launch import batch_note, run_training, step_world_size
 from rangefinder.steps.workdir import publish, work_dir
 
 
@@ -51,7 +52,7 @@ def ramp_training_config(cfg: RangefinderConfig, lr_min: float, lr_max: float) -
     return cfg.training.model_copy(update={
         "schedule": "exp-ramp" if rt.ramp == "exp" else "linear-ramp",
         "lr_min": lr_min, "lr_max": lr_max, "lr": lr_max, "scale_lr": "none",
-        "epochs": rt.epochs, "steps": None,
+        "epochs": rt.epochs, "steps": None, "world_size": step_world_size(cfg),
         # The folder is this task's own: a retry (a preempted node) goes on from its newest checkpoint.
         "resume": True,
     })
@@ -79,7 +80,7 @@ def run_lr_range_test(
     """Sweep, analyse, report; `lr_min`/`lr_max` None: the configured range (a zoom passes its own)."""
     from rangefinder import tracking
     from rangefinder.analysis import analyze_lr_curve, copy_report, read_curve_csv, write_lr_report
-    from rangefinder.training.loop import TrainSpec, train
+    from rangefinder.training.loop import TrainSpec
 
     if stage not in ("first", "zoom"):
         raise RangefinderError(f"lr_range_test stage must be 'first' or 'zoom' (got {stage!r})")
@@ -103,8 +104,8 @@ def run_lr_range_test(
                                    "training.mixed_precision_used": precision})
         run.log_dataset_manifest(split_dir)
         work = work_dir(out_dir / "run", f"{mlflow_parent_run_id}/{step_name}" if mlflow_parent_run_id else None)
-        result = train(TrainSpec(train_cfg, val_cfg, split_dir=split_dir, model=cfg.model, data=cfg.data),
-                       out_dir=work, metric_sink=run, save_final=False)
+        result = run_training(cfg, TrainSpec(train_cfg, val_cfg, split_dir=split_dir, model=cfg.model, data=cfg.data),
+                              out_dir=work, metric_sink=run, save_final=False, step_name=step_name)
         publish(work, out_dir / "run")
         curve = read_curve_csv(result.metrics_csv)
         stabilize = curve.get("stabilize_loss")
@@ -119,8 +120,11 @@ def run_lr_range_test(
                               rose_at_top=ended_above_start(curve["val_loss"]))
         decision = {**bounds.to_dict(), "stage": stage, "lr_min": lo, "lr_max": hi, "points_between": n_between,
                     "needs_zoom": zoom is not None, "zoom_range": list(zoom) if zoom else None,
-                    "updates": result.updates, "curve_csv": str(result.metrics_csv)}
-        report = write_lr_report(bounds, curve, out_dir / "report", source=str(result.metrics_csv))
+                    "updates": result.updates, "curve_csv": str(result.metrics_csv),
+                    "world_size": train_cfg.world_size,
+                    "global_batch": train_cfg.batch_size * train_cfg.grad_accum * train_cfg.world_size}
+        report = write_lr_report(bounds, curve, out_dir / "report",
+                                 source=f"{result.metrics_csv}; {batch_note(train_cfg)}")
         copy_report(report, report_html, report_md)
         bounds_json = out_dir / "bounds.json"
         write_json(bounds_json, decision)

@@ -548,3 +548,14 @@ def step_run(
         raise
     else:
         step.finish("FINISHED")
+
+
+def step_metric_sink(cfg: Optional[TrackingSource], run_id: str, step_name: str) -> BatchedMetricLogger:
+    """The engine's MetricSink for a step run that another process opened: rank 0 of a multi-process training run
+    logs its curve into the step's run this way (the step's own process opens and ends the run). Its spool is the
+    step run's (`<step>-<run id>.jsonl`); `close()` it when training ends."""
+    client = tracking_client(cfg, check=False)
+    spool = Spool(spool_dir(None) / f"{step_name}-{run_id}.jsonl", tracking_uri=resolve_tracking_uri(cfg),
+                  run_id=run_id, step=step_name)
+    every = tracking_settings(cfg).log_every_updates if cfg is not None else 1
+    return BatchedMetricLogger(client, run_id, every_updates=every, spool=spool)

@@ -92,6 +92,7 @@ def _main_parts(run: Run, state: RunState) -> dict[str, Any]:
             "loss_since_row": [state.loss_sum, state.loss_count],
             "status": state.status,
             "training": run.cfg.model_dump(mode="json"),
+            "written_by": {"rank": accelerator.process_index, "world_size": accelerator.num_processes},
             "metrics_rows": state.log.metrics_rows,
             "update_rows": state.log.update_rows,
         },

@@ -109,7 +109,10 @@ def train(
     with outputs_written(settings.out_dir):
         # --- resume, or the update-0 baseline -------------------------------------------------------------------------
         log = RunLog(settings.out_dir, settings.val_cfg.timesteps, run.main, bucket_columns(run.data.val_sets))
-        state = RunState.fresh(cfg.seed + accelerator.process_index, log)
+        # One training generator, the same on every rank: each rank draws the randomness of the whole micro-batch
+        # and keeps its share (_micro_batch_loss), so N processes train what one process does at the same global
+        # batch (up to float summation order).
+        state = RunState.fresh(cfg.seed, log)
         restore_checkpoint(run, state)
         if run.validating and state.update == 0:
             validate(run, state, metric_sink)  # the baseline: the base model before any update
@@ -209,20 +212,27 @@ def _gradient_sync(run: Run, sync: bool) -> Iterator[None]:
 def _micro_batch_loss(run: Run, gen: torch.Generator, j: int, images_in_update: int) -> torch.Tensor:
     """Forward and backward of this process's share of micro-batch j; the sum of its images' losses (float64)."""
     cfg, device = run.cfg, run.device
-    idx = run.stream.local(j, run.accelerator.process_index)
+    rank = run.accelerator.process_index
+    idx = run.stream.local(j, rank)
     weight = run.accelerator.num_processes / images_in_update
+    # The random draws are made for the whole micro-batch (every process's images, the same generator state on every
+    # rank) and each process keeps the slice of its own images: an image's flip, timestep and noise do not depend on
+    # how many processes share the batch.
+    whole = len(run.stream.micro_batch(j))
+    first = rank * run.stream.batch_size
     if not idx:  # this process got no image in a partial last chunk: a zero-weight stand-in
-        idx, weight = run.stream.micro_batch(j)[:1], 0.0
+        idx, weight, first = run.stream.micro_batch(j)[:1], 0.0, 0
     B = len(idx)
-    flips = (torch.rand(B, generator=gen) < 0.5).tolist() if cfg.random_flip else [False] * B
-    drop = torch.rand(B, generator=gen) < cfg.cond_dropout if cfg.cond_dropout > 0 else None
-    timesteps = torch.randint(0, run.family.num_timesteps, (B,), generator=gen)
+    mine = slice(first, first + B)
+    flips = (torch.rand(whole, generator=gen) < 0.5)[mine].tolist() if cfg.random_flip else [False] * B
+    drop = (torch.rand(whole, generator=gen) < cfg.cond_dropout)[mine] if cfg.cond_dropout > 0 else None
+    timesteps = torch.randint(0, run.family.num_timesteps, (whole,), generator=gen)[mine]
     latents = run.data.train_latents.get(idx, flips, device)  # (B, 4, h, w) scaled latents
-    noise = torch.randn(latents.shape, generator=gen)
+    noise = torch.randn((whole, *latents.shape[1:]), generator=gen)[mine]
     if cfg.noise_offset:
         # Offset noise (Guttenberg 2023, crosslabs.org/blog/diffusion-with-offset-noise): lets the model
         # shift a whole channel's mean, i.e. learn very dark and very bright images.
-        noise = noise + cfg.noise_offset * torch.randn((B, latents.shape[1], 1, 1), generator=gen)
+        noise = noise + cfg.noise_offset * torch.randn((whole, latents.shape[1], 1, 1), generator=gen)[mine]
     noise, timesteps = noise.to(device), timesteps.to(device)
     cond = run.data.train_cond[idx]  # (B, 77, D) hidden states, or (B, 77) ids when the text encoder trains
     if drop is not None:

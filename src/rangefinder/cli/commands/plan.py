@@ -21,7 +21,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--val-split", type=float, default=0.0, help="share held out for validation (default 0)")
     p.add_argument("--batch-size", type=int, default=1, help="images per micro-batch per process")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per update")
-    p.add_argument("--world-size", type=int, default=1, help="processes (GPUs)")
+    p.add_argument("--world-size", type=int, default=None,
+                   help="processes in all (GPUs); default --processes-per-node x --nodes")
+    p.add_argument("--processes-per-node", type=int, default=1,
+                   help="processes (GPUs) per node: training.processes_per_node (default 1)")
+    p.add_argument("--nodes", type=int, default=1, help="nodes: distributed.num_nodes (default 1)")
     budget = p.add_mutually_exclusive_group(required=True)
     budget.add_argument("--epochs", type=int, help="passes over the training images")
     budget.add_argument("--steps", type=int, help="steps, counted in --steps-unit")
@@ -53,7 +57,7 @@ def run(args: argparse.Namespace) -> dict:
         val_split=args.val_split,
         batch_size=args.batch_size,
         grad_accum=args.grad_accum,
-        world_size=args.world_size,
+        world_size=args.world_size if args.world_size is not None else args.processes_per_node * args.nodes,
         epochs=args.epochs,
         steps=args.steps,
         steps_unit=args.steps_unit,
@@ -62,6 +66,8 @@ def run(args: argparse.Namespace) -> dict:
         drop_last=args.drop_last,
         bucket_counts=counts,
     ).model_dump()
+    # The global batch: what one update averages over, across every process of every node.
+    result["global_batch"] = result["effective_batch"]
     # Both conventions side by side, so a recipe can be read either way.
     result["steps_in_updates"] = result["total_updates"]
     result["steps_in_micro_batches"] = result["total_micro_batches"]

@@ -1,0 +1,123 @@
+"""The fine-tune on several processes of one node (torch.distributed.run, gloo on CPU), through the steps' launcher.
+
+One test, three runs of the fine-tune's own training settings (`finetune_training_config`) at the same global batch
+of 4: one process (batch 4), two processes (batch 2 each), and two processes killed with SIGKILL after their first
+checkpoint, then resumed. The curves agree within float tolerance, the checkpoints are rank 0's, and the resumed
+run ends with the uninterrupted run's weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rangefinder.config import RangefinderConfig, resolve_processes_per_node
+from rangefinder.errors import ConfigError
+from rangefinder.formats import checkpoints
+from rangefinder.steps import launch
+from rangefinder.steps.finetune import finetune_training_config
+from rangefinder.training.loop import TrainSpec
+
+UNET = Path("final") / "unet" / "diffusion_pytorch_model.safetensors"
+
+
+def _cfg(processes: int, batch: int, cache: Path) -> RangefinderConfig:
+    return RangefinderConfig(
+        training={"processes_per_node": processes, "batch_size": batch, "lr": 2e-4, "seed": 7,
+                  "cache_dir": str(cache), "random_flip": True, "cond_dropout": 0.2, "noise_offset": 0.05},
+        validation={"every_epochs": 1, "timesteps": 2},
+        finetune={"epochs": 3},
+    )
+
+
+def _spec(cfg: RangefinderConfig, split_dir: Path, model: Path, **training) -> TrainSpec:
+    tc = finetune_training_config(cfg, 1e-4, 3e-4, 2e-4, 16).model_copy(update=training)
+    return TrainSpec(tc, cfg.validation, split_dir=split_dir, model=str(model))
+
+
+def _val_losses(out: Path) -> list[float]:
+    with open(out / "metrics.csv", newline="") as f:
+        return [float(r["val_loss"]) for r in csv.DictReader(f)]
+
+
+@pytest.mark.slow
+def test_two_processes_train_what_one_does_and_resume_after_sigkill(split_dir, tiny_model_dir, tmp_path,
+                                                                    monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    cache = tmp_path / "cache"
+    one, two = _cfg(1, 4, cache), _cfg(2, 2, cache)
+    spec1, spec2 = _spec(one, split_dir, tiny_model_dir), _spec(two, split_dir, tiny_model_dir)
+    assert (spec1.training.world_size, spec2.training.world_size) == (1, 2)
+    # 16 images at global batch 4: 4 updates an epoch, 12 in all; a checkpoint every epoch.
+    assert spec2.training.checkpoint_every_updates == 4
+
+    single = launch.run_training(one, spec1, out_dir=tmp_path / "one")
+    double = launch.run_training(two, spec2, out_dir=tmp_path / "two")
+    assert single.updates == double.updates == 12
+
+    # The same images, flips, timesteps and noise per update: the validation curves agree up to float rounding
+    # (DDP sums the two halves' gradients in another order than one process does).
+    a, b = _val_losses(tmp_path / "one"), _val_losses(tmp_path / "two")
+    assert len(a) == len(b) == 4
+    assert a[0] == b[0]  # the baseline: the same model, the same fixed noise
+    assert a[1:] != a[:-1]  # the curve moves (the comparison below is not of four copies of one number)
+    assert b == pytest.approx(a, rel=1e-4)
+
+    # Rank 0 wrote every checkpoint (its weights, optimizer and state); each rank added only its RNG states.
+    for ckpt in checkpoints.list_checkpoints(tmp_path / "two" / "checkpoints"):
+        state = checkpoints.read_state(ckpt)
+        assert state["written_by"] == {"rank": 0, "world_size": 2}
+        assert (ckpt / "rng-0.pt").is_file() and (ckpt / "rng-1.pt").is_file() and not (ckpt / "rng-2.pt").exists()
+
+    # Killed with SIGKILL (the launcher and both processes, as a preempted node) after the first checkpoint.
+    cut = tmp_path / "cut"
+    job = launch.write_job(two, spec2, cut, save_final=True, step_name="finetune", mlflow_run_id=None)
+    proc = subprocess.Popen(launch.torchrun_command(job, 2),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not checkpoints.list_checkpoints(cut / "checkpoints") and proc.poll() is None:
+        assert time.monotonic() < deadline, "no checkpoint within 5 minutes"
+        time.sleep(0.02)
+    # torchrun starts each worker in a session of its own: kill the whole tree at once, as a lost node would.
+    tree = [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
+    for pid in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
+    assert not (cut / "final").exists(), "the run ended before it could be killed: the resume is not tested"
+    done = [checkpoints.checkpoint_update(c) for c in checkpoints.list_checkpoints(cut / "checkpoints")]
+    assert done and max(done) < 12
+
+    # Without resume, every rank refuses the folder: one error in the step, the rank's own sentence.
+    fresh = _spec(two, split_dir, tiny_model_dir, resume=False)
+    with pytest.raises(ConfigError, match="already holds a run; pass --resume"):
+        launch.run_training(two, fresh, out_dir=cut)
+    resumed = launch.run_training(two, spec2, out_dir=cut)  # training.resume is on in the fine-tune's settings
+    assert resumed.resumed_from == max(done) and resumed.updates == 12
+    assert _val_losses(cut) == _val_losses(tmp_path / "two")
+    w, r = load_file(str(tmp_path / "two" / UNET)), load_file(str(cut / UNET))
+    assert w.keys() == r.keys() and all(torch.equal(w[k], r[k]) for k in w)
+
+
+def test_bad_process_counts_are_one_clear_error(split_dir, tiny_model_dir, tmp_path):
+    # More processes than the node's GPUs.
+    with pytest.raises(ConfigError, match="sees only 2 GPU"):
+        resolve_processes_per_node(4, gpus=2)
+    assert resolve_processes_per_node("auto", gpus=0) == 1 and resolve_processes_per_node("auto", gpus=8) == 8
+    assert resolve_processes_per_node(2, gpus=0) == 2  # no GPU: gloo processes on the CPU
+    # A global batch larger than the training set (16 images): 4 processes x 8 images.
+    cfg = _cfg(4, 8, tmp_path / "cache")
+    with pytest.raises(ConfigError, match="global batch.*32.*larger than the 16 training images"):
+        launch.run_training(cfg, _spec(cfg, split_dir, tiny_model_dir), out_dir=tmp_path / "big")
+    assert not (tmp_path / "big").exists()
