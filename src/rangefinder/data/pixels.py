@@ -7,12 +7,13 @@ array (PIL's resampling is deterministic), which the deterministic validation lo
 from __future__ import annotations
 
 from pathlib import Path
+from typing import BinaryIO, Union
 
 import numpy as np
 from PIL import Image, ImageOps
 
 
-def load_rgb(path: str | Path) -> Image.Image:
+def load_rgb(path: Union[str, Path, BinaryIO]) -> Image.Image:
     """Open an image fully (so a truncated file fails here, not mid-training), upright and in RGB.
 
     Phone photos store their rotation in EXIF instead of rotating the pixels; `exif_transpose` applies it, as every

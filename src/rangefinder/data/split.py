@@ -66,6 +66,14 @@ def seeded_shuffle(items: list, seed: int) -> list:
     return out
 
 
+def same_image_groups(items: list[Item]) -> list[list[Item]]:
+    """Items grouped by content hash, in the items' order (a group where its first item is); singletons mostly."""
+    groups: dict[object, list[Item]] = {}
+    for it in items:
+        groups.setdefault(it.sha256 if it.sha256 is not None else ("path", it.file_name), []).append(it)
+    return list(groups.values())
+
+
 def stabilize_count(n_train: int, share: float) -> int:
     return 0 if share <= 0 else min(n_train, max(1, math.ceil(share * n_train - 1e-9)))
 
@@ -97,20 +105,42 @@ def make_split(
     data = validate_dataset(root, min_image_size=min_image_size, exclude=exclude)
     skipped = [s.to_json() for s in data.skipped]
 
+    groups = same_image_groups(data.items)
+    duplicates = [[it.file_name for it in g] for g in groups if len(g) > 1]
     if manual_val is None:
         data.require(min_images)
-        order = seeded_shuffle(data.items, seed)
-        n_val = val_count(len(order), val_split)
-        val, train = order[:n_val], order[n_val:]
+        n_val = val_count(len(data.items), val_split)
+        if n_val and len(groups) < 2:
+            raise DataError(
+                f"dataset folder {root} holds {len(data.items)} images but all are the same picture (identical files: "
+                f"{', '.join(duplicates[0][:5])}); add different images, one at least for validation"
+            )
+        # Whole groups of identical images are shuffled, so copies of one image never sit on both sides of the
+        # split (a validation leak). Without duplicates this is exactly the shuffle of the items.
+        order = seeded_shuffle(groups, seed)
+        val, train = [], []
+        for k, g in enumerate(order):
+            (val if len(val) < n_val and k < len(order) - 1 else train).extend(g)
     else:
         data.require(max(1, min_images - 1))
         vdata = validate_dataset(manual_val, min_image_size=min_image_size)
         vdata.require(1)
         # Validation file names relative to the dataset root (e.g. "../val/x.png"), so one root serves all subsets.
         rel = Path(os.path.relpath(manual_val, root)).as_posix()
-        val = [Item(item_id(f"{rel}/{it.file_name}"), f"{rel}/{it.file_name}", it.text) for it in vdata.items]
+        val = [Item(item_id(f"{rel}/{it.file_name}"), f"{rel}/{it.file_name}", it.text, sha256=it.sha256)
+               for it in vdata.items]
         skipped += [{"file_name": f"{rel}/{s.file_name}", "reason": s.reason} for s in vdata.skipped]
-        train = seeded_shuffle(data.items, seed)
+        # A training image identical to a hand-picked validation image would leak it: kept out of training, listed.
+        val_by_sha = {it.sha256: it.file_name for it in val}
+        leaks = [it for it in data.items if it.sha256 in val_by_sha]
+        skipped += [{"file_name": it.file_name,
+                     "reason": f"the same image as validation image {val_by_sha[it.sha256]}; left out of training"}
+                    for it in leaks]
+        duplicates += [[val_by_sha[it.sha256], it.file_name] for it in leaks]
+        kept = [it for it in data.items if it.sha256 not in val_by_sha]
+        if not kept:
+            raise DataError(f"every image in {root} is also in --val-dir {manual_val}; give different images")
+        train = seeded_shuffle(kept, seed)
         val_split = len(val) / (len(val) + len(train))
 
     # The stabilize subset: a seeded draw from the training items, independent of the validation draw's size.
@@ -133,7 +163,10 @@ def make_split(
         "train_images": len(train),
         "val_images": len(val),
         "stabilize_images": len(stabilize),
-        "skipped": skipped,
+        "min_image_size": min_image_size,
+        "skipped": sorted(skipped, key=lambda x: x["file_name"]),
+        # Identical files (by sha256), each group kept in one subset: the same image under two captions, or a copy.
+        "duplicates": sorted(duplicates),
         "buckets": None,
     }
     if buckets is not None:
