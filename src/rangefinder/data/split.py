@@ -32,6 +32,7 @@ from rangefinder.data.dataset import Item, item_id
 from rangefinder.data.validate import validate_dataset
 from rangefinder.errors import DataError
 from rangefinder.formats.atomic import write_text
+from rangefinder.formats.digest import file_sha256
 
 SUBSETS = ("train", "val", "stabilize")
 SUMMARY_FILE = "split.json"
@@ -174,6 +175,34 @@ def make_split(
                               for name, items in (("train", train), ("val", val), ("stabilize", stabilize))})
         summary["buckets"] = {**buckets.to_json(), "table": table}
     return Split(root=root, train=train, val=val, stabilize=stabilize, summary=summary, buckets=buckets)
+
+
+def file_hashes(split: Split, items: list[Item]) -> dict[int, str]:
+    """The sha256 of each item's file now, by item id; DataError naming every file deleted, unreadable or changed
+    since the split (its manifest recorded the hash), so a run never trains on other images than were split, nor
+    stops halfway on a missing one."""
+    hashes: dict[int, str] = {}
+    gone: list[str] = []
+    changed: list[str] = []
+    for it in items:
+        if it.id in hashes:
+            continue
+        try:
+            hashes[it.id] = file_sha256(split.path_of(it))
+        except OSError as e:
+            gone.append(f"{it.file_name} ({'deleted' if isinstance(e, FileNotFoundError) else e.strerror or e})")
+            continue
+        if it.sha256 is not None and hashes[it.id] != it.sha256:
+            changed.append(f"{it.file_name} (replaced: not the file that was split)")
+    bad = gone + changed
+    if bad:
+        shown = "; ".join(bad[:10]) + (f"; and {len(bad) - 10} more" if len(bad) > 10 else "")
+        raise DataError(
+            f"{len(bad)} image{'s' if len(bad) != 1 else ''} under {split.root} changed since the split: {shown}; "
+            "put the original files back, or split the dataset again (`rangefinder split`, or the pipeline's "
+            "prepare-dataset step) so the manifests match the files"
+        )
+    return hashes
 
 
 def _jsonl(items: list[Item], buckets: Optional[BucketSettings] = None) -> str:

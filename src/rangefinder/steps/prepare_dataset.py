@@ -69,6 +69,11 @@ def run_prepare_dataset(
                  f"- stabilize subset: {len(split.stabilize)}", f"- skipped files: {skipped}"]
         for item in skipped_files:
             lines.append(f"  - `{item.get('file_name')}`: {item.get('reason')}")
+        lines.append(f"- minimum short side: {split.summary.get('min_image_size')} px")
+        duplicates = split.summary.get("duplicates", [])
+        lines.append(f"- identical images (kept in one subset): {len(duplicates)} groups")
+        for group in duplicates:
+            lines.append("  - " + " = ".join(f"`{name}`" for name in group))
         buckets = split.summary.get("buckets")
         if buckets:
             lines += ["", f"## Aspect-ratio buckets ({buckets['resolution']} px, sides in steps of "

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
@@ -26,7 +26,6 @@ from rangefinder.config import (
 from rangefinder.data.buckets import BucketSettings, Placement, Size, bucket_array, bucket_name, image_size, place
 from rangefinder.errors import ConfigError, DataError
 from rangefinder.formats import checkpoints
-from rangefinder.formats.digest import file_sha256
 from rangefinder.training.caching import (
     CacheStats,
     LatentCache,
@@ -88,6 +87,8 @@ class RunSettings:
     method: Method
     model_cfg: ModelConfig
     out_dir: Path
+    # sha256 of every image the run reads, by item id, checked against the split's manifests (the latent cache's keys)
+    file_hashes: dict[int, str] = field(default_factory=dict)
     compile: bool = False  # training.compile resolved (auto -> on or off); written to run_summary.json
     # Aspect-ratio buckets (data.bucketing), None when every image is a centre-cropped square; then where each
     # item (by id, every subset) goes, and the bucket of each training item as an index into `train_buckets`.
@@ -106,7 +107,7 @@ class RunSettings:
 
 
 def check_settings(spec: TrainSpec, out_dir: Union[str, Path]) -> RunSettings:
-    from rangefinder.data.split import read_split
+    from rangefinder.data.split import file_hashes, read_split
 
     cfg, val_cfg = _revalidated(spec.training), _revalidated(spec.validation)
     cfg = cfg.model_copy(update={"mixed_precision": resolve_mixed_precision(cfg.mixed_precision)})  # auto: per device
@@ -118,6 +119,8 @@ def check_settings(spec: TrainSpec, out_dir: Union[str, Path]) -> RunSettings:
     if not train_items:
         raise DataError(f"split {split_dir} has no training images; re-run `rangefinder split` with more images")
     val_items = {"val": list(split.val) if train_on == "train" else [], "stabilize": list(split.stabilize)}
+    # Every image still there and still the one that was split (DataError naming each that is not).
+    hashes = file_hashes(split, train_items + val_items["val"] + val_items["stabilize"])
     buckets = BucketSettings.from_data_config(spec.data) if spec.data is not None else None
     placements: Optional[dict[int, Placement]] = None
     train_buckets: Optional[list[Size]] = None
@@ -143,7 +146,7 @@ def check_settings(spec: TrainSpec, out_dir: Union[str, Path]) -> RunSettings:
         model = ModelConfig(base_model=None if model is None else str(model))
     return RunSettings(cfg=cfg, val_cfg=val_cfg, train_on=train_on, split=split, train_items=train_items,
                        val_items=val_items, plan=run_plan, schedule=schedule, method=method, model_cfg=model,
-                       out_dir=out_dir,
+                       out_dir=out_dir, file_hashes=hashes,
                        compile=resolve_compile(cfg.compile, run_plan.total_updates, torch.cuda.is_available()),
                        buckets=buckets, placements=placements, train_buckets=train_buckets,
                        train_bucket_of=train_bucket_of)
@@ -345,10 +348,15 @@ def encode_data(settings: RunSettings, sd: SDComponents, family: Sd1Family, acce
         bucket_of_path = {settings.split.path_of(it): placements[it.id].bucket for it in items}
 
     def load_array(path: Path) -> np.ndarray:  # (3, H, W) in [-1, 1]
+        try:
+            img = load_rgb(path)
+        except (OSError, ValueError) as e:  # deleted or broken after the run checked it (PIL's errors are OSErrors)
+            raise DataError(f"image {path} cannot be read any more ({e}); put it back, or split the dataset again "
+                            "(`rangefinder split`) and start the run again") from None
         if placements is None:
-            return to_model_array(load_rgb(path), data.resolution, data.center_crop)
+            return to_model_array(img, data.resolution, data.center_crop)
         # Resized and cropped from the file's real size into the bucket the split's record of it chose.
-        return bucket_array(load_rgb(path), bucket_of_path[path], data.center_crop)
+        return bucket_array(img, bucket_of_path[path], data.center_crop)
 
     cfg, device = settings.cfg, accelerator.device
     encoder = VaeEncoder(sd.vae, device, cfg.latent_sampling, cfg.seed)
@@ -401,7 +409,7 @@ def _encode_latents(
     cfg, split, val_items, placements = settings.cfg, settings.split, settings.val_items, settings.placements
     all_items = {it.id: it for it in settings.train_items + val_items["val"] + val_items["stabilize"]}
     paths = {i: split.path_of(it) for i, it in all_items.items()}
-    keys = {i: file_sha256(p) for i, p in paths.items()}  # content hash: the cache key and the sample seed
+    keys = {i: settings.file_hashes[i] for i in paths}  # content hash: the cache key and the sample seed
 
     def bucket_of(item_id: int) -> Optional[Size]:
         return None if placements is None else placements[item_id].bucket
