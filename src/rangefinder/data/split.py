@@ -22,12 +22,14 @@ import json
 import math
 import os
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
 from rangefinder.config import val_count
 from rangefinder.data.buckets import BucketSettings, bucket_table, image_size, place
+from rangefinder.data.captions import long_caption_report, long_captions
 from rangefinder.data.dataset import Item, item_id
 from rangefinder.data.validate import validate_dataset
 from rangefinder.errors import DataError
@@ -89,10 +91,15 @@ def make_split(
     min_image_size: int = 1,
     min_images: int = 2,
     buckets: Optional[BucketSettings] = None,
+    count_tokens: Optional[Callable[[str], int]] = None,
+    token_limit: Optional[int] = None,
 ) -> Split:
     """Validate the dataset (bad items skipped and listed) and split it; DataError when too few usable images.
 
-    Every item gets its image's size; with `buckets`, the summary also counts the images of each bucket."""
+    Every item gets its image's size; with `buckets`, the summary also counts the images of each bucket. With
+    `count_tokens` (a tokenizer's count of a caption's text tokens) and `token_limit` (how many fit), the summary's
+    `long_captions` lists the captions the text encoder will cut off.
+    """
     if not 0 <= val_split < 1:
         raise DataError(f"val_split must be in [0, 1) (got {val_split}); 0.2 is usual")
     if not 0 <= stabilize_split <= 1:
@@ -148,6 +155,11 @@ def make_split(
     n_stab = stabilize_count(len(train), stabilize_split)
     stabilize = seeded_shuffle(train, seed + 1)[:n_stab]
 
+    found = None
+    if count_tokens is not None and token_limit is not None:
+        found = long_captions([(it.file_name, it.text) for it in sorted(train + val, key=lambda it: it.file_name)],
+                              count_tokens, token_limit)
+
     # Manifests list items by relative path: readable, and the order never depends on the shuffle.
     train, val, stabilize = (sorted(s, key=lambda it: it.file_name) for s in (train, val, stabilize))
     # Each image's upright size, from its header (validation has decoded it already): its bucket follows from it.
@@ -169,6 +181,8 @@ def make_split(
         # Identical files (by sha256), each group kept in one subset: the same image under two captions, or a copy.
         "duplicates": sorted(duplicates),
         "buckets": None,
+        # Captions longer than the text encoder reads ({"limit", "count", "files"}); None: no tokenizer was given.
+        "long_captions": long_caption_report(found, token_limit),
     }
     if buckets is not None:
         table = bucket_table({name: [place(it.size, buckets) for it in items if it.size is not None]

@@ -35,6 +35,7 @@ from rangefinder.training.caching import (
     latent_cache_dir,
     text_cache_dir,
 )
+from rangefinder.training.captions import ShuffledCaptions
 from rangefinder.training.checkpointing import check_out_dir_free
 from rangefinder.training.data import CachedLatents, EncodedOnTheFly, LatentSource, Stream, make_stream
 from rangefinder.training.family import Denoiser, Sd1Family
@@ -332,6 +333,9 @@ class EncodedData:
     val_sets: list[ValidationSet]
     latent_stats: CacheStats
     text_stats: CacheStats
+    # With training.shuffle_tags: the training captions, shuffled and encoded per micro-batch (train_cond is then
+    # empty; training/captions.py says why they are not cached).
+    shuffled: Optional[ShuffledCaptions] = None
 
 
 def encode_data(settings: RunSettings, sd: SDComponents, family: Sd1Family, accelerator: Accelerator,
@@ -384,7 +388,8 @@ def encode_data(settings: RunSettings, sd: SDComponents, family: Sd1Family, acce
             val_sets.append(ValidationSet(name, [items[r].id for r in rows], val_latents[name, bucket],
                                           text.val_cond[name][index] if len(rows) < len(items) else text.val_cond[name],
                                           bucket=None if bucket is None else bucket_name(bucket)))
-    return EncodedData(data, train_latents, text.train_cond, text.empty_cond, val_sets, stats, text.stats)
+    return EncodedData(data, train_latents, text.train_cond, text.empty_cond, val_sets, stats, text.stats,
+                       text.shuffled)
 
 
 def check_bucket_sides(sd: SDComponents, buckets: set[Size], data: DataConfig) -> None:
@@ -462,18 +467,26 @@ class _EncodedText:
     empty_cond: torch.Tensor
     val_cond: dict[str, torch.Tensor]
     stats: CacheStats
+    shuffled: Optional[ShuffledCaptions] = None
 
 
 def _encode_text(settings: RunSettings, sd: SDComponents, family: Sd1Family, device: torch.device,
                  root: Path) -> _EncodedText:
-    method, stats = settings.method, CacheStats()
+    method, stats, cfg = settings.method, CacheStats(), settings.cfg
     captions = [method.transform_caption(it.text) for it in settings.train_items]
-    train_ids, empty_ids = family.tokenize(captions), family.tokenize([""])
+    empty_ids = family.tokenize([""])
+    # Tag shuffle: no fixed training conditioning to compute; the captions are shuffled and encoded per micro-batch.
+    train_ids = (family.tokenize(captions) if not cfg.shuffle_tags
+                 else torch.empty(0, empty_ids.shape[1], dtype=torch.long))
     val_ids = {name: family.tokenize([method.transform_caption(it.text) for it in items])
                for name, items in settings.val_items.items() if items}
+    shuffled = None
+    if cfg.shuffle_tags:
+        frozen = None if method.text_encoder_changes else (lambda ids: family.encode_prompt(sd.text_encoder, ids))
+        shuffled = ShuffledCaptions(captions, cfg.keep_tokens, family.tokenize, frozen, device)
     if method.text_encoder_changes:
         # (N, 77) ids: prompts are encoded every micro-batch through the training text encoder.
-        return _EncodedText(train_ids, empty_ids, val_ids, stats)
+        return _EncodedText(train_ids, empty_ids, val_ids, stats, shuffled)
     # (N, 77, D) hidden states, computed once with the frozen encoder.
     folder = text_cache_dir(root, sd.text_encoder)
 
@@ -483,8 +496,9 @@ def _encode_text(settings: RunSettings, sd: SDComponents, family: Sd1Family, dev
             ids, lambda x: family.encode_prompt(sd.text_encoder, x), folder, device, stats=stats
         )
 
-    train_cond, empty_cond = embed(train_ids), embed(empty_ids)
-    return _EncodedText(train_cond, empty_cond, {name: embed(ids) for name, ids in val_ids.items()}, stats)
+    empty_cond = embed(empty_ids)
+    train_cond = embed(train_ids) if len(train_ids) else empty_cond[:0]
+    return _EncodedText(train_cond, empty_cond, {name: embed(ids) for name, ids in val_ids.items()}, stats, shuffled)
 
 
 # ---------------------------------------------------------------------------------------------------------------

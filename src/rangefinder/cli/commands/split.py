@@ -28,6 +28,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--min-image-size", type=int, default=None,
                    help="skip (and list) images whose short side is smaller than this, in pixels (default: half the "
                    "resolution, as data.min_image_size: smaller images would be enlarged more than twice)")
+    p.add_argument("--tokenizer", metavar="MODEL_DIR",
+                   help="a diffusers model folder (or tokenizer folder): count and list the captions longer than "
+                   "its text encoder reads (75 tokens for SD 1.x), which training cuts off")
     p.add_argument("--min-images", type=int, default=2, help="fail when fewer usable images remain (2)")
     p.add_argument("--no-bucketing", action="store_true",
                    help="report no aspect-ratio buckets (data.bucketing: false, every image a centre-cropped square)")
@@ -51,6 +54,12 @@ def run(args: argparse.Namespace) -> dict:
                           bucketing=not args.no_bucketing, bucket_step=args.bucket_step, max_aspect=args.max_aspect)
     except ValidationError as e:
         raise ConfigError(format_validation_error(e, prefix="data.")) from None
+
+    count_tokens, token_limit = None, None
+    if args.tokenizer:
+        from rangefinder.models.tokens import caption_token_counter
+
+        count_tokens, token_limit = caption_token_counter(args.tokenizer)
     split = split_dataset(
         args.data_dir,
         args.out,
@@ -61,6 +70,8 @@ def run(args: argparse.Namespace) -> dict:
         min_image_size=data.effective_min_image_size(),
         min_images=args.min_images,
         buckets=BucketSettings.from_data_config(data),
+        count_tokens=count_tokens,
+        token_limit=token_limit,
     )
     s = split.summary
     buckets = s["buckets"]
@@ -75,6 +86,11 @@ def run(args: argparse.Namespace) -> dict:
         "min_image_size": s["min_image_size"],
         "duplicates": [" = ".join(group) for group in s["duplicates"]],
         "skipped": [f"{x['file_name']}: {x['reason']}" for x in s["skipped"]],
+        "long_captions": (
+            "not counted (give --tokenizer MODEL_DIR)" if s["long_captions"] is None
+            else [f"{x['file_name']}: {x['tokens']} tokens, over {s['long_captions']['limit']}"
+                  for x in s["long_captions"]["files"]]
+        ),
     }
     if buckets is None:
         result["buckets"] = "off (every image centre-cropped to a square)"
