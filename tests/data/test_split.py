@@ -26,7 +26,8 @@ def test_shuffle_is_pinned():
 @pytest.mark.parametrize("n,p", [(5, 0.2), (20, 0.2), (21, 0.2), (7, 0.5), (10, 0.01), (3, 0.9)])
 def test_counts_are_ceil_p_n_and_subsets_disjoint(tmp_path, n, p, capsys):
     data = _dataset(tmp_path / "data", n)
-    assert main(["split", str(data), "--out", str(tmp_path / "s"), "--val-split", str(p), "--resolution", "16", "--json"]) == 0
+    args = ["split", str(data), "--out", str(tmp_path / "s"), "--val-split", str(p), "--resolution", "16", "--json"]
+    assert main(args) == 0
     out = json.loads(capsys.readouterr().out)
     expected_val = min(max(1, math.ceil(p * n)), n - 1)
     assert out["val_images"] == expected_val and out["train_images"] == n - expected_val
@@ -123,7 +124,8 @@ def test_identical_images_stay_in_one_subset_and_are_reported(tmp_path):
                                                ["copy_of_3.png", "img003.png"]]
     # Without duplicates the split is the plain shuffle of the items, as before.
     plain = make_split(_dataset(tmp_path / "plain", 10), seed=555)
-    assert [it.file_name for it in plain.val] == sorted(f"img{i:03d}.png" for i in seeded_shuffle(list(range(10)), 555)[:2])
+    drawn = seeded_shuffle(list(range(10)), 555)[:2]
+    assert [it.file_name for it in plain.val] == sorted(f"img{i:03d}.png" for i in drawn)
 
 
 def test_a_training_image_identical_to_a_hand_picked_validation_image_is_left_out(tmp_path):
