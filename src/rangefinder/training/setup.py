@@ -28,6 +28,7 @@ from rangefinder.errors import ConfigError, DataError
 from rangefinder.formats import checkpoints
 from rangefinder.training.caching import (
     CacheStats,
+    CachedLatentFiles,
     LatentCache,
     VaeEncoder,
     cache_root,
@@ -37,7 +38,7 @@ from rangefinder.training.caching import (
 )
 from rangefinder.training.captions import ShuffledCaptions
 from rangefinder.training.checkpointing import check_out_dir_free
-from rangefinder.training.data import CachedLatents, EncodedOnTheFly, LatentSource, Stream, make_stream
+from rangefinder.training.data import EncodedOnTheFly, LatentSource, Stream, make_stream
 from rangefinder.training.family import Denoiser, Sd1Family
 from rangefinder.training.methods import make_method
 from rangefinder.training.schedules import LRSchedule, make_schedule
@@ -426,17 +427,15 @@ def _encode_latents(
     by_bucket: dict[Optional[Size], list[Item]] = {}
     for it in encode_now:
         by_bucket.setdefault(bucket_of(it.id), []).append(it)
-    latent: dict[int, torch.Tensor] = {}
-    mirrored: dict[int, torch.Tensor] = {}
+    # Encoded to disk bucket by bucket and batch by batch, never all in memory; then only the validation latents are
+    # read in, and the training ones are read per micro-batch (CachedLatentFiles).
+    caches = {bucket: cache_for(bucket) for bucket in by_bucket}
     for bucket, group in by_bucket.items():
-        z, z_flipped = cache_for(bucket).latents([paths[it.id] for it in group], [keys[it.id] for it in group],
-                                                 flipped=cfg.cache_latents and cfg.random_flip)
-        latent.update((it.id, z[r]) for r, it in enumerate(group))
-        if z_flipped is not None:
-            mirrored.update((it.id, z_flipped[r]) for r, it in enumerate(group))
+        caches[bucket].ensure([paths[it.id] for it in group], [keys[it.id] for it in group],
+                              flipped=cfg.cache_latents and cfg.random_flip)
 
-    def stacked(items: list[Item], of: dict[int, torch.Tensor]) -> torch.Tensor:
-        return torch.stack([of[it.id] for it in items])
+    def read(items: list[Item]) -> torch.Tensor:  # (n, 4, h, w) latents of items of one bucket
+        return caches[bucket_of(items[0].id)].read([keys[it.id] for it in items], flipped=False)[0]
 
     train_items = settings.train_items
     train_latents: LatentSource
@@ -446,18 +445,14 @@ def _encode_latents(
             [paths[it.id] for it in train_items], [keys[it.id] for it in train_items], one_bucket.encoder,
             one_bucket.load,
         )
-    elif len(by_bucket) == 1:  # one shape: one (N, 4, h, w) tensor
-        train_latents = CachedLatents(stacked(train_items, latent),
-                                      stacked(train_items, mirrored) if mirrored else None)
-    else:  # one (4, h, w) per item, each its bucket's shape
-        train_latents = CachedLatents([latent[it.id] for it in train_items],
-                                      [mirrored[it.id] for it in train_items] if mirrored else None)
+    else:  # each item's entry in its bucket's folder, read per micro-batch (a micro-batch holds one bucket)
+        train_latents = CachedLatentFiles([caches[bucket_of(it.id)].entry_path(keys[it.id]) for it in train_items])
     val_latents = {}
     for name, items in val_items.items():
         groups: dict[Optional[Size], list[Item]] = {}
         for it in items:
             groups.setdefault(bucket_of(it.id), []).append(it)
-        val_latents.update({(name, bucket): stacked(group, latent) for bucket, group in groups.items()})
+        val_latents.update({(name, bucket): read(group) for bucket, group in groups.items()})
     return train_latents, val_latents
 
 
