@@ -1,7 +1,8 @@
 """Splitting large datasets: wall time and peak memory of `rangefinder split` at 10,000 and 100,000 images.
 
 `python -m bench.split_scale` writes synthetic datasets of small files (16x16 PNGs, each a different picture, with a
-tag-style `.txt` caption; three images per thousand are copies of a fourth, and one per thousand is too small, so the duplicate grouping and the skip list do real work), then splits each in a process of its own
+tag-style `.txt` caption; three images per thousand are copies of a fourth, and one per thousand is too small, so
+the duplicate grouping and the skip list do real work), then splits each in a process of its own
 (`rangefinder.data.split.split_dataset`: scan, decode and hash every image, group duplicates, shuffle, write the
 manifests). Reported per size: the split's wall time and per-image time, the child process' peak resident set
 (its own `ru_maxrss` at the end, so the libraries' memory is included), the resident set after the imports, and

@@ -204,15 +204,8 @@ class CachedLatentFiles(LatentSource):
     files: list[Path]  # each training item's cache entry (LatentCache.entry_path)
 
     def get(self, indices: Sequence[int], flips: Sequence[bool], device: torch.device) -> torch.Tensor:
-        rows = []
-        for i, flip in zip(indices, flips, strict=True):
-            try:
-                with safe_open(str(self.files[i]), framework="pt") as f:
-                    rows.append(f.get_tensor("flipped" if flip else "latent"))
-            except Exception as e:  # OSError when deleted, SafetensorError when damaged
-                raise DataError(f"latent cache entry {self.files[i]} cannot be read any more ({e}); the cache was "
-                                "cleared or damaged during the run: resume it (training.resume) to encode it "
-                                "again") from None
+        rows = [_read_tensor(self.files[i], "flipped" if flip else "latent")
+                for i, flip in zip(indices, flips, strict=True)]
         return torch.stack(rows).to(device)
 
 
@@ -249,6 +242,35 @@ def tokenize(tokenizer, captions: Sequence[str]) -> torch.Tensor:
 
 
 @torch.no_grad()
+def ensure_text_embeddings(
+    input_ids: torch.Tensor,
+    encode: Callable[[torch.Tensor], torch.Tensor],
+    folder: Path,
+    device: torch.device,
+    *,
+    batch_size: int = 32,
+    stats: Optional[CacheStats] = None,
+) -> list[Path]:
+    """The cache entry of each row of (N, 77) ids, encoding (one batch at a time, nothing kept) each distinct
+    caption not cached yet."""
+    stats = stats if stats is not None else CacheStats()
+    keys = [hashlib.blake2b(row.numpy().tobytes(), digest_size=16).hexdigest() for row in input_ids]
+    paths = [folder / f"{k}.safetensors" for k in keys]
+    first: dict[str, int] = {}
+    for i, k in enumerate(keys):
+        first.setdefault(k, i)
+    todo = [i for k, i in first.items() if not _has(paths[i], ("hidden",))]
+    stats.reused += len(first) - len(todo)
+    for start in range(0, len(todo), batch_size):
+        chunk = todo[start : start + batch_size]
+        hidden = encode(input_ids[chunk].to(device)).float().cpu()
+        for j, i in enumerate(chunk):
+            save_safetensors({"hidden": hidden[j].clone()}, paths[i])
+        stats.encoded += len(chunk)
+    return paths
+
+
+@torch.no_grad()
 def cached_text_embeddings(
     input_ids: torch.Tensor,
     encode: Callable[[torch.Tensor], torch.Tensor],
@@ -259,23 +281,39 @@ def cached_text_embeddings(
     stats: Optional[CacheStats] = None,
 ) -> torch.Tensor:
     """(N, 77, D) fp32 hidden states for (N, 77) ids, encoding each distinct caption once ever."""
-    stats = stats if stats is not None else CacheStats()
-    keys = [hashlib.blake2b(row.numpy().tobytes(), digest_size=16).hexdigest() for row in input_ids]
-    found: dict[str, torch.Tensor] = {}
-    for k in dict.fromkeys(keys):
-        entry = _try_load(folder / f"{k}.safetensors")
-        if entry is not None and "hidden" in entry:
-            found[k] = entry["hidden"]
-    todo = [keys.index(k) for k in dict.fromkeys(keys) if k not in found]
-    stats.reused += len(set(keys)) - len(todo)
-    for start in range(0, len(todo), batch_size):
-        chunk = todo[start : start + batch_size]
-        hidden = encode(input_ids[chunk].to(device)).float().cpu()
-        for j, i in enumerate(chunk):
-            found[keys[i]] = hidden[j].clone()
-            save_safetensors({"hidden": found[keys[i]]}, folder / f"{keys[i]}.safetensors")
-        stats.encoded += len(chunk)
-    return torch.stack([found[k] for k in keys])
+    paths = ensure_text_embeddings(input_ids, encode, folder, device, batch_size=batch_size, stats=stats)
+    return _read_text(paths)
+
+
+def _read_text(paths: Sequence[Path]) -> torch.Tensor:
+    out: Optional[torch.Tensor] = None
+    for r, path in enumerate(paths):
+        hidden = _read_tensor(path, "hidden")
+        if out is None:
+            out = torch.empty((len(paths), *hidden.shape), dtype=hidden.dtype)
+        out[r] = hidden
+    return out if out is not None else torch.empty(0)
+
+
+def _read_tensor(path: Path, name: str) -> torch.Tensor:
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return f.get_tensor(name)
+    except Exception as e:  # OSError when deleted, SafetensorError when damaged
+        raise DataError(f"cache entry {path} cannot be read any more ({e}); the cache was cleared or damaged during "
+                        "the run: resume it (training.resume) to encode it again") from None
+
+
+@dataclass
+class CachedTextFiles:
+    """The training captions' hidden states, read from their cache entries per micro-batch: at SD 1.x's 77 x 768
+    fp32 a caption is 231 KiB, so 100,000 captions held at once would be 22 GiB."""
+
+    files: list[Path]  # each training item's entry (ensure_text_embeddings)
+
+    def cond(self, indices: Sequence[int], gen: torch.Generator) -> torch.Tensor:
+        """(B, 77, D) fp32 on the CPU; `gen` is unused (the captions are fixed), as the loop calls every source."""
+        return torch.stack([_read_tensor(self.files[i], "hidden") for i in indices])
 
 
 def text_cache_dir(root: Path, text_encoder: torch.nn.Module) -> Path:

@@ -27,12 +27,14 @@ from rangefinder.data.buckets import BucketSettings, Placement, Size, bucket_arr
 from rangefinder.errors import ConfigError, DataError
 from rangefinder.formats import checkpoints
 from rangefinder.training.caching import (
-    CacheStats,
     CachedLatentFiles,
+    CachedTextFiles,
+    CacheStats,
     LatentCache,
     VaeEncoder,
     cache_root,
     cached_text_embeddings,
+    ensure_text_embeddings,
     latent_cache_dir,
     text_cache_dir,
 )
@@ -334,9 +336,10 @@ class EncodedData:
     val_sets: list[ValidationSet]
     latent_stats: CacheStats
     text_stats: CacheStats
-    # With training.shuffle_tags: the training captions, shuffled and encoded per micro-batch (train_cond is then
-    # empty; training/captions.py says why they are not cached).
-    shuffled: Optional[ShuffledCaptions] = None
+    # The training captions' conditioning per micro-batch, when it is not train_cond (which is then empty): read
+    # from the text cache (a frozen encoder: memory does not grow with the set), or with training.shuffle_tags
+    # shuffled and encoded afresh (training/captions.py says why those are not cached).
+    train_text: Optional[Union[ShuffledCaptions, CachedTextFiles]] = None
 
 
 def encode_data(settings: RunSettings, sd: SDComponents, family: Sd1Family, accelerator: Accelerator,
@@ -390,7 +393,7 @@ def encode_data(settings: RunSettings, sd: SDComponents, family: Sd1Family, acce
                                           text.val_cond[name][index] if len(rows) < len(items) else text.val_cond[name],
                                           bucket=None if bucket is None else bucket_name(bucket)))
     return EncodedData(data, train_latents, text.train_cond, text.empty_cond, val_sets, stats, text.stats,
-                       text.shuffled)
+                       text.train_text)
 
 
 def check_bucket_sides(sd: SDComponents, buckets: set[Size], data: DataConfig) -> None:
@@ -462,7 +465,7 @@ class _EncodedText:
     empty_cond: torch.Tensor
     val_cond: dict[str, torch.Tensor]
     stats: CacheStats
-    shuffled: Optional[ShuffledCaptions] = None
+    train_text: Optional[Union[ShuffledCaptions, CachedTextFiles]] = None
 
 
 def _encode_text(settings: RunSettings, sd: SDComponents, family: Sd1Family, device: torch.device,
@@ -475,25 +478,30 @@ def _encode_text(settings: RunSettings, sd: SDComponents, family: Sd1Family, dev
                  else torch.empty(0, empty_ids.shape[1], dtype=torch.long))
     val_ids = {name: family.tokenize([method.transform_caption(it.text) for it in items])
                for name, items in settings.val_items.items() if items}
-    shuffled = None
+    train_text: Optional[Union[ShuffledCaptions, CachedTextFiles]] = None
     if cfg.shuffle_tags:
         frozen = None if method.text_encoder_changes else (lambda ids: family.encode_prompt(sd.text_encoder, ids))
-        shuffled = ShuffledCaptions(captions, cfg.keep_tokens, family.tokenize, frozen, device)
+        train_text = ShuffledCaptions(captions, cfg.keep_tokens, family.tokenize, frozen, device)
     if method.text_encoder_changes:
         # (N, 77) ids: prompts are encoded every micro-batch through the training text encoder.
-        return _EncodedText(train_ids, empty_ids, val_ids, stats, shuffled)
+        return _EncodedText(train_ids, empty_ids, val_ids, stats, train_text)
     # (N, 77, D) hidden states, computed once with the frozen encoder.
     folder = text_cache_dir(root, sd.text_encoder)
 
-    @torch.no_grad()  # the frozen encoder: no autograd bookkeeping for its forward
+    def frozen_encode(ids: torch.Tensor) -> torch.Tensor:
+        return family.encode_prompt(sd.text_encoder, ids)
+
     def embed(ids: torch.Tensor) -> torch.Tensor:
-        return cached_text_embeddings(
-            ids, lambda x: family.encode_prompt(sd.text_encoder, x), folder, device, stats=stats
-        )
+        return cached_text_embeddings(ids, frozen_encode, folder, device, stats=stats)
 
     empty_cond = embed(empty_ids)
-    train_cond = embed(train_ids) if len(train_ids) else empty_cond[:0]
-    return _EncodedText(train_cond, empty_cond, {name: embed(ids) for name, ids in val_ids.items()}, stats, shuffled)
+    if len(train_ids):
+        # The training captions stay on disk, read per micro-batch (memory does not grow with the set).
+        files = ensure_text_embeddings(train_ids, frozen_encode, folder, device, stats=stats)
+        train_text = CachedTextFiles(files)
+    train_cond = empty_cond[:0]
+    return _EncodedText(train_cond, empty_cond, {name: embed(ids) for name, ids in val_ids.items()}, stats,
+                        train_text)
 
 
 # ---------------------------------------------------------------------------------------------------------------
