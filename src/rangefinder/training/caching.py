@@ -10,7 +10,9 @@ entry.
 Layout: `<cache_root>/latents/<setting key>/<image sha256>.safetensors` holding `latent` (4, h, w) and, once a run
 with flipping has needed it, `flipped` (the mirrored image's latent: mirroring a latent is not the latent of the
 mirrored image); `<cache_root>/text/<encoder key>/<ids hash>.safetensors` holding `hidden` (77, D). Each file is
-written to a temporary name and renamed, so concurrent or killed writers never leave a torn entry.
+written to a temporary name and renamed, so concurrent or killed writers never leave a torn entry, and a killed
+caching run keeps every entry it finished. Entries are written batch by batch and the training ones read back per
+micro-batch (CachedLatentFiles, CachedTextFiles), so memory does not grow with the dataset.
 """
 
 from __future__ import annotations
