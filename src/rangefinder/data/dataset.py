@@ -90,9 +90,9 @@ def _read_metadata(root: Path) -> tuple[dict[str, str], list[tuple[str, str]]]:
     try:
         content = raw.decode("utf-8-sig")  # a byte-order mark (Windows editors write one) is not caption text
     except UnicodeDecodeError as e:
-        line = raw[: e.start].count(b"\n") + 1
+        bad_line = raw[: e.start].count(b"\n") + 1
         raise DataError(
-            f"{path} line {line} is not UTF-8 text (byte 0x{raw[e.start]:02x}; probably saved as Latin-1 or "
+            f"{path} line {bad_line} is not UTF-8 text (byte 0x{raw[e.start]:02x}; probably saved as Latin-1 or "
             f"Windows-1252); save the file as UTF-8, e.g. `iconv -f cp1252 -t utf-8 {METADATA_FILE} > fixed.jsonl` "
             f"then rename fixed.jsonl to {METADATA_FILE}"
         ) from None

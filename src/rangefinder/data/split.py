@@ -126,7 +126,8 @@ def make_split(
         # Whole groups of identical images are shuffled, so copies of one image never sit on both sides of the
         # split (a validation leak). Without duplicates this is exactly the shuffle of the items.
         order = seeded_shuffle(groups, seed)
-        val, train = [], []
+        val: list[Item] = []
+        train: list[Item] = []
         for k, g in enumerate(order):
             (val if len(val) < n_val and k < len(order) - 1 else train).extend(g)
     else:
