@@ -290,6 +290,12 @@ class TrainingConfig(_Section):
     noise_offset: float = Field(0.0, ge=0)  # 0.05-0.1 helps very dark/bright images
     cond_dropout: float = Field(0.0, ge=0, lt=1)  # share of captions replaced by "" (classifier-free guidance)
     random_flip: bool = False
+    # Tag shuffle for comma-separated captions ("1girl, red hair, smiling"): each time an image is drawn its tags
+    # take a new order, drawn from the run's seeded generator (so a resumed run draws the same orders), and the
+    # first keep_tokens tags stay in place (kohya sd-scripts' shuffle_caption and keep_tokens). Validation captions
+    # are never shuffled. The training captions are then encoded every micro-batch, not cached (docs/design.md).
+    shuffle_tags: bool = False
+    keep_tokens: int = Field(0, ge=0)
 
     # --- model and memory
     train_text_encoder: bool = False

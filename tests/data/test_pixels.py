@@ -38,3 +38,53 @@ def test_to_model_array_shape_range_and_crop():
     squashed = to_model_array(img, 16, center_crop=False)
     assert squashed[:, :, 0].mean() < -0.9  # without cropping the black bands stay
     assert np.array_equal(np.asarray(from_model_array(arr)), np.full((16, 16, 3), 255, np.uint8))
+
+
+def _grey_levels(path):
+    rgb = np.asarray(load_rgb(path)).astype(int)
+    assert rgb.ndim == 3 and rgb.shape[2] == 3
+    assert (rgb[..., 0] == rgb[..., 1]).all() and (rgb[..., 1] == rgb[..., 2]).all()  # still grey
+    return rgb[..., 0]
+
+
+def test_16_bit_greyscale_png_keeps_its_tones(tmp_path):
+    # A 16-bit greyscale PNG opens as "I;16"; PIL's own convert("RGB") clips 0..65535 to 0..255 (almost all white).
+    values = np.array([[0, 257 * 64, 32768, 65535]], dtype=np.uint16)
+    Image.fromarray(values).save(tmp_path / "grey16.png")
+    with Image.open(tmp_path / "grey16.png") as im:
+        assert im.mode.startswith("I;16")  # the probe's case, not some other mode
+    assert _grey_levels(tmp_path / "grey16.png").tolist() == [[0, 64, 128, 255]]
+
+
+def test_other_wide_and_odd_modes_convert_as_viewers_show_them(tmp_path):
+    from rangefinder.data.pixels import _to_8bit
+
+    # "I" (32-bit int, what older Pillows open 16-bit PNGs as) and "F" (float) are scaled, not clipped.
+    as_i = _to_8bit(Image.fromarray(np.array([[0, 32768, 65535]], dtype=np.int32), "I"))
+    assert np.asarray(as_i).tolist() == [[0, 128, 255]]
+    as_i8 = _to_8bit(Image.fromarray(np.array([[0, 100, 255]], dtype=np.int32), "I"))  # 8-bit values in an "I"
+    assert np.asarray(as_i8).tolist() == [[0, 100, 255]]
+    as_f = _to_8bit(Image.fromarray(np.array([[0.0, 0.5, 1.0]], dtype=np.float32), "F"))
+    assert np.asarray(as_f).tolist() == [[0, 128, 255]]
+
+    # Palette with a transparent index, and grey + alpha: transparent parts on white, opaque ones as stored.
+    pal = Image.new("P", (2, 1))
+    pal.putpalette([0, 0, 0, 255, 0, 0] + [0] * 762)
+    pal.putdata([0, 1])
+    pal.save(tmp_path / "pal.png", transparency=0)
+    assert np.asarray(load_rgb(tmp_path / "pal.png")).tolist() == [[[255, 255, 255], [255, 0, 0]]]
+    la = Image.new("LA", (2, 1))
+    la.putdata([(0, 0), (0, 255)])
+    la.save(tmp_path / "la.png")
+    assert np.asarray(load_rgb(tmp_path / "la.png")).tolist() == [[[255, 255, 255], [0, 0, 0]]]
+
+    # Bilevel and CMYK (a print-shop JPEG): black stays black, paper stays white.
+    bw = Image.new("1", (2, 1))
+    bw.putdata([0, 1])
+    bw.save(tmp_path / "bw.png")
+    assert _grey_levels(tmp_path / "bw.png").tolist() == [[0, 255]]
+    cmyk = Image.new("CMYK", (16, 8), (0, 0, 0, 0))
+    cmyk.paste((0, 0, 0, 255), (8, 0, 16, 8))
+    cmyk.save(tmp_path / "cmyk.jpg", quality=95)
+    rgb = np.asarray(load_rgb(tmp_path / "cmyk.jpg")).astype(int)
+    assert rgb[:, :4].min() > 240 and rgb[:, 12:].max() < 15

@@ -10,10 +10,10 @@ from rangefinder.data.split import make_split, read_split, seeded_shuffle, split
 from rangefinder.errors import DataError
 
 
-def _dataset(folder, n):
+def _dataset(folder, n, green=0):
     folder.mkdir(parents=True, exist_ok=True)
     for i in range(n):
-        Image.new("RGB", (8, 8), (i, 0, 0)).save(folder / f"img{i:03d}.png")
+        Image.new("RGB", (8, 8), (i, green, 0)).save(folder / f"img{i:03d}.png")
         (folder / f"img{i:03d}.txt").write_text(f"caption {i}")
     return folder
 
@@ -26,7 +26,8 @@ def test_shuffle_is_pinned():
 @pytest.mark.parametrize("n,p", [(5, 0.2), (20, 0.2), (21, 0.2), (7, 0.5), (10, 0.01), (3, 0.9)])
 def test_counts_are_ceil_p_n_and_subsets_disjoint(tmp_path, n, p, capsys):
     data = _dataset(tmp_path / "data", n)
-    assert main(["split", str(data), "--out", str(tmp_path / "s"), "--val-split", str(p), "--json"]) == 0
+    args = ["split", str(data), "--out", str(tmp_path / "s"), "--val-split", str(p), "--resolution", "16", "--json"]
+    assert main(args) == 0
     out = json.loads(capsys.readouterr().out)
     expected_val = min(max(1, math.ceil(p * n)), n - 1)
     assert out["val_images"] == expected_val and out["train_images"] == n - expected_val
@@ -50,14 +51,14 @@ def test_two_runs_give_byte_identical_manifests(tmp_path):
     assert (tmp_path / "a" / "val.jsonl").read_bytes() != (tmp_path / "c" / "val.jsonl").read_bytes()
     assert sorted(p.name for p in (tmp_path / "a").iterdir()) == sorted(names)  # no temporary files left
     first = json.loads((tmp_path / "a" / "train.jsonl").read_text().splitlines()[0])
-    assert list(first) == ["id", "file_name", "text", "size"]
+    assert list(first) == ["id", "file_name", "text", "size", "sha256"]
 
 
 def test_bad_files_are_listed_in_the_summary_and_skipped(tmp_path, capsys):
     data = _dataset(tmp_path / "data", 6)
     (data / "broken.png").write_bytes(b"junk")
     (data / "broken.txt").write_text("x")
-    assert main(["split", str(data), "--out", str(tmp_path / "s"), "--json"]) == 0
+    assert main(["split", str(data), "--out", str(tmp_path / "s"), "--resolution", "16", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["images"] == 6 and out["val_images"] == 2
     assert out["skipped"] == [
@@ -69,11 +70,11 @@ def test_bad_files_are_listed_in_the_summary_and_skipped(tmp_path, capsys):
 
 def test_manual_validation_folder(tmp_path):
     data = _dataset(tmp_path / "data", 6)
-    _dataset(data / "val", 2)  # inside the dataset: its images must not also be trained on
+    _dataset(data / "val", 2, green=9)  # inside the dataset: its images must not also be trained on
     split = split_dataset(data, tmp_path / "s", val_dir=data / "val")
     assert [it.file_name for it in split.val] == ["val/img000.png", "val/img001.png"]
     assert len(split.train) == 6 and not any(it.file_name.startswith("val/") for it in split.train)
-    outside = _dataset(tmp_path / "heldout", 1)
+    outside = _dataset(tmp_path / "heldout", 1, green=9)
     split = split_dataset(data, tmp_path / "s2", val_dir=outside)
     assert [it.file_name for it in split.val] == ["../heldout/img000.png"]
     assert read_split(tmp_path / "s2").path_of(split.val[0]) == (outside / "img000.png").resolve()
@@ -81,7 +82,7 @@ def test_manual_validation_folder(tmp_path):
 
 def test_errors(tmp_path, capsys):
     data = _dataset(tmp_path / "data", 1)
-    assert main(["split", str(data), "--out", str(tmp_path / "s")]) == 2
+    assert main(["split", str(data), "--out", str(tmp_path / "s"), "--resolution", "16"]) == 2
     assert "only 1 usable image" in capsys.readouterr().err
     with pytest.raises(DataError, match="val_split"):
         make_split(data, val_split=1.0)
@@ -100,3 +101,61 @@ def test_split_moved_with_its_data_still_finds_the_images(tmp_path):
     assert all(split.path_of(it).is_file() for it in split.train + split.val)
     other = read_split(tmp_path / "elsewhere" / "split", root=tmp_path / "elsewhere" / "data")
     assert other.root == split.root
+
+
+def test_identical_images_stay_in_one_subset_and_are_reported(tmp_path):
+    import shutil
+
+    data = _dataset(tmp_path / "data", 10)
+    # The same picture twice under different captions, and three copies of another: the probe's validation leak.
+    shutil.copy(data / "img003.png", data / "copy_of_3.png")
+    (data / "copy_of_3.txt").write_text("the same picture, another caption")
+    for name in ("again_7a", "again_7b"):
+        shutil.copy(data / "img007.png", data / f"{name}.png")
+        (data / f"{name}.txt").write_text(name)
+    for seed in range(12):  # whichever side each group is drawn to, it is drawn whole
+        split = make_split(data, seed=seed, val_split=0.3)
+        val = {it.file_name for it in split.val}
+        train = {it.file_name for it in split.train}
+        assert len(val) + len(train) == 13 and len(val) >= 4
+        for group in ({"img003.png", "copy_of_3.png"}, {"img007.png", "again_7a.png", "again_7b.png"}):
+            assert group <= val or group <= train
+        assert split.summary["duplicates"] == [["again_7a.png", "again_7b.png", "img007.png"],
+                                               ["copy_of_3.png", "img003.png"]]
+    # Without duplicates the split is the plain shuffle of the items, as before.
+    plain = make_split(_dataset(tmp_path / "plain", 10), seed=555)
+    drawn = seeded_shuffle(list(range(10)), 555)[:2]
+    assert [it.file_name for it in plain.val] == sorted(f"img{i:03d}.png" for i in drawn)
+
+
+def test_a_training_image_identical_to_a_hand_picked_validation_image_is_left_out(tmp_path):
+    import shutil
+
+    data = _dataset(tmp_path / "data", 5)
+    val = _dataset(tmp_path / "val", 2, green=9)
+    shutil.copy(val / "img001.png", data / "leak.png")
+    (data / "leak.txt").write_text("a copy of a validation image")
+    split = make_split(data, val_dir=val)
+    assert "leak.png" not in {it.file_name for it in split.train} and len(split.train) == 5
+    assert split.summary["duplicates"] == [["../val/img001.png", "leak.png"]]
+    assert "the same image as validation image ../val/img001.png" in {
+        s["file_name"]: s["reason"] for s in split.summary["skipped"]}["leak.png"]
+
+
+def test_min_image_size_defaults_to_half_the_training_resolution_and_lists_what_it_skips(tmp_path, capsys):
+    data = tmp_path / "data"
+    data.mkdir()
+    for name, side in (("big_a", 256), ("big_b", 300), ("small", 255)):
+        Image.new("RGB", (side, side + 7), (side % 250, 0, 0)).save(data / f"{name}.png")
+        (data / f"{name}.txt").write_text(name)
+    assert main(["split", str(data), "--out", str(tmp_path / "s"), "--json"]) == 0  # resolution 512 by default
+    out = json.loads(capsys.readouterr().out)
+    assert out["min_image_size"] == 256 and out["images"] == 2
+    assert out["skipped"] == ["small.png: too small: 255x262 px, the short side must be at least 256 px"]
+    assert json.loads((tmp_path / "s" / "split.json").read_text())["min_image_size"] == 256
+    assert main(["split", str(data), "--out", str(tmp_path / "s"), "--resolution", "1024", "--json"]) == 2
+    assert "only 0 usable images" in capsys.readouterr().err
+    assert main(["split", str(data), "--out", str(tmp_path / "s"), "--resolution", "100"]) == 2
+    assert "multiple of 8" in capsys.readouterr().err
+    assert main(["split", str(data), "--out", str(tmp_path / "s"), "--min-image-size", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["images"] == 3

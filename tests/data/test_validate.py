@@ -88,3 +88,70 @@ def test_metadata_jsonl_captions_subfolders_and_hidden_files(tmp_path):
     reasons = {s.file_name: s.reason for s in result.skipped}
     assert "no such image file" in reasons["gone.png"]
     assert "metadata.jsonl:4" in reasons
+
+
+def _img(path, colour=(0, 0, 0)):
+    Image.new("RGB", (16, 16), colour).save(path)
+
+
+def test_a_byte_order_mark_is_not_caption_text(tmp_path):
+    _img(tmp_path / "a.png")
+    _img(tmp_path / "b.png", (9, 9, 9))
+    (tmp_path / "a.txt").write_text("a cat", encoding="utf-8-sig")  # Notepad's "UTF-8 with BOM"
+    (tmp_path / "metadata.jsonl").write_text(json.dumps({"file_name": "b.png", "text": "a dog"}) + "\n",
+                                             encoding="utf-8-sig")
+    result = validate_dataset(tmp_path)
+    assert [(it.file_name, it.text) for it in result.items] == [("a.png", "a cat"), ("b.png", "a dog")]
+    assert not result.skipped
+
+
+def test_an_image_listed_twice_in_metadata_jsonl_with_different_captions_is_an_error(tmp_path):
+    _img(tmp_path / "a.png")
+    _img(tmp_path / "b.png", (9, 9, 9))
+    rows = [{"file_name": "a.png", "text": "first"}, {"file_name": "b.png", "text": "b"},
+            {"file_name": "./a.png", "text": "second"}, {"file_name": "b.png", "text": " b "}]
+    (tmp_path / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DataError) as e:
+        validate_dataset(tmp_path)
+    msg = str(e.value)
+    assert "metadata.jsonl lists 1 image twice with different captions: a.png (lines 1 and 3)" in msg
+    assert "keep one line per image" in msg and "b.png" not in msg.split("captions:")[1]  # same caption: harmless
+    rows[2]["text"] = "first"
+    (tmp_path / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert [it.text for it in validate_dataset(tmp_path).items] == ["first", "b"]
+
+
+def test_a_latin1_metadata_jsonl_is_one_clear_error(tmp_path, capsys):
+    from rangefinder.cli.main import main
+
+    _img(tmp_path / "a.png")
+    _img(tmp_path / "b.png", (9, 9, 9))
+    text = '{"file_name": "a.png", "text": "a cat"}\n{"file_name": "b.png", "text": "caf\u00e9 au lait"}\n'
+    (tmp_path / "metadata.jsonl").write_bytes(text.encode("latin-1"))
+    assert main(["split", str(tmp_path), "--out", str(tmp_path / "s"), "--resolution", "16"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert f"{tmp_path / 'metadata.jsonl'} line 2 is not UTF-8 text (byte 0xe9" in err
+    assert "save the file as UTF-8" in err and "iconv" in err
+
+
+def test_symbolic_links_are_followed_once_and_loops_and_broken_links_listed(tmp_path):
+    import os
+
+    data = tmp_path / "data"
+    (data / "sub").mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    for i, name in enumerate(("a.png", "sub/b.png", "../elsewhere/c.png")):
+        _img(data / name, (i, 0, 0))
+        (data / name).with_suffix(".txt").write_text(f"image {i}")
+    os.symlink(tmp_path / "elsewhere", data / "linked")  # a link to a folder outside: followed
+    os.symlink(data, data / "sub" / "loop")  # back to an ancestor: would recurse forever
+    os.symlink("sub", data / "again")  # a second way to a folder already walked
+    os.symlink(data / "gone.png", data / "dangling.png")
+    result = validate_dataset(data)
+    assert [it.file_name for it in result.items] == ["a.png", "linked/c.png", "sub/b.png"]
+    reasons = {s.file_name: s.reason for s in result.skipped}
+    assert reasons["sub/loop"] == "symbolic link loop (points back to .); folder left out"
+    assert reasons["again"].startswith(f"symbolic link to {data / 'sub'}, a folder already included")
+    assert reasons["dangling.png"] == f"broken symbolic link (points to {data / 'gone.png'}, which does not exist)"
+    assert len(result.skipped) == 3

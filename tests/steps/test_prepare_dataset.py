@@ -60,3 +60,19 @@ def test_the_report_lists_the_aspect_ratio_buckets(tmp_path, mixed_aspect_datase
     run_prepare_dataset(off, out_dir=tmp_path / "square", report_path=tmp_path / "square.md")
     assert "Aspect-ratio buckets" not in (tmp_path / "square.md").read_text()
     assert read_split(tmp_path / "square").summary["buckets"] is None
+
+
+def test_the_report_lists_long_captions_duplicates_and_the_size_floor(tmp_path, shapes_dataset_dir, tiny_model_dir):
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(shapes_dataset_dir, data)
+    shutil.copy(data / "00000.png", data / "again.png")
+    (data / "again.txt").write_text(", ".join(["a red circle on a blue background"] * 12))
+    cfg = demo_config(data={"dataset_dir": str(data)}, model={"resolved_dir": str(tiny_model_dir)})
+    run_prepare_dataset(cfg, out_dir=tmp_path / "split", report_path=tmp_path / "r.md")
+    report = (tmp_path / "r.md").read_text()
+    assert "captions longer than the text encoder reads (75 tokens; the rest is cut off): 1" in report
+    assert "  - `again.png`: 95 tokens" in report
+    assert "identical images (kept in one subset): 1 groups\n  - `00000.png` = `again.png`" in report
+    assert f"minimum short side: {cfg.data.effective_min_image_size()} px" in report

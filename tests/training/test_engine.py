@@ -201,7 +201,12 @@ def test_latents_are_encoded_once_and_keyed_by_content(split_dir, tiny_model_dir
 
     with Image.open(data / changed) as im:
         im.transpose(Image.Transpose.ROTATE_90).save(data / changed)
-    third = train(TrainSpec(cfg, NO_VALIDATION, split_dir=own_split, model=tiny_model_dir),
+    # An image edited after the split needs a new split (the run checks each file's hash); same seed, same subsets.
+    from rangefinder.data.split import split_dataset
+
+    resplit = split_dataset(data, tmp_path / "resplit", seed=555)
+    assert [it.file_name for it in resplit.val] == [it.file_name for it in split.val]
+    third = train(TrainSpec(cfg, NO_VALIDATION, split_dir=tmp_path / "resplit", model=tiny_model_dir),
                   out_dir=tmp_path / "c", save_final=False)
     assert third.cache["latents"]["encoded"] == 1
 
@@ -316,3 +321,27 @@ def test_with_ema_validation_measures_the_weights_that_are_saved(split_dir, tiny
           out_dir=tmp_path / "raw")
     assert float(rows(tmp_path / "raw" / "metrics.csv")[-1]["val_loss"]) != pytest.approx(
         float(last["val_loss"]), rel=1e-4)
+
+
+def test_an_image_deleted_or_replaced_after_the_split_stops_the_run_before_training(shapes_dataset_dir, tmp_path):
+    from PIL import Image
+
+    from rangefinder.data.split import split_dataset
+    from rangefinder.errors import DataError
+
+    data = tmp_path / "data"
+    shutil.copytree(shapes_dataset_dir, data)
+    split = split_dataset(data, tmp_path / "split")
+    gone, replaced = split.train[0], split.val[0]
+    (data / gone.file_name).unlink()
+    Image.new("RGB", (32, 32), (1, 2, 3)).save(data / replaced.file_name)  # a valid image, just not the one split
+    out = tmp_path / "out"
+    spec = TrainSpec(TrainingConfig(steps=1), NO_VALIDATION, split_dir=tmp_path / "split", model=None)
+    with pytest.raises(DataError) as err:
+        train(spec, out_dir=out)
+    msg = str(err.value)
+    assert "\n" not in msg and "2 images under" in msg
+    assert f"{gone.file_name} (deleted)" in msg
+    assert f"{replaced.file_name} (replaced: not the file that was split)" in msg
+    assert "split the dataset again" in msg
+    assert not out.exists()  # stopped before anything was written

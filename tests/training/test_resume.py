@@ -67,3 +67,44 @@ def test_sigkill_after_second_checkpoint_then_resume_equals_uninterrupted(split_
     # keep_checkpoints=2: only the newest two whole checkpoints remain, the torn ones are gone or ignored.
     kept = sorted(p.name for p in (cut / "checkpoints").iterdir() if not p.name.endswith(".tmp"))
     assert kept[-2:] == ["checkpoint-000009", "checkpoint-000012"]
+
+
+@pytest.mark.slow
+def test_tag_shuffle_changes_the_conditioning_and_resumes_exactly(shapes_dataset_dir, tiny_model_dir, tmp_path):
+    import shutil
+
+    from rangefinder.data.split import split_dataset
+
+    # Tag-style captions: "shape, circle, blue, on white" from "a blue circle on a white background".
+    data = tmp_path / "tagged"
+    data.mkdir()
+    for png in sorted(Path(shapes_dataset_dir).glob("*.png"))[:8]:
+        words = png.with_suffix(".txt").read_text().split()
+        shutil.copy(png, data / png.name)
+        (data / png.with_suffix(".txt").name).write_text(f"shape, {words[2]}, {words[1]}, on {words[-2]}")
+    split_dir = tmp_path / "split"
+    split_dataset(data, split_dir, val_split=0.25, seed=1)  # 6 train, 2 val
+    training = dict(batch_size=3, epochs=2, lr=2e-4, seed=5, shuffle_tags=True, keep_tokens=1,
+                    checkpoint_every_updates=2, cache_dir=str(tmp_path / "cache"))
+    validation = dict(every_epochs=1)
+
+    def run(out: Path, **kw):
+        return train(TrainSpec(TrainingConfig(**{**training, **kw}), ValidationConfig(**validation),
+                               split_dir=split_dir, model=tiny_model_dir), out_dir=out)
+
+    whole = run(tmp_path / "whole")
+    # Only fixed captions are encoded once and cached: 2 val, 2 stabilize and "" (the 6 training ones vary).
+    assert whole.updates == 4 and whole.cache["text"] == {"encoded": 5, "reused": 0}
+    run(tmp_path / "fixed", shuffle_tags=False)
+    shuffled_rows = (tmp_path / "whole" / "updates.csv").read_text().splitlines()
+    fixed_rows = (tmp_path / "fixed" / "updates.csv").read_text().splitlines()
+    assert shuffled_rows[1] != fixed_rows[1]  # same images, timesteps and noise: only the captions' order differs
+
+    cut = tmp_path / "cut"
+    base = dict(split_dir=str(split_dir), model=str(tiny_model_dir), training=training, validation=validation)
+    killed = run_child({**base, "out_dir": str(cut), "kill_at_update": 3}, tmp_path, "killed")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    resumed = run(cut, resume=True)
+    assert resumed.resumed_from == 2 and resumed.updates == 4
+    for name in ("metrics.csv", "updates.csv"):
+        assert (cut / name).read_text() == (tmp_path / "whole" / name).read_text(), name

@@ -12,6 +12,7 @@ same on every machine and file system.
 from __future__ import annotations
 
 import json
+import os
 import zlib
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -33,18 +34,24 @@ class Item:
     # The upright image's (width, height) in px, recorded by the split; the aspect-ratio bucket follows from it
     # (data/buckets.py). None in splits written before it was recorded: the engine then reads the file's header.
     size: Optional[tuple[int, int]] = None
+    # sha256 of the file's bytes when it was split: training checks the file is still the one that was split, and
+    # identical images are kept in one subset. None in manifests written before it was recorded.
+    sha256: Optional[str] = None
 
     def to_json(self) -> dict:
         out: dict = {"id": self.id, "file_name": self.file_name, "text": self.text}
         if self.size is not None:
             out["size"] = list(self.size)
+        if self.sha256 is not None:
+            out["sha256"] = self.sha256
         return out
 
     @classmethod
     def from_json(cls, obj: dict) -> Item:
-        size = obj.get("size")
+        size, sha = obj.get("size"), obj.get("sha256")
         return cls(id=int(obj["id"]), file_name=str(obj["file_name"]), text=str(obj["text"]),
-                   size=None if size is None else (int(size[0]), int(size[1])))
+                   size=None if size is None else (int(size[0]), int(size[1])),
+                   sha256=None if sha is None else str(sha))
 
 
 def item_id(file_name: str) -> int:
@@ -69,17 +76,27 @@ class Scan:
     problems: list[tuple[str, str]]
 
 
-def _is_hidden(rel: PurePosixPath) -> bool:
-    return any(part.startswith(".") for part in rel.parts)
-
-
 def _read_metadata(root: Path) -> tuple[dict[str, str], list[tuple[str, str]]]:
+    """Captions from `metadata.jsonl`. A file that is not UTF-8, or one image listed twice with different captions,
+    stops here with a DataError (every caption in it is suspect); a line that is not a JSON object is listed."""
     path = root / METADATA_FILE
     captions: dict[str, str] = {}
+    first_line: dict[str, int] = {}
+    conflicts: list[str] = []
     problems: list[tuple[str, str]] = []
     if not path.is_file():
         return captions, problems
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    raw = path.read_bytes()
+    try:
+        content = raw.decode("utf-8-sig")  # a byte-order mark (Windows editors write one) is not caption text
+    except UnicodeDecodeError as e:
+        bad_line = raw[: e.start].count(b"\n") + 1
+        raise DataError(
+            f"{path} line {bad_line} is not UTF-8 text (byte 0x{raw[e.start]:02x}; probably saved as Latin-1 or "
+            f"Windows-1252); save the file as UTF-8, e.g. `iconv -f cp1252 -t utf-8 {METADATA_FILE} > fixed.jsonl` "
+            f"then rename fixed.jsonl to {METADATA_FILE}"
+        ) from None
+    for lineno, line in enumerate(content.splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -89,8 +106,81 @@ def _read_metadata(root: Path) -> tuple[dict[str, str], list[tuple[str, str]]]:
             problems.append((f"{METADATA_FILE}:{lineno}", "not a JSON object with file_name and text; line ignored"))
             continue
         rel = str(PurePosixPath(str(name).replace("\\", "/")))
-        captions[rel] = "" if text is None else str(text)
+        text = "" if text is None else str(text)
+        if rel in captions:
+            if clean_caption(captions[rel]) != clean_caption(text):  # the same caption twice is harmless
+                conflicts.append(f"{rel} (lines {first_line[rel]} and {lineno})")
+            continue
+        captions[rel], first_line[rel] = text, lineno
+    if conflicts:
+        shown = "; ".join(conflicts[:5]) + (f"; and {len(conflicts) - 5} more" if len(conflicts) > 5 else "")
+        raise DataError(
+            f"{path} lists {len(conflicts)} image{'s' if len(conflicts) != 1 else ''} twice with different captions: "
+            f"{shown}; keep one line per image (to train an image under two captions, copy it under another name)"
+        )
     return captions, problems
+
+
+def _walk_images(root: Path, exclude: Optional[Path], problems: list[tuple[str, str]]) -> list[PurePosixPath]:
+    """Image files under `root`, following symbolic links to folders once each; never recursing forever.
+
+    Real folders are walked first, links to folders after, so a folder reached both ways is listed under its real
+    path. A link to a folder already walked (a loop back to an ancestor, or a second way to the same folder) and a
+    broken link to an image are listed in `problems`, not silently left out. `os.scandir`, not `Path.rglob`: one
+    stat per entry, which matters at 100,000 images.
+    """
+    images: list[PurePosixPath] = []
+    visited: set[tuple[int, int]] = set()
+    links: list[tuple[PurePosixPath, str]] = []  # links to folders, walked after the real tree
+
+    def walk(folder: str, rel: PurePosixPath) -> None:
+        st = os.stat(folder)
+        visited.add((st.st_dev, st.st_ino))
+        try:
+            entries = sorted(os.scandir(folder), key=lambda e: e.name)
+        except OSError as e:
+            problems.append((str(rel), f"folder cannot be read ({e.strerror}); left out"))
+            return
+        for entry in entries:
+            if entry.name.startswith("."):
+                continue
+            child = rel / entry.name if str(rel) != "." else PurePosixPath(entry.name)
+            try:
+                is_dir = entry.is_dir()  # follows links
+                is_file = not is_dir and entry.is_file()
+            except OSError:
+                is_dir = is_file = False
+            if is_dir:
+                if exclude is not None and os.path.realpath(entry.path) == str(exclude):
+                    continue
+                if entry.is_symlink():
+                    links.append((child, entry.path))
+                else:
+                    walk(entry.path, child)
+            elif is_file:
+                if os.path.splitext(entry.name)[1].lower() in IMAGE_EXTENSIONS:
+                    images.append(child)
+            elif entry.is_symlink() and os.path.splitext(entry.name)[1].lower() in IMAGE_EXTENSIONS:
+                target = os.readlink(entry.path)
+                problems.append((str(child), f"broken symbolic link (points to {target}, which does not exist)"))
+
+    walk(str(root), PurePosixPath("."))
+    while links:
+        rel, path = links.pop(0)
+        st = os.stat(path)
+        if (st.st_dev, st.st_ino) in visited:
+            target = Path(os.path.realpath(path))
+            here = Path(os.path.realpath(os.path.dirname(path)))
+            if target == here or target in here.parents:
+                where = target.relative_to(root).as_posix() if target.is_relative_to(root) else str(target)
+                problems.append((str(rel), f"symbolic link loop (points back to {where or '.'}); folder left out"))
+            else:
+                problems.append((str(rel), f"symbolic link to {target}, a folder already included; left out so its "
+                                           "images count once"))
+            continue
+        walk(path, rel)
+    images.sort(key=str)
+    return images
 
 
 def scan_dataset(root: str | Path, exclude: Optional[Path] = None) -> Scan:
@@ -103,16 +193,7 @@ def scan_dataset(root: str | Path, exclude: Optional[Path] = None) -> Scan:
         raise DataError(f"dataset folder {root} does not exist or is not a folder; pass the folder holding the images")
     exclude = exclude.resolve() if exclude is not None else None
     meta, problems = _read_metadata(root)
-
-    images: list[PurePosixPath] = []
-    for p in root.rglob("*"):
-        rel = PurePosixPath(p.relative_to(root).as_posix())
-        if _is_hidden(rel) or not p.is_file() or p.suffix.lower() not in IMAGE_EXTENSIONS:
-            continue
-        if exclude is not None and (p.resolve() == exclude or exclude in p.resolve().parents):
-            continue
-        images.append(rel)
-    images.sort(key=str)
+    images = _walk_images(root, exclude, problems)
     found = {str(r) for r in images}
 
     candidates = []
@@ -124,10 +205,10 @@ def scan_dataset(root: str | Path, exclude: Optional[Path] = None) -> Scan:
         txt = root / rel.with_suffix(".txt")
         if txt.is_file():
             try:
-                caption: Optional[str] = txt.read_text(encoding="utf-8")
+                caption: Optional[str] = txt.read_text(encoding="utf-8-sig")  # a BOM is not caption text
             except UnicodeDecodeError:
                 caption = None
-                problems.append((name, f"caption file {rel.with_suffix('.txt')} is not UTF-8 text"))
+                problems.append((name, f"caption file {rel.with_suffix('.txt')} is not UTF-8 text; save it as UTF-8"))
                 continue
             candidates.append(Candidate(name, caption, str(rel.with_suffix(".txt"))))
         else:
@@ -139,4 +220,5 @@ def scan_dataset(root: str | Path, exclude: Optional[Path] = None) -> Scan:
 
 def clean_caption(text: str) -> str:
     """Captions are one line: surrounding whitespace trimmed, inner runs of whitespace (newlines) made one space."""
-    return " ".join(text.split())
+    # U+FEFF (a byte-order mark, or a zero-width no-break space pasted from the web) is invisible but tokenizes.
+    return " ".join(text.replace("\ufeff", " ").split())

@@ -7,26 +7,47 @@ array (PIL's resampling is deterministic), which the deterministic validation lo
 from __future__ import annotations
 
 from pathlib import Path
+from typing import BinaryIO, Union
 
 import numpy as np
 from PIL import Image, ImageOps
 
 
-def load_rgb(path: str | Path) -> Image.Image:
+def load_rgb(path: Union[str, Path, BinaryIO]) -> Image.Image:
     """Open an image fully (so a truncated file fails here, not mid-training), upright and in RGB.
 
     Phone photos store their rotation in EXIF instead of rotating the pixels; `exif_transpose` applies it, as every
     viewer does. Transparent pixels are composited on white rather than on whatever colour the file stored there.
+    Modes PIL's own `convert("RGB")` gets wrong are rescaled first (see `_to_8bit`): a 16-bit greyscale PNG would
+    otherwise clip every value above 255 to pure white.
     """
     with Image.open(path) as im:
         im.load()
         im = ImageOps.exif_transpose(im)
-        if im.mode in ("RGBA", "LA") or (im.mode == "P" and "transparency" in im.info):
+        im = _to_8bit(im)
+        if im.mode in ("RGBA", "LA", "PA", "RGBa", "La") or (im.mode == "P" and "transparency" in im.info):
             rgba = im.convert("RGBA")
             canvas = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
             canvas.alpha_composite(rgba)
             return canvas.convert("RGB")
         return im.convert("RGB")
+
+
+def _to_8bit(im: Image.Image) -> Image.Image:
+    """Greyscale modes wider than 8 bits, as "L" with the full range kept.
+
+    PIL converts "I;16*", "I" and "F" to "L"/"RGB" by clipping values to 0..255, not by scaling. "I;16*" (what a
+    16-bit greyscale PNG opens as) is 0..65535; "I" holds the same from older Pillows and other readers, so a
+    maximum above 255 means 16 bits; "F" in 0..1 is a normalised float image, else it is taken as 0..255.
+    """
+    if not (im.mode.startswith("I") or im.mode == "F"):
+        return im
+    arr = np.asarray(im).astype(np.float64)
+    if im.mode.startswith("I;16") or (im.mode == "I" and arr.size and arr.max() > 255):
+        arr = arr / 65535.0 * 255.0
+    elif im.mode == "F" and arr.size and arr.min() >= 0.0 and arr.max() <= 1.0:
+        arr = arr * 255.0
+    return Image.fromarray(np.clip(np.round(arr), 0, 255).astype(np.uint8), "L")
 
 
 def center_crop_square(img: Image.Image) -> Image.Image:

@@ -22,16 +22,19 @@ import json
 import math
 import os
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
 from rangefinder.config import val_count
 from rangefinder.data.buckets import BucketSettings, bucket_table, image_size, place
+from rangefinder.data.captions import long_caption_report, long_captions
 from rangefinder.data.dataset import Item, item_id
 from rangefinder.data.validate import validate_dataset
 from rangefinder.errors import DataError
 from rangefinder.formats.atomic import write_text
+from rangefinder.formats.digest import file_sha256
 
 SUBSETS = ("train", "val", "stabilize")
 SUMMARY_FILE = "split.json"
@@ -66,6 +69,14 @@ def seeded_shuffle(items: list, seed: int) -> list:
     return out
 
 
+def same_image_groups(items: list[Item]) -> list[list[Item]]:
+    """Items grouped by content hash, in the items' order (a group where its first item is); singletons mostly."""
+    groups: dict[object, list[Item]] = {}
+    for it in items:
+        groups.setdefault(it.sha256 if it.sha256 is not None else ("path", it.file_name), []).append(it)
+    return list(groups.values())
+
+
 def stabilize_count(n_train: int, share: float) -> int:
     return 0 if share <= 0 else min(n_train, max(1, math.ceil(share * n_train - 1e-9)))
 
@@ -80,10 +91,15 @@ def make_split(
     min_image_size: int = 1,
     min_images: int = 2,
     buckets: Optional[BucketSettings] = None,
+    count_tokens: Optional[Callable[[str], int]] = None,
+    token_limit: Optional[int] = None,
 ) -> Split:
     """Validate the dataset (bad items skipped and listed) and split it; DataError when too few usable images.
 
-    Every item gets its image's size; with `buckets`, the summary also counts the images of each bucket."""
+    Every item gets its image's size; with `buckets`, the summary also counts the images of each bucket. With
+    `count_tokens` (a tokenizer's count of a caption's text tokens) and `token_limit` (how many fit), the summary's
+    `long_captions` lists the captions the text encoder will cut off.
+    """
     if not 0 <= val_split < 1:
         raise DataError(f"val_split must be in [0, 1) (got {val_split}); 0.2 is usual")
     if not 0 <= stabilize_split <= 1:
@@ -97,25 +113,53 @@ def make_split(
     data = validate_dataset(root, min_image_size=min_image_size, exclude=exclude)
     skipped = [s.to_json() for s in data.skipped]
 
+    groups = same_image_groups(data.items)
+    duplicates = [[it.file_name for it in g] for g in groups if len(g) > 1]
     if manual_val is None:
         data.require(min_images)
-        order = seeded_shuffle(data.items, seed)
-        n_val = val_count(len(order), val_split)
-        val, train = order[:n_val], order[n_val:]
+        n_val = val_count(len(data.items), val_split)
+        if n_val and len(groups) < 2:
+            raise DataError(
+                f"dataset folder {root} holds {len(data.items)} images but all are the same picture (identical files: "
+                f"{', '.join(duplicates[0][:5])}); add different images, one at least for validation"
+            )
+        # Whole groups of identical images are shuffled, so copies of one image never sit on both sides of the
+        # split (a validation leak). Without duplicates this is exactly the shuffle of the items.
+        order = seeded_shuffle(groups, seed)
+        val: list[Item] = []
+        train: list[Item] = []
+        for k, g in enumerate(order):
+            (val if len(val) < n_val and k < len(order) - 1 else train).extend(g)
     else:
         data.require(max(1, min_images - 1))
         vdata = validate_dataset(manual_val, min_image_size=min_image_size)
         vdata.require(1)
         # Validation file names relative to the dataset root (e.g. "../val/x.png"), so one root serves all subsets.
         rel = Path(os.path.relpath(manual_val, root)).as_posix()
-        val = [Item(item_id(f"{rel}/{it.file_name}"), f"{rel}/{it.file_name}", it.text) for it in vdata.items]
+        val = [Item(item_id(f"{rel}/{it.file_name}"), f"{rel}/{it.file_name}", it.text, sha256=it.sha256)
+               for it in vdata.items]
         skipped += [{"file_name": f"{rel}/{s.file_name}", "reason": s.reason} for s in vdata.skipped]
-        train = seeded_shuffle(data.items, seed)
+        # A training image identical to a hand-picked validation image would leak it: kept out of training, listed.
+        val_by_sha = {it.sha256: it.file_name for it in val}
+        leaks = [it for it in data.items if it.sha256 in val_by_sha]
+        skipped += [{"file_name": it.file_name,
+                     "reason": f"the same image as validation image {val_by_sha[it.sha256]}; left out of training"}
+                    for it in leaks]
+        duplicates += [[val_by_sha[it.sha256], it.file_name] for it in leaks]
+        kept = [it for it in data.items if it.sha256 not in val_by_sha]
+        if not kept:
+            raise DataError(f"every image in {root} is also in --val-dir {manual_val}; give different images")
+        train = seeded_shuffle(kept, seed)
         val_split = len(val) / (len(val) + len(train))
 
     # The stabilize subset: a seeded draw from the training items, independent of the validation draw's size.
     n_stab = stabilize_count(len(train), stabilize_split)
     stabilize = seeded_shuffle(train, seed + 1)[:n_stab]
+
+    found = None
+    if count_tokens is not None and token_limit is not None:
+        found = long_captions([(it.file_name, it.text) for it in sorted(train + val, key=lambda it: it.file_name)],
+                              count_tokens, token_limit)
 
     # Manifests list items by relative path: readable, and the order never depends on the shuffle.
     train, val, stabilize = (sorted(s, key=lambda it: it.file_name) for s in (train, val, stabilize))
@@ -133,14 +177,47 @@ def make_split(
         "train_images": len(train),
         "val_images": len(val),
         "stabilize_images": len(stabilize),
-        "skipped": skipped,
+        "min_image_size": min_image_size,
+        "skipped": sorted(skipped, key=lambda x: x["file_name"]),
+        # Identical files (by sha256), each group kept in one subset: the same image under two captions, or a copy.
+        "duplicates": sorted(duplicates),
         "buckets": None,
+        # Captions longer than the text encoder reads ({"limit", "count", "files"}); None: no tokenizer was given.
+        "long_captions": long_caption_report(found, token_limit),
     }
     if buckets is not None:
         table = bucket_table({name: [place(it.size, buckets) for it in items if it.size is not None]
                               for name, items in (("train", train), ("val", val), ("stabilize", stabilize))})
         summary["buckets"] = {**buckets.to_json(), "table": table}
     return Split(root=root, train=train, val=val, stabilize=stabilize, summary=summary, buckets=buckets)
+
+
+def file_hashes(split: Split, items: list[Item]) -> dict[int, str]:
+    """The sha256 of each item's file now, by item id; DataError naming every file deleted, unreadable or changed
+    since the split (its manifest recorded the hash), so a run never trains on other images than were split, nor
+    stops halfway on a missing one."""
+    hashes: dict[int, str] = {}
+    gone: list[str] = []
+    changed: list[str] = []
+    for it in items:
+        if it.id in hashes:
+            continue
+        try:
+            hashes[it.id] = file_sha256(split.path_of(it))
+        except OSError as e:
+            gone.append(f"{it.file_name} ({'deleted' if isinstance(e, FileNotFoundError) else e.strerror or e})")
+            continue
+        if it.sha256 is not None and hashes[it.id] != it.sha256:
+            changed.append(f"{it.file_name} (replaced: not the file that was split)")
+    bad = gone + changed
+    if bad:
+        shown = "; ".join(bad[:10]) + (f"; and {len(bad) - 10} more" if len(bad) > 10 else "")
+        raise DataError(
+            f"{len(bad)} image{'s' if len(bad) != 1 else ''} under {split.root} changed since the split: {shown}; "
+            "put the original files back, or split the dataset again (`rangefinder split`, or the pipeline's "
+            "prepare-dataset step) so the manifests match the files"
+        )
+    return hashes
 
 
 def _jsonl(items: list[Item], buckets: Optional[BucketSettings] = None) -> str:

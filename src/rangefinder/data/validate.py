@@ -7,6 +7,8 @@ too few usable images remain.
 
 from __future__ import annotations
 
+import hashlib
+import io
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -57,8 +59,25 @@ class ValidatedDataset:
 
 def check_image(path: Path, min_image_size: int = 1) -> Optional[str]:
     """None if the image can be used, else why not (one short phrase)."""
+    return inspect_image(path, min_image_size)[0]
+
+
+def inspect_image(path: Path, min_image_size: int = 1) -> tuple[Optional[str], Optional[str]]:
+    """(why the image cannot be used or None, the sha256 of its bytes or None when unreadable).
+
+    The file is read once: hashed, then decoded from the same bytes (so the hash is of what was checked).
+    """
     try:
-        img = load_rgb(path)  # decodes every pixel: truncated files fail here
+        data = path.read_bytes()
+    except OSError as e:
+        return f"cannot be read ({e.strerror or e})", None
+    sha = hashlib.sha256(data).hexdigest()
+    return _problem(data, min_image_size), sha
+
+
+def _problem(data: bytes, min_image_size: int) -> Optional[str]:
+    try:
+        img = load_rgb(io.BytesIO(data))  # decodes every pixel: truncated files fail here
     except UnidentifiedImageError:
         return "unreadable image: not a file format Pillow recognises (corrupt or not an image)"
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
@@ -95,11 +114,11 @@ def validate_dataset(
         if not text:
             skipped.append(Skipped(c.file_name, f"empty caption in {c.caption_source}"))
             continue
-        problem = check_image(scan.root / c.file_name, min_image_size)
+        problem, sha = inspect_image(scan.root / c.file_name, min_image_size)
         if problem:
             skipped.append(Skipped(c.file_name, problem))
             continue
-        items.append(Item(id=item_id(c.file_name), file_name=c.file_name, text=text))
+        items.append(Item(id=item_id(c.file_name), file_name=c.file_name, text=text, sha256=sha))
     skipped.sort(key=lambda s: s.file_name)
     result = ValidatedDataset(root=scan.root, items=items, skipped=skipped)
     if min_images is not None:

@@ -55,10 +55,16 @@ def run_prepare_dataset(
         root = out_dir / "dataset"
         make_synthetic_dataset(root, kind="shapes", count=EMBEDDED_IMAGES, seed=0,
                                resolution=max(32, cfg.data.resolution))
+    count_tokens, token_limit = None, None
+    if cfg.model.resolved_dir and Path(cfg.model.resolved_dir).is_dir():  # set by resolve-config: count long captions
+        from rangefinder.models.tokens import caption_token_counter
+
+        count_tokens, token_limit = caption_token_counter(cfg.model.resolved_dir)
     split = split_dataset(root, out_dir, val_split=cfg.split.val_split, stabilize_split=cfg.split.stabilize_split,
                           seed=cfg.split.seed, val_dir=cfg.split.val_dir,
                           min_image_size=cfg.data.effective_min_image_size(), min_images=cfg.data.min_images,
-                          buckets=BucketSettings.from_data_config(cfg.data))
+                          buckets=BucketSettings.from_data_config(cfg.data),
+                          count_tokens=count_tokens, token_limit=token_limit)
     skipped_files = list(split.summary.get("skipped", []))
     skipped = len(skipped_files)
     result = PreparedDataset(split_dir=out_dir, dataset_root=root.resolve(), train_images=len(split.train),
@@ -69,6 +75,19 @@ def run_prepare_dataset(
                  f"- stabilize subset: {len(split.stabilize)}", f"- skipped files: {skipped}"]
         for item in skipped_files:
             lines.append(f"  - `{item.get('file_name')}`: {item.get('reason')}")
+        long = split.summary.get("long_captions")
+        if long is None:
+            lines.append("- captions longer than the text encoder reads: not counted (no resolved model)")
+        else:
+            lines.append(f"- captions longer than the text encoder reads ({long['limit']} tokens; the rest is cut "
+                         f"off): {long['count']}")
+            for x in long["files"]:
+                lines.append(f"  - `{x['file_name']}`: {x['tokens']} tokens")
+        lines.append(f"- minimum short side: {split.summary.get('min_image_size')} px")
+        duplicates = split.summary.get("duplicates", [])
+        lines.append(f"- identical images (kept in one subset): {len(duplicates)} groups")
+        for group in duplicates:
+            lines.append("  - " + " = ".join(f"`{name}`" for name in group))
         buckets = split.summary.get("buckets")
         if buckets:
             lines += ["", f"## Aspect-ratio buckets ({buckets['resolution']} px, sides in steps of "

@@ -10,7 +10,9 @@ entry.
 Layout: `<cache_root>/latents/<setting key>/<image sha256>.safetensors` holding `latent` (4, h, w) and, once a run
 with flipping has needed it, `flipped` (the mirrored image's latent: mirroring a latent is not the latent of the
 mirrored image); `<cache_root>/text/<encoder key>/<ids hash>.safetensors` holding `hidden` (77, D). Each file is
-written to a temporary name and renamed, so concurrent or killed writers never leave a torn entry.
+written to a temporary name and renamed, so concurrent or killed writers never leave a torn entry, and a killed
+caching run keeps every entry it finished. Entries are written batch by batch and the training ones read back per
+micro-batch (CachedLatentFiles, CachedTextFiles), so memory does not grow with the dataset.
 """
 
 from __future__ import annotations
@@ -25,9 +27,12 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
+from rangefinder.errors import DataError
 from rangefinder.formats.export import save_safetensors
+from rangefinder.training.data import LatentSource
 
 CACHE_VERSION = "1"  # bump when the meaning of an entry changes
 
@@ -124,40 +129,97 @@ class LatentCache:
     stats: CacheStats = field(default_factory=CacheStats)
     batch_size: int = 8  # images per VAE forward
 
+    def entry_path(self, key: str) -> Path:
+        return self.folder / f"{key}.safetensors"
+
+    def ensure(self, paths: Sequence[Path], keys: Sequence[str], *, flipped: bool, progress: bool = True) -> None:
+        """Encode and write every image whose entry is missing (or lacks its mirrored latent when `flipped`).
+
+        Nothing is kept in memory beyond one VAE batch, so 100,000 images cache in the memory of eight. Each entry is
+        its own file, renamed into place when whole: a run killed while caching keeps every entry it finished, and
+        the next run (or another step sharing the cache) encodes only the rest. A progress bar counts the images to
+        encode (on stderr; a pod's log shows it too).
+        """
+        wanted = ("latent", "flipped") if flipped else ("latent",)
+        todo: dict[str, int] = {}  # one encode per distinct image
+        for i, k in enumerate(keys):
+            if k not in todo and not _has(self.entry_path(k), wanted):
+                todo[k] = i
+        self.stats.reused += len(keys) - len(todo)
+        if not todo:
+            return
+        from tqdm.auto import tqdm
+
+        order = sorted(todo.values())
+        with tqdm(total=len(order), desc="encode latents", unit="image", disable=not progress,
+                  dynamic_ncols=True, mininterval=2.0) as bar:
+            for start in range(0, len(order), self.batch_size):
+                chunk = order[start : start + self.batch_size]
+                arrays = [self.load(paths[i]) for i in chunk]
+                z = self.encoder(torch.from_numpy(np.stack(arrays)), [keys[i] for i in chunk])
+                zf = None
+                if flipped:
+                    mirrored = np.stack([np.ascontiguousarray(a[:, :, ::-1]) for a in arrays])
+                    zf = self.encoder(torch.from_numpy(mirrored), [keys[i] + "/flip" for i in chunk])
+                for j, i in enumerate(chunk):
+                    entry = {"latent": z[j].clone()}
+                    if zf is not None:
+                        entry["flipped"] = zf[j].clone()
+                    save_safetensors(entry, self.entry_path(keys[i]))
+                self.stats.encoded += len(chunk)
+                bar.update(len(chunk))
+
     def latents(
-        self, paths: Sequence[Path], keys: Sequence[str], *, flipped: bool
+        self, paths: Sequence[Path], keys: Sequence[str], *, flipped: bool, progress: bool = True
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(N, 4, h, w) latents for the images (and of their mirror images when `flipped`); `keys` are the images'
-        content hashes."""
-        wanted = ("latent", "flipped") if flipped else ("latent",)
-        found: dict[str, dict[str, torch.Tensor]] = {}
-        missing: list[int] = []
-        for i, k in enumerate(keys):
-            entry = _try_load(self.folder / f"{k}.safetensors")
-            if entry is not None and all(w in entry for w in wanted):
-                found[k] = entry
-            else:
-                missing.append(i)
-        todo = sorted({keys[i]: i for i in missing}.values())  # one encode per distinct image
-        self.stats.reused += len(keys) - len(todo)
-        for start in range(0, len(todo), self.batch_size):
-            chunk = todo[start : start + self.batch_size]
-            arrays = [self.load(paths[i]) for i in chunk]
-            z = self.encoder(torch.from_numpy(np.stack(arrays)), [keys[i] for i in chunk])
-            zf = None
-            if flipped:
-                mirrored = np.stack([np.ascontiguousarray(a[:, :, ::-1]) for a in arrays])
-                zf = self.encoder(torch.from_numpy(mirrored), [keys[i] + "/flip" for i in chunk])
-            for j, i in enumerate(chunk):
-                entry = {"latent": z[j].clone()}
-                if zf is not None:
-                    entry["flipped"] = zf[j].clone()
-                save_safetensors(entry, self.folder / f"{keys[i]}.safetensors")
-                found[keys[i]] = entry
-            self.stats.encoded += len(chunk)
-        latents = torch.stack([found[k]["latent"] for k in keys])
-        mirrored_latents = torch.stack([found[k]["flipped"] for k in keys]) if flipped else None
-        return latents, mirrored_latents
+        content hashes. Encodes what is missing (`ensure`), then reads the entries into one tensor."""
+        self.ensure(paths, keys, flipped=flipped, progress=progress)
+        return self.read(keys, flipped=flipped)
+
+    def read(self, keys: Sequence[str], *, flipped: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(N, 4, h, w) latents (and mirrored ones) of entries already in the folder, read into one tensor each."""
+        latents: Optional[torch.Tensor] = None
+        mirrored: Optional[torch.Tensor] = None
+        for r, k in enumerate(keys):
+            entry = _try_load(self.entry_path(k))
+            if entry is None:
+                raise DataError(f"latent cache entry {self.entry_path(k)} vanished while it was read (was the cache "
+                                "cleared?); run again to encode it")
+            if latents is None:  # filled in place: never a list of N tensors and their stack at once
+                latents = torch.empty((len(keys), *entry["latent"].shape), dtype=entry["latent"].dtype)
+                mirrored = torch.empty_like(latents) if flipped else None
+            latents[r] = entry["latent"]
+            if mirrored is not None:
+                mirrored[r] = entry["flipped"]
+        if latents is None:
+            return torch.empty(0), (torch.empty(0) if flipped else None)
+        return latents, mirrored
+
+
+@dataclass
+class CachedLatentFiles(LatentSource):
+    """Training latents read from the cache's entries per micro-batch, so memory does not grow with the set (at 512
+    px a latent is 64 KiB: 100,000 images, with their mirrored latents, would hold 13 GB). Reading a few 64 KiB
+    files per micro-batch, from the page cache once read, is small next to a UNet step."""
+
+    files: list[Path]  # each training item's cache entry (LatentCache.entry_path)
+
+    def get(self, indices: Sequence[int], flips: Sequence[bool], device: torch.device) -> torch.Tensor:
+        rows = [_read_tensor(self.files[i], "flipped" if flip else "latent")
+                for i, flip in zip(indices, flips, strict=True)]
+        return torch.stack(rows).to(device)
+
+
+def _has(path: Path, wanted: Sequence[str]) -> bool:
+    """Whether the entry holds every tensor in `wanted`; reads only the file's header."""
+    if not path.is_file():
+        return False
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return all(w in f.keys() for w in wanted)
+    except Exception:  # a torn or foreign file: encode again and overwrite it
+        return False
 
 
 def _try_load(path: Path) -> Optional[dict[str, torch.Tensor]]:
@@ -182,6 +244,35 @@ def tokenize(tokenizer, captions: Sequence[str]) -> torch.Tensor:
 
 
 @torch.no_grad()
+def ensure_text_embeddings(
+    input_ids: torch.Tensor,
+    encode: Callable[[torch.Tensor], torch.Tensor],
+    folder: Path,
+    device: torch.device,
+    *,
+    batch_size: int = 32,
+    stats: Optional[CacheStats] = None,
+) -> list[Path]:
+    """The cache entry of each row of (N, 77) ids, encoding (one batch at a time, nothing kept) each distinct
+    caption not cached yet."""
+    stats = stats if stats is not None else CacheStats()
+    keys = [hashlib.blake2b(row.numpy().tobytes(), digest_size=16).hexdigest() for row in input_ids]
+    paths = [folder / f"{k}.safetensors" for k in keys]
+    first: dict[str, int] = {}
+    for i, k in enumerate(keys):
+        first.setdefault(k, i)
+    todo = [i for k, i in first.items() if not _has(paths[i], ("hidden",))]
+    stats.reused += len(first) - len(todo)
+    for start in range(0, len(todo), batch_size):
+        chunk = todo[start : start + batch_size]
+        hidden = encode(input_ids[chunk].to(device)).float().cpu()
+        for j, i in enumerate(chunk):
+            save_safetensors({"hidden": hidden[j].clone()}, paths[i])
+        stats.encoded += len(chunk)
+    return paths
+
+
+@torch.no_grad()
 def cached_text_embeddings(
     input_ids: torch.Tensor,
     encode: Callable[[torch.Tensor], torch.Tensor],
@@ -192,23 +283,39 @@ def cached_text_embeddings(
     stats: Optional[CacheStats] = None,
 ) -> torch.Tensor:
     """(N, 77, D) fp32 hidden states for (N, 77) ids, encoding each distinct caption once ever."""
-    stats = stats if stats is not None else CacheStats()
-    keys = [hashlib.blake2b(row.numpy().tobytes(), digest_size=16).hexdigest() for row in input_ids]
-    found: dict[str, torch.Tensor] = {}
-    for k in dict.fromkeys(keys):
-        entry = _try_load(folder / f"{k}.safetensors")
-        if entry is not None and "hidden" in entry:
-            found[k] = entry["hidden"]
-    todo = [keys.index(k) for k in dict.fromkeys(keys) if k not in found]
-    stats.reused += len(set(keys)) - len(todo)
-    for start in range(0, len(todo), batch_size):
-        chunk = todo[start : start + batch_size]
-        hidden = encode(input_ids[chunk].to(device)).float().cpu()
-        for j, i in enumerate(chunk):
-            found[keys[i]] = hidden[j].clone()
-            save_safetensors({"hidden": found[keys[i]]}, folder / f"{keys[i]}.safetensors")
-        stats.encoded += len(chunk)
-    return torch.stack([found[k] for k in keys])
+    paths = ensure_text_embeddings(input_ids, encode, folder, device, batch_size=batch_size, stats=stats)
+    return _read_text(paths)
+
+
+def _read_text(paths: Sequence[Path]) -> torch.Tensor:
+    out: Optional[torch.Tensor] = None
+    for r, path in enumerate(paths):
+        hidden = _read_tensor(path, "hidden")
+        if out is None:
+            out = torch.empty((len(paths), *hidden.shape), dtype=hidden.dtype)
+        out[r] = hidden
+    return out if out is not None else torch.empty(0)
+
+
+def _read_tensor(path: Path, name: str) -> torch.Tensor:
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return f.get_tensor(name)
+    except Exception as e:  # OSError when deleted, SafetensorError when damaged
+        raise DataError(f"cache entry {path} cannot be read any more ({e}); the cache was cleared or damaged during "
+                        "the run: resume it (training.resume) to encode it again") from None
+
+
+@dataclass
+class CachedTextFiles:
+    """The training captions' hidden states, read from their cache entries per micro-batch: at SD 1.x's 77 x 768
+    fp32 a caption is 231 KiB, so 100,000 captions held at once would be 22 GiB."""
+
+    files: list[Path]  # each training item's entry (ensure_text_embeddings)
+
+    def cond(self, indices: Sequence[int], gen: torch.Generator) -> torch.Tensor:
+        """(B, 77, D) fp32 on the CPU; `gen` is unused (the captions are fixed), as the loop calls every source."""
+        return torch.stack([_read_tensor(self.files[i], "hidden") for i in indices])
 
 
 def text_cache_dir(root: Path, text_encoder: torch.nn.Module) -> Path:

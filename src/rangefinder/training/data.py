@@ -201,21 +201,6 @@ class LatentSource:
 
 
 @dataclass
-class CachedLatents(LatentSource):
-    # (N, 4, h, w) scaled latents on CPU; with aspect-ratio buckets one (4, h, w) per item, each its bucket's shape
-    # (a micro-batch holds one bucket, so the rows it stacks agree).
-    latents: Union[torch.Tensor, Sequence[torch.Tensor]]
-    flipped: Union[torch.Tensor, Sequence[torch.Tensor], None] = None  # of the mirrored images, when flip is on
-
-    def get(self, indices: Sequence[int], flips: Sequence[bool], device: torch.device) -> torch.Tensor:
-        rows = [
-            (self.flipped[i] if f and self.flipped is not None else self.latents[i])
-            for i, f in zip(indices, flips, strict=True)
-        ]
-        return torch.stack(rows).to(device)
-
-
-@dataclass
 class EncodedOnTheFly(LatentSource):
     """Without the cache: load, preprocess and VAE-encode each micro-batch (what caching saves)."""
 

@@ -234,7 +234,9 @@ def _micro_batch_loss(run: Run, gen: torch.Generator, j: int, images_in_update: 
         # shift a whole channel's mean, i.e. learn very dark and very bright images.
         noise = noise + cfg.noise_offset * torch.randn((whole, latents.shape[1], 1, 1), generator=gen)[mine]
     noise, timesteps = noise.to(device), timesteps.to(device)
-    cond = run.data.train_cond[idx]  # (B, 77, D) hidden states, or (B, 77) ids when the text encoder trains
+    # (B, 77, D) hidden states (read from the text cache, or tag-shuffled with orders drawn from `gen` and encoded),
+    # or (B, 77) ids when the text encoder trains.
+    cond = run.data.train_text.cond(idx, gen) if run.data.train_text is not None else run.data.train_cond[idx]
     if drop is not None:
         # Caption dropout: train the unconditional branch classifier-free guidance needs (Ho & Salimans 2022).
         empty = run.data.empty_cond.expand_as(cond)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
@@ -26,18 +26,21 @@ from rangefinder.config import (
 from rangefinder.data.buckets import BucketSettings, Placement, Size, bucket_array, bucket_name, image_size, place
 from rangefinder.errors import ConfigError, DataError
 from rangefinder.formats import checkpoints
-from rangefinder.formats.digest import file_sha256
 from rangefinder.training.caching import (
+    CachedLatentFiles,
+    CachedTextFiles,
     CacheStats,
     LatentCache,
     VaeEncoder,
     cache_root,
     cached_text_embeddings,
+    ensure_text_embeddings,
     latent_cache_dir,
     text_cache_dir,
 )
+from rangefinder.training.captions import ShuffledCaptions
 from rangefinder.training.checkpointing import check_out_dir_free
-from rangefinder.training.data import CachedLatents, EncodedOnTheFly, LatentSource, Stream, make_stream
+from rangefinder.training.data import EncodedOnTheFly, LatentSource, Stream, make_stream
 from rangefinder.training.family import Denoiser, Sd1Family
 from rangefinder.training.methods import make_method
 from rangefinder.training.schedules import LRSchedule, make_schedule
@@ -88,6 +91,8 @@ class RunSettings:
     method: Method
     model_cfg: ModelConfig
     out_dir: Path
+    # sha256 of every image the run reads, by item id, checked against the split's manifests (the latent cache's keys)
+    file_hashes: dict[int, str] = field(default_factory=dict)
     compile: bool = False  # training.compile resolved (auto -> on or off); written to run_summary.json
     # Aspect-ratio buckets (data.bucketing), None when every image is a centre-cropped square; then where each
     # item (by id, every subset) goes, and the bucket of each training item as an index into `train_buckets`.
@@ -106,7 +111,7 @@ class RunSettings:
 
 
 def check_settings(spec: TrainSpec, out_dir: Union[str, Path]) -> RunSettings:
-    from rangefinder.data.split import read_split
+    from rangefinder.data.split import file_hashes, read_split
 
     cfg, val_cfg = _revalidated(spec.training), _revalidated(spec.validation)
     cfg = cfg.model_copy(update={"mixed_precision": resolve_mixed_precision(cfg.mixed_precision)})  # auto: per device
@@ -118,6 +123,8 @@ def check_settings(spec: TrainSpec, out_dir: Union[str, Path]) -> RunSettings:
     if not train_items:
         raise DataError(f"split {split_dir} has no training images; re-run `rangefinder split` with more images")
     val_items = {"val": list(split.val) if train_on == "train" else [], "stabilize": list(split.stabilize)}
+    # Every image still there and still the one that was split (DataError naming each that is not).
+    hashes = file_hashes(split, train_items + val_items["val"] + val_items["stabilize"])
     buckets = BucketSettings.from_data_config(spec.data) if spec.data is not None else None
     placements: Optional[dict[int, Placement]] = None
     train_buckets: Optional[list[Size]] = None
@@ -143,7 +150,7 @@ def check_settings(spec: TrainSpec, out_dir: Union[str, Path]) -> RunSettings:
         model = ModelConfig(base_model=None if model is None else str(model))
     return RunSettings(cfg=cfg, val_cfg=val_cfg, train_on=train_on, split=split, train_items=train_items,
                        val_items=val_items, plan=run_plan, schedule=schedule, method=method, model_cfg=model,
-                       out_dir=out_dir,
+                       out_dir=out_dir, file_hashes=hashes,
                        compile=resolve_compile(cfg.compile, run_plan.total_updates, torch.cuda.is_available()),
                        buckets=buckets, placements=placements, train_buckets=train_buckets,
                        train_bucket_of=train_bucket_of)
@@ -329,6 +336,10 @@ class EncodedData:
     val_sets: list[ValidationSet]
     latent_stats: CacheStats
     text_stats: CacheStats
+    # The training captions' conditioning per micro-batch, when it is not train_cond (which is then empty): read
+    # from the text cache (a frozen encoder: memory does not grow with the set), or with training.shuffle_tags
+    # shuffled and encoded afresh (training/captions.py says why those are not cached).
+    train_text: Optional[Union[ShuffledCaptions, CachedTextFiles]] = None
 
 
 def encode_data(settings: RunSettings, sd: SDComponents, family: Sd1Family, accelerator: Accelerator,
@@ -345,10 +356,15 @@ def encode_data(settings: RunSettings, sd: SDComponents, family: Sd1Family, acce
         bucket_of_path = {settings.split.path_of(it): placements[it.id].bucket for it in items}
 
     def load_array(path: Path) -> np.ndarray:  # (3, H, W) in [-1, 1]
+        try:
+            img = load_rgb(path)
+        except (OSError, ValueError) as e:  # deleted or broken after the run checked it (PIL's errors are OSErrors)
+            raise DataError(f"image {path} cannot be read any more ({e}); put it back, or split the dataset again "
+                            "(`rangefinder split`) and start the run again") from None
         if placements is None:
-            return to_model_array(load_rgb(path), data.resolution, data.center_crop)
+            return to_model_array(img, data.resolution, data.center_crop)
         # Resized and cropped from the file's real size into the bucket the split's record of it chose.
-        return bucket_array(load_rgb(path), bucket_of_path[path], data.center_crop)
+        return bucket_array(img, bucket_of_path[path], data.center_crop)
 
     cfg, device = settings.cfg, accelerator.device
     encoder = VaeEncoder(sd.vae, device, cfg.latent_sampling, cfg.seed)
@@ -376,7 +392,8 @@ def encode_data(settings: RunSettings, sd: SDComponents, family: Sd1Family, acce
             val_sets.append(ValidationSet(name, [items[r].id for r in rows], val_latents[name, bucket],
                                           text.val_cond[name][index] if len(rows) < len(items) else text.val_cond[name],
                                           bucket=None if bucket is None else bucket_name(bucket)))
-    return EncodedData(data, train_latents, text.train_cond, text.empty_cond, val_sets, stats, text.stats)
+    return EncodedData(data, train_latents, text.train_cond, text.empty_cond, val_sets, stats, text.stats,
+                       text.train_text)
 
 
 def check_bucket_sides(sd: SDComponents, buckets: set[Size], data: DataConfig) -> None:
@@ -401,7 +418,7 @@ def _encode_latents(
     cfg, split, val_items, placements = settings.cfg, settings.split, settings.val_items, settings.placements
     all_items = {it.id: it for it in settings.train_items + val_items["val"] + val_items["stabilize"]}
     paths = {i: split.path_of(it) for i, it in all_items.items()}
-    keys = {i: file_sha256(p) for i, p in paths.items()}  # content hash: the cache key and the sample seed
+    keys = {i: settings.file_hashes[i] for i in paths}  # content hash: the cache key and the sample seed
 
     def bucket_of(item_id: int) -> Optional[Size]:
         return None if placements is None else placements[item_id].bucket
@@ -413,17 +430,15 @@ def _encode_latents(
     by_bucket: dict[Optional[Size], list[Item]] = {}
     for it in encode_now:
         by_bucket.setdefault(bucket_of(it.id), []).append(it)
-    latent: dict[int, torch.Tensor] = {}
-    mirrored: dict[int, torch.Tensor] = {}
+    # Encoded to disk bucket by bucket and batch by batch, never all in memory; then only the validation latents are
+    # read in, and the training ones are read per micro-batch (CachedLatentFiles).
+    caches = {bucket: cache_for(bucket) for bucket in by_bucket}
     for bucket, group in by_bucket.items():
-        z, z_flipped = cache_for(bucket).latents([paths[it.id] for it in group], [keys[it.id] for it in group],
-                                                 flipped=cfg.cache_latents and cfg.random_flip)
-        latent.update((it.id, z[r]) for r, it in enumerate(group))
-        if z_flipped is not None:
-            mirrored.update((it.id, z_flipped[r]) for r, it in enumerate(group))
+        caches[bucket].ensure([paths[it.id] for it in group], [keys[it.id] for it in group],
+                              flipped=cfg.cache_latents and cfg.random_flip)
 
-    def stacked(items: list[Item], of: dict[int, torch.Tensor]) -> torch.Tensor:
-        return torch.stack([of[it.id] for it in items])
+    def read(items: list[Item]) -> torch.Tensor:  # (n, 4, h, w) latents of items of one bucket
+        return caches[bucket_of(items[0].id)].read([keys[it.id] for it in items], flipped=False)[0]
 
     train_items = settings.train_items
     train_latents: LatentSource
@@ -433,18 +448,14 @@ def _encode_latents(
             [paths[it.id] for it in train_items], [keys[it.id] for it in train_items], one_bucket.encoder,
             one_bucket.load,
         )
-    elif len(by_bucket) == 1:  # one shape: one (N, 4, h, w) tensor
-        train_latents = CachedLatents(stacked(train_items, latent),
-                                      stacked(train_items, mirrored) if mirrored else None)
-    else:  # one (4, h, w) per item, each its bucket's shape
-        train_latents = CachedLatents([latent[it.id] for it in train_items],
-                                      [mirrored[it.id] for it in train_items] if mirrored else None)
+    else:  # each item's entry in its bucket's folder, read per micro-batch (a micro-batch holds one bucket)
+        train_latents = CachedLatentFiles([caches[bucket_of(it.id)].entry_path(keys[it.id]) for it in train_items])
     val_latents = {}
     for name, items in val_items.items():
         groups: dict[Optional[Size], list[Item]] = {}
         for it in items:
             groups.setdefault(bucket_of(it.id), []).append(it)
-        val_latents.update({(name, bucket): stacked(group, latent) for bucket, group in groups.items()})
+        val_latents.update({(name, bucket): read(group) for bucket, group in groups.items()})
     return train_latents, val_latents
 
 
@@ -454,29 +465,43 @@ class _EncodedText:
     empty_cond: torch.Tensor
     val_cond: dict[str, torch.Tensor]
     stats: CacheStats
+    train_text: Optional[Union[ShuffledCaptions, CachedTextFiles]] = None
 
 
 def _encode_text(settings: RunSettings, sd: SDComponents, family: Sd1Family, device: torch.device,
                  root: Path) -> _EncodedText:
-    method, stats = settings.method, CacheStats()
+    method, stats, cfg = settings.method, CacheStats(), settings.cfg
     captions = [method.transform_caption(it.text) for it in settings.train_items]
-    train_ids, empty_ids = family.tokenize(captions), family.tokenize([""])
+    empty_ids = family.tokenize([""])
+    # Tag shuffle: no fixed training conditioning to compute; the captions are shuffled and encoded per micro-batch.
+    train_ids = (family.tokenize(captions) if not cfg.shuffle_tags
+                 else torch.empty(0, empty_ids.shape[1], dtype=torch.long))
     val_ids = {name: family.tokenize([method.transform_caption(it.text) for it in items])
                for name, items in settings.val_items.items() if items}
+    train_text: Optional[Union[ShuffledCaptions, CachedTextFiles]] = None
+    if cfg.shuffle_tags:
+        frozen = None if method.text_encoder_changes else (lambda ids: family.encode_prompt(sd.text_encoder, ids))
+        train_text = ShuffledCaptions(captions, cfg.keep_tokens, family.tokenize, frozen, device)
     if method.text_encoder_changes:
         # (N, 77) ids: prompts are encoded every micro-batch through the training text encoder.
-        return _EncodedText(train_ids, empty_ids, val_ids, stats)
+        return _EncodedText(train_ids, empty_ids, val_ids, stats, train_text)
     # (N, 77, D) hidden states, computed once with the frozen encoder.
     folder = text_cache_dir(root, sd.text_encoder)
 
-    @torch.no_grad()  # the frozen encoder: no autograd bookkeeping for its forward
-    def embed(ids: torch.Tensor) -> torch.Tensor:
-        return cached_text_embeddings(
-            ids, lambda x: family.encode_prompt(sd.text_encoder, x), folder, device, stats=stats
-        )
+    def frozen_encode(ids: torch.Tensor) -> torch.Tensor:
+        return family.encode_prompt(sd.text_encoder, ids)
 
-    train_cond, empty_cond = embed(train_ids), embed(empty_ids)
-    return _EncodedText(train_cond, empty_cond, {name: embed(ids) for name, ids in val_ids.items()}, stats)
+    def embed(ids: torch.Tensor) -> torch.Tensor:
+        return cached_text_embeddings(ids, frozen_encode, folder, device, stats=stats)
+
+    empty_cond = embed(empty_ids)
+    if len(train_ids):
+        # The training captions stay on disk, read per micro-batch (memory does not grow with the set).
+        files = ensure_text_embeddings(train_ids, frozen_encode, folder, device, stats=stats)
+        train_text = CachedTextFiles(files)
+    train_cond = empty_cond[:0]
+    return _EncodedText(train_cond, empty_cond, {name: embed(ids) for name, ids in val_ids.items()}, stats,
+                        train_text)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from rangefinder.cli.output import add_json_flag
+from rangefinder.config import DataConfig
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -21,11 +22,16 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="share of training images in the stabilize subset, rounded up (0.2)")
     p.add_argument("--seed", type=int, default=555, help="seed of the shuffle (555)")
     p.add_argument("--val-dir", help="a folder of validation images chosen by hand (replaces --val-split)")
-    p.add_argument("--min-image-size", type=int, default=1,
-                   help="skip images whose short side is smaller than this, in pixels (1)")
+    p.add_argument("--resolution", type=int, default=DataConfig.model_fields["resolution"].default,
+                   help="the training resolution, in pixels (%(default)s; data.resolution): the aspect-ratio buckets "
+                   "are reported for it, and it sets the default of --min-image-size")
+    p.add_argument("--min-image-size", type=int, default=None,
+                   help="skip (and list) images whose short side is smaller than this, in pixels (default: half the "
+                   "resolution, as data.min_image_size: smaller images would be enlarged more than twice)")
+    p.add_argument("--tokenizer", metavar="MODEL_DIR",
+                   help="a diffusers model folder (or tokenizer folder): count and list the captions longer than "
+                   "its text encoder reads (75 tokens for SD 1.x), which training cuts off")
     p.add_argument("--min-images", type=int, default=2, help="fail when fewer usable images remain (2)")
-    p.add_argument("--resolution", type=int, default=512,
-                   help="training resolution the aspect-ratio buckets are reported for, px (512; data.resolution)")
     p.add_argument("--no-bucketing", action="store_true",
                    help="report no aspect-ratio buckets (data.bucketing: false, every image a centre-cropped square)")
     p.add_argument("--bucket-step", type=int, help="bucket sides are multiples of this, px (data.bucket_step)")
@@ -38,16 +44,22 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> dict:
     from pydantic import ValidationError
 
-    from rangefinder.config import DataConfig, format_validation_error
+    from rangefinder.config import format_validation_error
     from rangefinder.data.buckets import BucketSettings
     from rangefinder.data.split import split_dataset
     from rangefinder.errors import ConfigError
 
     try:
-        data = DataConfig(resolution=args.resolution, bucketing=not args.no_bucketing, bucket_step=args.bucket_step,
-                          max_aspect=args.max_aspect)
+        data = DataConfig(resolution=args.resolution, min_image_size=args.min_image_size,
+                          bucketing=not args.no_bucketing, bucket_step=args.bucket_step, max_aspect=args.max_aspect)
     except ValidationError as e:
         raise ConfigError(format_validation_error(e, prefix="data.")) from None
+
+    count_tokens, token_limit = None, None
+    if args.tokenizer:
+        from rangefinder.models.tokens import caption_token_counter
+
+        count_tokens, token_limit = caption_token_counter(args.tokenizer)
     split = split_dataset(
         args.data_dir,
         args.out,
@@ -55,9 +67,11 @@ def run(args: argparse.Namespace) -> dict:
         stabilize_split=args.stabilize_split,
         seed=args.seed,
         val_dir=args.val_dir,
-        min_image_size=args.min_image_size,
+        min_image_size=data.effective_min_image_size(),
         min_images=args.min_images,
         buckets=BucketSettings.from_data_config(data),
+        count_tokens=count_tokens,
+        token_limit=token_limit,
     )
     s = split.summary
     buckets = s["buckets"]
@@ -69,7 +83,14 @@ def run(args: argparse.Namespace) -> dict:
         "val_images": s["val_images"],
         "stabilize_images": s["stabilize_images"],
         "seed": s["seed"],
+        "min_image_size": s["min_image_size"],
+        "duplicates": [" = ".join(group) for group in s["duplicates"]],
         "skipped": [f"{x['file_name']}: {x['reason']}" for x in s["skipped"]],
+        "long_captions": (
+            "not counted (give --tokenizer MODEL_DIR)" if s["long_captions"] is None
+            else [f"{x['file_name']}: {x['tokens']} tokens, over {s['long_captions']['limit']}"
+                  for x in s["long_captions"]["files"]]
+        ),
     }
     if buckets is None:
         result["buckets"] = "off (every image centre-cropped to a square)"

@@ -1,0 +1,40 @@
+"""How many tokens a caption takes in a model's tokenizer, for the split report's count of captions cut off.
+
+CLIP's text encoder (SD 1.x/2.x) reads 77 positions: a start token, 75 of text and an end token; longer captions are
+truncated, their last tags silently unseen by the model (docs/design.md, "Long captions").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from rangefinder.errors import ConfigError
+
+
+def caption_token_counter(model_or_tokenizer_dir: str | Path) -> tuple[Callable[[str], int], int]:
+    """(text -> its number of text tokens, how many text tokens fit) for a diffusers model folder (its
+    `tokenizer/`) or a tokenizer folder."""
+    from transformers import AutoTokenizer
+
+    folder = Path(model_or_tokenizer_dir).expanduser()
+    if (folder / "tokenizer").is_dir():
+        folder = folder / "tokenizer"
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            f"no tokenizer in {folder} ({str(e).splitlines()[0]}); give a diffusers model folder (with tokenizer/) "
+            "or a tokenizer folder"
+        ) from None
+    # A tokenizer saved without its length reports a huge sentinel; CLIP's context is 77 tokens (as caching.tokenize).
+    length = tokenizer.model_max_length if tokenizer.model_max_length < 100_000 else 77
+    special = tokenizer.num_special_tokens_to_add(pair=False)
+    backend = getattr(tokenizer, "backend_tokenizer", None)  # the Rust tokenizer: fast, and no per-call warning
+    if backend is not None:
+        backend.no_padding()  # a saved tokenizer.json may pad (or cut) to 77: count the text's own tokens
+        backend.no_truncation()
+        return (lambda text: len(backend.encode(text, add_special_tokens=False).ids)), length - special
+    # The Python tokenizer warns (once) about sequences longer than the model: here that is what is being counted.
+    tokenizer.deprecation_warnings["sequence-length-is-longer-than-the-specified-maximum"] = True
+    return (lambda text: len(tokenizer.tokenize(text))), length - special

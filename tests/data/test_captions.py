@@ -1,0 +1,50 @@
+import json
+
+import pytest
+import torch
+from PIL import Image
+
+from rangefinder.data.captions import long_captions, movable_tags, shuffled_caption, split_tags
+from rangefinder.training.captions import ShuffledCaptions
+
+
+def test_tags_split_and_shuffle_with_the_first_ones_kept():
+    text = "sks dog,  red collar, on grass ,, smiling"
+    assert split_tags(text) == ["sks dog", "red collar", "on grass", "smiling"]
+    assert movable_tags(text, 1) == 3 and movable_tags(text, 9) == 0
+    assert shuffled_caption(text, 1, [2, 0, 1]) == "sks dog, smiling, red collar, on grass"
+    with pytest.raises(ValueError):
+        shuffled_caption(text, 1, [0, 0, 1])
+
+
+def test_shuffled_captions_are_drawn_from_the_generator_and_keep_tokens_stay():
+    captions = ["trigger, a, b, c, d, e", "no commas at all", "trigger, only"]
+    sc = ShuffledCaptions(captions, keep_tokens=1, tokenize=None, encode=None, device=torch.device("cpu"))  # type: ignore[arg-type]
+    draws = [sc.texts([0, 1, 2], torch.Generator().manual_seed(3)) for _ in range(2)]
+    assert draws[0] == draws[1]  # the same generator state gives the same orders (what a resume restores)
+    gen = torch.Generator().manual_seed(3)
+    seen = {sc.texts([0], gen)[0] for _ in range(30)}
+    assert len(seen) > 10  # the order changes from draw to draw
+    for t in seen:
+        assert t.startswith("trigger, ") and sorted(split_tags(t)) == sorted(split_tags(captions[0]))
+    state = gen.get_state()
+    assert sc.texts([1, 2], gen) == ["no commas at all", "trigger, only"]  # nothing to move: kept, nothing drawn
+    assert torch.equal(gen.get_state(), state)
+
+
+def test_long_captions_are_counted_and_listed_in_the_split_report(tmp_path, tiny_model_dir, capsys):
+    from rangefinder.cli.main import main
+
+    for i, text in enumerate(["a red circle", ", ".join(["a red circle on a blue background"] * 12)]):
+        Image.new("RGB", (16, 16), (i, 0, 0)).save(tmp_path / f"{i}.png")
+        (tmp_path / f"{i}.txt").write_text(text)
+    assert long_captions([("x.png", "a b c")], lambda t: len(t.split()), 2) == [{"file_name": "x.png", "tokens": 3}]
+    out = tmp_path / "s"
+    assert main(["split", str(tmp_path), "--out", str(out), "--resolution", "16", "--tokenizer", str(tiny_model_dir),
+                 "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["long_captions"] == ["1.png: 95 tokens, over 75"]
+    assert json.loads((out / "split.json").read_text())["long_captions"] == {
+        "limit": 75, "count": 1, "files": [{"file_name": "1.png", "tokens": 95}]}
+    assert main(["split", str(tmp_path), "--out", str(out), "--resolution", "16", "--json"]) == 0
+    assert "give --tokenizer" in json.loads(capsys.readouterr().out)["long_captions"]
