@@ -126,6 +126,28 @@ def detect_family(folder: Path) -> str:
     return family
 
 
+def family_of(model_cfg: ModelConfig) -> Optional[str]:
+    """The family of a configured base model when it can be told without downloading or converting anything (the
+    embedded model, a local folder, a single file's tensor names, a resolved folder); None otherwise (a hub id not
+    resolved yet). For tags and reports."""
+    try:
+        if model_cfg.resolved_dir and (Path(model_cfg.resolved_dir) / "model_index.json").is_file():
+            return detect_family(Path(model_cfg.resolved_dir))
+        if model_cfg.base_model is None:
+            return "sd1"
+        path = Path(model_cfg.base_model).expanduser()
+        if (path / "model_index.json").is_file():
+            return detect_family(path)
+        if path.is_file() and path.suffix.lower() == SINGLE_FILE_SUFFIX:
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as f:
+                return single_file_family(path, list(f.keys()))
+    except (ConfigError, OSError, ValueError):
+        return None
+    return None
+
+
 def single_file_family(path: Path, keys: list[str]) -> str:
     """The family of a single-file checkpoint from its tensor names; ConfigError for an SDXL file without its
     second text encoder."""
