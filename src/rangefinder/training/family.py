@@ -2,7 +2,8 @@
 trained to predict.
 
 The loop and the validation measure never branch on the family; they call a `Family` through a `Denoiser`. A family
-is one class, registered in FAMILIES by the name `models.loading.detect_family` reads from the base model:
+is one class, registered in families.py (FAMILIES) by the name `models.loading.detect_family` reads from the base
+model:
 - `Sd1Family` (here): Stable Diffusion 1.x and 2.x: one CLIP text encoder whose last hidden state conditions the
   UNet; epsilon or v-prediction on the DDPM noise schedule;
 - `SdxlFamily` (family_sdxl.py): two text encoders, pooled embedding and `add_time_ids`.
@@ -16,7 +17,6 @@ encoder trains, so prompts are encoded every pass); `conditioning` of the Denois
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -29,13 +29,6 @@ from rangefinder.training.caching import tokenize
 
 if TYPE_CHECKING:
     from rangefinder.models.loading import SDComponents
-
-# family name (models.loading.detect_family) -> "module:Class"; imported only when chosen.
-FAMILIES = {
-    "sd1": "rangefinder.training.family:Sd1Family",
-    "sdxl": "rangefinder.training.family_sdxl:SdxlFamily",
-}
-
 
 @dataclass(frozen=True)
 class ImageGeometry:
@@ -66,16 +59,6 @@ class Family(Protocol):
                 cond: torch.Tensor) -> torch.Tensor: ...
     def target(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor: ...
     def loss_weights(self, timesteps: torch.Tensor, min_snr_gamma: Optional[float]) -> torch.Tensor: ...
-
-
-def family_for(sd: SDComponents, prediction_type: Optional[str]) -> Family:
-    """The family object of a loaded model (sd.family, as detected from the base model)."""
-    target = FAMILIES.get(sd.family)
-    if target is None:
-        raise ConfigError(f"model.base_model: rangefinder cannot train the {sd.family!r} model family")
-    module_name, cls_name = target.split(":")
-    family: Family = getattr(importlib.import_module(module_name), cls_name).for_model(sd, prediction_type)
-    return family
 
 
 PREDICTION_TYPES = ("epsilon", "v_prediction")

@@ -41,7 +41,8 @@ from rangefinder.training.caching import (
 from rangefinder.training.captions import ShuffledCaptions
 from rangefinder.training.checkpointing import check_out_dir_free
 from rangefinder.training.data import EncodedOnTheFly, LatentSource, Stream, make_stream
-from rangefinder.training.family import Denoiser, Family, ImageGeometry, family_for
+from rangefinder.training.families import family_for
+from rangefinder.training.family import Denoiser, Family, ImageGeometry
 from rangefinder.training.methods import make_method
 from rangefinder.training.schedules import LRSchedule, make_schedule
 from rangefinder.training.validation import ValidationSet
