@@ -204,10 +204,10 @@ def _check_same_run(saved: dict[str, Any], run: Run) -> None:
 
     family = saved.get("family", "sd1")  # checkpoints from before families were recorded: SD 1.x/2.x
     if family != run.family.name:
-        was, now = FAMILY_NAMES.get(family, family), FAMILY_NAMES.get(run.family.name, run.family.name)
+        was, is_ = FAMILY_NAMES.get(family, family), FAMILY_NAMES.get(run.family.name, run.family.name)
         raise ConfigError(
             f"cannot resume: the checkpoint under {run.settings.ckpt_root} is from a {was} run but the base model "
-            f"{run.sd.source} is {now}; resume with the base model the run started from, or start in an empty folder"
+            f"{run.sd.source} is {is_}; resume with the base model the run started from, or start in an empty folder"
         )
     before = {k: v for k, v in saved["training"].items() if k not in RESUMABLE_CHANGES}
     now = {k: v for k, v in run.cfg.model_dump(mode="json").items() if k not in RESUMABLE_CHANGES}
