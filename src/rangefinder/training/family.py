@@ -9,10 +9,11 @@ model:
 - `SdxlFamily` (family_sdxl.py): two text encoders, pooled embedding and `add_time_ids`.
 A third family (SD3, Flux: flow matching) is one more module providing the same methods (docs/model-families.md).
 
-The conditioning is one tensor per item whose layout only its family reads: the loop indexes it by item, moves it to
-the device, and asks the family to drop captions from it (caption dropout); the text cache stores what
-`encode_prompt` returns. Two forms: encoded (the frozen encoders' output, cached once) and as token ids (when a text
-encoder trains, so prompts are encoded every pass); `conditioning` of the Denoiser turns the second into the first.
+The conditioning is one tensor per item whose layout only its family reads: the loop indexes it by item, asks the
+family to add the images' own conditioning (`with_images`: SDXL's sizes) and to drop captions from it (caption
+dropout), and moves it to the device; the text cache stores what `encode_prompt` returns. Two forms: encoded (the
+frozen encoders' output, cached once) and as token ids (when a text encoder trains, so prompts are encoded every
+pass); `conditioning` of the Denoiser turns the second into the first.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from rangefinder.training.caching import tokenize
 
 if TYPE_CHECKING:
     from rangefinder.models.loading import SDComponents
+
 
 @dataclass(frozen=True)
 class ImageGeometry:
