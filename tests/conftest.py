@@ -21,6 +21,21 @@ def tiny_model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_sdxl_dir() -> Path:
+    """The embedded tiny SDXL folder (diffusers layout; models/tiny_sdxl.py), built once (about a minute) and cached."""
+    from rangefinder.models.tiny_sdxl import ensure_tiny_sdxl_model
+
+    return ensure_tiny_sdxl_model()
+
+
+@pytest.fixture
+def base_model_dir(request: pytest.FixtureRequest) -> Path:
+    """The tiny model of the family a test is parametrised with (`family`: "sd1" or "sdxl")."""
+    family = request.getfixturevalue("family")
+    return request.getfixturevalue({"sd1": "tiny_model_dir", "sdxl": "tiny_sdxl_dir"}[family])
+
+
+@pytest.fixture(scope="session")
 def shapes_dataset_dir() -> Path:
     """20 synthetic 32 px images with .txt captions (`rangefinder make-dataset --kind shapes --count 20 --seed 0`)."""
     from rangefinder.data import synthetic

@@ -67,6 +67,8 @@ def _classify_file(path: Path) -> tuple[ColumnKind, Optional[str]]:
         return "single_file", None
     if any("lora" in k for k in keys):
         return "lora", None
+    if sorted(keys) == ["clip_g", "clip_l"]:  # an SDXL embedding (A1111's and ComfyUI's format)
+        return "textual_inversion", meta.get("rangefinder.placeholder_token") or meta.get("name") or path.stem
     if keys == ["emb_params"]:
         return "textual_inversion", meta.get("rangefinder.placeholder_token") or meta.get("name") or path.stem
     if len(keys) == 1:  # diffusers' learned_embeds: {token: (num_vectors, dim)}
@@ -115,36 +117,52 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def pipeline_class(base_model: Path) -> tuple[Any, dict[str, Any]]:
+    """The diffusers pipeline class of the base model's family, and the keyword arguments its loaders take."""
+    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+
+    from rangefinder.models.loading import detect_family
+
+    if detect_family(Path(base_model)) == "sdxl":
+        return StableDiffusionXLPipeline, {}
+    return StableDiffusionPipeline, {"safety_checker": None, "requires_safety_checker": False}
+
+
 def load_column_pipeline(column: GridColumn, base_model: Path, *, device: str, dtype=None, scheduler=None):
-    """A StableDiffusionPipeline with the column's weights; adapters go on top of `base_model`."""
+    """A pipeline of the base model's family (StableDiffusionPipeline or StableDiffusionXLPipeline) with the
+    column's weights; adapters go on top of `base_model`."""
     import torch
-    from diffusers import StableDiffusionPipeline, UNet2DConditionModel
+    from diffusers import UNet2DConditionModel
 
     dtype = dtype or (torch.float16 if device.startswith("cuda") else torch.float32)
-    common = dict(torch_dtype=dtype, safety_checker=None, requires_safety_checker=False)
+    cls, family_kwargs = pipeline_class(base_model)
+    common = dict(torch_dtype=dtype, **family_kwargs)
     if column.kind == "pipeline":
-        pipe = StableDiffusionPipeline.from_pretrained(str(column.path), local_files_only=True, **common)
+        pipe = cls.from_pretrained(str(column.path), local_files_only=True, **common)
     elif column.kind == "single_file":
-        pipe = StableDiffusionPipeline.from_single_file(
-            str(column.path), config=str(base_model), local_files_only=True, **common
-        )
+        pipe = cls.from_single_file(str(column.path), config=str(base_model), local_files_only=True, **common)
     elif column.kind == "engine_checkpoint":
         pipe = _engine_checkpoint_pipeline(column.path, base_model, common)
     else:
-        pipe = StableDiffusionPipeline.from_pretrained(str(base_model), local_files_only=True, **common)
+        pipe = cls.from_pretrained(str(base_model), local_files_only=True, **common)
         if column.kind == "unet":
             pipe.unet = UNet2DConditionModel.from_pretrained(str(column.path / "unet"), torch_dtype=dtype)
             if (column.path / "text_encoder" / "config.json").is_file():
                 from transformers import CLIPTextModel
 
                 pipe.text_encoder = CLIPTextModel.from_pretrained(str(column.path / "text_encoder"), dtype=dtype)
+            if (column.path / "text_encoder_2" / "config.json").is_file():
+                from transformers import CLIPTextModelWithProjection
+
+                pipe.text_encoder_2 = CLIPTextModelWithProjection.from_pretrained(
+                    str(column.path / "text_encoder_2"), dtype=dtype)
         elif column.kind == "lora":
             if column.path.is_dir():
                 pipe.load_lora_weights(str(column.path), weight_name=LORA_WEIGHTS_NAME)
             else:
                 pipe.load_lora_weights(str(column.path.parent), weight_name=column.path.name)
         elif column.kind == "textual_inversion":
-            pipe.load_textual_inversion(str(column.path), token=column.token)
+            load_embedding(pipe, column.path, column.token)
     if scheduler is not None:
         import diffusers
 
@@ -174,18 +192,32 @@ def export_pipeline(weights: Path, base_model: Path, out_dir: Path) -> Path:
     return out_dir
 
 
+def load_embedding(pipe: Any, path: Path, token: Optional[str]) -> None:
+    """A textual-inversion file into the pipeline: SDXL's `clip_l`/`clip_g` file into both encoders, any other
+    through diffusers' own loader."""
+    if path.suffix == ".safetensors" and sorted(_safetensors_info(path)[0]) == ["clip_g", "clip_l"]:
+        from safetensors.torch import load_file
+
+        state = load_file(str(path))
+        pipe.load_textual_inversion(state["clip_l"], token=token, text_encoder=pipe.text_encoder,
+                                    tokenizer=pipe.tokenizer)
+        pipe.load_textual_inversion(state["clip_g"], token=token, text_encoder=pipe.text_encoder_2,
+                                    tokenizer=pipe.tokenizer_2)
+        return
+    pipe.load_textual_inversion(str(path), token=token)
+
+
 def _engine_checkpoint_pipeline(ckpt_dir: Path, base_model: Path, common: dict):
     """A pipeline with a training checkpoint's weights (rangefinder.training.restore: the run's method rebuilt on the
     base model, the checkpoint's tensors, or their EMA average, put back)."""
-    from diffusers import StableDiffusionPipeline
-
     from rangefinder.training.restore import method_from_checkpoint
 
     _, sd = method_from_checkpoint(ckpt_dir, base_model)
-    pipe = StableDiffusionPipeline.from_pretrained(
-        str(base_model), local_files_only=True, unet=sd.unet, text_encoder=sd.text_encoder, tokenizer=sd.tokenizer,
-        **common,
-    )
+    cls, _ = pipeline_class(base_model)
+    parts = dict(unet=sd.unet, text_encoder=sd.text_encoder, tokenizer=sd.tokenizer)
+    if sd.family == "sdxl":
+        parts.update(text_encoder_2=sd.text_encoder_2, tokenizer_2=sd.tokenizer_2)
+    pipe = cls.from_pretrained(str(base_model), local_files_only=True, **parts, **common)
     return pipe.to(common["torch_dtype"])
 
 

@@ -22,6 +22,14 @@ class Parts:
     tokenizer: object
     noise_scheduler: object
     source: str
+    family: str = "sd1"
+    model_dir: Path | None = None
+    text_encoder_2: torch.nn.Module | None = None
+    tokenizer_2: object = None
+
+    def text_encoders(self) -> dict[str, torch.nn.Module]:
+        named = {"text_encoder": self.text_encoder, "text_encoder_2": self.text_encoder_2}
+        return {k: v for k, v in named.items() if v is not None}
 
 
 def load_parts(model_dir: Path) -> Parts:

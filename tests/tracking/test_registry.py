@@ -12,7 +12,7 @@ from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
 from rangefinder.cli.main import main as cli_main
-from rangefinder.config import RangefinderConfig, TrackingConfig
+from rangefinder.config import ModelConfig, RangefinderConfig, TrackingConfig
 from rangefinder.errors import TrackingError
 from rangefinder.tracking import decode_image, promote, step_run
 
@@ -139,3 +139,19 @@ def test_model_environment_installs_from_the_configured_index_and_predicts(sqlit
     out = model.predict(pd.DataFrame({"prompt": ["a red circle"], "seed": [3]}))
     image = decode_image(out["image"][0])
     assert image.size == (32, 32) and len(set(image.getdata())) > 1  # an image, not a blank
+
+
+@pytest.mark.slow
+def test_an_sdxl_model_loads_as_the_sdxl_pipeline_and_generates(sqlite_tracking_uri, tiny_sdxl_dir):
+    cfg = RangefinderConfig(tracking=TrackingConfig(tracking_uri=sqlite_tracking_uri, experiment_name="sdxl",
+                                                    registered_model_name="rf-sdxl"),
+                            model=ModelConfig(base_model=str(tiny_sdxl_dir)))
+    with step_run(cfg, "finetune") as run:
+        version = run.log_diffusers_model(tiny_sdxl_dir, num_inference_steps=2, guidance_scale=1.0)
+    assert MlflowClient(tracking_uri=sqlite_tracking_uri).get_run(run.run_id).data.tags[
+        "rangefinder.model_family"] == "sdxl"
+    mlflow.set_tracking_uri(sqlite_tracking_uri)
+    model = mlflow.pyfunc.load_model(version.model_uri)
+    assert type(model.unwrap_python_model().pipe).__name__ == "StableDiffusionXLPipeline"
+    out = model.predict(pd.DataFrame({"prompt": ["a red circle on a blue background"], "seed": [3]}))
+    assert decode_image(out["image"][0]).size == (32, 32)

@@ -307,3 +307,42 @@ def test_a_bucket_the_model_cannot_take_is_one_clear_error(tiny_model_dir):
     check_bucket_sides(sd, {(24, 40), (32, 32)}, DATA)  # multiples of 8: fine
     with pytest.raises(ConfigError, match=r"must be multiples of 8 px \(VAE x4, UNet x2\), but buckets 20x44 are not"):
         check_bucket_sides(sd, {(20, 44), (32, 32)}, DATA)
+
+
+def test_sdxl_trains_on_buckets_conditioned_on_each_images_size_and_crop(split_report, tiny_sdxl_dir, tmp_path):
+    """SDXL's add_time_ids come from each image's placement (original size, crop, bucket), and a bucketed SDXL run
+    trains and validates across the bucket shapes."""
+    from rangefinder.training.family_sdxl import add_time_ids
+    from rangefinder.training.setup import check_settings, image_geometry
+
+    split_dir = split_report[0]
+    cfg = TrainingConfig(batch_size=2, steps=2, seed=5, cache_dir=str(tmp_path / "cache"))
+    spec = TrainSpec(cfg, ValidationConfig(every_updates=2, timesteps=1), split_dir=split_dir, model=tiny_sdxl_dir,
+                     data=DATA)
+    settings = check_settings(spec, tmp_path / "probe")
+    assert settings.placements is not None
+    seen = set()
+    for item in settings.train_items:
+        p = settings.placements[item.id]
+        ids = add_time_ids(image_geometry(settings.split.path_of(item), DATA, p))
+        assert ids == [p.size[1], p.size[0], p.crop[1], p.crop[0], p.bucket[1], p.bucket[0]]
+        seen.add(tuple(ids[4:]))
+    assert len(seen) == 3  # 24x40, 32x32 and 40x24: the target size differs per bucket
+    result = train(spec, out_dir=tmp_path / "run", save_final=False)
+    assert result.status == "ok" and result.updates == 2
+    assert float(rows(result.metrics_csv)[-1]["val_loss"]) > 0
+
+
+def test_sdxl_centre_crop_geometry_is_diffusers(tmp_path):
+    """Without buckets: the centre crop's top-left in the image resized to cover the square, as diffusers'
+    train_text_to_image_sdxl.py records it."""
+    from PIL import Image
+
+    from rangefinder.training.setup import image_geometry
+
+    path = tmp_path / "wide.png"
+    Image.new("RGB", (80, 40)).save(path)
+    g = image_geometry(path, DataConfig(resolution=32, bucketing=False))
+    assert (g.original_hw, g.crop_top_left, g.target_hw) == ((40, 80), (0, 16), (32, 32))
+    g = image_geometry(path, DataConfig(resolution=32, bucketing=False, center_crop=False))
+    assert g.crop_top_left == (0, 0)

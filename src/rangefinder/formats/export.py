@@ -115,6 +115,10 @@ def read_metadata(path: Path) -> dict[str, str]:
 LDM_UNET_PREFIX = "model.diffusion_model."
 LDM_VAE_PREFIX = "first_stage_model."
 LDM_CLIP_PREFIX = "cond_stage_model.transformer."
+# SDXL's single file (Stability's generative-models "SGM" layout, which ComfyUI and A1111 load): the two text
+# encoders under the conditioner, CLIP ViT-L in transformers' naming, OpenCLIP bigG in open_clip's.
+SGM_CLIP_L_PREFIX = "conditioner.embedders.0.transformer."
+SGM_CLIP_G_PREFIX = "conditioner.embedders.1.model."
 
 # Inside a UNet ResBlock (openaimodel.ResBlock), diffusers' ResnetBlock2D names -> LDM names.
 UNET_RESNET_RENAMES = {
@@ -197,7 +201,8 @@ def _top_level_tables() -> tuple[dict[str, str], dict[str, str]]:
     from diffusers.loaders.single_file_utils import DIFFUSERS_TO_LDM_MAPPING
 
     mapping: dict[str, Any] = DIFFUSERS_TO_LDM_MAPPING  # diffusers types it as dict[str, object]
-    return dict(mapping["unet"]["layers"]), dict(mapping["vae"])
+    # SDXL's added (pooled text + size) embedding is `label_emb` there.
+    return dict(mapping["unet"]["layers"]) | dict(mapping["unet"]["addition_embed_type"]), dict(mapping["vae"])
 
 
 def _map_keys(state_dict, table, top_level: Mapping[str, str], what: str) -> dict[str, Any]:
@@ -221,8 +226,43 @@ def _map_keys(state_dict, table, top_level: Mapping[str, str], what: str) -> dic
     return out
 
 
-def diffusers_to_ldm_state_dict(unet, vae, text_encoder) -> dict[str, Any]:
-    """One state dict in the original SD 1.x layout (CLIP text encoder) from diffusers modules."""
+def open_clip_state_dict(text_encoder_2) -> dict[str, Any]:
+    """A transformers CLIPTextModelWithProjection's weights in open_clip's naming (SDXL's bigG encoder in its single
+    file): q/k/v fused into `attn.in_proj_*`, the projection transposed. The inverse of diffusers'
+    `convert_open_clip_checkpoint` (loaders/single_file_utils.py), which the tests use to check the round trip."""
+    te = {k.removeprefix("text_model."): v for k, v in text_encoder_2.state_dict().items()}
+    out: dict[str, Any] = {
+        "token_embedding.weight": te.pop("embeddings.token_embedding.weight"),
+        "positional_embedding": te.pop("embeddings.position_embedding.weight"),
+        "ln_final.weight": te.pop("final_layer_norm.weight"),
+        "ln_final.bias": te.pop("final_layer_norm.bias"),
+        "text_projection": te.pop("text_projection.weight").T.contiguous(),
+    }
+    te.pop("embeddings.position_ids", None)  # a buffer, not a weight
+    renames = {"layer_norm1": "ln_1", "layer_norm2": "ln_2", "mlp.fc1": "mlp.c_fc", "mlp.fc2": "mlp.c_proj",
+               "self_attn.out_proj": "attn.out_proj"}
+    for i in range(text_encoder_2.config.num_hidden_layers):
+        src, dst = f"encoder.layers.{i}.", f"transformer.resblocks.{i}."
+        for kind in ("weight", "bias"):
+            out[f"{dst}attn.in_proj_{kind}"] = torch_cat(
+                [te.pop(f"{src}self_attn.{p}_proj.{kind}") for p in ("q", "k", "v")]
+            )
+            for d_name, o_name in renames.items():
+                out[f"{dst}{o_name}.{kind}"] = te.pop(f"{src}{d_name}.{kind}")
+    if te:
+        raise ValueError(f"text encoder 2 weight {sorted(te)[0]!r} has no place in the SDXL layout; cannot export it")
+    return out
+
+
+def torch_cat(tensors: list[Any]) -> Any:
+    import torch
+
+    return torch.cat(tensors, dim=0)
+
+
+def diffusers_to_ldm_state_dict(unet, vae, text_encoder, text_encoder_2=None) -> dict[str, Any]:
+    """One state dict in the original layout from diffusers modules: SD 1.x's (one CLIP text encoder), or SDXL's
+    when `text_encoder_2` is given (both encoders under `conditioner.embedders.`)."""
     unet_top, vae_top = _top_level_tables()
     sd: dict[str, Any] = {}
     for k, v in _map_keys(unet.state_dict(), _unet_prefix_table(unet.config), unet_top, "UNet").items():
@@ -234,26 +274,36 @@ def diffusers_to_ldm_state_dict(unet, vae, text_encoder) -> dict[str, Any]:
     te_sd = text_encoder.state_dict()
     if "embeddings.token_embedding.weight" not in te_sd and "text_model.embeddings.token_embedding.weight" not in te_sd:
         raise ValueError("single-file export supports a CLIPTextModel text encoder (SD 1.x)")
+    clip_prefix = LDM_CLIP_PREFIX if text_encoder_2 is None else SGM_CLIP_L_PREFIX
     for k, v in te_sd.items():
-        sd[LDM_CLIP_PREFIX + clip_text_key(k)] = v
+        sd[clip_prefix + clip_text_key(k)] = v
+    if text_encoder_2 is not None:
+        for k, v in open_clip_state_dict(text_encoder_2).items():
+            sd[SGM_CLIP_G_PREFIX + k] = v
     return sd
 
 
-def save_single_file_checkpoint(unet, vae, text_encoder, path: Path, metadata: Optional[Mapping[str, str]] = None):
-    """The `.safetensors` single file A1111 and ComfyUI load (and `StableDiffusionPipeline.from_single_file`)."""
-    return save_safetensors(diffusers_to_ldm_state_dict(unet, vae, text_encoder), Path(path), metadata)
+def save_single_file_checkpoint(unet, vae, text_encoder, path: Path, metadata: Optional[Mapping[str, str]] = None,
+                                text_encoder_2=None):
+    """The `.safetensors` single file A1111 and ComfyUI load (and `StableDiffusionPipeline.from_single_file`, or
+    StableDiffusionXLPipeline's for SDXL)."""
+    return save_safetensors(diffusers_to_ldm_state_dict(unet, vae, text_encoder, text_encoder_2), Path(path), metadata)
 
 
 def export_full(model_dir: Path, out_path: Optional[Path] = None, metadata: Optional[Mapping[str, str]] = None):
     """The single file next to a diffusers folder (`final/` -> `final/model.safetensors` by default)."""
     from diffusers import AutoencoderKL, UNet2DConditionModel
-    from transformers import CLIPTextModel
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
     model_dir = Path(model_dir)
     unet = UNet2DConditionModel.from_pretrained(str(model_dir / "unet"))
     vae = AutoencoderKL.from_pretrained(str(model_dir / "vae"))
     text_encoder = CLIPTextModel.from_pretrained(str(model_dir / "text_encoder"))
-    return save_single_file_checkpoint(unet, vae, text_encoder, out_path or model_dir / SINGLE_FILE_NAME, metadata)
+    text_encoder_2 = None
+    if (model_dir / "text_encoder_2" / "config.json").is_file():  # SDXL
+        text_encoder_2 = CLIPTextModelWithProjection.from_pretrained(str(model_dir / "text_encoder_2"))
+    return save_single_file_checkpoint(unet, vae, text_encoder, out_path or model_dir / SINGLE_FILE_NAME, metadata,
+                                       text_encoder_2=text_encoder_2)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -328,8 +378,9 @@ def save_pipeline_folder(pipe, out_dir: Path) -> Path:
     pipe.save_pretrained(str(out_dir), safe_serialization=True)
     if (out_dir / "text_encoder").is_dir():
         write_text_encoder_weights_with_prefix(out_dir / "text_encoder")
-    if getattr(pipe, "tokenizer", None) is not None:
-        write_slow_tokenizer_files(pipe.tokenizer, out_dir / "tokenizer")
+    for name in ("tokenizer", "tokenizer_2"):  # tokenizer_2: SDXL's second
+        if getattr(pipe, name, None) is not None:
+            write_slow_tokenizer_files(getattr(pipe, name), out_dir / name)
     return out_dir
 
 
@@ -381,33 +432,58 @@ def _comfy_readable_unet_name(path: str) -> tuple[str, str]:
     return name, ".lora."
 
 
-def lora_to_diffusers(unet_layers: Mapping[str, LoraWeights], text_encoder_layers: Mapping[str, LoraWeights]) -> dict:
-    """The diffusers-named file's tensors (see the section comment), alpha/rank folded into `up`."""
+def lora_to_diffusers(unet_layers: Mapping[str, LoraWeights], text_encoder_layers: Mapping[str, LoraWeights],
+                      text_encoder_2_layers: Optional[Mapping[str, LoraWeights]] = None) -> dict:
+    """The diffusers-named file's tensors (see the section comment), alpha/rank folded into `up`; SDXL's second
+    encoder under `text_encoder_2.` (diffusers' StableDiffusionXLLoraLoaderMixin)."""
     out = {}
     for path, w in unet_layers.items():
         name, sep = _comfy_readable_unet_name(path)
         out[f"unet.{name}{sep}down.weight"] = w.down
         out[f"unet.{name}{sep}up.weight"] = (w.up.float() * w.scale).to(w.up.dtype)
-    for path, w in text_encoder_layers.items():
-        # peft's names under the text encoder, which ComfyUI maps as `text_encoder.text_model.encoder.layers...`.
-        name = "text_encoder." + clip_text_key(path)
-        out[f"{name}.lora_A.weight"] = w.down
-        out[f"{name}.lora_B.weight"] = (w.up.float() * w.scale).to(w.up.dtype)
+    for prefix, layers in (("text_encoder.", text_encoder_layers), ("text_encoder_2.", text_encoder_2_layers or {})):
+        for path, w in layers.items():
+            # peft's names under the text encoder, which ComfyUI maps as `text_encoder.text_model.encoder.layers...`.
+            name = prefix + clip_text_key(path)
+            out[f"{name}.lora_A.weight"] = w.down
+            out[f"{name}.lora_B.weight"] = (w.up.float() * w.scale).to(w.up.dtype)
     return out
 
 
-def lora_to_kohya(unet_layers: Mapping[str, LoraWeights], text_encoder_layers: Mapping[str, LoraWeights]) -> dict:
-    """kohya's sd-scripts layout (networks/lora.py names a module `lora_unet_` / `lora_te_` + its path with `_` for
-    `.`): `lora_down`/`lora_up` as trained and `.alpha` = scale * rank, from which every reader takes alpha / rank.
+def kohya_sdxl_unet_name(path: str, unet_config: Mapping[str, Any]) -> str:
+    """A diffusers UNet module path under the name kohya's SDXL LoRA gives it: kohya trains SDXL on its own UNet,
+    in the original (SGM) layout (sd-scripts library/sdxl_original_unet.py; the name mapping is
+    library/sdxl_model_util.py `make_unet_conversion_map`), so its LoRA names are `lora_unet_` + the original
+    module path (`input_blocks_4_1_transformer_blocks_0_attn1_to_q`), not the diffusers one as for SD 1.x."""
+    top_level, _ = _top_level_tables()
+    key = path + ".weight"
+    mapped = _map_keys({key: None}, _unet_prefix_table(unet_config), top_level, "UNet")
+    return next(iter(mapped)).removesuffix(".weight")
 
-    SD 1.x's single text encoder is `lora_te_` (`lora_te1_`/`lora_te2_` are SDXL's), under `text_model.`.
+
+def lora_to_kohya(unet_layers: Mapping[str, LoraWeights], text_encoder_layers: Mapping[str, LoraWeights],
+                  text_encoder_2_layers: Optional[Mapping[str, LoraWeights]] = None,
+                  sdxl_unet_config: Optional[Mapping[str, Any]] = None) -> dict:
+    """kohya's sd-scripts layout (networks/lora.py `LoRANetwork.create_modules` names a module `lora_unet_` /
+    `lora_te_` + its path with `_` for `.`): `lora_down`/`lora_up` as trained and `.alpha` = scale * rank, from
+    which every reader takes alpha / rank.
+
+    SD 1.x's single text encoder is `lora_te_`; SDXL's two are `lora_te1_` and `lora_te2_` (LORA_PREFIX_TEXT_ENCODER1
+    and 2 there), both under `text_model.`, and SDXL's UNet modules go by their original names
+    (`kohya_sdxl_unet_name`) when `sdxl_unet_config` is given.
     """
     import torch
 
+    sdxl = sdxl_unet_config is not None
+    te_prefixes = ("lora_te1_", "lora_te2_") if sdxl else ("lora_te_", "lora_te2_")
     out = {}
-    for prefix, layers in (("lora_unet_", unet_layers), ("lora_te_", text_encoder_layers)):
+    for prefix, layers in (("lora_unet_", unet_layers), (te_prefixes[0], text_encoder_layers),
+                           (te_prefixes[1], text_encoder_2_layers or {})):
         for path, w in layers.items():
-            path = clip_text_key(path) if prefix == "lora_te_" else path
+            if prefix != "lora_unet_":
+                path = clip_text_key(path)
+            elif sdxl_unet_config is not None:
+                path = kohya_sdxl_unet_name(path, sdxl_unet_config)
             name = prefix + path.replace(".", "_")
             out[f"{name}.lora_down.weight"] = w.down
             out[f"{name}.lora_up.weight"] = w.up
@@ -415,25 +491,32 @@ def lora_to_kohya(unet_layers: Mapping[str, LoraWeights], text_encoder_layers: M
     return out
 
 
-def save_lora_files(out_dir: Path, unet=None, text_encoder=None, metadata: Optional[Mapping[str, str]] = None):
-    """Both LoRA files into `out_dir`; returns {"diffusers": path, "kohya": path}."""
+def save_lora_files(out_dir: Path, unet=None, text_encoder=None, metadata: Optional[Mapping[str, str]] = None,
+                    text_encoder_2=None, sdxl: bool = False):
+    """Both LoRA files into `out_dir`; returns {"diffusers": path, "kohya": path}. `sdxl`: kohya's SDXL names."""
     out_dir = Path(out_dir)
     unet_layers = trained_lora_layers(unet) if unet is not None else {}
     te_layers = trained_lora_layers(text_encoder) if text_encoder is not None else {}
-    if not unet_layers and not te_layers:
+    te2_layers = trained_lora_layers(text_encoder_2) if text_encoder_2 is not None else {}
+    if not unet_layers and not te_layers and not te2_layers:
         raise ValueError("no LoRA adapters found on the UNet or the text encoder; nothing to export")
     meta = dict(metadata or {})
     kohya_meta = dict(meta)
     # sd-scripts' own training metadata keys, which A1111's and ComfyUI's LoRA browsers show.
     kohya_meta.setdefault("ss_network_module", "networks.lora")
-    any_layer = next(iter({**unet_layers, **te_layers}.values()))
+    if sdxl:
+        kohya_meta.setdefault("ss_base_model_version", "sdxl_base_v1-0")  # what sd-scripts writes for SDXL
+    any_layer = next(iter({**unet_layers, **te_layers, **te2_layers}.values()))
     kohya_meta.setdefault("ss_network_dim", str(any_layer.rank))
     kohya_meta.setdefault("ss_network_alpha", repr(any_layer.scale * any_layer.rank))
     if "rangefinder.updates" in meta:
         kohya_meta.setdefault("ss_steps", meta["rangefinder.updates"])
     return {
-        "diffusers": save_safetensors(lora_to_diffusers(unet_layers, te_layers), out_dir / LORA_WEIGHTS_NAME, meta),
-        "kohya": save_safetensors(lora_to_kohya(unet_layers, te_layers), out_dir / LORA_KOHYA_NAME, kohya_meta),
+        "diffusers": save_safetensors(lora_to_diffusers(unet_layers, te_layers, te2_layers),
+                                      out_dir / LORA_WEIGHTS_NAME, meta),
+        "kohya": save_safetensors(
+            lora_to_kohya(unet_layers, te_layers, te2_layers, dict(unet.config) if sdxl and unet is not None else None),
+            out_dir / LORA_KOHYA_NAME, kohya_meta),
     }
 
 
@@ -512,4 +595,24 @@ def save_textual_inversion(
         "a1111": save_safetensors({"emb_params": embeds}, a1111 / f"{name}.safetensors", meta),
         "a1111_pt": save_a1111_pt(a1111 / f"{name}.pt", embeds, name, None if updates is None else int(updates),
                                   base_model_name(meta.get("rangefinder.base_model"))),
+    }
+
+
+def save_textual_inversion_sdxl(
+    out_dir: Path, token: str, clip_l, clip_g, metadata: Optional[Mapping[str, str]] = None
+) -> dict[str, Path]:
+    """SDXL's embedding format: one file holding `clip_l` (num_vectors, D1), the rows of the first encoder (CLIP
+    ViT-L), and `clip_g` (num_vectors, D2), those of the second (OpenCLIP bigG); A1111 and ComfyUI load it as an
+    SDXL embedding, and diffusers with `load_textual_inversion(state["clip_l"], text_encoder=pipe.text_encoder, ...)`
+    and again for `clip_g` with text_encoder_2. Written as `learned_embeds.safetensors` and, under the trigger word
+    A1111 knows it by, `a1111/<trigger>.safetensors`."""
+    out_dir = Path(out_dir)
+    meta = dict(metadata or {})
+    meta.setdefault("rangefinder.placeholder_token", token)
+    name = a1111_embedding_name(token)
+    meta["rangefinder.a1111_trigger"] = name
+    tensors = {"clip_l": clip_l, "clip_g": clip_g}
+    return {
+        "diffusers": save_safetensors(tensors, out_dir / TI_WEIGHTS_NAME, meta),
+        "a1111": save_safetensors(tensors, out_dir / TI_A1111_DIR / f"{name}.safetensors", meta),
     }

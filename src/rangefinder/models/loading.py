@@ -38,6 +38,17 @@ SINGLE_FILE_SUFFIX = ".safetensors"
 PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".pkl")
 # The parts training and sampling load; each is a sub-folder of a diffusers Stable Diffusion folder.
 REQUIRED_PARTS = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
+# The model families rangefinder trains, by the pipeline class diffusers names in model_index.json `_class_name`.
+# The family is read from the model, never set by the user (docs/model-families.md).
+FAMILY_OF_PIPELINE = {"StableDiffusionPipeline": "sd1", "StableDiffusionXLPipeline": "sdxl"}
+# The parts a family needs beyond REQUIRED_PARTS.
+FAMILY_PARTS = {"sd1": (), "sdxl": ("text_encoder_2", "tokenizer_2")}
+FAMILY_NAMES = {"sd1": "Stable Diffusion 1.x/2.x", "sdxl": "Stable Diffusion XL"}
+# In a single file (the LDM/SGM layout): SDXL's UNet has the added (pooled text + size) embedding `label_emb`, and
+# SGM's conditioner holds the two text encoders, CLIP ViT-L as embedders.0 and OpenCLIP bigG as embedders.1.
+SDXL_SINGLE_FILE_UNET_KEY = "model.diffusion_model.label_emb.0.0.weight"
+SDXL_SINGLE_FILE_TE1_PREFIX = "conditioner.embedders.0.transformer."
+SDXL_SINGLE_FILE_TE2_PREFIX = "conditioner.embedders.1.model."
 HUB_TIMEOUT_S = 10.0  # seconds for one hub metadata request (downloads use huggingface_hub's per-read timeout)
 # What a diffusers Stable Diffusion repo needs, for `hf download --include` in the offline message.
 HUB_INCLUDE = '"model_index.json" "*/*.json" "*/*.txt" "*/*.safetensors"'
@@ -51,6 +62,11 @@ class ResolvedModel:
     kind: str  # "embedded" | "folder" | "single_file" | "hub"
     source: str  # for logs, tags and file metadata: "org/name@main", a path, "embedded tiny model"
 
+    @property
+    def family(self) -> str:
+        """"sd1" | "sdxl", from the folder's model_index.json."""
+        return detect_family(self.path)
+
 
 @dataclass
 class SDComponents:
@@ -62,6 +78,14 @@ class SDComponents:
     source: str  # what was loaded, for logs and MLflow tags
     model_dir: Optional[Path] = None  # the local diffusers folder the parts came from
     kind: str = "folder"  # "embedded" | "folder" | "single_file" | "hub"
+    family: str = "sd1"  # "sd1" | "sdxl" (detect_family)
+    text_encoder_2: Any = None  # SDXL: transformers CLIPTextModelWithProjection (OpenCLIP bigG)
+    tokenizer_2: Any = None  # SDXL: its tokenizer
+
+    def text_encoders(self) -> dict[str, Any]:
+        """{part name: text encoder} of the family, in the order the family concatenates them."""
+        named = {"text_encoder": self.text_encoder, "text_encoder_2": self.text_encoder_2}
+        return {k: v for k, v in named.items() if v is not None}
 
 
 def describe_base_model(model_cfg: ModelConfig) -> str:
@@ -74,6 +98,68 @@ def load_sd_components(model_cfg: Optional[ModelConfig] = None) -> SDComponents:
     """The five parts of a Stable Diffusion model, in eval mode on the CPU; ConfigError when it cannot be loaded."""
     resolved = resolve_base_model(model_cfg or ModelConfig())
     return _load_folder(resolved, model_cfg or ModelConfig())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The model family
+
+
+def detect_family(folder: Path) -> str:
+    """The family of a diffusers folder, from model_index.json's `_class_name`; ConfigError for a pipeline class
+    rangefinder does not train."""
+    import json
+
+    index = Path(folder) / "model_index.json"
+    try:
+        class_name = json.loads(index.read_text()).get("_class_name", "")
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            f"model.base_model: cannot read {index} ({_first_line(e)}); pass a diffusers folder"
+        ) from None
+    family = FAMILY_OF_PIPELINE.get(class_name)
+    if family is None:
+        known = ", ".join(f"{v} ({k})" for k, v in FAMILY_OF_PIPELINE.items())
+        raise ConfigError(
+            f"model.base_model: {folder} is a {class_name or 'pipeline of unknown class'} model; rangefinder trains "
+            f"{known}; pass a base model of one of those families"
+        )
+    return family
+
+
+def family_of(model_cfg: ModelConfig) -> Optional[str]:
+    """The family of a configured base model when it can be told without downloading or converting anything (the
+    embedded model, a local folder, a single file's tensor names, a resolved folder); None otherwise (a hub id not
+    resolved yet). For tags and reports."""
+    try:
+        if model_cfg.resolved_dir and (Path(model_cfg.resolved_dir) / "model_index.json").is_file():
+            return detect_family(Path(model_cfg.resolved_dir))
+        if model_cfg.base_model is None:
+            return "sd1"
+        path = Path(model_cfg.base_model).expanduser()
+        if (path / "model_index.json").is_file():
+            return detect_family(path)
+        if path.is_file() and path.suffix.lower() == SINGLE_FILE_SUFFIX:
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as f:
+                return single_file_family(path, list(f.keys()))
+    except (ConfigError, OSError, ValueError):
+        return None
+    return None
+
+
+def single_file_family(path: Path, keys: list[str]) -> str:
+    """The family of a single-file checkpoint from its tensor names; ConfigError for an SDXL file without its
+    second text encoder."""
+    if SDXL_SINGLE_FILE_UNET_KEY in keys or any(k.startswith("conditioner.") for k in keys):
+        if not any(k.startswith(SDXL_SINGLE_FILE_TE2_PREFIX) for k in keys):
+            raise ConfigError(
+                f"model.base_model: {path} is an SDXL checkpoint without its second text encoder (OpenCLIP bigG, "
+                f"{SDXL_SINGLE_FILE_TE2_PREFIX}*): SDXL conditions on both encoders; pass the complete checkpoint "
+                "(the base model's file, not a UNet-only or pruned one) or a diffusers folder"
+            )
+        return "sdxl"
+    return "sd1"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -129,11 +215,18 @@ def _looks_like_hub_id(name: str) -> bool:
 
 
 def _missing_parts(folder: Path) -> Optional[list[str]]:
-    """None when `folder` has no model_index.json; else the required parts without a config inside."""
+    """None when `folder` has no model_index.json; else the required parts (those of its family) without a config
+    inside."""
     if not (folder / "model_index.json").is_file():
         return None
-    configs = {"tokenizer": ("tokenizer_config.json", "vocab.json"), "scheduler": ("scheduler_config.json",)}
-    return [p for p in REQUIRED_PARTS if not any((folder / p / f).is_file() for f in configs.get(p, ("config.json",)))]
+    try:
+        extra = FAMILY_PARTS[detect_family(folder)]
+    except ConfigError:
+        extra = ()  # an unknown family: the load names it
+    configs = {"tokenizer": ("tokenizer_config.json", "vocab.json"), "tokenizer_2": ("tokenizer_config.json",
+               "vocab.json"), "scheduler": ("scheduler_config.json",)}
+    return [p for p in (*REQUIRED_PARTS, *extra)
+            if not any((folder / p / f).is_file() for f in configs.get(p, ("config.json",)))]
 
 
 def _check_folder(folder: Path, what: str) -> None:
@@ -146,8 +239,10 @@ def _check_folder(folder: Path, what: str) -> None:
     if missing:
         raise ConfigError(
             f"model.base_model: {what} lacks {', '.join(f'{p}/' for p in missing)} (or their config files); a "
-            "Stable Diffusion folder needs unet/, vae/, text_encoder/, tokenizer/ and scheduler/"
+            "Stable Diffusion folder needs unet/, vae/, text_encoder/, tokenizer/ and scheduler/ (SDXL also "
+            "text_encoder_2/ and tokenizer_2/)"
         )
+    detect_family(folder)  # a pipeline class rangefinder does not train: say so now
 
 
 def _resolve_folder(folder: Path) -> ResolvedModel:
@@ -175,20 +270,21 @@ def _resolve_single_file(path: Path, model_cfg: ModelConfig) -> ResolvedModel:
             f"model.base_model: {path} is not a {SINGLE_FILE_SUFFIX} checkpoint; pass a Stable Diffusion "
             f"{SINGLE_FILE_SUFFIX} file, a diffusers folder or a hub id"
         )
-    _check_sd_checkpoint(path)
-    config = _single_file_config(path, model_cfg)
+    family = _check_sd_checkpoint(path)
+    config = _single_file_config(path, model_cfg, family)
     root = Path(model_cfg.cache_dir).expanduser() if model_cfg.cache_dir else default_cache_dir()
     out = root / "base-models" / f"{path.stem[:40]}-{_single_file_key(path, config)}"
     if _missing_parts(out) != []:
         with FileLock(str(out) + ".lock"):
             if _missing_parts(out) != []:
                 with atomic_dir(out) as tmp:
-                    _convert_single_file(path, config, tmp)
+                    _convert_single_file(path, config, tmp, family)
     return ResolvedModel(out, "single_file", str(path))
 
 
-def _check_sd_checkpoint(path: Path) -> None:
-    """A whole Stable Diffusion checkpoint holds the UNet under `model.diffusion_model.` (the LDM layout)."""
+def _check_sd_checkpoint(path: Path) -> str:
+    """A whole Stable Diffusion checkpoint holds the UNet under `model.diffusion_model.` (the LDM layout); its
+    family."""
     from safetensors import SafetensorError, safe_open
 
     try:
@@ -204,6 +300,7 @@ def _check_sd_checkpoint(path: Path) -> None:
             f"model.base_model: {path} is not a Stable Diffusion checkpoint (no model.diffusion_model.* UNet weights; "
             f"it looks like {hint}); pass a whole SD checkpoint, a diffusers folder or a hub id"
         )
+    return single_file_family(path, keys)
 
 
 def _single_file_key(path: Path, config: Optional[Path]) -> str:
@@ -218,7 +315,7 @@ def _single_file_key(path: Path, config: Optional[Path]) -> str:
     return h.hexdigest()[:16]
 
 
-def _single_file_config(path: Path, model_cfg: ModelConfig) -> Optional[Path]:
+def _single_file_config(path: Path, model_cfg: ModelConfig, family: str = "sd1") -> Optional[Path]:
     """A local diffusers folder describing the checkpoint's architecture, if one is known."""
     explicit = model_cfg.single_file_config
     if explicit:
@@ -235,21 +332,33 @@ def _single_file_config(path: Path, model_cfg: ModelConfig) -> Optional[Path]:
     if base and (Path(base) / "unet").is_dir():
         return Path(base)
     if base in (None, "", "None", "embedded tiny model") and "rangefinder.method" in meta:
-        # Exported from the embedded model: its config is the tiny model's.
+        # Exported from the embedded model: its config is the tiny model's (of the file's family).
+        if family == "sdxl":
+            from rangefinder.models.tiny_sdxl import ensure_tiny_sdxl_model
+
+            return ensure_tiny_sdxl_model(model_cfg.cache_dir)
         from rangefinder.models.tiny import ensure_tiny_base_model
 
         return ensure_tiny_base_model(model_cfg.cache_dir)
     return None
 
 
-def _convert_single_file(path: Path, config: Optional[Path], out: Path) -> None:
-    from diffusers import StableDiffusionPipeline
+def _convert_single_file(path: Path, config: Optional[Path], out: Path, family: str = "sd1") -> None:
+    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
 
-    kwargs: dict[str, Any] = {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False}
+    kwargs: dict[str, Any] = {}
+    if family == "sd1":
+        kwargs.update(safety_checker=None, feature_extractor=None, requires_safety_checker=False)
     if config is not None:
+        if detect_family(config) != family:
+            raise ConfigError(
+                f"model.single_file_config: {config} is a {FAMILY_NAMES[detect_family(config)]} model but {path} is "
+                f"a {FAMILY_NAMES[family]} checkpoint; pass a folder of the checkpoint's own family"
+            )
         kwargs.update(config=str(config), local_files_only=True)
+    pipeline_class: Any = StableDiffusionXLPipeline if family == "sdxl" else StableDiffusionPipeline
     try:
-        pipe = StableDiffusionPipeline.from_single_file(str(path), **kwargs)
+        pipe = pipeline_class.from_single_file(str(path), **kwargs)
     except Exception as e:  # diffusers raises many kinds here (missing keys, hub errors, shape mismatches)
         hint = (
             f"its architecture was taken from {config}" if config is not None
@@ -405,9 +514,10 @@ def _download(repo_id: str, revision: str, model_cfg: ModelConfig, cache: Path) 
 def _load_folder(resolved: ResolvedModel, model_cfg: ModelConfig) -> SDComponents:
     """Each part from the resolved folder, as diffusers' training scripts load them."""
     from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
-    from transformers import CLIPTextModel, CLIPTokenizer
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
     folder = str(resolved.path)
+    family = detect_family(resolved.path)
     # Variant files (e.g. fp16) keep their names in a hub snapshot or a saved folder; a converted file has none.
     has_variants = model_cfg.variant and resolved.kind in ("hub", "folder")
     var: dict[str, Any] = {"variant": model_cfg.variant} if has_variants else {}
@@ -420,13 +530,18 @@ def _load_folder(resolved: ResolvedModel, model_cfg: ModelConfig) -> SDComponent
             "unet": UNet2DConditionModel.from_pretrained(folder, subfolder="unet", local_files_only=True, **var),
             "noise_scheduler": DDPMScheduler.from_pretrained(folder, subfolder="scheduler", local_files_only=True),
         }
+        if family == "sdxl":
+            parts["tokenizer_2"] = CLIPTokenizer.from_pretrained(folder, subfolder="tokenizer_2", local_files_only=True)
+            parts["text_encoder_2"] = CLIPTextModelWithProjection.from_pretrained(
+                folder, subfolder="text_encoder_2", local_files_only=True, **var)
     except (OSError, ValueError) as e:
         raise ConfigError(
             f"model.base_model: cannot load the diffusers folder {folder} ({resolved.source}): {_first_line(e)}"
         ) from None
-    for key in ("unet", "vae", "text_encoder"):
-        parts[key].eval()
-    return SDComponents(source=resolved.source, model_dir=resolved.path, kind=resolved.kind, **parts)
+    for key in ("unet", "vae", "text_encoder", "text_encoder_2"):
+        if key in parts:
+            parts[key].eval()
+    return SDComponents(source=resolved.source, model_dir=resolved.path, kind=resolved.kind, family=family, **parts)
 
 
 def _first_line(e: BaseException) -> str:

@@ -13,6 +13,7 @@ the one nearest the recommended length and writes its model as `chosen/` beside 
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 from dataclasses import dataclass
@@ -181,7 +182,8 @@ def run_finetune(
         publish(work, model_dir)
         decision.update(lr_low=lr_low, lr_high=lr_high, lr_mid=lr_mid, lr_source=lr_source,
                         mixed_precision=precision, chosen=chosen, world_size=tc.world_size,
-                        global_batch=tc.batch_size * tc.grad_accum * tc.world_size)
+                        global_batch=tc.batch_size * tc.grad_accum * tc.world_size,
+                        model_family=json.loads(result.summary_path.read_text()).get("family"))
         write_json(report_dir / "decision.json", decision)
         shutil.copyfile(result.metrics_csv, report_dir / "metrics.csv")
         run.log_artifact(report_dir, "report")

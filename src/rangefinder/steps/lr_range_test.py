@@ -10,6 +10,7 @@ proposes the range of a second test ("zoom") by `rangefinder.analysis.zoom`.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,7 +123,8 @@ def run_lr_range_test(
                     "needs_zoom": zoom is not None, "zoom_range": list(zoom) if zoom else None,
                     "updates": result.updates, "curve_csv": str(result.metrics_csv),
                     "world_size": train_cfg.world_size,
-                    "global_batch": train_cfg.batch_size * train_cfg.grad_accum * train_cfg.world_size}
+                    "global_batch": train_cfg.batch_size * train_cfg.grad_accum * train_cfg.world_size,
+                    "model_family": json.loads(result.summary_path.read_text()).get("family")}
         report = write_lr_report(bounds, curve, out_dir / "report",
                                  source=f"{result.metrics_csv}; {batch_note(train_cfg)}")
         copy_report(report, report_html, report_md)

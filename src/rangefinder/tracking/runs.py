@@ -109,6 +109,12 @@ def common_tags(cfg: Optional[TrackingSource] = None) -> dict[str, str]:
     model = _get(cfg, "model", "base_model")
     if cfg is not None and hasattr(cfg, "model"):
         tags["rangefinder.base_model"] = model or "embedded-tiny"
+        from rangefinder.config import ModelConfig
+        from rangefinder.models.loading import family_of
+
+        family = family_of(cfg.model) if isinstance(cfg.model, ModelConfig) else None
+        if family:
+            tags["rangefinder.model_family"] = family  # detected from the model (sd1 | sdxl), never configured
     return tags
 
 

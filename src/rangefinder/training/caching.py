@@ -318,5 +318,6 @@ class CachedTextFiles:
         return torch.stack([_read_tensor(self.files[i], "hidden") for i in indices])
 
 
-def text_cache_dir(root: Path, text_encoder: torch.nn.Module) -> Path:
-    return root / "text" / _key(module_fingerprint(text_encoder))
+def text_cache_dir(root: Path, *text_encoders: torch.nn.Module) -> Path:
+    """The folder of the encoders' embeddings (a family with two encoders: keyed by both)."""
+    return root / "text" / _key(*(module_fingerprint(te) for te in text_encoders))

@@ -91,6 +91,7 @@ def _main_parts(run: Run, state: RunState) -> dict[str, Any]:
             "train_buckets": _train_buckets(run),
             "loss_since_row": [state.loss_sum, state.loss_count],
             "status": state.status,
+            "family": run.family.name,
             "training": run.cfg.model_dump(mode="json"),
             "written_by": {"rank": accelerator.process_index, "world_size": accelerator.num_processes},
             "metrics_rows": state.log.metrics_rows,
@@ -199,6 +200,15 @@ def restore_checkpoint(run: Run, state: RunState) -> None:
 
 
 def _check_same_run(saved: dict[str, Any], run: Run) -> None:
+    from rangefinder.models.loading import FAMILY_NAMES
+
+    family = saved.get("family", "sd1")  # checkpoints from before families were recorded: SD 1.x/2.x
+    if family != run.family.name:
+        was, is_ = FAMILY_NAMES.get(family, family), FAMILY_NAMES.get(run.family.name, run.family.name)
+        raise ConfigError(
+            f"cannot resume: the checkpoint under {run.settings.ckpt_root} is from a {was} run but the base model "
+            f"{run.sd.source} is {is_}; resume with the base model the run started from, or start in an empty folder"
+        )
     before = {k: v for k, v in saved["training"].items() if k not in RESUMABLE_CHANGES}
     now = {k: v for k, v in run.cfg.model_dump(mode="json").items() if k not in RESUMABLE_CHANGES}
     changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))

@@ -1,18 +1,27 @@
 """The model family's specifics behind one seam: how captions become the UNet's conditioning, and what the UNet is
 trained to predict.
 
-The loop and the validation measure never branch on the family; they call `Sd1Family` (Stable Diffusion 1.x and
-2.x: one CLIP text encoder whose last hidden state conditions the UNet; epsilon or v-prediction on the DDPM noise
-schedule) through a `Denoiser`. A later family (SDXL: two text encoders, pooled embeddings and `add_time_ids`)
-provides the same few methods.
+The loop and the validation measure never branch on the family; they call a `Family` through a `Denoiser`. A family
+is one class, registered in families.py (FAMILIES) by the name `models.loading.detect_family` reads from the base
+model:
+- `Sd1Family` (here): Stable Diffusion 1.x and 2.x: one CLIP text encoder whose last hidden state conditions the
+  UNet; epsilon or v-prediction on the DDPM noise schedule;
+- `SdxlFamily` (family_sdxl.py): two text encoders, pooled embedding and `add_time_ids`.
+A third family (SD3, Flux: flow matching) is one more module providing the same methods (docs/model-families.md).
+
+The conditioning is one tensor per item whose layout only its family reads: the loop indexes it by item, asks the
+family to add the images' own conditioning (`with_images`: SDXL's sizes) and to drop captions from it (caption
+dropout), and moves it to the device; the text cache stores what `encode_prompt` returns. Two forms: encoded (the
+frozen encoders' output, cached once) and as token ids (when a text encoder trains, so prompts are encoded every
+pass); `conditioning` of the Denoiser turns the second into the first.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Optional, Protocol
 
 import torch
 
@@ -22,7 +31,51 @@ from rangefinder.training.caching import tokenize
 if TYPE_CHECKING:
     from rangefinder.models.loading import SDComponents
 
+
+@dataclass(frozen=True)
+class ImageGeometry:
+    """Where an item's training pixels came from: its original size, the crop's top-left corner in the resized
+    image, and the size trained at (SDXL's size conditioning, Podell et al. 2023, arXiv:2307.01952, sec. 2.2)."""
+
+    original_hw: tuple[int, int]
+    crop_top_left: tuple[int, int]
+    target_hw: tuple[int, int]
+
+
+class Family(Protocol):
+    """What the engine asks of a model family. See Sd1Family for the contract of each method."""
+
+    name: ClassVar[str]
+    prediction_type: str
+
+    @property
+    def num_timesteps(self) -> int: ...
+    def text_encoder_names(self) -> tuple[str, ...]: ...
+    def min_resolution(self, native: int) -> int: ...
+    def tokenize(self, captions: Sequence[str]) -> torch.Tensor: ...
+    def encode_prompt(self, text_encoders: Sequence[torch.nn.Module], input_ids: torch.Tensor) -> torch.Tensor: ...
+    def with_images(self, cond: torch.Tensor, geometry: Sequence[ImageGeometry]) -> torch.Tensor: ...
+    def drop_captions(self, cond: torch.Tensor, empty: torch.Tensor, drop: torch.Tensor) -> torch.Tensor: ...
+    def conditioning(self, text_encoders: Optional[Sequence[torch.nn.Module]], cond: torch.Tensor) -> torch.Tensor: ...
+    def predict(self, unet: torch.nn.Module, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor,
+                cond: torch.Tensor) -> torch.Tensor: ...
+    def target(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor: ...
+    def loss_weights(self, timesteps: torch.Tensor, min_snr_gamma: Optional[float]) -> torch.Tensor: ...
+
+
 PREDICTION_TYPES = ("epsilon", "v_prediction")
+
+
+def _checked_prediction_type(sd: SDComponents, prediction_type: Optional[str]) -> str:
+    """`prediction_type` overrides the model scheduler's (None keeps the model's)."""
+    if prediction_type is not None:
+        sd.noise_scheduler.register_to_config(prediction_type=prediction_type)
+    predicts = str(sd.noise_scheduler.config.prediction_type)
+    if predicts not in PREDICTION_TYPES:
+        raise ConfigError(
+            f"training.prediction_type: the base model predicts {predicts!r}; set epsilon or v_prediction"
+        )
+    return predicts
 
 
 @dataclass
@@ -32,22 +85,25 @@ class Sd1Family:
     tokenizer: Any  # transformers CLIPTokenizer
     noise_scheduler: Any  # diffusers DDPMScheduler (training)
     prediction_type: str  # "epsilon" | "v_prediction"
+    name: ClassVar[str] = "sd1"
 
     @classmethod
     def for_model(cls, sd: SDComponents, prediction_type: Optional[str]) -> Sd1Family:
         """The family of a loaded model; `prediction_type` overrides its scheduler's (None keeps the model's)."""
-        if prediction_type is not None:
-            sd.noise_scheduler.register_to_config(prediction_type=prediction_type)
-        predicts = sd.noise_scheduler.config.prediction_type
-        if predicts not in PREDICTION_TYPES:
-            raise ConfigError(
-                f"training.prediction_type: the base model predicts {predicts!r}; set epsilon or v_prediction"
-            )
-        return cls(sd.tokenizer, sd.noise_scheduler, predicts)
+        return cls(sd.tokenizer, sd.noise_scheduler, _checked_prediction_type(sd, prediction_type))
 
     @property
     def num_timesteps(self) -> int:
         return int(self.noise_scheduler.config.num_train_timesteps)
+
+    def text_encoder_names(self) -> tuple[str, ...]:
+        """The SDComponents parts that encode prompts, in order."""
+        return ("text_encoder",)
+
+    def min_resolution(self, native: int) -> int:
+        """The smallest training resolution (pixels) the family supports for a model of `native` resolution: SD
+        1.x/2.x train at any size their VAE and UNet divide (data.resolution's own checks)."""
+        return 8
 
     # --- conditioning -------------------------------------------------------------------------------------------
 
@@ -55,17 +111,30 @@ class Sd1Family:
         """(N, 77) token ids."""
         return tokenize(self.tokenizer, captions)
 
-    def encode_prompt(self, text_encoder: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-        """(B, 77) token ids -> (B, 77, D) hidden states the UNet is conditioned on (SD 1.x: the last hidden state)."""
-        return text_encoder(input_ids, return_dict=False)[0]
+    def encode_prompt(self, text_encoders: Sequence[torch.nn.Module], input_ids: torch.Tensor) -> torch.Tensor:
+        """(B, 77) token ids -> (B, 77, D) hidden states the UNet is conditioned on (SD 1.x: the last hidden state);
+        what the text cache stores."""
+        return text_encoders[0](input_ids, return_dict=False)[0]
+
+    def with_images(self, cond: torch.Tensor, geometry: Sequence[ImageGeometry]) -> torch.Tensor:
+        """The per-item conditioning from the per-caption one and the items' geometry (SD 1.x: none)."""
+        return cond
+
+    def drop_captions(self, cond: torch.Tensor, empty: torch.Tensor, drop: torch.Tensor) -> torch.Tensor:
+        """`cond` with the items where `drop` (B,) is set conditioned on the empty caption `empty` (1, ...)."""
+        return torch.where(drop.view(-1, *([1] * (cond.dim() - 1))), empty.expand_as(cond), cond)
+
+    def conditioning(self, text_encoders: Optional[Sequence[torch.nn.Module]], cond: torch.Tensor) -> torch.Tensor:
+        """Encoded conditioning: `cond` as is, or token ids encoded through `text_encoders` when given."""
+        return cond if text_encoders is None else self.encode_prompt(text_encoders, cond)
 
     # --- the objective ------------------------------------------------------------------------------------------
 
     def predict(self, unet: torch.nn.Module, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor,
-                hidden: torch.Tensor) -> torch.Tensor:
+                cond: torch.Tensor) -> torch.Tensor:
         """The UNet's (B, 4, h, w) output for the latents noised to `timesteps` (the forward process q(x_t | x_0))."""
         noisy = self.noise_scheduler.add_noise(latents, noise, timesteps)
-        return unet(noisy, timesteps, hidden.to(noisy.dtype), return_dict=False)[0]
+        return unet(noisy, timesteps, cond.to(noisy.dtype), return_dict=False)[0]
 
     def target(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
         """What the UNet should output: the noise (epsilon), or v = alpha_t * noise - sigma_t * x_0 (Salimans & Ho
@@ -90,19 +159,17 @@ class Sd1Family:
 class Denoiser:
     """One forward pass of the training objective, shared by the training step and the validation measure."""
 
-    family: Sd1Family
+    family: Family
     unet: torch.nn.Module  # as trained (DDP-wrapped when multi-process) or unwrapped (validation)
-    # Set when the conditioning holds token ids (the text encoder trains, so prompts are encoded every pass); None
-    # when it holds the cached hidden states.
-    text_encoder: Optional[torch.nn.Module] = None
-    autocast: Callable[[], AbstractContextManager[Any]] = nullcontext  # accelerator.autocast under mixed precision
+    # Set when the conditioning holds token ids (a text encoder trains, so prompts are encoded every pass): the
+    # family's text encoders, in order; None when it holds the cached encoded conditioning.
+    text_encoders: Optional[Sequence[torch.nn.Module]] = None
+    autocast: Callable[[], AbstractContextManager[Any]] = field(default=nullcontext)  # accelerator.autocast
 
     def __call__(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor,
                  conditioning: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(prediction, target), both (B, 4, h, w), for (B, 4, h, w) latents and noise and (B,) timesteps."""
         with self.autocast():
-            hidden = conditioning
-            if self.text_encoder is not None:
-                hidden = self.family.encode_prompt(self.text_encoder, conditioning)
-            pred = self.family.predict(self.unet, latents, noise, timesteps, hidden)
+            cond = self.family.conditioning(self.text_encoders, conditioning)
+            pred = self.family.predict(self.unet, latents, noise, timesteps, cond)
         return pred, self.family.target(latents, noise, timesteps)

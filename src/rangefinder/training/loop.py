@@ -237,10 +237,11 @@ def _micro_batch_loss(run: Run, gen: torch.Generator, j: int, images_in_update: 
     # (B, 77, D) hidden states (read from the text cache, or tag-shuffled with orders drawn from `gen` and encoded),
     # or (B, 77) ids when the text encoder trains.
     cond = run.data.train_text.cond(idx, gen) if run.data.train_text is not None else run.data.train_cond[idx]
+    # The images' own conditioning (SDXL: original size, crop, target size), after the captions'.
+    cond = run.family.with_images(cond, [run.data.train_geometry[i] for i in idx])
     if drop is not None:
         # Caption dropout: train the unconditional branch classifier-free guidance needs (Ho & Salimans 2022).
-        empty = run.data.empty_cond.expand_as(cond)
-        cond = torch.where(drop.view(-1, *([1] * (cond.dim() - 1))), empty, cond)
+        cond = run.family.drop_captions(cond, run.data.empty_cond, drop)
     pred, target = run.denoiser(latents, noise, timesteps, cond.to(device))
     per_image = F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))  # (B,)
     weighted = per_image * run.family.loss_weights(timesteps, cfg.min_snr_gamma)
@@ -337,6 +338,7 @@ def _finish(run: Run, state: RunState, *, save_final: bool, seconds: float, cpu_
             "train_on": settings.train_on,
             "resolution": run.data.data_cfg.resolution,
             "buckets": _bucket_summary(run, state),
+            "family": run.family.name,  # detected from the base model (models/loading.py: detect_family)
             "prediction_type": run.family.prediction_type,
             "compile": "on" if settings.compile else "off",  # training.compile resolved
             "seconds": seconds,  # the loop's wall time (loading and encoding excluded)

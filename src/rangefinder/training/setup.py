@@ -41,7 +41,8 @@ from rangefinder.training.caching import (
 from rangefinder.training.captions import ShuffledCaptions
 from rangefinder.training.checkpointing import check_out_dir_free
 from rangefinder.training.data import EncodedOnTheFly, LatentSource, Stream, make_stream
-from rangefinder.training.family import Denoiser, Sd1Family
+from rangefinder.training.families import family_for
+from rangefinder.training.family import Denoiser, Family, ImageGeometry
 from rangefinder.training.methods import make_method
 from rangefinder.training.schedules import LRSchedule, make_schedule
 from rangefinder.training.validation import ValidationSet
@@ -236,7 +237,7 @@ def start_accelerator(cfg: TrainingConfig) -> Accelerator:
 # Model
 
 
-def load_model(settings: RunSettings, accelerator: Accelerator) -> tuple[SDComponents, Sd1Family]:
+def load_model(settings: RunSettings, accelerator: Accelerator) -> tuple[SDComponents, Family]:
     """The base model with the method's trainable parts set up, frozen parts on the device; and its family."""
     from accelerate.utils import set_seed
 
@@ -250,11 +251,11 @@ def load_model(settings: RunSettings, accelerator: Accelerator) -> tuple[SDCompo
     _to(sd.vae, device, torch.float32)  # encodes once: fp32 avoids the SD VAE's fp16 overflow
     method.setup(sd, weight_dtype)
     sd.unet.eval()  # frozen modules stay in eval mode; the loop switches the trainable ones
-    sd.text_encoder.eval()
-    for m in (sd.unet, sd.text_encoder):
+    for m in (sd.unet, *sd.text_encoders().values()):
+        m.eval()
         if not any(m is t for t in method.trainable_modules().values()):
             _to(m, device)
-    family = Sd1Family.for_model(sd, cfg.prediction_type)
+    family = family_for(sd, cfg.prediction_type)
     if cfg.gradient_checkpointing:
         for m in method.trainable_modules().values():
             enable = (getattr(m, "enable_gradient_checkpointing", None)  # diffusers' name
@@ -282,7 +283,7 @@ def compile_forward_modules(sd: SDComponents, method: Method) -> None:
     height and width marked dynamic (its automatic dynamic shapes), so one more compile, not one per bucket;
     `max_aspect` keeps the number of shapes small.
     """
-    modules = [sd.unet] + ([sd.text_encoder] if method.text_encoder_changes else [])
+    modules = [sd.unet] + (list(sd.text_encoders().values()) if method.text_encoder_changes else [])
     for m in modules:
         if getattr(m, "_repeated_blocks", None) and hasattr(m, "compile_repeated_blocks"):
             m.compile_repeated_blocks()
@@ -340,9 +341,12 @@ class EncodedData:
     # from the text cache (a frozen encoder: memory does not grow with the set), or with training.shuffle_tags
     # shuffled and encoded afresh (training/captions.py says why those are not cached).
     train_text: Optional[Union[ShuffledCaptions, CachedTextFiles]] = None
+    # Each training item's original size, crop and target size, which the family adds to its conditioning per
+    # micro-batch (family.with_images; SDXL's add_time_ids). Validation sets have theirs in their conditioning.
+    train_geometry: list[ImageGeometry] = field(default_factory=list)
 
 
-def encode_data(settings: RunSettings, sd: SDComponents, family: Sd1Family, accelerator: Accelerator,
+def encode_data(settings: RunSettings, sd: SDComponents, family: Family, accelerator: Accelerator,
                 data: DataConfig) -> EncodedData:
     """Latents (at `data`'s resolution and crop, or each image's aspect-ratio bucket) and text conditioning of the
     training and validation items, from the content-keyed cache where they were encoded before."""
@@ -367,6 +371,7 @@ def encode_data(settings: RunSettings, sd: SDComponents, family: Sd1Family, acce
         return bucket_array(img, bucket_of_path[path], data.center_crop)
 
     cfg, device = settings.cfg, accelerator.device
+    check_resolution(family, sd, data)
     encoder = VaeEncoder(sd.vae, device, cfg.latent_sampling, cfg.seed)
     root = cache_root(cfg.cache_dir)
     stats = CacheStats()
@@ -379,7 +384,7 @@ def encode_data(settings: RunSettings, sd: SDComponents, family: Sd1Family, acce
         train_latents, val_latents = _encode_latents(settings, cache_for)
         if cfg.cache_latents:  # the VAE is not needed again; give its memory back
             _to(sd.vae, torch.device("cpu"))
-        text = _encode_text(settings, sd, family, device, root)
+        text = _encode_text(settings, sd, family, device, root, data)
     # One validation set per subset and bucket (the same shape throughout, so its passes batch); sets of one
     # subset are measured together and reported per bucket (validation.validate).
     val_sets = []
@@ -393,7 +398,38 @@ def encode_data(settings: RunSettings, sd: SDComponents, family: Sd1Family, acce
                                           text.val_cond[name][index] if len(rows) < len(items) else text.val_cond[name],
                                           bucket=None if bucket is None else bucket_name(bucket)))
     return EncodedData(data, train_latents, text.train_cond, text.empty_cond, val_sets, stats, text.stats,
-                       text.train_text)
+                       text.train_text, text.train_geometry)
+
+
+def check_resolution(family: Family, sd: SDComponents, data: DataConfig) -> None:
+    """A training resolution below what the model family supports is a ConfigError naming the floor."""
+    native = native_data_config(sd).resolution
+    floor = family.min_resolution(native)
+    if data.resolution < floor:
+        raise ConfigError(
+            f"data.resolution: {data.resolution} px is below what the {family.name} family supports for this base "
+            f"model (native {native} px, at least {floor} px); set data.resolution to {floor} or more"
+        )
+
+
+def image_geometry(path: Path, data: DataConfig, placement: Optional[Placement] = None) -> ImageGeometry:
+    """An item's original size, crop and target size (SDXL's size conditioning, as diffusers'
+    train_text_to_image_sdxl.py computes them): from its aspect-ratio bucket placement when bucketed (the split's
+    record: size, bucket, crop), else the file's size, the centre crop's top-left corner in the image resized to
+    cover the square (0, 0 when the image is squashed, not cropped) and the square training resolution."""
+    if placement is not None:
+        (w, h), (bw, bh), (left, top) = placement.size, placement.bucket, placement.crop
+        return ImageGeometry(original_hw=(h, w), crop_top_left=(top, left), target_hw=(bh, bw))
+    from PIL import Image
+
+    with Image.open(path) as img:
+        width, height = img.size
+    res = data.resolution
+    top = left = 0
+    if data.center_crop:
+        scale = res / min(width, height)
+        top, left = max(0, round((height * scale - res) / 2)), max(0, round((width * scale - res) / 2))
+    return ImageGeometry(original_hw=(height, width), crop_top_left=(top, left), target_hw=(res, res))
 
 
 def check_bucket_sides(sd: SDComponents, buckets: set[Size], data: DataConfig) -> None:
@@ -466,30 +502,41 @@ class _EncodedText:
     val_cond: dict[str, torch.Tensor]
     stats: CacheStats
     train_text: Optional[Union[ShuffledCaptions, CachedTextFiles]] = None
+    train_geometry: list[ImageGeometry] = field(default_factory=list)
 
 
-def _encode_text(settings: RunSettings, sd: SDComponents, family: Sd1Family, device: torch.device,
-                 root: Path) -> _EncodedText:
+def _encode_text(settings: RunSettings, sd: SDComponents, family: Family, device: torch.device,
+                 root: Path, data: DataConfig) -> _EncodedText:
     method, stats, cfg = settings.method, CacheStats(), settings.cfg
     captions = [method.transform_caption(it.text) for it in settings.train_items]
     empty_ids = family.tokenize([""])
     # Tag shuffle: no fixed training conditioning to compute; the captions are shuffled and encoded per micro-batch.
     train_ids = (family.tokenize(captions) if not cfg.shuffle_tags
-                 else torch.empty(0, empty_ids.shape[1], dtype=torch.long))
+                 else torch.empty(0, *empty_ids.shape[1:], dtype=torch.long))
     val_ids = {name: family.tokenize([method.transform_caption(it.text) for it in items])
                for name, items in settings.val_items.items() if items}
-    train_text: Optional[Union[ShuffledCaptions, CachedTextFiles]] = None
-    if cfg.shuffle_tags:
-        frozen = None if method.text_encoder_changes else (lambda ids: family.encode_prompt(sd.text_encoder, ids))
-        train_text = ShuffledCaptions(captions, cfg.keep_tokens, family.tokenize, frozen, device)
-    if method.text_encoder_changes:
-        # (N, 77) ids: prompts are encoded every micro-batch through the training text encoder.
-        return _EncodedText(train_ids, empty_ids, val_ids, stats, train_text)
-    # (N, 77, D) hidden states, computed once with the frozen encoder.
-    folder = text_cache_dir(root, sd.text_encoder)
+    # Each item's size conditioning (SDXL; none for SD 1.x): the training items' is added per micro-batch by the
+    # loop (family.with_images), the validation sets' once here.
+    placements = settings.placements or {}
+    sets = {"train": settings.train_items, **settings.val_items}
+    geometry = {name: [image_geometry(settings.split.path_of(it), data, placements.get(it.id)) for it in items]
+                for name, items in sets.items() if items}
+    encoders = [getattr(sd, n) for n in family.text_encoder_names()]
 
     def frozen_encode(ids: torch.Tensor) -> torch.Tensor:
-        return family.encode_prompt(sd.text_encoder, ids)
+        return family.encode_prompt(encoders, ids)
+
+    train_text: Optional[Union[ShuffledCaptions, CachedTextFiles]] = None
+    if cfg.shuffle_tags:
+        frozen = None if method.text_encoder_changes else frozen_encode
+        train_text = ShuffledCaptions(captions, cfg.keep_tokens, family.tokenize, frozen, device)
+    if method.text_encoder_changes:
+        # (N, 77) ids (per family: family.py): prompts are encoded every micro-batch through the training encoders.
+        return _EncodedText(train_ids, empty_ids, {name: family.with_images(ids, geometry[name])
+                                                   for name, ids in val_ids.items()}, stats, train_text,
+                            geometry["train"])
+    # (N, 77, D) hidden states (per family), computed once with the frozen encoders.
+    folder = text_cache_dir(root, *encoders)
 
     def embed(ids: torch.Tensor) -> torch.Tensor:
         return cached_text_embeddings(ids, frozen_encode, folder, device, stats=stats)
@@ -500,8 +547,8 @@ def _encode_text(settings: RunSettings, sd: SDComponents, family: Sd1Family, dev
         files = ensure_text_embeddings(train_ids, frozen_encode, folder, device, stats=stats)
         train_text = CachedTextFiles(files)
     train_cond = empty_cond[:0]
-    return _EncodedText(train_cond, empty_cond, {name: embed(ids) for name, ids in val_ids.items()}, stats,
-                        train_text)
+    val_cond = {name: family.with_images(embed(ids), geometry[name]) for name, ids in val_ids.items()}
+    return _EncodedText(train_cond, empty_cond, val_cond, stats, train_text, geometry["train"])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -516,7 +563,7 @@ class Run:
     settings: RunSettings
     accelerator: Accelerator
     sd: SDComponents
-    family: Sd1Family
+    family: Family
     data: EncodedData
     stream: Stream  # which images go into each micro-batch (one bucket each, when bucketed)
     optimizer: Any  # torch AdamW (or bitsandbytes AdamW8bit), as accelerate prepared it
@@ -570,7 +617,7 @@ class Run:
             self.ema.restore(self.trainable)
 
 
-def prepare_run(settings: RunSettings, accelerator: Accelerator, sd: SDComponents, family: Sd1Family,
+def prepare_run(settings: RunSettings, accelerator: Accelerator, sd: SDComponents, family: Family,
                 data: EncodedData) -> Run:
     """The optimizer (at the schedule's first LR) and EMA; the trainable modules and the optimizer handed to
     accelerate."""
@@ -589,13 +636,14 @@ def prepare_run(settings: RunSettings, accelerator: Accelerator, sd: SDComponent
     prepared = {name: accelerator.prepare(m) for name, m in modules.items()}  # DDP-wrapped when multi-process
     optimizer = accelerator.prepare(optimizer)
     unet = prepared.get("unet", sd.unet)
-    text_encoder = prepared.get("text_encoder", sd.text_encoder) if method.text_encoder_changes else None
+    text_encoders = ([prepared.get(n, getattr(sd, n)) for n in family.text_encoder_names()]
+                     if method.text_encoder_changes else None)
     unwrap = accelerator.unwrap_model
     return Run(
         settings, accelerator, sd, family, data, stream, optimizer, ema, trainable, modules, prepared,
-        denoiser=Denoiser(family, unet, text_encoder, accelerator.autocast),
-        eval_denoiser=Denoiser(family, unwrap(unet), None if text_encoder is None else unwrap(text_encoder),
-                               accelerator.autocast),
+        denoiser=Denoiser(family, unet, text_encoders, accelerator.autocast),
+        eval_denoiser=Denoiser(family, unwrap(unet), None if text_encoders is None else
+                               [unwrap(t) for t in text_encoders], accelerator.autocast),
     )
 
 

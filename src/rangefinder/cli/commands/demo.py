@@ -27,25 +27,30 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="rangefinder-demo", help="output folder (default ./rangefinder-demo)")
     p.add_argument("--retrain", action="store_true", help="also retrain on all data for the recommended epochs")
     p.add_argument("--lr", type=float, help="a fixed learning rate: skips the LR range test")
+    p.add_argument("--family", choices=("sd1", "sdxl"), default="sd1",
+                   help="which embedded tiny model to run on: Stable Diffusion 1.x (default) or SDXL; the engine "
+                   "reads the family from the model, as for any base model")
     p.add_argument("--verbose", action="store_true", help="stream every step's log here instead of to OUT/pipeline.log")
     add_json_flag(p)
     p.set_defaults(func=run)
 
 
-def demo_model_cache(out: Path) -> Path:
+def demo_model_cache(out: Path, family: str = "sd1") -> Path:
     """Where the tiny model is read or built: $RANGEFINDER_CACHE, else the user cache when it already holds the
     model (reading it writes nothing), else a cache inside --out (everything the demo writes stays there)."""
-    from rangefinder.models.tiny import TinyModelSettings, default_cache_dir, settings_key
+    from rangefinder.models import tiny, tiny_sdxl
 
     if os.environ.get("RANGEFINDER_CACHE"):
         return Path(os.environ["RANGEFINDER_CACHE"]).expanduser()
-    shared = default_cache_dir()
-    if (shared / f"tiny-sd-{settings_key(TinyModelSettings())}" / "model_index.json").is_file():
+    shared = tiny.default_cache_dir()
+    name = (f"tiny-sdxl-{tiny_sdxl.settings_key(tiny_sdxl.TinySdxlSettings())}" if family == "sdxl"
+            else f"tiny-sd-{tiny.settings_key(tiny.TinyModelSettings())}")
+    if (shared / name / "model_index.json").is_file():
         return shared
     return out / "cache"
 
 
-def prepare_demo(out: Path, retrain: bool = False, lr: float | None = None):
+def prepare_demo(out: Path, retrain: bool = False, lr: float | None = None, family: str = "sd1"):
     """The demo's config, with its dataset and base model made under `out` (or reused)."""
     from rangefinder.config import demo_config
     from rangefinder.data.synthetic import make_synthetic_dataset
@@ -61,7 +66,12 @@ def prepare_demo(out: Path, retrain: bool = False, lr: float | None = None):
     # Validated before anything is made: a bad --lr costs one line, not a dataset and a model build.
     cfg = demo_config(**overrides)
     make_synthetic_dataset(dataset, kind="shapes", count=DEMO_IMAGES, seed=0, resolution=32)
-    cfg.model.base_model = str(ensure_tiny_base_model(cache_dir=demo_model_cache(out)))
+    if family == "sdxl":
+        from rangefinder.models.tiny_sdxl import ensure_tiny_sdxl_model
+
+        cfg.model.base_model = str(ensure_tiny_sdxl_model(cache_dir=demo_model_cache(out, family)))
+    else:
+        cfg.model.base_model = str(ensure_tiny_base_model(cache_dir=demo_model_cache(out)))
     return cfg
 
 
@@ -71,6 +81,6 @@ def run(args: argparse.Namespace) -> dict:
 
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    cfg = prepare_demo(out, retrain=args.retrain, lr=args.lr)
+    cfg = prepare_demo(out, retrain=args.retrain, lr=args.lr, family=getattr(args, "family", "sd1"))
     compile_pipeline(cfg, str(out / "pipeline.yaml"))
     return run_pipeline_locally(cfg, out, quiet=not args.verbose).summary()

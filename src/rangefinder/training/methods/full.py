@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,13 +22,14 @@ class FullFineTune(ModuleMethod):
         self._modules: dict[str, torch.nn.Module] = {"unet": sd.unet}
         sd.unet.requires_grad_(True)
         _cast(sd.unet, torch.float32)
-        if self.cfg.train_text_encoder:
-            sd.text_encoder.requires_grad_(True)
-            _cast(sd.text_encoder, torch.float32)
-            self._modules["text_encoder"] = sd.text_encoder
-        else:
-            sd.text_encoder.requires_grad_(False)
-            _cast(sd.text_encoder, weight_dtype)
+        for name, te in sd.text_encoders().items():  # SDXL: both encoders
+            if self.cfg.train_text_encoder:
+                te.requires_grad_(True)
+                _cast(te, torch.float32)
+                self._modules[name] = te
+            else:
+                te.requires_grad_(False)
+                _cast(te, weight_dtype)
 
     @property
     def text_encoder_changes(self) -> bool:
@@ -52,29 +53,46 @@ class FullFineTune(ModuleMethod):
         # The same weights as one file in the original SD layout, for A1111 and ComfyUI
         # (src/rangefinder/formats/export.py).
         meta = training_metadata(self.cfg, getattr(sd, "source", None), updates=self.updates_taken)
+        meta = {**meta, "rangefinder.family": sd.family}
         export_full(out_dir, out_dir / SINGLE_FILE_NAME, meta)
 
 
 def save_pipeline(sd: SDComponents, out_dir: Path) -> None:
     """A StableDiffusionPipeline folder (diffusers layout) that `from_pretrained` loads, in fp32 safetensors, under
     transformers 4.x and 5.x alike (see `formats.export.save_pipeline_folder`)."""
-    from diffusers import StableDiffusionPipeline
+    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
 
     from rangefinder.formats.export import save_pipeline_folder
 
-    pipe = StableDiffusionPipeline(
-        vae=sd.vae,
-        text_encoder=sd.text_encoder,
-        tokenizer=sd.tokenizer,
-        unet=sd.unet,
-        # A copy: the pipeline's constructor rewrites outdated scheduler configs in place.
-        scheduler=type(sd.noise_scheduler).from_config(sd.noise_scheduler.config),
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
-    )
+    # A copy: the pipeline's constructor rewrites outdated scheduler configs in place.
+    scheduler = type(sd.noise_scheduler).from_config(sd.noise_scheduler.config)
+    if sd.family == "sdxl":
+        if sd.model_dir is not None and (sd.model_dir / "scheduler").is_dir():
+            # The base model's own sampling scheduler (SDXL ships Euler), not the training DDPM.
+            import json
+
+            import diffusers
+
+            config = json.loads((sd.model_dir / "scheduler" / "scheduler_config.json").read_text())
+            cls = getattr(diffusers, config.get("_class_name", ""), type(sd.noise_scheduler))
+            scheduler = cls.from_config({**config, "prediction_type": sd.noise_scheduler.config.prediction_type})
+        pipe: Any = StableDiffusionXLPipeline(
+            vae=sd.vae, text_encoder=sd.text_encoder, text_encoder_2=sd.text_encoder_2, tokenizer=sd.tokenizer,
+            tokenizer_2=sd.tokenizer_2, unet=sd.unet, scheduler=scheduler,
+        )
+    else:
+        pipe = StableDiffusionPipeline(
+            vae=sd.vae,
+            text_encoder=sd.text_encoder,
+            tokenizer=sd.tokenizer,
+            unet=sd.unet,
+            scheduler=scheduler,
+            safety_checker=None,
+            feature_extractor=None,
+            requires_safety_checker=False,
+        )
     # Frozen parts may have been cast to half for training; the saved model is fp32 like its base.
-    dtypes = {n: m.dtype for n, m in (("vae", sd.vae), ("text_encoder", sd.text_encoder), ("unet", sd.unet))}
+    dtypes = {n: m.dtype for n, m in (("vae", sd.vae), *sd.text_encoders().items(), ("unet", sd.unet))}
     try:
         for n in dtypes:
             _cast(getattr(sd, n), torch.float32)

@@ -34,9 +34,10 @@ class LoraMethod(ModuleMethod):
 
         s = self.cfg.lora
         sd.unet.requires_grad_(False)
-        sd.text_encoder.requires_grad_(False)
         sd.unet.to(weight_dtype)
-        sd.text_encoder.to(weight_dtype)
+        for te in sd.text_encoders().values():
+            te.requires_grad_(False)
+            te.to(weight_dtype)
         # Gaussian init of A and zero B (peft's "gaussian", as diffusers' LoRA examples): the adapter starts as a no-op,
         # so update 0 validates the base model itself.
         # peft annotates lora_alpha as int but only uses lora_alpha / r, so a fractional alpha is fine.
@@ -47,11 +48,12 @@ class LoraMethod(ModuleMethod):
         )
         self._modules: dict[str, torch.nn.Module] = {"unet": sd.unet}
         if self._lora_text_encoder:
-            sd.text_encoder.add_adapter(
-                LoraConfig(r=s.rank, lora_alpha=alpha, lora_dropout=s.dropout, init_lora_weights="gaussian",
-                           target_modules=TEXT_ENCODER_TARGET_MODULES)
-            )
-            self._modules["text_encoder"] = sd.text_encoder
+            for name, te in sd.text_encoders().items():  # SDXL: both encoders
+                te.add_adapter(
+                    LoraConfig(r=s.rank, lora_alpha=alpha, lora_dropout=s.dropout, init_lora_weights="gaussian",
+                               target_modules=TEXT_ENCODER_TARGET_MODULES)
+                )
+                self._modules[name] = te
         for m in self._modules.values():
             for p in m.parameters():
                 if p.requires_grad:  # the adapters: fp32 master weights under mixed precision
@@ -100,4 +102,6 @@ class LoraMethod(ModuleMethod):
             updates=self.updates_taken,
         )
         te = sd.text_encoder if "text_encoder" in self._modules else None
-        save_lora_files(out_dir, unet=sd.unet, text_encoder=te, metadata=meta)
+        te_2 = sd.text_encoder_2 if "text_encoder_2" in self._modules else None
+        save_lora_files(out_dir, unet=sd.unet, text_encoder=te, metadata={**meta, "rangefinder.family": sd.family},
+                        text_encoder_2=te_2, sdxl=sd.family == "sdxl")

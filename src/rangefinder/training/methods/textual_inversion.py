@@ -18,6 +18,7 @@ trigger word A1111 will know them by (the token, less characters file names cann
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +52,16 @@ STYLE_TEMPLATES = (
 )
 
 
+@dataclass
+class _Rows:
+    """One text encoder's learned rows: the encoder, the new tokens' ids, the rows to put back after each update."""
+
+    te: Any
+    token_ids: list[int]
+    frozen: torch.Tensor  # (vocab, dim) the embedding matrix as set up
+    keep: torch.Tensor  # (vocab,) bool: rows that must not change
+
+
 def placeholder_tokens(token: str, num_vectors: int) -> list[str]:
     return [token] + [f"{token}_{i}" for i in range(1, num_vectors)]
 
@@ -60,8 +71,20 @@ class TextualInversion(Method):
 
     def setup(self, sd: SDComponents, weight_dtype: torch.dtype) -> None:
         s = self.cfg.textual_inversion
-        tok, te = sd.tokenizer, sd.text_encoder
         self.tokens = placeholder_tokens(s.placeholder_token, s.num_vectors)
+        sd.unet.requires_grad_(False)
+        sd.unet.to(weight_dtype)
+        # One embedding per text encoder (SDXL: both, each with its own tokenizer), all starting at the
+        # initializer word's row of that encoder.
+        tokenizers = {"text_encoder": sd.tokenizer, "text_encoder_2": sd.tokenizer_2}
+        self._encoders: dict[str, _Rows] = {}
+        for name, te in sd.text_encoders().items():
+            self._encoders[name] = self._add_tokens(tokenizers[name], te, s.initializer_token)
+        self._te = sd.text_encoder
+        self.token_ids = self._encoders["text_encoder"].token_ids
+        self._template_i = 0
+
+    def _add_tokens(self, tok: Any, te: Any, initializer: str) -> _Rows:
         # A word the tokenizer already has as one token would be shadowed in every prompt, not learned afresh.
         clash = [t for t in self.tokens if t in tok.get_vocab() or len(tok.encode(t, add_special_tokens=False)) == 1]
         if clash:
@@ -69,31 +92,27 @@ class TextualInversion(Method):
                 f"training.textual_inversion.placeholder_token: {clash[0]!r} is already in the tokenizer's "
                 "vocabulary; choose a new word, e.g. '<my-concept>'"
             )
-        init_ids = tok.encode(s.initializer_token, add_special_tokens=False)
+        init_ids = tok.encode(initializer, add_special_tokens=False)
         if len(init_ids) != 1:
             raise ConfigError(
-                f"training.textual_inversion.initializer_token: {s.initializer_token!r} is {len(init_ids)} tokens "
+                f"training.textual_inversion.initializer_token: {initializer!r} is {len(init_ids)} tokens "
                 "for this tokenizer; pick a word that is a single token (e.g. 'object', 'style')"
             )
         tok.add_tokens(self.tokens)
-        self.token_ids = tok.convert_tokens_to_ids(self.tokens)
+        token_ids = tok.convert_tokens_to_ids(self.tokens)
         if len(tok) > te.get_input_embeddings().weight.shape[0]:  # never shrink: a model may have spare rows
             # mean_resizing=False: the new rows are set just below; drawing them at random would spend global RNG.
             te.resize_token_embeddings(len(tok), mean_resizing=False)
-        sd.unet.requires_grad_(False)
-        sd.unet.to(weight_dtype)
         te.requires_grad_(False)
         te.to(torch.float32)  # the trained rows live in it; the rest of CLIP is small
         emb = te.get_input_embeddings()
         with torch.no_grad():
-            for i in self.token_ids:
+            for i in token_ids:
                 emb.weight[i] = emb.weight[init_ids[0]]
         emb.weight.requires_grad_(True)
-        self._te = te
-        self._frozen_rows = emb.weight.detach().clone()  # (vocab, dim): restored after each update
-        self._keep = torch.ones(emb.weight.shape[0], dtype=torch.bool)
-        self._keep[self.token_ids] = False
-        self._template_i = 0
+        keep = torch.ones(emb.weight.shape[0], dtype=torch.bool)
+        keep[token_ids] = False
+        return _Rows(te, token_ids, emb.weight.detach().clone(), keep)
 
     def transform_caption(self, text: str) -> str:
         s = self.cfg.textual_inversion
@@ -114,35 +133,40 @@ class TextualInversion(Method):
         return True
 
     def trainable_modules(self) -> dict[str, torch.nn.Module]:
-        return {"text_encoder": self._te}
+        return {name: rows.te for name, rows in self._encoders.items()}
 
     def param_groups(self) -> list[dict[str, Any]]:
-        return [{"params": [self._te.get_input_embeddings().weight]}]
+        return [{"params": [rows.te.get_input_embeddings().weight for rows in self._encoders.values()]}]
 
     def after_optimizer_step(self) -> None:
         super().after_optimizer_step()
-        weight = self._te.get_input_embeddings().weight
-        with torch.no_grad():
-            keep = self._keep.to(weight.device)
-            weight[keep] = self._frozen_rows.to(weight.device, weight.dtype)[keep]
+        for rows in self._encoders.values():
+            weight = rows.te.get_input_embeddings().weight
+            with torch.no_grad():
+                keep = rows.keep.to(weight.device)
+                weight[keep] = rows.frozen.to(weight.device, weight.dtype)[keep]
 
-    def learned_embeds(self) -> torch.Tensor:
-        """(num_vectors, dim) the trained rows."""
-        return self._te.get_input_embeddings().weight[self.token_ids].detach()
+    def learned_embeds(self, encoder: str = "text_encoder") -> torch.Tensor:
+        """(num_vectors, dim) the trained rows of one encoder."""
+        rows = self._encoders[encoder]
+        return rows.te.get_input_embeddings().weight[rows.token_ids].detach()
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
-        return self._with_updates({"text_encoder.learned_embeds": self.learned_embeds().contiguous()})
+        return self._with_updates({f"{name}.learned_embeds": self.learned_embeds(name).contiguous()
+                                   for name in self._encoders})
 
     def load_trainable_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        rows = state.get("text_encoder.learned_embeds")
-        if rows is None or rows.shape[0] != len(self.token_ids):
-            raise ValueError(
-                "textual-inversion checkpoint does not hold "
-                f"{len(self.token_ids)} embedding vectors; resume with the same training.textual_inversion settings"
-            )
-        weight = self._te.get_input_embeddings().weight
-        with torch.no_grad():
-            weight[self.token_ids] = rows.to(weight.device, weight.dtype)
+        for name, enc in self._encoders.items():
+            rows = state.get(f"{name}.learned_embeds")
+            if rows is None or rows.shape[0] != len(enc.token_ids):
+                raise ValueError(
+                    "textual-inversion checkpoint does not hold "
+                    f"{len(enc.token_ids)} embedding vectors for {name}; resume with the same "
+                    "training.textual_inversion settings"
+                )
+            weight = enc.te.get_input_embeddings().weight
+            with torch.no_grad():
+                weight[enc.token_ids] = rows.to(weight.device, weight.dtype)
         self._restore_updates(state)
 
     def save_final(self, sd: SDComponents, out_dir: Path) -> None:
@@ -160,4 +184,11 @@ class TextualInversion(Method):
             },
             updates=self.updates_taken,
         )
+        if "text_encoder_2" in self._encoders:  # SDXL: clip_l and clip_g
+            from rangefinder.formats.export import save_textual_inversion_sdxl
+
+            save_textual_inversion_sdxl(out_dir, s.placeholder_token, self.learned_embeds().float().cpu(),
+                                        self.learned_embeds("text_encoder_2").float().cpu(),
+                                        metadata={**meta, "rangefinder.family": sd.family})
+            return
         save_textual_inversion(out_dir, s.placeholder_token, self.learned_embeds().float().cpu(), metadata=meta)

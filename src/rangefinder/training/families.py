@@ -1,0 +1,31 @@
+"""The model families the engine trains, by the name `models.loading.detect_family` reads from the base model.
+
+A new family is one module with a class providing family.Family's methods, and one line here.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Optional
+
+from rangefinder.errors import ConfigError
+
+if TYPE_CHECKING:
+    from rangefinder.models.loading import SDComponents
+    from rangefinder.training.family import Family
+
+# family name (models.loading.detect_family) -> "module:Class"; imported only when chosen.
+FAMILIES = {
+    "sd1": "rangefinder.training.family:Sd1Family",
+    "sdxl": "rangefinder.training.family_sdxl:SdxlFamily",
+}
+
+
+def family_for(sd: SDComponents, prediction_type: Optional[str]) -> Family:
+    """The family object of a loaded model (sd.family, as detected from the base model)."""
+    target = FAMILIES.get(sd.family)
+    if target is None:
+        raise ConfigError(f"model.base_model: rangefinder cannot train the {sd.family!r} model family")
+    module_name, cls_name = target.split(":")
+    family: Family = getattr(importlib.import_module(module_name), cls_name).for_model(sd, prediction_type)
+    return family

@@ -1,0 +1,80 @@
+"""The model family is read from the base model, and a wrong pairing is one clear error."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from rangefinder.config import ModelConfig
+from rangefinder.errors import ConfigError
+from rangefinder.models.loading import detect_family, family_of, resolve_base_model, single_file_family
+
+
+def test_family_comes_from_model_index(tiny_model_dir, tiny_sdxl_dir, tmp_path):
+    assert detect_family(tiny_model_dir) == "sd1" and detect_family(tiny_sdxl_dir) == "sdxl"
+    assert family_of(ModelConfig(base_model=str(tiny_sdxl_dir))) == "sdxl"
+    assert family_of(ModelConfig()) == "sd1"  # the embedded model
+    other = tmp_path / "flux"
+    other.mkdir()
+    (other / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
+    with pytest.raises(ConfigError, match="FluxPipeline model; rangefinder trains"):
+        detect_family(other)
+
+
+def test_tiny_sdxl_has_sdxl_structure(tiny_sdxl_dir):
+    from diffusers import UNet2DConditionModel
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
+
+    unet = UNet2DConditionModel.from_pretrained(str(tiny_sdxl_dir), subfolder="unet")
+    te1 = CLIPTextModel.from_pretrained(str(tiny_sdxl_dir), subfolder="text_encoder")
+    te2 = CLIPTextModelWithProjection.from_pretrained(str(tiny_sdxl_dir), subfolder="text_encoder_2")
+    c = unet.config
+    assert c.addition_embed_type == "text_time"
+    assert c.cross_attention_dim == te1.config.hidden_size + te2.config.hidden_size
+    assert c.projection_class_embeddings_input_dim == 6 * c.addition_time_embed_dim + te2.config.projection_dim
+    assert te1.config.hidden_size != te2.config.hidden_size  # single-file loaders tell them apart by width
+    assert sum(p.numel() for p in unet.parameters()) < 2_000_000  # really tiny: its tests cost seconds
+
+
+def test_single_file_family_from_keys_and_missing_second_encoder(tmp_path):
+    sd1 = ["model.diffusion_model.input_blocks.0.0.weight", "cond_stage_model.transformer.x"]
+    sdxl = ["model.diffusion_model.label_emb.0.0.weight", "conditioner.embedders.0.transformer.x",
+            "conditioner.embedders.1.model.positional_embedding"]
+    assert single_file_family(tmp_path, sd1) == "sd1" and single_file_family(tmp_path, sdxl) == "sdxl"
+    # Through the user's path: a single file whose second text encoder was pruned away.
+    path = tmp_path / "sdxl-unet-and-clip-l.safetensors"
+    save_file({k: torch.zeros(1) for k in sdxl[:2]}, str(path))
+    with pytest.raises(ConfigError, match="SDXL checkpoint without its second text encoder"):
+        resolve_base_model(ModelConfig(base_model=str(path), cache_dir=str(tmp_path / "cache")))
+    assert not (tmp_path / "cache" / "base-models").exists() or not any((tmp_path / "cache" / "base-models").iterdir())
+
+
+def test_sdxl_folder_lacking_second_encoder_names_it(tiny_sdxl_dir, tmp_path):
+    broken = tmp_path / "sdxl"
+    shutil.copytree(tiny_sdxl_dir, broken)
+    shutil.rmtree(broken / "text_encoder_2")
+    with pytest.raises(ConfigError, match="lacks text_encoder_2/"):
+        resolve_base_model(ModelConfig(base_model=str(broken)))
+
+
+def test_kohya_sdxl_unet_names_match_sd_scripts_for_the_real_sdxl_layout():
+    """Our diffusers -> original-layout table (formats/export.py) against kohya's, for SDXL base's own UNet
+    (3 levels of 2 layers; sd-scripts library/sdxl_model_util.py make_unet_conversion_map)."""
+    from rangefinder.formats.export import kohya_sdxl_unet_name
+    from tests.methods.kohya_sdxl import kohya_unet_path
+
+    config = {"block_out_channels": [320, 640, 1280], "layers_per_block": 2,
+              "up_block_types": ["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"]}
+    paths = [f"down_blocks.{i}.attentions.{j}.transformer_blocks.0.attn1.to_q" for i in (1, 2) for j in (0, 1)]
+    paths += [f"up_blocks.{i}.attentions.{j}.transformer_blocks.3.attn2.to_out.0" for i in (0, 1) for j in (0, 1, 2)]
+    paths += ["mid_block.attentions.0.transformer_blocks.9.attn2.to_k"]
+    for p in paths:
+        assert kohya_sdxl_unet_name(p, config) == kohya_unet_path(p, 2), p
+    # Spot checks written out by hand from sd-scripts' table (3i + j + 1 / 3i + j).
+    assert kohya_sdxl_unet_name(paths[0], config) == "input_blocks.4.1.transformer_blocks.0.attn1.to_q"
+    assert kohya_sdxl_unet_name(paths[4], config).startswith("output_blocks.0.1.")
+    assert kohya_sdxl_unet_name(paths[-1], config).startswith("middle_block.1.")
