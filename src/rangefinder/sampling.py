@@ -276,22 +276,34 @@ def compose_grid(images: list[list[Any]], row_labels: list[str], col_labels: lis
     return grid, layout
 
 
-def _grid_html(images, row_labels, col_labels, cell: int, settings: dict) -> str:
+_GRID_CSS = (
+    "body{font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px auto;padding:0 16px;"
+    "max-width:1200px;color:#1d2733;line-height:1.45}h1{font-size:1.4em}p{overflow-wrap:anywhere}"
+    ".scroll{overflow-x:auto}table{border-collapse:collapse}td,th{padding:2px 4px;vertical-align:top}"
+    "th{font-weight:600;font-size:.9em;max-width:12em}th.row{text-align:left;max-width:16em;font-weight:normal}"
+    "img{image-rendering:pixelated;display:block}.muted{color:#6b7785;font-size:.9em}"
+)
+
+
+def _grid_html(images, row_labels, col_labels, cell: int, settings: dict, extra_html: str = "") -> str:
+    """The grid as one self-contained page. A grid wider than the screen scrolls inside its box, not the page."""
     head = "".join(f"<th>{html.escape(c)}</th>" for c in col_labels)
     body = []
     for r, row in enumerate(images):
         cells = "".join(
-            f'<td><img width="{cell}" height="{cell}" src="data:image/png;base64,{_png_b64(img)}"></td>' for img in row
+            f'<td><img alt="{html.escape(row_labels[r])} | {html.escape(col_labels[c])}" width="{cell}" '
+            f'height="{cell}" src="data:image/png;base64,{_png_b64(img)}"></td>'
+            for c, img in enumerate(row)
         )
         body.append(f"<tr><th class=row>{html.escape(row_labels[r])}</th>{cells}</tr>")
     settings_txt = html.escape(", ".join(f"{k}={v}" for k, v in settings.items()))
     return (
-        "<!doctype html><html><head><meta charset=utf-8><title>rangefinder samples</title><style>"
-        "body{font-family:sans-serif}table{border-collapse:collapse}td,th{padding:2px;vertical-align:top}"
-        "th.row{text-align:left;max-width:16em;font-weight:normal}img{image-rendering:pixelated}"
-        f"</style></head><body><h1>Samples</h1><p>{settings_txt}</p>"
+        '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f"<title>rangefinder samples</title><style>{_GRID_CSS}</style></head><body><h1>Samples</h1>"
         "<p>Every row uses one prompt and one seed; columns differ only in their weights.</p>"
-        f"<table><tr><th></th>{head}</tr>{''.join(body)}</table></body></html>"
+        f"<p class=muted>{settings_txt}</p>"
+        f"<div class=scroll><table><tr><th></th>{head}</tr>{''.join(body)}</table></div>{extra_html}</body></html>"
     )
 
 
