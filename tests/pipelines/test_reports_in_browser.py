@@ -41,6 +41,8 @@ def test_every_report_reads_in_a_browser(default_local_run, tmp_path):
     grid = checks["sample-images-grid.html"]
     assert "a red circle" in grid.text and "base" in grid.text and "fine-tuned (final)" in grid.text
     assert len(grid.images) >= 2  # one prompt x seed: the base column and at least the final weights
+    # The prompt-following scores (data.prompt_score), one row per column.
+    assert "Does it follow the prompts?" in grid.text and "colour\tshape" in grid.text, grid.text[-600:]
 
 
 def test_the_checks_see_what_a_reader_would(tmp_path):
