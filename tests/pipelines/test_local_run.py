@@ -81,6 +81,11 @@ def test_discovery_without_retrain_on_default_sqlite(default_local_run):
     assert s["lr_source"] == "range-test" and "retrained_epochs" not in s
     db = default_local_run.out_dir / "mlflow.db"
     assert db.is_file()
+    # The grid's prompt scores (data.prompt_score), under names that stay the same from run to run.
+    with sqlite3.connect(db) as con:
+        keys = {k for (k,) in con.execute("select m.key from metrics m join runs r on m.run_uuid = r.run_uuid "
+                                          "where r.name = 'sample_images'")}
+    assert {"prompt_colour.base", "prompt_shape.base", "prompt_colour.final", "prompt_shape.final"} <= keys, keys
     cfg = demo_config()
     check_pipeline_record(f"sqlite:///{db}", cfg.tracking.experiment_name, s,
                           model_name=cfg.tracking.registered_model_name)
