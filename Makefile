@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 DEMO_OUT ?= rangefinder-demo
 PYTEST_ARGS ?=
 
-.PHONY: demo test venv tools images clean
+.PHONY: demo test venv tools images screenshots clean
 
 venv: $(STAMP)
 
@@ -38,6 +38,15 @@ images:
 demo: $(STAMP)
 	$(VENV)/bin/rangefinder demo --out $(DEMO_OUT)
 
+# The README's report pictures (docs/figures/report-*.png): a fresh demo run, each HTML report opened in headless
+# Chromium (Debian's `chromium` package), checked as the browser test checks it, and screenshotted at 1280 px.
+SCREENSHOTS_DEMO ?= build/screenshots-demo
+
+screenshots: $(STAMP)
+	rm -rf $(SCREENSHOTS_DEMO)
+	$(VENV)/bin/rangefinder demo --out $(SCREENSHOTS_DEMO)
+	$(PY) -m docs.make_screenshots $(SCREENSHOTS_DEMO)/reports
+
 # Lint, type-check and the tests. All three always run, so one CI run shows every failure; the target fails if any
 # does. Settings: pyproject.toml ([tool.ruff], [tool.mypy]); tests/test_architecture.py checks the import layering.
 test: $(STAMP) $(TOOLS_STAMP)
@@ -48,4 +57,4 @@ test: $(STAMP) $(TOOLS_STAMP)
 	exit $$status
 
 clean:
-	rm -rf $(VENV) $(DEMO_OUT) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(DEMO_OUT) $(SCREENSHOTS_DEMO) .pytest_cache .mypy_cache .ruff_cache

@@ -46,6 +46,17 @@ def test_grid_has_one_cell_per_model_prompt_and_seed(base_twice_grid):
     assert [c["label"] for c in manifest["columns"]] == [c["label"] for c in r["columns"]]
     page = open(r["html"]).read()
     assert page.count("data:image/png;base64,") == rows * cols
+    # The prompts name a colour and a shape: each column is scored on its own single images.
+    from rangefinder.data.prompt_score import score_images
+
+    assert [s["column"] for s in manifest["scores"]] == [c["label"] for c in r["columns"]]
+    prompts = [row["prompt"] for row in r["rows"]]
+    for c, score in enumerate(manifest["scores"]):
+        expect = score_images([Image.open(row[c]) for row in r["images"]], prompts)
+        assert expect is not None and score["images"] == rows
+        assert (score["colour"], score["shape"]) == pytest.approx((expect["colour"], expect["shape"]))
+    assert manifest["scores"][0]["colour"] == manifest["scores"][1]["colour"]  # the same weights twice
+    assert "Does it follow the prompts?" in page
 
 
 def test_identical_weights_and_seed_give_identical_cells(base_twice_grid):

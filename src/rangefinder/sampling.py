@@ -308,22 +308,65 @@ def compose_grid(images: list[list[Any]], row_labels: list[str], col_labels: lis
     return grid, layout
 
 
-def _grid_html(images, row_labels, col_labels, cell: int, settings: dict) -> str:
+_GRID_CSS = (
+    "body{font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px auto;padding:0 16px;"
+    "max-width:1200px;color:#1d2733;line-height:1.45}h1{font-size:1.4em}p{overflow-wrap:anywhere}"
+    ".scroll{overflow-x:auto}table{border-collapse:collapse}td,th{padding:2px 4px;vertical-align:top}"
+    "th{font-weight:600;font-size:.9em;max-width:12em}th.row{text-align:left;max-width:16em;font-weight:normal}"
+    "img{image-rendering:pixelated;display:block}.muted{color:#6b7785;font-size:.9em}h2{font-size:1.1em}"
+    ".scores td{font-family:ui-monospace,Menlo,Consolas,monospace;padding:2px 12px;border-bottom:1px solid #e3e7ec}"
+)
+
+
+def _grid_html(images, row_labels, col_labels, cell: int, settings: dict, extra_html: str = "") -> str:
+    """The grid as one self-contained page. A grid wider than the screen scrolls inside its box, not the page."""
     head = "".join(f"<th>{html.escape(c)}</th>" for c in col_labels)
     body = []
     for r, row in enumerate(images):
         cells = "".join(
-            f'<td><img width="{cell}" height="{cell}" src="data:image/png;base64,{_png_b64(img)}"></td>' for img in row
+            f'<td><img alt="{html.escape(row_labels[r])} | {html.escape(col_labels[c])}" width="{cell}" '
+            f'height="{cell}" src="data:image/png;base64,{_png_b64(img)}"></td>'
+            for c, img in enumerate(row)
         )
         body.append(f"<tr><th class=row>{html.escape(row_labels[r])}</th>{cells}</tr>")
     settings_txt = html.escape(", ".join(f"{k}={v}" for k, v in settings.items()))
     return (
-        "<!doctype html><html><head><meta charset=utf-8><title>rangefinder samples</title><style>"
-        "body{font-family:sans-serif}table{border-collapse:collapse}td,th{padding:2px;vertical-align:top}"
-        "th.row{text-align:left;max-width:16em;font-weight:normal}img{image-rendering:pixelated}"
-        f"</style></head><body><h1>Samples</h1><p>{settings_txt}</p>"
+        '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f"<title>rangefinder samples</title><style>{_GRID_CSS}</style></head><body><h1>Samples</h1>"
         "<p>Every row uses one prompt and one seed; columns differ only in their weights.</p>"
-        f"<table><tr><th></th>{head}</tr>{''.join(body)}</table></body></html>"
+        f"<p class=muted>{settings_txt}</p>"
+        f"<div class=scroll><table><tr><th></th>{head}</tr>{''.join(body)}</table></div>{extra_html}</body></html>"
+    )
+
+
+def prompt_scores(images: list[list[Any]], prompts: list[str], labels: list[str]) -> list[dict[str, Any]]:
+    """Per column, how well its images follow the shapes prompts (data.prompt_score): [{"column", "colour",
+    "shape", "images"}]; empty when no prompt names a colour and shape of the synthetic dataset."""
+    from rangefinder.data.prompt_score import score_image
+
+    out: list[dict[str, Any]] = []
+    for c, label in enumerate(labels):
+        cells = [s for s in (score_image(row[c], p) for row, p in zip(images, prompts, strict=True)) if s is not None]
+        if cells:
+            out.append({"column": label, "images": len(cells),
+                        **{k: sum(s[k] for s in cells) / len(cells) for k in ("colour", "shape")}})
+    return out
+
+
+def _scores_html(scores: list[dict[str, Any]]) -> str:
+    if not scores:
+        return ""
+    rows = "".join(f"<tr><th class=row>{html.escape(s['column'])}</th><td>{s['colour']:.2f}</td>"
+                   f"<td>{s['shape']:.2f}</td></tr>" for s in scores)
+    return (
+        "<h2>Does it follow the prompts?</h2>"
+        "<p>Scored over the images whose prompt names a colour and a shape of the synthetic dataset "
+        f"({scores[0]['images']} per column). <b>colour</b>: share of pixels in the colours the prompt names (its "
+        "shape's and its background's); a model that ignores the colour words scores about 0.25. <b>shape</b>: "
+        "overlap (IoU) of the pixels in the shape's colour with the named shape drawn around them; 0 when that "
+        "colour is missing.</p>"
+        f"<table class=scores><tr><th></th><th>colour</th><th>shape</th></tr>{rows}</table>"
     )
 
 
@@ -348,7 +391,8 @@ def render_grid(
 
     `models[0]` is normally the base model, so the first column shows what training changed. A LoRA or embedding
     column is applied on top of `base_model` (default: `models[0]`). Returns the paths written and the layout:
-    `{"grid", "html", "manifest", "images": [[path per column] per row], "rows", "columns", "layout"}`.
+    `{"grid", "html", "manifest", "images": [[path per column] per row], "rows", "columns", "layout", "settings",
+    "scores"}`; "scores" says per column how well its images follow shapes prompts (`prompt_scores`).
     """
     import torch
 
@@ -428,8 +472,10 @@ def render_grid(
         "scheduler": scheduler or "model default",
         "resolution": size,
     }
+    scores = prompt_scores(images, [p for _, p, _ in rows], [c.label for c in columns])
     html_path = out / "grid.html"
-    write_text(html_path, _grid_html(images, row_labels, [c.label for c in columns], cell, settings))
+    write_text(html_path, _grid_html(images, row_labels, [c.label for c in columns], cell, settings,
+                                     _scores_html(scores)))
     result = {
         "grid": str(grid_path),
         "html": str(html_path),
@@ -446,6 +492,7 @@ def render_grid(
             "size": list(layout.size),
         },
         "settings": settings,
+        "scores": scores,
     }
     write_text(manifest_path, json.dumps(result, indent=2))
     return result

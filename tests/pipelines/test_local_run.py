@@ -18,29 +18,15 @@ import yaml
 
 from rangefinder.config import demo_config
 from tests.pipelines.registered_model import check_registered_is_the_kept_checkpoint, task_dir
+from tests.pipelines.tiny_run import tiny_config as _cfg
 from tests.tracking.pipeline_record import check_pipeline_record
 
 pytestmark = pytest.mark.slow
-
-# The smallest run that still reads a curve: 4 epochs of 4 updates, validated every 2 (9 points); 2 fine-tune
-# epochs (3 points); one prompt, 2 denoising steps.
-TINY = {
-    "lr_range_test": {"epochs": 4, "zoom": False},
-    "finetune": {"epochs": 2},
-    "retrain": {"epochs": 1},
-    "sampling": {"prompts": ["a red circle"], "seeds": [0], "num_inference_steps": 2},
-}
-
 
 @pytest.fixture(autouse=True)
 def _local_mlflow(monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
-
-
-def _cfg(dataset: Path, model: Path, **extra):
-    return demo_config(data={"dataset_dir": str(dataset), "resolution": 32}, model={"base_model": str(model)},
-                       **{**TINY, **extra})
 
 
 def _mlflow_runs(db: Path) -> dict[str, str]:
@@ -88,15 +74,18 @@ def test_discovery_then_retrain(tmp_path, shapes_dataset_dir, tiny_model_dir, ml
     assert client.list_artifacts(by_name["sample_images"].info.run_id, "images")  # the grid via log_image
 
 
-def test_discovery_without_retrain_on_default_sqlite(tmp_path, shapes_dataset_dir, tiny_model_dir):
-    """The local default: no tracking URI anywhere, so the run writes sqlite:///<out>/mlflow.db."""
-    from rangefinder.pipelines.local_run import run_pipeline_locally
-
-    run = run_pipeline_locally(_cfg(shapes_dataset_dir, tiny_model_dir), tmp_path)
-    s = run.summary()
+def test_discovery_without_retrain_on_default_sqlite(default_local_run):
+    """The local default: no tracking URI anywhere, so the run writes sqlite:///<out>/mlflow.db. The run is shared
+    (tests/pipelines/conftest.py): test_reports_in_browser.py opens its reports."""
+    s = default_local_run.summary()
     assert s["lr_source"] == "range-test" and "retrained_epochs" not in s
-    db = tmp_path / "mlflow.db"
+    db = default_local_run.out_dir / "mlflow.db"
     assert db.is_file()
+    # The grid's prompt scores (data.prompt_score), under names that stay the same from run to run.
+    with sqlite3.connect(db) as con:
+        keys = {k for (k,) in con.execute("select m.key from metrics m join runs r on m.run_uuid = r.run_uuid "
+                                          "where r.name = 'sample_images'")}
+    assert {"prompt_colour.base", "prompt_shape.base", "prompt_colour.final", "prompt_shape.final"} <= keys, keys
     cfg = demo_config()
     check_pipeline_record(f"sqlite:///{db}", cfg.tracking.experiment_name, s,
                           model_name=cfg.tracking.registered_model_name)

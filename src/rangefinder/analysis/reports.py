@@ -28,6 +28,7 @@ from rangefinder.formats.atomic import write_bytes
 _CSS = """
 body{font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;max-width:860px;margin:24px auto;padding:0 16px;
 color:#1d2733;line-height:1.45}
+p,li{overflow-wrap:anywhere}
 h1{font-size:1.4em;margin-bottom:4px} h2{font-size:1.1em;margin-top:28px}
 .status{display:inline-block;padding:2px 10px;border-radius:10px;font-weight:600;color:#fff}
 .ok{background:#2e9e5b} .warn{background:#d9822b} .bad{background:#c23030}
@@ -67,7 +68,8 @@ def _page(title: str, status: str, lead: str, png: Path, rows: list[tuple[str, A
     items = "\n".join(f"<li><span class='flag'>{e(k)}</span>: {e(text)}</li>" for k, text in notes)
     src = f"<p class='muted'>Curve: {e(source)}</p>" if source else ""
     return f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>{e(title)}</title><style>{_CSS}</style></head>
+<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
+<title>{e(title)}</title><style>{_CSS}</style></head>
 <body>
 <h1>{e(title)}</h1>
 <p><span class="status {_status_class(status)}">{e(status)}</span> {e(lead)}</p>

@@ -7,11 +7,21 @@ when there is one. Only the weights differ between two cells of a row (rangefind
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 from typing import Optional
 
 from rangefinder.config import RangefinderConfig
+
+
+def _slug(label: str) -> str:
+    """A column's metric name that stays the same from run to run: base, chosen, final, retrained, update_N."""
+    if label.startswith("chosen"):
+        return "chosen"
+    if label == "fine-tuned (final)":
+        return "final"
+    return re.sub(r"[^a-z0-9]+", "_", label.lower()).strip("_")
 
 
 def grid_columns(cfg: RangefinderConfig, finetuned_dir: Path, retrained_dir: Optional[Path]) -> tuple[list, list]:
@@ -57,4 +67,8 @@ def run_sample_images(cfg: RangefinderConfig, *, finetuned_dir: Path, retrained_
         run.log_artifact(out_dir, "samples")
         # Also as an MLflow image, so the grid shows in the run's image view, not only as a file.
         run.log_image(out["grid"], key="sample_grid")
+        # How well each column follows shapes prompts (the demo's): prompt_colour.<column>, prompt_shape.<column>
+        # (data.prompt_score).
+        run.log_decisions({f"prompt_{k}.{_slug(s_['column'])}": s_[k] for s_ in out["scores"]
+                           for k in ("colour", "shape")}, to_parent=False)
     return out

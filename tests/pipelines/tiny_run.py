@@ -1,0 +1,22 @@
+"""The smallest whole-pipeline config the pipeline tests run (shared by test_local_run.py and conftest.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rangefinder.config import RangefinderConfig, demo_config
+
+# The smallest run that still reads a curve: 4 epochs of 4 updates, validated every 2 (9 points); 2 fine-tune
+# epochs (3 points); one prompt, 2 denoising steps.
+TINY = {
+    "lr_range_test": {"epochs": 4, "zoom": False},
+    "finetune": {"epochs": 2},
+    "retrain": {"epochs": 1},
+    "sampling": {"prompts": ["a red circle"], "seeds": [0], "num_inference_steps": 2},
+}
+
+
+def tiny_config(dataset: Path, model: Path, **extra: Any) -> RangefinderConfig:
+    return demo_config(data={"dataset_dir": str(dataset), "resolution": 32}, model={"base_model": str(model)},
+                       **{**TINY, **extra})
