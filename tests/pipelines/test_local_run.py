@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import yaml
 
 from rangefinder.config import demo_config
 from tests.pipelines.registered_model import check_registered_is_the_kept_checkpoint, task_dir
+from tests.pipelines.terminal import run_on_terminal
 from tests.pipelines.tiny_run import tiny_config as _cfg
 from tests.tracking.pipeline_record import check_pipeline_record
 
@@ -102,10 +102,26 @@ def test_fixed_lr_skips_discovery_and_retrain_off(tmp_path, shapes_dataset_dir, 
     config.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude={"kubernetes"})))
     out = tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
-    r = subprocess.run([sys.executable, "-m", "rangefinder.cli.main", "run", "--local", "--config", str(config),
-                        "--out", str(out), "--json"], capture_output=True, text=True, env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
-    s = json.loads(r.stdout)  # the steps' logs went to OUT/pipeline.log: stdout is the result only
+    # On a terminal, as a person runs it: stderr is a pseudo-terminal, stdout (the --json result) a pipe.
+    code, stdout, terminal = run_on_terminal([sys.executable, "-m", "rangefinder.cli.main", "run", "--local",
+                                              "--config", str(config), "--out", str(out), "--json"], env)
+    assert code == 0, terminal[-3000:]
+    s = json.loads(stdout)  # the steps' logs went to OUT/pipeline.log: stdout is the result only
+    # A line per step as it starts and ends, with its duration and headline result; the training bar redrawn in
+    # place (carriage returns) with the update count, loss and LR.
+    lines = [ln.strip() for ln in terminal.replace("\r", "\n").splitlines()]
+    for step in ("resolve-config", "prepare-dataset", "choose-lr", "finetune", "register-model", "sample-images"):
+        assert f"rangefinder: {step} started" in lines, terminal
+        assert any(ln.startswith(f"rangefinder: {step} done in ") for ln in lines), terminal
+    assert any(ln.startswith("rangefinder: choose-lr done in ") and "source fixed, lr_low 0.0002" in ln
+               for ln in lines), terminal
+    (ft_done,) = [ln for ln in lines if ln.startswith("rangefinder: finetune done in ")]
+    assert f"recommended_epochs {s['recommended_epochs']}" in ft_done
+    assert any(ln.startswith("rangefinder: register-model done in ") and ln.endswith("model_uri "
+               "models:/rangefinder-sd/1") for ln in lines), terminal
+    bars = [ln for ln in lines if ln.startswith("train (constant):") and "update" in ln]
+    assert len(bars) >= 2 and "loss=" in bars[-1] and "lr=0.0002" in bars[-1], terminal
+    assert "\r" in terminal and "Traceback" not in terminal
     assert Path(s["log"]).is_file() and "finetune" in Path(s["log"]).read_text()
     assert (s["lr_source"], s["lr_low"], s["lr_mid"], s["lr_high"]) == ("fixed", 2e-4, 2e-4, 2e-4)
     run_dir = Path(s["pipeline_root"])

@@ -30,6 +30,10 @@ def test_mlflow_down_shows_the_cause_on_the_terminal(tmp_path):
     proc = run_local(cfg, tmp_path / "out", {"MLFLOW_TRACKING_URI": uri})
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     error = proc.stderr.strip().splitlines()[-1]
+    # Not a terminal: plain lines, a line per step as it starts and ends, then the cause.
+    assert "rangefinder: resolve-config started\n" in proc.stderr
+    assert re.search(r"^rangefinder: resolve-config failed after \d+\.\d s$", proc.stderr, re.M), proc.stderr
+    assert "\r" not in proc.stderr
     assert error.startswith("rangefinder run: error: the local pipeline run stopped: step resolve-config failed: "
                             f"TrackingError: cannot reach the MLflow tracking server at {uri}"), error
     assert "connection refused" in error and f"full log: {tmp_path / 'out' / 'pipeline.log'}" in error

@@ -16,12 +16,14 @@ import os
 import re
 import sys
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 from rangefinder.config import RangefinderConfig
 from rangefinder.errors import STEP_ERROR_PREFIX, ConfigError, RangefinderError
+from rangefinder.pipelines.progress import StepProgress, step_name
 from rangefinder.tracking.redaction import RedactingWriter, redact, safe_uri
 from rangefinder.tracking.spool import SPOOL_ENV
 
@@ -122,8 +124,10 @@ def run_pipeline_locally(cfg: RangefinderConfig, out_dir: str | Path, *, dataset
     try:
         # kfp.local prints every step's log and outputs on stdout; with `quiet` they go to the log file instead,
         # so the terminal (and --json) shows only the result. Either way they pass through redact().
+        # With `quiet`, StepProgress also shows on the terminal a line per step and the training bars.
         with open(log_path, "a", encoding="utf-8") if quiet else contextlib.nullcontext(sys.stdout) as log, \
-                contextlib.redirect_stdout(RedactingWriter(log)) as redacted, warnings.catch_warnings():
+                _progress(log, quiet) as shown, \
+                contextlib.redirect_stdout(RedactingWriter(shown)) as redacted, warnings.catch_warnings():
             try:
                 # Known and meant: the pod settings and the image do nothing here (this environment has the package).
                 warnings.filterwarnings("ignore", message=r"Task .* have no effect in the current local runner")
@@ -154,6 +158,19 @@ def run_pipeline_locally(cfg: RangefinderConfig, out_dir: str | Path, *, dataset
     _collect(run)
     _publish_reports(run)
     return run
+
+
+@contextlib.contextmanager
+def _progress(log: Any, quiet: bool) -> Iterator[Any]:
+    """The stream kfp.local prints into: with `quiet`, the log file seen through StepProgress (the terminal's view)."""
+    if not quiet:
+        yield log
+        return
+    progress = StepProgress(log, sys.stderr)
+    try:
+        yield progress
+    finally:
+        progress.close()
 
 
 def _read_from(path: Path, offset: int) -> str:
@@ -230,16 +247,12 @@ def _publish_reports(run: LocalRun) -> None:
 def _step_name(task: str, run: LocalRun) -> str:
     """kfp.local's task folder without the suffixes it adds inside sub-DAGs (lr-range-test-2-2 -> lr-range-test).
     The range tests are told apart by what they output: the first asks for the zoom, the zoom never asks again."""
-    step = _without_suffix(task)
+    step = step_name(task)
     if step == "lr-range-test":
-        tests = [t for t in run.artifacts if _without_suffix(t) == step]
+        tests = [t for t in run.artifacts if step_name(t) == step]
         is_zoom = len(tests) > 1 and not run.outputs.get(task, {}).get("needs_zoom")
         step += "-zoom" if is_zoom else "-first"
     return step
-
-
-def _without_suffix(task: str) -> str:
-    return re.sub(r"(-\d+)+$", "", task)
 
 
 def _collect(run: LocalRun) -> None:

@@ -1,0 +1,161 @@
+"""What a local run shows on the terminal while kfp.local runs the steps: a line per step as it starts and ends
+(its duration and headline result) and, while a step trains, a live bar.
+
+kfp.local runs each step in a subprocess and prints that subprocess's output line by line, as it comes (its
+SubprocessRunner reads the pipe with `readline` in text mode, so tqdm's carriage-return updates arrive as lines).
+`StepProgress` is the stream kfp.local prints into: everything goes on to the log file unchanged, and the lines
+that mark a task's start and end ("Executing task 'x'", "Task 'x' finished with status ...", its outputs) and the
+steps' own tqdm lines are read to draw the terminal's view. Nothing is added to the steps for this, so the same
+tqdm lines are what a pod log shows on a cluster.
+
+On a terminal the bar is redrawn in place (tqdm); anywhere else (a pipe, CI, a file) a plain line is written at most
+every `plain_every` seconds, so logs stay short.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import IO, Any, Optional
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_START = re.compile(r"Executing task '([^']+)'")
+_END = re.compile(r"Task '([^']+)' finished with status (\w+)")
+_OUTPUTS = re.compile(r"Task '([^']+)' outputs:")
+_OUTPUT_LINE = re.compile(r"^\s{4}(\w+): (.*)$")
+# tqdm's default format: "desc:  42%|████▏     | 10/24 [00:03<00:04,  3.1update/s, loss=0.2, lr=0.001]"
+_BAR = re.compile(r"^\s*(?P<desc>[^|:]+?):\s+\d+%\|[^|]*\|\s*(?P<n>\d+)/(?P<total>\d+)\s+"
+                  r"\[(?P<elapsed>[^<\]]*)<(?P<eta>[^,\]]*)(?:,\s*[^,\]]*)?(?P<post>(?:,[^\]]*)?)\]")
+# rangefinder's own bars (the engine's training, latent caching); libraries' loading bars stay in the log.
+_OUR_BARS = re.compile(r"^(train|encode)\b")
+# The outputs worth a line on the terminal, in the order shown; artifacts and the resolved config are left to the log.
+HEADLINE = ("source", "lr", "lr_low", "lr_mid", "lr_high", "needs_zoom", "train_images", "val_images", "skipped_files",
+            "recommended_epochs", "chosen_epoch", "still_improving", "Output", "model_uri")
+
+
+def step_name(task: str) -> str:
+    """kfp.local's task name without the suffixes it adds inside sub-DAGs (finetune-2 -> finetune)."""
+    return re.sub(r"(-\d+)+$", "", task)
+
+
+def _short(value: str) -> str:
+    value = value.strip().strip("'")
+    try:
+        number = float(value)
+    except ValueError:
+        return value
+    return str(int(number)) if number.is_integer() and abs(number) < 1e6 else f"{number:.3g}"
+
+
+class StepProgress:
+    """A text stream: writes everything to `log`, and the run's progress to `terminal` (see the module doc)."""
+
+    def __init__(self, log: IO[str], terminal: Any, *, plain_every: float = 30.0) -> None:
+        self.log = log
+        self.terminal = terminal
+        self.live = bool(getattr(terminal, "isatty", lambda: False)())
+        self.plain_every = plain_every
+        self._held = ""
+        self._started: dict[str, float] = {}
+        self._ended: Optional[tuple[str, str, float]] = None  # task, status, seconds: waiting for its outputs
+        self._headline: list[str] = []
+        self._bar: Any = None
+        self._bar_desc = ""  # the bar being drawn (a terminal) or last written (plain lines)
+        self._last_plain = 0.0
+
+    # -- the stream --------------------------------------------------------------------------------------------------
+    def write(self, text: str) -> int:
+        self.log.write(text)
+        self._held += text
+        while "\n" in self._held:
+            line, self._held = self._held.split("\n", 1)
+            self._line(_ANSI.sub("", line).rstrip("\r"))
+        return len(text)
+
+    def flush(self) -> None:
+        self.log.flush()
+
+    def isatty(self) -> bool:
+        return False  # what kfp.local prints is for the log: no colours, no in-place redraws there
+
+    def close(self) -> None:
+        """The end of the run: say what is still pending (a finished step whose outputs never came)."""
+        self._close_bar()
+        self._say_end()
+
+    # -- reading kfp.local's lines -----------------------------------------------------------------------------------
+    def _line(self, line: str) -> None:
+        if self._ended is not None:
+            m = _OUTPUT_LINE.match(line)
+            if m and not _OUTPUTS.search(line):
+                if m.group(1) in HEADLINE and not re.match(r"\w+\(", m.group(2)):
+                    self._headline.append(f"{m.group(1)} {_short(m.group(2))}")
+                return
+            if _OUTPUTS.search(line):
+                return
+            if line.strip() and not line.startswith("    "):
+                self._say_end()
+        m = _START.search(line)
+        if m:
+            self._say_end()
+            self._started[m.group(1)] = time.monotonic()
+            self._say(f"rangefinder: {step_name(m.group(1))} started")
+            return
+        m = _END.search(line)
+        if m:
+            self._close_bar()
+            task, status = m.group(1), m.group(2)
+            self._ended = (task, status, time.monotonic() - self._started.get(task, time.monotonic()))
+            self._headline = []
+            if status != "SUCCESS":  # no outputs follow a failure
+                self._say_end()
+            return
+        m = _BAR.match(line)
+        if m and _OUR_BARS.match(m.group("desc").strip()):
+            self._bar_line(m)
+
+    def _bar_line(self, m: re.Match[str]) -> None:
+        n, total = int(m.group("n")), int(m.group("total"))
+        desc = m.group("desc").strip()
+        post = m.group("post").strip(", ")
+        if self.live:
+            if self._bar is None or desc != self._bar_desc or total != self._bar.total:
+                self._close_bar()
+                from tqdm import tqdm
+
+                self._bar = tqdm(total=total, desc=f"  {desc}", unit="update", file=self.terminal,
+                                 dynamic_ncols=True, leave=False)
+                self._bar_desc = desc
+            self._bar.n = n
+            self._bar.set_postfix_str(post, refresh=False)
+            self._bar.refresh()
+            return
+        now = time.monotonic()
+        if desc != self._bar_desc or now - self._last_plain >= self.plain_every or n == total:
+            self._last_plain, self._bar_desc = now, desc
+            eta = m.group("eta").strip()
+            self._say(f"rangefinder:   {desc}: {n}/{total}{f' ({post})' if post else ''}"
+                      f"{f', eta {eta}' if eta and n < total else ''}")
+
+    # -- the terminal ------------------------------------------------------------------------------------------------
+    def _close_bar(self) -> None:
+        self._bar_desc = ""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def _say_end(self) -> None:
+        if self._ended is None:
+            return
+        task, status, seconds = self._ended
+        self._ended = None
+        if status == "SUCCESS":
+            shown = sorted(self._headline, key=lambda said: HEADLINE.index(said.split(" ", 1)[0]))
+            result = f": {', '.join(shown)}" if shown else ""
+            self._say(f"rangefinder: {step_name(task)} done in {seconds:.1f} s{result}")
+        else:
+            said = "failed" if status == "FAILURE" else status.lower()
+            self._say(f"rangefinder: {step_name(task)} {said} after {seconds:.1f} s")
+
+    def _say(self, text: str) -> None:
+        print(text, file=self.terminal, flush=True)

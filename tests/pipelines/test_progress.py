@@ -1,0 +1,63 @@
+"""StepProgress reading what kfp.local prints: the excerpt below is a real kfp.local log (the demo's range test and
+choose-lr), ANSI colours included, trimmed to the lines that matter and with the paths shortened."""
+
+from __future__ import annotations
+
+import io
+
+from rangefinder.pipelines.progress import StepProgress
+
+C, E = "\x1b[96m", "\x1b[0m"
+LOG = f"""23:29:05.604 - INFO - Executing task {C}'lr-range-test-3'{E}
+    Loading weights: 100%|██████████| 52/52 [00:00<00:00, 1200.00it/s]
+    encode latents: 100%|██████████| 20/20 [00:00<00:00, 98.20image/s]
+    train (exp-ramp):   4%|▍         | 1/24 [00:00<00:05,  4.10update/s, loss=0.2212, lr=1.33e-05]
+    train (exp-ramp):  50%|█████     | 12/24 [00:01<00:01,  6.51update/s, loss=0.2101, lr=0.000316]
+    train (exp-ramp): 100%|██████████| 24/24 [00:03<00:00,  6.49update/s, loss=0.1688, lr=0.01]
+    [KFP Executor 2026-11-23 23:29:23,324 INFO]: Wrote executor output file to /out/executor_output.json.
+
+
+23:29:25.933 - INFO - Task {C}'lr-range-test-3'{E} finished with status \x1b[92mSUCCESS{E}
+23:29:25.935 - INFO - Task {C}'lr-range-test-3'{E} outputs:
+    needs_zoom: True
+    lr_low: 4.558836925224904e-05
+    lr_mid: 0.0001616431560297725
+    lr_high: 0.00024648570802538746
+    report_md: Markdown( name='report_md',
+                         uri='/out/lr-range-test-3/report_md',
+                         metadata={{}} )
+--------------------------------------------------------------------------------
+23:29:47.943 - INFO - Executing task {C}'choose-lr-4'{E}
+23:29:48.465 - INFO - Task {C}'choose-lr-4'{E} finished with status \x1b[91mFAILURE{E}
+"""
+
+
+def _shown(plain_every: float) -> tuple[list[str], str]:
+    terminal, log = io.StringIO(), io.StringIO()
+    progress = StepProgress(log, terminal, plain_every=plain_every)
+    for piece in (LOG[:100], LOG[100:777], LOG[777:]):  # as it comes: in pieces that cut lines
+        progress.write(piece)
+    progress.close()
+    return terminal.getvalue().splitlines(), log.getvalue()
+
+
+def test_a_line_per_step_with_its_headline_and_the_log_kept_whole():
+    lines, log = _shown(plain_every=3600)
+    assert log == LOG
+    assert lines[0] == "rangefinder: lr-range-test started"
+    # Only the engine's bars, not the libraries' loading bars; each bar's last line always shows.
+    assert lines[1:-3] == ["rangefinder:   encode latents: 20/20",
+                           "rangefinder:   train (exp-ramp): 1/24 (loss=0.2212, lr=1.33e-05), eta 00:05",
+                           "rangefinder:   train (exp-ramp): 24/24 (loss=0.1688, lr=0.01)"]
+    assert lines[-3].startswith("rangefinder: lr-range-test done in ")
+    assert lines[-3].endswith(" s: lr_low 4.56e-05, lr_mid 0.000162, lr_high 0.000246, needs_zoom True")
+    assert lines[-2] == "rangefinder: choose-lr started"
+    assert lines[-1].startswith("rangefinder: choose-lr failed after ")
+
+
+def test_plain_lines_come_at_most_every_interval():
+    every, _ = _shown(plain_every=0)
+    assert [ln for ln in every if "train (exp-ramp)" in ln] == [
+        "rangefinder:   train (exp-ramp): 1/24 (loss=0.2212, lr=1.33e-05), eta 00:05",
+        "rangefinder:   train (exp-ramp): 12/24 (loss=0.2101, lr=0.000316), eta 00:01",
+        "rangefinder:   train (exp-ramp): 24/24 (loss=0.1688, lr=0.01)"]
