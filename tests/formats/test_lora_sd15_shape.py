@@ -11,13 +11,12 @@ adapter adds (`get_delta_weight`): the same model through every loader.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from rangefinder.config import TrainingConfig
+from rangefinder.models.loading import SDComponents
 from rangefinder.training.methods import make_method
 from tests.formats.consumers import (
     a1111_load_lora,
@@ -55,7 +54,9 @@ def sd15_lora(tmp_path_factory):
     unet, te = _sd15_meta()
     cfg = TrainingConfig(method="lora", lora={"rank": RANK, "alpha": ALPHA, "train_text_encoder": True,
                                               "target_modules": TARGETS})
-    make_method(cfg).setup(SimpleNamespace(unet=unet, text_encoder=te), torch.float32)
+    # The method's own setup on the real components record (no VAE, tokenizer or scheduler: setup never reads them).
+    parts = SDComponents(unet=unet, vae=None, text_encoder=te, tokenizer=None, noise_scheduler=None, source="sd15-meta")
+    make_method(cfg).setup(parts, torch.float32)
     g = torch.Generator().manual_seed(0)
     layers: dict[str, dict[str, LoraLayer]] = {"unet": {}, "text_encoder": {}}
     for part, model in (("unet", unet), ("text_encoder", te)):
