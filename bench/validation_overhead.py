@@ -15,8 +15,8 @@ latents cached
 Each round runs the arms in a rotated order (the first arm of one round is the last of the next).
 
 Two estimates of the share, which should agree:
-- direct: seconds inside the engine's validation measurement (`rangefinder.training.validation.measure`, timed by a
-  wrapper around the engine's own function for the run; every pass, the update-0 baseline included) over the
+- direct: seconds inside the engine's validation measurement (`rangefinder.training.validation.measure_subset`,
+  timed by a wrapper around the engine's own function for the run; every pass, the update-0 baseline included) over the
   training-only time of the `off` run with the same updates;
 - paired: (loop time of `on` - loop time of `off`) / loop time of `off` (the engine's loop timer; it starts after
   the baseline pass, so this one leaves the baseline out).
@@ -53,7 +53,7 @@ def timed_measure() -> Iterator[list[float]]:
     from rangefinder.training import validation
 
     seconds: list[float] = []
-    original = validation.measure
+    original = validation.measure_subset  # what validate() calls, once per subset (val, stabilize)
 
     def measure(*a, **kw):
         t0 = time.perf_counter()
@@ -62,11 +62,11 @@ def timed_measure() -> Iterator[list[float]]:
         finally:
             seconds.append(time.perf_counter() - t0)
 
-    validation.measure = measure
+    validation.measure_subset = measure
     try:
         yield seconds
     finally:
-        validation.measure = original
+        validation.measure_subset = original
 
 
 def run(setup, *, epochs: int, batch_size: int, cache_dir: Path, validation: dict[str, Any],
