@@ -583,8 +583,10 @@ class DistributedConfig(_Section):
     runtime: str = "torch-distributed"
     # The TrainJob's namespace; None: the namespace the step's pod runs in.
     namespace: Optional[str] = None
-    # How long the step waits for the TrainJob to finish before it deletes it and fails.
+    # How long the TrainJob may run (its activeDeadlineSeconds); the step then deletes it and fails.
     timeout_hours: float = Field(72.0, gt=0)
+    # Seconds between two reads of the TrainJob's status while the step waits (each read is a few GETs).
+    poll_seconds: float = Field(15.0, gt=0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
