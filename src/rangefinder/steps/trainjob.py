@@ -26,6 +26,7 @@ import hashlib
 import math
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -275,6 +276,9 @@ class _TrainJobObject:
                     "the API server's answer says why")
             raise RangefinderError(f"cannot create TrainJob {self.ref} ({e.status} {e.reason}: "
                                    f"{_status_message(e)}); {hint.format(self.namespace, self.name)}") from None
+        except Exception as e:
+            raise RangefinderError(f"cannot reach the Kubernetes API to create TrainJob {self.ref} "
+                                   f"({str(e).splitlines()[0]})") from None
 
     def read(self) -> Optional[dict]:
         """The TrainJob as the API server has it; None once it is gone."""
@@ -297,7 +301,13 @@ class _TrainJobObject:
         except client.ApiException as e:
             if e.status == 404:
                 return False
-            raise
+            hint = "grant the pipeline runner the RBAC of manifests/multi-node" if e.status == 403 else \
+                f"delete it by hand: kubectl delete trainjob -n {self.namespace} {self.name}"
+            raise RangefinderError(f"cannot delete TrainJob {self.ref} ({e.status} {e.reason}); {hint}") from None
+        except Exception as e:
+            raise RangefinderError(f"cannot reach the Kubernetes API to delete TrainJob {self.ref} "
+                                   f"({str(e).splitlines()[0]}); delete it by hand: kubectl delete trainjob -n "
+                                   f"{self.namespace} {self.name}") from None
 
 
 def _status_message(e: Any) -> str:
@@ -354,8 +364,10 @@ def run_trainjob(cfg: RangefinderConfig, job: Path, *, step_name: str, processes
         finally:
             stop.set()
             if not completed:
-                with contextlib.suppress(Exception):
+                try:
                     trainjob.delete()
+                except RangefinderError as e:  # the step's own error goes on; this one must not be lost
+                    print(f"rangefinder: {e}", file=sys.stderr, flush=True)
             if logs.is_alive():  # the log's last lines (a completed node 0's stream ends by itself)
                 logs.join(timeout=max(2 * poll, 5.0))
 
