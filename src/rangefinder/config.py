@@ -257,6 +257,9 @@ class TrainingConfig(_Section):
     # Processes the range test, fine-tune and retrain steps start on each node, one per accelerator (DDP):
     # auto = the GPUs the step's pod sees (kubernetes.gpu_count), 1 on CPU; an integer forces it (on CPU: gloo).
     processes_per_node: ProcessesPerNode = "auto"
+    # The dtype DDP all-reduces gradients in, on several processes: fp32, or bf16 to halve what each update moves
+    # (PyTorch's bf16_compress_hook: cast to bf16, summed, cast back); docs/scaling.md, section 2.
+    allreduce_dtype: Literal["fp32", "bf16"] = "fp32"
     # Skip the trailing images of each epoch instead of letting micro-batches straddle epochs.
     drop_last: bool = False
 
