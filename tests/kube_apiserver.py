@@ -469,3 +469,46 @@ def loopback_cluster(kubeconfig: Path, namespace: str = "team-a") -> Iterator[Cl
             cluster.cond.notify_all()
         server.shutdown()
         server.server_close()
+
+
+def run_nodes_here(c: Cluster, job: dict, *, timeout: float = 600.0) -> None:
+    """The kubelet, on this machine: each node's container command as a local process, with the environment
+    Trainer's torch plugin gives it (PET_NNODES, PET_NODE_RANK, PET_MASTER_ADDR, PET_MASTER_PORT: kubeflow/trainer
+    pkg/constants/constants.go), its output as the pod's log; the JobSet's condition from the exit codes. Use it as
+    `Cluster.on_create`. The data volume is this machine's disk (kubernetes.data_mount_path points into it)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    name = job["metadata"]["name"]
+    trainer = job["spec"]["trainer"]
+    pods = c.start_nodes(name)
+    with socket.socket() as s:  # the master's port (node 0's pod IP is 127.0.0.1 here)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = list(trainer["command"])
+    if command[0] == "torchrun":  # the image's console script; the same module here
+        command = [sys.executable, "-m", "torch.distributed.run", *command[1:]]
+    procs = []
+    for rank, _ in enumerate(pods):
+        env = {**os.environ, **{e["name"]: e["value"] for e in trainer.get("env", []) if "value" in e},
+               "PET_NNODES": str(len(pods)), "PET_NODE_RANK": str(rank), "PET_MASTER_ADDR": "127.0.0.1",
+               "PET_MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        threading.Thread(target=lambda p=proc, r=rank: [c.log(name, r, line.rstrip("\n")) for line in p.stdout],
+                         daemon=True).start()
+        procs.append(proc)
+    end = time.monotonic() + timeout
+    codes = []
+    for proc in procs:
+        try:
+            codes.append(proc.wait(timeout=max(1.0, end - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            codes.append(proc.wait())
+    time.sleep(0.5)  # the last lines into the logs before the containers count as ended
+    if all(code == 0 for code in codes):
+        c.finish(name, "Complete", "AllJobsCompleted", "jobset completed successfully")
+    else:
+        c.finish(name, "Failed", "FailedJobs", f"jobset failed: exit codes {codes}")

@@ -10,6 +10,7 @@ the step's process gets SIGTERM, and the pod that submitted it as its owner.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -226,3 +227,49 @@ def test_the_owner_is_the_submitting_pod_only_inside_a_kfp_pod_of_the_same_names
     # A TrainJob in another namespace (distributed.namespace) cannot be owned by the pod: the garbage collector
     # would take the cross-namespace owner for absent and delete the TrainJob at once.
     assert trainjob.pod_owner_reference("other-team") is None
+
+
+@pytest.mark.slow
+def test_a_two_node_trainjob_trains_and_the_step_reads_its_result(cluster, split_dir, tiny_model_dir, tmp_path,
+                                                                   capsys, monkeypatch):
+    """The whole path: the step (launch.run_training) copies the split onto the data volume, writes the job file and
+    submits the TrainJob; the loopback kubelet runs each node's own command (torchrun -m rangefinder.steps.launch
+    JOB, 2 nodes x 1 gloo process, with Trainer's PET_* variables); the step streams node 0's real output and reads
+    rank 0's result from the volume."""
+    from rangefinder.steps.finetune import finetune_training_config
+    from rangefinder.training.loop import TrainSpec
+    from tests.kube_apiserver import run_nodes_here
+
+    monkeypatch.setenv("PYTHONPATH", str(Path(launch.__file__).resolve().parents[2]))  # the nodes' image
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    cluster.on_create = run_nodes_here
+    cfg = RangefinderConfig(
+        training={"processes_per_node": 1, "batch_size": 2, "lr": 2e-4, "seed": 7,
+                  "cache_dir": str(tmp_path / "data" / "cache" / "encoded")},
+        validation={"every_epochs": 1, "timesteps": 2},
+        finetune={"epochs": 1},
+        kubernetes={"gpu_count": 0, "data_mount_path": str(tmp_path / "data"), "mlflow_secret": None,
+                    "hf_token_secret": None},
+        distributed={"num_nodes": 2, "poll_seconds": 0.5},
+    )
+    tc = finetune_training_config(cfg, 1e-4, 3e-4, 2e-4, 16)
+    assert tc.world_size == 2
+    out_dir = tmp_path / "data" / "work" / "run-1" / "finetune"
+    result = launch.run_training(cfg, TrainSpec(tc, cfg.validation, split_dir=split_dir, model=str(tiny_model_dir)),
+                                 out_dir=out_dir, step_name="finetune")
+
+    # Rank 0's result, from the volume: 16 images at global batch 4, one epoch.
+    assert result.status == "ok" and result.updates == result.planned_updates == 4
+    assert result.out_dir == out_dir and (out_dir / "final").is_dir() and (out_dir / "metrics.csv").is_file()
+    summary = json.loads((out_dir / "run_summary.json").read_text())
+    assert summary["validation_pairs_by_rank"][0] == summary["validation_pairs_by_rank"][1] > 0
+    (job,) = cluster.trainjobs.values()
+    assert trainjob._condition(job, "Complete")
+    # The job's own split copy on the volume, which the nodes trained on.
+    assert (out_dir.parent / ".finetune.launch" / "split").is_dir()
+    # Node 0's real output, streamed; node 1's log stayed in its pod.
+    out = capsys.readouterr().out
+    node0 = cluster.logs[(NS, cluster.node_pod(job["metadata"]["name"], 0))]
+    node1 = cluster.logs[(NS, cluster.node_pod(job["metadata"]["name"], 1))]
+    assert node0 and all(line in out for line in node0)
+    assert any(line not in node0 and line not in out for line in node1)
