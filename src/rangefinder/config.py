@@ -257,6 +257,9 @@ class TrainingConfig(_Section):
     # Processes the range test, fine-tune and retrain steps start on each node, one per accelerator (DDP):
     # auto = the GPUs the step's pod sees (kubernetes.gpu_count), 1 on CPU; an integer forces it (on CPU: gloo).
     processes_per_node: ProcessesPerNode = "auto"
+    # The dtype DDP all-reduces gradients in, on several processes: fp32, or bf16 to halve what each update moves
+    # (PyTorch's bf16_compress_hook: cast to bf16, summed, cast back); docs/scaling.md, section 2.
+    allreduce_dtype: Literal["fp32", "bf16"] = "fp32"
     # Skip the trailing images of each epoch instead of letting micro-batches straddle epochs.
     drop_last: bool = False
 
@@ -583,8 +586,10 @@ class DistributedConfig(_Section):
     runtime: str = "torch-distributed"
     # The TrainJob's namespace; None: the namespace the step's pod runs in.
     namespace: Optional[str] = None
-    # How long the step waits for the TrainJob to finish before it deletes it and fails.
+    # How long the TrainJob may run (its activeDeadlineSeconds); the step then deletes it and fails.
     timeout_hours: float = Field(72.0, gt=0)
+    # Seconds between two reads of the TrainJob's status while the step waits (each read is a few GETs).
+    poll_seconds: float = Field(15.0, gt=0)
 
 
 # ---------------------------------------------------------------------------------------------------------------

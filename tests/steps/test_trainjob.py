@@ -3,36 +3,31 @@
 The TrainJob is built by the Kubeflow SDK's own code (rangefinder.steps.trainjob) and checked against the TrainJob
 CRD's OpenAPI schema and the `torch-distributed` runtime of kubeflow/trainer v2.3.0 (fixtures/, README there). No
 cluster is needed; the check for a cluster without Trainer talks to a loopback HTTP server that answers the two
-Kubernetes API calls it makes.
+Kubernetes API calls it makes. The TrainJob's lifecycle (wait, logs, deletion) is in test_trainjob_lifecycle.py.
 """
 
 from __future__ import annotations
 
-import gzip
 import http.server
 import json
 import threading
 from pathlib import Path
 
-import jsonschema
 import pytest
 import yaml
 
 from rangefinder.config import RangefinderConfig
 from rangefinder.errors import ConfigError
 from rangefinder.steps import launch, trainjob
+from tests import kube_apiserver
+from tests.kube_apiserver import FIXTURES, check_against_crd
 
-FIXTURES = Path(__file__).with_name("fixtures") / "kubeflow-trainer-v2.3.0"
 JOB = Path("/data/work/run-1/.finetune.launch/launch-job.json")
 
 
 @pytest.fixture(scope="module")
 def trainjob_schema() -> dict:
-    with gzip.open(FIXTURES / "trainer.kubeflow.org_trainjobs.yaml.gz") as f:
-        crd = yaml.safe_load(f)
-    assert crd["spec"]["group"] == "trainer.kubeflow.org" and crd["spec"]["names"]["kind"] == "TrainJob"
-    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1alpha1"]
-    return version["schema"]["openAPIV3Schema"]
+    return kube_apiserver.trainjob_schema()
 
 
 @pytest.fixture(scope="module")
@@ -52,32 +47,6 @@ def _manifest(cfg: RangefinderConfig, processes: int = 8) -> dict:
     trainer, options = trainjob.trainer_and_options(cfg, JOB, "rf-finetune-0123456789", processes,
                                                     launch.WORKER_MODULE)
     return trainjob.trainjob_manifest(trainer, options, trainjob.runtime_stub(cfg.distributed.runtime))
-
-
-def unknown_fields(obj, schema: dict, path: str = "") -> list[str]:
-    """Fields the schema does not declare (the API server would prune them: a silent loss, so an error here)."""
-    if schema.get("x-kubernetes-preserve-unknown-fields") or schema.get("x-kubernetes-int-or-string"):
-        return []
-    found = []
-    if isinstance(obj, dict) and "properties" in schema:
-        for k, v in obj.items():
-            if k not in schema["properties"]:
-                found.append(f"{path}.{k}")
-            else:
-                found += unknown_fields(v, schema["properties"][k], f"{path}.{k}")
-    elif isinstance(obj, dict) and isinstance(schema.get("additionalProperties"), dict):
-        for k, v in obj.items():
-            found += unknown_fields(v, schema["additionalProperties"], f"{path}.{k}")
-    elif isinstance(obj, list) and "items" in schema:
-        for i, v in enumerate(obj):
-            found += unknown_fields(v, schema["items"], f"{path}[{i}]")
-    return found
-
-
-def check_against_crd(obj: dict, schema: dict) -> list[str]:
-    problems = [f"{'.'.join(map(str, e.absolute_path))}: {e.message}"
-                for e in jsonschema.Draft7Validator(schema).iter_errors(obj)]
-    return problems + [f"{p}: not in the schema" for p in unknown_fields(obj, schema)]
 
 
 def test_the_trainjob_fits_the_crd_and_the_runtime(trainjob_schema, runtime, monkeypatch):
@@ -131,6 +100,15 @@ def test_the_trainjob_fits_the_crd_and_the_runtime(trainjob_schema, runtime, mon
 def test_fewer_processes_than_gpus_are_passed_to_torchrun(trainjob_schema):
     obj = _manifest(_cfg(), processes=4)
     assert obj["spec"]["trainer"]["command"][:3] == ["torchrun", "--nproc_per_node", "4"]
+    assert check_against_crd(obj, trainjob_schema) == []
+
+
+def test_the_submitting_pod_as_owner_fits_the_crd(trainjob_schema):
+    cfg = _cfg()
+    trainer, options = trainjob.trainer_and_options(cfg, JOB, "rf-finetune-0123456789", 8, launch.WORKER_MODULE)
+    owner = {"apiVersion": "v1", "kind": "Pod", "name": "p-1", "uid": "u-1", "controller": False}
+    obj = trainjob.trainjob_manifest(trainer, options, trainjob.runtime_stub(cfg.distributed.runtime), [owner])
+    assert obj["metadata"]["ownerReferences"] == [owner]
     assert check_against_crd(obj, trainjob_schema) == []
 
 

@@ -108,3 +108,35 @@ def test_tag_shuffle_changes_the_conditioning_and_resumes_exactly(shapes_dataset
     assert resumed.resumed_from == 2 and resumed.updates == 4
     for name in ("metrics.csv", "updates.csv"):
         assert (cut / name).read_text() == (tmp_path / "whole" / name).read_text(), name
+
+
+def test_a_checkpoint_older_than_a_setting_resumes_with_its_default(split_dir, tiny_model_dir, tmp_path):
+    """A checkpoint written before a training setting existed (here training.allreduce_dtype) resumes: the missing
+    setting counts as its default. Set to something else, the resume is refused as before."""
+    from rangefinder.errors import ConfigError
+    from rangefinder.formats import checkpoints
+    from rangefinder.formats.digest import file_sha256
+
+    cfg = TrainingConfig(batch_size=4, lr=1e-4, seed=3, steps=2, cache_dir=str(tmp_path / "cache"),
+                         checkpoint_every_updates=1, keep_checkpoints=2)
+    val = ValidationConfig(every_epochs=0)
+    out = tmp_path / "run"
+    train(TrainSpec(cfg.model_copy(update={"steps": 1}), val, split_dir=split_dir, model=tiny_model_dir),
+          out_dir=out, save_final=False)
+    (ckpt,) = checkpoints.list_checkpoints(out / "checkpoints")
+    state = json.loads((ckpt / "state.json").read_text())
+    del state["training"]["allreduce_dtype"]  # as a checkpoint from before the setting
+    state["training"]["steps"] = 2
+    state["total_updates"] = 2
+    (ckpt / "state.json").write_text(json.dumps(state))
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["sha256"]["state.json"] = file_sha256(ckpt / "state.json")
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    (out / "run_summary.json").unlink()
+
+    with pytest.raises(ConfigError, match=r"different settings \(training.allreduce_dtype\)"):
+        train(TrainSpec(cfg.model_copy(update={"resume": True, "allreduce_dtype": "bf16"}), val, split_dir=split_dir,
+                        model=tiny_model_dir), out_dir=out, save_final=False)
+    resumed = train(TrainSpec(cfg.model_copy(update={"resume": True}), val, split_dir=split_dir,
+                              model=tiny_model_dir), out_dir=out, save_final=False)
+    assert resumed.resumed_from == 1 and resumed.updates == 2

@@ -135,3 +135,69 @@ def test_stabilize_cadence_counts_rows_across_a_resume(split_dir, tiny_model_dir
     assert resumed.resumed_from == 1
     assert (out / "metrics.csv").read_text() == whole
     assert [int(r["update"]) for r in rows(out / "metrics.csv") if r["stabilize_loss"]] == [0, 3, UPDATES]
+
+
+def test_sharded_passes_give_every_process_the_one_process_numbers(split_dir, tiny_model_dir):
+    """N processes each score a contiguous 1/N of a subset's (item, k) pairs and pool them with one sum: every
+    process gets the same numbers, the one-process ones up to the last bits (the shards cut the batches), and each
+    scored only its share. The processes are threads here, their all-reduce a barrier and a sum;
+    tests/steps/test_processes.py runs the real gloo one."""
+    from rangefinder.config import ModelConfig
+    from rangefinder.models.loading import load_sd_components
+    from rangefinder.training.caching import tokenize
+    from rangefinder.training.family import Denoiser, Sd1Family
+    from rangefinder.training.validation import Shard, ValidationSet, measure_subset
+
+    sd = load_sd_components(ModelConfig(base_model=str(tiny_model_dir)))
+    items = read_split(split_dir).val
+    with torch.no_grad():
+        hidden = sd.text_encoder(tokenize(sd.tokenizer, [it.text for it in items]))[0]
+    g = torch.Generator().manual_seed(0)
+    half = len(items) // 2  # two aspect-ratio buckets of different latent shapes: a shard may span both
+    vsets = [ValidationSet("val", [it.id for it in items[:half]], torch.randn((half, 4, 8, 8), generator=g),
+                           hidden[:half], bucket="64x64"),
+             ValidationSet("val", [it.id for it in items[half:]],
+                           torch.randn((len(items) - half, 4, 8, 6), generator=g), hidden[half:], bucket="64x48")]
+    denoiser = Denoiser(Sd1Family(sd.tokenizer, sd.noise_scheduler, prediction_type="epsilon"), sd.unet.eval())
+    kw = dict(num_buckets=4, seed=5, batch_size=32, device=torch.device("cpu"))
+    one = Shard()
+    mean, per_bucket, per_shape = measure_subset(vsets, denoiser, **kw, shard=one)
+    pairs = len(items) * 4
+    assert one.pairs_by_rank == [pairs]
+
+    for world in (2, 3):
+        results = _as_processes(world, lambda shard: (measure_subset(vsets, denoiser, **kw, shard=shard),
+                                                      shard.pairs_by_rank))
+        assert all(r == results[0] for r in results)  # every process: the same numbers, bit for bit
+        (m, b, s), counts = results[0]
+        assert m == pytest.approx(mean, rel=1e-6) and b == pytest.approx(per_bucket, rel=1e-6)
+        assert s.keys() == per_shape.keys() and list(s.values()) == pytest.approx(list(per_shape.values()), rel=1e-6)
+        assert counts == [pairs * (r + 1) // world - pairs * r // world for r in range(world)]
+
+
+def _as_processes(world: int, work) -> list:
+    """work(shard) in `world` threads standing in for processes, their all-reduce a barrier and a sum."""
+    import threading
+
+    from rangefinder.training.validation import Shard
+
+    barrier = threading.Barrier(world, timeout=60)
+    vectors: list[torch.Tensor] = [torch.zeros(0)] * world
+    results: list = [None] * world
+
+    def process(rank: int) -> None:
+        def sum_over_processes(t: torch.Tensor) -> torch.Tensor:
+            vectors[rank] = t
+            barrier.wait()
+            total = sum(vectors[1:], vectors[0].clone())
+            barrier.wait()
+            return total
+
+        results[rank] = work(Shard(rank, world, sum_over_processes, [0] * world))
+
+    threads = [threading.Thread(target=process, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    return results

@@ -11,7 +11,8 @@ The range test, the fine-tune and the retrain call `run_training` instead of the
 
 JOB.json holds the whole config (no credentials: the config refuses them; they come from the environment) and the
 run's TrainSpec, so every process, on any node, rebuilds the same run. The engine keeps the single-process
-contracts across processes: validation measures the whole set with the same fixed noise, rank 0 alone writes
+contracts across processes: validation measures the whole set once, each rank its share with the same fixed noise,
+and every rank gets every loss (training.validation.Shard); rank 0 alone writes
 checkpoints (atomically), metrics.csv, final/ and the MLflow metrics (into the step's run, opened and ended by
 the step's process), and the divergence stop sees the same losses on every rank. A killed run resumes from its
 newest whole checkpoint when the step is run again (`training.resume`).

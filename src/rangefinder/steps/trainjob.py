@@ -13,16 +13,22 @@ the step's image, the data volume (split copy, caches, work folder, job file), t
 secret references (never values), the pod labels MLflow's NetworkPolicy admits, the node selector, tolerations and
 the GPUs, CPU and memory of `kubernetes.*`, per node. The step then streams node 0's log into its own log, waits for
 the TrainJob to finish, deletes it when the step fails, times out or is cancelled (SIGTERM from KFP), and reads the
-result from the data volume, so the DAG after it is unchanged.
+result from the data volume, so the DAG after it is unchanged. The step's pod owns the TrainJob (ownerReferences),
+so Kubernetes' garbage collector removes it also when the pod vanishes without a SIGTERM (SIGKILL, node loss).
+
+tests/steps/test_trainjob_lifecycle.py runs all of this, unmodified, against a loopback Kubernetes API server.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import os
 import signal
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
@@ -118,7 +124,7 @@ def trainer_and_options(cfg: RangefinderConfig, job: Path, name: str, processes_
         Name(name),
         Labels({"app.kubernetes.io/part-of": "rangefinder", "app.kubernetes.io/component": "training"}),
         TrainerCommand(command),
-        ActiveDeadlineSeconds(int(cfg.distributed.timeout_hours * 3600)),
+        ActiveDeadlineSeconds(deadline_seconds(cfg)),
         patch,
     ]
     return trainer, options
@@ -134,9 +140,11 @@ def runtime_stub(name: str) -> Any:
                    trainer=RuntimeTrainer(trainer_type=TrainerType.CUSTOM_TRAINER, framework="torch", image=""))
 
 
-def trainjob_manifest(trainer: Any, options: list, runtime: Any) -> dict:
+def trainjob_manifest(trainer: Any, options: list, runtime: Any,
+                      owner_references: Optional[list[dict]] = None) -> dict:
     """The TrainJob object, built by the SDK's own code (options applied, then KubernetesBackend's spec builder),
-    as TrainerClient.train would send it; without a cluster."""
+    as TrainerClient.train would send it, plus `owner_references` (which train() has no option for); without a
+    cluster."""
     from kubeflow.trainer.backends.kubernetes.backend import KubernetesBackend
     from kubeflow.trainer.constants import constants
     from kubeflow_trainer_api import models
@@ -151,26 +159,51 @@ def trainjob_manifest(trainer: Any, options: list, runtime: Any) -> dict:
                                       runtime_patches=spec_section.get("runtimePatches"),
                                       active_deadline_seconds=spec_section.get("activeDeadlineSeconds"))
     meta = job_spec.get("metadata", {})
+    owners = [models.IoK8sApimachineryPkgApisMetaV1OwnerReference.from_dict(o) for o in owner_references or []]
     obj = models.TrainerV1alpha1TrainJob(
         apiVersion=constants.API_VERSION, kind=constants.TRAINJOB_KIND,
         metadata=models.IoK8sApimachineryPkgApisMetaV1ObjectMeta(name=meta.get("name"), labels=meta.get("labels"),
-                                                                 annotations=meta.get("annotations")),
+                                                                 annotations=meta.get("annotations"),
+                                                                 ownerReferences=owners or None),
         spec=spec)
     return obj.to_dict()
+
+
+def pod_owner_reference(namespace: str) -> Optional[dict]:
+    """The step's own pod as the TrainJob's owner, so that Kubernetes' garbage collector deletes the TrainJob (and
+    its JobSet and pods) when the pod goes away without running our cleanup: SIGKILL, node loss, eviction.
+
+    KFP v2 gives every executor container its pod's name and UID through the downward API (KFP_POD_NAME,
+    KFP_POD_UID: kubeflow/pipelines backend/src/v2/compiler/argocompiler/common.go, `commonEnvs`). Outside a KFP
+    pod there is none. An owner must live in the dependent's namespace (a cross-namespace owner counts as absent,
+    and the collector would delete the TrainJob at once), so a TrainJob in another namespace
+    (distributed.namespace) gets none either. Not `blockOwnerDeletion`: setting it needs delete rights on the pod."""
+    name, uid = os.environ.get("KFP_POD_NAME"), os.environ.get("KFP_POD_UID")
+    if not (name and uid) or _pod_namespace() != namespace:
+        return None
+    return {"apiVersion": "v1", "kind": "Pod", "name": name, "uid": uid, "controller": False}
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # On the cluster
 
 
-def _namespace(cfg: RangefinderConfig) -> str:
-    if cfg.distributed.namespace:
-        return cfg.distributed.namespace
+API_TIMEOUT = 60  # s, each call the step makes to the API server itself (the SDK's own calls wait up to 120 s)
+NODE_0 = f"{NODE}-0"  # the SDK's name for node 0's step; its log is streamed
+TAIL_LINES = 30  # of every other node's log, printed when the TrainJob fails (its pods go with it)
+
+
+def _pod_namespace() -> Optional[str]:
+    """The namespace the step's pod runs in (None outside a pod)."""
     if os.environ.get("RANGEFINDER_NAMESPACE"):  # the pipeline passes the pod's namespace (downward API)
         return os.environ["RANGEFINDER_NAMESPACE"]
     with contextlib.suppress(OSError):
         return Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace").read_text().strip()
-    return "default"
+    return None
+
+
+def _namespace(cfg: RangefinderConfig) -> str:
+    return cfg.distributed.namespace or _pod_namespace() or "default"
 
 
 def check_trainer(api_client: Any, namespace: str, runtime: str) -> None:
@@ -178,7 +211,7 @@ def check_trainer(api_client: Any, namespace: str, runtime: str) -> None:
     from kubernetes import client
 
     try:
-        groups = client.ApisApi(api_client).get_api_versions(_request_timeout=30)
+        groups = client.ApisApi(api_client).get_api_versions(_request_timeout=API_TIMEOUT)
     except Exception as e:
         raise RangefinderError(f"cannot reach the Kubernetes API to submit a TrainJob ({str(e).splitlines()[0]}); "
                                "distributed.num_nodes > 1 runs only on a cluster") from None
@@ -190,10 +223,10 @@ def check_trainer(api_client: Any, namespace: str, runtime: str) -> None:
         try:
             if scope == "namespaced":
                 custom.get_namespaced_custom_object(TRAINER_GROUP, "v1alpha1", namespace, "trainingruntimes", runtime,
-                                                    _request_timeout=30)
+                                                    _request_timeout=API_TIMEOUT)
             else:
                 custom.get_cluster_custom_object(TRAINER_GROUP, "v1alpha1", "clustertrainingruntimes", runtime,
-                                                 _request_timeout=30)
+                                                 _request_timeout=API_TIMEOUT)
             return
         except client.ApiException as e:
             if e.status != 404:
@@ -205,9 +238,10 @@ def check_trainer(api_client: Any, namespace: str, runtime: str) -> None:
 
 @contextlib.contextmanager
 def _sigterm_raises() -> Iterator[None]:
-    """KFP cancels a run by deleting its pods (SIGTERM): turn it into an exception, so the TrainJob is deleted."""
+    """KFP cancels a run by deleting its pods (SIGTERM): turn it into an exception, so the TrainJob is deleted.
+    KeyboardInterrupt, because no `except Exception` on the way (the SDK has many) may swallow it."""
     def handler(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt("the step was cancelled (SIGTERM)")
+        raise KeyboardInterrupt("SIGTERM")
 
     try:
         previous = signal.signal(signal.SIGTERM, handler)
@@ -220,59 +254,214 @@ def _sigterm_raises() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+class _TrainJobObject:
+    """The step's own calls on its TrainJob, each with a timeout: create (the SDK's train() cannot set the
+    ownerReference), read its conditions, delete."""
+
+    def __init__(self, custom_api: Any, namespace: str, name: str):
+        self.api, self.namespace, self.name = custom_api, namespace, name
+        self.ref = f"{namespace}/{name}"
+
+    def _args(self) -> tuple:
+        return TRAINER_GROUP, "v1alpha1", self.namespace, "trainjobs"
+
+    def create(self, obj: dict) -> None:
+        from kubernetes import client
+
+        try:
+            self.api.create_namespaced_custom_object(*self._args(), obj, _request_timeout=API_TIMEOUT)
+        except client.ApiException as e:
+            hint = ("grant the pipeline runner the RBAC of manifests/multi-node" if e.status == 403 else
+                    "delete it (kubectl delete trainjob -n {0} {1}) and run the step again" if e.status == 409 else
+                    "the API server's answer says why")
+            raise RangefinderError(f"cannot create TrainJob {self.ref} ({e.status} {e.reason}: "
+                                   f"{_status_message(e)}); {hint.format(self.namespace, self.name)}") from None
+        except Exception as e:
+            raise RangefinderError(f"cannot reach the Kubernetes API to create TrainJob {self.ref} "
+                                   f"({str(e).splitlines()[0]})") from None
+
+    def read(self) -> Optional[dict]:
+        """The TrainJob as the API server has it; None once it is gone."""
+        from kubernetes import client
+
+        try:
+            return self.api.get_namespaced_custom_object(*self._args(), self.name, _request_timeout=API_TIMEOUT)
+        except client.ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def delete(self) -> bool:
+        """Delete it (with its JobSet and pods, which the garbage collector follows); False if there was none."""
+        from kubernetes import client
+
+        try:
+            self.api.delete_namespaced_custom_object(*self._args(), self.name, _request_timeout=API_TIMEOUT)
+            return True
+        except client.ApiException as e:
+            if e.status == 404:
+                return False
+            hint = "grant the pipeline runner the RBAC of manifests/multi-node" if e.status == 403 else \
+                f"delete it by hand: kubectl delete trainjob -n {self.namespace} {self.name}"
+            raise RangefinderError(f"cannot delete TrainJob {self.ref} ({e.status} {e.reason}); {hint}") from None
+        except Exception as e:
+            raise RangefinderError(f"cannot reach the Kubernetes API to delete TrainJob {self.ref} "
+                                   f"({str(e).splitlines()[0]}); delete it by hand: kubectl delete trainjob -n "
+                                   f"{self.namespace} {self.name}") from None
+
+
+def _status_message(e: Any) -> str:
+    """The message of a Kubernetes Status object in an ApiException's body."""
+    import json
+
+    with contextlib.suppress(Exception):
+        return str(json.loads(e.body).get("message") or e.reason)
+    return str(e.reason)
+
+
+def _condition(obj: dict, kind: str) -> Optional[dict]:
+    for c in (obj.get("status") or {}).get("conditions") or []:
+        if c.get("type") == kind and c.get("status") == "True":
+            return c
+    return None
+
+
 def run_trainjob(cfg: RangefinderConfig, job: Path, *, step_name: str, processes_per_node: int,
                  worker_module: str) -> None:
     """Submit the TrainJob, stream node 0's log, wait for it; delete it unless it completed."""
     from kubeflow.trainer import KubernetesBackendConfig, TrainerClient
-    from kubeflow.trainer.constants import constants
 
     namespace = _namespace(cfg)
-    trainer_client = TrainerClient(backend_config=KubernetesBackendConfig(namespace=namespace))
+    # KUBECONFIG read now (the client reads it once, at import); without it, the pod's service account.
+    trainer_client = TrainerClient(backend_config=KubernetesBackendConfig(
+        namespace=namespace, config_file=os.environ.get("KUBECONFIG") or None))
     backend = trainer_client.backend
     check_trainer(backend.core_api.api_client, namespace, cfg.distributed.runtime)
     runtime = trainer_client.get_runtime(cfg.distributed.runtime)
     name = trainjob_name(job, step_name)
     trainer, options = trainer_and_options(cfg, job, name, processes_per_node, worker_module)
-    with contextlib.suppress(Exception):  # a previous attempt's TrainJob (the step was retried): replace it
-        trainer_client.delete_job(name)
+    owner = pod_owner_reference(namespace)
+    obj = trainjob_manifest(trainer, options, runtime, [owner] if owner else None)
+    trainjob = _TrainJobObject(backend.custom_api, namespace, name)
+    poll = cfg.distributed.poll_seconds
+    stop = threading.Event()
+    logs = threading.Thread(target=_stream_node0_log, args=(trainer_client, name, stop, poll), daemon=True)
     completed = False
     with _sigterm_raises():
         try:
-            trainer_client.train(runtime=runtime, trainer=trainer, options=options)
-            print(f"rangefinder: TrainJob {namespace}/{name} submitted ({cfg.distributed.num_nodes} nodes x "
-                  f"{processes_per_node} processes, runtime {cfg.distributed.runtime})", flush=True)
-            threading.Thread(target=_stream_logs, args=(trainer_client, name), daemon=True).start()
-            try:
-                trainer_client.wait_for_job_status(name, status={constants.TRAINJOB_COMPLETE},
-                                                   timeout=int(cfg.distributed.timeout_hours * 3600),
-                                                   polling_interval=15)
-            except RuntimeError as e:  # the SDK's "TrainJob ... is Failed"
-                raise RangefinderError(f"TrainJob {namespace}/{name} failed ({str(e).splitlines()[0]}); its "
-                                       "nodes' logs say why; run the step again to resume from the newest "
-                                       "checkpoint") from None
-            except TimeoutError:
-                raise RangefinderError(f"TrainJob {namespace}/{name} did not finish within "
-                                       f"distributed.timeout_hours ({cfg.distributed.timeout_hours:g} h); raise it "
-                                       "or train for fewer epochs") from None
+            if trainjob.delete():  # a previous attempt's TrainJob (the step was retried): replace it
+                print(f"rangefinder: deleted TrainJob {trainjob.ref} of a previous attempt", flush=True)
+            trainjob.create(obj)
+            print(f"rangefinder: TrainJob {trainjob.ref} submitted ({cfg.distributed.num_nodes} nodes x "
+                  f"{processes_per_node} processes, runtime {cfg.distributed.runtime}"
+                  + (f", owned by pod {owner['name']}" if owner else "") + ")", flush=True)
+            logs.start()
+            _wait(cfg, trainer_client, trainjob)
             completed = True
+        except KeyboardInterrupt:
+            raise RangefinderError(f"the step was cancelled (SIGTERM); its TrainJob {trainjob.ref} is deleted. Run "
+                                   "the step again to resume from the newest checkpoint") from None
         finally:
+            stop.set()
             if not completed:
-                with contextlib.suppress(Exception):
-                    trainer_client.delete_job(name)
+                try:
+                    trainjob.delete()
+                except RangefinderError as e:  # the step's own error goes on; this one must not be lost
+                    print(f"rangefinder: {e}", file=sys.stderr, flush=True)
+            if logs.is_alive():  # the log's last lines (a completed node 0's stream ends by itself)
+                logs.join(timeout=max(2 * poll, 5.0))
 
 
-def _stream_logs(trainer_client: Any, name: str, retries: Optional[int] = 40) -> None:
-    """Node 0's log into the step's log, as it comes (the first pod may take a while to start)."""
-    import time
+def _wait(cfg: RangefinderConfig, trainer_client: Any, trainjob: _TrainJobObject) -> None:
+    """Until the TrainJob is Complete; one RangefinderError when it failed, vanished, or outlived its deadline.
 
-    for _ in range(retries or 1):
-        printed = False
+    Trainer itself stops a TrainJob at its activeDeadlineSeconds (condition Failed, reason DeadlineExceeded); the
+    step gives up a few polls later in case nothing did. A few failed reads (an API server restarting) are waited
+    out rather than taken for the job's end."""
+    from kubeflow.trainer.constants import constants
+
+    poll = cfg.distributed.poll_seconds
+    hours = cfg.distributed.timeout_hours
+    limit = f"{hours:g} h" if hours >= 1 else f"{hours * 3600:.0f} s"
+    give_up = time.monotonic() + deadline_seconds(cfg) + 4 * poll
+    misses = 0
+    while True:
+        left = give_up - time.monotonic()
+        if left <= poll:
+            raise RangefinderError(f"TrainJob {trainjob.ref} did not finish within distributed.timeout_hours "
+                                   f"({limit}), so the step deleted it; raise it or train for fewer epochs, then "
+                                   "run the step again to resume from the newest checkpoint")
         try:
-            for line in trainer_client.get_job_logs(name, follow=True):  # nothing while node 0 is pending
-                print(line, flush=True)
-                printed = True
-        except Exception:
-            pass
-        if printed:
+            trainer_client.wait_for_job_status(trainjob.name, status={constants.TRAINJOB_COMPLETE}, timeout=left,
+                                               polling_interval=poll)
             return
-        time.sleep(15)
+        except (RuntimeError, TimeoutError) as e:  # Failed, or a read that failed, or the SDK's own timeout
+            try:
+                obj = trainjob.read()
+            except Exception:
+                misses += 1
+                if misses >= 5:
+                    raise RangefinderError(f"lost the Kubernetes API while waiting for TrainJob {trainjob.ref} "
+                                           f"({str(e).splitlines()[0]}), so the step deleted it; run the step again "
+                                           "to resume from the newest checkpoint") from None
+                time.sleep(poll)
+                continue
+        misses = 0
+        if obj is None:
+            raise RangefinderError(f"TrainJob {trainjob.ref} was deleted while the step waited for it (by hand, or "
+                                   "with the run's pod); run the step again to resume from the newest checkpoint")
+        if _condition(obj, constants.TRAINJOB_COMPLETE):
+            return
+        failed = _condition(obj, constants.TRAINJOB_FAILED)
+        if failed is None:
+            continue  # still running: the SDK's read failed once
+        _print_other_nodes(trainer_client, trainjob)
+        why = f"{failed.get('reason', '')}: {failed.get('message', '')}".strip(": ")
+        if failed.get("reason") == "DeadlineExceeded":
+            raise RangefinderError(f"TrainJob {trainjob.ref} was stopped at its deadline, distributed.timeout_hours "
+                                   f"({limit}; {why}), and deleted; raise it or train for fewer epochs, then run "
+                                   "the step again to resume from the newest checkpoint")
+        raise RangefinderError(f"TrainJob {trainjob.ref} failed ({why}) and was deleted; the nodes' logs above say "
+                               "why; fix that and run the step again to resume from the newest checkpoint")
+
+
+def deadline_seconds(cfg: RangefinderConfig) -> int:
+    """distributed.timeout_hours as the TrainJob's activeDeadlineSeconds (a positive integer)."""
+    return max(1, math.ceil(cfg.distributed.timeout_hours * 3600))
+
+
+def _node0_pod(trainer_client: Any, name: str) -> Optional[str]:
+    steps = trainer_client.get_job(name).steps
+    return next((s.pod_name for s in steps if s.name == NODE_0 and s.status != "Pending"), None)
+
+
+def _stream_node0_log(trainer_client: Any, name: str, stop: threading.Event, poll: float) -> None:
+    """Node 0's log into the step's log, as it comes. Every node-0 pod once: a JobSet restart makes new ones, and
+    a pod's log is never printed twice. After `stop`, one last look, for a node 0 that ran and ended between two
+    polls."""
+    streamed: set[str] = set()
+    while True:
+        last = stop.is_set()
+        with contextlib.suppress(Exception):  # node 0 not there yet, or gone: the next poll looks again
+            pod = _node0_pod(trainer_client, name)
+            if pod and pod not in streamed:
+                streamed.add(pod)
+                for line in trainer_client.get_job_logs(name, follow=not last):
+                    print(line, flush=True)
+        if last:
+            return
+        stop.wait(poll)
+
+
+def _print_other_nodes(trainer_client: Any, trainjob: _TrainJobObject) -> None:
+    """The end of every other node's log (the failing rank is often not rank 0), before they are deleted."""
+    with contextlib.suppress(Exception):
+        for step in trainer_client.get_job(trainjob.name).steps:
+            if step.name == NODE_0 or not step.pod_name or step.status == "Pending":
+                continue
+            text = trainer_client.backend.core_api.read_namespaced_pod_log(
+                step.pod_name, trainjob.namespace, container=NODE, tail_lines=TAIL_LINES,
+                _request_timeout=API_TIMEOUT)
+            print(f"rangefinder: the last lines of {step.name} (pod {step.pod_name}):", flush=True)
+            for line in text.splitlines():
+                print(f"  {line}", flush=True)

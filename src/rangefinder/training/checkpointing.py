@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from safetensors import SafetensorError
 
+from rangefinder.config import TrainingConfig
 from rangefinder.errors import ConfigError, RangefinderError
 from rangefinder.formats import checkpoints
 
@@ -209,8 +210,11 @@ def _check_same_run(saved: dict[str, Any], run: Run) -> None:
             f"cannot resume: the checkpoint under {run.settings.ckpt_root} is from a {was} run but the base model "
             f"{run.sd.source} is {is_}; resume with the base model the run started from, or start in an empty folder"
         )
-    before = {k: v for k, v in saved["training"].items() if k not in RESUMABLE_CHANGES}
     now = {k: v for k, v in run.cfg.model_dump(mode="json").items() if k not in RESUMABLE_CHANGES}
+    # A setting newer than the checkpoint counts as its default: the run trained as that default does.
+    defaults = TrainingConfig().model_dump(mode="json")
+    before = {k: v for k, v in saved["training"].items() if k not in RESUMABLE_CHANGES}
+    before.update({k: defaults[k] for k in now if k not in saved["training"] and k in defaults})
     changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
     same_data = saved["total_updates"] == run.settings.plan.total_updates and saved["train_images"] == len(
         run.settings.train_items

@@ -6,7 +6,7 @@ which complete the `Run` the loop trains with.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
@@ -45,7 +45,7 @@ from rangefinder.training.families import family_for
 from rangefinder.training.family import Denoiser, Family, ImageGeometry
 from rangefinder.training.methods import make_method
 from rangefinder.training.schedules import LRSchedule, make_schedule
-from rangefinder.training.validation import ValidationSet
+from rangefinder.training.validation import Shard, ValidationSet
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -573,6 +573,7 @@ class Run:
     prepared: dict[str, torch.nn.Module]  # the same as accelerate prepared them (DDP-wrapped when multi-process)
     denoiser: Denoiser  # the training forward pass, through the prepared modules
     eval_denoiser: Denoiser  # the same through the unwrapped modules (validation)
+    val_shard: Shard = field(default_factory=Shard)  # this process' share of each validation pass
 
     @property
     def cfg(self) -> TrainingConfig:
@@ -634,6 +635,8 @@ def prepare_run(settings: RunSettings, accelerator: Accelerator, sd: SDComponent
         ema.to(device)
     modules = method.trainable_modules()
     prepared = {name: accelerator.prepare(m) for name, m in modules.items()}  # DDP-wrapped when multi-process
+    if cfg.allreduce_dtype == "bf16":
+        _sum_gradients_in_bf16(prepared.values())
     optimizer = accelerator.prepare(optimizer)
     unet = prepared.get("unet", sd.unet)
     text_encoders = ([prepared.get(n, getattr(sd, n)) for n in family.text_encoder_names()]
@@ -644,7 +647,33 @@ def prepare_run(settings: RunSettings, accelerator: Accelerator, sd: SDComponent
         denoiser=Denoiser(family, unet, text_encoders, accelerator.autocast),
         eval_denoiser=Denoiser(family, unwrap(unet), None if text_encoders is None else
                                [unwrap(t) for t in text_encoders], accelerator.autocast),
+        val_shard=Shard.of(accelerator),
     )
+
+
+def _sum_gradients_in_bf16(modules: Iterable[torch.nn.Module]) -> None:
+    """training.allreduce_dtype: bf16. DDP all-reduces each gradient bucket in bf16: half the bytes per update
+    (docs/scaling.md, section 2). The hook is PyTorch's `bf16_compress_hook`, registered as `bf16_allreduce_hook`:
+    DDP refuses the hook *by its name* unless the build has CUDA and NCCL, though gloo sums bf16 as well (how the
+    CPU tests run it); so the NCCL version it protects is checked here. No effect on one process (no DDP)."""
+    import torch.distributed as dist
+
+    for module in modules:
+        if not isinstance(module, torch.nn.parallel.DistributedDataParallel):
+            continue
+        if dist.get_backend() == "nccl" and torch.cuda.nccl.version() < (2, 10):
+            raise ConfigError(f"training.allreduce_dtype bf16 needs NCCL 2.10 or newer (this PyTorch has NCCL "
+                              f"{'.'.join(map(str, torch.cuda.nccl.version()))}); set training.allreduce_dtype: fp32")
+        module.register_comm_hook(None, bf16_allreduce_hook)
+
+
+def bf16_allreduce_hook(process_group, bucket):  # unannotated: see the docstring
+    """PyTorch's default_hooks.bf16_compress_hook: the bucket cast to bf16 and divided by the world size,
+    all-reduced, cast back to fp32 in place. Unannotated: DDP checks a hook's annotations against real types, and
+    this module's are strings."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return default_hooks.bf16_compress_hook(process_group, bucket)
 
 
 def _make_optimizer(cfg: TrainingConfig, groups: list[dict], lr: float) -> torch.optim.Optimizer:

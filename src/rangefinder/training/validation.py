@@ -15,13 +15,17 @@ bucket's latent shape, so the measurement stays a fixed function of the model. `
 sets together (the subset's loss is the mean over all its items) and gives each bucket's loss too.
 
 `measure` scores one set; `validate` writes one row of the run's curve (metrics.csv) from the sets it measures.
+
+On several processes (`Shard`) each process scores its share of a subset's (item, k) pairs, and one all-reduce
+gives every process every pair's loss: the one-process numbers up to the last bits (the batches differ), the same
+on every process, at 1/world_size of the compute per process.
 """
 
 from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
@@ -74,6 +78,40 @@ class FixedInputs:
     conditioning: torch.Tensor  # (N, ...) on the device
 
 
+@dataclass
+class Shard:
+    """This process' share of a validation pass, and how the processes pool their losses.
+
+    A subset's (item, k) pairs, set after set in pair order, are cut into world_size contiguous, near-equal ranges;
+    process r scores range r, set by set in batches of `batch_size` (one latent shape per batch), each pair with its
+    fixed timestep and noise of (seed, item id, k). Each process writes its losses at their places in a vector of
+    zeros and one all-reduce sums the vectors (x + 0 is exact), so every process gets every pair's loss and the
+    same curve (the divergence stop agrees without a broadcast), at 1/world_size of the UNet passes each. The
+    batches differ from one process' (the shards cut them), which moves the last bits only, as another batch_size
+    does (`measure`)."""
+
+    rank: int = 0
+    world_size: int = 1
+    sum_over_processes: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # an all-reduce (sum)
+    pairs_by_rank: list[int] = field(default_factory=lambda: [0])  # pairs each process scored, this run
+
+    @classmethod
+    def of(cls, accelerator: Any) -> Shard:
+        """This process' shard under accelerate (one process: every batch)."""
+        n = accelerator.num_processes
+        if n == 1:
+            return cls()
+
+        def sum_over_processes(t: torch.Tensor) -> torch.Tensor:  # NCCL reduces device tensors, gloo CPU ones
+            return accelerator.reduce(t.to(accelerator.device), reduction="sum").cpu()
+
+        return cls(accelerator.process_index, n, sum_over_processes, [0] * n)
+
+    def pair_range(self, n_pairs: int) -> tuple[int, int]:
+        return n_pairs * self.rank // self.world_size, n_pairs * (self.rank + 1) // self.world_size
+
+
+
 def noise_seed(seed: int, item_id: int, k: int) -> int:
     digest = hashlib.blake2b(f"{seed}|{item_id}|{k}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
@@ -112,20 +150,22 @@ def measure(
 @torch.no_grad()
 def measure_subset(
     vsets: list[ValidationSet], denoiser: Denoiser, *, num_buckets: int, seed: int, batch_size: int,
-    device: torch.device,
+    device: torch.device, shard: Optional[Shard] = None,
 ) -> tuple[float, list[float], dict[str, float]]:
     """(mean loss, per-timestep-bucket losses, mean loss per aspect-ratio bucket) of one subset held as several
     sets, one per aspect-ratio bucket. Each set's pairs go through the UNet on their own (one latent shape per
     batch), the sets in the given order; the subset's numbers are then summed over all its pairs in that order, so
-    a subset of one set gives exactly what `measure` always gave."""
-    losses: list[float] = []
+    a subset of one set gives exactly what `measure` always gave. `shard`: this process' share of the batches
+    (None: one process, every batch); the result is the same on every process."""
+    losses = _subset_pair_losses(vsets, denoiser, num_buckets=num_buckets, seed=seed, batch_size=batch_size,
+                                 device=device, shard=shard or Shard())
     per_set: dict[str, float] = {}
+    start = 0
     for vset in vsets:
-        pair_losses = _pair_losses(vset, denoiser, num_buckets=num_buckets, seed=seed, batch_size=batch_size,
-                                   device=device)
+        pair_losses = losses[start:start + len(vset) * num_buckets]
+        start += len(pair_losses)
         if vset.bucket is not None:
             per_set[vset.bucket] = sum(pair_losses) / len(pair_losses)
-        losses += pair_losses
     n_items = sum(len(v) for v in vsets)
     bucket_sums = [0.0] * num_buckets
     for p, loss in enumerate(losses):  # every set's pairs are item-major, so pair p is at timestep bucket p % K
@@ -134,15 +174,49 @@ def measure_subset(
     return sum(per_bucket) / num_buckets, per_bucket, per_set
 
 
-def _pair_losses(
-    vset: ValidationSet, denoiser: Denoiser, *, num_buckets: int, seed: int, batch_size: int, device: torch.device
+def _subset_pair_losses(
+    vsets: list[ValidationSet], denoiser: Denoiser, *, num_buckets: int, seed: int, batch_size: int,
+    device: torch.device, shard: Shard,
 ) -> list[float]:
-    """The loss of every (item, k) pair of one set, in pair order (float64 values)."""
+    """The loss of every (item, k) pair of the subset, set after set, each in pair order (float64 values)."""
+    if shard.world_size == 1:
+        losses: list[float] = []
+        for vset in vsets:
+            losses += _pair_losses(vset, denoiser, num_buckets=num_buckets, seed=seed, batch_size=batch_size,
+                                   device=device)
+        shard.pairs_by_rank[0] += len(losses)
+        return losses
+    assert shard.sum_over_processes is not None
+    n_pairs = [len(v) * num_buckets for v in vsets]
+    first, last = shard.pair_range(sum(n_pairs))
+    # The subset's pairs, then one slot per process for the number of pairs it scored: one all-reduce for both.
+    pooled = torch.zeros(sum(n_pairs) + shard.world_size, dtype=torch.float64)
+    offset = 0
+    for vset, n in zip(vsets, n_pairs, strict=True):
+        lo, hi = max(first - offset, 0), min(last - offset, n)
+        if lo < hi:
+            pooled[offset + lo:offset + hi] = torch.tensor(
+                _pair_losses(vset, denoiser, num_buckets=num_buckets, seed=seed, batch_size=batch_size,
+                             device=device, pairs=(lo, hi)), dtype=torch.float64)
+        offset += n
+    pooled[offset + shard.rank] = last - first
+    pooled = shard.sum_over_processes(pooled)
+    counts = pooled[offset:].tolist()
+    shard.pairs_by_rank = [a + int(b) for a, b in zip(shard.pairs_by_rank, counts, strict=True)]
+    return pooled[:offset].tolist()
+
+
+def _pair_losses(
+    vset: ValidationSet, denoiser: Denoiser, *, num_buckets: int, seed: int, batch_size: int, device: torch.device,
+    pairs: Optional[tuple[int, int]] = None,
+) -> list[float]:
+    """The loss of every (item, k) pair of one set, in pair order (float64 values); with `pairs` (lo, hi), of those
+    pairs only."""
     fixed = vset.fixed_inputs(seed, num_buckets, denoiser.family.num_timesteps, device)
-    n_pairs = len(vset) * num_buckets
+    lo, hi = pairs or (0, len(vset) * num_buckets)
     per_pair = []
-    for start in range(0, n_pairs, batch_size):
-        end = min(start + batch_size, n_pairs)
+    for start in range(lo, hi, batch_size):
+        end = min(start + batch_size, hi)
         idx = torch.arange(start, end, device=device) // num_buckets
         latents, cond = fixed.latents[idx], fixed.conditioning[idx]
         timesteps, noise = fixed.timesteps[start:end], fixed.noise[start:end]
@@ -176,7 +250,7 @@ def validate(run: Run, state: RunState, metric_sink: Optional[MetricSink], last:
                 continue
             mean, buckets, by_shape = measure_subset(vsets, run.eval_denoiser, num_buckets=val_cfg.timesteps,
                                                      seed=val_cfg.seed, batch_size=val_cfg.batch_size,
-                                                     device=run.device)
+                                                     device=run.device, shard=run.val_shard)
             row[f"{name}_loss"] = mean
             row.update({f"{name}_loss_b{k}": b for k, b in enumerate(buckets)})
             if len(vsets) > 1:  # the loss of each aspect-ratio bucket: val_loss_40x24, ...
