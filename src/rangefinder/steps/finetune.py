@@ -18,7 +18,7 @@ import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from rangefinder.config import RangefinderConfig, TrainingConfig, plan_for, resolve_mixed_precision
 from rangefinder.errors import RangefinderError
@@ -26,6 +26,9 @@ from rangefinder.formats import checkpoints
 from rangefinder.formats.atomic import write_json, write_text
 from rangefinder.steps.launch import batch_note, run_training, step_world_size
 from rangefinder.steps.workdir import publish, work_dir
+
+if TYPE_CHECKING:
+    from rangefinder.analysis import SampleStrip
 
 
 @dataclass
@@ -119,7 +122,7 @@ def keep_chosen_checkpoint(run_dir: Path, window: Any, curve: dict, base_model: 
     return info
 
 
-def sample_strip(run_dir: Path) -> Optional[Any]:
+def sample_strip(run_dir: Path) -> Optional[SampleStrip]:
     """The run's samples during training (training/samples.py's index) as the report's "samples over training"
     strip; None when it rendered none."""
     from rangefinder.analysis import SampleStrip
