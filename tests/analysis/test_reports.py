@@ -188,8 +188,15 @@ def test_step_report_shows_the_samples_over_training_strip(tmp_path):
     parser.feed(page)
     assert "Samples over training" in page and "samples_during_training" in page
     assert [s[:22] for s in parser.srcs].count("data:image/png;base64,") == 1 + 6  # the plot and 6 samples
-    assert page.index("update 0<br>epoch 0") < page.index("update 40<br>epoch 5") < page.index("update 80<br>epoch 10")
+    assert "<th class='row'>update</th><th>0</th><th>40</th><th>80</th></tr>" in page
+    assert "<th class='row'>epoch</th><th>0</th><th>5</th><th>10</th></tr>" in page
     assert "alt='a yellow square | seed 0 at update 80'" in page and "width='96'" in page  # 32 px shown at 96
-    assert "updates 0, 40, 80" in paths["markdown"].read_text()
+    assert "updates 0, 40, 80" in paths["markdown"].read_text() and "Scroll" not in page
+    # Eleven columns (the demo's auto) still fit the page's width, at smaller cells; forty scroll inside the box.
+    eleven = write_step_report(w, None, tmp_path / "eleven",
+                               samples=SampleStrip(strip.rows, (columns * 4)[:11]))["html"].read_text()
+    assert "width='53'" in eleven and "Scroll" not in eleven
+    many = write_step_report(w, None, tmp_path / "many", samples=SampleStrip(strip.rows, columns * 14))["html"]
+    assert "width='40'" in many.read_text() and "Scroll the strip sideways" in many.read_text()
     plain = write_step_report(w, None, tmp_path / "plain")["html"].read_text()
     assert "Samples over training" not in plain

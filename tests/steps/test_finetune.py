@@ -136,5 +136,5 @@ def test_the_finetune_step_logs_samples_during_training_to_mlflow_with_their_ste
     assert [e["update"] for e in index["samples"]] == steps
     assert {e["logged_to"] for e in index["samples"]} == {run.info.run_id}
     page = report.read_text()
-    assert "Samples over training" in page and "update 16<br>epoch 4" in page
+    assert "Samples over training" in page and "<th class='row'>update</th><th>0</th><th>8</th><th>16</th>" in page
     assert page.count("alt='a red circle on a blue background | seed 0 at update") == 3

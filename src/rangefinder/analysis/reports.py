@@ -46,6 +46,9 @@ vertical-align:top} .strip th{font-weight:600;font-size:.85em;white-space:nowrap
 """
 
 
+STRIP_WIDTH = 828  # px: the page's content width (_CSS: max-width 860 less 2 x 16 padding)
+
+
 @dataclass(frozen=True)
 class SampleStrip:
     """Samples rendered during a run (training/samples.py), for its report: the same prompts and seeds at several
@@ -87,9 +90,15 @@ def _strip_html(strip: Optional[SampleStrip]) -> str:
     if strip is None or not strip.columns:
         return ""
     e = html.escape
-    natural = _png_width(strip.columns[0][2][0])
-    size = 96 if natural <= 96 else 128
-    head = "".join(f"<th>update {u}<br>epoch {ep:g}</th>" for u, ep, _ in strip.columns)
+    # Cells as large as fit the page's width (_CSS: 860 px less padding, a 150 px label column, 8 px per cell), in
+    # bounds: small images (tiny models) at 96 px down to 40, others at 128 down to 64, past which the box scrolls.
+    natural, n = _png_width(strip.columns[0][2][0]), len(strip.columns)
+    largest, smallest = (96, 40) if natural <= 96 else (128, 64)
+    size = max(smallest, min(largest, (STRIP_WIDTH - 150) // n - 8))
+    scrolls = 150 + n * (size + 8) > STRIP_WIDTH
+    # Two header rows of bare numbers, labelled on the left, so a column is as narrow as its images.
+    head = ("<tr><th class='row'>update</th>" + "".join(f"<th>{u}</th>" for u, _, _ in strip.columns) + "</tr>"
+            "<tr><th class='row'>epoch</th>" + "".join(f"<th>{ep:g}</th>" for _, ep, _ in strip.columns) + "</tr>")
     body = []
     for r, label in enumerate(strip.rows):
         cells = "".join(
@@ -98,9 +107,10 @@ def _strip_html(strip: Optional[SampleStrip]) -> str:
         body.append(f"<tr><th class='row'>{e(label)}</th>{cells}</tr>")
     where = (f" MLflow holds the same grids as the image series <span class='flag'>{e(strip.mlflow_key)}</span> "
              "of this run (step = update)." if strip.mlflow_key else "")
+    more = " Scroll the strip sideways for the later updates." if scrolls else ""
     return (f"<h2>Samples over training</h2><p class='muted'>The same prompts and seeds rendered from the weights at "
-            f"{len(strip.columns)} validations; only the weights differ along a row.{where}</p>"
-            f"<div class='strip'><table><tr><th></th>{head}</tr>{''.join(body)}</table></div>")
+            f"{len(strip.columns)} validations; only the weights differ along a row.{where}{more}</p>"
+            f"<div class='strip'><table>{head}{''.join(body)}</table></div>")
 
 
 def _page(title: str, status: str, lead: str, png: Path, rows: list[tuple[str, Any, str]],
