@@ -9,8 +9,10 @@ latents cached
 - `on`: validation at the given interval (default every epoch, the fine-tune's setting), with the config's
   defaults otherwise (`validation.batch_size`, `validation.stabilize_every`);
 - any `--variant LABEL:key=value,...` (ValidationConfig fields: batch_size, stabilize_every, every_epochs,
-  every_updates, timesteps), each its own arm in the same alternating rounds, so levers are compared under the same
-  load, e.g. `--variant bs8:batch_size=8 --variant stab3:stabilize_every=3`.
+  every_updates, timesteps; and `sampling.FIELD` for samples during training, SamplingConfig fields over the demo's
+  sampling settings), each its own arm in the same alternating rounds, so levers are compared under the same
+  load, e.g. `--variant bs8:batch_size=8 --variant stab3:stabilize_every=3` or `--variant
+  samples:sampling.every_validations=auto`.
 
 Each round runs the arms in a rotated order (the first arm of one round is the last of the next).
 
@@ -20,6 +22,11 @@ Two estimates of the share, which should agree:
   training-only time of the `off` run with the same updates;
 - paired: (loop time of `on` - loop time of `off`) / loop time of `off` (the engine's loop timer; it starts after
   the baseline pass, so this one leaves the baseline out).
+
+An arm with samples during training also reports their cost: seconds inside the engine's
+`TrainingSamples.after_validation` (render, save, log; timed by a wrapper as above) over the `off` run's
+training-only time ("samples share, direct"), and (its loop time - the `on` arm's) over the same ("paired"): what
+the samples add to a validated run.
 
 It also reports the cost of one validation pass, and the validation interval (in epochs) at which the share would be
 the target (5%): validation costs K x (val + stabilize images) forward passes, training 3 x train images (forward
@@ -69,22 +76,50 @@ def timed_measure() -> Iterator[list[float]]:
         validation.measure_subset = original
 
 
+@contextmanager
+def timed_samples() -> Iterator[list[float]]:
+    """Time every call the engine makes to its samples during training (the real method runs unchanged)."""
+    from rangefinder.training.samples import TrainingSamples
+
+    seconds: list[float] = []
+    original = TrainingSamples.after_validation
+
+    def after_validation(self, *a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return original(self, *a, **kw)
+        finally:
+            seconds.append(time.perf_counter() - t0)
+
+    TrainingSamples.after_validation = after_validation  # type: ignore[method-assign]
+    try:
+        yield seconds
+    finally:
+        TrainingSamples.after_validation = original  # type: ignore[method-assign]
+
+
 def run(setup, *, epochs: int, batch_size: int, cache_dir: Path, validation: dict[str, Any],
         seed: int = 0) -> dict[str, Any]:
-    from rangefinder.config import DataConfig, TrainingConfig, ValidationConfig
+    from rangefinder.config import DataConfig, TrainingConfig, ValidationConfig, demo_config
     from rangefinder.training.loop import TrainSpec, train
+    from rangefinder.training.samples import read_index
 
     cfg = TrainingConfig(batch_size=batch_size, epochs=epochs, lr=1e-4, schedule="constant", seed=seed,
                          cache_dir=str(cache_dir), cache_latents=True)
+    validation = dict(validation)
+    sampling_fields = validation.pop("sampling", None)
     val = ValidationConfig(**validation)
+    # Samples during training with the demo's settings (2 prompts x 1 seed, 10 steps), when the arm asks for them.
+    sampling = demo_config().sampling.model_copy(update=sampling_fields) if sampling_fields else None
     out = Path(tempfile.mkdtemp(prefix="val-overhead-"))
     try:
-        with timed_measure() as passes:
+        with timed_measure() as passes, timed_samples() as sample_calls:
             t0 = time.perf_counter()
             result = train(TrainSpec(cfg, val, split_dir=setup.split_dir, model=str(setup.model_dir),
-                                     data=DataConfig(resolution=setup.resolution)),
+                                     data=DataConfig(resolution=setup.resolution), sampling=sampling),
                            out_dir=out / "run", save_final=False)
             wall = time.perf_counter() - t0
+        index = read_index(out / "run")
         summary = json.loads(result.summary_path.read_text())
         with open(result.metrics_csv, newline="") as f:
             table = list(csv.DictReader(f))
@@ -94,7 +129,8 @@ def run(setup, *, epochs: int, batch_size: int, cache_dir: Path, validation: dic
     return {"every_epochs": val.every_epochs, "validation": val.model_dump(), "updates": result.updates,
             "loop_seconds": float(summary["seconds"]), "wall_seconds": wall, "measure_calls": len(passes),
             "measure_seconds": sum(passes),
-            "validation_rows": rows, "stabilize_rows": stabilize_rows, "cache": result.cache}
+            "validation_rows": rows, "stabilize_rows": stabilize_rows, "cache": result.cache,
+            "sample_grids": len(index["samples"]) if index else 0, "samples_seconds": sum(sample_calls)}
 
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
@@ -180,13 +216,26 @@ def parse_variant(spec: str, base: dict[str, Any]) -> dict[str, dict[str, Any]]:
     label, _, body = spec.partition(":")
     if not label or not body or label in ("on", "off"):
         raise SystemExit(f"--variant {spec!r}: write LABEL:key=value,... with a label other than on/off")
-    fields = dict(base)
+    from rangefinder.config import SamplingConfig
+
+    fields: dict[str, Any] = dict(base)
+    sampling: dict[str, Any] = {}
     for pair in body.split(","):
         key, _, value = pair.partition("=")
-        if key not in ValidationConfig.model_fields:
-            raise SystemExit(f"--variant {spec!r}: {key!r} is not a validation setting")
-        fields[key] = None if value == "None" else json.loads(value)
+        try:
+            parsed = None if value == "None" else json.loads(value)
+        except ValueError:
+            parsed = value  # a bare word: auto
+        if key.startswith("sampling.") and key.removeprefix("sampling.") in SamplingConfig.model_fields:
+            sampling[key.removeprefix("sampling.")] = parsed
+        elif key in ValidationConfig.model_fields:
+            fields[key] = parsed
+        else:
+            raise SystemExit(f"--variant {spec!r}: {key!r} is not a validation or sampling.* setting")
     ValidationConfig(**fields)  # a bad value fails here, before any run
+    if sampling:
+        SamplingConfig(**sampling)
+        fields["sampling"] = sampling
     return {label: fields}
 
 
@@ -227,6 +276,18 @@ def summarize_arm(result: dict[str, Any], args, arm: str) -> dict[str, Any]:
     }
     if per_pass:
         s["interval_epochs_for_target"] = per_pass / (args.target_pct / 100 * per_epoch_train)
+    if settings.get("sampling"):
+        on_plain = [r for r in runs if r["arm"] == "on"]
+        samples_s = statistics.median(r["samples_seconds"] for r in on)
+        grids = on[0]["sample_grids"]
+        s["sampling"] = settings["sampling"]
+        s["sample_grids"] = grids
+        s["samples_seconds"] = samples_s
+        s["seconds_per_grid"] = samples_s / grids if grids else None
+        s["samples_share_direct_pct"] = 100 * samples_s / train_s
+        if on_plain:
+            s["samples_share_paired_pct"] = 100 * (on_loop - statistics.median(r["loop_seconds"] for r in on_plain)) \
+                / train_s
     split = result["split"]
     # Forward-pass count model: K forwards per val/stabilize item measured vs ~3 forward-equivalents per trained
     # image; the stabilize subset counts in the share of validations that measured it.
@@ -247,8 +308,10 @@ def report(result: dict[str, Any]) -> str:
             f"cached (median of {st['rounds']} rounds)")
     arms = {"on": s} | s.get("variants", {})
     keys = [k for k in s if k not in ("variants", "validation")]
+    keys += [k for v in arms.values() for k in v if k not in keys and k not in ("variants", "validation", "sampling")]
     rows = [{"arm": a, "every_epochs": v["validation"]["every_epochs"], "batch_size": v["validation"]["batch_size"],
-             "stabilize_every": v["validation"]["stabilize_every"]} | {k: v.get(k) for k in keys}
+             "stabilize_every": v["validation"]["stabilize_every"],
+             "samples_every": (v.get("sampling") or {}).get("every_validations")} | {k: v.get(k) for k in keys}
             for a, v in arms.items()]
     columns = ["quantity"] + list(arms)
     table_rows = [{"quantity": k, **{r["arm"]: r[k] for r in rows}} for k in rows[0] if k != "arm"]

@@ -267,3 +267,27 @@ def test_processes_per_node_is_auto_or_a_count(value):
     with pytest.raises(ConfigError, match=r"training.processes_per_node: must be auto .* or a whole number"):
         parse_config({"training": {"processes_per_node": value}})
     assert parse_config({"training": {"processes_per_node": "2"}}).training.processes_per_node == 2
+
+
+@pytest.mark.parametrize("value", ["sometimes", 0, True, -2, 1.5])
+def test_samples_during_training_are_auto_a_count_of_validations_or_off(value):
+    from rangefinder.config import parse_config
+
+    with pytest.raises(ConfigError, match=r"sampling.every_validations: must be auto .*, a whole number of "
+                                          r"validations >= 1, or null \(off\)"):
+        parse_config({"sampling": {"every_validations": value}})
+    assert parse_config({}).sampling.every_validations == "auto"
+    assert parse_config({"sampling": {"every_validations": "3"}}).sampling.every_validations == 3
+    for off in (None, False, "off"):  # a bare YAML `off` is False
+        assert parse_config({"sampling": {"every_validations": off}}).sampling.every_validations is None
+
+
+def test_samples_during_training_use_the_first_seeds():
+    from rangefinder.config import parse_config
+
+    s = parse_config({"sampling": {"seeds": [7, 8, 9], "seeds_during_training": 2}}).sampling
+    assert s.seeds_for_training() == [7, 8]
+    assert parse_config({}).sampling.seeds_for_training() == [0]  # one seed by default: a cheap grid
+    with pytest.raises(ConfigError, match=r"sampling.seeds_during_training: 3 is more than the 2 seed\(s\) in "
+                                          r"sampling.seeds; lower it or list more seeds"):
+        parse_config({"sampling": {"seeds": [0, 1], "seeds_during_training": 3}})

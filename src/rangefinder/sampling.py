@@ -17,7 +17,6 @@ import html
 import io
 import json
 import re
-import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,8 @@ from rangefinder.errors import ConfigError
 from rangefinder.formats import checkpoints
 from rangefinder.formats.atomic import atomic_dir, atomic_path, write_text
 from rangefinder.formats.export import LORA_WEIGHTS_NAME, TI_WEIGHTS_NAME, save_pipeline_folder
+from rangefinder.formats.grid import compose_grid
+from rangefinder.models.loading import check_scheduler_name
 
 ColumnKind = str  # "pipeline" | "single_file" | "unet" | "lora" | "textual_inversion" | "engine_checkpoint"
 
@@ -221,20 +222,6 @@ def _engine_checkpoint_pipeline(ckpt_dir: Path, base_model: Path, common: dict):
     return pipe.to(common["torch_dtype"])
 
 
-def check_scheduler_name(name: Optional[str]) -> None:
-    if name is None:
-        return
-    import diffusers
-    from diffusers import SchedulerMixin
-
-    cls = getattr(diffusers, name, None)
-    if not (isinstance(cls, type) and issubclass(cls, SchedulerMixin)):
-        raise ConfigError(
-            f"sampling.scheduler: {name!r} is not a diffusers scheduler class; "
-            "use a class name such as DDIMScheduler, EulerDiscreteScheduler or DPMSolverMultistepScheduler"
-        )
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # The grid
 
@@ -252,60 +239,6 @@ def _png_b64(img) -> str:
     buf = io.BytesIO()
     img.save(buf, format="PNG")
     return base64.b64encode(buf.getvalue()).decode("ascii")
-
-
-@dataclass(frozen=True)
-class GridLayout:
-    """Pixel geometry of grid.png: a header band of column labels, a band of row labels, then square cells."""
-
-    cell: int  # displayed cell size; images are upscaled (nearest) when smaller, so tiny models stay readable
-    label_width: int
-    header_height: int
-    rows: int
-    cols: int
-
-    @property
-    def size(self) -> tuple[int, int]:
-        return (self.label_width + self.cols * self.cell, self.header_height + self.rows * self.cell)
-
-    def cell_box(self, row: int, col: int) -> tuple[int, int, int, int]:
-        x = self.label_width + col * self.cell
-        y = self.header_height + row * self.cell
-        return (x, y, x + self.cell, y + self.cell)
-
-
-def compose_grid(images: list[list[Any]], row_labels: list[str], col_labels: list[str], cell: int):
-    """One PIL image: `images[row][col]` in cells, row labels on the left, column labels on top."""
-    from PIL import Image, ImageDraw, ImageFont
-
-    font = ImageFont.load_default()
-    wrap = max(8, cell // 7)
-    col_lines = [textwrap.wrap(c, wrap) or [""] for c in col_labels]
-    row_lines = [textwrap.wrap(r, 28) or [""] for r in row_labels]
-    line_h = 12
-    layout = GridLayout(
-        cell=cell,
-        label_width=max(160, 8 + 7 * max(len(line) for lines in row_lines for line in lines)),
-        header_height=8 + line_h * max(len(lines) for lines in col_lines),
-        rows=len(row_labels),
-        cols=len(col_labels),
-    )
-    grid = Image.new("RGB", layout.size, "white")
-    draw = ImageDraw.Draw(grid)
-    for c, lines in enumerate(col_lines):
-        x0 = layout.label_width + c * cell + 4
-        for i, line in enumerate(lines):
-            draw.text((x0, 4 + i * line_h), line, fill="black", font=font)
-    for r, lines in enumerate(row_lines):
-        y0 = layout.header_height + r * cell + 4
-        for i, line in enumerate(lines[: max(1, (cell - 4) // line_h)]):
-            draw.text((4, y0 + i * line_h), line, fill="black", font=font)
-    for r, row in enumerate(images):
-        for c, img in enumerate(row):
-            x0, y0, _, _ = layout.cell_box(r, c)
-            fitted = img.resize((cell, cell), Image.Resampling.NEAREST) if img.size != (cell, cell) else img
-            grid.paste(fitted, (x0, y0))
-    return grid, layout
 
 
 _GRID_CSS = (

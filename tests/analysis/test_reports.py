@@ -162,3 +162,41 @@ def test_read_curve_roundtrip(tmp_path):
     write_lr_csv(tmp_path / "m.csv", lr, np.linspace(0.2, 0.1, lr.size))
     c = read_curve_csv(tmp_path / "m.csv")
     assert np.allclose(c["lr"], lr) and np.isnan(c["train_loss"][0])
+
+
+def test_step_report_shows_the_samples_over_training_strip(tmp_path):
+    """A row per prompt and seed, a column per sampled update in order, every image embedded; without samples the
+    page has no strip."""
+    from PIL import Image
+
+    from rangefinder.analysis import SampleStrip
+
+    e = np.arange(61) / 2
+    w = select_step_window(e * 10, e, noisy(ConstantRunShape().loss(e), 0.001, 0))
+    columns = []
+    for update, colour in ((0, "red"), (40, "green"), (80, "blue")):
+        pngs = []
+        for row in range(2):
+            pngs.append(tmp_path / f"u{update}-r{row}.png")
+            Image.new("RGB", (32, 32), colour).save(pngs[-1])
+        columns.append((update, update / 8, pngs))
+    strip = SampleStrip(rows=["a red circle | seed 0", "a yellow square | seed 0"], columns=columns,
+                        mlflow_key="samples_during_training")
+    paths = write_step_report(w, None, tmp_path / "report", samples=strip)
+    page = paths["html"].read_text()
+    parser = _Collect()
+    parser.feed(page)
+    assert "Samples over training" in page and "samples_during_training" in page
+    assert [s[:22] for s in parser.srcs].count("data:image/png;base64,") == 1 + 6  # the plot and 6 samples
+    assert "<th class='row'>update</th><th>0</th><th>40</th><th>80</th></tr>" in page
+    assert "<th class='row'>epoch</th><th>0</th><th>5</th><th>10</th></tr>" in page
+    assert "alt='a yellow square | seed 0 at update 80'" in page and "width='96'" in page  # 32 px shown at 96
+    assert "updates 0, 40, 80" in paths["markdown"].read_text() and "Scroll" not in page
+    # Eleven columns (the demo's auto) still fit the page's width, at smaller cells; forty scroll inside the box.
+    eleven = write_step_report(w, None, tmp_path / "eleven",
+                               samples=SampleStrip(strip.rows, (columns * 4)[:11]))["html"].read_text()
+    assert "width='53'" in eleven and "Scroll" not in eleven
+    many = write_step_report(w, None, tmp_path / "many", samples=SampleStrip(strip.rows, columns * 14))["html"]
+    assert "width='40'" in many.read_text() and "Scroll the strip sideways" in many.read_text()
+    plain = write_step_report(w, None, tmp_path / "plain")["html"].read_text()
+    assert "Samples over training" not in plain

@@ -11,7 +11,8 @@ def test_validation_overhead_smoke(tmp_path):
 
     out = tmp_path / "val.json"
     result = main(["--smoke", "--threads", "1", "--out", str(out), "--work-dir", str(tmp_path / "work"),
-                   "--variant", "sparse:every_updates=1,stabilize_every=3"])
+                   "--variant", "sparse:every_updates=1,stabilize_every=3",
+                   "--variant", "samples:sampling.every_validations=auto"])
     saved = json.loads(out.read_text())
     assert saved["summary"] == result["summary"]
     assert saved["split"] == {"train": 8, "val": 2, "stabilize": 2}
@@ -33,3 +34,10 @@ def test_validation_overhead_smoke(tmp_path):
     assert v["validation_passes"] == 3 and v["stabilize_passes"] == 2
     # Half an epoch per validation (2 updates per epoch), val every time, stabilize at 2 of 3.
     assert v["expected_share_pct"] == pytest.approx(100 * 4 * (2 + 2 * 2 / 3) / (3 * 8 * 0.5))
+    # Samples during training (the demo's settings): an arm of its own, at the baseline and the last validation.
+    samples = next(r for r in saved["runs"] if r["arm"] == "samples")
+    assert samples["sample_grids"] == 2 and samples["samples_seconds"] > 0 and on["sample_grids"] == 0
+    assert samples["validation_rows"] == on["validation_rows"] and samples["updates"] == on["updates"]
+    sv = s["variants"]["samples"]
+    assert sv["sampling"] == {"every_validations": "auto"} and sv["sample_grids"] == 2
+    assert sv["samples_share_direct_pct"] > 0 and sv["seconds_per_grid"] > 0 and "samples_share_paired_pct" in sv

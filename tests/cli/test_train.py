@@ -35,6 +35,7 @@ def test_train_command_writes_curve_checkpoints_and_final(split_dir, tiny_model_
         assert [r["update"] for r in csv.DictReader(f)] == ["0", "1", "2"]
     assert (out / "final" / "model_index.json").is_file()
     assert [p.rsplit("/", 1)[-1] for p in result["checkpoints"]] == ["checkpoint-000001", "checkpoint-000002"]
+    assert not (out / "samples").exists()  # no sampling: section in the file, no samples during training
 
     # Resuming a finished run redoes nothing and ends the same.
     rc = main(["train", "--data", str(split_dir), "--model", str(tiny_model_dir), "--out", str(out),
@@ -43,6 +44,19 @@ def test_train_command_writes_curve_checkpoints_and_final(split_dir, tiny_model_
     assert rc == 0
     again = json.loads(capsys.readouterr().out)
     assert again["resumed_from"] == 2 and again["updates"] == 2
+
+
+def test_a_sampling_section_renders_samples_during_training(split_dir, tiny_model_dir, tmp_path, capsys):
+    config = tmp_path / "rf.yaml"
+    config.write_text(yaml.safe_dump({"training": {"cache_dir": str(tmp_path / "cache"), "lr": 1e-4},
+                                      "sampling": {"num_inference_steps": 2, "every_validations": 1}}))
+    out = tmp_path / "out"
+    rc = main(["train", "--data", str(split_dir), "--model", str(tiny_model_dir), "--out", str(out),
+               "--config", str(config), "--steps", "2", "--batch-size", "4", "--validate-every-updates", "1"])
+    assert rc == 0, capsys.readouterr().err
+    index = json.loads((out / "samples" / "index.json").read_text())
+    assert [e["update"] for e in index["samples"]] == [0, 1, 2]
+    assert all((out / "samples" / e["grid"]).is_file() for e in index["samples"])
 
 
 @pytest.mark.parametrize("flags, words", [

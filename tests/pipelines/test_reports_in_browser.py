@@ -38,6 +38,8 @@ def test_every_report_reads_in_a_browser(default_local_run, tmp_path):
     assert "recommended epochs" in ft
     # The run's recommendation, or (this tiny run's 3 points may show no window) the status that says why not.
     assert f"Train for {s['recommended_epochs']} epochs" in ft or "no_improvement" in ft, ft[:300]
+    # Samples over training: the plot, then one image per sampled validation (2 epochs: updates 0, 4 and 8).
+    assert "Samples over training" in ft and len(checks["finetune.html"].images) == 1 + 3, ft[-600:]
     grid = checks["sample-images-grid.html"]
     assert "a red circle" in grid.text and "base" in grid.text and "fine-tuned (final)" in grid.text
     assert len(grid.images) >= 2  # one prompt x seed: the base column and at least the final weights

@@ -100,3 +100,41 @@ def test_no_recommendation_keeps_everything(tmp_path):
     (tmp_path / "checkpoints" / "checkpoint-000004").mkdir(parents=True)
     assert keep_chosen_checkpoint(tmp_path, window, {}, tmp_path) is None
     assert (tmp_path / "checkpoints" / "checkpoint-000004").is_dir() and not (tmp_path / "chosen").exists()
+
+
+@pytest.mark.slow
+def test_the_finetune_step_logs_samples_during_training_to_mlflow_with_their_steps(
+        split_dir, tiny_model_dir, tmp_path, monkeypatch):
+    """Issue 20, item 2's must-show: after the fine-tune step, its MLflow run (a real sqlite store) holds a sample
+    grid at several updates, each as the step of the image series `samples_during_training`, and the step's report
+    shows them as its "samples over training" strip."""
+    from mlflow import MlflowClient
+
+    from rangefinder.steps.finetune import run_finetune
+    from rangefinder.training.samples import SAMPLES_KEY, read_index
+
+    for var in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME"):
+        monkeypatch.delenv(var, raising=False)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = demo_config(model={"base_model": str(tiny_model_dir)}, finetune={"epochs": 4},
+                      training={"cache_dir": str(tmp_path / "cache")},
+                      tracking={"tracking_uri": uri, "experiment_name": "samples", "registered_model_name": None},
+                      sampling={"num_inference_steps": 2, "every_validations": 2})
+    report = tmp_path / "finetune.html"
+    run_finetune(cfg, split_dir=split_dir, lr_low=1e-3, lr_high=1e-3, lr_mid=1e-3, model_dir=tmp_path / "ft",
+                 report_html=report)
+
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("samples").experiment_id],
+                                filter_string="tags.`rangefinder.step` = 'finetune'")
+    names = [f.path.split("/")[-1] for f in client.list_artifacts(run.info.run_id, "images")]
+    steps = sorted(int(n.split("+step+")[1].split("+")[0]) for n in names
+                   if n.startswith(f"{SAMPLES_KEY}+step+") and n.endswith(".png"))
+    # 16 images at batch 4, 4 epochs: validations at updates 0, 4, 8, 12, 16; every 2nd and the last.
+    assert steps == [0, 8, 16]
+    index = read_index(tmp_path / "ft")
+    assert [e["update"] for e in index["samples"]] == steps
+    assert {e["logged_to"] for e in index["samples"]} == {run.info.run_id}
+    page = report.read_text()
+    assert "Samples over training" in page and "<th class='row'>update</th><th>0</th><th>8</th><th>16</th>" in page
+    assert page.count("alt='a red circle on a blue background | seed 0 at update") == 3

@@ -23,12 +23,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rangefinder.config import RangefinderConfig, resolve_processes_per_node
+from rangefinder.config import RangefinderConfig, SamplingConfig, resolve_processes_per_node
 from rangefinder.errors import ConfigError
 from rangefinder.formats import checkpoints
 from rangefinder.steps import launch
 from rangefinder.steps.finetune import finetune_training_config
 from rangefinder.training.loop import TrainSpec
+from rangefinder.training.samples import read_index
 
 UNET = Path("final") / "unet" / "diffusion_pytorch_model.safetensors"
 
@@ -42,9 +43,13 @@ def _cfg(processes: int, batch: int, cache: Path) -> RangefinderConfig:
     )
 
 
-def _spec(cfg: RangefinderConfig, split_dir: Path, model: Path, **training) -> TrainSpec:
+def _spec(cfg: RangefinderConfig, split_dir: Path, model: Path, sampling=None, **training) -> TrainSpec:
     tc = finetune_training_config(cfg, 1e-4, 3e-4, 2e-4, 16).model_copy(update=training)
-    return TrainSpec(tc, cfg.validation, split_dir=split_dir, model=str(model))
+    return TrainSpec(tc, cfg.validation, split_dir=split_dir, model=str(model), sampling=sampling)
+
+
+# Samples during training in the two-process runs: rank 0 renders them (the job file carries the settings).
+SAMPLING = SamplingConfig(num_inference_steps=2, every_validations=2)
 
 
 def _val_losses(out: Path) -> list[float]:
@@ -59,7 +64,7 @@ def test_two_processes_train_what_one_does_and_resume_after_sigkill(split_dir, t
     torch.set_num_threads(1)
     cache = tmp_path / "cache"
     one, two = _cfg(1, 4, cache), _cfg(2, 2, cache)
-    spec1, spec2 = _spec(one, split_dir, tiny_model_dir), _spec(two, split_dir, tiny_model_dir)
+    spec1, spec2 = _spec(one, split_dir, tiny_model_dir), _spec(two, split_dir, tiny_model_dir, SAMPLING)
     assert (spec1.training.world_size, spec2.training.world_size) == (1, 2)
     # 16 images at global batch 4: 4 updates an epoch, 12 in all; a checkpoint every epoch.
     assert spec2.training.checkpoint_every_updates == 4
@@ -80,6 +85,9 @@ def test_two_processes_train_what_one_does_and_resume_after_sigkill(split_dir, t
     (one_pass,) = json.loads((tmp_path / "one" / "run_summary.json").read_text())["validation_pairs_by_rank"]
     shares = json.loads((tmp_path / "two" / "run_summary.json").read_text())["validation_pairs_by_rank"]
     assert len(shares) == 2 and sum(shares) == one_pass and shares[0] == shares[1], shares
+    # Rank 0 rendered the samples: validations 0 to 3 at every 2nd and the last.
+    assert [e["update"] for e in read_index(tmp_path / "two")["samples"]] == [0, 8, 12]
+    assert read_index(tmp_path / "one") is None
 
     # Rank 0 wrote every checkpoint (its weights, optimizer and state); each rank added only its RNG states.
     for ckpt in checkpoints.list_checkpoints(tmp_path / "two" / "checkpoints"):
@@ -107,12 +115,13 @@ def test_two_processes_train_what_one_does_and_resume_after_sigkill(split_dir, t
     assert done and max(done) < 12
 
     # Without resume, every rank refuses the folder: one error in the step, the rank's own sentence.
-    fresh = _spec(two, split_dir, tiny_model_dir, resume=False)
+    fresh = _spec(two, split_dir, tiny_model_dir, SAMPLING, resume=False)
     with pytest.raises(ConfigError, match="already holds a run; pass --resume"):
         launch.run_training(two, fresh, out_dir=cut)
     resumed = launch.run_training(two, spec2, out_dir=cut)  # training.resume is on in the fine-tune's settings
     assert resumed.resumed_from == max(done) and resumed.updates == 12
     assert _val_losses(cut) == _val_losses(tmp_path / "two")
+    assert [e["update"] for e in read_index(cut)["samples"]] == [0, 8, 12]  # whole: no duplicate, no gap
     w, r = load_file(str(tmp_path / "two" / UNET)), load_file(str(cut / UNET))
     assert w.keys() == r.keys() and all(torch.equal(w[k], r[k]) for k in w)
 

@@ -51,6 +51,12 @@ def check_pipeline_record(tracking_uri: str, experiment: str, summary: dict, *, 
 
     assert {"curves", "report", "dataset"} <= {a.path for a in client.list_artifacts(rt.info.run_id)}
     assert client.list_artifacts(children["finetune"].info.run_id, "curves")
+    # Samples during the fine-tune (sampling.every_validations, auto): the image series, its steps the updates, from
+    # the update-0 baseline to the last validation.
+    names = [a.path.rsplit("/", 1)[-1] for a in client.list_artifacts(children["finetune"].info.run_id, "images")]
+    steps = sorted(int(n.split("+step+")[1].split("+")[0]) for n in names
+                   if n.startswith("samples_during_training+step+") and n.endswith(".png"))
+    assert len(steps) >= 2 and steps[0] == 0 and len(set(steps)) == len(steps), names
 
     if model_name:
         mv = client.get_model_version_by_alias(model_name, "candidate")

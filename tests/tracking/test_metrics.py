@@ -53,3 +53,32 @@ def test_a_down_server_loses_nothing_until_close_reports_it(mlflow_server_uri, r
     never.log_metrics({"train_loss": 0.3}, step=3)
     with pytest.raises(TrackingError, match="could not send 1 metric values"):
         never.close()
+
+
+def test_an_image_goes_now_or_into_the_spool_while_the_server_is_down(mlflow_server_uri, run_id, tmp_path):
+    """The multi-process workers' sink is also the engine's ImageSink: a sample grid reaches the run as one step
+    of its image series at once, or waits in the step's spool for `rangefinder relog` when the server is away."""
+    from PIL import Image
+
+    from rangefinder.tracking.spool import Spool, read_spool, replay
+    from rangefinder.training import ImageSink
+
+    png = tmp_path / "grid.png"
+    Image.new("RGB", (40, 20), "red").save(png)
+    # First the server is away (mlflow caches where a run's artifacts go once it has asked a live server, so the
+    # down server comes first, as it would for a run that has logged nothing yet).
+    spool = Spool(tmp_path / "spool" / "finetune.jsonl", tracking_uri=mlflow_server_uri, run_id=run_id,
+                  step="finetune")
+    away = BatchedMetricLogger(MlflowClient(tracking_uri=f"http://127.0.0.1:{free_port()}"), run_id, spool=spool)
+    assert isinstance(away, ImageSink)
+    away.log_image(png, key="samples_during_training", step=8)  # no error: training goes on
+    assert read_spool(spool.path).counts() == {"image": 1}
+
+    up = MlflowClient(tracking_uri=mlflow_server_uri)
+    BatchedMetricLogger(up, run_id).log_image(png, key="samples_during_training", step=4)
+    png.unlink()  # the run's folder may be gone by the time someone relogs: the spool kept its own copy
+    replay(spool.path, up)
+
+    names = [f.path.split("/")[-1] for f in up.list_artifacts(run_id, "images") if f.path.endswith(".png")]
+    steps = sorted(int(n.split("+step+")[1].split("+")[0]) for n in names if n.startswith("samples_during_training"))
+    assert steps == [4, 8], names

@@ -4,6 +4,8 @@ SETTINGS holds split_dir, model, out_dir, training (TrainingConfig fields), vali
 (DataConfig fields);
 kill_at_update: the process SIGKILLs itself while logging that update (no cleanup, no atexit), as a crash would;
 pause_at_update: it creates the file `pause_marker` and sleeps (until killed) while logging that update;
+sampling (SamplingConfig fields): samples during training; mlflow ({tracking_uri, run_id}): the run also logs to that
+MLflow run through the multi-process workers' sink (tracking.runs.step_metric_sink), images included;
 max_file_bytes: no file it writes may grow past that many bytes (RLIMIT_FSIZE; a write past it fails with EFBIG,
 as on a full disk). A RangefinderError is printed on one line with exit status 2, as the CLI does.
 """
@@ -33,22 +35,45 @@ class KillAt:
                 time.sleep(1)
 
 
+class KillAtWithMlflow(KillAt):
+    """KillAt, also logging to a real MLflow run (metrics and the samples' images)."""
+
+    def __init__(self, sink, *a):
+        super().__init__(*a)
+        self.sink, self.run_id = sink, sink.run_id
+
+    def log_metrics(self, metrics, step):
+        self.sink.log_metrics(metrics, step)
+        super().log_metrics(metrics, step)
+
+    def log_image(self, image, artifact_file=None, *, key=None, step=None):
+        self.sink.log_image(image, artifact_file, key=key, step=step)
+
+
 def main(path):
     torch.set_num_threads(1)  # every run of the comparison computes with the same reduction order
     s = json.loads(open(path).read())
     if s.get("max_file_bytes"):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write then fails with EFBIG instead of killing us
         resource.setrlimit(resource.RLIMIT_FSIZE, (s["max_file_bytes"], s["max_file_bytes"]))
-    from rangefinder.config import DataConfig, TrainingConfig, ValidationConfig
+    from rangefinder.config import DataConfig, SamplingConfig, TrainingConfig, ValidationConfig, parse_config
     from rangefinder.errors import RangefinderError
     from rangefinder.training.loop import TrainSpec, train
 
     data = DataConfig(**s["data"]) if s.get("data") else None  # e.g. aspect-ratio buckets
+    sampling = SamplingConfig(**s["sampling"]) if s.get("sampling") else None
+    kill = (s.get("kill_at_update"), s.get("pause_at_update"), s.get("pause_marker"))
+    if s.get("mlflow"):
+        from rangefinder.tracking.runs import step_metric_sink
+
+        cfg = parse_config({"tracking": {"tracking_uri": s["mlflow"]["tracking_uri"]}})
+        sink = KillAtWithMlflow(step_metric_sink(cfg, s["mlflow"]["run_id"], "finetune"), *kill)
+    else:
+        sink = KillAt(*kill)
     try:
         result = train(TrainSpec(TrainingConfig(**s["training"]), ValidationConfig(**s["validation"]),
-                                 split_dir=s["split_dir"], model=s["model"], data=data),
-                       out_dir=s["out_dir"],
-                       metric_sink=KillAt(s.get("kill_at_update"), s.get("pause_at_update"), s.get("pause_marker")))
+                                 split_dir=s["split_dir"], model=s["model"], data=data, sampling=sampling),
+                       out_dir=s["out_dir"], metric_sink=sink)
     except RangefinderError as e:
         print(f"rangefinder train: error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -11,6 +11,8 @@ import base64
 import html
 import json
 import re
+import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -37,7 +39,24 @@ td.num{font-family:ui-monospace,Menlo,Consolas,monospace}
 img{max-width:100%;border:1px solid #e3e7ec}
 li{margin:6px 0} .flag{font-family:ui-monospace,Menlo,Consolas,monospace;font-weight:600}
 .muted{color:#6b7785;font-size:.9em}
+.strip{overflow-x:auto;max-width:100%} .strip table{margin:0} .strip td,.strip th{padding:2px 4px;border:0;
+vertical-align:top} .strip th{font-weight:600;font-size:.85em;white-space:nowrap}
+.strip th.row{font-weight:normal;white-space:normal;min-width:9em;max-width:14em}
+.strip img{image-rendering:pixelated;display:block;border:0;max-width:none}
 """
+
+
+STRIP_WIDTH = 828  # px: the page's content width (_CSS: max-width 860 less 2 x 16 padding)
+
+
+@dataclass(frozen=True)
+class SampleStrip:
+    """Samples rendered during a run (training/samples.py), for its report: the same prompts and seeds at several
+    updates, so only the weights differ along a row."""
+
+    rows: list[str]  # one label per row: "prompt | seed N"
+    columns: list[tuple[int, float, list[Path]]]  # (update, epoch, one PNG per row), in update order
+    mlflow_key: Optional[str] = None  # the MLflow image series that holds the same grids
 
 
 def _fmt(v: Any) -> str:
@@ -58,8 +77,44 @@ def _status_class(status: str) -> str:
     return "ok" if status == "ok" else "bad" if status in ("diverged", "no_descent", "no_improvement") else "warn"
 
 
+def _png_width(png: Path) -> int:
+    """A PNG's width in pixels, from its IHDR chunk (bytes 16-20)."""
+    with open(png, "rb") as f:
+        head = f.read(24)
+    return int(struct.unpack(">I", head[16:20])[0]) if head[:8] == b"\x89PNG\r\n\x1a\n" else 0
+
+
+def _strip_html(strip: Optional[SampleStrip]) -> str:
+    """The "samples over training" section: a row per prompt and seed, a column per sampled update (left to right
+    in time); wider than the page, it scrolls inside its box. Small images are enlarged with crisp pixels."""
+    if strip is None or not strip.columns:
+        return ""
+    e = html.escape
+    # Cells as large as fit the page's width (_CSS: 860 px less padding, a 150 px label column, 8 px per cell), in
+    # bounds: small images (tiny models) at 96 px down to 40, others at 128 down to 64, past which the box scrolls.
+    natural, n = _png_width(strip.columns[0][2][0]), len(strip.columns)
+    largest, smallest = (96, 40) if natural <= 96 else (128, 64)
+    size = max(smallest, min(largest, (STRIP_WIDTH - 150) // n - 8))
+    scrolls = 150 + n * (size + 8) > STRIP_WIDTH
+    # Two header rows of bare numbers, labelled on the left, so a column is as narrow as its images.
+    head = ("<tr><th class='row'>update</th>" + "".join(f"<th>{u}</th>" for u, _, _ in strip.columns) + "</tr>"
+            "<tr><th class='row'>epoch</th>" + "".join(f"<th>{ep:g}</th>" for _, ep, _ in strip.columns) + "</tr>")
+    body = []
+    for r, label in enumerate(strip.rows):
+        cells = "".join(
+            f"<td><img alt='{e(label)} at update {u}' width='{size}' height='{size}' "
+            f"src='{_png_data_uri(pngs[r])}'></td>" for u, _, pngs in strip.columns)
+        body.append(f"<tr><th class='row'>{e(label)}</th>{cells}</tr>")
+    where = (f" MLflow holds the same grids as the image series <span class='flag'>{e(strip.mlflow_key)}</span> "
+             "of this run (step = update)." if strip.mlflow_key else "")
+    more = " Scroll the strip sideways for the later updates." if scrolls else ""
+    return (f"<h2>Samples over training</h2><p class='muted'>The same prompts and seeds rendered from the weights at "
+            f"{len(strip.columns)} validations; only the weights differ along a row.{where}{more}</p>"
+            f"<div class='strip'><table>{head}{''.join(body)}</table></div>")
+
+
 def _page(title: str, status: str, lead: str, png: Path, rows: list[tuple[str, Any, str]],
-          notes: list[tuple[str, str]], source: Optional[str]) -> str:
+          notes: list[tuple[str, str]], source: Optional[str], extra_html: str = "") -> str:
     e = html.escape
     table = "\n".join(
         f"<tr><th>{e(k)}</th><td class='num'>{e(_fmt(v))}</td><td class='muted'>{e(why)}</td></tr>"
@@ -75,6 +130,7 @@ def _page(title: str, status: str, lead: str, png: Path, rows: list[tuple[str, A
 <p><span class="status {_status_class(status)}">{e(status)}</span> {e(lead)}</p>
 {src}
 <img alt="{e(title)} plot" src="{_png_data_uri(png)}">
+{extra_html}
 <h2>Numbers</h2>
 <table>
 {table}
@@ -88,23 +144,28 @@ def _page(title: str, status: str, lead: str, png: Path, rows: list[tuple[str, A
 
 
 def _markdown(
-    title: str, status: str, lead: str, rows: list[tuple[str, Any, str]], notes: list[tuple[str, str]]
+    title: str, status: str, lead: str, rows: list[tuple[str, Any, str]], notes: list[tuple[str, str]],
+    strip: Optional[SampleStrip] = None,
 ) -> str:
     lines = [f"## {title}", "", f"**{status}**: {lead}", "", "| | |", "|---|---|"]
     lines += [f"| {k} | {_fmt(v)} |" for k, v, _ in rows]
     lines += [""] + [f"- **{k}**: {text}" for k, text in notes]
+    if strip is not None and strip.columns:
+        where = f" (MLflow image series `{strip.mlflow_key}`)" if strip.mlflow_key else ""
+        lines += ["", f"Samples over training{where}: updates {', '.join(str(u) for u, _, _ in strip.columns)}; "
+                      "the HTML report shows them."]
     return "\n".join(lines) + "\n"
 
 
 def _write_report(out: Path, stem: str, json_name: str, title: str, status: str, lead: str, png: Path,
                   rows: list[tuple[str, Any, str]], notes: list[tuple[str, str]], source_line: Optional[str],
-                  decision: dict) -> dict[str, Path]:
+                  decision: dict, strip: Optional[SampleStrip] = None) -> dict[str, Path]:
     """The HTML page, the Markdown summary and the decision's JSON beside the plot; {"plot", "html", ...} paths."""
-    page = _page(title, status, lead, png, rows, notes, source_line)
+    page = _page(title, status, lead, png, rows, notes, source_line, _strip_html(strip))
     return {
         "plot": png,
         "html": write_bytes(out / f"{stem}.html", page.encode("utf-8")),
-        "markdown": write_bytes(out / f"{stem}.md", _markdown(title, status, lead, rows, notes).encode()),
+        "markdown": write_bytes(out / f"{stem}.md", _markdown(title, status, lead, rows, notes, strip).encode()),
         "json": write_bytes(out / json_name, json.dumps(decision, indent=2).encode()),
     }
 
@@ -167,10 +228,10 @@ def _midpoint_rows(bounds: LRBounds) -> list[tuple[str, Any, str]]:
 
 
 def write_step_report(window: StepWindow, curve: Optional[dict], out_dir: str | Path, *,
-                      source: Optional[str] = None) -> dict[str, Path]:
+                      source: Optional[str] = None, samples: Optional[SampleStrip] = None) -> dict[str, Path]:
     """Write step_window.png, step_report.html (self-contained), step_report.md and step_window.json into out_dir.
 
-    `curve` and `source` as for write_lr_report.
+    `curve` and `source` as for write_lr_report; `samples`: the run's samples over training, shown under the plot.
     Returns {"plot", "html", "markdown", "json"} -> paths.
     """
     out = Path(out_dir)
@@ -197,7 +258,7 @@ def write_step_report(window: StepWindow, curve: Optional[dict], out_dir: str | 
     notes: list[tuple[str, str]] = [(window.status, STEP_STATUS_ADVICE[window.status])]
     notes += [(f, STEP_FLAG_ADVICE[f]) for f in window.flags]
     return _write_report(out, "step_report", "step_window.json", "Step window", window.status, lead, png, rows,
-                         notes, _source_line(curve, source), window.to_dict())
+                         notes, _source_line(curve, source), window.to_dict(), samples)
 
 
 _BUCKET_COLUMN = re.compile(r"^val_loss_(\d+)x(\d+)$")

@@ -547,3 +547,22 @@ def _load_folder(resolved: ResolvedModel, model_cfg: ModelConfig) -> SDComponent
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return text[0] if text else type(e).__name__
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Schedulers
+
+
+def check_scheduler_name(name: Optional[str]) -> None:
+    """ConfigError unless `name` (sampling.scheduler) is a diffusers scheduler class; None (the model's own) is."""
+    if name is None:
+        return
+    import diffusers
+    from diffusers import SchedulerMixin
+
+    cls = getattr(diffusers, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, SchedulerMixin)):
+        raise ConfigError(
+            f"sampling.scheduler: {name!r} is not a diffusers scheduler class; "
+            "use a class name such as DDIMScheduler, EulerDiscreteScheduler or DPMSolverMultistepScheduler"
+        )

@@ -18,7 +18,7 @@ import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from rangefinder.config import RangefinderConfig, TrainingConfig, plan_for, resolve_mixed_precision
 from rangefinder.errors import RangefinderError
@@ -26,6 +26,9 @@ from rangefinder.formats import checkpoints
 from rangefinder.formats.atomic import write_json, write_text
 from rangefinder.steps.launch import batch_note, run_training, step_world_size
 from rangefinder.steps.workdir import publish, work_dir
+
+if TYPE_CHECKING:
+    from rangefinder.analysis import SampleStrip
 
 
 @dataclass
@@ -119,6 +122,22 @@ def keep_chosen_checkpoint(run_dir: Path, window: Any, curve: dict, base_model: 
     return info
 
 
+def sample_strip(run_dir: Path) -> Optional[SampleStrip]:
+    """The run's samples during training (training/samples.py's index) as the report's "samples over training"
+    strip; None when it rendered none."""
+    from rangefinder.analysis import SampleStrip
+    from rangefinder.training.samples import SAMPLES_DIR, SAMPLES_KEY, read_index
+
+    index = read_index(run_dir)
+    if not index or not index.get("samples"):
+        return None
+    settings = index["settings"]
+    rows = [f"{p} | seed {s}" for p in settings["prompts"] for s in settings["seeds"]]
+    folder = Path(run_dir) / SAMPLES_DIR
+    columns = [(int(e["update"]), float(e["epoch"]), [folder / c for c in e["cells"]]) for e in index["samples"]]
+    return SampleStrip(rows=rows, columns=columns, mlflow_key=SAMPLES_KEY)
+
+
 def run_finetune(
     cfg: RangefinderConfig,
     *,
@@ -150,8 +169,9 @@ def run_finetune(
                        extra={"lr_low": lr_low, "lr_high": lr_high, "lr_mid": lr_mid, "lr_source": lr_source,
                               "training.mixed_precision_used": precision})
         work = work_dir(model_dir, f"{mlflow_parent_run_id}/finetune" if mlflow_parent_run_id else None)
-        result = run_training(cfg, TrainSpec(tc, cfg.validation, split_dir=split_dir, model=cfg.model, data=cfg.data),
-                              out_dir=work, metric_sink=run, step_name="finetune")
+        # Samples during training (sampling.every_validations): grids in MLflow as it trains, and the report's strip.
+        spec = TrainSpec(tc, cfg.validation, split_dir=split_dir, model=cfg.model, data=cfg.data, sampling=cfg.sampling)
+        result = run_training(cfg, spec, out_dir=work, metric_sink=run, step_name="finetune")
         report_dir = Path(out_dir or model_dir / "report")
         report_dir.mkdir(parents=True, exist_ok=True)
         if validating:
@@ -161,7 +181,7 @@ def run_finetune(
                                         seed=cfg.validation.seed,
                                         divergence_factor=cfg.validation.divergence_factor)
             report = write_step_report(window, curve, report_dir,
-                                       source=f"{result.metrics_csv}; {batch_note(tc)}")
+                                       source=f"{result.metrics_csv}; {batch_note(tc)}", samples=sample_strip(work))
             copy_report(report, report_html, report_md)
             # No window (no improvement at all): keep the configured budget and say so in the report.
             rec_epochs = int(window.recommended_epochs or tc.epochs or 1)

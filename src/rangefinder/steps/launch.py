@@ -31,6 +31,7 @@ from rangefinder.config import (
     DataConfig,
     ModelConfig,
     RangefinderConfig,
+    SamplingConfig,
     TrainingConfig,
     ValidationConfig,
     plan_for,
@@ -142,6 +143,7 @@ def write_job(cfg: RangefinderConfig, spec: Any, out_dir: Path, *, save_final: b
         (None if spec.model is None else str(spec.model)),
         "data": spec.data.model_dump(mode="json") if spec.data is not None else None,
         "train_on": spec.train_on,
+        "sampling": spec.sampling.model_dump(mode="json") if spec.sampling is not None else None,
         "out_dir": str(Path(out_dir).resolve()),
         "save_final": save_final,
         "step_name": step_name,
@@ -219,6 +221,7 @@ def worker(job_path: Path) -> int:
         model=ModelConfig.model_validate(model) if isinstance(model, dict) else model,
         data=DataConfig.model_validate(job["data"]) if job["data"] is not None else None,
         train_on=job["train_on"],
+        sampling=SamplingConfig.model_validate(job["sampling"]) if job.get("sampling") is not None else None,
     )
     sink = None
     if rank == 0 and job.get("mlflow_run_id"):

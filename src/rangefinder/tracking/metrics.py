@@ -15,6 +15,7 @@ import logging
 import re
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Optional
 
 from rangefinder.errors import TrackingError
@@ -117,6 +118,31 @@ class BatchedMetricLogger:
             del self._buffer[: len(chunk)]
             self.sent += len(chunk)
             self._retry_wait = 0.0
+
+    def log_image(self, image: Any, artifact_file: Optional[str] = None, *, key: Optional[str] = None,
+                  step: Optional[int] = None) -> None:
+        """An image file, now (the engine's ImageSink: the samples rank 0 renders during a multi-process run), as
+        StepRun.log_image logs it; kept in the spool when the server does not answer (or a failed metric flush says
+        it is away), so training never waits on a server known to be down."""
+        from rangefinder.tracking.spool import apply_record
+        from rangefinder.tracking.target import server_unreachable
+
+        if (artifact_file is None) == (key is None):
+            raise ValueError("give either artifact_file or key")
+        record = {"kind": "image", "run_id": self.run_id, "artifact_file": artifact_file, "key": key,
+                  "step": int(step or 0), "path": str(Path(image).absolute())}
+        if not self.failing:
+            try:
+                apply_record(self.client, record)
+                return
+            except Exception as e:
+                if not server_unreachable(e):
+                    raise
+                _log.warning("MLflow image logging failed (%s); %s", redact(e).splitlines()[0][:300],
+                             f"keeping the image in {self.spool.path}" if self.spool is not None else
+                             f"{image} stays on disk only")
+        if self.spool is not None:
+            self.spool.append(record)
 
     @property
     def failing(self) -> bool:

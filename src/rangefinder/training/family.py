@@ -61,6 +61,7 @@ class Family(Protocol):
                 cond: torch.Tensor) -> torch.Tensor: ...
     def target(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor: ...
     def loss_weights(self, timesteps: torch.Tensor, min_snr_gamma: Optional[float]) -> torch.Tensor: ...
+    def sampling_pipeline(self, sd: SDComponents, scheduler: Any) -> Any: ...
 
 
 PREDICTION_TYPES = ("epsilon", "v_prediction")
@@ -153,6 +154,17 @@ class Sd1Family:
         snr = compute_snr(self.noise_scheduler, timesteps)
         clipped = torch.clamp(snr, max=min_snr_gamma)
         return clipped / (snr + 1) if self.prediction_type == "v_prediction" else clipped / snr
+
+    # --- sampling -----------------------------------------------------------------------------------------------
+
+    def sampling_pipeline(self, sd: SDComponents, scheduler: Any) -> Any:
+        """A diffusers pipeline of this family over the run's own modules, as they are (no copy, nothing loaded):
+        what samples during training render with (training/samples.py)."""
+        from diffusers import StableDiffusionPipeline
+
+        return StableDiffusionPipeline(vae=sd.vae, text_encoder=sd.text_encoder, tokenizer=sd.tokenizer, unet=sd.unet,
+                                       scheduler=scheduler, safety_checker=None, feature_extractor=None,
+                                       requires_safety_checker=False)
 
 
 @dataclass

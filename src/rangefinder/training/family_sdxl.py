@@ -101,3 +101,18 @@ class SdxlFamily(Sd1Family):
         hidden, pooled, time_ids = cond[:, :-2], cond[:, -2, : self.pooled_dim], cond[:, -1, :TIME_IDS]
         added = {"text_embeds": pooled, "time_ids": time_ids}
         return unet(noisy, timesteps, hidden, added_cond_kwargs=added, return_dict=False)[0]
+
+    def sampling_pipeline(self, sd: SDComponents, scheduler: Any) -> Any:
+        """StableDiffusionXLPipeline over the run's modules; `force_zeros_for_empty_prompt` as the base model's
+        model_index.json says (its default, True, otherwise), no watermark (as the final grid's pipelines)."""
+        import json
+
+        from diffusers import StableDiffusionXLPipeline
+
+        index = sd.model_dir / "model_index.json" if sd.model_dir is not None else None
+        zeros = json.loads(index.read_text()).get("force_zeros_for_empty_prompt", True) \
+            if index is not None and index.is_file() else True
+        return StableDiffusionXLPipeline(vae=sd.vae, text_encoder=sd.text_encoder, text_encoder_2=sd.text_encoder_2,
+                                         tokenizer=sd.tokenizer, tokenizer_2=sd.tokenizer_2, unet=sd.unet,
+                                         scheduler=scheduler, force_zeros_for_empty_prompt=bool(zeros),
+                                         add_watermarker=False)

@@ -6,11 +6,12 @@ update, validation, checkpoint) -> finish (final weights and summary). The acts 
 - family.py: the model family (how captions become conditioning, what the UNet predicts);
 - methods/: what trains and what is saved (full fine-tuning, LoRA, textual inversion);
 - data.py: which images go into each micro-batch; validation.py: the measurement and a row of the curve;
+- samples.py: the prompts rendered from the current weights at chosen validations (`samples/`, and MLflow);
 - state.py: what the loop changes (RunState, and the CSV log); checkpointing.py: saving and resuming it.
 
 Outputs under out_dir: `metrics.csv` (one row per validation measurement; the curve CSV), `updates.csv` (one row
 per update), `checkpoints/`, `final/` (the method's deliverable; a StableDiffusionPipeline folder for full
-fine-tuning) and `run_summary.json`.
+fine-tuning), `samples/` (when the spec asks for samples during training) and `run_summary.json`.
 
 With EMA on, `final/` holds the EMA weights, and validation measures them too (the step window is then read on the
 model that is saved), except on the LR range test's ramps: there it measures the raw weights, because the average
@@ -44,6 +45,7 @@ from rangefinder.training.checkpointing import (
     update_finite,
 )
 from rangefinder.training.data import Stream
+from rangefinder.training.samples import TrainingSamples
 from rangefinder.training.setup import (
     Run,
     TrainSpec,
@@ -114,8 +116,12 @@ def train(
         # batch (up to float summation order).
         state = RunState.fresh(cfg.seed, log)
         restore_checkpoint(run, state)
+        # Samples during training (sampling.every_validations): rendered right after the validations they follow.
+        samples = TrainingSamples.start(run, state, spec.sampling, metric_sink)
         if run.validating and state.update == 0:
             validate(run, state, metric_sink)  # the baseline: the base model before any update
+            if samples is not None:
+                samples.after_validation(state, last=False)
 
         # --- the loop -------------------------------------------------------------------------------------------------
         from tqdm.auto import tqdm
@@ -143,6 +149,8 @@ def train(
             last = state.update == stream.total_updates
             if run.validating and (_validation_due(run.val_cfg, stream, first_micro_batch, state) or last):
                 validate(run, state, metric_sink, last=last)
+                if samples is not None:
+                    samples.after_validation(state, last=last)
                 if run.schedule.is_ramp and _diverged(run.val_cfg, state.log):
                     state.status = "diverged"
 

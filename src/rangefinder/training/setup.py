@@ -18,6 +18,7 @@ from rangefinder.config import (
     DataConfig,
     ModelConfig,
     Plan,
+    SamplingConfig,
     TrainingConfig,
     ValidationConfig,
     plan_for,
@@ -65,6 +66,8 @@ class TrainSpec:
     `data` gives the resolution, crop and aspect-ratio buckets (None: the base model's native resolution, every
     image centre-cropped to a square).
     `train_on="train+val"` trains on both sets (the full-data retrain); the val set is then not measured.
+    `sampling` asks for samples during training (samples.py: at the validations `every_validations` picks); None:
+    none.
     """
 
     training: TrainingConfig
@@ -73,6 +76,7 @@ class TrainSpec:
     model: Union[ModelConfig, str, Path, None]
     data: Optional[DataConfig] = None
     train_on: TrainOn = "train"
+    sampling: Optional[SamplingConfig] = None
 
 
 # ---------------------------------------------------------------------------------------------------------------

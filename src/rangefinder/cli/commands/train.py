@@ -13,7 +13,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "train",
         help="train one run (full fine-tune, LR ramp, ...) on a split, with deterministic validation",
         description="Train on SPLIT_DIR from MODEL_DIR into OUT_DIR: metrics.csv, updates.csv, checkpoints/, final/. "
-        "Settings come from --config (YAML sections training:, validation:, data:) and the flags below, which win.",
+        "Settings come from --config (YAML sections training:, validation:, data:) and the flags below, which win. "
+        "A sampling: section in --config also renders samples during training into OUT_DIR/samples/.",
     )
     p.add_argument("--data", required=True, metavar="SPLIT_DIR", help="a split folder written by `rangefinder split`")
     p.add_argument("--model", metavar="MODEL_DIR",
@@ -44,7 +45,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def settings_from_args(args: argparse.Namespace):
-    """(TrainingConfig, ValidationConfig, DataConfig or None, ModelConfig) from --config and the flags."""
+    """(TrainingConfig, ValidationConfig, DataConfig or None, ModelConfig, SamplingConfig or None) from --config and
+    the flags; samples during training only when the file has a sampling: section."""
     from rangefinder.config import load_config
 
     overrides: dict[str, Any] = {"training": {}, "validation": {}, "data": {}}
@@ -73,7 +75,8 @@ def settings_from_args(args: argparse.Namespace):
         overrides["model"] = {"base_model": args.model}
     cfg = load_config(args.config, overrides)
     data_given = args.resolution is not None or (args.config is not None and _file_has_section(args.config, "data"))
-    return cfg.training, cfg.validation, (cfg.data if data_given else None), cfg.model
+    sampling = cfg.sampling if args.config is not None and _file_has_section(args.config, "sampling") else None
+    return cfg.training, cfg.validation, (cfg.data if data_given else None), cfg.model, sampling
 
 
 def _file_has_section(path: str, section: str) -> bool:
@@ -85,14 +88,14 @@ def _file_has_section(path: str, section: str) -> bool:
 def run(args: argparse.Namespace) -> dict:
     from rangefinder.errors import ConfigError
 
-    training, validation, data, model = settings_from_args(args)
+    training, validation, data, model, sampling = settings_from_args(args)
     if not training.budget_given():
         raise ConfigError("give a budget: --epochs N or --steps N (or training.epochs / training.steps in --config)")
 
     from rangefinder.training.loop import TrainSpec, train
 
-    result = train(TrainSpec(training, validation, split_dir=args.data, model=model, data=data, train_on=args.train_on),
-                   out_dir=args.out)
+    result = train(TrainSpec(training, validation, split_dir=args.data, model=model, data=data, train_on=args.train_on,
+                             sampling=sampling), out_dir=args.out)
     out = result.as_dict()
     out.pop("checkpoints")
     out["checkpoints"] = [str(p) for p in result.checkpoints]

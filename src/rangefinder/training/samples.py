@@ -1,0 +1,295 @@
+"""Samples during training: the run's fixed prompts x seeds rendered from its current weights at chosen
+validations, so that a bad run shows early (diffusers' `--validation_prompt`, kohya's `--sample_every_n_steps` and
+EveryDream2's sample prompts do the same).
+
+When: at the update-0 baseline (the strip starts from the base model), at every Nth validation after it
+(`sampling.every_validations`; "auto": N such that a run renders about AUTO_GRIDS grids after its baseline) and at
+the run's last validation. Rank 0 only; a validation whose losses are not finite (a diverged run) is not sampled.
+
+How: a diffusers pipeline of the run's family (`Family.sampling_pipeline`) over the run's own modules as they are in
+memory, with the EMA weights swapped in when validation measures them, in eval mode and without gradients; no
+checkpoint is written or read. Every RNG is saved and restored around it and each module's train/eval flag is put
+back, as validation does, so a run with samples trains bit for bit the weights of a run without
+(tests/training/test_samples.py). Each cell's initial latents come from a CPU generator seeded with its seed, as in
+the final grid (rangefinder.sampling), so cells of two updates differ only by the weights. The grid is the final
+grid's layout (formats/grid.py).
+
+Outputs, under the run's `samples/`:
+- `update-000040.png`: one validation's grid (one row: each prompt x seed), labelled; what MLflow shows;
+- `update-000040/p00-s0.png`: its cells, for the fine-tune report's "samples over training" strip;
+- `index.json`: the settings and one entry per grid (update, epoch, files, seconds, the MLflow run it went to),
+  rewritten atomically after each grid's files, so an entry only names whole files. A resumed run keeps the entries
+  up to the update it resumed at and renders the later ones again (it retraces the lost updates exactly), so the
+  index has neither duplicates nor gaps.
+
+MLflow: each grid goes to the run's sink when it is a `training.ImageSink` (the step's MLflow run:
+`log_image(path, key=SAMPLES_KEY, step=update)`, MLflow's step-keyed images; the engine never imports mlflow). An
+entry records the sink's `run_id`; a resumed run logs the kept grids its sink's run does not hold yet (a retried
+step's new MLflow run gets the whole strip) and does not log again a grid that run already holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from rangefinder.errors import ConfigError
+from rangefinder.formats.atomic import atomic_path, write_json
+from rangefinder.training import ImageSink
+from rangefinder.training.validation import preserved_rng
+
+if TYPE_CHECKING:
+    from rangefinder.config import Plan, SamplingConfig, ValidationConfig
+    from rangefinder.training.setup import Run
+    from rangefinder.training.state import RunState
+
+_log = logging.getLogger(__name__)
+
+SAMPLES_DIR = "samples"
+INDEX_NAME = "index.json"
+SAMPLES_KEY = "samples_during_training"  # the MLflow image series
+# "auto" aims at this many grids after the baseline: enough to see a run turn, a bounded cost whatever its length.
+AUTO_GRIDS = 10
+
+
+def planned_validations(plan: Plan, val_cfg: ValidationConfig) -> int:
+    """The validations a run of `plan` makes: its update-0 baseline, one every N updates or at every crossed
+    every-N-epochs boundary (loop._validation_due), and its last."""
+    total = plan.total_updates
+    if val_cfg.every_updates is not None:
+        return 1 + total // val_cfg.every_updates + (1 if total % val_cfg.every_updates else 0)
+    if val_cfg.every_epochs <= 0 or total == 0:
+        return 0
+    epochs = total / plan.updates_per_epoch
+    crossed = math.floor(epochs / val_cfg.every_epochs + 1e-9)
+    return 1 + crossed + (0 if abs(crossed * val_cfg.every_epochs - epochs) < 1e-9 else 1)
+
+
+def resolve_every(setting: Any, planned: int) -> Optional[int]:
+    """sampling.every_validations as a count of validations (None: no samples): "auto" spreads about AUTO_GRIDS
+    grids over the validations after the baseline."""
+    if setting is None:
+        return None
+    if setting == "auto":
+        return max(1, math.ceil((planned - 1) / AUTO_GRIDS))
+    return int(setting)
+
+
+def read_index(run_dir: Path) -> Optional[dict[str, Any]]:
+    """The samples index of a run folder (see the module's doc), or None when it has none."""
+    import json
+
+    path = Path(run_dir) / SAMPLES_DIR / INDEX_NAME
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text())
+
+
+@dataclass
+class TrainingSamples:
+    """The samples of one run (rank 0): when they are due, how they are rendered, where they go."""
+
+    run: Run
+    cfg: SamplingConfig
+    every: int  # render at every Nth validation (and the baseline and the last)
+    resolution: int  # pixels, square
+    sink: Optional[ImageSink]
+    index: dict[str, Any]
+    folder: Path
+    # Grids a resumed run renders again, whose first rendering already went to an MLflow run: update -> its run id.
+    logged_before: dict[int, str] = field(default_factory=dict)
+    _pipe: Any = None
+
+    # --- setup ------------------------------------------------------------------------------------------------
+
+    @classmethod
+    def start(cls, run: Run, state: RunState, cfg: Optional[SamplingConfig],
+              sink: Any = None) -> Optional[TrainingSamples]:
+        """The run's samples after its setup and resume, or None when there are none (off, no validation, or not
+        rank 0). Checks the settings the pipeline would only refuse mid-run, and puts the index in order."""
+        if cfg is None or not run.main or not run.validating:
+            return None
+        every = resolve_every(cfg.every_validations, planned_validations(run.settings.plan, run.val_cfg))
+        if every is None:
+            return None
+        resolution = cfg.resolution or run.data.data_cfg.resolution
+        # diffusers' SD and SDXL pipelines take sides in multiples of 8 px (and of the VAE's downscale).
+        step = math.lcm(8, 2 ** (len(run.sd.vae.config.block_out_channels) - 1))
+        if resolution % step:
+            raise ConfigError(f"sampling.resolution: the pipeline renders sides in multiples of {step} px, not "
+                              f"{resolution}; set it to a multiple of {step} (or leave it unset for data.resolution)")
+        if cfg.scheduler is not None:
+            from rangefinder.models.loading import check_scheduler_name
+
+            check_scheduler_name(cfg.scheduler)
+        folder = run.settings.out_dir / SAMPLES_DIR
+        settings = {"prompts": list(cfg.prompts), "seeds": cfg.seeds_for_training(),
+                    "num_inference_steps": cfg.num_inference_steps, "guidance_scale": cfg.guidance_scale,
+                    "scheduler": cfg.scheduler, "resolution": resolution, "every_validations": every}
+        samples = cls(run, cfg, every, resolution, sink if isinstance(sink, ImageSink) else None,
+                      {"settings": settings, "samples": []}, folder)
+        samples._resume(read_index(run.settings.out_dir), state)
+        return samples
+
+    def _resume(self, before: Optional[dict[str, Any]], state: RunState) -> None:
+        """Keep the entries of the grids rendered up to the update the run resumed at (all of them are again
+        rendered when it starts afresh), remove files no entry names, and log the kept grids the sink's run lacks."""
+        if before is not None and before.get("settings") != self.index["settings"]:
+            if before.get("samples"):
+                _log.warning("rangefinder: the sampling settings changed since %s was written; its samples are "
+                             "replaced by this run's", self.folder)
+            before = None
+        entries = before["samples"] if before is not None else []
+        resumed_at = state.resumed_from
+        kept = [e for e in entries if resumed_at is not None and e["update"] <= resumed_at]
+        self.logged_before = {e["update"]: e["logged_to"] for e in entries
+                              if e not in kept and e.get("logged_to") is not None}
+        self.index["samples"] = kept
+        if self.folder.is_dir():
+            import shutil
+
+            named = {Path(e["grid"]).stem for e in kept}
+            for p in self.folder.glob("update-*"):
+                if p.name.split(".")[0] not in named:
+                    shutil.rmtree(p) if p.is_dir() else p.unlink()
+        run_id = self._sink_run_id()
+        for e in kept:
+            if self.sink is not None and run_id is not None and e.get("logged_to") != run_id:
+                self.sink.log_image(str(self.folder / e["grid"]), key=SAMPLES_KEY, step=int(e["update"]))
+                e["logged_to"] = run_id
+        self._write_index()
+
+    def _sink_run_id(self) -> Optional[str]:
+        run_id = getattr(self.sink, "run_id", None)
+        return str(run_id) if run_id is not None else None
+
+    # --- at a validation --------------------------------------------------------------------------------------
+
+    def after_validation(self, state: RunState, last: bool) -> None:
+        """Render, save and log the grid when the validation just written (the newest metrics row) is due."""
+        nth = len(state.log.metrics_rows) - 1  # 0: the baseline
+        if nth < 0 or not (nth % self.every == 0 or last):
+            return
+        row = state.log.metrics_rows[-1]
+        losses = [row.get(k) for k in ("val_loss", "stabilize_loss")]
+        if any(v is not None and not math.isfinite(v) for v in losses):
+            return  # a diverged model draws noise; its loss says so already
+        update, epoch = int(row["update"]), float(row["epoch"])
+        t0 = time.perf_counter()
+        images = self.render(state)
+        seconds = time.perf_counter() - t0
+        entry = self._save(update, epoch, nth, images, seconds)
+        run_id = self._sink_run_id()
+        if self.sink is not None and (run_id is None or self.logged_before.get(update) != run_id):
+            self.sink.log_image(str(self.folder / entry["grid"]), key=SAMPLES_KEY, step=update)
+        entry["logged_to"] = run_id if self.sink is not None else None
+        self.index["samples"].append(entry)
+        self._write_index()
+
+    def rows(self) -> list[tuple[str, int]]:
+        """(prompt, seed) of each cell, prompt-major: the grid's one row, left to right."""
+        return [(p, s) for p in self.cfg.prompts for s in self.cfg.seeds_for_training()]
+
+    def render(self, state: RunState) -> list[Any]:
+        """The cells (PIL images) from the weights as they are now; nothing about the run changes."""
+        run, cfg = self.run, self.cfg
+        cells = self.rows()
+        with preserved_rng((state.train_gen,)), run.ema_weights(on=not run.schedule.is_ramp), \
+                self._eval_mode(), self._vae_on_device():
+            pipe = self._pipeline()
+            generators = [torch.Generator("cpu").manual_seed(int(seed)) for _, seed in cells]
+            with run.accelerator.autocast():
+                out = pipe(prompt=[p for p, _ in cells], num_inference_steps=cfg.num_inference_steps,
+                           guidance_scale=cfg.guidance_scale, height=self.resolution, width=self.resolution,
+                           generator=generators)
+        return list(out.images)
+
+    def _pipeline(self) -> Any:
+        if self._pipe is None:
+            sd = self.run.sd
+            pipe = self.run.family.sampling_pipeline(sd, _inference_scheduler(sd, self.cfg.scheduler,
+                                                                              self.run.family.prediction_type))
+            pipe.set_progress_bar_config(disable=True)
+            self._pipe = pipe
+        return self._pipe
+
+    @contextmanager
+    def _eval_mode(self) -> Iterator[None]:
+        """Every module of the model in eval mode inside; each submodule's own train/eval flag put back after."""
+        sd = self.run.sd
+        modules = [sd.unet, sd.vae, *sd.text_encoders().values(), *self.run.modules.values()]
+        flags = [(m, m.training) for top in modules for m in top.modules()]
+        for top in modules:
+            top.eval()
+        try:
+            yield
+        finally:
+            for m, training in flags:
+                m.training = training
+
+    @contextmanager
+    def _vae_on_device(self) -> Iterator[None]:
+        """The VAE decodes on the run's device; a run that cached its latents keeps it on the CPU otherwise."""
+        vae = self.run.sd.vae
+        where = next(vae.parameters()).device
+        moved = where != self.run.device
+        if moved:
+            vae.to(self.run.device)
+        try:
+            yield
+        finally:
+            if moved:
+                vae.to(where)
+
+    # --- files ------------------------------------------------------------------------------------------------
+
+    def _save(self, update: int, epoch: float, nth: int, images: list[Any], seconds: float) -> dict[str, Any]:
+        from rangefinder.formats.grid import compose_grid
+
+        stem = f"update-{update:06d}"
+        cells = []
+        for i, ((_, seed), img) in enumerate(zip(self.rows(), images, strict=True)):
+            rel = f"{stem}/p{i // len(self.cfg.seeds_for_training()):02d}-s{seed}.png"
+            _save_png(img, self.folder / rel)
+            cells.append(rel)
+        labels = [f"{p} | seed {s}" for p, s in self.rows()]
+        grid, _ = compose_grid([images], [f"update {update}, epoch {epoch:g}"], labels, max(self.resolution, 128))
+        _save_png(grid, self.folder / f"{stem}.png")
+        return {"update": update, "epoch": epoch, "validation": nth, "grid": f"{stem}.png", "cells": cells,
+                "seconds": seconds}
+
+    def _write_index(self) -> None:
+        write_json(self.folder / INDEX_NAME, self.index)
+
+
+def _save_png(img: Any, path: Path) -> None:
+    with atomic_path(path, suffix=".png") as tmp:
+        img.save(tmp, format="PNG")
+
+
+def _inference_scheduler(sd: Any, name: Optional[str], prediction_type: str) -> Any:
+    """The scheduler samples use: `name` (sampling.scheduler), else the base model's own (model_index.json), set up
+    from the model's scheduler config and predicting what the run trains the UNet to predict."""
+    import json
+
+    import diffusers
+
+    folder = sd.model_dir
+    config = sd.noise_scheduler.config
+    cls_name = name
+    if folder is not None and (Path(folder) / "scheduler" / "scheduler_config.json").is_file():
+        config = diffusers.DDPMScheduler.load_config(str(folder), subfolder="scheduler")
+        if cls_name is None:
+            index = Path(folder) / "model_index.json"
+            entry = json.loads(index.read_text()).get("scheduler") if index.is_file() else None
+            cls_name = entry[1] if isinstance(entry, list) and len(entry) == 2 else None
+    cls = getattr(diffusers, cls_name or type(sd.noise_scheduler).__name__)
+    return cls.from_config(config, prediction_type=prediction_type)
