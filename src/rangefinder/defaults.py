@@ -19,6 +19,11 @@ MID_POSITION = 0.75
 MIDPOINT_RULES = ("tuned", "geometric", "arithmetic")
 MIDPOINT: Final = "tuned"  # Final: a Literal["tuned"] to the type checker, as the settings' field requires
 
+# Under this quality score an ok reading is flagged `low_quality`, and its report advises checking lr_mid with a
+# zoomed range test or a short grid before a long run. Chosen on bench/discovery_quality (bench/RESULTS.md,
+# "Confidence"): the score below which discovery missed the grid's best by more than 3% more often.
+LOW_QUALITY = 0.5
+
 # A ramp is stopped, and a curve read as diverged, when smoothed validation loss exceeds this multiple of its best
 # (or turns NaN/inf).
 DIVERGENCE_FACTOR = 4.0
