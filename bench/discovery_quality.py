@@ -248,7 +248,7 @@ def one_case(source: dict[str, Any], seed: int, args, work: Path, log=print) -> 
 
     first = d["range_tests"][0] if d.get("range_tests") else {}
     out["classic"] = {}
-    for name in ("lr_steepest", "lr_min_div10"):
+    for name in ("lr_steepest", "lr_min_div10") if args.classic else ():
         lr = first.get(name)
         if lr is None or not (lr > 0 and math.isfinite(lr)):
             out["classic"][name] = {"lr": None, "note": "the first range test gave no such suggestion"}
@@ -432,6 +432,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--finetune-epochs", type=int, help="the epochs budget of every arm (default: the demo config's)")
     p.add_argument("--no-diagnose-lr-high", dest="diagnose_lr_high", action="store_false",
                    help="skip the diagnostic run at the discovery's own lr_high")
+    p.add_argument("--no-classic", dest="classic", action="store_false",
+                   help="skip the runs at the classic suggestions (steepest slope, minimum / 10)")
     p.add_argument("--no-midpoint-arms", dest="midpoint_arms", action="store_false",
                    help="skip the runs at the other midpoint rules' LRs")
     p.add_argument("--target-pct", type=float, default=3.0, help="the 'within x%% of the grid's best' target")
@@ -472,7 +474,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     result: dict[str, Any] = {"benchmark": NAME, "smoke": args.smoke, "settings": {
         "kinds": kinds, "datasets": [str(d) for d in args.dataset], "sources": sources, "held_out": held_out,
         "seeds": seeds, "images": args.images, "grid_points": args.grid_points, "grid_lr_min": args.grid_lr_min,
-        "grid_lr_max": args.grid_lr_max, "target_pct": args.target_pct, "midpoint_arms": args.midpoint_arms}}
+        "grid_lr_max": args.grid_lr_max, "target_pct": args.target_pct, "midpoint_arms": args.midpoint_arms,
+        "classic": args.classic, "diagnose_lr_high": args.diagnose_lr_high}}
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     try:
         with torch_threads(args.threads or None):
