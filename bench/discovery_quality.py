@@ -552,6 +552,9 @@ def report(result: dict[str, Any]) -> str:
     heads = ["data", "seed", "base loss", "grid best lr", "grid best", "disc lr_mid", "decades off", "disc best",
              "disc gap %", "geometric gap %", "arithmetic gap %", "score", "flags", "rec epochs", "still improving",
              "steepest gap %", "min/10 gap %", "(at lr_high gap %)"]
+    if not any(r.get("lr_steepest") or r.get("lr_min_div10") for r in rows):  # run with --no-classic
+        keep = [i for i, c in enumerate(cols) if not c.startswith(("lr_steepest", "lr_min_div10"))]
+        cols, heads = [cols[i] for i in keep], [heads[i] for i in keep]
     text = headline(result) + "\n\n"
     text += table([{**r, "kind": r["kind"] + (" (held out)" if r.get("held_out") else ""),
                     "flags": ",".join(r.get("flags") or []) or "-"} for r in rows], cols,
@@ -576,7 +579,8 @@ def report(result: dict[str, Any]) -> str:
         f"{_f(agg['cost_fraction_seconds']['median'])} of its wall time",
         f"classic steepest: median gap {_f(agg['lr_steepest_gap_pct']['median'])}%, worst "
         f"{_f(agg['lr_steepest_gap_pct']['max'])}%; min/10: median gap {_f(agg['lr_min_div10_gap_pct']['median'])}%, "
-        f"worst {_f(agg['lr_min_div10_gap_pct']['max'])}%",
+        f"worst {_f(agg['lr_min_div10_gap_pct']['max'])}%" if agg["lr_steepest_gap_pct"]["n"] else
+        "classic suggestions: not run (--no-classic)",
         f"discovered lr_mid vs the grid's best LR: median {_f(agg['discovery_lr_decades_from_grid_best']['median'])} "
         f"decades; diagnostic run at the discovery's lr_high: median gap "
         f"{_f(agg['diagnostic_lr_high_gap_pct']['median'])}%",
