@@ -1,19 +1,24 @@
 """Discovery quality: how close one rangefinder discovery gets to the best of a grid sweep, at what share of its cost.
 
-`python -m bench.discovery_quality` runs, for each dataset kind and seed, on the embedded tiny model:
+`python -m bench.discovery_quality` runs, for each dataset (a synthetic kind, or with `--dataset DIR` any folder of
+images and .txt captions) and seed, on the embedded tiny model:
 
 (a) rangefinder's discovery, through the pipeline's own step functions in the pipeline's order: the LR range test
     (`run_lr_range_test`, plus the zoom re-test when it asks for one), `run_choose_lr`, and the constant fine-tune
     at the midpoint (`run_finetune`), which also gives the recommended epochs;
 (b) a grid of constant LRs, log-spaced over three decades, each trained exactly as the fine-tune step trains
     (`run_finetune` at that fixed LR, the same epochs, the same validation);
+(b') the other midpoint rules (`lr_range_test.midpoint`: tuned, geometric, arithmetic) between the same discovered
+    bounds, each trained the same way: one run gives the evidence for every rule at the same range-test cost;
 (c) the classic LR-finder suggestions of the same first range test (fastai's steepest slope, and the LR at the loss
     minimum / 10; Smith 2017, arXiv:1506.01186, and fastai's `lr_find`), each trained the same way.
 
 Each arm's quality is its best validation loss after training began (the minimum over its validation measurements,
 update 0 left out; the same fixed validation noise for all, so differences are the weights', not the noise's), and
 its cost the optimizer updates and wall seconds it spent, range tests included. The answer: discovery's gap to the
-grid's best (%), at what fraction of the grid's updates. Steps log to a throw-away MLflow store in the work folder.
+grid's best (%), at what fraction of the grid's updates, and whether the range test's quality score and censoring
+flags tell the cases that miss from those that do not (`score_vs_gap`). Steps log to a throw-away MLflow store in
+the work folder.
 """
 
 from __future__ import annotations
@@ -31,8 +36,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 from bench.common import default_out, machine_info, quiet_libraries, smoke_out, table, torch_threads, write_json
+from rangefinder.defaults import MIDPOINT_RULES
 
 NAME = "discovery_quality"
+CENSORED = ("lower_censored", "upper_censored")
+DEFAULT_KINDS = "shapes,stripes,textures,subject"
+DEFAULT_HELD_OUT = "subject"  # the kind no setting of the method was chosen on (bench/RESULTS.md)
 
 
 def arm_config(base_cfg, **update):
@@ -98,7 +107,8 @@ def discover(cfg, split_dir: Path, out: Path) -> dict[str, Any]:
             decision = json.loads(bounds_json.read_text())
             res["range_tests"].append({k: decision.get(k) for k in (
                 "stage", "lr_min", "lr_max", "status", "lr_low", "lr_mid", "lr_high", "flags", "quality",
-                "points_between", "updates", "lr_steepest", "lr_min_div10", "lr_at_min")})
+                "points_between", "updates", "lr_steepest", "lr_min_div10", "lr_at_min", "midpoint", "midpoints",
+                "quality_label", "quality_parts", "snr")})
             res["updates"] += int(decision["updates"])
         elif (out / name / "run" / "run_summary.json").exists():
             res["updates"] += _updates_of(out / name / "run")
@@ -135,16 +145,57 @@ def gap_pct(loss: Optional[float], best: Optional[float]) -> Optional[float]:
     return 100.0 * (loss - best) / best
 
 
-def one_case(kind: str, seed: int, args, work: Path, log=print) -> dict[str, Any]:
-    """Discovery, grid and classic suggestions on one dataset (kind, seed) with one training seed."""
+def dataset_sources(kinds: list[str], datasets: list[Path], held_out: list[str]) -> list[dict[str, Any]]:
+    """What the bench runs on: each synthetic kind, then each --dataset folder (named by its folder, made unique)."""
+    from rangefinder.data.synthetic import KINDS
+    from rangefinder.errors import RangefinderError
+
+    out: list[dict[str, Any]] = []
+    for k in kinds:
+        if k not in KINDS:
+            raise RangefinderError(f"unknown synthetic kind {k!r} in --kinds; choose from {', '.join(KINDS)}")
+        out.append({"name": k, "kind": k, "dataset": None, "held_out": k in held_out})
+    for d in datasets:
+        d = d.expanduser().resolve()
+        if not d.is_dir():
+            raise RangefinderError(f"--dataset {d} is not a folder; give a folder of images with .txt captions")
+        name = d.name or "dataset"
+        while name in {o["name"] for o in out}:
+            name += "'"
+        out.append({"name": name, "kind": None, "dataset": str(d), "held_out": name in held_out})
+    unknown = set(held_out) - {o["name"] for o in out}
+    if unknown:
+        raise RangefinderError(f"--held-out names {', '.join(sorted(unknown))}, which this run does not include; "
+                               "name kinds or --dataset folder names of this run")
+    return out
+
+
+def _count_images(folder: Path) -> int:
+    from rangefinder.data.dataset import IMAGE_EXTENSIONS
+
+    return sum(1 for p in folder.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS)
+
+
+def one_case(source: dict[str, Any], seed: int, args, work: Path, log=print) -> dict[str, Any]:
+    """Discovery, grid, the other midpoint rules and classic suggestions on one dataset with one training seed.
+
+    A synthetic kind is drawn with the case's seed too (a new dataset per seed); a --dataset folder is the same in
+    every case, and only the training seed (and with it the split) changes.
+    """
     from rangefinder.config import demo_config
     from rangefinder.data.synthetic import make_synthetic_dataset
     from rangefinder.models.tiny import ensure_tiny_base_model
     from rangefinder.steps.prepare_dataset import run_prepare_dataset
 
-    case = work / f"{kind}-seed{seed}"
-    dataset = case / "dataset"
-    make_synthetic_dataset(dataset, kind=kind, count=args.images, seed=seed, resolution=32)
+    name = source["name"]
+    case = work / f"{name}-seed{seed}"
+    if source["kind"]:
+        dataset = case / "dataset"
+        make_synthetic_dataset(dataset, kind=source["kind"], count=args.images, seed=seed, resolution=32)
+        images = args.images
+    else:
+        dataset = Path(source["dataset"])
+        images = _count_images(dataset)
     overrides: dict[str, Any] = {
         "data": {"dataset_dir": str(dataset)},
         "model": {"base_model": str(ensure_tiny_base_model())},
@@ -162,7 +213,9 @@ def one_case(kind: str, seed: int, args, work: Path, log=print) -> dict[str, Any
     run_prepare_dataset(cfg, out_dir=split_dir)
 
     _open_store(cfg)
-    out: dict[str, Any] = {"kind": kind, "seed": seed, "images": args.images,
+    kind = name  # the log's and the tables' name of the dataset
+    out: dict[str, Any] = {"kind": name, "synthetic_kind": source["kind"], "dataset_dir": source["dataset"],
+                           "held_out": source["held_out"], "seed": seed, "images": images,
                            "finetune_epochs": cfg.finetune.epochs, "range_test_epochs": cfg.lr_range_test.epochs}
     log(f"[{kind} seed {seed}] discovery")
     out["discovery"] = discover(cfg, split_dir, case / "discovery")
@@ -178,9 +231,24 @@ def one_case(kind: str, seed: int, args, work: Path, log=print) -> dict[str, Any
         log(f"[{kind} seed {seed}]   grid lr {lr:.3g}: best {row['best_val_loss']}, {row['seconds']:.1f} s")
         out["grid"].append(row)
 
+    out["midpoint_arms"] = {}
+    if args.midpoint_arms and d["status"] == "ok":
+        used = d["range_tests"][-1]
+        chosen = used.get("midpoint")
+        for rule, lr in (used.get("midpoints") or {}).items():
+            if rule == chosen or lr is None:
+                continue  # the chosen rule's arm is the discovery's own fine-tune
+            if math.isclose(lr, d["lr_mid"], rel_tol=1e-9):
+                row = {"lr": lr, "updates": d["finetune_updates"], "seconds": 0.0, "same_as": chosen,
+                       **{k: d.get(k) for k in ("baseline_val_loss", "best_val_loss", "best_update")}}
+            else:
+                row = train_fixed_lr(cfg, split_dir, float(lr), case / f"midpoint-{rule}")
+            log(f"[{kind} seed {seed}]   midpoint {rule} {lr:.3g}: best {row['best_val_loss']}")
+            out["midpoint_arms"][rule] = row
+
     first = d["range_tests"][0] if d.get("range_tests") else {}
     out["classic"] = {}
-    for name in ("lr_steepest", "lr_min_div10"):
+    for name in ("lr_steepest", "lr_min_div10") if args.classic else ():
         lr = first.get(name)
         if lr is None or not (lr > 0 and math.isfinite(lr)):
             out["classic"][name] = {"lr": None, "note": "the first range test gave no such suggestion"}
@@ -210,7 +278,7 @@ def summarize_case(case: dict[str, Any]) -> dict[str, Any]:
     grid_seconds = sum(g["seconds"] for g in case["grid"])
     d = case["discovery"]
     s: dict[str, Any] = {
-        "kind": case["kind"], "seed": case["seed"],
+        "kind": case["kind"], "seed": case["seed"], "held_out": bool(case.get("held_out")),
         "baseline_val_loss": best["baseline_val_loss"] if best else None,
         "grid_best_lr": best["lr"] if best else None,
         "grid_best_val_loss": best["best_val_loss"] if best else None,
@@ -224,6 +292,18 @@ def summarize_case(case: dict[str, Any]) -> dict[str, Any]:
         "discovery_updates": d["updates"], "discovery_seconds": d["seconds"],
     }
     s["discovery_still_improving"] = d.get("still_improving")
+    # What the report knew before any training at lr_mid: the quality score and flags of the test the LR came from
+    # (the zoom's when it ran), and of the first test.
+    tests = d.get("range_tests") or []
+    used = tests[-1] if tests else {}
+    s["zoomed"] = len(tests) > 1
+    s["quality"] = used.get("quality", 0.0) if d["status"] == "ok" else 0.0
+    s["quality_label"] = used.get("quality_label")
+    s["flags"] = list(used.get("flags") or [])
+    s["first_status"] = tests[0].get("status") if tests else None
+    s["first_quality"] = tests[0].get("quality") if tests else None
+    s["first_flags"] = list(tests[0].get("flags") or []) if tests else []
+    s["censored"] = any(f in CENSORED for f in s["flags"])
     if s["discovery_lr_mid"] and s["grid_best_lr"]:
         # How far the discovered LR is from the grid's best, in decades (negative: below it).
         s["discovery_lr_decades_from_grid_best"] = math.log10(s["discovery_lr_mid"] / s["grid_best_lr"])
@@ -234,6 +314,18 @@ def summarize_case(case: dict[str, Any]) -> dict[str, Any]:
     base, gb, db = s["baseline_val_loss"], s["grid_best_val_loss"], s["discovery_best_val_loss"]
     if None not in (base, gb, db) and base - gb > 0:
         s["share_of_grid_improvement"] = (base - db) / (base - gb)
+    # Each midpoint rule between the same bounds: the chosen one is the discovery's fine-tune, the others extra arms.
+    chosen = used.get("midpoint")
+    for rule in MIDPOINT_RULES:
+        row = case.get("midpoint_arms", {}).get(rule)
+        if rule == chosen:
+            lr, best_loss = d.get("lr_mid"), d.get("best_val_loss")
+        elif row:
+            lr, best_loss = row.get("lr"), row.get("best_val_loss")
+        else:
+            lr, best_loss = (used.get("midpoints") or {}).get(rule), None
+        s[f"mid_{rule}_lr"] = lr
+        s[f"mid_{rule}_gap_pct"] = gap_pct(best_loss, s["grid_best_val_loss"])
     diag = case.get("diagnostic_lr_high")
     if diag:
         s["diagnostic_lr_high"] = diag["lr"]
@@ -258,21 +350,79 @@ def aggregate(summaries: list[dict[str, Any]], within_pct: float) -> dict[str, A
     for key in ("discovery_gap_pct", "discovery_gap_at_recommended_pct", "diagnostic_lr_high_gap_pct",
                 "discovery_lr_decades_from_grid_best", "lr_steepest_gap_pct",
                 "lr_min_div10_gap_pct", "cost_fraction_updates", "cost_fraction_seconds",
-                "share_of_grid_improvement"):
+                "share_of_grid_improvement", *(f"mid_{r}_gap_pct" for r in MIDPOINT_RULES)):
         out[key] = stats([s.get(key) for s in summaries])
     gaps = [s.get("discovery_gap_pct") for s in summaries]
     out[f"discovery_within_{within_pct:g}pct"] = sum(g is not None and g <= within_pct for g in gaps)
-    for name in ("lr_steepest", "lr_min_div10"):
+    for name in ("lr_steepest", "lr_min_div10", *(f"mid_{r}" for r in MIDPOINT_RULES)):
         g = [s.get(f"{name}_gap_pct") for s in summaries]
         out[f"{name}_within_{within_pct:g}pct"] = sum(x is not None and x <= within_pct for x in g)
     return out
 
 
+def spearman(a: list[float], b: list[float]) -> Optional[float]:
+    """Spearman's rank correlation (ties get their mean rank; +inf ranks last); None under 3 pairs or no spread."""
+    import numpy as np
+
+    if len(a) != len(b) or len(a) < 3:
+        return None
+
+    def ranks(v: list[float]) -> np.ndarray:
+        x = np.asarray(v, dtype=float)
+        order = np.argsort(x, kind="mergesort")
+        r = np.empty(len(x))
+        r[order] = np.arange(len(x), dtype=float)
+        for value in np.unique(x):  # mean rank within ties
+            tie = x == value
+            r[tie] = r[tie].mean()
+        return r
+
+    ra, rb = ranks(a), ranks(b)
+    if ra.std() == 0 or rb.std() == 0:
+        return None
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def score_vs_gap(summaries: list[dict[str, Any]], within_pct: float,
+                 thresholds: tuple[float, ...] = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8)) -> dict[str, Any]:
+    """Does the range test's quality score (and its censoring flags) predict discovery's gap to the grid's best?
+
+    A failed discovery counts with score 0 and an infinite gap (a miss). For each threshold: how many cases score
+    under it and how many of those miss the target, against the cases at or above it.
+    """
+    pairs = [(float(s.get("quality") or 0.0), math.inf if s.get("discovery_gap_pct") is None
+              else float(s["discovery_gap_pct"]), s) for s in summaries]
+    out: dict[str, Any] = {"n": len(pairs), "target_pct": within_pct,
+                           "spearman_score_gap": spearman([p[0] for p in pairs], [p[1] for p in pairs])}
+    decades = [(float(s.get("quality") or 0.0), abs(s["discovery_lr_decades_from_grid_best"]))
+               for s in summaries if s.get("discovery_lr_decades_from_grid_best") is not None]
+    out["spearman_score_abs_decades"] = spearman([q for q, _ in decades], [x for _, x in decades])
+    rows = []
+    for t in thresholds:
+        below = [p for p in pairs if p[0] < t]
+        above = [p for p in pairs if p[0] >= t]
+        rows.append({"threshold": t, "below": len(below), "below_misses": sum(p[1] > within_pct for p in below),
+                     "at_or_above": len(above), "above_misses": sum(p[1] > within_pct for p in above)})
+    out["thresholds"] = rows
+    for key, test in (("censored", lambda s: bool(s.get("censored"))),
+                      ("still_improving", lambda s: bool(s.get("discovery_still_improving")))):
+        yes = [p for p in pairs if test(p[2])]
+        no = [p for p in pairs if not test(p[2])]
+        out[key] = {"flagged": len(yes), "flagged_misses": sum(p[1] > within_pct for p in yes),
+                    "not_flagged": len(no), "not_flagged_misses": sum(p[1] > within_pct for p in no)}
+    return out
+
+
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(prog="python -m bench.discovery_quality", description=__doc__.split("\n\n")[0])
-    p.add_argument("--kinds", default="shapes,stripes", help="synthetic dataset kinds (rangefinder.data.synthetic)")
+    p.add_argument("--kinds", default=None, help="synthetic dataset kinds (rangefinder.data.synthetic; default "
+                   f"{DEFAULT_KINDS}, or none when --dataset is given)")
+    p.add_argument("--dataset", type=Path, action="append", default=[], metavar="DIR",
+                   help="a folder of images with .txt captions to run the same comparison on (repeatable)")
+    p.add_argument("--held-out", default=None, help="kinds or --dataset folder names no setting was tuned on, "
+                   f"marked in the tables (default: {DEFAULT_HELD_OUT} when it runs)")
     p.add_argument("--seeds", default="0,1,2", help="dataset and training seeds; shapes seed 0 is the embedded default")
-    p.add_argument("--images", type=int, default=20, help="images per dataset (20: the embedded default)")
+    p.add_argument("--images", type=int, default=20, help="images per synthetic dataset (20: the embedded default)")
     p.add_argument("--grid-points", type=int, default=8)
     p.add_argument("--grid-lr-min", type=float, default=1e-5)
     p.add_argument("--grid-lr-max", type=float, default=1e-2)
@@ -282,30 +432,50 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--finetune-epochs", type=int, help="the epochs budget of every arm (default: the demo config's)")
     p.add_argument("--no-diagnose-lr-high", dest="diagnose_lr_high", action="store_false",
                    help="skip the diagnostic run at the discovery's own lr_high")
-    p.add_argument("--target-pct", type=float, default=2.0, help="the 'within x%% of the grid's best' target")
+    p.add_argument("--no-classic", dest="classic", action="store_false",
+                   help="skip the runs at the classic suggestions (steepest slope, minimum / 10)")
+    p.add_argument("--no-midpoint-arms", dest="midpoint_arms", action="store_false",
+                   help="skip the runs at the other midpoint rules' LRs")
+    p.add_argument("--target-pct", type=float, default=3.0, help="the 'within x%% of the grid's best' target")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's choice)")
     p.add_argument("--keep", action="store_true", help="keep every run's folder (with --work-dir)")
     p.add_argument("--smoke", action="store_true", help="one tiny case, 2 grid points, 2-epoch runs (CI)")
     p.add_argument("--out", type=Path, help="JSON output (default bench/results/<name>.json; with --smoke a "
-                   "temporary file, so a smoke run never replaces a real result)")
+                   "temporary file, so a smoke run never replaces a real result); rewritten after every case")
     p.add_argument("--work-dir", type=Path, help="where runs go (default: a temporary folder, removed)")
     args = p.parse_args(argv)
     args.out = args.out or (smoke_out(NAME) if args.smoke else default_out(NAME))
     quiet_libraries()
+    if args.kinds is None:
+        args.kinds = "" if args.dataset else DEFAULT_KINDS
     if args.smoke:
-        args.kinds, args.seeds, args.images, args.grid_points = "shapes", "0", 10, 2
+        args.kinds = "shapes" if not args.dataset else args.kinds
+        args.seeds, args.images, args.grid_points = "0", 10, 2
         args.range_test_epochs, args.range_test_every_updates, args.finetune_epochs = 3, 1, 2
     if args.grid_points < 1 or args.grid_lr_min <= 0 or args.grid_lr_max < args.grid_lr_min:
         p.error("the grid needs --grid-points >= 1 and 0 < --grid-lr-min <= --grid-lr-max")
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    if args.held_out is None:
+        args.held_out = DEFAULT_HELD_OUT if DEFAULT_HELD_OUT in kinds else ""
+    held_out = [k.strip() for k in args.held_out.split(",") if k.strip()]
+    from rangefinder.errors import RangefinderError
+
+    try:
+        sources = dataset_sources(kinds, args.dataset, held_out)
+    except RangefinderError as e:
+        p.error(str(e))
+    if not sources or not seeds:
+        p.error("nothing to run: give --kinds, --dataset and --seeds")
 
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench-discovery-"))
     work.mkdir(parents=True, exist_ok=True)
     os.environ.pop("MLFLOW_RUN_ID", None)  # the steps' runs go to the work folder's own store, top level
     result: dict[str, Any] = {"benchmark": NAME, "smoke": args.smoke, "settings": {
-        "kinds": kinds, "seeds": seeds, "images": args.images, "grid_points": args.grid_points,
-        "grid_lr_min": args.grid_lr_min, "grid_lr_max": args.grid_lr_max, "target_pct": args.target_pct}}
+        "kinds": kinds, "datasets": [str(d) for d in args.dataset], "sources": sources, "held_out": held_out,
+        "seeds": seeds, "images": args.images, "grid_points": args.grid_points, "grid_lr_min": args.grid_lr_min,
+        "grid_lr_max": args.grid_lr_max, "target_pct": args.target_pct, "midpoint_arms": args.midpoint_arms,
+        "classic": args.classic, "diagnose_lr_high": args.diagnose_lr_high}}
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     try:
         with torch_threads(args.threads or None):
@@ -314,37 +484,90 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
 
             result["base_model"] = str(ensure_tiny_base_model())  # its folder name is the builder's content key
             t0 = time.perf_counter()
-            result["cases"] = [one_case(k, s, args, work, log) for k in kinds for s in seeds]
-            result["seconds"] = time.perf_counter() - t0
+            result["cases"] = []
+            # Seed by seed, every dataset within a seed: a run cut short still covers every dataset.
+            for seed in seeds:
+                for source in sources:
+                    result["cases"].append(one_case(source, seed, args, work, log))
+                    result["seconds"] = time.perf_counter() - t0
+                    finish(result, partial=True)
+                    write_json(args.out, result)  # after every case: a run cut short keeps what it measured
             result["machine"]["loadavg_after"] = list(os.getloadavg())
     finally:
         if args.work_dir is None:
             shutil.rmtree(work, ignore_errors=True)
-    summaries = [c["summary"] for c in result["cases"]]
-    result["aggregate"] = aggregate(summaries, args.target_pct)
-    result["aggregate_by_kind"] = {k: aggregate([s for s in summaries if s["kind"] == k], args.target_pct)
-                                   for k in kinds}
+    finish(result, partial=False)
     write_json(args.out, result)
     print(report(result))
     print(f"\nwritten: {args.out}")
     return result
 
 
+def finish(result: dict[str, Any], partial: bool) -> None:
+    """The aggregates over the cases so far: all, by dataset, held-out vs tuned-on, and the score-vs-gap relation."""
+    summaries = [c["summary"] for c in result["cases"]]
+    target = result["settings"]["target_pct"]
+    result["partial"] = partial
+    result["aggregate"] = aggregate(summaries, target)
+    names = list(dict.fromkeys(s["kind"] for s in summaries))
+    result["aggregate_by_kind"] = {k: aggregate([s for s in summaries if s["kind"] == k], target) for k in names}
+    result["aggregate_held_out"] = aggregate([s for s in summaries if s["held_out"]], target)
+    result["aggregate_tuned_on"] = aggregate([s for s in summaries if not s["held_out"]], target)
+    result["score_vs_gap"] = score_vs_gap(summaries, target)
+    result["score_vs_gap_tuned_on"] = score_vs_gap([s for s in summaries if not s["held_out"]], target)
+
+
+def headline(result: dict[str, Any]) -> str:
+    """One column per dataset (and all together): the gap to the grid's best under each midpoint rule, the cost."""
+    target = result["settings"]["target_pct"]
+    cols = {**result["aggregate_by_kind"], "all": result["aggregate"]}
+    held = set(result["settings"].get("held_out") or [])
+    chosen = next((c["discovery"]["range_tests"][-1].get("midpoint") for c in result["cases"]
+                   if c["discovery"].get("range_tests")), None)
+    rows: list[dict[str, Any]] = [{"what": "cases", **{k: a["cases"] for k, a in cols.items()}}]
+    for rule in MIDPOINT_RULES:
+        tag = f"{rule}" + (" (chosen)" if rule == chosen else "")
+        rows.append({"what": f"{tag}: median gap %",
+                     **{k: _f(a[f"mid_{rule}_gap_pct"]["median"]) for k, a in cols.items()}})
+        rows.append({"what": f"{tag}: worst gap %",
+                     **{k: _f(a[f"mid_{rule}_gap_pct"]["max"]) for k, a in cols.items()}})
+        rows.append({"what": f"{tag}: within {target:g}%",
+                     **{k: f"{a[f'mid_{rule}_within_{target:g}pct']}/{a['cases']}" for k, a in cols.items()}})
+    rows.append({"what": "cost: share of the grid's updates (median)",
+                 **{k: _f(a["cost_fraction_updates"]["median"]) for k, a in cols.items()}})
+    rows.append({"what": "cost: share of the grid's time (median)",
+                 **{k: _f(a["cost_fraction_seconds"]["median"]) for k, a in cols.items()}})
+    heads = ["", *(f"{k} (held out)" if k in held else k for k in cols)]
+    return table(rows, ["what", *cols], title="Headline: discovery against the grid's best, by dataset",
+                 headers=heads)
+
+
 def report(result: dict[str, Any]) -> str:
     rows = [c["summary"] for c in result["cases"]]
     cols = ["kind", "seed", "baseline_val_loss", "grid_best_lr", "grid_best_val_loss", "discovery_lr_mid",
             "discovery_lr_decades_from_grid_best", "discovery_best_val_loss", "discovery_gap_pct",
-            "recommended_epochs", "discovery_still_improving", "lr_steepest", "lr_steepest_gap_pct", "lr_min_div10",
+            "mid_geometric_gap_pct", "mid_arithmetic_gap_pct", "quality", "flags",
+            "recommended_epochs", "discovery_still_improving", "lr_steepest_gap_pct",
             "lr_min_div10_gap_pct", "diagnostic_lr_high_gap_pct"]
-    heads = ["kind", "seed", "base loss", "grid best lr", "grid best", "disc lr_mid", "decades off", "disc best",
-             "disc gap %", "rec epochs", "still improving", "steepest lr", "steepest gap %", "min/10 lr",
-             "min/10 gap %", "(at lr_high gap %)"]
-    text = table(rows, cols, title="Best validation loss (gap: % above the grid's best)", headers=heads)
+    heads = ["data", "seed", "base loss", "grid best lr", "grid best", "disc lr_mid", "decades off", "disc best",
+             "disc gap %", "geometric gap %", "arithmetic gap %", "score", "flags", "rec epochs", "still improving",
+             "steepest gap %", "min/10 gap %", "(at lr_high gap %)"]
+    if not any(r.get("lr_steepest") or r.get("lr_min_div10") for r in rows):  # run with --no-classic
+        keep = [i for i, c in enumerate(cols) if not c.startswith(("lr_steepest", "lr_min_div10"))]
+        cols, heads = [cols[i] for i in keep], [heads[i] for i in keep]
+    text = headline(result) + "\n\n"
+    text += table([{**r, "kind": r["kind"] + (" (held out)" if r.get("held_out") else ""),
+                    "flags": ",".join(r.get("flags") or []) or "-"} for r in rows], cols,
+                  title="Best validation loss (gap: % above the grid's best)", headers=heads)
     cost_cols = ["kind", "seed", "discovery_status", "discovery_lr_source", "discovery_updates", "grid_updates",
                  "cost_fraction_updates", "discovery_seconds", "grid_seconds", "cost_fraction_seconds"]
-    cost_heads = ["kind", "seed", "discovery", "lr from", "disc updates", "grid updates", "update share",
+    cost_heads = ["data", "seed", "discovery", "lr from", "disc updates", "grid updates", "update share",
                   "disc s", "grid s", "time share"]
     text += "\n\n" + table(rows, cost_cols, title="Compute", headers=cost_heads)
+    sg = result["score_vs_gap"]
+    text += "\n\n" + table(sg["thresholds"], ["threshold", "below", "below_misses", "at_or_above", "above_misses"],
+                            title=f"Quality score vs a miss (gap > {sg['target_pct']:g}%): all cases",
+                            headers=["score <", "cases under", "misses under", "cases at/above", "misses at/above"])
     agg = result["aggregate"]
     target = result["settings"]["target_pct"]
     lines = [
@@ -356,10 +579,15 @@ def report(result: dict[str, Any]) -> str:
         f"{_f(agg['cost_fraction_seconds']['median'])} of its wall time",
         f"classic steepest: median gap {_f(agg['lr_steepest_gap_pct']['median'])}%, worst "
         f"{_f(agg['lr_steepest_gap_pct']['max'])}%; min/10: median gap {_f(agg['lr_min_div10_gap_pct']['median'])}%, "
-        f"worst {_f(agg['lr_min_div10_gap_pct']['max'])}%",
+        f"worst {_f(agg['lr_min_div10_gap_pct']['max'])}%" if agg["lr_steepest_gap_pct"]["n"] else
+        "classic suggestions: not run (--no-classic)",
         f"discovered lr_mid vs the grid's best LR: median {_f(agg['discovery_lr_decades_from_grid_best']['median'])} "
         f"decades; diagnostic run at the discovery's lr_high: median gap "
         f"{_f(agg['diagnostic_lr_high_gap_pct']['median'])}%",
+        f"score vs gap: Spearman {_f(sg['spearman_score_gap'])} (score vs |decades off| "
+        f"{_f(sg['spearman_score_abs_decades'])}); censored: {sg['censored']['flagged_misses']} misses in "
+        f"{sg['censored']['flagged']} flagged, {sg['censored']['not_flagged_misses']} in "
+        f"{sg['censored']['not_flagged']} not",
     ]
     return text + "\n\n" + "\n".join(lines)
 

@@ -19,6 +19,12 @@ MID_POSITION = 0.75
 MIDPOINT_RULES = ("tuned", "geometric", "arithmetic")
 MIDPOINT: Final = "tuned"  # Final: a Literal["tuned"] to the type checker, as the settings' field requires
 
+# Under this quality score an ok reading is flagged `low_quality`, and its report advises checking lr_mid with a
+# zoomed range test or a short grid before a long run. From bench/score_calibration (curves with known bounds,
+# bench/RESULTS.md "Confidence"): under 0.3, 40% of the readings put lr_mid more than 0.2 decades off the truth; at
+# or above it, 5%. No case of bench/discovery_quality scored under 0.7, so that bench neither confirms nor moves it.
+LOW_QUALITY = 0.3
+
 # A ramp is stopped, and a curve read as diverged, when smoothed validation loss exceeds this multiple of its best
 # (or turns NaN/inf).
 DIVERGENCE_FACTOR = 4.0

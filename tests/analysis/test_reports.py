@@ -200,3 +200,30 @@ def test_step_report_shows_the_samples_over_training_strip(tmp_path):
     assert "width='40'" in many.read_text() and "Scroll the strip sideways" in many.read_text()
     plain = write_step_report(w, None, tmp_path / "plain")["html"].read_text()
     assert "Samples over training" not in plain
+
+
+def test_low_quality_reading_advises_a_zoom_or_a_grid(tmp_path):
+    from rangefinder.analysis.lr_bounds import FLAG_ADVICE
+    from rangefinder.analysis.zoom import zoom_range
+    from rangefinder.defaults import LOW_QUALITY
+
+    shape = RangeTestShape(rise=0.05)
+    # A clean 40-point curve reads with a high score: no flag, no such advice.
+    lr = lr_sweep(40)
+    good = analyze_lr_curve(lr, noisy(shape.loss(lr), 0.002, 0))
+    assert good.status == "ok" and good.quality >= LOW_QUALITY and "low_quality" not in good.flags
+    assert "zoomed range test or a short grid" not in write_lr_report(good, None, tmp_path / "good")["html"].read_text()
+    # 14 points with noise a fifth of the drop: still a descent, but placed loosely.
+    lr = lr_sweep(14)
+    weak = analyze_lr_curve(lr, noisy(shape.loss(lr), 0.02, 0))
+    assert weak.status == "ok" and weak.quality < LOW_QUALITY
+    assert weak.flags[-1] == "low_quality" and FLAG_ADVICE["low_quality"] in weak.advice
+    paths = write_lr_report(weak, None, tmp_path / "weak")
+    md = paths["markdown"].read_text()
+    assert f"is under {LOW_QUALITY:g}: check lr_mid with a zoomed range test or a short grid" in md
+    assert "low_quality" in md and "train a short grid of constant LRs" in md
+    assert json.loads(paths["json"].read_text())["flags"][-1] == "low_quality"
+    # Advice only: the zoom policy decides as it would without the flag.
+    without = [f for f in weak.flags if f != "low_quality"]
+    args = (weak.lr_low, weak.lr_high, float(lr[1]), float(lr[-1]), 9, 5)
+    assert zoom_range("ok", weak.flags, *args) == zoom_range("ok", without, *args)

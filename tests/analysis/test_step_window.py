@@ -31,6 +31,9 @@ def test_still_improving():
     w = select_step_window(UPDATES, EPOCHS, noisy(shape.loss(EPOCHS), 0.001, 0))
     assert w.status == "still_improving"
     assert w.recommended_epochs >= 30 and w.window_end_epoch == pytest.approx(30)
+    # Longer, or higher: in the discovery bench such runs mostly trained below the grid's best LR.
+    (advice,) = [a for a in w.advice if a.startswith("Still improving")]
+    assert "more epochs" in advice and "try lr_high" in advice
 
 
 def test_flat():

@@ -6,17 +6,30 @@ import pytest
 
 
 @pytest.mark.slow
-def test_discovery_quality_smoke(tmp_path):
+def test_discovery_quality_smoke(tmp_path, capsys):
     from bench.discovery_quality import main
+    from rangefinder.data.synthetic import make_synthetic_dataset
 
+    # Any folder of images and captions runs the same comparison (--dataset); here one of the subject kind.
+    folder = tmp_path / "my-subject"
+    make_synthetic_dataset(folder, kind="subject", count=10, seed=5)
     out = tmp_path / "dq.json"
-    result = main(["--smoke", "--out", str(out), "--work-dir", str(tmp_path / "work")])
+    result = main(["--smoke", "--kinds", "shapes", "--dataset", str(folder), "--held-out", "my-subject",
+                   "--out", str(out), "--work-dir", str(tmp_path / "work")])
     saved = json.loads(out.read_text())
     assert saved["aggregate"] == json.loads(json.dumps(result["aggregate"]))
-    assert saved["smoke"] is True
-    assert {k: saved["settings"][k] for k in ("kinds", "seeds", "images", "grid_points")} == {
-        "kinds": ["shapes"], "seeds": [0], "images": 10, "grid_points": 2}
-    (case,) = saved["cases"]
+    assert saved["smoke"] is True and saved["partial"] is False
+    assert {k: saved["settings"][k] for k in ("kinds", "seeds", "images", "grid_points", "held_out")} == {
+        "kinds": ["shapes"], "seeds": [0], "images": 10, "grid_points": 2, "held_out": ["my-subject"]}
+    case, other = saved["cases"]
+    assert (case["kind"], case["held_out"], other["kind"], other["held_out"]) == ("shapes", False, "my-subject", True)
+    assert other["dataset_dir"] == str(folder.resolve()) and other["images"] == 10 and other["synthetic_kind"] is None
+    assert other["summary"]["grid_updates"] == 8 and set(saved["aggregate_by_kind"]) == {"shapes", "my-subject"}
+    assert saved["aggregate_held_out"]["cases"] == 1 and saved["aggregate_tuned_on"]["cases"] == 1
+    # The headline has a column per dataset (and all together), the held-out one marked.
+    printed = capsys.readouterr().out
+    head = next(line for line in printed.splitlines() if line.startswith("| ") and "shapes" in line)
+    assert "my-subject (held out)" in head and "all" in head
     # 10 images leave 8 to train on at batch 4: 2 updates an epoch. A range test runs 3 epochs (6 updates), a fixed-LR
     # run the fine-tune's 2 epochs (4 updates).
     d = case["discovery"]
@@ -48,8 +61,20 @@ def test_discovery_quality_smoke(tmp_path):
     # Every fixed-LR run starts from the same model and validates on the same images: one update-0 loss.
     starts = {r["baseline_val_loss"] for r in case["grid"] + [r for r in case["classic"].values() if r["lr"]]}
     assert len(starts) == 1 and starts.pop() > 0
+    # The other midpoint rules between the same bounds, each trained like a grid point; the chosen one is the
+    # discovery's own fine-tune.
+    if d["status"] == "ok":
+        assert last["midpoint"] == "tuned" and set(case["midpoint_arms"]) == {"geometric", "arithmetic"}
+        for rule, row in case["midpoint_arms"].items():
+            assert row["lr"] == pytest.approx(last["midpoints"][rule])
+            assert last["lr_low"] <= row["lr"] <= last["lr_high"]
+            assert row["updates"] == 4 or row.get("same_as") == "tuned"
+    else:
+        assert case["midpoint_arms"] == {}
     s = case["summary"]
     assert s["discovery_status"] == d["status"] and s["grid_updates"] == 8
+    assert s["quality"] == (last["quality"] if d["status"] == "ok" else 0.0) and s["flags"] == last["flags"]
+    assert s["mid_tuned_gap_pct"] == s["discovery_gap_pct"]
     assert s["cost_fraction_updates"] == pytest.approx(d["updates"] / 8)
     assert s["grid_best_val_loss"] == min(g["best_val_loss"] for g in case["grid"])
 
@@ -72,3 +97,64 @@ def test_gap_and_aggregate():
     assert s["lr_steepest_gap_pct"] == pytest.approx(25.0)
     agg = aggregate([s], within_pct=2.0)
     assert agg["discovery_within_2pct"] == 1 and agg["lr_steepest_within_2pct"] == 0
+
+
+def test_midpoint_rules_in_the_summary():
+    from bench.discovery_quality import aggregate, summarize_case
+
+    grid = [{"lr": 1e-4, "updates": 10, "seconds": 1.0, "best_val_loss": 0.5, "baseline_val_loss": 1.0},
+            {"lr": 1e-3, "updates": 10, "seconds": 1.0, "best_val_loss": 0.4, "baseline_val_loss": 1.0}]
+    used = {"midpoint": "tuned", "quality": 0.8, "flags": ["upper_censored"],
+            "midpoints": {"tuned": 8e-4, "geometric": 4e-4, "arithmetic": 6e-4}}
+    disc = {"status": "ok", "updates": 5, "seconds": 0.5, "best_val_loss": 0.404, "lr_mid": 8e-4,
+            "range_tests": [{"quality": 0.3, "flags": [], "status": "ok"}, used]}
+    case = {"kind": "textures", "seed": 0, "held_out": False, "grid": grid, "discovery": disc, "classic": {},
+            "midpoint_arms": {"geometric": {"lr": 4e-4, "best_val_loss": 0.42},
+                              "arithmetic": {"lr": 6e-4, "best_val_loss": 0.41}}}
+    s = summarize_case(case)
+    assert s["mid_tuned_gap_pct"] == pytest.approx(1.0) and s["mid_tuned_lr"] == 8e-4
+    assert s["mid_geometric_gap_pct"] == pytest.approx(5.0) and s["mid_arithmetic_gap_pct"] == pytest.approx(2.5)
+    # The score and flags of the test the LR came from (the zoom), and of the first.
+    assert (s["quality"], s["flags"], s["censored"], s["zoomed"]) == (0.8, ["upper_censored"], True, True)
+    assert (s["first_quality"], s["first_flags"]) == (0.3, [])
+    agg = aggregate([s], within_pct=3.0)
+    assert agg["mid_tuned_within_3pct"] == 1 and agg["mid_arithmetic_within_3pct"] == 1
+    assert agg["mid_geometric_within_3pct"] == 0
+
+
+def test_spearman_and_score_vs_gap():
+    from bench.discovery_quality import score_vs_gap, spearman
+
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    # Ties share their mean rank; an infinite gap (a failed discovery) ranks last.
+    assert spearman([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(0.9486833, rel=1e-6)
+    assert spearman([0.1, 0.5, 0.9], [float("inf"), 2.0, 1.0]) == pytest.approx(-1.0)
+    assert spearman([1, 1, 1], [1, 2, 3]) is None and spearman([1, 2], [1, 2]) is None
+    rows = [{"quality": q, "discovery_gap_pct": g, "censored": c, "discovery_still_improving": False,
+             "discovery_lr_decades_from_grid_best": d}
+            for q, g, c, d in ((0.9, 0.1, False, 0.0), (0.8, 0.5, False, -0.1), (0.45, 4.0, True, -0.5),
+                               (0.35, 1.0, False, 0.2))]
+    rows.append({"quality": 0.0, "discovery_gap_pct": None, "censored": False})  # failed: a miss at score 0
+    out = score_vs_gap(rows, 3.0, thresholds=(0.5,))
+    assert out["n"] == 5 and out["spearman_score_gap"] == pytest.approx(-0.9)
+    assert out["thresholds"] == [{"threshold": 0.5, "below": 3, "below_misses": 2, "at_or_above": 2,
+                                  "above_misses": 0}]
+    assert out["censored"] == {"flagged": 1, "flagged_misses": 1, "not_flagged": 4, "not_flagged_misses": 1}
+    assert out["spearman_score_abs_decades"] == pytest.approx(-0.8)
+
+
+def test_dataset_sources_name_the_problem(tmp_path):
+    from bench.discovery_quality import dataset_sources
+    from rangefinder.errors import RangefinderError
+
+    (tmp_path / "a" / "photos").mkdir(parents=True)
+    (tmp_path / "b" / "photos").mkdir(parents=True)
+    got = dataset_sources(["shapes"], [tmp_path / "a" / "photos", tmp_path / "b" / "photos"], ["photos"])
+    assert [(g["name"], g["held_out"]) for g in got] == [("shapes", False), ("photos", True), ("photos'", False)]
+    with pytest.raises(RangefinderError, match="unknown synthetic kind 'faces'"):
+        dataset_sources(["faces"], [], [])
+    with pytest.raises(RangefinderError, match="is not a folder"):
+        dataset_sources([], [tmp_path / "missing"], [])
+    with pytest.raises(RangefinderError, match="--held-out names subject"):
+        dataset_sources(["shapes"], [], ["subject"])

@@ -1,10 +1,20 @@
 import json
 
+import numpy as np
 import pytest
 from PIL import Image
 
 from rangefinder.cli.main import main
-from rangefinder.data.synthetic import COLOURS, SHAPES, make_synthetic_dataset, render_item
+from rangefinder.data.synthetic import (
+    CAPTION_WORDS,
+    COLOURS,
+    SHAPES,
+    SUBJECT_TOKEN,
+    TEXTURES,
+    _subject_identity,
+    make_synthetic_dataset,
+    render_item,
+)
 from rangefinder.errors import DataError
 
 
@@ -50,3 +60,70 @@ def test_stripes_differ_from_shapes_and_reuse(tmp_path):
         make_synthetic_dataset(tmp_path / "s", kind="shapes", count=3)
     with pytest.raises(DataError, match="unknown synthetic dataset kind"):
         make_synthetic_dataset(tmp_path / "x", kind="faces")
+
+
+def _near(c, name, tol=12):
+    return max(abs(a - b) for a, b in zip(c, COLOURS[name], strict=True)) < tol
+
+
+def test_textures_are_deterministic_and_captions_name_their_colours(tmp_path):
+    a = make_synthetic_dataset(tmp_path / "a", kind="textures", count=10, seed=3)
+    make_synthetic_dataset(tmp_path / "b", kind="textures", count=10, seed=3)
+    assert a["kind"] == "textures"
+    for f in sorted(p.name for p in (tmp_path / "a").iterdir()):
+        assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
+    seen = set()
+    for i in range(40):
+        img, caption = render_item("textures", 0, i, 32)
+        words = caption.split()
+        # "a red and white dots texture": both colours show in the pixels, the texture is one of five.
+        c1, c2, texture = words[1], words[3], words[4]
+        assert words[2] == "and" and words[5] == "texture" and texture in TEXTURES, caption
+        seen.add(texture)
+        px = np.asarray(img, dtype=float).reshape(-1, 3)
+        a, b = np.asarray(COLOURS[c1], dtype=float), np.asarray(COLOURS[c2], dtype=float)
+        t = np.clip((px - a) @ (b - a) / ((b - a) @ (b - a)), 0, 1)
+        # Every pixel is a blend of the two colours named (up to the resampling's ringing), both of them show.
+        assert np.abs(px - (a + t[:, None] * (b - a))).max() < 40, caption
+        assert t.min() < 0.2 and t.max() > 0.6, caption
+        # A texture, not a flat colour: many distinct pixel values.
+        assert len({tuple(c) for c in px}) > 20, caption
+    assert seen == set(TEXTURES)
+
+
+def test_subject_is_one_identity_named_by_a_rare_token():
+    # DreamBooth-like: every image of a seed shows the same subject (the same colours) on another background, and
+    # the caption names it by the rare token and the background by its colour.
+    for seed in (0, 1):
+        ident = _subject_identity(seed)
+        placements = set()
+        for i in range(12):
+            img, caption = render_item("subject", seed, i, 32)
+            assert caption.startswith(f"a photo of {SUBJECT_TOKEN} object on ") and caption.endswith(" background")
+            bg = caption.split()[-2]
+            assert bg not in (ident["body"], ident["head"], ident["belt"])
+            px = [img.getpixel((x, y)) for x in range(32) for y in range(32)]
+            assert sum(_near(c, bg) for c in px) > 0.3 * len(px), caption  # mostly background
+            for part in ("body", "head"):
+                assert sum(_near(c, ident[part]) for c in px) >= 4, (seed, i, part)
+            placements.add(img.tobytes())
+        assert len(placements) == 12  # each image another size, place or facing
+    assert _subject_identity(0) != _subject_identity(1)
+
+
+def test_new_kinds_leave_the_tiny_vocabulary_as_it_was():
+    # The words of textures and subject tokenize into bytes, as a rare word does in CLIP: adding a kind does not
+    # change the tiny model's tokenizer (and with it the weights it is pre-trained to).
+    from rangefinder.models.tiny import build_tokenizer
+
+    words = {w for k in ("textures", "subject") for i in range(30) for w in render_item(k, 0, i, 32)[1].split()}
+    assert SUBJECT_TOKEN in words and not {SUBJECT_TOKEN, *TEXTURES} & set(CAPTION_WORDS)
+    tok = build_tokenizer()
+    ids = tok(SUBJECT_TOKEN, add_special_tokens=False).input_ids
+    assert len(ids) > 1 and tok.unk_token_id not in ids
+
+
+def test_make_dataset_cli_makes_the_new_kinds(tmp_path):
+    for kind in ("textures", "subject"):
+        assert main(["make-dataset", "--kind", kind, "--out", str(tmp_path / kind), "--count", "3"]) == 0
+        assert sorted(p.name for p in (tmp_path / kind).glob("*.txt")) == ["00000.txt", "00001.txt", "00002.txt"]

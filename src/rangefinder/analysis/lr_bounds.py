@@ -51,7 +51,7 @@ from rangefinder.analysis.curves import (
     rise_cut,
     trend_test,
 )
-from rangefinder.defaults import DIVERGENCE_FACTOR, MID_POSITION, MIDPOINT, MIDPOINT_RULES
+from rangefinder.defaults import DIVERGENCE_FACTOR, LOW_QUALITY, MID_POSITION, MIDPOINT, MIDPOINT_RULES
 from rangefinder.errors import RangefinderError
 
 Status = Literal["ok", "no_descent", "rising_from_start", "diverged"]
@@ -75,8 +75,14 @@ BOOTSTRAP_REPLICATES = 200
 # shorter prefixes the permutation test has too few orderings, and the pick of the cut would bias it.
 RISE_CUT_MIN_POINTS = 6
 
-FLAG_ORDER = ["lower_censored", "upper_censored", "rose_after_min", "diverged"]
+FLAG_ORDER = ["lower_censored", "upper_censored", "rose_after_min", "diverged", "low_quality"]
 FLAG_ADVICE: dict[str, str] = {
+    "low_quality": (
+        f"Quality under {LOW_QUALITY:g}: in the bench (bench/RESULTS.md), discovery at such scores missed the best "
+        "constant LR of a grid sweep by more than 3% more often than above it. Check lr_mid before a long run: "
+        "re-run the range test zoomed on the bounds (lr_low / 3 to lr_high x 3, with more validation points), or "
+        "train a short grid of constant LRs across the bounds (e.g. lr_low, lr_mid, lr_high) and keep the best."
+    ),
     "upper_censored": (
         "Still falling at the end of the sweep: the real upper bound lies above the range tested. "
         "Raise lr_max (e.g. x10) and run the range test again."
@@ -392,6 +398,9 @@ def analyze_lr_curve(
     }
     quality = float(np.prod([max(p, 1e-3) for p in parts.values()]) ** (1 / len(parts)))
     quality *= 0.8 ** sum(f in ("upper_censored", "lower_censored") for f in flags)
+    if round(quality, 4) < LOW_QUALITY:
+        # Advice only: the flag changes no decision of the analysis or the zoom policy.
+        flags.append("low_quality")
     label: Literal["high", "medium", "low"] = "high" if quality >= 0.7 else "medium" if quality >= 0.4 else "low"
     return LRBounds(
         status="ok",
@@ -424,7 +433,8 @@ def _with_tail(head: LRBounds, lr_all: np.ndarray, y_all: np.ndarray, stab_all: 
     head.points_dropped = int(lr_all.size - head.points_used)
     if exploded:
         head.flags.append("diverged")
-        head.advice.append(FLAG_ADVICE["diverged"])
+        head.flags.sort(key=FLAG_ORDER.index)
+        head.advice = [STATUS_ADVICE[head.status]] + [FLAG_ADVICE[f] for f in head.flags]
     return head
 
 

@@ -25,6 +25,7 @@ from rangefinder.analysis.plots import plot_lr_range_test, plot_step_window
 from rangefinder.analysis.step_window import FLAG_ADVICE as STEP_FLAG_ADVICE
 from rangefinder.analysis.step_window import STATUS_ADVICE as STEP_STATUS_ADVICE
 from rangefinder.analysis.step_window import StepWindow
+from rangefinder.defaults import LOW_QUALITY
 from rangefinder.formats.atomic import write_bytes
 
 _CSS = """
@@ -192,6 +193,9 @@ def write_lr_report(bounds: LRBounds, curve: Optional[dict], out_dir: str | Path
     if bounds.status == "ok":
         lead = (f"Train at lr_mid = {bounds.lr_mid:.3g} (between {bounds.lr_low:.3g} and {bounds.lr_high:.3g}); "
                 f"confidence {bounds.quality_label}.")
+        if "low_quality" in bounds.flags:
+            lead += (f" The quality score {bounds.quality:.2f} is under {LOW_QUALITY:g}: check lr_mid with a zoomed "
+                     "range test or a short grid before a long run (low_quality, below).")
     else:
         lead = LR_STATUS_ADVICE[bounds.status]
     rows: list[tuple[str, Any, str]] = [

@@ -48,7 +48,9 @@ STATUS_ADVICE: dict[str, str] = {
     "ok": "Validation loss bottomed out inside the run; train for the recommended epochs.",
     "still_improving": (
         "Still improving at the end of the run: the best length lies beyond it. Fine-tune for more epochs "
-        "(e.g. twice as many) and select again."
+        "(e.g. twice as many) and select again. The LR may also be low for this budget: in the discovery bench, "
+        "fine-tunes still improving at the end mostly trained below the best constant LR of a grid sweep, so with "
+        "a fixed budget try lr_high (or a short grid from lr_mid up to 3 x lr_high) and keep the best."
     ),
     "no_improvement": (
         "Validation loss never fell by more than its noise: this LR does not help. Check the LR bounds "

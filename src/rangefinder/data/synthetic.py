@@ -39,9 +39,11 @@ COLOURS: dict[str, tuple[int, int, int]] = {
 }
 SHAPES = ("circle", "square", "triangle", "diamond")
 PATTERNS = ("horizontal stripes", "vertical stripes", "diagonal stripes", "checkerboard", "gradient")
-KINDS = ("shapes", "stripes")
+TEXTURES = ("dots", "bricks", "cells", "waves", "marble")
+KINDS = ("shapes", "stripes", "textures", "subject")
+SUBJECT_TOKEN = "sks"  # DreamBooth's rare identifier; not in the vocabulary, so it tokenizes into bytes
 
-# Every word a caption of either kind can contain (the tiny model's tokenizer makes each a single token).
+# Every word a caption of shapes or stripes can contain (the tiny model's tokenizer makes each a single token).
 CAPTION_WORDS = sorted(
     set(COLOURS) | set(SHAPES) | {w for p in PATTERNS for w in p.split()}
     | {"a", "an", "on", "background", "and", "from", "to"}
@@ -131,9 +133,113 @@ def _stripes_item(d: _Draws, resolution: int) -> tuple[Image.Image, str]:
     return img, f"{c1} and {c2} {pattern}"
 
 
-_RENDERERS: dict[str, Callable[[_Draws, int], tuple[Image.Image, str]]] = {
-    "shapes": _shape_item,
-    "stripes": _stripes_item,
+def _texture_item(d: _Draws, resolution: int) -> tuple[Image.Image, str]:
+    names = list(COLOURS)
+    c1 = d.choice(names)
+    c2 = d.choice([c for c in names if c != c1])
+    texture = d.choice(TEXTURES)
+    big = resolution * SUPERSAMPLE
+    cell = d.uniform(0.18, 0.32) * big  # the texture's scale: dot spacing, brick height, cell size, wavelength
+    ox, oy = d.uniform(0, cell), d.uniform(0, cell)
+    y, x = np.mgrid[0:big, 0:big].astype(np.float64)
+    if texture == "dots":
+        # A jittered grid of round dots of one radius.
+        radius = d.uniform(0.22, 0.38) * cell
+        gx, gy = np.floor((x + ox) / cell), np.floor((y + oy) / cell)
+        n = int(big / cell) + 3
+        jitter = np.array([[d.uniform(-0.12, 0.12) * cell for _ in range(2)] for _ in range(n * n)]).reshape(n, n, 2)
+        jx = jitter[gy.astype(int) % n, gx.astype(int) % n, 0]
+        jy = jitter[gy.astype(int) % n, gx.astype(int) % n, 1]
+        dx = (x + ox) - (gx + 0.5) * cell - jx
+        dy = (y + oy) - (gy + 0.5) * cell - jy
+        t = (dx * dx + dy * dy <= radius * radius).astype(np.float64)
+    elif texture == "bricks":
+        # Rows of bricks, every other row shifted by half a brick; the mortar is the second colour.
+        h = cell * 0.6
+        row = np.floor((y + oy) / h)
+        u = (x + ox + (row % 2) * cell) % cell
+        v = (y + oy) % h
+        mortar = max(2.0, 0.12 * h)
+        t = ((u < mortar) | (v < mortar)).astype(np.float64)
+    elif texture == "cells":
+        # Voronoi cells of random sites, their borders drawn in the second colour.
+        n = max(4, int(round((big / cell) ** 2)))
+        sites = np.array([[d.uniform(0, big), d.uniform(0, big)] for _ in range(n)])
+        dist = np.sqrt((x[..., None] - sites[:, 0]) ** 2 + (y[..., None] - sites[:, 1]) ** 2)
+        two = np.sort(dist, axis=-1)[..., :2]
+        t = (two[..., 1] - two[..., 0] < 0.1 * cell).astype(np.float64)
+    elif texture == "waves":
+        # Ripples: stripes bent by a slow sine, soft-edged.
+        amp, freq = d.uniform(0.15, 0.35) * cell, 2 * np.pi / (d.uniform(1.5, 3.0) * cell)
+        t = 0.5 + 0.5 * np.sin(2 * np.pi * (y + oy + amp * np.sin(freq * (x + ox))) / cell)
+    else:  # marble: veins of a sine warped by smooth value noise
+        g = 6
+        grid = np.array([[d.uniform(0, 1) for _ in range(g)] for _ in range(g)])
+        fy, fx = y / big * (g - 1), x / big * (g - 1)
+        i0, j0 = np.minimum(fy.astype(int), g - 2), np.minimum(fx.astype(int), g - 2)
+        wy, wx = fy - i0, fx - j0
+        noise = ((grid[i0, j0] * (1 - wx) + grid[i0, j0 + 1] * wx) * (1 - wy)
+                 + (grid[i0 + 1, j0] * (1 - wx) + grid[i0 + 1, j0 + 1] * wx) * wy)
+        t = np.abs(np.sin(2 * np.pi * ((x + y + ox) / (2 * cell) + 2.5 * noise))) ** 3
+    a = np.array(COLOURS[c1], dtype=np.float64)
+    b = np.array(COLOURS[c2], dtype=np.float64)
+    pixels = np.round(a + (b - a) * t[..., None]).astype(np.uint8)
+    img = Image.fromarray(pixels, "RGB").resize((resolution, resolution), Image.Resampling.LANCZOS)
+    return img, f"{_a(c1)} {c1} and {c2} {texture} texture"
+
+
+def _subject_identity(seed: int) -> dict:
+    """The one subject of a `subject` dataset: fixed by the seed alone, the same in every image."""
+    d = _Draws("subject-identity", seed)
+    names = list(COLOURS)
+    body = d.choice(names)
+    head = d.choice([c for c in names if c != body])
+    belt = d.choice([c for c in names if c not in (body, head)])
+    eyes = "black" if head != "black" else "white"
+    return {"shape": d.choice(SHAPES), "body": body, "head": head, "belt": belt, "eyes": eyes,
+            "head_size": d.uniform(0.45, 0.65), "belt_at": d.uniform(0.35, 0.65)}
+
+
+def _subject_item(d: _Draws, resolution: int, seed: int) -> tuple[Image.Image, str]:
+    ident = _subject_identity(seed)
+    used = {ident["body"], ident["head"], ident["belt"]}
+    bg = d.choice([c for c in COLOURS if c not in used])
+    big = resolution * SUPERSAMPLE
+    img = Image.new("RGB", (big, big), COLOURS[bg])
+    draw = ImageDraw.Draw(img)
+    height = d.uniform(0.55, 0.9) * big  # head and body together
+    hr = height * ident["head_size"] / (2 + 2 * ident["head_size"])  # head radius; the body is 2 head-sizes less
+    half = (height - 2 * hr) / 2  # half the body's side
+    cx = d.uniform(half + 1, big - half - 1)
+    top = d.uniform(1, big - height - 1)
+    cy = top + 2 * hr + half  # the body's centre
+    flip = -1.0 if d.uniform(0, 1) < 0.5 else 1.0  # facing left or right
+    colour = COLOURS[ident["body"]]
+    box = (cx - half, cy - half, cx + half, cy + half)
+    if ident["shape"] == "circle":
+        draw.ellipse(box, fill=colour)
+    elif ident["shape"] == "square":
+        draw.rectangle(box, fill=colour)
+    elif ident["shape"] == "triangle":
+        draw.polygon([(cx, cy - half), (cx + half, cy + half), (cx - half, cy + half)], fill=colour)
+    else:
+        draw.polygon([(cx, cy - half), (cx + half, cy), (cx, cy + half), (cx - half, cy)], fill=colour)
+    by = cy - half + 2 * half * ident["belt_at"]
+    draw.rectangle((cx - half * 0.8, by - half * 0.12, cx + half * 0.8, by + half * 0.12), fill=COLOURS[ident["belt"]])
+    hx, hy = cx + flip * half * 0.25, top + hr
+    draw.ellipse((hx - hr, hy - hr, hx + hr, hy + hr), fill=COLOURS[ident["head"]])
+    er = max(hr * 0.18, 1.5)
+    for ex in (hx + flip * hr * 0.15, hx + flip * hr * 0.6):  # both eyes toward the facing side
+        draw.ellipse((ex - er, hy - er * 1.5, ex + er, hy + er * 0.5), fill=COLOURS[ident["eyes"]])
+    img = img.resize((resolution, resolution), Image.Resampling.LANCZOS)
+    return img, f"a photo of {SUBJECT_TOKEN} object on {_a(bg)} {bg} background"
+
+
+_RENDERERS: dict[str, Callable[[_Draws, int, int], tuple[Image.Image, str]]] = {
+    "shapes": lambda d, r, _seed: _shape_item(d, r),
+    "stripes": lambda d, r, _seed: _stripes_item(d, r),
+    "textures": lambda d, r, _seed: _texture_item(d, r),
+    "subject": _subject_item,
 }
 
 
@@ -143,7 +249,7 @@ def render_item(kind: str, seed: int, index: int, resolution: int = 32) -> tuple
         raise DataError(f"unknown synthetic dataset kind {kind!r}; choose one of {', '.join(KINDS)}")
     if resolution < 8:
         raise DataError(f"resolution {resolution} is too small for a synthetic image; use 8 or more (e.g. 32)")
-    return _RENDERERS[kind](_Draws(kind, seed, index), resolution)
+    return _RENDERERS[kind](_Draws(kind, seed, index), resolution, seed)
 
 
 def make_synthetic_dataset(
