@@ -146,7 +146,7 @@ def test_sharded_passes_give_every_process_the_one_process_numbers(split_dir, ti
     from rangefinder.models.loading import load_sd_components
     from rangefinder.training.caching import tokenize
     from rangefinder.training.family import Denoiser, Sd1Family
-    from rangefinder.training.validation import Shard, ValidationSet, measure_subset
+    from rangefinder.training.validation import PairScoring, Shard, ValidationSet, measure_subset
 
     sd = load_sd_components(ModelConfig(base_model=str(tiny_model_dir)))
     items = read_split(split_dir).val
@@ -159,14 +159,14 @@ def test_sharded_passes_give_every_process_the_one_process_numbers(split_dir, ti
              ValidationSet("val", [it.id for it in items[half:]],
                            torch.randn((len(items) - half, 4, 8, 6), generator=g), hidden[half:], bucket="64x48")]
     denoiser = Denoiser(Sd1Family(sd.tokenizer, sd.noise_scheduler, prediction_type="epsilon"), sd.unet.eval())
-    kw = dict(num_buckets=4, seed=5, batch_size=32, device=torch.device("cpu"))
+    scoring = PairScoring(num_buckets=4, seed=5, batch_size=32, device=torch.device("cpu"))
     one = Shard()
-    mean, per_bucket, per_shape = measure_subset(vsets, denoiser, **kw, shard=one)
+    mean, per_bucket, per_shape = measure_subset(vsets, denoiser, scoring, shard=one)
     pairs = len(items) * 4
     assert one.pairs_by_rank == [pairs]
 
     for world in (2, 3):
-        results = _as_processes(world, lambda shard: (measure_subset(vsets, denoiser, **kw, shard=shard),
+        results = _as_processes(world, lambda shard: (measure_subset(vsets, denoiser, scoring, shard=shard),
                                                       shard.pairs_by_rank))
         assert all(r == results[0] for r in results)  # every process: the same numbers, bit for bit
         (m, b, s), counts = results[0]

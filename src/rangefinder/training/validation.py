@@ -142,23 +142,32 @@ def measure(
     last bits (the CPU kernels sum in another order for another batch shape: up to ~3e-8 relative on the tiny
     model), so it is part of the setting that reproduces a curve.
     """
-    mean, per_bucket, _ = measure_subset([vset], denoiser, num_buckets=num_buckets, seed=seed, batch_size=batch_size,
-                                         device=device)
+    mean, per_bucket, _ = measure_subset([vset], denoiser, PairScoring(num_buckets, seed, batch_size, device))
     return mean, per_bucket
+
+
+@dataclass(frozen=True)
+class PairScoring:
+    """How a pass scores its (item, k) pairs: K timestep buckets, the noise seed, the pairs per forward, the device.
+    Together with the model and the sets, these fix the numbers (batch_size in the last bits: see `measure`)."""
+
+    num_buckets: int
+    seed: int
+    batch_size: int
+    device: torch.device
 
 
 @torch.no_grad()
 def measure_subset(
-    vsets: list[ValidationSet], denoiser: Denoiser, *, num_buckets: int, seed: int, batch_size: int,
-    device: torch.device, shard: Optional[Shard] = None,
+    vsets: list[ValidationSet], denoiser: Denoiser, scoring: PairScoring, shard: Optional[Shard] = None,
 ) -> tuple[float, list[float], dict[str, float]]:
     """(mean loss, per-timestep-bucket losses, mean loss per aspect-ratio bucket) of one subset held as several
     sets, one per aspect-ratio bucket. Each set's pairs go through the UNet on their own (one latent shape per
     batch), the sets in the given order; the subset's numbers are then summed over all its pairs in that order, so
     a subset of one set gives exactly what `measure` always gave. `shard`: this process' share of the batches
     (None: one process, every batch); the result is the same on every process."""
-    losses = _subset_pair_losses(vsets, denoiser, num_buckets=num_buckets, seed=seed, batch_size=batch_size,
-                                 device=device, shard=shard or Shard())
+    losses = _subset_pair_losses(vsets, denoiser, scoring, shard or Shard())
+    num_buckets = scoring.num_buckets
     per_set: dict[str, float] = {}
     start = 0
     for vset in vsets:
@@ -175,19 +184,17 @@ def measure_subset(
 
 
 def _subset_pair_losses(
-    vsets: list[ValidationSet], denoiser: Denoiser, *, num_buckets: int, seed: int, batch_size: int,
-    device: torch.device, shard: Shard,
+    vsets: list[ValidationSet], denoiser: Denoiser, scoring: PairScoring, shard: Shard,
 ) -> list[float]:
     """The loss of every (item, k) pair of the subset, set after set, each in pair order (float64 values)."""
     if shard.world_size == 1:
         losses: list[float] = []
         for vset in vsets:
-            losses += _pair_losses(vset, denoiser, num_buckets=num_buckets, seed=seed, batch_size=batch_size,
-                                   device=device)
+            losses += _pair_losses(vset, denoiser, scoring)
         shard.pairs_by_rank[0] += len(losses)
         return losses
     assert shard.sum_over_processes is not None
-    n_pairs = [len(v) * num_buckets for v in vsets]
+    n_pairs = [len(v) * scoring.num_buckets for v in vsets]
     first, last = shard.pair_range(sum(n_pairs))
     # The subset's pairs, then one slot per process for the number of pairs it scored: one all-reduce for both.
     pooled = torch.zeros(sum(n_pairs) + shard.world_size, dtype=torch.float64)
@@ -196,8 +203,7 @@ def _subset_pair_losses(
         lo, hi = max(first - offset, 0), min(last - offset, n)
         if lo < hi:
             pooled[offset + lo:offset + hi] = torch.tensor(
-                _pair_losses(vset, denoiser, num_buckets=num_buckets, seed=seed, batch_size=batch_size,
-                             device=device, pairs=(lo, hi)), dtype=torch.float64)
+                _pair_losses(vset, denoiser, scoring, pairs=(lo, hi)), dtype=torch.float64)
         offset += n
     pooled[offset + shard.rank] = last - first
     pooled = shard.sum_over_processes(pooled)
@@ -207,12 +213,12 @@ def _subset_pair_losses(
 
 
 def _pair_losses(
-    vset: ValidationSet, denoiser: Denoiser, *, num_buckets: int, seed: int, batch_size: int, device: torch.device,
-    pairs: Optional[tuple[int, int]] = None,
+    vset: ValidationSet, denoiser: Denoiser, scoring: PairScoring, pairs: Optional[tuple[int, int]] = None,
 ) -> list[float]:
     """The loss of every (item, k) pair of one set, in pair order (float64 values); with `pairs` (lo, hi), of those
     pairs only."""
-    fixed = vset.fixed_inputs(seed, num_buckets, denoiser.family.num_timesteps, device)
+    num_buckets, batch_size, device = scoring.num_buckets, scoring.batch_size, scoring.device
+    fixed = vset.fixed_inputs(scoring.seed, num_buckets, denoiser.family.num_timesteps, device)
     lo, hi = pairs or (0, len(vset) * num_buckets)
     per_pair = []
     for start in range(lo, hi, batch_size):
@@ -241,6 +247,7 @@ def validate(run: Run, state: RunState, metric_sink: Optional[MetricSink], last:
         # The update-0 baseline has taken no step: its LR is 0, the start of a range test's curve.
         row["lr"] = log.update_rows[-1]["lr"] if log.update_rows else 0.0
         row["train_loss"] = state.train_loss_since_row()
+        scoring = PairScoring(val_cfg.timesteps, val_cfg.seed, val_cfg.batch_size, run.device)
         subsets: dict[str, list[ValidationSet]] = {}
         for vset in run.data.val_sets:  # one set per subset and aspect-ratio bucket
             subsets.setdefault(vset.name, []).append(vset)
@@ -248,9 +255,7 @@ def validate(run: Run, state: RunState, metric_sink: Optional[MetricSink], last:
             sparse = name == "stabilize" and len(subsets) > 1 and not last
             if sparse and nth % val_cfg.stabilize_every != 0:
                 continue
-            mean, buckets, by_shape = measure_subset(vsets, run.eval_denoiser, num_buckets=val_cfg.timesteps,
-                                                     seed=val_cfg.seed, batch_size=val_cfg.batch_size,
-                                                     device=run.device, shard=run.val_shard)
+            mean, buckets, by_shape = measure_subset(vsets, run.eval_denoiser, scoring, shard=run.val_shard)
             row[f"{name}_loss"] = mean
             row.update({f"{name}_loss_b{k}": b for k, b in enumerate(buckets)})
             if len(vsets) > 1:  # the loss of each aspect-ratio bucket: val_loss_40x24, ...
