@@ -8,6 +8,9 @@ from rangefinder.cli.main import main
 from rangefinder.data.synthetic import (
     CAPTION_WORDS,
     COLOURS,
+    EMBEDDED_KIND,
+    KINDS,
+    ON_WHITE_COLOURS,
     SHAPES,
     SUBJECT_TOKEN,
     TEXTURES,
@@ -127,3 +130,34 @@ def test_make_dataset_cli_makes_the_new_kinds(tmp_path):
     for kind in ("textures", "subject"):
         assert main(["make-dataset", "--kind", kind, "--out", str(tmp_path / kind), "--count", "3"]) == 0
         assert sorted(p.name for p in (tmp_path / kind).glob("*.txt")) == ["00000.txt", "00001.txt", "00002.txt"]
+
+
+def test_shapes_on_white_pairs_every_colour_with_every_shape_on_white():
+    """The embedded default: image i has colour i mod 4 and shape (i div 4) mod 4, so 16 images in a row hold each
+    pairing once; the background is white and the caption's one colour word is the shape's, as the pixels show."""
+    assert EMBEDDED_KIND == "shapes-on-white" and "white" not in ON_WHITE_COLOURS
+    pairs = set()
+    for i in range(16):
+        img, caption = render_item(EMBEDDED_KIND, 0, i, 32)
+        words = caption.split()
+        assert caption.endswith("on a white background") and words[2] in SHAPES, caption
+        pairs.add((words[1], words[2]))
+        rgb = np.asarray(img, dtype=np.int64)
+        corners = [rgb[0, 0], rgb[0, 31], rgb[31, 0], rgb[31, 31]]
+        assert sum(np.abs(c - COLOURS["white"]).max() < 12 for c in corners) >= 3, caption
+        near_fg = (np.abs(rgb - np.array(COLOURS[words[1]])).max(-1) < 12).mean()
+        assert near_fg > 0.1, (caption, near_fg)  # the shape covers at least a tenth of the image
+    assert pairs == {(c, s) for c in ON_WHITE_COLOURS for s in SHAPES}
+
+
+def test_make_dataset_cli_offers_every_kind_and_defaults_to_the_embedded_one(tmp_path, capsys):
+    import argparse
+
+    from rangefinder.cli.commands import make_dataset
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    make_dataset.register(sub)
+    kind = next(a for a in sub.choices["make-dataset"]._actions if a.dest == "kind")
+    assert set(kind.choices) == set(KINDS) and kind.default == EMBEDDED_KIND
+    assert main(["make-dataset", "--out", str(tmp_path / "d"), "--count", "2", "--json"]) == 0
+    assert (tmp_path / "d" / "00000.txt").read_text() == "a red circle on a white background\n"

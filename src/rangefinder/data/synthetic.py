@@ -4,6 +4,10 @@
   7 backgrounds = 224 captions, with size and position varied as well, so a few dozen images hold far more
   combinations than a tiny model can memorise: validation loss on held-out images tells learning from overfitting.
   This is the demo dataset.
+- `shapes-on-white`: the demo's dataset: one shape in one of four colours (red, green, blue, black) on a white
+  background, "a red circle on a white background"; image i has colour i mod 4 and shape (i div 4) mod 4, so any 16
+  images in a row hold every pairing once. One colour word per caption, always the shape's, and a background that
+  never changes: what a tiny model can learn to follow within the demo's few hundred updates (docs/demo-learning.md).
 - `stripes`: two-colour stripes, checkerboards and gradients, "red and white horizontal stripes". It shares the
   colour words but no shape, so the tiny base model pre-trained on it knows colours and textures; learning shapes on
   the demo dataset afterwards is fine-tuning, not training from scratch.
@@ -40,7 +44,11 @@ COLOURS: dict[str, tuple[int, int, int]] = {
 SHAPES = ("circle", "square", "triangle", "diamond")
 PATTERNS = ("horizontal stripes", "vertical stripes", "diagonal stripes", "checkerboard", "gradient")
 TEXTURES = ("dots", "bricks", "cells", "waves", "marble")
-KINDS = ("shapes", "stripes", "textures", "subject")
+KINDS = ("shapes", "shapes-on-white", "stripes", "textures", "subject")
+# The `shapes-on-white` palette: far apart from each other and from white (yellow on white came out as pale blobs the
+# prompt score read as white; docs/demo-learning.md).
+ON_WHITE_COLOURS = ("red", "green", "blue", "black")
+EMBEDDED_KIND = "shapes-on-white"  # the embedded default's (and the demo's) dataset: 20 images of it, seed 0
 SUBJECT_TOKEN = "sks"  # DreamBooth's rare identifier; not in the vocabulary, so it tokenizes into bytes
 
 # Every word a caption of shapes or stripes can contain (the tiny model's tokenizer makes each a single token).
@@ -82,12 +90,18 @@ def _shape_item(d: _Draws, resolution: int) -> tuple[Image.Image, str]:
     big = resolution * SUPERSAMPLE
     img = Image.new("RGB", (big, big), COLOURS[bg])
     draw = ImageDraw.Draw(img)
-    size = d.uniform(0.35, 0.75) * big  # side / diameter
-    half = size / 2
+    _draw_shape(d, draw, shape, COLOURS[fg], big, d.uniform(0.35, 0.75))
+    img = img.resize((resolution, resolution), Image.Resampling.LANCZOS)
+    return img, f"{_a(fg)} {fg} {shape} on {_a(bg)} {bg} background"
+
+
+def _draw_shape(d: _Draws, draw: ImageDraw.ImageDraw, shape: str, colour: tuple[int, int, int], big: int,
+                size: float) -> None:
+    """`shape` of side / diameter `size` x `big` pixels, placed at random wholly inside the `big`-pixel canvas."""
+    half = size * big / 2
     cx = d.uniform(half + 1, big - half - 1)
     cy = d.uniform(half + 1, big - half - 1)
     box = (cx - half, cy - half, cx + half, cy + half)
-    colour = COLOURS[fg]
     if shape == "circle":
         draw.ellipse(box, fill=colour)
     elif shape == "square":
@@ -96,8 +110,16 @@ def _shape_item(d: _Draws, resolution: int) -> tuple[Image.Image, str]:
         draw.polygon([(cx, cy - half), (cx + half, cy + half), (cx - half, cy + half)], fill=colour)
     else:  # diamond
         draw.polygon([(cx, cy - half), (cx + half, cy), (cx, cy + half), (cx - half, cy)], fill=colour)
+
+
+def _shape_on_white_item(d: _Draws, resolution: int, index: int) -> tuple[Image.Image, str]:
+    fg = ON_WHITE_COLOURS[index % len(ON_WHITE_COLOURS)]
+    shape = SHAPES[(index // len(ON_WHITE_COLOURS)) % len(SHAPES)]
+    big = resolution * SUPERSAMPLE
+    img = Image.new("RGB", (big, big), COLOURS["white"])
+    _draw_shape(d, ImageDraw.Draw(img), shape, COLOURS[fg], big, d.uniform(0.45, 0.75))
     img = img.resize((resolution, resolution), Image.Resampling.LANCZOS)
-    return img, f"{_a(fg)} {fg} {shape} on {_a(bg)} {bg} background"
+    return img, f"{_a(fg)} {fg} {shape} on a white background"
 
 
 def _stripes_item(d: _Draws, resolution: int) -> tuple[Image.Image, str]:
@@ -235,11 +257,12 @@ def _subject_item(d: _Draws, resolution: int, seed: int) -> tuple[Image.Image, s
     return img, f"a photo of {SUBJECT_TOKEN} object on {_a(bg)} {bg} background"
 
 
-_RENDERERS: dict[str, Callable[[_Draws, int, int], tuple[Image.Image, str]]] = {
-    "shapes": lambda d, r, _seed: _shape_item(d, r),
-    "stripes": lambda d, r, _seed: _stripes_item(d, r),
-    "textures": lambda d, r, _seed: _texture_item(d, r),
-    "subject": _subject_item,
+_RENDERERS: dict[str, Callable[[_Draws, int, int, int], tuple[Image.Image, str]]] = {
+    "shapes": lambda d, r, _seed, _i: _shape_item(d, r),
+    "shapes-on-white": lambda d, r, _seed, i: _shape_on_white_item(d, r, i),
+    "stripes": lambda d, r, _seed, _i: _stripes_item(d, r),
+    "textures": lambda d, r, _seed, _i: _texture_item(d, r),
+    "subject": lambda d, r, seed, _i: _subject_item(d, r, seed),
 }
 
 
@@ -249,11 +272,11 @@ def render_item(kind: str, seed: int, index: int, resolution: int = 32) -> tuple
         raise DataError(f"unknown synthetic dataset kind {kind!r}; choose one of {', '.join(KINDS)}")
     if resolution < 8:
         raise DataError(f"resolution {resolution} is too small for a synthetic image; use 8 or more (e.g. 32)")
-    return _RENDERERS[kind](_Draws(kind, seed, index), resolution, seed)
+    return _RENDERERS[kind](_Draws(kind, seed, index), resolution, seed, index)
 
 
 def make_synthetic_dataset(
-    out_dir: str | Path, kind: str = "shapes", count: int = 20, seed: int = 0, resolution: int = 32
+    out_dir: str | Path, kind: str = EMBEDDED_KIND, count: int = 20, seed: int = 0, resolution: int = 32
 ) -> dict:
     """Write `count` images (`00000.png` ...) with `.txt` captions into `out_dir`; return a summary.
 
