@@ -14,9 +14,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Write synthetic images with .txt captions. The same --seed gives byte-identical files. "
         "'shapes' is the demo dataset; 'stripes' is what the tiny base model is pre-trained on; 'textures' (a "
         "textured style) and 'subject' (one subject named by the rare token 'sks', DreamBooth-like) are further "
-        "kinds for the discovery bench.",
+        "kinds for the discovery bench, and so is 'glyphs' (stroke letters over soft landscapes).",
     )
-    p.add_argument("--kind", choices=["shapes", "stripes", "textures", "subject"], default="shapes",
+    p.add_argument("--kind", choices=["shapes", "stripes", "textures", "subject", "glyphs"], default="shapes",
                    help="what the images show")
     p.add_argument("--out", required=True, help="folder to create (must be new or empty)")
     p.add_argument("--count", type=int, default=20, help="number of images (default 20)")
