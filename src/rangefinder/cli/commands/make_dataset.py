@@ -14,11 +14,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Write synthetic images with .txt captions. The same --seed gives byte-identical files. "
         "'shapes-on-white' is the demo dataset (four colours, four shapes, on white); 'shapes' the same "
         "shapes in eight colours on eight backgrounds; 'stripes' is what the tiny base model is pre-trained on; "
-        "'textures' (a textured style) and 'subject' (one subject named by the rare token 'sks', DreamBooth-like) "
-        "are further kinds for the discovery bench.",
+        "'textures' (a textured style), 'subject' (one subject named by the rare token 'sks', DreamBooth-like) "
+        "and 'glyphs' (stroke letters over soft landscapes) are further kinds for the discovery bench.",
     )
     # Written out, not imported from data.synthetic, so that `--help` stays fast (tests check they agree).
-    p.add_argument("--kind", choices=["shapes-on-white", "shapes", "stripes", "textures", "subject"],
+    p.add_argument("--kind", choices=["shapes-on-white", "shapes", "stripes", "textures", "subject", "glyphs"],
                    default="shapes-on-white",
                    help="what the images show")
     p.add_argument("--out", required=True, help="folder to create (must be new or empty)")
