@@ -7,9 +7,10 @@ prompt templates of textual inversion; every such word is a single token.
 
 Pre-training, in two stages, on data the demo never uses (see src/rangefinder/data/synthetic.py):
 1. the VAE as an autoencoder on stripes and on shapes drawn with seeds the demo never uses, so that decoded latents
-   look like images (blurred: a few hundred steps is all a minute buys);
-2. the UNet (and text encoder) as a denoiser on the *stripes* dataset only, so that what the demo later does on
-   shapes is fine-tuning of a model that already knows colours, not training from scratch.
+   look like images (blurred: a few hundred steps, about two minutes);
+2. the UNet (and text encoder) as a denoiser on the *stripes* dataset only, timesteps leaning to the noisy end, so
+   that it reads its captions' colour words; what the demo later does on shapes is then fine-tuning of a model that
+   already knows colours, not training from scratch.
 
 Two traps of a freshly initialised VAE are handled as Stable Diffusion handles them: latents are scaled by
 `scaling_factor` = 1 / std of the training latents (Rombach et al. 2022, sec. 4.3 and app. G), and images are
@@ -51,7 +52,8 @@ class TinyModelSettings:
     text_layers: int = 2
     text_heads: int = 4
     max_length: int = 77  # tokens, as in CLIP
-    # Pre-training (see the module docstring). Steps x batch chosen to finish in about a minute on 2 CPU cores.
+    # Pre-training (see the module docstring): about 4 minutes on one idle CPU core, once per cache (the UNet's share
+    # reads the captions, which 300 steps of 16 did not: docs/demo-learning.md).
     pretrain_images: int = 256  # per kind
     vae_steps: int = 400  # reconstruction MSE ~0.08 in [-1, 1] units, about a 4x blur (a flat colour scores 0.18)
     vae_batch: int = 16
@@ -87,7 +89,7 @@ def settings_key(settings: TinyModelSettings) -> str:
 
 
 def ensure_tiny_base_model(cache_dir: str | Path | None = None, settings: Optional[TinyModelSettings] = None) -> Path:
-    """Return the folder of the embedded tiny model, building it once per cache (about a minute on 2 CPU cores).
+    """Return the folder of the embedded tiny model, building it once per cache (a few minutes on 2 CPU cores).
 
     Concurrent callers (several test sessions, pipeline steps) wait on a file lock instead of building it twice.
     """
@@ -101,7 +103,7 @@ def ensure_tiny_base_model(cache_dir: str | Path | None = None, settings: Option
         return final
     with FileLock(str(final) + ".lock"):
         if not (final / "model_index.json").is_file():
-            _log_stderr(f"building the embedded tiny model into {final} (once; about a minute on 2 CPU cores)")
+            _log_stderr(f"building the embedded tiny model into {final} (once; a few minutes on 2 CPU cores)")
             build_tiny_base_model(final, settings)
     return final
 

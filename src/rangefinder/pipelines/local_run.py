@@ -132,8 +132,9 @@ def run_pipeline_locally(cfg: RangefinderConfig, out_dir: str | Path, *, dataset
     # (data-volume paths, MLflow URI) to the steps.
     pipeline = build_pipeline(cfg, local=True)
     # The steps run in subprocesses that inherit this environment; the caller's is put back afterwards.
-    # torch on one CPU thread per step unless the caller says otherwise: on a machine busy with anything else, the
-    # tiny model's update took 7x longer on 2 threads than on 1 (bench/RESULTS.md, "Threads of a local run").
+    # torch on one CPU thread per step unless the caller says otherwise: the same numbers whatever the core count,
+    # and beside another busy process the tiny model's update took 3.7x longer on torch's 2 threads than on 1 (alone,
+    # 2 threads were 1.4x faster; bench/RESULTS.md, "Threads of a local run").
     step_env = {"MLFLOW_TRACKING_URI": tracking_uri,
                 SPOOL_ENV: os.environ.get(SPOOL_ENV) or str(out / "mlflow-spool"),
                 THREADS_ENV: os.environ.get(THREADS_ENV) or "1"}
