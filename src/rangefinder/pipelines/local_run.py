@@ -78,7 +78,6 @@ class LocalRun:
             out["mlflow_not_logged"] = [f"{p} (when MLflow answers: rangefinder relog {p})" for p in spools]
         return out
 
-
     def prompt_scores(self) -> dict[str, dict[str, float]]:
         """How well each column of the sample grid follows the prompts (data.prompt_score), as the grid's report
         shows it: {"colour": {"base": ..., "chosen": ..., "final": ...}, "shape": {...}}; empty when the grid did

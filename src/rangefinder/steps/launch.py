@@ -221,7 +221,6 @@ def _torchrun(job: Path, nproc: int) -> None:
 
 
 def worker(job_path: Path) -> int:
-
     from rangefinder.training.loop import TrainSpec, train
 
     job = json.loads(Path(job_path).read_text())
