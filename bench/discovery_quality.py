@@ -19,6 +19,12 @@ its cost the optimizer updates and wall seconds it spent, range tests included. 
 grid's best (%), at what fraction of the grid's updates, and whether the range test's quality score and censoring
 flags tell the cases that miss from those that do not (`score_vs_gap`). Steps log to a throw-away MLflow store in
 the work folder.
+
+`--reuse-grid RESULT.json` takes (b) from an earlier run instead of training it, about 80 % of a case's cost, so that
+a variant of the range test or the midpoint (`--range-test-epochs`, `--range-test-every-updates`, `--mid-position`)
+costs only its discovery. It is refused unless that run had the same datasets, seeds, images, grid and fine-tune
+epochs, and a case stops when its fine-tune's update-0 validation loss differs from the reused grid's (another base
+model, split or validation).
 """
 
 from __future__ import annotations
@@ -41,7 +47,8 @@ from rangefinder.defaults import MIDPOINT_RULES
 NAME = "discovery_quality"
 CENSORED = ("lower_censored", "upper_censored")
 DEFAULT_KINDS = "shapes,stripes,textures,subject"
-DEFAULT_HELD_OUT = "subject"  # the kind no setting of the method was chosen on (bench/RESULTS.md)
+# The kinds no setting of the method was chosen on (bench/RESULTS.md): marked held out whenever they run.
+DEFAULT_HELD_OUT = "subject,glyphs"
 
 
 def arm_config(base_cfg, **update):
@@ -170,13 +177,74 @@ def dataset_sources(kinds: list[str], datasets: list[Path], held_out: list[str])
     return out
 
 
+def load_reusable_grid(path: Path, sources: list[dict[str, Any]], seeds: list[int], args,
+                       finetune_epochs: int) -> dict[tuple[str, int], list[dict[str, Any]]]:
+    """The grid arms of an earlier result, per (dataset name, seed), when every case of this run has one trained
+    exactly so: the same dataset (synthetic kind or folder), seed, images, grid (points, range) and fine-tune
+    epochs. Any difference refuses, naming it: a grid trained otherwise is not this run's baseline.
+    """
+    from rangefinder.errors import RangefinderError
+
+    fix = f"run without --reuse-grid (trains the grid), or with the settings of {path}"
+    try:
+        old = json.loads(Path(path).read_text())
+        old_settings, old_cases = old["settings"], old["cases"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise RangefinderError(f"--reuse-grid {path}: not a readable {NAME} result ({e}); give the JSON a "
+                               f"python -m bench.{NAME} run wrote") from e
+    if old.get("smoke") and not args.smoke:
+        raise RangefinderError(f"--reuse-grid {path} is a --smoke result; {fix}")
+    for key in ("grid_points", "grid_lr_min", "grid_lr_max"):
+        if old_settings.get(key) != getattr(args, key):
+            raise RangefinderError(f"--reuse-grid {path}: its {key} is {old_settings.get(key)!r}, this run's "
+                                   f"{getattr(args, key)!r}; {fix}")
+    by_case = {(c["kind"], int(c["seed"])): c for c in old_cases}
+    out: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for seed in seeds:
+        for src in sources:
+            c = by_case.get((src["name"], seed))
+            if c is None:
+                raise RangefinderError(f"--reuse-grid {path} has no case {src['name']} seed {seed} "
+                                       f"(it has {', '.join(f'{k} {s}' for k, s in by_case) or 'none'}); {fix}")
+            images = args.images if src["kind"] else _count_images(Path(src["dataset"]))
+            want = {"synthetic_kind": src["kind"], "dataset_dir": src["dataset"], "images": images,
+                    "finetune_epochs": finetune_epochs}
+            for key, value in want.items():
+                if c.get(key) != value:
+                    raise RangefinderError(f"--reuse-grid {path}: case {src['name']} seed {seed} has {key} "
+                                           f"{c.get(key)!r}, this run {value!r}; {fix}")
+            if len(c.get("grid") or []) != args.grid_points:
+                raise RangefinderError(f"--reuse-grid {path}: case {src['name']} seed {seed} has "
+                                       f"{len(c.get('grid') or [])} grid arms, not {args.grid_points}; {fix}")
+            out[(src["name"], seed)] = [dict(g, reused=True) for g in c["grid"]]
+    return out
+
+
+def check_reused_baseline(grid: list[dict[str, Any]], discovery: dict[str, Any], where: str) -> None:
+    """The reused grid and this run's fine-tune start from the same model on the same validation images: the same
+    update-0 loss (validation loss is deterministic on CPU). A different one means another base model, split or
+    validation, and the grid is not this run's baseline."""
+    from rangefinder.errors import RangefinderError
+
+    mine = discovery.get("baseline_val_loss")
+    theirs = {g.get("baseline_val_loss") for g in grid}
+    if mine is None or len(theirs) != 1:
+        return  # no fine-tune ran (discovery failed), or an old file without the loss: the settings check stands
+    ref = theirs.pop()
+    if ref is None or not math.isclose(mine, ref, rel_tol=1e-6):
+        raise RangefinderError(f"--reuse-grid: {where}: this run's update-0 validation loss is {mine!r}, the "
+                               f"reused grid's {ref!r}: another base model, split or validation; run without "
+                               "--reuse-grid to train the grid on this setup")
+
+
 def _count_images(folder: Path) -> int:
     from rangefinder.data.dataset import IMAGE_EXTENSIONS
 
     return sum(1 for p in folder.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS)
 
 
-def one_case(source: dict[str, Any], seed: int, args, work: Path, log=print) -> dict[str, Any]:
+def one_case(source: dict[str, Any], seed: int, args, work: Path, log=print,
+             reused_grid: Optional[list[dict[str, Any]]] = None) -> dict[str, Any]:
     """Discovery, grid, the other midpoint rules and classic suggestions on one dataset with one training seed.
 
     A synthetic kind is drawn with the case's seed too (a new dataset per seed); a --dataset folder is the same in
@@ -206,6 +274,8 @@ def one_case(source: dict[str, Any], seed: int, args, work: Path, log=print) -> 
         overrides["lr_range_test"] = {"epochs": args.range_test_epochs}
     if args.range_test_every_updates:
         overrides.setdefault("lr_range_test", {})["validate_every_updates"] = args.range_test_every_updates
+    if args.mid_position is not None:
+        overrides.setdefault("lr_range_test", {})["mid_position"] = args.mid_position
     if args.finetune_epochs:
         overrides["finetune"] = {"epochs": args.finetune_epochs}
     cfg = demo_config(**overrides)
@@ -216,7 +286,9 @@ def one_case(source: dict[str, Any], seed: int, args, work: Path, log=print) -> 
     kind = name  # the log's and the tables' name of the dataset
     out: dict[str, Any] = {"kind": name, "synthetic_kind": source["kind"], "dataset_dir": source["dataset"],
                            "held_out": source["held_out"], "seed": seed, "images": images,
-                           "finetune_epochs": cfg.finetune.epochs, "range_test_epochs": cfg.lr_range_test.epochs}
+                           "finetune_epochs": cfg.finetune.epochs, "range_test_epochs": cfg.lr_range_test.epochs,
+                           "range_test_every_updates": cfg.lr_range_test.validate_every_updates,
+                           "mid_position": cfg.lr_range_test.mid_position, "grid_reused": reused_grid is not None}
     log(f"[{kind} seed {seed}] discovery")
     out["discovery"] = discover(cfg, split_dir, case / "discovery")
     d = out["discovery"]
@@ -226,7 +298,12 @@ def one_case(source: dict[str, Any], seed: int, args, work: Path, log=print) -> 
     grid_lrs = [args.grid_lr_min * (args.grid_lr_max / args.grid_lr_min) ** (i / (args.grid_points - 1))
                 for i in range(args.grid_points)] if args.grid_points > 1 else [args.grid_lr_min]
     out["grid"] = []
-    for i, lr in enumerate(grid_lrs):
+    if reused_grid is not None:
+        check_reused_baseline(reused_grid, d, f"{kind} seed {seed}")
+        out["grid"] = reused_grid
+        log(f"[{kind} seed {seed}]   grid reused from {args.reuse_grid}: best "
+            f"{min(g['best_val_loss'] for g in reused_grid if g.get('best_val_loss') is not None)}")
+    for i, lr in enumerate(grid_lrs if reused_grid is None else ()):
         row = train_fixed_lr(cfg, split_dir, lr, case / f"grid-{i}")
         log(f"[{kind} seed {seed}]   grid lr {lr:.3g}: best {row['best_val_loss']}, {row['seconds']:.1f} s")
         out["grid"].append(row)
@@ -420,7 +497,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--dataset", type=Path, action="append", default=[], metavar="DIR",
                    help="a folder of images with .txt captions to run the same comparison on (repeatable)")
     p.add_argument("--held-out", default=None, help="kinds or --dataset folder names no setting was tuned on, "
-                   f"marked in the tables (default: {DEFAULT_HELD_OUT} when it runs)")
+                   f"marked in the tables (default: those of {DEFAULT_HELD_OUT} that run)")
     p.add_argument("--seeds", default="0,1,2", help="dataset and training seeds; shapes seed 0 is the embedded default")
     p.add_argument("--images", type=int, default=20, help="images per synthetic dataset (20: the embedded default)")
     p.add_argument("--grid-points", type=int, default=8)
@@ -430,6 +507,11 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--range-test-every-updates", type=int, help="validation interval of the range test "
                    "(default: the demo config's)")
     p.add_argument("--finetune-epochs", type=int, help="the epochs budget of every arm (default: the demo config's)")
+    p.add_argument("--mid-position", type=float, help="lr_range_test.mid_position of the discovery (default: the "
+                   "demo config's)")
+    p.add_argument("--reuse-grid", type=Path, metavar="JSON", help="take the grid arms from an earlier result "
+                   "instead of training them (~80%% of a case's cost); refused unless its datasets, seeds, images, "
+                   "grid and fine-tune epochs are this run's. For variants of the range test and the midpoint")
     p.add_argument("--no-diagnose-lr-high", dest="diagnose_lr_high", action="store_false",
                    help="skip the diagnostic run at the discovery's own lr_high")
     p.add_argument("--no-classic", dest="classic", action="store_false",
@@ -457,7 +539,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     if args.held_out is None:
-        args.held_out = DEFAULT_HELD_OUT if DEFAULT_HELD_OUT in kinds else ""
+        args.held_out = ",".join(k for k in DEFAULT_HELD_OUT.split(",") if k in kinds)
     held_out = [k.strip() for k in args.held_out.split(",") if k.strip()]
     from rangefinder.errors import RangefinderError
 
@@ -467,6 +549,15 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         p.error(str(e))
     if not sources or not seeds:
         p.error("nothing to run: give --kinds, --dataset and --seeds")
+    reused: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    if args.reuse_grid:
+        from rangefinder.config import demo_config
+
+        try:
+            reused = load_reusable_grid(args.reuse_grid, sources, seeds, args,
+                                        args.finetune_epochs or demo_config().finetune.epochs)
+        except RangefinderError as e:
+            p.error(str(e))
 
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench-discovery-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -475,7 +566,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         "kinds": kinds, "datasets": [str(d) for d in args.dataset], "sources": sources, "held_out": held_out,
         "seeds": seeds, "images": args.images, "grid_points": args.grid_points, "grid_lr_min": args.grid_lr_min,
         "grid_lr_max": args.grid_lr_max, "target_pct": args.target_pct, "midpoint_arms": args.midpoint_arms,
-        "classic": args.classic, "diagnose_lr_high": args.diagnose_lr_high}}
+        "classic": args.classic, "diagnose_lr_high": args.diagnose_lr_high, "mid_position": args.mid_position,
+        "range_test_epochs": args.range_test_epochs, "range_test_every_updates": args.range_test_every_updates,
+        "finetune_epochs": args.finetune_epochs, "reuse_grid": str(args.reuse_grid) if args.reuse_grid else None}}
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     try:
         with torch_threads(args.threads or None):
@@ -488,7 +581,13 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             # Seed by seed, every dataset within a seed: a run cut short still covers every dataset.
             for seed in seeds:
                 for source in sources:
-                    result["cases"].append(one_case(source, seed, args, work, log))
+                    try:
+                        result["cases"].append(one_case(source, seed, args, work, log,
+                                                        reused.get((source["name"], seed)) if reused else None))
+                    except RangefinderError as e:
+                        if not args.reuse_grid:
+                            raise
+                        p.error(str(e))  # the reused grid is not this setup's: what ran so far is written
                     result["seconds"] = time.perf_counter() - t0
                     finish(result, partial=True)
                     write_json(args.out, result)  # after every case: a run cut short keeps what it measured

@@ -1,10 +1,11 @@
 """What samples during training add to the demo: its fine-tune step, and (`--whole-demo`) the whole `rangefinder demo`.
 
 `python -m bench.samples_cost` runs the demo's fine-tune step (`run_finetune` with `demo_config()`: the tiny model,
-the 20 embedded shapes, 40 epochs at the demo's midpoint LR, validation every epoch, MLflow into a local sqlite store)
+the 20 embedded images, its fine-tune epochs at the demo's midpoint LR, validation every epoch, MLflow into a local
+sqlite store)
 in alternating rounds of two arms:
 
-- `auto`: the default, `sampling.every_validations: auto` (11 grids of 2 prompts x 1 seed, 10 steps, on the demo);
+- `auto`: the default, `sampling.every_validations: auto` (about 10 grids of the demo's prompts x 1 seed);
 - `off`: `sampling.every_validations: null`.
 
 Each round runs the arms in a rotated order. It reports each arm's wall time (median), the time inside the samples
@@ -28,7 +29,7 @@ from bench.common import default_out, machine_info, quiet_libraries, smoke_out, 
 
 NAME = "samples_cost"
 # The demo's LR bounds as README.md prints them (a fixed LR keeps both arms on the same run).
-DEMO_LR = {"lr_low": 3.88464e-05, "lr_high": 0.000202073, "lr_mid": 0.000133804}
+DEMO_LR = {"lr_low": 2.89735e-05, "lr_high": 0.00014558, "lr_mid": 9.72358e-05}
 ARMS = {"auto": "auto", "off": None}
 
 
@@ -79,7 +80,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
 
     from rangefinder.config import demo_config
     from rangefinder.data.split import split_dataset
-    from rangefinder.data.synthetic import make_synthetic_dataset
+    from rangefinder.data.synthetic import EMBEDDED_KIND, make_synthetic_dataset
     from rangefinder.models.tiny import ensure_tiny_base_model
 
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench-samples-"))
@@ -90,7 +91,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         with torch_threads(args.threads or None):
             result["machine"] = machine_info()
             data = work / "dataset"
-            make_synthetic_dataset(data, kind="shapes", count=20, seed=0, resolution=32)  # the demo's
+            make_synthetic_dataset(data, kind=EMBEDDED_KIND, count=20, seed=0, resolution=32)  # the demo's
             base = demo_config(model={"base_model": str(ensure_tiny_base_model())},
                                data={"dataset_dir": str(data)},
                                training={"cache_dir": str(work / "cache")},

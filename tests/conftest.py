@@ -14,7 +14,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
-    """The embedded tiny Stable Diffusion folder (diffusers layout), built once (about a minute) and cached."""
+    """The embedded tiny Stable Diffusion folder (diffusers layout), built once (a few minutes) and cached."""
     from rangefinder.models.tiny import ensure_tiny_base_model
 
     return ensure_tiny_base_model()

@@ -78,6 +78,30 @@ def test_discovery_quality_smoke(tmp_path, capsys):
     assert s["cost_fraction_updates"] == pytest.approx(d["updates"] / 8)
     assert s["grid_best_val_loss"] == min(g["best_val_loss"] for g in case["grid"])
 
+    # A variant reuses that grid instead of training it: the same arms, no grid run, and the same discovery (the
+    # losses are deterministic on CPU, and the fine-tune's update-0 loss is checked against the grid's).
+    out2, work2 = tmp_path / "dq-reused.json", tmp_path / "work2"
+    again = main(["--smoke", "--kinds", "shapes", "--dataset", str(folder), "--held-out", "my-subject",
+                  "--no-classic", "--no-midpoint-arms", "--no-diagnose-lr-high", "--reuse-grid", str(out),
+                  "--out", str(out2), "--work-dir", str(work2), "--keep"])
+    assert again["settings"]["reuse_grid"] == str(out)
+    for new_case, old_case in zip(again["cases"], saved["cases"], strict=True):
+        assert new_case["grid_reused"] is True
+        assert [{k: v for k, v in g.items() if k != "reused"} for g in new_case["grid"]] == old_case["grid"]
+        assert all(g["reused"] for g in new_case["grid"])
+        assert new_case["discovery"].get("best_val_loss") == old_case["discovery"].get("best_val_loss")
+        assert new_case["summary"]["grid_best_val_loss"] == old_case["summary"]["grid_best_val_loss"]
+        kept = {p.name for p in (work2 / f"{new_case['kind']}-seed0").iterdir()}
+        assert "discovery" in kept and not any(name.startswith("grid-") for name in kept)  # nothing trained
+    # A run whose grid would differ refuses before it trains anything, and says which setting and the way out.
+    with pytest.raises(SystemExit) as exc:
+        main(["--smoke", "--kinds", "shapes", "--grid-lr-max", "1e-3", "--reuse-grid", str(out),
+              "--out", str(tmp_path / "dq-bad.json"), "--work-dir", str(tmp_path / "work3")])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "grid_lr_max is 0.01, this run's 0.001" in err and "run without --reuse-grid" in err
+    assert not (tmp_path / "dq-bad.json").exists() and not (tmp_path / "work3").exists()
+
 
 def test_gap_and_aggregate():
     from bench.discovery_quality import aggregate, gap_pct, summarize_case
@@ -158,3 +182,45 @@ def test_dataset_sources_name_the_problem(tmp_path):
         dataset_sources([], [tmp_path / "missing"], [])
     with pytest.raises(RangefinderError, match="--held-out names subject"):
         dataset_sources(["shapes"], [], ["subject"])
+
+
+def _reusable_result(tmp_path, **case_update):
+    case = {"kind": "shapes", "synthetic_kind": "shapes", "dataset_dir": None, "seed": 0, "images": 20,
+            "finetune_epochs": 40, "grid": [{"lr": 1e-4, "best_val_loss": 0.5, "baseline_val_loss": 1.0},
+                                            {"lr": 1e-3, "best_val_loss": 0.4, "baseline_val_loss": 1.0}]}
+    case.update(case_update)
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"settings": {"grid_points": 2, "grid_lr_min": 1e-4, "grid_lr_max": 1e-3},
+                                "smoke": False, "cases": [case]}))
+    return path
+
+
+def test_reuse_grid_refuses_a_grid_trained_otherwise(tmp_path):
+    from argparse import Namespace
+
+    from bench.discovery_quality import check_reused_baseline, load_reusable_grid
+    from rangefinder.errors import RangefinderError
+
+    src = [{"name": "shapes", "kind": "shapes", "dataset": None, "held_out": False}]
+    args = Namespace(grid_points=2, grid_lr_min=1e-4, grid_lr_max=1e-3, images=20, smoke=False)
+    got = load_reusable_grid(_reusable_result(tmp_path), src, [0], args, finetune_epochs=40)
+    assert list(got) == [("shapes", 0)] and [g["lr"] for g in got["shapes", 0]] == [1e-4, 1e-3]
+    assert all(g["reused"] for g in got["shapes", 0])
+    for update, seeds, epochs, match in (
+            ({"images": 10}, [0], 40, "case shapes seed 0 has images 10, this run 20"),
+            ({}, [1], 40, "has no case shapes seed 1"),
+            ({}, [0], 30, "has finetune_epochs 40, this run 30"),
+            ({"synthetic_kind": "stripes"}, [0], 40, "has synthetic_kind 'stripes', this run 'shapes'")):
+        with pytest.raises(RangefinderError, match=match):
+            load_reusable_grid(_reusable_result(tmp_path, **update), src, seeds, args, finetune_epochs=epochs)
+    with pytest.raises(RangefinderError, match="grid_points is 2, this run's 3"):
+        load_reusable_grid(_reusable_result(tmp_path), src, [0], Namespace(**{**vars(args), "grid_points": 3}), 40)
+    (tmp_path / "junk.json").write_text("{")
+    with pytest.raises(RangefinderError, match="not a readable discovery_quality result"):
+        load_reusable_grid(tmp_path / "junk.json", src, [0], args, 40)
+    # At run time: the fine-tune's update-0 loss must be the grid's (same model, split and validation).
+    grid = got["shapes", 0]
+    check_reused_baseline(grid, {"baseline_val_loss": 1.0}, "shapes seed 0")
+    check_reused_baseline(grid, {"status": "failed"}, "shapes seed 0")  # no fine-tune ran: nothing to compare
+    with pytest.raises(RangefinderError, match="update-0 validation loss is 0.9, the reused grid's 1.0"):
+        check_reused_baseline(grid, {"baseline_val_loss": 0.9}, "shapes seed 0")

@@ -8,6 +8,10 @@ from rangefinder.cli.main import main
 from rangefinder.data.synthetic import (
     CAPTION_WORDS,
     COLOURS,
+    EMBEDDED_KIND,
+    GLYPHS,
+    KINDS,
+    ON_WHITE_COLOURS,
     SHAPES,
     SUBJECT_TOKEN,
     TEXTURES,
@@ -66,6 +70,10 @@ def _near(c, name, tol=12):
     return max(abs(a - b) for a, b in zip(c, COLOURS[name], strict=True)) < tol
 
 
+def _dist(c, name):
+    return sum((a - b) ** 2 for a, b in zip(c, COLOURS[name], strict=True))
+
+
 def test_textures_are_deterministic_and_captions_name_their_colours(tmp_path):
     a = make_synthetic_dataset(tmp_path / "a", kind="textures", count=10, seed=3)
     make_synthetic_dataset(tmp_path / "b", kind="textures", count=10, seed=3)
@@ -116,14 +124,68 @@ def test_new_kinds_leave_the_tiny_vocabulary_as_it_was():
     # change the tiny model's tokenizer (and with it the weights it is pre-trained to).
     from rangefinder.models.tiny import build_tokenizer
 
-    words = {w for k in ("textures", "subject") for i in range(30) for w in render_item(k, 0, i, 32)[1].split()}
+    words = {w for k in ("textures", "subject", "glyphs") for i in range(30)
+             for w in render_item(k, 0, i, 32)[1].split()}
     assert SUBJECT_TOKEN in words and not {SUBJECT_TOKEN, *TEXTURES} & set(CAPTION_WORDS)
     tok = build_tokenizer()
     ids = tok(SUBJECT_TOKEN, add_special_tokens=False).input_ids
     assert len(ids) > 1 and tok.unk_token_id not in ids
 
 
+def test_glyphs_are_stroke_letters_over_a_landscape():
+    # The held-out kind of the discovery bench: the caption names the letter, its ink and the landscape's two
+    # colours; the top row is nearer the sky's colour than the ground's and the bottom row the other way round
+    # (leaving out the letter's pixels), and the ink shows.
+    letters = set()
+    for i in range(40):
+        img, caption = render_item("glyphs", 3, i, 32)
+        words = caption.split()
+        assert words[:2] == ["the", "letter"] and words[3] == "in" and words[-1] == "landscape", caption
+        letter, ink, sky, ground = words[2], words[4], words[7], words[9]
+        assert letter in GLYPHS and len({ink, sky, ground}) == 3 and {ink, sky, ground} <= set(COLOURS)
+        for y, near, far in ((0, sky, ground), (31, ground, sky)):
+            row = [img.getpixel((x, y)) for x in range(32)]
+            row = [c for c in row if _dist(c, ink) > min(_dist(c, sky), _dist(c, ground))]
+            assert sum(_dist(c, near) < _dist(c, far) for c in row) > 0.9 * len(row), (caption, y)
+        px = [img.getpixel((x, y)) for x in range(32) for y in range(32)]
+        assert sum(_near(c, ink) for c in px) >= 8, caption
+        letters.add(letter)
+    assert len(letters) >= 8
+    assert render_item("glyphs", 3, 0, 32)[0].tobytes() == render_item("glyphs", 3, 0, 32)[0].tobytes()
+
+
 def test_make_dataset_cli_makes_the_new_kinds(tmp_path):
-    for kind in ("textures", "subject"):
+    for kind in ("textures", "subject", "glyphs"):
         assert main(["make-dataset", "--kind", kind, "--out", str(tmp_path / kind), "--count", "3"]) == 0
         assert sorted(p.name for p in (tmp_path / kind).glob("*.txt")) == ["00000.txt", "00001.txt", "00002.txt"]
+
+
+def test_shapes_on_white_pairs_every_colour_with_every_shape_on_white():
+    """The embedded default: image i has colour i mod 4 and shape (i div 4) mod 4, so 16 images in a row hold each
+    pairing once; the background is white and the caption's one colour word is the shape's, as the pixels show."""
+    assert EMBEDDED_KIND == "shapes-on-white" and "white" not in ON_WHITE_COLOURS
+    pairs = set()
+    for i in range(16):
+        img, caption = render_item(EMBEDDED_KIND, 0, i, 32)
+        words = caption.split()
+        assert caption.endswith("on a white background") and words[2] in SHAPES, caption
+        pairs.add((words[1], words[2]))
+        rgb = np.asarray(img, dtype=np.int64)
+        corners = [rgb[0, 0], rgb[0, 31], rgb[31, 0], rgb[31, 31]]
+        assert sum(np.abs(c - COLOURS["white"]).max() < 12 for c in corners) >= 3, caption
+        near_fg = (np.abs(rgb - np.array(COLOURS[words[1]])).max(-1) < 12).mean()
+        assert near_fg > 0.1, (caption, near_fg)  # the shape covers at least a tenth of the image
+    assert pairs == {(c, s) for c in ON_WHITE_COLOURS for s in SHAPES}
+
+
+def test_make_dataset_cli_offers_every_kind_and_defaults_to_the_embedded_one(tmp_path, capsys):
+    import argparse
+
+    from rangefinder.cli.commands import make_dataset
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    make_dataset.register(sub)
+    kind = next(a for a in sub.choices["make-dataset"]._actions if a.dest == "kind")
+    assert set(kind.choices) == set(KINDS) and kind.default == EMBEDDED_KIND
+    assert main(["make-dataset", "--out", str(tmp_path / "d"), "--count", "2", "--json"]) == 0
+    assert (tmp_path / "d" / "00000.txt").read_text() == "a red circle on a white background\n"

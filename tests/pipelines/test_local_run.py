@@ -86,6 +86,16 @@ def test_discovery_without_retrain_on_default_sqlite(default_local_run):
         keys = {k for (k,) in con.execute("select m.key from metrics m join runs r on m.run_uuid = r.run_uuid "
                                           "where r.name = 'sample_images'")}
     assert {"prompt_colour.base", "prompt_shape.base", "prompt_colour.final", "prompt_shape.final"} <= keys, keys
+    # The same scores in the run's summary (what `rangefinder demo` prints), per column.
+    with sqlite3.connect(db) as con:
+        logged = dict(con.execute("select m.key, m.value from metrics m join runs r on m.run_uuid = r.run_uuid "
+                                  "where r.name = 'sample_images' and m.key like 'prompt_%'").fetchall())
+    summed = {f"prompt_{k}.{column}": v for k in ("colour", "shape") for column, v in s[f"prompt_{k}"].items()}
+    assert summed.keys() == logged.keys() and {"base", "final"} <= set(s["prompt_colour"]), (summed, logged)
+    assert all(abs(summed[k] - logged[k]) <= 5e-4 for k in summed), (summed, logged)
+    # A local run trains on one torch thread unless RANGEFINDER_TORCH_THREADS says otherwise (pipelines.local_run).
+    summaries = list(default_local_run.run_dir.glob("finetune*/**/run_summary.json"))
+    assert summaries and all(json.loads(p.read_text())["torch_threads"] == 1 for p in summaries), summaries
     cfg = demo_config()
     check_pipeline_record(f"sqlite:///{db}", cfg.tracking.experiment_name, s,
                           model_name=cfg.tracking.registered_model_name)

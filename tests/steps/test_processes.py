@@ -158,3 +158,19 @@ def test_bad_process_counts_are_one_clear_error(split_dir, tiny_model_dir, tmp_p
     with pytest.raises(ConfigError, match="global batch.*32.*larger than the 16 training images"):
         launch.run_training(cfg, _spec(cfg, split_dir, tiny_model_dir), out_dir=tmp_path / "big")
     assert not (tmp_path / "big").exists()
+
+
+def test_torch_threads_come_from_the_environment_and_a_bad_value_is_one_clear_error(monkeypatch):
+    """$RANGEFINDER_TORCH_THREADS sets torch's CPU threads in a training step, one process or several (local runs
+    set 1: tests/pipelines/test_local_run.py reads it back from a step's run summary)."""
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setenv(launch.THREADS_ENV, "1")
+        launch.apply_torch_threads()
+        assert torch.get_num_threads() == 1
+        for bad in ("two", "0", "-1"):
+            monkeypatch.setenv(launch.THREADS_ENV, bad)
+            with pytest.raises(ConfigError, match=f"RANGEFINDER_TORCH_THREADS='{bad}' is not a thread count"):
+                launch.apply_torch_threads()
+    finally:
+        torch.set_num_threads(before)

@@ -4,9 +4,17 @@
   7 backgrounds = 224 captions, with size and position varied as well, so a few dozen images hold far more
   combinations than a tiny model can memorise: validation loss on held-out images tells learning from overfitting.
   This is the demo dataset.
+- `shapes-on-white`: the demo's dataset: one shape in one of four colours (red, green, blue, black) on a white
+  background, "a red circle on a white background"; image i has colour i mod 4 and shape (i div 4) mod 4, so any 16
+  images in a row hold every pairing once. One colour word per caption, always the shape's, and a background that
+  never changes: what a tiny model can learn to follow within the demo's few hundred updates (docs/demo-learning.md).
 - `stripes`: two-colour stripes, checkerboards and gradients, "red and white horizontal stripes". It shares the
   colour words but no shape, so the tiny base model pre-trained on it knows colours and textures; learning shapes on
   the demo dataset afterwards is fine-tuning, not training from scratch.
+
+- `textures`, `subject`, `glyphs`: further kinds for the discovery bench (bench/RESULTS.md): a textured style; one
+  subject named by a rare token, DreamBooth-like; stroke letters over soft two-colour landscapes, "the letter k in
+  white over a blue and green landscape" (added as a kind no setting of the method was chosen on).
 
 Every random choice comes from `random.Random(seed derived by SHA-256).random()`, the one stream Python promises to
 keep stable across versions, so the same seed gives byte-identical PNG files on any machine.
@@ -40,7 +48,27 @@ COLOURS: dict[str, tuple[int, int, int]] = {
 SHAPES = ("circle", "square", "triangle", "diamond")
 PATTERNS = ("horizontal stripes", "vertical stripes", "diagonal stripes", "checkerboard", "gradient")
 TEXTURES = ("dots", "bricks", "cells", "waves", "marble")
-KINDS = ("shapes", "stripes", "textures", "subject")
+# Capital letters drawn with straight strokes on a 4 x 6 grid (x right, y down): the `glyphs` kind's marks.
+GLYPHS: dict[str, tuple[tuple[float, float, float, float], ...]] = {
+    "a": ((0, 6, 2, 0), (2, 0, 4, 6), (1, 3.5, 3, 3.5)),
+    "e": ((0, 0, 0, 6), (0, 0, 4, 0), (0, 3, 3, 3), (0, 6, 4, 6)),
+    "f": ((0, 0, 0, 6), (0, 0, 4, 0), (0, 3, 3, 3)),
+    "h": ((0, 0, 0, 6), (4, 0, 4, 6), (0, 3, 4, 3)),
+    "k": ((0, 0, 0, 6), (4, 0, 0, 3.5), (1.5, 2.5, 4, 6)),
+    "l": ((0, 0, 0, 6), (0, 6, 4, 6)),
+    "m": ((0, 6, 0, 0), (0, 0, 2, 3.5), (2, 3.5, 4, 0), (4, 0, 4, 6)),
+    "n": ((0, 6, 0, 0), (0, 0, 4, 6), (4, 6, 4, 0)),
+    "t": ((0, 0, 4, 0), (2, 0, 2, 6)),
+    "v": ((0, 0, 2, 6), (2, 6, 4, 0)),
+    "x": ((0, 0, 4, 6), (4, 0, 0, 6)),
+    "y": ((0, 0, 2, 3), (4, 0, 2, 3), (2, 3, 2, 6)),
+    "z": ((0, 0, 4, 0), (4, 0, 0, 6), (0, 6, 4, 6)),
+}
+KINDS = ("shapes", "shapes-on-white", "stripes", "textures", "subject", "glyphs")
+# The `shapes-on-white` palette: far apart from each other and from white (yellow on white came out as pale blobs the
+# prompt score read as white; docs/demo-learning.md).
+ON_WHITE_COLOURS = ("red", "green", "blue", "black")
+EMBEDDED_KIND = "shapes-on-white"  # the embedded default's (and the demo's) dataset: 20 images of it, seed 0
 SUBJECT_TOKEN = "sks"  # DreamBooth's rare identifier; not in the vocabulary, so it tokenizes into bytes
 
 # Every word a caption of shapes or stripes can contain (the tiny model's tokenizer makes each a single token).
@@ -82,12 +110,18 @@ def _shape_item(d: _Draws, resolution: int) -> tuple[Image.Image, str]:
     big = resolution * SUPERSAMPLE
     img = Image.new("RGB", (big, big), COLOURS[bg])
     draw = ImageDraw.Draw(img)
-    size = d.uniform(0.35, 0.75) * big  # side / diameter
-    half = size / 2
+    _draw_shape(d, draw, shape, COLOURS[fg], big, d.uniform(0.35, 0.75))
+    img = img.resize((resolution, resolution), Image.Resampling.LANCZOS)
+    return img, f"{_a(fg)} {fg} {shape} on {_a(bg)} {bg} background"
+
+
+def _draw_shape(d: _Draws, draw: ImageDraw.ImageDraw, shape: str, colour: tuple[int, int, int], big: int,
+                size: float) -> None:
+    """`shape` of side / diameter `size` x `big` pixels, placed at random wholly inside the `big`-pixel canvas."""
+    half = size * big / 2
     cx = d.uniform(half + 1, big - half - 1)
     cy = d.uniform(half + 1, big - half - 1)
     box = (cx - half, cy - half, cx + half, cy + half)
-    colour = COLOURS[fg]
     if shape == "circle":
         draw.ellipse(box, fill=colour)
     elif shape == "square":
@@ -96,8 +130,16 @@ def _shape_item(d: _Draws, resolution: int) -> tuple[Image.Image, str]:
         draw.polygon([(cx, cy - half), (cx + half, cy + half), (cx - half, cy + half)], fill=colour)
     else:  # diamond
         draw.polygon([(cx, cy - half), (cx + half, cy), (cx, cy + half), (cx - half, cy)], fill=colour)
+
+
+def _shape_on_white_item(d: _Draws, resolution: int, index: int) -> tuple[Image.Image, str]:
+    fg = ON_WHITE_COLOURS[index % len(ON_WHITE_COLOURS)]
+    shape = SHAPES[(index // len(ON_WHITE_COLOURS)) % len(SHAPES)]
+    big = resolution * SUPERSAMPLE
+    img = Image.new("RGB", (big, big), COLOURS["white"])
+    _draw_shape(d, ImageDraw.Draw(img), shape, COLOURS[fg], big, d.uniform(0.45, 0.75))
     img = img.resize((resolution, resolution), Image.Resampling.LANCZOS)
-    return img, f"{_a(fg)} {fg} {shape} on {_a(bg)} {bg} background"
+    return img, f"{_a(fg)} {fg} {shape} on a white background"
 
 
 def _stripes_item(d: _Draws, resolution: int) -> tuple[Image.Image, str]:
@@ -235,11 +277,42 @@ def _subject_item(d: _Draws, resolution: int, seed: int) -> tuple[Image.Image, s
     return img, f"a photo of {SUBJECT_TOKEN} object on {_a(bg)} {bg} background"
 
 
-_RENDERERS: dict[str, Callable[[_Draws, int, int], tuple[Image.Image, str]]] = {
-    "shapes": lambda d, r, _seed: _shape_item(d, r),
-    "stripes": lambda d, r, _seed: _stripes_item(d, r),
-    "textures": lambda d, r, _seed: _texture_item(d, r),
-    "subject": _subject_item,
+def _glyph_item(d: _Draws, resolution: int) -> tuple[Image.Image, str]:
+    """A stroke letter in one colour over a soft two-colour landscape (sky fading into ground at a horizon)."""
+    names = list(COLOURS)
+    sky = d.choice(names)
+    ground = d.choice([c for c in names if c != sky])
+    ink = d.choice([c for c in names if c not in (sky, ground)])
+    letter = d.choice(sorted(GLYPHS))
+    big = resolution * SUPERSAMPLE
+    horizon, soft = d.uniform(0.35, 0.7) * big, d.uniform(0.06, 0.2) * big
+    y = np.arange(big, dtype=np.float64)[:, None, None]
+    t = 1.0 / (1.0 + np.exp(-(y - horizon) / soft))  # 0 in the sky, 1 on the ground
+    a, b = np.array(COLOURS[sky], dtype=np.float64), np.array(COLOURS[ground], dtype=np.float64)
+    pixels = np.round(np.broadcast_to(a + (b - a) * t, (big, big, 3))).astype(np.uint8)
+    img = Image.fromarray(np.ascontiguousarray(pixels), "RGB")
+    draw = ImageDraw.Draw(img)
+    height = d.uniform(0.45, 0.75) * big
+    unit = height / 6
+    x0 = d.uniform(2, big - 4 * unit - 2)
+    y0 = d.uniform(2, big - height - 2)
+    slant = d.uniform(-0.25, 0.25)  # italic: x shifts with height
+    width = max(2, int(round(d.uniform(0.5, 0.8) * unit)))
+    for gx0, gy0, gx1, gy1 in GLYPHS[letter]:
+        p0 = (x0 + gx0 * unit + slant * (6 - gy0) * unit, y0 + gy0 * unit)
+        p1 = (x0 + gx1 * unit + slant * (6 - gy1) * unit, y0 + gy1 * unit)
+        draw.line((p0, p1), fill=COLOURS[ink], width=width)
+    img = img.resize((resolution, resolution), Image.Resampling.LANCZOS)
+    return img, f"the letter {letter} in {ink} over {_a(sky)} {sky} and {ground} landscape"
+
+
+_RENDERERS: dict[str, Callable[[_Draws, int, int, int], tuple[Image.Image, str]]] = {
+    "shapes": lambda d, r, _seed, _i: _shape_item(d, r),
+    "shapes-on-white": lambda d, r, _seed, i: _shape_on_white_item(d, r, i),
+    "stripes": lambda d, r, _seed, _i: _stripes_item(d, r),
+    "textures": lambda d, r, _seed, _i: _texture_item(d, r),
+    "subject": lambda d, r, seed, _i: _subject_item(d, r, seed),
+    "glyphs": lambda d, r, _seed, _i: _glyph_item(d, r),
 }
 
 
@@ -249,11 +322,11 @@ def render_item(kind: str, seed: int, index: int, resolution: int = 32) -> tuple
         raise DataError(f"unknown synthetic dataset kind {kind!r}; choose one of {', '.join(KINDS)}")
     if resolution < 8:
         raise DataError(f"resolution {resolution} is too small for a synthetic image; use 8 or more (e.g. 32)")
-    return _RENDERERS[kind](_Draws(kind, seed, index), resolution, seed)
+    return _RENDERERS[kind](_Draws(kind, seed, index), resolution, seed, index)
 
 
 def make_synthetic_dataset(
-    out_dir: str | Path, kind: str = "shapes", count: int = 20, seed: int = 0, resolution: int = 32
+    out_dir: str | Path, kind: str = EMBEDDED_KIND, count: int = 20, seed: int = 0, resolution: int = 32
 ) -> dict:
     """Write `count` images (`00000.png` ...) with `.txt` captions into `out_dir`; return a summary.
 

@@ -24,6 +24,7 @@ from typing import Any, Optional
 from rangefinder.config import RangefinderConfig
 from rangefinder.errors import STEP_ERROR_PREFIX, ConfigError, RangefinderError
 from rangefinder.pipelines.progress import StepProgress, step_name
+from rangefinder.steps.launch import THREADS_ENV
 from rangefinder.tracking.redaction import RedactingWriter, redact, safe_uri
 from rangefinder.tracking.spool import SPOOL_ENV
 
@@ -61,6 +62,8 @@ class LocalRun:
         rt = self.task("retrain-full")
         if rt:
             out["retrained_epochs"] = self.outputs[rt].get("Output")
+        for score, by_column in self.prompt_scores().items():
+            out[f"prompt_{score}"] = by_column
         reg = self.task("register-model")
         if reg:
             out["registered_model"] = self.outputs[reg].get("model_uri")
@@ -74,6 +77,21 @@ class LocalRun:
             # A step's warning says this too, in the log; the table is what a person reads.
             out["mlflow_not_logged"] = [f"{p} (when MLflow answers: rangefinder relog {p})" for p in spools]
         return out
+
+    def prompt_scores(self) -> dict[str, dict[str, float]]:
+        """How well each column of the sample grid follows the prompts (data.prompt_score), as the grid's report
+        shows it: {"colour": {"base": ..., "chosen": ..., "final": ...}, "shape": {...}}; empty when the grid did
+        not run or its prompts are not the synthetic data's."""
+        from rangefinder.steps.sample_images import column_slug
+
+        task = self.task("sample-images")
+        manifest = next((Path(p) / "grid.json" for p in self.artifacts.get(task or "", {}).values()
+                         if (Path(p) / "grid.json").is_file()), None)
+        if manifest is None:
+            return {}
+        scores = json.loads(manifest.read_text()).get("scores") or []
+        return {k: {column_slug(s["column"]): round(float(s[k]), 3) for s in scores} for k in ("colour", "shape")
+                if scores}
 
 
 def unlogged_spools(out_dir: Path) -> list[Path]:
@@ -113,8 +131,12 @@ def run_pipeline_locally(cfg: RangefinderConfig, out_dir: str | Path, *, dataset
     # (data-volume paths, MLflow URI) to the steps.
     pipeline = build_pipeline(cfg, local=True)
     # The steps run in subprocesses that inherit this environment; the caller's is put back afterwards.
+    # torch on one CPU thread per step unless the caller says otherwise: the same numbers whatever the core count,
+    # and beside another busy process the tiny model's update took 3.7x longer on torch's 2 threads than on 1 (alone,
+    # 2 threads were 1.4x faster; bench/RESULTS.md, "Threads of a local run").
     step_env = {"MLFLOW_TRACKING_URI": tracking_uri,
-                SPOOL_ENV: os.environ.get(SPOOL_ENV) or str(out / "mlflow-spool")}
+                SPOOL_ENV: os.environ.get(SPOOL_ENV) or str(out / "mlflow-spool"),
+                THREADS_ENV: os.environ.get(THREADS_ENV) or "1"}
     saved = {name: os.environ.get(name) for name in step_env}
     os.environ.update(step_env)
     log_path = out / "pipeline.log"

@@ -79,6 +79,22 @@ def check_global_batch(tc: TrainingConfig, train_images: int) -> None:
             )
 
 
+THREADS_ENV = "RANGEFINDER_TORCH_THREADS"
+
+
+def apply_torch_threads() -> None:
+    """torch's CPU threads from $RANGEFINDER_TORCH_THREADS, when set (local runs set 1: pipelines.local_run)."""
+    value = os.environ.get(THREADS_ENV, "").strip()
+    if not value:
+        return
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(f"{THREADS_ENV}={value!r} is not a thread count; set a whole number of 1 or more, or unset "
+                          "it for torch's own choice")
+    import torch
+
+    torch.set_num_threads(int(value))
+
+
 def run_training(cfg: RangefinderConfig, spec: Any, *, out_dir: Path, metric_sink: Any = None,
                  save_final: bool = True, step_name: str = "train") -> Any:
     """Train `spec` (a training.TrainSpec whose world_size is `step_world_size`) in as many processes as it
@@ -89,6 +105,7 @@ def run_training(cfg: RangefinderConfig, spec: Any, *, out_dir: Path, metric_sin
     split_n = _train_images(spec)
     check_global_batch(tc, split_n)
     plan_for(tc, split_n)  # impossible batch arithmetic fails here, before any process starts
+    apply_torch_threads()  # a bad value fails here, before any process starts; torchrun's processes apply it again
     if tc.world_size == 1:
         return train(spec, out_dir=out_dir, metric_sink=metric_sink, save_final=save_final)
     out_dir = Path(out_dir)
@@ -204,15 +221,12 @@ def _torchrun(job: Path, nproc: int) -> None:
 
 
 def worker(job_path: Path) -> int:
-    import torch
-
     from rangefinder.training.loop import TrainSpec, train
 
     job = json.loads(Path(job_path).read_text())
     rank = int(os.environ.get("RANK", "0"))
     folder = Path(job_path).parent
-    if os.environ.get("RANGEFINDER_TORCH_THREADS"):
-        torch.set_num_threads(int(os.environ["RANGEFINDER_TORCH_THREADS"]))
+    apply_torch_threads()
     cfg = RangefinderConfig.model_validate(job["config"])
     model = job["model"]
     spec = TrainSpec(

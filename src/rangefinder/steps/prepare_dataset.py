@@ -16,7 +16,7 @@ from typing import Optional
 from rangefinder.config import RangefinderConfig
 from rangefinder.errors import DataError
 
-EMBEDDED_IMAGES = 20  # the embedded shapes dataset: 16 train + 4 validation images at the default 0.2 split
+EMBEDDED_IMAGES = 20  # the embedded dataset (synthetic.EMBEDDED_KIND): 16 train + 4 validation at the default split
 
 
 @dataclass
@@ -37,7 +37,7 @@ def run_prepare_dataset(
 ) -> PreparedDataset:
     from rangefinder.data.buckets import BucketSettings
     from rangefinder.data.split import split_dataset
-    from rangefinder.data.synthetic import make_synthetic_dataset
+    from rangefinder.data.synthetic import EMBEDDED_KIND, make_synthetic_dataset
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -53,7 +53,7 @@ def run_prepare_dataset(
             raise DataError(f"data.dataset_dir {root} is not a folder; give the folder of images and captions")
     else:
         root = out_dir / "dataset"
-        make_synthetic_dataset(root, kind="shapes", count=EMBEDDED_IMAGES, seed=0,
+        make_synthetic_dataset(root, kind=EMBEDDED_KIND, count=EMBEDDED_IMAGES, seed=0,
                                resolution=max(32, cfg.data.resolution))
     count_tokens, token_limit = None, None
     if cfg.model.resolved_dir and Path(cfg.model.resolved_dir).is_dir():  # set by resolve-config: count long captions
@@ -70,7 +70,8 @@ def run_prepare_dataset(
     result = PreparedDataset(split_dir=out_dir, dataset_root=root.resolve(), train_images=len(split.train),
                              val_images=len(split.val), skipped=skipped)
     if report_path is not None:
-        lines = ["# Dataset", "", f"- images from: `{dataset_dir or cfg.data.dataset_dir or 'embedded shapes'}`",
+        source = dataset_dir or cfg.data.dataset_dir or f"embedded {EMBEDDED_KIND}"
+        lines = ["# Dataset", "", f"- images from: `{source}`",
                  f"- training images: {result.train_images}", f"- validation images: {result.val_images}",
                  f"- stabilize subset: {len(split.stabilize)}", f"- skipped files: {skipped}"]
         for item in skipped_files:

@@ -15,7 +15,7 @@ from typing import Optional
 from rangefinder.config import RangefinderConfig
 
 
-def _slug(label: str) -> str:
+def column_slug(label: str) -> str:
     """A column's metric name that stays the same from run to run: base, chosen, final, retrained, update_N."""
     if label.startswith("chosen"):
         return "chosen"
@@ -55,7 +55,9 @@ def run_sample_images(cfg: RangefinderConfig, *, finetuned_dir: Path, retrained_
                       mlflow_parent_run_id: Optional[str] = None) -> dict:
     from rangefinder import tracking
     from rangefinder.sampling import render_grid
+    from rangefinder.steps.launch import apply_torch_threads
 
+    apply_torch_threads()
     models, labels = grid_columns(cfg, finetuned_dir, retrained_dir)
     s = cfg.sampling
     with tracking.step_run(cfg, "sample_images", parent_run_id=mlflow_parent_run_id) as run:
@@ -69,6 +71,6 @@ def run_sample_images(cfg: RangefinderConfig, *, finetuned_dir: Path, retrained_
         run.log_image(out["grid"], key="sample_grid")
         # How well each column follows shapes prompts (the demo's): prompt_colour.<column>, prompt_shape.<column>
         # (data.prompt_score).
-        run.log_decisions({f"prompt_{k}.{_slug(s_['column'])}": s_[k] for s_ in out["scores"]
+        run.log_decisions({f"prompt_{k}.{column_slug(s_['column'])}": s_[k] for s_ in out["scores"]
                            for k in ("colour", "shape")}, to_parent=False)
     return out

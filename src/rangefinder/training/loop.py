@@ -351,6 +351,7 @@ def _finish(run: Run, state: RunState, *, save_final: bool, seconds: float, cpu_
             "compile": "on" if settings.compile else "off",  # training.compile resolved
             "seconds": seconds,  # the loop's wall time (loading and encoding excluded)
             "cpu_seconds": cpu_seconds,  # this process' CPU time in the loop (all threads)
+            "torch_threads": torch.get_num_threads(),  # CPU threads (RANGEFINDER_TORCH_THREADS; local runs: 1)
             "updates_per_second": updates_here / seconds if seconds > 0 else None,
             # (item, k) pairs each process put through the UNet in validation (training.validation.Shard)
             "validation_pairs_by_rank": run.val_shard.pairs_by_rank,

@@ -1,4 +1,4 @@
-"""`rangefinder demo`: the whole pipeline on the embedded default (synthetic shapes, tiny model), on this machine.
+"""`rangefinder demo`: the whole pipeline on the embedded default (synthetic shapes on white, tiny model), here.
 
 It makes the dataset and the base model when missing, runs every step through kfp.local, and prints the LR bounds,
 the midpoint, the recommended epochs and where the reports are. Everything it writes goes under --out, including the
@@ -53,7 +53,7 @@ def demo_model_cache(out: Path, family: str = "sd1") -> Path:
 def prepare_demo(out: Path, retrain: bool = False, lr: float | None = None, family: str = "sd1"):
     """The demo's config, with its dataset and base model made under `out` (or reused)."""
     from rangefinder.config import demo_config
-    from rangefinder.data.synthetic import make_synthetic_dataset
+    from rangefinder.data.synthetic import EMBEDDED_KIND, make_synthetic_dataset
     from rangefinder.models.tiny import ensure_tiny_base_model
 
     dataset = out / "dataset"
@@ -65,7 +65,7 @@ def prepare_demo(out: Path, retrain: bool = False, lr: float | None = None, fami
         overrides["lr"] = lr
     # Validated before anything is made: a bad --lr costs one line, not a dataset and a model build.
     cfg = demo_config(**overrides)
-    make_synthetic_dataset(dataset, kind="shapes", count=DEMO_IMAGES, seed=0, resolution=32)
+    make_synthetic_dataset(dataset, kind=EMBEDDED_KIND, count=DEMO_IMAGES, seed=0, resolution=32)
     if family == "sdxl":
         from rangefinder.models.tiny_sdxl import ensure_tiny_sdxl_model
 

@@ -12,7 +12,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "make-base-model",
         help="build the tiny offline Stable Diffusion model (diffusers folder layout), or reuse the cached one",
         description="Build a tiny Stable Diffusion pipeline from config and pre-train it briefly on synthetic stripes "
-        "(about a minute on 2 CPU cores). It is cached under $RANGEFINDER_CACHE or ~/.cache/rangefinder; "
+        "(a few minutes on 2 CPU cores). It is cached under $RANGEFINDER_CACHE or ~/.cache/rangefinder; "
         "--out copies it to a folder of your choice.",
     )
     p.add_argument("--out", help="folder to write the model to (new or empty); default: print the cached folder")
