@@ -43,10 +43,11 @@ def test_retrain_uses_recommended_epochs_and_schedule():
 
 
 def test_checkpoints_every_epoch_all_kept_until_the_window_is_known():
-    cfg = demo_config()  # 40 epochs of 16 images at batch 4: 4 updates per epoch
+    cfg = demo_config()  # 150 epochs of 16 images at batch 4: 4 updates per epoch
     tc = finetune_training_config(cfg, 1e-4, 1e-2, 1e-3, train_images=16)
     assert tc.checkpoint_every_updates == 4
-    assert tc.keep_checkpoints == 41  # 40 epochs' checkpoints (and one spare): none is dropped during the run
+    # Every epoch's checkpoint (and one spare): none is dropped during the run.
+    assert tc.keep_checkpoints == cfg.finetune.epochs + 1 == 151
 
 
 @pytest.fixture(scope="module")
@@ -137,4 +138,4 @@ def test_the_finetune_step_logs_samples_during_training_to_mlflow_with_their_ste
     assert {e["logged_to"] for e in index["samples"]} == {run.info.run_id}
     page = report.read_text()
     assert "Samples over training" in page and "<th class='row'>update</th><th>0</th><th>8</th><th>16</th>" in page
-    assert page.count("alt='a red circle on a blue background | seed 0 at update") == 3
+    assert page.count(f"alt='{cfg.sampling.prompts[0]} | seed 0 at update") == 3

@@ -80,7 +80,7 @@ INDEX_JSON = "index.json"
 def test_auto_spreads_about_ten_grids_over_any_run_length():
     from rangefinder.config import plan_for
 
-    plan = plan_for(TrainingConfig(batch_size=4, epochs=40), 16)  # the demo's fine-tune: 160 updates
+    plan = plan_for(TrainingConfig(batch_size=4, epochs=40), 16)  # a 40-epoch fine-tune of 16 images: 160 updates
     planned = planned_validations(plan, ValidationConfig(every_epochs=1))
     assert planned == 41  # the baseline and one per epoch
     assert resolve_every("auto", planned) == 4  # 11 grids: updates 0, 16, ..., 160
