@@ -3,7 +3,7 @@
 - `shapes`: one coloured shape on a plain background, "a red circle on a blue background". 8 colours x 4 shapes x
   7 backgrounds = 224 captions, with size and position varied as well, so a few dozen images hold far more
   combinations than a tiny model can memorise: validation loss on held-out images tells learning from overfitting.
-  This is the demo dataset.
+  The demo's dataset until 2026-11-25; the unit tests and the benches still use it.
 - `shapes-on-white`: the demo's dataset: one shape in one of four colours (red, green, blue, black) on a white
   background, "a red circle on a white background"; image i has colour i mod 4 and shape (i div 4) mod 4, so any 16
   images in a row hold every pairing once. One colour word per caption, always the shape's, and a background that
@@ -11,7 +11,6 @@
 - `stripes`: two-colour stripes, checkerboards and gradients, "red and white horizontal stripes". It shares the
   colour words but no shape, so the tiny base model pre-trained on it knows colours and textures; learning shapes on
   the demo dataset afterwards is fine-tuning, not training from scratch.
-
 - `textures`, `subject`, `glyphs`: further kinds for the discovery bench (bench/RESULTS.md): a textured style; one
   subject named by a rare token, DreamBooth-like; stroke letters over soft two-colour landscapes, "the letter k in
   white over a blue and green landscape" (added as a kind no setting of the method was chosen on).
