@@ -2,7 +2,9 @@
 
 - colour: the share of pixels whose nearest palette colour (data.synthetic.COLOURS) is one the prompt names, the
   shape's or the background's. An image in other colours scores near 0; a two-colour image in the named colours
-  near 1. Eight colours, two named: a model that ignores the colour words scores about 0.25 on average.
+  near 1. Eight colours, two named: a model that ignores the colour words scores about 0.25 on average; more when
+  one named colour is the white background of `shapes-on-white`, which most pictures hold anyway (the demo's base
+  scores about 0.5), so a column is read against the base model's.
 - shape: the intersection over union of the pixels in the shape's colour with the named shape, drawn as the dataset
   draws it (data.synthetic) into the square around those pixels. 0 when no pixel has the shape's colour.
 
