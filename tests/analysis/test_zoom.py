@@ -55,3 +55,23 @@ def test_ended_above_start():
     # One spike at the end is not the end of the sweep.
     assert not ended_above_start([0.10, 0.099, 0.098, 0.097, 0.096, 0.3])
     assert not ended_above_start([0.10, float("nan")])
+
+
+# A real first range test (bench/discovery_quality on the tiny model of BUILDER_VERSION 3, `textures` seed 1, 6
+# epochs 1e-5..1e-2, validating every 2 updates): the loss dips for four points, to its lowest at 8.2e-5, then climbs
+# far above its start. Too few points before the climb for the rise cut, so the reading is rising_from_start.
+TEXTURES1_LR = [0.0, 1.35e-05, 2.46e-05, 4.49e-05, 8.19e-05, 1.49e-04, 2.72e-04, 4.96e-04, 9.05e-04, 1.65e-03,
+                3.01e-03, 5.48e-03, 1.0e-02]
+TEXTURES1_LOSS = [0.07120, 0.07020, 0.06861, 0.06675, 0.06529, 0.06804, 0.07600, 0.07666, 0.07947, 0.09070, 0.10309,
+                  0.20390, 0.22862]
+
+
+def test_a_dip_too_narrow_to_read_zooms_onto_the_dip_not_below_the_sweep():
+    from rangefinder.analysis import analyze_lr_curve
+
+    b = analyze_lr_curve(TEXTURES1_LR, TEXTURES1_LOSS, ramp="exp", bootstrap=20)
+    assert b.status == "rising_from_start" and b.lr_at_min is not None and 1e-5 < b.lr_at_min < 1e-2
+    lo, hi = zoom_range(b.status, b.flags, b.lr_low, b.lr_high, 1e-5, 1e-2, 0, 5, lr_at_min=b.lr_at_min)
+    # The whole dip (1.35e-5 .. 1.5e-4) lies inside the second sweep; before, it went to 1e-7 .. 1e-5, all below it.
+    assert lo == pytest.approx(1e-6) and hi == pytest.approx(b.lr_at_min * ZOOM_MARGIN)
+    assert lo < 1.35e-5 and hi > 1.49e-4

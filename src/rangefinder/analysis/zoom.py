@@ -9,7 +9,9 @@ the LR range test step proposes the range of a second test ("zoom"), derived fro
 - already falling at the bottom (lower_censored): from `1/ZOOM_EXTEND` x the old bottom up to the upper bound (plus
   `ZOOM_MARGIN`: a sweep that stops right at the old upper bound is still falling at its top, and is read as
   upper-censored);
-- rising from the start: the decade(s) below the old range; diverged: the range below where it blew up;
+- rising from the start: the decades below the old range, but when the lowest point lies inside the sweep (a dip
+  too narrow to read, then the rise) from a decade lower to a little past that point; diverged: the range below
+  where it blew up;
 - no descent: one decade higher when the curve stayed flat (nothing was learned yet), but when the loss ended above
   where it started (the top of the sweep made the model worse, as when the base model has little left to learn) a
   decade lower, up to a little past the lowest point: widening upwards there only finds the blow-up.
@@ -55,6 +57,10 @@ def zoom_range(status: str, flags: list[str], lr_low: Optional[float], lr_high: 
             return max(lr_low / ZOOM_MARGIN, lr_min / ZOOM_EXTEND), lr_high * ZOOM_MARGIN
         return None
     if status == "rising_from_start":
+        if lr_at_min is not None and lr_min < lr_at_min < lr_max:
+            # Its lowest point lies inside the sweep: the loss dipped before it rose, in a valley too narrow for the
+            # reading. As for a no_descent that ended worse: from a decade lower to a little past that point.
+            return lr_min / ZOOM_EXTEND, lr_at_min * ZOOM_MARGIN
         return lr_min / ZOOM_EXTEND ** 2, lr_min
     if status == "diverged":
         if lr_at_min is not None and lr_min < lr_at_min < lr_max:
