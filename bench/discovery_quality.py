@@ -65,7 +65,10 @@ def curve_stats(curve_csv: Path, recommended_updates: Optional[int] = None) -> d
     trained = [(float(y), int(x)) for x, y in zip(u, v, strict=True) if x > 0 and math.isfinite(y)]
     best, best_update = min(trained) if trained else (None, None)
     out = {"baseline_val_loss": baseline, "best_val_loss": best, "best_update": best_update,
-           "final_val_loss": trained[-1][0] if trained else None}
+           "final_val_loss": trained[-1][0] if trained else None,
+           # The whole curve, [update, loss] after update 0: what an arm had reached at any point, so that schemes
+           # which stop some arms early (successive halving) can be scored from the same runs.
+           "curve": [[u_, round(y, 8)] for y, u_ in sorted(trained, key=lambda t: t[1])]}
     if recommended_updates is not None and trained:
         # The measurement nearest the recommended length: what stopping (or retraining) there gives.
         out["val_loss_at_recommended"] = min(trained, key=lambda t: (abs(t[1] - recommended_updates), t[1]))[0]
