@@ -5,6 +5,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_OUT ?= rangefinder-demo
 PYTEST_ARGS ?=
+# Two pytest-xdist workers, CI's two cores; tests/conftest.py hands each worker whole files (fixtures made once).
+PYTEST_WORKERS ?= 2
 
 .PHONY: demo test venv tools images screenshots clean
 
@@ -53,7 +55,7 @@ test: $(STAMP) $(TOOLS_STAMP)
 	@status=0; \
 	$(VENV)/bin/ruff check src tests bench || status=1; \
 	$(VENV)/bin/mypy || status=1; \
-	$(PY) -m pytest $(PYTEST_ARGS) || status=1; \
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadscope $(PYTEST_ARGS) || status=1; \
 	exit $$status
 
 clean:

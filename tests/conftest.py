@@ -7,9 +7,63 @@ keyed by the code that makes them, so only the first session pays for building t
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 import pytest
+
+# `make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadscope`). The scheduler below hands out
+# whole test files, so a file's module fixtures are made once, on one worker; the files below share the
+# session-scoped whole kfp.local run (`default_local_run`) and go together, so that run is made once too. (xdist's
+# own `loadgroup` marks do not work with pytest 9.2: they rename `item._nodeid`, which pytest no longer reads.)
+SHARED_RUN_FILES = ("tests/pipelines/test_local_run.py", "tests/pipelines/test_reports_in_browser.py",
+                    "tests/pipelines/test_demo_sdxl.py")
+# The groups that take minutes go first, so that neither worker is left with one at the end. xdist deals the first
+# quarter of the groups out in turn (worker 0 gets the 1st, 3rd, 5th, ...), so this order splits them about evenly:
+# ~14 against ~12 minutes of work (--durations of a 2-worker run, 2026-11-25). The rest follow as collected.
+LONG_FIRST = ("pipelines:default-run", "tests/pipelines/test_demo_learns.py",
+              "tests/steps/test_processes.py", "tests/pipelines/test_local_run_base_models.py",
+              "tests/methods/test_discovery_by_method.py", "tests/bench/test_discovery_quality.py")
+
+
+def _group(nodeid: str) -> str:
+    path = nodeid.split("::", 1)[0]
+    return "pipelines:default-run" if path in SHARED_RUN_FILES else path
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {g: i for i, g in enumerate(LONG_FIRST)}
+    items.sort(key=lambda it: rank.get(_group(it.nodeid), len(rank)))  # stable: every file keeps its own order
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileGroups(LoadScopeScheduling):
+        """xdist's scope scheduling, one scope per group of `_group`."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return _group(nodeid)
+
+    return FileGroups(config, log)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread_per_worker():
+    """Two workers on two cores: each computes on one torch thread, else the four threads spin waiting for each
+    other's cores. A plain `pytest` run keeps torch's default. Child processes are left alone (OMP_NUM_THREADS is
+    not set): the tests that start training processes set their threads themselves, and tests/pipelines reads a
+    local run's thread count back, which an inherited setting would make pass for any code."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        yield
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")
