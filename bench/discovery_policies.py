@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from bench.common import table
+from bench.discovery_quality import gap_pct
 
 NAME = "discovery_policies"
 POLICIES = ("P0", "P1", "P2", "P3", "geometric", "arithmetic")
@@ -38,10 +39,6 @@ def load_cases(paths: list[Path]) -> dict[tuple[str, int], dict[str, Any]]:
         for c in json.loads(Path(p).read_text())["cases"]:
             out[(c["kind"], int(c["seed"]))] = c
     return out
-
-
-def _gap(loss: Optional[float], best: float) -> Optional[float]:
-    return None if loss is None else 100.0 * (loss / best - 1.0)
 
 
 def best_by(curve: list[list[float]], update: int) -> float:
@@ -61,29 +58,29 @@ def score_case(base: dict[str, Any], variant: Optional[dict[str, Any]]) -> dict[
     d0 = base["discovery"]
     row: dict[str, Any] = {"kind": base["kind"], "seed": int(base["seed"]), "held_out": bool(base.get("held_out")),
                            "grid_best_lr": best_arm["lr"], "grid_updates": grid_updates,
-                           "P0": {"lr": d0.get("lr_mid"), "gap": _gap(d0.get("best_val_loss"), best),
+                           "P0": {"lr": d0.get("lr_mid"), "gap": gap_pct(d0.get("best_val_loss"), best),
                                   "updates": d0.get("updates")}}
     if variant is None or variant["discovery"].get("status") != "ok":
         return row
     d1 = variant["discovery"]
     high = variant.get("diagnostic_lr_high") or {}
-    row["P1"] = {"lr": d1["lr_mid"], "gap": _gap(d1["best_val_loss"], best), "updates": d1["updates"],
+    row["P1"] = {"lr": d1["lr_mid"], "gap": gap_pct(d1["best_val_loss"], best), "updates": d1["updates"],
                  "bounds": (d1["lr_low"], d1["lr_high"]), "still_improving": bool(d1["still_improving"])}
     budget = int(d1["finetune_updates"])
     if high.get("best_val_loss") is not None:
         retry = bool(d1["still_improving"])
         loss = min(d1["best_val_loss"], high["best_val_loss"]) if retry else d1["best_val_loss"]
         row["P2"] = {"lr": d1["lr_high"] if retry and high["best_val_loss"] < d1["best_val_loss"] else d1["lr_mid"],
-                     "gap": _gap(loss, best), "updates": d1["updates"] + (budget if retry else 0)}
+                     "gap": gap_pct(loss, best), "updates": d1["updates"] + (budget if retry else 0)}
         if high.get("curve") and d1.get("curve"):
             half = budget // 2
             pick_high = best_by(high["curve"], half) < best_by(d1["curve"], half)
             loss = high["best_val_loss"] if pick_high else d1["best_val_loss"]
             row["P3"] = {"lr": d1["lr_high"] if pick_high else d1["lr_mid"], "picked": "lr_high" if pick_high
-                         else "lr_mid", "gap": _gap(loss, best), "updates": d1["updates"] + half}
+                         else "lr_mid", "gap": gap_pct(loss, best), "updates": d1["updates"] + half}
     for rule, arm in (variant.get("midpoint_arms") or {}).items():
         if rule in POLICIES and arm.get("best_val_loss") is not None:
-            row[rule] = {"lr": arm["lr"], "gap": _gap(arm["best_val_loss"], best),
+            row[rule] = {"lr": arm["lr"], "gap": gap_pct(arm["best_val_loss"], best),
                          "updates": d1["updates"] - budget + int(arm["updates"])}
     return row
 
