@@ -130,12 +130,17 @@ def discover(cfg, split_dir: Path, out: Path) -> dict[str, Any]:
     ft = run_finetune(cfg, split_dir=split_dir, lr_low=chosen.lr_low, lr_high=chosen.lr_high, lr_mid=chosen.lr_mid,
                       lr_source=chosen.source, model_dir=out / "finetune")
     res["seconds"] = time.perf_counter() - t0
-    ft_updates = _updates_of(out / "finetune")
-    res["updates"] += ft_updates
+    ft_updates = _updates_of(out / "finetune")  # the delivered run's; with successive halving the step took more
+    res["updates"] += ft.updates_trained or ft_updates
     shutil.rmtree(out / "finetune" / "final", ignore_errors=True)
+    if ft.halving is not None:
+        res["halving"] = {"kept": ft.halving["kept"], "pause_update": ft.halving["pause_update"],
+                          **{n: {k: c.get(k) for k in ("lr", "best_val_loss", "best_update", "status")}
+                             for n, c in ft.halving["candidates"].items()}}
     res.update(
         status="ok", lr_source=chosen.source, lr_low=chosen.lr_low, lr_mid=chosen.lr_mid, lr_high=chosen.lr_high,
-        finetune_updates=ft_updates, recommended_epochs=ft.recommended_epochs,
+        lr_used=ft.lr, finetune_updates=ft_updates, finetune_updates_trained=ft.updates_trained,
+        recommended_epochs=ft.recommended_epochs,
         recommended_updates=ft.recommended_updates, still_improving=ft.still_improving,
         **curve_stats(ft.curve_csv, ft.recommended_updates),
     )
@@ -366,6 +371,9 @@ def summarize_case(case: dict[str, Any]) -> dict[str, Any]:
         "grid_updates": grid_updates, "grid_seconds": grid_seconds,
         "discovery_status": d["status"], "discovery_lr_source": d.get("lr_source"),
         "discovery_lr_mid": d.get("lr_mid"),
+        # The LR of the delivered fine-tune: lr_mid, or lr_high when successive halving kept it.
+        "discovery_lr": d.get("lr_used") or d.get("lr_mid"),
+        "halving_kept": (d.get("halving") or {}).get("kept"),
         "discovery_best_val_loss": d.get("best_val_loss"),
         "discovery_val_at_recommended": d.get("val_loss_at_recommended"),
         "recommended_epochs": d.get("recommended_epochs"),
@@ -384,9 +392,9 @@ def summarize_case(case: dict[str, Any]) -> dict[str, Any]:
     s["first_quality"] = tests[0].get("quality") if tests else None
     s["first_flags"] = list(tests[0].get("flags") or []) if tests else []
     s["censored"] = any(f in CENSORED for f in s["flags"])
-    if s["discovery_lr_mid"] and s["grid_best_lr"]:
+    if s["discovery_lr"] and s["grid_best_lr"]:
         # How far the discovered LR is from the grid's best, in decades (negative: below it).
-        s["discovery_lr_decades_from_grid_best"] = math.log10(s["discovery_lr_mid"] / s["grid_best_lr"])
+        s["discovery_lr_decades_from_grid_best"] = math.log10(s["discovery_lr"] / s["grid_best_lr"])
     s["discovery_gap_pct"] = gap_pct(s["discovery_best_val_loss"], s["grid_best_val_loss"])
     s["discovery_gap_at_recommended_pct"] = gap_pct(s["discovery_val_at_recommended"], s["grid_best_val_loss"])
     s["cost_fraction_updates"] = d["updates"] / grid_updates if grid_updates else None
@@ -398,8 +406,9 @@ def summarize_case(case: dict[str, Any]) -> dict[str, Any]:
     chosen = used.get("midpoint")
     for rule in MIDPOINT_RULES:
         row = case.get("midpoint_arms", {}).get(rule)
-        if rule == chosen:
-            lr, best_loss = d.get("lr_mid"), d.get("best_val_loss")
+        if rule == chosen:  # the discovery's own fine-tune, unless successive halving kept lr_high instead
+            kept_mid = s["halving_kept"] in (None, "lr_mid")
+            lr, best_loss = d.get("lr_mid"), d.get("best_val_loss") if kept_mid else None
         elif row:
             lr, best_loss = row.get("lr"), row.get("best_val_loss")
         else:
@@ -646,12 +655,13 @@ def headline(result: dict[str, Any]) -> str:
 
 def report(result: dict[str, Any]) -> str:
     rows = [c["summary"] for c in result["cases"]]
-    cols = ["kind", "seed", "baseline_val_loss", "grid_best_lr", "grid_best_val_loss", "discovery_lr_mid",
+    cols = ["kind", "seed", "baseline_val_loss", "grid_best_lr", "grid_best_val_loss", "discovery_lr", "halving_kept",
             "discovery_lr_decades_from_grid_best", "discovery_best_val_loss", "discovery_gap_pct",
             "mid_geometric_gap_pct", "mid_arithmetic_gap_pct", "quality", "flags",
             "recommended_epochs", "discovery_still_improving", "lr_steepest_gap_pct",
             "lr_min_div10_gap_pct", "diagnostic_lr_high_gap_pct"]
-    heads = ["data", "seed", "base loss", "grid best lr", "grid best", "disc lr_mid", "decades off", "disc best",
+    heads = ["data", "seed", "base loss", "grid best lr", "grid best", "disc lr", "halving kept", "decades off",
+             "disc best",
              "disc gap %", "geometric gap %", "arithmetic gap %", "score", "flags", "rec epochs", "still improving",
              "steepest gap %", "min/10 gap %", "(at lr_high gap %)"]
     if not any(r.get("lr_steepest") or r.get("lr_min_div10") for r in rows):  # run with --no-classic
@@ -683,7 +693,7 @@ def report(result: dict[str, Any]) -> str:
         f"{_f(agg['lr_steepest_gap_pct']['max'])}%; min/10: median gap {_f(agg['lr_min_div10_gap_pct']['median'])}%, "
         f"worst {_f(agg['lr_min_div10_gap_pct']['max'])}%" if agg["lr_steepest_gap_pct"]["n"] else
         "classic suggestions: not run (--no-classic)",
-        f"discovered lr_mid vs the grid's best LR: median {_f(agg['discovery_lr_decades_from_grid_best']['median'])} "
+        f"discovered LR vs the grid's best LR: median {_f(agg['discovery_lr_decades_from_grid_best']['median'])} "
         f"decades; diagnostic run at the discovery's lr_high: median gap "
         f"{_f(agg['diagnostic_lr_high_gap_pct']['median'])}%",
         f"score vs gap: Spearman {_f(sg['spearman_score_gap'])} (score vs |decades off| "

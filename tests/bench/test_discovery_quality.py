@@ -37,12 +37,15 @@ def test_discovery_quality_smoke(tmp_path, capsys):
     assert [t["stage"] for t in tests] in (["first"], ["first", "zoom"])
     assert (tests[0]["lr_min"], tests[0]["lr_max"]) == (1e-5, 1e-2)  # the demo config's sweep
     assert all(t["updates"] == 6 for t in tests)
-    assert d["updates"] == 6 * len(tests) + d.get("finetune_updates", 0)  # what discovery cost, all of it
+    assert d["updates"] == 6 * len(tests) + d.get("finetune_updates_trained", 0)  # what discovery cost, all of it
     last = tests[-1]
     if d["status"] == "ok":
         assert last["status"] == "ok" and d["lr_source"] == ("zoom" if len(tests) == 2 else "range-test")
         assert last["lr_min"] <= d["lr_low"] <= d["lr_mid"] <= d["lr_high"] <= last["lr_max"]
         assert d["finetune_updates"] == 4 and 1 <= d["recommended_updates"] <= 4
+        # Successive halving: lr_mid and lr_high both to the pause (update 2), the kept one on to 4.
+        assert d["halving"]["pause_update"] == 2 and d["finetune_updates_trained"] == 4 + 2
+        assert d["lr_used"] == d[d["halving"]["kept"]]
     else:
         # No usable bounds: the pipeline stops, and says which test failed and how.
         assert d["status"] == "failed" and last["status"] != "ok"
@@ -74,7 +77,10 @@ def test_discovery_quality_smoke(tmp_path, capsys):
     s = case["summary"]
     assert s["discovery_status"] == d["status"] and s["grid_updates"] == 8
     assert s["quality"] == (last["quality"] if d["status"] == "ok" else 0.0) and s["flags"] == last["flags"]
-    assert s["mid_tuned_gap_pct"] == s["discovery_gap_pct"]
+    # The tuned midpoint's arm is the discovery's fine-tune, unless successive halving kept lr_high: then lr_mid
+    # trained only half-way and has no whole arm to score.
+    kept_mid = d.get("halving") is None or d["halving"]["kept"] == "lr_mid"
+    assert s["mid_tuned_gap_pct"] == (s["discovery_gap_pct"] if kept_mid else None)
     assert s["cost_fraction_updates"] == pytest.approx(d["updates"] / 8)
     assert s["grid_best_val_loss"] == min(g["best_val_loss"] for g in case["grid"])
 

@@ -92,7 +92,7 @@ def test_small_deliverables_register_as_whole_pipelines(discovered, method, tiny
         learned = next(iter(load_file(Path(ft.model_dir) / "final" / "learned_embeds.safetensors").values()))
         row = CLIPTextModel.from_pretrained(whole / "text_encoder").get_input_embeddings().weight[token_id]
         assert row.detach().equal(learned.reshape(-1).to(row.dtype))
-    reg = run_register_model(cfg, model_dir=ft.model_dir, lr_mid=rt.lr_mid, epochs=ft.recommended_epochs)
+    reg = run_register_model(cfg, model_dir=ft.model_dir, lr=ft.lr, epochs=ft.recommended_epochs)
     assert reg.model_uri == f"models:/rf-{method}/1"
     mlflow.set_tracking_uri(cfg.tracking.tracking_uri)
     model = mlflow.pyfunc.load_model(f"models:/rf-{method}@candidate")

@@ -131,10 +131,14 @@ def test_dag_order_and_conditions(compiled):
         branches = dag.tasks[ft.inputs.parameters["lr_mid"].task_output_parameter.producer_task]
         assert branches.component_ref.name.startswith("comp-condition-branches")
 
-    # The retrain is conditional and takes the fine-tune's recommended epochs.
+    # The retrain is conditional and takes the fine-tune's recommended epochs, and the LR the fine-tune kept
+    # (lr_mid, or lr_high by successive halving), as the registry does.
     for dag_name, _, rt in compiled.tasks("retrain-full"):
         assert "retrain" in compiled.condition_of(dag_name)
         assert source(rt.inputs.parameters["recommended_epochs"]).endswith("recommended_epochs")
+        assert source(rt.inputs.parameters["lr_mid"]).endswith("lr_used")
+    for _, _, reg in compiled.tasks("register-model"):
+        assert source(reg.inputs.parameters["lr"]).endswith("lr_used")
 
     # Samples and registration come last, on the retrained model when there is one.
     regs = compiled.tasks("register-model")

@@ -10,7 +10,7 @@ from rangefinder.config import RangefinderConfig, demo_config
 # The smallest run that still reads a curve: 4 epochs of 4 updates, validated every 2 (9 points); 2 fine-tune
 # epochs (3 points); one prompt, 2 denoising steps.
 TINY = {
-    "lr_range_test": {"epochs": 4, "zoom": False},
+    "lr_range_test": {"epochs": 4, "validate_every_updates": 2, "zoom": False},
     "finetune": {"epochs": 2},
     "retrain": {"epochs": 1},
     "sampling": {"prompts": ["a red circle"], "seeds": [0], "num_inference_steps": 2},

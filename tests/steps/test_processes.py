@@ -125,6 +125,17 @@ def test_two_processes_train_what_one_does_and_resume_after_sigkill(split_dir, t
     w, r = load_file(str(tmp_path / "two" / UNET)), load_file(str(cut / UNET))
     assert w.keys() == r.keys() and all(torch.equal(w[k], r[k]) for k in w)
 
+    # The pause the fine-tune's successive halving uses reaches every process through the job file: both stop at
+    # the first validation from update 5 on (8), and the run goes on from there to the uninterrupted run's end.
+    halved = tmp_path / "halved"
+    paused = launch.run_training(two, spec2, out_dir=halved, pause_after_update=5)
+    assert (paused.status, paused.updates, paused.final_dir) == ("paused", 8, None)
+    on = launch.run_training(two, spec2, out_dir=halved)
+    assert (on.status, on.resumed_from, on.updates) == ("ok", 8, 12)
+    assert _val_losses(halved) == _val_losses(tmp_path / "two")
+    h = load_file(str(halved / UNET))
+    assert w.keys() == h.keys() and all(torch.equal(w[k], h[k]) for k in w)
+
 
 @pytest.mark.slow
 def test_bf16_gradient_all_reduce_trains_close_to_fp32(split_dir, tiny_model_dir, tmp_path, monkeypatch):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import signal
@@ -140,3 +141,33 @@ def test_a_checkpoint_older_than_a_setting_resumes_with_its_default(split_dir, t
     resumed = train(TrainSpec(cfg.model_copy(update={"resume": True}), val, split_dir=split_dir,
                               model=tiny_model_dir), out_dir=out, save_final=False)
     assert resumed.resumed_from == 1 and resumed.updates == 2
+
+
+def test_a_run_paused_half_way_goes_on_to_end_exactly_as_one_never_paused(split_dir, tiny_model_dir, tmp_path):
+    """The engine's pause (the fine-tune's successive halving trains two LRs half-way with it): the run stops at the
+    first validation at or after the update asked for, with a checkpoint there and no final weights, and the same
+    settings resumed end with the uninterrupted run's curve and weights. Asked again, a paused run stays paused."""
+    training = dict(batch_size=4, epochs=3, lr=2e-4, seed=4, checkpoint_every_updates=3, keep_checkpoints=10,
+                    random_flip=True, use_ema=True, ema_decay=0.9, cache_dir=str(tmp_path / "cache"), resume=True)
+
+    def run(out: Path, **kw):
+        return train(TrainSpec(TrainingConfig(**training), ValidationConfig(every_epochs=1), split_dir=split_dir,
+                               model=tiny_model_dir), out_dir=out, **kw)
+
+    whole = run(tmp_path / "whole")
+    # 4 updates an epoch, validated at 0, 4, 8 and 12: asked for 5, it pauses at 8 (checkpoints 3, 6 and 8).
+    paused = run(tmp_path / "cut", pause_after_update=5)
+    assert (paused.status, paused.updates, paused.final_dir) == ("paused", 8, None)
+    assert not (tmp_path / "cut" / "final").exists()
+    assert [int(r["update"]) for r in csv.DictReader(open(tmp_path / "cut" / "metrics.csv"))] == [0, 4, 8]
+    assert json.loads((tmp_path / "cut" / "run_summary.json").read_text())["status"] == "paused"
+    again = run(tmp_path / "cut", pause_after_update=5)
+    assert (again.status, again.resumed_from, again.updates) == ("paused", 8, 8)
+
+    resumed = run(tmp_path / "cut")
+    assert (resumed.status, resumed.resumed_from, resumed.updates) == ("ok", 8, 12) and whole.updates == 12
+    for name in ("metrics.csv", "updates.csv"):
+        assert (tmp_path / "cut" / name).read_text() == (tmp_path / "whole" / name).read_text(), name
+    a = load_file(str(tmp_path / "whole" / "final" / "unet" / "diffusion_pytorch_model.safetensors"))
+    b = load_file(str(tmp_path / "cut" / "final" / "unet" / "diffusion_pytorch_model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

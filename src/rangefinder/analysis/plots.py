@@ -104,9 +104,11 @@ def plot_lr_range_test(bounds: LRBounds, out_path: str | Path, *, title: Optiona
     return out
 
 
-def plot_step_window(window: StepWindow, out_path: str | Path, *, title: Optional[str] = None) -> Path:
+def plot_step_window(window: StepWindow, out_path: str | Path, *, title: Optional[str] = None,
+                     halving: Optional[dict] = None) -> Path:
     """Validation and stabilize loss of the constant run against updates (epochs on the top axis), the window
-    shaded and the recommended length marked. Returns the PNG's path."""
+    shaded and the recommended length marked; with `halving` (rangefinder.steps.halving's decision), the dropped
+    candidate's measured curve up to the pause, and the pause. Returns the PNG's path."""
     plt = _pyplot()
     fit = window.fit
     if fit is None:
@@ -127,6 +129,14 @@ def plot_step_window(window: StepWindow, out_path: str | Path, *, title: Optiona
     if fit.dropped_update.size:
         ax.plot(fit.dropped_update, np.full(fit.dropped_update.shape, hi), "x", color="#c23030", ms=7,
                 clip_on=False, label="left out (NaN / exploded)")
+    if halving is not None:
+        # The limits stay the kept run's: a dropped candidate that climbed far above it is cut at the top.
+        ax.axvline(halving["pause_update"], color=OTHER_MID, lw=1, ls=":")
+        for name, c in halving["candidates"].items():
+            if name != halving["kept"] and c.get("curve"):
+                u, v = np.asarray(c["curve"], float).T
+                ax.plot(u, v, ".-", color=OTHER_MID, ms=3, lw=1, alpha=0.8,
+                        label=f"{name} {c['lr']:.3g}: dropped at update {halving['pause_update']}")
     ax.set_ylim(lo, hi)
     if window.best_update is not None:
         ax.plot([window.best_update], [window.best_val_loss], "v", color=SMOOTH, ms=9, label="best (smoothed)")

@@ -232,20 +232,24 @@ def _midpoint_rows(bounds: LRBounds) -> list[tuple[str, Any, str]]:
 
 
 def write_step_report(window: StepWindow, curve: Optional[dict], out_dir: str | Path, *,
-                      source: Optional[str] = None, samples: Optional[SampleStrip] = None) -> dict[str, Path]:
+                      source: Optional[str] = None, samples: Optional[SampleStrip] = None,
+                      halving: Optional[dict] = None) -> dict[str, Path]:
     """Write step_window.png, step_report.html (self-contained), step_report.md and step_window.json into out_dir.
 
-    `curve` and `source` as for write_lr_report; `samples`: the run's samples over training, shown under the plot.
-    Returns {"plot", "html", "markdown", "json"} -> paths.
+    `curve` and `source` as for write_lr_report; `samples`: the run's samples over training, shown under the plot;
+    `halving`: the successive halving's decision (rangefinder.steps.halving), as rows, a note and the dropped
+    candidate's curve on the plot. Returns {"plot", "html", "markdown", "json"} -> paths.
     """
     out = Path(out_dir)
-    png = plot_step_window(window, out / "step_window.png")
+    png = plot_step_window(window, out / "step_window.png", halving=halving)
     if window.recommended_epochs is not None:
         lead = f"Train for {window.recommended_epochs} epochs (about {window.recommended_updates} updates)."
         if window.status == "still_improving":
             lead += " At least: the run ended while still improving."
     else:
         lead = STEP_STATUS_ADVICE[window.status]
+    if halving is not None:
+        lead += f" The LR is {halving['lr']:.3g}, {halving['kept']}, kept by successive halving."
     rows: list[tuple[str, Any, str]] = [
         ("recommended epochs", window.recommended_epochs, "the centre of the window (its edges are better determined)"),
         ("window (epochs)", [window.window_start_epoch, window.window_end_epoch],
@@ -261,8 +265,29 @@ def write_step_report(window: StepWindow, curve: Optional[dict], out_dir: str | 
     rows += _bucket_rows(curve, window.best_update)
     notes: list[tuple[str, str]] = [(window.status, STEP_STATUS_ADVICE[window.status])]
     notes += [(f, STEP_FLAG_ADVICE[f]) for f in window.flags]
+    if halving is not None:
+        rows += _halving_rows(halving)
+        notes.append(("successive halving", HALVING_NOTE.format(kept=halving["kept"], pause=halving["pause_update"])))
     return _write_report(out, "step_report", "step_window.json", "Step window", window.status, lead, png, rows,
                          notes, _source_line(curve, source), window.to_dict(), samples)
+
+
+HALVING_NOTE = (
+    "lr_mid and lr_high both trained to update {pause}; {kept}, with the lower validation loss by then, went on to "
+    "the end and is the run above (its curve from update 0). The other's curve is drawn up to the pause. "
+    "finetune.successive_halving: false trains lr_mid alone."
+)
+
+
+def _halving_rows(halving: dict) -> list[tuple[str, Any, str]]:
+    """A row per candidate: its LR, and its best validation loss by the pause."""
+    rows = []
+    for name, c in halving["candidates"].items():
+        what = "kept" if name == halving["kept"] else "dropped"
+        at = f" at update {c['best_update']}" if c.get("best_update") is not None else ""
+        rows.append((f"{name} ({what})", c["lr"], f"best val loss by update {halving['pause_update']}: "
+                                                  f"{_fmt(c.get('best_val_loss'))}{at}; {c['status']}"))
+    return rows
 
 
 _BUCKET_COLUMN = re.compile(r"^val_loss_(\d+)x(\d+)$")

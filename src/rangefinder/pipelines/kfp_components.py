@@ -181,9 +181,10 @@ def finetune(
     report_md: Output[Markdown],
 ) -> NamedTuple(  # type: ignore[valid-type]
     "Finetuned", recommended_epochs=int, recommended_updates=int, still_improving=bool, chosen_update=int,
-    chosen_epoch=float, mixed_precision=str,
+    chosen_epoch=float, mixed_precision=str, lr_used=float, halving_kept=str,
 ):
-    """Train at the midpoint LR (or cycle between the bounds) for longer than needed; find the step window."""
+    """Train at the midpoint LR (or cycle between the bounds) for longer than needed; find the step window. With
+    successive halving, lr_mid and lr_high train half-way and the better one goes on: `lr_used` is the LR kept."""
     from collections import namedtuple
     from pathlib import Path
 
@@ -206,9 +207,10 @@ def finetune(
         metrics.log_metric(name, value)
     chosen = r.chosen or {}
     Finetuned = namedtuple("Finetuned", "recommended_epochs recommended_updates still_improving chosen_update "
-                                        "chosen_epoch mixed_precision")
+                                        "chosen_epoch mixed_precision lr_used halving_kept")
     return Finetuned(r.recommended_epochs, r.recommended_updates, r.still_improving, int(chosen.get("update") or 0),
-                     float(chosen.get("epoch") or 0.0), r.mixed_precision)
+                     float(chosen.get("epoch") or 0.0), r.mixed_precision, r.lr,
+                     str((r.halving or {}).get("kept") or ""))
 
 
 @dsl.component(base_image=TRAINER_IMAGE, install_kfp_package=False)
@@ -276,7 +278,7 @@ def sample_images(
 def register_model(
     config_json: str,
     model: Input[Model],
-    lr_mid: float,
+    lr: float,
     epochs: int,
     mlflow_parent_run_id: str,
 ) -> NamedTuple("Registered", model_uri=str, version=str):  # type: ignore[valid-type]
@@ -290,7 +292,7 @@ def register_model(
     from rangefinder.steps.resolve_config import load_step_config
 
     with one_line_errors("register-model"):
-        r = run_register_model(load_step_config(config_json), model_dir=Path(model.path), lr_mid=lr_mid, epochs=epochs,
+        r = run_register_model(load_step_config(config_json), model_dir=Path(model.path), lr=lr, epochs=epochs,
                                mlflow_parent_run_id=mlflow_parent_run_id or None)
     Registered = namedtuple("Registered", "model_uri version")
     return Registered(r.model_uri, r.version or "")

@@ -54,7 +54,9 @@ class LocalRun:
         if ft:
             out.update(recommended_epochs=self.outputs[ft].get("recommended_epochs"),
                        recommended_updates=self.outputs[ft].get("recommended_updates"),
-                       still_improving=self.outputs[ft].get("still_improving"))
+                       still_improving=self.outputs[ft].get("still_improving"),
+                       lr_used=self.outputs[ft].get("lr_used"),
+                       halving_kept=self.outputs[ft].get("halving_kept") or None)
             if self.outputs[ft].get("chosen_update"):  # the kept checkpoint: the model registered without retrain
                 out.update(chosen_update=self.outputs[ft]["chosen_update"],
                            chosen_epoch=self.outputs[ft].get("chosen_epoch"))

@@ -11,7 +11,7 @@ train-and-evaluate (one sub-pipeline, so the two dataset branches share everythi
     │       lr-range-test -> if censored / too few points: lr-range-test (zoom) -> choose-lr
     │                        else:                                             choose-lr
     ├── else:              choose-lr (the fixed LR; no discovery)
-    ├── finetune (at the chosen midpoint)
+    ├── finetune (at the chosen midpoint, or lr_mid against lr_high by successive halving)
     ├── if retrain:  retrain-full -> sample-images(finetuned, retrained) -> register-model(retrained)
     └── else:        sample-images(finetuned) -> register-model(finetuned: its chosen checkpoint's model)
 ```
@@ -191,21 +191,23 @@ def build_pipeline(cfg: Optional[RangefinderConfig] = None, *, local: bool = Fal
         tuned = step(c.finetune(config_json=config_json, split=split, lr_low=lr["lr_low"], lr_high=lr["lr_high"],
                                 lr_mid=lr["lr_mid"], lr_source=lr["source"],
                                 mlflow_parent_run_id=mlflow_parent_run_id), "finetune")
+        # The LR the fine-tune kept (lr_mid, or lr_high by successive halving) is the one retrained and registered.
+        kept_lr = tuned.outputs["lr_used"]
         with dsl.If(retrain == True, name="retrain-on-all-data"):  # noqa: E712
             full = step(c.retrain_full(config_json=config_json, split=split, lr_low=lr["lr_low"],
-                                       lr_high=lr["lr_high"], lr_mid=lr["lr_mid"],
+                                       lr_high=lr["lr_high"], lr_mid=kept_lr,
                                        recommended_epochs=tuned.outputs["recommended_epochs"],
                                        mlflow_parent_run_id=mlflow_parent_run_id), "retrain_full")
             step(c.sample_images(config_json=config_json, finetuned=tuned.outputs["model"],
                                  retrained=full.outputs["model"], mlflow_parent_run_id=mlflow_parent_run_id),
                  "sample_images")
-            step(c.register_model(config_json=config_json, model=full.outputs["model"], lr_mid=lr["lr_mid"],
+            step(c.register_model(config_json=config_json, model=full.outputs["model"], lr=kept_lr,
                                   epochs=full.outputs["Output"], mlflow_parent_run_id=mlflow_parent_run_id),
                  "register_model")
         with dsl.Else(name="keep-finetuned"):
             step(c.sample_images(config_json=config_json, finetuned=tuned.outputs["model"],
                                  mlflow_parent_run_id=mlflow_parent_run_id), "sample_images")
-            step(c.register_model(config_json=config_json, model=tuned.outputs["model"], lr_mid=lr["lr_mid"],
+            step(c.register_model(config_json=config_json, model=tuned.outputs["model"], lr=kept_lr,
                                   epochs=tuned.outputs["recommended_epochs"],
                                   mlflow_parent_run_id=mlflow_parent_run_id), "register_model")
 

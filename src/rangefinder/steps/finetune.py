@@ -1,8 +1,10 @@
 """Step `finetune`: train at the chosen LR for longer than needed, with validation; the step window is found in it.
 
 The LR is constant at the midpoint of the range test's bounds, or cycles between the bounds (Smith 2017's
-triangular schedules) when `finetune.schedule` says so. The step window is where smoothed validation loss is within
-`finetune.tolerance` of its minimum; its centre gives the recommended epochs, since the window's edges are
+triangular schedules) when `finetune.schedule` says so. With a constant LR and `finetune.successive_halving` on (the
+default), the midpoint and the upper bound each train half the epochs and the better one goes on
+(rangefinder.steps.halving): the step's LR is the one it kept. The step window is where smoothed validation loss
+is within `finetune.tolerance` of its minimum; its centre gives the recommended epochs, since the window's edges are
 better determined than the minimum itself (rangefinder.analysis.step_window).
 
 The run deliberately trains past the window, so its final weights are not the model to deliver. It saves a
@@ -42,10 +44,14 @@ class FinetuneResult:
     checkpoints: list[Path]
     chosen: Optional[dict[str, Any]] = None  # chosen.json: the kept checkpoint's update, epoch, val_loss, reason
     mixed_precision: str = "no"  # what training.mixed_precision (e.g. auto) meant on this machine
+    lr: float = 0.0  # the constant LR of the delivered run: lr_mid, or lr_high when successive halving kept it
+    halving: Optional[dict[str, Any]] = None  # halving.json (rangefinder.steps.halving) when it ran
+    updates_trained: int = 0  # every optimizer update the step took, both halving candidates included
 
     def metrics(self) -> dict[str, float]:
         out = {"recommended_epochs": float(self.recommended_epochs),
-               "recommended_updates": float(self.recommended_updates)}
+               "recommended_updates": float(self.recommended_updates), "lr_used": float(self.lr),
+               "updates_trained": float(self.updates_trained)}
         if self.best_val_loss is not None:
             out["best_val_loss"] = float(self.best_val_loss)
         for key in ("update", "epoch", "val_loss"):
@@ -156,6 +162,7 @@ def run_finetune(
     from rangefinder.analysis import copy_report, read_curve_csv, select_step_window, write_step_report
     from rangefinder.data.split import read_split
     from rangefinder.models.loading import resolve_base_model
+    from rangefinder.steps.halving import halving_applies, run_halving
     from rangefinder.training.loop import TrainSpec
 
     split = read_split(split_dir)
@@ -164,13 +171,25 @@ def run_finetune(
     model_dir = Path(model_dir)
     precision = resolve_mixed_precision(tc.mixed_precision)
     chosen = None
+    plan = plan_for(tc, len(split.train))
+    halving = halving_applies(cfg.finetune.successive_halving, validating, tc.schedule, lr_mid, lr_high)
     with tracking.step_run(cfg, "finetune", parent_run_id=mlflow_parent_run_id) as run:
-        run.log_config(cfg, plan=plan_for(tc, len(split.train)),
+        run.log_config(cfg, plan=plan,
                        extra={"lr_low": lr_low, "lr_high": lr_high, "lr_mid": lr_mid, "lr_source": lr_source,
-                              "training.mixed_precision_used": precision})
+                              "training.mixed_precision_used": precision, "finetune.successive_halving_used": halving})
         work = work_dir(model_dir, f"{mlflow_parent_run_id}/finetune" if mlflow_parent_run_id else None)
         # Samples during training (sampling.every_validations): grids in MLflow as it trains, and the report's strip.
         spec = TrainSpec(tc, cfg.validation, split_dir=split_dir, model=cfg.model, data=cfg.data, sampling=cfg.sampling)
+        race, lr, extra_updates = None, lr_mid, 0
+        if halving:
+            race = run_halving(cfg, spec, work, lr_mid=lr_mid, lr_high=lr_high, total_updates=plan.total_updates,
+                               sink=run)
+            lr = float(race["lr"])
+            extra_updates = sum(int(c["updates"]) for n, c in race["candidates"].items() if n != race["kept"])
+            tc = tc.model_copy(update={"lr": lr})
+            spec = TrainSpec(tc, cfg.validation, split_dir=split_dir, model=cfg.model, data=cfg.data,
+                             sampling=cfg.sampling)
+        # With halving, this goes on from the kept candidate's checkpoint at the pause.
         result = run_training(cfg, spec, out_dir=work, metric_sink=run, step_name="finetune")
         report_dir = Path(out_dir or model_dir / "report")
         report_dir.mkdir(parents=True, exist_ok=True)
@@ -180,8 +199,8 @@ def run_finetune(
                                         stabilize_loss=curve.get("stabilize_loss"), tolerance=cfg.finetune.tolerance,
                                         seed=cfg.validation.seed,
                                         divergence_factor=cfg.validation.divergence_factor)
-            report = write_step_report(window, curve, report_dir,
-                                       source=f"{result.metrics_csv}; {batch_note(tc)}", samples=sample_strip(work))
+            report = write_step_report(window, curve, report_dir, source=f"{result.metrics_csv}; {batch_note(tc)}",
+                                       samples=sample_strip(work), halving=race)
             copy_report(report, report_html, report_md)
             # No window (no improvement at all): keep the configured budget and say so in the report.
             rec_epochs = int(window.recommended_epochs or tc.epochs or 1)
@@ -196,11 +215,11 @@ def run_finetune(
             decision = {"recommended_epochs": rec_epochs, "note": "no validation: the configured epochs are kept"}
             for p in (report_html, report_md):
                 if p is not None:
-                    write_text(p, f"No validation set: trained {rec_epochs} epochs at lr {lr_mid:.3g}.\n")
+                    write_text(p, f"No validation set: trained {rec_epochs} epochs at lr {lr:.3g}.\n")
         if chosen is None:  # no step window: nothing to choose; the final weights are delivered, as configured
             checkpoints.keep_newest(work / "checkpoints", cfg.training.keep_checkpoints)
         publish(work, model_dir)
-        decision.update(lr_low=lr_low, lr_high=lr_high, lr_mid=lr_mid, lr_source=lr_source,
+        decision.update(lr_low=lr_low, lr_high=lr_high, lr_mid=lr_mid, lr_used=lr, lr_source=lr_source, halving=race,
                         mixed_precision=precision, chosen=chosen, world_size=tc.world_size,
                         global_batch=tc.batch_size * tc.grad_accum * tc.world_size,
                         model_family=json.loads(result.summary_path.read_text()).get("family"))
@@ -209,7 +228,12 @@ def run_finetune(
         run.log_artifact(report_dir, "report")
         run.log_artifact(result.metrics_csv, "curves")
         decisions: dict[str, Any] = {"recommended_epochs": rec_epochs, "recommended_updates": rec_updates,
-                                     "still_improving": improving, "lr_mid": lr_mid, "lr_source": lr_source}
+                                     "still_improving": improving, "lr_mid": lr_mid, "lr_used": lr,
+                                     "lr_source": lr_source, "updates_trained": result.updates + extra_updates}
+        if race is not None:
+            decisions["halving"] = {"kept": race["kept"], "pause_update": race["pause_update"],
+                                    **{n: {k: c[k] for k in ("lr", "best_val_loss", "best_update")}
+                                       for n, c in race["candidates"].items()}}
         if chosen is not None:
             decisions.update({f"chosen_{k}": chosen[k] for k in ("update", "epoch", "val_loss")})
         run.log_decisions(decisions)
@@ -218,4 +242,5 @@ def run_finetune(
     return FinetuneResult(recommended_epochs=max(1, rec_epochs), recommended_updates=rec_updates,
                           still_improving=improving, best_val_loss=result.best_val_loss, model_dir=model_dir,
                           curve_csv=result.metrics_csv, checkpoints=checkpoints.list_checkpoints(work / "checkpoints"),
-                          chosen=chosen, mixed_precision=precision)
+                          chosen=chosen, mixed_precision=precision, lr=lr, halving=race,
+                          updates_trained=result.updates + extra_updates)

@@ -96,9 +96,10 @@ def apply_torch_threads() -> None:
 
 
 def run_training(cfg: RangefinderConfig, spec: Any, *, out_dir: Path, metric_sink: Any = None,
-                 save_final: bool = True, step_name: str = "train") -> Any:
+                 save_final: bool = True, step_name: str = "train", pause_after_update: Optional[int] = None) -> Any:
     """Train `spec` (a training.TrainSpec whose world_size is `step_world_size`) in as many processes as it
-    says; returns the engine's TrainResult. `metric_sink`: the step's MLflow run (a StepRun) or None."""
+    says; returns the engine's TrainResult. `metric_sink`: the step's MLflow run (a StepRun, or a
+    training.PrefixedSink around it) or None. `pause_after_update`: the engine's (training.loop.train)."""
     from rangefinder.training.loop import train
 
     tc: TrainingConfig = spec.training
@@ -107,7 +108,8 @@ def run_training(cfg: RangefinderConfig, spec: Any, *, out_dir: Path, metric_sin
     plan_for(tc, split_n)  # impossible batch arithmetic fails here, before any process starts
     apply_torch_threads()  # a bad value fails here, before any process starts; torchrun's processes apply it again
     if tc.world_size == 1:
-        return train(spec, out_dir=out_dir, metric_sink=metric_sink, save_final=save_final)
+        return train(spec, out_dir=out_dir, metric_sink=metric_sink, save_final=save_final,
+                     pause_after_update=pause_after_update)
     out_dir = Path(out_dir)
     if cfg.distributed.num_nodes > 1:
         # The nodes see the data volume, not this pod's disk: the split (a KFP artifact here) goes beside the job.
@@ -118,7 +120,8 @@ def run_training(cfg: RangefinderConfig, spec: Any, *, out_dir: Path, metric_sin
         shutil.copytree(spec.split_dir, shared_split, dirs_exist_ok=True)
         spec = dataclasses.replace(spec, split_dir=shared_split)
     job = write_job(cfg, spec, out_dir, save_final=save_final, step_name=step_name,
-                    mlflow_run_id=getattr(metric_sink, "run_id", None))
+                    mlflow_run_id=getattr(metric_sink, "run_id", None),
+                    metric_prefix=getattr(metric_sink, "prefix", None), pause_after_update=pause_after_update)
     if cfg.distributed.num_nodes > 1:
         from rangefinder.steps.trainjob import run_trainjob
 
@@ -146,7 +149,8 @@ def job_dir(out_dir: Path) -> Path:
 
 
 def write_job(cfg: RangefinderConfig, spec: Any, out_dir: Path, *, save_final: bool, step_name: str,
-              mlflow_run_id: Optional[str]) -> Path:
+              mlflow_run_id: Optional[str], metric_prefix: Optional[str] = None,
+              pause_after_update: Optional[int] = None) -> Path:
     folder = job_dir(out_dir)
     folder.mkdir(parents=True, exist_ok=True)
     for old in [folder / RESULT_NAME, *folder.glob(f"{ERROR_PREFIX}*.json")]:
@@ -165,6 +169,8 @@ def write_job(cfg: RangefinderConfig, spec: Any, out_dir: Path, *, save_final: b
         "save_final": save_final,
         "step_name": step_name,
         "mlflow_run_id": mlflow_run_id,
+        "metric_prefix": metric_prefix,
+        "pause_after_update": pause_after_update,
     }
     path = folder / JOB_NAME
     write_json(path, job)
@@ -237,13 +243,19 @@ def worker(job_path: Path) -> int:
         train_on=job["train_on"],
         sampling=SamplingConfig.model_validate(job["sampling"]) if job.get("sampling") is not None else None,
     )
-    sink = None
+    sink: Any = None
     if rank == 0 and job.get("mlflow_run_id"):
         from rangefinder.tracking.runs import step_metric_sink
 
         sink = step_metric_sink(cfg, job["mlflow_run_id"], job["step_name"])
+    engine_sink = sink
+    if sink is not None and job.get("metric_prefix"):
+        from rangefinder.training import PrefixedSink
+
+        engine_sink = PrefixedSink(sink, job["metric_prefix"])
     try:
-        result = train(spec, out_dir=job["out_dir"], metric_sink=sink, save_final=job["save_final"])
+        result = train(spec, out_dir=job["out_dir"], metric_sink=engine_sink, save_final=job["save_final"],
+                       pause_after_update=job.get("pause_after_update"))
     except RangefinderError as e:
         write_json(folder / f"{ERROR_PREFIX}{rank}.json", {"rank": rank, "type": type(e).__name__, "message": str(e)})
         print(f"rangefinder training process {rank}: error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)

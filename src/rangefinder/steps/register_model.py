@@ -36,13 +36,13 @@ def delivered_weights(model_dir: Path) -> tuple[Path, Optional[dict]]:
     return (final if final.is_dir() else model_dir), None
 
 
-def run_register_model(cfg: RangefinderConfig, *, model_dir: Path, lr_mid: float, epochs: int,
+def run_register_model(cfg: RangefinderConfig, *, model_dir: Path, lr: float, epochs: int,
                        mlflow_parent_run_id: Optional[str] = None) -> Registered:
     from rangefinder import tracking
 
     delivered, chosen = delivered_weights(model_dir)
     weights = delivered
-    metrics: dict[str, float] = {"lr_mid": lr_mid, "epochs": epochs}
+    metrics: dict[str, float] = {"lr": lr, "epochs": epochs}
     tags: dict[str, str] = {}
     if chosen is not None:
         metrics.update({k: chosen[k] for k in ("update", "epoch", "val_loss") if chosen.get(k) is not None})
@@ -53,8 +53,8 @@ def run_register_model(cfg: RangefinderConfig, *, model_dir: Path, lr_mid: float
         retrained = cfg.retrain.enabled
         tags = {"rangefinder.weights": "retrain_full final" if retrained else "finetune final"}
         description = (f"Retrained on train + validation for {epochs} epochs (the fine-tune's recommended length) "
-                       f"at lr {lr_mid:.3g}, without validation." if retrained else
-                       f"The fine-tune's final weights after {epochs} epochs at lr {lr_mid:.3g} (no step window "
+                       f"at lr {lr:.3g}, without validation." if retrained else
+                       f"The fine-tune's final weights after {epochs} epochs at lr {lr:.3g} (no step window "
                        "was found, so no checkpoint was chosen).")
     with tempfile.TemporaryDirectory(prefix="rangefinder-register-") as scratch:
         if not (weights / "model_index.json").is_file():

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Optional, Protocol, runtime_checkable
 if TYPE_CHECKING:
     from rangefinder.training.loop import TrainResult, TrainSpec, train
 
-__all__ = ["ImageSink", "MetricSink", "TrainResult", "TrainSpec", "train"]
+__all__ = ["ImageSink", "MetricSink", "PrefixedSink", "TrainResult", "TrainSpec", "train"]
 
 
 @runtime_checkable
@@ -30,6 +30,32 @@ class ImageSink(Protocol):
 
     def log_image(self, image: Any, artifact_file: Optional[str] = None, *, key: Optional[str] = None,
                   step: Optional[int] = None) -> None: ...
+
+
+class PrefixedSink:
+    """A sink that logs under `prefix` + each key: two runs of one step (the fine-tune's successive halving trains
+    `lr_mid` and `lr_high` side by side) keep apart curves in one MLflow run, e.g. `lr_high/val_loss`.
+
+    `run_id` is the wrapped sink's (a multi-process run reopens that run by it); `sink_id` tells this series
+    apart from the unprefixed one, so that samples logged here are logged again when the run goes on unprefixed."""
+
+    def __init__(self, sink: MetricSink, prefix: str) -> None:
+        self.sink, self.prefix = sink, prefix
+        self.run_id = getattr(sink, "run_id", None)
+        self.sink_id = f"{self.run_id}#{prefix}" if self.run_id is not None else None
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self.sink.log_metrics({f"{self.prefix}{k}": v for k, v in metrics.items()}, step)
+
+    def log_image(self, image: Any, artifact_file: Optional[str] = None, *, key: Optional[str] = None,
+                  step: Optional[int] = None) -> None:
+        if not isinstance(self.sink, ImageSink):
+            return
+        if key is not None:
+            key = f"{self.prefix}{key}"
+        elif artifact_file is not None:
+            artifact_file = f"{self.prefix}{artifact_file}"
+        self.sink.log_image(image, artifact_file, key=key, step=step)
 
 
 def __getattr__(name: str) -> Any:

@@ -63,7 +63,7 @@ from rangefinder.training.validation import bucket_columns, diverged, validate
 
 @dataclass
 class TrainResult:
-    status: str  # "ok" | "diverged"
+    status: str  # "ok" | "diverged" | "paused" (train(pause_after_update=...): a checkpoint, no final weights)
     updates: int  # optimizer updates taken
     planned_updates: int
     epochs: float  # passes over the training set done
@@ -87,9 +87,16 @@ class TrainResult:
 
 
 def train(
-    spec: TrainSpec, *, out_dir: Union[str, Path], metric_sink: Optional[MetricSink] = None, save_final: bool = True
+    spec: TrainSpec, *, out_dir: Union[str, Path], metric_sink: Optional[MetricSink] = None, save_final: bool = True,
+    pause_after_update: Optional[int] = None,
 ) -> TrainResult:
-    """Train one run and write its curve, checkpoints and final weights (unless `save_final` is off) under out_dir."""
+    """Train one run and write its curve, checkpoints and final weights (unless `save_final` is off) under out_dir.
+
+    `pause_after_update`: stop at the first validation at or after that update, with a checkpoint there and no
+    final weights (status "paused"); the same spec with `training.resume` then goes on from it to the end as if it
+    had never stopped. The pause is not part of the run's identity: the successive halving of the fine-tune
+    (rangefinder.steps.finetune) trains two LRs half-way this way and continues the better one.
+    """
     # --- settings: everything that can be wrong fails here, before anything heavy ---------------------------------
     settings = check_settings(spec, out_dir)
     cfg = settings.cfg
@@ -132,7 +139,8 @@ def train(
         progress = tqdm(total=stream.total_updates, initial=state.update, disable=not run.main,
                         desc=f"train ({cfg.schedule})", unit="update", dynamic_ncols=True)
         t0, cpu0 = time.perf_counter(), time.process_time()
-        while state.update < stream.total_updates and state.status == "ok":
+        paused = _pause_due(pause_after_update, state, validated=True)  # resumed at the pause: nothing to train
+        while state.update < stream.total_updates and state.status == "ok" and not paused:
             first_micro_batch = state.micro_batches_done
             row = _train_one_update(run, state)
             state.add_update(row)
@@ -147,22 +155,27 @@ def train(
             # Validation: every N updates, or whenever an every-N-epochs boundary was crossed; and at the end. A ramp
             # stops once it diverges: the range test has found its upper bound.
             last = state.update == stream.total_updates
+            validated = False
             if run.validating and (_validation_due(run.val_cfg, stream, first_micro_batch, state) or last):
                 validate(run, state, metric_sink, last=last)
+                validated = True
                 if samples is not None:
                     samples.after_validation(state, last=last)
                 if run.schedule.is_ramp and _diverged(run.val_cfg, state.log):
                     state.status = "diverged"
+            paused = not last and state.status == "ok" and _pause_due(pause_after_update, state, validated)
 
             # Checkpoint: every N updates and at the end (also when stopping on divergence; weights that are no longer
-            # finite are not saved, so the last checkpoint is the last finite one).
+            # finite are not saved, so the last checkpoint is the last finite one), and where the run pauses.
             every = cfg.checkpoint_every_updates
-            if every and (state.update % every == 0 or last or state.status != "ok"):
+            if (every and (state.update % every == 0 or last or state.status != "ok")) or paused:
                 save_checkpoint(run, state)
         progress.close()
         seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - cpu0
 
         # --- final weights and summary --------------------------------------------------------------------------------
+        if paused:
+            state.status = "paused"  # after its checkpoint, which stays "ok": resuming goes on
         result = _finish(run, state, save_final=save_final, seconds=seconds, cpu_seconds=cpu_seconds)
     out_lock.release()
     return result
@@ -270,6 +283,15 @@ def _validation_due(val_cfg: ValidationConfig, stream: Stream, first_micro_batch
     before = stream.epochs_after(first_micro_batch) / val_cfg.every_epochs
     after = stream.epochs_after(state.micro_batches_done) / val_cfg.every_epochs
     return math.floor(after + 1e-9) > math.floor(before + 1e-9)
+
+
+def _pause_due(pause_after_update: Optional[int], state: RunState, validated: bool) -> bool:
+    """Whether the run pauses here: at or past `pause_after_update`, right after a validation (so the paused curve
+    ends on a measurement; a run resumed at its pause has that measurement as its newest row)."""
+    if pause_after_update is None or state.update < pause_after_update or state.status != "ok":
+        return False
+    rows = state.log.metrics_rows
+    return validated and bool(rows) and int(rows[-1]["update"]) == state.update
 
 
 def _diverged(val_cfg: ValidationConfig, log: RunLog) -> bool:

@@ -168,7 +168,8 @@ class TrainingSamples:
         self._write_index()
 
     def _sink_run_id(self) -> Optional[str]:
-        run_id = getattr(self.sink, "run_id", None)
+        """Where the sink's images land: its run, and its key prefix if any (training.PrefixedSink's `sink_id`)."""
+        run_id = getattr(self.sink, "sink_id", None) or getattr(self.sink, "run_id", None)
         return str(run_id) if run_id is not None else None
 
     # --- at a validation --------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ class RunState:
     # Per-update train losses since the last metrics row: their sum and count (the row's train_loss is the mean).
     loss_sum: float = 0.0
     loss_count: int = 0
-    status: str = "ok"  # "ok" | "diverged"
+    status: str = "ok"  # "ok" | "diverged" | "paused" (set after the pause's checkpoint, never saved)
     resumed_from: Optional[int] = None  # the update this process resumed at (not saved)
 
     @classmethod

@@ -1,0 +1,227 @@
+"""Successive halving in the fine-tune step (issue 23): lr_mid and lr_high train half-way, the better goes on.
+
+The step runs for real on the tiny model with a real MLflow store: the kept LR's run is exactly the fine-tune that
+LR would have been on its own, MLflow holds both candidates' curves apart and the kept one's whole curve under the
+plain keys, the report shows the decision, and a step killed in the race and again after it ends as one never
+killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rangefinder.config import demo_config
+from rangefinder.errors import RangefinderError
+from rangefinder.formats import checkpoints
+from rangefinder.steps.halving import CANDIDATES, DECISION, HALVING_DIR, _pick, best_until, halving_applies
+
+LR_LOW, LR_MID, LR_HIGH = 3e-5, 1e-4, 1e-3
+UNET = Path("final") / "unet" / "diffusion_pytorch_model.safetensors"
+
+pytestmark = pytest.mark.slow
+
+
+def _cfg(tiny_model_dir: Path, root: Path, **finetune):
+    # 16 training images at batch 4: 4 updates an epoch; 8 epochs = 32 updates, both candidates pause at 16.
+    return demo_config(model={"base_model": str(tiny_model_dir)}, finetune={"epochs": 8, **finetune},
+                       training={"cache_dir": str(root / "cache")},
+                       tracking={"tracking_uri": f"sqlite:///{root / 'mlflow.db'}", "experiment_name": "halving",
+                                 "registered_model_name": None},
+                       sampling={"num_inference_steps": 2, "every_validations": 2})
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Every run here computes on one torch thread, as the killed step's own processes do: the comparisons are of
+    bits, and another thread count sums in another order."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def halved(split_dir, tiny_model_dir, tmp_path_factory, one_thread):
+    """The step with halving, uninterrupted, and the kept LR's plain fine-tune (halving off) beside it."""
+    from rangefinder.steps.finetune import run_finetune
+
+    root = tmp_path_factory.mktemp("halving")
+    saved = {v: os.environ.pop(v, None) for v in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME")}
+    try:
+        cfg = _cfg(tiny_model_dir, root)
+        result = run_finetune(cfg, split_dir=split_dir, lr_low=LR_LOW, lr_high=LR_HIGH, lr_mid=LR_MID,
+                              model_dir=root / "ft", report_html=root / "finetune.html", report_md=root / "finetune.md")
+        plain = run_finetune(_cfg(tiny_model_dir, root / "plain", successive_halving=False), split_dir=split_dir,
+                             lr_low=LR_LOW, lr_high=LR_HIGH, lr_mid=result.lr, model_dir=root / "plain" / "ft")
+    finally:
+        for k, v in saved.items():
+            if v is not None:
+                os.environ[k] = v
+    return cfg, root, result, plain
+
+
+def test_the_kept_lr_is_the_better_by_the_pause_and_its_run_is_that_lr_s_own_fine_tune(halved):
+    cfg, root, result, plain = halved
+    decision = json.loads((root / "ft" / HALVING_DIR / DECISION).read_text())
+    assert decision["pause_update"] == 16 and decision["moved"] is True
+    cands = decision["candidates"]
+    assert {n: c["lr"] for n, c in cands.items()} == {"lr_mid": LR_MID, "lr_high": LR_HIGH}
+    assert all(c["status"] == "paused" and c["updates"] == 16 for c in cands.values())
+    # The kept one had the lower best validation loss by the pause; on this data that is lr_high (1e-4 learns
+    # slowly), so the move of a run that is not the midpoint's is what is tested.
+    assert decision["kept"] == "lr_high" and cands["lr_high"]["best_val_loss"] < cands["lr_mid"]["best_val_loss"]
+    assert result.lr == LR_HIGH and result.halving == decision
+    assert result.updates_trained == 32 + 16  # the kept run whole, the dropped one to the pause
+    # A constant-LR run paused and continued is the same run: the curve and the delivered weights are those of the
+    # fine-tune at lr_high alone.
+    for name in ("metrics.csv", "updates.csv"):
+        assert (root / "ft" / name).read_text() == (root / "plain" / "ft" / name).read_text(), name
+    a, b = load_file(str(root / "ft" / UNET)), load_file(str(root / "plain" / "ft" / UNET))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert result.recommended_epochs == plain.recommended_epochs and result.chosen == plain.chosen
+    # The dropped candidate keeps its curve and samples, not its checkpoints; the kept one's folder moved up.
+    dropped = root / "ft" / HALVING_DIR / "lr_mid"
+    assert (dropped / "metrics.csv").is_file() and not (dropped / "checkpoints").exists()
+    assert not (root / "ft" / HALVING_DIR / "lr_high").exists()
+    names = [[c.name for c in checkpoints.list_checkpoints(r / "ft" / "checkpoints")] for r in (root, root / "plain")]
+    assert names[0] == names[1]  # the kept ones, as without halving
+
+
+def test_mlflow_holds_both_candidates_apart_and_the_kept_curve_whole_under_the_plain_keys(halved):
+    from mlflow import MlflowClient
+
+    from rangefinder.analysis import read_curve_csv
+    from rangefinder.training.samples import SAMPLES_KEY
+
+    cfg, root, result, _ = halved
+    client = MlflowClient(cfg.tracking.tracking_uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("halving").experiment_id],
+                                filter_string="tags.`rangefinder.step` = 'finetune'")
+
+    def history(key):
+        return [(m.step, m.value) for m in sorted(client.get_metric_history(run.info.run_id, key),
+                                                  key=lambda m: m.step)]
+
+    def same(logged, expected):
+        return [u for u, _ in logged] == [u for u, _ in expected] and \
+            [v for _, v in logged] == pytest.approx([v for _, v in expected])
+
+    curve = read_curve_csv(root / "ft" / "metrics.csv")
+    kept = [(int(u), float(v)) for u, v in zip(curve["update"], curve["val_loss"], strict=True)]
+    assert [u for u, _ in kept] == list(range(0, 33, 4))
+    assert same(history("val_loss"), kept)  # the delivered run, from update 0 to the end
+    assert same(history("lr_high/val_loss"), kept[:5])  # its first half, as it trained
+    assert [u for u, _ in history("lr_mid/val_loss")] == [0, 4, 8, 12, 16]
+    assert history("lr_mid/val_loss")[1:] != history("lr_high/val_loss")[1:]
+    assert [u for u, _ in history("train_loss")] == list(range(1, 33))
+    assert {v for _, v in history("lr")} == {LR_HIGH}
+    assert run.data.metrics["lr_used"] == LR_HIGH and run.data.tags["halving.kept"] == "lr_high"
+    assert run.data.metrics["halving.lr_mid.lr"] == LR_MID and run.data.metrics["updates_trained"] == 48
+    # Samples: the kept run's grids under the plain key at every sampled validation (those from before the pause
+    # logged again there), each candidate's under its prefix.
+    names = [f.path.split("/")[-1] for f in client.list_artifacts(run.info.run_id, "images")]
+
+    def steps(key):
+        return sorted(int(n.split("+step+")[1].split("+")[0]) for n in names
+                      if n.startswith(f"{key}+step+") and n.endswith(".png"))
+
+    assert steps(SAMPLES_KEY) == [0, 8, 16, 24, 32]
+    assert steps(f"lr_mid~{SAMPLES_KEY}") == steps(f"lr_high~{SAMPLES_KEY}") == [0, 8, 16]
+
+
+def test_the_report_and_decision_say_which_lr_was_kept_and_why(halved):
+    _, root, result, _ = halved
+    decision = json.loads((root / "ft" / "report" / "decision.json").read_text())
+    assert decision["lr_used"] == LR_HIGH and decision["lr_mid"] == LR_MID and decision["halving"]["kept"] == "lr_high"
+    page = (root / "finetune.html").read_text()
+    assert "kept by successive halving" in page and "lr_mid (dropped)" in page and "lr_high (kept)" in page
+    md = (root / "finetune.md").read_text()
+    assert "| lr_high (kept) | 0.001 |" in md and "successive halving" in md
+
+
+def test_a_step_killed_in_the_race_and_after_it_ends_as_one_never_killed(halved, split_dir, tiny_model_dir,
+                                                                        tmp_path):
+    """SIGKILL (a preempted pod) while lr_high races, then again while the kept run goes on: each retry goes on from
+    where the last one was, and the step ends with the uninterrupted step's decision, curve and weights."""
+    from rangefinder.steps.finetune import run_finetune
+
+    _, root, reference, _ = halved
+    cfg = _cfg(tiny_model_dir, tmp_path)
+    work = tmp_path / "ft"
+    settings = tmp_path / "child.json"
+    settings.write_text(json.dumps({"config": cfg.model_dump(mode="json"), "split_dir": str(split_dir),
+                                    "model_dir": str(work), "lrs": [LR_LOW, LR_HIGH, LR_MID]}))
+    child = ("import json, sys, torch; torch.set_num_threads(1)\n"
+             "from rangefinder.config import RangefinderConfig\n"
+             "from rangefinder.steps.finetune import run_finetune\n"
+             "s = json.load(open(sys.argv[1])); lo, hi, mid = s['lrs']\n"
+             "run_finetune(RangefinderConfig.model_validate(s['config']), split_dir=s['split_dir'], lr_low=lo, "
+             "lr_high=hi, lr_mid=mid, model_dir=s['model_dir'])\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+
+    def kill_when(ready) -> None:
+        proc = subprocess.Popen([sys.executable, "-c", child, str(settings)], env={**env, "OMP_NUM_THREADS": "1"},
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 300
+        while not ready() and proc.poll() is None:
+            assert time.monotonic() < deadline, "the step did not get there within 5 minutes"
+            time.sleep(0.02)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+    race = work / HALVING_DIR / "lr_high" / "checkpoints"
+    kill_when(lambda: race.is_dir() and bool(checkpoints.list_checkpoints(race)))
+    assert not (work / HALVING_DIR / DECISION).exists(), "killed after the race: the race's resume is not tested"
+    assert (work / HALVING_DIR / "lr_mid" / "run_summary.json").is_file()  # lr_mid had paused
+
+    def past_the_pause() -> bool:
+        done = checkpoints.list_checkpoints(work / "checkpoints") if (work / "checkpoints").is_dir() else []
+        return any((checkpoints.checkpoint_update(c) or 0) > 16 for c in done)
+
+    kill_when(past_the_pause)
+    assert json.loads((work / HALVING_DIR / DECISION).read_text())["moved"] is True
+    assert not (work / "final").exists(), "the step ended before the second kill: its resume is not tested"
+
+    for v in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME"):
+        os.environ.pop(v, None)
+    result = run_finetune(cfg, split_dir=split_dir, lr_low=LR_LOW, lr_high=LR_HIGH, lr_mid=LR_MID, model_dir=work)
+    assert result.halving == reference.halving and result.lr == LR_HIGH
+    for name in ("metrics.csv", "updates.csv"):
+        assert (work / name).read_text() == (root / "ft" / name).read_text(), name
+    a, b = load_file(str(work / UNET)), load_file(str(root / "ft" / UNET))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_halving_runs_only_where_there_are_two_constant_lrs_to_compare():
+    assert halving_applies(True, True, "constant", 1e-4, 1e-3)
+    assert not halving_applies(False, True, "constant", 1e-4, 1e-3)  # finetune.successive_halving: false
+    assert not halving_applies(True, False, "constant", 1e-4, 1e-3)  # no validation set: nothing to compare by
+    assert not halving_applies(True, True, "triangular", 1e-4, 1e-3)  # the schedule already spans the bounds
+    assert not halving_applies(True, True, "constant", 1e-3, 1e-3)  # a fixed LR
+
+
+def test_the_pick_ties_to_lr_mid_and_passes_over_a_diverged_candidate():
+    def cand(best, status="paused"):
+        return {"lr": 1.0, "status": status, "updates": 16, "best_val_loss": best, "best_update": 8}
+
+    assert _pick({"lr_mid": cand(0.5), "lr_high": cand(0.5)}) == "lr_mid"
+    assert _pick({"lr_mid": cand(0.5), "lr_high": cand(0.4)}) == "lr_high"
+    # lr_high reached a lower loss, then blew up: a diverged run cannot go on.
+    assert _pick({"lr_mid": cand(0.5), "lr_high": cand(0.3, "diverged")}) == "lr_mid"
+    with pytest.raises(RangefinderError, match="both fine-tune candidates diverged"):
+        _pick({"lr_mid": cand(None, "diverged"), "lr_high": cand(0.3, "diverged")})
+    assert CANDIDATES == ("lr_mid", "lr_high")
+    # Update 0 (the base model) is not a candidate's own result.
+    assert best_until([[0, 0.1], [4, 0.3], [8, 0.2], [12, 0.05]], 8) == (0.2, 8)
