@@ -31,7 +31,7 @@ def test_the_demo_fine_tune_follows_the_prompts_where_the_base_does_not(tiny_mod
     colour, shape = s["prompt_colour"], s["prompt_shape"]
     # The base model was pre-trained on stripes only: it draws stripes and gradients in roughly the named colours.
     # The model the demo registers (its chosen checkpoint) draws one shape on white, in the named colour for most
-    # prompts (measured: colour 0.48 -> 0.82, shape 0.05 -> 0.16; docs/demo-learning.md). The colour score must be
+    # prompts (measured: colour 0.48 -> 0.82, shape 0.05 -> 0.18; docs/demo-learning.md). The colour score must be
     # clearly above the base's; the shape score (IoU of the named colour's pixels with the named shape, hard to
     # earn with 32 px blobs) above it.
     assert colour["chosen"] >= colour["base"] + 0.2, (colour, shape)
@@ -45,5 +45,10 @@ def test_the_demo_fine_tune_follows_the_prompts_where_the_base_does_not(tiny_mod
     assert page.problems() == [], page.problems()
     assert len(page.images) >= 12 * 3  # 4 prompts x 3 seeds, base + chosen + final
     scores = page.text[page.text.index("Does it follow the prompts?"):]
+    rows = {line.split("\t")[0].split(" (")[0]: line.split("\t")[1:] for line in scores.splitlines() if "\t" in line}
     for column in ("base", "chosen"):
-        assert f"{colour[column]:.2f}\t{shape[column]:.2f}" in scores, (column, scores[:600])
+        # The page shows 2 decimals of the exact score, the result 3: they agree to the page's rounding (0.8153 is
+        # 0.815 in one and 0.82 in the other).
+        page_colour, page_shape = (float(v) for v in rows[column])
+        assert abs(page_colour - colour[column]) <= 0.0051 and abs(page_shape - shape[column]) <= 0.0051, \
+            (column, rows, colour, shape)

@@ -47,6 +47,8 @@ def test_discovery_then_retrain(tmp_path, shapes_dataset_dir, tiny_model_dir, ml
     assert s["lr_source"] == "range-test"
     assert 0 < s["lr_low"] <= s["lr_mid"] <= s["lr_high"] < 1e-2
     assert s["recommended_epochs"] >= 1 and s["retrained_epochs"] == 1
+    # Successive halving kept lr_mid or lr_high; that LR is the fine-tune's, the retrain's and the registry's.
+    assert s["halving_kept"] in ("lr_mid", "lr_high") and s["lr_used"] == s[s["halving_kept"]]
     assert s["registered_model"] == "models:/rf-e2e-retrain/1"  # by name and version, as a person loads it
     # The reports are copied under OUT/reports with extensions a browser or editor opens.
     reports = sorted(Path(p).name for p in s["reports"])
@@ -127,6 +129,8 @@ def test_fixed_lr_skips_discovery_and_retrain_off(tmp_path, shapes_dataset_dir, 
                for ln in lines), terminal
     (ft_done,) = [ln for ln in lines if ln.startswith("rangefinder: finetune done in ")]
     assert f"recommended_epochs {s['recommended_epochs']}" in ft_done
+    # A fixed LR: nothing for successive halving to compare, so no halving_kept on the line; the LR used is it.
+    assert "halving_kept" not in ft_done and s["halving_kept"] is None and s["lr_used"] == 2e-4
     assert any(ln.startswith("rangefinder: register-model done in ") and ln.endswith("model_uri "
                "models:/rangefinder-sd/1") for ln in lines), terminal
     bars = [ln for ln in lines if ln.startswith("train (constant):") and "update" in ln]

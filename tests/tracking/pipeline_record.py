@@ -47,6 +47,9 @@ def check_pipeline_record(tracking_uri: str, experiment: str, summary: dict, *, 
         assert rt.data.metrics[key] == pytest.approx(summary[key])
         assert parent.data.metrics[key] == pytest.approx(summary[key])
     assert parent.data.metrics["recommended_epochs"] == summary["recommended_epochs"]
+    # The LR the fine-tune kept (successive halving: lr_mid or lr_high), on its run and the parent's.
+    assert children["finetune"].data.metrics["lr_used"] == pytest.approx(summary["lr_used"])
+    assert parent.data.metrics["lr_used"] == pytest.approx(summary["lr_used"])
     assert "status" in rt.data.tags
 
     assert {"curves", "report", "dataset"} <= {a.path for a in client.list_artifacts(rt.info.run_id)}
@@ -61,6 +64,7 @@ def check_pipeline_record(tracking_uri: str, experiment: str, summary: dict, *, 
     if model_name:
         mv = client.get_model_version_by_alias(model_name, "candidate")
         assert mv.run_id in {r.info.run_id for r in children.values()}
+        assert float(mv.tags["lr"]) == pytest.approx(summary["lr_used"], rel=1e-5)  # the LR it was trained at
         if generate:
             mlflow.set_tracking_uri(tracking_uri)
             model = mlflow.pyfunc.load_model(f"models:/{model_name}@candidate")

@@ -30,7 +30,7 @@ _BAR = re.compile(r"^\s*(?P<desc>[^|:]+?):\s+\d+%\|[^|]*\|\s*(?P<n>\d+)/(?P<tota
 _OUR_BARS = re.compile(r"^(train|encode)\b")
 # The outputs worth a line on the terminal, in the order shown; artifacts and the resolved config are left to the log.
 HEADLINE = ("source", "lr", "lr_low", "lr_mid", "lr_high", "needs_zoom", "train_images", "val_images", "skipped_files",
-            "recommended_epochs", "chosen_epoch", "still_improving", "Output", "model_uri")
+            "halving_kept", "lr_used", "recommended_epochs", "chosen_epoch", "still_improving", "Output", "model_uri")
 
 
 def step_name(task: str) -> str:
@@ -88,7 +88,8 @@ class StepProgress:
         if self._ended is not None:
             m = _OUTPUT_LINE.match(line)
             if m and not _OUTPUTS.search(line):
-                if m.group(1) in HEADLINE and not re.match(r"\w+\(", m.group(2)):
+                value = m.group(2).strip()
+                if m.group(1) in HEADLINE and value not in ("", "''") and not re.match(r"\w+\(", value):
                     self._headline.append(f"{m.group(1)} {_short(m.group(2))}")
                 return
             if _OUTPUTS.search(line):
