@@ -15,6 +15,7 @@ the one nearest the recommended length and writes its model as `chosen/` beside 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -187,8 +188,7 @@ def run_finetune(
             lr = float(race["lr"])
             extra_updates = sum(int(c["updates"]) for n, c in race["candidates"].items() if n != race["kept"])
             tc = tc.model_copy(update={"lr": lr})
-            spec = TrainSpec(tc, cfg.validation, split_dir=split_dir, model=cfg.model, data=cfg.data,
-                             sampling=cfg.sampling)
+            spec = dataclasses.replace(spec, training=tc)
         # With halving, this goes on from the kept candidate's checkpoint at the pause.
         result = run_training(cfg, spec, out_dir=work, metric_sink=run, step_name="finetune")
         report_dir = Path(out_dir or model_dir / "report")

@@ -139,11 +139,13 @@ def _move_up(folder: Path, work: Path) -> None:
 
 
 def replay_curve(sink: Any, run_dir: Path) -> None:
-    """Log a run's curve so far (updates.csv, metrics.csv) under the plain keys the engine uses: per update
-    train_loss, lr, grad_norm, epoch; per measurement the val_* and stabilize_* columns."""
+    """Log a run's curve so far (updates.csv, metrics.csv) under the plain keys the engine logs live
+    (training.UPDATE_METRICS per update, the MEASURED_PREFIXES columns per measurement)."""
     import csv
 
-    for name, keep in (("updates.csv", ("train_loss", "lr", "grad_norm", "epoch")), ("metrics.csv", None)):
+    from rangefinder.training import MEASURED_PREFIXES, UPDATE_METRICS
+
+    for name, keep in (("updates.csv", UPDATE_METRICS), ("metrics.csv", None)):
         path = run_dir / name
         if not path.is_file():
             continue
@@ -151,7 +153,7 @@ def replay_curve(sink: Any, run_dir: Path) -> None:
             for row in csv.DictReader(f):
                 values: dict[str, float] = {}
                 for k, v in row.items():
-                    wanted = k in keep if keep is not None else k.startswith(("val_", "stabilize_"))
+                    wanted = k in keep if keep is not None else k.startswith(MEASURED_PREFIXES)
                     if wanted and v not in ("", None):
                         values[k] = float(v)
                 if values:

@@ -23,6 +23,12 @@ class MetricSink(Protocol):
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
 
 
+# What the engine logs to its MetricSink: these columns of each update's row (loop.py), and every measured column
+# of a validation row (validation.py); a step that replays a run's CSVs (steps/halving.py) logs the same keys.
+UPDATE_METRICS = ("train_loss", "lr", "grad_norm", "epoch")
+MEASURED_PREFIXES = ("val_", "stabilize_")
+
+
 @runtime_checkable
 class ImageSink(Protocol):
     """Receives images: `image` is a PNG file's path; with `key` and `step` (the update number) it is one step of an

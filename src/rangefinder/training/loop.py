@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from rangefinder.config import ValidationConfig
 from rangefinder.formats import checkpoints
 from rangefinder.formats.atomic import atomic_dir, write_json
-from rangefinder.training import MetricSink
+from rangefinder.training import UPDATE_METRICS, MetricSink
 from rangefinder.training.checkpointing import (
     OutDirLock,
     outputs_written,
@@ -139,7 +139,7 @@ def train(
         progress = tqdm(total=stream.total_updates, initial=state.update, disable=not run.main,
                         desc=f"train ({cfg.schedule})", unit="update", dynamic_ncols=True)
         t0, cpu0 = time.perf_counter(), time.process_time()
-        paused = _pause_due(pause_after_update, state, validated=True)  # resumed at the pause: nothing to train
+        paused = _pause_due(pause_after_update, state)  # resumed at the pause: nothing to train
         while state.update < stream.total_updates and state.status == "ok" and not paused:
             first_micro_batch = state.micro_batches_done
             row = _train_one_update(run, state)
@@ -147,7 +147,7 @@ def train(
             if not update_finite(run, row):
                 state.status = "diverged"  # a NaN/inf loss stops any run, validation on or off
             if metric_sink is not None and run.main:
-                logged = {k: row[k] for k in ("train_loss", "lr", "grad_norm", "epoch")}
+                logged = {k: row[k] for k in UPDATE_METRICS}
                 metric_sink.log_metrics(logged, state.update)
             progress.set_postfix(loss=f"{row['train_loss']:.4f}", lr=f"{row['lr']:.3g}", refresh=False)
             progress.update(1)
@@ -155,15 +155,13 @@ def train(
             # Validation: every N updates, or whenever an every-N-epochs boundary was crossed; and at the end. A ramp
             # stops once it diverges: the range test has found its upper bound.
             last = state.update == stream.total_updates
-            validated = False
             if run.validating and (_validation_due(run.val_cfg, stream, first_micro_batch, state) or last):
                 validate(run, state, metric_sink, last=last)
-                validated = True
                 if samples is not None:
                     samples.after_validation(state, last=last)
                 if run.schedule.is_ramp and _diverged(run.val_cfg, state.log):
                     state.status = "diverged"
-            paused = not last and state.status == "ok" and _pause_due(pause_after_update, state, validated)
+            paused = not last and _pause_due(pause_after_update, state)
 
             # Checkpoint: every N updates and at the end (also when stopping on divergence; weights that are no longer
             # finite are not saved, so the last checkpoint is the last finite one), and where the run pauses.
@@ -285,13 +283,14 @@ def _validation_due(val_cfg: ValidationConfig, stream: Stream, first_micro_batch
     return math.floor(after + 1e-9) > math.floor(before + 1e-9)
 
 
-def _pause_due(pause_after_update: Optional[int], state: RunState, validated: bool) -> bool:
-    """Whether the run pauses here: at or past `pause_after_update`, right after a validation (so the paused curve
-    ends on a measurement; a run resumed at its pause has that measurement as its newest row)."""
+def _pause_due(pause_after_update: Optional[int], state: RunState) -> bool:
+    """Whether the run pauses here: at or past `pause_after_update`, right after a validation, i.e. the newest
+    metrics row is this update's (so the paused curve ends on a measurement; a run resumed at its pause has that
+    measurement as its newest row)."""
     if pause_after_update is None or state.update < pause_after_update or state.status != "ok":
         return False
     rows = state.log.metrics_rows
-    return validated and bool(rows) and int(rows[-1]["update"]) == state.update
+    return bool(rows) and int(rows[-1]["update"]) == state.update
 
 
 def _diverged(val_cfg: ValidationConfig, log: RunLog) -> bool:

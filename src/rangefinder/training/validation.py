@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Any, Optional
 import numpy as np
 import torch
 
+from rangefinder.training import MEASURED_PREFIXES
+
 if TYPE_CHECKING:
     from rangefinder.training import MetricSink
     from rangefinder.training.family import Denoiser
@@ -266,7 +268,7 @@ def validate(run: Run, state: RunState, metric_sink: Optional[MetricSink], last:
     log.add_metrics(row)
     if metric_sink is not None and run.main:
         # Only the measurements: lr, epoch and the per-update train loss were logged with the update itself.
-        measured = {k: float(v) for k, v in row.items() if k.startswith(("val_", "stabilize_")) and v is not None}
+        measured = {k: float(v) for k, v in row.items() if k.startswith(MEASURED_PREFIXES) and v is not None}
         metric_sink.log_metrics(measured, state.update)
 
 
