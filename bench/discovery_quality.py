@@ -134,9 +134,9 @@ def discover(cfg, split_dir: Path, out: Path) -> dict[str, Any]:
     res["updates"] += ft.updates_trained or ft_updates
     shutil.rmtree(out / "finetune" / "final", ignore_errors=True)
     if ft.halving is not None:
-        res["halving"] = {"kept": ft.halving["kept"], "pause_update": ft.halving["pause_update"],
-                          **{n: {k: c.get(k) for k in ("lr", "best_val_loss", "best_update", "status")}
-                             for n, c in ft.halving["candidates"].items()}}
+        res["halving"] = {"kept": ft.halving.kept, "pause_update": ft.halving.pause_update,
+                          **{n: {"lr": c.lr, "best_val_loss": c.best_val_loss, "best_update": c.best_update,
+                                 "status": c.status} for n, c in ft.halving.candidates.items()}}
     res.update(
         status="ok", lr_source=chosen.source, lr_low=chosen.lr_low, lr_mid=chosen.lr_mid, lr_high=chosen.lr_high,
         lr_used=ft.lr, finetune_updates=ft_updates, finetune_updates_trained=ft.updates_trained,

@@ -136,7 +136,8 @@ def test_dag_order_and_conditions(compiled):
     for dag_name, _, rt in compiled.tasks("retrain-full"):
         assert "retrain" in compiled.condition_of(dag_name)
         assert source(rt.inputs.parameters["recommended_epochs"]).endswith("recommended_epochs")
-        assert source(rt.inputs.parameters["lr_mid"]).endswith("lr_used")
+        assert source(rt.inputs.parameters["lr"]).endswith("lr_used")
+        assert "lr_mid" not in rt.inputs.parameters  # the retrain's LR is the kept one, named as such
     for _, _, reg in compiled.tasks("register-model"):
         assert source(reg.inputs.parameters["lr"]).endswith("lr_used")
 

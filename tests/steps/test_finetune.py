@@ -3,63 +3,108 @@ checkpoint the fine-tune keeps as its chosen model."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from rangefinder.config import demo_config, parse_config
-from rangefinder.steps.finetune import finetune_training_config, keep_chosen_checkpoint
-from rangefinder.steps.retrain_full import retrain_training_config
+from rangefinder.config import RangefinderConfig, TrainingConfig, demo_config, parse_config
+from rangefinder.data.split import read_split
+from rangefinder.errors import ConfigError
+from rangefinder.steps.finetune import keep_chosen_checkpoint
+from rangefinder.training.spec import TrainSpec
 
 
-def test_constant_at_the_midpoint():
+def finetune_training_config(cfg: RangefinderConfig, split_dir, lr_low: float, lr_high: float,
+                             lr: float) -> TrainingConfig:
+    """The fine-tune's training settings, from its spec's constructor, on the 16 training images of `split_dir`."""
+    return TrainSpec.finetune(cfg, read_split(split_dir), split_dir=split_dir, lr_low=lr_low, lr_high=lr_high, lr=lr,
+                              world_size=1).training
+
+
+def retrain_training_config(cfg: RangefinderConfig, split_dir, lr_low: float, lr_high: float, lr: float,
+                            epochs: int) -> TrainingConfig:
+    return TrainSpec.retrain(cfg, read_split(split_dir), split_dir=split_dir, lr_low=lr_low, lr_high=lr_high, lr=lr,
+                             epochs=epochs, world_size=1).training
+
+
+def test_constant_at_the_midpoint(split_dir):
     cfg = demo_config()
-    tc = finetune_training_config(cfg, 1e-4, 1e-2, 1e-3, train_images=16)
+    tc = finetune_training_config(cfg, split_dir, 1e-4, 1e-2, 1e-3)
     assert tc.schedule == "constant" and tc.lr == 1e-3 and tc.epochs == cfg.finetune.epochs
     assert tc.lr_min is None and tc.lr_max is None
 
 
-def test_cyclical_between_the_bounds_and_checkpoints_every_two_epochs():
+def test_cyclical_between_the_bounds_and_checkpoints_every_two_epochs(split_dir):
     cfg = parse_config({"finetune": {"schedule": "triangular", "checkpoint_every_epochs": 2},
                         "training": {"batch_size": 4}, "split": {"val_split": 0.2}})
-    tc = finetune_training_config(cfg, 1e-4, 1e-2, 1e-3, train_images=16)
+    tc = finetune_training_config(cfg, split_dir, 1e-4, 1e-2, 1e-3)
     assert (tc.schedule, tc.lr_min, tc.lr_max) == ("triangular", 1e-4, 1e-2)
     assert tc.checkpoint_every_updates == 8  # 2 epochs x 16 images / batch 4
 
 
-def test_fixed_lr_cannot_cycle():
+def test_fixed_lr_cannot_cycle(split_dir):
     cfg = parse_config({"finetune": {"schedule": "triangular"}, "lr": 1e-3})
-    tc = finetune_training_config(cfg, 1e-3, 1e-3, 1e-3, train_images=16)
+    tc = finetune_training_config(cfg, split_dir, 1e-3, 1e-3, 1e-3)
     assert tc.schedule == "constant"
 
 
-def test_retrain_uses_recommended_epochs_and_schedule():
+def test_retrain_uses_recommended_epochs_and_schedule(split_dir):
     cfg = demo_config()
-    tc = retrain_training_config(cfg, 1e-4, 1e-2, 1e-3, epochs=5)
+    tc = retrain_training_config(cfg, split_dir, 1e-4, 1e-2, 1e-3, epochs=5)
     assert (tc.epochs, tc.schedule, tc.lr) == (5, "constant", 1e-3)
-    tri = retrain_training_config(parse_config({"retrain": {"schedule": "triangular"}}), 1e-4, 1e-2, 1e-3, 5)
+    tri = retrain_training_config(parse_config({"retrain": {"schedule": "triangular"}}), split_dir, 1e-4, 1e-2,
+                                  1e-3, 5)
     assert (tri.schedule, tri.lr_min, tri.lr_max) == ("triangular", 1e-4, 1e-2)
 
 
-def test_checkpoints_every_epoch_all_kept_until_the_window_is_known():
+def test_checkpoints_every_epoch_all_kept_until_the_window_is_known(split_dir):
     cfg = demo_config()  # 150 epochs of 16 images at batch 4: 4 updates per epoch
-    tc = finetune_training_config(cfg, 1e-4, 1e-2, 1e-3, train_images=16)
+    tc = finetune_training_config(cfg, split_dir, 1e-4, 1e-2, 1e-3)
     assert tc.checkpoint_every_updates == 4
     # Every epoch's checkpoint (and one spare): none is dropped during the run.
     assert tc.keep_checkpoints == cfg.finetune.epochs + 1 == 151
 
 
+def test_each_step_s_spec_is_validated_planned_once_and_round_trips_through_json(split_dir):
+    """The constructors and `with_lr` validate what they set (no unchecked copy of an LR into the settings), the plan
+    is the engine's for the split read, and the spec is the same value after JSON (the job file of several
+    processes)."""
+    split = read_split(split_dir)
+    cfg = demo_config()
+    ft = TrainSpec.finetune(cfg, split, split_dir=split_dir, lr_low=1e-4, lr_high=1e-2, lr=1e-3, world_size=1)
+    ramp = TrainSpec.ramp(cfg, split, split_dir=split_dir, lr_min=1e-6, lr_max=1e-1, world_size=1)
+    full = TrainSpec.retrain(cfg, split, split_dir=split_dir, lr_low=1e-4, lr_high=1e-2, lr=1e-3, epochs=5,
+                             world_size=1)
+    assert ft.plan is not None and ft.plan.train_images == 16 and ft.plan.lr == 1e-3
+    assert full.train_on == "train+val" and full.plan is not None and full.plan.train_images == 20
+    assert not full.validation.enabled() and full.sampling is None and ramp.sampling is None
+    for spec in (ft, ramp, full, ft.with_lr(1e-2)):
+        again = TrainSpec.from_json(json.loads(json.dumps(spec.to_json())))
+        assert again == dataclasses.replace(spec, split_dir=str(spec.split_dir))
+    high = ft.with_lr(1e-2)
+    assert (high.training.lr, high.plan.lr, high.plan.lr_base) == (1e-2, 1e-2, 1e-2)
+    assert high.plan.total_updates == ft.plan.total_updates
+    with pytest.raises(ConfigError, match="training.lr"):
+        ft.with_lr(-1.0)
+    with pytest.raises(ConfigError, match="training.lr_min"):
+        TrainSpec.ramp(cfg, split, split_dir=split_dir, lr_min=-1e-6, lr_max=1e-1, world_size=1)
+
+
 @pytest.fixture(scope="module")
 def ema_run(split_dir, tiny_model_dir, tmp_path_factory):
     """A 2-epoch full fine-tune of the tiny model with an EMA average (decay 0.5: far from the raw weights)."""
-    from rangefinder.training.loop import TrainSpec, train
+    from rangefinder.training.loop import train
 
     cfg = demo_config(model={"base_model": str(tiny_model_dir)}, training={"use_ema": True, "ema_decay": 0.5},
                       finetune={"epochs": 2})
-    tc = finetune_training_config(cfg, 1e-3, 1e-3, 1e-3, train_images=16)
+    spec = TrainSpec.finetune(cfg, read_split(split_dir), split_dir=split_dir, lr_low=1e-3, lr_high=1e-3, lr=1e-3,
+                              world_size=1)
+    spec = dataclasses.replace(spec, sampling=None)  # no samples during training: only the weights matter here
     out = tmp_path_factory.mktemp("ema-run")
-    result = train(TrainSpec(tc, cfg.validation, split_dir=split_dir, model=cfg.model, data=cfg.data), out_dir=out)
+    result = train(spec, out_dir=out)
     return out, result
 
 

@@ -3,11 +3,13 @@
 The step runs for real on the tiny model with a real MLflow store: the kept LR's run is exactly the fine-tune that
 LR would have been on its own, MLflow holds both candidates' curves apart and the kept one's whole curve under the
 plain keys, the report shows the decision, and a step killed in the race and again after it ends as one never
-killed.
+killed. Each training step, the halving fine-tune included, reads its split once, plans once and hashes each image
+once (issue 32), and the retrain records the LR it was given, the kept lr_high, as `lr`.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -21,10 +23,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rangefinder.analysis.halving import CANDIDATES, HalvingCandidate, best_until, pick
 from rangefinder.config import demo_config
 from rangefinder.errors import RangefinderError
 from rangefinder.formats import checkpoints
-from rangefinder.steps.halving import CANDIDATES, DECISION, HALVING_DIR, _pick, best_until, halving_applies
+from rangefinder.steps.halving import DECISION, HALVING_DIR, halving_applies
 
 LR_LOW, LR_MID, LR_HIGH = 3e-5, 1e-4, 1e-3
 UNET = Path("final") / "unet" / "diffusion_pytorch_model.safetensors"
@@ -51,6 +54,38 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+@contextlib.contextmanager
+def counted_reads():
+    """Counts of the real `read_split`, `plan` (the planner under every plan_for) and sha256 of each image file (the
+    check of the split's images), each wrapped so that it still does its work."""
+    import rangefinder.config as config
+    import rangefinder.data.split as split_module
+
+    counts: dict = {"read_split": 0, "plan": 0, "hashed": collections.Counter()}
+    real_read, real_plan, real_hash = split_module.read_split, config.plan, split_module.file_sha256
+
+    def read_split(*args, **kwargs):
+        counts["read_split"] += 1
+        return real_read(*args, **kwargs)
+
+    def plan(*args, **kwargs):
+        counts["plan"] += 1
+        return real_plan(*args, **kwargs)
+
+    def file_sha256(path):
+        counts["hashed"][str(path)] += 1
+        return real_hash(path)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(split_module, "read_split", read_split)
+        mp.setattr(config, "plan", plan)
+        mp.setattr(split_module, "file_sha256", file_sha256)
+        yield counts
+
+
+COUNTED: dict[str, dict] = {}  # the counts of each step run under counted_reads, by step
+
+
 @pytest.fixture(scope="module")
 def halved(split_dir, tiny_model_dir, tmp_path_factory, one_thread):
     """The step with halving, uninterrupted, and the kept LR's plain fine-tune (halving off) beside it."""
@@ -60,8 +95,11 @@ def halved(split_dir, tiny_model_dir, tmp_path_factory, one_thread):
     saved = {v: os.environ.pop(v, None) for v in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME")}
     try:
         cfg = _cfg(tiny_model_dir, root)
-        result = run_finetune(cfg, split_dir=split_dir, lr_low=LR_LOW, lr_high=LR_HIGH, lr_mid=LR_MID,
-                              model_dir=root / "ft", report_html=root / "finetune.html", report_md=root / "finetune.md")
+        with counted_reads() as counts:
+            result = run_finetune(cfg, split_dir=split_dir, lr_low=LR_LOW, lr_high=LR_HIGH, lr_mid=LR_MID,
+                                  model_dir=root / "ft", report_html=root / "finetune.html",
+                                  report_md=root / "finetune.md")
+        COUNTED["finetune"] = counts
         plain = run_finetune(_cfg(tiny_model_dir, root / "plain", successive_halving=False), split_dir=split_dir,
                              lr_low=LR_LOW, lr_high=LR_HIGH, lr_mid=result.lr, model_dir=root / "plain" / "ft")
     finally:
@@ -81,7 +119,7 @@ def test_the_kept_lr_is_the_better_by_the_pause_and_its_run_is_that_lr_s_own_fin
     # The kept one had the lower best validation loss by the pause; on this data that is lr_high (1e-4 learns
     # slowly), so the move of a run that is not the midpoint's is what is tested.
     assert decision["kept"] == "lr_high" and cands["lr_high"]["best_val_loss"] < cands["lr_mid"]["best_val_loss"]
-    assert result.lr == LR_HIGH and result.halving == decision
+    assert result.lr == LR_HIGH and result.halving is not None and result.halving.to_json() == decision
     assert result.updates_trained == 32 + 16  # the kept run whole, the dropped one to the pause
     # A constant-LR run paused and continued is the same run: the curve and the delivered weights are those of the
     # fine-tune at lr_high alone.
@@ -214,14 +252,67 @@ def test_halving_runs_only_where_there_are_two_constant_lrs_to_compare():
 
 def test_the_pick_ties_to_lr_mid_and_passes_over_a_diverged_candidate():
     def cand(best, status="paused"):
-        return {"lr": 1.0, "status": status, "updates": 16, "best_val_loss": best, "best_update": 8}
+        return HalvingCandidate(lr=1.0, status=status, updates=16, best_val_loss=best, best_update=8, curve=())
 
-    assert _pick({"lr_mid": cand(0.5), "lr_high": cand(0.5)}) == "lr_mid"
-    assert _pick({"lr_mid": cand(0.5), "lr_high": cand(0.4)}) == "lr_high"
+    assert pick({"lr_mid": cand(0.5), "lr_high": cand(0.5)}) == "lr_mid"
+    assert pick({"lr_mid": cand(0.5), "lr_high": cand(0.4)}) == "lr_high"
     # lr_high reached a lower loss, then blew up: a diverged run cannot go on.
-    assert _pick({"lr_mid": cand(0.5), "lr_high": cand(0.3, "diverged")}) == "lr_mid"
+    assert pick({"lr_mid": cand(0.5), "lr_high": cand(0.3, "diverged")}) == "lr_mid"
     with pytest.raises(RangefinderError, match="both fine-tune candidates diverged"):
-        _pick({"lr_mid": cand(None, "diverged"), "lr_high": cand(0.3, "diverged")})
+        pick({"lr_mid": cand(None, "diverged"), "lr_high": cand(0.3, "diverged")})
     assert CANDIDATES == ("lr_mid", "lr_high")
     # Update 0 (the base model) is not a candidate's own result.
     assert best_until([[0, 0.1], [4, 0.3], [8, 0.2], [12, 0.05]], 8) == (0.2, 8)
+
+
+@pytest.fixture(scope="module")
+def retrained(halved, split_dir, tiny_model_dir):
+    """The retrain at the LR the halving kept (lr_high), into the same MLflow store, as the pipeline passes it; and
+    the range test, each counted as the fine-tune was."""
+    from rangefinder.steps.lr_range_test import run_lr_range_test
+    from rangefinder.steps.retrain_full import run_retrain_full
+
+    cfg, root, result, _ = halved
+    saved = {v: os.environ.pop(v, None) for v in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME")}
+    try:
+        with counted_reads() as counts:
+            full = run_retrain_full(cfg, split_dir=split_dir, lr_low=LR_LOW, lr_high=LR_HIGH, lr=result.lr,
+                                    recommended_epochs=1, model_dir=root / "full")
+        COUNTED["retrain_full"] = counts
+        # What the short curve reads as is not what is counted here: a range test that found no bounds still read,
+        # planned and hashed.
+        with counted_reads() as counts, contextlib.suppress(RangefinderError):
+            run_lr_range_test(cfg, split_dir=split_dir, out_dir=root / "range")
+        COUNTED["lr_range_test"] = counts
+    finally:
+        for k, v in saved.items():
+            if v is not None:
+                os.environ[k] = v
+    return full
+
+
+def test_each_training_step_reads_its_split_plans_and_hashes_each_image_once(halved, retrained, split_dir):
+    """Issue 32: the halving fine-tune trains three runs (two candidates, then the kept one on), the range test and
+    the retrain one each; every step reads its split once, plans once and hashes each of its images once."""
+    from rangefinder.data.split import read_split
+
+    split = read_split(split_dir)
+    images = {str(split.path_of(it)) for it in split.train + split.val + split.stabilize}
+    for step in ("finetune", "retrain_full", "lr_range_test"):
+        counts = COUNTED[step]
+        assert (counts["read_split"], counts["plan"]) == (1, 1), step
+        assert set(counts["hashed"]) == images and set(counts["hashed"].values()) == {1}, step
+
+
+def test_the_retrain_records_the_kept_lr_as_lr_never_as_lr_mid(halved, retrained):
+    """Halving kept lr_high: the retrain's MLflow params say `lr` = lr_high, and no `lr_mid` carries that value."""
+    from mlflow import MlflowClient
+
+    cfg, _, result, _ = halved
+    assert result.lr == LR_HIGH
+    client = MlflowClient(cfg.tracking.tracking_uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("halving").experiment_id],
+                                filter_string="tags.`rangefinder.step` = 'retrain_full'")
+    params = run.data.params
+    assert float(params["lr"]) == LR_HIGH
+    assert "lr_mid" not in params

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 from rangefinder.config import demo_config, parse_config
-from rangefinder.steps.lr_range_test import ramp_training_config
+from rangefinder.data.split import read_split
+from rangefinder.training.spec import TrainSpec
 
 
-def test_ramp_settings_follow_the_range_test_section():
+def test_ramp_settings_follow_the_range_test_section(split_dir):
     cfg = demo_config()
-    tc = ramp_training_config(cfg, 1e-6, 1e-1)
+    split = read_split(split_dir)
+    tc = TrainSpec.ramp(cfg, split, split_dir=split_dir, lr_min=1e-6, lr_max=1e-1, world_size=1).training
     assert tc.schedule == "exp-ramp" and tc.lr_min == 1e-6 and tc.lr_max == 1e-1
     assert tc.epochs == cfg.lr_range_test.epochs and tc.steps is None and tc.scale_lr == "none"
-    lin = ramp_training_config(parse_config({"lr_range_test": {"ramp": "linear"}}), 0.0001, 0.01)
+    lin = TrainSpec.ramp(parse_config({"lr_range_test": {"ramp": "linear"}}), split, split_dir=split_dir,
+                         lr_min=0.0001, lr_max=0.01, world_size=1).training
     assert lin.schedule == "linear-ramp"
+    every = TrainSpec.ramp(parse_config({"lr_range_test": {"validate_every_updates": 3}}), split, split_dir=split_dir,
+                           lr_min=0.0001, lr_max=0.01, world_size=1).validation
+    assert every.every_updates == 3

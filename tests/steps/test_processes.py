@@ -24,12 +24,12 @@ import torch
 from safetensors.torch import load_file
 
 from rangefinder.config import RangefinderConfig, SamplingConfig, resolve_processes_per_node
+from rangefinder.data.split import read_split
 from rangefinder.errors import ConfigError
 from rangefinder.formats import checkpoints
 from rangefinder.steps import launch
-from rangefinder.steps.finetune import finetune_training_config
-from rangefinder.training.loop import TrainSpec
 from rangefinder.training.samples import read_index
+from rangefinder.training.spec import TrainSpec
 
 UNET = Path("final") / "unet" / "diffusion_pytorch_model.safetensors"
 
@@ -44,7 +44,10 @@ def _cfg(processes: int, batch: int, cache: Path) -> RangefinderConfig:
 
 
 def _spec(cfg: RangefinderConfig, split_dir: Path, model: Path, sampling=None, **training) -> TrainSpec:
-    tc = finetune_training_config(cfg, 1e-4, 3e-4, 2e-4, 16).model_copy(update=training)
+    ft = TrainSpec.finetune(cfg, read_split(split_dir), split_dir=split_dir, lr_low=1e-4, lr_high=3e-4, lr=2e-4,
+                            world_size=launch.step_world_size(cfg))
+    tc = ft.training.model_validate({**ft.training.model_dump(), **training})
+    # Built by hand around the fine-tune's settings (changed by `training`): the engine plans it.
     return TrainSpec(tc, cfg.validation, split_dir=split_dir, model=str(model), sampling=sampling)
 
 

@@ -236,8 +236,8 @@ def test_a_two_node_trainjob_trains_and_the_step_reads_its_result(cluster, split
     submits the TrainJob; the loopback kubelet runs each node's own command (torchrun -m rangefinder.steps.launch
     JOB, 2 nodes x 1 gloo process, with Trainer's PET_* variables); the step streams node 0's real output and reads
     rank 0's result from the volume."""
-    from rangefinder.steps.finetune import finetune_training_config
-    from rangefinder.training.loop import TrainSpec
+    from rangefinder.data.split import read_split
+    from rangefinder.training.spec import TrainSpec
     from tests.kube_apiserver import run_nodes_here
 
     monkeypatch.setenv("PYTHONPATH", str(Path(launch.__file__).resolve().parents[2]))  # the nodes' image
@@ -252,11 +252,12 @@ def test_a_two_node_trainjob_trains_and_the_step_reads_its_result(cluster, split
                     "hf_token_secret": None},
         distributed={"num_nodes": 2, "poll_seconds": 0.5},
     )
-    tc = finetune_training_config(cfg, 1e-4, 3e-4, 2e-4, 16)
-    assert tc.world_size == 2
+    ft = TrainSpec.finetune(cfg, read_split(split_dir), split_dir=split_dir, lr_low=1e-4, lr_high=3e-4, lr=2e-4,
+                            world_size=launch.step_world_size(cfg))
+    assert ft.training.world_size == 2
     out_dir = tmp_path / "data" / "work" / "run-1" / "finetune"
-    result = launch.run_training(cfg, TrainSpec(tc, cfg.validation, split_dir=split_dir, model=str(tiny_model_dir)),
-                                 out_dir=out_dir, step_name="finetune")
+    result = launch.run_training(cfg, TrainSpec(ft.training, cfg.validation, split_dir=split_dir,
+                                                model=str(tiny_model_dir)), out_dir=out_dir, step_name="finetune")
 
     # Rank 0's result, from the volume: 16 images at global batch 4, one epoch.
     assert result.status == "ok" and result.updates == result.planned_updates == 4

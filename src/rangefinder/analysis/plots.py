@@ -7,6 +7,7 @@ from typing import Optional
 
 import numpy as np
 
+from rangefinder.analysis.halving import HalvingDecision
 from rangefinder.analysis.lr_bounds import LRBounds
 from rangefinder.analysis.step_window import StepWindow
 from rangefinder.formats.atomic import atomic_path
@@ -105,7 +106,7 @@ def plot_lr_range_test(bounds: LRBounds, out_path: str | Path, *, title: Optiona
 
 
 def plot_step_window(window: StepWindow, out_path: str | Path, *, title: Optional[str] = None,
-                     halving: Optional[dict] = None) -> Path:
+                     halving: Optional[HalvingDecision] = None) -> Path:
     """Validation and stabilize loss of the constant run against updates (epochs on the top axis), the window
     shaded and the recommended length marked; with `halving` (rangefinder.steps.halving's decision), the dropped
     candidate's measured curve up to the pause, and the pause. Returns the PNG's path."""
@@ -131,12 +132,12 @@ def plot_step_window(window: StepWindow, out_path: str | Path, *, title: Optiona
                 clip_on=False, label="left out (NaN / exploded)")
     if halving is not None:
         # The limits stay the kept run's: a dropped candidate that climbed far above it is cut at the top.
-        ax.axvline(halving["pause_update"], color=OTHER_MID, lw=1, ls=":")
-        for name, c in halving["candidates"].items():
-            if name != halving["kept"] and c.get("curve"):
-                u, v = np.asarray(c["curve"], float).T
+        ax.axvline(halving.pause_update, color=OTHER_MID, lw=1, ls=":")
+        for name, c in halving.candidates.items():
+            if name != halving.kept and c.curve:
+                u, v = np.asarray(c.curve, float).T
                 ax.plot(u, v, ".-", color=OTHER_MID, ms=3, lw=1, alpha=0.8,
-                        label=f"{name} {c['lr']:.3g}: dropped at update {halving['pause_update']}")
+                        label=f"{name} {c.lr:.3g}: dropped at update {halving.pause_update}")
     ax.set_ylim(lo, hi)
     if window.best_update is not None:
         ax.plot([window.best_update], [window.best_val_loss], "v", color=SMOOTH, ms=9, label="best (smoothed)")

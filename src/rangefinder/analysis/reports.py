@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from rangefinder.analysis.halving import HalvingDecision
 from rangefinder.analysis.lr_bounds import FLAG_ADVICE as LR_FLAG_ADVICE
 from rangefinder.analysis.lr_bounds import STATUS_ADVICE as LR_STATUS_ADVICE
 from rangefinder.analysis.lr_bounds import LRBounds
@@ -233,7 +234,7 @@ def _midpoint_rows(bounds: LRBounds) -> list[tuple[str, Any, str]]:
 
 def write_step_report(window: StepWindow, curve: Optional[dict], out_dir: str | Path, *,
                       source: Optional[str] = None, samples: Optional[SampleStrip] = None,
-                      halving: Optional[dict] = None) -> dict[str, Path]:
+                      halving: Optional[HalvingDecision] = None) -> dict[str, Path]:
     """Write step_window.png, step_report.html (self-contained), step_report.md and step_window.json into out_dir.
 
     `curve` and `source` as for write_lr_report; `samples`: the run's samples over training, shown under the plot;
@@ -249,7 +250,7 @@ def write_step_report(window: StepWindow, curve: Optional[dict], out_dir: str | 
     else:
         lead = STEP_STATUS_ADVICE[window.status]
     if halving is not None:
-        lead += f" The LR is {halving['lr']:.3g}, {halving['kept']}, kept by successive halving."
+        lead += f" The LR is {halving.lr:.3g}, {halving.kept}, kept by successive halving."
     rows: list[tuple[str, Any, str]] = [
         ("recommended epochs", window.recommended_epochs, "the centre of the window (its edges are better determined)"),
         ("window (epochs)", [window.window_start_epoch, window.window_end_epoch],
@@ -267,7 +268,7 @@ def write_step_report(window: StepWindow, curve: Optional[dict], out_dir: str | 
     notes += [(f, STEP_FLAG_ADVICE[f]) for f in window.flags]
     if halving is not None:
         rows += _halving_rows(halving)
-        notes.append(("successive halving", HALVING_NOTE.format(kept=halving["kept"], pause=halving["pause_update"])))
+        notes.append(("successive halving", HALVING_NOTE.format(kept=halving.kept, pause=halving.pause_update)))
     return _write_report(out, "step_report", "step_window.json", "Step window", window.status, lead, png, rows,
                          notes, _source_line(curve, source), window.to_dict(), samples)
 
@@ -279,14 +280,14 @@ HALVING_NOTE = (
 )
 
 
-def _halving_rows(halving: dict) -> list[tuple[str, Any, str]]:
+def _halving_rows(halving: HalvingDecision) -> list[tuple[str, Any, str]]:
     """A row per candidate: its LR, and its best validation loss by the pause."""
     rows = []
-    for name, c in halving["candidates"].items():
-        what = "kept" if name == halving["kept"] else "dropped"
-        at = f" at update {c['best_update']}" if c.get("best_update") is not None else ""
-        rows.append((f"{name} ({what})", c["lr"], f"best val loss by update {halving['pause_update']}: "
-                                                  f"{_fmt(c.get('best_val_loss'))}{at}; {c['status']}"))
+    for name, c in halving.candidates.items():
+        what = "kept" if name == halving.kept else "dropped"
+        at = f" at update {c.best_update}" if c.best_update is not None else ""
+        rows.append((f"{name} ({what})", c.lr, f"best val loss by update {halving.pause_update}: "
+                                               f"{_fmt(c.best_val_loss)}{at}; {c.status}"))
     return rows
 
 

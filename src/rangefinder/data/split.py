@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Optional
 
 from rangefinder.config import val_count
-from rangefinder.data.buckets import BucketSettings, bucket_table, image_size, place
+from rangefinder.data.buckets import BucketSettings, Placement, bucket_table, image_size, place
 from rangefinder.data.captions import long_caption_report, long_captions
 from rangefinder.data.dataset import Item, item_id
 from rangefinder.data.validate import validate_dataset
@@ -49,6 +49,9 @@ class Split:
     stabilize: list[Item]  # a subset of train
     summary: dict = field(default_factory=dict)
     buckets: Optional[BucketSettings] = None  # the aspect-ratio buckets the split was reported for
+    # sha256 of each item's file by id, once file_hashes has checked it against the manifest: a step trains several
+    # runs from the split it read (the fine-tune's successive halving: three), and hashes each image once.
+    checked_hashes: dict[int, str] = field(default_factory=dict, repr=False, compare=False)
 
     def path_of(self, item: Item) -> Path:
         return (self.root / item.file_name).resolve()
@@ -195,12 +198,15 @@ def make_split(
 def file_hashes(split: Split, items: list[Item]) -> dict[int, str]:
     """The sha256 of each item's file now, by item id; DataError naming every file deleted, unreadable or changed
     since the split (its manifest recorded the hash), so a run never trains on other images than were split, nor
-    stops halfway on a missing one."""
+    stops halfway on a missing one. Each file is hashed once per Split read (`Split.checked_hashes`)."""
     hashes: dict[int, str] = {}
     gone: list[str] = []
     changed: list[str] = []
     for it in items:
         if it.id in hashes:
+            continue
+        if it.id in split.checked_hashes:
+            hashes[it.id] = split.checked_hashes[it.id]
             continue
         try:
             hashes[it.id] = file_sha256(split.path_of(it))
@@ -217,7 +223,21 @@ def file_hashes(split: Split, items: list[Item]) -> dict[int, str]:
             "put the original files back, or split the dataset again (`rangefinder split`, or the pipeline's "
             "prepare-dataset step) so the manifests match the files"
         )
+    split.checked_hashes.update(hashes)
     return hashes
+
+
+def place_items(split: Split, items: list[Item], buckets: BucketSettings) -> dict[int, Placement]:
+    """Each item's bucket, from the size the split recorded (or, in an older split, the image file's header)."""
+    out = {}
+    for it in items:
+        if it.id not in out:
+            try:
+                size = it.size or image_size(split.path_of(it))
+            except OSError as e:
+                raise DataError(f"cannot read image {split.path_of(it)} ({e}); restore it, or split again") from None
+            out[it.id] = place(size, buckets)
+    return out
 
 
 def _jsonl(items: list[Item], buckets: Optional[BucketSettings] = None) -> str:
@@ -280,7 +300,8 @@ def read_split(split_dir: str | Path, root: str | Path | None = None) -> Split:
     if recorded:
         buckets = BucketSettings(int(recorded["resolution"]), int(recorded["step"]), float(recorded["max_aspect"]),
                                  bool(recorded.get("crop", True)))
-    return Split(root=data_root, summary=summary, buckets=buckets, **subsets)
+    return Split(root=data_root, train=subsets["train"], val=subsets["val"], stabilize=subsets["stabilize"],
+                 summary=summary, buckets=buckets)
 
 
 def split_dataset(

@@ -64,6 +64,18 @@ def replace_dir(src: PathLike, dst: PathLike) -> Path:
     return dst
 
 
+def rename_into_place(src: PathLike, dst: PathLike) -> Path:
+    """Move the finished file or folder `src` to `dst` on the same file system, in one rename, replacing what is
+    there (a folder through `replace_dir`, so a kill leaves either the old or the new one at `dst`)."""
+    src, dst = Path(src), Path(dst)
+    if src.is_dir() and not src.is_symlink() and dst.is_dir() and not dst.is_symlink():
+        return replace_dir(src, dst)
+    if dst.is_dir() and not dst.is_symlink():
+        shutil.rmtree(dst)  # a file in a folder's place: os.replace cannot put it over a folder
+    os.replace(src, dst)
+    return dst
+
+
 @contextlib.contextmanager
 def atomic_dir(path: PathLike, *, replace: bool = True) -> Iterator[Path]:
     """A fresh temporary folder beside `path` to fill; it takes the place of `path` when the block ends, and is

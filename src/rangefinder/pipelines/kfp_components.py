@@ -210,7 +210,7 @@ def finetune(
                                         "chosen_epoch mixed_precision lr_used halving_kept")
     return Finetuned(r.recommended_epochs, r.recommended_updates, r.still_improving, int(chosen.get("update") or 0),
                      float(chosen.get("epoch") or 0.0), r.mixed_precision, r.lr,
-                     str((r.halving or {}).get("kept") or ""))
+                     r.halving.kept if r.halving is not None else "")
 
 
 @dsl.component(base_image=TRAINER_IMAGE, install_kfp_package=False)
@@ -219,13 +219,14 @@ def retrain_full(
     split: Input[Dataset],
     lr_low: float,
     lr_high: float,
-    lr_mid: float,
+    lr: float,
     recommended_epochs: int,
     mlflow_parent_run_id: str,
     model: Output[Model],
     metrics: Output[Metrics],
 ) -> int:
-    """Retrain from the base model on train + validation for the recommended epochs, without validation."""
+    """Retrain from the base model on train + validation for the recommended epochs, without validation, at `lr`:
+    the LR the fine-tune kept (its `lr_used`)."""
     from pathlib import Path
 
     from rangefinder.errors import one_line_errors
@@ -236,7 +237,7 @@ def retrain_full(
         r = run_retrain_full(
             load_step_config(config_json),
             split_dir=Path(split.path),
-            lr_low=lr_low, lr_high=lr_high, lr_mid=lr_mid,
+            lr_low=lr_low, lr_high=lr_high, lr=lr,
             recommended_epochs=recommended_epochs,
             model_dir=Path(model.path),
             mlflow_parent_run_id=mlflow_parent_run_id or None,

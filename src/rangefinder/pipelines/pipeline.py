@@ -195,7 +195,7 @@ def build_pipeline(cfg: Optional[RangefinderConfig] = None, *, local: bool = Fal
         kept_lr = tuned.outputs["lr_used"]
         with dsl.If(retrain == True, name="retrain-on-all-data"):  # noqa: E712
             full = step(c.retrain_full(config_json=config_json, split=split, lr_low=lr["lr_low"],
-                                       lr_high=lr["lr_high"], lr_mid=kept_lr,
+                                       lr_high=lr["lr_high"], lr=kept_lr,
                                        recommended_epochs=tuned.outputs["recommended_epochs"],
                                        mlflow_parent_run_id=mlflow_parent_run_id), "retrain_full")
             step(c.sample_images(config_json=config_json, finetuned=tuned.outputs["model"],

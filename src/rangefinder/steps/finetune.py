@@ -15,15 +15,13 @@ the one nearest the recommended length and writes its model as `chosen/` beside 
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from rangefinder.config import RangefinderConfig, TrainingConfig, plan_for, resolve_mixed_precision
+from rangefinder.config import RangefinderConfig, resolve_mixed_precision
 from rangefinder.errors import RangefinderError
 from rangefinder.formats import checkpoints
 from rangefinder.formats.atomic import write_json, write_text
@@ -32,6 +30,7 @@ from rangefinder.steps.workdir import publish, work_dir
 
 if TYPE_CHECKING:
     from rangefinder.analysis import SampleStrip
+    from rangefinder.analysis.halving import HalvingDecision
 
 
 @dataclass
@@ -46,7 +45,7 @@ class FinetuneResult:
     chosen: Optional[dict[str, Any]] = None  # chosen.json: the kept checkpoint's update, epoch, val_loss, reason
     mixed_precision: str = "no"  # what training.mixed_precision (e.g. auto) meant on this machine
     lr: float = 0.0  # the constant LR of the delivered run: lr_mid, or lr_high when successive halving kept it
-    halving: Optional[dict[str, Any]] = None  # halving.json (rangefinder.steps.halving) when it ran
+    halving: Optional[HalvingDecision] = None  # halving.json (rangefinder.steps.halving) when it ran
     updates_trained: int = 0  # every optimizer update the step took, both halving candidates included
 
     def metrics(self) -> dict[str, float]:
@@ -59,26 +58,6 @@ class FinetuneResult:
             if self.chosen and self.chosen.get(key) is not None:
                 out[f"chosen_{key}"] = float(self.chosen[key])
         return out
-
-
-def finetune_training_config(cfg: RangefinderConfig, lr_low: float, lr_high: float, lr_mid: float,
-                             train_images: int, epochs: Optional[int] = None) -> TrainingConfig:
-    ft = cfg.finetune
-    # resume: the folder is this task's own, so a retry (a preempted node) goes on from its newest checkpoint.
-    update: dict[str, Any] = {"epochs": epochs or ft.epochs, "steps": None, "lr": lr_mid, "scale_lr": "none",
-                              "resume": True, "world_size": step_world_size(cfg)}
-    if ft.schedule == "constant" or lr_high <= lr_low:
-        update.update(schedule="constant", lr_min=None, lr_max=None)
-    else:
-        update.update(schedule=ft.schedule, lr_min=lr_low, lr_max=lr_high)
-    tc = cfg.training.model_copy(update=update)
-    run_plan = plan_for(tc, train_images)
-    every = max(1, math.ceil(ft.checkpoint_every_epochs * run_plan.updates_per_epoch - 1e-9))
-    # Every checkpoint stays until the step window is known (the run's last one included): the engine would otherwise
-    # drop all but the newest `keep_checkpoints`, among them the one the window picks.
-    tc = tc.model_copy(update={"checkpoint_every_updates": every,
-                               "keep_checkpoints": math.ceil(run_plan.total_updates / every) + 1})
-    return TrainingConfig.model_validate(tc.model_dump())
 
 
 def keep_chosen_checkpoint(run_dir: Path, window: Any, curve: dict, base_model: Path,
@@ -160,41 +139,39 @@ def run_finetune(
     mlflow_parent_run_id: Optional[str] = None,
 ) -> FinetuneResult:
     from rangefinder import tracking
-    from rangefinder.analysis import copy_report, read_curve_csv, select_step_window, write_step_report
+    from rangefinder.analysis import copy_report, select_step_window, write_step_report
     from rangefinder.data.split import read_split
     from rangefinder.models.loading import resolve_base_model
     from rangefinder.steps.halving import halving_applies, run_halving
-    from rangefinder.training.loop import TrainSpec
+    from rangefinder.training.spec import TrainSpec
 
     split = read_split(split_dir)
-    tc = finetune_training_config(cfg, lr_low, lr_high, lr_mid, len(split.train))
+    # Samples during training (sampling.every_validations): grids in MLflow as it trains, and the report's strip.
+    spec = TrainSpec.finetune(cfg, split, split_dir=split_dir, lr_low=lr_low, lr_high=lr_high, lr=lr_mid,
+                              world_size=step_world_size(cfg))
+    tc, plan = spec.training, spec.plan
     validating = cfg.validation.enabled() and len(split.val) > 0
     model_dir = Path(model_dir)
     precision = resolve_mixed_precision(tc.mixed_precision)
     chosen = None
-    plan = plan_for(tc, len(split.train))
     halving = halving_applies(cfg.finetune.successive_halving, validating, tc.schedule, lr_mid, lr_high)
     with tracking.step_run(cfg, "finetune", parent_run_id=mlflow_parent_run_id) as run:
         run.log_config(cfg, plan=plan,
                        extra={"lr_low": lr_low, "lr_high": lr_high, "lr_mid": lr_mid, "lr_source": lr_source,
                               "training.mixed_precision_used": precision, "finetune.successive_halving_used": halving})
         work = work_dir(model_dir, f"{mlflow_parent_run_id}/finetune" if mlflow_parent_run_id else None)
-        # Samples during training (sampling.every_validations): grids in MLflow as it trains, and the report's strip.
-        spec = TrainSpec(tc, cfg.validation, split_dir=split_dir, model=cfg.model, data=cfg.data, sampling=cfg.sampling)
         race, lr, extra_updates = None, lr_mid, 0
         if halving:
-            race = run_halving(cfg, spec, work, lr_mid=lr_mid, lr_high=lr_high, total_updates=plan.total_updates,
-                               sink=run)
-            lr = float(race["lr"])
-            extra_updates = sum(int(c["updates"]) for n, c in race["candidates"].items() if n != race["kept"])
-            tc = tc.model_copy(update={"lr": lr})
-            spec = dataclasses.replace(spec, training=tc)
+            race = run_halving(cfg, spec, work, lr_mid=lr_mid, lr_high=lr_high, split=split, sink=run)
+            lr, extra_updates = race.lr, race.extra_updates
+            spec = spec.with_lr(lr)
+            tc = spec.training
         # With halving, this goes on from the kept candidate's checkpoint at the pause.
-        result = run_training(cfg, spec, out_dir=work, metric_sink=run, step_name="finetune")
+        result = run_training(cfg, spec, out_dir=work, metric_sink=run, step_name="finetune", split=split)
         report_dir = Path(out_dir or model_dir / "report")
         report_dir.mkdir(parents=True, exist_ok=True)
         if validating:
-            curve = read_curve_csv(result.metrics_csv)
+            curve = result.curve_arrays()
             window = select_step_window(curve["update"], curve.get("epoch"), curve["val_loss"],
                                         stabilize_loss=curve.get("stabilize_loss"), tolerance=cfg.finetune.tolerance,
                                         seed=cfg.validation.seed,
@@ -219,10 +196,10 @@ def run_finetune(
         if chosen is None:  # no step window: nothing to choose; the final weights are delivered, as configured
             checkpoints.keep_newest(work / "checkpoints", cfg.training.keep_checkpoints)
         publish(work, model_dir)
-        decision.update(lr_low=lr_low, lr_high=lr_high, lr_mid=lr_mid, lr_used=lr, lr_source=lr_source, halving=race,
-                        mixed_precision=precision, chosen=chosen, world_size=tc.world_size,
-                        global_batch=tc.batch_size * tc.grad_accum * tc.world_size,
-                        model_family=json.loads(result.summary_path.read_text()).get("family"))
+        decision.update(lr_low=lr_low, lr_high=lr_high, lr_mid=lr_mid, lr_used=lr, lr_source=lr_source,
+                        halving=None if race is None else race.to_json(), mixed_precision=precision, chosen=chosen,
+                        world_size=tc.world_size, global_batch=tc.batch_size * tc.grad_accum * tc.world_size,
+                        model_family=result.family)
         write_json(report_dir / "decision.json", decision)
         shutil.copyfile(result.metrics_csv, report_dir / "metrics.csv")
         run.log_artifact(report_dir, "report")
@@ -231,9 +208,9 @@ def run_finetune(
                                      "still_improving": improving, "lr_mid": lr_mid, "lr_used": lr,
                                      "lr_source": lr_source, "updates_trained": result.updates + extra_updates}
         if race is not None:
-            decisions["halving"] = {"kept": race["kept"], "pause_update": race["pause_update"],
-                                    **{n: {k: c[k] for k in ("lr", "best_val_loss", "best_update")}
-                                       for n, c in race["candidates"].items()}}
+            decisions["halving"] = {"kept": race.kept, "pause_update": race.pause_update,
+                                    **{n: {"lr": c.lr, "best_val_loss": c.best_val_loss, "best_update": c.best_update}
+                                       for n, c in race.candidates.items()}}
         if chosen is not None:
             decisions.update({f"chosen_{k}": chosen[k] for k in ("update", "epoch", "val_loss")})
         run.log_decisions(decisions)

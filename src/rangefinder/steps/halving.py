@@ -23,20 +23,32 @@ the kept candidate's first half is logged again under the plain keys, which the 
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
-import os
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
-from rangefinder.errors import RangefinderError
-from rangefinder.formats.atomic import write_json
+from rangefinder.analysis.halving import (
+    CANDIDATES,
+    HalvingCandidate,
+    HalvingDecision,
+    best_until,
+    pause_update,
+    pick,
+)
+from rangefinder.config import RangefinderConfig
+from rangefinder.formats.atomic import rename_into_place, write_json
+from rangefinder.training.sinks import MetricSink
+from rangefinder.training.spec import TrainSpec
+
+if TYPE_CHECKING:
+    from rangefinder.data.split import Split
+
+__all__ = ["CANDIDATES", "DECISION", "HALVING_DIR", "HalvingDecision", "best_until", "halving_applies",
+           "pause_update", "pick", "run_halving"]
 
 HALVING_DIR = "halving"
 DECISION = "halving.json"
-CANDIDATES = ("lr_mid", "lr_high")
 _NOT_MOVED = {".rangefinder.lock"}  # the candidate folder's own lock stays with it
 
 
@@ -46,82 +58,48 @@ def halving_applies(enabled: bool, validating: bool, schedule: str, lr_mid: floa
     return enabled and validating and schedule == "constant" and lr_high > lr_mid * (1 + 1e-9)
 
 
-def pause_update(total_updates: int) -> int:
-    """Where both candidates pause: half the fine-tune's updates (the engine pauses at the first validation at or
-    after it)."""
-    return max(1, math.ceil(total_updates / 2))
-
-
-def curve_points(metrics_csv: Path) -> list[list[float]]:
-    """[update, val_loss] of every finite measurement, for the decision, the report and decision.json."""
-    from rangefinder.analysis import read_curve_csv
-
-    curve = read_curve_csv(metrics_csv)
-    pairs = zip(curve["update"], curve["val_loss"], strict=True)
-    return [[int(u), float(v)] for u, v in pairs if math.isfinite(v)]
-
-
-def best_until(points: list[list[float]], update: int) -> tuple[Optional[float], Optional[int]]:
-    """The lowest validation loss measured after update 0 and at or before `update`, and where."""
-    seen = [(loss, int(u)) for u, loss in points if 0 < u <= update]
-    if not seen:
-        return None, None
-    loss, at = min(seen)
-    return loss, at
-
-
-def run_halving(cfg: Any, spec: Any, work: Path, *, lr_mid: float, lr_high: float, total_updates: int,
-                sink: Any = None) -> dict[str, Any]:
+def run_halving(cfg: RangefinderConfig, spec: TrainSpec, work: Path, *, lr_mid: float, lr_high: float,
+                split: Optional[Split] = None, sink: Optional[MetricSink] = None) -> HalvingDecision:
     """Race the two candidates to the pause and move the kept one's run into `work`; returns the decision
     (halving.json): the kept candidate's name and LR, the pause, and each candidate's LR, best validation loss so
-    far, where, its status and its curve. Goes on from whatever a killed attempt left."""
+    far, where, its status and its curve. Goes on from whatever a killed attempt left. `split`: the one at
+    spec.split_dir as the step read it; `spec.plan` gives the fine-tune's updates."""
     from rangefinder.steps.launch import run_training
-    from rangefinder.training import PrefixedSink
+    from rangefinder.training.sinks import PrefixedSink
 
     root = Path(work) / HALVING_DIR
     decision_path = root / DECISION
-    decision = json.loads(decision_path.read_text()) if decision_path.is_file() else None
+    decision = HalvingDecision.from_json(json.loads(decision_path.read_text())) if decision_path.is_file() else None
     if decision is None:
-        pause = pause_update(total_updates)
+        plan = spec.plan if spec.plan is not None else spec.plan_from(_read(spec))
+        pause = pause_update(plan.total_updates)
         lrs = {"lr_mid": lr_mid, "lr_high": lr_high}
-        candidates: dict[str, dict[str, Any]] = {}
+        candidates: dict[str, HalvingCandidate] = {}
         for name in CANDIDATES:
-            folder = root / name
-            cspec = dataclasses.replace(spec, training=spec.training.model_copy(update={"lr": lrs[name]}))
-            result = run_training(cfg, cspec, out_dir=folder, step_name="finetune", pause_after_update=pause,
+            result = run_training(cfg, spec.with_lr(lrs[name]), out_dir=root / name, step_name="finetune",
+                                  pause_after_update=pause, split=split,
                                   metric_sink=PrefixedSink(sink, f"{name}/") if sink is not None else None)
-            points = curve_points(result.metrics_csv)
-            best, at = best_until(points, pause)
-            candidates[name] = {"lr": lrs[name], "status": result.status, "updates": result.updates,
-                                "best_val_loss": best, "best_update": at, "curve": points}
-        kept = _pick(candidates)
-        decision = {"pause_update": pause, "kept": kept, "lr": lrs[kept], "candidates": candidates,
-                    "moved": False, "rule": "the lower best validation loss by the pause goes on (ties: lr_mid)"}
-        write_json(decision_path, decision)  # before anything moves: a killed step redoes only the move
-    if not decision["moved"]:
-        _move_up(root / decision["kept"], Path(work))
-        shutil.rmtree(root / decision["kept"], ignore_errors=True)  # only its lock is left
+            candidates[name] = HalvingCandidate.measured(lrs[name], result.status, result.updates,
+                                                         result.curve["update"], result.curve["val_loss"], pause)
+        decision = HalvingDecision.decide(pause, candidates)
+        write_json(decision_path, decision.to_json())  # before anything moves: a killed step redoes only the move
+    if not decision.moved:
+        _move_up(root / decision.kept, Path(work))
+        shutil.rmtree(root / decision.kept, ignore_errors=True)  # only its lock is left
         if sink is not None:
             replay_curve(sink, Path(work))
         for name in CANDIDATES:
-            if name != decision["kept"]:
+            if name != decision.kept:
                 shutil.rmtree(root / name / "checkpoints", ignore_errors=True)
-        decision["moved"] = True
-        write_json(decision_path, decision)
+        decision = decision.done_moving()
+        write_json(decision_path, decision.to_json())
     return decision
 
 
-def _pick(candidates: dict[str, dict[str, Any]]) -> str:
-    """The candidate that goes on. A diverged or unmeasured one cannot; when neither can, the step fails as an
-    unhalved fine-tune would."""
-    usable = {n: c for n, c in candidates.items() if c["status"] != "diverged" and c["best_val_loss"] is not None}
-    if not usable:
-        raise RangefinderError(
-            f"both fine-tune candidates diverged or measured nothing before update {candidates['lr_mid']['updates']} "
-            f"(lr_mid {candidates['lr_mid']['lr']:.3g}, lr_high {candidates['lr_high']['lr']:.3g}); the range "
-            "test's bounds are too high for this run: check its report, or set a fixed LR (fixed_lr)"
-        )
-    return min(usable, key=lambda n: (usable[n]["best_val_loss"], CANDIDATES.index(n)))
+def _read(spec: TrainSpec) -> Split:
+    from rangefinder.data.split import read_split
+
+    return read_split(spec.split_dir)
 
 
 def _move_up(folder: Path, work: Path) -> None:
@@ -132,18 +110,15 @@ def _move_up(folder: Path, work: Path) -> None:
     for entry in sorted(folder.iterdir()):
         if entry.name in _NOT_MOVED:
             continue
-        dest = work / entry.name
-        if dest.is_dir() and not dest.is_symlink():
-            shutil.rmtree(dest)
-        os.replace(entry, dest)
+        rename_into_place(entry, work / entry.name)
 
 
-def replay_curve(sink: Any, run_dir: Path) -> None:
+def replay_curve(sink: MetricSink, run_dir: Path) -> None:
     """Log a run's curve so far (updates.csv, metrics.csv) under the plain keys the engine logs live
     (training.UPDATE_METRICS per update, the MEASURED_PREFIXES columns per measurement)."""
     import csv
 
-    from rangefinder.training import MEASURED_PREFIXES, UPDATE_METRICS
+    from rangefinder.training.sinks import MEASURED_PREFIXES, UPDATE_METRICS
 
     for name, keep in (("updates.csv", UPDATE_METRICS), ("metrics.csv", None)):
         path = run_dir / name

@@ -9,12 +9,12 @@ The range test, the fine-tune and the retrain call `run_training` instead of the
 - several nodes (`distributed.num_nodes` > 1): a Kubeflow Trainer v2 TrainJob whose runtime (`torch-distributed`)
   runs torchrun on every node with the same entrypoint (rangefinder.steps.trainjob).
 
-JOB.json holds the whole config (no credentials: the config refuses them; they come from the environment) and the
-run's TrainSpec, so every process, on any node, rebuilds the same run. The engine keeps the single-process
-contracts across processes: validation measures the whole set once, each rank its share with the same fixed noise,
-and every rank gets every loss (training.validation.Shard); rank 0 alone writes
-checkpoints (atomically), metrics.csv, final/ and the MLflow metrics (into the step's run, opened and ended by
-the step's process), and the divergence stop sees the same losses on every rank. A killed run resumes from its
+JOB.json (a `LaunchJob`) holds the whole config (no credentials: the config refuses them; they come from the
+environment) and the run's TrainSpec as its own JSON, so every process, on any node, rebuilds the same run. The
+engine keeps the single-process contracts across processes: validation measures the whole set once, each rank its
+share with the same fixed noise, and every rank gets every loss (training.validation.Shard); rank 0 alone writes
+checkpoints (atomically), metrics.csv, final/ and the MLflow metrics (into the step's run, opened and ended by the
+step's process), and the divergence stop sees the same losses on every rank. A killed run resumes from its
 newest whole checkpoint when the step is run again (`training.resume`).
 """
 
@@ -24,21 +24,20 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
-from rangefinder.config import (
-    DataConfig,
-    ModelConfig,
-    RangefinderConfig,
-    SamplingConfig,
-    TrainingConfig,
-    ValidationConfig,
-    plan_for,
-    resolve_processes_per_node,
-)
+from pydantic import TypeAdapter
+
+from rangefinder.config import RangefinderConfig, TrainingConfig, resolve_processes_per_node
 from rangefinder.errors import ConfigError, RangefinderError
 from rangefinder.formats.atomic import write_json
+from rangefinder.training.sinks import MetricSink
+from rangefinder.training.spec import JSONValue, TrainResult, TrainSpec
+
+if TYPE_CHECKING:
+    from rangefinder.data.split import Split
 
 WORKER_MODULE = "rangefinder.steps.launch"  # this module: `python -m` runs `worker` in every process
 JOB_NAME = "launch-job.json"
@@ -95,30 +94,32 @@ def apply_torch_threads() -> None:
     torch.set_num_threads(int(value))
 
 
-def run_training(cfg: RangefinderConfig, spec: Any, *, out_dir: Path, metric_sink: Any = None,
-                 save_final: bool = True, step_name: str = "train", pause_after_update: Optional[int] = None) -> Any:
-    """Train `spec` (a training.TrainSpec whose world_size is `step_world_size`) in as many processes as it
-    says; returns the engine's TrainResult. `metric_sink`: the step's MLflow run (a StepRun, or a
-    training.PrefixedSink around it) or None. `pause_after_update`: the engine's (training.loop.train)."""
+def run_training(cfg: RangefinderConfig, spec: TrainSpec, *, out_dir: Path, metric_sink: Optional[MetricSink] = None,
+                 save_final: bool = True, step_name: str = "train", pause_after_update: Optional[int] = None,
+                 split: Optional[Split] = None) -> TrainResult:
+    """Train `spec` (whose world_size is `step_world_size`) in as many processes as it says. `metric_sink`: the
+    step's MLflow run (a StepRun, or a training.PrefixedSink around it) or None. `pause_after_update`: the engine's
+    (training.loop.train). `split`: the split at spec.split_dir as the step read it (one process trains from it;
+    several read it each)."""
     from rangefinder.training.loop import train
 
-    tc: TrainingConfig = spec.training
-    split_n = _train_images(spec)
-    check_global_batch(tc, split_n)
-    plan_for(tc, split_n)  # impossible batch arithmetic fails here, before any process starts
+    tc = spec.training
+    if spec.plan is None:  # a spec built by hand: plan it here (impossible batch arithmetic fails here)
+        spec = replace(spec, plan=spec.plan_from(split if split is not None else _read(spec)))
+    assert spec.plan is not None
+    check_global_batch(tc, spec.plan.train_images)
     apply_torch_threads()  # a bad value fails here, before any process starts; torchrun's processes apply it again
     if tc.world_size == 1:
         return train(spec, out_dir=out_dir, metric_sink=metric_sink, save_final=save_final,
-                     pause_after_update=pause_after_update)
+                     pause_after_update=pause_after_update, split=split)
     out_dir = Path(out_dir)
     if cfg.distributed.num_nodes > 1:
         # The nodes see the data volume, not this pod's disk: the split (a KFP artifact here) goes beside the job.
-        import dataclasses
         import shutil
 
         shared_split = job_dir(out_dir) / "split"
         shutil.copytree(spec.split_dir, shared_split, dirs_exist_ok=True)
-        spec = dataclasses.replace(spec, split_dir=shared_split)
+        spec = replace(spec, split_dir=shared_split)
     job = write_job(cfg, spec, out_dir, save_final=save_final, step_name=step_name,
                     mlflow_run_id=getattr(metric_sink, "run_id", None),
                     metric_prefix=getattr(metric_sink, "prefix", None), pause_after_update=pause_after_update)
@@ -132,15 +133,39 @@ def run_training(cfg: RangefinderConfig, spec: Any, *, out_dir: Path, metric_sin
     return read_result(job)
 
 
-def _train_images(spec: Any) -> int:
+def _read(spec: TrainSpec) -> Split:
     from rangefinder.data.split import read_split
 
-    split = read_split(spec.split_dir)
-    return len(split.train) + (len(split.val) if spec.train_on == "train+val" else 0)
+    return read_split(spec.split_dir)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # The job file: what every process reads
+
+
+@dataclass(frozen=True)
+class LaunchJob:
+    """What every process of a run reads: the config, the run's spec (its own JSON), where it writes, and where its
+    metrics go (rank 0 reopens the step's MLflow run by its id)."""
+
+    config: RangefinderConfig
+    spec: TrainSpec
+    out_dir: Path
+    save_final: bool
+    step_name: str
+    mlflow_run_id: Optional[str] = None
+    metric_prefix: Optional[str] = None
+    pause_after_update: Optional[int] = None
+
+    def to_json(self) -> dict[str, JSONValue]:
+        return _JOB.dump_python(self, mode="json")
+
+    @classmethod
+    def from_json(cls, data: dict[str, JSONValue]) -> LaunchJob:
+        return _JOB.validate_python(data)
+
+
+_JOB: TypeAdapter[LaunchJob] = TypeAdapter(LaunchJob)
 
 
 def job_dir(out_dir: Path) -> Path:
@@ -148,39 +173,23 @@ def job_dir(out_dir: Path) -> Path:
     return Path(out_dir).parent / f".{Path(out_dir).name}.launch"
 
 
-def write_job(cfg: RangefinderConfig, spec: Any, out_dir: Path, *, save_final: bool, step_name: str,
+def write_job(cfg: RangefinderConfig, spec: TrainSpec, out_dir: Path, *, save_final: bool, step_name: str,
               mlflow_run_id: Optional[str], metric_prefix: Optional[str] = None,
               pause_after_update: Optional[int] = None) -> Path:
     folder = job_dir(out_dir)
     folder.mkdir(parents=True, exist_ok=True)
     for old in [folder / RESULT_NAME, *folder.glob(f"{ERROR_PREFIX}*.json")]:
         old.unlink(missing_ok=True)  # a previous attempt's outcome must not be read as this one's
-    job = {
-        "config": cfg.model_dump(mode="json"),
-        "training": spec.training.model_dump(mode="json"),
-        "validation": spec.validation.model_dump(mode="json"),
-        "split_dir": str(Path(spec.split_dir).resolve()),
-        "model": spec.model.model_dump(mode="json") if isinstance(spec.model, ModelConfig) else
-        (None if spec.model is None else str(spec.model)),
-        "data": spec.data.model_dump(mode="json") if spec.data is not None else None,
-        "train_on": spec.train_on,
-        "sampling": spec.sampling.model_dump(mode="json") if spec.sampling is not None else None,
-        "out_dir": str(Path(out_dir).resolve()),
-        "save_final": save_final,
-        "step_name": step_name,
-        "mlflow_run_id": mlflow_run_id,
-        "metric_prefix": metric_prefix,
-        "pause_after_update": pause_after_update,
-    }
+    job = LaunchJob(config=cfg, spec=replace(spec, split_dir=Path(spec.split_dir).resolve()),
+                    out_dir=Path(out_dir).resolve(), save_final=save_final, step_name=step_name,
+                    mlflow_run_id=mlflow_run_id, metric_prefix=metric_prefix, pause_after_update=pause_after_update)
     path = folder / JOB_NAME
-    write_json(path, job)
+    write_json(path, job.to_json())
     return path
 
 
-def read_result(job: Path) -> Any:
+def read_result(job: Path) -> TrainResult:
     """Rank 0's TrainResult, or the first rank's error as one RangefinderError."""
-    from rangefinder.training.loop import TrainResult
-
     folder = job.parent
     errors = sorted(folder.glob(f"{ERROR_PREFIX}*.json"))
     if errors:
@@ -196,11 +205,7 @@ def read_result(job: Path) -> Any:
             f"the training processes ended without a result ({path} is missing); the log above says why. Run the "
             "step again: it resumes from the newest whole checkpoint"
         )
-    d = json.loads(path.read_text())
-    paths = ("out_dir", "metrics_csv", "updates_csv", "summary_path", "final_dir")
-    d.update({k: Path(d[k]) if d[k] is not None else None for k in paths})
-    d["checkpoints"] = [Path(p) for p in d["checkpoints"]]
-    return TrainResult(**d)
+    return TrainResult.from_json(json.loads(path.read_text()))
 
 
 def torchrun_command(job: Path, nproc: int) -> list[str]:
@@ -227,35 +232,24 @@ def _torchrun(job: Path, nproc: int) -> None:
 
 
 def worker(job_path: Path) -> int:
-    from rangefinder.training.loop import TrainSpec, train
+    from rangefinder.training.loop import train
+    from rangefinder.training.sinks import PrefixedSink
 
-    job = json.loads(Path(job_path).read_text())
+    job = LaunchJob.from_json(json.loads(Path(job_path).read_text()))
     rank = int(os.environ.get("RANK", "0"))
     folder = Path(job_path).parent
     apply_torch_threads()
-    cfg = RangefinderConfig.model_validate(job["config"])
-    model = job["model"]
-    spec = TrainSpec(
-        TrainingConfig.model_validate(job["training"]), ValidationConfig.model_validate(job["validation"]),
-        split_dir=job["split_dir"],
-        model=ModelConfig.model_validate(model) if isinstance(model, dict) else model,
-        data=DataConfig.model_validate(job["data"]) if job["data"] is not None else None,
-        train_on=job["train_on"],
-        sampling=SamplingConfig.model_validate(job["sampling"]) if job.get("sampling") is not None else None,
-    )
-    sink: Any = None
-    if rank == 0 and job.get("mlflow_run_id"):
+    sink = None
+    if rank == 0 and job.mlflow_run_id:
         from rangefinder.tracking.runs import step_metric_sink
 
-        sink = step_metric_sink(cfg, job["mlflow_run_id"], job["step_name"])
-    engine_sink = sink
-    if sink is not None and job.get("metric_prefix"):
-        from rangefinder.training import PrefixedSink
-
-        engine_sink = PrefixedSink(sink, job["metric_prefix"])
+        sink = step_metric_sink(job.config, job.mlflow_run_id, job.step_name)
+    engine_sink: Optional[MetricSink] = sink
+    if sink is not None and job.metric_prefix:
+        engine_sink = PrefixedSink(sink, job.metric_prefix)
     try:
-        result = train(spec, out_dir=job["out_dir"], metric_sink=engine_sink, save_final=job["save_final"],
-                       pause_after_update=job.get("pause_after_update"))
+        result = train(job.spec, out_dir=job.out_dir, metric_sink=engine_sink, save_final=job.save_final,
+                       pause_after_update=job.pause_after_update)
     except RangefinderError as e:
         write_json(folder / f"{ERROR_PREFIX}{rank}.json", {"rank": rank, "type": type(e).__name__, "message": str(e)})
         print(f"rangefinder training process {rank}: error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
@@ -264,7 +258,7 @@ def worker(job_path: Path) -> int:
         if sink is not None:
             sink.close()
     if rank == 0:
-        write_json(folder / RESULT_NAME, result.as_dict())
+        write_json(folder / RESULT_NAME, result.to_json())
     return 0
 
 

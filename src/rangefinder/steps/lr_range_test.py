@@ -10,14 +10,13 @@ proposes the range of a second test ("zoom") by `rangefinder.analysis.zoom`.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from rangefinder.analysis.zoom import ended_above_start, points_between, zoom_range
-from rangefinder.config import RangefinderConfig, TrainingConfig, ValidationConfig, resolve_mixed_precision
+from rangefinder.config import RangefinderConfig, resolve_mixed_precision
 from rangefinder.errors import RangefinderError
 from rangefinder.formats.atomic import write_json
 from rangefinder.steps.launch import batch_note, run_training, step_world_size
@@ -47,25 +46,6 @@ class RangeTestResult:
                 "points_between_bounds": float(self.points_between)}
 
 
-def ramp_training_config(cfg: RangefinderConfig, lr_min: float, lr_max: float) -> TrainingConfig:
-    """The training settings of one sweep from lr_min to lr_max over the range test's epochs."""
-    rt = cfg.lr_range_test
-    return cfg.training.model_copy(update={
-        "schedule": "exp-ramp" if rt.ramp == "exp" else "linear-ramp",
-        "lr_min": lr_min, "lr_max": lr_max, "lr": lr_max, "scale_lr": "none",
-        "epochs": rt.epochs, "steps": None, "world_size": step_world_size(cfg),
-        # The folder is this task's own: a retry (a preempted node) goes on from its newest checkpoint.
-        "resume": True,
-    })
-
-
-def ramp_validation_config(cfg: RangefinderConfig) -> ValidationConfig:
-    every = cfg.lr_range_test.validate_every_updates
-    if every is None:
-        return cfg.validation
-    return cfg.validation.model_copy(update={"every_updates": every})
-
-
 def run_lr_range_test(
     cfg: RangefinderConfig,
     *,
@@ -80,8 +60,9 @@ def run_lr_range_test(
 ) -> RangeTestResult:
     """Sweep, analyse, report; `lr_min`/`lr_max` None: the configured range (a zoom passes its own)."""
     from rangefinder import tracking
-    from rangefinder.analysis import analyze_lr_curve, copy_report, read_curve_csv, write_lr_report
-    from rangefinder.training.loop import TrainSpec
+    from rangefinder.analysis import analyze_lr_curve, copy_report, write_lr_report
+    from rangefinder.data.split import read_split
+    from rangefinder.training.spec import TrainSpec
 
     if stage not in ("first", "zoom"):
         raise RangefinderError(f"lr_range_test stage must be 'first' or 'zoom' (got {stage!r})")
@@ -93,9 +74,10 @@ def run_lr_range_test(
         raise RangefinderError(f"LR range {lo:g}..{hi:g} is empty; lr_min must be above 0 and below lr_max")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    train_cfg = ramp_training_config(cfg, lo, hi)
-    val_cfg = ramp_validation_config(cfg)
-    if not val_cfg.enabled():
+    split = read_split(split_dir)
+    spec = TrainSpec.ramp(cfg, split, split_dir=split_dir, lr_min=lo, lr_max=hi, world_size=step_world_size(cfg))
+    train_cfg = spec.training
+    if not spec.validation.enabled():
         raise RangefinderError("the LR range test measures validation loss: set validation.every_epochs > 0")
 
     step_name = "lr_range_test" if stage == "first" else "lr_range_test_zoom"
@@ -105,10 +87,10 @@ def run_lr_range_test(
                                    "training.mixed_precision_used": precision})
         run.log_dataset_manifest(split_dir)
         work = work_dir(out_dir / "run", f"{mlflow_parent_run_id}/{step_name}" if mlflow_parent_run_id else None)
-        result = run_training(cfg, TrainSpec(train_cfg, val_cfg, split_dir=split_dir, model=cfg.model, data=cfg.data),
-                              out_dir=work, metric_sink=run, save_final=False, step_name=step_name)
+        result = run_training(cfg, spec, out_dir=work, metric_sink=run, save_final=False, step_name=step_name,
+                              split=split)
         publish(work, out_dir / "run")
-        curve = read_curve_csv(result.metrics_csv)
+        curve = result.curve_arrays()
         stabilize = curve.get("stabilize_loss")
         bounds = analyze_lr_curve(curve["lr"], curve["val_loss"], ramp=rt.ramp, stabilize_loss=stabilize,
                                   seed=cfg.validation.seed, divergence_factor=cfg.validation.divergence_factor,
@@ -124,7 +106,7 @@ def run_lr_range_test(
                     "updates": result.updates, "curve_csv": str(result.metrics_csv),
                     "world_size": train_cfg.world_size,
                     "global_batch": train_cfg.batch_size * train_cfg.grad_accum * train_cfg.world_size,
-                    "model_family": json.loads(result.summary_path.read_text()).get("family")}
+                    "model_family": result.family}
         report = write_lr_report(bounds, curve, out_dir / "report",
                                  source=f"{result.metrics_csv}; {batch_note(train_cfg)}")
         copy_report(report, report_html, report_md)

@@ -24,9 +24,8 @@ import contextlib
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import numpy as np
 import torch
@@ -35,7 +34,6 @@ import torch.nn.functional as F
 from rangefinder.config import ValidationConfig
 from rangefinder.formats import checkpoints
 from rangefinder.formats.atomic import atomic_dir, write_json
-from rangefinder.training import UPDATE_METRICS, MetricSink
 from rangefinder.training.checkpointing import (
     OutDirLock,
     outputs_written,
@@ -48,7 +46,6 @@ from rangefinder.training.data import Stream
 from rangefinder.training.samples import TrainingSamples
 from rangefinder.training.setup import (
     Run,
-    TrainSpec,
     check_settings,
     encode_data,
     load_model,
@@ -57,38 +54,18 @@ from rangefinder.training.setup import (
     prepare_run,
     start_accelerator,
 )
+from rangefinder.training.sinks import UPDATE_METRICS, MetricSink
+from rangefinder.training.spec import TrainResult, TrainSpec
 from rangefinder.training.state import RunLog, RunState
 from rangefinder.training.validation import bucket_columns, diverged, validate
 
-
-@dataclass
-class TrainResult:
-    status: str  # "ok" | "diverged" | "paused" (train(pause_after_update=...): a checkpoint, no final weights)
-    updates: int  # optimizer updates taken
-    planned_updates: int
-    epochs: float  # passes over the training set done
-    best_val_loss: Optional[float]
-    best_update: Optional[int]
-    out_dir: Path
-    metrics_csv: Path
-    updates_csv: Path
-    summary_path: Path
-    final_dir: Optional[Path]
-    checkpoints: list[Path] = field(default_factory=list)
-    resumed_from: Optional[int] = None
-    cache: dict[str, dict[str, int]] = field(default_factory=dict)
-
-    def as_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        return {
-            k: (str(v) if isinstance(v, Path) else [str(p) for p in v] if k == "checkpoints" else v)
-            for k, v in d.items()
-        }
+if TYPE_CHECKING:
+    from rangefinder.data.split import Split
 
 
 def train(
     spec: TrainSpec, *, out_dir: Union[str, Path], metric_sink: Optional[MetricSink] = None, save_final: bool = True,
-    pause_after_update: Optional[int] = None,
+    pause_after_update: Optional[int] = None, split: Optional[Split] = None,
 ) -> TrainResult:
     """Train one run and write its curve, checkpoints and final weights (unless `save_final` is off) under out_dir.
 
@@ -96,9 +73,12 @@ def train(
     final weights (status "paused"); the same spec with `training.resume` then goes on from it to the end as if it
     had never stopped. The pause is not part of the run's identity: the successive halving of the fine-tune
     (rangefinder.steps.finetune) trains two LRs half-way this way and continues the better one.
+
+    `split`: the split at spec.split_dir as the step already read it (its images are then hashed once for all the
+    step's runs); None: read here.
     """
     # --- settings: everything that can be wrong fails here, before anything heavy ---------------------------------
-    settings = check_settings(spec, out_dir)
+    settings = check_settings(spec, out_dir, split)
     cfg = settings.cfg
 
     # --- device and precision (the launcher: accelerate) ----------------------------------------------------------
@@ -357,6 +337,9 @@ def _finish(run: Run, state: RunState, *, save_final: bool, seconds: float, cpu_
         checkpoints=checkpoints.list_checkpoints(settings.ckpt_root),
         resumed_from=state.resumed_from,
         cache={"latents": run.data.latent_stats.as_dict(), "text": run.data.text_stats.as_dict()},
+        family=run.family.name,
+        curve={c: tuple(float("nan") if r.get(c) is None else float(r[c]) for r in log.metrics_rows)
+               for c in log.metric_columns},
     )
     if run.main:
         updates_here = state.update - (state.resumed_from or 0)

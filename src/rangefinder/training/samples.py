@@ -43,7 +43,7 @@ import torch
 
 from rangefinder.errors import ConfigError
 from rangefinder.formats.atomic import atomic_path, write_json
-from rangefinder.training import ImageSink
+from rangefinder.training.sinks import ImageSink
 from rangefinder.training.validation import preserved_rng
 
 if TYPE_CHECKING:

@@ -9,7 +9,7 @@ import contextlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import numpy as np
 import torch
@@ -18,13 +18,13 @@ from rangefinder.config import (
     DataConfig,
     ModelConfig,
     Plan,
-    SamplingConfig,
     TrainingConfig,
     ValidationConfig,
     plan_for,
     resolve_mixed_precision,
 )
-from rangefinder.data.buckets import BucketSettings, Placement, Size, bucket_array, bucket_name, image_size, place
+from rangefinder.data.buckets import BucketSettings, Placement, Size, bucket_array, bucket_name
+from rangefinder.data.split import place_items
 from rangefinder.errors import ConfigError, DataError
 from rangefinder.formats import checkpoints
 from rangefinder.training.caching import (
@@ -46,6 +46,7 @@ from rangefinder.training.families import family_for
 from rangefinder.training.family import Denoiser, Family, ImageGeometry
 from rangefinder.training.methods import make_method
 from rangefinder.training.schedules import LRSchedule, make_schedule
+from rangefinder.training.spec import TrainOn, TrainSpec
 from rangefinder.training.validation import Shard, ValidationSet
 
 if TYPE_CHECKING:
@@ -55,29 +56,6 @@ if TYPE_CHECKING:
     from rangefinder.data.split import Split
     from rangefinder.models.loading import SDComponents
     from rangefinder.training.methods.base import Method
-
-TrainOn = Literal["train", "train+val"]
-
-
-@dataclass(frozen=True)
-class TrainSpec:
-    """What one training run trains: its settings, the split it reads its images from, and the base model.
-
-    `data` gives the resolution, crop and aspect-ratio buckets (None: the base model's native resolution, every
-    image centre-cropped to a square).
-    `train_on="train+val"` trains on both sets (the full-data retrain); the val set is then not measured.
-    `sampling` asks for samples during training (samples.py: at the validations `every_validations` picks); None:
-    none.
-    """
-
-    training: TrainingConfig
-    validation: ValidationConfig
-    split_dir: Union[str, Path]
-    model: Union[ModelConfig, str, Path, None]
-    data: Optional[DataConfig] = None
-    train_on: TrainOn = "train"
-    sampling: Optional[SamplingConfig] = None
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # Settings: everything that can be wrong fails here, before anything heavy
@@ -115,7 +93,8 @@ class RunSettings:
         return self.val_cfg.enabled() and any(self.val_items.values())
 
 
-def check_settings(spec: TrainSpec, out_dir: Union[str, Path]) -> RunSettings:
+def check_settings(spec: TrainSpec, out_dir: Union[str, Path], split: Optional[Split] = None) -> RunSettings:
+    """`split`: the one at spec.split_dir as the step already read it (None: read here)."""
     from rangefinder.data.split import file_hashes, read_split
 
     cfg, val_cfg = _revalidated(spec.training), _revalidated(spec.validation)
@@ -123,7 +102,8 @@ def check_settings(spec: TrainSpec, out_dir: Union[str, Path]) -> RunSettings:
     split_dir, model, train_on = spec.split_dir, spec.model, spec.train_on
     if train_on not in ("train", "train+val"):
         raise ConfigError(f"train_on must be 'train' or 'train+val' (got {train_on!r})")
-    split = read_split(split_dir)
+    if split is None:
+        split = read_split(split_dir)
     train_items = list(split.train) + (list(split.val) if train_on == "train+val" else [])
     if not train_items:
         raise DataError(f"split {split_dir} has no training images; re-run `rangefinder split` with more images")
@@ -141,8 +121,13 @@ def check_settings(spec: TrainSpec, out_dir: Union[str, Path]) -> RunSettings:
         index = {b: i for i, b in enumerate(train_buckets)}
         train_bucket_of = [index[placements[it.id].bucket] for it in train_items]
         bucket_counts = [train_bucket_of.count(i) for i in range(len(train_buckets))]
-    # ConfigError e.g. for a batch larger than the set with drop_last
-    run_plan = plan_for(cfg, len(train_items), bucket_counts)
+    # The step's constructor planned the run from the same split (TrainSpec.plan_from); a spec built by hand is planned
+    # here. ConfigError e.g. for a batch larger than the set with drop_last.
+    run_plan = spec.plan if spec.plan is not None else plan_for(cfg, len(train_items), bucket_counts)
+    if run_plan.train_images != len(train_items) or run_plan.bucket_counts != (
+            bucket_counts if bucket_counts is not None and len(bucket_counts) > 1 else None):
+        raise ConfigError(f"the run's plan counts {run_plan.train_images} training images but split {split_dir} has "
+                          f"{len(train_items)} (or other buckets); build the spec from the split it trains on")
     schedule = make_schedule(cfg, run_plan.total_updates, run_plan.updates_per_epoch, run_plan.lr or cfg.lr)
     method = make_method(cfg)
     if cfg.use_8bit_adam and not torch.cuda.is_available():
@@ -159,19 +144,6 @@ def check_settings(spec: TrainSpec, out_dir: Union[str, Path]) -> RunSettings:
                        compile=resolve_compile(cfg.compile, run_plan.total_updates, torch.cuda.is_available()),
                        buckets=buckets, placements=placements, train_buckets=train_buckets,
                        train_bucket_of=train_bucket_of)
-
-
-def place_items(split: Split, items: list[Item], buckets: BucketSettings) -> dict[int, Placement]:
-    """Each item's bucket, from the size the split recorded (or, in an older split, the image file's header)."""
-    out = {}
-    for it in items:
-        if it.id not in out:
-            try:
-                size = it.size or image_size(split.path_of(it))
-            except OSError as e:
-                raise DataError(f"cannot read image {split.path_of(it)} ({e}); restore it, or split again") from None
-            out[it.id] = place(size, buckets)
-    return out
 
 
 # Runs of more updates than this compile under training.compile=auto. Why 1000: regional compilation of SD 1.5's

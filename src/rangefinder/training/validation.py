@@ -33,12 +33,12 @@ from typing import TYPE_CHECKING, Any, Optional
 import numpy as np
 import torch
 
-from rangefinder.training import MEASURED_PREFIXES
+from rangefinder.training.sinks import MEASURED_PREFIXES
 
 if TYPE_CHECKING:
-    from rangefinder.training import MetricSink
     from rangefinder.training.family import Denoiser
     from rangefinder.training.setup import Run
+    from rangefinder.training.sinks import MetricSink
     from rangefinder.training.state import RunState
 
 
