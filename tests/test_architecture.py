@@ -2,8 +2,9 @@
 
 The graph is read from the source (the AST of every module under src/rangefinder), not from what a test run happened
 to import, so it includes imports inside functions and `importlib.import_module(...)` calls whose name is a literal or
-an f-string with a literal prefix. It is kept at module granularity: `from pkg import name` is an edge to `pkg.name`
-when that is a module, else to `pkg`.
+an f-string with a literal prefix. The strict cycle test also counts imports that only type checkers run and a
+package's __init__ importing its own submodules (so a submodule importing the package back closes a loop). It is kept
+at module granularity: `from pkg import name` is an edge to `pkg.name` when that is a module, else to `pkg`.
 
 Layers, lowest first (a module may import its own layer and those below):
     base       config, errors, defaults, container_images, the root package
@@ -342,6 +343,26 @@ def test_graph_sees_function_local_and_dynamic_imports(tmp_path):
     assert find_cycles(graph) == [["pkg.a", "pkg.b", "pkg.sub.c", "pkg.a"]]
 
 
+def test_the_strict_graph_sees_a_type_only_loop_and_a_loop_through_the_package_face(tmp_path):
+    """What the strict cycle test reads and the default one leaves out: a loop closed by a TYPE_CHECKING import (as
+    setup -> checkpointing -> setup once was), and a submodule importing its package's __init__ that imports it back
+    (as training.loop -> training -> training.loop once was)."""
+    sources = _write_package(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/setup.py": "from pkg.ckpt import save\n",
+            "pkg/ckpt.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.setup import Run\n",
+            "pkg/eng/__init__.py": "SINK = 1\n\ndef __getattr__(name):\n    from pkg.eng import loop\n"
+                                   "    return loop\n",
+            "pkg/eng/loop.py": "from pkg.eng import SINK\n",
+        },
+    )
+    assert find_cycles(import_graph(sources)) == []
+    strict = import_graph(sources, include_type_only=True, include_own_submodules=True)
+    assert find_cycles(strict) == [["pkg.ckpt", "pkg.setup", "pkg.ckpt"], ["pkg.eng", "pkg.eng.loop", "pkg.eng"]]
+
+
 def test_graph_resolves_from_imports_of_names_and_of_modules(tmp_path):
     sources = _write_package(
         tmp_path,
@@ -383,6 +404,16 @@ def test_every_module_has_a_layer(sources):
 def test_no_import_cycles(sources):
     cycles = find_cycles(import_graph(sources))
     assert not cycles, "import cycles:\n" + "\n".join("  " + " -> ".join(c) for c in cycles)
+
+
+def test_no_import_cycles_counting_type_only_imports_and_package_faces(sources):
+    """No loop either through an import under `if TYPE_CHECKING:` (it never runs, but it says one module's meaning
+    depends on the other's: a hidden loop of acts) or through a package's `__init__` that a module inside the package
+    imports back (five training modules once went round training/__init__.py's lazy `train`)."""
+    graph = import_graph(sources, include_type_only=True, include_own_submodules=True)
+    cycles = find_cycles(graph)
+    assert not cycles, "import cycles (type-only imports and package faces counted):\n" + "\n".join(
+        "  " + " -> ".join(c) for c in cycles)
 
 
 def test_layers_import_only_downwards(sources, imports):

@@ -72,7 +72,7 @@ def test_server_killed_mid_training_then_relogged(tmp_path, split_dir, tiny_mode
 
         def step(name: str, sink_of) -> tuple[str, float, Path]:
             from rangefinder.training.loop import train
-            from rangefinder.training.setup import TrainSpec
+            from rangefinder.training.spec import TrainSpec
 
             start = time.monotonic()
             with step_run(cfg, name, spool_dir=tmp_path / "spool") as run:

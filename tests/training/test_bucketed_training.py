@@ -309,7 +309,7 @@ def test_a_bucket_the_model_cannot_take_is_one_clear_error(tiny_model_dir):
     from rangefinder.config import ModelConfig
     from rangefinder.errors import ConfigError
     from rangefinder.models.loading import load_sd_components
-    from rangefinder.training.setup import check_bucket_sides
+    from rangefinder.training.encoding import check_bucket_sides
 
     sd = load_sd_components(ModelConfig(base_model=str(tiny_model_dir)))
     check_bucket_sides(sd, {(24, 40), (32, 32)}, DATA)  # multiples of 8: fine
@@ -320,8 +320,9 @@ def test_a_bucket_the_model_cannot_take_is_one_clear_error(tiny_model_dir):
 def test_sdxl_trains_on_buckets_conditioned_on_each_images_size_and_crop(split_report, tiny_sdxl_dir, tmp_path):
     """SDXL's add_time_ids come from each image's placement (original size, crop, bucket), and a bucketed SDXL run
     trains and validates across the bucket shapes."""
+    from rangefinder.training.encoding import image_geometry
     from rangefinder.training.family_sdxl import add_time_ids
-    from rangefinder.training.setup import check_settings, image_geometry
+    from rangefinder.training.setup import check_settings
 
     split_dir = split_report[0]
     cfg = TrainingConfig(batch_size=2, steps=2, seed=5, cache_dir=str(tmp_path / "cache"))
@@ -346,7 +347,7 @@ def test_sdxl_centre_crop_geometry_is_diffusers(tmp_path):
     train_text_to_image_sdxl.py records it."""
     from PIL import Image
 
-    from rangefinder.training.setup import image_geometry
+    from rangefinder.training.encoding import image_geometry
 
     path = tmp_path / "wide.png"
     Image.new("RGB", (80, 40)).save(path)

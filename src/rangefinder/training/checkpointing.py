@@ -34,7 +34,7 @@ from rangefinder.errors import ConfigError, RangefinderError
 from rangefinder.formats import checkpoints
 
 if TYPE_CHECKING:
-    from rangefinder.training.setup import Run
+    from rangefinder.training.run import Run
     from rangefinder.training.state import RunState
 
 _log = logging.getLogger(__name__)

@@ -2,10 +2,13 @@
 
 `train()` reads top to bottom: setup (settings -> device -> model -> data -> optimizer -> resume) -> the loop (one
 update, validation, checkpoint) -> finish (final weights and summary). The acts live in sibling modules:
-- setup.py: the settings checks, the launcher (accelerate), model loading, the encoded data, the optimizer and EMA;
+- spec.py: the run's request and answer (TrainSpec, TrainResult); run.py: the run's types (RunSettings, Run);
+- setup.py: the settings checks, the launcher (accelerate), model loading, the optimizer and EMA; encoding.py: the
+  encoded data;
 - family.py: the model family (how captions become conditioning, what the UNet predicts);
 - methods/: what trains and what is saved (full fine-tuning, LoRA, textual inversion);
-- data.py: which images go into each micro-batch; validation.py: the measurement and a row of the curve;
+- data.py: which images go into each micro-batch; validation.py: the measurement (a row of the curve: `validate`,
+  here);
 - samples.py: the prompts rendered from the current weights at chosen validations (`samples/`, and MLflow);
 - state.py: what the loop changes (RunState, and the CSV log); checkpointing.py: saving and resuming it.
 
@@ -43,21 +46,28 @@ from rangefinder.training.checkpointing import (
     update_finite,
 )
 from rangefinder.training.data import Stream
+from rangefinder.training.encoding import encode_data
+from rangefinder.training.run import Run
 from rangefinder.training.samples import TrainingSamples
 from rangefinder.training.setup import (
-    Run,
     check_settings,
-    encode_data,
     load_model,
     memory_advice,
     native_data_config,
     prepare_run,
     start_accelerator,
 )
-from rangefinder.training.sinks import UPDATE_METRICS, MetricSink
+from rangefinder.training.sinks import MEASURED_PREFIXES, UPDATE_METRICS, MetricSink
 from rangefinder.training.spec import TrainResult, TrainSpec
 from rangefinder.training.state import RunLog, RunState
-from rangefinder.training.validation import bucket_columns, diverged, validate
+from rangefinder.training.validation import (
+    PairScoring,
+    ValidationSet,
+    bucket_columns,
+    diverged,
+    measure_subset,
+    preserved_rng,
+)
 
 if TYPE_CHECKING:
     from rangefinder.data.split import Split
@@ -246,6 +256,48 @@ def _micro_batch_loss(run: Run, gen: torch.Generator, j: int, images_in_update: 
     weighted = per_image * run.family.loss_weights(timesteps, cfg.min_snr_gamma)
     run.accelerator.backward(weighted.sum() * weight)
     return per_image.detach().double().sum() * (weight > 0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Validation: one row of the curve
+
+
+def validate(run: Run, state: RunState, metric_sink: Optional[MetricSink], last: bool = False) -> None:
+    """One row of metrics.csv: mean and per-bucket losses on val and stabilize, RNGs untouched. The stabilize
+    subset is measured at every `stabilize_every`th row (the row count survives a resume) and at the last."""
+    val_cfg, log = run.val_cfg, state.log
+    nth = len(log.metrics_rows)
+    # With EMA on, the EMA weights are measured, so the step window is read on the model that is saved (diffusers'
+    # example trainers validate the same way); not on ramps, where the average lags behind the climbing LR and would
+    # shift the range test's curve towards higher LRs, the lag the analysis avoids.
+    with preserved_rng((state.train_gen,)), run.ema_weights(on=not run.schedule.is_ramp):
+        for m in run.modules.values():
+            m.eval()
+        row: dict[str, Any] = {"update": state.update, "epoch": run.stream.epochs_after(state.micro_batches_done)}
+        # The update-0 baseline has taken no step: its LR is 0, the start of a range test's curve.
+        row["lr"] = log.update_rows[-1]["lr"] if log.update_rows else 0.0
+        row["train_loss"] = state.train_loss_since_row()
+        scoring = PairScoring(val_cfg.timesteps, val_cfg.seed, val_cfg.batch_size, run.device)
+        subsets: dict[str, list[ValidationSet]] = {}
+        for vset in run.data.val_sets:  # one set per subset and aspect-ratio bucket
+            subsets.setdefault(vset.name, []).append(vset)
+        for name, vsets in subsets.items():
+            sparse = name == "stabilize" and len(subsets) > 1 and not last
+            if sparse and nth % val_cfg.stabilize_every != 0:
+                continue
+            mean, buckets, by_shape = measure_subset(vsets, run.eval_denoiser, scoring, shard=run.val_shard)
+            row[f"{name}_loss"] = mean
+            row.update({f"{name}_loss_b{k}": b for k, b in enumerate(buckets)})
+            if len(vsets) > 1:  # the loss of each aspect-ratio bucket: val_loss_40x24, ...
+                row.update({f"{name}_loss_{shape}": loss for shape, loss in by_shape.items()})
+        for m in run.modules.values():
+            m.train()
+    state.start_row()
+    log.add_metrics(row)
+    if metric_sink is not None and run.main:
+        # Only the measurements: lr, epoch and the per-update train loss were logged with the update itself.
+        measured = {k: float(v) for k, v in row.items() if k.startswith(MEASURED_PREFIXES) and v is not None}
+        metric_sink.log_metrics(measured, state.update)
 
 
 # ---------------------------------------------------------------------------------------------------------------

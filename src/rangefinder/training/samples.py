@@ -48,7 +48,7 @@ from rangefinder.training.validation import preserved_rng
 
 if TYPE_CHECKING:
     from rangefinder.config import Plan, SamplingConfig, ValidationConfig
-    from rangefinder.training.setup import Run
+    from rangefinder.training.run import Run
     from rangefinder.training.state import RunState
 
 _log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 `RunLog` (the rows of metrics.csv and updates.csv so far).
 
 A checkpoint saves the state (checkpointing.py) and a resume puts it back, so a resumed run goes on exactly as if
-it had never stopped. Everything else the loop uses is fixed once setup is done (setup.Run).
+it had never stopped. Everything else the loop uses is fixed once setup is done (run.Run).
 """
 
 from __future__ import annotations

@@ -33,13 +33,8 @@ from typing import TYPE_CHECKING, Any, Optional
 import numpy as np
 import torch
 
-from rangefinder.training.sinks import MEASURED_PREFIXES
-
 if TYPE_CHECKING:
     from rangefinder.training.family import Denoiser
-    from rangefinder.training.setup import Run
-    from rangefinder.training.sinks import MetricSink
-    from rangefinder.training.state import RunState
 
 
 @dataclass
@@ -232,44 +227,6 @@ def _pair_losses(
         per_pair.append(((pred.float() - target.float()) ** 2).mean(dim=(1, 2, 3)).double())
     # One copy back per pass (no device sync per batch); the caller sums in float64 in pair order.
     return torch.cat(per_pair).cpu().tolist()
-
-
-def validate(run: Run, state: RunState, metric_sink: Optional[MetricSink], last: bool = False) -> None:
-    """One row of metrics.csv: mean and per-bucket losses on val and stabilize, RNGs untouched. The stabilize
-    subset is measured at every `stabilize_every`th row (the row count survives a resume) and at the last."""
-    val_cfg, log = run.val_cfg, state.log
-    nth = len(log.metrics_rows)
-    # With EMA on, the EMA weights are measured, so the step window is read on the model that is saved (diffusers'
-    # example trainers validate the same way); not on ramps, where the average lags behind the climbing LR and would
-    # shift the range test's curve towards higher LRs, the lag the analysis avoids.
-    with preserved_rng((state.train_gen,)), run.ema_weights(on=not run.schedule.is_ramp):
-        for m in run.modules.values():
-            m.eval()
-        row: dict[str, Any] = {"update": state.update, "epoch": run.stream.epochs_after(state.micro_batches_done)}
-        # The update-0 baseline has taken no step: its LR is 0, the start of a range test's curve.
-        row["lr"] = log.update_rows[-1]["lr"] if log.update_rows else 0.0
-        row["train_loss"] = state.train_loss_since_row()
-        scoring = PairScoring(val_cfg.timesteps, val_cfg.seed, val_cfg.batch_size, run.device)
-        subsets: dict[str, list[ValidationSet]] = {}
-        for vset in run.data.val_sets:  # one set per subset and aspect-ratio bucket
-            subsets.setdefault(vset.name, []).append(vset)
-        for name, vsets in subsets.items():
-            sparse = name == "stabilize" and len(subsets) > 1 and not last
-            if sparse and nth % val_cfg.stabilize_every != 0:
-                continue
-            mean, buckets, by_shape = measure_subset(vsets, run.eval_denoiser, scoring, shard=run.val_shard)
-            row[f"{name}_loss"] = mean
-            row.update({f"{name}_loss_b{k}": b for k, b in enumerate(buckets)})
-            if len(vsets) > 1:  # the loss of each aspect-ratio bucket: val_loss_40x24, ...
-                row.update({f"{name}_loss_{shape}": loss for shape, loss in by_shape.items()})
-        for m in run.modules.values():
-            m.train()
-    state.start_row()
-    log.add_metrics(row)
-    if metric_sink is not None and run.main:
-        # Only the measurements: lr, epoch and the per-update train loss were logged with the update itself.
-        measured = {k: float(v) for k, v in row.items() if k.startswith(MEASURED_PREFIXES) and v is not None}
-        metric_sink.log_metrics(measured, state.update)
 
 
 def bucket_columns(val_sets: list[ValidationSet]) -> list[str]:
