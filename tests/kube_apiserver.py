@@ -1,6 +1,6 @@
 """A loopback Kubernetes API server for the TrainJob lifecycle tests: the cluster, not the thing under test.
 
-The multi-node training steps (rangefinder.steps.trainjob) talk to Kubernetes through the real `kubernetes` client
+The multi-node training steps (rangefinder.launch.trainjob) talk to Kubernetes through the real `kubernetes` client
 and the Kubeflow SDK's TrainerClient. No kube-apiserver binary can be had here, so this module serves, on
 127.0.0.1, exactly the REST paths those two call, with Kubernetes' JSON shapes:
 

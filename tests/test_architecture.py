@@ -10,6 +10,7 @@ Layers, lowest first (a module may import its own layer and those below):
     base       config, errors, defaults, container_images, the root package
     formats    on-disk formats: the atomic writer, checkpoints, exports
     library    data, models, training, analysis, tracking, sampling
+    launch     how a training step's run starts: one process, torchrun on one node, a TrainJob on several
     steps      one module per KFP step
     pipelines  the KFP DAG, its components, compile/submit
     cli        the `rangefinder` command
@@ -45,11 +46,12 @@ LAYERS: dict[str, int] = {
     "analysis": 2,
     "tracking": 2,
     "sampling": 2,
-    "steps": 3,
-    "pipelines": 4,
-    "cli": 5,
+    "launch": 3,
+    "steps": 4,
+    "pipelines": 5,
+    "cli": 6,
 }
-LAYER_NAMES = {0: "base", 1: "formats", 2: "library", 3: "steps", 4: "pipelines", 5: "cli"}
+LAYER_NAMES = {0: "base", 1: "formats", 2: "library", 3: "launch", 4: "steps", 5: "pipelines", 6: "cli"}
 
 # Third-party libraries a part of the package must never import, at module level or inside a function.
 BANNED_LIBRARIES: dict[str, tuple[str, ...]] = {

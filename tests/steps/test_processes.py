@@ -27,7 +27,7 @@ from rangefinder.config import RangefinderConfig, SamplingConfig, resolve_proces
 from rangefinder.data.split import read_split
 from rangefinder.errors import ConfigError
 from rangefinder.formats import checkpoints
-from rangefinder.steps import launch
+from rangefinder.launch import processes as launch
 from rangefinder.training.samples import read_index
 from rangefinder.training.spec import TrainSpec
 

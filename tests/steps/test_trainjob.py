@@ -1,6 +1,6 @@
 """Training across nodes: the Kubeflow Trainer v2 TrainJob the training steps build, and the pipeline that submits it.
 
-The TrainJob is built by the Kubeflow SDK's own code (rangefinder.steps.trainjob) and checked against the TrainJob
+The TrainJob is built by the Kubeflow SDK's own code (rangefinder.launch.trainjob) and checked against the TrainJob
 CRD's OpenAPI schema and the `torch-distributed` runtime of kubeflow/trainer v2.3.0 (fixtures/, README there). No
 cluster is needed; the check for a cluster without Trainer talks to a loopback HTTP server that answers the two
 Kubernetes API calls it makes. The TrainJob's lifecycle (wait, logs, deletion) is in test_trainjob_lifecycle.py.
@@ -18,7 +18,8 @@ import yaml
 
 from rangefinder.config import RangefinderConfig
 from rangefinder.errors import ConfigError
-from rangefinder.steps import launch, trainjob
+from rangefinder.launch import processes as launch
+from rangefinder.launch import trainjob
 from tests import kube_apiserver
 from tests.kube_apiserver import FIXTURES, check_against_crd
 
@@ -64,7 +65,7 @@ def test_the_trainjob_fits_the_crd_and_the_runtime(trainjob_schema, runtime, mon
     assert t["numNodes"] == 2 and t["image"] == cfg.kubernetes.image
     # torchrun reads nodes, node rank and master from the runtime's PET_* variables and, with 8 GPUs per node,
     # 8 processes per node: the entrypoint adds no launcher flags of its own.
-    assert t["command"] == ["torchrun", "-m", "rangefinder.steps.launch", str(JOB)]
+    assert t["command"] == ["torchrun", "-m", "rangefinder.launch.processes", str(JOB)]
     assert t["resourcesPerNode"]["limits"] == t["resourcesPerNode"]["requests"] == \
         {"nvidia.com/gpu": 8, "cpu": "8", "memory": "48Gi"}
     env = {e["name"]: e["value"] for e in t["env"]}

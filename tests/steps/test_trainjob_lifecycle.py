@@ -1,4 +1,4 @@
-"""The TrainJob's lifecycle, end to end: the multi-node training steps' own code (rangefinder.steps.trainjob), the
+"""The TrainJob's lifecycle, end to end: the multi-node training steps' own code (rangefinder.launch.trainjob), the
 Kubeflow SDK's TrainerClient and the kubernetes client, unmodified, against a loopback Kubernetes API server
 (tests/kube_apiserver.py) reached through a real kubeconfig (KUBECONFIG).
 
@@ -25,7 +25,8 @@ import pytest
 
 from rangefinder.config import RangefinderConfig
 from rangefinder.errors import RangefinderError
-from rangefinder.steps import launch, trainjob
+from rangefinder.launch import processes as launch
+from rangefinder.launch import trainjob
 from tests.kube_apiserver import GROUP, Cluster, check_against_crd, loopback_cluster
 
 NS = "team-a"
@@ -181,7 +182,8 @@ def test_sigterm_deletes_the_trainjob(cluster, tmp_path):
         from pathlib import Path
         from rangefinder.config import RangefinderConfig
         from rangefinder.errors import RangefinderError
-        from rangefinder.steps import launch, trainjob
+        from rangefinder.launch import processes as launch
+        from rangefinder.launch import trainjob
         cfg = RangefinderConfig.model_validate_json(Path(sys.argv[1]).read_text())
         try:
             trainjob.run_trainjob(cfg, Path(sys.argv[2]), step_name="finetune", processes_per_node=1,
@@ -233,7 +235,7 @@ def test_the_owner_is_the_submitting_pod_only_inside_a_kfp_pod_of_the_same_names
 def test_a_two_node_trainjob_trains_and_the_step_reads_its_result(cluster, split_dir, tiny_model_dir, tmp_path,
                                                                    capsys, monkeypatch):
     """The whole path: the step (launch.run_training) copies the split onto the data volume, writes the job file and
-    submits the TrainJob; the loopback kubelet runs each node's own command (torchrun -m rangefinder.steps.launch
+    submits the TrainJob; the loopback kubelet runs each node's own command (torchrun -m rangefinder.launch.processes
     JOB, 2 nodes x 1 gloo process, with Trainer's PET_* variables); the step streams node 0's real output and reads
     rank 0's result from the volume."""
     from rangefinder.data.split import read_split

@@ -23,8 +23,8 @@ from typing import Any, Optional
 
 from rangefinder.config import RangefinderConfig
 from rangefinder.errors import STEP_ERROR_PREFIX, ConfigError, RangefinderError
+from rangefinder.launch.processes import THREADS_ENV
 from rangefinder.pipelines.progress import StepProgress, step_name
-from rangefinder.steps.launch import THREADS_ENV
 from rangefinder.tracking.redaction import RedactingWriter, redact, safe_uri
 from rangefinder.tracking.spool import SPOOL_ENV
 

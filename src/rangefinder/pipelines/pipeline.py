@@ -65,7 +65,7 @@ def configure_task(task: dsl.PipelineTask, step: str, k8s: KubernetesConfig, loc
     """The pod settings of one step, from the config. `local`: for kfp.local, which ignores pod settings but does
     pass a task's environment variables on, so the cluster's paths and URIs are left out. `num_nodes` > 1: the
     training runs (TRAINJOB_STEPS) go to a Kubeflow Trainer TrainJob that this step's pod submits and watches
-    (rangefinder.steps.trainjob); the pod itself then needs no GPU, only the volume, the secrets and its namespace."""
+    (rangefinder.launch.trainjob); the pod itself then needs no GPU, only the volume, the secrets and its namespace."""
     training = step in TRAINING_STEPS
     if local:
         task.set_caching_options(False)  # a local rerun is meant to run again

@@ -25,7 +25,7 @@ from rangefinder.config import RangefinderConfig, resolve_mixed_precision
 from rangefinder.errors import RangefinderError
 from rangefinder.formats import checkpoints
 from rangefinder.formats.atomic import write_json, write_text
-from rangefinder.steps.launch import batch_note, run_training, step_world_size
+from rangefinder.launch.processes import batch_note, run_training, step_world_size
 from rangefinder.steps.workdir import publish, work_dir
 
 if TYPE_CHECKING:

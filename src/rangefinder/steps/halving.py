@@ -64,7 +64,7 @@ def run_halving(cfg: RangefinderConfig, spec: TrainSpec, work: Path, *, lr_mid: 
     (halving.json): the kept candidate's name and LR, the pause, and each candidate's LR, best validation loss so
     far, where, its status and its curve. Goes on from whatever a killed attempt left. `split`: the one at
     spec.split_dir as the step read it; `spec.plan` gives the fine-tune's updates."""
-    from rangefinder.steps.launch import run_training
+    from rangefinder.launch.processes import run_training
     from rangefinder.training.sinks import PrefixedSink
 
     root = Path(work) / HALVING_DIR

@@ -19,7 +19,7 @@ from rangefinder.analysis.zoom import ended_above_start, points_between, zoom_ra
 from rangefinder.config import RangefinderConfig, resolve_mixed_precision
 from rangefinder.errors import RangefinderError
 from rangefinder.formats.atomic import write_json
-from rangefinder.steps.launch import batch_note, run_training, step_world_size
+from rangefinder.launch.processes import batch_note, run_training, step_world_size
 from rangefinder.steps.workdir import publish, work_dir
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 from rangefinder.config import RangefinderConfig, resolve_mixed_precision
-from rangefinder.steps.launch import run_training, step_world_size
+from rangefinder.launch.processes import run_training, step_world_size
 from rangefinder.steps.workdir import publish, work_dir
 
 

@@ -54,8 +54,8 @@ def run_sample_images(cfg: RangefinderConfig, *, finetuned_dir: Path, retrained_
                       out_dir: Path, grid_html: Optional[Path] = None,
                       mlflow_parent_run_id: Optional[str] = None) -> dict:
     from rangefinder import tracking
+    from rangefinder.launch.processes import apply_torch_threads
     from rangefinder.sampling import render_grid
-    from rangefinder.steps.launch import apply_torch_threads
 
     apply_torch_threads()
     models, labels = grid_columns(cfg, finetuned_dir, retrained_dir)

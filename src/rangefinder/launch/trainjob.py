@@ -8,7 +8,7 @@ torchrun reads (nodes, node rank, master address and port, processes per node). 
 
     torchrun [--nproc_per_node N] -m <the launcher module> <job file on the data volume>
 
-so every process rebuilds the same run from the job file, as on one node (rangefinder.steps.launch). Each node gets
+so every process rebuilds the same run from the job file, as on one node (rangefinder.launch.processes). Each node gets
 the step's image, the data volume (split copy, caches, work folder, job file), the MLflow and Hugging Face Secrets as
 secret references (never values), the pod labels MLflow's NetworkPolicy admits, the node selector, tolerations and
 the GPUs, CPU and memory of `kubernetes.*`, per node. The step then streams node 0's log into its own log, waits for
@@ -56,7 +56,7 @@ def trainjob_name(job: Path, step_name: str) -> str:
 def trainer_and_options(cfg: RangefinderConfig, job: Path, name: str, processes_per_node: int,
                         worker_module: str) -> tuple[Any, list]:
     """The SDK's CustomTrainerContainer and options (name, labels, command, deadline, runtime patch) of the TrainJob
-    whose nodes run `torchrun -m <worker_module> <job>` (rangefinder.steps.launch passes itself). `run_trainjob`
+    whose nodes run `torchrun -m <worker_module> <job>` (rangefinder.launch.processes passes itself). `run_trainjob`
     hands exactly these to TrainerClient.train; `trainjob_manifest` builds the object they make."""
     from kubeflow.trainer import CustomTrainerContainer
     from kubeflow.trainer.options import (

@@ -4,10 +4,10 @@ The range test, the fine-tune and the retrain call `run_training` instead of the
 
 - one process (`training.processes_per_node` resolves to 1, one node): `train()` in the step's own process;
 - several processes on one node: PyTorch's own launcher, `python -m torch.distributed.run --standalone
-  --nproc_per_node N -m rangefinder.steps.launch JOB.json`; each process runs `train()` (accelerate + DDP; gloo on
+  --nproc_per_node N -m rangefinder.launch.processes JOB.json`; each process runs `train()` (accelerate + DDP; gloo on
   CPU, NCCL on GPUs) and rank 0 writes the result;
 - several nodes (`distributed.num_nodes` > 1): a Kubeflow Trainer v2 TrainJob whose runtime (`torch-distributed`)
-  runs torchrun on every node with the same entrypoint (rangefinder.steps.trainjob).
+  runs torchrun on every node with the same entrypoint (rangefinder.launch.trainjob).
 
 JOB.json (a `LaunchJob`) holds the whole config (no credentials: the config refuses them; they come from the
 environment) and the run's TrainSpec as its own JSON, so every process, on any node, rebuilds the same run. The
@@ -39,7 +39,7 @@ from rangefinder.training.spec import JSONValue, TrainResult, TrainSpec
 if TYPE_CHECKING:
     from rangefinder.data.split import Split
 
-WORKER_MODULE = "rangefinder.steps.launch"  # this module: `python -m` runs `worker` in every process
+WORKER_MODULE = "rangefinder.launch.processes"  # this module: `python -m` runs `worker` in every process
 JOB_NAME = "launch-job.json"
 RESULT_NAME = "launch-result.json"
 ERROR_PREFIX = "launch-error-"
@@ -124,7 +124,7 @@ def run_training(cfg: RangefinderConfig, spec: TrainSpec, *, out_dir: Path, metr
                     mlflow_run_id=getattr(metric_sink, "run_id", None),
                     metric_prefix=getattr(metric_sink, "prefix", None), pause_after_update=pause_after_update)
     if cfg.distributed.num_nodes > 1:
-        from rangefinder.steps.trainjob import run_trainjob
+        from rangefinder.launch.trainjob import run_trainjob
 
         run_trainjob(cfg, job, step_name=step_name, processes_per_node=processes_per_node(cfg),
                      worker_module=WORKER_MODULE)
