@@ -5,8 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from rangefinder.config import RangefinderConfig, demo_config, load_config, parse_config, plan, val_count
+from rangefinder.config import RangefinderConfig, demo_config, load_config, parse_config
 from rangefinder.errors import ConfigError
+from rangefinder.planning import plan, val_count
 
 
 @pytest.mark.parametrize(

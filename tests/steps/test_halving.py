@@ -58,11 +58,11 @@ def one_thread():
 def counted_reads():
     """Counts of the real `read_split`, `plan` (the planner under every plan_for) and sha256 of each image file (the
     check of the split's images), each wrapped so that it still does its work."""
-    import rangefinder.config as config
     import rangefinder.data.split as split_module
+    import rangefinder.planning as planning
 
     counts: dict = {"read_split": 0, "plan": 0, "hashed": collections.Counter()}
-    real_read, real_plan, real_hash = split_module.read_split, config.plan, split_module.file_sha256
+    real_read, real_plan, real_hash = split_module.read_split, planning.plan, split_module.file_sha256
 
     def read_split(*args, **kwargs):
         counts["read_split"] += 1
@@ -78,7 +78,7 @@ def counted_reads():
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(split_module, "read_split", read_split)
-        mp.setattr(config, "plan", plan)
+        mp.setattr(planning, "plan", plan)
         mp.setattr(split_module, "file_sha256", file_sha256)
         yield counts
 

@@ -13,7 +13,8 @@ from mlflow import MlflowClient
 from PIL import Image
 
 from rangefinder import __version__
-from rangefinder.config import RangefinderConfig, TrackingConfig, plan_for
+from rangefinder.config import RangefinderConfig, TrackingConfig
+from rangefinder.planning import plan_for
 from rangefinder.tracking import ensure_parent_run, finish_pipeline_run, step_run
 
 

@@ -13,9 +13,10 @@ import torch
 from safetensors.torch import load_file
 
 from rangefinder.cli.main import main as cli
-from rangefinder.config import DataConfig, TrainingConfig, ValidationConfig, plan_for
+from rangefinder.config import DataConfig, TrainingConfig, ValidationConfig
 from rangefinder.data.buckets import BucketSettings, place
 from rangefinder.data.split import read_split
+from rangefinder.planning import plan_for
 from rangefinder.training.data import BucketedStream
 from rangefinder.training.loop import TrainSpec, train
 

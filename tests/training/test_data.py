@@ -7,7 +7,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from rangefinder.config import plan
+from rangefinder.planning import plan
 from rangefinder.training.data import ImageStream
 
 

@@ -12,9 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rangefinder.config import TrainingConfig, ValidationConfig, plan_for
+from rangefinder.config import TrainingConfig, ValidationConfig
 from rangefinder.data.split import read_split
 from rangefinder.errors import ConfigError
+from rangefinder.planning import plan_for
 from rangefinder.training.loop import TrainSpec, train
 
 NO_VALIDATION = ValidationConfig(every_epochs=0)

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from rangefinder.config import TrainingConfig, plan_for
+from rangefinder.config import TrainingConfig
 from rangefinder.data.split import read_split
+from rangefinder.planning import plan_for
 
 CHILD = Path(__file__).with_name("engine_child.py")
 

@@ -78,7 +78,7 @@ INDEX_JSON = "index.json"
 
 
 def test_auto_spreads_about_ten_grids_over_any_run_length():
-    from rangefinder.config import plan_for
+    from rangefinder.planning import plan_for
 
     plan = plan_for(TrainingConfig(batch_size=4, epochs=40), 16)  # a 40-epoch fine-tune of 16 images: 160 updates
     planned = planned_validations(plan, ValidationConfig(every_epochs=1))

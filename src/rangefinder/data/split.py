@@ -27,7 +27,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
-from rangefinder.config import val_count
 from rangefinder.data.buckets import BucketSettings, Placement, bucket_table, image_size, place
 from rangefinder.data.captions import long_caption_report, long_captions
 from rangefinder.data.dataset import Item, item_id
@@ -35,6 +34,7 @@ from rangefinder.data.validate import validate_dataset
 from rangefinder.errors import DataError
 from rangefinder.formats.atomic import write_text
 from rangefinder.formats.digest import file_sha256
+from rangefinder.planning import val_count
 
 SUBSETS = ("train", "val", "stabilize")
 SUMMARY_FILE = "split.json"

@@ -335,7 +335,7 @@ class StepRun:
     ) -> None:
         """All resolved settings as flat params (`training.batch_size`, ...), the planner's figures as `plan.*`.
 
-        `plan` is a rangefinder.config.Plan (effective_batch, updates_per_epoch, lr = the scaled LR, ...);
+        `plan` is a rangefinder.planning.Plan (effective_batch, updates_per_epoch, lr = the scaled LR, ...);
         `extra` holds any other figures a step worked out (logged under their own names).
         """
         params: dict[str, str] = {}

@@ -29,7 +29,7 @@ from typing import Optional, Union
 import numpy as np
 import torch
 
-from rangefinder.config import Plan
+from rangefinder.planning import Plan
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 
-from rangefinder.config import DataConfig, ModelConfig, Plan, TrainingConfig, ValidationConfig
+from rangefinder.config import DataConfig, ModelConfig, TrainingConfig, ValidationConfig
 from rangefinder.data.buckets import BucketSettings, Placement, Size
+from rangefinder.planning import Plan
 from rangefinder.training.caching import CachedTextFiles, CacheStats
 from rangefinder.training.captions import ShuffledCaptions
 from rangefinder.training.data import LatentSource, Stream

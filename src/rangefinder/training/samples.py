@@ -47,7 +47,8 @@ from rangefinder.training.sinks import ImageSink
 from rangefinder.training.validation import preserved_rng
 
 if TYPE_CHECKING:
-    from rangefinder.config import Plan, SamplingConfig, ValidationConfig
+    from rangefinder.config import SamplingConfig, ValidationConfig
+    from rangefinder.planning import Plan
     from rangefinder.training.run import Run
     from rangefinder.training.state import RunState
 

@@ -12,17 +12,12 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 
-from rangefinder.config import (
-    DataConfig,
-    ModelConfig,
-    TrainingConfig,
-    plan_for,
-    resolve_mixed_precision,
-)
+from rangefinder.config import DataConfig, ModelConfig, TrainingConfig, resolve_mixed_precision
 from rangefinder.data.buckets import BucketSettings, Placement, Size
 from rangefinder.data.split import place_items
 from rangefinder.errors import ConfigError, DataError
 from rangefinder.formats import checkpoints
+from rangefinder.planning import plan_for
 from rangefinder.training.checkpointing import check_out_dir_free
 from rangefinder.training.data import make_stream
 from rangefinder.training.families import family_for

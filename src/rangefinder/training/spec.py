@@ -24,18 +24,17 @@ from pydantic import TypeAdapter, ValidationError
 from rangefinder.config import (
     DataConfig,
     ModelConfig,
-    Plan,
     RangefinderConfig,
     SamplingConfig,
     TrainingConfig,
     ValidationConfig,
     format_validation_error,
-    plan_for,
 )
 from rangefinder.data.buckets import BucketSettings
 from rangefinder.data.dataset import Item
 from rangefinder.data.split import Split, place_items
 from rangefinder.errors import ConfigError
+from rangefinder.planning import Plan, plan_for
 
 TrainOn = Literal["train", "train+val"]
 

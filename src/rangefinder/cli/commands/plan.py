@@ -40,8 +40,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from rangefinder.config import plan
     from rangefinder.errors import ConfigError
+    from rangefinder.planning import plan
 
     counts = None
     if args.bucket_counts is not None:
