@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -174,6 +175,29 @@ def test_plan_agrees_with_the_updates_actually_run(bucketed_runs, split_report, 
     # 12 images) into epoch 2.
     epochs = [float(r["epoch"]) for r in rows(out / "metrics.csv")]
     assert epochs[0] == 0.0 and epochs[1] in (1 + 1 / 12, 1 + 2 / 12) and epochs[2] == 2.0
+
+
+def test_a_steps_spec_plans_the_buckets_the_engine_trains(split_report, tmp_path):
+    """The fine-tune step's spec is planned once from the split it read, with each training image in its aspect-ratio
+    bucket as the engine places it: the engine takes that plan (it refuses one of other counts), and the step's
+    checkpoint spacing follows the bucketed epoch."""
+    from rangefinder.config import RangefinderConfig
+    from rangefinder.errors import ConfigError
+    from rangefinder.training.setup import check_settings
+    from rangefinder.training.spec import TrainSpec as Spec
+
+    split_dir = split_report[0]
+    split = read_split(split_dir)
+    cfg = RangefinderConfig(data=DATA.model_dump(), training={**TRAINING, "cache_dir": str(tmp_path / "cache")})
+    spec = Spec.finetune(cfg, split, split_dir=split_dir, lr_low=1e-4, lr_high=1e-3, lr=2e-4, world_size=1)
+    assert spec.plan is not None and spec.plan.bucket_counts is not None and len(spec.plan.bucket_counts) == 3
+    assert spec.plan.micro_batches_per_epoch == 7  # buckets of 4, 5 and 3 at batch 2, as the engine streams them
+    settings = check_settings(spec, tmp_path / "probe", split)
+    assert settings.plan == spec.plan
+    assert spec.training.checkpoint_every_updates == 4  # ceil(1 epoch x 3.5 updates)
+    unbucketed = dataclasses.replace(spec, plan=plan_for(spec.training, spec.plan.train_images))
+    with pytest.raises(ConfigError, match="build the spec from the split it trains on"):
+        check_settings(unbucketed, tmp_path / "probe2", split)
 
 
 def test_per_bucket_validation_losses_are_reported(bucketed_runs, split_report):
