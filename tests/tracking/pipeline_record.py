@@ -50,6 +50,9 @@ def check_pipeline_record(tracking_uri: str, experiment: str, summary: dict, *, 
     # The LR the fine-tune kept (successive halving: lr_mid or lr_high), on its run and the parent's.
     assert children["finetune"].data.metrics["lr_used"] == pytest.approx(summary["lr_used"])
     assert parent.data.metrics["lr_used"] == pytest.approx(summary["lr_used"])
+    if "retrain_full" in children:  # the retrain's LR is the kept one, and its param says so by that name
+        assert float(children["retrain_full"].data.params["lr"]) == pytest.approx(summary["lr_used"], rel=1e-5)
+        assert "lr_mid" not in children["retrain_full"].data.params
     assert "status" in rt.data.tags
 
     assert {"curves", "report", "dataset"} <= {a.path for a in client.list_artifacts(rt.info.run_id)}
