@@ -20,13 +20,13 @@ from rangefinder.training.spec import TrainSpec
 def finetune_training_config(cfg: RangefinderConfig, split_dir, lr_low: float, lr_high: float,
                              lr: float) -> TrainingConfig:
     """The fine-tune's training settings, from its spec's constructor, on the 16 training images of `split_dir`."""
-    return TrainSpec.finetune(cfg, read_split(split_dir), split_dir=split_dir, lr_low=lr_low, lr_high=lr_high, lr=lr,
+    return TrainSpec.finetune(cfg, read_split(split_dir), bounds=(lr_low, lr_high), lr=lr,
                               world_size=1).training
 
 
 def retrain_training_config(cfg: RangefinderConfig, split_dir, lr_low: float, lr_high: float, lr: float,
                             epochs: int) -> TrainingConfig:
-    return TrainSpec.retrain(cfg, read_split(split_dir), split_dir=split_dir, lr_low=lr_low, lr_high=lr_high, lr=lr,
+    return TrainSpec.retrain(cfg, read_split(split_dir), bounds=(lr_low, lr_high), lr=lr,
                              epochs=epochs, world_size=1).training
 
 
@@ -74,9 +74,9 @@ def test_each_step_s_spec_is_validated_planned_once_and_round_trips_through_json
     processes)."""
     split = read_split(split_dir)
     cfg = demo_config()
-    ft = TrainSpec.finetune(cfg, split, split_dir=split_dir, lr_low=1e-4, lr_high=1e-2, lr=1e-3, world_size=1)
-    ramp = TrainSpec.ramp(cfg, split, split_dir=split_dir, lr_min=1e-6, lr_max=1e-1, world_size=1)
-    full = TrainSpec.retrain(cfg, split, split_dir=split_dir, lr_low=1e-4, lr_high=1e-2, lr=1e-3, epochs=5,
+    ft = TrainSpec.finetune(cfg, split, bounds=(1e-4, 1e-2), lr=1e-3, world_size=1)
+    ramp = TrainSpec.ramp(cfg, split, lr_min=1e-6, lr_max=1e-1, world_size=1)
+    full = TrainSpec.retrain(cfg, split, bounds=(1e-4, 1e-2), lr=1e-3, epochs=5,
                              world_size=1)
     assert ft.plan is not None and ft.plan.train_images == 16 and ft.plan.lr == 1e-3
     assert full.train_on == "train+val" and full.plan is not None and full.plan.train_images == 20
@@ -90,7 +90,7 @@ def test_each_step_s_spec_is_validated_planned_once_and_round_trips_through_json
     with pytest.raises(ConfigError, match="training.lr"):
         ft.with_lr(-1.0)
     with pytest.raises(ConfigError, match="training.lr_min"):
-        TrainSpec.ramp(cfg, split, split_dir=split_dir, lr_min=-1e-6, lr_max=1e-1, world_size=1)
+        TrainSpec.ramp(cfg, split, lr_min=-1e-6, lr_max=1e-1, world_size=1)
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +100,7 @@ def ema_run(split_dir, tiny_model_dir, tmp_path_factory):
 
     cfg = demo_config(model={"base_model": str(tiny_model_dir)}, training={"use_ema": True, "ema_decay": 0.5},
                       finetune={"epochs": 2})
-    spec = TrainSpec.finetune(cfg, read_split(split_dir), split_dir=split_dir, lr_low=1e-3, lr_high=1e-3, lr=1e-3,
+    spec = TrainSpec.finetune(cfg, read_split(split_dir), bounds=(1e-3, 1e-3), lr=1e-3,
                               world_size=1)
     spec = dataclasses.replace(spec, sampling=None)  # no samples during training: only the weights matter here
     out = tmp_path_factory.mktemp("ema-run")

@@ -10,12 +10,12 @@ from rangefinder.training.spec import TrainSpec
 def test_ramp_settings_follow_the_range_test_section(split_dir):
     cfg = demo_config()
     split = read_split(split_dir)
-    tc = TrainSpec.ramp(cfg, split, split_dir=split_dir, lr_min=1e-6, lr_max=1e-1, world_size=1).training
+    tc = TrainSpec.ramp(cfg, split, lr_min=1e-6, lr_max=1e-1, world_size=1).training
     assert tc.schedule == "exp-ramp" and tc.lr_min == 1e-6 and tc.lr_max == 1e-1
     assert tc.epochs == cfg.lr_range_test.epochs and tc.steps is None and tc.scale_lr == "none"
-    lin = TrainSpec.ramp(parse_config({"lr_range_test": {"ramp": "linear"}}), split, split_dir=split_dir,
+    lin = TrainSpec.ramp(parse_config({"lr_range_test": {"ramp": "linear"}}), split,
                          lr_min=0.0001, lr_max=0.01, world_size=1).training
     assert lin.schedule == "linear-ramp"
-    every = TrainSpec.ramp(parse_config({"lr_range_test": {"validate_every_updates": 3}}), split, split_dir=split_dir,
+    every = TrainSpec.ramp(parse_config({"lr_range_test": {"validate_every_updates": 3}}), split,
                            lr_min=0.0001, lr_max=0.01, world_size=1).validation
     assert every.every_updates == 3

@@ -44,7 +44,7 @@ def _cfg(processes: int, batch: int, cache: Path) -> RangefinderConfig:
 
 
 def _spec(cfg: RangefinderConfig, split_dir: Path, model: Path, sampling=None, **training) -> TrainSpec:
-    ft = TrainSpec.finetune(cfg, read_split(split_dir), split_dir=split_dir, lr_low=1e-4, lr_high=3e-4, lr=2e-4,
+    ft = TrainSpec.finetune(cfg, read_split(split_dir), bounds=(1e-4, 3e-4), lr=2e-4,
                             world_size=launch.step_world_size(cfg))
     tc = ft.training.model_validate({**ft.training.model_dump(), **training})
     # Built by hand around the fine-tune's settings (changed by `training`): the engine plans it.

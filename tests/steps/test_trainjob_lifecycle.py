@@ -254,7 +254,7 @@ def test_a_two_node_trainjob_trains_and_the_step_reads_its_result(cluster, split
                     "hf_token_secret": None},
         distributed={"num_nodes": 2, "poll_seconds": 0.5},
     )
-    ft = TrainSpec.finetune(cfg, read_split(split_dir), split_dir=split_dir, lr_low=1e-4, lr_high=3e-4, lr=2e-4,
+    ft = TrainSpec.finetune(cfg, read_split(split_dir), bounds=(1e-4, 3e-4), lr=2e-4,
                             world_size=launch.step_world_size(cfg))
     assert ft.training.world_size == 2
     out_dir = tmp_path / "data" / "work" / "run-1" / "finetune"

@@ -189,7 +189,7 @@ def test_a_steps_spec_plans_the_buckets_the_engine_trains(split_report, tmp_path
     split_dir = split_report[0]
     split = read_split(split_dir)
     cfg = RangefinderConfig(data=DATA.model_dump(), training={**TRAINING, "cache_dir": str(tmp_path / "cache")})
-    spec = Spec.finetune(cfg, split, split_dir=split_dir, lr_low=1e-4, lr_high=1e-3, lr=2e-4, world_size=1)
+    spec = Spec.finetune(cfg, split, bounds=(1e-4, 1e-3), lr=2e-4, world_size=1)
     assert spec.plan is not None and spec.plan.bucket_counts is not None and len(spec.plan.bucket_counts) == 3
     assert spec.plan.micro_batches_per_epoch == 7  # buckets of 4, 5 and 3 at batch 2, as the engine streams them
     settings = check_settings(spec, tmp_path / "probe", split)

@@ -49,6 +49,7 @@ class Split:
     stabilize: list[Item]  # a subset of train
     summary: dict = field(default_factory=dict)
     buckets: Optional[BucketSettings] = None  # the aspect-ratio buckets the split was reported for
+    folder: Optional[Path] = None  # the split folder it was read from (read_split); None: made in memory
     # sha256 of each item's file by id, once file_hashes has checked it against the manifest: a step trains several
     # runs from the split it read (the fine-tune's successive halving: three), and hashes each image once.
     checked_hashes: dict[int, str] = field(default_factory=dict, repr=False, compare=False)
@@ -301,7 +302,7 @@ def read_split(split_dir: str | Path, root: str | Path | None = None) -> Split:
         buckets = BucketSettings(int(recorded["resolution"]), int(recorded["step"]), float(recorded["max_aspect"]),
                                  bool(recorded.get("crop", True)))
     return Split(root=data_root, train=subsets["train"], val=subsets["val"], stabilize=subsets["stabilize"],
-                 summary=summary, buckets=buckets)
+                 summary=summary, buckets=buckets, folder=d)
 
 
 def split_dataset(

@@ -147,7 +147,7 @@ def run_finetune(
 
     split = read_split(split_dir)
     # Samples during training (sampling.every_validations): grids in MLflow as it trains, and the report's strip.
-    spec = TrainSpec.finetune(cfg, split, split_dir=split_dir, lr_low=lr_low, lr_high=lr_high, lr=lr_mid,
+    spec = TrainSpec.finetune(cfg, split, bounds=(lr_low, lr_high), lr=lr_mid,
                               world_size=step_world_size(cfg))
     tc, plan = spec.training, spec.plan
     validating = cfg.validation.enabled() and len(split.val) > 0

@@ -75,7 +75,7 @@ def run_lr_range_test(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     split = read_split(split_dir)
-    spec = TrainSpec.ramp(cfg, split, split_dir=split_dir, lr_min=lo, lr_max=hi, world_size=step_world_size(cfg))
+    spec = TrainSpec.ramp(cfg, split, lr_min=lo, lr_max=hi, world_size=step_world_size(cfg))
     train_cfg = spec.training
     if not spec.validation.enabled():
         raise RangefinderError("the LR range test measures validation loss: set validation.every_epochs > 0")

@@ -35,7 +35,7 @@ def run_retrain_full(cfg: RangefinderConfig, *, split_dir: Path, lr_low: float, 
 
     epochs = cfg.retrain.epochs or max(1, int(recommended_epochs))
     split = read_split(split_dir)
-    spec = TrainSpec.retrain(cfg, split, split_dir=split_dir, lr_low=lr_low, lr_high=lr_high, lr=lr, epochs=epochs,
+    spec = TrainSpec.retrain(cfg, split, bounds=(lr_low, lr_high), lr=lr, epochs=epochs,
                              world_size=step_world_size(cfg))
     with tracking.step_run(cfg, "retrain_full", parent_run_id=mlflow_parent_run_id) as run:
         run.log_config(cfg, plan=spec.plan,

@@ -67,8 +67,7 @@ class TrainSpec:
     # --- one validated constructor per step kind ------------------------------------------------------------------
 
     @classmethod
-    def ramp(cls, cfg: RangefinderConfig, split: Split, *, split_dir: Union[str, Path], lr_min: float, lr_max: float,
-             world_size: int) -> TrainSpec:
+    def ramp(cls, cfg: RangefinderConfig, split: Split, *, lr_min: float, lr_max: float, world_size: int) -> TrainSpec:
         """The LR range test's sweep from lr_min to lr_max over its epochs (validation every N updates when the
         range test says so)."""
         rt = cfg.lr_range_test
@@ -82,14 +81,15 @@ class TrainSpec:
         validation = cfg.validation
         if rt.validate_every_updates is not None:
             validation = _validation(cfg.validation, {"every_updates": rt.validate_every_updates})
-        return cls._planned(training, validation, cfg, split, split_dir, "train", None)
+        return cls._planned(training, validation, cfg, split, "train", None)
 
     @classmethod
-    def finetune(cls, cfg: RangefinderConfig, split: Split, *, split_dir: Union[str, Path], lr_low: float,
-                 lr_high: float, lr: float, world_size: int, epochs: Optional[int] = None) -> TrainSpec:
-        """The fine-tune at `lr` (constant, or cycling between the bounds as `finetune.schedule` says), with a
-        checkpoint every `finetune.checkpoint_every_epochs`, every one kept until the step window is known."""
-        ft = cfg.finetune
+    def finetune(cls, cfg: RangefinderConfig, split: Split, *, lr: float, bounds: tuple[float, float],
+                 world_size: int, epochs: Optional[int] = None) -> TrainSpec:
+        """The fine-tune at `lr` (constant, or cycling between the range test's `bounds`, (lr_low, lr_high), as
+        `finetune.schedule` says), with a checkpoint every `finetune.checkpoint_every_epochs`, every one kept until
+        the step window is known."""
+        ft, (lr_low, lr_high) = cfg.finetune, bounds
         # resume: the folder is this task's own, so a retry (a preempted node) goes on from its newest checkpoint.
         update: dict[str, object] = {"epochs": epochs or ft.epochs, "steps": None, "lr": lr, "scale_lr": "none",
                                      "resume": True, "world_size": world_size}
@@ -98,7 +98,7 @@ class TrainSpec:
         else:
             update.update(schedule=ft.schedule, lr_min=lr_low, lr_max=lr_high)
         training = _training(cfg.training, update)
-        spec = cls._planned(training, cfg.validation, cfg, split, split_dir, "train", cfg.sampling)
+        spec = cls._planned(training, cfg.validation, cfg, split, "train", cfg.sampling)
         assert spec.plan is not None
         every = max(1, math.ceil(ft.checkpoint_every_epochs * spec.plan.updates_per_epoch - 1e-9))
         # Every checkpoint stays until the step window is known (the run's last one included): the engine would
@@ -109,10 +109,11 @@ class TrainSpec:
         return replace(spec, training=training)
 
     @classmethod
-    def retrain(cls, cfg: RangefinderConfig, split: Split, *, split_dir: Union[str, Path], lr_low: float,
-                lr_high: float, lr: float, epochs: int, world_size: int) -> TrainSpec:
+    def retrain(cls, cfg: RangefinderConfig, split: Split, *, lr: float, bounds: tuple[float, float], epochs: int,
+                world_size: int) -> TrainSpec:
         """The full-data retrain: train + validation for `epochs` at the fine-tune's `lr` (triangular between the
-        bounds with `retrain.schedule: triangular`); nothing is measured."""
+        range test's `bounds`, (lr_low, lr_high), with `retrain.schedule: triangular`); nothing is measured."""
+        lr_low, lr_high = bounds
         update: dict[str, object] = {"epochs": epochs, "steps": None, "lr": lr, "scale_lr": "none", "resume": True,
                                      "world_size": world_size}
         if cfg.retrain.schedule == "triangular" and lr_high > lr_low:
@@ -120,12 +121,14 @@ class TrainSpec:
         else:
             update.update(schedule="constant", lr_min=None, lr_max=None)
         no_val = _validation(cfg.validation, {"every_epochs": 0.0, "every_updates": None})
-        return cls._planned(_training(cfg.training, update), no_val, cfg, split, split_dir, "train+val", None)
+        return cls._planned(_training(cfg.training, update), no_val, cfg, split, "train+val", None)
 
     @classmethod
     def _planned(cls, training: TrainingConfig, validation: ValidationConfig, cfg: RangefinderConfig, split: Split,
-                 split_dir: Union[str, Path], train_on: TrainOn, sampling: Optional[SamplingConfig]) -> TrainSpec:
-        spec = cls(training, validation, split_dir=split_dir, model=cfg.model, data=cfg.data, train_on=train_on,
+                 train_on: TrainOn, sampling: Optional[SamplingConfig]) -> TrainSpec:
+        if split.folder is None:
+            raise ValueError("a step's spec is built from a split read from its folder (data.split.read_split)")
+        spec = cls(training, validation, split_dir=split.folder, model=cfg.model, data=cfg.data, train_on=train_on,
                    sampling=sampling)
         return replace(spec, plan=spec.plan_from(split))
 
