@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rangefinder.pipelines.local_run import LocalRun
+from rangefinder.pipelines.local_run import LocalRun, failure_summary
 from tests.pipelines.tiny_run import TINY, tiny_config
 from tests.tracking.fixtures import free_port, start_mlflow_server, stop_mlflow_server
 
@@ -117,3 +117,25 @@ def test_server_killed_mid_run_ends_with_the_first_failed_steps_own_error(tmp_pa
                             "check MLFLOW_TRACKING_URI"), error  # the cause and the fix
     assert f"; 2 later steps failed too: {', '.join(later)} (full log: {out / 'pipeline.log'}" in error, error
     assert error.count("cannot reach") == 1, error
+
+
+def _task(name: str, lines: list[str], status: str = "FAILURE") -> str:
+    """One task's part of a kfp.local log, as it prints it (colours included)."""
+    body = "".join(f"    {line}\n" for line in lines)
+    return (f"12:00:00.000 - INFO - Executing task \x1b[96m'{name}'\x1b[0m\n{body}"
+            f"12:00:01.000 - ERROR - Task \x1b[96m'{name}'\x1b[0m finished with status \x1b[91m{status}\x1b[0m\n")
+
+
+def test_a_later_failure_with_another_cause_keeps_its_own_error():
+    gone = "TrackingError: cannot reach the MLflow tracking server at http://127.0.0.1:5000 (connection refused)"
+    log = (_task("finetune-2", ["training"], "SUCCESS")
+           + _task("register-model-2-2", [f"rangefinder step register-model: error: {gone}"])
+           + _task("sample-images-2-2", [f"rangefinder step sample-images: error: {gone}"])
+           + _task("record-status", ["rangefinder step record-status: error: DataError: disk full"]))
+    # kfp.local's exception named another task, by its outer name: the log decides.
+    assert failure_summary(log, "sample-images-2") == (
+        f"step register-model failed: {gone}; 2 later steps failed too: sample-images, record-status "
+        "(DataError: disk full)")
+    assert failure_summary(_task("prepare-dataset-2", ["ValueError: bad"]), "x") == (
+        "step prepare-dataset failed: ValueError: bad")
+    assert failure_summary("", "choose-lr-3-2") == "step choose-lr failed"

@@ -160,7 +160,8 @@ def run_pipeline_locally(cfg: RangefinderConfig, out_dir: str | Path, *, dataset
             finally:
                 redacted.flush()
     except RuntimeError as e:
-        # kfp.local names a failed task (the first, inside a chain of sub-DAGs); the step's own error is in its log.
+        # kfp.local names a failed task, not always the first to fail, and by its outer name (register-model-2 for the
+        # log's register-model-2-2); the log says which failed first and why.
         text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))
         m = re.search(r"Inner task failed: '([^']+)'", text)
         log_hint = f"full log: {log_path}" if quiet else "its error is in the log above"
@@ -230,6 +231,8 @@ def failure_summary(log: str, named: str) -> str:
         steps = "step" if len(later) == 1 else "steps"
         said += f"; {len(later)} later {steps} failed too: {', '.join(later)}"
     return said
+
+
 _STEP_ERROR = re.compile(rf"{STEP_ERROR_PREFIX} [\w-]+: error: (.*\S)")
 
 
