@@ -71,3 +71,30 @@ def test_bad_settings_exit_2_with_one_line(flags, words, split_dir, tmp_path, ca
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1 and words in err
     assert not out.exists()
+
+
+@pytest.mark.slow
+def test_processes_per_node_trains_on_that_many_processes_as_the_pipeline_does(split_dir, tiny_model_dir, tmp_path,
+                                                                               capfd, monkeypatch):
+    """Issue 37: `training.processes_per_node: 2` starts 2 processes (torchrun, gloo on CPU), as the pipeline's
+    training steps do; at the same global batch of 4 the curve is one process's (tests/steps/test_processes.py)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    runs = {}
+    for processes, batch in ((1, 4), (2, 2)):
+        config = tmp_path / f"rf-{processes}.yaml"
+        config.write_text(yaml.safe_dump({"training": {"cache_dir": str(tmp_path / "cache"), "lr": 2e-4, "seed": 7,
+                                                       "processes_per_node": processes, "batch_size": batch}}))
+        out = tmp_path / f"out-{processes}"
+        rc = main(["train", "--data", str(split_dir), "--model", str(tiny_model_dir), "--out", str(out),
+                   "--config", str(config), "--steps", "4", "--validate-every-updates", "2", "--json"])
+        captured = capfd.readouterr()
+        assert rc == 0, captured.err[-3000:]
+        result = json.loads(captured.out)  # stdout is the result only, whatever the processes print
+        assert result["status"] == "ok" and result["updates"] == 4
+        summary = json.loads((out / "run_summary.json").read_text())
+        assert (summary["plan"]["world_size"], summary["plan"]["effective_batch"]) == (processes, 4)
+        with open(out / "metrics.csv", newline="") as f:
+            runs[processes] = [float(r["val_loss"]) for r in csv.DictReader(f)]
+    one, two = runs[1], runs[2]
+    assert len(one) == len(two) == 3 and one[1:] != one[:-1]  # the curve moves
+    assert two == pytest.approx(one, rel=1e-4)

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
-from rangefinder.pipelines.local_run import LocalRun
-from tests.tracking.fixtures import free_port
+from rangefinder.pipelines.local_run import LocalRun, failure_summary
+from tests.pipelines.tiny_run import TINY, tiny_config
+from tests.tracking.fixtures import free_port, start_mlflow_server, stop_mlflow_server
 
 
 def run_local(cfg: Path, out: Path, env: dict) -> subprocess.CompletedProcess:
@@ -67,3 +70,72 @@ def test_the_result_names_what_mlflow_did_not_take_and_no_credentials(tmp_path):
     assert summary["mlflow"] == "http://mlflow:5000"
     assert summary["mlflow_not_logged"] == [f"{spool} (when MLflow answers: rangefinder relog {spool})"]
     assert "mlflow_not_logged" not in LocalRun(out_dir=tmp_path, run_dir=tmp_path, tracking_uri="x").summary()
+
+
+@pytest.mark.slow
+def test_server_killed_mid_run_ends_with_the_first_failed_steps_own_error(tmp_path, shapes_dataset_dir,
+                                                                           tiny_model_dir):
+    """Issue 37: a real `mlflow server` killed (SIGKILL) while the fine-tune trains. The fine-tune goes on and spools;
+    then register-model, sample-images and record-status each fail in their server check. The terminal ends with the
+    first failed step's own error (cause and fix), and the two later failures are counted, not repeated. As cheap
+    as a whole run gets: a fixed LR (no range test), 2 fine-tune epochs, no samples during training, no wait for
+    the server at the fine-tune's end."""
+    cfg = tiny_config(shapes_dataset_dir, tiny_model_dir, lr=2e-4,
+                      tracking={"server_wait_seconds": 0}, sampling={**TINY["sampling"], "every_validations": None})
+    config = tmp_path / "cfg.yaml"
+    config.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude={"kubernetes"})))
+    out = tmp_path / "out"
+    uri, server = start_mlflow_server(tmp_path / "server")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    env["MLFLOW_TRACKING_URI"] = uri
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "rangefinder.cli.main", "run", "--local", "--config",
+                                 str(config), "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=env)
+        seen: list[str] = []
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            seen.append(line)
+            # The fine-tune's bar: its MLflow run is open and it trains. Kill the server as a lost node would.
+            if line.startswith("rangefinder:   train") and server.poll() is None:
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait(timeout=10)
+        proc.wait(timeout=60)
+    finally:
+        stop_mlflow_server(server)
+    terminal = "".join(seen)
+    assert server.returncode == -signal.SIGKILL, f"the server was never killed:\n{terminal}"
+    assert proc.returncode == 2 and "Traceback" not in terminal, terminal
+    assert re.search(r"^rangefinder: finetune done in ", terminal, re.M), terminal  # it trained on without MLflow
+    # kfp.local runs the two steps after the fine-tune in its own order, then the exit handler.
+    failed = re.findall(r"^rangefinder: (\S+) failed after ", terminal, re.M)
+    assert sorted(failed) == ["record-status", "register-model", "sample-images"] and failed[-1] == "record-status"
+    first, *later = failed
+    error = terminal.strip().splitlines()[-1]
+    assert error.startswith(f"rangefinder run: error: the local pipeline run stopped: step {first} failed: "
+                            f"TrackingError: cannot reach the MLflow tracking server at {uri} (connection refused); "
+                            "check MLFLOW_TRACKING_URI"), error  # the cause and the fix
+    assert f"; 2 later steps failed too: {', '.join(later)} (full log: {out / 'pipeline.log'}" in error, error
+    assert error.count("cannot reach") == 1, error
+
+
+def _task(name: str, lines: list[str], status: str = "FAILURE") -> str:
+    """One task's part of a kfp.local log, as it prints it (colours included)."""
+    body = "".join(f"    {line}\n" for line in lines)
+    return (f"12:00:00.000 - INFO - Executing task \x1b[96m'{name}'\x1b[0m\n{body}"
+            f"12:00:01.000 - ERROR - Task \x1b[96m'{name}'\x1b[0m finished with status \x1b[91m{status}\x1b[0m\n")
+
+
+def test_a_later_failure_with_another_cause_keeps_its_own_error():
+    gone = "TrackingError: cannot reach the MLflow tracking server at http://127.0.0.1:5000 (connection refused)"
+    log = (_task("finetune-2", ["training"], "SUCCESS")
+           + _task("register-model-2-2", [f"rangefinder step register-model: error: {gone}"])
+           + _task("sample-images-2-2", [f"rangefinder step sample-images: error: {gone}"])
+           + _task("record-status", ["rangefinder step record-status: error: DataError: disk full"]))
+    # kfp.local's exception named another task, by its outer name: the log decides.
+    assert failure_summary(log, "sample-images-2") == (
+        f"step register-model failed: {gone}; 2 later steps failed too: sample-images, record-status "
+        "(DataError: disk full)")
+    assert failure_summary(_task("prepare-dataset-2", ["ValueError: bad"]), "x") == (
+        "step prepare-dataset failed: ValueError: bad")
+    assert failure_summary("", "choose-lr-3-2") == "step choose-lr failed"

@@ -160,14 +160,17 @@ def run_pipeline_locally(cfg: RangefinderConfig, out_dir: str | Path, *, dataset
             finally:
                 redacted.flush()
     except RuntimeError as e:
-        # kfp.local names the failed task (the first, inside a chain of sub-DAGs); the step's own error is in its log.
+        # kfp.local names a failed task, not always the first to fail, and by its outer name (register-model-2 for the
+        # log's register-model-2-2); the log says which failed first and why.
         text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))
         m = re.search(r"Inner task failed: '([^']+)'", text)
-        where = f"step {m.group(1)} failed" if m else redact(text)
-        cause = step_error(_read_from(log_path, log_start), m.group(1)) if m and quiet else None
         log_hint = f"full log: {log_path}" if quiet else "its error is in the log above"
-        raise RangefinderError(f"the local pipeline run stopped: {where}{f': {cause}' if cause else ''} "
-                               f"({log_hint}; artifacts so far under {root})") from None
+        where = redact(text)
+        if m:
+            where = (failure_summary(_read_from(log_path, log_start), m.group(1)) if quiet
+                     else f"step {step_name(m.group(1))} failed")
+        raise RangefinderError(f"the local pipeline run stopped: {where} ({log_hint}; artifacts so far under {root})"
+                               ) from None
     finally:
         for name, value in saved.items():
             if value is None:
@@ -207,6 +210,29 @@ def _read_from(path: Path, offset: int) -> str:
 
 
 MAX_CAUSE_LINES = 6
+_FAILED = re.compile(r"Task '([^']+)' finished with status FAILURE")
+
+
+def failure_summary(log: str, named: str) -> str:
+    """What ended a run, from this run's kfp.local log: the first step that failed with its own error, and the steps
+    that failed after it counted (an MLflow server that went away fails every later step that logs; the same error
+    again says nothing new). A later step that failed for another reason keeps its own error. `named`: the task
+    kfp.local's exception names, for when the log holds no failure."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", log)
+    failed = list(dict.fromkeys(_FAILED.findall(text))) or [named]
+    first = failed[0]
+    cause = step_error(log, first)
+    said = f"step {step_name(first)} failed{f': {cause}' if cause else ''}"
+    later = []
+    for task in failed[1:]:
+        own = step_error(log, task)
+        later.append(step_name(task) if own in (None, cause) else f"{step_name(task)} ({own})")
+    if later:
+        steps = "step" if len(later) == 1 else "steps"
+        said += f"; {len(later)} later {steps} failed too: {', '.join(later)}"
+    return said
+
+
 _STEP_ERROR = re.compile(rf"{STEP_ERROR_PREFIX} [\w-]+: error: (.*\S)")
 
 

@@ -22,10 +22,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the bootstrap and permutation test (default 0)")
     p.add_argument("--mid-position", type=float, default=None, metavar="P",
                    help="where lr_mid lies between the bounds: 0 = lr_low, 1 = lr_high, on the sweep's axis "
-                   "(default: the config's lr_range_test.mid_position, 0.75); used by --midpoint tuned")
+                   "(default: lr_range_test.mid_position's default, 0.75; this command reads no config); used by "
+                   "--midpoint tuned")
     p.add_argument("--midpoint", choices=list(MIDPOINT_RULES), default=None,
                    help="the rule for lr_mid: tuned (mid_position of the way), geometric (sqrt(lr_low * lr_high)) "
-                   "or arithmetic ((lr_low + lr_high) / 2) (default: the config's lr_range_test.midpoint, tuned)")
+                   "or arithmetic ((lr_low + lr_high) / 2) (default: lr_range_test.midpoint's default, tuned)")
     add_json_flag(p)
     p.set_defaults(func=run)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from rangefinder.cli.ignored import ignored_by_pipeline, warn_ignored
 from rangefinder.cli.output import add_json_flag
 
 
@@ -27,6 +28,7 @@ def run(args: argparse.Namespace) -> dict:
     from rangefinder.pipelines.pipeline import PIPELINE_NAME, compile_pipeline
 
     cfg = load_config(args.config)
+    warn_ignored("compile", ignored_by_pipeline(cfg, local=False))
     out = Path(args.out)
     # Compile next to the target and rename: a failed compile never leaves a half-written package behind. The
     # temporary name keeps .yaml, from which the KFP compiler picks the format.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from rangefinder.cli.ignored import ignored_by_pipeline, warn_ignored
 from rangefinder.cli.output import add_json_flag
 
 
@@ -28,4 +29,5 @@ def run(args: argparse.Namespace) -> dict:
     from rangefinder.pipelines.local_run import run_pipeline_locally
 
     cfg = load_config(args.config)
+    warn_ignored("run", ignored_by_pipeline(cfg, local=True))
     return run_pipeline_locally(cfg, args.out, quiet=not args.verbose).summary()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from rangefinder.cli.commands.submit import add_endpoint_args
+from rangefinder.cli.ignored import ignored_by_submit, warn_ignored
 from rangefinder.cli.output import add_json_flag
 
 
@@ -29,6 +30,7 @@ def run(args: argparse.Namespace) -> dict:
 
     cron = validate_cron(args.cron)  # a bad cron fails before the config is even read
     cfg = load_config(args.config)
+    warn_ignored("schedule", ignored_by_submit(cfg, args.dataset_uri))
     sub = submit(cfg, host=args.host, token=args.token, experiment=args.experiment, run_name=args.name,
                  dataset_uri=args.dataset_uri, cron=cron, namespace=args.namespace)
     out = {k: v for k, v in asdict(sub).items() if v is not None}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from rangefinder.cli.ignored import ignored_by_submit, warn_ignored
 from rangefinder.cli.output import add_json_flag
 
 
@@ -37,6 +38,7 @@ def run(args: argparse.Namespace) -> dict:
     from rangefinder.pipelines.client import submit
 
     cfg = load_config(args.config)
+    warn_ignored("submit", ignored_by_submit(cfg, args.dataset_uri))
     sub = submit(cfg, host=args.host, token=args.token, experiment=args.experiment, run_name=args.name,
                  dataset_uri=args.dataset_uri, wait=args.wait, timeout_s=args.timeout, namespace=args.namespace)
     out = {k: v for k, v in asdict(sub).items() if v is not None}

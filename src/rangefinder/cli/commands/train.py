@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
+from rangefinder.cli.ignored import given_settings, ignored_by_train, warn_ignored
 from rangefinder.cli.output import add_json_flag
+from rangefinder.errors import ConfigError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -14,7 +17,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="train one run (full fine-tune, LR ramp, ...) on a split, with deterministic validation",
         description="Train on SPLIT_DIR from MODEL_DIR into OUT_DIR: metrics.csv, updates.csv, checkpoints/, final/. "
         "Settings come from --config (YAML sections training:, validation:, data:) and the flags below, which win. "
-        "A sampling: section in --config also renders samples during training into OUT_DIR/samples/.",
+        "A sampling: section in --config also renders samples during training into OUT_DIR/samples/. "
+        "training.processes_per_node processes train, as in the pipeline's steps (auto: one per GPU, 1 on CPU); "
+        "settings of the file that train does not use are named in one warning line.",
     )
     p.add_argument("--data", required=True, metavar="SPLIT_DIR", help="a split folder written by `rangefinder split`")
     p.add_argument("--model", metavar="MODEL_DIR",
@@ -45,9 +50,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def settings_from_args(args: argparse.Namespace):
-    """(TrainingConfig, ValidationConfig, DataConfig or None, ModelConfig, SamplingConfig or None) from --config and
-    the flags; samples during training only when the file has a sampling: section."""
+    """(RangefinderConfig, TrainSpec) from --config and the flags; samples during training only when the file has a
+    sampling: section. The spec trains on the processes `training.processes_per_node` asks for, as the pipeline's
+    training steps do (steps.launch)."""
     from rangefinder.config import load_config
+    from rangefinder.steps.launch import step_world_size
 
     overrides: dict[str, Any] = {"training": {}, "validation": {}, "data": {}}
     t, v = overrides["training"], overrides["validation"]
@@ -73,29 +80,39 @@ def settings_from_args(args: argparse.Namespace):
         overrides["data"]["resolution"] = args.resolution
     if args.model is not None:
         overrides["model"] = {"base_model": args.model}
-    cfg = load_config(args.config, overrides)
-    data_given = args.resolution is not None or (args.config is not None and _file_has_section(args.config, "data"))
-    sampling = cfg.sampling if args.config is not None and _file_has_section(args.config, "sampling") else None
-    return cfg.training, cfg.validation, (cfg.data if data_given else None), cfg.model, sampling
+    # Only the sections given: a section the file or a flag gave is in cfg.model_fields_set.
+    cfg = load_config(args.config, {name: section for name, section in overrides.items() if section})
+    warn_ignored("train", ignored_by_train(cfg))
+    if not cfg.training.budget_given():
+        raise ConfigError("give a budget: --epochs N or --steps N (or training.epochs / training.steps in --config)")
+    if cfg.distributed.num_nodes > 1:
+        raise ConfigError(
+            f"distributed.num_nodes is {cfg.distributed.num_nodes}, but `rangefinder train` trains on this machine "
+            "only: set num_nodes: 1 (training.processes_per_node still starts several processes here), or run the "
+            "pipeline on a cluster (`rangefinder submit`)"
+        )
+    processes = step_world_size(cfg)
+    # A world size written out at its default (a whole config dumped) asks for nothing.
+    if "training.world_size" in given_settings(cfg) and cfg.training.world_size != processes:
+        raise ConfigError(
+            f"training.world_size is {cfg.training.world_size}, but training.processes_per_node "
+            f"({cfg.training.processes_per_node}) starts {processes} process(es) here; leave world_size out (the "
+            f"processes started are counted) or set processes_per_node: {cfg.training.world_size}"
+        )
+    from rangefinder.training.loop import TrainSpec
 
-
-def _file_has_section(path: str, section: str) -> bool:
-    from rangefinder.config import read_config_file
-
-    return section in read_config_file(path)
+    training = cfg.training.model_copy(update={"world_size": processes})
+    data = cfg.data if "data" in cfg.model_fields_set else None
+    sampling = cfg.sampling if "sampling" in cfg.model_fields_set else None
+    return cfg, TrainSpec(training, cfg.validation, split_dir=args.data, model=cfg.model, data=data,
+                          train_on=args.train_on, sampling=sampling)
 
 
 def run(args: argparse.Namespace) -> dict:
-    from rangefinder.errors import ConfigError
+    from rangefinder.steps.launch import run_training
 
-    training, validation, data, model, sampling = settings_from_args(args)
-    if not training.budget_given():
-        raise ConfigError("give a budget: --epochs N or --steps N (or training.epochs / training.steps in --config)")
-
-    from rangefinder.training.loop import TrainSpec, train
-
-    result = train(TrainSpec(training, validation, split_dir=args.data, model=model, data=data, train_on=args.train_on,
-                             sampling=sampling), out_dir=args.out)
+    cfg, spec = settings_from_args(args)
+    result = run_training(cfg, spec, out_dir=Path(args.out))
     out = result.as_dict()
     out.pop("checkpoints")
     out["checkpoints"] = [str(p) for p in result.checkpoints]

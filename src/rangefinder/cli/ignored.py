@@ -1,0 +1,114 @@
+"""The settings of a config file that a command does not use, said in one line instead of dropped without a word.
+
+One config file serves every command (`train`, `run --local`, `compile`, `submit`, `schedule`), and each command
+uses part of it: `train` trains one run on a split that exists already, so the pipeline's sections mean nothing to
+it; the pipeline sets each run's budget, LR, schedule and process count itself (steps/lr_range_test.py,
+steps/finetune.py, steps/retrain_full.py: `ramp_training_config`, `finetune_training_config`,
+`retrain_training_config`), so the same `training:` fields mean nothing to it; a local run has no pods. A setting
+counts as given when the file sets it to something other than its default: a default changes nothing whichever
+command reads it, and a config written out whole (`model_dump`) sets every field.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pydantic import BaseModel
+
+from rangefinder.config import RangefinderConfig
+
+
+@dataclass(frozen=True)
+class Unused:
+    """Settings a command does not use (dotted names; a section's name covers all of it), and why, in its words
+    (no parentheses: the warning puts it in some)."""
+
+    settings: tuple[str, ...]
+    why: str
+
+
+# Read only with distributed.num_nodes > 1 (a Kubeflow Trainer TrainJob per training step).
+MULTI_NODE = Unused(("distributed.runtime", "distributed.namespace", "distributed.timeout_hours",
+                     "distributed.poll_seconds"), "they apply with distributed.num_nodes > 1")
+
+# What the pipeline's three training runs set themselves, whatever `training:` says.
+PIPELINE = (
+    Unused(("training.epochs", "training.steps", "training.steps_unit"),
+           "the pipeline's runs train for lr_range_test.epochs, finetune.epochs and retrain.epochs"),
+    Unused(("training.lr", "training.scale_lr", "training.schedule", "training.lr_min", "training.lr_max",
+            "training.warmup_updates"),
+           "the pipeline's LR comes from its range test or the top-level lr, its schedules from finetune.schedule "
+           "and retrain.schedule; these apply to `rangefinder train`"),
+    Unused(("training.world_size",),
+           "the pipeline counts the processes: training.processes_per_node x distributed.num_nodes"),
+    Unused(("training.resume",), "a retried training step always resumes from its newest checkpoint"),
+    Unused(("model.resolved_dir",), "the pipeline's first step sets it from model.base_model"),
+    MULTI_NODE,
+)
+
+# What `run --local` (and `demo`) cannot use on top of that: kfp.local runs no pods.
+LOCAL = (Unused(("kubernetes",), "pod settings: they apply to `compile`, `submit` and `schedule`"),)
+
+TRAIN = (
+    Unused(("split", "data.dataset_dir", "data.min_image_size", "data.min_images"),
+           "the split in --data is made already; `rangefinder split` takes them as flags"),
+    Unused(("lr", "lr_range_test", "finetune", "retrain"),
+           "they apply to the pipeline: `run`, `compile`, `submit`, `schedule`; `train` trains at training.lr for "
+           "training.epochs or training.steps"),
+    Unused(("tracking",), "`rangefinder train` logs to no MLflow server; its curve is OUT/metrics.csv"),
+    Unused(("kubernetes",), "pod settings of the pipeline: `compile`, `submit`, `schedule`"),
+    MULTI_NODE,
+)
+
+
+def given_settings(section: BaseModel, prefix: str = "") -> list[str]:
+    """Dotted names of the settings `section` was given with a value other than the default, in field order."""
+    out: list[str] = []
+    for name, field in type(section).model_fields.items():
+        if name not in section.model_fields_set:
+            continue
+        value = getattr(section, name)
+        if isinstance(value, BaseModel):
+            out += given_settings(value, f"{prefix}{name}.")
+        elif value != field.get_default(call_default_factory=True):
+            out.append(prefix + name)
+    return out
+
+
+def unused_settings(cfg: RangefinderConfig, rules: Sequence[Unused]) -> list[tuple[list[str], str]]:
+    """(the given settings a rule covers, its why), for each rule that covers any."""
+    given = given_settings(cfg)
+    found = []
+    for rule in rules:
+        names = [g for g in given if any(g == s or g.startswith(s + ".") for s in rule.settings)]
+        if names:
+            found.append((names, rule.why))
+    return found
+
+
+def ignored_by_pipeline(cfg: RangefinderConfig, *, local: bool) -> list[tuple[list[str], str]]:
+    rules = PIPELINE + LOCAL if local else PIPELINE
+    return unused_settings(cfg, rules if cfg.distributed.num_nodes == 1 else tuple(r for r in rules
+                                                                                    if r is not MULTI_NODE))
+
+
+def ignored_by_submit(cfg: RangefinderConfig, dataset_uri: str) -> list[tuple[list[str], str]]:
+    """The pipeline's, and data.dataset_dir when --dataset-uri is given: the pipeline imports the URI instead."""
+    ignored = ignored_by_pipeline(cfg, local=False)
+    if dataset_uri and cfg.data.dataset_dir is not None:
+        ignored.append((["data.dataset_dir"], "--dataset-uri is imported instead"))
+    return ignored
+
+
+def ignored_by_train(cfg: RangefinderConfig) -> list[tuple[list[str], str]]:
+    return unused_settings(cfg, TRAIN)
+
+
+def warn_ignored(command: str, ignored: list[tuple[list[str], str]]) -> None:
+    """One line on stderr: `rangefinder run: warning: ignored by `rangefinder run`: training.lr, ... (why); ...`."""
+    if ignored:
+        said = "; ".join(f"{', '.join(names)} ({why})" for names, why in ignored)
+        print(f"rangefinder {command}: warning: ignored by `rangefinder {command}`: {said}", file=sys.stderr,
+              flush=True)

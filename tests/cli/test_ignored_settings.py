@@ -1,0 +1,106 @@
+"""Issue 37: a command given a config uses each setting in it or says, in one line, which it does not use; where not
+using one would give a wrong answer without a word, it refuses instead. Through the real CLI, on real config files."""
+
+from __future__ import annotations
+
+import yaml
+
+from rangefinder.cli.ignored import given_settings, ignored_by_pipeline, ignored_by_submit, ignored_by_train
+from rangefinder.config import RangefinderConfig, demo_config, parse_config
+from tests.cli.test_bad_input import assert_one_line_error, rangefinder
+
+
+def _config(tmp_path, sections: dict):
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(sections))
+    return path
+
+
+def _warning(stderr: str, command: str) -> str:
+    (line,) = [ln for ln in stderr.splitlines() if ln.startswith(f"rangefinder {command}: warning: ")]
+    return line.removeprefix(f"rangefinder {command}: warning: ignored by `rangefinder {command}`: ")
+
+
+def _named(said: str) -> list[str]:
+    """The settings a warning names: `a, b (why); c (why)` -> [a, b, c]."""
+    return [name for part in said.split("); ") for name in part.split(" (", 1)[0].split(", ")]
+
+
+def test_a_default_written_out_is_not_a_setting_given():
+    """A config written out whole (as the tests and the pipeline's base_config do) sets every field; only the values
+    that differ from the defaults count as given."""
+    assert given_settings(parse_config(RangefinderConfig().model_dump(mode="json"))) == []
+    whole_demo = parse_config(demo_config().model_dump(mode="json"))
+    assert "training.lr" in given_settings(whole_demo) and "training.epochs" not in given_settings(whole_demo)
+    cfg = parse_config({"training": {"lora": {"rank": 8}}, "kubernetes": {"gpu_count": 2}})
+    assert given_settings(cfg) == ["training.lora.rank", "kubernetes.gpu_count"]
+
+
+def test_train_names_the_pipeline_settings_it_does_not_use(tmp_path, split_dir):
+    cfg = _config(tmp_path, {
+        "lr": 1e-3, "split": {"seed": 7}, "data": {"resolution": 32, "dataset_dir": "/data/mine"},
+        "training": {"lr": 1e-4, "batch_size": 4}, "finetune": {"epochs": 5}, "tracking": {"experiment_name": "x"},
+        "kubernetes": {"gpu_count": 4}, "distributed": {"namespace": "team"},
+    })
+    # No budget: the run stops at once, after the warning.
+    proc = rangefinder("train", "--data", str(split_dir), "--out", str(tmp_path / "run"), "--config", str(cfg))
+    assert proc.returncode == 2 and "give a budget" in proc.stderr.splitlines()[-1], proc.stderr
+    said = _warning(proc.stderr, "train")
+    assert said.startswith("data.dataset_dir, split.seed (the split in --data is made already; `rangefinder split` "
+                           "takes them as flags); finetune.epochs, lr (they apply to the pipeline: `run`, "), said
+    # What train uses (training:, data.resolution) is not named.
+    assert _named(said) == ["data.dataset_dir", "split.seed", "finetune.epochs", "lr", "tracking.experiment_name",
+                            "kubernetes.gpu_count", "distributed.namespace"], said
+    assert not (tmp_path / "run").exists()
+
+
+def test_train_refuses_several_nodes_and_a_world_size_it_does_not_start(tmp_path, split_dir):
+    """Trained anyway, both would be another run than the one asked for: one line each, nothing written."""
+    for sections, words in (
+        ({"distributed": {"num_nodes": 2}}, ("distributed.num_nodes is 2", "`rangefinder submit`")),
+        ({"training": {"world_size": 2}}, ("training.world_size is 2", "starts 1 process(es)",
+                                           "processes_per_node: 2")),
+    ):
+        cfg = _config(tmp_path, sections)
+        proc = rangefinder("train", "--data", str(split_dir), "--out", str(tmp_path / "run"), "--config", str(cfg),
+                           "--epochs", "1")
+        assert_one_line_error(proc, *words)
+        assert not (tmp_path / "run").exists()
+
+
+PIPELINE_CONFIG = {
+    "training": {"epochs": 3, "lr": 1e-4, "schedule": "cosine", "world_size": 2, "batch_size": 2},
+    "finetune": {"epochs": 4}, "kubernetes": {"gpu_count": 2}, "distributed": {"namespace": "team"},
+    "data": {"dataset_dir": "/data/mine"},
+}
+
+
+def test_compile_names_the_training_settings_the_pipeline_sets_itself(tmp_path):
+    out = tmp_path / "pipeline.yaml"
+    proc = rangefinder("compile", "--config", str(_config(tmp_path, PIPELINE_CONFIG)), "--out", str(out))
+    assert proc.returncode == 0 and out.is_file(), proc.stderr
+    said = _warning(proc.stderr, "compile")
+    assert said.startswith("training.epochs (the pipeline's runs train for lr_range_test.epochs, finetune.epochs "
+                           "and retrain.epochs); training.lr, training.schedule (the pipeline's LR comes from its "
+                           "range test"), said
+    assert "training.world_size (the pipeline counts the processes" in said
+    assert "distributed.namespace (they apply with distributed.num_nodes > 1)" in said
+    # Pods, the batch, the fine-tune's epochs and the dataset are the pipeline's own: not named.
+    assert _named(said) == ["training.epochs", "training.lr", "training.schedule", "training.world_size",
+                            "distributed.namespace"], said
+
+
+def test_a_local_run_names_the_pod_settings_and_submit_the_folder_a_uri_replaces(tmp_path):
+    cfg = _config(tmp_path, {**PIPELINE_CONFIG, "distributed": {"num_nodes": 2}})
+    # Several nodes are refused by a local run before any step: the warning, then the error.
+    proc = rangefinder("run", "--local", "--config", str(cfg), "--out", str(tmp_path / "out"))
+    assert proc.returncode == 2 and "distributed.num_nodes is 2" in proc.stderr.splitlines()[-1], proc.stderr
+    said = _warning(proc.stderr, "run")
+    assert "kubernetes.gpu_count (pod settings: they apply to `compile`, `submit` and `schedule`)" in said, said
+    assert "training.epochs" in _named(said) and "distributed.num_nodes" not in _named(said)
+
+    parsed = parse_config(PIPELINE_CONFIG)
+    assert ["data.dataset_dir"] not in [names for names, _ in ignored_by_pipeline(parsed, local=True)]
+    assert (["data.dataset_dir"], "--dataset-uri is imported instead") in ignored_by_submit(parsed, "s3://b/mine")
+    assert ignored_by_submit(parsed, "") == ignored_by_pipeline(parsed, local=False)
+    assert ignored_by_train(parse_config({"training": {"epochs": 3}})) == []
