@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Optional
 
 from rangefinder.formats.atomic import atomic_dir
-from rangefinder.formats.export import save_pipeline_folder
+from rangefinder.formats.diffusers_folder import save_pipeline_folder
 
 # ---------------------------------------------------------------------------------------------------------------
 # Settings and cache

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rangefinder.formats.atomic import atomic_dir
-from rangefinder.formats.export import save_pipeline_folder
+from rangefinder.formats.diffusers_folder import save_pipeline_folder
 from rangefinder.models import tiny
 
 BUILDER_VERSION = 1  # bump when the builder changes what it writes (the cache key also hashes this file's source)
