@@ -214,7 +214,8 @@ class CachedLatentFiles(LatentSource):
 def _write_entry(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     """One cache entry, whole or absent (formats/atomic.py): concurrent or killed writers never leave a torn one."""
     with atomic_path(path) as tmp:
-        save_file(tensors, str(tmp))
+        # safetensors refuses non-contiguous tensors (a latent's row of a strided batch); metadata as exports write it.
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={})
 
 
 def _has(path: Path, wanted: Sequence[str]) -> bool:
