@@ -124,7 +124,7 @@ def pipeline_class(base_model: Path) -> tuple[Any, dict[str, Any]]:
     """The diffusers pipeline class of the base model's family, and the keyword arguments its loaders take."""
     from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
 
-    from rangefinder.models.loading import detect_family
+    from rangefinder.training.family_detection import detect_family
 
     if detect_family(Path(base_model)) == "sdxl":
         return StableDiffusionXLPipeline, {}

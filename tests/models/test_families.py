@@ -11,7 +11,8 @@ from safetensors.torch import save_file
 
 from rangefinder.config import ModelConfig
 from rangefinder.errors import ConfigError
-from rangefinder.models.loading import detect_family, family_of, resolve_base_model, single_file_family
+from rangefinder.models.loading import resolve_base_model
+from rangefinder.training.family_detection import detect_family, family_of, single_file_family
 
 
 def test_family_comes_from_model_index(tiny_model_dir, tiny_sdxl_dir, tmp_path):
