@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 # Two pytest-xdist workers, CI's two cores; tests/conftest.py hands each worker whole files (fixtures made once).
 PYTEST_WORKERS ?= 2
 
-.PHONY: demo test venv tools images screenshots clean
+.PHONY: demo test venv tools images screenshots clean tiny-weights
 
 venv: $(STAMP)
 
@@ -39,6 +39,11 @@ images:
 
 demo: $(STAMP)
 	$(VENV)/bin/rangefinder demo --out $(DEMO_OUT)
+
+# The tiny SD and SDXL models' shipped weights (src/rangefinder/models/weights): built from config and pre-trained
+# on this CPU (about 5 minutes on 2 cores). Another CPU builds other weights; commit them with the README's output.
+tiny-weights: $(STAMP)
+	$(VENV)/bin/rangefinder make-base-model --rebuild
 
 # The README's report pictures (docs/figures/report-*.png): a fresh demo run, each HTML report opened in headless
 # Chromium (Debian's `chromium` package), checked as the browser test checks it, and screenshotted at 1280 px.

@@ -68,7 +68,7 @@ def one_torch_thread_per_worker():
 
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
-    """The embedded tiny Stable Diffusion folder (diffusers layout), built once (a few minutes) and cached."""
+    """The embedded tiny Stable Diffusion folder (diffusers layout), copied from the shipped weights once and cached."""
     from rangefinder.models.tiny import ensure_tiny_base_model
 
     return ensure_tiny_base_model()
@@ -76,7 +76,7 @@ def tiny_model_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_sdxl_dir() -> Path:
-    """The embedded tiny SDXL folder (diffusers layout; models/tiny_sdxl.py), built once (about a minute) and cached."""
+    """The embedded tiny SDXL folder (diffusers layout; models/tiny_sdxl.py), copied from the shipped weights once."""
     from rangefinder.models.tiny_sdxl import ensure_tiny_sdxl_model
 
     return ensure_tiny_sdxl_model()

@@ -25,8 +25,10 @@ from typing import Any, Optional, Union
 from rangefinder.errors import ConfigError
 from rangefinder.formats import checkpoints
 from rangefinder.formats.atomic import atomic_dir, atomic_path, write_text
-from rangefinder.formats.export import LORA_WEIGHTS_NAME, TI_WEIGHTS_NAME, save_pipeline_folder
+from rangefinder.formats.diffusers_folder import save_pipeline_folder
+from rangefinder.formats.embeddings import TI_WEIGHTS_NAME
 from rangefinder.formats.grid import compose_grid
+from rangefinder.formats.lora import LORA_WEIGHTS_NAME
 from rangefinder.models.loading import check_scheduler_name
 
 ColumnKind = str  # "pipeline" | "single_file" | "unet" | "lora" | "textual_inversion" | "engine_checkpoint"
@@ -122,7 +124,7 @@ def pipeline_class(base_model: Path) -> tuple[Any, dict[str, Any]]:
     """The diffusers pipeline class of the base model's family, and the keyword arguments its loaders take."""
     from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
 
-    from rangefinder.models.loading import detect_family
+    from rangefinder.training.family_detection import detect_family
 
     if detect_family(Path(base_model)) == "sdxl":
         return StableDiffusionXLPipeline, {}

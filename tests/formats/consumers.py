@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from rangefinder.formats.export import _map_keys, _top_level_tables, _unet_prefix_table, clip_text_key
+from rangefinder.formats.diffusers_folder import clip_text_key
+from rangefinder.formats.single_file import map_keys, top_level_tables, unet_prefix_table
 
 # ---------------------------------------------------------------------------------------------------------------
 # ComfyUI: which LoRA tensor names patch which model weight, for an SD 1.x model
@@ -59,8 +60,8 @@ def _diffusers_to_ldm_unet_keys(unet) -> dict[str, str]:
     correspondence, for every weight of an SD 1.x UNet); tests/formats/test_export.py checks these tables against
     diffusers' own converters."""
     names = {k: k for k in unet.state_dict()}
-    unet_top, _ = _top_level_tables()
-    return {d: ldm for ldm, d in _map_keys(names, _unet_prefix_table(unet.config), unet_top, "UNet").items()}
+    unet_top, _ = top_level_tables()
+    return {d: ldm for ldm, d in map_keys(names, unet_prefix_table(unet.config), unet_top, "UNet").items()}
 
 
 def comfy_sd1_key_map(unet, text_encoder) -> dict[str, tuple[str, str]]:

@@ -6,15 +6,14 @@ import pytest
 import torch
 
 from rangefinder import __version__
-from rangefinder.formats.export import (
+from rangefinder.formats.single_file import (
     LDM_CLIP_PREFIX,
     LDM_UNET_PREFIX,
     LDM_VAE_PREFIX,
     diffusers_to_ldm_state_dict,
     export_full,
-    export_metadata,
-    read_metadata,
 )
+from rangefinder.formats.weights_file import export_metadata, read_metadata
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +148,7 @@ def test_text_encoder_saved_without_the_prefix_is_rewritten(tiny_model_dir, tmp_
     from safetensors.torch import load_file, save_file
     from transformers import CLIPTextModel
 
-    from rangefinder.formats.export import write_text_encoder_weights_with_prefix
+    from rangefinder.formats.diffusers_folder import write_text_encoder_weights_with_prefix
 
     te_dir = tmp_path / "text_encoder"
     shutil.copytree(tiny_model_dir / "text_encoder", te_dir)

@@ -48,7 +48,8 @@ def sd15_lora(tmp_path_factory):
     """(base unet, base text encoder, {part: {module path: peft layer}}, {"diffusers"/"kohya": file})."""
     from peft.tuners.lora import LoraLayer
 
-    from rangefinder.formats.export import export_metadata, save_lora_files
+    from rangefinder.formats.lora import save_lora_files
+    from rangefinder.formats.weights_file import export_metadata
 
     base_unet, base_te = _sd15_meta()
     unet, te = _sd15_meta()
@@ -144,12 +145,12 @@ def test_ldm_module_names_at_sd15_shape_invert_diffusers_converter(sd15_lora):
     exact inverse of diffusers' own LDM -> diffusers converter, weight for weight and shape for shape."""
     from diffusers.loaders.single_file_utils import convert_ldm_unet_checkpoint
 
-    from rangefinder.formats.export import LDM_UNET_PREFIX, _map_keys, _top_level_tables, _unet_prefix_table
+    from rangefinder.formats.single_file import LDM_UNET_PREFIX, map_keys, top_level_tables, unet_prefix_table
 
     base_unet, *_ = sd15_lora
     state = base_unet.state_dict()
     ldm = {LDM_UNET_PREFIX + k: v for k, v in
-           _map_keys(state, _unet_prefix_table(base_unet.config), _top_level_tables()[0], "UNet").items()}
+           map_keys(state, unet_prefix_table(base_unet.config), top_level_tables()[0], "UNet").items()}
     assert "model.diffusion_model.output_blocks.2.1.conv.weight" in ldm  # SD 1.x's first upsampler, no attention
     back = convert_ldm_unet_checkpoint(ldm, base_unet.config)
     assert set(back) == set(state)

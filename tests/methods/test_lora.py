@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 
 from rangefinder.config import TrainingConfig
-from rangefinder.formats.export import LORA_KOHYA_NAME, LORA_WEIGHTS_NAME, trained_lora_layers
+from rangefinder.formats.lora import LORA_KOHYA_NAME, LORA_WEIGHTS_NAME, trained_lora_layers
 from rangefinder.training.methods import make_method
 from rangefinder.training.methods.base import UPDATES_KEY
 from tests.formats.consumers import comfy_load_lora, comfy_patched_state, comfy_sd1_key_map

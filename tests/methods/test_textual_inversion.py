@@ -9,7 +9,8 @@ import torch
 
 from rangefinder.config import TrainingConfig
 from rangefinder.errors import ConfigError
-from rangefinder.formats.export import TI_A1111_DIR, TI_WEIGHTS_NAME, a1111_embedding_name, read_metadata
+from rangefinder.formats.embeddings import TI_A1111_DIR, TI_WEIGHTS_NAME, a1111_embedding_name
+from rangefinder.formats.weights_file import read_metadata
 from rangefinder.training.methods import make_method
 from tests.formats.consumers import A1111Rejected, a1111_load_embedding, a1111_safe_check
 from tests.methods.harness import load_parts, pipeline_image, state_of, train_updates

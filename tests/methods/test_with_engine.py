@@ -14,13 +14,10 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from rangefinder.config import TrainingConfig, ValidationConfig
-from rangefinder.formats.export import (
-    LORA_KOHYA_NAME,
-    LORA_WEIGHTS_NAME,
-    SINGLE_FILE_NAME,
-    TI_WEIGHTS_NAME,
-    read_metadata,
-)
+from rangefinder.formats.embeddings import TI_WEIGHTS_NAME
+from rangefinder.formats.lora import LORA_KOHYA_NAME, LORA_WEIGHTS_NAME
+from rangefinder.formats.single_file import SINGLE_FILE_NAME
+from rangefinder.formats.weights_file import read_metadata
 from rangefinder.sampling import render_grid
 from rangefinder.training.loop import TrainSpec, train
 from tests.training.test_resume import run_child

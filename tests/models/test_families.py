@@ -11,7 +11,8 @@ from safetensors.torch import save_file
 
 from rangefinder.config import ModelConfig
 from rangefinder.errors import ConfigError
-from rangefinder.models.loading import detect_family, family_of, resolve_base_model, single_file_family
+from rangefinder.models.loading import resolve_base_model
+from rangefinder.training.family_detection import detect_family, family_of, single_file_family
 
 
 def test_family_comes_from_model_index(tiny_model_dir, tiny_sdxl_dir, tmp_path):
@@ -62,9 +63,9 @@ def test_sdxl_folder_lacking_second_encoder_names_it(tiny_sdxl_dir, tmp_path):
 
 
 def test_kohya_sdxl_unet_names_match_sd_scripts_for_the_real_sdxl_layout():
-    """Our diffusers -> original-layout table (formats/export.py) against kohya's, for SDXL base's own UNet
+    """Our diffusers -> original-layout table (formats/single_file.py) against kohya's, for SDXL base's own UNet
     (3 levels of 2 layers; sd-scripts library/sdxl_model_util.py make_unet_conversion_map)."""
-    from rangefinder.formats.export import kohya_sdxl_unet_name
+    from rangefinder.formats.lora import kohya_sdxl_unet_name
     from tests.methods.kohya_sdxl import kohya_unet_path
 
     config = {"block_out_channels": [320, 640, 1280], "layers_per_block": 2,

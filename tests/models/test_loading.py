@@ -43,7 +43,8 @@ def test_folder_and_embedded_default(tiny_model_dir, folder_parts):
 
 
 def test_single_file_is_converted_once_into_a_diffusers_folder(tiny_model_dir, folder_parts, tmp_path):
-    from rangefinder.formats.export import export_full, export_metadata
+    from rangefinder.formats.single_file import export_full
+    from rangefinder.formats.weights_file import export_metadata
 
     meta = export_metadata(method="full", base_model=str(tiny_model_dir), lr=1e-4, epochs=1, updates=1)
     path = export_full(tiny_model_dir, tmp_path / "tiny.safetensors", meta)

@@ -52,7 +52,7 @@ def _offline_hub(fake_hub_cache, monkeypatch):
 @pytest.fixture(scope="module")
 def single_file(tiny_model_dir, tmp_path_factory) -> Path:
     """The tiny model as one LDM-layout checkpoint, without rangefinder's metadata (as a downloaded file is)."""
-    from rangefinder.formats.export import export_full
+    from rangefinder.formats.single_file import export_full
 
     return export_full(tiny_model_dir, tmp_path_factory.mktemp("single-file") / "tiny-sd.safetensors")
 

@@ -32,23 +32,13 @@ from typing import Any, Optional
 
 from rangefinder.config import ModelConfig
 from rangefinder.errors import ConfigError
+from rangefinder.training.family_detection import FAMILY_NAMES, FAMILY_PARTS, detect_family, single_file_family
 
 SINGLE_FILE_SUFFIX = ".safetensors"
 # Refused: torch.load of a pickle runs whatever code the file holds (safetensors holds tensors only).
 PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".pkl")
 # The parts training and sampling load; each is a sub-folder of a diffusers Stable Diffusion folder.
 REQUIRED_PARTS = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
-# The model families rangefinder trains, by the pipeline class diffusers names in model_index.json `_class_name`.
-# The family is read from the model, never set by the user (docs/model-families.md).
-FAMILY_OF_PIPELINE = {"StableDiffusionPipeline": "sd1", "StableDiffusionXLPipeline": "sdxl"}
-# The parts a family needs beyond REQUIRED_PARTS.
-FAMILY_PARTS = {"sd1": (), "sdxl": ("text_encoder_2", "tokenizer_2")}
-FAMILY_NAMES = {"sd1": "Stable Diffusion 1.x/2.x", "sdxl": "Stable Diffusion XL"}
-# In a single file (the LDM/SGM layout): SDXL's UNet has the added (pooled text + size) embedding `label_emb`, and
-# SGM's conditioner holds the two text encoders, CLIP ViT-L as embedders.0 and OpenCLIP bigG as embedders.1.
-SDXL_SINGLE_FILE_UNET_KEY = "model.diffusion_model.label_emb.0.0.weight"
-SDXL_SINGLE_FILE_TE1_PREFIX = "conditioner.embedders.0.transformer."
-SDXL_SINGLE_FILE_TE2_PREFIX = "conditioner.embedders.1.model."
 HUB_TIMEOUT_S = 10.0  # seconds for one hub metadata request (downloads use huggingface_hub's per-read timeout)
 # What a diffusers Stable Diffusion repo needs, for `hf download --include` in the offline message.
 HUB_INCLUDE = '"model_index.json" "*/*.json" "*/*.txt" "*/*.safetensors"'
@@ -98,68 +88,6 @@ def load_sd_components(model_cfg: Optional[ModelConfig] = None) -> SDComponents:
     """The five parts of a Stable Diffusion model, in eval mode on the CPU; ConfigError when it cannot be loaded."""
     resolved = resolve_base_model(model_cfg or ModelConfig())
     return _load_folder(resolved, model_cfg or ModelConfig())
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The model family
-
-
-def detect_family(folder: Path) -> str:
-    """The family of a diffusers folder, from model_index.json's `_class_name`; ConfigError for a pipeline class
-    rangefinder does not train."""
-    import json
-
-    index = Path(folder) / "model_index.json"
-    try:
-        class_name = json.loads(index.read_text()).get("_class_name", "")
-    except (OSError, ValueError) as e:
-        raise ConfigError(
-            f"model.base_model: cannot read {index} ({_first_line(e)}); pass a diffusers folder"
-        ) from None
-    family = FAMILY_OF_PIPELINE.get(class_name)
-    if family is None:
-        known = ", ".join(f"{v} ({k})" for k, v in FAMILY_OF_PIPELINE.items())
-        raise ConfigError(
-            f"model.base_model: {folder} is a {class_name or 'pipeline of unknown class'} model; rangefinder trains "
-            f"{known}; pass a base model of one of those families"
-        )
-    return family
-
-
-def family_of(model_cfg: ModelConfig) -> Optional[str]:
-    """The family of a configured base model when it can be told without downloading or converting anything (the
-    embedded model, a local folder, a single file's tensor names, a resolved folder); None otherwise (a hub id not
-    resolved yet). For tags and reports."""
-    try:
-        if model_cfg.resolved_dir and (Path(model_cfg.resolved_dir) / "model_index.json").is_file():
-            return detect_family(Path(model_cfg.resolved_dir))
-        if model_cfg.base_model is None:
-            return "sd1"
-        path = Path(model_cfg.base_model).expanduser()
-        if (path / "model_index.json").is_file():
-            return detect_family(path)
-        if path.is_file() and path.suffix.lower() == SINGLE_FILE_SUFFIX:
-            from safetensors import safe_open
-
-            with safe_open(str(path), framework="pt") as f:
-                return single_file_family(path, list(f.keys()))
-    except (ConfigError, OSError, ValueError):
-        return None
-    return None
-
-
-def single_file_family(path: Path, keys: list[str]) -> str:
-    """The family of a single-file checkpoint from its tensor names; ConfigError for an SDXL file without its
-    second text encoder."""
-    if SDXL_SINGLE_FILE_UNET_KEY in keys or any(k.startswith("conditioner.") for k in keys):
-        if not any(k.startswith(SDXL_SINGLE_FILE_TE2_PREFIX) for k in keys):
-            raise ConfigError(
-                f"model.base_model: {path} is an SDXL checkpoint without its second text encoder (OpenCLIP bigG, "
-                f"{SDXL_SINGLE_FILE_TE2_PREFIX}*): SDXL conditions on both encoders; pass the complete checkpoint "
-                "(the base model's file, not a UNet-only or pruned one) or a diffusers folder"
-            )
-        return "sdxl"
-    return "sd1"
 
 
 # ---------------------------------------------------------------------------------------------------------------

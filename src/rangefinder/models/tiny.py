@@ -15,6 +15,10 @@ Pre-training, in two stages, on data the demo never uses (see src/rangefinder/da
 Two traps of a freshly initialised VAE are handled as Stable Diffusion handles them: latents are scaled by
 `scaling_factor` = 1 / std of the training latents (Rombach et al. 2022, sec. 4.3 and app. G), and images are
 encoded with the posterior's mode, not a sample.
+
+The model built with the default settings ships as package data (models/shipped.py), since float arithmetic on
+another CPU builds other weights: `ensure_tiny_base_model` copies it into the cache, and `rangefinder
+make-base-model --rebuild` (`make tiny-weights`) runs this builder to write it again.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ from pathlib import Path
 from typing import Optional
 
 from rangefinder.formats.atomic import atomic_dir
-from rangefinder.formats.export import save_pipeline_folder
+from rangefinder.formats.diffusers_folder import save_pipeline_folder
+from rangefinder.models import shipped
 
 # ---------------------------------------------------------------------------------------------------------------
 # Settings and cache
@@ -52,8 +57,9 @@ class TinyModelSettings:
     text_layers: int = 2
     text_heads: int = 4
     max_length: int = 77  # tokens, as in CLIP
-    # Pre-training (see the module docstring): about 4 minutes on one idle CPU core, once per cache (the UNet's share
-    # reads the captions, which 300 steps of 16 did not: docs/demo-learning.md).
+    # Pre-training (see the module docstring): about 4 minutes on one idle CPU core, run by `make tiny-weights` (the
+    # default settings' model ships as package data: models/shipped.py). The UNet's share reads the captions, which
+    # 300 steps of 16 did not (docs/demo-learning.md).
     pretrain_images: int = 256  # per kind
     vae_steps: int = 400  # reconstruction MSE ~0.08 in [-1, 1] units, about a 4x blur (a flat colour scores 0.18)
     vae_batch: int = 16
@@ -88,23 +94,43 @@ def settings_key(settings: TinyModelSettings) -> str:
     return h.hexdigest()[:16]
 
 
-def ensure_tiny_base_model(cache_dir: str | Path | None = None, settings: Optional[TinyModelSettings] = None) -> Path:
-    """Return the folder of the embedded tiny model, building it once per cache (a few minutes on 2 CPU cores).
+SHIPPED_NAME = "tiny-sd"  # its weights ship as package data (models/shipped.py)
 
-    Concurrent callers (several test sessions, pipeline steps) wait on a file lock instead of building it twice.
+
+def uses_shipped_weights(settings: TinyModelSettings) -> bool:
+    """The default settings are the shipped weights' (a test checks their rangefinder_tiny.json says so)."""
+    return settings == TinyModelSettings() and shipped.is_shipped(SHIPPED_NAME)
+
+
+def cache_name(settings: TinyModelSettings) -> str:
+    """The cached folder's name: keyed by the shipped files' digests for the shipped model, else by the settings and
+    the builder (settings_key)."""
+    if uses_shipped_weights(settings):
+        return f"tiny-sd-{shipped.shipped_key(SHIPPED_NAME)}"
+    return f"tiny-sd-{settings_key(settings)}"
+
+
+def ensure_tiny_base_model(cache_dir: str | Path | None = None, settings: Optional[TinyModelSettings] = None) -> Path:
+    """Return the folder of the embedded tiny model: the shipped weights, copied into the cache once (seconds); or,
+    for other settings, built once per cache (a few minutes on 2 CPU cores).
+
+    Concurrent callers (several test sessions, pipeline steps) wait on a file lock instead of writing it twice.
     """
     from filelock import FileLock
 
     settings = settings or TinyModelSettings()
     root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"tiny-sd-{settings_key(settings)}"
+    final = root / cache_name(settings)
     if (final / "model_index.json").is_file():
         return final
     with FileLock(str(final) + ".lock"):
         if not (final / "model_index.json").is_file():
-            _log_stderr(f"building the embedded tiny model into {final} (once; a few minutes on 2 CPU cores)")
-            build_tiny_base_model(final, settings)
+            if uses_shipped_weights(settings):
+                shipped.install_shipped(SHIPPED_NAME, final)
+            else:
+                _log_stderr(f"building the embedded tiny model into {final} (once; a few minutes on 2 CPU cores)")
+                build_tiny_base_model(final, settings)
     return final
 
 

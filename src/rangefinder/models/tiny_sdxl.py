@@ -11,6 +11,7 @@ hidden states.
 The VAE and the tokenizer are the tiny SD model's (tiny.py), already pre-trained: a VAE is the same in both
 families. The UNet and the text encoders are then pre-trained briefly, as SDXL conditions them, on the stripes
 dataset, so that fine-tuning on shapes starts from a model that already knows colours, as with the tiny SD model.
+The model built with the default settings ships as package data, as the tiny SD model's (models/shipped.py).
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rangefinder.formats.atomic import atomic_dir
-from rangefinder.formats.export import save_pipeline_folder
-from rangefinder.models import tiny
+from rangefinder.formats.diffusers_folder import save_pipeline_folder
+from rangefinder.models import shipped, tiny
 
 BUILDER_VERSION = 1  # bump when the builder changes what it writes (the cache key also hashes this file's source)
 
@@ -51,28 +52,46 @@ class TinySdxlSettings:
     cond_dropout: float = 0.1
 
 
+SHIPPED_NAME = "tiny-sdxl"  # its weights ship as package data (models/shipped.py), as the tiny SD model's
+
+
 def settings_key(settings: TinySdxlSettings) -> str:
-    base = tiny.settings_key(tiny.TinyModelSettings())
     h = hashlib.sha256()
     h.update(json.dumps(dataclasses.asdict(settings), sort_keys=True).encode())
-    h.update(f"{BUILDER_VERSION}|{base}".encode())
+    h.update(f"{BUILDER_VERSION}|{tiny.cache_name(tiny.TinyModelSettings())}".encode())  # the base it is built on
     h.update(Path(__file__).read_bytes())
     return h.hexdigest()[:16]
 
 
+def uses_shipped_weights(settings: TinySdxlSettings) -> bool:
+    return settings == TinySdxlSettings() and shipped.is_shipped(SHIPPED_NAME)
+
+
+def cache_name(settings: TinySdxlSettings) -> str:
+    """Keyed by the shipped files' digests for the shipped model, else by the settings, builder and base."""
+    if uses_shipped_weights(settings):
+        return f"tiny-sdxl-{shipped.shipped_key(SHIPPED_NAME)}"
+    return f"tiny-sdxl-{settings_key(settings)}"
+
+
 def ensure_tiny_sdxl_model(cache_dir: str | Path | None = None, settings: Optional[TinySdxlSettings] = None) -> Path:
-    """The folder of the embedded tiny SDXL model, built once per cache (builds the tiny SD model first)."""
+    """The folder of the embedded tiny SDXL model: the shipped weights, copied into the cache once (seconds); or, for
+    other settings, built once per cache on the tiny SD model's VAE and tokenizer."""
     from filelock import FileLock
 
     settings = settings or TinySdxlSettings()
     root = Path(cache_dir).expanduser() if cache_dir else tiny.default_cache_dir()
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"tiny-sdxl-{settings_key(settings)}"
+    final = root / cache_name(settings)
     if (final / "model_index.json").is_file():
         return final
-    base = tiny.ensure_tiny_base_model(root)
     with FileLock(str(final) + ".lock"):
-        if not (final / "model_index.json").is_file():
+        if (final / "model_index.json").is_file():
+            pass
+        elif uses_shipped_weights(settings):
+            shipped.install_shipped(SHIPPED_NAME, final)
+        else:
+            base = tiny.ensure_tiny_base_model(root)  # its own lock: the SD model is built first, once
             tiny._log_stderr(f"building the embedded tiny SDXL model into {final} (once)")
             build_tiny_sdxl_model(final, base, settings)
     return final

@@ -110,7 +110,7 @@ def common_tags(cfg: Optional[TrackingSource] = None) -> dict[str, str]:
     if cfg is not None and hasattr(cfg, "model"):
         tags["rangefinder.base_model"] = model or "embedded-tiny"
         from rangefinder.config import ModelConfig
-        from rangefinder.models.loading import family_of
+        from rangefinder.training.family_detection import family_of
 
         family = family_of(cfg.model) if isinstance(cfg.model, ModelConfig) else None
         if family:

@@ -28,10 +28,10 @@ from typing import Any, Optional
 import numpy as np
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from rangefinder.errors import DataError
-from rangefinder.formats.export import save_safetensors
+from rangefinder.formats.atomic import atomic_path
 from rangefinder.training.data import LatentSource
 
 CACHE_VERSION = "1"  # bump when the meaning of an entry changes
@@ -165,7 +165,7 @@ class LatentCache:
                     entry = {"latent": z[j].clone()}
                     if zf is not None:
                         entry["flipped"] = zf[j].clone()
-                    save_safetensors(entry, self.entry_path(keys[i]))
+                    _write_entry(self.entry_path(keys[i]), entry)
                 self.stats.encoded += len(chunk)
                 bar.update(len(chunk))
 
@@ -209,6 +209,13 @@ class CachedLatentFiles(LatentSource):
         rows = [_read_tensor(self.files[i], "flipped" if flip else "latent")
                 for i, flip in zip(indices, flips, strict=True)]
         return torch.stack(rows).to(device)
+
+
+def _write_entry(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """One cache entry, whole or absent (formats/atomic.py): concurrent or killed writers never leave a torn one."""
+    with atomic_path(path) as tmp:
+        # safetensors refuses non-contiguous tensors (a latent's row of a strided batch); metadata as exports write it.
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={})
 
 
 def _has(path: Path, wanted: Sequence[str]) -> bool:
@@ -267,7 +274,7 @@ def ensure_text_embeddings(
         chunk = todo[start : start + batch_size]
         hidden = encode(input_ids[chunk].to(device)).float().cpu()
         for j, i in enumerate(chunk):
-            save_safetensors({"hidden": hidden[j].clone()}, paths[i])
+            _write_entry(paths[i], {"hidden": hidden[j].clone()})
         stats.encoded += len(chunk)
     return paths
 

@@ -201,7 +201,7 @@ def restore_checkpoint(run: Run, state: RunState) -> None:
 
 
 def _check_same_run(saved: dict[str, Any], run: Run) -> None:
-    from rangefinder.models.loading import FAMILY_NAMES
+    from rangefinder.training.family_detection import FAMILY_NAMES
 
     family = saved.get("family", "sd1")  # checkpoints from before families were recorded: SD 1.x/2.x
     if family != run.family.name:

@@ -1,4 +1,5 @@
-"""The model families the engine trains, by the name `models.loading.detect_family` reads from the base model.
+"""The model families the engine trains, by the name `family_detection.detect_family` reads from the base
+model.
 
 A new family is one module with a class providing family.Family's methods, and one line here.
 """
@@ -14,7 +15,7 @@ if TYPE_CHECKING:
     from rangefinder.models.loading import SDComponents
     from rangefinder.training.family import Family
 
-# family name (models.loading.detect_family) -> "module:Class"; imported only when chosen.
+# family name (family_detection.detect_family) -> "module:Class"; imported only when chosen.
 FAMILIES = {
     "sd1": "rangefinder.training.family:Sd1Family",
     "sdxl": "rangefinder.training.family_sdxl:SdxlFamily",

@@ -2,7 +2,7 @@
 trained to predict.
 
 The loop and the validation measure never branch on the family; they call a `Family` through a `Denoiser`. A family
-is one class, registered in families.py (FAMILIES) by the name `models.loading.detect_family` reads from the base
+is one class, registered in families.py (FAMILIES) by the name `family_detection.detect_family` reads from the base
 model:
 - `Sd1Family` (here): Stable Diffusion 1.x and 2.x: one CLIP text encoder whose last hidden state conditions the
   UNet; epsilon or v-prediction on the DDPM noise schedule;

@@ -43,8 +43,8 @@ def demo_model_cache(out: Path, family: str = "sd1") -> Path:
     if os.environ.get("RANGEFINDER_CACHE"):
         return Path(os.environ["RANGEFINDER_CACHE"]).expanduser()
     shared = tiny.default_cache_dir()
-    name = (f"tiny-sdxl-{tiny_sdxl.settings_key(tiny_sdxl.TinySdxlSettings())}" if family == "sdxl"
-            else f"tiny-sd-{tiny.settings_key(tiny.TinyModelSettings())}")
+    name = (tiny_sdxl.cache_name(tiny_sdxl.TinySdxlSettings()) if family == "sdxl"
+            else tiny.cache_name(tiny.TinyModelSettings()))
     if (shared / name / "model_index.json").is_file():
         return shared
     return out / "cache"

@@ -1,4 +1,4 @@
-"""`rangefinder make-base-model`: the embedded tiny Stable Diffusion model, built offline and cached."""
+"""`rangefinder make-base-model`: the embedded tiny Stable Diffusion model, from the shipped weights, cached."""
 
 from __future__ import annotations
 
@@ -10,13 +10,17 @@ from rangefinder.cli.output import add_json_flag
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "make-base-model",
-        help="build the tiny offline Stable Diffusion model (diffusers folder layout), or reuse the cached one",
-        description="Build a tiny Stable Diffusion pipeline from config and pre-train it briefly on synthetic stripes "
-        "(a few minutes on 2 CPU cores). It is cached under $RANGEFINDER_CACHE or ~/.cache/rangefinder; "
-        "--out copies it to a folder of your choice.",
+        help="the tiny offline Stable Diffusion model (diffusers folder layout), from the package's shipped weights",
+        description="Copy the tiny Stable Diffusion pipeline shipped with the package (checked against its sha256 "
+        "digests) into the cache under $RANGEFINDER_CACHE or ~/.cache/rangefinder, or reuse the cached one; --out "
+        "copies it to a folder of your choice. --rebuild builds the tiny SD and SDXL models from config, pre-trains "
+        "them on synthetic stripes (about 5 minutes on 2 CPU cores) and writes them as the package's shipped "
+        "weights (`make tiny-weights`).",
     )
     p.add_argument("--out", help="folder to write the model to (new or empty); default: print the cached folder")
     p.add_argument("--cache-dir", help="cache folder (default $RANGEFINDER_CACHE or ~/.cache/rangefinder)")
+    p.add_argument("--rebuild", action="store_true",
+                   help="rebuild the shipped tiny SD and SDXL weights (src/rangefinder/models/weights) on this CPU")
     add_json_flag(p)
     p.set_defaults(func=run)
 
@@ -26,6 +30,10 @@ def run(args: argparse.Namespace) -> dict:
 
     from rangefinder.models.tiny import copy_model, ensure_tiny_base_model
 
+    if args.rebuild:
+        from rangefinder.models.tiny_weights import rebuild_shipped_weights
+
+        return {name: str(folder) for name, folder in rebuild_shipped_weights().items()}
     cached = ensure_tiny_base_model(args.cache_dir)
     out = copy_model(cached, args.out) if args.out else cached
     info = json.loads((cached / "rangefinder_tiny.json").read_text())

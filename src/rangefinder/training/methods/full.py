@@ -47,11 +47,12 @@ class FullFineTune(ModuleMethod):
         self._restore_updates(state)
 
     def save_final(self, sd: SDComponents, out_dir: Path) -> None:
-        from rangefinder.formats.export import SINGLE_FILE_NAME, export_full, training_metadata
+        from rangefinder.formats.single_file import SINGLE_FILE_NAME, export_full
+        from rangefinder.formats.weights_file import training_metadata
 
         save_pipeline(sd, out_dir)
         # The same weights as one file in the original SD layout, for A1111 and ComfyUI
-        # (src/rangefinder/formats/export.py).
+        # (src/rangefinder/formats/single_file.py).
         meta = training_metadata(self.cfg, getattr(sd, "source", None), updates=self.updates_taken)
         meta = {**meta, "rangefinder.family": sd.family}
         export_full(out_dir, out_dir / SINGLE_FILE_NAME, meta)
@@ -59,10 +60,10 @@ class FullFineTune(ModuleMethod):
 
 def save_pipeline(sd: SDComponents, out_dir: Path) -> None:
     """A StableDiffusionPipeline folder (diffusers layout) that `from_pretrained` loads, in fp32 safetensors, under
-    transformers 4.x and 5.x alike (see `formats.export.save_pipeline_folder`)."""
+    transformers 4.x and 5.x alike (see `formats.diffusers_folder.save_pipeline_folder`)."""
     from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
 
-    from rangefinder.formats.export import save_pipeline_folder
+    from rangefinder.formats.diffusers_folder import save_pipeline_folder
 
     # A copy: the pipeline's constructor rewrites outdated scheduler configs in place.
     scheduler = type(sd.noise_scheduler).from_config(sd.noise_scheduler.config)

@@ -5,7 +5,7 @@ go into checkpoints. The adapter output is scaled by alpha / rank, as in peft an
 encoder gets adapters too when `training.lora.train_text_encoder` (or `training.train_text_encoder`) is set, on
 CLIP's attention projections as in diffusers' LoRA examples.
 
-Outputs in `final/` (src/rangefinder/formats/export.py): `pytorch_lora_weights.safetensors` (diffusers'
+Outputs in `final/` (src/rangefinder/formats/lora.py): `pytorch_lora_weights.safetensors` (diffusers'
 `load_lora_weights` and ComfyUI; alpha/rank folded into the weights) and `lora_kohya.safetensors` (kohya's layout
 with `.alpha`: A1111, ComfyUI, kohya), both with the run's metadata.
 """
@@ -91,7 +91,8 @@ class LoraMethod(ModuleMethod):
         self._restore_updates(state)
 
     def save_final(self, sd: SDComponents, out_dir: Path) -> None:
-        from rangefinder.formats.export import save_lora_files, training_metadata
+        from rangefinder.formats.lora import save_lora_files
+        from rangefinder.formats.weights_file import training_metadata
 
         lora = self.cfg.lora
         meta = training_metadata(

@@ -10,7 +10,7 @@ Captions: a caption with the placeholder keeps it (expanded to all vectors); an 
 template for `learnable_property` ("a photo of a <tok>" / "a painting in the style of <tok>"); any other caption
 gets the token added ("<tok>, caption" / "caption, in the style of <tok>").
 
-Outputs in `final/` (src/rangefinder/formats/export.py): `learned_embeds.safetensors` (diffusers:
+Outputs in `final/` (src/rangefinder/formats/embeddings.py): `learned_embeds.safetensors` (diffusers:
 `{token: (vectors, dim)}`) and, for A1111, `a1111/<trigger>.safetensors` and `a1111/<trigger>.pt`, named after the
 trigger word A1111 will know them by (the token, less characters file names cannot hold: `<rf-concept>` ->
 `rf-concept`), the .pt with the update count and base model A1111 shows.
@@ -170,7 +170,8 @@ class TextualInversion(Method):
         self._restore_updates(state)
 
     def save_final(self, sd: SDComponents, out_dir: Path) -> None:
-        from rangefinder.formats.export import save_textual_inversion, training_metadata
+        from rangefinder.formats.embeddings import save_textual_inversion
+        from rangefinder.formats.weights_file import training_metadata
 
         s = self.cfg.textual_inversion
         meta = training_metadata(
@@ -185,7 +186,7 @@ class TextualInversion(Method):
             updates=self.updates_taken,
         )
         if "text_encoder_2" in self._encoders:  # SDXL: clip_l and clip_g
-            from rangefinder.formats.export import save_textual_inversion_sdxl
+            from rangefinder.formats.embeddings import save_textual_inversion_sdxl
 
             save_textual_inversion_sdxl(out_dir, s.placeholder_token, self.learned_embeds().float().cpu(),
                                         self.learned_embeds("text_encoder_2").float().cpu(),

@@ -1,0 +1,152 @@
+"""`lora`'s files: one named for diffusers that ComfyUI also maps, and kohya's layout for A1111, ComfyUI and kohya.
+
+`pytorch_lora_weights.safetensors` (diffusers' default file name) in a naming that both diffusers'
+`load_lora_weights` and ComfyUI map completely, alpha/rank folded into the weights; and `lora_kohya.safetensors` in
+kohya's sd-scripts layout with an `.alpha` per module.
+
+ComfyUI (comfy/lora.py, `model_lora_keys_unet`) does not map today's diffusers/peft UNet names
+(`unet.<block>.attn1.to_q.lora_A.weight`): such a file loads no UNet weight there, with only "lora key not loaded"
+lines in its console. It does map diffusers' attention-processor names (`unet.<block>.attn1.processor.to_q`,
+`processor.to_out` for `to_out.0`), which diffusers' own loader still reads (state_dict_utils.py drops
+`.processor.` and maps `_lora.up`/`.lora.up` to `lora_B`). ComfyUI reads alpha only from an `.alpha` tensor, which
+diffusers refuses in diffusers naming; so the diffusers-named file has alpha/rank folded into `up`, and loads at
+scale 1 in both (no `.alpha`, no peft config: diffusers then takes alpha = rank).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from rangefinder.formats.diffusers_folder import clip_text_key
+from rangefinder.formats.single_file import map_keys, top_level_tables, unet_prefix_table
+from rangefinder.formats.weights_file import save_safetensors
+
+LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"  # diffusers' default name; ComfyUI reads it as well
+LORA_KOHYA_NAME = "lora_kohya.safetensors"  # A1111, ComfyUI, kohya's sd-scripts
+
+
+@dataclass(frozen=True)
+class LoraWeights:
+    down: Any  # (r, in) lora_A
+    up: Any  # (out, r) lora_B
+    scale: float  # what peft multiplies up @ down by: alpha / r (alpha / sqrt(r) with rsLoRA)
+
+    @property
+    def rank(self) -> int:
+        return int(self.down.shape[0])
+
+
+def trained_lora_layers(module, adapter: str = "default") -> dict[str, LoraWeights]:
+    """{module path: its adapter} for every peft LoRA layer of `module` that has `adapter`, with the scale peft
+    itself applies, so rank and alpha patterns and rsLoRA come out as trained."""
+    from peft.tuners.lora import LoraLayer
+
+    layers = {}
+    for name, m in module.named_modules():
+        if isinstance(m, LoraLayer) and adapter in m.lora_A:
+            # lora_A/B are nn.ModuleDicts; mypy reads them through nn.Module.__getattr__ (Tensor | Module).
+            layers[name] = LoraWeights(
+                down=m.lora_A[adapter].weight.detach(),  # type: ignore[operator]
+                up=m.lora_B[adapter].weight.detach(),  # type: ignore[operator]
+                scale=float(m.scaling[adapter]),
+            )
+    return layers
+
+
+def _comfy_readable_unet_name(path: str) -> tuple[str, str]:
+    """(module name, separator before `up`/`down`) under which both ComfyUI and diffusers find a UNet module."""
+    name = path.replace(".to_", ".processor.to_")
+    if name.endswith(".to_out.0"):
+        return name[: -len(".0")], "_lora."  # ComfyUI maps `processor.to_out`; diffusers knows `to_out_lora`
+    return name, ".lora."
+
+
+def lora_to_diffusers(unet_layers: Mapping[str, LoraWeights], text_encoder_layers: Mapping[str, LoraWeights],
+                      text_encoder_2_layers: Optional[Mapping[str, LoraWeights]] = None) -> dict:
+    """The diffusers-named file's tensors (see the section comment), alpha/rank folded into `up`; SDXL's second
+    encoder under `text_encoder_2.` (diffusers' StableDiffusionXLLoraLoaderMixin)."""
+    out = {}
+    for path, w in unet_layers.items():
+        name, sep = _comfy_readable_unet_name(path)
+        out[f"unet.{name}{sep}down.weight"] = w.down
+        out[f"unet.{name}{sep}up.weight"] = (w.up.float() * w.scale).to(w.up.dtype)
+    for prefix, layers in (("text_encoder.", text_encoder_layers), ("text_encoder_2.", text_encoder_2_layers or {})):
+        for path, w in layers.items():
+            # peft's names under the text encoder, which ComfyUI maps as `text_encoder.text_model.encoder.layers...`.
+            name = prefix + clip_text_key(path)
+            out[f"{name}.lora_A.weight"] = w.down
+            out[f"{name}.lora_B.weight"] = (w.up.float() * w.scale).to(w.up.dtype)
+    return out
+
+
+def kohya_sdxl_unet_name(path: str, unet_config: Mapping[str, Any]) -> str:
+    """A diffusers UNet module path under the name kohya's SDXL LoRA gives it: kohya trains SDXL on its own UNet,
+    in the original (SGM) layout (sd-scripts library/sdxl_original_unet.py; the name mapping is
+    library/sdxl_model_util.py `make_unet_conversion_map`), so its LoRA names are `lora_unet_` + the original
+    module path (`input_blocks_4_1_transformer_blocks_0_attn1_to_q`), not the diffusers one as for SD 1.x."""
+    top_level, _ = top_level_tables()
+    key = path + ".weight"
+    mapped = map_keys({key: None}, unet_prefix_table(unet_config), top_level, "UNet")
+    return next(iter(mapped)).removesuffix(".weight")
+
+
+def lora_to_kohya(unet_layers: Mapping[str, LoraWeights], text_encoder_layers: Mapping[str, LoraWeights],
+                  text_encoder_2_layers: Optional[Mapping[str, LoraWeights]] = None,
+                  sdxl_unet_config: Optional[Mapping[str, Any]] = None) -> dict:
+    """kohya's sd-scripts layout (networks/lora.py `LoRANetwork.create_modules` names a module `lora_unet_` /
+    `lora_te_` + its path with `_` for `.`): `lora_down`/`lora_up` as trained and `.alpha` = scale * rank, from
+    which every reader takes alpha / rank.
+
+    SD 1.x's single text encoder is `lora_te_`; SDXL's two are `lora_te1_` and `lora_te2_` (LORA_PREFIX_TEXT_ENCODER1
+    and 2 there), both under `text_model.`, and SDXL's UNet modules go by their original names
+    (`kohya_sdxl_unet_name`) when `sdxl_unet_config` is given.
+    """
+    import torch
+
+    sdxl = sdxl_unet_config is not None
+    te_prefixes = ("lora_te1_", "lora_te2_") if sdxl else ("lora_te_", "lora_te2_")
+    out = {}
+    for prefix, layers in (("lora_unet_", unet_layers), (te_prefixes[0], text_encoder_layers),
+                           (te_prefixes[1], text_encoder_2_layers or {})):
+        for path, w in layers.items():
+            if prefix != "lora_unet_":
+                path = clip_text_key(path)
+            elif sdxl_unet_config is not None:
+                path = kohya_sdxl_unet_name(path, sdxl_unet_config)
+            name = prefix + path.replace(".", "_")
+            out[f"{name}.lora_down.weight"] = w.down
+            out[f"{name}.lora_up.weight"] = w.up
+            out[f"{name}.alpha"] = torch.tensor(w.scale * w.rank, dtype=torch.float32)
+    return out
+
+
+def save_lora_files(out_dir: Path, unet=None, text_encoder=None, metadata: Optional[Mapping[str, str]] = None,
+                    text_encoder_2=None, sdxl: bool = False):
+    """Both LoRA files into `out_dir`; returns {"diffusers": path, "kohya": path}. `sdxl`: kohya's SDXL names."""
+    out_dir = Path(out_dir)
+    unet_layers = trained_lora_layers(unet) if unet is not None else {}
+    te_layers = trained_lora_layers(text_encoder) if text_encoder is not None else {}
+    te2_layers = trained_lora_layers(text_encoder_2) if text_encoder_2 is not None else {}
+    if not unet_layers and not te_layers and not te2_layers:
+        raise ValueError("no LoRA adapters found on the UNet or the text encoder; nothing to export")
+    meta = dict(metadata or {})
+    kohya_meta = dict(meta)
+    # sd-scripts' own training metadata keys, which A1111's and ComfyUI's LoRA browsers show.
+    kohya_meta.setdefault("ss_network_module", "networks.lora")
+    if sdxl:
+        kohya_meta.setdefault("ss_base_model_version", "sdxl_base_v1-0")  # what sd-scripts writes for SDXL
+    any_layer = next(iter({**unet_layers, **te_layers, **te2_layers}.values()))
+    kohya_meta.setdefault("ss_network_dim", str(any_layer.rank))
+    kohya_meta.setdefault("ss_network_alpha", repr(any_layer.scale * any_layer.rank))
+    if "rangefinder.updates" in meta:
+        kohya_meta.setdefault("ss_steps", meta["rangefinder.updates"])
+    return {
+        "diffusers": save_safetensors(lora_to_diffusers(unet_layers, te_layers, te2_layers),
+                                      out_dir / LORA_WEIGHTS_NAME, meta),
+        "kohya": save_safetensors(
+            lora_to_kohya(unet_layers, te_layers, te2_layers, dict(unet.config) if sdxl and unet is not None else None),
+            out_dir / LORA_KOHYA_NAME, kohya_meta),
+    }

@@ -1,0 +1,81 @@
+"""The safetensors file every export writes: its tensors, and the run's facts in its metadata.
+
+Every output file (formats/single_file.py, lora.py, embeddings.py) carries the run's facts as `rangefinder.*`
+metadata keys (`export_metadata`), and is written to a temporary name and renamed (formats/atomic.py).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Optional
+
+from rangefinder import __version__
+from rangefinder.formats.atomic import atomic_path
+
+
+def export_metadata(
+    *,
+    method: str,
+    base_model: Optional[str] = None,
+    lr: Optional[float] = None,
+    epochs: Optional[float] = None,
+    updates: Optional[int] = None,
+    extra: Optional[Mapping[str, Any]] = None,
+) -> dict[str, str]:
+    """Metadata for a weights file. safetensors metadata holds strings only, so numbers are written with repr."""
+    meta = {
+        "rangefinder.version": __version__,
+        "rangefinder.method": method,
+        "rangefinder.base_model": base_model or "embedded tiny model",
+    }
+    if lr is not None:
+        meta["rangefinder.lr"] = repr(float(lr))
+    if epochs is not None:
+        meta["rangefinder.epochs"] = repr(float(epochs))
+    if updates is not None:
+        meta["rangefinder.updates"] = str(int(updates))
+    for k, v in (extra or {}).items():
+        meta[k if "." in k else f"rangefinder.{k}"] = v if isinstance(v, str) else json.dumps(v)
+    return meta
+
+
+def training_metadata(
+    cfg, base_model: Optional[str] = None, extra=None, updates: Optional[int] = None
+) -> dict[str, str]:
+    """The facts every output file carries: base model, method, LR (or the schedule's range), budget, updates taken,
+    version."""
+    info: dict[str, Any] = {"schedule": cfg.schedule}
+    if cfg.schedule != "constant":
+        info.update(lr_min=cfg.lr_min, lr_max=cfg.lr_max)
+    if cfg.steps is not None:
+        info.update(steps=cfg.steps, steps_unit=cfg.steps_unit)
+    info["effective_batch"] = cfg.batch_size * cfg.grad_accum * cfg.world_size
+    info.update(extra or {})
+    return export_metadata(
+        method=cfg.method,
+        base_model=base_model,
+        lr=cfg.lr,
+        epochs=cfg.epochs,
+        updates=updates,
+        extra=info,
+    )
+
+
+def save_safetensors(tensors: Mapping[str, Any], path: Path, metadata: Optional[Mapping[str, str]] = None) -> Path:
+    """Write to a temporary name and rename, so a half-written file never looks finished."""
+    from safetensors.torch import save_file
+
+    # safetensors refuses shared or non-contiguous storage; a clone per tensor keeps the caller's tensors intact.
+    with atomic_path(path) as tmp:
+        save_file({k: v.detach().contiguous().clone() for k, v in tensors.items()}, str(tmp),
+                  metadata=dict(metadata or {}))
+    return Path(path)
+
+
+def read_metadata(path: Path) -> dict[str, str]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return dict(f.metadata() or {})
