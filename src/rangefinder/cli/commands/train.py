@@ -52,9 +52,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 def settings_from_args(args: argparse.Namespace):
     """(RangefinderConfig, TrainSpec) from --config and the flags; samples during training only when the file has a
     sampling: section. The spec trains on the processes `training.processes_per_node` asks for, as the pipeline's
-    training steps do (steps.launch)."""
+    training steps do (launch.processes)."""
     from rangefinder.config import load_config
-    from rangefinder.steps.launch import step_world_size
+    from rangefinder.launch.processes import step_world_size
 
     overrides: dict[str, Any] = {"training": {}, "validation": {}, "data": {}}
     t, v = overrides["training"], overrides["validation"]
@@ -109,7 +109,7 @@ def settings_from_args(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> dict:
-    from rangefinder.steps.launch import run_training
+    from rangefinder.launch.processes import run_training
 
     cfg, spec = settings_from_args(args)
     result = run_training(cfg, spec, out_dir=Path(args.out))
