@@ -20,6 +20,10 @@ URL with credentials is refused, as `compile_pipeline` refuses one.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import os
+import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -33,7 +37,7 @@ from kfp.dsl.structures import ComponentSpec
 
 from rangefinder.config import KubernetesConfig, RangefinderConfig
 from rangefinder.container_images import default_images
-from rangefinder.errors import ConfigError
+from rangefinder.errors import ConfigError, RangefinderError
 from rangefinder.formats.atomic import write_text
 from rangefinder.pipelines import kfp_components as c
 from rangefinder.pipelines.pipeline import MLFLOW_STEPS, PIPELINE_NAME, TRAINJOB_STEPS, TRAINING_STEPS, compile_pipeline
@@ -229,8 +233,24 @@ def pipeline_metadata() -> str:
                      ("stable_diffusion", "fine_tuning", "learning_rate", "lr_range_test", "training"))
 
 
+# The same DAG compiles to differently named (equivalent) YAML from one process to the next, for two reasons in
+# KFP 2.17 and protobuf: the compiler orders a OneOf's channels by iterating a set of them (kfp/dsl/pipeline_channel.py,
+# `list(set(pipeline_channels))`: Python's per-process string hashing), and it merges the sub-pipelines' components
+# by iterating protobuf maps, whose order in the C (upb) implementation changes between processes, so the numbered
+# names (`comp-condition-3-2`, ...) land on different groups. The published files are compiled in a child process
+# with both fixed: hash seed 0 and protobuf's pure-Python maps (ordered dicts).
+_DETERMINISTIC_ENV = {"PYTHONHASHSEED": "0", "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "python"}
+
+
 def published_files() -> list[Published]:
-    """Every generated file, compiled now from the code."""
+    """Every generated file, compiled now from the code (in a child process that compiles deterministically, unless
+    this one is such a process)."""
+    if any(os.environ.get(k) != v for k, v in _DETERMINISTIC_ENV.items()):
+        out = subprocess.run([sys.executable, "-m", "rangefinder.pipelines.publish", "--json"], capture_output=True,
+                             text=True, timeout=600, env={**os.environ, **_DETERMINISTIC_ENV})
+        if out.returncode != 0:
+            raise RangefinderError(f"compiling the published files failed: {out.stderr.strip()[-2000:]}")
+        return [Published(**f) for f in json.loads(out.stdout)]
     files: list[Published] = []
     for step in STEPS:
         files += [Published(f"components/{step}/component.yaml", compile_component(step)),
@@ -261,8 +281,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rangefinder.pipelines.publish", description=__doc__.split("\n")[0])
     parser.add_argument("root", nargs="?", default=".", type=Path, help="the repository root (default: .)")
     parser.add_argument("--check", action="store_true", help="only say which files differ from the code; exit 1 if any")
+    parser.add_argument("--json", action="store_true", help="print the files as JSON instead of writing them")
     args = parser.parse_args(argv)
     files = published_files()
+    if args.json:
+        print(json.dumps([dataclasses.asdict(f) for f in files]))
+        return 0
     if args.check:
         stale = stale_files(args.root, files)
         for path in stale:
