@@ -627,7 +627,7 @@ class KubernetesConfig(_Section):
     ttl_seconds_after_success: Optional[int] = Field(None, ge=0, le=_INT32_MAX)
     ttl_seconds_after_failure: Optional[int] = Field(None, ge=0, le=_INT32_MAX)
     # The longest a whole pipeline run may take before KFP stops it. None: no limit (a long SDXL fine-tune is not cut
-    # off by a default; set one to cap a run's cost). Training steps' TrainJobs have their own distributed.timeout_hours.
+    # off by a default; set one to cap a run's cost). The training steps' TrainJobs have distributed.timeout_hours.
     active_deadline_seconds: Optional[int] = Field(None, ge=1, le=_INT32_MAX)
 
     @field_validator("mlflow_tracking_uri")

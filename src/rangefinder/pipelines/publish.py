@@ -40,7 +40,7 @@ from rangefinder.container_images import default_images
 from rangefinder.errors import ConfigError, RangefinderError
 from rangefinder.formats.atomic import write_text
 from rangefinder.pipelines import kfp_components as c
-from rangefinder.pipelines.pipeline import MLFLOW_STEPS, PIPELINE_NAME, TRAINJOB_STEPS, TRAINING_STEPS, compile_pipeline
+from rangefinder.pipelines.pipeline import MLFLOW_STEPS, PIPELINE_NAME, TRAINING_STEPS, TRAINJOB_STEPS, compile_pipeline
 from rangefinder.tracking.redaction import CREDENTIALS_FIX, url_with_credentials
 
 # The nine steps, in the order the pipeline runs them; each is `components/<step>/`.
@@ -227,7 +227,8 @@ def pipeline_readme(package: str) -> str:
 
 
 def pipeline_metadata() -> str:
-    deps = {"kubeflow": [{"name": "Pipelines", "version": KFP_VERSION}, {"name": "Trainer", "version": TRAINER_VERSION}],
+    deps = {"kubeflow": [{"name": "Pipelines", "version": KFP_VERSION},
+                         {"name": "Trainer", "version": TRAINER_VERSION}],
             "external_services": [{"name": "MLflow", "version": MLFLOW_VERSION}]}
     return _metadata(PIPELINE_NAME.replace("-", "_"), deps,
                      ("stable_diffusion", "fine_tuning", "learning_rate", "lr_range_test", "training"))
