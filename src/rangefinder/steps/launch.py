@@ -253,6 +253,11 @@ def worker(job_path: Path) -> int:
         from rangefinder.training import PrefixedSink
 
         engine_sink = PrefixedSink(sink, job["metric_prefix"])
+    if rank == 0:
+        from rangefinder.config import plan_for
+        from rangefinder.steps.trainjob import TrainJobStatusSink, status_sink
+
+        engine_sink = status_sink(engine_sink, plan_for(spec.training, _train_images(spec)).total_updates)
     try:
         result = train(spec, out_dir=job["out_dir"], metric_sink=engine_sink, save_final=job["save_final"],
                        pause_after_update=job.get("pause_after_update"))
@@ -265,6 +270,8 @@ def worker(job_path: Path) -> int:
             sink.close()
     if rank == 0:
         write_json(folder / RESULT_NAME, result.as_dict())
+        if isinstance(engine_sink, TrainJobStatusSink):
+            engine_sink.finish()  # 100 % in the TrainJob's status
     return 0
 
 
