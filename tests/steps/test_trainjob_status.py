@@ -118,3 +118,24 @@ def test_the_trainjob_carries_no_field_trainer_2_2_removed(trainjob_url):
     assert "podTemplateOverrides" not in spec and "numProcPerNode" not in spec["trainer"]
     assert spec["runtimePatches"][0]["manager"]
     assert Path(str(spec["trainer"]["command"][-1])).name == "launch-job.json"
+
+
+def test_a_training_process_of_rank_0_reports_into_its_trainjobs_status(trainjob_url, split_dir, tiny_model_dir,
+                                                                        tmp_path, monkeypatch):
+    # The node's own entry point (torchrun runs it: rangefinder.steps.launch), on one process, with the variables
+    # the TrainJobStatus plugin sets: the posts come from the training itself.
+    from rangefinder.steps.finetune import finetune_training_config
+    from rangefinder.training.loop import TrainSpec
+
+    monkeypatch.delenv("RANK", raising=False)
+    cfg = RangefinderConfig(training={"batch_size": 4, "cache_dir": str(tmp_path / "cache")},
+                            validation={"every_epochs": 1, "timesteps": 2}, finetune={"epochs": 2})
+    spec = TrainSpec(finetune_training_config(cfg, 1e-4, 3e-4, 2e-4, 16), cfg.validation, split_dir=split_dir,
+                     model=str(tiny_model_dir))
+    job = launch.write_job(cfg, spec, tmp_path / "out", save_final=False, step_name="finetune", mlflow_run_id=None)
+    assert launch.worker(job) == 0
+    posts = trainjob_url.status_posts
+    assert posts[0]["progressPercentage"] < 100 and posts[-1]["progressPercentage"] == 100
+    last = {m["name"]: m["value"] for m in posts[-1]["metrics"]}
+    assert float(last["val_loss"]) > 0 and int(last["update"]) > 0
+    assert _status(trainjob_url)["trainerStatus"] == posts[-1]
