@@ -68,6 +68,7 @@ def test_a_users_pipeline_with_the_published_range_test_compiles(tmp_path):
     assert "The LR to fine-tune at, between lr_low and lr_high." in text
 
 
+@pytest.mark.slow
 def test_a_users_pipeline_with_the_published_range_test_runs_under_kfp_local(
     shapes_dataset_dir, tiny_model_dir, tmp_path, monkeypatch
 ):

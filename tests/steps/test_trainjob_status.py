@@ -120,6 +120,7 @@ def test_the_trainjob_carries_no_field_trainer_2_2_removed(trainjob_url):
     assert Path(str(spec["trainer"]["command"][-1])).name == "launch-job.json"
 
 
+@pytest.mark.slow
 def test_a_training_process_of_rank_0_reports_into_its_trainjobs_status(trainjob_url, split_dir, tiny_model_dir,
                                                                         tmp_path, monkeypatch):
     # The node's own entry point (torchrun runs it: rangefinder.steps.launch), on one process, with the variables
