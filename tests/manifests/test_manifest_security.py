@@ -43,7 +43,7 @@ def checkov_report(rendered, tmp_path_factory) -> dict:
     (root / "rendered").mkdir()
     for r in rendered.values():
         shutil.copy(r.path, root / "rendered" / r.path.name)
-    shutil.copytree(REPO / "docker", root / "docker", ignore=shutil.ignore_patterns("*.txt", "*.md"))
+    shutil.copytree(REPO / "images", root / "images", ignore=shutil.ignore_patterns("*.txt", "*.md"))
     shutil.copytree(REPO / ".github" / "workflows", root / ".github" / "workflows")
     (root / "canary").mkdir()
     (root / "canary" / "pod.yaml").write_text(CANARY_POD)

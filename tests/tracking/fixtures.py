@@ -30,6 +30,7 @@ import pytest
 _MLFLOW_VARS = (
     "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID", "MLFLOW_RUN_ID",
     "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN", "KFP_RUN_ID", "KFP_RUN_NAME",
+    "MLFLOW_WORKSPACE",
 )
 SERVER_START_TIMEOUT_S = 90
 
@@ -45,7 +46,8 @@ def _mlflow_cli() -> str:
 
 
 def start_mlflow_server(workdir: Path, *, app_name: str | None = None, env: dict | None = None,
-                        allowed_hosts: str | None = None) -> tuple[str, subprocess.Popen]:
+                        allowed_hosts: str | None = None,
+                        extra_args: tuple[str, ...] = ()) -> tuple[str, subprocess.Popen]:
     """Start `mlflow server` on 127.0.0.1 and a free port; return (uri, process) once /health answers."""
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
@@ -57,6 +59,7 @@ def start_mlflow_server(workdir: Path, *, app_name: str | None = None, env: dict
     ]
     if app_name:
         cmd += ["--app-name", app_name]
+    cmd += list(extra_args)
     server_env = {k: v for k, v in os.environ.items() if k not in _MLFLOW_VARS}
     server_env.update(env or {})
     server_env.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")

@@ -465,3 +465,57 @@ def _print_other_nodes(trainer_client: Any, trainjob: _TrainJobObject) -> None:
             print(f"rangefinder: the last lines of {step.name} (pod {step.pod_name}):", flush=True)
             for line in text.splitlines():
                 print(f"  {line}", flush=True)
+
+
+# Trainer's TrainJobStatus feature (KEP-2779, Trainer 2.2+): when it is on, the controller gives every node the URL of
+# its status server (and a CA and a token), and what rank 0 posts there becomes the TrainJob's `status.trainerStatus`,
+# which `kubectl get trainjob -o yaml` and the Kubeflow UI show.
+STATUS_URL_ENV = "KUBEFLOW_TRAINER_SERVER_URL"
+
+
+class TrainJobStatusSink:
+    """Rank 0's metric sink in a TrainJob: passes everything on to `sink` (the step's MLflow run, or None) and reports
+    the progress (updates done of `planned_updates`) and the latest validation and training loss to the TrainJob's
+    status through the Kubeflow SDK's `update_trainjob_status` (which throttles to one post per 5 s and never raises;
+    a post it drops is made up by the next one). 100 % is reported only by `finish`: until the run has ended, the
+    planned length is an estimate (buckets, a divergence stop)."""
+
+    def __init__(self, sink: Any, planned_updates: int) -> None:
+        self.sink, self.planned_updates = sink, max(1, planned_updates)
+        self.run_id = getattr(sink, "run_id", None)
+        self.update = 0
+        self.latest: dict[str, float] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        # log_image, sink_id, ...: the wrapped sink's, so the engine sees what it would see without this wrapper
+        if name == "sink":
+            raise AttributeError(name)
+        return getattr(self.sink, name)
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        if self.sink is not None:
+            self.sink.log_metrics(metrics, step)
+        self.update = max(self.update, step)
+        for key in ("val_loss", "train_loss"):
+            if metrics.get(key) is not None and math.isfinite(metrics[key]):
+                self.latest[key] = float(metrics[key])
+        self.report(min(99, int(100 * self.update / self.planned_updates)))
+
+    def report(self, percent: int) -> bool:
+        from kubeflow.trainer.backends.kubernetes.utils import update_trainjob_status
+
+        metrics: dict[str, float | int | str] = {k: f"{v:.6g}" for k, v in self.latest.items()}
+        metrics["update"] = self.update
+        return update_trainjob_status(progress_percent=percent, metrics=metrics)
+
+    def finish(self) -> bool:
+        from kubeflow.trainer.backends.kubernetes import utils
+
+        utils._last_update_time = 0.0  # the last word is not throttled away (the SDK has no other way to say so)
+        return self.report(100)
+
+
+def status_sink(sink: Any, planned_updates: int) -> Any:
+    """`sink` wrapped to report to the TrainJob's status when Trainer's TrainJobStatus feature gave this node a
+    status server; `sink` itself otherwise (no TrainJob, or the feature off)."""
+    return TrainJobStatusSink(sink, planned_updates) if os.environ.get(STATUS_URL_ENV) else sink

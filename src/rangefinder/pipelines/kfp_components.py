@@ -55,7 +55,39 @@ def resolve_config(
     pipeline_job_name: str = "",
 ) -> NamedTuple("ResolvedConfig", config_json=str, fixed_lr=float, retrain=bool, mlflow_parent_run_id=str):  # type: ignore[valid-type]
     """Validate the parameters into one config and resolve the base model to a local folder (downloaded or
-    converted once; fails fast, before any GPU is requested); open the MLflow parent run of this pipeline run."""
+    converted once; fails fast, before any GPU is requested); open the MLflow parent run of this pipeline run.
+
+    Args:
+        base_config: Every other setting, as the JSON of a rangefinder config; the parameters below override it.
+        dataset_dir: Path of the dataset folder on the data volume; empty: the embedded synthetic shapes dataset.
+        base_model: A diffusers folder, a single-file .safetensors checkpoint or a hub id; empty: the tiny model.
+        base_model_revision: Branch, tag or commit of a hub base_model; empty: main.
+        method: What trains: full, lora or textual_inversion.
+        resolution: Training resolution in pixels (square, a multiple of 8).
+        batch_size: Images per micro-batch per GPU.
+        grad_accum: Micro-batches per optimizer update.
+        ramp: The LR range test's ramp: exp or linear.
+        lr_min: The LR range test's start; 0: the method's default.
+        lr_max: The LR range test's end; 0: the method's default.
+        range_test_epochs: Epochs the LR range test ramps over.
+        finetune_epochs: Epochs of the constant-LR fine-tune.
+        val_split: Share of images held out for validation loss.
+        split_seed: Seed of the train/validation split.
+        seed: Seed of training (weights, noise, shuffling).
+        fixed_lr: A learning rate chosen by hand (skips discovery); 0: find it by measurement.
+        retrain: Retrain on train + validation for the recommended epochs and register that model.
+        retrain_epochs: Epochs of the full-data retrain; 0: the epochs the fine-tune recommends.
+        prompts: Prompts of the evaluation grid (one row each, fixed seeds).
+        mlflow_experiment: MLflow experiment the runs are logged under.
+        pipeline_job_id: The KFP run id; the MLflow parent run is found by it.
+        pipeline_job_name: The KFP run name; the MLflow parent run is named after it.
+
+    Returns:
+        config_json: The validated config as JSON, with the base model resolved; every later step reads it.
+        fixed_lr: The hand-chosen learning rate, or 0 when discovery runs.
+        retrain: Whether the full-data retrain runs.
+        mlflow_parent_run_id: The MLflow run the steps' runs nest under (KFP's own when its MLflow plugin is on).
+    """
     from collections import namedtuple
 
     from rangefinder.errors import one_line_errors
@@ -81,7 +113,20 @@ def prepare_dataset(
     report: Output[Markdown],
     dataset: Optional[Input[Dataset]] = None,
 ) -> NamedTuple("Prepared", train_images=int, val_images=int, skipped_files=int):  # type: ignore[valid-type]
-    """Validate the images and captions and split them (train / validation / stabilize) into one Dataset folder."""
+    """Validate the images and captions and split them (train / validation / stabilize) into one Dataset folder.
+
+    Args:
+        config_json: The run's validated config, as resolve-config returns it.
+        dataset: A dataset folder (images with a caption in a sibling .txt, or a metadata.jsonl); absent: the
+            config's data.dataset_dir, or the embedded synthetic shapes dataset.
+
+    Returns:
+        split: The split dataset folder (train / validation / stabilize) every training step reads.
+        report: What was kept, skipped and why, in Markdown.
+        train_images: Images in the training part.
+        val_images: Images held out for validation loss.
+        skipped_files: Files left out (unreadable, too small, no caption).
+    """
     from collections import namedtuple
     from pathlib import Path
 
@@ -115,7 +160,28 @@ def lr_range_test(
 ) -> NamedTuple(  # type: ignore[valid-type]
     "LRBounds", lr_low=float, lr_high=float, lr_mid=float, needs_zoom=bool, zoom_lr_min=float, zoom_lr_max=float
 ):
-    """One training run whose LR climbs from lr_min to lr_max (0: the configured range), then the bounds."""
+    """One training run whose LR climbs from lr_min to lr_max (0: the configured range), then the bounds.
+
+    Args:
+        config_json: The run's validated config, as resolve-config returns it.
+        split: The split dataset folder (prepare-dataset's `split`, or any folder of that layout).
+        stage: "first" (the configured range) or "zoom" (a narrower re-test); names the MLflow run and report.
+        mlflow_parent_run_id: The MLflow parent run of the pipeline run (resolve-config's output); empty: none.
+        lr_min: Where the LR ramp starts; 0: the config's lr_range_test range.
+        lr_max: Where the LR ramp ends; 0: the config's lr_range_test range.
+
+    Returns:
+        curve: The loss-against-LR curve (metrics.csv) and the run's record.
+        metrics: The bounds and the curve's quality as KFP metrics.
+        report_html: The range test's report (curve, bounds, why), as HTML.
+        report_md: The same report in Markdown.
+        lr_low: The lowest LR at which the loss falls clearly.
+        lr_high: The highest LR before the loss stops falling or diverges.
+        lr_mid: The LR to fine-tune at, between lr_low and lr_high.
+        needs_zoom: Whether the curve is censored or too sparse to read, so a narrower test should follow.
+        zoom_lr_min: Where a zoom re-test should start.
+        zoom_lr_max: Where a zoom re-test should end.
+    """
     from collections import namedtuple
     from pathlib import Path
 
@@ -150,7 +216,22 @@ def choose_lr(
     lr_mid: float,
     decision: Output[Markdown],
 ) -> NamedTuple("ChosenLR", lr_low=float, lr_high=float, lr_mid=float, source=str):  # type: ignore[valid-type]
-    """The LR bounds the fine-tune uses, and where they came from (first test, zoom re-test or fixed by hand)."""
+    """The LR bounds the fine-tune uses, and where they came from (first test, zoom re-test or fixed by hand).
+
+    Args:
+        config_json: The run's validated config, as resolve-config returns it.
+        source: Where the bounds come from: range-test, zoom or fixed.
+        lr_low: The lower LR bound.
+        lr_high: The upper LR bound.
+        lr_mid: The LR to fine-tune at.
+
+    Returns:
+        decision: The decision and its reasons, in Markdown.
+        lr_low: The lower LR bound the fine-tune uses.
+        lr_high: The upper LR bound the fine-tune uses.
+        lr_mid: The LR the fine-tune trains at.
+        source: Where the bounds came from.
+    """
     from collections import namedtuple
     from pathlib import Path
 
@@ -184,7 +265,32 @@ def finetune(
     chosen_epoch=float, mixed_precision=str, lr_used=float, halving_kept=str,
 ):
     """Train at the midpoint LR (or cycle between the bounds) for longer than needed; find the step window. With
-    successive halving, lr_mid and lr_high train half-way and the better one goes on: `lr_used` is the LR kept."""
+    successive halving, lr_mid and lr_high train half-way and the better one goes on: `lr_used` is the LR kept.
+
+    Args:
+        config_json: The run's validated config, as resolve-config returns it.
+        split: The split dataset folder (prepare-dataset's `split`).
+        lr_low: The lower LR bound (choose-lr's).
+        lr_high: The upper LR bound (choose-lr's).
+        lr_mid: The LR to fine-tune at (choose-lr's).
+        lr_source: Where the bounds came from: range-test, zoom or fixed.
+        mlflow_parent_run_id: The MLflow parent run of the pipeline run (resolve-config's output); empty: none.
+
+    Returns:
+        model: The chosen checkpoint's weights (diffusers folder, or the adapter for lora / textual_inversion).
+        curve: The training and validation curves (metrics.csv) and the run's record.
+        metrics: The step window and the validation loss as KFP metrics.
+        report_html: The fine-tune's report (curves, step window, why), as HTML.
+        report_md: The same report in Markdown.
+        recommended_epochs: Epochs to train for, read from the validation curve.
+        recommended_updates: Optimizer updates to train for.
+        still_improving: Whether validation loss was still falling at the end (train longer).
+        chosen_update: The update of the checkpoint delivered in `model`.
+        chosen_epoch: The epoch of that checkpoint.
+        mixed_precision: The precision training ran in (no, fp16 or bf16).
+        lr_used: The LR the fine-tune kept (lr_mid, or lr_high when successive halving kept it).
+        halving_kept: Which candidate successive halving kept (lr_mid or lr_high); empty: no halving.
+    """
     from collections import namedtuple
     from pathlib import Path
 
@@ -225,8 +331,22 @@ def retrain_full(
     model: Output[Model],
     metrics: Output[Metrics],
 ) -> int:
-    """Retrain from the base model on train + validation for the recommended epochs, without validation, at `lr`:
-    the LR the fine-tune kept (its `lr_used`)."""
+    """Retrain from the base model on train + validation for the recommended epochs, without validation.
+
+    Args:
+        config_json: The run's validated config, as resolve-config returns it.
+        split: The split dataset folder (prepare-dataset's `split`).
+        lr_low: The lower LR bound.
+        lr_high: The upper LR bound.
+        lr: The LR to train at: the one the fine-tune kept (its `lr_used`).
+        recommended_epochs: Epochs to train for (the fine-tune's recommendation; the config's retrain_epochs wins).
+        mlflow_parent_run_id: The MLflow parent run of the pipeline run (resolve-config's output); empty: none.
+
+    Returns:
+        model: The final weights after the retrain.
+        metrics: The retrain's training loss and length as KFP metrics.
+        Output: The epochs the retrain ran.
+    """
     from pathlib import Path
 
     from rangefinder.errors import one_line_errors
@@ -257,7 +377,18 @@ def sample_images(
     retrained: Optional[Input[Model]] = None,
 ):
     """Render the fixed prompts and seeds with the base model, the chosen checkpoint and the final weights into one
-    comparison grid."""
+    comparison grid.
+
+    Args:
+        config_json: The run's validated config, as resolve-config returns it.
+        finetuned: The fine-tune's chosen checkpoint (finetune's `model`).
+        mlflow_parent_run_id: The MLflow parent run of the pipeline run (resolve-config's output); empty: none.
+        retrained: The retrain's final weights (retrain-full's `model`); absent: no retrain column.
+
+    Returns:
+        grid: The comparison grid (rows: prompts; columns: base, checkpoints, final), as HTML.
+        images: The grid's rendered images, per prompt, seed and model.
+    """
     from pathlib import Path
 
     from rangefinder.errors import one_line_errors
@@ -284,7 +415,19 @@ def register_model(
     mlflow_parent_run_id: str,
 ) -> NamedTuple("Registered", model_uri=str, version=str):  # type: ignore[valid-type]
     """Register the delivered model in MLflow: the fine-tune's checkpoint at the recommended length (or the
-    retrain's final weights), tagged with the update, epoch and validation loss it was taken at."""
+    retrain's final weights), tagged with the update, epoch and validation loss it was taken at.
+
+    Args:
+        config_json: The run's validated config, as resolve-config returns it.
+        model: The weights to register (finetune's or retrain-full's `model`).
+        lr: The LR the weights were trained at.
+        epochs: The epochs they were trained for.
+        mlflow_parent_run_id: The MLflow parent run of the pipeline run (resolve-config's output); empty: none.
+
+    Returns:
+        model_uri: The registered model's URI (models:/NAME/VERSION).
+        version: The registered version number; empty when no version was made.
+    """
     from collections import namedtuple
     from pathlib import Path
 
@@ -301,7 +444,13 @@ def register_model(
 
 @dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
 def record_status(status: dsl.PipelineTaskFinalStatus, mlflow_experiment: str, pipeline_job_id: str):
-    """The exit step: record the run's final state (and the error, if any) on its MLflow parent run."""
+    """The exit step: record the run's final state (and the error, if any) on its MLflow parent run.
+
+    Args:
+        status: The pipeline's final status, which KFP fills in for an exit handler's task.
+        mlflow_experiment: The MLflow experiment the parent run is in.
+        pipeline_job_id: The KFP run id the parent run is found by.
+    """
     from rangefinder.steps.record_status import run_record_status
 
     run_record_status(

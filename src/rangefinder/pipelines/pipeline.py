@@ -133,6 +133,17 @@ def configure_task(task: dsl.PipelineTask, step: str, k8s: KubernetesConfig, loc
     return task.set_display_name(step.replace("_", "-"))
 
 
+def pipeline_config(k8s: KubernetesConfig) -> dsl.PipelineConfig:
+    """The run-level settings of KFP 2.17 (the package's platform spec): how long the run's Workflow and pods are kept
+    after it ends, and the longest it may run; from `kubernetes.ttl_seconds_*` and `active_deadline_seconds`."""
+    return dsl.PipelineConfig(
+        ttl_seconds_after_finished=k8s.ttl_seconds_after_finished,
+        ttl_seconds_after_success=k8s.ttl_seconds_after_success,
+        ttl_seconds_after_failure=k8s.ttl_seconds_after_failure,
+        active_deadline_seconds=k8s.active_deadline_seconds,
+    )
+
+
 class Bounds(NamedTuple):
     """discover-lr's outputs (KFP reads the fields): the LR range to fine-tune with, and which test chose it."""
 
@@ -211,7 +222,8 @@ def build_pipeline(cfg: Optional[RangefinderConfig] = None, *, local: bool = Fal
                                   epochs=tuned.outputs["recommended_epochs"],
                                   mlflow_parent_run_id=mlflow_parent_run_id), "register_model")
 
-    @dsl.pipeline(name=PIPELINE_NAME, description=PIPELINE_DESCRIPTION)
+    @dsl.pipeline(name=PIPELINE_NAME, description=PIPELINE_DESCRIPTION,
+                  pipeline_config=None if local else pipeline_config(k8s))
     def rangefinder_finetune(
         dataset_uri: str = d["dataset_uri"],
         dataset_dir: str = d["dataset_dir"],

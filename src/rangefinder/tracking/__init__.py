@@ -11,8 +11,8 @@ The run tree
     one parent run per pipeline run, one child run per step. Steps are separate processes, so a step finds its
     parent by id: `ensure_parent_run(cfg, name=..., kfp_run_id=...)` returns it, creating it on first use; pass the
     id on as a string (a KFP output/parameter), or let each step call `step_run(..., pipeline_run_name=...)`,
-    which finds the same parent by the same name. When $MLFLOW_RUN_ID is set (KFP's MLflow plugin) that run is
-    the parent.
+    which finds the same parent by the same name. Under KFP's MLflow integration ($MLFLOW_RUN_ID names the nested
+    run KFP made for the task), KFP's pipeline run is the parent and the step logs into KFP's task run.
 
 In a step::
 

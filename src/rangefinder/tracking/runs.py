@@ -2,8 +2,12 @@
 
 Each KFP step is its own process (often its own pod), so nothing is shared in memory: a step finds its parent by id.
 `ensure_parent_run` is idempotent: it looks the parent up by the tag `rangefinder.pipeline_run` (the KFP run id, or
-the pipeline run's name) and creates it only when missing, so any step, in any order, gets the same parent. When
-KFP's MLflow plugin has made a run for us ($MLFLOW_RUN_ID), that run is the parent.
+the pipeline run's name) and creates it only when missing, so any step, in any order, gets the same parent.
+
+Under KFP's own MLflow integration (KFP 2.17), KFP makes the tree itself: a parent run per pipeline run and a nested
+run per task, which it names to the task's pod in $MLFLOW_RUN_ID (with $MLFLOW_EXPERIMENT_ID and $MLFLOW_WORKSPACE,
+which the MLflow client reads itself). Then the parent is KFP's (the task run's `mlflow.parentRunId`), no second one
+is made, and a step logs into the task run KFP made for it instead of opening a child of its own (`kfp_task_run`).
 
 Everything here goes through `MlflowClient` with explicit run ids, never mlflow's global "active run", because the
 fluent API would silently resume $MLFLOW_RUN_ID instead of opening a child.
@@ -204,7 +208,8 @@ def ensure_parent_run(
 ) -> str:
     """The run id of the pipeline run's parent run, created if no step has made it yet.
 
-    $MLFLOW_RUN_ID (set by KFP's MLflow plugin) wins: that run is the parent. Otherwise the parent is found by
+    Under KFP's MLflow integration, KFP's pipeline run is the parent: the parent of $MLFLOW_RUN_ID's task run (or
+    $MLFLOW_RUN_ID itself when it has no parent: a run the caller made for us). Otherwise the parent is found by
     `kfp_run_id` (or `name`; $KFP_RUN_ID / $KFP_RUN_NAME fill them in when not given) and made when missing:
     named `name`, tagged with the KFP run, pipeline version, git revision, image, base model and `tags` (e.g.
     `{"rangefinder.dataset_digest": ...}`), with `cfg`'s settings as params when it is a whole RangefinderConfig.
@@ -212,8 +217,8 @@ def ensure_parent_run(
     client = tracking_client(cfg)
     env_run = os.environ.get("MLFLOW_RUN_ID")
     if env_run:
-        _get_run(client, env_run, "$MLFLOW_RUN_ID")
-        return env_run
+        run = _get_run(client, env_run, "$MLFLOW_RUN_ID")
+        return run.data.tags.get(TAG_PARENT) or env_run
 
     kfp_run_id = kfp_run_id or os.environ.get("KFP_RUN_ID") or None
     kfp_run_name = kfp_run_name or os.environ.get("KFP_RUN_NAME") or None
@@ -266,6 +271,16 @@ def _get_run(client: Any, run_id: str, what: str):
         ) from None
 
 
+def kfp_task_run(client: Any) -> Optional[Any]:
+    """The run KFP's MLflow integration made for this task: $MLFLOW_RUN_ID when that run is nested (its parent is the
+    pipeline run KFP made). None when $MLFLOW_RUN_ID is unset or names a top-level run (then it is only a parent)."""
+    env_run = os.environ.get("MLFLOW_RUN_ID")
+    if not env_run:
+        return None
+    run = _get_run(client, env_run, "$MLFLOW_RUN_ID")
+    return run if run.data.tags.get(TAG_PARENT) else None
+
+
 def finish_pipeline_run(cfg: Optional[TrackingSource], run_id: str, *, status: str = "FINISHED") -> None:
     """Mark the parent run ended (FINISHED, FAILED or KILLED), unless KFP's plugin owns it (it ends it itself)."""
     client = tracking_client(cfg)
@@ -299,6 +314,8 @@ class StepRun:
     tracking_uri: str
     cfg: Optional[TrackingSource] = None
     spool_dir: Optional[Path] = None  # None: tracking.spool.spool_dir() (env, data volume or ./mlflow-spool)
+    # False for the task run KFP's MLflow integration made: KFP ends it when the task ends, so `finish` does not.
+    owned: bool = True
     metrics: BatchedMetricLogger = field(init=False)
     spool: Spool = field(init=False)
     offline: bool = field(init=False, default=False)  # the server stopped answering; records go to the spool
@@ -475,7 +492,8 @@ class StepRun:
         if self.offline or self.metrics.failing:
             self.offline = not self._server_back(tracking_settings(self.cfg).server_wait_seconds if wait else 0.0)
         self.metrics.close(send=not self.offline)
-        self._deliver({"kind": "end", "run_id": self.run_id, "status": status})
+        if self.owned:
+            self._deliver({"kind": "end", "run_id": self.run_id, "status": status})
         if self.spool.exists() and not self.offline:
             replay(self.spool.path, self.client)  # the server came back: what was spooled goes now
         if self.spool.exists():
@@ -522,28 +540,43 @@ def step_run(
 ) -> Iterator[StepRun]:
     """Open a child run for one step; end it FINISHED, or FAILED (KILLED on Ctrl-C) with the error as a tag.
 
-    The parent is, in order: `parent_run_id`; $MLFLOW_RUN_ID; the pipeline run's parent found or made by
+    Under KFP's MLflow integration (`kfp_task_run`), the step's run is the one KFP made for the task, unless
+    `parent_run_id` names another parent (a step's own child runs). Otherwise the parent is, in order:
+    `parent_run_id`; $MLFLOW_RUN_ID; the pipeline run's parent found or made by
     `ensure_parent_run(name=pipeline_run_name, kfp_run_id=...)` when either is given; else none (a step run from
     the CLI on its own is a top-level run). The tracking server is checked before anything else. If it stops
     answering later, the step goes on; see StepRun.finish. `spool_dir`: where the run's spool goes if needed.
     """
     client = tracking_client(cfg)
-    parent = parent_run_id or os.environ.get("MLFLOW_RUN_ID") or None
-    if parent is None and (pipeline_run_name or kfp_run_id):
-        parent = ensure_parent_run(cfg, name=pipeline_run_name, kfp_run_id=kfp_run_id)
-    if parent:
+    all_tags: dict[str, Any] = {**common_tags(cfg), TAG_STEP: step_name, **(tags or {})}
+    kfp_task = kfp_task_run(client)
+    if kfp_task is not None and parent_run_id in (None, kfp_task.data.tags[TAG_PARENT]):
+        # KFP made this step's run, nested under its pipeline run: log into it; a run of our own would be a third
+        # level under KFP's task run.
+        run, parent = kfp_task, kfp_task.data.tags[TAG_PARENT]
+    else:
+        run = None
+        parent = parent_run_id or os.environ.get("MLFLOW_RUN_ID") or None
+        if parent is None and (pipeline_run_name or kfp_run_id):
+            parent = ensure_parent_run(cfg, name=pipeline_run_name, kfp_run_id=kfp_run_id)
+    if run is not None:
+        exp_id = run.info.experiment_id
+    elif parent:
         exp_id = _get_run(client, parent, "the parent run id").info.experiment_id
     else:
         exp_id = default_experiment_id(client, cfg)
 
-    all_tags: dict[str, Any] = {**common_tags(cfg), TAG_STEP: step_name, **(tags or {})}
     if parent:
         all_tags[TAG_PARENT] = parent
-    run = client.create_run(exp_id, run_name=run_name or step_name,
-                            tags={k: _tag_value(v) for k, v in all_tags.items() if v is not None})
+    owned = run is None
+    if run is None:
+        run = client.create_run(exp_id, run_name=run_name or step_name,
+                                tags={k: _tag_value(v) for k, v in all_tags.items() if v is not None})
     step = StepRun(client=client, run_id=run.info.run_id, experiment_id=exp_id, step_name=step_name,
                    parent_run_id=parent, tracking_uri=resolve_tracking_uri(cfg), cfg=cfg,
-                   spool_dir=Path(spool_dir) if spool_dir is not None else None)
+                   spool_dir=Path(spool_dir) if spool_dir is not None else None, owned=owned)
+    if not owned:
+        step.set_tags(all_tags)
     try:
         yield step
     except BaseException as e:

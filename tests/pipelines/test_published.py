@@ -1,0 +1,94 @@
+"""The published files (components/, pipelines/): what the code compiles to, loadable, described, deterministic."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from kfp import components
+
+from rangefinder.pipelines import publish
+from rangefinder.pipelines.pipeline import PIPELINE_NAME
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def fresh() -> list[publish.Published]:
+    return publish.published_files()
+
+
+def test_the_committed_files_are_what_the_code_compiles_to(fresh):
+    stale = publish.stale_files(REPO, fresh)
+    assert not stale, f"{', '.join(stale)} differ from what the code compiles to: run `make components` and commit"
+
+
+def test_a_compile_under_image_overrides_writes_the_same_files(fresh, monkeypatch):
+    # The published names are the release's; a developer's registry or image override must not leak into them.
+    monkeypatch.setenv("RANGEFINDER_REGISTRY", "registry.example.com/mine")
+    monkeypatch.setenv("RANGEFINDER_IMAGE", "registry.example.com/mine/trainer:dev")
+    monkeypatch.setenv("RANGEFINDER_CPU_IMAGE", "registry.example.com/mine/cpu:dev")
+    assert [(f.path, f.text) for f in publish.published_files()] == [(f.path, f.text) for f in fresh]
+
+
+def test_check_names_each_differing_file_and_the_fix(tmp_path, capsys):
+    assert publish.main(["--check", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "components/lr_range_test/component.yaml differs" in err and "run `make components`" in err
+    assert publish.main([str(tmp_path)]) == 0
+    assert publish.main(["--check", str(tmp_path)]) == 0
+
+
+@pytest.mark.parametrize("step", publish.STEPS)
+def test_each_component_file_loads_and_describes_every_input_and_output(step):
+    path = REPO / "components" / step / "component.yaml"
+    loaded = components.load_component_from_file(str(path))
+    spec = loaded.component_spec
+    original = publish.component(step).component_spec
+    assert spec.name == step.replace("_", "-")
+    assert set(spec.inputs or {}) == set(original.inputs or {})
+    assert set(spec.outputs or {}) == set(original.outputs or {})
+    # KFP 2.17 leaves the descriptions out of the in-memory spec it reads back (structures.InputSpec
+    # .from_ir_component_inputs_dict), but the loaded component keeps the file's IR, and that is what goes into the
+    # package of a pipeline that uses it (test_reuse.py); so they are read there.
+    ir = loaded.pipeline_spec.components[f"comp-{spec.name}"]
+    described = {}
+    for definitions in (ir.input_definitions, ir.output_definitions):
+        for name, p in [*definitions.parameters.items(), *definitions.artifacts.items()]:
+            described[name] = p.description
+    assert set(described) == set(spec.inputs or {}) | set(spec.outputs or {})
+    undescribed = [n for n, d in described.items() if not d]
+    assert not undescribed, f"{step}: no description for {undescribed}"
+    readme = (REPO / "components" / step / "README.md").read_text()
+    for name in described:
+        assert f"| `{name}` |" in readme
+    assert f'load_component_from_file("components/{step}/component.yaml")' in readme
+
+
+@pytest.mark.parametrize("folder", [f"components/{s}" for s in publish.STEPS] + ["pipelines"])
+def test_metadata_has_the_fields_pipelines_components_checks(folder):
+    # kubeflow/pipelines-components, scripts/validate_metadata/validate_metadata.py: these required fields in this
+    # order, optional tags/ci/links, a known stability, dependencies with name and version, a YYYY-MM-DDT00:00:00Z
+    # lastVerified.
+    meta = yaml.safe_load((REPO / folder / "metadata.yaml").read_text())
+    required = [k for k in meta if k not in ("tags", "ci", "links")]
+    assert required == ["name", "stability", "dependencies", "lastVerified"]
+    assert meta["stability"] in ("experimental", "alpha", "beta", "stable")
+    assert set(meta["dependencies"]) <= {"kubeflow", "external_services"}
+    for deps in meta["dependencies"].values():
+        assert all(set(d) == {"name", "version"} for d in deps)
+    assert {"name": "Pipelines", "version": publish.KFP_VERSION} in meta["dependencies"]["kubeflow"]
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT00:00:00Z", str(meta["lastVerified"]).replace("+00:00", "Z")
+                        .replace(" 00:00:00", "T00:00:00")), meta["lastVerified"]
+
+
+def test_the_pipeline_file_loads_with_its_defaults_and_run_settings():
+    package = REPO / "pipelines" / f"{PIPELINE_NAME}.yaml"
+    docs = list(yaml.safe_load_all(package.read_text()))
+    assert docs[0]["pipelineInfo"]["name"] == PIPELINE_NAME
+    params = docs[0]["root"]["inputDefinitions"]["parameters"]
+    assert params["method"]["defaultValue"] == "full" and all(p.get("description") for p in params.values())
+    assert docs[1]["platforms"]["kubernetes"]["pipelineConfig"] == {"resourceTtlOnCompletion": 7 * 24 * 3600}
+    assert "ghcr.io/rangefinder/rangefinder-trainer:" in package.read_text()
