@@ -34,7 +34,7 @@ from typing import Any
 from rangefinder.errors import TrackingError
 from rangefinder.tracking.redaction import redact, safe_uri
 from rangefinder.tracking.spool import MAX_METRICS_PER_BATCH, Spool, apply_record, describe, replay
-from rangefinder.tracking.target import check_tracking_server, server_unreachable
+from rangefinder.tracking.target import await_tracking_server, server_unreachable
 
 _log = logging.getLogger(__name__)
 
@@ -100,27 +100,18 @@ class Outbox:
         self.flush()
         if not self.holding:
             return True
-        deadline = time.monotonic() + seconds
-        while True:
-            try:
-                check_tracking_server(self.client.tracking_uri,
-                                      timeout=max(1.0, min(5.0, deadline - time.monotonic())))
-            except TrackingError as e:
-                self._reason = str(e)
-                if time.monotonic() >= deadline:
-                    self._failed(None)  # not tried again at once: what follows goes to the spool
-                    return False
-                time.sleep(max(0.0, min(2.0, deadline - time.monotonic())))
-                continue
-            try:
-                self._drain()
-            except Exception as e:
-                if not is_away_error(e):
-                    raise
-                self._failed(e)
-                return False
-            self._answered()
-            return not self.holding
+        try:
+            await_tracking_server(self.client.tracking_uri, seconds)
+            self._drain()
+        except Exception as e:
+            # A step's end must not fail on logging: a server that refuses (or a spooled record it refuses) leaves
+            # the records in the spool, and the step's last warning names them and the relog command.
+            if not (is_away_error(e) or isinstance(e, TrackingError)):
+                raise
+            self._failed(e)  # not tried again at once: what follows goes to the spool
+            return False
+        self._answered()
+        return not self.holding
 
     # --- the policy
 
