@@ -51,7 +51,7 @@ class Outbox:
         self.run_id = spool.run_id
         self.flush_every = max(1, int(flush_every))
         self.flush_seconds = float(flush_seconds)
-        self.sent = 0  # metric values that reached MLflow from this process (live or replayed with the spool)
+        self.sent = 0  # metric values this process sent live (not those it spooled)
         self._metrics: list[list[Any]] = []  # [key, value, timestamp ms, step], not sent yet
         self._last_flush = time.monotonic()
         self._retry_wait = 0.0  # 0: the server answered the last try (or was never tried)
@@ -67,7 +67,7 @@ class Outbox:
 
     @property
     def holding(self) -> bool:
-        """Records wait: in this process's metric buffer after a failed try, or in the spool (any process's)."""
+        """Records wait: the last try failed, or the spool (any process's) holds records."""
         return self.away or self.spool.exists()
 
     @property
