@@ -46,11 +46,12 @@ def _mlflow_cli() -> str:
 
 
 def start_mlflow_server(workdir: Path, *, app_name: str | None = None, env: dict | None = None,
-                        allowed_hosts: str | None = None,
+                        allowed_hosts: str | None = None, port: int | None = None,
                         extra_args: tuple[str, ...] = ()) -> tuple[str, subprocess.Popen]:
-    """Start `mlflow server` on 127.0.0.1 and a free port; return (uri, process) once /health answers."""
+    """Start `mlflow server` on 127.0.0.1 and `port` (default: a free one); return (uri, process) once /health
+    answers. A server restarted on its store and port is the same server to its clients."""
     workdir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
+    port = port or free_port()
     cmd = [
         _mlflow_cli(), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
         "--backend-store-uri", f"sqlite:///{workdir / 'mlflow.db'}",

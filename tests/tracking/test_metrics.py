@@ -1,5 +1,6 @@
-"""The batched metric sink: values reach MLflow in few requests, survive a server that blinks, and the engine's
-MetricSink protocol is what it implements."""
+"""The batched metric sink: values reach MLflow in few requests through the run's outbox, a server that blinks loses
+nothing (the values wait in the spool and go in order when it answers), and the engine's MetricSink protocol is what
+it implements."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from mlflow import MlflowClient
 
 from rangefinder.errors import TrackingError
 from rangefinder.tracking import BatchedMetricLogger
+from rangefinder.tracking.outbox import Outbox
+from rangefinder.tracking.spool import Spool, read_spool
 from rangefinder.training import MetricSink
 from tests.tracking.fixtures import free_port
 
@@ -19,9 +22,14 @@ def run_id(mlflow_server_uri):
     return client.create_run(exp.experiment_id).info.run_id
 
 
-def test_values_are_sent_in_batches_and_all_arrive(mlflow_server_uri, run_id):
+def outbox(client, run_id, tmp_path, **kw) -> Outbox:
+    return Outbox(client, Spool(tmp_path / "spool" / f"finetune-{run_id}.jsonl", tracking_uri=client.tracking_uri,
+                                run_id=run_id, step="finetune"), **kw)
+
+
+def test_values_are_sent_in_batches_and_all_arrive(mlflow_server_uri, run_id, tmp_path):
     client = MlflowClient(tracking_uri=mlflow_server_uri)
-    sink = BatchedMetricLogger(client, run_id, flush_every=300, flush_seconds=3600)
+    sink = BatchedMetricLogger(outbox(client, run_id, tmp_path, flush_every=300, flush_seconds=3600))
     assert isinstance(sink, MetricSink)
     for update in range(250):  # 2 values each (None is "not measured"): one flush at 300, the rest on close
         sink.log_metrics({"lr": 1e-4, "train_loss": 1.0 / (update + 1), "grad_norm": None}, step=update)
@@ -30,29 +38,29 @@ def test_values_are_sent_in_batches_and_all_arrive(mlflow_server_uri, run_id):
     assert sink.sent == 500
     history = client.get_metric_history(run_id, "train_loss")
     assert sorted(m.step for m in history) == list(range(250))
-    with sink.__class__(client, run_id) as odd:
+    with sink.__class__(outbox(client, run_id, tmp_path)) as odd:
         odd.log_metrics({"val_loss@b0 (mean)": 0.5}, step=1)  # MLflow would refuse the whole batch for '@()'
     assert client.get_metric_history(run_id, "val_loss_b0 _mean_")[0].value == 0.5
     with pytest.raises(TrackingError, match="closed"):
         sink.log_metrics({"lr": 1.0}, step=251)
 
 
-def test_a_down_server_loses_nothing_until_close_reports_it(mlflow_server_uri, run_id):
+def test_a_down_server_loses_nothing_and_gets_everything_in_order_when_back(mlflow_server_uri, run_id, tmp_path):
     down = MlflowClient(tracking_uri=f"http://127.0.0.1:{free_port()}")
-    sink = BatchedMetricLogger(down, run_id, flush_every=2, flush_seconds=3600)
+    box = outbox(down, run_id, tmp_path, flush_every=2, flush_seconds=3600)
+    sink = BatchedMetricLogger(box)
     sink.log_metrics({"train_loss": 0.5, "lr": 1e-4}, step=1)  # the flush fails; training goes on
+    assert box.away and read_spool(box.spool.path).counts() == {"metrics": 2}
     sink.log_metrics({"train_loss": 0.4, "lr": 1e-4}, step=2)  # not tried again so soon: no stall per update
-    assert sink.pending == 4 and sink.sent == 0
-    sink.client = MlflowClient(tracking_uri=mlflow_server_uri)  # the server is back
+    assert read_spool(box.spool.path).counts() == {"metrics": 4} and sink.sent == 0
+    box.client = MlflowClient(tracking_uri=mlflow_server_uri)  # the server is back
+    assert box.wait_for_server(5)
+    sink.log_metrics({"train_loss": 0.3, "lr": 1e-4}, step=3)
     sink.close()
-    assert sink.sent == 4
+    assert not box.spool.exists() and not box.away
     up = MlflowClient(tracking_uri=mlflow_server_uri)
-    assert [m.value for m in sorted(up.get_metric_history(run_id, "train_loss"), key=lambda m: m.step)] == [0.5, 0.4]
-
-    never = BatchedMetricLogger(down, run_id, flush_every=100)
-    never.log_metrics({"train_loss": 0.3}, step=3)
-    with pytest.raises(TrackingError, match="could not send 1 metric values"):
-        never.close()
+    history = sorted(up.get_metric_history(run_id, "train_loss"), key=lambda m: m.step)
+    assert [m.value for m in history] == [0.5, 0.4, 0.3]
 
 
 def test_an_image_goes_now_or_into_the_spool_while_the_server_is_down(mlflow_server_uri, run_id, tmp_path):
@@ -60,22 +68,22 @@ def test_an_image_goes_now_or_into_the_spool_while_the_server_is_down(mlflow_ser
     of its image series at once, or waits in the step's spool for `rangefinder relog` when the server is away."""
     from PIL import Image
 
-    from rangefinder.tracking.spool import Spool, read_spool, replay
+    from rangefinder.tracking.spool import replay
     from rangefinder.training import ImageSink
 
     png = tmp_path / "grid.png"
     Image.new("RGB", (40, 20), "red").save(png)
     # First the server is away (mlflow caches where a run's artifacts go once it has asked a live server, so the
     # down server comes first, as it would for a run that has logged nothing yet).
-    spool = Spool(tmp_path / "spool" / "finetune.jsonl", tracking_uri=mlflow_server_uri, run_id=run_id,
-                  step="finetune")
-    away = BatchedMetricLogger(MlflowClient(tracking_uri=f"http://127.0.0.1:{free_port()}"), run_id, spool=spool)
+    away_box = outbox(MlflowClient(tracking_uri=f"http://127.0.0.1:{free_port()}"), run_id, tmp_path)
+    spool = away_box.spool
+    away = BatchedMetricLogger(away_box)
     assert isinstance(away, ImageSink)
     away.log_image(png, key="samples_during_training", step=8)  # no error: training goes on
     assert read_spool(spool.path).counts() == {"image": 1}
 
     up = MlflowClient(tracking_uri=mlflow_server_uri)
-    BatchedMetricLogger(up, run_id).log_image(png, key="samples_during_training", step=4)
+    BatchedMetricLogger(outbox(up, run_id, tmp_path / "live")).log_image(png, key="samples_during_training", step=4)
     png.unlink()  # the run's folder may be gone by the time someone relogs: the spool kept its own copy
     replay(spool.path, up)
 

@@ -33,6 +33,7 @@ COMMANDS = [
     "train",
     "analyze_lr",
     "select_steps",
+    "register",
     "promote",
     "relog",
 ]

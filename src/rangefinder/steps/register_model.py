@@ -64,10 +64,38 @@ def run_register_model(cfg: RangefinderConfig, *, model_dir: Path, lr: float, ep
             from rangefinder.sampling import export_pipeline
 
             weights = export_pipeline(weights, resolve_base_model(cfg.model).path, Path(scratch) / "pipeline")
-        with tracking.step_run(cfg, "register_model", parent_run_id=mlflow_parent_run_id) as run:
-            v = run.log_diffusers_model(weights, metrics=metrics, tags=tags, description=description,
-                                        num_inference_steps=cfg.sampling.num_inference_steps,
-                                        guidance_scale=cfg.sampling.guidance_scale, resolution=cfg.data.resolution)
+
+        def register() -> tracking.RegisteredVersion:
+            with tracking.step_run(cfg, "register_model", parent_run_id=mlflow_parent_run_id) as run:
+                return run.log_diffusers_model(weights, metrics=metrics, tags=tags, description=description,
+                                               num_inference_steps=cfg.sampling.num_inference_steps,
+                                               guidance_scale=cfg.sampling.guidance_scale,
+                                               resolution=cfg.data.resolution)
+
+        # The server must answer now (a version number cannot wait in a spool): wait for it a bounded time, then
+        # say how to register these weights later.
+        v = tracking.retry_while_server_away(cfg, register, what="register the model",
+                                             later=_later_command(cfg, model_dir, lr, epochs, mlflow_parent_run_id))
     # The registry's name for it when registered (what a person loads or promotes), else the logged model's URI.
     uri = f"models:/{v.name}/{v.version}" if v.version else v.model_uri
     return Registered(model_uri=uri, version=v.version, weights=delivered)
+
+
+def _later_command(cfg: RangefinderConfig, model_dir: Path, lr: float, epochs: int,
+                   parent_run_id: Optional[str]) -> str:
+    """The `rangefinder register` command that does this step's work later, with the step's resolved config kept
+    beside the MLflow spools (the data volume on a cluster, which outlives the pod)."""
+    import shlex
+
+    from rangefinder.formats.atomic import write_json
+    from rangefinder.tracking.spool import spool_dir
+
+    kept = spool_dir() / f"register-model-{parent_run_id or 'config'}.json"
+    try:
+        write_json(kept, cfg.model_dump(mode="json"))
+        config = str(kept)
+    except OSError:
+        config = "CONFIG.yaml"  # not writable: the user names the config the pipeline ran with
+    words = ["rangefinder", "register", str(model_dir), "--config", config, "--lr", repr(float(lr)), "--epochs",
+             str(epochs)] + (["--parent-run-id", parent_run_id] if parent_run_id else [])
+    return shlex.join(words)

@@ -30,6 +30,9 @@ In a step::
 
     tracking.finish_pipeline_run(cfg, parent_run_id)        # at the end of the pipeline (the last step)
 
+A server that stops answering mid-step: tracking/outbox.py (the one policy). Registering a model waits for it up to
+`tracking.server_wait_seconds` (`retry_while_server_away`), then names the `rangefinder register` command.
+
 Promotion to `champion` is explicit: `tracking.promote(name, version)` or `rangefinder promote`.
 """
 
@@ -37,7 +40,14 @@ from __future__ import annotations
 
 from rangefinder.tracking.metrics import BatchedMetricLogger
 from rangefinder.tracking.redaction import redact, safe_uri
-from rangefinder.tracking.registry import CANDIDATE, CHAMPION, RegisteredVersion, decode_image, promote
+from rangefinder.tracking.registry import (
+    CANDIDATE,
+    CHAMPION,
+    RegisteredVersion,
+    decode_image,
+    promote,
+    retry_while_server_away,
+)
 from rangefinder.tracking.runs import (
     StepRun,
     common_tags,
@@ -73,6 +83,7 @@ __all__ = [
     "redact",
     "resolve_experiment_name",
     "resolve_tracking_uri",
+    "retry_while_server_away",
     "safe_uri",
     "step_run",
     "tracking_client",

@@ -14,17 +14,19 @@ import io
 import logging
 import math
 import os
+import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, TypeVar
 
 from rangefinder.errors import TrackingError
 from rangefinder.tracking.redaction import redact, safe_uri
 
 _log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 SD_PYFUNC_PATH = Path(__file__).with_name("sd_pyfunc.py")
 CANDIDATE = "candidate"
@@ -190,6 +192,45 @@ def log_diffusers_model(
     _log.info("registered %s version %s as @%s", registered_model_name, mv.version, alias)
     return RegisteredVersion(model_uri=info.model_uri, name=registered_model_name, version=str(mv.version),
                              alias=alias)
+
+
+def retry_while_server_away(cfg: Any, action: Callable[[], T], *, what: str, later: str) -> T:
+    """`action()`, tried again while the tracking server does not answer, for up to tracking.server_wait_seconds.
+
+    Registering a model needs the server there and then (nothing can be spooled: the version number is the result),
+    so a server that is away at that moment, or goes away part-way, is waited for. When it stays away, one
+    TrackingError says so and gives `later`, the command that does it once the server answers. Any other error
+    (credentials, a refused request) is raised at once.
+    """
+    from rangefinder.tracking.target import (
+        ServerAway,
+        await_tracking_server,
+        resolve_tracking_uri,
+        server_unreachable,
+        tracking_settings,
+    )
+
+    uri = resolve_tracking_uri(cfg)
+    wait_s = tracking_settings(cfg).server_wait_seconds
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return action()
+        except Exception as e:
+            if not server_unreachable(e):
+                raise
+            reason = e.reason if isinstance(e, ServerAway) else (
+                redact(e).splitlines()[0][:200] if str(e) else type(e).__name__)
+        try:
+            if time.monotonic() >= deadline:
+                raise ServerAway(reason, reason)
+            await_tracking_server(uri, deadline - time.monotonic())
+        except ServerAway:
+            raise TrackingError(
+                f"could not {what}: the MLflow tracking server at {safe_uri(uri)} did not answer within "
+                f"tracking.server_wait_seconds ({wait_s:g} s) ({reason}); once it answers, run: {later}"
+            ) from None
+        _log.warning("MLflow at %s answers again; trying to %s again", safe_uri(uri), what)
 
 
 def promote(

@@ -12,9 +12,10 @@ is made, and a step logs into the task run KFP made for it instead of opening a 
 Everything here goes through `MlflowClient` with explicit run ids, never mlflow's global "active run", because the
 fluent API would silently resume $MLFLOW_RUN_ID instead of opening a child.
 
-A server that stops answering while a step runs does not stop the step: what the step logs goes to its spool
-(tracking/spool.py) instead, the step waits a bounded time (`tracking.server_wait_seconds`) at its end for the server
-to come back, and otherwise ends with a warning naming what was not logged and the `rangefinder relog` command.
+A server that stops answering while a step runs does not stop the step: tracking/outbox.py holds the one policy (what
+the step logs goes to its spool and is sent in order when the server answers again; the step waits a bounded time,
+`tracking.server_wait_seconds`, at its end, and otherwise ends with a warning naming what was not logged and the
+`rangefinder relog` command).
 """
 
 from __future__ import annotations
@@ -37,17 +38,16 @@ from typing import Any, Optional
 from rangefinder.errors import TrackingError
 from rangefinder.formats.digest import hash_file_into
 from rangefinder.tracking.metrics import BatchedMetricLogger, metric_name
+from rangefinder.tracking.outbox import Outbox, is_away_error
 from rangefinder.tracking.redaction import REDACTED, is_secret_key, redact, safe_uri
-from rangefinder.tracking.spool import Spool, apply_record, describe, read_spool, replay, spool_dir
+from rangefinder.tracking.spool import Spool, apply_record, describe, read_spool, spool_dir
 from rangefinder.tracking.target import (
     TrackingSource,
     bound_http_requests,
-    check_tracking_server,
     default_experiment_id,
     ensure_tracking_server,
     resolve_experiment_name,
     resolve_tracking_uri,
-    server_unreachable,
     tracking_settings,
 )
 
@@ -59,6 +59,7 @@ TAG_PIPELINE_RUN = "rangefinder.pipeline_run"  # the key a parent is found by
 TAG_STEP = "rangefinder.step"
 TAG_CREATED_BY = "rangefinder.created_by"
 TAG_ERROR = "rangefinder.error"
+TAG_ATTEMPT = "rangefinder.attempt"  # 1, then 2, ... when a retried step goes on in its run
 MAX_PARAM_CHARS = 500  # MLflow takes 6000; longer values (prompt lists) are unreadable in its table anyway
 MAX_TAG_CHARS = 5000
 _SAFE_TAG_VALUE = re.compile(r"^[\w.:/@+ -]{1,200}$")
@@ -301,9 +302,9 @@ def _end_run(client: Any, run_id: str, status: str) -> None:
 class StepRun:
     """An open child run of one step. Use it inside `with step_run(...) as run:`.
 
-    Each logging call is a record (tracking/spool.py) sent at once; when the server does not answer, that record and
-    every later one go to the run's spool instead (no call waits on a server known to be away), and `finish` waits
-    a bounded time for the server before leaving them there for `rangefinder relog`.
+    Each logging call is a record (tracking/spool.py) handed to the run's outbox (tracking/outbox.py): sent now, or
+    kept in the run's spool while the server is away and sent in order when it answers; `finish` waits a bounded
+    time for the server before leaving what is still kept there for `rangefinder relog`.
     """
 
     client: Any
@@ -316,30 +317,24 @@ class StepRun:
     spool_dir: Optional[Path] = None  # None: tracking.spool.spool_dir() (env, data volume or ./mlflow-spool)
     # False for the task run KFP's MLflow integration made: KFP ends it when the task ends, so `finish` does not.
     owned: bool = True
+    logged_through: Optional[Mapping[str, int]] = None  # a continued run: the last update each metric reached
     metrics: BatchedMetricLogger = field(init=False)
     spool: Spool = field(init=False)
-    offline: bool = field(init=False, default=False)  # the server stopped answering; records go to the spool
+    outbox: Outbox = field(init=False)
 
     def __post_init__(self) -> None:
         every = tracking_settings(self.cfg).log_every_updates if self.cfg is not None else 1
-        path = spool_dir(self.spool_dir) / f"{self.step_name}-{self.run_id}.jsonl"
-        self.spool = Spool(path, tracking_uri=self.tracking_uri, run_id=self.run_id, step=self.step_name)
-        self.metrics = BatchedMetricLogger(self.client, self.run_id, every_updates=every, spool=self.spool)
+        self.spool = run_spool(self.tracking_uri, self.run_id, self.step_name, self.spool_dir)
+        self.outbox = Outbox(self.client, self.spool)
+        self.metrics = BatchedMetricLogger(self.outbox, every_updates=every, logged_through=self.logged_through)
+
+    @property
+    def offline(self) -> bool:
+        """The last try to reach the server failed; records go to the spool until a later try gets an answer."""
+        return self.outbox.away
 
     def _deliver(self, record: Mapping[str, Any]) -> None:
-        """Log one record now, or put it in the spool when the server is away (found now or before)."""
-        if not self.offline:
-            try:
-                apply_record(self.client, record)
-                return
-            except Exception as e:
-                if not server_unreachable(e):
-                    raise
-                self.offline = True
-                _log.warning("MLflow at %s stopped answering (%s); step %s goes on and keeps what it logs in %s",
-                             safe_uri(self.tracking_uri), redact(e).splitlines()[0][:300], self.step_name,
-                             self.spool.path)
-        self.spool.append(record)
+        self.outbox.send(record)
 
     # --- the engine's MetricSink: the run itself can be passed as the sink
     def log_metrics(self, metrics: Mapping[str, Optional[float]], step: int) -> None:
@@ -481,39 +476,23 @@ class StepRun:
     def finish(self, status: str = "FINISHED", *, error: Optional[str] = None, wait: bool = True) -> None:
         """Send what waits (buffered metrics, the spool), record `error` and end the run as `status`.
 
-        When the server has stopped answering, wait up to tracking.server_wait_seconds for it (not with
-        `wait=False`); if it is still away, everything not logged stays in the spool and a warning says what and
-        how to log it later. Never raises for a server that is away.
+        When records wait (the server stopped answering, here or in a worker process), wait up to
+        tracking.server_wait_seconds for it (not with `wait=False`); if it is still away, everything not logged
+        stays in the spool and a warning says what and how to log it later. Never raises for a server that is away.
         """
         if error:
             self._set_tags(self.run_id, {TAG_ERROR: redact(error)[:MAX_TAG_CHARS]})
-        if not self.offline:
-            self.metrics.flush(raise_errors=False)
-        if self.offline or self.metrics.failing:
-            self.offline = not self._server_back(tracking_settings(self.cfg).server_wait_seconds if wait else 0.0)
-        self.metrics.close(send=not self.offline)
+        self.metrics.close()
+        if self.outbox.holding:
+            self.outbox.wait_for_server(tracking_settings(self.cfg).server_wait_seconds if wait else 0.0)
         if self.owned:
-            self._deliver({"kind": "end", "run_id": self.run_id, "status": status})
-        if self.spool.exists() and not self.offline:
-            replay(self.spool.path, self.client)  # the server came back: what was spooled goes now
+            self.outbox.send({"kind": "end", "run_id": self.run_id, "status": status})
         if self.spool.exists():
             left = describe(read_spool(self.spool.path).counts())
             _log.warning("MLflow at %s did not take everything step %s logged: %s of run %s are not in MLflow. "
                          "They are kept in %s; when the server answers again, run: rangefinder relog %s",
                          safe_uri(self.tracking_uri), self.step_name, left, self.run_id, self.spool.path,
                          self.spool.path)
-
-    def _server_back(self, wait_s: float) -> bool:
-        """Whether the server answers, trying every few seconds for up to `wait_s`."""
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                check_tracking_server(self.tracking_uri, timeout=max(1.0, min(5.0, deadline - time.monotonic())))
-                return True
-            except TrackingError:
-                if time.monotonic() >= deadline:
-                    return False
-            time.sleep(max(0.0, min(2.0, deadline - time.monotonic())))
 
 
 def _flatten_any(obj: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -546,6 +525,9 @@ def step_run(
     `ensure_parent_run(name=pipeline_run_name, kfp_run_id=...)` when either is given; else none (a step run from
     the CLI on its own is a top-level run). The tracking server is checked before anything else. If it stops
     answering later, the step goes on; see StepRun.finish. `spool_dir`: where the run's spool goes if needed.
+
+    A step whose earlier attempt under the same parent did not finish (a KFP retry, a step run again to resume its
+    training) goes on in that attempt's run, so MLflow shows one whole curve; a finished one is left as it is.
     """
     client = tracking_client(cfg)
     all_tags: dict[str, Any] = {**common_tags(cfg), TAG_STEP: step_name, **(tags or {})}
@@ -566,17 +548,24 @@ def step_run(
     else:
         exp_id = default_experiment_id(client, cfg)
 
+    uri = resolve_tracking_uri(cfg)
+    folder = Path(spool_dir) if spool_dir is not None else None
     if parent:
         all_tags[TAG_PARENT] = parent
-    owned = run is None
-    if run is None:
-        run = client.create_run(exp_id, run_name=run_name or step_name,
-                                tags={k: _tag_value(v) for k, v in all_tags.items() if v is not None})
-    step = StepRun(client=client, run_id=run.info.run_id, experiment_id=exp_id, step_name=step_name,
-                   parent_run_id=parent, tracking_uri=resolve_tracking_uri(cfg), cfg=cfg,
-                   spool_dir=Path(spool_dir) if spool_dir is not None else None, owned=owned)
-    if not owned:
+    if run is not None:  # KFP's task run: KFP ends it, so the step does not
+        step = StepRun(client=client, run_id=run.info.run_id, experiment_id=exp_id, step_name=step_name,
+                       parent_run_id=parent, tracking_uri=uri, cfg=cfg, spool_dir=folder, owned=False)
         step.set_tags(all_tags)
+    else:
+        earlier = _unfinished_attempt(client, exp_id, parent, step_name) if parent else None
+        if earlier is not None:
+            step = _continue(client, earlier, cfg, uri, folder)
+        else:
+            all_tags[TAG_ATTEMPT] = 1
+            run = client.create_run(exp_id, run_name=run_name or step_name,
+                                    tags={k: _tag_value(v) for k, v in all_tags.items() if v is not None})
+            step = StepRun(client=client, run_id=run.info.run_id, experiment_id=exp_id, step_name=step_name,
+                           parent_run_id=parent, tracking_uri=uri, cfg=cfg, spool_dir=folder)
     try:
         yield step
     except BaseException as e:
@@ -589,12 +578,60 @@ def step_run(
         step.finish("FINISHED")
 
 
+def _unfinished_attempt(client: Any, exp_id: str, parent: str, step_name: str) -> Any:
+    """The newest run of this step under this parent when it did not finish (an earlier attempt that failed, was
+    killed, or lost its pod while RUNNING), else None: a KFP retry or a resumed step goes on in that run."""
+    if not _SAFE_TAG_VALUE.match(step_name) or not _SAFE_TAG_VALUE.match(parent):
+        return None
+    runs = client.search_runs([exp_id], filter_string=f"tags.`{TAG_PARENT}` = '{parent}' and "
+                              f"tags.`{TAG_STEP}` = '{step_name}'", max_results=1,
+                              order_by=["attributes.start_time DESC"])
+    return runs[0] if runs and runs[0].info.status != "FINISHED" else None
+
+
+def _continue(client: Any, earlier: Any, cfg: Optional[TrackingSource], uri: str,
+              folder: Optional[Path]) -> StepRun:
+    """Reopen an earlier attempt's run: RUNNING again, its error tag gone, its attempt counted, and the curve it
+    holds kept (what the resumed training logs again up to there is not logged twice)."""
+    run_id = earlier.info.run_id
+    tags = earlier.data.tags
+    attempt = int(tags.get(TAG_ATTEMPT, "1")) + 1 if str(tags.get(TAG_ATTEMPT, "1")).isdigit() else 2
+    client.update_run(run_id, status="RUNNING")
+    if TAG_ERROR in tags:
+        client.delete_tag(run_id, TAG_ERROR)
+    client.set_tag(run_id, TAG_ATTEMPT, str(attempt))
+    _log.info("MLflow run %s of step %s goes on (attempt %d)", run_id, tags.get(TAG_STEP), attempt)
+    return StepRun(client=client, run_id=run_id, experiment_id=earlier.info.experiment_id,
+                   step_name=tags[TAG_STEP], parent_run_id=tags.get(TAG_PARENT), tracking_uri=uri, cfg=cfg,
+                   spool_dir=folder, logged_through=logged_through(client, run_id))
+
+
+def logged_through(client: Any, run_id: str) -> dict[str, int]:
+    """The last step each metric of the run reached."""
+    keys = client.get_run(run_id).data.metrics
+    return {k: max((m.step for m in client.get_metric_history(run_id, k)), default=-1) for k in keys}
+
+
+def run_spool(tracking_uri: str, run_id: str, step_name: str, folder: Optional[Path] = None) -> Spool:
+    """The spool of a step's run: one file that every process of the step appends to (`<step>-<run id>.jsonl`)."""
+    return Spool(spool_dir(folder) / f"{step_name}-{run_id}.jsonl", tracking_uri=tracking_uri, run_id=run_id,
+                 step=step_name)
+
+
 def step_metric_sink(cfg: Optional[TrackingSource], run_id: str, step_name: str) -> BatchedMetricLogger:
     """The engine's MetricSink for a step run that another process opened: rank 0 of a multi-process training run
-    logs its curve into the step's run this way (the step's own process opens and ends the run). Its spool is the
-    step run's (`<step>-<run id>.jsonl`); `close()` it when training ends."""
+    logs its curve into the step's run this way (the step's own process opens and ends the run). It sends through an
+    outbox on the step run's spool, so an outage is handled as in the step's own process; `close()` it when
+    training ends."""
     client = tracking_client(cfg, check=False)
-    spool = Spool(spool_dir(None) / f"{step_name}-{run_id}.jsonl", tracking_uri=resolve_tracking_uri(cfg),
-                  run_id=run_id, step=step_name)
+    outbox = Outbox(client, run_spool(resolve_tracking_uri(cfg), run_id, step_name))
     every = tracking_settings(cfg).log_every_updates if cfg is not None else 1
-    return BatchedMetricLogger(client, run_id, every_updates=every, spool=spool)
+    logged = None
+    try:
+        run = client.get_run(run_id)
+        if run.data.tags.get(TAG_ATTEMPT, "1") != "1":  # a continued run: its curve holds the first attempt's
+            logged = logged_through(client, run_id)
+    except Exception as e:
+        if not is_away_error(e):
+            raise
+    return BatchedMetricLogger(outbox, every_updates=every, logged_through=logged)

@@ -27,6 +27,16 @@ CHECK_RETRIES = 2  # a restarting server or a blip gets two more chances (0.5 s,
 _CREDENTIAL_VARS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
 _checked: set[tuple[str, str]] = set()
 
+
+class ServerAway(TrackingError):
+    """The tracking server did not answer the check (down, unreachable, timed out): worth waiting for, unlike an
+    answer that refuses us (credentials, Host header, not an MLflow server). `reason`: a few words, e.g.
+    "connection refused"."""
+
+    def __init__(self, message: str, reason: str = "no answer") -> None:
+        super().__init__(message)
+        self.reason = reason
+
 # What every MLflow HTTP call of a step may cost, unless the user's environment says otherwise. MLflow's defaults
 # (120 s timeout, 7 retries with backoff factor 2) keep one call retrying ~4 minutes against a dead server, and
 # the training loop logs every few updates. 20 s still covers a busy server answering a metadata call (it takes
@@ -119,6 +129,22 @@ def check_tracking_server(uri: str, *, experiment_name: str = "Default", timeout
         _check_sqlite(uri)
 
 
+def await_tracking_server(uri: str, seconds: float) -> None:
+    """check_tracking_server every few seconds until the server answers, for up to `seconds` (one check at least);
+    raises the last ServerAway when it never did. Any other TrackingError (credentials, ...) is raised at once."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            check_tracking_server(uri, timeout=max(1.0, min(CHECK_TIMEOUT_S, deadline - time.monotonic())))
+            return
+        except ServerAway:
+            if time.monotonic() >= deadline:
+                raise
+        time.sleep(max(0.0, min(2.0, deadline - time.monotonic())))
+
+
 def ensure_tracking_server(uri: str, *, experiment_name: str = "Default") -> None:
     """check_tracking_server once per process and (uri, credentials); steps call it through the run-opening calls."""
     key = (uri, "|".join(os.environ.get(v, "") for v in _CREDENTIAL_VARS))
@@ -167,10 +193,10 @@ def _check_http(uri: str, experiment_name: str, timeout: float) -> None:
         )
     except MlflowException as e:
         reason = _connection_reason(str(e))
-        raise TrackingError(
+        raise ServerAway(
             f"cannot reach the MLflow tracking server at {where} ({reason}); check MLFLOW_TRACKING_URI "
             "(or tracking.tracking_uri), that the server is running, and any port-forward to it "
-            "(e.g. kubectl -n rangefinder port-forward svc/mlflow 5000)"
+            "(e.g. kubectl -n rangefinder port-forward svc/mlflow 5000)", reason
         ) from None
 
     status = resp.status_code
@@ -202,6 +228,8 @@ def server_unreachable(e: BaseException) -> bool:
     import requests  # type: ignore[import-untyped]  # no stubs in the pinned set
     from mlflow.exceptions import MlflowException, RestException
 
+    if isinstance(e, ServerAway):
+        return True
     if isinstance(e, RestException):
         return e.get_http_status_code() >= 500
     if isinstance(e, requests.exceptions.HTTPError):  # artifact uploads raise the response's own error

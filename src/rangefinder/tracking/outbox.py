@@ -1,0 +1,192 @@
+"""The one way a step's records reach MLflow: sent now, or kept in the spool and sent in order when the server answers.
+
+A step's own run (tracking/runs.py StepRun) and the multi-process workers' metric sink (tracking/metrics.py) each hand
+every record (tracking/spool.py: metrics, params, tags, artifacts, images, the run's end) to an `Outbox`, which holds
+the one policy for a server that does not answer:
+
+- Send now while the server answers and nothing waits in the spool. The first call that finds it away costs that
+  call's bounded time (tracking/target.py HTTP_LIMITS), no more: training is never held on a dead server.
+- From then on every record goes to the spool (on disk, fsynced), in the order it was logged; the server is tried
+  again after 30 s, then 60, 120, ... up to every 10 minutes, so a server away for long costs training one bounded
+  call per try, and fewer and fewer of them.
+- One warning line, when the spool is started, says the server is away and where the records are kept. The spool is
+  shared by every process of the step (it is named by the step and the run), so one outage gets one line whether
+  one process trains or several, and a worker's records wait behind those the step's process kept.
+- A try that gets an answer first sends the whole spool, oldest first, then the new record: MLflow gets everything
+  in the order it was logged. At its end a step waits up to `tracking.server_wait_seconds` for the server
+  (StepRun.finish); what is still not sent stays in the spool for `rangefinder relog`.
+
+Metric values are buffered and sent in batches (one `log_batch` per `flush_every` values or `flush_seconds`); the
+buffer is flushed before any other record, so the order holds for them too. Appends and replays of a spool take a
+lock on its folder: two processes never replay one spool at once, and nothing is appended while a replay rewrites it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from rangefinder.errors import TrackingError
+from rangefinder.tracking.redaction import redact, safe_uri
+from rangefinder.tracking.spool import MAX_METRICS_PER_BATCH, Spool, apply_record, describe, replay
+from rangefinder.tracking.target import await_tracking_server, server_unreachable
+
+_log = logging.getLogger(__name__)
+
+FIRST_RETRY_S = 30.0  # after the first failure; doubled after each failed try
+MAX_RETRY_S = 600.0
+
+
+class Outbox:
+    """The records of one MLflow run, from one process: sent now, or spooled and sent in order later."""
+
+    def __init__(self, client: Any, spool: Spool, *, flush_every: int = 500, flush_seconds: float = 10.0) -> None:
+        self.client = client
+        self.spool = spool
+        self.run_id = spool.run_id
+        self.flush_every = max(1, int(flush_every))
+        self.flush_seconds = float(flush_seconds)
+        self.sent = 0  # metric values this process sent live (not those it spooled)
+        self._metrics: list[list[Any]] = []  # [key, value, timestamp ms, step], not sent yet
+        self._last_flush = time.monotonic()
+        self._retry_wait = 0.0  # 0: the server answered the last try (or was never tried)
+        self._retry_at = 0.0  # monotonic time before which nothing is tried
+        self._reason = ""
+
+    # --- what callers see
+
+    @property
+    def away(self) -> bool:
+        """The last try to reach the server failed."""
+        return self._retry_wait > 0
+
+    @property
+    def holding(self) -> bool:
+        """Records wait: the last try failed, or the spool (any process's) holds records."""
+        return self.away or self.spool.exists()
+
+    @property
+    def pending(self) -> int:
+        """Metric values buffered in memory."""
+        return len(self._metrics)
+
+    def add_metrics(self, rows: list[list[Any]]) -> None:
+        """Buffer metric values ([key, value, timestamp ms, step] each); send them when a batch is due."""
+        self._metrics.extend(rows)
+        if len(self._metrics) >= self.flush_every or time.monotonic() - self._last_flush >= self.flush_seconds:
+            self.flush()
+
+    def flush(self) -> None:
+        """Send the buffered metric values (or spool them while the server is away)."""
+        self._last_flush = time.monotonic()
+        while self._metrics:
+            chunk, self._metrics = self._metrics[:MAX_METRICS_PER_BATCH], self._metrics[MAX_METRICS_PER_BATCH:]
+            if self._send({"kind": "metrics", "run_id": self.run_id, "metrics": chunk}):
+                self.sent += len(chunk)
+
+    def send(self, record: Mapping[str, Any]) -> None:
+        """Log one record: after the metric values logged before it, now or through the spool."""
+        self.flush()
+        self._send(record)
+
+    def wait_for_server(self, seconds: float) -> bool:
+        """If records wait, probe the server every few seconds for up to `seconds` and, once it answers, send them.
+        Returns whether nothing waits any more."""
+        self.flush()
+        if not self.holding:
+            return True
+        try:
+            await_tracking_server(self.client.tracking_uri, seconds)
+            self._drain()
+        except Exception as e:
+            # A step's end must not fail on logging: a server that refuses (or a spooled record it refuses) leaves
+            # the records in the spool, and the step's last warning names them and the relog command.
+            if not (is_away_error(e) or isinstance(e, TrackingError)):
+                raise
+            self._failed(e)  # not tried again at once: what follows goes to the spool
+            return False
+        self._answered()
+        return not self.holding
+
+    # --- the policy
+
+    def _send(self, record: Mapping[str, Any]) -> bool:
+        """True when `record` reached MLflow now, False when it went to the spool."""
+        if time.monotonic() >= self._retry_at:
+            try:
+                if self._drain():
+                    apply_record(self.client, record)
+                    self._answered()
+                    return True
+            except Exception as e:
+                if not is_away_error(e):
+                    raise
+                self._failed(e)
+        self._append(record)
+        return False
+
+    def _drain(self) -> bool:
+        """Send what the spool holds, oldest first. True when it is empty now; False when another process is
+        sending it (this record then waits behind it). Raises what the server's absence raised."""
+        if not self.spool.exists():
+            return True
+        with self._locked(blocking=False) as held:
+            if not held or not self.spool.exists():
+                return not self.spool.exists()
+            result = replay(self.spool.path, self.client)
+        if result.left:
+            raise _StillAway(f"the server stopped answering again with {describe(result.left)} left to send")
+        _log.warning("MLflow at %s answers again: sent %s that step %s had kept in its spool",
+                     safe_uri(self.client.tracking_uri), describe(result.sent), self.spool.step)
+        return True
+
+    def _failed(self, e: BaseException | None) -> None:
+        if e is not None:
+            self._reason = redact(e).splitlines()[0][:300] if str(e) else type(e).__name__
+        self._retry_wait = min(MAX_RETRY_S, max(FIRST_RETRY_S, 2 * self._retry_wait))
+        self._retry_at = time.monotonic() + self._retry_wait
+
+    def _answered(self) -> None:
+        self._retry_wait, self._retry_at = 0.0, 0.0
+
+    def _append(self, record: Mapping[str, Any]) -> None:
+        with self._locked(blocking=True):
+            new = not self.spool.exists()
+            self.spool.append(record)
+        if new:
+            wait = f"{self._retry_wait:.0f} s" if self.away else "a moment"
+            _log.warning("MLflow at %s is not answering (%s); step %s goes on, keeps what it logs in %s and sends "
+                         "it in order when the server answers (next try in %s, then less and less often)",
+                         safe_uri(self.client.tracking_uri), self._reason or "no answer", self.spool.step,
+                         self.spool.path, wait)
+
+    @contextlib.contextmanager
+    def _locked(self, *, blocking: bool) -> Iterator[bool]:
+        """An exclusive lock on the spool's folder, shared by every process of the step (flock: a killed holder
+        leaves no lock behind)."""
+        folder = self.spool.path.parent
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+            except BlockingIOError:
+                yield False
+                return
+            yield True
+        finally:
+            os.close(fd)  # closing the descriptor releases the lock
+
+
+class _StillAway(Exception):
+    """A replay that stopped part-way because the server stopped answering again."""
+
+
+def is_away_error(e: BaseException) -> bool:
+    """The server did not answer (as opposed to refusing a record, which is raised to the caller)."""
+    return isinstance(e, _StillAway) or server_unreachable(e)
