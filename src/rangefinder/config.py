@@ -1075,3 +1075,37 @@ def plan_for(cfg: TrainingConfig, train_images: int, bucket_counts: Optional[Seq
         drop_last=cfg.drop_last,
         bucket_counts=bucket_counts,
     )
+
+
+def setting_conflicts(cfg: RangefinderConfig) -> list[str]:
+    """One line for each pair of settings in `cfg` where one cancels the other, so neither is silently dropped.
+
+    Only settings the config itself gives count (pydantic's model_fields_set): a default that another setting
+    switches off is the documented behaviour, not a conflict.
+    """
+    given = cfg.model_fields_set
+    ft, rt, split, val = cfg.finetune, cfg.lr_range_test, cfg.split, cfg.validation
+    lines = []
+    if cfg.lr is not None and "lr_range_test" in given and rt.model_fields_set:
+        lines.append(f"lr: {cfg.lr:g} is fixed, so no range test runs and the lr_range_test section "
+                     f"({', '.join(sorted(rt.model_fields_set))}) is not used; remove lr to discover the LR, or the "
+                     "section")
+    halving_asked = "finetune" in given and "successive_halving" in ft.model_fields_set and ft.successive_halving
+    if halving_asked and cfg.lr is not None:
+        lines.append(f"finetune.successive_halving: true does nothing with a fixed lr ({cfg.lr:g}): halving races "
+                     "the range test's lr_mid and lr_high; remove lr to discover the LR, or set halving false")
+    elif halving_asked and ft.schedule != "constant":
+        lines.append(f"finetune.successive_halving: true does nothing with finetune.schedule {ft.schedule}: "
+                     "halving compares constant LRs; set the schedule to constant, or halving false")
+    if "split" in given and split.val_dir is not None and "val_split" in split.model_fields_set:
+        lines.append(f"split.val_split ({split.val_split:g}) is not used: split.val_dir ({split.val_dir}) gives the "
+                     "validation images; remove one of them")
+    if "retrain" in given and not cfg.retrain.enabled and cfg.retrain.epochs is not None:
+        lines.append(f"retrain.epochs ({cfg.retrain.epochs}) is not used: retrain.enabled is false; set enabled true "
+                     "to retrain on train+validation, or remove epochs")
+    if "lr_range_test" in given and not rt.zoom and "zoom_min_points" in rt.model_fields_set:
+        lines.append("lr_range_test.zoom_min_points is not used: lr_range_test.zoom is false; remove one of them")
+    if "validation" in given and val.every_updates is not None and "every_epochs" in val.model_fields_set:
+        lines.append(f"validation.every_epochs ({val.every_epochs:g}) is not used: validation.every_updates "
+                     f"({val.every_updates}) sets how often to validate; remove one of them")
+    return lines

@@ -129,3 +129,17 @@ def test_a_bad_seed_flag_is_one_line(tmp_path, split_dir):
     assert_one_line_error(rangefinder("train", "--data", str(split_dir), "--out", str(tmp_path / "run"),
                                       "--epochs", "1", "--seed", "-3"), "training.seed")
     assert not Path(tmp_path / "run").exists()
+
+
+def test_compile_names_each_pair_of_settings_that_cancel_each_other(tmp_path):
+    # Issue 36, class 3: settings one of which switches the other off get one warning line each; the compile goes on.
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("split:\n  val_dir: /data/val\n  val_split: 0.3\nretrain:\n  epochs: 7\n"
+                   "lr_range_test:\n  zoom: false\n  zoom_min_points: 9\n")
+    proc = rangefinder("compile", "--config", str(cfg), "--out", str(tmp_path / "p.yaml"))
+    assert proc.returncode == 0, proc.stderr
+    warnings = [ln for ln in proc.stderr.splitlines() if ln.startswith("rangefinder: warning: ")]
+    assert len(warnings) == 3, proc.stderr
+    assert "split.val_split (0.3) is not used" in warnings[0]
+    assert "retrain.epochs (7) is not used" in warnings[1]
+    assert "zoom_min_points is not used" in warnings[2]

@@ -71,3 +71,18 @@ def test_bad_settings_exit_2_with_one_line(flags, words, split_dir, tmp_path, ca
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1 and words in err
     assert not out.exists()
+
+
+def test_the_plans_warnings_and_cancelling_settings_are_printed(split_dir, tiny_model_dir, tmp_path, capsys):
+    # Issue 36, class 3: 16 training images at batch 4 x grad_accum 5 = 20 per update; the planner's warning was only
+    # in run_summary.json. validation.every_epochs beside every_updates: one line saying which is not used.
+    config = tmp_path / "rf.yaml"
+    config.write_text(yaml.safe_dump({"training": {"cache_dir": str(tmp_path / "cache"), "lr": 1e-4},
+                                      "validation": {"every_epochs": 2, "every_updates": 1}}))
+    rc = main(["train", "--data", str(split_dir), "--model", str(tiny_model_dir), "--out", str(tmp_path / "out"),
+               "--config", str(config), "--steps", "1", "--batch-size", "4", "--grad-accum", "5", "--json"])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    warnings = [ln for ln in err.splitlines() if ln.startswith("rangefinder: warning: ")]
+    assert any("effective batch 20 is larger than the 16 training images" in w for w in warnings), err
+    assert any("validation.every_epochs (2) is not used" in w for w in warnings), err

@@ -27,7 +27,7 @@ from rangefinder.config import RangefinderConfig, TrainingConfig, plan_for, reso
 from rangefinder.errors import RangefinderError
 from rangefinder.formats import checkpoints
 from rangefinder.formats.atomic import write_json, write_text
-from rangefinder.steps.launch import batch_note, run_training, step_world_size
+from rangefinder.steps.launch import batch_note, plan_warnings, run_training, step_world_size
 from rangefinder.steps.workdir import publish, work_dir
 
 if TYPE_CHECKING:
@@ -200,7 +200,8 @@ def run_finetune(
                                         seed=cfg.validation.seed,
                                         divergence_factor=cfg.validation.divergence_factor)
             report = write_step_report(window, curve, report_dir, source=f"{result.metrics_csv}; {batch_note(tc)}",
-                                       samples=sample_strip(work), halving=race)
+                                       samples=sample_strip(work), halving=race,
+                                       plan_warnings=plan_warnings(result.summary_path))
             copy_report(report, report_html, report_md)
             # No window (no improvement at all): keep the configured budget and say so in the report.
             rec_epochs = int(window.recommended_epochs or tc.epochs or 1)

@@ -60,6 +60,11 @@ def step_world_size(cfg: RangefinderConfig, gpus: Optional[int] = None) -> int:
     return processes_per_node(cfg, gpus) * cfg.distributed.num_nodes
 
 
+def plan_warnings(summary_path: Path) -> list[str]:
+    """The warnings of a finished run's plan (config.plan), from its run_summary.json, for the step's report."""
+    return list(json.loads(Path(summary_path).read_text()).get("plan", {}).get("warnings", []))
+
+
 def batch_note(tc: TrainingConfig) -> str:
     """The global batch in words, for the step's report."""
     eff = tc.batch_size * tc.grad_accum * tc.world_size

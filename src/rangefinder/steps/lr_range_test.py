@@ -20,7 +20,7 @@ from rangefinder.analysis.zoom import ended_above_start, points_between, zoom_ra
 from rangefinder.config import RangefinderConfig, TrainingConfig, ValidationConfig, resolve_mixed_precision
 from rangefinder.errors import RangefinderError
 from rangefinder.formats.atomic import write_json
-from rangefinder.steps.launch import batch_note, run_training, step_world_size
+from rangefinder.steps.launch import batch_note, plan_warnings, run_training, step_world_size
 from rangefinder.steps.workdir import publish, work_dir
 
 
@@ -126,7 +126,8 @@ def run_lr_range_test(
                     "global_batch": train_cfg.batch_size * train_cfg.grad_accum * train_cfg.world_size,
                     "model_family": json.loads(result.summary_path.read_text()).get("family")}
         report = write_lr_report(bounds, curve, out_dir / "report",
-                                 source=f"{result.metrics_csv}; {batch_note(train_cfg)}")
+                                 source=f"{result.metrics_csv}; {batch_note(train_cfg)}",
+                                 plan_warnings=plan_warnings(result.summary_path))
         copy_report(report, report_html, report_md)
         bounds_json = out_dir / "bounds.json"
         write_json(bounds_json, decision)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -103,6 +104,11 @@ def train(
 
     # --- device and precision (the launcher: accelerate) ----------------------------------------------------------
     accelerator = start_accelerator(cfg)
+    if accelerator.is_main_process:
+        # The plan's warnings (an effective batch larger than the set, ...) change what the run measures: on the
+        # terminal, not only in run_summary.json. A local run's progress shows lines of this form too.
+        for warning in settings.plan.warnings:
+            print(f"rangefinder: warning: {warning}", file=sys.stderr, flush=True)
     out_lock = OutDirLock(settings.out_dir, hold=accelerator.is_main_process)  # one run per out_dir; until the end
 
     # --- model: the method's trainable parts set up, the family's conditioning and objective ----------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from rangefinder.cli.output import add_json_flag
+from rangefinder.cli.output import add_json_flag, warn
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -22,11 +22,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from rangefinder.config import load_config
+    from rangefinder.config import load_config, setting_conflicts
     from rangefinder.formats.atomic import atomic_path
     from rangefinder.pipelines.pipeline import PIPELINE_NAME, compile_pipeline
 
     cfg = load_config(args.config)
+    warn(setting_conflicts(cfg))
     out = Path(args.out)
     # Compile next to the target and rename: a failed compile never leaves a half-written package behind. The
     # temporary name keeps .yaml, from which the KFP compiler picks the format.

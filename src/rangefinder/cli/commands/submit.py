@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from rangefinder.cli.output import add_json_flag
+from rangefinder.cli.output import add_json_flag, warn
 
 
 def add_endpoint_args(p: argparse.ArgumentParser) -> None:
@@ -33,10 +33,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> dict:
     from dataclasses import asdict
 
-    from rangefinder.config import load_config
+    from rangefinder.config import load_config, setting_conflicts
     from rangefinder.pipelines.client import submit
 
     cfg = load_config(args.config)
+    warn(setting_conflicts(cfg))
     sub = submit(cfg, host=args.host, token=args.token, experiment=args.experiment, run_name=args.name,
                  dataset_uri=args.dataset_uri, wait=args.wait, timeout_s=args.timeout, namespace=args.namespace)
     out = {k: v for k, v in asdict(sub).items() if v is not None}

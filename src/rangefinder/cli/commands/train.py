@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from rangefinder.cli.output import add_json_flag
+from rangefinder.cli.output import add_json_flag, warn
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -47,7 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def settings_from_args(args: argparse.Namespace):
     """(TrainingConfig, ValidationConfig, DataConfig or None, ModelConfig, SamplingConfig or None) from --config and
     the flags; samples during training only when the file has a sampling: section."""
-    from rangefinder.config import load_config
+    from rangefinder.config import load_config, setting_conflicts
 
     overrides: dict[str, Any] = {"training": {}, "validation": {}, "data": {}}
     t, v = overrides["training"], overrides["validation"]
@@ -74,6 +74,7 @@ def settings_from_args(args: argparse.Namespace):
     if args.model is not None:
         overrides["model"] = {"base_model": args.model}
     cfg = load_config(args.config, overrides)
+    warn(setting_conflicts(cfg))
     data_given = args.resolution is not None or (args.config is not None and _file_has_section(args.config, "data"))
     sampling = cfg.sampling if args.config is not None and _file_has_section(args.config, "sampling") else None
     return cfg.training, cfg.validation, (cfg.data if data_given else None), cfg.model, sampling
