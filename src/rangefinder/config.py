@@ -23,11 +23,12 @@ import math
 import re
 from collections.abc import Sequence
 from pathlib import Path
+import typing
 from typing import Annotated, Any, Literal, Optional, Union
 from urllib.parse import parse_qsl, urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from rangefinder.defaults import DIVERGENCE_FACTOR, MID_POSITION, MIDPOINT
 from rangefinder.errors import ConfigError
@@ -52,9 +53,38 @@ def format_validation_error(err: ValidationError, prefix: str = "") -> str:
     return "; ".join(lines)
 
 
+def _number_not_bool(annotation: Any) -> bool:
+    """Whether a field of this type (or a list of them) takes numbers but not booleans."""
+    leaves: list[Any] = []
+    todo = [annotation]
+    while todo:
+        t = todo.pop()
+        args = typing.get_args(t)
+        if typing.get_origin(t) is Literal:
+            leaves.extend(type(a) for a in args)
+        elif args:
+            todo.extend(args[:1] if typing.get_origin(t) is Annotated else args)
+        else:
+            leaves.append(t)
+    return bool({int, float} & set(leaves)) and bool not in leaves
+
+
 class _Section(BaseModel):
     # No NaN or infinity anywhere: no setting means "unbounded" by inf (None does), and a NaN LR trains nothing.
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_boolean_numbers(cls, v: Any, info: ValidationInfo) -> Any:
+        # YAML 1.1 (PyYAML) reads yes/no/on/off/y/n as booleans, and pydantic takes a boolean for a number (True is
+        # 1): `epochs: yes` trained one epoch. A number field (or list of numbers) refuses booleans here. Fields
+        # with their own before-validator (compile: on/off, every_validations: off) run it first, so the words
+        # they document still work.
+        items = v if isinstance(v, list) else [v]
+        if any(isinstance(i, bool) for i in items) and _number_not_bool(cls.model_fields[info.field_name or ""].annotation):
+            raise ValueError(f"a YAML boolean (yes/no/on/off/true/false) is not a number (got {v!r}); write the "
+                             "number itself")
+        return v
 
 
 # A random seed. numpy's global seeding (accelerate's set_seed, at the start of every run) takes 0..2**32-1 and
@@ -575,11 +605,61 @@ class TrackingConfig(_Section):
         return v
 
 
+# Kubernetes' name rules (k8s.io/apimachinery/pkg/util/validation): what the API server refuses, checked when the
+# config is read so a bad name fails at `compile`, not when the pods are created.
+_DNS1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+_DNS1123_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+_SECRET_KEY = re.compile(r"[-._a-zA-Z0-9]+")
+_LABEL_NAME = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]")
+K8sNameRule = Literal["label", "subdomain", "secret key", "label key", "label value"]
+
+
+def kubernetes_name_problem(value: str, rule: K8sNameRule) -> Optional[str]:
+    """Why `value` is not a valid Kubernetes name of that kind (RFC 1123 label or subdomain, Secret key, label
+    key or value), or None."""
+    if rule == "label":
+        ok, limit, what = _DNS1123_LABEL.fullmatch(value), 63, "lower-case letters, digits and '-', starting and " \
+            "ending with a letter or digit"
+    elif rule == "subdomain":
+        ok, limit, what = _DNS1123_SUBDOMAIN.fullmatch(value), 253, "lower-case letters, digits, '-' and '.', " \
+            "starting and ending with a letter or digit"
+    elif rule == "secret key":
+        ok, limit, what = _SECRET_KEY.fullmatch(value), 253, "letters, digits, '-', '_' and '.'"
+    elif rule == "label value":
+        ok, limit, what = (_LABEL_NAME.fullmatch(value) or not value), 63, "letters, digits, '-', '_' and '.', " \
+            "starting and ending with a letter or digit, or empty"
+    else:
+        prefix, _, name = value.rpartition("/")
+        if prefix and kubernetes_name_problem(prefix, "subdomain"):
+            return f"the prefix {prefix!r} of label key {value!r} is not a DNS subdomain (RFC 1123)"
+        ok, limit, what = _LABEL_NAME.fullmatch(name), 63, "an optional DNS-subdomain prefix and '/', then letters, " \
+            "digits, '-', '_' and '.', starting and ending with a letter or digit"
+        value = name
+    kind = {"label": "name (an RFC 1123 label)", "subdomain": "object name (an RFC 1123 subdomain)"}.get(rule, rule)
+    if not ok:
+        return f"{value!r} is not a valid Kubernetes {kind}: use {what}"
+    if len(value) > limit:
+        return f"{value!r} is longer than the {limit} characters a Kubernetes {kind} may have"
+    return None
+
+
+def _k8s_name(value: Any, rule: K8sNameRule) -> Any:
+    problem = kubernetes_name_problem(value, rule) if isinstance(value, str) else None
+    if problem:
+        raise ValueError(problem)
+    return value
+
+
 class Toleration(_Section):
     key: str
     operator: Literal["Equal", "Exists"] = "Equal"
     value: Optional[str] = None
     effect: Optional[Literal["NoSchedule", "PreferNoSchedule", "NoExecute"]] = None
+
+    @field_validator("key")
+    @classmethod
+    def _label_key(cls, v: str) -> str:
+        return _k8s_name(v, "label key")
 
 
 class KubernetesConfig(_Section):
@@ -622,6 +702,35 @@ class KubernetesConfig(_Section):
         _refuse_uri_credentials(v)
         return v
 
+    # Each value that becomes the name of a Kubernetes object, key or label in the pod specs.
+    @field_validator("data_pvc", "mlflow_secret", "service_account", "hf_token_secret")
+    @classmethod
+    def _object_name(cls, v: Optional[str]) -> Optional[str]:
+        return _k8s_name(v, "subdomain")
+
+    @field_validator("image_pull_secrets")
+    @classmethod
+    def _secret_names(cls, v: list[str]) -> list[str]:
+        return [_k8s_name(n, "subdomain") for n in v]
+
+    @field_validator("mlflow_secret_keys")
+    @classmethod
+    def _secret_keys(cls, v: list[str]) -> list[str]:
+        return [_k8s_name(k, "secret key") for k in v]
+
+    @field_validator("hf_token_secret_key")
+    @classmethod
+    def _secret_key(cls, v: str) -> str:
+        return _k8s_name(v, "secret key")
+
+    @field_validator("node_selector", "pod_labels")
+    @classmethod
+    def _labels(cls, v: dict[str, str]) -> dict[str, str]:
+        for key, value in v.items():
+            _k8s_name(key, "label key")
+            _k8s_name(value, "label value")
+        return v
+
 
 class DistributedConfig(_Section):
     """Training across nodes: with num_nodes > 1 the training steps submit a Kubeflow Trainer v2 TrainJob
@@ -636,6 +745,16 @@ class DistributedConfig(_Section):
     timeout_hours: float = Field(72.0, gt=0)
     # Seconds between two reads of the TrainJob's status while the step waits (each read is a few GETs).
     poll_seconds: float = Field(15.0, gt=0)
+
+    @field_validator("namespace")
+    @classmethod
+    def _namespace(cls, v: Optional[str]) -> Optional[str]:
+        return _k8s_name(v, "label")
+
+    @field_validator("runtime")
+    @classmethod
+    def _runtime(cls, v: str) -> str:
+        return _k8s_name(v, "subdomain")
 
 
 # ---------------------------------------------------------------------------------------------------------------

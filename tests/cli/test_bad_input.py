@@ -69,10 +69,18 @@ def test_demo_refuses_a_bad_lr_before_building_anything(lr, tmp_path):
          ["kubernetes.mlflow_tracking_uri", "MLFLOW_TRACKING_USERNAME"]),
         ("model:\n  base_model: https://rf-user:hunter2-pw@models.example/sd15.safetensors\n",
          ["model.base_model", "a user name and password"]),
+        # Issue 36, class 4: YAML 1.1 booleans where a number belongs, and names the API server would refuse.
+        ("training:\n  grad_accum: on\n", ["training.grad_accum", "YAML boolean"]),
+        ("sampling:\n  seeds: [0, no]\n", ["sampling.seeds", "YAML boolean"]),
+        ("kubernetes:\n  mlflow_secret: MLflow_Creds\n", ["kubernetes.mlflow_secret", "RFC 1123 subdomain"]),
+        ("kubernetes:\n  service_account: runner account\n", ["kubernetes.service_account", "RFC 1123"]),
+        ("distributed:\n  namespace: ml.team\n", ["distributed.namespace", "RFC 1123 label"]),
+        ("kubernetes:\n  node_selector:\n    pool: gpu pool\n", ["kubernetes.node_selector", "label value"]),
     ],
     ids=["lr-inf", "lr-nan", "lr-negative", "fixed-lr-inf", "seed-negative", "seed-2**32", "split-seed",
          "sampling-seed-huge", "duplicate-key", "long-list", "uri-credentials", "k8s-uri-credentials",
-         "credentials-in-any-url"],
+         "credentials-in-any-url", "yaml-on-as-number", "yaml-no-in-a-list", "secret-name", "service-account-name",
+         "namespace-with-dot", "label-value-with-space"],
 )
 def test_compile_refuses_a_bad_config_and_writes_nothing(yaml_text, words, tmp_path):
     cfg = tmp_path / "cfg.yaml"
@@ -143,3 +151,15 @@ def test_compile_names_each_pair_of_settings_that_cancel_each_other(tmp_path):
     assert "split.val_split (0.3) is not used" in warnings[0]
     assert "retrain.epochs (7) is not used" in warnings[1]
     assert "zoom_min_points is not used" in warnings[2]
+
+
+@pytest.mark.parametrize("args,flag", [
+    (["split", "DATA", "--out", "  "], "--out is empty"),
+    (["analyze-lr", ""], "CURVE is empty"),
+    (["train", "--data", "", "--out", "x", "--epochs", "1"], "--data is empty"),
+], ids=["split-out-blank", "analyze-lr-curve-empty", "train-data-empty"])
+def test_an_empty_path_argument_is_refused(args, flag, tmp_path):
+    # Issue 36, class 4: an empty path (an unset shell variable) is the working folder to pathlib.
+    args = [str(tmp_path) if a == "DATA" else a for a in args]
+    assert_one_line_error(rangefinder(*args), flag)
+    assert list(tmp_path.iterdir()) == []

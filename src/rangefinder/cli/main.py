@@ -49,10 +49,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Arguments that name a file or folder (argparse dests). An empty one ("" from an unset shell variable) would mean
+# the working folder to pathlib: `split --out ""` wrote the split there.
+PATH_ARGS = ("out", "config", "data", "data_dir", "model", "curve", "plot", "report", "cache_dir", "tokenizer",
+             "checkpoints", "spools", "prompts")
+
+
+def _refuse_empty_paths(args: argparse.Namespace) -> None:
+    """RangefinderError for a path argument that is empty or blank, or any argument holding a NUL character."""
+    for dest, value in vars(args).items():
+        values = value if isinstance(value, list) else [value]
+        flag = f"--{dest.replace('_', '-')}" if dest not in ("data_dir", "curve", "spools") else dest.upper()
+        for v in values:
+            if not isinstance(v, str):
+                continue
+            if "\0" in v:
+                raise RangefinderError(f"{flag} holds a NUL character, which no path or setting can; retype it")
+            if dest in PATH_ARGS and not v.strip():
+                raise RangefinderError(f"{flag} is empty; give a path (an unset shell variable gives an empty "
+                                       "argument)")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        _refuse_empty_paths(args)
         result = args.func(args)
     except RangefinderError as e:
         print(f"rangefinder {args.command}: error: {e}", file=sys.stderr)

@@ -85,6 +85,10 @@ def _problem(data: bytes, min_image_size: int) -> Optional[str]:
         if "truncated" in msg.lower():
             return f"truncated or corrupt image ({msg})"
         return f"unreadable image ({type(e).__name__}: {msg})"
+    with Image.open(io.BytesIO(data)) as probe:  # the header again: load_rgb's RGB copy has one frame
+        frames = getattr(probe, "n_frames", 1)
+    if frames > 1:
+        return f"animated ({frames} frames): only a still image is trained on; save the frame you mean as a PNG"
     w, h = img.size
     if min(w, h) < min_image_size:
         return f"too small: {w}x{h} px, the short side must be at least {min_image_size} px"

@@ -24,12 +24,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> dict:
     from dataclasses import asdict
 
-    from rangefinder.config import load_config, setting_conflicts
+    from rangefinder.config import kubernetes_name_problem, load_config, setting_conflicts
+    from rangefinder.errors import ConfigError
     from rangefinder.pipelines.client import submit, validate_cron
 
     cron = validate_cron(args.cron)  # a bad cron fails before the config is even read
     cfg = load_config(args.config)
     warn(setting_conflicts(cfg))
+    problem = args.namespace and kubernetes_name_problem(args.namespace, "label")
+    if problem:
+        raise ConfigError(f"--namespace: {problem}")
     sub = submit(cfg, host=args.host, token=args.token, experiment=args.experiment, run_name=args.name,
                  dataset_uri=args.dataset_uri, cron=cron, namespace=args.namespace)
     out = {k: v for k, v in asdict(sub).items() if v is not None}
