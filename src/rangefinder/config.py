@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import math
 import re
+import typing
 from collections.abc import Sequence
 from pathlib import Path
-import typing
 from typing import Annotated, Any, Literal, Optional, Union
 from urllib.parse import parse_qsl, urlsplit
 
@@ -81,7 +81,8 @@ class _Section(BaseModel):
         # with their own before-validator (compile: on/off, every_validations: off) run it first, so the words
         # they document still work.
         items = v if isinstance(v, list) else [v]
-        if any(isinstance(i, bool) for i in items) and _number_not_bool(cls.model_fields[info.field_name or ""].annotation):
+        field = cls.model_fields[info.field_name or ""]
+        if any(isinstance(i, bool) for i in items) and _number_not_bool(field.annotation):
             raise ValueError(f"a YAML boolean (yes/no/on/off/true/false) is not a number (got {v!r}); write the "
                              "number itself")
         return v
