@@ -151,7 +151,7 @@ class DataConfig(_Section):
     # None means the embedded default dataset (synthetic shapes, made offline by `rangefinder make-dataset`).
     dataset_dir: Optional[str] = None
     # Training resolution in pixels (square). 512 suits SD 1.x; the embedded tiny model uses 32.
-    resolution: int = Field(512, ge=8)
+    resolution: int = Field(512, ge=8, le=8192)  # 8192: far above any SD model (SDXL: 1024)
     # Centre-crop to a square before resizing (False: resize the whole image, changing its aspect).
     center_crop: bool = True
     # Images smaller than this on their short side are reported and skipped; None means resolution // 2.
@@ -543,7 +543,7 @@ class SamplingConfig(_Section):
     num_inference_steps: int = Field(25, ge=1)
     guidance_scale: float = Field(7.5, ge=0)
     scheduler: Optional[str] = None  # a diffusers scheduler class name, e.g. "DDIMScheduler"; None keeps the model's
-    resolution: Optional[int] = Field(None, ge=8)  # None: data.resolution
+    resolution: Optional[int] = Field(None, ge=8, le=8192)  # None: data.resolution
     # Samples during the fine-tune (training/samples.py), to see a bad run early: `prompts` x the first
     # `seeds_during_training` of `seeds`, rendered from the current weights (these steps, guidance, scheduler and
     # resolution) at the update-0 baseline, at every Nth validation after it and at the last; saved under the run's

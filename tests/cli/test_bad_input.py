@@ -163,3 +163,64 @@ def test_an_empty_path_argument_is_refused(args, flag, tmp_path):
     args = [str(tmp_path) if a == "DATA" else a for a in args]
     assert_one_line_error(rangefinder(*args), flag)
     assert list(tmp_path.iterdir()) == []
+
+
+# --- issue 36, class 5: one line instead of a traceback, on inputs beside the issue's examples
+
+
+@pytest.mark.parametrize("args,words", [
+    (["make-dataset", "--out", "OUT", "--resolution", "9000"], ["--resolution", "from 8 to 8192"]),
+    (["make-dataset", "--out", "OUT", "--count", "0"], ["--count", "from 1 to"]),
+    (["sample", "--model", "M", "--out", "OUT", "--resolution", "36"], ["--resolution", "multiple of 8", "try 32"]),
+    (["sample", "--model", "M", "--out", "OUT", "--seeds", "0", "-1"], ["--seeds", "from 0 to 4294967295"]),
+    (["analyze-lr", "CURVE", "--seed", "-3"], ["--seed", "from 0 to 4294967295"]),
+    (["split", "DATA", "--out", "OUT", "--min-image-size", "0"], ["--min-image-size", "from 1 to"]),
+], ids=["dataset-resolution-9000", "dataset-count-0", "sample-resolution-36", "sample-seed-negative",
+        "analyze-seed-negative", "split-min-size-0"])
+def test_an_argument_out_of_its_bounds_is_one_line(args, words, tmp_path):
+    args = [str(tmp_path / "out") if a == "OUT" else str(tmp_path) if a in ("M", "DATA") else
+            str(tmp_path / "c.csv") if a == "CURVE" else a for a in args]
+    assert_one_line_error(rangefinder(*args), *words)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_output_folder_under_a_file_and_an_output_file_that_is_a_folder(tmp_path, shapes_dataset_dir):
+    (tmp_path / "taken").write_text("a file where a folder is asked for")
+    assert_one_line_error(rangefinder("split", str(shapes_dataset_dir), "--out", str(tmp_path / "taken" / "split"),
+                                      "--resolution", "32"), "a folder above it, is a file")
+    curve = tmp_path / "c.csv"
+    curve.write_text("update,lr,val_loss\n0,0,0.2\n1,1e-6,0.19\n2,1e-5,0.15\n3,1e-4,0.1\n4,1e-3,0.3\n")
+    assert_one_line_error(rangefinder("analyze-lr", str(curve), "--plot", str(tmp_path)), "is a folder")
+    (tmp_path / "binary.csv").write_bytes(bytes(range(128, 256)))
+    assert_one_line_error(rangefinder("analyze-lr", str(tmp_path / "binary.csv")), "is not a CSV text file")
+
+
+def test_the_cache_folder_on_a_file_is_one_line(tmp_path, split_dir, tiny_model_dir):
+    (tmp_path / "cache").write_text("not a folder")
+    proc = rangefinder("train", "--data", str(split_dir), "--model", str(tiny_model_dir), "--out",
+                       str(tmp_path / "out"), "--steps", "1", env={"RANGEFINDER_CACHE": str(tmp_path / "cache")})
+    assert_one_line_error(proc, "$RANGEFINDER_CACHE", "it is a file")
+
+
+def test_a_cut_or_foreign_column_in_sample_is_one_line(tmp_path, tiny_model_dir, tiny_sdxl_dir):
+    weights = next((tiny_model_dir / "unet").glob("*.safetensors")).read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(weights[: len(weights) // 3])
+    out = tmp_path / "grid"
+    assert_one_line_error(rangefinder("sample", "--model", str(tiny_model_dir), "--checkpoints",
+                                      str(tmp_path / "cut.safetensors"), "--out", str(out), "--steps", "1"),
+                          "cut.safetensors", "damaged")
+    assert_one_line_error(rangefinder("sample", "--model", str(tiny_sdxl_dir), "--checkpoints", str(tiny_model_dir),
+                                      "--out", str(out), "--steps", "1"),
+                          "is a Stable Diffusion 1.x/2.x model", "is Stable Diffusion XL")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("header", [
+    '{"kind": "spool", "version": 1, "tracking_uri": "http://127.0.0.1:1", "run_id": 42}',
+    '{"kind": "spool", "version": 1, "run_id": "abc"}',
+], ids=["run-id-a-number", "no-tracking-uri"])
+def test_relog_of_a_spool_with_a_damaged_header_is_one_line(header, tmp_path):
+    spool = tmp_path / "step.jsonl"
+    spool.write_text(header + '\n{"kind": "tags", "run_id": "abc", "tags": {"a": "b"}}\n')
+    assert_one_line_error(rangefinder("relog", str(spool)), "damaged header line")
+    assert spool.is_file()

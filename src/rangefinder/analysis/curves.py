@@ -51,6 +51,14 @@ def read_curve_csv(path: str | Path, required: Sequence[str] = ("val_loss",),
     p = Path(path)
     if not p.is_file():
         raise RangefinderError(f"curve file {p} does not exist; pass the metrics.csv a training run wrote")
+    try:
+        return _read_csv(p, required, skip_empty)
+    except (UnicodeDecodeError, csv.Error) as e:
+        raise RangefinderError(f"curve file {p} is not a CSV text file ({type(e).__name__}: {e}); pass the "
+                               "metrics.csv a training run wrote") from None
+
+
+def _read_csv(p: Path, required: Sequence[str], skip_empty: Sequence[str]) -> dict[str, np.ndarray]:
     with p.open(newline="", encoding="utf-8") as f:
         reader = csv.reader(f)
         header = next(reader, None)

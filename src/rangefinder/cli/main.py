@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 from typing import Optional
 
+from rangefinder.cli.args import OneLineParser
 from rangefinder.cli.output import print_table
 from rangefinder.errors import RangefinderError
 
@@ -39,7 +40,7 @@ COMMANDS = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="rangefinder",
         description="Fine-tune Stable Diffusion with the learning rate and training length found by measurement.",
     )
@@ -78,6 +79,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         result = args.func(args)
     except RangefinderError as e:
         print(f"rangefinder {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except (FileExistsError, NotADirectoryError, IsADirectoryError) as e:
+        # A path given where a folder is meant names a file, or the other way round: the checks at the edge
+        # (formats.atomic.usable_folder) catch the known ones; this says any other in one line too.
+        print(f"rangefinder {args.command}: error: {e.filename}: {(e.strerror or str(e)).lower()}; pass a folder "
+              "where a folder is meant and a file where a file is meant", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"rangefinder {args.command}: interrupted", file=sys.stderr)

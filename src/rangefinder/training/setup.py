@@ -147,6 +147,7 @@ def check_settings(spec: TrainSpec, out_dir: Union[str, Path]) -> RunSettings:
     method = make_method(cfg)
     if cfg.use_8bit_adam and not torch.cuda.is_available():
         raise ConfigError("training.use_8bit_adam needs a CUDA GPU (bitsandbytes); set it false to use AdamW")
+    cache_root(cfg.cache_dir)  # a cache folder that is a file: one line now, not after the model has loaded
     # The output folder last: every settings error above leaves nothing behind (the lock probe creates the folder).
     out_dir = Path(out_dir)
     check_out_dir_free(out_dir)  # another live run in out_dir: fail now, naming it

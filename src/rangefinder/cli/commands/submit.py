@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from rangefinder.cli import args as argtypes
 from rangefinder.cli.output import add_json_flag, warn
 
 
@@ -25,7 +26,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_endpoint_args(p)
     p.add_argument("--wait", action="store_true", help="wait until the run finishes and print its state")
-    p.add_argument("--timeout", type=int, default=24 * 3600, help="seconds --wait waits (default 86400)")
+    p.add_argument("--timeout", type=argtypes.int_in(1, what="seconds"), default=24 * 3600,
+                   help="seconds --wait waits (default 86400)")
     add_json_flag(p)
     p.set_defaults(func=run)
 
