@@ -224,3 +224,33 @@ def test_relog_of_a_spool_with_a_damaged_header_is_one_line(header, tmp_path):
     spool.write_text(header + '\n{"kind": "tags", "run_id": "abc", "tags": {"a": "b"}}\n')
     assert_one_line_error(rangefinder("relog", str(spool)), "damaged header line")
     assert spool.is_file()
+
+
+# --- issue 36, class 8: first-run traps
+
+
+def test_split_reads_the_resolution_a_made_dataset_has_and_names_the_fix_for_small_images(tmp_path):
+    from PIL import Image
+
+    from rangefinder.data.synthetic import make_synthetic_dataset
+
+    make_synthetic_dataset(tmp_path / "made", kind="stripes", count=6, seed=3, resolution=48)
+    proc = rangefinder("split", str(tmp_path / "made"), "--out", str(tmp_path / "split"), "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert '"resolution": 48' in proc.stdout
+    # A folder made by hand at 40 px, at the default 512 px: the error names both settings that fix it.
+    (tmp_path / "own").mkdir()
+    for i in range(4):
+        Image.new("RGB", (40, 40), (60 * i, 90, 120)).save(tmp_path / "own" / f"{i}.png")
+        (tmp_path / "own" / f"{i}.txt").write_text(f"a teal tile {i}")
+    assert_one_line_error(rangefinder("split", str(tmp_path / "own"), "--out", str(tmp_path / "split2")),
+                          "4 are too small", "--resolution", "--min-image-size")
+
+
+def test_make_base_model_takes_a_family(tmp_path, tiny_sdxl_dir):
+    import json
+
+    proc = rangefinder("make-base-model", "--family", "sdxl", "--out", str(tmp_path / "m"), "--json", timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["family"] == "sdxl"
+    assert json.loads((tmp_path / "m" / "model_index.json").read_text())["_class_name"] == "StableDiffusionXLPipeline"

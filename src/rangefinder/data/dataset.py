@@ -242,3 +242,16 @@ def clean_caption(text: str) -> str:
     else is empty, and is refused like one.
     """
     return " ".join("".join(" " if unicodedata.category(c) in ("Cc", "Cf") else c for c in text).split())
+
+
+def made_resolution(folder: str | Path) -> Optional[int]:
+    """The image side a finished `make-dataset` folder was made at (the setting in its marker file,
+    data.synthetic.MARKER); None for any other folder, or one whose marker cannot be read. Read here, not in
+    data/synthetic.py, whose source is part of the tiny model's cache key."""
+    from rangefinder.data.synthetic import MARKER
+
+    try:
+        value = json.loads((Path(folder).expanduser() / MARKER).read_text()).get("resolution")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None

@@ -50,10 +50,14 @@ class ValidatedDataset:
             )
         shown = "; ".join(str(s) for s in self.skipped[:10])
         more = f"; and {len(self.skipped) - 10} more" if len(self.skipped) > 10 else ""
+        small = sum(s.reason.startswith("too small") for s in self.skipped)
+        # Small images are the commonest first-run trap (a 32 px set at the default 512 px): name the two settings.
+        fix = (f"; {small} are too small for the resolution: pass a lower --resolution (data.resolution) to train "
+               "at their size, or a lower --min-image-size (data.min_image_size) to enlarge them") if small else ""
         raise DataError(
             f"dataset folder {self.root} has only {n} usable image{'s' if n != 1 else ''}, fewer than the "
             f"{min_images} needed (at least one to train and one to validate); skipped: {shown or 'none'}{more}; "
-            "fix or caption the skipped files, or add images"
+            f"fix or caption the skipped files, or add images{fix}"
         )
 
 

@@ -23,9 +23,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="share of training images in the stabilize subset, rounded up (0.2)")
     p.add_argument("--seed", type=argtypes.seed, default=555, help="seed of the shuffle (555)")
     p.add_argument("--val-dir", help="a folder of validation images chosen by hand (replaces --val-split)")
-    p.add_argument("--resolution", type=argtypes.resolution, default=DataConfig.model_fields["resolution"].default,
-                   help="the training resolution, in pixels (%(default)s; data.resolution): the aspect-ratio buckets "
-                   "are reported for it, and it sets the default of --min-image-size")
+    p.add_argument("--resolution", type=argtypes.resolution, default=None,
+                   help="the training resolution, in pixels (data.resolution; default: the one a `make-dataset` "
+                   f"folder was made at, else {DataConfig.model_fields['resolution'].default}): the aspect-ratio "
+                   "buckets are reported for it, and it sets the default of --min-image-size")
     p.add_argument("--min-image-size", type=argtypes.int_in(1, argtypes.MAX_RESOLUTION,
                    what="the smallest image side in pixels"), default=None,
                    help="skip (and list) images whose short side is smaller than this, in pixels (default: half the "
@@ -49,11 +50,14 @@ def run(args: argparse.Namespace) -> dict:
 
     from rangefinder.config import format_validation_error
     from rangefinder.data.buckets import BucketSettings
+    from rangefinder.data.dataset import made_resolution
     from rangefinder.data.split import split_dataset
     from rangefinder.errors import ConfigError
 
+    # A folder `make-dataset` made (32 px by default) splits at its own size: 512 px would skip every image.
+    resolution = args.resolution or made_resolution(args.data_dir) or DataConfig.model_fields["resolution"].default
     try:
-        data = DataConfig(resolution=args.resolution, min_image_size=args.min_image_size,
+        data = DataConfig(resolution=resolution, min_image_size=args.min_image_size,
                           bucketing=not args.no_bucketing, bucket_step=args.bucket_step, max_aspect=args.max_aspect)
     except ValidationError as e:
         raise ConfigError(format_validation_error(e, prefix="data.")) from None
