@@ -610,7 +610,7 @@ class TrackingConfig(_Section):
 # config is read so a bad name fails at `compile`, not when the pods are created.
 _DNS1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 _DNS1123_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
-_SECRET_KEY = re.compile(r"[-._a-zA-Z0-9]+")
+_K8S_SECRET_KEY = re.compile(r"[-._a-zA-Z0-9]+")
 _LABEL_NAME = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]")
 K8sNameRule = Literal["label", "subdomain", "secret key", "label key", "label value"]
 
@@ -625,7 +625,7 @@ def kubernetes_name_problem(value: str, rule: K8sNameRule) -> Optional[str]:
         ok, limit, what = _DNS1123_SUBDOMAIN.fullmatch(value), 253, "lower-case letters, digits, '-' and '.', " \
             "starting and ending with a letter or digit"
     elif rule == "secret key":
-        ok, limit, what = _SECRET_KEY.fullmatch(value), 253, "letters, digits, '-', '_' and '.'"
+        ok, limit, what = _K8S_SECRET_KEY.fullmatch(value), 253, "letters, digits, '-', '_' and '.'"
     elif rule == "label value":
         ok, limit, what = (_LABEL_NAME.fullmatch(value) or not value), 63, "letters, digits, '-', '_' and '.', " \
             "starting and ending with a letter or digit, or empty"
