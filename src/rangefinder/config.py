@@ -615,29 +615,31 @@ _LABEL_NAME = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]")
 K8sNameRule = Literal["label", "subdomain", "secret key", "label key", "label value"]
 
 
+# rule -> (pattern, most characters, what the name may hold)
+_K8S_RULES: dict[str, tuple[re.Pattern[str], int, str]] = {
+    "label": (_DNS1123_LABEL, 63, "lower-case letters, digits and '-', starting and ending with a letter or digit"),
+    "subdomain": (_DNS1123_SUBDOMAIN, 253, "lower-case letters, digits, '-' and '.', starting and ending with a "
+                                           "letter or digit"),
+    "secret key": (_K8S_SECRET_KEY, 253, "letters, digits, '-', '_' and '.'"),
+    "label value": (_LABEL_NAME, 63, "letters, digits, '-', '_' and '.', starting and ending with a letter or "
+                                     "digit, or nothing"),
+    "label key": (_LABEL_NAME, 63, "an optional DNS-subdomain prefix and '/', then letters, digits, '-', '_' and "
+                                   "'.', starting and ending with a letter or digit"),
+}
+
+
 def kubernetes_name_problem(value: str, rule: K8sNameRule) -> Optional[str]:
     """Why `value` is not a valid Kubernetes name of that kind (RFC 1123 label or subdomain, Secret key, label
     key or value), or None."""
-    if rule == "label":
-        ok, limit, what = _DNS1123_LABEL.fullmatch(value), 63, "lower-case letters, digits and '-', starting and " \
-            "ending with a letter or digit"
-    elif rule == "subdomain":
-        ok, limit, what = _DNS1123_SUBDOMAIN.fullmatch(value), 253, "lower-case letters, digits, '-' and '.', " \
-            "starting and ending with a letter or digit"
-    elif rule == "secret key":
-        ok, limit, what = _K8S_SECRET_KEY.fullmatch(value), 253, "letters, digits, '-', '_' and '.'"
-    elif rule == "label value":
-        ok, limit, what = (_LABEL_NAME.fullmatch(value) or not value), 63, "letters, digits, '-', '_' and '.', " \
-            "starting and ending with a letter or digit, or empty"
-    else:
-        prefix, _, name = value.rpartition("/")
+    if rule == "label value" and value == "":
+        return None  # a label's value may be empty
+    if rule == "label key":
+        prefix, _, value = value.rpartition("/")
         if prefix and kubernetes_name_problem(prefix, "subdomain"):
-            return f"the prefix {prefix!r} of label key {value!r} is not a DNS subdomain (RFC 1123)"
-        ok, limit, what = _LABEL_NAME.fullmatch(name), 63, "an optional DNS-subdomain prefix and '/', then letters, " \
-            "digits, '-', '_' and '.', starting and ending with a letter or digit"
-        value = name
+            return f"the prefix {prefix!r} of label key {prefix}/{value} is not a DNS subdomain (RFC 1123)"
+    pattern, limit, what = _K8S_RULES[rule]
     kind = {"label": "name (an RFC 1123 label)", "subdomain": "object name (an RFC 1123 subdomain)"}.get(rule, rule)
-    if not ok:
+    if not pattern.fullmatch(value):
         return f"{value!r} is not a valid Kubernetes {kind}: use {what}"
     if len(value) > limit:
         return f"{value!r} is longer than the {limit} characters a Kubernetes {kind} may have"

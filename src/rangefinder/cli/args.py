@@ -58,5 +58,5 @@ class OneLineParser(argparse.ArgumentParser):
     """argparse's parser whose errors are one line (`rangefinder split: error: ...`), as every other bad input gets,
     with a pointer to --help instead of the usage block."""
 
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
