@@ -170,18 +170,20 @@ def test_an_empty_path_argument_is_refused(args, flag, tmp_path):
 
 @pytest.mark.parametrize("args,words", [
     (["make-dataset", "--out", "OUT", "--resolution", "9000"], ["--resolution", "from 8 to 8192"]),
-    (["make-dataset", "--out", "OUT", "--count", "0"], ["--count", "from 1 to"]),
     (["sample", "--model", "M", "--out", "OUT", "--resolution", "36"], ["--resolution", "multiple of 8", "try 32"]),
     (["sample", "--model", "M", "--out", "OUT", "--seeds", "0", "-1"], ["--seeds", "from 0 to 4294967295"]),
     (["analyze-lr", "CURVE", "--seed", "-3"], ["--seed", "from 0 to 4294967295"]),
-    (["split", "DATA", "--out", "OUT", "--min-image-size", "0"], ["--min-image-size", "from 1 to"]),
-], ids=["dataset-resolution-9000", "dataset-count-0", "sample-resolution-36", "sample-seed-negative",
-        "analyze-seed-negative", "split-min-size-0"])
+    (["select-steps", "CURVE", "--seed", "4294967296"], ["--seed", "from 0 to 4294967295"]),
+], ids=["dataset-resolution-9000", "sample-resolution-36", "sample-seed-negative", "analyze-seed-negative",
+        "select-seed-2**32"])
 def test_an_argument_out_of_its_bounds_is_one_line(args, words, tmp_path):
-    args = [str(tmp_path / "out") if a == "OUT" else str(tmp_path) if a in ("M", "DATA") else
-            str(tmp_path / "c.csv") if a == "CURVE" else a for a in args]
+    curve = tmp_path / "c.csv"  # a curve the analyses can read: the seed is what is wrong
+    curve.write_text("update,epoch,lr,val_loss\n" + "".join(f"{i},{i / 10},{10 ** (i / 4 - 7)},{0.2 - 0.01 * i}\n"
+                                                         for i in range(12)))
+    args = [str(tmp_path / "out") if a == "OUT" else str(tmp_path / "m") if a == "M" else
+            str(curve) if a == "CURVE" else a for a in args]
     assert_one_line_error(rangefinder(*args), *words)
-    assert list(tmp_path.iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.csv"]
 
 
 def test_an_output_folder_under_a_file_and_an_output_file_that_is_a_folder(tmp_path, shapes_dataset_dir):

@@ -23,7 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="share of training images in the stabilize subset, rounded up (0.2)")
     p.add_argument("--seed", type=argtypes.seed, default=555, help="seed of the shuffle (555)")
     p.add_argument("--val-dir", help="a folder of validation images chosen by hand (replaces --val-split)")
-    p.add_argument("--resolution", type=argtypes.resolution, default=None,
+    p.add_argument("--resolution", type=int, default=None,  # bounds: DataConfig, below
                    help="the training resolution, in pixels (data.resolution; default: the one a `make-dataset` "
                    f"folder was made at, else {DataConfig.model_fields['resolution'].default}): the aspect-ratio "
                    "buckets are reported for it, and it sets the default of --min-image-size")
