@@ -7,12 +7,13 @@ pydantic model that rejects unknown keys and bad values with a message naming th
 from __future__ import annotations
 
 import re
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 from urllib.parse import parse_qsl, urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from rangefinder.defaults import DIVERGENCE_FACTOR, MID_POSITION, MIDPOINT
 from rangefinder.errors import ConfigError
@@ -37,9 +38,39 @@ def format_validation_error(err: ValidationError, prefix: str = "") -> str:
     return "; ".join(lines)
 
 
+def _number_not_bool(annotation: Any) -> bool:
+    """Whether a field of this type (or a list of them) takes numbers but not booleans."""
+    leaves: list[Any] = []
+    todo = [annotation]
+    while todo:
+        t = todo.pop()
+        args = typing.get_args(t)
+        if typing.get_origin(t) is Literal:
+            leaves.extend(type(a) for a in args)
+        elif args:
+            todo.extend(args[:1] if typing.get_origin(t) is Annotated else args)
+        else:
+            leaves.append(t)
+    return bool({int, float} & set(leaves)) and bool not in leaves
+
+
 class _Section(BaseModel):
     # No NaN or infinity anywhere: no setting means "unbounded" by inf (None does), and a NaN LR trains nothing.
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_boolean_numbers(cls, v: Any, info: ValidationInfo) -> Any:
+        # YAML 1.1 (PyYAML) reads yes/no/on/off/y/n as booleans, and pydantic takes a boolean for a number (True is
+        # 1): `epochs: yes` trained one epoch. A number field (or list of numbers) refuses booleans here. Fields
+        # with their own before-validator (compile: on/off, every_validations: off) run it first, so the words
+        # they document still work.
+        items = v if isinstance(v, list) else [v]
+        field = cls.model_fields[info.field_name or ""]
+        if any(isinstance(i, bool) for i in items) and _number_not_bool(field.annotation):
+            raise ValueError(f"a YAML boolean (yes/no/on/off/true/false) is not a number (got {v!r}); write the "
+                             "number itself")
+        return v
 
 
 # A random seed. numpy's global seeding (accelerate's set_seed, at the start of every run) takes 0..2**32-1 and
@@ -105,7 +136,7 @@ class DataConfig(_Section):
     # None means the embedded default dataset (synthetic shapes, made offline by `rangefinder make-dataset`).
     dataset_dir: Optional[str] = None
     # Training resolution in pixels (square). 512 suits SD 1.x; the embedded tiny model uses 32.
-    resolution: int = Field(512, ge=8)
+    resolution: int = Field(512, ge=8, le=8192)  # 8192: far above any SD model (SDXL: 1024)
     # Centre-crop to a square before resizing (False: resize the whole image, changing its aspect).
     center_crop: bool = True
     # Images smaller than this on their short side are reported and skipped; None means resolution // 2.
@@ -497,7 +528,7 @@ class SamplingConfig(_Section):
     num_inference_steps: int = Field(25, ge=1)
     guidance_scale: float = Field(7.5, ge=0)
     scheduler: Optional[str] = None  # a diffusers scheduler class name, e.g. "DDIMScheduler"; None keeps the model's
-    resolution: Optional[int] = Field(None, ge=8)  # None: data.resolution
+    resolution: Optional[int] = Field(None, ge=8, le=8192)  # None: data.resolution
     # Samples during the fine-tune (training/samples.py), to see a bad run early: `prompts` x the first
     # `seeds_during_training` of `seeds`, rendered from the current weights (these steps, guidance, scheduler and
     # resolution) at the update-0 baseline, at every Nth validation after it and at the last; saved under the run's
@@ -560,11 +591,63 @@ class TrackingConfig(_Section):
         return v
 
 
+# Kubernetes' name rules (k8s.io/apimachinery/pkg/util/validation): what the API server refuses, checked when the
+# config is read so a bad name fails at `compile`, not when the pods are created.
+_DNS1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+_DNS1123_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+_K8S_SECRET_KEY = re.compile(r"[-._a-zA-Z0-9]+")
+_LABEL_NAME = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]")
+K8sNameRule = Literal["label", "subdomain", "secret key", "label key", "label value"]
+
+
+# rule -> (pattern, most characters, what the name may hold)
+_K8S_RULES: dict[str, tuple[re.Pattern[str], int, str]] = {
+    "label": (_DNS1123_LABEL, 63, "lower-case letters, digits and '-', starting and ending with a letter or digit"),
+    "subdomain": (_DNS1123_SUBDOMAIN, 253, "lower-case letters, digits, '-' and '.', starting and ending with a "
+                                           "letter or digit"),
+    "secret key": (_K8S_SECRET_KEY, 253, "letters, digits, '-', '_' and '.'"),
+    "label value": (_LABEL_NAME, 63, "letters, digits, '-', '_' and '.', starting and ending with a letter or "
+                                     "digit, or nothing"),
+    "label key": (_LABEL_NAME, 63, "an optional DNS-subdomain prefix and '/', then letters, digits, '-', '_' and "
+                                   "'.', starting and ending with a letter or digit"),
+}
+
+
+def kubernetes_name_problem(value: str, rule: K8sNameRule) -> Optional[str]:
+    """Why `value` is not a valid Kubernetes name of that kind (RFC 1123 label or subdomain, Secret key, label
+    key or value), or None."""
+    if rule == "label value" and value == "":
+        return None  # a label's value may be empty
+    if rule == "label key":
+        prefix, _, value = value.rpartition("/")
+        if prefix and kubernetes_name_problem(prefix, "subdomain"):
+            return f"the prefix {prefix!r} of label key {prefix}/{value} is not a DNS subdomain (RFC 1123)"
+    pattern, limit, what = _K8S_RULES[rule]
+    kind = {"label": "name (an RFC 1123 label)", "subdomain": "object name (an RFC 1123 subdomain)"}.get(rule, rule)
+    if not pattern.fullmatch(value):
+        return f"{value!r} is not a valid Kubernetes {kind}: use {what}"
+    if len(value) > limit:
+        return f"{value!r} is longer than the {limit} characters a Kubernetes {kind} may have"
+    return None
+
+
+def _k8s_name(value: Any, rule: K8sNameRule) -> Any:
+    problem = kubernetes_name_problem(value, rule) if isinstance(value, str) else None
+    if problem:
+        raise ValueError(problem)
+    return value
+
+
 class Toleration(_Section):
     key: str
     operator: Literal["Equal", "Exists"] = "Equal"
     value: Optional[str] = None
     effect: Optional[Literal["NoSchedule", "PreferNoSchedule", "NoExecute"]] = None
+
+    @field_validator("key")
+    @classmethod
+    def _label_key(cls, v: str) -> str:
+        return _k8s_name(v, "label key")
 
 
 # Argo and KFP keep TTLs and deadlines in int32 fields.
@@ -621,6 +704,35 @@ class KubernetesConfig(_Section):
         _refuse_uri_credentials(v)
         return v
 
+    # Each value that becomes the name of a Kubernetes object, key or label in the pod specs.
+    @field_validator("data_pvc", "mlflow_secret", "service_account", "hf_token_secret")
+    @classmethod
+    def _object_name(cls, v: Optional[str]) -> Optional[str]:
+        return _k8s_name(v, "subdomain")
+
+    @field_validator("image_pull_secrets")
+    @classmethod
+    def _secret_names(cls, v: list[str]) -> list[str]:
+        return [_k8s_name(n, "subdomain") for n in v]
+
+    @field_validator("mlflow_secret_keys")
+    @classmethod
+    def _secret_keys(cls, v: list[str]) -> list[str]:
+        return [_k8s_name(k, "secret key") for k in v]
+
+    @field_validator("hf_token_secret_key")
+    @classmethod
+    def _secret_key(cls, v: str) -> str:
+        return _k8s_name(v, "secret key")
+
+    @field_validator("node_selector", "pod_labels")
+    @classmethod
+    def _labels(cls, v: dict[str, str]) -> dict[str, str]:
+        for key, value in v.items():
+            _k8s_name(key, "label key")
+            _k8s_name(value, "label value")
+        return v
+
 
 class DistributedConfig(_Section):
     """Training across nodes: with num_nodes > 1 the training steps submit a Kubeflow Trainer v2 TrainJob
@@ -635,6 +747,16 @@ class DistributedConfig(_Section):
     timeout_hours: float = Field(72.0, gt=0)
     # Seconds between two reads of the TrainJob's status while the step waits (each read is a few GETs).
     poll_seconds: float = Field(15.0, gt=0)
+
+    @field_validator("namespace")
+    @classmethod
+    def _namespace(cls, v: Optional[str]) -> Optional[str]:
+        return _k8s_name(v, "label")
+
+    @field_validator("runtime")
+    @classmethod
+    def _runtime(cls, v: str) -> str:
+        return _k8s_name(v, "subdomain")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -809,3 +931,37 @@ def parse_config(raw: dict) -> RangefinderConfig:
         return RangefinderConfig.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(format_validation_error(e)) from None
+
+
+def setting_conflicts(cfg: RangefinderConfig) -> list[str]:
+    """One line for each pair of settings in `cfg` where one cancels the other, so neither is silently dropped.
+
+    Only settings the config itself gives count (pydantic's model_fields_set): a default that another setting
+    switches off is the documented behaviour, not a conflict.
+    """
+    given = cfg.model_fields_set
+    ft, rt, split, val = cfg.finetune, cfg.lr_range_test, cfg.split, cfg.validation
+    lines = []
+    if cfg.lr is not None and "lr_range_test" in given and rt.model_fields_set:
+        lines.append(f"lr: {cfg.lr:g} is fixed, so no range test runs and the lr_range_test section "
+                     f"({', '.join(sorted(rt.model_fields_set))}) is not used; remove lr to discover the LR, or the "
+                     "section")
+    halving_asked = "finetune" in given and "successive_halving" in ft.model_fields_set and ft.successive_halving
+    if halving_asked and cfg.lr is not None:
+        lines.append(f"finetune.successive_halving: true does nothing with a fixed lr ({cfg.lr:g}): halving races "
+                     "the range test's lr_mid and lr_high; remove lr to discover the LR, or set halving false")
+    elif halving_asked and ft.schedule != "constant":
+        lines.append(f"finetune.successive_halving: true does nothing with finetune.schedule {ft.schedule}: "
+                     "halving compares constant LRs; set the schedule to constant, or halving false")
+    if "split" in given and split.val_dir is not None and "val_split" in split.model_fields_set:
+        lines.append(f"split.val_split ({split.val_split:g}) is not used: split.val_dir ({split.val_dir}) gives the "
+                     "validation images; remove one of them")
+    if "retrain" in given and not cfg.retrain.enabled and cfg.retrain.epochs is not None:
+        lines.append(f"retrain.epochs ({cfg.retrain.epochs}) is not used: retrain.enabled is false; set enabled true "
+                     "to retrain on train+validation, or remove epochs")
+    if "lr_range_test" in given and not rt.zoom and "zoom_min_points" in rt.model_fields_set:
+        lines.append("lr_range_test.zoom_min_points is not used: lr_range_test.zoom is false; remove one of them")
+    if "validation" in given and val.every_updates is not None and "every_epochs" in val.model_fields_set:
+        lines.append(f"validation.every_epochs ({val.every_epochs:g}) is not used: validation.every_updates "
+                     f"({val.every_updates}) sets how often to validate; remove one of them")
+    return lines

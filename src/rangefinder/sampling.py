@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from rangefinder.errors import ConfigError
+from rangefinder.errors import ConfigError, RangefinderError
 from rangefinder.formats import checkpoints
 from rangefinder.formats.atomic import atomic_dir, atomic_path, write_text
 from rangefinder.formats.diffusers_folder import save_pipeline_folder
@@ -45,10 +45,14 @@ class GridColumn:
 
 
 def _safetensors_info(path: Path) -> tuple[list[str], dict[str, str]]:
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
-    with safe_open(str(path), framework="pt") as f:
-        return list(f.keys()), dict(f.metadata() or {})
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return list(f.keys()), dict(f.metadata() or {})
+    except (SafetensorError, OSError) as e:
+        raise ConfigError(f"{path} is not a readable .safetensors file ({str(e).splitlines()[0]}): it is damaged, "
+                          "cut short or not a weights file; pass a whole checkpoint") from None
 
 
 def _classify_file(path: Path) -> tuple[ColumnKind, Optional[str]]:
@@ -58,7 +62,12 @@ def _classify_file(path: Path) -> tuple[ColumnKind, Optional[str]]:
     elif path.suffix in (".pt", ".bin", ".ckpt"):
         import torch
 
-        sd = torch.load(str(path), map_location="cpu", weights_only=True)
+        try:
+            sd = torch.load(str(path), map_location="cpu", weights_only=True)
+        except Exception as e:  # torch raises RuntimeError, UnpicklingError, EOFError, ... for a bad file
+            # Only the exception's name: torch's own message for a pickle suggests weights_only=False, never wise.
+            raise ConfigError(f"{path} cannot be read as a PyTorch weights file ({type(e).__name__}); it is "
+                              "damaged, cut short or holds more than tensors; pass a whole checkpoint") from None
         if isinstance(sd, dict) and "state_dict" in sd:
             sd = sd["state_dict"]
         keys, meta = (list(sd) if isinstance(sd, dict) else []), {}
@@ -80,6 +89,25 @@ def _classify_file(path: Path) -> tuple[ColumnKind, Optional[str]]:
         f"{path}: not a checkpoint, LoRA or embedding file rangefinder knows (keys {keys[:3]}...); "
         "pass a diffusers folder or a file written by `rangefinder train`"
     )
+
+
+def _column_family(column: GridColumn) -> Optional[str]:
+    """"sd1" or "sdxl" (models.loading.FAMILY_NAMES) for a column whose family its files tell without loading
+    weights (a diffusers folder, a full fine-tune's unet/); None for the others (adapters and engine checkpoints are
+    checked when loaded)."""
+    from rangefinder.models.loading import detect_family
+
+    if column.kind == "pipeline":
+        return detect_family(column.path)
+    if column.kind == "unet":
+        try:
+            unet = json.loads((column.path / "unet" / "config.json").read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{column.path / 'unet' / 'config.json'} cannot be read ({e}); the checkpoint is "
+                              "damaged: pass a whole one") from None
+        # SDXL's UNet takes the pooled text and image sizes as "text_time" added conditioning; SD 1.x/2.x's none.
+        return "sdxl" if unet.get("addition_embed_type") == "text_time" else "sd1"
+    return None
 
 
 def resolve_column(path: Union[str, Path], label: Optional[str] = None) -> GridColumn:
@@ -359,9 +387,18 @@ def render_grid(
                 f"base model {base} is not a diffusers folder (no model_index.json); adapters and checkpoints "
                 "are applied on top of it, so pass --model DIR with the base model's folder"
             )
+    base_family = _column_family(GridColumn("base", base, "pipeline")) if (base / "model_index.json").is_file() \
+        else None
     for c in columns:  # a damaged checkpoint is refused before any cell is rendered or the old grid touched
         if c.kind == "engine_checkpoint":
             checkpoints.require_intact(c.path)
+        family = _column_family(c)
+        if base_family is not None and family is not None and family != base_family:
+            from rangefinder.models.loading import FAMILY_NAMES
+
+            raise ConfigError(f"column {c.label} ({c.path}) is a {FAMILY_NAMES[family]} model, but the base model "
+                              f"{base} is {FAMILY_NAMES[base_family]}: a grid compares weights of one family; pass "
+                              "--model of its family")
     device = device or _default_device()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -375,7 +412,15 @@ def render_grid(
     paths: list[list[str]] = [[""] * len(columns) for _ in rows]
     size: Optional[int] = None
     for c_index, column in enumerate(columns):
-        pipe = load_column_pipeline(column, base, device=device, dtype=dtype, scheduler=scheduler)
+        try:
+            pipe = load_column_pipeline(column, base, device=device, dtype=dtype, scheduler=scheduler)
+        except RangefinderError:
+            raise
+        except Exception as e:  # diffusers, transformers, peft and safetensors each raise their own for bad weights
+            first = str(e).splitlines()[0][:300] if str(e) else ""
+            raise ConfigError(f"column {column.label} ({column.path}) cannot be loaded on base model {base} "
+                              f"({type(e).__name__}: {first}); it is damaged, or a checkpoint of another model; "
+                              "pass a whole checkpoint of this base model") from None
         res = resolution or pipe.unet.config.sample_size * pipe.vae_scale_factor
         col_dir = out / "images" / f"{c_index:02d}-{_slug(column.label)}"
         for r, (p_index, prompt, seed) in enumerate(rows):

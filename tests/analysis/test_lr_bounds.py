@@ -307,3 +307,31 @@ def test_midpoint_rules():
     assert at["geometric"].lr_mid < at["arithmetic"].lr_mid < at["tuned"].lr_mid
     with pytest.raises(RangefinderError, match="midpoint must be one of"):
         analyze_lr_curve(LINEAR_LR, LINEAR_LOSS, midpoint="harmonic")
+
+
+def test_a_non_finite_row_between_finite_ones_is_left_out_and_counted_not_the_end_of_the_curve():
+    # Issue 36, class 2: an inf at row 5 and a NaN at row 24 of a 60-point sweep. The rows after them were measured:
+    # the reading is that of the curve without those two rows, and the report counts them.
+    lr = lr_sweep(60)
+    y = noisy(U.loss(lr), 0.002, 3)
+    clean = analyze_lr_curve(np.delete(lr, [5, 24]), np.delete(y, [5, 24]), seed=3)
+    y[5], y[24] = np.inf, np.nan
+    b = analyze_lr_curve(lr, y, seed=3)
+    check_bounds(b, U)
+    assert (b.lr_low, b.lr_high, b.lr_mid, b.quality) == (clean.lr_low, clean.lr_high, clean.lr_mid, clean.quality)
+    assert b.points_non_finite == 2 and b.points_dropped == clean.points_dropped + 2
+    assert "diverged" not in b.flags
+    assert any(a.startswith("2 of 61 rows had a NaN or inf") for a in b.advice)
+
+
+def test_rows_out_of_order_are_read_in_lr_order():
+    # Two halves of one sweep joined in the wrong order (a file assembled by hand): the same bounds as in order.
+    lr = lr_sweep(40)
+    y = noisy(U.loss(lr), 0.002, 4)
+    in_order = analyze_lr_curve(lr, y, seed=4)
+    swapped = np.r_[20:lr.size, 0:20]
+    b = analyze_lr_curve(lr[swapped], y[swapped], seed=4)
+    assert b.status == "ok" and b.reordered and not in_order.reordered
+    assert (b.lr_low, b.lr_high, b.lr_mid, b.flags) == (in_order.lr_low, in_order.lr_high, in_order.lr_mid,
+                                                         in_order.flags)
+    assert any("read sorted by lr" in a for a in b.advice)

@@ -64,3 +64,28 @@ def test_bad_input():
         select_step_window([0, 1, 2], [0, 1, 2], [1, 1, 1], tolerance=2)
     with pytest.raises(RangefinderError, match="at least 3"):
         select_step_window([0, 1, 2], [0, 1, 2], [1, np.nan, np.nan])
+
+
+def test_shuffled_rows_and_a_nan_inside_read_like_the_clean_curve():
+    # Issue 36, class 2: rows in a random order, with a NaN at update 100 (epoch 10): the window of the clean curve
+    # without that row, the row counted, no "diverged".
+    shape = ConstantRunShape()
+    y = noisy(shape.loss(EPOCHS), 0.001, 5)
+    clean = select_step_window(np.delete(UPDATES, 20), np.delete(EPOCHS, 20), np.delete(y, 20), seed=5)
+    y[20] = np.nan
+    order = np.random.default_rng(5).permutation(EPOCHS.size)
+    w = select_step_window(UPDATES[order], EPOCHS[order], y[order], seed=5)
+    assert w.status == "ok" and w.reordered and w.points_non_finite == 1 and w.flags == clean.flags
+    assert (w.window_start_update, w.window_end_update, w.recommended_epochs) == (
+        clean.window_start_update, clean.window_end_update, clean.recommended_epochs)
+    assert "diverged" not in w.flags
+
+
+def test_a_long_curve_is_read_as_means_of_consecutive_rows():
+    from rangefinder.analysis.curves import MAX_CURVE_POINTS
+
+    epochs = np.linspace(0, 30, 4 * MAX_CURVE_POINTS + 7)
+    w = select_step_window(epochs * 10, epochs, noisy(ConstantRunShape().loss(epochs), 0.001, 0))
+    assert w.status == "ok" and w.rows_per_point == 5 and w.points_used == epochs.size
+    best, start, end = true_step_window(ConstantRunShape(), 30, 0.02)
+    assert start - 1.5 <= w.recommended_epochs <= end + 1.5

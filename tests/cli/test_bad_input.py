@@ -69,10 +69,18 @@ def test_demo_refuses_a_bad_lr_before_building_anything(lr, tmp_path):
          ["kubernetes.mlflow_tracking_uri", "MLFLOW_TRACKING_USERNAME"]),
         ("model:\n  base_model: https://rf-user:hunter2-pw@models.example/sd15.safetensors\n",
          ["model.base_model", "a user name and password"]),
+        # Issue 36, class 4: YAML 1.1 booleans where a number belongs, and names the API server would refuse.
+        ("training:\n  grad_accum: on\n", ["training.grad_accum", "YAML boolean"]),
+        ("sampling:\n  seeds: [0, no]\n", ["sampling.seeds", "YAML boolean"]),
+        ("kubernetes:\n  mlflow_secret: MLflow_Creds\n", ["kubernetes.mlflow_secret", "RFC 1123 subdomain"]),
+        ("kubernetes:\n  service_account: runner account\n", ["kubernetes.service_account", "RFC 1123"]),
+        ("distributed:\n  namespace: ml.team\n", ["distributed.namespace", "RFC 1123 label"]),
+        ("kubernetes:\n  node_selector:\n    pool: gpu pool\n", ["kubernetes.node_selector", "label value"]),
     ],
     ids=["lr-inf", "lr-nan", "lr-negative", "fixed-lr-inf", "seed-negative", "seed-2**32", "split-seed",
          "sampling-seed-huge", "duplicate-key", "long-list", "uri-credentials", "k8s-uri-credentials",
-         "credentials-in-any-url"],
+         "credentials-in-any-url", "yaml-on-as-number", "yaml-no-in-a-list", "secret-name", "service-account-name",
+         "namespace-with-dot", "label-value-with-space"],
 )
 def test_compile_refuses_a_bad_config_and_writes_nothing(yaml_text, words, tmp_path):
     cfg = tmp_path / "cfg.yaml"
@@ -129,3 +137,122 @@ def test_a_bad_seed_flag_is_one_line(tmp_path, split_dir):
     assert_one_line_error(rangefinder("train", "--data", str(split_dir), "--out", str(tmp_path / "run"),
                                       "--epochs", "1", "--seed", "-3"), "training.seed")
     assert not Path(tmp_path / "run").exists()
+
+
+def test_compile_names_each_pair_of_settings_that_cancel_each_other(tmp_path):
+    # Issue 36, class 3: settings one of which switches the other off get one warning line each; the compile goes on.
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("split:\n  val_dir: /data/val\n  val_split: 0.3\nretrain:\n  epochs: 7\n"
+                   "lr_range_test:\n  zoom: false\n  zoom_min_points: 9\n")
+    proc = rangefinder("compile", "--config", str(cfg), "--out", str(tmp_path / "p.yaml"))
+    assert proc.returncode == 0, proc.stderr
+    warnings = [ln for ln in proc.stderr.splitlines() if ln.startswith("rangefinder: warning: ")]
+    assert len(warnings) == 3, proc.stderr
+    assert "split.val_split (0.3) is not used" in warnings[0]
+    assert "retrain.epochs (7) is not used" in warnings[1]
+    assert "zoom_min_points is not used" in warnings[2]
+
+
+@pytest.mark.parametrize("args,flag", [
+    (["split", "DATA", "--out", "  "], "--out is empty"),
+    (["analyze-lr", ""], "CURVE is empty"),
+    (["train", "--data", "", "--out", "x", "--epochs", "1"], "--data is empty"),
+], ids=["split-out-blank", "analyze-lr-curve-empty", "train-data-empty"])
+def test_an_empty_path_argument_is_refused(args, flag, tmp_path):
+    # Issue 36, class 4: an empty path (an unset shell variable) is the working folder to pathlib.
+    args = [str(tmp_path) if a == "DATA" else a for a in args]
+    assert_one_line_error(rangefinder(*args), flag)
+    assert list(tmp_path.iterdir()) == []
+
+
+# --- issue 36, class 5: one line instead of a traceback, on inputs beside the issue's examples
+
+
+@pytest.mark.parametrize("args,words", [
+    (["make-dataset", "--out", "OUT", "--resolution", "9000"], ["--resolution", "from 8 to 8192"]),
+    (["sample", "--model", "M", "--out", "OUT", "--resolution", "36"], ["--resolution", "multiple of 8", "try 32"]),
+    (["sample", "--model", "M", "--out", "OUT", "--seeds", "0", "-1"], ["--seeds", "from 0 to 4294967295"]),
+    (["analyze-lr", "CURVE", "--seed", "-3"], ["--seed", "from 0 to 4294967295"]),
+    (["select-steps", "CURVE", "--seed", "4294967296"], ["--seed", "from 0 to 4294967295"]),
+], ids=["dataset-resolution-9000", "sample-resolution-36", "sample-seed-negative", "analyze-seed-negative",
+        "select-seed-2**32"])
+def test_an_argument_out_of_its_bounds_is_one_line(args, words, tmp_path):
+    curve = tmp_path / "c.csv"  # a curve the analyses can read: the seed is what is wrong
+    curve.write_text("update,epoch,lr,val_loss\n" + "".join(f"{i},{i / 10},{10 ** (i / 4 - 7)},{0.2 - 0.01 * i}\n"
+                                                         for i in range(12)))
+    args = [str(tmp_path / "out") if a == "OUT" else str(tmp_path / "m") if a == "M" else
+            str(curve) if a == "CURVE" else a for a in args]
+    assert_one_line_error(rangefinder(*args), *words)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.csv"]
+
+
+def test_an_output_folder_under_a_file_and_an_output_file_that_is_a_folder(tmp_path, shapes_dataset_dir):
+    (tmp_path / "taken").write_text("a file where a folder is asked for")
+    assert_one_line_error(rangefinder("split", str(shapes_dataset_dir), "--out", str(tmp_path / "taken" / "split"),
+                                      "--resolution", "32"), "a folder above it, is a file")
+    curve = tmp_path / "c.csv"
+    curve.write_text("update,lr,val_loss\n0,0,0.2\n1,1e-6,0.19\n2,1e-5,0.15\n3,1e-4,0.1\n4,1e-3,0.3\n")
+    assert_one_line_error(rangefinder("analyze-lr", str(curve), "--plot", str(tmp_path)), "is a folder")
+    (tmp_path / "binary.csv").write_bytes(bytes(range(128, 256)))
+    assert_one_line_error(rangefinder("analyze-lr", str(tmp_path / "binary.csv")), "is not a CSV text file")
+
+
+def test_the_cache_folder_on_a_file_is_one_line(tmp_path, split_dir, tiny_model_dir):
+    (tmp_path / "cache").write_text("not a folder")
+    proc = rangefinder("train", "--data", str(split_dir), "--model", str(tiny_model_dir), "--out",
+                       str(tmp_path / "out"), "--steps", "1", env={"RANGEFINDER_CACHE": str(tmp_path / "cache")})
+    assert_one_line_error(proc, "$RANGEFINDER_CACHE", "it is a file")
+
+
+def test_a_cut_or_foreign_column_in_sample_is_one_line(tmp_path, tiny_model_dir, tiny_sdxl_dir):
+    weights = next((tiny_model_dir / "unet").glob("*.safetensors")).read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(weights[: len(weights) // 3])
+    out = tmp_path / "grid"
+    assert_one_line_error(rangefinder("sample", "--model", str(tiny_model_dir), "--checkpoints",
+                                      str(tmp_path / "cut.safetensors"), "--out", str(out), "--steps", "1"),
+                          "cut.safetensors", "damaged")
+    assert_one_line_error(rangefinder("sample", "--model", str(tiny_sdxl_dir), "--checkpoints", str(tiny_model_dir),
+                                      "--out", str(out), "--steps", "1"),
+                          "is a Stable Diffusion 1.x/2.x model", "is Stable Diffusion XL")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("header", [
+    '{"kind": "spool", "version": 1, "tracking_uri": "http://127.0.0.1:1", "run_id": 42}',
+    '{"kind": "spool", "version": 1, "run_id": "abc"}',
+], ids=["run-id-a-number", "no-tracking-uri"])
+def test_relog_of_a_spool_with_a_damaged_header_is_one_line(header, tmp_path):
+    spool = tmp_path / "step.jsonl"
+    spool.write_text(header + '\n{"kind": "tags", "run_id": "abc", "tags": {"a": "b"}}\n')
+    assert_one_line_error(rangefinder("relog", str(spool)), "damaged header line")
+    assert spool.is_file()
+
+
+# --- issue 36, class 8: first-run traps
+
+
+def test_split_reads_the_resolution_a_made_dataset_has_and_names_the_fix_for_small_images(tmp_path):
+    from PIL import Image
+
+    from rangefinder.data.synthetic import make_synthetic_dataset
+
+    make_synthetic_dataset(tmp_path / "made", kind="stripes", count=6, seed=3, resolution=48)
+    proc = rangefinder("split", str(tmp_path / "made"), "--out", str(tmp_path / "split"), "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert '"resolution": 48' in proc.stdout
+    # A folder made by hand at 40 px, at the default 512 px: the error names both settings that fix it.
+    (tmp_path / "own").mkdir()
+    for i in range(4):
+        Image.new("RGB", (40, 40), (60 * i, 90, 120)).save(tmp_path / "own" / f"{i}.png")
+        (tmp_path / "own" / f"{i}.txt").write_text(f"a teal tile {i}")
+    assert_one_line_error(rangefinder("split", str(tmp_path / "own"), "--out", str(tmp_path / "split2")),
+                          "4 are too small", "--resolution", "--min-image-size")
+
+
+def test_make_base_model_takes_a_family(tmp_path, tiny_sdxl_dir):
+    import json
+
+    proc = rangefinder("make-base-model", "--family", "sdxl", "--out", str(tmp_path / "m"), "--json", timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["family"] == "sdxl"
+    assert json.loads((tmp_path / "m" / "model_index.json").read_text())["_class_name"] == "StableDiffusionXLPipeline"

@@ -17,8 +17,9 @@ def _config(tmp_path, sections: dict):
 
 
 def _warning(stderr: str, command: str) -> str:
-    (line,) = [ln for ln in stderr.splitlines() if ln.startswith(f"rangefinder {command}: warning: ")]
-    return line.removeprefix(f"rangefinder {command}: warning: ignored by `rangefinder {command}`: ")
+    prefix = f"rangefinder: warning: ignored by `rangefinder {command}`: "
+    (line,) = [ln for ln in stderr.splitlines() if ln.startswith(prefix)]
+    return line.removeprefix(prefix)
 
 
 def _named(said: str) -> list[str]:

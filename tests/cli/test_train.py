@@ -98,3 +98,18 @@ def test_processes_per_node_trains_on_that_many_processes_as_the_pipeline_does(s
     one, two = runs[1], runs[2]
     assert len(one) == len(two) == 3 and one[1:] != one[:-1]  # the curve moves
     assert two == pytest.approx(one, rel=1e-4)
+
+
+def test_the_plans_warnings_and_cancelling_settings_are_printed(split_dir, tiny_model_dir, tmp_path, capsys):
+    # Issue 36, class 3: 16 training images at batch 4 x grad_accum 5 = 20 per update; the planner's warning was only
+    # in run_summary.json. validation.every_epochs beside every_updates: one line saying which is not used.
+    config = tmp_path / "rf.yaml"
+    config.write_text(yaml.safe_dump({"training": {"cache_dir": str(tmp_path / "cache"), "lr": 1e-4},
+                                      "validation": {"every_epochs": 2, "every_updates": 1}}))
+    rc = main(["train", "--data", str(split_dir), "--model", str(tiny_model_dir), "--out", str(tmp_path / "out"),
+               "--config", str(config), "--steps", "1", "--batch-size", "4", "--grad-accum", "5", "--json"])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    warnings = [ln for ln in err.splitlines() if ln.startswith("rangefinder: warning: ")]
+    assert any("effective batch 20 is larger than the 16 training images" in w for w in warnings), err
+    assert any("validation.every_epochs (2) is not used" in w for w in warnings), err

@@ -33,7 +33,7 @@ def messy_dir(tmp_path):
     (d / "emptycaption.txt").write_text("  \n\t")
     Image.new("RGB", (4, 4)).save(d / "tiny.png")
     (d / "tiny.txt").write_text("a tiny image")
-    (d / "notes.txt").write_text("not a caption of anything")  # ignored: no image of that stem
+    (d / "notes.txt").write_text("not a caption of anything")  # no image of that stem: reported, not used
     return d
 
 
@@ -41,7 +41,9 @@ def test_every_bad_item_is_reported_by_name_and_the_rest_used(messy_dir):
     result = validate_dataset(messy_dir, min_image_size=16, min_images=2)
     assert [it.file_name for it in result.items] == [f"good{i:02d}.png" for i in range(5)]
     reasons = {s.file_name: s.reason for s in result.skipped}
-    assert set(reasons) == {"corrupt.png", "truncated.png", "nocaption.png", "emptycaption.png", "tiny.png"}
+    assert set(reasons) == {"corrupt.png", "truncated.png", "nocaption.png", "emptycaption.png", "tiny.png",
+                            "notes.txt"}
+    assert reasons["notes.txt"].startswith("not used: a caption file with no image")
     assert reasons["corrupt.png"].startswith("unreadable image")
     assert reasons["truncated.png"].startswith("truncated or corrupt image")
     assert reasons["nocaption.png"].startswith("missing caption")
@@ -155,3 +157,31 @@ def test_symbolic_links_are_followed_once_and_loops_and_broken_links_listed(tmp_
     assert reasons["again"].startswith(f"symbolic link to {data / 'sub'}, a folder already included")
     assert reasons["dangling.png"] == f"broken symbolic link (points to {data / 'gone.png'}, which does not exist)"
     assert len(result.skipped) == 3
+
+
+def test_captions_of_control_or_invisible_characters_are_empty_and_every_unused_file_is_reported(tmp_path):
+    # Issue 36, class 4: a caption of escape and tab characters, or of zero-width spaces, carries no words: refused
+    # like an empty one. A TIFF and an animated WebP with captions, and a stray file, each get a line.
+    d = tmp_path / "data"
+    d.mkdir()
+    _good(d, 3)
+    shutil.copy(d / "good00.png", d / "escapes.png")
+    (d / "escapes.txt").write_text("\x1b\x07\t\x7f\n", encoding="utf-8")
+    shutil.copy(d / "good00.png", d / "zerowidth.png")
+    (d / "zerowidth.txt").write_text("\u200b \u2060\u200b", encoding="utf-8")
+    shutil.copy(d / "good00.png", d / "bell.png")
+    (d / "bell.txt").write_text("a red\x07 circle", encoding="utf-8")
+    Image.new("RGB", (32, 32)).save(d / "scan.tiff")
+    (d / "scan.txt").write_text("a scanned photo")
+    frames = [Image.new("RGB", (32, 32), (c, 0, 0)) for c in (0, 120, 240)]
+    frames[0].save(d / "moving.webp", save_all=True, append_images=frames[1:], duration=100)
+    (d / "moving.txt").write_text("a moving picture")
+    (d / "README.md").write_text("where the images came from")
+    result = validate_dataset(d)
+    reasons = {s.file_name: s.reason for s in result.skipped}
+    assert reasons["escapes.png"].startswith("empty caption") and reasons["zerowidth.png"].startswith("empty caption")
+    assert reasons["scan.tiff"].startswith("not used: .tiff is not an image format")
+    assert reasons["scan.txt"].startswith("not used: a caption file with no image")
+    assert reasons["moving.webp"].startswith("animated (3 frames)")
+    assert reasons["README.md"].startswith("not used: .md")
+    assert {it.file_name: it.text for it in result.items}["bell.png"] == "a red circle"

@@ -61,3 +61,20 @@ def test_plain_lines_come_at_most_every_interval():
         "rangefinder:   train (exp-ramp): 1/24 (loss=0.2212, lr=1.33e-05), eta 00:05",
         "rangefinder:   train (exp-ramp): 12/24 (loss=0.2101, lr=0.000316), eta 00:01",
         "rangefinder:   train (exp-ramp): 24/24 (loss=0.1688, lr=0.01)"]
+
+
+def test_a_steps_warning_is_shown_once_under_its_step():
+    # Issue 36, class 3: the training plan's warnings reach the terminal of a local run, once per step even when
+    # several processes print them.
+    warning = "effective batch 24 is larger than the 16 training images: each update sees some images twice"
+    log = (f"23:29:05.604 - INFO - Executing task {C}'finetune-2'{E}\n"
+           f"    rangefinder: warning: {warning}\n"
+           f"    WARNING:rangefinder.training.loop:rangefinder: warning: {warning}\n"
+           f"23:29:25.933 - INFO - Task {C}'finetune-2'{E} finished with status \x1b[92mSUCCESS{E}\n")
+    terminal = io.StringIO()
+    progress = StepProgress(io.StringIO(), terminal)
+    progress.write(log)
+    progress.close()
+    lines = terminal.getvalue().splitlines()
+    assert lines[:2] == ["rangefinder: finetune started", f"rangefinder:   finetune: warning: {warning}"]
+    assert len(lines) == 3

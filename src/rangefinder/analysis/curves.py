@@ -51,26 +51,38 @@ def read_curve_csv(path: str | Path, required: Sequence[str] = ("val_loss",),
     p = Path(path)
     if not p.is_file():
         raise RangefinderError(f"curve file {p} does not exist; pass the metrics.csv a training run wrote")
+    try:
+        return _read_csv(p, required, skip_empty)
+    except (UnicodeDecodeError, csv.Error) as e:
+        raise RangefinderError(f"curve file {p} is not a CSV text file ({type(e).__name__}: {e}); pass the "
+                               "metrics.csv a training run wrote") from None
+
+
+def _read_csv(p: Path, required: Sequence[str], skip_empty: Sequence[str]) -> dict[str, np.ndarray]:
     with p.open(newline="", encoding="utf-8") as f:
         reader = csv.reader(f)
         header = next(reader, None)
-        rows = [(i, r) for i, r in enumerate(reader, start=2) if any(c.strip() for c in r)]
-    if not header or not any(h.strip() for h in header):
-        raise RangefinderError(f"curve file {p} is empty; it needs a header row such as update,epoch,lr,val_loss")
-    header = [h.strip() for h in header]
-    cells: dict[str, list[str]] = {h: [] for h in header}
-    kept_lines: list[int] = []  # the line number of each kept row, for error messages
-    for lineno, row in rows:
-        if len(row) != len(header):
+        if not header or not any(h.strip() for h in header):
             raise RangefinderError(
-                f"{p} line {lineno} has {len(row)} cells but the header has {len(header)}; "
-                "the file is cut or not a curve CSV"
-            )
-        if any(not row[header.index(c)].strip() for c in skip_empty if c in header):
-            continue
-        kept_lines.append(lineno)
-        for h, c in zip(header, row, strict=True):
-            cells[h].append(c.strip())
+                f"curve file {p} is empty; it needs a header row such as update,epoch,lr,val_loss")
+        header = [h.strip() for h in header]
+        cells: dict[str, list[str]] = {h: [] for h in header}
+        kept_lines: list[int] = []  # the line number of each kept row, for error messages
+        skip_at = [header.index(c) for c in skip_empty if c in header]
+        # Row by row into the columns: a long file is held once, as its cells, not also as its rows.
+        for lineno, row in enumerate(reader, start=2):
+            if not any(c.strip() for c in row):
+                continue
+            if len(row) != len(header):
+                raise RangefinderError(
+                    f"{p} line {lineno} has {len(row)} cells but the header has {len(header)}; "
+                    "the file is cut or not a curve CSV"
+                )
+            if any(not row[i].strip() for i in skip_at):
+                continue
+            kept_lines.append(lineno)
+            for h, c in zip(header, row, strict=True):
+                cells[h].append(c.strip())
     missing = [c for c in required if c not in cells]
     if missing:
         raise RangefinderError(
@@ -99,6 +111,84 @@ def _is_float(c: str) -> bool:
         return True
     except ValueError:
         return False
+
+
+# The most points an analysis reads. The smoother, its cross-validated span, the permutation test and the bootstrap
+# each hold n x n weights and kernels: 500 points take ~3 s on one core and 4 MB per matrix, 1000 take ~16 s, and a
+# 2,000,000-row file would need 32 TB per matrix. A longer curve is read as the means of consecutive rows
+# (`bin_means`); every curve the engine writes at the shipped settings (tens to a few hundred validations) is
+# shorter and read row by row, as before.
+MAX_CURVE_POINTS = 500
+
+
+@dataclass(frozen=True)
+class RowOrder:
+    """Which rows of a curve an analysis reads, and in which order (`order_rows`)."""
+
+    index: np.ndarray  # rows in axis order: those with a finite value, then the non-finite run at the end
+    non_finite: int  # rows left out for a NaN/inf between finite rows, or a NaN/inf on the axis itself
+    reordered: bool  # the rows were not in increasing axis order as given
+
+
+def order_rows(axis: np.ndarray, y: np.ndarray) -> RowOrder:
+    """The rows to read, sorted by `axis` (stable: ties keep their order).
+
+    A NaN or inf value with finite values after it (in axis order) is a failed measurement, not the end of the
+    curve: the rows after it were measured, so it is left out and counted, and the rest is read. A non-finite run
+    at the end stays: it is where the loss blew up (`finite_prefix` and the analyses' "diverged"). A row whose axis
+    value is not finite cannot be placed and is left out and counted too.
+    """
+    placed = np.isfinite(axis)
+    idx = np.flatnonzero(placed)
+    reordered = bool(np.any(np.diff(axis[idx]) < 0))
+    idx = idx[np.argsort(axis[idx], kind="stable")]
+    finite = np.isfinite(y[idx])
+    measured = np.flatnonzero(finite)
+    end = int(measured[-1]) + 1 if measured.size else 0
+    keep = np.concatenate([idx[:end][finite[:end]], idx[end:]])
+    return RowOrder(index=keep, non_finite=int(axis.size - keep.size), reordered=reordered)
+
+
+def bin_means(max_points: int, *arrays: np.ndarray) -> tuple[int, list[np.ndarray]]:
+    """(rows per point, arrays) with each array cut into consecutive bins of k rows, k the smallest that leaves
+    at most `max_points` bins, and each bin replaced by its mean (NaNs ignored; all-NaN bins stay NaN). k = 1
+    returns the arrays as they are."""
+    n = arrays[0].size
+    k = max(1, math.ceil(n / max_points))
+    if k == 1:
+        return 1, list(arrays)
+    m = math.ceil(n / k)
+    out = []
+    for a in arrays:
+        padded = np.full(m * k, np.nan)
+        padded[:n] = a
+        bins = padded.reshape(m, k)
+        counts = np.sum(np.isfinite(bins), axis=1)
+        sums = np.nansum(bins, axis=1)
+        out.append(np.where(counts > 0, sums / np.maximum(counts, 1), np.nan))
+    return k, out
+
+
+def reading_notes(rows: RowOrder, n_rows: int, rows_per_point: int, axis_name: str) -> list[str]:
+    """Advice lines for what an analysis did to the rows before reading them (none when it read them as given)."""
+    notes = []
+    if rows.non_finite:
+        notes.append(
+            f"{rows.non_finite} of {n_rows} rows had a NaN or inf {axis_name} or val_loss between finite rows and "
+            "were left out (a failed measurement: the rows after them were measured); check how the file was "
+            "written if that is unexpected."
+        )
+    if rows.reordered:
+        notes.append(
+            f"The rows were not in increasing {axis_name} order; they were read sorted by {axis_name}. Check that "
+            "the file holds one run (two files joined end to end interleave)."
+        )
+    if rows_per_point > 1:
+        notes.append(
+            f"The curve has more than {MAX_CURVE_POINTS} points; it was read as the means of {rows_per_point} "
+            "consecutive rows each (the analysis' cost grows with the square of the points)."
+        )
+    return notes
 
 
 def finite_prefix(*arrays: np.ndarray) -> int:

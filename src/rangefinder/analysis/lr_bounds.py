@@ -7,7 +7,8 @@ one number, the steepest slope or the minimum / 10, on a one-sided EMA of the tr
 noise-sensitive (the steepest point of a noisy curve is mostly the noisiest point) and the EMA lags, shifting
 the curve to higher LRs. This module instead:
 
-1. keeps the points up to the first non-finite one, and cuts a tail that has exploded (each point above
+1. reads the rows in LR order, leaves out (and counts) a NaN/inf between finite rows, keeps the points up to a
+   non-finite run at the end, and cuts a tail that has exploded (each point above
    `divergence_factor` x the best before it); when the curve dips and then climbs back above where it started,
    the bounds are read on the part up to that point if a descent is found there (`curves.rise_cut`: a rise many
    times the size of the descent otherwise drowns a small, clean descent in the permutation test);
@@ -39,7 +40,9 @@ from typing import Any, Literal, Optional
 import numpy as np
 
 from rangefinder.analysis.curves import (
+    MAX_CURVE_POINTS,
     Ramp,
+    bin_means,
     choose_span,
     crossing,
     divergence_cut,
@@ -48,6 +51,8 @@ from rangefinder.analysis.curves import (
     infer_ramp,
     lowess,
     noise_sigma,
+    order_rows,
+    reading_notes,
     rise_cut,
     trend_test,
 )
@@ -161,6 +166,10 @@ class LRBounds:
     mid_position: float = MID_POSITION  # where the "tuned" midpoint lies between the bounds (0: lr_low, 1: lr_high)
     midpoint: Midpoint = MIDPOINT  # the rule lr_mid follows (defaults.MIDPOINT_RULES)
     midpoints: Optional[dict[str, float]] = None  # lr_mid under each rule, for comparison
+    points_non_finite: int = 0  # rows left out for a NaN/inf between finite rows (counted in points_dropped too)
+    reordered: bool = False  # the rows were not in LR order and were read sorted
+    rows_per_point: int = 1  # > 1: a long curve read as means of this many consecutive rows (MAX_CURVE_POINTS)
+    reading: list[str] = field(default_factory=list)  # what was done to the rows before reading (also in advice)
     fit: Optional[LRCurveFit] = field(default=None, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
@@ -273,7 +282,7 @@ def analyze_lr_curve(
     midpoint: Midpoint = MIDPOINT,
     _turns_up_after: bool = False,
 ) -> LRBounds:
-    """Read LR bounds off a range-test curve: one (lr, val_loss) per validation, in run order.
+    """Read LR bounds off a range-test curve: one (lr, val_loss) per validation, read in LR order.
 
     `ramp` is `exp` or `linear` (None: inferred from the LR spacing). A baseline at lr 0 is used as the start.
     `rise_cut_points` None reads the whole curve even when it climbs back above its start (step 1).
@@ -305,14 +314,33 @@ def analyze_lr_curve(
     if midpoint not in MIDPOINT_RULES:
         raise RangefinderError(f"midpoint must be one of {', '.join(MIDPOINT_RULES)} (got {midpoint!r})")
 
-    # --- 1. cut at the first non-finite point and at an explosion
+    # --- 0. the rows in LR order, without the NaN/inf ones that finite rows follow
+    rows = order_rows(lr_all, y_all)
+    n_rows = lr_all.size
+    lr_all, y_all = lr_all[rows.index], y_all[rows.index]
+    stab_all = None if stab_all is None else stab_all[rows.index]
+    bounds = _read_curve(lr_all, y_all, stab_all, ramp=ramp, seed=seed, divergence_factor=divergence_factor,
+                         bootstrap=bootstrap, rise_cut_points=rise_cut_points, mid_position=mid_position,
+                         midpoint=midpoint, _turns_up_after=_turns_up_after)
+    bounds.points_dropped = int(n_rows - bounds.points_used)
+    bounds.points_non_finite, bounds.reordered = rows.non_finite, rows.reordered
+    bounds.reading = reading_notes(rows, n_rows, bounds.rows_per_point, "lr")
+    bounds.advice = bounds.advice + bounds.reading
+    return bounds
+
+
+def _read_curve(lr_all: np.ndarray, y_all: np.ndarray, stab_all: Optional[np.ndarray], *, ramp: Ramp, seed: int,
+                divergence_factor: Optional[float], bootstrap: int, rise_cut_points: Optional[int],
+                mid_position: float, midpoint: Midpoint, _turns_up_after: bool) -> LRBounds:
+    """Steps 1-5 on rows in LR order (NaN/inf ones only as a run at the end)."""
+    # --- 1. cut at the non-finite run at the end and at an explosion
     n_ok = finite_prefix(lr_all, y_all)
     n_ok = divergence_cut(y_all[:n_ok], divergence_factor) if divergence_factor else n_ok
     n_rise = rise_cut(y_all[:n_ok], rise_cut_points) if rise_cut_points else n_ok
     if n_rise < n_ok:
-        head = analyze_lr_curve(lr_all[:n_rise], y_all[:n_rise], ramp=ramp, seed=seed, divergence_factor=None,
-                                bootstrap=bootstrap, rise_cut_points=None, mid_position=mid_position,
-                                midpoint=midpoint, _turns_up_after=True)
+        head = _read_curve(lr_all[:n_rise], y_all[:n_rise], None, ramp=ramp, seed=seed, divergence_factor=None,
+                           bootstrap=bootstrap, rise_cut_points=None, mid_position=mid_position,
+                           midpoint=midpoint, _turns_up_after=True)
         if head.status == "ok":
             return _with_tail(head, lr_all, y_all, stab_all, n_rise, exploded=n_ok < lr_all.size)
     lr_u, y = lr_all[:n_ok], y_all[:n_ok]
@@ -329,11 +357,16 @@ def analyze_lr_curve(
     fit_dropped_lr, fit_dropped_y = lr_all[n_ok:], y_all[n_ok:]
 
     x = _axis(lr_u, ramp)
+    n_used = x.size
+    rows_per_point, (x, y) = bin_means(MAX_CURVE_POINTS, x, y)
+    if rows_per_point > 1:
+        lr_u = np.exp(x) if ramp == "exp" else x
     n = x.size
     flags: list[str] = ["diverged"] if dropped else []
     base: dict[str, Any] = dict(
-        ramp=ramp, flags=flags, points_used=n, points_dropped=int(lr_all.size - n), span=n, degree=1, p_descent=1.0,
-        lr_steepest=None, lr_min_div10=None, lr_at_min=None, mid_position=mid_position, midpoint=midpoint,
+        ramp=ramp, flags=flags, points_used=n_used, points_dropped=int(lr_all.size - n_used), span=n, degree=1,
+        p_descent=1.0, lr_steepest=None, lr_min_div10=None, lr_at_min=None, mid_position=mid_position,
+        midpoint=midpoint, rows_per_point=rows_per_point,
     )
     if n < 3 or np.ptp(x) <= 0:
         return _not_ok("diverged" if dropped else "no_descent", base, snr=0.0, sigma=math.nan, drop=0.0,

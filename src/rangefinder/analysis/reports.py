@@ -12,6 +12,7 @@ import html
 import json
 import re
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -182,11 +183,11 @@ def _source_line(curve: Optional[dict], source: Optional[str]) -> Optional[str]:
 
 
 def write_lr_report(bounds: LRBounds, curve: Optional[dict], out_dir: str | Path, *,
-                    source: Optional[str] = None) -> dict[str, Path]:
+                    source: Optional[str] = None, plan_warnings: Sequence[str] = ()) -> dict[str, Path]:
     """Write lr_range_test.png, lr_report.html (self-contained), lr_report.md and lr_bounds.json into out_dir.
 
     `curve` is the dict from read_curve_csv (or None): its rows are counted in the report; `source` names the
-    curve file.
+    curve file; `plan_warnings`: the training plan's warnings (planning.plan), one note each.
     Returns {"plot", "html", "markdown", "json"} -> paths.
     """
     out = Path(out_dir)
@@ -215,8 +216,14 @@ def write_lr_report(bounds: LRBounds, curve: Optional[dict], out_dir: str | Path
     ]
     notes: list[tuple[str, str]] = [(bounds.status, LR_STATUS_ADVICE[bounds.status])]
     notes += [(f, LR_FLAG_ADVICE[f]) for f in bounds.flags]
+    notes += _reading_notes(bounds.reading, plan_warnings)
     return _write_report(out, "lr_report", "lr_bounds.json", "LR range test", bounds.status, lead, png, rows, notes,
                          _source_line(curve, source), bounds.to_dict())
+
+
+def _reading_notes(reading: Sequence[str], plan_warnings: Sequence[str]) -> list[tuple[str, str]]:
+    """Notes for the rows the analysis did not read as given, and for the training plan's warnings."""
+    return [("rows read", r) for r in reading] + [("training plan", w) for w in plan_warnings]
 
 
 def _midpoint_rows(bounds: LRBounds) -> list[tuple[str, Any, str]]:
@@ -234,7 +241,7 @@ def _midpoint_rows(bounds: LRBounds) -> list[tuple[str, Any, str]]:
 
 def write_step_report(window: StepWindow, curve: Optional[dict], out_dir: str | Path, *,
                       source: Optional[str] = None, samples: Optional[SampleStrip] = None,
-                      halving: Optional[HalvingDecision] = None) -> dict[str, Path]:
+                      halving: Optional[HalvingDecision] = None, plan_warnings: Sequence[str] = ()) -> dict[str, Path]:
     """Write step_window.png, step_report.html (self-contained), step_report.md and step_window.json into out_dir.
 
     `curve` and `source` as for write_lr_report; `samples`: the run's samples over training, shown under the plot;
@@ -266,6 +273,7 @@ def write_step_report(window: StepWindow, curve: Optional[dict], out_dir: str | 
     rows += _bucket_rows(curve, window.best_update)
     notes: list[tuple[str, str]] = [(window.status, STEP_STATUS_ADVICE[window.status])]
     notes += [(f, STEP_FLAG_ADVICE[f]) for f in window.flags]
+    notes += _reading_notes(window.reading, plan_warnings)
     if halving is not None:
         rows += _halving_rows(halving)
         notes.append(("successive halving", HALVING_NOTE.format(kept=halving.kept, pause=halving.pause_update)))

@@ -19,12 +19,16 @@ from typing import Any, Literal, Optional
 import numpy as np
 
 from rangefinder.analysis.curves import (
+    MAX_CURVE_POINTS,
+    bin_means,
     choose_span,
     divergence_cut,
     end_slope,
     finite_prefix,
     lowess,
     noise_sigma,
+    order_rows,
+    reading_notes,
     trend_test,
 )
 from rangefinder.analysis.lr_bounds import PERMUTATIONS, SIGNIFICANCE, _jsonable
@@ -95,6 +99,10 @@ class StepWindow:
     points_dropped: int
     span: int
     advice: list[str]
+    points_non_finite: int = 0  # rows left out for a NaN/inf between finite rows (counted in points_dropped too)
+    reordered: bool = False  # the rows were not in update order and were read sorted
+    rows_per_point: int = 1  # > 1: a long curve read as means of this many consecutive rows (MAX_CURVE_POINTS)
+    reading: list[str] = field(default_factory=list)  # what was done to the rows before reading (also in advice)
     fit: Optional[StepCurveFit] = field(default=None, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
@@ -114,7 +122,7 @@ def select_step_window(
 ) -> StepWindow:
     """Find where a constant-LR run's smoothed validation loss is within `tolerance` of its minimum.
 
-    One (update, epoch, val_loss) per validation in run order; `epoch` may be None or NaN where unknown (it is
+    One (update, epoch, val_loss) per validation, read in update order; `epoch` may be None or NaN where unknown (it is
     then interpolated from the rows that have it, or left out). Raises RangefinderError for mismatched lengths,
     a tolerance outside (0, 1) or fewer than 3 finite losses.
     """
@@ -141,6 +149,22 @@ def select_step_window(
         if not np.any(np.isfinite(s_all)):
             s_all = None
 
+    # The rows in update order, without the NaN/inf ones that finite rows follow (curves.order_rows).
+    rows = order_rows(u_all, y_all)
+    n_rows = u_all.size
+    u_all, y_all, e_all = u_all[rows.index], y_all[rows.index], e_all[rows.index]
+    s_all = None if s_all is None else s_all[rows.index]
+    window = _select(u_all, e_all, y_all, s_all, tolerance=tolerance, seed=seed, divergence_factor=divergence_factor)
+    window.points_dropped = int(n_rows - window.points_used)
+    window.points_non_finite, window.reordered = rows.non_finite, rows.reordered
+    window.reading = reading_notes(rows, n_rows, window.rows_per_point, "update")
+    window.advice = window.advice + window.reading
+    return window
+
+
+def _select(u_all: np.ndarray, e_all: np.ndarray, y_all: np.ndarray, s_all: Optional[np.ndarray], *,
+            tolerance: float, seed: int, divergence_factor: Optional[float]) -> StepWindow:
+    """The window on rows in update order (NaN/inf ones only as a run at the end)."""
     # Epochs where missing: interpolate from the rows that have them (epochs grow linearly with updates).
     known = np.isfinite(e_all) & np.isfinite(u_all)
     if known.sum() >= 2:
@@ -152,9 +176,15 @@ def select_step_window(
     flags: list[str] = ["diverged"] if n_ok < u_all.size else []
     u, y, e = u_all[:n_ok], y_all[:n_ok], e_all[:n_ok]
     s = None if s_all is None else s_all[:n_ok]
+    n_used = u.size
+    binned = [u, e, y] + ([] if s is None else [s])
+    rows_per_point, binned = bin_means(MAX_CURVE_POINTS, *binned)
+    u, e, y = binned[:3]
+    s = binned[3] if s is not None else None
     n = u.size
     fit = StepCurveFit(u, e, y, y.copy(), s, None, u_all[n_ok:], y_all[n_ok:])
-    common: dict[str, Any] = dict(tolerance=tolerance, points_used=n, points_dropped=int(u_all.size - n), fit=fit)
+    common: dict[str, Any] = dict(tolerance=tolerance, points_used=n_used, points_dropped=int(u_all.size - n_used),
+                                  rows_per_point=rows_per_point, fit=fit)
     if n < 3 or np.ptp(u) <= 0:
         return _no_improvement(flags, common, sigma=math.nan, p=1.0, span=n)
 

@@ -11,12 +11,12 @@ command reads it, and a config written out whole (`model_dump`) sets every field
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pydantic import BaseModel
 
+from rangefinder.cli.output import warn
 from rangefinder.config import RangefinderConfig
 
 
@@ -107,8 +107,8 @@ def ignored_by_train(cfg: RangefinderConfig) -> list[tuple[list[str], str]]:
 
 
 def warn_ignored(command: str, ignored: list[tuple[list[str], str]]) -> None:
-    """One line on stderr: `rangefinder run: warning: ignored by `rangefinder run`: training.lr, ... (why); ...`."""
+    """One line on stderr, as every warning: `rangefinder: warning: ignored by `rangefinder run`: training.lr, ...
+    (why); ...`."""
     if ignored:
         said = "; ".join(f"{', '.join(names)} ({why})" for names, why in ignored)
-        print(f"rangefinder {command}: warning: ignored by `rangefinder {command}`: {said}", file=sys.stderr,
-              flush=True)
+        warn([f"ignored by `rangefinder {command}`: {said}"])

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 from typing import Optional
 
+from rangefinder.cli.args import OneLineParser
 from rangefinder.cli.output import print_table
 from rangefinder.errors import RangefinderError
 
@@ -40,7 +41,7 @@ COMMANDS = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="rangefinder",
         description="Fine-tune Stable Diffusion with the learning rate and training length found by measurement.",
     )
@@ -50,13 +51,41 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Arguments that name a file or folder (argparse dests). An empty one ("" from an unset shell variable) would mean
+# the working folder to pathlib: `split --out ""` wrote the split there.
+PATH_ARGS = ("out", "config", "data", "data_dir", "model", "curve", "plot", "report", "cache_dir", "tokenizer",
+             "checkpoints", "spools", "prompts")
+
+
+def _refuse_empty_paths(args: argparse.Namespace) -> None:
+    """RangefinderError for a path argument that is empty or blank, or any argument holding a NUL character."""
+    for dest, value in vars(args).items():
+        values = value if isinstance(value, list) else [value]
+        flag = f"--{dest.replace('_', '-')}" if dest not in ("data_dir", "curve", "spools") else dest.upper()
+        for v in values:
+            if not isinstance(v, str):
+                continue
+            if "\0" in v:
+                raise RangefinderError(f"{flag} holds a NUL character, which no path or setting can; retype it")
+            if dest in PATH_ARGS and not v.strip():
+                raise RangefinderError(f"{flag} is empty; give a path (an unset shell variable gives an empty "
+                                       "argument)")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        _refuse_empty_paths(args)
         result = args.func(args)
     except RangefinderError as e:
         print(f"rangefinder {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except (FileExistsError, NotADirectoryError, IsADirectoryError) as e:
+        # A path given where a folder is meant names a file, or the other way round: the checks at the edge
+        # (formats.atomic.usable_folder) catch the known ones; this says any other in one line too.
+        print(f"rangefinder {args.command}: error: {e.filename}: {(e.strerror or str(e)).lower()}; pass a folder "
+              "where a folder is meant and a file where a file is meant", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"rangefinder {args.command}: interrupted", file=sys.stderr)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import unicodedata
 import zlib
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -21,6 +22,7 @@ from typing import Optional
 from rangefinder.errors import DataError
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp")
+CAPTION_EXTENSION = ".txt"
 METADATA_FILE = "metadata.jsonl"
 
 
@@ -121,12 +123,14 @@ def _read_metadata(root: Path) -> tuple[dict[str, str], list[tuple[str, str]]]:
     return captions, problems
 
 
-def _walk_images(root: Path, exclude: Optional[Path], problems: list[tuple[str, str]]) -> list[PurePosixPath]:
+def _walk_images(root: Path, exclude: Optional[Path], problems: list[tuple[str, str]],
+                 texts: list[PurePosixPath]) -> list[PurePosixPath]:
     """Image files under `root`, following symbolic links to folders once each; never recursing forever.
 
     Real folders are walked first, links to folders after, so a folder reached both ways is listed under its real
     path. A link to a folder already walked (a loop back to an ancestor, or a second way to the same folder) and a
-    broken link to an image are listed in `problems`, not silently left out. `os.scandir`, not `Path.rglob`: one
+    broken link to an image are listed in `problems`, not silently left out, and so is every other file that is not
+    an image, a caption (collected in `texts`) or the dataset's metadata.jsonl. `os.scandir`, not `Path.rglob`: one
     stat per entry, which matters at 100,000 images.
     """
     images: list[PurePosixPath] = []
@@ -158,8 +162,16 @@ def _walk_images(root: Path, exclude: Optional[Path], problems: list[tuple[str, 
                 else:
                     walk(entry.path, child)
             elif is_file:
-                if os.path.splitext(entry.name)[1].lower() in IMAGE_EXTENSIONS:
+                ext = os.path.splitext(entry.name)[1].lower()
+                if ext in IMAGE_EXTENSIONS:
                     images.append(child)
+                elif ext == CAPTION_EXTENSION:
+                    texts.append(child)
+                elif not (str(rel) == "." and entry.name == METADATA_FILE):
+                    # Every file not used gets a line: a GIF with a caption beside it was left out without a word.
+                    problems.append((str(child), f"not used: {ext or 'a file without an extension'} is not an image "
+                                                 f"format rangefinder trains on ({', '.join(IMAGE_EXTENSIONS)}); "
+                                                 "convert it (one frame of an animation) or move it out"))
             elif entry.is_symlink() and os.path.splitext(entry.name)[1].lower() in IMAGE_EXTENSIONS:
                 target = os.readlink(entry.path)
                 problems.append((str(child), f"broken symbolic link (points to {target}, which does not exist)"))
@@ -193,8 +205,12 @@ def scan_dataset(root: str | Path, exclude: Optional[Path] = None) -> Scan:
         raise DataError(f"dataset folder {root} does not exist or is not a folder; pass the folder holding the images")
     exclude = exclude.resolve() if exclude is not None else None
     meta, problems = _read_metadata(root)
-    images = _walk_images(root, exclude, problems)
+    texts: list[PurePosixPath] = []
+    images = _walk_images(root, exclude, problems, texts)
     found = {str(r) for r in images}
+    stems = {r.with_suffix("") for r in images}
+    problems += [(str(t), "not used: a caption file with no image of the same name beside it")
+                 for t in texts if t.with_suffix("") not in stems]
 
     candidates = []
     for rel in images:
@@ -219,6 +235,23 @@ def scan_dataset(root: str | Path, exclude: Optional[Path] = None) -> Scan:
 
 
 def clean_caption(text: str) -> str:
-    """Captions are one line: surrounding whitespace trimmed, inner runs of whitespace (newlines) made one space."""
-    # U+FEFF (a byte-order mark, or a zero-width no-break space pasted from the web) is invisible but tokenizes.
-    return " ".join(text.replace("\ufeff", " ").split())
+    """Captions are one line: surrounding whitespace trimmed, inner runs of whitespace (newlines) made one space.
+
+    Control characters (NUL, escape, ...; Unicode category Cc) and invisible format characters (a byte-order mark,
+    zero-width spaces; Cf) count as whitespace: they carry no words for the text encoder, so a caption of nothing
+    else is empty, and is refused like one.
+    """
+    return " ".join("".join(" " if unicodedata.category(c) in ("Cc", "Cf") else c for c in text).split())
+
+
+def made_resolution(folder: str | Path) -> Optional[int]:
+    """The image side a finished `make-dataset` folder was made at (the setting in its marker file,
+    data.synthetic.MARKER); None for any other folder, or one whose marker cannot be read. Read here, not in
+    data/synthetic.py, whose source is part of the tiny model's cache key."""
+    from rangefinder.data.synthetic import MARKER
+
+    try:
+        value = json.loads((Path(folder).expanduser() / MARKER).read_text()).get("resolution")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None

@@ -32,7 +32,7 @@ from rangefinder.data.captions import long_caption_report, long_captions
 from rangefinder.data.dataset import Item, item_id
 from rangefinder.data.validate import validate_dataset
 from rangefinder.errors import DataError
-from rangefinder.formats.atomic import write_text
+from rangefinder.formats.atomic import usable_folder, write_text
 from rangefinder.formats.digest import file_sha256
 from rangefinder.planning import val_count
 
@@ -311,6 +311,7 @@ def split_dataset(
     **kwargs,
 ) -> Split:
     """`make_split` then `write_split`: what `rangefinder split` and the pipeline's split step run."""
+    usable_folder(out_dir, "the split's output folder")  # before the images are read, not after
     split = make_split(data_dir, **kwargs)
     write_split(split, out_dir)
     return split

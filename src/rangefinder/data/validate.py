@@ -50,10 +50,14 @@ class ValidatedDataset:
             )
         shown = "; ".join(str(s) for s in self.skipped[:10])
         more = f"; and {len(self.skipped) - 10} more" if len(self.skipped) > 10 else ""
+        small = sum(s.reason.startswith("too small") for s in self.skipped)
+        # Small images are the commonest first-run trap (a 32 px set at the default 512 px): name the two settings.
+        fix = (f"; {small} are too small for the resolution: pass a lower --resolution (data.resolution) to train "
+               "at their size, or a lower --min-image-size (data.min_image_size) to enlarge them") if small else ""
         raise DataError(
             f"dataset folder {self.root} has only {n} usable image{'s' if n != 1 else ''}, fewer than the "
             f"{min_images} needed (at least one to train and one to validate); skipped: {shown or 'none'}{more}; "
-            "fix or caption the skipped files, or add images"
+            f"fix or caption the skipped files, or add images{fix}"
         )
 
 
@@ -85,6 +89,10 @@ def _problem(data: bytes, min_image_size: int) -> Optional[str]:
         if "truncated" in msg.lower():
             return f"truncated or corrupt image ({msg})"
         return f"unreadable image ({type(e).__name__}: {msg})"
+    with Image.open(io.BytesIO(data)) as probe:  # the header again: load_rgb's RGB copy has one frame
+        frames = getattr(probe, "n_frames", 1)
+    if frames > 1:
+        return f"animated ({frames} frames): only a still image is trained on; save the frame you mean as a PNG"
     w, h = img.size
     if min(w, h) < min_image_size:
         return f"too small: {w}x{h} px, the short side must be at least {min_image_size} px"

@@ -16,7 +16,23 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Union
 
+from rangefinder.errors import RangefinderError
+
 PathLike = Union[str, "os.PathLike[str]"]
+
+
+def usable_folder(path: PathLike, what: str) -> Path:
+    """`path` as a Path; RangefinderError naming `what` when it, or a folder above it, is a file (so it can never
+    be a folder: mkdir would fail with FileExistsError or NotADirectoryError, far from the setting that named it)."""
+    p = Path(path).expanduser()
+    for q in (p, *p.parents):
+        if q.exists() or q.is_symlink():
+            if not q.is_dir():
+                where = "it is a file" if q == p else f"{q}, a folder above it, is a file"
+                raise RangefinderError(f"{what} {p} cannot be made: {where}, not a folder; pass another folder "
+                                       "path, or move the file away")
+            break
+    return p
 
 
 @contextlib.contextmanager
@@ -26,6 +42,9 @@ def atomic_path(path: PathLike, *, suffix: str = "") -> Iterator[Path]:
     `suffix` ends the temporary name, for writers that choose the format by extension (e.g. `.yaml`).
     """
     path = Path(path)
+    if path.is_dir():
+        raise RangefinderError(f"{path} is a folder; pass the path of a file to write (e.g. {path / 'out'})")
+    usable_folder(path.parent, "output folder")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp{suffix}")
     try:

@@ -23,6 +23,8 @@ _START = re.compile(r"Executing task '([^']+)'")
 _END = re.compile(r"Task '([^']+)' finished with status (\w+)")
 _OUTPUTS = re.compile(r"Task '([^']+)' outputs:")
 _OUTPUT_LINE = re.compile(r"^\s{4}(\w+): (.*)$")
+# A step's own warning (the training plan's, settings that cancel each other): said on the terminal, once per step.
+_WARNING = re.compile(r"rangefinder: warning: (.*)$")
 # tqdm's default format: "desc:  42%|████▏     | 10/24 [00:03<00:04,  3.1update/s, loss=0.2, lr=0.001]"
 _BAR = re.compile(r"^\s*(?P<desc>[^|:]+?):\s+\d+%\|[^|]*\|\s*(?P<n>\d+)/(?P<total>\d+)\s+"
                   r"\[(?P<elapsed>[^<\]]*)<(?P<eta>[^,\]]*)(?:,\s*[^,\]]*)?(?P<post>(?:,[^\]]*)?)\]")
@@ -58,6 +60,8 @@ class StepProgress:
         self._held = ""
         self._started: dict[str, float] = {}
         self._ended: Optional[tuple[str, str, float]] = None  # task, status, seconds: waiting for its outputs
+        self._running = ""  # the task whose lines are coming
+        self._warned: set[tuple[str, str]] = set()
         self._headline: list[str] = []
         self._bar: Any = None
         self._bar_desc = ""  # the bar being drawn (a terminal) or last written (plain lines)
@@ -100,7 +104,16 @@ class StepProgress:
         if m:
             self._say_end()
             self._started[m.group(1)] = time.monotonic()
+            self._running = m.group(1)
             self._say(f"rangefinder: {step_name(m.group(1))} started")
+            return
+        m = _WARNING.search(line)
+        if m:
+            said = (self._running, m.group(1).strip())
+            if said not in self._warned:  # several processes of one step say it once each
+                self._warned.add(said)
+                self._close_bar()
+                self._say(f"rangefinder:   {step_name(self._running)}: warning: {said[1]}")
             return
         m = _END.search(line)
         if m:

@@ -177,7 +177,8 @@ def run_finetune(
                                         seed=cfg.validation.seed,
                                         divergence_factor=cfg.validation.divergence_factor)
             report = write_step_report(window, curve, report_dir, source=f"{result.metrics_csv}; {batch_note(tc)}",
-                                       samples=sample_strip(work), halving=race)
+                                       samples=sample_strip(work), halving=race,
+                                       plan_warnings=spec.plan.warnings if spec.plan is not None else ())
             copy_report(report, report_html, report_md)
             # No window (no improvement at all): keep the configured budget and say so in the report.
             rec_epochs = int(window.recommended_epochs or tc.epochs or 1)

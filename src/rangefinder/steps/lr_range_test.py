@@ -108,7 +108,8 @@ def run_lr_range_test(
                     "global_batch": train_cfg.batch_size * train_cfg.grad_accum * train_cfg.world_size,
                     "model_family": result.family}
         report = write_lr_report(bounds, curve, out_dir / "report",
-                                 source=f"{result.metrics_csv}; {batch_note(train_cfg)}")
+                                 source=f"{result.metrics_csv}; {batch_note(train_cfg)}",
+                                 plan_warnings=spec.plan.warnings if spec.plan is not None else ())
         copy_report(report, report_html, report_md)
         bounds_json = out_dir / "bounds.json"
         write_json(bounds_json, decision)

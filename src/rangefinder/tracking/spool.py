@@ -264,7 +264,16 @@ def read_spool(path: str | os.PathLike) -> SpoolContents:
                 records.append(obj)
     if header is None:
         raise TrackingError(f"{p} is not an MLflow spool written by rangefinder (no header line)")
-    if header.get("version", 0) > SPOOL_VERSION:
+    # The header as _Spool.append writes it: a file edited by hand or cut may lack a field or hold another type.
+    wrong = [k for k, t in (("version", int), ("tracking_uri", str), ("run_id", str))
+             if not isinstance(header.get(k), t) or isinstance(header.get(k), bool)]
+    if wrong:
+        raise TrackingError(f"{p} has a damaged header line ({', '.join(wrong)} missing or not a "
+                            f"{'number' if wrong == ['version'] else 'valid value'}); it was edited or is not a "
+                            "spool rangefinder wrote: restore it, or log its run again")
+    torn += sum(1 for r in records if not isinstance(r.get("run_id"), str))
+    records = [r for r in records if isinstance(r.get("run_id"), str)]  # a record without its run: torn
+    if header["version"] > SPOOL_VERSION:
         raise TrackingError(f"{p} was written by a newer rangefinder (spool version {header['version']}); "
                             "relog it with that version")
     return SpoolContents(header=header, records=records, torn=torn)

@@ -31,7 +31,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from rangefinder.errors import DataError
-from rangefinder.formats.atomic import atomic_path
+from rangefinder.formats.atomic import atomic_path, usable_folder
 from rangefinder.training.data import LatentSource
 
 CACHE_VERSION = "1"  # bump when the meaning of an entry changes
@@ -39,8 +39,11 @@ CACHE_VERSION = "1"  # bump when the meaning of an entry changes
 
 def cache_root(configured: Optional[str] = None) -> Path:
     """training.cache_dir, else $RANGEFINDER_CACHE, else ~/.cache/rangefinder (shared with the embedded model)."""
-    base = configured or os.environ.get("RANGEFINDER_CACHE") or Path.home() / ".cache" / "rangefinder"
-    return Path(base) / "encoded"
+    if configured:
+        return usable_folder(configured, "training.cache_dir") / "encoded"
+    if os.environ.get("RANGEFINDER_CACHE"):
+        return usable_folder(os.environ["RANGEFINDER_CACHE"], "$RANGEFINDER_CACHE") / "encoded"
+    return usable_folder(Path.home() / ".cache" / "rangefinder", "the cache folder") / "encoded"
 
 
 def module_fingerprint(module: torch.nn.Module) -> str:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -93,6 +94,11 @@ def train(
 
     # --- device and precision (the launcher: accelerate) ----------------------------------------------------------
     accelerator = start_accelerator(cfg)
+    if accelerator.is_main_process:
+        # The plan's warnings (an effective batch larger than the set, ...) change what the run measures: on the
+        # terminal, not only in run_summary.json. A local run's progress shows lines of this form too.
+        for warning in settings.plan.warnings:
+            print(f"rangefinder: warning: {warning}", file=sys.stderr, flush=True)
     out_lock = OutDirLock(settings.out_dir, hold=accelerator.is_main_process)  # one run per out_dir; until the end
 
     # --- model: the method's trainable parts set up, the family's conditioning and objective ----------------------

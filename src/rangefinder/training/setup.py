@@ -18,6 +18,7 @@ from rangefinder.data.split import place_items
 from rangefinder.errors import ConfigError, DataError
 from rangefinder.formats import checkpoints
 from rangefinder.planning import plan_for
+from rangefinder.training.caching import cache_root
 from rangefinder.training.checkpointing import check_out_dir_free
 from rangefinder.training.data import make_stream
 from rangefinder.training.families import family_for
@@ -78,6 +79,7 @@ def check_settings(spec: TrainSpec, out_dir: Union[str, Path], split: Optional[S
     method = make_method(cfg)
     if cfg.use_8bit_adam and not torch.cuda.is_available():
         raise ConfigError("training.use_8bit_adam needs a CUDA GPU (bitsandbytes); set it false to use AdamW")
+    cache_root(cfg.cache_dir)  # a cache folder that is a file: one line now, not after the model has loaded
     # The output folder last: every settings error above leaves nothing behind (the lock probe creates the folder).
     out_dir = Path(out_dir)
     check_out_dir_free(out_dir)  # another live run in out_dir: fail now, naming it

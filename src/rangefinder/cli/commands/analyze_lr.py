@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from rangefinder.cli import args as argtypes
 from rangefinder.cli.output import add_json_flag
 from rangefinder.defaults import MIDPOINT_RULES
 
@@ -19,7 +20,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ramp", choices=["linear", "exp"], help="how the LR climbed (default: inferred from the LRs)")
     p.add_argument("--plot", metavar="OUT.png", help="write the range-test plot here")
     p.add_argument("--report", metavar="DIR", help="write an HTML report, a Markdown summary, the plot and JSON here")
-    p.add_argument("--seed", type=int, default=0, help="seed of the bootstrap and permutation test (default 0)")
+    p.add_argument("--seed", type=argtypes.seed, default=0,
+                   help="seed of the bootstrap and permutation test (default 0)")
     p.add_argument("--mid-position", type=float, default=None, metavar="P",
                    help="where lr_mid lies between the bounds: 0 = lr_low, 1 = lr_high, on the sweep's axis "
                    "(default: lr_range_test.mid_position's default, 0.75; this command reads no config); used by "

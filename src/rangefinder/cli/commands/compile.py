@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from rangefinder.cli.ignored import ignored_by_pipeline, warn_ignored
-from rangefinder.cli.output import add_json_flag
+from rangefinder.cli.output import add_json_flag, warn
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -23,12 +23,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from rangefinder.config import load_config
+    from rangefinder.config import load_config, setting_conflicts
     from rangefinder.formats.atomic import atomic_path
     from rangefinder.pipelines.pipeline import PIPELINE_NAME, compile_pipeline
 
     cfg = load_config(args.config)
     warn_ignored("compile", ignored_by_pipeline(cfg, local=False))
+    warn(setting_conflicts(cfg))
     out = Path(args.out)
     # Compile next to the target and rename: a failed compile never leaves a half-written package behind. The
     # temporary name keeps .yaml, from which the KFP compiler picks the format.

@@ -21,6 +21,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cache-dir", help="cache folder (default $RANGEFINDER_CACHE or ~/.cache/rangefinder)")
     p.add_argument("--rebuild", action="store_true",
                    help="rebuild the shipped tiny SD and SDXL weights (src/rangefinder/models/weights) on this CPU")
+    p.add_argument("--family", choices=("sd1", "sdxl"), default="sd1",
+                   help="sd1: the tiny Stable Diffusion 1.x model (default); sdxl: the tiny SDXL model, as `demo "
+                   "--family sdxl` trains")
     add_json_flag(p)
     p.set_defaults(func=run)
 
@@ -29,12 +32,15 @@ def run(args: argparse.Namespace) -> dict:
     import json
 
     from rangefinder.models.tiny import copy_model, ensure_tiny_base_model
+    from rangefinder.models.tiny_sdxl import ensure_tiny_sdxl_model
 
     if args.rebuild:
         from rangefinder.models.tiny_weights import rebuild_shipped_weights
 
         return {name: str(folder) for name, folder in rebuild_shipped_weights().items()}
-    cached = ensure_tiny_base_model(args.cache_dir)
+    ensure = ensure_tiny_sdxl_model if args.family == "sdxl" else ensure_tiny_base_model
+    cached = ensure(args.cache_dir)
     out = copy_model(cached, args.out) if args.out else cached
     info = json.loads((cached / "rangefinder_tiny.json").read_text())
-    return {"out": str(out), "cached": str(cached), **{k: round(v, 5) for k, v in info["pretraining"].items()}}
+    return {"out": str(out), "cached": str(cached), "family": args.family,
+            **{k: round(v, 5) for k, v in info.get("pretraining", {}).items()}}

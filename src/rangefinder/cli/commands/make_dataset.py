@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from rangefinder.cli import args as argtypes
 from rangefinder.cli.output import add_json_flag
 
 
@@ -22,9 +23,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    default="shapes-on-white",
                    help="what the images show")
     p.add_argument("--out", required=True, help="folder to create (must be new or empty)")
-    p.add_argument("--count", type=int, default=20, help="number of images (default 20)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random choices (default 0)")
-    p.add_argument("--resolution", type=int, default=32, help="image side in pixels (default 32)")
+    p.add_argument("--count", type=argtypes.int_in(1, 1_000_000, what="the number of images"), default=20,
+                   help="number of images (default 20)")
+    p.add_argument("--seed", type=argtypes.seed, default=0, help="seed of the random choices (default 0)")
+    p.add_argument("--resolution", type=argtypes.int_in(8, argtypes.MAX_RESOLUTION, what="the image side in pixels"),
+                   default=32, help="image side in pixels (default 32)")
     add_json_flag(p)
     p.set_defaults(func=run)
 

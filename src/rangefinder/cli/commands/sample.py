@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from rangefinder.cli import args as argtypes
 from rangefinder.cli.output import add_json_flag
 
 
@@ -30,12 +31,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--labels", nargs="*", help="column labels, one per column (base model first)")
     p.add_argument("--prompts", help="text file with one prompt per line (default: the sampling config's prompts)")
-    p.add_argument("--seeds", nargs="+", type=int, default=None, help=f"seeds (default {d.seeds})")
+    p.add_argument("--seeds", nargs="+", type=argtypes.seed, default=None, help=f"seeds (default {d.seeds})")
     p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--steps", type=int, default=d.num_inference_steps, help="denoising steps")
-    p.add_argument("--guidance", type=float, default=d.guidance_scale, help="classifier-free guidance scale")
+    p.add_argument("--steps", type=argtypes.int_in(1, 10_000, what="the denoising steps"),
+                   default=d.num_inference_steps, help="denoising steps")
+    p.add_argument("--guidance", type=argtypes.float_in(0.0), default=d.guidance_scale,
+                   help="classifier-free guidance scale")
     p.add_argument("--scheduler", help="a diffusers scheduler class name, e.g. DDIMScheduler (default: the model's)")
-    p.add_argument("--resolution", type=int, help="image size in pixels (default: the model's)")
+    p.add_argument("--resolution", type=argtypes.resolution, help="image size in pixels (default: the model's)")
     p.add_argument("--negative-prompt", help="negative prompt for every cell")
     add_json_flag(p)
     p.set_defaults(func=run)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from rangefinder.cli import args as argtypes
 from rangefinder.cli.output import add_json_flag
 
 
@@ -19,7 +20,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="relative distance from the minimum that still counts as in the window (default 0.02)")
     p.add_argument("--plot", metavar="OUT.png", help="write the step-window plot here")
     p.add_argument("--report", metavar="DIR", help="write an HTML report, a Markdown summary, the plot and JSON here")
-    p.add_argument("--seed", type=int, default=0, help="seed of the permutation test (default 0)")
+    p.add_argument("--seed", type=argtypes.seed, default=0, help="seed of the permutation test (default 0)")
     add_json_flag(p)
     p.set_defaults(func=run)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from rangefinder.cli import args as argtypes
 from rangefinder.cli.output import add_json_flag
 from rangefinder.config import DataConfig
 
@@ -20,18 +21,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--val-split", type=float, default=0.2, help="share of images for validation, rounded up (0.2)")
     p.add_argument("--stabilize-split", type=float, default=0.2,
                    help="share of training images in the stabilize subset, rounded up (0.2)")
-    p.add_argument("--seed", type=int, default=555, help="seed of the shuffle (555)")
+    p.add_argument("--seed", type=argtypes.seed, default=555, help="seed of the shuffle (555)")
     p.add_argument("--val-dir", help="a folder of validation images chosen by hand (replaces --val-split)")
-    p.add_argument("--resolution", type=int, default=DataConfig.model_fields["resolution"].default,
-                   help="the training resolution, in pixels (%(default)s; data.resolution): the aspect-ratio buckets "
-                   "are reported for it, and it sets the default of --min-image-size")
-    p.add_argument("--min-image-size", type=int, default=None,
+    p.add_argument("--resolution", type=int, default=None,  # bounds: DataConfig, below
+                   help="the training resolution, in pixels (data.resolution; default: the one a `make-dataset` "
+                   f"folder was made at, else {DataConfig.model_fields['resolution'].default}): the aspect-ratio "
+                   "buckets are reported for it, and it sets the default of --min-image-size")
+    p.add_argument("--min-image-size", type=argtypes.int_in(1, argtypes.MAX_RESOLUTION,
+                   what="the smallest image side in pixels"), default=None,
                    help="skip (and list) images whose short side is smaller than this, in pixels (default: half the "
                    "resolution, as data.min_image_size: smaller images would be enlarged more than twice)")
     p.add_argument("--tokenizer", metavar="MODEL_DIR",
                    help="a diffusers model folder (or tokenizer folder): count and list the captions longer than "
                    "its text encoder reads (75 tokens for SD 1.x), which training cuts off")
-    p.add_argument("--min-images", type=int, default=2, help="fail when fewer usable images remain (2)")
+    p.add_argument("--min-images", type=argtypes.int_in(2, what="the fewest usable images"), default=2,
+                   help="fail when fewer usable images remain (2)")
     p.add_argument("--no-bucketing", action="store_true",
                    help="report no aspect-ratio buckets (data.bucketing: false, every image a centre-cropped square)")
     p.add_argument("--bucket-step", type=int, help="bucket sides are multiples of this, px (data.bucket_step)")
@@ -46,11 +50,14 @@ def run(args: argparse.Namespace) -> dict:
 
     from rangefinder.config import format_validation_error
     from rangefinder.data.buckets import BucketSettings
+    from rangefinder.data.dataset import made_resolution
     from rangefinder.data.split import split_dataset
     from rangefinder.errors import ConfigError
 
+    # A folder `make-dataset` made (32 px by default) splits at its own size: 512 px would skip every image.
+    resolution = args.resolution or made_resolution(args.data_dir) or DataConfig.model_fields["resolution"].default
     try:
-        data = DataConfig(resolution=args.resolution, min_image_size=args.min_image_size,
+        data = DataConfig(resolution=resolution, min_image_size=args.min_image_size,
                           bucketing=not args.no_bucketing, bucket_step=args.bucket_step, max_aspect=args.max_aspect)
     except ValidationError as e:
         raise ConfigError(format_validation_error(e, prefix="data.")) from None

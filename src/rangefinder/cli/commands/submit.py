@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from rangefinder.cli import args as argtypes
 from rangefinder.cli.ignored import ignored_by_submit, warn_ignored
-from rangefinder.cli.output import add_json_flag
+from rangefinder.cli.output import add_json_flag, warn
 
 
 def add_endpoint_args(p: argparse.ArgumentParser) -> None:
@@ -26,7 +27,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_endpoint_args(p)
     p.add_argument("--wait", action="store_true", help="wait until the run finishes and print its state")
-    p.add_argument("--timeout", type=int, default=24 * 3600, help="seconds --wait waits (default 86400)")
+    p.add_argument("--timeout", type=argtypes.int_in(1, what="seconds"), default=24 * 3600,
+                   help="seconds --wait waits (default 86400)")
     add_json_flag(p)
     p.set_defaults(func=run)
 
@@ -34,11 +36,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> dict:
     from dataclasses import asdict
 
-    from rangefinder.config import load_config
+    from rangefinder.config import kubernetes_name_problem, load_config, setting_conflicts
+    from rangefinder.errors import ConfigError
     from rangefinder.pipelines.client import submit
 
     cfg = load_config(args.config)
     warn_ignored("submit", ignored_by_submit(cfg, args.dataset_uri))
+    warn(setting_conflicts(cfg))
+    problem = args.namespace and kubernetes_name_problem(args.namespace, "label")
+    if problem:
+        raise ConfigError(f"--namespace: {problem}")
     sub = submit(cfg, host=args.host, token=args.token, experiment=args.experiment, run_name=args.name,
                  dataset_uri=args.dataset_uri, wait=args.wait, timeout_s=args.timeout, namespace=args.namespace)
     out = {k: v for k, v in asdict(sub).items() if v is not None}

@@ -1,0 +1,62 @@
+"""Argument types with bounds, shared by the commands: a value outside them is one error line before anything
+runs, not a traceback (or an hour of work) later. `rangefinder --help` stays fast: nothing heavy is imported."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+
+# The seeds every generator here takes (config.MAX_SEED; numpy's global seeding refuses more).
+MAX_SEED = 2**32 - 1
+# Pixels on a side: far above any Stable Diffusion model (SDXL trains at 1024) and any image this tool makes, and
+# low enough that one RGB image still fits in memory (8192^2 x 3 bytes = 192 MiB).
+MAX_RESOLUTION = 8192
+
+
+def int_in(lo: int, hi: int | None = None, *, multiple_of: int = 1, what: str = "") -> Callable[[str], int]:
+    """An argparse type: a whole number in [lo, hi] (hi None: no upper bound), a multiple of `multiple_of`."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if v < lo or (hi is not None and v > hi):
+            span = f"from {lo} to {hi}" if hi is not None else f"at least {lo}"
+            raise argparse.ArgumentTypeError(f"{v} is out of range: {what or 'it'} must be {span}")
+        if v % multiple_of:
+            raise argparse.ArgumentTypeError(
+                f"{v} is not a multiple of {multiple_of} ({what}); try {max(lo, v - v % multiple_of)}")
+        return v
+
+    return parse
+
+
+def float_in(lo: float, hi: float | None = None, *, lo_open: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number in [lo, hi] ((lo, hi] with lo_open)."""
+
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(v) or v < lo or (lo_open and v == lo) or (hi is not None and v > hi):
+            low = f"above {lo:g}" if lo_open else f"at least {lo:g}"
+            raise argparse.ArgumentTypeError(f"{text} is out of range: it must be a finite number {low}"
+                                             + (f" and at most {hi:g}" if hi is not None else ""))
+        return v
+
+    return parse
+
+
+seed = int_in(0, MAX_SEED, what="a seed")
+resolution = int_in(8, MAX_RESOLUTION, multiple_of=8, what="a resolution in pixels; the VAE downsamples by 8")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's parser whose errors are one line (`rangefinder split: error: ...`), as every other bad input gets,
+    with a pointer to --help instead of the usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
