@@ -2,7 +2,8 @@
 typed parameters in, real artifact objects (kfp.dsl Input/Output) on real folders, the outputs read back.
 
 What a whole kfp.local run would prove about one wrapper, in seconds; kfp.local is kept for the DAG's wiring
-(tests/pipelines/test_local_run.py: the default run, the retrain branch and the fixed LR).
+(tests/pipelines/test_local_run.py: the default run, the retrain branch, and the fixed LR from a hub id through the
+CLI on a terminal).
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ def _resolve(cfg) -> tuple:
 
 
 def test_resolve_config_resolves_a_hub_id_from_the_offline_cache(fake_hub_cache, shapes_dataset_dir, monkeypatch):
-    """A real user's hub id on an air-gapped cluster (tests/pipelines/test_local_run_base_models.py runs it through
-    every step): the snapshot folder is in the config every later step reads."""
+    """A real user's hub id on an air-gapped cluster (test_a_hub_id_through_every_step_registers_the_kept_checkpoint
+    below runs it through every step's function): the snapshot folder is in the config every later step reads."""
     cache, commit = fake_hub_cache
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
