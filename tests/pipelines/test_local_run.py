@@ -1,7 +1,8 @@
 """The whole pipeline through kfp.local (SubprocessRunner, no containers) on the tiny model and shapes dataset.
 
 Three runs cover the DAG's branches: discovery then the full-data retrain, discovery without it, and a fixed LR (no
-discovery) with LoRA. tests/pipelines/test_local_run_base_models.py runs the other base-model sources.
+discovery) with LoRA from a hub id, through the CLI on a terminal: a real user's first run. Each component's own
+function, and the other methods from a hub id, are proven in tests/pipelines/test_components.py.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ import pytest
 import yaml
 
 from rangefinder.config import demo_config
+from tests.conftest import HUB_REPO
 from tests.pipelines.registered_model import check_registered_is_the_kept_checkpoint, task_dir
 from tests.pipelines.terminal import run_on_terminal
+from tests.pipelines.tiny_run import TINY
 from tests.pipelines.tiny_run import tiny_config as _cfg
 from tests.tracking.pipeline_record import check_pipeline_record
 
@@ -103,13 +106,22 @@ def test_discovery_without_retrain_on_default_sqlite(default_local_run):
                           model_name=cfg.tracking.registered_model_name)
 
 
-def test_fixed_lr_skips_discovery_and_retrain_off(tmp_path, shapes_dataset_dir, tiny_model_dir):
-    """Through the CLI: `rangefinder run --local --config FILE`, as a person runs it on their own data: LoRA on a
-    diffusers folder, validated every update so the step window is read and its checkpoint registered. The
-    fine-tune runs as 2 processes (torchrun, gloo) of batch 2: the demo's global batch of 4."""
-    cfg = _cfg(shapes_dataset_dir, tiny_model_dir, lr=2e-4,
-               training={"method": "lora", "processes_per_node": 2, "batch_size": 2},
-               validation={"every_updates": 1})
+def test_fixed_lr_from_a_hub_id_skips_discovery_and_retrain_off(tmp_path, shapes_dataset_dir, fake_hub_cache,
+                                                                 monkeypatch):
+    """A real user's first run, whole: `rangefinder run --local --config FILE` on a terminal, the base model a hub
+    id in a pre-filled, offline Hugging Face cache (an air-gapped cluster; tests/models/fake_hub.py), LoRA at a fixed
+    LR, validated every update so the step window is read and its checkpoint registered. The fine-tune runs as 2
+    processes (torchrun, gloo) of batch 2: the demo's global batch of 4. The full fine-tune and textual inversion
+    from the hub id go through every step's function in tests/pipelines/test_components.py."""
+    cache, commit = fake_hub_cache
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    snapshot = cache / f"models--{HUB_REPO.replace('/', '--')}" / "snapshots" / commit
+    cfg = demo_config(data={"dataset_dir": str(shapes_dataset_dir), "resolution": 32},
+                      model={"base_model": HUB_REPO}, lr=2e-4,
+                      training={"method": "lora", "processes_per_node": 2, "batch_size": 2},
+                      validation={"every_updates": 1}, **TINY)
     config = tmp_path / "mine.yaml"
     config.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude={"kubernetes"})))
     out = tmp_path / "out"
@@ -144,7 +156,11 @@ def test_fixed_lr_skips_discovery_and_retrain_off(tmp_path, shapes_dataset_dir, 
     assert [t for t in tasks if t.startswith("finetune")] and "retrained_epochs" not in s
     runs = _mlflow_runs(out / "mlflow.db")
     assert "lr_range_test" not in runs and runs.get("finetune") == "FINISHED"
-    check_registered_is_the_kept_checkpoint(s, out, tiny_model_dir.resolve(), "lora")
+    # Resolved once, by the first step, into the config every later step read (the grid's base column included).
+    resolved = json.loads(json.loads((task_dir(s, "resolve-config") / "executor_output.json").read_text())
+                          ["parameterValues"]["config_json"])["model"]
+    assert (resolved["base_model"], resolved["resolved_dir"]) == (HUB_REPO, str(snapshot))
+    check_registered_is_the_kept_checkpoint(s, out, snapshot, "lora")
     # Two processes, one curve: rank 0 logged it into the step's MLflow run; the report names the global batch.
     ft = task_dir(s, "finetune")
     summary = json.loads((ft / "model" / "run_summary.json").read_text())

@@ -1,10 +1,10 @@
 """The fine-tune on several processes of one node (torch.distributed.run, gloo on CPU), through the steps' launcher.
 
-One test, three runs of the fine-tune's own training settings (`finetune_training_config`) at the same global batch
-of 4: one process (batch 4), two processes (batch 2 each), and two processes killed with SIGKILL after their first
-checkpoint, then resumed. The curves agree within float tolerance, each rank validated
-only its share of the set, the checkpoints are rank 0's, and the resumed run ends with the uninterrupted run's
-weights.
+Two uninterrupted runs of the fine-tune's own training settings (`finetune_training_config`) at the same global
+batch of 4, made once for the module: one process (batch 4) and two processes (batch 2 each). The curves agree within
+float tolerance, each rank validated only its share of the set, and the checkpoints are rank 0's. The two-process
+run is the reference for every interruption (SIGKILL after the first checkpoint, the halving's pause), each of which
+ends with its weights, and for the bf16 all-reduce.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -60,47 +61,71 @@ def _val_losses(out: Path) -> list[float]:
         return [float(r["val_loss"]) for r in csv.DictReader(f)]
 
 
-@pytest.mark.slow
-def test_two_processes_train_what_one_does_and_resume_after_sigkill(split_dir, tiny_model_dir, tmp_path,
-                                                                    monkeypatch):
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    cache = tmp_path / "cache"
+@pytest.fixture(scope="module")
+def one_thread():
+    """Every run here computes on one torch thread, as the launched processes do (OMP_NUM_THREADS)."""
+    before = torch.get_num_threads()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", "1")
+        torch.set_num_threads(1)
+        yield
+    torch.set_num_threads(before)
+
+
+@dataclass(frozen=True)
+class Runs:
+    """The uninterrupted runs every test here compares with: one process (`one`), two (`two`, with samples)."""
+
+    one: Path
+    two: Path
+    cfg: RangefinderConfig
+    spec: TrainSpec
+
+
+@pytest.fixture(scope="module")
+def runs(one_thread, split_dir, tiny_model_dir, tmp_path_factory) -> Runs:
+    work = tmp_path_factory.mktemp("processes")
+    cache = work / "cache"
     one, two = _cfg(1, 4, cache), _cfg(2, 2, cache)
     spec1, spec2 = _spec(one, split_dir, tiny_model_dir), _spec(two, split_dir, tiny_model_dir, SAMPLING)
     assert (spec1.training.world_size, spec2.training.world_size) == (1, 2)
     # 16 images at global batch 4: 4 updates an epoch, 12 in all; a checkpoint every epoch.
     assert spec2.training.checkpoint_every_updates == 4
+    single = launch.run_training(one, spec1, out_dir=work / "one")
+    double = launch.run_training(two, spec2, out_dir=work / "two")
+    assert single.updates == double.updates == 12 and single.status == double.status == "ok"
+    return Runs(one=work / "one", two=work / "two", cfg=two, spec=spec2)
 
-    single = launch.run_training(one, spec1, out_dir=tmp_path / "one")
-    double = launch.run_training(two, spec2, out_dir=tmp_path / "two")
-    assert single.updates == double.updates == 12
 
+@pytest.mark.slow
+def test_two_processes_train_what_one_does(runs):
     # The same images, flips, timesteps and noise per update: the validation curves agree up to float rounding
     # (DDP sums the two halves' gradients in another order than one process does).
-    a, b = _val_losses(tmp_path / "one"), _val_losses(tmp_path / "two")
+    a, b = _val_losses(runs.one), _val_losses(runs.two)
     assert len(a) == len(b) == 4
     # The baseline: the same model and fixed noise, each rank scoring half of the pairs (other batches: last bits).
     assert b[0] == pytest.approx(a[0], rel=1e-6)
     assert a[1:] != a[:-1]  # the curve moves (the comparison below is not of four copies of one number)
     assert b == pytest.approx(a, rel=1e-4)
     # Validation ran once over the set, not once per rank: each rank scored its share of the (item, k) pairs.
-    (one_pass,) = json.loads((tmp_path / "one" / "run_summary.json").read_text())["validation_pairs_by_rank"]
-    shares = json.loads((tmp_path / "two" / "run_summary.json").read_text())["validation_pairs_by_rank"]
+    (one_pass,) = json.loads((runs.one / "run_summary.json").read_text())["validation_pairs_by_rank"]
+    shares = json.loads((runs.two / "run_summary.json").read_text())["validation_pairs_by_rank"]
     assert len(shares) == 2 and sum(shares) == one_pass and shares[0] == shares[1], shares
     # Rank 0 rendered the samples: validations 0 to 3 at every 2nd and the last.
-    assert [e["update"] for e in read_index(tmp_path / "two")["samples"]] == [0, 8, 12]
-    assert read_index(tmp_path / "one") is None
+    assert [e["update"] for e in read_index(runs.two)["samples"]] == [0, 8, 12]
+    assert read_index(runs.one) is None
 
     # Rank 0 wrote every checkpoint (its weights, optimizer and state); each rank added only its RNG states.
-    for ckpt in checkpoints.list_checkpoints(tmp_path / "two" / "checkpoints"):
+    for ckpt in checkpoints.list_checkpoints(runs.two / "checkpoints"):
         state = checkpoints.read_state(ckpt)
         assert state["written_by"] == {"rank": 0, "world_size": 2}
         assert (ckpt / "rng-0.pt").is_file() and (ckpt / "rng-1.pt").is_file() and not (ckpt / "rng-2.pt").exists()
 
-    # Killed with SIGKILL (the launcher and both processes, as a preempted node) after the first checkpoint.
-    cut = tmp_path / "cut"
-    job = launch.write_job(two, spec2, cut, save_final=True, step_name="finetune", mlflow_run_id=None)
+
+def _sigkill_after_first_checkpoint(runs: Runs, cut: Path, split_dir: Path, tiny_model_dir: Path) -> int:
+    """Killed with SIGKILL (the launcher and both processes, as a preempted node) after the first checkpoint; the
+    resume goes on from the newest checkpoint. Returns that checkpoint's update."""
+    job = launch.write_job(runs.cfg, runs.spec, cut, save_final=True, step_name="finetune", mlflow_run_id=None)
     proc = subprocess.Popen(launch.torchrun_command(job, 2),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
@@ -118,44 +143,50 @@ def test_two_processes_train_what_one_does_and_resume_after_sigkill(split_dir, t
     assert done and max(done) < 12
 
     # Without resume, every rank refuses the folder: one error in the step, the rank's own sentence.
-    fresh = _spec(two, split_dir, tiny_model_dir, SAMPLING, resume=False)
+    fresh = _spec(runs.cfg, split_dir, tiny_model_dir, SAMPLING, resume=False)
     with pytest.raises(ConfigError, match="already holds a run; pass --resume"):
-        launch.run_training(two, fresh, out_dir=cut)
-    resumed = launch.run_training(two, spec2, out_dir=cut)  # training.resume is on in the fine-tune's settings
+        launch.run_training(runs.cfg, fresh, out_dir=cut)
+    resumed = launch.run_training(runs.cfg, runs.spec, out_dir=cut)  # training.resume is on in the fine-tune's
     assert resumed.resumed_from == max(done) and resumed.updates == 12
-    assert _val_losses(cut) == _val_losses(tmp_path / "two")
-    assert [e["update"] for e in read_index(cut)["samples"]] == [0, 8, 12]  # whole: no duplicate, no gap
-    w, r = load_file(str(tmp_path / "two" / UNET)), load_file(str(cut / UNET))
-    assert w.keys() == r.keys() and all(torch.equal(w[k], r[k]) for k in w)
+    return max(done)
 
-    # The pause the fine-tune's successive halving uses reaches every process through the job file: both stop at
-    # the first validation from update 5 on (8), and the run goes on from there to the uninterrupted run's end.
-    halved = tmp_path / "halved"
-    paused = launch.run_training(two, spec2, out_dir=halved, pause_after_update=5)
+
+def _pause_after_update_5(runs: Runs, cut: Path, split_dir: Path, tiny_model_dir: Path) -> int:
+    """The pause the fine-tune's successive halving uses reaches every process through the job file: both stop at
+    the first validation from update 5 on (8), and the run goes on from there. Returns 8."""
+    paused = launch.run_training(runs.cfg, runs.spec, out_dir=cut, pause_after_update=5)
     assert (paused.status, paused.updates, paused.final_dir) == ("paused", 8, None)
-    on = launch.run_training(two, spec2, out_dir=halved)
+    on = launch.run_training(runs.cfg, runs.spec, out_dir=cut)
     assert (on.status, on.resumed_from, on.updates) == ("ok", 8, 12)
-    assert _val_losses(halved) == _val_losses(tmp_path / "two")
-    h = load_file(str(halved / UNET))
-    assert w.keys() == h.keys() and all(torch.equal(w[k], h[k]) for k in w)
+    return 8
 
 
 @pytest.mark.slow
-def test_bf16_gradient_all_reduce_trains_close_to_fp32(split_dir, tiny_model_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("interrupt", [_sigkill_after_first_checkpoint, _pause_after_update_5],
+                         ids=["sigkill", "pause"])
+def test_an_interrupted_two_process_run_ends_as_the_uninterrupted_one(runs, interrupt, split_dir, tiny_model_dir,
+                                                                      tmp_path):
+    cut = tmp_path / "cut"
+    interrupt(runs, cut, split_dir, tiny_model_dir)
+    assert _val_losses(cut) == _val_losses(runs.two)
+    assert [e["update"] for e in read_index(cut)["samples"]] == [0, 8, 12]  # whole: no duplicate, no gap
+    w, r = load_file(str(runs.two / UNET)), load_file(str(cut / UNET))
+    assert w.keys() == r.keys() and all(torch.equal(w[k], r[k]) for k in w)
+
+
+@pytest.mark.slow
+def test_bf16_gradient_all_reduce_trains_close_to_fp32(runs, split_dir, tiny_model_dir, tmp_path):
     """training.allreduce_dtype: bf16 makes DDP sum the gradients in bf16 (half the bytes per update): the run
-    trains like the fp32 one, but not bit for bit (which shows the hook was on the wire)."""
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    two = _cfg(2, 2, tmp_path / "cache")
-    runs = {}
-    for dtype in ("fp32", "bf16"):
-        spec = _spec(two, split_dir, tiny_model_dir, allreduce_dtype=dtype)
-        runs[dtype] = launch.run_training(two, spec, out_dir=tmp_path / dtype)
-        assert runs[dtype].updates == 12 and runs[dtype].status == "ok"
-    a, b = _val_losses(tmp_path / "fp32"), _val_losses(tmp_path / "bf16")
+    trains like the fp32 one (the shared two-process run: fp32 is the default), but not bit for bit (which shows
+    the hook was on the wire)."""
+    assert runs.spec.training.allreduce_dtype == "fp32"
+    spec = _spec(runs.cfg, split_dir, tiny_model_dir, SAMPLING, allreduce_dtype="bf16")
+    bf16 = launch.run_training(runs.cfg, spec, out_dir=tmp_path / "bf16")
+    assert bf16.updates == 12 and bf16.status == "ok"
+    a, b = _val_losses(runs.two), _val_losses(tmp_path / "bf16")
     assert a[0] == b[0]  # the same model before any update
     assert b == pytest.approx(a, rel=1e-2)
-    w, r = load_file(str(tmp_path / "fp32" / UNET)), load_file(str(tmp_path / "bf16" / UNET))
+    w, r = load_file(str(runs.two / UNET)), load_file(str(tmp_path / "bf16" / UNET))
     assert not all(torch.equal(w[k], r[k]) for k in w), "bf16 all-reduce changed nothing: the hook is not in use"
     changed = max(float((w[k] - r[k]).abs().max()) for k in w)
     assert changed < 1e-3, changed  # rounding, not another run

@@ -1,4 +1,5 @@
-"""Exact resume: a run SIGKILLed after its second checkpoint and resumed ends exactly like one never stopped."""
+"""Exact resume: a run SIGKILLed after its second checkpoint, or paused half-way, and resumed ends exactly like the
+one never stopped (made once for the module)."""
 
 from __future__ import annotations
 
@@ -27,25 +28,41 @@ def run_child(settings: dict, tmp: Path, name: str) -> subprocess.CompletedProce
     return subprocess.run([sys.executable, str(CHILD), str(path)], capture_output=True, text=True, env=env, timeout=600)
 
 
-@pytest.mark.slow
-def test_sigkill_after_second_checkpoint_then_resume_equals_uninterrupted(split_dir, tiny_model_dir, tmp_path):
-    training = dict(
-        batch_size=4, epochs=3, lr=2e-4, seed=11, checkpoint_every_updates=3, keep_checkpoints=2,
-        random_flip=True, cond_dropout=0.2, min_snr_gamma=5.0, noise_offset=0.05, use_ema=True, ema_decay=0.9,
-        cache_dir=str(tmp_path / "cache"),
-    )
-    base = dict(split_dir=str(split_dir), model=str(tiny_model_dir), training=training,
-                validation=dict(every_epochs=1))
+# The settings of the uninterrupted run every interruption below is compared with: 16 images / batch 4 = 4 updates
+# an epoch, 12 in all, validated every epoch (0, 4, 8, 12), a checkpoint every 3 updates, the newest 2 kept.
+TRAINING = dict(batch_size=4, epochs=3, lr=2e-4, seed=11, checkpoint_every_updates=3, keep_checkpoints=2,
+                random_flip=True, cond_dropout=0.2, min_snr_gamma=5.0, noise_offset=0.05, use_ema=True, ema_decay=0.9)
+VALIDATION = dict(every_epochs=1)
 
-    # The uninterrupted run and the resume run here (one torch thread, as in the child); only the crash needs a
-    # process of its own.
-    train(TrainSpec(TrainingConfig(**training), ValidationConfig(**base["validation"]), split_dir=split_dir,
-                    model=tiny_model_dir),
-          out_dir=tmp_path / "whole")
 
-    # 16 images / batch 4 = 4 updates per epoch, 12 in all; checkpoints at 3 and 6, then killed inside update 7.
-    cut = tmp_path / "cut"
-    killed = run_child({**base, "out_dir": str(cut), "kill_at_update": 7}, tmp_path, "killed")
+@pytest.fixture(scope="module")
+def settings(split_dir, tiny_model_dir, tmp_path_factory) -> dict:
+    """The run's settings as engine_child.py reads them; the encoded latents cached once for every run here."""
+    training = {**TRAINING, "cache_dir": str(tmp_path_factory.mktemp("encoded"))}
+    return dict(split_dir=str(split_dir), model=str(tiny_model_dir), training=training, validation=VALIDATION)
+
+
+def run_here(settings: dict, out: Path, pause_after_update: int | None = None, **training):
+    """The run in this process (one torch thread, as in the child)."""
+    spec = TrainSpec(TrainingConfig(**{**settings["training"], **training}),
+                     ValidationConfig(**settings["validation"]), split_dir=settings["split_dir"],
+                     model=settings["model"])
+    return train(spec, out_dir=out, pause_after_update=pause_after_update)
+
+
+@pytest.fixture(scope="module")
+def whole(settings, tmp_path_factory) -> Path:
+    """The uninterrupted run, made once: the reference for every interruption."""
+    out = tmp_path_factory.mktemp("uninterrupted") / "whole"
+    result = run_here(settings, out)
+    assert result.status == "ok" and result.updates == 12
+    return out
+
+
+def _sigkill_inside_update_7(settings: dict, cut: Path, tmp_path: Path) -> None:
+    """SIGKILLed after its second checkpoint, with torn saves left behind, then resumed. Only the crash needs a
+    process of its own."""
+    killed = run_child({**settings, "out_dir": str(cut), "kill_at_update": 7}, tmp_path, "killed")
     assert killed.returncode == -signal.SIGKILL
     assert sorted(p.name for p in (cut / "checkpoints").iterdir()) == ["checkpoint-000003", "checkpoint-000006"]
     assert not (cut / "final").exists() and not (cut / "run_summary.json").exists()
@@ -55,19 +72,40 @@ def test_sigkill_after_second_checkpoint_then_resume_equals_uninterrupted(split_
     torn.mkdir()
     (torn / "weights.safetensors").write_bytes(b"half a file")
 
-    resumed = train(TrainSpec(TrainingConfig(**training, resume=True), ValidationConfig(**base["validation"]),
-                              split_dir=split_dir, model=tiny_model_dir),
-                    out_dir=cut)
+    resumed = run_here(settings, cut, resume=True)
     assert resumed.resumed_from == 6 and resumed.updates == 12
-
-    for name in ("metrics.csv", "updates.csv"):
-        assert (cut / name).read_text() == (tmp_path / "whole" / name).read_text(), name
-    a = load_file(str(tmp_path / "whole" / "final" / "unet" / "diffusion_pytorch_model.safetensors"))
-    b = load_file(str(cut / "final" / "unet" / "diffusion_pytorch_model.safetensors"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # keep_checkpoints=2: only the newest two whole checkpoints remain, the torn ones are gone or ignored.
     kept = sorted(p.name for p in (cut / "checkpoints").iterdir() if not p.name.endswith(".tmp"))
     assert kept[-2:] == ["checkpoint-000009", "checkpoint-000012"]
+
+
+def _pause_after_update_5(settings: dict, cut: Path, tmp_path: Path) -> None:
+    """The engine's pause (the fine-tune's successive halving trains two LRs half-way with it): the run stops at the
+    first validation at or after the update asked for, with a checkpoint there and no final weights, and the same
+    settings resumed go on from there. Asked again, a paused run stays paused."""
+    # Validated at 0, 4, 8 and 12: asked for 5, it pauses at 8 (checkpoints 3, 6 and 8).
+    paused = run_here(settings, cut, 5, resume=True)
+    assert (paused.status, paused.updates, paused.final_dir) == ("paused", 8, None)
+    assert not (cut / "final").exists()
+    assert [int(r["update"]) for r in csv.DictReader(open(cut / "metrics.csv"))] == [0, 4, 8]
+    assert json.loads((cut / "run_summary.json").read_text())["status"] == "paused"
+    again = run_here(settings, cut, 5, resume=True)
+    assert (again.status, again.resumed_from, again.updates) == ("paused", 8, 8)
+    resumed = run_here(settings, cut, resume=True)
+    assert (resumed.status, resumed.resumed_from, resumed.updates) == ("ok", 8, 12)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("interrupt", [_sigkill_inside_update_7, _pause_after_update_5], ids=["sigkill", "pause"])
+def test_an_interrupted_run_resumed_equals_the_uninterrupted_one(settings, whole, interrupt, tmp_path):
+    """Exact resume: the interrupted run ends with the uninterrupted run's curves and weights, bit for bit."""
+    cut = tmp_path / "cut"
+    interrupt(settings, cut, tmp_path)
+    for name in ("metrics.csv", "updates.csv"):
+        assert (cut / name).read_text() == (whole / name).read_text(), name
+    a = load_file(str(whole / "final" / "unet" / "diffusion_pytorch_model.safetensors"))
+    b = load_file(str(cut / "final" / "unet" / "diffusion_pytorch_model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.slow
@@ -141,33 +179,3 @@ def test_a_checkpoint_older_than_a_setting_resumes_with_its_default(split_dir, t
     resumed = train(TrainSpec(cfg.model_copy(update={"resume": True}), val, split_dir=split_dir,
                               model=tiny_model_dir), out_dir=out, save_final=False)
     assert resumed.resumed_from == 1 and resumed.updates == 2
-
-
-def test_a_run_paused_half_way_goes_on_to_end_exactly_as_one_never_paused(split_dir, tiny_model_dir, tmp_path):
-    """The engine's pause (the fine-tune's successive halving trains two LRs half-way with it): the run stops at the
-    first validation at or after the update asked for, with a checkpoint there and no final weights, and the same
-    settings resumed end with the uninterrupted run's curve and weights. Asked again, a paused run stays paused."""
-    training = dict(batch_size=4, epochs=3, lr=2e-4, seed=4, checkpoint_every_updates=3, keep_checkpoints=10,
-                    random_flip=True, use_ema=True, ema_decay=0.9, cache_dir=str(tmp_path / "cache"), resume=True)
-
-    def run(out: Path, **kw):
-        return train(TrainSpec(TrainingConfig(**training), ValidationConfig(every_epochs=1), split_dir=split_dir,
-                               model=tiny_model_dir), out_dir=out, **kw)
-
-    whole = run(tmp_path / "whole")
-    # 4 updates an epoch, validated at 0, 4, 8 and 12: asked for 5, it pauses at 8 (checkpoints 3, 6 and 8).
-    paused = run(tmp_path / "cut", pause_after_update=5)
-    assert (paused.status, paused.updates, paused.final_dir) == ("paused", 8, None)
-    assert not (tmp_path / "cut" / "final").exists()
-    assert [int(r["update"]) for r in csv.DictReader(open(tmp_path / "cut" / "metrics.csv"))] == [0, 4, 8]
-    assert json.loads((tmp_path / "cut" / "run_summary.json").read_text())["status"] == "paused"
-    again = run(tmp_path / "cut", pause_after_update=5)
-    assert (again.status, again.resumed_from, again.updates) == ("paused", 8, 8)
-
-    resumed = run(tmp_path / "cut")
-    assert (resumed.status, resumed.resumed_from, resumed.updates) == ("ok", 8, 12) and whole.updates == 12
-    for name in ("metrics.csv", "updates.csv"):
-        assert (tmp_path / "cut" / name).read_text() == (tmp_path / "whole" / name).read_text(), name
-    a = load_file(str(tmp_path / "whole" / "final" / "unet" / "diffusion_pytorch_model.safetensors"))
-    b = load_file(str(tmp_path / "cut" / "final" / "unet" / "diffusion_pytorch_model.safetensors"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

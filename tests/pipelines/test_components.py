@@ -1,0 +1,184 @@
+"""The KFP components' own functions (`component.python_func`), called as kfp calls them in a step: the pipeline's
+typed parameters in, real artifact objects (kfp.dsl Input/Output) on real folders, the outputs read back.
+
+What a whole kfp.local run would prove about one wrapper, in seconds; kfp.local is kept for the DAG's wiring
+(tests/pipelines/test_local_run.py: the default run, the retrain branch, and the fixed LR from a hub id through the
+CLI on a terminal).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from kfp.dsl import Dataset, Markdown
+
+from rangefinder.config import demo_config
+from rangefinder.pipelines import kfp_components as c
+from rangefinder.steps.resolve_config import load_step_config, parameters_from_config
+from tests.conftest import HUB_REPO
+
+
+def _resolve(cfg) -> tuple:
+    """resolve_config's function with the pipeline's parameters for `cfg`, as kfp.local hands them over (no KFP run
+    id: no MLflow parent run)."""
+    params = parameters_from_config(cfg)
+    params.pop("dataset_uri")
+    return c.resolve_config.python_func(**params, pipeline_job_id="")
+
+
+def test_resolve_config_resolves_a_hub_id_from_the_offline_cache(fake_hub_cache, shapes_dataset_dir, monkeypatch):
+    """A real user's hub id on an air-gapped cluster (test_a_hub_id_through_every_step_registers_the_kept_checkpoint
+    below runs it through every step's function): the snapshot folder is in the config every later step reads."""
+    cache, commit = fake_hub_cache
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    r = _resolve(demo_config(data={"dataset_dir": str(shapes_dataset_dir)}, model={"base_model": HUB_REPO},
+                             lr=4e-3, retrain={"enabled": True}))
+    assert (r.fixed_lr, r.retrain, r.mlflow_parent_run_id) == (4e-3, True, "")
+    model = load_step_config(r.config_json).model
+    snapshot = cache / f"models--{HUB_REPO.replace('/', '--')}" / "snapshots" / commit
+    assert (model.base_model, model.resolved_dir) == (HUB_REPO, str(snapshot))
+
+
+def test_resolve_config_converts_a_single_file_once(tiny_model_dir, tmp_path):
+    """A downloaded single-file checkpoint (no rangefinder metadata; model.single_file_config names the
+    architecture), converted by the first step into the cache, once. tests/models/test_loading.py shows the
+    converted folder holds the file's weights."""
+    from rangefinder.formats.single_file import export_full
+
+    single = export_full(tiny_model_dir, tmp_path / "tiny-sd.safetensors")
+    cfg = demo_config(model={"base_model": str(single), "single_file_config": str(tiny_model_dir),
+                             "cache_dir": str(tmp_path / "cache")})
+    first = load_step_config(_resolve(cfg).config_json).model
+    (converted,) = [p for p in (tmp_path / "cache" / "base-models").glob("tiny-sd-*") if p.is_dir()]
+    assert first.base_model == str(single) and first.resolved_dir == str(converted)
+    stamp = (converted / "model_index.json").stat().st_mtime_ns
+    again = load_step_config(_resolve(cfg).config_json).model
+    assert again.resolved_dir == str(converted)
+    assert (converted / "model_index.json").stat().st_mtime_ns == stamp  # found, not converted again
+
+
+def test_prepare_dataset_writes_the_split_artifact_and_its_report(shapes_dataset_dir, tiny_model_dir, tmp_path):
+    cfg = demo_config(data={"dataset_dir": str(shapes_dataset_dir), "resolution": 32},
+                      model={"base_model": str(tiny_model_dir)})
+    split = Dataset(name="split", uri=str(tmp_path / "split"))
+    report = Markdown(name="report", uri=str(tmp_path / "report.md"))
+    r = c.prepare_dataset.python_func(config_json=cfg.model_dump_json(), split=split, report=report)
+    # 20 images: 20 % validation, the rest train (the stabilize set is a subset of train).
+    assert (r.train_images, r.val_images, r.skipped_files) == (16, 4, 0)
+    from rangefinder.data.split import read_split
+
+    written = read_split(Path(split.path))
+    assert (len(written.train), len(written.val), len(written.stabilize)) == (16, 4, 4)
+    assert Path(report.path).read_text().strip()
+
+
+def test_choose_lr_passes_the_bounds_on_and_writes_the_decision(tmp_path):
+    decision = Markdown(name="decision", uri=str(tmp_path / "decision.md"))
+    r = c.choose_lr.python_func(config_json=demo_config().model_dump_json(), source="range-test", lr_low=1e-4,
+                                lr_high=1e-3, lr_mid=3e-4, decision=decision)
+    assert (r.lr_low, r.lr_high, r.lr_mid, r.source) == (1e-4, 1e-3, 3e-4, "range-test")
+    assert "range test" in Path(decision.path).read_text()
+    json.dumps(r._asdict())  # the outputs are plain values kfp writes into executor_output.json
+
+
+def test_a_component_ends_on_bad_input_with_exit_2_and_one_line(tmp_path, capsys):
+    """Bounds out of order: the step's one line on stderr, exit status 2 (what the local runner quotes)."""
+    decision = Markdown(name="decision", uri=str(tmp_path / "decision.md"))
+    with pytest.raises(SystemExit) as stopped:
+        c.choose_lr.python_func(config_json=demo_config().model_dump_json(), source="range-test", lr_low=1e-3,
+                                lr_high=1e-4, lr_mid=3e-4, decision=decision)
+    assert stopped.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("rangefinder step choose-lr: error: RangefinderError: the bounds from the range-test step "
+                           "are out of order"), line
+
+
+def _through_every_step(cfg, out: Path, *, discover: bool) -> dict:
+    """The keep-finetuned branch, component by component: resolve-config, prepare-dataset, the range test and
+    choose-lr (or choose-lr on the fixed LR), finetune, sample-images and register-model, each function on the
+    outputs of the ones before it, in task folders as a pipeline root holds them. Returns the fields of a local
+    run's summary that the registry check reads (tests/pipelines/registered_model.py)."""
+    from kfp.dsl import HTML, Metrics, Model
+
+    root = out / "pipeline-root"
+
+    def artifact(kind, task: str, name: str):
+        (root / task).mkdir(parents=True, exist_ok=True)
+        return kind(name=name, uri=str(root / task / name))
+
+    resolved = _resolve(cfg)
+    config_json = resolved.config_json
+    split = artifact(Dataset, "prepare-dataset", "split")
+    c.prepare_dataset.python_func(config_json=config_json, split=split,
+                                  report=artifact(Markdown, "prepare-dataset", "report"))
+    if discover:
+        found = c.lr_range_test.python_func(
+            config_json=config_json, split=split, stage="first", mlflow_parent_run_id="",
+            curve=artifact(Dataset, "lr-range-test", "curve"), metrics=artifact(Metrics, "lr-range-test", "metrics"),
+            report_html=artifact(HTML, "lr-range-test", "report_html"),
+            report_md=artifact(Markdown, "lr-range-test", "report_md"))
+        bounds = (found.lr_low, found.lr_high, found.lr_mid, "range-test")
+    else:
+        bounds = (resolved.fixed_lr,) * 3 + ("fixed",)
+    lr = c.choose_lr.python_func(config_json=config_json, lr_low=bounds[0], lr_high=bounds[1], lr_mid=bounds[2],
+                                 source=bounds[3], decision=artifact(Markdown, "choose-lr", "decision"))
+    model = artifact(Model, "finetune", "model")
+    ft = c.finetune.python_func(
+        config_json=config_json, split=split, lr_low=lr.lr_low, lr_high=lr.lr_high, lr_mid=lr.lr_mid,
+        lr_source=lr.source, mlflow_parent_run_id="", model=model, curve=artifact(Dataset, "finetune", "curve"),
+        metrics=artifact(Metrics, "finetune", "metrics"), report_html=artifact(HTML, "finetune", "report_html"),
+        report_md=artifact(Markdown, "finetune", "report_md"))
+    c.sample_images.python_func(config_json=config_json, finetuned=model, mlflow_parent_run_id="",
+                                grid=artifact(HTML, "sample-images", "grid"),
+                                images=artifact(Dataset, "sample-images", "images"))
+    registered = c.register_model.python_func(config_json=config_json, model=model, lr=ft.lr_used,
+                                              epochs=ft.recommended_epochs, mlflow_parent_run_id="")
+    return {"pipeline_root": str(root), "lr_source": lr.source, "registered_model": registered.model_uri,
+            "chosen_update": ft.chosen_update, "recommended_updates": ft.recommended_updates,
+            "mixed_precision": ft.mixed_precision, "config_json": config_json}
+
+
+# A fixed LR per method near the tiny model's measured midpoints (config.DEFAULT_LR_RANGE's comment); textual
+# inversion 2e-2 since the tiny model reads its captions (BUILDER_VERSION 3): at 6e-3 its 8 updates recommended no
+# window. The full fine-tune discovers its LR (4 range-test epochs, the fewest that give readable bounds).
+FIXED_LR = {"textual_inversion": 2e-2}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["full", "textual_inversion"])
+def test_a_hub_id_through_every_step_registers_the_kept_checkpoint(method, fake_hub_cache, shapes_dataset_dir,
+                                                                    tmp_path, monkeypatch):
+    """A real user's hub id on an air-gapped cluster, per method, through every step's function to the registry (a
+    real SQLite MLflow store, the registered version downloaded and read back). Each as small as the pipeline
+    allows: 2 fine-tune epochs validated every update (9 points: with 5, a steady fall is not yet significant and no
+    window is read), one prompt, one seed, 2 denoising steps. Checked: the first step resolved the model once and
+    every later step used that folder (the grid's base column included); the registered version holds exactly the
+    kept checkpoint's weights at the recommended update, and its tags and description say which and why. The DAG
+    that hands these outputs on is run whole in tests/pipelines/test_local_run.py (LoRA from this hub id through
+    `rangefinder run --local`, and the default and retrain runs)."""
+    from tests.pipelines.registered_model import check_registered_is_the_kept_checkpoint
+
+    cache, commit = fake_hub_cache
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for var in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "HF_TOKEN"):
+        monkeypatch.delenv(var, raising=False)
+    out = tmp_path / "out"
+    out.mkdir()
+    lr = {"lr": FIXED_LR[method]} if method in FIXED_LR else {}
+    cfg = demo_config(data={"dataset_dir": str(shapes_dataset_dir), "resolution": 32},
+                      model={"base_model": HUB_REPO}, training={"method": method},
+                      tracking={"tracking_uri": f"sqlite:///{out / 'mlflow.db'}"},
+                      lr_range_test={"epochs": 4, "zoom": False}, finetune={"epochs": 2},
+                      validation={"every_updates": 1},
+                      sampling={"prompts": ["a red circle"], "seeds": [0], "num_inference_steps": 2}, **lr)
+    s = _through_every_step(cfg, out, discover=method not in FIXED_LR)
+    assert s["lr_source"] == ("fixed" if method in FIXED_LR else "range-test")
+    assert s["registered_model"] == "models:/rangefinder-sd/1"
+    snapshot = cache / f"models--{HUB_REPO.replace('/', '--')}" / "snapshots" / commit
+    resolved = load_step_config(s["config_json"]).model
+    assert (resolved.base_model, resolved.resolved_dir) == (HUB_REPO, str(snapshot))
+    check_registered_is_the_kept_checkpoint(s, out, snapshot, method)
