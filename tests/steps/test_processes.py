@@ -1,6 +1,6 @@
 """The fine-tune on several processes of one node (torch.distributed.run, gloo on CPU), through the steps' launcher.
 
-Two uninterrupted runs of the fine-tune's own training settings (`finetune_training_config`) at the same global
+Two uninterrupted runs of the fine-tune's own training settings (`TrainSpec.finetune`) at the same global
 batch of 4, made once for the module: one process (batch 4) and two processes (batch 2 each). The curves agree within
 float tolerance, each rank validated only its share of the set, and the checkpoints are rank 0's. The two-process
 run is the reference for every interruption (SIGKILL after the first checkpoint, the halving's pause), each of which

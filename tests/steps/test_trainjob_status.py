@@ -13,7 +13,8 @@ import yaml
 from kubeflow.trainer.backends.kubernetes import utils as sdk_utils
 
 from rangefinder.config import RangefinderConfig
-from rangefinder.steps import launch, trainjob
+from rangefinder.launch import processes as launch
+from rangefinder.launch import trainjob
 from tests.kube_apiserver import GROUP, TOKEN, loopback_cluster
 
 NS = "team-a"
@@ -123,16 +124,18 @@ def test_the_trainjob_carries_no_field_trainer_2_2_removed(trainjob_url):
 @pytest.mark.slow
 def test_a_training_process_of_rank_0_reports_into_its_trainjobs_status(trainjob_url, split_dir, tiny_model_dir,
                                                                         tmp_path, monkeypatch):
-    # The node's own entry point (torchrun runs it: rangefinder.steps.launch), on one process, with the variables
+    # The node's own entry point (torchrun runs it: rangefinder.launch.processes), on one process, with the variables
     # the TrainJobStatus plugin sets: the posts come from the training itself.
-    from rangefinder.steps.finetune import finetune_training_config
-    from rangefinder.training.loop import TrainSpec
+    from dataclasses import replace
+
+    from rangefinder.data.split import read_split
+    from rangefinder.training.spec import TrainSpec
 
     monkeypatch.delenv("RANK", raising=False)
     cfg = RangefinderConfig(training={"batch_size": 4, "cache_dir": str(tmp_path / "cache")},
                             validation={"every_epochs": 1, "timesteps": 2}, finetune={"epochs": 2})
-    spec = TrainSpec(finetune_training_config(cfg, 1e-4, 3e-4, 2e-4, 16), cfg.validation, split_dir=split_dir,
-                     model=str(tiny_model_dir))
+    spec = replace(TrainSpec.finetune(cfg, read_split(split_dir), lr=2e-4, bounds=(1e-4, 3e-4), world_size=1),
+                   model=str(tiny_model_dir))
     job = launch.write_job(cfg, spec, tmp_path / "out", save_final=False, step_name="finetune", mlflow_run_id=None)
     assert launch.worker(job) == 0
     posts = trainjob_url.status_posts

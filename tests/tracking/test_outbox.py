@@ -56,7 +56,7 @@ def _in_mlflow(client: MlflowClient, run_id: str) -> dict:
 
 def test_an_outage_is_handled_alike_with_one_process_and_two(tmp_path, split_dir, tiny_model_dir, monkeypatch,
                                                              caplog, capfd):
-    from rangefinder.steps.launch import run_training
+    from rangefinder.launch.processes import run_training
     from rangefinder.training.loop import TrainSpec
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")

@@ -2,9 +2,8 @@
 
 One config file serves every command (`train`, `run --local`, `compile`, `submit`, `schedule`), and each command
 uses part of it: `train` trains one run on a split that exists already, so the pipeline's sections mean nothing to
-it; the pipeline sets each run's budget, LR, schedule and process count itself (steps/lr_range_test.py,
-steps/finetune.py, steps/retrain_full.py: `ramp_training_config`, `finetune_training_config`,
-`retrain_training_config`), so the same `training:` fields mean nothing to it; a local run has no pods. A setting
+it; the pipeline sets each run's budget, LR, schedule and process count itself (training/spec.py: `TrainSpec.ramp`,
+`.finetune`, `.retrain`), so the same `training:` fields mean nothing to it; a local run has no pods. A setting
 counts as given when the file sets it to something other than its default: a default changes nothing whichever
 command reads it, and a config written out whole (`model_dump`) sets every field.
 """
