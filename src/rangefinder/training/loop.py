@@ -7,7 +7,9 @@ update, validation, checkpoint) -> finish (final weights and summary). The acts 
 - methods/: what trains and what is saved (full fine-tuning, LoRA, textual inversion);
 - data.py: which images go into each micro-batch; validation.py: the measurement and a row of the curve;
 - samples.py: the prompts rendered from the current weights at chosen validations (`samples/`, and MLflow);
-- state.py: what the loop changes (RunState, and the CSV log); checkpointing.py: saving and resuming it.
+- state.py: what the loop changes (RunState, and the CSV log); checkpointing.py: saving and resuming it
+  (identity.py: which run a checkpoint belongs to); divergence.py: the finite checks; disk.py: the failed-write
+  rule; outdir.py: the folder lock.
 
 Outputs under out_dir: `metrics.csv` (one row per validation measurement; the curve CSV), `updates.csv` (one row
 per update), `checkpoints/`, `final/` (the method's deliverable; a StableDiffusionPipeline folder for full
@@ -36,15 +38,11 @@ from rangefinder.config import ValidationConfig
 from rangefinder.formats import checkpoints
 from rangefinder.formats.atomic import atomic_dir, write_json
 from rangefinder.training import UPDATE_METRICS, MetricSink
-from rangefinder.training.checkpointing import (
-    OutDirLock,
-    outputs_written,
-    restore_checkpoint,
-    save_checkpoint,
-    trainable_finite,
-    update_finite,
-)
+from rangefinder.training.checkpointing import restore_checkpoint, save_checkpoint
 from rangefinder.training.data import Stream
+from rangefinder.training.disk import outputs_written
+from rangefinder.training.divergence import trainable_finite, update_finite
+from rangefinder.training.outdir import OutDirLock
 from rangefinder.training.samples import TrainingSamples
 from rangefinder.training.setup import (
     Run,

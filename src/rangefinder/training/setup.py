@@ -40,11 +40,11 @@ from rangefinder.training.caching import (
     text_cache_dir,
 )
 from rangefinder.training.captions import ShuffledCaptions
-from rangefinder.training.checkpointing import check_out_dir_free
 from rangefinder.training.data import EncodedOnTheFly, LatentSource, Stream, make_stream
 from rangefinder.training.families import family_for
 from rangefinder.training.family import Denoiser, Family, ImageGeometry
 from rangefinder.training.methods import make_method
+from rangefinder.training.outdir import check_out_dir_free
 from rangefinder.training.schedules import LRSchedule, make_schedule
 from rangefinder.training.validation import Shard, ValidationSet
 
