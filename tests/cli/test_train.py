@@ -71,3 +71,20 @@ def test_bad_settings_exit_2_with_one_line(flags, words, split_dir, tmp_path, ca
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1 and words in err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("holds", ["nothing", "a lock file", "an updates.csv"])
+def test_resume_on_a_folder_that_holds_no_run_is_refused(holds, split_dir, tmp_path, capsys):
+    """--resume on a folder with no checkpoint (empty, only a lock file left by a probe, a run stopped before its
+    first checkpoint) says so instead of starting a new run from update 0."""
+    out = tmp_path / "out"
+    out.mkdir()
+    if holds == "a lock file":
+        (out / ".rangefinder.lock").write_text("{}")
+    elif holds == "an updates.csv":
+        (out / "updates.csv").write_text("update,epoch,lr,train_loss,grad_norm\n")
+    rc = main(["train", "--data", str(split_dir), "--out", str(out), "--steps", "1", "--resume"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert f"--resume: {out} holds no run to resume" in err and "leave out --resume" in err, err
+    assert not (out / "checkpoints").exists() and not (out / "metrics.csv").exists()

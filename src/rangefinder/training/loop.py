@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from rangefinder.config import ValidationConfig
+from rangefinder.errors import Preempted
 from rangefinder.formats import checkpoints
 from rangefinder.formats.atomic import atomic_dir, write_json
 from rangefinder.training import UPDATE_METRICS, MetricSink
@@ -43,6 +44,7 @@ from rangefinder.training.data import Stream
 from rangefinder.training.disk import outputs_written
 from rangefinder.training.divergence import trainable_finite, update_finite
 from rangefinder.training.outdir import OutDirLock
+from rangefinder.training.preemption import StopRequest, on_sigterm
 from rangefinder.training.samples import TrainingSamples
 from rangefinder.training.setup import (
     Run,
@@ -137,44 +139,73 @@ def train(
         progress = tqdm(total=stream.total_updates, initial=state.update, disable=not run.main,
                         desc=f"train ({cfg.schedule})", unit="update", dynamic_ncols=True)
         t0, cpu0 = time.perf_counter(), time.process_time()
-        paused = _pause_due(pause_after_update, state)  # resumed at the pause: nothing to train
-        while state.update < stream.total_updates and state.status == "ok" and not paused:
-            first_micro_batch = state.micro_batches_done
-            row = _train_one_update(run, state)
-            state.add_update(row)
-            if not update_finite(run, row):
-                state.status = "diverged"  # a NaN/inf loss stops any run, validation on or off
-            if metric_sink is not None and run.main:
-                logged = {k: row[k] for k in UPDATE_METRICS}
-                metric_sink.log_metrics(logged, state.update)
-            progress.set_postfix(loss=f"{row['train_loss']:.4f}", lr=f"{row['lr']:.3g}", refresh=False)
-            progress.update(1)
-
-            # Validation: every N updates, or whenever an every-N-epochs boundary was crossed; and at the end. A ramp
-            # stops once it diverges: the range test has found its upper bound.
-            last = state.update == stream.total_updates
-            if run.validating and (_validation_due(run.val_cfg, stream, first_micro_batch, state) or last):
-                validate(run, state, metric_sink, last=last)
-                if samples is not None:
-                    samples.after_validation(state, last=last)
-                if run.schedule.is_ramp and _diverged(run.val_cfg, state.log):
-                    state.status = "diverged"
-            paused = not last and _pause_due(pause_after_update, state)
-
-            # Checkpoint: every N updates and at the end (also when stopping on divergence; weights that are no longer
-            # finite are not saved, so the last checkpoint is the last finite one), and where the run pauses.
-            every = cfg.checkpoint_every_updates
-            if (every and (state.update % every == 0 or last or state.status != "ok")) or paused:
-                save_checkpoint(run, state)
+        with on_sigterm() as stop:
+            _loop(run, state, metric_sink, samples, progress, stop, pause_after_update)
         progress.close()
         seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - cpu0
 
         # --- final weights and summary --------------------------------------------------------------------------------
-        if paused:
-            state.status = "paused"  # after its checkpoint, which stays "ok": resuming goes on
         result = _finish(run, state, save_final=save_final, seconds=seconds, cpu_seconds=cpu_seconds)
     out_lock.release()
     return result
+
+
+def _loop(run: Run, state: RunState, metric_sink: Optional[MetricSink], samples: Optional[TrainingSamples],
+          progress: Any, stop: StopRequest, pause_after_update: Optional[int]) -> None:
+    """Updates until the end, a divergence or the pause (state.status "paused", after its checkpoint); on SIGTERM a
+    checkpoint at the current update, then `Preempted`."""
+    cfg, stream = run.cfg, run.stream
+    paused = _pause_due(pause_after_update, state)  # resumed at the pause: nothing to train
+    while state.update < stream.total_updates and state.status == "ok" and not paused:
+        first_micro_batch = state.micro_batches_done
+        row = _train_one_update(run, state)
+        state.add_update(row)
+        if not update_finite(run, row):
+            state.status = "diverged"  # a NaN/inf loss stops any run, validation on or off
+        if metric_sink is not None and run.main:
+            logged = {k: row[k] for k in UPDATE_METRICS}
+            metric_sink.log_metrics(logged, state.update)
+        progress.set_postfix(loss=f"{row['train_loss']:.4f}", lr=f"{row['lr']:.3g}", refresh=False)
+        progress.update(1)
+
+        # Validation: every N updates, or whenever an every-N-epochs boundary was crossed; and at the end. A ramp
+        # stops once it diverges: the range test has found its upper bound.
+        last = state.update == stream.total_updates
+        if run.validating and (_validation_due(run.val_cfg, stream, first_micro_batch, state) or last):
+            validate(run, state, metric_sink, last=last)
+            if samples is not None:
+                samples.after_validation(state, last=last)
+            if run.schedule.is_ramp and _diverged(run.val_cfg, state.log):
+                state.status = "diverged"
+        paused = not last and _pause_due(pause_after_update, state)
+
+        # Checkpoint: every N updates and at the end (also when stopping on divergence; weights that are no longer
+        # finite are not saved, so the last checkpoint is the last finite one), and where the run pauses.
+        every = cfg.checkpoint_every_updates
+        if (every and (state.update % every == 0 or last or state.status != "ok")) or paused:
+            save_checkpoint(run, state)
+            saved = state.update
+        else:
+            saved = None
+        # Preemption (SIGTERM): at this update boundary, on every rank at once.
+        if not last and state.status == "ok" and not paused and stop.agreed(run):
+            _preempt(run, state, stop, saved_already=saved == state.update)
+    if paused:
+        state.status = "paused"  # after its checkpoint, which stays "ok": resuming goes on
+
+
+def _preempt(run: Run, state: RunState, stop: StopRequest, saved_already: bool) -> None:
+    """The checkpoint of the current update (unless the loop just wrote it), one line, then `Preempted`."""
+    if not saved_already:
+        save_checkpoint(run, state)
+    if state.status != "ok":
+        return  # weights no longer finite: not saved, and the loop ends as diverged
+    ckpt = run.settings.ckpt_root / checkpoints.checkpoint_name(state.update)
+    raise Preempted(
+        f"stopped by SIGTERM at update {state.update} of {run.stream.total_updates}: checkpoint {ckpt} written "
+        f"{stop.seconds():.1f} s after the signal; run again with --resume (a retried pipeline step does) to go on "
+        "from there"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from rangefinder.cli.output import add_json_flag
@@ -79,6 +80,22 @@ def settings_from_args(args: argparse.Namespace):
     return cfg.training, cfg.validation, (cfg.data if data_given else None), cfg.model, sampling
 
 
+def _check_something_to_resume(out: Path) -> None:
+    """--resume continues a run: a folder without a checkpoint holds none to continue (an empty or mistyped --out,
+    or a run stopped before its first checkpoint), and starting afresh there would look like a resume."""
+    from rangefinder.errors import ConfigError
+    from rangefinder.formats import checkpoints
+
+    if checkpoints.list_checkpoints(out / "checkpoints"):
+        return
+    has = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    holds = f"holds only {', '.join(has)}" if has else ("is empty" if out.is_dir() else "does not exist")
+    raise ConfigError(
+        f"--resume: {out} holds no run to resume (no checkpoint under {out / 'checkpoints'}; the folder {holds}); "
+        "check --out, or leave out --resume to start a run there"
+    )
+
+
 def _file_has_section(path: str, section: str) -> bool:
     from rangefinder.config import read_config_file
 
@@ -91,6 +108,9 @@ def run(args: argparse.Namespace) -> dict:
     training, validation, data, model, sampling = settings_from_args(args)
     if not training.budget_given():
         raise ConfigError("give a budget: --epochs N or --steps N (or training.epochs / training.steps in --config)")
+
+    if args.resume:
+        _check_something_to_resume(Path(args.out))
 
     from rangefinder.training.loop import TrainSpec, train
 
