@@ -299,3 +299,53 @@ def test_a_resume_on_another_base_model_of_the_same_family_is_refused(
     save_file(tensors, str(weights))
     with pytest.raises(ConfigError, match=f"cannot resume: .*the base model \\(it started from .*, this is {model}"):
         resume_short(short_run, tmp_path, split_dir, model)
+
+
+@pytest.mark.slow
+def test_a_kfp_local_retry_after_sigterm_resumes_at_its_checkpoint_and_ends_identical(reference, tmp_path):
+    """kfp.local honours `set_retry` (kfp 2.17): a step that gets SIGTERM while update 5 is in flight fails after
+    writing checkpoint 5, the retry of the same task resumes there (training.resume, as the pipeline's training steps
+    set it), and the run ends exactly like the uninterrupted one."""
+    from kfp import dsl, local
+
+    @dsl.component(base_image="python:3.11")
+    def preemptible_train(settings: str) -> int:
+        import json
+        import os
+        import signal
+        from pathlib import Path
+
+        import torch
+
+        from rangefinder.config import TrainingConfig, ValidationConfig
+        from rangefinder.training.loop import TrainSpec, train
+
+        torch.set_num_threads(1)
+        s = json.loads(settings)
+        first_try = Path(s["first_try_marker"])
+
+        class Evicted:  # the first attempt's pod is evicted while update 5 is in flight
+            def log_metrics(self, metrics, step):
+                if step == 5 and "train_loss" in metrics and not first_try.exists():
+                    first_try.touch()
+                    os.kill(os.getpid(), signal.SIGTERM)
+
+        result = train(TrainSpec(TrainingConfig(**s["training"], resume=True), ValidationConfig(**s["validation"]),
+                                 split_dir=s["split_dir"], model=s["model"]),
+                       out_dir=s["out_dir"], metric_sink=Evicted())
+        return result.resumed_from if result.resumed_from is not None else -1
+
+    @dsl.pipeline(name="preemptible")
+    def pipeline(settings: str) -> int:
+        task = preemptible_train(settings=settings)
+        task.set_retry(num_retries=1, backoff_duration="0s", backoff_factor=1.0)
+        return task.output
+
+    out = tmp_path / "out"
+    settings = child_settings(reference, out, first_try_marker=str(tmp_path / "first-try"))
+    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(tmp_path / "root"),
+               raise_on_error=True)
+    run = pipeline(settings=json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in settings.items()}))
+    assert (tmp_path / "first-try").exists()  # the first attempt was the one evicted
+    assert run.output == 5  # the retry resumed at the checkpoint the SIGTERM wrote
+    assert_ends_like(reference, out)
