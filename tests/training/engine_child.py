@@ -10,9 +10,7 @@ max_file_bytes: no file it writes may grow past that many bytes (RLIMIT_FSIZE; a
 as on a full disk);
 eio_at_update: from that update on, every rename the process makes fails with EIO, as on a failing disk (a seccomp
 filter: the kernel itself returns the error; every file the run publishes is renamed into place);
-term_at_update: while logging that update it creates the file `term_marker` and waits (up to 60 s) for the file
-`term_marker`.sent, which the test creates after sending SIGTERM.
-A RangefinderError is printed on one line with exit status 2 (143 for a SIGTERM's Preempted), as the CLI does.
+A RangefinderError is printed on one line with exit status 2, as the CLI does.
 """
 
 import ctypes
@@ -47,20 +45,14 @@ def fail_renames_with_eio():
 
 
 class KillAt:
-    def __init__(self, update, pause_at=None, pause_marker=None, eio_at=None, term_at=None, term_marker=None):
-        self.update, self.pause_at, self.pause_marker = update, pause_at, pause_marker
-        self.eio_at, self.term_at, self.term_marker = eio_at, term_at, term_marker
+    def __init__(self, update, pause_at=None, pause_marker=None, eio_at=None):
+        self.update, self.pause_at, self.pause_marker, self.eio_at = update, pause_at, pause_marker, eio_at
 
     def log_metrics(self, metrics, step):
         if "train_loss" not in metrics or "val_loss" in metrics:
             return
         if self.eio_at is not None and step == self.eio_at:
             fail_renames_with_eio()
-        if self.term_at is not None and step == self.term_at:
-            open(self.term_marker, "w").close()
-            deadline = time.monotonic() + 60
-            while not os.path.exists(self.term_marker + ".sent") and time.monotonic() < deadline:
-                time.sleep(0.02)
         if self.update is not None and step == self.update:
             os.kill(os.getpid(), signal.SIGKILL)
         if self.pause_at is not None and step == self.pause_at:
@@ -90,17 +82,13 @@ def main(path):
     if s.get("max_file_bytes"):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write then fails with EFBIG instead of killing us
         resource.setrlimit(resource.RLIMIT_FSIZE, (s["max_file_bytes"], s["max_file_bytes"]))
-    from rangefinder import errors
     from rangefinder.config import DataConfig, SamplingConfig, TrainingConfig, ValidationConfig, parse_config
     from rangefinder.errors import RangefinderError
-
-    Preempted = getattr(errors, "Preempted", ())  # () catches nothing: the same child runs against older code
     from rangefinder.training.loop import TrainSpec, train
 
     data = DataConfig(**s["data"]) if s.get("data") else None  # e.g. aspect-ratio buckets
     sampling = SamplingConfig(**s["sampling"]) if s.get("sampling") else None
-    kill = (s.get("kill_at_update"), s.get("pause_at_update"), s.get("pause_marker"), s.get("eio_at_update"),
-            s.get("term_at_update"), s.get("term_marker"))
+    kill = (s.get("kill_at_update"), s.get("pause_at_update"), s.get("pause_marker"), s.get("eio_at_update"))
     if s.get("mlflow"):
         from rangefinder.tracking.runs import step_metric_sink
 
@@ -112,9 +100,6 @@ def main(path):
         result = train(TrainSpec(TrainingConfig(**s["training"]), ValidationConfig(**s["validation"]),
                                  split_dir=s["split_dir"], model=s["model"], data=data, sampling=sampling),
                        out_dir=s["out_dir"], metric_sink=sink)
-    except Preempted as e:
-        print(f"rangefinder train: {e}", file=sys.stderr)
-        sys.exit(128 + signal.SIGTERM)
     except RangefinderError as e:
         print(f"rangefinder train: error: {e}", file=sys.stderr)
         sys.exit(2)

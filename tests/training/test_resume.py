@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,6 @@ import torch
 from safetensors.torch import load_file
 
 from rangefinder.config import TrainingConfig, ValidationConfig
-from rangefinder.formats import checkpoints
 from rangefinder.training.loop import TrainSpec, train
 
 CHILD = Path(__file__).with_name("engine_child.py")
@@ -95,38 +93,6 @@ def test_sigkill_after_second_checkpoint_then_resume_equals_uninterrupted(refere
     # keep_checkpoints=2: only the newest two whole checkpoints remain, the torn ones are gone or ignored.
     kept = sorted(p.name for p in (cut / "checkpoints").iterdir() if not p.name.endswith(".tmp"))
     assert kept[-2:] == ["checkpoint-000009", "checkpoint-000012"]
-
-
-@pytest.mark.slow
-def test_sigterm_mid_epoch_writes_a_checkpoint_there_within_the_grace_period_and_resume_ends_identical(
-        reference, tmp_path):
-    """A pod eviction or a spot preemption: SIGTERM while update 5 is in flight (mid-epoch 2, between the
-    checkpoints at 3 and 6). The update finishes, a checkpoint of update 5 is written well within Kubernetes' 30 s
-    grace period, one line says so and the process exits non-zero (so KFP retries); the resume goes on from 5."""
-    cut, marker = tmp_path / "cut", tmp_path / "in-update-5"
-    child = start_child(child_settings(reference, cut, term_at_update=5, term_marker=str(marker)), tmp_path, "term")
-    deadline = time.monotonic() + 300
-    while not marker.exists():
-        assert child.poll() is None and time.monotonic() < deadline, child.communicate()
-        time.sleep(0.02)
-    child.send_signal(signal.SIGTERM)
-    sent = time.monotonic()
-    Path(f"{marker}.sent").touch()
-    _, err = child.communicate(timeout=60)
-    took = time.monotonic() - sent
-    assert child.returncode == 128 + signal.SIGTERM, err[-3000:]
-    assert took < 30, took
-    assert err.count("rangefinder train:") == 1, err[-3000:]  # one line (after the progress bar's last refresh)
-    line = err[err.index("rangefinder train:"):].splitlines()[0]
-    assert "stopped by SIGTERM at update 5 of 12: checkpoint" in line and "--resume" in line, line
-    assert "Traceback" not in err
-    assert sorted(p.name for p in (cut / "checkpoints").iterdir()) == ["checkpoint-000003", "checkpoint-000005"]
-    assert checkpoints.verify(cut / "checkpoints" / "checkpoint-000005") is None
-    assert not (cut / "final").exists() and not (cut / "run_summary.json").exists()
-
-    resumed = resume_here(reference, cut)
-    assert resumed.resumed_from == 5 and resumed.updates == 12 and resumed.status == "ok"
-    assert_ends_like(reference, cut)
 
 
 @pytest.mark.slow
@@ -302,50 +268,29 @@ def test_a_resume_on_another_base_model_of_the_same_family_is_refused(
 
 
 @pytest.mark.slow
-def test_a_kfp_local_retry_after_sigterm_resumes_at_its_checkpoint_and_ends_identical(reference, tmp_path):
-    """kfp.local honours `set_retry` (kfp 2.17): a step that gets SIGTERM while update 5 is in flight fails after
-    writing checkpoint 5, the retry of the same task resumes there (training.resume, as the pipeline's training steps
-    set it), and the run ends exactly like the uninterrupted one."""
-    from kfp import dsl, local
+def test_sigterm_mid_epoch_writes_a_checkpoint_there_and_the_kfp_local_retry_resumes_identical(reference, tmp_path):
+    """A pod eviction or a spot preemption, through a kfp.local retry (kfp 2.17's local runner honours
+    `set_retry`): the step gets SIGTERM while update 5 is in flight (mid-epoch 2, between the checkpoints at 3 and
+    6). The update finishes, a checkpoint of update 5 is written well within Kubernetes' 30 s grace period, the
+    error says so in one sentence and the step fails; its retry resumes at 5 (training.resume, as the pipeline's
+    training steps set it) and ends exactly like the uninterrupted run."""
+    import re
 
-    @dsl.component(base_image="python:3.11")
-    def preemptible_train(settings: str) -> int:
-        import json
-        import os
-        import signal
-        from pathlib import Path
+    from kfp import local
 
-        import torch
+    from tests.training.preemptible_pipeline import preemptible
 
-        from rangefinder.config import TrainingConfig, ValidationConfig
-        from rangefinder.training.loop import TrainSpec, train
-
-        torch.set_num_threads(1)
-        s = json.loads(settings)
-        first_try = Path(s["first_try_marker"])
-
-        class Evicted:  # the first attempt's pod is evicted while update 5 is in flight
-            def log_metrics(self, metrics, step):
-                if step == 5 and "train_loss" in metrics and not first_try.exists():
-                    first_try.touch()
-                    os.kill(os.getpid(), signal.SIGTERM)
-
-        result = train(TrainSpec(TrainingConfig(**s["training"], resume=True), ValidationConfig(**s["validation"]),
-                                 split_dir=s["split_dir"], model=s["model"]),
-                       out_dir=s["out_dir"], metric_sink=Evicted())
-        return result.resumed_from if result.resumed_from is not None else -1
-
-    @dsl.pipeline(name="preemptible")
-    def pipeline(settings: str) -> int:
-        task = preemptible_train(settings=settings)
-        task.set_retry(num_retries=1, backoff_duration="0s", backoff_factor=1.0)
-        return task.output
-
-    out = tmp_path / "out"
-    settings = child_settings(reference, out, first_try_marker=str(tmp_path / "first-try"))
+    out, report = tmp_path / "out", tmp_path / "first-try.json"
+    settings = child_settings(reference, out, first_try_marker=str(tmp_path / "first-try"),
+                              first_try_report=str(report))
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(tmp_path / "root"),
                raise_on_error=True)
-    run = pipeline(settings=json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in settings.items()}))
-    assert (tmp_path / "first-try").exists()  # the first attempt was the one evicted
+    run = preemptible(settings=json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in settings.items()}))
+
+    first = json.loads(report.read_text())  # the evicted attempt
+    assert first["type"] == "Preempted" and first["checkpoints"] == ["checkpoint-000003", "checkpoint-000005"]
+    said = re.fullmatch(r"stopped by SIGTERM at update 5 of 12: checkpoint \S+checkpoint-000005 written ([\d.]+) s "
+                        r"after the signal; run again with --resume .*", first["message"])
+    assert said and float(said.group(1)) < 30, first["message"]
     assert run.output == 5  # the retry resumed at the checkpoint the SIGTERM wrote
     assert_ends_like(reference, out)
