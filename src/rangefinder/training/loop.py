@@ -9,7 +9,7 @@ update, validation, checkpoint) -> finish (final weights and summary). The acts 
 - samples.py: the prompts rendered from the current weights at chosen validations (`samples/`, and MLflow);
 - state.py: what the loop changes (RunState, and the CSV log); checkpointing.py: saving and resuming it
   (identity.py: which run a checkpoint belongs to); divergence.py: the finite checks; disk.py: the failed-write
-  rule; outdir.py: the folder lock.
+  rule; outdir.py: the folder lock; preemption.py: SIGTERM.
 
 Outputs under out_dir: `metrics.csv` (one row per validation measurement; the curve CSV), `updates.csv` (one row
 per update), `checkpoints/`, `final/` (the method's deliverable; a StableDiffusionPipeline folder for full
@@ -115,7 +115,8 @@ def train(
     run = prepare_run(settings, accelerator, sd, family, encoded)
 
     # A full disk or a read-only folder while writing the curve, final/ or the summary: one sentence, no traceback.
-    with outputs_written(settings.out_dir):
+    # SIGTERM (an eviction) from here on: a checkpoint at the next update boundary, then Preempted.
+    with outputs_written(settings.out_dir), on_sigterm() as stop:
         # --- resume, or the update-0 baseline -------------------------------------------------------------------------
         log = RunLog(settings.out_dir, settings.val_cfg.timesteps, run.main, bucket_columns(run.data.val_sets))
         # One training generator, the same on every rank: each rank draws the randomness of the whole micro-batch
@@ -139,63 +140,53 @@ def train(
         progress = tqdm(total=stream.total_updates, initial=state.update, disable=not run.main,
                         desc=f"train ({cfg.schedule})", unit="update", dynamic_ncols=True)
         t0, cpu0 = time.perf_counter(), time.process_time()
-        with on_sigterm() as stop:
-            _loop(run, state, metric_sink, samples, progress, stop, pause_after_update)
+        paused = _pause_due(pause_after_update, state)  # resumed at the pause: nothing to train
+        while state.update < stream.total_updates and state.status == "ok" and not paused:
+            first_micro_batch = state.micro_batches_done
+            row = _train_one_update(run, state)
+            state.add_update(row)
+            if not update_finite(run, row):
+                state.status = "diverged"  # a NaN/inf loss stops any run, validation on or off
+            if metric_sink is not None and run.main:
+                logged = {k: row[k] for k in UPDATE_METRICS}
+                metric_sink.log_metrics(logged, state.update)
+            progress.set_postfix(loss=f"{row['train_loss']:.4f}", lr=f"{row['lr']:.3g}", refresh=False)
+            progress.update(1)
+
+            # Validation: every N updates, or whenever an every-N-epochs boundary was crossed; and at the end. A ramp
+            # stops once it diverges: the range test has found its upper bound.
+            last = state.update == stream.total_updates
+            if run.validating and (_validation_due(run.val_cfg, stream, first_micro_batch, state) or last):
+                validate(run, state, metric_sink, last=last)
+                if samples is not None:
+                    samples.after_validation(state, last=last)
+                if run.schedule.is_ramp and _diverged(run.val_cfg, state.log):
+                    state.status = "diverged"
+            paused = not last and _pause_due(pause_after_update, state)
+
+            # Checkpoint: every N updates and at the end (also when stopping on divergence; weights that are no longer
+            # finite are not saved, so the last checkpoint is the last finite one), and where the run pauses.
+            every = cfg.checkpoint_every_updates
+            saving = bool(every and (state.update % every == 0 or last or state.status != "ok")) or paused
+            if saving:
+                save_checkpoint(run, state)
+            # Preemption (SIGTERM): at this update boundary, on every rank at once.
+            if not last and state.status == "ok" and not paused and stop.agreed(run):
+                _preempt(run, state, stop, saved_already=saving)
         progress.close()
         seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - cpu0
 
         # --- final weights and summary --------------------------------------------------------------------------------
+        if paused:
+            state.status = "paused"  # after its checkpoint, which stays "ok": resuming goes on
         result = _finish(run, state, save_final=save_final, seconds=seconds, cpu_seconds=cpu_seconds)
     out_lock.release()
     return result
 
 
-def _loop(run: Run, state: RunState, metric_sink: Optional[MetricSink], samples: Optional[TrainingSamples],
-          progress: Any, stop: StopRequest, pause_after_update: Optional[int]) -> None:
-    """Updates until the end, a divergence or the pause (state.status "paused", after its checkpoint); on SIGTERM a
-    checkpoint at the current update, then `Preempted`."""
-    cfg, stream = run.cfg, run.stream
-    paused = _pause_due(pause_after_update, state)  # resumed at the pause: nothing to train
-    while state.update < stream.total_updates and state.status == "ok" and not paused:
-        first_micro_batch = state.micro_batches_done
-        row = _train_one_update(run, state)
-        state.add_update(row)
-        if not update_finite(run, row):
-            state.status = "diverged"  # a NaN/inf loss stops any run, validation on or off
-        if metric_sink is not None and run.main:
-            logged = {k: row[k] for k in UPDATE_METRICS}
-            metric_sink.log_metrics(logged, state.update)
-        progress.set_postfix(loss=f"{row['train_loss']:.4f}", lr=f"{row['lr']:.3g}", refresh=False)
-        progress.update(1)
-
-        # Validation: every N updates, or whenever an every-N-epochs boundary was crossed; and at the end. A ramp
-        # stops once it diverges: the range test has found its upper bound.
-        last = state.update == stream.total_updates
-        if run.validating and (_validation_due(run.val_cfg, stream, first_micro_batch, state) or last):
-            validate(run, state, metric_sink, last=last)
-            if samples is not None:
-                samples.after_validation(state, last=last)
-            if run.schedule.is_ramp and _diverged(run.val_cfg, state.log):
-                state.status = "diverged"
-        paused = not last and _pause_due(pause_after_update, state)
-
-        # Checkpoint: every N updates and at the end (also when stopping on divergence; weights that are no longer
-        # finite are not saved, so the last checkpoint is the last finite one), and where the run pauses.
-        every = cfg.checkpoint_every_updates
-        if (every and (state.update % every == 0 or last or state.status != "ok")) or paused:
-            save_checkpoint(run, state)
-            saved = state.update
-        else:
-            saved = None
-        # Preemption (SIGTERM): at this update boundary, on every rank at once.
-        if not last and state.status == "ok" and not paused and stop.agreed(run):
-            _preempt(run, state, stop, saved_already=saved == state.update)
-    if paused:
-        state.status = "paused"  # after its checkpoint, which stays "ok": resuming goes on
-
-
 def _preempt(run: Run, state: RunState, stop: StopRequest, saved_already: bool) -> None:
-    """The checkpoint of the current update (unless the loop just wrote it), one line, then `Preempted`."""
+    """The checkpoint of the current update (unless the loop just wrote it), then `Preempted`, whose one line says
+    where it is and how to go on."""
     if not saved_already:
         save_checkpoint(run, state)
     if state.status != "ok":
