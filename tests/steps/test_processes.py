@@ -1,18 +1,16 @@
 """The fine-tune on several processes of one node (torch.distributed.run, gloo on CPU), through the steps' launcher.
 
 One test, three runs of the fine-tune's own training settings (`finetune_training_config`) at the same global batch
-of 4: one process (batch 4), two processes (batch 2 each), and two processes killed with SIGKILL after their first
-checkpoint, then resumed. The curves agree within float tolerance, each rank validated
+of 4: one process (batch 4), two processes (batch 2 each), and two processes stopped by SIGTERM to one rank after
+their first checkpoint, then resumed. The curves agree within float tolerance, each rank validated
 only its share of the set, the checkpoints are rank 0's, and the resumed run ends with the uninterrupted run's
 weights.
 """
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import json
-import os
 import signal
 import subprocess
 import time
@@ -24,7 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from rangefinder.config import RangefinderConfig, SamplingConfig, resolve_processes_per_node
-from rangefinder.errors import ConfigError
+from rangefinder.errors import ConfigError, Preempted
 from rangefinder.formats import checkpoints
 from rangefinder.steps import launch
 from rangefinder.steps.finetune import finetune_training_config
@@ -95,7 +93,8 @@ def test_two_processes_train_what_one_does_and_resume_after_sigkill(split_dir, t
         assert state["written_by"] == {"rank": 0, "world_size": 2}
         assert (ckpt / "rng-0.pt").is_file() and (ckpt / "rng-1.pt").is_file() and not (ckpt / "rng-2.pt").exists()
 
-    # Killed with SIGKILL (the launcher and both processes, as a preempted node) after the first checkpoint.
+    # Evicted after the first checkpoint: SIGTERM to rank 1 only. Rank 0 never gets it, yet both stop at the same
+    # update boundary (they sum their flags there) and write a checkpoint at it together, then the step fails.
     cut = tmp_path / "cut"
     job = launch.write_job(two, spec2, cut, save_final=True, step_name="finetune", mlflow_run_id=None)
     proc = subprocess.Popen(launch.torchrun_command(job, 2),
@@ -104,15 +103,17 @@ def test_two_processes_train_what_one_does_and_resume_after_sigkill(split_dir, t
     while not checkpoints.list_checkpoints(cut / "checkpoints") and proc.poll() is None:
         assert time.monotonic() < deadline, "no checkpoint within 5 minutes"
         time.sleep(0.02)
-    # torchrun starts each worker in a session of its own: kill the whole tree at once, as a lost node would.
-    tree = [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
-    for pid in tree:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    proc.wait()
-    assert not (cut / "final").exists(), "the run ended before it could be killed: the resume is not tested"
+    rank1 = min((c for c in psutil.Process(proc.pid).children(recursive=True) if c.environ().get("RANK") == "1"),
+                key=lambda c: c.create_time())  # the worker itself, not a process it started
+    rank1.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) != 0
+    assert not (cut / "final").exists(), "the run ended before it could be stopped: the resume is not tested"
     done = [checkpoints.checkpoint_update(c) for c in checkpoints.list_checkpoints(cut / "checkpoints")]
     assert done and max(done) < 12
+    with pytest.raises(Preempted, match=f"stopped by SIGTERM at update {max(done)} of 12"):
+        launch.read_result(job)
+    stopped_at = checkpoints.list_checkpoints(cut / "checkpoints")[-1]
+    assert checkpoints.verify(stopped_at) is None and (stopped_at / "rng-1.pt").is_file()
 
     # Without resume, every rank refuses the folder: one error in the step, the rank's own sentence.
     fresh = _spec(two, split_dir, tiny_model_dir, SAMPLING, resume=False)

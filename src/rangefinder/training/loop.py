@@ -194,7 +194,7 @@ def _preempt(run: Run, state: RunState, stop: StopRequest, saved_already: bool) 
     ckpt = run.settings.ckpt_root / checkpoints.checkpoint_name(state.update)
     raise Preempted(
         f"stopped by SIGTERM at update {state.update} of {run.stream.total_updates}: checkpoint {ckpt} written "
-        f"{stop.seconds():.1f} s after the signal; run again with --resume (a retried pipeline step does) to go on "
+        f"{stop.since()}; run again with --resume (a retried pipeline step does) to go on "
         "from there"
     )
 

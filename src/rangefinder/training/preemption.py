@@ -44,9 +44,11 @@ class StopRequest:
         flag = torch.tensor([0.0 if self.at is None else 1.0], device=run.device)
         return bool(run.accelerator.reduce(flag, "sum").item() > 0)
 
-    def seconds(self) -> float:
-        """Seconds since the signal came (0 on a rank that did not get it)."""
-        return 0.0 if self.at is None else time.monotonic() - self.at
+    def since(self) -> str:
+        """When the signal came, for the line that says the checkpoint is written."""
+        if self.at is None:
+            return "after another process got SIGTERM"
+        return f"{time.monotonic() - self.at:.1f} s after the signal"
 
 
 @contextlib.contextmanager
