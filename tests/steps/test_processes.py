@@ -56,8 +56,8 @@ def _val_losses(out: Path) -> list[float]:
 
 
 @pytest.mark.slow
-def test_two_processes_train_what_one_does_and_resume_after_sigkill(split_dir, tiny_model_dir, tmp_path,
-                                                                    monkeypatch):
+def test_two_processes_train_what_one_does_and_resume_after_sigterm_to_one_rank(split_dir, tiny_model_dir,
+                                                                               tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     cache = tmp_path / "cache"
