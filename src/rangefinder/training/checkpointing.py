@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import random
 import shutil
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
@@ -89,27 +90,41 @@ def _main_parts(run: Run, state: RunState) -> dict[str, Any]:
     )
 
 
+def check_resume(run: Run) -> None:
+    """When resuming, refuse the newest intact checkpoint if another run wrote it (identity.check_same_run), before
+    anything in the output folder is rewritten (the curve CSVs are, when the run starts)."""
+    ckpt = _resume_point(run, warn=False)
+    if ckpt is not None:
+        check_same_run(checkpoints.read_state(ckpt), run, _train_buckets(run))
+
+
+def _resume_point(run: Run, warn: bool = True) -> Optional[Path]:
+    """The newest intact checkpoint when resuming (None: none yet, or not resuming); those whose files do not match
+    their checksums are passed over, with a warning naming each when `warn`."""
+    if not run.cfg.resume:
+        return None
+    found = checkpoints.list_checkpoints(run.settings.ckpt_root)
+    for candidate in reversed(found):
+        problem = checkpoints.verify(candidate)
+        if problem is None:
+            return candidate
+        if warn:
+            _log.warning("rangefinder: skipping checkpoint %s: %s; resuming from an earlier one", candidate, problem)
+    if found:
+        raise RangefinderError(
+            f"cannot resume: no intact checkpoint under {run.settings.ckpt_root} (all {len(found)} fail their "
+            "checksums, see the warnings above); start again in an empty folder"
+        )
+    return None
+
+
 def restore_checkpoint(run: Run, state: RunState) -> None:
     """When resuming, put the newest intact checkpoint under the output folder back into the run and `state`.
 
     Checkpoints whose files do not match their checksums are passed over with a warning naming them.
     """
-    if not run.cfg.resume:
-        return
-    found = checkpoints.list_checkpoints(run.settings.ckpt_root)
-    ckpt = None
-    for candidate in reversed(found):
-        problem = checkpoints.verify(candidate)
-        if problem is None:
-            ckpt = candidate
-            break
-        _log.warning("rangefinder: skipping checkpoint %s: %s; resuming from an earlier one", candidate, problem)
+    ckpt = _resume_point(run)
     if ckpt is None:
-        if found:
-            raise RangefinderError(
-                f"cannot resume: no intact checkpoint under {run.settings.ckpt_root} (all {len(found)} fail their "
-                "checksums, see the warnings above); start again in an empty folder"
-            )
         return
     saved = checkpoints.load(ckpt, run.accelerator.process_index)
     check_same_run(saved["state"], run, _train_buckets(run))

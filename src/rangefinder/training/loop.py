@@ -39,7 +39,7 @@ from rangefinder.errors import Preempted
 from rangefinder.formats import checkpoints
 from rangefinder.formats.atomic import atomic_dir, write_json
 from rangefinder.training import UPDATE_METRICS, MetricSink
-from rangefinder.training.checkpointing import restore_checkpoint, save_checkpoint
+from rangefinder.training.checkpointing import check_resume, restore_checkpoint, save_checkpoint
 from rangefinder.training.data import Stream
 from rangefinder.training.disk import outputs_written
 from rangefinder.training.divergence import trainable_finite, update_finite
@@ -118,6 +118,7 @@ def train(
     # SIGTERM (an eviction) from here on: a checkpoint at the next update boundary, then Preempted.
     with outputs_written(settings.out_dir), on_sigterm() as stop:
         # --- resume, or the update-0 baseline -------------------------------------------------------------------------
+        check_resume(run)  # another run's checkpoint is refused before the curve CSVs below are rewritten
         log = RunLog(settings.out_dir, settings.val_cfg.timesteps, run.main, bucket_columns(run.data.val_sets))
         # One training generator, the same on every rank: each rank draws the randomness of the whole micro-batch
         # and keeps its share (_micro_batch_loss), so N processes train what one process does at the same global
