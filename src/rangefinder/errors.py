@@ -37,3 +37,8 @@ def one_line_errors(step: str) -> Iterator[None]:
     except RangefinderError as e:
         print(f"{STEP_ERROR_PREFIX} {step}: error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+
+
+class Preempted(RangefinderError):
+    """Training stopped on SIGTERM (a pod eviction, a spot preemption) after writing a checkpoint at the current
+    update: the CLI exits 143 (128 + SIGTERM), a pipeline step fails, and a retry or `--resume` goes on from there."""

@@ -113,3 +113,46 @@ def test_the_plans_warnings_and_cancelling_settings_are_printed(split_dir, tiny_
     warnings = [ln for ln in err.splitlines() if ln.startswith("rangefinder: warning: ")]
     assert any("effective batch 20 is larger than the 16 training images" in w for w in warnings), err
     assert any("validation.every_epochs (2) is not used" in w for w in warnings), err
+
+
+@pytest.mark.parametrize("holds", ["nothing", "a lock file", "an updates.csv"])
+def test_resume_on_a_folder_that_holds_no_run_is_refused(holds, split_dir, tmp_path, capsys):
+    """--resume on a folder with no checkpoint (empty, only a lock file left by a probe, a run stopped before its
+    first checkpoint) says so instead of starting a new run from update 0."""
+    out = tmp_path / "out"
+    out.mkdir()
+    if holds == "a lock file":
+        (out / ".rangefinder.lock").write_text("{}")
+    elif holds == "an updates.csv":
+        (out / "updates.csv").write_text("update,epoch,lr,train_loss,grad_norm\n")
+    rc = main(["train", "--data", str(split_dir), "--out", str(out), "--steps", "1", "--resume"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert f"--resume: {out} holds no run to resume" in err and "leave out --resume" in err, err
+    assert not (out / "checkpoints").exists() and not (out / "metrics.csv").exists()
+
+
+@pytest.mark.slow
+def test_ctrl_c_says_interrupted_and_names_the_command_that_goes_on(split_dir, tiny_model_dir, tmp_path):
+    """SIGINT (Ctrl-C) after the first checkpoint: one line, "interrupted", and the same command with --resume."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "out"
+    args = ["train", "--data", str(split_dir), "--model", str(tiny_model_dir), "--out", str(out), "--steps", "400",
+            "--batch-size", "4", "--validate-every-epochs", "0", "--checkpoint-every-updates", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "rangefinder.cli.main", *args], stderr=subprocess.PIPE, text=True,
+                            env=env)
+    deadline = time.monotonic() + 300
+    while not (out / "checkpoints" / "checkpoint-000001").is_dir():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    line = err[err.index("rangefinder train: interrupted"):].splitlines()[0]
+    assert line.endswith("go on from the newest checkpoint with: rangefinder " + " ".join(args) + " --resume"), line

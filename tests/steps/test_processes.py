@@ -3,16 +3,14 @@
 Two uninterrupted runs of the fine-tune's own training settings (`TrainSpec.finetune`) at the same global
 batch of 4, made once for the module: one process (batch 4) and two processes (batch 2 each). The curves agree within
 float tolerance, each rank validated only its share of the set, and the checkpoints are rank 0's. The two-process
-run is the reference for every interruption (SIGKILL after the first checkpoint, the halving's pause), each of which
-ends with its weights, and for the bf16 all-reduce.
+run is the reference for every interruption (SIGTERM to one rank after the first checkpoint, the halving's
+pause), each of which ends with its weights, and for the bf16 all-reduce.
 """
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import json
-import os
 import signal
 import subprocess
 import time
@@ -26,7 +24,7 @@ from safetensors.torch import load_file
 
 from rangefinder.config import RangefinderConfig, SamplingConfig, resolve_processes_per_node
 from rangefinder.data.split import read_split
-from rangefinder.errors import ConfigError
+from rangefinder.errors import ConfigError, Preempted
 from rangefinder.formats import checkpoints
 from rangefinder.launch import processes as launch
 from rangefinder.training.samples import read_index
@@ -122,9 +120,10 @@ def test_two_processes_train_what_one_does(runs):
         assert (ckpt / "rng-0.pt").is_file() and (ckpt / "rng-1.pt").is_file() and not (ckpt / "rng-2.pt").exists()
 
 
-def _sigkill_after_first_checkpoint(runs: Runs, cut: Path, split_dir: Path, tiny_model_dir: Path) -> int:
-    """Killed with SIGKILL (the launcher and both processes, as a preempted node) after the first checkpoint; the
-    resume goes on from the newest checkpoint. Returns that checkpoint's update."""
+def _sigterm_to_one_rank_after_first_checkpoint(runs: Runs, cut: Path, split_dir: Path, tiny_model_dir: Path) -> int:
+    """Evicted after the first checkpoint: SIGTERM to rank 1 only. Rank 0 never gets it, yet both stop at the same
+    update boundary (they sum their flags there) and write a checkpoint at it together, then the step fails; the
+    resume goes on from there. Returns that checkpoint's update. (SIGKILL of a whole run: training/test_resume.py)"""
     job = launch.write_job(runs.cfg, runs.spec, cut, save_final=True, step_name="finetune", mlflow_run_id=None)
     proc = subprocess.Popen(launch.torchrun_command(job, 2),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -132,15 +131,17 @@ def _sigkill_after_first_checkpoint(runs: Runs, cut: Path, split_dir: Path, tiny
     while not checkpoints.list_checkpoints(cut / "checkpoints") and proc.poll() is None:
         assert time.monotonic() < deadline, "no checkpoint within 5 minutes"
         time.sleep(0.02)
-    # torchrun starts each worker in a session of its own: kill the whole tree at once, as a lost node would.
-    tree = [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
-    for pid in tree:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    proc.wait()
-    assert not (cut / "final").exists(), "the run ended before it could be killed: the resume is not tested"
+    rank1 = min((c for c in psutil.Process(proc.pid).children(recursive=True) if c.environ().get("RANK") == "1"),
+                key=lambda c: c.create_time())  # the worker itself, not a process it started
+    rank1.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) != 0
+    assert not (cut / "final").exists(), "the run ended before it could be stopped: the resume is not tested"
     done = [checkpoints.checkpoint_update(c) for c in checkpoints.list_checkpoints(cut / "checkpoints")]
     assert done and max(done) < 12
+    with pytest.raises(Preempted, match=f"stopped by SIGTERM at update {max(done)} of 12"):
+        launch.read_result(job)
+    stopped_at = checkpoints.list_checkpoints(cut / "checkpoints")[-1]
+    assert checkpoints.verify(stopped_at) is None and (stopped_at / "rng-1.pt").is_file()
 
     # Without resume, every rank refuses the folder: one error in the step, the rank's own sentence.
     fresh = _spec(runs.cfg, split_dir, tiny_model_dir, SAMPLING, resume=False)
@@ -162,8 +163,8 @@ def _pause_after_update_5(runs: Runs, cut: Path, split_dir: Path, tiny_model_dir
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("interrupt", [_sigkill_after_first_checkpoint, _pause_after_update_5],
-                         ids=["sigkill", "pause"])
+@pytest.mark.parametrize("interrupt", [_sigterm_to_one_rank_after_first_checkpoint, _pause_after_update_5],
+                         ids=["sigterm-one-rank", "pause"])
 def test_an_interrupted_two_process_run_ends_as_the_uninterrupted_one(runs, interrupt, split_dir, tiny_model_dir,
                                                                       tmp_path):
     cut = tmp_path / "cut"

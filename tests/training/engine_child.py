@@ -7,9 +7,14 @@ pause_at_update: it creates the file `pause_marker` and sleeps (until killed) wh
 sampling (SamplingConfig fields): samples during training; mlflow ({tracking_uri, run_id}): the run also logs to that
 MLflow run through the multi-process workers' sink (tracking.runs.step_metric_sink), images included;
 max_file_bytes: no file it writes may grow past that many bytes (RLIMIT_FSIZE; a write past it fails with EFBIG,
-as on a full disk). A RangefinderError is printed on one line with exit status 2, as the CLI does.
+as on a full disk);
+eio_at_update: from that update on, every rename the process makes fails with EIO, as on a failing disk (a seccomp
+filter: the kernel itself returns the error; every file the run publishes is renamed into place);
+A RangefinderError is printed on one line with exit status 2, as the CLI does.
 """
 
+import ctypes
+import errno
 import json
 import os
 import resource
@@ -20,13 +25,34 @@ import time
 import torch
 
 
+def fail_renames_with_eio():
+    """A seccomp filter on this process: rename, renameat and renameat2 return EIO from now on (x86_64 numbers)."""
+
+    class Insn(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint32)]
+
+    class Prog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(Insn))]
+
+    load, jeq, ret = 0x20, 0x15, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_RET|K
+    audit_arch_x86_64, allow, fail = 0xC000003E, 0x7FFF0000, 0x00050000 | errno.EIO
+    code = [(load, 0, 0, 4), (jeq, 0, 4, audit_arch_x86_64), (load, 0, 0, 0), (jeq, 3, 0, 82), (jeq, 2, 0, 264),
+            (jeq, 1, 0, 316), (ret, 0, 0, allow), (ret, 0, 0, fail)]
+    prog = Prog(len(code), (Insn * len(code))(*[Insn(*c) for c in code]))
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(38, 1, 0, 0, 0) != 0 or libc.syscall(317, 1, 1, ctypes.byref(prog)) != 0:  # NO_NEW_PRIVS; TSYNC
+        raise OSError(ctypes.get_errno(), "cannot install the seccomp filter")
+
+
 class KillAt:
-    def __init__(self, update, pause_at=None, pause_marker=None):
-        self.update, self.pause_at, self.pause_marker = update, pause_at, pause_marker
+    def __init__(self, update, pause_at=None, pause_marker=None, eio_at=None):
+        self.update, self.pause_at, self.pause_marker, self.eio_at = update, pause_at, pause_marker, eio_at
 
     def log_metrics(self, metrics, step):
         if "train_loss" not in metrics or "val_loss" in metrics:
             return
+        if self.eio_at is not None and step == self.eio_at:
+            fail_renames_with_eio()
         if self.update is not None and step == self.update:
             os.kill(os.getpid(), signal.SIGKILL)
         if self.pause_at is not None and step == self.pause_at:
@@ -62,7 +88,7 @@ def main(path):
 
     data = DataConfig(**s["data"]) if s.get("data") else None  # e.g. aspect-ratio buckets
     sampling = SamplingConfig(**s["sampling"]) if s.get("sampling") else None
-    kill = (s.get("kill_at_update"), s.get("pause_at_update"), s.get("pause_marker"))
+    kill = (s.get("kill_at_update"), s.get("pause_at_update"), s.get("pause_marker"), s.get("eio_at_update"))
     if s.get("mlflow"):
         from rangefinder.tracking.runs import step_metric_sink
 

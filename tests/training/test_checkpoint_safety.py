@@ -259,8 +259,31 @@ def test_checkpoints_path_occupied_by_a_file_is_a_clear_error(base, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "checkpoints").write_text("not a folder")
-    with pytest.raises(RangefinderError, match="cannot write checkpoint checkpoint-000002 under .*checkpoints.*free"):
+    in_the_way = "cannot write checkpoint checkpoint-000002 under .*checkpoints: a file is in the way: .*checkpoints is"
+    with pytest.raises(RangefinderError, match=in_the_way + " a file, not a folder"):
         run_here(base, out, epochs=None, steps=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("writing", ["checkpoint", "outputs"])
+def test_an_io_error_reads_as_one_and_the_same_on_both_write_paths(base, tmp_path, writing):
+    """EIO (a failing disk or network file system), from the kernel itself: after update 1 every rename the run
+    makes fails (a seccomp filter in the child). Both the checkpoint at update 2 and, with checkpoints off, final/
+    are renamed into place, so each path meets it; each says "input/output error" and names the folder, neither
+    calls it a full disk, neither is a traceback."""
+    out = tmp_path / "out"
+    training = {**base["training"], "checkpoint_every_updates": 2 if writing == "checkpoint" else None}
+    child = start_child({**base, "out_dir": str(out), "training": training, "eio_at_update": 1}, tmp_path, writing)
+    _, err = child.communicate(timeout=600)
+    assert child.returncode == 2, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    line = err[err.index("rangefinder train: error:"):].splitlines()[0]
+    what = "checkpoint checkpoint-000002" if writing == "checkpoint" else "the run's outputs"
+    where = out / "checkpoints" if writing == "checkpoint" else out
+    assert f"cannot write {what} under {where}: input/output error" in line, line
+    assert "GiB free" in line and "check that volume" in line and "free some space" not in line, line
+    assert not (out / "final").exists() and not (out / "run_summary.json").exists()
+    assert not checkpoints.list_checkpoints(out / "checkpoints")  # nothing half-written looks finished
 
 
 # ---------------------------------------------------------------------------------------------------------------

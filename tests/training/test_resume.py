@@ -1,5 +1,4 @@
-"""Exact resume: a run SIGKILLed after its second checkpoint, or paused half-way, and resumed ends exactly like the
-one never stopped (made once for the module)."""
+"""Exact resume: a run SIGKILLed after its second checkpoint and resumed ends exactly like one never stopped."""
 
 from __future__ import annotations
 
@@ -22,47 +21,63 @@ CHILD = Path(__file__).with_name("engine_child.py")
 
 
 def run_child(settings: dict, tmp: Path, name: str) -> subprocess.CompletedProcess:
+    child = start_child(settings, tmp, name)
+    out, err = child.communicate(timeout=600)
+    return subprocess.CompletedProcess(child.args, child.returncode, out, err)
+
+
+def start_child(settings: dict, tmp: Path, name: str) -> subprocess.Popen:
     path = tmp / f"{name}.json"
-    path.write_text(json.dumps(settings))
+    path.write_text(json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in settings.items()}))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, str(CHILD), str(path)], capture_output=True, text=True, env=env, timeout=600)
+    return subprocess.Popen([sys.executable, str(CHILD), str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
 
 
-# The settings of the uninterrupted run every interruption below is compared with: 16 images / batch 4 = 4 updates
-# an epoch, 12 in all, validated every epoch (0, 4, 8, 12), a checkpoint every 3 updates, the newest 2 kept.
-TRAINING = dict(batch_size=4, epochs=3, lr=2e-4, seed=11, checkpoint_every_updates=3, keep_checkpoints=2,
-                random_flip=True, cond_dropout=0.2, min_snr_gamma=5.0, noise_offset=0.05, use_ema=True, ema_decay=0.9)
+# One uninterrupted reference run; each interruption below must end exactly like it (issue 32: one shared reference).
+# 16 images / batch 4 = 4 updates per epoch, 12 in all; checkpoints every 3 updates, validation every epoch.
+REFERENCE = dict(
+    batch_size=4, epochs=3, lr=2e-4, seed=11, checkpoint_every_updates=3, keep_checkpoints=2,
+    random_flip=True, cond_dropout=0.2, min_snr_gamma=5.0, noise_offset=0.05, use_ema=True, ema_decay=0.9,
+)
 VALIDATION = dict(every_epochs=1)
 
 
 @pytest.fixture(scope="module")
-def settings(split_dir, tiny_model_dir, tmp_path_factory) -> dict:
-    """The run's settings as engine_child.py reads them; the encoded latents cached once for every run here."""
-    training = {**TRAINING, "cache_dir": str(tmp_path_factory.mktemp("encoded"))}
-    return dict(split_dir=str(split_dir), model=str(tiny_model_dir), training=training, validation=VALIDATION)
+def reference(split_dir, tiny_model_dir, tmp_path_factory) -> dict:
+    """The uninterrupted run (here, one torch thread, as in the child), and the settings the interrupted runs share."""
+    training = {**REFERENCE, "cache_dir": str(tmp_path_factory.mktemp("encoded"))}
+    whole = tmp_path_factory.mktemp("reference") / "whole"
+    train(TrainSpec(TrainingConfig(**training), ValidationConfig(**VALIDATION), split_dir=split_dir,
+                    model=tiny_model_dir), out_dir=whole)
+    return dict(split_dir=str(split_dir), model=str(tiny_model_dir), training=training, validation=VALIDATION,
+                whole=whole)
 
 
-def run_here(settings: dict, out: Path, pause_after_update: int | None = None, **training):
-    """The run in this process (one torch thread, as in the child)."""
-    spec = TrainSpec(TrainingConfig(**{**settings["training"], **training}),
-                     ValidationConfig(**settings["validation"]), split_dir=settings["split_dir"],
-                     model=settings["model"])
-    return train(spec, out_dir=out, pause_after_update=pause_after_update)
+def resume_here(reference: dict, out: Path, **kw):
+    return train(TrainSpec(TrainingConfig(**{**reference["training"], "resume": True}),
+                           ValidationConfig(**reference["validation"]), split_dir=reference["split_dir"],
+                           model=reference["model"]), out_dir=out, **kw)
 
 
-@pytest.fixture(scope="module")
-def whole(settings, tmp_path_factory) -> Path:
-    """The uninterrupted run, made once: the reference for every interruption."""
-    out = tmp_path_factory.mktemp("uninterrupted") / "whole"
-    result = run_here(settings, out)
-    assert result.status == "ok" and result.updates == 12
-    return out
+def assert_ends_like(reference: dict, out: Path) -> None:
+    whole = reference["whole"]
+    for name in ("metrics.csv", "updates.csv"):
+        assert (out / name).read_text() == (whole / name).read_text(), name
+    a = load_file(str(whole / "final" / "unet" / "diffusion_pytorch_model.safetensors"))
+    b = load_file(str(out / "final" / "unet" / "diffusion_pytorch_model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def _sigkill_inside_update_7(settings: dict, cut: Path, tmp_path: Path) -> None:
-    """SIGKILLed after its second checkpoint, with torn saves left behind, then resumed. Only the crash needs a
-    process of its own."""
-    killed = run_child({**settings, "out_dir": str(cut), "kill_at_update": 7}, tmp_path, "killed")
+def child_settings(reference: dict, out: Path, **kw) -> dict:
+    return {k: v for k, v in reference.items() if k != "whole"} | {"out_dir": str(out)} | kw
+
+
+@pytest.mark.slow
+def test_sigkill_after_second_checkpoint_then_resume_equals_uninterrupted(reference, tmp_path):
+    # Checkpoints at 3 and 6, then killed inside update 7.
+    cut = tmp_path / "cut"
+    killed = run_child(child_settings(reference, cut, kill_at_update=7), tmp_path, "killed")
     assert killed.returncode == -signal.SIGKILL
     assert sorted(p.name for p in (cut / "checkpoints").iterdir()) == ["checkpoint-000003", "checkpoint-000006"]
     assert not (cut / "final").exists() and not (cut / "run_summary.json").exists()
@@ -72,40 +87,12 @@ def _sigkill_inside_update_7(settings: dict, cut: Path, tmp_path: Path) -> None:
     torn.mkdir()
     (torn / "weights.safetensors").write_bytes(b"half a file")
 
-    resumed = run_here(settings, cut, resume=True)
+    resumed = resume_here(reference, cut)
     assert resumed.resumed_from == 6 and resumed.updates == 12
+    assert_ends_like(reference, cut)
     # keep_checkpoints=2: only the newest two whole checkpoints remain, the torn ones are gone or ignored.
     kept = sorted(p.name for p in (cut / "checkpoints").iterdir() if not p.name.endswith(".tmp"))
     assert kept[-2:] == ["checkpoint-000009", "checkpoint-000012"]
-
-
-def _pause_after_update_5(settings: dict, cut: Path, tmp_path: Path) -> None:
-    """The engine's pause (the fine-tune's successive halving trains two LRs half-way with it): the run stops at the
-    first validation at or after the update asked for, with a checkpoint there and no final weights, and the same
-    settings resumed go on from there. Asked again, a paused run stays paused."""
-    # Validated at 0, 4, 8 and 12: asked for 5, it pauses at 8 (checkpoints 3, 6 and 8).
-    paused = run_here(settings, cut, 5, resume=True)
-    assert (paused.status, paused.updates, paused.final_dir) == ("paused", 8, None)
-    assert not (cut / "final").exists()
-    assert [int(r["update"]) for r in csv.DictReader(open(cut / "metrics.csv"))] == [0, 4, 8]
-    assert json.loads((cut / "run_summary.json").read_text())["status"] == "paused"
-    again = run_here(settings, cut, 5, resume=True)
-    assert (again.status, again.resumed_from, again.updates) == ("paused", 8, 8)
-    resumed = run_here(settings, cut, resume=True)
-    assert (resumed.status, resumed.resumed_from, resumed.updates) == ("ok", 8, 12)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("interrupt", [_sigkill_inside_update_7, _pause_after_update_5], ids=["sigkill", "pause"])
-def test_an_interrupted_run_resumed_equals_the_uninterrupted_one(settings, whole, interrupt, tmp_path):
-    """Exact resume: the interrupted run ends with the uninterrupted run's curves and weights, bit for bit."""
-    cut = tmp_path / "cut"
-    interrupt(settings, cut, tmp_path)
-    for name in ("metrics.csv", "updates.csv"):
-        assert (cut / name).read_text() == (whole / name).read_text(), name
-    a = load_file(str(whole / "final" / "unet" / "diffusion_pytorch_model.safetensors"))
-    b = load_file(str(cut / "final" / "unet" / "diffusion_pytorch_model.safetensors"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.slow
@@ -173,9 +160,143 @@ def test_a_checkpoint_older_than_a_setting_resumes_with_its_default(split_dir, t
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
     (out / "run_summary.json").unlink()
 
-    with pytest.raises(ConfigError, match=r"different settings \(training.allreduce_dtype\)"):
+    changed = r"different settings or data \(training.allreduce_dtype \"fp32\" -> \"bf16\"\)"
+    with pytest.raises(ConfigError, match=changed):
         train(TrainSpec(cfg.model_copy(update={"resume": True, "allreduce_dtype": "bf16"}), val, split_dir=split_dir,
                         model=tiny_model_dir), out_dir=out, save_final=False)
     resumed = train(TrainSpec(cfg.model_copy(update={"resume": True}), val, split_dir=split_dir,
                               model=tiny_model_dir), out_dir=out, save_final=False)
     assert resumed.resumed_from == 1 and resumed.updates == 2
+
+
+def test_a_run_paused_half_way_goes_on_to_end_exactly_as_one_never_paused(reference, tmp_path):
+    """The engine's pause (the fine-tune's successive halving trains two LRs half-way with it): the run stops at the
+    first validation at or after the update asked for, with a checkpoint there and no final weights, and the same
+    settings resumed end with the uninterrupted run's curve and weights. Asked again, a paused run stays paused."""
+    cut = tmp_path / "cut"
+    # 4 updates an epoch, validated at 0, 4, 8 and 12: asked for 5, it pauses at 8 (checkpoints 3, 6 and 8).
+    paused = resume_here(reference, cut, pause_after_update=5)
+    assert (paused.status, paused.updates, paused.final_dir) == ("paused", 8, None)
+    assert not (cut / "final").exists()
+    assert [int(r["update"]) for r in csv.DictReader(open(cut / "metrics.csv"))] == [0, 4, 8]
+    assert json.loads((cut / "run_summary.json").read_text())["status"] == "paused"
+    again = resume_here(reference, cut, pause_after_update=5)
+    assert (again.status, again.resumed_from, again.updates) == ("paused", 8, 8)
+
+    resumed = resume_here(reference, cut)
+    assert (resumed.status, resumed.resumed_from, resumed.updates) == ("ok", 8, 12)
+    assert_ends_like(reference, cut)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A resume continues only the run it finds (issue 36, class 1)
+
+SHORT = dict(batch_size=4, lr=1e-4, seed=3, steps=2, checkpoint_every_updates=1, keep_checkpoints=2)
+SHORT_VALIDATION = dict(every_epochs=0, every_updates=1, timesteps=2, seed=0)
+
+
+@pytest.fixture(scope="module")
+def short_run(split_dir, tiny_model_dir, tmp_path_factory) -> dict:
+    """A finished 2-update run with a checkpoint at each update, which the tests below copy and resume otherwise."""
+    training = {**SHORT, "cache_dir": str(tmp_path_factory.mktemp("encoded"))}
+    out = tmp_path_factory.mktemp("short") / "run"
+    train(TrainSpec(TrainingConfig(**training), ValidationConfig(**SHORT_VALIDATION), split_dir=split_dir,
+                    model=tiny_model_dir), out_dir=out, save_final=False)
+    return dict(training=training, out=out)
+
+
+LOCK = ".rangefinder.lock"  # rewritten by every run that holds the folder
+
+
+def resume_short(short_run: dict, tmp_path: Path, split_dir, model, validation=SHORT_VALIDATION):
+    import shutil
+
+    out = Path(shutil.copytree(short_run["out"], tmp_path / "run"))
+    def files() -> dict:
+        return {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != LOCK}
+
+    before = files()
+    spec = TrainSpec(TrainingConfig(**short_run["training"], resume=True), ValidationConfig(**validation),
+                     split_dir=split_dir, model=model)
+    try:
+        return train(spec, out_dir=out, save_final=False)
+    finally:  # a refused resume leaves the run as it was: its checkpoints and its curve
+        assert files() == before
+
+
+def test_a_resume_with_other_validation_timesteps_and_seed_is_refused_naming_both(
+        short_run, split_dir, tiny_model_dir, tmp_path):
+    from rangefinder.errors import ConfigError
+
+    other = {**SHORT_VALIDATION, "timesteps": 3, "seed": 7}
+    with pytest.raises(ConfigError, match="cannot resume") as e:
+        resume_short(short_run, tmp_path, split_dir, tiny_model_dir, validation=other)
+    assert "validation.seed 0 -> 7" in str(e.value) and "validation.timesteps 2 -> 3" in str(e.value)
+    assert "training." not in str(e.value)  # only what differs is named
+
+
+def test_a_resume_on_the_same_images_with_one_caption_changed_is_refused(
+        short_run, shapes_dataset_dir, tiny_model_dir, tmp_path):
+    """Same images, same sizes, same split: only one caption differs, and the run's data digest sees it."""
+    import shutil
+
+    from rangefinder.data.split import split_dataset
+    from rangefinder.errors import ConfigError
+
+    data = Path(shutil.copytree(shapes_dataset_dir, tmp_path / "data"))
+    caption = sorted(data.glob("*.txt"))[0]
+    caption.write_text(caption.read_text() + " at noon")
+    other_split = tmp_path / "split"
+    split_dataset(data, other_split, val_split=0.2, stabilize_split=0.2, seed=555)  # as the split_dir fixture
+    with pytest.raises(ConfigError, match=r"cannot resume: .*the data \(another dataset, or images or captions "
+                                          r"changed\)"):
+        resume_short(short_run, tmp_path, other_split, tiny_model_dir)
+
+
+def test_a_resume_on_another_base_model_of_the_same_family_is_refused(
+        short_run, split_dir, tiny_model_dir, tmp_path):
+    """A copy of the base model with one UNet weight changed (another fine-tune of the same architecture)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from rangefinder.errors import ConfigError
+
+    model = Path(shutil.copytree(tiny_model_dir, tmp_path / "model"))
+    weights = model / "unet" / "diffusion_pytorch_model.safetensors"
+    tensors = load_file(str(weights))
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[0] += 0.5
+    save_file(tensors, str(weights))
+    with pytest.raises(ConfigError, match=f"cannot resume: .*the base model \\(it started from .*, this is {model}"):
+        resume_short(short_run, tmp_path, split_dir, model)
+
+
+@pytest.mark.slow
+def test_sigterm_mid_epoch_writes_a_checkpoint_there_and_the_kfp_local_retry_resumes_identical(reference, tmp_path):
+    """A pod eviction or a spot preemption, through a kfp.local retry (kfp 2.17's local runner honours
+    `set_retry`): the step gets SIGTERM while update 5 is in flight (mid-epoch 2, between the checkpoints at 3 and
+    6). The update finishes, a checkpoint of update 5 is written well within Kubernetes' 30 s grace period, the
+    error says so in one sentence and the step fails; its retry resumes at 5 (training.resume, as the pipeline's
+    training steps set it) and ends exactly like the uninterrupted run."""
+    import re
+
+    from kfp import local
+
+    from tests.training.preemptible_pipeline import preemptible
+
+    out, report = tmp_path / "out", tmp_path / "first-try.json"
+    settings = child_settings(reference, out, first_try_marker=str(tmp_path / "first-try"),
+                              first_try_report=str(report))
+    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(tmp_path / "root"),
+               raise_on_error=True)
+    run = preemptible(settings=json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in settings.items()}))
+
+    first = json.loads(report.read_text())  # the evicted attempt
+    assert first["type"] == "Preempted" and first["checkpoints"] == ["checkpoint-000003", "checkpoint-000005"]
+    said = re.fullmatch(r"stopped by SIGTERM at update 5 of 12: checkpoint \S+checkpoint-000005 written ([\d.]+) s "
+                        r"after the signal; run again with --resume .*", first["message"])
+    assert said and float(said.group(1)) < 30, first["message"]
+    assert run.output == 5  # the retry resumed at the checkpoint the SIGTERM wrote
+    assert_ends_like(reference, out)

@@ -11,13 +11,16 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import shlex
+import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Optional
 
 from rangefinder.cli.args import OneLineParser
 from rangefinder.cli.output import print_table
-from rangefinder.errors import RangefinderError
+from rangefinder.errors import Preempted, RangefinderError
 
 # Order is the order `rangefinder --help` lists them in.
 COMMANDS = [
@@ -78,6 +81,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         _refuse_empty_paths(args)
         result = args.func(args)
+    except Preempted as e:  # SIGTERM: a checkpoint at the current update is written
+        print(f"rangefinder {args.command}: {e}", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except RangefinderError as e:
         print(f"rangefinder {args.command}: error: {e}", file=sys.stderr)
         return 2
@@ -88,7 +94,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               "where a folder is meant and a file where a file is meant", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"rangefinder {args.command}: interrupted", file=sys.stderr)
+        print(f"rangefinder {args.command}: interrupted{_how_to_go_on(args, argv)}", file=sys.stderr)
         return 130
     if result is None:
         return 0
@@ -97,6 +103,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     else:
         print_table(result)
     return 0
+
+
+def _how_to_go_on(args: argparse.Namespace, argv: Optional[Sequence[str]]) -> str:
+    """For `train`: the command that goes on from the newest checkpoint (or, without one, starts it again)."""
+    if args.command != "train":
+        return ""
+    from rangefinder.formats import checkpoints
+
+    words = list(sys.argv[1:] if argv is None else argv)
+    if checkpoints.latest_checkpoint(Path(args.out) / "checkpoints") is None:
+        words = [w for w in words if w != "--resume"]
+        return f"; no checkpoint was written yet, so run it again to start over: rangefinder {shlex.join(words)}"
+    if "--resume" not in words:
+        words.append("--resume")
+    return f"; go on from the newest checkpoint with: rangefinder {shlex.join(words)}"
 
 
 if __name__ == "__main__":

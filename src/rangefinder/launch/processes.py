@@ -20,10 +20,14 @@ newest whole checkpoint when the step is run again (`training.resume`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
@@ -219,13 +223,29 @@ def _torchrun(job: Path, nproc: int) -> None:
     """Run the processes; their output goes to the step's log as it comes."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own default for several processes, without its warning
-    rc = subprocess.run(torchrun_command(job, nproc), env=env, check=False).returncode
+    with subprocess.Popen(torchrun_command(job, nproc), env=env) as proc, _forward_sigterm(proc):
+        rc = proc.wait()
     if rc != 0:
         read_result(job)  # a rank's own error, if it wrote one
         raise RangefinderError(
             f"the {nproc} training processes failed (torchrun exit status {rc}); the log above says why. Run the "
             "step again: it resumes from the newest whole checkpoint"
         )
+
+
+@contextlib.contextmanager
+def _forward_sigterm(proc: subprocess.Popen) -> Iterator[None]:
+    """SIGTERM to the step (a pod eviction) goes on to torchrun, which passes it to every rank: they write a
+    checkpoint at the current update and stop (training/preemption.py), and the step fails so that its retry goes
+    on from there. Without this the step would die at once and leave the ranks to the pod's SIGKILL."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signal.SIGTERM))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 # ---------------------------------------------------------------------------------------------------------------

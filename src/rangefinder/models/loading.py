@@ -71,6 +71,9 @@ class SDComponents:
     family: str = "sd1"  # "sd1" | "sdxl" (detect_family)
     text_encoder_2: Any = None  # SDXL: transformers CLIPTextModelWithProjection (OpenCLIP bigG)
     tokenizer_2: Any = None  # SDXL: its tokenizer
+    # The loaded weights' fingerprint (weights_digest), before any training changes them: what a checkpoint records
+    # as its base model, so that a resume on another one is refused wherever the folder now lies.
+    digest: Optional[str] = None
 
     def text_encoders(self) -> dict[str, Any]:
         """{part name: text encoder} of the family, in the order the family concatenates them."""
@@ -469,7 +472,23 @@ def _load_folder(resolved: ResolvedModel, model_cfg: ModelConfig) -> SDComponent
     for key in ("unet", "vae", "text_encoder", "text_encoder_2"):
         if key in parts:
             parts[key].eval()
-    return SDComponents(source=resolved.source, model_dir=resolved.path, kind=resolved.kind, family=family, **parts)
+    return SDComponents(source=resolved.source, model_dir=resolved.path, kind=resolved.kind, family=family,
+                        digest=weights_digest(parts), **parts)
+
+
+def weights_digest(parts: dict[str, Any]) -> str:
+    """sha256 of the models' parameter names, shapes, dtypes and first 64 values each: two base models (another
+    fine-tune of the same architecture differs in every tensor) tell apart without hashing gigabytes of weights."""
+    import torch
+
+    h = hashlib.sha256()
+    for key in ("unet", "vae", "text_encoder", "text_encoder_2"):
+        if key not in parts:
+            continue
+        for name, t in parts[key].state_dict().items():
+            h.update(f"{key}.{name}:{tuple(t.shape)}:{t.dtype};".encode())
+            h.update(t.detach().reshape(-1)[:64].to(torch.float32).cpu().numpy().tobytes())
+    return h.hexdigest()
 
 
 def _first_line(e: BaseException) -> str:

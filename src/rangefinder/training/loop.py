@@ -10,7 +10,9 @@ update, validation, checkpoint) -> finish (final weights and summary). The acts 
 - data.py: which images go into each micro-batch; validation.py: the measurement (a row of the curve: `validate`,
   here);
 - samples.py: the prompts rendered from the current weights at chosen validations (`samples/`, and MLflow);
-- state.py: what the loop changes (RunState, and the CSV log); checkpointing.py: saving and resuming it.
+- state.py: what the loop changes (RunState, and the CSV log); checkpointing.py: saving and resuming it
+  (identity.py: which run a checkpoint belongs to); divergence.py: the finite checks; disk.py: the failed-write
+  rule; outdir.py: the folder lock; preemption.py: SIGTERM.
 
 Outputs under out_dir: `metrics.csv` (one row per validation measurement; the curve CSV), `updates.csv` (one row
 per update), `checkpoints/`, `final/` (the method's deliverable; a StableDiffusionPipeline folder for full
@@ -36,18 +38,16 @@ import torch
 import torch.nn.functional as F
 
 from rangefinder.config import ValidationConfig
+from rangefinder.errors import Preempted
 from rangefinder.formats import checkpoints
 from rangefinder.formats.atomic import atomic_dir, write_json
-from rangefinder.training.checkpointing import (
-    OutDirLock,
-    outputs_written,
-    restore_checkpoint,
-    save_checkpoint,
-    trainable_finite,
-    update_finite,
-)
+from rangefinder.training.checkpointing import check_resume, restore_checkpoint, save_checkpoint
 from rangefinder.training.data import Stream
+from rangefinder.training.disk import outputs_written
+from rangefinder.training.divergence import trainable_finite, update_finite
 from rangefinder.training.encoding import encode_data
+from rangefinder.training.outdir import OutDirLock
+from rangefinder.training.preemption import StopRequest, on_sigterm
 from rangefinder.training.run import Run
 from rangefinder.training.samples import TrainingSamples
 from rangefinder.training.setup import (
@@ -111,8 +111,10 @@ def train(
     run = prepare_run(settings, accelerator, sd, family, encoded)
 
     # A full disk or a read-only folder while writing the curve, final/ or the summary: one sentence, no traceback.
-    with outputs_written(settings.out_dir):
+    # SIGTERM (an eviction) from here on: a checkpoint at the next update boundary, then Preempted.
+    with outputs_written(settings.out_dir), on_sigterm() as stop:
         # --- resume, or the update-0 baseline -------------------------------------------------------------------------
+        check_resume(run)  # another run's checkpoint is refused before the curve CSVs below are rewritten
         log = RunLog(settings.out_dir, settings.val_cfg.timesteps, run.main, bucket_columns(run.data.val_sets))
         # One training generator, the same on every rank: each rank draws the randomness of the whole micro-batch
         # and keeps its share (_micro_batch_loss), so N processes train what one process does at the same global
@@ -162,8 +164,12 @@ def train(
             # Checkpoint: every N updates and at the end (also when stopping on divergence; weights that are no longer
             # finite are not saved, so the last checkpoint is the last finite one), and where the run pauses.
             every = cfg.checkpoint_every_updates
-            if (every and (state.update % every == 0 or last or state.status != "ok")) or paused:
+            saving = bool(every and (state.update % every == 0 or last or state.status != "ok")) or paused
+            if saving:
                 save_checkpoint(run, state)
+            # Preemption (SIGTERM): at this update boundary, on every rank at once.
+            if not last and state.status == "ok" and not paused and stop.agreed(run):
+                _preempt(run, state, stop, saved_already=saving)
         progress.close()
         seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - cpu0
 
@@ -173,6 +179,21 @@ def train(
         result = _finish(run, state, save_final=save_final, seconds=seconds, cpu_seconds=cpu_seconds)
     out_lock.release()
     return result
+
+
+def _preempt(run: Run, state: RunState, stop: StopRequest, saved_already: bool) -> None:
+    """The checkpoint of the current update (unless the loop just wrote it), then `Preempted`, whose one line says
+    where it is and how to go on."""
+    if not saved_already:
+        save_checkpoint(run, state)
+    if state.status != "ok":
+        return  # weights no longer finite: not saved, and the loop ends as diverged
+    ckpt = run.settings.ckpt_root / checkpoints.checkpoint_name(state.update)
+    raise Preempted(
+        f"stopped by SIGTERM at update {state.update} of {run.stream.total_updates}: checkpoint {ckpt} written "
+        f"{stop.since()}; run again with --resume (a retried pipeline step does) to go on "
+        "from there"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------

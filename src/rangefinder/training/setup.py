@@ -19,11 +19,11 @@ from rangefinder.errors import ConfigError, DataError
 from rangefinder.formats import checkpoints
 from rangefinder.planning import plan_for
 from rangefinder.training.caching import cache_root
-from rangefinder.training.checkpointing import check_out_dir_free
 from rangefinder.training.data import make_stream
 from rangefinder.training.families import family_for
 from rangefinder.training.family import Denoiser, Family
 from rangefinder.training.methods import make_method
+from rangefinder.training.outdir import check_out_dir_free
 from rangefinder.training.run import EncodedData, Run, RunSettings
 from rangefinder.training.schedules import make_schedule
 from rangefinder.training.spec import TrainSpec

@@ -109,10 +109,28 @@ def settings_from_args(args: argparse.Namespace):
                           train_on=args.train_on, sampling=sampling)
 
 
+def _check_something_to_resume(out: Path) -> None:
+    """--resume continues a run: a folder without a checkpoint holds none to continue (an empty or mistyped --out,
+    or a run stopped before its first checkpoint), and starting afresh there would look like a resume."""
+    from rangefinder.errors import ConfigError
+    from rangefinder.formats import checkpoints
+
+    if checkpoints.list_checkpoints(out / "checkpoints"):
+        return
+    has = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    holds = f"holds only {', '.join(has)}" if has else ("is empty" if out.is_dir() else "does not exist")
+    raise ConfigError(
+        f"--resume: {out} holds no run to resume (no checkpoint under {out / 'checkpoints'}; the folder {holds}); "
+        "check --out, or leave out --resume to start a run there"
+    )
+
+
 def run(args: argparse.Namespace) -> dict:
     from rangefinder.launch.processes import run_training
 
     cfg, spec = settings_from_args(args)
+    if args.resume:
+        _check_something_to_resume(Path(args.out))
     result = run_training(cfg, spec, out_dir=Path(args.out))
     out = result.as_dict()
     out.pop("checkpoints")

@@ -1,0 +1,111 @@
+"""Which run a checkpoint belongs to, and the check a resume makes: a resume continues only the run it finds.
+
+A checkpoint records what shapes the run's curve (checkpointing.save_checkpoint writes `run_identity` into its
+state.json): the data (a digest of every image's sha256 and caption, by subset), the base model (its weights'
+digest), the training settings, the validation settings, the data settings (resolution, crop, buckets) and what it
+trains on. A resume whose run differs in any of them is refused with one error naming each difference; only the
+settings in RESUMABLE_CHANGES may change (they change how the run is carried out or recorded, not what it
+computes), and what the spec holds outside these (sampling, tracking) is not part of the run's identity.
+docs/security.md and the README ("A resume continues only its own run") list both.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import TYPE_CHECKING, Any, Optional
+
+from rangefinder.config import DataConfig, TrainingConfig, ValidationConfig
+from rangefinder.errors import ConfigError
+
+if TYPE_CHECKING:
+    from rangefinder.training.run import Run, RunSettings
+
+# training.* settings a resume may change: they do not change what the run computes (compile: the same maths, other
+# kernels; processes_per_node: the number of processes, world_size, is compared, and it may not change, because each
+# process's RNG state is saved per rank).
+RESUMABLE_CHANGES = frozenset({"resume", "checkpoint_every_updates", "keep_checkpoints", "cache_dir", "compile",
+                               "processes_per_node"})
+# data.* settings that only choose which files the split takes (read when splitting, not when training).
+_SPLIT_ONLY = frozenset({"dataset_dir", "min_image_size", "min_images"})
+
+
+def data_digest(settings: RunSettings) -> str:
+    """sha256 over each subset's images (their sha256, which the run already computed to check the split) and
+    captions, in the run's order: another dataset of the same size, or one caption changed, gives another digest."""
+    subsets = {"train": settings.train_items, **settings.val_items}
+    listing = {name: [[settings.file_hashes[it.id], it.text] for it in items] for name, items in subsets.items()}
+    return hashlib.sha256(json.dumps(listing, sort_keys=True).encode()).hexdigest()
+
+
+def run_identity(run: Run) -> dict[str, Any]:
+    """What state.json records of the run beside its settings (`training`), for `check_same_run`."""
+    return {
+        "data_digest": data_digest(run.settings),
+        "model_digest": run.sd.digest,
+        "base_model": run.sd.source,
+        "validation": run.val_cfg.model_dump(mode="json"),
+        "data": _data_settings(run.data.data_cfg),
+        "train_on": run.settings.train_on,
+    }
+
+
+def _data_settings(data: DataConfig) -> dict[str, Any]:
+    return {k: v for k, v in data.model_dump(mode="json").items() if k not in _SPLIT_ONLY}
+
+
+def check_same_run(saved: dict[str, Any], run: Run, train_buckets: Optional[dict[str, int]]) -> None:
+    """ConfigError naming every way `run` differs from the run that wrote the checkpoint state `saved`. A checkpoint
+    from before an item was recorded is not checked for that item; a setting newer than the checkpoint counts as its
+    default (the run trained as that default does)."""
+    from rangefinder.training.family_detection import FAMILY_NAMES
+
+    root = run.settings.ckpt_root
+    family = saved.get("family", "sd1")  # checkpoints from before families were recorded: SD 1.x/2.x
+    if family != run.family.name:
+        was, is_ = FAMILY_NAMES.get(family, family), FAMILY_NAMES.get(run.family.name, run.family.name)
+        raise ConfigError(
+            f"cannot resume: the checkpoint under {root} is from a {was} run but the base model "
+            f"{run.sd.source} is {is_}; resume with the base model the run started from, or start in an empty folder"
+        )
+    identity = saved.get("identity", {})
+    now = run_identity(run)
+    diffs: list[str] = []
+    if identity.get("model_digest") not in (None, now["model_digest"]):
+        diffs.append(f"the base model (it started from {identity.get('base_model')}, this is {run.sd.source}, "
+                     "whose weights differ)")
+    same_size = saved["train_images"] == len(run.settings.train_items)
+    if identity.get("data_digest") not in (None, now["data_digest"]) or not same_size:
+        sizes = "" if same_size else f": {saved['train_images']} training images, now {len(run.settings.train_items)}"
+        diffs.append(f"the data (another dataset, or images or captions changed{sizes})")
+    if identity.get("train_on") not in (None, now["train_on"]):
+        diffs.append(f"what it trains on ({identity['train_on']} -> {now['train_on']})")
+    diffs += _changed("training", saved["training"], run.cfg.model_dump(mode="json"), TrainingConfig(),
+                      RESUMABLE_CHANGES)
+    if "validation" in identity:
+        diffs += _changed("validation", identity["validation"], now["validation"], ValidationConfig())
+    if "data" in identity:
+        diffs += _changed("data", identity["data"], now["data"], DataConfig())
+    elif saved.get("train_buckets") != train_buckets:  # None both ways without bucketing
+        diffs.append("the training set's aspect-ratio buckets (data.*)")
+    if not diffs and saved["total_updates"] != run.settings.plan.total_updates:
+        diffs.append(f"the plan ({saved['total_updates']} updates, now {run.settings.plan.total_updates})")
+    if diffs:
+        raise ConfigError(
+            f"cannot resume: the checkpoint under {root} was written by a run with different settings or data "
+            f"({'; '.join(diffs)}); resume with the settings, data and base model it started with, or start in an "
+            "empty folder"
+        )
+
+
+def _changed(section: str, before: dict[str, Any], now: dict[str, Any], defaults: Any,
+             may_change: frozenset[str] = frozenset()) -> list[str]:
+    """`section.key before -> now` for each setting that differs, leaving out `may_change`."""
+    known = defaults.model_dump(mode="json")
+    before = {**{k: known[k] for k in now if k in known and k not in before}, **before}
+    keys = sorted(k for k in set(before) | set(now) if k not in may_change and before.get(k) != now.get(k))
+    return [f"{section}.{k} {_show(before.get(k))} -> {_show(now.get(k))}" for k in keys]
+
+
+def _show(value: Any) -> str:
+    return json.dumps(value)
