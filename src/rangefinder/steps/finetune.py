@@ -142,6 +142,7 @@ def run_finetune(
     from rangefinder.analysis import copy_report, select_step_window, write_step_report
     from rangefinder.data.split import read_split
     from rangefinder.models.loading import resolve_base_model
+    from rangefinder.steps.choose_lr import skipped_because
     from rangefinder.steps.halving import halving_applies, run_halving
     from rangefinder.training.spec import TrainSpec
 
@@ -197,6 +198,7 @@ def run_finetune(
             checkpoints.keep_newest(work / "checkpoints", cfg.training.keep_checkpoints)
         publish(work, model_dir)
         decision.update(lr_low=lr_low, lr_high=lr_high, lr_mid=lr_mid, lr_used=lr, lr_source=lr_source,
+                        range_test_skipped=skipped_because(cfg),
                         halving=None if race is None else race.to_json(), mixed_precision=precision, chosen=chosen,
                         world_size=tc.world_size, global_batch=tc.batch_size * tc.grad_accum * tc.world_size,
                         model_family=result.family)

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from safetensors import SafetensorError
 
-from rangefinder.config import TrainingConfig
+from rangefinder.config import TrainingConfig, migrate_training
 from rangefinder.errors import ConfigError, RangefinderError
 from rangefinder.formats import checkpoints
 
@@ -213,7 +213,8 @@ def _check_same_run(saved: dict[str, Any], run: Run) -> None:
     now = {k: v for k, v in run.cfg.model_dump(mode="json").items() if k not in RESUMABLE_CHANGES}
     # A setting newer than the checkpoint counts as its default: the run trained as that default does.
     defaults = TrainingConfig().model_dump(mode="json")
-    before = {k: v for k, v in saved["training"].items() if k not in RESUMABLE_CHANGES}
+    # Settings as written before a rename (use_8bit_adam: training.optimizer) read as today's.
+    before = {k: v for k, v in migrate_training(saved["training"]).items() if k not in RESUMABLE_CHANGES}
     before.update({k: defaults[k] for k in now if k not in saved["training"] and k in defaults})
     changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
     same_data = saved["total_updates"] == run.settings.plan.total_updates and saved["train_images"] == len(
