@@ -17,7 +17,6 @@ from safetensors.torch import load_file
 from rangefinder.config import TrainingConfig, ValidationConfig, parse_config
 from rangefinder.errors import ConfigError
 from rangefinder.training.loop import TrainSpec, train
-
 from tests.training.test_resume import run_child
 
 UNET = Path("final") / "unet" / "diffusion_pytorch_model.safetensors"

@@ -54,7 +54,8 @@ def settings_from_args(args: argparse.Namespace):
     overrides: dict[str, Any] = {"training": {}, "validation": {}, "data": {}}
     t, v = overrides["training"], overrides["validation"]
     for flag, key in (
-        ("method", "method"), ("schedule", "schedule"), ("optimizer", "optimizer"), ("lr", "lr"), ("lr_min", "lr_min"), ("lr_max", "lr_max"),
+        ("method", "method"), ("schedule", "schedule"), ("optimizer", "optimizer"), ("lr", "lr"),
+        ("lr_min", "lr_min"), ("lr_max", "lr_max"),
         ("epochs", "epochs"), ("steps", "steps"), ("batch_size", "batch_size"), ("grad_accum", "grad_accum"),
         ("seed", "seed"), ("checkpoint_every_updates", "checkpoint_every_updates"),
     ):
