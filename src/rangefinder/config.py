@@ -360,6 +360,9 @@ class TrainingConfig(_Section):
                 )
             if self.schedule == "exp-ramp" and not (self.lr_min and self.lr_min > 0):
                 raise ValueError("training.lr_min: an exp-ramp needs lr_min > 0 (it climbs geometrically), e.g. 1e-7")
+        if self.optimizer in LR_FREE_OPTIMIZERS and self.scale_lr != "none":
+            raise ValueError(f"training.scale_lr: {self.optimizer} estimates its own step size and its lr is a "
+                             f"multiplier of it (1.0), not an LR to scale with the batch; set scale_lr: none")
         # A ramp is the range test's measurement of the LR, not a training schedule: it stays allowed.
         if self.optimizer in SCHEDULE_FREE_OPTIMIZERS and self.schedule not in ("constant", *RAMP_SCHEDULES):
             raise ValueError(f"training.schedule: {self.optimizer} is schedule-free (it averages its iterates instead "

@@ -107,7 +107,9 @@ def test_validating_a_schedule_free_run_changes_nothing_it_trains(split_dir, tin
      "finetune.schedule"),
     (dict(training=dict(optimizer="prodigy"), lr_range_test=dict(lr_min=1e-6)), "LR-free"),
     (dict(training=dict(optimizer="prodigy", use_8bit_adam=True)), "use_8bit_adam"),
-], ids=["schedule-free-cosine", "schedule-free-triangular-finetune", "range-test-with-prodigy", "8bit-and-prodigy"])
+    (dict(training=dict(optimizer="prodigy", scale_lr="linear")), "scale_lr"),
+], ids=["schedule-free-cosine", "schedule-free-triangular-finetune", "range-test-with-prodigy", "8bit-and-prodigy",
+        "prodigy-scaled-lr"])
 def test_a_wrong_combination_is_one_config_line(bad, message):
     with pytest.raises(ConfigError, match=message) as err:
         parse_config(bad)
