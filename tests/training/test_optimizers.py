@@ -161,7 +161,7 @@ def test_the_cli_says_a_wrong_combination_in_one_line(tmp_path):
 # The pipeline with an LR-free optimizer: no range test
 
 
-def test_an_lr_free_optimizer_skips_the_range_test(tiny_model_dir, tmp_path):
+def test_an_lr_free_optimizer_skips_the_range_test(tiny_model_dir, split_dir, tmp_path):
     from rangefinder.steps.choose_lr import run_choose_lr
     from rangefinder.steps.halving import halving_applies
     from rangefinder.steps.lr_range_test import run_lr_range_test
@@ -179,6 +179,13 @@ def test_an_lr_free_optimizer_skips_the_range_test(tiny_model_dir, tmp_path):
     chosen = run_choose_lr(cfg, source="fixed", lr_low=1.0, lr_high=1.0, lr_mid=1.0, decision_path=report)
     assert "prodigy is LR-free" in report.read_text() and "range test skipped" in report.read_text()
     assert not halving_applies(True, True, "constant", chosen.lr_mid, chosen.lr_high)
+    # The fine-tune the engine is given: Prodigy, constant, at its multiplier 1.0.
+    from rangefinder.data.split import read_split
+    from rangefinder.training.spec import TrainSpec
+
+    tc = TrainSpec.finetune(cfg, read_split(split_dir), split_dir=split_dir, lr_low=chosen.lr_low,
+                            lr_high=chosen.lr_high, lr=chosen.lr_mid, world_size=1).training
+    assert (tc.optimizer, tc.schedule, tc.lr) == ("prodigy", "constant", 1.0)
     # Running the range test anyway is one clear error, before anything is read.
     with pytest.raises(ConfigError, match="LR-free") as err:
         run_lr_range_test(cfg, split_dir=tmp_path / "nowhere", out_dir=tmp_path / "out")

@@ -177,7 +177,10 @@ def run_finetune(
                                         stabilize_loss=curve.get("stabilize_loss"), tolerance=cfg.finetune.tolerance,
                                         seed=cfg.validation.seed,
                                         divergence_factor=cfg.validation.divergence_factor)
-            report = write_step_report(window, curve, report_dir, source=f"{result.metrics_csv}; {batch_note(tc)}",
+            # With an LR-free optimizer the report says why there was no range test (and no halving).
+            skipped = skipped_because(cfg)
+            source = f"{result.metrics_csv}; {batch_note(tc)}" + (f"; {skipped}" if skipped else "")
+            report = write_step_report(window, curve, report_dir, source=source,
                                        samples=sample_strip(work), halving=race)
             copy_report(report, report_html, report_md)
             # No window (no improvement at all): keep the configured budget and say so in the report.
