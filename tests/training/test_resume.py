@@ -113,7 +113,8 @@ def test_tag_shuffle_changes_the_conditioning_and_resumes_exactly(shapes_dataset
 
 def test_a_checkpoint_older_than_a_setting_resumes_with_its_default(split_dir, tiny_model_dir, tmp_path):
     """A checkpoint written before a training setting existed (here training.allreduce_dtype, and training.optimizer
-    with the old use_8bit_adam beside it) resumes: the missing setting counts as its default. Set to something else, the resume is refused as before."""
+    with the old use_8bit_adam beside it) resumes: the missing setting counts as its default. Set to something else,
+    the resume is refused as before."""
     from rangefinder.errors import ConfigError
     from rangefinder.formats import checkpoints
     from rangefinder.formats.digest import file_sha256
