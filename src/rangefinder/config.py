@@ -251,6 +251,13 @@ Schedule = Literal["constant", "linear-ramp", "exp-ramp", "cosine", "triangular"
 RAMP_SCHEDULES = ("linear-ramp", "exp-ramp")
 CYCLIC_SCHEDULES = ("triangular", "triangular2", "exp_range")
 StepsUnit = Literal["update", "micro-batch"]
+# training.optimizer (training/optimizers.py makes them). LR-free ones adapt their own step size (Prodigy's d; the LR
+# is a multiplier, 1.0 by default): the pipeline skips the range test for them. Schedule-free ones replace the LR
+# schedule by an average of the iterates: they train with a constant LR, and are measured and saved in eval mode.
+Optimizer = Literal["adamw", "adamw8bit", "prodigy", "prodigy_schedule_free", "adamw_schedule_free", "adafactor"]
+LR_FREE_OPTIMIZERS = ("prodigy", "prodigy_schedule_free")
+SCHEDULE_FREE_OPTIMIZERS = ("adamw_schedule_free", "prodigy_schedule_free")
+LR_FREE_LR = 1.0  # the LR-free optimizers' documented lr: a multiplier of the step size they estimate
 ScaleLR = Literal["none", "linear", "sqrt"]
 ProcessesPerNode = Union[Literal["auto"], Annotated[int, Field(ge=1)]]
 
@@ -296,11 +303,14 @@ class TrainingConfig(_Section):
     exp_range_gamma: float = Field(0.999, gt=0, le=1)  # per-update amplitude decay of exp_range
 
     # --- optimizer
+    # Which optimizer (Optimizer above; README "Optimizers"). adam_beta1/2, adam_epsilon and weight_decay are AdamW's
+    # and AdamW8bit's; the others start from their packages' own documented defaults. `use_8bit_adam: true`, the old
+    # switch, is read as `optimizer: adamw8bit` (migrate_training).
+    optimizer: Optimizer = "adamw"
     adam_beta1: float = Field(0.9, ge=0, lt=1)
     adam_beta2: float = Field(0.999, ge=0, lt=1)
     adam_epsilon: float = Field(1e-8, gt=0)
     weight_decay: float = Field(1e-2, ge=0)
-    use_8bit_adam: bool = False  # bitsandbytes AdamW8bit; CUDA only
     max_grad_norm: Optional[float] = Field(1.0, gt=0)  # None turns clipping off
 
     # --- loss and augmentation
@@ -346,6 +356,11 @@ class TrainingConfig(_Section):
     keep_checkpoints: int = Field(2, ge=1)
     resume: bool = False  # resume from the newest whole checkpoint under the output folder
 
+    @model_validator(mode="before")
+    @classmethod
+    def _migrate(cls, data: Any) -> Any:
+        return migrate_training(data) if isinstance(data, dict) else data
+
     @field_validator("processes_per_node", mode="before")
     @classmethod
     def _auto_or_count(cls, v: Any) -> Any:
@@ -376,10 +391,39 @@ class TrainingConfig(_Section):
                 )
             if self.schedule == "exp-ramp" and not (self.lr_min and self.lr_min > 0):
                 raise ValueError("training.lr_min: an exp-ramp needs lr_min > 0 (it climbs geometrically), e.g. 1e-7")
+        if self.optimizer in LR_FREE_OPTIMIZERS and self.scale_lr != "none":
+            raise ValueError(f"training.scale_lr: {self.optimizer} estimates its own step size and its lr is a "
+                             f"multiplier of it (1.0), not an LR to scale with the batch; set scale_lr: none")
+        # A ramp is the range test's measurement of the LR, not a training schedule: it stays allowed.
+        if self.optimizer in SCHEDULE_FREE_OPTIMIZERS and self.schedule not in ("constant", *RAMP_SCHEDULES):
+            raise ValueError(f"training.schedule: {self.optimizer} is schedule-free (it averages its iterates instead "
+                             f"of decaying the LR), so it trains with a constant LR; set training.schedule: constant "
+                             f"(got {self.schedule}), or choose training.optimizer: adamw")
         return self
 
     def budget_given(self) -> bool:
         return self.epochs is not None or self.steps is not None
+
+
+def migrate_training(data: dict[str, Any]) -> dict[str, Any]:
+    """A `training` section as written before training.optimizer: `use_8bit_adam: true` is `optimizer: adamw8bit`
+    (false: the default, adamw); with an LR-free optimizer an unset lr is the optimizer's own, LR_FREE_LR. Used on
+    every TrainingConfig and on the settings a checkpoint was written with (training/identity.py: check_same_run)."""
+    data = dict(data)
+    if "use_8bit_adam" in data:
+        eight_bit = data.pop("use_8bit_adam")
+        chosen = data.get("optimizer")
+        if eight_bit is True and chosen not in (None, "adamw8bit"):
+            raise ValueError(f"training.use_8bit_adam: true is training.optimizer: adamw8bit, but optimizer is "
+                             f"{chosen!r}; keep one of them (use_8bit_adam is the old name)")
+        if eight_bit is True:
+            data["optimizer"] = "adamw8bit"
+        elif eight_bit not in (False, None):
+            raise ValueError(f"training.use_8bit_adam must be true or false (got {eight_bit!r}); "
+                             "it is the old name of training.optimizer: adamw8bit")
+    if data.get("optimizer") in LR_FREE_OPTIMIZERS and data.get("lr") is None:
+        data["lr"] = LR_FREE_LR
+    return data
 
 
 def resolve_mixed_precision(setting: str, device: Optional[str] = None) -> Literal["no", "fp16", "bf16"]:
@@ -776,7 +820,8 @@ class RangefinderConfig(_Section):
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     kubernetes: KubernetesConfig = Field(default_factory=KubernetesConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
-    # A learning rate chosen by hand skips discovery (range test and zoom).
+    # A learning rate chosen by hand skips discovery (range test and zoom); so does an LR-free training.optimizer,
+    # which then trains at this lr, or at LR_FREE_LR when it is unset (pipeline_lr).
     lr: Optional[float] = Field(None, gt=0)
 
     @model_validator(mode="after")
@@ -787,12 +832,33 @@ class RangefinderConfig(_Section):
                 f"lr_range_test.lr_max ({hi:g}) must be above lr_range_test.lr_min ({lo:g}) for method "
                 f"{self.training.method}; set both, or leave them unset for the method's default range"
             )
-        if self.split.val_dir is None and self.split.val_split == 0 and self.lr is None:
+        optimizer = self.training.optimizer
+        if optimizer in LR_FREE_OPTIMIZERS and (self.lr_range_test.lr_min is not None
+                                                or self.lr_range_test.lr_max is not None):
+            raise ValueError(
+                f"lr_range_test.lr_min/lr_max ask for a range test, but training.optimizer {optimizer} is LR-free (it "
+                "estimates its own step size; the pipeline skips the range test for it); remove lr_range_test's "
+                "bounds, or choose training.optimizer: adamw"
+            )
+        if optimizer in SCHEDULE_FREE_OPTIMIZERS:
+            for where, schedule in (("finetune", self.finetune.schedule), ("retrain", self.retrain.schedule)):
+                if schedule != "constant":
+                    raise ValueError(f"{where}.schedule: {optimizer} is schedule-free, so it trains with a constant "
+                                     f"LR; set {where}.schedule: constant (got {schedule})")
+        if (self.split.val_dir is None and self.split.val_split == 0 and self.lr is None
+                and optimizer not in LR_FREE_OPTIMIZERS):
             raise ValueError(
                 "split.val_split: discovery measures validation loss, so it needs val_split > 0 "
                 "(or split.val_dir, or a fixed lr to skip discovery)"
             )
         return self
+
+    def pipeline_lr(self) -> Optional[float]:
+        """The LR the pipeline trains at without discovering one: the lr set by hand, else an LR-free optimizer's
+        own; None: discover it (range test)."""
+        if self.lr is not None:
+            return self.lr
+        return LR_FREE_LR if self.training.optimizer in LR_FREE_OPTIMIZERS else None
 
 
 # The demo's prompts: one per shape, each colour once, on the white background of the demo's data. 4 prompts x 3

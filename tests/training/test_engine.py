@@ -244,12 +244,12 @@ def test_v_prediction_and_train_plus_val(split_dir, tiny_model_dir, encoded_cach
         (dict(schedule="linear-ramp", lr_min=1e-3, lr_max=1e-5, epochs=1), "lr_max"),
         (dict(batch_size=1000, drop_last=True, epochs=1), "drop_last"),
         (dict(schedule="zigzag", epochs=1), "schedule"),
-        (dict(use_8bit_adam=True, epochs=1), "use_8bit_adam"),
+        (dict(optimizer="adamw8bit", epochs=1), "adamw8bit"),
     ],
     ids=["ramp-upside-down", "batch-larger-than-set", "unknown-schedule", "8bit-adam-on-cpu"],
 )
 def test_bad_settings_fail_before_training(bad, message, split_dir, tiny_model_dir, tmp_path):
-    if bad.get("use_8bit_adam") and torch.cuda.is_available():
+    if bad.get("optimizer") == "adamw8bit" and torch.cuda.is_available():
         pytest.skip("8-bit AdamW is allowed where CUDA is")
     cfg = TrainingConfig.model_construct(**{**dict(TrainingConfig()), **bad})  # skip the constructor's checks
     out = tmp_path / "out"

@@ -137,8 +137,9 @@ def test_tag_shuffle_changes_the_conditioning_and_resumes_exactly(shapes_dataset
 
 
 def test_a_checkpoint_older_than_a_setting_resumes_with_its_default(split_dir, tiny_model_dir, tmp_path):
-    """A checkpoint written before a training setting existed (here training.allreduce_dtype) resumes: the missing
-    setting counts as its default. Set to something else, the resume is refused as before."""
+    """A checkpoint written before a training setting existed (here training.allreduce_dtype, and training.optimizer
+    with the old use_8bit_adam beside it) resumes: the missing setting counts as its default. Set to something else,
+    the resume is refused as before."""
     from rangefinder.errors import ConfigError
     from rangefinder.formats import checkpoints
     from rangefinder.formats.digest import file_sha256
@@ -152,6 +153,8 @@ def test_a_checkpoint_older_than_a_setting_resumes_with_its_default(split_dir, t
     (ckpt,) = checkpoints.list_checkpoints(out / "checkpoints")
     state = json.loads((ckpt / "state.json").read_text())
     del state["training"]["allreduce_dtype"]  # as a checkpoint from before the setting
+    del state["training"]["optimizer"]  # and from before training.optimizer replaced use_8bit_adam
+    state["training"]["use_8bit_adam"] = False
     state["training"]["steps"] = 2
     state["total_updates"] = 2
     (ckpt / "state.json").write_text(json.dumps(state))

@@ -101,6 +101,12 @@ def read_ema(path: Path) -> Optional[dict]:
     return _load_plain(ema) if ema.is_file() else None
 
 
+def read_optimizer(path: Path) -> dict:
+    """The optimizer's state_dict (a schedule-free run's model needs it: restore.method_from_checkpoint). Call
+    `require_intact` first."""
+    return _load_plain(Path(path) / OPTIMIZER_NAME)
+
+
 def nearest_checkpoint(root: Path, update: float) -> Optional[Path]:
     """The whole checkpoint under root whose update is nearest `update` (the earlier one on a tie)."""
     found = [(u, p) for p in list_checkpoints(root) if (u := checkpoint_update(p)) is not None]

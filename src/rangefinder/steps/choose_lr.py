@@ -1,7 +1,9 @@
 """Step `choose_lr`: the LR bounds the fine-tune uses, and where they came from.
 
 Three branches of the DAG end here: the first range test was readable, a zoom re-test was needed, or a person fixed
-the LR (no discovery; the bounds collapse onto that LR). The step checks the numbers and writes the decision down.
+the LR (no discovery; the bounds collapse onto that LR), or an LR-free training.optimizer (Prodigy) made the range
+test moot: it trains at its own LR multiplier (1.0 unless set). The step checks the numbers and writes the decision
+down, with the reason discovery was skipped.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from rangefinder.config import RangefinderConfig
+from rangefinder.config import LR_FREE_OPTIMIZERS, RangefinderConfig
 from rangefinder.errors import RangefinderError
 
 SOURCES = ("range-test", "zoom", "fixed")
@@ -38,10 +40,21 @@ def run_choose_lr(cfg: RangefinderConfig, *, source: str, lr_low: float, lr_high
     chosen = ChosenLR(float(lr_low), float(lr_high), float(lr_mid), source)
     if decision_path is not None:
         why = {"range-test": "read off the LR range test", "zoom": "read off the zoomed (second) LR range test",
-               "fixed": "fixed by hand; discovery skipped"}[source]
+               "fixed": skipped_because(cfg) or "fixed by hand; discovery skipped"}[source]
         Path(decision_path).write_text(
             "# Learning rate\n\n| lr_low | lr_mid | lr_high | source |\n|---|---|---|---|\n"
             f"| {lr_low:.3g} | {lr_mid:.3g} | {lr_high:.3g} | {why} |\n"
             f"\nThe fine-tune trains at lr_mid ({cfg.finetune.schedule} schedule).\n"
         )
     return chosen
+
+
+def skipped_because(cfg: RangefinderConfig) -> Optional[str]:
+    """Why the range test did not run, when the reason is the optimizer: an LR-free one estimates its own step size
+    (d), so there is no LR to measure; it trains one constant run at its LR multiplier, without halving (a single
+    LR has nothing to race). None for an LR fixed by hand."""
+    optimizer = cfg.training.optimizer
+    if optimizer not in LR_FREE_OPTIMIZERS or cfg.lr is not None:
+        return None
+    return (f"training.optimizer {optimizer} is LR-free (it estimates its own step size, logged as lr_effective): "
+            f"range test skipped; one constant run at its lr multiplier {cfg.pipeline_lr():g}, no halving")

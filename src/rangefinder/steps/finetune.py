@@ -142,6 +142,7 @@ def run_finetune(
     from rangefinder.analysis import copy_report, select_step_window, write_step_report
     from rangefinder.data.split import read_split
     from rangefinder.models.loading import resolve_base_model
+    from rangefinder.steps.choose_lr import skipped_because
     from rangefinder.steps.halving import halving_applies, run_halving
     from rangefinder.training.spec import TrainSpec
 
@@ -176,7 +177,10 @@ def run_finetune(
                                         stabilize_loss=curve.get("stabilize_loss"), tolerance=cfg.finetune.tolerance,
                                         seed=cfg.validation.seed,
                                         divergence_factor=cfg.validation.divergence_factor)
-            report = write_step_report(window, curve, report_dir, source=f"{result.metrics_csv}; {batch_note(tc)}",
+            # With an LR-free optimizer the report says why there was no range test (and no halving).
+            skipped = skipped_because(cfg)
+            source = f"{result.metrics_csv}; {batch_note(tc)}" + (f"; {skipped}" if skipped else "")
+            report = write_step_report(window, curve, report_dir, source=source,
                                        samples=sample_strip(work), halving=race,
                                        plan_warnings=spec.plan.warnings if spec.plan is not None else ())
             copy_report(report, report_html, report_md)
@@ -198,6 +202,7 @@ def run_finetune(
             checkpoints.keep_newest(work / "checkpoints", cfg.training.keep_checkpoints)
         publish(work, model_dir)
         decision.update(lr_low=lr_low, lr_high=lr_high, lr_mid=lr_mid, lr_used=lr, lr_source=lr_source,
+                        range_test_skipped=skipped_because(cfg),
                         halving=None if race is None else race.to_json(), mixed_precision=precision, chosen=chosen,
                         world_size=tc.world_size, global_batch=tc.batch_size * tc.grad_accum * tc.world_size,
                         model_family=result.family)

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Optional
 
 from rangefinder.analysis.zoom import ended_above_start, points_between, zoom_range
-from rangefinder.config import RangefinderConfig, resolve_mixed_precision
-from rangefinder.errors import RangefinderError
+from rangefinder.config import LR_FREE_OPTIMIZERS, RangefinderConfig, resolve_mixed_precision
+from rangefinder.errors import ConfigError, RangefinderError
 from rangefinder.formats.atomic import write_json
 from rangefinder.launch.processes import batch_note, run_training, step_world_size
 from rangefinder.steps.workdir import publish, work_dir
@@ -66,6 +66,10 @@ def run_lr_range_test(
 
     if stage not in ("first", "zoom"):
         raise RangefinderError(f"lr_range_test stage must be 'first' or 'zoom' (got {stage!r})")
+    if cfg.training.optimizer in LR_FREE_OPTIMIZERS:
+        raise ConfigError(f"training.optimizer {cfg.training.optimizer} is LR-free (it estimates its own step size): "
+                          "a range test has no LR to measure; run the fine-tune at its lr (the pipeline skips the "
+                          "range test), or choose training.optimizer: adamw to measure one")
     rt = cfg.lr_range_test
     default_lo, default_hi = rt.range_for(cfg.training.method)
     lo = lr_min if lr_min is not None else default_lo

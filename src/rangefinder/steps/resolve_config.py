@@ -134,7 +134,7 @@ def run_resolve_config(base_config: str = "", *, pipeline_job_id: str = "", pipe
     cfg = with_resolved_base_model(cfg)
     return ResolvedConfig(
         config_json=cfg.model_dump_json(),
-        fixed_lr=float(cfg.lr or 0.0),
+        fixed_lr=float(cfg.pipeline_lr() or 0.0),  # an LR-free optimizer skips discovery too
         retrain=bool(cfg.retrain.enabled),
         mlflow_parent_run_id=parent,
     )

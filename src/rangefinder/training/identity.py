@@ -15,7 +15,7 @@ import hashlib
 import json
 from typing import TYPE_CHECKING, Any, Optional
 
-from rangefinder.config import DataConfig, TrainingConfig, ValidationConfig
+from rangefinder.config import DataConfig, TrainingConfig, ValidationConfig, migrate_training
 from rangefinder.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -80,8 +80,9 @@ def check_same_run(saved: dict[str, Any], run: Run, train_buckets: Optional[dict
         diffs.append(f"the data (another dataset, or images or captions changed{sizes})")
     if identity.get("train_on") not in (None, now["train_on"]):
         diffs.append(f"what it trains on ({identity['train_on']} -> {now['train_on']})")
-    diffs += _changed("training", saved["training"], run.cfg.model_dump(mode="json"), TrainingConfig(),
-                      RESUMABLE_CHANGES)
+    # Settings as written before a rename (use_8bit_adam: training.optimizer) read as today's.
+    diffs += _changed("training", migrate_training(saved["training"]), run.cfg.model_dump(mode="json"),
+                      TrainingConfig(), RESUMABLE_CHANGES)
     if "validation" in identity:
         diffs += _changed("validation", identity["validation"], now["validation"], ValidationConfig())
     if "data" in identity:

@@ -46,6 +46,7 @@ from rangefinder.training.data import Stream
 from rangefinder.training.disk import outputs_written
 from rangefinder.training.divergence import trainable_finite, update_finite
 from rangefinder.training.encoding import encode_data
+from rangefinder.training.optimizers import effective_lr
 from rangefinder.training.outdir import OutDirLock
 from rangefinder.training.preemption import StopRequest, on_sigterm
 from rangefinder.training.run import Run
@@ -232,7 +233,8 @@ def _train_one_update(run: Run, state: RunState) -> dict[str, Any]:
     total = accelerator.reduce(loss_sum, "sum") if accelerator.num_processes > 1 else loss_sum
     train_loss = float(total) / images_in_update
     epoch = stream.epochs_after(state.micro_batches_done)
-    return {"update": state.update, "epoch": epoch, "lr": lr, "train_loss": train_loss, "grad_norm": grad_norm}
+    return {"update": state.update, "epoch": epoch, "lr": lr, "train_loss": train_loss, "grad_norm": grad_norm,
+            "lr_effective": effective_lr(run.cfg.optimizer, run.optimizer)}
 
 
 @contextlib.contextmanager
@@ -297,7 +299,9 @@ def validate(run: Run, state: RunState, metric_sink: Optional[MetricSink], last:
     # With EMA on, the EMA weights are measured, so the step window is read on the model that is saved (diffusers'
     # example trainers validate the same way); not on ramps, where the average lags behind the climbing LR and would
     # shift the range test's curve towards higher LRs, the lag the analysis avoids.
-    with preserved_rng((state.train_gen,)), run.ema_weights(on=not run.schedule.is_ramp):
+    # A schedule-free optimizer is measured in its eval mode (its averaged weights), ramps included: that is the model
+    # it trains, and the one it saves.
+    with preserved_rng((state.train_gen,)), run.schedule_free_eval(), run.ema_weights(on=not run.schedule.is_ramp):
         for m in run.modules.values():
             m.eval()
         row: dict[str, Any] = {"update": state.update, "epoch": run.stream.epochs_after(state.micro_batches_done)}
@@ -395,7 +399,8 @@ def _finish(run: Run, state: RunState, *, save_final: bool, seconds: float, cpu_
         final_dir = settings.out_dir / "final"
         if run.cfg.channels_last:
             run.sd.unet.to(memory_format=torch.contiguous_format)  # safetensors writes contiguous tensors only
-        with run.ema_weights(on=True), atomic_dir(final_dir) as tmp:  # the average is what it saves
+        # the average (EMA's, a schedule-free optimizer's) is what it saves
+        with run.schedule_free_eval(), run.ema_weights(on=True), atomic_dir(final_dir) as tmp:
             run.method.save_final(run.sd, tmp)
     run.accelerator.wait_for_everyone()
 

@@ -3,17 +3,19 @@ chosen model.
 
 The run's method is rebuilt on the base model (adapters, new tokens) and the checkpoint's tensors are put back, as a
 resume does. When the run kept an EMA average, the average replaces them: it is what that run validated and what it
-saves as its final weights, so the chosen model is the one whose validation loss was measured.
+saves as its final weights, so the chosen model is the one whose validation loss was measured. Likewise a
+schedule-free optimizer's averaged weights (its eval mode).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rangefinder.formats import checkpoints
 
 if TYPE_CHECKING:
+    from rangefinder.config import TrainingConfig
     from rangefinder.models.loading import SDComponents
     from rangefinder.training.methods.base import Method
 
@@ -25,7 +27,7 @@ def method_from_checkpoint(ckpt_dir: Path, base_model: Path) -> tuple[Method, SD
     naming it, before anything is loaded."""
     import torch
 
-    from rangefinder.config import ModelConfig, TrainingConfig
+    from rangefinder.config import SCHEDULE_FREE_OPTIMIZERS, ModelConfig, TrainingConfig
     from rangefinder.models.loading import load_sd_components
     from rangefinder.training.methods import make_method
 
@@ -43,7 +45,21 @@ def method_from_checkpoint(ckpt_dir: Path, base_model: Path) -> tuple[Method, SD
         ema = EMAModel(params, decay=cfg.ema_decay)
         ema.load_state_dict(ema_state)
         ema.copy_to(params)
+    if cfg.optimizer in SCHEDULE_FREE_OPTIMIZERS:
+        _to_averaged_weights(ckpt_dir, cfg, method)
     return method, sd
+
+
+def _to_averaged_weights(ckpt_dir: Path, cfg: TrainingConfig, method: Method) -> None:
+    """A schedule-free run's checkpoint holds the weights it steps from (y, for an exact resume) and, in the
+    optimizer's state, the sequence z; the model it delivers is its eval mode, the average x, which the optimizer
+    computes from both: rebuilt over the same parameter groups, loaded (weights_only) and put in eval mode."""
+    from rangefinder.training.optimizers import make_optimizer
+
+    checkpoints.require_intact(ckpt_dir, only=(checkpoints.OPTIMIZER_NAME,))
+    optimizer: Any = make_optimizer(cfg, method.param_groups(), cfg.lr)  # schedule-free: has eval()
+    optimizer.load_state_dict(checkpoints.read_optimizer(ckpt_dir))
+    optimizer.eval()
 
 
 def save_checkpoint_model(ckpt_dir: Path, base_model: Path, out_dir: Path, source: str | None = None) -> Path:

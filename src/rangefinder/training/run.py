@@ -100,7 +100,7 @@ class Run:
     family: Family
     data: EncodedData
     stream: Stream  # which images go into each micro-batch (one bucket each, when bucketed)
-    optimizer: Any  # torch AdamW (or bitsandbytes AdamW8bit), as accelerate prepared it
+    optimizer: Any  # training.optimizer (training/optimizers.py), as accelerate prepared it
     ema: Any  # diffusers EMAModel of the trainable parameters, or None
     trainable: list[torch.nn.Parameter]  # what the optimizer updates (and EMA tracks), in a fixed order
     modules: dict[str, torch.nn.Module]  # the method's trainable modules
@@ -150,3 +150,24 @@ class Run:
             yield
         finally:
             self.ema.restore(self.trainable)
+
+    @contextlib.contextmanager
+    def schedule_free_eval(self) -> Iterator[None]:
+        """A schedule-free optimizer's averaged weights (its eval mode, x) in place of the ones it steps from (y)
+        while inside: what it is measured, sampled and saved with. y is put back bit for bit after: train()'s lerp
+        back from x is not exact in floating point, and validation must not change training."""
+        from rangefinder.config import SCHEDULE_FREE_OPTIMIZERS
+
+        if self.cfg.optimizer not in SCHEDULE_FREE_OPTIMIZERS:
+            yield
+            return
+        with torch.no_grad():
+            kept = [p.detach().clone() for p in self.trainable]
+        self.optimizer.eval()
+        try:
+            yield
+        finally:
+            self.optimizer.train()
+            with torch.no_grad():
+                for p, k in zip(self.trainable, kept, strict=True):
+                    p.copy_(k)

@@ -204,7 +204,8 @@ class TrainingSamples:
         """The cells (PIL images) from the weights as they are now; nothing about the run changes."""
         run, cfg = self.run, self.cfg
         cells = self.rows()
-        with preserved_rng((state.train_gen,)), run.ema_weights(on=not run.schedule.is_ramp), \
+        with preserved_rng((state.train_gen,)), run.schedule_free_eval(), \
+                run.ema_weights(on=not run.schedule.is_ramp), \
                 self._eval_mode(), self._vae_on_device():
             pipe = self._pipeline()
             generators = [torch.Generator("cpu").manual_seed(int(seed)) for _, seed in cells]

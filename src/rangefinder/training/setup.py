@@ -23,6 +23,7 @@ from rangefinder.training.data import make_stream
 from rangefinder.training.families import family_for
 from rangefinder.training.family import Denoiser, Family
 from rangefinder.training.methods import make_method
+from rangefinder.training.optimizers import check_optimizer, make_optimizer
 from rangefinder.training.outdir import check_out_dir_free
 from rangefinder.training.run import EncodedData, Run, RunSettings
 from rangefinder.training.schedules import make_schedule
@@ -77,8 +78,7 @@ def check_settings(spec: TrainSpec, out_dir: Union[str, Path], split: Optional[S
                           f"{len(train_items)} (or other buckets); build the spec from the split it trains on")
     schedule = make_schedule(cfg, run_plan.total_updates, run_plan.updates_per_epoch, run_plan.lr or cfg.lr)
     method = make_method(cfg)
-    if cfg.use_8bit_adam and not torch.cuda.is_available():
-        raise ConfigError("training.use_8bit_adam needs a CUDA GPU (bitsandbytes); set it false to use AdamW")
+    check_optimizer(cfg, torch.cuda.is_available())
     cache_root(cfg.cache_dir)  # a cache folder that is a file: one line now, not after the model has loaded
     # The output folder last: every settings error above leaves nothing behind (the lock probe creates the folder).
     out_dir = Path(out_dir)
@@ -224,8 +224,8 @@ def memory_advice(cfg: TrainingConfig) -> Iterator[None]:
         fixes = [f"a smaller training.batch_size (now {cfg.batch_size}; raise grad_accum to keep the effective batch)"]
         if not cfg.gradient_checkpointing:
             fixes.append("training.gradient_checkpointing: true")
-        if not cfg.use_8bit_adam and cfg.method == "full":
-            fixes.append("training.use_8bit_adam: true")
+        if cfg.optimizer == "adamw" and cfg.method == "full":
+            fixes.append("training.optimizer: adamw8bit")
         if cfg.mixed_precision == "no":
             fixes.append("training.mixed_precision: bf16")
         raise ConfigError(f"the GPU ran out of memory during a training update; try {', or '.join(fixes)}") from e
@@ -257,7 +257,7 @@ def prepare_run(settings: RunSettings, accelerator: Accelerator, sd: SDComponent
     stream = make_stream(settings.plan, cfg.seed, settings.train_bucket_of)
     groups = method.param_groups()
     trainable = method.trainable_parameters()
-    optimizer = _make_optimizer(cfg, groups, settings.schedule(0))
+    optimizer = make_optimizer(cfg, groups, settings.schedule(0))
     ema = None
     if cfg.use_ema:
         from diffusers.training_utils import EMAModel
@@ -305,22 +305,3 @@ def bf16_allreduce_hook(process_group, bucket):  # unannotated: see the docstrin
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     return default_hooks.bf16_compress_hook(process_group, bucket)
-
-
-def _make_optimizer(cfg: TrainingConfig, groups: list[dict], lr: float) -> torch.optim.Optimizer:
-    kwargs: dict[str, Any] = dict(
-        lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay
-    )
-    if cfg.use_8bit_adam:
-        try:
-            import bitsandbytes as bnb
-        except ImportError:
-            raise ConfigError(
-                "training.use_8bit_adam needs bitsandbytes: pip install 'rangefinder[cuda]', or set it false"
-            ) from None
-        return bnb.optim.AdamW8bit(groups, **kwargs)
-    # The fused kernel does the whole update in one pass (CUDA, and CPU in recent torch); it is not in older builds.
-    try:
-        return torch.optim.AdamW(groups, fused=True, **kwargs)
-    except (RuntimeError, TypeError, ValueError):
-        return torch.optim.AdamW(groups, **kwargs)

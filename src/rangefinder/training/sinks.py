@@ -20,7 +20,7 @@ class MetricSink(Protocol):
 
 # What the engine logs to its MetricSink: these columns of each update's row (loop.py), and every measured column
 # of a validation row (validation.py); a step that replays a run's CSVs (steps/halving.py) logs the same keys.
-UPDATE_METRICS = ("train_loss", "lr", "grad_norm", "epoch")
+UPDATE_METRICS = ("train_loss", "lr", "grad_norm", "epoch", "lr_effective")
 MEASURED_PREFIXES = ("val_", "stabilize_")
 
 

@@ -61,7 +61,8 @@ class RunLog:
         buckets = [f"{s}_loss_b{k}" for s in ("val", "stabilize") for k in range(num_buckets)]
         self.metric_columns = ["update", "epoch", "lr", "train_loss", "val_loss", "stabilize_loss"] + buckets
         self.metric_columns += list(extra_columns)
-        self.update_columns = ["update", "epoch", "lr", "train_loss", "grad_norm"]
+        # lr_effective: the step size the optimizer took (Prodigy's d*lr; the schedule's lr for AdamW)
+        self.update_columns = ["update", "epoch", "lr", "train_loss", "grad_norm", "lr_effective"]
         self.metrics_rows: list[dict[str, Any]] = []
         self.update_rows: list[dict[str, Any]] = []
         if write:

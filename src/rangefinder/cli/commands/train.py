@@ -30,6 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--method", help="full | lora | textual_inversion")
     p.add_argument("--schedule", help="constant, linear-ramp, exp-ramp, cosine, triangular, triangular2, exp_range")
     p.add_argument("--lr", type=float, help="learning rate (constant, or the peak of cosine)")
+    p.add_argument("--optimizer", help="adamw (default), adamw8bit, prodigy, prodigy_schedule_free, "
+                                       "adamw_schedule_free, adafactor (README: Optimizers)")
     p.add_argument("--lr-min", type=float, help="lower end of a ramp or cycle")
     p.add_argument("--lr-max", type=float, help="upper end of a ramp or cycle")
     budget = p.add_mutually_exclusive_group()
@@ -59,7 +61,8 @@ def settings_from_args(args: argparse.Namespace):
     overrides: dict[str, Any] = {"training": {}, "validation": {}, "data": {}}
     t, v = overrides["training"], overrides["validation"]
     for flag, key in (
-        ("method", "method"), ("schedule", "schedule"), ("lr", "lr"), ("lr_min", "lr_min"), ("lr_max", "lr_max"),
+        ("method", "method"), ("schedule", "schedule"), ("optimizer", "optimizer"), ("lr", "lr"),
+        ("lr_min", "lr_min"), ("lr_max", "lr_max"),
         ("epochs", "epochs"), ("steps", "steps"), ("batch_size", "batch_size"), ("grad_accum", "grad_accum"),
         ("seed", "seed"), ("checkpoint_every_updates", "checkpoint_every_updates"),
     ):

@@ -1,0 +1,89 @@
+"""training.optimizer: the optimizers users of diffusion trainers expect, made from the run's parameter groups.
+
+- adamw: torch AdamW (fused where the build has it), with training.adam_beta1/2, adam_epsilon and weight_decay;
+- adamw8bit: bitsandbytes AdamW8bit with the same settings (CUDA only);
+- prodigy: prodigyopt's Prodigy (LR-free: it estimates the step size d; the LR multiplies it, 1.0 by default);
+- prodigy_schedule_free: prodigy-plus-schedule-free's ProdigyPlusScheduleFree (LR-free and schedule-free);
+- adamw_schedule_free: schedulefree's AdamWScheduleFree (schedule-free: a constant LR, weights averaged);
+- adafactor: transformers' Adafactor, with relative_step, scale_parameter and warmup_init off so that the run's LR
+  (training.lr, the range test's ramp) is the LR it steps with: the setting transformers' documentation gives for
+  an external LR; otherwise Adafactor computes its own time-dependent LR and ignores the one it is given.
+
+Every optimizer but AdamW starts from its package's own documented defaults (betas, eps, weight decay, d0, ...):
+those are what a user of the package gets, and what the bench compares. Each keeps its whole state in
+`state_dict()` (tensors, numbers, strings, None), which a checkpoint saves and `torch.load(weights_only=True)` reads
+back, so a resumed run continues bit for bit (tests/training/test_optimizers.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rangefinder.config import TrainingConfig
+from rangefinder.errors import ConfigError
+
+# The pip package each optional optimizer needs (extra `optimizers`: pip install 'rangefinder[optimizers]').
+PACKAGES = {"prodigy": "prodigyopt", "prodigy_schedule_free": "prodigy-plus-schedule-free",
+            "adamw_schedule_free": "schedulefree", "adamw8bit": "bitsandbytes"}
+
+
+def check_optimizer(cfg: TrainingConfig, cuda: bool) -> None:
+    """What can be known before loading anything: adamw8bit needs CUDA."""
+    if cfg.optimizer == "adamw8bit" and not cuda:
+        raise ConfigError("training.optimizer adamw8bit (use_8bit_adam) needs a CUDA GPU (bitsandbytes); "
+                          "choose training.optimizer: adamw on this machine")
+
+
+def make_optimizer(cfg: TrainingConfig, groups: list[dict], lr: float) -> torch.optim.Optimizer:
+    """The run's optimizer over `groups` (method.param_groups()), at `lr` (the schedule's first LR)."""
+    name = cfg.optimizer
+    if name in ("adamw", "adamw8bit"):
+        kwargs: dict[str, Any] = dict(
+            lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay
+        )
+        if name == "adamw8bit":
+            bnb = _package(name, "bitsandbytes", "'rangefinder[cuda]'")
+            return bnb.optim.AdamW8bit(groups, **kwargs)
+        # The fused kernel does the whole update in one pass (CUDA, and CPU in recent torch); not in older builds.
+        try:
+            return torch.optim.AdamW(groups, fused=True, **kwargs)
+        except (RuntimeError, TypeError, ValueError):
+            return torch.optim.AdamW(groups, **kwargs)
+    if name == "prodigy":
+        return _package(name, "prodigyopt", "'rangefinder[optimizers]'").Prodigy(groups, lr=lr)
+    if name == "prodigy_schedule_free":
+        plus = _package(name, "prodigyplus", "'rangefinder[optimizers]'")
+        return plus.ProdigyPlusScheduleFree(groups, lr=lr)
+    if name == "adamw_schedule_free":
+        optimizer = _package(name, "schedulefree", "'rangefinder[optimizers]'").AdamWScheduleFree(groups, lr=lr)
+        optimizer.train()  # it starts in eval mode and refuses to step there
+        return optimizer
+    if name == "adafactor":
+        from transformers.optimization import Adafactor
+
+        return Adafactor(groups, lr=lr, scale_parameter=False, relative_step=False, warmup_init=False)
+    raise ConfigError(f"training.optimizer {name!r} is not one this version knows")  # the config's Literal stops it
+
+
+def effective_lr(name: str, optimizer: Any) -> float:
+    """The step size the optimizer last took, for the per-update metrics (lr_effective): Prodigy's d x lr (its
+    estimate of the distance to the solution times the multiplier), schedule-free AdamW's warmed-up LR, else the LR
+    it was given. Of the first parameter group (the method's main one)."""
+    group = optimizer.param_groups[0]
+    if name in ("prodigy", "prodigy_schedule_free"):
+        return float(group["d"]) * float(group["lr"])
+    if name == "adamw_schedule_free":
+        return float(group.get("scheduled_lr") or group["lr"])
+    return float(group["lr"])
+
+
+def _package(name: str, module: str, extra: str) -> Any:
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ConfigError(f"training.optimizer {name} needs the {PACKAGES[name]} package: pip install {extra} "
+                          f"(or pip install {PACKAGES[name]}), or choose training.optimizer: adamw") from None

@@ -1,0 +1,192 @@
+"""training.optimizer: each optimizer trains, resumes bit-exactly after kill -9 with its state loadable by
+torch.load(weights_only=True), logs its effective LR; a schedule-free one is measured and saved in its eval mode;
+the wrong combinations are one line each; an LR-free one skips the pipeline's range test."""
+
+from __future__ import annotations
+
+import csv
+import json
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rangefinder.config import TrainingConfig, ValidationConfig, parse_config
+from rangefinder.errors import ConfigError
+from rangefinder.training.loop import TrainSpec, train
+from tests.training.test_resume import run_child
+
+UNET = Path("final") / "unet" / "diffusion_pytorch_model.safetensors"
+# adamw (the default) has its own resume test (test_resume.py); adamw8bit needs CUDA (bitsandbytes).
+OPTIMIZERS = ["prodigy", "prodigy_schedule_free", "adamw_schedule_free", "adafactor"]
+# A schedule-free or LR-free optimizer's LR is its own default scale; the others a tiny model's usual one.
+LR = {"prodigy": 1.0, "prodigy_schedule_free": 1.0, "adamw_schedule_free": 2.5e-3, "adafactor": 1e-3}
+
+
+def _updates(out: Path) -> list[dict]:
+    with open(out / "updates.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_each_optimizer_trains_and_resumes_bit_exactly_after_kill_9(optimizer, split_dir, tiny_model_dir, tmp_path):
+    from rangefinder.training.restore import method_from_checkpoint
+
+    training = dict(optimizer=optimizer, lr=LR[optimizer], batch_size=4, epochs=2, seed=7, checkpoint_every_updates=3,
+                    keep_checkpoints=5, cache_dir=str(tmp_path / "cache"))
+    validation = dict(every_epochs=1)
+    base = dict(split_dir=str(split_dir), model=str(tiny_model_dir), training=training, validation=validation)
+
+    whole = train(TrainSpec(TrainingConfig(**training), ValidationConfig(**validation), split_dir=split_dir,
+                            model=tiny_model_dir), out_dir=tmp_path / "whole")
+    # It trains: 8 updates move the weights and the loss, and the optimizer's own step size is logged.
+    assert whole.status == "ok" and whole.updates == 8
+    rows = _updates(tmp_path / "whole")
+    assert len({r["train_loss"] for r in rows}) > 1
+    effective = [float(r["lr_effective"]) for r in rows]
+    assert all(e > 0 for e in effective)
+    if optimizer.startswith("prodigy"):
+        # d*lr: Prodigy's estimate grows from d0 = 1e-6 as it learns the distance; it is not the lr multiplier.
+        assert effective[0] != LR[optimizer] and effective[-1] > effective[0]
+    base_unet = load_file(str(tiny_model_dir / "unet" / "diffusion_pytorch_model.safetensors"))
+    trained = load_file(str(tmp_path / "whole" / UNET))
+    assert any(not torch.equal(base_unet[k], trained[k]) for k in trained)
+
+    # 16 images / batch 4 = 4 updates per epoch, 8 in all; checkpoints at 3 and 6; killed inside update 7.
+    cut = tmp_path / "cut"
+    killed = run_child({**base, "out_dir": str(cut), "kill_at_update": 7}, tmp_path, "killed")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    ckpt = cut / "checkpoints" / "checkpoint-000006"
+    # The optimizer's whole state (Prodigy's d in param_groups, schedule-free's z) loads as plain data.
+    state = torch.load(ckpt / "optimizer.pt", weights_only=True)
+    assert state["state"] and state["param_groups"]
+    resumed = train(TrainSpec(TrainingConfig(**training, resume=True), ValidationConfig(**validation),
+                              split_dir=split_dir, model=tiny_model_dir), out_dir=cut)
+    assert resumed.resumed_from == 6 and resumed.updates == 8
+    for name in ("metrics.csv", "updates.csv"):
+        assert (cut / name).read_text() == (tmp_path / "whole" / name).read_text(), name
+    resumed_unet = load_file(str(cut / UNET))
+    assert all(torch.equal(trained[k], resumed_unet[k]) for k in trained)
+
+    # The last checkpoint's model (what the fine-tune delivers from a checkpoint) is final/'s: for a schedule-free
+    # optimizer its averaged weights, not the ones it steps from.
+    method, _ = method_from_checkpoint(cut / "checkpoints" / "checkpoint-000008", tiny_model_dir)
+    exported = {k.removeprefix("unet."): v for k, v in method.trainable_state_dict().items()}
+    shared = [k for k in trained if k in exported]
+    assert shared and all(torch.equal(exported[k].cpu(), trained[k]) for k in shared)
+
+
+@pytest.mark.slow
+def test_validating_a_schedule_free_run_changes_nothing_it_trains(split_dir, tiny_model_dir, tmp_path):
+    """Validation swaps in the averaged weights and puts the stepping ones back bit for bit: a run validated every
+    update trains exactly what one validated once per epoch does."""
+    training = TrainingConfig(optimizer="adamw_schedule_free", lr=2.5e-3, batch_size=4, epochs=1, seed=3,
+                              cache_dir=str(tmp_path / "cache"))
+    outs = []
+    for every in (1, 4):
+        out = tmp_path / f"every{every}"
+        train(TrainSpec(training, ValidationConfig(every_updates=every), split_dir=split_dir, model=tiny_model_dir),
+              out_dir=out)
+        outs.append(out)
+    a, b = (load_file(str(o / UNET)) for o in outs)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [r["train_loss"] for r in _updates(outs[0])] == [r["train_loss"] for r in _updates(outs[1])]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Wrong combinations: one line each
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(training=dict(optimizer="adamw_schedule_free", schedule="cosine", steps=10)), "schedule-free"),
+    (dict(training=dict(optimizer="prodigy_schedule_free"), finetune=dict(schedule="triangular")),
+     "finetune.schedule"),
+    (dict(training=dict(optimizer="prodigy"), lr_range_test=dict(lr_min=1e-6)), "LR-free"),
+    (dict(training=dict(optimizer="prodigy", use_8bit_adam=True)), "use_8bit_adam"),
+    (dict(training=dict(optimizer="prodigy", scale_lr="linear")), "scale_lr"),
+], ids=["schedule-free-cosine", "schedule-free-triangular-finetune", "range-test-with-prodigy", "8bit-and-prodigy",
+        "prodigy-scaled-lr"])
+def test_a_wrong_combination_is_one_config_line(bad, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        parse_config(bad)
+    assert "\n" not in str(err.value)
+
+
+def test_use_8bit_adam_is_read_as_adamw8bit_and_lr_free_optimizers_default_to_lr_1():
+    assert TrainingConfig(use_8bit_adam=True).optimizer == "adamw8bit"
+    assert TrainingConfig(use_8bit_adam=False).optimizer == "adamw"
+    assert "use_8bit_adam" not in TrainingConfig(use_8bit_adam=True).model_dump()
+    assert TrainingConfig(optimizer="prodigy").lr == 1.0 and TrainingConfig(optimizer="prodigy", lr=0.5).lr == 0.5
+    assert TrainingConfig(optimizer="adamw").lr == TrainingConfig().lr
+
+
+def test_adamw8bit_without_cuda_is_one_line():
+    from rangefinder.training.optimizers import check_optimizer
+
+    with pytest.raises(ConfigError, match="adamw8bit.*CUDA") as err:
+        check_optimizer(TrainingConfig(optimizer="adamw8bit"), cuda=False)
+    assert "\n" not in str(err.value)
+    check_optimizer(TrainingConfig(optimizer="adamw8bit"), cuda=True)
+
+
+def test_a_missing_optimizer_package_names_the_pip_install(monkeypatch):
+    from rangefinder.training.optimizers import make_optimizer
+
+    monkeypatch.setitem(sys.modules, "prodigyopt", None)  # an import of it now fails, as when not installed
+    params = [{"params": [torch.nn.Parameter(torch.zeros(2))]}]
+    with pytest.raises(ConfigError, match=r"pip install 'rangefinder\[optimizers\]'") as err:
+        make_optimizer(TrainingConfig(optimizer="prodigy"), params, 1.0)
+    assert "\n" not in str(err.value)
+
+
+def test_the_cli_says_a_wrong_combination_in_one_line(tmp_path):
+    import subprocess
+
+    config = tmp_path / "c.yaml"
+    config.write_text("training: {schedule: cosine, steps: 4}\n")
+    out = subprocess.run([sys.executable, "-m", "rangefinder.cli.main", "train", "--data", str(tmp_path / "split"),
+                          "--out", str(tmp_path / "out"), "--config", str(config), "--optimizer",
+                          "adamw_schedule_free"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "schedule-free" in lines[0], out.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The pipeline with an LR-free optimizer: no range test
+
+
+def test_an_lr_free_optimizer_skips_the_range_test(tiny_model_dir, split_dir, tmp_path):
+    from rangefinder.steps.choose_lr import run_choose_lr
+    from rangefinder.steps.halving import halving_applies
+    from rangefinder.steps.lr_range_test import run_lr_range_test
+    from rangefinder.steps.resolve_config import run_resolve_config
+
+    model = {"base_model": str(tiny_model_dir)}
+    cfg = parse_config({"training": {"optimizer": "prodigy"}, "model": model})
+    # resolve-config's fixed_lr is the DAG's condition: non-zero takes the fixed-lr branch (no discovery).
+    resolved = run_resolve_config(json.dumps({"training": {"optimizer": "prodigy"}, "model": model}))
+    assert resolved.fixed_lr == 1.0
+    adamw = run_resolve_config(json.dumps({"training": {"optimizer": "adamw"}, "model": model}))
+    assert adamw.fixed_lr == 0.0  # AdamW still discovers its LR
+    # choose-lr on that branch says why; the fine-tune's bounds collapse: one constant run, no halving.
+    report = tmp_path / "lr.md"
+    chosen = run_choose_lr(cfg, source="fixed", lr_low=1.0, lr_high=1.0, lr_mid=1.0, decision_path=report)
+    assert "prodigy is LR-free" in report.read_text() and "range test skipped" in report.read_text()
+    assert not halving_applies(True, True, "constant", chosen.lr_mid, chosen.lr_high)
+    # The fine-tune the engine is given: Prodigy, constant, at its multiplier 1.0.
+    from rangefinder.data.split import read_split
+    from rangefinder.training.spec import TrainSpec
+
+    tc = TrainSpec.finetune(cfg, read_split(split_dir), split_dir=split_dir, lr_low=chosen.lr_low,
+                            lr_high=chosen.lr_high, lr=chosen.lr_mid, world_size=1).training
+    assert (tc.optimizer, tc.schedule, tc.lr) == ("prodigy", "constant", 1.0)
+    # Running the range test anyway is one clear error, before anything is read.
+    with pytest.raises(ConfigError, match="LR-free") as err:
+        run_lr_range_test(cfg, split_dir=tmp_path / "nowhere", out_dir=tmp_path / "out")
+    assert "\n" not in str(err.value)
