@@ -22,11 +22,10 @@ SHARED_RUN_FILES = ("tests/pipelines/test_local_run.py", "tests/pipelines/test_r
 # quarter of the groups out in turn (worker 0 gets the 1st, 3rd, 5th, ...), and this order gives each worker about
 # half of these by the --durations of a 2-worker run (2026-11-25). Issue 32 shortened the shared group (a small SDXL
 # run for the whole SDXL demo), test_processes.py and test_local_run_base_models.py; by one-process --durations of
-# those files (2026-11-26) the shared group is still the longest, so the order stands. The hub-id runs then moved
-# to test_components.py (step functions, minutes) and test_local_run.py, leaving test_local_run_base_models.py one
-# short failing start: test_components.py takes its place. The rest follow as collected.
-LONG_FIRST = ("pipelines:default-run", "tests/pipelines/test_demo_learns.py",
-              "tests/steps/test_processes.py", "tests/pipelines/test_components.py",
+# those files (2026-11-26) the shared group is still the longest, so the order stands. The hub-id whole runs then
+# went to step functions in test_components.py (52 s for the file) and the fixed-LR run in the shared group, leaving
+# test_local_run_base_models.py one short failing start (59 s): neither is long. The rest follow as collected.
+LONG_FIRST = ("pipelines:default-run", "tests/pipelines/test_demo_learns.py", "tests/steps/test_processes.py",
               "tests/methods/test_discovery_by_method.py", "tests/bench/test_discovery_quality.py")
 
 
