@@ -35,8 +35,14 @@ def one_line_errors(step: str) -> Iterator[None]:
     try:
         yield
     except RangefinderError as e:
-        print(f"{STEP_ERROR_PREFIX} {step}: error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        print(f"{STEP_ERROR_PREFIX} {step}: error: {public_name(e)}: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+
+
+def public_name(e: RangefinderError) -> str:
+    """The error's kind as this module names it (e.g. TrackingError for a subclass a layer keeps for itself, such as
+    tracking's ServerAway): what a user reads and a runner quotes."""
+    return next(cls.__name__ for cls in type(e).__mro__ if cls.__module__ == __name__)
 
 
 class Preempted(RangefinderError):

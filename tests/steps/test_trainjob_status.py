@@ -134,8 +134,9 @@ def test_a_training_process_of_rank_0_reports_into_its_trainjobs_status(trainjob
     monkeypatch.delenv("RANK", raising=False)
     cfg = RangefinderConfig(training={"batch_size": 4, "cache_dir": str(tmp_path / "cache")},
                             validation={"every_epochs": 1, "timesteps": 2}, finetune={"epochs": 2})
+    # The tiny model at its own resolution, no samples during training (the fine-tune's settings otherwise).
     spec = replace(TrainSpec.finetune(cfg, read_split(split_dir), lr=2e-4, bounds=(1e-4, 3e-4), world_size=1),
-                   model=str(tiny_model_dir))
+                   model=str(tiny_model_dir), data=None, sampling=None)
     job = launch.write_job(cfg, spec, tmp_path / "out", save_final=False, step_name="finetune", mlflow_run_id=None)
     assert launch.worker(job) == 0
     posts = trainjob_url.status_posts
