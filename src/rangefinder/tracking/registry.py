@@ -138,7 +138,7 @@ def log_diffusers_model(
     guidance_scale: float = 7.5,
     resolution: Optional[int] = None,
     name: str = "model",
-    source_step: Optional[str] = None,
+    source_run_id: Optional[str] = None,
 ) -> RegisteredVersion:
     """Log a diffusers pipeline folder (model_index.json, unet/, vae/, ...) from the StepRun `run` as a pyfunc model;
     register it as a new version of `registered_model_name` (skipped when None) with `metrics` (default: the run's
@@ -147,9 +147,9 @@ def log_diffusers_model(
 
     num_inference_steps, guidance_scale and resolution become the model's defaults (overridable per predict call).
 
-    `source_step`: the step whose run made the weights (finetune, retrain_full). The version's source run is that
-    step's run under the same parent, where the curves and decisions are, not the run logging the model (which has
-    none); without a parent, or when no such run is found, it is `run` itself.
+    `source_run_id`: the run that trained the weights (StepRun.log_diffusers_model finds it from a step name): the
+    version's source run, where the curves and decisions are, not the run logging the model (which has none).
+    None: `run` itself.
     """
     import mlflow
     from mlflow.models import Model
@@ -192,12 +192,12 @@ def log_diffusers_model(
     version_tags["rangefinder.run_id"] = run.run_id
     if run.parent_run_id:
         version_tags["rangefinder.parent_run_id"] = run.parent_run_id
-    source_run_id = _source_run_id(run, source_step)
+    source_run_id = source_run_id or run.run_id
     if source_run_id != run.run_id:
         version_tags["rangefinder.registered_by_run_id"] = run.run_id
     mv = _create_version(run.client, registered_model_name, info, source_run_id, version_tags)
     summary = ", ".join(f"{k}={v:.4g}" for k, v in clean.items())
-    text = description or f"Fine-tuned by rangefinder step {source_step or run.step_name} (run {source_run_id})."
+    text = description or f"Fine-tuned by rangefinder (run {source_run_id})."
     if summary:
         text += f" Metrics: {summary}."
     run.client.update_model_version(registered_model_name, mv.version, description=redact(text))
@@ -206,16 +206,6 @@ def log_diffusers_model(
     _log.info("registered %s version %s as @%s", registered_model_name, mv.version, alias)
     return RegisteredVersion(model_uri=info.model_uri, name=registered_model_name, version=str(mv.version),
                              alias=alias)
-
-
-def _source_run_id(run: Any, source_step: Optional[str]) -> str:
-    """The run id of `source_step` under `run`'s parent, else `run`'s own."""
-    from rangefinder.tracking.runs import latest_step_run
-
-    if not source_step or not run.parent_run_id:
-        return str(run.run_id)
-    found = latest_step_run(run.client, run.experiment_id, run.parent_run_id, source_step)
-    return str(found.info.run_id) if found is not None else str(run.run_id)
 
 
 def _create_version(client: Any, name: str, info: Any, source_run_id: str, tags: Mapping[str, str]) -> Any:

@@ -473,10 +473,17 @@ class StepRun:
         return digest
 
     # --- models
-    def log_diffusers_model(self, pipeline_dir: str | os.PathLike, **kwargs: Any):
-        """See rangefinder.tracking.registry.log_diffusers_model."""
+    def log_diffusers_model(self, pipeline_dir: str | os.PathLike, *, source_step: Optional[str] = None,
+                            **kwargs: Any):
+        """See rangefinder.tracking.registry.log_diffusers_model. `source_step`: the step that trained the weights
+        (finetune, retrain_full); its newest run under the same parent becomes the version's source run (this run
+        when there is no parent or no such run)."""
         from rangefinder.tracking.registry import log_diffusers_model
 
+        if source_step and self.parent_run_id:
+            found = latest_step_run(self.client, self.experiment_id, self.parent_run_id, source_step)
+            if found is not None:
+                kwargs.setdefault("source_run_id", found.info.run_id)
         kwargs.setdefault("registered_model_name", tracking_settings(self.cfg).registered_model_name)
         return log_diffusers_model(self, pipeline_dir, **kwargs)
 
