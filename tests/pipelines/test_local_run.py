@@ -86,6 +86,11 @@ def test_discovery_without_retrain_on_default_sqlite(default_local_run):
     assert s["lr_source"] == "range-test" and "retrained_epochs" not in s
     db = default_local_run.out_dir / "mlflow.db"
     assert db.is_file()
+    # Issue 35: the summary (what `demo` and `run --local` print) serves the store and links its runs table.
+    assert s["mlflow_ui"] == f"mlflow ui --backend-store-uri sqlite:///{db}"
+    with sqlite3.connect(db) as con:
+        (exp_id,) = con.execute("select distinct experiment_id from runs").fetchone()
+    assert s["mlflow_link"] == f"http://127.0.0.1:5000/#/experiments/{exp_id}/runs?workflowType=machine_learning"
     # The grid's prompt scores (data.prompt_score), under names that stay the same from run to run.
     with sqlite3.connect(db) as con:
         keys = {k for (k,) in con.execute("select m.key from metrics m join runs r on m.run_uuid = r.run_uuid "

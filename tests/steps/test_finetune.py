@@ -80,6 +80,8 @@ def test_each_step_s_spec_is_validated_planned_once_and_round_trips_through_json
                              world_size=1)
     assert ft.plan is not None and ft.plan.train_images == 16 and ft.plan.lr == 1e-3
     assert full.train_on == "train+val" and full.plan is not None and full.plan.train_images == 20
+    # Issue 35: the images validated on are the split's 4 held out (none for the retrain, which trains on them).
+    assert (ft.plan.val_images, ramp.plan.val_images, full.plan.val_images) == (4, 4, 0)
     assert not full.validation.enabled() and full.sampling is None and ramp.sampling is None
     for spec in (ft, ramp, full, ft.with_lr(1e-2)):
         again = TrainSpec.from_json(json.loads(json.dumps(spec.to_json())))
@@ -181,6 +183,14 @@ def test_the_finetune_step_logs_samples_during_training_to_mlflow_with_their_ste
     index = read_index(tmp_path / "ft")
     assert [e["update"] for e in index["samples"]] == steps
     assert {e["logged_to"] for e in index["samples"]} == {run.info.run_id}
+    # Issue 35: what MLflow shows of the run: its validation images as the split holds them, the bounds the step
+    # was given on the run, and its decision in one line as its description.
+    assert run.data.params["plan.val_images"] == "4"
+    assert run.data.metrics["lr_low"] == run.data.metrics["lr_high"] == 1e-3
+    note = run.data.tags["mlflow.note.content"]
+    headline, used = note.split(" Trained at ")
+    assert used == "lr 0.001 (lr source: range-test)."
+    assert f": {headline}\n" in (tmp_path / "ft" / "report" / "step_report.md").read_text()  # the report's lead
     page = report.read_text()
     assert "Samples over training" in page and "<th class='row'>update</th><th>0</th><th>8</th><th>16</th>" in page
     assert page.count(f"alt='{cfg.sampling.prompts[0]} | seed 0 at update") == 3

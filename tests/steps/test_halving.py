@@ -316,3 +316,25 @@ def test_the_retrain_records_the_kept_lr_as_lr_never_as_lr_mid(halved, retrained
     params = run.data.params
     assert float(params["lr"]) == LR_HIGH
     assert "lr_mid" not in params
+    # Issue 35: it validates on nothing (it trains on the validation images), and its description says what it did.
+    assert params["plan.val_images"] == "0"
+    assert run.data.tags["mlflow.note.content"].startswith("Retrained on train + validation for 1 epochs (")
+
+
+def test_the_range_test_s_description_is_its_report_s_headline(halved, retrained):
+    """Issue 35: the range test's run says what it read, as its report's lead does, and keeps its bounds to itself:
+    the parent run's bounds are the fine-tune's (choose_lr's decision)."""
+    from mlflow import MlflowClient
+
+    from rangefinder.analysis.reports import LR_STATUS_ADVICE
+
+    cfg, root, _, _ = halved
+    client = MlflowClient(cfg.tracking.tracking_uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("halving").experiment_id],
+                                filter_string="tags.`rangefinder.step` = 'lr_range_test'")
+    note = run.data.tags["mlflow.note.content"]
+    assert note.startswith("LR range test over ")
+    status = run.data.tags["status"]
+    assert (LR_STATUS_ADVICE[status] in note) if status != "ok" else ("Train at lr_mid = " in note)
+    lead = (root / "range" / "report" / "lr_report.md").read_text().splitlines()[2].split(": ", 1)[1]
+    assert lead in note

@@ -66,7 +66,9 @@ def check_pipeline_record(tracking_uri: str, experiment: str, summary: dict, *, 
 
     if model_name:
         mv = client.get_model_version_by_alias(model_name, "candidate")
-        assert mv.run_id in {r.info.run_id for r in children.values()}
+        # Issue 35: the version's source run is the one that trained the weights, with their curves.
+        assert mv.run_id in {children[s].info.run_id for s in ("finetune", "retrain_full") if s in children}
+        assert parent.data.tags["mlflow.note.content"].startswith("Trained at lr ")
         assert float(mv.tags["lr"]) == pytest.approx(summary["lr_used"], rel=1e-5)  # the LR it was trained at
         if generate:
             mlflow.set_tracking_uri(tracking_uri)

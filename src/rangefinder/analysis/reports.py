@@ -182,6 +182,31 @@ def _source_line(curve: Optional[dict], source: Optional[str]) -> Optional[str]:
     return ", ".join(p for p in (source, None if rows is None else f"{rows} rows") if p)
 
 
+def lr_headline(bounds: LRBounds) -> str:
+    """The LR report's lead: its decision in a sentence or two (also the step run's description in MLflow)."""
+    if bounds.status != "ok":
+        return LR_STATUS_ADVICE[bounds.status]
+    lead = (f"Train at lr_mid = {bounds.lr_mid:.3g} (between {bounds.lr_low:.3g} and {bounds.lr_high:.3g}); "
+            f"confidence {bounds.quality_label}.")
+    if "low_quality" in bounds.flags:
+        lead += (f" The quality score {bounds.quality:.2f} is under {LOW_QUALITY:g}: check lr_mid with a zoomed "
+                 "range test or a short grid before a long run (low_quality, below).")
+    return lead
+
+
+def step_headline(window: StepWindow, halving: Optional[HalvingDecision] = None) -> str:
+    """The step-window report's lead (also the fine-tune run's description in MLflow)."""
+    if window.recommended_epochs is not None:
+        lead = f"Train for {window.recommended_epochs} epochs (about {window.recommended_updates} updates)."
+        if window.status == "still_improving":
+            lead += " At least: the run ended while still improving."
+    else:
+        lead = STEP_STATUS_ADVICE[window.status]
+    if halving is not None:
+        lead += f" The LR is {halving.lr:.3g}, {halving.kept}, kept by successive halving."
+    return lead
+
+
 def write_lr_report(bounds: LRBounds, curve: Optional[dict], out_dir: str | Path, *,
                     source: Optional[str] = None, plan_warnings: Sequence[str] = ()) -> dict[str, Path]:
     """Write lr_range_test.png, lr_report.html (self-contained), lr_report.md and lr_bounds.json into out_dir.
@@ -192,14 +217,7 @@ def write_lr_report(bounds: LRBounds, curve: Optional[dict], out_dir: str | Path
     """
     out = Path(out_dir)
     png = plot_lr_range_test(bounds, out / "lr_range_test.png")
-    if bounds.status == "ok":
-        lead = (f"Train at lr_mid = {bounds.lr_mid:.3g} (between {bounds.lr_low:.3g} and {bounds.lr_high:.3g}); "
-                f"confidence {bounds.quality_label}.")
-        if "low_quality" in bounds.flags:
-            lead += (f" The quality score {bounds.quality:.2f} is under {LOW_QUALITY:g}: check lr_mid with a zoomed "
-                     "range test or a short grid before a long run (low_quality, below).")
-    else:
-        lead = LR_STATUS_ADVICE[bounds.status]
+    lead = lr_headline(bounds)
     rows: list[tuple[str, Any, str]] = [
         ("lr_low", bounds.lr_low, "validation loss has started to fall"),
         ("lr_high", bounds.lr_high, "it has nearly reached its minimum (flattens or turns up after)"),
@@ -250,14 +268,7 @@ def write_step_report(window: StepWindow, curve: Optional[dict], out_dir: str | 
     """
     out = Path(out_dir)
     png = plot_step_window(window, out / "step_window.png", halving=halving)
-    if window.recommended_epochs is not None:
-        lead = f"Train for {window.recommended_epochs} epochs (about {window.recommended_updates} updates)."
-        if window.status == "still_improving":
-            lead += " At least: the run ended while still improving."
-    else:
-        lead = STEP_STATUS_ADVICE[window.status]
-    if halving is not None:
-        lead += f" The LR is {halving.lr:.3g}, {halving.kept}, kept by successive halving."
+    lead = step_headline(window, halving)
     rows: list[tuple[str, Any, str]] = [
         ("recommended epochs", window.recommended_epochs, "the centre of the window (its edges are better determined)"),
         ("window (epochs)", [window.window_start_epoch, window.window_end_epoch],

@@ -27,6 +27,7 @@ from rangefinder.launch.processes import THREADS_ENV
 from rangefinder.pipelines.progress import StepProgress, step_name
 from rangefinder.tracking.redaction import RedactingWriter, redact, safe_uri
 from rangefinder.tracking.spool import SPOOL_ENV
+from rangefinder.tracking.target import ui_link
 
 
 @dataclass
@@ -34,6 +35,7 @@ class LocalRun:
     out_dir: Path
     run_dir: Path  # the pipeline root folder of this run: one sub-folder per task
     tracking_uri: str
+    experiment_id: Optional[str] = None  # the MLflow experiment the steps logged to; None when MLflow did not answer
     outputs: dict[str, dict[str, Any]] = field(default_factory=dict)  # task name -> output parameters
     artifacts: dict[str, dict[str, str]] = field(default_factory=dict)  # task name -> output name -> path
     reports: list[Path] = field(default_factory=list)  # copies under OUT/reports/, named to open in a browser
@@ -74,6 +76,12 @@ class LocalRun:
         if (self.out_dir / "pipeline.log").is_file():
             out["log"] = str(self.out_dir / "pipeline.log")
         out["mlflow"] = safe_uri(self.tracking_uri)
+        if self.experiment_id is not None:
+            # The UI lands on its GenAI view otherwise; this link opens the runs table (tracking.target.ui_link).
+            command, link = ui_link(self.tracking_uri, self.experiment_id)
+            if command:
+                out["mlflow_ui"] = command
+            out["mlflow_link"] = link
         spools = unlogged_spools(self.out_dir)
         if spools:
             # A step's warning says this too, in the log; the table is what a person reads.
@@ -181,10 +189,28 @@ def run_pipeline_locally(cfg: RangefinderConfig, out_dir: str | Path, *, dataset
                  key=lambda p: p.stat().st_mtime)
     if not new:
         raise RangefinderError(f"kfp.local wrote no run folder under {root}")
-    run = LocalRun(out_dir=out, run_dir=new[-1], tracking_uri=tracking_uri)
+    run = LocalRun(out_dir=out, run_dir=new[-1], tracking_uri=tracking_uri,
+                   experiment_id=_experiment_id(tracking_uri, cfg))
     _collect(run)
     _publish_reports(run)
     return run
+
+
+def _experiment_id(tracking_uri: str, cfg: RangefinderConfig) -> Optional[str]:
+    """The id of the experiment the steps logged to ($MLFLOW_EXPERIMENT_ID, else the named one), or None when it
+    cannot be read now: the link is a convenience, and the run's results are already in hand."""
+    from mlflow import MlflowClient
+
+    from rangefinder.tracking.target import bound_http_requests, resolve_experiment_name
+
+    if os.environ.get("MLFLOW_EXPERIMENT_ID"):
+        return os.environ["MLFLOW_EXPERIMENT_ID"]
+    bound_http_requests()
+    try:
+        exp = MlflowClient(tracking_uri=tracking_uri).get_experiment_by_name(resolve_experiment_name(cfg))
+    except Exception:  # a server gone since the last step: the summary says what was not logged
+        return None
+    return exp.experiment_id if exp is not None else None
 
 
 @contextlib.contextmanager

@@ -140,6 +140,7 @@ def run_finetune(
 ) -> FinetuneResult:
     from rangefinder import tracking
     from rangefinder.analysis import copy_report, select_step_window, write_step_report
+    from rangefinder.analysis.reports import step_headline
     from rangefinder.data.split import read_split
     from rangefinder.models.loading import resolve_base_model
     from rangefinder.steps.choose_lr import skipped_because
@@ -191,10 +192,12 @@ def run_finetune(
             decision = window.to_dict()
             base = resolve_base_model(cfg.model)
             chosen = keep_chosen_checkpoint(work, window, curve, base.path, base.source)
+            note = f"{step_headline(window, race)} Trained at lr {lr:.3g} (lr source: {lr_source})."
         else:
             # No validation set (a fixed LR with val_split 0): nothing to read a window from; keep the budget.
             rec_epochs, rec_updates, improving = tc.epochs or 1, result.updates, False
             decision = {"recommended_epochs": rec_epochs, "note": "no validation: the configured epochs are kept"}
+            note = f"No validation set: trained the configured {rec_epochs} epochs at lr {lr:.3g}."
             for p in (report_html, report_md):
                 if p is not None:
                     write_text(p, f"No validation set: trained {rec_epochs} epochs at lr {lr:.3g}.\n")
@@ -210,8 +213,11 @@ def run_finetune(
         shutil.copyfile(result.metrics_csv, report_dir / "metrics.csv")
         run.log_artifact(report_dir, "report")
         run.log_artifact(result.metrics_csv, "curves")
+        # lr_low and lr_high with lr_mid: the parent run shows the bounds choose_lr decided (the range tests keep
+        # their own readings on their runs).
         decisions: dict[str, Any] = {"recommended_epochs": rec_epochs, "recommended_updates": rec_updates,
-                                     "still_improving": improving, "lr_mid": lr_mid, "lr_used": lr,
+                                     "still_improving": improving, "lr_low": lr_low, "lr_high": lr_high,
+                                     "lr_mid": lr_mid, "lr_used": lr,
                                      "lr_source": lr_source, "updates_trained": result.updates + extra_updates}
         if race is not None:
             decisions["halving"] = {"kept": race.kept, "pause_update": race.pause_update,
@@ -220,6 +226,7 @@ def run_finetune(
         if chosen is not None:
             decisions.update({f"chosen_{k}": chosen[k] for k in ("update", "epoch", "val_loss")})
         run.log_decisions(decisions)
+        run.describe(note)
     if result.final_dir is None:
         raise RangefinderError(f"the fine-tune wrote no final weights under {model_dir}")
     return FinetuneResult(recommended_epochs=max(1, rec_epochs), recommended_updates=rec_updates,

@@ -61,6 +61,7 @@ def run_lr_range_test(
     """Sweep, analyse, report; `lr_min`/`lr_max` None: the configured range (a zoom passes its own)."""
     from rangefinder import tracking
     from rangefinder.analysis import analyze_lr_curve, copy_report, write_lr_report
+    from rangefinder.analysis.reports import lr_headline
     from rangefinder.data.split import read_split
     from rangefinder.training.spec import TrainSpec
 
@@ -122,7 +123,13 @@ def run_lr_range_test(
         run.log_artifact(out_dir / "report", "report")
         run.log_decisions({k: decision[k] for k in ("status", "lr_low", "lr_high", "lr_mid", "quality", "flags",
                                                      "points_between", "needs_zoom")}, prefix="" if stage == "first"
-                          else "zoom.")
+                          else "zoom.", numbers_to_parent=False)
+        # The bounds go to the parent run once, as the fine-tune used them (choose_lr's), not per range test.
+        what = "LR range test" if stage == "first" else "Zoomed LR range test"
+        note = f"{what} over {lo:.3g}..{hi:.3g}: {lr_headline(bounds)}"
+        if zoom is not None:
+            note += f" A zoomed range test over {zoom[0]:.3g}..{zoom[1]:.3g} reads the bounds again and replaces these."
+        run.describe(note)
 
     if bounds.status != "ok" and zoom is None:
         advice = " ".join(bounds.advice) or "widen the range or set a fixed lr"

@@ -44,6 +44,8 @@ def run_register_model(cfg: RangefinderConfig, *, model_dir: Path, lr: float, ep
     weights = delivered
     metrics: dict[str, float] = {"lr": lr, "epochs": epochs}
     tags: dict[str, str] = {}
+    # The step whose run made these weights: the version links to it (its curves and decisions).
+    source_step = "retrain_full" if chosen is None and cfg.retrain.enabled else "finetune"
     if chosen is not None:
         metrics.update({k: chosen[k] for k in ("update", "epoch", "val_loss") if chosen.get(k) is not None})
         tags = {"rangefinder.weights": f"finetune {chosen['checkpoint']}", "rangefinder.chosen_because":
@@ -67,10 +69,16 @@ def run_register_model(cfg: RangefinderConfig, *, model_dir: Path, lr: float, ep
 
         def register() -> tracking.RegisteredVersion:
             with tracking.step_run(cfg, "register_model", parent_run_id=mlflow_parent_run_id) as run:
-                return run.log_diffusers_model(weights, metrics=metrics, tags=tags, description=description,
-                                               num_inference_steps=cfg.sampling.num_inference_steps,
-                                               guidance_scale=cfg.sampling.guidance_scale,
-                                               resolution=cfg.data.resolution)
+                v = run.log_diffusers_model(weights, metrics=metrics, tags=tags, description=description,
+                                            num_inference_steps=cfg.sampling.num_inference_steps,
+                                            guidance_scale=cfg.sampling.guidance_scale,
+                                            resolution=cfg.data.resolution, source_step=source_step)
+                model = (f"registered as {v.name} version {v.version} (@{v.alias})" if v.version else
+                         f"logged as {v.model_uri} (tracking.registered_model_name is empty: not registered)")
+                # The last step that knows the whole decision writes the pipeline run's description.
+                run.describe(f"The delivered weights, {model}: {description}",
+                             pipeline=f"Trained at lr {lr:.3g} for {epochs} epochs; the weights are {model}.")
+                return v
 
         # The server must answer now (a version number cannot wait in a spool): wait for it a bounded time, then
         # say how to register these weights later.

@@ -45,4 +45,6 @@ def run_retrain_full(cfg: RangefinderConfig, *, split_dir: Path, lr_low: float, 
         result = run_training(cfg, spec, out_dir=work, metric_sink=run, step_name="retrain_full", split=split)
         publish(work, model_dir)
         run.log_decisions({"retrain_epochs": epochs, "retrain_updates": result.updates})
+        run.describe(f"Retrained on train + validation for {epochs} epochs ({result.updates} updates) at lr {lr:.3g}, "
+                     "the fine-tune's recommended length and kept LR; nothing is validated.")
     return RetrainResult(epochs=epochs, updates=result.updates, model_dir=Path(model_dir))

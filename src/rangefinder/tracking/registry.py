@@ -32,6 +32,12 @@ SD_PYFUNC_PATH = Path(__file__).with_name("sd_pyfunc.py")
 CANDIDATE = "candidate"
 CHAMPION = "champion"
 # What loading the model needs, pinned to the public release of the versions that logged it.
+# The registered model's description in MLflow's Models tab (set when it has none).
+MODEL_DESCRIPTION = (
+    "Stable Diffusion weights fine-tuned by rangefinder. Each version is one pipeline run's delivered weights: its "
+    "description says which LR and length made them, and its source run is the training run with their curves. "
+    "@candidate is the newest pipeline run's; @champion is the version a person promoted (rangefinder promote)."
+)
 _REQUIREMENTS = ("mlflow", "diffusers", "transformers", "torch", "safetensors", "accelerate", "pillow", "pandas",
                  "numpy")
 
@@ -132,6 +138,7 @@ def log_diffusers_model(
     guidance_scale: float = 7.5,
     resolution: Optional[int] = None,
     name: str = "model",
+    source_run_id: Optional[str] = None,
 ) -> RegisteredVersion:
     """Log a diffusers pipeline folder (model_index.json, unet/, vae/, ...) from the StepRun `run` as a pyfunc model;
     register it as a new version of `registered_model_name` (skipped when None) with `metrics` (default: the run's
@@ -139,6 +146,10 @@ def log_diffusers_model(
     `alias` at it.
 
     num_inference_steps, guidance_scale and resolution become the model's defaults (overridable per predict call).
+
+    `source_run_id`: the run that trained the weights (StepRun.log_diffusers_model finds it from a step name): the
+    version's source run, where the curves and decisions are, not the run logging the model (which has none).
+    None: `run` itself.
     """
     import mlflow
     from mlflow.models import Model
@@ -181,9 +192,12 @@ def log_diffusers_model(
     version_tags["rangefinder.run_id"] = run.run_id
     if run.parent_run_id:
         version_tags["rangefinder.parent_run_id"] = run.parent_run_id
-    mv = mlflow.register_model(info.model_uri, registered_model_name, tags=version_tags)
+    source_run_id = source_run_id or run.run_id
+    if source_run_id != run.run_id:
+        version_tags["rangefinder.registered_by_run_id"] = run.run_id
+    mv = _create_version(run.client, registered_model_name, info, source_run_id, version_tags)
     summary = ", ".join(f"{k}={v:.4g}" for k, v in clean.items())
-    text = description or f"Fine-tuned by rangefinder step {run.step_name} (run {run.run_id})."
+    text = description or f"Fine-tuned by rangefinder (run {source_run_id})."
     if summary:
         text += f" Metrics: {summary}."
     run.client.update_model_version(registered_model_name, mv.version, description=redact(text))
@@ -192,6 +206,22 @@ def log_diffusers_model(
     _log.info("registered %s version %s as @%s", registered_model_name, mv.version, alias)
     return RegisteredVersion(model_uri=info.model_uri, name=registered_model_name, version=str(mv.version),
                              alias=alias)
+
+
+def _create_version(client: Any, name: str, info: Any, source_run_id: str, tags: Mapping[str, str]) -> Any:
+    """A new version of registered model `name` (created when missing) from the logged model `info`, its source run
+    `source_run_id` (mlflow.register_model would take the logging run's)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.create_registered_model(name, description=MODEL_DESCRIPTION)
+    except MlflowException as e:
+        if e.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+        if not client.get_registered_model(name).description:  # a description someone wrote stays
+            client.update_registered_model(name, description=MODEL_DESCRIPTION)
+    return client.create_model_version(name, info.model_uri, run_id=source_run_id, tags=dict(tags),
+                                       model_id=info.model_id)
 
 
 def retry_while_server_away(cfg: Any, action: Callable[[], T], *, what: str, later: str) -> T:

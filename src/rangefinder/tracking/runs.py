@@ -60,6 +60,7 @@ TAG_STEP = "rangefinder.step"
 TAG_CREATED_BY = "rangefinder.created_by"
 TAG_ERROR = "rangefinder.error"
 TAG_ATTEMPT = "rangefinder.attempt"  # 1, then 2, ... when a retried step goes on in its run
+TAG_NOTE = "mlflow.note.content"  # the run's description in MLflow's UI (Markdown)
 MAX_PARAM_CHARS = 500  # MLflow takes 6000; longer values (prompt lists) are unreadable in its table anyway
 MAX_TAG_CHARS = 5000
 _SAFE_TAG_VALUE = re.compile(r"^[\w.:/@+ -]{1,200}$")
@@ -371,15 +372,26 @@ class StepRun:
         if clean:
             self._deliver({"kind": "tags", "run_id": run_id, "tags": clean})
 
+    # --- descriptions
+    def describe(self, text: str, *, pipeline: Optional[str] = None) -> None:
+        """`text` as the run's description (the step's decision in one line, shown in MLflow's UI), and `pipeline`
+        as the parent run's (the pipeline's decision; the step that knows it last sets it)."""
+        self._set_tags(self.run_id, {TAG_NOTE: text})
+        if pipeline is not None and self.parent_run_id:
+            self._set_tags(self.parent_run_id, {TAG_NOTE: pipeline})
+
     # --- decisions
     def log_decisions(
-        self, decisions: Mapping[str, Any], *, prefix: str = "", to_parent: bool = True, step: Optional[int] = None
+        self, decisions: Mapping[str, Any], *, prefix: str = "", to_parent: bool = True, step: Optional[int] = None,
+        numbers_to_parent: bool = True,
     ) -> None:
         """Numbers become metrics (lr_low, lr_high, lr_mid, quality, recommended_epochs, ...); strings, booleans and
         lists become tags (status, flags, ...). Nested mappings are flattened with dots; None is skipped.
 
         With `to_parent`, the parent run gets the numbers under the same names (one row per pipeline run in
         MLflow's table) and the tags prefixed by the step name (`analyze_lr.status`), since every step has a status.
+        `numbers_to_parent=False` keeps the numbers on this run: a step whose numbers are not the ones the pipeline
+        used (a range test's bounds, before choose_lr) would otherwise mix decisions on the parent.
         """
         numbers: dict[str, float] = {}
         words: dict[str, Any] = {}
@@ -398,7 +410,7 @@ class StepRun:
         if to_parent and self.parent_run_id:
             targets.append((self.parent_run_id, {f"{self.step_name}.{k}": v for k, v in words.items()}))
         for run_id, tags in targets:
-            if rows:
+            if rows and (run_id == self.run_id or numbers_to_parent):
                 self._deliver({"kind": "metrics", "run_id": run_id, "metrics": rows})
             self._set_tags(run_id, tags)
 
@@ -461,10 +473,17 @@ class StepRun:
         return digest
 
     # --- models
-    def log_diffusers_model(self, pipeline_dir: str | os.PathLike, **kwargs: Any):
-        """See rangefinder.tracking.registry.log_diffusers_model."""
+    def log_diffusers_model(self, pipeline_dir: str | os.PathLike, *, source_step: Optional[str] = None,
+                            **kwargs: Any):
+        """See rangefinder.tracking.registry.log_diffusers_model. `source_step`: the step that trained the weights
+        (finetune, retrain_full); its newest run under the same parent becomes the version's source run (this run
+        when there is no parent or no such run)."""
         from rangefinder.tracking.registry import log_diffusers_model
 
+        if source_step and self.parent_run_id:
+            found = latest_step_run(self.client, self.experiment_id, self.parent_run_id, source_step)
+            if found is not None:
+                kwargs.setdefault("source_run_id", found.info.run_id)
         kwargs.setdefault("registered_model_name", tracking_settings(self.cfg).registered_model_name)
         return log_diffusers_model(self, pipeline_dir, **kwargs)
 
@@ -581,12 +600,18 @@ def step_run(
 def _unfinished_attempt(client: Any, exp_id: str, parent: str, step_name: str) -> Any:
     """The newest run of this step under this parent when it did not finish (an earlier attempt that failed, was
     killed, or lost its pod while RUNNING), else None: a KFP retry or a resumed step goes on in that run."""
+    run = latest_step_run(client, exp_id, parent, step_name)
+    return run if run is not None and run.info.status != "FINISHED" else None
+
+
+def latest_step_run(client: Any, exp_id: str, parent: str, step_name: str) -> Any:
+    """The newest run of step `step_name` under the parent run `parent`, or None."""
     if not _SAFE_TAG_VALUE.match(step_name) or not _SAFE_TAG_VALUE.match(parent):
         return None
     runs = client.search_runs([exp_id], filter_string=f"tags.`{TAG_PARENT}` = '{parent}' and "
                               f"tags.`{TAG_STEP}` = '{step_name}'", max_results=1,
                               order_by=["attributes.start_time DESC"])
-    return runs[0] if runs and runs[0].info.status != "FINISHED" else None
+    return runs[0] if runs else None
 
 
 def _continue(client: Any, earlier: Any, cfg: Optional[TrackingSource], uri: str,

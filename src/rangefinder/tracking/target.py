@@ -306,3 +306,19 @@ def _local_artifact_location(uri: str) -> Optional[str]:
     # them beside the database keeps one run's record in one place (the demo's --out folder).
     db = sqlite_path(uri)
     return (db.parent / "mlartifacts").as_uri() if db else None
+
+
+# MLflow 3.x's UI opens on its GenAI view (traces, tokens, cost) unless the URL says otherwise: its experiment page
+# reads `workflowType` from the query (`machine_learning` or `genai`; the built UI, mlflow/server/js) and its `runs`
+# tab is the model-training runs table. `mlflow ui` serves on this port unless told otherwise.
+UI_RUNS_ROUTE = "#/experiments/{experiment_id}/runs?workflowType=machine_learning"
+MLFLOW_UI_PORT = 5000
+
+
+def ui_link(uri: str, experiment_id: str) -> tuple[Optional[str], str]:
+    """(the command that serves MLflow's UI for `uri`, or None when `uri` is a server; the link that opens the
+    experiment's model-training runs table in that UI). Credentials in `uri` never appear in either."""
+    route = UI_RUNS_ROUTE.format(experiment_id=experiment_id)
+    if urlsplit(uri).scheme.lower() in ("http", "https"):
+        return None, f"{safe_uri(uri).rstrip('/')}/{route}"
+    return f"mlflow ui --backend-store-uri {safe_uri(uri)}", f"http://127.0.0.1:{MLFLOW_UI_PORT}/{route}"

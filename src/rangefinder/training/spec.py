@@ -142,7 +142,10 @@ class TrainSpec:
             placements = place_items(split, items, buckets)
             sizes = sorted({placements[it.id].bucket for it in items})
             counts = [sum(1 for it in items if placements[it.id].bucket == b) for b in sizes]
-        return plan_for(self.training, len(items), counts)
+        # plan_for counts the images trained on; the images validated on are the split's held-out ones (none when
+        # the run trains on them too), which is what `plan.val_images` says in MLflow.
+        held_out = len(split.val) if self.train_on == "train" else 0
+        return plan_for(self.training, len(items), counts).model_copy(update={"val_images": held_out})
 
     def with_lr(self, lr: float) -> TrainSpec:
         """The same run at another constant LR (the fine-tune's successive halving), validated; the plan's LR with

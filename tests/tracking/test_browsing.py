@@ -1,0 +1,69 @@
+"""Issue 35 item 5, MLflow as its users browse it: descriptions on the runs and the registered model, the version
+linked to the run that trained its weights, and one LR decision on the parent run. Read back from real stores."""
+
+from __future__ import annotations
+
+import pytest
+from mlflow import MlflowClient
+
+from rangefinder.config import RangefinderConfig, TrackingConfig
+from rangefinder.tracking import ensure_parent_run, step_run
+
+NOTE = "mlflow.note.content"
+
+
+@pytest.mark.slow
+def test_the_version_s_source_run_is_the_fine_tune_and_every_run_and_the_model_say_what_they_decided(
+        sqlite_tracking_uri, tiny_model_dir, tmp_path, monkeypatch):
+    from rangefinder.steps.register_model import run_register_model
+    from rangefinder.tracking.spool import SPOOL_ENV
+
+    monkeypatch.setenv(SPOOL_ENV, str(tmp_path / "spool"))  # register_model keeps its config there
+
+    name = "rf-browse"
+    cfg = RangefinderConfig(tracking=TrackingConfig(tracking_uri=sqlite_tracking_uri, experiment_name="browse",
+                                                    registered_model_name=name))
+    cfg.sampling.num_inference_steps = 2
+    parent = ensure_parent_run(cfg, name="pipeline-run-1")
+    with step_run(cfg, "finetune", parent_run_id=parent) as ft:
+        ft.log_metrics({"val_loss": 0.3}, step=4)
+    registered = run_register_model(cfg, model_dir=tiny_model_dir, lr=2e-4, epochs=7, mlflow_parent_run_id=parent)
+    assert registered.version == "1"
+
+    client = MlflowClient(tracking_uri=sqlite_tracking_uri)
+    mv = client.get_model_version(name, "1")
+    # The version opens on the run with the curves and decisions, not on register_model's (which has none).
+    assert mv.run_id == ft.run_id
+    (reg,) = client.search_runs([client.get_experiment_by_name("browse").experiment_id],
+                                filter_string="tags.`rangefinder.step` = 'register_model'")
+    assert mv.tags["rangefinder.registered_by_run_id"] == reg.info.run_id != ft.run_id
+    assert "epochs at lr 0.0002" in mv.description
+    assert "fine-tuned by rangefinder" in client.get_registered_model(name).description
+    assert reg.data.tags[NOTE].startswith(f"The delivered weights, registered as {name} version 1 (@candidate): ")
+    assert client.get_run(parent).data.tags[NOTE] == (
+        f"Trained at lr 0.0002 for 7 epochs; the weights are registered as {name} version 1 (@candidate).")
+
+    # A description someone wrote on the model stays; the next version still links its own training run.
+    client.update_registered_model(name, description="ours")
+    with step_run(cfg, "finetune", parent_run_id=parent) as ft2:
+        ft2.log_metrics({"val_loss": 0.2}, step=4)
+    run_register_model(cfg, model_dir=tiny_model_dir, lr=2e-4, epochs=7, mlflow_parent_run_id=parent)
+    assert client.get_model_version(name, "2").run_id == ft2.run_id
+    assert client.get_registered_model(name).description == "ours"
+
+
+def test_a_range_test_s_bounds_stay_on_its_run_and_the_parent_shows_the_fine_tune_s(shared_sqlite_tracking_uri):
+    """The parent run showed lr_low and lr_high from the first range test and lr_mid from the fine-tune: after a
+    zoom they were two decisions. Now the range tests keep their readings; the fine-tune logs the bounds it used."""
+    cfg = TrackingConfig(tracking_uri=shared_sqlite_tracking_uri, experiment_name="one-decision")
+    parent = ensure_parent_run(cfg, name="pipeline-run-decisions")
+    with step_run(cfg, "lr_range_test", parent_run_id=parent) as rt:
+        rt.log_decisions({"lr_low": 1e-5, "lr_high": 1e-3, "lr_mid": 1e-4, "status": "ok"}, numbers_to_parent=False)
+    with step_run(cfg, "finetune", parent_run_id=parent) as ft:
+        ft.log_decisions({"lr_low": 3e-5, "lr_high": 2e-4, "lr_mid": 8e-5, "lr_used": 8e-5})
+    client = MlflowClient(tracking_uri=shared_sqlite_tracking_uri)
+    on_parent = client.get_run(parent).data
+    assert (on_parent.metrics["lr_low"], on_parent.metrics["lr_high"], on_parent.metrics["lr_mid"]) == (
+        3e-5, 2e-4, 8e-5)
+    assert on_parent.tags["lr_range_test.status"] == "ok"  # its words still reach the parent
+    assert client.get_run(rt.run_id).data.metrics["lr_low"] == 1e-5

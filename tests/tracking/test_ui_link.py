@@ -1,0 +1,50 @@
+"""Issue 35 item 5, landing: `demo` and `run --local` print the link that opens MLflow's model-training runs table
+(MLflow 3.x's UI otherwise lands on its GenAI view) beside the command that serves the UI."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlflow
+from mlflow import MlflowClient
+
+from rangefinder.config import RangefinderConfig, TrackingConfig
+from rangefinder.pipelines.local_run import LocalRun, _experiment_id
+from rangefinder.tracking import step_run
+from rangefinder.tracking.target import ui_link
+
+
+def _ui_bundle() -> str:
+    js = Path(mlflow.__file__).parent / "server" / "js" / "build" / "static" / "js"
+    return "".join(p.read_text(errors="replace") for p in sorted(js.glob("main.*.js")))
+
+
+def test_the_link_names_a_route_and_view_the_installed_ui_has():
+    """The installed UI reads `workflowType` from the query, knows `machine_learning`, and has a `runs` tab: if a
+    later MLflow renames them, this fails instead of the printed link silently landing on the GenAI view."""
+    bundle = _ui_bundle()
+    assert 'get("workflowType")' in bundle and 'MACHINE_LEARNING="machine_learning"' in bundle
+    assert '"/experiments/:experimentId/:tabName"' in bundle and 'Runs="runs"' in bundle
+    _, link = ui_link("sqlite:///x.db", "7")
+    assert link == "http://127.0.0.1:5000/#/experiments/7/runs?workflowType=machine_learning"
+
+
+def test_a_local_runs_summary_links_the_experiment_its_steps_logged_to(sqlite_tracking_uri, tmp_path):
+    cfg = RangefinderConfig(tracking=TrackingConfig(tracking_uri=sqlite_tracking_uri, experiment_name="landing"))
+    with step_run(cfg, "finetune") as run:
+        run.log_metrics({"val_loss": 0.5}, step=1)
+    exp_id = _experiment_id(sqlite_tracking_uri, cfg)
+    summary = LocalRun(out_dir=tmp_path, run_dir=tmp_path, tracking_uri=sqlite_tracking_uri,
+                       experiment_id=exp_id).summary()
+    assert summary["mlflow_ui"] == f"mlflow ui --backend-store-uri {sqlite_tracking_uri}"
+    assert summary["mlflow_link"] == f"http://127.0.0.1:5000/#/experiments/{exp_id}/runs?workflowType=machine_learning"
+    # The linked experiment is the one holding the step's run.
+    found = MlflowClient(tracking_uri=sqlite_tracking_uri).search_runs([exp_id])
+    assert [r.info.run_id for r in found] == [run.run_id]
+
+
+def test_a_server_is_linked_without_its_credentials_and_without_a_command():
+    command, link = ui_link("https://u:hunter2-pw@mlflow.example:5000/", "3")
+    assert command is None
+    assert link == "https://mlflow.example:5000/#/experiments/3/runs?workflowType=machine_learning"
+    assert "hunter2" not in link
