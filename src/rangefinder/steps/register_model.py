@@ -81,9 +81,10 @@ def run_register_model(cfg: RangefinderConfig, *, model_dir: Path, lr: float, ep
                 return v
 
         # The server must answer now (a version number cannot wait in a spool): wait for it a bounded time, then
-        # say how to register these weights later.
-        v = tracking.retry_while_server_away(cfg, register, what="register the model",
-                                             later=_later_command(cfg, model_dir, lr, epochs, mlflow_parent_run_id))
+        # say how to register these weights later (the config is kept for that only then, not on every run).
+        v = tracking.retry_while_server_away(
+            cfg, register, what="register the model",
+            later=lambda: _later_command(cfg, model_dir, lr, epochs, mlflow_parent_run_id))
     # The registry's name for it when registered (what a person loads or promotes), else the logged model's URI.
     uri = f"models:/{v.name}/{v.version}" if v.version else v.model_uri
     return Registered(model_uri=uri, version=v.version, weights=delivered)

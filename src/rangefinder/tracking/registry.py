@@ -224,13 +224,13 @@ def _create_version(client: Any, name: str, info: Any, source_run_id: str, tags:
                                        model_id=info.model_id)
 
 
-def retry_while_server_away(cfg: Any, action: Callable[[], T], *, what: str, later: str) -> T:
+def retry_while_server_away(cfg: Any, action: Callable[[], T], *, what: str, later: Callable[[], str]) -> T:
     """`action()`, tried again while the tracking server does not answer, for up to tracking.server_wait_seconds.
 
     Registering a model needs the server there and then (nothing can be spooled: the version number is the result),
     so a server that is away at that moment, or goes away part-way, is waited for. When it stays away, one
-    TrackingError says so and gives `later`, the command that does it once the server answers. Any other error
-    (credentials, a refused request) is raised at once.
+    TrackingError says so and gives `later()`, the command that does it once the server answers (made only then: it
+    may keep a file). Any other error (credentials, a refused request) is raised at once.
     """
     from rangefinder.tracking.target import (
         ServerAway,
@@ -258,7 +258,7 @@ def retry_while_server_away(cfg: Any, action: Callable[[], T], *, what: str, lat
         except ServerAway:
             raise TrackingError(
                 f"could not {what}: the MLflow tracking server at {safe_uri(uri)} did not answer within "
-                f"tracking.server_wait_seconds ({wait_s:g} s) ({reason}); once it answers, run: {later}"
+                f"tracking.server_wait_seconds ({wait_s:g} s) ({reason}); once it answers, run: {later()}"
             ) from None
         _log.warning("MLflow at %s answers again; trying to %s again", safe_uri(uri), what)
 
