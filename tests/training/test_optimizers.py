@@ -181,10 +181,9 @@ def test_an_lr_free_optimizer_skips_the_range_test(tiny_model_dir, split_dir, tm
     assert not halving_applies(True, True, "constant", chosen.lr_mid, chosen.lr_high)
     # The fine-tune the engine is given: Prodigy, constant, at its multiplier 1.0.
     from rangefinder.data.split import read_split
-    from rangefinder.training.spec import TrainSpec
 
-    tc = TrainSpec.finetune(cfg, read_split(split_dir), split_dir=split_dir, lr_low=chosen.lr_low,
-                            lr_high=chosen.lr_high, lr=chosen.lr_mid, world_size=1).training
+    tc = TrainSpec.finetune(cfg, read_split(split_dir), bounds=(chosen.lr_low, chosen.lr_high), lr=chosen.lr_mid,
+                            world_size=1).training
     assert (tc.optimizer, tc.schedule, tc.lr) == ("prodigy", "constant", 1.0)
     # Running the range test anyway is one clear error, before anything is read.
     with pytest.raises(ConfigError, match="LR-free") as err:
