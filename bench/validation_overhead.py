@@ -57,7 +57,7 @@ NAME = "validation_overhead"
 @contextmanager
 def timed_measure() -> Iterator[list[float]]:
     """Time every call the engine makes to its validation measurement (the real function runs unchanged)."""
-    from rangefinder.training import validation
+    from rangefinder.training import loop as validation  # validate() lives in loop.py and calls loop.measure_subset
 
     seconds: list[float] = []
     original = validation.measure_subset  # what validate() calls, once per subset (val, stabilize)
