@@ -451,12 +451,14 @@ def record_status(status: dsl.PipelineTaskFinalStatus, mlflow_experiment: str, p
         mlflow_experiment: The MLflow experiment the parent run is in.
         pipeline_job_id: The KFP run id the parent run is found by.
     """
+    from rangefinder.errors import one_line_errors
     from rangefinder.steps.record_status import run_record_status
 
-    run_record_status(
-        state=status.state,
-        error_message=status.error_message or "",
-        failed_task=getattr(status, "pipeline_task_name", "") or "",
-        mlflow_experiment=mlflow_experiment,
-        pipeline_job_id=pipeline_job_id,
-    )
+    with one_line_errors("record-status"):
+        run_record_status(
+            state=status.state,
+            error_message=status.error_message or "",
+            failed_task=getattr(status, "pipeline_task_name", "") or "",
+            mlflow_experiment=mlflow_experiment,
+            pipeline_job_id=pipeline_job_id,
+        )

@@ -252,7 +252,10 @@ def failure_summary(log: str, named: str) -> str:
     later = []
     for task in failed[1:]:
         own = step_error(log, task)
-        later.append(step_name(task) if own in (None, cause) else f"{step_name(task)} ({own})")
+        # The same cause: the same error, or one of the two begins with the other (the outage in its own words, then
+        # what that step could not do because of it: register-model's command for later).
+        same = own is None or (cause is not None and (cause.startswith(own) or own.startswith(cause)))
+        later.append(step_name(task) if same else f"{step_name(task)} ({own})")
     if later:
         steps = "step" if len(later) == 1 else "steps"
         said += f"; {len(later)} later {steps} failed too: {', '.join(later)}"

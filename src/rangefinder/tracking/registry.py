@@ -249,16 +249,14 @@ def retry_while_server_away(cfg: Any, action: Callable[[], T], *, what: str, lat
         except Exception as e:
             if not server_unreachable(e):
                 raise
-            reason = e.reason if isinstance(e, ServerAway) else (
-                redact(e).splitlines()[0][:200] if str(e) else type(e).__name__)
         try:
-            if time.monotonic() >= deadline:
-                raise ServerAway(reason, reason)
-            await_tracking_server(uri, deadline - time.monotonic())
-        except ServerAway:
+            # One check at least: its ServerAway says why in the words every step uses for the same outage, so a
+            # run that fails here and in later steps shows one cause (pipelines.local_run.failure_summary).
+            await_tracking_server(uri, max(0.0, deadline - time.monotonic()))
+        except ServerAway as away:
             raise TrackingError(
-                f"could not {what}: the MLflow tracking server at {safe_uri(uri)} did not answer within "
-                f"tracking.server_wait_seconds ({wait_s:g} s) ({reason}); once it answers, run: {later()}"
+                f"{away}; it did not answer within tracking.server_wait_seconds ({wait_s:g} s), so could not {what}; "
+                f"once it answers, run: {later()}"
             ) from None
         _log.warning("MLflow at %s answers again; trying to %s again", safe_uri(uri), what)
 
