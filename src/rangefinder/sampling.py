@@ -65,7 +65,7 @@ def _classify_file(path: Path) -> tuple[ColumnKind, Optional[str]]:
         try:
             sd = torch.load(str(path), map_location="cpu", weights_only=True)
         except Exception as e:  # torch raises RuntimeError, UnpicklingError, EOFError, ... for a bad file
-            # Only the exception's name: torch's own message for a pickle suggests weights_only=False, never wise.
+            # Only the exception's name: torch's own message for a pickle suggests turning weights_only off, never wise.
             raise ConfigError(f"{path} cannot be read as a PyTorch weights file ({type(e).__name__}); it is "
                               "damaged, cut short or holds more than tensors; pass a whole checkpoint") from None
         if isinstance(sd, dict) and "state_dict" in sd:
