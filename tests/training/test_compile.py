@@ -76,14 +76,17 @@ def test_auto_compiles_long_cuda_runs_only():
 
 
 def test_auto_resolves_to_off_on_cpu_and_is_recorded(tmp_path, split_dir, tiny_model_dir):
+    """compile and mixed_precision `auto`, each recorded as what it resolved to (issue 38: the GPU run's summary must
+    say bf16 and whether it compiled)."""
     if torch.cuda.is_available():
         pytest.skip("auto is off on CPU only")
     cfg = TrainingConfig(batch_size=4, steps=1, seed=7, cache_dir=str(tmp_path / "cache"))
-    assert cfg.compile == "auto"
+    assert cfg.compile == "auto" and cfg.mixed_precision == "auto"
     result = train(TrainSpec(cfg, ValidationConfig(every_epochs=0), split_dir=split_dir, model=tiny_model_dir),
                    out_dir=tmp_path / "run", save_final=False)
     summary = json.loads(result.summary_path.read_text())
     assert summary["compile"] == "off" and summary["training"]["compile"] == "auto"
+    assert summary["mixed_precision_used"] == "no"  # no bf16 on CPU
 
 
 def test_yaml_on_off_read_as_the_setting():

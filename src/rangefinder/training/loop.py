@@ -437,6 +437,7 @@ def _finish(run: Run, state: RunState, *, save_final: bool, seconds: float, cpu_
             "family": run.family.name,  # detected from the base model (models/loading.py: detect_family)
             "prediction_type": run.family.prediction_type,
             "compile": "on" if settings.compile else "off",  # training.compile resolved
+            "mixed_precision_used": run.cfg.mixed_precision,  # training.mixed_precision resolved (auto: per device)
             "seconds": seconds,  # the loop's wall time (loading and encoding excluded)
             "cpu_seconds": cpu_seconds,  # this process' CPU time in the loop (all threads)
             "torch_threads": torch.get_num_threads(),  # CPU threads (RANGEFINDER_TORCH_THREADS; local runs: 1)
