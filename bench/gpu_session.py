@@ -228,7 +228,7 @@ def reference(setup, *, batch: int, updates: int, mp: str, timed_from: int) -> d
 
 
 def goals(out: Path, work: Path, setup, device: str, mp: str, deadline: float, tiny: bool,
-          batches: list[int]) -> dict[str, Any]:
+          batches: list[int], parts: set[str]) -> dict[str, Any]:
     import torch
 
     from bench.speed_vs_reference import device_peak_flops, unet_flops_per_update
@@ -278,7 +278,7 @@ def goals(out: Path, work: Path, setup, device: str, mp: str, deadline: float, t
 
     # a. full fine-tune, eager, ascending batches: MFU at each, the largest that fits
     largest = None
-    for b in batches:
+    for b in (batches if "goals" in parts else []):
         row = guarded(f"full eager b{b}", 25, lambda b=b: engine(setup, method="full", batch=b, updates=upd[b],
                                                                   device=device, mp=mp, cache_dir=cache))
         if row == "oom" or row is None:
@@ -310,45 +310,57 @@ def goals(out: Path, work: Path, setup, device: str, mp: str, deadline: float, t
     # d. validation overhead of the fine-tune (every epoch), eager, batch 4
     b4 = batches[0]
 
+    def median_interval(row: dict[str, Any]) -> Optional[float]:
+        # Steady seconds per update between validations: the median gap between consecutive updates (a gap that
+        # holds a validation pass, or the compile in the first updates, is an outlier the median ignores).
+        ts = row["update_times"]
+        return statistics.median(b - a for a, b in zip(ts[2:], ts[3:], strict=False)) if len(ts) > 4 else None
+
     def val_run(compile: str) -> dict[str, Any]:
         from rangefinder.data.split import read_split
 
-        epochs_updates = (1 if tiny else 3) * (len(read_split(setup.split_dir).train) // b4)
+        epochs = 1 if tiny else 3
+        epochs_updates = epochs * -(-len(read_split(setup.split_dir).train) // b4)  # whole epochs: ceil
         row = engine(setup, method="full", batch=b4, updates=epochs_updates, device=device, mp=mp, cache_dir=cache,
                      compile=compile, validate_every_epochs=1, timed_validation=True)
         times = row["validation_seconds"]
-        row["validation_passes"] = len(times)
-        training = row["loop_seconds"] - sum(times[1:])  # the loop's timer starts after the update-0 pass
+        passes = epochs + 1  # update 0 and every epoch's end
+        per_pass = max(1, len(times) // passes)  # measure_subset calls per pass: val and stabilize
+        row["validation_passes"] = passes
+        # The loop's timer starts after the update-0 pass: training time = loop time - the later passes.
+        training = row["loop_seconds"] - sum(times[per_pass:])
         row["training_seconds"] = training
         row["overhead_all_passes"] = sum(times) / training
-        # After the first pass (which carries the no-grad graph's first call, and its compile when compiled).
-        later = times[1:] if len(times) > 1 else times
-        row["overhead_steady"] = (statistics.median(later) * len(times)) / training if later else None
+        # Every pass at the cost of the later ones (the first carries the no-grad graph's first call, and its compile
+        # when compiled).
+        later = sum(times[per_pass:]) / (passes - 1)
+        row["overhead_steady"] = later * passes / training
+        row["median_s_per_update"] = median_interval(row)
         return row
 
-    row = guarded("validation overhead eager", 30, lambda: val_run("off"))
+    row = guarded("validation overhead eager", 30, lambda: val_run("off")) if parts & {"goals", "compile"} else None
     if isinstance(row, dict):
         res["validation_eager"] = row
     # e. one compiled run: compile seconds, the compiled rate at batch 4, the compiled validation's overhead
     need = 40 if tiny else 150
-    row = guarded("compiled full b4 with validation", need, lambda: val_run("on"))
+    row = guarded("compiled full b4 with validation", need, lambda: val_run("on")) if "compile" in parts else None
     if isinstance(row, dict):
         res["compiled"] = row
-        eager = res["full"].get(b4)
-        ts = row["update_times"]
-        if eager and eager["steady_s_per_update"] and len(ts) > 4:
-            # the first update's time over a steady one: the compile (validation's own compile is in its first pass)
-            steady = statistics.median(b - a for a, b in zip(ts[3:], ts[4:], strict=False))
-            row["steady_s_per_update_updates_only"] = steady
-            row["gain_s_per_update"] = eager["steady_s_per_update"] - steady
-            ev = res.get("validation_eager")
-            if ev:
-                # The same run eager and compiled: the compiled loop's extra time plus what its faster updates saved
-                # is what compiling cost (the training graph and validation's no-grad graph); over the per-update
-                # gain, the updates after which compiling pays (COMPILE_AUTO_MIN_UPDATES).
-                cost = row["loop_seconds"] - ev["loop_seconds"] + row["updates"] * row["gain_s_per_update"]
-                row["compile_seconds_total"] = cost
-                row["break_even_updates"] = cost / row["gain_s_per_update"] if row["gain_s_per_update"] > 0 else None
+        dump(out, "goals.json", res)
+        ev = res.get("validation_eager")
+    if isinstance(row, dict) and ev and ev["median_s_per_update"] and row["median_s_per_update"]:
+        try:
+            row["gain_s_per_update"] = ev["median_s_per_update"] - row["median_s_per_update"]
+            row["images_per_second"] = b4 / row["median_s_per_update"]
+            ev["images_per_second"] = b4 / ev["median_s_per_update"]
+            # The same run eager and compiled: the compiled loop's extra time plus what its faster updates saved
+            # is what compiling cost (the training graph and validation's no-grad graph); over the per-update
+            # gain, the updates after which compiling pays (COMPILE_AUTO_MIN_UPDATES).
+            cost = row["loop_seconds"] - ev["loop_seconds"] + row["updates"] * row["gain_s_per_update"]
+            row["compile_seconds_total"] = cost
+            row["break_even_updates"] = cost / row["gain_s_per_update"] if row["gain_s_per_update"] > 0 else None
+        except Exception as e:  # noqa: BLE001 - the measured rows are kept
+            res["errors"].append(f"compile arithmetic: {type(e).__name__}: {e}")
     dump(out, "goals.json", res)
     return res
 
@@ -432,8 +444,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--budget", type=float, default=440, help="seconds for everything; parts stop before it")
     p.add_argument("--wholerun-budget", type=float, default=190)
     p.add_argument("--tiny", action="store_true", help="CPU dry run: the tiny model at 64 px")
-    p.add_argument("--batches", default="4,16,32")
-    p.add_argument("--parts", default="wholerun,goals,profile,allreduce")
+    p.add_argument("--batches", default="4,32,48")
+    p.add_argument("--parts", default="wholerun,goals,compile,profile,allreduce")
     args = p.parse_args(argv)
     out, work = args.out, args.work
     out.mkdir(parents=True, exist_ok=True)
@@ -487,10 +499,10 @@ def main(argv: Optional[list[str]] = None) -> None:
         say("wholerun finished")
     deadline = args.budget - 10
     res: dict[str, Any] = {}
-    if "goals" in parts:
+    if {"goals", "compile"} & set(parts):
         try:
             res = goals(out, work, setup, device, mp, deadline - (40 if "profile" in parts else 0), args.tiny,
-                        [int(b) for b in args.batches.split(",")])
+                        [int(b) for b in args.batches.split(",")], set(parts))
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             dump(out, "goals.json", {"error": f"{type(e).__name__}: {e}"})
