@@ -113,6 +113,11 @@ def train_reference(
 
     optimizer = torch.optim.AdamW(unet.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=1e-2, eps=1e-8)
     dataset = _CaptionedImages(split_dir, tokenizer, resolution)
+    if len(dataset) < batch_size:
+        # drop_last with fewer images than a batch yields no batch at all, and the update loop below would spin
+        # forever (it did, at batch 48 on 38 images, in the first GPU session).
+        raise ValueError(f"the reference loop needs at least batch_size={batch_size} training images (it drops the "
+                         f"last partial batch); the split has {len(dataset)}: use a larger dataset or a smaller batch")
     loader = torch.utils.data.DataLoader(
         dataset, batch_size=batch_size, shuffle=True, num_workers=0, generator=torch.Generator().manual_seed(seed),
         # Every update sees exactly batch_size images, as the engine's (epoch-straddling) micro-batches do, so

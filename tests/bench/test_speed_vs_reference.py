@@ -23,6 +23,17 @@ def test_reference_loop_trains_the_unet(tmp_path, tiny_model_dir, split_dir):
 
 
 @pytest.mark.slow
+def test_reference_loop_refuses_a_batch_larger_than_the_split(tiny_model_dir, split_dir):
+    """With drop_last, a batch larger than the training set yields no batch: the loop must say so, not spin (it hung
+    a GPU session at batch 48 on 38 images)."""
+    from bench.reference_loop import train_reference
+    from rangefinder.data.split import read_split
+
+    too_big = len(read_split(split_dir).train) + 1
+    with pytest.raises(ValueError, match=f"batch_size={too_big}"):
+        train_reference(tiny_model_dir, split_dir, updates=1, batch_size=too_big, resolution=32)
+
+
 def test_speed_vs_reference_smoke(tmp_path, tiny_model_dir):
     import torch
 
