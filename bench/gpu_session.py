@@ -324,8 +324,10 @@ def goals(out: Path, work: Path, setup, device: str, mp: str, deadline: float, t
         row = engine(setup, method="full", batch=b4, updates=epochs_updates, device=device, mp=mp, cache_dir=cache,
                      compile=compile, validate_every_epochs=1, timed_validation=True)
         times = row["validation_seconds"]
-        passes = epochs + 1  # update 0 and every epoch's end
-        per_pass = max(1, len(times) // passes)  # measure_subset calls per pass: val and stabilize
+        # measure_subset calls per pass: val and stabilize (validation.stabilize_every=1). Passes: update 0, every
+        # epoch's end and the run's end (which is not an epoch's end when micro-batches straddle epochs).
+        per_pass = 2 if read_split(setup.split_dir).stabilize else 1
+        passes = max(2, len(times) // per_pass)
         row["validation_passes"] = passes
         # The loop's timer starts after the update-0 pass: training time = loop time - the later passes.
         training = row["loop_seconds"] - sum(times[per_pass:])
