@@ -94,13 +94,13 @@ def check_settings(spec: TrainSpec, out_dir: Union[str, Path], split: Optional[S
                        train_bucket_of=train_bucket_of)
 
 
-# Runs of more updates than this compile under training.compile=auto. Why 1000: regional compilation of SD 1.5's
-# 16 transformer blocks costs on the order of 30-60 s on an H100 (forward and backward graphs, and again for
-# validation's no-grad forward), and torch.compile's usual training gain on a UNet is 10-30% of a ~0.2 s update
-# (512 px, batch 4, bf16): 0.02-0.06 s saved per update, so it breaks even after roughly 500-3000 updates. 1000
-# sits inside that range and keeps the range test's short ramps (a few hundred updates) eager. The bench's GPU rows
-# (compile seconds and per-update gain, bench/RESULTS.md) are what should move it.
-COMPILE_AUTO_MIN_UPDATES = 1000
+# Runs of more updates than this compile under training.compile=auto. Measured on one H100 (bench/RESULTS.md, "GPU
+# rows", 2026-11-26; SD 1.5-sized UNet, 512 px, bf16, full fine-tune at batch 4, validated every epoch): compiling cost
+# ~40 s (~16 s for the training graph in the first update, ~25 s for validation's no-grad graph in the first pass)
+# and saved 0.0115 s of a 0.173 s update (7 %), so it paid after ~3500 updates (~1350 counting the training graph
+# alone). It was 1000, set from an estimate of 30-60 s and a 10-30 % gain. That run hit dynamo's recompile limit (8)
+# in the repeated block, so part of the UNet fell back to eager: with that fixed the gain, and this number, will move.
+COMPILE_AUTO_MIN_UPDATES = 3500
 
 
 def resolve_compile(setting: str, total_updates: int, cuda: bool) -> bool:
