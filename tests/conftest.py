@@ -21,9 +21,10 @@ SHARED_RUN_FILES = ("tests/pipelines/test_local_run.py", "tests/pipelines/test_r
 # The groups that take minutes go first, so that neither worker is left with one at the end. xdist's scope
 # scheduling hands a worker its next group whenever it has 2 tests or fewer left, in the order of the queue, so the
 # longest first is the classic longest-processing-time packing. That order is this hook's only if xdist does not
-# re-sort the groups: by default (`--loadscope-reorder`) it queues them by their number of tests, most first, which
-# put the 304 s one-test demo group last on one worker while the other sat idle (the 858-test 2-worker run of
-# 2026-11-26: gw1 ran tests/pipelines/test_demo_learns.py as its 34th group of 37). `FileGroups` turns that off.
+# re-sort the groups: by default (`--loadscope-reorder`) it queues them by their number of tests, most first. In the
+# 858-test 2-worker run of 2026-11-26 that dealt the 304 s one-test demo group (tests/pipelines/test_demo_learns.py)
+# 34th of gw1's 37 groups; the workers still ended within about 30 s of each other only because gw0's last groups
+# (test_outbox, test_server_loss, ...) happened to add up to about as long. `FileGroups` turns the re-sort off.
 # The groups of a minute or more by that run's --durations follow the first five, so that the last groups dealt
 # are the many short ones.
 LONG_FIRST = ("pipelines:default-run", "tests/pipelines/test_demo_learns.py", "tests/steps/test_processes.py",
