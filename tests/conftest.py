@@ -76,6 +76,16 @@ def one_torch_thread_per_worker():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def new_mlflow_stores_from_a_template():
+    """Every new SQLite MLflow store this process opens starts as a copy of one migrated, empty store instead of
+    running MLflow's migrations again (about 10 s each; tests/mlflow_store.py). Child processes migrate as usual."""
+    from tests import mlflow_store
+
+    mlflow_store.install()
+    yield
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     """The embedded tiny Stable Diffusion folder (diffusers layout), copied from the shipped weights once and cached."""
