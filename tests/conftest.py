@@ -18,15 +18,21 @@ import pytest
 # own `loadgroup` marks do not work with pytest 9.2: they rename `item._nodeid`, which pytest no longer reads.)
 SHARED_RUN_FILES = ("tests/pipelines/test_local_run.py", "tests/pipelines/test_reports_in_browser.py",
                     "tests/pipelines/test_demo_sdxl.py")
-# The groups that take minutes go first, so that neither worker is left with one at the end. xdist deals the first
-# quarter of the groups out in turn (worker 0 gets the 1st, 3rd, 5th, ...), and this order gives each worker about
-# half of these by the --durations of a 2-worker run (2026-11-25). Issue 32 shortened the shared group (a small SDXL
-# run for the whole SDXL demo), test_processes.py and test_local_run_base_models.py; by one-process --durations of
-# those files (2026-11-26) the shared group is still the longest, so the order stands. The hub-id whole runs then
-# went to step functions in test_components.py (52 s for the file) and the fixed-LR run in the shared group, leaving
-# test_local_run_base_models.py one short failing start (59 s): neither is long. The rest follow as collected.
+# The groups that take minutes go first, so that neither worker is left with one at the end. xdist's scope
+# scheduling hands a worker its next group whenever it has 2 tests or fewer left, in the order of the queue, so the
+# longest first is the classic longest-processing-time packing. That order is this hook's only if xdist does not
+# re-sort the groups: by default (`--loadscope-reorder`) it queues them by their number of tests, most first. In the
+# 858-test 2-worker run of 2026-11-26 that dealt the 304 s one-test demo group (tests/pipelines/test_demo_learns.py)
+# 34th of gw1's 37 groups; the workers still ended within about 30 s of each other only because gw0's last groups
+# (test_outbox, test_server_loss, ...) happened to add up to about as long. `FileGroups` turns the re-sort off.
+# The groups of a minute or more by that run's --durations follow the first five, so that the last groups dealt
+# are the many short ones.
 LONG_FIRST = ("pipelines:default-run", "tests/pipelines/test_demo_learns.py", "tests/steps/test_processes.py",
-              "tests/methods/test_discovery_by_method.py", "tests/bench/test_discovery_quality.py")
+              "tests/methods/test_discovery_by_method.py", "tests/bench/test_discovery_quality.py",
+              "tests/pipelines/test_local_run_errors.py", "tests/tracking/test_outbox.py",
+              "tests/training/test_resume.py", "tests/tracking/test_server_loss.py", "tests/steps/test_halving.py",
+              "tests/training/test_optimizers.py", "tests/pipelines/test_reuse.py",
+              "tests/tracking/test_retried_step.py", "tests/training/test_samples.py")
 
 
 def _group(nodeid: str) -> str:
@@ -49,6 +55,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
         def _split_scope(self, nodeid: str) -> str:
             return _group(nodeid)
 
+    config.option.loadscopereorder = False  # keep LONG_FIRST's order (see above)
     return FileGroups(config, log)
 
 
@@ -67,6 +74,16 @@ def one_torch_thread_per_worker():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def new_mlflow_stores_from_a_template():
+    """Every new SQLite MLflow store this process opens starts as a copy of one migrated, empty store instead of
+    running MLflow's migrations again (about 10 s each; tests/mlflow_store.py). Child processes migrate as usual."""
+    from tests import mlflow_store
+
+    mlflow_store.install()
+    yield
 
 
 @pytest.fixture(scope="session")

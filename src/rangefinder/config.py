@@ -999,35 +999,52 @@ def parse_config(raw: dict) -> RangefinderConfig:
         raise ConfigError(format_validation_error(e)) from None
 
 
+def given_settings(section: BaseModel, prefix: str = "", *, defaults_too: bool = False) -> list[str]:
+    """Dotted names of the settings `section` was given (pydantic's model_fields_set, section by section), in field
+    order: only those given a value other than the default, unless `defaults_too` (a setting written out at its
+    default still says the user meant it: setting_conflicts)."""
+    out: list[str] = []
+    for name, field in type(section).model_fields.items():
+        if name not in section.model_fields_set:
+            continue
+        value = getattr(section, name)
+        if isinstance(value, BaseModel):
+            out += given_settings(value, f"{prefix}{name}.", defaults_too=defaults_too)
+        elif defaults_too or value != field.get_default(call_default_factory=True):
+            out.append(prefix + name)
+    return out
+
+
 def setting_conflicts(cfg: RangefinderConfig) -> list[str]:
     """One line for each pair of settings in `cfg` where one cancels the other, so neither is silently dropped.
 
-    Only settings the config itself gives count (pydantic's model_fields_set): a default that another setting
-    switches off is the documented behaviour, not a conflict.
+    Only settings the config itself gives count (given_settings, at their defaults too): a default that another
+    setting switches off is the documented behaviour, not a conflict.
     """
-    given = cfg.model_fields_set
+    given = given_settings(cfg, defaults_too=True)
     ft, rt, split, val = cfg.finetune, cfg.lr_range_test, cfg.split, cfg.validation
     lines = []
-    if cfg.lr is not None and "lr_range_test" in given and rt.model_fields_set:
+    range_test_given = [g.removeprefix("lr_range_test.") for g in given if g.startswith("lr_range_test.")]
+    if cfg.lr is not None and range_test_given:
         lines.append(f"lr: {cfg.lr:g} is fixed, so no range test runs and the lr_range_test section "
-                     f"({', '.join(sorted(rt.model_fields_set))}) is not used; remove lr to discover the LR, or the "
+                     f"({', '.join(sorted(range_test_given))}) is not used; remove lr to discover the LR, or the "
                      "section")
-    halving_asked = "finetune" in given and "successive_halving" in ft.model_fields_set and ft.successive_halving
+    halving_asked = "finetune.successive_halving" in given and ft.successive_halving
     if halving_asked and cfg.lr is not None:
         lines.append(f"finetune.successive_halving: true does nothing with a fixed lr ({cfg.lr:g}): halving races "
                      "the range test's lr_mid and lr_high; remove lr to discover the LR, or set halving false")
     elif halving_asked and ft.schedule != "constant":
         lines.append(f"finetune.successive_halving: true does nothing with finetune.schedule {ft.schedule}: "
                      "halving compares constant LRs; set the schedule to constant, or halving false")
-    if "split" in given and split.val_dir is not None and "val_split" in split.model_fields_set:
+    if split.val_dir is not None and "split.val_split" in given:
         lines.append(f"split.val_split ({split.val_split:g}) is not used: split.val_dir ({split.val_dir}) gives the "
                      "validation images; remove one of them")
-    if "retrain" in given and not cfg.retrain.enabled and cfg.retrain.epochs is not None:
+    if "retrain.epochs" in given and not cfg.retrain.enabled and cfg.retrain.epochs is not None:
         lines.append(f"retrain.epochs ({cfg.retrain.epochs}) is not used: retrain.enabled is false; set enabled true "
                      "to retrain on train+validation, or remove epochs")
-    if "lr_range_test" in given and not rt.zoom and "zoom_min_points" in rt.model_fields_set:
+    if not rt.zoom and "lr_range_test.zoom_min_points" in given:
         lines.append("lr_range_test.zoom_min_points is not used: lr_range_test.zoom is false; remove one of them")
-    if "validation" in given and val.every_updates is not None and "every_epochs" in val.model_fields_set:
+    if val.every_updates is not None and "validation.every_epochs" in given:
         lines.append(f"validation.every_epochs ({val.every_epochs:g}) is not used: validation.every_updates "
                      f"({val.every_updates}) sets how often to validate; remove one of them")
     return lines

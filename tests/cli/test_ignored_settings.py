@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import yaml
 
-from rangefinder.cli.ignored import given_settings, ignored_by_pipeline, ignored_by_submit, ignored_by_train
-from rangefinder.config import RangefinderConfig, demo_config, parse_config
+from rangefinder.cli.ignored import ignored_by_pipeline, ignored_by_submit, ignored_by_train
+from rangefinder.config import RangefinderConfig, demo_config, given_settings, parse_config
 from tests.cli.test_bad_input import assert_one_line_error, rangefinder
 
 

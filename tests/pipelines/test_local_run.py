@@ -18,6 +18,7 @@ import yaml
 
 from rangefinder.config import demo_config
 from tests.conftest import HUB_REPO
+from tests.mlflow_store import seed
 from tests.pipelines.registered_model import check_registered_is_the_kept_checkpoint, task_dir
 from tests.pipelines.terminal import run_on_terminal
 from tests.pipelines.tiny_run import TINY
@@ -130,6 +131,7 @@ def test_fixed_lr_from_a_hub_id_skips_discovery_and_retrain_off(tmp_path, shapes
     config = tmp_path / "mine.yaml"
     config.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude={"kubernetes"})))
     out = tmp_path / "out"
+    seed(out / "mlflow.db")  # where the run's default store goes, migrated: its first step skips MLflow's migrations
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
     # On a terminal, as a person runs it: stderr is a pseudo-terminal, stdout (the --json result) a pipe.
     code, stdout, terminal = run_on_terminal([sys.executable, "-m", "rangefinder.cli.main", "run", "--local",

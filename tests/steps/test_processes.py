@@ -3,8 +3,8 @@
 Two uninterrupted runs of the fine-tune's own training settings (`TrainSpec.finetune`) at the same global
 batch of 4, made once for the module: one process (batch 4) and two processes (batch 2 each). The curves agree within
 float tolerance, each rank validated only its share of the set, and the checkpoints are rank 0's. The two-process
-run is the reference for every interruption (SIGTERM to one rank after the first checkpoint, the halving's
-pause), each of which ends with its weights, and for the bf16 all-reduce.
+run is the reference for one run interrupted twice (SIGTERM to one rank after the first checkpoint, then the
+halving's pause in its resume), which ends with its weights, and for the bf16 all-reduce.
 """
 
 from __future__ import annotations
@@ -120,10 +120,18 @@ def test_two_processes_train_what_one_does(runs):
         assert (ckpt / "rng-0.pt").is_file() and (ckpt / "rng-1.pt").is_file() and not (ckpt / "rng-2.pt").exists()
 
 
-def _sigterm_to_one_rank_after_first_checkpoint(runs: Runs, cut: Path, split_dir: Path, tiny_model_dir: Path) -> int:
-    """Evicted after the first checkpoint: SIGTERM to rank 1 only. Rank 0 never gets it, yet both stop at the same
-    update boundary (they sum their flags there) and write a checkpoint at it together, then the step fails; the
-    resume goes on from there. Returns that checkpoint's update. (SIGKILL of a whole run: training/test_resume.py)"""
+@pytest.mark.slow
+def test_an_interrupted_two_process_run_ends_as_the_uninterrupted_one(runs, split_dir, tiny_model_dir, tmp_path):
+    """One run, interrupted twice, ends as the shared uninterrupted two-process run: bit-identical curve, samples
+    index and weights. Each interruption in turn is asserted where it stopped, so a break in either fails here.
+
+    1. Evicted after the first checkpoint: SIGTERM to rank 1 only. Rank 0 never gets it, yet both stop at the same
+       update boundary (they sum their flags there) and write a checkpoint at it together, then the step fails; the
+       resume goes on from there. (SIGKILL of a whole run: training/test_resume.py)
+    2. The pause the fine-tune's successive halving uses, given to that resume: it reaches every process through
+       the job file, both stop at the first validation after the update given (8), and the run goes on from there.
+    """
+    cut = tmp_path / "cut"
     job = launch.write_job(runs.cfg, runs.spec, cut, save_final=True, step_name="finetune", mlflow_run_id=None)
     proc = subprocess.Popen(launch.torchrun_command(job, 2),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -137,8 +145,10 @@ def _sigterm_to_one_rank_after_first_checkpoint(runs: Runs, cut: Path, split_dir
     assert proc.wait(timeout=120) != 0
     assert not (cut / "final").exists(), "the run ended before it could be stopped: the resume is not tested"
     done = [checkpoints.checkpoint_update(c) for c in checkpoints.list_checkpoints(cut / "checkpoints")]
-    assert done and max(done) < 12
-    with pytest.raises(Preempted, match=f"stopped by SIGTERM at update {max(done)} of 12"):
+    stopped = max(done)
+    # Before the validation at 8, so that the pause below stops the resumed run there.
+    assert stopped < 8, f"stopped at update {stopped}: the pause after the resume is not tested"
+    with pytest.raises(Preempted, match=f"stopped by SIGTERM at update {stopped} of 12"):
         launch.read_result(job)
     stopped_at = checkpoints.list_checkpoints(cut / "checkpoints")[-1]
     assert checkpoints.verify(stopped_at) is None and (stopped_at / "rng-1.pt").is_file()
@@ -147,28 +157,13 @@ def _sigterm_to_one_rank_after_first_checkpoint(runs: Runs, cut: Path, split_dir
     fresh = _spec(runs.cfg, split_dir, tiny_model_dir, SAMPLING, resume=False)
     with pytest.raises(ConfigError, match="already holds a run; pass --resume"):
         launch.run_training(runs.cfg, fresh, out_dir=cut)
-    resumed = launch.run_training(runs.cfg, runs.spec, out_dir=cut)  # training.resume is on in the fine-tune's
-    assert resumed.resumed_from == max(done) and resumed.updates == 12
-    return max(done)
 
-
-def _pause_after_update_5(runs: Runs, cut: Path, split_dir: Path, tiny_model_dir: Path) -> int:
-    """The pause the fine-tune's successive halving uses reaches every process through the job file: both stop at
-    the first validation from update 5 on (8), and the run goes on from there. Returns 8."""
-    paused = launch.run_training(runs.cfg, runs.spec, out_dir=cut, pause_after_update=5)
-    assert (paused.status, paused.updates, paused.final_dir) == ("paused", 8, None)
+    # training.resume is on in the fine-tune's settings: the resume goes on from the SIGTERM's checkpoint, and pauses.
+    paused = launch.run_training(runs.cfg, runs.spec, out_dir=cut, pause_after_update=stopped + 1)
+    assert (paused.status, paused.resumed_from, paused.updates, paused.final_dir) == ("paused", stopped, 8, None)
     on = launch.run_training(runs.cfg, runs.spec, out_dir=cut)
     assert (on.status, on.resumed_from, on.updates) == ("ok", 8, 12)
-    return 8
 
-
-@pytest.mark.slow
-@pytest.mark.parametrize("interrupt", [_sigterm_to_one_rank_after_first_checkpoint, _pause_after_update_5],
-                         ids=["sigterm-one-rank", "pause"])
-def test_an_interrupted_two_process_run_ends_as_the_uninterrupted_one(runs, interrupt, split_dir, tiny_model_dir,
-                                                                      tmp_path):
-    cut = tmp_path / "cut"
-    interrupt(runs, cut, split_dir, tiny_model_dir)
     assert _val_losses(cut) == _val_losses(runs.two)
     assert [e["update"] for e in read_index(cut)["samples"]] == [0, 8, 12]  # whole: no duplicate, no gap
     w, r = load_file(str(runs.two / UNET)), load_file(str(cut / UNET))

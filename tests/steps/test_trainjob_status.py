@@ -73,7 +73,7 @@ def _status(cluster) -> dict:
 def test_rank_0_reports_progress_and_the_latest_validation_loss_into_the_trainjobs_status(trainjob_url):
     cluster = trainjob_url
     inner = Recorded()
-    sink = trainjob.status_sink(inner, planned_updates=40)
+    sink = trainjob.status_sink(inner, planned_updates=lambda: 40)
     assert isinstance(sink, trainjob.TrainJobStatusSink)
     sink.log_metrics({"train_loss": 0.31, "lr": 1e-5}, step=9)
     sink.log_metrics({"val_loss": 0.2875}, step=10)  # within the SDK's 5 s: not posted, but kept
@@ -95,7 +95,11 @@ def test_rank_0_reports_progress_and_the_latest_validation_loss_into_the_trainjo
 def test_without_the_feature_rank_0_keeps_its_own_sink(monkeypatch):
     monkeypatch.delenv(trainjob.STATUS_URL_ENV, raising=False)
     inner = Recorded()
-    assert trainjob.status_sink(inner, planned_updates=40) is inner
+
+    def not_counted() -> int:
+        raise AssertionError("a run without the feature counts no updates for it (the count may read the split)")
+
+    assert trainjob.status_sink(inner, planned_updates=not_counted) is inner
 
 
 def test_the_status_server_refuses_a_post_the_crd_refuses(trainjob_url):

@@ -13,10 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pydantic import BaseModel
-
 from rangefinder.cli.output import warn
-from rangefinder.config import RangefinderConfig
+from rangefinder.config import RangefinderConfig, given_settings
 
 
 @dataclass(frozen=True)
@@ -60,20 +58,6 @@ TRAIN = (
     Unused(("kubernetes",), "pod settings of the pipeline: `compile`, `submit`, `schedule`"),
     MULTI_NODE,
 )
-
-
-def given_settings(section: BaseModel, prefix: str = "") -> list[str]:
-    """Dotted names of the settings `section` was given with a value other than the default, in field order."""
-    out: list[str] = []
-    for name, field in type(section).model_fields.items():
-        if name not in section.model_fields_set:
-            continue
-        value = getattr(section, name)
-        if isinstance(value, BaseModel):
-            out += given_settings(value, f"{prefix}{name}.")
-        elif value != field.get_default(call_default_factory=True):
-            out.append(prefix + name)
-    return out
 
 
 def unused_settings(cfg: RangefinderConfig, rules: Sequence[Unused]) -> list[tuple[list[str], str]]:

@@ -37,7 +37,7 @@ from pydantic import TypeAdapter
 from rangefinder.config import RangefinderConfig, TrainingConfig, resolve_processes_per_node
 from rangefinder.errors import ConfigError, RangefinderError
 from rangefinder.formats.atomic import write_json
-from rangefinder.launch.trainjob import STATUS_URL_ENV, TrainJobStatusSink
+from rangefinder.launch.trainjob import TrainJobStatusSink, status_sink
 from rangefinder.training.sinks import MetricSink
 from rangefinder.training.spec import JSONValue, TrainResult, TrainSpec
 
@@ -268,10 +268,9 @@ def worker(job_path: Path) -> int:
     engine_sink: Optional[MetricSink] = sink
     if sink is not None and job.metric_prefix:
         engine_sink = PrefixedSink(sink, job.metric_prefix)
-    status: Optional[TrainJobStatusSink] = None
-    if rank == 0 and os.environ.get(STATUS_URL_ENV):  # Trainer's TrainJobStatus feature gave this node a server
-        plan = job.spec.plan or job.spec.plan_from(_read(job.spec))
-        engine_sink = status = TrainJobStatusSink(engine_sink, plan.total_updates)
+    if rank == 0:  # the TrainJob's status, when Trainer's TrainJobStatus feature gave this node a server
+        engine_sink = status_sink(engine_sink, lambda: (job.spec.plan or job.spec.plan_from(_read(job.spec)))
+                                  .total_updates)
     try:
         result = train(job.spec, out_dir=job.out_dir, metric_sink=engine_sink, save_final=job.save_final,
                        pause_after_update=job.pause_after_update)
@@ -284,8 +283,8 @@ def worker(job_path: Path) -> int:
             sink.close()
     if rank == 0:
         write_json(folder / RESULT_NAME, result.to_json())
-        if status is not None:
-            status.finish()  # 100 % in the TrainJob's status
+        if isinstance(engine_sink, TrainJobStatusSink):
+            engine_sink.finish()  # 100 % in the TrainJob's status
     return 0
 
 

@@ -29,12 +29,13 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Optional
 
 from rangefinder.config import RangefinderConfig
 from rangefinder.errors import ConfigError, RangefinderError
+from rangefinder.training.sinks import MetricSink
 
 TRAINER_GROUP = "trainer.kubeflow.org"
 TRAINER_API_VERSION = f"{TRAINER_GROUP}/v1alpha1"
@@ -515,7 +516,8 @@ class TrainJobStatusSink:
         return self.report(100)
 
 
-def status_sink(sink: Any, planned_updates: int) -> Any:
+def status_sink(sink: Optional[MetricSink], planned_updates: Callable[[], int]) -> Optional[MetricSink]:
     """`sink` wrapped to report to the TrainJob's status when Trainer's TrainJobStatus feature gave this node a
-    status server; `sink` itself otherwise (no TrainJob, or the feature off)."""
-    return TrainJobStatusSink(sink, planned_updates) if os.environ.get(STATUS_URL_ENV) else sink
+    status server; `sink` itself otherwise (no TrainJob, or the feature off). `planned_updates` is asked only when
+    the feature is on: counting them may read the split (launch.processes.worker), which a run without it skips."""
+    return TrainJobStatusSink(sink, planned_updates()) if os.environ.get(STATUS_URL_ENV) else sink

@@ -115,7 +115,11 @@ def _move_up(folder: Path, work: Path) -> None:
 
 def replay_curve(sink: MetricSink, run_dir: Path) -> None:
     """Log a run's curve so far (updates.csv, metrics.csv) under the plain keys the engine logs live
-    (training.UPDATE_METRICS per update, the MEASURED_PREFIXES columns per measurement)."""
+    (training.UPDATE_METRICS per update, the MEASURED_PREFIXES columns per measurement).
+
+    From the files, not the candidate's TrainResult: the result's curve is metrics.csv's columns only (not the
+    per-update rows of updates.csv), and a step killed after the decision and before the move has no result in
+    memory, only these files; two small CSVs read once per halving buy one path for both."""
     import csv
 
     from rangefinder.training.sinks import MEASURED_PREFIXES, UPDATE_METRICS

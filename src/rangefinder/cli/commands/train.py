@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from rangefinder.cli.ignored import given_settings, ignored_by_train, warn_ignored
+from rangefinder.cli.ignored import ignored_by_train, warn_ignored
 from rangefinder.cli.output import add_json_flag, warn
 from rangefinder.errors import ConfigError
 
@@ -55,7 +55,7 @@ def settings_from_args(args: argparse.Namespace):
     """(RangefinderConfig, TrainSpec) from --config and the flags; samples during training only when the file has a
     sampling: section. The spec trains on the processes `training.processes_per_node` asks for, as the pipeline's
     training steps do (launch.processes)."""
-    from rangefinder.config import load_config, setting_conflicts
+    from rangefinder.config import given_settings, load_config, setting_conflicts
     from rangefinder.launch.processes import step_world_size
 
     overrides: dict[str, Any] = {"training": {}, "validation": {}, "data": {}}
