@@ -186,7 +186,7 @@ def test_the_finetune_step_logs_samples_during_training_to_mlflow_with_their_ste
     # Issue 35: what MLflow shows of the run: its validation images as the split holds them, the bounds the step
     # was given on the run, and its decision in one line as its description.
     assert run.data.params["plan.val_images"] == "4"
-    assert run.data.metrics["lr_low"] == run.data.metrics["lr_high"] == 1e-3
+    assert run.data.tags["lr_low"] == run.data.tags["lr_high"] == "1.000e-03"
     note = run.data.tags["mlflow.note.content"]
     headline, used = note.split(" Trained at ")
     assert used == "lr 0.001 (lr source: range-test)."

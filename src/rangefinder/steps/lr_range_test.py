@@ -121,10 +121,10 @@ def run_lr_range_test(
         run.log_artifact(result.metrics_csv, "curves")
         run.log_artifact(bounds_json, "analysis")
         run.log_artifact(out_dir / "report", "report")
+        # The same keys on the first test's run and the zoom's (the run's stage tag tells them apart); nothing goes
+        # to the parent run, which shows the one decision the fine-tune used (choose_lr's bounds), not one per test.
         run.log_decisions({k: decision[k] for k in ("status", "lr_low", "lr_high", "lr_mid", "quality", "flags",
-                                                     "points_between", "needs_zoom")}, prefix="" if stage == "first"
-                          else "zoom.", numbers_to_parent=False)
-        # The bounds go to the parent run once, as the fine-tune used them (choose_lr's), not per range test.
+                                                     "points_between", "needs_zoom", "stage")}, to_parent=False)
         what = "LR range test" if stage == "first" else "Zoomed LR range test"
         note = f"{what} over {lo:.3g}..{hi:.3g}: {lr_headline(bounds)}"
         if zoom is not None:
