@@ -165,12 +165,13 @@ def sample_delivered(work: Path, chosen: Optional[dict[str, Any]], base_model: P
     with tempfile.NamedTemporaryFile(dir=folder, suffix=".png", delete=False) as f:
         grid.save(f, format="PNG")
     Path(f.name).replace(folder / f"{stem}.png")
-    entry = {"update": update, "epoch": epoch, "validation": None, "grid": f"{stem}.png", "cells": cells,
-             "seconds": None, "delivered": True, "logged_to": getattr(sink, "run_id", None)}
+    entry: dict[str, Any] = {"update": update, "epoch": epoch, "validation": None, "grid": f"{stem}.png",
+                             "cells": cells, "seconds": None, "delivered": True,
+                             "logged_to": getattr(sink, "run_id", None)}
     index["samples"] = sorted([*index["samples"], entry], key=lambda e: int(e["update"]))
     write_json(folder / INDEX_NAME, index)
     if sink is not None:
-        sink.log_image(str(folder / entry["grid"]), key=SAMPLES_KEY, step=update)
+        sink.log_image(str(folder / f"{stem}.png"), key=SAMPLES_KEY, step=update)
 
 
 def run_finetune(
