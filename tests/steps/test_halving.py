@@ -176,6 +176,9 @@ def test_mlflow_holds_each_candidate_in_a_child_run_and_the_kept_curve_whole_in_
     assert {v for _, v in history("lr")} == {LR_HIGH}
     assert run.data.tags["lr_used"] == "1.000e-03" and run.data.tags["halving.kept"] == "lr_high"
     assert run.data.tags["halving.lr_mid.lr"] == "1.000e-04" and run.data.metrics["updates_trained"] == 48
+    # One "lr" param, the LR the run trained the delivered model at; not the config's training.lr, which the
+    # pipeline does not read.
+    assert float(run.data.params["lr"]) == LR_HIGH and "training.lr" not in run.data.params
     # Samples: the kept run's grids under the plain key at every sampled validation (those from before the pause
     # logged again there), each candidate's in its own run.
 

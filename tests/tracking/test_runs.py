@@ -94,6 +94,9 @@ def test_run_tree_metrics_decisions_and_artifacts(cfg, tmp_path, capsys):
     assert not [k for k in params if k.startswith(("training.lora.", "training.textual_inversion.", "kubernetes.",
                                                    "distributed.runtime", "retrain.schedule"))], sorted(params)
     assert params["distributed.num_nodes"] == "1" and params["retrain.enabled"] == "False"
+    # Nor the training fields each pipeline run sets itself (its LR, budget, schedule): the planner's are there.
+    assert not {"training.lr", "training.epochs", "training.schedule", "training.scale_lr"} & params.keys()
+    assert float(params["plan.lr"]) == pytest.approx(4e-5)
     import yaml
 
     for run_id in (run.run_id, parent_id):

@@ -218,6 +218,7 @@ def run_finetune(
             lr, extra_updates = race.lr, race.extra_updates
             spec = spec.with_lr(lr)
             tc = spec.training
+        run.log_params({"lr": lr})  # the LR this run trains the delivered model at (lr_mid, or the kept one)
         # With halving, this goes on from the kept candidate's checkpoint at the pause.
         result = run_training(cfg, spec, out_dir=work, metric_sink=run, step_name="finetune", split=split)
         report_dir = Path(out_dir or model_dir / "report")

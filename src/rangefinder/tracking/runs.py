@@ -164,6 +164,9 @@ def flatten_params(obj: Any, prefix: str = "") -> dict[str, str]:
 
 # The file the resolved config is logged as, whole, on every run that logs its settings.
 CONFIG_ARTIFACT = "config.yaml"
+# The `training` fields the pipeline's runs set themselves (cli/ignored.py's PIPELINE says the same to the user).
+PIPELINE_SET_TRAINING = ("epochs", "steps", "steps_unit", "lr", "scale_lr", "schedule", "lr_min", "lr_max",
+                         "warmup_updates", "world_size", "resume")
 
 
 def applicable_params(cfg: Any) -> dict[str, str]:
@@ -173,20 +176,23 @@ def applicable_params(cfg: Any) -> dict[str, str]:
     fine-tune showed 162 params, among them LoRA's rank and the pods' tolerations. Left out here (they are still in
     the run's config.yaml artifact): the settings of the methods not trained (`training.lora`,
     `training.textual_inversion`), `kubernetes` outside a pod (Kubernetes sets $KUBERNETES_SERVICE_HOST in every
-    pod), `distributed` on one node, and `retrain` when it is off.
+    pod), `distributed` on one node, `retrain` when it is off, and the `training` fields each pipeline run sets
+    itself (its budget, LR, schedule and process count: training/spec.py), which only `rangefinder train` reads and
+    which logs to no MLflow: a fine-tune showed `training.lr` 1e-4 beside the LR it trained at.
     """
     params = flatten_params(cfg)
     training = getattr(cfg, "training", None)
     if training is None or not hasattr(cfg, "kubernetes"):
         return params
     dropped = [f"training.{m}." for m in ("lora", "textual_inversion") if m != training.method]
+    pipeline_set = {f"training.{k}" for k in PIPELINE_SET_TRAINING}
     if not os.environ.get("KUBERNETES_SERVICE_HOST"):
         dropped.append("kubernetes.")
     if cfg.distributed.num_nodes <= 1:
         dropped += [f"distributed.{k}" for k in type(cfg.distributed).model_fields if k != "num_nodes"]
     if not cfg.retrain.enabled:
         dropped += [f"retrain.{k}" for k in type(cfg.retrain).model_fields if k != "enabled"]
-    return {k: v for k, v in params.items() if not k.startswith(tuple(dropped))}
+    return {k: v for k, v in params.items() if k not in pipeline_set and not k.startswith(tuple(dropped))}
 
 
 def config_text(cfg: Any) -> str:
