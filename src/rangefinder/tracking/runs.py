@@ -181,6 +181,8 @@ def applicable_params(cfg: Any) -> dict[str, str]:
     which logs to no MLflow: a fine-tune showed `training.lr` 1e-4 beside the LR it trained at.
     """
     params = flatten_params(cfg)
+    if getattr(cfg, "lr", 0) is None:
+        params.pop("lr", None)  # no LR set by hand: "lr" is the one a step trained at (the fine-tune logs it)
     training = getattr(cfg, "training", None)
     if training is None or not hasattr(cfg, "kubernetes"):
         return params
