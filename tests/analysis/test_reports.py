@@ -227,3 +227,16 @@ def test_low_quality_reading_advises_a_zoom_or_a_grid(tmp_path):
     without = [f for f in weak.flags if f != "low_quality"]
     args = (weak.lr_low, weak.lr_high, float(lr[1]), float(lr[-1]), 9, 5)
     assert zoom_range("ok", weak.flags, *args) == zoom_range("ok", without, *args)
+
+
+def test_a_range_test_the_zoom_replaced_says_so_instead_of_train_at(tmp_path):
+    """Issue 35: the first test's report said "Train at lr_mid = ..." although the zoom's bounds were trained at."""
+    shape = RangeTestShape(rise=0.05)
+    lr = lr_sweep(30)
+    b = analyze_lr_curve(lr, noisy(shape.loss(lr), 0.002, 0))
+    assert b.status == "ok"
+    plain = write_lr_report(b, None, tmp_path / "plain")["markdown"].read_text()
+    replaced = write_lr_report(b, None, tmp_path / "zoomed", zoom=(2e-5, 3e-4))["markdown"].read_text()
+    assert "Train at lr_mid" in plain
+    assert "Train at" not in replaced and "Replaced by a zoomed range test over 2e-05..0.0003" in replaced
+    assert f"this test read lr_mid {b.lr_mid:.3g}" in replaced

@@ -85,3 +85,46 @@ def test_a_grid_of_many_columns_scrolls_in_its_box_not_the_page(tmp_path):
     with chromium() as browser:
         check = check_page(browser, page)
     assert check.problems() == [] and len(check.images) == 12
+
+
+def test_mlflow_as_its_users_browse_it(default_local_run):
+    """Issue 35, item 5: the printed link opens MLflow's model-training runs table (not its GenAI dashboard), the
+    halving candidates are child runs of the fine-tune's run, and every run and the registered model has a
+    description. Read in headless Chromium from a real `mlflow server` on the run's own store."""
+    from mlflow import MlflowClient
+
+    from rangefinder.config import demo_config
+    from tests.tracking.fixtures import start_mlflow_server, stop_mlflow_server
+
+    s = default_local_run.summary()
+    uri, proc = start_mlflow_server(default_local_run.out_dir)  # serves <out>/mlflow.db, the run's store
+    try:
+        client = MlflowClient(uri)
+        runs = client.search_runs([s["mlflow_link"].split("/experiments/")[1].split("/")[0]])
+        by_step = {r.data.tags.get("rangefinder.step"): r for r in runs}
+        parent = next(r for r in runs if "mlflow.parentRunId" not in r.data.tags)
+        finetune = by_step["finetune"]
+        candidates = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == finetune.info.run_id]
+        assert sorted(r.data.tags["halving.outcome"] for r in candidates) == ["dropped", "kept"]
+        assert {r.data.tags["halving.candidate"] for r in candidates} == {"lr_mid", "lr_high"}
+        assert "val_loss" in finetune.data.metrics and all("val_loss" in r.data.metrics for r in candidates)
+        undescribed = [r.info.run_name for r in runs if not r.data.tags.get("mlflow.note.content")]
+        assert undescribed == [], undescribed
+        model = client.get_registered_model(demo_config().tracking.registered_model_name)
+        assert model.description
+
+        link = s["mlflow_link"].replace("http://127.0.0.1:5000", uri)
+        with chromium() as browser:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.goto(link)
+            page.get_by_text(parent.info.run_name).first.wait_for(timeout=60_000)
+            table = page.inner_text("body")
+            # The model-training view's runs table: its columns, the pipeline's run, the run count with children.
+            assert "Model training" in table and "Run Name" in table and "Duration" in table, table[:800]
+            assert f"{len(runs)} matching runs" in table, table[:800]
+            page.goto(f"{uri}/#/experiments/{parent.info.experiment_id}/runs/{parent.info.run_id}")
+            page.get_by_text(parent.data.tags["mlflow.note.content"][:40]).first.wait_for(timeout=60_000)
+            page.goto(f"{uri}/#/models/{model.name}")
+            page.get_by_text(model.description[:40]).first.wait_for(timeout=60_000)
+    finally:
+        stop_mlflow_server(proc)

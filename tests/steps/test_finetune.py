@@ -186,7 +186,7 @@ def test_the_finetune_step_logs_samples_during_training_to_mlflow_with_their_ste
     # Issue 35: what MLflow shows of the run: its validation images as the split holds them, the bounds the step
     # was given on the run, and its decision in one line as its description.
     assert run.data.params["plan.val_images"] == "4"
-    assert run.data.metrics["lr_low"] == run.data.metrics["lr_high"] == 1e-3
+    assert run.data.tags["lr_low"] == run.data.tags["lr_high"] == "1.000e-03"
     note = run.data.tags["mlflow.note.content"]
     headline, used = note.split(" Trained at ")
     assert used == "lr 0.001 (lr source: range-test)."
@@ -194,3 +194,41 @@ def test_the_finetune_step_logs_samples_during_training_to_mlflow_with_their_ste
     page = report.read_text()
     assert "Samples over training" in page and "<th class='row'>update</th><th>0</th><th>8</th><th>16</th>" in page
     assert page.count(f"alt='{cfg.sampling.prompts[0]} | seed 0 at update") == 3
+
+
+def test_the_delivered_update_is_sampled_in_the_strip_and_the_mlflow_series(tiny_model_dir, tmp_path, monkeypatch):
+    """Issue 35: the samples during training ran every few validations, and the slider ended before the weights the
+    pipeline delivers (the chosen checkpoint). The step renders those weights with the same settings and adds them
+    at their update."""
+    import shutil
+
+    from mlflow import MlflowClient
+
+    from rangefinder.config import TrackingConfig
+    from rangefinder.formats.checkpoints import CHOSEN_DIR
+    from rangefinder.steps.finetune import sample_delivered, sample_strip
+    from rangefinder.tracking import step_run
+    from rangefinder.training.samples import INDEX_NAME, SAMPLES_DIR, SAMPLES_KEY, read_index
+
+    for var in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME"):
+        monkeypatch.delenv(var, raising=False)
+    work = tmp_path / "ft"
+    shutil.copytree(tiny_model_dir, work / CHOSEN_DIR)  # a whole pipeline folder, as keep_chosen_checkpoint writes
+    settings = {"prompts": ["a red circle on a white background"], "seeds": [0, 1], "num_inference_steps": 2,
+                "guidance_scale": 5.0, "scheduler": "DDIMScheduler", "resolution": 32, "every_validations": 4}
+    (work / SAMPLES_DIR).mkdir()
+    (work / SAMPLES_DIR / INDEX_NAME).write_text(json.dumps({"settings": settings, "samples": [
+        {"update": u, "epoch": u / 4, "validation": u // 4, "grid": "g.png", "cells": [], "seconds": 0.1}
+        for u in (0, 16)]}))
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    with step_run(TrackingConfig(tracking_uri=uri, experiment_name="delivered"), "finetune") as run:
+        sample_delivered(work, {"update": 12, "epoch": 3.0}, tiny_model_dir, run)
+        sample_delivered(work, {"update": 16, "epoch": 4.0}, tiny_model_dir, run)  # sampled already: nothing
+
+    entries = read_index(work)["samples"]
+    assert [e["update"] for e in entries] == [0, 12, 16] and entries[1]["delivered"] is True
+    assert [(work / SAMPLES_DIR / c).is_file() for c in entries[1]["cells"]] == [True, True]
+    assert [c[0] for c in sample_strip(work).columns] == [0, 12, 16]  # the report's strip
+    names = [f.path.split("/")[-1] for f in MlflowClient(uri).list_artifacts(run.run_id, "images")]
+    assert [n for n in names if n.startswith(f"{SAMPLES_KEY}+step+") and n.endswith(".png")] == [
+        n for n in names if n.startswith(f"{SAMPLES_KEY}+step+12+") and n.endswith(".png")] != []

@@ -136,7 +136,7 @@ def test_the_kept_lr_is_the_better_by_the_pause_and_its_run_is_that_lr_s_own_fin
     assert names[0] == names[1]  # the kept ones, as without halving
 
 
-def test_mlflow_holds_both_candidates_apart_and_the_kept_curve_whole_under_the_plain_keys(halved):
+def test_mlflow_holds_each_candidate_in_a_child_run_and_the_kept_curve_whole_in_the_fine_tune_s(halved):
     from mlflow import MlflowClient
 
     from rangefinder.analysis import read_curve_csv
@@ -147,9 +147,8 @@ def test_mlflow_holds_both_candidates_apart_and_the_kept_curve_whole_under_the_p
     (run,) = client.search_runs([client.get_experiment_by_name("halving").experiment_id],
                                 filter_string="tags.`rangefinder.step` = 'finetune'")
 
-    def history(key):
-        return [(m.step, m.value) for m in sorted(client.get_metric_history(run.info.run_id, key),
-                                                  key=lambda m: m.step)]
+    def history(key, run_id=run.info.run_id):
+        return [(m.step, m.value) for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)]
 
     def same(logged, expected):
         return [u for u, _ in logged] == [u for u, _ in expected] and \
@@ -159,23 +158,37 @@ def test_mlflow_holds_both_candidates_apart_and_the_kept_curve_whole_under_the_p
     kept = [(int(u), float(v)) for u, v in zip(curve["update"], curve["val_loss"], strict=True)]
     assert [u for u, _ in kept] == list(range(0, 33, 4))
     assert same(history("val_loss"), kept)  # the delivered run, from update 0 to the end
-    assert same(history("lr_high/val_loss"), kept[:5])  # its first half, as it trained
-    assert [u for u, _ in history("lr_mid/val_loss")] == [0, 4, 8, 12, 16]
-    assert history("lr_mid/val_loss")[1:] != history("lr_high/val_loss")[1:]
+    # Each candidate is a child run of the fine-tune's, with the same plain keys (MLflow overlays them), named and
+    # tagged with whether it was kept; the fine-tune's own run has no candidate's keys.
+    children = {r.data.tags["halving.candidate"]: r for r in client.search_runs(
+        [run.info.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{run.info.run_id}'")}
+    assert set(children) == {"lr_mid", "lr_high"}
+    mid, high = children["lr_mid"], children["lr_high"]
+    assert same(history("val_loss", high.info.run_id), kept[:5])  # its first half, as it trained
+    assert [u for u, _ in history("val_loss", mid.info.run_id)] == [0, 4, 8, 12, 16]
+    assert history("val_loss", mid.info.run_id)[1:] != history("val_loss", high.info.run_id)[1:]
+    assert (mid.data.tags["halving.outcome"], high.data.tags["halving.outcome"]) == ("dropped", "kept")
+    assert high.info.run_name == "lr_high lr 0.001 (kept)" and mid.info.run_name == "lr_mid lr 0.0001 (dropped)"
+    assert "kept: the fine-tune goes on with it" in high.data.tags["mlflow.note.content"]
+    assert all(r.info.status == "FINISHED" for r in (mid, high))
+    assert not any("/" in k for k in run.data.metrics), run.data.metrics
     assert [u for u, _ in history("train_loss")] == list(range(1, 33))
     assert {v for _, v in history("lr")} == {LR_HIGH}
-    assert run.data.metrics["lr_used"] == LR_HIGH and run.data.tags["halving.kept"] == "lr_high"
-    assert run.data.metrics["halving.lr_mid.lr"] == LR_MID and run.data.metrics["updates_trained"] == 48
+    assert run.data.tags["lr_used"] == "1.000e-03" and run.data.tags["halving.kept"] == "lr_high"
+    assert run.data.tags["halving.lr_mid.lr"] == "1.000e-04" and run.data.metrics["updates_trained"] == 48
+    # One "lr" param, the LR the run trained the delivered model at; not the config's training.lr, which the
+    # pipeline does not read.
+    assert float(run.data.params["lr"]) == LR_HIGH and "training.lr" not in run.data.params
     # Samples: the kept run's grids under the plain key at every sampled validation (those from before the pause
-    # logged again there), each candidate's under its prefix.
-    names = [f.path.split("/")[-1] for f in client.list_artifacts(run.info.run_id, "images")]
+    # logged again there), each candidate's in its own run.
 
-    def steps(key):
+    def steps(run_id, key=SAMPLES_KEY):
+        names = [f.path.split("/")[-1] for f in client.list_artifacts(run_id, "images")]
         return sorted(int(n.split("+step+")[1].split("+")[0]) for n in names
                       if n.startswith(f"{key}+step+") and n.endswith(".png"))
 
-    assert steps(SAMPLES_KEY) == [0, 8, 16, 24, 32]
-    assert steps(f"lr_mid~{SAMPLES_KEY}") == steps(f"lr_high~{SAMPLES_KEY}") == [0, 8, 16]
+    assert steps(run.info.run_id) == [0, 8, 16, 24, 32]
+    assert steps(mid.info.run_id) == steps(high.info.run_id) == [0, 8, 16]
 
 
 def test_the_report_and_decision_say_which_lr_was_kept_and_why(halved):
@@ -335,6 +348,10 @@ def test_the_range_test_s_description_is_its_report_s_headline(halved, retrained
     note = run.data.tags["mlflow.note.content"]
     assert note.startswith("LR range test over ")
     status = run.data.tags["status"]
-    assert (LR_STATUS_ADVICE[status] in note) if status != "ok" else ("Train at lr_mid = " in note)
+    if json.loads((root / "range" / "bounds.json").read_text())["needs_zoom"]:
+        # The zoom replaces its bounds: it says so and over which range, never "Train at" (issue 35).
+        assert "Replaced by a zoomed range test over " in note and "Train at" not in note
+    else:
+        assert (LR_STATUS_ADVICE[status] in note) if status != "ok" else ("Train at lr_mid = " in note)
     lead = (root / "range" / "report" / "lr_report.md").read_text().splitlines()[2].split(": ", 1)[1]
     assert lead in note

@@ -43,13 +43,13 @@ def check_pipeline_record(tracking_uri: str, experiment: str, summary: dict, *, 
     assert lrs[-1].value > lrs[0].value  # the ramp climbs
     assert "training.batch_size" in rt.data.params
 
-    for key in ("lr_low", "lr_mid", "lr_high"):
-        assert rt.data.metrics[key] == pytest.approx(summary[key])
-        assert parent.data.metrics[key] == pytest.approx(summary[key])
+    for key in ("lr_low", "lr_mid", "lr_high"):  # LRs as tags, in 4 digits
+        assert float(rt.data.tags[key]) == pytest.approx(summary[key], rel=1e-3)
+        assert float(parent.data.tags[key]) == pytest.approx(summary[key], rel=1e-3)
     assert parent.data.metrics["recommended_epochs"] == summary["recommended_epochs"]
     # The LR the fine-tune kept (successive halving: lr_mid or lr_high), on its run and the parent's.
-    assert children["finetune"].data.metrics["lr_used"] == pytest.approx(summary["lr_used"])
-    assert parent.data.metrics["lr_used"] == pytest.approx(summary["lr_used"])
+    assert float(children["finetune"].data.tags["lr_used"]) == pytest.approx(summary["lr_used"], rel=1e-3)
+    assert float(parent.data.tags["lr_used"]) == pytest.approx(summary["lr_used"], rel=1e-3)
     if "retrain_full" in children:  # the retrain's LR is the kept one, and its param says so by that name
         assert float(children["retrain_full"].data.params["lr"]) == pytest.approx(summary["lr_used"], rel=1e-5)
         assert "lr_mid" not in children["retrain_full"].data.params

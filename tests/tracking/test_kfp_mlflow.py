@@ -70,7 +70,7 @@ def test_steps_log_into_the_task_runs_kfp_made_and_no_second_parent_is_made(kfp)
     assert logged.data.metrics["train_loss"] == 0.5
     assert logged.info.status == "RUNNING"  # KFP ends its task's run itself
     assert client.get_run(child.run_id).data.tags[PARENT] == task
-    assert client.get_run(kfp_parent).data.metrics["lr_mid"] == pytest.approx(3e-5)
+    assert float(client.get_run(kfp_parent).data.tags["lr_mid"]) == pytest.approx(3e-5)
 
     # record-status (the exit handler): the final state goes on KFP's parent, which KFP ends itself.
     start_task("record-status")

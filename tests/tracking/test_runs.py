@@ -89,8 +89,24 @@ def test_run_tree_metrics_decisions_and_artifacts(cfg, tmp_path, capsys):
     child = client.get_run(run.run_id)
     params = child.data.params
     assert params["training.grad_accum"] == "2"
-    assert params["training.lora.target_modules"] == json.dumps(cfg.training.lora.target_modules,
-                                                                separators=(",", ":"))
+    # Only the settings that apply: a local full fine-tune on one node without retrain shows no other method's, no
+    # pod's, no multi-node and no retrain settings; the whole config is the run's config.yaml (issue 35).
+    assert not [k for k in params if k.startswith(("training.lora.", "training.textual_inversion.", "kubernetes.",
+                                                   "distributed.runtime", "retrain.schedule"))], sorted(params)
+    assert params["distributed.num_nodes"] == "1" and params["retrain.enabled"] == "False"
+    # Nor the training fields each pipeline run sets itself (its LR, budget, schedule): the planner's are there.
+    assert not {"training.lr", "training.epochs", "training.schedule", "training.scale_lr"} & params.keys()
+    assert float(params["plan.lr"]) == pytest.approx(4e-5)
+    import yaml
+
+    for run_id in (run.run_id, parent_id):
+        (tmp_path / run_id).mkdir()
+        path = client.download_artifacts(run_id, "config.yaml", str(tmp_path / run_id))
+        whole = yaml.safe_load(open(path).read())
+        resolved = json.loads(cfg.model_dump_json())
+        assert whole.pop("kubernetes").keys() == resolved.pop("kubernetes").keys()  # secret-named keys show ***
+        assert whole == resolved, run_id
+    assert not [k for k in parent.data.params if k.startswith("kubernetes.")]
     assert params["plan.effective_batch"] == "4" and float(params["plan.updates_per_epoch"]) == 4
     assert float(params["plan.lr"]) == pytest.approx(4e-5)  # scaled: 1e-5 x effective batch 4
 
@@ -104,14 +120,16 @@ def test_run_tree_metrics_decisions_and_artifacts(cfg, tmp_path, capsys):
     assert [s for s, _ in history("stabilize_loss")] == [4, 8]
     assert history("val_loss_b0")[0] == (3, pytest.approx(1.2))
 
-    assert child.data.metrics["lr_mid"] == pytest.approx(4e-5)
-    assert child.data.metrics["detail.points"] == 5
+    # LRs are tags, in 4 digits (a single-value metric is a bar chart that reads "0.00"); other numbers metrics.
+    assert child.data.tags["lr_mid"] == "4.000e-05" and "lr_mid" not in child.data.metrics
+    assert child.data.metrics["detail.points"] == 5 and child.data.metrics["quality"] == 0.75
     assert child.data.tags["status"] == "ok" and child.data.tags["flags"] == "zoomed,censored_right"
-    assert child.data.tags["needs_zoom"] == "false" and child.data.metrics["lr_high"] == pytest.approx(6e-5)
-    # The parent collects the decisions of every step: numbers by name, words by step.
-    assert parent.data.metrics["lr_mid"] == pytest.approx(4e-5)
+    assert child.data.tags["needs_zoom"] == "false" and float(child.data.tags["lr_high"]) == pytest.approx(6e-5)
+    # The parent gets each step's decisions under the same keys as the step's run (one key per quantity).
+    assert ptags["lr_mid"] == "4.000e-05" and parent.data.metrics["quality"] == 0.75
     assert parent.data.metrics["recommended_epochs"] == 12
-    assert ptags["lr_range_test.status"] == "ok" and ptags["select_steps.status"] == "still_improving"
+    assert ptags["status"] == "still_improving"  # the later step's
+    assert not any(k.startswith(("lr_range_test.", "select_steps.")) for k in ptags), ptags
 
     top = {a.path for a in client.list_artifacts(run.run_id)}
     assert {"curves", "report", "images", "samples"} <= top
@@ -166,12 +184,13 @@ def test_a_failing_step_is_marked_failed_with_its_error(cfg):
     assert data.data.metrics["train_loss"] == 0.3  # what was measured before the failure is kept
 
 
-def test_no_secret_reaches_params_tags_or_errors(cfg, monkeypatch):
+def test_no_secret_reaches_params_tags_or_errors(cfg, monkeypatch, tmp_path):
     monkeypatch.setenv("HF_TOKEN", "hf_abcdefghijklmnopqrstuvwxyz123456")
     monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "pa55-w0rd-xyz")
     leaky = cfg.model_copy(deep=True)
     leaky.model.base_model = "https://bob:pa55-w0rd-xyz@models.example/sd15"
     leaky.sampling.prompts = ["a cat hf_abcdefghijklmnopqrstuvwxyz123456"]
+    leaky.training.method = "textual_inversion"  # its settings apply, so they are params
     with pytest.raises(RuntimeError):
         with step_run(leaky, "train", tags={"note": "token pa55-w0rd-xyz"}) as run:
             run.log_config(leaky)
@@ -179,7 +198,8 @@ def test_no_secret_reaches_params_tags_or_errors(cfg, monkeypatch):
             run.log_decisions({"status": "auth with pa55-w0rd-xyz"}, to_parent=False)
             raise RuntimeError("could not open https://bob:pa55-w0rd-xyz@models.example")
     data = _client(cfg).get_run(run.run_id).data
-    everything = json.dumps({"params": data.params, "tags": data.tags})
+    config_yaml = open(_client(cfg).download_artifacts(run.run_id, "config.yaml", str(tmp_path))).read()
+    everything = json.dumps({"params": data.params, "tags": data.tags}) + config_yaml
     for secret in ("pa55-w0rd-xyz", "hf_abcdefghijklmnopqrstuvwxyz123456", "whatever-it-is", "k-123456"):
         assert secret not in everything
     assert data.params["model.base_model"] == "https://models.example/sd15"

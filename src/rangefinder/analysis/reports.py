@@ -182,8 +182,15 @@ def _source_line(curve: Optional[dict], source: Optional[str]) -> Optional[str]:
     return ", ".join(p for p in (source, None if rows is None else f"{rows} rows") if p)
 
 
-def lr_headline(bounds: LRBounds) -> str:
-    """The LR report's lead: its decision in a sentence or two (also the step run's description in MLflow)."""
+def lr_headline(bounds: LRBounds, zoom: Optional[tuple[float, float]] = None) -> str:
+    """The LR report's lead: its decision in a sentence or two (also the step run's description in MLflow).
+    `zoom`: the range of the zoomed test that reads the bounds again, when this one called for it; then this test's
+    bounds are not the ones trained at, and the lead says so instead of "Train at"."""
+    if zoom is not None:
+        read = (f"this test read lr_mid {bounds.lr_mid:.3g} (between {bounds.lr_low:.3g} and {bounds.lr_high:.3g})"
+                if bounds.status == "ok" and bounds.lr_mid else f"this test's curve was {bounds.status}")
+        return (f"Replaced by a zoomed range test over {zoom[0]:.3g}..{zoom[1]:.3g}, whose bounds the fine-tune "
+                f"uses: {read}, too few points or too uncertain to train at.")
     if bounds.status != "ok":
         return LR_STATUS_ADVICE[bounds.status]
     lead = (f"Train at lr_mid = {bounds.lr_mid:.3g} (between {bounds.lr_low:.3g} and {bounds.lr_high:.3g}); "
@@ -208,16 +215,18 @@ def step_headline(window: StepWindow, halving: Optional[HalvingDecision] = None)
 
 
 def write_lr_report(bounds: LRBounds, curve: Optional[dict], out_dir: str | Path, *,
-                    source: Optional[str] = None, plan_warnings: Sequence[str] = ()) -> dict[str, Path]:
+                    source: Optional[str] = None, plan_warnings: Sequence[str] = (),
+                    zoom: Optional[tuple[float, float]] = None) -> dict[str, Path]:
     """Write lr_range_test.png, lr_report.html (self-contained), lr_report.md and lr_bounds.json into out_dir.
 
     `curve` is the dict from read_curve_csv (or None): its rows are counted in the report; `source` names the
-    curve file; `plan_warnings`: the training plan's warnings (planning.plan), one note each.
+    curve file; `plan_warnings`: the training plan's warnings (planning.plan), one note each; `zoom`: the range of
+    the zoomed test that replaces this one's bounds (lr_headline).
     Returns {"plot", "html", "markdown", "json"} -> paths.
     """
     out = Path(out_dir)
     png = plot_lr_range_test(bounds, out / "lr_range_test.png")
-    lead = lr_headline(bounds)
+    lead = lr_headline(bounds, zoom)
     rows: list[tuple[str, Any, str]] = [
         ("lr_low", bounds.lr_low, "validation loss has started to fall"),
         ("lr_high", bounds.lr_high, "it has nearly reached its minimum (flattens or turns up after)"),

@@ -124,6 +124,56 @@ def sample_strip(run_dir: Path) -> Optional[SampleStrip]:
     return SampleStrip(rows=rows, columns=columns, mlflow_key=SAMPLES_KEY)
 
 
+def sample_delivered(work: Path, chosen: Optional[dict[str, Any]], base_model: Path,
+                     sink: Optional[Any] = None) -> None:
+    """Render the delivered (chosen) checkpoint with the settings of the samples during training and add its grid to
+    them at its update, in the index (the report's strip) and in MLflow's image series (`sink`): the samples ran
+    every few validations, and the slider ended before, or stepped over, the weights the pipeline delivers."""
+    import tempfile
+
+    from rangefinder.formats.atomic import write_json
+    from rangefinder.formats.grid import compose_grid
+    from rangefinder.sampling import render_grid
+    from rangefinder.training.samples import INDEX_NAME, SAMPLES_DIR, SAMPLES_KEY, read_index
+
+    index = read_index(work)
+    if chosen is None or not index or not index.get("samples"):
+        return
+    update = int(chosen["update"])
+    if any(int(e["update"]) == update for e in index["samples"]):
+        return
+    settings, folder = index["settings"], Path(work) / SAMPLES_DIR
+    from PIL import Image
+
+    with tempfile.TemporaryDirectory(dir=work) as tmp:
+        out = render_grid([Path(work) / checkpoints.CHOSEN_DIR], settings["prompts"], settings["seeds"], out_dir=tmp,
+                          labels=["delivered"], base_model=base_model, steps=settings["num_inference_steps"],
+                          guidance_scale=settings["guidance_scale"], scheduler=settings["scheduler"],
+                          resolution=settings["resolution"], device="cpu")
+        stem = f"update-{update:06d}"
+        cells, images = [], []
+        for i, (row, (path,)) in enumerate(zip(out["rows"], out["images"], strict=True)):
+            rel = f"{stem}/p{i // len(settings['seeds']):02d}-s{row['seed']}.png"
+            (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).replace(folder / rel)
+            cells.append(rel)
+            images.append(Image.open(folder / rel).convert("RGB"))
+    epoch = float(chosen["epoch"]) if chosen.get("epoch") is not None else float("nan")
+    labels = [f"{r['prompt']} | seed {r['seed']}" for r in out["rows"]]
+    grid, _ = compose_grid([images], [f"update {update}, epoch {epoch:g} (delivered)"], labels,
+                           max(int(settings["resolution"]), 128))
+    with tempfile.NamedTemporaryFile(dir=folder, suffix=".png", delete=False) as f:
+        grid.save(f, format="PNG")
+    Path(f.name).replace(folder / f"{stem}.png")
+    entry: dict[str, Any] = {"update": update, "epoch": epoch, "validation": None, "grid": f"{stem}.png",
+                             "cells": cells, "seconds": None, "delivered": True,
+                             "logged_to": getattr(sink, "run_id", None)}
+    index["samples"] = sorted([*index["samples"], entry], key=lambda e: int(e["update"]))
+    write_json(folder / INDEX_NAME, index)
+    if sink is not None:
+        sink.log_image(str(folder / f"{stem}.png"), key=SAMPLES_KEY, step=update)
+
+
 def run_finetune(
     cfg: RangefinderConfig,
     *,
@@ -168,6 +218,7 @@ def run_finetune(
             lr, extra_updates = race.lr, race.extra_updates
             spec = spec.with_lr(lr)
             tc = spec.training
+        run.log_params({"lr": lr})  # the LR this run trains the delivered model at (lr_mid, or the kept one)
         # With halving, this goes on from the kept candidate's checkpoint at the pause.
         result = run_training(cfg, spec, out_dir=work, metric_sink=run, step_name="finetune", split=split)
         report_dir = Path(out_dir or model_dir / "report")
@@ -181,6 +232,9 @@ def run_finetune(
             # With an LR-free optimizer the report says why there was no range test (and no halving).
             skipped = skipped_because(cfg)
             source = f"{result.metrics_csv}; {batch_note(tc)}" + (f"; {skipped}" if skipped else "")
+            base = resolve_base_model(cfg.model)
+            chosen = keep_chosen_checkpoint(work, window, curve, base.path, base.source)
+            sample_delivered(work, chosen, base.path, run)
             report = write_step_report(window, curve, report_dir, source=source,
                                        samples=sample_strip(work), halving=race,
                                        plan_warnings=spec.plan.warnings if spec.plan is not None else ())
@@ -190,8 +244,6 @@ def run_finetune(
             rec_updates = int(window.recommended_updates or result.updates)
             improving = window.status == "still_improving"
             decision = window.to_dict()
-            base = resolve_base_model(cfg.model)
-            chosen = keep_chosen_checkpoint(work, window, curve, base.path, base.source)
             note = f"{step_headline(window, race)} Trained at lr {lr:.3g} (lr source: {lr_source})."
         else:
             # No validation set (a fixed LR with val_split 0): nothing to read a window from; keep the budget.

@@ -16,15 +16,19 @@ Where things are, in the step's work folder:
   where it was: a candidate from its newest checkpoint, the move from the entries still to move, the kept run from
   its newest checkpoint.
 
-MLflow: each candidate logs live under its own prefix (`lr_mid/val_loss`, `lr_high/val_loss`, ...); at the decision
-the kept candidate's first half is logged again under the plain keys, which the rest of its run continues, so
-`val_loss` in the fine-tune's run is always the delivered model's curve.
+MLflow: each candidate logs live into a child run of the fine-tune's run (`finetune_lr_mid`, `finetune_lr_high`),
+under the same plain keys (`val_loss`, ...), so that MLflow overlays the two curves in run colours; at the decision
+each is tagged `halving.outcome` kept or dropped (and its name says so), and the kept candidate's first half is
+logged again into the fine-tune's own run, which the rest of its run continues, so `val_loss` in the fine-tune's
+run is always the delivered model's curve.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -65,7 +69,6 @@ def run_halving(cfg: RangefinderConfig, spec: TrainSpec, work: Path, *, lr_mid: 
     far, where, its status and its curve. Goes on from whatever a killed attempt left. `split`: the one at
     spec.split_dir as the step read it; `spec.plan` gives the fine-tune's updates."""
     from rangefinder.launch.processes import run_training
-    from rangefinder.training.sinks import PrefixedSink
 
     root = Path(work) / HALVING_DIR
     decision_path = root / DECISION
@@ -76,13 +79,15 @@ def run_halving(cfg: RangefinderConfig, spec: TrainSpec, work: Path, *, lr_mid: 
         lrs = {"lr_mid": lr_mid, "lr_high": lr_high}
         candidates: dict[str, HalvingCandidate] = {}
         for name in CANDIDATES:
-            result = run_training(cfg, spec.with_lr(lrs[name]), out_dir=root / name, step_name="finetune",
-                                  pause_after_update=pause, split=split,
-                                  metric_sink=PrefixedSink(sink, f"{name}/") if sink is not None else None)
+            with _candidate_run(cfg, sink, name, lrs[name]) as candidate_sink:
+                result = run_training(cfg, spec.with_lr(lrs[name]), out_dir=root / name,
+                                      step_name=candidate_step(name), pause_after_update=pause, split=split,
+                                      metric_sink=candidate_sink)
             candidates[name] = HalvingCandidate.measured(lrs[name], result.status, result.updates,
                                                          result.curve["update"], result.curve["val_loss"], pause)
         decision = HalvingDecision.decide(pause, candidates)
         write_json(decision_path, decision.to_json())  # before anything moves: a killed step redoes only the move
+        _tag_outcomes(sink, decision)
     if not decision.moved:
         _move_up(root / decision.kept, Path(work))
         shutil.rmtree(root / decision.kept, ignore_errors=True)  # only its lock is left
@@ -94,6 +99,47 @@ def run_halving(cfg: RangefinderConfig, spec: TrainSpec, work: Path, *, lr_mid: 
         decision = decision.done_moving()
         write_json(decision_path, decision.to_json())
     return decision
+
+
+def candidate_step(name: str) -> str:
+    """The step name of a candidate's child run (and of its spool): one per candidate, so that a retried step goes
+    on in each candidate's own unfinished run."""
+    return f"finetune_{name}"
+
+
+@contextlib.contextmanager
+def _candidate_run(cfg: RangefinderConfig, sink: Optional[MetricSink], name: str,
+                   lr: float) -> Iterator[Optional[MetricSink]]:
+    """The candidate's child run under the fine-tune's run when that is an MLflow run, else the sink as it is."""
+    from rangefinder.tracking import StepRun, step_run
+
+    if not isinstance(sink, StepRun):
+        yield sink
+        return
+    with step_run(cfg, candidate_step(name), parent_run_id=sink.run_id, run_name=f"{name} lr {lr:.3g}",
+                  tags={"halving.candidate": name, "lr": f"{lr:.4g}"}) as run:
+        run.describe(f"Successive halving candidate {name}: the fine-tune at lr {lr:.3g} to the pause.")
+        yield run
+
+
+def _tag_outcomes(sink: Optional[MetricSink], decision: HalvingDecision) -> None:
+    """Each candidate's child run says whether it was kept, in a tag and in its name (MLflow's chart legend)."""
+    from rangefinder.tracking import StepRun
+    from rangefinder.tracking.runs import latest_step_run
+
+    if not isinstance(sink, StepRun):
+        return
+    for name, candidate in decision.candidates.items():
+        child = latest_step_run(sink.client, sink.experiment_id, sink.run_id, candidate_step(name))
+        if child is None:
+            continue
+        outcome = "kept" if name == decision.kept else "dropped"
+        why = (f"best val_loss {candidate.best_val_loss:.4g} by update {decision.pause_update}"
+               if candidate.best_val_loss is not None else f"no val_loss by update {decision.pause_update}")
+        sink.set_run_tags(child.info.run_id, {
+            "halving.outcome": outcome, "mlflow.runName": f"{name} lr {candidate.lr:.3g} ({outcome})",
+            "mlflow.note.content": f"Successive halving candidate {name} at lr {candidate.lr:.3g}: {why}; "
+            + ("kept: the fine-tune goes on with it." if outcome == "kept" else f"dropped for {decision.kept}.")})
 
 
 def _read(spec: TrainSpec) -> Split:

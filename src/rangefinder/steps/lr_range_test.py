@@ -114,21 +114,19 @@ def run_lr_range_test(
                     "model_family": result.family}
         report = write_lr_report(bounds, curve, out_dir / "report",
                                  source=f"{result.metrics_csv}; {batch_note(train_cfg)}",
-                                 plan_warnings=spec.plan.warnings if spec.plan is not None else ())
+                                 plan_warnings=spec.plan.warnings if spec.plan is not None else (), zoom=zoom)
         copy_report(report, report_html, report_md)
         bounds_json = out_dir / "bounds.json"
         write_json(bounds_json, decision)
         run.log_artifact(result.metrics_csv, "curves")
         run.log_artifact(bounds_json, "analysis")
         run.log_artifact(out_dir / "report", "report")
+        # The same keys on the first test's run and the zoom's (the run's stage tag tells them apart); nothing goes
+        # to the parent run, which shows the one decision the fine-tune used (choose_lr's bounds), not one per test.
         run.log_decisions({k: decision[k] for k in ("status", "lr_low", "lr_high", "lr_mid", "quality", "flags",
-                                                     "points_between", "needs_zoom")}, prefix="" if stage == "first"
-                          else "zoom.", numbers_to_parent=False)
-        # The bounds go to the parent run once, as the fine-tune used them (choose_lr's), not per range test.
+                                                     "points_between", "needs_zoom", "stage")}, to_parent=False)
         what = "LR range test" if stage == "first" else "Zoomed LR range test"
-        note = f"{what} over {lo:.3g}..{hi:.3g}: {lr_headline(bounds)}"
-        if zoom is not None:
-            note += f" A zoomed range test over {zoom[0]:.3g}..{zoom[1]:.3g} reads the bounds again and replaces these."
+        note = f"{what} over {lo:.3g}..{hi:.3g}: {lr_headline(bounds, zoom)}"
         run.describe(note)
 
     if bounds.status != "ok" and zoom is None:

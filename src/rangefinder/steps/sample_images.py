@@ -73,4 +73,7 @@ def run_sample_images(cfg: RangefinderConfig, *, finetuned_dir: Path, retrained_
         # (data.prompt_score).
         run.log_decisions({f"prompt_{k}.{column_slug(s_['column'])}": s_[k] for s_ in out["scores"]
                            for k in ("colour", "shape")}, to_parent=False)
+        scores = ", ".join(f"{s_['column']} {s_['colour']:.2f}" for s_ in out["scores"])
+        run.describe(f"Sample grid: {len(s.prompts)} prompts x {len(s.seeds)} seeds for {', '.join(labels)}, the "
+                     f"same noise in every column; how well each follows the prompts' colours: {scores}.")
     return out

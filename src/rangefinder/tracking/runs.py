@@ -162,6 +162,57 @@ def flatten_params(obj: Any, prefix: str = "") -> dict[str, str]:
     return out
 
 
+# The file the resolved config is logged as, whole, on every run that logs its settings.
+CONFIG_ARTIFACT = "config.yaml"
+# The `training` fields the pipeline's runs set themselves (cli/ignored.py's PIPELINE says the same to the user).
+PIPELINE_SET_TRAINING = ("epochs", "steps", "steps_unit", "lr", "scale_lr", "schedule", "lr_min", "lr_max",
+                         "warmup_updates", "world_size", "resume")
+
+
+def applicable_params(cfg: Any) -> dict[str, str]:
+    """The params of `cfg` that apply to this run, flat (`training.batch_size`, ...).
+
+    A whole RangefinderConfig holds every method's and every mode's settings; logged as they are, a local full
+    fine-tune showed 162 params, among them LoRA's rank and the pods' tolerations. Left out here (they are still in
+    the run's config.yaml artifact): the settings of the methods not trained (`training.lora`,
+    `training.textual_inversion`), `kubernetes` outside a pod (Kubernetes sets $KUBERNETES_SERVICE_HOST in every
+    pod), `distributed` on one node, `retrain` when it is off, and the `training` fields each pipeline run sets
+    itself (its budget, LR, schedule and process count: training/spec.py), which only `rangefinder train` reads and
+    which logs to no MLflow: a fine-tune showed `training.lr` 1e-4 beside the LR it trained at.
+    """
+    params = flatten_params(cfg)
+    if getattr(cfg, "lr", 0) is None:
+        params.pop("lr", None)  # no LR set by hand: "lr" is the one a step trained at (the fine-tune logs it)
+    training = getattr(cfg, "training", None)
+    if training is None or not hasattr(cfg, "kubernetes"):
+        return params
+    dropped = [f"training.{m}." for m in ("lora", "textual_inversion") if m != training.method]
+    pipeline_set = {f"training.{k}" for k in PIPELINE_SET_TRAINING}
+    if not os.environ.get("KUBERNETES_SERVICE_HOST"):
+        dropped.append("kubernetes.")
+    if cfg.distributed.num_nodes <= 1:
+        dropped += [f"distributed.{k}" for k in type(cfg.distributed).model_fields if k != "num_nodes"]
+    if not cfg.retrain.enabled:
+        dropped += [f"retrain.{k}" for k in type(cfg.retrain).model_fields if k != "enabled"]
+    return {k: v for k, v in params.items() if k not in pipeline_set and not k.startswith(tuple(dropped))}
+
+
+def config_text(cfg: Any) -> str:
+    """The resolved config as YAML, secrets redacted: what `run --local --config` reads back."""
+    import yaml
+
+    data = cfg.model_dump(mode="json") if hasattr(cfg, "model_dump") else dict(cfg)
+    return yaml.safe_dump(_redacted(data), sort_keys=False, allow_unicode=True)
+
+
+def _redacted(obj: Any) -> Any:
+    if isinstance(obj, Mapping):
+        return {k: REDACTED if is_secret_key(str(k)) else _redacted(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_redacted(v) for v in obj]
+    return redact(obj) if isinstance(obj, str) else obj
+
+
 def _param_value(v: Any) -> str:
     if isinstance(v, (list, tuple, dict)):
         s = json.dumps(v, default=str, separators=(",", ":"))
@@ -246,7 +297,10 @@ def ensure_parent_run(
         client.delete_run(run_id)
         return first
     if log_config and cfg is not None and hasattr(cfg, "tracking"):
-        apply_record(client, {"kind": "params", "run_id": run_id, "params": flatten_params(cfg)})
+        apply_record(client, {"kind": "params", "run_id": run_id, "params": applicable_params(cfg)})
+        if hasattr(cfg, "kubernetes"):
+            apply_record(client, {"kind": "text", "run_id": run_id, "text": config_text(cfg),
+                                  "artifact_file": CONFIG_ARTIFACT})
     _log.info("MLflow parent run %s (%s) in %s", run_id, name, safe_uri(resolve_tracking_uri(cfg)))
     return run_id
 
@@ -346,7 +400,8 @@ class StepRun:
     def log_config(
         self, cfg: Optional[TrackingSource] = None, *, plan: Any = None, extra: Optional[Mapping[str, Any]] = None
     ) -> None:
-        """All resolved settings as flat params (`training.batch_size`, ...), the planner's figures as `plan.*`.
+        """The resolved settings that apply to this run as flat params (`training.batch_size`, ...;
+        `applicable_params`), the whole config as the artifact config.yaml, the planner's figures as `plan.*`.
 
         `plan` is a rangefinder.planning.Plan (effective_batch, updates_per_epoch, lr = the scaled LR, ...);
         `extra` holds any other figures a step worked out (logged under their own names).
@@ -354,7 +409,9 @@ class StepRun:
         params: dict[str, str] = {}
         cfg = cfg if cfg is not None else self.cfg
         if cfg is not None:
-            params.update(flatten_params(cfg))
+            params.update(applicable_params(cfg))
+            if hasattr(cfg, "kubernetes"):  # a whole RangefinderConfig
+                self.log_text(config_text(cfg), CONFIG_ARTIFACT)
         if plan is not None:
             params.update(flatten_params(plan, "plan."))
         if extra:
@@ -366,6 +423,11 @@ class StepRun:
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         self._set_tags(self.run_id, {k: v for k, v in tags.items() if not is_secret_key(k)})
+
+    def set_run_tags(self, run_id: str, tags: Mapping[str, Any]) -> None:
+        """Tags on another run of this step's tree, ended or not (a child's outcome, known after it ended), through
+        this run's outbox."""
+        self._set_tags(run_id, {k: v for k, v in tags.items() if not is_secret_key(k)})
 
     def _set_tags(self, run_id: str, tags: Mapping[str, Any]) -> None:
         clean = {k: _tag_value(v) for k, v in tags.items() if v is not None}
@@ -385,15 +447,18 @@ class StepRun:
         self, decisions: Mapping[str, Any], *, prefix: str = "", to_parent: bool = True, step: Optional[int] = None,
         numbers_to_parent: bool = True,
     ) -> None:
-        """Numbers become metrics (lr_low, lr_high, lr_mid, quality, recommended_epochs, ...); strings, booleans and
-        lists become tags (status, flags, ...). Nested mappings are flattened with dots; None is skipped.
+        """Numbers become metrics (quality, recommended_epochs, ...); learning rates (`lr`, `lr_*`: lr_low, lr_mid,
+        lr_used, ...), strings, booleans and lists become tags (status, flags, ...): MLflow draws a single-value
+        metric as a bar chart rounded to 2 decimals, where an LR of 2.09e-04 reads "0.00". Nested mappings are
+        flattened with dots; None is skipped.
 
-        With `to_parent`, the parent run gets the numbers under the same names (one row per pipeline run in
-        MLflow's table) and the tags prefixed by the step name (`analyze_lr.status`), since every step has a status.
-        `numbers_to_parent=False` keeps the numbers on this run: a step whose numbers are not the ones the pipeline
-        used (a range test's bounds, before choose_lr) would otherwise mix decisions on the parent.
+        With `to_parent`, the parent run gets the same keys (one row per pipeline run in MLflow's table, one key per
+        quantity on parent and child). `numbers_to_parent=False` keeps the numbers and LRs on this run: a step whose
+        numbers are not the ones the pipeline used (a range test's bounds, before choose_lr) would otherwise mix
+        decisions on the parent.
         """
         numbers: dict[str, float] = {}
+        rates: dict[str, str] = {}
         words: dict[str, Any] = {}
         for k, v in _flatten_any(decisions, prefix).items():
             if hasattr(v, "item") and getattr(v, "ndim", None) == 0:
@@ -401,14 +466,17 @@ class StepRun:
             if v is None:
                 continue
             if isinstance(v, numbers_abc.Real) and not isinstance(v, bool):
-                numbers[k] = float(v)
+                if is_lr_key(k):
+                    rates[k] = lr_text(float(v))
+                else:
+                    numbers[k] = float(v)
             else:
                 words[k] = v
         ts = int(time.time() * 1000)
         rows = [[metric_name(k), v, ts, step or 0] for k, v in numbers.items()]
-        targets = [(self.run_id, words)]
+        targets = [(self.run_id, {**rates, **words})]
         if to_parent and self.parent_run_id:
-            targets.append((self.parent_run_id, {f"{self.step_name}.{k}": v for k, v in words.items()}))
+            targets.append((self.parent_run_id, {**rates, **words} if numbers_to_parent else words))
         for run_id, tags in targets:
             if rows and (run_id == self.run_id or numbers_to_parent):
                 self._deliver({"kind": "metrics", "run_id": run_id, "metrics": rows})
@@ -512,6 +580,19 @@ class StepRun:
                          "They are kept in %s; when the server answers again, run: rangefinder relog %s",
                          safe_uri(self.tracking_uri), self.step_name, left, self.run_id, self.spool.path,
                          self.spool.path)
+
+
+def is_lr_key(key: str) -> bool:
+    """A decision that is a learning rate: `lr` or `lr_*` as the last part of its dotted key (lr_low,
+    halving.lr_mid.lr, ...), never lr_source (a word, not a number)."""
+    last = key.rsplit(".", 1)[-1]
+    return last == "lr" or last.startswith("lr_")
+
+
+def lr_text(lr: float) -> str:
+    """An LR as a tag: 4 significant digits in scientific notation (2.091e-04), as readable as it is exact enough
+    to sort and compare by."""
+    return f"{lr:.3e}"
 
 
 def _flatten_any(obj: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -52,7 +52,7 @@ def demo_model_cache(out: Path, family: str = "sd1") -> Path:
 
 def prepare_demo(out: Path, retrain: bool = False, lr: float | None = None, family: str = "sd1"):
     """The demo's config, with its dataset and base model made under `out` (or reused)."""
-    from rangefinder.config import demo_config
+    from rangefinder.config import demo_run_config
     from rangefinder.data.synthetic import EMBEDDED_KIND, make_synthetic_dataset
     from rangefinder.models.tiny import ensure_tiny_base_model
 
@@ -64,7 +64,7 @@ def prepare_demo(out: Path, retrain: bool = False, lr: float | None = None, fami
     if lr is not None:
         overrides["lr"] = lr
     # Validated before anything is made: a bad --lr costs one line, not a dataset and a model build.
-    cfg = demo_config(**overrides)
+    cfg = demo_run_config(**overrides)
     make_synthetic_dataset(dataset, kind=EMBEDDED_KIND, count=DEMO_IMAGES, seed=0, resolution=32)
     if family == "sdxl":
         from rangefinder.models.tiny_sdxl import ensure_tiny_sdxl_model
