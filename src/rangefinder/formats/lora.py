@@ -123,9 +123,83 @@ def lora_to_kohya(unet_layers: Mapping[str, LoraWeights], text_encoder_layers: M
     return out
 
 
+def lora_to_diffusers_flux(transformer_layers: Mapping[str, LoraWeights],
+                           text_encoder_layers: Mapping[str, LoraWeights]) -> dict:
+    """Flux's diffusers-named file: peft's names under `transformer.` (diffusers' FluxLoraLoaderMixin, and ComfyUI's
+    `transformer.<diffusers module>` names for Flux, comfy/lora.py `model_lora_keys_unet` at 41444b5236c6, which
+    patch the slice of a fused BFL weight the module is), and CLIP-L's under `text_encoder.`; alpha/rank folded into
+    `lora_B`, as for SD."""
+    out = {}
+    for prefix, layers, rename in (("transformer.", transformer_layers, False),
+                                   ("text_encoder.", text_encoder_layers, True)):
+        for path, w in layers.items():
+            name = prefix + (clip_text_key(path) if rename else path)
+            out[f"{name}.lora_A.weight"] = w.down
+            out[f"{name}.lora_B.weight"] = (w.up.float() * w.scale).to(w.up.dtype)
+    return out
+
+
+def lora_to_kohya_flux(transformer_layers: Mapping[str, LoraWeights], text_encoder_layers: Mapping[str, LoraWeights],
+                       transformer_config: Mapping[str, Any]) -> dict:
+    """kohya's Flux LoRA (sd-scripts networks/lora_flux.py at 0087a46e14c8): `lora_unet_` + the module's path in
+    Black Forest Labs' layout (formats/flux_layout.py), CLIP-L as `lora_te1_`.
+
+    Where BFL fuses diffusers modules into one linear layer (`img_attn.qkv`, a single block's `linear1`), the
+    adapters fuse as sd-scripts' own `split_qkv` LoRA saves them (LoRANetwork.state_dict there): the parts' `down`
+    stacked, `up` block-diagonal, so the fused product is each part's product in its rows. A part without an
+    adapter is rows of zeros. Each part's scale is folded into its `up` block and `.alpha` is the fused rank (scale 1
+    for every reader, which all take alpha / down's rows), since the parts' scales need not agree.
+    """
+    import torch
+
+    from rangefinder.formats.flux_layout import KOHYA_FLUX_CLIP_PREFIX, KOHYA_FLUX_PREFIX, bfl_module_of, bfl_modules
+
+    fused_parts = bfl_modules(transformer_config)
+    where = bfl_module_of(transformer_config)
+    by_bfl: dict[str, dict[int, LoraWeights]] = {}
+    for path, w in transformer_layers.items():
+        if path not in where:
+            raise ValueError(f"LoRA on Flux module {path!r}, which has no place in Black Forest Labs' layout")
+        bfl, j = where[path]
+        by_bfl.setdefault(bfl, {})[j] = w
+    out = {}
+    for bfl, adapters in by_bfl.items():
+        parts = fused_parts[bfl]
+        ordered = [adapters[j] for j in sorted(adapters)]
+        down = torch.cat([w.down for w in ordered], dim=0)
+        rows = [_fused_rows(j, adapters, transformer_config, parts) for j in range(len(parts))]
+        up = torch.zeros((sum(rows), down.shape[0]), dtype=ordered[0].up.dtype)
+        row, col = 0, 0
+        for j, n_rows in enumerate(rows):
+            if j in adapters:
+                w = adapters[j]
+                up[row: row + n_rows, col: col + w.rank] = (w.up.float() * w.scale).to(up.dtype)
+                col += w.rank
+            row += n_rows
+        name = KOHYA_FLUX_PREFIX + bfl.replace(".", "_")
+        out[f"{name}.lora_down.weight"] = down
+        out[f"{name}.lora_up.weight"] = up
+        out[f"{name}.alpha"] = torch.tensor(float(down.shape[0]), dtype=torch.float32)
+    for path, w in text_encoder_layers.items():
+        name = KOHYA_FLUX_CLIP_PREFIX + clip_text_key(path).replace(".", "_")
+        out[f"{name}.lora_down.weight"] = w.down
+        out[f"{name}.lora_up.weight"] = w.up
+        out[f"{name}.alpha"] = torch.tensor(w.scale * w.rank, dtype=torch.float32)
+    return out
+
+
+def _fused_rows(j: int, adapters: Mapping[int, LoraWeights], config: Mapping[str, Any], parts: tuple[str, ...]) -> int:
+    """The output rows of fused part j: its adapter's, else (no adapter on it) the width the config gives it."""
+    if j in adapters:
+        return int(adapters[j].up.shape[0])
+    inner = int(config["num_attention_heads"]) * int(config["attention_head_dim"])
+    return inner * 4 if parts[j].endswith("proj_mlp") else inner  # FluxSingleTransformerBlock's mlp_ratio 4
+
+
 def save_lora_files(out_dir: Path, unet=None, text_encoder=None, metadata: Optional[Mapping[str, str]] = None,
-                    text_encoder_2=None, sdxl: bool = False):
-    """Both LoRA files into `out_dir`; returns {"diffusers": path, "kohya": path}. `sdxl`: kohya's SDXL names."""
+                    text_encoder_2=None, sdxl: bool = False, flux: bool = False):
+    """Both LoRA files into `out_dir`; returns {"diffusers": path, "kohya": path}. `sdxl`: kohya's SDXL names;
+    `flux`: `unet` is Flux's transformer, in Flux's names (lora_to_diffusers_flux, lora_to_kohya_flux)."""
     out_dir = Path(out_dir)
     unet_layers = trained_lora_layers(unet) if unet is not None else {}
     te_layers = trained_lora_layers(text_encoder) if text_encoder is not None else {}
@@ -138,11 +212,20 @@ def save_lora_files(out_dir: Path, unet=None, text_encoder=None, metadata: Optio
     kohya_meta.setdefault("ss_network_module", "networks.lora")
     if sdxl:
         kohya_meta.setdefault("ss_base_model_version", "sdxl_base_v1-0")  # what sd-scripts writes for SDXL
+    if flux:
+        kohya_meta.update(ss_network_module="networks.lora_flux", ss_base_model_version="flux1")  # LoRA browsers show
     any_layer = next(iter({**unet_layers, **te_layers, **te2_layers}.values()))
     kohya_meta.setdefault("ss_network_dim", str(any_layer.rank))
     kohya_meta.setdefault("ss_network_alpha", repr(any_layer.scale * any_layer.rank))
     if "rangefinder.updates" in meta:
         kohya_meta.setdefault("ss_steps", meta["rangefinder.updates"])
+    if flux:
+        return {
+            "diffusers": save_safetensors(lora_to_diffusers_flux(unet_layers, te_layers), out_dir / LORA_WEIGHTS_NAME,
+                                          meta),
+            "kohya": save_safetensors(lora_to_kohya_flux(unet_layers, te_layers, dict(unet.config)),
+                                      out_dir / LORA_KOHYA_NAME, kohya_meta),
+        }
     return {
         "diffusers": save_safetensors(lora_to_diffusers(unet_layers, te_layers, te2_layers),
                                       out_dir / LORA_WEIGHTS_NAME, meta),
