@@ -32,7 +32,13 @@ from typing import Any, Optional
 
 from rangefinder.config import ModelConfig
 from rangefinder.errors import ConfigError
-from rangefinder.training.family_detection import FAMILY_NAMES, FAMILY_PARTS, detect_family, single_file_family
+from rangefinder.training.family_detection import (
+    FAMILY_LACKS,
+    FAMILY_NAMES,
+    FAMILY_PARTS,
+    detect_family,
+    single_file_family,
+)
 
 SINGLE_FILE_SUFFIX = ".safetensors"
 # Refused: torch.load of a pickle runs whatever code the file holds (safetensors holds tensors only).
@@ -60,17 +66,17 @@ class ResolvedModel:
 
 @dataclass
 class SDComponents:
-    unet: Any  # diffusers UNet2DConditionModel
+    unet: Any  # the denoiser: diffusers UNet2DConditionModel (Flux: FluxTransformer2DModel, from transformer/)
     vae: Any  # diffusers AutoencoderKL
     text_encoder: Any  # transformers CLIPTextModel
     tokenizer: Any  # transformers CLIPTokenizer
-    noise_scheduler: Any  # diffusers DDPMScheduler (training)
+    noise_scheduler: Any  # diffusers DDPMScheduler (training; Flux: the model's FlowMatchEulerDiscreteScheduler)
     source: str  # what was loaded, for logs and MLflow tags
     model_dir: Optional[Path] = None  # the local diffusers folder the parts came from
     kind: str = "folder"  # "embedded" | "folder" | "single_file" | "hub"
     family: str = "sd1"  # "sd1" | "sdxl" (detect_family)
-    text_encoder_2: Any = None  # SDXL: transformers CLIPTextModelWithProjection (OpenCLIP bigG)
-    tokenizer_2: Any = None  # SDXL: its tokenizer
+    text_encoder_2: Any = None  # SDXL: transformers CLIPTextModelWithProjection (OpenCLIP bigG); Flux: T5EncoderModel
+    tokenizer_2: Any = None  # SDXL: its tokenizer; Flux: T5's
     # The loaded weights' fingerprint (weights_digest), before any training changes them: what a checkpoint records
     # as its base model, so that a resume on another one is refused wherever the folder now lies.
     digest: Optional[str] = None
@@ -151,13 +157,14 @@ def _missing_parts(folder: Path) -> Optional[list[str]]:
     if not (folder / "model_index.json").is_file():
         return None
     try:
-        extra = FAMILY_PARTS[detect_family(folder)]
+        family = detect_family(folder)
+        extra, lacks = FAMILY_PARTS[family], FAMILY_LACKS.get(family, ())
     except ConfigError:
-        extra = ()  # an unknown family: the load names it
+        extra, lacks = (), ()  # an unknown family: the load names it
     configs = {"tokenizer": ("tokenizer_config.json", "vocab.json"), "tokenizer_2": ("tokenizer_config.json",
                "vocab.json"), "scheduler": ("scheduler_config.json",)}
-    return [p for p in (*REQUIRED_PARTS, *extra)
-            if not any((folder / p / f).is_file() for f in configs.get(p, ("config.json",)))]
+    return [p for p in (*REQUIRED_PARTS, *extra) if p not in lacks
+            and not any((folder / p / f).is_file() for f in configs.get(p, ("config.json",)))]
 
 
 def _check_folder(folder: Path, what: str) -> None:
@@ -452,6 +459,8 @@ def _load_folder(resolved: ResolvedModel, model_cfg: ModelConfig) -> SDComponent
     # Variant files (e.g. fp16) keep their names in a hub snapshot or a saved folder; a converted file has none.
     has_variants = model_cfg.variant and resolved.kind in ("hub", "folder")
     var: dict[str, Any] = {"variant": model_cfg.variant} if has_variants else {}
+    if family == "flux":
+        return _load_flux_folder(resolved, var)
     try:
         parts = {
             "tokenizer": CLIPTokenizer.from_pretrained(folder, subfolder="tokenizer", local_files_only=True),
@@ -473,6 +482,38 @@ def _load_folder(resolved: ResolvedModel, model_cfg: ModelConfig) -> SDComponent
         if key in parts:
             parts[key].eval()
     return SDComponents(source=resolved.source, model_dir=resolved.path, kind=resolved.kind, family=family,
+                        digest=weights_digest(parts), **parts)
+
+
+def _load_flux_folder(resolved: ResolvedModel, var: dict[str, Any]) -> SDComponents:
+    """A FluxPipeline folder's parts: the transformer in the denoiser's place, CLIP-L (pooled output only), T5 and
+    its tokenizer (whatever tokenizer class the folder names: T5's, or ByT5's for the tiny model), and the model's
+    own flow-matching scheduler, whose shift settings the family reads."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+    from transformers import AutoTokenizer, CLIPTextModel, CLIPTokenizer, T5EncoderModel
+
+    folder = str(resolved.path)
+    try:
+        parts = {
+            "tokenizer": CLIPTokenizer.from_pretrained(folder, subfolder="tokenizer", local_files_only=True),
+            "text_encoder": CLIPTextModel.from_pretrained(folder, subfolder="text_encoder", local_files_only=True,
+                                                          **var),
+            "tokenizer_2": AutoTokenizer.from_pretrained(folder, subfolder="tokenizer_2", local_files_only=True),
+            "text_encoder_2": T5EncoderModel.from_pretrained(folder, subfolder="text_encoder_2", local_files_only=True,
+                                                             **var),
+            "vae": AutoencoderKL.from_pretrained(folder, subfolder="vae", local_files_only=True, **var),
+            "unet": FluxTransformer2DModel.from_pretrained(folder, subfolder="transformer", local_files_only=True,
+                                                           **var),
+            "noise_scheduler": FlowMatchEulerDiscreteScheduler.from_pretrained(folder, subfolder="scheduler",
+                                                                               local_files_only=True),
+        }
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            f"model.base_model: cannot load the diffusers folder {folder} ({resolved.source}): {_first_line(e)}"
+        ) from None
+    for key in ("unet", "vae", "text_encoder", "text_encoder_2"):
+        parts[key].eval()
+    return SDComponents(source=resolved.source, model_dir=resolved.path, kind=resolved.kind, family="flux",
                         digest=weights_digest(parts), **parts)
 
 

@@ -16,14 +16,18 @@ from typing import Optional
 
 from rangefinder.config import ModelConfig
 from rangefinder.errors import ConfigError
+from rangefinder.formats.flux_layout import FLUX_CHECKPOINT_PREFIX, FLUX_DOUBLE_BLOCK_KEY, FLUX_SINGLE_BLOCK_KEY
 from rangefinder.formats.single_file import LDM_UNET_PREFIX, SGM_CLIP_G_PREFIX
 
 # The model families rangefinder trains (families.FAMILIES), by the pipeline class diffusers names in
 # model_index.json `_class_name`.
-FAMILY_OF_PIPELINE = {"StableDiffusionPipeline": "sd1", "StableDiffusionXLPipeline": "sdxl"}
-# The parts a family needs beyond models.loading.REQUIRED_PARTS.
-FAMILY_PARTS = {"sd1": (), "sdxl": ("text_encoder_2", "tokenizer_2")}
-FAMILY_NAMES = {"sd1": "Stable Diffusion 1.x/2.x", "sdxl": "Stable Diffusion XL"}
+FAMILY_OF_PIPELINE = {"StableDiffusionPipeline": "sd1", "StableDiffusionXLPipeline": "sdxl", "FluxPipeline": "flux"}
+# The parts a family needs beyond models.loading.REQUIRED_PARTS (Flux: a transformer in the UNet's place, and T5).
+FAMILY_PARTS = {"sd1": (), "sdxl": ("text_encoder_2", "tokenizer_2"),
+                "flux": ("transformer", "text_encoder_2", "tokenizer_2")}
+# REQUIRED_PARTS a family does not have.
+FAMILY_LACKS = {"flux": ("unet",)}
+FAMILY_NAMES = {"sd1": "Stable Diffusion 1.x/2.x", "sdxl": "Stable Diffusion XL", "flux": "Flux.1"}
 # In a single file (the LDM/SGM layout): SDXL's UNet has the added (pooled text + size) embedding `label_emb`, and
 # SGM's conditioner holds the two text encoders, CLIP ViT-L as embedders.0 and OpenCLIP bigG as embedders.1.
 SDXL_SINGLE_FILE_UNET_KEY = LDM_UNET_PREFIX + "label_emb.0.0.weight"
@@ -73,7 +77,11 @@ def family_of(model_cfg: ModelConfig) -> Optional[str]:
 
 def single_file_family(path: Path, keys: list[str]) -> str:
     """The family of a single-file checkpoint from its tensor names; ConfigError for an SDXL file without its
-    second text encoder."""
+    second text encoder. Flux's transformer in Black Forest Labs' layout (formats/flux_layout.py) has double- and
+    single-stream blocks, bare (BFL's own file) or under `model.diffusion_model.` (ComfyUI's checkpoints)."""
+    bare = {k.removeprefix(FLUX_CHECKPOINT_PREFIX) for k in keys}
+    if FLUX_DOUBLE_BLOCK_KEY in bare and FLUX_SINGLE_BLOCK_KEY in bare:
+        return "flux"
     if SDXL_SINGLE_FILE_UNET_KEY in keys or any(k.startswith("conditioner.") for k in keys):
         if not any(k.startswith(SDXL_SINGLE_FILE_TE2_PREFIX) for k in keys):
             raise ConfigError(
