@@ -179,7 +179,7 @@ def load_model(settings: RunSettings, accelerator: Accelerator) -> tuple[SDCompo
         m.eval()
         if not any(m is t for t in method.trainable_modules().values()):
             move_module(m, device)
-    family = family_for(sd, cfg.prediction_type)
+    family = family_for(sd, cfg)
     if cfg.gradient_checkpointing:
         for m in method.trainable_modules().values():
             enable = (getattr(m, "enable_gradient_checkpointing", None)  # diffusers' name
