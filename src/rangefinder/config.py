@@ -252,6 +252,9 @@ class FlowSettings(_Section):
     # The per-image loss weight (diffusers' compute_loss_weighting_for_sd3): none, sigma ** -2 (sigma_sqrt), or
     # 2 / (pi * (1 - 2 sigma + 2 sigma^2)) (cosmap). Validation is never weighted.
     loss_weighting: Literal["none", "sigma_sqrt", "cosmap"] = "none"
+    # Flux.1-dev only: the guidance scale fed to its guidance-distilled transformer while training (None: 3.5, the
+    # default of diffusers' and sd-scripts' Flux trainers).
+    guidance: Optional[float] = Field(None, ge=0)
 
 
 class TextualInversionSettings(_Section):

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 FAMILIES = {
     "sd1": "rangefinder.training.family:Sd1Family",
     "sdxl": "rangefinder.training.family_sdxl:SdxlFamily",
+    "flux": "rangefinder.training.family_flux:FluxFamily",
 }
 
 

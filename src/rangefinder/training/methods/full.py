@@ -55,19 +55,31 @@ class FullFineTune(ModuleMethod):
         # (src/rangefinder/formats/single_file.py).
         meta = training_metadata(self.cfg, getattr(sd, "source", None), updates=self.updates_taken)
         meta = {**meta, "rangefinder.family": sd.family}
+        if sd.family == "flux":  # the transformer in Black Forest Labs' layout, as BFL ships Flux (flux_layout.py)
+            from rangefinder.formats.flux_layout import export_flux_transformer
+
+            export_flux_transformer(out_dir, out_dir / SINGLE_FILE_NAME, meta)
+            return
         export_full(out_dir, out_dir / SINGLE_FILE_NAME, meta)
 
 
 def save_pipeline(sd: SDComponents, out_dir: Path) -> None:
-    """A StableDiffusionPipeline folder (diffusers layout) that `from_pretrained` loads, in fp32 safetensors, under
-    transformers 4.x and 5.x alike (see `formats.diffusers_folder.save_pipeline_folder`)."""
+    """The family's pipeline folder (StableDiffusion, StableDiffusionXL or FluxPipeline; diffusers layout) that
+    `from_pretrained` loads, in fp32 safetensors, under transformers 4.x and 5.x alike (see
+    `formats.diffusers_folder.save_pipeline_folder`)."""
     from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
 
     from rangefinder.formats.diffusers_folder import save_pipeline_folder
 
     # A copy: the pipeline's constructor rewrites outdated scheduler configs in place.
     scheduler = type(sd.noise_scheduler).from_config(sd.noise_scheduler.config)
-    if sd.family == "sdxl":
+    if sd.family == "flux":
+        from diffusers import FluxPipeline
+
+        # The model's own flow-matching scheduler is its sampling one too.
+        pipe: Any = FluxPipeline(scheduler=scheduler, vae=sd.vae, text_encoder=sd.text_encoder, tokenizer=sd.tokenizer,
+                                 text_encoder_2=sd.text_encoder_2, tokenizer_2=sd.tokenizer_2, transformer=sd.unet)
+    elif sd.family == "sdxl":
         if sd.model_dir is not None and (sd.model_dir / "scheduler").is_dir():
             # The base model's own sampling scheduler (SDXL ships Euler), not the training DDPM.
             import json
@@ -77,7 +89,7 @@ def save_pipeline(sd: SDComponents, out_dir: Path) -> None:
             config = json.loads((sd.model_dir / "scheduler" / "scheduler_config.json").read_text())
             cls = getattr(diffusers, config.get("_class_name", ""), type(sd.noise_scheduler))
             scheduler = cls.from_config({**config, "prediction_type": sd.noise_scheduler.config.prediction_type})
-        pipe: Any = StableDiffusionXLPipeline(
+        pipe = StableDiffusionXLPipeline(
             vae=sd.vae, text_encoder=sd.text_encoder, text_encoder_2=sd.text_encoder_2, tokenizer=sd.tokenizer,
             tokenizer_2=sd.tokenizer_2, unet=sd.unet, scheduler=scheduler,
         )

@@ -105,4 +105,4 @@ class LoraMethod(ModuleMethod):
         te = sd.text_encoder if "text_encoder" in self._modules else None
         te_2 = sd.text_encoder_2 if "text_encoder_2" in self._modules else None
         save_lora_files(out_dir, unet=sd.unet, text_encoder=te, metadata={**meta, "rangefinder.family": sd.family},
-                        text_encoder_2=te_2, sdxl=sd.family == "sdxl")
+                        text_encoder_2=te_2, sdxl=sd.family == "sdxl", flux=sd.family == "flux")
