@@ -52,10 +52,6 @@ def test_flux_trains_validates_resumes_and_exports(method, split_dir, tiny_flux_
     grid = summary["validation_weighting"]["grid"]
     assert len(grid) == 2 and 0 < grid[0] < grid[1] < 1
 
-    # The measure is a function of the weights: a second pass over the update-0 weights gives the same bits.
-    again = train(spec, out_dir=tmp_path / "again")
-    assert _rows(again.metrics_csv) == curve
-
     cut = tmp_path / "cut"
     child = dict(split_dir=str(split_dir), model=str(tiny_flux_dir), out_dir=str(cut), kill_at_update=3,
                  training=cfg.model_dump(mode="json"), validation=val.model_dump(mode="json"))
@@ -64,6 +60,8 @@ def test_flux_trains_validates_resumes_and_exports(method, split_dir, tiny_flux_
     resumed = train(TrainSpec(cfg.model_copy(update={"resume": True}), val, split_dir=split_dir,
                               model=tiny_flux_dir), out_dir=cut)
     assert resumed.resumed_from == 2
+    # Validation is a function of the weights: the killed process measured updates 0 and 2 and the resumed one
+    # update 4, each with the bits the straight run got.
     assert _rows(resumed.metrics_csv) == curve
     a = load_file(str(straight.checkpoints[-1] / "weights.safetensors"))
     b = load_file(str(resumed.checkpoints[-1] / "weights.safetensors"))

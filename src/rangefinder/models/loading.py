@@ -554,3 +554,13 @@ def check_scheduler_name(name: Optional[str]) -> None:
             f"sampling.scheduler: {name!r} is not a diffusers scheduler class; "
             "use a class name such as DDIMScheduler, EulerDiscreteScheduler or DPMSolverMultistepScheduler"
         )
+
+
+def pipeline_call_kwargs(pipe: Any) -> dict[str, Any]:
+    """Keyword arguments a loaded pipeline of the model's family needs at call time beyond the common ones: Flux's T5
+    sequence length, the one it was trained with (FluxPipeline defaults to 512 tokens; a T5 tokenizer that stops
+    sooner, as the tiny model's ByT5, means a shorter one), so samples see the conditioning training saw."""
+    tokenizer_2 = getattr(pipe, "tokenizer_2", None)
+    if type(pipe).__name__ != "FluxPipeline" or tokenizer_2 is None:
+        return {}
+    return {"max_sequence_length": min(512, int(getattr(tokenizer_2, "model_max_length", 512) or 512))}

@@ -84,6 +84,10 @@ def settings_key(settings: TinyFluxSettings) -> str:
     return h.hexdigest()[:16]
 
 
+def cache_name(settings: TinyFluxSettings) -> str:
+    return f"tiny-flux-{settings_key(settings)}"
+
+
 def ensure_tiny_flux_model(cache_dir: str | Path | None = None, settings: Optional[TinyFluxSettings] = None) -> Path:
     """The folder of the embedded tiny Flux model, built once per cache (a few minutes on 2 CPU cores); concurrent
     callers wait on a file lock instead of building it twice."""
@@ -92,7 +96,7 @@ def ensure_tiny_flux_model(cache_dir: str | Path | None = None, settings: Option
     settings = settings or TinyFluxSettings()
     root = Path(cache_dir).expanduser() if cache_dir else tiny.default_cache_dir()
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"tiny-flux-{settings_key(settings)}"
+    final = root / cache_name(settings)
     if (final / "model_index.json").is_file():
         return final
     with FileLock(str(final) + ".lock"):

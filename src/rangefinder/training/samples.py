@@ -43,6 +43,7 @@ import torch
 
 from rangefinder.errors import ConfigError
 from rangefinder.formats.atomic import atomic_path, write_json
+from rangefinder.models.loading import pipeline_call_kwargs
 from rangefinder.training.sinks import ImageSink
 from rangefinder.training.validation import preserved_rng
 
@@ -212,7 +213,7 @@ class TrainingSamples:
             with run.accelerator.autocast():
                 out = pipe(prompt=[p for p, _ in cells], num_inference_steps=cfg.num_inference_steps,
                            guidance_scale=cfg.guidance_scale, height=self.resolution, width=self.resolution,
-                           generator=generators)
+                           generator=generators, **pipeline_call_kwargs(pipe))
         return list(out.images)
 
     def _pipeline(self) -> Any:
