@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 FAMILIES = {
     "sd1": "rangefinder.training.family:Sd1Family",
     "sdxl": "rangefinder.training.family_sdxl:SdxlFamily",
+    "sd3": "rangefinder.training.family_sd3:Sd3Family",
 }
 
 
