@@ -13,7 +13,7 @@ The VAE and the CLIP tokenizer are the tiny SD model's (tiny.py), already pre-tr
 `shift_factor` (the mean of its latents on the pre-training images), as SD3's VAE has one. The transformer and the
 three encoders are then pre-trained briefly on stripes with the flow objective (sigma logit-normal, shift 3), so
 that fine-tuning on shapes starts from a model that knows colours, as with the tiny SD model. It is built on first
-use and cached (not shipped as package data).
+the defaults ships as package data, as the tiny SD model's (models/shipped.py).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any, Optional
 
 from rangefinder.formats.atomic import atomic_dir
 from rangefinder.formats.diffusers_folder import save_pipeline_folder
-from rangefinder.models import tiny
+from rangefinder.models import shipped, tiny
 
 BUILDER_VERSION = 1  # bump when the builder changes what it writes (the cache key also hashes this file's source)
 T5_MAX_LENGTH = 77  # T5 tokens per caption (diffusers' SD3 training examples' max_sequence_length default)
@@ -63,12 +63,23 @@ def settings_key(settings: TinySd3Settings) -> str:
     return h.hexdigest()[:16]
 
 
+SHIPPED_NAME = "tiny-sd3"  # its weights ship as package data (models/shipped.py), as the tiny SD model's
+
+
+def uses_shipped_weights(settings: TinySd3Settings) -> bool:
+    return settings == TinySd3Settings() and shipped.is_shipped(SHIPPED_NAME)
+
+
 def cache_name(settings: TinySd3Settings) -> str:
+    """Keyed by the shipped files' digests for the shipped model, else by the settings, builder and base."""
+    if uses_shipped_weights(settings):
+        return f"tiny-sd3-{shipped.shipped_key(SHIPPED_NAME)}"
     return f"tiny-sd3-{settings_key(settings)}"
 
 
 def ensure_tiny_sd3_model(cache_dir: str | Path | None = None, settings: Optional[TinySd3Settings] = None) -> Path:
-    """The folder of the embedded tiny SD3 model, built once per cache on the tiny SD model's VAE and tokenizer."""
+    """The folder of the embedded tiny SD3 model: the shipped weights, copied into the cache once (seconds); or, for
+    other settings, built once per cache on the tiny SD model's VAE and tokenizer."""
     from filelock import FileLock
 
     settings = settings or TinySd3Settings()
@@ -78,7 +89,11 @@ def ensure_tiny_sd3_model(cache_dir: str | Path | None = None, settings: Optiona
     if (final / "model_index.json").is_file():
         return final
     with FileLock(str(final) + ".lock"):
-        if not (final / "model_index.json").is_file():
+        if (final / "model_index.json").is_file():
+            pass
+        elif uses_shipped_weights(settings):
+            shipped.install_shipped(SHIPPED_NAME, final)
+        else:
             base = tiny.ensure_tiny_base_model(root)
             tiny._log_stderr(f"building the embedded tiny SD3 model into {final} (once)")
             build_tiny_sd3_model(final, base, settings)
