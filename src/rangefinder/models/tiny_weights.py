@@ -30,8 +30,8 @@ def rebuild_shipped_weights(
         sd = tiny.build_tiny_base_model(Path(work) / tiny.SHIPPED_NAME, settings or tiny.TinyModelSettings(), log=log)
         sdxl = tiny_sdxl.build_tiny_sdxl_model(Path(work) / tiny_sdxl.SHIPPED_NAME, sd,
                                                sdxl_settings or tiny_sdxl.TinySdxlSettings(), log=log)
-        sd3 = tiny_sd3.build_tiny_sd3_model(Path(work) / tiny_sd3.SHIPPED_NAME, sd, sd3_settings or tiny_sd3.TinySd3Settings(),
-                                            log=log)
+        sd3 = tiny_sd3.build_tiny_sd3_model(Path(work) / tiny_sd3.SHIPPED_NAME, sd,
+                                            sd3_settings or tiny_sd3.TinySd3Settings(), log=log)
         return {name: shipped.write_shipped(name, built, weights_dir)
                 for name, built in ((tiny.SHIPPED_NAME, sd), (tiny_sdxl.SHIPPED_NAME, sdxl),
                                     (tiny_sd3.SHIPPED_NAME, sd3))}
