@@ -150,7 +150,12 @@ def _default_device() -> str:
 
 def pipeline_class(base_model: Path) -> tuple[Any, dict[str, Any]]:
     """The diffusers pipeline class of the base model's family, and the keyword arguments its loaders take."""
-    from diffusers import FluxPipeline, StableDiffusionPipeline, StableDiffusionXLPipeline
+    from diffusers import (
+        FluxPipeline,
+        StableDiffusion3Pipeline,
+        StableDiffusionPipeline,
+        StableDiffusionXLPipeline,
+    )
 
     from rangefinder.training.family_detection import detect_family
 
@@ -159,6 +164,8 @@ def pipeline_class(base_model: Path) -> tuple[Any, dict[str, Any]]:
         return StableDiffusionXLPipeline, {}
     if family == "flux":
         return FluxPipeline, {}
+    if family == "sd3":
+        return StableDiffusion3Pipeline, {}
     return StableDiffusionPipeline, {"safety_checker": None, "requires_safety_checker": False}
 
 
@@ -200,6 +207,9 @@ def load_column_pipeline(column: GridColumn, base_model: Path, *, device: str, d
     if scheduler is not None:
         import diffusers
 
+        from rangefinder.training.family_flow import check_flow_scheduler
+
+        check_flow_scheduler(type(pipe.scheduler).__name__, scheduler)
         pipe.scheduler = getattr(diffusers, scheduler).from_config(pipe.scheduler.config)
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(device)
@@ -251,8 +261,10 @@ def _engine_checkpoint_pipeline(ckpt_dir: Path, base_model: Path, common: dict):
     parts = dict(unet=sd.unet, text_encoder=sd.text_encoder, tokenizer=sd.tokenizer)
     if sd.family == "flux":  # the denoiser is the pipeline's transformer
         parts = dict(transformer=sd.unet, text_encoder=sd.text_encoder, tokenizer=sd.tokenizer)
-    if sd.family in ("sdxl", "flux"):
+    if sd.family in ("sdxl", "sd3", "flux"):
         parts.update(text_encoder_2=sd.text_encoder_2, tokenizer_2=sd.tokenizer_2)
+    if sd.family == "sd3":  # the MMDiT sits in the denoiser's slot of SDComponents
+        parts.update(transformer=parts.pop("unet"), text_encoder_3=sd.text_encoder_3, tokenizer_3=sd.tokenizer_3)
     pipe = cls.from_pretrained(str(base_model), local_files_only=True, **parts, **common)
     return pipe.to(common["torch_dtype"])
 

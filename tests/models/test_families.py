@@ -15,8 +15,9 @@ from rangefinder.models.loading import resolve_base_model
 from rangefinder.training.family_detection import detect_family, family_of, single_file_family
 
 
-def test_family_comes_from_model_index(tiny_model_dir, tiny_sdxl_dir, tmp_path):
+def test_family_comes_from_model_index(tiny_model_dir, tiny_sdxl_dir, tiny_sd3_dir, tmp_path):
     assert detect_family(tiny_model_dir) == "sd1" and detect_family(tiny_sdxl_dir) == "sdxl"
+    assert detect_family(tiny_sd3_dir) == "sd3" and family_of(ModelConfig(base_model=str(tiny_sd3_dir))) == "sd3"
     assert family_of(ModelConfig(base_model=str(tiny_sdxl_dir))) == "sdxl"
     assert family_of(ModelConfig()) == "sd1"  # the embedded model
     other = tmp_path / "kandinsky"
@@ -50,6 +51,9 @@ def test_single_file_family_from_keys_and_missing_second_encoder(tmp_path):
     sdxl = ["model.diffusion_model.label_emb.0.0.weight", "conditioner.embedders.0.transformer.x",
             "conditioner.embedders.1.model.positional_embedding"]
     assert single_file_family(tmp_path, sd1) == "sd1" and single_file_family(tmp_path, sdxl) == "sdxl"
+    # SD3's single file (Stability's layout): the MMDiT's joint blocks under model.diffusion_model.
+    sd3 = ["model.diffusion_model.joint_blocks.0.x_block.attn.qkv.weight", "text_encoders.clip_l.x"]
+    assert single_file_family(tmp_path, sd3) == "sd3"
     # Through the user's path: a single file whose second text encoder was pruned away.
     path = tmp_path / "sdxl-unet-and-clip-l.safetensors"
     save_file({k: torch.zeros(1) for k in sdxl[:2]}, str(path))

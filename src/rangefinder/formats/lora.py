@@ -233,3 +233,32 @@ def save_lora_files(out_dir: Path, unet=None, text_encoder=None, metadata: Optio
             lora_to_kohya(unet_layers, te_layers, te2_layers, dict(unet.config) if sdxl and unet is not None else None),
             out_dir / LORA_KOHYA_NAME, kohya_meta),
     }
+
+
+def sd3_lora_to_diffusers(transformer_layers: Mapping[str, LoraWeights],
+                          text_encoder_layers: Mapping[str, LoraWeights],
+                          text_encoder_2_layers: Mapping[str, LoraWeights]) -> dict:
+    """SD3's diffusers-named LoRA (what diffusers' SD3LoraLoaderMixin.load_lora_weights reads, and
+    train_dreambooth_lora_sd3.py saves): peft names under `transformer.`, `text_encoder.` and `text_encoder_2.`,
+    alpha/rank folded into lora_B (so it loads at scale 1 without a peft config)."""
+    out = {}
+    for prefix, layers in (("transformer.", transformer_layers), ("text_encoder.", text_encoder_layers),
+                           ("text_encoder_2.", text_encoder_2_layers)):
+        for path, w in layers.items():
+            name = prefix + (path if prefix == "transformer." else clip_text_key(path))
+            out[f"{name}.lora_A.weight"] = w.down
+            out[f"{name}.lora_B.weight"] = (w.up.float() * w.scale).to(w.up.dtype)
+    return out
+
+
+def save_sd3_lora_files(out_dir: Path, transformer, text_encoder=None, text_encoder_2=None,
+                        metadata: Optional[Mapping[str, str]] = None) -> dict[str, Path]:
+    """SD3's LoRA in diffusers' naming; returns {"diffusers": path}. (kohya's SD3 layout, which fuses q, k and v
+    into one `qkv` module, is not written yet.)"""
+    layers = trained_lora_layers(transformer)
+    te = trained_lora_layers(text_encoder) if text_encoder is not None else {}
+    te2 = trained_lora_layers(text_encoder_2) if text_encoder_2 is not None else {}
+    if not layers and not te and not te2:
+        raise ValueError("no LoRA adapters found on the transformer or the text encoders; nothing to export")
+    return {"diffusers": save_safetensors(sd3_lora_to_diffusers(layers, te, te2), Path(out_dir) / LORA_WEIGHTS_NAME,
+                                          dict(metadata or {}))}

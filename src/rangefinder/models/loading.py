@@ -33,7 +33,7 @@ from typing import Any, Optional
 from rangefinder.config import ModelConfig
 from rangefinder.errors import ConfigError
 from rangefinder.training.family_detection import (
-    FAMILY_LACKS,
+    FAMILY_DENOISER,
     FAMILY_NAMES,
     FAMILY_PARTS,
     detect_family,
@@ -74,15 +74,19 @@ class SDComponents:
     source: str  # what was loaded, for logs and MLflow tags
     model_dir: Optional[Path] = None  # the local diffusers folder the parts came from
     kind: str = "folder"  # "embedded" | "folder" | "single_file" | "hub"
-    family: str = "sd1"  # "sd1" | "sdxl" (detect_family)
+    family: str = "sd1"  # "sd1" | "sdxl" | "sd3" | "flux" (detect_family)
     text_encoder_2: Any = None  # SDXL: transformers CLIPTextModelWithProjection (OpenCLIP bigG); Flux: T5EncoderModel
     tokenizer_2: Any = None  # SDXL: its tokenizer; Flux: T5's
+    # SD3: T5, never trained (so not among text_encoders()), and its tokenizer; `unet` is then SD3's transformer.
+    text_encoder_3: Any = None
+    tokenizer_3: Any = None
     # The loaded weights' fingerprint (weights_digest), before any training changes them: what a checkpoint records
     # as its base model, so that a resume on another one is refused wherever the folder now lies.
     digest: Optional[str] = None
 
     def text_encoders(self) -> dict[str, Any]:
-        """{part name: text encoder} of the family, in the order the family concatenates them."""
+        """{part name: text encoder} of the family that training may change, in the order the family concatenates
+        them (SD3's T5 is never trained: not here)."""
         named = {"text_encoder": self.text_encoder, "text_encoder_2": self.text_encoder_2}
         return {k: v for k, v in named.items() if v is not None}
 
@@ -158,13 +162,14 @@ def _missing_parts(folder: Path) -> Optional[list[str]]:
         return None
     try:
         family = detect_family(folder)
-        extra, lacks = FAMILY_PARTS[family], FAMILY_LACKS.get(family, ())
+        extra, denoiser = FAMILY_PARTS[family], FAMILY_DENOISER[family]
     except ConfigError:
-        extra, lacks = (), ()  # an unknown family: the load names it
+        extra, denoiser = (), "unet"  # an unknown family: the load names it
     configs = {"tokenizer": ("tokenizer_config.json", "vocab.json"), "tokenizer_2": ("tokenizer_config.json",
-               "vocab.json"), "scheduler": ("scheduler_config.json",)}
-    return [p for p in (*REQUIRED_PARTS, *extra) if p not in lacks
-            and not any((folder / p / f).is_file() for f in configs.get(p, ("config.json",)))]
+               "vocab.json"), "tokenizer_3": ("tokenizer_config.json",), "scheduler": ("scheduler_config.json",)}
+    parts = [denoiser if p == "unet" else p for p in REQUIRED_PARTS]
+    return [p for p in (*parts, *extra)
+            if not any((folder / p / f).is_file() for f in configs.get(p, ("config.json",)))]
 
 
 def _check_folder(folder: Path, what: str) -> None:
@@ -462,14 +467,18 @@ def _load_folder(resolved: ResolvedModel, model_cfg: ModelConfig) -> SDComponent
     if family == "flux":
         return _load_flux_folder(resolved, var)
     try:
-        parts = {
-            "tokenizer": CLIPTokenizer.from_pretrained(folder, subfolder="tokenizer", local_files_only=True),
-            "text_encoder": CLIPTextModel.from_pretrained(folder, subfolder="text_encoder", local_files_only=True,
-                                                          **var),
-            "vae": AutoencoderKL.from_pretrained(folder, subfolder="vae", local_files_only=True, **var),
-            "unet": UNet2DConditionModel.from_pretrained(folder, subfolder="unet", local_files_only=True, **var),
-            "noise_scheduler": DDPMScheduler.from_pretrained(folder, subfolder="scheduler", local_files_only=True),
-        }
+        if family == "sd3":
+            parts = _load_sd3_parts(folder, var)
+        else:
+            parts = {
+                "tokenizer": CLIPTokenizer.from_pretrained(folder, subfolder="tokenizer", local_files_only=True),
+                "text_encoder": CLIPTextModel.from_pretrained(folder, subfolder="text_encoder",
+                                                              local_files_only=True, **var),
+                "vae": AutoencoderKL.from_pretrained(folder, subfolder="vae", local_files_only=True, **var),
+                "unet": UNet2DConditionModel.from_pretrained(folder, subfolder="unet", local_files_only=True, **var),
+                "noise_scheduler": DDPMScheduler.from_pretrained(folder, subfolder="scheduler",
+                                                                 local_files_only=True),
+            }
         if family == "sdxl":
             parts["tokenizer_2"] = CLIPTokenizer.from_pretrained(folder, subfolder="tokenizer_2", local_files_only=True)
             parts["text_encoder_2"] = CLIPTextModelWithProjection.from_pretrained(
@@ -478,7 +487,7 @@ def _load_folder(resolved: ResolvedModel, model_cfg: ModelConfig) -> SDComponent
         raise ConfigError(
             f"model.base_model: cannot load the diffusers folder {folder} ({resolved.source}): {_first_line(e)}"
         ) from None
-    for key in ("unet", "vae", "text_encoder", "text_encoder_2"):
+    for key in ("unet", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
         if key in parts:
             parts[key].eval()
     return SDComponents(source=resolved.source, model_dir=resolved.path, kind=resolved.kind, family=family,
@@ -517,13 +526,36 @@ def _load_flux_folder(resolved: ResolvedModel, var: dict[str, Any]) -> SDCompone
                         digest=weights_digest(parts), **parts)
 
 
+def _load_sd3_parts(folder: str, var: dict[str, Any]) -> dict[str, Any]:
+    """SD3's parts: the MMDiT (as `unet`, the denoiser's slot), both CLIPs with projection, T5 and its tokenizer,
+    and the flow-matching scheduler (the training objective reads its `shift`)."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+    from transformers import AutoTokenizer, CLIPTextModelWithProjection, CLIPTokenizer, T5EncoderModel
+
+    return {
+        "tokenizer": CLIPTokenizer.from_pretrained(folder, subfolder="tokenizer", local_files_only=True),
+        "tokenizer_2": CLIPTokenizer.from_pretrained(folder, subfolder="tokenizer_2", local_files_only=True),
+        "tokenizer_3": AutoTokenizer.from_pretrained(folder, subfolder="tokenizer_3", local_files_only=True),
+        "text_encoder": CLIPTextModelWithProjection.from_pretrained(folder, subfolder="text_encoder",
+                                                                    local_files_only=True, **var),
+        "text_encoder_2": CLIPTextModelWithProjection.from_pretrained(folder, subfolder="text_encoder_2",
+                                                                      local_files_only=True, **var),
+        "text_encoder_3": T5EncoderModel.from_pretrained(folder, subfolder="text_encoder_3", local_files_only=True,
+                                                         **var),
+        "vae": AutoencoderKL.from_pretrained(folder, subfolder="vae", local_files_only=True, **var),
+        "unet": SD3Transformer2DModel.from_pretrained(folder, subfolder="transformer", local_files_only=True, **var),
+        "noise_scheduler": FlowMatchEulerDiscreteScheduler.from_pretrained(folder, subfolder="scheduler",
+                                                                           local_files_only=True),
+    }
+
+
 def weights_digest(parts: dict[str, Any]) -> str:
     """sha256 of the models' parameter names, shapes, dtypes and first 64 values each: two base models (another
     fine-tune of the same architecture differs in every tensor) tell apart without hashing gigabytes of weights."""
     import torch
 
     h = hashlib.sha256()
-    for key in ("unet", "vae", "text_encoder", "text_encoder_2"):
+    for key in ("unet", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
         if key not in parts:
             continue
         for name, t in parts[key].state_dict().items():

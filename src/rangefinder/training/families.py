@@ -21,6 +21,7 @@ FAMILIES = {
     "sd1": "rangefinder.training.family:Sd1Family",
     "sdxl": "rangefinder.training.family_sdxl:SdxlFamily",
     "flux": "rangefinder.training.family_flux:FluxFamily",
+    "sd3": "rangefinder.training.family_sd3:Sd3Family",
 }
 
 

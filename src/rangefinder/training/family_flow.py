@@ -59,6 +59,15 @@ def refuse_ddpm_settings(cfg: TrainingConfig, family: str) -> None:
                           "set training.noise_offset to 0")
 
 
+def check_flow_scheduler(model_scheduler: str, wanted: str) -> None:
+    """ConfigError for a DDPM-family sampling scheduler on a flow-matching model (whose own scheduler is a
+    FlowMatch* one): it would step a velocity as if it were noise."""
+    if model_scheduler.startswith("FlowMatch") and not wanted.startswith("FlowMatch"):
+        raise ConfigError(f"sampling.scheduler: {wanted} samples DDPM models; this base model is a flow-matching "
+                          f"model (it samples with {model_scheduler}); set a FlowMatch* scheduler or leave "
+                          "sampling.scheduler unset")
+
+
 def flow_shift(sd: SDComponents, settings: FlowSettings) -> float:
     """training.flow.shift, else the base model's scheduler config's `shift` (1.0 when it has none)."""
     if settings.shift is not None:

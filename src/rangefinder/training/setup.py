@@ -181,6 +181,11 @@ def load_model(settings: RunSettings, accelerator: Accelerator) -> tuple[SDCompo
         m.eval()
         if not any(m is t for t in method.trainable_modules().values()):
             move_module(m, device)
+    if sd.text_encoder_3 is not None:  # SD3's T5: never trained; fp16 overflows in T5 (bf16 does not)
+        sd.text_encoder_3.requires_grad_(False).eval()
+        move_module(sd.text_encoder_3, device, torch.bfloat16 if weight_dtype == torch.bfloat16 else torch.float32)
+    if sd.family == "flux":  # Flux's T5 is text_encoder_2: never trained, and not in fp16 either
+        move_module(sd.text_encoder_2, device, torch.bfloat16 if weight_dtype == torch.bfloat16 else torch.float32)
     if cfg.gradient_checkpointing:
         for m in method.trainable_modules().values():
             enable = (getattr(m, "enable_gradient_checkpointing", None)  # diffusers' name

@@ -51,6 +51,8 @@ class FullFineTune(ModuleMethod):
         from rangefinder.formats.weights_file import training_metadata
 
         save_pipeline(sd, out_dir)
+        if sd.family == "sd3":
+            return  # SD3's single-file layout is not written yet (docs/model-families.md)
         # The same weights as one file in the original SD layout, for A1111 and ComfyUI
         # (src/rangefinder/formats/single_file.py).
         meta = training_metadata(self.cfg, getattr(sd, "source", None), updates=self.updates_taken)
@@ -64,21 +66,25 @@ class FullFineTune(ModuleMethod):
 
 
 def save_pipeline(sd: SDComponents, out_dir: Path) -> None:
-    """The family's pipeline folder (StableDiffusion, StableDiffusionXL or FluxPipeline; diffusers layout) that
-    `from_pretrained` loads, in fp32 safetensors, under transformers 4.x and 5.x alike (see
+    """The family's pipeline folder (StableDiffusion, StableDiffusionXL, StableDiffusion3 or FluxPipeline; diffusers
+    layout) that `from_pretrained` loads, in fp32 safetensors, under transformers 4.x and 5.x alike (see
     `formats.diffusers_folder.save_pipeline_folder`)."""
-    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+    from diffusers import StableDiffusion3Pipeline, StableDiffusionPipeline, StableDiffusionXLPipeline
 
     from rangefinder.formats.diffusers_folder import save_pipeline_folder
 
     # A copy: the pipeline's constructor rewrites outdated scheduler configs in place.
     scheduler = type(sd.noise_scheduler).from_config(sd.noise_scheduler.config)
-    if sd.family == "flux":
+    if sd.family == "sd3":  # the flow-matching scheduler trains and samples alike
+        pipe: Any = StableDiffusion3Pipeline(
+            transformer=sd.unet, scheduler=scheduler, vae=sd.vae, text_encoder=sd.text_encoder,
+            tokenizer=sd.tokenizer, text_encoder_2=sd.text_encoder_2, tokenizer_2=sd.tokenizer_2,
+            text_encoder_3=sd.text_encoder_3, tokenizer_3=sd.tokenizer_3)
+    elif sd.family == "flux":  # its own flow-matching scheduler samples too
         from diffusers import FluxPipeline
 
-        # The model's own flow-matching scheduler is its sampling one too.
-        pipe: Any = FluxPipeline(scheduler=scheduler, vae=sd.vae, text_encoder=sd.text_encoder, tokenizer=sd.tokenizer,
-                                 text_encoder_2=sd.text_encoder_2, tokenizer_2=sd.tokenizer_2, transformer=sd.unet)
+        pipe = FluxPipeline(scheduler=scheduler, vae=sd.vae, text_encoder=sd.text_encoder, tokenizer=sd.tokenizer,
+                            text_encoder_2=sd.text_encoder_2, tokenizer_2=sd.tokenizer_2, transformer=sd.unet)
     elif sd.family == "sdxl":
         if sd.model_dir is not None and (sd.model_dir / "scheduler").is_dir():
             # The base model's own sampling scheduler (SDXL ships Euler), not the training DDPM.
@@ -105,7 +111,9 @@ def save_pipeline(sd: SDComponents, out_dir: Path) -> None:
             requires_safety_checker=False,
         )
     # Frozen parts may have been cast to half for training; the saved model is fp32 like its base.
-    dtypes = {n: m.dtype for n, m in (("vae", sd.vae), *sd.text_encoders().items(), ("unet", sd.unet))}
+    parts = (("vae", sd.vae), *sd.text_encoders().items(), ("unet", sd.unet),
+             *((("text_encoder_3", sd.text_encoder_3),) if sd.text_encoder_3 is not None else ()))
+    dtypes = {n: m.dtype for n, m in parts}
     try:
         for n in dtypes:
             _cast(getattr(sd, n), torch.float32)
