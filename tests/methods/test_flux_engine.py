@@ -80,12 +80,27 @@ def test_flux_trains_validates_resumes_and_exports(method, split_dir, tiny_flux_
         keys = load_file(str(final / SINGLE_FILE_NAME)).keys()
         assert "double_blocks.0.img_attn.qkv.weight" in keys and "single_blocks.0.linear1.weight" in keys
     else:
+        from diffusers import FluxPipeline
+
         from rangefinder.formats.lora import LORA_KOHYA_NAME, LORA_WEIGHTS_NAME
+        from tests.formats.test_flux_outputs import diffusers_at_width
 
         kohya = load_file(str(final / LORA_KOHYA_NAME))
         assert any(k.startswith("lora_unet_double_blocks_0_img_attn_qkv.") for k in kohya)
-        assert any(k.startswith("transformer.transformer_blocks.0.attn.to_q.")
-                   for k in load_file(str(final / LORA_WEIGHTS_NAME)))
+        assert any(k.startswith("lora_unet_single_blocks_0_linear1.") for k in kohya)  # q, k, v with MLP rows 0
+        # The run's adapters (on the default targets) through both files: diffusers merges the same weights.
+        fused = []
+        for name in (LORA_WEIGHTS_NAME, LORA_KOHYA_NAME):
+            pipe = FluxPipeline.from_pretrained(str(tiny_flux_dir), local_files_only=True)
+            inner = pipe.transformer.config.num_attention_heads * pipe.transformer.config.attention_head_dim
+            with diffusers_at_width(inner):
+                pipe.load_lora_weights(str(final / name))
+            pipe.fuse_lora()
+            pipe.unload_lora_weights()
+            fused.append(pipe.transformer.state_dict())
+        base = FluxPipeline.from_pretrained(str(tiny_flux_dir), local_files_only=True).transformer.state_dict()
+        assert any(not torch.equal(fused[0][k], base[k]) for k in base)
+        assert all(torch.allclose(fused[0][k], fused[1][k], atol=1e-6) for k in base)
 
 
 @pytest.mark.parametrize(("setting", "message"), [
