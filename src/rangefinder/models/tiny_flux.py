@@ -238,23 +238,15 @@ def _pretrain(parts: dict[str, Any], settings: TinyFluxSettings, log: Callable[[
 def build_tiny_flux_model(out_dir: str | Path, settings: Optional[TinyFluxSettings] = None,
                           log: Optional[Callable[[str], None]] = None) -> Path:
     """Build, pre-train and save the tiny Flux model into `out_dir` (written under a temporary name, then renamed)."""
-    import torch
     from diffusers import FluxPipeline
 
     settings = settings or TinyFluxSettings()
     log = log or tiny._log_stderr
     out = Path(out_dir).expanduser().resolve()
     with atomic_dir(out, replace=False) as tmp:
-        was_deterministic, threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
-        torch.use_deterministic_algorithms(True)
-        torch.set_num_threads(1)  # bit-for-bit the same weights whatever the core count (tiny.py)
-        try:
-            with torch.random.fork_rng(devices=[]):
-                parts = build_tiny_flux_components(settings)
-                stats = _pretrain(parts, settings, log)
-        finally:
-            torch.use_deterministic_algorithms(was_deterministic)
-            torch.set_num_threads(threads)
+        with tiny.deterministic_build():  # bit-for-bit the same weights whatever the core count
+            parts = build_tiny_flux_components(settings)
+            stats = _pretrain(parts, settings, log)
         pipe = FluxPipeline(**parts)
         save_pipeline_folder(pipe, tmp)
         info = {"builder_version": BUILDER_VERSION, "family": "flux", "settings": dataclasses.asdict(settings),
