@@ -184,3 +184,33 @@ def test_flux_lora_files_load_in_diffusers_and_comfy_with_no_key_left(flux_folde
         assert torch.allclose(patched[key], want.float(), atol=1e-5), key
     te_targets = {k for part, k, _ in patches if part == "text_encoder"}
     assert te_targets == {k.replace(".base_layer", "") for k in merged["text_encoder"]}
+
+
+def test_bfl_single_file_is_a_base_model_with_its_folder_as_config(flux_folder, tmp_path):
+    """Our own single file, named as base model, loads back to the same transformer (its metadata names the folder
+    whose VAE and text encoders go with it); without such a folder, one line says what to set."""
+    from safetensors.torch import load_file, save_file
+
+    from rangefinder.config import ModelConfig
+    from rangefinder.errors import ConfigError
+    from rangefinder.models.loading import load_sd_components
+
+    path = export_flux_transformer(flux_folder, tmp_path / "flux-ft.safetensors",
+                                   {"rangefinder.base_model": str(flux_folder), "rangefinder.method": "full"})
+    sd = load_sd_components(ModelConfig(base_model=str(path), cache_dir=str(tmp_path / "cache")))
+    assert sd.family == "flux" and sd.kind == "single_file"
+    want = _transformer_state(flux_folder)
+    got = sd.unet.state_dict()
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+    bare = tmp_path / "flux1-bare.safetensors"
+    save_file(load_file(str(path)), str(bare))  # the same tensors, no metadata: which VAE and T5 is unknown
+    with pytest.raises(ConfigError, match="set model.single_file_config to a local Flux diffusers folder") as e:
+        load_sd_components(ModelConfig(base_model=str(bare), cache_dir=str(tmp_path / "cache")))
+    assert "\n" not in str(e.value)
+
+
+def _transformer_state(folder: Path) -> dict[str, torch.Tensor]:
+    from diffusers import FluxTransformer2DModel
+
+    return FluxTransformer2DModel.from_pretrained(str(folder / "transformer")).state_dict()

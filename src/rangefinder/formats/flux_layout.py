@@ -123,3 +123,41 @@ def export_flux_transformer(model_dir: Path, out_path: Path, metadata: Optional[
 
     transformer = FluxTransformer2DModel.from_pretrained(str(Path(model_dir) / "transformer"))
     return save_safetensors(to_bfl_state_dict(transformer.state_dict(), transformer.config), Path(out_path), metadata)
+
+
+def from_bfl_state_dict(bfl: Mapping[str, Any], config: Mapping[str, Any]) -> dict[str, Any]:
+    """The inverse of `to_bfl_state_dict`, for a model of `config` (bare BFL names, or under
+    `model.diffusion_model.`): each fused weight split back along its output rows, in the parts' order (q, k, v each
+    the attention width; a single block's MLP input the rest). ValueError for a missing or left-over tensor.
+
+    Written here rather than taken from diffusers because diffusers' converter assumes Flux.1's widths."""
+    import torch
+
+    bare = {k.removeprefix(FLUX_CHECKPOINT_PREFIX): v for k, v in bfl.items()}
+    inner = int(config["num_attention_heads"]) * int(config["attention_head_dim"])
+    out: dict[str, Any] = {}
+    used: set[str] = set()
+    for module, parts in bfl_modules(config).items():
+        norm = module.endswith(("query_norm", "key_norm"))
+        for kind in ("weight", "bias"):
+            key = f"{module}.{'scale' if norm else kind}"
+            if norm and kind == "bias":
+                continue
+            if key not in bare:
+                if kind == "bias" and not norm:
+                    continue  # a layer without bias
+                raise ValueError(f"the Flux single file lacks {key!r}; it is not a whole Flux transformer")
+            value = bare[key]
+            used.add(key)
+            if module == "final_layer.adaLN_modulation.1":
+                value = _swap_halves(value)
+            if len(parts) == 1:
+                out[f"{parts[0]}.{kind}"] = value
+                continue
+            sizes = [inner] * 3 + ([int(value.shape[0]) - 3 * inner] if len(parts) == 4 else [])
+            for part, piece in zip(parts, torch.split(value, sizes, dim=0), strict=True):
+                out[f"{part}.{kind}"] = piece.contiguous()
+    left = sorted(set(bare) - used)
+    if left:
+        raise ValueError(f"the Flux single file's tensor {left[0]!r} has no place in FluxTransformer2DModel")
+    return out

@@ -237,6 +237,8 @@ def _check_sd_checkpoint(path: Path) -> str:
         raise ConfigError(
             f"model.base_model: {path} is not a readable safetensors file ({_first_line(e)}); download it again"
         ) from None
+    if single_file_family(path, keys) == "flux":  # BFL's transformer file: its names are bare
+        return "flux"
     if not any(k.startswith("model.diffusion_model.") for k in keys):
         hint = "a LoRA" if any("lora" in k for k in keys) else "an embedding, a VAE or another kind of file"
         raise ConfigError(
@@ -261,21 +263,26 @@ def _single_file_key(path: Path, config: Optional[Path]) -> str:
 def _single_file_config(path: Path, model_cfg: ModelConfig, family: str = "sd1") -> Optional[Path]:
     """A local diffusers folder describing the checkpoint's architecture, if one is known."""
     explicit = model_cfg.single_file_config
+    denoiser = FAMILY_DENOISER.get(family, "unet")
     if explicit:
         folder = Path(explicit).expanduser()
-        if not (folder / "unet").is_dir():
-            raise ConfigError(f"model.single_file_config: {folder} is not a diffusers folder (no unet/); pass the "
-                              "folder of a model with the same architecture")
+        if not (folder / denoiser).is_dir():
+            raise ConfigError(f"model.single_file_config: {folder} is not a diffusers folder (no {denoiser}/); pass "
+                              "the folder of a model with the same architecture")
         return folder.resolve()
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata() or {}
     base = meta.get("rangefinder.base_model")
-    if base and (Path(base) / "unet").is_dir():
+    if base and (Path(base) / denoiser).is_dir():
         return Path(base)
     if base in (None, "", "None", "embedded tiny model") and "rangefinder.method" in meta:
         # Exported from the embedded model: its config is the tiny model's (of the file's family).
+        if family == "flux":
+            from rangefinder.models.tiny_flux import ensure_tiny_flux_model
+
+            return ensure_tiny_flux_model(model_cfg.cache_dir)
         if family == "sdxl":
             from rangefinder.models.tiny_sdxl import ensure_tiny_sdxl_model
 
@@ -288,6 +295,10 @@ def _single_file_config(path: Path, model_cfg: ModelConfig, family: str = "sd1")
 
 def _convert_single_file(path: Path, config: Optional[Path], out: Path, family: str = "sd1") -> None:
     from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+
+    if family == "flux":
+        _convert_flux_file(path, config, out)
+        return
 
     kwargs: dict[str, Any] = {}
     if family == "sd1":
@@ -310,6 +321,35 @@ def _convert_single_file(path: Path, config: Optional[Path], out: Path, family: 
         )
         raise ConfigError(f"model.base_model: cannot convert the checkpoint {path}: {_first_line(e)}; {hint}") from None
     pipe.save_pretrained(str(out), safe_serialization=True)
+
+
+def _convert_flux_file(path: Path, config: Optional[Path], out: Path) -> None:
+    """A Flux transformer file (Black Forest Labs' layout) as a FluxPipeline folder: the file's transformer, mapped
+    back by formats/flux_layout.py (diffusers' own converter assumes Flux.1's widths), with the VAE, CLIP-L and T5 of
+    `config`, a Flux folder: a transformer file holds nothing else."""
+    from diffusers import FluxPipeline, FluxTransformer2DModel
+    from safetensors.torch import load_file
+
+    from rangefinder.formats.diffusers_folder import save_pipeline_folder
+    from rangefinder.formats.flux_layout import from_bfl_state_dict
+
+    if config is None:
+        raise ConfigError(
+            f"model.base_model: {path} holds Flux's transformer only (Black Forest Labs' layout); set "
+            "model.single_file_config to a local Flux diffusers folder, whose VAE, CLIP-L and T5 are used with it"
+        )
+    if detect_family(config) != "flux":
+        raise ConfigError(f"model.single_file_config: {config} is a {FAMILY_NAMES[detect_family(config)]} model but "
+                          f"{path} is a Flux.1 transformer; pass a Flux folder")
+    pipe = FluxPipeline.from_pretrained(str(config), local_files_only=True)
+    transformer = FluxTransformer2DModel.from_config(pipe.transformer.config)
+    try:
+        transformer.load_state_dict(from_bfl_state_dict(load_file(str(path)), transformer.config), strict=True)
+    except (ValueError, RuntimeError) as e:
+        raise ConfigError(f"model.base_model: cannot read the Flux transformer {path} with the architecture of "
+                          f"{config}: {_first_line(e)}; pass the folder of the model it was trained from") from None
+    pipe.transformer = transformer
+    save_pipeline_folder(pipe, out)
 
 
 # --- hub id --------------------------------------------------------------------------------------------------
