@@ -263,7 +263,7 @@ def _single_file_config(path: Path, model_cfg: ModelConfig, family: str = "sd1")
     explicit = model_cfg.single_file_config
     if explicit:
         folder = Path(explicit).expanduser()
-        if not (folder / "unet").is_dir():
+        if not ((folder / "unet").is_dir() or (folder / "transformer").is_dir()):
             raise ConfigError(f"model.single_file_config: {folder} is not a diffusers folder (no unet/); pass the "
                               "folder of a model with the same architecture")
         return folder.resolve()
@@ -272,7 +272,7 @@ def _single_file_config(path: Path, model_cfg: ModelConfig, family: str = "sd1")
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata() or {}
     base = meta.get("rangefinder.base_model")
-    if base and (Path(base) / "unet").is_dir():
+    if base and ((Path(base) / "unet").is_dir() or (Path(base) / "transformer").is_dir()):
         return Path(base)
     if base in (None, "", "None", "embedded tiny model") and "rangefinder.method" in meta:
         # Exported from the embedded model: its config is the tiny model's (of the file's family).
@@ -280,6 +280,10 @@ def _single_file_config(path: Path, model_cfg: ModelConfig, family: str = "sd1")
             from rangefinder.models.tiny_sdxl import ensure_tiny_sdxl_model
 
             return ensure_tiny_sdxl_model(model_cfg.cache_dir)
+        if family == "sd3":
+            from rangefinder.models.tiny_sd3 import ensure_tiny_sd3_model
+
+            return ensure_tiny_sd3_model(model_cfg.cache_dir)
         from rangefinder.models.tiny import ensure_tiny_base_model
 
         return ensure_tiny_base_model(model_cfg.cache_dir)
@@ -287,7 +291,7 @@ def _single_file_config(path: Path, model_cfg: ModelConfig, family: str = "sd1")
 
 
 def _convert_single_file(path: Path, config: Optional[Path], out: Path, family: str = "sd1") -> None:
-    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+    from diffusers import StableDiffusion3Pipeline, StableDiffusionPipeline, StableDiffusionXLPipeline
 
     kwargs: dict[str, Any] = {}
     if family == "sd1":
@@ -299,7 +303,8 @@ def _convert_single_file(path: Path, config: Optional[Path], out: Path, family: 
                 f"a {FAMILY_NAMES[family]} checkpoint; pass a folder of the checkpoint's own family"
             )
         kwargs.update(config=str(config), local_files_only=True)
-    pipeline_class: Any = StableDiffusionXLPipeline if family == "sdxl" else StableDiffusionPipeline
+    pipeline_class: Any = {"sdxl": StableDiffusionXLPipeline, "sd3": StableDiffusion3Pipeline}.get(
+        family, StableDiffusionPipeline)
     try:
         pipe = pipeline_class.from_single_file(str(path), **kwargs)
     except Exception as e:  # diffusers raises many kinds here (missing keys, hub errors, shape mismatches)
