@@ -114,6 +114,38 @@ def test_the_full_single_file_is_sd3s_layout_and_loads_bit_for_bit_in_diffusers(
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), part
 
 
+def test_the_kohya_lora_has_sd_scripts_sd3_names_and_comfyui_maps_every_key(runs, tiny_sd3_dir):
+    """lora_kohya.safetensors: kohya's SD3 names (sd-scripts networks/lora_sd3.py: `lora_unet_` + its MMDiT's module
+    path, q/k/v fused into `attn.qkv`). ComfyUI's key map (comfy/lora.py `model_lora_keys_unet` at 41444b5236c6)
+    maps every `diffusion_model.<key>.weight` of the model as `lora_unet_<key with _ for .>`: each module of the file
+    is one of those (0 left over), and its up @ down x alpha / rank is exactly the change that diffusers'
+    load_lora_weights + fuse_lora makes to that weight from the diffusers-named file (q, k, v stacked)."""
+    from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
+
+    from rangefinder.formats.single_file_sd3 import mmdit_state_dict
+
+    final = runs["lora"].final_dir
+    kohya = load_file(str(final / "lora_kohya.safetensors"))
+    modules = {k.rsplit(".", 2)[0] if ".lora_" in k else k.rsplit(".", 1)[0] for k in kohya}
+    base = StableDiffusion3Pipeline.from_pretrained(str(tiny_sd3_dir), local_files_only=True)
+    before = {k: v.clone() for k, v in mmdit_state_dict(base.transformer).items()}  # fuse_lora writes in place
+    comfy_map = {"lora_unet_" + k.removesuffix(".weight").replace(".", "_"): k for k in before if k.endswith(".weight")}
+    assert modules and modules <= comfy_map.keys(), sorted(modules - comfy_map.keys())[:3]
+    assert any(m.endswith("_attn_qkv") for m in modules)
+    base.load_lora_weights(str(final / "pytorch_lora_weights.safetensors"))
+    base.fuse_lora()
+    # the fused weights, as a plain transformer (peft keeps them under `.base_layer`)
+    fused = {k.replace(".base_layer", ""): v for k, v in base.transformer.state_dict().items() if ".lora_" not in k}
+    plain = SD3Transformer2DModel.from_config(base.transformer.config)
+    plain.load_state_dict(fused, strict=True)
+    after = mmdit_state_dict(plain)
+    for m in modules:
+        down, up, alpha = kohya[f"{m}.lora_down.weight"], kohya[f"{m}.lora_up.weight"], kohya[f"{m}.alpha"]
+        delta = up @ down * (float(alpha) / down.shape[0])
+        key = comfy_map[m]
+        torch.testing.assert_close(after[key] - before[key], delta, rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.slow
 def test_sd3_lora_resumes_after_sigkill_exactly_as_uninterrupted(split_dir, tiny_sd3_dir, tmp_path):
     training = dict(method="lora", batch_size=4, epochs=2, lr=3e-4, seed=5, checkpoint_every_updates=2,

@@ -146,3 +146,20 @@ def export_sd3_full(model_dir: Path, out_path: Path, metadata: Optional[Mapping[
              CLIPTextModelWithProjection.from_pretrained(str(model_dir / "text_encoder_2")),
              T5EncoderModel.from_pretrained(str(model_dir / "text_encoder_3")))
     return save_safetensors(sd3_single_file_state_dict(*parts), Path(out_path), metadata)
+
+
+def mmdit_module_name(path: str) -> tuple[str, Optional[int]]:
+    """A diffusers SD3 transformer module path -> (the original MMDiT module, the row third of its fused `qkv` it is:
+    0, 1, 2 for q, k, v; None when it maps whole). The names kohya's sd-scripts gives its LoRA modules
+    (`lora_unet_` + this with `_` for `.`, networks/lora_sd3.py) and ComfyUI's key map reads."""
+    if path.startswith("transformer_blocks."):
+        _, i, rest = path.split(".", 2)
+        for head, fused in _QKV.items():
+            proj = rest.removeprefix(head)
+            if rest.startswith(head) and proj in ("q", "k", "v", "q_proj", "k_proj", "v_proj"):
+                return f"joint_blocks.{i}.{fused}", "qkv".index(proj[0])
+        if rest in _BLOCK_RENAMES:
+            return f"joint_blocks.{i}.{_BLOCK_RENAMES[rest]}", None
+    elif path in _TOP_RENAMES:
+        return _TOP_RENAMES[path], None
+    raise ValueError(f"SD3 transformer module {path!r} has no place in the original MMDiT layout")
