@@ -251,14 +251,64 @@ def sd3_lora_to_diffusers(transformer_layers: Mapping[str, LoraWeights],
     return out
 
 
+def sd3_lora_to_kohya(transformer_layers: Mapping[str, LoraWeights], text_encoder_layers: Mapping[str, LoraWeights],
+                      text_encoder_2_layers: Mapping[str, LoraWeights]) -> dict:
+    """kohya's sd-scripts SD3 layout (networks/lora_sd3.py: `lora_unet_` + the module path in its own MMDiT,
+    library/sd3_models.py; `lora_te1_`/`lora_te2_` for CLIP-L/G), which ComfyUI's key map also reads (every
+    `diffusion_model.` weight as `lora_unet_<path>`). The original fuses q, k and v into one `attn.qkv` module: the
+    adapters of to_q, to_k and to_v (or add_q/k/v_proj) become one LoRA on it whose down is theirs stacked (rank
+    3r) and whose up places each one's rows in its third, zeros elsewhere, so up @ down is exactly the three deltas
+    stacked (the layout sd-scripts' own split_qkv option merges to). `.alpha` = scale x the module's rank."""
+    import torch
+
+    from rangefinder.formats.single_file_sd3 import mmdit_module_name
+
+    out: dict = {}
+    fused: dict[str, dict[int, LoraWeights]] = {}
+    for path, w in transformer_layers.items():
+        name, third = mmdit_module_name(path)
+        if third is None:
+            out.update(_kohya_module("lora_unet_" + name.replace(".", "_"), w.down, w.up, w.scale))
+        else:
+            fused.setdefault(name, {})[third] = w
+    for name, parts in fused.items():
+        ws = [parts[i] for i in sorted(parts)]
+        if len({w.scale for w in ws}) != 1 or len({w.rank for w in ws}) != 1:
+            raise ValueError(f"the q, k and v adapters of {name} differ in rank or alpha; they cannot be fused")
+        out_rows, rank = ws[0].up.shape[0], ws[0].rank
+        down = torch.cat([w.down for w in ws], dim=0)
+        up = torch.zeros((3 * out_rows, rank * len(ws)), dtype=ws[0].up.dtype, device=ws[0].up.device)
+        for j, third in enumerate(sorted(parts)):
+            up[third * out_rows:(third + 1) * out_rows, j * rank:(j + 1) * rank] = parts[third].up
+        out.update(_kohya_module("lora_unet_" + name.replace(".", "_"), down, up, ws[0].scale))
+    for prefix, layers in (("lora_te1_", text_encoder_layers), ("lora_te2_", text_encoder_2_layers)):
+        for path, w in layers.items():
+            out.update(_kohya_module(prefix + clip_text_key(path).replace(".", "_"), w.down, w.up, w.scale))
+    return out
+
+
+def _kohya_module(name: str, down, up, scale: float) -> dict:
+    import torch
+
+    return {f"{name}.lora_down.weight": down, f"{name}.lora_up.weight": up,
+            f"{name}.alpha": torch.tensor(scale * down.shape[0], dtype=torch.float32)}
+
+
 def save_sd3_lora_files(out_dir: Path, transformer, text_encoder=None, text_encoder_2=None,
                         metadata: Optional[Mapping[str, str]] = None) -> dict[str, Path]:
-    """SD3's LoRA in diffusers' naming; returns {"diffusers": path}. (kohya's SD3 layout, which fuses q, k and v
-    into one `qkv` module, is not written yet.)"""
+    """SD3's LoRA in diffusers' naming and in kohya's (`lora_kohya.safetensors`); returns {"diffusers": path,
+    "kohya": path}."""
     layers = trained_lora_layers(transformer)
     te = trained_lora_layers(text_encoder) if text_encoder is not None else {}
     te2 = trained_lora_layers(text_encoder_2) if text_encoder_2 is not None else {}
     if not layers and not te and not te2:
         raise ValueError("no LoRA adapters found on the transformer or the text encoders; nothing to export")
+    meta = dict(metadata or {})
+    any_layer = next(iter({**layers, **te, **te2}.values()))
+    # sd-scripts' own metadata keys, which LoRA browsers show
+    kohya_meta = {**meta, "ss_network_module": "networks.lora_sd3", "ss_base_model_version": "sd3",
+                  "ss_network_dim": str(any_layer.rank), "ss_network_alpha": repr(any_layer.scale * any_layer.rank)}
     return {"diffusers": save_safetensors(sd3_lora_to_diffusers(layers, te, te2), Path(out_dir) / LORA_WEIGHTS_NAME,
-                                          dict(metadata or {}))}
+                                          meta),
+            "kohya": save_safetensors(sd3_lora_to_kohya(layers, te, te2), Path(out_dir) / LORA_KOHYA_NAME,
+                                      kohya_meta)}

@@ -287,6 +287,10 @@ def _single_file_config(path: Path, model_cfg: ModelConfig, family: str = "sd1")
             from rangefinder.models.tiny_sdxl import ensure_tiny_sdxl_model
 
             return ensure_tiny_sdxl_model(model_cfg.cache_dir)
+        if family == "sd3":
+            from rangefinder.models.tiny_sd3 import ensure_tiny_sd3_model
+
+            return ensure_tiny_sd3_model(model_cfg.cache_dir)
         from rangefinder.models.tiny import ensure_tiny_base_model
 
         return ensure_tiny_base_model(model_cfg.cache_dir)
@@ -294,7 +298,7 @@ def _single_file_config(path: Path, model_cfg: ModelConfig, family: str = "sd1")
 
 
 def _convert_single_file(path: Path, config: Optional[Path], out: Path, family: str = "sd1") -> None:
-    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+    from diffusers import StableDiffusion3Pipeline, StableDiffusionPipeline, StableDiffusionXLPipeline
 
     if family == "flux":
         _convert_flux_file(path, config, out)
@@ -310,7 +314,8 @@ def _convert_single_file(path: Path, config: Optional[Path], out: Path, family: 
                 f"a {FAMILY_NAMES[family]} checkpoint; pass a folder of the checkpoint's own family"
             )
         kwargs.update(config=str(config), local_files_only=True)
-    pipeline_class: Any = StableDiffusionXLPipeline if family == "sdxl" else StableDiffusionPipeline
+    pipeline_class: Any = {"sdxl": StableDiffusionXLPipeline, "sd3": StableDiffusion3Pipeline}.get(
+        family, StableDiffusionPipeline)
     try:
         pipe = pipeline_class.from_single_file(str(path), **kwargs)
     except Exception as e:  # diffusers raises many kinds here (missing keys, hub errors, shape mismatches)

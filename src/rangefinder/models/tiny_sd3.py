@@ -44,7 +44,7 @@ class TinySd3Settings:
     head_dim: int = 8
     text_hidden: int = 32  # CLIP ViT-L's place
     text_hidden_2: int = 48  # OpenCLIP bigG's place
-    pooled_dim: int = 32  # each CLIP's projection; the transformer's pooled input is both, 64
+    pooled_dim: int = 32  # each CLIP's projection (CLIP-L's: the identity, so its width); the pooled input is both
     text_layers: int = 3  # SD3 conditions on CLIP's penultimate layer
     t5_width: int = 96  # >= 32 + 48: the CLIP rows are padded to it
     t5_layers: int = 2
@@ -127,6 +127,11 @@ def build_tiny_sd3_components(settings: TinySd3Settings, base: Path) -> dict[str
         )
 
     text_encoder = CLIPTextModelWithProjection(clip_config(settings.text_hidden))
+    # SD3's CLIP-L pools without a projection: its single file has none, and its readers take it as the identity
+    # (ComfyUI's sd3_clip.py, diffusers' single_file_utils.py); so here too, kept frozen.
+    with torch.no_grad():
+        text_encoder.text_projection.weight.copy_(torch.eye(settings.text_hidden))
+    text_encoder.text_projection.requires_grad_(False)
     text_encoder_2 = CLIPTextModelWithProjection(clip_config(settings.text_hidden_2))
     text_encoder_3 = T5EncoderModel(T5Config(
         vocab_size=len(tokenizer_3), d_model=settings.t5_width, d_kv=settings.t5_width // 4, d_ff=settings.t5_width * 2,
@@ -174,7 +179,7 @@ def _pretrain(parts: dict[str, Any], settings: TinySd3Settings, log: Callable[[s
     modules = (net, *encoders)
     for m in modules:
         m.train()
-    params = [p for m in modules for p in m.parameters()]
+    params = [p for m in modules for p in m.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=settings.lr, weight_decay=1e-2)
     t0, running = time.time(), None
     for _ in range(settings.steps):

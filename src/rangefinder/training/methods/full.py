@@ -22,11 +22,13 @@ class FullFineTune(ModuleMethod):
         self._modules: dict[str, torch.nn.Module] = {"unet": sd.unet}
         sd.unet.requires_grad_(True)
         _cast(sd.unet, torch.float32)
-        for name, te in sd.text_encoders().items():  # SDXL: both encoders
+        for name, te in sd.text_encoders().items():  # SDXL, SD3: both CLIP encoders
             if self.cfg.train_text_encoder:
                 te.requires_grad_(True)
                 _cast(te, torch.float32)
                 self._modules[name] = te
+                if sd.family == "sd3" and name == "text_encoder":
+                    te.text_projection.requires_grad_(False)  # SD3's CLIP-L pools unprojected (the identity)
             else:
                 te.requires_grad_(False)
                 _cast(te, weight_dtype)
@@ -51,10 +53,6 @@ class FullFineTune(ModuleMethod):
         from rangefinder.formats.weights_file import training_metadata
 
         save_pipeline(sd, out_dir)
-        if sd.family == "sd3":
-            return  # SD3's single-file layout is not written yet (docs/model-families.md)
-        # The same weights as one file in the original SD layout, for A1111 and ComfyUI
-        # (src/rangefinder/formats/single_file.py).
         meta = training_metadata(self.cfg, getattr(sd, "source", None), updates=self.updates_taken)
         meta = {**meta, "rangefinder.family": sd.family}
         if sd.family == "flux":  # the transformer in Black Forest Labs' layout, as BFL ships Flux (flux_layout.py)
@@ -62,6 +60,13 @@ class FullFineTune(ModuleMethod):
 
             export_flux_transformer(out_dir, out_dir / SINGLE_FILE_NAME, meta)
             return
+        if sd.family == "sd3":  # Stability's SD3 layout (formats/single_file_sd3.py)
+            from rangefinder.formats.single_file_sd3 import export_sd3_full
+
+            export_sd3_full(out_dir, out_dir / SINGLE_FILE_NAME, meta)
+            return
+        # The same weights as one file in the original SD layout, for A1111 and ComfyUI
+        # (src/rangefinder/formats/single_file.py).
         export_full(out_dir, out_dir / SINGLE_FILE_NAME, meta)
 
 
