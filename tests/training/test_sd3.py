@@ -122,7 +122,7 @@ def test_the_kohya_lora_has_sd_scripts_sd3_names_and_comfyui_maps_every_key(runs
     load_lora_weights + fuse_lora makes to that weight from the diffusers-named file (q, k, v stacked)."""
     from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
 
-    from rangefinder.formats.single_file_sd3 import mmdit_state_dict
+    from rangefinder.formats.single_file_sd3 import mmdit_module_name, mmdit_state_dict
 
     final = runs["lora"].final_dir
     kohya = load_file(str(final / "lora_kohya.safetensors"))
@@ -132,6 +132,12 @@ def test_the_kohya_lora_has_sd_scripts_sd3_names_and_comfyui_maps_every_key(runs
     comfy_map = {"lora_unet_" + k.removesuffix(".weight").replace(".", "_"): k for k in before if k.endswith(".weight")}
     assert modules and modules <= comfy_map.keys(), sorted(modules - comfy_map.keys())[:3]
     assert any(m.endswith("_attn_qkv") for m in modules)
+    # The diffusers-named file: ComfyUI maps `transformer.<diffusers module>` through comfy/utils.py
+    # `mmdit_to_diffusers` (at 41444b5236c6: to_q/k/v and add_q/k/v_proj as thirds of the qkv rows, the rest by
+    # its MMDIT_MAP_BLOCK/BASIC tables), the correspondence mmdit_module_name states; every module has a place.
+    diffusers_named = load_file(str(final / "pytorch_lora_weights.safetensors"))
+    targets = {mmdit_module_name(k.removeprefix("transformer.").rsplit(".lora_", 1)[0]) for k in diffusers_named}
+    assert {"lora_unet_" + name.replace(".", "_") for name, _ in targets} == modules
     base.load_lora_weights(str(final / "pytorch_lora_weights.safetensors"))
     base.fuse_lora()
     # the fused weights, as a plain transformer (peft keeps them under `.base_layer`)

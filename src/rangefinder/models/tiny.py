@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from rangefinder.formats.atomic import atomic_dir
 from rangefinder.formats.diffusers_folder import save_pipeline_folder
@@ -362,6 +362,31 @@ def _pretrain(parts: dict, settings: TinyModelSettings, log: Callable[[str], Non
 
 # ---------------------------------------------------------------------------------------------------------------
 # Build
+
+
+def ensure_derived_model(cache_dir: str | Path | None, name: str, shipped_name: str, use_shipped: bool,
+                         what: str, build: Callable[[Path, Path], Any]) -> Path:
+    """The cached folder `name` of a tiny model built on the tiny SD model (SDXL's, SD3's): the shipped weights
+    copied in once when `use_shipped`, else `build(folder, tiny SD folder)` once per cache, under a file lock."""
+    from filelock import FileLock
+
+    from rangefinder.models import shipped
+
+    root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / name
+    if (final / "model_index.json").is_file():
+        return final
+    with FileLock(str(final) + ".lock"):
+        if (final / "model_index.json").is_file():
+            pass
+        elif use_shipped:
+            shipped.install_shipped(shipped_name, final)
+        else:
+            base = ensure_tiny_base_model(root)  # its own lock: the SD model is built first, once
+            _log_stderr(f"building the embedded tiny {what} model into {final} (once)")
+            build(final, base)
+    return final
 
 
 def _log_stderr(msg: str) -> None:

@@ -80,24 +80,9 @@ def cache_name(settings: TinySd3Settings) -> str:
 def ensure_tiny_sd3_model(cache_dir: str | Path | None = None, settings: Optional[TinySd3Settings] = None) -> Path:
     """The folder of the embedded tiny SD3 model: the shipped weights, copied into the cache once (seconds); or, for
     other settings, built once per cache on the tiny SD model's VAE and tokenizer."""
-    from filelock import FileLock
-
     settings = settings or TinySd3Settings()
-    root = Path(cache_dir).expanduser() if cache_dir else tiny.default_cache_dir()
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / cache_name(settings)
-    if (final / "model_index.json").is_file():
-        return final
-    with FileLock(str(final) + ".lock"):
-        if (final / "model_index.json").is_file():
-            pass
-        elif uses_shipped_weights(settings):
-            shipped.install_shipped(SHIPPED_NAME, final)
-        else:
-            base = tiny.ensure_tiny_base_model(root)
-            tiny._log_stderr(f"building the embedded tiny SD3 model into {final} (once)")
-            build_tiny_sd3_model(final, base, settings)
-    return final
+    return tiny.ensure_derived_model(cache_dir, cache_name(settings), SHIPPED_NAME, uses_shipped_weights(settings),
+                                     "SD3", lambda out, base: build_tiny_sd3_model(out, base, settings))
 
 
 def build_tiny_sd3_components(settings: TinySd3Settings, base: Path) -> dict[str, Any]:
@@ -153,17 +138,27 @@ def build_tiny_sd3_components(settings: TinySd3Settings, base: Path) -> dict[str
             "tokenizer_3": tokenizer_3, "scheduler": scheduler}
 
 
+def sd3_conditioning(encoders: Any, ids: Any, ids_2: Any, ids_3: Any) -> tuple[Any, Any]:
+    """(hidden (B, 77 + L3, D3), pooled (B, P1 + P2)), as StableDiffusion3Pipeline.encode_prompt computes them; the
+    SD3 family's conditioning (training/family_sd3.py) and the pre-training's here."""
+    import torch
+
+    te1, te2, te3 = encoders
+    out_1 = te1(ids, output_hidden_states=True)
+    out_2 = te2(ids_2, output_hidden_states=True)
+    t5 = te3(ids_3)[0]
+    clip = torch.cat([out_1.hidden_states[-2], out_2.hidden_states[-2]], dim=-1)
+    clip = torch.nn.functional.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
+    pooled = torch.cat([out_1.text_embeds, out_2.text_embeds], dim=-1)
+    return torch.cat([clip, t5.to(clip.dtype)], dim=-2), pooled
+
+
 def _pretrain(parts: dict[str, Any], settings: TinySd3Settings, log: Callable[[str], None]) -> dict[str, float]:
     import torch
     import torch.nn.functional as F
 
-    from rangefinder.config import FlowSettings
-    from rangefinder.training.family_flow import FlowFamily
-    from rangefinder.training.family_sd3 import sd3_conditioning
-
     net, vae, tok, tok3 = (parts[k] for k in ("transformer", "vae", "tokenizer", "tokenizer_3"))
     encoders = (parts["text_encoder"], parts["text_encoder_2"], parts["text_encoder_3"])
-    flow = FlowFamily(FlowSettings(), SD3_SHIFT)
     g = torch.Generator().manual_seed(settings.seed)
     resolution = int(vae.config.sample_size)
     stripes, captions = tiny._images("stripes", 5_000_011 + settings.seed, settings.pretrain_images, resolution)
@@ -188,11 +183,15 @@ def _pretrain(parts: dict[str, Any], settings: TinySd3Settings, log: Callable[[s
         rows = torch.where(drop, torch.full_like(idx, len(captions)), idx)  # the last row is ""
         x0 = latents[idx]
         noise = torch.randn(x0.shape, generator=g)
-        sigma = flow.sample_timesteps(len(idx), g, (x0.shape[-2], x0.shape[-1]))
+        # The flow objective (training/family_flow.py, not imported: models must not import the engine): sigma
+        # logit-normal, shifted; x_t on the straight line; the velocity noise - x0 as target.
+        u = torch.sigmoid(torch.randn(len(idx), generator=g, dtype=torch.float64))
+        sigma = (SD3_SHIFT * u / (1 + (SD3_SHIFT - 1) * u)).clamp(0.0, 1.0).float()
+        s = sigma.view(-1, 1, 1, 1)
         hidden, pooled = sd3_conditioning(encoders, clip_ids[rows], clip_ids[rows], t5_ids[rows])
-        pred = net(hidden_states=flow.noised(x0, noise, sigma), timestep=sigma * 1000, encoder_hidden_states=hidden,
+        pred = net(hidden_states=(1 - s) * x0 + s * noise, timestep=sigma * 1000, encoder_hidden_states=hidden,
                    pooled_projections=pooled, return_dict=False)[0]
-        loss = F.mse_loss(pred, flow.target(x0, noise, sigma))
+        loss = F.mse_loss(pred, noise - x0)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Optional
 import torch
 
 from rangefinder.errors import ConfigError
+from rangefinder.models.tiny_sd3 import sd3_conditioning
 from rangefinder.training.caching import tokenize
 from rangefinder.training.family import ImageGeometry
 from rangefinder.training.family_flow import FlowFamily, flow_shift, refuse_ddpm_settings
@@ -31,19 +32,6 @@ if TYPE_CHECKING:
 
 CLIP_LENGTH = 77
 T5_LENGTH = 77  # T5 tokens per caption: diffusers' SD3 training examples' max_sequence_length default
-
-
-def sd3_conditioning(encoders: Sequence[Any], ids: torch.Tensor, ids_2: torch.Tensor,
-                     ids_3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hidden (B, 77 + L3, D3), pooled (B, P1 + P2)), as StableDiffusion3Pipeline.encode_prompt computes them."""
-    te1, te2, te3 = encoders
-    out_1 = te1(ids, output_hidden_states=True)
-    out_2 = te2(ids_2, output_hidden_states=True)
-    t5 = te3(ids_3)[0]
-    clip = torch.cat([out_1.hidden_states[-2], out_2.hidden_states[-2]], dim=-1)
-    clip = torch.nn.functional.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
-    pooled = torch.cat([out_1.text_embeds, out_2.text_embeds], dim=-1)
-    return torch.cat([clip, t5.to(clip.dtype)], dim=-2), pooled
 
 
 @dataclass
