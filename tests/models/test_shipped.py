@@ -15,11 +15,12 @@ from safetensors.torch import load_file
 from rangefinder.errors import RangefinderError
 from rangefinder.formats.diffusers_folder import clip_text_key
 from rangefinder.formats.digest import file_sha256
-from rangefinder.models import shipped, tiny, tiny_sd3, tiny_sdxl
+from rangefinder.models import shipped, tiny, tiny_flux, tiny_sd3, tiny_sdxl
 
 MODELS = {tiny.SHIPPED_NAME: (tiny.BUILDER_VERSION, tiny.TinyModelSettings()),
           tiny_sdxl.SHIPPED_NAME: (tiny_sdxl.BUILDER_VERSION, tiny_sdxl.TinySdxlSettings()),
-          tiny_sd3.SHIPPED_NAME: (tiny_sd3.BUILDER_VERSION, tiny_sd3.TinySd3Settings())}
+          tiny_sd3.SHIPPED_NAME: (tiny_sd3.BUILDER_VERSION, tiny_sd3.TinySd3Settings()),
+          tiny_flux.SHIPPED_NAME: (tiny_flux.BUILDER_VERSION, tiny_flux.TinyFluxSettings())}
 WEIGHT_FILES = {"unet": "diffusion_pytorch_model.safetensors", "vae": "diffusion_pytorch_model.safetensors",
                 "text_encoder": "model.safetensors", "text_encoder_2": "model.safetensors"}
 
@@ -131,11 +132,13 @@ def test_rebuild_writes_weights_that_install_as_built_under_a_new_key(tmp_path):
     quick = tiny.TinyModelSettings(pretrain_images=4, vae_steps=2, vae_batch=2, unet_steps=2, unet_batch=2)
     quick_xl = tiny_sdxl.TinySdxlSettings(pretrain_images=4, unet_steps=2, unet_batch=2)
     quick_sd3 = tiny_sd3.TinySd3Settings(pretrain_images=4, steps=2, batch=2)
+    quick_flux = tiny_flux.TinyFluxSettings(pretrain_images=4, vae_steps=2, vae_batch=2, transformer_steps=2,
+                                            transformer_batch=2)
     from rangefinder.models.tiny_weights import rebuild_shipped_weights
 
     weights = tmp_path / "weights"
     written = rebuild_shipped_weights(weights, log=lambda *_: None, settings=quick, sdxl_settings=quick_xl,
-                                      sd3_settings=quick_sd3)
+                                      sd3_settings=quick_sd3, flux_settings=quick_flux)
     assert set(written) == set(MODELS)
     for name in MODELS:
         installed = shipped.install_shipped(name, tmp_path / "cache" / name, weights)

@@ -17,6 +17,7 @@ sigma * noise, target noise - x_0; sigma logit-normal, Esser et al. 2024, arXiv:
 at `guidance` (Flux.1-dev's default of 3.5). T5 stays at its initialisation: Flux never trains it, and fixed
 random features of the caption bytes still tell the captions apart. Captions are not dropped: a
 guidance-distilled model has no unconditional branch.
+The model built with the default settings ships as package data, as the other tiny models' (models/shipped.py).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Any, Optional
 
 from rangefinder.formats.atomic import atomic_dir
 from rangefinder.formats.diffusers_folder import save_pipeline_folder
-from rangefinder.models import tiny
+from rangefinder.models import shipped, tiny
 
 BUILDER_VERSION = 1  # bump when the builder changes what it writes (the cache key also hashes this file's source)
 
@@ -65,7 +66,7 @@ class TinyFluxSettings:
     transformer_lr: float = 2e-3
 
 
-SHIPPED_NAME = "tiny-flux"
+SHIPPED_NAME = "tiny-flux"  # its weights ship as package data (models/shipped.py), as the other tiny models'
 
 
 def settings_key(settings: TinyFluxSettings) -> str:
@@ -84,17 +85,24 @@ def settings_key(settings: TinyFluxSettings) -> str:
     return h.hexdigest()[:16]
 
 
+def uses_shipped_weights(settings: TinyFluxSettings) -> bool:
+    return settings == TinyFluxSettings() and shipped.is_shipped(SHIPPED_NAME)
+
+
 def cache_name(settings: TinyFluxSettings) -> str:
+    """Keyed by the shipped files' digests for the shipped model, else by the settings and the builder."""
+    if uses_shipped_weights(settings):
+        return f"tiny-flux-{shipped.shipped_key(SHIPPED_NAME)}"
     return f"tiny-flux-{settings_key(settings)}"
 
 
 def ensure_tiny_flux_model(cache_dir: str | Path | None = None, settings: Optional[TinyFluxSettings] = None) -> Path:
-    """The folder of the embedded tiny Flux model, built once per cache (about 80 s on one core); concurrent callers
-    wait on a file lock instead of building it twice. Not shipped as package data: it is built here, from its own
-    seeds (the tiny SD model it is filed beside only lends the cache and the lock, tiny.ensure_derived_model)."""
+    """The folder of the embedded tiny Flux model: the shipped weights, copied into the cache once (seconds); or, for
+    other settings, built once per cache (about 80 s on one core), under a file lock (tiny.ensure_derived_model;
+    the Flux builder uses nothing of the tiny SD model but its tokenizer's vocabulary)."""
     settings = settings or TinyFluxSettings()
-    return tiny.ensure_derived_model(cache_dir, cache_name(settings), SHIPPED_NAME, False, "Flux",
-                                     lambda final, _base: build_tiny_flux_model(final, settings))
+    return tiny.ensure_derived_model(cache_dir, cache_name(settings), SHIPPED_NAME, uses_shipped_weights(settings),
+                                     "Flux", lambda final, _base: build_tiny_flux_model(final, settings))
 
 
 def build_tiny_flux_components(settings: TinyFluxSettings) -> dict[str, Any]:

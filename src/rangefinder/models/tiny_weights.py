@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Optional
 
-from rangefinder.models import shipped, tiny, tiny_sd3, tiny_sdxl
+from rangefinder.models import shipped, tiny, tiny_flux, tiny_sd3, tiny_sdxl
 
 
 def rebuild_shipped_weights(
@@ -22,8 +22,10 @@ def rebuild_shipped_weights(
     settings: Optional[tiny.TinyModelSettings] = None,
     sdxl_settings: Optional[tiny_sdxl.TinySdxlSettings] = None,
     sd3_settings: Optional[tiny_sd3.TinySd3Settings] = None,
+    flux_settings: Optional[tiny_flux.TinyFluxSettings] = None,
 ) -> dict[str, Path]:
-    """Build the tiny SD, SDXL and SD3 models from scratch and ship them into `weights_dir`; {name: shipped folder}.
+    """Build the tiny SD, SDXL, SD3 and Flux models from scratch and ship them into `weights_dir`; {name: shipped
+    folder}.
     Other settings than the defaults are for tests: `ensure_tiny_*` install only the defaults' weights."""
     log = log or tiny._log_stderr
     with tempfile.TemporaryDirectory(prefix="rangefinder-tiny-weights-") as work:
@@ -32,6 +34,8 @@ def rebuild_shipped_weights(
                                                sdxl_settings or tiny_sdxl.TinySdxlSettings(), log=log)
         sd3 = tiny_sd3.build_tiny_sd3_model(Path(work) / tiny_sd3.SHIPPED_NAME, sd,
                                             sd3_settings or tiny_sd3.TinySd3Settings(), log=log)
+        flux = tiny_flux.build_tiny_flux_model(Path(work) / tiny_flux.SHIPPED_NAME,
+                                               flux_settings or tiny_flux.TinyFluxSettings(), log=log)
         return {name: shipped.write_shipped(name, built, weights_dir)
                 for name, built in ((tiny.SHIPPED_NAME, sd), (tiny_sdxl.SHIPPED_NAME, sdxl),
-                                    (tiny_sd3.SHIPPED_NAME, sd3))}
+                                    (tiny_sd3.SHIPPED_NAME, sd3), (tiny_flux.SHIPPED_NAME, flux))}
