@@ -102,6 +102,14 @@ def tiny_sdxl_dir() -> Path:
     return ensure_tiny_sdxl_model()
 
 
+@pytest.fixture(scope="session")
+def tiny_sd3_dir() -> Path:
+    """The embedded tiny SD3 folder (diffusers layout; models/tiny_sd3.py), copied from the shipped weights once."""
+    from rangefinder.models.tiny_sd3 import ensure_tiny_sd3_model
+
+    return ensure_tiny_sd3_model()
+
+
 @pytest.fixture
 def base_model_dir(request: pytest.FixtureRequest) -> Path:
     """The tiny model of the family a test is parametrised with (`family`: "sd1" or "sdxl")."""

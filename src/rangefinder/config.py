@@ -237,6 +237,26 @@ class LoraSettings(_Section):
     train_text_encoder: bool = False
 
 
+class FlowSettings(_Section):
+    """The rectified-flow objective's settings (SD3, Flux: docs/model-families.md); refused on SD 1.x/SDXL when
+    changed. Training draws sigma in [0, 1] from `timestep_sampling`'s density (Esser et al. 2024,
+    arXiv:2403.03206, sec. 3.1: logit-normal and mode sampling), then shifts it towards noise: sigma' = shift *
+    sigma / (1 + (shift - 1) * sigma) (the family's resolution-dependent shift for Flux)."""
+
+    timestep_sampling: Literal["uniform", "logit_normal", "mode"] = "logit_normal"
+    logit_mean: float = 0.0  # logit-normal: u ~ N(logit_mean, logit_std), sigma = sigmoid(u)
+    logit_std: float = Field(1.0, gt=0)
+    # mode sampling's s; 1.29 is the paper's (and diffusers'); the map is monotone for s in [-1, 2 / (pi - 2)]
+    mode_scale: float = Field(1.29, ge=-1, le=1.75)
+    shift: Optional[float] = Field(None, gt=0)  # None: the base model's scheduler config (SD3: 3.0)
+    # The per-image loss weight (diffusers' compute_loss_weighting_for_sd3): none, sigma ** -2 (sigma_sqrt), or
+    # 2 / (pi * (1 - 2 sigma + 2 sigma^2)) (cosmap). Validation is never weighted.
+    loss_weighting: Literal["none", "sigma_sqrt", "cosmap"] = "none"
+    # Flux.1-dev only: the guidance scale fed to its guidance-distilled transformer while training (None: 3.5, the
+    # default of diffusers' and sd-scripts' Flux trainers).
+    guidance: Optional[float] = Field(None, ge=0)
+
+
 class TextualInversionSettings(_Section):
     placeholder_token: str = "<rf-concept>"
     # An existing single-token word whose embedding seeds the new one(s).
@@ -317,6 +337,9 @@ class TrainingConfig(_Section):
     prediction_type: Optional[Literal["epsilon", "v_prediction"]] = None  # None: the base model's scheduler config
     min_snr_gamma: Optional[float] = Field(None, gt=0)  # min-SNR weighting (Hang et al. 2023); 5.0 is usual
     noise_offset: float = Field(0.0, ge=0)  # 0.05-0.1 helps very dark/bright images
+    # Flow-matching families only (SD3, Flux): how sigma is drawn and the loss weighted. min_snr_gamma,
+    # prediction_type and noise_offset are DDPM's and refused there.
+    flow: FlowSettings = Field(default_factory=FlowSettings)
     cond_dropout: float = Field(0.0, ge=0, lt=1)  # share of captions replaced by "" (classifier-free guidance)
     random_flip: bool = False
     # Tag shuffle for comma-separated captions ("1girl, red hair, smiling"): each time an image is drawn its tags

@@ -29,7 +29,7 @@ from rangefinder.formats.diffusers_folder import save_pipeline_folder
 from rangefinder.formats.embeddings import TI_WEIGHTS_NAME
 from rangefinder.formats.grid import compose_grid
 from rangefinder.formats.lora import LORA_WEIGHTS_NAME
-from rangefinder.models.loading import check_scheduler_name
+from rangefinder.models.loading import check_scheduler_name, pipeline_call_kwargs
 
 ColumnKind = str  # "pipeline" | "single_file" | "unet" | "lora" | "textual_inversion" | "engine_checkpoint"
 
@@ -150,12 +150,22 @@ def _default_device() -> str:
 
 def pipeline_class(base_model: Path) -> tuple[Any, dict[str, Any]]:
     """The diffusers pipeline class of the base model's family, and the keyword arguments its loaders take."""
-    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+    from diffusers import (
+        FluxPipeline,
+        StableDiffusion3Pipeline,
+        StableDiffusionPipeline,
+        StableDiffusionXLPipeline,
+    )
 
     from rangefinder.training.family_detection import detect_family
 
-    if detect_family(Path(base_model)) == "sdxl":
+    family = detect_family(Path(base_model))
+    if family == "sdxl":
         return StableDiffusionXLPipeline, {}
+    if family == "flux":
+        return FluxPipeline, {}
+    if family == "sd3":
+        return StableDiffusion3Pipeline, {}
     return StableDiffusionPipeline, {"safety_checker": None, "requires_safety_checker": False}
 
 
@@ -197,6 +207,9 @@ def load_column_pipeline(column: GridColumn, base_model: Path, *, device: str, d
     if scheduler is not None:
         import diffusers
 
+        from rangefinder.training.family_flow import check_flow_scheduler
+
+        check_flow_scheduler(type(pipe.scheduler).__name__, scheduler)
         pipe.scheduler = getattr(diffusers, scheduler).from_config(pipe.scheduler.config)
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(device)
@@ -246,8 +259,12 @@ def _engine_checkpoint_pipeline(ckpt_dir: Path, base_model: Path, common: dict):
     _, sd = method_from_checkpoint(ckpt_dir, base_model)
     cls, _ = pipeline_class(base_model)
     parts = dict(unet=sd.unet, text_encoder=sd.text_encoder, tokenizer=sd.tokenizer)
-    if sd.family == "sdxl":
+    if sd.family == "flux":  # the denoiser is the pipeline's transformer
+        parts = dict(transformer=sd.unet, text_encoder=sd.text_encoder, tokenizer=sd.tokenizer)
+    if sd.family in ("sdxl", "sd3", "flux"):
         parts.update(text_encoder_2=sd.text_encoder_2, tokenizer_2=sd.tokenizer_2)
+    if sd.family == "sd3":  # the MMDiT sits in the denoiser's slot of SDComponents
+        parts.update(transformer=parts.pop("unet"), text_encoder_3=sd.text_encoder_3, tokenizer_3=sd.tokenizer_3)
     pipe = cls.from_pretrained(str(base_model), local_files_only=True, **parts, **common)
     return pipe.to(common["torch_dtype"])
 
@@ -421,7 +438,9 @@ def render_grid(
             raise ConfigError(f"column {column.label} ({column.path}) cannot be loaded on base model {base} "
                               f"({type(e).__name__}: {first}); it is damaged, or a checkpoint of another model; "
                               "pass a whole checkpoint of this base model") from None
-        res = resolution or pipe.unet.config.sample_size * pipe.vae_scale_factor
+        # A transformer (Flux) has no sample size: its VAE's is the native resolution in pixels.
+        res = resolution or (pipe.unet.config.sample_size * pipe.vae_scale_factor if hasattr(pipe, "unet")
+                             else int(pipe.vae.config.sample_size))
         col_dir = out / "images" / f"{c_index:02d}-{_slug(column.label)}"
         for r, (p_index, prompt, seed) in enumerate(rows):
             # One CPU generator per cell: the initial latents depend on the seed alone, not on what ran before.
@@ -434,6 +453,7 @@ def render_grid(
                 height=res,
                 width=res,
                 generator=generator,
+                **pipeline_call_kwargs(pipe),
             ).images[0]
             path = col_dir / f"p{p_index:02d}-s{seed}.png"
             _save_png(img, path)

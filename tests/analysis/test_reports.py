@@ -100,6 +100,23 @@ def test_step_report_lists_each_aspect_buckets_validation_loss(tmp_path):
     assert "bucket" not in plain
 
 
+def test_step_report_shows_each_sigmas_loss_and_states_the_weighting(tmp_path):
+    """A flow family's run: one row per sigma of the validation grid, and the note saying how val_loss weighs them."""
+    e = np.arange(61) / 2
+    loss = noisy(ConstantRunShape().loss(e), 0.001, 0)
+    w = select_step_window(e * 10, e, loss)
+    curve = {"update": e * 10, "epoch": e, "val_loss": loss, "val_loss_b0": 3 * loss, "val_loss_b1": loss / 3}
+    weighting = {"statement": "val_loss is the plain mean of the 2 per-sigma losses", "grid": [0.25, 0.75]}
+    text = write_step_report(w, curve, tmp_path, validation_weighting=weighting)["markdown"].read_text()
+    at = int(np.argmin(np.abs(e * 10 - w.best_update)))
+    lines = [ln for ln in text.splitlines() if ln.startswith("| val loss at sigma")]
+    assert lines == [f"| val loss at sigma 0.25 (val_loss_b0) | {3 * loss[at]:.4g} |",
+                     f"| val loss at sigma 0.75 (val_loss_b1) | {loss[at] / 3:.4g} |"]
+    assert "plain mean of the 2 per-sigma losses" in text
+    plain = write_step_report(w, curve, tmp_path / "ddpm", validation_weighting={"statement": "x", "grid": None})
+    assert "sigma" not in plain["markdown"].read_text()
+
+
 def test_cli_analyze_lr_and_select_steps(tmp_path, capsys):
     shape = RangeTestShape(rise=0.05)
     lr = lr_sweep(30)

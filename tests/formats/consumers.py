@@ -88,6 +88,13 @@ def comfy_sd1_key_map(unet, text_encoder) -> dict[str, tuple[str, str]]:
                     name = name[: -len(".0")]
                 key_map[name] = ("unet", d_key)
 
+    key_map.update(comfy_clip_l_key_map(text_encoder))
+    return key_map
+
+
+def comfy_clip_l_key_map(text_encoder) -> dict[str, tuple[str, str]]:
+    """The CLIP-L names of model_lora_keys_clip (SD 1.x's encoder, and Flux's CLIP-L, are `clip_l` there)."""
+    key_map: dict[str, tuple[str, str]] = {}
     # ComfyUI's SD 1.x CLIP holds the transformers model under `clip_l.transformer.`, in the `text_model.` layout.
     clip_keys = {"clip_l.transformer." + clip_text_key(k): k for k in text_encoder.state_dict()}
     for comfy_key, hf_key in clip_keys.items():
@@ -358,3 +365,101 @@ def lora_delta(patch: ComfyPatch, weight_shape) -> torch.Tensor:
     rebuild_conventional in A1111, calculate_weight in ComfyUI)."""
     diff = patch.up.flatten(start_dim=1).float() @ patch.down.flatten(start_dim=1).float()
     return patch.scale * diff.reshape(weight_shape)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ComfyUI: Flux.1. Its Flux model is Black Forest Labs' own (comfy/ldm/flux), loaded from BFL's layout; a LoRA names
+# its modules either by that layout (`lora_unet_` + the path, or `diffusion_model.` + the path: the generic names
+# comfy/lora.py `model_lora_keys_unet` gives every key of the model at 41444b5236c6), or by diffusers' module names
+# under `transformer.` / `lora_transformer_` / `lycoris_` (same function, its `comfy.model_base.Flux` branch), which
+# comfy/utils.py `flux_to_diffusers` (the version that lora.py calls) maps onto the BFL weight, or onto a slice of a
+# fused one. That table is re-expressed below, for a config of `depth` double blocks, `depth_single_blocks` single
+# blocks and `hidden_size` (ComfyUI reads all three from the file).
+
+def comfy_flux_to_diffusers(depth: int, depth_single: int, hidden: int) -> dict[str, tuple[str, Any, bool]]:
+    """{diffusers weight key: (BFL weight key, (dim, start, size) or None, halves swapped)}: flux_to_diffusers."""
+    out: dict[str, tuple[str, Any, bool]] = {}
+    for i in range(depth):
+        d, b = f"transformer_blocks.{i}.", f"double_blocks.{i}."
+        for end in ("weight", "bias"):
+            for j, p in enumerate("qkv"):
+                out[f"{d}attn.to_{p}.{end}"] = (f"{b}img_attn.qkv.{end}", (0, j * hidden, hidden), False)
+                out[f"{d}attn.add_{p}_proj.{end}"] = (f"{b}txt_attn.qkv.{end}", (0, j * hidden, hidden), False)
+            for src, dst in (("attn.to_out.0", "img_attn.proj"), ("norm1.linear", "img_mod.lin"),
+                             ("norm1_context.linear", "txt_mod.lin"), ("attn.to_add_out", "txt_attn.proj"),
+                             ("ff.net.0.proj", "img_mlp.0"), ("ff.net.2", "img_mlp.2"),
+                             ("ff_context.net.0.proj", "txt_mlp.0"), ("ff_context.net.2", "txt_mlp.2")):
+                out[f"{d}{src}.{end}"] = (f"{b}{dst}.{end}", None, False)
+        for src, dst in (("attn.norm_q", "img_attn.norm.query_norm"), ("attn.norm_k", "img_attn.norm.key_norm"),
+                         ("attn.norm_added_q", "txt_attn.norm.query_norm"),
+                         ("attn.norm_added_k", "txt_attn.norm.key_norm")):
+            out[f"{d}{src}.weight"] = (f"{b}{dst}.scale", None, False)
+    for i in range(depth_single):
+        d, b = f"single_transformer_blocks.{i}.", f"single_blocks.{i}."
+        for end in ("weight", "bias"):
+            for j, p in enumerate("qkv"):
+                out[f"{d}attn.to_{p}.{end}"] = (f"{b}linear1.{end}", (0, j * hidden, hidden), False)
+            out[f"{d}proj_mlp.{end}"] = (f"{b}linear1.{end}", (0, 3 * hidden, 4 * hidden), False)
+            out[f"{d}norm.linear.{end}"] = (f"{b}modulation.lin.{end}", None, False)
+            out[f"{d}proj_out.{end}"] = (f"{b}linear2.{end}", None, False)
+        out[f"{d}attn.norm_q.weight"] = (f"{b}norm.query_norm.scale", None, False)
+        out[f"{d}attn.norm_k.weight"] = (f"{b}norm.key_norm.scale", None, False)
+    for end in ("weight", "bias"):
+        for src, dst in (("proj_out", "final_layer.linear"), ("x_embedder", "img_in"),
+                         ("time_text_embed.timestep_embedder.linear_1", "time_in.in_layer"),
+                         ("time_text_embed.timestep_embedder.linear_2", "time_in.out_layer"),
+                         ("context_embedder", "txt_in"),
+                         ("time_text_embed.text_embedder.linear_1", "vector_in.in_layer"),
+                         ("time_text_embed.text_embedder.linear_2", "vector_in.out_layer"),
+                         ("time_text_embed.guidance_embedder.linear_1", "guidance_in.in_layer"),
+                         ("time_text_embed.guidance_embedder.linear_2", "guidance_in.out_layer")):
+            out[f"{src}.{end}"] = (f"{dst}.{end}", None, False)
+        out[f"norm_out.linear.{end}"] = (f"final_layer.adaLN_modulation.1.{end}", None, True)
+    return out
+
+
+def comfy_flux_config(bfl_keys, bfl_state) -> tuple[int, int, int]:
+    """(depth, depth_single_blocks, hidden_size) as comfy/model_detection.py `detect_unet_config` reads a Flux file:
+    the counts of `double_blocks.N.` and `single_blocks.N.`; the width of `img_in`. It knows a file as Flux by
+    `double_blocks.0.img_attn.norm.key_norm.scale` (and `img_in.weight`)."""
+    if "double_blocks.0.img_attn.norm.key_norm.scale" not in bfl_keys or "img_in.weight" not in bfl_keys:
+        raise AssertionError("ComfyUI would not recognise this file as a Flux model")
+
+    def count(prefix: str) -> int:
+        return len({k.split(".")[1] for k in bfl_keys if k.startswith(prefix)})
+
+    return count("double_blocks."), count("single_blocks."), int(bfl_state["img_in.weight"].shape[0])
+
+
+def comfy_flux_key_map(bfl_state: Mapping[str, torch.Tensor], text_encoder) -> dict[str, tuple]:
+    """{LoRA module name: target}: ("transformer", BFL weight key, slice or None) or ("text_encoder", key, None), the
+    names ComfyUI gives a Flux model with CLIP-L (T5's never occur in our files)."""
+    key_map: dict[str, tuple] = {}
+    for k in bfl_state:
+        if k.endswith(".weight"):
+            base = k[: -len(".weight")]
+            for name in ("lora_unet_" + base.replace(".", "_"), "lora_prior_unet_" + base.replace(".", "_"),
+                         "diffusion_model." + base):
+                key_map[name] = ("transformer", k, None)
+    depth, single, hidden = comfy_flux_config(set(bfl_state), bfl_state)
+    for d_key, (bfl_key, offset, _swap) in comfy_flux_to_diffusers(depth, single, hidden).items():
+        if d_key.endswith(".weight") and bfl_key in bfl_state:
+            base = d_key[: -len(".weight")]
+            for name in ("transformer." + base, "lycoris_" + base.replace(".", "_"),
+                         "lora_transformer_" + base.replace(".", "_")):
+                key_map[name] = ("transformer", bfl_key, offset)
+    for name, target in comfy_clip_l_key_map(text_encoder).items():
+        key_map[name] = (*target, None)
+    return key_map
+
+
+def comfy_flux_patched(bfl_state: Mapping[str, torch.Tensor], patches) -> dict[str, torch.Tensor]:
+    """The BFL weights with each transformer patch applied as calculate_weight does at strength 1: on the slice the
+    key map names (`weight.narrow`), else on the whole weight."""
+    out = {k: v.clone().float() for k, v in bfl_state.items()}
+    for (part, key, offset), patch in patches.items():
+        if part != "transformer":
+            continue
+        w = out[key] if offset is None else out[key].narrow(offset[0], offset[1], offset[2])
+        w += lora_delta(patch, w.shape)
+    return out

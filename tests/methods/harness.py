@@ -26,6 +26,8 @@ class Parts:
     model_dir: Path | None = None
     text_encoder_2: torch.nn.Module | None = None
     tokenizer_2: object = None
+    text_encoder_3: torch.nn.Module | None = None  # SD3's T5
+    tokenizer_3: object = None
 
     def text_encoders(self) -> dict[str, torch.nn.Module]:
         named = {"text_encoder": self.text_encoder, "text_encoder_2": self.text_encoder_2}

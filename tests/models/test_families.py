@@ -15,15 +15,20 @@ from rangefinder.models.loading import resolve_base_model
 from rangefinder.training.family_detection import detect_family, family_of, single_file_family
 
 
-def test_family_comes_from_model_index(tiny_model_dir, tiny_sdxl_dir, tmp_path):
+def test_family_comes_from_model_index(tiny_model_dir, tiny_sdxl_dir, tiny_sd3_dir, tmp_path):
     assert detect_family(tiny_model_dir) == "sd1" and detect_family(tiny_sdxl_dir) == "sdxl"
+    assert detect_family(tiny_sd3_dir) == "sd3" and family_of(ModelConfig(base_model=str(tiny_sd3_dir))) == "sd3"
     assert family_of(ModelConfig(base_model=str(tiny_sdxl_dir))) == "sdxl"
     assert family_of(ModelConfig()) == "sd1"  # the embedded model
-    other = tmp_path / "flux"
+    other = tmp_path / "kandinsky"
     other.mkdir()
-    (other / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
-    with pytest.raises(ConfigError, match="FluxPipeline model; rangefinder trains"):
+    (other / "model_index.json").write_text(json.dumps({"_class_name": "KandinskyV22Pipeline"}))
+    with pytest.raises(ConfigError, match="KandinskyV22Pipeline model; rangefinder trains"):
         detect_family(other)
+    flux = tmp_path / "flux"
+    flux.mkdir()
+    (flux / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
+    assert detect_family(flux) == "flux"
 
 
 def test_tiny_sdxl_has_sdxl_structure(tiny_sdxl_dir):
@@ -46,12 +51,27 @@ def test_single_file_family_from_keys_and_missing_second_encoder(tmp_path):
     sdxl = ["model.diffusion_model.label_emb.0.0.weight", "conditioner.embedders.0.transformer.x",
             "conditioner.embedders.1.model.positional_embedding"]
     assert single_file_family(tmp_path, sd1) == "sd1" and single_file_family(tmp_path, sdxl) == "sdxl"
+    # SD3's single file (Stability's layout): the MMDiT's joint blocks under model.diffusion_model.
+    sd3 = ["model.diffusion_model.joint_blocks.0.x_block.attn.qkv.weight", "text_encoders.clip_l.x"]
+    assert single_file_family(tmp_path, sd3) == "sd3"
     # Through the user's path: a single file whose second text encoder was pruned away.
     path = tmp_path / "sdxl-unet-and-clip-l.safetensors"
     save_file({k: torch.zeros(1) for k in sdxl[:2]}, str(path))
     with pytest.raises(ConfigError, match="SDXL checkpoint without its second text encoder"):
         resolve_base_model(ModelConfig(base_model=str(path), cache_dir=str(tmp_path / "cache")))
     assert not (tmp_path / "cache" / "base-models").exists() or not any((tmp_path / "cache" / "base-models").iterdir())
+
+
+def test_flux_single_file_family_from_black_forest_labs_keys(tmp_path):
+    """BFL's transformer file (bare names) and a ComfyUI checkpoint (under model.diffusion_model.) are Flux; a file
+    with double-stream blocks only (not Flux.1's layout) is not."""
+    bfl = ["double_blocks.0.img_attn.qkv.weight", "single_blocks.0.linear1.weight", "img_in.weight"]
+    assert single_file_family(tmp_path, bfl) == "flux"
+    assert single_file_family(tmp_path, ["model.diffusion_model." + k for k in bfl]) == "flux"
+    assert single_file_family(tmp_path, bfl[:1] + bfl[2:]) != "flux"
+    path = tmp_path / "flux1-tiny.safetensors"
+    save_file({k: torch.zeros(1) for k in bfl}, str(path))
+    assert family_of(ModelConfig(base_model=str(path))) == "flux"
 
 
 def test_sdxl_folder_lacking_second_encoder_names_it(tiny_sdxl_dir, tmp_path):

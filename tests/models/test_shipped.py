@@ -15,10 +15,12 @@ from safetensors.torch import load_file
 from rangefinder.errors import RangefinderError
 from rangefinder.formats.diffusers_folder import clip_text_key
 from rangefinder.formats.digest import file_sha256
-from rangefinder.models import shipped, tiny, tiny_sdxl
+from rangefinder.models import shipped, tiny, tiny_flux, tiny_sd3, tiny_sdxl
 
 MODELS = {tiny.SHIPPED_NAME: (tiny.BUILDER_VERSION, tiny.TinyModelSettings()),
-          tiny_sdxl.SHIPPED_NAME: (tiny_sdxl.BUILDER_VERSION, tiny_sdxl.TinySdxlSettings())}
+          tiny_sdxl.SHIPPED_NAME: (tiny_sdxl.BUILDER_VERSION, tiny_sdxl.TinySdxlSettings()),
+          tiny_sd3.SHIPPED_NAME: (tiny_sd3.BUILDER_VERSION, tiny_sd3.TinySd3Settings()),
+          tiny_flux.SHIPPED_NAME: (tiny_flux.BUILDER_VERSION, tiny_flux.TinyFluxSettings())}
 WEIGHT_FILES = {"unet": "diffusion_pytorch_model.safetensors", "vae": "diffusion_pytorch_model.safetensors",
                 "text_encoder": "model.safetensors", "text_encoder_2": "model.safetensors"}
 
@@ -94,6 +96,24 @@ def test_fresh_cache_gets_the_sdxl_model_without_training(tmp_path, monkeypatch)
     _assert_modules_equal_shipped(pipe, shipped.SHIPPED_DIR / tiny_sdxl.SHIPPED_NAME)
 
 
+def test_fresh_cache_gets_the_sd3_model_without_training(tmp_path, monkeypatch):
+    from diffusers import StableDiffusion3Pipeline
+
+    def no_pretraining(*args, **kwargs):
+        raise AssertionError("the tiny SD3 model was pre-trained instead of installed from the shipped weights")
+
+    monkeypatch.setattr(tiny_sd3, "build_tiny_sd3_model", no_pretraining)
+    monkeypatch.setattr(tiny, "build_tiny_base_model", no_pretraining)
+    start = time.monotonic()
+    folder = tiny_sd3.ensure_tiny_sd3_model(tmp_path)
+    assert time.monotonic() - start < 10
+    assert folder.name == f"tiny-sd3-{shipped.shipped_key(tiny_sd3.SHIPPED_NAME)}"
+    pipe = StableDiffusion3Pipeline.from_pretrained(str(folder), local_files_only=True)
+    _assert_modules_equal_shipped(pipe, shipped.SHIPPED_DIR / tiny_sd3.SHIPPED_NAME)
+    saved = load_file(str(folder / "transformer" / "diffusion_pytorch_model.safetensors"))
+    assert all(torch.equal(t, saved[k]) for k, t in pipe.transformer.state_dict().items())
+
+
 def test_a_damaged_shipped_file_is_refused_and_nothing_is_installed(tmp_path):
     weights = tmp_path / "weights"
     shutil.copytree(shipped.SHIPPED_DIR, weights)
@@ -111,10 +131,14 @@ def test_rebuild_writes_weights_that_install_as_built_under_a_new_key(tmp_path):
     the builder wrote them, and new weights are a new cache key."""
     quick = tiny.TinyModelSettings(pretrain_images=4, vae_steps=2, vae_batch=2, unet_steps=2, unet_batch=2)
     quick_xl = tiny_sdxl.TinySdxlSettings(pretrain_images=4, unet_steps=2, unet_batch=2)
+    quick_sd3 = tiny_sd3.TinySd3Settings(pretrain_images=4, steps=2, batch=2)
+    quick_flux = tiny_flux.TinyFluxSettings(pretrain_images=4, vae_steps=2, vae_batch=2, transformer_steps=2,
+                                            transformer_batch=2)
     from rangefinder.models.tiny_weights import rebuild_shipped_weights
 
     weights = tmp_path / "weights"
-    written = rebuild_shipped_weights(weights, log=lambda *_: None, settings=quick, sdxl_settings=quick_xl)
+    written = rebuild_shipped_weights(weights, log=lambda *_: None, settings=quick, sdxl_settings=quick_xl,
+                                      sd3_settings=quick_sd3, flux_settings=quick_flux)
     assert set(written) == set(MODELS)
     for name in MODELS:
         installed = shipped.install_shipped(name, tmp_path / "cache" / name, weights)

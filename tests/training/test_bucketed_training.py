@@ -331,15 +331,17 @@ def test_a_bucket_the_model_cannot_take_is_one_clear_error(tiny_model_dir):
     """Every latent side must pass the UNet's downsampling evenly. The tiny model needs sides in multiples of 8 px
     (VAE x4, UNet x2), which every valid bucket_step (a multiple of 8) gives; SD needs 64, which a 32 px step does
     not. The check reads the model's own configs, so it is shown here on buckets the tiny model cannot take."""
-    from rangefinder.config import ModelConfig
+    from rangefinder.config import ModelConfig, TrainingConfig
     from rangefinder.errors import ConfigError
     from rangefinder.models.loading import load_sd_components
     from rangefinder.training.encoding import check_bucket_sides
+    from rangefinder.training.families import family_for
 
     sd = load_sd_components(ModelConfig(base_model=str(tiny_model_dir)))
-    check_bucket_sides(sd, {(24, 40), (32, 32)}, DATA)  # multiples of 8: fine
+    family = family_for(sd, TrainingConfig())
+    check_bucket_sides(sd, family, {(24, 40), (32, 32)}, DATA)  # multiples of 8: fine
     with pytest.raises(ConfigError, match=r"must be multiples of 8 px \(VAE x4, UNet x2\), but buckets 20x44 are not"):
-        check_bucket_sides(sd, {(20, 44), (32, 32)}, DATA)
+        check_bucket_sides(sd, family, {(20, 44), (32, 32)}, DATA)
 
 
 def test_sdxl_trains_on_buckets_conditioned_on_each_images_size_and_crop(split_report, tiny_sdxl_dir, tmp_path):

@@ -102,11 +102,11 @@ def test_a_pass_reuses_its_fixed_draws_and_matches_the_per_pair_definition(split
     kw = dict(denoiser=denoiser, num_buckets=4, seed=5, device=torch.device("cpu"))
     torch.manual_seed(1)
     first = measure(vset, **kw, batch_size=32)
-    fixed = vset.fixed_inputs(5, 4, sd.noise_scheduler.config.num_train_timesteps, torch.device("cpu"))
+    fixed = vset.fixed_inputs(5, 4, denoiser.family, torch.device("cpu"))
     torch.manual_seed(2)
     assert measure(vset, **kw, batch_size=32) == first
-    assert vset.fixed_inputs(5, 4, sd.noise_scheduler.config.num_train_timesteps, torch.device("cpu")) is fixed
-    t, noise = fixed_draw(5, items[-1].id, 3, 4, sd.noise_scheduler.config.num_train_timesteps, (4, 8, 8))
+    assert vset.fixed_inputs(5, 4, denoiser.family, torch.device("cpu")) is fixed
+    t, noise = fixed_draw(5, items[-1].id, 3, 4, denoiser.family, (4, 8, 8))
     assert int(fixed.timesteps[-1]) == t and torch.equal(fixed.noise[-1], noise)
     small = measure(vset, **kw, batch_size=3)
     assert small[0] == pytest.approx(first[0], rel=1e-6)

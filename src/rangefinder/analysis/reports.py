@@ -216,12 +216,14 @@ def step_headline(window: StepWindow, halving: Optional[HalvingDecision] = None)
 
 def write_lr_report(bounds: LRBounds, curve: Optional[dict], out_dir: str | Path, *,
                     source: Optional[str] = None, plan_warnings: Sequence[str] = (),
-                    zoom: Optional[tuple[float, float]] = None) -> dict[str, Path]:
+                    zoom: Optional[tuple[float, float]] = None,
+                    validation_weighting: Optional[dict] = None) -> dict[str, Path]:
     """Write lr_range_test.png, lr_report.html (self-contained), lr_report.md and lr_bounds.json into out_dir.
 
     `curve` is the dict from read_curve_csv (or None): its rows are counted in the report; `source` names the
     curve file; `plan_warnings`: the training plan's warnings (planning.plan), one note each; `zoom`: the range of
-    the zoomed test that replaces this one's bounds (lr_headline).
+    the zoomed test that replaces this one's bounds (lr_headline); `validation_weighting`: run_summary.json's
+    statement of how val_loss combines its per-bucket (per-sigma) losses, a row per bucket and a note.
     Returns {"plot", "html", "markdown", "json"} -> paths.
     """
     out = Path(out_dir)
@@ -244,6 +246,8 @@ def write_lr_report(bounds: LRBounds, curve: Optional[dict], out_dir: str | Path
     notes: list[tuple[str, str]] = [(bounds.status, LR_STATUS_ADVICE[bounds.status])]
     notes += [(f, LR_FLAG_ADVICE[f]) for f in bounds.flags]
     notes += _reading_notes(bounds.reading, plan_warnings)
+    rows += _sigma_rows(curve, validation_weighting, None)
+    notes += _weighting_note(validation_weighting)
     return _write_report(out, "lr_report", "lr_bounds.json", "LR range test", bounds.status, lead, png, rows, notes,
                          _source_line(curve, source), bounds.to_dict())
 
@@ -268,12 +272,14 @@ def _midpoint_rows(bounds: LRBounds) -> list[tuple[str, Any, str]]:
 
 def write_step_report(window: StepWindow, curve: Optional[dict], out_dir: str | Path, *,
                       source: Optional[str] = None, samples: Optional[SampleStrip] = None,
-                      halving: Optional[HalvingDecision] = None, plan_warnings: Sequence[str] = ()) -> dict[str, Path]:
+                      halving: Optional[HalvingDecision] = None, plan_warnings: Sequence[str] = (),
+                      validation_weighting: Optional[dict] = None) -> dict[str, Path]:
     """Write step_window.png, step_report.html (self-contained), step_report.md and step_window.json into out_dir.
 
     `curve` and `source` as for write_lr_report; `samples`: the run's samples over training, shown under the plot;
     `halving`: the successive halving's decision (rangefinder.steps.halving), as rows, a note and the dropped
-    candidate's curve on the plot. Returns {"plot", "html", "markdown", "json"} -> paths.
+    candidate's curve on the plot; `validation_weighting` as for write_lr_report.
+    Returns {"plot", "html", "markdown", "json"} -> paths.
     """
     out = Path(out_dir)
     png = plot_step_window(window, out / "step_window.png", halving=halving)
@@ -291,9 +297,11 @@ def write_step_report(window: StepWindow, curve: Optional[dict], out_dir: str | 
         ("points used", window.points_used, f"{window.points_dropped} left out"),
     ]
     rows += _bucket_rows(curve, window.best_update)
+    rows += _sigma_rows(curve, validation_weighting, window.best_update)
     notes: list[tuple[str, str]] = [(window.status, STEP_STATUS_ADVICE[window.status])]
     notes += [(f, STEP_FLAG_ADVICE[f]) for f in window.flags]
     notes += _reading_notes(window.reading, plan_warnings)
+    notes += _weighting_note(validation_weighting)
     if halving is not None:
         rows += _halving_rows(halving)
         notes.append(("successive halving", HALVING_NOTE.format(kept=halving.kept, pause=halving.pause_update)))
@@ -335,6 +343,28 @@ def _bucket_rows(curve: Optional[dict], best_update: Optional[float]) -> list[tu
     at = int(np.argmin(np.abs(updates - best_update))) if best_update is not None else len(updates) - 1
     return [(f"val loss, bucket {c.removeprefix('val_loss_')}", float(curve[c][at]),
              f"at update {int(updates[at])} (baseline {_fmt(float(curve[c][0]))})") for c in columns]
+
+
+def _sigma_rows(curve: Optional[dict], weighting: Optional[dict],
+                best_update: Optional[float]) -> list[tuple[str, Any, str]]:
+    """With a fixed sigma grid (flow-matching families), one row per sigma: its val loss at the row nearest the best
+    update (the last row without one), and at the baseline; the losses at different sigma differ in scale."""
+    grid = (weighting or {}).get("grid")
+    if not curve or not grid or "update" not in curve:
+        return []
+    updates = np.asarray(curve["update"], dtype=float)
+    at = int(np.argmin(np.abs(updates - best_update))) if best_update is not None else len(updates) - 1
+    rows = []
+    for k, sigma in enumerate(grid):
+        column = curve.get(f"val_loss_b{k}")
+        if column is not None:
+            rows.append((f"val loss at sigma {sigma:.3g} (val_loss_b{k})", float(column[at]),
+                         f"at update {int(updates[at])} (baseline {_fmt(float(column[0]))})"))
+    return rows
+
+
+def _weighting_note(weighting: Optional[dict]) -> list[tuple[str, str]]:
+    return [("validation score", str(weighting["statement"]))] if weighting and weighting.get("statement") else []
 
 
 def copy_report(report: dict, html_path: Optional[Path], markdown_path: Optional[Path]) -> None:

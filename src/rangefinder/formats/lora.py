@@ -123,9 +123,83 @@ def lora_to_kohya(unet_layers: Mapping[str, LoraWeights], text_encoder_layers: M
     return out
 
 
+def lora_to_diffusers_flux(transformer_layers: Mapping[str, LoraWeights],
+                           text_encoder_layers: Mapping[str, LoraWeights]) -> dict:
+    """Flux's diffusers-named file: peft's names under `transformer.` (diffusers' FluxLoraLoaderMixin, and ComfyUI's
+    `transformer.<diffusers module>` names for Flux, comfy/lora.py `model_lora_keys_unet` at 41444b5236c6, which
+    patch the slice of a fused BFL weight the module is), and CLIP-L's under `text_encoder.`; alpha/rank folded into
+    `lora_B`, as for SD."""
+    out = {}
+    for prefix, layers, rename in (("transformer.", transformer_layers, False),
+                                   ("text_encoder.", text_encoder_layers, True)):
+        for path, w in layers.items():
+            name = prefix + (clip_text_key(path) if rename else path)
+            out[f"{name}.lora_A.weight"] = w.down
+            out[f"{name}.lora_B.weight"] = (w.up.float() * w.scale).to(w.up.dtype)
+    return out
+
+
+def lora_to_kohya_flux(transformer_layers: Mapping[str, LoraWeights], text_encoder_layers: Mapping[str, LoraWeights],
+                       transformer_config: Mapping[str, Any]) -> dict:
+    """kohya's Flux LoRA (sd-scripts networks/lora_flux.py at 0087a46e14c8): `lora_unet_` + the module's path in
+    Black Forest Labs' layout (formats/flux_layout.py), CLIP-L as `lora_te1_`.
+
+    Where BFL fuses diffusers modules into one linear layer (`img_attn.qkv`, a single block's `linear1`), the
+    adapters fuse as sd-scripts' own `split_qkv` LoRA saves them (LoRANetwork.state_dict there): the parts' `down`
+    stacked, `up` block-diagonal, so the fused product is each part's product in its rows. A part without an
+    adapter is rows of zeros. Each part's scale is folded into its `up` block and `.alpha` is the fused rank (scale 1
+    for every reader, which all take alpha / down's rows), since the parts' scales need not agree.
+    """
+    import torch
+
+    from rangefinder.formats.flux_layout import KOHYA_FLUX_CLIP_PREFIX, KOHYA_FLUX_PREFIX, bfl_module_of, bfl_modules
+
+    fused_parts = bfl_modules(transformer_config)
+    where = bfl_module_of(transformer_config)
+    by_bfl: dict[str, dict[int, LoraWeights]] = {}
+    for path, w in transformer_layers.items():
+        if path not in where:
+            raise ValueError(f"LoRA on Flux module {path!r}, which has no place in Black Forest Labs' layout")
+        bfl, j = where[path]
+        by_bfl.setdefault(bfl, {})[j] = w
+    out = {}
+    for bfl, adapters in by_bfl.items():
+        parts = fused_parts[bfl]
+        ordered = [adapters[j] for j in sorted(adapters)]
+        down = torch.cat([w.down for w in ordered], dim=0)
+        rows = [_fused_rows(j, adapters, transformer_config, parts) for j in range(len(parts))]
+        up = torch.zeros((sum(rows), down.shape[0]), dtype=ordered[0].up.dtype)
+        row, col = 0, 0
+        for j, n_rows in enumerate(rows):
+            if j in adapters:
+                w = adapters[j]
+                up[row: row + n_rows, col: col + w.rank] = (w.up.float() * w.scale).to(up.dtype)
+                col += w.rank
+            row += n_rows
+        name = KOHYA_FLUX_PREFIX + bfl.replace(".", "_")
+        out[f"{name}.lora_down.weight"] = down
+        out[f"{name}.lora_up.weight"] = up
+        out[f"{name}.alpha"] = torch.tensor(float(down.shape[0]), dtype=torch.float32)
+    for path, w in text_encoder_layers.items():
+        name = KOHYA_FLUX_CLIP_PREFIX + clip_text_key(path).replace(".", "_")
+        out[f"{name}.lora_down.weight"] = w.down
+        out[f"{name}.lora_up.weight"] = w.up
+        out[f"{name}.alpha"] = torch.tensor(w.scale * w.rank, dtype=torch.float32)
+    return out
+
+
+def _fused_rows(j: int, adapters: Mapping[int, LoraWeights], config: Mapping[str, Any], parts: tuple[str, ...]) -> int:
+    """The output rows of fused part j: its adapter's, else (no adapter on it) the width the config gives it."""
+    if j in adapters:
+        return int(adapters[j].up.shape[0])
+    inner = int(config["num_attention_heads"]) * int(config["attention_head_dim"])
+    return inner * 4 if parts[j].endswith("proj_mlp") else inner  # FluxSingleTransformerBlock's mlp_ratio 4
+
+
 def save_lora_files(out_dir: Path, unet=None, text_encoder=None, metadata: Optional[Mapping[str, str]] = None,
-                    text_encoder_2=None, sdxl: bool = False):
-    """Both LoRA files into `out_dir`; returns {"diffusers": path, "kohya": path}. `sdxl`: kohya's SDXL names."""
+                    text_encoder_2=None, sdxl: bool = False, flux: bool = False):
+    """Both LoRA files into `out_dir`; returns {"diffusers": path, "kohya": path}. `sdxl`: kohya's SDXL names;
+    `flux`: `unet` is Flux's transformer, in Flux's names (lora_to_diffusers_flux, lora_to_kohya_flux)."""
     out_dir = Path(out_dir)
     unet_layers = trained_lora_layers(unet) if unet is not None else {}
     te_layers = trained_lora_layers(text_encoder) if text_encoder is not None else {}
@@ -138,11 +212,20 @@ def save_lora_files(out_dir: Path, unet=None, text_encoder=None, metadata: Optio
     kohya_meta.setdefault("ss_network_module", "networks.lora")
     if sdxl:
         kohya_meta.setdefault("ss_base_model_version", "sdxl_base_v1-0")  # what sd-scripts writes for SDXL
+    if flux:
+        kohya_meta.update(ss_network_module="networks.lora_flux", ss_base_model_version="flux1")  # LoRA browsers show
     any_layer = next(iter({**unet_layers, **te_layers, **te2_layers}.values()))
     kohya_meta.setdefault("ss_network_dim", str(any_layer.rank))
     kohya_meta.setdefault("ss_network_alpha", repr(any_layer.scale * any_layer.rank))
     if "rangefinder.updates" in meta:
         kohya_meta.setdefault("ss_steps", meta["rangefinder.updates"])
+    if flux:
+        return {
+            "diffusers": save_safetensors(lora_to_diffusers_flux(unet_layers, te_layers), out_dir / LORA_WEIGHTS_NAME,
+                                          meta),
+            "kohya": save_safetensors(lora_to_kohya_flux(unet_layers, te_layers, dict(unet.config)),
+                                      out_dir / LORA_KOHYA_NAME, kohya_meta),
+        }
     return {
         "diffusers": save_safetensors(lora_to_diffusers(unet_layers, te_layers, te2_layers),
                                       out_dir / LORA_WEIGHTS_NAME, meta),
@@ -150,3 +233,82 @@ def save_lora_files(out_dir: Path, unet=None, text_encoder=None, metadata: Optio
             lora_to_kohya(unet_layers, te_layers, te2_layers, dict(unet.config) if sdxl and unet is not None else None),
             out_dir / LORA_KOHYA_NAME, kohya_meta),
     }
+
+
+def sd3_lora_to_diffusers(transformer_layers: Mapping[str, LoraWeights],
+                          text_encoder_layers: Mapping[str, LoraWeights],
+                          text_encoder_2_layers: Mapping[str, LoraWeights]) -> dict:
+    """SD3's diffusers-named LoRA (what diffusers' SD3LoraLoaderMixin.load_lora_weights reads, and
+    train_dreambooth_lora_sd3.py saves): peft names under `transformer.`, `text_encoder.` and `text_encoder_2.`,
+    alpha/rank folded into lora_B (so it loads at scale 1 without a peft config)."""
+    out = {}
+    for prefix, layers in (("transformer.", transformer_layers), ("text_encoder.", text_encoder_layers),
+                           ("text_encoder_2.", text_encoder_2_layers)):
+        for path, w in layers.items():
+            name = prefix + (path if prefix == "transformer." else clip_text_key(path))
+            out[f"{name}.lora_A.weight"] = w.down
+            out[f"{name}.lora_B.weight"] = (w.up.float() * w.scale).to(w.up.dtype)
+    return out
+
+
+def sd3_lora_to_kohya(transformer_layers: Mapping[str, LoraWeights], text_encoder_layers: Mapping[str, LoraWeights],
+                      text_encoder_2_layers: Mapping[str, LoraWeights]) -> dict:
+    """kohya's sd-scripts SD3 layout (networks/lora_sd3.py: `lora_unet_` + the module path in its own MMDiT,
+    library/sd3_models.py; `lora_te1_`/`lora_te2_` for CLIP-L/G), which ComfyUI's key map also reads (every
+    `diffusion_model.` weight as `lora_unet_<path>`). The original fuses q, k and v into one `attn.qkv` module: the
+    adapters of to_q, to_k and to_v (or add_q/k/v_proj) become one LoRA on it whose down is theirs stacked (rank
+    3r) and whose up places each one's rows in its third, zeros elsewhere, so up @ down is exactly the three deltas
+    stacked (the layout sd-scripts' own split_qkv option merges to). `.alpha` = scale x the module's rank."""
+    import torch
+
+    from rangefinder.formats.single_file_sd3 import mmdit_module_name
+
+    out: dict = {}
+    fused: dict[str, dict[int, LoraWeights]] = {}
+    for path, w in transformer_layers.items():
+        name, third = mmdit_module_name(path)
+        if third is None:
+            out.update(_kohya_module("lora_unet_" + name.replace(".", "_"), w.down, w.up, w.scale))
+        else:
+            fused.setdefault(name, {})[third] = w
+    for name, parts in fused.items():
+        ws = [parts[i] for i in sorted(parts)]
+        if len({w.scale for w in ws}) != 1 or len({w.rank for w in ws}) != 1:
+            raise ValueError(f"the q, k and v adapters of {name} differ in rank or alpha; they cannot be fused")
+        out_rows, rank = ws[0].up.shape[0], ws[0].rank
+        down = torch.cat([w.down for w in ws], dim=0)
+        up = torch.zeros((3 * out_rows, rank * len(ws)), dtype=ws[0].up.dtype, device=ws[0].up.device)
+        for j, third in enumerate(sorted(parts)):
+            up[third * out_rows:(third + 1) * out_rows, j * rank:(j + 1) * rank] = parts[third].up
+        out.update(_kohya_module("lora_unet_" + name.replace(".", "_"), down, up, ws[0].scale))
+    for prefix, layers in (("lora_te1_", text_encoder_layers), ("lora_te2_", text_encoder_2_layers)):
+        for path, w in layers.items():
+            out.update(_kohya_module(prefix + clip_text_key(path).replace(".", "_"), w.down, w.up, w.scale))
+    return out
+
+
+def _kohya_module(name: str, down, up, scale: float) -> dict:
+    import torch
+
+    return {f"{name}.lora_down.weight": down, f"{name}.lora_up.weight": up,
+            f"{name}.alpha": torch.tensor(scale * down.shape[0], dtype=torch.float32)}
+
+
+def save_sd3_lora_files(out_dir: Path, transformer, text_encoder=None, text_encoder_2=None,
+                        metadata: Optional[Mapping[str, str]] = None) -> dict[str, Path]:
+    """SD3's LoRA in diffusers' naming and in kohya's (`lora_kohya.safetensors`); returns {"diffusers": path,
+    "kohya": path}."""
+    layers = trained_lora_layers(transformer)
+    te = trained_lora_layers(text_encoder) if text_encoder is not None else {}
+    te2 = trained_lora_layers(text_encoder_2) if text_encoder_2 is not None else {}
+    if not layers and not te and not te2:
+        raise ValueError("no LoRA adapters found on the transformer or the text encoders; nothing to export")
+    meta = dict(metadata or {})
+    any_layer = next(iter({**layers, **te, **te2}.values()))
+    # sd-scripts' own metadata keys, which LoRA browsers show
+    kohya_meta = {**meta, "ss_network_module": "networks.lora_sd3", "ss_base_model_version": "sd3",
+                  "ss_network_dim": str(any_layer.rank), "ss_network_alpha": repr(any_layer.scale * any_layer.rank)}
+    return {"diffusers": save_safetensors(sd3_lora_to_diffusers(layers, te, te2), Path(out_dir) / LORA_WEIGHTS_NAME,
+                                          meta),
+            "kohya": save_safetensors(sd3_lora_to_kohya(layers, te, te2), Path(out_dir) / LORA_KOHYA_NAME,
+                                      kohya_meta)}

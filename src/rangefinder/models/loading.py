@@ -32,7 +32,13 @@ from typing import Any, Optional
 
 from rangefinder.config import ModelConfig
 from rangefinder.errors import ConfigError
-from rangefinder.training.family_detection import FAMILY_NAMES, FAMILY_PARTS, detect_family, single_file_family
+from rangefinder.training.family_detection import (
+    FAMILY_DENOISER,
+    FAMILY_NAMES,
+    FAMILY_PARTS,
+    detect_family,
+    single_file_family,
+)
 
 SINGLE_FILE_SUFFIX = ".safetensors"
 # Refused: torch.load of a pickle runs whatever code the file holds (safetensors holds tensors only).
@@ -60,23 +66,27 @@ class ResolvedModel:
 
 @dataclass
 class SDComponents:
-    unet: Any  # diffusers UNet2DConditionModel
+    unet: Any  # the denoiser: diffusers UNet2DConditionModel (Flux: FluxTransformer2DModel, from transformer/)
     vae: Any  # diffusers AutoencoderKL
     text_encoder: Any  # transformers CLIPTextModel
     tokenizer: Any  # transformers CLIPTokenizer
-    noise_scheduler: Any  # diffusers DDPMScheduler (training)
+    noise_scheduler: Any  # diffusers DDPMScheduler (training; Flux: the model's FlowMatchEulerDiscreteScheduler)
     source: str  # what was loaded, for logs and MLflow tags
     model_dir: Optional[Path] = None  # the local diffusers folder the parts came from
     kind: str = "folder"  # "embedded" | "folder" | "single_file" | "hub"
-    family: str = "sd1"  # "sd1" | "sdxl" (detect_family)
-    text_encoder_2: Any = None  # SDXL: transformers CLIPTextModelWithProjection (OpenCLIP bigG)
-    tokenizer_2: Any = None  # SDXL: its tokenizer
+    family: str = "sd1"  # "sd1" | "sdxl" | "sd3" | "flux" (detect_family)
+    text_encoder_2: Any = None  # SDXL: transformers CLIPTextModelWithProjection (OpenCLIP bigG); Flux: T5EncoderModel
+    tokenizer_2: Any = None  # SDXL: its tokenizer; Flux: T5's
+    # SD3: T5, never trained (so not among text_encoders()), and its tokenizer; `unet` is then SD3's transformer.
+    text_encoder_3: Any = None
+    tokenizer_3: Any = None
     # The loaded weights' fingerprint (weights_digest), before any training changes them: what a checkpoint records
     # as its base model, so that a resume on another one is refused wherever the folder now lies.
     digest: Optional[str] = None
 
     def text_encoders(self) -> dict[str, Any]:
-        """{part name: text encoder} of the family, in the order the family concatenates them."""
+        """{part name: text encoder} of the family that training may change, in the order the family concatenates
+        them (SD3's T5 is never trained: not here)."""
         named = {"text_encoder": self.text_encoder, "text_encoder_2": self.text_encoder_2}
         return {k: v for k, v in named.items() if v is not None}
 
@@ -151,12 +161,14 @@ def _missing_parts(folder: Path) -> Optional[list[str]]:
     if not (folder / "model_index.json").is_file():
         return None
     try:
-        extra = FAMILY_PARTS[detect_family(folder)]
+        family = detect_family(folder)
+        extra, denoiser = FAMILY_PARTS[family], FAMILY_DENOISER[family]
     except ConfigError:
-        extra = ()  # an unknown family: the load names it
+        extra, denoiser = (), "unet"  # an unknown family: the load names it
     configs = {"tokenizer": ("tokenizer_config.json", "vocab.json"), "tokenizer_2": ("tokenizer_config.json",
-               "vocab.json"), "scheduler": ("scheduler_config.json",)}
-    return [p for p in (*REQUIRED_PARTS, *extra)
+               "vocab.json"), "tokenizer_3": ("tokenizer_config.json",), "scheduler": ("scheduler_config.json",)}
+    parts = [denoiser if p == "unet" else p for p in REQUIRED_PARTS]
+    return [p for p in (*parts, *extra)
             if not any((folder / p / f).is_file() for f in configs.get(p, ("config.json",)))]
 
 
@@ -225,6 +237,8 @@ def _check_sd_checkpoint(path: Path) -> str:
         raise ConfigError(
             f"model.base_model: {path} is not a readable safetensors file ({_first_line(e)}); download it again"
         ) from None
+    if single_file_family(path, keys) == "flux":  # BFL's transformer file: its names are bare
+        return "flux"
     if not any(k.startswith("model.diffusion_model.") for k in keys):
         hint = "a LoRA" if any("lora" in k for k in keys) else "an embedding, a VAE or another kind of file"
         raise ConfigError(
@@ -249,25 +263,34 @@ def _single_file_key(path: Path, config: Optional[Path]) -> str:
 def _single_file_config(path: Path, model_cfg: ModelConfig, family: str = "sd1") -> Optional[Path]:
     """A local diffusers folder describing the checkpoint's architecture, if one is known."""
     explicit = model_cfg.single_file_config
+    denoiser = FAMILY_DENOISER.get(family, "unet")
     if explicit:
         folder = Path(explicit).expanduser()
-        if not (folder / "unet").is_dir():
-            raise ConfigError(f"model.single_file_config: {folder} is not a diffusers folder (no unet/); pass the "
-                              "folder of a model with the same architecture")
+        if not (folder / denoiser).is_dir():
+            raise ConfigError(f"model.single_file_config: {folder} is not a diffusers folder (no {denoiser}/); pass "
+                              "the folder of a model with the same architecture")
         return folder.resolve()
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata() or {}
     base = meta.get("rangefinder.base_model")
-    if base and (Path(base) / "unet").is_dir():
+    if base and (Path(base) / denoiser).is_dir():
         return Path(base)
     if base in (None, "", "None", "embedded tiny model") and "rangefinder.method" in meta:
         # Exported from the embedded model: its config is the tiny model's (of the file's family).
+        if family == "flux":
+            from rangefinder.models.tiny_flux import ensure_tiny_flux_model
+
+            return ensure_tiny_flux_model(model_cfg.cache_dir)
         if family == "sdxl":
             from rangefinder.models.tiny_sdxl import ensure_tiny_sdxl_model
 
             return ensure_tiny_sdxl_model(model_cfg.cache_dir)
+        if family == "sd3":
+            from rangefinder.models.tiny_sd3 import ensure_tiny_sd3_model
+
+            return ensure_tiny_sd3_model(model_cfg.cache_dir)
         from rangefinder.models.tiny import ensure_tiny_base_model
 
         return ensure_tiny_base_model(model_cfg.cache_dir)
@@ -275,7 +298,11 @@ def _single_file_config(path: Path, model_cfg: ModelConfig, family: str = "sd1")
 
 
 def _convert_single_file(path: Path, config: Optional[Path], out: Path, family: str = "sd1") -> None:
-    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+    from diffusers import StableDiffusion3Pipeline, StableDiffusionPipeline, StableDiffusionXLPipeline
+
+    if family == "flux":
+        _convert_flux_file(path, config, out)
+        return
 
     kwargs: dict[str, Any] = {}
     if family == "sd1":
@@ -287,7 +314,8 @@ def _convert_single_file(path: Path, config: Optional[Path], out: Path, family: 
                 f"a {FAMILY_NAMES[family]} checkpoint; pass a folder of the checkpoint's own family"
             )
         kwargs.update(config=str(config), local_files_only=True)
-    pipeline_class: Any = StableDiffusionXLPipeline if family == "sdxl" else StableDiffusionPipeline
+    pipeline_class: Any = {"sdxl": StableDiffusionXLPipeline, "sd3": StableDiffusion3Pipeline}.get(
+        family, StableDiffusionPipeline)
     try:
         pipe = pipeline_class.from_single_file(str(path), **kwargs)
     except Exception as e:  # diffusers raises many kinds here (missing keys, hub errors, shape mismatches)
@@ -298,6 +326,35 @@ def _convert_single_file(path: Path, config: Optional[Path], out: Path, family: 
         )
         raise ConfigError(f"model.base_model: cannot convert the checkpoint {path}: {_first_line(e)}; {hint}") from None
     pipe.save_pretrained(str(out), safe_serialization=True)
+
+
+def _convert_flux_file(path: Path, config: Optional[Path], out: Path) -> None:
+    """A Flux transformer file (Black Forest Labs' layout) as a FluxPipeline folder: the file's transformer, mapped
+    back by formats/flux_layout.py (diffusers' own converter assumes Flux.1's widths), with the VAE, CLIP-L and T5 of
+    `config`, a Flux folder: a transformer file holds nothing else."""
+    from diffusers import FluxPipeline, FluxTransformer2DModel
+    from safetensors.torch import load_file
+
+    from rangefinder.formats.diffusers_folder import save_pipeline_folder
+    from rangefinder.formats.flux_layout import from_bfl_state_dict
+
+    if config is None:
+        raise ConfigError(
+            f"model.base_model: {path} holds Flux's transformer only (Black Forest Labs' layout); set "
+            "model.single_file_config to a local Flux diffusers folder, whose VAE, CLIP-L and T5 are used with it"
+        )
+    if detect_family(config) != "flux":
+        raise ConfigError(f"model.single_file_config: {config} is a {FAMILY_NAMES[detect_family(config)]} model but "
+                          f"{path} is a Flux.1 transformer; pass a Flux folder")
+    pipe = FluxPipeline.from_pretrained(str(config), local_files_only=True)
+    transformer = FluxTransformer2DModel.from_config(pipe.transformer.config)
+    try:
+        transformer.load_state_dict(from_bfl_state_dict(load_file(str(path)), transformer.config), strict=True)
+    except (ValueError, RuntimeError) as e:
+        raise ConfigError(f"model.base_model: cannot read the Flux transformer {path} with the architecture of "
+                          f"{config}: {_first_line(e)}; pass the folder of the model it was trained from") from None
+    pipe.transformer = transformer
+    save_pipeline_folder(pipe, out)
 
 
 # --- hub id --------------------------------------------------------------------------------------------------
@@ -452,15 +509,21 @@ def _load_folder(resolved: ResolvedModel, model_cfg: ModelConfig) -> SDComponent
     # Variant files (e.g. fp16) keep their names in a hub snapshot or a saved folder; a converted file has none.
     has_variants = model_cfg.variant and resolved.kind in ("hub", "folder")
     var: dict[str, Any] = {"variant": model_cfg.variant} if has_variants else {}
+    if family == "flux":
+        return _load_flux_folder(resolved, var)
     try:
-        parts = {
-            "tokenizer": CLIPTokenizer.from_pretrained(folder, subfolder="tokenizer", local_files_only=True),
-            "text_encoder": CLIPTextModel.from_pretrained(folder, subfolder="text_encoder", local_files_only=True,
-                                                          **var),
-            "vae": AutoencoderKL.from_pretrained(folder, subfolder="vae", local_files_only=True, **var),
-            "unet": UNet2DConditionModel.from_pretrained(folder, subfolder="unet", local_files_only=True, **var),
-            "noise_scheduler": DDPMScheduler.from_pretrained(folder, subfolder="scheduler", local_files_only=True),
-        }
+        if family == "sd3":
+            parts = _load_sd3_parts(folder, var)
+        else:
+            parts = {
+                "tokenizer": CLIPTokenizer.from_pretrained(folder, subfolder="tokenizer", local_files_only=True),
+                "text_encoder": CLIPTextModel.from_pretrained(folder, subfolder="text_encoder",
+                                                              local_files_only=True, **var),
+                "vae": AutoencoderKL.from_pretrained(folder, subfolder="vae", local_files_only=True, **var),
+                "unet": UNet2DConditionModel.from_pretrained(folder, subfolder="unet", local_files_only=True, **var),
+                "noise_scheduler": DDPMScheduler.from_pretrained(folder, subfolder="scheduler",
+                                                                 local_files_only=True),
+            }
         if family == "sdxl":
             parts["tokenizer_2"] = CLIPTokenizer.from_pretrained(folder, subfolder="tokenizer_2", local_files_only=True)
             parts["text_encoder_2"] = CLIPTextModelWithProjection.from_pretrained(
@@ -469,11 +532,66 @@ def _load_folder(resolved: ResolvedModel, model_cfg: ModelConfig) -> SDComponent
         raise ConfigError(
             f"model.base_model: cannot load the diffusers folder {folder} ({resolved.source}): {_first_line(e)}"
         ) from None
-    for key in ("unet", "vae", "text_encoder", "text_encoder_2"):
+    for key in ("unet", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
         if key in parts:
             parts[key].eval()
     return SDComponents(source=resolved.source, model_dir=resolved.path, kind=resolved.kind, family=family,
                         digest=weights_digest(parts), **parts)
+
+
+def _load_flux_folder(resolved: ResolvedModel, var: dict[str, Any]) -> SDComponents:
+    """A FluxPipeline folder's parts: the transformer in the denoiser's place, CLIP-L (pooled output only), T5 and
+    its tokenizer (whatever tokenizer class the folder names: T5's, or ByT5's for the tiny model), and the model's
+    own flow-matching scheduler, whose shift settings the family reads."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+    from transformers import AutoTokenizer, CLIPTextModel, CLIPTokenizer, T5EncoderModel
+
+    folder = str(resolved.path)
+    try:
+        parts = {
+            "tokenizer": CLIPTokenizer.from_pretrained(folder, subfolder="tokenizer", local_files_only=True),
+            "text_encoder": CLIPTextModel.from_pretrained(folder, subfolder="text_encoder", local_files_only=True,
+                                                          **var),
+            "tokenizer_2": AutoTokenizer.from_pretrained(folder, subfolder="tokenizer_2", local_files_only=True),
+            "text_encoder_2": T5EncoderModel.from_pretrained(folder, subfolder="text_encoder_2", local_files_only=True,
+                                                             **var),
+            "vae": AutoencoderKL.from_pretrained(folder, subfolder="vae", local_files_only=True, **var),
+            "unet": FluxTransformer2DModel.from_pretrained(folder, subfolder="transformer", local_files_only=True,
+                                                           **var),
+            "noise_scheduler": FlowMatchEulerDiscreteScheduler.from_pretrained(folder, subfolder="scheduler",
+                                                                               local_files_only=True),
+        }
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            f"model.base_model: cannot load the diffusers folder {folder} ({resolved.source}): {_first_line(e)}"
+        ) from None
+    for key in ("unet", "vae", "text_encoder", "text_encoder_2"):
+        parts[key].eval()
+    return SDComponents(source=resolved.source, model_dir=resolved.path, kind=resolved.kind, family="flux",
+                        digest=weights_digest(parts), **parts)
+
+
+def _load_sd3_parts(folder: str, var: dict[str, Any]) -> dict[str, Any]:
+    """SD3's parts: the MMDiT (as `unet`, the denoiser's slot), both CLIPs with projection, T5 and its tokenizer,
+    and the flow-matching scheduler (the training objective reads its `shift`)."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+    from transformers import AutoTokenizer, CLIPTextModelWithProjection, CLIPTokenizer, T5EncoderModel
+
+    return {
+        "tokenizer": CLIPTokenizer.from_pretrained(folder, subfolder="tokenizer", local_files_only=True),
+        "tokenizer_2": CLIPTokenizer.from_pretrained(folder, subfolder="tokenizer_2", local_files_only=True),
+        "tokenizer_3": AutoTokenizer.from_pretrained(folder, subfolder="tokenizer_3", local_files_only=True),
+        "text_encoder": CLIPTextModelWithProjection.from_pretrained(folder, subfolder="text_encoder",
+                                                                    local_files_only=True, **var),
+        "text_encoder_2": CLIPTextModelWithProjection.from_pretrained(folder, subfolder="text_encoder_2",
+                                                                      local_files_only=True, **var),
+        "text_encoder_3": T5EncoderModel.from_pretrained(folder, subfolder="text_encoder_3", local_files_only=True,
+                                                         **var),
+        "vae": AutoencoderKL.from_pretrained(folder, subfolder="vae", local_files_only=True, **var),
+        "unet": SD3Transformer2DModel.from_pretrained(folder, subfolder="transformer", local_files_only=True, **var),
+        "noise_scheduler": FlowMatchEulerDiscreteScheduler.from_pretrained(folder, subfolder="scheduler",
+                                                                           local_files_only=True),
+    }
 
 
 def weights_digest(parts: dict[str, Any]) -> str:
@@ -482,7 +600,7 @@ def weights_digest(parts: dict[str, Any]) -> str:
     import torch
 
     h = hashlib.sha256()
-    for key in ("unet", "vae", "text_encoder", "text_encoder_2"):
+    for key in ("unet", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
         if key not in parts:
             continue
         for name, t in parts[key].state_dict().items():
@@ -513,3 +631,13 @@ def check_scheduler_name(name: Optional[str]) -> None:
             f"sampling.scheduler: {name!r} is not a diffusers scheduler class; "
             "use a class name such as DDIMScheduler, EulerDiscreteScheduler or DPMSolverMultistepScheduler"
         )
+
+
+def pipeline_call_kwargs(pipe: Any) -> dict[str, Any]:
+    """Keyword arguments a loaded pipeline of the model's family needs at call time beyond the common ones: Flux's T5
+    sequence length, the one it was trained with (FluxPipeline defaults to 512 tokens; a T5 tokenizer that stops
+    sooner, as the tiny model's ByT5, means a shorter one), so samples see the conditioning training saw."""
+    tokenizer_2 = getattr(pipe, "tokenizer_2", None)
+    if type(pipe).__name__ != "FluxPipeline" or tokenizer_2 is None:
+        return {}
+    return {"max_sequence_length": min(512, int(getattr(tokenizer_2, "model_max_length", 512) or 512))}

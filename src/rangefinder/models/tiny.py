@@ -30,10 +30,11 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from rangefinder.formats.atomic import atomic_dir
 from rangefinder.formats.diffusers_folder import save_pipeline_folder
@@ -363,15 +364,59 @@ def _pretrain(parts: dict, settings: TinyModelSettings, log: Callable[[str], Non
 # Build
 
 
+def ensure_derived_model(cache_dir: str | Path | None, name: str, shipped_name: str, use_shipped: bool,
+                         what: str, build: Callable[[Path, Path], Any]) -> Path:
+    """The cached folder `name` of a tiny model built on the tiny SD model (SDXL's, SD3's): the shipped weights
+    copied in once when `use_shipped`, else `build(folder, tiny SD folder)` once per cache, under a file lock."""
+    from filelock import FileLock
+
+    from rangefinder.models import shipped
+
+    root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / name
+    if (final / "model_index.json").is_file():
+        return final
+    with FileLock(str(final) + ".lock"):
+        if (final / "model_index.json").is_file():
+            pass
+        elif use_shipped:
+            shipped.install_shipped(shipped_name, final)
+        else:
+            base = ensure_tiny_base_model(root)  # its own lock: the SD model is built first, once
+            _log_stderr(f"building the embedded tiny {what} model into {final} (once)")
+            build(final, base)
+    return final
+
+
 def _log_stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)  # stdout stays clean for `--json`
+
+
+@contextmanager
+def deterministic_build() -> Iterator[None]:
+    """One torch thread and deterministic algorithms inside, under a forked RNG; the caller's settings after.
+
+    One thread: the same reduction order, hence bit-for-bit the same weights, whatever the core count; and for
+    layers this small a second thread gains little while it loses much on a busy machine."""
+    import torch
+
+    was_deterministic = torch.are_deterministic_algorithms_enabled()
+    threads = torch.get_num_threads()
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(1)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        torch.use_deterministic_algorithms(was_deterministic)
+        torch.set_num_threads(threads)
 
 
 def build_tiny_base_model(
     out_dir: str | Path, settings: Optional[TinyModelSettings] = None, log: Optional[Callable[[str], None]] = None
 ) -> Path:
     """Build, pre-train and save the tiny model into `out_dir` (written under a temporary name, then renamed)."""
-    import torch
     from diffusers import StableDiffusionPipeline
 
     settings = settings or TinyModelSettings()
@@ -380,19 +425,9 @@ def build_tiny_base_model(
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} already exists and is not empty")
     with atomic_dir(out, replace=False) as tmp:
-        # One thread: the same reduction order, hence bit-for-bit the same weights, whatever the core count; and
-        # for layers this small a second thread gains little while it loses much on a busy machine.
-        was_deterministic = torch.are_deterministic_algorithms_enabled()
-        threads = torch.get_num_threads()
-        torch.use_deterministic_algorithms(True)
-        torch.set_num_threads(1)
-        try:
-            with torch.random.fork_rng(devices=[]):
-                parts = build_tiny_components(settings)
-                stats = _pretrain(parts, settings, log=log)
-        finally:
-            torch.use_deterministic_algorithms(was_deterministic)
-            torch.set_num_threads(threads)
+        with deterministic_build():
+            parts = build_tiny_components(settings)
+            stats = _pretrain(parts, settings, log=log)
         pipe = StableDiffusionPipeline(
             vae=parts["vae"],
             text_encoder=parts["text_encoder"],

@@ -77,24 +77,9 @@ def cache_name(settings: TinySdxlSettings) -> str:
 def ensure_tiny_sdxl_model(cache_dir: str | Path | None = None, settings: Optional[TinySdxlSettings] = None) -> Path:
     """The folder of the embedded tiny SDXL model: the shipped weights, copied into the cache once (seconds); or, for
     other settings, built once per cache on the tiny SD model's VAE and tokenizer."""
-    from filelock import FileLock
-
     settings = settings or TinySdxlSettings()
-    root = Path(cache_dir).expanduser() if cache_dir else tiny.default_cache_dir()
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / cache_name(settings)
-    if (final / "model_index.json").is_file():
-        return final
-    with FileLock(str(final) + ".lock"):
-        if (final / "model_index.json").is_file():
-            pass
-        elif uses_shipped_weights(settings):
-            shipped.install_shipped(SHIPPED_NAME, final)
-        else:
-            base = tiny.ensure_tiny_base_model(root)  # its own lock: the SD model is built first, once
-            tiny._log_stderr(f"building the embedded tiny SDXL model into {final} (once)")
-            build_tiny_sdxl_model(final, base, settings)
-    return final
+    return tiny.ensure_derived_model(cache_dir, cache_name(settings), SHIPPED_NAME, uses_shipped_weights(settings),
+                                     "SDXL", lambda out, base: build_tiny_sdxl_model(out, base, settings))
 
 
 def build_tiny_sdxl_components(settings: TinySdxlSettings, base: Path) -> dict[str, Any]:

@@ -237,7 +237,8 @@ def run_finetune(
             sample_delivered(work, chosen, base.path, run)
             report = write_step_report(window, curve, report_dir, source=source,
                                        samples=sample_strip(work), halving=race,
-                                       plan_warnings=spec.plan.warnings if spec.plan is not None else ())
+                                       plan_warnings=spec.plan.warnings if spec.plan is not None else (),
+                                       validation_weighting=result.validation_weighting())
             copy_report(report, report_html, report_md)
             # No window (no improvement at all): keep the configured budget and say so in the report.
             rec_epochs = int(window.recommended_epochs or tc.epochs or 1)

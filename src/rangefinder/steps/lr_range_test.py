@@ -114,7 +114,8 @@ def run_lr_range_test(
                     "model_family": result.family}
         report = write_lr_report(bounds, curve, out_dir / "report",
                                  source=f"{result.metrics_csv}; {batch_note(train_cfg)}",
-                                 plan_warnings=spec.plan.warnings if spec.plan is not None else (), zoom=zoom)
+                                 plan_warnings=spec.plan.warnings if spec.plan is not None else (), zoom=zoom,
+                                 validation_weighting=result.validation_weighting())
         copy_report(report, report_html, report_md)
         bounds_json = out_dir / "bounds.json"
         write_json(bounds_json, decision)

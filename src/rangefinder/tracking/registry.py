@@ -93,8 +93,10 @@ def _default_resolution(pipeline_dir: Path) -> int:
     import json
 
     try:
-        unet = json.loads((pipeline_dir / "unet" / "config.json").read_text())
         vae = json.loads((pipeline_dir / "vae" / "config.json").read_text())
+        if not (pipeline_dir / "unet").is_dir():  # a transformer model (Flux): its VAE's sample size, in pixels
+            return int(vae["sample_size"])
+        unet = json.loads((pipeline_dir / "unet" / "config.json").read_text())
         return int(unet["sample_size"]) * 2 ** (len(vae["block_out_channels"]) - 1)
     except (OSError, KeyError, ValueError, TypeError):
         return 512

@@ -51,7 +51,7 @@ def encode_data(settings: RunSettings, sd: SDComponents, family: Family, acceler
     placements = settings.placements
     bucket_of_path: dict[Path, Size] = {}
     if placements is not None:
-        check_bucket_sides(sd, {p.bucket for p in placements.values()}, data)
+        check_bucket_sides(sd, family, {p.bucket for p in placements.values()}, data)
         items = settings.train_items + settings.val_items["val"] + settings.val_items["stabilize"]
         bucket_of_path = {settings.split.path_of(it): placements[it.id].bucket for it in items}
 
@@ -106,6 +106,13 @@ def check_resolution(family: Family, sd: SDComponents, data: DataConfig) -> None
             f"data.resolution: {data.resolution} px is below what the {family.name} family supports for this base "
             f"model (native {native} px, at least {floor} px); set data.resolution to {floor} or more"
         )
+    multiple = family.side_multiple(sd)
+    if family.patchified and data.resolution % multiple:
+        raise ConfigError(
+            f"data.resolution: {data.resolution} px is not a multiple of {multiple} px, the {family.name} family's "
+            f"patch size in pixels (the VAE's downscale times the transformer's patch); set data.resolution to "
+            f"{max(multiple, data.resolution - data.resolution % multiple)}"
+        )
 
 
 def image_geometry(path: Path, data: DataConfig, placement: Optional[Placement] = None) -> ImageGeometry:
@@ -128,17 +135,19 @@ def image_geometry(path: Path, data: DataConfig, placement: Optional[Placement] 
     return ImageGeometry(original_hw=(height, width), crop_top_left=(top, left), target_hw=(res, res))
 
 
-def check_bucket_sides(sd: SDComponents, buckets: set[Size], data: DataConfig) -> None:
-    """ConfigError unless every bucket side is a multiple of the model's divisor (the VAE's downscale times the
-    UNet's), so that every latent passes the UNet's down- and upsampling evenly."""
+def check_bucket_sides(sd: SDComponents, family: Family, buckets: set[Size], data: DataConfig) -> None:
+    """ConfigError unless every bucket side is a multiple of the family's side multiple (the VAE's downscale times
+    the UNet's, or times the transformer's patch size), so that every latent passes the denoiser evenly."""
     vae_scale = 2 ** (len(sd.vae.config.block_out_channels) - 1)
-    divisor = vae_scale * 2 ** (len(sd.unet.config.down_block_types) - 1)
+    divisor = family.side_multiple(sd)
     odd = sorted(b for b in buckets if b[0] % divisor or b[1] % divisor)
     if odd:
         raise ConfigError(
             f"data.bucket_step {data.effective_bucket_step()} px does not fit the base model: its image sides must "
-            f"be multiples of {divisor} px (VAE x{vae_scale}, UNet x{divisor // vae_scale}), but buckets "
-            f"{', '.join(f'{w}x{h}' for w, h in odd)} are not; set data.bucket_step to a multiple of {divisor}"
+            f"be multiples of {divisor} px (VAE x{vae_scale}, {'transformer patch' if family.patchified else 'UNet'} "
+            f"x{divisor // vae_scale}), but "
+            f"buckets {', '.join(f'{w}x{h}' for w, h in odd)} are not; set data.bucket_step to a multiple of "
+            f"{divisor}"
         )
 
 

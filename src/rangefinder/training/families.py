@@ -7,11 +7,12 @@ A new family is one module with a class providing family.Family's methods, and o
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 from rangefinder.errors import ConfigError
 
 if TYPE_CHECKING:
+    from rangefinder.config import TrainingConfig
     from rangefinder.models.loading import SDComponents
     from rangefinder.training.family import Family
 
@@ -19,14 +20,17 @@ if TYPE_CHECKING:
 FAMILIES = {
     "sd1": "rangefinder.training.family:Sd1Family",
     "sdxl": "rangefinder.training.family_sdxl:SdxlFamily",
+    "flux": "rangefinder.training.family_flux:FluxFamily",
+    "sd3": "rangefinder.training.family_sd3:Sd3Family",
 }
 
 
-def family_for(sd: SDComponents, prediction_type: Optional[str]) -> Family:
-    """The family object of a loaded model (sd.family, as detected from the base model)."""
+def family_for(sd: SDComponents, cfg: TrainingConfig) -> Family:
+    """The family object of a loaded model (sd.family, as detected from the base model), with the training settings
+    of its objective (a setting that means nothing for the family is a ConfigError)."""
     target = FAMILIES.get(sd.family)
     if target is None:
         raise ConfigError(f"model.base_model: rangefinder cannot train the {sd.family!r} model family")
     module_name, cls_name = target.split(":")
-    family: Family = getattr(importlib.import_module(module_name), cls_name).for_model(sd, prediction_type)
+    family: Family = getattr(importlib.import_module(module_name), cls_name).for_model(sd, cfg)
     return family

@@ -25,10 +25,12 @@ from typing import TYPE_CHECKING, Any, ClassVar, Optional, Protocol
 
 import torch
 
+from rangefinder.config import FlowSettings
 from rangefinder.errors import ConfigError
 from rangefinder.training.caching import tokenize
 
 if TYPE_CHECKING:
+    from rangefinder.config import TrainingConfig
     from rangefinder.models.loading import SDComponents
 
 
@@ -42,21 +44,43 @@ class ImageGeometry:
     target_hw: tuple[int, int]
 
 
+@dataclass(frozen=True)
+class ValidationWeighting:
+    """How the validation score combines its K per-bucket losses, for run_summary.json and the reports: the words,
+    and the fixed timesteps of the buckets when they are a grid (flow families: sigmas), None when each item draws
+    its own inside each bucket (DDPM families)."""
+
+    statement: str
+    grid: Optional[tuple[float, ...]] = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"statement": self.statement, "grid": None if self.grid is None else list(self.grid)}
+
+
 class Family(Protocol):
     """What the engine asks of a model family. See Sd1Family for the contract of each method."""
 
     name: ClassVar[str]
+    # True for a transformer that cuts the latents into patches (every image side must be a multiple of
+    # side_multiple); False for a UNet, which pads its upsampling for other square sizes.
+    patchified: ClassVar[bool]
     prediction_type: str
 
     @property
     def num_timesteps(self) -> int: ...
     def text_encoder_names(self) -> tuple[str, ...]: ...
     def min_resolution(self, native: int) -> int: ...
+    def side_multiple(self, sd: SDComponents) -> int: ...
     def tokenize(self, captions: Sequence[str]) -> torch.Tensor: ...
     def encode_prompt(self, text_encoders: Sequence[torch.nn.Module], input_ids: torch.Tensor) -> torch.Tensor: ...
     def with_images(self, cond: torch.Tensor, geometry: Sequence[ImageGeometry]) -> torch.Tensor: ...
     def drop_captions(self, cond: torch.Tensor, empty: torch.Tensor, drop: torch.Tensor) -> torch.Tensor: ...
     def conditioning(self, text_encoders: Optional[Sequence[torch.nn.Module]], cond: torch.Tensor) -> torch.Tensor: ...
+    def noised(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor: ...
+    def sample_timesteps(self, n: int, generator: torch.Generator, latent_hw: tuple[int, int]) -> torch.Tensor: ...
+    def fixed_timestep(self, k: int, num_buckets: int, generator: torch.Generator,
+                       latent_hw: tuple[int, int]) -> float: ...
+    def validation_weighting(self, num_buckets: int, latent_hw: tuple[int, int]) -> ValidationWeighting: ...
     def predict(self, unet: torch.nn.Module, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor,
                 cond: torch.Tensor) -> torch.Tensor: ...
     def target(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor: ...
@@ -67,8 +91,14 @@ class Family(Protocol):
 PREDICTION_TYPES = ("epsilon", "v_prediction")
 
 
-def _checked_prediction_type(sd: SDComponents, prediction_type: Optional[str]) -> str:
-    """`prediction_type` overrides the model scheduler's (None keeps the model's)."""
+def _checked_prediction_type(sd: SDComponents, cfg: TrainingConfig) -> str:
+    """cfg.prediction_type overrides the model scheduler's (None keeps the model's); the flow objective's settings
+    are refused on a DDPM model (they would be ignored)."""
+    if cfg.flow != FlowSettings():
+        changed = ", ".join(sorted(cfg.flow.model_fields_set)) or "flow"
+        raise ConfigError(f"training.flow ({changed}): the base model is a DDPM model ({sd.family}), not a "
+                          "flow-matching one (SD3, Flux); remove training.flow")
+    prediction_type = cfg.prediction_type
     if prediction_type is not None:
         sd.noise_scheduler.register_to_config(prediction_type=prediction_type)
     predicts = str(sd.noise_scheduler.config.prediction_type)
@@ -87,11 +117,12 @@ class Sd1Family:
     noise_scheduler: Any  # diffusers DDPMScheduler (training)
     prediction_type: str  # "epsilon" | "v_prediction"
     name: ClassVar[str] = "sd1"
+    patchified: ClassVar[bool] = False
 
     @classmethod
-    def for_model(cls, sd: SDComponents, prediction_type: Optional[str]) -> Sd1Family:
-        """The family of a loaded model; `prediction_type` overrides its scheduler's (None keeps the model's)."""
-        return cls(sd.tokenizer, sd.noise_scheduler, _checked_prediction_type(sd, prediction_type))
+    def for_model(cls, sd: SDComponents, cfg: TrainingConfig) -> Sd1Family:
+        """The family of a loaded model; cfg.prediction_type overrides its scheduler's (None keeps the model's)."""
+        return cls(sd.tokenizer, sd.noise_scheduler, _checked_prediction_type(sd, cfg))
 
     @property
     def num_timesteps(self) -> int:
@@ -105,6 +136,12 @@ class Sd1Family:
         """The smallest training resolution (pixels) the family supports for a model of `native` resolution: SD
         1.x/2.x train at any size their VAE and UNet divide (data.resolution's own checks)."""
         return 8
+
+    def side_multiple(self, sd: SDComponents) -> int:
+        """Pixels each image side must be a multiple of for every latent to pass the UNet's down- and upsampling
+        evenly (aspect-ratio buckets): the VAE's downscale times the UNet's."""
+        vae_scale = 2 ** (len(sd.vae.config.block_out_channels) - 1)
+        return vae_scale * 2 ** (len(sd.unet.config.down_block_types) - 1)
 
     # --- conditioning -------------------------------------------------------------------------------------------
 
@@ -131,10 +168,32 @@ class Sd1Family:
 
     # --- the objective ------------------------------------------------------------------------------------------
 
+    def noised(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+        """x_t: the latents noised to `timesteps` by the forward process q(x_t | x_0) (DDPM's schedule)."""
+        return self.noise_scheduler.add_noise(latents, noise, timesteps)
+
+    def sample_timesteps(self, n: int, generator: torch.Generator, latent_hw: tuple[int, int]) -> torch.Tensor:
+        """(n,) training timesteps drawn from `generator`: integers uniform in [0, T)."""
+        return torch.randint(0, self.num_timesteps, (n,), generator=generator)
+
+    def fixed_timestep(self, k: int, num_buckets: int, generator: torch.Generator,
+                       latent_hw: tuple[int, int]) -> float:
+        """Deterministic validation's timestep of bucket k of K: one integer drawn from `generator` (seeded by (seed,
+        item, k)) inside the k-th of K equal parts of [0, T), the parts of what training draws uniformly."""
+        lo, hi = k * self.num_timesteps // num_buckets, (k + 1) * self.num_timesteps // num_buckets
+        return lo + int(torch.randint(0, max(1, hi - lo), (1,), generator=generator))
+
+    def validation_weighting(self, num_buckets: int, latent_hw: tuple[int, int]) -> ValidationWeighting:
+        return ValidationWeighting(
+            f"val_loss is the plain mean of the {num_buckets} bucket losses val_loss_b0..b{num_buckets - 1}; bucket "
+            f"k holds one timestep per image drawn (seeded by seed, item, k) inside the k-th of {num_buckets} equal "
+            f"parts of [0, {self.num_timesteps}), the parts training draws uniformly; the MSE against the "
+            f"{self.prediction_type} target, unweighted (min-SNR, when on, weights training only)")
+
     def predict(self, unet: torch.nn.Module, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor,
                 cond: torch.Tensor) -> torch.Tensor:
         """The UNet's (B, 4, h, w) output for the latents noised to `timesteps` (the forward process q(x_t | x_0))."""
-        noisy = self.noise_scheduler.add_noise(latents, noise, timesteps)
+        noisy = self.noised(latents, noise, timesteps)
         return unet(noisy, timesteps, cond.to(noisy.dtype), return_dict=False)[0]
 
     def target(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:

@@ -16,18 +16,29 @@ from typing import Optional
 
 from rangefinder.config import ModelConfig
 from rangefinder.errors import ConfigError
+from rangefinder.formats.flux_layout import FLUX_CHECKPOINT_PREFIX, FLUX_DOUBLE_BLOCK_KEY, FLUX_SINGLE_BLOCK_KEY
 from rangefinder.formats.single_file import LDM_UNET_PREFIX, SGM_CLIP_G_PREFIX
 
 # The model families rangefinder trains (families.FAMILIES), by the pipeline class diffusers names in
 # model_index.json `_class_name`.
-FAMILY_OF_PIPELINE = {"StableDiffusionPipeline": "sd1", "StableDiffusionXLPipeline": "sdxl"}
+FAMILY_OF_PIPELINE = {"StableDiffusionPipeline": "sd1", "StableDiffusionXLPipeline": "sdxl",
+                      "StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux"}
 # The parts a family needs beyond models.loading.REQUIRED_PARTS.
-FAMILY_PARTS = {"sd1": (), "sdxl": ("text_encoder_2", "tokenizer_2")}
-FAMILY_NAMES = {"sd1": "Stable Diffusion 1.x/2.x", "sdxl": "Stable Diffusion XL"}
+FAMILY_PARTS = {"sd1": (), "sdxl": ("text_encoder_2", "tokenizer_2"),
+                "sd3": ("text_encoder_2", "tokenizer_2", "text_encoder_3", "tokenizer_3"),
+                "flux": ("text_encoder_2", "tokenizer_2")}  # Flux: T5 and its tokenizer
+# The folder of the denoiser (loaded as SDComponents.unet whatever its kind): the UNet, or SD3's and Flux's
+# transformer.
+FAMILY_DENOISER = {"sd1": "unet", "sdxl": "unet", "sd3": "transformer", "flux": "transformer"}
+FAMILY_NAMES = {"sd1": "Stable Diffusion 1.x/2.x", "sdxl": "Stable Diffusion XL", "sd3": "Stable Diffusion 3/3.5",
+                "flux": "Flux.1"}
 # In a single file (the LDM/SGM layout): SDXL's UNet has the added (pooled text + size) embedding `label_emb`, and
 # SGM's conditioner holds the two text encoders, CLIP ViT-L as embedders.0 and OpenCLIP bigG as embedders.1.
 SDXL_SINGLE_FILE_UNET_KEY = LDM_UNET_PREFIX + "label_emb.0.0.weight"
 SDXL_SINGLE_FILE_TE2_PREFIX = SGM_CLIP_G_PREFIX
+# SD3's single file (Stability's layout, which ComfyUI and diffusers' from_single_file read): the MMDiT's
+# `joint_blocks` under model.diffusion_model.
+SD3_SINGLE_FILE_KEY_PREFIX = LDM_UNET_PREFIX + "joint_blocks."
 
 
 def detect_family(folder: Path) -> str:
@@ -73,7 +84,13 @@ def family_of(model_cfg: ModelConfig) -> Optional[str]:
 
 def single_file_family(path: Path, keys: list[str]) -> str:
     """The family of a single-file checkpoint from its tensor names; ConfigError for an SDXL file without its
-    second text encoder."""
+    second text encoder. Flux's transformer in Black Forest Labs' layout (formats/flux_layout.py) has double- and
+    single-stream blocks, bare (BFL's own file) or under `model.diffusion_model.` (ComfyUI's checkpoints)."""
+    bare = {k.removeprefix(FLUX_CHECKPOINT_PREFIX) for k in keys}
+    if FLUX_DOUBLE_BLOCK_KEY in bare and FLUX_SINGLE_BLOCK_KEY in bare:
+        return "flux"
+    if any(k.startswith(SD3_SINGLE_FILE_KEY_PREFIX) for k in keys):
+        return "sd3"
     if SDXL_SINGLE_FILE_UNET_KEY in keys or any(k.startswith("conditioner.") for k in keys):
         if not any(k.startswith(SDXL_SINGLE_FILE_TE2_PREFIX) for k in keys):
             raise ConfigError(

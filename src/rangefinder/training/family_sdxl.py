@@ -26,6 +26,7 @@ from rangefinder.training.caching import tokenize
 from rangefinder.training.family import ImageGeometry, Sd1Family, _checked_prediction_type
 
 if TYPE_CHECKING:
+    from rangefinder.config import TrainingConfig
     from rangefinder.models.loading import SDComponents
 
 TIME_IDS = 6
@@ -42,13 +43,13 @@ class SdxlFamily(Sd1Family):
     name: ClassVar[str] = "sdxl"
 
     @classmethod
-    def for_model(cls, sd: SDComponents, prediction_type: Optional[str]) -> SdxlFamily:
+    def for_model(cls, sd: SDComponents, cfg: TrainingConfig) -> SdxlFamily:
         pooled = int(sd.text_encoder_2.config.projection_dim)
         width = int(sd.text_encoder.config.hidden_size) + int(sd.text_encoder_2.config.hidden_size)
         if pooled > width or width < TIME_IDS:
             raise ConfigError(f"model.base_model: an SDXL model whose pooled width ({pooled}) exceeds its text width "
                               f"({width}) is not supported")
-        return cls(sd.tokenizer, sd.noise_scheduler, _checked_prediction_type(sd, prediction_type),
+        return cls(sd.tokenizer, sd.noise_scheduler, _checked_prediction_type(sd, cfg),
                    tokenizer_2=sd.tokenizer_2, pooled_dim=pooled)
 
     def text_encoder_names(self) -> tuple[str, ...]:
@@ -96,7 +97,7 @@ class SdxlFamily(Sd1Family):
 
     def predict(self, unet: torch.nn.Module, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor,
                 cond: torch.Tensor) -> torch.Tensor:
-        noisy = self.noise_scheduler.add_noise(latents, noise, timesteps)
+        noisy = self.noised(latents, noise, timesteps)
         cond = cond.to(noisy.dtype)
         hidden, pooled, time_ids = cond[:, :-2], cond[:, -2, : self.pooled_dim], cond[:, -1, :TIME_IDS]
         added = {"text_embeds": pooled, "time_ids": time_ids}

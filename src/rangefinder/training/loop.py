@@ -264,8 +264,8 @@ def _micro_batch_loss(run: Run, gen: torch.Generator, j: int, images_in_update: 
     mine = slice(first, first + B)
     flips = (torch.rand(whole, generator=gen) < 0.5)[mine].tolist() if cfg.random_flip else [False] * B
     drop = (torch.rand(whole, generator=gen) < cfg.cond_dropout)[mine] if cfg.cond_dropout > 0 else None
-    timesteps = torch.randint(0, run.family.num_timesteps, (whole,), generator=gen)[mine]
-    latents = run.data.train_latents.get(idx, flips, device)  # (B, 4, h, w) scaled latents
+    latents = run.data.train_latents.get(idx, flips, device)  # (B, C, h, w) scaled latents (draws nothing)
+    timesteps = run.family.sample_timesteps(whole, gen, (latents.shape[-2], latents.shape[-1]))[mine]
     noise = torch.randn((whole, *latents.shape[1:]), generator=gen)[mine]
     if cfg.noise_offset:
         # Offset noise (Guttenberg 2023, crosslabs.org/blog/diffusion-with-offset-noise): lets the model
@@ -389,6 +389,14 @@ def _bucket_summary(run: Run, state: RunState) -> Optional[dict[str, Any]]:
             "train_buckets": [bucket_name(b) for b in settings.train_buckets or []]}
 
 
+def _latent_hw(run: Run) -> tuple[int, int]:
+    """The (h, w) of the run's first validation set's latents (the training resolution's without validation)."""
+    if run.data.val_sets:
+        return int(run.data.val_sets[0].latents.shape[-2]), int(run.data.val_sets[0].latents.shape[-1])
+    side = run.data.data_cfg.resolution // 2 ** (len(run.sd.vae.config.block_out_channels) - 1)
+    return side, side
+
+
 def _finish(run: Run, state: RunState, *, save_final: bool, seconds: float, cpu_seconds: float) -> TrainResult:
     """Write the final weights (a finished, undiverged run) and run_summary.json; the run's result."""
     settings, log = run.settings, state.log
@@ -436,6 +444,9 @@ def _finish(run: Run, state: RunState, *, save_final: bool, seconds: float, cpu_
             "buckets": _bucket_summary(run, state),
             "family": run.family.name,  # detected from the base model (models/loading.py: detect_family)
             "prediction_type": run.family.prediction_type,
+            # how val_loss combines its per-bucket (per-sigma) losses, and the flow families' sigma grid
+            "validation_weighting": run.family.validation_weighting(
+                run.val_cfg.timesteps, _latent_hw(run)).as_dict(),
             "compile": "on" if settings.compile else "off",  # training.compile resolved
             "mixed_precision_used": run.cfg.mixed_precision,  # training.mixed_precision resolved (auto: per device)
             "seconds": seconds,  # the loop's wall time (loading and encoding excluded)

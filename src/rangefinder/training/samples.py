@@ -43,6 +43,7 @@ import torch
 
 from rangefinder.errors import ConfigError
 from rangefinder.formats.atomic import atomic_path, write_json
+from rangefinder.models.loading import pipeline_call_kwargs
 from rangefinder.training.sinks import ImageSink
 from rangefinder.training.validation import preserved_rng
 
@@ -212,7 +213,7 @@ class TrainingSamples:
             with run.accelerator.autocast():
                 out = pipe(prompt=[p for p, _ in cells], num_inference_steps=cfg.num_inference_steps,
                            guidance_scale=cfg.guidance_scale, height=self.resolution, width=self.resolution,
-                           generator=generators)
+                           generator=generators, **pipeline_call_kwargs(pipe))
         return list(out.images)
 
     def _pipeline(self) -> Any:
@@ -295,4 +296,9 @@ def _inference_scheduler(sd: Any, name: Optional[str], prediction_type: str) -> 
             entry = json.loads(index.read_text()).get("scheduler") if index.is_file() else None
             cls_name = entry[1] if isinstance(entry, list) and len(entry) == 2 else None
     cls = getattr(diffusers, cls_name or type(sd.noise_scheduler).__name__)
+    if prediction_type == "flow":  # a flow-matching family: its own FlowMatch* scheduler (no prediction type)
+        from rangefinder.training.family_flow import check_flow_scheduler
+
+        check_flow_scheduler(type(sd.noise_scheduler).__name__, cls.__name__)
+        return cls.from_config(config)
     return cls.from_config(config, prediction_type=prediction_type)

@@ -173,13 +173,19 @@ def load_model(settings: RunSettings, accelerator: Accelerator) -> tuple[SDCompo
     sd = load_sd_components(settings.model_cfg)
     sd.vae.requires_grad_(False)
     move_module(sd.vae, device, torch.float32)  # encodes once: fp32 avoids the SD VAE's fp16 overflow
+    # The family first: it refuses settings (and methods) it cannot train before anything is set up for them.
+    family = family_for(sd, cfg)
     method.setup(sd, weight_dtype)
     sd.unet.eval()  # frozen modules stay in eval mode; the loop switches the trainable ones
     for m in (sd.unet, *sd.text_encoders().values()):
         m.eval()
         if not any(m is t for t in method.trainable_modules().values()):
             move_module(m, device)
-    family = family_for(sd, cfg.prediction_type)
+    if sd.text_encoder_3 is not None:  # SD3's T5: never trained; fp16 overflows in T5 (bf16 does not)
+        sd.text_encoder_3.requires_grad_(False).eval()
+        move_module(sd.text_encoder_3, device, torch.bfloat16 if weight_dtype == torch.bfloat16 else torch.float32)
+    if sd.family == "flux":  # Flux's T5 is text_encoder_2: never trained, and not in fp16 either
+        move_module(sd.text_encoder_2, device, torch.bfloat16 if weight_dtype == torch.bfloat16 else torch.float32)
     if cfg.gradient_checkpointing:
         for m in method.trainable_modules().values():
             enable = (getattr(m, "enable_gradient_checkpointing", None)  # diffusers' name
@@ -234,7 +240,10 @@ def memory_advice(cfg: TrainingConfig) -> Iterator[None]:
 def native_data_config(sd: SDComponents) -> DataConfig:
     """The base model's native resolution (the UNet's sample size times the VAE's downscale), centre-cropped."""
     vae_scale = 2 ** (len(sd.vae.config.block_out_channels) - 1)
-    return DataConfig(resolution=int(sd.unet.config.sample_size) * vae_scale)
+    sample = getattr(sd.unet.config, "sample_size", None)
+    if sample is None:  # a transformer (Flux) has no sample size; its VAE's is the native resolution in pixels
+        return DataConfig(resolution=int(sd.vae.config.sample_size))
+    return DataConfig(resolution=int(sample) * vae_scale)
 
 
 def move_module(module: torch.nn.Module, device: torch.device, dtype: Optional[torch.dtype] = None) -> None:

@@ -202,6 +202,17 @@ class TrainResult:
         """The curve as float arrays, one per column (analysis.read_curve_csv's shape)."""
         return {k: np.asarray(v, dtype=float) for k, v in self.curve.items()}
 
+    def validation_weighting(self) -> Optional[dict]:
+        """run_summary.json's `validation_weighting` (how val_loss combines its per-bucket losses, and a flow
+        family's sigma grid), for the reports; None when the summary is not there (another process, a failed run)."""
+        import json
+
+        try:
+            weighting = json.loads(Path(self.summary_path).read_text()).get("validation_weighting")
+        except (OSError, ValueError, TypeError):
+            return None
+        return weighting if isinstance(weighting, dict) else None
+
     def as_dict(self) -> dict[str, JSONValue]:
         """The result without its family and curve: the fields run_summary.json opens with (its format), and what
         `rangefinder train` prints."""

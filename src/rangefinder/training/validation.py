@@ -2,11 +2,13 @@
 
 See docs/design.md, section 2 ("Deterministic validation").
 
-Each item is scored at K stratified timesteps, one drawn inside each 1/K of the noise schedule, each with fixed
-noise; timestep and noise come from a generator seeded by (seed, item id, k) and never from the global RNG. Latents
-are the cached mode (or seeded sample), never flipped; captions are never dropped. The loss is the plain MSE
-against the model's target (epsilon or v), unweighted, so the same model gives the same numbers bit for bit on
-CPU. Every RNG the forward pass could touch is saved and restored around the measurement, so validating never
+Each item is scored at K stratified timesteps, one in each 1/K of what training samples (the family's
+`fixed_timestep`: DDPM families draw an integer inside each 1/K of [0, T); flow families take the fixed sigma at
+the middle of each 1/K of their sigma density, the same grid for every item), each with fixed noise; timestep and
+noise come from a generator seeded by (seed, item id, k) and never from the global RNG. Latents are the cached
+mode (or seeded sample), never flipped; captions are never dropped. The loss is the plain MSE against the model's
+target (epsilon, v, or the flow velocity noise - x0), unweighted, so the same model gives the same numbers bit for
+bit on CPU. Every RNG the forward pass could touch is saved and restored around the measurement, so validating never
 changes what training does.
 
 With aspect-ratio buckets (data/buckets.py) a subset is held as one `ValidationSet` per bucket, each of one latent
@@ -34,7 +36,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from rangefinder.training.family import Denoiser
+    from rangefinder.training.family import Denoiser, Family
 
 
 @dataclass
@@ -51,15 +53,20 @@ class ValidationSet:
     def __len__(self) -> int:
         return len(self.ids)
 
-    def fixed_inputs(self, seed: int, num_buckets: int, num_timesteps: int, device: torch.device) -> FixedInputs:
-        key = (seed, num_buckets, num_timesteps, str(device))
+    def fixed_inputs(self, seed: int, num_buckets: int, family: Family, device: torch.device) -> FixedInputs:
+        # One family object per run: its timestep grid (flow families: from the run's settings) never changes in it.
+        key = (seed, num_buckets, id(family), str(device))
         if key not in self._fixed:
             # (item, k) pairs item-major: pair p is item p // K at bucket p % K.
-            draws = [fixed_draw(seed, i, k, num_buckets, num_timesteps, self.latents.shape[1:])
+            draws = [fixed_draw(seed, i, k, num_buckets, family, self.latents.shape[1:])
                      for i in self.ids for k in range(num_buckets)]
+            timesteps = [t for t, _ in draws]
             self._fixed.clear()  # one setting per run; never keep a stale copy on the device
             self._fixed[key] = FixedInputs(
-                timesteps=torch.tensor([t for t, _ in draws], dtype=torch.long, device=device),
+                # integer timesteps (DDPM families) stay integers; sigmas (flow families) are float32
+                timesteps=torch.tensor(timesteps, device=device,
+                                       dtype=torch.long if all(isinstance(t, int) for t in timesteps)
+                                       else torch.float32),
                 noise=torch.stack([n for _, n in draws]).to(device),
                 latents=self.latents.to(device),
                 conditioning=self.conditioning.to(device),
@@ -115,12 +122,13 @@ def noise_seed(seed: int, item_id: int, k: int) -> int:
 
 
 def fixed_draw(
-    seed: int, item_id: int, k: int, num_buckets: int, num_timesteps: int, shape
-) -> tuple[int, torch.Tensor]:
-    """Timestep inside bucket k (of num_buckets equal parts of [0, T)) and its (4, h, w) noise, for one item."""
+    seed: int, item_id: int, k: int, num_buckets: int, family: Family, shape
+) -> tuple[float, torch.Tensor]:
+    """Timestep of bucket k (the family's `fixed_timestep`: a draw inside the k-th of K equal parts of what
+    training samples, or a fixed grid point) and its (C, h, w) noise, for one item; both from one generator
+    seeded by (seed, item, k)."""
     g = torch.Generator().manual_seed(noise_seed(seed, item_id, k))
-    lo, hi = k * num_timesteps // num_buckets, (k + 1) * num_timesteps // num_buckets
-    t = lo + int(torch.randint(0, max(1, hi - lo), (1,), generator=g))
+    t = family.fixed_timestep(k, num_buckets, g, (int(shape[-2]), int(shape[-1])))
     noise = torch.randn(tuple(shape), generator=g, dtype=torch.float32)
     return t, noise
 
@@ -215,7 +223,7 @@ def _pair_losses(
     """The loss of every (item, k) pair of one set, in pair order (float64 values); with `pairs` (lo, hi), of those
     pairs only."""
     num_buckets, batch_size, device = scoring.num_buckets, scoring.batch_size, scoring.device
-    fixed = vset.fixed_inputs(scoring.seed, num_buckets, denoiser.family.num_timesteps, device)
+    fixed = vset.fixed_inputs(scoring.seed, num_buckets, denoiser.family, device)
     lo, hi = pairs or (0, len(vset) * num_buckets)
     per_pair = []
     for start in range(lo, hi, batch_size):

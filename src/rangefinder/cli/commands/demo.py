@@ -27,8 +27,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="rangefinder-demo", help="output folder (default ./rangefinder-demo)")
     p.add_argument("--retrain", action="store_true", help="also retrain on all data for the recommended epochs")
     p.add_argument("--lr", type=float, help="a fixed learning rate: skips the LR range test")
-    p.add_argument("--family", choices=("sd1", "sdxl"), default="sd1",
-                   help="which embedded tiny model to run on: Stable Diffusion 1.x (default) or SDXL; the engine "
+    p.add_argument("--family", choices=("sd1", "sdxl", "sd3", "flux"), default="sd1",
+                   help="which embedded tiny model to run on: SD 1.x (default), SDXL, SD3.5 or Flux.1; the engine "
                    "reads the family from the model, as for any base model")
     p.add_argument("--verbose", action="store_true", help="stream every step's log here instead of to OUT/pipeline.log")
     add_json_flag(p)
@@ -38,13 +38,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 def demo_model_cache(out: Path, family: str = "sd1") -> Path:
     """Where the tiny model is read or built: $RANGEFINDER_CACHE, else the user cache when it already holds the
     model (reading it writes nothing), else a cache inside --out (everything the demo writes stays there)."""
-    from rangefinder.models import tiny, tiny_sdxl
+    from rangefinder.models import tiny, tiny_flux, tiny_sd3, tiny_sdxl
 
     if os.environ.get("RANGEFINDER_CACHE"):
         return Path(os.environ["RANGEFINDER_CACHE"]).expanduser()
     shared = tiny.default_cache_dir()
-    name = (tiny_sdxl.cache_name(tiny_sdxl.TinySdxlSettings()) if family == "sdxl"
-            else tiny.cache_name(tiny.TinyModelSettings()))
+    name = {"sdxl": lambda: tiny_sdxl.cache_name(tiny_sdxl.TinySdxlSettings()),
+            "sd3": lambda: tiny_sd3.cache_name(tiny_sd3.TinySd3Settings()),
+            "flux": lambda: tiny_flux.cache_name(tiny_flux.TinyFluxSettings())}.get(
+        family, lambda: tiny.cache_name(tiny.TinyModelSettings()))()
     if (shared / name / "model_index.json").is_file():
         return shared
     return out / "cache"
@@ -63,6 +65,10 @@ def prepare_demo(out: Path, retrain: bool = False, lr: float | None = None, fami
         overrides["training"] = {"cache_dir": str(out / "cache")}
     if lr is not None:
         overrides["lr"] = lr
+    if family == "sd3":  # the demo's DDIM samples DDPM models; SD3 samples with its own flow-matching Euler
+        overrides["sampling"] = {"scheduler": None}
+    if family == "flux":  # so does Flux, whose guidance scale is the distilled guidance input (3.5), not CFG
+        overrides["sampling"] = {"scheduler": None, "guidance_scale": 3.5}
     # Validated before anything is made: a bad --lr costs one line, not a dataset and a model build.
     cfg = demo_run_config(**overrides)
     make_synthetic_dataset(dataset, kind=EMBEDDED_KIND, count=DEMO_IMAGES, seed=0, resolution=32)
@@ -70,6 +76,14 @@ def prepare_demo(out: Path, retrain: bool = False, lr: float | None = None, fami
         from rangefinder.models.tiny_sdxl import ensure_tiny_sdxl_model
 
         cfg.model.base_model = str(ensure_tiny_sdxl_model(cache_dir=demo_model_cache(out, family)))
+    elif family == "sd3":
+        from rangefinder.models.tiny_sd3 import ensure_tiny_sd3_model
+
+        cfg.model.base_model = str(ensure_tiny_sd3_model(cache_dir=demo_model_cache(out, family)))
+    elif family == "flux":
+        from rangefinder.models.tiny_flux import ensure_tiny_flux_model
+
+        cfg.model.base_model = str(ensure_tiny_flux_model(cache_dir=demo_model_cache(out, family)))
     else:
         cfg.model.base_model = str(ensure_tiny_base_model(cache_dir=demo_model_cache(out)))
     return cfg

@@ -22,11 +22,13 @@ class FullFineTune(ModuleMethod):
         self._modules: dict[str, torch.nn.Module] = {"unet": sd.unet}
         sd.unet.requires_grad_(True)
         _cast(sd.unet, torch.float32)
-        for name, te in sd.text_encoders().items():  # SDXL: both encoders
+        for name, te in sd.text_encoders().items():  # SDXL, SD3: both CLIP encoders
             if self.cfg.train_text_encoder:
                 te.requires_grad_(True)
                 _cast(te, torch.float32)
                 self._modules[name] = te
+                if sd.family == "sd3" and name == "text_encoder":
+                    te.text_projection.requires_grad_(False)  # SD3's CLIP-L pools unprojected (the identity)
             else:
                 te.requires_grad_(False)
                 _cast(te, weight_dtype)
@@ -51,23 +53,44 @@ class FullFineTune(ModuleMethod):
         from rangefinder.formats.weights_file import training_metadata
 
         save_pipeline(sd, out_dir)
-        # The same weights as one file in the original SD layout, for A1111 and ComfyUI
-        # (src/rangefinder/formats/single_file.py).
         meta = training_metadata(self.cfg, getattr(sd, "source", None), updates=self.updates_taken)
         meta = {**meta, "rangefinder.family": sd.family}
+        if sd.family == "flux":  # the transformer in Black Forest Labs' layout, as BFL ships Flux (flux_layout.py)
+            from rangefinder.formats.flux_layout import export_flux_transformer
+
+            export_flux_transformer(out_dir, out_dir / SINGLE_FILE_NAME, meta)
+            return
+        if sd.family == "sd3":  # Stability's SD3 layout (formats/single_file_sd3.py)
+            from rangefinder.formats.single_file_sd3 import export_sd3_full
+
+            export_sd3_full(out_dir, out_dir / SINGLE_FILE_NAME, meta)
+            return
+        # The same weights as one file in the original SD layout, for A1111 and ComfyUI
+        # (src/rangefinder/formats/single_file.py).
         export_full(out_dir, out_dir / SINGLE_FILE_NAME, meta)
 
 
 def save_pipeline(sd: SDComponents, out_dir: Path) -> None:
-    """A StableDiffusionPipeline folder (diffusers layout) that `from_pretrained` loads, in fp32 safetensors, under
-    transformers 4.x and 5.x alike (see `formats.diffusers_folder.save_pipeline_folder`)."""
-    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+    """The family's pipeline folder (StableDiffusion, StableDiffusionXL, StableDiffusion3 or FluxPipeline; diffusers
+    layout) that `from_pretrained` loads, in fp32 safetensors, under transformers 4.x and 5.x alike (see
+    `formats.diffusers_folder.save_pipeline_folder`)."""
+    from diffusers import StableDiffusion3Pipeline, StableDiffusionPipeline, StableDiffusionXLPipeline
 
     from rangefinder.formats.diffusers_folder import save_pipeline_folder
 
     # A copy: the pipeline's constructor rewrites outdated scheduler configs in place.
     scheduler = type(sd.noise_scheduler).from_config(sd.noise_scheduler.config)
-    if sd.family == "sdxl":
+    if sd.family == "sd3":  # the flow-matching scheduler trains and samples alike
+        pipe: Any = StableDiffusion3Pipeline(
+            transformer=sd.unet, scheduler=scheduler, vae=sd.vae, text_encoder=sd.text_encoder,
+            tokenizer=sd.tokenizer, text_encoder_2=sd.text_encoder_2, tokenizer_2=sd.tokenizer_2,
+            text_encoder_3=sd.text_encoder_3, tokenizer_3=sd.tokenizer_3)
+    elif sd.family == "flux":  # its own flow-matching scheduler samples too
+        from diffusers import FluxPipeline
+
+        pipe = FluxPipeline(scheduler=scheduler, vae=sd.vae, text_encoder=sd.text_encoder, tokenizer=sd.tokenizer,
+                            text_encoder_2=sd.text_encoder_2, tokenizer_2=sd.tokenizer_2, transformer=sd.unet)
+    elif sd.family == "sdxl":
         if sd.model_dir is not None and (sd.model_dir / "scheduler").is_dir():
             # The base model's own sampling scheduler (SDXL ships Euler), not the training DDPM.
             import json
@@ -77,7 +100,7 @@ def save_pipeline(sd: SDComponents, out_dir: Path) -> None:
             config = json.loads((sd.model_dir / "scheduler" / "scheduler_config.json").read_text())
             cls = getattr(diffusers, config.get("_class_name", ""), type(sd.noise_scheduler))
             scheduler = cls.from_config({**config, "prediction_type": sd.noise_scheduler.config.prediction_type})
-        pipe: Any = StableDiffusionXLPipeline(
+        pipe = StableDiffusionXLPipeline(
             vae=sd.vae, text_encoder=sd.text_encoder, text_encoder_2=sd.text_encoder_2, tokenizer=sd.tokenizer,
             tokenizer_2=sd.tokenizer_2, unet=sd.unet, scheduler=scheduler,
         )
@@ -93,7 +116,9 @@ def save_pipeline(sd: SDComponents, out_dir: Path) -> None:
             requires_safety_checker=False,
         )
     # Frozen parts may have been cast to half for training; the saved model is fp32 like its base.
-    dtypes = {n: m.dtype for n, m in (("vae", sd.vae), *sd.text_encoders().items(), ("unet", sd.unet))}
+    parts = (("vae", sd.vae), *sd.text_encoders().items(), ("unet", sd.unet),
+             *((("text_encoder_3", sd.text_encoder_3),) if sd.text_encoder_3 is not None else ()))
+    dtypes = {n: m.dtype for n, m in parts}
     try:
         for n in dtypes:
             _cast(getattr(sd, n), torch.float32)

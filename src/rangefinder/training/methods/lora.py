@@ -104,5 +104,10 @@ class LoraMethod(ModuleMethod):
         )
         te = sd.text_encoder if "text_encoder" in self._modules else None
         te_2 = sd.text_encoder_2 if "text_encoder_2" in self._modules else None
+        if sd.family == "sd3":
+            from rangefinder.formats.lora import save_sd3_lora_files
+
+            save_sd3_lora_files(out_dir, sd.unet, te, te_2, {**meta, "rangefinder.family": sd.family})
+            return
         save_lora_files(out_dir, unet=sd.unet, text_encoder=te, metadata={**meta, "rangefinder.family": sd.family},
-                        text_encoder_2=te_2, sdxl=sd.family == "sdxl")
+                        text_encoder_2=te_2, sdxl=sd.family == "sdxl", flux=sd.family == "flux")

@@ -66,10 +66,20 @@ def placeholder_tokens(token: str, num_vectors: int) -> list[str]:
     return [token] + [f"{token}_{i}" for i in range(1, num_vectors)]
 
 
+TI_FAMILIES = ("sd1", "sdxl")  # the families whose embedding files consumers load
+
+
 class TextualInversion(Method):
     name = "textual_inversion"
 
     def setup(self, sd: SDComponents, weight_dtype: torch.dtype) -> None:
+        if sd.family not in TI_FAMILIES:
+            # SD3 would need an embedding per CLIP and none for T5; no consumer (ComfyUI, A1111, diffusers' SD3
+            # loader) reads such a file, so it is refused rather than built for nobody.
+            from rangefinder.errors import ConfigError
+
+            raise ConfigError(f"training.method: textual inversion is not supported on {sd.family} models (only on "
+                              f"{', '.join(TI_FAMILIES)}); use method lora or full")
         s = self.cfg.textual_inversion
         self.tokens = placeholder_tokens(s.placeholder_token, s.num_vectors)
         sd.unet.requires_grad_(False)

@@ -1,0 +1,84 @@
+"""The rectified-flow objective behind the family seam (training/family_flow.py): noising and target, the training
+sigma densities and their validation grid, the weightings, and the DDPM settings a flow model refuses."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rangefinder.config import FlowSettings, TrainingConfig
+from rangefinder.errors import ConfigError
+from rangefinder.training.family_flow import FlowFamily, refuse_ddpm_settings
+
+
+def family(shift: float = 3.0, **flow) -> FlowFamily:
+    return FlowFamily(FlowSettings(**flow), shift)
+
+
+def test_noising_is_the_straight_line_and_the_target_its_velocity():
+    x0 = torch.randn(3, 4, 2, 2, generator=torch.Generator().manual_seed(0))
+    noise = torch.randn(3, 4, 2, 2, generator=torch.Generator().manual_seed(1))
+    sigma = torch.tensor([0.0, 0.25, 1.0])
+    f = family()
+    xt = f.noised(x0, noise, sigma)
+    assert torch.equal(xt[0], x0[0]) and torch.equal(xt[2], noise[2])
+    assert torch.allclose(xt[1], 0.75 * x0[1] + 0.25 * noise[1])
+    # d x_t / d sigma = noise - x0: the velocity the model is trained on
+    assert torch.equal(f.target(x0, noise, sigma), noise - x0)
+
+
+@pytest.mark.parametrize("sampling", ["uniform", "logit_normal", "mode"])
+def test_the_validation_grid_splits_what_training_draws_into_equal_parts(sampling):
+    """Each grid sigma is the middle of an equal-probability part of the (shifted) training density: of 200k
+    training draws, the share below grid point k is (k + 1/2) / K."""
+    f = family(shift=3.0, timestep_sampling=sampling)
+    K = 4
+    grid = f.validation_sigmas(K, (8, 8))
+    assert grid == sorted(grid) and all(0 < s < 1 for s in grid)
+    draws = f.sample_timesteps(200_000, torch.Generator().manual_seed(0), (8, 8))
+    for k, s in enumerate(grid):
+        assert float((draws < s).double().mean()) == pytest.approx((k + 0.5) / K, abs=0.005)
+    # the fixed timestep draws nothing: the item's noise stays the generator's first draw
+    g = torch.Generator().manual_seed(7)
+    assert f.fixed_timestep(2, K, g, (8, 8)) == grid[2]
+    assert torch.equal(torch.randn(3, generator=g), torch.randn(3, generator=torch.Generator().manual_seed(7)))
+    assert list(f.validation_weighting(K, (8, 8)).grid or ()) == grid
+
+
+def test_the_shift_moves_sigma_towards_noise():
+    plain, shifted = family(shift=1.0).validation_sigmas(4, (8, 8)), family(shift=3.0).validation_sigmas(4, (8, 8))
+    assert all(b > a for a, b in zip(plain, shifted, strict=True))
+    assert shifted[0] == pytest.approx(3 * plain[0] / (1 + 2 * plain[0]), rel=1e-6)
+
+
+def test_the_weightings():
+    sigma = torch.tensor([0.1, 0.5, 0.9])
+    assert torch.equal(family().loss_weights(sigma), torch.ones(3))
+    assert torch.allclose(family(loss_weighting="sigma_sqrt").loss_weights(sigma), sigma ** -2)
+    cosmap = family(loss_weighting="cosmap").loss_weights(sigma)
+    assert torch.allclose(cosmap, 2 / (math.pi * (1 - 2 * sigma + 2 * sigma ** 2)))
+
+
+@pytest.mark.parametrize("setting, words", [
+    (dict(min_snr_gamma=5.0), "training.min_snr_gamma: min-SNR weighting is defined through the DDPM"),
+    (dict(prediction_type="v_prediction"), "training.prediction_type: sd3 is a flow-matching model"),
+    (dict(noise_offset=0.05), "training.noise_offset: the offset noise is DDPM's"),
+])
+def test_ddpm_settings_are_refused_on_a_flow_model_in_one_line(setting, words):
+    with pytest.raises(ConfigError, match=words) as e:
+        refuse_ddpm_settings(TrainingConfig(**setting), "sd3")
+    assert "\n" not in str(e.value)
+    refuse_ddpm_settings(TrainingConfig(), "sd3")  # the defaults are fine
+
+
+def test_flow_settings_on_a_ddpm_model_are_refused(tiny_model_dir):
+    from rangefinder.config import ModelConfig
+    from rangefinder.models.loading import load_sd_components
+    from rangefinder.training.families import family_for
+
+    sd = load_sd_components(ModelConfig(base_model=str(tiny_model_dir)))
+    with pytest.raises(ConfigError, match=r"training.flow \(loss_weighting\): the base model is a DDPM model"):
+        family_for(sd, TrainingConfig(flow=FlowSettings(loss_weighting="cosmap")))
+    assert family_for(sd, TrainingConfig()).name == "sd1"

@@ -1,0 +1,217 @@
+"""SD3 (flow matching, MMDiT) end to end on the embedded tiny SD3: full and LoRA train and validate on the fixed
+sigma grid, resume exactly after a SIGKILL, and save what diffusers' StableDiffusion3Pipeline loads; the settings
+that mean nothing for SD3 are one line each."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rangefinder.config import DataConfig, TrainingConfig, ValidationConfig
+from rangefinder.errors import ConfigError
+from rangefinder.training.loop import TrainSpec, train
+from tests.training.test_resume import run_child
+
+# 16 train images, batch 4: 4 updates an epoch; validation on the 4 val images at K = 4 sigmas.
+SETTINGS = dict(batch_size=4, steps=4, lr=3e-4, seed=3, random_flip=True, cond_dropout=0.2)
+VALIDATION = dict(every_updates=2, timesteps=4)
+
+
+@pytest.fixture(scope="module")
+def runs(split_dir, tiny_sd3_dir, tmp_path_factory) -> dict:
+    """One full and one LoRA run of 4 updates each on the tiny SD3."""
+    cache = str(tmp_path_factory.mktemp("encoded"))
+    out = {}
+    for method in ("full", "lora"):
+        folder = tmp_path_factory.mktemp(method)
+        out[method] = train(TrainSpec(TrainingConfig(method=method, cache_dir=cache, **SETTINGS),
+                                      ValidationConfig(**VALIDATION), split_dir=split_dir, model=tiny_sd3_dir),
+                            out_dir=folder)
+    return out
+
+
+def rows(path) -> list[dict]:
+    import csv
+
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_sd3_trains_and_validates_on_a_fixed_sigma_grid(runs, method):
+    result = runs[method]
+    assert result.status == "ok" and result.family == "sd3" and result.updates == 4
+    table = rows(result.metrics_csv)
+    assert [r["update"] for r in table] == ["0", "2", "4"]
+    summary = json.loads(result.summary_path.read_text())
+    assert summary["family"] == "sd3" and summary["prediction_type"] == "flow"
+    weighting = summary["validation_weighting"]
+    grid = weighting["grid"]
+    assert len(grid) == 4 and grid == sorted(grid) and 0 < grid[0] < grid[-1] < 1
+    assert "plain mean of the 4 per-sigma losses" in weighting["statement"]
+    # val_loss is the plain mean of the per-sigma columns
+    last = table[-1]
+    per_sigma = [float(last[f"val_loss_b{k}"]) for k in range(4)]
+    assert float(last["val_loss"]) == pytest.approx(sum(per_sigma) / 4, rel=1e-12)
+    assert float(last["val_loss"]) != float(table[0]["val_loss"])  # the weights moved
+
+
+def test_two_validation_passes_over_the_same_weights_are_bit_identical(runs):
+    """Update 0 of both runs measures the same base weights (LoRA's adapters start as a no-op), in two runs."""
+    full, lora = (rows(runs[m].metrics_csv)[0] for m in ("full", "lora"))
+    cols = ["val_loss"] + [f"val_loss_b{k}" for k in range(4)]
+    assert [full[c] for c in cols] == [lora[c] for c in cols]
+
+
+def test_the_full_folder_renders_in_diffusers_and_the_lora_loads_every_key(runs, tiny_sd3_dir):
+    from diffusers import StableDiffusion3Pipeline
+
+    pipe = StableDiffusion3Pipeline.from_pretrained(str(runs["full"].final_dir), local_files_only=True)
+    image = pipe("a red circle", num_inference_steps=2, height=32, width=32, max_sequence_length=77,
+                 generator=torch.Generator().manual_seed(0), output_type="np").images[0]
+    assert image.shape == (32, 32, 3) and image.std() > 0
+    trained = load_file(str(runs["full"].final_dir / "transformer" / "diffusion_pytorch_model.safetensors"))
+    base = load_file(str(tiny_sd3_dir / "transformer" / "diffusion_pytorch_model.safetensors"))
+    assert trained.keys() == base.keys() and any(not torch.equal(trained[k], base[k]) for k in base)
+
+    lora_file = runs["lora"].final_dir / "pytorch_lora_weights.safetensors"
+    tensors = load_file(str(lora_file))
+    assert tensors and all(k.startswith("transformer.") for k in tensors)
+    base_pipe = StableDiffusion3Pipeline.from_pretrained(str(tiny_sd3_dir), local_files_only=True)
+    base_pipe.load_lora_weights(str(lora_file))
+    from peft.tuners.lora import LoraLayer
+
+    loaded = {n for n, m in base_pipe.transformer.named_modules() if isinstance(m, LoraLayer)}
+    # every (A, B) pair of the file became one adapter: 0 keys left over
+    assert {k.removeprefix("transformer.").rsplit(".lora_", 1)[0] for k in tensors} == loaded
+
+
+def test_the_full_single_file_is_sd3s_layout_and_loads_bit_for_bit_in_diffusers(runs, tmp_path):
+    """final/model.safetensors: Stability's SD3 layout (MMDiT under model.diffusion_model. with fused qkv, VAE under
+    first_stage_model., text_encoders.clip_l/clip_g/t5xxl), read back by diffusers' from_single_file into exactly
+    the folder's weights, and detected as sd3 by its keys."""
+    from diffusers import StableDiffusion3Pipeline
+    from safetensors import safe_open
+
+    from rangefinder.training.family_detection import single_file_family
+
+    final = runs["full"].final_dir
+    path = final / "model.safetensors"
+    with safe_open(str(path), framework="pt") as f:
+        keys = list(f.keys())
+        assert f.metadata()["rangefinder.family"] == "sd3"
+    assert single_file_family(path, keys) == "sd3"
+    assert "model.diffusion_model.joint_blocks.0.x_block.attn.qkv.weight" in keys
+    assert {k.split(".")[1] for k in keys if k.startswith("text_encoders.")} == {"clip_l", "clip_g", "t5xxl"}
+    folder = StableDiffusion3Pipeline.from_pretrained(str(final), local_files_only=True)
+    single = StableDiffusion3Pipeline.from_single_file(str(path), config=str(final), local_files_only=True)
+    for part in ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
+        a, b = getattr(folder, part).state_dict(), getattr(single, part).state_dict()
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), part
+
+
+def test_the_kohya_lora_has_sd_scripts_sd3_names_and_comfyui_maps_every_key(runs, tiny_sd3_dir):
+    """lora_kohya.safetensors: kohya's SD3 names (sd-scripts networks/lora_sd3.py: `lora_unet_` + its MMDiT's module
+    path, q/k/v fused into `attn.qkv`). ComfyUI's key map (comfy/lora.py `model_lora_keys_unet` at 41444b5236c6)
+    maps every `diffusion_model.<key>.weight` of the model as `lora_unet_<key with _ for .>`: each module of the file
+    is one of those (0 left over), and its up @ down x alpha / rank is exactly the change that diffusers'
+    load_lora_weights + fuse_lora makes to that weight from the diffusers-named file (q, k, v stacked)."""
+    from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
+
+    from rangefinder.formats.single_file_sd3 import mmdit_module_name, mmdit_state_dict
+
+    final = runs["lora"].final_dir
+    kohya = load_file(str(final / "lora_kohya.safetensors"))
+    modules = {k.rsplit(".", 2)[0] if ".lora_" in k else k.rsplit(".", 1)[0] for k in kohya}
+    base = StableDiffusion3Pipeline.from_pretrained(str(tiny_sd3_dir), local_files_only=True)
+    before = {k: v.clone() for k, v in mmdit_state_dict(base.transformer).items()}  # fuse_lora writes in place
+    comfy_map = {"lora_unet_" + k.removesuffix(".weight").replace(".", "_"): k for k in before if k.endswith(".weight")}
+    assert modules and modules <= comfy_map.keys(), sorted(modules - comfy_map.keys())[:3]
+    assert any(m.endswith("_attn_qkv") for m in modules)
+    # The diffusers-named file: ComfyUI maps `transformer.<diffusers module>` through comfy/utils.py
+    # `mmdit_to_diffusers` (at 41444b5236c6: to_q/k/v and add_q/k/v_proj as thirds of the qkv rows, the rest by
+    # its MMDIT_MAP_BLOCK/BASIC tables), the correspondence mmdit_module_name states; every module has a place.
+    diffusers_named = load_file(str(final / "pytorch_lora_weights.safetensors"))
+    targets = {mmdit_module_name(k.removeprefix("transformer.").rsplit(".lora_", 1)[0]) for k in diffusers_named}
+    assert {"lora_unet_" + name.replace(".", "_") for name, _ in targets} == modules
+    base.load_lora_weights(str(final / "pytorch_lora_weights.safetensors"))
+    base.fuse_lora()
+    # the fused weights, as a plain transformer (peft keeps them under `.base_layer`)
+    fused = {k.replace(".base_layer", ""): v for k, v in base.transformer.state_dict().items() if ".lora_" not in k}
+    plain = SD3Transformer2DModel.from_config(base.transformer.config)
+    plain.load_state_dict(fused, strict=True)
+    after = mmdit_state_dict(plain)
+    for m in modules:
+        down, up, alpha = kohya[f"{m}.lora_down.weight"], kohya[f"{m}.lora_up.weight"], kohya[f"{m}.alpha"]
+        delta = up @ down * (float(alpha) / down.shape[0])
+        key = comfy_map[m]
+        torch.testing.assert_close(after[key] - before[key], delta, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_sd3_lora_resumes_after_sigkill_exactly_as_uninterrupted(split_dir, tiny_sd3_dir, tmp_path):
+    training = dict(method="lora", batch_size=4, epochs=2, lr=3e-4, seed=5, checkpoint_every_updates=2,
+                    random_flip=True, cond_dropout=0.2, cache_dir=str(tmp_path / "cache"))
+    validation = dict(every_updates=2, timesteps=3)
+    whole = tmp_path / "whole"
+    train(TrainSpec(TrainingConfig(**training), ValidationConfig(**validation), split_dir=split_dir,
+                    model=tiny_sd3_dir), out_dir=whole)
+    cut = tmp_path / "cut"
+    settings = dict(split_dir=str(split_dir), model=str(tiny_sd3_dir), training=training, validation=validation,
+                    out_dir=str(cut), kill_at_update=5)
+    killed = run_child(settings, tmp_path, "killed")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    resumed = train(TrainSpec(TrainingConfig(**{**training, "resume": True}), ValidationConfig(**validation),
+                              split_dir=split_dir, model=tiny_sd3_dir), out_dir=cut)
+    assert resumed.resumed_from == 4 and resumed.updates == 8
+    for name in ("metrics.csv", "updates.csv"):
+        assert (cut / name).read_text() == (whole / name).read_text(), name
+    a = load_file(str(whole / "final" / "pytorch_lora_weights.safetensors"))
+    b = load_file(str(cut / "final" / "pytorch_lora_weights.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("setting, words", [
+    (dict(min_snr_gamma=5.0), r"^training.min_snr_gamma: min-SNR weighting is defined through the DDPM noise "
+                              r"schedule; sd3 is a flow-matching model"),
+    (dict(method="textual_inversion"), r"^training.method: textual inversion is not supported on sd3 models"),
+])
+def test_settings_that_mean_nothing_for_sd3_are_one_line(split_dir, tiny_sd3_dir, tmp_path, setting, words):
+    cfg = TrainingConfig(batch_size=4, steps=1, cache_dir=str(tmp_path / "cache"), **setting)
+    with pytest.raises(ConfigError, match=words) as e:
+        train(TrainSpec(cfg, ValidationConfig(every_epochs=0), split_dir=split_dir, model=tiny_sd3_dir),
+              out_dir=tmp_path / "run")
+    assert "\n" not in str(e.value)
+
+
+def test_a_resolution_off_the_patch_grid_is_one_line(tiny_sd3_dir):
+    """SD3 cuts latents into 2 x 2 patches: with the tiny VAE's x4, sides must be multiples of 8 px (16 px for the
+    real SD3, whose VAE downsamples by 8; shown here with the transformer's patch set to 4: 16 px)."""
+    from rangefinder.config import ModelConfig
+    from rangefinder.models.loading import load_sd_components
+    from rangefinder.training.encoding import check_resolution
+    from rangefinder.training.families import family_for
+
+    sd = load_sd_components(ModelConfig(base_model=str(tiny_sd3_dir)))
+    family = family_for(sd, TrainingConfig())
+    assert family.side_multiple(sd) == 8
+    check_resolution(family, sd, DataConfig(resolution=32))
+    sd.unet.register_to_config(patch_size=4)
+    with pytest.raises(ConfigError, match=r"^data.resolution: 40 px is not a multiple of 16 px, the sd3 family's "
+                                          r"patch size in pixels .* set data.resolution to 32$"):
+        check_resolution(family, sd, DataConfig(resolution=40))
+
+
+def test_resuming_an_sd1_run_on_an_sd3_base_is_refused(split_dir, tiny_model_dir, tiny_sd3_dir, tmp_path):
+    cfg = TrainingConfig(batch_size=8, steps=1, checkpoint_every_updates=1, cache_dir=str(tmp_path / "cache"))
+    off = ValidationConfig(every_epochs=0)
+    out = tmp_path / "run"
+    train(TrainSpec(cfg, off, split_dir=split_dir, model=tiny_model_dir), out_dir=out, save_final=False)
+    with pytest.raises(ConfigError, match=r"cannot resume: .* Stable Diffusion 1\.x/2\.x run but the base model "
+                                          r".* is Stable Diffusion 3/3\.5"):
+        train(TrainSpec(cfg.model_copy(update={"resume": True}), off, split_dir=split_dir, model=tiny_sd3_dir),
+              out_dir=out)
