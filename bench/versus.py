@@ -174,6 +174,8 @@ def one_case(method: str, kind: str, seed: int, args, work: Path, saved: dict[tu
     span = (tests[0]["lr_min"], tests[0]["lr_max"]) if tests else cfg.lr_range_test.range_for(method)
     per_run = length or out["folk"]["updates"]
     n = max(1, math.ceil(a["updates"] / per_run))
+    if args.smoke:
+        n = min(n, 2)  # CI checks the structure, not the search
     rng = random.Random(f"versus-random-{method}-{kind}-{seed}")
     lrs = [math.exp(rng.uniform(math.log(span[0]), math.log(span[1]))) for _ in range(n)]
     log(f"{tag} (d) random search: {n} runs over {span[0]:g}..{span[1]:g}")
@@ -345,25 +347,36 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--no-grid", dest="grid", action="store_false",
                    help="train no grid where no saved one fits (the gap to the grid is then not measured)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's choice)")
-    p.add_argument("--smoke", action="store_true", help="one tiny full case, 2 grid points, 2-epoch arms (CI)")
+    p.add_argument("--smoke", action="store_true", help="one tiny full case: 2-epoch arms, 1 grid point, "
+                   "at most 2 random runs (CI)")
     p.add_argument("--out", type=Path, help="JSON (default bench/results/versus.json; --smoke: a temporary file); "
                    "rewritten after every case, and the cases it holds are not run again (resume)")
     p.add_argument("--work-dir", type=Path)
+    p.add_argument("--report", type=Path, nargs="+", metavar="JSON",
+                   help="run nothing: merge the cases of these results and print the tables and the verdict")
     args = p.parse_args(argv)
+    if args.report:
+        merged: dict[str, Any] = {"benchmark": NAME, "merged_from": [str(x) for x in args.report], "cases": []}
+        for path in args.report:
+            merged["cases"] += json.loads(path.read_text())["cases"]
+        finish(merged, partial=False)
+        print(report(merged))
+        return merged
     args.out = args.out or (smoke_out(NAME) if args.smoke else default_out(NAME))
     if args.smoke:
         args.methods, args.kinds, args.seeds, args.images = "full", "shapes", "0", 10
-        args.finetune_epochs, args.grid_points = 2, 2
+        args.finetune_epochs, args.grid_points = 2, 1
     quiet_libraries()
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
-    from rangefinder.config import METHODS
+    from rangefinder.config import DEFAULT_LR_RANGE
     from rangefinder.data.synthetic import KINDS
 
-    bad = [m for m in methods if m not in METHODS] + [k for k in kinds if k not in KINDS]
+    bad = [m for m in methods if m not in DEFAULT_LR_RANGE] + [k for k in kinds if k not in KINDS]
     if bad:
-        p.error(f"unknown method or kind {', '.join(bad)}; methods: {', '.join(METHODS)}; kinds: {', '.join(KINDS)}")
+        p.error(f"unknown method or kind {', '.join(bad)}; methods: {', '.join(DEFAULT_LR_RANGE)}; "
+                f"kinds: {', '.join(KINDS)}")
     settings = {"methods": methods, "kinds": kinds, "seeds": seeds, "images": args.images,
                 "finetune_epochs": args.finetune_epochs, "grid_points": args.grid_points,
                 "grid_lr_min": args.grid_lr_min, "grid_lr_max": args.grid_lr_max, "grid": args.grid,
