@@ -142,6 +142,8 @@ def discover(cfg, split_dir: Path, out: Path) -> dict[str, Any]:
         lr_used=ft.lr, finetune_updates=ft_updates, finetune_updates_trained=ft.updates_trained,
         recommended_epochs=ft.recommended_epochs,
         recommended_updates=ft.recommended_updates, still_improving=ft.still_improving,
+        # The checkpoint the step window kept (chosen.json: update, epoch, val_loss): the model the pipeline delivers.
+        chosen=ft.chosen,
         **curve_stats(ft.curve_csv, ft.recommended_updates),
     )
     return res

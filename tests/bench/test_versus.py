@@ -1,0 +1,77 @@
+"""bench.versus keeps working (a tiny smoke case), and its verdict arithmetic is the Goal's."""
+
+import json
+
+import pytest
+
+from bench.versus import HELD_OUT_KINDS, HELD_OUT_SEEDS, OPPONENTS, aggregate, verdict_of
+
+
+def test_verdict_ties_within_one_percent():
+    assert verdict_of(1.0, 1.0) == "tie"
+    assert verdict_of(1.009, 1.0) == "tie" and verdict_of(0.991, 1.0) == "tie"
+    assert verdict_of(0.98, 1.0) == "win" and verdict_of(1.02, 1.0) == "loss"
+    assert verdict_of(None, 1.0) is None and verdict_of(1.0, None) is None
+
+
+def _summary(a, b, c, d, grid=None, share=0.2):
+    s = {"held_out": False, "rangefinder": a, "prodigy_best": b, "prodigy_final": b, "folk_final": c,
+         "folk_best": c, "random_best": d}
+    for opp in OPPONENTS:
+        s[f"vs_{opp}"] = verdict_of(a, s[opp])
+    if grid is not None:
+        s["grid_best"], s["rangefinder_update_share"] = grid, share
+        for arm in ("rangefinder", *OPPONENTS):
+            s[f"gap_{arm}_pct"] = 100 * (s[arm] - grid) / grid
+    return s
+
+
+def test_goals_follow_the_thresholds():
+    # 5 cases: (a) beats Prodigy in 3, ties 1, loses 1 (80 % as good, 60 % better: met); beats the folk default in
+    # 2, ties 3 (100 % as good but only 40 % better: not met); beats random search in 3 of 5 (60 % < 70 %).
+    rows = [_summary(1.0, 1.1, 1.1, 1.1, grid=0.99), _summary(1.0, 1.1, 1.1, 1.1, grid=0.99),
+            _summary(1.0, 1.1, 1.0, 1.1, grid=0.99), _summary(1.0, 1.0, 1.0, 1.0, grid=0.99),
+            _summary(1.0, 0.9, 1.0, 0.9, grid=0.90)]
+    agg = aggregate(rows)
+    assert agg["vs_prodigy_best"] == {"n": 5, "win": 3, "tie": 1, "loss": 1}
+    g = agg["goals"]
+    assert g["as_good_as_prodigy_best"]["met"] is True
+    assert g["as_good_as_folk_final"]["share"] == 1.0 and g["as_good_as_folk_final"]["met"] is False
+    assert g["beats_random"]["share"] == 0.6 and g["beats_random"]["met"] is False
+    # Within 3 % of the grid in 4 of 5 (80 % < 85 %): not met, whatever the cost.
+    assert agg["gap_rangefinder_pct"]["within_3pct"] == 4 and g["grid"]["met"] is False
+
+
+@pytest.mark.slow
+def test_versus_smoke(tmp_path, capsys):
+    from bench.versus import main
+
+    out = tmp_path / "versus.json"
+    result = main(["--smoke", "--out", str(out), "--work-dir", str(tmp_path / "work")])
+    saved = json.loads(out.read_text())
+    assert saved["smoke"] is True and saved["partial"] is False
+    assert saved["aggregate"] == json.loads(json.dumps(result["aggregate"]))
+    assert saved["settings"]["held_out_kinds"] == list(HELD_OUT_KINDS)
+    assert saved["settings"]["held_out_seeds"] == list(HELD_OUT_SEEDS)
+    (case,) = saved["cases"]
+    s = case["summary"]
+    assert (s["method"], s["kind"], s["seed"], s["held_out"]) == ("full", "shapes", 0, False)
+    # 10 images leave 8 to train on at batch 4: 2 updates an epoch, 2 epochs. Every arm trains (a)'s length.
+    a = case["rangefinder"]
+    if a["status"] == "ok":
+        # (a) delivers the step window's checkpoint, or its final weights when the window chose none.
+        assert a["finetune_updates"] == 4
+        assert s["rangefinder"] == (a["chosen"]["val_loss"] if a.get("chosen") else a["final_val_loss"])
+        assert s["updates"]["prodigy"] == s["updates"]["folk"] == 4
+        assert all(r["updates"] == 4 for r in case["random"]["runs"]) and s["random_runs"] == 2
+        lo, hi = case["random"]["span"]
+        assert all(lo <= r["lr"] <= hi for r in case["random"]["runs"])
+    assert case["folk"]["lr"] == 1e-4 and case["prodigy"]["lr"] == 1.0
+    assert s["grid_best"] > 0 and s["updates"]["grid"] == 4 and case["grid"]["reused_from"] is None
+    # Every verdict is one of the three words, or missing only when an arm has no loss.
+    for opp in OPPONENTS:
+        assert s[f"vs_{opp}"] in ("win", "tie", "loss", None)
+        assert set(saved["aggregate"][f"vs_{opp}"]) == {"n", "win", "tie", "loss"}
+    assert set(saved["aggregate"]["goals"]) >= {"beats_random", "grid", "as_good_as_prodigy_best"}
+    printed = capsys.readouterr().out
+    assert "Validation loss of each arm's delivered checkpoint" in printed and "Compute" in printed
