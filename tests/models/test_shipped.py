@@ -21,8 +21,9 @@ MODELS = {tiny.SHIPPED_NAME: (tiny.BUILDER_VERSION, tiny.TinyModelSettings()),
           tiny_sdxl.SHIPPED_NAME: (tiny_sdxl.BUILDER_VERSION, tiny_sdxl.TinySdxlSettings()),
           tiny_sd3.SHIPPED_NAME: (tiny_sd3.BUILDER_VERSION, tiny_sd3.TinySd3Settings()),
           tiny_flux.SHIPPED_NAME: (tiny_flux.BUILDER_VERSION, tiny_flux.TinyFluxSettings())}
-WEIGHT_FILES = {"unet": "diffusion_pytorch_model.safetensors", "vae": "diffusion_pytorch_model.safetensors",
-                "text_encoder": "model.safetensors", "text_encoder_2": "model.safetensors"}
+WEIGHT_FILES = {"unet": "diffusion_pytorch_model.safetensors", "transformer": "diffusion_pytorch_model.safetensors",
+                "vae": "diffusion_pytorch_model.safetensors", "text_encoder": "model.safetensors",
+                "text_encoder_2": "model.safetensors"}
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -80,38 +81,28 @@ def test_fresh_cache_gets_the_sd_model_in_seconds_without_training(tmp_path, mon
     _assert_modules_equal_shipped(pipe, shipped.SHIPPED_DIR / tiny.SHIPPED_NAME)
 
 
-def test_fresh_cache_gets_the_sdxl_model_without_training(tmp_path, monkeypatch):
-    from diffusers import StableDiffusionXLPipeline
+DERIVED = {"sdxl": (tiny_sdxl, "build_tiny_sdxl_model", "ensure_tiny_sdxl_model", "StableDiffusionXLPipeline"),
+           "sd3": (tiny_sd3, "build_tiny_sd3_model", "ensure_tiny_sd3_model", "StableDiffusion3Pipeline"),
+           "flux": (tiny_flux, "build_tiny_flux_model", "ensure_tiny_flux_model", "FluxPipeline")}
+
+
+@pytest.mark.parametrize("family", DERIVED)
+def test_fresh_cache_gets_the_derived_model_without_training(family, tmp_path, monkeypatch):
+    import diffusers
+
+    module, builder, ensure, pipeline_class = DERIVED[family]
 
     def no_pretraining(*args, **kwargs):
-        raise AssertionError("the tiny SDXL model was pre-trained instead of installed from the shipped weights")
+        raise AssertionError(f"the tiny {family} model was pre-trained instead of installed from the shipped weights")
 
-    monkeypatch.setattr(tiny_sdxl, "build_tiny_sdxl_model", no_pretraining)
+    monkeypatch.setattr(module, builder, no_pretraining)
     monkeypatch.setattr(tiny, "build_tiny_base_model", no_pretraining)
     start = time.monotonic()
-    folder = tiny_sdxl.ensure_tiny_sdxl_model(tmp_path)
+    folder = getattr(module, ensure)(tmp_path)
     assert time.monotonic() - start < 10
-    assert folder.name == f"tiny-sdxl-{shipped.shipped_key(tiny_sdxl.SHIPPED_NAME)}"
-    pipe = StableDiffusionXLPipeline.from_pretrained(str(folder), local_files_only=True)
-    _assert_modules_equal_shipped(pipe, shipped.SHIPPED_DIR / tiny_sdxl.SHIPPED_NAME)
-
-
-def test_fresh_cache_gets_the_sd3_model_without_training(tmp_path, monkeypatch):
-    from diffusers import StableDiffusion3Pipeline
-
-    def no_pretraining(*args, **kwargs):
-        raise AssertionError("the tiny SD3 model was pre-trained instead of installed from the shipped weights")
-
-    monkeypatch.setattr(tiny_sd3, "build_tiny_sd3_model", no_pretraining)
-    monkeypatch.setattr(tiny, "build_tiny_base_model", no_pretraining)
-    start = time.monotonic()
-    folder = tiny_sd3.ensure_tiny_sd3_model(tmp_path)
-    assert time.monotonic() - start < 10
-    assert folder.name == f"tiny-sd3-{shipped.shipped_key(tiny_sd3.SHIPPED_NAME)}"
-    pipe = StableDiffusion3Pipeline.from_pretrained(str(folder), local_files_only=True)
-    _assert_modules_equal_shipped(pipe, shipped.SHIPPED_DIR / tiny_sd3.SHIPPED_NAME)
-    saved = load_file(str(folder / "transformer" / "diffusion_pytorch_model.safetensors"))
-    assert all(torch.equal(t, saved[k]) for k, t in pipe.transformer.state_dict().items())
+    assert folder.name == f"{module.SHIPPED_NAME}-{shipped.shipped_key(module.SHIPPED_NAME)}"
+    pipe = getattr(diffusers, pipeline_class).from_pretrained(str(folder), local_files_only=True)
+    _assert_modules_equal_shipped(pipe, shipped.SHIPPED_DIR / module.SHIPPED_NAME)
 
 
 def test_a_damaged_shipped_file_is_refused_and_nothing_is_installed(tmp_path):

@@ -79,36 +79,56 @@ def default_cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "rangefinder"
 
 
-def settings_key(settings: TinyModelSettings) -> str:
-    """Hash of the settings, the builder's source and the library versions: a change to any rebuilds the model."""
+def library_versions() -> str:
+    """torch, diffusers and transformers versions, for the cache keys of the models built on them: float arithmetic
+    in another version builds other weights."""
     import diffusers
     import torch
     import transformers
 
-    from rangefinder.data import synthetic
+    return f"{torch.__version__}|{diffusers.__version__}|{transformers.__version__}"
 
+
+def builder_key(settings: Any, stamp: str, sources: tuple[str, ...]) -> str:
+    """A tiny model's cache key: the hash of its settings, a stamp (the builder version, with the libraries or the
+    base model it is built on) and its builders' source files. The four tiny models share it."""
     h = hashlib.sha256()
     h.update(json.dumps(dataclasses.asdict(settings), sort_keys=True).encode())
-    h.update(f"{BUILDER_VERSION}|{torch.__version__}|{diffusers.__version__}|{transformers.__version__}".encode())
-    for mod_file in (__file__, synthetic.__file__):
+    h.update(stamp.encode())
+    for mod_file in sources:
         h.update(Path(mod_file).read_bytes())
     return h.hexdigest()[:16]
+
+
+def keyed_cache_name(shipped_name: str, settings: Any, default: Any, key: Callable[[Any], str]) -> str:
+    """The cached folder's name, `shipped_name` + a key: the shipped files' digests when `settings` are the `default`
+    the shipped weights were built with (a test checks their rangefinder_tiny.json says so), else `key(settings)`."""
+    if shipped_uses(shipped_name, settings, default):
+        return f"{shipped_name}-{shipped.shipped_key(shipped_name)}"
+    return f"{shipped_name}-{key(settings)}"
+
+
+def shipped_uses(shipped_name: str, settings: Any, default: Any) -> bool:
+    """Whether the shipped weights `shipped_name` are these settings' model."""
+    return bool(settings == default) and shipped.is_shipped(shipped_name)
+
+
+def settings_key(settings: TinyModelSettings) -> str:
+    """Hash of the settings, the builder's source and the library versions: a change to any rebuilds the model."""
+    from rangefinder.data import synthetic
+
+    return builder_key(settings, f"{BUILDER_VERSION}|{library_versions()}", (__file__, synthetic.__file__))
 
 
 SHIPPED_NAME = "tiny-sd"  # its weights ship as package data (models/shipped.py)
 
 
 def uses_shipped_weights(settings: TinyModelSettings) -> bool:
-    """The default settings are the shipped weights' (a test checks their rangefinder_tiny.json says so)."""
-    return settings == TinyModelSettings() and shipped.is_shipped(SHIPPED_NAME)
+    return shipped_uses(SHIPPED_NAME, settings, TinyModelSettings())
 
 
 def cache_name(settings: TinyModelSettings) -> str:
-    """The cached folder's name: keyed by the shipped files' digests for the shipped model, else by the settings and
-    the builder (settings_key)."""
-    if uses_shipped_weights(settings):
-        return f"tiny-sd-{shipped.shipped_key(SHIPPED_NAME)}"
-    return f"tiny-sd-{settings_key(settings)}"
+    return keyed_cache_name(SHIPPED_NAME, settings, TinyModelSettings(), settings_key)
 
 
 def ensure_tiny_base_model(cache_dir: str | Path | None = None, settings: Optional[TinyModelSettings] = None) -> Path:
@@ -349,11 +369,7 @@ def _pretrain(parts: dict, settings: TinyModelSettings, log: Callable[[str], Non
         cond = text_encoder(ids)[0]
         pred = unet(zt, t, encoder_hidden_states=cond).sample
         loss = F.mse_loss(pred, noise)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        running = loss.item() if running is None else 0.95 * running + 0.05 * loss.item()
+        running = update_step(opt, loss, params, running)
     unet.eval()
     text_encoder.eval()
     log(f"tiny model: UNet {settings.unet_steps} steps in {time.time() - t0:.0f}s, denoising loss ~{running:.4f}")
@@ -364,23 +380,36 @@ def _pretrain(parts: dict, settings: TinyModelSettings, log: Callable[[str], Non
 # Build
 
 
-def ensure_derived_model(cache_dir: str | Path | None, name: str, shipped_name: str, use_shipped: bool,
-                         what: str, build: Callable[[Path, Path], Any]) -> Path:
-    """The cached folder `name` of a tiny model built on the tiny SD model (SDXL's, SD3's): the shipped weights
-    copied in once when `use_shipped`, else `build(folder, tiny SD folder)` once per cache, under a file lock."""
+def update_step(opt: Any, loss: Any, params: list[Any], running: Optional[float]) -> float:
+    """One pre-training update of the tiny models' denoisers: backward, gradients clipped to norm 1, the optimizer's
+    step. Returns the loss's running mean (decay 0.95) for the builder's log line."""
+    import torch
+
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    return float(loss.item()) if running is None else 0.95 * running + 0.05 * loss.item()
+
+
+def ensure_derived_model(cache_dir: str | Path | None, shipped_name: str, settings: Any, default: Any,
+                         key: Callable[[Any], str], what: str, build: Callable[[Path, Path], Any]) -> Path:
+    """The cached folder of a tiny model built on the tiny SD model (SDXL's, SD3's, Flux's; named by
+    keyed_cache_name): the shipped weights `shipped_name` copied in once when `settings` are their `default`, else
+    `build(folder, tiny SD folder)` once per cache, under a file lock."""
     from filelock import FileLock
 
     from rangefinder.models import shipped
 
     root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     root.mkdir(parents=True, exist_ok=True)
-    final = root / name
+    final = root / keyed_cache_name(shipped_name, settings, default, key)
     if (final / "model_index.json").is_file():
         return final
     with FileLock(str(final) + ".lock"):
         if (final / "model_index.json").is_file():
             pass
-        elif use_shipped:
+        elif shipped_uses(shipped_name, settings, default):
             shipped.install_shipped(shipped_name, final)
         else:
             base = ensure_tiny_base_model(root)  # its own lock: the SD model is built first, once

@@ -23,7 +23,6 @@ The model built with the default settings ships as package data, as the other ti
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import time
 from collections.abc import Callable
@@ -33,7 +32,7 @@ from typing import Any, Optional
 
 from rangefinder.formats.atomic import atomic_dir
 from rangefinder.formats.diffusers_folder import save_pipeline_folder
-from rangefinder.models import shipped, tiny
+from rangefinder.models import tiny
 
 BUILDER_VERSION = 1  # bump when the builder changes what it writes (the cache key also hashes this file's source)
 
@@ -71,29 +70,15 @@ SHIPPED_NAME = "tiny-flux"  # its weights ship as package data (models/shipped.p
 
 def settings_key(settings: TinyFluxSettings) -> str:
     """Hash of the settings, this builder's and the tiny SD builder's source and the library versions."""
-    import diffusers
-    import torch
-    import transformers
-
     from rangefinder.data import synthetic
 
-    h = hashlib.sha256()
-    h.update(json.dumps(dataclasses.asdict(settings), sort_keys=True).encode())
-    h.update(f"{BUILDER_VERSION}|{torch.__version__}|{diffusers.__version__}|{transformers.__version__}".encode())
-    for mod_file in (__file__, tiny.__file__, synthetic.__file__):
-        h.update(Path(mod_file).read_bytes())
-    return h.hexdigest()[:16]
-
-
-def uses_shipped_weights(settings: TinyFluxSettings) -> bool:
-    return settings == TinyFluxSettings() and shipped.is_shipped(SHIPPED_NAME)
+    return tiny.builder_key(settings, f"{BUILDER_VERSION}|{tiny.library_versions()}",
+                            (__file__, tiny.__file__, synthetic.__file__))
 
 
 def cache_name(settings: TinyFluxSettings) -> str:
-    """Keyed by the shipped files' digests for the shipped model, else by the settings and the builder."""
-    if uses_shipped_weights(settings):
-        return f"tiny-flux-{shipped.shipped_key(SHIPPED_NAME)}"
-    return f"tiny-flux-{settings_key(settings)}"
+    """Keyed by the shipped files' digests for the shipped model, else by settings_key."""
+    return tiny.keyed_cache_name(SHIPPED_NAME, settings, TinyFluxSettings(), settings_key)
 
 
 def ensure_tiny_flux_model(cache_dir: str | Path | None = None, settings: Optional[TinyFluxSettings] = None) -> Path:
@@ -101,7 +86,7 @@ def ensure_tiny_flux_model(cache_dir: str | Path | None = None, settings: Option
     other settings, built once per cache (about 80 s on one core), under a file lock (tiny.ensure_derived_model;
     the Flux builder uses nothing of the tiny SD model but its tokenizer's vocabulary)."""
     settings = settings or TinyFluxSettings()
-    return tiny.ensure_derived_model(cache_dir, cache_name(settings), SHIPPED_NAME, uses_shipped_weights(settings),
+    return tiny.ensure_derived_model(cache_dir, SHIPPED_NAME, settings, TinyFluxSettings(), settings_key,
                                      "Flux", lambda final, _base: build_tiny_flux_model(final, settings))
 
 
@@ -221,11 +206,7 @@ def _pretrain(parts: dict[str, Any], settings: TinyFluxSettings, log: Callable[[
         )[0]
         target = FluxPipeline._pack_latents(noise - x0, len(idx), c, h, w)
         loss = F.mse_loss(pred, target)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        running = loss.item() if running is None else 0.95 * running + 0.05 * loss.item()
+        running = tiny.update_step(opt, loss, params, running)
     transformer.eval()
     te.eval()
     log(f"tiny Flux model: transformer {settings.transformer_steps} steps in {time.time() - t0:.0f}s, flow loss "

@@ -19,7 +19,6 @@ the defaults ships as package data, as the tiny SD model's (models/shipped.py).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import time
 from collections.abc import Callable
@@ -29,7 +28,7 @@ from typing import Any, Optional
 
 from rangefinder.formats.atomic import atomic_dir
 from rangefinder.formats.diffusers_folder import save_pipeline_folder
-from rangefinder.models import shipped, tiny
+from rangefinder.models import tiny
 
 BUILDER_VERSION = 1  # bump when the builder changes what it writes (the cache key also hashes this file's source)
 T5_MAX_LENGTH = 77  # T5 tokens per caption (diffusers' SD3 training examples' max_sequence_length default)
@@ -55,33 +54,24 @@ class TinySd3Settings:
     cond_dropout: float = 0.1
 
 
-def settings_key(settings: TinySd3Settings) -> str:
-    h = hashlib.sha256()
-    h.update(json.dumps(dataclasses.asdict(settings), sort_keys=True).encode())
-    h.update(f"{BUILDER_VERSION}|{tiny.cache_name(tiny.TinyModelSettings())}".encode())  # the base it is built on
-    h.update(Path(__file__).read_bytes())
-    return h.hexdigest()[:16]
-
-
 SHIPPED_NAME = "tiny-sd3"  # its weights ship as package data (models/shipped.py), as the tiny SD model's
 
 
-def uses_shipped_weights(settings: TinySd3Settings) -> bool:
-    return settings == TinySd3Settings() and shipped.is_shipped(SHIPPED_NAME)
+def settings_key(settings: TinySd3Settings) -> str:
+    # the base it is built on: the tiny SD model's cache name
+    return tiny.builder_key(settings, f"{BUILDER_VERSION}|{tiny.cache_name(tiny.TinyModelSettings())}", (__file__,))
 
 
 def cache_name(settings: TinySd3Settings) -> str:
-    """Keyed by the shipped files' digests for the shipped model, else by the settings, builder and base."""
-    if uses_shipped_weights(settings):
-        return f"tiny-sd3-{shipped.shipped_key(SHIPPED_NAME)}"
-    return f"tiny-sd3-{settings_key(settings)}"
+    """Keyed by the shipped files' digests for the shipped model, else by settings_key."""
+    return tiny.keyed_cache_name(SHIPPED_NAME, settings, TinySd3Settings(), settings_key)
 
 
 def ensure_tiny_sd3_model(cache_dir: str | Path | None = None, settings: Optional[TinySd3Settings] = None) -> Path:
     """The folder of the embedded tiny SD3 model: the shipped weights, copied into the cache once (seconds); or, for
     other settings, built once per cache on the tiny SD model's VAE and tokenizer."""
     settings = settings or TinySd3Settings()
-    return tiny.ensure_derived_model(cache_dir, cache_name(settings), SHIPPED_NAME, uses_shipped_weights(settings),
+    return tiny.ensure_derived_model(cache_dir, SHIPPED_NAME, settings, TinySd3Settings(), settings_key,
                                      "SD3", lambda out, base: build_tiny_sd3_model(out, base, settings))
 
 
@@ -192,11 +182,7 @@ def _pretrain(parts: dict[str, Any], settings: TinySd3Settings, log: Callable[[s
         pred = net(hidden_states=(1 - s) * x0 + s * noise, timestep=sigma * 1000, encoder_hidden_states=hidden,
                    pooled_projections=pooled, return_dict=False)[0]
         loss = F.mse_loss(pred, noise - x0)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        running = loss.item() if running is None else 0.95 * running + 0.05 * loss.item()
+        running = tiny.update_step(opt, loss, params, running)
     for m in modules:
         m.eval()
     log(f"tiny SD3 model: transformer {settings.steps} steps in {time.time() - t0:.0f}s, flow loss ~{running:.4f}")

@@ -17,7 +17,6 @@ The model built with the default settings ships as package data, as the tiny SD 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import time
 from collections.abc import Callable
@@ -27,7 +26,7 @@ from typing import Any, Optional
 
 from rangefinder.formats.atomic import atomic_dir
 from rangefinder.formats.diffusers_folder import save_pipeline_folder
-from rangefinder.models import shipped, tiny
+from rangefinder.models import tiny
 
 BUILDER_VERSION = 1  # bump when the builder changes what it writes (the cache key also hashes this file's source)
 
@@ -56,29 +55,20 @@ SHIPPED_NAME = "tiny-sdxl"  # its weights ship as package data (models/shipped.p
 
 
 def settings_key(settings: TinySdxlSettings) -> str:
-    h = hashlib.sha256()
-    h.update(json.dumps(dataclasses.asdict(settings), sort_keys=True).encode())
-    h.update(f"{BUILDER_VERSION}|{tiny.cache_name(tiny.TinyModelSettings())}".encode())  # the base it is built on
-    h.update(Path(__file__).read_bytes())
-    return h.hexdigest()[:16]
-
-
-def uses_shipped_weights(settings: TinySdxlSettings) -> bool:
-    return settings == TinySdxlSettings() and shipped.is_shipped(SHIPPED_NAME)
+    # the base it is built on: the tiny SD model's cache name
+    return tiny.builder_key(settings, f"{BUILDER_VERSION}|{tiny.cache_name(tiny.TinyModelSettings())}", (__file__,))
 
 
 def cache_name(settings: TinySdxlSettings) -> str:
-    """Keyed by the shipped files' digests for the shipped model, else by the settings, builder and base."""
-    if uses_shipped_weights(settings):
-        return f"tiny-sdxl-{shipped.shipped_key(SHIPPED_NAME)}"
-    return f"tiny-sdxl-{settings_key(settings)}"
+    """Keyed by the shipped files' digests for the shipped model, else by settings_key."""
+    return tiny.keyed_cache_name(SHIPPED_NAME, settings, TinySdxlSettings(), settings_key)
 
 
 def ensure_tiny_sdxl_model(cache_dir: str | Path | None = None, settings: Optional[TinySdxlSettings] = None) -> Path:
     """The folder of the embedded tiny SDXL model: the shipped weights, copied into the cache once (seconds); or, for
     other settings, built once per cache on the tiny SD model's VAE and tokenizer."""
     settings = settings or TinySdxlSettings()
-    return tiny.ensure_derived_model(cache_dir, cache_name(settings), SHIPPED_NAME, uses_shipped_weights(settings),
+    return tiny.ensure_derived_model(cache_dir, SHIPPED_NAME, settings, TinySdxlSettings(), settings_key,
                                      "SDXL", lambda out, base: build_tiny_sdxl_model(out, base, settings))
 
 
@@ -174,11 +164,7 @@ def _pretrain(parts: dict[str, Any], settings: TinySdxlSettings, log: Callable[[
         pred = unet(scheduler.add_noise(latents[idx], noise, t), t, hidden,
                     added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids.expand(len(idx), -1)}).sample
         loss = F.mse_loss(pred, noise)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        running = loss.item() if running is None else 0.95 * running + 0.05 * loss.item()
+        running = tiny.update_step(opt, loss, params, running)
     for m in modules:
         m.eval()
     log(f"tiny SDXL model: UNet {settings.unet_steps} steps in {time.time() - t0:.0f}s, denoising loss ~{running:.4f}")
