@@ -110,6 +110,14 @@ def tiny_sd3_dir() -> Path:
     return ensure_tiny_sd3_model()
 
 
+@pytest.fixture(scope="session")
+def tiny_flux_dir() -> Path:
+    """The embedded tiny Flux folder (diffusers layout; models/tiny_flux.py), copied from the shipped weights once."""
+    from rangefinder.models.tiny_flux import ensure_tiny_flux_model
+
+    return ensure_tiny_flux_model()
+
+
 @pytest.fixture
 def base_model_dir(request: pytest.FixtureRequest) -> Path:
     """The tiny model of the family a test is parametrised with (`family`: "sd1" or "sdxl")."""

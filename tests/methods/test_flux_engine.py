@@ -23,13 +23,6 @@ SETTINGS = {
 }
 
 
-@pytest.fixture(scope="session")
-def tiny_flux_dir():
-    from rangefinder.models.tiny_flux import ensure_tiny_flux_model
-
-    return ensure_tiny_flux_model()
-
-
 def _rows(path):
     with open(path, newline="") as f:
         return list(csv.DictReader(f))

@@ -142,16 +142,35 @@ def test_model_environment_installs_from_the_configured_index_and_predicts(sqlit
 
 
 @pytest.mark.slow
-def test_an_sdxl_model_loads_as_the_sdxl_pipeline_and_generates(sqlite_tracking_uri, tiny_sdxl_dir):
-    cfg = RangefinderConfig(tracking=TrackingConfig(tracking_uri=sqlite_tracking_uri, experiment_name="sdxl",
-                                                    registered_model_name="rf-sdxl"),
-                            model=ModelConfig(base_model=str(tiny_sdxl_dir)))
+@pytest.mark.parametrize("family, pipeline_class", [("sdxl", "StableDiffusionXLPipeline"),
+                                                    ("sd3", "StableDiffusion3Pipeline"), ("flux", "FluxPipeline")])
+def test_each_family_loads_as_its_pipeline_and_generates_what_its_samples_do(sqlite_tracking_uri, request, family,
+                                                                            pipeline_class):
+    """The pyfunc model of each family renders the image the family's own pipeline renders with the call arguments
+    of samples during training (Flux: the T5 sequence length it was trained with, not FluxPipeline's 512)."""
+    import diffusers
+    import numpy as np
+    import torch
+
+    from rangefinder.models.loading import pipeline_call_kwargs
+
+    folder = request.getfixturevalue({"sdxl": "tiny_sdxl_dir", "sd3": "tiny_sd3_dir", "flux": "tiny_flux_dir"}[family])
+    cfg = RangefinderConfig(tracking=TrackingConfig(tracking_uri=sqlite_tracking_uri, experiment_name=family,
+                                                    registered_model_name=f"rf-{family}"),
+                            model=ModelConfig(base_model=str(folder)))
     with step_run(cfg, "finetune") as run:
-        version = run.log_diffusers_model(tiny_sdxl_dir, num_inference_steps=2, guidance_scale=1.0)
+        version = run.log_diffusers_model(folder, num_inference_steps=2, guidance_scale=1.0, resolution=32)
     assert MlflowClient(tracking_uri=sqlite_tracking_uri).get_run(run.run_id).data.tags[
-        "rangefinder.model_family"] == "sdxl"
+        "rangefinder.model_family"] == family
     mlflow.set_tracking_uri(sqlite_tracking_uri)
     model = mlflow.pyfunc.load_model(version.model_uri)
-    assert type(model.unwrap_python_model().pipe).__name__ == "StableDiffusionXLPipeline"
-    out = model.predict(pd.DataFrame({"prompt": ["a red circle on a blue background"], "seed": [3]}))
-    assert decode_image(out["image"][0]).size == (32, 32)
+    assert type(model.unwrap_python_model().pipe).__name__ == pipeline_class
+    prompt = "a red circle on a blue background"
+    out = model.predict(pd.DataFrame({"prompt": [prompt], "seed": [3]}))
+    image = decode_image(out["image"][0])
+    assert image.size == (32, 32)
+    pipe = getattr(diffusers, pipeline_class).from_pretrained(str(folder), local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    direct = pipe(prompt=prompt, num_inference_steps=2, guidance_scale=1.0, height=32, width=32,
+                  generator=torch.Generator().manual_seed(3), **pipeline_call_kwargs(pipe)).images[0]
+    assert np.array_equal(np.asarray(image), np.asarray(direct))

@@ -39,6 +39,11 @@ class StableDiffusionPyfunc(PythonModel):
         settings = {**self.defaults, **{k: v for k, v in (params or {}).items() if v is not None}}
         call = {k: settings[k] for k in ("num_inference_steps", "guidance_scale", "height", "width")
                 if settings.get(k) is not None}
+        tokenizer_2 = getattr(self.pipe, "tokenizer_2", None)
+        if type(self.pipe).__name__ == "FluxPipeline" and tokenizer_2 is not None:
+            # Flux's T5 sequence length, the one it was trained with: FluxPipeline's 512 tokens, or fewer where its
+            # T5 tokenizer stops sooner (models/loading.py: pipeline_call_kwargs, which this script cannot import).
+            call["max_sequence_length"] = min(512, int(getattr(tokenizer_2, "model_max_length", 512) or 512))
         rows = []
         for i, row in enumerate(df.to_dict("records")):
             seed = row.get("seed")

@@ -45,6 +45,10 @@ class Sd3Family(FlowFamily):
     @classmethod
     def for_model(cls, sd: SDComponents, cfg: TrainingConfig) -> Sd3Family:
         refuse_ddpm_settings(cfg, cls.name)
+        if cfg.flow.guidance is not None:
+            raise ConfigError("training.flow.guidance: SD3 has no guidance embedding (only Flux.1-dev is "
+                              "guidance-distilled; SD3 samples with classifier-free guidance, "
+                              "sampling.guidance_scale); remove training.flow.guidance")
         pooled = int(sd.text_encoder.config.projection_dim) + int(sd.text_encoder_2.config.projection_dim)
         width = int(sd.text_encoder_3.config.d_model)
         if pooled > width:
