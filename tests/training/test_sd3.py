@@ -153,8 +153,9 @@ def test_the_kohya_lora_has_sd_scripts_sd3_names_and_comfyui_maps_every_key(runs
 
 
 @pytest.mark.slow
-def test_sd3_lora_resumes_after_sigkill_exactly_as_uninterrupted(split_dir, tiny_sd3_dir, tmp_path):
-    training = dict(method="lora", batch_size=4, epochs=2, lr=3e-4, seed=5, checkpoint_every_updates=2,
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_sd3_resumes_after_sigkill_exactly_as_uninterrupted(method, split_dir, tiny_sd3_dir, tmp_path):
+    training = dict(method=method, batch_size=4, epochs=2, lr=3e-4, seed=5, checkpoint_every_updates=2,
                     random_flip=True, cond_dropout=0.2, cache_dir=str(tmp_path / "cache"))
     validation = dict(every_updates=2, timesteps=3)
     whole = tmp_path / "whole"
@@ -170,8 +171,10 @@ def test_sd3_lora_resumes_after_sigkill_exactly_as_uninterrupted(split_dir, tiny
     assert resumed.resumed_from == 4 and resumed.updates == 8
     for name in ("metrics.csv", "updates.csv"):
         assert (cut / name).read_text() == (whole / name).read_text(), name
-    a = load_file(str(whole / "final" / "pytorch_lora_weights.safetensors"))
-    b = load_file(str(cut / "final" / "pytorch_lora_weights.safetensors"))
+    weights = ("pytorch_lora_weights.safetensors" if method == "lora" else
+               "transformer/diffusion_pytorch_model.safetensors")
+    a = load_file(str(whole / "final" / weights))
+    b = load_file(str(cut / "final" / weights))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
