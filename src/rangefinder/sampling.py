@@ -150,23 +150,12 @@ def _default_device() -> str:
 
 def pipeline_class(base_model: Path) -> tuple[Any, dict[str, Any]]:
     """The diffusers pipeline class of the base model's family, and the keyword arguments its loaders take."""
-    from diffusers import (
-        FluxPipeline,
-        StableDiffusion3Pipeline,
-        StableDiffusionPipeline,
-        StableDiffusionXLPipeline,
-    )
+    import diffusers
 
-    from rangefinder.training.family_detection import detect_family
+    from rangefinder.training.family_detection import FAMILY_LAYOUTS, detect_family
 
-    family = detect_family(Path(base_model))
-    if family == "sdxl":
-        return StableDiffusionXLPipeline, {}
-    if family == "flux":
-        return FluxPipeline, {}
-    if family == "sd3":
-        return StableDiffusion3Pipeline, {}
-    return StableDiffusionPipeline, {"safety_checker": None, "requires_safety_checker": False}
+    layout = FAMILY_LAYOUTS[detect_family(Path(base_model))]
+    return getattr(diffusers, layout.pipeline), dict(layout.pipeline_kwargs)
 
 
 def load_column_pipeline(column: GridColumn, base_model: Path, *, device: str, dtype=None, scheduler=None):
@@ -258,13 +247,11 @@ def _engine_checkpoint_pipeline(ckpt_dir: Path, base_model: Path, common: dict):
 
     _, sd = method_from_checkpoint(ckpt_dir, base_model)
     cls, _ = pipeline_class(base_model)
-    parts = dict(unet=sd.unet, text_encoder=sd.text_encoder, tokenizer=sd.tokenizer)
-    if sd.family == "flux":  # the denoiser is the pipeline's transformer
-        parts = dict(transformer=sd.unet, text_encoder=sd.text_encoder, tokenizer=sd.tokenizer)
-    if sd.family in ("sdxl", "sd3", "flux"):
-        parts.update(text_encoder_2=sd.text_encoder_2, tokenizer_2=sd.tokenizer_2)
-    if sd.family == "sd3":  # the MMDiT sits in the denoiser's slot of SDComponents
-        parts.update(transformer=parts.pop("unet"), text_encoder_3=sd.text_encoder_3, tokenizer_3=sd.tokenizer_3)
+    from rangefinder.training.family_detection import FAMILY_LAYOUTS
+
+    layout = FAMILY_LAYOUTS[sd.family]  # the denoiser is the pipeline's unet or transformer
+    parts = {layout.denoiser: sd.unet, "text_encoder": sd.text_encoder, "tokenizer": sd.tokenizer,
+             **{name: getattr(sd, name) for name in layout.parts}}
     pipe = cls.from_pretrained(str(base_model), local_files_only=True, **parts, **common)
     return pipe.to(common["torch_dtype"])
 

@@ -294,6 +294,23 @@ def _kohya_module(name: str, down, up, scale: float) -> dict:
             f"{name}.alpha": torch.tensor(scale * down.shape[0], dtype=torch.float32)}
 
 
+# One signature per family's LoRA export, (out_dir, denoiser, text_encoder, text_encoder_2, metadata), which
+# training/family_detection.py's FamilyLayout.lora_export names.
+def save_sd_lora_files(out_dir: Path, unet, text_encoder=None, text_encoder_2=None,
+                       metadata: Optional[Mapping[str, str]] = None) -> dict[str, Path]:
+    return save_lora_files(out_dir, unet, text_encoder, metadata)
+
+
+def save_sdxl_lora_files(out_dir: Path, unet, text_encoder=None, text_encoder_2=None,
+                         metadata: Optional[Mapping[str, str]] = None) -> dict[str, Path]:
+    return save_lora_files(out_dir, unet, text_encoder, metadata, text_encoder_2=text_encoder_2, sdxl=True)
+
+
+def save_flux_lora_files(out_dir: Path, transformer, text_encoder=None, text_encoder_2=None,
+                         metadata: Optional[Mapping[str, str]] = None) -> dict[str, Path]:
+    return save_lora_files(out_dir, transformer, text_encoder, metadata, text_encoder_2=text_encoder_2, flux=True)
+
+
 def save_sd3_lora_files(out_dir: Path, transformer, text_encoder=None, text_encoder_2=None,
                         metadata: Optional[Mapping[str, str]] = None) -> dict[str, Path]:
     """SD3's LoRA in diffusers' naming and in kohya's (`lora_kohya.safetensors`); returns {"diffusers": path,

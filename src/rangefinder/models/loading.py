@@ -25,7 +25,9 @@ training examples, whatever scheduler the model samples with.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -34,6 +36,7 @@ from rangefinder.config import ModelConfig
 from rangefinder.errors import ConfigError
 from rangefinder.training.family_detection import (
     FAMILY_DENOISER,
+    FAMILY_LAYOUTS,
     FAMILY_NAMES,
     FAMILY_PARTS,
     detect_family,
@@ -48,6 +51,11 @@ REQUIRED_PARTS = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
 HUB_TIMEOUT_S = 10.0  # seconds for one hub metadata request (downloads use huggingface_hub's per-read timeout)
 # What a diffusers Stable Diffusion repo needs, for `hf download --include` in the offline message.
 HUB_INCLUDE = '"model_index.json" "*/*.json" "*/*.txt" "*/*.safetensors"'
+# Each family's embedded tiny model, "module:ensure(cache_dir)": the architecture of a file exported from it.
+TINY_MODELS = {"sd1": "rangefinder.models.tiny:ensure_tiny_base_model",
+               "sdxl": "rangefinder.models.tiny_sdxl:ensure_tiny_sdxl_model",
+               "sd3": "rangefinder.models.tiny_sd3:ensure_tiny_sd3_model",
+               "flux": "rangefinder.models.tiny_flux:ensure_tiny_flux_model"}
 
 
 @dataclass(frozen=True)
@@ -279,34 +287,21 @@ def _single_file_config(path: Path, model_cfg: ModelConfig, family: str = "sd1")
         return Path(base)
     if base in (None, "", "None", "embedded tiny model") and "rangefinder.method" in meta:
         # Exported from the embedded model: its config is the tiny model's (of the file's family).
-        if family == "flux":
-            from rangefinder.models.tiny_flux import ensure_tiny_flux_model
-
-            return ensure_tiny_flux_model(model_cfg.cache_dir)
-        if family == "sdxl":
-            from rangefinder.models.tiny_sdxl import ensure_tiny_sdxl_model
-
-            return ensure_tiny_sdxl_model(model_cfg.cache_dir)
-        if family == "sd3":
-            from rangefinder.models.tiny_sd3 import ensure_tiny_sd3_model
-
-            return ensure_tiny_sd3_model(model_cfg.cache_dir)
-        from rangefinder.models.tiny import ensure_tiny_base_model
-
-        return ensure_tiny_base_model(model_cfg.cache_dir)
+        module_name, function = TINY_MODELS[family].split(":")
+        ensure: Callable[[Optional[str]], Path] = getattr(importlib.import_module(module_name), function)
+        return ensure(model_cfg.cache_dir)
     return None
 
 
 def _convert_single_file(path: Path, config: Optional[Path], out: Path, family: str = "sd1") -> None:
-    from diffusers import StableDiffusion3Pipeline, StableDiffusionPipeline, StableDiffusionXLPipeline
+    import diffusers
 
-    if family == "flux":
-        _convert_flux_file(path, config, out)
+    if family == "flux":  # a transformer file alone, in Black Forest Labs' layout: diffusers' converter assumes
+        _convert_flux_file(path, config, out)  # Flux.1's widths
         return
 
-    kwargs: dict[str, Any] = {}
-    if family == "sd1":
-        kwargs.update(safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    layout = FAMILY_LAYOUTS[family]
+    kwargs: dict[str, Any] = dict(layout.pipeline_kwargs)
     if config is not None:
         if detect_family(config) != family:
             raise ConfigError(
@@ -314,8 +309,7 @@ def _convert_single_file(path: Path, config: Optional[Path], out: Path, family: 
                 f"a {FAMILY_NAMES[family]} checkpoint; pass a folder of the checkpoint's own family"
             )
         kwargs.update(config=str(config), local_files_only=True)
-    pipeline_class: Any = {"sdxl": StableDiffusionXLPipeline, "sd3": StableDiffusion3Pipeline}.get(
-        family, StableDiffusionPipeline)
+    pipeline_class: Any = getattr(diffusers, layout.pipeline)
     try:
         pipe = pipeline_class.from_single_file(str(path), **kwargs)
     except Exception as e:  # diffusers raises many kinds here (missing keys, hub errors, shape mismatches)
@@ -500,34 +494,25 @@ def _download(repo_id: str, revision: str, model_cfg: ModelConfig, cache: Path) 
 
 
 def _load_folder(resolved: ResolvedModel, model_cfg: ModelConfig) -> SDComponents:
-    """Each part from the resolved folder, as diffusers' training scripts load them."""
-    from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
-    from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
-
+    """Each part from the resolved folder, as diffusers' training scripts load them: with the classes its family's
+    layout names (family_detection.FamilyLayout.classes), the denoiser (a UNet or a transformer) as `unet`, and
+    the training scheduler as `noise_scheduler` (SD 1.x and SDXL: a DDPMScheduler from the model's config; SD3
+    and Flux: the model's own flow-matching scheduler, whose shift settings the objective reads)."""
     folder = str(resolved.path)
     family = detect_family(resolved.path)
+    layout = FAMILY_LAYOUTS[family]
     # Variant files (e.g. fp16) keep their names in a hub snapshot or a saved folder; a converted file has none.
     has_variants = model_cfg.variant and resolved.kind in ("hub", "folder")
     var: dict[str, Any] = {"variant": model_cfg.variant} if has_variants else {}
-    if family == "flux":
-        return _load_flux_folder(resolved, var)
+    parts: dict[str, Any] = {}
     try:
-        if family == "sd3":
-            parts = _load_sd3_parts(folder, var)
-        else:
-            parts = {
-                "tokenizer": CLIPTokenizer.from_pretrained(folder, subfolder="tokenizer", local_files_only=True),
-                "text_encoder": CLIPTextModel.from_pretrained(folder, subfolder="text_encoder",
-                                                              local_files_only=True, **var),
-                "vae": AutoencoderKL.from_pretrained(folder, subfolder="vae", local_files_only=True, **var),
-                "unet": UNet2DConditionModel.from_pretrained(folder, subfolder="unet", local_files_only=True, **var),
-                "noise_scheduler": DDPMScheduler.from_pretrained(folder, subfolder="scheduler",
-                                                                 local_files_only=True),
-            }
-        if family == "sdxl":
-            parts["tokenizer_2"] = CLIPTokenizer.from_pretrained(folder, subfolder="tokenizer_2", local_files_only=True)
-            parts["text_encoder_2"] = CLIPTextModelWithProjection.from_pretrained(
-                folder, subfolder="text_encoder_2", local_files_only=True, **var)
+        for part, class_path in layout.classes:
+            library, _, name = class_path.partition(".")
+            cls = getattr(importlib.import_module(library), name)
+            weights = not (part.startswith("tokenizer") or part == "scheduler")
+            key = {layout.denoiser: "unet", "scheduler": "noise_scheduler"}.get(part, part)
+            parts[key] = cls.from_pretrained(folder, subfolder=part, local_files_only=True,
+                                             **(var if weights else {}))
     except (OSError, ValueError) as e:
         raise ConfigError(
             f"model.base_model: cannot load the diffusers folder {folder} ({resolved.source}): {_first_line(e)}"
@@ -537,61 +522,6 @@ def _load_folder(resolved: ResolvedModel, model_cfg: ModelConfig) -> SDComponent
             parts[key].eval()
     return SDComponents(source=resolved.source, model_dir=resolved.path, kind=resolved.kind, family=family,
                         digest=weights_digest(parts), **parts)
-
-
-def _load_flux_folder(resolved: ResolvedModel, var: dict[str, Any]) -> SDComponents:
-    """A FluxPipeline folder's parts: the transformer in the denoiser's place, CLIP-L (pooled output only), T5 and
-    its tokenizer (whatever tokenizer class the folder names: T5's, or ByT5's for the tiny model), and the model's
-    own flow-matching scheduler, whose shift settings the family reads."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
-    from transformers import AutoTokenizer, CLIPTextModel, CLIPTokenizer, T5EncoderModel
-
-    folder = str(resolved.path)
-    try:
-        parts = {
-            "tokenizer": CLIPTokenizer.from_pretrained(folder, subfolder="tokenizer", local_files_only=True),
-            "text_encoder": CLIPTextModel.from_pretrained(folder, subfolder="text_encoder", local_files_only=True,
-                                                          **var),
-            "tokenizer_2": AutoTokenizer.from_pretrained(folder, subfolder="tokenizer_2", local_files_only=True),
-            "text_encoder_2": T5EncoderModel.from_pretrained(folder, subfolder="text_encoder_2", local_files_only=True,
-                                                             **var),
-            "vae": AutoencoderKL.from_pretrained(folder, subfolder="vae", local_files_only=True, **var),
-            "unet": FluxTransformer2DModel.from_pretrained(folder, subfolder="transformer", local_files_only=True,
-                                                           **var),
-            "noise_scheduler": FlowMatchEulerDiscreteScheduler.from_pretrained(folder, subfolder="scheduler",
-                                                                               local_files_only=True),
-        }
-    except (OSError, ValueError) as e:
-        raise ConfigError(
-            f"model.base_model: cannot load the diffusers folder {folder} ({resolved.source}): {_first_line(e)}"
-        ) from None
-    for key in ("unet", "vae", "text_encoder", "text_encoder_2"):
-        parts[key].eval()
-    return SDComponents(source=resolved.source, model_dir=resolved.path, kind=resolved.kind, family="flux",
-                        digest=weights_digest(parts), **parts)
-
-
-def _load_sd3_parts(folder: str, var: dict[str, Any]) -> dict[str, Any]:
-    """SD3's parts: the MMDiT (as `unet`, the denoiser's slot), both CLIPs with projection, T5 and its tokenizer,
-    and the flow-matching scheduler (the training objective reads its `shift`)."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
-    from transformers import AutoTokenizer, CLIPTextModelWithProjection, CLIPTokenizer, T5EncoderModel
-
-    return {
-        "tokenizer": CLIPTokenizer.from_pretrained(folder, subfolder="tokenizer", local_files_only=True),
-        "tokenizer_2": CLIPTokenizer.from_pretrained(folder, subfolder="tokenizer_2", local_files_only=True),
-        "tokenizer_3": AutoTokenizer.from_pretrained(folder, subfolder="tokenizer_3", local_files_only=True),
-        "text_encoder": CLIPTextModelWithProjection.from_pretrained(folder, subfolder="text_encoder",
-                                                                    local_files_only=True, **var),
-        "text_encoder_2": CLIPTextModelWithProjection.from_pretrained(folder, subfolder="text_encoder_2",
-                                                                      local_files_only=True, **var),
-        "text_encoder_3": T5EncoderModel.from_pretrained(folder, subfolder="text_encoder_3", local_files_only=True,
-                                                         **var),
-        "vae": AutoencoderKL.from_pretrained(folder, subfolder="vae", local_files_only=True, **var),
-        "unet": SD3Transformer2DModel.from_pretrained(folder, subfolder="transformer", local_files_only=True, **var),
-        "noise_scheduler": FlowMatchEulerDiscreteScheduler.from_pretrained(folder, subfolder="scheduler",
-                                                                           local_files_only=True),
-    }
 
 
 def weights_digest(parts: dict[str, Any]) -> str:

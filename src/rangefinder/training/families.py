@@ -1,7 +1,8 @@
 """The model families the engine trains, by the name `family_detection.detect_family` reads from the base
 model.
 
-A new family is one module with a class providing family.Family's methods, and one line here.
+A new family is one module with a class providing family.Family's methods, one line here, and its
+family_detection.FamilyLayout (what loading, sampling and the exports read of it).
 """
 
 from __future__ import annotations

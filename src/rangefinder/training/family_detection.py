@@ -11,6 +11,7 @@ which must know a model's family to load its parts, can import it: families.py n
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -19,19 +20,80 @@ from rangefinder.errors import ConfigError
 from rangefinder.formats.flux_layout import FLUX_CHECKPOINT_PREFIX, FLUX_DOUBLE_BLOCK_KEY, FLUX_SINGLE_BLOCK_KEY
 from rangefinder.formats.single_file import LDM_UNET_PREFIX, SGM_CLIP_G_PREFIX
 
-# The model families rangefinder trains (families.FAMILIES), by the pipeline class diffusers names in
-# model_index.json `_class_name`.
-FAMILY_OF_PIPELINE = {"StableDiffusionPipeline": "sd1", "StableDiffusionXLPipeline": "sdxl",
-                      "StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux"}
-# The parts a family needs beyond models.loading.REQUIRED_PARTS.
-FAMILY_PARTS = {"sd1": (), "sdxl": ("text_encoder_2", "tokenizer_2"),
-                "sd3": ("text_encoder_2", "tokenizer_2", "text_encoder_3", "tokenizer_3"),
-                "flux": ("text_encoder_2", "tokenizer_2")}  # Flux: T5 and its tokenizer
-# The folder of the denoiser (loaded as SDComponents.unet whatever its kind): the UNet, or SD3's and Flux's
-# transformer.
-FAMILY_DENOISER = {"sd1": "unet", "sdxl": "unet", "sd3": "transformer", "flux": "transformer"}
-FAMILY_NAMES = {"sd1": "Stable Diffusion 1.x/2.x", "sdxl": "Stable Diffusion XL", "sd3": "Stable Diffusion 3/3.5",
-                "flux": "Flux.1"}
+
+@dataclass(frozen=True)
+class FamilyLayout:
+    """What loading, sampling and exporting read of a family: plain facts, so that models/, sampling and the methods
+    read them here, beside detection, without importing the engine's family classes (training/families.py). A new
+    family is one entry here and its family module."""
+
+    words: str  # its name in messages
+    pipeline: str  # the diffusers pipeline class (model_index.json `_class_name`)
+    denoiser: str  # the denoiser's folder and pipeline argument (loaded as SDComponents.unet whatever its kind)
+    # (part, "library.Class") that models/loading.py loads for training; "scheduler" is the training scheduler.
+    classes: tuple[tuple[str, str], ...]
+    t5: Optional[str] = None  # the part holding T5: never trained, and kept out of fp16 (T5 overflows there)
+    # Parameters kept frozen when their encoder trains: SD3's CLIP-L pools unprojected (its projection the identity).
+    frozen: tuple[str, ...] = ()
+    # `full`'s single file, "module:function(folder, file, metadata)": the layout ComfyUI and A1111 load.
+    single_file_export: str = "rangefinder.formats.single_file:export_full"
+    # `lora`'s two files (diffusers' names and kohya's), "module:function(folder, denoiser, text_encoder,
+    # text_encoder_2, metadata)" (formats/lora.py).
+    lora_export: str = "rangefinder.formats.lora:save_sd_lora_files"
+    pipeline_kwargs: tuple[tuple[str, object], ...] = ()  # what its pipeline's constructor and loaders also take
+    # Its saved folder keeps the base model's own sampling scheduler (SDXL ships Euler) rather than the training
+    # DDPM; SD 1.x's has always kept the training DDPM, and SD3 and Flux train with their flow-matching one.
+    samples_with_its_scheduler: bool = False
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        """The parts it needs beyond models.loading.REQUIRED_PARTS (SD 1.x's, the denoiser's folder aside)."""
+        return tuple(p for p, _ in self.classes if p not in ("vae", "text_encoder", "tokenizer", "scheduler",
+                                                               self.denoiser))
+
+
+_SD_CLASSES = (("tokenizer", "transformers.CLIPTokenizer"), ("text_encoder", "transformers.CLIPTextModel"),
+             ("vae", "diffusers.AutoencoderKL"), ("unet", "diffusers.UNet2DConditionModel"),
+             ("scheduler", "diffusers.DDPMScheduler"))  # a DDPM model trains with DDPMScheduler
+FAMILY_LAYOUTS = {
+    "sd1": FamilyLayout("Stable Diffusion 1.x/2.x", "StableDiffusionPipeline", "unet", _SD_CLASSES,
+                        pipeline_kwargs=(("safety_checker", None), ("feature_extractor", None),
+                                         ("requires_safety_checker", False))),
+    "sdxl": FamilyLayout("Stable Diffusion XL", "StableDiffusionXLPipeline", "unet",
+                         (*_SD_CLASSES, ("tokenizer_2", "transformers.CLIPTokenizer"),
+                          ("text_encoder_2", "transformers.CLIPTextModelWithProjection")),
+                         samples_with_its_scheduler=True,
+                         lora_export="rangefinder.formats.lora:save_sdxl_lora_files"),
+    # SD3: both CLIPs with projection, T5 with whatever tokenizer its folder names (AutoTokenizer), the MMDiT.
+    "sd3": FamilyLayout("Stable Diffusion 3/3.5", "StableDiffusion3Pipeline", "transformer",
+                        (("tokenizer", "transformers.CLIPTokenizer"),
+                         ("text_encoder", "transformers.CLIPTextModelWithProjection"),
+                         ("tokenizer_2", "transformers.CLIPTokenizer"),
+                         ("text_encoder_2", "transformers.CLIPTextModelWithProjection"),
+                         ("tokenizer_3", "transformers.AutoTokenizer"),
+                         ("text_encoder_3", "transformers.T5EncoderModel"),
+                         ("vae", "diffusers.AutoencoderKL"), ("transformer", "diffusers.SD3Transformer2DModel"),
+                         ("scheduler", "diffusers.FlowMatchEulerDiscreteScheduler")),
+                        t5="text_encoder_3",
+                        frozen=("text_encoder.text_projection",),
+                        single_file_export="rangefinder.formats.single_file_sd3:export_sd3_full",
+                        lora_export="rangefinder.formats.lora:save_sd3_lora_files"),
+    # Flux: CLIP-L, and T5 with its tokenizer as the second encoder; `full`'s file is the transformer alone in
+    # Black Forest Labs' layout, as BFL ships Flux.
+    "flux": FamilyLayout("Flux.1", "FluxPipeline", "transformer",
+                         (("tokenizer", "transformers.CLIPTokenizer"), ("text_encoder", "transformers.CLIPTextModel"),
+                          ("tokenizer_2", "transformers.AutoTokenizer"),
+                          ("text_encoder_2", "transformers.T5EncoderModel"), ("vae", "diffusers.AutoencoderKL"),
+                          ("transformer", "diffusers.FluxTransformer2DModel"),
+                          ("scheduler", "diffusers.FlowMatchEulerDiscreteScheduler")),
+                         t5="text_encoder_2",
+                         single_file_export="rangefinder.formats.flux_layout:export_flux_transformer",
+                         lora_export="rangefinder.formats.lora:save_flux_lora_files"),
+}
+FAMILY_OF_PIPELINE = {layout.pipeline: name for name, layout in FAMILY_LAYOUTS.items()}
+FAMILY_PARTS = {name: layout.parts for name, layout in FAMILY_LAYOUTS.items()}
+FAMILY_DENOISER = {name: layout.denoiser for name, layout in FAMILY_LAYOUTS.items()}
+FAMILY_NAMES = {name: layout.words for name, layout in FAMILY_LAYOUTS.items()}
 # In a single file (the LDM/SGM layout): SDXL's UNet has the added (pooled text + size) embedding `label_emb`, and
 # SGM's conditioner holds the two text encoders, CLIP ViT-L as embedders.0 and OpenCLIP bigG as embedders.1.
 SDXL_SINGLE_FILE_UNET_KEY = LDM_UNET_PREFIX + "label_emb.0.0.weight"

@@ -22,6 +22,7 @@ from rangefinder.training.caching import cache_root
 from rangefinder.training.data import make_stream
 from rangefinder.training.families import family_for
 from rangefinder.training.family import Denoiser, Family
+from rangefinder.training.family_detection import FAMILY_LAYOUTS
 from rangefinder.training.methods import make_method
 from rangefinder.training.optimizers import check_optimizer, make_optimizer
 from rangefinder.training.outdir import check_out_dir_free
@@ -181,11 +182,10 @@ def load_model(settings: RunSettings, accelerator: Accelerator) -> tuple[SDCompo
         m.eval()
         if not any(m is t for t in method.trainable_modules().values()):
             move_module(m, device)
-    if sd.text_encoder_3 is not None:  # SD3's T5: never trained; fp16 overflows in T5 (bf16 does not)
-        sd.text_encoder_3.requires_grad_(False).eval()
-        move_module(sd.text_encoder_3, device, torch.bfloat16 if weight_dtype == torch.bfloat16 else torch.float32)
-    if sd.family == "flux":  # Flux's T5 is text_encoder_2: never trained, and not in fp16 either
-        move_module(sd.text_encoder_2, device, torch.bfloat16 if weight_dtype == torch.bfloat16 else torch.float32)
+    t5 = FAMILY_LAYOUTS[sd.family].t5  # SD3's text_encoder_3, Flux's text_encoder_2
+    if t5 is not None:  # never trained; fp16 overflows in T5 (bf16 does not)
+        getattr(sd, t5).requires_grad_(False).eval()
+        move_module(getattr(sd, t5), device, torch.bfloat16 if weight_dtype == torch.bfloat16 else torch.float32)
     if cfg.gradient_checkpointing:
         for m in method.trainable_modules().values():
             enable = (getattr(m, "enable_gradient_checkpointing", None)  # diffusers' name

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rangefinder.training.family_detection import FAMILY_LAYOUTS
 from rangefinder.training.methods.base import ModuleMethod, module_state, split_state
 
 if TYPE_CHECKING:
@@ -27,8 +29,10 @@ class FullFineTune(ModuleMethod):
                 te.requires_grad_(True)
                 _cast(te, torch.float32)
                 self._modules[name] = te
-                if sd.family == "sd3" and name == "text_encoder":
-                    te.text_projection.requires_grad_(False)  # SD3's CLIP-L pools unprojected (the identity)
+                for frozen in FAMILY_LAYOUTS[sd.family].frozen:  # SD3's CLIP-L projection: the identity
+                    part, _, param = frozen.partition(".")
+                    if part == name:
+                        te.get_submodule(param).requires_grad_(False)
             else:
                 te.requires_grad_(False)
                 _cast(te, weight_dtype)
@@ -49,76 +53,44 @@ class FullFineTune(ModuleMethod):
         self._restore_updates(state)
 
     def save_final(self, sd: SDComponents, out_dir: Path) -> None:
-        from rangefinder.formats.single_file import SINGLE_FILE_NAME, export_full
+        from rangefinder.formats.single_file import SINGLE_FILE_NAME
         from rangefinder.formats.weights_file import training_metadata
 
         save_pipeline(sd, out_dir)
         meta = training_metadata(self.cfg, getattr(sd, "source", None), updates=self.updates_taken)
         meta = {**meta, "rangefinder.family": sd.family}
-        if sd.family == "flux":  # the transformer in Black Forest Labs' layout, as BFL ships Flux (flux_layout.py)
-            from rangefinder.formats.flux_layout import export_flux_transformer
-
-            export_flux_transformer(out_dir, out_dir / SINGLE_FILE_NAME, meta)
-            return
-        if sd.family == "sd3":  # Stability's SD3 layout (formats/single_file_sd3.py)
-            from rangefinder.formats.single_file_sd3 import export_sd3_full
-
-            export_sd3_full(out_dir, out_dir / SINGLE_FILE_NAME, meta)
-            return
-        # The same weights as one file in the original SD layout, for A1111 and ComfyUI
-        # (src/rangefinder/formats/single_file.py).
-        export_full(out_dir, out_dir / SINGLE_FILE_NAME, meta)
+        # The same weights as one file in the layout ComfyUI and A1111 load: the original SD or SGM layout
+        # (formats/single_file.py), Stability's SD3 layout (single_file_sd3.py), Flux's transformer in Black Forest
+        # Labs' layout (flux_layout.py).
+        module_name, function = FAMILY_LAYOUTS[sd.family].single_file_export.split(":")
+        getattr(importlib.import_module(module_name), function)(out_dir, out_dir / SINGLE_FILE_NAME, meta)
 
 
 def save_pipeline(sd: SDComponents, out_dir: Path) -> None:
     """The family's pipeline folder (StableDiffusion, StableDiffusionXL, StableDiffusion3 or FluxPipeline; diffusers
     layout) that `from_pretrained` loads, in fp32 safetensors, under transformers 4.x and 5.x alike (see
     `formats.diffusers_folder.save_pipeline_folder`)."""
-    from diffusers import StableDiffusion3Pipeline, StableDiffusionPipeline, StableDiffusionXLPipeline
+    import diffusers
 
     from rangefinder.formats.diffusers_folder import save_pipeline_folder
 
+    layout = FAMILY_LAYOUTS[sd.family]
     # A copy: the pipeline's constructor rewrites outdated scheduler configs in place.
     scheduler = type(sd.noise_scheduler).from_config(sd.noise_scheduler.config)
-    if sd.family == "sd3":  # the flow-matching scheduler trains and samples alike
-        pipe: Any = StableDiffusion3Pipeline(
-            transformer=sd.unet, scheduler=scheduler, vae=sd.vae, text_encoder=sd.text_encoder,
-            tokenizer=sd.tokenizer, text_encoder_2=sd.text_encoder_2, tokenizer_2=sd.tokenizer_2,
-            text_encoder_3=sd.text_encoder_3, tokenizer_3=sd.tokenizer_3)
-    elif sd.family == "flux":  # its own flow-matching scheduler samples too
-        from diffusers import FluxPipeline
+    if layout.samples_with_its_scheduler and sd.model_dir is not None and (sd.model_dir / "scheduler").is_dir():
+        # The base model's own sampling scheduler (SDXL ships Euler), not the training DDPM.
+        import json
 
-        pipe = FluxPipeline(scheduler=scheduler, vae=sd.vae, text_encoder=sd.text_encoder, tokenizer=sd.tokenizer,
-                            text_encoder_2=sd.text_encoder_2, tokenizer_2=sd.tokenizer_2, transformer=sd.unet)
-    elif sd.family == "sdxl":
-        if sd.model_dir is not None and (sd.model_dir / "scheduler").is_dir():
-            # The base model's own sampling scheduler (SDXL ships Euler), not the training DDPM.
-            import json
-
-            import diffusers
-
-            config = json.loads((sd.model_dir / "scheduler" / "scheduler_config.json").read_text())
-            cls = getattr(diffusers, config.get("_class_name", ""), type(sd.noise_scheduler))
-            scheduler = cls.from_config({**config, "prediction_type": sd.noise_scheduler.config.prediction_type})
-        pipe = StableDiffusionXLPipeline(
-            vae=sd.vae, text_encoder=sd.text_encoder, text_encoder_2=sd.text_encoder_2, tokenizer=sd.tokenizer,
-            tokenizer_2=sd.tokenizer_2, unet=sd.unet, scheduler=scheduler,
-        )
-    else:
-        pipe = StableDiffusionPipeline(
-            vae=sd.vae,
-            text_encoder=sd.text_encoder,
-            tokenizer=sd.tokenizer,
-            unet=sd.unet,
-            scheduler=scheduler,
-            safety_checker=None,
-            feature_extractor=None,
-            requires_safety_checker=False,
-        )
+        config = json.loads((sd.model_dir / "scheduler" / "scheduler_config.json").read_text())
+        cls = getattr(diffusers, config.get("_class_name", ""), type(sd.noise_scheduler))
+        scheduler = cls.from_config({**config, "prediction_type": sd.noise_scheduler.config.prediction_type})
+    parts = {layout.denoiser: sd.unet, "vae": sd.vae, "text_encoder": sd.text_encoder, "tokenizer": sd.tokenizer,
+             "scheduler": scheduler, **{name: getattr(sd, name) for name in layout.parts}}
+    pipe: Any = getattr(diffusers, layout.pipeline)(**parts, **dict(layout.pipeline_kwargs))
     # Frozen parts may have been cast to half for training; the saved model is fp32 like its base.
-    parts = (("vae", sd.vae), *sd.text_encoders().items(), ("unet", sd.unet),
-             *((("text_encoder_3", sd.text_encoder_3),) if sd.text_encoder_3 is not None else ()))
-    dtypes = {n: m.dtype for n, m in parts}
+    modules = (("vae", sd.vae), *sd.text_encoders().items(), ("unet", sd.unet),
+               *((("text_encoder_3", sd.text_encoder_3),) if sd.text_encoder_3 is not None else ()))
+    dtypes = {n: m.dtype for n, m in modules}
     try:
         for n in dtypes:
             _cast(getattr(sd, n), torch.float32)

@@ -12,11 +12,13 @@ with `.alpha`: A1111, ComfyUI, kohya), both with the run's metadata.
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rangefinder.training.family_detection import FAMILY_LAYOUTS
 from rangefinder.training.methods.base import ModuleMethod, module_state, split_state
 
 if TYPE_CHECKING:
@@ -91,7 +93,6 @@ class LoraMethod(ModuleMethod):
         self._restore_updates(state)
 
     def save_final(self, sd: SDComponents, out_dir: Path) -> None:
-        from rangefinder.formats.lora import save_lora_files
         from rangefinder.formats.weights_file import training_metadata
 
         lora = self.cfg.lora
@@ -104,10 +105,7 @@ class LoraMethod(ModuleMethod):
         )
         te = sd.text_encoder if "text_encoder" in self._modules else None
         te_2 = sd.text_encoder_2 if "text_encoder_2" in self._modules else None
-        if sd.family == "sd3":
-            from rangefinder.formats.lora import save_sd3_lora_files
-
-            save_sd3_lora_files(out_dir, sd.unet, te, te_2, {**meta, "rangefinder.family": sd.family})
-            return
-        save_lora_files(out_dir, unet=sd.unet, text_encoder=te, metadata={**meta, "rangefinder.family": sd.family},
-                        text_encoder_2=te_2, sdxl=sd.family == "sdxl", flux=sd.family == "flux")
+        # Diffusers' names and kohya's, in the family's layout (formats/lora.py).
+        module_name, function = FAMILY_LAYOUTS[sd.family].lora_export.split(":")
+        getattr(importlib.import_module(module_name), function)(out_dir, sd.unet, te, te_2,
+                                                                {**meta, "rangefinder.family": sd.family})
