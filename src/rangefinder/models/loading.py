@@ -25,7 +25,6 @@ training examples, whatever scheduler the model samples with.
 from __future__ import annotations
 
 import hashlib
-import importlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ from rangefinder.training.family_detection import (
     FAMILY_NAMES,
     FAMILY_PARTS,
     detect_family,
+    import_named,
     single_file_family,
 )
 
@@ -287,8 +287,7 @@ def _single_file_config(path: Path, model_cfg: ModelConfig, family: str = "sd1")
         return Path(base)
     if base in (None, "", "None", "embedded tiny model") and "rangefinder.method" in meta:
         # Exported from the embedded model: its config is the tiny model's (of the file's family).
-        module_name, function = TINY_MODELS[family].split(":")
-        ensure: Callable[[Optional[str]], Path] = getattr(importlib.import_module(module_name), function)
+        ensure: Callable[[Optional[str]], Path] = import_named(TINY_MODELS[family])
         return ensure(model_cfg.cache_dir)
     return None
 
@@ -507,8 +506,7 @@ def _load_folder(resolved: ResolvedModel, model_cfg: ModelConfig) -> SDComponent
     parts: dict[str, Any] = {}
     try:
         for part, class_path in layout.classes:
-            library, _, name = class_path.partition(".")
-            cls = getattr(importlib.import_module(library), name)
+            cls = import_named(class_path)
             weights = not (part.startswith("tokenizer") or part == "scheduler")
             key = {layout.denoiser: "unet", "scheduler": "noise_scheduler"}.get(part, part)
             parts[key] = cls.from_pretrained(folder, subfolder=part, local_files_only=True,

@@ -7,10 +7,10 @@ family_detection.FamilyLayout (what loading, sampling and the exports read of it
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
 
 from rangefinder.errors import ConfigError
+from rangefinder.training.family_detection import import_named
 
 if TYPE_CHECKING:
     from rangefinder.config import TrainingConfig
@@ -32,6 +32,5 @@ def family_for(sd: SDComponents, cfg: TrainingConfig) -> Family:
     target = FAMILIES.get(sd.family)
     if target is None:
         raise ConfigError(f"model.base_model: rangefinder cannot train the {sd.family!r} model family")
-    module_name, cls_name = target.split(":")
-    family: Family = getattr(importlib.import_module(module_name), cls_name).for_model(sd, cfg)
+    family: Family = import_named(target).for_model(sd, cfg)
     return family

@@ -10,15 +10,23 @@ which must know a model's family to load its parts, can import it: families.py n
 
 from __future__ import annotations
 
+import importlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from rangefinder.config import ModelConfig
 from rangefinder.errors import ConfigError
 from rangefinder.formats.flux_layout import FLUX_CHECKPOINT_PREFIX, FLUX_DOUBLE_BLOCK_KEY, FLUX_SINGLE_BLOCK_KEY
 from rangefinder.formats.single_file import LDM_UNET_PREFIX, SGM_CLIP_G_PREFIX
+
+
+def import_named(target: str) -> Any:
+    """The object a "module:name" string names (FamilyLayout's exports, families.FAMILIES), imported only when
+    used, so that naming it here imports nothing."""
+    module_name, name = target.split(":")
+    return getattr(importlib.import_module(module_name), name)
 
 
 @dataclass(frozen=True)
@@ -30,7 +38,7 @@ class FamilyLayout:
     words: str  # its name in messages
     pipeline: str  # the diffusers pipeline class (model_index.json `_class_name`)
     denoiser: str  # the denoiser's folder and pipeline argument (loaded as SDComponents.unet whatever its kind)
-    # (part, "library.Class") that models/loading.py loads for training; "scheduler" is the training scheduler.
+    # (part, "library:Class") that models/loading.py loads for training; "scheduler" is the training scheduler.
     classes: tuple[tuple[str, str], ...]
     t5: Optional[str] = None  # the part holding T5: never trained, and kept out of fp16 (T5 overflows there)
     # Parameters kept frozen when their encoder trains: SD3's CLIP-L pools unprojected (its projection the identity).
@@ -52,28 +60,28 @@ class FamilyLayout:
                                                                self.denoiser))
 
 
-_SD_CLASSES = (("tokenizer", "transformers.CLIPTokenizer"), ("text_encoder", "transformers.CLIPTextModel"),
-             ("vae", "diffusers.AutoencoderKL"), ("unet", "diffusers.UNet2DConditionModel"),
-             ("scheduler", "diffusers.DDPMScheduler"))  # a DDPM model trains with DDPMScheduler
+_SD_CLASSES = (("tokenizer", "transformers:CLIPTokenizer"), ("text_encoder", "transformers:CLIPTextModel"),
+             ("vae", "diffusers:AutoencoderKL"), ("unet", "diffusers:UNet2DConditionModel"),
+             ("scheduler", "diffusers:DDPMScheduler"))  # a DDPM model trains with DDPMScheduler
 FAMILY_LAYOUTS = {
     "sd1": FamilyLayout("Stable Diffusion 1.x/2.x", "StableDiffusionPipeline", "unet", _SD_CLASSES,
                         pipeline_kwargs=(("safety_checker", None), ("feature_extractor", None),
                                          ("requires_safety_checker", False))),
     "sdxl": FamilyLayout("Stable Diffusion XL", "StableDiffusionXLPipeline", "unet",
-                         (*_SD_CLASSES, ("tokenizer_2", "transformers.CLIPTokenizer"),
-                          ("text_encoder_2", "transformers.CLIPTextModelWithProjection")),
+                         (*_SD_CLASSES, ("tokenizer_2", "transformers:CLIPTokenizer"),
+                          ("text_encoder_2", "transformers:CLIPTextModelWithProjection")),
                          samples_with_its_scheduler=True,
                          lora_export="rangefinder.formats.lora:save_sdxl_lora_files"),
     # SD3: both CLIPs with projection, T5 with whatever tokenizer its folder names (AutoTokenizer), the MMDiT.
     "sd3": FamilyLayout("Stable Diffusion 3/3.5", "StableDiffusion3Pipeline", "transformer",
-                        (("tokenizer", "transformers.CLIPTokenizer"),
-                         ("text_encoder", "transformers.CLIPTextModelWithProjection"),
-                         ("tokenizer_2", "transformers.CLIPTokenizer"),
-                         ("text_encoder_2", "transformers.CLIPTextModelWithProjection"),
-                         ("tokenizer_3", "transformers.AutoTokenizer"),
-                         ("text_encoder_3", "transformers.T5EncoderModel"),
-                         ("vae", "diffusers.AutoencoderKL"), ("transformer", "diffusers.SD3Transformer2DModel"),
-                         ("scheduler", "diffusers.FlowMatchEulerDiscreteScheduler")),
+                        (("tokenizer", "transformers:CLIPTokenizer"),
+                         ("text_encoder", "transformers:CLIPTextModelWithProjection"),
+                         ("tokenizer_2", "transformers:CLIPTokenizer"),
+                         ("text_encoder_2", "transformers:CLIPTextModelWithProjection"),
+                         ("tokenizer_3", "transformers:AutoTokenizer"),
+                         ("text_encoder_3", "transformers:T5EncoderModel"),
+                         ("vae", "diffusers:AutoencoderKL"), ("transformer", "diffusers:SD3Transformer2DModel"),
+                         ("scheduler", "diffusers:FlowMatchEulerDiscreteScheduler")),
                         t5="text_encoder_3",
                         frozen=("text_encoder.text_projection",),
                         single_file_export="rangefinder.formats.single_file_sd3:export_sd3_full",
@@ -81,11 +89,11 @@ FAMILY_LAYOUTS = {
     # Flux: CLIP-L, and T5 with its tokenizer as the second encoder; `full`'s file is the transformer alone in
     # Black Forest Labs' layout, as BFL ships Flux.
     "flux": FamilyLayout("Flux.1", "FluxPipeline", "transformer",
-                         (("tokenizer", "transformers.CLIPTokenizer"), ("text_encoder", "transformers.CLIPTextModel"),
-                          ("tokenizer_2", "transformers.AutoTokenizer"),
-                          ("text_encoder_2", "transformers.T5EncoderModel"), ("vae", "diffusers.AutoencoderKL"),
-                          ("transformer", "diffusers.FluxTransformer2DModel"),
-                          ("scheduler", "diffusers.FlowMatchEulerDiscreteScheduler")),
+                         (("tokenizer", "transformers:CLIPTokenizer"), ("text_encoder", "transformers:CLIPTextModel"),
+                          ("tokenizer_2", "transformers:AutoTokenizer"),
+                          ("text_encoder_2", "transformers:T5EncoderModel"), ("vae", "diffusers:AutoencoderKL"),
+                          ("transformer", "diffusers:FluxTransformer2DModel"),
+                          ("scheduler", "diffusers:FlowMatchEulerDiscreteScheduler")),
                          t5="text_encoder_2",
                          single_file_export="rangefinder.formats.flux_layout:export_flux_transformer",
                          lora_export="rangefinder.formats.lora:save_flux_lora_files"),

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rangefinder.training.family_detection import FAMILY_LAYOUTS
+from rangefinder.training.family_detection import FAMILY_LAYOUTS, import_named
 from rangefinder.training.methods.base import ModuleMethod, module_state, split_state
 
 if TYPE_CHECKING:
@@ -62,8 +61,7 @@ class FullFineTune(ModuleMethod):
         # The same weights as one file in the layout ComfyUI and A1111 load: the original SD or SGM layout
         # (formats/single_file.py), Stability's SD3 layout (single_file_sd3.py), Flux's transformer in Black Forest
         # Labs' layout (flux_layout.py).
-        module_name, function = FAMILY_LAYOUTS[sd.family].single_file_export.split(":")
-        getattr(importlib.import_module(module_name), function)(out_dir, out_dir / SINGLE_FILE_NAME, meta)
+        import_named(FAMILY_LAYOUTS[sd.family].single_file_export)(out_dir, out_dir / SINGLE_FILE_NAME, meta)
 
 
 def save_pipeline(sd: SDComponents, out_dir: Path) -> None:

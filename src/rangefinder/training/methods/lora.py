@@ -12,13 +12,12 @@ with `.alpha`: A1111, ComfyUI, kohya), both with the run's metadata.
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rangefinder.training.family_detection import FAMILY_LAYOUTS
+from rangefinder.training.family_detection import FAMILY_LAYOUTS, import_named
 from rangefinder.training.methods.base import ModuleMethod, module_state, split_state
 
 if TYPE_CHECKING:
@@ -106,6 +105,5 @@ class LoraMethod(ModuleMethod):
         te = sd.text_encoder if "text_encoder" in self._modules else None
         te_2 = sd.text_encoder_2 if "text_encoder_2" in self._modules else None
         # Diffusers' names and kohya's, in the family's layout (formats/lora.py).
-        module_name, function = FAMILY_LAYOUTS[sd.family].lora_export.split(":")
-        getattr(importlib.import_module(module_name), function)(out_dir, sd.unet, te, te_2,
-                                                                {**meta, "rangefinder.family": sd.family})
+        import_named(FAMILY_LAYOUTS[sd.family].lora_export)(out_dir, sd.unet, te, te_2,
+                                                            {**meta, "rangefinder.family": sd.family})
