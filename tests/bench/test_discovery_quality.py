@@ -85,13 +85,15 @@ def test_discovery_quality_smoke(tmp_path, capsys):
     assert s["grid_best_val_loss"] == min(g["best_val_loss"] for g in case["grid"])
 
     # A variant reuses that grid instead of training it: the same arms, no grid run, and the same discovery (the
-    # losses are deterministic on CPU, and the fine-tune's update-0 loss is checked against the grid's).
+    # losses are deterministic on CPU, and the fine-tune's update-0 loss is checked against the grid's). One case of
+    # the two is enough (each case is looked up on its own): the folder's, whose match (its path and image count)
+    # is the one with more to check; a case the earlier result lacks is refused (test_reuse_grid_refuses_...).
     out2, work2 = tmp_path / "dq-reused.json", tmp_path / "work2"
-    again = main(["--smoke", "--kinds", "shapes", "--dataset", str(folder), "--held-out", "my-subject",
+    again = main(["--smoke", "--dataset", str(folder), "--held-out", "my-subject",
                   "--no-classic", "--no-midpoint-arms", "--no-diagnose-lr-high", "--reuse-grid", str(out),
                   "--out", str(out2), "--work-dir", str(work2), "--keep"])
     assert again["settings"]["reuse_grid"] == str(out)
-    for new_case, old_case in zip(again["cases"], saved["cases"], strict=True):
+    for new_case, old_case in zip(again["cases"], saved["cases"][1:], strict=True):
         assert new_case["grid_reused"] is True
         assert [{k: v for k, v in g.items() if k != "reused"} for g in new_case["grid"]] == old_case["grid"]
         assert all(g["reused"] for g in new_case["grid"])

@@ -145,8 +145,12 @@ def test_ctrl_c_says_interrupted_and_names_the_command_that_goes_on(split_dir, t
     args = ["train", "--data", str(split_dir), "--model", str(tiny_model_dir), "--out", str(out), "--steps", "400",
             "--batch-size", "4", "--validate-every-epochs", "0", "--checkpoint-every-updates", "1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # Ctrl-C reaches a command in the terminal's foreground, whose SIGINT is at its default. A suite started in the
+    # background (`make test &`, nohup, a CI step without job control) runs with SIGINT ignored, every process it
+    # starts inherits that, and Python then leaves it ignored: the run went on to its end. So the child starts with
+    # SIGINT at its default, as a person's command does.
     proc = subprocess.Popen([sys.executable, "-m", "rangefinder.cli.main", *args], stderr=subprocess.PIPE, text=True,
-                            env=env)
+                            env=env, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 300
     while not (out / "checkpoints" / "checkpoint-000001").is_dir():
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()

@@ -1,7 +1,8 @@
 """The whole pipeline through kfp.local (SubprocessRunner, no containers) on the tiny model and shapes dataset.
 
-Three runs cover the DAG's branches: discovery then the full-data retrain, discovery without it, and a fixed LR (no
-discovery) with LoRA from a hub id, through the CLI on a terminal: a real user's first run. Each component's own
+Two runs cover the DAG's branches: discovery then the full-data retrain (the run tests/pipelines/conftest.py shares,
+on the default SQLite store), and a fixed LR (no discovery, no retrain) with LoRA from a hub id, through the CLI on a
+terminal: a real user's first run. Each component's own
 function, and the other methods from a hub id, are proven in tests/pipelines/test_components.py.
 """
 
@@ -39,53 +40,37 @@ def _mlflow_runs(db: Path) -> dict[str, str]:
         return dict(con.execute("select name, status from runs").fetchall())
 
 
-def test_discovery_then_retrain(tmp_path, shapes_dataset_dir, tiny_model_dir, mlflow_server_uri):
-    """Against a real MLflow server: the whole record reads back through MlflowClient, model included."""
-    from rangefinder.pipelines.local_run import run_pipeline_locally
+def test_discovery_then_retrain_on_default_sqlite(default_local_run):
+    """The local default: no tracking URI anywhere, so the run writes sqlite:///<out>/mlflow.db; discovery, then the
+    full-data retrain. The run is shared (tests/pipelines/conftest.py): test_reports_in_browser.py opens its reports.
+    The whole record reads back through MlflowClient from a real `mlflow server` on the run's store, model included."""
+    from mlflow import MlflowClient
 
-    tracking = {"tracking_uri": mlflow_server_uri, "experiment_name": "e2e-retrain",
-                "registered_model_name": "rf-e2e-retrain"}
-    run = run_pipeline_locally(_cfg(shapes_dataset_dir, tiny_model_dir, retrain={"enabled": True, "epochs": 1},
-                                    tracking=tracking), tmp_path)
-    s = run.summary()
+    from tests.tracking.fixtures import start_mlflow_server, stop_mlflow_server
+
+    s = default_local_run.summary()
+    out = default_local_run.out_dir
+    cfg = demo_config()
     assert s["lr_source"] == "range-test"
     assert 0 < s["lr_low"] <= s["lr_mid"] <= s["lr_high"] < 1e-2
     assert s["recommended_epochs"] >= 1 and s["retrained_epochs"] == 1
     # Successive halving kept lr_mid or lr_high; that LR is the fine-tune's, the retrain's and the registry's.
     assert s["halving_kept"] in ("lr_mid", "lr_high") and s["lr_used"] == s[s["halving_kept"]]
-    assert s["registered_model"] == "models:/rf-e2e-retrain/1"  # by name and version, as a person loads it
+    # By name and version, as a person loads it.
+    assert s["registered_model"] == f"models:/{cfg.tracking.registered_model_name}/1"
     # The reports are copied under OUT/reports with extensions a browser or editor opens.
     reports = sorted(Path(p).name for p in s["reports"])
     # Named after the step, not kfp.local's task folder (lr-range-test-3): one range test here, no zoom.
     assert {"lr-range-test-first.html", "lr-range-test-first.md", "finetune.html", "finetune.md",
             "sample-images-grid.html", "choose-lr-decision.md"} <= set(reports), reports
     assert not any(n.startswith("lr-range-test-zoom") for n in reports), reports
-    assert all(Path(p).parent == tmp_path / "reports" for p in s["reports"])
+    assert all(Path(p).parent == out / "reports" for p in s["reports"])
     # The reports exist and the HTML embeds its plot (the KFP UI shows no image files).
-    html = Path(run.artifacts[run.task("lr-range-test")]["report_html"]).read_text()
+    html = Path(default_local_run.artifacts[default_local_run.task("lr-range-test")]["report_html"]).read_text()
     assert "data:image/png;base64," in html
-    assert Path(run.artifacts[run.task("sample-images")]["grid"]).stat().st_size > 1000
-    assert Path(s["pipeline_root"]).is_relative_to(tmp_path)
-    check_pipeline_record(mlflow_server_uri, "e2e-retrain", s, model_name="rf-e2e-retrain")
-    from mlflow import MlflowClient
-
-    client = MlflowClient(tracking_uri=mlflow_server_uri)
-    runs = client.search_runs([client.get_experiment_by_name("e2e-retrain").experiment_id])
-    by_name = {r.info.run_name: r for r in runs}
-    for step in ("lr_range_test", "finetune", "retrain_full", "sample_images", "register_model"):
-        assert by_name[step].info.status == "FINISHED", step
-    parent = next(r for r in runs if "mlflow.parentRunId" not in r.data.tags)
-    # Closed by the exit handler as a success: no failed task named.
-    assert parent.info.status == "FINISHED" and "rangefinder.failed_task" not in parent.data.tags
-    assert client.list_artifacts(by_name["sample_images"].info.run_id, "images")  # the grid via log_image
-
-
-def test_discovery_without_retrain_on_default_sqlite(default_local_run):
-    """The local default: no tracking URI anywhere, so the run writes sqlite:///<out>/mlflow.db. The run is shared
-    (tests/pipelines/conftest.py): test_reports_in_browser.py opens its reports."""
-    s = default_local_run.summary()
-    assert s["lr_source"] == "range-test" and "retrained_epochs" not in s
-    db = default_local_run.out_dir / "mlflow.db"
+    assert Path(default_local_run.artifacts[default_local_run.task("sample-images")]["grid"]).stat().st_size > 1000
+    assert Path(s["pipeline_root"]).is_relative_to(out)
+    db = out / "mlflow.db"
     assert db.is_file()
     # Issue 35: the summary (what `demo` and `run --local` print) serves the store and links its runs table.
     assert s["mlflow_ui"] == f"mlflow ui --backend-store-uri sqlite:///{db}"
@@ -96,7 +81,8 @@ def test_discovery_without_retrain_on_default_sqlite(default_local_run):
     with sqlite3.connect(db) as con:
         keys = {k for (k,) in con.execute("select m.key from metrics m join runs r on m.run_uuid = r.run_uuid "
                                           "where r.name = 'sample_images'")}
-    assert {"prompt_colour.base", "prompt_shape.base", "prompt_colour.final", "prompt_shape.final"} <= keys, keys
+    assert {"prompt_colour.base", "prompt_shape.base", "prompt_colour.final", "prompt_shape.final",
+            "prompt_colour.retrained", "prompt_shape.retrained"} <= keys, keys
     # The same scores in the run's summary (what `rangefinder demo` prints), per column.
     with sqlite3.connect(db) as con:
         logged = dict(con.execute("select m.key, m.value from metrics m join runs r on m.run_uuid = r.run_uuid "
@@ -105,11 +91,31 @@ def test_discovery_without_retrain_on_default_sqlite(default_local_run):
     assert summed.keys() == logged.keys() and {"base", "final"} <= set(s["prompt_colour"]), (summed, logged)
     assert all(abs(summed[k] - logged[k]) <= 5e-4 for k in summed), (summed, logged)
     # A local run trains on one torch thread unless RANGEFINDER_TORCH_THREADS says otherwise (pipelines.local_run).
-    summaries = list(default_local_run.run_dir.glob("finetune*/**/run_summary.json"))
-    assert summaries and all(json.loads(p.read_text())["torch_threads"] == 1 for p in summaries), summaries
-    cfg = demo_config()
+    summaries = [*default_local_run.run_dir.glob("finetune*/**/run_summary.json"),
+                 *default_local_run.run_dir.glob("retrain-full*/**/run_summary.json")]
+    assert {p.relative_to(default_local_run.run_dir).parts[0].split("-")[0] for p in summaries} == {"finetune",
+                                                                                                     "retrain"}
+    assert all(json.loads(p.read_text())["torch_threads"] == 1 for p in summaries), summaries
+    # The store read as the printed `mlflow ui` reads it, without loading the model (the server's read-back does).
     check_pipeline_record(f"sqlite:///{db}", cfg.tracking.experiment_name, s,
-                          model_name=cfg.tracking.registered_model_name)
+                          model_name=cfg.tracking.registered_model_name, generate=False)
+    uri, proc = start_mlflow_server(out)  # serves <out>/mlflow.db, the run's store
+    try:
+        check_pipeline_record(uri, cfg.tracking.experiment_name, s, model_name=cfg.tracking.registered_model_name)
+        client = MlflowClient(tracking_uri=uri)
+        runs = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment_name).experiment_id])
+        by_name = {r.info.run_name: r for r in runs}
+        for step in ("lr_range_test", "finetune", "retrain_full", "sample_images", "register_model"):
+            assert by_name[step].info.status == "FINISHED", step
+        # With the retrain, the registered version is the retrain's weights: its source run is retrain_full's.
+        mv = client.get_model_version_by_alias(cfg.tracking.registered_model_name, "candidate")
+        assert mv.run_id == by_name["retrain_full"].info.run_id
+        parent = next(r for r in runs if "mlflow.parentRunId" not in r.data.tags)
+        # Closed by the exit handler as a success: no failed task named.
+        assert parent.info.status == "FINISHED" and "rangefinder.failed_task" not in parent.data.tags
+        assert client.list_artifacts(by_name["sample_images"].info.run_id, "images")  # the grid via log_image
+    finally:
+        stop_mlflow_server(proc)
 
 
 def test_fixed_lr_from_a_hub_id_skips_discovery_and_retrain_off(tmp_path, shapes_dataset_dir, fake_hub_cache,

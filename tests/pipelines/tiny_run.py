@@ -16,6 +16,9 @@ TINY = {
     "sampling": {"prompts": ["a red circle"], "seeds": [0], "num_inference_steps": 2},
 }
 
+# The shared default run's retrain (tests/pipelines/conftest.py): on, one epoch on train + validation.
+RETRAIN = {"retrain": {"enabled": True, "epochs": 1}}
+
 
 def tiny_config(dataset: Path, model: Path, **extra: Any) -> RangefinderConfig:
     return demo_config(data={"dataset_dir": str(dataset), "resolution": 32}, model={"base_model": str(model)},

@@ -2,8 +2,9 @@
 
 Running the pipeline is the expensive part (minutes on 2 CPU cores), so rather than run it again for tracking, a test
 that already runs it (tests/pipelines/test_local_run.py) points it at a tracking target and calls
-`check_pipeline_record` on the result: once with `mlflow_server_uri` (tests/tracking/fixtures.py), once with the
-default local sqlite store. Verified once standalone against a real server (all assertions passed).
+`check_pipeline_record` on the result: the shared run's default local sqlite store, read directly and through a real
+`mlflow server` on it (tests/tracking/fixtures.py). Verified once standalone against a real server (all assertions
+passed).
 """
 
 from __future__ import annotations
