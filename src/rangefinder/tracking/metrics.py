@@ -45,10 +45,8 @@ def metric_name(key: str) -> str:
 
 def curve_metric_name(key: str) -> str:
     """The MLflow key of one of the engine's per-update values: the validation losses under VALIDATION_SECTION."""
-    key = str(key)
-    if key == "val_loss" or key.startswith("val_loss_"):
-        key = VALIDATION_SECTION + key
-    return metric_name(key)
+    key = metric_name(key)
+    return VALIDATION_SECTION + key if key == "val_loss" or key.startswith("val_loss_") else key
 
 
 class BatchedMetricLogger:
