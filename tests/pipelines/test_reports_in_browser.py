@@ -89,8 +89,9 @@ def test_a_grid_of_many_columns_scrolls_in_its_box_not_the_page(tmp_path):
 
 def test_mlflow_as_its_users_browse_it(default_local_run):
     """Issue 35, item 5: the printed link opens MLflow's model-training runs table (not its GenAI dashboard), the
-    halving candidates are child runs of the fine-tune's run, and every run and the registered model has a
-    description. Read in headless Chromium from a real `mlflow server` on the run's own store."""
+    halving candidates are child runs of the fine-tune's run, the fine-tune run's page opens on its own val_loss
+    chart, and every run and the registered model has a description. Read in headless Chromium from a real
+    `mlflow server` on the run's own store."""
     from mlflow import MlflowClient
 
     from rangefinder.config import demo_config
