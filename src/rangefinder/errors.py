@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import os
 import sys
 from collections.abc import Iterator
+from types import TracebackType
+from typing import Optional
 
 
 class RangefinderError(Exception):
@@ -37,6 +41,39 @@ def one_line_errors(step: str) -> Iterator[None]:
     except RangefinderError as e:
         print(f"{STEP_ERROR_PREFIX} {step}: error: {public_name(e)}: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+    if os.environ.get(QUICK_EXIT_ENV) == "1":
+        _exit_without_teardown()
+
+
+# Set by the local runner for its steps (pipelines/local_run.py). A step process that imported torch, diffusers,
+# transformers and MLflow spends 1-5 s after its last line in the interpreter's teardown (freeing every module and
+# object, no Python frame running; measured after a range test: 0.06 s in the atexit handlers, then 2.9 s), about
+# 15 s of the demo's 9 steps. On a cluster a pod's exit is not what anyone waits for, so it is left alone there.
+QUICK_EXIT_ENV = "RANGEFINDER_QUICK_EXIT"
+
+
+def _exit_without_teardown() -> None:
+    """Once the step has returned: at exit, run the other atexit handlers (logging, MLflow) as usual, flush the
+    standard streams and leave with os._exit, skipping only the teardown. The status stays what Python's would be:
+    1 after an uncaught exception (the executor failing to write its outputs, say), else 0. (A SystemExit raised
+    after the step would read 0; the KFP executor raises none.)"""
+    failed: list[bool] = []
+    previous_hook = sys.excepthook
+
+    def note_failure(kind: type[BaseException], error: BaseException, tb: Optional[TracebackType]) -> None:
+        failed.append(True)
+        previous_hook(kind, error, tb)
+
+    def leave() -> None:
+        atexit.unregister(leave)
+        atexit._run_exitfuncs()  # the handlers registered before this one; this one runs first (last in, first out)
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(1 if failed else 0)
+
+    sys.excepthook = note_failure
+    atexit.register(leave)
 
 
 def public_name(e: RangefinderError) -> str:

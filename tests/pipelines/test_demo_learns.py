@@ -2,7 +2,7 @@
 (issue 20, item 3), in numbers (data.prompt_score over the grid's 4 prompts x 3 seeds), in the printed result and in
 the grid's report, opened in headless Chromium.
 
-The whole default demo runs here, unchanged (range test, zoom, 100-epoch fine-tune validated every 2nd epoch, grid;
+The whole default demo runs here, unchanged (range test, zoom, 80-epoch fine-tune validated every 2nd epoch, grid;
 config.DEMO_RUN): no setting is shortened, since what is checked is that those settings learn. It got shorter with
 the demo itself (issue 35: at most 3 minutes on 2 cores), not by testing less. docs/demo-learning.md says how the
 settings were chosen.

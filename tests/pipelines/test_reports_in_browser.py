@@ -89,11 +89,13 @@ def test_a_grid_of_many_columns_scrolls_in_its_box_not_the_page(tmp_path):
 
 def test_mlflow_as_its_users_browse_it(default_local_run):
     """Issue 35, item 5: the printed link opens MLflow's model-training runs table (not its GenAI dashboard), the
-    halving candidates are child runs of the fine-tune's run, and every run and the registered model has a
-    description. Read in headless Chromium from a real `mlflow server` on the run's own store."""
+    halving candidates are child runs of the fine-tune's run, the fine-tune run's page opens on its own val_loss
+    chart, and every run and the registered model has a description. Read in headless Chromium from a real
+    `mlflow server` on the run's own store."""
     from mlflow import MlflowClient
 
     from rangefinder.config import demo_config
+    from rangefinder.tracking.metrics import curve_metric_name
     from tests.tracking.fixtures import start_mlflow_server, stop_mlflow_server
 
     s = default_local_run.summary()
@@ -107,7 +109,8 @@ def test_mlflow_as_its_users_browse_it(default_local_run):
         candidates = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == finetune.info.run_id]
         assert sorted(r.data.tags["halving.outcome"] for r in candidates) == ["dropped", "kept"]
         assert {r.data.tags["halving.candidate"] for r in candidates} == {"lr_mid", "lr_high"}
-        assert "val_loss" in finetune.data.metrics and all("val_loss" in r.data.metrics for r in candidates)
+        val_loss = curve_metric_name("val_loss")  # validation/val_loss, one key on every run that trains
+        assert val_loss in finetune.data.metrics and all(val_loss in r.data.metrics for r in candidates)
         undescribed = [r.info.run_name for r in runs if not r.data.tags.get("mlflow.note.content")]
         assert undescribed == [], undescribed
         model = client.get_registered_model(demo_config().tracking.registered_model_name)
@@ -124,6 +127,14 @@ def test_mlflow_as_its_users_browse_it(default_local_run):
             assert f"{len(runs)} matching runs" in table, table[:800]
             page.goto(f"{uri}/#/experiments/{parent.info.experiment_id}/runs/{parent.info.run_id}")
             page.get_by_text(parent.data.tags["mlflow.note.content"][:40]).first.wait_for(timeout=60_000)
+            # The fine-tune run's page opens on its own val_loss: the first chart of its Model metrics tab (MLflow
+            # orders named sections, then the unprefixed keys' section, each by key; tracking/metrics.py).
+            page.goto(f"{uri}/#/experiments/{parent.info.experiment_id}/runs/{finetune.info.run_id}/model-metrics")
+            # The charts render as they scroll into view: the first section's first card has a title by then.
+            page.wait_for_function("() => { const t = document.body.innerText; const i = t.indexOf('Add chart');"
+                                   " return i >= 0 && t.slice(i + 9).trim().length > 0; }", timeout=60_000)
+            charts = [line.strip() for line in page.inner_text("body").split("Add chart", 1)[1].split("\n")]
+            assert [line for line in charts if line][0] == "val_loss", charts[:12]
             page.goto(f"{uri}/#/models/{model.name}")
             page.get_by_text(model.description[:40]).first.wait_for(timeout=60_000)
     finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -109,3 +110,32 @@ def test_one_line_errors_end_a_step_without_a_traceback(capsys):
                                       "nothing there; pass a folder\n"
     with pytest.raises(KeyError), one_line_errors("finetune"):  # a bug keeps its traceback
         raise KeyError("not bad input")
+
+
+def test_a_local_runs_step_skips_the_teardown_but_keeps_its_exit_status_and_atexit_handlers(tmp_path):
+    """errors.QUICK_EXIT_ENV (set by the local runner): after the step, os._exit skips the interpreter's teardown,
+    but the other atexit handlers still run, what was printed is flushed, and an exception raised after the step
+    (the executor failing to write its outputs) still fails the process."""
+    import subprocess
+    import sys
+
+    from rangefinder.errors import QUICK_EXIT_ENV
+
+    script = (
+        "import atexit, pathlib, sys\n"
+        "from rangefinder.errors import one_line_errors\n"
+        f"atexit.register(lambda: pathlib.Path({str(tmp_path / 'handler-ran')!r}).write_text('yes'))\n"
+        "with one_line_errors('finetune'):\n"
+        "    pass\n"
+        "print('step done', end='')\n"  # no newline, no flush: the exit must flush it
+        "if sys.argv[1] == 'fail':\n"
+        "    raise OSError('cannot write executor_output.json')\n"
+    )
+    env = {**os.environ, QUICK_EXIT_ENV: "1"}
+    ok = subprocess.run([sys.executable, "-c", script, "ok"], capture_output=True, text=True, env=env, timeout=120)
+    assert (ok.returncode, ok.stdout) == (0, "step done"), ok.stderr
+    assert (tmp_path / "handler-ran").read_text() == "yes"
+    (tmp_path / "handler-ran").unlink()
+    bad = subprocess.run([sys.executable, "-c", script, "fail"], capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode == 1 and "OSError: cannot write executor_output.json" in bad.stderr, bad.stderr
+    assert (tmp_path / "handler-ran").read_text() == "yes"

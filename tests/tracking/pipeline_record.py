@@ -37,7 +37,7 @@ def check_pipeline_record(tracking_uri: str, experiment: str, summary: dict, *, 
     assert all(r.info.status == "FINISHED" for r in children.values())
 
     rt = children["lr_range_test"]
-    val = sorted(client.get_metric_history(rt.info.run_id, "val_loss"), key=lambda m: m.step)
+    val = sorted(client.get_metric_history(rt.info.run_id, "validation/val_loss"), key=lambda m: m.step)
     lrs = sorted(client.get_metric_history(rt.info.run_id, "lr"), key=lambda m: m.step)
     assert len(val) >= 3 and val[0].step == 0  # the update-0 baseline, then one per validation
     assert [m.step for m in val] == sorted({m.step for m in val})

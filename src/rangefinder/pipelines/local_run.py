@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rangefinder.config import RangefinderConfig
-from rangefinder.errors import STEP_ERROR_PREFIX, ConfigError, RangefinderError
+from rangefinder.errors import QUICK_EXIT_ENV, STEP_ERROR_PREFIX, ConfigError, RangefinderError
 from rangefinder.launch.processes import THREADS_ENV
 from rangefinder.pipelines.progress import StepProgress, step_name
 from rangefinder.tracking.redaction import RedactingWriter, redact, safe_uri
@@ -146,7 +146,8 @@ def run_pipeline_locally(cfg: RangefinderConfig, out_dir: str | Path, *, dataset
     # 2 threads were 1.4x faster; bench/RESULTS.md, "Threads of a local run").
     step_env = {"MLFLOW_TRACKING_URI": tracking_uri,
                 SPOOL_ENV: os.environ.get(SPOOL_ENV) or str(out / "mlflow-spool"),
-                THREADS_ENV: os.environ.get(THREADS_ENV) or "1"}
+                THREADS_ENV: os.environ.get(THREADS_ENV) or "1",
+                QUICK_EXIT_ENV: "1"}  # errors.one_line_errors: a finished step skips the interpreter's teardown
     saved = {name: os.environ.get(name) for name in step_env}
     os.environ.update(step_env)
     log_path = out / "pipeline.log"

@@ -27,10 +27,26 @@ VALIDATION_PREFIXES = ("val_", "stabilize_")
 
 _BAD_NAME_CHARS = re.compile(r"[^\w\-. :/]")  # what MLflow accepts in a metric name
 
+# The chart section the validation losses (val_loss and its per-bucket val_loss_*) are logged under, so that a
+# run's page opens on its val_loss chart. MLflow 3.17's run page (Model metrics tab) groups charts into sections by
+# the key's part before its last "/", orders the named sections alphabetically and then the unprefixed keys'
+# "Model metrics" section, and each section's charts by key; a chart's title is the part after the "/". With the
+# validation losses the one named section of a training run, "validation/val_loss" is its first chart, titled
+# val_loss; everything else (train_loss, lr, stabilize_loss, decisions) follows under "Model metrics". The key is
+# the same on every run that trains (range tests, the fine-tune, its halving candidates) and is the only MLflow key
+# of the quantity; curve CSVs and reports keep their plain column names.
+VALIDATION_SECTION = "validation/"
+
 
 def metric_name(key: str) -> str:
     """`key` with characters MLflow refuses replaced by "_": one bad name must not block every later batch."""
     return _BAD_NAME_CHARS.sub("_", str(key)) or "_"
+
+
+def curve_metric_name(key: str) -> str:
+    """The MLflow key of one of the engine's per-update values: the validation losses under VALIDATION_SECTION."""
+    key = metric_name(key)
+    return VALIDATION_SECTION + key if key == "val_loss" or key.startswith("val_loss_") else key
 
 
 class BatchedMetricLogger:
@@ -69,7 +85,7 @@ class BatchedMetricLogger:
         for key, value in metrics.items():
             if value is None:
                 continue  # not measured at this step (an empty cell in the curve CSV)
-            key = metric_name(key)
+            key = curve_metric_name(key)
             if step <= self.logged_through.get(key, -1):
                 continue  # the first attempt of this run logged it already
             # NaN/inf are kept: a diverged run's curve must show the divergence. MLflow stores them as such.
