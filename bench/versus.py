@@ -93,17 +93,19 @@ def train_arm(cfg, split_dir: Path, lr: float, out: Path) -> dict[str, Any]:
     seconds = time.perf_counter() - t0
     stats = curve_stats(ft.curve_csv)
     updates = int(json.loads((out / "run_summary.json").read_text())["updates"])
-    effective = effective_lrs(ft.curve_csv, stats.get("best_update"))
+    effective = effective_lrs(ft.curve_csv.with_name("updates.csv"), stats.get("best_update"))
     shutil.rmtree(out, ignore_errors=True)  # the weights are not needed; the curve is in stats
     return {"lr": lr, "updates": updates, "seconds": seconds, "chosen": ft.chosen, **effective, **stats}
 
 
-def effective_lrs(curve_csv: Path, best_update: Optional[int]) -> dict[str, Optional[float]]:
-    """The step size the optimizer took (the curve's lr_effective: Prodigy's d x lr) at the best checkpoint and at
+def effective_lrs(updates_csv: Path, best_update: Optional[int]) -> dict[str, Optional[float]]:
+    """The step size the optimizer took (updates.csv's lr_effective: Prodigy's d x lr) at the best checkpoint and at
     the end, to compare with the LR rangefinder measured."""
     import csv
 
-    with open(curve_csv, newline="") as f:
+    if not updates_csv.is_file():
+        return {"lr_effective_at_best": None, "lr_effective_final": None}
+    with open(updates_csv, newline="") as f:
         rows = [(int(float(r["update"])), float(r["lr_effective"])) for r in csv.DictReader(f)
                 if r.get("lr_effective") not in (None, "") and r.get("update") not in (None, "")]
     if not rows:

@@ -75,6 +75,9 @@ def test_versus_smoke(tmp_path, capsys):
         lo, hi = case["random"]["span"]
         assert all(lo <= r["lr"] <= hi for r in case["random"]["runs"])
     assert case["folk"]["lr"] == 1e-4 and case["prodigy"]["lr"] == 1.0
+    # The step size each took: AdamW's own LR; Prodigy's d x lr, its estimate (not the nominal 1.0).
+    assert case["folk"]["lr_effective_final"] == pytest.approx(1e-4)
+    assert 0 < case["prodigy"]["lr_effective_final"] < 1.0
     assert s["grid_best"] > 0 and s["updates"]["grid"] == 4 and case["grid"]["reused_from"] is None
     # Every verdict is one of the three words, or missing only when an arm has no loss.
     for opp in OPPONENTS:
