@@ -253,6 +253,29 @@ def _count_images(folder: Path) -> int:
     return sum(1 for p in folder.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS)
 
 
+def set_up_case(dataset: Path, seed: int, work: Path, case: Path, overrides: dict[str, dict[str, Any]]):
+    """A case's config and split: demo_config on the embedded tiny model with the case's dataset and seed, the
+    latent cache and one MLflow store shared by the run's cases under `work`, and `overrides` (by section) on top;
+    the split written under `case`. Returns (config, split folder)."""
+    from rangefinder.config import demo_config
+    from rangefinder.models.tiny import ensure_tiny_base_model
+    from rangefinder.steps.prepare_dataset import run_prepare_dataset
+
+    sections: dict[str, dict[str, Any]] = {
+        "data": {"dataset_dir": str(dataset)},
+        "model": {"base_model": str(ensure_tiny_base_model())},
+        "training": {"seed": seed, "cache_dir": str(work / "cache")},
+        "tracking": {"tracking_uri": f"sqlite:///{(work / 'mlflow.db').resolve()}", "registered_model_name": None},
+    }
+    for section, values in overrides.items():
+        sections[section] = {**sections.get(section, {}), **values}
+    cfg = demo_config(**sections)
+    split_dir = case / "split"
+    run_prepare_dataset(cfg, out_dir=split_dir)
+    _open_store(cfg)
+    return cfg, split_dir
+
+
 def one_case(source: dict[str, Any], seed: int, args, work: Path, log=print,
              reused_grid: Optional[list[dict[str, Any]]] = None) -> dict[str, Any]:
     """Discovery, grid, the other midpoint rules and classic suggestions on one dataset with one training seed.
@@ -260,10 +283,7 @@ def one_case(source: dict[str, Any], seed: int, args, work: Path, log=print,
     A synthetic kind is drawn with the case's seed too (a new dataset per seed); a --dataset folder is the same in
     every case, and only the training seed (and with it the split) changes.
     """
-    from rangefinder.config import demo_config
     from rangefinder.data.synthetic import make_synthetic_dataset
-    from rangefinder.models.tiny import ensure_tiny_base_model
-    from rangefinder.steps.prepare_dataset import run_prepare_dataset
 
     name = source["name"]
     case = work / f"{name}-seed{seed}"
@@ -274,12 +294,7 @@ def one_case(source: dict[str, Any], seed: int, args, work: Path, log=print,
     else:
         dataset = Path(source["dataset"])
         images = _count_images(dataset)
-    overrides: dict[str, Any] = {
-        "data": {"dataset_dir": str(dataset)},
-        "model": {"base_model": str(ensure_tiny_base_model())},
-        "training": {"seed": seed, "cache_dir": str(work / "cache")},
-        "tracking": {"tracking_uri": f"sqlite:///{(work / 'mlflow.db').resolve()}", "registered_model_name": None},
-    }
+    overrides: dict[str, dict[str, Any]] = {}
     if args.range_test_epochs:
         overrides["lr_range_test"] = {"epochs": args.range_test_epochs}
     if args.range_test_every_updates:
@@ -288,11 +303,7 @@ def one_case(source: dict[str, Any], seed: int, args, work: Path, log=print,
         overrides.setdefault("lr_range_test", {})["mid_position"] = args.mid_position
     if args.finetune_epochs:
         overrides["finetune"] = {"epochs": args.finetune_epochs}
-    cfg = demo_config(**overrides)
-    split_dir = case / "split"
-    run_prepare_dataset(cfg, out_dir=split_dir)
-
-    _open_store(cfg)
+    cfg, split_dir = set_up_case(dataset, seed, work, case, overrides)
     kind = name  # the log's and the tables' name of the dataset
     out: dict[str, Any] = {"kind": name, "synthetic_kind": source["kind"], "dataset_dir": source["dataset"],
                            "held_out": source["held_out"], "seed": seed, "images": images,

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from bench.common import default_out, machine_info, quiet_libraries, smoke_out, table, torch_threads, write_json
-from bench.discovery_quality import _open_store, curve_stats, discover, gap_pct, train_fixed_lr
+from bench.discovery_quality import curve_stats, discover, gap_pct, set_up_case, train_fixed_lr
 
 NAME = "versus"
 DEFAULT_METHODS = "full,lora,textual_inversion"
@@ -93,28 +93,38 @@ def train_arm(cfg, split_dir: Path, lr: float, out: Path) -> dict[str, Any]:
     seconds = time.perf_counter() - t0
     stats = curve_stats(ft.curve_csv)
     updates = int(json.loads((out / "run_summary.json").read_text())["updates"])
+    effective = effective_lrs(ft.curve_csv.with_name("updates.csv"), stats.get("best_update"))
     shutil.rmtree(out, ignore_errors=True)  # the weights are not needed; the curve is in stats
-    return {"lr": lr, "updates": updates, "seconds": seconds, "chosen": ft.chosen, **stats}
+    return {"lr": lr, "updates": updates, "seconds": seconds, "chosen": ft.chosen, **effective, **stats}
 
 
-def case_config(method: str, dataset: Path, seed: int, work: Path, args):
-    from rangefinder.config import demo_config
-    from rangefinder.models.tiny import ensure_tiny_base_model
+def effective_lrs(updates_csv: Path, best_update: Optional[int]) -> dict[str, Optional[float]]:
+    """The step size the optimizer took (updates.csv's lr_effective: Prodigy's d x lr) at the best checkpoint and at
+    the end, to compare with the LR rangefinder measured."""
+    import csv
 
-    overrides: dict[str, Any] = {
-        "data": {"dataset_dir": str(dataset)},
-        "model": {"base_model": str(ensure_tiny_base_model())},
-        "training": {"seed": seed, "cache_dir": str(work / "cache"), "method": method},
-        "tracking": {"tracking_uri": f"sqlite:///{(work / 'mlflow.db').resolve()}", "registered_model_name": None},
-        "finetune": {"epochs": args.finetune_epochs},
-    }
+    if not updates_csv.is_file():
+        return {"lr_effective_at_best": None, "lr_effective_final": None}
+    with open(updates_csv, newline="") as f:
+        rows = [(int(float(r["update"])), float(r["lr_effective"])) for r in csv.DictReader(f)
+                if r.get("lr_effective") not in (None, "") and r.get("update") not in (None, "")]
+    if not rows:
+        return {"lr_effective_at_best": None, "lr_effective_final": None}
+    at_best = [x for u, x in rows if best_update is not None and u <= best_update]
+    return {"lr_effective_at_best": at_best[-1] if at_best else None, "lr_effective_final": rows[-1][1]}
+
+
+def case_overrides(method: str, args) -> dict[str, dict[str, Any]]:
+    """What a versus case sets on top of bench.discovery_quality's case: the method, the arms' length, the sweep."""
+    overrides: dict[str, dict[str, Any]] = {"training": {"method": method},
+                                            "finetune": {"epochs": args.finetune_epochs}}
     if method != "full":
         # demo_config's sweep (1e-5..1e-2) was measured for full fine-tuning; adapters and embeddings learn at
         # about 100x (config.DEFAULT_LR_RANGE), so they get the method's shipped default sweep.
         overrides["lr_range_test"] = {"lr_min": None, "lr_max": None}
     if args.smoke:
         overrides.setdefault("lr_range_test", {}).update(epochs=3, validate_every_updates=1)
-    return demo_config(**overrides)
+    return overrides
 
 
 def load_saved_grids(paths: list[Path]) -> dict[tuple[str, int], dict[str, Any]]:
@@ -135,18 +145,36 @@ def load_saved_grids(paths: list[Path]) -> dict[tuple[str, int], dict[str, Any]]
     return out
 
 
+def load_saved_arms(paths: list[Path]) -> dict[tuple[str, str, int], dict[str, Any]]:
+    """The cases of earlier versus results by (method, kind, seed), with the file they came from (--reuse-arms)."""
+    out: dict[tuple[str, str, int], dict[str, Any]] = {}
+    for path in paths:
+        for c in json.loads(path.read_text())["cases"]:
+            out[(c["method"], c["kind"], int(c["seed"]))] = {**c, "file": path.name}
+    return out
+
+
+def reusable_arms(old: Optional[dict[str, Any]], a: dict[str, Any], span: tuple[float, float],
+                  images: int) -> bool:
+    """Whether arms (b)-(e) of a saved case are this case's: they depend on (a) only through its fine-tune length
+    (b, c, d) and its range test's span (d), and on the data and split (the same update-0 validation loss)."""
+    if old is None or old["images"] != images:
+        return False
+    was = old["rangefinder"]
+    return (was.get("finetune_updates") == a.get("finetune_updates") and was.get("updates") == a.get("updates")
+            and [float(x) for x in old["random"]["span"]] == [float(x) for x in span]
+            and was.get("baseline_val_loss") is not None
+            and math.isclose(was["baseline_val_loss"], a.get("baseline_val_loss") or math.nan, rel_tol=1e-9))
+
+
 def one_case(method: str, kind: str, seed: int, args, work: Path, saved: dict[tuple[str, int], dict[str, Any]],
-             log=print) -> dict[str, Any]:
+             log=print, saved_arms: Optional[dict[tuple[str, str, int], dict[str, Any]]] = None) -> dict[str, Any]:
     from rangefinder.data.synthetic import make_synthetic_dataset
-    from rangefinder.steps.prepare_dataset import run_prepare_dataset
 
     case = work / f"{method}-{kind}-seed{seed}"
     dataset = case / "dataset"
     make_synthetic_dataset(dataset, kind=kind, count=args.images, seed=seed, resolution=32)
-    cfg = case_config(method, dataset, seed, work, args)
-    split_dir = case / "split"
-    run_prepare_dataset(cfg, out_dir=split_dir)
-    _open_store(cfg)
+    cfg, split_dir = set_up_case(dataset, seed, work, case, case_overrides(method, args))
     tag = f"[{method} {kind} seed {seed}]"
     out: dict[str, Any] = {"method": method, "kind": kind, "seed": seed, "images": args.images,
                            "held_out_kind": kind in HELD_OUT_KINDS, "held_out_seed": seed in HELD_OUT_SEEDS,
@@ -159,6 +187,16 @@ def one_case(method: str, kind: str, seed: int, args, work: Path, saved: dict[tu
     log(f"{tag}   {a['status']}: lr {a.get('lr_used')}, chosen {(a.get('chosen') or {}).get('val_loss')}, "
         f"{a['updates']} updates, {a['seconds']:.0f} s")
     length = a.get("finetune_updates")  # (a)'s fine-tune length, in updates: the other arms train as long
+    tests = a.get("range_tests") or []
+    span = (tests[0]["lr_min"], tests[0]["lr_max"]) if tests else cfg.lr_range_test.range_for(method)
+    old = (saved_arms or {}).get((method, kind, seed))
+    if reusable_arms(old, a, span, args.images):
+        assert old is not None
+        log(f"{tag} (b)-(e) reused from {old['file']}: same data, length and span")
+        out.update({k: old[k] for k in ("prodigy", "folk", "random", "grid")}, reused_arms_from=old["file"])
+        out["summary"] = summarize(out)
+        shutil.rmtree(case, ignore_errors=True)
+        return out
 
     log(f"{tag} (b) prodigy")
     cfg_b = cfg.model_copy(update={"training": cfg.training.model_copy(update={"optimizer": "prodigy"})})
@@ -170,8 +208,6 @@ def one_case(method: str, kind: str, seed: int, args, work: Path, saved: dict[tu
     out["folk"] = train_arm(cfg, split_dir, FOLK_LR[method], case / "folk")
     log(f"{tag}   best {out['folk']['best_val_loss']}, final {out['folk']['final_val_loss']}")
 
-    tests = a.get("range_tests") or []
-    span = (tests[0]["lr_min"], tests[0]["lr_max"]) if tests else cfg.lr_range_test.range_for(method)
     per_run = length or out["folk"]["updates"]
     n = max(1, math.ceil(a["updates"] / per_run))
     if args.smoke:
@@ -206,6 +242,31 @@ def one_case(method: str, kind: str, seed: int, args, work: Path, saved: dict[tu
     return out
 
 
+def rechoose(c: dict[str, Any]) -> dict[str, Any]:
+    """The case as (a) would have delivered it under today's checkpoint rule (analysis.delivered_update), read
+    from its saved fine-tune curve and window: the rule reads nothing else, and the fine-tune keeps a checkpoint at
+    every validated update (checkpoint_every_epochs 1, validation every epoch), so this is what a re-run delivers
+    (training is deterministic on CPU). A case without a window is left as it was."""
+    from types import SimpleNamespace
+
+    from rangefinder.analysis import delivered_update
+
+    a = c["rangefinder"]
+    was = a.get("chosen")
+    if not was or was.get("window_start_update") is None or not a.get("curve"):
+        return c
+    update, loss = zip(*a["curve"], strict=True)
+    window = SimpleNamespace(window_start_update=was["window_start_update"],
+                             window_end_update=was["window_end_update"],
+                             recommended_updates=was["recommended_updates"])
+    picked = delivered_update(window, update, update, loss)
+    chosen = {**was, "update": picked, "val_loss": loss[update.index(picked)], "rechosen_from_curve": True,
+              "checkpoint": f"checkpoint-{picked:06d}", "was": {"update": was["update"], "val_loss": was["val_loss"]}}
+    out = {**c, "rangefinder": {**a, "chosen": chosen}}
+    out["summary"] = summarize(out)
+    return out
+
+
 def verdict_of(mine: Optional[float], theirs: Optional[float]) -> Optional[str]:
     """(a) against another arm: win (more than TIE_PCT lower), tie (within it), loss; None when either is missing."""
     if mine is None or theirs is None or theirs <= 0:
@@ -229,6 +290,7 @@ def summarize(c: dict[str, Any]) -> dict[str, Any]:
         "rangefinder": a_loss, "rangefinder_best": a.get("best_val_loss"),
         "prodigy_best": b.get("best_val_loss"), "prodigy_final": b.get("final_val_loss"),
         "prodigy_chosen": (b.get("chosen") or {}).get("val_loss"),
+        "prodigy_lr_effective_at_best": b.get("lr_effective_at_best"),
         "folk_final": f.get("final_val_loss"), "folk_best": f.get("best_val_loss"),
         "random_best": best_random["best_val_loss"] if best_random else None,
         "random_best_lr": best_random["lr"] if best_random else None, "random_runs": len(r["runs"]),
@@ -350,8 +412,14 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--smoke", action="store_true", help="one tiny full case: 2-epoch arms, 1 grid point, "
                    "at most 2 random runs (CI)")
     p.add_argument("--out", type=Path, help="JSON (default bench/results/versus.json; --smoke: a temporary file); "
-                   "rewritten after every case, and the cases it holds are not run again (resume)")
+                   "rewritten after every case, and the cases it holds are not run again (resume); with --report: "
+                   "the merged cases")
     p.add_argument("--work-dir", type=Path)
+    p.add_argument("--reuse-arms", type=Path, nargs="+", metavar="JSON",
+                   help="re-run (a) only: take arms (b)-(e) of a case from these results where its data, (a)'s "
+                   "fine-tune length and range-test span are unchanged (else they run again)")
+    p.add_argument("--rechoose", action="store_true",
+                   help="with --report: re-score (a) with today's checkpoint rule from each case's saved curve")
     p.add_argument("--report", type=Path, nargs="+", metavar="JSON",
                    help="run nothing: merge the cases of these results and print the tables and the verdict")
     args = p.parse_args(argv)
@@ -359,8 +427,13 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         merged: dict[str, Any] = {"benchmark": NAME, "merged_from": [str(x) for x in args.report], "cases": []}
         for path in args.report:
             merged["cases"] += json.loads(path.read_text())["cases"]
+        if args.rechoose:
+            merged["rechosen"] = True
+            merged["cases"] = [rechoose(c) for c in merged["cases"]]
         finish(merged, partial=False)
         print(report(merged))
+        if args.out:
+            write_json(args.out, merged)
         return merged
     args.out = args.out or (smoke_out(NAME) if args.smoke else default_out(NAME))
     if args.smoke:
@@ -381,7 +454,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                 "finetune_epochs": args.finetune_epochs, "grid_points": args.grid_points,
                 "grid_lr_min": args.grid_lr_min, "grid_lr_max": args.grid_lr_max, "grid": args.grid,
                 "held_out_kinds": list(HELD_OUT_KINDS), "held_out_seeds": list(HELD_OUT_SEEDS),
-                "tie_pct": TIE_PCT, "folk_lr": FOLK_LR, "prodigy_settings": PRODIGY_SETTINGS}
+                "tie_pct": TIE_PCT, "folk_lr": FOLK_LR, "prodigy_settings": PRODIGY_SETTINGS,
+                "reuse_arms": [str(x) for x in args.reuse_arms or []]}
     result: dict[str, Any] = {"benchmark": NAME, "smoke": args.smoke, "settings": settings, "cases": [],
                               "runs": []}
     if args.out.exists() and not args.smoke:
@@ -389,6 +463,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         result["cases"], result["runs"] = old.get("cases", []), old.get("runs", [])
     done = {(c["method"], c["kind"], c["seed"]) for c in result["cases"]}
     saved = load_saved_grids([Path(__file__).resolve().parent / "results" / n for n in SAVED_GRIDS])
+    saved_arms = load_saved_arms(args.reuse_arms or [])
     if args.smoke:
         saved = {}
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench-versus-"))
@@ -409,7 +484,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                     for method in methods:
                         if (method, kind, seed) in done:
                             continue
-                        result["cases"].append(one_case(method, kind, seed, args, work, saved, log))
+                        result["cases"].append(one_case(method, kind, seed, args, work, saved, log, saved_arms))
                         run_info["cases"] += 1
                         run_info["seconds"] = time.perf_counter() - t0
                         run_info["loadavg_after"] = list(os.getloadavg())

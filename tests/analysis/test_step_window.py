@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from rangefinder.analysis import select_step_window
+from rangefinder.analysis import delivered_update, select_step_window
 from rangefinder.analysis.synthetic import ConstantRunShape, noisy, true_step_window
 from rangefinder.errors import RangefinderError
 
@@ -89,3 +89,30 @@ def test_a_long_curve_is_read_as_means_of_consecutive_rows():
     assert w.status == "ok" and w.rows_per_point == 5 and w.points_used == epochs.size
     best, start, end = true_step_window(ConstantRunShape(), 30, 0.02)
     assert start - 1.5 <= w.recommended_epochs <= end + 1.5
+
+
+def _window(start, end, rec):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(window_start_update=start, window_end_update=end, recommended_updates=rec)
+
+
+def test_the_delivered_checkpoint_is_the_lowest_validation_loss_inside_the_window():
+    """A LoRA-like scatter: the checkpoint nearest the centre (update 12) is not the best one inside the window
+    (8, or 16 once 8 is outside); a still lower point outside the window (update 4) is not a length it allows."""
+    update = [4, 8, 12, 16, 20, 24]
+    val = [0.050, 0.080, 0.090, 0.082, 0.085, 0.120]
+    assert delivered_update(_window(7.0, 21.0, 12), [4, 8, 12, 16, 20, 24], update, val) == 8
+    assert delivered_update(_window(9.0, 21.0, 14), [4, 8, 12, 16, 20, 24], update, val) == 16
+    # Equal losses: the one nearest the recommended update, then the earlier.
+    assert delivered_update(_window(7.0, 21.0, 15), [8, 12, 16, 20], update, [0.05, 0.08, 0.08, 0.08, 0.08, 0.1]) == 16
+
+
+def test_without_a_validated_checkpoint_inside_the_window_the_nearest_one_is_delivered():
+    # Checkpoints every 6 updates, validation every 4: none of them was validated inside the window [7, 11].
+    assert delivered_update(_window(7.0, 11.0, 9), [6, 12, 18], [4, 8, 12], [0.1, 0.2, 0.3]) == 6
+    assert delivered_update(_window(7.0, 11.0, 10), [6, 12, 18], [4, 8, 12], [0.1, 0.2, 0.3]) == 12
+    # A NaN loss is no measurement.
+    assert delivered_update(_window(7.0, 13.0, 7), [8, 12], [8, 12], [0.2, float("nan")]) == 8
+    assert delivered_update(_window(None, None, None), [8, 12], [8, 12], [0.2, 0.1]) is None
+    assert delivered_update(_window(7.0, 13.0, 10), [], [8, 12], [0.2, 0.1]) is None

@@ -4,7 +4,15 @@ import json
 
 import pytest
 
-from bench.versus import HELD_OUT_KINDS, HELD_OUT_SEEDS, OPPONENTS, aggregate, verdict_of
+from bench.versus import (
+    HELD_OUT_KINDS,
+    HELD_OUT_SEEDS,
+    OPPONENTS,
+    aggregate,
+    rechoose,
+    reusable_arms,
+    verdict_of,
+)
 
 
 def test_verdict_ties_within_one_percent():
@@ -67,6 +75,9 @@ def test_versus_smoke(tmp_path, capsys):
         lo, hi = case["random"]["span"]
         assert all(lo <= r["lr"] <= hi for r in case["random"]["runs"])
     assert case["folk"]["lr"] == 1e-4 and case["prodigy"]["lr"] == 1.0
+    # The step size each took: AdamW's own LR; Prodigy's d x lr, its estimate (not the nominal 1.0).
+    assert case["folk"]["lr_effective_final"] == pytest.approx(1e-4)
+    assert 0 < case["prodigy"]["lr_effective_final"] < 1.0
     assert s["grid_best"] > 0 and s["updates"]["grid"] == 4 and case["grid"]["reused_from"] is None
     # Every verdict is one of the three words, or missing only when an arm has no loss.
     for opp in OPPONENTS:
@@ -75,3 +86,36 @@ def test_versus_smoke(tmp_path, capsys):
     assert set(saved["aggregate"]["goals"]) >= {"beats_random", "grid", "as_good_as_prodigy_best"}
     printed = capsys.readouterr().out
     assert "Validation loss of each arm's delivered checkpoint" in printed and "Compute" in printed
+
+
+def _case(curve, chosen):
+    a = {"status": "ok", "updates": 24, "seconds": 1.0, "finetune_updates": 16, "baseline_val_loss": 0.2,
+         "lr_used": 1e-3, "curve": curve, "chosen": chosen, "final_val_loss": curve[-1][1],
+         "best_val_loss": min(y for _, y in curve)}
+    arm = {"updates": 16, "seconds": 1.0, "best_val_loss": 0.1, "final_val_loss": 0.1, "lr": 1.0}
+    return {"method": "lora", "kind": "shapes", "seed": 0, "held_out": False, "images": 20, "rangefinder": a,
+            "prodigy": arm, "folk": arm, "random": {"span": [1e-6, 1.0], "runs": [arm], "updates": 16, "seconds": 1},
+            "grid": None}
+
+
+def test_rechoose_delivers_the_lowest_loss_inside_the_saved_window():
+    curve = [[4, 0.05], [8, 0.09], [12, 0.11], [16, 0.095]]
+    was = {"update": 12, "val_loss": 0.11, "window_start_update": 6.0, "window_end_update": 16.0,
+           "recommended_updates": 11}
+    c = rechoose(_case(curve, was))
+    assert (c["rangefinder"]["chosen"]["update"], c["rangefinder"]["chosen"]["val_loss"]) == (8, 0.09)
+    assert c["summary"]["rangefinder"] == 0.09 and c["summary"]["vs_prodigy_best"] == "win"  # was a loss at 0.11
+    assert c["rangefinder"]["chosen"]["was"] == {"update": 12, "val_loss": 0.11}
+    no_window = _case(curve, None)
+    assert rechoose(no_window) is no_window  # no window: the final weights, as before
+
+
+def test_saved_arms_are_reused_only_for_the_same_data_length_and_span():
+    old = _case([[4, 0.1], [8, 0.09]], None)
+    a = dict(old["rangefinder"])
+    assert reusable_arms(old, a, (1e-6, 1.0), 20)
+    assert not reusable_arms(None, a, (1e-6, 1.0), 20)
+    assert not reusable_arms(old, a, (1e-5, 1.0), 20)  # another span: (d) draws other LRs
+    assert not reusable_arms(old, {**a, "finetune_updates": 20}, (1e-6, 1.0), 20)  # another length
+    assert not reusable_arms(old, {**a, "baseline_val_loss": 0.21}, (1e-6, 1.0), 20)  # other data or split
+    assert not reusable_arms(old, a, (1e-6, 1.0), 10)

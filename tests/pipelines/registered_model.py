@@ -16,7 +16,7 @@ def task_dir(summary: dict, prefix: str) -> Path:
 
 
 def check_registered_is_the_kept_checkpoint(summary: dict, out: Path, base_dir: Path, method: str) -> None:
-    """The registered version's weights are the kept checkpoint's (the one nearest the recommended update); its
+    """The registered version's weights are the kept checkpoint's (the step window's pick); its
     tags name that update, epoch and validation loss, its description says why."""
     import mlflow
     from mlflow import MlflowClient

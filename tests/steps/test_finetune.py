@@ -110,8 +110,9 @@ def ema_run(split_dir, tiny_model_dir, tmp_path_factory):
     return out, result
 
 
-def test_the_checkpoint_nearest_the_recommendation_becomes_the_chosen_model(ema_run, tiny_model_dir):
-    """Recommended update 5 of 8: the epoch-1 checkpoint (update 4) is kept, the others removed, and chosen/
+def test_the_lowest_validation_loss_inside_the_window_becomes_the_chosen_model(ema_run, tiny_model_dir):
+    """Both checkpoints (updates 4 and 8) lie in the window and the recommendation is the worse one: the one with
+    the lower validation loss is kept (not the one nearest the recommendation), the other removed, and chosen/
     holds its weights as the run validated them, the EMA average, not the raw ones."""
     from diffusers import UNet2DConditionModel
 
@@ -121,16 +122,21 @@ def test_the_checkpoint_nearest_the_recommendation_becomes_the_chosen_model(ema_
     run_dir, result = ema_run
     assert [checkpoints.checkpoint_update(p) for p in result.checkpoints] == [4, 8]
     curve = read_curve_csv(result.metrics_csv)
-    window = SimpleNamespace(recommended_updates=5, recommended_epochs=1, status="ok", tolerance=0.02,
+    loss = {u: float(curve["val_loss"][list(curve["update"]).index(u)]) for u in (4, 8)}
+    assert loss[4] != loss[8]
+    best, worse = sorted((4, 8), key=loss.__getitem__)
+    window = SimpleNamespace(recommended_updates=worse, recommended_epochs=worse // 4, status="ok", tolerance=0.02,
                              window_start_update=2.0, window_end_update=8.0)
-    raw = checkpoints.read_weights(run_dir / "checkpoints" / "checkpoint-000004")
-    shadow = checkpoints.read_ema(run_dir / "checkpoints" / "checkpoint-000004")["shadow_params"]
+    name = checkpoints.checkpoint_name(best)
+    raw = checkpoints.read_weights(run_dir / "checkpoints" / name)
+    shadow = checkpoints.read_ema(run_dir / "checkpoints" / name)["shadow_params"]
     info = keep_chosen_checkpoint(run_dir, window, curve, tiny_model_dir)
 
-    assert (info["checkpoint"], info["update"], info["epoch"]) == ("checkpoint-000004", 4, 1.0)
-    assert info["val_loss"] == pytest.approx(float(curve["val_loss"][list(curve["update"]).index(4)]))
-    assert "update 4 (epoch 1)" in info["reason"] and "centre of that window, update 5" in info["reason"]
-    assert [p.name for p in checkpoints.list_checkpoints(run_dir / "checkpoints")] == ["checkpoint-000004"]
+    assert (info["checkpoint"], info["update"], info["epoch"]) == (name, best, best / 4)
+    assert info["val_loss"] == pytest.approx(loss[best])
+    assert f"update {best} (epoch {best // 4})" in info["reason"]
+    assert f"centre of that window, update {worse}" in info["reason"] and "lowest validation loss" in info["reason"]
+    assert [p.name for p in checkpoints.list_checkpoints(run_dir / "checkpoints")] == [name]
     assert checkpoints.read_chosen(run_dir) == info
 
     chosen = UNet2DConditionModel.from_pretrained(str(run_dir / checkpoints.CHOSEN_DIR / "unet"))

@@ -162,6 +162,32 @@ def select_step_window(
     return window
 
 
+def delivered_update(window: StepWindow, checkpoint_updates: Any, update: Any, val_loss: Any) -> Optional[int]:
+    """The update of the checkpoint to deliver: of the checkpoints inside the window that were validated at their
+    own update, the one with the lowest validation loss (ties: the one nearest the recommended update, then the
+    earlier); the checkpoint nearest the recommended update when none is; None without a recommendation.
+
+    The window says which lengths the smoothed curve calls equally good; among those, each checkpoint's validation
+    loss is a deterministic measurement of those very weights. At a high constant LR (LoRA above all) the weights
+    scatter from one checkpoint to the next, so the one nearest the centre was up to 9 % worse than the best one
+    inside the same window (bench/RESULTS.md, "Versus"); the recommended length stays the centre (module docstring).
+    """
+    if window.recommended_updates is None:
+        return None
+    ckpts = sorted({int(c) for c in checkpoint_updates})
+    if not ckpts:
+        return None
+    rec = window.recommended_updates
+    loss_at = {int(u): float(y) for u, y in zip(np.asarray(update, dtype=float).ravel(),
+                                                 np.asarray(val_loss, dtype=float).ravel(), strict=True)
+               if math.isfinite(u) and math.isfinite(y) and float(u).is_integer()}
+    lo, hi = window.window_start_update, window.window_end_update
+    inside = [c for c in ckpts if lo is not None and hi is not None and lo <= c <= hi and c in loss_at]
+    if inside:
+        return min(inside, key=lambda c: (loss_at[c], abs(c - rec), c))
+    return min(ckpts, key=lambda c: (abs(c - rec), c))
+
+
 def _select(u_all: np.ndarray, e_all: np.ndarray, y_all: np.ndarray, s_all: Optional[np.ndarray], *,
             tolerance: float, seed: int, divergence_factor: Optional[float]) -> StepWindow:
     """The window on rows in update order (NaN/inf ones only as a run at the end)."""

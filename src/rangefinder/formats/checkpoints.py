@@ -20,7 +20,8 @@ the RNG states are converted to such values before saving (checkpointing.py). Th
 file is parsed: a torn write or a bad block makes a checkpoint fail `verify`, and the engine resumes from the
 previous intact one.
 
-The fine-tune keeps one checkpoint at the end: the one nearest the recommended length. It writes that checkpoint's
+The fine-tune keeps one checkpoint at the end: the one the step window picks (the lowest validation loss inside the
+window: analysis.delivered_update). It writes that checkpoint's
 model beside `final/` as `chosen/` (the same files `final/` holds), with `chosen.json` saying which update, epoch
 and validation loss it is and why it was chosen; that is the model registered when there is no retrain.
 """

@@ -9,8 +9,9 @@ better determined than the minimum itself (rangefinder.analysis.step_window).
 
 The run deliberately trains past the window, so its final weights are not the model to deliver. It saves a
 checkpoint every `finetune.checkpoint_every_epochs` and keeps them all until the window is known; then it keeps only
-the one nearest the recommended length and writes its model as `chosen/` beside `final/`, with `chosen.json`
-(rangefinder.formats.checkpoints). Without a retrain, that is the model registered.
+the one with the lowest validation loss inside the window (analysis.delivered_update) and writes its model as
+`chosen/` beside `final/`, with `chosen.json` (rangefinder.formats.checkpoints). Without a
+retrain, that is the model registered.
 """
 
 from __future__ import annotations
@@ -62,16 +63,19 @@ class FinetuneResult:
 
 def keep_chosen_checkpoint(run_dir: Path, window: Any, curve: dict, base_model: Path,
                            base_source: Optional[str] = None) -> Optional[dict[str, Any]]:
-    """Keep the checkpoint nearest the window's recommended update, write its model as `chosen/` with `chosen.json`,
-    and remove the other checkpoints. None (everything left as it is) when the window recommends nothing."""
+    """Keep the checkpoint the window picks (analysis.delivered_update: the lowest validation loss inside the
+    window), write its model as `chosen/` with `chosen.json`, and remove the other checkpoints. None (everything
+    left as it is) when the window recommends nothing."""
+    from rangefinder.analysis import delivered_update
     from rangefinder.training.restore import save_checkpoint_model
 
-    if window.recommended_updates is None:
-        return None
     ckpt_root = Path(run_dir) / "checkpoints"
-    ckpt = checkpoints.nearest_checkpoint(ckpt_root, window.recommended_updates)
-    if ckpt is None:
+    found = {u: p for p in checkpoints.list_checkpoints(ckpt_root)
+             if (u := checkpoints.checkpoint_update(p)) is not None}
+    picked = delivered_update(window, list(found), curve.get("update", []), curve.get("val_loss", []))
+    if picked is None:
         return None
+    ckpt = found[picked]
     checkpoints.require_intact(ckpt)  # before its state.json is read here and its weights by save_checkpoint_model
     update = int(checkpoints.checkpoint_update(ckpt) or 0)  # a listed checkpoint always has its update in its name
     rows = [r for r in checkpoints.read_state(ckpt)["metrics_rows"] if r.get("update") == update]
@@ -83,12 +87,14 @@ def keep_chosen_checkpoint(run_dir: Path, window: Any, curve: dict, base_model: 
         epoch = float(np.interp(update, curve["update"], curve["epoch"])) if curve.get("epoch") is not None else None
     if window.status == "still_improving":
         why = ("validation loss was still falling when the run ended, so the recommended length is the whole run and "
-               "its last checkpoint is kept; fine-tune for more epochs to find the minimum")
+               "the checkpoint with the lowest validation loss near its end is kept; fine-tune for more epochs to "
+               "find the minimum")
     else:
         why = (f"smoothed validation loss stays within {window.tolerance:.0%} of its minimum from update "
                f"{window.window_start_update:.0f} to {window.window_end_update:.0f}; the centre of that window, update "
                f"{window.recommended_updates} (epoch {window.recommended_epochs}), is the recommended length, and this "
-               "is the kept checkpoint nearest it (the run went on past the window, so its final weights overfit)")
+               "is the checkpoint with the lowest validation loss inside the window (the run went on past the "
+               "window, so its final weights overfit)")
     info = {
         "checkpoint": ckpt.name,
         "update": update,

@@ -1,10 +1,10 @@
 """Step `register_model`: log the delivered weights to MLflow with the LR and length that made them, and register them.
 
 Which weights: with the full-data retrain, its final weights; without, the fine-tune's `chosen/` model, the kept
-checkpoint nearest the recommended length (rangefinder.steps.finetune), not its final weights, which the run took
-deliberately past the step window. The version's tags record the update, epoch and validation loss it was taken
-at, and its description says why. The new version gets the `candidate` alias; promotion to `champion` stays a
-person's decision.
+checkpoint with the lowest validation loss inside the step window (rangefinder.steps.finetune), not its final
+weights, which the run took deliberately past the window. The version's tags record the update, epoch and
+validation loss it was taken at, and its description says why. The new version gets the `candidate` alias;
+promotion to `champion` stays a person's decision.
 """
 
 from __future__ import annotations
