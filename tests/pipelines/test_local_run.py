@@ -184,7 +184,7 @@ def test_fixed_lr_from_a_hub_id_skips_discovery_and_retrain_off(tmp_path, shapes
     assert "global batch 4 = 2 per device x 2 process(es)" in next(ft.rglob("step_report.html")).read_text()
     with sqlite3.connect(out / "mlflow.db") as con:
         (val_points,) = con.execute("select count(*) from metrics m join runs r on m.run_uuid = r.run_uuid "
-                                    "where r.name = 'finetune' and m.key = 'val_loss'").fetchone()
+                                    "where r.name = 'finetune' and m.key = 'validation/val_loss'").fetchone()
     assert val_points == summary["updates"] + 1  # every update and the baseline, each logged once (rank 0)
 
 

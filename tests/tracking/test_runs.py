@@ -115,10 +115,10 @@ def test_run_tree_metrics_decisions_and_artifacts(cfg, tmp_path, capsys):
 
     assert [s for s, _ in history("train_loss")] == [2, 4, 6, 8]  # log_every_updates=2 thins per-update metrics
     assert history("grad_norm")[-1] == (8, pytest.approx(0.8))
-    val = history("val_loss")
+    val = history("validation/val_loss")
     assert [s for s, _ in val] == [3, 4, 8, 9] and val[1][1] == pytest.approx(0.5) and math.isnan(val[3][1])
     assert [s for s, _ in history("stabilize_loss")] == [4, 8]
-    assert history("val_loss_b0")[0] == (3, pytest.approx(1.2))
+    assert history("validation/val_loss_b0")[0] == (3, pytest.approx(1.2))
 
     # LRs are tags, in 4 digits (a single-value metric is a bar chart that reads "0.00"); other numbers metrics.
     assert child.data.tags["lr_mid"] == "4.000e-05" and "lr_mid" not in child.data.metrics

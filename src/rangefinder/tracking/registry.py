@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Optional, TypeVar
 
 from rangefinder.errors import TrackingError
+from rangefinder.tracking.metrics import VALIDATION_SECTION
 from rangefinder.tracking.redaction import redact, safe_uri
 
 _log = logging.getLogger(__name__)
@@ -189,7 +190,8 @@ def log_diffusers_model(
         metrics = run.client.get_run(run.run_id).data.metrics
     clean = {k: float(v) for k, v in metrics.items()
              if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))}
-    version_tags = {k: f"{v:.6g}" for k, v in clean.items()}
+    # A version tag names the quantity as the reports do (val_loss), not by its chart section in the run.
+    version_tags = {k.removeprefix(VALIDATION_SECTION): f"{v:.6g}" for k, v in clean.items()}
     version_tags.update({k: redact(str(v)) for k, v in (tags or {}).items()})
     version_tags["rangefinder.run_id"] = run.run_id
     if run.parent_run_id:
