@@ -119,7 +119,7 @@ def test_an_outage_is_handled_alike_with_one_process_and_two(tmp_path, split_dir
         kinds = [e[0] for e in one["kept"]]
         assert kinds.count("image") == 3 and kinds[-1] == "end" and ("artifact", "curves") in one["kept"]
         first_image = kinds.index("image")
-        assert ("metric", "validation/val_loss", 0) in one["kept"][:first_image]  # the values logged before it come first
+        assert ("metric", "validation/val_loss", 0) in one["kept"][:first_image]  # logged before it: first
         for n in (1, 2):
             assert len(outcome[n]["away_lines"]) == 1, (n, outcome[n]["away_lines"])
             assert str(outcome[n]["spool"]) in outcome[n]["away_lines"][0]
