@@ -137,10 +137,11 @@ def sample_delivered(work: Path, chosen: Optional[dict[str, Any]], base_model: P
     every few validations, and the slider ended before, or stepped over, the weights the pipeline delivers."""
     import tempfile
 
+    from PIL import Image
+
     from rangefinder.formats.atomic import write_json
-    from rangefinder.formats.grid import compose_grid
     from rangefinder.sampling import render_grid
-    from rangefinder.training.samples import INDEX_NAME, SAMPLES_DIR, SAMPLES_KEY, read_index
+    from rangefinder.training.samples import INDEX_NAME, SAMPLES_DIR, SAMPLES_KEY, read_index, save_sample_grid
 
     index = read_index(work)
     if chosen is None or not index or not index.get("samples"):
@@ -149,35 +150,22 @@ def sample_delivered(work: Path, chosen: Optional[dict[str, Any]], base_model: P
     if any(int(e["update"]) == update for e in index["samples"]):
         return
     settings, folder = index["settings"], Path(work) / SAMPLES_DIR
-    from PIL import Image
-
+    epoch = float(chosen["epoch"]) if chosen.get("epoch") is not None else float("nan")
     with tempfile.TemporaryDirectory(dir=work) as tmp:
         out = render_grid([Path(work) / checkpoints.CHOSEN_DIR], settings["prompts"], settings["seeds"], out_dir=tmp,
                           labels=["delivered"], base_model=base_model, steps=settings["num_inference_steps"],
                           guidance_scale=settings["guidance_scale"], scheduler=settings["scheduler"],
                           resolution=settings["resolution"], device="cpu")
-        stem = f"update-{update:06d}"
-        cells, images = [], []
-        for i, (row, (path,)) in enumerate(zip(out["rows"], out["images"], strict=True)):
-            rel = f"{stem}/p{i // len(settings['seeds']):02d}-s{row['seed']}.png"
-            (folder / rel).parent.mkdir(parents=True, exist_ok=True)
-            Path(path).replace(folder / rel)
-            cells.append(rel)
-            images.append(Image.open(folder / rel).convert("RGB"))
-    epoch = float(chosen["epoch"]) if chosen.get("epoch") is not None else float("nan")
-    labels = [f"{r['prompt']} | seed {r['seed']}" for r in out["rows"]]
-    grid, _ = compose_grid([images], [f"update {update}, epoch {epoch:g} (delivered)"], labels,
-                           max(int(settings["resolution"]), 128))
-    with tempfile.NamedTemporaryFile(dir=folder, suffix=".png", delete=False) as f:
-        grid.save(f, format="PNG")
-    Path(f.name).replace(folder / f"{stem}.png")
-    entry: dict[str, Any] = {"update": update, "epoch": epoch, "validation": None, "grid": f"{stem}.png",
-                             "cells": cells, "seconds": None, "delivered": True,
-                             "logged_to": getattr(sink, "run_id", None)}
+        images = [Image.open(path).convert("RGB") for (path,) in out["images"]]
+    rows = [(r["prompt"], int(r["seed"])) for r in out["rows"]]
+    files = save_sample_grid(folder, update, epoch, rows, len(settings["seeds"]), images, int(settings["resolution"]),
+                             " (delivered)")
+    entry: dict[str, Any] = {"update": update, "epoch": epoch, "validation": None, **files, "seconds": None,
+                             "delivered": True, "logged_to": getattr(sink, "run_id", None)}
     index["samples"] = sorted([*index["samples"], entry], key=lambda e: int(e["update"]))
     write_json(folder / INDEX_NAME, index)
     if sink is not None:
-        sink.log_image(str(folder / f"{stem}.png"), key=SAMPLES_KEY, step=update)
+        sink.log_image(str(folder / files["grid"]), key=SAMPLES_KEY, step=update)
 
 
 def run_finetune(

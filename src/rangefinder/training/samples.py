@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -256,22 +256,31 @@ class TrainingSamples:
     # --- files ------------------------------------------------------------------------------------------------
 
     def _save(self, update: int, epoch: float, nth: int, images: list[Any], seconds: float) -> dict[str, Any]:
-        from rangefinder.formats.grid import compose_grid
-
-        stem = f"update-{update:06d}"
-        cells = []
-        for i, ((_, seed), img) in enumerate(zip(self.rows(), images, strict=True)):
-            rel = f"{stem}/p{i // len(self.cfg.seeds_for_training()):02d}-s{seed}.png"
-            _save_png(img, self.folder / rel)
-            cells.append(rel)
-        labels = [f"{p} | seed {s}" for p, s in self.rows()]
-        grid, _ = compose_grid([images], [f"update {update}, epoch {epoch:g}"], labels, max(self.resolution, 128))
-        _save_png(grid, self.folder / f"{stem}.png")
-        return {"update": update, "epoch": epoch, "validation": nth, "grid": f"{stem}.png", "cells": cells,
-                "seconds": seconds}
+        files = save_sample_grid(self.folder, update, epoch, self.rows(), len(self.cfg.seeds_for_training()), images,
+                                 self.resolution)
+        return {"update": update, "epoch": epoch, "validation": nth, **files, "seconds": seconds}
 
     def _write_index(self) -> None:
         write_json(self.folder / INDEX_NAME, self.index)
+
+
+def save_sample_grid(folder: Path, update: int, epoch: float, rows: Sequence[tuple[str, int]], seeds_per_prompt: int,
+                     images: list[Any], resolution: int, title_note: str = "") -> dict[str, Any]:
+    """Write one update's samples under `folder`: each cell as `update-NNNNNN/pPP-sSEED.png` and the grid of them as
+    `update-NNNNNN.png` (its title `update U, epoch E` + `title_note`), each atomically. `rows` are the cells'
+    (prompt, seed) in order, `seeds_per_prompt` of them per prompt. Returns the index entry's `grid` and `cells`."""
+    from rangefinder.formats.grid import compose_grid
+
+    stem = f"update-{update:06d}"
+    cells = []
+    for i, ((_, seed), img) in enumerate(zip(rows, images, strict=True)):
+        rel = f"{stem}/p{i // seeds_per_prompt:02d}-s{seed}.png"
+        _save_png(img, folder / rel)
+        cells.append(rel)
+    labels = [f"{p} | seed {s}" for p, s in rows]
+    grid, _ = compose_grid([images], [f"update {update}, epoch {epoch:g}{title_note}"], labels, max(resolution, 128))
+    _save_png(grid, folder / f"{stem}.png")
+    return {"grid": f"{stem}.png", "cells": cells}
 
 
 def _save_png(img: Any, path: Path) -> None:
