@@ -436,9 +436,9 @@ def render_grid(
         res = resolution or (pipe.unet.config.sample_size * pipe.vae_scale_factor if hasattr(pipe, "unet")
                              else int(pipe.vae.config.sample_size))
         col_dir = out / "images" / f"{c_index:02d}-{_slug(column.label)}"
-        per_call = max(1, PIXELS_PER_CALL // (res * res))
-        for start in range(0, len(rows), per_call):
-            batch = list(enumerate(rows))[start:start + per_call]
+        per_call, cells = max(1, PIXELS_PER_CALL // (res * res)), list(enumerate(rows))
+        for start in range(0, len(cells), per_call):
+            batch = cells[start:start + per_call]
             # One CPU generator per cell: the initial latents depend on the seed alone, not on what ran before
             # or beside it in the batch (diffusers draws each image's latents from its own generator).
             generators = [torch.Generator("cpu").manual_seed(int(seed)) for _, (_, _, seed) in batch]
