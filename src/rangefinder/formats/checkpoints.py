@@ -108,10 +108,9 @@ def read_optimizer(path: Path) -> dict:
     return _load_plain(Path(path) / OPTIMIZER_NAME)
 
 
-def nearest_checkpoint(root: Path, update: float) -> Optional[Path]:
-    """The whole checkpoint under root whose update is nearest `update` (the earlier one on a tie)."""
-    found = [(u, p) for p in list_checkpoints(root) if (u := checkpoint_update(p)) is not None]
-    return min(found, key=lambda up: (abs(up[0] - update), up[0]))[1] if found else None
+def checkpoints_by_update(root: Path) -> dict[int, Path]:
+    """The whole checkpoints under root, by the update each was taken at (the step window picks one of them)."""
+    return {u: p for p in list_checkpoints(root) if (u := checkpoint_update(p)) is not None}
 
 
 def keep_only(root: Path, kept: Path) -> None:

@@ -70,14 +70,12 @@ def keep_chosen_checkpoint(run_dir: Path, window: Any, curve: dict, base_model: 
     from rangefinder.training.restore import save_checkpoint_model
 
     ckpt_root = Path(run_dir) / "checkpoints"
-    found = {u: p for p in checkpoints.list_checkpoints(ckpt_root)
-             if (u := checkpoints.checkpoint_update(p)) is not None}
+    found = checkpoints.checkpoints_by_update(ckpt_root)
     picked = delivered_update(window, list(found), curve.get("update", []), curve.get("val_loss", []))
     if picked is None:
         return None
-    ckpt = found[picked]
+    update, ckpt = picked, found[picked]
     checkpoints.require_intact(ckpt)  # before its state.json is read here and its weights by save_checkpoint_model
-    update = int(checkpoints.checkpoint_update(ckpt) or 0)  # a listed checkpoint always has its update in its name
     rows = [r for r in checkpoints.read_state(ckpt)["metrics_rows"] if r.get("update") == update]
     val_loss = rows[-1].get("val_loss") if rows else None
     epoch = rows[-1].get("epoch") if rows else None
