@@ -139,7 +139,14 @@ def sample_delivered(work: Path, chosen: Optional[dict[str, Any]], base_model: P
 
     from rangefinder.formats.atomic import write_json
     from rangefinder.sampling import render_grid
-    from rangefinder.training.samples import INDEX_NAME, SAMPLES_DIR, SAMPLES_KEY, read_index, save_sample_grid
+    from rangefinder.training.samples import (
+        INDEX_NAME,
+        SAMPLES_DIR,
+        SAMPLES_KEY,
+        grid_title,
+        read_index,
+        save_sample_grid,
+    )
 
     index = read_index(work)
     if chosen is None or not index or not index.get("samples"):
@@ -156,8 +163,8 @@ def sample_delivered(work: Path, chosen: Optional[dict[str, Any]], base_model: P
                           resolution=settings["resolution"], device="cpu")
         images = [Image.open(path).convert("RGB") for (path,) in out["images"]]
     rows = [(r["prompt"], int(r["seed"])) for r in out["rows"]]
-    files = save_sample_grid(folder, update, epoch, rows, len(settings["seeds"]), images, int(settings["resolution"]),
-                             " (delivered)")
+    files = save_sample_grid(folder, update, grid_title(update, epoch, " (delivered)"), rows, len(settings["seeds"]),
+                             images)
     entry: dict[str, Any] = {"update": update, "epoch": epoch, "validation": None, **files, "seconds": None,
                              "delivered": True, "logged_to": getattr(sink, "run_id", None)}
     index["samples"] = sorted([*index["samples"], entry], key=lambda e: int(e["update"]))

@@ -256,19 +256,25 @@ class TrainingSamples:
     # --- files ------------------------------------------------------------------------------------------------
 
     def _save(self, update: int, epoch: float, nth: int, images: list[Any], seconds: float) -> dict[str, Any]:
-        files = save_sample_grid(self.folder, update, epoch, self.rows(), len(self.cfg.seeds_for_training()), images,
-                                 self.resolution)
+        files = save_sample_grid(self.folder, update, grid_title(update, epoch), self.rows(),
+                                 len(self.cfg.seeds_for_training()), images)
         return {"update": update, "epoch": epoch, "validation": nth, **files, "seconds": seconds}
 
     def _write_index(self) -> None:
         write_json(self.folder / INDEX_NAME, self.index)
 
 
-def save_sample_grid(folder: Path, update: int, epoch: float, rows: Sequence[tuple[str, int]], seeds_per_prompt: int,
-                     images: list[Any], resolution: int, title_note: str = "") -> dict[str, Any]:
-    """Write one update's samples under `folder`: each cell as `update-NNNNNN/pPP-sSEED.png` and the grid of them as
-    `update-NNNNNN.png` (its title `update U, epoch E` + `title_note`), each atomically. `rows` are the cells'
-    (prompt, seed) in order, `seeds_per_prompt` of them per prompt. Returns the index entry's `grid` and `cells`."""
+def grid_title(update: int, epoch: float, note: str = "") -> str:
+    """A sample grid's title: `update U, epoch E` and an optional note."""
+    return f"update {update}, epoch {epoch:g}{note}"
+
+
+def save_sample_grid(folder: Path, update: int, title: str, rows: Sequence[tuple[str, int]], seeds_per_prompt: int,
+                     images: list[Any]) -> dict[str, Any]:
+    """Write one update's samples under `folder`: each cell as `update-NNNNNN/pPP-sSEED.png` and the grid of them,
+    titled `title` (`grid_title`), as `update-NNNNNN.png`, each atomically. `rows` are the cells' (prompt, seed) in
+    order, `seeds_per_prompt` of them per prompt; the cells are square images of one size. Returns the index entry's
+    `grid` and `cells`."""
     from rangefinder.formats.grid import compose_grid
 
     stem = f"update-{update:06d}"
@@ -278,7 +284,7 @@ def save_sample_grid(folder: Path, update: int, epoch: float, rows: Sequence[tup
         _save_png(img, folder / rel)
         cells.append(rel)
     labels = [f"{p} | seed {s}" for p, s in rows]
-    grid, _ = compose_grid([images], [f"update {update}, epoch {epoch:g}{title_note}"], labels, max(resolution, 128))
+    grid, _ = compose_grid([images], [title], labels, max(images[0].width, 128))
     _save_png(grid, folder / f"{stem}.png")
     return {"grid": f"{stem}.png", "cells": cells}
 
