@@ -243,25 +243,39 @@ def one_case(method: str, kind: str, seed: int, args, work: Path, saved: dict[tu
 
 
 def rechoose(c: dict[str, Any]) -> dict[str, Any]:
-    """The case as (a) would have delivered it under today's checkpoint rule (analysis.delivered_update), read
-    from its saved fine-tune curve and window: the rule reads nothing else, and the fine-tune keeps a checkpoint at
-    every validated update (checkpoint_every_epochs 1, validation every epoch), so this is what a re-run delivers
-    (training is deterministic on CPU). A case without a window is left as it was."""
+    """The case as (a) would have delivered it under today's checkpoint rule (analysis.delivered_checkpoint), read
+    from its saved fine-tune curve, base loss and window: the rule reads nothing else, and the fine-tune keeps a
+    checkpoint at every validated update (checkpoint_every_epochs 1, validation every epoch), so this is what a
+    re-run delivers (training is deterministic on CPU). A case without a window (it saved no chosen.json) gets the
+    no-window rule; one that failed or saved no curve is left as it was."""
     from types import SimpleNamespace
 
-    from rangefinder.analysis import delivered_update
+    from rangefinder.analysis import delivered_checkpoint
 
     a = c["rangefinder"]
     was = a.get("chosen")
-    if not was or was.get("window_start_update") is None or not a.get("curve"):
+    if a.get("status") != "ok" or not a.get("curve"):
         return c
     update, loss = zip(*a["curve"], strict=True)
-    window = SimpleNamespace(window_start_update=was["window_start_update"],
-                             window_end_update=was["window_end_update"],
-                             recommended_updates=was["recommended_updates"])
-    picked = delivered_update(window, update, update, loss)
-    chosen = {**was, "update": picked, "val_loss": loss[update.index(picked)], "rechosen_from_curve": True,
-              "checkpoint": f"checkpoint-{picked:06d}", "was": {"update": was["update"], "val_loss": was["val_loss"]}}
+    base = a.get("baseline_val_loss")
+    if was and was.get("window_start_update") is not None:
+        window = SimpleNamespace(window_start_update=was["window_start_update"],
+                                 window_end_update=was["window_end_update"],
+                                 recommended_updates=was["recommended_updates"])
+    elif not was:  # no window: the run delivered its final weights
+        window = SimpleNamespace(window_start_update=None, window_end_update=None, recommended_updates=None)
+        was = {"update": update[-1], "val_loss": a.get("final_val_loss"), "final_weights": True}
+    else:
+        return c
+    curve_u, curve_y = ([0, *update], [base, *loss]) if base is not None else (update, loss)
+    picked = delivered_checkpoint(window, update, curve_u, curve_y)
+    if picked is None:
+        return c
+    chosen = {**was, "update": picked.update, "val_loss": loss[update.index(picked.update)], "rule": picked.rule,
+              "base_val_loss": picked.base_val_loss, "improved_on_base": picked.improved_on_base,
+              "rechosen_from_curve": True, "checkpoint": f"checkpoint-{picked.update:06d}",
+              "was": {"update": was["update"], "val_loss": was["val_loss"]}}
+    chosen.pop("final_weights", None)
     out = {**c, "rangefinder": {**a, "chosen": chosen}}
     out["summary"] = summarize(out)
     return out
@@ -278,7 +292,7 @@ def verdict_of(mine: Optional[float], theirs: Optional[float]) -> Optional[str]:
 def summarize(c: dict[str, Any]) -> dict[str, Any]:
     a, b, f, r = c["rangefinder"], c["prodigy"], c["folk"], c["random"]
     chosen = a.get("chosen") or {}
-    # What (a) delivers: the step window's checkpoint; its final loss if the window chose none.
+    # What (a) delivers: the checkpoint the fine-tune kept (chosen.json); its final loss where it kept none.
     a_loss = chosen.get("val_loss", a.get("final_val_loss"))
     best_random = min((x for x in r["runs"] if x.get("best_val_loss") is not None),
                       key=lambda x: x["best_val_loss"], default=None)
@@ -286,7 +300,8 @@ def summarize(c: dict[str, Any]) -> dict[str, Any]:
         "case": f"{c['method']} {c['kind']} {c['seed']}", "method": c["method"], "kind": c["kind"],
         "seed": c["seed"], "held_out": c["held_out"], "baseline_val_loss": a.get("baseline_val_loss"),
         "rangefinder_status": a["status"], "rangefinder_lr": a.get("lr_used"),
-        "rangefinder_chosen_update": chosen.get("update"),
+        "rangefinder_chosen_update": chosen.get("update"), "rangefinder_chosen_rule": chosen.get("rule"),
+        "rangefinder_improved_on_base": chosen.get("improved_on_base"),
         "rangefinder": a_loss, "rangefinder_best": a.get("best_val_loss"),
         "prodigy_best": b.get("best_val_loss"), "prodigy_final": b.get("final_val_loss"),
         "prodigy_chosen": (b.get("chosen") or {}).get("val_loss"),

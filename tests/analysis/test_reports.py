@@ -85,6 +85,28 @@ def test_step_report(tmp_path):
     assert "rose_after_min" in paths["markdown"].read_text()
 
 
+def test_step_report_names_the_rule_that_picked_the_delivered_checkpoint_and_a_fine_tune_that_did_not_help(tmp_path):
+    """No window (a flat curve): the lead says which checkpoint was delivered and why, and that it is not below the
+    base model's loss (update 0); a row names the rule. With a window and an improvement, the lead stays short."""
+    from rangefinder.analysis import Delivery, select_step_window
+
+    e = np.arange(41) / 2
+    flat = select_step_window(e * 10, e, noisy(np.full(e.shape, 0.2), 0.002, 0))
+    assert flat.status == "no_improvement"
+    worse = Delivery(update=40, rule="run_lowest", val_loss=0.1986, base_val_loss=0.1971)
+    text = write_step_report(flat, None, tmp_path / "flat", delivered=worse)["markdown"].read_text()
+    lead = text.split("|")[0]
+    assert "Delivered: update 40, no step window was found" in lead and "did not improve on the base model" in lead
+    row = "| delivered checkpoint | update 40, rule run_lowest, val loss 0.1986; base model (update 0): 0.1971 |"
+    assert row in text
+
+    shape = ConstantRunShape()
+    w = select_step_window(e * 10, e, noisy(shape.loss(e), 0.001, 0))
+    good = Delivery(update=100, rule="window_lowest", val_loss=0.05, base_val_loss=0.2)
+    text = write_step_report(w, None, tmp_path / "ok", delivered=good)["markdown"].read_text()
+    assert "Delivered:" not in text.split("|")[0] and "update 100, rule window_lowest, val loss 0.05" in text
+
+
 def test_step_report_lists_each_aspect_buckets_validation_loss(tmp_path):
     e = np.arange(61) / 2
     loss = noisy(ConstantRunShape().loss(e), 0.001, 0)

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from rangefinder.analysis import delivered_update, select_step_window
+from rangefinder.analysis import delivered_checkpoint, select_step_window
 from rangefinder.analysis.synthetic import ConstantRunShape, noisy, true_step_window
 from rangefinder.errors import RangefinderError
 
@@ -97,22 +97,55 @@ def _window(start, end, rec):
     return SimpleNamespace(window_start_update=start, window_end_update=end, recommended_updates=rec)
 
 
+def delivered_update_of(window, checkpoint_updates, update, val_loss):
+    picked = delivered_checkpoint(window, checkpoint_updates, update, val_loss)
+    return None if picked is None else picked.update
+
+
 def test_the_delivered_checkpoint_is_the_lowest_validation_loss_inside_the_window():
     """A LoRA-like scatter: the checkpoint nearest the centre (update 12) is not the best one inside the window
     (8, or 16 once 8 is outside); a still lower point outside the window (update 4) is not a length it allows."""
     update = [4, 8, 12, 16, 20, 24]
     val = [0.050, 0.080, 0.090, 0.082, 0.085, 0.120]
-    assert delivered_update(_window(7.0, 21.0, 12), [4, 8, 12, 16, 20, 24], update, val) == 8
-    assert delivered_update(_window(9.0, 21.0, 14), [4, 8, 12, 16, 20, 24], update, val) == 16
+    assert delivered_update_of(_window(7.0, 21.0, 12), [4, 8, 12, 16, 20, 24], update, val) == 8
+    assert delivered_update_of(_window(9.0, 21.0, 14), [4, 8, 12, 16, 20, 24], update, val) == 16
     # Equal losses: the one nearest the recommended update, then the earlier.
-    assert delivered_update(_window(7.0, 21.0, 15), [8, 12, 16, 20], update, [0.05, 0.08, 0.08, 0.08, 0.08, 0.1]) == 16
+    flat = [0.05, 0.08, 0.08, 0.08, 0.08, 0.1]
+    assert delivered_update_of(_window(7.0, 21.0, 15), [8, 12, 16, 20], update, flat) == 16
 
 
 def test_without_a_validated_checkpoint_inside_the_window_the_nearest_one_is_delivered():
     # Checkpoints every 6 updates, validation every 4: none of them was validated inside the window [7, 11].
-    assert delivered_update(_window(7.0, 11.0, 9), [6, 12, 18], [4, 8, 12], [0.1, 0.2, 0.3]) == 6
-    assert delivered_update(_window(7.0, 11.0, 10), [6, 12, 18], [4, 8, 12], [0.1, 0.2, 0.3]) == 12
+    assert delivered_update_of(_window(7.0, 11.0, 9), [6, 12, 18], [4, 8, 12], [0.1, 0.2, 0.3]) == 6
+    assert delivered_update_of(_window(7.0, 11.0, 10), [6, 12, 18], [4, 8, 12], [0.1, 0.2, 0.3]) == 12
     # A NaN loss is no measurement.
-    assert delivered_update(_window(7.0, 13.0, 7), [8, 12], [8, 12], [0.2, float("nan")]) == 8
-    assert delivered_update(_window(None, None, None), [8, 12], [8, 12], [0.2, 0.1]) is None
-    assert delivered_update(_window(7.0, 13.0, 10), [], [8, 12], [0.2, 0.1]) is None
+    assert delivered_update_of(_window(7.0, 13.0, 7), [8, 12], [8, 12], [0.2, float("nan")]) == 8
+    assert delivered_update_of(_window(7.0, 13.0, 10), [], [8, 12], [0.2, 0.1]) is None
+
+
+def test_with_a_window_the_rule_is_named_and_the_base_model_is_the_curve_s_update_0():
+    update, val = [0, 4, 8, 12], [0.09, 0.05, 0.04, 0.06]
+    picked = delivered_checkpoint(_window(3.0, 13.0, 8), [4, 8, 12], update, val)
+    assert (picked.update, picked.rule, picked.val_loss, picked.base_val_loss) == (8, "window_lowest", 0.04, 0.09)
+    assert picked.improved_on_base is True
+    nearest = delivered_checkpoint(_window(7.0, 11.0, 10), [6, 12], update, val)
+    assert (nearest.update, nearest.rule) == (12, "window_nearest")
+    # No update 0 on the curve: the comparison with the base is unknown, not made up.
+    assert delivered_checkpoint(_window(3.0, 13.0, 8), [4, 8], update[1:], val[1:]).improved_on_base is None
+
+
+def test_without_a_window_the_lowest_validation_loss_of_the_whole_run_is_delivered_not_the_final_weights():
+    """bench/RESULTS.md, "Versus": LoRA stripes 0 found no window and delivered its final weights, worse than the base
+    model; the run's lowest-loss checkpoint was below the base. Ties: the earlier."""
+    update = [0, 4, 8, 12, 16, 20]
+    val = [0.0559, 0.0547, 0.0542, 0.0545, 0.0542, 0.0580]
+    picked = delivered_checkpoint(_window(None, None, None), [4, 8, 12, 16, 20], update, val)
+    assert (picked.update, picked.rule, picked.val_loss) == (8, "run_lowest", 0.0542)
+    assert picked.improved_on_base is True and "below the base model's 0.0559" in picked.sentence()
+    # Every checkpoint worse than the base: still the lowest one, and the sentence says the fine-tune did not help.
+    worse = delivered_checkpoint(_window(None, None, None), [4, 8], [0, 4, 8], [0.05, 0.07, 0.06])
+    assert (worse.update, worse.improved_on_base) == (8, False)
+    assert "did not improve on the base model" in worse.sentence() and "no step window" in worse.sentence()
+    # The base model (update 0) is never a checkpoint to deliver, and an unvalidated checkpoint is no measurement.
+    assert delivered_checkpoint(_window(None, None, None), [0, 6], [0, 4], [0.01, 0.02]) is None
+    assert delivered_checkpoint(_window(None, None, None), [], [0, 4], [0.01, 0.02]) is None

@@ -106,8 +106,21 @@ def test_rechoose_delivers_the_lowest_loss_inside_the_saved_window():
     assert (c["rangefinder"]["chosen"]["update"], c["rangefinder"]["chosen"]["val_loss"]) == (8, 0.09)
     assert c["summary"]["rangefinder"] == 0.09 and c["summary"]["vs_prodigy_best"] == "win"  # was a loss at 0.11
     assert c["rangefinder"]["chosen"]["was"] == {"update": 12, "val_loss": 0.11}
-    no_window = _case(curve, None)
-    assert rechoose(no_window) is no_window  # no window: the final weights, as before
+    assert c["rangefinder"]["chosen"]["rule"] == "window_lowest"
+
+
+def test_rechoose_without_a_window_delivers_the_run_s_lowest_loss_and_compares_it_with_the_base():
+    """The saved case had no window and delivered its final weights (0.095); the rule now delivers update 4 (0.05),
+    below the base model's 0.2 (baseline_val_loss, the curve's update 0)."""
+    curve = [[4, 0.05], [8, 0.09], [12, 0.11], [16, 0.095]]
+    c = rechoose(_case(curve, None))
+    chosen = c["rangefinder"]["chosen"]
+    assert (chosen["update"], chosen["val_loss"], chosen["rule"], chosen["improved_on_base"]) == (
+        4, 0.05, "run_lowest", True)
+    assert chosen["was"] == {"update": 16, "val_loss": 0.095} and c["summary"]["rangefinder"] == 0.05
+    assert c["summary"]["rangefinder_chosen_rule"] == "run_lowest"
+    failed = {**_case(curve, None), "rangefinder": {"status": "failed", "updates": 0, "seconds": 1.0}}
+    assert rechoose(failed) is failed  # nothing to re-read
 
 
 def test_saved_arms_are_reused_only_for_the_same_data_length_and_span():

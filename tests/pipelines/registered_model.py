@@ -31,7 +31,7 @@ def check_registered_is_the_kept_checkpoint(summary: dict, out: Path, base_dir: 
     update = checkpoints.checkpoint_update(ckpt)
     chosen = checkpoints.read_chosen(ft_model)
     assert chosen["update"] == update == summary["chosen_update"]
-    # The window's lowest-loss checkpoint (analysis.delivered_update): inside the window, or, where none inside
+    # The window's lowest-loss checkpoint (analysis.delivered_checkpoint): inside the window, or, where none inside
     # was validated, the one nearest the recommended update (checkpoints every epoch = 4 updates apart).
     lo, hi = chosen["window_start_update"], chosen["window_end_update"]
     assert lo <= update <= hi or abs(update - summary["recommended_updates"]) <= 2, (update, lo, hi)
@@ -44,6 +44,7 @@ def check_registered_is_the_kept_checkpoint(summary: dict, out: Path, base_dir: 
     assert mv.tags["update"] == str(update) and float(mv.tags["epoch"]) == pytest.approx(chosen["epoch"])
     assert float(mv.tags["val_loss"]) == pytest.approx(chosen["val_loss"], rel=1e-5)
     assert mv.tags["rangefinder.weights"] == f"finetune {ckpt.name}"
+    assert mv.tags["rangefinder.chosen_rule"] == chosen["rule"] in ("window_lowest", "window_nearest", "run_lowest")
     assert f"update {update}" in mv.description and "recommended length" in mv.description
 
     mlflow.set_tracking_uri(uri)

@@ -133,7 +133,7 @@ def test_the_lowest_validation_loss_inside_the_window_becomes_the_chosen_model(e
     info = keep_chosen_checkpoint(run_dir, window, curve, tiny_model_dir)
 
     assert (info["checkpoint"], info["update"], info["epoch"]) == (name, best, best / 4)
-    assert info["val_loss"] == pytest.approx(loss[best])
+    assert info["val_loss"] == pytest.approx(loss[best]) and info["rule"] == "window_lowest"
     assert f"update {best} (epoch {best // 4})" in info["reason"]
     assert f"centre of that window, update {worse}" in info["reason"] and "lowest validation loss" in info["reason"]
     assert [p.name for p in checkpoints.list_checkpoints(run_dir / "checkpoints")] == [name]
@@ -149,11 +149,47 @@ def test_the_lowest_validation_loss_inside_the_window_becomes_the_chosen_model(e
     assert {"model_index.json", "model.safetensors"} <= {p.name for p in (run_dir / "chosen").iterdir()}
 
 
-def test_no_recommendation_keeps_everything(tmp_path):
+def test_no_validated_checkpoint_keeps_everything(tmp_path):
     window = SimpleNamespace(recommended_updates=None)
     (tmp_path / "checkpoints" / "checkpoint-000004").mkdir(parents=True)
     assert keep_chosen_checkpoint(tmp_path, window, {}, tmp_path) is None
     assert (tmp_path / "checkpoints" / "checkpoint-000004").is_dir() and not (tmp_path / "chosen").exists()
+
+
+@pytest.mark.parametrize("base", ["measured", "below every checkpoint"])
+def test_with_no_window_the_run_s_lowest_validation_loss_checkpoint_is_delivered_and_compared_with_the_base(
+        ema_run, tmp_path, tiny_model_dir, base):
+    """No step window (no significant improvement): the old code kept every checkpoint and delivered the final
+    weights. Now the checkpoint with the lowest validation loss of the run (updates 4 and 8) becomes chosen/, and
+    chosen.json names the rule and compares it with the base model's loss, the curve's update 0 (as measured; then
+    with update 0 read lower than every checkpoint, the case where the fine-tune did not help)."""
+    import shutil
+
+    from rangefinder.analysis import read_curve_csv
+    from rangefinder.formats import checkpoints
+
+    run_dir = shutil.copytree(ema_run[0], tmp_path / "run")
+    curve = read_curve_csv(ema_run[1].metrics_csv)
+    updates = [int(u) for u in curve["update"]]
+    assert updates[0] == 0 and {4, 8} <= set(updates)
+    loss = {u: float(curve["val_loss"][updates.index(u)]) for u in (0, 4, 8)}
+    assert loss[4] != loss[8]
+    if base != "measured":
+        curve["val_loss"][updates.index(0)] = min(loss[4], loss[8]) / 2
+        loss[0] = min(loss[4], loss[8]) / 2
+    best = min((4, 8), key=loss.__getitem__)
+    window = SimpleNamespace(recommended_updates=None, recommended_epochs=None, status="no_improvement",
+                             tolerance=0.02, window_start_update=None, window_end_update=None)
+    info = keep_chosen_checkpoint(run_dir, window, curve, tiny_model_dir)
+
+    assert info is not None and (info["update"], info["rule"]) == (best, "run_lowest")
+    assert info["val_loss"] == pytest.approx(loss[best]) and info["base_val_loss"] == pytest.approx(loss[0])
+    assert info["improved_on_base"] is (loss[best] < loss[0])
+    assert "no step window was found" in info["reason"] and "lowest validation loss" in info["reason"]
+    assert ("did not improve on the base model" in info["reason"]) is (loss[best] >= loss[0])
+    kept = [p.name for p in checkpoints.list_checkpoints(run_dir / "checkpoints")]
+    assert kept == [checkpoints.checkpoint_name(best)] and checkpoints.read_chosen(run_dir) == info
+    assert (run_dir / checkpoints.CHOSEN_DIR / "model_index.json").is_file()
 
 
 @pytest.mark.slow

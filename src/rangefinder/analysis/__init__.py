@@ -7,15 +7,23 @@ from rangefinder.analysis.curves import read_curve_csv
 from rangefinder.analysis.lr_bounds import LRBounds, analyze_lr_curve
 from rangefinder.analysis.plots import plot_lr_range_test, plot_step_window
 from rangefinder.analysis.reports import SampleStrip, copy_report, write_lr_report, write_step_report
-from rangefinder.analysis.step_window import StepWindow, delivered_update, select_step_window
+from rangefinder.analysis.step_window import (
+    DELIVERY_RULE_TEXT,
+    Delivery,
+    StepWindow,
+    delivered_checkpoint,
+    select_step_window,
+)
 
 __all__ = [
+    "DELIVERY_RULE_TEXT",
+    "Delivery",
     "LRBounds",
     "SampleStrip",
     "StepWindow",
     "analyze_lr_curve",
     "copy_report",
-    "delivered_update",
+    "delivered_checkpoint",
     "plot_lr_range_test",
     "plot_step_window",
     "read_curve_csv",

@@ -24,9 +24,9 @@ from rangefinder.analysis.lr_bounds import FLAG_ADVICE as LR_FLAG_ADVICE
 from rangefinder.analysis.lr_bounds import STATUS_ADVICE as LR_STATUS_ADVICE
 from rangefinder.analysis.lr_bounds import LRBounds
 from rangefinder.analysis.plots import plot_lr_range_test, plot_step_window
+from rangefinder.analysis.step_window import DELIVERY_RULE_TEXT, Delivery, StepWindow
 from rangefinder.analysis.step_window import FLAG_ADVICE as STEP_FLAG_ADVICE
 from rangefinder.analysis.step_window import STATUS_ADVICE as STEP_STATUS_ADVICE
-from rangefinder.analysis.step_window import StepWindow
 from rangefinder.defaults import LOW_QUALITY
 from rangefinder.formats.atomic import write_bytes
 
@@ -201,8 +201,11 @@ def lr_headline(bounds: LRBounds, zoom: Optional[tuple[float, float]] = None) ->
     return lead
 
 
-def step_headline(window: StepWindow, halving: Optional[HalvingDecision] = None) -> str:
-    """The step-window report's lead (also the fine-tune run's description in MLflow)."""
+def step_headline(window: StepWindow, halving: Optional[HalvingDecision] = None,
+                  delivered: Optional[Delivery] = None) -> str:
+    """The step-window report's lead (also the fine-tune run's description in MLflow); `delivered`: the checkpoint
+    the fine-tune kept (analysis.delivered_checkpoint), said with its rule when it is not the window's usual one or
+    does not beat the base model."""
     if window.recommended_epochs is not None:
         lead = f"Train for {window.recommended_epochs} epochs (about {window.recommended_updates} updates)."
         if window.status == "still_improving":
@@ -211,6 +214,8 @@ def step_headline(window: StepWindow, halving: Optional[HalvingDecision] = None)
         lead = STEP_STATUS_ADVICE[window.status]
     if halving is not None:
         lead += f" The LR is {halving.lr:.3g}, {halving.kept}, kept by successive halving."
+    if delivered is not None and (delivered.rule != "window_lowest" or delivered.improved_on_base is False):
+        lead += f" {delivered.sentence()}"
     return lead
 
 
@@ -273,17 +278,19 @@ def _midpoint_rows(bounds: LRBounds) -> list[tuple[str, Any, str]]:
 def write_step_report(window: StepWindow, curve: Optional[dict], out_dir: str | Path, *,
                       source: Optional[str] = None, samples: Optional[SampleStrip] = None,
                       halving: Optional[HalvingDecision] = None, plan_warnings: Sequence[str] = (),
-                      validation_weighting: Optional[dict] = None) -> dict[str, Path]:
+                      validation_weighting: Optional[dict] = None,
+                      delivered: Optional[Delivery] = None) -> dict[str, Path]:
     """Write step_window.png, step_report.html (self-contained), step_report.md and step_window.json into out_dir.
 
     `curve` and `source` as for write_lr_report; `samples`: the run's samples over training, shown under the plot;
     `halving`: the successive halving's decision (rangefinder.steps.halving), as rows, a note and the dropped
-    candidate's curve on the plot; `validation_weighting` as for write_lr_report.
+    candidate's curve on the plot; `validation_weighting` as for write_lr_report; `delivered`: the checkpoint the
+    fine-tune kept and the rule that picked it, as a row (and in the lead when step_headline says so).
     Returns {"plot", "html", "markdown", "json"} -> paths.
     """
     out = Path(out_dir)
     png = plot_step_window(window, out / "step_window.png", halving=halving)
-    lead = step_headline(window, halving)
+    lead = step_headline(window, halving, delivered)
     rows: list[tuple[str, Any, str]] = [
         ("recommended epochs", window.recommended_epochs, "the centre of the window (its edges are better determined)"),
         ("window (epochs)", [window.window_start_epoch, window.window_end_epoch],
@@ -296,6 +303,10 @@ def write_step_report(window: StepWindow, curve: Optional[dict], out_dir: str | 
         ("noise (s.d.)", window.noise_sigma, f"p(improvement) = {window.p_improvement:.3g}"),
         ("points used", window.points_used, f"{window.points_dropped} left out"),
     ]
+    if delivered is not None:
+        base = "" if delivered.base_val_loss is None else f"; base model (update 0): {_fmt(delivered.base_val_loss)}"
+        rows.append(("delivered checkpoint", f"update {delivered.update}, rule {delivered.rule}, val loss "
+                                             f"{_fmt(delivered.val_loss)}{base}", DELIVERY_RULE_TEXT[delivered.rule]))
     rows += _bucket_rows(curve, window.best_update)
     rows += _sigma_rows(curve, validation_weighting, window.best_update)
     notes: list[tuple[str, str]] = [(window.status, STEP_STATUS_ADVICE[window.status])]

@@ -162,30 +162,80 @@ def select_step_window(
     return window
 
 
-def delivered_update(window: StepWindow, checkpoint_updates: Any, update: Any, val_loss: Any) -> Optional[int]:
-    """The update of the checkpoint to deliver: of the checkpoints inside the window that were validated at their
-    own update, the one with the lowest validation loss (ties: the one nearest the recommended update, then the
-    earlier); the checkpoint nearest the recommended update when none is; None without a recommendation.
+DeliveryRule = Literal["window_lowest", "window_nearest", "run_lowest"]
+
+DELIVERY_RULE_TEXT: dict[str, str] = {
+    "window_lowest": "the checkpoint with the lowest validation loss inside the step window",
+    "window_nearest": "the checkpoint nearest the window's centre (none inside the window was validated)",
+    "run_lowest": "no step window was found, so the checkpoint with the lowest validation loss of the whole run",
+}
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """Which checkpoint the fine-tune delivers, and by which rule (DELIVERY_RULE_TEXT)."""
+
+    update: int
+    rule: DeliveryRule
+    val_loss: Optional[float]  # measured at the checkpoint's own update; None when it was not validated there
+    base_val_loss: Optional[float]  # the curve's update 0: the base model's own loss; None when not measured
+
+    @property
+    def improved_on_base(self) -> Optional[bool]:
+        """Whether the delivered weights measure lower than the base model; None when either is unknown."""
+        if self.val_loss is None or self.base_val_loss is None:
+            return None
+        return self.val_loss < self.base_val_loss
+
+    def against_base(self) -> str:
+        """The sentence comparing the delivered weights with the base model (update 0); "" when either is unknown."""
+        if self.improved_on_base is None:
+            return ""
+        if self.improved_on_base:
+            return f"Its validation loss {self.val_loss:.4g} is below the base model's {self.base_val_loss:.4g}."
+        return (f"The fine-tune did not improve on the base model: the delivered checkpoint's validation loss "
+                f"{self.val_loss:.4g} is not below the base model's {self.base_val_loss:.4g} (update 0); use the base "
+                "model, or check the LR bounds (try lr_low), the data and the captions.")
+
+    def sentence(self) -> str:
+        """What was delivered and by which rule, for the report's lead and the run's description."""
+        return f"Delivered: update {self.update}, {DELIVERY_RULE_TEXT[self.rule]}. {self.against_base()}".rstrip()
+
+
+def delivered_checkpoint(window: StepWindow, checkpoint_updates: Any, update: Any, val_loss: Any) -> Optional[Delivery]:
+    """The checkpoint to deliver, of those validated at their own update:
+    - with a window: the one with the lowest validation loss inside it (ties: the one nearest the recommended update,
+      then the earlier); the checkpoint nearest the recommended update when none inside was validated;
+    - without (no_improvement): the one with the lowest validation loss of the whole run (ties: the earlier);
+    None when there is no checkpoint, or no window and no validated checkpoint.
 
     The window says which lengths the smoothed curve calls equally good; among those, each checkpoint's validation
     loss is a deterministic measurement of those very weights. At a high constant LR (LoRA above all) the weights
     scatter from one checkpoint to the next, so the one nearest the centre was up to 9 % worse than the best one
     inside the same window (bench/RESULTS.md, "Versus"); the recommended length stays the centre (module docstring).
+    With no window there is no length to limit the choice to, and the final weights are the one point the run (which
+    trains past any useful length) never vouches for: in the bench they were worse than the base model.
     """
-    if window.recommended_updates is None:
-        return None
     ckpts = sorted({int(c) for c in checkpoint_updates})
     if not ckpts:
         return None
-    rec = window.recommended_updates
     loss_at = {int(u): float(y) for u, y in zip(np.asarray(update, dtype=float).ravel(),
                                                  np.asarray(val_loss, dtype=float).ravel(), strict=True)
                if math.isfinite(u) and math.isfinite(y) and float(u).is_integer()}
+    base = loss_at.get(0)
+
+    def delivery(c: int, rule: DeliveryRule) -> Delivery:
+        return Delivery(update=c, rule=rule, val_loss=loss_at.get(c), base_val_loss=base)
+
+    rec = window.recommended_updates
+    if rec is None:
+        validated = [c for c in ckpts if c in loss_at and c > 0]
+        return delivery(min(validated, key=lambda c: (loss_at[c], c)), "run_lowest") if validated else None
     lo, hi = window.window_start_update, window.window_end_update
     inside = [c for c in ckpts if lo is not None and hi is not None and lo <= c <= hi and c in loss_at]
     if inside:
-        return min(inside, key=lambda c: (loss_at[c], abs(c - rec), c))
-    return min(ckpts, key=lambda c: (abs(c - rec), c))
+        return delivery(min(inside, key=lambda c: (loss_at[c], abs(c - rec), c)), "window_lowest")
+    return delivery(min(ckpts, key=lambda c: (abs(c - rec), c)), "window_nearest")
 
 
 def _select(u_all: np.ndarray, e_all: np.ndarray, y_all: np.ndarray, s_all: Optional[np.ndarray], *,

@@ -21,7 +21,7 @@ file is parsed: a torn write or a bad block makes a checkpoint fail `verify`, an
 previous intact one.
 
 The fine-tune keeps one checkpoint at the end: the one the step window picks (the lowest validation loss inside the
-window: analysis.delivered_update). It writes that checkpoint's
+window, or of the whole run when there is no window: analysis.delivered_checkpoint). It writes that checkpoint's
 model beside `final/` as `chosen/` (the same files `final/` holds), with `chosen.json` saying which update, epoch
 and validation loss it is and why it was chosen; that is the model registered when there is no retrain.
 """
@@ -122,7 +122,8 @@ def keep_only(root: Path, kept: Path) -> None:
 
 
 def read_chosen(model_dir: Path) -> Optional[dict[str, Any]]:
-    """`chosen.json` of a fine-tune's output folder, or None (a retrain, or a fine-tune without a step window)."""
+    """`chosen.json` of a fine-tune's output folder, or None (a retrain, or a fine-tune without a validated
+    checkpoint)."""
     info = Path(model_dir) / CHOSEN_INFO
     if not (info.is_file() and (Path(model_dir) / CHOSEN_DIR).is_dir()):
         return None

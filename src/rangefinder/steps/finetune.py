@@ -9,9 +9,10 @@ better determined than the minimum itself (rangefinder.analysis.step_window).
 
 The run deliberately trains past the window, so its final weights are not the model to deliver. It saves a
 checkpoint every `finetune.checkpoint_every_epochs` and keeps them all until the window is known; then it keeps only
-the one with the lowest validation loss inside the window (analysis.delivered_update) and writes its model as
-`chosen/` beside `final/`, with `chosen.json` (rangefinder.formats.checkpoints). Without a
-retrain, that is the model registered.
+the one with the lowest validation loss inside the window (analysis.delivered_checkpoint) and writes its model as
+`chosen/` beside `final/`, with `chosen.json` (rangefinder.formats.checkpoints). With no window (no significant
+improvement) it keeps the lowest-loss checkpoint of the whole run instead, and says so, and says when even that is not
+below the base model's loss (update 0). Without a retrain, that is the model registered.
 """
 
 from __future__ import annotations
@@ -63,18 +64,19 @@ class FinetuneResult:
 
 def keep_chosen_checkpoint(run_dir: Path, window: Any, curve: dict, base_model: Path,
                            base_source: Optional[str] = None) -> Optional[dict[str, Any]]:
-    """Keep the checkpoint the window picks (analysis.delivered_update: the lowest validation loss inside the
-    window), write its model as `chosen/` with `chosen.json`, and remove the other checkpoints. None (everything
-    left as it is) when the window recommends nothing."""
-    from rangefinder.analysis import delivered_update
+    """Keep the checkpoint the window's rule picks (analysis.delivered_checkpoint: the lowest validation loss inside
+    the window; with no window, the lowest of the whole run), write its model as `chosen/` with `chosen.json` (its
+    update, epoch, loss, the rule and whether it beats the base model), and remove the other checkpoints. None
+    (everything left as it is, the final weights delivered) when there is no checkpoint to pick."""
+    from rangefinder.analysis import delivered_checkpoint
     from rangefinder.training.restore import save_checkpoint_model
 
     ckpt_root = Path(run_dir) / "checkpoints"
     found = checkpoints.checkpoints_by_update(ckpt_root)
-    picked = delivered_update(window, list(found), curve.get("update", []), curve.get("val_loss", []))
+    picked = delivered_checkpoint(window, list(found), curve.get("update", []), curve.get("val_loss", []))
     if picked is None:
         return None
-    update, ckpt = picked, found[picked]
+    update, ckpt = picked.update, found[picked.update]
     checkpoints.require_intact(ckpt)  # before its state.json is read here and its weights by save_checkpoint_model
     rows = [r for r in checkpoints.read_state(ckpt)["metrics_rows"] if r.get("update") == update]
     val_loss = rows[-1].get("val_loss") if rows else None
@@ -83,16 +85,23 @@ def keep_chosen_checkpoint(run_dir: Path, window: Any, curve: dict, base_model: 
         import numpy as np
 
         epoch = float(np.interp(update, curve["update"], curve["epoch"])) if curve.get("epoch") is not None else None
-    if window.status == "still_improving":
+    if picked.rule == "run_lowest":
+        why = ("validation loss never fell by more than its noise, so no step window was found and no length is "
+               "recommended; of the checkpoints kept over the whole run, this one has the lowest validation loss "
+               "(the run's final weights are not delivered: it trained past any useful length)")
+    elif window.status == "still_improving":
         why = ("validation loss was still falling when the run ended, so the recommended length is the whole run and "
                "the checkpoint with the lowest validation loss near its end is kept; fine-tune for more epochs to "
                "find the minimum")
     else:
+        which = ("the checkpoint with the lowest validation loss inside the window" if picked.rule == "window_lowest"
+                 else "the checkpoint nearest that centre (none inside the window was validated)")
         why = (f"smoothed validation loss stays within {window.tolerance:.0%} of its minimum from update "
                f"{window.window_start_update:.0f} to {window.window_end_update:.0f}; the centre of that window, update "
                f"{window.recommended_updates} (epoch {window.recommended_epochs}), is the recommended length, and this "
-               "is the checkpoint with the lowest validation loss inside the window (the run went on past the "
-               "window, so its final weights overfit)")
+               f"is {which} (the run went on past the window, so its final weights overfit)")
+    at = f"Weights at update {update} (epoch {epoch:g})" if epoch is not None else f"Weights at update {update}"
+    reason = f"{at} of the constant-LR fine-tune: {why}. {picked.against_base()}".rstrip()
     info = {
         "checkpoint": ckpt.name,
         "update": update,
@@ -103,8 +112,10 @@ def keep_chosen_checkpoint(run_dir: Path, window: Any, curve: dict, base_model: 
         "window_start_update": window.window_start_update,
         "window_end_update": window.window_end_update,
         "status": window.status,
-        "reason": f"Weights at update {update} (epoch {epoch:g}) of the constant-LR fine-tune: {why}."
-        if epoch is not None else f"Weights at update {update} of the constant-LR fine-tune: {why}.",
+        "rule": picked.rule,
+        "base_val_loss": picked.base_val_loss,
+        "improved_on_base": picked.improved_on_base,
+        "reason": reason,
     }
     save_checkpoint_model(ckpt, base_model, Path(run_dir) / checkpoints.CHOSEN_DIR, source=base_source)
     checkpoints.keep_only(ckpt_root, ckpt)
@@ -188,7 +199,7 @@ def run_finetune(
     mlflow_parent_run_id: Optional[str] = None,
 ) -> FinetuneResult:
     from rangefinder import tracking
-    from rangefinder.analysis import copy_report, select_step_window, write_step_report
+    from rangefinder.analysis import Delivery, copy_report, select_step_window, write_step_report
     from rangefinder.analysis.reports import step_headline
     from rangefinder.data.split import read_split
     from rangefinder.models.loading import resolve_base_model
@@ -233,18 +244,21 @@ def run_finetune(
             source = f"{result.metrics_csv}; {batch_note(tc)}" + (f"; {skipped}" if skipped else "")
             base = resolve_base_model(cfg.model)
             chosen = keep_chosen_checkpoint(work, window, curve, base.path, base.source)
+            delivered = None if chosen is None else Delivery(update=chosen["update"], rule=chosen["rule"],
+                                                             val_loss=chosen["val_loss"],
+                                                             base_val_loss=chosen["base_val_loss"])
             sample_delivered(work, chosen, base.path, run)
             report = write_step_report(window, curve, report_dir, source=source,
                                        samples=sample_strip(work), halving=race,
                                        plan_warnings=spec.plan.warnings if spec.plan is not None else (),
-                                       validation_weighting=result.validation_weighting())
+                                       validation_weighting=result.validation_weighting(), delivered=delivered)
             copy_report(report, report_html, report_md)
             # No window (no improvement at all): keep the configured budget and say so in the report.
             rec_epochs = int(window.recommended_epochs or tc.epochs or 1)
             rec_updates = int(window.recommended_updates or result.updates)
             improving = window.status == "still_improving"
             decision = window.to_dict()
-            note = f"{step_headline(window, race)} Trained at lr {lr:.3g} (lr source: {lr_source})."
+            note = f"{step_headline(window, race, delivered)} Trained at lr {lr:.3g} (lr source: {lr_source})."
         else:
             # No validation set (a fixed LR with val_split 0): nothing to read a window from; keep the budget.
             rec_epochs, rec_updates, improving = tc.epochs or 1, result.updates, False
@@ -253,7 +267,7 @@ def run_finetune(
             for p in (report_html, report_md):
                 if p is not None:
                     write_text(p, f"No validation set: trained {rec_epochs} epochs at lr {lr:.3g}.\n")
-        if chosen is None:  # no step window: nothing to choose; the final weights are delivered, as configured
+        if chosen is None:  # no validated checkpoint to choose from: the final weights are delivered, as configured
             checkpoints.keep_newest(work / "checkpoints", cfg.training.keep_checkpoints)
         publish(work, model_dir)
         decision.update(lr_low=lr_low, lr_high=lr_high, lr_mid=lr_mid, lr_used=lr, lr_source=lr_source,
@@ -276,7 +290,9 @@ def run_finetune(
                                     **{n: {"lr": c.lr, "best_val_loss": c.best_val_loss, "best_update": c.best_update}
                                        for n, c in race.candidates.items()}}
         if chosen is not None:
-            decisions.update({f"chosen_{k}": chosen[k] for k in ("update", "epoch", "val_loss")})
+            # The rule that picked it and whether it beats the base model become tags (log_decisions).
+            decisions.update({f"chosen_{k}": chosen[k] for k in ("update", "epoch", "val_loss", "rule",
+                                                                  "improved_on_base")})
         run.log_decisions(decisions)
         run.describe(note)
     if result.final_dir is None:

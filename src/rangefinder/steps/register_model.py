@@ -1,9 +1,10 @@
 """Step `register_model`: log the delivered weights to MLflow with the LR and length that made them, and register them.
 
 Which weights: with the full-data retrain, its final weights; without, the fine-tune's `chosen/` model, the kept
-checkpoint with the lowest validation loss inside the step window (rangefinder.steps.finetune), not its final
-weights, which the run took deliberately past the window. The version's tags record the update, epoch and
-validation loss it was taken at, and its description says why. The new version gets the `candidate` alias;
+checkpoint with the lowest validation loss inside the step window (with no window, of the whole run:
+rangefinder.steps.finetune), not its final weights, which the run took deliberately past the window. The version's
+tags record the update, epoch and validation loss it was taken at and the rule that picked it, and its description
+says why. The new version gets the `candidate` alias;
 promotion to `champion` stays a person's decision.
 """
 
@@ -50,14 +51,20 @@ def run_register_model(cfg: RangefinderConfig, *, model_dir: Path, lr: float, ep
         metrics.update({k: chosen[k] for k in ("update", "epoch", "val_loss") if chosen.get(k) is not None})
         tags = {"rangefinder.weights": f"finetune {chosen['checkpoint']}", "rangefinder.chosen_because":
                 chosen["status"]}
+        # Which rule picked the checkpoint (analysis.delivered_checkpoint), and whether it beats the base model;
+        # a chosen.json written before the rules were named has neither.
+        if chosen.get("rule") is not None:
+            tags["rangefinder.chosen_rule"] = str(chosen["rule"])
+        if chosen.get("improved_on_base") is not None:
+            tags["rangefinder.improved_on_base"] = str(chosen["improved_on_base"]).lower()
         description = chosen["reason"]
     else:
         retrained = cfg.retrain.enabled
         tags = {"rangefinder.weights": "retrain_full final" if retrained else "finetune final"}
         description = (f"Retrained on train + validation for {epochs} epochs (the fine-tune's recommended length) "
                        f"at lr {lr:.3g}, without validation." if retrained else
-                       f"The fine-tune's final weights after {epochs} epochs at lr {lr:.3g} (no step window "
-                       "was found, so no checkpoint was chosen).")
+                       f"The fine-tune's final weights after {epochs} epochs at lr {lr:.3g} (no validated "
+                       "checkpoint to choose from).")
     with tempfile.TemporaryDirectory(prefix="rangefinder-register-") as scratch:
         if not (weights / "model_index.json").is_file():
             # LoRA and textual inversion deliver a small file; the registry gets a whole pipeline that generates
