@@ -233,6 +233,14 @@ def test_the_finetune_step_logs_samples_during_training_to_mlflow_with_their_ste
     headline, used = note.split(" Trained at ")
     assert used == "lr 0.001 (lr source: range-test)."
     assert f": {headline}\n" in (tmp_path / "ft" / "report" / "step_report.md").read_text()  # the report's lead
+    # Which rule picked the delivered checkpoint: in chosen.json, as a tag on the run, and in the report's rows.
+    from rangefinder.formats import checkpoints
+
+    chosen = checkpoints.read_chosen(tmp_path / "ft")
+    assert chosen["rule"] in ("window_lowest", "window_nearest", "run_lowest")
+    assert run.data.tags["chosen_rule"] == chosen["rule"]
+    assert f"update {chosen['update']}, rule {chosen['rule']}" in (tmp_path / "ft" / "report" / "step_report.md"
+                                                                   ).read_text()
     page = report.read_text()
     assert "Samples over training" in page and "<th class='row'>update</th><th>0</th><th>8</th><th>16</th>" in page
     assert page.count(f"alt='{cfg.sampling.prompts[0]} | seed 0 at update") == 3
