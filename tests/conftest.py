@@ -16,8 +16,8 @@ import pytest
 # whole test files, so a file's module fixtures are made once, on one worker; the files below share the
 # session-scoped whole kfp.local run (`default_local_run`) and go together, so that run is made once too. (xdist's
 # own `loadgroup` marks do not work with pytest 9.2: they rename `item._nodeid`, which pytest no longer reads.)
-SHARED_RUN_FILES = ("tests/pipelines/test_local_run.py", "tests/pipelines/test_reports_in_browser.py",
-                    "tests/pipelines/test_demo_sdxl.py")
+# (test_demo_sdxl.py no longer reads that run: its small SDXL run is its own group, free to go to the other worker.)
+SHARED_RUN_FILES = ("tests/pipelines/test_local_run.py", "tests/pipelines/test_reports_in_browser.py")
 # The groups that take minutes go first, so that neither worker is left with one at the end. xdist's scope
 # scheduling hands a worker its next group whenever it has 2 tests or fewer left, in the order of the queue, so the
 # longest first is the classic longest-processing-time packing. That order is this hook's only if xdist does not
@@ -29,7 +29,8 @@ SHARED_RUN_FILES = ("tests/pipelines/test_local_run.py", "tests/pipelines/test_r
 # are the many short ones.
 LONG_FIRST = ("pipelines:default-run", "tests/pipelines/test_demo_learns.py", "tests/steps/test_processes.py",
               "tests/methods/test_discovery_by_method.py", "tests/bench/test_discovery_quality.py",
-              "tests/pipelines/test_local_run_errors.py", "tests/tracking/test_outbox.py",
+              "tests/pipelines/test_demo_sdxl.py", "tests/pipelines/test_local_run_errors.py",
+              "tests/tracking/test_outbox.py",
               "tests/training/test_resume.py", "tests/tracking/test_server_loss.py", "tests/steps/test_halving.py",
               "tests/training/test_optimizers.py", "tests/pipelines/test_reuse.py",
               "tests/tracking/test_retried_step.py", "tests/training/test_samples.py")

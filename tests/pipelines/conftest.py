@@ -24,3 +24,15 @@ def default_local_run(shapes_dataset_dir, tiny_model_dir, tmp_path_factory):
         mp.delenv("MLFLOW_RUN_ID", raising=False)
         run = run_pipeline_locally(tiny_config(shapes_dataset_dir, tiny_model_dir, **RETRAIN), out)
     return run
+
+
+@pytest.fixture(scope="session")
+def default_local_run_mlflow(default_local_run):
+    """A real `mlflow server` on the shared run's own store (<out>/mlflow.db), started once for the tests that read
+    that record through it (test_local_run.py through MlflowClient, test_reports_in_browser.py in a browser), one
+    server start instead of one per test; they only read it."""
+    from tests.tracking.fixtures import start_mlflow_server, stop_mlflow_server
+
+    uri, proc = start_mlflow_server(default_local_run.out_dir)
+    yield uri
+    stop_mlflow_server(proc)

@@ -22,7 +22,7 @@ from tests.conftest import HUB_REPO
 from tests.mlflow_store import seed
 from tests.pipelines.registered_model import check_registered_is_the_kept_checkpoint, task_dir
 from tests.pipelines.terminal import run_on_terminal
-from tests.pipelines.tiny_run import TINY
+from tests.pipelines.tiny_run import DISCOVERY_REPORTS, TINY
 from tests.pipelines.tiny_run import tiny_config as _cfg
 from tests.tracking.pipeline_record import check_pipeline_record
 
@@ -40,13 +40,11 @@ def _mlflow_runs(db: Path) -> dict[str, str]:
         return dict(con.execute("select name, status from runs").fetchall())
 
 
-def test_discovery_then_retrain_on_default_sqlite(default_local_run):
+def test_discovery_then_retrain_on_default_sqlite(default_local_run, default_local_run_mlflow):
     """The local default: no tracking URI anywhere, so the run writes sqlite:///<out>/mlflow.db; discovery, then the
     full-data retrain. The run is shared (tests/pipelines/conftest.py): test_reports_in_browser.py opens its reports.
     The whole record reads back through MlflowClient from a real `mlflow server` on the run's store, model included."""
     from mlflow import MlflowClient
-
-    from tests.tracking.fixtures import start_mlflow_server, stop_mlflow_server
 
     s = default_local_run.summary()
     out = default_local_run.out_dir
@@ -61,8 +59,8 @@ def test_discovery_then_retrain_on_default_sqlite(default_local_run):
     # The reports are copied under OUT/reports with extensions a browser or editor opens.
     reports = sorted(Path(p).name for p in s["reports"])
     # Named after the step, not kfp.local's task folder (lr-range-test-3): one range test here, no zoom.
-    assert {"lr-range-test-first.html", "lr-range-test-first.md", "finetune.html", "finetune.md",
-            "sample-images-grid.html", "choose-lr-decision.md"} <= set(reports), reports
+    # Every report, and no other (test_demo_sdxl.py holds the small SDXL run to the same set).
+    assert set(reports) == DISCOVERY_REPORTS, reports
     assert not any(n.startswith("lr-range-test-zoom") for n in reports), reports
     assert all(Path(p).parent == out / "reports" for p in s["reports"])
     # The reports exist and the HTML embeds its plot (the KFP UI shows no image files).
@@ -99,23 +97,20 @@ def test_discovery_then_retrain_on_default_sqlite(default_local_run):
     # The store read as the printed `mlflow ui` reads it, without loading the model (the server's read-back does).
     check_pipeline_record(f"sqlite:///{db}", cfg.tracking.experiment_name, s,
                           model_name=cfg.tracking.registered_model_name, generate=False)
-    uri, proc = start_mlflow_server(out)  # serves <out>/mlflow.db, the run's store
-    try:
-        check_pipeline_record(uri, cfg.tracking.experiment_name, s, model_name=cfg.tracking.registered_model_name)
-        client = MlflowClient(tracking_uri=uri)
-        runs = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment_name).experiment_id])
-        by_name = {r.info.run_name: r for r in runs}
-        for step in ("lr_range_test", "finetune", "retrain_full", "sample_images", "register_model"):
-            assert by_name[step].info.status == "FINISHED", step
-        # With the retrain, the registered version is the retrain's weights: its source run is retrain_full's.
-        mv = client.get_model_version_by_alias(cfg.tracking.registered_model_name, "candidate")
-        assert mv.run_id == by_name["retrain_full"].info.run_id
-        parent = next(r for r in runs if "mlflow.parentRunId" not in r.data.tags)
-        # Closed by the exit handler as a success: no failed task named.
-        assert parent.info.status == "FINISHED" and "rangefinder.failed_task" not in parent.data.tags
-        assert client.list_artifacts(by_name["sample_images"].info.run_id, "images")  # the grid via log_image
-    finally:
-        stop_mlflow_server(proc)
+    uri = default_local_run_mlflow  # a real `mlflow server` on <out>/mlflow.db, the run's store
+    check_pipeline_record(uri, cfg.tracking.experiment_name, s, model_name=cfg.tracking.registered_model_name)
+    client = MlflowClient(tracking_uri=uri)
+    runs = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment_name).experiment_id])
+    by_name = {r.info.run_name: r for r in runs}
+    for step in ("lr_range_test", "finetune", "retrain_full", "sample_images", "register_model"):
+        assert by_name[step].info.status == "FINISHED", step
+    # With the retrain, the registered version is the retrain's weights: its source run is retrain_full's.
+    mv = client.get_model_version_by_alias(cfg.tracking.registered_model_name, "candidate")
+    assert mv.run_id == by_name["retrain_full"].info.run_id
+    parent = next(r for r in runs if "mlflow.parentRunId" not in r.data.tags)
+    # Closed by the exit handler as a success: no failed task named.
+    assert parent.info.status == "FINISHED" and "rangefinder.failed_task" not in parent.data.tags
+    assert client.list_artifacts(by_name["sample_images"].info.run_id, "images")  # the grid via log_image
 
 
 def test_fixed_lr_from_a_hub_id_skips_discovery_and_retrain_off(tmp_path, shapes_dataset_dir, fake_hub_cache,

@@ -88,7 +88,7 @@ def test_a_grid_of_many_columns_scrolls_in_its_box_not_the_page(tmp_path):
     assert check.problems() == [] and len(check.images) == 12
 
 
-def test_mlflow_as_its_users_browse_it(default_local_run):
+def test_mlflow_as_its_users_browse_it(default_local_run, default_local_run_mlflow):
     """Issue 35, item 5: the printed link opens MLflow's model-training runs table (not its GenAI dashboard), the
     halving candidates are child runs of the fine-tune's run, the fine-tune run's page opens on its own val_loss
     chart, and every run and the registered model has a description. Read in headless Chromium from a real
@@ -97,52 +97,48 @@ def test_mlflow_as_its_users_browse_it(default_local_run):
 
     from rangefinder.config import demo_config
     from rangefinder.tracking.metrics import curve_metric_name
-    from tests.tracking.fixtures import start_mlflow_server, stop_mlflow_server
 
     s = default_local_run.summary()
-    uri, proc = start_mlflow_server(default_local_run.out_dir)  # serves <out>/mlflow.db, the run's store
-    try:
-        client = MlflowClient(uri)
-        runs = client.search_runs([s["mlflow_link"].split("/experiments/")[1].split("/")[0]])
-        by_step = {r.data.tags.get("rangefinder.step"): r for r in runs}
-        parent = next(r for r in runs if "mlflow.parentRunId" not in r.data.tags)
-        finetune = by_step["finetune"]
-        candidates = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == finetune.info.run_id]
-        assert sorted(r.data.tags["halving.outcome"] for r in candidates) == ["dropped", "kept"]
-        assert {r.data.tags["halving.candidate"] for r in candidates} == {"lr_mid", "lr_high"}
-        val_loss = curve_metric_name("val_loss")  # validation/val_loss, one key on every run that trains
-        assert val_loss in finetune.data.metrics and all(val_loss in r.data.metrics for r in candidates)
-        undescribed = [r.info.run_name for r in runs if not r.data.tags.get("mlflow.note.content")]
-        assert undescribed == [], undescribed
-        model = client.get_registered_model(demo_config().tracking.registered_model_name)
-        assert model.description
+    uri = default_local_run_mlflow  # a real `mlflow server` on <out>/mlflow.db, the run's store
+    client = MlflowClient(uri)
+    runs = client.search_runs([s["mlflow_link"].split("/experiments/")[1].split("/")[0]])
+    by_step = {r.data.tags.get("rangefinder.step"): r for r in runs}
+    parent = next(r for r in runs if "mlflow.parentRunId" not in r.data.tags)
+    finetune = by_step["finetune"]
+    candidates = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == finetune.info.run_id]
+    assert sorted(r.data.tags["halving.outcome"] for r in candidates) == ["dropped", "kept"]
+    assert {r.data.tags["halving.candidate"] for r in candidates} == {"lr_mid", "lr_high"}
+    val_loss = curve_metric_name("val_loss")  # validation/val_loss, one key on every run that trains
+    assert val_loss in finetune.data.metrics and all(val_loss in r.data.metrics for r in candidates)
+    undescribed = [r.info.run_name for r in runs if not r.data.tags.get("mlflow.note.content")]
+    assert undescribed == [], undescribed
+    model = client.get_registered_model(demo_config().tracking.registered_model_name)
+    assert model.description
 
-        link = s["mlflow_link"].replace("http://127.0.0.1:5000", uri)
-        with chromium() as browser:
-            page = browser.new_page(viewport={"width": 1280, "height": 900})
-            page.goto(link)
-            page.get_by_text(parent.info.run_name).first.wait_for(timeout=60_000)
-            table = page.inner_text("body")
-            # The model-training view's runs table: its columns, the pipeline's run, the run count with children.
-            assert "Model training" in table and "Run Name" in table and "Duration" in table, table[:800]
-            assert f"{len(runs)} matching runs" in table, table[:800]
-            page.goto(f"{uri}/#/experiments/{parent.info.experiment_id}/runs/{parent.info.run_id}")
-            page.get_by_text(parent.data.tags["mlflow.note.content"][:40]).first.wait_for(timeout=60_000)
-            # The fine-tune run's page opens on its own val_loss: the first chart of its Model metrics tab (MLflow
-            # orders named sections, then the unprefixed keys' section, each by key; tracking/metrics.py).
-            page.goto(f"{uri}/#/experiments/{parent.info.experiment_id}/runs/{finetune.info.run_id}/model-metrics")
-            # The charts render as they scroll into view, and a slow machine shows the next section's heading before
-            # the first section's cards: read the first line under the first section's "Add chart" until it is
-            # val_loss, for up to a minute, then say what it was.
-            deadline, charts = time.monotonic() + 60, []
-            while time.monotonic() < deadline:
-                body = page.inner_text("body")
-                charts = [line.strip() for line in body.split("Add chart", 1)[-1].split("\n") if line.strip()]
-                if "Add chart" in body and charts and charts[0] == "val_loss":
-                    break
-                page.wait_for_timeout(500)
-            assert charts and charts[0] == "val_loss", charts[:12]
-            page.goto(f"{uri}/#/models/{model.name}")
-            page.get_by_text(model.description[:40]).first.wait_for(timeout=60_000)
-    finally:
-        stop_mlflow_server(proc)
+    link = s["mlflow_link"].replace("http://127.0.0.1:5000", uri)
+    with chromium() as browser:
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.goto(link)
+        page.get_by_text(parent.info.run_name).first.wait_for(timeout=60_000)
+        table = page.inner_text("body")
+        # The model-training view's runs table: its columns, the pipeline's run, the run count with children.
+        assert "Model training" in table and "Run Name" in table and "Duration" in table, table[:800]
+        assert f"{len(runs)} matching runs" in table, table[:800]
+        page.goto(f"{uri}/#/experiments/{parent.info.experiment_id}/runs/{parent.info.run_id}")
+        page.get_by_text(parent.data.tags["mlflow.note.content"][:40]).first.wait_for(timeout=60_000)
+        # The fine-tune run's page opens on its own val_loss: the first chart of its Model metrics tab (MLflow
+        # orders named sections, then the unprefixed keys' section, each by key; tracking/metrics.py).
+        page.goto(f"{uri}/#/experiments/{parent.info.experiment_id}/runs/{finetune.info.run_id}/model-metrics")
+        # The charts render as they scroll into view, and a slow machine shows the next section's heading before
+        # the first section's cards: read the first line under the first section's "Add chart" until it is
+        # val_loss, for up to a minute, then say what it was.
+        deadline, charts = time.monotonic() + 60, []
+        while time.monotonic() < deadline:
+            body = page.inner_text("body")
+            charts = [line.strip() for line in body.split("Add chart", 1)[-1].split("\n") if line.strip()]
+            if "Add chart" in body and charts and charts[0] == "val_loss":
+                break
+            page.wait_for_timeout(500)
+        assert charts and charts[0] == "val_loss", charts[:12]
+        page.goto(f"{uri}/#/models/{model.name}")
+        page.get_by_text(model.description[:40]).first.wait_for(timeout=60_000)

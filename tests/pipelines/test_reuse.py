@@ -78,6 +78,10 @@ def test_a_users_pipeline_with_the_published_range_test_runs_under_kfp_local(
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     monkeypatch.setenv("RANGEFINDER_MLFLOW_SPOOL", str(tmp_path / "spool"))
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    # One torch thread, as `rangefinder run --local` gives its steps (pipelines.local_run): with torch's default of a
+    # thread per core, the range test's threads spun against the other xdist worker (measured on the loaded 2-core
+    # machine: 77 -> 34 CPU-s, 172 -> 121 s for this test; the same steps, the same assertions).
+    monkeypatch.setenv("RANGEFINDER_TORCH_THREADS", "1")
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(tmp_path / "root"),
                raise_on_error=True)
     # the image is not pulled locally (see the module's docstring); kfp.local says so, and that is expected here
