@@ -36,8 +36,8 @@ pytestmark = pytest.mark.slow
 
 
 def _cfg(tiny_model_dir: Path, root: Path, **finetune):
-    # 16 training images at batch 4: 4 updates an epoch; 8 epochs = 32 updates, both candidates pause at 16.
-    return demo_config(model={"base_model": str(tiny_model_dir)}, finetune={"epochs": 8, **finetune},
+    # 16 training images at batch 4: 4 updates an epoch; 4 epochs = 16 updates, both candidates pause at 8.
+    return demo_config(model={"base_model": str(tiny_model_dir)}, finetune={"epochs": 4, **finetune},
                        training={"cache_dir": str(root / "cache")},
                        tracking={"tracking_uri": f"sqlite:///{root / 'mlflow.db'}", "experiment_name": "halving",
                                  "registered_model_name": None},
@@ -112,15 +112,15 @@ def halved(split_dir, tiny_model_dir, tmp_path_factory, one_thread):
 def test_the_kept_lr_is_the_better_by_the_pause_and_its_run_is_that_lr_s_own_fine_tune(halved):
     cfg, root, result, plain = halved
     decision = json.loads((root / "ft" / HALVING_DIR / DECISION).read_text())
-    assert decision["pause_update"] == 16 and decision["moved"] is True
+    assert decision["pause_update"] == 8 and decision["moved"] is True
     cands = decision["candidates"]
     assert {n: c["lr"] for n, c in cands.items()} == {"lr_mid": LR_MID, "lr_high": LR_HIGH}
-    assert all(c["status"] == "paused" and c["updates"] == 16 for c in cands.values())
+    assert all(c["status"] == "paused" and c["updates"] == 8 for c in cands.values())
     # The kept one had the lower best validation loss by the pause; on this data that is lr_high (1e-4 learns
     # slowly), so the move of a run that is not the midpoint's is what is tested.
     assert decision["kept"] == "lr_high" and cands["lr_high"]["best_val_loss"] < cands["lr_mid"]["best_val_loss"]
     assert result.lr == LR_HIGH and result.halving is not None and result.halving.to_json() == decision
-    assert result.updates_trained == 32 + 16  # the kept run whole, the dropped one to the pause
+    assert result.updates_trained == 16 + 8  # the kept run whole, the dropped one to the pause
     # A constant-LR run paused and continued is the same run: the curve and the delivered weights are those of the
     # fine-tune at lr_high alone.
     for name in ("metrics.csv", "updates.csv"):
@@ -159,7 +159,7 @@ def test_mlflow_holds_each_candidate_in_a_child_run_and_the_kept_curve_whole_in_
 
     curve = read_curve_csv(root / "ft" / "metrics.csv")
     kept = [(int(u), float(v)) for u, v in zip(curve["update"], curve["val_loss"], strict=True)]
-    assert [u for u, _ in kept] == list(range(0, 33, 4))
+    assert [u for u, _ in kept] == list(range(0, 17, 4))
     assert same(history(VAL_LOSS), kept)  # the delivered run, from update 0 to the end
     # Each candidate is a child run of the fine-tune's, with the same plain keys (MLflow overlays them), named and
     # tagged with whether it was kept; the fine-tune's own run has no candidate's keys.
@@ -167,18 +167,18 @@ def test_mlflow_holds_each_candidate_in_a_child_run_and_the_kept_curve_whole_in_
         [run.info.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{run.info.run_id}'")}
     assert set(children) == {"lr_mid", "lr_high"}
     mid, high = children["lr_mid"], children["lr_high"]
-    assert same(history(VAL_LOSS, high.info.run_id), kept[:5])  # its first half, as it trained
-    assert [u for u, _ in history(VAL_LOSS, mid.info.run_id)] == [0, 4, 8, 12, 16]
+    assert same(history(VAL_LOSS, high.info.run_id), kept[:3])  # its first half, as it trained
+    assert [u for u, _ in history(VAL_LOSS, mid.info.run_id)] == [0, 4, 8]
     assert history(VAL_LOSS, mid.info.run_id)[1:] != history(VAL_LOSS, high.info.run_id)[1:]
     assert (mid.data.tags["halving.outcome"], high.data.tags["halving.outcome"]) == ("dropped", "kept")
     assert high.info.run_name == "lr_high lr 0.001 (kept)" and mid.info.run_name == "lr_mid lr 0.0001 (dropped)"
     assert "kept: the fine-tune goes on with it" in high.data.tags["mlflow.note.content"]
     assert all(r.info.status == "FINISHED" for r in (mid, high))
     assert not any(k.startswith(("lr_mid/", "lr_high/")) for k in run.data.metrics), run.data.metrics
-    assert [u for u, _ in history("train_loss")] == list(range(1, 33))
+    assert [u for u, _ in history("train_loss")] == list(range(1, 17))
     assert {v for _, v in history("lr")} == {LR_HIGH}
     assert run.data.tags["lr_used"] == "1.000e-03" and run.data.tags["halving.kept"] == "lr_high"
-    assert run.data.tags["halving.lr_mid.lr"] == "1.000e-04" and run.data.metrics["updates_trained"] == 48
+    assert run.data.tags["halving.lr_mid.lr"] == "1.000e-04" and run.data.metrics["updates_trained"] == 24
     # One "lr" param, the LR the run trained the delivered model at; not the config's training.lr, which the
     # pipeline does not read.
     assert float(run.data.params["lr"]) == LR_HIGH and "training.lr" not in run.data.params
@@ -190,8 +190,8 @@ def test_mlflow_holds_each_candidate_in_a_child_run_and_the_kept_curve_whole_in_
         return sorted(int(n.split("+step+")[1].split("+")[0]) for n in names
                       if n.startswith(f"{key}+step+") and n.endswith(".png"))
 
-    assert steps(run.info.run_id) == [0, 8, 16, 24, 32]
-    assert steps(mid.info.run_id) == steps(high.info.run_id) == [0, 8, 16]
+    assert steps(run.info.run_id) == [0, 8, 16]
+    assert steps(mid.info.run_id) == steps(high.info.run_id) == [0, 8]
 
 
 def test_the_report_and_decision_say_which_lr_was_kept_and_why(halved):
@@ -242,7 +242,7 @@ def test_a_step_killed_in_the_race_and_after_it_ends_as_one_never_killed(halved,
 
     def past_the_pause() -> bool:
         done = checkpoints.list_checkpoints(work / "checkpoints") if (work / "checkpoints").is_dir() else []
-        return any((checkpoints.checkpoint_update(c) or 0) > 16 for c in done)
+        return any((checkpoints.checkpoint_update(c) or 0) > 8 for c in done)
 
     kill_when(past_the_pause)
     assert json.loads((work / HALVING_DIR / DECISION).read_text())["moved"] is True

@@ -70,11 +70,11 @@ def test_an_outage_is_handled_alike_with_one_process_and_two(tmp_path, split_dir
         cfg = RangefinderConfig.model_validate({
             "training": {"processes_per_node": n},
             "tracking": {"tracking_uri": uri, "experiment_name": f"outage-{n}", "server_wait_seconds": 2}})
-        # 16 images at a global batch of 4 (4 per process alone, 2 each on two): 8 updates, a validation and a
-        # sample grid every 4.
-        tc = TrainingConfig(batch_size=4 // n, world_size=n, lr=1e-4, seed=7, steps=8,
+        # 16 images at a global batch of 4 (4 per process alone, 2 each on two): 4 updates, a validation and a
+        # sample grid every 2.
+        tc = TrainingConfig(batch_size=4 // n, world_size=n, lr=1e-4, seed=7, steps=4,
                             cache_dir=str(tmp_path / "cache"))
-        return cfg, TrainSpec(tc, ValidationConfig(every_updates=4), split_dir=split_dir, model=str(tiny_model_dir),
+        return cfg, TrainSpec(tc, ValidationConfig(every_updates=2), split_dir=split_dir, model=str(tiny_model_dir),
                               sampling=SamplingConfig(num_inference_steps=2, every_validations=1))
 
     def said() -> list[str]:
@@ -130,7 +130,7 @@ def test_an_outage_is_handled_alike_with_one_process_and_two(tmp_path, split_dir
             assert not replay(outcome[n]["spool"], client).left  # what `rangefinder relog` does
         whole = {n: _in_mlflow(client, outcome[n]["run_id"]) for n in (1, 2)}
         assert whole[1] == whole[2]
-        assert whole[1]["metrics"]["train_loss"] == list(range(1, 9)) and whole[1]["images"] == [0, 4, 8]
+        assert whole[1]["metrics"]["train_loss"] == list(range(1, 5)) and whole[1]["images"] == [0, 2, 4]
         assert whole[1]["status"] == "FINISHED" and whole[1]["status_tag"] == "ok"
         assert whole[1]["curves"] == ["curves/metrics.csv"]
     finally:

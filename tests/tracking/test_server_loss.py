@@ -67,8 +67,9 @@ def test_server_killed_mid_training_then_relogged(tmp_path, split_dir, tiny_mode
     try:
         cfg = RangefinderConfig.model_validate({"tracking": {"tracking_uri": uri, "experiment_name": "server-loss",
                                                              "server_wait_seconds": WAIT_S}})
-        tc = TrainingConfig(batch_size=4, lr=1e-4, seed=7, steps=8, cache_dir=str(tmp_path / "cache"))
-        vc = ValidationConfig(every_updates=4)
+        # 4 updates, validated every 2: the server dies before update 3, with a validation still to log after it.
+        tc = TrainingConfig(batch_size=4, lr=1e-4, seed=7, steps=4, cache_dir=str(tmp_path / "cache"))
+        vc = ValidationConfig(every_updates=2)
 
         def step(name: str, sink_of) -> tuple[str, float, Path]:
             from rangefinder.training.loop import train
@@ -128,7 +129,7 @@ def test_server_killed_mid_training_then_relogged(tmp_path, split_dir, tiny_mode
         lost_run = client.get_run(run_id)
         # Every metric at every update, as the healthy run has them: nothing was lost.
         assert recorded(run_id) == recorded(healthy_id)
-        assert recorded(run_id)["train_loss"] == list(range(1, 9))
+        assert recorded(run_id)["train_loss"] == list(range(1, 5))
         assert lost_run.info.status == "FINISHED"
         assert lost_run.data.tags["status"] == "ok" and "best_val_loss" in lost_run.data.metrics
         assert [a.path for a in client.list_artifacts(run_id, "curves")] == ["curves/metrics.csv"]

@@ -46,8 +46,6 @@ def spool_files(paths: list[str]) -> list[Path]:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from mlflow import MlflowClient
-
     from rangefinder.errors import TrackingError
     from rangefinder.tracking.redaction import safe_uri
     from rangefinder.tracking.spool import describe, read_spool, replay
@@ -66,6 +64,10 @@ def run(args: argparse.Namespace) -> dict:
         header = read_spool(path).header
         uri = args.tracking_uri or env_tracking_uri() or header["tracking_uri"]
         ensure_tracking_server(uri)
+        # mlflow only now, once there is a spool to send (importing it costs seconds): a spool that cannot be read or
+        # a URI holding credentials is refused at once.
+        from mlflow import MlflowClient
+
         result = replay(path, MlflowClient(tracking_uri=uri))
         line = f"{path}: {describe(result.sent)} to run {header['run_id']} at {safe_uri(uri)}"
         if result.torn:
