@@ -2,8 +2,9 @@
 traceback, and nothing written or built before the check.
 
 Every test runs the `rangefinder` command in a process of its own at least once (its exit status, and that nothing
-else reaches stderr: import-time warnings, a traceback); a parametrized test's further cases call the same entry
-point, `rangefinder.cli.main.main`, in this process (`in_process`), which saves a Python start and its imports each.
+else reaches stderr: import-time warnings, a traceback); a parametrized test's further cases, and a test's later
+calls of the same command, call the same entry point, `rangefinder.cli.main.main`, in this process (`in_process`),
+which saves a Python start and its imports each.
 """
 
 from __future__ import annotations
@@ -234,7 +235,7 @@ def test_an_output_folder_under_a_file_and_an_output_file_that_is_a_folder(tmp_p
     curve.write_text("update,lr,val_loss\n0,0,0.2\n1,1e-6,0.19\n2,1e-5,0.15\n3,1e-4,0.1\n4,1e-3,0.3\n")
     assert_one_line_error(rangefinder("analyze-lr", str(curve), "--plot", str(tmp_path)), "is a folder")
     (tmp_path / "binary.csv").write_bytes(bytes(range(128, 256)))
-    assert_one_line_error(rangefinder("analyze-lr", str(tmp_path / "binary.csv")), "is not a CSV text file")
+    assert_one_line_error(in_process("analyze-lr", str(tmp_path / "binary.csv")), "is not a CSV text file")
 
 
 def test_the_cache_folder_on_a_file_is_one_line(tmp_path, split_dir, tiny_model_dir):
@@ -251,7 +252,7 @@ def test_a_cut_or_foreign_column_in_sample_is_one_line(tmp_path, tiny_model_dir,
     assert_one_line_error(rangefinder("sample", "--model", str(tiny_model_dir), "--checkpoints",
                                       str(tmp_path / "cut.safetensors"), "--out", str(out), "--steps", "1"),
                           "cut.safetensors", "damaged")
-    assert_one_line_error(rangefinder("sample", "--model", str(tiny_sdxl_dir), "--checkpoints", str(tiny_model_dir),
+    assert_one_line_error(in_process("sample", "--model", str(tiny_sdxl_dir), "--checkpoints", str(tiny_model_dir),
                                       "--out", str(out), "--steps", "1"),
                           "is a Stable Diffusion 1.x/2.x model", "is Stable Diffusion XL")
     assert not out.exists()
@@ -286,7 +287,7 @@ def test_split_reads_the_resolution_a_made_dataset_has_and_names_the_fix_for_sma
     for i in range(4):
         Image.new("RGB", (40, 40), (60 * i, 90, 120)).save(tmp_path / "own" / f"{i}.png")
         (tmp_path / "own" / f"{i}.txt").write_text(f"a teal tile {i}")
-    assert_one_line_error(rangefinder("split", str(tmp_path / "own"), "--out", str(tmp_path / "split2")),
+    assert_one_line_error(in_process("split", str(tmp_path / "own"), "--out", str(tmp_path / "split2")),
                           "4 are too small", "--resolution", "--min-image-size")
 
 
