@@ -39,10 +39,9 @@ def discovered(split_dir, tiny_model_dir, tmp_path_factory):
             tracking={"tracking_uri": f"sqlite:///{work / 'mlflow.db'}", "experiment_name": f"by-method-{method}",
                       "registered_model_name": f"rf-{method}"},
             # Unset ends: the method's default sweep (config.DEFAULT_LR_RANGE).
-            lr_range_test={"lr_min": None, "lr_max": None, "epochs": 3, "zoom": False},
+            lr_range_test={"lr_min": None, "lr_max": None, "epochs": 6, "zoom": False},
             finetune={"epochs": 3},
-            # Samples during training still render (the step's own path), one prompt at one step: none is read here.
-            sampling={"prompts": ["a red circle"], "num_inference_steps": 1},
+            sampling={"num_inference_steps": 2},
         )
         rt = run_lr_range_test(cfg, split_dir=split_dir, out_dir=work / method / "range-test")
         ft = run_finetune(cfg, split_dir=split_dir, lr_low=rt.lr_low, lr_high=rt.lr_high, lr_mid=rt.lr_mid,
