@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from bench.common import default_out, machine_info, quiet_libraries, smoke_out, table, torch_threads, write_json
+from bench.discovery_quality import SMOKE_SAMPLING
 
 NAME = "samples_cost"
 # The demo's LR bounds as README.md prints them (a fixed LR keeps both arms on the same run).
@@ -68,7 +69,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--whole-demo", action="store_true", help="also time the whole demo pipeline per arm and round")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's choice)")
-    p.add_argument("--smoke", action="store_true", help="1 round of a 2-epoch fine-tune (CI)")
+    p.add_argument("--smoke", action="store_true", help="1 round of a 2-epoch fine-tune, samples of one prompt at one "
+                   "denoising step (CI)")
     p.add_argument("--out", type=Path, help="JSON output (default bench/results/<name>.json; with --smoke a "
                    "temporary file, so a smoke run never replaces a real result)")
     p.add_argument("--work-dir", type=Path)
@@ -97,7 +99,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                                training={"cache_dir": str(work / "cache")},
                                tracking={"tracking_uri": f"sqlite:///{work / 'mlflow.db'}",
                                          "registered_model_name": None},
-                               finetune={"epochs": 2} if args.smoke else {})
+                               finetune={"epochs": 2} if args.smoke else {},
+                               sampling=SMOKE_SAMPLING if args.smoke else {})
             split_dir = work / "split"
             split_dataset(data, split_dir, val_split=base.split.val_split,
                           stabilize_split=base.split.stabilize_split, seed=base.split.seed)

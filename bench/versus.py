@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from bench.common import default_out, machine_info, quiet_libraries, smoke_out, table, torch_threads, write_json
-from bench.discovery_quality import curve_stats, discover, gap_pct, set_up_case, train_fixed_lr
+from bench.discovery_quality import SMOKE_SAMPLING, curve_stats, discover, gap_pct, set_up_case, train_fixed_lr
 
 NAME = "versus"
 DEFAULT_METHODS = "full,lora,textual_inversion"
@@ -124,6 +124,7 @@ def case_overrides(method: str, args) -> dict[str, dict[str, Any]]:
         overrides["lr_range_test"] = {"lr_min": None, "lr_max": None}
     if args.smoke:
         overrides.setdefault("lr_range_test", {}).update(epochs=3, validate_every_updates=1)
+        overrides["sampling"] = SMOKE_SAMPLING
     return overrides
 
 

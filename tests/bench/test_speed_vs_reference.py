@@ -74,6 +74,11 @@ def test_speed_vs_reference_smoke(tmp_path, tiny_model_dir):
     assert s["ratio_predicted_by_flops"] == pytest.approx(1 + encoders / flops)
     assert s["engine_tflops"] == pytest.approx(flops * engine["updates_per_second"] / 1e12)
     assert s["engine_mfu"] is None and s["reference_mfu"] is None  # no peak to compare with on the CPU run
+    # The engine-only section: one method in the smoke (lora, its frozen UNet counted without weight gradients).
+    (row,) = saved["methods"]
+    assert (row["setting"], row["updates"], row["rounds"], row["batch_size"]) == ("lora-eager", 2, 1, 4)
+    assert row["images_per_second"] == pytest.approx(4 * row["updates_per_second"]) and row["mfu"] is None
+    assert 0 < row["flops_per_update"] < flops
 
 
 def test_flops_grow_with_the_batch(tiny_model_dir):

@@ -1,11 +1,20 @@
 """Bad input through the real CLI (issue 16): one line on stderr naming the problem and the fix, exit status 2, no
-traceback, and nothing written or built before the check."""
+traceback, and nothing written or built before the check.
+
+Every test runs the `rangefinder` command in a process of its own at least once (its exit status, and that nothing
+else reaches stderr: import-time warnings, a traceback); a parametrized test's further cases, and a test's later
+calls of the same command, call the same entry point, `rangefinder.cli.main.main`, in this process (`in_process`),
+which saves a Python start and its imports each.
+"""
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
+import warnings
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import pytest
@@ -20,6 +29,33 @@ def rangefinder(*args: str, env: dict | None = None, timeout: float = 120) -> su
                           timeout=timeout, env=full_env)
 
 
+def in_process(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`rangefinder(*args)` through the console script's own entry point in this process: its exit status (the
+    parser's SystemExit included) and what it printed, Python's warnings included as a fresh process shows them."""
+    from rangefinder.cli.main import main
+
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update({k: v for k, v in saved.items() if not k.startswith("MLFLOW_")} | (env or {}))
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with warnings.catch_warnings(record=True) as caught, redirect_stdout(out), redirect_stderr(err):
+            # Python's default filters (pytest's would hide what a user sees), every occurrence recorded.
+            warnings.resetwarnings()
+            warnings.simplefilter("always")
+            for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+                warnings.filterwarnings("ignore", category=category)
+            try:
+                code = main(list(args))
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    shown = "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno, w.line) for w in caught)
+    return subprocess.CompletedProcess(["rangefinder", *args], code, out.getvalue(), err.getvalue() + shown)
+
+
 def assert_one_line_error(proc: subprocess.CompletedProcess, *words: str) -> str:
     assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
     assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr
@@ -32,7 +68,8 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, *words: str) -> str
 
 @pytest.mark.parametrize("lr", ["-1", "nan", "inf", "0"])
 def test_plan_refuses_a_non_finite_or_non_positive_lr(lr):
-    assert_one_line_error(rangefinder("plan", "--images", "10", "--epochs", "1", "--lr", lr),
+    run = rangefinder if lr == "-1" else in_process
+    assert_one_line_error(run("plan", "--images", "10", "--epochs", "1", "--lr", lr),
                           "lr must be a finite number above 0")
 
 
@@ -45,7 +82,8 @@ def test_plan_takes_a_large_lr():
 @pytest.mark.parametrize("lr", ["-1", "nan", "inf"])
 def test_demo_refuses_a_bad_lr_before_building_anything(lr, tmp_path):
     out = tmp_path / "demo"
-    line = assert_one_line_error(rangefinder("demo", "--lr", lr, "--out", str(out)), "lr:")
+    run = rangefinder if lr == "-1" else in_process
+    line = assert_one_line_error(run("demo", "--lr", lr, "--out", str(out)), "lr:")
     assert "rangefinder demo: error:" in line
     assert not (out / "dataset").exists() and not (out / "cache").exists()  # no dataset, no model build
 
@@ -86,7 +124,8 @@ def test_compile_refuses_a_bad_config_and_writes_nothing(yaml_text, words, tmp_p
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(yaml_text)
     out = tmp_path / "pipeline.yaml"
-    line = assert_one_line_error(rangefinder("compile", "--config", str(cfg), "--out", str(out)), *words)
+    run = rangefinder if yaml_text == "training:\n  lr: .inf\n" else in_process
+    line = assert_one_line_error(run("compile", "--config", str(cfg), "--out", str(out)), *words)
     assert "hunter2" not in line and "rf-user" not in line
     assert list(tmp_path.iterdir()) == [cfg]  # no package, not even a temporary one
 
@@ -161,7 +200,8 @@ def test_compile_names_each_pair_of_settings_that_cancel_each_other(tmp_path):
 def test_an_empty_path_argument_is_refused(args, flag, tmp_path):
     # Issue 36, class 4: an empty path (an unset shell variable) is the working folder to pathlib.
     args = [str(tmp_path) if a == "DATA" else a for a in args]
-    assert_one_line_error(rangefinder(*args), flag)
+    run = rangefinder if args[0] == "split" else in_process
+    assert_one_line_error(run(*args), flag)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -182,7 +222,8 @@ def test_an_argument_out_of_its_bounds_is_one_line(args, words, tmp_path):
                                                          for i in range(12)))
     args = [str(tmp_path / "out") if a == "OUT" else str(tmp_path / "m") if a == "M" else
             str(curve) if a == "CURVE" else a for a in args]
-    assert_one_line_error(rangefinder(*args), *words)
+    run = rangefinder if args[0] == "make-dataset" else in_process
+    assert_one_line_error(run(*args), *words)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.csv"]
 
 
@@ -194,7 +235,7 @@ def test_an_output_folder_under_a_file_and_an_output_file_that_is_a_folder(tmp_p
     curve.write_text("update,lr,val_loss\n0,0,0.2\n1,1e-6,0.19\n2,1e-5,0.15\n3,1e-4,0.1\n4,1e-3,0.3\n")
     assert_one_line_error(rangefinder("analyze-lr", str(curve), "--plot", str(tmp_path)), "is a folder")
     (tmp_path / "binary.csv").write_bytes(bytes(range(128, 256)))
-    assert_one_line_error(rangefinder("analyze-lr", str(tmp_path / "binary.csv")), "is not a CSV text file")
+    assert_one_line_error(in_process("analyze-lr", str(tmp_path / "binary.csv")), "is not a CSV text file")
 
 
 def test_the_cache_folder_on_a_file_is_one_line(tmp_path, split_dir, tiny_model_dir):
@@ -211,7 +252,7 @@ def test_a_cut_or_foreign_column_in_sample_is_one_line(tmp_path, tiny_model_dir,
     assert_one_line_error(rangefinder("sample", "--model", str(tiny_model_dir), "--checkpoints",
                                       str(tmp_path / "cut.safetensors"), "--out", str(out), "--steps", "1"),
                           "cut.safetensors", "damaged")
-    assert_one_line_error(rangefinder("sample", "--model", str(tiny_sdxl_dir), "--checkpoints", str(tiny_model_dir),
+    assert_one_line_error(in_process("sample", "--model", str(tiny_sdxl_dir), "--checkpoints", str(tiny_model_dir),
                                       "--out", str(out), "--steps", "1"),
                           "is a Stable Diffusion 1.x/2.x model", "is Stable Diffusion XL")
     assert not out.exists()
@@ -224,7 +265,8 @@ def test_a_cut_or_foreign_column_in_sample_is_one_line(tmp_path, tiny_model_dir,
 def test_relog_of_a_spool_with_a_damaged_header_is_one_line(header, tmp_path):
     spool = tmp_path / "step.jsonl"
     spool.write_text(header + '\n{"kind": "tags", "run_id": "abc", "tags": {"a": "b"}}\n')
-    assert_one_line_error(rangefinder("relog", str(spool)), "damaged header line")
+    run = rangefinder if "42" in header else in_process
+    assert_one_line_error(run("relog", str(spool)), "damaged header line")
     assert spool.is_file()
 
 
@@ -245,7 +287,7 @@ def test_split_reads_the_resolution_a_made_dataset_has_and_names_the_fix_for_sma
     for i in range(4):
         Image.new("RGB", (40, 40), (60 * i, 90, 120)).save(tmp_path / "own" / f"{i}.png")
         (tmp_path / "own" / f"{i}.txt").write_text(f"a teal tile {i}")
-    assert_one_line_error(rangefinder("split", str(tmp_path / "own"), "--out", str(tmp_path / "split2")),
+    assert_one_line_error(in_process("split", str(tmp_path / "own"), "--out", str(tmp_path / "split2")),
                           "4 are too small", "--resolution", "--min-image-size")
 
 
