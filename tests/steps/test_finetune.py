@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 from rangefinder.config import RangefinderConfig, TrainingConfig, demo_config, parse_config
 from rangefinder.data.split import read_split
 from rangefinder.errors import ConfigError
-from rangefinder.steps.finetune import keep_chosen_checkpoint
+from rangefinder.steps.finetune import keep_chosen_checkpoint, recommended_length
 from rangefinder.training.spec import TrainSpec
 
 
@@ -190,6 +191,18 @@ def test_with_no_window_the_run_s_lowest_validation_loss_checkpoint_is_delivered
     kept = [p.name for p in checkpoints.list_checkpoints(run_dir / "checkpoints")]
     assert kept == [checkpoints.checkpoint_name(best)] and checkpoints.read_chosen(run_dir) == info
     assert (run_dir / checkpoints.CHOSEN_DIR / "model_index.json").is_file()
+    # What a full-data retrain then trains: up to the delivered checkpoint (its epoch rounded up), not the configured
+    # budget, which the run trained through and measured no better (the old code kept the configured 10 epochs).
+    assert recommended_length(window, info, 10, updates[-1]) == (max(1, math.ceil(info["epoch"] - 1e-9)), best)
+
+
+def test_the_recommended_length_is_the_window_s_centre_else_the_configured_budget():
+    window = SimpleNamespace(recommended_epochs=3, recommended_updates=12)
+    assert recommended_length(window, {"rule": "window_lowest", "update": 16, "epoch": 4.0}, 10, 40) == (3, 12)
+    none = SimpleNamespace(recommended_epochs=None, recommended_updates=None)
+    assert recommended_length(none, None, 10, 40) == (10, 40)  # no validated checkpoint: the configured budget
+    assert recommended_length(none, {"rule": "run_lowest", "update": 6, "epoch": 1.5}, 10, 40) == (2, 6)
+    assert recommended_length(none, {"rule": "run_lowest", "update": 8, "epoch": 2.0}, 10, 40) == (2, 8)
 
 
 @pytest.mark.slow

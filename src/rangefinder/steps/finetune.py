@@ -31,7 +31,7 @@ from rangefinder.launch.processes import batch_note, run_training, step_world_si
 from rangefinder.steps.workdir import publish, work_dir
 
 if TYPE_CHECKING:
-    from rangefinder.analysis import SampleStrip
+    from rangefinder.analysis import SampleStrip, StepWindow
     from rangefinder.analysis.halving import HalvingDecision
 
 
@@ -184,6 +184,19 @@ def sample_delivered(work: Path, chosen: Optional[dict[str, Any]], base_model: P
         sink.log_image(str(folder / files["grid"]), key=SAMPLES_KEY, step=update)
 
 
+def recommended_length(window: StepWindow, chosen: Optional[dict[str, Any]], configured_epochs: int,
+                       trained_updates: int) -> tuple[int, int]:
+    """The length the fine-tune recommends, in epochs and updates (what a full-data retrain trains): the window's
+    centre; with no window (no significant improvement), the delivered checkpoint's epoch rounded up, since the run
+    went on past it and measured no better (in the bench its final weights were worse than the base model); with
+    neither, the configured epochs and the updates trained."""
+    if window.recommended_epochs is not None:
+        return int(window.recommended_epochs), int(window.recommended_updates or trained_updates)
+    if chosen is not None and chosen.get("rule") == "run_lowest" and chosen.get("epoch") is not None:
+        return max(1, math.ceil(float(chosen["epoch"]) - 1e-9)), int(chosen["update"])
+    return int(configured_epochs), int(trained_updates)
+
+
 def run_finetune(
     cfg: RangefinderConfig,
     *,
@@ -253,9 +266,7 @@ def run_finetune(
                                        plan_warnings=spec.plan.warnings if spec.plan is not None else (),
                                        validation_weighting=result.validation_weighting(), delivered=delivered)
             copy_report(report, report_html, report_md)
-            # No window (no improvement at all): keep the configured budget and say so in the report.
-            rec_epochs = int(window.recommended_epochs or tc.epochs or 1)
-            rec_updates = int(window.recommended_updates or result.updates)
+            rec_epochs, rec_updates = recommended_length(window, chosen, tc.epochs or 1, result.updates)
             improving = window.status == "still_improving"
             decision = window.to_dict()
             note = f"{step_headline(window, race, delivered)} Trained at lr {lr:.3g} (lr source: {lr_source})."
