@@ -4,8 +4,7 @@ Which weights: with the full-data retrain, its final weights; without, the fine-
 checkpoint with the lowest validation loss inside the step window (with no window, of the whole run:
 rangefinder.steps.finetune), not its final weights, which the run took deliberately past the window. The version's
 tags record the update, epoch and validation loss it was taken at and the rule that picked it, and its description
-says why. The new version gets the `candidate` alias;
-promotion to `champion` stays a person's decision.
+says why. The new version gets the `candidate` alias; promotion to `champion` stays a person's decision.
 """
 
 from __future__ import annotations
