@@ -71,12 +71,13 @@ def test_the_range_test_ramp_runs_over_buckets_with_samples(family, split_report
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["sd3"])
 def test_two_processes_take_the_planned_updates_on_a_flow_family(family, split_dir, request, tmp_path):
-    """torchrun, gloo on CPU: the stream split between two ranks, the planner's update count, validation sharded
-    over the fixed (item, sigma) pairs. On SD3 only (40 s): what two processes share is the family's flow
-    validation and the engine's stream, which Flux shares with it; Flux differs in its conditioning, which the
-    single-process runs cover."""
+    """torchrun, gloo on CPU: the stream split between two ranks, the planner's update count with a partial last
+    micro-batch, validation sharded over the fixed (item, sigma) pairs, each rank's RNG in the checkpoint. On SD3
+    only (40 s): what two processes share is the family's flow validation and the engine's stream, which Flux and
+    SD share with it; Flux differs in its conditioning, which the single-process runs cover. (The engine's own
+    two-process run on SD, through the steps' launcher: tests/steps/test_processes.py.)"""
     model = request.getfixturevalue(FLOW_DIRS[family])
-    training = dict(method="lora", batch_size=2, grad_accum=2, epochs=1, world_size=2, checkpoint_every_updates=100,
+    training = dict(method="lora", batch_size=3, grad_accum=2, epochs=1, world_size=2, checkpoint_every_updates=100,
                     cache_dir=str(tmp_path / "cache"))
     out = tmp_path / "out"
     settings = tmp_path / "settings.json"
@@ -89,8 +90,13 @@ def test_two_processes_take_the_planned_updates_on_a_flow_family(family, split_d
     assert proc.returncode == 0, proc.stderr[-3000:]
     from rangefinder.data.split import read_split
 
+    # 16 images in chunks of 3 x 2 processes: 3 micro-batch steps, the last one partial (4 images), 2 updates.
     expected = plan_for(TrainingConfig(**training), len(read_split(split_dir).train))
-    assert len(rows(out / "updates.csv")) == expected.total_updates == 2
+    updates = rows(out / "updates.csv")
+    assert len(updates) == expected.total_updates == 2
+    assert float(updates[-1]["epoch"]) == 1.0
+    checkpoint = out / "checkpoints" / "checkpoint-000002"
+    assert (checkpoint / "rng-0.pt").is_file() and (checkpoint / "rng-1.pt").is_file()
     summary = json.loads((out / "run_summary.json").read_text())
     assert summary["status"] == "ok" and summary["family"] == family
     assert summary["validation_pairs_by_rank"][1] > 0  # both ranks scored part of the fixed (item, sigma) pairs
