@@ -1,16 +1,13 @@
 """The engine's shared features on the flow families (issue 33, item 7), each in one short run of the tiny SD3 and
-Flux: the range test's LR ramp over aspect-ratio buckets with samples during training, two processes (gloo), and
-a bucket off the family's patch grid refused in one line. (Training, validation, resume and the outputs are
-tests/training/test_sd3.py and tests/methods/test_flux_engine.py; the range test's reading, its zoom, halving and
-the step window read only metrics.csv's val_loss, which a flow family writes as every family does.)"""
+Flux: the range test's LR ramp over aspect-ratio buckets with samples during training, and a bucket off the family's
+patch grid refused in one line. (Two processes on SD3: tests/cli/test_train.py's processes_per_node run; training,
+validation, resume and the outputs are tests/training/test_sd3.py and tests/methods/test_flux_engine.py; the range
+test's reading, its zoom, halving and the step window read only metrics.csv's val_loss, which a flow family writes
+as every family does.)"""
 
 from __future__ import annotations
 
 import csv
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -66,40 +63,6 @@ def test_the_range_test_ramp_runs_over_buckets_with_samples(family, split_report
             assert cell.size == (32, 32)
             cells.append(cell.tobytes())
     assert cells[0] != cells[-1]  # the ramp moved the weights, and the samples show it
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("family", ["sd3"])
-def test_two_processes_take_the_planned_updates_on_a_flow_family(family, split_dir, request, tmp_path):
-    """torchrun, gloo on CPU: the stream split between two ranks, the planner's update count with a partial last
-    micro-batch, validation sharded over the fixed (item, sigma) pairs, each rank's RNG in the checkpoint. On SD3
-    only (40 s): what two processes share is the family's flow validation and the engine's stream, which Flux and
-    SD share with it; Flux differs in its conditioning, which the single-process runs cover. (The engine's own
-    two-process run on SD, through the steps' launcher: tests/steps/test_processes.py.)"""
-    model = request.getfixturevalue(FLOW_DIRS[family])
-    training = dict(method="lora", batch_size=3, grad_accum=2, epochs=1, world_size=2, checkpoint_every_updates=100,
-                    cache_dir=str(tmp_path / "cache"))
-    out = tmp_path / "out"
-    settings = tmp_path / "settings.json"
-    settings.write_text(json.dumps(dict(split_dir=str(split_dir), model=str(model), out_dir=str(out),
-                                        training=training, validation=dict(every_updates=1, timesteps=2))))
-    child = Path(__file__).with_name("engine_child.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(child),
-           str(settings)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    from rangefinder.data.split import read_split
-
-    # 16 images in chunks of 3 x 2 processes: 3 micro-batch steps, the last one partial (4 images), 2 updates.
-    expected = plan_for(TrainingConfig(**training), len(read_split(split_dir).train))
-    updates = rows(out / "updates.csv")
-    assert len(updates) == expected.total_updates == 2
-    assert float(updates[-1]["epoch"]) == 1.0
-    checkpoint = out / "checkpoints" / "checkpoint-000002"
-    assert (checkpoint / "rng-0.pt").is_file() and (checkpoint / "rng-1.pt").is_file()
-    summary = json.loads((out / "run_summary.json").read_text())
-    assert summary["status"] == "ok" and summary["family"] == family
-    assert summary["validation_pairs_by_rank"][1] > 0  # both ranks scored part of the fixed (item, sigma) pairs
 
 
 @pytest.mark.parametrize("family", FLOW_DIRS)
