@@ -1,10 +1,11 @@
 """Bad input through the real CLI (issue 16): one line on stderr naming the problem and the fix, exit status 2, no
 traceback, and nothing written or built before the check.
 
-Every test runs the `rangefinder` command in a process of its own at least once (its exit status, and that nothing
-else reaches stderr: import-time warnings, a traceback); a parametrized test's further cases, and a test's later
-calls of the same command, call the same entry point, `rangefinder.cli.main.main`, in this process (`in_process`),
-which saves a Python start and its imports each.
+Every command tested here runs as `rangefinder` in a process of its own at least once (its exit status, and that
+nothing else reaches stderr: import-time warnings, a traceback): plan, demo, compile (a refused config and one that
+compiles with warnings), run --local, train (to the model's loading: torch and diffusers imported), split,
+analyze-lr, make-dataset, sample, relog, make-base-model. Every other call goes to the same entry point,
+`rangefinder.cli.main.main`, in this process (`in_process`), which saves a Python start and its imports each.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def test_plan_refuses_a_non_finite_or_non_positive_lr(lr):
 
 
 def test_plan_takes_a_large_lr():
-    proc = rangefinder("plan", "--images", "10", "--epochs", "1", "--lr", "10", "--json")
+    proc = in_process("plan", "--images", "10", "--epochs", "1", "--lr", "10", "--json")
     assert proc.returncode == 0, proc.stderr
     assert '"lr": 10.0' in proc.stdout
 
@@ -137,7 +138,7 @@ def test_compile_refuses_a_config_file_over_1_mib(tmp_path):
         line = "    - " + "a red circle on a blue background " * 30 + "\n"
         f.write(line * (50_000_000 // len(line)))
     out = tmp_path / "pipeline.yaml"
-    assert_one_line_error(rangefinder("compile", "--config", str(cfg), "--out", str(out)),
+    assert_one_line_error(in_process("compile", "--config", str(cfg), "--out", str(out)),
                           str(cfg), "larger than 1024 KiB")
     assert not out.exists()
 
@@ -146,7 +147,7 @@ def test_the_largest_seeds_compile(tmp_path):
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text("training:\n  seed: 4294967295\nsplit:\n  seed: 0\nsampling:\n  seeds: [4294967295]\n")
     out = tmp_path / "pipeline.yaml"
-    proc = rangefinder("compile", "--config", str(cfg), "--out", str(out))
+    proc = in_process("compile", "--config", str(cfg), "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     assert out.stat().st_size > 1000
 
@@ -167,14 +168,14 @@ def test_run_local_refuses_credentials_in_mlflow_tracking_uri_before_running(tmp
 def test_train_reads_its_config_with_the_same_checks(tmp_path, split_dir):
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text("training:\n  epochs: 1\n  epochs: 2\n")
-    assert_one_line_error(rangefinder("train", "--data", str(split_dir), "--out", str(tmp_path / "run"),
-                                      "--config", str(cfg)), "'epochs'", "lines 2 and 3")
+    assert_one_line_error(in_process("train", "--data", str(split_dir), "--out", str(tmp_path / "run"),
+                                     "--config", str(cfg)), "'epochs'", "lines 2 and 3")
     assert not (tmp_path / "run").exists()
 
 
 def test_a_bad_seed_flag_is_one_line(tmp_path, split_dir):
-    assert_one_line_error(rangefinder("train", "--data", str(split_dir), "--out", str(tmp_path / "run"),
-                                      "--epochs", "1", "--seed", "-3"), "training.seed")
+    assert_one_line_error(in_process("train", "--data", str(split_dir), "--out", str(tmp_path / "run"),
+                                     "--epochs", "1", "--seed", "-3"), "training.seed")
     assert not Path(tmp_path / "run").exists()
 
 
@@ -229,8 +230,8 @@ def test_an_argument_out_of_its_bounds_is_one_line(args, words, tmp_path):
 
 def test_an_output_folder_under_a_file_and_an_output_file_that_is_a_folder(tmp_path, shapes_dataset_dir):
     (tmp_path / "taken").write_text("a file where a folder is asked for")
-    assert_one_line_error(rangefinder("split", str(shapes_dataset_dir), "--out", str(tmp_path / "taken" / "split"),
-                                      "--resolution", "32"), "a folder above it, is a file")
+    assert_one_line_error(in_process("split", str(shapes_dataset_dir), "--out", str(tmp_path / "taken" / "split"),
+                                     "--resolution", "32"), "a folder above it, is a file")
     curve = tmp_path / "c.csv"
     curve.write_text("update,lr,val_loss\n0,0,0.2\n1,1e-6,0.19\n2,1e-5,0.15\n3,1e-4,0.1\n4,1e-3,0.3\n")
     assert_one_line_error(rangefinder("analyze-lr", str(curve), "--plot", str(tmp_path)), "is a folder")
