@@ -74,52 +74,64 @@ def test_bad_settings_exit_2_with_one_line(flags, words, split_dir, tmp_path, ca
 
 
 @pytest.mark.slow
-def test_processes_per_node_trains_on_that_many_processes_as_the_pipeline_does(split_dir, tiny_sd3_dir, tmp_path,
-                                                                               capfd, monkeypatch):
+def test_processes_per_node_trains_on_that_many_processes_as_the_pipeline_does(mixed_aspect_dataset_dir, tiny_sd3_dir,
+                                                                               tmp_path, capfd, monkeypatch):
     """Issue 37: `training.processes_per_node: 2` starts 2 processes (torchrun, gloo on CPU), as the pipeline's
-    training steps do; at the same global batch the curve is one process's (on SD through the steps' launcher:
-    tests/steps/test_processes.py). On the tiny SD3 with LoRA, in chunks that leave the last micro-batch partial: the
-    two-process run also carries the engine's stream split, the planner's count, the flow family's validation
-    sharded over both ranks and each rank's RNG in the checkpoint (once tests/training/test_multiprocess.py and
-    test_flow_features.py's two-process run, each a torchrun launch of its own)."""
+    training steps do; at the same global batch of 4 the curve is one process's (on SD through the steps' launcher:
+    tests/steps/test_processes.py). On the tiny SD3 with LoRA over aspect-ratio buckets (the mixed set at 32 px:
+    24x40, 32x32 and 40x24), the two-process run also carries the bucketed stream's split (chunks of 2 x 2 images,
+    one bucket each; the buckets of 5 and 3 images end their epoch with chunks that leave a rank one image or none),
+    the planner's count from the buckets, and the flow family's validation sharded over both ranks (once
+    tests/training/test_bucketed_training.py's and test_flow_features.py's two-process runs, each a torchrun launch
+    of its own)."""
     from rangefinder.config import TrainingConfig
+    from rangefinder.data.buckets import BucketSettings, place
     from rangefinder.data.split import read_split
     from rangefinder.planning import plan_for
 
+    split_dir = tmp_path / "split"
+    assert main(["split", str(mixed_aspect_dataset_dir), "--out", str(split_dir), "--resolution", "32"]) == 0
+    capfd.readouterr()
+    train_buckets = [place(it.size, BucketSettings(32, 8, 2.0)).bucket for it in read_split(split_dir).train]
+    per_bucket = [train_buckets.count(b) for b in sorted(set(train_buckets))]
+    assert per_bucket == [4, 5, 3]
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    runs = {}
-    for processes, batch in ((1, 6), (2, 3)):
-        training = {"method": "lora", "batch_size": batch, "grad_accum": 2, "epochs": 1,
-                    "checkpoint_every_updates": 100}
+    curves = {}
+    for processes, batch in ((1, 4), (2, 2)):
+        training = {"method": "lora", "batch_size": batch, "epochs": 1}
         config = tmp_path / f"rf-{processes}.yaml"
         config.write_text(yaml.safe_dump({"training": {"cache_dir": str(tmp_path / "cache"), "lr": 2e-4, "seed": 7,
                                                        "processes_per_node": processes, **training},
-                                          "validation": {"timesteps": 2}}))
+                                          "data": {"resolution": 32}}))
         out = tmp_path / f"out-{processes}"
         rc = main(["train", "--data", str(split_dir), "--model", str(tiny_sd3_dir), "--out", str(out),
-                   "--config", str(config), "--validate-every-updates", "1", "--json"])
+                   "--config", str(config), "--validate-every-updates", "2", "--json"])
         captured = capfd.readouterr()
         assert rc == 0, captured.err[-3000:]
         result = json.loads(captured.out)  # stdout is the result only, whatever the processes print
-        # 16 images in chunks of 3 x 2 processes (or 6 x 1): 3 micro-batch steps, the last one partial (4 images),
-        # 2 updates.
-        expected = plan_for(TrainingConfig(**training, world_size=processes), len(read_split(split_dir).train))
-        assert result["status"] == "ok" and result["updates"] == expected.total_updates == 2
+        planned = plan_for(TrainingConfig(**training, world_size=processes), len(train_buckets), per_bucket)
+        # 1 + 2 + 1 chunks of 4 images for buckets of 4, 5 and 3.
+        assert result["status"] == "ok" and result["updates"] == planned.total_updates == 4
         summary = json.loads((out / "run_summary.json").read_text())
-        assert (summary["plan"]["world_size"], summary["plan"]["effective_batch"]) == (processes, 12)
+        assert (summary["plan"]["world_size"], summary["plan"]["effective_batch"]) == (processes, 4)
         assert summary["family"] == "sd3"
         with open(out / "updates.csv", newline="") as f:
-            updates = list(csv.DictReader(f))
-        assert len(updates) == 2 and float(updates[-1]["epoch"]) == 1.0
+            assert len(list(csv.DictReader(f))) == 4
         with open(out / "metrics.csv", newline="") as f:
-            runs[processes] = [float(r["val_loss"]) for r in csv.DictReader(f)]
-    one, two = runs[1], runs[2]
+            curves[processes] = list(csv.DictReader(f))
+    one, two = ([float(r["val_loss"]) for r in curves[p]] for p in (1, 2))
     assert len(one) == len(two) == 3 and one[1:] != one[:-1]  # the curve moves
     assert two == pytest.approx(one, rel=1e-4)
-    # Both ranks scored part of the fixed (item, sigma) pairs; each added its RNG state to the checkpoint.
-    assert summary["validation_pairs_by_rank"][0] > 0 and summary["validation_pairs_by_rank"][1] > 0
-    checkpoint = out / "checkpoints" / "checkpoint-000002"
-    assert (checkpoint / "rng-0.pt").is_file() and (checkpoint / "rng-1.pt").is_file()
+    assert [float(r["epoch"]) for r in curves[2]][::2] == [0.0, 1.0]
+    # The baseline is the base model, each rank scoring half of every bucket's (item, sigma) pairs: one process's
+    # baseline, the same columns, its numbers up to the last bits (the shard edges cut the forward batches).
+    assert curves[2][0].keys() == curves[1][0].keys()
+    for column, value in curves[1][0].items():
+        if value == "":
+            assert curves[2][0][column] == "", column
+        else:
+            assert float(curves[2][0][column]) == pytest.approx(float(value), rel=1e-6), column
+    assert summary["validation_pairs_by_rank"][0] > 0 and summary["validation_pairs_by_rank"][1] > 0  # sharded
 
 
 def test_the_plans_warnings_and_cancelling_settings_are_printed(split_dir, tiny_model_dir, tmp_path, capsys):

@@ -10,6 +10,7 @@ the step's process gets SIGTERM, and the pod that submitted it as its owner.
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import re
@@ -237,8 +238,11 @@ def test_a_two_node_trainjob_trains_and_the_step_reads_its_result(cluster, split
     """The whole path: the step (launch.run_training) copies the split onto the data volume, writes the job file and
     submits the TrainJob; the loopback kubelet runs each node's own command (torchrun -m rangefinder.launch.processes
     JOB, 2 nodes x 1 gloo process, with Trainer's PET_* variables); the step streams node 0's real output and reads
-    rank 0's result from the volume."""
+    rank 0's result from the volume. In chunks of 3 x 2 images with 2 micro-batches an update, so that the last
+    micro-batch of the epoch is partial: the plain stream's split between two ranks and the planner's count (once
+    tests/training/test_multiprocess.py's own torchrun launch)."""
     from rangefinder.data.split import read_split
+    from rangefinder.planning import plan_for
     from rangefinder.training.spec import TrainSpec
     from tests.kube_apiserver import run_nodes_here
 
@@ -246,7 +250,7 @@ def test_a_two_node_trainjob_trains_and_the_step_reads_its_result(cluster, split
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     cluster.on_create = run_nodes_here
     cfg = RangefinderConfig(
-        training={"processes_per_node": 1, "batch_size": 2, "lr": 2e-4, "seed": 7,
+        training={"processes_per_node": 1, "batch_size": 3, "grad_accum": 2, "lr": 2e-4, "seed": 7,
                   "cache_dir": str(tmp_path / "data" / "cache" / "encoded")},
         validation={"every_epochs": 1, "timesteps": 2},
         finetune={"epochs": 1},
@@ -261,8 +265,15 @@ def test_a_two_node_trainjob_trains_and_the_step_reads_its_result(cluster, split
     result = launch.run_training(cfg, TrainSpec(ft.training, cfg.validation, split_dir=split_dir,
                                                 model=str(tiny_model_dir)), out_dir=out_dir, step_name="finetune")
 
-    # Rank 0's result, from the volume: 16 images at global batch 4, one epoch.
-    assert result.status == "ok" and result.updates == result.planned_updates == 4
+    # Rank 0's result, from the volume: 16 images in chunks of 3 x 2 processes, one epoch: 3 micro-batch steps, the
+    # last one partial (4 images), 2 updates.
+    planned = plan_for(ft.training, len(read_split(split_dir).train))
+    assert result.status == "ok" and result.updates == result.planned_updates == planned.total_updates == 2
+    with open(out_dir / "updates.csv", newline="") as f:
+        updates = list(csv.DictReader(f))
+    assert len(updates) == 2 and float(updates[-1]["epoch"]) == 1.0
+    checkpoint = out_dir / "checkpoints" / "checkpoint-000002"
+    assert (checkpoint / "rng-0.pt").is_file() and (checkpoint / "rng-1.pt").is_file()
     assert result.out_dir == out_dir and (out_dir / "final").is_dir() and (out_dir / "metrics.csv").is_file()
     summary = json.loads((out_dir / "run_summary.json").read_text())
     assert summary["validation_pairs_by_rank"][0] == summary["validation_pairs_by_rank"][1] > 0

@@ -1,5 +1,6 @@
 """Aspect-ratio buckets in real runs of the engine: the tiny model on 15 real PNGs of mixed shapes (conftest's
-`mixed_aspect_dataset_dir`) at 32 px, where the buckets are 24x40, 32x32 and 40x24."""
+`mixed_aspect_dataset_dir`) at 32 px, where the buckets are 24x40, 32x32 and 40x24. (Two processes sharing each
+bucket's micro-batches: tests/cli/test_train.py's processes_per_node run, on the tiny SD3.)"""
 
 from __future__ import annotations
 
@@ -269,43 +270,6 @@ def test_without_the_latent_cache_each_micro_batch_is_encoded_at_its_buckets_sha
     # Only the 3 validation and 3 stabilize images are encoded up front; the training images per micro-batch.
     assert result.updates == 4 and result.cache["latents"]["encoded"] == 6
     assert len(watch.train) == 4 and {s[2:] for s in watch.train} <= {(10, 6), (8, 8), (6, 10)}
-
-
-@pytest.mark.slow
-def test_two_processes_share_each_buckets_micro_batches(bucketed_runs, split_report, tiny_model_dir, tmp_path):
-    """torchrun, gloo on CPU: chunks of 2 x 2 images, one bucket each, split between the ranks; the buckets of 5
-    and 3 images end their epoch with chunks that leave a rank one image or none."""
-    import os
-    import subprocess
-    import sys
-
-    training = dict(batch_size=2, epochs=1, world_size=2, lr=1e-4, cache_dir=str(tmp_path / "cache"))
-    out = tmp_path / "out"
-    settings = tmp_path / "settings.json"
-    settings.write_text(json.dumps(dict(split_dir=str(split_report[0]), model=str(tiny_model_dir), out_dir=str(out),
-                                        training=training, validation=dict(every_epochs=1), data=dict(resolution=32))))
-    child = Path(__file__).with_name("engine_child.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(child),
-           str(settings)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-
-    report = split_report[1]
-    planned = plan_for(TrainingConfig(**training), 12, [b["train"] for b in report["buckets"]])
-    assert planned.total_updates == 4  # 1 + 2 + 1 chunks of 4 images for buckets of 4, 5 and 3
-    assert len(rows(out / "updates.csv")) == planned.total_updates
-    curve = rows(out / "metrics.csv")
-    assert [float(r["epoch"]) for r in curve] == [0.0, 1.0]
-    # The baseline is the base model, each rank scoring half of every bucket's (item, k) pairs: the single-process
-    # runs' baseline, the same columns, its numbers up to the last bits (the shard edges cut the forward batches).
-    single = rows(bucketed_runs[2]["first"][0] / "metrics.csv")[0]
-    assert curve[0].keys() == single.keys()
-    for column, value in single.items():
-        if value == "":
-            assert curve[0][column] == "", column
-        else:
-            assert float(curve[0][column]) == pytest.approx(float(value), rel=1e-6), column
-    assert json.loads((out / "run_summary.json").read_text())["validation_pairs_by_rank"][1] > 0  # sharded
 
 
 # ---------------------------------------------------------------------------------------------------------------
