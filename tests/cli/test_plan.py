@@ -1,5 +1,8 @@
-"""`rangefinder plan --json`, run as the installed console script, reproduces the published recipes."""
+"""`rangefinder plan --json` reproduces the published recipes: the installed console script in a process of its own
+(the first recipe and the bad input), the rest through the entry point it calls, in this process."""
 
+import contextlib
+import io
 import json
 import shutil
 import subprocess
@@ -16,15 +19,24 @@ def _script() -> str:
     return found
 
 
-def plan(*args: str) -> dict:
-    proc = subprocess.run([_script(), "plan", "--json", *args], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
+def plan(*args: str, script: bool = False) -> dict:
+    """`rangefinder plan --json ARGS`: the installed console script in a process of its own (`script`), else the
+    entry point it calls, `rangefinder.cli.main.main`, in this process (the same parser and output)."""
+    if script:
+        proc = subprocess.run([_script(), "plan", "--json", *args], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout)
+    from rangefinder.cli.main import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["plan", "--json", *args]) == 0
+    return json.loads(out.getvalue())
 
 
 def test_recipe_26_images_batch_13_accum_2_full_cycle():
     p = plan("--images", "26", "--batch-size", "13", "--grad-accum", "2", "--steps", "3000",
-             "--steps-unit", "micro-batch")
+             "--steps-unit", "micro-batch", script=True)
     assert (p["total_updates"], p["epochs"], p["full_cycle"]) == (1500, 1500, True)
     assert p["effective_batch"] == 26 and p["steps_in_micro_batches"] == 3000 and p["val_images"] == 0
 
