@@ -1,7 +1,8 @@
 """The HTML reports of a whole local run, opened in headless Chromium as a reader opens them (tests/browser.py).
 
 Every page must load without a console error, decode every image, fit a 1280 px wide screen without sideways
-scrolling, and show the numbers the run decided. The run is the one tests/pipelines/conftest.py shares.
+scrolling, and show the numbers the run decided. The run is the unchanged demo's, which tests/pipelines/conftest.py
+shares (`demo_run`).
 """
 
 from __future__ import annotations
@@ -20,11 +21,21 @@ def _fmt(v: float) -> str:
     return f"{v:.4g}"  # as the reports print a float
 
 
-def test_every_report_reads_in_a_browser(default_local_run, tmp_path):
-    s = default_local_run.summary()
+def _experiment(summary: dict) -> str:
+    """The experiment the printed MLflow link opens."""
+    return summary["mlflow_link"].split("/experiments/")[1].split("/")[0]
+
+
+def test_every_report_reads_in_a_browser(demo_run, tmp_path):
+    from mlflow import MlflowClient
+
+    from rangefinder.config import demo_config
+
+    s = demo_run.summary
     pages = sorted(p for p in map(Path, s["reports"]) if p.suffix == ".html")
     names = {p.name for p in pages}
-    assert {"lr-range-test-first.html", "finetune.html", "sample-images-grid.html"} <= names, names
+    assert {"lr-range-test-first.html", "lr-range-test-zoom.html", "finetune.html",
+            "sample-images-grid.html"} <= names, names
     with chromium() as browser:
         checks = {p.name: check_page(browser, p, screenshot=tmp_path / f"{p.stem}.png") for p in pages}
     for name, check in checks.items():
@@ -37,13 +48,23 @@ def test_every_report_reads_in_a_browser(default_local_run, tmp_path):
         assert key in lr and _fmt(s[key]) in lr, key
     ft = checks["finetune.html"].text
     assert "recommended epochs" in ft
-    # The run's recommendation, or (this tiny run's 3 points may show no window) the status that says why not.
+    # The run's recommendation, or (a run whose curve shows no window) the status that says why not.
     assert f"Train for {s['recommended_epochs']} epochs" in ft or "no_improvement" in ft, ft[:300]
-    # Samples over training: the plot, then one image per sampled validation (2 epochs: updates 0, 4 and 8).
-    assert "Samples over training" in ft and len(checks["finetune.html"].images) == 1 + 3, ft[-600:]
+    # Samples over training: the plot, then one image per prompt x seed per sampled validation, the validations
+    # being the updates of the image series the fine-tune logged to MLflow (from the update-0 baseline on).
+    client = MlflowClient(tracking_uri=f"sqlite:///{demo_run.out_dir / 'mlflow.db'}")
+    (ft_run,) = client.search_runs([_experiment(s)], "attributes.run_name = 'finetune'")
+    images = [a.path.rsplit("/", 1)[-1] for a in client.list_artifacts(ft_run.info.run_id, "images")]
+    sampled = {int(n.split("+step+")[1].split("+")[0]) for n in images
+               if n.startswith("samples_during_training+step+") and n.endswith(".png")}
+    cfg = demo_config()
+    cells = len(cfg.sampling.prompts) * len(cfg.sampling.seeds)
+    assert len(sampled) >= 2 and 0 in sampled, sampled
+    assert "Samples over training" in ft and len(checks["finetune.html"].images) == 1 + cells * len(sampled), \
+        (sampled, ft[-600:])
     grid = checks["sample-images-grid.html"]
     assert "a red circle" in grid.text and "base" in grid.text and "fine-tuned (final)" in grid.text
-    assert len(grid.images) >= 2  # one prompt x seed: the base column and at least the final weights
+    assert len(grid.images) >= 2 * cells  # every prompt x seed: the base column and at least the final weights
     # The prompt-following scores (data.prompt_score), one row per column.
     assert "Does it follow the prompts?" in grid.text and "colour\tshape" in grid.text, grid.text[-600:]
 
@@ -88,7 +109,7 @@ def test_a_grid_of_many_columns_scrolls_in_its_box_not_the_page(tmp_path):
     assert check.problems() == [] and len(check.images) == 12
 
 
-def test_mlflow_as_its_users_browse_it(default_local_run, default_local_run_mlflow):
+def test_mlflow_as_its_users_browse_it(demo_run, demo_run_mlflow):
     """Issue 35, item 5: the printed link opens MLflow's model-training runs table (not its GenAI dashboard), the
     halving candidates are child runs of the fine-tune's run, the fine-tune run's page opens on its own val_loss
     chart, and every run and the registered model has a description. Read in headless Chromium from a real
@@ -98,10 +119,10 @@ def test_mlflow_as_its_users_browse_it(default_local_run, default_local_run_mlfl
     from rangefinder.config import demo_config
     from rangefinder.tracking.metrics import curve_metric_name
 
-    s = default_local_run.summary()
-    uri = default_local_run_mlflow  # a real `mlflow server` on <out>/mlflow.db, the run's store
+    s = demo_run.summary
+    uri = demo_run_mlflow  # a real `mlflow server` on <out>/mlflow.db, the run's store
     client = MlflowClient(uri)
-    runs = client.search_runs([s["mlflow_link"].split("/experiments/")[1].split("/")[0]])
+    runs = client.search_runs([_experiment(s)])
     by_step = {r.data.tags.get("rangefinder.step"): r for r in runs}
     parent = next(r for r in runs if "mlflow.parentRunId" not in r.data.tags)
     finetune = by_step["finetune"]
