@@ -47,19 +47,21 @@ def test_a_small_sdxl_run_writes_the_reports_of_the_sd_run(tiny_sdxl_dir, shapes
 
 
 def test_demo_family_sdxl_changes_only_the_base_model(tiny_model_dir, tiny_sdxl_dir, tmp_path, monkeypatch, capsys):
-    """`rangefinder demo --family sdxl` compiles OUT/pipeline.yaml before it runs it; here the run stops at its first
-    step, since the MLflow server named is away (seconds, not the demo's minutes). The SD demo's pipeline, compiled
-    as `demo` compiles it, into the same folder (so every other path is the same), differs only in the model."""
+    """`rangefinder demo --family sdxl` compiles OUT/pipeline.yaml before it runs it; here the run is refused before
+    its first step starts, since the MLflow URI holds credentials (pipelines.local_run: one line, no step process,
+    the secret not printed). The SD demo's pipeline, compiled as `demo` compiles it, into the same folder (so every
+    other path is the same), differs only in the model."""
     from rangefinder.cli.commands.demo import prepare_demo
     from rangefinder.cli.main import main
     from rangefinder.pipelines.pipeline import compile_pipeline
 
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port()}")  # away
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://someone:hunter2@127.0.0.1:{free_port()}")
     out = tmp_path / "demo"
     assert main(["demo", "--family", "sdxl", "--out", str(out)]) == 2
     err = capsys.readouterr().err
-    assert "step resolve-config failed: TrackingError" in err, err[-3000:]
+    assert "MLFLOW_TRACKING_URI" in err and "holds" in err and "hunter2" not in err, err[-3000:]
+    assert not (out / "pipeline-root").exists()  # refused before kfp.local made its root: no step ran
     sdxl = (out / "pipeline.yaml").read_text()
     sd = Path(compile_pipeline(prepare_demo(out), str(tmp_path / "sd.yaml"))).read_text()
     assert str(tiny_model_dir) in sd and str(tiny_sdxl_dir) not in sd
