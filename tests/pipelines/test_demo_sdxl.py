@@ -1,9 +1,9 @@
 """SDXL through the whole pipeline (issue 22), without the whole demo's minutes (issue 32, item 5).
 
 Two proofs replace the run of the unchanged `rangefinder demo --family sdxl`:
-- a small SDXL pipeline run, the shared SD run's config on the tiny SDXL model without its retrain, through kfp.local
-  as the demo runs: it writes the SD run's reports and records the family, read from the model, in every tracked
-  step's MLflow run;
+- a small SDXL pipeline run, the smallest SD pipeline config (tests/pipelines/tiny_run.py) on the tiny SDXL model,
+  through kfp.local as the demo runs: it writes the SD runs' reports and records the family, read from the model, in
+  every tracked step's MLflow run;
 - `rangefinder demo --family sdxl` compiles the pipeline the SD demo compiles, but for the base model: so the demo
   on SDXL is the small run's pipeline with the demo's settings, which tests/pipelines/test_demo_learns.py runs whole.
 """
@@ -32,10 +32,10 @@ def test_a_small_sdxl_run_writes_the_reports_of_the_sd_run(tiny_sdxl_dir, shapes
         s = run_pipeline_locally(tiny_config(shapes_dataset_dir, tiny_sdxl_dir), out).summary()
     assert s["lr_source"] == "range-test" and s["lr_low"] < s["lr_mid"] < s["lr_high"]
     assert s["recommended_epochs"] >= 1 and s["registered_model"] == "models:/rangefinder-sd/1"
-    # The same config as the shared SD run but for the model and the retrain (no report of its own; the grid's
-    # retrained column is within sample-images-grid.html, and the demo does not retrain): the same reports, by name.
-    # DISCOVERY_REPORTS is the set test_local_run.py holds the shared SD run to; reading it from there, not from that
-    # run, keeps this test from building the shared run on an xdist worker that has no other use for it.
+    # The discovery run's reports, by name: DISCOVERY_REPORTS, which the SD demo's run (test_local_run.py) writes too,
+    # with its zoom's two (this config has no zoom; no retrain, whose column would be within sample-images-grid.html).
+    # Reading the set, not that run, keeps this test from building the shared run on an xdist worker that has no
+    # other use for it.
     sdxl = {os.path.basename(p) for p in s["reports"]}
     assert sdxl == DISCOVERY_REPORTS, sdxl
     # The model was SDXL all along: the family came from the model, into every tracked step's MLflow run.

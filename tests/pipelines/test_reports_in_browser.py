@@ -21,12 +21,19 @@ def _fmt(v: float) -> str:
     return f"{v:.4g}"  # as the reports print a float
 
 
+@pytest.fixture(scope="module")
+def browser():
+    """One headless Chromium for this file's pages (each test opens its own pages in it), not one launch per test."""
+    with chromium() as b:
+        yield b
+
+
 def _experiment(summary: dict) -> str:
     """The experiment the printed MLflow link opens."""
     return summary["mlflow_link"].split("/experiments/")[1].split("/")[0]
 
 
-def test_every_report_reads_in_a_browser(demo_run, tmp_path):
+def test_every_report_reads_in_a_browser(demo_run, browser, tmp_path):
     from mlflow import MlflowClient
 
     from rangefinder.config import demo_config
@@ -36,8 +43,7 @@ def test_every_report_reads_in_a_browser(demo_run, tmp_path):
     names = {p.name for p in pages}
     assert {"lr-range-test-first.html", "lr-range-test-zoom.html", "finetune.html",
             "sample-images-grid.html"} <= names, names
-    with chromium() as browser:
-        checks = {p.name: check_page(browser, p, screenshot=tmp_path / f"{p.stem}.png") for p in pages}
+    checks = {p.name: check_page(browser, p, screenshot=tmp_path / f"{p.stem}.png") for p in pages}
     for name, check in checks.items():
         assert check.problems() == [], name
         assert check.images, f"{name} shows no image"
@@ -69,7 +75,7 @@ def test_every_report_reads_in_a_browser(demo_run, tmp_path):
     assert "Does it follow the prompts?" in grid.text and "colour\tshape" in grid.text, grid.text[-600:]
 
 
-def test_the_checks_see_what_a_reader_would(tmp_path):
+def test_the_checks_see_what_a_reader_would(browser, tmp_path):
     """The checker itself: a page with a console error, an undecodable image and a too-wide table is caught, and an
     LR report whose curve path is one long unbroken word (a deep pipeline root) still fits the screen."""
     import numpy as np
@@ -84,9 +90,8 @@ def test_the_checks_see_what_a_reader_would(tmp_path):
     bounds = analyze_lr_curve(lr, noisy(RangeTestShape(rise=0.05).loss(lr), 0.003, 0))
     deep = "/".join(["pipeline_root", "rangefinder_finetune_2026_11_23_22_15_52_687395"] * 6) + "/metrics.csv"
     report = write_lr_report(bounds, None, tmp_path / "lr", source=deep)
-    with chromium() as browser:
-        problems = check_page(browser, bad).problems()
-        good = check_page(browser, report["html"])
+    problems = check_page(browser, bad).problems()
+    good = check_page(browser, report["html"])
     assert any("console error: boom" in p for p in problems), problems
     assert any("image not decoded: alt='x'" in p for p in problems), problems
     assert any("scrolls sideways" in p for p in problems), problems
@@ -94,7 +99,7 @@ def test_the_checks_see_what_a_reader_would(tmp_path):
     assert np.isfinite(bounds.lr_mid) and _fmt(bounds.lr_mid) in good.text
 
 
-def test_a_grid_of_many_columns_scrolls_in_its_box_not_the_page(tmp_path):
+def test_a_grid_of_many_columns_scrolls_in_its_box_not_the_page(browser, tmp_path):
     """Ten kept checkpoints make a grid wider than the screen: the page itself must still fit 1280 px."""
     from PIL import Image
 
@@ -104,12 +109,11 @@ def test_a_grid_of_many_columns_scrolls_in_its_box_not_the_page(tmp_path):
     page = tmp_path / "grid.html"
     page.write_text(_grid_html(images, ["a red circle | seed 0"], [f"update {10 * i}" for i in range(12)], 128,
                                {"steps": 2}))
-    with chromium() as browser:
-        check = check_page(browser, page)
+    check = check_page(browser, page)
     assert check.problems() == [] and len(check.images) == 12
 
 
-def test_mlflow_as_its_users_browse_it(demo_run, demo_run_mlflow):
+def test_mlflow_as_its_users_browse_it(demo_run, demo_run_mlflow, browser):
     """Issue 35, item 5: the printed link opens MLflow's model-training runs table (not its GenAI dashboard), the
     halving candidates are child runs of the fine-tune's run, the fine-tune run's page opens on its own val_loss
     chart, and every run and the registered model has a description. Read in headless Chromium from a real
@@ -137,8 +141,8 @@ def test_mlflow_as_its_users_browse_it(demo_run, demo_run_mlflow):
     assert model.description
 
     link = s["mlflow_link"].replace("http://127.0.0.1:5000", uri)
-    with chromium() as browser:
-        page = browser.new_page(viewport={"width": 1280, "height": 900})
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    try:
         page.goto(link)
         page.get_by_text(parent.info.run_name).first.wait_for(timeout=60_000)
         table = page.inner_text("body")
@@ -163,3 +167,5 @@ def test_mlflow_as_its_users_browse_it(demo_run, demo_run_mlflow):
         assert charts and charts[0] == "val_loss", charts[:12]
         page.goto(f"{uri}/#/models/{model.name}")
         page.get_by_text(model.description[:40]).first.wait_for(timeout=60_000)
+    finally:
+        page.close()
