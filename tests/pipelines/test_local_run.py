@@ -53,7 +53,12 @@ def test_the_demos_run_on_default_sqlite_reads_back_whole(demo_run, demo_run_mlf
     s, run = demo_run.summary, demo_run.run
     out = demo_run.out_dir
     cfg = demo_config()
-    assert s["lr_source"] == "range-test"
+    # The first range test asked for the zoom, and the LR is read off the zoomed test (the second, which did not).
+    range_tests = {t: o for t, o in run.outputs.items() if step_name(t) == "lr-range-test"}
+    assert len(range_tests) == 2 and sorted(o["needs_zoom"] for o in range_tests.values()) == [False, True], \
+        range_tests
+    (zoom,) = [o for o in range_tests.values() if not o["needs_zoom"]]
+    assert s["lr_source"] == "zoom" and all(s[k] == zoom[k] for k in ("lr_low", "lr_mid", "lr_high")), (s, zoom)
     assert 0 < s["lr_low"] <= s["lr_mid"] <= s["lr_high"] < 1e-2
     assert s["recommended_epochs"] >= 1 and "retrained_epochs" not in s
     # Successive halving kept lr_mid or lr_high; that LR is the fine-tune's and the registry's.
@@ -65,9 +70,6 @@ def test_the_demos_run_on_default_sqlite_reads_back_whole(demo_run, demo_run_mlf
     # Named after the step, not kfp.local's task folder (lr-range-test-3): the first range test and the zoom it asked
     # for, each by what it is. Every report, and no other: the discovery set (tiny_run.DISCOVERY_REPORTS, which
     # test_demo_sdxl.py holds the small SDXL run to, zoom off) and the zoom's two.
-    range_tests = {t: o for t, o in run.outputs.items() if step_name(t) == "lr-range-test"}
-    assert len(range_tests) == 2 and sorted(o["needs_zoom"] for o in range_tests.values()) == [False, True], \
-        range_tests
     assert set(reports) == DISCOVERY_REPORTS | {"lr-range-test-zoom.html", "lr-range-test-zoom.md"}, reports
     assert all(Path(p).parent == out / "reports" for p in s["reports"])
     # The reports exist and the HTML embeds its plot (the KFP UI shows no image files).

@@ -49,28 +49,32 @@ def test_every_report_reads_in_a_browser(demo_run, browser, tmp_path):
         assert check.images, f"{name} shows no image"
         assert (tmp_path / name.replace(".html", ".png")).stat().st_size > 10_000  # a rendered page, not blank
 
-    lr = checks["lr-range-test-first.html"].text
-    for key in ("lr_low", "lr_mid", "lr_high"):
-        assert key in lr and _fmt(s[key]) in lr, key
+    # Each range test's page shows its own bounds: the first's, then the zoom's, which the run used.
+    (first,) = [o for t, o in demo_run.run.outputs.items() if t.startswith("lr-range-test") and o["needs_zoom"]]
+    for page, bounds in (("lr-range-test-first.html", first), ("lr-range-test-zoom.html", s)):
+        lr = checks[page].text
+        for key in ("lr_low", "lr_mid", "lr_high"):
+            assert key in lr and _fmt(bounds[key]) in lr, (page, key)
     ft = checks["finetune.html"].text
     assert "recommended epochs" in ft
     # The run's recommendation, or (a run whose curve shows no window) the status that says why not.
     assert f"Train for {s['recommended_epochs']} epochs" in ft or "no_improvement" in ft, ft[:300]
-    # Samples over training: the plot, then one image per prompt x seed per sampled validation, the validations
+    # Samples over training: the plot, then one image per row per sampled validation, the validations
     # being the updates of the image series the fine-tune logged to MLflow (from the update-0 baseline on).
     client = MlflowClient(tracking_uri=f"sqlite:///{demo_run.out_dir / 'mlflow.db'}")
     (ft_run,) = client.search_runs([_experiment(s)], "attributes.run_name = 'finetune'")
     images = [a.path.rsplit("/", 1)[-1] for a in client.list_artifacts(ft_run.info.run_id, "images")]
     sampled = {int(n.split("+step+")[1].split("+")[0]) for n in images
                if n.startswith("samples_during_training+step+") and n.endswith(".png")}
-    cfg = demo_config()
-    cells = len(cfg.sampling.prompts) * len(cfg.sampling.seeds)
+    sampling = demo_config().sampling
+    rows = len(sampling.prompts) * len(sampling.seeds_for_training())  # a strip's rows: prompt x training seed
     assert len(sampled) >= 2 and 0 in sampled, sampled
-    assert "Samples over training" in ft and len(checks["finetune.html"].images) == 1 + cells * len(sampled), \
+    assert "Samples over training" in ft and len(checks["finetune.html"].images) == 1 + rows * len(sampled), \
         (sampled, ft[-600:])
     grid = checks["sample-images-grid.html"]
     assert "a red circle" in grid.text and "base" in grid.text and "fine-tuned (final)" in grid.text
-    assert len(grid.images) >= 2 * cells  # every prompt x seed: the base column and at least the final weights
+    # Every prompt x seed: the base column and at least the final weights.
+    assert len(grid.images) >= 2 * len(sampling.prompts) * len(sampling.seeds)
     # The prompt-following scores (data.prompt_score), one row per column.
     assert "Does it follow the prompts?" in grid.text and "colour\tshape" in grid.text, grid.text[-600:]
 
