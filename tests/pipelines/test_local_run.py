@@ -1,9 +1,10 @@
 """The whole pipeline through kfp.local (SubprocessRunner, no containers) on the tiny model and shapes dataset.
 
-Two runs cover the DAG's branches: discovery then the full-data retrain (the run tests/pipelines/conftest.py shares,
-on the default SQLite store), and a fixed LR (no discovery, no retrain) with LoRA from a hub id, through the CLI on a
-terminal: a real user's first run. Each component's own
-function, and the other methods from a hub id, are proven in tests/pipelines/test_components.py.
+Two runs cover the DAG's branches: the unchanged demo's (discovery with the zoom, successive halving, the kept
+checkpoint registered, on the default SQLite store; the run tests/pipelines/conftest.py shares), and a fixed LR (no
+discovery) then the full-data retrain, with LoRA from a hub id, through the CLI on a terminal: a real user's first
+run. Each component's own function, and the other methods from a hub id, are proven in
+tests/pipelines/test_components.py.
 """
 
 from __future__ import annotations
