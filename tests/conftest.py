@@ -14,10 +14,12 @@ import pytest
 
 # `make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadscope`). The scheduler below hands out
 # whole test files, so a file's module fixtures are made once, on one worker; the files below share the
-# session-scoped whole kfp.local run (`default_local_run`) and go together, so that run is made once too. (xdist's
-# own `loadgroup` marks do not work with pytest 9.2: they rename `item._nodeid`, which pytest no longer reads.)
-# (test_demo_sdxl.py no longer reads that run: its small SDXL run is its own group, free to go to the other worker.)
-SHARED_RUN_FILES = ("tests/pipelines/test_local_run.py", "tests/pipelines/test_reports_in_browser.py")
+# session-scoped whole run of the unchanged demo (`demo_run`, tests/pipelines/conftest.py) and go together, so that
+# run is made once too. (xdist's own `loadgroup` marks do not work with pytest 9.2: they rename `item._nodeid`, which
+# pytest no longer reads.) (test_demo_sdxl.py does not read that run: its small SDXL run is its own group, free to
+# go to the other worker.)
+SHARED_RUN_FILES = ("tests/pipelines/test_demo_learns.py", "tests/pipelines/test_local_run.py",
+                    "tests/pipelines/test_reports_in_browser.py")
 # The groups that take minutes go first, so that neither worker is left with one at the end. xdist's scope
 # scheduling hands a worker its next group whenever it has 2 tests or fewer left, in the order of the queue, so the
 # longest first is the classic longest-processing-time packing. That order is this hook's only if xdist does not
@@ -25,9 +27,9 @@ SHARED_RUN_FILES = ("tests/pipelines/test_local_run.py", "tests/pipelines/test_r
 # 858-test 2-worker run of 2026-11-26 that dealt the 304 s one-test demo group (tests/pipelines/test_demo_learns.py)
 # 34th of gw1's 37 groups; the workers still ended within about 30 s of each other only because gw0's last groups
 # (test_outbox, test_server_loss, ...) happened to add up to about as long. `FileGroups` turns the re-sort off.
-# The groups of a minute or more by that run's --durations follow the first five, so that the last groups dealt
+# The groups of a minute or more by that run's --durations follow the first four, so that the last groups dealt
 # are the many short ones.
-LONG_FIRST = ("pipelines:default-run", "tests/pipelines/test_demo_learns.py", "tests/steps/test_processes.py",
+LONG_FIRST = ("pipelines:demo-run", "tests/steps/test_processes.py",
               "tests/methods/test_discovery_by_method.py", "tests/bench/test_discovery_quality.py",
               "tests/pipelines/test_demo_sdxl.py", "tests/pipelines/test_local_run_errors.py",
               "tests/tracking/test_outbox.py",
@@ -38,7 +40,7 @@ LONG_FIRST = ("pipelines:default-run", "tests/pipelines/test_demo_learns.py", "t
 
 def _group(nodeid: str) -> str:
     path = nodeid.split("::", 1)[0]
-    return "pipelines:default-run" if path in SHARED_RUN_FILES else path
+    return "pipelines:demo-run" if path in SHARED_RUN_FILES else path
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -18,10 +18,57 @@ def task_dir(summary: dict, prefix: str) -> Path:
 def check_registered_is_the_kept_checkpoint(summary: dict, out: Path, base_dir: Path, method: str) -> None:
     """The registered version's weights are the kept checkpoint's (the step window's pick); its
     tags name that update, epoch and validation loss, its description says why."""
-    import mlflow
+    from mlflow import MlflowClient
+
+    from rangefinder.formats import checkpoints
+
+    ckpt, update, chosen = check_the_kept_checkpoint(summary)
+    uri = f"sqlite:///{out / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    name, version = summary["registered_model"].removeprefix("models:/").split("/")
+    mv = client.get_model_version(name, version)
+    assert mv.tags["update"] == str(update) and float(mv.tags["epoch"]) == pytest.approx(chosen["epoch"])
+    assert float(mv.tags["val_loss"]) == pytest.approx(chosen["val_loss"], rel=1e-5)
+    assert mv.tags["rangefinder.weights"] == f"finetune {ckpt.name}"
+    assert mv.tags["rangefinder.chosen_rule"] == chosen["rule"] in ("window_lowest", "window_nearest", "run_lowest")
+    assert f"update {update}" in mv.description and "recommended length" in mv.description
+    check_registered_weights(summary, out, base_dir, method, checkpoints.read_weights(ckpt))
+
+
+def check_registered_is_the_retrain(summary: dict, out: Path, base_dir: Path) -> None:
+    """With the full-data retrain on (LoRA): the registered version's source run is retrain_full's, its tags say
+    so, and its weights are the base model with the retrain's final LoRA file fused in (that file, as diffusers
+    reads it: `formats/lora.py`'s names, alpha/rank folded into `up`); the grid has the retrained column."""
     from mlflow import MlflowClient
     from safetensors.torch import load_file
 
+    from rangefinder.formats.lora import LORA_WEIGHTS_NAME
+
+    uri = f"sqlite:///{out / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    name, version = summary["registered_model"].removeprefix("models:/").split("/")
+    mv = client.get_model_version(name, version)
+    (retrain_run,) = client.search_runs([client.get_run(mv.run_id).info.experiment_id],
+                                        "attributes.run_name = 'retrain_full'")
+    assert mv.run_id == retrain_run.info.run_id  # the version links to the run that trained its weights
+    assert mv.tags["rangefinder.weights"] == "retrain_full final"
+    assert "Retrained on train + validation" in mv.description
+    # The retrain's LoRA file in the training state's names: module -> (lora_A = down, lora_B = up with the scale).
+    final = load_file(str(task_dir(summary, "retrain-full") / "model" / "final" / LORA_WEIGHTS_NAME))
+    trained = {}
+    for key, down in final.items():
+        if key.startswith("unet.") and key.endswith(("_lora.down.weight", ".lora.down.weight")):
+            module = key.removesuffix("down.weight")[:-len(".lora.")].replace(".processor.to_", ".to_")
+            module += ".0" if module.endswith(".to_out") else ""
+            trained[f"{module}.lora_A.weight"] = down
+            trained[f"{module}.lora_B.weight"] = final[key.replace("down.weight", "up.weight")]
+    check_registered_weights(summary, out, base_dir, "lora", trained)
+    grid = json.loads((task_dir(summary, "sample-images") / "images" / "grid.json").read_text())
+    assert any(c["label"] == "retrained" and "retrain-full" in c["path"] for c in grid["columns"]), grid["columns"]
+
+
+def check_the_kept_checkpoint(summary: dict) -> tuple[Path, int, dict]:
+    """(checkpoint, update, chosen.json): the fine-tune kept one checkpoint, the step window's pick, and says so."""
     from rangefinder.formats import checkpoints
 
     ft_model = task_dir(summary, "finetune") / "model"
@@ -36,23 +83,22 @@ def check_registered_is_the_kept_checkpoint(summary: dict, out: Path, base_dir: 
     lo, hi = chosen["window_start_update"], chosen["window_end_update"]
     assert lo <= update <= hi or abs(update - summary["recommended_updates"]) <= 2, (update, lo, hi)
     assert summary["mixed_precision"] == "no"  # auto, on this CPU
+    return ckpt, update, chosen
+
+
+def check_registered_weights(summary: dict, out: Path, base_dir: Path, method: str, trained: dict) -> None:
+    """The registered version, downloaded from the run's SQLite store, holds `trained` (the method's tensors, as a
+    checkpoint stores them) on `base_dir`'s model; the grid's base column is `base_dir`, and it has a chosen column."""
+    import mlflow
+    from safetensors.torch import load_file
 
     uri = f"sqlite:///{out / 'mlflow.db'}"
-    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
     name, version = summary["registered_model"].removeprefix("models:/").split("/")
-    mv = client.get_model_version(name, version)
-    assert mv.tags["update"] == str(update) and float(mv.tags["epoch"]) == pytest.approx(chosen["epoch"])
-    assert float(mv.tags["val_loss"]) == pytest.approx(chosen["val_loss"], rel=1e-5)
-    assert mv.tags["rangefinder.weights"] == f"finetune {ckpt.name}"
-    assert mv.tags["rangefinder.chosen_rule"] == chosen["rule"] in ("window_lowest", "window_nearest", "run_lowest")
-    assert f"update {update}" in mv.description and "recommended length" in mv.description
-
     mlflow.set_tracking_uri(uri)
     local = Path(mlflow.artifacts.download_artifacts(f"models:/{name}/{version}", dst_path=str(out / "registered")))
     (pipe_dir,) = {p.parent for p in local.rglob("model_index.json")}
     unet = load_file(str(pipe_dir / "unet" / "diffusion_pytorch_model.safetensors"))
     base_unet = load_file(str(base_dir / "unet" / "diffusion_pytorch_model.safetensors"))
-    trained = checkpoints.read_weights(ckpt)
     if method == "full":
         assert {k for k in trained if k.startswith("unet.")} == {f"unet.{k}" for k in unet}
         for k, v in unet.items():

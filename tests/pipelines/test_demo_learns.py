@@ -5,15 +5,12 @@ the grid's report, opened in headless Chromium.
 The whole default demo runs here, unchanged (range test, zoom, 80-epoch fine-tune validated every 2nd epoch, grid;
 config.DEMO_RUN): no setting is shortened, since what is checked is that those settings learn. It got shorter with
 the demo itself (issue 35: at most 3 minutes on 2 cores), not by testing less. docs/demo-learning.md says how the
-settings were chosen.
+settings were chosen. The run is the session's shared whole run (tests/pipelines/conftest.py `demo_run`: the
+same command, in a process of its own), which test_local_run.py and test_reports_in_browser.py read too.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,13 +20,9 @@ from tests.browser import check_page, chromium
 pytestmark = pytest.mark.slow
 
 
-def test_the_demo_fine_tune_follows_the_prompts_where_the_base_does_not(tiny_model_dir, tmp_path):
-    out = tmp_path / "demo"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_") and k != "RANGEFINDER_TORCH_THREADS"}
-    r = subprocess.run([sys.executable, "-m", "rangefinder.cli.main", "demo", "--out", str(out), "--json"],
-                       capture_output=True, text=True, env=env, timeout=1800)
-    assert r.returncode == 0, r.stderr[-3000:]
-    s = json.loads(r.stdout)
+def test_the_demo_fine_tune_follows_the_prompts_where_the_base_does_not(demo_run):
+    # `rangefinder demo --out OUT --json` exited 0 (asserted by the fixture) and printed this.
+    s = demo_run.summary
     colour, shape = s["prompt_colour"], s["prompt_shape"]
     # The base model was pre-trained on stripes only: it draws stripes and gradients in roughly the named colours.
     # The model the demo registers (its chosen checkpoint) draws one shape on white, in the named colour for most

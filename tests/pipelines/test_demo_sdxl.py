@@ -1,9 +1,9 @@
 """SDXL through the whole pipeline (issue 22), without the whole demo's minutes (issue 32, item 5).
 
 Two proofs replace the run of the unchanged `rangefinder demo --family sdxl`:
-- a small SDXL pipeline run, the shared SD run's config on the tiny SDXL model without its retrain, through kfp.local
-  as the demo runs: it writes the SD run's reports and records the family, read from the model, in every tracked
-  step's MLflow run;
+- a small SDXL pipeline run, the smallest SD pipeline config (tests/pipelines/tiny_run.py) on the tiny SDXL model,
+  through kfp.local as the demo runs: it writes the SD runs' reports and records the family, read from the model, in
+  every tracked step's MLflow run;
 - `rangefinder demo --family sdxl` compiles the pipeline the SD demo compiles, but for the base model: so the demo
   on SDXL is the small run's pipeline with the demo's settings, which tests/pipelines/test_demo_learns.py runs whole.
 """
@@ -32,10 +32,10 @@ def test_a_small_sdxl_run_writes_the_reports_of_the_sd_run(tiny_sdxl_dir, shapes
         s = run_pipeline_locally(tiny_config(shapes_dataset_dir, tiny_sdxl_dir), out).summary()
     assert s["lr_source"] == "range-test" and s["lr_low"] < s["lr_mid"] < s["lr_high"]
     assert s["recommended_epochs"] >= 1 and s["registered_model"] == "models:/rangefinder-sd/1"
-    # The same config as the shared SD run but for the model and the retrain (no report of its own; the grid's
-    # retrained column is within sample-images-grid.html, and the demo does not retrain): the same reports, by name.
-    # DISCOVERY_REPORTS is the set test_local_run.py holds the shared SD run to; reading it from there, not from that
-    # run, keeps this test from building the shared run on an xdist worker that has no other use for it.
+    # The discovery run's reports, by name: DISCOVERY_REPORTS, which the SD demo's run (test_local_run.py) writes too,
+    # with its zoom's two (this config has no zoom; no retrain, whose column would be within sample-images-grid.html).
+    # Reading the set, not that run, keeps this test from building the shared run on an xdist worker that has no
+    # other use for it.
     sdxl = {os.path.basename(p) for p in s["reports"]}
     assert sdxl == DISCOVERY_REPORTS, sdxl
     # The model was SDXL all along: the family came from the model, into every tracked step's MLflow run.
@@ -47,19 +47,21 @@ def test_a_small_sdxl_run_writes_the_reports_of_the_sd_run(tiny_sdxl_dir, shapes
 
 
 def test_demo_family_sdxl_changes_only_the_base_model(tiny_model_dir, tiny_sdxl_dir, tmp_path, monkeypatch, capsys):
-    """`rangefinder demo --family sdxl` compiles OUT/pipeline.yaml before it runs it; here the run stops at its first
-    step, since the MLflow server named is away (seconds, not the demo's minutes). The SD demo's pipeline, compiled
-    as `demo` compiles it, into the same folder (so every other path is the same), differs only in the model."""
+    """`rangefinder demo --family sdxl` compiles OUT/pipeline.yaml before it runs it; here the run is refused before
+    its first step starts, since the MLflow URI holds credentials (pipelines.local_run: one line, no step process,
+    the secret not printed). The SD demo's pipeline, compiled as `demo` compiles it, into the same folder (so every
+    other path is the same), differs only in the model."""
     from rangefinder.cli.commands.demo import prepare_demo
     from rangefinder.cli.main import main
     from rangefinder.pipelines.pipeline import compile_pipeline
 
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port()}")  # away
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://someone:hunter2@127.0.0.1:{free_port()}")
     out = tmp_path / "demo"
     assert main(["demo", "--family", "sdxl", "--out", str(out)]) == 2
     err = capsys.readouterr().err
-    assert "step resolve-config failed: TrackingError" in err, err[-3000:]
+    assert "MLFLOW_TRACKING_URI" in err and "holds" in err and "hunter2" not in err, err[-3000:]
+    assert not (out / "pipeline-root").exists()  # refused before kfp.local made its root: no step ran
     sdxl = (out / "pipeline.yaml").read_text()
     sd = Path(compile_pipeline(prepare_demo(out), str(tmp_path / "sd.yaml"))).read_text()
     assert str(tiny_model_dir) in sd and str(tiny_sdxl_dir) not in sd

@@ -1,9 +1,10 @@
 """The whole pipeline through kfp.local (SubprocessRunner, no containers) on the tiny model and shapes dataset.
 
-Two runs cover the DAG's branches: discovery then the full-data retrain (the run tests/pipelines/conftest.py shares,
-on the default SQLite store), and a fixed LR (no discovery, no retrain) with LoRA from a hub id, through the CLI on a
-terminal: a real user's first run. Each component's own
-function, and the other methods from a hub id, are proven in tests/pipelines/test_components.py.
+Two runs cover the DAG's branches: the unchanged demo's (discovery with the zoom, successive halving, the kept
+checkpoint registered, on the default SQLite store; the run tests/pipelines/conftest.py shares), and a fixed LR (no
+discovery) then the full-data retrain, with LoRA from a hub id, through the CLI on a terminal: a real user's first
+run. Each component's own function, and the other methods from a hub id, are proven in
+tests/pipelines/test_components.py.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ import yaml
 from rangefinder.config import demo_config
 from tests.conftest import HUB_REPO
 from tests.mlflow_store import seed
-from tests.pipelines.registered_model import check_registered_is_the_kept_checkpoint, task_dir
+from tests.pipelines.registered_model import check_registered_is_the_retrain, check_the_kept_checkpoint, task_dir
 from tests.pipelines.terminal import run_on_terminal
-from tests.pipelines.tiny_run import DISCOVERY_REPORTS, TINY
+from tests.pipelines.tiny_run import DISCOVERY_REPORTS, RETRAIN, TINY
 from tests.pipelines.tiny_run import tiny_config as _cfg
 from tests.tracking.pipeline_record import check_pipeline_record
 
@@ -40,33 +41,42 @@ def _mlflow_runs(db: Path) -> dict[str, str]:
         return dict(con.execute("select name, status from runs").fetchall())
 
 
-def test_discovery_then_retrain_on_default_sqlite(default_local_run, default_local_run_mlflow):
-    """The local default: no tracking URI anywhere, so the run writes sqlite:///<out>/mlflow.db; discovery, then the
-    full-data retrain. The run is shared (tests/pipelines/conftest.py): test_reports_in_browser.py opens its reports.
-    The whole record reads back through MlflowClient from a real `mlflow server` on the run's store, model included."""
+def test_the_demos_run_on_default_sqlite_reads_back_whole(demo_run, demo_run_mlflow):
+    """The local default: no tracking URI anywhere, so the run writes sqlite:///<out>/mlflow.db; discovery with the
+    zoom, successive halving, the kept checkpoint registered. The run is the unchanged demo's, shared
+    (tests/pipelines/conftest.py): test_demo_learns.py scores it, test_reports_in_browser.py opens its reports. The
+    whole record reads back through MlflowClient from a real `mlflow server` on the run's store, model included.
+    The retrain branch: the fixed-LR run below."""
     from mlflow import MlflowClient
 
-    s = default_local_run.summary()
-    out = default_local_run.out_dir
+    from rangefinder.pipelines.progress import step_name
+
+    s, run = demo_run.summary, demo_run.run
+    out = demo_run.out_dir
     cfg = demo_config()
-    assert s["lr_source"] == "range-test"
+    # The first range test asked for the zoom, and the LR is read off the zoomed test (the second, which did not).
+    range_tests = {t: o for t, o in run.outputs.items() if step_name(t) == "lr-range-test"}
+    assert len(range_tests) == 2 and sorted(o["needs_zoom"] for o in range_tests.values()) == [False, True], \
+        range_tests
+    (zoom,) = [o for o in range_tests.values() if not o["needs_zoom"]]
+    assert s["lr_source"] == "zoom" and all(s[k] == zoom[k] for k in ("lr_low", "lr_mid", "lr_high")), (s, zoom)
     assert 0 < s["lr_low"] <= s["lr_mid"] <= s["lr_high"] < 1e-2
-    assert s["recommended_epochs"] >= 1 and s["retrained_epochs"] == 1
-    # Successive halving kept lr_mid or lr_high; that LR is the fine-tune's, the retrain's and the registry's.
+    assert s["recommended_epochs"] >= 1 and "retrained_epochs" not in s
+    # Successive halving kept lr_mid or lr_high; that LR is the fine-tune's and the registry's.
     assert s["halving_kept"] in ("lr_mid", "lr_high") and s["lr_used"] == s[s["halving_kept"]]
     # By name and version, as a person loads it.
     assert s["registered_model"] == f"models:/{cfg.tracking.registered_model_name}/1"
     # The reports are copied under OUT/reports with extensions a browser or editor opens.
     reports = sorted(Path(p).name for p in s["reports"])
-    # Named after the step, not kfp.local's task folder (lr-range-test-3): one range test here, no zoom.
-    # Every report, and no other (test_demo_sdxl.py holds the small SDXL run to the same set).
-    assert set(reports) == DISCOVERY_REPORTS, reports
-    assert not any(n.startswith("lr-range-test-zoom") for n in reports), reports
+    # Named after the step, not kfp.local's task folder (lr-range-test-3): the first range test and the zoom it asked
+    # for, each by what it is. Every report, and no other: the discovery set (tiny_run.DISCOVERY_REPORTS, which
+    # test_demo_sdxl.py holds the small SDXL run to, zoom off) and the zoom's two.
+    assert set(reports) == DISCOVERY_REPORTS | {"lr-range-test-zoom.html", "lr-range-test-zoom.md"}, reports
     assert all(Path(p).parent == out / "reports" for p in s["reports"])
     # The reports exist and the HTML embeds its plot (the KFP UI shows no image files).
-    html = Path(default_local_run.artifacts[default_local_run.task("lr-range-test")]["report_html"]).read_text()
+    html = Path(run.artifacts[run.task("lr-range-test")]["report_html"]).read_text()
     assert "data:image/png;base64," in html
-    assert Path(default_local_run.artifacts[default_local_run.task("sample-images")]["grid"]).stat().st_size > 1000
+    assert Path(run.artifacts[run.task("sample-images")]["grid"]).stat().st_size > 1000
     assert Path(s["pipeline_root"]).is_relative_to(out)
     db = out / "mlflow.db"
     assert db.is_file()
@@ -79,8 +89,8 @@ def test_discovery_then_retrain_on_default_sqlite(default_local_run, default_loc
     with sqlite3.connect(db) as con:
         keys = {k for (k,) in con.execute("select m.key from metrics m join runs r on m.run_uuid = r.run_uuid "
                                           "where r.name = 'sample_images'")}
-    assert {"prompt_colour.base", "prompt_shape.base", "prompt_colour.final", "prompt_shape.final",
-            "prompt_colour.retrained", "prompt_shape.retrained"} <= keys, keys
+    assert {"prompt_colour.base", "prompt_shape.base", "prompt_colour.chosen", "prompt_shape.chosen",
+            "prompt_colour.final", "prompt_shape.final"} <= keys, keys
     # The same scores in the run's summary (what `rangefinder demo` prints), per column.
     with sqlite3.connect(db) as con:
         logged = dict(con.execute("select m.key, m.value from metrics m join runs r on m.run_uuid = r.run_uuid "
@@ -88,38 +98,38 @@ def test_discovery_then_retrain_on_default_sqlite(default_local_run, default_loc
     summed = {f"prompt_{k}.{column}": v for k in ("colour", "shape") for column, v in s[f"prompt_{k}"].items()}
     assert summed.keys() == logged.keys() and {"base", "final"} <= set(s["prompt_colour"]), (summed, logged)
     assert all(abs(summed[k] - logged[k]) <= 5e-4 for k in summed), (summed, logged)
-    # A local run trains on one torch thread unless RANGEFINDER_TORCH_THREADS says otherwise (pipelines.local_run).
-    summaries = [*default_local_run.run_dir.glob("finetune*/**/run_summary.json"),
-                 *default_local_run.run_dir.glob("retrain-full*/**/run_summary.json")]
-    assert {p.relative_to(default_local_run.run_dir).parts[0].split("-")[0] for p in summaries} == {"finetune",
-                                                                                                     "retrain"}
-    assert all(json.loads(p.read_text())["torch_threads"] == 1 for p in summaries), summaries
+    # A local run trains on one torch thread unless RANGEFINDER_TORCH_THREADS says otherwise (pipelines.local_run;
+    # the demo's environment has none).
+    summaries = list(run.run_dir.glob("finetune*/**/run_summary.json"))
+    assert summaries and all(json.loads(p.read_text())["torch_threads"] == 1 for p in summaries), summaries
     # The store read as the printed `mlflow ui` reads it, without loading the model (the server's read-back does).
     check_pipeline_record(f"sqlite:///{db}", cfg.tracking.experiment_name, s,
                           model_name=cfg.tracking.registered_model_name, generate=False)
-    uri = default_local_run_mlflow  # a real `mlflow server` on <out>/mlflow.db, the run's store
+    uri = demo_run_mlflow  # a real `mlflow server` on <out>/mlflow.db, the run's store
     check_pipeline_record(uri, cfg.tracking.experiment_name, s, model_name=cfg.tracking.registered_model_name)
     client = MlflowClient(tracking_uri=uri)
     runs = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment_name).experiment_id])
     by_name = {r.info.run_name: r for r in runs}
-    for step in ("lr_range_test", "finetune", "retrain_full", "sample_images", "register_model"):
+    for step in ("lr_range_test", "finetune", "sample_images", "register_model"):
         assert by_name[step].info.status == "FINISHED", step
-    # With the retrain, the registered version is the retrain's weights: its source run is retrain_full's.
+    # Without the retrain, the registered version is the fine-tune's kept checkpoint: its source run is finetune's.
     mv = client.get_model_version_by_alias(cfg.tracking.registered_model_name, "candidate")
-    assert mv.run_id == by_name["retrain_full"].info.run_id
+    assert mv.run_id == by_name["finetune"].info.run_id
     parent = next(r for r in runs if "mlflow.parentRunId" not in r.data.tags)
     # Closed by the exit handler as a success: no failed task named.
     assert parent.info.status == "FINISHED" and "rangefinder.failed_task" not in parent.data.tags
     assert client.list_artifacts(by_name["sample_images"].info.run_id, "images")  # the grid via log_image
 
 
-def test_fixed_lr_from_a_hub_id_skips_discovery_and_retrain_off(tmp_path, shapes_dataset_dir, fake_hub_cache,
-                                                                 monkeypatch):
+def test_fixed_lr_from_a_hub_id_skips_discovery_then_retrains(tmp_path, shapes_dataset_dir, fake_hub_cache,
+                                                               monkeypatch):
     """A real user's first run, whole: `rangefinder run --local --config FILE` on a terminal, the base model a hub
     id in a pre-filled, offline Hugging Face cache (an air-gapped cluster; tests/models/fake_hub.py), LoRA at a fixed
-    LR, validated every update so the step window is read and its checkpoint registered. The fine-tune runs as 2
-    processes (torchrun, gloo) of batch 2: the demo's global batch of 4. The full fine-tune and textual inversion
-    from the hub id go through every step's function in tests/pipelines/test_components.py."""
+    LR, validated every update so the step window is read and its checkpoint kept, then the full-data retrain
+    (1 epoch), whose weights are registered: the DAG's retrain branch (the demo's run, shared by the other tests
+    here, has none). The fine-tune runs as 2 processes (torchrun, gloo) of batch 2: the demo's global batch of 4.
+    The full fine-tune and textual inversion from the hub id go through every step's function, to the registry of
+    the kept checkpoint, in tests/pipelines/test_components.py."""
     cache, commit = fake_hub_cache
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -128,12 +138,13 @@ def test_fixed_lr_from_a_hub_id_skips_discovery_and_retrain_off(tmp_path, shapes
     cfg = demo_config(data={"dataset_dir": str(shapes_dataset_dir), "resolution": 32},
                       model={"base_model": HUB_REPO}, lr=2e-4,
                       training={"method": "lora", "processes_per_node": 2, "batch_size": 2},
-                      validation={"every_updates": 1}, **TINY)
+                      validation={"every_updates": 1}, **{**TINY, **RETRAIN})
     config = tmp_path / "mine.yaml"
     config.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude={"kubernetes"})))
     out = tmp_path / "out"
     seed(out / "mlflow.db")  # where the run's default store goes, migrated: its first step skips MLflow's migrations
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    # No thread setting either: the steps' own default (one torch thread) is read back below.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_") and k != "RANGEFINDER_TORCH_THREADS"}
     # On a terminal, as a person runs it: stderr is a pseudo-terminal, stdout (the --json result) a pipe.
     code, stdout, terminal = run_on_terminal([sys.executable, "-m", "rangefinder.cli.main", "run", "--local",
                                               "--config", str(config), "--out", str(out), "--json"], env)
@@ -142,7 +153,8 @@ def test_fixed_lr_from_a_hub_id_skips_discovery_and_retrain_off(tmp_path, shapes
     # A line per step as it starts and ends, with its duration and headline result; the training bar redrawn in
     # place (carriage returns) with the update count, loss and LR.
     lines = [ln.strip() for ln in terminal.replace("\r", "\n").splitlines()]
-    for step in ("resolve-config", "prepare-dataset", "choose-lr", "finetune", "register-model", "sample-images"):
+    for step in ("resolve-config", "prepare-dataset", "choose-lr", "finetune", "retrain-full", "register-model",
+                 "sample-images"):
         assert f"rangefinder: {step} started" in lines, terminal
         assert any(ln.startswith(f"rangefinder: {step} done in ") for ln in lines), terminal
     assert any(ln.startswith("rangefinder: choose-lr done in ") and "source fixed, lr_low 0.0002" in ln
@@ -160,15 +172,31 @@ def test_fixed_lr_from_a_hub_id_skips_discovery_and_retrain_off(tmp_path, shapes
     assert (s["lr_source"], s["lr_low"], s["lr_mid"], s["lr_high"]) == ("fixed", 2e-4, 2e-4, 2e-4)
     run_dir = Path(s["pipeline_root"])
     tasks = {p.name for p in run_dir.iterdir()}
-    assert not [t for t in tasks if t.startswith("lr-range-test") or t.startswith("retrain-full")], tasks
-    assert [t for t in tasks if t.startswith("finetune")] and "retrained_epochs" not in s
+    assert not [t for t in tasks if t.startswith("lr-range-test")], tasks
+    assert [t for t in tasks if t.startswith("finetune")] and [t for t in tasks if t.startswith("retrain-full")]
+    assert s["retrained_epochs"] == 1
     runs = _mlflow_runs(out / "mlflow.db")
-    assert "lr_range_test" not in runs and runs.get("finetune") == "FINISHED"
+    assert "lr_range_test" not in runs and runs.get("finetune") == runs.get("retrain_full") == "FINISHED", runs
+    # The retrain trains at the LR the fine-tune used, and its run says so by that name.
+    with sqlite3.connect(out / "mlflow.db") as con:
+        params = dict(con.execute("select p.key, p.value from params p join runs r on p.run_uuid = r.run_uuid "
+                                  "where r.name = 'retrain_full'").fetchall())
+        keys = {k for (k,) in con.execute("select m.key from metrics m join runs r on m.run_uuid = r.run_uuid "
+                                          "where r.name = 'sample_images'")}
+    assert float(params["lr"]) == pytest.approx(s["lr_used"], rel=1e-5) and "lr_mid" not in params, params
+    # The grid's retrained column is scored too (data.prompt_score), under the column's name.
+    assert {"prompt_colour.retrained", "prompt_shape.retrained"} <= keys, keys
+    # Every training step trains on one torch thread unless RANGEFINDER_TORCH_THREADS says otherwise.
+    summaries = [*run_dir.glob("finetune*/**/run_summary.json"), *run_dir.glob("retrain-full*/**/run_summary.json")]
+    assert {p.relative_to(run_dir).parts[0].split("-")[0] for p in summaries} == {"finetune", "retrain"}, summaries
+    assert all(json.loads(p.read_text())["torch_threads"] == 1 for p in summaries), summaries
     # Resolved once, by the first step, into the config every later step read (the grid's base column included).
     resolved = json.loads(json.loads((task_dir(s, "resolve-config") / "executor_output.json").read_text())
                           ["parameterValues"]["config_json"])["model"]
     assert (resolved["base_model"], resolved["resolved_dir"]) == (HUB_REPO, str(snapshot))
-    check_registered_is_the_kept_checkpoint(s, out, snapshot, "lora")
+    # The fine-tune kept its window's checkpoint; the retrain's weights, fused on the snapshot, are registered.
+    check_the_kept_checkpoint(s)
+    check_registered_is_the_retrain(s, out, snapshot)
     # Two processes, one curve: rank 0 logged it into the step's MLflow run; the report names the global batch.
     ft = task_dir(s, "finetune")
     summary = json.loads((ft / "model" / "run_summary.json").read_text())

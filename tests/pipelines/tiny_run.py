@@ -1,4 +1,4 @@
-"""The smallest whole-pipeline config the pipeline tests run (shared by test_local_run.py and conftest.py)."""
+"""The smallest whole-pipeline config the pipeline tests run (test_local_run.py, test_demo_sdxl.py)."""
 
 from __future__ import annotations
 
@@ -16,13 +16,14 @@ TINY = {
     "sampling": {"prompts": ["a red circle"], "seeds": [0], "num_inference_steps": 2},
 }
 
-# The reports a discovery run of TINY writes under OUT/reports (no zoom; the retrain has no report of its own, its
-# column is in the grid's): the shared SD run's (test_local_run.py) and the small SDXL run's (test_demo_sdxl.py), each
-# checked against this set, so the two runs write the same reports without the SDXL test reading the SD run.
+# The reports a discovery run of TINY writes under OUT/reports (no zoom; a retrain has no report of its own, its
+# column is in the grid's): the small SDXL run (test_demo_sdxl.py) is held to this set, and the demo's run
+# (test_local_run.py, the session's shared run) to this set and the zoom's two reports, so the SD and SDXL runs
+# write the same reports but for the zoom without the SDXL test reading the SD run.
 DISCOVERY_REPORTS = frozenset({"prepare-dataset-report.md", "lr-range-test-first.html", "lr-range-test-first.md",
                                "choose-lr-decision.md", "finetune.html", "finetune.md", "sample-images-grid.html"})
 
-# The shared default run's retrain (tests/pipelines/conftest.py): on, one epoch on train + validation.
+# The retrain the fixed-LR run turns on (test_local_run.py, the DAG's retrain branch): one epoch on train + validation.
 RETRAIN = {"retrain": {"enabled": True, "epochs": 1}}
 
 

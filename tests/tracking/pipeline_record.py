@@ -44,8 +44,14 @@ def check_pipeline_record(tracking_uri: str, experiment: str, summary: dict, *, 
     assert lrs[-1].value > lrs[0].value  # the ramp climbs
     assert "training.batch_size" in rt.data.params
 
+    # The bounds the run used: the zoomed range test's when the first asked for a zoom (lr_source zoom; the demo's
+    # run), each run's stage tagged.
+    used = rt
+    if summary.get("lr_source") == "zoom":
+        used = children["lr_range_test_zoom"]
+        assert (rt.data.tags["stage"], rt.data.tags["needs_zoom"], used.data.tags["stage"]) == ("first", "true", "zoom")
     for key in ("lr_low", "lr_mid", "lr_high"):  # LRs as tags, in 4 digits
-        assert float(rt.data.tags[key]) == pytest.approx(summary[key], rel=1e-3)
+        assert float(used.data.tags[key]) == pytest.approx(summary[key], rel=1e-3)
         assert float(parent.data.tags[key]) == pytest.approx(summary[key], rel=1e-3)
     assert parent.data.metrics["recommended_epochs"] == summary["recommended_epochs"]
     # The LR the fine-tune kept (successive halving: lr_mid or lr_high), on its run and the parent's.
