@@ -281,7 +281,7 @@ def set_up_case(dataset: Path, seed: int, work: Path, case: Path, overrides: dic
 
 
 def one_case(source: dict[str, Any], seed: int, args, work: Path, log=print,
-             reused_grid: Optional[list[dict[str, Any]]] = None) -> dict[str, Any]:
+             reused_grid: Optional[list[dict[str, Any]]] = None, other_arms: bool = True) -> dict[str, Any]:
     """Discovery, grid, the other midpoint rules and classic suggestions on one dataset with one training seed.
 
     A synthetic kind is drawn with the case's seed too (a new dataset per seed); a --dataset folder is the same in
@@ -336,7 +336,7 @@ def one_case(source: dict[str, Any], seed: int, args, work: Path, log=print,
         out["grid"].append(row)
 
     out["midpoint_arms"] = {}
-    if args.midpoint_arms and d["status"] == "ok":
+    if args.midpoint_arms and other_arms and d["status"] == "ok":
         used = d["range_tests"][-1]
         chosen = used.get("midpoint")
         for rule, lr in (used.get("midpoints") or {}).items():
@@ -352,7 +352,7 @@ def one_case(source: dict[str, Any], seed: int, args, work: Path, log=print,
 
     first = d["range_tests"][0] if d.get("range_tests") else {}
     out["classic"] = {}
-    for name in ("lr_steepest", "lr_min_div10") if args.classic else ():
+    for name in ("lr_steepest", "lr_min_div10") if args.classic and other_arms else ():
         lr = first.get(name)
         if lr is None or not (lr > 0 and math.isfinite(lr)):
             out["classic"][name] = {"lr": None, "note": "the first range test gave no such suggestion"}
@@ -361,7 +361,7 @@ def one_case(source: dict[str, Any], seed: int, args, work: Path, log=print,
         row["updates_with_range_test"] = row["updates"] + int(first.get("updates") or 0)
         log(f"[{kind} seed {seed}]   {name} {lr:.3g}: best {row['best_val_loss']}")
         out["classic"][name] = row
-    if args.diagnose_lr_high and d.get("lr_high"):
+    if args.diagnose_lr_high and other_arms and d.get("lr_high"):
         # Not one of the compared methods: where the discovery's own upper bound would have landed, to tell a
         # misplaced midpoint from misplaced bounds.
         row = train_fixed_lr(cfg, split_dir, float(d["lr_high"]), case / "diagnostic-lr_high")
@@ -613,8 +613,12 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             for seed in seeds:
                 for source in sources:
                     try:
+                        # A smoke trains the other arms (midpoint rules, classic suggestions, the lr_high
+                        # diagnostic) on its first case only: the same code on every case, and no smoke number is
+                        # read; they were 5 of the 10 runs of each further case.
                         result["cases"].append(one_case(source, seed, args, work, log,
-                                                        reused.get((source["name"], seed)) if reused else None))
+                                                        reused.get((source["name"], seed)) if reused else None,
+                                                        other_arms=not (args.smoke and result["cases"])))
                     except RangefinderError as e:
                         if not args.reuse_grid:
                             raise

@@ -25,6 +25,8 @@ def test_discovery_quality_smoke(tmp_path, capsys):
     assert (case["kind"], case["held_out"], other["kind"], other["held_out"]) == ("shapes", False, "my-subject", True)
     assert other["dataset_dir"] == str(folder.resolve()) and other["images"] == 10 and other["synthetic_kind"] is None
     assert other["summary"]["grid_updates"] == 8 and set(saved["aggregate_by_kind"]) == {"shapes", "my-subject"}
+    # A smoke trains the other arms on its first case only (bench.discovery_quality.main).
+    assert other["classic"] == {} and other["midpoint_arms"] == {} and "diagnostic_lr_high" not in other
     assert saved["aggregate_held_out"]["cases"] == 1 and saved["aggregate_tuned_on"]["cases"] == 1
     # The headline has a column per dataset (and all together), the held-out one marked.
     printed = capsys.readouterr().out

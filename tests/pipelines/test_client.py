@@ -165,7 +165,7 @@ def test_submit_uploads_once_and_creates_a_run(kfp_server):
 
     # The package uploaded is the compiled pipeline of this config.
     (upload,) = kfp_server.sent("POST", "/pipelines/upload_version")
-    spec = next(yaml.safe_load_all(kfp_server.packages[sub.version_id]))
+    spec = next(yaml.load_all(kfp_server.packages[sub.version_id], Loader=yaml.CSafeLoader))
     assert spec["pipelineInfo"]["name"] == PIPELINE_NAME
     assert spec["root"]["inputDefinitions"]["parameters"]["resolution"]["defaultValue"] == 256
     ft = [e for n, e in spec["deploymentSpec"]["executors"].items() if n.startswith("exec-finetune")]

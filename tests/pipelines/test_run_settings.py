@@ -12,7 +12,7 @@ from rangefinder.pipelines.pipeline import compile_pipeline
 
 def _pipeline_config(cfg, tmp_path) -> dict:
     path = compile_pipeline(cfg, str(tmp_path / "p.yaml"))
-    docs = list(yaml.safe_load_all(open(path)))
+    docs = list(yaml.load_all(open(path), Loader=yaml.CSafeLoader))  # libyaml: the pure-Python parser took seconds
     return docs[1]["platforms"]["kubernetes"].get("pipelineConfig", {})
 
 

@@ -64,39 +64,33 @@ def mlflow_defaults(monkeypatch):
 def test_server_killed_mid_training_then_relogged(tmp_path, split_dir, tiny_model_dir, mlflow_defaults, caplog):
     server_dir = tmp_path / "server"
     uri, proc = start_mlflow_server(server_dir)
+    # 4 updates, validated every 2: the server dies before update 3, with a validation still to log after it.
+    tc = TrainingConfig(batch_size=4, lr=1e-4, seed=7, steps=4, cache_dir=str(tmp_path / "cache"))
+    vc = ValidationConfig(every_updates=2)
+
+    def step(name: str, tracking_uri: str, sink_of) -> tuple[str, float, Path]:
+        from rangefinder.training.loop import train
+        from rangefinder.training.spec import TrainSpec
+
+        cfg = RangefinderConfig.model_validate({"tracking": {
+            "tracking_uri": tracking_uri, "experiment_name": "server-loss", "server_wait_seconds": WAIT_S}})
+        start = time.monotonic()
+        with step_run(cfg, name, spool_dir=tmp_path / "spool") as run:
+            run.log_config(cfg)
+            spec = TrainSpec(training=tc, validation=vc, split_dir=split_dir, model=str(tiny_model_dir))
+            result = train(spec, out_dir=tmp_path / name, metric_sink=sink_of(run))
+            run.log_artifact(result.metrics_csv, "curves")
+            run.log_decisions({"best_val_loss": result.best_val_loss, "status": "ok"})
+        return run.run_id, time.monotonic() - start, result.metrics_csv
+
     try:
-        cfg = RangefinderConfig.model_validate({"tracking": {"tracking_uri": uri, "experiment_name": "server-loss",
-                                                             "server_wait_seconds": WAIT_S}})
-        # 4 updates, validated every 2: the server dies before update 3, with a validation still to log after it.
-        tc = TrainingConfig(batch_size=4, lr=1e-4, seed=7, steps=4, cache_dir=str(tmp_path / "cache"))
-        vc = ValidationConfig(every_updates=2)
-
-        def step(name: str, sink_of) -> tuple[str, float, Path]:
-            from rangefinder.training.loop import train
-            from rangefinder.training.spec import TrainSpec
-
-            start = time.monotonic()
-            with step_run(cfg, name, spool_dir=tmp_path / "spool") as run:
-                run.log_config(cfg)
-                spec = TrainSpec(training=tc, validation=vc, split_dir=split_dir, model=str(tiny_model_dir))
-                result = train(spec, out_dir=tmp_path / name, metric_sink=sink_of(run))
-                run.log_artifact(result.metrics_csv, "curves")
-                run.log_decisions({"best_val_loss": result.best_val_loss, "status": "ok"})
-            return run.run_id, time.monotonic() - start, result.metrics_csv
-
-        # The normal time: the same step with the server up (after a first run that fills the latent cache).
-        step("warm-up", lambda run: run)
-        healthy_id, healthy_s, _ = step("healthy", lambda run: run)
-
         caplog.set_level(logging.WARNING)
-        run_id, faulted_s, csv_path = step("server-lost", lambda run: KillServerAt(run, proc, update=3))
+        # The first step in this test: it also fills the latent cache the healthy step below reads, so it is timed
+        # against a step that did less (a warm-up step of its own, only to fill the cache, was a whole run more).
+        run_id, faulted_s, csv_path = step("server-lost", uri, lambda run: KillServerAt(run, proc, update=3))
         assert proc.poll() is not None, "the server was never killed"
     finally:
         stop_mlflow_server(proc)
-
-    # It ended in about its normal time plus the bounded wait (a dead server cost ~4 minutes per call before).
-    call_limit = 3 * int(HTTP_LIMITS["MLFLOW_HTTP_REQUEST_TIMEOUT"])
-    assert faulted_s < 1.5 * healthy_s + WAIT_S + call_limit, (faulted_s, healthy_s)
     # The training itself finished: every update is in the step's own curve.
     assert csv_path.is_file()
 
@@ -117,6 +111,14 @@ def test_server_killed_mid_training_then_relogged(tmp_path, split_dir, tiny_mode
     # The server comes back on the same store (on another port); relog puts everything in the run.
     uri2, proc2 = start_mlflow_server(server_dir)
     try:
+        # The normal time: the same step with the server up the whole time (it spools nothing).
+        healthy_id, healthy_s, _ = step("healthy", uri2, lambda run: run)
+        assert sorted((tmp_path / "spool").glob("*.jsonl")) == spools
+        # The lost step ended in about its normal time plus the bounded wait (a dead server cost ~4 minutes per call
+        # before).
+        call_limit = 3 * int(HTTP_LIMITS["MLFLOW_HTTP_REQUEST_TIMEOUT"])
+        assert faulted_s < 1.5 * healthy_s + WAIT_S + call_limit, (faulted_s, healthy_s)
+
         done = relog(str(tmp_path / "spool"), "--tracking-uri", uri2, "--json")
         assert done.returncode == 0, done.stderr
         assert f"to run {run_id}" in json.loads(done.stdout)["relogged"][0]

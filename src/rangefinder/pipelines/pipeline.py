@@ -24,7 +24,11 @@ kfp's and kfp-kubernetes' own calls, at compile time. Nothing here reads the env
 """
 
 # No `from __future__ import annotations`: KFP reads the pipeline functions' annotations as real types.
-from collections.abc import Callable
+import inspect
+import sys
+import types
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple, Optional
 
@@ -153,9 +157,47 @@ class Bounds(NamedTuple):
     source: str  # "range-test" or "zoom"
 
 
+class _InspectWithoutSource(types.ModuleType):
+    """The `inspect` module as kfp's pipeline_task module sees it while a pipeline is built: the same, but `stack()`
+    reads no source. kfp calls `inspect.stack()[1][3]` (its caller's name, for an error message) each time a task's
+    resources or environment are set, about 80 times a build, and `inspect.stack()` opens the source of every frame
+    on the stack: in a deep stack (a test, a notebook, a service) that was ~2.5 of a compile's ~4 CPU-s."""
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(inspect, name)
+
+    @staticmethod
+    def stack(context: int = 1) -> list[inspect.FrameInfo]:
+        frames: list[inspect.FrameInfo] = []
+        frame: Optional[types.FrameType] = sys._getframe(1)  # from the caller of stack(), as inspect.stack() has them
+        while frame is not None:
+            frames.append(inspect.FrameInfo(frame, frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name,
+                                            None, None))
+            frame = frame.f_back
+        return frames
+
+
+@contextmanager
+def _kfp_stack_without_source() -> Iterator[None]:
+    from kfp.dsl import pipeline_task
+
+    if getattr(pipeline_task, "inspect", None) is not inspect:  # another kfp: leave it as it is
+        yield
+        return
+    pipeline_task.inspect = _InspectWithoutSource("inspect")
+    try:
+        yield
+    finally:
+        pipeline_task.inspect = inspect
+
+
 def build_pipeline(cfg: Optional[RangefinderConfig] = None, *, local: bool = False) -> Callable:
     """The pipeline function; `cfg` gives the parameters' defaults and the pod settings (none when `local`)."""
-    cfg = cfg or RangefinderConfig()
+    with _kfp_stack_without_source():
+        return _build_pipeline(cfg or RangefinderConfig(), local=local)
+
+
+def _build_pipeline(cfg: RangefinderConfig, *, local: bool) -> Callable:
     k8s = cfg.kubernetes
     d = parameters_from_config(cfg)
 
