@@ -161,7 +161,10 @@ class _InspectWithoutSource(types.ModuleType):
     """The `inspect` module as kfp's pipeline_task module sees it while a pipeline is built: the same, but `stack()`
     reads no source. kfp calls `inspect.stack()[1][3]` (its caller's name, for an error message) each time a task's
     resources or environment are set, about 80 times a build, and `inspect.stack()` opens the source of every frame
-    on the stack: in a deep stack (a test, a notebook, a service) that was ~2.5 of a compile's ~4 CPU-s."""
+    on the stack: in a deep stack (a test, a notebook, a service) that was ~2.5 of a compile's ~4 CPU-s. The cost is
+    CPython's (`inspect.getmodule` per frame; python/cpython#92041, open); projects that hit it walk the frames
+    themselves, as `stack()` below does. Not a kfp setting, so this swaps the module kfp sees, only while it builds,
+    and leaves any other kfp version as it is (`_kfp_stack_without_source`)."""
 
     def __getattr__(self, name: str) -> object:
         return getattr(inspect, name)
