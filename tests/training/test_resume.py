@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -39,13 +40,17 @@ def start_child(settings: dict, tmp: Path, name: str, fresh: bool = False) -> su
                             text=True, env=env)
 
 
-def _forked_main(path: str, out: str, err: str) -> None:
+def _engine_child_main(path: str) -> None:
+    from tests.training import engine_child
+
+    engine_child.main(path)
+
+
+def _as_a_fresh_process(out: str, err: str, target: Callable[..., object], *args: object) -> None:
     """In the fork: what a fresh `python engine_child.py path` has that this copy of the test process has not (its
     own stdout and stderr, default signal handlers, warnings on stderr rather than in pytest's log capture, one
-    OpenMP thread), then engine_child.main. Its exit status is main's (2 for a RangefinderError; SIGKILL: -9)."""
+    OpenMP thread), then `target`. Its exit status is target's (sys.exit(2) for a RangefinderError; SIGKILL: -9)."""
     import logging
-
-    from tests.training import engine_child
 
     for fd, file in ((1, out), (2, err)):
         opened = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
@@ -57,18 +62,20 @@ def _forked_main(path: str, out: str, err: str) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     logging.root.handlers.clear()  # pytest's capture handlers: a fresh process prints warnings on stderr
     os.environ["OMP_NUM_THREADS"] = "1"
-    engine_child.main(path)
+    target(*args)
 
 
 class ForkedChild:
-    """The part of subprocess.Popen the tests use, for engine_child.main in a forked process."""
+    """The part of subprocess.Popen the tests use, for `target(*args)` in a forked process (by default
+    engine_child.main on a settings file)."""
 
-    def __init__(self, path: Path, out: Path, err: Path) -> None:
+    def __init__(self, path: Path, out: Path, err: Path, target: Callable[..., object] = _engine_child_main,
+                 args: tuple = ()) -> None:
         import multiprocessing
 
         self.args, self.out, self.err = [str(CHILD), str(path)], out, err
-        self.process = multiprocessing.get_context("fork").Process(target=_forked_main,
-                                                                   args=(str(path), str(out), str(err)))
+        self.process = multiprocessing.get_context("fork").Process(
+            target=_as_a_fresh_process, args=(str(out), str(err), target, *(args or (str(path),))))
         self.process.start()
         self.pid = self.process.pid
         self.returncode: int | None = None
