@@ -6,46 +6,45 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-CHILD = textwrap.dedent(
-    """
-    import os, signal, sys
-    from pathlib import Path
-    import torch
+from tests.training.test_resume import ForkedChild
+
+
+def _encode_until_killed(model: str, data: str, folder: str, kill_at: int) -> None:
+    """A caching run that SIGKILLs itself (no cleanup) while loading image number kill_at."""
     from diffusers import AutoencoderKL
+
     from rangefinder.data.pixels import load_rgb, to_model_array
     from rangefinder.formats.digest import file_sha256
     from rangefinder.training.caching import LatentCache, VaeEncoder
 
     torch.set_num_threads(1)
-    model, data, folder, kill_at = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
-    paths = sorted(data.glob("*.png"))
+    paths = sorted(Path(data).glob("*.png"))
     loaded = []
 
-    def load(path):  # the crash: SIGKILL (no cleanup) while loading image number kill_at
+    def load(path):
         loaded.append(path)
         if len(loaded) == kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
         return to_model_array(load_rgb(path), 32)
 
     vae = AutoencoderKL.from_pretrained(os.path.join(model, "vae"))
-    cache = LatentCache(VaeEncoder(vae, torch.device("cpu"), "sample", 3), load, folder, batch_size=2)
+    cache = LatentCache(VaeEncoder(vae, torch.device("cpu"), "sample", 3), load, Path(folder), batch_size=2)
     cache.ensure(paths, [file_sha256(p) for p in paths], flipped=True)
-    """
-)
 
 
 def _ensure(model: Path, data: Path, folder: Path, kill_at: int) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-c", CHILD, str(model), str(data), str(folder), str(kill_at)],
-                          capture_output=True, text=True, env=env, timeout=600)
+    """That run in a process of its own: a fork of this one (its imports done; see test_resume.start_child)."""
+    tmp = folder.parent
+    child = ForkedChild(tmp / "caching", tmp / "caching.out", tmp / "caching.err", target=_encode_until_killed,
+                        args=(str(model), str(data), str(folder), kill_at))
+    out, err = child.communicate(timeout=600)
+    return subprocess.CompletedProcess(child.args, child.returncode, out, err)
 
 
 @pytest.mark.slow
@@ -58,6 +57,12 @@ def test_a_killed_caching_run_keeps_its_finished_entries_and_the_next_encodes_on
         shutil.copy(png, data / png.name)
     folder = tmp_path / "cache"
 
+    from diffusers import AutoencoderKL  # imported before the fork, which then has it too
+
+    from rangefinder.data.pixels import load_rgb, to_model_array
+    from rangefinder.formats.digest import file_sha256
+    from rangefinder.training.caching import LatentCache, VaeEncoder
+
     # Killed while loading the 5th image: batches 1 and 2 (4 images) are written, batch 3 never is.
     killed = _ensure(tiny_model_dir, data, folder, kill_at=5)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
@@ -67,12 +72,6 @@ def test_a_killed_caching_run_keeps_its_finished_entries_and_the_next_encodes_on
     assert all(set(load_file(str(e))) == {"latent", "flipped"} for e in entries)  # whole entries only
 
     # The next run (here, in this process) encodes the other four; its entries equal a never-killed run's.
-    from diffusers import AutoencoderKL
-
-    from rangefinder.data.pixels import load_rgb, to_model_array
-    from rangefinder.formats.digest import file_sha256
-    from rangefinder.training.caching import LatentCache, VaeEncoder
-
     paths = sorted(data.glob("*.png"))
     keys = [file_sha256(p) for p in paths]
     vae = AutoencoderKL.from_pretrained(os.path.join(tiny_model_dir, "vae"))

@@ -7,11 +7,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,8 +20,8 @@ from rangefinder.config import TrainingConfig, ValidationConfig
 from rangefinder.errors import RangefinderError
 from rangefinder.formats import checkpoints
 from rangefinder.training.loop import TrainSpec, train
+from tests.training.test_resume import start_child  # a forked engine_child.py run
 
-CHILD = Path(__file__).with_name("engine_child.py")
 NO_VALIDATION = dict(every_epochs=0)
 
 
@@ -60,14 +57,6 @@ def copy_run(finished: Path, dst: Path) -> Path:
 
 def unet(out_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(out_dir / "final" / "unet" / "diffusion_pytorch_model.safetensors"))
-
-
-def start_child(settings: dict, tmp: Path, name: str) -> subprocess.Popen:
-    path = tmp / f"{name}.json"
-    path.write_text(json.dumps(settings))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, str(CHILD), str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)
 
 
 def rewrite_checksum(ckpt: Path, name: str) -> None:

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,18 +21,78 @@ from rangefinder.training.loop import TrainSpec, train
 CHILD = Path(__file__).with_name("engine_child.py")
 
 
-def run_child(settings: dict, tmp: Path, name: str) -> subprocess.CompletedProcess:
-    child = start_child(settings, tmp, name)
+def run_child(settings: dict, tmp: Path, name: str, fresh: bool = False) -> subprocess.CompletedProcess:
+    child = start_child(settings, tmp, name, fresh)
     out, err = child.communicate(timeout=600)
     return subprocess.CompletedProcess(child.args, child.returncode, out, err)
 
 
-def start_child(settings: dict, tmp: Path, name: str) -> subprocess.Popen:
+def start_child(settings: dict, tmp: Path, name: str, fresh: bool = False) -> subprocess.Popen | ForkedChild:
+    """engine_child.py's run in a process of its own: by default a fork of this one (torch, diffusers and the engine
+    already imported: a fresh interpreter spends ~9 CPU-s importing them before it trains), with `fresh` a new
+    `python engine_child.py` (kept for the SIGKILL resume below, the whole real-process path)."""
     path = tmp / f"{name}.json"
     path.write_text(json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in settings.items()}))
+    if not fresh:
+        return ForkedChild(path, tmp / f"{name}.out", tmp / f"{name}.err")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, str(CHILD), str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env)
+
+
+def _engine_child_main(path: str) -> None:
+    from tests.training import engine_child
+
+    engine_child.main(path)
+
+
+def _as_a_fresh_process(out: str, err: str, target: Callable[..., object], *args: object) -> None:
+    """In the fork: what a fresh `python engine_child.py path` has that this copy of the test process has not (its
+    own stdout and stderr, default signal handlers, warnings on stderr rather than in pytest's log capture, one
+    OpenMP thread), then `target`. Its exit status is target's (sys.exit(2) for a RangefinderError; SIGKILL: -9)."""
+    import logging
+
+    for fd, file in ((1, out), (2, err)):
+        opened = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(opened, fd)
+        os.close(opened)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # the process's own, for its lifetime
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    logging.root.handlers.clear()  # pytest's capture handlers: a fresh process prints warnings on stderr
+    os.environ["OMP_NUM_THREADS"] = "1"
+    target(*args)
+
+
+class ForkedChild:
+    """The part of subprocess.Popen the tests use, for `target(*args)` in a forked process (by default
+    engine_child.main on a settings file)."""
+
+    def __init__(self, path: Path, out: Path, err: Path, target: Callable[..., object] = _engine_child_main,
+                 args: tuple = ()) -> None:
+        import multiprocessing
+
+        self.args, self.out, self.err = [str(CHILD), str(path)], out, err
+        self.process = multiprocessing.get_context("fork").Process(
+            target=_as_a_fresh_process, args=(str(out), str(err), target, *(args or (str(path),))))
+        self.process.start()
+        self.pid = self.process.pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        self.returncode = self.process.exitcode
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        self.returncode = self.process.exitcode
+        return self.out.read_text(), self.err.read_text()
 
 
 # One uninterrupted reference run; each interruption below must end exactly like it (issue 32: one shared reference).
@@ -77,7 +138,7 @@ def child_settings(reference: dict, out: Path, **kw) -> dict:
 def test_sigkill_after_second_checkpoint_then_resume_equals_uninterrupted(reference, tmp_path):
     # Checkpoints at 3 and 6, then killed inside update 7.
     cut = tmp_path / "cut"
-    killed = run_child(child_settings(reference, cut, kill_at_update=7), tmp_path, "killed")
+    killed = run_child(child_settings(reference, cut, kill_at_update=7), tmp_path, "killed", fresh=True)
     assert killed.returncode == -signal.SIGKILL
     assert sorted(p.name for p in (cut / "checkpoints").iterdir()) == ["checkpoint-000003", "checkpoint-000006"]
     assert not (cut / "final").exists() and not (cut / "run_summary.json").exists()

@@ -154,7 +154,7 @@ def test_a_killed_run_resumes_with_its_sample_index_whole_and_mlflow_holding_eac
     killed = run_child({"split_dir": str(split_dir), "model": str(tiny_model_dir), "out_dir": str(cut),
                         "training": tc, "validation": {"every_epochs": 1},
                         "sampling": sampling.model_dump(mode="json"), "kill_at_update": 11,
-                        "mlflow": {"tracking_uri": uri, "run_id": run_id}}, tmp_path, "killed")
+                        "mlflow": {"tracking_uri": uri, "run_id": run_id}}, tmp_path, "killed", fresh=True)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     before = read_index(cut)
     assert [e["update"] for e in before["samples"]] == [0, 4, 8]
