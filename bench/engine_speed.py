@@ -3,9 +3,10 @@
     python -m bench.engine_speed                  # CPU: the tiny model at 32 px (and, on CUDA, SD 1.5 size at 512 px)
     python -m bench.engine_speed --updates 4 --smoke
 
-Each variant trains in a process of its own (so one variant's memory does not count against the next) through the
-public `rangefinder.training.loop.train`, with validation off. `updates/s` is the loop's own rate (the summary's
-`updates_per_second`: the updates over the loop's wall time, model loading and the one-time encoding excluded);
+Each variant trains in a process of its own (so one variant's memory does not count against the next; a `--smoke`
+run starts one for its first variant only) through the public `rangefinder.training.loop.train`, with validation off.
+`updates/s` is the loop's own rate (the summary's `updates_per_second`: the updates over the loop's wall time, model
+loading and the one-time encoding excluded);
 `cpu s/update` is the process' CPU time in the loop per update (steadier than wall time on a shared machine);
 `run s` is the whole call. Rounds alternate the variants and the median round is reported. Peak memory: the process'
 resident set sampled during the call on CPU, `torch.cuda.max_memory_allocated` on CUDA. Caching on means the latents
@@ -103,7 +104,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--out", type=Path, default=None, help="JSON result (default bench/results/engine_speed.json)")
     p.add_argument("--work", type=Path, help="where datasets, models and caches go (default: a temporary folder)")
-    p.add_argument("--smoke", action="store_true", help="tiny model only, no GPU section (used by the tests)")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny model only, no GPU section, only the first variant in a process of its own (the tests)")
     p.add_argument("--variant", choices=list(VARIANTS), help=argparse.SUPPRESS)  # internal: one isolated variant
     p.add_argument("--model", choices=["tiny", "sd15"], default="tiny", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -124,8 +126,15 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     rounds: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for _ in range(args.rounds):
         for kind in kinds:
-            for variant in VARIANTS:
-                rounds.setdefault((kind, variant), []).append(run_isolated(args, kind, variant, work))
+            for i, variant in enumerate(VARIANTS):
+                if args.smoke and i > 0:
+                    # A smoke run checks the plumbing, not the numbers: the first variant takes the child-process
+                    # path every variant of a real run takes, the others run here and save a process start-up each.
+                    row = one_variant(kind, VARIANTS[variant], updates=args.updates, batch_size=args.batch_size,
+                                      mixed_precision="no", work=work, threads=args.threads)
+                else:
+                    row = run_isolated(args, kind, variant, work)
+                rounds.setdefault((kind, variant), []).append(row)
     rows = []
     for runs in rounds.values():
         row = dict(sorted(runs, key=lambda r: r["s_per_update"])[len(runs) // 2])
