@@ -283,9 +283,13 @@ def rechoose(c: dict[str, Any]) -> dict[str, Any]:
 
 
 def verdict_of(mine: Optional[float], theirs: Optional[float]) -> Optional[str]:
-    """(a) against another arm: win (more than TIE_PCT lower), tie (within it), loss; None when either is missing."""
-    if mine is None or theirs is None or theirs <= 0:
+    """(a) against another arm: win (more than TIE_PCT lower), tie (within it), loss; None when the other arm has no
+    loss. (a) with none (it failed: its range tests found no bounds, so it delivered an error, not a model) loses to
+    any arm that delivered one: the user who ran it has nothing to use. Leaving the case out would flatter (a)."""
+    if theirs is None or theirs <= 0:
         return None
+    if mine is None:
+        return "loss"
     rel = 100.0 * (mine - theirs) / theirs
     return "tie" if abs(rel) <= TIE_PCT else ("win" if rel < 0 else "loss")
 
@@ -344,7 +348,10 @@ def aggregate(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     out["grid_cases"] = len(graded)
     for arm in ("rangefinder", *OPPONENTS):
         gaps = sorted(s[f"gap_{arm}_pct"] for s in graded if s.get(f"gap_{arm}_pct") is not None)
-        out[f"gap_{arm}_pct"] = {"n": len(gaps), "median": gaps[len(gaps) // 2] if gaps else None,
+        # A case where (a) failed (no loss, so no gap) is a miss of the grid criterion, not a case less.
+        failed = sum(s.get(f"gap_{arm}_pct") is None for s in graded) if arm == "rangefinder" else 0
+        out[f"gap_{arm}_pct"] = {"n": len(gaps) + failed, "failed": failed,
+                                 "median": gaps[len(gaps) // 2] if gaps else None,
                                  "max": gaps[-1] if gaps else None,
                                  "within_3pct": sum(x <= GRID_GAP_PCT for x in gaps)}
     shares = sorted(s["rangefinder_update_share"] for s in graded)
@@ -402,7 +409,8 @@ def report(result: dict[str, Any]) -> str:
             g = agg[f"gap_{arm}_pct"]
             if g["n"]:
                 lines.append(f"  gap to grid best, {arm}: median {_f(g['median'])}%, worst {_f(g['max'])}%, "
-                             f"within 3% in {g['within_3pct']}/{g['n']}")
+                             f"within 3% in {g['within_3pct']}/{g['n']}"
+                             + (f" ({g['failed']} failed)" if g.get("failed") else ""))
         for k, v in agg["goals"].items():
             lines.append(f"  goal {k}: {json.dumps(v)}")
     return text + "\n\n" + "\n".join(lines)
@@ -443,6 +451,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         merged: dict[str, Any] = {"benchmark": NAME, "merged_from": [str(x) for x in args.report], "cases": []}
         for path in args.report:
             merged["cases"] += json.loads(path.read_text())["cases"]
+        # Each case's verdicts with today's arithmetic (a failed (a) is a loss since 2026-11-27), from its saved arms.
+        merged["cases"] = [{**c, "summary": summarize(c)} for c in merged["cases"]]
         if args.rechoose:
             merged["rechosen"] = True
             merged["cases"] = [rechoose(c) for c in merged["cases"]]

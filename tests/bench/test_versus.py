@@ -19,7 +19,19 @@ def test_verdict_ties_within_one_percent():
     assert verdict_of(1.0, 1.0) == "tie"
     assert verdict_of(1.009, 1.0) == "tie" and verdict_of(0.991, 1.0) == "tie"
     assert verdict_of(0.98, 1.0) == "win" and verdict_of(1.02, 1.0) == "loss"
-    assert verdict_of(None, 1.0) is None and verdict_of(1.0, None) is None
+    assert verdict_of(1.0, None) is None and verdict_of(None, None) is None
+    # (a) failed (no bounds, no model) where the other arm delivered one: a loss, not a case left out.
+    assert verdict_of(None, 1.0) == "loss"
+
+
+def test_a_failed_rangefinder_counts_against_it():
+    rows = [_summary(1.0, 1.1, 1.1, 1.1, grid=0.99), _summary(None, 1.0, 1.0, 1.0, grid=0.99)]
+    agg = aggregate(rows)
+    assert agg["vs_prodigy_best"] == {"n": 2, "win": 1, "tie": 0, "loss": 1}
+    assert agg["vs_random_best"]["loss"] == 1 and agg["goals"]["beats_random"]["share"] == 0.5
+    # Within 3 % of the grid in 1 of 2: the failed case is a miss, not a case less.
+    assert agg["gap_rangefinder_pct"]["n"] == 2 and agg["gap_rangefinder_pct"]["within_3pct"] == 1
+    assert agg["gap_rangefinder_pct"]["failed"] == 1 and agg["goals"]["grid"]["share"] == 0.5
 
 
 def _summary(a, b, c, d, grid=None, share=0.2):
@@ -30,7 +42,7 @@ def _summary(a, b, c, d, grid=None, share=0.2):
     if grid is not None:
         s["grid_best"], s["rangefinder_update_share"] = grid, share
         for arm in ("rangefinder", *OPPONENTS):
-            s[f"gap_{arm}_pct"] = 100 * (s[arm] - grid) / grid
+            s[f"gap_{arm}_pct"] = None if s[arm] is None else 100 * (s[arm] - grid) / grid
     return s
 
 
