@@ -39,6 +39,14 @@ def test_zoom_after_a_descent_that_blew_up_goes_below_the_blow_up():
     assert (lo, hi) == pytest.approx((1e-5, 8e-3))
 
 
+def test_zoom_after_a_blow_up_never_repeats_the_first_sweep():
+    # LoRA `stripes` seed 4 (bench.versus, 2026-11-27): 12 noisy points over 1e-6..1, lowest at 0.28, then the
+    # blow-up. Widening a decade from 0.28 was 1e-6..1 again: the same deterministic sweep, the same failure.
+    lo, hi = zoom_range("diverged", ["diverged"], None, None, 1e-6, 1.0, 0, 5, lr_at_min=0.2848)
+    assert (lo, hi) != pytest.approx((1e-6, 1.0))
+    assert (lo, hi) == pytest.approx((1e-7, 1e-2))  # the decades below, as the error tells a user to do
+
+
 def test_no_descent_that_ended_worse_zooms_down_not_up():
     # The stripes case of bench/discovery_quality: a dip too shallow for the test, then the top LRs made the model
     # worse. Widening upwards found only the blow-up; the descent lies below the lowest point.

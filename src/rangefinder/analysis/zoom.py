@@ -11,7 +11,8 @@ the LR range test step proposes the range of a second test ("zoom"), derived fro
   upper-censored);
 - rising from the start: the decades below the old range, but when the lowest point lies inside the sweep (a dip
   too narrow to read, then the rise) from a decade lower to a little past that point; diverged: the range below
-  where it blew up;
+  where it blew up (from the bottom to a decade past the lowest point, or, when that point lies in the top decade
+  and so would give the first sweep again, the decades below);
 - no descent: one decade higher when the curve stayed flat (nothing was learned yet), but when the loss ended above
   where it started (the top of the sweep made the model worse, as when the base model has little left to learn) a
   decade lower, up to a little past the lowest point: widening upwards there only finds the blow-up.
@@ -63,9 +64,12 @@ def zoom_range(status: str, flags: list[str], lr_low: Optional[float], lr_high: 
             return lr_min / ZOOM_EXTEND, lr_at_min * ZOOM_MARGIN
         return lr_min / ZOOM_EXTEND ** 2, lr_min
     if status == "diverged":
-        if lr_at_min is not None and lr_min < lr_at_min < lr_max:
+        if lr_at_min is not None and lr_min < lr_at_min < lr_max / ZOOM_EXTEND:
             # It fell before it blew up: spend the second sweep on the part below the blow-up.
-            return lr_min, min(lr_max, lr_at_min * ZOOM_EXTEND)
+            return lr_min, lr_at_min * ZOOM_EXTEND
+        # No lowest point a decade or more below the top (none, or one in the top decade: read as noise, since the
+        # test found no real descent): the decades below. Widening from that point would be the first sweep again,
+        # which is deterministic and blows up the same way (LoRA `stripes` seed 4 in bench.versus, 2026-11-27).
         return lr_min / ZOOM_EXTEND, max(lr_max / ZOOM_EXTEND ** 2, lr_min * ZOOM_EXTEND)
     if status == "no_descent":
         if not rose_at_top:
