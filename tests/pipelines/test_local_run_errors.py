@@ -18,19 +18,28 @@ from tests.pipelines.tiny_run import TINY, tiny_config
 from tests.tracking.fixtures import free_port, start_mlflow_server, stop_mlflow_server
 
 
-def run_local(cfg: Path, out: Path, env: dict) -> subprocess.CompletedProcess:
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
-    full_env.update(env)
-    return subprocess.run([sys.executable, "-m", "rangefinder.cli.main", "run", "--local", "--config", str(cfg),
-                           "--out", str(out)], capture_output=True, text=True, timeout=600, env=full_env)
+def run_local(cfg: Path, out: Path, env: dict, monkeypatch: pytest.MonkeyPatch,
+              capfd: pytest.CaptureFixture[str]) -> subprocess.CompletedProcess:
+    """`rangefinder run --local` in this process, with MLflow's variables only from `env`: its step processes are
+    real and capfd reads the file descriptors they print to, so the terminal is read whole. The CLI as a process of
+    its own: test_server_killed_mid_run_ends_with_the_first_failed_steps_own_error (one start-up fewer per test)."""
+    from rangefinder.cli.main import main
+
+    for name in [k for k in os.environ if k.startswith("MLFLOW_")]:
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    capfd.readouterr()
+    code = main(["run", "--local", "--config", str(cfg), "--out", str(out)])
+    return subprocess.CompletedProcess([], code, *capfd.readouterr())
 
 
 @pytest.mark.slow
-def test_mlflow_down_shows_the_cause_on_the_terminal(tmp_path):
+def test_mlflow_down_shows_the_cause_on_the_terminal(tmp_path, monkeypatch, capfd):
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text("data:\n  resolution: 32\n")
     uri = f"http://127.0.0.1:{free_port()}"
-    proc = run_local(cfg, tmp_path / "out", {"MLFLOW_TRACKING_URI": uri})
+    proc = run_local(cfg, tmp_path / "out", {"MLFLOW_TRACKING_URI": uri}, monkeypatch, capfd)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     error = proc.stderr.strip().splitlines()[-1]
     # Not a terminal: plain lines, a line per step as it starts and ends, then the cause.
@@ -43,14 +52,14 @@ def test_mlflow_down_shows_the_cause_on_the_terminal(tmp_path):
 
 
 @pytest.mark.slow
-def test_secrets_stay_out_of_the_terminal_and_pipeline_log(tmp_path):
+def test_secrets_stay_out_of_the_terminal_and_pipeline_log(tmp_path, monkeypatch, capfd):
     """A secret's value that turns up in what kfp.local prints (here inside a dataset path, printed with the step's
     inputs and in its error) is redacted in pipeline.log and in the error shown."""
     secret = "rf-Secret-4417-pw"
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(f"data:\n  resolution: 32\n  dataset_dir: {tmp_path / ('no-such-' + secret)}\n")
     out = tmp_path / "out"
-    proc = run_local(cfg, out, {"MLFLOW_TRACKING_PASSWORD": secret})
+    proc = run_local(cfg, out, {"MLFLOW_TRACKING_PASSWORD": secret}, monkeypatch, capfd)
     assert proc.returncode == 2, proc.stderr
     error = proc.stderr.strip().splitlines()[-1]
     assert re.search(r"step prepare-dataset(-\d+)? failed: DataError: data.dataset_dir \S*/no-such-\*\*\* is not a "
