@@ -449,8 +449,16 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     if args.report:
         merged: dict[str, Any] = {"benchmark": NAME, "merged_from": [str(x) for x in args.report], "cases": []}
+        by_case: dict[tuple[str, str, int], dict[str, Any]] = {}
         for path in args.report:
-            merged["cases"] += json.loads(path.read_text())["cases"]
+            for c in json.loads(path.read_text())["cases"]:
+                # A case re-run later (a fix measured on it, --reuse-arms) replaces the earlier run: the later file
+                # wins, and the tables say which.
+                key = (c["method"], c["kind"], c["seed"])
+                if key in by_case:
+                    print(f"{c['method']} {c['kind']} {c['seed']}: the run in {path.name} replaces an earlier one")
+                by_case[key] = c
+        merged["cases"] = list(by_case.values())
         # Each case's verdicts with today's arithmetic (a failed (a) is a loss since 2026-11-27), from its saved arms.
         merged["cases"] = [{**c, "summary": summarize(c)} for c in merged["cases"]]
         if args.rechoose:
