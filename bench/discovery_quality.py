@@ -85,13 +85,24 @@ def _updates_of(run_dir: Path) -> int:
 
 def train_fixed_lr(cfg, split_dir: Path, lr: float, out: Path) -> dict[str, Any]:
     """One constant-LR run exactly as the fine-tune step runs it (the grid's and the classic suggestions' arm)."""
+    from rangefinder.errors import RangefinderError
     from rangefinder.steps.finetune import run_finetune
 
     t0 = time.perf_counter()
-    ft = run_finetune(cfg, split_dir=split_dir, lr_low=lr, lr_high=lr, lr_mid=lr, lr_source="fixed", model_dir=out)
+    try:
+        ft = run_finetune(cfg, split_dir=split_dir, lr_low=lr, lr_high=lr, lr_mid=lr, lr_source="fixed",
+                          model_dir=out)
+        curve_csv, diverged = ft.curve_csv, False
+    except RangefinderError as e:
+        # A draw (random search) or grid point so high that the loss turned NaN: the run stops as diverged and
+        # delivers nothing. The arm keeps what it measured before that (its curve's finite points), as a user
+        # picking the best validated checkpoint would; a run with none has no loss and cannot be the arm's best.
+        if "diverged" not in str(e):
+            raise
+        curve_csv, diverged = next(out.rglob("metrics.csv")), True
     seconds = time.perf_counter() - t0
-    stats = curve_stats(ft.curve_csv)
-    updates = _updates_of(out)
+    stats = {**curve_stats(curve_csv), "diverged": diverged}
+    updates = _updates_of(curve_csv.parent)
     shutil.rmtree(out / "final", ignore_errors=True)  # the weights are not needed; keep the curve
     return {"lr": lr, "updates": updates, "seconds": seconds, **stats}
 

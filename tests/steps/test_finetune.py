@@ -259,6 +259,24 @@ def test_the_finetune_step_logs_samples_during_training_to_mlflow_with_their_ste
     assert page.count(f"alt='{cfg.sampling.prompts[0]} | seed 0 at update") == 3
 
 
+def test_a_fine_tune_that_diverges_says_so_and_what_to_do(split_dir, tiny_model_dir, tmp_path, monkeypatch):
+    """A fixed LR far too high (a random-search draw in bench.versus, LoRA `glyphs` seed 4): the loss turns NaN, the
+    engine stops as diverged and writes no final weights. The step names the divergence, the LR and the fix, not
+    only that no final weights exist; the curve it measured stays for the user to read."""
+    from rangefinder.errors import RangefinderError
+    from rangefinder.steps.finetune import run_finetune
+
+    for var in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME"):
+        monkeypatch.delenv(var, raising=False)
+    cfg = demo_config(model={"base_model": str(tiny_model_dir)}, finetune={"epochs": 2},
+                      training={"cache_dir": str(tmp_path / "cache")}, sampling={"every_validations": None},
+                      tracking={"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "registered_model_name": None})
+    with pytest.raises(RangefinderError, match=r"diverged at lr 1e\+06 .*lower the LR"):
+        run_finetune(cfg, split_dir=split_dir, lr_low=1e6, lr_high=1e6, lr_mid=1e6, lr_source="fixed",
+                     model_dir=tmp_path / "ft")
+    assert not (tmp_path / "ft" / "final").exists() and next((tmp_path / "ft").rglob("metrics.csv"), None)
+
+
 def test_the_delivered_update_is_sampled_in_the_strip_and_the_mlflow_series(tiny_model_dir, tmp_path, monkeypatch):
     """Issue 35: the samples during training ran every few validations, and the slider ended before the weights the
     pipeline delivers (the chosen checkpoint). The step renders those weights with the same settings and adds them

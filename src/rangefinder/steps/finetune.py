@@ -244,6 +244,12 @@ def run_finetune(
         run.log_params({"lr": lr})  # the LR this run trains the delivered model at (lr_mid, or the kept one)
         # With halving, this goes on from the kept candidate's checkpoint at the pause.
         result = run_training(cfg, spec, out_dir=work, metric_sink=run, step_name="finetune", split=split)
+        if result.status == "diverged":
+            # A NaN/inf loss stopped it, and training never writes NaN weights, so there is nothing to deliver: the
+            # cause and the fix, before any reading of a curve cut short (which would blame the validation instead).
+            raise RangefinderError(f"the fine-tune diverged at lr {lr:.3g} (its loss stopped being finite by update "
+                                   f"{result.updates}), so it delivered no weights; lower the LR (or the range "
+                                   f"test's lr_max) and run again. Its curve: {result.metrics_csv}")
         report_dir = Path(out_dir or model_dir / "report")
         report_dir.mkdir(parents=True, exist_ok=True)
         if validating:
