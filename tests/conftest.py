@@ -32,7 +32,7 @@ SHARED_RUN_FILES = ("tests/pipelines/test_demo_learns.py", "tests/pipelines/test
 LONG_FIRST = ("pipelines:demo-run", "tests/steps/test_processes.py",
               "tests/methods/test_discovery_by_method.py", "tests/bench/test_discovery_quality.py",
               "tests/pipelines/test_demo_sdxl.py", "tests/pipelines/test_local_run_errors.py",
-              "tests/tracking/test_outbox.py",
+              "tests/tracking/test_outbox.py", "tests/training/test_compile.py",
               "tests/training/test_resume.py", "tests/tracking/test_server_loss.py", "tests/steps/test_halving.py",
               "tests/training/test_optimizers.py", "tests/pipelines/test_reuse.py",
               "tests/tracking/test_retried_step.py", "tests/training/test_samples.py")
