@@ -12,7 +12,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
-import multiprocessing
 import os
 import signal
 import time
@@ -27,6 +26,7 @@ from rangefinder.config import demo_config
 from rangefinder.errors import RangefinderError
 from rangefinder.formats import checkpoints
 from rangefinder.steps.halving import DECISION, HALVING_DIR, halving_applies
+from tests.training.test_resume import ForkedChild
 
 LR_LOW, LR_MID, LR_HIGH = 3e-5, 1e-4, 1e-3
 UNET = Path("final") / "unet" / "diffusion_pytorch_model.safetensors"
@@ -223,15 +223,16 @@ def test_a_step_killed_in_the_race_and_after_it_ends_as_one_never_killed(halved,
         run_finetune(cfg, split_dir=split_dir, lr_low=LR_LOW, lr_high=LR_HIGH, lr_mid=LR_MID, model_dir=work)
 
     def kill_when(ready) -> None:
-        proc = multiprocessing.get_context("fork").Process(target=step)
-        proc.start()
+        # The forked child the engine's kill tests use (tests/training/test_resume.py): its own stdout and stderr,
+        # default signal handlers, one OpenMP thread.
+        proc = ForkedChild(tmp_path / "step", tmp_path / "step.out", tmp_path / "step.err", target=step, args=())
         deadline = time.monotonic() + 300
-        while not ready() and proc.is_alive():
+        while not ready() and proc.poll() is None:
             assert time.monotonic() < deadline, "the step did not get there within 5 minutes"
             time.sleep(0.02)
         with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, signal.SIGKILL)
-        proc.join()
+            proc.send_signal(signal.SIGKILL)
+        proc.communicate()
 
     race = work / HALVING_DIR / "lr_high" / "checkpoints"
     kill_when(lambda: race.is_dir() and bool(checkpoints.list_checkpoints(race)))

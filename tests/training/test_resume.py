@@ -70,12 +70,13 @@ class ForkedChild:
     engine_child.main on a settings file)."""
 
     def __init__(self, path: Path, out: Path, err: Path, target: Callable[..., object] = _engine_child_main,
-                 args: tuple = ()) -> None:
+                 args: tuple | None = None) -> None:
         import multiprocessing
 
         self.args, self.out, self.err = [str(CHILD), str(path)], out, err
+        target_args = args if args is not None else (str(path),)  # engine_child.main reads the settings file
         self.process = multiprocessing.get_context("fork").Process(
-            target=_as_a_fresh_process, args=(str(out), str(err), target, *(args or (str(path),))))
+            target=_as_a_fresh_process, args=(str(out), str(err), target, *target_args))
         self.process.start()
         self.pid = self.process.pid
         self.returncode: int | None = None
