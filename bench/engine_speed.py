@@ -92,6 +92,13 @@ def run_isolated(args: argparse.Namespace, setup_kind: str, variant: str, work: 
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def variant_here(args: argparse.Namespace, setup_kind: str, variant: str, work: Path) -> dict[str, Any]:
+    """A variant in this process, as the child of `run_isolated` runs it (bf16 at SD 1.5 size, fp32 on the tiny one)."""
+    mp = "bf16" if setup_kind == "sd15" else "no"
+    return one_variant(setup_kind, VARIANTS[variant], updates=args.updates, batch_size=args.batch_size,
+                       mixed_precision=mp, work=work, threads=args.threads)
+
+
 COLUMNS = ["model", "resolution", "device", "mixed_precision", "latent_cache", "batch_size", "updates",
            "updates_per_s", "s_per_update", "cpu_s_per_update", "run_s", "peak_mib", "threads", "rounds"]
 
@@ -111,9 +118,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     args = p.parse_args(argv)
 
     if args.variant:  # child process
-        mp = "bf16" if args.model == "sd15" else "no"
-        row = one_variant(args.model, VARIANTS[args.variant], updates=args.updates, batch_size=args.batch_size,
-                          mixed_precision=mp, work=args.work, threads=args.threads)
+        row = variant_here(args, args.model, args.variant, args.work)
         print(json.dumps(row))
         return row
 
@@ -130,8 +135,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                 if args.smoke and i > 0:
                     # A smoke run checks the plumbing, not the numbers: the first variant takes the child-process
                     # path every variant of a real run takes, the others run here and save a process start-up each.
-                    row = one_variant(kind, VARIANTS[variant], updates=args.updates, batch_size=args.batch_size,
-                                      mixed_precision="no", work=work, threads=args.threads)
+                    row = variant_here(args, kind, variant, work)
                 else:
                     row = run_isolated(args, kind, variant, work)
                 rounds.setdefault((kind, variant), []).append(row)

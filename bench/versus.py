@@ -458,9 +458,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                 if key in by_case:
                     print(f"{c['method']} {c['kind']} {c['seed']}: the run in {path.name} replaces an earlier one")
                 by_case[key] = c
-        merged["cases"] = list(by_case.values())
         # Each case's verdicts with today's arithmetic (a failed (a) is a loss since 2026-11-27), from its saved arms.
-        merged["cases"] = [{**c, "summary": summarize(c)} for c in merged["cases"]]
+        merged["cases"] = [{**c, "summary": summarize(c)} for c in by_case.values()]
         if args.rechoose:
             merged["rechosen"] = True
             merged["cases"] = [rechoose(c) for c in merged["cases"]]
