@@ -195,6 +195,8 @@ def one_case(method: str, kind: str, seed: int, args, work: Path, saved: dict[tu
         assert old is not None
         log(f"{tag} (b)-(e) reused from {old['file']}: same data, length and span")
         out.update({k: old[k] for k in ("prodigy", "folk", "random", "grid")}, reused_arms_from=old["file"])
+        if out["grid"] is None and args.grid:  # the earlier run had no grid (--no-grid): train it now
+            out["grid"] = train_grid(cfg, split_dir, case, args, log, tag)
         out["summary"] = summarize(out)
         shutil.rmtree(case, ignore_errors=True)
         return out
@@ -233,14 +235,19 @@ def one_case(method: str, kind: str, seed: int, args, work: Path, saved: dict[tu
                            "saved_discovery_best_val_loss": old["discovery_best_val_loss"]}
             log(f"{tag} (e) grid reused from {old['file']}")
     if out["grid"] is None and args.grid:
-        lo, hi, k = args.grid_lr_min, args.grid_lr_max, args.grid_points
-        grid_lrs = [lo * (hi / lo) ** (i / (k - 1)) for i in range(k)] if k > 1 else [lo]
-        log(f"{tag} (e) grid: {k} LRs over {lo:g}..{hi:g}")
-        out["grid"] = {"reused_from": None, "arms": [train_fixed_lr(cfg, split_dir, lr, case / f"grid-{i}")
-                                                     for i, lr in enumerate(grid_lrs)]}
+        out["grid"] = train_grid(cfg, split_dir, case, args, log, tag)
     out["summary"] = summarize(out)
     shutil.rmtree(case, ignore_errors=True)
     return out
+
+
+def train_grid(cfg, split_dir: Path, case: Path, args, log, tag: str) -> dict[str, Any]:
+    """(e): --grid-points constant LRs, log-spaced over --grid-lr-min..--grid-lr-max, each trained as a grid point."""
+    lo, hi, k = args.grid_lr_min, args.grid_lr_max, args.grid_points
+    grid_lrs = [lo * (hi / lo) ** (i / (k - 1)) for i in range(k)] if k > 1 else [lo]
+    log(f"{tag} (e) grid: {k} LRs over {lo:g}..{hi:g}")
+    return {"reused_from": None, "lr_min": lo, "lr_max": hi,
+            "arms": [train_fixed_lr(cfg, split_dir, lr, case / f"grid-{i}") for i, lr in enumerate(grid_lrs)]}
 
 
 def rechoose(c: dict[str, Any]) -> dict[str, Any]:
