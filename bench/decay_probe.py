@@ -48,7 +48,6 @@ import math
 import shutil
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -56,8 +55,8 @@ from types import SimpleNamespace
 from typing import Any, Optional
 
 from bench.common import machine_info, quiet_libraries, torch_threads, write_json
-from bench.discovery_quality import curve_stats, set_up_case
-from bench.versus import case_overrides, verdict_of
+from bench.discovery_quality import set_up_case
+from bench.versus import case_overrides, train_arm, verdict_of
 
 NAME = "decay_probe"
 
@@ -85,7 +84,6 @@ def stable_then_decay(lr: float, stable: int, total: int) -> Iterator[None]:
 
 def probe_case(c: dict[str, Any], fraction: float, placement: str, work: Path, log=print) -> dict[str, Any]:
     from rangefinder.data.synthetic import make_synthetic_dataset
-    from rangefinder.steps.finetune import run_finetune
 
     a, s = c["rangefinder"], c["summary"]
     tag = f"[{c['method']} {c['kind']} seed {c['seed']}]"
@@ -112,13 +110,10 @@ def probe_case(c: dict[str, Any], fraction: float, placement: str, work: Path, l
     cfg, split_dir = set_up_case(dataset, c["seed"], work, case, case_overrides(c["method"], args))
     cfg = cfg.model_copy(update={"finetune": cfg.finetune.model_copy(update={"epochs": round(total / per_epoch)})})
     log(f"{tag} lr {lr:.3g}: constant to {stable}, decay to 0 at {total}")
-    t0 = time.perf_counter()
     with stable_then_decay(lr, stable, total):
-        ft = run_finetune(cfg, split_dir=split_dir, lr_low=lr, lr_high=lr, lr_mid=lr, lr_source="fixed",
-                          model_dir=case / "run")
-    seconds = time.perf_counter() - t0
-    stats = curve_stats(ft.curve_csv)
-    curve = {int(u): y for u, y in stats["curve"]}
+        run = train_arm(cfg, split_dir, lr, case / "run")  # as (b) and (c) train: one LR, halving off
+    seconds = run["seconds"]
+    curve = {int(u): y for u, y in run["curve"]}
     # The stable part is (a)'s own fine-tune: the same losses where both validated.
     theirs = {int(u): y for u, y in a.get("curve") or [] if int(u) <= stable}
     same = [math.isclose(curve[u], y, rel_tol=1e-5) for u, y in theirs.items() if u in curve]
@@ -132,7 +127,7 @@ def probe_case(c: dict[str, Any], fraction: float, placement: str, work: Path, l
            "replays_a": bool(same) and all(same), "replay_points": len(same),
            "decay_end": end, "decay_best": best_decay, "rangefinder": s["rangefinder"],
            "prodigy_best": s["prodigy_best"], "random_best": s["random_best"], "folk_final": s["folk_final"],
-           "grid_best": s.get("grid_best"), "curve": stats["curve"]}
+           "grid_best": s.get("grid_best"), "curve": run["curve"]}
     for mine in ("decay_end", "decay_best", "rangefinder"):
         for opp in ("prodigy_best", "random_best", "folk_final"):
             row[f"{mine}_vs_{opp}"] = verdict_of(row[mine], row[opp])
