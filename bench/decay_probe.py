@@ -56,7 +56,7 @@ from typing import Any, Optional
 
 from bench.common import machine_info, quiet_libraries, torch_threads, write_json
 from bench.discovery_quality import set_up_case
-from bench.versus import case_overrides, train_arm, verdict_of
+from bench.versus import case_overrides, train_arm, verdict_of, without_cooldown
 
 NAME = "decay_probe"
 
@@ -109,6 +109,7 @@ def probe_case(c: dict[str, Any], fraction: float, placement: str, work: Path, l
     args = SimpleNamespace(finetune_epochs=c["finetune_epochs"], smoke=False)
     cfg, split_dir = set_up_case(dataset, c["seed"], work, case, case_overrides(c["method"], args))
     cfg = cfg.model_copy(update={"finetune": cfg.finetune.model_copy(update={"epochs": round(total / per_epoch)})})
+    cfg = without_cooldown(cfg)  # the probe trains its own decay
     log(f"{tag} lr {lr:.3g}: constant to {stable}, decay to 0 at {total}")
     with stable_then_decay(lr, stable, total):
         run = train_arm(cfg, split_dir, lr, case / "run")  # as (b) and (c) train: one LR, halving off

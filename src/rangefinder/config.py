@@ -267,7 +267,7 @@ class TextualInversionSettings(_Section):
 
 
 Method = Literal["full", "lora", "textual_inversion"]
-Schedule = Literal["constant", "linear-ramp", "exp-ramp", "cosine", "triangular", "triangular2", "exp_range"]
+Schedule = Literal["constant", "linear-ramp", "exp-ramp", "cosine", "triangular", "triangular2", "exp_range", "wsd"]
 RAMP_SCHEDULES = ("linear-ramp", "exp-ramp")
 CYCLIC_SCHEDULES = ("triangular", "triangular2", "exp_range")
 StepsUnit = Literal["update", "micro-batch"]
@@ -317,7 +317,10 @@ class TrainingConfig(_Section):
     schedule: Schedule = "constant"
     lr_min: Optional[float] = Field(None, ge=0)  # lower end of a ramp or cycle
     lr_max: Optional[float] = Field(None, gt=0)  # upper end of a ramp or cycle
-    warmup_updates: int = Field(0, ge=0)  # linear warmup for cosine
+    warmup_updates: int = Field(0, ge=0)  # linear warmup for cosine and wsd
+    # wsd (warmup, stable, decay): the last `decay_fraction` of the run's updates fall linearly from lr to lr_min
+    # (default 0). The fine-tune's cooldown (finetune.cooldown) trains this shape.
+    decay_fraction: float = Field(0.2, gt=0, lt=1)
     # Half-cycle length of the cyclical schedules in epochs; Smith 2017 suggests 2-10 epochs' worth of updates.
     cycle_epochs: float = Field(2.0, gt=0)
     exp_range_gamma: float = Field(0.999, gt=0, le=1)  # per-update amplitude decay of exp_range
@@ -571,6 +574,15 @@ class FinetuneConfig(_Section):
     # are new to the base model and lr_mid where they are not (bench/RESULTS.md, discovery quality). Applies with a
     # constant schedule, validation, and bounds from the range test (a fixed LR has nothing to compare); off: lr_mid.
     successive_halving: bool = True
+    # The cooldown (rangefinder.steps.cooldown): once the window is known, a branch of the run from its checkpoint
+    # before the last `cooldown_fraction` of the recommended length trains that stretch again with the LR falling
+    # linearly to 0 (a wsd schedule ending at the recommended length), and its weights are delivered when their
+    # validation loss is below the window's pick. auto: full fine-tuning only, where it was measured to help (bench/
+    # RESULTS.md, "A decay after the window"; for LoRA and textual inversion a constant LR already ends near its best);
+    # on: every method; off: never. Costs about cooldown_fraction x the recommended updates more; needs validation
+    # and a constant finetune.schedule.
+    cooldown: Literal["auto", "on", "off"] = "auto"
+    cooldown_fraction: float = Field(0.2, gt=0, lt=1)
 
 
 class RetrainConfig(_Section):

@@ -162,12 +162,14 @@ def select_step_window(
     return window
 
 
-DeliveryRule = Literal["window_lowest", "window_nearest", "run_lowest"]
+DeliveryRule = Literal["window_lowest", "window_nearest", "run_lowest", "cooldown"]
 
 DELIVERY_RULE_TEXT: dict[str, str] = {
     "window_lowest": "the checkpoint with the lowest validation loss inside the step window",
     "window_nearest": "the checkpoint nearest the window's centre (none inside the window was validated)",
     "run_lowest": "no step window was found, so the checkpoint with the lowest validation loss of the whole run",
+    "cooldown": "the cooldown's weights: the recommended length trained again with its last stretch decaying to LR 0, "
+                "which measured below the window's lowest checkpoint (rangefinder.steps.cooldown)",
 }
 
 

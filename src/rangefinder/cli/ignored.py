@@ -35,7 +35,7 @@ PIPELINE = (
     Unused(("training.epochs", "training.steps", "training.steps_unit"),
            "the pipeline's runs train for lr_range_test.epochs, finetune.epochs and retrain.epochs"),
     Unused(("training.lr", "training.scale_lr", "training.schedule", "training.lr_min", "training.lr_max",
-            "training.warmup_updates"),
+            "training.warmup_updates", "training.decay_fraction"),
            "the pipeline's LR comes from its range test or the top-level lr, its schedules from finetune.schedule "
            "and retrain.schedule; these apply to `rangefinder train`"),
     Unused(("training.world_size",),

@@ -13,6 +13,10 @@ the one with the lowest validation loss inside the window (analysis.delivered_ch
 `chosen/` beside `final/`, with `chosen.json` (rangefinder.formats.checkpoints). With no window (no significant
 improvement) it keeps the lowest-loss checkpoint of the whole run instead, and says so, and says when even that is not
 below the base model's loss (update 0). Without a retrain, that is the model registered.
+
+For full fine-tuning (`finetune.cooldown`), before the other checkpoints go, the recommended length is trained again
+from one of them with its last ~20 % decaying to LR 0, and those weights are delivered instead when they measure lower
+(rangefinder.steps.cooldown).
 """
 
 from __future__ import annotations
@@ -217,6 +221,8 @@ def run_finetune(
     from rangefinder.data.split import read_split
     from rangefinder.models.loading import resolve_base_model
     from rangefinder.steps.choose_lr import skipped_because
+    from rangefinder.steps.cooldown import cooldown_applies, run_cooldown
+    from rangefinder.steps.cooldown import deliver as deliver_cooldown
     from rangefinder.steps.halving import halving_applies, run_halving
     from rangefinder.training.spec import TrainSpec
 
@@ -228,7 +234,7 @@ def run_finetune(
     validating = cfg.validation.enabled() and len(split.val) > 0
     model_dir = Path(model_dir)
     precision = resolve_mixed_precision(tc.mixed_precision)
-    chosen = None
+    chosen, cooled = None, None
     halving = halving_applies(cfg.finetune.successive_halving, validating, tc.schedule, lr_mid, lr_high)
     with tracking.step_run(cfg, "finetune", parent_run_id=mlflow_parent_run_id) as run:
         run.log_config(cfg, plan=plan,
@@ -262,7 +268,13 @@ def run_finetune(
             skipped = skipped_because(cfg)
             source = f"{result.metrics_csv}; {batch_note(tc)}" + (f"; {skipped}" if skipped else "")
             base = resolve_base_model(cfg.model)
+            # The cooldown branches from one of the run's checkpoints, so it trains before the window's pick is
+            # kept and the others are removed.
+            if cooldown_applies(cfg, validating, tc.schedule):
+                cooled = run_cooldown(cfg, spec, work, window, split, sink=run)
             chosen = keep_chosen_checkpoint(work, window, curve, base.path, base.source)
+            if cooled is not None and chosen is not None:
+                chosen = deliver_cooldown(work, cooled, chosen)
             delivered = None if chosen is None else Delivery(update=chosen["update"], rule=chosen["rule"],
                                                              val_loss=chosen["val_loss"],
                                                              base_val_loss=chosen["base_val_loss"])
@@ -276,6 +288,8 @@ def run_finetune(
             improving = window.status == "still_improving"
             decision = window.to_dict()
             note = f"{step_headline(window, race, delivered)} Trained at lr {lr:.3g} (lr source: {lr_source})."
+            if chosen is not None and chosen.get("cooldown"):
+                note += f" {chosen['cooldown']['sentence']}"
         else:
             # No validation set (a fixed LR with val_split 0): nothing to read a window from; keep the budget.
             rec_epochs, rec_updates, improving = tc.epochs or 1, result.updates, False
@@ -298,10 +312,17 @@ def run_finetune(
         run.log_artifact(result.metrics_csv, "curves")
         # lr_low and lr_high with lr_mid: the parent run shows the bounds choose_lr decided (the range tests keep
         # their own readings on their runs).
+        if cooled is not None:
+            extra_updates += cooled.updates_trained
         decisions: dict[str, Any] = {"recommended_epochs": rec_epochs, "recommended_updates": rec_updates,
                                      "still_improving": improving, "lr_low": lr_low, "lr_high": lr_high,
                                      "lr_mid": lr_mid, "lr_used": lr,
                                      "lr_source": lr_source, "updates_trained": result.updates + extra_updates}
+        if cooled is not None and chosen is not None and chosen.get("cooldown"):
+            decisions.update(cooldown_delivered=chosen["cooldown"]["delivered"],
+                             cooldown_updates=cooled.updates_trained)
+            if cooled.val_loss is not None:
+                decisions["cooldown_val_loss"] = cooled.val_loss
         if race is not None:
             decisions["halving"] = {"kept": race.kept, "pause_update": race.pause_update,
                                     **{n: {"lr": c.lr, "best_val_loss": c.best_val_loss, "best_update": c.best_update}

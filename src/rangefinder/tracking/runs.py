@@ -166,7 +166,7 @@ def flatten_params(obj: Any, prefix: str = "") -> dict[str, str]:
 CONFIG_ARTIFACT = "config.yaml"
 # The `training` fields the pipeline's runs set themselves (cli/ignored.py's PIPELINE says the same to the user).
 PIPELINE_SET_TRAINING = ("epochs", "steps", "steps_unit", "lr", "scale_lr", "schedule", "lr_min", "lr_max",
-                         "warmup_updates", "world_size", "resume")
+                         "warmup_updates", "decay_fraction", "world_size", "resume")
 
 
 def applicable_params(cfg: Any) -> dict[str, str]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from typing import TYPE_CHECKING, Any, Optional
 
 from rangefinder.config import DataConfig, TrainingConfig, ValidationConfig, migrate_training
@@ -26,6 +27,9 @@ if TYPE_CHECKING:
 # process's RNG state is saved per rank).
 RESUMABLE_CHANGES = frozenset({"resume", "checkpoint_every_updates", "keep_checkpoints", "cache_dir", "compile",
                                "processes_per_node"})
+# training.* settings a branch (TrainSpec.branch) may change too: the schedule and the length, as long as every update
+# before the checkpoint had the same LR (_same_lr_so_far).
+BRANCH_CHANGES = frozenset({"schedule", "decay_fraction", "lr_min", "lr_max", "warmup_updates", "epochs", "steps"})
 # data.* settings that only choose which files the split takes (read when splitting, not when training).
 _SPLIT_ONLY = frozenset({"dataset_dir", "min_image_size", "min_images"})
 
@@ -81,15 +85,19 @@ def check_same_run(saved: dict[str, Any], run: Run, train_buckets: Optional[dict
     if identity.get("train_on") not in (None, now["train_on"]):
         diffs.append(f"what it trains on ({identity['train_on']} -> {now['train_on']})")
     # Settings as written before a rename (use_8bit_adam: training.optimizer) read as today's.
-    diffs += _changed("training", migrate_training(saved["training"]), run.cfg.model_dump(mode="json"),
-                      TrainingConfig(), RESUMABLE_CHANGES)
+    before = migrate_training(saved["training"])
+    branch = run.settings.branch
+    diffs += _changed("training", before, run.cfg.model_dump(mode="json"), TrainingConfig(),
+                      RESUMABLE_CHANGES | BRANCH_CHANGES if branch else RESUMABLE_CHANGES)
+    if branch and not diffs:
+        diffs += _same_lr_so_far(before, saved, run)
     if "validation" in identity:
         diffs += _changed("validation", identity["validation"], now["validation"], ValidationConfig())
     if "data" in identity:
         diffs += _changed("data", identity["data"], now["data"], DataConfig())
     elif saved.get("train_buckets") != train_buckets:  # None both ways without bucketing
         diffs.append("the training set's aspect-ratio buckets (data.*)")
-    if not diffs and saved["total_updates"] != run.settings.plan.total_updates:
+    if not diffs and not branch and saved["total_updates"] != run.settings.plan.total_updates:
         diffs.append(f"the plan ({saved['total_updates']} updates, now {run.settings.plan.total_updates})")
     if diffs:
         raise ConfigError(
@@ -97,6 +105,23 @@ def check_same_run(saved: dict[str, Any], run: Run, train_buckets: Optional[dict
             f"({'; '.join(diffs)}); resume with the settings, data and base model it started with, or start in an "
             "empty folder"
         )
+
+
+def _same_lr_so_far(before: dict[str, Any], saved: dict[str, Any], run: Run) -> list[str]:
+    """A branch continues the checkpoint's run only if that run's schedule and the branch's gave the same LR at every
+    update before the checkpoint's: then the weights, the optimizer state and the RNG it saved are the branch's own."""
+    from rangefinder.training.schedules import lr_at, make_schedule
+
+    plan = run.settings.plan
+    old = make_schedule(TrainingConfig.model_validate(before), saved["total_updates"], plan.updates_per_epoch,
+                        plan.lr or run.cfg.lr)
+    new = run.settings.schedule
+    for u in range(int(saved["update"])):
+        if not math.isclose(lr_at(old, u), lr_at(new, u), rel_tol=1e-12, abs_tol=0.0):
+            return [f"the LR at update {u} ({lr_at(old, u):.4g} in the run the checkpoint is from, {lr_at(new, u):.4g} "
+                    f"in this branch of it): a branch may change the schedule only after the checkpoint's update "
+                    f"{saved['update']}"]
+    return []
 
 
 def _changed(section: str, before: dict[str, Any], now: dict[str, Any], defaults: Any,

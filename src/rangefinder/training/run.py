@@ -58,6 +58,7 @@ class RunSettings:
     placements: Optional[dict[int, Placement]] = None
     train_buckets: Optional[list[Size]] = None  # the buckets training items are in, sorted by (width, height)
     train_bucket_of: Optional[list[int]] = None
+    branch: bool = False  # TrainSpec.branch: the first checkpoint is another run's, continued under another schedule
 
     @property
     def ckpt_root(self) -> Path:

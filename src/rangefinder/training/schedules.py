@@ -11,6 +11,11 @@ schedule needs no state of its own in a checkpoint: resuming at update u gives t
                test, which resolves small LRs better).
 - cosine:      linear warmup over `warmup_updates` to lr ((u + 1) / W * lr), then half a cosine from lr down to
                lr_min (default 0) at the end (Loshchilov & Hutter 2017, "SGDR", without restarts).
+- wsd:         warmup, stable, decay (Hägele et al. 2024, "Scaling Laws and Compute-Optimal Training Beyond Fixed
+               Training Durations"): the linear warmup of cosine, lr until the last D = ceil(decay_fraction * U)
+               updates, then linear to lr_min (default 0): lr_min + (lr - lr_min) * (U - u) / (D + 1), so the last
+               update still moves. Until the decay starts it is the constant schedule, update for update: the
+               fine-tune's cooldown (steps/cooldown.py) branches a constant-LR run into it.
 - triangular, triangular2, exp_range: Smith 2017, section 3.1, between lr_min (default 0) and lr_max, with a
                half-cycle ("step size") of `cycle_epochs` epochs' worth of updates. triangular2 halves the amplitude
                every cycle; exp_range scales it by gamma ** u.
@@ -24,7 +29,7 @@ from dataclasses import dataclass
 from rangefinder.config import CYCLIC_SCHEDULES, RAMP_SCHEDULES, TrainingConfig
 from rangefinder.errors import ConfigError
 
-SCHEDULES = ("constant", "linear-ramp", "exp-ramp", "cosine") + CYCLIC_SCHEDULES
+SCHEDULES = ("constant", "linear-ramp", "exp-ramp", "cosine", "wsd") + CYCLIC_SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,7 @@ class LRSchedule:
     warmup_updates: int = 0
     step_size: float = 1.0  # half-cycle of the cyclical schedules, in updates
     gamma: float = 1.0
+    decay_fraction: float = 0.2  # wsd: the share of the updates that decay
 
     def __call__(self, update: int) -> float:
         return lr_at(self, update)
@@ -65,7 +71,13 @@ def make_schedule(cfg: TrainingConfig, total_updates: int, updates_per_epoch: fl
         warmup_updates=cfg.warmup_updates,
         step_size=max(1.0, cfg.cycle_epochs * updates_per_epoch),
         gamma=cfg.exp_range_gamma,
+        decay_fraction=cfg.decay_fraction,
     )
+
+
+def decay_updates(total_updates: int, decay_fraction: float) -> int:
+    """How many of a wsd run's `total_updates` decay: ceil(decay_fraction * U), at least 1 and at most U."""
+    return min(total_updates, max(1, math.ceil(decay_fraction * total_updates - 1e-9)))
 
 
 def lr_at(s: LRSchedule, u: int) -> float:
@@ -84,6 +96,13 @@ def lr_at(s: LRSchedule, u: int) -> float:
         decay_len = max(1, U - s.warmup_updates)
         progress = (u - s.warmup_updates) / decay_len
         return s.lr_min + 0.5 * (s.lr - s.lr_min) * (1.0 + math.cos(math.pi * progress))
+    if s.name == "wsd":
+        if u < s.warmup_updates:
+            return s.lr * (u + 1) / s.warmup_updates
+        decay = decay_updates(U, s.decay_fraction)
+        if u < U - decay:
+            return s.lr
+        return s.lr_min + (s.lr - s.lr_min) * (U - u) / (decay + 1)
     if s.name in CYCLIC_SCHEDULES:
         cycle = math.floor(1 + u / (2 * s.step_size))
         x = abs(u / s.step_size - 2 * cycle + 1)

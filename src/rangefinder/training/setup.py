@@ -92,7 +92,7 @@ def check_settings(spec: TrainSpec, out_dir: Union[str, Path], split: Optional[S
                        out_dir=out_dir, file_hashes=hashes,
                        compile=resolve_compile(cfg.compile, run_plan.total_updates, torch.cuda.is_available()),
                        buckets=buckets, placements=placements, train_buckets=train_buckets,
-                       train_bucket_of=train_bucket_of)
+                       train_bucket_of=train_bucket_of, branch=spec.branch)
 
 
 # Runs of more updates than this compile under training.compile=auto. Measured on one H100 (bench/RESULTS.md, "GPU

@@ -53,6 +53,10 @@ class TrainSpec:
     none.
     `plan`: the run's batch arithmetic, computed once by the step's constructor from the split it read; None (a spec
     built by hand): the engine plans from the split itself.
+    `branch`: the checkpoint this run starts from was copied into its folder from another run, which it continues
+    under another schedule or length (the fine-tune's cooldown, `cooldown_of`); the resume check then lets the
+    schedule and the length differ, provided every update before the checkpoint had the same LR in both
+    (identity.check_same_run). Everything else must be the same run.
     """
 
     training: TrainingConfig
@@ -63,6 +67,7 @@ class TrainSpec:
     train_on: TrainOn = "train"
     sampling: Optional[SamplingConfig] = None
     plan: Optional[Plan] = None
+    branch: bool = False
 
     # --- one validated constructor per step kind ------------------------------------------------------------------
 
@@ -122,6 +127,19 @@ class TrainSpec:
             update.update(schedule="constant", lr_min=None, lr_max=None)
         no_val = _validation(cfg.validation, {"every_epochs": 0.0, "every_updates": None})
         return cls._planned(_training(cfg.training, update), no_val, cfg, split, "train+val", None)
+
+    def cooldown_of(self, split: Split, *, epochs: int, decay_fraction: float) -> TrainSpec:
+        """The fine-tune's cooldown (steps/cooldown.py): this constant-LR run, `epochs` long, with its last
+        `decay_fraction` of updates decaying linearly to 0 (the wsd schedule), branched from one of this run's
+        checkpoints; no samples during training, the newest checkpoint kept (a retried step goes on from it).
+        `split`: the one at split_dir, as the step read it."""
+        if self.training.schedule != "constant":
+            raise ConfigError(f"a cooldown branches a constant-LR run (this one is {self.training.schedule})")
+        training = _training(self.training, {"schedule": "wsd", "decay_fraction": decay_fraction, "lr_min": None,
+                                             "lr_max": None, "warmup_updates": 0, "epochs": epochs, "steps": None,
+                                             "keep_checkpoints": 1})
+        spec = replace(self, training=training, sampling=None, branch=True, plan=None)
+        return replace(spec, plan=spec.plan_from(split))
 
     @classmethod
     def _planned(cls, training: TrainingConfig, validation: ValidationConfig, cfg: RangefinderConfig, split: Split,
