@@ -1,0 +1,158 @@
+"""Bounds probe (issue 34, item 4): does a zoom that could not see the rise push the LR too high?
+
+In bench.versus's 55 cases, 5 of rangefinder's 8 losses to Prodigy's best checkpoint fall in the 10 cases whose
+second (zoom) range test was read `upper_censored` (bench/RESULTS.md, "Where the losses to Prodigy's best are"):
+LoRA 4 losses in 8 such cases against 1 in 12 other LoRA cases with a zoom; full 1 in 2. In each of the 10 the first
+test saw the loss rise (its upper bound was not censored) but held too few points between its bounds, so the zoom
+swept lr_low / 3 .. lr_high x 3 more finely; the zoom's own upper bound then came out 1.1-2.2x the first test's,
+flagged censored, and the step took the zoom's bounds as they were: lr_mid rose with it. In LoRA `subject` 4, the
+one case with a grid, (a) trained at 0.0189, 3.6x the grid's best LR (0.0052), and delivered a loss 9.2 % above the
+grid's best; the first test's midpoint (0.0117) lay next to the grid point at 0.0139, 1.9 % off.
+
+The candidate rule: when the zoom's upper bound is censored and the first test's is not, the upper bound is the
+smaller of the two (the first test measured where the loss turns up; the zoom saw nothing above its own top), and
+lr_mid follows from the zoom's lower bound and that upper bound by the same midpoint rule (MID_POSITION of the way
+on the log axis). Per case the probe rebuilds the saved bench.versus case exactly and runs the fine-tune step as
+shipped (successive halving of the new lr_mid and lr_high; the cooldown off, as the saved (a) had none) with those
+bounds, and compares its delivered loss with the saved (a)'s, Prodigy's best, random search's and the grid's.
+
+Written down (committed) before any run of this probe: the cases are the 10 with a censored zoom in
+bench/results/versus_all_55.json (in one of them, LoRA `stripes` 4, the first test diverged and measured no upper
+bound, so the rule leaves its bounds as they were: its run must deliver the saved (a)'s loss exactly, which checks the
+probe's rebuild). They are the cases the hypothesis was drawn from, so they can only say whether it
+is worth confirming, not confirm it. It is worth confirming on fresh cases (seeds no bench has run) if the capped
+bounds deliver a loss at least as good as the saved (a)'s (within 1 %) in at least 9 of the 10 and lose to
+Prodigy's best in fewer cases than (a)'s 5. Either way the method does not change on this probe alone.
+
+    python -m bench.bounds_probe --from bench/results/versus_all_55.json --out bench/results/bounds_probe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Optional
+
+from bench.common import machine_info, quiet_libraries, torch_threads, write_json
+from bench.discovery_quality import curve_stats, set_up_case
+from bench.versus import case_overrides, verdict_of, without_cooldown
+
+NAME = "bounds_probe"
+
+
+def censored_zoom(c: dict[str, Any]) -> bool:
+    """The case's zoom read its upper bound censored while its first test did not."""
+    tests = c["rangefinder"].get("range_tests") or []
+    return (len(tests) == 2 and "upper_censored" in (tests[1].get("flags") or [])
+            and "upper_censored" not in (tests[0].get("flags") or []))
+
+
+def capped_bounds(c: dict[str, Any]) -> tuple[float, float, float]:
+    """(lr_low, lr_mid, lr_high) under the candidate rule: the zoom's lower bound, the smaller upper bound (the
+    first test's when it measured one), the midpoint rule between them."""
+    from rangefinder.defaults import MID_POSITION
+
+    first, zoom = c["rangefinder"]["range_tests"]
+    low = zoom["lr_low"]
+    high = min(zoom["lr_high"], first["lr_high"]) if first.get("lr_high") else zoom["lr_high"]
+    high = max(high, low)
+    mid = math.exp((1 - MID_POSITION) * math.log(low) + MID_POSITION * math.log(high))
+    return low, mid, high
+
+
+def probe_case(c: dict[str, Any], work: Path, log=print) -> dict[str, Any]:
+    from rangefinder.data.synthetic import make_synthetic_dataset
+    from rangefinder.steps.finetune import run_finetune
+
+    a, s = c["rangefinder"], c["summary"]
+    tag = f"[{c['method']} {c['kind']} seed {c['seed']}]"
+    low, mid, high = capped_bounds(c)
+    case = work / f"{c['method']}-{c['kind']}-seed{c['seed']}"
+    dataset = case / "dataset"
+    make_synthetic_dataset(dataset, kind=c["kind"], count=c["images"], seed=c["seed"], resolution=32)
+    args = SimpleNamespace(finetune_epochs=c["finetune_epochs"], smoke=False)
+    cfg, split_dir = set_up_case(dataset, c["seed"], work, case, case_overrides(c["method"], args))
+    cfg = without_cooldown(cfg)  # the saved (a) had none
+    log(f"{tag} bounds {low:.3g} / {mid:.3g} / {high:.3g} (saved (a): {a['lr_low']:.3g} / {a['lr_mid']:.3g} / "
+        f"{a['lr_high']:.3g}, trained at {a['lr_used']:.3g})")
+    t0 = time.perf_counter()
+    ft = run_finetune(cfg, split_dir=split_dir, lr_low=low, lr_high=high, lr_mid=mid, lr_source="zoom",
+                      model_dir=case / "finetune")
+    seconds = time.perf_counter() - t0
+    delivered: Optional[float] = (ft.chosen or {}).get("val_loss")
+    stats = curve_stats(ft.curve_csv, ft.recommended_updates)
+    shutil.rmtree(case, ignore_errors=True)
+    row: dict[str, Any] = {k: c[k] for k in ("method", "kind", "seed", "held_out")}
+    row.update(lr_low=low, lr_mid=mid, lr_high=high, lr_used=ft.lr, delivered=delivered,
+               updates=ft.updates_trained, seconds=seconds, chosen_rule=(ft.chosen or {}).get("rule"),
+               saved_lr_used=a["lr_used"], rangefinder=s["rangefinder"], prodigy_best=s["prodigy_best"],
+               random_best=s["random_best"], folk_final=s["folk_final"], grid_best=s.get("grid_best"),
+               grid_best_lr=s.get("grid_best_lr"), best_val_loss=stats.get("best_val_loss"))
+    row["vs_rangefinder"] = verdict_of(delivered, s["rangefinder"])
+    for opp in ("prodigy_best", "random_best", "folk_final"):
+        row[f"vs_{opp}"] = verdict_of(delivered, s[opp])
+        row[f"rangefinder_vs_{opp}"] = s[f"vs_{opp}"]
+    if s.get("grid_best"):
+        row["gap_pct"] = 100.0 * (delivered - s["grid_best"]) / s["grid_best"] if delivered else None
+        row["rangefinder_gap_pct"] = s.get("gap_rangefinder_pct")
+    log(f"{tag} kept lr {ft.lr:.3g}: delivered {delivered} against (a)'s {s['rangefinder']} "
+        f"({row['vs_rangefinder']}), Prodigy best {s['prodigy_best']} ({row['vs_prodigy_best']}; (a): "
+        f"{s['vs_prodigy_best']}), {seconds:.0f} s")
+    return row
+
+
+def tally(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {"cases": len(rows)}
+    for key in ("vs_rangefinder", "vs_prodigy_best", "rangefinder_vs_prodigy_best", "vs_random_best",
+                "rangefinder_vs_random_best"):
+        v = [r[key] for r in rows if r.get(key)]
+        out[key] = {k: v.count(k) for k in ("win", "tie", "loss")}
+    as_good = out["vs_rangefinder"]["win"] + out["vs_rangefinder"]["tie"]
+    out["worth_confirming"] = (as_good >= 9 and len(rows) == 10 and out["vs_prodigy_best"]["loss"]
+                               < out["rangefinder_vs_prodigy_best"]["loss"])
+    return out
+
+
+def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(prog="python -m bench.bounds_probe", description=__doc__.split("\n\n")[0])
+    p.add_argument("--from", dest="source", type=Path, required=True, help="a bench.versus result JSON")
+    p.add_argument("--only", help="method:kind:seed,... (default: every case with a censored zoom)")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--work-dir", type=Path)
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args(argv)
+    quiet_libraries()
+    saved = json.loads(args.source.read_text())
+    cases = [c for c in saved["cases"] if c["rangefinder"].get("status") == "ok" and censored_zoom(c)]
+    if args.only:
+        wanted = {tuple(x.split(":")) for x in args.only.split(",")}
+        cases = [c for c in cases if (c["method"], c["kind"], str(c["seed"])) in wanted]
+    result: dict[str, Any] = {"benchmark": NAME, "source": str(args.source), "machine": machine_info(), "cases": []}
+    if args.out.exists():
+        result["cases"] = json.loads(args.out.read_text())["cases"]
+    done = {(r["method"], r["kind"], r["seed"]) for r in result["cases"]}
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="bounds-probe-"))
+    work.mkdir(parents=True, exist_ok=True)
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    with torch_threads(args.threads):
+        for c in cases:
+            if (c["method"], c["kind"], c["seed"]) in done:
+                continue
+            result["cases"].append(probe_case(c, work, log))
+            result["tally"] = tally(result["cases"])
+            write_json(args.out, result)
+    result["tally"] = tally(result["cases"])
+    write_json(args.out, result)
+    print(json.dumps(result["tally"], indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
