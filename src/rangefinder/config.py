@@ -1087,6 +1087,14 @@ def setting_conflicts(cfg: RangefinderConfig) -> list[str]:
     elif halving_asked and ft.schedule != "constant":
         lines.append(f"finetune.successive_halving: true does nothing with finetune.schedule {ft.schedule}: "
                      "halving compares constant LRs; set the schedule to constant, or halving false")
+    if "finetune.cooldown" in given and ft.cooldown == "on":
+        if ft.schedule != "constant":
+            lines.append(f"finetune.cooldown: on does nothing with finetune.schedule {ft.schedule}: the cooldown "
+                         "branches a constant-LR run; set the schedule to constant, or cooldown off")
+        elif cfg.training.optimizer in SCHEDULE_FREE_OPTIMIZERS:
+            lines.append(f"finetune.cooldown: on does nothing with training.optimizer {cfg.training.optimizer}: a "
+                         "schedule-free optimizer averages its iterates instead of decaying the LR; set cooldown off, "
+                         "or choose training.optimizer: adamw")
     if split.val_dir is not None and "split.val_split" in given:
         lines.append(f"split.val_split ({split.val_split:g}) is not used: split.val_dir ({split.val_dir}) gives the "
                      "validation images; remove one of them")

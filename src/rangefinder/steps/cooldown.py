@@ -22,8 +22,8 @@ updates.csv, with the fine-tune's rows up to the branch point), `branch.json` (t
 the delivered weights move, so that a retried step does not train it again. Its final weights become `chosen/` when
 delivered, and are removed otherwise; its checkpoints are removed once it is measured.
 
-MLflow: the branch logs live into a child run of the fine-tune's run, `finetune_cooldown`, under the plain keys
-(`val_loss`, `lr`, ...), so that MLflow overlays its curve on the fine-tune's.
+MLflow: the branch logs live into a child run of the fine-tune's run, `finetune_cooldown`, under the fine-tune's keys
+(`validation/val_loss`, `lr`, ...), so that MLflow overlays its curve on the fine-tune's.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from rangefinder.config import RangefinderConfig
+from rangefinder.config import SCHEDULE_FREE_OPTIMIZERS, RangefinderConfig
 from rangefinder.formats import checkpoints
 from rangefinder.formats.atomic import rename_into_place, write_json
 from rangefinder.training.schedules import decay_updates
@@ -92,9 +92,11 @@ class Cooldown:
 
 def cooldown_applies(cfg: RangefinderConfig, validating: bool, schedule: str) -> bool:
     """finetune.cooldown: on, or auto for full fine-tuning; it needs validation (its weights are delivered only when
-    they measure better) and the constant schedule it branches from."""
+    they measure better) and the constant schedule it branches from, and a schedule-free optimizer has no LR to decay
+    (it averages its iterates instead)."""
     setting = cfg.finetune.cooldown
-    if setting == "off" or not validating or schedule != "constant":
+    if (setting == "off" or not validating or schedule != "constant"
+            or cfg.training.optimizer in SCHEDULE_FREE_OPTIMIZERS):
         return False
     return setting == "on" or cfg.training.method == "full"
 

@@ -282,7 +282,8 @@ def run_finetune(
             report = write_step_report(window, curve, report_dir, source=source,
                                        samples=sample_strip(work), halving=race,
                                        plan_warnings=spec.plan.warnings if spec.plan is not None else (),
-                                       validation_weighting=result.validation_weighting(), delivered=delivered)
+                                       validation_weighting=result.validation_weighting(), delivered=delivered,
+                                       cooldown=(chosen or {}).get("cooldown", {}).get("sentence"))
             copy_report(report, report_html, report_md)
             rec_epochs, rec_updates = recommended_length(window, chosen, tc.epochs or 1, result.updates)
             improving = window.status == "still_improving"
