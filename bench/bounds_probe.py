@@ -24,6 +24,13 @@ is worth confirming, not confirm it. It is worth confirming on fresh cases (seed
 bounds deliver a loss at least as good as the saved (a)'s (within 1 %) in at least 9 of the 10 and lose to
 Prodigy's best in fewer cases than (a)'s 5. Either way the method does not change on this probe alone.
 
+The confirmation, written down (committed) after the 10 cases above passed that bar (as good as (a) in 9, losses to
+Prodigy's best 2 against (a)'s 5) and before any run of it: LoRA, the five kinds, seeds 5 and 6, which no bench has
+run (LoRA is where 8 of the 10 censored zooms were), through bench.versus as it stands (`--no-grid`), then this probe
+on those of the 10 new cases whose zoom is censored as above. The rule goes into the method if, over those cases,
+the capped bounds deliver a loss at least as good as (a)'s (within 1 %) in all but at most one, and lose to Prodigy's
+best in fewer cases than (a) does. With fewer than 3 such cases the result is inconclusive and the method stays.
+
     python -m bench.bounds_probe --from bench/results/versus_all_55.json --out bench/results/bounds_probe.json
 """
 
