@@ -31,7 +31,7 @@ def _config(tiny_model_dir, tmp, **finetune):
 @pytest.fixture(scope="module")
 def cooled(split_dir, tiny_model_dir, tmp_path_factory):
     """A 3-epoch full fine-tune (16 images at batch 4: 12 updates, a validation every 2, a checkpoint every 4) through
-    the step, with the default finetune.cooldown (auto: on for full fine-tuning), logging to a real sqlite store."""
+    the step, with finetune.cooldown auto (on for full fine-tuning), logging to a real sqlite store."""
     import os
 
     from rangefinder.steps.finetune import run_finetune
@@ -39,7 +39,7 @@ def cooled(split_dir, tiny_model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cooldown")
     saved = {v: os.environ.pop(v, None) for v in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME")}
     try:
-        cfg = _config(tiny_model_dir, tmp)
+        cfg = _config(tiny_model_dir, tmp, cooldown="auto")
         result = run_finetune(cfg, split_dir=split_dir, lr_low=LR, lr_high=LR, lr_mid=LR, lr_source="fixed",
                               model_dir=tmp / "ft")
     finally:
@@ -162,7 +162,8 @@ def test_delivering_moves_the_lower_weights_into_chosen_and_keeps_the_window_s_p
     ({"finetune": {"cooldown": "on"}, "training": {"optimizer": "adamw_schedule_free"}},
      "does nothing with training.optimizer adamw_schedule_free"),
     ({"finetune": {"cooldown": "on"}}, None),
-    ({"finetune": {"schedule": "triangular"}}, None),  # auto: the documented default, switched off by the schedule
+    ({"finetune": {"cooldown": "auto", "schedule": "triangular"}}, None),  # auto: it runs where it can
+    ({}, None),  # the default: off
 ])
 def test_a_cooldown_asked_for_where_it_cannot_run_is_one_warning(settings, warned):
     from rangefinder.config import parse_config, setting_conflicts
@@ -172,5 +173,4 @@ def test_a_cooldown_asked_for_where_it_cannot_run_is_one_warning(settings, warne
     lines = [ln for ln in setting_conflicts(cfg) if "cooldown" in ln]
     assert lines == ([] if warned is None else [lines[0]]) and (warned is None or warned in lines[0])
     # And where it is warned about, the step does not run it (a schedule-free optimizer would refuse the decay).
-    assert cooldown_applies(cfg, True, cfg.finetune.schedule) is (warned is None and "schedule" not in
-                                                                   settings["finetune"])
+    assert cooldown_applies(cfg, True, cfg.finetune.schedule) is (settings == {"finetune": {"cooldown": "on"}})
