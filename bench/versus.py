@@ -20,14 +20,14 @@ same split). (a) wins against an arm when its loss is more than 1 % lower, ties 
 held-out kinds and seeds below were written down (committed) before any run of this bench.
 
 The fine-tune's cooldown (finetune.cooldown; rangefinder.steps.cooldown) is off in every arm but (a), which runs as
-shipped (with it on, auto, for seed 5's full cases, versus_full_seed5.json; off by default since): the others are the plain runs users
-do instead. The rule for keeping the cooldown on by default, written down (committed) before any run of it, on seed
-5, which no bench has run: full fine-tuning, the five kinds, seed 5, `--no-grid`. Each case records the window's
-pick the cooldown was weighed against (`rangefinder_window_pick`, what (a) delivered before the cooldown existed)
-and what (a) delivers now. The cooldown stays the default if, against Prodigy's best checkpoint, (a) with it wins
-more cases than the window's pick alone does and loses no more; otherwise the default goes back to off (the option
-stays) and RESULTS.md says so. Either way the numbers are reported as they are. (It failed: delivered in 1 of 5, the
-same 3 wins and 2 losses against Prodigy's best as the window's pick; the default is off.)
+shipped (with it on, auto, for seed 5's full cases, versus_full_seed5.json; off by default since): the others are
+the plain runs users do instead. The rule for keeping the cooldown on by default, written down (committed) before
+any run of it, on seed 5, which no bench has run: full fine-tuning, the five kinds, seed 5, `--no-grid`. Each case
+records the window's pick the cooldown was weighed against (`rangefinder_window_pick`, what (a) delivered before the
+cooldown existed) and what (a) delivers now. The cooldown stays the default if, against Prodigy's best checkpoint,
+(a) with it wins more cases than the window's pick alone does and loses no more; otherwise the default goes back to
+off (the option stays) and RESULTS.md says so. Either way the numbers are reported as they are. (It failed:
+delivered in 1 of 5, the same 3 wins and 2 losses against Prodigy's best as the window's pick; the default is off.)
 """
 
 from __future__ import annotations
