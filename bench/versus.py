@@ -272,15 +272,16 @@ def rechoose(c: dict[str, Any]) -> dict[str, Any]:
     from its saved fine-tune curve, base loss and window: the rule reads nothing else, and the fine-tune keeps a
     checkpoint at every validated update (checkpoint_every_epochs 1, validation every epoch), so this is what a
     re-run delivers (training is deterministic on CPU). A case without a window (it saved no chosen.json) gets the
-    no-window rule; one that failed or saved no curve is left as it was."""
+    no-window rule; one that failed or saved no curve is left as it was. A case whose (a) ran the cooldown (full
+    seed 5) gets the window's pick back: the cooldown is off by default, and its curve is the fine-tune's."""
     from types import SimpleNamespace
 
     from rangefinder.analysis import delivered_checkpoint
 
     a = c["rangefinder"]
     was = a.get("chosen")
-    if a.get("status") != "ok" or not a.get("curve") or (was or {}).get("cooldown"):
-        return c  # a run with a cooldown was delivered under today's rules already
+    if a.get("status") != "ok" or not a.get("curve"):
+        return c
     update, loss = zip(*a["curve"], strict=True)
     base = a.get("baseline_val_loss")
     if was and was.get("window_start_update") is not None:
