@@ -41,13 +41,12 @@ import json
 import math
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Optional
 
-from bench.common import machine_info, quiet_libraries, torch_threads, write_json
+from bench.common import machine_info, probe_saved_cases, quiet_libraries
 from bench.discovery_quality import curve_stats, set_up_case
 from bench.versus import case_overrides, verdict_of, without_cooldown
 
@@ -141,22 +140,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     if args.only:
         wanted = {tuple(x.split(":")) for x in args.only.split(",")}
         cases = [c for c in cases if (c["method"], c["kind"], str(c["seed"])) in wanted]
-    result: dict[str, Any] = {"benchmark": NAME, "source": str(args.source), "machine": machine_info(), "cases": []}
-    if args.out.exists():
-        result["cases"] = json.loads(args.out.read_text())["cases"]
-    done = {(r["method"], r["kind"], r["seed"]) for r in result["cases"]}
-    work = args.work_dir or Path(tempfile.mkdtemp(prefix="bounds-probe-"))
-    work.mkdir(parents=True, exist_ok=True)
-    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    with torch_threads(args.threads):
-        for c in cases:
-            if (c["method"], c["kind"], c["seed"]) in done:
-                continue
-            result["cases"].append(probe_case(c, work, log))
-            result["tally"] = tally(result["cases"])
-            write_json(args.out, result)
-    result["tally"] = tally(result["cases"])
-    write_json(args.out, result)
+    head: dict[str, Any] = {"benchmark": NAME, "source": str(args.source), "machine": machine_info(), "cases": []}
+    result = probe_saved_cases(head, cases, args.out, args.work_dir, args.threads, probe_case, tally, "bounds-probe-")
     print(json.dumps(result["tally"], indent=1))
     return result
 

@@ -8,7 +8,7 @@ import platform
 import subprocess
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
@@ -225,3 +225,33 @@ def table(rows: Sequence[dict[str, Any]], columns: Sequence[str], title: Optiona
 
 def mib(n_bytes: Optional[float]) -> Optional[float]:
     return None if n_bytes is None else round(n_bytes / 2**20, 1)
+
+
+def probe_saved_cases(result: dict[str, Any], cases: Sequence[dict[str, Any]], out: Path, work: Optional[Path],
+                      threads: int, probe: Callable[[dict[str, Any], Path, Callable[[str], None]], dict[str, Any]],
+                      tally: Callable[[list[dict[str, Any]]], dict[str, Any]], prefix: str) -> dict[str, Any]:
+    """A probe of saved bench.versus cases (bench.decay_probe, bench.bounds_probe): each case not yet in `out` (a
+    killed run goes on where it stopped) through `probe(case, work, log)`, the JSON rewritten with its tally after
+    each; `result` is the JSON's head. Returns the finished result."""
+    import sys
+    import tempfile
+
+    if out.exists():
+        result["cases"] = json.loads(out.read_text())["cases"]
+    done = {(r["method"], r["kind"], r["seed"]) for r in result["cases"]}
+    work = work or Path(tempfile.mkdtemp(prefix=prefix))
+    work.mkdir(parents=True, exist_ok=True)
+
+    def log(m: str) -> None:
+        print(m, file=sys.stderr, flush=True)
+
+    with torch_threads(threads):
+        for c in cases:
+            if (c["method"], c["kind"], c["seed"]) in done:
+                continue
+            result["cases"].append(probe(c, work, log))
+            result["tally"] = tally(result["cases"])
+            write_json(out, result)
+    result["tally"] = tally(result["cases"])
+    write_json(out, result)
+    return result

@@ -47,14 +47,13 @@ import json
 import math
 import shutil
 import sys
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Optional
 
-from bench.common import machine_info, quiet_libraries, torch_threads, write_json
+from bench.common import machine_info, probe_saved_cases, quiet_libraries
 from bench.discovery_quality import set_up_case
 from bench.versus import case_overrides, train_arm, verdict_of, without_cooldown
 
@@ -183,24 +182,13 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     methods, kinds = args.methods.split(","), args.kinds.split(",")
     seeds = [int(x) for x in args.seeds.split(",")]
     cases = [c for c in saved["cases"] if c["method"] in methods and c["kind"] in kinds and c["seed"] in seeds]
-    result: dict[str, Any] = {"benchmark": NAME, "source": str(args.source), "fraction": args.fraction,
-                              "placement": args.placement,
-                              "machine": machine_info(), "cases": []}
-    if args.out.exists():
-        result["cases"] = json.loads(args.out.read_text())["cases"]
-    done = {(r["method"], r["kind"], r["seed"]) for r in result["cases"]}
-    work = args.work_dir or Path(tempfile.mkdtemp(prefix="decay-probe-"))
-    work.mkdir(parents=True, exist_ok=True)
-    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    with torch_threads(args.threads):
-        for c in cases:
-            if (c["method"], c["kind"], c["seed"]) in done:
-                continue
-            result["cases"].append(probe_case(c, args.fraction, args.placement, work, log))
-            result["tally"] = tally(result["cases"])
-            write_json(args.out, result)
-    result["tally"] = tally(result["cases"])
-    write_json(args.out, result)
+    head: dict[str, Any] = {"benchmark": NAME, "source": str(args.source), "fraction": args.fraction,
+                            "placement": args.placement, "machine": machine_info(), "cases": []}
+
+    def probe(c: dict[str, Any], work: Path, log) -> dict[str, Any]:
+        return probe_case(c, args.fraction, args.placement, work, log)
+
+    result = probe_saved_cases(head, cases, args.out, args.work_dir, args.threads, probe, tally, "decay-probe-")
     print(report(result))
     return result
 
