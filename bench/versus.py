@@ -307,6 +307,22 @@ def rechoose(c: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def with_capped_bounds(c: dict[str, Any], probed: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """The case with (a) as bench.bounds_probe's run delivered it (the same range tests, the zoom's upper bound capped
+    at the first test's, the fine-tune step as shipped on those bounds); unchanged without a probe run."""
+    if probed is None:
+        return c
+    a = c["rangefinder"]
+    chosen = {**(a.get("chosen") or {}), "val_loss": probed["delivered"], "rule": probed["chosen_rule"],
+              "capped_bounds": True, "was": {"lr_used": a.get("lr_used"),
+                                             "val_loss": (a.get("chosen") or {}).get("val_loss")}}
+    a = {**a, "lr_low": probed["lr_low"], "lr_mid": probed["lr_mid"], "lr_high": probed["lr_high"],
+         "lr_used": probed["lr_used"], "chosen": chosen}
+    out = {**c, "rangefinder": a}
+    out["summary"] = summarize(out)
+    return out
+
+
 def verdict_of(mine: Optional[float], theirs: Optional[float]) -> Optional[str]:
     """(a) against another arm: win (more than TIE_PCT lower), tie (within it), loss; None when the other arm has no
     loss. (a) with none (it failed: its range tests found no bounds, so it delivered an error, not a model) loses to
@@ -475,6 +491,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                    help="with --report: re-score (a) with today's checkpoint rule from each case's saved curve")
     p.add_argument("--report", type=Path, nargs="+", metavar="JSON",
                    help="run nothing: merge the cases of these results and print the tables and the verdict")
+    p.add_argument("--capped-bounds", type=Path, nargs="+", metavar="JSON",
+                   help="with --report: (a) as delivered by bench.bounds_probe's runs (the zoom's upper bound "
+                   "capped at the first test's), in the cases those results hold")
     args = p.parse_args(argv)
     if args.report:
         merged: dict[str, Any] = {"benchmark": NAME, "merged_from": [str(x) for x in args.report], "cases": []}
@@ -492,6 +511,12 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         if args.rechoose:
             merged["rechosen"] = True
             merged["cases"] = [rechoose(c) for c in merged["cases"]]
+        if args.capped_bounds:
+            probed = {(r["method"], r["kind"], r["seed"]): r for path in args.capped_bounds
+                      for r in json.loads(path.read_text())["cases"]}
+            merged["capped_bounds_from"] = [str(x) for x in args.capped_bounds]
+            merged["cases"] = [with_capped_bounds(c, probed.get((c["method"], c["kind"], c["seed"])))
+                               for c in merged["cases"]]
         finish(merged, partial=False)
         print(report(merged))
         if args.out:

@@ -34,3 +34,25 @@ def test_it_applies_only_where_the_first_test_saw_what_the_zoom_could_not(first_
     c = _case({"flags": first_flags, "lr_high": 1e-2}, {"flags": zoom_flags, "lr_high": 2e-2})
     assert censored_zoom(c) is applies
     assert censored_zoom({"rangefinder": {"range_tests": [{"flags": first_flags}]}}) is False  # no zoom
+
+
+def test_the_report_can_score_a_as_the_probe_delivered_it_in_the_cases_it_ran():
+    """bench.versus --report --capped-bounds: LoRA `subject` 4 as saved lost to Prodigy's best; with the probe's run
+    of the capped bounds in its place it ties, and every other case is left as it was."""
+    import json
+    from pathlib import Path
+
+    from bench.versus import with_capped_bounds
+
+    results = Path(__file__).resolve().parents[2] / "bench" / "results"
+    cases = {(c["method"], c["kind"], c["seed"]): c
+             for c in json.loads((results / "versus_all_55.json").read_text())["cases"]}
+    probed = {(r["method"], r["kind"], r["seed"]): r
+              for r in json.loads((results / "bounds_probe.json").read_text())["cases"]}
+    key = ("lora", "subject", 4)
+    before, after = cases[key], with_capped_bounds(cases[key], probed[key])
+    assert before["summary"]["vs_prodigy_best"] == "loss" and after["summary"]["vs_prodigy_best"] == "tie"
+    assert after["summary"]["rangefinder"] == probed[key]["delivered"]
+    assert after["rangefinder"]["lr_used"] == probed[key]["lr_used"] and after["rangefinder"]["chosen"]["capped_bounds"]
+    other = ("full", "stripes", 3)
+    assert other not in probed and with_capped_bounds(cases[other], None) is cases[other]
