@@ -585,6 +585,12 @@ class FinetuneConfig(_Section):
     cooldown: Literal["auto", "on", "off"] = "off"
     cooldown_fraction: float = Field(0.2, gt=0, lt=1)
 
+    @field_validator("cooldown", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, v: Any) -> Any:
+        """YAML 1.1 reads a bare `on` / `off` as true / false: take them as the words they were written as."""
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
+
 
 class RetrainConfig(_Section):
     # Off: the registered model is the fine-tune's checkpoint at the recommended length, whose validation loss was

@@ -174,3 +174,13 @@ def test_a_cooldown_asked_for_where_it_cannot_run_is_one_warning(settings, warne
     assert lines == ([] if warned is None else [lines[0]]) and (warned is None or warned in lines[0])
     # And where it is warned about, the step does not run it (a schedule-free optimizer would refuse the decay).
     assert cooldown_applies(cfg, True, cfg.finetune.schedule) is (settings == {"finetune": {"cooldown": "on"}})
+
+
+def test_yaml_s_bare_on_and_off_mean_the_words():
+    """`cooldown: on` in a YAML file is read as true by YAML 1.1: the setting takes it as "on", not an error."""
+    import yaml
+
+    from rangefinder.config import parse_config
+
+    for word in ("on", "off", "auto"):
+        assert parse_config(yaml.safe_load(f"finetune:\n  cooldown: {word}\n")).finetune.cooldown == word
