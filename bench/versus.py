@@ -162,6 +162,21 @@ def checkpoint_at(run_dir: Path, update: Optional[int]) -> Optional[Path]:
     return checkpoints.checkpoints_by_update(root).get(int(update))
 
 
+def keep_delivered(run_dir: Path, *updates: Optional[int]) -> None:
+    """Remove the arm's checkpoints but those at `updates` (the ones it delivers): a full fine-tune's 40 take ~0.5 GB
+    per arm, and the case keeps its arms' weights until it is scored."""
+    from rangefinder.formats import checkpoints
+
+    root = run_dir / "checkpoints"
+    for update, path in (checkpoints.checkpoints_by_update(root).items() if root.is_dir() else ()):
+        if update not in updates:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _last_update(arm: dict[str, Any]) -> Optional[int]:
+    return (arm.get("curve") or [[None]])[-1][0]
+
+
 def delivered_weights(c: dict[str, Any], case: Path) -> dict[str, Any]:
     """Per scored arm, the checkpoint folder it delivers, or why it has none: (a)'s chosen checkpoint (its final
     one where the window kept none), (b)'s best and final, (c)'s final, (d)'s best run's best."""
@@ -175,10 +190,9 @@ def delivered_weights(c: dict[str, Any], case: Path) -> dict[str, Any]:
         for arm in SCORED_ARMS[1:]:
             out[arm] = f"reused from {c['reused_arms_from']}: its weights are gone"
         return out
-    last = lambda r: (r.get("curve") or [[None]])[-1][0]  # noqa: E731
     out["prodigy_best"] = checkpoint_at(case / "prodigy", c["prodigy"].get("best_update"))
-    out["prodigy_final"] = checkpoint_at(case / "prodigy", last(c["prodigy"]))
-    out["folk_final"] = checkpoint_at(case / "folk", last(c["folk"]))
+    out["prodigy_final"] = checkpoint_at(case / "prodigy", _last_update(c["prodigy"]))
+    out["folk_final"] = checkpoint_at(case / "folk", _last_update(c["folk"]))
     runs = [(i, r) for i, r in enumerate(c["random"]["runs"]) if r.get("best_val_loss") is not None]
     if runs:
         i, best = min(runs, key=lambda t: t[1]["best_val_loss"])
@@ -348,11 +362,13 @@ def one_case(method: str, kind: str, seed: int, args, work: Path, saved: dict[tu
     cfg_b = cfg.model_copy(update={"training": cfg.training.model_copy(update={"optimizer": "prodigy"})})
     with prodigy_as_diffusers_recommends(), keeping_every_checkpoint():
         out["prodigy"] = train_arm(cfg_b, split_dir, 1.0, case / "prodigy", keep_weights=scored)
+    keep_delivered(case / "prodigy", out["prodigy"].get("best_update"), _last_update(out["prodigy"]))
     log(f"{tag}   best {out['prodigy']['best_val_loss']}, final {out['prodigy']['final_val_loss']}")
 
     log(f"{tag} (c) folk default")
     with keeping_every_checkpoint():
         out["folk"] = train_arm(cfg, split_dir, FOLK_LR[method], case / "folk", keep_weights=scored)
+    keep_delivered(case / "folk", _last_update(out["folk"]))
     log(f"{tag}   best {out['folk']['best_val_loss']}, final {out['folk']['final_val_loss']}")
 
     per_run = length or out["folk"]["updates"]
@@ -362,8 +378,11 @@ def one_case(method: str, kind: str, seed: int, args, work: Path, saved: dict[tu
     rng = random.Random(f"versus-random-{method}-{kind}-{seed}")
     lrs = [math.exp(rng.uniform(math.log(span[0]), math.log(span[1]))) for _ in range(n)]
     log(f"{tag} (d) random search: {n} runs over {span[0]:g}..{span[1]:g}")
-    with keeping_every_checkpoint() if scored else nullcontext():
-        runs = [train_fixed_lr(cfg, split_dir, lr, case / f"random-{i}") for i, lr in enumerate(lrs)]
+    runs = []
+    for i, lr in enumerate(lrs):
+        with keeping_every_checkpoint() if scored else nullcontext():
+            runs.append(train_fixed_lr(cfg, split_dir, lr, case / f"random-{i}"))
+        keep_delivered(case / f"random-{i}", runs[-1].get("best_update"))
     out["random"] = {"span": list(span), "runs": runs, "updates": sum(r["updates"] for r in runs),
                      "seconds": sum(r["seconds"] for r in runs)}
 
