@@ -21,7 +21,8 @@ held-out kinds and seeds below were written down (committed) before any run of t
 
 Where the kind's captions name a colour and a shape (data.prompt_score: `shapes`), each arm's delivered weights are
 also rendered and given the prompt score: (a)'s chosen checkpoint, (b)'s best and final, (c)'s final, (d)'s best and
-the base model for reference, on prompts of the kind's own words that no image of the case is captioned with
+the base model for reference (for textual inversion also as its arms start: the initializer word in the token's
+place), on prompts of the kind's own words that no image of the case is captioned with
 (`held_out_prompts`), with fixed seeds and the case's sampler settings (sampling.render_grid). The scores are taken
 before the case's weights are deleted; arms reused from an earlier JSON (--reuse-arms) have none left, so theirs are
 absent, and said so.
@@ -200,8 +201,9 @@ def delivered_weights(c: dict[str, Any], case: Path) -> dict[str, Any]:
     return {arm: out.get(arm) or "no checkpoint at its update" for arm in SCORED_ARMS}
 
 
-def score_prompts(cfg, c: dict[str, Any], case: Path, log=print) -> Optional[dict[str, Any]]:
-    """Render the base model and each arm's delivered weights on `held_out_prompts` x SCORE_SEEDS with the case's
+def score_prompts(cfg, c: dict[str, Any], case: Path, log=print,
+                  seeds: tuple[int, ...] = SCORE_SEEDS) -> Optional[dict[str, Any]]:
+    """Render the base model and each arm's delivered weights on `held_out_prompts` x `seeds` with the case's
     sampler settings (sampling.render_grid: one CPU generator per cell, so the cells differ only in the weights) and
     score them (data.prompt_score): {"prompts", "seeds", settings, "seconds", "arms": {arm: {"colour", "shape",
     "images"} or {"absent": why}}}. None for a kind the prompt score cannot read."""
@@ -220,20 +222,30 @@ def score_prompts(cfg, c: dict[str, Any], case: Path, log=print) -> Optional[dic
     columns = [GridColumn(arm, w, "engine_checkpoint") for arm, w in weights.items() if isinstance(w, Path)]
     arms.update({arm: {"absent": w} for arm, w in weights.items() if not isinstance(w, Path)})
     # The base model is asked in plain words: it has no textual-inversion token to be asked with.
-    for cols, asked in (([GridColumn("base", base, "pipeline")], prompts),
-                        (columns, [arm_prompt(cfg, p) for p in prompts])):
+    renders = [([GridColumn("base", base, "pipeline")], prompts)]
+    if cfg.training.method == "textual_inversion":
+        # Where every TI arm starts: its token's vectors are the initializer word's at update 0 (the initializer is
+        # one token: methods.textual_inversion checks it), so the base model asked with that word in the token's
+        # place is the untrained embedding. The prompt's form alone moves the score ("object, a red circle ..."
+        # scored 0.58 / 0.43 against plain 0.51 / 0.17 on seed 3's prompts), so a TI arm is read against this row.
+        ti = cfg.training.textual_inversion
+        start = " ".join([ti.initializer_token] * ti.num_vectors)
+        renders.append(([GridColumn("base_ti_start", base, "pipeline")],
+                        [arm_prompt(cfg, p).replace(ti.placeholder_token, start) for p in prompts]))
+    renders.append((columns, [arm_prompt(cfg, p) for p in prompts]))
+    for cols, asked in renders:
         if not cols:
             continue
-        grid = render_grid(cols, asked, list(SCORE_SEEDS), out_dir=case / f"prompt-score-{cols[0].label}",
+        grid = render_grid(cols, asked, list(seeds), out_dir=case / f"prompt-score-{cols[0].label}",
                            base_model=base, steps=settings["steps"], guidance_scale=settings["guidance_scale"],
                            scheduler=settings["scheduler"], resolution=settings["resolution"], device="cpu")
         arms.update({s["column"]: {k: s[k] for k in ("colour", "shape", "images")} for s in grid["scores"]})
     seconds = time.perf_counter() - t0
-    log(f"[{c['method']} {c['kind']} seed {c['seed']}] prompt score: {len(prompts)} prompts x {len(SCORE_SEEDS)} "
+    log(f"[{c['method']} {c['kind']} seed {c['seed']}] prompt score: {len(prompts)} prompts x {len(seeds)} "
         f"seeds, {len(columns) + 1} models, {seconds:.0f} s")
-    return {"prompts": prompts, "seeds": list(SCORE_SEEDS), **settings,
+    return {"prompts": prompts, "seeds": list(seeds), **settings,
             "asked_as": arm_prompt(cfg, "{prompt}"), "seconds": seconds,
-            "arms": {arm: arms[arm] for arm in ("base", *SCORED_ARMS) if arm in arms}}
+            "arms": {arm: arms[arm] for arm in ("base", "base_ti_start", *SCORED_ARMS) if arm in arms}}
 
 
 def train_arm(cfg, split_dir: Path, lr: float, out: Path, keep_weights: bool = False) -> dict[str, Any]:
@@ -353,7 +365,7 @@ def one_case(method: str, kind: str, seed: int, args, work: Path, saved: dict[tu
         out.update({k: old[k] for k in ("prodigy", "folk", "random", "grid")}, reused_arms_from=old["file"])
         if out["grid"] is None and args.grid:  # the earlier run had no grid (--no-grid): train it now
             out["grid"] = train_grid(cfg, split_dir, case, args, log, tag)
-        out["prompt_score"] = score_prompts(cfg, out, case, log) if scored else None
+        out["prompt_score"] = score_prompts(cfg, out, case, log, args.prompt_seeds) if scored else None
         out["summary"] = summarize(out)
         shutil.rmtree(case, ignore_errors=True)
         return out
@@ -400,7 +412,7 @@ def one_case(method: str, kind: str, seed: int, args, work: Path, saved: dict[tu
             log(f"{tag} (e) grid reused from {old['file']}")
     if out["grid"] is None and args.grid:
         out["grid"] = train_grid(cfg, split_dir, case, args, log, tag)
-    out["prompt_score"] = score_prompts(cfg, out, case, log) if scored else None
+    out["prompt_score"] = score_prompts(cfg, out, case, log, args.prompt_seeds) if scored else None
     out["summary"] = summarize(out)
     shutil.rmtree(case, ignore_errors=True)
     return out
@@ -609,7 +621,7 @@ def report(result: dict[str, Any]) -> str:
 
 def prompt_score_table(rows: list[dict[str, Any]]) -> str:
     """Colour / shape scores per arm for the cases that measured them, and which cases did not and why."""
-    arms = ("base", *SCORED_ARMS)
+    arms = ("base", "base_ti_start", *SCORED_ARMS)
     measured = [r for r in rows if r.get("prompt_score") == "measured"]
 
     def cell(r: dict[str, Any], arm: str) -> str:
@@ -620,8 +632,8 @@ def prompt_score_table(rows: list[dict[str, Any]]) -> str:
 
     text = table([{"case": r["case"], **{arm: cell(r, arm) for arm in arms}} for r in measured], ["case", *arms],
                  title="Prompt score (colour / shape, 0..1) of each arm's delivered weights on prompts no image of "
-                 "the case shows", headers=["case", "base model", "(a) chosen", "(b) best", "(b) final", "(c) final",
-                                            "(d) best"])
+                 "the case shows", headers=["case", "base model", "base, as TI starts", "(a) chosen", "(b) best",
+                                            "(b) final", "(c) final", "(d) best"])
     others = {why: [r["case"] for r in rows if r.get("prompt_score") == why]
               for why in ("none for this kind", "not measured")}
     notes = [f"prompt score {why}: {len(cases)} cases ({', '.join(cases[:6])}{', ...' if len(cases) > 6 else ''})"
@@ -645,6 +657,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--grid-lr-max", type=float, default=1e-2)
     p.add_argument("--no-grid", dest="grid", action="store_false",
                    help="train no grid where no saved one fits (the gap to the grid is then not measured)")
+    p.add_argument("--prompt-seeds", type=lambda v: tuple(int(x) for x in v.split(",") if x.strip()),
+                   default=SCORE_SEEDS, help="the seeds each prompt of the prompt score is rendered with "
+                   f"(default {','.join(map(str, SCORE_SEEDS))}; more seeds, less noise: each adds 8 images a model)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's choice)")
     p.add_argument("--smoke", action="store_true", help="one tiny full case: 2-epoch arms, 1 grid point, "
                    "at most 2 random runs (CI)")
@@ -701,6 +716,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                 "grid_lr_min": args.grid_lr_min, "grid_lr_max": args.grid_lr_max, "grid": args.grid,
                 "held_out_kinds": list(HELD_OUT_KINDS), "held_out_seeds": list(HELD_OUT_SEEDS),
                 "tie_pct": TIE_PCT, "folk_lr": FOLK_LR, "prodigy_settings": PRODIGY_SETTINGS,
+                "prompt_seeds": list(args.prompt_seeds),
                 "reuse_arms": [str(x) for x in args.reuse_arms or []]}
     result: dict[str, Any] = {"benchmark": NAME, "smoke": args.smoke, "settings": settings, "cases": [],
                               "runs": []}
