@@ -242,7 +242,7 @@ def score_prompts(cfg, c: dict[str, Any], case: Path, log=print,
         arms.update({s["column"]: {k: s[k] for k in ("colour", "shape", "images")} for s in grid["scores"]})
     seconds = time.perf_counter() - t0
     log(f"[{c['method']} {c['kind']} seed {c['seed']}] prompt score: {len(prompts)} prompts x {len(seeds)} "
-        f"seeds, {len(columns) + 1} models, {seconds:.0f} s")
+        f"seeds, {sum(len(cols) for cols, _ in renders)} models, {seconds:.0f} s")
     return {"prompts": prompts, "seeds": list(seeds), **settings,
             "asked_as": arm_prompt(cfg, "{prompt}"), "seconds": seconds,
             "arms": {arm: arms[arm] for arm in ("base", "base_ti_start", *SCORED_ARMS) if arm in arms}}
