@@ -28,6 +28,14 @@ cooldown existed) and what (a) delivers now. The cooldown stays the default if, 
 (a) with it wins more cases than the window's pick alone does and loses no more; otherwise the default goes back to
 off (the option stays) and RESULTS.md says so. Either way the numbers are reported as they are. (It failed:
 delivered in 1 of 5, the same 3 wins and 2 losses against Prodigy's best as the window's pick; the default is off.)
+
+Where the kind's captions name a colour and a shape (data.prompt_score: `shapes`), each arm's delivered weights are
+also rendered and given the prompt score: (a)'s chosen checkpoint, (b)'s best and final, (c)'s final, (d)'s best and
+the base model for reference (for textual inversion also as its arms start: the initializer word in the token's
+place), on prompts of the kind's own words that no image of the case is captioned with
+(`held_out_prompts`), with fixed seeds and the case's sampler settings (sampling.render_grid). The scores are taken
+before the case's weights are deleted; arms reused from an earlier JSON (--reuse-arms) have none left, so theirs are
+absent, and said so.
 """
 
 from __future__ import annotations
@@ -42,7 +50,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Optional
 
@@ -69,6 +77,10 @@ SAVED_GRIDS = ("discovery_quality_v4_tuning.json", "discovery_quality_v4_heldout
 # (d) better in >= 70 %; within 3 % of the grid's best in >= 85 % at <= 25 % of its compute.
 GOAL_AS_GOOD, GOAL_RANDOM, GOAL_GRID_SHARE, GRID_GAP_PCT, GRID_COST = 0.80, 0.70, 0.85, 3.0, 0.25
 OPPONENTS = ("prodigy_best", "prodigy_final", "folk_final", "folk_best", "random_best")
+# The prompt score (issue 34, item 2): the delivered weights of these arms, and the base model for reference.
+SCORED_ARMS = ("rangefinder", "prodigy_best", "prodigy_final", "folk_final", "random_best")
+SCORE_PROMPTS = 8  # at most: one per colour the kind's captions use, each with a shape and background not seen together
+SCORE_SEEDS = (0, 1)
 
 
 @contextmanager
@@ -93,9 +105,164 @@ def prodigy_as_diffusers_recommends() -> Iterator[None]:
         optimizers.make_optimizer = setup.make_optimizer = original  # type: ignore[assignment]
 
 
-def train_arm(cfg, split_dir: Path, lr: float, out: Path) -> dict[str, Any]:
+@contextmanager
+def keeping_every_checkpoint() -> Iterator[None]:
+    """The fine-tune step keeps only the checkpoint its window picks (formats.checkpoints.keep_only); an arm that
+    delivers another one (Prodigy's best, the folk default's final) needs that one's weights to render, so nothing is
+    removed while the arm trains. The case's folder, checkpoints and all, is deleted once it is scored."""
+    from rangefinder.formats import checkpoints
+
+    original = checkpoints.keep_only
+    checkpoints.keep_only = lambda root, kept: None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        checkpoints.keep_only = original  # type: ignore[assignment]
+
+
+def _article(word: str) -> str:
+    return "an" if word[0] in "aeiou" else "a"
+
+
+def held_out_prompts(kind: str, seed: int, images: int, limit: int = SCORE_PROMPTS) -> list[str]:
+    """Prompts the prompt score can read, in the words of the case's own captions, that none of its `images` images
+    (training and validation alike) is captioned with: for each colour the captions use, in the palette's order, a
+    shape (SHAPES from that colour's position on) and a background the captions use, the first combination no image
+    shows. Empty for a kind whose captions name no colour and shape (data.prompt_score.parse_prompt), and for one whose
+    captions already hold every combination (shapes-on-white at 20 images): it has nothing unseen to ask for."""
+    from rangefinder.data.prompt_score import parse_prompt
+    from rangefinder.data.synthetic import COLOURS, SHAPES, render_item
+
+    if parse_prompt(render_item(kind, seed, 0)[1]) is None:
+        return []
+    parsed = [parse_prompt(render_item(kind, seed, i)[1]) for i in range(images)]
+    if any(p is None or p.background is None for p in parsed):
+        return []
+    seen = {(p.colour, p.shape, p.background) for p in parsed if p is not None}
+    backgrounds = [c for c in COLOURS if any(b == c for _, _, b in seen)]
+    colours = [c for c in COLOURS if any(c in (f, b) for f, _, b in seen)]
+    shapes = [x for x in SHAPES if any(x == s for _, s, _ in seen)]
+    prompts: list[str] = []
+    for i, fg in enumerate(colours):
+        combos = ((shapes[(i + j) % len(shapes)], backgrounds[(i + 1 + k) % len(backgrounds)])
+                  for j in range(len(shapes)) for k in range(len(backgrounds)))
+        pick = next(((sh, bg) for sh, bg in combos if bg != fg and (fg, sh, bg) not in seen), None)
+        if pick is not None:
+            prompts.append(f"{_article(fg)} {fg} {pick[0]} on {_article(pick[1])} {pick[1]} background")
+    return prompts[:limit]
+
+
+def arm_prompt(cfg, prompt: str) -> str:
+    """The prompt as the arm's training captions read: textual inversion learned its token inside every caption
+    (methods.textual_inversion.transform_caption: "<tok>, caption" for an object, "caption, in the style of <tok>"
+    for a style), so its weights are asked the same way; full fine-tuning and LoRA take the prompt as it is."""
+    if cfg.training.method != "textual_inversion":
+        return prompt
+    ti = cfg.training.textual_inversion
+    return f"{ti.placeholder_token}, {prompt}" if ti.learnable_property == "object" else \
+        f"{prompt}, in the style of {ti.placeholder_token}"
+
+
+def checkpoint_at(run_dir: Path, update: Optional[int]) -> Optional[Path]:
+    """The run's checkpoint taken at `update`, or None when it kept none there."""
+    from rangefinder.formats import checkpoints
+
+    root = run_dir / "checkpoints"
+    if update is None or not root.is_dir():
+        return None
+    return checkpoints.checkpoints_by_update(root).get(int(update))
+
+
+def keep_delivered(run_dir: Path, *updates: Optional[int]) -> None:
+    """Remove the arm's checkpoints but those at `updates` (the ones it delivers): a full fine-tune's 40 take ~0.5 GB
+    per arm, and the case keeps its arms' weights until it is scored."""
+    from rangefinder.formats import checkpoints
+
+    root = run_dir / "checkpoints"
+    for update, path in (checkpoints.checkpoints_by_update(root).items() if root.is_dir() else ()):
+        if update not in updates:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _last_update(arm: dict[str, Any]) -> Optional[int]:
+    return (arm.get("curve") or [[None]])[-1][0]
+
+
+def delivered_weights(c: dict[str, Any], case: Path) -> dict[str, Any]:
+    """Per scored arm, the checkpoint folder it delivers, or why it has none: (a)'s chosen checkpoint (its final
+    one where the window kept none), (b)'s best and final, (c)'s final, (d)'s best run's best."""
+    a, out = c["rangefinder"], {}
+    if a.get("status") != "ok":
+        out["rangefinder"] = "(a) failed: it delivered no weights"
+    elif (a.get("chosen") or {}).get("rule") == "cooldown":  # finetune.cooldown on: chosen/ holds no checkpoint's
+        out["rangefinder"] = "(a) delivered its cooldown's weights, which this does not render"
+    else:
+        update = (a.get("chosen") or {}).get("update") or ((a.get("curve") or [[None]])[-1][0])
+        out["rangefinder"] = checkpoint_at(case / "rangefinder" / "finetune", update)
+    if c.get("reused_arms_from"):
+        for arm in SCORED_ARMS[1:]:
+            out[arm] = f"reused from {c['reused_arms_from']}: its weights are gone"
+        return out
+    out["prodigy_best"] = checkpoint_at(case / "prodigy", c["prodigy"].get("best_update"))
+    out["prodigy_final"] = checkpoint_at(case / "prodigy", _last_update(c["prodigy"]))
+    out["folk_final"] = checkpoint_at(case / "folk", _last_update(c["folk"]))
+    runs = [(i, r) for i, r in enumerate(c["random"]["runs"]) if r.get("best_val_loss") is not None]
+    if runs:
+        i, best = min(runs, key=lambda t: t[1]["best_val_loss"])
+        out["random_best"] = checkpoint_at(case / f"random-{i}", best.get("best_update"))
+    return {arm: out.get(arm) or "no checkpoint at its update" for arm in SCORED_ARMS}
+
+
+def score_prompts(cfg, c: dict[str, Any], case: Path, log=print,
+                  seeds: tuple[int, ...] = SCORE_SEEDS) -> Optional[dict[str, Any]]:
+    """Render the base model and each arm's delivered weights on `held_out_prompts` x `seeds` with the case's
+    sampler settings (sampling.render_grid: one CPU generator per cell, so the cells differ only in the weights) and
+    score them (data.prompt_score): {"prompts", "seeds", settings, "seconds", "arms": {arm: {"colour", "shape",
+    "images"} or {"absent": why}}}. None for a kind the prompt score cannot read."""
+    from rangefinder.sampling import GridColumn, render_grid
+
+    prompts = held_out_prompts(c["kind"], c["seed"], c["images"])
+    if not prompts:
+        return None
+    t0 = time.perf_counter()
+    base = Path(cfg.model.base_model)
+    smp = cfg.sampling
+    settings = {"steps": smp.num_inference_steps, "guidance_scale": smp.guidance_scale, "scheduler": smp.scheduler,
+                "resolution": smp.resolution or cfg.data.resolution}
+    arms: dict[str, Any] = {}
+    weights = delivered_weights(c, case)
+    columns = [GridColumn(arm, w, "engine_checkpoint") for arm, w in weights.items() if isinstance(w, Path)]
+    arms.update({arm: {"absent": w} for arm, w in weights.items() if not isinstance(w, Path)})
+    # The base model is asked in plain words: it has no textual-inversion token to be asked with.
+    renders = [([GridColumn("base", base, "pipeline")], prompts)]
+    if cfg.training.method == "textual_inversion":
+        # Where every TI arm starts: its token's vectors are the initializer word's at update 0 (the initializer is
+        # one token: methods.textual_inversion checks it), so the base model asked with that word in the token's
+        # place is the untrained embedding. The prompt's form alone moves the score ("object, a red circle ..."
+        # scored 0.58 / 0.43 against plain 0.51 / 0.17 on seed 3's prompts), so a TI arm is read against this row.
+        ti = cfg.training.textual_inversion
+        start = " ".join([ti.initializer_token] * ti.num_vectors)
+        renders.append(([GridColumn("base_ti_start", base, "pipeline")],
+                        [arm_prompt(cfg, p).replace(ti.placeholder_token, start) for p in prompts]))
+    renders.append((columns, [arm_prompt(cfg, p) for p in prompts]))
+    for cols, asked in renders:
+        if not cols:
+            continue
+        grid = render_grid(cols, asked, list(seeds), out_dir=case / f"prompt-score-{cols[0].label}",
+                           base_model=base, steps=settings["steps"], guidance_scale=settings["guidance_scale"],
+                           scheduler=settings["scheduler"], resolution=settings["resolution"], device="cpu")
+        arms.update({s["column"]: {k: s[k] for k in ("colour", "shape", "images")} for s in grid["scores"]})
+    seconds = time.perf_counter() - t0
+    log(f"[{c['method']} {c['kind']} seed {c['seed']}] prompt score: {len(prompts)} prompts x {len(seeds)} "
+        f"seeds, {sum(len(cols) for cols, _ in renders)} models, {seconds:.0f} s")
+    return {"prompts": prompts, "seeds": list(seeds), **settings,
+            "asked_as": arm_prompt(cfg, "{prompt}"), "seconds": seconds,
+            "arms": {arm: arms[arm] for arm in ("base", "base_ti_start", *SCORED_ARMS) if arm in arms}}
+
+
+def train_arm(cfg, split_dir: Path, lr: float, out: Path, keep_weights: bool = False) -> dict[str, Any]:
     """One constant-LR fine-tune as the fine-tune step runs it (halving off: one LR), with its final loss and the
-    step window's pick as well as its best."""
+    step window's pick as well as its best. `keep_weights`: leave its folder (the caller scores and deletes it)."""
     from rangefinder.steps.finetune import run_finetune
 
     t0 = time.perf_counter()
@@ -104,7 +271,8 @@ def train_arm(cfg, split_dir: Path, lr: float, out: Path) -> dict[str, Any]:
     stats = curve_stats(ft.curve_csv)
     updates = int(json.loads((out / "run_summary.json").read_text())["updates"])
     effective = effective_lrs(ft.curve_csv.with_name("updates.csv"), stats.get("best_update"))
-    shutil.rmtree(out, ignore_errors=True)  # the weights are not needed; the curve is in stats
+    if not keep_weights:
+        shutil.rmtree(out, ignore_errors=True)  # the weights are not needed; the curve is in stats
     return {"lr": lr, "updates": updates, "seconds": seconds, "chosen": ft.chosen, **effective, **stats}
 
 
@@ -200,6 +368,8 @@ def one_case(method: str, kind: str, seed: int, args, work: Path, saved: dict[tu
     length = a.get("finetune_updates")  # (a)'s fine-tune length, in updates: the other arms train as long
     tests = a.get("range_tests") or []
     span = (tests[0]["lr_min"], tests[0]["lr_max"]) if tests else cfg.lr_range_test.range_for(method)
+    # The prompt score needs the arms' delivered weights, which the fine-tune step would prune: kept where scored.
+    scored = bool(held_out_prompts(kind, seed, args.images))
     old = (saved_arms or {}).get((method, kind, seed))
     if reusable_arms(old, a, span, args.images):
         assert old is not None
@@ -207,6 +377,7 @@ def one_case(method: str, kind: str, seed: int, args, work: Path, saved: dict[tu
         out.update({k: old[k] for k in ("prodigy", "folk", "random", "grid")}, reused_arms_from=old["file"])
         if out["grid"] is None and args.grid:  # the earlier run had no grid (--no-grid): train it now
             out["grid"] = train_grid(without_cooldown(cfg), split_dir, case, args, log, tag)
+        out["prompt_score"] = score_prompts(cfg, out, case, log, args.prompt_seeds) if scored else None
         out["summary"] = summarize(out)
         shutil.rmtree(case, ignore_errors=True)
         return out
@@ -215,12 +386,15 @@ def one_case(method: str, kind: str, seed: int, args, work: Path, saved: dict[tu
     cfg = without_cooldown(cfg)
     log(f"{tag} (b) prodigy")
     cfg_b = cfg.model_copy(update={"training": cfg.training.model_copy(update={"optimizer": "prodigy"})})
-    with prodigy_as_diffusers_recommends():
-        out["prodigy"] = train_arm(cfg_b, split_dir, 1.0, case / "prodigy")
+    with prodigy_as_diffusers_recommends(), keeping_every_checkpoint():
+        out["prodigy"] = train_arm(cfg_b, split_dir, 1.0, case / "prodigy", keep_weights=scored)
+    keep_delivered(case / "prodigy", out["prodigy"].get("best_update"), _last_update(out["prodigy"]))
     log(f"{tag}   best {out['prodigy']['best_val_loss']}, final {out['prodigy']['final_val_loss']}")
 
     log(f"{tag} (c) folk default")
-    out["folk"] = train_arm(cfg, split_dir, FOLK_LR[method], case / "folk")
+    with keeping_every_checkpoint():
+        out["folk"] = train_arm(cfg, split_dir, FOLK_LR[method], case / "folk", keep_weights=scored)
+    keep_delivered(case / "folk", _last_update(out["folk"]))
     log(f"{tag}   best {out['folk']['best_val_loss']}, final {out['folk']['final_val_loss']}")
 
     per_run = length or out["folk"]["updates"]
@@ -230,7 +404,11 @@ def one_case(method: str, kind: str, seed: int, args, work: Path, saved: dict[tu
     rng = random.Random(f"versus-random-{method}-{kind}-{seed}")
     lrs = [math.exp(rng.uniform(math.log(span[0]), math.log(span[1]))) for _ in range(n)]
     log(f"{tag} (d) random search: {n} runs over {span[0]:g}..{span[1]:g}")
-    runs = [train_fixed_lr(cfg, split_dir, lr, case / f"random-{i}") for i, lr in enumerate(lrs)]
+    runs = []
+    for i, lr in enumerate(lrs):
+        with keeping_every_checkpoint() if scored else nullcontext():
+            runs.append(train_fixed_lr(cfg, split_dir, lr, case / f"random-{i}"))
+        keep_delivered(case / f"random-{i}", runs[-1].get("best_update"))
     out["random"] = {"span": list(span), "runs": runs, "updates": sum(r["updates"] for r in runs),
                      "seconds": sum(r["seconds"] for r in runs)}
 
@@ -248,6 +426,7 @@ def one_case(method: str, kind: str, seed: int, args, work: Path, saved: dict[tu
             log(f"{tag} (e) grid reused from {old['file']}")
     if out["grid"] is None and args.grid:
         out["grid"] = train_grid(cfg, split_dir, case, args, log, tag)
+    out["prompt_score"] = score_prompts(cfg, out, case, log, args.prompt_seeds) if scored else None
     out["summary"] = summarize(out)
     shutil.rmtree(case, ignore_errors=True)
     return out
@@ -366,6 +545,7 @@ def summarize(c: dict[str, Any]) -> dict[str, Any]:
     }
     for opp in OPPONENTS:
         s[f"vs_{opp}"] = verdict_of(a_loss, s[opp])
+    s.update(prompt_score_summary(c))
     g = c.get("grid")
     arms = [x for x in (g or {}).get("arms", []) if x.get("best_val_loss") is not None]
     if arms:
@@ -381,6 +561,23 @@ def summarize(c: dict[str, Any]) -> dict[str, Any]:
         if saved is not None and a.get("best_val_loss") is not None:
             s["reproduces_saved_discovery"] = math.isclose(saved, a["best_val_loss"], rel_tol=1e-6)
     return s
+
+
+def prompt_score_summary(c: dict[str, Any]) -> dict[str, Any]:
+    """The case's prompt scores for the table: "prompt_score" says whether they were measured, then per arm (and the
+    base model) "prompt_colour_<arm>" and "prompt_shape_<arm>", or "prompt_absent_<arm>" with the reason."""
+    if "prompt_score" not in c:  # a JSON from before the prompt score was measured in this bench
+        return {"prompt_score": "not measured"}
+    ps = c["prompt_score"]
+    if ps is None:
+        return {"prompt_score": "none for this kind"}
+    out: dict[str, Any] = {"prompt_score": "measured"}
+    for arm, v in ps["arms"].items():
+        if "absent" in v:
+            out[f"prompt_absent_{arm}"] = v["absent"]
+        else:
+            out[f"prompt_colour_{arm}"], out[f"prompt_shape_{arm}"] = v["colour"], v["shape"]
+    return out
 
 
 def aggregate(summaries: list[dict[str, Any]]) -> dict[str, Any]:
@@ -444,6 +641,7 @@ def report(result: dict[str, Any]) -> str:
     text += "\n\n" + table(crow, ["case", *(f"u_{k}" for k in arms), *(f"s_{k}" for k in arms)],
                            title="Compute: updates and wall seconds",
                            headers=["case", *(f"{k} upd" for k in arms), *(f"{k} s" for k in arms)])
+    text += "\n\n" + prompt_score_table(rows)
     lines = []
     for label, agg in (("all", result["aggregate"]), ("held out", result["aggregate_held_out"])):
         lines.append(f"{label}: {agg['cases']} cases")
@@ -459,6 +657,28 @@ def report(result: dict[str, Any]) -> str:
         for k, v in agg["goals"].items():
             lines.append(f"  goal {k}: {json.dumps(v)}")
     return text + "\n\n" + "\n".join(lines)
+
+
+def prompt_score_table(rows: list[dict[str, Any]]) -> str:
+    """Colour / shape scores per arm for the cases that measured them, and which cases did not and why."""
+    arms = ("base", "base_ti_start", *SCORED_ARMS)
+    measured = [r for r in rows if r.get("prompt_score") == "measured"]
+
+    def cell(r: dict[str, Any], arm: str) -> str:
+        if f"prompt_colour_{arm}" in r:
+            return f"{r[f'prompt_colour_{arm}']:.3f} / {r[f'prompt_shape_{arm}']:.3f}"
+        return "absent (weights gone: reused arm)" if "reused" in r.get(f"prompt_absent_{arm}", "") else \
+            ("absent" if f"prompt_absent_{arm}" in r else "-")
+
+    text = table([{"case": r["case"], **{arm: cell(r, arm) for arm in arms}} for r in measured], ["case", *arms],
+                 title="Prompt score (colour / shape, 0..1) of each arm's delivered weights on prompts no image of "
+                 "the case shows", headers=["case", "base model", "base, as TI starts", "(a) chosen", "(b) best",
+                                            "(b) final", "(c) final", "(d) best"])
+    others = {why: [r["case"] for r in rows if r.get("prompt_score") == why]
+              for why in ("none for this kind", "not measured")}
+    notes = [f"prompt score {why}: {len(cases)} cases ({', '.join(cases[:6])}{', ...' if len(cases) > 6 else ''})"
+             for why, cases in others.items() if cases]
+    return text + ("\n" + "\n".join(notes) if notes else "")
 
 
 def _f(v: Optional[float]) -> str:
@@ -477,6 +697,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--grid-lr-max", type=float, default=1e-2)
     p.add_argument("--no-grid", dest="grid", action="store_false",
                    help="train no grid where no saved one fits (the gap to the grid is then not measured)")
+    p.add_argument("--prompt-seeds", type=lambda v: tuple(int(x) for x in v.split(",") if x.strip()),
+                   default=SCORE_SEEDS, help="the seeds each prompt of the prompt score is rendered with "
+                   f"(default {','.join(map(str, SCORE_SEEDS))}; more seeds, less noise: each adds 8 images a model)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's choice)")
     p.add_argument("--smoke", action="store_true", help="one tiny full case: 2-epoch arms, 1 grid point, "
                    "at most 2 random runs (CI)")
@@ -542,6 +765,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                 "grid_lr_min": args.grid_lr_min, "grid_lr_max": args.grid_lr_max, "grid": args.grid,
                 "held_out_kinds": list(HELD_OUT_KINDS), "held_out_seeds": list(HELD_OUT_SEEDS),
                 "tie_pct": TIE_PCT, "folk_lr": FOLK_LR, "prodigy_settings": PRODIGY_SETTINGS,
+                "prompt_seeds": list(args.prompt_seeds),
                 "reuse_arms": [str(x) for x in args.reuse_arms or []]}
     result: dict[str, Any] = {"benchmark": NAME, "smoke": args.smoke, "settings": settings, "cases": [],
                               "runs": []}

@@ -8,9 +8,16 @@ from bench.versus import (
     HELD_OUT_KINDS,
     HELD_OUT_SEEDS,
     OPPONENTS,
+    SCORED_ARMS,
     aggregate,
+    delivered_weights,
+    finish,
+    held_out_prompts,
     rechoose,
+    report,
     reusable_arms,
+    score_prompts,
+    summarize,
     verdict_of,
 )
 
@@ -98,6 +105,56 @@ def test_versus_smoke(tmp_path, capsys):
     assert set(saved["aggregate"]["goals"]) >= {"beats_random", "grid", "as_good_as_prodigy_best"}
     printed = capsys.readouterr().out
     assert "Validation loss of each arm's delivered checkpoint" in printed and "Compute" in printed
+    # shapes has a prompt score: every arm's delivered weights and the base model were rendered and scored, on
+    # prompts no image of the case is captioned with.
+    ps = case["prompt_score"]
+    assert ps["prompts"] == held_out_prompts("shapes", 0, 10) and ps["seeds"] == [0, 1] and ps["steps"] == 1
+    assert set(ps["arms"]) == {"base", *SCORED_ARMS}
+    for arm, v in ps["arms"].items():
+        assert 0.0 <= v["colour"] <= 1.0 and 0.0 <= v["shape"] <= 1.0, arm
+        assert v["images"] == len(ps["prompts"]) * len(ps["seeds"]), arm
+        assert s[f"prompt_colour_{arm}"] == v["colour"] and s[f"prompt_shape_{arm}"] == v["shape"]
+    assert s["prompt_score"] == "measured" and "Prompt score (colour / shape" in printed
+
+
+def test_held_out_prompts_are_shapes_prompts_the_case_s_images_do_not_show():
+    from rangefinder.data.prompt_score import parse_prompt
+    from rangefinder.data.synthetic import render_item
+
+    prompts = held_out_prompts("shapes", 3, 20)
+    captions = {render_item("shapes", 3, i)[1] for i in range(20)}
+    assert len(prompts) == 8 and len(set(prompts)) == 8 and not set(prompts) & captions
+    assert all(parse_prompt(p) is not None for p in prompts)
+    assert prompts == held_out_prompts("shapes", 3, 20)  # fixed: every arm and every re-run asks the same
+    # Kinds whose captions name no colour and shape have no prompt score; shapes-on-white at 20 images shows every
+    # pairing of its colours and shapes, so nothing unseen is left to ask for.
+    for kind in ("stripes", "textures", "subject", "glyphs", "shapes-on-white"):
+        assert held_out_prompts(kind, 3, 20) == [], kind
+
+
+def test_a_kind_without_a_prompt_score_records_none_and_old_results_still_report(tmp_path):
+    stripes = {**_case([[4, 0.1], [8, 0.09]], None), "kind": "stripes"}
+    # Returns before it loads or renders anything: no config is needed.
+    assert score_prompts(None, stripes, tmp_path) is None
+    stripes["prompt_score"] = None
+    assert summarize(stripes)["prompt_score"] == "none for this kind"
+    # A case of a JSON written before the prompt score was measured, and one whose arms (b)-(d) were reused: their
+    # weights are gone, so their scores are absent and the table says so.
+    old = _case([[4, 0.1], [8, 0.09]], None)
+    reused = {**_case([[4, 0.1], [8, 0.09]], None), "seed": 1, "reused_arms_from": "versus_old.json"}
+    weights = delivered_weights(reused, tmp_path)
+    assert all("reused from versus_old.json" in weights[arm] for arm in SCORED_ARMS[1:])
+    reused["prompt_score"] = {"prompts": ["a red circle on a blue background"], "seeds": [0], "arms": {
+        "base": {"colour": 0.3, "shape": 0.2, "images": 1}, "rangefinder": {"colour": 0.6, "shape": 0.5, "images": 1},
+        **{arm: {"absent": weights[arm]} for arm in SCORED_ARMS[1:]}}}
+    merged = {"cases": [{**c, "summary": summarize(c)} for c in (old, stripes, reused)]}
+    finish(merged, partial=False)
+    text = report(merged)
+    scores = text.split("Prompt score (colour / shape")[1]
+    row = next(line for line in scores.splitlines() if line.startswith("| lora shapes 1 "))
+    assert "0.600 / 0.500" in row and row.count("absent (weights gone: reused arm)") == 4
+    assert "prompt score not measured: 1 cases (lora shapes 0)" in text
+    assert "prompt score none for this kind: 1 cases (lora stripes 0)" in text
 
 
 def _case(curve, chosen):
