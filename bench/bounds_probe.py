@@ -46,7 +46,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Optional
 
-from bench.common import machine_info, probe_saved_cases, quiet_libraries
+from bench.common import add_probe_arguments, machine_info, probe_saved_cases, quiet_libraries
 from bench.discovery_quality import curve_stats, set_up_case
 from bench.versus import case_overrides, verdict_of, without_cooldown
 
@@ -128,11 +128,8 @@ def tally(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(prog="python -m bench.bounds_probe", description=__doc__.split("\n\n")[0])
-    p.add_argument("--from", dest="source", type=Path, required=True, help="a bench.versus result JSON")
+    add_probe_arguments(p)
     p.add_argument("--only", help="method:kind:seed,... (default: every case with a censored zoom)")
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--work-dir", type=Path)
-    p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
     quiet_libraries()
     saved = json.loads(args.source.read_text())

@@ -227,6 +227,15 @@ def mib(n_bytes: Optional[float]) -> Optional[float]:
     return None if n_bytes is None else round(n_bytes / 2**20, 1)
 
 
+def add_probe_arguments(p: Any) -> None:
+    """The arguments every probe of saved bench.versus cases takes (an argparse.ArgumentParser): --from, --out,
+    --work-dir, --threads."""
+    p.add_argument("--from", dest="source", type=Path, required=True, help="a bench.versus result JSON")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--work-dir", type=Path)
+    p.add_argument("--threads", type=int, default=1)
+
+
 def probe_saved_cases(result: dict[str, Any], cases: Sequence[dict[str, Any]], out: Path, work: Optional[Path],
                       threads: int, probe: Callable[[dict[str, Any], Path, Callable[[str], None]], dict[str, Any]],
                       tally: Callable[[list[dict[str, Any]]], dict[str, Any]], prefix: str) -> dict[str, Any]:

@@ -53,7 +53,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Optional
 
-from bench.common import machine_info, probe_saved_cases, quiet_libraries
+from bench.common import add_probe_arguments, machine_info, probe_saved_cases, quiet_libraries
 from bench.discovery_quality import set_up_case
 from bench.versus import case_overrides, train_arm, verdict_of, without_cooldown
 
@@ -166,16 +166,13 @@ def report(result: dict[str, Any]) -> str:
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(prog="python -m bench.decay_probe", description=__doc__.split("\n\n")[0])
-    p.add_argument("--from", dest="source", type=Path, required=True, help="a bench.versus result JSON")
+    add_probe_arguments(p)
     p.add_argument("--methods", default="full")
     p.add_argument("--kinds", default="shapes,stripes,textures,subject,glyphs")
     p.add_argument("--seeds", default="0")
     p.add_argument("--fraction", type=float, default=0.2, help="decay length as a fraction of the stable part")
     p.add_argument("--placement", choices=("after", "at"), default="after",
                    help="after: constant to (a)'s recommended length, then the decay; at: the decay ends there")
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--work-dir", type=Path)
-    p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
     quiet_libraries()
     saved = json.loads(args.source.read_text())
