@@ -56,7 +56,7 @@ from typing import Any, Optional
 
 from bench.common import machine_info, quiet_libraries, torch_threads, write_json
 from bench.discovery_quality import set_up_case
-from bench.versus import case_overrides, train_arm, verdict_of
+from bench.versus import case_overrides, family_of_case, train_arm, verdict_of
 
 NAME = "decay_probe"
 
@@ -107,7 +107,8 @@ def probe_case(c: dict[str, Any], fraction: float, placement: str, work: Path, l
     dataset = case / "dataset"
     make_synthetic_dataset(dataset, kind=c["kind"], count=c["images"], seed=c["seed"], resolution=32)
     args = SimpleNamespace(finetune_epochs=c["finetune_epochs"], smoke=False)
-    cfg, split_dir = set_up_case(dataset, c["seed"], work, case, case_overrides(c["method"], args))
+    overrides = case_overrides(c["method"], args, family_of_case(c))
+    cfg, split_dir = set_up_case(dataset, c["seed"], work, case, overrides)
     cfg = cfg.model_copy(update={"finetune": cfg.finetune.model_copy(update={"epochs": round(total / per_epoch)})})
     log(f"{tag} lr {lr:.3g}: constant to {stable}, decay to 0 at {total}")
     with stable_then_decay(lr, stable, total):
