@@ -40,6 +40,10 @@ seed 3 only, --no-grid (a grid costs about 2.5x a case's other arms; it does not
 40-epoch arms, every other setting as for SD 1.x: 10 cases, in the bench's order (seed, kind, method). If they end
 before 11:35 UTC, the same 10 cases on family sd3 follow, in the same order, as far as they finish by 12:15 UTC; no
 other case is run, and nothing is re-run or dropped after seeing a number.
+Added 10:32 UTC, after the first 7 flux cases had run (each in about 1.5 min, not the 5 estimated), before any grid:
+when sd3's 10 cases are done, the grid (e) is trained for the same flux cases, then sd3's, as far as they finish by
+12:15, with --reuse-arms (which re-runs (a), deterministic on CPU, and keeps (b)-(d)): 8 LRs over 1e-5..1e-2 for
+full and 1e-4..1e-1 for LoRA, the spans of the SD 1.x grids (bench/RESULTS.md), chosen on no flow case.
 """
 
 from __future__ import annotations
