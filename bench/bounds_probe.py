@@ -48,7 +48,7 @@ from typing import Any, Optional
 
 from bench.common import add_probe_arguments, machine_info, probe_saved_cases, quiet_libraries
 from bench.discovery_quality import curve_stats, set_up_case
-from bench.versus import case_overrides, verdict_of, without_cooldown
+from bench.versus import case_overrides, family_of_case, verdict_of, without_cooldown
 
 NAME = "bounds_probe"
 
@@ -84,7 +84,7 @@ def probe_case(c: dict[str, Any], work: Path, log=print) -> dict[str, Any]:
     dataset = case / "dataset"
     make_synthetic_dataset(dataset, kind=c["kind"], count=c["images"], seed=c["seed"], resolution=32)
     args = SimpleNamespace(finetune_epochs=c["finetune_epochs"], smoke=False)
-    cfg, split_dir = set_up_case(dataset, c["seed"], work, case, case_overrides(c["method"], args))
+    cfg, split_dir = set_up_case(dataset, c["seed"], work, case, case_overrides(c["method"], args, family_of_case(c)))
     cfg = without_cooldown(cfg)  # the saved (a) had none
     log(f"{tag} bounds {low:.3g} / {mid:.3g} / {high:.3g} (saved (a): {a['lr_low']:.3g} / {a['lr_mid']:.3g} / "
         f"{a['lr_high']:.3g}, trained at {a['lr_used']:.3g})")
@@ -96,6 +96,7 @@ def probe_case(c: dict[str, Any], work: Path, log=print) -> dict[str, Any]:
     stats = curve_stats(ft.curve_csv, ft.recommended_updates)
     shutil.rmtree(case, ignore_errors=True)
     row: dict[str, Any] = {k: c[k] for k in ("method", "kind", "seed", "held_out")}
+    row["family"] = family_of_case(c)
     row.update(lr_low=low, lr_mid=mid, lr_high=high, lr_used=ft.lr, delivered=delivered,
                updates=ft.updates_trained, seconds=seconds, chosen_rule=(ft.chosen or {}).get("rule"),
                saved_lr_used=a["lr_used"], rangefinder=s["rangefinder"], prodigy_best=s["prodigy_best"],

@@ -247,7 +247,10 @@ def probe_saved_cases(result: dict[str, Any], cases: Sequence[dict[str, Any]], o
 
     if out.exists():
         result["cases"] = json.loads(out.read_text())["cases"]
-    done = {(r["method"], r["kind"], r["seed"]) for r in result["cases"]}
+    def key(r: dict[str, Any]) -> tuple:  # results from before --family ran on SD 1.x
+        return str(r.get("family") or "sd1"), r["method"], r["kind"], r["seed"]
+
+    done = {key(r) for r in result["cases"]}
     work = work or Path(tempfile.mkdtemp(prefix=prefix))
     work.mkdir(parents=True, exist_ok=True)
 
@@ -256,7 +259,7 @@ def probe_saved_cases(result: dict[str, Any], cases: Sequence[dict[str, Any]], o
 
     with torch_threads(threads):
         for c in cases:
-            if (c["method"], c["kind"], c["seed"]) in done:
+            if key(c) in done:
                 continue
             result["cases"].append(probe(c, work, log))
             result["tally"] = tally(result["cases"])

@@ -55,7 +55,7 @@ from typing import Any, Optional
 
 from bench.common import add_probe_arguments, machine_info, probe_saved_cases, quiet_libraries
 from bench.discovery_quality import set_up_case
-from bench.versus import case_overrides, train_arm, verdict_of, without_cooldown
+from bench.versus import case_overrides, family_of_case, train_arm, verdict_of, without_cooldown
 
 NAME = "decay_probe"
 
@@ -87,6 +87,7 @@ def probe_case(c: dict[str, Any], fraction: float, placement: str, work: Path, l
     a, s = c["rangefinder"], c["summary"]
     tag = f"[{c['method']} {c['kind']} seed {c['seed']}]"
     out: dict[str, Any] = {k: c[k] for k in ("method", "kind", "seed", "held_out")}
+    out["family"] = family_of_case(c)
     chosen = a.get("chosen") or {}
     if a.get("status") != "ok":
         log(f"{tag} skipped: (a) {a.get('status')}")
@@ -106,7 +107,8 @@ def probe_case(c: dict[str, Any], fraction: float, placement: str, work: Path, l
     dataset = case / "dataset"
     make_synthetic_dataset(dataset, kind=c["kind"], count=c["images"], seed=c["seed"], resolution=32)
     args = SimpleNamespace(finetune_epochs=c["finetune_epochs"], smoke=False)
-    cfg, split_dir = set_up_case(dataset, c["seed"], work, case, case_overrides(c["method"], args))
+    overrides = case_overrides(c["method"], args, family_of_case(c))
+    cfg, split_dir = set_up_case(dataset, c["seed"], work, case, overrides)
     cfg = cfg.model_copy(update={"finetune": cfg.finetune.model_copy(update={"epochs": round(total / per_epoch)})})
     cfg = without_cooldown(cfg)  # the probe trains its own decay
     log(f"{tag} lr {lr:.3g}: constant to {stable}, decay to 0 at {total}")

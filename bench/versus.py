@@ -1,6 +1,8 @@
 """Versus: does measuring the LR beat what users do instead? Each arm delivers the checkpoint its own rule picks.
 
-`python -m bench.versus` runs, per case (method x synthetic kind x seed) on the embedded tiny model:
+`python -m bench.versus` runs, per case (method x synthetic kind x seed) on the embedded tiny model of one family
+(`--family`: SD 1.x by default; sd3 and flux, the flow-matching tiny models of models/tiny_sd3.py and tiny_flux.py,
+on which every arm runs alike):
 
 (a) rangefinder as shipped, through the pipeline's own steps (bench.discovery_quality.discover): the range test
     (and its zoom), choose_lr, the fine-tune with successive halving of lr_mid and lr_high; it delivers the
@@ -36,6 +38,30 @@ place), on prompts of the kind's own words that no image of the case is captione
 (`held_out_prompts`), with fixed seeds and the case's sampler settings (sampling.render_grid). The scores are taken
 before the case's weights are deleted; arms reused from an earlier JSON (--reuse-arms) have none left, so theirs are
 absent, and said so.
+
+On a flow-matching family (sd3, flux) the same arms run on that family's tiny model, the engine choosing the family
+from the model (training/family_detection.py). Methods: full and LoRA; textual inversion is refused on both (Flux's
+prompt reaches the transformer through T5; no consumer reads an SD3 embedding). The validation loss is the flow
+objective's (training/family_flow.py): the unweighted squared error of the predicted velocity noise - x0 at
+validation.timesteps fixed sigmas, the middle quantiles of the training sigma density (shifted), averaged.
+(b) is Prodigy with the same settings: diffusers' Flux README (examples/dreambooth/README_flux.md) recommends
+Prodigy at lr 1.0 with a constant schedule for Flux (LoRA and full) and gives no AdamW LR. (c), the folk default, is
+the same 1e-4 for flow LoRA and full: ostris/ai-toolkit's config/examples/train_lora_flux_24gb.yaml and
+train_lora_sd35_large_24gb.yaml train LoRA with adamw8bit at lr 1e-4 (diffusers' SD3 LoRA README,
+examples/dreambooth/README_sd3.md, uses 4e-4 and 1e-4 for full DreamBooth; ai-toolkit's 1e-4 is the one most
+configs share, so it stays the folk default). The saved grids (e) are the SD 1.x model's: never reused for a flow
+case.
+
+The flow cases, written down (committed) before any run of them, 2026-11-27 10:20 UTC: family flux (the one
+diffusers recommends Prodigy for), methods full and lora, kinds shapes, stripes, textures, subject, glyphs, held-out
+seed 3 only, --no-grid (a grid costs about 2.5x a case's other arms; it does not fit by the deadline), 20 images,
+40-epoch arms, every other setting as for SD 1.x: 10 cases, in the bench's order (seed, kind, method). If they end
+before 11:35 UTC, the same 10 cases on family sd3 follow, in the same order, as far as they finish by 12:15 UTC; no
+other case is run, and nothing is re-run or dropped after seeing a number.
+Added 10:32 UTC, after the first 7 flux cases had run (each in about 1.5 min, not the 5 estimated), before any grid:
+when sd3's 10 cases are done, the grid (e) is trained for the same flux cases, then sd3's, as far as they finish by
+12:15, with --reuse-arms (which re-runs (a), deterministic on CPU, and keeps (b)-(d)): 8 LRs over 1e-5..1e-2 for
+full and 1e-4..1e-1 for LoRA, the spans of the SD 1.x grids (bench/RESULTS.md), chosen on no flow case.
 """
 
 from __future__ import annotations
@@ -59,6 +85,11 @@ from bench.discovery_quality import SMOKE_SAMPLING, curve_stats, discover, gap_p
 
 NAME = "versus"
 DEFAULT_METHODS = "full,lora,textual_inversion"
+# The tiny model each --family runs on; sd1 is the embedded default every result before the flow families ran on
+# (a saved case without a "family" is one of those).
+FAMILIES = ("sd1", "sd3", "flux")
+FLOW_FAMILIES = ("sd3", "flux")
+FLOW_METHODS = "full,lora"  # neither flow family trains textual inversion (methods/textual_inversion.py, family_flux)
 DEFAULT_KINDS = "shapes,stripes,textures,subject,glyphs"
 # Written down before any run of this bench (issue 34, item 3). No setting of rangefinder was chosen on the kinds
 # subject and glyphs (held out in bench.discovery_quality since issue 23) nor on seeds 3 and 4 (its confirmation
@@ -292,17 +323,41 @@ def effective_lrs(updates_csv: Path, best_update: Optional[int]) -> dict[str, Op
     return {"lr_effective_at_best": at_best[-1] if at_best else None, "lr_effective_final": rows[-1][1]}
 
 
-def case_overrides(method: str, args) -> dict[str, dict[str, Any]]:
-    """What a versus case sets on top of bench.discovery_quality's case: the method, the arms' length, the sweep."""
+def base_model_of(family: str) -> Path:
+    """The embedded tiny model of `family` (built or copied into the user cache once, under a file lock)."""
+    if family == "sd3":
+        from rangefinder.models.tiny_sd3 import ensure_tiny_sd3_model
+
+        return ensure_tiny_sd3_model()
+    if family == "flux":
+        from rangefinder.models.tiny_flux import ensure_tiny_flux_model
+
+        return ensure_tiny_flux_model()
+    from rangefinder.models.tiny import ensure_tiny_base_model
+
+    return ensure_tiny_base_model()
+
+
+def case_overrides(method: str, args, family: str = "sd1") -> dict[str, dict[str, Any]]:
+    """What a versus case sets on top of bench.discovery_quality's case: the method, the arms' length, the sweep,
+    and on another family its tiny model and its sampler."""
     overrides: dict[str, dict[str, Any]] = {"training": {"method": method},
                                             "finetune": {"epochs": args.finetune_epochs}}
+    if family != "sd1":
+        overrides["model"] = {"base_model": str(base_model_of(family))}
+        # As `rangefinder demo --family`: the demo's DDIM samples DDPM models; a flow model samples with its own
+        # flow-matching Euler scheduler, and Flux's guidance scale is its distilled guidance input (3.5), not CFG.
+        from rangefinder.training.family_flux import DEFAULT_GUIDANCE
+
+        overrides["sampling"] = {"scheduler": None,
+                                 **({"guidance_scale": DEFAULT_GUIDANCE} if family == "flux" else {})}
     if method != "full":
         # demo_config's sweep (1e-5..1e-2) was measured for full fine-tuning; adapters and embeddings learn at
         # about 100x (config.DEFAULT_LR_RANGE), so they get the method's shipped default sweep.
         overrides["lr_range_test"] = {"lr_min": None, "lr_max": None}
     if args.smoke:
         overrides.setdefault("lr_range_test", {}).update(epochs=3, validate_every_updates=1)
-        overrides["sampling"] = SMOKE_SAMPLING
+        overrides["sampling"] = {**overrides.get("sampling", {}), **SMOKE_SAMPLING}
     return overrides
 
 
@@ -324,12 +379,27 @@ def load_saved_grids(paths: list[Path]) -> dict[tuple[str, int], dict[str, Any]]
     return out
 
 
-def load_saved_arms(paths: list[Path]) -> dict[tuple[str, str, int], dict[str, Any]]:
-    """The cases of earlier versus results by (method, kind, seed), with the file they came from (--reuse-arms)."""
-    out: dict[tuple[str, str, int], dict[str, Any]] = {}
+def family_of_case(c: dict[str, Any]) -> str:
+    """A saved case's family: results from before --family have none, and ran on the SD 1.x model."""
+    return str(c.get("family") or "sd1")
+
+
+def family_prefix(family: str) -> str:
+    """How a case names its family in tables and logs: nothing for SD 1.x, as in every result before --family."""
+    return "" if family == "sd1" else f"{family} "
+
+
+def case_key(c: dict[str, Any]) -> tuple[str, str, str, int]:
+    return (family_of_case(c), c["method"], c["kind"], int(c["seed"]))
+
+
+def load_saved_arms(paths: list[Path]) -> dict[tuple[str, str, str, int], dict[str, Any]]:
+    """The cases of earlier versus results by (family, method, kind, seed), with the file they came from
+    (--reuse-arms)."""
+    out: dict[tuple[str, str, str, int], dict[str, Any]] = {}
     for path in paths:
         for c in json.loads(path.read_text())["cases"]:
-            out[(c["method"], c["kind"], int(c["seed"]))] = {**c, "file": path.name}
+            out[case_key(c)] = {**c, "file": path.name}
     return out
 
 
@@ -347,15 +417,17 @@ def reusable_arms(old: Optional[dict[str, Any]], a: dict[str, Any], span: tuple[
 
 
 def one_case(method: str, kind: str, seed: int, args, work: Path, saved: dict[tuple[str, int], dict[str, Any]],
-             log=print, saved_arms: Optional[dict[tuple[str, str, int], dict[str, Any]]] = None) -> dict[str, Any]:
+             log=print, saved_arms: Optional[dict[tuple[str, str, str, int], dict[str, Any]]] = None
+             ) -> dict[str, Any]:
     from rangefinder.data.synthetic import make_synthetic_dataset
 
-    case = work / f"{method}-{kind}-seed{seed}"
+    family = args.family
+    case = work / f"{family}-{method}-{kind}-seed{seed}"
     dataset = case / "dataset"
     make_synthetic_dataset(dataset, kind=kind, count=args.images, seed=seed, resolution=32)
-    cfg, split_dir = set_up_case(dataset, seed, work, case, case_overrides(method, args))
-    tag = f"[{method} {kind} seed {seed}]"
-    out: dict[str, Any] = {"method": method, "kind": kind, "seed": seed, "images": args.images,
+    cfg, split_dir = set_up_case(dataset, seed, work, case, case_overrides(method, args, family))
+    tag = f"[{family_prefix(family)}{method} {kind} seed {seed}]"
+    out: dict[str, Any] = {"family": family, "method": method, "kind": kind, "seed": seed, "images": args.images,
                            "held_out_kind": kind in HELD_OUT_KINDS, "held_out_seed": seed in HELD_OUT_SEEDS,
                            "finetune_epochs": cfg.finetune.epochs}
     out["held_out"] = out["held_out_kind"] or out["held_out_seed"]
@@ -370,7 +442,7 @@ def one_case(method: str, kind: str, seed: int, args, work: Path, saved: dict[tu
     span = (tests[0]["lr_min"], tests[0]["lr_max"]) if tests else cfg.lr_range_test.range_for(method)
     # The prompt score needs the arms' delivered weights, which the fine-tune step would prune: kept where scored.
     scored = bool(held_out_prompts(kind, seed, args.images))
-    old = (saved_arms or {}).get((method, kind, seed))
+    old = (saved_arms or {}).get((family, method, kind, seed))
     if reusable_arms(old, a, span, args.images):
         assert old is not None
         log(f"{tag} (b)-(e) reused from {old['file']}: same data, length and span")
@@ -414,7 +486,7 @@ def one_case(method: str, kind: str, seed: int, args, work: Path, saved: dict[tu
 
     out["grid"] = None
     key = (kind, seed)
-    old = saved.get(key) if method == "full" else None
+    old = saved.get(key) if method == "full" and family == "sd1" else None  # the saved grids are SD 1.x's
     if old and old["images"] == args.images and old["finetune_epochs"] == cfg.finetune.epochs:
         base = {g.get("baseline_val_loss") for g in old["grid"]}
         mine = a.get("baseline_val_loss")
@@ -521,8 +593,10 @@ def summarize(c: dict[str, Any]) -> dict[str, Any]:
     a_loss = chosen.get("val_loss", a.get("final_val_loss"))
     best_random = min((x for x in r["runs"] if x.get("best_val_loss") is not None),
                       key=lambda x: x["best_val_loss"], default=None)
+    family = family_of_case(c)
     s: dict[str, Any] = {
-        "case": f"{c['method']} {c['kind']} {c['seed']}", "method": c["method"], "kind": c["kind"],
+        "case": f"{family_prefix(family)}{c['method']} {c['kind']} {c['seed']}", "family": family,
+        "method": c["method"], "kind": c["kind"],
         "seed": c["seed"], "held_out": c["held_out"], "baseline_val_loss": a.get("baseline_val_loss"),
         "rangefinder_status": a["status"], "rangefinder_lr": a.get("lr_used"),
         "rangefinder_chosen_update": chosen.get("update"), "rangefinder_chosen_rule": chosen.get("rule"),
@@ -687,7 +761,9 @@ def _f(v: Optional[float]) -> str:
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(prog="python -m bench.versus", description=__doc__.split("\n\n")[0])
-    p.add_argument("--methods", default=DEFAULT_METHODS)
+    p.add_argument("--family", choices=FAMILIES, default="sd1",
+                   help="the tiny model every arm runs on: SD 1.x (default), or the flow-matching SD3.5 or Flux.1")
+    p.add_argument("--methods", default=None, help=f"default {DEFAULT_METHODS}; on sd3 and flux {FLOW_METHODS}")
     p.add_argument("--kinds", default=DEFAULT_KINDS)
     p.add_argument("--seeds", default="0,1,2,3,4")
     p.add_argument("--images", type=int, default=20)
@@ -720,14 +796,15 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     if args.report:
         merged: dict[str, Any] = {"benchmark": NAME, "merged_from": [str(x) for x in args.report], "cases": []}
-        by_case: dict[tuple[str, str, int], dict[str, Any]] = {}
+        by_case: dict[tuple[str, str, str, int], dict[str, Any]] = {}
         for path in args.report:
             for c in json.loads(path.read_text())["cases"]:
                 # A case re-run later (a fix measured on it, --reuse-arms) replaces the earlier run: the later file
                 # wins, and the tables say which.
-                key = (c["method"], c["kind"], c["seed"])
+                key = case_key(c)
                 if key in by_case:
-                    print(f"{c['method']} {c['kind']} {c['seed']}: the run in {path.name} replaces an earlier one")
+                    print(f"{family_prefix(key[0])}{c['method']} {c['kind']} {c['seed']}: the run in {path.name} "
+                          "replaces an earlier one")
                 by_case[key] = c
         # Each case's verdicts with today's arithmetic (a failed (a) is a loss since 2026-11-27), from its saved arms.
         merged["cases"] = [{**c, "summary": summarize(c)} for c in by_case.values()]
@@ -735,10 +812,10 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             merged["rechosen"] = True
             merged["cases"] = [rechoose(c) for c in merged["cases"]]
         if args.capped_bounds:
-            probed = {(r["method"], r["kind"], r["seed"]): r for path in args.capped_bounds
+            probed = {(family_of_case(r), r["method"], r["kind"], r["seed"]): r for path in args.capped_bounds
                       for r in json.loads(path.read_text())["cases"]}
             merged["capped_bounds_from"] = [str(x) for x in args.capped_bounds]
-            merged["cases"] = [with_capped_bounds(c, probed.get((c["method"], c["kind"], c["seed"])))
+            merged["cases"] = [with_capped_bounds(c, probed.get((family_of_case(c), c["method"], c["kind"], c["seed"])))
                                for c in merged["cases"]]
         finish(merged, partial=False)
         print(report(merged))
@@ -749,6 +826,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     if args.smoke:
         args.methods, args.kinds, args.seeds, args.images = "full", "shapes", "0", 10
         args.finetune_epochs, args.grid_points = 2, 1
+    if args.methods is None:
+        args.methods = FLOW_METHODS if args.family in FLOW_FAMILIES else DEFAULT_METHODS
     quiet_libraries()
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
@@ -760,7 +839,10 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     if bad:
         p.error(f"unknown method or kind {', '.join(bad)}; methods: {', '.join(DEFAULT_LR_RANGE)}; "
                 f"kinds: {', '.join(KINDS)}")
-    settings = {"methods": methods, "kinds": kinds, "seeds": seeds, "images": args.images,
+    if args.family in FLOW_FAMILIES and "textual_inversion" in methods:
+        p.error(f"--methods textual_inversion: the engine trains no textual inversion on {args.family}; give "
+                f"--methods {FLOW_METHODS}")
+    settings = {"family": args.family, "methods": methods, "kinds": kinds, "seeds": seeds, "images": args.images,
                 "finetune_epochs": args.finetune_epochs, "grid_points": args.grid_points,
                 "grid_lr_min": args.grid_lr_min, "grid_lr_max": args.grid_lr_max, "grid": args.grid,
                 "held_out_kinds": list(HELD_OUT_KINDS), "held_out_seeds": list(HELD_OUT_SEEDS),
@@ -772,7 +854,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     if args.out.exists() and not args.smoke:
         old = json.loads(args.out.read_text())
         result["cases"], result["runs"] = old.get("cases", []), old.get("runs", [])
-    done = {(c["method"], c["kind"], c["seed"]) for c in result["cases"]}
+    done = {case_key(c) for c in result["cases"]}
     saved = load_saved_grids([Path(__file__).resolve().parent / "results" / n for n in SAVED_GRIDS])
     saved_arms = load_saved_arms(args.reuse_arms or [])
     if args.smoke:
@@ -783,9 +865,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     try:
         with torch_threads(args.threads or None):
-            from rangefinder.models.tiny import ensure_tiny_base_model
-
-            run_info = {"machine": machine_info(), "base_model": str(ensure_tiny_base_model()),
+            run_info = {"machine": machine_info(), "family": args.family, "base_model": str(base_model_of(args.family)),
                         "command": " ".join(sys.argv), "cases": 0}
             result["runs"].append(run_info)
             t0 = time.perf_counter()
@@ -793,7 +873,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             for seed in seeds:
                 for kind in kinds:
                     for method in methods:
-                        if (method, kind, seed) in done:
+                        if (args.family, method, kind, seed) in done:
                             continue
                         result["cases"].append(one_case(method, kind, seed, args, work, saved, log, saved_arms))
                         run_info["cases"] += 1

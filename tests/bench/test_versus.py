@@ -1,6 +1,7 @@
 """bench.versus keeps working (a tiny smoke case), and its verdict arithmetic is the Goal's."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -70,19 +71,25 @@ def test_goals_follow_the_thresholds():
 
 
 @pytest.mark.slow
-def test_versus_smoke(tmp_path, capsys):
+@pytest.mark.parametrize("family", ["sd1", "flux"])
+def test_versus_smoke(tmp_path, capsys, family):
+    """Every arm runs on the family's tiny model (flux: the flow-matching one, its own loss and sampler)."""
     from bench.versus import main
 
     out = tmp_path / "versus.json"
-    result = main(["--smoke", "--out", str(out), "--work-dir", str(tmp_path / "work")])
+    result = main(["--smoke", "--family", family, "--out", str(out), "--work-dir", str(tmp_path / "work")])
     saved = json.loads(out.read_text())
     assert saved["smoke"] is True and saved["partial"] is False
     assert saved["aggregate"] == json.loads(json.dumps(result["aggregate"]))
     assert saved["settings"]["held_out_kinds"] == list(HELD_OUT_KINDS)
     assert saved["settings"]["held_out_seeds"] == list(HELD_OUT_SEEDS)
+    assert saved["settings"]["family"] == family and saved["runs"][0]["family"] == family
+    # The run's base model is the family's (the tiny models' cache folders are named tiny-sd-, tiny-flux-, ...).
+    assert Path(saved["runs"][0]["base_model"]).name.startswith({"sd1": "tiny-sd-", "flux": "tiny-flux-"}[family])
     (case,) = saved["cases"]
     s = case["summary"]
-    assert (s["method"], s["kind"], s["seed"], s["held_out"]) == ("full", "shapes", 0, False)
+    assert (s["family"], s["method"], s["kind"], s["seed"], s["held_out"]) == (family, "full", "shapes", 0, False)
+    assert case["family"] == family and s["case"] == {"sd1": "full shapes 0", "flux": "flux full shapes 0"}[family]
     # 10 images leave 8 to train on at batch 4: 2 updates an epoch, 2 epochs. Every arm trains (a)'s length.
     a = case["rangefinder"]
     if a["status"] == "ok":
@@ -105,6 +112,7 @@ def test_versus_smoke(tmp_path, capsys):
     assert set(saved["aggregate"]["goals"]) >= {"beats_random", "grid", "as_good_as_prodigy_best"}
     printed = capsys.readouterr().out
     assert "Validation loss of each arm's delivered checkpoint" in printed and "Compute" in printed
+    assert f"| {s['case']} " in printed  # the case's row, under its family's name
     # shapes has a prompt score: every arm's delivered weights and the base model were rendered and scored, on
     # prompts no image of the case is captioned with.
     ps = case["prompt_score"]
@@ -201,3 +209,27 @@ def test_saved_arms_are_reused_only_for_the_same_data_length_and_span():
     assert not reusable_arms(old, {**a, "finetune_updates": 20}, (1e-6, 1.0), 20)  # another length
     assert not reusable_arms(old, {**a, "baseline_val_loss": 0.21}, (1e-6, 1.0), 20)  # other data or split
     assert not reusable_arms(old, a, (1e-6, 1.0), 10)
+
+
+def test_report_reads_results_from_before_family_as_sd1_and_keeps_each_family_s_case(tmp_path, capsys):
+    """--report and --rechoose on a JSON written before --family (no "family": the SD 1.x model) beside a flux one:
+    the same method, kind and seed on two families are two cases, not a re-run replacing the other."""
+    from bench.versus import main
+
+    curve = [[4, 0.05], [8, 0.09], [12, 0.11], [16, 0.095]]
+    old, flow = tmp_path / "old.json", tmp_path / "flow.json"
+    old.write_text(json.dumps({"cases": [_case(curve, None)]}))
+    flow.write_text(json.dumps({"cases": [{**_case(curve, None), "family": "flux"}]}))
+    merged = main(["--report", str(old), str(flow), "--rechoose"])
+    assert [c["summary"]["case"] for c in merged["cases"]] == ["lora shapes 0", "flux lora shapes 0"]
+    assert [c["summary"]["family"] for c in merged["cases"]] == ["sd1", "flux"]
+    assert merged["aggregate"]["cases"] == 2 and "replaces" not in capsys.readouterr().out
+
+
+def test_textual_inversion_on_a_flow_family_is_one_clear_error(capsys):
+    from bench.versus import main
+
+    with pytest.raises(SystemExit):
+        main(["--family", "flux", "--methods", "textual_inversion", "--out", "/nonexistent/never-written.json"])
+    err = capsys.readouterr().err
+    assert "no textual inversion on flux" in err and "--methods full,lora" in err and "Traceback" not in err
