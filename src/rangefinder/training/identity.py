@@ -5,7 +5,9 @@ state.json): the data (a digest of every image's sha256 and caption, by subset),
 digest), the training settings, the validation settings, the data settings (resolution, crop, buckets) and what it
 trains on. A resume whose run differs in any of them is refused with one error naming each difference; only the
 settings in RESUMABLE_CHANGES may change (they change how the run is carried out or recorded, not what it
-computes), and what the spec holds outside these (sampling, tracking) is not part of the run's identity.
+computes), and what the spec holds outside these (sampling, tracking) is not part of the run's identity. A branch
+(TrainSpec.branch: the fine-tune's cooldown, continuing a copy of one of the run's checkpoints) may also change
+BRANCH_CHANGES, the schedule and the length, if every update the checkpoint took had the same LR under both.
 docs/security.md and the README ("A resume continues only its own run") list both.
 """
 
