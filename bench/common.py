@@ -227,6 +227,16 @@ def mib(n_bytes: Optional[float]) -> Optional[float]:
     return None if n_bytes is None else round(n_bytes / 2**20, 1)
 
 
+def family_of_case(c: dict[str, Any]) -> str:
+    """A saved bench.versus case's family: results from before --family have none, and ran on the SD 1.x model."""
+    return str(c.get("family") or "sd1")
+
+
+def case_key(c: dict[str, Any]) -> tuple[str, str, str, int]:
+    """What tells a saved bench.versus case (or a probe's row for it) from another: family, method, kind, seed."""
+    return (family_of_case(c), c["method"], c["kind"], int(c["seed"]))
+
+
 def add_probe_arguments(p: Any) -> None:
     """The arguments every probe of saved bench.versus cases takes (an argparse.ArgumentParser): --from, --out,
     --work-dir, --threads."""
@@ -247,10 +257,7 @@ def probe_saved_cases(result: dict[str, Any], cases: Sequence[dict[str, Any]], o
 
     if out.exists():
         result["cases"] = json.loads(out.read_text())["cases"]
-    def key(r: dict[str, Any]) -> tuple:  # results from before --family ran on SD 1.x
-        return str(r.get("family") or "sd1"), r["method"], r["kind"], r["seed"]
-
-    done = {key(r) for r in result["cases"]}
+    done = {case_key(r) for r in result["cases"]}
     work = work or Path(tempfile.mkdtemp(prefix=prefix))
     work.mkdir(parents=True, exist_ok=True)
 
@@ -259,7 +266,7 @@ def probe_saved_cases(result: dict[str, Any], cases: Sequence[dict[str, Any]], o
 
     with torch_threads(threads):
         for c in cases:
-            if key(c) in done:
+            if case_key(c) in done:
                 continue
             result["cases"].append(probe(c, work, log))
             result["tally"] = tally(result["cases"])

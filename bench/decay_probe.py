@@ -53,9 +53,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Optional
 
-from bench.common import add_probe_arguments, machine_info, probe_saved_cases, quiet_libraries
+from bench.common import add_probe_arguments, family_of_case, machine_info, probe_saved_cases, quiet_libraries
 from bench.discovery_quality import set_up_case
-from bench.versus import case_overrides, family_of_case, train_arm, verdict_of, without_cooldown
+from bench.versus import case_overrides, train_arm, verdict_of, without_cooldown
 
 NAME = "decay_probe"
 

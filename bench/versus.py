@@ -80,7 +80,17 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Optional
 
-from bench.common import default_out, machine_info, quiet_libraries, smoke_out, table, torch_threads, write_json
+from bench.common import (
+    case_key,
+    default_out,
+    family_of_case,
+    machine_info,
+    quiet_libraries,
+    smoke_out,
+    table,
+    torch_threads,
+    write_json,
+)
 from bench.discovery_quality import SMOKE_SAMPLING, curve_stats, discover, gap_pct, set_up_case, train_fixed_lr
 
 NAME = "versus"
@@ -379,18 +389,9 @@ def load_saved_grids(paths: list[Path]) -> dict[tuple[str, int], dict[str, Any]]
     return out
 
 
-def family_of_case(c: dict[str, Any]) -> str:
-    """A saved case's family: results from before --family have none, and ran on the SD 1.x model."""
-    return str(c.get("family") or "sd1")
-
-
 def family_prefix(family: str) -> str:
     """How a case names its family in tables and logs: nothing for SD 1.x, as in every result before --family."""
     return "" if family == "sd1" else f"{family} "
-
-
-def case_key(c: dict[str, Any]) -> tuple[str, str, str, int]:
-    return (family_of_case(c), c["method"], c["kind"], int(c["seed"]))
 
 
 def load_saved_arms(paths: list[Path]) -> dict[tuple[str, str, str, int], dict[str, Any]]:
@@ -812,11 +813,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             merged["rechosen"] = True
             merged["cases"] = [rechoose(c) for c in merged["cases"]]
         if args.capped_bounds:
-            probed = {(family_of_case(r), r["method"], r["kind"], r["seed"]): r for path in args.capped_bounds
-                      for r in json.loads(path.read_text())["cases"]}
+            probed = {case_key(r): r for path in args.capped_bounds for r in json.loads(path.read_text())["cases"]}
             merged["capped_bounds_from"] = [str(x) for x in args.capped_bounds]
-            merged["cases"] = [with_capped_bounds(c, probed.get((family_of_case(c), c["method"], c["kind"], c["seed"])))
-                               for c in merged["cases"]]
+            merged["cases"] = [with_capped_bounds(c, probed.get(case_key(c))) for c in merged["cases"]]
         finish(merged, partial=False)
         print(report(merged))
         if args.out:
