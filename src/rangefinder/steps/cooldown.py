@@ -32,7 +32,6 @@ import contextlib
 import json
 import math
 import shutil
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -186,16 +185,11 @@ def _val_loss_at(curve: dict[str, tuple[float, ...]], update: int) -> Optional[f
     return None
 
 
-@contextlib.contextmanager
-def _cooldown_run(cfg: RangefinderConfig, sink: Optional[MetricSink], lr: float) -> Iterator[Optional[MetricSink]]:
+def _cooldown_run(cfg: RangefinderConfig, sink: Optional[MetricSink],
+                  lr: float) -> contextlib.AbstractContextManager[Optional[MetricSink]]:
     """The cooldown's child run under the fine-tune's run when that is an MLflow run, else the sink as it is."""
-    from rangefinder.tracking import StepRun, step_run
+    from rangefinder.tracking import child_run
 
-    if not isinstance(sink, StepRun):
-        yield sink
-        return
-    with step_run(cfg, STEP, parent_run_id=sink.run_id, run_name=f"cooldown lr {lr:.3g}",
-                  tags={"cooldown": "true", "lr": f"{lr:.4g}"}) as run:
-        run.describe(f"The fine-tune's cooldown: its recommended length again at lr {lr:.3g}, the last "
+    return child_run(cfg, sink, STEP, run_name=f"cooldown lr {lr:.3g}", tags={"cooldown": "true", "lr": f"{lr:.4g}"},
+                     description=f"The fine-tune's cooldown: its recommended length again at lr {lr:.3g}, the last "
                      f"{cfg.finetune.cooldown_fraction:.0%} decaying linearly to 0 (rangefinder.steps.cooldown).")
-        yield run

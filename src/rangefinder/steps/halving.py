@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -107,19 +106,14 @@ def candidate_step(name: str) -> str:
     return f"finetune_{name}"
 
 
-@contextlib.contextmanager
 def _candidate_run(cfg: RangefinderConfig, sink: Optional[MetricSink], name: str,
-                   lr: float) -> Iterator[Optional[MetricSink]]:
+                   lr: float) -> contextlib.AbstractContextManager[Optional[MetricSink]]:
     """The candidate's child run under the fine-tune's run when that is an MLflow run, else the sink as it is."""
-    from rangefinder.tracking import StepRun, step_run
+    from rangefinder.tracking import child_run
 
-    if not isinstance(sink, StepRun):
-        yield sink
-        return
-    with step_run(cfg, candidate_step(name), parent_run_id=sink.run_id, run_name=f"{name} lr {lr:.3g}",
-                  tags={"halving.candidate": name, "lr": f"{lr:.4g}"}) as run:
-        run.describe(f"Successive halving candidate {name}: the fine-tune at lr {lr:.3g} to the pause.")
-        yield run
+    return child_run(cfg, sink, candidate_step(name), run_name=f"{name} lr {lr:.3g}",
+                     tags={"halving.candidate": name, "lr": f"{lr:.4g}"},
+                     description=f"Successive halving candidate {name}: the fine-tune at lr {lr:.3g} to the pause.")
 
 
 def _tag_outcomes(sink: Optional[MetricSink], decision: HalvingDecision) -> None:

@@ -50,6 +50,7 @@ from rangefinder.tracking.registry import (
 )
 from rangefinder.tracking.runs import (
     StepRun,
+    child_run,
     common_tags,
     ensure_parent_run,
     finish_pipeline_run,
@@ -73,6 +74,7 @@ __all__ = [
     "RegisteredVersion",
     "StepRun",
     "check_tracking_server",
+    "child_run",
     "common_tags",
     "decode_image",
     "ensure_parent_run",

@@ -33,7 +33,7 @@ import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, TypeVar, Union
 
 from rangefinder.errors import TrackingError
 from rangefinder.formats.digest import hash_file_into
@@ -603,6 +603,23 @@ def _flatten_any(obj: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[f"{prefix}{k}"] = v
     return out
+
+
+Sink = TypeVar("Sink")
+
+
+@contextlib.contextmanager
+def child_run(cfg: Optional[TrackingSource], sink: Sink, step_name: str, *, run_name: str, tags: Mapping[str, Any],
+              description: str) -> Iterator[Union[Sink, StepRun]]:
+    """A child run of `sink`'s run for one part of a step (a successive-halving candidate, the fine-tune's cooldown),
+    named, tagged and described, when `sink` is a step's MLflow run; otherwise `sink` as it is (None, or a bench's
+    own sink)."""
+    if not isinstance(sink, StepRun):
+        yield sink
+        return
+    with step_run(cfg, step_name, parent_run_id=sink.run_id, run_name=run_name, tags=tags) as run:
+        run.describe(description)
+        yield run
 
 
 @contextlib.contextmanager
