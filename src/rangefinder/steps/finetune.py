@@ -319,7 +319,7 @@ def run_finetune(
                                      "still_improving": improving, "lr_low": lr_low, "lr_high": lr_high,
                                      "lr_mid": lr_mid, "lr_used": lr,
                                      "lr_source": lr_source, "updates_trained": result.updates + extra_updates}
-        if cooled is not None and chosen is not None and chosen.get("cooldown"):
+        if cooled is not None and chosen is not None:  # deliver() wrote what the cooldown measured into chosen
             decisions.update(cooldown_delivered=chosen["cooldown"]["delivered"],
                              cooldown_updates=cooled.updates_trained)
             if cooled.val_loss is not None:
