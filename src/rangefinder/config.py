@@ -584,8 +584,14 @@ class FinetuneConfig(_Section):
     # about cooldown_fraction x the recommended updates more; needs validation and a constant finetune.schedule.
     cooldown: Literal["auto", "on", "off"] = "off"
     cooldown_fraction: float = Field(0.2, gt=0, lt=1)
+    # The window average (rangefinder.steps.average): once the window is known, the checkpoints inside it are
+    # averaged uniformly and the average validated once; it is delivered when its validation loss is below the
+    # window's pick. No training: it reads the window's checkpoints (every checkpoint_every_epochs) and validates
+    # once. Needs validation, and does nothing with EMA or a schedule-free optimizer (they validate an average
+    # already).
+    average: Literal["on", "off"] = "off"
 
-    @field_validator("cooldown", mode="before")
+    @field_validator("cooldown", "average", mode="before")
     @classmethod
     def _yaml_on_off(cls, v: Any) -> Any:
         """YAML 1.1 reads a bare `on` / `off` as true / false: take them as the words they were written as."""
@@ -1102,6 +1108,11 @@ def setting_conflicts(cfg: RangefinderConfig) -> list[str]:
             lines.append(f"finetune.cooldown: on does nothing with training.optimizer {cfg.training.optimizer}: a "
                          "schedule-free optimizer averages its iterates instead of decaying the LR; set cooldown off, "
                          "or choose training.optimizer: adamw")
+    if "finetune.average" in given and ft.average == "on":
+        if cfg.training.use_ema or cfg.training.optimizer in SCHEDULE_FREE_OPTIMIZERS:
+            why = "training.use_ema" if cfg.training.use_ema else f"training.optimizer {cfg.training.optimizer}"
+            lines.append(f"finetune.average: on does nothing with {why}: the run already validates and delivers "
+                         "averaged weights; set average off")
     if split.val_dir is not None and "split.val_split" in given:
         lines.append(f"split.val_split ({split.val_split:g}) is not used: split.val_dir ({split.val_dir}) gives the "
                      "validation images; remove one of them")

@@ -279,14 +279,16 @@ def write_step_report(window: StepWindow, curve: Optional[dict], out_dir: str | 
                       source: Optional[str] = None, samples: Optional[SampleStrip] = None,
                       halving: Optional[HalvingDecision] = None, plan_warnings: Sequence[str] = (),
                       validation_weighting: Optional[dict] = None,
-                      delivered: Optional[Delivery] = None, cooldown: Optional[str] = None) -> dict[str, Path]:
+                      delivered: Optional[Delivery] = None, cooldown: Optional[str] = None,
+                      average: Optional[str] = None) -> dict[str, Path]:
     """Write step_window.png, step_report.html (self-contained), step_report.md and step_window.json into out_dir.
 
     `curve` and `source` as for write_lr_report; `samples`: the run's samples over training, shown under the plot;
     `halving`: the successive halving's decision (rangefinder.steps.halving), as rows, a note and the dropped
     candidate's curve on the plot; `validation_weighting` as for write_lr_report; `delivered`: the checkpoint the
     fine-tune kept and the rule that picked it, as a row (and in the lead when step_headline says so); `cooldown`:
-    what the fine-tune's cooldown measured and whether it was delivered (rangefinder.steps.cooldown), as a note.
+    what the fine-tune's cooldown measured and whether it was delivered (rangefinder.steps.cooldown), as a note;
+    `average`: the same for the window average (rangefinder.steps.average).
     Returns {"plot", "html", "markdown", "json"} -> paths.
     """
     out = Path(out_dir)
@@ -319,6 +321,8 @@ def write_step_report(window: StepWindow, curve: Optional[dict], out_dir: str | 
         notes.append(("successive halving", HALVING_NOTE.format(kept=halving.kept, pause=halving.pause_update)))
     if cooldown:
         notes.append(("cooldown", cooldown))
+    if average:
+        notes.append(("window average", average))
     return _write_report(out, "step_report", "step_window.json", "Step window", window.status, lead, png, rows,
                          notes, _source_line(curve, source), window.to_dict(), samples)
 

@@ -162,7 +162,7 @@ def select_step_window(
     return window
 
 
-DeliveryRule = Literal["window_lowest", "window_nearest", "run_lowest", "cooldown"]
+DeliveryRule = Literal["window_lowest", "window_nearest", "run_lowest", "cooldown", "window_average"]
 
 DELIVERY_RULE_TEXT: dict[str, str] = {
     "window_lowest": "the checkpoint with the lowest validation loss inside the step window",
@@ -170,6 +170,8 @@ DELIVERY_RULE_TEXT: dict[str, str] = {
     "run_lowest": "no step window was found, so the checkpoint with the lowest validation loss of the whole run",
     "cooldown": "the cooldown's weights: the recommended length trained again with its last stretch decaying to LR 0, "
                 "which measured below the window's lowest checkpoint (rangefinder.steps.cooldown)",
+    "window_average": "the uniform average of the checkpoints inside the step window, which measured below the "
+                      "window's lowest checkpoint (rangefinder.steps.average)",
 }
 
 

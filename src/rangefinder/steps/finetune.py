@@ -39,6 +39,10 @@ if TYPE_CHECKING:
     from rangefinder.analysis.halving import HalvingDecision
 
 
+# Delivery rules whose weights are no checkpoint of the run (analysis.DELIVERY_RULE_TEXT).
+NOT_A_CHECKPOINT = ("cooldown", "window_average")
+
+
 @dataclass
 class FinetuneResult:
     recommended_epochs: int
@@ -167,7 +171,9 @@ def sample_delivered(work: Path, chosen: Optional[dict[str, Any]], base_model: P
     if chosen is None or not index or not index.get("samples"):
         return
     update = int(chosen["update"])
-    if any(int(e["update"]) == update for e in index["samples"]):
+    # A checkpoint rendered during training is the delivered model itself; the cooldown's and the window average's
+    # weights are not, and replace that update's grid.
+    if chosen.get("rule") not in NOT_A_CHECKPOINT and any(int(e["update"]) == update for e in index["samples"]):
         return
     settings, folder = index["settings"], Path(work) / SAMPLES_DIR
     epoch = float(chosen["epoch"]) if chosen.get("epoch") is not None else float("nan")
@@ -182,7 +188,8 @@ def sample_delivered(work: Path, chosen: Optional[dict[str, Any]], base_model: P
                              images)
     entry: dict[str, Any] = {"update": update, "epoch": epoch, "validation": None, **files, "seconds": None,
                              "delivered": True, "logged_to": getattr(sink, "run_id", None)}
-    index["samples"] = sorted([*index["samples"], entry], key=lambda e: int(e["update"]))
+    others = [e for e in index["samples"] if int(e["update"]) != update]
+    index["samples"] = sorted([*others, entry], key=lambda e: int(e["update"]))
     write_json(folder / INDEX_NAME, index)
     if sink is not None:
         sink.log_image(str(folder / files["grid"]), key=SAMPLES_KEY, step=update)
@@ -220,6 +227,8 @@ def run_finetune(
     from rangefinder.analysis.reports import step_headline
     from rangefinder.data.split import read_split
     from rangefinder.models.loading import resolve_base_model
+    from rangefinder.steps.average import average_applies, run_average
+    from rangefinder.steps.average import deliver as deliver_average
     from rangefinder.steps.choose_lr import skipped_because
     from rangefinder.steps.cooldown import cooldown_applies, run_cooldown
     from rangefinder.steps.cooldown import deliver as deliver_cooldown
@@ -234,7 +243,7 @@ def run_finetune(
     validating = cfg.validation.enabled() and len(split.val) > 0
     model_dir = Path(model_dir)
     precision = resolve_mixed_precision(tc.mixed_precision)
-    chosen, cooled = None, None
+    chosen, cooled, averaged = None, None, None
     halving = halving_applies(cfg.finetune.successive_halving, validating, tc.schedule, lr_mid, lr_high)
     with tracking.step_run(cfg, "finetune", parent_run_id=mlflow_parent_run_id) as run:
         run.log_config(cfg, plan=plan,
@@ -272,9 +281,14 @@ def run_finetune(
             # kept and the others are removed.
             if cooldown_applies(cfg, validating, tc.schedule):
                 cooled = run_cooldown(cfg, spec, work, window, split, sink=run)
+            # So does the window average, which reads the window's checkpoints.
+            if average_applies(cfg, validating):
+                averaged = run_average(cfg, spec, work, window, split, base.path, base.source)
             chosen = keep_chosen_checkpoint(work, window, curve, base.path, base.source)
             if cooled is not None and chosen is not None:
                 chosen = deliver_cooldown(work, cooled, chosen)
+            if averaged is not None and chosen is not None:  # weighed against what is delivered by now
+                chosen = deliver_average(work, averaged, chosen)
             delivered = None if chosen is None else Delivery(update=chosen["update"], rule=chosen["rule"],
                                                              val_loss=chosen["val_loss"],
                                                              base_val_loss=chosen["base_val_loss"])
@@ -283,14 +297,16 @@ def run_finetune(
                                        samples=sample_strip(work), halving=race,
                                        plan_warnings=spec.plan.warnings if spec.plan is not None else (),
                                        validation_weighting=result.validation_weighting(), delivered=delivered,
-                                       cooldown=(chosen or {}).get("cooldown", {}).get("sentence"))
+                                       cooldown=(chosen or {}).get("cooldown", {}).get("sentence"),
+                                       average=(chosen or {}).get("average", {}).get("sentence"))
             copy_report(report, report_html, report_md)
             rec_epochs, rec_updates = recommended_length(window, chosen, tc.epochs or 1, result.updates)
             improving = window.status == "still_improving"
             decision = window.to_dict()
             note = f"{step_headline(window, race, delivered)} Trained at lr {lr:.3g} (lr source: {lr_source})."
-            if chosen is not None and chosen.get("cooldown"):
-                note += f" {chosen['cooldown']['sentence']}"
+            for extra in ("cooldown", "average"):
+                if chosen is not None and chosen.get(extra):
+                    note += f" {chosen[extra]['sentence']}"
         else:
             # No validation set (a fixed LR with val_split 0): nothing to read a window from; keep the budget.
             rec_epochs, rec_updates, improving = tc.epochs or 1, result.updates, False
@@ -324,6 +340,11 @@ def run_finetune(
                              cooldown_updates=cooled.updates_trained)
             if cooled.val_loss is not None:
                 decisions["cooldown_val_loss"] = cooled.val_loss
+        if averaged is not None and chosen is not None:  # deliver_average wrote it into chosen
+            decisions.update(average_delivered=chosen["average"]["delivered"],
+                             average_checkpoints=len(averaged.updates))
+            if averaged.val_loss is not None:
+                decisions["average_val_loss"] = averaged.val_loss
         if race is not None:
             decisions["halving"] = {"kept": race.kept, "pause_update": race.pause_update,
                                     **{n: {"lr": c.lr, "best_val_loss": c.best_val_loss, "best_update": c.best_update}

@@ -37,8 +37,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from rangefinder.config import ValidationConfig
-from rangefinder.errors import Preempted
+from rangefinder.config import SCHEDULE_FREE_OPTIMIZERS, ValidationConfig
+from rangefinder.errors import ConfigError, Preempted
 from rangefinder.formats import checkpoints
 from rangefinder.formats.atomic import atomic_dir, write_json
 from rangefinder.training.checkpointing import check_resume, restore_checkpoint, save_checkpoint
@@ -180,6 +180,30 @@ def train(
         result = _finish(run, state, save_final=save_final, seconds=seconds, cpu_seconds=cpu_seconds)
     out_lock.release()
     return result
+
+
+def measure_weights(spec: TrainSpec, weights: dict[str, torch.Tensor], *, out_dir: Union[str, Path],
+                    split: Optional[Split] = None) -> dict[str, Any]:
+    """One row of the curve of the run `spec` describes, measured on `weights` (the method's trained tensors, as a
+    checkpoint holds them) instead of on a checkpoint the run wrote: the same validation sets, fixed timesteps and
+    noise (validation.py) as every row of that run's metrics.csv, so the numbers compare with its curve's. Nothing is
+    trained. The fine-tune measures the average of its window's checkpoints this way (rangefinder.steps.average).
+    The row is also written to out_dir/metrics.csv."""
+    settings = check_settings(spec, out_dir, split)
+    if settings.cfg.use_ema or settings.cfg.optimizer in SCHEDULE_FREE_OPTIMIZERS:
+        raise ConfigError("measure_weights measures the weights it is given; a run with EMA or a schedule-free "
+                          "optimizer validates its averaged weights instead, which these are not")
+    accelerator = start_accelerator(settings.cfg)
+    sd, family = load_model(settings, accelerator)
+    encoded = encode_data(settings, sd, family, accelerator, spec.data or native_data_config(sd))
+    run = prepare_run(settings, accelerator, sd, family, encoded)
+    if not run.validating:
+        raise ConfigError(f"the run measures nothing: split {spec.split_dir} has no validation images")
+    run.method.load_trainable_state_dict({k: v.to(run.device) for k, v in weights.items()})
+    with outputs_written(settings.out_dir):
+        log = RunLog(settings.out_dir, settings.val_cfg.timesteps, run.main, bucket_columns(run.data.val_sets))
+        validate(run, RunState.fresh(settings.cfg.seed, log), None)
+    return dict(log.metrics_rows[-1])
 
 
 def _preempt(run: Run, state: RunState, stop: StopRequest, saved_already: bool) -> None:

@@ -1,0 +1,150 @@
+"""Average probe (issue 34, item 4): does averaging the step window's checkpoints turn (a)'s ties into wins?
+
+Over bench.versus's 70 SD 1.x cases (bench/results/versus_all_70.json) rangefinder is as good as Prodigy's best
+checkpoint in 81 % but better in only 40 %, and better than random search in only 60 %. Most of the non-wins are
+ties: 29 of 42 against Prodigy's best (21 of them with (a) 0-1 % lower), 23 of 28 against random search. Two fixes
+aimed at where (a) trains (a decayed end, a capped zoom) changed no verdict on fresh cases. This one changes what
+(a) delivers from the same run: inside the step window a constant-LR run wanders along its valley's floor, and the
+uniform average of the window's checkpoints cancels part of that noise (SWA, Izmailov et al. 2018; latest weight
+averaging, Kaddour 2022; Hägele et al. 2024 find it closes much of what a cooldown closes). It trains nothing and
+has no setting: the window says which checkpoints. Built as shipped: `finetune.average: on`
+(rangefinder.steps.average; off by default until this probe says otherwise). The average is delivered only when it
+measures below the window's pick, on the same validation loss every arm is scored by, so it can turn a tie or a loss
+into a win and never a win into less; what is measured is how often, and by how much.
+
+Per case the probe rebuilds the saved bench.versus case exactly and runs the fine-tune step as shipped with the saved
+(a)'s bounds (successive halving as before, the cooldown off as the saved (a) had none) and finetune.average on. The
+window's pick must reproduce the saved (a)'s delivered loss (checked per case: a rebuild check); the delivered loss
+is then weighed against the saved arms.
+
+Written down (committed) before any run of this probe; no case has been run with an average before:
+- The cases: the 55 of the 70 where (a) did not beat both Prodigy's best and random search's best (the other 15 are
+  wins against both already, and the average cannot change that), in the file's order. They were run before, but
+  the rule has no parameter to fit on them, and none was fitted.
+- `finetune.average` becomes the default (on, for every method) if, over the cases probed:
+  1. the window's pick reproduces the saved (a)'s loss (within 1e-6 relative) in every case (a case that does not
+     is reported and left out);
+  2. the average is delivered in at least half of the cases where it applies (2 or more checkpoints in the window);
+  3. it turns at least 5 of (a)'s non-wins against Prodigy's best or random search's best into wins.
+  Otherwise it stays off. The Goal's standings over the 70 (the probe's verdicts where it ran, the saved ones where
+  it did not, which are wins against both) are reported as they come out either way. If the session ends before all
+  55 ran, the rule is read over those that did, in the order above, and the note says how many.
+
+    python -m bench.average_probe --from bench/results/versus_all_70.json --out bench/results/average_probe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Optional
+
+from bench.common import add_probe_arguments, family_of_case, machine_info, probe_saved_cases, quiet_libraries
+from bench.discovery_quality import set_up_case
+from bench.versus import case_overrides, verdict_of, without_cooldown
+
+NAME = "average_probe"
+OPPONENTS = ("prodigy_best", "random_best", "prodigy_final", "folk_final", "folk_best")
+
+
+def candidate(c: dict[str, Any]) -> bool:
+    """A case whose (a) did not beat both Prodigy's best and random search's best."""
+    s = c["summary"]
+    return c["rangefinder"].get("status") == "ok" and not (
+        s.get("vs_prodigy_best") == "win" and s.get("vs_random_best") == "win")
+
+
+def probe_case(c: dict[str, Any], work: Path, log=print) -> dict[str, Any]:
+    from rangefinder.data.synthetic import make_synthetic_dataset
+    from rangefinder.steps.finetune import run_finetune
+
+    a, s = c["rangefinder"], c["summary"]
+    tag = f"[{c['method']} {c['kind']} seed {c['seed']}]"
+    case = work / f"{c['method']}-{c['kind']}-seed{c['seed']}"
+    dataset = case / "dataset"
+    make_synthetic_dataset(dataset, kind=c["kind"], count=c["images"], seed=c["seed"], resolution=32)
+    args = SimpleNamespace(finetune_epochs=c["finetune_epochs"], smoke=False)
+    cfg, split_dir = set_up_case(dataset, c["seed"], work, case, case_overrides(c["method"], args, family_of_case(c)))
+    cfg = without_cooldown(cfg)
+    cfg = cfg.model_copy(update={"finetune": cfg.finetune.model_copy(update={"average": "on"})})
+    t0 = time.perf_counter()
+    ft = run_finetune(cfg, split_dir=split_dir, lr_low=a["lr_low"], lr_high=a["lr_high"], lr_mid=a["lr_mid"],
+                      lr_source=a.get("lr_source", "range-test"), model_dir=case / "finetune")
+    seconds = time.perf_counter() - t0
+    chosen = ft.chosen or {}
+    average = chosen.get("average") or {}
+    delivered: Optional[float] = chosen.get("val_loss")
+    pick = average.get("pick_val_loss", delivered)
+    shutil.rmtree(case, ignore_errors=True)
+    row: dict[str, Any] = {k: c[k] for k in ("method", "kind", "seed", "held_out")}
+    row["family"] = family_of_case(c)
+    row.update(lr_used=ft.lr, saved_lr_used=a["lr_used"], pick=pick, saved=s["rangefinder"],
+               reproduces=(pick is not None and s["rangefinder"] is not None
+                           and abs(pick - s["rangefinder"]) <= 1e-6 * abs(s["rangefinder"])),
+               applies=bool(average), averaged_updates=average.get("updates"), average_val_loss=average.get("val_loss"),
+               average_delivered=average.get("delivered"), delivered=delivered, rule=chosen.get("rule"),
+               seconds=seconds, gain_pct=(100.0 * (delivered - pick) / pick if delivered and pick else None))
+    for opp in OPPONENTS:
+        row[opp] = s.get(opp)
+        row[f"vs_{opp}"] = verdict_of(delivered, s.get(opp))
+        row[f"saved_vs_{opp}"] = s.get(f"vs_{opp}")
+    log(f"{tag} pick {pick} (saved {s['rangefinder']}, {'same' if row['reproduces'] else 'DIFFERENT'}); average of "
+        f"{len(average.get('updates') or [])} checkpoints: {average.get('val_loss')} "
+        f"({'delivered' if average.get('delivered') else 'not delivered'}); vs Prodigy best {row['vs_prodigy_best']} "
+        f"(was {row['saved_vs_prodigy_best']}), vs random {row['vs_random_best']} (was {row['saved_vs_random_best']}), "
+        f"{seconds:.0f} s")
+    return row
+
+
+def tally(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    ok = [r for r in rows if r["reproduces"]]
+    applies = [r for r in ok if r["applies"]]
+    delivered = [r for r in applies if r["average_delivered"]]
+    out: dict[str, Any] = {"cases": len(rows), "reproduced": len(ok), "applies": len(applies),
+                           "delivered": len(delivered),
+                           "median_gain_pct_when_delivered": _median([r["gain_pct"] for r in delivered])}
+    for opp in OPPONENTS:
+        now = [r[f"vs_{opp}"] for r in ok if r.get(f"vs_{opp}")]
+        was = [r[f"saved_vs_{opp}"] for r in ok if r.get(f"saved_vs_{opp}")]
+        out[f"vs_{opp}"] = {k: now.count(k) for k in ("win", "tie", "loss")}
+        out[f"saved_vs_{opp}"] = {k: was.count(k) for k in ("win", "tie", "loss")}
+    turned = sum(1 for r in ok if any(r[f"saved_vs_{o}"] != "win" and r[f"vs_{o}"] == "win"
+                                      for o in ("prodigy_best", "random_best")))
+    out["non_wins_turned_into_wins"] = turned
+    out["worse_than_saved"] = sum(1 for r in ok for o in OPPONENTS if _rank(r[f"vs_{o}"]) < _rank(r[f"saved_vs_{o}"]))
+    out["rule_met"] = 2 * len(delivered) >= len(applies) > 0 and turned >= 5
+    return out
+
+
+def _rank(v: Optional[str]) -> int:
+    return {"loss": 0, "tie": 1, "win": 2}.get(v or "", -1)
+
+
+def _median(values: list[Optional[float]]) -> Optional[float]:
+    v = sorted(x for x in values if x is not None)
+    return None if not v else (v[len(v) // 2] if len(v) % 2 else 0.5 * (v[len(v) // 2 - 1] + v[len(v) // 2]))
+
+
+def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(prog="python -m bench.average_probe", description=__doc__.split("\n\n")[0])
+    add_probe_arguments(p)
+    p.add_argument("--part", default="1/1", help="K/N: every Nth case from the Kth, to run N probes side by side")
+    args = p.parse_args(argv)
+    quiet_libraries()
+    saved = json.loads(args.source.read_text())
+    cases = [c for c in saved["cases"] if family_of_case(c) == "sd1" and candidate(c)]
+    k, n = (int(x) for x in args.part.split("/"))
+    cases = cases[k - 1::n]
+    head: dict[str, Any] = {"benchmark": NAME, "source": str(args.source), "machine": machine_info(), "cases": []}
+    result = probe_saved_cases(head, cases, args.out, args.work_dir, args.threads, probe_case, tally, "average-probe-")
+    print(json.dumps(result["tally"], indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)

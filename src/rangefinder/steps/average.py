@@ -1,0 +1,189 @@
+"""The fine-tune's window average: the checkpoints inside the step window, averaged, measured, delivered when lower.
+
+Inside the step window a constant-LR run wanders along the floor of its valley: each checkpoint there carries the
+noise of the constant step size, and the window's pick is the luckiest of them on the validation set. The uniform
+average of the same checkpoints cancels much of that noise without training anything (averaging the tail of an SGD
+run: Izmailov et al. 2018, "Averaging Weights Leads to Wider Optima and Better Generalization"; latest weight
+averaging over checkpoints: Kaddour 2022; Hägele et al. 2024 find such averages close much of the gap a final LR
+cooldown closes). It has no setting of its own: the window, which the step measured anyway, says which checkpoints.
+
+Once the window is known (`finetune.average: on`), before the other checkpoints are removed:
+- every kept checkpoint whose update lies inside the window (window_start_update .. window_end_update) is read and
+  their trained tensors averaged uniformly (LoRA's factors and textual inversion's vectors each averaged as stored;
+  with no window, or fewer than 2 checkpoints in it, nothing is done);
+- the average is validated once on the fine-tune's own terms (training.loop.measure_weights: the same images, fixed
+  timesteps and noise as the run's curve), and its model written as the run writes `final/`;
+- it is delivered when its validation loss is below the window's pick (`deliver`); otherwise the pick stays and
+  chosen.json says what the average measured.
+
+Cost: reading the window's checkpoints and one validation, no training. Where things are, in the step's work folder:
+`average/` holds the measurement's metrics.csv, `average.json` (which checkpoints, the loss) and, until delivered or
+dropped, the averaged model as `final/`. average.json is written last, so a retried step measures again unless it
+finds it. With EMA or a schedule-free optimizer the run already validates and delivers averaged weights, and the
+step does not average again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+from rangefinder.config import SCHEDULE_FREE_OPTIMIZERS, RangefinderConfig
+from rangefinder.formats import checkpoints
+from rangefinder.formats.atomic import rename_into_place, write_json
+from rangefinder.training.spec import TrainSpec
+
+if TYPE_CHECKING:
+    import torch
+
+    from rangefinder.analysis import StepWindow
+    from rangefinder.data.split import Split
+
+AVERAGE_DIR = "average"
+MEASURED = "average.json"
+CKPT_DIR = "checkpoints"
+
+
+@dataclass(frozen=True)
+class WindowAverage:
+    """What the window average took and measured (average.json)."""
+
+    updates: tuple[int, ...]  # the checkpoints averaged, by update
+    val_loss: Optional[float]  # the average's validation loss; None when it was not finite
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "updates": list(self.updates)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> WindowAverage:
+        return cls(updates=tuple(int(u) for u in data["updates"]), val_loss=data["val_loss"])
+
+    def delivered_over(self, pick_val_loss: Optional[float]) -> bool:
+        """Whether the average is delivered instead of the window's pick: it measures lower."""
+        return self.val_loss is not None and (pick_val_loss is None or self.val_loss < pick_val_loss)
+
+    def sentence(self, pick_val_loss: Optional[float]) -> str:
+        """What it averaged and whether it was delivered, for the report and the run's description."""
+        how = (f"the {len(self.updates)} checkpoints inside the step window (updates {self.updates[0]} to "
+               f"{self.updates[-1]}) averaged uniformly")
+        if self.val_loss is None:
+            return f"Window average: {how}; its validation loss was not finite, so the window's pick stays."
+        against = "" if pick_val_loss is None else f" against the window's pick's {pick_val_loss:.4g}"
+        verdict = ("delivered" if self.delivered_over(pick_val_loss)
+                   else "not delivered: the window's pick stays")
+        return f"Window average: {how}; validation loss {self.val_loss:.4g}{against}, {verdict}."
+
+
+def average_applies(cfg: RangefinderConfig, validating: bool) -> bool:
+    """finetune.average on, with validation (the average is delivered only when it measures lower), and a run that
+    validates its raw weights (not EMA's or a schedule-free optimizer's averages, which it would average again)."""
+    tc = cfg.training
+    return (cfg.finetune.average == "on" and validating and not tc.use_ema
+            and tc.optimizer not in SCHEDULE_FREE_OPTIMIZERS)
+
+
+def window_checkpoints(ckpt_root: Path, window: StepWindow) -> dict[int, Path]:
+    """The kept checkpoints whose update lies inside the step window, by update; none when no window was found."""
+    if window.recommended_epochs is None or window.window_start_update is None or window.window_end_update is None:
+        return {}
+    start, end = float(window.window_start_update), float(window.window_end_update)
+    found = checkpoints.checkpoints_by_update(ckpt_root) if Path(ckpt_root).is_dir() else {}
+    return {u: p for u, p in sorted(found.items()) if start <= u <= end}
+
+
+def average_weights(ckpts: list[Path]) -> dict[str, torch.Tensor]:
+    """The uniform average of the checkpoints' trained tensors, in update order (a running mean in float32, returned
+    in each tensor's own dtype; an integer tensor, the update count, is the newest checkpoint's). Each checkpoint's
+    weights are checked against its manifest first."""
+    from rangefinder.errors import RangefinderError
+
+    mean: dict[str, torch.Tensor] = {}
+    dtypes: dict[str, torch.dtype] = {}
+    for n, ckpt in enumerate(ckpts, start=1):
+        checkpoints.require_intact(ckpt, only=(checkpoints.WEIGHTS_NAME,))
+        weights = checkpoints.read_weights(ckpt)
+        if n > 1 and set(weights) != set(mean):
+            raise RangefinderError(f"checkpoint {ckpt} holds other tensors than {ckpts[0]}: they are not checkpoints "
+                                   "of one run, and cannot be averaged")
+        for key, value in weights.items():
+            if n == 1:
+                dtypes[key] = value.dtype
+                mean[key] = value.float().clone() if value.is_floating_point() else value.clone()
+            elif value.is_floating_point():
+                mean[key].add_(value.float().sub_(mean[key]), alpha=1.0 / n)
+            else:  # a count (method.updates): the newest checkpoint's, the updates that made the average
+                mean[key] = value.clone()
+    return {k: v.to(dtypes[k]) for k, v in mean.items()}
+
+
+def run_average(cfg: RangefinderConfig, spec: TrainSpec, work: Path, window: StepWindow, split: Split,
+                base_model: Path, base_source: Optional[str] = None) -> Optional[WindowAverage]:
+    """Average the fine-tune's checkpoints inside the window (run in `work`, all its checkpoints still there), measure
+    the average and write its model as `average/final/`; None when the window holds fewer than 2 checkpoints. A
+    retried step reads average.json instead of measuring again."""
+    from rangefinder.training.loop import measure_weights
+    from rangefinder.training.restore import save_checkpoint_model
+
+    root = Path(work) / AVERAGE_DIR
+    if (root / MEASURED).is_file():
+        return WindowAverage.from_json(json.loads((root / MEASURED).read_text()))
+    found = window_checkpoints(Path(work) / CKPT_DIR, window)
+    if len(found) < 2:
+        return None
+    weights = average_weights(list(found.values()))
+    # Validation is measured in this process: the weights are the same on every rank, and the measurement does
+    # not depend on how many processes share it (validation.py).
+    one = dataclasses.replace(spec, training=spec.training.model_copy(update={"world_size": 1}), plan=None)
+    row = measure_weights(one, weights, out_dir=root, split=split)
+    loss = row.get("val_loss")
+    val_loss = float(loss) if loss is not None and math.isfinite(loss) else None
+    if val_loss is not None:
+        save_checkpoint_model(found[max(found)], base_model, root / "final", source=base_source, weights=weights)
+    measured = WindowAverage(updates=tuple(found), val_loss=val_loss)
+    write_json(root / MEASURED, measured.to_json())  # last: a retry finds the measurement and the model beside it
+    return measured
+
+
+def deliver(work: Path, measured: WindowAverage, chosen: dict[str, Any]) -> dict[str, Any]:
+    """chosen.json with the average's measurement; when it is delivered, its model becomes `chosen/` and chosen.json
+    names it (rule `window_average`, the pick it replaced under `window_pick`). Its model is removed otherwise."""
+    root = Path(work) / AVERAGE_DIR
+    final = root / "final"
+    pick_val_loss = chosen.get("val_loss")
+    delivered = measured.delivered_over(pick_val_loss) and final.is_dir()
+    info = {**chosen, "average": {**measured.to_json(), "pick_val_loss": pick_val_loss, "delivered": delivered,
+                                  "sentence": measured.sentence(pick_val_loss)}}
+    if delivered:
+        rename_into_place(final, Path(work) / checkpoints.CHOSEN_DIR)
+        pick = {k: chosen.get(k) for k in ("checkpoint", "update", "epoch", "val_loss", "rule", "reason")}
+        last = measured.updates[-1]
+        reason = (f"The average of the fine-tune's checkpoints at updates {', '.join(map(str, measured.updates))}, "
+                  f"the ones inside the step window: {measured.sentence(pick_val_loss)} {pick['reason'] or ''}")
+        info.update(checkpoint=None, update=last, val_loss=measured.val_loss, rule="window_average",
+                    window_pick=pick, reason=reason.rstrip(),
+                    improved_on_base=(None if chosen.get("base_val_loss") is None or measured.val_loss is None
+                                      else measured.val_loss < chosen["base_val_loss"]))
+        info["epoch"] = _epoch_of(work, last, chosen)
+    else:
+        shutil.rmtree(final, ignore_errors=True)
+    write_json(Path(work) / checkpoints.CHOSEN_INFO, info)
+    return info
+
+
+def _epoch_of(work: Path, update: int, chosen: dict[str, Any]) -> Optional[float]:
+    """The epoch of the newest averaged checkpoint, from the run's curve (metrics.csv), else the pick's."""
+    import csv
+
+    try:
+        with open(Path(work) / "metrics.csv", newline="") as f:
+            for row in csv.DictReader(f):
+                if row.get("update") and int(float(row["update"])) == update and row.get("epoch"):
+                    return float(row["epoch"])
+    except (OSError, ValueError):
+        pass
+    return chosen.get("epoch")
