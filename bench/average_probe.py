@@ -46,7 +46,7 @@ from typing import Any, Optional
 
 from bench.common import add_probe_arguments, family_of_case, machine_info, probe_saved_cases, quiet_libraries
 from bench.discovery_quality import set_up_case
-from bench.versus import case_overrides, verdict_of, without_cooldown
+from bench.versus import case_overrides, plain_finetune, verdict_of
 
 NAME = "average_probe"
 OPPONENTS = ("prodigy_best", "random_best", "prodigy_final", "folk_final", "folk_best")
@@ -70,7 +70,7 @@ def probe_case(c: dict[str, Any], work: Path, log=print) -> dict[str, Any]:
     make_synthetic_dataset(dataset, kind=c["kind"], count=c["images"], seed=c["seed"], resolution=32)
     args = SimpleNamespace(finetune_epochs=c["finetune_epochs"], smoke=False)
     cfg, split_dir = set_up_case(dataset, c["seed"], work, case, case_overrides(c["method"], args, family_of_case(c)))
-    cfg = without_cooldown(cfg)
+    cfg = plain_finetune(cfg)
     cfg = cfg.model_copy(update={"finetune": cfg.finetune.model_copy(update={"average": "on"})})
     t0 = time.perf_counter()
     ft = run_finetune(cfg, split_dir=split_dir, lr_low=a["lr_low"], lr_high=a["lr_high"], lr_mid=a["lr_mid"],

@@ -48,7 +48,7 @@ from typing import Any, Optional
 
 from bench.common import add_probe_arguments, family_of_case, machine_info, probe_saved_cases, quiet_libraries
 from bench.discovery_quality import curve_stats, set_up_case
-from bench.versus import case_overrides, verdict_of, without_cooldown
+from bench.versus import case_overrides, plain_finetune, verdict_of
 
 NAME = "bounds_probe"
 
@@ -85,7 +85,7 @@ def probe_case(c: dict[str, Any], work: Path, log=print) -> dict[str, Any]:
     make_synthetic_dataset(dataset, kind=c["kind"], count=c["images"], seed=c["seed"], resolution=32)
     args = SimpleNamespace(finetune_epochs=c["finetune_epochs"], smoke=False)
     cfg, split_dir = set_up_case(dataset, c["seed"], work, case, case_overrides(c["method"], args, family_of_case(c)))
-    cfg = without_cooldown(cfg)  # the saved (a) had none
+    cfg = plain_finetune(cfg)  # the saved (a) had no cooldown and no average
     log(f"{tag} bounds {low:.3g} / {mid:.3g} / {high:.3g} (saved (a): {a['lr_low']:.3g} / {a['lr_mid']:.3g} / "
         f"{a['lr_high']:.3g}, trained at {a['lr_used']:.3g})")
     t0 = time.perf_counter()

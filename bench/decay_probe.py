@@ -55,7 +55,7 @@ from typing import Any, Optional
 
 from bench.common import add_probe_arguments, family_of_case, machine_info, probe_saved_cases, quiet_libraries
 from bench.discovery_quality import set_up_case
-from bench.versus import case_overrides, train_arm, verdict_of, without_cooldown
+from bench.versus import case_overrides, plain_finetune, train_arm, verdict_of
 
 NAME = "decay_probe"
 
@@ -110,7 +110,7 @@ def probe_case(c: dict[str, Any], fraction: float, placement: str, work: Path, l
     overrides = case_overrides(c["method"], args, family_of_case(c))
     cfg, split_dir = set_up_case(dataset, c["seed"], work, case, overrides)
     cfg = cfg.model_copy(update={"finetune": cfg.finetune.model_copy(update={"epochs": round(total / per_epoch)})})
-    cfg = without_cooldown(cfg)  # the probe trains its own decay
+    cfg = plain_finetune(cfg)  # the probe trains its own decay
     log(f"{tag} lr {lr:.3g}: constant to {stable}, decay to 0 at {total}")
     with stable_then_decay(lr, stable, total):
         run = train_arm(cfg, split_dir, lr, case / "run")  # as (b) and (c) train: one LR, halving off

@@ -458,14 +458,15 @@ def one_case(method: str, kind: str, seed: int, args, work: Path, saved: dict[tu
         log(f"{tag} (b)-(e) reused from {old['file']}: same data, length and span")
         out.update({k: old[k] for k in ("prodigy", "folk", "random", "grid")}, reused_arms_from=old["file"])
         if out["grid"] is None and args.grid:  # the earlier run had no grid (--no-grid): train it now
-            out["grid"] = train_grid(without_cooldown(cfg), split_dir, case, args, log, tag)
+            out["grid"] = train_grid(plain_finetune(cfg), split_dir, case, args, log, tag)
         out["prompt_score"] = score_prompts(cfg, out, case, log, args.prompt_seeds) if scored else None
         out["summary"] = summarize(out)
         shutil.rmtree(case, ignore_errors=True)
         return out
 
-    # The other arms are what users run instead: one plain run each, no cooldown (rangefinder.steps.cooldown).
-    cfg = without_cooldown(cfg)
+    # The other arms are what users run instead: one plain run each, no cooldown and no window average
+    # (rangefinder.steps.cooldown, .average); they are scored on their curves, not on a delivered pick.
+    cfg = plain_finetune(cfg)
     log(f"{tag} (b) prodigy")
     cfg_b = cfg.model_copy(update={"training": cfg.training.model_copy(update={"optimizer": "prodigy"})})
     with prodigy_as_diffusers_recommends(), keeping_every_checkpoint():
@@ -514,9 +515,10 @@ def one_case(method: str, kind: str, seed: int, args, work: Path, saved: dict[tu
     return out
 
 
-def without_cooldown(cfg):
-    """The case's settings with finetune.cooldown off: a plain constant-LR run, as every arm but (a) trains."""
-    return cfg.model_copy(update={"finetune": cfg.finetune.model_copy(update={"cooldown": "off"})})
+def plain_finetune(cfg):
+    """The case's settings with finetune.cooldown and finetune.average off: a plain constant-LR run, as every arm but
+    (a) trains (and as (a) trained before either existed)."""
+    return cfg.model_copy(update={"finetune": cfg.finetune.model_copy(update={"cooldown": "off", "average": "off"})})
 
 
 def train_grid(cfg, split_dir: Path, case: Path, args, log, tag: str) -> dict[str, Any]:
