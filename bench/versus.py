@@ -586,6 +586,22 @@ def with_capped_bounds(c: dict[str, Any], probed: Optional[dict[str, Any]]) -> d
     return out
 
 
+def with_window_average(c: dict[str, Any], probed: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """The case with (a) as bench.average_probe's run delivered it (the same bounds and fine-tune, its window's
+    checkpoints averaged: rangefinder.steps.average); unchanged without a probe run, or where the probe's window pick
+    did not reproduce the saved (a)'s."""
+    if probed is None or not probed.get("reproduces"):
+        return c
+    a = c["rangefinder"]
+    average = {"updates": probed["averaged_updates"], "val_loss": probed["average_val_loss"],
+               "delivered": probed["average_delivered"], "pick_val_loss": probed["pick"]} if probed["applies"] else None
+    chosen = {**(a.get("chosen") or {}), "val_loss": probed["delivered"], "rule": probed["rule"],
+              **({"average": average} if average else {})}
+    out = {**c, "rangefinder": {**a, "chosen": chosen}}
+    out["summary"] = summarize(out)
+    return out
+
+
 def verdict_of(mine: Optional[float], theirs: Optional[float]) -> Optional[str]:
     """(a) against another arm: win (more than TIE_PCT lower), tie (within it), loss; None when the other arm has no
     loss. (a) with none (it failed: its range tests found no bounds, so it delivered an error, not a model) loses to
@@ -809,6 +825,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--capped-bounds", type=Path, nargs="+", metavar="JSON",
                    help="with --report: (a) as delivered by bench.bounds_probe's runs (the zoom's upper bound "
                    "capped at the first test's), in the cases those results hold")
+    p.add_argument("--averaged", type=Path, nargs="+", metavar="JSON",
+                   help="with --report: (a) as delivered by bench.average_probe's runs (the step window's "
+                   "checkpoints averaged), in the cases those results hold")
     args = p.parse_args(argv)
     if args.report:
         merged: dict[str, Any] = {"benchmark": NAME, "merged_from": [str(x) for x in args.report], "cases": []}
@@ -831,6 +850,10 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             probed = {case_key(r): r for path in args.capped_bounds for r in json.loads(path.read_text())["cases"]}
             merged["capped_bounds_from"] = [str(x) for x in args.capped_bounds]
             merged["cases"] = [with_capped_bounds(c, probed.get(case_key(c))) for c in merged["cases"]]
+        if args.averaged:
+            averaged = {case_key(r): r for path in args.averaged for r in json.loads(path.read_text())["cases"]}
+            merged["averaged_from"] = [str(x) for x in args.averaged]
+            merged["cases"] = [with_window_average(c, averaged.get(case_key(c))) for c in merged["cases"]]
         finish(merged, partial=False)
         print(report(merged))
         if args.out:

@@ -21,7 +21,8 @@ LR = 1e-3
 
 def _config(tiny_model_dir, tmp, **finetune):
     return demo_config(model={"base_model": str(tiny_model_dir)},
-                       finetune={"epochs": 3, "successive_halving": False, **finetune},
+                       # The window average off: it would weigh its average against the cooldown's verdict.
+                       finetune={"epochs": 3, "successive_halving": False, "average": "off", **finetune},
                        training={"cache_dir": str(tmp / "cache")}, sampling={"every_validations": None},
                        validation={"every_epochs": 0.5},  # 7 points: enough for the window's trend test
                        tracking={"tracking_uri": f"sqlite:///{tmp / 'mlflow.db'}", "experiment_name": "cooldown",

@@ -35,7 +35,9 @@ def grid_columns(cfg: RangefinderConfig, finetuned_dir: Path, retrained_dir: Opt
     if chosen is not None:
         models.append(Path(finetuned_dir) / checkpoints.CHOSEN_DIR)
         epoch = f"epoch {chosen['epoch']:g}, " if chosen.get("epoch") is not None else ""
-        labels.append(f"chosen ({epoch}update {chosen['update']})")
+        averaged = (chosen.get("average") or {}).get("updates") if chosen.get("rule") == "window_average" else None
+        labels.append(f"chosen (average of updates {averaged[0]}-{averaged[-1]})" if averaged
+                      else f"chosen ({epoch}update {chosen['update']})")
     # Kept checkpoints hold the method's trained tensors only; the grid applies them on top of the base model.
     for ckpt in checkpoints.list_checkpoints(Path(finetuned_dir) / "checkpoints"):
         if chosen is not None and ckpt.name == chosen["checkpoint"]:
