@@ -49,7 +49,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Optional
 
-from bench.common import add_probe_arguments, family_of_case, machine_info, probe_saved_cases, quiet_libraries
+from bench.common import add_probe_arguments, family_of_case, quiet_libraries, run_probe
 from bench.discovery_quality import set_up_case
 from bench.versus import case_overrides, plain_finetune, verdict_of
 
@@ -146,10 +146,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     cases = [c for c in saved["cases"] if family_of_case(c) == args.family and candidate(c)]
     k, n = (int(x) for x in args.part.split("/"))
     cases = cases[k - 1::n]
-    head: dict[str, Any] = {"benchmark": NAME, "source": str(args.source), "machine": machine_info(), "cases": []}
-    result = probe_saved_cases(head, cases, args.out, args.work_dir, args.threads, probe_case, tally, "average-probe-")
-    print(json.dumps(result["tally"], indent=1))
-    return result
+    return run_probe(NAME, args, cases, probe_case, tally)
 
 
 if __name__ == "__main__":

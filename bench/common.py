@@ -274,3 +274,15 @@ def probe_saved_cases(result: dict[str, Any], cases: Sequence[dict[str, Any]], o
     result["tally"] = tally(result["cases"])
     write_json(out, result)
     return result
+
+
+def run_probe(name: str, args: Any, cases: Sequence[dict[str, Any]],
+              probe: Callable[[dict[str, Any], Path, Callable[[str], None]], dict[str, Any]],
+              tally: Callable[[list[dict[str, Any]]], dict[str, Any]]) -> dict[str, Any]:
+    """A probe's run from its parsed arguments (add_probe_arguments): the JSON's head (benchmark, source, machine),
+    the cases through probe_saved_cases, and the tally printed."""
+    head: dict[str, Any] = {"benchmark": name, "source": str(args.source), "machine": machine_info(), "cases": []}
+    result = probe_saved_cases(head, cases, args.out, args.work_dir, args.threads, probe, tally,
+                               f"{name.replace('_', '-')}-")
+    print(json.dumps(result["tally"], indent=1))
+    return result

@@ -28,14 +28,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from rangefinder.config import SCHEDULE_FREE_OPTIMIZERS, RangefinderConfig
 from rangefinder.formats import checkpoints
-from rangefinder.formats.atomic import rename_into_place, write_json
+from rangefinder.formats.atomic import write_json
 from rangefinder.training.spec import TrainSpec
 
 if TYPE_CHECKING:
@@ -152,27 +151,14 @@ def run_average(cfg: RangefinderConfig, spec: TrainSpec, work: Path, window: Ste
 def deliver(work: Path, measured: WindowAverage, chosen: dict[str, Any]) -> dict[str, Any]:
     """chosen.json with the average's measurement; when it is delivered, its model becomes `chosen/` and chosen.json
     names it (rule `window_average`, the pick it replaced under `window_pick`). Its model is removed otherwise."""
-    root = Path(work) / AVERAGE_DIR
-    final = root / "final"
-    pick_val_loss = chosen.get("val_loss")
-    delivered = measured.delivered_over(pick_val_loss) and final.is_dir()
-    info = {**chosen, "average": {**measured.to_json(), "pick_val_loss": pick_val_loss, "delivered": delivered,
-                                  "sentence": measured.sentence(pick_val_loss)}}
-    if delivered:
-        rename_into_place(final, Path(work) / checkpoints.CHOSEN_DIR)
-        pick = {k: chosen.get(k) for k in ("checkpoint", "update", "epoch", "val_loss", "rule", "reason")}
-        last = measured.updates[-1]
-        reason = (f"The average of the fine-tune's checkpoints at updates {', '.join(map(str, measured.updates))}, "
-                  f"the ones inside the step window: {measured.sentence(pick_val_loss)} {pick['reason'] or ''}")
-        info.update(checkpoint=None, update=last, val_loss=measured.val_loss, rule="window_average",
-                    window_pick=pick, reason=reason.rstrip(),
-                    improved_on_base=(None if chosen.get("base_val_loss") is None or measured.val_loss is None
-                                      else measured.val_loss < chosen["base_val_loss"]))
-        info["epoch"] = _epoch_of(work, last, chosen)
-    else:
-        shutil.rmtree(final, ignore_errors=True)
-    write_json(Path(work) / checkpoints.CHOSEN_INFO, info)
-    return info
+    from rangefinder.steps.delivery import deliver_if_lower
+
+    last = measured.updates[-1]
+    return deliver_if_lower(work, Path(work) / AVERAGE_DIR / "final", chosen, measured, key="average",
+                            compared_as="pick_val_loss", rule="window_average", update=last,
+                            epoch=_epoch_of(work, last, chosen),
+                            what=f"The average of the fine-tune's checkpoints at updates "
+                            f"{', '.join(map(str, measured.updates))}, the ones inside the step window")
 
 
 def _epoch_of(work: Path, update: int, chosen: dict[str, Any]) -> Optional[float]:

@@ -132,26 +132,13 @@ def deliver(work: Path, measured: Cooldown, chosen: dict[str, Any]) -> dict[str,
     """chosen.json with the cooldown's measurement; when it is delivered, its final weights become `chosen/` and
     chosen.json names them (rule `cooldown`, the window's pick kept under `window_pick`). Its final weights are
     removed when they are not delivered."""
-    root = Path(work) / COOLDOWN_DIR
-    final = root / "final"
-    window_val_loss = chosen.get("val_loss")
-    delivered = measured.delivered_over(window_val_loss) and final.is_dir()
-    info = {**chosen, "cooldown": {**measured.to_json(), "window_val_loss": window_val_loss, "delivered": delivered,
-                                   "sentence": measured.sentence(window_val_loss)}}
-    if delivered:
-        rename_into_place(final, Path(work) / checkpoints.CHOSEN_DIR)
-        pick = {k: chosen.get(k) for k in ("checkpoint", "update", "epoch", "val_loss", "rule", "reason")}
-        epoch = float(measured.epochs)
-        reason = (f"Weights at update {measured.total_updates} (epoch {epoch:g}) of the fine-tune's cooldown: "
-                  f"{measured.sentence(window_val_loss)} {pick['reason'] or ''}").rstrip()
-        info.update(checkpoint=None, update=measured.total_updates, epoch=epoch, val_loss=measured.val_loss,
-                    rule="cooldown", window_pick=pick, reason=reason,
-                    improved_on_base=(None if chosen.get("base_val_loss") is None or measured.val_loss is None
-                                      else measured.val_loss < chosen["base_val_loss"]))
-    else:
-        shutil.rmtree(final, ignore_errors=True)
-    write_json(Path(work) / checkpoints.CHOSEN_INFO, info)
-    return info
+    from rangefinder.steps.delivery import deliver_if_lower
+
+    epoch = float(measured.epochs)
+    return deliver_if_lower(work, Path(work) / COOLDOWN_DIR / "final", chosen, measured, key="cooldown",
+                            compared_as="window_val_loss", rule="cooldown", update=measured.total_updates,
+                            epoch=epoch, what=f"Weights at update {measured.total_updates} (epoch {epoch:g}) of the "
+                            "fine-tune's cooldown")
 
 
 def _branch_point(source: Path, root: Path, decay_start: int) -> int:

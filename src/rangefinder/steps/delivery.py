@@ -1,0 +1,50 @@
+"""Weights the fine-tune measured besides its checkpoints (the cooldown's, the window average), delivered instead of
+the window's pick when they measure lower: one rule for both, so chosen.json reads the same whichever it was."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any, Optional, Protocol
+
+from rangefinder.formats import checkpoints
+from rangefinder.formats.atomic import rename_into_place, write_json
+
+PICK_KEYS = ("checkpoint", "update", "epoch", "val_loss", "rule", "reason")
+
+
+class Measured(Protocol):
+    """What the cooldown and the window average measured (steps/cooldown.Cooldown, steps/average.WindowAverage)."""
+
+    @property
+    def val_loss(self) -> Optional[float]: ...
+
+    def delivered_over(self, val_loss: Optional[float]) -> bool: ...
+
+    def sentence(self, val_loss: Optional[float]) -> str: ...
+
+    def to_json(self) -> dict[str, Any]: ...
+
+
+def deliver_if_lower(work: Path, candidate: Path, chosen: dict[str, Any], measured: Measured, *, key: str,
+                     compared_as: str, rule: str, update: int, epoch: Optional[float], what: str) -> dict[str, Any]:
+    """chosen.json with `measured` under `key` (and the loss it was weighed against under `compared_as`). When it
+    measures below what `chosen` delivers, the model folder `candidate` becomes `chosen/` and chosen.json names it:
+    rule `rule` at `update` / `epoch`, the pick it replaced under `window_pick`, the reason beginning with `what`.
+    Otherwise `candidate` is removed. Returns what chosen.json now says."""
+    work = Path(work)
+    compared = chosen.get("val_loss")
+    delivered = measured.delivered_over(compared) and candidate.is_dir()
+    info = {**chosen, key: {**measured.to_json(), compared_as: compared, "delivered": delivered,
+                            "sentence": measured.sentence(compared)}}
+    if delivered:
+        rename_into_place(candidate, work / checkpoints.CHOSEN_DIR)
+        pick = {k: chosen.get(k) for k in PICK_KEYS}
+        base = chosen.get("base_val_loss")
+        info.update(checkpoint=None, update=update, epoch=epoch, val_loss=measured.val_loss, rule=rule,
+                    window_pick=pick, reason=f"{what}: {measured.sentence(compared)} {pick['reason'] or ''}".rstrip(),
+                    improved_on_base=None if base is None or measured.val_loss is None else measured.val_loss < base)
+    else:
+        shutil.rmtree(candidate, ignore_errors=True)
+    write_json(work / checkpoints.CHOSEN_INFO, info)
+    return info
