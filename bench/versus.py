@@ -67,6 +67,11 @@ the bench's order, two processes side by side. The average stays the default if,
 delivered in at least half of those where it applies, and (2) it turns at least 2 of the window's pick's non-wins
 against Prodigy's best or random search's best into wins (`rangefinder_window_pick` is what (a) would have delivered
 without it). Otherwise the default goes back to off. The Goal's standings with these cases are reported either way.
+(Met: delivered in 9 of 14, 2 non-wins turned into wins; bench/RESULTS.md, "The window average".)
+
+LoRA's grids on seed 1, written down (committed) 2026-11-27 14:52 UTC before any run of them: the five kinds, the span
+of seeds 0, 3 and 4 (1e-4..1e-1), arms (b)-(d) reused from versus_lora_seed1.json and versus_lora_seed1_textures.json,
+(a) re-run as shipped (the window average on); the gap is reported as it comes out. TI never ran seed 1.
 Added 10:32 UTC, after the first 7 flux cases had run (each in about 1.5 min, not the 5 estimated), before any grid:
 when sd3's 10 cases are done, the grid (e) is trained for the same flux cases, then sd3's, as far as they finish by
 12:15, with --reuse-arms (which re-runs (a), deterministic on CPU, and keeps (b)-(d)): 8 LRs over 1e-5..1e-2 for
