@@ -168,3 +168,14 @@ def test_an_average_asked_for_where_it_cannot_run_is_one_warning(settings, warne
     assert lines == ([] if warned is None else [lines[0]]) and (warned is None or warned in lines[0])
     assert average_applies(cfg, True) is (settings in ({"finetune": {"average": "on"}}, {}))
     assert parse_config(yaml.safe_load("finetune:\n  average: off\n")).finetune.average == "off"
+
+
+def test_the_registered_version_names_the_average_it_holds():
+    """register_model's `rangefinder.weights` tag: the checkpoint's name, or for weights that are no checkpoint what
+    they are (it said "finetune None" for them)."""
+    from rangefinder.steps.register_model import delivered_name
+
+    assert delivered_name({"checkpoint": "checkpoint-000012", "rule": "window_lowest"}) == "checkpoint-000012"
+    assert delivered_name({"checkpoint": None, "rule": "window_average", "update": 16,
+                           "average": {"updates": [8, 12, 16]}}) == "window average of updates 8-16"
+    assert delivered_name({"checkpoint": None, "rule": "cooldown", "update": 20}) == "cooldown at update 20"

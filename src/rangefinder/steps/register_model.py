@@ -12,7 +12,7 @@ from __future__ import annotations
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from rangefinder.config import RangefinderConfig
 
@@ -22,6 +22,17 @@ class Registered:
     model_uri: str
     version: Optional[str]
     weights: Path  # the folder that was registered (chosen/ or final/)
+
+
+def delivered_name(chosen: dict[str, Any]) -> str:
+    """What chosen.json delivers, in a few words: its checkpoint's name, or the weights that are no checkpoint (the
+    window average of updates a-b, the cooldown at update u)."""
+    if chosen.get("checkpoint"):
+        return str(chosen["checkpoint"])
+    if chosen.get("rule") == "window_average" and (chosen.get("average") or {}).get("updates"):
+        updates = chosen["average"]["updates"]
+        return f"window average of updates {updates[0]}-{updates[-1]}"
+    return f"{chosen.get('rule') or 'chosen'} at update {chosen.get('update')}"
 
 
 def delivered_weights(model_dir: Path) -> tuple[Path, Optional[dict]]:
@@ -48,7 +59,7 @@ def run_register_model(cfg: RangefinderConfig, *, model_dir: Path, lr: float, ep
     source_step = "retrain_full" if chosen is None and cfg.retrain.enabled else "finetune"
     if chosen is not None:
         metrics.update({k: chosen[k] for k in ("update", "epoch", "val_loss") if chosen.get(k) is not None})
-        tags = {"rangefinder.weights": f"finetune {chosen['checkpoint']}", "rangefinder.chosen_because":
+        tags = {"rangefinder.weights": f"finetune {delivered_name(chosen)}", "rangefinder.chosen_because":
                 chosen["status"]}
         # Which rule picked the checkpoint (analysis.delivered_checkpoint), and whether it beats the base model;
         # a chosen.json written before the rules were named has neither.
