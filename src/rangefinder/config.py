@@ -588,7 +588,8 @@ class FinetuneConfig(_Section):
     # averaged uniformly and the average validated once; it is delivered when its validation loss is below the
     # window's pick. No training: it reads the window's checkpoints (every checkpoint_every_epochs) and validates
     # once. Needs validation, and does nothing with EMA or a schedule-free optimizer (they validate an average
-    # already). On by default: on bench.versus's 70 saved cases it was delivered in 26 of the 47 where it applied
+    # already) or on a TrainJob of several nodes (the step's pod only submits it; the run's note says so). On by
+    # default: on bench.versus's 70 saved cases it was delivered in 26 of the 47 where it applied
     # (15 of 19 full, 11 of 17 LoRA, 0 of 11 textual inversion), 2.1 % lower at the median, and met the rule written
     # before that run (bench/RESULTS.md, "The window average").
     average: Literal["on", "off"] = "on"

@@ -167,6 +167,13 @@ def test_an_average_asked_for_where_it_cannot_run_is_one_warning(settings, warne
     lines = [ln for ln in setting_conflicts(cfg) if "average" in ln]
     assert lines == ([] if warned is None else [lines[0]]) and (warned is None or warned in lines[0])
     assert average_applies(cfg, True) is (settings in ({"finetune": {"average": "on"}}, {}))
+    several = cfg.model_copy(update={"distributed": cfg.distributed.model_copy(update={"num_nodes": 2})})
+    assert not average_applies(several, True)
+    from rangefinder.steps.average import not_on_several_nodes
+
+    said = not_on_several_nodes(several)  # the fine-tune's note, where it was asked for and did not run
+    assert (said is not None and said.startswith("Window average: not measured")) is (cfg.finetune.average == "on")
+    assert not_on_several_nodes(cfg) is None
     assert parse_config(yaml.safe_load("finetune:\n  average: off\n")).finetune.average == "off"
 
 

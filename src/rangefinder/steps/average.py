@@ -79,11 +79,23 @@ class WindowAverage:
 
 
 def average_applies(cfg: RangefinderConfig, validating: bool) -> bool:
-    """finetune.average on, with validation (the average is delivered only when it measures lower), and a run that
-    validates its raw weights (not EMA's or a schedule-free optimizer's averages, which it would average again)."""
+    """finetune.average on, with validation (the average is delivered only when it measures lower), a run that
+    validates its raw weights (not EMA's or a schedule-free optimizer's averages, which it would average again), and
+    a step that trains in its own pod (`not_on_several_nodes`)."""
     tc = cfg.training
     return (cfg.finetune.average == "on" and validating and not tc.use_ema
-            and tc.optimizer not in SCHEDULE_FREE_OPTIMIZERS)
+            and tc.optimizer not in SCHEDULE_FREE_OPTIMIZERS and not not_on_several_nodes(cfg))
+
+
+def not_on_several_nodes(cfg: RangefinderConfig) -> Optional[str]:
+    """Why the average is not measured on a TrainJob of several nodes (None otherwise): the step's own pod only
+    submits it (1 CPU, 4 GiB: pipelines/pipeline.py), too small to validate the model, and the measurement runs in
+    the step's process."""
+    if cfg.finetune.average != "on" or cfg.distributed.num_nodes <= 1:
+        return None
+    return (f"Window average: not measured, because the fine-tune ran as a TrainJob on {cfg.distributed.num_nodes} "
+            "nodes and the step's own pod, which would measure it, only submits the job; the window's pick is "
+            "delivered.")
 
 
 def window_checkpoints(ckpt_root: Path, window: StepWindow) -> dict[int, Path]:

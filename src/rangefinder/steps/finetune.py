@@ -227,7 +227,7 @@ def run_finetune(
     from rangefinder.analysis.reports import step_headline
     from rangefinder.data.split import read_split
     from rangefinder.models.loading import resolve_base_model
-    from rangefinder.steps.average import average_applies, run_average
+    from rangefinder.steps.average import average_applies, not_on_several_nodes, run_average
     from rangefinder.steps.average import deliver as deliver_average
     from rangefinder.steps.choose_lr import skipped_because
     from rangefinder.steps.cooldown import cooldown_applies, run_cooldown
@@ -307,6 +307,8 @@ def run_finetune(
             for extra in ("cooldown", "average"):
                 if chosen is not None and chosen.get(extra):
                     note += f" {chosen[extra]['sentence']}"
+            if not_on_several_nodes(cfg):
+                note += f" {not_on_several_nodes(cfg)}"
         else:
             # No validation set (a fixed LR with val_split 0): nothing to read a window from; keep the budget.
             rec_epochs, rec_updates, improving = tc.epochs or 1, result.updates, False
