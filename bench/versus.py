@@ -245,19 +245,23 @@ def _last_update(arm: dict[str, Any]) -> Optional[int]:
 
 def delivered_weights(c: dict[str, Any], case: Path) -> dict[str, Any]:
     """Per scored arm, the checkpoint folder it delivers, or why it has none: (a)'s chosen checkpoint (its final
-    one where the window kept none), (b)'s best and final, (c)'s final, (d)'s best run's best."""
+    one where the window kept none; its chosen/ model where it delivers no checkpoint: the window average, the
+    cooldown), (b)'s best and final, (c)'s final, (d)'s best run's best."""
+    from rangefinder.steps.finetune import NOT_A_CHECKPOINT
+
     a, out = c["rangefinder"], {}
     if a.get("status") != "ok":
         out["rangefinder"] = "(a) failed: it delivered no weights"
-    elif (a.get("chosen") or {}).get("rule") == "cooldown":  # finetune.cooldown on: chosen/ holds no checkpoint's
-        out["rangefinder"] = "(a) delivered its cooldown's weights, which this does not render"
+    elif (a.get("chosen") or {}).get("rule") in NOT_A_CHECKPOINT:  # the cooldown's or the window average's weights
+        chosen_dir = case / "rangefinder" / "finetune" / "chosen"  # the model (a) delivers, as it delivers it
+        out["rangefinder"] = chosen_dir if chosen_dir.is_dir() else "(a)'s chosen/ is gone"
     else:
         update = (a.get("chosen") or {}).get("update") or ((a.get("curve") or [[None]])[-1][0])
         out["rangefinder"] = checkpoint_at(case / "rangefinder" / "finetune", update)
     if c.get("reused_arms_from"):
         for arm in SCORED_ARMS[1:]:
             out[arm] = f"reused from {c['reused_arms_from']}: its weights are gone"
-        return out
+        return {arm: out.get(arm) or "no checkpoint at its update" for arm in SCORED_ARMS}
     out["prodigy_best"] = checkpoint_at(case / "prodigy", c["prodigy"].get("best_update"))
     out["prodigy_final"] = checkpoint_at(case / "prodigy", _last_update(c["prodigy"]))
     out["folk_final"] = checkpoint_at(case / "folk", _last_update(c["folk"]))
@@ -274,7 +278,7 @@ def score_prompts(cfg, c: dict[str, Any], case: Path, log=print,
     sampler settings (sampling.render_grid: one CPU generator per cell, so the cells differ only in the weights) and
     score them (data.prompt_score): {"prompts", "seeds", settings, "seconds", "arms": {arm: {"colour", "shape",
     "images"} or {"absent": why}}}. None for a kind the prompt score cannot read."""
-    from rangefinder.sampling import GridColumn, render_grid
+    from rangefinder.sampling import GridColumn, render_grid, resolve_column
 
     prompts = held_out_prompts(c["kind"], c["seed"], c["images"])
     if not prompts:
@@ -286,7 +290,8 @@ def score_prompts(cfg, c: dict[str, Any], case: Path, log=print,
                 "resolution": smp.resolution or cfg.data.resolution}
     arms: dict[str, Any] = {}
     weights = delivered_weights(c, case)
-    columns = [GridColumn(arm, w, "engine_checkpoint") for arm, w in weights.items() if isinstance(w, Path)]
+    # A training checkpoint, or (a)'s chosen/ where it delivers no checkpoint (the window average, the cooldown).
+    columns = [resolve_column(w, arm) for arm, w in weights.items() if isinstance(w, Path)]
     arms.update({arm: {"absent": w} for arm, w in weights.items() if not isinstance(w, Path)})
     # The base model is asked in plain words: it has no textual-inversion token to be asked with.
     renders = [([GridColumn("base", base, "pipeline")], prompts)]
@@ -778,7 +783,7 @@ def prompt_score_table(rows: list[dict[str, Any]]) -> str:
     def cell(r: dict[str, Any], arm: str) -> str:
         if f"prompt_colour_{arm}" in r:
             return f"{r[f'prompt_colour_{arm}']:.3f} / {r[f'prompt_shape_{arm}']:.3f}"
-        return "absent (weights gone: reused arm)" if "reused" in r.get(f"prompt_absent_{arm}", "") else \
+        return "absent (weights gone: reused arm)" if "reused" in (r.get(f"prompt_absent_{arm}") or "") else \
             ("absent" if f"prompt_absent_{arm}" in r else "-")
 
     text = table([{"case": r["case"], **{arm: cell(r, arm) for arm in arms}} for r in measured], ["case", *arms],

@@ -165,6 +165,19 @@ def test_a_kind_without_a_prompt_score_records_none_and_old_results_still_report
     assert "prompt score none for this kind: 1 cases (lora stripes 0)" in text
 
 
+def test_a_delivered_window_average_is_scored_as_its_chosen_model(tmp_path):
+    """(a)'s window average (or cooldown) is no checkpoint: the prompt score renders the chosen/ model (a) delivers,
+    not a checkpoint at its update (which the step removed); with the arms reused, a missing (a) is said, not None."""
+    chosen = {"update": 16, "val_loss": 0.08, "rule": "window_average"}
+    case = {**_case([[4, 0.1], [8, 0.09]], chosen), "seed": 1, "reused_arms_from": "versus_old.json"}
+    assert delivered_weights(case, tmp_path)["rangefinder"] == "(a)'s chosen/ is gone"
+    (tmp_path / "rangefinder" / "finetune" / "chosen").mkdir(parents=True)
+    weights = delivered_weights(case, tmp_path)
+    assert weights["rangefinder"] == tmp_path / "rangefinder" / "finetune" / "chosen"
+    plain = {**case, "rangefinder": {**case["rangefinder"], "chosen": {**chosen, "rule": "window_lowest"}}}
+    assert delivered_weights(plain, tmp_path)["rangefinder"] == "no checkpoint at its update"
+
+
 def _case(curve, chosen):
     a = {"status": "ok", "updates": 24, "seconds": 1.0, "finetune_updates": 16, "baseline_val_loss": 0.2,
          "lr_used": 1e-3, "curve": curve, "chosen": chosen, "final_val_loss": curve[-1][1],
