@@ -11,8 +11,9 @@ import torch
 from rangefinder.config import demo_config
 from rangefinder.data.split import read_split
 from rangefinder.formats import checkpoints
-from rangefinder.steps.average import AVERAGE_DIR, WindowAverage, average_weights, deliver
+from rangefinder.steps.average import AVERAGE_DIR, average_weights
 from rangefinder.training.spec import TrainSpec
+from tests.tracking.fixtures import without_mlflow_run_env
 
 LR = 1e-3
 
@@ -31,19 +32,14 @@ def averaged(split_dir, tiny_model_dir, tmp_path_factory):
     """A 6-epoch full fine-tune (16 images at batch 4: 24 updates, a validation every 2, a checkpoint every 4) through
     the step with finetune.average on, logging to a real sqlite store; and the same run's checkpoints kept whole (the
     step removes all but its pick) from a plain run of the same spec."""
-    import os
-
     from rangefinder.launch.processes import run_training
     from rangefinder.steps.finetune import run_finetune
 
     tmp = tmp_path_factory.mktemp("average")
-    saved = {v: os.environ.pop(v, None) for v in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME")}
-    try:
+    with without_mlflow_run_env():
         cfg = _config(tiny_model_dir, tmp, average="on")
         result = run_finetune(cfg, split_dir=split_dir, lr_low=LR, lr_high=LR, lr_mid=LR, lr_source="fixed",
                               model_dir=tmp / "ft")
-    finally:
-        os.environ.update({k: v for k, v in saved.items() if v is not None})
     split = read_split(split_dir)
     spec = TrainSpec.finetune(cfg, split, bounds=(LR, LR), lr=LR, world_size=1)
     plain = run_training(cfg, spec, out_dir=tmp / "plain", split=split)
@@ -105,31 +101,6 @@ def test_the_window_s_checkpoints_are_averaged_measured_and_the_lower_delivered(
     (ft,) = client.search_runs([exp], filter_string="tags.`rangefinder.step` = 'finetune'")
     assert ft.data.metrics["average_val_loss"] == avg["val_loss"]
     assert ft.data.tags["average_delivered"].lower() == str(avg["delivered"]).lower()
-
-
-def test_delivering_moves_the_average_into_chosen_and_keeps_the_pick_on_record(tmp_path):
-    """On real folders: measured lower, the average's model becomes chosen/ (rule window_average, the pick under
-    window_pick); measured higher or equal, it is removed and chosen/ stays as it was."""
-    measured = WindowAverage(updates=(8, 12, 16), val_loss=0.1)
-    pick = {"checkpoint": "checkpoint-000012", "update": 12, "epoch": 3.0, "val_loss": 0.11, "rule": "window_lowest",
-            "reason": "Weights at update 12.", "base_val_loss": 0.2, "improved_on_base": True}
-    for pick_loss, delivered in ((0.11, True), (0.1, False)):
-        work = tmp_path / str(pick_loss)
-        (work / AVERAGE_DIR / "final").mkdir(parents=True)
-        (work / AVERAGE_DIR / "final" / "model.safetensors").write_text("average")
-        (work / checkpoints.CHOSEN_DIR).mkdir()
-        (work / checkpoints.CHOSEN_DIR / "model.safetensors").write_text("pick")
-        info = deliver(work, measured, {**pick, "val_loss": pick_loss})
-        assert info["average"]["delivered"] is delivered and info["average"]["pick_val_loss"] == pick_loss
-        assert (work / checkpoints.CHOSEN_DIR / "model.safetensors").read_text() == (
-            "average" if delivered else "pick")
-        assert not (work / AVERAGE_DIR / "final").exists()
-        assert checkpoints.read_chosen(work) == info
-        if delivered:
-            assert (info["rule"], info["update"], info["val_loss"]) == ("window_average", 16, 0.1)
-            assert info["window_pick"]["update"] == 12 and "8, 12, 16" in info["reason"]
-        else:
-            assert (info["rule"], info["update"]) == ("window_lowest", 12)
 
 
 def test_checkpoints_of_different_runs_are_not_averaged(tmp_path):

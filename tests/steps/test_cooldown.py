@@ -13,8 +13,9 @@ from rangefinder.config import demo_config
 from rangefinder.data.split import read_split
 from rangefinder.errors import ConfigError
 from rangefinder.formats import checkpoints
-from rangefinder.steps.cooldown import COOLDOWN_DIR, Cooldown, deliver
+from rangefinder.steps.cooldown import COOLDOWN_DIR
 from rangefinder.training.spec import TrainSpec
+from tests.tracking.fixtures import without_mlflow_run_env
 
 LR = 1e-3
 
@@ -33,18 +34,13 @@ def _config(tiny_model_dir, tmp, **finetune):
 def cooled(split_dir, tiny_model_dir, tmp_path_factory):
     """A 3-epoch full fine-tune (16 images at batch 4: 12 updates, a validation every 2, a checkpoint every 4) through
     the step, with finetune.cooldown auto (on for full fine-tuning), logging to a real sqlite store."""
-    import os
-
     from rangefinder.steps.finetune import run_finetune
 
     tmp = tmp_path_factory.mktemp("cooldown")
-    saved = {v: os.environ.pop(v, None) for v in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME")}
-    try:
+    with without_mlflow_run_env():
         cfg = _config(tiny_model_dir, tmp, cooldown="auto")
         result = run_finetune(cfg, split_dir=split_dir, lr_low=LR, lr_high=LR, lr_mid=LR, lr_source="fixed",
                               model_dir=tmp / "ft")
-    finally:
-        os.environ.update({k: v for k, v in saved.items() if v is not None})
     return cfg, tmp, result
 
 
@@ -129,33 +125,6 @@ def test_a_branch_may_change_the_schedule_only_after_its_checkpoint(cooled, spli
         with pytest.raises(ConfigError, match="cannot resume") as e:
             run_training(cfg, dataclasses.replace(branch, branch=flag), out_dir=out, split=split)
         assert refusal in str(e.value)
-
-
-def test_delivering_moves_the_lower_weights_into_chosen_and_keeps_the_window_s_pick_on_record(tmp_path):
-    """On real folders: measured lower, the cooldown's final weights become chosen/ (rule cooldown, the window's
-    pick under window_pick); measured higher (or equal), they are removed and chosen/ stays as it was."""
-    measured = Cooldown(lr=1e-3, epochs=5, total_updates=20, decay_start=16, start_update=16, updates_trained=4,
-                        val_loss=0.1)
-    pick = {"checkpoint": "checkpoint-000012", "update": 12, "epoch": 3.0, "val_loss": 0.11, "rule": "window_lowest",
-            "reason": "Weights at update 12.", "base_val_loss": 0.2, "improved_on_base": True}
-    for window_loss, delivered in ((0.11, True), (0.1, False)):
-        work = tmp_path / str(window_loss)
-        (work / COOLDOWN_DIR / "final").mkdir(parents=True)
-        (work / COOLDOWN_DIR / "final" / "model.safetensors").write_text("cooled")
-        (work / checkpoints.CHOSEN_DIR).mkdir()
-        (work / checkpoints.CHOSEN_DIR / "model.safetensors").write_text("window")
-        info = deliver(work, measured, {**pick, "val_loss": window_loss})
-
-        assert info["cooldown"]["delivered"] is delivered and info["cooldown"]["window_val_loss"] == window_loss
-        assert (work / checkpoints.CHOSEN_DIR / "model.safetensors").read_text() == (
-            "cooled" if delivered else "window")
-        assert not (work / COOLDOWN_DIR / "final").exists()
-        assert checkpoints.read_chosen(work) == info
-        if delivered:
-            assert (info["rule"], info["update"], info["val_loss"], info["epoch"]) == ("cooldown", 20, 0.1, 5.0)
-            assert info["window_pick"]["update"] == 12 and info["improved_on_base"] is True
-        else:
-            assert (info["rule"], info["update"], info["val_loss"]) == ("window_lowest", 12, 0.1)
 
 
 @pytest.mark.parametrize(("settings", "warned"), [

@@ -26,6 +26,7 @@ from rangefinder.config import demo_config
 from rangefinder.errors import RangefinderError
 from rangefinder.formats import checkpoints
 from rangefinder.steps.halving import DECISION, HALVING_DIR, halving_applies
+from tests.tracking.fixtures import without_mlflow_run_env
 from tests.training.test_resume import ForkedChild
 
 LR_LOW, LR_MID, LR_HIGH = 3e-5, 1e-4, 1e-3
@@ -91,8 +92,7 @@ def halved(split_dir, tiny_model_dir, tmp_path_factory, one_thread):
     from rangefinder.steps.finetune import run_finetune
 
     root = tmp_path_factory.mktemp("halving")
-    saved = {v: os.environ.pop(v, None) for v in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME")}
-    try:
+    with without_mlflow_run_env():
         cfg = _cfg(tiny_model_dir, root)
         with counted_reads() as counts:
             result = run_finetune(cfg, split_dir=split_dir, lr_low=LR_LOW, lr_high=LR_HIGH, lr_mid=LR_MID,
@@ -101,10 +101,6 @@ def halved(split_dir, tiny_model_dir, tmp_path_factory, one_thread):
         COUNTED["finetune"] = counts
         plain = run_finetune(_cfg(tiny_model_dir, root / "plain", successive_halving=False), split_dir=split_dir,
                              lr_low=LR_LOW, lr_high=LR_HIGH, lr_mid=result.lr, model_dir=root / "plain" / "ft")
-    finally:
-        for k, v in saved.items():
-            if v is not None:
-                os.environ[k] = v
     return cfg, root, result, plain
 
 
@@ -288,8 +284,7 @@ def retrained(halved, split_dir, tiny_model_dir):
     from rangefinder.steps.retrain_full import run_retrain_full
 
     cfg, root, result, _ = halved
-    saved = {v: os.environ.pop(v, None) for v in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME")}
-    try:
+    with without_mlflow_run_env():
         with counted_reads() as counts:
             full = run_retrain_full(cfg, split_dir=split_dir, lr_low=LR_LOW, lr_high=LR_HIGH, lr=result.lr,
                                     recommended_epochs=1, model_dir=root / "full")
@@ -299,10 +294,6 @@ def retrained(halved, split_dir, tiny_model_dir):
         with counted_reads() as counts, contextlib.suppress(RangefinderError):
             run_lr_range_test(cfg, split_dir=split_dir, out_dir=root / "range")
         COUNTED["lr_range_test"] = counts
-    finally:
-        for k, v in saved.items():
-            if v is not None:
-                os.environ[k] = v
     return full
 
 

@@ -16,6 +16,7 @@ tests/tracking/conftest.py loads these. Other test folders can use them with `py
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -134,6 +135,19 @@ def sqlite_tracking_uri(tmp_path) -> str:
 def shared_sqlite_tracking_uri(tmp_path_factory) -> str:
     """One local store for the session: creating a sqlite store runs all of MLflow's migrations (seconds)."""
     return f"sqlite:///{tmp_path_factory.mktemp('mlflow-sqlite') / 'mlflow.db'}"
+
+
+@contextlib.contextmanager
+def without_mlflow_run_env():
+    """The MLflow run the environment may name (a tracking URI, a run id, an experiment) hidden from the block and
+    put back after it: for module-scoped fixtures, which cannot use monkeypatch, running a step that must log to the
+    store its config names."""
+    names = ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME")
+    saved = {v: os.environ.pop(v, None) for v in names}
+    try:
+        yield
+    finally:
+        os.environ.update({k: v for k, v in saved.items() if v is not None})
 
 
 @pytest.fixture

@@ -1,0 +1,47 @@
+"""The one rule by which weights that are no checkpoint (the cooldown's, the window average) replace the window's
+pick (steps/delivery.deliver_if_lower), through each step's own `deliver`, on real folders."""
+
+from __future__ import annotations
+
+import pytest
+
+from rangefinder.formats import checkpoints
+from rangefinder.steps import average, cooldown
+
+PICK = {"checkpoint": "checkpoint-000012", "update": 12, "epoch": 3.0, "val_loss": 0.11, "rule": "window_lowest",
+        "reason": "Weights at update 12.", "base_val_loss": 0.2, "improved_on_base": True}
+CASES = {
+    "cooldown": (cooldown.deliver, cooldown.COOLDOWN_DIR, "window_val_loss",
+                 cooldown.Cooldown(lr=1e-3, epochs=5, total_updates=20, decay_start=16, start_update=16,
+                                   updates_trained=4, val_loss=0.1), ("cooldown", 20, 5.0), "cooldown"),
+    "window_average": (average.deliver, average.AVERAGE_DIR, "pick_val_loss",
+                       average.WindowAverage(updates=(8, 12, 16), val_loss=0.1), ("window_average", 16, 3.0),
+                       "8, 12, 16"),
+}
+
+
+@pytest.mark.parametrize("which", list(CASES))
+def test_lower_weights_move_into_chosen_and_the_pick_stays_on_record(tmp_path, which):
+    """Measured lower, the candidate's model becomes chosen/ (its rule, update and epoch; the pick under
+    window_pick); measured higher or equal, it is removed and chosen/ stays as it was. chosen.json says which."""
+    deliver, folder, compared_as, measured, (rule, update, epoch), named = CASES[which]
+    for pick_loss, delivered in ((0.11, True), (0.1, False)):
+        work = tmp_path / f"{which}-{pick_loss}"
+        (work / folder / "final").mkdir(parents=True)
+        (work / folder / "final" / "model.safetensors").write_text("candidate")
+        (work / checkpoints.CHOSEN_DIR).mkdir()
+        (work / checkpoints.CHOSEN_DIR / "model.safetensors").write_text("pick")
+        info = deliver(work, measured, {**PICK, "val_loss": pick_loss})
+
+        record = info["cooldown" if which == "cooldown" else "average"]
+        assert record["delivered"] is delivered and record[compared_as] == pick_loss
+        assert (work / checkpoints.CHOSEN_DIR / "model.safetensors").read_text() == (
+            "candidate" if delivered else "pick")
+        assert not (work / folder / "final").exists()
+        assert checkpoints.read_chosen(work) == info
+        if delivered:
+            assert (info["rule"], info["update"], info["val_loss"], info["epoch"]) == (rule, update, 0.1, epoch)
+            assert info["window_pick"]["update"] == 12 and info["improved_on_base"] is True
+            assert named in info["reason"] and info["reason"].endswith("Weights at update 12.")
+        else:
+            assert (info["rule"], info["update"], info["val_loss"]) == ("window_lowest", 12, pick_loss)
