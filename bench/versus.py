@@ -72,6 +72,11 @@ without it). Otherwise the default goes back to off. The Goal's standings with t
 LoRA's grids on seed 1, written down (committed) 2026-11-27 14:52 UTC before any run of them: the five kinds, the span
 of seeds 0, 3 and 4 (1e-4..1e-1), arms (b)-(d) reused from versus_lora_seed1.json and versus_lora_seed1_textures.json,
 (a) re-run as shipped (the window average on); the gap is reported as it comes out. TI never ran seed 1.
+
+Fresh seed 8, written down (committed) 2026-11-27 15:39 UTC before any run of it, because the line against Prodigy's
+best is a bare majority over 85 cases and 47 % on seed 7 alone: full and LoRA, the five kinds, `--no-grid`, (a) as
+shipped, two processes side by side (full; LoRA). No rule: the standings with these cases are reported as they come
+out, whatever they say, and whichever cases end by 16:15 UTC are counted (the rest are said to be missing).
 Added 10:32 UTC, after the first 7 flux cases had run (each in about 1.5 min, not the 5 estimated), before any grid:
 when sd3's 10 cases are done, the grid (e) is trained for the same flux cases, then sd3's, as far as they finish by
 12:15, with --reuse-arms (which re-runs (a), deterministic on CPU, and keeps (b)-(d)): 8 LRs over 1e-5..1e-2 for
