@@ -3,6 +3,8 @@ pick (steps/delivery.deliver_if_lower), through each step's own `deliver`, on re
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from rangefinder.formats import checkpoints
@@ -14,7 +16,7 @@ CASES = {
     "cooldown": (cooldown.deliver, cooldown.COOLDOWN_DIR, "window_val_loss",
                  cooldown.Cooldown(lr=1e-3, epochs=5, total_updates=20, decay_start=16, start_update=16,
                                    updates_trained=4, val_loss=0.1), ("cooldown", 20, 5.0), "cooldown"),
-    "window_average": (average.deliver, average.AVERAGE_DIR, "pick_val_loss",
+    "window_average": (functools.partial(average.deliver, epoch=3.0), average.AVERAGE_DIR, "pick_val_loss",
                        average.WindowAverage(updates=(8, 12, 16), val_loss=0.1), ("window_average", 16, 3.0),
                        "8, 12, 16"),
 }

@@ -160,28 +160,13 @@ def run_average(cfg: RangefinderConfig, spec: TrainSpec, work: Path, window: Ste
     return measured
 
 
-def deliver(work: Path, measured: WindowAverage, chosen: dict[str, Any]) -> dict[str, Any]:
+def deliver(work: Path, measured: WindowAverage, chosen: dict[str, Any], *, epoch: Optional[float]) -> dict[str, Any]:
     """chosen.json with the average's measurement; when it is delivered, its model becomes `chosen/` and chosen.json
-    names it (rule `window_average`, the pick it replaced under `window_pick`). Its model is removed otherwise."""
+    names it (rule `window_average`, at the newest averaged checkpoint's update and `epoch`, the pick it replaced
+    under `window_pick`). Its model is removed otherwise."""
     from rangefinder.steps.delivery import deliver_if_lower
 
-    last = measured.updates[-1]
     return deliver_if_lower(work, Path(work) / AVERAGE_DIR / "final", chosen, measured, key="average",
-                            compared_as="pick_val_loss", rule="window_average", update=last,
-                            epoch=_epoch_of(work, last, chosen),
-                            what=f"The average of the fine-tune's checkpoints at updates "
+                            compared_as="pick_val_loss", rule="window_average", update=measured.updates[-1],
+                            epoch=epoch, what=f"The average of the fine-tune's checkpoints at updates "
                             f"{', '.join(map(str, measured.updates))}, the ones inside the step window")
-
-
-def _epoch_of(work: Path, update: int, chosen: dict[str, Any]) -> Optional[float]:
-    """The epoch of the newest averaged checkpoint, from the run's curve (metrics.csv), else the pick's."""
-    import csv
-
-    try:
-        with open(Path(work) / "metrics.csv", newline="") as f:
-            for row in csv.DictReader(f):
-                if row.get("update") and int(float(row["update"])) == update and row.get("epoch"):
-                    return float(row["epoch"])
-    except (OSError, ValueError):
-        pass
-    return chosen.get("epoch")

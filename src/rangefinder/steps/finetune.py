@@ -70,6 +70,13 @@ class FinetuneResult:
         return out
 
 
+def epoch_at(curve: dict, update: int) -> Optional[float]:
+    """The epoch at `update` on the curve's update -> epoch line (exact at a validated update); None without one."""
+    import numpy as np
+
+    return float(np.interp(update, curve["update"], curve["epoch"])) if curve.get("epoch") is not None else None
+
+
 def keep_chosen_checkpoint(run_dir: Path, window: Any, curve: dict, base_model: Path,
                            base_source: Optional[str] = None) -> Optional[dict[str, Any]]:
     """Keep the checkpoint the window's rule picks (analysis.delivered_checkpoint: the lowest validation loss inside
@@ -89,10 +96,8 @@ def keep_chosen_checkpoint(run_dir: Path, window: Any, curve: dict, base_model: 
     rows = [r for r in checkpoints.read_state(ckpt)["metrics_rows"] if r.get("update") == update]
     val_loss = rows[-1].get("val_loss") if rows else None
     epoch = rows[-1].get("epoch") if rows else None
-    if epoch is None:  # a checkpoint between validations: the epoch from the curve's update -> epoch line
-        import numpy as np
-
-        epoch = float(np.interp(update, curve["update"], curve["epoch"])) if curve.get("epoch") is not None else None
+    if epoch is None:  # a checkpoint between validations
+        epoch = epoch_at(curve, update)
     if picked.rule == "run_lowest":
         why = ("validation loss never fell by more than its noise, so no step window was found and no length is "
                "recommended; of the checkpoints kept over the whole run, this one has the lowest validation loss "
@@ -288,7 +293,7 @@ def run_finetune(
             if cooled is not None and chosen is not None:
                 chosen = deliver_cooldown(work, cooled, chosen)
             if averaged is not None and chosen is not None:  # weighed against what is delivered by now
-                chosen = deliver_average(work, averaged, chosen)
+                chosen = deliver_average(work, averaged, chosen, epoch=epoch_at(curve, averaged.updates[-1]))
             delivered = None if chosen is None else Delivery(update=chosen["update"], rule=chosen["rule"],
                                                              val_loss=chosen["val_loss"],
                                                              base_val_loss=chosen["base_val_loss"])
@@ -307,8 +312,9 @@ def run_finetune(
             for extra in ("cooldown", "average"):
                 if chosen is not None and chosen.get(extra):
                     note += f" {chosen[extra]['sentence']}"
-            if not_on_several_nodes(cfg):
-                note += f" {not_on_several_nodes(cfg)}"
+            skipped_average = not_on_several_nodes(cfg)
+            if skipped_average:
+                note += f" {skipped_average}"
         else:
             # No validation set (a fixed LR with val_split 0): nothing to read a window from; keep the budget.
             rec_epochs, rec_updates, improving = tc.epochs or 1, result.updates, False
