@@ -36,6 +36,30 @@ The flow-matching families, written down (committed) after the rule above was me
 before any run of these: the same selection (cases not won against both Prodigy's best and random search's best) of
 the 20 saved seed-3 cases (`--family sd3 --from bench/results/versus_flow_sd3_seed3.json`, and flux), to say what
 (a) as shipped now delivers there. The rule above is not re-read on them; the numbers are reported as they come out.
+The greedy soup (`--soup`), written down (committed) on 2026-11-27 at 17:05 UTC, before it was built and before any
+run of it. Over the 95 SD 1.x cases with the uniform average (bench/results/versus_all_95.json) (a) is better than
+Prodigy's best in 52 %, but in 44 % on the 25 fresh cases of seeds 7 and 8, and beats random search in 62 %; the
+uniform average was delivered in none of textual inversion's cases and in no case whose window held many
+checkpoints, where the early ones pull it up. The candidate is the greedy soup of Wortsman et al. 2022 ("Model
+soups"), over the same checkpoints: start from the window's pick, try the window's other checkpoints in order of
+their validation loss (the curve's, already measured), and keep each one whose addition lowers the soup's
+validation loss, at most `finetune.soup_tries` tries (8 here). (a) then delivers the lowest of the pick, the uniform
+average and the soup, each only when lower than what it replaces. Like every "best by validation" arm it picks on
+the images that score it; it makes at most 8 more measurements, where Prodigy's and random search's best are the
+lowest of about 40 and 80.
+- The cases: (1) the 64 of the 95 where (a) as shipped did not beat both Prodigy's best and random search's best, in
+  the file's order, rebuilt and re-run by this probe with `--soup`; (2) then fresh seed 9, which no bench has run:
+  `python -m bench.versus` with the soup on in (a), full, LoRA and textual inversion, the five kinds, `--no-grid`,
+  each case recording what (a) would have delivered without the soup.
+- `finetune.soup_tries` becomes 8 by default if:
+  1. the rebuild holds: the window's pick reproduces the saved pick and the uniform average the saved average (where
+     one was measured), within 1e-6 relative, in every probed case (a case that does not is reported and left out);
+  2. over the saved cases the soup turns at least 5 of (a)'s non-wins against Prodigy's best or random search's best
+     into wins;
+  3. on fresh seed 9 it turns at least 2 of (a)-without-the-soup's non-wins against those into wins.
+  Otherwise it stays 0 (off). The soup cannot lower a verdict (it is delivered only when lower). The standings are
+  reported as they come out either way; if the session ends before all cases ran, the rule is read over those that
+  did, in the order above, and the note says how many.
 """
 
 from __future__ import annotations
