@@ -65,6 +65,7 @@ lowest of about 40 and 80.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shutil
 import sys
@@ -88,7 +89,7 @@ def candidate(c: dict[str, Any]) -> bool:
         s.get("vs_prodigy_best") == "win" and s.get("vs_random_best") == "win")
 
 
-def probe_case(c: dict[str, Any], work: Path, log=print) -> dict[str, Any]:
+def probe_case(c: dict[str, Any], work: Path, log=print, soup_tries: int = 0) -> dict[str, Any]:
     from rangefinder.data.synthetic import make_synthetic_dataset
     from rangefinder.steps.finetune import run_finetune
 
@@ -100,7 +101,8 @@ def probe_case(c: dict[str, Any], work: Path, log=print) -> dict[str, Any]:
     args = SimpleNamespace(finetune_epochs=c["finetune_epochs"], smoke=False)
     cfg, split_dir = set_up_case(dataset, c["seed"], work, case, case_overrides(c["method"], args, family_of_case(c)))
     cfg = plain_finetune(cfg)
-    cfg = cfg.model_copy(update={"finetune": cfg.finetune.model_copy(update={"average": "on"})})
+    cfg = cfg.model_copy(update={"finetune": cfg.finetune.model_copy(update={"average": "on",
+                                                                             "soup_tries": soup_tries})})
     t0 = time.perf_counter()
     ft = run_finetune(cfg, split_dir=split_dir, lr_low=a["lr_low"], lr_high=a["lr_high"], lr_mid=a["lr_mid"],
                       lr_source=a.get("lr_source", "range-test"), model_dir=case / "finetune")
@@ -112,22 +114,40 @@ def probe_case(c: dict[str, Any], work: Path, log=print) -> dict[str, Any]:
     shutil.rmtree(case, ignore_errors=True)
     row: dict[str, Any] = {k: c[k] for k in ("method", "kind", "seed", "held_out")}
     row["family"] = family_of_case(c)
-    row.update(lr_used=ft.lr, saved_lr_used=a["lr_used"], pick=pick, saved=s["rangefinder"],
-               reproduces=(pick is not None and s["rangefinder"] is not None
-                           and abs(pick - s["rangefinder"]) <= 1e-6 * abs(s["rangefinder"])),
+    # The saved pick: the window's, where the saved (a) (or the average probe that rescored it) delivered more.
+    saved_pick = s.get("rangefinder_window_pick", s["rangefinder"])
+    row.update(lr_used=ft.lr, saved_lr_used=a["lr_used"], pick=pick, saved=saved_pick,
+               reproduces=_same(pick, saved_pick))
+    if soup_tries:
+        # The uniform average must measure what it measured before (where it was measured): a rebuild check too.
+        uniform = average.get("uniform_val_loss")
+        saved_uniform = s.get("rangefinder_average")
+        without = min(x for x in (pick, uniform) if x is not None) if pick is not None else None
+        row.update(how=average.get("how"), uniform_val_loss=uniform, saved_uniform=saved_uniform,
+                   soup_tries=average.get("soup_tries"),
+                   reproduces=row["reproduces"] and (saved_uniform is None or _same(uniform, saved_uniform)),
+                   without_soup=without)
+        for opp in OPPONENTS:
+            row[f"saved_vs_{opp}"] = verdict_of(without, s.get(opp))  # (a) as shipped: the uniform average
+    row.update(
                applies=bool(average), averaged_updates=average.get("updates"), average_val_loss=average.get("val_loss"),
                average_delivered=average.get("delivered"), delivered=delivered, rule=chosen.get("rule"),
                seconds=seconds, gain_pct=(100.0 * (delivered - pick) / pick if delivered and pick else None))
     for opp in OPPONENTS:
         row[opp] = s.get(opp)
         row[f"vs_{opp}"] = verdict_of(delivered, s.get(opp))
-        row[f"saved_vs_{opp}"] = s.get(f"vs_{opp}")
+        row.setdefault(f"saved_vs_{opp}", s.get(f"vs_{opp}"))
     log(f"{tag} pick {pick} (saved {s['rangefinder']}, {'same' if row['reproduces'] else 'DIFFERENT'}); average of "
         f"{len(average.get('updates') or [])} checkpoints: {average.get('val_loss')} "
         f"({'delivered' if average.get('delivered') else 'not delivered'}); vs Prodigy best {row['vs_prodigy_best']} "
         f"(was {row['saved_vs_prodigy_best']}), vs random {row['vs_random_best']} (was {row['saved_vs_random_best']}), "
-        f"{seconds:.0f} s")
+        f"{seconds:.0f} s" + (f"; {average.get('how')} ({average.get('soup_tries')} soup tries), without the soup "
+                              f"{row['without_soup']}" if soup_tries else ""))
     return row
+
+
+def _same(mine: Optional[float], saved: Optional[float]) -> bool:
+    return mine is not None and saved is not None and abs(mine - saved) <= 1e-6 * abs(saved)
 
 
 def tally(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -147,6 +167,12 @@ def tally(rows: list[dict[str, Any]]) -> dict[str, Any]:
     out["non_wins_turned_into_wins"] = turned
     out["worse_than_saved"] = sum(1 for r in ok for o in OPPONENTS if _rank(r[f"vs_{o}"]) < _rank(r[f"saved_vs_{o}"]))
     out["rule_met"] = 2 * len(delivered) >= len(applies) > 0 and turned >= 5
+    if any("how" in r for r in rows):  # --soup: the soup's rule (the docstring's), over the saved cases
+        souped = [r for r in ok if r.get("how") == "greedy_soup" and r.get("average_delivered")]
+        out["soup_delivered"] = len(souped)
+        out["median_soup_gain_pct_when_delivered"] = _median(
+            [100.0 * (r["delivered"] - r["without_soup"]) / r["without_soup"] for r in souped])
+        out["rule_met"] = turned >= 5
     return out
 
 
@@ -164,13 +190,16 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     add_probe_arguments(p)
     p.add_argument("--part", default="1/1", help="K/N: every Nth case from the Kth, to run N probes side by side")
     p.add_argument("--family", default="sd1", help="the saved cases of this family only (sd1, sd3, flux)")
+    p.add_argument("--soup", type=int, default=0, metavar="TRIES",
+                   help="finetune.soup_tries in the probed fine-tune (the greedy soup; 0: the uniform average only)")
     args = p.parse_args(argv)
     quiet_libraries()
     saved = json.loads(args.source.read_text())
     cases = [c for c in saved["cases"] if family_of_case(c) == args.family and candidate(c)]
     k, n = (int(x) for x in args.part.split("/"))
     cases = cases[k - 1::n]
-    return run_probe(NAME, args, cases, probe_case, tally)
+    probe = functools.partial(probe_case, soup_tries=args.soup) if args.soup else probe_case
+    return run_probe(NAME + ("_soup" if args.soup else ""), args, cases, probe, tally)
 
 
 if __name__ == "__main__":

@@ -377,6 +377,8 @@ def case_overrides(method: str, args, family: str = "sd1") -> dict[str, dict[str
     and on another family its tiny model and its sampler."""
     overrides: dict[str, dict[str, Any]] = {"training": {"method": method},
                                             "finetune": {"epochs": args.finetune_epochs}}
+    if getattr(args, "soup_tries", 0):  # the greedy soup, in (a) only: plain_finetune turns the average off elsewhere
+        overrides["finetune"]["soup_tries"] = args.soup_tries
     if family != "sd1":
         overrides["model"] = {"base_model": str(base_model_of(family))}
         # As `rangefinder demo --family`: the demo's DDIM samples DDPM models; a flow model samples with its own
@@ -629,6 +631,15 @@ def verdict_of(mine: Optional[float], theirs: Optional[float]) -> Optional[str]:
     return "tie" if abs(rel) <= TIE_PCT else ("win" if rel < 0 else "loss")
 
 
+def without_soup(chosen: dict[str, Any], a_loss: Optional[float]) -> Optional[float]:
+    """What (a) delivers without finetune.soup_tries: where the greedy soup was delivered, the lower of the window's
+    pick and the uniform average (each of which it beat); otherwise what it delivers."""
+    average = chosen.get("average") or {}
+    if average.get("how") != "greedy_soup" or not average.get("delivered"):
+        return a_loss
+    return min(x for x in (average.get("pick_val_loss"), average.get("uniform_val_loss"), a_loss) if x is not None)
+
+
 def summarize(c: dict[str, Any]) -> dict[str, Any]:
     a, b, f, r = c["rangefinder"], c["prodigy"], c["folk"], c["random"]
     chosen = a.get("chosen") or {}
@@ -653,6 +664,11 @@ def summarize(c: dict[str, Any]) -> dict[str, Any]:
         # With the window average (rangefinder.steps.average): what it measured and whether it was delivered.
         "rangefinder_average": (chosen.get("average") or {}).get("val_loss"),
         "rangefinder_average_delivered": (chosen.get("average") or {}).get("delivered"),
+        # With the greedy soup (finetune.soup_tries): which average was offered, the uniform one's loss, and what (a)
+        # would have delivered without the soup (the lower of the window's pick and the uniform average).
+        "rangefinder_average_how": (chosen.get("average") or {}).get("how"),
+        "rangefinder_uniform_average": (chosen.get("average") or {}).get("uniform_val_loss"),
+        "rangefinder_without_soup": without_soup(chosen, a_loss),
         "prodigy_best": b.get("best_val_loss"), "prodigy_final": b.get("final_val_loss"),
         "prodigy_chosen": (b.get("chosen") or {}).get("val_loss"),
         "prodigy_lr_effective_at_best": b.get("lr_effective_at_best"),
@@ -824,6 +840,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                    default=SCORE_SEEDS, help="the seeds each prompt of the prompt score is rendered with "
                    f"(default {','.join(map(str, SCORE_SEEDS))}; more seeds, less noise: each adds 8 images a model)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's choice)")
+    p.add_argument("--soup-tries", type=int, default=0,
+                   help="finetune.soup_tries in (a) (the window average's greedy soup; bench/average_probe.py)")
     p.add_argument("--smoke", action="store_true", help="one tiny full case: 2-epoch arms, 1 grid point, "
                    "at most 2 random runs (CI)")
     p.add_argument("--out", type=Path, help="JSON (default bench/results/versus.json; --smoke: a temporary file); "

@@ -593,6 +593,12 @@ class FinetuneConfig(_Section):
     # (15 of 19 full, 11 of 17 LoRA, 0 of 11 textual inversion), 2.1 % lower at the median, and met the rule written
     # before that run (bench/RESULTS.md, "The window average").
     average: Literal["on", "off"] = "on"
+    # The greedy soup (Wortsman et al. 2022, "Model soups"), part of the window average: from the window's pick, the
+    # window's other checkpoints are tried in order of their validation loss, each kept when adding it to the soup
+    # (a uniform average of what is kept) lowers the validation loss, at most `soup_tries` tries, one validation
+    # each; the lower of the uniform average and the soup is the one delivered when it beats the pick. 0 (the
+    # default): no soup. Off by default until it passes the rule written before it ran (bench/average_probe.py).
+    soup_tries: int = Field(0, ge=0)
 
     @field_validator("cooldown", "average", mode="before")
     @classmethod
@@ -1116,6 +1122,9 @@ def setting_conflicts(cfg: RangefinderConfig) -> list[str]:
             why = "training.use_ema" if cfg.training.use_ema else f"training.optimizer {cfg.training.optimizer}"
             lines.append(f"finetune.average: on does nothing with {why}: the run already validates and delivers "
                          "averaged weights; set average off")
+    if "finetune.soup_tries" in given and ft.soup_tries > 0 and ft.average == "off":
+        lines.append(f"finetune.soup_tries ({ft.soup_tries}) does nothing with finetune.average off: the soup is made "
+                     "of the window's checkpoints the average reads; set average on, or remove soup_tries")
     if split.val_dir is not None and "split.val_split" in given:
         lines.append(f"split.val_split ({split.val_split:g}) is not used: split.val_dir ({split.val_dir}) gives the "
                      "validation images; remove one of them")

@@ -157,3 +157,73 @@ def test_the_registered_version_names_the_average_it_holds():
     assert delivered_name({"checkpoint": None, "rule": "window_average", "update": 16,
                            "average": {"updates": [8, 12, 16]}}) == "window average of updates 8-16"
     assert delivered_name({"checkpoint": None, "rule": "cooldown", "update": 20}) == "cooldown at update 20"
+
+
+def test_the_greedy_soup_keeps_only_what_lowers_the_loss_and_offers_the_lower_average(averaged, split_dir,
+                                                                                      tiny_model_dir):
+    """finetune.soup_tries: from the window's pick, the window's other checkpoints tried in order of their curve
+    loss, each kept only when the soup's measured loss falls; the lower of the uniform average and the soup is the
+    one offered for delivery, and its model is the average of exactly the checkpoints it names."""
+    import shutil
+    from types import SimpleNamespace
+
+    from rangefinder.steps.average import greedy_soup, run_average, window_checkpoints
+    from rangefinder.steps.finetune import curve_losses
+    from rangefinder.training.loop import measure_weights, weights_measurer
+
+    cfg, tmp, result, spec, plain = averaged
+    split = read_split(split_dir)
+    info = result.chosen
+    window = SimpleNamespace(recommended_epochs=1, window_start_update=info["window_start_update"],
+                             window_end_update=info["window_end_update"])
+    work = tmp / "soup"
+    shutil.copytree(tmp / "plain" / "checkpoints", work / "checkpoints")
+    losses = curve_losses(plain.curve_arrays())
+    found = window_checkpoints(work / "checkpoints", window)
+    pick = min(found, key=lambda u: (losses[u], u))
+
+    measured_losses: list[float] = []
+    with weights_measurer(spec, out_dir=tmp / "soup-by-hand", split=split) as measure:
+        def recorded(weights):
+            row = measure(weights)
+            measured_losses.append(row["val_loss"])
+            return row
+
+        soup = greedy_soup(found, losses, recorded, tries=2)
+    assert soup.tries == len(measured_losses) == min(2, len(found) - 1)
+    assert pick in soup.updates and set(soup.updates) <= set(found)
+    # Each kept addition lowered the soup: the soup's loss is the lowest measured, below the pick's own.
+    if len(soup.updates) > 1:
+        assert soup.val_loss == min(measured_losses) < losses[pick]
+    else:
+        assert soup.val_loss is None and min(measured_losses) >= losses[pick]
+
+    soup_cfg = cfg.model_copy(update={"finetune": cfg.finetune.model_copy(update={"soup_tries": 2})})
+    measured = run_average(soup_cfg, spec, work, window, split, tiny_model_dir, curve_losses=losses)
+    assert measured is not None and measured.window_updates == tuple(found) and measured.soup_tries == soup.tries
+    assert measured.uniform_val_loss == info["average"]["val_loss"]  # the step's uniform average, the same run
+    if measured.how == "greedy_soup":
+        assert measured.updates == soup.updates and measured.val_loss == soup.val_loss < measured.uniform_val_loss
+    else:
+        assert measured.updates == tuple(found) and measured.val_loss == measured.uniform_val_loss
+    again = measure_weights(spec, average_weights([found[u] for u in measured.updates]), out_dir=tmp / "soup-again",
+                            split=split)
+    assert again["val_loss"] == pytest.approx(measured.val_loss, rel=1e-5)
+    assert "greedy soup" in measured.sentence(losses[pick]) or measured.how == "uniform"
+
+
+def test_soup_tries_without_the_average_is_one_warning():
+    from rangefinder.config import parse_config, setting_conflicts
+
+    lines = [ln for ln in setting_conflicts(parse_config({"finetune": {"average": "off", "soup_tries": 4}}))
+             if "soup_tries" in ln]
+    assert len(lines) == 1 and "set average on" in lines[0]
+    assert not [ln for ln in setting_conflicts(parse_config({"finetune": {"soup_tries": 4}})) if "soup" in ln]
+
+
+def test_the_registered_version_names_a_greedy_soup():
+    from rangefinder.steps.register_model import delivered_name
+
+    assert delivered_name({"checkpoint": None, "rule": "window_average", "update": 16,
+                           "average": {"updates": [8, 16], "how": "greedy_soup"}}) == \
+        "window greedy soup of updates 8, 16"

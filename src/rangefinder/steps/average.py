@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -50,17 +51,27 @@ CKPT_DIR = "checkpoints"
 
 @dataclass(frozen=True)
 class WindowAverage:
-    """What the window average took and measured (average.json)."""
+    """What the window average took and measured (average.json): the candidate offered for delivery (`updates`,
+    `val_loss`: the uniform average of the window's checkpoints, or the greedy soup when that measured lower) and,
+    when a soup was tried, what the uniform average measured and how many tries the soup made."""
 
     updates: tuple[int, ...]  # the checkpoints averaged, by update
-    val_loss: Optional[float]  # the average's validation loss; None when it was not finite
+    val_loss: Optional[float]  # its validation loss; None when it was not finite
+    how: str = "uniform"  # "uniform" (every checkpoint in the window) or "greedy_soup"
+    window_updates: tuple[int, ...] = ()  # every checkpoint in the window (the uniform average's)
+    uniform_val_loss: Optional[float] = None  # the uniform average's loss (the same as val_loss when how is uniform)
+    soup_tries: int = 0  # soup candidates measured (0: no soup)
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "updates": list(self.updates)}
+        return {**asdict(self), "updates": list(self.updates), "window_updates": list(self.window_updates)}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> WindowAverage:
-        return cls(updates=tuple(int(u) for u in data["updates"]), val_loss=data["val_loss"])
+        updates = tuple(int(u) for u in data["updates"])
+        return cls(updates=updates, val_loss=data["val_loss"], how=data.get("how", "uniform"),
+                   window_updates=tuple(int(u) for u in data.get("window_updates", updates)),
+                   uniform_val_loss=data.get("uniform_val_loss", data["val_loss"]),
+                   soup_tries=int(data.get("soup_tries", 0)))
 
     def delivered_over(self, pick_val_loss: Optional[float]) -> bool:
         """Whether the average is delivered instead of the window's pick: it measures lower."""
@@ -68,14 +79,34 @@ class WindowAverage:
 
     def sentence(self, pick_val_loss: Optional[float]) -> str:
         """What it averaged and whether it was delivered, for the report and the run's description."""
-        how = (f"the {len(self.updates)} checkpoints inside the step window (updates {self.updates[0]} to "
-               f"{self.updates[-1]}) averaged uniformly")
+        window = self.window_updates or self.updates
+        how = (f"the {len(window)} checkpoints inside the step window (updates {window[0]} to {window[-1]}) "
+               "averaged uniformly")
+        if self.how == "greedy_soup":
+            how = (f"the greedy soup of {len(self.updates)} of the window's checkpoints (updates "
+                   f"{', '.join(map(str, self.updates))}; {self.soup_tries} tried in order of validation loss), "
+                   f"below {how} ({_loss(self.uniform_val_loss)})")
+        elif self.soup_tries:
+            how += f" (a greedy soup, {self.soup_tries} tried, measured no lower)"
         if self.val_loss is None:
             return f"Window average: {how}; its validation loss was not finite, so the window's pick stays."
         against = "" if pick_val_loss is None else f" against the window's pick's {pick_val_loss:.4g}"
         verdict = ("delivered" if self.delivered_over(pick_val_loss)
                    else "not delivered: the window's pick stays")
         return f"Window average: {how}; validation loss {self.val_loss:.4g}{against}, {verdict}."
+
+
+def average_label(average: dict[str, Any]) -> str:
+    """What delivered weights chosen.json's `average` describes are, in a few words (the sample grid's label, the
+    registered model's `rangefinder.weights`): "average of updates a-b" or "greedy soup of updates a, b, c"."""
+    updates = average.get("updates") or []
+    if average.get("how") == "greedy_soup":
+        return f"greedy soup of updates {', '.join(map(str, updates))}"
+    return f"average of updates {updates[0]}-{updates[-1]}" if updates else "window average"
+
+
+def _loss(value: Optional[float]) -> str:
+    return "not finite" if value is None else f"{value:.4g}"
 
 
 def average_applies(cfg: RangefinderConfig, validating: bool) -> bool:
@@ -133,11 +164,13 @@ def average_weights(ckpts: list[Path]) -> dict[str, torch.Tensor]:
 
 
 def run_average(cfg: RangefinderConfig, spec: TrainSpec, work: Path, window: StepWindow, split: Split,
-                base_model: Path, base_source: Optional[str] = None) -> Optional[WindowAverage]:
+                base_model: Path, base_source: Optional[str] = None,
+                curve_losses: Optional[dict[int, float]] = None) -> Optional[WindowAverage]:
     """Average the fine-tune's checkpoints inside the window (run in `work`, all its checkpoints still there), measure
-    the average and write its model as `average/final/`; None when the window holds fewer than 2 checkpoints. A
-    retried step reads average.json instead of measuring again."""
-    from rangefinder.training.loop import measure_weights
+    the average, with finetune.soup_tries > 0 make and measure the greedy soup (`curve_losses`: the run's validation
+    loss by update, which orders the checkpoints), and write the lower of the two's model as `average/final/`; None
+    when the window holds fewer than 2 checkpoints. A retried step reads average.json instead of measuring again."""
+    from rangefinder.training.loop import weights_measurer
     from rangefinder.training.restore import save_checkpoint_model
 
     root = Path(work) / AVERAGE_DIR
@@ -150,14 +183,87 @@ def run_average(cfg: RangefinderConfig, spec: TrainSpec, work: Path, window: Ste
     # Validation is measured in this process: the weights are the same on every rank, and the measurement does
     # not depend on how many processes share it (validation.py).
     one = dataclasses.replace(spec, training=spec.training.model_copy(update={"world_size": 1}), plan=None)
-    row = measure_weights(one, weights, out_dir=root, split=split)
-    loss = row.get("val_loss")
-    val_loss = float(loss) if loss is not None and math.isfinite(loss) else None
-    if val_loss is not None:
-        save_checkpoint_model(found[max(found)], base_model, root / "final", source=base_source, weights=weights)
-    measured = WindowAverage(updates=tuple(found), val_loss=val_loss)
+    with weights_measurer(one, out_dir=root, split=split) as measure:
+        uniform = _finite(measure(weights).get("val_loss"))
+        soup = None
+        if cfg.finetune.soup_tries > 0 and curve_losses:
+            soup = greedy_soup(found, curve_losses, measure, cfg.finetune.soup_tries)
+    measured = WindowAverage(updates=tuple(found), val_loss=uniform, window_updates=tuple(found),
+                             uniform_val_loss=uniform, soup_tries=0 if soup is None else soup.tries)
+    if soup is not None and soup.val_loss is not None and len(soup.updates) > 1 and (
+            uniform is None or soup.val_loss < uniform):
+        measured = dataclasses.replace(measured, updates=soup.updates, val_loss=soup.val_loss, how="greedy_soup")
+        weights = soup.weights
+    if measured.val_loss is not None:
+        save_checkpoint_model(found[max(measured.updates)], base_model, root / "final", source=base_source,
+                              weights=weights)
     write_json(root / MEASURED, measured.to_json())  # last: a retry finds the measurement and the model beside it
     return measured
+
+
+@dataclass
+class Soup:
+    """A greedy soup: the checkpoints kept (by update, ascending), its weights and validation loss, tries made."""
+
+    updates: tuple[int, ...]
+    weights: dict[str, torch.Tensor]
+    val_loss: Optional[float]
+    tries: int
+
+
+def greedy_soup(found: dict[int, Path], curve_losses: dict[int, float],
+                measure: Callable[[dict[str, torch.Tensor]], dict[str, Any]], tries: int) -> Soup:
+    """The greedy soup of Wortsman et al. 2022 over the window's checkpoints `found`: start from the one with the
+    lowest validation loss on the run's curve (the window's pick), try the others in order of that loss, and keep
+    each whose addition lowers the soup's measured validation loss; at most `tries` measurements. Checkpoints with no
+    finite curve loss are not tried. The soup is the uniform average of what is kept."""
+    order = sorted((u for u in found if _finite(curve_losses.get(u)) is not None), key=lambda u: (curve_losses[u], u))
+    if not order:
+        return Soup(updates=(), weights={}, val_loss=None, tries=0)
+    kept, best, made = [order[0]], float(curve_losses[order[0]]), 0
+    total = _as_sum(checkpoints.read_weights(found[order[0]]))
+    for update in order[1:]:
+        if made >= tries:
+            break
+        added = checkpoints.read_weights(found[update])  # checked against its manifest by average_weights
+        candidate = _mean_with(total, added, len(kept) + 1)
+        loss = _finite(measure(candidate).get("val_loss"))
+        made += 1
+        if loss is not None and loss < best:
+            kept.append(update)
+            best = loss
+            for key, value in added.items():
+                if value.is_floating_point():
+                    total[key].add_(value.float())
+    ordered = tuple(sorted(kept))
+    newest = checkpoints.read_weights(found[ordered[-1]])
+    weights = _mean_with(total, None, len(kept), like=newest)
+    return Soup(updates=ordered, weights=weights, val_loss=best if len(kept) > 1 else None, tries=made)
+
+
+def _as_sum(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A running sum in float32 (integer tensors, the update count, kept as they are)."""
+    return {k: v.float().clone() if v.is_floating_point() else v.clone() for k, v in weights.items()}
+
+
+def _mean_with(total: dict[str, torch.Tensor], added: Optional[dict[str, torch.Tensor]], n: int,
+               like: Optional[dict[str, torch.Tensor]] = None) -> dict[str, torch.Tensor]:
+    """(total + added) / n in each tensor's own dtype (`added`'s, or `like`'s when nothing is added); an integer
+    tensor is taken from `added` (or `like`), the newest checkpoint's count."""
+    ref = added if added is not None else like
+    assert ref is not None
+    out: dict[str, torch.Tensor] = {}
+    for key, value in total.items():
+        if not value.is_floating_point():
+            out[key] = ref[key].clone()
+            continue
+        summed = value + ref[key].float() if added is not None else value
+        out[key] = (summed / n).to(ref[key].dtype)
+    return out
+
+
+def _finite(value: Any) -> Optional[float]:
+    return float(value) if value is not None and math.isfinite(value) else None
 
 
 def deliver(work: Path, measured: WindowAverage, chosen: dict[str, Any], *, epoch: Optional[float]) -> dict[str, Any]:

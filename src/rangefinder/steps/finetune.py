@@ -77,6 +77,11 @@ def epoch_at(curve: dict, update: int) -> Optional[float]:
     return float(np.interp(update, curve["update"], curve["epoch"])) if curve.get("epoch") is not None else None
 
 
+def curve_losses(curve: dict) -> dict[int, float]:
+    """The curve's validation loss by update (the greedy soup's order: rangefinder.steps.average)."""
+    return {int(u): float(v) for u, v in zip(curve["update"], curve["val_loss"], strict=True)}
+
+
 def keep_chosen_checkpoint(run_dir: Path, window: Any, curve: dict, base_model: Path,
                            base_source: Optional[str] = None) -> Optional[dict[str, Any]]:
     """Keep the checkpoint the window's rule picks (analysis.delivered_checkpoint: the lowest validation loss inside
@@ -288,7 +293,8 @@ def run_finetune(
                 cooled = run_cooldown(cfg, spec, work, window, split, sink=run)
             # So does the window average, which reads the window's checkpoints.
             if average_applies(cfg, validating):
-                averaged = run_average(cfg, spec, work, window, split, base.path, base.source)
+                averaged = run_average(cfg, spec, work, window, split, base.path, base.source,
+                                       curve_losses=curve_losses(curve))
             chosen = keep_chosen_checkpoint(work, window, curve, base.path, base.source)
             if cooled is not None and chosen is not None:
                 chosen = deliver_cooldown(work, cooled, chosen)

@@ -26,12 +26,13 @@ class Registered:
 
 def delivered_name(chosen: dict[str, Any]) -> str:
     """What chosen.json delivers, in a few words: its checkpoint's name, or the weights that are no checkpoint (the
-    window average of updates a-b, the cooldown at update u)."""
+    window average of updates a-b or its greedy soup, the cooldown at update u)."""
     if chosen.get("checkpoint"):
         return str(chosen["checkpoint"])
     if chosen.get("rule") == "window_average" and (chosen.get("average") or {}).get("updates"):
-        updates = chosen["average"]["updates"]
-        return f"window average of updates {updates[0]}-{updates[-1]}"
+        from rangefinder.steps.average import average_label
+
+        return f"window {average_label(chosen['average'])}"
     return f"{chosen.get('rule') or 'chosen'} at update {chosen.get('update')}"
 
 

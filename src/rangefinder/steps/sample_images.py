@@ -28,6 +28,7 @@ def grid_columns(cfg: RangefinderConfig, finetuned_dir: Path, retrained_dir: Opt
     """(models, labels) of the grid, base model first."""
     from rangefinder.formats import checkpoints
     from rangefinder.models.loading import resolve_base_model
+    from rangefinder.steps.average import average_label
 
     models: list = [resolve_base_model(cfg.model).path]
     labels = ["base"]
@@ -35,8 +36,8 @@ def grid_columns(cfg: RangefinderConfig, finetuned_dir: Path, retrained_dir: Opt
     if chosen is not None:
         models.append(Path(finetuned_dir) / checkpoints.CHOSEN_DIR)
         epoch = f"epoch {chosen['epoch']:g}, " if chosen.get("epoch") is not None else ""
-        averaged = (chosen.get("average") or {}).get("updates") if chosen.get("rule") == "window_average" else None
-        labels.append(f"chosen (average of updates {averaged[0]}-{averaged[-1]})" if averaged
+        averaged = chosen.get("rule") == "window_average" and (chosen.get("average") or {}).get("updates")
+        labels.append(f"chosen ({average_label(chosen['average'])})" if averaged
                       else f"chosen ({epoch}update {chosen['update']})")
     # Kept checkpoints hold the method's trained tensors only; the grid applies them on top of the base model.
     for ckpt in checkpoints.list_checkpoints(Path(finetuned_dir) / "checkpoints"):

@@ -29,7 +29,7 @@ import contextlib
 import math
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Union
 
@@ -187,8 +187,17 @@ def measure_weights(spec: TrainSpec, weights: dict[str, torch.Tensor], *, out_di
     """One row of the curve of the run `spec` describes, measured on `weights` (the method's trained tensors, as a
     checkpoint holds them) instead of on a checkpoint the run wrote: the same validation sets, fixed timesteps and
     noise (validation.py) as every row of that run's metrics.csv, so the numbers compare with its curve's. Nothing is
-    trained. The fine-tune measures the average of its window's checkpoints this way (rangefinder.steps.average).
-    The row is also written to out_dir/metrics.csv."""
+    trained. The row is also written to out_dir/metrics.csv."""
+    with weights_measurer(spec, out_dir=out_dir, split=split) as measure:
+        return measure(weights)
+
+
+@contextlib.contextmanager
+def weights_measurer(spec: TrainSpec, *, out_dir: Union[str, Path],
+                     split: Optional[Split] = None) -> Iterator[Callable[[dict[str, torch.Tensor]], dict[str, Any]]]:
+    """measure_weights for several sets of weights on one setup: the model loaded and the data encoded once, then
+    each call loads the given tensors and validates them, a row each in out_dir/metrics.csv, in call order. The
+    fine-tune measures its window average and greedy soup this way (rangefinder.steps.average)."""
     settings = check_settings(spec, out_dir, split)
     if settings.cfg.use_ema or settings.cfg.optimizer in SCHEDULE_FREE_OPTIMIZERS:
         raise ConfigError("measure_weights measures the weights it is given; a run with EMA or a schedule-free "
@@ -199,11 +208,15 @@ def measure_weights(spec: TrainSpec, weights: dict[str, torch.Tensor], *, out_di
     run = prepare_run(settings, accelerator, sd, family, encoded)
     if not run.validating:
         raise ConfigError(f"the run measures nothing: split {spec.split_dir} has no validation images")
-    run.method.load_trainable_state_dict({k: v.to(run.device) for k, v in weights.items()})
     with outputs_written(settings.out_dir):
         log = RunLog(settings.out_dir, settings.val_cfg.timesteps, run.main, bucket_columns(run.data.val_sets))
-        validate(run, RunState.fresh(settings.cfg.seed, log), None)
-    return dict(log.metrics_rows[-1])
+
+        def measure(weights: dict[str, torch.Tensor]) -> dict[str, Any]:
+            run.method.load_trainable_state_dict({k: v.to(run.device) for k, v in weights.items()})
+            validate(run, RunState.fresh(settings.cfg.seed, log), None)
+            return dict(log.metrics_rows[-1])
+
+        yield measure
 
 
 def _preempt(run: Run, state: RunState, stop: StopRequest, saved_already: bool) -> None:
