@@ -190,7 +190,8 @@ def run_average(cfg: RangefinderConfig, spec: TrainSpec, work: Path, window: Ste
             soup = greedy_soup(found, curve_losses, measure, cfg.finetune.soup_tries)
     measured = WindowAverage(updates=tuple(found), val_loss=uniform, window_updates=tuple(found),
                              uniform_val_loss=uniform, soup_tries=0 if soup is None else soup.tries)
-    if soup is not None and soup.val_loss is not None and len(soup.updates) > 1 and (
+    # A soup of every checkpoint in the window is the uniform average (its loss differs only by summation order).
+    if soup is not None and soup.val_loss is not None and 1 < len(soup.updates) < len(found) and (
             uniform is None or soup.val_loss < uniform):
         measured = dataclasses.replace(measured, updates=soup.updates, val_loss=soup.val_loss, how="greedy_soup")
         weights = soup.weights
