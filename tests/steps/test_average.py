@@ -101,6 +101,7 @@ def test_the_window_s_checkpoints_are_averaged_measured_and_the_lower_delivered(
     (ft,) = client.search_runs([exp], filter_string="tags.`rangefinder.step` = 'finetune'")
     assert ft.data.metrics["average_val_loss"] == avg["val_loss"]
     assert ft.data.tags["average_delivered"].lower() == str(avg["delivered"]).lower()
+    assert ft.data.tags["average_how"] == avg["how"] == "uniform"  # soup_tries 0: no soup
 
 
 def test_checkpoints_of_different_runs_are_not_averaged(tmp_path):

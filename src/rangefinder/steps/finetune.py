@@ -356,7 +356,7 @@ def run_finetune(
                 decisions["cooldown_val_loss"] = cooled.val_loss
         if averaged is not None and chosen is not None:  # deliver_average wrote it into chosen
             decisions.update(average_delivered=chosen["average"]["delivered"],
-                             average_checkpoints=len(averaged.updates))
+                             average_checkpoints=len(averaged.updates), average_how=averaged.how)
             if averaged.val_loss is not None:
                 decisions["average_val_loss"] = averaged.val_loss
         if race is not None:
