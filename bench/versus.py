@@ -617,7 +617,9 @@ def with_window_average(c: dict[str, Any], probed: Optional[dict[str, Any]]) -> 
         return c
     a = c["rangefinder"]
     average = {"updates": probed["averaged_updates"], "val_loss": probed["average_val_loss"],
-               "delivered": probed["average_delivered"], "pick_val_loss": probed["pick"]} if probed["applies"] else None
+               "delivered": probed["average_delivered"], "pick_val_loss": probed["pick"],
+               # from `average_probe --soup`: which average was offered, and the uniform one's loss
+               **{k: probed[k] for k in ("how", "uniform_val_loss") if k in probed}} if probed["applies"] else None
     chosen = {**(a.get("chosen") or {}), "val_loss": probed["delivered"], "rule": probed["rule"],
               **({"average": average} if average else {})}
     out = {**c, "rangefinder": {**a, "chosen": chosen}}
@@ -643,7 +645,8 @@ def without_soup(chosen: dict[str, Any], a_loss: Optional[float]) -> Optional[fl
     average = chosen.get("average") or {}
     if average.get("how") != "greedy_soup" or not average.get("delivered"):
         return a_loss
-    return min(x for x in (average.get("pick_val_loss"), average.get("uniform_val_loss"), a_loss) if x is not None)
+    return min((x for x in (average.get("pick_val_loss"), average.get("uniform_val_loss")) if x is not None),
+               default=a_loss)
 
 
 def summarize(c: dict[str, Any]) -> dict[str, Any]:

@@ -54,3 +54,30 @@ def test_the_report_can_score_a_as_the_probe_delivered_it():
     assert after["rangefinder"]["chosen"]["rule"] == "window_average"
     other = ("full", "shapes", 3)  # won against both: not probed
     assert other not in probed and with_window_average(cases[other], None) is cases[other]
+
+
+def test_the_soup_s_rule_counts_non_wins_of_a_as_shipped_turned_into_wins():
+    """--soup: the verdicts it is weighed against are (a) as shipped before the soup (the lower of the window's pick
+    and the uniform average); 5 turned into wins meet the rule, 4 do not."""
+    from bench.average_probe import OPPONENTS, tally
+
+    def row(was, now):
+        r = {"reproduces": True, "applies": True, "average_delivered": now == "win", "how": "greedy_soup",
+             "gain_pct": -1.0, "delivered": 0.099 if now == "win" else 0.1, "without_soup": 0.1}
+        for o in OPPONENTS:
+            r[f"vs_{o}"], r[f"saved_vs_{o}"] = now, was
+        return r
+
+    rows = [row("tie", "win") for _ in range(5)] + [row("tie", "tie") for _ in range(20)]
+    assert tally(rows)["rule_met"] and tally(rows)["soup_delivered"] == 5
+    assert not tally(rows[1:])["rule_met"]  # 4 turned, although 4 of 24 is delivered
+
+
+def test_the_summary_says_what_a_delivers_without_the_soup():
+    from bench.versus import without_soup
+
+    soup = {"how": "greedy_soup", "delivered": True, "pick_val_loss": 0.102, "uniform_val_loss": 0.101}
+    assert without_soup({"average": soup}, 0.100) == 0.101
+    assert without_soup({"average": {**soup, "uniform_val_loss": 0.103}}, 0.100) == 0.102
+    assert without_soup({"average": {**soup, "how": "uniform"}}, 0.100) == 0.100
+    assert without_soup({}, 0.100) == 0.100
