@@ -85,7 +85,9 @@ full and 1e-4..1e-1 for LoRA, the spans of the SD 1.x grids (bench/RESULTS.md), 
 The greedy soup's fresh seed 9 (bench/average_probe.py has the rule, written down 2026-11-27 17:05 UTC before the
 soup was built): full, LoRA and textual inversion, the five kinds, seed 9 (no bench has run it), `--no-grid`,
 `--soup-tries 8`, two processes side by side; each case records `rangefinder_without_soup`, what (a) as shipped
-before the soup (the window's pick or the uniform average) would have delivered.
+before the soup (the window's pick or the uniform average) would have delivered. (Run without the soup, as shipped:
+the soup's rule failed on the saved cases, 0 non-wins turned into wins where 5 were needed, so its third part had
+nothing to confirm; seed 9 and LoRA seed 10 then serve the capped zoom's re-test, bench/bounds_probe.py.)
 """
 
 from __future__ import annotations
