@@ -88,6 +88,12 @@ soup was built): full, LoRA and textual inversion, the five kinds, seed 9 (no be
 before the soup (the window's pick or the uniform average) would have delivered. (Run without the soup, as shipped:
 the soup's rule failed on the saved cases, 0 non-wins turned into wins where 5 were needed, so its third part had
 nothing to confirm; seed 9 and LoRA seed 10 then serve the capped zoom's re-test, bench/bounds_probe.py.)
+
+More fresh cases, written down (committed) 2026-11-27 17:03 UTC while seed 9 ran, before any of its results were
+read, because LoRA's verdicts proved to carry noise beyond the tie band (bench/RESULTS.md, "The greedy soup"): full
+and textual inversion on seed 10, then full, LoRA and textual inversion on seed 11, as shipped, `--no-grid`, two
+processes side by side. No rule: the standings on the fresh cases since the average (seeds 7-11) are reported as
+they come out, and the censored zooms among them join the capped zoom's re-test (bench/bounds_probe.py).
 """
 
 from __future__ import annotations
