@@ -43,7 +43,11 @@ fresh seeds (LoRA `glyphs` 7: 5.1 % above Prodigy's best). `--with-average` runs
 (`rangefinder_without_soup` where the case ran with one). The cases: every censored-zoom case that no earlier test
 of this rule used: LoRA `glyphs` 7 and `subject` 8 (run fresh with the average), then those of fresh seed 9 (full,
 LoRA, textual inversion; bench.versus, below) and fresh LoRA seed 10 (`--no-grid`, (a) as shipped), which no bench
-has run; then (added 17:03 UTC, before any result of these was read) those of fresh seeds 10 (full, TI) and 11. The capped bounds go into the method if, over those cases, they deliver a loss at least as good as (a)'s
+has run; then (added 17:03 UTC, before any result of these was read) those of fresh seeds 10 (full, TI) and 11.
+(Added 17:35 UTC, before any run of this re-test: LoRA at these LRs does not reproduce across CPUs, and this session
+runs on another CPU than the saved cases did (bench/RESULTS.md, "The greedy soup"), so for `glyphs` 7 and `subject` 8
+the reference is (a) as shipped re-run on this machine, the soup probe's `without_soup`
+(bench/results/bounds_retest_source.json); the fresh cases ran here.) The capped bounds go into the method if, over those cases, they deliver a loss at least as good as (a)'s
 (within 1 %) in all but at most one, and lose to Prodigy's best in fewer cases than (a) does. With fewer than 3
 cases, inconclusive, and the method stays.
 """
