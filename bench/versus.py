@@ -94,6 +94,8 @@ read, because LoRA's verdicts proved to carry noise beyond the tie band (bench/R
 and textual inversion on seed 10, then full, LoRA and textual inversion on seed 11, as shipped, `--no-grid`, two
 processes side by side. No rule: the standings on the fresh cases since the average (seeds 7-11) are reported as
 they come out, and the censored zooms among them join the capped zoom's re-test (bench/bounds_probe.py).
+LoRA seeds 12 and 13, written down 2026-11-27 17:50 UTC before any run of them, for the capped zoom's LoRA-only
+rule (bench/bounds_probe.py); as shipped, and counted in the fresh standings like the others.
 """
 
 from __future__ import annotations
