@@ -96,6 +96,10 @@ processes side by side. No rule: the standings on the fresh cases since the aver
 they come out, and the censored zooms among them join the capped zoom's re-test (bench/bounds_probe.py).
 LoRA seeds 12 and 13, written down 2026-11-27 17:50 UTC before any run of them, for the capped zoom's LoRA-only
 rule (bench/bounds_probe.py); as shipped, and counted in the fresh standings like the others.
+
+Textual inversion on seed 1 with its grids, written down 2026-11-27 18:10 UTC before any run: TI never ran seed 1, so
+every arm runs fresh, (a) as shipped, the five kinds, the grid over the span of seeds 0, 3 and 4 (1e-4..1e-1); the
+gap and the verdicts are reported as they come out and counted with the rest.
 """
 
 from __future__ import annotations
