@@ -100,6 +100,11 @@ rule (bench/bounds_probe.py); as shipped, and counted in the fresh standings lik
 Textual inversion on seed 1 with its grids, written down 2026-11-27 18:10 UTC before any run: TI never ran seed 1, so
 every arm runs fresh, (a) as shipped, the five kinds, the grid over the span of seeds 0, 3 and 4 (1e-4..1e-1); the
 gap and the verdicts are reported as they come out and counted with the rest.
+
+A cross-machine repeat, written down 2026-11-27 18:28 UTC before any run of it, because LoRA's (a) did not reproduce
+on this session's Intel CPU (bench/RESULTS.md, "The greedy soup"): LoRA seeds 0 and 5 (10 cases, run on the AMD
+machine before), every arm re-run here, `--no-grid`. No rule: each arm's change from the saved run and the verdicts
+that flip are reported; the standings keep the saved runs.
 """
 
 from __future__ import annotations
