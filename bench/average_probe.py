@@ -76,7 +76,7 @@ from typing import Any, Optional
 
 from bench.common import add_probe_arguments, family_of_case, quiet_libraries, run_probe
 from bench.discovery_quality import set_up_case
-from bench.versus import case_overrides, plain_finetune, verdict_of
+from bench.versus import case_overrides, plain_finetune, verdict_of, without_soup
 
 NAME = "average_probe"
 OPPONENTS = ("prodigy_best", "random_best", "prodigy_final", "folk_final", "folk_best")
@@ -122,7 +122,7 @@ def probe_case(c: dict[str, Any], work: Path, log=print, soup_tries: int = 0) ->
         # The uniform average must measure what it measured before (where it was measured): a rebuild check too.
         uniform = average.get("uniform_val_loss")
         saved_uniform = s.get("rangefinder_average")
-        without = min(x for x in (pick, uniform) if x is not None) if pick is not None else None
+        without = without_soup(chosen, delivered)
         row.update(how=average.get("how"), uniform_val_loss=uniform, saved_uniform=saved_uniform,
                    soup_tries=average.get("soup_tries"),
                    reproduces=row["reproduces"] and (saved_uniform is None or _same(uniform, saved_uniform)),

@@ -217,50 +217,32 @@ def greedy_soup(found: dict[int, Path], curve_losses: dict[int, float],
     """The greedy soup of Wortsman et al. 2022 over the window's checkpoints `found`: start from the one with the
     lowest validation loss on the run's curve (the window's pick), try the others in order of that loss, and keep
     each whose addition lowers the soup's measured validation loss; at most `tries` measurements. Checkpoints with no
-    finite curve loss are not tried. The soup is the uniform average of what is kept."""
+    finite curve loss are not tried. The soup is the uniform average of what is kept (an integer tensor, the update
+    count, is the newest kept checkpoint's). Each checkpoint is read once."""
     order = sorted((u for u in found if _finite(curve_losses.get(u)) is not None), key=lambda u: (curve_losses[u], u))
     if not order:
         return Soup(updates=(), weights={}, val_loss=None, tries=0)
+    first = checkpoints.read_weights(found[order[0]])
+    dtypes = {k: v.dtype for k, v in first.items()}
+    total = {k: v.float().clone() if v.is_floating_point() else v.clone() for k, v in first.items()}  # a float32 sum
     kept, best, made = [order[0]], float(curve_losses[order[0]]), 0
-    total = _as_sum(checkpoints.read_weights(found[order[0]]))
-    for update in order[1:]:
-        if made >= tries:
-            break
+    for update in order[1:tries + 1]:
         added = checkpoints.read_weights(found[update])  # checked against its manifest by average_weights
-        candidate = _mean_with(total, added, len(kept) + 1)
-        loss = _finite(measure(candidate).get("val_loss"))
+        newer = update > max(kept)
+        summed = {k: v + added[k].float() if v.is_floating_point() else (added[k] if newer else v)
+                  for k, v in total.items()}
+        loss = _finite(measure(_mean(summed, dtypes, len(kept) + 1)).get("val_loss"))
         made += 1
         if loss is not None and loss < best:
             kept.append(update)
-            best = loss
-            for key, value in added.items():
-                if value.is_floating_point():
-                    total[key].add_(value.float())
-    ordered = tuple(sorted(kept))
-    newest = checkpoints.read_weights(found[ordered[-1]])
-    weights = _mean_with(total, None, len(kept), like=newest)
-    return Soup(updates=ordered, weights=weights, val_loss=best if len(kept) > 1 else None, tries=made)
+            best, total = loss, summed
+    return Soup(updates=tuple(sorted(kept)), weights=_mean(total, dtypes, len(kept)),
+                val_loss=best if len(kept) > 1 else None, tries=made)
 
 
-def _as_sum(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A running sum in float32 (integer tensors, the update count, kept as they are)."""
-    return {k: v.float().clone() if v.is_floating_point() else v.clone() for k, v in weights.items()}
-
-
-def _mean_with(total: dict[str, torch.Tensor], added: Optional[dict[str, torch.Tensor]], n: int,
-               like: Optional[dict[str, torch.Tensor]] = None) -> dict[str, torch.Tensor]:
-    """(total + added) / n in each tensor's own dtype (`added`'s, or `like`'s when nothing is added); an integer
-    tensor is taken from `added` (or `like`), the newest checkpoint's count."""
-    ref = added if added is not None else like
-    assert ref is not None
-    out: dict[str, torch.Tensor] = {}
-    for key, value in total.items():
-        if not value.is_floating_point():
-            out[key] = ref[key].clone()
-            continue
-        summed = value + ref[key].float() if added is not None else value
-        out[key] = (summed / n).to(ref[key].dtype)
-    return out
+def _mean(total: dict[str, torch.Tensor], dtypes: dict[str, torch.dtype], n: int) -> dict[str, torch.Tensor]:
+    """A float32 sum of n checkpoints' tensors divided by n, in each tensor's own dtype; integer tensors as they are."""
+    return {k: (v / n).to(dtypes[k]) if v.is_floating_point() else v.clone() for k, v in total.items()}
 
 
 def _finite(value: Any) -> Optional[float]:
