@@ -105,6 +105,17 @@ A cross-machine repeat, written down 2026-11-27 18:28 UTC before any run of it, 
 on this session's Intel CPU (bench/RESULTS.md, "The greedy soup"): LoRA seeds 0 and 5 (10 cases, run on the AMD
 machine before), every arm re-run here, `--no-grid`. No rule: each arm's change from the saved run and the verdicts
 that flip are reported; the standings keep the saved runs.
+
+Unseen images (bench/unseen.py, `--unseen-images`), written down (committed) 2026-11-27 19:25 UTC before any run of
+them, because every "best by validation loss" arm is picked on the 4 images that score it: fresh seeds 14 and 15 (no
+bench has run them), full, LoRA and textual inversion, the five kinds, `--no-grid`, `--unseen-images 20`, (a) as
+shipped, two processes side by side (seed 14; seed 15); then seeds 16 and 17 alike, as far as they finish by 21:05
+UTC (the cases not run are said to be missing). No rule: nothing here changes what the Goal is measured by.
+Reported as they come out: these cases' standings on validation (counted with the others) and on the unseen images,
+side by side; the verdicts that changed; per arm, the median of its unseen loss over its validation loss (how
+optimistic its pick was). Where an arm's weights do not reproduce its recorded loss, the case keeps its validation
+verdicts and has none against that arm on unseen images. (One check ran before: full textures seed 11, every arm
+reproducing its saved loss; it is not counted.)
 """
 
 from __future__ import annotations
@@ -135,6 +146,7 @@ from bench.common import (
     write_json,
 )
 from bench.discovery_quality import SMOKE_SAMPLING, curve_stats, discover, gap_pct, set_up_case, train_fixed_lr
+from bench.unseen import flips, score_unseen, unseen_summary, unseen_view
 
 NAME = "versus"
 DEFAULT_METHODS = "full,lora,textual_inversion"
@@ -148,8 +160,9 @@ DEFAULT_KINDS = "shapes,stripes,textures,subject,glyphs"
 # subject and glyphs (held out in bench.discovery_quality since issue 23) nor on seeds 3 and 4 (its confirmation
 # seeds, run after the policy was fixed); nothing in this bench was chosen on any case.
 HELD_OUT_KINDS = ("subject", "glyphs")
-HELD_OUT_SEEDS = (3, 4, 5, 6, 7, 8, 9)  # 5-9 added before any run of them (8 after its run, which flagged only its
-# held-out kinds): the cooldown, the average, the soup
+HELD_OUT_SEEDS = (3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17)  # 5-9 and 14-17 added before any run of
+# them; 8 and 10-13 after theirs, whose JSONs flag only their held-out kinds (none was chosen on): the cooldown, the
+# average, the soup, the unseen images
 TIE_PCT = 1.0  # within 1 %: a tie
 FOLK_LR = {"full": 1e-4, "lora": 1e-4, "textual_inversion": 5e-3}
 # diffusers' README (examples/advanced_diffusion_training, "Prodigy"): lr 1.0 with these, the constant schedule.
@@ -485,7 +498,9 @@ def one_case(method: str, kind: str, seed: int, args, work: Path, saved: dict[tu
     out["held_out"] = out["held_out_kind"] or out["held_out_seed"]
 
     log(f"{tag} (a) rangefinder")
-    a = discover(cfg, split_dir, case / "rangefinder")
+    unseen = args.unseen_images > 0  # bench.unseen scores every arm's delivered weights: keep them until then
+    with keeping_every_checkpoint() if unseen else nullcontext():
+        a = discover(cfg, split_dir, case / "rangefinder")
     out["rangefinder"] = a
     log(f"{tag}   {a['status']}: lr {a.get('lr_used')}, chosen {(a.get('chosen') or {}).get('val_loss')}, "
         f"{a['updates']} updates, {a['seconds']:.0f} s")
@@ -494,6 +509,7 @@ def one_case(method: str, kind: str, seed: int, args, work: Path, saved: dict[tu
     span = (tests[0]["lr_min"], tests[0]["lr_max"]) if tests else cfg.lr_range_test.range_for(method)
     # The prompt score needs the arms' delivered weights, which the fine-tune step would prune: kept where scored.
     scored = bool(held_out_prompts(kind, seed, args.images))
+    keep = scored or unseen
     old = (saved_arms or {}).get((family, method, kind, seed))
     if reusable_arms(old, a, span, args.images):
         assert old is not None
@@ -512,14 +528,14 @@ def one_case(method: str, kind: str, seed: int, args, work: Path, saved: dict[tu
     log(f"{tag} (b) prodigy")
     cfg_b = cfg.model_copy(update={"training": cfg.training.model_copy(update={"optimizer": "prodigy"})})
     with prodigy_as_diffusers_recommends(), keeping_every_checkpoint():
-        out["prodigy"] = train_arm(cfg_b, split_dir, 1.0, case / "prodigy", keep_weights=scored)
+        out["prodigy"] = train_arm(cfg_b, split_dir, 1.0, case / "prodigy", keep_weights=keep)
     keep_delivered(case / "prodigy", out["prodigy"].get("best_update"), _last_update(out["prodigy"]))
     log(f"{tag}   best {out['prodigy']['best_val_loss']}, final {out['prodigy']['final_val_loss']}")
 
     log(f"{tag} (c) folk default")
     with keeping_every_checkpoint():
-        out["folk"] = train_arm(cfg, split_dir, FOLK_LR[method], case / "folk", keep_weights=scored)
-    keep_delivered(case / "folk", _last_update(out["folk"]))
+        out["folk"] = train_arm(cfg, split_dir, FOLK_LR[method], case / "folk", keep_weights=keep)
+    keep_delivered(case / "folk", _last_update(out["folk"]), out["folk"].get("best_update"))
     log(f"{tag}   best {out['folk']['best_val_loss']}, final {out['folk']['final_val_loss']}")
 
     per_run = length or out["folk"]["updates"]
@@ -531,7 +547,7 @@ def one_case(method: str, kind: str, seed: int, args, work: Path, saved: dict[tu
     log(f"{tag} (d) random search: {n} runs over {span[0]:g}..{span[1]:g}")
     runs = []
     for i, lr in enumerate(lrs):
-        with keeping_every_checkpoint() if scored else nullcontext():
+        with keeping_every_checkpoint() if keep else nullcontext():
             runs.append(train_fixed_lr(cfg, split_dir, lr, case / f"random-{i}"))
         keep_delivered(case / f"random-{i}", runs[-1].get("best_update"))
     out["random"] = {"span": list(span), "runs": runs, "updates": sum(r["updates"] for r in runs),
@@ -551,6 +567,8 @@ def one_case(method: str, kind: str, seed: int, args, work: Path, saved: dict[tu
             log(f"{tag} (e) grid reused from {old['file']}")
     if out["grid"] is None and args.grid:
         out["grid"] = train_grid(cfg, split_dir, case, args, log, tag)
+    if unseen:
+        out["unseen"] = score_unseen(cfg, out, case, split_dir, args.unseen_images, log)
     out["prompt_score"] = score_prompts(cfg, out, case, log, args.prompt_seeds) if scored else None
     out["summary"] = summarize(out)
     shutil.rmtree(case, ignore_errors=True)
@@ -711,6 +729,7 @@ def summarize(c: dict[str, Any]) -> dict[str, Any]:
     for opp in OPPONENTS:
         s[f"vs_{opp}"] = verdict_of(a_loss, s[opp])
     s.update(prompt_score_summary(c))
+    s.update(unseen_summary(c))
     g = c.get("grid")
     arms = [x for x in (g or {}).get("arms", []) if x.get("best_val_loss") is not None]
     if arms:
@@ -790,6 +809,17 @@ def finish(result: dict[str, Any], partial: bool) -> None:
     result["aggregate_held_out"] = aggregate([s for s in sums if s["held_out"]])
     result["aggregate_by_method"] = {m: aggregate([s for s in sums if s["method"] == m])
                                      for m in dict.fromkeys(s["method"] for s in sums)}
+    unseen = [s for s in sums if "unseen_images" in s]
+    if unseen:  # bench.unseen: the same standings on images no arm chose on, and the verdicts that changed
+        result["aggregate_unseen"] = aggregate([unseen_view(s) for s in unseen])
+        result["aggregate_unseen"]["validation_on_the_same_cases"] = aggregate(unseen)
+        result["aggregate_unseen"]["flips"] = flips(unseen)
+        result["aggregate_unseen_by_method"] = {
+            m: aggregate([unseen_view(s) for s in unseen if s["method"] == m])
+            for m in dict.fromkeys(s["method"] for s in unseen)}
+    else:
+        result.pop("aggregate_unseen", None)
+        result.pop("aggregate_unseen_by_method", None)
 
 
 def report(result: dict[str, Any]) -> str:
@@ -821,6 +851,27 @@ def report(result: dict[str, Any]) -> str:
                              + (f" ({g['failed']} failed)" if g.get("failed") else ""))
         for k, v in agg["goals"].items():
             lines.append(f"  goal {k}: {json.dumps(v)}")
+    return text + "\n\n" + "\n".join(lines) + unseen_report(result)
+
+
+def unseen_report(result: dict[str, Any]) -> str:
+    """bench.unseen's table and standings, where the cases measured them."""
+    rows = [c["summary"] for c in result["cases"] if "unseen_images" in c["summary"]]
+    if not rows:
+        return ""
+    arms = ["rangefinder", "prodigy_best", "prodigy_final", "folk_final", "folk_best", "random_best"]
+    text = "\n\n" + table(rows, ["case", *(f"unseen_{a}" for a in arms), *(f"unseen_vs_{o}" for o in OPPONENTS),
+                                  "unseen_reproduces"],
+                           title=f"Loss on {rows[0]['unseen_images']} unseen images of each arm's delivered weights",
+                           headers=["case", "(a) chosen", "(b) best", "(b) final", "(c) final", "(c) best",
+                                    "(d) best", *(f"vs {o}" for o in OPPONENTS), "reproduces"])
+    agg, val = result["aggregate_unseen"], result["aggregate_unseen"]["validation_on_the_same_cases"]
+    lines = [f"unseen images: {agg['cases']} cases"]
+    for opp in OPPONENTS:
+        u, v = agg[f"vs_{opp}"], val[f"vs_{opp}"]
+        lines.append(f"  (a) vs {opp}: {u['win']}/{u['tie']}/{u['loss']} of {u['n']} on unseen images, "
+                     f"{v['win']}/{v['tie']}/{v['loss']} of {v['n']} on validation; "
+                     f"changed: {json.dumps(agg['flips'][opp])}")
     return text + "\n\n" + "\n".join(lines)
 
 
@@ -870,6 +921,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's choice)")
     p.add_argument("--soup-tries", type=int, default=0,
                    help="finetune.soup_tries in (a) (the window average's greedy soup; bench/average_probe.py)")
+    p.add_argument("--unseen-images", type=int, default=0, metavar="N",
+                   help="also score each arm's delivered weights on N images of the case's kind and seed that no "
+                   "arm trained or chose on (bench/unseen.py); 0: off")
     p.add_argument("--smoke", action="store_true", help="one tiny full case: 2-epoch arms, 1 grid point, "
                    "at most 2 random runs (CI)")
     p.add_argument("--out", type=Path, help="JSON (default bench/results/versus.json; --smoke: a temporary file); "
@@ -945,7 +999,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                 "grid_lr_min": args.grid_lr_min, "grid_lr_max": args.grid_lr_max, "grid": args.grid,
                 "held_out_kinds": list(HELD_OUT_KINDS), "held_out_seeds": list(HELD_OUT_SEEDS),
                 "tie_pct": TIE_PCT, "folk_lr": FOLK_LR, "prodigy_settings": PRODIGY_SETTINGS,
-                "prompt_seeds": list(args.prompt_seeds),
+                "prompt_seeds": list(args.prompt_seeds), "unseen_images": args.unseen_images,
                 "reuse_arms": [str(x) for x in args.reuse_arms or []]}
     result: dict[str, Any] = {"benchmark": NAME, "smoke": args.smoke, "settings": settings, "cases": [],
                               "runs": []}

@@ -77,7 +77,8 @@ def test_versus_smoke(tmp_path, capsys, family):
     from bench.versus import main
 
     out = tmp_path / "versus.json"
-    result = main(["--smoke", "--family", family, "--out", str(out), "--work-dir", str(tmp_path / "work")])
+    result = main(["--smoke", "--family", family, "--out", str(out), "--work-dir", str(tmp_path / "work"),
+                   "--unseen-images", "4"])
     saved = json.loads(out.read_text())
     assert saved["smoke"] is True and saved["partial"] is False
     assert saved["aggregate"] == json.loads(json.dumps(result["aggregate"]))
@@ -123,6 +124,16 @@ def test_versus_smoke(tmp_path, capsys, family):
         assert v["images"] == len(ps["prompts"]) * len(ps["seeds"]), arm
         assert s[f"prompt_colour_{arm}"] == v["colour"] and s[f"prompt_shape_{arm}"] == v["shape"]
     assert s["prompt_score"] == "measured" and "Prompt score (colour / shape" in printed
+    # bench.unseen: each arm's delivered weights, measured again on the case's validation images, give the loss the
+    # arm recorded (they are the delivered ones); on 4 images after the case's 10, other losses, and the standings.
+    u = case["unseen"]
+    assert (u["images"], u["first"], saved["settings"]["unseen_images"]) == (4, 10, 4)
+    for arm in ("rangefinder", "prodigy_best", "prodigy_final", "folk_final", "folk_best", "random_best"):
+        v = u["arms"][arm]
+        assert v["reproduces"] is True and v["val_loss"] == pytest.approx(s[arm], rel=1e-5), arm
+        assert s[f"unseen_{arm}"] == v["unseen_loss"] > 0 and v["unseen_loss"] != v["val_loss"], arm
+    assert saved["aggregate_unseen"]["cases"] == 1 and "unseen images: 1 cases" in printed
+    assert all(s[f"unseen_vs_{opp}"] in ("win", "tie", "loss") for opp in OPPONENTS)
 
 
 def test_held_out_prompts_are_shapes_prompts_the_case_s_images_do_not_show():
