@@ -106,7 +106,7 @@ on this session's Intel CPU (bench/RESULTS.md, "The greedy soup"): LoRA seeds 0 
 machine before), every arm re-run here, `--no-grid`. No rule: each arm's change from the saved run and the verdicts
 that flip are reported; the standings keep the saved runs.
 
-Unseen images (bench/unseen.py, `--unseen-images`), written down (committed) 2026-11-27 19:12 UTC before any run of
+Unseen images (bench/unseen.py, `--unseen-images`), written down (committed) 2026-11-27 19:11 UTC before any run of
 them, because every "best by validation loss" arm is picked on the 4 images that score it: fresh seeds 14 and 15 (no
 bench has run them), full, LoRA and textual inversion, the five kinds, `--no-grid`, `--unseen-images 20`, (a) as
 shipped, two processes side by side (seed 14; seed 15); then seeds 16 and 17 alike, as far as they finish by 21:05
