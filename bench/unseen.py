@@ -181,6 +181,19 @@ def unseen_view(s: dict[str, Any]) -> dict[str, Any]:
     return view
 
 
+def optimism(summaries: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per arm, over the cases that measured it, the median and the range of its unseen loss over its validation loss:
+    how much lower the images it was picked on (or, for a final checkpoint, merely scored on) made it look. The ratio
+    moves with how hard the case's unseen images are, alike for every arm; the arms' medians compare."""
+    out: dict[str, dict[str, Any]] = {}
+    for arm in UNSEEN_ARMS:
+        r = sorted(s[f"unseen_{arm}"] / s[arm] for s in summaries
+                   if s.get(f"unseen_{arm}") is not None and s.get(arm))
+        out[arm] = {"n": len(r), "median": r[len(r) // 2] if r else None, "min": r[0] if r else None,
+                    "max": r[-1] if r else None}
+    return out
+
+
 def flips(summaries: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
     """Per opponent, how the verdicts on validation images became the unseen images' ("win->tie": n, ...)."""
     from bench.versus import OPPONENTS

@@ -146,7 +146,7 @@ from bench.common import (
     write_json,
 )
 from bench.discovery_quality import SMOKE_SAMPLING, curve_stats, discover, gap_pct, set_up_case, train_fixed_lr
-from bench.unseen import flips, score_unseen, unseen_summary, unseen_view
+from bench.unseen import flips, optimism, score_unseen, unseen_summary, unseen_view
 
 NAME = "versus"
 DEFAULT_METHODS = "full,lora,textual_inversion"
@@ -814,6 +814,7 @@ def finish(result: dict[str, Any], partial: bool) -> None:
         result["aggregate_unseen"] = aggregate([unseen_view(s) for s in unseen])
         result["aggregate_unseen"]["validation_on_the_same_cases"] = aggregate(unseen)
         result["aggregate_unseen"]["flips"] = flips(unseen)
+        result["aggregate_unseen"]["unseen_over_validation"] = optimism(unseen)
         result["aggregate_unseen_by_method"] = {
             m: aggregate([unseen_view(s) for s in unseen if s["method"] == m])
             for m in dict.fromkeys(s["method"] for s in unseen)}
@@ -872,6 +873,10 @@ def unseen_report(result: dict[str, Any]) -> str:
         lines.append(f"  (a) vs {opp}: {u['win']}/{u['tie']}/{u['loss']} of {u['n']} on unseen images, "
                      f"{v['win']}/{v['tie']}/{v['loss']} of {v['n']} on validation; "
                      f"changed: {json.dumps(agg['flips'][opp])}")
+    for arm, o in agg["unseen_over_validation"].items():
+        if o["n"]:
+            lines.append(f"  {arm}: unseen / validation loss, median {o['median']:.4f} "
+                         f"({o['min']:.4f}..{o['max']:.4f}) over {o['n']} cases")
     return text + "\n\n" + "\n".join(lines)
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bench.unseen import UNSEEN_ARMS, delivered_sets, flips, score_unseen, unseen_summary, unseen_view
+from bench.unseen import UNSEEN_ARMS, delivered_sets, flips, optimism, score_unseen, unseen_summary, unseen_view
 from bench.versus import OPPONENTS, aggregate, keeping_every_checkpoint
 from tests.tracking.fixtures import without_mlflow_run_env
 
@@ -82,3 +82,8 @@ def test_unseen_verdicts_leave_out_weights_that_are_not_the_delivered_ones_and_c
     agg = aggregate([unseen_view(r) for r in rows])
     assert agg["vs_prodigy_best"] == {"n": 1, "win": 1, "tie": 0, "loss": 0}
     assert flips(rows)["prodigy_best"] == {"tie->win": 1} and flips(rows)["folk_final"] == {"same": 1}
+    # How optimistic each arm's validation loss was: its unseen loss over it (the recorded one, 1.0 in the summary).
+    rows[0].update(rangefinder=1.0, prodigy_best=0.8)
+    o = optimism(rows)
+    assert o["rangefinder"] == {"n": 1, "median": 0.9, "min": 0.9, "max": 0.9}
+    assert o["prodigy_best"]["median"] == 1.25 and o["random_best"]["n"] == 0
