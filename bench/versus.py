@@ -115,7 +115,8 @@ Reported as they come out: these cases' standings on validation (counted with th
 side by side; the verdicts that changed; per arm, the median of its unseen loss over its validation loss (how
 optimistic its pick was). Where an arm's weights do not reproduce its recorded loss, the case keeps its validation
 verdicts and has none against that arm on unseen images. (One check ran before: full textures seed 11, every arm
-reproducing its saved loss; it is not counted.)
+reproducing its saved loss; it is not counted.) The first start, 19:11, crashed at 19:13 before any case ended: a
+file of the bench was edited under the running processes. Restarted 19:20 from a worktree frozen at 70dbf7e.
 """
 
 from __future__ import annotations
