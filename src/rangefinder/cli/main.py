@@ -112,7 +112,7 @@ def _how_to_go_on(args: argparse.Namespace, argv: Optional[Sequence[str]]) -> st
     from rangefinder.formats import checkpoints
 
     words = list(sys.argv[1:] if argv is None else argv)
-    if checkpoints.latest_checkpoint(Path(args.out) / "checkpoints") is None:
+    if checkpoints.latest_checkpoint(Path(args.out) / checkpoints.RUN_DIR) is None:
         words = [w for w in words if w != "--resume"]
         return f"; no checkpoint was written yet, so run it again to start over: rangefinder {shlex.join(words)}"
     if "--resume" not in words:

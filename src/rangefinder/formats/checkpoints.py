@@ -50,6 +50,7 @@ MANIFEST_NAME = "manifest.json"
 REQUIRED = (WEIGHTS_NAME, OPTIMIZER_NAME, STATE_NAME, MANIFEST_NAME)
 EMA_NAME = "ema.pt"
 CHOSEN_DIR = "chosen"
+RUN_DIR = "checkpoints"  # a run's checkpoints: <run folder>/checkpoints/checkpoint-<update>/
 CHOSEN_INFO = "chosen.json"
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 

@@ -46,7 +46,6 @@ if TYPE_CHECKING:
 
 AVERAGE_DIR = "average"
 MEASURED = "average.json"
-CKPT_DIR = "checkpoints"
 
 
 @dataclass(frozen=True)
@@ -176,7 +175,7 @@ def run_average(cfg: RangefinderConfig, spec: TrainSpec, work: Path, window: Ste
     root = Path(work) / AVERAGE_DIR
     if (root / MEASURED).is_file():
         return WindowAverage.from_json(json.loads((root / MEASURED).read_text()))
-    found = window_checkpoints(Path(work) / CKPT_DIR, window)
+    found = window_checkpoints(Path(work) / checkpoints.RUN_DIR, window)
     if len(found) < 2:
         return None
     weights = average_weights(list(found.values()))

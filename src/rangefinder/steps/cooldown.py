@@ -50,7 +50,6 @@ if TYPE_CHECKING:
 COOLDOWN_DIR = "cooldown"
 MEASURED = "cooldown.json"
 BRANCH_POINT = "branch.json"
-CKPT_DIR = "checkpoints"
 STEP = "finetune_cooldown"
 
 
@@ -116,7 +115,7 @@ def run_cooldown(cfg: RangefinderConfig, spec: TrainSpec, work: Path, window: St
     assert branch.plan is not None
     total = branch.plan.total_updates
     decay_start = total - decay_updates(total, cfg.finetune.cooldown_fraction)
-    start = _branch_point(Path(work) / CKPT_DIR, root, decay_start)
+    start = _branch_point(Path(work) / checkpoints.RUN_DIR, root, decay_start)
     with _cooldown_run(cfg, sink, spec.training.lr) as run:
         result = run_training(cfg, branch, out_dir=root, metric_sink=run, step_name=STEP, split=split)
     ok = result.status == "ok" and result.final_dir is not None
@@ -124,7 +123,7 @@ def run_cooldown(cfg: RangefinderConfig, spec: TrainSpec, work: Path, window: St
                         start_update=start, updates_trained=max(0, result.updates - start),
                         val_loss=_val_loss_at(result.curve, total) if ok else None)
     write_json(root / MEASURED, measured.to_json())  # before anything moves: a retry does not train it again
-    shutil.rmtree(root / CKPT_DIR, ignore_errors=True)
+    shutil.rmtree(root / checkpoints.RUN_DIR, ignore_errors=True)
     return measured
 
 
@@ -154,7 +153,7 @@ def _branch_point(source: Path, root: Path, decay_start: int) -> int:
     if early:
         checkpoints.require_intact(early[update], only=(checkpoints.WEIGHTS_NAME, checkpoints.OPTIMIZER_NAME,
                                                         checkpoints.STATE_NAME))
-        target = root / CKPT_DIR
+        target = root / checkpoints.RUN_DIR
         target.mkdir(parents=True, exist_ok=True)
         tmp = target / f".{early[update].name}.copy.tmp"
         shutil.rmtree(tmp, ignore_errors=True)

@@ -91,7 +91,7 @@ def keep_chosen_checkpoint(run_dir: Path, window: Any, curve: dict, base_model: 
     from rangefinder.analysis import delivered_checkpoint
     from rangefinder.training.restore import save_checkpoint_model
 
-    ckpt_root = Path(run_dir) / "checkpoints"
+    ckpt_root = Path(run_dir) / checkpoints.RUN_DIR
     found = checkpoints.checkpoints_by_update(ckpt_root)
     picked = delivered_checkpoint(window, list(found), curve.get("update", []), curve.get("val_loss", []))
     if picked is None:
@@ -330,7 +330,7 @@ def run_finetune(
                 if p is not None:
                     write_text(p, f"No validation set: trained {rec_epochs} epochs at lr {lr:.3g}.\n")
         if chosen is None:  # no validated checkpoint to choose from: the final weights are delivered, as configured
-            checkpoints.keep_newest(work / "checkpoints", cfg.training.keep_checkpoints)
+            checkpoints.keep_newest(work / checkpoints.RUN_DIR, cfg.training.keep_checkpoints)
         publish(work, model_dir)
         decision.update(lr_low=lr_low, lr_high=lr_high, lr_mid=lr_mid, lr_used=lr, lr_source=lr_source,
                         range_test_skipped=skipped_because(cfg),
@@ -373,6 +373,7 @@ def run_finetune(
         raise RangefinderError(f"the fine-tune wrote no final weights under {model_dir}")
     return FinetuneResult(recommended_epochs=max(1, rec_epochs), recommended_updates=rec_updates,
                           still_improving=improving, best_val_loss=result.best_val_loss, model_dir=model_dir,
-                          curve_csv=result.metrics_csv, checkpoints=checkpoints.list_checkpoints(work / "checkpoints"),
+                          curve_csv=result.metrics_csv,
+                          checkpoints=checkpoints.list_checkpoints(work / checkpoints.RUN_DIR),
                           chosen=chosen, mixed_precision=precision, lr=lr, halving=race,
                           updates_trained=result.updates + extra_updates)

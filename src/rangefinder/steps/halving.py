@@ -40,6 +40,7 @@ from rangefinder.analysis.halving import (
     pick,
 )
 from rangefinder.config import RangefinderConfig
+from rangefinder.formats import checkpoints
 from rangefinder.formats.atomic import rename_into_place, write_json
 from rangefinder.training.sinks import MetricSink
 from rangefinder.training.spec import TrainSpec
@@ -94,7 +95,7 @@ def run_halving(cfg: RangefinderConfig, spec: TrainSpec, work: Path, *, lr_mid: 
             replay_curve(sink, Path(work))
         for name in CANDIDATES:
             if name != decision.kept:
-                shutil.rmtree(root / name / "checkpoints", ignore_errors=True)
+                shutil.rmtree(root / name / checkpoints.RUN_DIR, ignore_errors=True)
         decision = decision.done_moving()
         write_json(decision_path, decision.to_json())
     return decision

@@ -40,7 +40,7 @@ def grid_columns(cfg: RangefinderConfig, finetuned_dir: Path, retrained_dir: Opt
         labels.append(f"chosen ({average_label(chosen['average'])})" if averaged
                       else f"chosen ({epoch}update {chosen['update']})")
     # Kept checkpoints hold the method's trained tensors only; the grid applies them on top of the base model.
-    for ckpt in checkpoints.list_checkpoints(Path(finetuned_dir) / "checkpoints"):
+    for ckpt in checkpoints.list_checkpoints(Path(finetuned_dir) / checkpoints.RUN_DIR):
         if chosen is not None and ckpt.name == chosen["checkpoint"]:
             continue  # the chosen column already shows these weights
         models.append(ckpt)

@@ -18,6 +18,7 @@ import torch
 
 from rangefinder.config import DataConfig, ModelConfig, TrainingConfig, ValidationConfig
 from rangefinder.data.buckets import BucketSettings, Placement, Size
+from rangefinder.formats import checkpoints
 from rangefinder.planning import Plan
 from rangefinder.training.caching import CachedTextFiles, CacheStats
 from rangefinder.training.captions import ShuffledCaptions
@@ -62,7 +63,7 @@ class RunSettings:
 
     @property
     def ckpt_root(self) -> Path:
-        return self.out_dir / "checkpoints"
+        return self.out_dir / checkpoints.RUN_DIR
 
     @property
     def validating(self) -> bool:

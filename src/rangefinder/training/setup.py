@@ -128,7 +128,7 @@ def _revalidated(cfg: Any) -> Any:
 def _check_out_dir(out_dir: Path, resume: bool) -> None:
     if resume:
         return
-    if checkpoints.list_checkpoints(out_dir / "checkpoints") or (out_dir / "run_summary.json").exists():
+    if checkpoints.list_checkpoints(out_dir / checkpoints.RUN_DIR) or (out_dir / "run_summary.json").exists():
         raise ConfigError(
             f"output folder {out_dir} already holds a run; pass --resume (training.resume) to continue it, "
             "or choose an empty folder"

@@ -118,7 +118,7 @@ def _check_something_to_resume(out: Path) -> None:
     from rangefinder.errors import ConfigError
     from rangefinder.formats import checkpoints
 
-    if checkpoints.list_checkpoints(out / "checkpoints"):
+    if checkpoints.list_checkpoints(out / checkpoints.RUN_DIR):
         return
     has = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
     holds = f"holds only {', '.join(has)}" if has else ("is empty" if out.is_dir() else "does not exist")
