@@ -1,0 +1,51 @@
+"""bench.timesteps_probe: (a) re-run with another validation.timesteps, scored as the saved arms were."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.timesteps_probe import tally
+
+
+@pytest.mark.slow
+def test_the_probe_at_the_shipped_timesteps_rebuilds_the_saved_case(tmp_path):
+    """At validation.timesteps 4 (as shipped) the probe's (a) is the saved (a): the same weights, so the same loss on
+    the case's validation images and on the unseen ones, and the same verdicts. At 8 it is another run: on the smoke
+    case's 2-epoch zoom its validation loss never falls by more than its noise, so (a) fails, and a failed (a) counts
+    as a loss against every arm, as in bench.versus."""
+    from bench.timesteps_probe import main as probe
+    from bench.versus import main as versus
+
+    saved = tmp_path / "versus.json"
+    versus(["--smoke", "--no-grid", "--out", str(saved), "--work-dir", str(tmp_path / "w"), "--unseen-images", "4"])
+    s = json.loads(saved.read_text())["cases"][0]["summary"]
+    same = probe(["--from", str(saved), "--out", str(tmp_path / "p4.json"), "--timesteps", "4"])
+    (row,) = same["cases"]
+    assert row["unseen_loss"] == s["unseen_rangefinder"] and row["val_loss"] == row["val_loss_k"] == s["rangefinder"]
+    assert all(row[f"unseen_vs_{o}"] == row[f"saved_unseen_vs_{o}"] for o in ("prodigy_best", "random_best"))
+    other = probe(["--from", str(saved), "--out", str(tmp_path / "p8.json"), "--timesteps", "8"])
+    (row8,) = other["cases"]
+    assert (row8["timesteps"], row8["status"], row8["unseen_loss"]) == (8, "failed", None)
+    assert "found no usable bounds" in row8["error"]
+    assert row8["unseen_vs_prodigy_best"] == row8["unseen_vs_random_best"] == "loss"
+
+
+def test_the_rule_counts_verdicts_turned_on_unseen_images():
+    def row(was_p, now_p, was_r, now_r):
+        r = {"seconds": 2.0, "saved_seconds": 1.0, "unseen_loss": 0.99, "saved_unseen_loss": 1.0}
+        for o in ("prodigy_final", "folk_final", "folk_best"):
+            r.update({f"vs_{o}": "win", f"saved_vs_{o}": "win", f"unseen_vs_{o}": "win", f"saved_unseen_vs_{o}": "win"})
+        for o, was, now in (("prodigy_best", was_p, now_p), ("random_best", was_r, now_r)):
+            r.update({f"vs_{o}": now, f"saved_vs_{o}": was, f"unseen_vs_{o}": now, f"saved_unseen_vs_{o}": was})
+        return r
+
+    rows = [row("tie", "win", "win", "win"), row("win", "win", "tie", "win"), row("loss", "win", "tie", "tie")]
+    t = tally(rows)
+    assert t["unseen_non_wins_turned_into_wins"] == 3 and t["unseen_wins_turned_into_non_wins"] == 0
+    assert t["rule_met"] is True and t["median_seconds_ratio"] == 2.0
+    assert t["median_unseen_change_pct"] == pytest.approx(-1.0)
+    rows.append(row("win", "tie", "win", "win"))
+    rows.append(row("win", "win", "win", "loss"))
+    assert tally(rows)["unseen_wins_turned_into_non_wins"] == 2 and tally(rows)["rule_met"] is False
