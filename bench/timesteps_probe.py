@@ -12,7 +12,7 @@ Per case the probe rebuilds a saved bench.versus case run with `--unseen-images`
 kept; then measures its delivered weights with the case's own validation settings (4 timesteps) on the case's
 validation images and on the same unseen images (bench.unseen), and weighs them against the saved arms' losses.
 
-Written down (committed) 2026-11-27 19:37 UTC before any run of this probe, after 6 of the 30 cases below had been
+Written down (committed) 2026-11-27 19:36 UTC before any run of this probe, after 6 of the 30 cases below had been
 read (their standings on validation and unseen images; no run of this probe):
 - The cases: the 30 of bench/results/versus_unseen_seed14.json and versus_unseen_seed15.json (full, LoRA and textual
   inversion, the five kinds), in the files' order, two processes side by side.
