@@ -25,7 +25,7 @@ def test_a_delivered_window_average_is_scored_as_the_checkpoints_it_averaged(spl
     cfg = demo_config(model={"base_model": str(tiny_model_dir)},
                       finetune={"epochs": 4, "successive_halving": False, "average": "on"},
                       training={"cache_dir": str(tmp_path / "cache")}, sampling={"every_validations": None},
-                      validation={"every_epochs": 1.0},
+                      validation={"every_epochs": 0.5},
                       tracking={"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment_name": "unseen",
                                 "registered_model_name": None})
     case = tmp_path / "case"
