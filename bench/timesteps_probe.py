@@ -23,6 +23,15 @@ read (their standings on validation and unseen images; no run of this probe):
   A case where (a) fails at K counts as a loss against every arm, as in bench.versus. The probe runs once seeds 14-17
   of bench.versus are done or stopped (21:05 UTC at the latest); cases it has not reached by 21:30 UTC are said to be
   missing and the rule is read over those that ran, in the order above.
+
+Its result (20:25-20:38 UTC, all 30 cases): the rule was met, 4 non-wins turned into wins and no win lost (2 ties
+became losses, which the rule did not count); the cost, 1.52x (a)'s seconds at the median. The confirmation,
+written down (committed) 2026-11-27 20:41 UTC before any run of it: the same probe, K 16, on the 30 cases of
+bench/results/versus_unseen_seed16.json and versus_unseen_seed17.json (run as shipped after the rule above was
+written, and not used for it), two processes side by side; the same two conditions, and (3) no more ties or wins
+turned into losses than losses turned into ties or wins, against those two arms. If all three hold, the default
+becomes 16 in a later session that also weighs validation's cost on a GPU (bench.validation_overhead; four times the
+draws are four times validation's forward passes); if not, it stays 4. Reported as it comes out.
 """
 
 from __future__ import annotations
