@@ -26,12 +26,15 @@ read (their standings on validation and unseen images; no run of this probe):
 
 Its result (20:25-20:38 UTC, all 30 cases): the rule was met, 4 non-wins turned into wins and no win lost (2 ties
 became losses, which the rule did not count); the cost, 1.52x (a)'s seconds at the median. The confirmation,
-written down (committed) 2026-11-27 20:41 UTC before any run of it: the same probe, K 16, on the 30 cases of
+written down (committed) 2026-11-27 20:39 UTC before any run of it: the same probe, K 16, on the 30 cases of
 bench/results/versus_unseen_seed16.json and versus_unseen_seed17.json (run as shipped after the rule above was
 written, and not used for it), two processes side by side; the same two conditions, and (3) no more ties or wins
 turned into losses than losses turned into ties or wins, against those two arms. If all three hold, the default
 becomes 16 in a later session that also weighs validation's cost on a GPU (bench.validation_overhead; four times the
 draws are four times validation's forward passes); if not, it stays 4. Reported as it comes out.
+Its result (20:39-20:52 UTC, all 30 cases): all three held (4 non-wins turned into wins, no win lost, nothing turned
+into a loss, 4 losses turned into ties or wins), at 1.41x (a)'s seconds; bench/RESULTS.md, "A steadier validation
+loss".
 """
 
 from __future__ import annotations
