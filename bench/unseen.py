@@ -16,6 +16,7 @@ Nothing here changes what an arm delivers: the verdicts on unseen images stand b
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 from pathlib import Path
@@ -71,13 +72,11 @@ def delivered_sets(c: dict[str, Any], case: Path) -> dict[str, Union[list[Path],
         if len(found) != 1:
             out["rangefinder"] = f"{len(found)} average.json under {runs}: which one (a) delivered is unclear"
         else:
-            import json
-
             updates = json.loads(found[0].read_text())["updates"]
             sets = [_checkpoint(found[0].parent.parent, u) for u in updates]
             bad = [s for s in sets if isinstance(s, str)]
             out["rangefinder"] = bad[0] if bad else sets  # type: ignore[assignment]
-    elif chosen.get("rule") in ("cooldown",):
+    elif chosen.get("rule") == "cooldown":
         out["rangefinder"] = "the cooldown's weights are not a checkpoint of the fine-tune: not scored"
     else:
         update = chosen.get("update") or _last_update(a)
@@ -97,11 +96,9 @@ def delivered_sets(c: dict[str, Any], case: Path) -> dict[str, Union[list[Path],
 
 def recorded_losses(c: dict[str, Any]) -> dict[str, Optional[float]]:
     """Each arm's validation loss as the case recorded it (what versus scores it by)."""
-    s = c["summary"] if "summary" in c else None
-    if s is None:
-        from bench.versus import summarize
+    from bench.versus import summarize
 
-        s = summarize(c)
+    s = c.get("summary") or summarize(c)
     return {arm: s.get(arm) for arm in UNSEEN_ARMS}
 
 
@@ -124,9 +121,9 @@ def score_unseen(cfg, c: dict[str, Any], case: Path, split_dir: Path, count: int
     arms: dict[str, dict[str, Any]] = {arm: {"absent": v} for arm, v in sets.items() if isinstance(v, str)}
     for arm in weights:
         arms[arm] = {"checkpoints": [p.name for p in sets[arm]]}
+    lr = cfg.training.lr
     for key, split in splits.items():
         # The measuring run: the case's method, model and validation settings, as its fine-tune; it trains nothing.
-        lr = cfg.training.lr
         spec = TrainSpec.finetune(cfg, split, lr=lr, bounds=(lr, lr), world_size=1)
         out_dir = case / f"unseen-measure-{key}"
         with weights_measurer(spec, out_dir=out_dir, split=split) as measure:
