@@ -50,48 +50,29 @@ def unseen_split(cfg, images: Path, out: Path):
     return read_split(out)
 
 
-def _checkpoint(run_dir: Path, update: Optional[int]) -> Union[Path, str]:
-    from bench.versus import checkpoint_at
-
-    return checkpoint_at(run_dir, update) or f"no checkpoint at update {update} in {run_dir.name}"
-
-
 def delivered_sets(c: dict[str, Any], case: Path) -> dict[str, Union[list[Path], str]]:
     """Per arm, the checkpoints whose trained tensors (averaged, where more than one) are what it delivers, or why
-    none: (a)'s chosen checkpoint, or the window's checkpoints its average.json names (every checkpoint of (a) is
-    kept while it trains: versus.keeping_every_checkpoint); the others' checkpoints at their best or final update."""
-    from bench.versus import _last_update
+    none: those the prompt score renders (bench.versus.delivered_weights) and the folk default's best; for (a)'s
+    window average, which it renders as its chosen/ model, the window's checkpoints its average.json names (every
+    checkpoint of (a) is kept while it trains: versus.keeping_every_checkpoint)."""
+    from bench.versus import checkpoint_at, delivered_weights
 
-    a, out = c["rangefinder"], {}
-    chosen = a.get("chosen") or {}
-    runs = case / "rangefinder"
-    if a.get("status") != "ok":
-        out["rangefinder"] = "(a) failed: it delivered no weights"
-    elif chosen.get("rule") == "window_average":
+    out: dict[str, Union[Path, list[Path], str]] = dict(delivered_weights(c, case))
+    out["folk_best"] = (checkpoint_at(case / "folk", c["folk"].get("best_update"))
+                        or "no checkpoint at its update")
+    rule = (c["rangefinder"].get("chosen") or {}).get("rule")
+    if c["rangefinder"].get("status") == "ok" and rule == "window_average":
+        runs = case / "rangefinder"
         found = sorted(runs.rglob("average.json"))
         if len(found) != 1:
             out["rangefinder"] = f"{len(found)} average.json under {runs}: which one (a) delivered is unclear"
         else:
-            updates = json.loads(found[0].read_text())["updates"]
-            sets = [_checkpoint(found[0].parent.parent, u) for u in updates]
-            bad = [s for s in sets if isinstance(s, str)]
-            out["rangefinder"] = bad[0] if bad else sets  # type: ignore[assignment]
-    elif chosen.get("rule") == "cooldown":
+            ckpts = [checkpoint_at(found[0].parent.parent, u) for u in json.loads(found[0].read_text())["updates"]]
+            out["rangefinder"] = ("a checkpoint of (a)'s average is gone" if None in ckpts
+                                  else [p for p in ckpts if p is not None])
+    elif rule == "cooldown":
         out["rangefinder"] = "the cooldown's weights are not a checkpoint of the fine-tune: not scored"
-    else:
-        update = chosen.get("update") or _last_update(a)
-        out["rangefinder"] = _checkpoint(runs / "finetune", update)
-    out["prodigy_best"] = _checkpoint(case / "prodigy", c["prodigy"].get("best_update"))
-    out["prodigy_final"] = _checkpoint(case / "prodigy", _last_update(c["prodigy"]))
-    out["folk_final"] = _checkpoint(case / "folk", _last_update(c["folk"]))
-    out["folk_best"] = _checkpoint(case / "folk", c["folk"].get("best_update"))
-    runs_ok = [(i, r) for i, r in enumerate(c["random"]["runs"]) if r.get("best_val_loss") is not None]
-    if runs_ok:
-        i, best = min(runs_ok, key=lambda t: t[1]["best_val_loss"])
-        out["random_best"] = _checkpoint(case / f"random-{i}", best.get("best_update"))
-    else:
-        out["random_best"] = "no random run delivered a loss"
-    return {arm: (v if isinstance(v, str) else [v] if isinstance(v, Path) else v) for arm, v in out.items()}
+    return {arm: [v] if isinstance(v, Path) else v for arm, v in out.items()}
 
 
 def recorded_losses(c: dict[str, Any]) -> dict[str, Optional[float]]:

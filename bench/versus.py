@@ -147,7 +147,7 @@ from bench.common import (
     write_json,
 )
 from bench.discovery_quality import SMOKE_SAMPLING, curve_stats, discover, gap_pct, set_up_case, train_fixed_lr
-from bench.unseen import flips, optimism, score_unseen, unseen_summary, unseen_view
+from bench.unseen import UNSEEN_ARMS, flips, optimism, score_unseen, unseen_summary, unseen_view
 
 NAME = "versus"
 DEFAULT_METHODS = "full,lora,textual_inversion"
@@ -536,7 +536,8 @@ def one_case(method: str, kind: str, seed: int, args, work: Path, saved: dict[tu
     log(f"{tag} (c) folk default")
     with keeping_every_checkpoint():
         out["folk"] = train_arm(cfg, split_dir, FOLK_LR[method], case / "folk", keep_weights=keep)
-    keep_delivered(case / "folk", _last_update(out["folk"]), out["folk"].get("best_update"))
+    # bench.unseen scores the folk default's best checkpoint too; the prompt score renders its final one only.
+    keep_delivered(case / "folk", _last_update(out["folk"]), out["folk"].get("best_update") if unseen else None)
     log(f"{tag}   best {out['folk']['best_val_loss']}, final {out['folk']['final_val_loss']}")
 
     per_run = length or out["folk"]["updates"]
@@ -861,8 +862,7 @@ def unseen_report(result: dict[str, Any]) -> str:
     rows = [c["summary"] for c in result["cases"] if "unseen_images" in c["summary"]]
     if not rows:
         return ""
-    arms = ["rangefinder", "prodigy_best", "prodigy_final", "folk_final", "folk_best", "random_best"]
-    text = "\n\n" + table(rows, ["case", *(f"unseen_{a}" for a in arms), *(f"unseen_vs_{o}" for o in OPPONENTS),
+    text = "\n\n" + table(rows, ["case", *(f"unseen_{a}" for a in UNSEEN_ARMS), *(f"unseen_vs_{o}" for o in OPPONENTS),
                                   "unseen_reproduces"],
                            title=f"Loss on {rows[0]['unseen_images']} unseen images of each arm's delivered weights",
                            headers=["case", "(a) chosen", "(b) best", "(b) final", "(c) final", "(c) best",

@@ -224,19 +224,19 @@ def greedy_soup(found: dict[int, Path], curve_losses: dict[int, float],
     first = checkpoints.read_weights(found[order[0]])
     dtypes = {k: v.dtype for k, v in first.items()}
     total = {k: v.float().clone() if v.is_floating_point() else v.clone() for k, v in first.items()}  # a float32 sum
-    kept, best, made = [order[0]], float(curve_losses[order[0]]), 0
-    for update in order[1:tries + 1]:
+    kept, best = [order[0]], float(curve_losses[order[0]])
+    tried = order[1:tries + 1]
+    for update in tried:
         added = checkpoints.read_weights(found[update])  # checked against its manifest by average_weights
         newer = update > max(kept)
         summed = {k: v + added[k].float() if v.is_floating_point() else (added[k] if newer else v)
                   for k, v in total.items()}
         loss = _finite(measure(_mean(summed, dtypes, len(kept) + 1)).get("val_loss"))
-        made += 1
         if loss is not None and loss < best:
             kept.append(update)
             best, total = loss, summed
     return Soup(updates=tuple(sorted(kept)), weights=_mean(total, dtypes, len(kept)),
-                val_loss=best if len(kept) > 1 else None, tries=made)
+                val_loss=best if len(kept) > 1 else None, tries=len(tried))
 
 
 def _mean(total: dict[str, torch.Tensor], dtypes: dict[str, torch.dtype], n: int) -> dict[str, torch.Tensor]:
