@@ -35,6 +35,24 @@ draws are four times validation's forward passes); if not, it stays 4. Reported 
 Its result (20:39-20:52 UTC, all 30 cases): all three held (4 non-wins turned into wins, no win lost, nothing turned
 into a loss, 4 losses turned into ties or wins), at 1.41x (a)'s seconds; bench/RESULTS.md, "A steadier validation
 loss".
+
+(a)'s own noise, `--training-seed`. Written down (committed) 2026-11-27 21:29 UTC, before any run of (a) with
+another `training.seed`:
+- The question: is the Goal's 1 % tie band outside (a)'s own run-to-run noise? (a) re-run with nothing changed but
+  `training.seed` (1234 -> 1235: everything its runs draw, the data order, the training timesteps and noise, the
+  LoRA and embedding initialisation), weighed against (a) as it was, as if it were an arm.
+- The runs, over the 60 cases of seeds 14-17 (`--from bench/results/versus_all_215.json`, whose cases with unseen
+  images are exactly those), two processes side by side: (1) `--timesteps 4 --training-seed 1235`, the baseline the
+  saved (a); then (2) `--timesteps 16 --training-seed 1235 --against` timesteps_probe.json and
+  timesteps_probe_confirm.json, the baseline (a) at K 16 with seed 1234. Cases not reached by 23:40 UTC are said to
+  be missing, and the readings are over those that ran.
+- The readings: (i) on the validation images (the Goal's measure), (a) is steady at the band if the re-seeded run
+  ties the baseline (within 1 %) in at least 80 % of the cases; if not, a single run's verdict is not (a)'s standing
+  case by case, and RESULTS says by how many of its verdicts against Prodigy's best and random search's best change
+  with the seed alone. (ii) K 16 makes (a) steadier if, on the unseen images, the re-seeded K 16 run changes by more
+  than 1 % in fewer cases than the re-seeded K 4 run, with a lower median size of change. Both are reported as they
+  come out; neither changes the Goal's standings, which are single runs as the Goal defines them. The arms are not
+  re-seeded: their own noise adds to (a)'s, so these counts are a floor for the verdicts' noise.
 """
 
 from __future__ import annotations
@@ -42,13 +60,14 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Optional
 
-from bench.common import add_probe_arguments, family_of_case, quiet_libraries, run_probe
+from bench.common import add_probe_arguments, case_key, family_of_case, quiet_libraries, run_probe
 from bench.discovery_quality import discover, set_up_case
 from bench.unseen import score_unseen
 from bench.versus import case_overrides, keeping_every_checkpoint, verdict_of
@@ -56,9 +75,14 @@ from bench.versus import case_overrides, keeping_every_checkpoint, verdict_of
 NAME = "timesteps_probe"
 OPPONENTS = ("prodigy_best", "random_best", "prodigy_final", "folk_final", "folk_best")
 DEFAULT_TIMESTEPS = 16
+LOSSES = {"": "val_loss", "unseen_": "unseen_loss"}  # the verdicts' prefix -> the loss they weigh, per image set
 
 
-def probe_case(c: dict[str, Any], work: Path, log=print, timesteps: int = DEFAULT_TIMESTEPS) -> dict[str, Any]:
+def probe_case(c: dict[str, Any], work: Path, log=print, timesteps: int = DEFAULT_TIMESTEPS,
+               training_seed: Optional[int] = None, against: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """(a) re-run on a saved case with `validation.timesteps` K and, when given, another `training.seed`; scored as
+    the arms were. `against`: the probe row (of another run of this probe) (a) is weighed against as its baseline
+    (`base_*`), else the saved case's (a)."""
     from rangefinder.data.synthetic import make_synthetic_dataset
 
     s, u = c["summary"], c["unseen"]
@@ -68,7 +92,10 @@ def probe_case(c: dict[str, Any], work: Path, log=print, timesteps: int = DEFAUL
     make_synthetic_dataset(dataset, kind=c["kind"], count=c["images"], seed=c["seed"], resolution=32)
     args = SimpleNamespace(finetune_epochs=c["finetune_epochs"], smoke=False, soup_tries=0)
     cfg, split_dir = set_up_case(dataset, c["seed"], work, case, case_overrides(c["method"], args, family_of_case(c)))
-    steadier = cfg.model_copy(update={"validation": cfg.validation.model_copy(update={"timesteps": timesteps})})
+    update: dict[str, Any] = {"validation": cfg.validation.model_copy(update={"timesteps": timesteps})}
+    if training_seed is not None:
+        update["training"] = cfg.training.model_copy(update={"seed": training_seed})
+    steadier = cfg.model_copy(update=update)
     t0 = time.perf_counter()
     with keeping_every_checkpoint():
         a = discover(steadier, split_dir, case / "rangefinder")
@@ -82,7 +109,8 @@ def probe_case(c: dict[str, Any], work: Path, log=print, timesteps: int = DEFAUL
     scored = score_unseen(cfg, alone, case, split_dir, u["images"], log)["arms"]["rangefinder"]
     shutil.rmtree(case, ignore_errors=True)
     row: dict[str, Any] = {k: c[k] for k in ("method", "kind", "seed", "held_out")}
-    row.update(family=family_of_case(c), timesteps=timesteps, status=a["status"], error=a.get("error"),
+    row.update(family=family_of_case(c), timesteps=timesteps, training_seed=steadier.training.seed,
+               status=a["status"], error=a.get("error"),
                lr_used=a.get("lr_used"),
                saved_lr_used=c["rangefinder"].get("lr_used"), rule=(a.get("chosen") or {}).get("rule"),
                seconds=seconds, saved_seconds=c["rangefinder"]["seconds"],
@@ -96,6 +124,16 @@ def probe_case(c: dict[str, Any], work: Path, log=print, timesteps: int = DEFAUL
         row[f"saved_vs_{opp}"] = s.get(f"vs_{opp}")
         row[f"unseen_vs_{opp}"] = verdict_of(row["unseen_loss"], theirs_unseen)
         row[f"saved_unseen_vs_{opp}"] = s.get(f"unseen_vs_{opp}")
+    # The baseline (a) this run is weighed against as a run of the same method: its own noise when only the seed
+    # differs. Its losses and its verdicts against the arms, on both image sets.
+    base = against or {"val_loss": row["saved_val_loss"], "unseen_loss": row["saved_unseen_loss"],
+                       **{f"{w}vs_{o}": row[f"saved_{w}vs_{o}"] for w in LOSSES for o in OPPONENTS}}
+    for w, loss in LOSSES.items():
+        mine, theirs = row[loss], base.get(loss)
+        row[f"{w}self_vs_base"] = verdict_of(mine, theirs)
+        row[f"{w}self_change_pct"] = (None if mine is None or not theirs else 100.0 * (mine - theirs) / theirs)
+        for opp in OPPONENTS:
+            row[f"base_{w}vs_{opp}"] = base.get(f"{w}vs_{opp}")
     log(f"{tag} K={timesteps}: lr {row['lr_used']} (saved {row['saved_lr_used']}), unseen {row['unseen_loss']} "
         f"(saved {row['saved_unseen_loss']}); unseen vs Prodigy best {row['unseen_vs_prodigy_best']} (was "
         f"{row['saved_unseen_vs_prodigy_best']}), vs random {row['unseen_vs_random_best']} (was "
@@ -119,11 +157,35 @@ def tally(rows: list[dict[str, Any]]) -> dict[str, Any]:
         1 for r in rows if any(r[f"saved_unseen_vs_{o}"] == "win" and r[f"unseen_vs_{o}"] not in ("win", None)
                                for o in key))
     out["rule_met"] = out["unseen_non_wins_turned_into_wins"] >= 3 and out["unseen_wins_turned_into_non_wins"] <= 1
-    ratios = sorted(r["seconds"] / r["saved_seconds"] for r in rows if r.get("saved_seconds"))
-    out["median_seconds_ratio"] = ratios[len(ratios) // 2] if ratios else None
-    changes = sorted(100.0 * (r["unseen_loss"] - r["saved_unseen_loss"]) / r["saved_unseen_loss"] for r in rows
-                     if r.get("unseen_loss") and r.get("saved_unseen_loss"))
-    out["median_unseen_change_pct"] = changes[len(changes) // 2] if changes else None
+    ratios = [r["seconds"] / r["saved_seconds"] for r in rows if r.get("saved_seconds")]
+    out["median_seconds_ratio"] = statistics.median(ratios) if ratios else None
+    changes = [100.0 * (r["unseen_loss"] - r["saved_unseen_loss"]) / r["saved_unseen_loss"] for r in rows
+               if r.get("unseen_loss") and r.get("saved_unseen_loss")]
+    out["median_unseen_change_pct"] = statistics.median(changes) if changes else None
+    out.update(against_the_baseline(rows))
+    return out
+
+
+def against_the_baseline(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """(a) against its baseline run (the saved (a), or `--against`'s): on each image set, its verdicts against that
+    run as if it were an arm (win / tie / loss beyond the 1 % band), the median and largest size of the change, and
+    how many of the baseline's verdicts against Prodigy's best and random search's best came out otherwise. When
+    the two runs differ only in `training.seed`, this is (a)'s own run-to-run noise, read with the Goal's band."""
+    out: dict[str, Any] = {}
+    for w in LOSSES:
+        if not any(r.get(f"{w}self_vs_base") for r in rows):
+            continue
+        verdicts = [r[f"{w}self_vs_base"] for r in rows if r.get(f"{w}self_vs_base")]
+        sizes = [abs(r[f"{w}self_change_pct"]) for r in rows if r.get(f"{w}self_change_pct") is not None]
+        out[f"{w}self_vs_base"] = {k: verdicts.count(k) for k in ("win", "tie", "loss")}
+        out[f"{w}self_median_abs_change_pct"] = statistics.median(sizes) if sizes else None
+        out[f"{w}self_largest_abs_change_pct"] = max(sizes) if sizes else None
+        for opp in ("prodigy_best", "random_best"):
+            pairs = [(r.get(f"base_{w}vs_{opp}"), r.get(f"{w}vs_{opp}")) for r in rows]
+            pairs = [(b, n) for b, n in pairs if b and n]
+            out[f"{w}verdicts_changed_vs_{opp}"] = {"changed": sum(b != n for b, n in pairs), "of": len(pairs),
+                                                      "base": {k: [b for b, _ in pairs].count(k)
+                                                               for k in ("win", "tie", "loss")}}
     return out
 
 
@@ -132,14 +194,25 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     add_probe_arguments(p)
     p.add_argument("--part", default="1/1", help="K/N: every Nth case from the Kth, to run N probes side by side")
     p.add_argument("--timesteps", type=int, default=DEFAULT_TIMESTEPS, help="validation.timesteps in (a)")
+    p.add_argument("--training-seed", type=int, help="training.seed in (a) (as saved when left out): its own noise")
+    p.add_argument("--against", type=Path, nargs="+", help="results of this probe whose (a) is the baseline, case "
+                   "by case (as saved when left out)")
     args = p.parse_args(argv)
     quiet_libraries()
     cases = [c for c in json.loads(args.source.read_text())["cases"] if c.get("unseen")]
     k, n = (int(x) for x in args.part.split("/"))
     cases = cases[k - 1::n]
 
+    baselines = None if not args.against else {
+        case_key(r): r for f in args.against for r in json.loads(f.read_text())["cases"]}
+    missing = [case_key(c) for c in cases if baselines is not None and case_key(c) not in baselines]
+    if missing:
+        raise SystemExit(f"--against has no row for {len(missing)} of the cases (the first: {missing[0]}); give "
+                         "results of this probe over the same --from file")
+
     def probe(c: dict[str, Any], work: Path, log=print) -> dict[str, Any]:
-        return probe_case(c, work, log, args.timesteps)
+        against = None if baselines is None else baselines[case_key(c)]
+        return probe_case(c, work, log, args.timesteps, args.training_seed, against)
 
     return run_probe(NAME, args, cases, probe, tally)
 
