@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import statistics
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -167,7 +168,7 @@ def optimism(summaries: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     for arm in UNSEEN_ARMS:
         r = sorted(s[f"unseen_{arm}"] / s[arm] for s in summaries
                    if s.get(f"unseen_{arm}") is not None and s.get(arm))
-        out[arm] = {"n": len(r), "median": r[len(r) // 2] if r else None, "min": r[0] if r else None,
+        out[arm] = {"n": len(r), "median": statistics.median(r) if r else None, "min": r[0] if r else None,
                     "max": r[-1] if r else None}
     return out
 
