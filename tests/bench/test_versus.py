@@ -6,11 +6,13 @@ from pathlib import Path
 import pytest
 
 from bench.versus import (
+    DEFAULT_TRAINING_SEED,
     HELD_OUT_KINDS,
     HELD_OUT_SEEDS,
     OPPONENTS,
     SCORED_ARMS,
     aggregate,
+    case_overrides,
     delivered_weights,
     finish,
     held_out_prompts,
@@ -224,7 +226,7 @@ def test_rechoose_without_a_window_delivers_the_run_s_lowest_loss_and_compares_i
     assert rechoose(failed) is failed  # nothing to re-read
 
 
-def test_saved_arms_are_reused_only_for_the_same_data_length_and_span():
+def test_saved_arms_are_reused_only_for_the_same_data_length_span_and_seed():
     old = _case([[4, 0.1], [8, 0.09]], None)
     a = dict(old["rangefinder"])
     assert reusable_arms(old, a, (1e-6, 1.0), 20)
@@ -233,6 +235,13 @@ def test_saved_arms_are_reused_only_for_the_same_data_length_and_span():
     assert not reusable_arms(old, {**a, "finetune_updates": 20}, (1e-6, 1.0), 20)  # another length
     assert not reusable_arms(old, {**a, "baseline_val_loss": 0.21}, (1e-6, 1.0), 20)  # other data or split
     assert not reusable_arms(old, a, (1e-6, 1.0), 10)
+    # A replicate with another training seed trains every arm afresh; a case saved before the seed was recorded ran
+    # with the config's default.
+    from rangefinder.config import TrainingConfig
+
+    assert DEFAULT_TRAINING_SEED == TrainingConfig().seed
+    assert not reusable_arms(old, a, (1e-6, 1.0), 20, training_seed=1235)
+    assert reusable_arms({**old, "training_seed": 1235}, a, (1e-6, 1.0), 20, training_seed=1235)
 
 
 def test_report_reads_results_from_before_family_as_sd1_and_keeps_each_family_s_case(tmp_path, capsys):
@@ -257,3 +266,13 @@ def test_textual_inversion_on_a_flow_family_is_one_clear_error(capsys):
         main(["--family", "flux", "--methods", "textual_inversion", "--out", "/nonexistent/never-written.json"])
     err = capsys.readouterr().err
     assert "no textual inversion on flux" in err and "--methods full,lora" in err and "Traceback" not in err
+
+
+def test_a_replicate_sets_the_training_seed_of_every_arm():
+    """--training-seed goes into the case's config, which every arm's run starts from (and the case records it);
+    without it the config's default stands, so the saved cases rebuild."""
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(finetune_epochs=40, smoke=False, soup_tries=0, training_seed=None)
+    assert "seed" not in case_overrides("lora", args)["training"]
+    assert case_overrides("lora", SimpleNamespace(**{**vars(args), "training_seed": 1235}))["training"]["seed"] == 1235
