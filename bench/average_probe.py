@@ -68,6 +68,7 @@ import argparse
 import functools
 import json
 import shutil
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -182,7 +183,7 @@ def _rank(v: Optional[str]) -> int:
 
 def _median(values: list[Optional[float]]) -> Optional[float]:
     v = sorted(x for x in values if x is not None)
-    return None if not v else (v[len(v) // 2] if len(v) % 2 else 0.5 * (v[len(v) // 2 - 1] + v[len(v) // 2]))
+    return statistics.median(v) if v else None
 
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
 from typing import Any, Optional
 
@@ -49,7 +50,7 @@ def run(points: list[int], noises: list[float], seeds: int, bootstrap: int, miss
         bands.append({"score": f"{lo_q:.1f}-{min(hi_q, 1.0):.1f}", "readings": len(sel),
                       "misses": sum(e > miss_decades for e in errs),
                       "miss_share": (sum(e > miss_decades for e in errs) / len(sel)) if sel else None,
-                      "median_error_decades": errs[len(errs) // 2] if errs else None})
+                      "median_error_decades": statistics.median(errs) if errs else None})
     out["bands"] = bands
     out["rows"] = rows
     return out

@@ -139,6 +139,7 @@ import math
 import os
 import random
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -799,7 +800,7 @@ def aggregate(summaries: list[dict[str, Any]]) -> dict[str, Any]:
         # A case where (a) failed (no loss, so no gap) is a miss of the grid criterion, not a case less.
         failed = sum(s.get(f"gap_{arm}_pct") is None for s in graded) if arm == "rangefinder" else 0
         out[f"gap_{arm}_pct"] = {"n": len(gaps) + failed, "failed": failed,
-                                 "median": gaps[len(gaps) // 2] if gaps else None,
+                                 "median": statistics.median(gaps) if gaps else None,
                                  "max": gaps[-1] if gaps else None,
                                  "within_3pct": sum(x <= GRID_GAP_PCT for x in gaps)}
     shares = sorted(s["rangefinder_update_share"] for s in graded)
