@@ -72,7 +72,7 @@ def train_updates(method, parts: Parts, captions: list[str], updates: int, lr: f
         opt.step()
         opt.zero_grad(set_to_none=True)
         method.after_optimizer_step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses
 
 
