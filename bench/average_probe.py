@@ -77,10 +77,9 @@ from typing import Any, Optional
 
 from bench.common import add_probe_arguments, family_of_case, quiet_libraries, run_probe
 from bench.discovery_quality import set_up_case
-from bench.versus import case_overrides, plain_finetune, verdict_of, without_soup
+from bench.versus import OPPONENTS, case_overrides, plain_finetune, verdict_of, without_soup
 
 NAME = "average_probe"
-OPPONENTS = ("prodigy_best", "random_best", "prodigy_final", "folk_final", "folk_best")
 
 
 def candidate(c: dict[str, Any]) -> bool:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from bench.common import case_key
+from bench.discovery_quality import gap_pct
 from bench.unseen import UNSEEN_ARMS, unseen_view
 from bench.versus import DEFAULT_TRAINING_SEED, OPPONENTS, aggregate, verdict_of
 
@@ -41,31 +42,36 @@ def paired(first: dict[tuple[str, str, str, int], dict[str, Any]],
     return [(first[k]["summary"], c["summary"]) for k, c in second.items() if k in first]
 
 
+def moved(pairs: list[tuple[Optional[float], Optional[float]]]) -> dict[str, Any]:
+    """One run against a baseline run of the same arm, as if it were an opponent, over (baseline loss, run loss)
+    pairs: win / tie / loss with the 1 % band (a run that delivered nothing is a loss, as in bench.versus), and the
+    median and largest size of the change in %. Pairs without a baseline loss are left out."""
+    pairs = [(x, y) for x, y in pairs if x is not None]
+    verdicts = [verdict_of(y, x) for x, y in pairs]
+    sizes = [abs(g) for x, y in pairs if (g := gap_pct(y, x)) is not None]
+    return {"n": len(pairs), **{k: verdicts.count(k) for k in ("win", "tie", "loss")},
+            "median_abs_change_pct": statistics.median(sizes) if sizes else None,
+            "largest_abs_change_pct": max(sizes) if sizes else None}
+
+
+def verdicts_changed(pairs: list[tuple[Optional[str], Optional[str]]]) -> dict[str, int]:
+    """How many of (a)'s verdicts against an arm came out otherwise, over (before, after) pairs where both exist."""
+    both = [(x, y) for x, y in pairs if x and y]
+    return {"changed": sum(x != y for x, y in both), "of": len(both)}
+
+
 def arm_changes(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
-    """Per image set and arm: the replicate against the first run (win / tie / loss with the 1 % band; a failed run
-    is a loss, as in bench.versus), the median and largest size of the change in %; and per opponent, how many of
-    (a)'s verdicts came out otherwise."""
+    """Per image set and arm: the replicate against the first run (`moved`); and per opponent, how many of (a)'s
+    verdicts came out otherwise."""
     out: dict[str, Any] = {}
     for w in PREFIXES:
-        per_arm: dict[str, Any] = {}
-        for arm in UNSEEN_ARMS:
-            both = [(a.get(f"{w}{arm}"), b.get(f"{w}{arm}")) for a, b in pairs if a.get(f"{w}{arm}") is not None]
-            if not both:
-                continue
-            verdicts = [verdict_of(y, x) for x, y in both]
-            sizes = [abs(100.0 * (y - x) / x) for x, y in both if y is not None]
-            per_arm[arm] = {"n": len(both), **{k: verdicts.count(k) for k in ("win", "tie", "loss")},
-                            "median_abs_change_pct": statistics.median(sizes) if sizes else None,
-                            "largest_abs_change_pct": max(sizes) if sizes else None}
-        changed = {}
-        for opp in OPPONENTS:
-            v = [(a.get(f"{w}vs_{opp}"), b.get(f"{w}vs_{opp}")) for a, b in pairs]
-            v = [(x, y) for x, y in v if x and y]
-            if v:
-                changed[opp] = {"changed": sum(x != y for x, y in v), "of": len(v)}
+        per_arm = {arm: moved([(a.get(f"{w}{arm}"), b.get(f"{w}{arm}")) for a, b in pairs]) for arm in UNSEEN_ARMS}
+        per_arm = {arm: m for arm, m in per_arm.items() if m["n"]}
+        changed = {opp: verdicts_changed([(a.get(f"{w}vs_{opp}"), b.get(f"{w}vs_{opp}")) for a, b in pairs])
+                   for opp in OPPONENTS}
         if per_arm:
             out[f"{w or 'validation_'}arms"] = per_arm
-            out[f"{w or 'validation_'}verdicts_changed"] = changed
+            out[f"{w or 'validation_'}verdicts_changed"] = {opp: c for opp, c in changed.items() if c["of"]}
     return out
 
 
@@ -92,10 +98,9 @@ def mean_summary(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
 def read_together(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
     """The standings of the replicate alone and of the two runs' means, on both image sets, as bench.versus counts
     them (aggregate: wins, ties and losses against each arm and the Goal's lines), overall and per method."""
-    means = [mean_summary(a, b) for a, b in pairs]
-    seconds = [b for _, b in pairs]
     out: dict[str, Any] = {"cases": len(pairs)}
-    for name, sums in (("first", [a for a, _ in pairs]), ("replicate", seconds), ("mean_of_two", means)):
+    for name, sums in (("first", [a for a, _ in pairs]), ("replicate", [b for _, b in pairs]),
+                       ("mean_of_two", [mean_summary(a, b) for a, b in pairs])):
         out[name] = {"validation": aggregate(sums),
                      "by_method": {m: aggregate([s for s in sums if s["method"] == m])
                                    for m in dict.fromkeys(s["method"] for s in sums)}}

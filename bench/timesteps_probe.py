@@ -68,12 +68,12 @@ from types import SimpleNamespace
 from typing import Any, Optional
 
 from bench.common import add_probe_arguments, case_key, family_of_case, quiet_libraries, run_probe
-from bench.discovery_quality import discover, set_up_case
+from bench.discovery_quality import discover, gap_pct, set_up_case
+from bench.replicates import moved, verdicts_changed
 from bench.unseen import score_unseen
-from bench.versus import case_overrides, keeping_every_checkpoint, verdict_of
+from bench.versus import OPPONENTS, case_overrides, keeping_every_checkpoint, verdict_of
 
 NAME = "timesteps_probe"
-OPPONENTS = ("prodigy_best", "random_best", "prodigy_final", "folk_final", "folk_best")
 DEFAULT_TIMESTEPS = 16
 LOSSES = {"": "val_loss", "unseen_": "unseen_loss"}  # the verdicts' prefix -> the loss they weigh, per image set
 
@@ -130,8 +130,9 @@ def probe_case(c: dict[str, Any], work: Path, log=print, timesteps: int = DEFAUL
                        **{f"{w}vs_{o}": row[f"saved_{w}vs_{o}"] for w in LOSSES for o in OPPONENTS}}
     for w, loss in LOSSES.items():
         mine, theirs = row[loss], base.get(loss)
+        row[f"base_{loss}"] = theirs
         row[f"{w}self_vs_base"] = verdict_of(mine, theirs)
-        row[f"{w}self_change_pct"] = (None if mine is None or not theirs else 100.0 * (mine - theirs) / theirs)
+        row[f"{w}self_change_pct"] = gap_pct(mine, theirs)
         for opp in OPPONENTS:
             row[f"base_{w}vs_{opp}"] = base.get(f"{w}vs_{opp}")
     log(f"{tag} K={timesteps}: lr {row['lr_used']} (saved {row['saved_lr_used']}), unseen {row['unseen_loss']} "
@@ -159,7 +160,7 @@ def tally(rows: list[dict[str, Any]]) -> dict[str, Any]:
     out["rule_met"] = out["unseen_non_wins_turned_into_wins"] >= 3 and out["unseen_wins_turned_into_non_wins"] <= 1
     ratios = [r["seconds"] / r["saved_seconds"] for r in rows if r.get("saved_seconds")]
     out["median_seconds_ratio"] = statistics.median(ratios) if ratios else None
-    changes = [100.0 * (r["unseen_loss"] - r["saved_unseen_loss"]) / r["saved_unseen_loss"] for r in rows
+    changes = [gap_pct(r["unseen_loss"], r["saved_unseen_loss"]) for r in rows
                if r.get("unseen_loss") and r.get("saved_unseen_loss")]
     out["median_unseen_change_pct"] = statistics.median(changes) if changes else None
     out.update(against_the_baseline(rows))
@@ -172,20 +173,18 @@ def against_the_baseline(rows: list[dict[str, Any]]) -> dict[str, Any]:
     how many of the baseline's verdicts against Prodigy's best and random search's best came out otherwise. When
     the two runs differ only in `training.seed`, this is (a)'s own run-to-run noise, read with the Goal's band."""
     out: dict[str, Any] = {}
-    for w in LOSSES:
-        if not any(r.get(f"{w}self_vs_base") for r in rows):
+    for w, loss in LOSSES.items():
+        m = moved([(r.get(f"base_{loss}"), r.get(loss)) for r in rows])
+        if not m["n"]:
             continue
-        verdicts = [r[f"{w}self_vs_base"] for r in rows if r.get(f"{w}self_vs_base")]
-        sizes = [abs(r[f"{w}self_change_pct"]) for r in rows if r.get(f"{w}self_change_pct") is not None]
-        out[f"{w}self_vs_base"] = {k: verdicts.count(k) for k in ("win", "tie", "loss")}
-        out[f"{w}self_median_abs_change_pct"] = statistics.median(sizes) if sizes else None
-        out[f"{w}self_largest_abs_change_pct"] = max(sizes) if sizes else None
+        out[f"{w}self_vs_base"] = {k: m[k] for k in ("win", "tie", "loss")}
+        out[f"{w}self_median_abs_change_pct"] = m["median_abs_change_pct"]
+        out[f"{w}self_largest_abs_change_pct"] = m["largest_abs_change_pct"]
         for opp in ("prodigy_best", "random_best"):
             pairs = [(r.get(f"base_{w}vs_{opp}"), r.get(f"{w}vs_{opp}")) for r in rows]
-            pairs = [(b, n) for b, n in pairs if b and n]
-            out[f"{w}verdicts_changed_vs_{opp}"] = {"changed": sum(b != n for b, n in pairs), "of": len(pairs),
-                                                      "base": {k: [b for b, _ in pairs].count(k)
-                                                               for k in ("win", "tie", "loss")}}
+            base = [b for b, n in pairs if b and n]
+            out[f"{w}verdicts_changed_vs_{opp}"] = {**verdicts_changed(pairs),
+                                                      "base": {k: base.count(k) for k in ("win", "tie", "loss")}}
     return out
 
 

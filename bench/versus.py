@@ -161,6 +161,7 @@ from bench.common import (
 )
 from bench.discovery_quality import SMOKE_SAMPLING, curve_stats, discover, gap_pct, set_up_case, train_fixed_lr
 from bench.unseen import UNSEEN_ARMS, flips, optimism, score_unseen, unseen_summary, unseen_view
+from rangefinder.config import TrainingConfig
 
 NAME = "versus"
 DEFAULT_METHODS = "full,lora,textual_inversion"
@@ -484,7 +485,8 @@ def load_saved_arms(paths: list[Path]) -> dict[tuple[str, str, str, int], dict[s
     return out
 
 
-DEFAULT_TRAINING_SEED = 1234  # rangefinder.config.TrainingConfig's seed: every saved case ran with it
+# rangefinder.config.TrainingConfig's seed: every saved case ran with it
+DEFAULT_TRAINING_SEED: int = TrainingConfig.model_fields["seed"].default
 
 
 def reusable_arms(old: Optional[dict[str, Any]], a: dict[str, Any], span: tuple[float, float],
