@@ -1,4 +1,5 @@
-"""training.compile: the compiled engine trains the same model as eager, and the resolved choice is recorded.
+"""training.compile: the compiled engine trains the same model as eager, every repeated block stays compiled, and the
+resolved choice is recorded.
 
 Inductor on CPU (gcc): the tiny 32 px model, 2 updates. Only the UNet's repeated transformer blocks are compiled
 (diffusers' regional compilation), which is also what keeps this test short.
@@ -14,8 +15,10 @@ import torch
 from safetensors.torch import load_file
 
 from rangefinder.config import TrainingConfig, ValidationConfig
+from rangefinder.models.loading import SDComponents
 from rangefinder.training.loop import TrainSpec, train
-from rangefinder.training.setup import COMPILE_AUTO_MIN_UPDATES, resolve_compile
+from rangefinder.training.methods.full import FullFineTune
+from rangefinder.training.setup import COMPILE_AUTO_MIN_UPDATES, compile_forward_modules, resolve_compile
 
 VALIDATE_EVERY_UPDATE = ValidationConfig(every_updates=1, timesteps=2)
 UNET_FILE = "unet/diffusion_pytorch_model.safetensors"
@@ -65,6 +68,47 @@ def test_compiled_training_matches_eager(tmp_path, split_dir, tiny_model_dir):
     assert (compiled_step - eager_step).norm() <= 1e-3 * eager_step.norm()
     close = torch.isclose(compiled_step, eager_step, rtol=1e-4, atol=1e-6).float().mean()
     assert close > 0.999
+
+
+def test_blocks_of_every_width_stay_compiled():
+    """Every variant of the repeated block keeps a compiled graph (issue 38: an SD 1.5 run on an H100 hit dynamo's
+    recompile limit, 8 graphs per code object, in BasicTransformerBlock.forward and silently ran the rest eager).
+    All the blocks share that one code object, and each width x grad mode x latent shape (until the sequence length
+    turns dynamic) is a graph of its own: here 4 widths, training and no-grad validation, 2 latent shapes, more than
+    8 graphs. The backend is "eager" (dynamo's graphs run as they are): the limit is dynamo's, counted before any
+    backend sees a graph, so it is the same under inductor, and this takes seconds instead of minutes. The fallback
+    is read from dynamo's counters: the "Dynamo recompile limit exceeded" graph break it records, and a frame it was
+    handed but did not compile."""
+    from diffusers import UNet2DConditionModel
+
+    unet = UNet2DConditionModel(
+        sample_size=8, block_out_channels=(8, 16, 24, 32), layers_per_block=1, norm_num_groups=8,
+        down_block_types=("CrossAttnDownBlock2D",) * 4, up_block_types=("CrossAttnUpBlock2D",) * 4,
+        cross_attention_dim=8, attention_head_dim=2,
+    )
+    sd = SDComponents(unet=unet, vae=None, text_encoder=None, tokenizer=None, noise_scheduler=None, source="test")
+    text = torch.randn(2, 5, 8)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    try:
+        with torch._dynamo.config.patch(recompile_limit=8):  # dynamo's default, whatever an earlier test left
+            compile_forward_modules(sd, FullFineTune(TrainingConfig()), backend="eager")
+            for latent_shape in ((8, 8), (16, 8)):
+                latents = torch.randn(2, 4, *latent_shape)
+                unet.train()
+                unet(latents, 10, text).sample.sum().backward()
+                unet.eval()
+                with torch.no_grad():
+                    unet(latents, 10, text)
+        counters = torch._dynamo.utils.counters
+        graphs = counters["stats"]["unique_graphs"]
+        frames = dict(counters["frames"])  # every frame dynamo was handed, and those it compiled
+        limit_hit = [k for k in counters["unimplemented"] if "recompile limit" in k.lower()]
+    finally:
+        torch._dynamo.reset()
+    assert not limit_hit, f"after {graphs} graphs dynamo ran the rest eager: {limit_hit[0].splitlines()[0]}"
+    assert frames["ok"] == frames["total"]  # no frame left uncompiled for any other reason either
+    assert graphs > 8, f"{graphs} graphs: within dynamo's default limit, so this no longer tests raising it"
 
 
 def test_auto_compiles_long_cuda_runs_only():

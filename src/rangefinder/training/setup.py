@@ -100,7 +100,9 @@ def check_settings(spec: TrainSpec, out_dir: Union[str, Path], split: Optional[S
 # ~40 s (~16 s for the training graph in the first update, ~25 s for validation's no-grad graph in the first pass)
 # and saved 0.0115 s of a 0.173 s update (7 %), so it paid after ~3500 updates (~1350 counting the training graph
 # alone). It was 1000, set from an estimate of 30-60 s and a 10-30 % gain. That run hit dynamo's recompile limit (8)
-# in the repeated block, so part of the UNet fell back to eager: with that fixed the gain, and this number, will move.
+# in the repeated block, so part of the UNet fell back to eager. That is fixed (compile_forward_modules raises the
+# limit to what the block widths need; tests/training/test_compile.py): the gain, and this number, are to be measured
+# again on a GPU.
 COMPILE_AUTO_MIN_UPDATES = 3500
 
 
@@ -200,25 +202,58 @@ def load_model(settings: RunSettings, accelerator: Accelerator) -> tuple[SDCompo
     return sd, family
 
 
-def compile_forward_modules(sd: SDComponents, method: Method) -> None:
+def compile_forward_modules(sd: SDComponents, method: Method, **compile_kwargs: Any) -> None:
     """torch.compile, in place, of what runs every micro-batch: the UNet, and the text encoder when its output
     changes (it is then part of every forward). In place (`Module.compile`, not a `torch.compile` wrapper) so that
-    accelerate's prepare, unwrap_model and validation all see the same module and share its compiled graphs
-    (validation's no-grad forward is one more graph of the same code, compiled once).
+    accelerate's prepare, unwrap_model and validation all see the same module and share its compiled graphs.
+    `compile_kwargs` go to `torch.compile` as they are (the tests pass `backend="eager"`).
 
     The UNet is compiled by region (diffusers' compile_repeated_blocks: its BasicTransformerBlocks): the blocks are
-    identical code, so one compile serves them all and compile time is a fraction of the whole UNet's
-    (pytorch.org/tutorials/recipes/regional_compilation). Models without `_repeated_blocks` are compiled whole.
-    With aspect-ratio buckets a run feeds several latent shapes: dynamo recompiles on the second shape with the
-    height and width marked dynamic (its automatic dynamic shapes), so one more compile, not one per bucket;
-    `max_aspect` keeps the number of shapes small.
+    identical code, so compile time is a fraction of the whole UNet's (pytorch.org/tutorials/recipes/
+    regional_compilation). Models without `_repeated_blocks` are compiled whole.
+
+    Identical code means one code object: dynamo keeps every compiled graph of every block instance in one cache, on
+    `BasicTransformerBlock.forward`, and the parameters' shapes are static, so each block width is its own graph (SD
+    1.5: 320, 640, 1280). Each of those is compiled again for validation (no_grad is a guard of every graph), and with
+    aspect-ratio buckets once more when a new latent shape changes the sequence length (dynamo's automatic dynamic
+    shapes: one more graph with the length dynamic, not one per bucket; `max_aspect` keeps the shapes few). Dynamo
+    allows 8 graphs per code object (`recompile_limit`) and then silently runs the rest eager: an SD 1.5 run on an
+    H100 hit it (bench/RESULTS.md, issue 38). `raise_recompile_limit` makes room for them all.
     """
     modules = [sd.unet] + (list(sd.text_encoders().values()) if method.text_encoder_changes else [])
     for m in modules:
         if getattr(m, "_repeated_blocks", None) and hasattr(m, "compile_repeated_blocks"):
-            m.compile_repeated_blocks()
+            raise_recompile_limit(repeated_block_shapes(m) * GRAPHS_PER_BLOCK_SHAPE)
+            m.compile_repeated_blocks(**compile_kwargs)
         else:
-            m.compile()
+            m.compile(**compile_kwargs)
+
+
+# The graphs dynamo may keep per distinct shape of a repeated block: with grad (training) and without (validation),
+# each for its first latent shape and again with the sequence length dynamic; x2 for what this does not foresee (e.g.
+# a validation batch of another size, which makes the batch dimension dynamic too). SD 1.5: 3 x 8 = 24 graphs allowed.
+GRAPHS_PER_BLOCK_SHAPE = 2 * 2 * 2
+
+
+def repeated_block_shapes(module: torch.nn.Module) -> int:
+    """The most distinct sets of parameter shapes among the instances of any one of `module`'s repeated block
+    classes (diffusers' `_repeated_blocks`): the graphs one of their code objects needs per grad mode and shape."""
+    repeated = getattr(module, "_repeated_blocks", ())
+    shapes: dict[str, set[tuple[tuple[int, ...], ...]]] = {}
+    for sub in module.modules():
+        name = type(sub).__name__
+        if name in repeated:
+            shapes.setdefault(name, set()).add(tuple(tuple(p.shape) for p in sub.parameters()))
+    return max((len(s) for s in shapes.values()), default=1)
+
+
+def raise_recompile_limit(graphs: int) -> None:
+    """Let dynamo keep `graphs` compiled graphs per code object, process-wide; an existing larger limit is kept.
+    (`recompile_limit` was `cache_size_limit` before torch 2.6. Its companion `accumulated_recompile_limit`, 256 by
+    default, caps all of a code object's graphs together and is far above what any UNet here needs.)"""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(getattr(config, name), graphs))
 
 
 @contextlib.contextmanager
