@@ -12,6 +12,7 @@ Parts (a part starts only while its minimum time is left; a stopped part says so
    first updates left out), the reference loop at batch 4 and at the largest batch that fitted, LoRA at the same
    batches, the fine-tune's validation overhead (every epoch) eager, then once compiled (compile seconds, compiled
    rate, the compiled module's validation overhead).
+   k16: the eager validation overhead again at validation.timesteps 16 (issue 34's steadier loss), beside K 4's.
 3. extras: a torch.profiler summary of the full fine-tune at the largest batch, the bf16 all-reduce hook's cost under
    DDP on NCCL with one process.
 Files: env.json, wholerun.json, wholerun_log.txt, goals.json, profile.txt, extras.json (and the caller's log.txt).
@@ -170,7 +171,8 @@ class Stamps:
 
 def engine(setup, *, method: str, batch: int, updates: int, device: str, mp: str, cache_dir: Path,
            compile: str = "off", validate_every_epochs: float = 0, skip: int = 3,
-           on_update: Optional[Callable[[int], None]] = None, timed_validation: bool = False) -> dict[str, Any]:
+           on_update: Optional[Callable[[int], None]] = None, timed_validation: bool = False,
+           timesteps: Optional[int] = None) -> dict[str, Any]:
     import torch
 
     from bench.common import PeakMemory, mib
@@ -180,7 +182,8 @@ def engine(setup, *, method: str, batch: int, updates: int, device: str, mp: str
     cfg = TrainingConfig(method=method, batch_size=batch, steps=updates, lr=1e-5, schedule="constant",
                          mixed_precision=mp, max_grad_norm=1.0, seed=0, cache_dir=str(cache_dir),
                          channels_last=device == "cuda", compile=compile)
-    val = ValidationConfig(every_epochs=validate_every_epochs)
+    val = ValidationConfig(every_epochs=validate_every_epochs,
+                           **({"timesteps": timesteps} if timesteps else {}))  # None: the shipped K
     stamps = Stamps(on_update)
     out = Path(tempfile.mkdtemp(prefix="gpu-engine-"))
     calls: list[float] = []
@@ -290,7 +293,7 @@ def goals(out: Path, work: Path, setup, device: str, mp: str, deadline: float, t
     best = max(res["full"], key=lambda b: res["full"][b]["images_per_second"] or 0) if res["full"] else None
     res["best_full_batch"] = best
     # b. the reference at batch 4 and at the largest
-    for b in sorted({batches[0], largest} - {None}):
+    for b in (sorted({batches[0], largest} - {None}) if "goals" in parts else []):
         row = guarded(f"reference b{b}", 25, lambda b=b: reference(setup, batch=b, updates=upd[b] - 1, mp=mp,
                                                                     timed_from=3))
         if isinstance(row, dict):
@@ -299,7 +302,7 @@ def goals(out: Path, work: Path, setup, device: str, mp: str, deadline: float, t
             if b in res["full"] and res["full"][b]["steady_s_per_update"]:
                 row["engine_over_reference"] = row["steady_s_per_update"] / res["full"][b]["steady_s_per_update"]
     # c. LoRA at the same batches
-    for b in sorted({batches[0], best} - {None}):
+    for b in (sorted({batches[0], best} - {None}) if "goals" in parts else []):
         row = guarded(f"lora eager b{b}", 25, lambda b=b: engine(setup, method="lora", batch=b, updates=upd[b],
                                                                   device=device, mp=mp, cache_dir=cache))
         if isinstance(row, dict):
@@ -316,13 +319,24 @@ def goals(out: Path, work: Path, setup, device: str, mp: str, deadline: float, t
         ts = row["update_times"]
         return statistics.median(b - a for a, b in zip(ts[2:], ts[3:], strict=False)) if len(ts) > 4 else None
 
-    def val_run(compile: str) -> dict[str, Any]:
+    def val_run(compile: str, timesteps: Optional[int] = None) -> dict[str, Any]:
+        from rangefinder.config import ValidationConfig
         from rangefinder.data.split import read_split
 
         epochs = 1 if tiny else 3
         epochs_updates = epochs * -(-len(read_split(setup.split_dir).train) // b4)  # whole epochs: ceil
+        from torch._dynamo.utils import counters
+
+        counters.clear()
         row = engine(setup, method="full", batch=b4, updates=epochs_updates, device=device, mp=mp, cache_dir=cache,
-                     compile=compile, validate_every_epochs=1, timed_validation=True)
+                     compile=compile, validate_every_epochs=1, timed_validation=True, timesteps=timesteps)
+        if compile == "on":  # what dynamo compiled, and whether it ran any frame eager for its recompile limit
+            config = torch._dynamo.config
+            row["dynamo"] = {"unique_graphs": counters["stats"]["unique_graphs"], "frames": dict(counters["frames"]),
+                             "recompile_limit": getattr(config, "recompile_limit", None),
+                             "recompile_limit_fallbacks": [k for k in counters["unimplemented"]
+                                                           if "recompile limit" in k.lower()]}
+        row["validation_timesteps"] = timesteps or ValidationConfig().timesteps
         times = row["validation_seconds"]
         # measure_subset calls per pass: val and stabilize (validation.stabilize_every=1). Passes: update 0, every
         # epoch's end and the run's end (which is not an epoch's end when micro-batches straddle epochs).
@@ -336,13 +350,22 @@ def goals(out: Path, work: Path, setup, device: str, mp: str, deadline: float, t
         # Every pass at the cost of the later ones (the first carries the no-grad graph's first call, and its compile
         # when compiled).
         later = sum(times[per_pass:]) / (passes - 1)
+        row["later_pass_seconds"] = later
         row["overhead_steady"] = later * passes / training
         row["median_s_per_update"] = median_interval(row)
         return row
 
-    row = guarded("validation overhead eager", 30, lambda: val_run("off")) if parts & {"goals", "compile"} else None
+    row = guarded("validation overhead eager", 30, lambda: val_run("off")) if parts & {"goals", "compile", "k16"} \
+        else None
     if isinstance(row, dict):
         res["validation_eager"] = row
+    # d'. the same at validation.timesteps 16 (issue 34's steadier loss: four times the draws per image), eager
+    row = guarded("validation overhead eager K16", 30, lambda: val_run("off", 16)) if "k16" in parts else None
+    if isinstance(row, dict):
+        res["validation_eager_k16"] = row
+        k4 = res.get("validation_eager")
+        if k4:
+            row["pass_seconds_over_k4"] = row["later_pass_seconds"] / k4["later_pass_seconds"]
     # e. one compiled run: compile seconds, the compiled rate at batch 4, the compiled validation's overhead
     need = 40 if tiny else 150
     row = guarded("compiled full b4 with validation", need, lambda: val_run("on")) if "compile" in parts else None
@@ -447,7 +470,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--wholerun-budget", type=float, default=190)
     p.add_argument("--tiny", action="store_true", help="CPU dry run: the tiny model at 64 px")
     p.add_argument("--batches", default="4,32,48")
-    p.add_argument("--parts", default="wholerun,goals,compile,profile,allreduce")
+    p.add_argument("--parts", default="wholerun,goals,compile,k16,profile,allreduce")
     args = p.parse_args(argv)
     out, work = args.out, args.work
     out.mkdir(parents=True, exist_ok=True)
