@@ -12,6 +12,7 @@ Parts (a part starts only while its minimum time is left; a stopped part says so
    first updates left out), the reference loop at batch 4 and at the largest batch that fitted, LoRA at the same
    batches, the fine-tune's validation overhead (every epoch) eager, then once compiled (compile seconds, compiled
    rate, the compiled module's validation overhead).
+   compile_static: the compiled run again with dynamo's automatic dynamic shapes off (static graphs per shape).
    k16: the eager validation overhead again at validation.timesteps 16 (issue 34's steadier loss), beside K 4's.
 3. extras: a torch.profiler summary of the full fine-tune at the largest batch, the bf16 all-reduce hook's cost under
    DDP on NCCL with one process.
@@ -328,6 +329,8 @@ def goals(out: Path, work: Path, setup, device: str, mp: str, deadline: float, t
         from torch._dynamo.utils import counters
 
         counters.clear()
+        if compile == "on":
+            torch._dynamo.reset()  # a compiled run before this one leaves graphs a new run could reuse
         row = engine(setup, method="full", batch=b4, updates=epochs_updates, device=device, mp=mp, cache_dir=cache,
                      compile=compile, validate_every_epochs=1, timed_validation=True, timesteps=timesteps)
         if compile == "on":  # what dynamo compiled, and whether it ran any frame eager for its recompile limit
@@ -355,8 +358,8 @@ def goals(out: Path, work: Path, setup, device: str, mp: str, deadline: float, t
         row["median_s_per_update"] = median_interval(row)
         return row
 
-    row = guarded("validation overhead eager", 30, lambda: val_run("off")) if parts & {"goals", "compile", "k16"} \
-        else None
+    row = guarded("validation overhead eager", 30, lambda: val_run("off")) \
+        if parts & {"goals", "compile", "compile_static", "k16"} else None
     if isinstance(row, dict):
         res["validation_eager"] = row
     # d'. the same at validation.timesteps 16 (issue 34's steadier loss: four times the draws per image), eager
@@ -386,6 +389,19 @@ def goals(out: Path, work: Path, setup, device: str, mp: str, deadline: float, t
             row["break_even_updates"] = cost / row["gain_s_per_update"] if row["gain_s_per_update"] > 0 else None
         except Exception as e:  # noqa: BLE001 - the measured rows are kept
             res["errors"].append(f"compile arithmetic: {type(e).__name__}: {e}")
+    # f. compiled again with dynamo's automatic dynamic shapes off: a new shape (a partial last micro-batch, another
+    # bucket) gets graphs of its own with static shapes instead of turning a dimension dynamic
+    if "compile_static" in parts:
+        def static_run() -> dict[str, Any]:
+            with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+                return val_run("on")
+
+        row = guarded("compiled full b4, static shapes", need, static_run)
+        if isinstance(row, dict):
+            res["compiled_static"] = row
+            ev = res.get("validation_eager")
+            if ev and ev["median_s_per_update"] and row["median_s_per_update"]:
+                row["gain_s_per_update"] = ev["median_s_per_update"] - row["median_s_per_update"]
     dump(out, "goals.json", res)
     return res
 
@@ -524,7 +540,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         say("wholerun finished")
     deadline = args.budget - 10
     res: dict[str, Any] = {}
-    if {"goals", "compile"} & set(parts):
+    if {"goals", "compile", "compile_static", "k16"} & set(parts):
         try:
             res = goals(out, work, setup, device, mp, deadline - (40 if "profile" in parts else 0), args.tiny,
                         [int(b) for b in args.batches.split(",")], set(parts))
