@@ -27,7 +27,7 @@ from typing import Any, Optional
 from bench.common import case_key
 from bench.discovery_quality import gap_pct
 from bench.unseen import UNSEEN_ARMS, unseen_view
-from bench.versus import DEFAULT_TRAINING_SEED, OPPONENTS, aggregate, verdict_of
+from bench.versus import OPPONENTS, aggregate, case_training_seed, verdict_of
 
 PREFIXES = ("", "unseen_")  # the validation images' losses and verdicts, and the unseen images'
 
@@ -140,8 +140,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     if missing:
         raise SystemExit(f"--first has no run of {len(missing)} of the replicate's cases (the first: {missing[0]}); "
                          "give the results the replicate re-ran")
-    seeds = ({c.get("training_seed", DEFAULT_TRAINING_SEED) for c in second.values()}
-             & {c.get("training_seed", DEFAULT_TRAINING_SEED) for c in first.values()})
+    seeds = {case_training_seed(c) for c in second.values()} & {case_training_seed(c) for c in first.values()}
     if seeds:
         raise SystemExit(f"the replicate ran with the first runs' training seed ({sorted(seeds)}): it is the same "
                          "run again, not a replicate; run bench.versus with another --training-seed")

@@ -161,7 +161,6 @@ from bench.common import (
 )
 from bench.discovery_quality import SMOKE_SAMPLING, curve_stats, discover, gap_pct, set_up_case, train_fixed_lr
 from bench.unseen import UNSEEN_ARMS, flips, optimism, score_unseen, unseen_summary, unseen_view
-from rangefinder.config import TrainingConfig
 
 NAME = "versus"
 DEFAULT_METHODS = "full,lora,textual_inversion"
@@ -485,16 +484,19 @@ def load_saved_arms(paths: list[Path]) -> dict[tuple[str, str, str, int], dict[s
     return out
 
 
-# rangefinder.config.TrainingConfig's seed: every saved case ran with it
-DEFAULT_TRAINING_SEED: int = TrainingConfig.model_fields["seed"].default
+def case_training_seed(c: dict[str, Any]) -> int:
+    """The `training.seed` a saved case's runs drew with: recorded since `--training-seed` came in; before that always
+    the case's data seed, which bench.discovery_quality.set_up_case sets as the training seed too (not
+    TrainingConfig's default)."""
+    return int(c.get("training_seed", c["seed"]))
 
 
 def reusable_arms(old: Optional[dict[str, Any]], a: dict[str, Any], span: tuple[float, float],
-                  images: int, training_seed: int = DEFAULT_TRAINING_SEED) -> bool:
+                  images: int, training_seed: int) -> bool:
     """Whether arms (b)-(e) of a saved case are this case's: they depend on (a) only through its fine-tune length
     (b, c, d) and its range test's span (d), on the data and split (the same update-0 validation loss) and on the
-    training seed (a case saved before it was recorded ran with the default)."""
-    if old is None or old["images"] != images or old.get("training_seed", DEFAULT_TRAINING_SEED) != training_seed:
+    training seed."""
+    if old is None or old["images"] != images or case_training_seed(old) != training_seed:
         return False
     was = old["rangefinder"]
     return (was.get("finetune_updates") == a.get("finetune_updates") and was.get("updates") == a.get("updates")
@@ -952,7 +954,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                    help="finetune.soup_tries in (a) (the window average's greedy soup; bench/average_probe.py)")
     p.add_argument("--training-seed", type=int, metavar="S",
                    help="training.seed in every arm, and a fresh draw of random search's LRs: a replicate of the "
-                   "cases with everything the runs draw drawn again (default: the config's, 1234)")
+                   "cases with everything the runs draw drawn again (default: the case's data seed)")
     p.add_argument("--unseen-images", type=int, default=0, metavar="N",
                    help="also score each arm's delivered weights on N images of the case's kind and seed that no "
                    "arm trained or chose on (bench/unseen.py); 0: off")

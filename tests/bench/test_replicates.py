@@ -55,9 +55,12 @@ def test_a_replicate_with_the_first_runs_seed_is_refused(tmp_path):
             "summary": _summary("lora", "shapes", 0.1, 0.1)}
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     a.write_text(json.dumps({"cases": [case]}))
-    b.write_text(json.dumps({"cases": [{**case, "training_seed": 1234}]}))
+    # A first run saved before the seed was recorded trained with its data seed (set_up_case), not TrainingConfig's
+    b.write_text(json.dumps({"cases": [{**case, "training_seed": 14}]}))
     with pytest.raises(SystemExit, match="same run again"):
         main(["--first", str(a), "--second", str(b), "--out", str(tmp_path / "o.json")])
+    b.write_text(json.dumps({"cases": [{**case, "training_seed": 1234}]}))
+    assert main(["--first", str(a), "--second", str(b), "--out", str(tmp_path / "o.json")])["standings"]["cases"] == 1
     b.write_text(json.dumps({"cases": [{**case, "training_seed": 1235}]}))
     out = main(["--first", str(a), "--second", str(b), "--out", str(tmp_path / "o.json")])
     assert out["standings"]["cases"] == 1 and json.loads((tmp_path / "o.json").read_text())["benchmark"] == "replicates"

@@ -6,13 +6,13 @@ from pathlib import Path
 import pytest
 
 from bench.versus import (
-    DEFAULT_TRAINING_SEED,
     HELD_OUT_KINDS,
     HELD_OUT_SEEDS,
     OPPONENTS,
     SCORED_ARMS,
     aggregate,
     case_overrides,
+    case_training_seed,
     delivered_weights,
     finish,
     held_out_prompts,
@@ -229,19 +229,21 @@ def test_rechoose_without_a_window_delivers_the_run_s_lowest_loss_and_compares_i
 def test_saved_arms_are_reused_only_for_the_same_data_length_span_and_seed():
     old = _case([[4, 0.1], [8, 0.09]], None)
     a = dict(old["rangefinder"])
-    assert reusable_arms(old, a, (1e-6, 1.0), 20)
-    assert not reusable_arms(None, a, (1e-6, 1.0), 20)
-    assert not reusable_arms(old, a, (1e-5, 1.0), 20)  # another span: (d) draws other LRs
-    assert not reusable_arms(old, {**a, "finetune_updates": 20}, (1e-6, 1.0), 20)  # another length
-    assert not reusable_arms(old, {**a, "baseline_val_loss": 0.21}, (1e-6, 1.0), 20)  # other data or split
-    assert not reusable_arms(old, a, (1e-6, 1.0), 10)
-    # A replicate with another training seed trains every arm afresh; a case saved before the seed was recorded ran
-    # with the config's default.
+    own = old["seed"]  # a case saved before the training seed was recorded trained with its data seed
+    assert reusable_arms(old, a, (1e-6, 1.0), 20, own)
+    assert not reusable_arms(None, a, (1e-6, 1.0), 20, own)
+    assert not reusable_arms(old, a, (1e-5, 1.0), 20, own)  # another span: (d) draws other LRs
+    assert not reusable_arms(old, {**a, "finetune_updates": 20}, (1e-6, 1.0), 20, own)  # another length
+    assert not reusable_arms(old, {**a, "baseline_val_loss": 0.21}, (1e-6, 1.0), 20, own)  # other data or split
+    assert not reusable_arms(old, a, (1e-6, 1.0), 10, own)
+    # A replicate with another training seed trains every arm afresh. TrainingConfig's default seed is not what an
+    # unrecorded case ran with: bench.discovery_quality.set_up_case sets the data seed as the training seed.
     from rangefinder.config import TrainingConfig
 
-    assert DEFAULT_TRAINING_SEED == TrainingConfig().seed
-    assert not reusable_arms(old, a, (1e-6, 1.0), 20, training_seed=1235)
-    assert reusable_arms({**old, "training_seed": 1235}, a, (1e-6, 1.0), 20, training_seed=1235)
+    assert TrainingConfig().seed != own and case_training_seed(old) == own
+    assert not reusable_arms(old, a, (1e-6, 1.0), 20, TrainingConfig().seed)
+    assert not reusable_arms(old, a, (1e-6, 1.0), 20, 1235)
+    assert reusable_arms({**old, "training_seed": 1235}, a, (1e-6, 1.0), 20, 1235)
 
 
 def test_report_reads_results_from_before_family_as_sd1_and_keeps_each_family_s_case(tmp_path, capsys):
