@@ -363,8 +363,9 @@ class TrainingConfig(_Section):
     # resolve_mixed_precision. Trainable weights stay fp32 either way (the methods keep fp32 master weights).
     mixed_precision: Literal["auto", "no", "fp16", "bf16"] = "auto"
     # torch.compile of the denoiser (regional: the UNet's repeated transformer blocks, diffusers'
-    # compile_repeated_blocks). auto: on for CUDA runs longer than training.setup.COMPILE_AUTO_MIN_UPDATES updates
-    # (shorter ones do not repay the compile time), off on CPU. The same numbers up to kernel rounding.
+    # compile_repeated_blocks). auto: on for CUDA runs longer than training.setup.COMPILE_AUTO_MIN_UPDATES updates,
+    # which is None (never) since an H100 measured a fully compiled UNet slower per update than eager; off on CPU.
+    # `on` compiles. The same numbers up to kernel rounding.
     compile: Literal["off", "on", "auto"] = "auto"
     # Keep an exponential moving average of the trained weights and save it; validation then measures the average
     # (what is saved), except on the range test's ramps, where it would lag behind the LR.

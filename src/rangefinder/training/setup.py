@@ -95,22 +95,22 @@ def check_settings(spec: TrainSpec, out_dir: Union[str, Path], split: Optional[S
                        train_bucket_of=train_bucket_of, branch=spec.branch)
 
 
-# Runs of more updates than this compile under training.compile=auto. Measured on one H100 (bench/RESULTS.md, "GPU
-# rows", 2026-11-26; SD 1.5-sized UNet, 512 px, bf16, full fine-tune at batch 4, validated every epoch): compiling cost
-# ~40 s (~16 s for the training graph in the first update, ~25 s for validation's no-grad graph in the first pass)
-# and saved 0.0115 s of a 0.173 s update (7 %), so it paid after ~3500 updates (~1350 counting the training graph
-# alone). It was 1000, set from an estimate of 30-60 s and a 10-30 % gain. That run hit dynamo's recompile limit (8)
-# in the repeated block, so part of the UNet fell back to eager. That is fixed (compile_forward_modules raises the
-# limit to what the block widths need; tests/training/test_compile.py): the gain, and this number, are to be measured
-# again on a GPU.
-COMPILE_AUTO_MIN_UPDATES = 3500
+# Runs of more updates than this would compile under training.compile=auto, if compiling paid: None, it has not.
+# Measured on one H100 (bench/RESULTS.md, "GPU rows"; SD 1.5-sized UNet, 512 px, bf16, full fine-tune at batch 4,
+# validated every epoch, a partial last micro-batch each epoch as with buckets). 2026-11-26: compiling cost ~40 s and
+# saved 7 % of an update, so it paid after ~3500 updates; but dynamo had hit its recompile limit and run part of the
+# UNet eager. 2026-11-27, with every block compiled (compile_forward_modules raises the limit): 9 graphs, no
+# fallback, and an update took 10 % LONGER than eager (0.196 against 0.177 s, median), validation 13 % less. A
+# compiled run never repays its compile there, so `auto` stays eager until a measurement says otherwise (the static-
+# shape arm, bench.gpu_session --parts compile_static, is prepared and not yet run). `on` still compiles.
+COMPILE_AUTO_MIN_UPDATES: Optional[int] = None
 
 
 def resolve_compile(setting: str, total_updates: int, cuda: bool) -> bool:
-    """training.compile as on/off: `auto` compiles CUDA runs of more than COMPILE_AUTO_MIN_UPDATES updates only
-    (on CPU inductor's compile time is seldom repaid; accelerate trains on the GPU whenever there is one)."""
+    """training.compile as on/off: `auto` compiles CUDA runs of more than COMPILE_AUTO_MIN_UPDATES updates only, and
+    none while that is None (measured slower on an H100; on CPU inductor's compile time is seldom repaid)."""
     if setting == "auto":
-        return cuda and total_updates > COMPILE_AUTO_MIN_UPDATES
+        return cuda and COMPILE_AUTO_MIN_UPDATES is not None and total_updates > COMPILE_AUTO_MIN_UPDATES
     return setting == "on"
 
 
