@@ -53,6 +53,9 @@ another `training.seed`:
   than 1 % in fewer cases than the re-seeded K 4 run, with a lower median size of change. Both are reported as they
   come out; neither changes the Goal's standings, which are single runs as the Goal defines them. The arms are not
   re-seeded: their own noise adds to (a)'s, so these counts are a floor for the verdicts' noise.
+Correction (2026-11-28): the saved cases did not train with 1234. bench.discovery_quality.set_up_case sets each
+case's data seed as its training seed, so "1234" above reads as the case's own seed (14-17); the runs and their
+readings are what they were, 1235 against that seed.
 """
 
 from __future__ import annotations
