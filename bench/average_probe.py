@@ -72,12 +72,10 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Optional
 
 from bench.common import add_probe_arguments, family_of_case, quiet_libraries, run_probe
-from bench.discovery_quality import set_up_case
-from bench.versus import OPPONENTS, case_overrides, plain_finetune, verdict_of, without_soup
+from bench.versus import OPPONENTS, plain_finetune, rebuild_case, verdict_of, without_soup
 
 NAME = "average_probe"
 
@@ -90,16 +88,11 @@ def candidate(c: dict[str, Any]) -> bool:
 
 
 def probe_case(c: dict[str, Any], work: Path, log=print, soup_tries: int = 0) -> dict[str, Any]:
-    from rangefinder.data.synthetic import make_synthetic_dataset
     from rangefinder.steps.finetune import run_finetune
 
     a, s = c["rangefinder"], c["summary"]
     tag = f"[{c['method']} {c['kind']} seed {c['seed']}]"
-    case = work / f"{c['method']}-{c['kind']}-seed{c['seed']}"
-    dataset = case / "dataset"
-    make_synthetic_dataset(dataset, kind=c["kind"], count=c["images"], seed=c["seed"], resolution=32)
-    args = SimpleNamespace(finetune_epochs=c["finetune_epochs"], smoke=False)
-    cfg, split_dir = set_up_case(dataset, c["seed"], work, case, case_overrides(c["method"], args, family_of_case(c)))
+    case, cfg, split_dir = rebuild_case(c, work)
     cfg = plain_finetune(cfg)
     cfg = cfg.model_copy(update={"finetune": cfg.finetune.model_copy(update={"average": "on",
                                                                              "soup_tries": soup_tries})})

@@ -74,12 +74,11 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Optional
 
 from bench.common import add_probe_arguments, family_of_case, quiet_libraries, run_probe
-from bench.discovery_quality import curve_stats, set_up_case
-from bench.versus import case_overrides, plain_finetune, verdict_of
+from bench.discovery_quality import curve_stats
+from bench.versus import plain_finetune, rebuild_case, verdict_of
 
 NAME = "bounds_probe"
 
@@ -105,17 +104,12 @@ def capped_bounds(c: dict[str, Any]) -> tuple[float, float, float]:
 
 
 def probe_case(c: dict[str, Any], work: Path, log=print, with_average: bool = False) -> dict[str, Any]:
-    from rangefinder.data.synthetic import make_synthetic_dataset
     from rangefinder.steps.finetune import run_finetune
 
     a, s = c["rangefinder"], c["summary"]
     tag = f"[{c['method']} {c['kind']} seed {c['seed']}]"
     low, mid, high = capped_bounds(c)
-    case = work / f"{c['method']}-{c['kind']}-seed{c['seed']}"
-    dataset = case / "dataset"
-    make_synthetic_dataset(dataset, kind=c["kind"], count=c["images"], seed=c["seed"], resolution=32)
-    args = SimpleNamespace(finetune_epochs=c["finetune_epochs"], smoke=False)
-    cfg, split_dir = set_up_case(dataset, c["seed"], work, case, case_overrides(c["method"], args, family_of_case(c)))
+    case, cfg, split_dir = rebuild_case(c, work)
     cfg = plain_finetune(cfg)  # the saved (a) had no cooldown and no average
     if with_average:  # (a) as shipped since: the window average on (the soup, a candidate, off)
         cfg = cfg.model_copy(update={"finetune": cfg.finetune.model_copy(update={"average": "on", "soup_tries": 0})})

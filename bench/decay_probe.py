@@ -50,12 +50,10 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Optional
 
 from bench.common import add_probe_arguments, family_of_case, machine_info, probe_saved_cases, quiet_libraries
-from bench.discovery_quality import set_up_case
-from bench.versus import case_overrides, plain_finetune, train_arm, verdict_of
+from bench.versus import plain_finetune, rebuild_case, train_arm, verdict_of
 
 NAME = "decay_probe"
 
@@ -82,8 +80,6 @@ def stable_then_decay(lr: float, stable: int, total: int) -> Iterator[None]:
 
 
 def probe_case(c: dict[str, Any], fraction: float, placement: str, work: Path, log=print) -> dict[str, Any]:
-    from rangefinder.data.synthetic import make_synthetic_dataset
-
     a, s = c["rangefinder"], c["summary"]
     tag = f"[{c['method']} {c['kind']} seed {c['seed']}]"
     out: dict[str, Any] = {k: c[k] for k in ("method", "kind", "seed", "held_out")}
@@ -103,12 +99,7 @@ def probe_case(c: dict[str, Any], fraction: float, placement: str, work: Path, l
     else:  # "at": the decay ends at the recommended length (on an epoch): (a)'s own number of updates
         total = int(max(1, round(recommended / per_epoch)) * per_epoch)
         stable = total - max(1, math.ceil(fraction * total))
-    case = work / f"{c['method']}-{c['kind']}-seed{c['seed']}"
-    dataset = case / "dataset"
-    make_synthetic_dataset(dataset, kind=c["kind"], count=c["images"], seed=c["seed"], resolution=32)
-    args = SimpleNamespace(finetune_epochs=c["finetune_epochs"], smoke=False)
-    overrides = case_overrides(c["method"], args, family_of_case(c))
-    cfg, split_dir = set_up_case(dataset, c["seed"], work, case, overrides)
+    case, cfg, split_dir = rebuild_case(c, work)
     cfg = cfg.model_copy(update={"finetune": cfg.finetune.model_copy(update={"epochs": round(total / per_epoch)})})
     cfg = plain_finetune(cfg)  # the probe trains its own decay
     log(f"{tag} lr {lr:.3g}: constant to {stable}, decay to 0 at {total}")

@@ -55,12 +55,17 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Optional
 
 from bench.common import add_probe_arguments, case_key, family_of_case, quiet_libraries, run_probe
-from bench.discovery_quality import discover, gap_pct, set_up_case
-from bench.versus import OPPONENTS, case_overrides, case_training_seed, keeping_every_checkpoint, verdict_of
+from bench.discovery_quality import discover, gap_pct
+from bench.versus import (
+    OPPONENTS,
+    case_training_seed,
+    keeping_every_checkpoint,
+    rebuild_case,
+    verdict_of,
+)
 
 NAME = "seed_soup_probe"
 RUNS = ("first", "second", "soup")
@@ -112,18 +117,13 @@ def random_at_equal_compute(s: dict[str, Any], r: dict[str, Any]) -> tuple[Optio
 def probe_case(c: dict[str, Any], rep: dict[str, Any], work: Path, log=print) -> dict[str, Any]:
     from bench.unseen import REPRODUCES_REL, unseen_split, write_unseen_images
     from rangefinder.data.split import read_split
-    from rangefinder.data.synthetic import make_synthetic_dataset
     from rangefinder.steps.average import average_weights
     from rangefinder.training.loop import weights_measurer
     from rangefinder.training.spec import TrainSpec
 
     s, rs, u = c["summary"], rep["summary"], c["unseen"]
     tag = f"[{c['method']} {c['kind']} seed {c['seed']}]"
-    case = work / f"{c['method']}-{c['kind']}-seed{c['seed']}"
-    dataset = case / "dataset"
-    make_synthetic_dataset(dataset, kind=c["kind"], count=c["images"], seed=c["seed"], resolution=32)
-    args = SimpleNamespace(finetune_epochs=c["finetune_epochs"], smoke=False, soup_tries=0)
-    cfg, split_dir = set_up_case(dataset, c["seed"], work, case, case_overrides(c["method"], args, family_of_case(c)))
+    case, cfg, split_dir = rebuild_case(c, work)
     row: dict[str, Any] = {k: c[k] for k in ("method", "kind", "seed", "held_out")}
     row["family"] = family_of_case(c)
     weights: dict[str, Any] = {}

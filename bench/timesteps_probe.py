@@ -67,14 +67,13 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Optional
 
 from bench.common import add_probe_arguments, case_key, family_of_case, quiet_libraries, run_probe
-from bench.discovery_quality import discover, gap_pct, set_up_case
+from bench.discovery_quality import discover, gap_pct
 from bench.replicates import moved, verdicts_changed
 from bench.unseen import score_unseen
-from bench.versus import OPPONENTS, case_overrides, keeping_every_checkpoint, verdict_of
+from bench.versus import OPPONENTS, keeping_every_checkpoint, rebuild_case, verdict_of
 
 NAME = "timesteps_probe"
 DEFAULT_TIMESTEPS = 16
@@ -86,15 +85,10 @@ def probe_case(c: dict[str, Any], work: Path, log=print, timesteps: int = DEFAUL
     """(a) re-run on a saved case with `validation.timesteps` K and, when given, another `training.seed`; scored as
     the arms were. `against`: the probe row (of another run of this probe) (a) is weighed against as its baseline
     (`base_*`), else the saved case's (a)."""
-    from rangefinder.data.synthetic import make_synthetic_dataset
 
     s, u = c["summary"], c["unseen"]
     tag = f"[{c['method']} {c['kind']} seed {c['seed']}]"
-    case = work / f"{c['method']}-{c['kind']}-seed{c['seed']}"
-    dataset = case / "dataset"
-    make_synthetic_dataset(dataset, kind=c["kind"], count=c["images"], seed=c["seed"], resolution=32)
-    args = SimpleNamespace(finetune_epochs=c["finetune_epochs"], smoke=False, soup_tries=0)
-    cfg, split_dir = set_up_case(dataset, c["seed"], work, case, case_overrides(c["method"], args, family_of_case(c)))
+    case, cfg, split_dir = rebuild_case(c, work)
     update: dict[str, Any] = {"validation": cfg.validation.model_copy(update={"timesteps": timesteps})}
     if training_seed is not None:
         update["training"] = cfg.training.model_copy(update={"seed": training_seed})

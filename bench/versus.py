@@ -451,6 +451,21 @@ def case_overrides(method: str, args, family: str = "sd1") -> dict[str, dict[str
     return overrides
 
 
+def rebuild_case(c: dict[str, Any], work: Path) -> tuple[Path, Any, Path]:
+    """A saved case set up again under `work` as this bench set it up (its synthetic images, config and split), for a
+    probe that re-runs part of it: (case folder, config, split folder)."""
+    from types import SimpleNamespace
+
+    from rangefinder.data.synthetic import make_synthetic_dataset
+
+    case = work / f"{c['method']}-{c['kind']}-seed{c['seed']}"
+    dataset = case / "dataset"
+    make_synthetic_dataset(dataset, kind=c["kind"], count=c["images"], seed=c["seed"], resolution=32)
+    args = SimpleNamespace(finetune_epochs=c["finetune_epochs"], smoke=False)
+    cfg, split_dir = set_up_case(dataset, c["seed"], work, case, case_overrides(c["method"], args, family_of_case(c)))
+    return case, cfg, split_dir
+
+
 def load_saved_grids(paths: list[Path]) -> dict[tuple[str, int], dict[str, Any]]:
     """The saved discovery_quality cases by (kind, seed): their grid arms and the discovery they ran beside."""
     out: dict[tuple[str, int], dict[str, Any]] = {}
