@@ -37,6 +37,9 @@ from typing import Any, Optional
 T0 = time.monotonic()
 
 
+GOAL_PARTS = {"goals", "compile", "compile_static", "k16"}  # the parts goals() runs; each needs its eager run
+
+
 def elapsed() -> float:
     return time.monotonic() - T0
 
@@ -321,13 +324,13 @@ def goals(out: Path, work: Path, setup, device: str, mp: str, deadline: float, t
         return statistics.median(b - a for a, b in zip(ts[2:], ts[3:], strict=False)) if len(ts) > 4 else None
 
     def val_run(compile: str, timesteps: Optional[int] = None) -> dict[str, Any]:
+        from torch._dynamo.utils import counters
+
         from rangefinder.config import ValidationConfig
         from rangefinder.data.split import read_split
 
         epochs = 1 if tiny else 3
         epochs_updates = epochs * -(-len(read_split(setup.split_dir).train) // b4)  # whole epochs: ceil
-        from torch._dynamo.utils import counters
-
         counters.clear()
         if compile == "on":
             torch._dynamo.reset()  # a compiled run before this one leaves graphs a new run could reuse
@@ -358,8 +361,7 @@ def goals(out: Path, work: Path, setup, device: str, mp: str, deadline: float, t
         row["median_s_per_update"] = median_interval(row)
         return row
 
-    row = guarded("validation overhead eager", 30, lambda: val_run("off")) \
-        if parts & {"goals", "compile", "compile_static", "k16"} else None
+    row = guarded("validation overhead eager", 30, lambda: val_run("off")) if parts & GOAL_PARTS else None
     if isinstance(row, dict):
         res["validation_eager"] = row
     # d'. the same at validation.timesteps 16 (issue 34's steadier loss: four times the draws per image), eager
@@ -540,7 +542,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         say("wholerun finished")
     deadline = args.budget - 10
     res: dict[str, Any] = {}
-    if {"goals", "compile", "compile_static", "k16"} & set(parts):
+    if GOAL_PARTS & set(parts):
         try:
             res = goals(out, work, setup, device, mp, deadline - (40 if "profile" in parts else 0), args.tiny,
                         [int(b) for b in args.batches.split(",")], set(parts))

@@ -70,7 +70,6 @@ from bench.versus import (
 NAME = "seed_soup_probe"
 RUNS = ("first", "second", "soup")
 WHERE = {"": "val_loss", "unseen_": "unseen_loss"}  # a verdict's prefix -> the loss it weighs
-READ_AGAINST = ("prodigy_best", "random_best")
 
 
 def soup_of(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
@@ -95,15 +94,6 @@ def soup_of(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _delivered(a: dict[str, Any], case: Path) -> Any:
-    """(a)'s delivered checkpoints (a list), or why there are none (a string), as bench.unseen reads them."""
-    from bench.unseen import delivered_sets
-
-    none = {"updates": 0, "seconds": 0.0, "best_val_loss": None, "final_val_loss": None, "curve": []}
-    alone = {"rangefinder": a, "prodigy": none, "folk": none, "random": {"runs": []}}
-    return delivered_sets(alone, case)["rangefinder"]
-
-
 def random_at_equal_compute(s: dict[str, Any], r: dict[str, Any]) -> tuple[Optional[float], Optional[float], str]:
     """Random search with two runs' budget: the better by validation loss of the saved case's and the replicate's
     best; (validation loss, unseen loss, which run)."""
@@ -115,7 +105,7 @@ def random_at_equal_compute(s: dict[str, Any], r: dict[str, Any]) -> tuple[Optio
 
 
 def probe_case(c: dict[str, Any], rep: dict[str, Any], work: Path, log=print) -> dict[str, Any]:
-    from bench.unseen import REPRODUCES_REL, unseen_split, write_unseen_images
+    from bench.unseen import delivered_sets, rangefinder_alone, reproduces, unseen_split, write_unseen_images
     from rangefinder.data.split import read_split
     from rangefinder.steps.average import average_weights
     from rangefinder.training.loop import weights_measurer
@@ -136,7 +126,7 @@ def probe_case(c: dict[str, Any], rep: dict[str, Any], work: Path, log=print) ->
         row[f"{run}_seconds"], row[f"{run}_training_seed"] = time.perf_counter() - t, seed
         row[f"{run}_lr_used"], row[f"{run}_rule"] = a.get("lr_used"), (a.get("chosen") or {}).get("rule")
         row[f"{run}_recorded"] = (a.get("chosen") or {}).get("val_loss", a.get("final_val_loss"))
-        sets = _delivered(a, case / run)
+        sets = delivered_sets(rangefinder_alone(a), case / run)["rangefinder"]
         if isinstance(sets, str):
             row[f"{run}_absent"] = sets
         else:
@@ -146,27 +136,29 @@ def probe_case(c: dict[str, Any], rep: dict[str, Any], work: Path, log=print) ->
         weights["soup"] = soup_of(weights["first"], weights["second"])
     images = write_unseen_images(case / "unseen-images", c["kind"], c["seed"], c["images"], u["images"])
     splits = {"val_loss": read_split(split_dir), "unseen_loss": unseen_split(cfg, images, case / "unseen-split")}
+    # One measuring setup per image set and model shape (the model loaded and the data encoded once): the two runs,
+    # and the soup with them unless it is a LoRA adapter of twice the rank, which needs a model with such adapters.
+    groups: dict[int, list[str]] = {}
+    for run in [r for r in RUNS if r in weights]:
+        rank = 2 if run == "soup" and c["method"] == "lora" else 1
+        groups.setdefault(rank, []).append(run)
     lr = cfg.training.lr
     for loss, split in splits.items():
-        for run in [r for r in RUNS if r in weights]:
-            measured_cfg = cfg
-            if run == "soup" and c["method"] == "lora":
-                lora = cfg.training.lora.model_copy(update={"rank": 2 * cfg.training.lora.rank})
-                measured_cfg = cfg.model_copy(update={"training": cfg.training.model_copy(update={"lora": lora})})
+        for rank, runs in groups.items():
+            lora = cfg.training.lora.model_copy(update={"rank": rank * cfg.training.lora.rank})
+            measured_cfg = cfg.model_copy(update={"training": cfg.training.model_copy(update={"lora": lora})})
             spec = TrainSpec.finetune(measured_cfg, split, lr=lr, bounds=(lr, lr), world_size=1)
-            out_dir = case / f"measure-{run}-{loss}"
+            out_dir = case / f"measure-rank{rank}-{loss}"
             with weights_measurer(spec, out_dir=out_dir, split=split) as measure:
-                row[f"{run}_{loss}"] = measure(weights[run]).get("val_loss")
+                for run in runs:
+                    row[f"{run}_{loss}"] = measure(weights[run]).get("val_loss")
             shutil.rmtree(out_dir, ignore_errors=True)
     row["seconds"] = time.perf_counter() - t0
     shutil.rmtree(case, ignore_errors=True)
 
-    def same(x: Optional[float], y: Optional[float]) -> bool:
-        return x is not None and y is not None and abs(x - y) <= REPRODUCES_REL * abs(y)
-
     row["saved_val_loss"], row["replicate_val_loss"] = s["rangefinder"], rs["rangefinder"]
-    row["reproduces"] = same(row.get("first_val_loss"), s["rangefinder"])
-    row["replicate_reproduces"] = same(row.get("second_val_loss"), rs["rangefinder"])
+    row["reproduces"] = reproduces(row.get("first_val_loss"), s["rangefinder"])
+    row["replicate_reproduces"] = reproduces(row.get("second_val_loss"), rs["rangefinder"])
     rnd_val, rnd_unseen, rnd_from = random_at_equal_compute(s, rs)
     row.update(random_equal_compute=rnd_val, unseen_random_equal_compute=rnd_unseen, random_from=rnd_from)
     for w, loss in WHERE.items():

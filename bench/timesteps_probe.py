@@ -72,7 +72,7 @@ from typing import Any, Optional
 from bench.common import add_probe_arguments, case_key, family_of_case, quiet_libraries, run_probe
 from bench.discovery_quality import discover, gap_pct
 from bench.replicates import moved, verdicts_changed
-from bench.unseen import score_unseen
+from bench.unseen import rangefinder_alone, score_unseen
 from bench.versus import OPPONENTS, keeping_every_checkpoint, rebuild_case, verdict_of
 
 NAME = "timesteps_probe"
@@ -97,10 +97,7 @@ def probe_case(c: dict[str, Any], work: Path, log=print, timesteps: int = DEFAUL
     with keeping_every_checkpoint():
         a = discover(steadier, split_dir, case / "rangefinder")
     seconds = time.perf_counter() - t0
-    # (a) alone: the other arms are the saved case's, their weights gone; bench.unseen says so for each.
-    none = {"updates": 0, "seconds": 0.0, "best_val_loss": None, "final_val_loss": None, "curve": []}
-    alone = {**{k: c[k] for k in ("method", "kind", "seed", "images")}, "rangefinder": a, "prodigy": none,
-             "folk": none, "random": {"runs": [], "updates": 0, "seconds": 0.0},
+    alone = {**{k: c[k] for k in ("method", "kind", "seed", "images")}, **rangefinder_alone(a),
              # what (a) recorded, on its own K-timestep loss: "reproduces" only where K is the arms' 4
              "summary": {"rangefinder": (a.get("chosen") or {}).get("val_loss", a.get("final_val_loss"))}}
     scored = score_unseen(cfg, alone, case, split_dir, u["images"], log)["arms"]["rangefinder"]

@@ -76,6 +76,18 @@ def delivered_sets(c: dict[str, Any], case: Path) -> dict[str, Union[list[Path],
     return {arm: [v] if isinstance(v, Path) else v for arm, v in out.items()}
 
 
+def rangefinder_alone(a: dict[str, Any]) -> dict[str, Any]:
+    """A case's arms with (a) as given and every other arm empty, for a probe that re-ran (a) alone: the other arms
+    are the saved case's and their weights are gone, which delivered_sets and score_unseen say for each."""
+    none = {"updates": 0, "seconds": 0.0, "best_val_loss": None, "final_val_loss": None, "curve": []}
+    return {"rangefinder": a, "prodigy": none, "folk": none, "random": {"runs": [], "updates": 0, "seconds": 0.0}}
+
+
+def reproduces(measured: Optional[float], recorded: Optional[float]) -> bool:
+    """Whether delivered weights measured again give the loss recorded for them (within REPRODUCES_REL)."""
+    return measured is not None and recorded is not None and math.isclose(measured, recorded, rel_tol=REPRODUCES_REL)
+
+
 def recorded_losses(c: dict[str, Any]) -> dict[str, Optional[float]]:
     """Each arm's validation loss as the case recorded it (what versus scores it by)."""
     from bench.versus import summarize
@@ -117,8 +129,7 @@ def score_unseen(cfg, c: dict[str, Any], case: Path, split_dir: Path, count: int
         if "absent" in v:
             continue
         v["recorded"] = recorded.get(arm)
-        v["reproduces"] = (v["recorded"] is not None and v["val_loss"] is not None
-                           and math.isclose(v["val_loss"], v["recorded"], rel_tol=REPRODUCES_REL))
+        v["reproduces"] = reproduces(v["val_loss"], v["recorded"])
     seconds = time.perf_counter() - t0
     log(f"[{c['method']} {c['kind']} seed {c['seed']}] unseen images: {count}, {len(weights)} arms, {seconds:.0f} s"
         + "".join(f"; {arm} does not reproduce its recorded loss" for arm, v in arms.items()
