@@ -136,6 +136,31 @@ def test_versus_smoke(tmp_path, capsys, family):
         assert s[f"unseen_{arm}"] == v["unseen_loss"] > 0 and v["unseen_loss"] != v["val_loss"], arm
     assert saved["aggregate_unseen"]["cases"] == 1 and "unseen images: 1 cases" in printed
     assert all(s[f"unseen_vs_{opp}"] in ("win", "tie", "loss") for opp in OPPONENTS)
+    if family == "sd1":
+        grid_trained_again_is_the_grid(out, case, tmp_path)
+
+
+def grid_trained_again_is_the_grid(out, case, tmp_path):
+    """bench.ceiling on this smoke case (here, to spare the suite a second smoke): the grid it trains on the rebuilt
+    case is the one bench.versus trained beside its arms: the same base-model loss and, training being deterministic
+    on CPU, the same loss at the same LR. A grid that does not reproduce its case is not read."""
+    from bench.ceiling import main as ceiling
+    from bench.ceiling import with_grids
+
+    (point,) = case["grid"]["arms"]
+    result = json.loads(out.read_text())
+    stripped = tmp_path / "no-grid.json"
+    stripped.write_text(json.dumps({**result, "cases": [{**case, "grid": None}]}))
+    grids = ceiling(["--from", str(stripped), "--out", str(tmp_path / "grids.json"), "--seeds", str(case["seed"]),
+                     "--methods", "full", "--grid-points", "1"])
+    (row,) = grids["cases"]
+    (mine,) = row["grid"]["arms"]
+    assert row["base_reproduces"] is True and row["folk_reproduces"] is None  # no grid point at the folk default's LR
+    assert mine["lr"] == point["lr"] and mine["best_val_loss"] == point["best_val_loss"]
+    read = ceiling(["--report", str(stripped), "--grids", str(tmp_path / "grids.json")])
+    assert read["cases"] == 1 and read["rows"][0]["grid_best"] == point["best_val_loss"]
+    row["base_reproduces"] = False
+    assert not any(c.get("grid") for c in with_grids({"cases": [{**case, "grid": None}]}, [row]))
 
 
 def test_held_out_prompts_are_shapes_prompts_the_case_s_images_do_not_show():
