@@ -45,6 +45,7 @@ from types import SimpleNamespace
 from typing import Any, Optional
 
 from bench.common import add_probe_arguments, case_key, run_probe, table, write_json
+from bench.discovery_quality import gap_pct
 from bench.versus import plain_finetune, rebuild_case, train_grid, verdict_of
 
 NAME = "ceiling"
@@ -118,6 +119,11 @@ def ceiling(cases: list[dict[str, Any]]) -> dict[str, Any]:
         if not rs:
             continue
         g: dict[str, Any] = {"cases": len(rs)}
+        # How far (a) lands from the best constant-LR run of its case (0 where it is that run).
+        gaps = [gap_pct(r["rangefinder"], r["oracle"]) for r in rs if r["rangefinder"] is not None]
+        g["rangefinder_over_oracle_pct"] = {"median": statistics.median(gaps) if gaps else None,
+                                            "max": max(gaps, default=None),
+                                            "within_1pct": sum(x <= 1.0 for x in gaps)}
         for who in ("rangefinder", "oracle"):
             for opp in AGAINST:
                 v = [r[f"{who}_vs_{opp}"] for r in rs]
@@ -162,6 +168,11 @@ def report(result: dict[str, Any]) -> str:
                                       f"({100 * g[f'{w}_vs_{o}_better_share']:.0f} %)")
         rows.append(row)
     lines.append(table(rows, cols, "Wins / ties / losses (better share): (a) and the pool oracle"))
+    for name, g in result["by"].items():
+        gap = g["rangefinder_over_oracle_pct"]
+        if gap["median"] is not None:
+            lines.append(f"{name}: (a) above the oracle by {gap['median']:.2f} % at the median, {gap['max']:.2f} % at "
+                         f"most, within 1 % in {gap['within_1pct']} of {g['cases']}")
     for name, g in result["by"].items():
         for o in AGAINST:
             t = g[f"turned_vs_{o}"]

@@ -44,4 +44,7 @@ def test_the_oracle_is_the_best_constant_lr_run_and_never_loses_to_random_search
     assert every["oracle_vs_random_best_better_share"] == pytest.approx(2 / 3)
     # (a)'s non-wins the oracle turns into wins, and on which side of (a)'s LR its LR lies.
     assert every["turned_vs_prodigy_best"] == {"n": 1, "higher": 1, "lower": 0, "median_lr_ratio": pytest.approx(3.0)}
+    # (a) is 1000/950 - 1 = 5.3 % above the full case's oracle, the oracle itself in LoRA, 2 % above it in TI.
+    assert every["rangefinder_over_oracle_pct"] == {"median": pytest.approx(2.0), "max": pytest.approx(100 / 19),
+                                                    "within_1pct": 1}
     assert got["readings"] == {"random_line_reachable": False, "prodigy_line_reachable": True}
