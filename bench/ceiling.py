@@ -124,6 +124,8 @@ def ceiling(cases: list[dict[str, Any]]) -> dict[str, Any]:
         g["rangefinder_over_oracle_pct"] = {"median": statistics.median(gaps) if gaps else None,
                                             "max": max(gaps, default=None),
                                             "within_1pct": sum(x <= 1.0 for x in gaps)}
+        # Which run was the best: (a) itself (its window average or pick beat every grid point), or which other.
+        g["oracle_run"] = {k: sum(r["oracle_run"] == k for r in rs) for k in ("rangefinder", "grid", "folk", "random")}
         for who in ("rangefinder", "oracle"):
             for opp in AGAINST:
                 v = [r[f"{who}_vs_{opp}"] for r in rs]
@@ -172,7 +174,8 @@ def report(result: dict[str, Any]) -> str:
         gap = g["rangefinder_over_oracle_pct"]
         if gap["median"] is not None:
             lines.append(f"{name}: (a) above the oracle by {gap['median']:.2f} % at the median, {gap['max']:.2f} % at "
-                         f"most, within 1 % in {gap['within_1pct']} of {g['cases']}")
+                         f"most, within 1 % in {gap['within_1pct']} of {g['cases']}; the best run: "
+                         + ", ".join(f"{k} {v}" for k, v in g["oracle_run"].items()))
     for name, g in result["by"].items():
         for o in AGAINST:
             t = g[f"turned_vs_{o}"]

@@ -47,4 +47,5 @@ def test_the_oracle_is_the_best_constant_lr_run_and_never_loses_to_random_search
     # (a) is 1000/950 - 1 = 5.3 % above the full case's oracle, the oracle itself in LoRA, 2 % above it in TI.
     assert every["rangefinder_over_oracle_pct"] == {"median": pytest.approx(2.0), "max": pytest.approx(100 / 19),
                                                     "within_1pct": 1}
+    assert every["oracle_run"] == {"rangefinder": 1, "grid": 1, "folk": 0, "random": 1}
     assert got["readings"] == {"random_line_reachable": False, "prodigy_line_reachable": True}
