@@ -104,7 +104,7 @@ def ceiling_row(c: dict[str, Any]) -> dict[str, Any]:
                            "rangefinder": s["rangefinder"], "rangefinder_lr": s["rangefinder_lr"],
                            "oracle": loss, "oracle_lr": lr, "oracle_run": run, "grid_best": grid_best}
     for opp in AGAINST:
-        row[f"{opp}"] = s[opp]
+        row[opp] = s[opp]
         row[f"rangefinder_vs_{opp}"] = verdict_of(s["rangefinder"], s[opp])
         row[f"oracle_vs_{opp}"] = verdict_of(loss, s[opp])
     # Where the oracle wins and (a) does not: how far and which way its LR lies from (a)'s.
@@ -125,7 +125,7 @@ def ceiling(cases: list[dict[str, Any]]) -> dict[str, Any]:
             continue
         g: dict[str, Any] = {"cases": len(rs)}
         # How far (a) lands from the best constant-LR run of its case (0 where it is that run).
-        gaps = [gap_pct(r["rangefinder"], r["oracle"]) for r in rs if r["rangefinder"] is not None]
+        gaps = [x for x in (gap_pct(r["rangefinder"], r["oracle"]) for r in rs) if x is not None]
         g["rangefinder_over_oracle_pct"] = {"median": statistics.median(gaps) if gaps else None,
                                             "max": max(gaps, default=None),
                                             "within_1pct": sum(x <= 1.0 for x in gaps)}
