@@ -51,7 +51,7 @@ from typing import Any, Optional
 
 from bench.common import add_probe_arguments, case_key, run_probe, table, write_json
 from bench.discovery_quality import gap_pct
-from bench.versus import plain_finetune, rebuild_case, train_grid, verdict_of
+from bench.versus import plain_finetune, rebuild_case, summarize, train_grid, verdict_of
 
 NAME = "ceiling"
 GRID_SPANS = {"full": (1e-5, 1e-2), "lora": (1e-4, 1e-1), "textual_inversion": (1e-4, 1e-1)}
@@ -99,10 +99,9 @@ def ceiling_row(c: dict[str, Any]) -> dict[str, Any]:
     """One case's oracle and its verdicts beside (a)'s."""
     s = c["summary"]
     lr, loss, run = min(constant_lr_runs(c), key=lambda x: x[1])
-    grid_best = min(g["best_val_loss"] for g in c["grid"]["arms"] if g.get("best_val_loss") is not None)
     row: dict[str, Any] = {"case": s["case"], "method": c["method"], "seed": c["seed"],
                            "rangefinder": s["rangefinder"], "rangefinder_lr": s["rangefinder_lr"],
-                           "oracle": loss, "oracle_lr": lr, "oracle_run": run, "grid_best": grid_best}
+                           "oracle": loss, "oracle_lr": lr, "oracle_run": run, "grid_best": s["grid_best"]}
     for opp in AGAINST:
         row[opp] = s[opp]
         row[f"rangefinder_vs_{opp}"] = verdict_of(s["rangefinder"], s[opp])
@@ -153,12 +152,16 @@ def ceiling(cases: list[dict[str, Any]]) -> dict[str, Any]:
 
 def with_grids(source: dict[str, Any], grids: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The source's cases, each given the grid a run of this bench trained for it where that run reproduced the
-    saved case (the saved grids stay as they are)."""
+    saved case (the saved grids stay as they are), and summarized again as bench.versus summarizes a case with a grid
+    (its best point, the gaps to it, the update share)."""
     got = {case_key(r): r for r in grids if r.get("base_reproduces") and r.get("folk_reproduces") is not False}
     out = []
     for c in source["cases"]:
         r = got.get(case_key(c))
-        out.append({**c, "grid": {**r["grid"], "trained_by": NAME}} if r and not c.get("grid") else c)
+        if r and not c.get("grid"):
+            c = {**c, "grid": {**r["grid"], "trained_by": NAME}}
+            c["summary"] = summarize(c)
+        out.append(c)
     return out
 
 

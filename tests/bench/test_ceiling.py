@@ -9,14 +9,15 @@ from bench.ceiling import ceiling
 
 
 def case(method, a, a_lr, prodigy, randoms, grid, folk=None, seed=1):
-    """A saved bench.versus case as far as the ceiling reads it."""
+    """A saved bench.versus case as far as the ceiling reads it (its summary as bench.versus.summarize writes it)."""
     runs = [{"lr": lr, "best_val_loss": loss} for lr, loss in randoms]
     return {"method": method, "kind": "shapes", "seed": seed, "folk": {"lr": 1e-4},
             "random": {"runs": runs},
             "grid": {"arms": [{"lr": lr, "best_val_loss": loss} for lr, loss in grid]} if grid else None,
             "summary": {"case": f"{method} shapes {seed}", "rangefinder": a, "rangefinder_lr": a_lr,
                         "prodigy_best": prodigy, "folk_best": folk,
-                        "random_best": min(loss for _, loss in randoms)}}
+                        "random_best": min(loss for _, loss in randoms),
+                        "grid_best": min(loss for _, loss in grid) if grid else None}}
 
 
 def test_the_oracle_is_the_best_constant_lr_run_and_never_loses_to_random_search():
