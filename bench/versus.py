@@ -174,10 +174,10 @@ DEFAULT_KINDS = "shapes,stripes,textures,subject,glyphs"
 # subject and glyphs (held out in bench.discovery_quality since issue 23) nor on seeds 3 and 4 (its confirmation
 # seeds, run after the policy was fixed); nothing in this bench was chosen on any case.
 HELD_OUT_KINDS = ("subject", "glyphs")
-HELD_OUT_SEEDS = (3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19)  # 5-9, 14-17 and 18-19 added before
-# any run of them; 8 and 10-13 after theirs, whose JSONs flag only their held-out kinds (none was chosen on): the
-# cooldown, the average, the soup, the unseen images. 18-19 (LoRA, with grids, 2026-11-28) are kept unread for the
-# test of the halving lead in bench/RESULTS.md, "The ceiling".
+# 5-9, 14-17, 18-19 and 20-23 added before any run of them; 8 and 10-13 after theirs, whose JSONs flag only their
+# held-out kinds (none was chosen on): the cooldown, the average, the soup, the unseen images. 18-19 (LoRA, with grids)
+# and 20-23 (LoRA) test the third halving candidate (bench/RESULTS.md, "A third halving candidate below lr_mid").
+HELD_OUT_SEEDS = (3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23)
 TIE_PCT = 1.0  # within 1 %: a tie
 FOLK_LR = {"full": 1e-4, "lora": 1e-4, "textual_inversion": 5e-3}
 # diffusers' README (examples/advanced_diffusion_training, "Prodigy"): lr 1.0 with these, the constant schedule.
