@@ -143,7 +143,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Optional
@@ -434,6 +434,8 @@ def case_overrides(method: str, args, family: str = "sd1") -> dict[str, dict[str
         overrides["training"]["seed"] = args.training_seed
     if getattr(args, "soup_tries", 0):  # the greedy soup, in (a) only: plain_finetune turns the average off elsewhere
         overrides["finetune"]["soup_tries"] = args.soup_tries
+    if getattr(args, "halving_below_margin", None) is not None:  # (a) only: the other arms train one fixed LR
+        overrides["finetune"]["halving_below_margin"] = args.halving_below_margin
     if family != "sd1":
         overrides["model"] = {"base_model": str(base_model_of(family))}
         # As `rangefinder demo --family`: the demo's DDIM samples DDPM models; a flow model samples with its own
@@ -510,15 +512,51 @@ def case_training_seed(c: dict[str, Any]) -> int:
 def reusable_arms(old: Optional[dict[str, Any]], a: dict[str, Any], span: tuple[float, float],
                   images: int, training_seed: int) -> bool:
     """Whether arms (b)-(e) of a saved case are this case's: they depend on (a) only through its fine-tune length
-    (b, c, d) and its range test's span (d), on the data and split (the same update-0 validation loss) and on the
-    training seed."""
+    (b, c, d), its range test's span (d) and its updates (d: as many draws as they buy; an (a) that trained more
+    than the saved one gets random search topped up, `top_up_random`), on the data and split (the same update-0
+    validation loss) and on the training seed."""
     if old is None or old["images"] != images or case_training_seed(old) != training_seed:
         return False
     was = old["rangefinder"]
-    return (was.get("finetune_updates") == a.get("finetune_updates") and was.get("updates") == a.get("updates")
+    return (was.get("finetune_updates") == a.get("finetune_updates") and was.get("updates") <= a.get("updates")
             and [float(x) for x in old["random"]["span"]] == [float(x) for x in span]
             and was.get("baseline_val_loss") is not None
             and math.isclose(was["baseline_val_loss"], a.get("baseline_val_loss") or math.nan, rel_tol=1e-9))
+
+
+def random_lrs(method: str, kind: str, seed: int, training_seed: Optional[int], span: Sequence[float],
+               n: int) -> list[float]:
+    """Random search's first `n` LRs, log-uniform over `span`, from the case's own seeded sequence (a replicate with
+    another training seed draws afresh): n + 1 draws begin with the n."""
+    replicate = "" if training_seed is None else f"-training-seed-{training_seed}"
+    rng = random.Random(f"versus-random-{method}-{kind}-{seed}{replicate}")
+    return [math.exp(rng.uniform(math.log(span[0]), math.log(span[1]))) for _ in range(n)]
+
+
+def random_draws(a_updates: int, per_run: int, smoke: bool = False) -> int:
+    """How many runs of `per_run` updates random search gets at (a)'s compute (CI's smoke: at most 2)."""
+    n = max(1, math.ceil(a_updates / per_run))
+    return min(n, 2) if smoke else n
+
+
+def top_up_random(out: dict[str, Any], a: dict[str, Any], cfg, split_dir: Path, case: Path, args, log,
+                  tag: str) -> None:
+    """A reused random search given the draws (a)'s extra updates buy (an (a) re-run with a rule that trains more):
+    the saved draws stay, the next ones of the same sequence train."""
+    rand = out["random"]
+    per_run = a.get("finetune_updates") or out["folk"]["updates"]
+    n = random_draws(a["updates"], per_run, args.smoke)
+    have = len(rand["runs"])
+    if n <= have:
+        return
+    lrs = random_lrs(out["method"], out["kind"], out["seed"], args.training_seed, rand["span"], n)
+    if not all(math.isclose(r["lr"], lr, rel_tol=1e-12) for r, lr in zip(rand["runs"], lrs[:have], strict=True)):
+        raise SystemExit(f"{tag} the saved random search's LRs are not this case's sequence: cannot top it up")
+    log(f"{tag} (d) random search topped up: {n - have} more run(s) for (a)'s {a['updates']} updates")
+    runs = list(rand["runs"]) + [train_fixed_lr(plain_finetune(cfg), split_dir, lr, case / f"random-{i}")
+                                 for i, lr in enumerate(lrs[have:], start=have)]
+    out["random"] = {**rand, "runs": runs, "updates": sum(r["updates"] for r in runs),
+                     "seconds": sum(r["seconds"] for r in runs), "topped_up": n - have}
 
 
 def one_case(method: str, kind: str, seed: int, args, work: Path, saved: dict[tuple[str, int], dict[str, Any]],
@@ -555,6 +593,7 @@ def one_case(method: str, kind: str, seed: int, args, work: Path, saved: dict[tu
         assert old is not None
         log(f"{tag} (b)-(e) reused from {old['file']}: same data, length and span")
         out.update({k: old[k] for k in ("prodigy", "folk", "random", "grid")}, reused_arms_from=old["file"])
+        top_up_random(out, a, cfg, split_dir, case, args, log, tag)
         if out["grid"] is None and args.grid:  # the earlier run had no grid (--no-grid): train it now
             out["grid"] = train_grid(plain_finetune(cfg), split_dir, case, args, log, tag)
         out["prompt_score"] = score_prompts(cfg, out, case, log, args.prompt_seeds) if scored else None
@@ -579,14 +618,8 @@ def one_case(method: str, kind: str, seed: int, args, work: Path, saved: dict[tu
     keep_delivered(case / "folk", _last_update(out["folk"]), out["folk"].get("best_update") if unseen else None)
     log(f"{tag}   best {out['folk']['best_val_loss']}, final {out['folk']['final_val_loss']}")
 
-    per_run = length or out["folk"]["updates"]
-    n = max(1, math.ceil(a["updates"] / per_run))
-    if args.smoke:
-        n = min(n, 2)  # CI checks the structure, not the search
-    # A replicate with another training seed (--training-seed) draws its random search's LRs afresh too.
-    replicate = "" if args.training_seed is None else f"-training-seed-{args.training_seed}"
-    rng = random.Random(f"versus-random-{method}-{kind}-{seed}{replicate}")
-    lrs = [math.exp(rng.uniform(math.log(span[0]), math.log(span[1]))) for _ in range(n)]
+    n = random_draws(a["updates"], length or out["folk"]["updates"], args.smoke)  # smoke: the structure, not the search
+    lrs = random_lrs(method, kind, seed, args.training_seed, span, n)
     log(f"{tag} (d) random search: {n} runs over {span[0]:g}..{span[1]:g}")
     runs = []
     for i, lr in enumerate(lrs):
@@ -968,6 +1001,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's choice)")
     p.add_argument("--soup-tries", type=int, default=0,
                    help="finetune.soup_tries in (a) (the window average's greedy soup; bench/average_probe.py)")
+    p.add_argument("--halving-below-margin", type=float, metavar="M",
+                   help="finetune.halving_below_margin in (a): a third halving candidate below lr_mid where lr_high "
+                   "lost by more than M (bench/RESULTS.md, \"A third halving candidate below lr_mid\")")
     p.add_argument("--training-seed", type=int, metavar="S",
                    help="training.seed in every arm, and a fresh draw of random search's LRs: a replicate of the "
                    "cases with everything the runs draw drawn again (default: the case's data seed)")
@@ -1050,7 +1086,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                 "held_out_kinds": list(HELD_OUT_KINDS), "held_out_seeds": list(HELD_OUT_SEEDS),
                 "tie_pct": TIE_PCT, "folk_lr": FOLK_LR, "prodigy_settings": PRODIGY_SETTINGS,
                 "prompt_seeds": list(args.prompt_seeds), "unseen_images": args.unseen_images,
-                "reuse_arms": [str(x) for x in args.reuse_arms or []]}
+                "reuse_arms": [str(x) for x in args.reuse_arms or []],
+                "halving_below_margin": args.halving_below_margin}
     result: dict[str, Any] = {"benchmark": NAME, "smoke": args.smoke, "settings": settings, "cases": [],
                               "runs": []}
     if args.out.exists() and not args.smoke:

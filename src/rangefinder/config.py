@@ -575,6 +575,12 @@ class FinetuneConfig(_Section):
     # are new to the base model and lr_mid where they are not (bench/RESULTS.md, discovery quality). Applies with a
     # constant schedule, validation, and bounds from the range test (a fixed LR has nothing to compare); off: lr_mid.
     successive_halving: bool = True
+    # A third halving candidate below lr_mid (rangefinder.analysis.halving.fires_below): when lr_high's best validation
+    # loss by the pause is more than this fraction above lr_mid's (or lr_high diverged), lr_below = lr_mid^2 / lr_high
+    # trains to the same pause too, and the lower of lr_mid and lr_below goes on. It costs half the fine-tune's
+    # updates more where it fires. Unset: two candidates. A lost race on LoRA pointed below lr_mid on the cases with a
+    # grid; bench/RESULTS.md, "A third halving candidate below lr_mid", holds its test on cases fixed beforehand.
+    halving_below_margin: Optional[float] = Field(None, gt=0, lt=10)
     # The cooldown (rangefinder.steps.cooldown): once the window is known, a branch of the run from its checkpoint
     # before the last `cooldown_fraction` of the recommended length trains that stretch again with the LR falling
     # linearly to 0 (a wsd schedule ending at the recommended length), and its weights are delivered when their
@@ -1112,6 +1118,10 @@ def setting_conflicts(cfg: RangefinderConfig) -> list[str]:
     elif halving_asked and ft.schedule != "constant":
         lines.append(f"finetune.successive_halving: true does nothing with finetune.schedule {ft.schedule}: "
                      "halving compares constant LRs; set the schedule to constant, or halving false")
+    if ft.halving_below_margin is not None and not ft.successive_halving:
+        lines.append(f"finetune.halving_below_margin ({ft.halving_below_margin:g}) does nothing with "
+                     "finetune.successive_halving false: the third candidate joins the halving's race; set halving "
+                     "true, or remove halving_below_margin")
     if "finetune.cooldown" in given and ft.cooldown == "on":
         if ft.schedule != "constant":
             lines.append(f"finetune.cooldown: on does nothing with finetune.schedule {ft.schedule}: the cooldown "

@@ -16,11 +16,14 @@ from bench.versus import (
     delivered_weights,
     finish,
     held_out_prompts,
+    random_draws,
+    random_lrs,
     rechoose,
     report,
     reusable_arms,
     score_prompts,
     summarize,
+    top_up_random,
     verdict_of,
 )
 
@@ -269,6 +272,29 @@ def test_saved_arms_are_reused_only_for_the_same_data_length_span_and_seed():
     assert not reusable_arms(old, a, (1e-6, 1.0), 20, TrainingConfig().seed)
     assert not reusable_arms(old, a, (1e-6, 1.0), 20, 1235)
     assert reusable_arms({**old, "training_seed": 1235}, a, (1e-6, 1.0), 20, 1235)
+    # An (a) that trained more (a rule that races a third candidate) keeps the arms: random search is topped up.
+    assert reusable_arms(old, {**a, "updates": a["updates"] + 80}, (1e-6, 1.0), 20, own)
+    assert not reusable_arms(old, {**a, "updates": a["updates"] - 1}, (1e-6, 1.0), 20, own)
+
+
+def test_random_search_topped_up_keeps_its_draws_and_adds_the_next_of_the_same_sequence(tmp_path):
+    from types import SimpleNamespace
+
+    span = (1e-6, 1.0)
+    two, three = random_lrs("lora", "shapes", 3, None, span, 2), random_lrs("lora", "shapes", 3, None, span, 3)
+    assert three[:2] == two and len(set(three)) == 3
+    assert random_lrs("lora", "shapes", 3, 1235, span, 2) != two  # a replicate draws afresh
+    assert (random_draws(264, 160), random_draws(344, 160), random_draws(344, 160, smoke=True)) == (2, 3, 2)
+    args = SimpleNamespace(smoke=False, training_seed=None)
+    out = {"method": "lora", "kind": "shapes", "seed": 3, "folk": {"updates": 160},
+           "random": {"span": list(span), "runs": [{"lr": lr, "updates": 160} for lr in two]}}
+    a = {"updates": 264, "finetune_updates": 160}
+    top_up_random(out, a, None, tmp_path, tmp_path, args, print, "[case]")  # (a) as saved: nothing to add
+    assert len(out["random"]["runs"]) == 2 and "topped_up" not in out["random"]
+    # Draws that are not this case's sequence (another case's file) are refused before anything trains.
+    out["random"]["runs"][1]["lr"] = 0.5
+    with pytest.raises(SystemExit, match="not this case's sequence"):
+        top_up_random(out, {**a, "updates": 344}, None, tmp_path, tmp_path, args, print, "[case]")
 
 
 def test_report_reads_results_from_before_family_as_sd1_and_keeps_each_family_s_case(tmp_path, capsys):

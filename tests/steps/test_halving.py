@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rangefinder.analysis.halving import CANDIDATES, HalvingCandidate, best_until, pick
+from rangefinder.analysis.halving import CANDIDATES, HalvingCandidate, below_lr, best_until, fires_below, pick
 from rangefinder.config import demo_config
 from rangefinder.errors import RangefinderError
 from rangefinder.formats import checkpoints
@@ -271,9 +271,72 @@ def test_the_pick_ties_to_lr_mid_and_passes_over_a_diverged_candidate():
     assert pick({"lr_mid": cand(0.5), "lr_high": cand(0.3, "diverged")}) == "lr_mid"
     with pytest.raises(RangefinderError, match="both fine-tune candidates diverged"):
         pick({"lr_mid": cand(None, "diverged"), "lr_high": cand(0.3, "diverged")})
-    assert CANDIDATES == ("lr_mid", "lr_high")
+    assert CANDIDATES == ("lr_mid", "lr_high", "lr_below")
+    # Three: the lowest goes on; ties in the order above.
+    assert pick({"lr_mid": cand(0.5), "lr_high": cand(0.6), "lr_below": cand(0.5)}) == "lr_mid"
+    assert pick({"lr_mid": cand(0.5), "lr_high": cand(0.6), "lr_below": cand(0.45)}) == "lr_below"
     # Update 0 (the base model) is not a candidate's own result.
     assert best_until([[0, 0.1], [4, 0.3], [8, 0.2], [12, 0.05]], 8) == (0.2, 8)
+
+
+def test_a_third_candidate_below_lr_mid_fires_only_where_lr_high_lost_by_the_margin():
+    def cand(best, status="paused"):
+        return HalvingCandidate(lr=1.0, status=status, updates=8, best_val_loss=best, best_update=8, curve=())
+
+    assert below_lr(1e-3, 4e-3) == pytest.approx(2.5e-4)  # as far below lr_mid as lr_high is above it
+    race = {"lr_mid": cand(0.100), "lr_high": cand(0.111)}
+    assert fires_below(race, 0.10) and not fires_below(race, 0.12) and not fires_below(race, None)
+    assert not fires_below({"lr_mid": cand(0.100), "lr_high": cand(0.110)}, 0.10)  # "more than" the margin
+    assert not fires_below({"lr_mid": cand(0.100), "lr_high": cand(0.09)}, 0.10)  # lr_high won
+    assert fires_below({"lr_mid": cand(0.1), "lr_high": cand(0.05, "diverged")}, 0.10)  # it blew up
+    assert fires_below({"lr_mid": cand(0.1), "lr_high": cand(None)}, 0.10)  # it measured nothing
+    # lr_mid itself failed: searching below it is not this rule's business (pick decides, or the step fails).
+    assert not fires_below({"lr_mid": cand(0.1, "diverged"), "lr_high": cand(0.5)}, 0.10)
+
+
+def test_lr_below_races_when_lr_high_loses_widely_and_the_one_kept_is_its_lr_s_own_fine_tune(halved, split_dir,
+                                                                                            tiny_model_dir, tmp_path):
+    """lr_mid 1e-2 against lr_high 1e-1 on the data where `halved` kept 1e-3 over 1e-4: lr_high loses widely, so
+    lr_below = 1e-3 races too, wins, and goes on. Its run is then `halved`'s delivered run (the fine-tune at 1e-3),
+    to the bit; its race to the pause is that run's first half. The report and MLflow name the third candidate."""
+    from mlflow import MlflowClient
+
+    from rangefinder.steps.finetune import run_finetune
+
+    _, root, reference, _ = halved
+    cfg = _cfg(tiny_model_dir, tmp_path, halving_below_margin=0.10)
+    with without_mlflow_run_env():
+        result = run_finetune(cfg, split_dir=split_dir, lr_low=LR_LOW, lr_high=1e-1, lr_mid=1e-2,
+                              model_dir=tmp_path / "ft", report_html=tmp_path / "finetune.html")
+    race = result.halving
+    assert race is not None and set(race.candidates) == {"lr_mid", "lr_high", "lr_below"}
+    mid, high, below = (race.candidates[n] for n in ("lr_mid", "lr_high", "lr_below"))
+    assert below.lr == pytest.approx(1e-3) and below.status == "paused" and below.updates == 8
+    assert high.status == "diverged" or high.best_val_loss > mid.best_val_loss * 1.10
+    assert race.kept == "lr_below" and result.lr == pytest.approx(1e-3) and "lr_below" in race.rule
+    assert result.updates_trained == 16 + 8 + high.updates
+    for name in ("metrics.csv", "updates.csv"):
+        assert (tmp_path / "ft" / name).read_text() == (root / "ft" / name).read_text(), name
+    a, b = load_file(str(tmp_path / "ft" / UNET)), load_file(str(root / "ft" / UNET))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # The dropped two keep their curves and lose their checkpoints; the kept one moved up.
+    for name in ("lr_mid", "lr_high"):
+        assert not (tmp_path / "ft" / HALVING_DIR / name / "checkpoints").exists()
+    assert not (tmp_path / "ft" / HALVING_DIR / "lr_below").exists()
+    page = (tmp_path / "finetune.html").read_text()
+    assert "lr_below (kept)" in page and "lr_mid (dropped)" in page and "lr_below (lr_mid^2 / lr_high)" in page
+    client = MlflowClient(cfg.tracking.tracking_uri)
+    children = client.search_runs([client.get_experiment_by_name("halving").experiment_id],
+                                  filter_string="tags.`halving.candidate` = 'lr_below'")
+    assert [r.data.tags["halving.outcome"] for r in children] == ["kept"]
+
+
+def test_a_margin_without_halving_is_named_as_doing_nothing():
+    from rangefinder.config import setting_conflicts
+
+    cfg = demo_config(finetune={"successive_halving": False, "halving_below_margin": 0.1})
+    (line,) = setting_conflicts(cfg)
+    assert line.startswith("finetune.halving_below_margin (0.1) does nothing with finetune.successive_halving false")
 
 
 @pytest.fixture(scope="module")

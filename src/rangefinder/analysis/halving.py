@@ -3,6 +3,10 @@
 The fine-tune step (rangefinder.steps.halving) races `lr_mid` against `lr_high` to half its updates and keeps the one
 with the lower best validation loss so far; the step report (reports.py, plots.py) shows the race. `halving.json`
 holds this value (`to_json`, `from_json`; its format on disk is the one the step has always written).
+
+With `finetune.halving_below_margin` set, a race that `lr_high` lost by more than that margin gets a third candidate,
+`lr_below` (`below_lr`: as far below `lr_mid` as `lr_high` is above it), to the same pause (`fires_below`); the pick is
+then over all three (bench/RESULTS.md, "A third halving candidate below lr_mid").
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ from typing import Optional, Union
 
 from rangefinder.errors import RangefinderError
 
-CANDIDATES = ("lr_mid", "lr_high")
+RACED = ("lr_mid", "lr_high")  # the two candidates every race trains
+BELOW = "lr_below"  # the third, where lr_high lost by the margin
+CANDIDATES = (*RACED, BELOW)  # in the order ties go
 RULE = "the lower best validation loss by the pause goes on (ties: lr_mid)"
 
 JSONValue = Union[None, bool, int, float, str, list["JSONValue"], dict[str, "JSONValue"]]
@@ -65,9 +71,9 @@ class HalvingDecision:
     rule: str = RULE
 
     @classmethod
-    def decide(cls, pause_update: int, candidates: dict[str, HalvingCandidate]) -> HalvingDecision:
+    def decide(cls, pause_update: int, candidates: dict[str, HalvingCandidate], rule: str = RULE) -> HalvingDecision:
         kept = pick(candidates)
-        return cls(pause_update=pause_update, kept=kept, lr=candidates[kept].lr, candidates=candidates)
+        return cls(pause_update=pause_update, kept=kept, lr=candidates[kept].lr, candidates=candidates, rule=rule)
 
     def done_moving(self) -> HalvingDecision:
         return replace(self, moved=True)
@@ -105,6 +111,24 @@ def best_until(points: Sequence[Sequence[float]], update: int) -> tuple[Optional
         return None, None
     loss, at = min(seen)
     return loss, at
+
+
+def below_lr(lr_mid: float, lr_high: float) -> float:
+    """The third candidate's LR: `lr_mid` divided by the step from `lr_mid` to `lr_high` (their ratio), so the three
+    are evenly spaced on a log scale."""
+    return lr_mid * lr_mid / lr_high
+
+
+def fires_below(candidates: Mapping[str, HalvingCandidate], margin: Optional[float]) -> bool:
+    """Whether the race earns a third candidate below `lr_mid`: a margin is set, `lr_mid` measured a loss, and
+    `lr_high` diverged, measured nothing, or its best loss by the pause is more than `margin` (a fraction) above
+    `lr_mid`'s."""
+    mid, high = candidates["lr_mid"], candidates["lr_high"]
+    if margin is None or mid.status == "diverged" or mid.best_val_loss is None:
+        return False
+    if high.status == "diverged" or high.best_val_loss is None:
+        return True
+    return high.best_val_loss > mid.best_val_loss * (1 + margin)
 
 
 def pick(candidates: Mapping[str, HalvingCandidate]) -> str:

@@ -318,7 +318,7 @@ def write_step_report(window: StepWindow, curve: Optional[dict], out_dir: str | 
     notes += _weighting_note(validation_weighting)
     if halving is not None:
         rows += _halving_rows(halving)
-        notes.append(("successive halving", HALVING_NOTE.format(kept=halving.kept, pause=halving.pause_update)))
+        notes.append(("successive halving", halving_note(halving)))
     if cooldown:
         notes.append(("cooldown", cooldown))
     if average:
@@ -327,11 +327,19 @@ def write_step_report(window: StepWindow, curve: Optional[dict], out_dir: str | 
                          notes, _source_line(curve, source), window.to_dict(), samples)
 
 
-HALVING_NOTE = (
-    "lr_mid and lr_high both trained to update {pause}; {kept}, with the lower validation loss by then, went on to "
-    "the end and is the run above (its curve from update 0). The other's curve is drawn up to the pause. "
-    "finetune.successive_halving: false trains lr_mid alone."
-)
+def halving_note(halving: HalvingDecision) -> str:
+    """What the race did, in words: who raced to the pause, who went on, and where the others' curves are."""
+    from rangefinder.analysis.halving import BELOW
+
+    if BELOW in halving.candidates:
+        raced = ("lr_mid and lr_high trained to update {pause}; lr_high lost by a wide margin, so lr_below "
+                 "(lr_mid^2 / lr_high) trained to it too (finetune.halving_below_margin)")
+        others, est = "The others' curves are", "lowest"
+    else:
+        raced, others, est = "lr_mid and lr_high both trained to update {pause}", "The other's curve is", "lower"
+    return (f"{raced}; {{kept}}, with the {est} validation loss by then, went on to the end and is the run above "
+            f"(its curve from update 0). {others} drawn up to the pause. finetune.successive_halving: false trains "
+            "lr_mid alone.").format(pause=halving.pause_update, kept=halving.kept)
 
 
 def _halving_rows(halving: HalvingDecision) -> list[tuple[str, Any, str]]:

@@ -288,8 +288,8 @@ def finetune(
         chosen_update: The update of the checkpoint delivered in `model`.
         chosen_epoch: The epoch of that checkpoint.
         mixed_precision: The precision training ran in (no, fp16 or bf16).
-        lr_used: The LR the fine-tune kept (lr_mid, or lr_high when successive halving kept it).
-        halving_kept: Which candidate successive halving kept (lr_mid or lr_high); empty: no halving.
+        lr_used: The LR the fine-tune kept (lr_mid, or lr_high or lr_below when successive halving kept it).
+        halving_kept: Which candidate successive halving kept (lr_mid, lr_high or lr_below); empty: no halving.
     """
     from collections import namedtuple
     from pathlib import Path

@@ -247,7 +247,7 @@ def _build_pipeline(cfg: RangefinderConfig, *, local: bool) -> Callable:
         tuned = step(c.finetune(config_json=config_json, split=split, lr_low=lr["lr_low"], lr_high=lr["lr_high"],
                                 lr_mid=lr["lr_mid"], lr_source=lr["source"],
                                 mlflow_parent_run_id=mlflow_parent_run_id), "finetune")
-        # The LR the fine-tune kept (lr_mid, or lr_high by successive halving) is the one retrained and registered.
+        # The LR the fine-tune kept (lr_mid, or another candidate by successive halving) is retrained and registered.
         kept_lr = tuned.outputs["lr_used"]
         with dsl.If(retrain == True, name="retrain-on-all-data"):  # noqa: E712
             full = step(c.retrain_full(config_json=config_json, split=split, lr_low=lr["lr_low"],

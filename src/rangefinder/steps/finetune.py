@@ -54,7 +54,7 @@ class FinetuneResult:
     checkpoints: list[Path]
     chosen: Optional[dict[str, Any]] = None  # chosen.json: the kept checkpoint's update, epoch, val_loss, reason
     mixed_precision: str = "no"  # what training.mixed_precision (e.g. auto) meant on this machine
-    lr: float = 0.0  # the constant LR of the delivered run: lr_mid, or lr_high when successive halving kept it
+    lr: float = 0.0  # the constant LR of the delivered run: lr_mid, or the candidate successive halving kept
     halving: Optional[HalvingDecision] = None  # halving.json (rangefinder.steps.halving) when it ran
     updates_trained: int = 0  # every optimizer update the step took, both halving candidates included
 

@@ -8,10 +8,15 @@ the fine-tune's updates (the engine's pause, training.loop.train), the one with 
 far (ties: `lr_mid`) goes on to the end, and the other's checkpoints are removed. A constant-LR run paused and
 resumed is the same run, so the kept one is exactly the fine-tune that LR would have been.
 
+With `finetune.halving_below_margin` set, a race `lr_high` lost by more than that margin (analysis.halving.fires_below)
+gets a third candidate, `lr_below` = `lr_mid`^2 / `lr_high`, trained to the same pause after the two; the lowest of
+the three goes on. A step killed while it trains goes on from its newest checkpoint (the other two have paused: their
+runs return at once).
+
 Where things are, in the step's work folder:
-- `halving/<lr_mid|lr_high>/`: each candidate's run until the decision; the kept one's is then moved up into the
-  work folder, where it goes on as the step's run; the other keeps its curve (metrics.csv, updates.csv, samples/)
-  and loses its checkpoints;
+- `halving/<lr_mid|lr_high|lr_below>/`: each candidate's run until the decision; the kept one's is then moved up into
+  the work folder, where it goes on as the step's run; the others keep their curves (metrics.csv, updates.csv,
+  samples/) and lose their checkpoints;
 - `halving/halving.json`: the decision, written before anything moves, so a step killed at any point goes on from
   where it was: a candidate from its newest checkpoint, the move from the entries still to move, the kept run from
   its newest checkpoint.
@@ -32,10 +37,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from rangefinder.analysis.halving import (
+    BELOW,
     CANDIDATES,
+    RACED,
+    RULE,
     HalvingCandidate,
     HalvingDecision,
+    below_lr,
     best_until,
+    fires_below,
     pause_update,
     pick,
 )
@@ -68,24 +78,22 @@ def run_halving(cfg: RangefinderConfig, spec: TrainSpec, work: Path, *, lr_mid: 
     (halving.json): the kept candidate's name and LR, the pause, and each candidate's LR, best validation loss so
     far, where, its status and its curve. Goes on from whatever a killed attempt left. `split`: the one at
     spec.split_dir as the step read it; `spec.plan` gives the fine-tune's updates."""
-    from rangefinder.launch.processes import run_training
-
     root = Path(work) / HALVING_DIR
     decision_path = root / DECISION
     decision = HalvingDecision.from_json(json.loads(decision_path.read_text())) if decision_path.is_file() else None
     if decision is None:
         plan = spec.plan if spec.plan is not None else spec.plan_from(_read(spec))
         pause = pause_update(plan.total_updates)
-        lrs = {"lr_mid": lr_mid, "lr_high": lr_high}
+        lrs = {"lr_mid": lr_mid, "lr_high": lr_high, BELOW: below_lr(lr_mid, lr_high)}
+        margin = cfg.finetune.halving_below_margin
         candidates: dict[str, HalvingCandidate] = {}
-        for name in CANDIDATES:
-            with _candidate_run(cfg, sink, name, lrs[name]) as candidate_sink:
-                result = run_training(cfg, spec.with_lr(lrs[name]), out_dir=root / name,
-                                      step_name=candidate_step(name), pause_after_update=pause, split=split,
-                                      metric_sink=candidate_sink)
-            candidates[name] = HalvingCandidate.measured(lrs[name], result.status, result.updates,
-                                                         result.curve["update"], result.curve["val_loss"], pause)
-        decision = HalvingDecision.decide(pause, candidates)
+        for name in RACED:
+            candidates[name] = _race(cfg, spec, root / name, sink, name, lrs[name], pause, split)
+        rule = RULE
+        if fires_below(candidates, margin):
+            candidates[BELOW] = _race(cfg, spec, root / BELOW, sink, BELOW, lrs[BELOW], pause, split)
+            rule = f"{RULE}; lr_high lost by more than {margin:g}, so lr_below = lr_mid^2 / lr_high raced too"
+        decision = HalvingDecision.decide(pause, candidates, rule)
         write_json(decision_path, decision.to_json())  # before anything moves: a killed step redoes only the move
         _tag_outcomes(sink, decision)
     if not decision.moved:
@@ -93,12 +101,24 @@ def run_halving(cfg: RangefinderConfig, spec: TrainSpec, work: Path, *, lr_mid: 
         shutil.rmtree(root / decision.kept, ignore_errors=True)  # only its lock is left
         if sink is not None:
             replay_curve(sink, Path(work))
-        for name in CANDIDATES:
+        for name in decision.candidates:
             if name != decision.kept:
                 shutil.rmtree(root / name / checkpoints.RUN_DIR, ignore_errors=True)
         decision = decision.done_moving()
         write_json(decision_path, decision.to_json())
     return decision
+
+
+def _race(cfg: RangefinderConfig, spec: TrainSpec, out_dir: Path, sink: Optional[MetricSink], name: str, lr: float,
+          pause: int, split: Optional[Split]) -> HalvingCandidate:
+    """One candidate's run to the pause (or on from where a killed attempt left it), in its own child run."""
+    from rangefinder.launch.processes import run_training
+
+    with _candidate_run(cfg, sink, name, lr) as candidate_sink:
+        result = run_training(cfg, spec.with_lr(lr), out_dir=out_dir, step_name=candidate_step(name),
+                              pause_after_update=pause, split=split, metric_sink=candidate_sink)
+    return HalvingCandidate.measured(lr, result.status, result.updates, result.curve["update"],
+                                     result.curve["val_loss"], pause)
 
 
 def candidate_step(name: str) -> str:
