@@ -74,7 +74,8 @@ def halving_applies(enabled: bool, validating: bool, schedule: str, lr_mid: floa
 
 def run_halving(cfg: RangefinderConfig, spec: TrainSpec, work: Path, *, lr_mid: float, lr_high: float,
                 split: Optional[Split] = None, sink: Optional[MetricSink] = None) -> HalvingDecision:
-    """Race the two candidates to the pause and move the kept one's run into `work`; returns the decision
+    """Race `lr_mid` and `lr_high` to the pause (and `lr_below` where `lr_high` lost by the config's
+    finetune.halving_below_margin) and move the kept one's run into `work`; returns the decision
     (halving.json): the kept candidate's name and LR, the pause, and each candidate's LR, best validation loss so
     far, where, its status and its curve. Goes on from whatever a killed attempt left. `split`: the one at
     spec.split_dir as the step read it; `spec.plan` gives the fine-tune's updates."""
