@@ -219,16 +219,7 @@ def test_a_step_killed_in_the_race_and_after_it_ends_as_one_never_killed(halved,
         run_finetune(cfg, split_dir=split_dir, lr_low=LR_LOW, lr_high=LR_HIGH, lr_mid=LR_MID, model_dir=work)
 
     def kill_when(ready) -> None:
-        # The forked child the engine's kill tests use (tests/training/test_resume.py): its own stdout and stderr,
-        # default signal handlers, one OpenMP thread.
-        proc = ForkedChild(tmp_path / "step", tmp_path / "step.out", tmp_path / "step.err", target=step, args=())
-        deadline = time.monotonic() + 300
-        while not ready() and proc.poll() is None:
-            assert time.monotonic() < deadline, "the step did not get there within 5 minutes"
-            time.sleep(0.02)
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGKILL)
-        proc.communicate()
+        _kill_when(step, ready, tmp_path)
 
     race = work / HALVING_DIR / "lr_high" / "checkpoints"
     kill_when(lambda: race.is_dir() and bool(checkpoints.list_checkpoints(race)))
@@ -247,6 +238,47 @@ def test_a_step_killed_in_the_race_and_after_it_ends_as_one_never_killed(halved,
         os.environ.pop(v, None)
     result = run_finetune(cfg, split_dir=split_dir, lr_low=LR_LOW, lr_high=LR_HIGH, lr_mid=LR_MID, model_dir=work)
     assert result.halving == reference.halving and result.lr == LR_HIGH
+    for name in ("metrics.csv", "updates.csv"):
+        assert (work / name).read_text() == (root / "ft" / name).read_text(), name
+    a, b = load_file(str(work / UNET)), load_file(str(root / "ft" / UNET))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _kill_when(step, ready, tmp_path: Path) -> None:
+    """`step` in the forked child the engine's kill tests use (tests/training/test_resume.py: its own stdout and
+    stderr, default signal handlers, one OpenMP thread), SIGKILLed once `ready()` (or left to end)."""
+    proc = ForkedChild(tmp_path / "step", tmp_path / "step.out", tmp_path / "step.err", target=step, args=())
+    deadline = time.monotonic() + 300
+    while not ready() and proc.poll() is None:
+        assert time.monotonic() < deadline, "the step did not get there within 5 minutes"
+        time.sleep(0.02)
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+
+
+def test_a_step_killed_while_lr_below_races_ends_as_one_never_killed(halved, split_dir, tiny_model_dir, tmp_path):
+    """SIGKILL while the third candidate trains: the retry's lr_mid and lr_high return at their pause, lr_below goes
+    on from its checkpoint, and the step delivers the fine-tune at lr_below's LR, bit for bit."""
+    from rangefinder.steps.finetune import run_finetune
+
+    _, root, _, _ = halved
+    cfg = _cfg(tiny_model_dir, tmp_path, halving_below_margin=0.10)
+    work = tmp_path / "ft"
+
+    def step() -> None:
+        for v in [k for k in os.environ if k.startswith("MLFLOW_")]:
+            os.environ.pop(v)
+        torch.set_num_threads(1)
+        run_finetune(cfg, split_dir=split_dir, lr_low=LR_LOW, lr_high=1e-1, lr_mid=1e-2, model_dir=work)
+
+    race = work / HALVING_DIR / "lr_below" / "checkpoints"
+    _kill_when(step, lambda: race.is_dir() and bool(checkpoints.list_checkpoints(race)), tmp_path)
+    assert not (work / HALVING_DIR / DECISION).exists(), "killed after the race: lr_below's resume is not tested"
+    for v in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME"):
+        os.environ.pop(v, None)
+    result = run_finetune(cfg, split_dir=split_dir, lr_low=LR_LOW, lr_high=1e-1, lr_mid=1e-2, model_dir=work)
+    assert result.halving is not None and result.halving.kept == "lr_below" and result.lr == pytest.approx(1e-3)
     for name in ("metrics.csv", "updates.csv"):
         assert (work / name).read_text() == (root / "ft" / name).read_text(), name
     a, b = load_file(str(work / UNET)), load_file(str(root / "ft" / UNET))
