@@ -381,6 +381,7 @@ def score_prompts(cfg, c: dict[str, Any], case: Path, log=print,
 def train_arm(cfg, split_dir: Path, lr: float, out: Path, keep_weights: bool = False) -> dict[str, Any]:
     """One constant-LR fine-tune as the fine-tune step runs it (halving off: one LR), with its final loss and the
     step window's pick as well as its best. `keep_weights`: leave its folder (the caller scores and deletes it)."""
+    from rangefinder.analysis.halving import pause_update
     from rangefinder.steps.finetune import run_finetune
 
     t0 = time.perf_counter()
@@ -388,26 +389,35 @@ def train_arm(cfg, split_dir: Path, lr: float, out: Path, keep_weights: bool = F
     seconds = time.perf_counter() - t0
     stats = curve_stats(ft.curve_csv)
     updates = int(json.loads((out / "run_summary.json").read_text())["updates"])
-    effective = effective_lrs(ft.curve_csv.with_name("updates.csv"), stats.get("best_update"))
+    effective = effective_lrs(ft.curve_csv.with_name("updates.csv"), stats.get("best_update"), pause_update(updates))
     if not keep_weights:
         shutil.rmtree(out, ignore_errors=True)  # the weights are not needed; the curve is in stats
     return {"lr": lr, "updates": updates, "seconds": seconds, "chosen": ft.chosen, **effective, **stats}
 
 
-def effective_lrs(updates_csv: Path, best_update: Optional[int]) -> dict[str, Optional[float]]:
-    """The step size the optimizer took (updates.csv's lr_effective: Prodigy's d x lr) at the best checkpoint and at
-    the end, to compare with the LR rangefinder measured."""
+def effective_lrs(updates_csv: Path, best_update: Optional[int],
+                  pause: Optional[int] = None) -> dict[str, Optional[float]]:
+    """The step size the optimizer took (updates.csv's lr_effective: Prodigy's d x lr) at the best checkpoint, at the
+    halving's pause (half the run: what a probe stopped there would read) and at the end, to compare with the LR
+    rangefinder measured."""
     import csv
 
+    none: dict[str, Optional[float]] = {"lr_effective_at_best": None, "lr_effective_at_pause": None,
+                                        "lr_effective_final": None}
     if not updates_csv.is_file():
-        return {"lr_effective_at_best": None, "lr_effective_final": None}
+        return none
     with open(updates_csv, newline="") as f:
         rows = [(int(float(r["update"])), float(r["lr_effective"])) for r in csv.DictReader(f)
                 if r.get("lr_effective") not in (None, "") and r.get("update") not in (None, "")]
     if not rows:
-        return {"lr_effective_at_best": None, "lr_effective_final": None}
-    at_best = [x for u, x in rows if best_update is not None and u <= best_update]
-    return {"lr_effective_at_best": at_best[-1] if at_best else None, "lr_effective_final": rows[-1][1]}
+        return none
+
+    def at(update: Optional[int]) -> Optional[float]:
+        seen = [x for u, x in rows if update is not None and u <= update]
+        return seen[-1] if seen else None
+
+    return {"lr_effective_at_best": at(best_update), "lr_effective_at_pause": at(pause),
+            "lr_effective_final": rows[-1][1]}
 
 
 def base_model_of(family: str) -> Path:

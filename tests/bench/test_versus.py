@@ -110,6 +110,8 @@ def test_versus_smoke(tmp_path, capsys, family):
     # The step size each took: AdamW's own LR; Prodigy's d x lr, its estimate (not the nominal 1.0).
     assert case["folk"]["lr_effective_final"] == pytest.approx(1e-4)
     assert 0 < case["prodigy"]["lr_effective_final"] < 1.0
+    # At the halving's pause (update 2 of 4), what a Prodigy probe stopped there would read; d only grows.
+    assert 0 < case["prodigy"]["lr_effective_at_pause"] <= case["prodigy"]["lr_effective_final"]
     assert s["grid_best"] > 0 and s["updates"]["grid"] == 4 and case["grid"]["reused_from"] is None
     # Every verdict is one of the three words, or missing only when an arm has no loss.
     for opp in OPPONENTS:
