@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from rangefinder.analysis.halving import HalvingDecision
+from rangefinder.analysis.halving import BELOW, HalvingDecision
 from rangefinder.analysis.lr_bounds import FLAG_ADVICE as LR_FLAG_ADVICE
 from rangefinder.analysis.lr_bounds import STATUS_ADVICE as LR_STATUS_ADVICE
 from rangefinder.analysis.lr_bounds import LRBounds
@@ -329,17 +329,16 @@ def write_step_report(window: StepWindow, curve: Optional[dict], out_dir: str | 
 
 def halving_note(halving: HalvingDecision) -> str:
     """What the race did, in words: who raced to the pause, who went on, and where the others' curves are."""
-    from rangefinder.analysis.halving import BELOW
-
+    pause, kept = halving.pause_update, halving.kept
     if BELOW in halving.candidates:
-        raced = ("lr_mid and lr_high trained to update {pause}; lr_high lost by a wide margin, so lr_below "
+        raced = (f"lr_mid and lr_high trained to update {pause}; lr_high lost by a wide margin, so lr_below "
                  "(lr_mid^2 / lr_high) trained to it too (finetune.halving_below_margin)")
         others, est = "The others' curves are", "lowest"
     else:
-        raced, others, est = "lr_mid and lr_high both trained to update {pause}", "The other's curve is", "lower"
-    return (f"{raced}; {{kept}}, with the {est} validation loss by then, went on to the end and is the run above "
-            f"(its curve from update 0). {others} drawn up to the pause. finetune.successive_halving: false trains "
-            "lr_mid alone.").format(pause=halving.pause_update, kept=halving.kept)
+        raced, others, est = f"lr_mid and lr_high both trained to update {pause}", "The other's curve is", "lower"
+    return (f"{raced}; {kept}, with the {est} validation loss by then, went on to the end and is the run above (its "
+            f"curve from update 0). {others} drawn up to the pause. finetune.successive_halving: false trains lr_mid "
+            "alone.")
 
 
 def _halving_rows(halving: HalvingDecision) -> list[tuple[str, Any, str]]:
