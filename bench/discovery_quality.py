@@ -109,34 +109,12 @@ def train_fixed_lr(cfg, split_dir: Path, lr: float, out: Path) -> dict[str, Any]
 
 def discover(cfg, split_dir: Path, out: Path) -> dict[str, Any]:
     """The pipeline's discovery: range test (-> zoom) -> choose LR -> constant fine-tune at the midpoint."""
-    from rangefinder.errors import RangefinderError
     from rangefinder.steps.choose_lr import run_choose_lr
     from rangefinder.steps.finetune import run_finetune
-    from rangefinder.steps.lr_range_test import run_lr_range_test
 
     res: dict[str, Any] = {"updates": 0, "seconds": 0.0, "range_tests": []}
     t0 = time.perf_counter()
-    try:
-        tests = [run_lr_range_test(cfg, split_dir=split_dir, out_dir=out / "range-test", stage="first")]
-        if tests[0].needs_zoom:
-            tests.append(run_lr_range_test(cfg, split_dir=split_dir, out_dir=out / "range-test-zoom", stage="zoom",
-                                           lr_min=tests[0].zoom_lr_min, lr_max=tests[0].zoom_lr_max))
-    except RangefinderError as e:
-        # No usable bounds even after the zoom: the pipeline stops here. Its cost so far still counts, and the
-        # first test's classic suggestions (written before the step gave up) are still worth training.
-        res.update(status="failed", error=str(e), seconds=time.perf_counter() - t0)
-        tests = []
-    for name in ("range-test", "range-test-zoom"):
-        bounds_json = out / name / "bounds.json"
-        if bounds_json.exists():
-            decision = json.loads(bounds_json.read_text())
-            res["range_tests"].append({k: decision.get(k) for k in (
-                "stage", "lr_min", "lr_max", "status", "lr_low", "lr_mid", "lr_high", "flags", "quality",
-                "points_between", "updates", "lr_steepest", "lr_min_div10", "lr_at_min", "midpoint", "midpoints",
-                "quality_label", "quality_parts", "snr")})
-            res["updates"] += int(decision["updates"])
-        elif (out / name / "run" / "run_summary.json").exists():
-            res["updates"] += _updates_of(out / name / "run")
+    tests = range_tests(cfg, split_dir, out, res)
     if not tests:
         return res
     used = tests[-1]
@@ -162,6 +140,38 @@ def discover(cfg, split_dir: Path, out: Path) -> dict[str, Any]:
         **curve_stats(ft.curve_csv, ft.recommended_updates),
     )
     return res
+
+
+def range_tests(cfg, split_dir: Path, out: Path, res: dict[str, Any]) -> list[Any]:
+    """The pipeline's range tests, the first and (when it asks for one) the zoom, under `out`: their results, the
+    last one's bounds the ones used; each one's decision and updates added to `res` ("range_tests", "updates"). None
+    when no usable bounds came out (`res` says status failed and why, with the seconds so far)."""
+    from rangefinder.errors import RangefinderError
+    from rangefinder.steps.lr_range_test import run_lr_range_test
+
+    t0 = time.perf_counter()
+    try:
+        tests = [run_lr_range_test(cfg, split_dir=split_dir, out_dir=out / "range-test", stage="first")]
+        if tests[0].needs_zoom:
+            tests.append(run_lr_range_test(cfg, split_dir=split_dir, out_dir=out / "range-test-zoom", stage="zoom",
+                                           lr_min=tests[0].zoom_lr_min, lr_max=tests[0].zoom_lr_max))
+    except RangefinderError as e:
+        # No usable bounds even after the zoom: the pipeline stops here. Its cost so far still counts, and the
+        # first test's classic suggestions (written before the step gave up) are still worth training.
+        res.update(status="failed", error=str(e), seconds=res.get("seconds", 0.0) + time.perf_counter() - t0)
+        tests = []
+    for name in ("range-test", "range-test-zoom"):
+        bounds_json = out / name / "bounds.json"
+        if bounds_json.exists():
+            decision = json.loads(bounds_json.read_text())
+            res["range_tests"].append({k: decision.get(k) for k in (
+                "stage", "lr_min", "lr_max", "status", "lr_low", "lr_mid", "lr_high", "flags", "quality",
+                "points_between", "updates", "lr_steepest", "lr_min_div10", "lr_at_min", "midpoint", "midpoints",
+                "quality_label", "quality_parts", "snr")})
+            res["updates"] += int(decision["updates"])
+        elif (out / name / "run" / "run_summary.json").exists():
+            res["updates"] += _updates_of(out / name / "run")
+    return tests
 
 
 def _open_store(cfg) -> None:
