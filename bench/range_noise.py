@@ -5,12 +5,13 @@ With only `training.seed` changed (the replicate of seeds 14-17, bench/RESULTS.m
 decades at the median and Prodigy's d x lr 0.07, and `validation.timesteps: 16` did not steady it: the noise comes
 from the range test's training draws. Per saved bench.versus case this probe rebuilds the case and runs only the
 pipeline's range tests (the first and, when it asks for one, the zoom: bench.discovery_quality.range_tests) at two
-training seeds, for each `lr_range_test.epochs` given; no fine-tune. It reports, per length, how far `lr_mid` and
+training seeds, for each `lr_range_test.epochs` given (the cases' own is demo_config's 3 epochs of 4 updates,
+validated every update: 12 updates a test); no fine-tune. It reports, per length, how far `lr_mid` and
 `lr_high` moved between the seeds (|log10 of their ratio|), how often the zoom ran, and the updates it cost.
 Exploratory: it measures noise, not whether a steadier LR fine-tunes better.
 
     python -m bench.range_noise --from bench/results/versus_all_215.json --methods lora --seeds 14,15,16,17 \\
-        --epochs 10,40 --out bench/results/range_noise.json
+        --epochs 3,12 --out bench/results/range_noise.json
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def bounds_at(cfg, split_dir: Path, out: Path, epochs: int, seed: int) -> dict[s
             "lr_mid": used.lr_mid if used else None, "lr_high": used.lr_high if used else None}
 
 
-def probe_case(c: dict[str, Any], work: Path, log=print, epochs: tuple[int, ...] = (10, 40)) -> dict[str, Any]:
+def probe_case(c: dict[str, Any], work: Path, log=print, epochs: tuple[int, ...] = (3, 12)) -> dict[str, Any]:
     case, cfg, split_dir = rebuild_case(c, work)
     own = case_training_seed(c)
     row: dict[str, Any] = {k: c[k] for k in ("method", "kind", "seed", "held_out")}
@@ -56,6 +57,10 @@ def probe_case(c: dict[str, Any], work: Path, log=print, epochs: tuple[int, ...]
         log(f"[{c['method']} {c['kind']} seed {c['seed']}] epochs {e}: lr_mid {a['lr_mid']} / {b['lr_mid']}, "
             f"lr_high {a['lr_high']} / {b['lr_high']}, {a['updates']} + {b['updates']} updates")
     shutil.rmtree(case, ignore_errors=True)
+    # The case's own length and seed is (a)'s range test as it ran: on the machine that ran the case, the same bounds.
+    own_run = [r for r in row["runs"] if (r["epochs"], r["training_seed"]) == (cfg.lr_range_test.epochs, own)]
+    row["reproduces"] = (math.isclose(own_run[0]["lr_mid"], row["saved_lr_mid"], rel_tol=1e-9)
+                         if own_run and own_run[0]["lr_mid"] and row["saved_lr_mid"] else None)
     return row
 
 
@@ -65,7 +70,7 @@ def move(a: Optional[float], b: Optional[float]) -> Optional[float]:
 
 
 def tally(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {"cases": len(rows)}
+    out: dict[str, Any] = {"cases": len(rows), "reproduce_saved": sum(r.get("reproduces") is True for r in rows)}
     for e in sorted({r["epochs"] for row in rows for r in row["runs"]}):
         pairs = [[r for r in row["runs"] if r["epochs"] == e] for row in rows]
         stats: dict[str, Any] = {"failed": sum(r["status"] == "failed" for p in pairs for r in p),
@@ -85,7 +90,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     add_probe_arguments(p)
     p.add_argument("--methods", default="lora")
     p.add_argument("--seeds", default="14,15,16,17", help="the cases' data seeds")
-    p.add_argument("--epochs", default="10,40", help="lr_range_test.epochs to compare (10: the default)")
+    p.add_argument("--epochs", default="3,12",
+                   help="lr_range_test.epochs to compare (3: the bench's cases, demo_config's; validated every update)")
     p.add_argument("--part", default="1/1", help="K/N: every Nth case from the Kth, to run N probes side by side")
     args = p.parse_args(argv)
     quiet_libraries()

@@ -22,7 +22,9 @@ def test_the_tally_reads_each_length_s_moves_in_decades():
                       _run(40, 14, 1e-2, 2e-2, 96), _run(40, OTHER_SEED, 1.2e-2, 2e-2, 96, zoomed=False)]},
             {"runs": [_run(10, 15, 4e-3, 8e-3), _run(10, OTHER_SEED, 4e-3, 1.6e-2),
                       _run(40, 15, 4e-3, 8e-3, 96), _run(40, OTHER_SEED, 4e-3, 8e-3, 96)]}]
+    rows[0]["reproduces"] = True
     t = tally(rows)
+    assert t["reproduce_saved"] == 1
     assert t["epochs_10"]["lr_mid_median_move_decades"] == pytest.approx(0.5)  # 1 decade and 0
     assert t["epochs_10"]["lr_mid_moved_over_1_5x"] == 1 and t["epochs_10"]["lr_high_moved_over_1_5x"] == 1
     assert t["epochs_40"]["lr_mid_largest_move_decades"] == pytest.approx(math.log10(1.2))
@@ -42,4 +44,5 @@ def test_a_saved_case_s_range_tests_run_at_each_seed_and_length(tmp_path):
         assert r["status"] == "ok" and 0 < r["lr_low"] <= r["lr_mid"] <= r["lr_high"], r
     assert row["runs"][2]["updates"] > row["runs"][0]["updates"]
     assert row["saved_lr_mid"] == case["rangefinder"]["lr_mid"]
+    assert row["reproduces"] is None  # neither length is the case's own (3): nothing to compare with
     assert not (tmp_path / "lora-shapes-seed14").exists()  # the case's runs are gone; the encoding cache stays
