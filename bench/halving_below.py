@@ -65,9 +65,10 @@ def pair(saved: dict[str, Any], rerun: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
-def readings(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """R1 and R2 over the cases where the rule fired."""
-    fired = [x for x in rows if x["fired"]]
+def readings(rows: list[dict[str, Any]], all_cases: bool = False) -> dict[str, Any]:
+    """R1 and R2 over the cases where the rule fired (`all_cases`: over every pair, for a change that applies to
+    every case, such as the range test's length)."""
+    fired = rows if all_cases else [x for x in rows if x["fired"]]
     changes = [x["change_pct"] for x in fired if x["change_pct"] is not None]
     lower = sum(c < 0 for c in changes)
     moves = [x[f"vs_{arm}"]["turned"] for x in fired for arm in ARMS]
@@ -98,6 +99,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--saved", type=Path, nargs="+", required=True, help="the versus JSONs the cases were saved in")
     p.add_argument("--rerun", type=Path, nargs="+", required=True, help="the re-runs with the rule")
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--all-cases", action="store_true",
+                   help="read R1 and R2 over every pair, not only where the third candidate fired (a change that "
+                   "applies to every case: bench.versus --range-test-epochs)")
     args = p.parse_args(argv)
     saved: dict[Any, dict[str, Any]] = {}
     for path in args.saved:  # a later file's case replaces an earlier one's, as in bench.versus --report
@@ -109,7 +113,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                 raise SystemExit(f"{c['method']} {c['kind']} {c['seed']} in {path} is in none of the saved files")
             rows.append(pair(saved[case_key(c)], c))
     result = {"benchmark": NAME, "saved": [str(x) for x in args.saved], "rerun": [str(x) for x in args.rerun],
-              "rows": rows, "readings": readings(rows)}
+              "rows": rows, "readings": readings(rows, args.all_cases)}
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(table(rows))
     print(json.dumps(result["readings"], indent=1))

@@ -177,7 +177,8 @@ HELD_OUT_KINDS = ("subject", "glyphs")
 # 5-9, 14-17, 18-19 and 20-23 added before any run of them; 8 and 10-13 after theirs, whose JSONs flag only their
 # held-out kinds (none was chosen on): the cooldown, the average, the soup, the unseen images. 18-19 (LoRA, with grids)
 # and 20-23 (LoRA) test the third halving candidate (bench/RESULTS.md, "A third halving candidate below lr_mid").
-HELD_OUT_SEEDS = (3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23)
+# 24-25 (LoRA) test a 12-epoch range test (bench/RESULTS.md, "A 12-epoch range test on LoRA").
+HELD_OUT_SEEDS = (3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25)
 TIE_PCT = 1.0  # within 1 %: a tie
 FOLK_LR = {"full": 1e-4, "lora": 1e-4, "textual_inversion": 5e-3}
 # diffusers' README (examples/advanced_diffusion_training, "Prodigy"): lr 1.0 with these, the constant schedule.
@@ -458,6 +459,8 @@ def case_overrides(method: str, args, family: str = "sd1") -> dict[str, dict[str
         # demo_config's sweep (1e-5..1e-2) was measured for full fine-tuning; adapters and embeddings learn at
         # about 100x (config.DEFAULT_LR_RANGE), so they get the method's shipped default sweep.
         overrides["lr_range_test"] = {"lr_min": None, "lr_max": None}
+    if getattr(args, "range_test_epochs", None) is not None:  # (a) only: no other arm runs a range test
+        overrides.setdefault("lr_range_test", {})["epochs"] = args.range_test_epochs
     if args.smoke:
         overrides.setdefault("lr_range_test", {}).update(epochs=3, validate_every_updates=1)
         overrides["sampling"] = {**overrides.get("sampling", {}), **SMOKE_SAMPLING}
@@ -1014,6 +1017,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--halving-below-margin", type=float, metavar="M",
                    help="finetune.halving_below_margin in (a): a third halving candidate below lr_mid where lr_high "
                    "lost by more than M (bench/RESULTS.md, \"A third halving candidate below lr_mid\")")
+    p.add_argument("--range-test-epochs", type=int, metavar="N",
+                   help="lr_range_test.epochs in (a) (the cases' own: 3, demo_config's; bench/range_noise.py)")
     p.add_argument("--training-seed", type=int, metavar="S",
                    help="training.seed in every arm, and a fresh draw of random search's LRs: a replicate of the "
                    "cases with everything the runs draw drawn again (default: the case's data seed)")
@@ -1097,7 +1102,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                 "tie_pct": TIE_PCT, "folk_lr": FOLK_LR, "prodigy_settings": PRODIGY_SETTINGS,
                 "prompt_seeds": list(args.prompt_seeds), "unseen_images": args.unseen_images,
                 "reuse_arms": [str(x) for x in args.reuse_arms or []],
-                "halving_below_margin": args.halving_below_margin}
+                "halving_below_margin": args.halving_below_margin, "range_test_epochs": args.range_test_epochs}
     result: dict[str, Any] = {"benchmark": NAME, "smoke": args.smoke, "settings": settings, "cases": [],
                               "runs": []}
     if args.out.exists() and not args.smoke:
