@@ -58,3 +58,14 @@ def test_a_re_run_that_raced_differently_is_flagged():
 
     row = pair(saved, rerun)
     assert row["reproduces"] is False and readings([row])["all_reproduce"] is False
+
+
+def test_all_cases_reads_every_pair_for_a_change_that_applies_everywhere():
+    saved, rerun = _pair(0.105, 0.095)
+    rerun["rangefinder"]["halving"] = _race(0.10, 0.12)  # no third candidate: the change was elsewhere
+    from bench.halving_below import pair
+
+    row = pair(saved, rerun)
+    assert readings([row])["fired"] == 0 and readings([row])["r1"]["of"] == 0
+    assert readings([row], all_cases=True)["r1"] == {"lower": 1, "of": 1, "median_change_pct": row["change_pct"],
+                                                     "met": True}

@@ -331,3 +331,19 @@ def test_a_replicate_sets_the_training_seed_of_every_arm():
     args = SimpleNamespace(finetune_epochs=40, smoke=False, soup_tries=0, training_seed=None)
     assert "seed" not in case_overrides("lora", args)["training"]
     assert case_overrides("lora", SimpleNamespace(**{**vars(args), "training_seed": 1235}))["training"]["seed"] == 1235
+
+
+def test_the_rules_under_test_reach_a_s_config_only_when_asked():
+    """--halving-below-margin and --range-test-epochs set (a)'s finetune.halving_below_margin and
+    lr_range_test.epochs on top of the method's own sweep; left out, the case is as shipped."""
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(finetune_epochs=40, smoke=False, soup_tries=0, training_seed=None)
+    plain = case_overrides("lora", args)
+    assert "halving_below_margin" not in plain["finetune"] and plain["lr_range_test"] == {"lr_min": None,
+                                                                                           "lr_max": None}
+    asked = case_overrides("lora", SimpleNamespace(**vars(args), halving_below_margin=0.1, range_test_epochs=12))
+    assert asked["finetune"]["halving_below_margin"] == 0.1
+    assert asked["lr_range_test"] == {"lr_min": None, "lr_max": None, "epochs": 12}
+    full = case_overrides("full", SimpleNamespace(**vars(args), range_test_epochs=12))
+    assert full["lr_range_test"] == {"epochs": 12}
