@@ -73,7 +73,9 @@ def readings(rows: list[dict[str, Any]], all_cases: bool = False) -> dict[str, A
     lower = sum(c < 0 for c in changes)
     moves = [x[f"vs_{arm}"]["turned"] for x in fired for arm in ARMS]
     better, worse = moves.count("better"), moves.count("worse")
-    return {"cases": len(rows), "fired": len(fired), "all_reproduce": all(x["reproduces"] for x in rows),
+    # A change that applies everywhere (all_cases) changes the race itself: there is no saved race to reproduce.
+    reproduce = None if all_cases else all(x["reproduces"] for x in rows)
+    return {"cases": len(rows), "fired": len(fired), "all_reproduce": reproduce,
             "r1": {"lower": lower, "of": len(changes),
                    "median_change_pct": statistics.median(changes) if changes else None,
                    "met": bool(changes) and lower > len(changes) / 2 and statistics.median(changes) < 0},

@@ -67,5 +67,6 @@ def test_all_cases_reads_every_pair_for_a_change_that_applies_everywhere():
 
     row = pair(saved, rerun)
     assert readings([row])["fired"] == 0 and readings([row])["r1"]["of"] == 0
+    assert readings([row], all_cases=True)["all_reproduce"] is None  # the change moved the race: nothing to match
     assert readings([row], all_cases=True)["r1"] == {"lower": 1, "of": 1, "median_change_pct": row["change_pct"],
                                                      "met": True}
