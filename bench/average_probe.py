@@ -75,7 +75,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from bench.common import add_probe_arguments, family_of_case, quiet_libraries, run_probe
-from bench.versus import OPPONENTS, plain_finetune, rebuild_case, verdict_of, without_soup
+from bench.versus import OPPONENTS, plain_finetune, rebuild_case, verdict_of, verdict_rank, without_soup
 
 NAME = "average_probe"
 
@@ -158,7 +158,8 @@ def tally(rows: list[dict[str, Any]]) -> dict[str, Any]:
     turned = sum(1 for r in ok if any(r[f"saved_vs_{o}"] != "win" and r[f"vs_{o}"] == "win"
                                       for o in ("prodigy_best", "random_best")))
     out["non_wins_turned_into_wins"] = turned
-    out["worse_than_saved"] = sum(1 for r in ok for o in OPPONENTS if _rank(r[f"vs_{o}"]) < _rank(r[f"saved_vs_{o}"]))
+    out["worse_than_saved"] = sum(1 for r in ok for o in OPPONENTS
+                                  if verdict_rank(r[f"vs_{o}"]) < verdict_rank(r[f"saved_vs_{o}"]))
     out["rule_met"] = 2 * len(delivered) >= len(applies) > 0 and turned >= 5
     if any("how" in r for r in rows):  # --soup: the soup's rule (the docstring's), over the saved cases
         souped = [r for r in ok if r.get("how") == "greedy_soup" and r.get("average_delivered")]
@@ -167,10 +168,6 @@ def tally(rows: list[dict[str, Any]]) -> dict[str, Any]:
             [100.0 * (r["delivered"] - r["without_soup"]) / r["without_soup"] for r in souped])
         out["rule_met"] = turned >= 5
     return out
-
-
-def _rank(v: Optional[str]) -> int:
-    return {"loss": 0, "tie": 1, "win": 2}.get(v or "", -1)
 
 
 def _median(values: list[Optional[float]]) -> Optional[float]:

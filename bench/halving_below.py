@@ -23,11 +23,10 @@ import statistics
 from pathlib import Path
 from typing import Any, Optional
 
-from bench.versus import case_key, summarize, verdict_of
+from bench.versus import case_key, summarize, verdict_of, verdict_rank
 
 NAME = "halving_below"
 ARMS = ("prodigy_best", "folk_best", "random_best")  # the verdicts R2 counts (bench/RESULTS.md)
-RANK = {"loss": 0, "tie": 1, "win": 2}
 
 
 def race_reproduces(saved: dict[str, Any], rerun: dict[str, Any]) -> bool:
@@ -43,7 +42,7 @@ def turned(before: Optional[str], after: Optional[str]) -> str:
     """How a verdict moved: better, worse or same."""
     if before is None or after is None or before == after:
         return "same"
-    return "better" if RANK[after] > RANK[before] else "worse"
+    return "better" if verdict_rank(after) > verdict_rank(before) else "worse"
 
 
 def pair(saved: dict[str, Any], rerun: dict[str, Any]) -> dict[str, Any]:

@@ -765,6 +765,11 @@ def verdict_of(mine: Optional[float], theirs: Optional[float]) -> Optional[str]:
     return "tie" if abs(rel) <= TIE_PCT else ("win" if rel < 0 else "loss")
 
 
+def verdict_rank(v: Optional[str]) -> int:
+    """A verdict's order, to tell one that turned better from one that turned worse: loss < tie < win (none: -1)."""
+    return {"loss": 0, "tie": 1, "win": 2}.get(v or "", -1)
+
+
 def without_soup(chosen: dict[str, Any], a_loss: Optional[float]) -> Optional[float]:
     """What (a) delivers without finetune.soup_tries: where the greedy soup was delivered, the lower of the window's
     pick and the uniform average (each of which it beat); otherwise what it delivers."""
