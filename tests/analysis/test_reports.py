@@ -279,3 +279,32 @@ def test_a_range_test_the_zoom_replaced_says_so_instead_of_train_at(tmp_path):
     assert "Train at lr_mid" in plain
     assert "Train at" not in replaced and "Replaced by a zoomed range test over 2e-05..0.0003" in replaced
     assert f"this test read lr_mid {b.lr_mid:.3g}" in replaced
+
+
+def test_step_plot_draws_each_dropped_halving_candidate_in_its_own_colour(tmp_path):
+    """Three candidates race when lr_below fires: the two dropped ones get two colours, each found in the PNG."""
+    from matplotlib.image import imread
+
+    from rangefinder.analysis.halving import HalvingCandidate, HalvingDecision
+    from rangefinder.analysis.plots import DROPPED, plot_step_window
+
+    e = np.arange(41) / 2
+    shape = ConstantRunShape()
+    w = select_step_window(e * 10, e, noisy(shape.loss(e), 0.001, 0))
+    u = e[:21] * 10
+
+    def cand(lr, lift):
+        return HalvingCandidate.measured(lr, "paused", 100, u, shape.loss(e[:21]) + lift, 100)
+
+    decision = HalvingDecision(pause_update=100, kept="lr_below", lr=1e-3,
+                               candidates={"lr_mid": cand(1e-2, 0.004), "lr_high": cand(1e-1, 0.008),
+                                           "lr_below": cand(1e-3, 0.0)})
+    png = imread(plot_step_window(w, tmp_path / "plot.png", halving=decision))[..., :3]
+
+    def found(hex_colour):
+        rgb = np.array([int(hex_colour[i:i + 2], 16) for i in (1, 3, 5)]) / 255
+        return int((np.abs(png - rgb).max(axis=-1) < 0.03).sum())
+
+    assert DROPPED["lr_mid"] != DROPPED["lr_high"]
+    assert found(DROPPED["lr_mid"]) > 20 and found(DROPPED["lr_high"]) > 20
+    assert found(DROPPED["lr_below"]) == 0  # the kept candidate is the run's own curve, not a dropped one

@@ -19,6 +19,8 @@ SMOOTH = "#1f4e9c"
 STABILIZE = "#d9822b"
 BAND = "#2e9e5b"
 OTHER_MID = "#7a5195"
+# The halving's dropped candidates, one colour each (up to three race: lr_mid, lr_high, lr_below).
+DROPPED = {"lr_mid": OTHER_MID, "lr_high": "#c0457a", "lr_below": "#3d8fa8"}
 MID_STYLES = {"tuned": (0, (6, 2)), "geometric": ":", "arithmetic": "-."}
 
 
@@ -136,7 +138,7 @@ def plot_step_window(window: StepWindow, out_path: str | Path, *, title: Optiona
         for name, c in halving.candidates.items():
             if name != halving.kept and c.curve:
                 u, v = np.asarray(c.curve, float).T
-                ax.plot(u, v, ".-", color=OTHER_MID, ms=3, lw=1, alpha=0.8,
+                ax.plot(u, v, ".-", color=DROPPED.get(name, OTHER_MID), ms=3, lw=1, alpha=0.8,
                         label=f"{name} {c.lr:.3g}: dropped at update {halving.pause_update}")
     ax.set_ylim(lo, hi)
     if window.best_update is not None:
