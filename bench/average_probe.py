@@ -75,7 +75,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from bench.common import add_probe_arguments, family_of_case, quiet_libraries, run_probe
-from bench.versus import OPPONENTS, plain_finetune, rebuild_case, verdict_of, verdict_rank, without_soup
+from bench.versus import OPPONENTS, count_verdicts, plain_finetune, rebuild_case, verdict_of, verdict_rank, without_soup
 
 NAME = "average_probe"
 
@@ -153,8 +153,8 @@ def tally(rows: list[dict[str, Any]]) -> dict[str, Any]:
     for opp in OPPONENTS:
         now = [r[f"vs_{opp}"] for r in ok if r.get(f"vs_{opp}")]
         was = [r[f"saved_vs_{opp}"] for r in ok if r.get(f"saved_vs_{opp}")]
-        out[f"vs_{opp}"] = {k: now.count(k) for k in ("win", "tie", "loss")}
-        out[f"saved_vs_{opp}"] = {k: was.count(k) for k in ("win", "tie", "loss")}
+        out[f"vs_{opp}"] = count_verdicts(now)
+        out[f"saved_vs_{opp}"] = count_verdicts(was)
     turned = sum(1 for r in ok if any(r[f"saved_vs_{o}"] != "win" and r[f"vs_{o}"] == "win"
                                       for o in ("prodigy_best", "random_best")))
     out["non_wins_turned_into_wins"] = turned

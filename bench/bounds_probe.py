@@ -78,7 +78,7 @@ from typing import Any, Optional
 
 from bench.common import add_probe_arguments, family_of_case, quiet_libraries, run_probe
 from bench.discovery_quality import curve_stats
-from bench.versus import plain_finetune, rebuild_case, verdict_of
+from bench.versus import count_verdicts, plain_finetune, rebuild_case, verdict_of
 
 NAME = "bounds_probe"
 
@@ -149,7 +149,7 @@ def tally(rows: list[dict[str, Any]]) -> dict[str, Any]:
     for key in ("vs_rangefinder", "vs_prodigy_best", "rangefinder_vs_prodigy_best", "vs_random_best",
                 "rangefinder_vs_random_best"):
         v = [r[key] for r in rows if r.get(key)]
-        out[key] = {k: v.count(k) for k in ("win", "tie", "loss")}
+        out[key] = count_verdicts(v)
     as_good = out["vs_rangefinder"]["win"] + out["vs_rangefinder"]["tie"]
     out["worth_confirming"] = (as_good >= 9 and len(rows) == 10 and out["vs_prodigy_best"]["loss"]
                                < out["rangefinder_vs_prodigy_best"]["loss"])

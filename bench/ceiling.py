@@ -51,7 +51,7 @@ from typing import Any, Optional
 
 from bench.common import add_probe_arguments, case_key, run_probe, table, write_json
 from bench.discovery_quality import gap_pct
-from bench.versus import plain_finetune, rebuild_case, summarize, train_grid, verdict_of
+from bench.versus import count_verdicts, plain_finetune, rebuild_case, summarize, train_grid, verdict_of
 
 NAME = "ceiling"
 GRID_SPANS = {"full": (1e-5, 1e-2), "lora": (1e-4, 1e-1), "textual_inversion": (1e-4, 1e-1)}
@@ -133,7 +133,7 @@ def ceiling(cases: list[dict[str, Any]]) -> dict[str, Any]:
         for who in ("rangefinder", "oracle"):
             for opp in AGAINST:
                 v = [r[f"{who}_vs_{opp}"] for r in rs]
-                g[f"{who}_vs_{opp}"] = {k: v.count(k) for k in ("win", "tie", "loss")}
+                g[f"{who}_vs_{opp}"] = count_verdicts(v)
                 g[f"{who}_vs_{opp}_better_share"] = v.count("win") / len(rs)
         for opp in AGAINST:
             turned = [r for r in rs if r[f"rangefinder_vs_{opp}"] != "win" and r[f"oracle_vs_{opp}"] == "win"]

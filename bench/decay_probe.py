@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from bench.common import add_probe_arguments, family_of_case, machine_info, probe_saved_cases, quiet_libraries
-from bench.versus import plain_finetune, rebuild_case, train_arm, verdict_of
+from bench.versus import count_verdicts, plain_finetune, rebuild_case, train_arm, verdict_of
 
 NAME = "decay_probe"
 
@@ -135,7 +135,7 @@ def tally(rows: list[dict[str, Any]]) -> dict[str, Any]:
     for mine in ("decay_end", "decay_best", "rangefinder"):
         for opp in ("prodigy_best", "random_best", "folk_final"):
             v = [r[f"{mine}_vs_{opp}"] for r in done if r.get(f"{mine}_vs_{opp}")]
-            out[f"{mine}_vs_{opp}"] = {k: v.count(k) for k in ("win", "tie", "loss")}
+            out[f"{mine}_vs_{opp}"] = count_verdicts(v)
     out["cases"], out["skipped"] = len(done), len(rows) - len(done)
     return out
 

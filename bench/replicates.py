@@ -27,7 +27,7 @@ from typing import Any, Optional
 from bench.common import case_key
 from bench.discovery_quality import gap_pct
 from bench.unseen import UNSEEN_ARMS, unseen_view
-from bench.versus import OPPONENTS, aggregate, case_training_seed, verdict_of
+from bench.versus import OPPONENTS, aggregate, case_training_seed, count_verdicts, verdict_of
 
 PREFIXES = ("", "unseen_")  # the validation images' losses and verdicts, and the unseen images'
 
@@ -49,7 +49,7 @@ def moved(pairs: list[tuple[Optional[float], Optional[float]]]) -> dict[str, Any
     pairs = [(x, y) for x, y in pairs if x is not None]
     verdicts = [verdict_of(y, x) for x, y in pairs]
     sizes = [abs(g) for x, y in pairs if (g := gap_pct(y, x)) is not None]
-    return {"n": len(pairs), **{k: verdicts.count(k) for k in ("win", "tie", "loss")},
+    return {"n": len(pairs), **count_verdicts(verdicts),
             "median_abs_change_pct": statistics.median(sizes) if sizes else None,
             "largest_abs_change_pct": max(sizes) if sizes else None}
 

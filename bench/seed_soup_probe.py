@@ -62,6 +62,7 @@ from bench.discovery_quality import discover, gap_pct
 from bench.versus import (
     OPPONENTS,
     case_training_seed,
+    count_verdicts,
     keeping_every_checkpoint,
     rebuild_case,
     verdict_of,
@@ -186,14 +187,13 @@ def tally(rows: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {"cases": len(rows), "read": len(read),
                            "not_reproduced": [case_key(r) for r in rows if not r.get("reproduces")],
                            "replicate_not_reproduced": [case_key(r) for r in rows if not r.get("replicate_reproduces")]}
-    counts = {k: 0 for k in ("win", "tie", "loss")}
     for w in WHERE:
         for run in RUNS:
             for opp in (*OPPONENTS, "random_equal_compute"):
                 vs = [r.get(f"{run}_{w}vs_{opp}") or "loss" for r in read]  # nothing delivered: a loss
-                out[f"{run}_{w}vs_{opp}"] = {**counts, **{k: vs.count(k) for k in counts}}
+                out[f"{run}_{w}vs_{opp}"] = count_verdicts(vs)
         vs = [r.get(f"soup_{w}vs_better_run") for r in read if r.get(f"soup_{w}vs_better_run")]
-        out[f"soup_{w}vs_better_run"] = {**counts, **{k: vs.count(k) for k in counts}}
+        out[f"soup_{w}vs_better_run"] = count_verdicts(vs)
     n = len(read)
     met = n > 0
     for w in WHERE:

@@ -73,7 +73,7 @@ from bench.common import add_probe_arguments, case_key, family_of_case, quiet_li
 from bench.discovery_quality import discover, gap_pct
 from bench.replicates import moved, verdicts_changed
 from bench.unseen import rangefinder_alone, score_unseen
-from bench.versus import OPPONENTS, keeping_every_checkpoint, rebuild_case, verdict_of
+from bench.versus import OPPONENTS, VERDICTS, count_verdicts, keeping_every_checkpoint, rebuild_case, verdict_of
 
 NAME = "timesteps_probe"
 DEFAULT_TIMESTEPS = 16
@@ -142,8 +142,8 @@ def tally(rows: list[dict[str, Any]]) -> dict[str, Any]:
         for opp in OPPONENTS:
             now = [r[f"{where}vs_{opp}"] for r in rows if r.get(f"{where}vs_{opp}")]
             was = [r[f"saved_{where}vs_{opp}"] for r in rows if r.get(f"saved_{where}vs_{opp}")]
-            out[f"{where}vs_{opp}"] = {k: now.count(k) for k in ("win", "tie", "loss")}
-            out[f"saved_{where}vs_{opp}"] = {k: was.count(k) for k in ("win", "tie", "loss")}
+            out[f"{where}vs_{opp}"] = count_verdicts(now)
+            out[f"saved_{where}vs_{opp}"] = count_verdicts(was)
     key = ("prodigy_best", "random_best")
     out["unseen_non_wins_turned_into_wins"] = sum(
         1 for r in rows if any(r[f"saved_unseen_vs_{o}"] not in ("win", None) and r[f"unseen_vs_{o}"] == "win"
@@ -171,14 +171,14 @@ def against_the_baseline(rows: list[dict[str, Any]]) -> dict[str, Any]:
         m = moved([(r.get(f"base_{loss}"), r.get(loss)) for r in rows])
         if not m["n"]:
             continue
-        out[f"{w}self_vs_base"] = {k: m[k] for k in ("win", "tie", "loss")}
+        out[f"{w}self_vs_base"] = {k: m[k] for k in VERDICTS}
         out[f"{w}self_median_abs_change_pct"] = m["median_abs_change_pct"]
         out[f"{w}self_largest_abs_change_pct"] = m["largest_abs_change_pct"]
         for opp in ("prodigy_best", "random_best"):
             pairs = [(r.get(f"base_{w}vs_{opp}"), r.get(f"{w}vs_{opp}")) for r in rows]
             base = [b for b, n in pairs if b and n]
             out[f"{w}verdicts_changed_vs_{opp}"] = {**verdicts_changed(pairs),
-                                                      "base": {k: base.count(k) for k in ("win", "tie", "loss")}}
+                                                      "base": count_verdicts(base)}
     return out
 
 

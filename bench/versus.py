@@ -765,6 +765,14 @@ def verdict_of(mine: Optional[float], theirs: Optional[float]) -> Optional[str]:
     return "tie" if abs(rel) <= TIE_PCT else ("win" if rel < 0 else "loss")
 
 
+VERDICTS = ("win", "tie", "loss")
+
+
+def count_verdicts(verdicts: Sequence[Optional[str]]) -> dict[str, int]:
+    """How many wins, ties and losses, in that order (anything else, None included, is not counted)."""
+    return {k: sum(1 for v in verdicts if v == k) for k in VERDICTS}
+
+
 def verdict_rank(v: Optional[str]) -> int:
     """A verdict's order, to tell one that turned better from one that turned worse: loss < tie < win (none: -1)."""
     return {"loss": 0, "tie": 1, "win": 2}.get(v or "", -1)
@@ -863,7 +871,7 @@ def aggregate(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {"cases": len(summaries), "held_out": sum(s["held_out"] for s in summaries)}
     for opp in OPPONENTS:
         v = [s.get(f"vs_{opp}") for s in summaries if s.get(f"vs_{opp}")]
-        out[f"vs_{opp}"] = {"n": len(v), "win": v.count("win"), "tie": v.count("tie"), "loss": v.count("loss")}
+        out[f"vs_{opp}"] = {"n": len(v), **count_verdicts(v)}
     graded = [s for s in summaries if s.get("grid_best") is not None]
     out["grid_cases"] = len(graded)
     for arm in ("rangefinder", *OPPONENTS):
