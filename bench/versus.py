@@ -459,6 +459,8 @@ def case_overrides(method: str, args, family: str = "sd1") -> dict[str, dict[str
         # demo_config's sweep (1e-5..1e-2) was measured for full fine-tuning; adapters and embeddings learn at
         # about 100x (config.DEFAULT_LR_RANGE), so they get the method's shipped default sweep.
         overrides["lr_range_test"] = {"lr_min": None, "lr_max": None}
+    if getattr(args, "a_optimizer", None):  # (a) only: plain_finetune gives the other arms AdamW back
+        overrides["training"]["optimizer"] = args.a_optimizer
     if getattr(args, "range_test_epochs", None) is not None:  # (a) only: no other arm runs a range test
         overrides.setdefault("lr_range_test", {})["epochs"] = args.range_test_epochs
     if args.smoke:
@@ -665,9 +667,11 @@ def one_case(method: str, kind: str, seed: int, args, work: Path, saved: dict[tu
 
 
 def plain_finetune(cfg):
-    """The case's settings with finetune.cooldown and finetune.average off: a plain constant-LR run, as every arm but
-    (a) trains (and as (a) trained before either existed)."""
-    return cfg.model_copy(update={"finetune": cfg.finetune.model_copy(update={"cooldown": "off", "average": "off"})})
+    """The case's settings with finetune.cooldown and finetune.average off and AdamW: a plain constant-LR run, as
+    every arm but (a) trains (and as (a) trained before either existed; (a) may train another optimizer,
+    --a-optimizer)."""
+    return cfg.model_copy(update={"finetune": cfg.finetune.model_copy(update={"cooldown": "off", "average": "off"}),
+                                  "training": cfg.training.model_copy(update={"optimizer": "adamw"})})
 
 
 def train_grid(cfg, split_dir: Path, case: Path, args, log, tag: str) -> dict[str, Any]:
@@ -1030,6 +1034,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--halving-below-margin", type=float, metavar="M",
                    help="finetune.halving_below_margin in (a): a third halving candidate below lr_mid where lr_high "
                    "lost by more than M (bench/RESULTS.md, \"A third halving candidate below lr_mid\")")
+    p.add_argument("--a-optimizer", choices=("adamw_schedule_free",), metavar="NAME",
+                   help="training.optimizer in (a) (the other arms stay AdamW, Prodigy in (b)): adamw_schedule_free")
     p.add_argument("--range-test-epochs", type=int, metavar="N",
                    help="lr_range_test.epochs in (a) (the cases' own: 3, demo_config's; bench/range_noise.py)")
     p.add_argument("--training-seed", type=int, metavar="S",
@@ -1115,7 +1121,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                 "tie_pct": TIE_PCT, "folk_lr": FOLK_LR, "prodigy_settings": PRODIGY_SETTINGS,
                 "prompt_seeds": list(args.prompt_seeds), "unseen_images": args.unseen_images,
                 "reuse_arms": [str(x) for x in args.reuse_arms or []],
-                "halving_below_margin": args.halving_below_margin, "range_test_epochs": args.range_test_epochs}
+                "halving_below_margin": args.halving_below_margin, "range_test_epochs": args.range_test_epochs,
+                "a_optimizer": args.a_optimizer}
     result: dict[str, Any] = {"benchmark": NAME, "smoke": args.smoke, "settings": settings, "cases": [],
                               "runs": []}
     if args.out.exists() and not args.smoke:
