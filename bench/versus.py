@@ -177,8 +177,9 @@ HELD_OUT_KINDS = ("subject", "glyphs")
 # 5-9, 14-17, 18-19 and 20-23 added before any run of them; 8 and 10-13 after theirs, whose JSONs flag only their
 # held-out kinds (none was chosen on): the cooldown, the average, the soup, the unseen images. 18-19 (LoRA, with grids)
 # and 20-23 (LoRA) test the third halving candidate (bench/RESULTS.md, "A third halving candidate below lr_mid").
-# 24-25 (LoRA) test a 12-epoch range test (bench/RESULTS.md, "A 12-epoch range test on LoRA").
-HELD_OUT_SEEDS = (3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25)
+# 24-25 (LoRA) test a 12-epoch range test (bench/RESULTS.md, "A 12-epoch range test on LoRA"), 26-29 (LoRA) confirm
+# or refute it ("... a second test on 20 fresh cases").
+HELD_OUT_SEEDS = tuple(range(3, 30))
 TIE_PCT = 1.0  # within 1 %: a tie
 FOLK_LR = {"full": 1e-4, "lora": 1e-4, "textual_inversion": 5e-3}
 # diffusers' README (examples/advanced_diffusion_training, "Prodigy"): lr 1.0 with these, the constant schedule.
