@@ -16,6 +16,7 @@ from bench.versus import (
     delivered_weights,
     finish,
     held_out_prompts,
+    plain_finetune,
     random_draws,
     random_lrs,
     rechoose,
@@ -347,3 +348,20 @@ def test_the_rules_under_test_reach_a_s_config_only_when_asked():
     assert asked["lr_range_test"] == {"lr_min": None, "lr_max": None, "epochs": 12}
     full = case_overrides("full", SimpleNamespace(**vars(args), range_test_epochs=12))
     assert full["lr_range_test"] == {"epochs": 12}
+
+
+def test_a_s_optimizer_reaches_a_alone_and_every_other_arm_trains_adamw():
+    """--a-optimizer sets training.optimizer in the case's config, which (a) trains; plain_finetune, which every
+    other arm starts from, gives them AdamW back (Prodigy's arm sets its own)."""
+    from types import SimpleNamespace
+
+    from rangefinder.config import demo_config
+
+    args = SimpleNamespace(finetune_epochs=40, smoke=False, soup_tries=0, training_seed=None)
+    assert "optimizer" not in case_overrides("lora", args)["training"]
+    over = case_overrides("lora", SimpleNamespace(**vars(args), a_optimizer="adamw_schedule_free"))
+    cfg = demo_config(**over)
+    assert cfg.training.optimizer == "adamw_schedule_free"
+    plain = plain_finetune(cfg)
+    assert plain.training.optimizer == "adamw" and plain.training.method == "lora"
+    assert (plain.finetune.average, plain.finetune.cooldown) == ("off", "off")
