@@ -171,12 +171,22 @@ def quiet_libraries() -> None:
     logging.getLogger("mlflow").setLevel(logging.WARNING)
 
 
+# A result whose indented text would be larger than this is written compact (no indent, no spaces): the merged
+# versus reports run to several MB each indented, and the repository's working tree has to stay under the 64 MiB
+# that travels to a device machine for bench/gpu_session.py. `python -m json.tool FILE` indents one to read.
+COMPACT_ABOVE = 256 * 1024
+
+
 def write_json(path: Path, obj: Any) -> Path:
-    """Write under a temporary name, then rename: a killed benchmark never leaves a half result."""
+    """Write under a temporary name, then rename: a killed benchmark never leaves a half result. Indented, or compact
+    above COMPACT_ABOVE characters."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
+    text = json.dumps(obj, indent=2, default=str)
+    if len(text) > COMPACT_ABOVE:
+        text = json.dumps(obj, separators=(",", ":"), default=str)
+    tmp.write_text(text + "\n")
     os.replace(tmp, path)
     return path
 
