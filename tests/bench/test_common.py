@@ -24,3 +24,20 @@ def test_every_saved_result_is_under_the_limit_indented_or_written_compact():
         text = path.read_text()
         indented = text.startswith("{\n")
         assert not indented or len(text.rstrip("\n")) <= COMPACT_ABOVE, f"{path.name}: re-write it compact"
+
+
+def test_the_tracked_tree_fits_what_a_device_run_carries():
+    """A device run copies the working tree, at most 64 MiB: the tracked files keep a margin under it."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    import pytest
+
+    root = Path(__file__).parents[2]
+    if shutil.which("git") is None or not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    names = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True, check=True,
+                           timeout=60).stdout.split(b"\0")
+    size = sum((root / n.decode()).stat().st_size for n in names if n and (root / n.decode()).is_file())
+    assert size < 60 * 2**20, f"tracked files: {size / 2**20:.1f} MiB; the device carries 64 MiB in all"
