@@ -34,7 +34,8 @@ def test_the_tally_reads_each_length_s_moves_in_decades():
 
 def test_a_saved_case_s_range_tests_run_at_each_seed_and_length(tmp_path):
     """LoRA `shapes` 14 rebuilt from the standings: the range tests alone, at its own seed and the replicate's, at 2
-    and 4 epochs (the default is 10: kept short here). Longer tests train more; each run gives ordered bounds."""
+    and 4 epochs (the probe's default is 3 and 12: kept short here). Longer tests train more; each run gives ordered
+    bounds."""
     case = next(c for c in json.loads((RESULTS / "versus_all_215.json").read_text())["cases"]
                 if (c["method"], c["kind"], c["seed"]) == ("lora", "shapes", 14))
     row = probe_case(case, tmp_path, epochs=(2, 4))
