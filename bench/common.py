@@ -242,9 +242,20 @@ def family_of_case(c: dict[str, Any]) -> str:
     return str(c.get("family") or "sd1")
 
 
-def case_key(c: dict[str, Any]) -> tuple[str, str, str, int]:
-    """What tells a saved bench.versus case (or a probe's row for it) from another: family, method, kind, seed."""
-    return (family_of_case(c), c["method"], c["kind"], int(c["seed"]))
+CaseKey = tuple[str, str, str, int, str]
+
+
+def case_lora(c: dict[str, Any]) -> str:
+    """A bench.versus case's LoRA rank and alpha where it set them (--lora-rank, --lora-alpha), as "r16 a1": "" for
+    the shipped rank 4 and alpha 4, which every case before those flags trained."""
+    lora = c.get("lora")
+    return f"r{lora['rank']} a{lora['alpha']:g}" if lora else ""
+
+
+def case_key(c: dict[str, Any]) -> CaseKey:
+    """What tells a saved bench.versus case (or a probe's row for it) from another: family, method, kind, seed, and
+    the LoRA setting where it set one."""
+    return (family_of_case(c), c["method"], c["kind"], int(c["seed"]), case_lora(c))
 
 
 def add_probe_arguments(p: Any) -> None:

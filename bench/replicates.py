@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from bench.common import case_key
+from bench.common import CaseKey, case_key
 from bench.discovery_quality import gap_pct
 from bench.unseen import UNSEEN_ARMS, unseen_view
 from bench.versus import OPPONENTS, aggregate, case_training_seed, count_verdicts, verdict_of
@@ -32,12 +32,12 @@ from bench.versus import OPPONENTS, aggregate, case_training_seed, count_verdict
 PREFIXES = ("", "unseen_")  # the validation images' losses and verdicts, and the unseen images'
 
 
-def load_cases(paths: list[Path]) -> dict[tuple[str, str, str, int], dict[str, Any]]:
+def load_cases(paths: list[Path]) -> dict[CaseKey, dict[str, Any]]:
     return {case_key(c): c for p in paths for c in json.loads(p.read_text())["cases"]}
 
 
-def paired(first: dict[tuple[str, str, str, int], dict[str, Any]],
-           second: dict[tuple[str, str, str, int], dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+def paired(first: dict[CaseKey, dict[str, Any]],
+           second: dict[CaseKey, dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     """The (first, second) summaries of every case the replicate ran, in the replicate's order."""
     return [(first[k]["summary"], c["summary"]) for k, c in second.items() if k in first]
 

@@ -149,7 +149,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from bench.common import (
+    CaseKey,
     case_key,
+    case_lora,
     default_out,
     family_of_case,
     machine_info,
@@ -464,6 +466,9 @@ def case_overrides(method: str, args, family: str = "sd1") -> dict[str, dict[str
         overrides["training"]["optimizer"] = args.a_optimizer
     if getattr(args, "range_test_epochs", None) is not None:  # (a) only: no other arm runs a range test
         overrides.setdefault("lr_range_test", {})["epochs"] = args.range_test_epochs
+    lora = {k: v for k in ("rank", "alpha") if (v := getattr(args, f"lora_{k}", None)) is not None}
+    if method == "lora" and lora:  # every arm trains this adapter: the case's, not a rule of (a)'s
+        overrides["training"]["lora"] = lora
     if args.smoke:
         overrides.setdefault("lr_range_test", {}).update(epochs=3, validate_every_updates=1)
         overrides["sampling"] = {**overrides.get("sampling", {}), **SMOKE_SAMPLING}
@@ -508,10 +513,16 @@ def family_prefix(family: str) -> str:
     return "" if family == "sd1" else f"{family} "
 
 
-def load_saved_arms(paths: list[Path]) -> dict[tuple[str, str, str, int], dict[str, Any]]:
+def case_name(c: dict[str, Any]) -> str:
+    """A case as tables and logs name it: "lora shapes 3", "flux lora shapes 3", "lora shapes 30 (r16 a1)"."""
+    lora = case_lora(c)
+    return f"{family_prefix(family_of_case(c))}{c['method']} {c['kind']} {c['seed']}" + (f" ({lora})" if lora else "")
+
+
+def load_saved_arms(paths: list[Path]) -> dict[CaseKey, dict[str, Any]]:
     """The cases of earlier versus results by (family, method, kind, seed), with the file they came from
-    (--reuse-arms)."""
-    out: dict[tuple[str, str, str, int], dict[str, Any]] = {}
+    (--reuse-arms), and its LoRA setting where it set one."""
+    out: dict[CaseKey, dict[str, Any]] = {}
     for path in paths:
         for c in json.loads(path.read_text())["cases"]:
             out[case_key(c)] = {**c, "file": path.name}
@@ -576,7 +587,7 @@ def top_up_random(out: dict[str, Any], a: dict[str, Any], cfg, split_dir: Path, 
 
 
 def one_case(method: str, kind: str, seed: int, args, work: Path, saved: dict[tuple[str, int], dict[str, Any]],
-             log=print, saved_arms: Optional[dict[tuple[str, str, str, int], dict[str, Any]]] = None
+             log=print, saved_arms: Optional[dict[CaseKey, dict[str, Any]]] = None
              ) -> dict[str, Any]:
     from rangefinder.data.synthetic import make_synthetic_dataset
 
@@ -590,6 +601,8 @@ def one_case(method: str, kind: str, seed: int, args, work: Path, saved: dict[tu
                            "held_out_kind": kind in HELD_OUT_KINDS, "held_out_seed": seed in HELD_OUT_SEEDS,
                            "finetune_epochs": cfg.finetune.epochs, "training_seed": cfg.training.seed}
     out["held_out"] = out["held_out_kind"] or out["held_out_seed"]
+    if "lora" in case_overrides(method, args, family)["training"]:  # the adapter every arm trained, as built
+        out["lora"] = {"rank": cfg.training.lora.rank, "alpha": cfg.training.lora.alpha}
 
     log(f"{tag} (a) rangefinder")
     unseen = args.unseen_images > 0  # bench.unseen scores every arm's delivered weights: keep them until then
@@ -604,7 +617,7 @@ def one_case(method: str, kind: str, seed: int, args, work: Path, saved: dict[tu
     # The prompt score needs the arms' delivered weights, which the fine-tune step would prune: kept where scored.
     scored = bool(held_out_prompts(kind, seed, args.images))
     keep = scored or unseen
-    old = (saved_arms or {}).get((family, method, kind, seed))
+    old = (saved_arms or {}).get(case_key(out))
     if reusable_arms(old, a, span, args.images, cfg.training.seed):
         assert old is not None
         log(f"{tag} (b)-(e) reused from {old['file']}: same data, length and span")
@@ -802,8 +815,7 @@ def summarize(c: dict[str, Any]) -> dict[str, Any]:
                       key=lambda x: x["best_val_loss"], default=None)
     family = family_of_case(c)
     s: dict[str, Any] = {
-        "case": f"{family_prefix(family)}{c['method']} {c['kind']} {c['seed']}", "family": family,
-        "method": c["method"], "kind": c["kind"],
+        "case": case_name(c), "family": family, "method": c["method"], "kind": c["kind"], "lora": case_lora(c) or None,
         "seed": c["seed"], "held_out": c["held_out"], "baseline_val_loss": a.get("baseline_val_loss"),
         "rangefinder_status": a["status"], "rangefinder_lr": a.get("lr_used"),
         "rangefinder_chosen_update": chosen.get("update"), "rangefinder_chosen_rule": chosen.get("rule"),
@@ -1039,6 +1051,10 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                    help="training.optimizer in (a) (the other arms stay AdamW, Prodigy in (b)): adamw_schedule_free")
     p.add_argument("--range-test-epochs", type=int, metavar="N",
                    help="lr_range_test.epochs in (a) (the cases' own: 3, demo_config's; bench/range_noise.py)")
+    p.add_argument("--lora-rank", type=int, metavar="R",
+                   help="lora.rank in every arm (default: the shipped 4); with --lora-alpha, a case whose best LR "
+                   "differs from the shipped one's (scale = alpha / rank)")
+    p.add_argument("--lora-alpha", type=float, metavar="A", help="lora.alpha in every arm (default: the shipped 4)")
     p.add_argument("--training-seed", type=int, metavar="S",
                    help="training.seed in every arm, and a fresh draw of random search's LRs: a replicate of the "
                    "cases with everything the runs draw drawn again (default: the case's data seed)")
@@ -1067,15 +1083,14 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     if args.report:
         merged: dict[str, Any] = {"benchmark": NAME, "merged_from": [str(x) for x in args.report], "cases": []}
-        by_case: dict[tuple[str, str, str, int], dict[str, Any]] = {}
+        by_case: dict[CaseKey, dict[str, Any]] = {}
         for path in args.report:
             for c in json.loads(path.read_text())["cases"]:
                 # A case re-run later (a fix measured on it, --reuse-arms) replaces the earlier run: the later file
                 # wins, and the tables say which.
                 key = case_key(c)
                 if key in by_case:
-                    print(f"{family_prefix(key[0])}{c['method']} {c['kind']} {c['seed']}: the run in {path.name} "
-                          "replaces an earlier one")
+                    print(f"{case_name(c)}: the run in {path.name} replaces an earlier one")
                 by_case[key] = c
         # Each case's verdicts with today's arithmetic (a failed (a) is a loss since 2026-11-27), from its saved arms.
         merged["cases"] = [{**c, "summary": summarize(c)} for c in by_case.values()]
@@ -1105,13 +1120,16 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
-    from rangefinder.config import DEFAULT_LR_RANGE
+    from rangefinder.config import DEFAULT_LR_RANGE, LoraSettings
     from rangefinder.data.synthetic import KINDS
 
     bad = [m for m in methods if m not in DEFAULT_LR_RANGE] + [k for k in kinds if k not in KINDS]
     if bad:
         p.error(f"unknown method or kind {', '.join(bad)}; methods: {', '.join(DEFAULT_LR_RANGE)}; "
                 f"kinds: {', '.join(KINDS)}")
+    if (args.lora_rank is not None or args.lora_alpha is not None) and methods != ["lora"]:
+        p.error(f"--lora-rank and --lora-alpha set the adapter of LoRA cases; give --methods lora, not "
+                f"{','.join(methods)}")
     if args.family in FLOW_FAMILIES and "textual_inversion" in methods:
         p.error(f"--methods textual_inversion: the engine trains no textual inversion on {args.family}; give "
                 f"--methods {FLOW_METHODS}")
@@ -1123,13 +1141,16 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                 "prompt_seeds": list(args.prompt_seeds), "unseen_images": args.unseen_images,
                 "reuse_arms": [str(x) for x in args.reuse_arms or []],
                 "halving_below_margin": args.halving_below_margin, "range_test_epochs": args.range_test_epochs,
-                "a_optimizer": args.a_optimizer}
+                "a_optimizer": args.a_optimizer, "lora_rank": args.lora_rank, "lora_alpha": args.lora_alpha}
     result: dict[str, Any] = {"benchmark": NAME, "smoke": args.smoke, "settings": settings, "cases": [],
                               "runs": []}
     if args.out.exists() and not args.smoke:
         old = json.loads(args.out.read_text())
         result["cases"], result["runs"] = old.get("cases", []), old.get("runs", [])
     done = {case_key(c) for c in result["cases"]}
+    lora_set = ({k: getattr(LoraSettings(**case_overrides("lora", args)["training"]["lora"]), k)
+                 for k in ("rank", "alpha")}
+                if args.lora_rank is not None or args.lora_alpha is not None else {})
     saved = load_saved_grids([Path(__file__).resolve().parent / "results" / n for n in SAVED_GRIDS])
     saved_arms = load_saved_arms(args.reuse_arms or [])
     if args.smoke:
@@ -1148,7 +1169,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             for seed in seeds:
                 for kind in kinds:
                     for method in methods:
-                        if (args.family, method, kind, seed) in done:
+                        planned = {"family": args.family, "method": method, "kind": kind, "seed": seed,
+                                   **({"lora": lora_set} if method == "lora" and lora_set else {})}
+                        if case_key(planned) in done:
                             continue
                         result["cases"].append(one_case(method, kind, seed, args, work, saved, log, saved_arms))
                         run_info["cases"] += 1

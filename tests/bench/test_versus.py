@@ -365,3 +365,40 @@ def test_a_s_optimizer_reaches_a_alone_and_every_other_arm_trains_adamw():
     plain = plain_finetune(cfg)
     assert plain.training.optimizer == "adamw" and plain.training.method == "lora"
     assert (plain.finetune.average, plain.finetune.cooldown) == ("off", "off")
+
+
+def test_a_lora_setting_reaches_every_arm_and_is_a_case_of_its_own(tmp_path, capsys):
+    """--lora-rank and --lora-alpha set the adapter of the case's config, which (a) trains and every other arm starts
+    from (plain_finetune keeps it); a case records what the config built, its name says it, and a result holding it
+    is resumed (nothing re-runs) while the same method, kind and seed at the shipped setting stay another case."""
+    from types import SimpleNamespace
+
+    from bench.versus import main
+    from rangefinder.config import demo_config
+
+    args = SimpleNamespace(finetune_epochs=40, smoke=False, soup_tries=0, training_seed=None)
+    assert "lora" not in case_overrides("lora", args)["training"]
+    kohya = SimpleNamespace(**vars(args), lora_rank=16, lora_alpha=1.0)
+    assert "lora" not in case_overrides("full", kohya)["training"]
+    cfg = plain_finetune(demo_config(**case_overrides("lora", kohya)))
+    assert (cfg.training.lora.rank, cfg.training.lora.alpha, cfg.training.method) == (16, 1.0, "lora")
+
+    curve = [[4, 0.05], [8, 0.09]]
+    shipped, set_ = _case(curve, None), {**_case(curve, None), "lora": {"rank": 16, "alpha": 1.0}}
+    assert summarize(set_)["case"] == "lora shapes 0 (r16 a1)" and summarize(shipped)["case"] == "lora shapes 0"
+    old, new = tmp_path / "shipped.json", tmp_path / "kohya.json"
+    old.write_text(json.dumps({"cases": [shipped]}))
+    new.write_text(json.dumps({"cases": [{**set_, "summary": summarize(set_)}]}))  # as bench.versus writes it
+    merged = main(["--report", str(old), str(new)])
+    assert [c["summary"]["lora"] for c in merged["cases"]] == [None, "r16 a1"]
+    assert "replaces" not in capsys.readouterr().out
+
+    resumed = main(["--methods", "lora", "--kinds", "shapes", "--seeds", "0", "--lora-rank", "16", "--lora-alpha",
+                    "1", "--no-grid", "--out", str(new), "--work-dir", str(tmp_path / "work")])
+    assert [c["summary"]["case"] for c in resumed["cases"]] == ["lora shapes 0 (r16 a1)"]
+    assert resumed["runs"][-1]["cases"] == 0  # found done: nothing trained
+
+    with pytest.raises(SystemExit):
+        main(["--methods", "full,lora", "--lora-rank", "16", "--out", str(tmp_path / "never.json")])
+    err = capsys.readouterr().err
+    assert "give --methods lora" in err and "Traceback" not in err and not (tmp_path / "never.json").exists()
