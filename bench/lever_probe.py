@@ -1,0 +1,138 @@
+"""Which setting moves the best LR on the tiny model? Grids only, a few cases (issue 34; exploratory).
+
+A prior for the range test (Prodigy's d x lr, bench/RESULTS.md) can only be told from a good constant on cases
+whose best LR differs. kohya's LoRA alpha 1 hardly moved it ("A LoRA testbed where the best LR moves"). Before a
+testbed is built on another lever, this checks on a grid which levers move the valley floor at all: each case
+(method x kind, one seed) trains the same log-spaced constant-LR grid with the case's settings as shipped and with
+each lever, as every bench.versus arm but (a) trains (bench.versus.plain_finetune), and reports each grid's best LR
+and its ratio to the shipped one. The levers:
+- `batch16`: training.batch_size 16 (the whole 16-image training split in one update; 4x fewer updates);
+- `images40`: 40 images instead of 20 (twice the updates per epoch, and 8 validation images instead of 4).
+
+    python -m bench.lever_probe --methods lora,full --kinds shapes,subject --seed 30 --out bench/results/levers.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Optional
+
+from bench.common import machine_info, quiet_libraries, table, torch_threads, write_json
+
+NAME = "lever_probe"
+LEVERS: dict[str, tuple[dict[str, dict[str, Any]], Optional[int]]] = {  # name: (config overrides, images)
+    "shipped": ({}, None),
+    "batch16": ({"training": {"batch_size": 16}}, None),
+    "images40": ({}, 40),
+}
+GRIDS = {"lora": (1e-4, 1.0), "full": (1e-5, 1e-1), "textual_inversion": (1e-4, 1.0)}  # 9 points: half a decade
+IMAGES = 20
+
+
+def lever_case(method: str, kind: str, seed: int, lever: str, work: Path):
+    """The case with `lever` on, set up under `work` as bench.versus sets one up: (case folder, config, split)."""
+    from bench.discovery_quality import set_up_case
+    from bench.versus import case_overrides
+    from rangefinder.data.synthetic import make_synthetic_dataset
+
+    extra, images = LEVERS[lever]
+    case = work / f"{method}-{kind}-seed{seed}-{lever}"
+    make_synthetic_dataset(case / "dataset", kind=kind, count=images or IMAGES, seed=seed, resolution=32)
+    overrides = case_overrides(method, SimpleNamespace(finetune_epochs=40, smoke=False))
+    for section, values in extra.items():
+        overrides[section] = {**overrides.get(section, {}), **values}
+    cfg, split_dir = set_up_case(case / "dataset", seed, work, case, overrides)
+    return case, cfg, split_dir
+
+
+def one_grid(method: str, kind: str, seed: int, lever: str, points: int, work: Path, log=print) -> dict[str, Any]:
+    """The case's grid with `lever` on: each point's LR, best validation loss and updates; the best LR."""
+    from bench.versus import plain_finetune, train_grid
+
+    case, cfg, split_dir = lever_case(method, kind, seed, lever, work)
+    lo, hi = GRIDS[method]
+    t0 = time.perf_counter()
+    spec = SimpleNamespace(grid_lr_min=lo, grid_lr_max=hi, grid_points=points)
+    grid = train_grid(plain_finetune(cfg), split_dir, case, spec, log, f"[{method} {kind} {seed} {lever}]")
+    shutil.rmtree(case, ignore_errors=True)
+    arms = [{"lr": g["lr"], "best_val_loss": g.get("best_val_loss"), "updates": g.get("updates")}
+            for g in grid["arms"]]
+    scored = [g for g in arms if g["best_val_loss"] is not None]
+    best = min(scored, key=lambda g: g["best_val_loss"]) if scored else None
+    return {"method": method, "kind": kind, "seed": seed, "lever": lever, "images": LEVERS[lever][1] or IMAGES,
+            "batch_size": cfg.training.batch_size, "arms": arms, "best_lr": best and best["lr"],
+            "best_val_loss": best and best["best_val_loss"], "seconds": time.perf_counter() - t0}
+
+
+def readings(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per method and lever: over the kinds, the grid's best LR over the shipped grid's (median, and each)."""
+    shipped = {(r["method"], r["kind"]): r["best_lr"] for r in rows if r["lever"] == "shipped"}
+    out = []
+    for method in dict.fromkeys(r["method"] for r in rows):
+        for lever in (x for x in LEVERS if x != "shipped"):
+            ratios = [r["best_lr"] / shipped[(method, r["kind"])] for r in rows
+                      if r["method"] == method and r["lever"] == lever and r["best_lr"]
+                      and shipped.get((method, r["kind"]))]
+            if ratios:
+                out.append({"method": method, "lever": lever, "cases": len(ratios),
+                            "median_ratio": statistics.median(ratios),
+                            "ratios": " ".join(f"{x:.3g}" for x in ratios),
+                            "moved": sum(1 for x in ratios if not math.isclose(x, 1.0, rel_tol=1e-6))})
+    return out
+
+
+def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(prog="python -m bench.lever_probe", description=__doc__.split("\n\n")[0])
+    p.add_argument("--methods", default="lora,full")
+    p.add_argument("--kinds", default="shapes,subject")
+    p.add_argument("--seed", type=int, default=30)
+    p.add_argument("--levers", default=",".join(LEVERS))
+    p.add_argument("--points", type=int, default=9)
+    p.add_argument("--part", default="1/1", help="K/N: the K-th of N interleaved shares of the grids")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--report", type=Path, nargs="+", metavar="JSON", help="run nothing: merge these results")
+    args = p.parse_args(argv)
+    if args.report:
+        rows = [r for path in args.report for r in json.loads(path.read_text())["rows"]]
+        result: dict[str, Any] = {"benchmark": NAME, "merged_from": [str(x) for x in args.report], "rows": rows}
+    else:
+        levers = [x for x in args.levers.split(",") if x]
+        bad = [x for x in levers if x not in LEVERS]
+        if bad:
+            p.error(f"unknown lever {', '.join(bad)}; levers: {', '.join(LEVERS)}")
+        k, n = (int(x) for x in args.part.split("/"))
+        plan = [(m, kind, lever) for m in args.methods.split(",") for kind in args.kinds.split(",")
+                for lever in levers][k - 1::n]
+        quiet_libraries()
+        result = {"benchmark": NAME, "machine": machine_info(), "command": " ".join(sys.argv), "rows": []}
+        work = Path(tempfile.mkdtemp(prefix="bench-levers-"))
+        log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+        try:
+            with torch_threads(args.threads or None):
+                for method, kind, lever in plan:
+                    result["rows"].append(one_grid(method, kind, args.seed, lever, args.points, work, log))
+                    write_json(args.out, result)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    result["readings"] = readings(result["rows"])
+    print(table(result["rows"], ["method", "kind", "lever", "images", "batch_size", "best_lr", "best_val_loss"],
+                title="Each grid's best constant LR"))
+    print()
+    print(table(result["readings"], ["method", "lever", "cases", "median_ratio", "ratios", "moved"],
+                title="The best LR with each lever over the shipped grid's"))
+    write_json(args.out, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
