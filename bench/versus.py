@@ -514,6 +514,17 @@ def family_prefix(family: str) -> str:
     return "" if family == "sd1" else f"{family} "
 
 
+def case_adapter(args) -> dict[str, Any]:
+    """The LoRA adapter --lora-rank/--lora-alpha ask every arm to train, as LoraSettings reads it ({"rank", "alpha"});
+    {} where they ask for none or for the shipped one, so that such a case is the shipped case, under its name."""
+    from rangefinder.config import LoraSettings
+
+    asked = {k: v for k in ("rank", "alpha") if (v := getattr(args, f"lora_{k}", None)) is not None}
+    built, shipped = LoraSettings(**asked), LoraSettings()
+    return {} if (built.rank, built.alpha) == (shipped.rank, shipped.alpha) else {"rank": built.rank,
+                                                                                    "alpha": built.alpha}
+
+
 def case_name(c: dict[str, Any]) -> str:
     """A case as tables and logs name it: "lora shapes 3", "flux lora shapes 3", "lora shapes 30 (r16 a1)"."""
     lora = case_lora(c)
@@ -602,7 +613,7 @@ def one_case(method: str, kind: str, seed: int, args, work: Path, saved: dict[tu
                            "held_out_kind": kind in HELD_OUT_KINDS, "held_out_seed": seed in HELD_OUT_SEEDS,
                            "finetune_epochs": cfg.finetune.epochs, "training_seed": cfg.training.seed}
     out["held_out"] = out["held_out_kind"] or out["held_out_seed"]
-    if "lora" in case_overrides(method, args, family)["training"]:  # the adapter every arm trained, as built
+    if method == "lora" and case_adapter(args):  # the adapter every arm trained, as the config built it
         out["lora"] = {"rank": cfg.training.lora.rank, "alpha": cfg.training.lora.alpha}
 
     log(f"{tag} (a) rangefinder")
@@ -1053,9 +1064,10 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--range-test-epochs", type=int, metavar="N",
                    help="lr_range_test.epochs in (a) (the cases' own: 3, demo_config's; bench/range_noise.py)")
     p.add_argument("--lora-rank", type=int, metavar="R",
-                   help="lora.rank in every arm (default: the shipped 4); with --lora-alpha, a case whose best LR "
-                   "differs from the shipped one's (scale = alpha / rank)")
-    p.add_argument("--lora-alpha", type=float, metavar="A", help="lora.alpha in every arm (default: the shipped 4)")
+                   help="training.lora.rank in every arm (default: the shipped 4); with --lora-alpha, a case of "
+                   "another adapter scale (alpha / rank), named and kept apart from the shipped case")
+    p.add_argument("--lora-alpha", type=float, metavar="A",
+                   help="training.lora.alpha in every arm (default: the shipped 4)")
     p.add_argument("--training-seed", type=int, metavar="S",
                    help="training.seed in every arm, and a fresh draw of random search's LRs: a replicate of the "
                    "cases with everything the runs draw drawn again (default: the case's data seed)")
@@ -1121,7 +1133,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
-    from rangefinder.config import DEFAULT_LR_RANGE, LoraSettings
+    from rangefinder.config import DEFAULT_LR_RANGE
     from rangefinder.data.synthetic import KINDS
 
     bad = [m for m in methods if m not in DEFAULT_LR_RANGE] + [k for k in kinds if k not in KINDS]
@@ -1149,9 +1161,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         old = json.loads(args.out.read_text())
         result["cases"], result["runs"] = old.get("cases", []), old.get("runs", [])
     done = {case_key(c) for c in result["cases"]}
-    lora_set = ({k: getattr(LoraSettings(**case_overrides("lora", args)["training"]["lora"]), k)
-                 for k in ("rank", "alpha")}
-                if args.lora_rank is not None or args.lora_alpha is not None else {})
+    lora_set = case_adapter(args)
     saved = load_saved_grids([Path(__file__).resolve().parent / "results" / n for n in SAVED_GRIDS])
     saved_arms = load_saved_arms(args.reuse_arms or [])
     if args.smoke:

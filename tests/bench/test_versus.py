@@ -11,6 +11,7 @@ from bench.versus import (
     OPPONENTS,
     SCORED_ARMS,
     aggregate,
+    case_adapter,
     case_overrides,
     case_training_seed,
     delivered_weights,
@@ -382,6 +383,8 @@ def test_a_lora_setting_reaches_every_arm_and_is_a_case_of_its_own(tmp_path, cap
     assert "lora" not in case_overrides("full", kohya)["training"]
     cfg = plain_finetune(demo_config(**case_overrides("lora", kohya)))
     assert (cfg.training.lora.rank, cfg.training.lora.alpha, cfg.training.method) == (16, 1.0, "lora")
+    assert case_adapter(kohya) == {"rank": 16, "alpha": 1.0}
+    assert case_adapter(args) == {} == case_adapter(SimpleNamespace(**vars(args), lora_rank=4, lora_alpha=4.0))
 
     curve = [[4, 0.05], [8, 0.09]]
     shipped, set_ = _case(curve, None), {**_case(curve, None), "lora": {"rank": 16, "alpha": 1.0}}
