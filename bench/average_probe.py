@@ -68,13 +68,12 @@ import argparse
 import functools
 import json
 import shutil
-import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
 
-from bench.common import add_probe_arguments, family_of_case, quiet_libraries, run_probe
+from bench.common import add_probe_arguments, family_of_case, median_of, quiet_libraries, run_probe
 from bench.versus import OPPONENTS, count_verdicts, plain_finetune, rebuild_case, verdict_of, verdict_rank, without_soup
 
 NAME = "average_probe"
@@ -149,7 +148,7 @@ def tally(rows: list[dict[str, Any]]) -> dict[str, Any]:
     delivered = [r for r in applies if r["average_delivered"]]
     out: dict[str, Any] = {"cases": len(rows), "reproduced": len(ok), "applies": len(applies),
                            "delivered": len(delivered),
-                           "median_gain_pct_when_delivered": _median([r["gain_pct"] for r in delivered])}
+                           "median_gain_pct_when_delivered": median_of([r["gain_pct"] for r in delivered])}
     for opp in OPPONENTS:
         now = [r[f"vs_{opp}"] for r in ok if r.get(f"vs_{opp}")]
         was = [r[f"saved_vs_{opp}"] for r in ok if r.get(f"saved_vs_{opp}")]
@@ -164,15 +163,10 @@ def tally(rows: list[dict[str, Any]]) -> dict[str, Any]:
     if any("how" in r for r in rows):  # --soup: the soup's rule (the docstring's), over the saved cases
         souped = [r for r in ok if r.get("how") == "greedy_soup" and r.get("average_delivered")]
         out["soup_delivered"] = len(souped)
-        out["median_soup_gain_pct_when_delivered"] = _median(
+        out["median_soup_gain_pct_when_delivered"] = median_of(
             [100.0 * (r["delivered"] - r["without_soup"]) / r["without_soup"] for r in souped])
         out["rule_met"] = turned >= 5
     return out
-
-
-def _median(values: list[Optional[float]]) -> Optional[float]:
-    v = sorted(x for x in values if x is not None)
-    return statistics.median(v) if v else None
 
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:

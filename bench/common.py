@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import subprocess
 import threading
 import time
@@ -235,6 +236,12 @@ def table(rows: Sequence[dict[str, Any]], columns: Sequence[str], title: Optiona
 
 def mib(n_bytes: Optional[float]) -> Optional[float]:
     return None if n_bytes is None else round(n_bytes / 2**20, 1)
+
+
+def median_of(values: Sequence[Optional[float]]) -> Optional[float]:
+    """The median of the values that are not None; None if none is."""
+    got = [x for x in values if x is not None]
+    return statistics.median(got) if got else None
 
 
 def family_of_case(c: dict[str, Any]) -> str:

@@ -22,13 +22,12 @@ import argparse
 import itertools
 import json
 import math
-import statistics
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
-from bench.common import case_lora, table, write_json
+from bench.common import case_lora, median_of, table, write_json
 from bench.discovery_quality import gap_pct
 from bench.versus import OPPONENTS, count_verdicts, summarize
 
@@ -42,11 +41,6 @@ LR_OF = {  # V2: each arm's LR, from a case's summary
 def adapter(c: dict[str, Any]) -> str:
     """The case's adapter as its name says it; the shipped one for a case that set none."""
     return case_lora(c) or SHIPPED
-
-
-def _median(xs: Sequence[Optional[float]]) -> Optional[float]:
-    got = [x for x in xs if x is not None]
-    return statistics.median(got) if got else None
 
 
 def grid_points(c: dict[str, Any]) -> list[tuple[float, float]]:
@@ -83,7 +77,7 @@ def ratios(cases: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         for arm, key in LR_OF.items():
             rs = [pair[name][key] / pair[SHIPPED][key] for pair in by_pair.values()
                   if name in pair and SHIPPED in pair and pair[name].get(key) and pair[SHIPPED].get(key)]
-            row[arm] = _median(rs)
+            row[arm] = median_of(rs)
             row[f"{arm}_pairs"] = len(rs)
         out[name] = row
     return out
@@ -104,9 +98,9 @@ def constant_and_prior(cases: Sequence[dict[str, Any]]) -> dict[str, Any]:
     lrs = [lr for lr, _ in grid_points(graded[0])]
     same = all([lr for lr, _ in grid_points(c)] == lrs for c in graded)
     out: dict[str, Any] = {"cases": len(graded), "same_grid": same,
-                           "rangefinder_gap_pct": _median([c["summary"].get("gap_rangefinder_pct") for c in graded])}
+                           "rangefinder_gap_pct": median_of([c["summary"].get("gap_rangefinder_pct") for c in graded])}
     if same:
-        gaps = {lr: _median([gap_pct(dict(grid_points(c))[lr], c["summary"]["grid_best"]) for c in graded])
+        gaps = {lr: median_of([gap_pct(dict(grid_points(c))[lr], c["summary"]["grid_best"]) for c in graded])
                 for lr in lrs}
         best = min(gaps, key=lambda lr: gaps[lr] if gaps[lr] is not None else math.inf)
         out.update(constant_lr=best, constant_gap_pct=gaps[best])
@@ -118,8 +112,8 @@ def constant_and_prior(cases: Sequence[dict[str, Any]]) -> dict[str, Any]:
         rows.append({"gap_at_a_lr": gap_pct(at_a, s["grid_best"]), "gap_at_prodigy_d": gap_pct(at_d, s["grid_best"])})
     both = [r for r in rows if r["gap_at_a_lr"] is not None and r["gap_at_prodigy_d"] is not None]
     out.update(prior_cases=len(both),
-               gap_at_a_lr_pct=_median([r["gap_at_a_lr"] for r in both]),
-               gap_at_prodigy_d_pct=_median([r["gap_at_prodigy_d"] for r in both]),
+               gap_at_a_lr_pct=median_of([r["gap_at_a_lr"] for r in both]),
+               gap_at_prodigy_d_pct=median_of([r["gap_at_prodigy_d"] for r in both]),
                prodigy_d_closer=sum(1 for r in both if r["gap_at_prodigy_d"] < r["gap_at_a_lr"]),
                a_lr_closer=sum(1 for r in both if r["gap_at_a_lr"] < r["gap_at_prodigy_d"]))
     return out
