@@ -467,8 +467,7 @@ def case_overrides(method: str, args, family: str = "sd1") -> dict[str, dict[str
         overrides["training"]["optimizer"] = args.a_optimizer
     if getattr(args, "range_test_epochs", None) is not None:  # (a) only: no other arm runs a range test
         overrides.setdefault("lr_range_test", {})["epochs"] = args.range_test_epochs
-    lora = {k: v for k in ("rank", "alpha") if (v := getattr(args, f"lora_{k}", None)) is not None}
-    if method == "lora" and lora:  # every arm trains this adapter: the case's, not a rule of (a)'s
+    if method == "lora" and (lora := case_adapter(args)):  # every arm trains it: the case's, not a rule of (a)'s
         overrides["training"]["lora"] = lora
     if args.smoke:
         overrides.setdefault("lr_range_test", {}).update(epochs=3, validate_every_updates=1)
