@@ -32,15 +32,31 @@ from bench.discovery_quality import gap_pct
 from bench.versus import OPPONENTS, count_verdicts, summarize
 
 NAME = "lora_scale"
-SHIPPED = "r4 a4"  # rangefinder's default adapter (config.LoraSettings), the standings' cases
+
 LR_OF = {  # V2: each arm's LR, from a case's summary
     "rangefinder": "rangefinder_lr", "prodigy_d_lr": "prodigy_lr_effective_at_best", "random_best": "random_best_lr",
     "grid_best": "grid_best_lr"}
 
 
+def shipped_lora() -> dict[str, Any]:
+    """rangefinder's default adapter (config.LoraSettings): the one every case that recorded none trained."""
+    from rangefinder.config import LoraSettings
+
+    return LoraSettings().model_dump(include={"rank", "alpha"})
+
+
+SHIPPED = case_lora({"lora": shipped_lora()})  # "r4 a4": the standings' cases
+
+
 def adapter(c: dict[str, Any]) -> str:
     """The case's adapter as its name says it; the shipped one for a case that set none."""
     return case_lora(c) or SHIPPED
+
+
+def scale(c: dict[str, Any]) -> float:
+    """alpha / rank of the adapter the case trained."""
+    lora = c.get("lora") or shipped_lora()
+    return float(lora["alpha"]) / float(lora["rank"])
 
 
 def grid_points(c: dict[str, Any]) -> list[tuple[float, float]]:
@@ -71,9 +87,10 @@ def ratios(cases: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     by_pair: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
     for c in cases:
         by_pair.setdefault((c["kind"], int(c["seed"])), {})[adapter(c)] = c["summary"]
+    scales = adapter_scales(cases)
     out: dict[str, dict[str, Any]] = {}
-    for name in sorted({adapter(c) for c in cases} - {SHIPPED}, key=lambda a: -scale_of(a)):
-        row: dict[str, Any] = {"adapter": name, "one_over_scale": 1 / scale_of(name)}
+    for name in (n for n in scales if n != SHIPPED):
+        row: dict[str, Any] = {"adapter": name, "one_over_scale": 1 / scales[name]}
         for arm, key in LR_OF.items():
             rs = [pair[name][key] / pair[SHIPPED][key] for pair in by_pair.values()
                   if name in pair and SHIPPED in pair and pair[name].get(key) and pair[SHIPPED].get(key)]
@@ -83,10 +100,10 @@ def ratios(cases: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def scale_of(name: str) -> float:
-    """alpha / rank of an adapter named "r16 a1"."""
-    r, a = name.split()
-    return float(a[1:]) / float(r[1:])
+def adapter_scales(cases: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Each adapter the cases trained, by name, with its scale: the largest scale first."""
+    scales = {adapter(c): scale(c) for c in cases}
+    return dict(sorted(scales.items(), key=lambda kv: -kv[1]))
 
 
 def constant_and_prior(cases: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -121,7 +138,7 @@ def constant_and_prior(cases: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def readings(cases: Sequence[dict[str, Any]]) -> dict[str, Any]:
     cases = [{**c, "summary": summarize(c)} for c in cases if c["method"] == "lora"]
-    names = sorted({adapter(c) for c in cases}, key=lambda a: -scale_of(a))
+    names = list(adapter_scales(cases))
     away = [c for c in cases if adapter(c) != SHIPPED]
     return {
         "cases": len(cases),
