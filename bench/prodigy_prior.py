@@ -1,0 +1,133 @@
+"""Prodigy's step size as (a)'s LR (issue 34, item 4: "Prodigy's d as a prior"): a probe of saved bench.versus cases.
+
+The lead (bench/RESULTS.md, "A third halving candidate below lr_mid", its last part): on the saved grids, Prodigy's
+final step size d x lr, taken as a constant LR, lands nearer the grid's best than the LR (a) trained at in 23 of 26
+LoRA cases and 21 of 30 full ones. Across cases it moves less than (a)'s range test does, and the range test's noise
+costs (a) more than its bias. No run has tested it.
+
+What it does, per saved case (full fine-tuning and LoRA; textual inversion's arms tie whatever the LR): rebuild the
+case (bench.versus.rebuild_case: the same images, split and settings), read the step size its Prodigy arm (b) ended
+on (`lr_effective_final`, recorded by bench.versus), and train (a)'s fine-tune at that one constant LR, as the
+pipeline's fine-tune step runs it with the case's settings (the step window, the window average; halving off, one
+LR). That is the prior's run. Two deliveries are read:
+- **prior**: what that run delivers (chosen.json, as (a) delivers);
+- **prior or Prodigy**: the lower of it and the Prodigy run's best checkpoint. A pipeline that measures the LR this
+  way has trained the Prodigy run first and validated its checkpoints, and like (a) it delivers the lowest validation
+  loss it measured.
+Both cost the Prodigy run and the prior's run: two fine-tunes, 320 updates on this bench, where (a) as shipped costs
+264 (the range test, its zoom and the halving's extra half run). That is 25.0 % of the 8-LR grid's 1,280, inside
+the Goal's 25 %, with no range test. Random search at equal compute is the saved arm: ceil(320 / 160) = 2 draws,
+as for (a).
+
+Each is weighed against Prodigy's best, the folk default's best and random search's best with the Goal's 1 % band,
+and against (a) as shipped. A case whose rebuilt base model does not give the saved update-0 validation loss (the
+data or split differ) is reported and read as missing.
+
+    python -m bench.prodigy_prior --from bench/results/versus_all_275.json --methods full,lora \\
+        --part 1/2 --out bench/results/prodigy_prior_part1.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import statistics
+from pathlib import Path
+from typing import Any, Optional
+
+from bench.common import add_probe_arguments, case_key, median_of, quiet_libraries, run_probe
+from bench.versus import case_name, case_training_seed, count_verdicts, rebuild_case, train_arm, verdict_of
+
+NAME = "prodigy_prior"
+METHODS = ("full", "lora")
+DELIVERIES = ("prior", "prior_or_prodigy")
+AGAINST = ("prodigy_best", "folk_best", "random_best", "rangefinder")
+
+
+def probe_case(c: dict[str, Any], work: Path, log=print) -> dict[str, Any]:
+    """One saved case: (a)'s fine-tune at the case's Prodigy final step size, and the two deliveries' verdicts."""
+    s = c["summary"]
+    row: dict[str, Any] = {k: c[k] for k in ("method", "kind", "seed", "held_out")}
+    row["case"] = case_name(c)
+    lr = c["prodigy"].get("lr_effective_final")
+    row["prodigy_lr_effective_final"] = lr
+    if not lr or not math.isfinite(lr):
+        row["absent"] = "the case's Prodigy arm recorded no step size"
+        return row
+    case, cfg, split_dir = rebuild_case(c, work)
+    seed = case_training_seed(c)
+    cfg = cfg.model_copy(update={"training": cfg.training.model_copy(update={"seed": seed})})
+    arm = train_arm(cfg, split_dir, lr, case / "prior")
+    shutil.rmtree(case, ignore_errors=True)
+    chosen = arm.get("chosen") or {}
+    row.update(prior=chosen.get("val_loss", arm.get("final_val_loss")), prior_best=arm.get("best_val_loss"),
+               prior_rule=chosen.get("rule"), prior_updates=arm["updates"], seconds=arm["seconds"],
+               baseline_val_loss=arm.get("baseline_val_loss"),
+               reproduces=math.isclose(arm.get("baseline_val_loss") or math.nan, s["baseline_val_loss"],
+                                       rel_tol=1e-6),
+               updates=arm["updates"] + c["prodigy"]["updates"], rangefinder_updates=s["updates"]["rangefinder"],
+               rangefinder_lr=s["rangefinder_lr"], lr_over_rangefinder=lr / s["rangefinder_lr"]
+               if s.get("rangefinder_lr") else None)
+    row["prior_or_prodigy"] = min(x for x in (row["prior"], s["prodigy_best"]) if x is not None) \
+        if row["prior"] is not None or s["prodigy_best"] is not None else None
+    for opp in AGAINST:
+        row[opp] = s[opp]
+        for d in DELIVERIES:
+            row[f"{d}_vs_{opp}"] = verdict_of(row[d], s[opp])
+        row[f"rangefinder_vs_{opp}"] = verdict_of(s["rangefinder"], s[opp]) if opp != "rangefinder" else None
+    log(f"[{row['case']}] lr {lr:.3g} ({row['lr_over_rangefinder'] or math.nan:.2f}x (a)'s): prior {row['prior']}, "
+        f"(a) {s['rangefinder']}, Prodigy best {s['prodigy_best']}; vs Prodigy best {row['prior_vs_prodigy_best']}"
+        f" (a: {row['rangefinder_vs_prodigy_best']}); {arm['seconds']:.0f} s")
+    return row
+
+
+def tally(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per method and together, over the cases read (ran, and reproduced): each delivery's and (a)'s wins, ties and
+    losses against each arm, the better shares, and how far the prior's loss lies from (a)'s."""
+    read = [r for r in rows if "absent" not in r and r.get("reproduces")]
+    out: dict[str, Any] = {"cases": len(rows), "read": len(read),
+                           "not_read": [r["case"] for r in rows if r not in read], "by": {}}
+    groups = {m: [r for r in read if r["method"] == m] for m in METHODS}
+    groups["all"] = read
+    for name, rs in groups.items():
+        if not rs:
+            continue
+        g: dict[str, Any] = {"cases": len(rs)}
+        for who in (*DELIVERIES, "rangefinder"):
+            for opp in AGAINST:
+                if who == "rangefinder" and opp == "rangefinder":
+                    continue
+                v = [r[f"{who}_vs_{opp}"] for r in rs]
+                g[f"{who}_vs_{opp}"] = {**count_verdicts(v), "better_share": v.count("win") / len(rs)}
+        g["prior_over_rangefinder_pct_median"] = median_of(
+            [100 * (r["prior"] / r["rangefinder"] - 1) for r in rs if r["prior"] and r["rangefinder"]])
+        ratios = [r["lr_over_rangefinder"] for r in rs if r.get("lr_over_rangefinder")]
+        g["lr_over_rangefinder_median"] = statistics.median(ratios) if ratios else None
+        g["seconds"] = sum(r["seconds"] for r in rs)
+        out["by"][name] = g
+    return out
+
+
+def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(prog="python -m bench.prodigy_prior", description=__doc__.splitlines()[0])
+    add_probe_arguments(p)
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--seeds", default=None, help="only these seeds of the source (default: all)")
+    p.add_argument("--part", default="1/1", metavar="I/N", help="every N-th case from the I-th: side by side")
+    args = p.parse_args(argv)
+    quiet_libraries()
+    methods = [m for m in args.methods.split(",") if m]
+    if unknown := set(methods) - set(METHODS):
+        raise SystemExit(f"--methods: {', '.join(sorted(unknown))} not probed (only {', '.join(METHODS)})")
+    seeds = {int(x) for x in args.seeds.split(",")} if args.seeds else None
+    i, n = (int(x) for x in args.part.split("/"))
+    cases = [c for c in json.loads(args.source.read_text())["cases"]
+             if c["method"] in methods and (seeds is None or int(c["seed"]) in seeds)]
+    cases = sorted(cases, key=case_key)[i - 1::n]
+    return run_probe(NAME, args, cases, probe_case, tally)
+
+
+if __name__ == "__main__":
+    main()
