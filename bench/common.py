@@ -265,10 +265,10 @@ def case_key(c: dict[str, Any]) -> CaseKey:
     return (family_of_case(c), c["method"], c["kind"], int(c["seed"]), case_lora(c))
 
 
-def add_probe_arguments(p: Any) -> None:
+def add_probe_arguments(p: Any, source_required: bool = True) -> None:
     """The arguments every probe of saved bench.versus cases takes (an argparse.ArgumentParser): --from, --out,
-    --work-dir, --threads."""
-    p.add_argument("--from", dest="source", type=Path, required=True, help="a bench.versus result JSON")
+    --work-dir, --threads (--from optional for a probe that can also only report)."""
+    p.add_argument("--from", dest="source", type=Path, required=source_required, help="a bench.versus result JSON")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--work-dir", type=Path)
     p.add_argument("--threads", type=int, default=1)

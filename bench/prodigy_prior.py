@@ -6,10 +6,11 @@ LoRA cases and 21 of 30 full ones. Across cases it moves less than (a)'s range t
 costs (a) more than its bias. No run has tested it.
 
 What it does, per saved case (full fine-tuning and LoRA; textual inversion's arms tie whatever the LR): rebuild the
-case (bench.versus.rebuild_case: the same images, split and settings), read the step size its Prodigy arm (b) ended
-on (`lr_effective_final`, recorded by bench.versus), and train (a)'s fine-tune at that one constant LR, as the
-pipeline's fine-tune step runs it with the case's settings (the step window, the window average; halving off, one
-LR). That is the prior's run. Two deliveries are read:
+case (bench.versus.rebuild_case: the same images, split and settings), read the step size its Prodigy arm (b) ended on
+(`lr_effective_final`, recorded by bench.versus; a case run before it was recorded has that arm re-run first, as
+bench.versus trains it, and is read only if the re-run reproduces the saved best loss), and train (a)'s fine-tune at
+that one constant LR, as the pipeline's fine-tune step runs it with the case's settings (the step window, the window
+average; halving off, one LR). That is the prior's run. Two deliveries are read:
 - **prior**: what that run delivers (chosen.json, as (a) delivers);
 - **prior or Prodigy**: the lower of it and the Prodigy run's best checkpoint. A pipeline that measures the LR this
   way has trained the Prodigy run first and validated its checkpoints, and like (a) it delivers the lowest validation
@@ -37,8 +38,17 @@ import statistics
 from pathlib import Path
 from typing import Any, Optional
 
-from bench.common import add_probe_arguments, case_key, median_of, quiet_libraries, run_probe
-from bench.versus import case_name, case_training_seed, count_verdicts, rebuild_case, train_arm, verdict_of
+from bench.common import add_probe_arguments, case_key, median_of, quiet_libraries, run_probe, write_json
+from bench.versus import (
+    case_name,
+    case_training_seed,
+    count_verdicts,
+    plain_finetune,
+    prodigy_as_diffusers_recommends,
+    rebuild_case,
+    train_arm,
+    verdict_of,
+)
 
 NAME = "prodigy_prior"
 METHODS = ("full", "lora")
@@ -51,14 +61,21 @@ def probe_case(c: dict[str, Any], work: Path, log=print) -> dict[str, Any]:
     s = c["summary"]
     row: dict[str, Any] = {k: c[k] for k in ("method", "kind", "seed", "held_out")}
     row["case"] = case_name(c)
-    lr = c["prodigy"].get("lr_effective_final")
-    row["prodigy_lr_effective_final"] = lr
-    if not lr or not math.isfinite(lr):
-        row["absent"] = "the case's Prodigy arm recorded no step size"
-        return row
     case, cfg, split_dir = rebuild_case(c, work)
     seed = case_training_seed(c)
     cfg = cfg.model_copy(update={"training": cfg.training.model_copy(update={"seed": seed})})
+    lr = c["prodigy"].get("lr_effective_final")
+    if lr is None:  # run before bench.versus recorded it: the arm re-run as versus runs it, which must reproduce
+        prodigy = prodigy_arm(cfg, split_dir, case / "prodigy")
+        lr = prodigy.get("lr_effective_final")
+        row["prodigy_rerun"] = {k: prodigy.get(k) for k in ("best_val_loss", "lr_effective_final", "seconds")}
+        row["prodigy_reproduces"] = math.isclose(prodigy.get("best_val_loss") or math.nan,
+                                                 c["prodigy"]["best_val_loss"], rel_tol=1e-6)
+    row["prodigy_lr_effective_final"] = lr
+    if not lr or not math.isfinite(lr) or row.get("prodigy_reproduces") is False:
+        row["absent"] = "the case's Prodigy arm gave no step size, or its re-run did not reproduce it"
+        shutil.rmtree(case, ignore_errors=True)
+        return row
     arm = train_arm(cfg, split_dir, lr, case / "prior")
     shutil.rmtree(case, ignore_errors=True)
     chosen = arm.get("chosen") or {}
@@ -81,6 +98,14 @@ def probe_case(c: dict[str, Any], work: Path, log=print) -> dict[str, Any]:
         f"(a) {s['rangefinder']}, Prodigy best {s['prodigy_best']}; vs Prodigy best {row['prior_vs_prodigy_best']}"
         f" (a: {row['rangefinder_vs_prodigy_best']}); {arm['seconds']:.0f} s")
     return row
+
+
+def prodigy_arm(cfg, split_dir: Path, out: Path) -> dict[str, Any]:
+    """Arm (b) as bench.versus trains it: Prodigy at lr 1.0 with diffusers' settings, a plain run."""
+    cfg_b = plain_finetune(cfg)
+    cfg_b = cfg_b.model_copy(update={"training": cfg_b.training.model_copy(update={"optimizer": "prodigy"})})
+    with prodigy_as_diffusers_recommends():
+        return train_arm(cfg_b, split_dir, 1.0, out)
 
 
 def tally(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -110,14 +135,30 @@ def tally(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def report(paths: list[Path], out: Path) -> dict[str, Any]:
+    """The tally over several results of this probe (parts run side by side), each case once."""
+    rows = {case_key(r): r for p in paths for r in json.loads(p.read_text())["cases"]}
+    result: dict[str, Any] = {"benchmark": NAME, "merged_from": [p.name for p in paths], "cases": list(rows.values())}
+    result["tally"] = tally(result["cases"])
+    write_json(out, result)
+    print(json.dumps(result["tally"]["by"], indent=1))
+    return result
+
+
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(prog="python -m bench.prodigy_prior", description=__doc__.splitlines()[0])
-    add_probe_arguments(p)
+    add_probe_arguments(p, source_required=False)
+    p.add_argument("--report", type=Path, nargs="+", metavar="JSON",
+                   help="no runs: the tally over these results of this probe, written to --out")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--seeds", default=None, help="only these seeds of the source (default: all)")
     p.add_argument("--part", default="1/1", metavar="I/N", help="every N-th case from the I-th: side by side")
     args = p.parse_args(argv)
     quiet_libraries()
+    if args.report:
+        return report(args.report, args.out)
+    if args.source is None:
+        p.error("--from is required (or --report)")
     methods = [m for m in args.methods.split(",") if m]
     if unknown := set(methods) - set(METHODS):
         raise SystemExit(f"--methods: {', '.join(sorted(unknown))} not probed (only {', '.join(METHODS)})")
