@@ -39,7 +39,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 from bench.common import add_probe_arguments, case_key, median_of, quiet_libraries, run_probe, write_json
+from bench.discovery_quality import gap_pct
 from bench.versus import (
+    OPPONENTS,
+    aggregate,
     case_name,
     case_training_seed,
     count_verdicts,
@@ -135,11 +138,44 @@ def tally(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def report(paths: list[Path], out: Path) -> dict[str, Any]:
-    """The tally over several results of this probe (parts run side by side), each case once."""
+def with_prior(c: dict[str, Any], row: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """A saved case's summary with the prior run in (a)'s place where the probe read it (full and LoRA), as
+    bench.versus summarizes a case: its loss, LR, updates and verdicts, and its gap to the grid's best."""
+    s = dict(c["summary"])
+    if row is None or "absent" in row or not row.get("reproduces") or c["method"] not in METHODS:
+        return s
+    s.update(rangefinder=row["prior"], rangefinder_lr=row["prodigy_lr_effective_final"], lr_finder="prodigy_step",
+             updates={**s["updates"], "rangefinder": row["updates"]})
+    for opp in OPPONENTS:
+        s[f"vs_{opp}"] = verdict_of(s["rangefinder"], s[opp])
+    if s.get("grid_best") is not None:
+        s["gap_rangefinder_pct"] = gap_pct(s["rangefinder"], s["grid_best"])
+        s["rangefinder_update_share"] = row["updates"] / s["updates"]["grid"]
+    return s
+
+
+def standings(source: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The Goal's lines over a bench.versus result with the prior run in (a)'s place wherever it was read: the
+    aggregate as bench.versus makes it, held out and by method too, and how many cases took the prior."""
+    by = {case_key(r): r for r in rows}
+    sums = [with_prior(c, by.get(case_key(c))) for c in source["cases"]]
+    return {"cases": len(sums), "with_prior": sum(x.get("lr_finder") == "prodigy_step" for x in sums),
+            "aggregate": aggregate(sums), "aggregate_held_out": aggregate([x for x in sums if x["held_out"]]),
+            "aggregate_by_method": {m: aggregate([x for x in sums if x["method"] == m])
+                                    for m in dict.fromkeys(x["method"] for x in sums)},
+            "summaries": sums}
+
+
+def report(paths: list[Path], out: Path, source: Optional[Path] = None) -> dict[str, Any]:
+    """The tally over several results of this probe (parts run side by side), each case once; with `source` (a
+    bench.versus result) also the Goal's standings over its cases with the prior run in (a)'s place."""
     rows = {case_key(r): r for p in paths for r in json.loads(p.read_text())["cases"]}
     result: dict[str, Any] = {"benchmark": NAME, "merged_from": [p.name for p in paths], "cases": list(rows.values())}
     result["tally"] = tally(result["cases"])
+    if source is not None:
+        result["standings"] = standings(json.loads(source.read_text()), result["cases"])
+        result["standings"]["source"] = source.name
+        print(json.dumps(result["standings"]["aggregate"]["goals"], indent=1))
     write_json(out, result)
     print(json.dumps(result["tally"]["by"], indent=1))
     return result
@@ -149,14 +185,15 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(prog="python -m bench.prodigy_prior", description=__doc__.splitlines()[0])
     add_probe_arguments(p, source_required=False)
     p.add_argument("--report", type=Path, nargs="+", metavar="JSON",
-                   help="no runs: the tally over these results of this probe, written to --out")
+                   help="no runs: the tally over these results of this probe, written to --out (with --from: the "
+                        "standings over that result's cases with the prior run in (a)'s place)")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--seeds", default=None, help="only these seeds of the source (default: all)")
     p.add_argument("--part", default="1/1", metavar="I/N", help="every N-th case from the I-th: side by side")
     args = p.parse_args(argv)
     quiet_libraries()
     if args.report:
-        return report(args.report, args.out)
+        return report(args.report, args.out, args.source)
     if args.source is None:
         p.error("--from is required (or --report)")
     methods = [m for m in args.methods.split(",") if m]
