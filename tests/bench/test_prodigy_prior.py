@@ -73,3 +73,28 @@ def test_report_merges_parts_and_needs_no_source(tmp_path, capsys):
     out = tmp_path / "all.json"
     result = main(["--report", *map(str, parts), "--out", str(out)])
     assert result["tally"]["read"] == 2 and json.loads(out.read_text())["merged_from"] == ["part0.json", "part1.json"]
+
+
+def test_the_standings_put_the_prior_run_in_a_s_place_where_it_was_read():
+    """Over saved cases: a read full case takes the prior run's loss, LR, updates, verdicts and grid gap; a case not
+    read, or textual inversion, keeps (a) as it ran."""
+    from bench.prodigy_prior import standings
+
+    source = json.loads((RESULTS / "versus_all_275.json").read_text())
+    full = next(c for c in source["cases"] if (c["method"], c["kind"], c["seed"]) == ("full", "shapes", 3))
+    ti = next(c for c in source["cases"] if (c["method"], c["kind"], c["seed"]) == ("textual_inversion", "shapes", 3))
+    lora = next(c for c in source["cases"] if (c["method"], c["kind"], c["seed"]) == ("lora", "shapes", 3))
+    s = full["summary"]
+    key = {k: full[k] for k in ("method", "kind", "seed")}
+    rows = [{**key, "reproduces": True, "prior": 0.98 * s["grid_best"], "prodigy_lr_effective_final": 2e-4,
+             "updates": 320},
+            {"method": "lora", "kind": "shapes", "seed": 3, "absent": "no step size"},
+            {"method": "textual_inversion", "kind": "shapes", "seed": 3, "reproduces": True, "prior": 0.0,
+             "prodigy_lr_effective_final": 1e-3, "updates": 320}]
+    st = standings({"cases": [full, ti, lora]}, rows)
+    new, kept_ti, kept_lora = st["summaries"]
+    assert st["with_prior"] == 1 and new["lr_finder"] == "prodigy_step" and new["rangefinder_lr"] == 2e-4
+    assert new["vs_prodigy_best"] == "win" and new["gap_rangefinder_pct"] < 0
+    assert new["rangefinder_update_share"] == 320 / s["updates"]["grid"] and new["updates"]["rangefinder"] == 320
+    assert kept_ti == ti["summary"] and kept_lora == lora["summary"]
+    assert st["aggregate"]["cases"] == 3 and st["aggregate_by_method"]["full"]["vs_prodigy_best"]["win"] == 1
