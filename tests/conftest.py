@@ -35,7 +35,8 @@ LONG_FIRST = ("pipelines:demo-run", "tests/steps/test_processes.py",
               "tests/tracking/test_outbox.py", "tests/training/test_compile.py",
               "tests/training/test_resume.py", "tests/tracking/test_server_loss.py", "tests/steps/test_halving.py",
               "tests/training/test_optimizers.py", "tests/pipelines/test_reuse.py",
-              "tests/tracking/test_retried_step.py", "tests/training/test_samples.py")
+              "tests/tracking/test_retried_step.py", "tests/training/test_samples.py",
+              "tests/pipelines/test_local_run_prodigy_step.py", "tests/steps/test_prodigy_step_size.py")
 
 
 def _group(nodeid: str) -> str:

@@ -292,3 +292,62 @@ def test_samples_during_training_use_the_first_seeds():
     with pytest.raises(ConfigError, match=r"sampling.seeds_during_training: 3 is more than the 2 seed\(s\) in "
                                           r"sampling.seeds; lower it or list more seeds"):
         parse_config({"sampling": {"seeds": [0, 1], "seeds_during_training": 3}})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# lr_finder: how discovery measures the LR
+
+
+@pytest.mark.parametrize("finder, method, resolved", [
+    ("auto", "full", "prodigy_step"),
+    ("auto", "lora", "prodigy_step"),
+    ("auto", "textual_inversion", "range_test"),
+    ("range_test", "full", "range_test"),
+    ("prodigy_step", "textual_inversion", "prodigy_step"),
+])
+def test_lr_finder_auto_resolves_by_method_and_the_others_stay(finder, method, resolved):
+    cfg = parse_config({"lr_finder": finder, "training": {"method": method}})
+    assert cfg.lr_finder_for_method() == resolved
+
+
+def test_range_test_bounds_beside_a_prodigy_step_finder_are_one_clear_error():
+    from rangefinder.config import setting_conflicts
+
+    with pytest.raises(ConfigError) as err:
+        parse_config({"lr_finder": "prodigy_step", "lr_range_test": {"lr_max": 1e-2}})
+    msg = str(err.value)
+    assert "\n" not in msg and "lr_finder: prodigy_step" in msg and "lr_range_test.lr_max" in msg
+    assert "remove them, or set lr_finder: range_test" in msg
+    # Under auto they are a warning where it picks prodigy_step (no config turns invalid if auto becomes the
+    # default), and the range test's own where it picks the range test.
+    (line,) = setting_conflicts(parse_config({"lr_finder": "auto", "lr_range_test": {"lr_min": 1e-6}}))
+    assert line.startswith("the range test's bounds (lr_range_test.lr_min) are not used: lr_finder auto measures "
+                           "the LR of method full with prodigy_step")
+    ti = parse_config({"lr_finder": "auto", "training": {"method": "textual_inversion"},
+                       "lr_range_test": {"lr_max": 1.0}})
+    assert setting_conflicts(ti) == []
+    with pytest.raises(ConfigError, match="lr_finder: Input should be 'range_test', 'prodigy_step' or 'auto'"):
+        parse_config({"lr_finder": "prodigy"})
+
+
+def test_lr_finder_beside_a_fixed_lr_or_an_lr_free_optimizer_is_a_warning_naming_it():
+    from rangefinder.config import setting_conflicts
+
+    (line,) = setting_conflicts(parse_config({"lr": 1e-4, "lr_finder": "prodigy_step"}))
+    assert line.startswith("lr_finder: prodigy_step is not used: lr: 0.0001 is fixed")
+    (line,) = setting_conflicts(parse_config({"lr_finder": "auto", "training": {"optimizer": "prodigy"}}))
+    assert "training.optimizer prodigy is LR-free" in line
+    assert setting_conflicts(parse_config({"lr_finder": "auto"})) == []
+
+
+def test_prodigy_settings_are_prodigy_s_arguments_and_unused_with_another_optimizer():
+    from rangefinder.config import setting_conflicts
+    from rangefinder.training.optimizers import PRODIGY_SETTINGS
+
+    cfg = parse_config({"training": {"optimizer": "prodigy", "prodigy": PRODIGY_SETTINGS}})
+    assert cfg.training.prodigy.kwargs() == PRODIGY_SETTINGS
+    assert parse_config({}).training.prodigy.kwargs() == {}  # prodigyopt's own defaults
+    (line,) = setting_conflicts(parse_config({"training": {"prodigy": {"safeguard_warmup": True}}}))
+    assert line.startswith("training.prodigy (safeguard_warmup) is not used: training.optimizer is adamw")
+    with pytest.raises(ConfigError, match=r"training.prodigy.betas.1: Input should be less than 1"):
+        parse_config({"training": {"optimizer": "prodigy", "prodigy": {"betas": [0.9, 1.0]}}})

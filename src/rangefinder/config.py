@@ -278,12 +278,31 @@ Optimizer = Literal["adamw", "adamw8bit", "prodigy", "prodigy_schedule_free", "a
 LR_FREE_OPTIMIZERS = ("prodigy", "prodigy_schedule_free")
 SCHEDULE_FREE_OPTIMIZERS = ("adamw_schedule_free", "prodigy_schedule_free")
 LR_FREE_LR = 1.0  # the LR-free optimizers' documented lr: a multiplier of the step size they estimate
+# How the pipeline measures the LR when none is fixed (RangefinderConfig.lr_finder): the LR range test, or the step
+# size a Prodigy run of the fine-tune's length ends on (its d x lr); auto picks per method (LR_FINDER_AUTO).
+LRFinder = Literal["range_test", "prodigy_step", "auto"]
+LR_FINDER_AUTO: dict[str, Literal["range_test", "prodigy_step"]] = {
+    "full": "prodigy_step", "lora": "prodigy_step", "textual_inversion": "range_test"}
 ScaleLR = Literal["none", "linear", "sqrt"]
 ProcessesPerNode = Union[Literal["auto"], Annotated[int, Field(ge=1)]]
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # One training run (the engine's settings)
+
+
+class ProdigySettings(_Section):
+    """prodigyopt's Prodigy arguments for training.optimizer: prodigy; each unset one (None) is the package's own
+    default. The prodigy_step LR finder trains with diffusers' recipe (training.optimizers.PRODIGY_SETTINGS)."""
+
+    betas: Optional[tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]]] = None
+    weight_decay: Optional[float] = Field(None, ge=0)
+    use_bias_correction: Optional[bool] = None
+    safeguard_warmup: Optional[bool] = None
+
+    def kwargs(self) -> dict[str, Any]:
+        """The arguments given, as Prodigy takes them (the unset ones left to its defaults)."""
+        return {k: getattr(self, k) for k in type(self).model_fields if getattr(self, k) is not None}
 
 
 class TrainingConfig(_Section):
@@ -334,6 +353,8 @@ class TrainingConfig(_Section):
     adam_beta2: float = Field(0.999, ge=0, lt=1)
     adam_epsilon: float = Field(1e-8, gt=0)
     weight_decay: float = Field(1e-2, ge=0)
+    # Prodigy's own arguments (optimizer prodigy only); unset: prodigyopt's defaults.
+    prodigy: ProdigySettings = Field(default_factory=ProdigySettings)
     max_grad_norm: Optional[float] = Field(1.0, gt=0)  # None turns clipping off
 
     # --- loss and augmentation
@@ -890,6 +911,11 @@ class RangefinderConfig(_Section):
     # A learning rate chosen by hand skips discovery (range test and zoom); so does an LR-free training.optimizer,
     # which then trains at this lr, or at LR_FREE_LR when it is unset (pipeline_lr).
     lr: Optional[float] = Field(None, gt=0)
+    # How discovery measures the LR (lr_finder_for_method): range_test (the LR range test, then a zoom when needed),
+    # prodigy_step (a Prodigy run of finetune.epochs at lr 1.0 with diffusers' recipe; the fine-tune then trains at
+    # the step size d x lr it ended on), or auto (LR_FINDER_AUTO: prodigy_step for full and lora, range_test for
+    # textual_inversion). Nothing to do with a fixed lr or an LR-free training.optimizer.
+    lr_finder: LRFinder = "range_test"
 
     @model_validator(mode="after")
     def _cross(self) -> RangefinderConfig:
@@ -898,6 +924,14 @@ class RangefinderConfig(_Section):
             raise ValueError(
                 f"lr_range_test.lr_max ({hi:g}) must be above lr_range_test.lr_min ({lo:g}) for method "
                 f"{self.training.method}; set both, or leave them unset for the method's default range"
+            )
+        # Asked for by name, the Prodigy finder beside the range test's bounds is a contradiction; under auto (which
+        # may become the default) the bounds are a warning (setting_conflicts), so no config turns invalid with it.
+        bounds_set = self.range_test_bounds_given()
+        if bounds_set and self.pipeline_lr() is None and self.lr_finder == "prodigy_step":
+            raise ValueError(
+                f"lr_finder: prodigy_step reads the LR off a Prodigy run, so {' and '.join(bounds_set)} (the range "
+                "test's bounds) would not be used; remove them, or set lr_finder: range_test"
             )
         optimizer = self.training.optimizer
         if optimizer in LR_FREE_OPTIMIZERS and (self.lr_range_test.lr_min is not None
@@ -926,6 +960,17 @@ class RangefinderConfig(_Section):
         if self.lr is not None:
             return self.lr
         return LR_FREE_LR if self.training.optimizer in LR_FREE_OPTIMIZERS else None
+
+    def range_test_bounds_given(self) -> list[str]:
+        """The range test's bounds set in this config (lr_range_test.lr_min / lr_max), by name."""
+        return [f"lr_range_test.{k}" for k in ("lr_min", "lr_max") if getattr(self.lr_range_test, k) is not None]
+
+    def lr_finder_for_method(self) -> Literal["range_test", "prodigy_step"]:
+        """How discovery measures the LR for training.method: lr_finder, with auto resolved (LR_FINDER_AUTO). Only
+        used when discovery runs (pipeline_lr() is None)."""
+        if self.lr_finder == "auto":
+            return LR_FINDER_AUTO[self.training.method]
+        return self.lr_finder
 
 
 # The demo's prompts: one per shape, each colour once, on the white background of the demo's data. 4 prompts x 3
@@ -1112,6 +1157,21 @@ def setting_conflicts(cfg: RangefinderConfig) -> list[str]:
         lines.append(f"lr: {cfg.lr:g} is fixed, so no range test runs and the lr_range_test section "
                      f"({', '.join(sorted(range_test_given))}) is not used; remove lr to discover the LR, or the "
                      "section")
+    if "lr_finder" in given and cfg.pipeline_lr() is not None:
+        why = (f"lr: {cfg.lr:g} is fixed" if cfg.lr is not None
+               else f"training.optimizer {cfg.training.optimizer} is LR-free")
+        lines.append(f"lr_finder: {cfg.lr_finder} is not used: {why}, so no LR is discovered; remove lr_finder, or "
+                     "the fixed lr")
+    bounds = cfg.range_test_bounds_given()
+    if bounds and cfg.pipeline_lr() is None and cfg.lr_finder == "auto" and cfg.lr_finder_for_method() != "range_test":
+        lines.append(f"the range test's bounds ({', '.join(bounds)}) are not used: lr_finder auto measures the LR "
+                     f"of method {cfg.training.method} with prodigy_step, not the range test; set lr_finder: "
+                     "range_test to use them, or remove them")
+    prodigy_given = [g for g in given if g.startswith("training.prodigy.")]
+    if prodigy_given and cfg.training.optimizer != "prodigy":
+        lines.append(f"training.prodigy ({', '.join(g.removeprefix('training.prodigy.') for g in prodigy_given)}) is "
+                     f"not used: training.optimizer is {cfg.training.optimizer}; set optimizer prodigy, or remove the "
+                     "prodigy section")
     halving_asked = "finetune.successive_halving" in given and ft.successive_halving
     if halving_asked and cfg.lr is not None:
         lines.append(f"finetune.successive_halving: true does nothing with a fixed lr ({cfg.lr:g}): halving races "

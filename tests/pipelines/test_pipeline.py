@@ -17,8 +17,8 @@ from rangefinder.config import RangefinderConfig, parse_config
 from rangefinder.pipelines import kfp_components
 from rangefinder.pipelines.pipeline import PIPELINE_NAME, compile_pipeline
 
-TRAINING = ("lr-range-test", "finetune", "retrain-full", "sample-images")
-RETRIED = ("lr-range-test", "finetune", "retrain-full")
+TRAINING = ("lr-range-test", "prodigy-step-size", "finetune", "retrain-full", "sample-images")
+RETRIED = ("lr-range-test", "prodigy-step-size", "finetune", "retrain-full")
 CHEAP = ("resolve-config", "prepare-dataset", "choose-lr", "register-model", "record-status")
 
 
@@ -80,7 +80,7 @@ def test_parameters_are_typed_with_descriptions(compiled):
     P = pb.ParameterType
     expected = {
         "dataset_uri": P.STRING, "dataset_dir": P.STRING, "base_model": P.STRING, "base_model_revision": P.STRING,
-        "method": P.STRING,
+        "method": P.STRING, "lr_finder": P.STRING,
         "resolution": P.NUMBER_INTEGER, "batch_size": P.NUMBER_INTEGER, "grad_accum": P.NUMBER_INTEGER,
         "ramp": P.STRING, "lr_min": P.NUMBER_DOUBLE, "lr_max": P.NUMBER_DOUBLE, "range_test_epochs": P.NUMBER_INTEGER,
         "finetune_epochs": P.NUMBER_INTEGER, "val_split": P.NUMBER_DOUBLE, "split_seed": P.NUMBER_INTEGER,
@@ -119,7 +119,7 @@ def test_dag_order_and_conditions(compiled):
     assert source(zoom.inputs.parameters["lr_min"]).endswith("zoom_lr_min")
     assert source(zoom.inputs.parameters["lr_max"]).endswith("zoom_lr_max")
     first_dag, _ = stages["first"]
-    assert first_dag.startswith("comp-discover-lr")
+    assert first_dag.startswith("comp-range-test")
     for dag_name, _, _ in compiled.tasks("discover-lr"):
         assert "fixed_lr" in compiled.condition_of(dag_name) and "== 0.0" in compiled.condition_of(dag_name)
     fixed = [t for d, _, t in compiled.tasks("choose-lr")
@@ -155,6 +155,36 @@ def test_dag_order_and_conditions(compiled):
     samples = compiled.tasks("sample-images")
     assert any("retrained" in t.inputs.artifacts for _, _, t in samples)
     assert any("retrained" not in t.inputs.artifacts for _, _, t in samples)
+
+
+def test_the_lr_finder_is_a_parameter_resolved_at_run_time_and_picks_the_discovery_branch(compiled):
+    """lr_finder reaches resolve-config with the method (auto is resolved there, at run time, so a UI user who
+    changes `method` gets its finder), and resolve-config's resolved value picks, inside discover-lr, the Prodigy run
+    and its choose-lr, or the range test's sub-pipeline; the fine-tune takes whichever bounds came out."""
+    params = compiled.spec.root.input_definitions.parameters
+    assert params["lr_finder"].default_value.string_value == RangefinderConfig().lr_finder
+    assert "prodigy_step" in params["lr_finder"].description and "auto" in params["lr_finder"].description
+    (_, _, resolve), = compiled.tasks("resolve-config")
+    # Inside the exit handler the root's parameters arrive as pipeline channels.
+    assert resolve.inputs.parameters["lr_finder"].component_input_parameter.endswith("lr_finder")
+    assert resolve.inputs.parameters["method"].component_input_parameter.endswith("method")
+    assert "lr_finder" in compiled.spec.components["comp-resolve-config"].output_definitions.parameters
+
+    probes = compiled.tasks("prodigy-step-size")
+    assert probes
+    for probe_dag, _, probe in probes:
+        assert "lr_finder" in compiled.condition_of(probe_dag)
+        assert "== 'prodigy_step'" in compiled.condition_of(probe_dag)
+        assert probe.inputs.artifacts["split"].component_input_artifact.endswith("split")
+        read = [t for d, _, t in compiled.tasks("choose-lr") if d == probe_dag]
+        assert len(read) == 1
+        assert read[0].inputs.parameters["source"].runtime_value.constant.string_value == "prodigy-step"
+        for bound in ("lr_low", "lr_mid", "lr_high"):
+            assert source(read[0].inputs.parameters[bound]).endswith(".lr")
+        assert source(read[0].inputs.parameters["updates"]).endswith(".updates")
+    # The other branch of the same condition runs the range-test sub-pipeline; both sit inside discover-lr.
+    for range_dag, _, _ in compiled.tasks("range-test"):
+        assert "lr_finder" in compiled.condition_of(range_dag) and "!(" in compiled.condition_of(range_dag)
 
 
 def test_gpu_and_limits_only_on_training_steps(compiled):

@@ -30,3 +30,27 @@ def test_bad_bounds_are_refused(low, mid, high, match):
 def test_unknown_source():
     with pytest.raises(RangefinderError, match="source must be one of"):
         run_choose_lr(demo_config(), source="guess", lr_low=1e-4, lr_high=1e-3, lr_mid=3e-4)
+
+
+def test_prodigy_step_collapses_the_bounds_onto_the_step_size_and_says_where_it_came_from(tmp_path):
+    from rangefinder.steps.halving import halving_applies
+
+    cfg = demo_config(lr_finder="prodigy_step", lr_range_test={"lr_min": None, "lr_max": None})
+    out = tmp_path / "decision.md"
+    c = run_choose_lr(cfg, source="prodigy-step", lr_low=2.5e-4, lr_high=2.5e-4, lr_mid=2.5e-4, decision_path=out,
+                      updates=120)
+    assert (c.lr_low, c.lr_mid, c.lr_high, c.source) == (2.5e-4, 2.5e-4, 2.5e-4, "prodigy-step")
+    text = out.read_text()
+    assert "read off a Prodigy run's final step size d x lr = 0.00025, 120 updates" in text
+    assert "one constant LR, no successive halving" in text
+    # The fine-tune's halving has nothing to race at one LR.
+    assert not halving_applies(True, True, "constant", c.lr_mid, c.lr_high)
+    with pytest.raises(RangefinderError, match="prodigy-step source gives one LR"):
+        run_choose_lr(cfg, source="prodigy-step", lr_low=1e-4, lr_high=1e-3, lr_mid=2e-4)
+
+
+def test_a_fixed_lr_says_the_lr_finder_had_nothing_to_measure(tmp_path):
+    out = tmp_path / "decision.md"
+    run_choose_lr(demo_config(lr=3e-4, lr_finder="auto"), source="fixed", lr_low=3e-4, lr_high=3e-4, lr_mid=3e-4,
+                  decision_path=out)
+    assert "lr_finder auto has nothing to measure" in out.read_text()

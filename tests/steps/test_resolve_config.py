@@ -139,3 +139,16 @@ def test_a_local_runs_step_skips_the_teardown_but_keeps_its_exit_status_and_atex
     bad = subprocess.run([sys.executable, "-c", script, "fail"], capture_output=True, text=True, env=env, timeout=120)
     assert bad.returncode == 1 and "OSError: cannot write executor_output.json" in bad.stderr, bad.stderr
     assert (tmp_path / "handler-ran").read_text() == "yes"
+
+
+@pytest.mark.parametrize("method, finder", [("full", "prodigy_step"), ("lora", "prodigy_step"),
+                                            ("textual_inversion", "range_test")])
+def test_lr_finder_auto_follows_the_method_a_person_sets_at_run_time(method, finder):
+    """The compiled pipeline carries lr_finder as a parameter; resolve-config resolves auto for the method of this
+    run, so changing `method` in the UI changes the finder (the DAG's condition reads this output)."""
+    params = parameters_from_config(RangefinderConfig(lr_finder="auto"))
+    base = params.pop("base_config")
+    params["method"] = method
+    assert run_resolve_config(base, **params).lr_finder == finder
+    params.update(method="full", lr_finder="range_test")  # the parameter itself wins over base_config
+    assert run_resolve_config(base, **params).lr_finder == "range_test"

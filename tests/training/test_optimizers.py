@@ -138,9 +138,16 @@ def test_adamw8bit_without_cuda_is_one_line():
 def test_a_missing_optimizer_package_names_the_pip_install(monkeypatch):
     from rangefinder.training.optimizers import make_optimizer
 
-    monkeypatch.setitem(sys.modules, "prodigyopt", None)  # an import of it now fails, as when not installed
+    # An import of them now fails, as when not installed: an optional one names the extra, prodigyopt (a dependency
+    # of rangefinder since the prodigy_step LR finder) itself.
+    monkeypatch.setitem(sys.modules, "schedulefree", None)
+    monkeypatch.setitem(sys.modules, "prodigyopt", None)
     params = [{"params": [torch.nn.Parameter(torch.zeros(2))]}]
     with pytest.raises(ConfigError, match=r"pip install 'rangefinder\[optimizers\]'") as err:
+        make_optimizer(TrainingConfig(optimizer="adamw_schedule_free"), params, 1.0)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match=r"training.optimizer prodigy needs the prodigyopt .*pip install prodigyopt"
+                       ) as err:
         make_optimizer(TrainingConfig(optimizer="prodigy"), params, 1.0)
     assert "\n" not in str(err.value)
 
@@ -191,3 +198,18 @@ def test_an_lr_free_optimizer_skips_the_range_test(tiny_model_dir, split_dir, tm
     with pytest.raises(ConfigError, match="LR-free") as err:
         run_lr_range_test(cfg, split_dir=tmp_path / "nowhere", out_dir=tmp_path / "out")
     assert "\n" not in str(err.value)
+
+
+def test_training_prodigy_reaches_prodigy_and_unset_keeps_the_package_defaults():
+    from prodigyopt import Prodigy
+
+    from rangefinder.training.optimizers import PRODIGY_SETTINGS, make_optimizer
+
+    params = [{"params": [torch.nn.Parameter(torch.zeros(2))]}]
+    recipe = make_optimizer(TrainingConfig(optimizer="prodigy", prodigy=PRODIGY_SETTINGS), params, 1.0)
+    group = recipe.param_groups[0]
+    assert (group["betas"], group["weight_decay"], group["use_bias_correction"], group["safeguard_warmup"]) == \
+        ((0.9, 0.99), 0.01, True, True)
+    plain = make_optimizer(TrainingConfig(optimizer="prodigy"), params, 1.0).param_groups[0]
+    package = Prodigy(params, lr=1.0).param_groups[0]
+    assert {k: plain[k] for k in PRODIGY_SETTINGS} == {k: package[k] for k in PRODIGY_SETTINGS}

@@ -1,4 +1,4 @@
-"""PNG plots of the two decisions, made to be read at a glance (matplotlib, Agg backend: no display needed)."""
+"""PNG plots of the decisions, made to be read at a glance (matplotlib, Agg backend: no display needed)."""
 
 from __future__ import annotations
 
@@ -158,6 +158,37 @@ def plot_step_window(window: StepWindow, out_path: str | Path, *, title: Optiona
     ax.grid(True, alpha=0.3)
     # Below the axes: a U-shaped curve leaves no free corner for it.
     fig.legend(fontsize=8.5, loc="outside lower center", ncols=3, frameon=False)
+    out = _save(fig, out_path)
+    plt.close(fig)
+    return out
+
+
+def plot_prodigy_step(updates: np.ndarray, step_sizes: np.ndarray, step_size: float, out_path: str | Path, *,
+                      curve: Optional[dict] = None, title: Optional[str] = None) -> Path:
+    """The prodigy_step finder's run: Prodigy's step size d x lr at every update (log axis), the last one (the LR
+    read) marked, and the validation loss on a second axis when `curve` (metrics.csv's columns) has one. Returns the
+    PNG's path."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=FIGSIZE, constrained_layout=True)
+    ax.plot(updates, step_sizes, "-", color=SMOOTH, lw=2, label="step size d x lr (lr_effective)")
+    ax.axhline(step_size, color=BAND, lw=2, ls="--", label=f"LR read: the last step size {step_size:.3g}")
+    finite = np.asarray(step_sizes, float)[np.isfinite(step_sizes)]
+    if finite.size and finite.min() == finite.max():  # d never moved from d0: a flat line needs its own limits
+        ax.set_ylim(finite.min() / 2, finite.max() * 2)
+    ax.set_yscale("log")
+    ax.set_xlabel("update (optimizer step)")
+    ax.set_ylabel("step size d x lr (log scale)")
+    if curve is not None and len(curve.get("val_loss", ())):
+        val_ax = ax.twinx()
+        val_ax.plot(curve["update"], curve["val_loss"], "o-", color=RAW, ms=3.5, lw=1, label="val loss (measured)")
+        val_ax.set_ylabel("validation loss (MSE)")
+        lines, labels = ax.get_legend_handles_labels()
+        more, more_labels = val_ax.get_legend_handles_labels()
+        ax.legend(lines + more, labels + more_labels, fontsize=8.5, loc="best", framealpha=0.85)
+    else:
+        ax.legend(fontsize=8.5, loc="best", framealpha=0.85)
+    ax.set_title(title or "Prodigy's step size: the LR the fine-tune trains at", fontsize=11)
+    ax.grid(True, which="major", alpha=0.3)
     out = _save(fig, out_path)
     plt.close(fig)
     return out

@@ -23,7 +23,8 @@ from rangefinder.analysis.halving import BELOW, HalvingDecision
 from rangefinder.analysis.lr_bounds import FLAG_ADVICE as LR_FLAG_ADVICE
 from rangefinder.analysis.lr_bounds import STATUS_ADVICE as LR_STATUS_ADVICE
 from rangefinder.analysis.lr_bounds import LRBounds
-from rangefinder.analysis.plots import plot_lr_range_test, plot_step_window
+from rangefinder.analysis.plots import plot_lr_range_test, plot_prodigy_step, plot_step_window
+from rangefinder.analysis.prodigy_step import ProdigyStep
 from rangefinder.analysis.step_window import DELIVERY_RULE_TEXT, Delivery, StepWindow
 from rangefinder.analysis.step_window import FLAG_ADVICE as STEP_FLAG_ADVICE
 from rangefinder.analysis.step_window import STATUS_ADVICE as STEP_STATUS_ADVICE
@@ -255,6 +256,39 @@ def write_lr_report(bounds: LRBounds, curve: Optional[dict], out_dir: str | Path
     notes += _weighting_note(validation_weighting)
     return _write_report(out, "lr_report", "lr_bounds.json", "LR range test", bounds.status, lead, png, rows, notes,
                          _source_line(curve, source), bounds.to_dict())
+
+
+def write_prodigy_report(reading: ProdigyStep, updates: dict, curve: Optional[dict], out_dir: str | Path, *,
+                         source: Optional[str] = None, plan_warnings: Sequence[str] = (),
+                         validation_weighting: Optional[dict] = None) -> dict[str, Path]:
+    """Write prodigy_step.png, prodigy_report.html (self-contained), prodigy_report.md and prodigy_step.json into
+    out_dir: the prodigy_step LR finder's reading (analysis.prodigy_step). `updates`: the run's updates.csv columns;
+    `curve`, `source`, `plan_warnings` and `validation_weighting` as for write_lr_report.
+    Returns {"plot", "html", "markdown", "json"} -> paths."""
+    out = Path(out_dir)
+    png = plot_prodigy_step(updates["update"], updates["lr_effective"], reading.step_size, out / "prodigy_step.png",
+                            curve=curve)
+    best = None if reading.best_update is None else f"at update {reading.best_update}"
+    rows: list[tuple[str, Any, str]] = [
+        ("LR (step size)", reading.step_size, "d x lr at the last update: the constant LR the fine-tune trains at"),
+        ("d", reading.d, "Prodigy's final estimate of the distance to the solution"),
+        ("Prodigy lr", reading.lr, "the multiplier of d, as diffusers' recipe sets it"),
+        ("updates", reading.updates, "as many as the fine-tune's (finetune.epochs), constant schedule"),
+        ("epochs", reading.epochs, ""),
+        ("val loss at update 0", reading.base_val_loss, "the base model"),
+        ("best val loss", reading.best_val_loss, best or ""),
+        ("final val loss", reading.final_val_loss, "at the last validation"),
+    ]
+    notes: list[tuple[str, str]] = [
+        ("prodigy_step", "Prodigy estimates its own step size as it trains; the one it ends on is taken as the "
+                         "fine-tune's constant LR (lr_low = lr_mid = lr_high, so there is no successive halving). "
+                         "Set lr_finder: range_test to measure the LR with the LR range test instead."),
+    ]
+    notes += _reading_notes((), plan_warnings)
+    rows += _sigma_rows(curve, validation_weighting, reading.best_update)
+    notes += _weighting_note(validation_weighting)
+    return _write_report(out, "prodigy_report", "prodigy_step.json", "Prodigy step size", "ok", reading.headline(),
+                         png, rows, notes, _source_line(curve, source), reading.to_dict())
 
 
 def _reading_notes(reading: Sequence[str], plan_warnings: Sequence[str]) -> list[tuple[str, str]]:

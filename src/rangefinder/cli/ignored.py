@@ -51,7 +51,7 @@ LOCAL = (Unused(("kubernetes",), "pod settings: they apply to `compile`, `submit
 TRAIN = (
     Unused(("split", "data.dataset_dir", "data.min_image_size", "data.min_images"),
            "the split in --data is made already; `rangefinder split` takes them as flags"),
-    Unused(("lr", "lr_range_test", "finetune", "retrain"),
+    Unused(("lr", "lr_finder", "lr_range_test", "finetune", "retrain"),
            "they apply to the pipeline: `run`, `compile`, `submit`, `schedule`; `train` trains at training.lr for "
            "training.epochs or training.steps"),
     Unused(("tracking",), "`rangefinder train` logs to no MLflow server; its curve is OUT/metrics.csv"),

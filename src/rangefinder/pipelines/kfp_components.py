@@ -35,6 +35,7 @@ def resolve_config(
     base_model: str,
     base_model_revision: str,
     method: str,
+    lr_finder: str,
     resolution: int,
     batch_size: int,
     grad_accum: int,
@@ -53,7 +54,9 @@ def resolve_config(
     mlflow_experiment: str,
     pipeline_job_id: str,
     pipeline_job_name: str = "",
-) -> NamedTuple("ResolvedConfig", config_json=str, fixed_lr=float, retrain=bool, mlflow_parent_run_id=str):  # type: ignore[valid-type]
+) -> NamedTuple(  # type: ignore[valid-type]
+    "ResolvedConfig", config_json=str, fixed_lr=float, lr_finder=str, retrain=bool, mlflow_parent_run_id=str
+):
     """Validate the parameters into one config and resolve the base model to a local folder (downloaded or
     converted once; fails fast, before any GPU is requested); open the MLflow parent run of this pipeline run.
 
@@ -63,6 +66,7 @@ def resolve_config(
         base_model: A diffusers folder, a single-file .safetensors checkpoint or a hub id; empty: the tiny model.
         base_model_revision: Branch, tag or commit of a hub base_model; empty: main.
         method: What trains: full, lora or textual_inversion.
+        lr_finder: How discovery measures the LR: range_test, prodigy_step or auto (by method).
         resolution: Training resolution in pixels (square, a multiple of 8).
         batch_size: Images per micro-batch per GPU.
         grad_accum: Micro-batches per optimizer update.
@@ -85,6 +89,7 @@ def resolve_config(
     Returns:
         config_json: The validated config as JSON, with the base model resolved; every later step reads it.
         fixed_lr: The hand-chosen learning rate, or 0 when discovery runs.
+        lr_finder: The finder discovery runs: range_test or prodigy_step (auto resolved for the method).
         retrain: Whether the full-data retrain runs.
         mlflow_parent_run_id: The MLflow run the steps' runs nest under (KFP's own when its MLflow plugin is on).
     """
@@ -96,14 +101,15 @@ def resolve_config(
     with one_line_errors("resolve-config"):
         r = run_resolve_config(
             base_config, dataset_dir=dataset_dir, base_model=base_model, base_model_revision=base_model_revision,
-            method=method, resolution=resolution, batch_size=batch_size, grad_accum=grad_accum, ramp=ramp,
-            lr_min=lr_min, lr_max=lr_max, range_test_epochs=range_test_epochs, finetune_epochs=finetune_epochs,
-            val_split=val_split, split_seed=split_seed, seed=seed, fixed_lr=fixed_lr, retrain=retrain,
+            method=method, lr_finder=lr_finder, resolution=resolution, batch_size=batch_size, grad_accum=grad_accum,
+            ramp=ramp, lr_min=lr_min, lr_max=lr_max, range_test_epochs=range_test_epochs,
+            finetune_epochs=finetune_epochs, val_split=val_split, split_seed=split_seed, seed=seed, fixed_lr=fixed_lr,
+            retrain=retrain,
             retrain_epochs=retrain_epochs, prompts=prompts, mlflow_experiment=mlflow_experiment,
             pipeline_job_id=pipeline_job_id, pipeline_job_name=pipeline_job_name,
         )
-    ResolvedConfig = namedtuple("ResolvedConfig", "config_json fixed_lr retrain mlflow_parent_run_id")
-    return ResolvedConfig(r.config_json, r.fixed_lr, r.retrain, r.mlflow_parent_run_id)
+    ResolvedConfig = namedtuple("ResolvedConfig", "config_json fixed_lr lr_finder retrain mlflow_parent_run_id")
+    return ResolvedConfig(r.config_json, r.fixed_lr, r.lr_finder, r.retrain, r.mlflow_parent_run_id)
 
 
 @dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
@@ -207,6 +213,55 @@ def lr_range_test(
     return LRBounds(r.lr_low, r.lr_high, r.lr_mid, r.needs_zoom, r.zoom_lr_min, r.zoom_lr_max)
 
 
+@dsl.component(base_image=TRAINER_IMAGE, install_kfp_package=False)
+def prodigy_step_size(
+    config_json: str,
+    split: Input[Dataset],
+    mlflow_parent_run_id: str,
+    curve: Output[Dataset],
+    metrics: Output[Metrics],
+    report_html: Output[HTML],
+    report_md: Output[Markdown],
+) -> NamedTuple("ProdigyStepSize", lr=float, d=float, updates=int):  # type: ignore[valid-type]
+    """The prodigy_step LR finder: a Prodigy run of the fine-tune's length at lr 1.0 (diffusers' recommended
+    settings, constant schedule), whose final step size d x lr is the LR the fine-tune trains at.
+
+    Args:
+        config_json: The run's validated config, as resolve-config returns it.
+        split: The split dataset folder (prepare-dataset's `split`, or any folder of that layout).
+        mlflow_parent_run_id: The MLflow parent run of the pipeline run (resolve-config's output); empty: none.
+
+    Returns:
+        curve: The run's validation curve (metrics.csv), its per-update step sizes (updates.csv) and its record.
+        metrics: The step size read, Prodigy's d, the updates and the best validation loss as KFP metrics.
+        report_html: The reading's report (step size and validation loss against updates), as HTML.
+        report_md: The same report in Markdown.
+        lr: The step size d x lr at the run's last update: the LR to fine-tune at.
+        d: Prodigy's final estimate d.
+        updates: The updates the run took.
+    """
+    from collections import namedtuple
+    from pathlib import Path
+
+    from rangefinder.errors import one_line_errors
+    from rangefinder.steps.prodigy_step_size import run_prodigy_step_size
+    from rangefinder.steps.resolve_config import load_step_config
+
+    with one_line_errors("prodigy-step-size"):
+        r = run_prodigy_step_size(
+            load_step_config(config_json),
+            split_dir=Path(split.path),
+            out_dir=Path(curve.path),
+            report_html=Path(report_html.path),
+            report_md=Path(report_md.path),
+            mlflow_parent_run_id=mlflow_parent_run_id or None,
+        )
+    for name, value in r.metrics().items():
+        metrics.log_metric(name, value)
+    ProdigyStepSize = namedtuple("ProdigyStepSize", "lr d updates")
+    return ProdigyStepSize(r.lr, r.reading.d, r.reading.updates)
+
+
 @dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
 def choose_lr(
     config_json: str,
@@ -215,15 +270,18 @@ def choose_lr(
     lr_high: float,
     lr_mid: float,
     decision: Output[Markdown],
+    updates: int = 0,
 ) -> NamedTuple("ChosenLR", lr_low=float, lr_high=float, lr_mid=float, source=str):  # type: ignore[valid-type]
-    """The LR bounds the fine-tune uses, and where they came from (first test, zoom re-test or fixed by hand).
+    """The LR bounds the fine-tune uses, and where they came from (first test, zoom re-test, Prodigy's step size or
+    fixed by hand).
 
     Args:
         config_json: The run's validated config, as resolve-config returns it.
-        source: Where the bounds come from: range-test, zoom or fixed.
+        source: Where the bounds come from: range-test, zoom, prodigy-step or fixed.
         lr_low: The lower LR bound.
         lr_high: The upper LR bound.
         lr_mid: The LR to fine-tune at.
+        updates: The updates of the Prodigy run a prodigy-step LR was read off (for the decision's text); 0: none.
 
     Returns:
         decision: The decision and its reasons, in Markdown.
@@ -241,7 +299,7 @@ def choose_lr(
 
     with one_line_errors("choose-lr"):
         r = run_choose_lr(load_step_config(config_json), source=source, lr_low=lr_low, lr_high=lr_high, lr_mid=lr_mid,
-                          decision_path=Path(decision.path))
+                          decision_path=Path(decision.path), updates=updates)
     ChosenLR = namedtuple("ChosenLR", "lr_low lr_high lr_mid source")
     return ChosenLR(r.lr_low, r.lr_high, r.lr_mid, r.source)
 
@@ -273,7 +331,7 @@ def finetune(
         lr_low: The lower LR bound (choose-lr's).
         lr_high: The upper LR bound (choose-lr's).
         lr_mid: The LR to fine-tune at (choose-lr's).
-        lr_source: Where the bounds came from: range-test, zoom or fixed.
+        lr_source: Where the bounds came from: range-test, zoom, prodigy-step or fixed.
         mlflow_parent_run_id: The MLflow parent run of the pipeline run (resolve-config's output); empty: none.
 
     Returns:

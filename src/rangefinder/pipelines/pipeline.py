@@ -7,9 +7,11 @@ record-status  (exit handler: runs whatever happened, records the final state)
     └── else:            prepare-dataset (dataset_dir or the embedded default) -> train-and-evaluate
 
 train-and-evaluate (one sub-pipeline, so the two dataset branches share everything after the split)
-    ├── if fixed_lr == 0:  discover-lr
-    │       lr-range-test -> if censored / too few points: lr-range-test (zoom) -> choose-lr
-    │                        else:                                             choose-lr
+    ├── if fixed_lr == 0:  discover-lr (lr_finder: resolve-config's, with auto resolved for the method)
+    │       if lr_finder == prodigy_step:  prodigy-step-size -> choose-lr (its final step size as the one LR)
+    │       else:  range-test
+    │           lr-range-test -> if censored / too few points: lr-range-test (zoom) -> choose-lr
+    │                            else:                                             choose-lr
     ├── else:              choose-lr (the fixed LR; no discovery)
     ├── finetune (at the chosen midpoint, or lr_mid against lr_high by successive halving)
     ├── if retrain:  retrain-full -> sample-images(finetuned, retrained) -> register-model(retrained)
@@ -47,18 +49,19 @@ PIPELINE_DESCRIPTION = (
 )
 
 # Steps whose pods need the GPU node pool; the cheap ones run on any node and may be cached.
-TRAINING_STEPS = ("lr_range_test", "finetune", "retrain_full", "sample_images")
+TRAINING_STEPS = ("lr_range_test", "prodigy_step_size", "finetune", "retrain_full", "sample_images")
 # Steps whose pods talk to MLflow (they log to the parent run) and so get its credentials.
-MLFLOW_STEPS = ("resolve_config", "lr_range_test", "finetune", "retrain_full", "sample_images", "register_model",
-                "record_status")
+MLFLOW_STEPS = ("resolve_config", "lr_range_test", "prodigy_step_size", "finetune", "retrain_full", "sample_images",
+                "register_model", "record_status")
 # Steps that load the base model: the first resolves (downloads, converts) it into the caches on the data volume, the
 # others load what it resolved (or resolve again where they cannot see it). They get the caches' paths and HF_TOKEN.
-MODEL_STEPS = ("resolve_config", "lr_range_test", "finetune", "retrain_full", "sample_images", "register_model")
+MODEL_STEPS = ("resolve_config", "lr_range_test", "prodigy_step_size", "finetune", "retrain_full", "sample_images",
+               "register_model")
 # Deterministic, cheap steps: the same inputs give the same outputs, so a rerun may reuse them.
 CACHED_STEPS = ("prepare_dataset", "choose_lr")
 SHM_VOLUME = "dshm"
 # With distributed.num_nodes > 1 these steps submit a Kubeflow Trainer TrainJob instead of training in their own pod.
-TRAINJOB_STEPS = ("lr_range_test", "finetune", "retrain_full")
+TRAINJOB_STEPS = ("lr_range_test", "prodigy_step_size", "finetune", "retrain_full")
 SUBMITTER_CPU, SUBMITTER_MEMORY = "1", "4Gi"  # the submitting pod copies the split, streams logs, writes reports
 NAMESPACE_ENV = "RANGEFINDER_NAMESPACE"
 NUM_NODES_ENV = "RANGEFINDER_NUM_NODES"
@@ -149,12 +152,13 @@ def pipeline_config(k8s: KubernetesConfig) -> dsl.PipelineConfig:
 
 
 class Bounds(NamedTuple):
-    """discover-lr's outputs (KFP reads the fields): the LR range to fine-tune with, and which test chose it."""
+    """discover-lr's and range-test's outputs (KFP reads the fields): the LR range to fine-tune with, and which
+    measurement chose it."""
 
     lr_low: float
     lr_high: float
     lr_mid: float
-    source: str  # "range-test" or "zoom"
+    source: str  # "range-test", "zoom" or "prodigy-step"
 
 
 class _InspectWithoutSource(types.ModuleType):
@@ -207,8 +211,8 @@ def _build_pipeline(cfg: RangefinderConfig, *, local: bool) -> Callable:
     def step(task: dsl.PipelineTask, name: str) -> dsl.PipelineTask:
         return configure_task(task, name, k8s, local=local, num_nodes=cfg.distributed.num_nodes)
 
-    @dsl.pipeline(name="discover-lr")
-    def discover_lr(
+    @dsl.pipeline(name="range-test")
+    def range_test(
         config_json: str, split: dsl.Input[dsl.Dataset], mlflow_parent_run_id: str
     ) -> Bounds:
         """LR range test, and a second one on a narrower range when the first curve cannot be read well."""
@@ -232,13 +236,31 @@ def _build_pipeline(cfg: RangefinderConfig, *, local: bool) -> Callable:
             source=dsl.OneOf(zoomed.outputs["source"], kept.outputs["source"]),
         )
 
+    @dsl.pipeline(name="discover-lr")
+    def discover_lr(
+        config_json: str, split: dsl.Input[dsl.Dataset], lr_finder: str, mlflow_parent_run_id: str
+    ) -> Bounds:
+        """The LR measured by the finder resolve-config resolved for the method (auto included): the step size a
+        Prodigy run ends on, or the LR range test (and its zoom)."""
+        with dsl.If(lr_finder == "prodigy_step", name="prodigy-step"):
+            probe = step(c.prodigy_step_size(config_json=config_json, split=split,
+                                             mlflow_parent_run_id=mlflow_parent_run_id), "prodigy_step_size")
+            size = probe.outputs["lr"]
+            read = step(c.choose_lr(config_json=config_json, source="prodigy-step", lr_low=size, lr_high=size,
+                                    lr_mid=size, updates=probe.outputs["updates"]), "choose_lr")
+        with dsl.Else(name="lr-range-test"):
+            tested = range_test(config_json=config_json, split=split, mlflow_parent_run_id=mlflow_parent_run_id)
+        return Bounds(**{k: dsl.OneOf(read.outputs[k], tested.outputs[k]) for k in Bounds._fields})
+
     @dsl.pipeline(name="train-and-evaluate")
     def train_and_evaluate(
-        config_json: str, split: dsl.Input[dsl.Dataset], fixed_lr: float, retrain: bool, mlflow_parent_run_id: str
+        config_json: str, split: dsl.Input[dsl.Dataset], fixed_lr: float, lr_finder: str, retrain: bool,
+        mlflow_parent_run_id: str
     ):
         """Everything after the split: the LR, the fine-tune, the optional retrain, the samples and the registry."""
         with dsl.If(fixed_lr == 0.0, name="discover-lr"):
-            found = discover_lr(config_json=config_json, split=split, mlflow_parent_run_id=mlflow_parent_run_id)
+            found = discover_lr(config_json=config_json, split=split, lr_finder=lr_finder,
+                                mlflow_parent_run_id=mlflow_parent_run_id)
         with dsl.Else(name="fixed-lr"):
             fixed = step(c.choose_lr(config_json=config_json, source="fixed", lr_low=fixed_lr, lr_high=fixed_lr,
                                      lr_mid=fixed_lr), "choose_lr")
@@ -275,6 +297,7 @@ def _build_pipeline(cfg: RangefinderConfig, *, local: bool) -> Callable:
         base_model: str = d["base_model"],
         base_model_revision: str = d["base_model_revision"],
         method: str = d["method"],
+        lr_finder: str = d["lr_finder"],
         resolution: int = d["resolution"],
         batch_size: int = d["batch_size"],
         grad_accum: int = d["grad_accum"],
@@ -305,6 +328,9 @@ def _build_pipeline(cfg: RangefinderConfig, *, local: bool) -> Callable:
                 volume's cache (gated repos: the HF token Secret). Empty: the embedded tiny model.
             base_model_revision: Branch, tag or commit of a hub base_model. Empty: main.
             method: What trains: full, lora or textual_inversion.
+            lr_finder: How the LR is measured when fixed_lr is 0: range_test (the LR range test, and a zoom when
+                needed), prodigy_step (a Prodigy run of finetune_epochs at lr 1.0; the fine-tune trains at the step
+                size d x lr it ended on), or auto (prodigy_step for full and lora, range_test for textual_inversion).
             resolution: Training resolution in pixels (square, a multiple of 8); 512 for SD 1.x.
             batch_size: Images per micro-batch per GPU.
             grad_accum: Micro-batches per optimizer update (effective batch = batch_size x grad_accum x GPUs).
@@ -332,7 +358,7 @@ def _build_pipeline(cfg: RangefinderConfig, *, local: bool) -> Callable:
         with dsl.ExitHandler(status, name="run-and-record"):
             resolved = step(c.resolve_config(
                 base_config=base_config, dataset_dir=dataset_dir, base_model=base_model,
-                base_model_revision=base_model_revision, method=method,
+                base_model_revision=base_model_revision, method=method, lr_finder=lr_finder,
                 resolution=resolution, batch_size=batch_size, grad_accum=grad_accum, ramp=ramp, lr_min=lr_min,
                 lr_max=lr_max, range_test_epochs=range_test_epochs, finetune_epochs=finetune_epochs,
                 val_split=val_split, split_seed=split_seed, seed=seed, fixed_lr=fixed_lr, retrain=retrain,
@@ -341,7 +367,8 @@ def _build_pipeline(cfg: RangefinderConfig, *, local: bool) -> Callable:
                 pipeline_job_name=dsl.PIPELINE_JOB_NAME_PLACEHOLDER,
             ), "resolve_config")
             config_json = resolved.outputs["config_json"]
-            rest = dict(fixed_lr=resolved.outputs["fixed_lr"], retrain=resolved.outputs["retrain"],
+            rest = dict(fixed_lr=resolved.outputs["fixed_lr"], lr_finder=resolved.outputs["lr_finder"],
+                        retrain=resolved.outputs["retrain"],
                         mlflow_parent_run_id=resolved.outputs["mlflow_parent_run_id"])
             with dsl.If(dataset_uri != "", name="import-dataset"):
                 imported = dsl.importer(artifact_uri=dataset_uri, artifact_class=dsl.Dataset, reimport=False)

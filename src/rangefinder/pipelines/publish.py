@@ -43,9 +43,9 @@ from rangefinder.pipelines import kfp_components as c
 from rangefinder.pipelines.pipeline import MLFLOW_STEPS, PIPELINE_NAME, TRAINING_STEPS, TRAINJOB_STEPS, compile_pipeline
 from rangefinder.tracking.redaction import CREDENTIALS_FIX, url_with_credentials
 
-# The nine steps, in the order the pipeline runs them; each is `components/<step>/`.
-STEPS = ("resolve_config", "prepare_dataset", "lr_range_test", "choose_lr", "finetune", "retrain_full",
-         "sample_images", "register_model", "record_status")
+# The ten steps, in the order the pipeline runs them (one of the two LR finders); each is `components/<step>/`.
+STEPS = ("resolve_config", "prepare_dataset", "lr_range_test", "prodigy_step_size", "choose_lr", "finetune",
+         "retrain_full", "sample_images", "register_model", "record_status")
 # The date the published files were last compiled, loaded and run through tests/pipelines (metadata.yaml's
 # lastVerified, which pipelines-components wants within a year). A constant, so the files do not change per compile;
 # bump it by hand when they are verified again.
@@ -62,6 +62,7 @@ _TAGS = {
     "resolve_config": ("configuration", "base_model"),
     "prepare_dataset": ("data_processing", "dataset_preparation", "image_captions"),
     "lr_range_test": ("training", "learning_rate", "lr_range_test"),
+    "prodigy_step_size": ("training", "learning_rate", "prodigy"),
     "choose_lr": ("learning_rate",),
     "finetune": ("training", "fine_tuning", "early_stopping"),
     "retrain_full": ("training", "fine_tuning"),

@@ -1,9 +1,10 @@
 """Step `choose_lr`: the LR bounds the fine-tune uses, and where they came from.
 
-Three branches of the DAG end here: the first range test was readable, a zoom re-test was needed, or a person fixed
-the LR (no discovery; the bounds collapse onto that LR), or an LR-free training.optimizer (Prodigy) made the range
-test moot: it trains at its own LR multiplier (1.0 unless set). The step checks the numbers and writes the decision
-down, with the reason discovery was skipped.
+The branches of the DAG end here: the first range test was readable, a zoom re-test was needed, the prodigy_step
+LR finder read the step size a Prodigy run ended on (rangefinder.steps.prodigy_step_size; the bounds collapse onto
+it), or a person fixed the LR (no discovery; the bounds collapse onto that LR), or an LR-free training.optimizer
+(Prodigy) made discovery moot: it trains at its own LR multiplier (1.0 unless set). The step checks the numbers and
+writes the decision down, with the reason discovery was skipped.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Optional
 from rangefinder.config import LR_FREE_OPTIMIZERS, RangefinderConfig
 from rangefinder.errors import RangefinderError
 
-SOURCES = ("range-test", "zoom", "fixed")
+SOURCES = ("range-test", "zoom", "prodigy-step", "fixed")
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,9 @@ class ChosenLR:
 
 
 def run_choose_lr(cfg: RangefinderConfig, *, source: str, lr_low: float, lr_high: float, lr_mid: float,
-                  decision_path: Optional[Path] = None) -> ChosenLR:
+                  decision_path: Optional[Path] = None, updates: int = 0) -> ChosenLR:
+    """The bounds checked, and the decision written to `decision_path`. `updates`: the prodigy-step source's run
+    length, for the decision's text (0: not said)."""
     if source not in SOURCES:
         raise RangefinderError(f"choose_lr source must be one of {', '.join(SOURCES)} (got {source!r})")
     for name, v in (("lr_low", lr_low), ("lr_high", lr_high), ("lr_mid", lr_mid)):
@@ -37,14 +40,24 @@ def run_choose_lr(cfg: RangefinderConfig, *, source: str, lr_low: float, lr_high
     if not lr_low <= lr_mid <= lr_high:
         raise RangefinderError(f"the bounds from the {source} step are out of order: "
                                f"lr_low {lr_low:g}, lr_mid {lr_mid:g}, lr_high {lr_high:g}")
+    if source == "prodigy-step" and not lr_low == lr_mid == lr_high:
+        raise RangefinderError(f"the prodigy-step source gives one LR, the step size, as lr_low, lr_mid and lr_high "
+                               f"(got {lr_low:g}, {lr_mid:g}, {lr_high:g}); pass the step size as all three")
     chosen = ChosenLR(float(lr_low), float(lr_high), float(lr_mid), source)
     if decision_path is not None:
+        run = f", {updates} updates" if updates else ""
         why = {"range-test": "read off the LR range test", "zoom": "read off the zoomed (second) LR range test",
-               "fixed": skipped_because(cfg) or "fixed by hand; discovery skipped"}[source]
+               "prodigy-step": f"read off a Prodigy run's final step size d x lr = {lr_mid:.3g}{run} "
+                               "(lr_finder: prodigy_step)",
+               "fixed": skipped_because(cfg) or (f"fixed by hand; discovery skipped (lr_finder {cfg.lr_finder} "
+                                                 "has nothing to measure)")}[source]
+        # Bounds collapsed onto one LR: the fine-tune's spec trains it constant, and halving has nothing to race.
+        how = ("one constant LR, no successive halving" if lr_low == lr_high
+               else f"{cfg.finetune.schedule} schedule")
         Path(decision_path).write_text(
             "# Learning rate\n\n| lr_low | lr_mid | lr_high | source |\n|---|---|---|---|\n"
             f"| {lr_low:.3g} | {lr_mid:.3g} | {lr_high:.3g} | {why} |\n"
-            f"\nThe fine-tune trains at lr_mid ({cfg.finetune.schedule} schedule).\n"
+            f"\nThe fine-tune trains at lr_mid ({how}).\n"
         )
     return chosen
 
@@ -57,4 +70,5 @@ def skipped_because(cfg: RangefinderConfig) -> Optional[str]:
     if optimizer not in LR_FREE_OPTIMIZERS or cfg.lr is not None:
         return None
     return (f"training.optimizer {optimizer} is LR-free (it estimates its own step size, logged as lr_effective): "
-            f"range test skipped; one constant run at its lr multiplier {cfg.pipeline_lr():g}, no halving")
+            f"range test skipped (lr_finder {cfg.lr_finder} has nothing to measure); one constant run at its lr "
+            f"multiplier {cfg.pipeline_lr():g}, no halving")

@@ -30,6 +30,7 @@ PARAMETER_FIELDS: dict[str, str] = {
     "base_model": "model.base_model",
     "base_model_revision": "model.revision",
     "method": "training.method",
+    "lr_finder": "lr_finder",
     "resolution": "data.resolution",
     "batch_size": "training.batch_size",
     "grad_accum": "training.grad_accum",
@@ -123,6 +124,7 @@ def config_from_parameters(base_config: str = "", **params: Any) -> RangefinderC
 class ResolvedConfig:
     config_json: str  # the whole validated config, handed to every later step
     fixed_lr: float  # 0.0: discover the LR (the DAG's condition needs a number, not None)
+    lr_finder: str  # how discovery measures it: range_test or prodigy_step (auto resolved for the method)
     retrain: bool
     mlflow_parent_run_id: str  # "" when tracking is off
 
@@ -135,6 +137,8 @@ def run_resolve_config(base_config: str = "", *, pipeline_job_id: str = "", pipe
     return ResolvedConfig(
         config_json=cfg.model_dump_json(),
         fixed_lr=float(cfg.pipeline_lr() or 0.0),  # an LR-free optimizer skips discovery too
+        # Resolved here, at run time, so auto follows the method a person sets in the UI.
+        lr_finder=cfg.lr_finder_for_method(),
         retrain=bool(cfg.retrain.enabled),
         mlflow_parent_run_id=parent,
     )

@@ -2,7 +2,8 @@
 
 - adamw: torch AdamW (fused where the build has it), with training.adam_beta1/2, adam_epsilon and weight_decay;
 - adamw8bit: bitsandbytes AdamW8bit with the same settings (CUDA only);
-- prodigy: prodigyopt's Prodigy (LR-free: it estimates the step size d; the LR multiplies it, 1.0 by default);
+- prodigy: prodigyopt's Prodigy (LR-free: it estimates the step size d; the LR multiplies it, 1.0 by default),
+  with training.prodigy's arguments (unset: the package's defaults);
 - prodigy_schedule_free: prodigy-plus-schedule-free's ProdigyPlusScheduleFree (LR-free and schedule-free);
 - adamw_schedule_free: schedulefree's AdamWScheduleFree (schedule-free: a constant LR, weights averaged);
 - adafactor: transformers' Adafactor, with relative_step, scale_parameter and warmup_init off so that the run's LR
@@ -24,9 +25,15 @@ import torch
 from rangefinder.config import TrainingConfig
 from rangefinder.errors import ConfigError
 
-# The pip package each optional optimizer needs (extra `optimizers`: pip install 'rangefinder[optimizers]').
+# The pip package each optimizer but adamw and adafactor needs: prodigyopt is a dependency of rangefinder (the
+# prodigy_step LR finder trains with it); the others come with the extra `optimizers` (pip install
+# 'rangefinder[optimizers]'), bitsandbytes with `cuda`.
 PACKAGES = {"prodigy": "prodigyopt", "prodigy_schedule_free": "prodigy-plus-schedule-free",
             "adamw_schedule_free": "schedulefree", "adamw8bit": "bitsandbytes"}
+# Prodigy as diffusers' advanced_diffusion_training README recommends it (lr 1.0, the constant schedule, these
+# arguments): what the prodigy_step LR finder trains with (rangefinder.steps.prodigy_step_size), as training.prodigy.
+PRODIGY_SETTINGS: dict[str, Any] = {"betas": (0.9, 0.99), "weight_decay": 0.01, "use_bias_correction": True,
+                                    "safeguard_warmup": True}
 
 
 def check_optimizer(cfg: TrainingConfig, cuda: bool) -> None:
@@ -52,7 +59,7 @@ def make_optimizer(cfg: TrainingConfig, groups: list[dict], lr: float) -> torch.
         except (RuntimeError, TypeError, ValueError):
             return torch.optim.AdamW(groups, **kwargs)
     if name == "prodigy":
-        return _package(name, "prodigyopt", "'rangefinder[optimizers]'").Prodigy(groups, lr=lr)
+        return require_prodigy(f"training.optimizer {name}").Prodigy(groups, lr=lr, **cfg.prodigy.kwargs())
     if name == "prodigy_schedule_free":
         plus = _package(name, "prodigyplus", "'rangefinder[optimizers]'")
         return plus.ProdigyPlusScheduleFree(groups, lr=lr)
@@ -77,6 +84,18 @@ def effective_lr(name: str, optimizer: Any) -> float:
     if name == "adamw_schedule_free":
         return float(group.get("scheduled_lr") or group["lr"])
     return float(group["lr"])
+
+
+def require_prodigy(wanted_by: str, instead: str = "choose training.optimizer: adamw") -> Any:
+    """The prodigyopt module; ConfigError naming what needs it (`wanted_by`) and the fix when this install lacks it
+    (it is a dependency of rangefinder, so only a broken or partial install does)."""
+    import importlib
+
+    try:
+        return importlib.import_module("prodigyopt")
+    except ImportError:
+        raise ConfigError(f"{wanted_by} needs the prodigyopt package, a dependency of rangefinder missing from this "
+                          f"install: pip install prodigyopt (or reinstall rangefinder), or {instead}") from None
 
 
 def _package(name: str, module: str, extra: str) -> Any:

@@ -1,0 +1,71 @@
+"""The prodigy_step LR finder's reading: the step size a Prodigy run ended on, as the LR to fine-tune at.
+
+Prodigy (Mishchenko & Defazio 2023) estimates the distance to the solution, d, and steps with d x lr; at lr 1.0 its
+final d x lr is its own estimate of the LR for this data and model. The engine logs it per update as `lr_effective`
+(updates.csv). numpy only, like the rest of `analysis`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+from rangefinder.errors import RangefinderError
+
+
+@dataclass(frozen=True)
+class ProdigyStep:
+    step_size: float  # d x lr at the run's last update: the LR the fine-tune trains at
+    lr: float  # Prodigy's lr, the multiplier of d (1.0)
+    updates: int  # the updates the run took
+    epochs: Optional[float]  # the epochs they came to
+    base_val_loss: Optional[float]  # validation loss at update 0 (the base model)
+    best_val_loss: Optional[float]  # the lowest validation loss of the run, and its update
+    best_update: Optional[int]
+    final_val_loss: Optional[float]  # at the last validation
+
+    @property
+    def d(self) -> float:
+        """Prodigy's final estimate d (the step size over the multiplier)."""
+        return self.step_size / self.lr
+
+    def headline(self) -> str:
+        """The decision in a sentence (the report's lead, the step run's description in MLflow)."""
+        return (f"Fine-tune at lr {self.step_size:.3g}: the step size d x lr a Prodigy run ended on after "
+                f"{self.updates} updates (d = {self.d:.3g}, lr {self.lr:g}).")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "d": self.d}
+
+
+def read_prodigy_step(updates: dict[str, np.ndarray], curve: Optional[dict[str, np.ndarray]],
+                      lr: float) -> ProdigyStep:
+    """The reading from the run's updates.csv (`updates`: its columns, update and lr_effective among them) and its
+    validation curve (metrics.csv's columns, or None without validation); RangefinderError when the last step size
+    is not a positive number (no update was taken, or Prodigy's estimate broke down)."""
+    steps = np.asarray(updates.get("lr_effective", ()), dtype=float)
+    if steps.size == 0:
+        raise RangefinderError("the Prodigy run took no update, so it has no step size to read; give the fine-tune "
+                               "at least one update (finetune.epochs), or set lr_finder: range_test")
+    step_size = float(steps[-1])
+    if not (math.isfinite(step_size) and step_size > 0):
+        raise RangefinderError(f"the Prodigy run ended on step size {step_size!r}, not a positive learning rate; "
+                               "set lr_finder: range_test, or a fixed lr")
+    epoch = updates.get("epoch")
+    base = best = final = None
+    best_update = None
+    if curve is not None and len(curve.get("val_loss", ())):
+        val = np.asarray(curve["val_loss"], dtype=float)
+        at = np.asarray(curve["update"], dtype=float)
+        ok = np.isfinite(val)
+        if ok.any():
+            i = int(np.argmin(np.where(ok, val, np.inf)))
+            best, best_update = float(val[i]), int(at[i])
+            final = float(val[ok][-1])
+            base = float(val[0]) if at[0] == 0 and ok[0] else None
+    return ProdigyStep(step_size=step_size, lr=float(lr), updates=int(np.asarray(updates["update"])[-1]),
+                       epochs=float(epoch[-1]) if epoch is not None and len(epoch) else None, base_val_loss=base,
+                       best_val_loss=best, best_update=best_update, final_val_loss=final)

@@ -1,0 +1,134 @@
+"""Step `prodigy_step_size`: the prodigy_step LR finder, the LR read off the step size a Prodigy run ends on.
+
+Prodigy is LR-free: it estimates its own step size, d x lr, as it trains. This step trains the fine-tune's run with
+Prodigy at lr 1.0 and the arguments diffusers' advanced_diffusion_training README recommends
+(training.optimizers.PRODIGY_SETTINGS): the fine-tune's length (finetune.epochs), seed, data order and validation, a
+constant schedule, and none of what the fine-tune step adds after its run (successive halving, cooldown, window
+average, samples): a plain run, a probe. Its training is exactly that of a fine-tune with `training.optimizer:
+prodigy` and `training.prodigy` set to those arguments. The step size at its last update (the last `lr_effective`
+of its updates.csv) is the LR: choose_lr takes it as lr_low = lr_mid = lr_high (source "prodigy-step"), and the
+fine-tune trains that one constant LR with the run's own optimizer (AdamW by default).
+
+The probe's weights are not kept: its output is a number, the report and the curves. It checkpoints as the fine-tune
+does, one checkpoint at a time, so a retried pod goes on from where the preempted one stopped.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Optional
+
+from rangefinder.analysis.prodigy_step import ProdigyStep
+from rangefinder.config import LR_FREE_LR, RangefinderConfig, TrainingConfig, resolve_mixed_precision
+from rangefinder.errors import RangefinderError
+from rangefinder.formats import checkpoints
+from rangefinder.formats.atomic import write_json
+from rangefinder.launch.processes import batch_note, run_training, step_world_size
+from rangefinder.steps.workdir import publish, work_dir
+
+STEP = "prodigy_step_size"
+SOURCE = "prodigy-step"  # choose_lr's source for this finder
+
+
+@dataclass
+class ProdigyStepResult:
+    reading: ProdigyStep  # the step size read, and what the report shows of the run
+    curve_csv: Path  # metrics.csv: the validation curve
+    updates_csv: Path  # updates.csv: lr_effective (d x lr) per update
+    reading_json: Path
+
+    @property
+    def lr(self) -> float:
+        return self.reading.step_size
+
+    def metrics(self) -> dict[str, float]:
+        out = {"lr_prodigy_step": self.reading.step_size, "prodigy_d": self.reading.d,
+               "updates": float(self.reading.updates)}
+        if self.reading.best_val_loss is not None:
+            out["best_val_loss"] = self.reading.best_val_loss
+        return out
+
+
+def probe_config(cfg: RangefinderConfig) -> RangefinderConfig:
+    """`cfg` as the probe trains it: training.optimizer prodigy with PRODIGY_SETTINGS (training.prodigy) at lr 1.0,
+    no LR scaling; the fine-tune's constant schedule without successive halving, cooldown or window average; no samples
+    during training. Everything else (seed, batch, length, validation, precision) is the fine-tune's."""
+    from rangefinder.training.optimizers import PRODIGY_SETTINGS
+
+    raw = cfg.model_dump()
+    raw["training"].update(optimizer="prodigy", prodigy=dict(PRODIGY_SETTINGS), lr=LR_FREE_LR, scale_lr="none")
+    raw["finetune"].update(schedule="constant", successive_halving=False, halving_below_margin=None, cooldown="off",
+                           average="off", soup_tries=0)
+    raw["sampling"]["every_validations"] = None
+    # An LR-free optimizer discovers nothing: the range test's bounds (refused beside prodigy_step) and a fixed LR go.
+    raw["lr_range_test"].update(lr_min=None, lr_max=None)
+    raw["lr"] = None
+    return RangefinderConfig.model_validate(raw)
+
+
+def run_prodigy_step_size(
+    cfg: RangefinderConfig,
+    *,
+    split_dir: Path,
+    out_dir: Path,
+    report_html: Optional[Path] = None,
+    report_md: Optional[Path] = None,
+    mlflow_parent_run_id: Optional[str] = None,
+) -> ProdigyStepResult:
+    """Train the probe, read its last step size, report; RangefinderError when it diverged or read no step size."""
+    from rangefinder import tracking
+    from rangefinder.analysis import copy_report, read_curve_csv, read_prodigy_step, write_prodigy_report
+    from rangefinder.data.split import read_split
+    from rangefinder.training.optimizers import require_prodigy
+    from rangefinder.training.spec import TrainSpec
+
+    require_prodigy("lr_finder prodigy_step", instead="set lr_finder: range_test")
+    probe = probe_config(cfg)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    split = read_split(split_dir)
+    spec = TrainSpec.finetune(probe, split, bounds=(LR_FREE_LR, LR_FREE_LR), lr=LR_FREE_LR,
+                              world_size=step_world_size(probe))
+    # One checkpoint at a time (for a retried pod): the probe's weights are never read, so none is kept for a window.
+    spec = replace(spec, training=TrainingConfig.model_validate({**spec.training.model_dump(), "keep_checkpoints": 1}))
+    tc = spec.training
+    with tracking.step_run(cfg, STEP, parent_run_id=mlflow_parent_run_id) as run:
+        precision = resolve_mixed_precision(tc.mixed_precision)
+        run.log_config(probe, plan=spec.plan,
+                       extra={"lr_finder": "prodigy_step", "lr_source": SOURCE,
+                              "training.mixed_precision_used": precision})
+        run.log_dataset_manifest(split_dir)
+        work = work_dir(out_dir / "run", f"{mlflow_parent_run_id}/{STEP}" if mlflow_parent_run_id else None)
+        result = run_training(probe, spec, out_dir=work, metric_sink=run, save_final=False, step_name=STEP,
+                              split=split)
+        if result.status == "diverged":
+            raise RangefinderError(f"the Prodigy run of the prodigy_step LR finder diverged (its loss stopped being "
+                                   f"finite by update {result.updates}), so it has no step size to read; set "
+                                   f"lr_finder: range_test, or a fixed lr. Its curve: {result.metrics_csv}")
+        shutil.rmtree(work / checkpoints.RUN_DIR, ignore_errors=True)  # a finished probe is not resumed
+        publish(work, out_dir / "run")
+        updates = read_curve_csv(result.updates_csv, required=("update", "lr_effective"))
+        curve = result.curve_arrays()
+        reading = read_prodigy_step(updates, curve, LR_FREE_LR)
+        report = write_prodigy_report(reading, updates, curve, out_dir / "report",
+                                      source=f"{result.updates_csv}; {batch_note(tc)}",
+                                      plan_warnings=spec.plan.warnings if spec.plan is not None else (),
+                                      validation_weighting=result.validation_weighting())
+        copy_report(report, report_html, report_md)
+        decision: dict[str, Any] = {**reading.to_dict(), "lr_source": SOURCE, "prodigy_settings": tc.prodigy.kwargs(),
+                                    "curve_csv": str(result.metrics_csv), "updates_csv": str(result.updates_csv),
+                                    "world_size": tc.world_size, "model_family": result.family}
+        reading_json = out_dir / "prodigy_step.json"
+        write_json(reading_json, decision)
+        run.log_artifact(result.metrics_csv, "curves")
+        run.log_artifact(result.updates_csv, "curves")
+        run.log_artifact(reading_json, "analysis")
+        run.log_artifact(out_dir / "report", "report")
+        # On this run only, as the range tests keep their readings: the parent shows choose_lr's decision.
+        run.log_decisions({"lr_prodigy_step": reading.step_size, "prodigy_d": reading.d, "updates": reading.updates,
+                           "best_val_loss": reading.best_val_loss, "lr_source": SOURCE}, to_parent=False)
+        run.describe(reading.headline())
+    return ProdigyStepResult(reading=reading, curve_csv=result.metrics_csv, updates_csv=result.updates_csv,
+                             reading_json=reading_json)

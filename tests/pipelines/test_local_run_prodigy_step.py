@@ -1,0 +1,55 @@
+"""The DAG's prodigy_step branch through kfp.local (the same DAG `rangefinder run --local` runs), on the smallest
+whole-run settings (tests/pipelines/tiny_run.py): the Prodigy run's step size becomes the one LR the fine-tune trains
+at, and every step of the branch logs to MLflow under the pipeline's run."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+
+from tests.pipelines.tiny_run import tiny_config
+
+pytestmark = pytest.mark.slow
+
+
+def test_lr_finder_prodigy_step_runs_the_prodigy_branch_and_fine_tunes_at_its_step_size(
+        tmp_path, shapes_dataset_dir, tiny_model_dir, monkeypatch):
+    from rangefinder.analysis import read_curve_csv
+    from rangefinder.pipelines.local_run import run_pipeline_locally
+    from tests.mlflow_store import seed
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    cfg = tiny_config(shapes_dataset_dir, tiny_model_dir, lr_finder="prodigy_step",
+                      lr_range_test={"lr_min": None, "lr_max": None})
+    seed(tmp_path / "mlflow.db")  # the run's default store, migrated: its first step skips MLflow's migrations
+    run = run_pipeline_locally(cfg, tmp_path, quiet=True)
+    s = run.summary()
+
+    probe = run.task("prodigy-step-size")
+    assert probe and not run.task("lr-range-test"), sorted(run.outputs)
+    step_size = run.outputs[probe]["lr"]
+    updates = read_curve_csv(next(run.run_dir.glob(f"**/{probe}/curve/run/updates.csv")), required=("lr_effective",))
+    assert step_size == updates["lr_effective"][-1] and run.outputs[probe]["updates"] == len(updates["update"]) == 8
+    # choose-lr collapsed the bounds onto it; the fine-tune trained that one LR (no halving) and it was registered.
+    assert (s["lr_source"], s["lr_low"], s["lr_mid"], s["lr_high"]) == ("prodigy-step", step_size, step_size,
+                                                                        step_size)
+    assert s["lr_used"] == step_size and s["halving_kept"] is None
+    assert s["registered_model"] == "models:/rangefinder-sd/1"
+    reports = {p.name for p in run.reports}
+    assert {"prodigy-step-size.html", "prodigy-step-size.md", "choose-lr-decision.md"} <= reports, reports
+    decision = next(p for p in run.reports if p.name == "choose-lr-decision.md").read_text()
+    assert "read off a Prodigy run's final step size d x lr" in decision and "8 updates" in decision
+
+    with sqlite3.connect(tmp_path / "mlflow.db") as con:
+        runs = dict(con.execute("select name, status from runs").fetchall())
+        (parent,) = [n for n in runs if n.startswith("rangefinder-")]
+        nested = dict(con.execute(
+            "select r.name, t.value from runs r join tags t on t.run_uuid = r.run_uuid "
+            "where t.key = 'mlflow.parentRunId'").fetchall())
+        (finder_param,) = con.execute("select p.value from params p join runs r on p.run_uuid = r.run_uuid "
+                                      "where r.name = 'prodigy_step_size' and p.key = 'lr_finder'").fetchone()
+    assert runs["prodigy_step_size"] == runs["finetune"] == runs[parent] == "FINISHED", runs
+    assert "lr_range_test" not in runs and finder_param == "prodigy_step"
+    assert nested["prodigy_step_size"] == nested["finetune"]  # both children of the pipeline's run

@@ -1,0 +1,102 @@
+"""The prodigy_step LR finder's step (steps/prodigy_step_size.py): a real Prodigy run on the tiny model whose last
+step size is the LR, trained exactly as a fine-tune with training.optimizer prodigy and diffusers' settings, and
+logged to MLflow as a child of the pipeline's run."""
+
+from __future__ import annotations
+
+import pytest
+
+from rangefinder.analysis import read_curve_csv
+from rangefinder.config import demo_config
+from rangefinder.training.optimizers import PRODIGY_SETTINGS
+from tests.tracking.fixtures import without_mlflow_run_env
+
+# 1 epoch of 16 images at batch 4: 4 updates, validated every 2 (3 points, for the fine-tune's window).
+FINETUNE = {"epochs": 1, "average": "off"}
+
+
+def _config(tiny_model_dir, tmp, training=None, **extra):
+    tmp.mkdir(parents=True, exist_ok=True)
+    return demo_config(model={"base_model": str(tiny_model_dir)}, finetune=FINETUNE,
+                       training={"cache_dir": str(tmp / "cache"), **(training or {})},
+                       sampling={"every_validations": None}, validation={"every_epochs": 0.5},
+                       tracking={"tracking_uri": f"sqlite:///{tmp / 'mlflow.db'}", "experiment_name": "prodigy-step",
+                                 "registered_model_name": None},
+                       lr_range_test={"lr_min": None, "lr_max": None}, **extra)
+
+
+@pytest.fixture(scope="module")
+def probed(split_dir, tiny_model_dir, tmp_path_factory):
+    """The step on the tiny model (full fine-tuning), under an MLflow parent run as the pipeline opens one."""
+    from rangefinder import tracking
+    from rangefinder.steps.prodigy_step_size import run_prodigy_step_size
+
+    tmp = tmp_path_factory.mktemp("prodigy-step")
+    with without_mlflow_run_env():
+        cfg = _config(tiny_model_dir, tmp, lr_finder="prodigy_step")
+        parent = tracking.ensure_parent_run(cfg, name="pipeline", kfp_run_id="kfp-prodigy-step")
+        result = run_prodigy_step_size(cfg, split_dir=split_dir, out_dir=tmp / "probe",
+                                       report_html=tmp / "report.html", report_md=tmp / "report.md",
+                                       mlflow_parent_run_id=parent)
+    return cfg, tmp, parent, result
+
+
+def test_the_lr_is_the_last_step_size_of_a_prodigy_fine_tune_bit_for_bit(probed, split_dir, tiny_model_dir):
+    """The step's LR is the last lr_effective its real Prodigy run logged, and that run is the fine-tune a user gets
+    with training.optimizer prodigy and PRODIGY_SETTINGS: the same step sizes and validation losses, bit for bit."""
+    from rangefinder.steps.finetune import run_finetune
+
+    cfg, tmp, _, result = probed
+    updates = read_curve_csv(result.updates_csv, required=("lr_effective",))
+    assert len(updates["update"]) == result.reading.updates == 4
+    assert result.lr == updates["lr_effective"][-1] == result.reading.step_size
+    assert result.reading.d == result.lr  # at Prodigy's lr 1.0, d x lr is d
+    assert result.lr < 1.0  # the step size d x lr, not the lr the run was given
+
+    with without_mlflow_run_env():
+        plain = _config(tiny_model_dir, tmp / "plain", training={"optimizer": "prodigy", "prodigy": PRODIGY_SETTINGS})
+        assert plain.pipeline_lr() == 1.0  # the pipeline's fixed branch: one constant run at lr 1.0
+        tuned = run_finetune(plain, split_dir=split_dir, lr_low=1.0, lr_high=1.0, lr_mid=1.0, lr_source="fixed",
+                             model_dir=tmp / "plain" / "ft")
+    theirs = read_curve_csv(tmp / "plain" / "ft" / "updates.csv", required=("lr_effective",))
+    assert theirs["lr_effective"].tolist() == updates["lr_effective"].tolist()
+    assert theirs["lr_effective"][-1] == result.lr
+    mine = read_curve_csv(result.curve_csv)
+    assert read_curve_csv(tuned.curve_csv)["val_loss"].tolist() == mine["val_loss"].tolist()
+    assert result.reading.best_val_loss == min(mine["val_loss"].tolist())
+
+
+def test_logged_as_a_child_run_of_the_pipeline_like_the_range_test(probed):
+    from mlflow import MlflowClient
+
+    cfg, tmp, parent, result = probed
+    client = MlflowClient(cfg.tracking.tracking_uri)
+    exp = client.get_experiment_by_name("prodigy-step").experiment_id
+    (run,) = client.search_runs([exp], filter_string="tags.`rangefinder.step` = 'prodigy_step_size'")
+    assert run.data.tags["mlflow.parentRunId"] == parent
+    history = client.get_metric_history(run.info.run_id, "lr_effective")
+    assert sorted((m.step, m.value) for m in history)[-1] == (4, result.lr)
+    assert run.data.params["training.optimizer"] == "prodigy" and run.data.params["lr_source"] == "prodigy-step"
+    assert run.data.tags["lr_source"] == "prodigy-step" and float(run.data.tags["lr_prodigy_step"]) == \
+        pytest.approx(result.lr, rel=1e-3)
+    assert run.data.metrics["prodigy_d"] == result.reading.d
+    # The parent shows choose_lr's decision, not the probe's reading.
+    assert "lr_prodigy_step" not in client.get_run(parent).data.tags
+    # The report a person reads says where the LR came from; the probe's weights are not kept.
+    assert f"{result.lr:.3g}" in (tmp / "report.md").read_text() and "d x lr" in (tmp / "report.md").read_text()
+    assert (tmp / "report.html").read_text().startswith("<!DOCTYPE html>")
+    assert not list((tmp / "probe").rglob("checkpoint-*"))
+
+
+@pytest.mark.parametrize("steps, match", [([], "took no update"), ([1e-6, float("nan")], "not a positive"),
+                                          ([1e-6, 0.0], "not a positive")])
+def test_no_usable_step_size_is_one_error_naming_the_fix(steps, match):
+    import numpy as np
+
+    from rangefinder.analysis import read_prodigy_step
+    from rangefinder.errors import RangefinderError
+
+    updates = {"update": np.arange(1, len(steps) + 1, dtype=float), "lr_effective": np.asarray(steps, dtype=float)}
+    with pytest.raises(RangefinderError, match=match) as err:
+        read_prodigy_step(updates, None, 1.0)
+    assert "lr_finder: range_test" in str(err.value) and "\n" not in str(err.value)
