@@ -108,18 +108,24 @@ def train_fixed_lr(cfg, split_dir: Path, lr: float, out: Path) -> dict[str, Any]
 
 
 def discover(cfg, split_dir: Path, out: Path) -> dict[str, Any]:
-    """The pipeline's discovery: range test (-> zoom) -> choose LR -> constant fine-tune at the midpoint."""
+    """The pipeline's discovery: range test (-> zoom), or the prodigy_step LR finder where the config resolves to it
+    (lr_finder), -> choose LR -> constant fine-tune at the midpoint."""
     from rangefinder.steps.choose_lr import run_choose_lr
     from rangefinder.steps.finetune import run_finetune
 
     res: dict[str, Any] = {"updates": 0, "seconds": 0.0, "range_tests": []}
     t0 = time.perf_counter()
-    tests = range_tests(cfg, split_dir, out, res)
-    if not tests:
-        return res
-    used = tests[-1]
-    chosen = run_choose_lr(cfg, source="zoom" if used.stage == "zoom" else "range-test", lr_low=used.lr_low,
-                           lr_high=used.lr_high, lr_mid=used.lr_mid)
+    if cfg.pipeline_lr() is None and cfg.lr_finder_for_method() == "prodigy_step":
+        chosen = prodigy_step(cfg, split_dir, out, res)
+        if chosen is None:
+            return res
+    else:
+        tests = range_tests(cfg, split_dir, out, res)
+        if not tests:
+            return res
+        used = tests[-1]
+        chosen = run_choose_lr(cfg, source="zoom" if used.stage == "zoom" else "range-test", lr_low=used.lr_low,
+                               lr_high=used.lr_high, lr_mid=used.lr_mid)
     ft = run_finetune(cfg, split_dir=split_dir, lr_low=chosen.lr_low, lr_high=chosen.lr_high, lr_mid=chosen.lr_mid,
                       lr_source=chosen.source, model_dir=out / "finetune")
     res["seconds"] = time.perf_counter() - t0
@@ -140,6 +146,26 @@ def discover(cfg, split_dir: Path, out: Path) -> dict[str, Any]:
         **curve_stats(ft.curve_csv, ft.recommended_updates),
     )
     return res
+
+
+def prodigy_step(cfg, split_dir: Path, out: Path, res: dict[str, Any]):
+    """The prodigy_step LR finder as the pipeline runs it (rangefinder.steps.prodigy_step_size) under `out`: choose_lr's
+    decision on its step size, its reading and updates added to `res` ("prodigy_step", "updates"). None when it gave
+    no step size (`res` says status failed and why)."""
+    from rangefinder.errors import RangefinderError
+    from rangefinder.steps.choose_lr import run_choose_lr
+    from rangefinder.steps.prodigy_step_size import SOURCE, run_prodigy_step_size
+
+    t0 = time.perf_counter()
+    try:
+        step = run_prodigy_step_size(cfg, split_dir=split_dir, out_dir=out / "prodigy-step")
+    except RangefinderError as e:
+        res.update(status="failed", error=str(e), seconds=res.get("seconds", 0.0) + time.perf_counter() - t0)
+        return None
+    res["prodigy_step"] = step.reading.to_dict()
+    res["updates"] += int(step.reading.updates)
+    shutil.rmtree(out / "prodigy-step", ignore_errors=True)
+    return run_choose_lr(cfg, source=SOURCE, lr_low=step.lr, lr_high=step.lr, lr_mid=step.lr)
 
 
 def range_tests(cfg, split_dir: Path, out: Path, res: dict[str, Any]) -> list[Any]:

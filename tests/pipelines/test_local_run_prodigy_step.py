@@ -21,8 +21,9 @@ def test_lr_finder_prodigy_step_runs_the_prodigy_branch_and_fine_tunes_at_its_st
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    # 3 epochs (12 updates): long enough for Prodigy's d to grow from d0 (at update 9 here), as it must to be read.
     cfg = tiny_config(shapes_dataset_dir, tiny_model_dir, lr_finder="prodigy_step",
-                      lr_range_test={"lr_min": None, "lr_max": None})
+                      lr_range_test={"lr_min": None, "lr_max": None}, finetune={"epochs": 3})
     seed(tmp_path / "mlflow.db")  # the run's default store, migrated: its first step skips MLflow's migrations
     run = run_pipeline_locally(cfg, tmp_path, quiet=True)
     s = run.summary()
@@ -31,7 +32,7 @@ def test_lr_finder_prodigy_step_runs_the_prodigy_branch_and_fine_tunes_at_its_st
     assert probe and not run.task("lr-range-test"), sorted(run.outputs)
     step_size = run.outputs[probe]["lr"]
     updates = read_curve_csv(next(run.run_dir.glob(f"**/{probe}/curve/run/updates.csv")), required=("lr_effective",))
-    assert step_size == updates["lr_effective"][-1] and run.outputs[probe]["updates"] == len(updates["update"]) == 8
+    assert step_size == updates["lr_effective"][-1] and run.outputs[probe]["updates"] == len(updates["update"]) == 12
     # choose-lr collapsed the bounds onto it; the fine-tune trained that one LR (no halving) and it was registered.
     assert (s["lr_source"], s["lr_low"], s["lr_mid"], s["lr_high"]) == ("prodigy-step", step_size, step_size,
                                                                         step_size)
@@ -40,7 +41,7 @@ def test_lr_finder_prodigy_step_runs_the_prodigy_branch_and_fine_tunes_at_its_st
     reports = {p.name for p in run.reports}
     assert {"prodigy-step-size.html", "prodigy-step-size.md", "choose-lr-decision.md"} <= reports, reports
     decision = next(p for p in run.reports if p.name == "choose-lr-decision.md").read_text()
-    assert "read off a Prodigy run's final step size d x lr" in decision and "8 updates" in decision
+    assert "read off a Prodigy run's final step size d x lr" in decision and "12 updates" in decision
 
     with sqlite3.connect(tmp_path / "mlflow.db") as con:
         runs = dict(con.execute("select name, status from runs").fetchall())

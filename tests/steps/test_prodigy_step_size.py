@@ -11,8 +11,9 @@ from rangefinder.config import demo_config
 from rangefinder.training.optimizers import PRODIGY_SETTINGS
 from tests.tracking.fixtures import without_mlflow_run_env
 
-# 1 epoch of 16 images at batch 4: 4 updates, validated every 2 (3 points, for the fine-tune's window).
-FINETUNE = {"epochs": 1, "average": "off"}
+# 3 epochs of 16 images at batch 4: 12 updates, validated every 2. Prodigy's d first grows at update 9 here; a
+# shorter run ends on d0 and measures nothing (the error below).
+FINETUNE = {"epochs": 3, "average": "off"}
 
 
 def _config(tiny_model_dir, tmp, training=None, **extra):
@@ -48,10 +49,10 @@ def test_the_lr_is_the_last_step_size_of_a_prodigy_fine_tune_bit_for_bit(probed,
 
     cfg, tmp, _, result = probed
     updates = read_curve_csv(result.updates_csv, required=("lr_effective",))
-    assert len(updates["update"]) == result.reading.updates == 4
+    assert len(updates["update"]) == result.reading.updates == 12
     assert result.lr == updates["lr_effective"][-1] == result.reading.step_size
     assert result.reading.d == result.lr  # at Prodigy's lr 1.0, d x lr is d
-    assert result.lr < 1.0  # the step size d x lr, not the lr the run was given
+    assert 1e-6 < result.lr < 1.0  # the step size d x lr, grown from d0, not the lr the run was given
 
     with without_mlflow_run_env():
         plain = _config(tiny_model_dir, tmp / "plain", training={"optimizer": "prodigy", "prodigy": PRODIGY_SETTINGS})
@@ -75,7 +76,7 @@ def test_logged_as_a_child_run_of_the_pipeline_like_the_range_test(probed):
     (run,) = client.search_runs([exp], filter_string="tags.`rangefinder.step` = 'prodigy_step_size'")
     assert run.data.tags["mlflow.parentRunId"] == parent
     history = client.get_metric_history(run.info.run_id, "lr_effective")
-    assert sorted((m.step, m.value) for m in history)[-1] == (4, result.lr)
+    assert sorted((m.step, m.value) for m in history)[-1] == (12, result.lr)
     assert run.data.params["training.optimizer"] == "prodigy" and run.data.params["lr_source"] == "prodigy-step"
     assert run.data.tags["lr_source"] == "prodigy-step" and float(run.data.tags["lr_prodigy_step"]) == \
         pytest.approx(result.lr, rel=1e-3)
@@ -89,7 +90,7 @@ def test_logged_as_a_child_run_of_the_pipeline_like_the_range_test(probed):
 
 
 @pytest.mark.parametrize("steps, match", [([], "took no update"), ([1e-6, float("nan")], "not a positive"),
-                                          ([1e-6, 0.0], "not a positive")])
+                                          ([1e-6, 0.0], "not a positive"), ([1e-6] * 8, "never grew")])
 def test_no_usable_step_size_is_one_error_naming_the_fix(steps, match):
     import numpy as np
 

@@ -15,6 +15,10 @@ import numpy as np
 
 from rangefinder.errors import RangefinderError
 
+# prodigyopt's default d0, the estimate d starts from. d only grows, and it takes Prodigy tens of updates to move it
+# (on the tiny model, the first growth comes at update 9): a run that ends on d0 has measured nothing.
+PRODIGY_D0 = 1e-6
+
 
 @dataclass(frozen=True)
 class ProdigyStep:
@@ -45,7 +49,8 @@ def read_prodigy_step(updates: dict[str, np.ndarray], curve: Optional[dict[str, 
                       lr: float) -> ProdigyStep:
     """The reading from the run's updates.csv (`updates`: its columns, update and lr_effective among them) and its
     validation curve (metrics.csv's columns, or None without validation); RangefinderError when the last step size
-    is not a positive number (no update was taken, or Prodigy's estimate broke down)."""
+    is not a positive number (no update was taken, or Prodigy's estimate broke down), or never left d0 (the run
+    was too short for Prodigy to estimate anything)."""
     steps = np.asarray(updates.get("lr_effective", ()), dtype=float)
     if steps.size == 0:
         raise RangefinderError("the Prodigy run took no update, so it has no step size to read; give the fine-tune "
@@ -54,6 +59,11 @@ def read_prodigy_step(updates: dict[str, np.ndarray], curve: Optional[dict[str, 
     if not (math.isfinite(step_size) and step_size > 0):
         raise RangefinderError(f"the Prodigy run ended on step size {step_size!r}, not a positive learning rate; "
                                "set lr_finder: range_test, or a fixed lr")
+    if step_size <= PRODIGY_D0 * lr * (1 + 1e-6):
+        raise RangefinderError(f"the Prodigy run's step size never grew from its starting estimate (d0 = "
+                               f"{PRODIGY_D0:g}) in {steps.size} updates, so it measured no LR; lengthen the run "
+                               "(finetune.epochs: Prodigy needs tens of updates to move d), or set lr_finder: "
+                               "range_test")
     epoch = updates.get("epoch")
     base = best = final = None
     best_update = None
