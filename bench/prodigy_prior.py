@@ -85,8 +85,9 @@ def probe_case(c: dict[str, Any], work: Path, log=print) -> dict[str, Any]:
     row.update(prior=chosen.get("val_loss", arm.get("final_val_loss")), prior_best=arm.get("best_val_loss"),
                prior_rule=chosen.get("rule"), prior_updates=arm["updates"], seconds=arm["seconds"],
                baseline_val_loss=arm.get("baseline_val_loss"),
-               reproduces=math.isclose(arm.get("baseline_val_loss") or math.nan, s["baseline_val_loss"],
-                                       rel_tol=1e-6),
+               # The saved base loss: (a)'s, or where (a) failed before it trained one, the Prodigy arm's.
+               reproduces=math.isclose(arm.get("baseline_val_loss") or math.nan,
+                                       s["baseline_val_loss"] or c["prodigy"]["baseline_val_loss"], rel_tol=1e-6),
                updates=arm["updates"] + c["prodigy"]["updates"], rangefinder_updates=s["updates"]["rangefinder"],
                rangefinder_lr=s["rangefinder_lr"], lr_over_rangefinder=lr / s["rangefinder_lr"]
                if s.get("rangefinder_lr") else None)
@@ -96,6 +97,8 @@ def probe_case(c: dict[str, Any], work: Path, log=print) -> dict[str, Any]:
         row[opp] = s[opp]
         for d in DELIVERIES:
             row[f"{d}_vs_{opp}"] = verdict_of(row[d], s[opp])
+            if opp == "rangefinder" and s[opp] is None and row[d] is not None:
+                row[f"{d}_vs_{opp}"] = "win"  # (a) failed (no bounds): it delivered nothing, as verdict_of counts it
         row[f"rangefinder_vs_{opp}"] = verdict_of(s["rangefinder"], s[opp]) if opp != "rangefinder" else None
     log(f"[{row['case']}] lr {lr:.3g} ({row['lr_over_rangefinder'] or math.nan:.2f}x (a)'s): prior {row['prior']}, "
         f"(a) {s['rangefinder']}, Prodigy best {s['prodigy_best']}; vs Prodigy best {row['prior_vs_prodigy_best']}"
