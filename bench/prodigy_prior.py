@@ -38,7 +38,15 @@ import statistics
 from pathlib import Path
 from typing import Any, Optional
 
-from bench.common import add_probe_arguments, case_key, median_of, quiet_libraries, run_probe, write_json
+from bench.common import (
+    add_probe_arguments,
+    case_key,
+    family_of_case,
+    median_of,
+    quiet_libraries,
+    run_probe,
+    write_json,
+)
 from bench.discovery_quality import gap_pct
 from bench.versus import (
     OPPONENTS,
@@ -62,8 +70,9 @@ AGAINST = ("prodigy_best", "folk_best", "random_best", "rangefinder")
 def probe_case(c: dict[str, Any], work: Path, log=print) -> dict[str, Any]:
     """One saved case: (a)'s fine-tune at the case's Prodigy final step size, and the two deliveries' verdicts."""
     s = c["summary"]
+    # The case's key (bench.common.case_key) travels with the row: a killed probe resumes, and --report merges, by it.
     row: dict[str, Any] = {k: c[k] for k in ("method", "kind", "seed", "held_out")}
-    row["case"] = case_name(c)
+    row.update(family=family_of_case(c), case=case_name(c), **({"lora": c["lora"]} if c.get("lora") else {}))
     case, cfg, split_dir = rebuild_case(c, work)
     seed = case_training_seed(c)
     cfg = cfg.model_copy(update={"training": cfg.training.model_copy(update={"seed": seed})})

@@ -4,6 +4,7 @@ it delivers against the saved arms."""
 import json
 from pathlib import Path
 
+from bench.common import case_key
 from bench.prodigy_prior import main, probe_case, tally
 from bench.versus import verdict_of
 
@@ -47,6 +48,7 @@ def test_a_saved_case_trains_at_its_prodigy_step_size_and_is_weighed(tmp_path):
     case = _saved("lora", "shapes", 14)
     row = probe_case(case, tmp_path)
     assert row["prodigy_lr_effective_final"] == case["prodigy"]["lr_effective_final"]
+    assert row["family"] == "sd1" and case_key(row) == case_key(case)  # a killed probe resumes by it
     assert row["reproduces"] is True and row["prior_updates"] == 8 and row["updates"] == 8 + 160
     assert row["prior"] is not None and row["prior_or_prodigy"] <= case["summary"]["prodigy_best"]
     for who in ("prior", "prior_or_prodigy"):
