@@ -934,8 +934,7 @@ class RangefinderConfig(_Section):
                 "test's bounds) would not be used; remove them, or set lr_finder: range_test"
             )
         optimizer = self.training.optimizer
-        if optimizer in LR_FREE_OPTIMIZERS and (self.lr_range_test.lr_min is not None
-                                                or self.lr_range_test.lr_max is not None):
+        if optimizer in LR_FREE_OPTIMIZERS and bounds_set:
             raise ValueError(
                 f"lr_range_test.lr_min/lr_max ask for a range test, but training.optimizer {optimizer} is LR-free (it "
                 "estimates its own step size; the pipeline skips the range test for it); remove lr_range_test's "
