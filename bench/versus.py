@@ -188,9 +188,6 @@ HELD_OUT_KINDS = ("subject", "glyphs")
 HELD_OUT_SEEDS = tuple(range(3, 36))
 TIE_PCT = 1.0  # within 1 %: a tie
 FOLK_LR = {"full": 1e-4, "lora": 1e-4, "textual_inversion": 5e-3}
-# diffusers' README (examples/advanced_diffusion_training, "Prodigy"): lr 1.0 with these, the constant schedule.
-PRODIGY_SETTINGS: dict[str, Any] = {"betas": (0.9, 0.99), "weight_decay": 0.01, "use_bias_correction": True,
-                                    "safeguard_warmup": True}
 # discovery_quality's saved full-method results on 20 images, 40-epoch arms, an 8-LR grid over 1e-5..1e-2.
 SAVED_GRIDS = ("discovery_quality_v4_tuning.json", "discovery_quality_v4_heldout.json",
                "discovery_quality_v4_confirm_seed3.json", "discovery_quality_v4_confirm_seed4.json")
@@ -216,6 +213,10 @@ def prodigy_as_diffusers_recommends() -> Iterator[None]:
         if cfg.optimizer != "prodigy":
             return original(cfg, groups, lr)
         from prodigyopt import Prodigy
+
+        # diffusers' README (examples/advanced_diffusion_training, "Prodigy"), as the product keeps it: the
+        # prodigy_step LR finder trains with the same arguments, so arm (b) and that finder are the same run.
+        from rangefinder.training.optimizers import PRODIGY_SETTINGS
 
         return Prodigy(groups, lr=lr, **PRODIGY_SETTINGS)
 
@@ -1137,6 +1138,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
     from rangefinder.config import DEFAULT_LR_RANGE
     from rangefinder.data.synthetic import KINDS
+    from rangefinder.training.optimizers import PRODIGY_SETTINGS
 
     bad = [m for m in methods if m not in DEFAULT_LR_RANGE] + [k for k in kinds if k not in KINDS]
     if bad:
