@@ -49,7 +49,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Optional
 
-from bench.common import add_probe_arguments, case_key, run_probe, table, write_json
+from bench.common import add_probe_arguments, by_method, case_key, run_probe, table, write_json
 from bench.discovery_quality import gap_pct
 from bench.versus import count_verdicts, plain_finetune, rebuild_case, summarize, train_grid, verdict_of
 
@@ -117,11 +117,7 @@ def ceiling(cases: list[dict[str, Any]]) -> dict[str, Any]:
     against Prodigy's best and random search's best, the shares, and where the oracle turns (a)'s non-wins into wins."""
     rows = [ceiling_row(c) for c in cases if c.get("grid") and c["grid"].get("arms")]
     out: dict[str, Any] = {"cases": len(rows), "rows": rows, "by": {}}
-    groups = {m: [r for r in rows if r["method"] == m] for m in METHOD_ORDER}
-    groups["all"] = rows
-    for name, rs in groups.items():
-        if not rs:
-            continue
+    for name, rs in by_method(rows, METHOD_ORDER).items():
         g: dict[str, Any] = {"cases": len(rs)}
         # How far (a) lands from the best constant-LR run of its case (0 where it is that run).
         gaps = [x for x in (gap_pct(r["rangefinder"], r["oracle"]) for r in rs) if x is not None]

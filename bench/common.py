@@ -244,6 +244,14 @@ def median_of(values: Sequence[Optional[float]]) -> Optional[float]:
     return statistics.median(got) if got else None
 
 
+def by_method(rows: Sequence[dict[str, Any]], methods: Sequence[str]) -> dict[str, list[dict[str, Any]]]:
+    """A probe's rows grouped as its tallies read them: each of `methods` in order, then "all"; empty groups left
+    out."""
+    groups = {m: [r for r in rows if r["method"] == m] for m in methods}
+    groups["all"] = list(rows)
+    return {name: rs for name, rs in groups.items() if rs}
+
+
 def family_of_case(c: dict[str, Any]) -> str:
     """A saved bench.versus case's family: results from before --family have none, and ran on the SD 1.x model."""
     return str(c.get("family") or "sd1")

@@ -40,6 +40,7 @@ from typing import Any, Optional
 
 from bench.common import (
     add_probe_arguments,
+    by_method,
     case_key,
     family_of_case,
     median_of,
@@ -100,8 +101,7 @@ def probe_case(c: dict[str, Any], work: Path, log=print) -> dict[str, Any]:
                updates=arm["updates"] + c["prodigy"]["updates"], rangefinder_updates=s["updates"]["rangefinder"],
                rangefinder_lr=s["rangefinder_lr"], lr_over_rangefinder=lr / s["rangefinder_lr"]
                if s.get("rangefinder_lr") else None)
-    row["prior_or_prodigy"] = min(x for x in (row["prior"], s["prodigy_best"]) if x is not None) \
-        if row["prior"] is not None or s["prodigy_best"] is not None else None
+    row["prior_or_prodigy"] = min((x for x in (row["prior"], s["prodigy_best"]) if x is not None), default=None)
     for opp in AGAINST:
         row[opp] = s[opp]
         for d in DELIVERIES:
@@ -129,11 +129,7 @@ def tally(rows: list[dict[str, Any]]) -> dict[str, Any]:
     read = [r for r in rows if "absent" not in r and r.get("reproduces")]
     out: dict[str, Any] = {"cases": len(rows), "read": len(read),
                            "not_read": [r["case"] for r in rows if r not in read], "by": {}}
-    groups = {m: [r for r in read if r["method"] == m] for m in METHODS}
-    groups["all"] = read
-    for name, rs in groups.items():
-        if not rs:
-            continue
+    for name, rs in by_method(read, METHODS).items():
         g: dict[str, Any] = {"cases": len(rs)}
         for who in (*DELIVERIES, "rangefinder"):
             for opp in AGAINST:
