@@ -184,8 +184,9 @@ HELD_OUT_KINDS = ("subject", "glyphs")
 # are the testbed where the best LR moves ("A LoRA testbed where the best LR moves"). 33-34 (full and LoRA, as
 # shipped) are kept unread for a rule that takes Prodigy's d x lr as (a)'s LR, written before they are read
 # ("Prodigy's step size as (a)'s LR"). 34-35 on sd3 (full and LoRA) re-test that rule's one signal, written before
-# they ran ("The SD3 signal, on fresh seeds").
-HELD_OUT_SEEDS = tuple(range(3, 36))
+# they ran ("The SD3 signal, on fresh seeds"). 36-37 on sd3 and flux (full and LoRA; 36 with grids) test `lr_finder:
+# auto` by family, written before they ran ("auto by model family").
+HELD_OUT_SEEDS = tuple(range(3, 38))
 TIE_PCT = 1.0  # within 1 %: a tie
 FOLK_LR = {"full": 1e-4, "lora": 1e-4, "textual_inversion": 5e-3}
 # discovery_quality's saved full-method results on 20 images, 40-epoch arms, an 8-LR grid over 1e-5..1e-2.
