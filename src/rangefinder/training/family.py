@@ -18,7 +18,7 @@ pass); `conditioning` of the Denoiser turns the second into the first.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Optional, Protocol
@@ -91,22 +91,13 @@ class Family(Protocol):
 PREDICTION_TYPES = ("epsilon", "v_prediction")
 
 
-def _checked_prediction_type(sd: SDComponents, cfg: TrainingConfig) -> str:
-    """cfg.prediction_type overrides the model scheduler's (None keeps the model's); the flow objective's settings
-    are refused on a DDPM model (they would be ignored)."""
-    if cfg.flow != FlowSettings():
-        changed = ", ".join(sorted(cfg.flow.model_fields_set)) or "flow"
-        raise ConfigError(f"training.flow ({changed}): the base model is a DDPM model ({sd.family}), not a "
-                          "flow-matching one (SD3, Flux); remove training.flow")
-    prediction_type = cfg.prediction_type
-    if prediction_type is not None:
-        sd.noise_scheduler.register_to_config(prediction_type=prediction_type)
-    predicts = str(sd.noise_scheduler.config.prediction_type)
-    if predicts not in PREDICTION_TYPES:
-        raise ConfigError(
-            f"training.prediction_type: the base model predicts {predicts!r}; set epsilon or v_prediction"
-        )
-    return predicts
+def _checked_prediction_type(family: type[Sd1Family], sd: SDComponents, cfg: TrainingConfig) -> str:
+    """The prediction type trained: cfg.prediction_type, which overrides the model scheduler's, or the model's own
+    (None); after the family's config-only checks (`check_settings`)."""
+    family.check_settings(cfg, sd.noise_scheduler.config, sd.unet.config)
+    if cfg.prediction_type is not None:
+        sd.noise_scheduler.register_to_config(prediction_type=cfg.prediction_type)
+    return str(sd.noise_scheduler.config.prediction_type)
 
 
 @dataclass
@@ -120,9 +111,28 @@ class Sd1Family:
     patchified: ClassVar[bool] = False
 
     @classmethod
+    def check_settings(cls, cfg: TrainingConfig, scheduler_config: Mapping[str, Any],
+                       denoiser_config: Mapping[str, Any]) -> None:
+        """ConfigError for a training setting this family refuses, judged from the settings, the training
+        scheduler's config and the denoiser's config alone (no weights): the one rule that `for_model` applies to a
+        loaded model and resolve-config's preflight (families.check_family_settings) to the resolved folder, before
+        any GPU is asked for. Each family has one. SD 1.x/SDXL: the flow objective's settings are refused (they
+        would be ignored), and so is a model predicting what the DDPM objective does not train, unless
+        training.prediction_type overrides it."""
+        if cfg.flow != FlowSettings():
+            changed = ", ".join(sorted(cfg.flow.model_fields_set)) or "flow"
+            raise ConfigError(f"training.flow ({changed}): the base model is a DDPM model ({cls.name}), not a "
+                              "flow-matching one (SD3, Flux); remove training.flow")
+        predicts = cfg.prediction_type or str(scheduler_config.get("prediction_type"))
+        if predicts not in PREDICTION_TYPES:
+            raise ConfigError(
+                f"training.prediction_type: the base model predicts {predicts!r}; set epsilon or v_prediction"
+            )
+
+    @classmethod
     def for_model(cls, sd: SDComponents, cfg: TrainingConfig) -> Sd1Family:
         """The family of a loaded model; cfg.prediction_type overrides its scheduler's (None keeps the model's)."""
-        return cls(sd.tokenizer, sd.noise_scheduler, _checked_prediction_type(sd, cfg))
+        return cls(sd.tokenizer, sd.noise_scheduler, _checked_prediction_type(cls, sd, cfg))
 
     @property
     def num_timesteps(self) -> int:

@@ -24,7 +24,7 @@ CLIP's 77 ids and T5's L ids, each padded with its tokenizer's pad id to W = max
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
@@ -60,6 +60,12 @@ def refuse_unsupported(cfg: TrainingConfig) -> None:
                           "CLIP-L conditions only through its pooled vector); remove train_text_encoder")
 
 
+def guidance_embedded(denoiser_config: Mapping[str, Any]) -> bool:
+    """Whether the transformer takes the guidance scale as an input (Flux.1-dev; not schnell): its config's
+    `guidance_embeds`, whose absence (a config.json written without it) means diffusers' default, off."""
+    return bool(denoiser_config.get("guidance_embeds", False))
+
+
 @dataclass
 class FluxFamily(FlowFamily):
     tokenizer: Any = None  # CLIP's
@@ -72,14 +78,22 @@ class FluxFamily(FlowFamily):
     name: ClassVar[str] = "flux"
 
     @classmethod
-    def for_model(cls, sd: SDComponents, cfg: TrainingConfig) -> FluxFamily:
+    def check_settings(cls, cfg: TrainingConfig, scheduler_config: Mapping[str, Any],
+                       denoiser_config: Mapping[str, Any]) -> None:
+        """What Flux refuses from the settings and its transformer's config (family.Sd1Family.check_settings says
+        who calls it): DDPM's settings, what a guidance-distilled model with a frozen T5 does not do, and a
+        training guidance for a model without the guidance embedding."""
         refuse_ddpm_settings(cfg, "Flux")
         refuse_unsupported(cfg)
-        guidance_embeds = bool(sd.unet.config.guidance_embeds)
-        guidance = cfg.flow.guidance if cfg.flow.guidance is not None else DEFAULT_GUIDANCE
-        if cfg.flow.guidance is not None and not guidance_embeds:
+        if cfg.flow.guidance is not None and not guidance_embedded(denoiser_config):
             raise ConfigError("training.flow.guidance: this Flux model has no guidance embedding (FLUX.1-schnell is "
                               "not guidance-distilled); remove training.flow.guidance")
+
+    @classmethod
+    def for_model(cls, sd: SDComponents, cfg: TrainingConfig) -> FluxFamily:
+        cls.check_settings(cfg, sd.noise_scheduler.config, sd.unet.config)
+        guidance_embeds = guidance_embedded(sd.unet.config)
+        guidance = cfg.flow.guidance if cfg.flow.guidance is not None else DEFAULT_GUIDANCE
         sched = sd.noise_scheduler.config
         dynamic = None
         if cfg.flow.shift is None and getattr(sched, "use_dynamic_shifting", False):

@@ -14,7 +14,7 @@ L = max(77, L3): CLIP-L's ids, CLIP-G's ids (each in the first 77 columns) and T
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
@@ -43,12 +43,19 @@ class Sd3Family(FlowFamily):
     name: ClassVar[str] = "sd3"
 
     @classmethod
-    def for_model(cls, sd: SDComponents, cfg: TrainingConfig) -> Sd3Family:
+    def check_settings(cls, cfg: TrainingConfig, scheduler_config: Mapping[str, Any],
+                       denoiser_config: Mapping[str, Any]) -> None:
+        """What SD3 refuses from the settings alone (family.Sd1Family.check_settings says who calls it): DDPM's
+        settings, and Flux's distilled guidance."""
         refuse_ddpm_settings(cfg, cls.name)
         if cfg.flow.guidance is not None:
             raise ConfigError("training.flow.guidance: SD3 has no guidance embedding (only Flux.1-dev is "
                               "guidance-distilled; SD3 samples with classifier-free guidance, "
                               "sampling.guidance_scale); remove training.flow.guidance")
+
+    @classmethod
+    def for_model(cls, sd: SDComponents, cfg: TrainingConfig) -> Sd3Family:
+        cls.check_settings(cfg, sd.noise_scheduler.config, sd.unet.config)
         pooled = int(sd.text_encoder.config.projection_dim) + int(sd.text_encoder_2.config.projection_dim)
         width = int(sd.text_encoder_3.config.d_model)
         if pooled > width:

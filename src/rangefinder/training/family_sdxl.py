@@ -49,7 +49,7 @@ class SdxlFamily(Sd1Family):
         if pooled > width or width < TIME_IDS:
             raise ConfigError(f"model.base_model: an SDXL model whose pooled width ({pooled}) exceeds its text width "
                               f"({width}) is not supported")
-        return cls(sd.tokenizer, sd.noise_scheduler, _checked_prediction_type(sd, cfg),
+        return cls(sd.tokenizer, sd.noise_scheduler, _checked_prediction_type(cls, sd, cfg),
                    tokenizer_2=sd.tokenizer_2, pooled_dim=pooled)
 
     def text_encoder_names(self) -> tuple[str, ...]:
