@@ -120,7 +120,11 @@ class Sd1Family:
         would be ignored), and so is a model predicting what the DDPM objective does not train, unless
         training.prediction_type overrides it."""
         if cfg.flow != FlowSettings():
-            changed = ", ".join(sorted(cfg.flow.model_fields_set)) or "flow"
+            # The fields that differ from the defaults, not model_fields_set: a config that went through JSON
+            # (base_config, config_json) has every field set.
+            default = FlowSettings()
+            changed = ", ".join(sorted(k for k in FlowSettings.model_fields
+                                       if getattr(cfg.flow, k) != getattr(default, k)))
             raise ConfigError(f"training.flow ({changed}): the base model is a DDPM model ({cls.name}), not a "
                               "flow-matching one (SD3, Flux); remove training.flow")
         predicts = cfg.prediction_type or str(scheduler_config.get("prediction_type"))
