@@ -20,14 +20,20 @@ METHODS = {
 
 
 def make_method(cfg: TrainingConfig) -> Method:
-    target = METHODS.get(cfg.method)
+    return method_class(cfg.method)(cfg)
+
+
+def method_class(name: str) -> type[Method]:
+    """The class of training.method `name` (imported now); ConfigError for a name or a module this build lacks."""
+    target = METHODS.get(name)
     if target is None:
-        raise ConfigError(f"training.method: unknown method {cfg.method!r}; choose one of {', '.join(METHODS)}")
+        raise ConfigError(f"training.method: unknown method {name!r}; choose one of {', '.join(METHODS)}")
     module_name, cls_name = target.split(":")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         if e.name != module_name:
             raise
-        raise ConfigError(f"training.method: {cfg.method!r} is not available in this build; use 'full'") from None
-    return getattr(module, cls_name)(cfg)
+        raise ConfigError(f"training.method: {name!r} is not available in this build; use 'full'") from None
+    cls: type[Method] = getattr(module, cls_name)
+    return cls

@@ -53,6 +53,13 @@ class Method(ABC):
 
     # --- setup -------------------------------------------------------------------------------------------------
 
+    @classmethod
+    def check_family(cls, family: str) -> None:
+        """ConfigError when the method cannot train a model of `family` ("sd1" | "sdxl" | "sd3" | "flux"), told from
+        the name alone: the one rule `setup` applies and resolve-config's preflight (families.check_family_settings)
+        applies before any GPU is asked for. Every family, unless a method says otherwise."""
+        return None
+
     @abstractmethod
     def setup(self, sd: SDComponents, weight_dtype: torch.dtype) -> None:
         """Set requires_grad, add adapters/tokens, cast frozen modules to `weight_dtype` (trainable ones stay fp32).

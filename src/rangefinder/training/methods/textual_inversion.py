@@ -72,14 +72,17 @@ TI_FAMILIES = ("sd1", "sdxl")  # the families whose embedding files consumers lo
 class TextualInversion(Method):
     name = "textual_inversion"
 
-    def setup(self, sd: SDComponents, weight_dtype: torch.dtype) -> None:
-        if sd.family not in TI_FAMILIES:
+    @classmethod
+    def check_family(cls, family: str) -> None:
+        if family not in TI_FAMILIES:
             # SD3 would need an embedding per CLIP and none for T5; no consumer (ComfyUI, A1111, diffusers' SD3
-            # loader) reads such a file, so it is refused rather than built for nobody.
-            from rangefinder.errors import ConfigError
-
-            raise ConfigError(f"training.method: textual inversion is not supported on {sd.family} models (only on "
+            # loader) reads such a file, so it is refused rather than built for nobody. (Flux's own refusal,
+            # family_flux.refuse_unsupported, says why for Flux, and comes first.)
+            raise ConfigError(f"training.method: textual inversion is not supported on {family} models (only on "
                               f"{', '.join(TI_FAMILIES)}); use method lora or full")
+
+    def setup(self, sd: SDComponents, weight_dtype: torch.dtype) -> None:
+        self.check_family(sd.family)
         s = self.cfg.textual_inversion
         self.tokens = placeholder_tokens(s.placeholder_token, s.num_vectors)
         sd.unet.requires_grad_(False)
