@@ -12,6 +12,7 @@ from rangefinder.config import RangefinderConfig, demo_config, parse_config
 from rangefinder.errors import ConfigError
 from rangefinder.steps.resolve_config import (
     PARAMETER_FIELDS,
+    ResolvedConfig,
     config_from_parameters,
     load_step_config,
     parameters_from_config,
@@ -152,3 +153,72 @@ def test_lr_finder_auto_follows_the_method_a_person_sets_at_run_time(method, fin
     assert run_resolve_config(base, **params).lr_finder == finder
     params.update(method="full", lr_finder="range_test")  # the parameter itself wins over base_config
     assert run_resolve_config(base, **params).lr_finder == "range_test"
+
+
+# --- the family preflight: settings wrong only for the resolved model's family stop the first step ---------------
+
+def _resolve_on(model_dir: Path, **overrides) -> ResolvedConfig:
+    """run_resolve_config on the demo's settings (plus `overrides`), the base model typed as a pipeline parameter."""
+    params = parameters_from_config(demo_config(**overrides))
+    base = params.pop("base_config")
+    params["base_model"] = str(model_dir)
+    return run_resolve_config(base, **params)
+
+
+OWN_SAMPLER = {"scheduler": None}  # the model's own sampling scheduler, so that the setting under test is refused
+
+
+@pytest.mark.parametrize("model, overrides, words", [
+    # The demo's DDIM sampler: before, the range test trained in full and the fine-tune failed at its first sample.
+    ("tiny_sd3_dir", {}, r"sampling.scheduler: DDIMScheduler samples DDPM models; this base model is a flow-matching "
+                         r"model \(it samples with FlowMatchEulerDiscreteScheduler\); set a FlowMatch\* scheduler"),
+    ("tiny_flux_dir", {}, r"sampling.scheduler: DDIMScheduler samples DDPM models"),
+    ("tiny_sd3_dir", {"training": {"min_snr_gamma": 5.0}, "sampling": OWN_SAMPLER},
+     r"training.min_snr_gamma: min-SNR weighting is defined through the DDPM noise schedule; sd3 is a flow-matching"),
+    ("tiny_sd3_dir", {"training": {"prediction_type": "v_prediction"}, "sampling": OWN_SAMPLER},
+     r"training.prediction_type: sd3 is a flow-matching model"),
+    ("tiny_flux_dir", {"training": {"noise_offset": 0.05}, "sampling": OWN_SAMPLER},
+     r"training.noise_offset: the offset noise is DDPM's; Flux is a flow-matching model"),
+    ("tiny_sd3_dir", {"training": {"flow": {"guidance": 3.5}}, "sampling": OWN_SAMPLER},
+     r"training.flow.guidance: SD3 has no guidance"),
+    ("tiny_sd3_dir", {"training": {"method": "textual_inversion"}, "sampling": OWN_SAMPLER},
+     r"training.method: textual inversion is not supported on sd3 models \(only on sd1, sdxl\)"),
+    ("tiny_flux_dir", {"training": {"method": "textual_inversion"}, "sampling": OWN_SAMPLER},
+     r"training.method: textual inversion is not supported on Flux \(its prompt reaches the transformer through T5"),
+    ("tiny_flux_dir", {"training": {"cond_dropout": 0.1}, "sampling": OWN_SAMPLER},
+     r"training.cond_dropout: Flux.1-dev is guidance-distilled"),
+    ("tiny_model_dir", {"training": {"flow": {"loss_weighting": "cosmap"}}},
+     r"training.flow \(loss_weighting\): the base model is a DDPM model \(sd1\), not a flow-matching one"),
+])
+def test_a_setting_wrong_for_the_model_family_stops_the_first_step(request, model, overrides, words):
+    """The engine's own one-line refusal, raised by resolve-config, before any training step asks for a GPU."""
+    with pytest.raises(ConfigError, match="^" + words) as e:
+        _resolve_on(request.getfixturevalue(model), **overrides)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("model, sampling", [
+    ("tiny_sd3_dir", {"scheduler": "FlowMatchEulerDiscreteScheduler"}),
+    ("tiny_sd3_dir", {"scheduler": None}),
+    ("tiny_flux_dir", {"scheduler": None, "guidance_scale": 3.5}),
+    ("tiny_model_dir", {}),  # the demo's DDIM on an SD 1.x model
+])
+def test_settings_right_for_the_model_family_pass_the_preflight(request, model, sampling):
+    model_dir = request.getfixturevalue(model)
+    r = _resolve_on(model_dir, training={"flow": {"loss_weighting": "cosmap"}} if model != "tiny_model_dir" else {},
+                    sampling=sampling)
+    assert load_step_config(r.config_json).model.resolved_dir == str(model_dir)
+
+
+def test_the_preflight_and_the_engine_refuse_in_the_same_words(tiny_sd3_dir, tiny_flux_dir):
+    """One rule each: the preflight calls the family's check_settings, which for_model (the engine) calls too."""
+    from rangefinder.config import ModelConfig, TrainingConfig
+    from rangefinder.models.loading import load_sd_components
+    from rangefinder.training.families import family_for
+
+    for model_dir, training in ((tiny_sd3_dir, {"noise_offset": 0.05}), (tiny_flux_dir, {"cond_dropout": 0.1})):
+        with pytest.raises(ConfigError) as early:
+            _resolve_on(model_dir, training=training, sampling={"scheduler": None})
+        with pytest.raises(ConfigError) as engine:
+            family_for(load_sd_components(ModelConfig(base_model=str(model_dir))), TrainingConfig(**training))
+        assert str(early.value) == str(engine.value)

@@ -3,7 +3,9 @@
 The Kubeflow UI shows a handful of typed parameters (the ones a person changes between runs). Everything else comes
 from `base_config`, the whole config as JSON (baked in at compile time by `rangefinder compile --config FILE`, or
 sent by `rangefinder submit --config FILE`). The typed parameters are laid over it, so what a person types in the
-UI wins. Validation happens here, in the first step, so a bad value stops the run before any GPU is asked for.
+UI wins. Validation happens here, in the first step, so a bad value stops the run before any GPU is asked for:
+the config's own checks, then, once the base model is resolved, the settings that are wrong only for its family
+(`preflight`).
 
 The base model is resolved here too (rangefinder.models.loading): a hub id is found in the Hugging Face cache or
 downloaded into it, a single file is converted to a diffusers folder, and `model.resolved_dir` in the config every
@@ -19,7 +21,8 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Optional
 
 from rangefinder.config import RangefinderConfig, _deep_merge, parse_config
 from rangefinder.errors import ConfigError
@@ -134,6 +137,7 @@ def run_resolve_config(base_config: str = "", *, pipeline_job_id: str = "", pipe
     cfg = config_from_parameters(base_config, **params)
     parent = start_parent_run(cfg, pipeline_job_id, pipeline_job_name) if pipeline_job_id else ""
     cfg = with_resolved_base_model(cfg)
+    preflight(cfg)
     return ResolvedConfig(
         config_json=cfg.model_dump_json(),
         fixed_lr=float(cfg.pipeline_lr() or 0.0),  # an LR-free optimizer skips discovery too
@@ -153,6 +157,18 @@ def with_resolved_base_model(cfg: RangefinderConfig) -> RangefinderConfig:
     resolved = resolve_base_model(cfg.model.model_copy(update={"resolved_dir": None}))
     print(f"base model: {resolved.source} -> {resolved.path}")
     return cfg.model_copy(update={"model": cfg.model.model_copy(update={"resolved_dir": str(resolved.path)})})
+
+
+def preflight(cfg: RangefinderConfig, family: Optional[str] = None) -> None:
+    """ConfigError for a setting wrong only for the resolved base model's family (a DDPM setting on a flow-matching
+    model, a DDPM sampling scheduler on one, a method the family cannot train), with the engine's own rules
+    (training.families.check_family_settings): the engine meets them only when a training step loads the model, the
+    sampling scheduler only when the fine-tune first samples, after the whole LR discovery has trained. `family`
+    defaults to the one read off the resolved folder."""
+    from rangefinder.training.families import check_family_settings
+    from rangefinder.training.family_detection import detect_family
+
+    check_family_settings(cfg, family or detect_family(Path(str(cfg.model.resolved_dir))))
 
 
 def start_parent_run(cfg: RangefinderConfig, pipeline_job_id: str, pipeline_job_name: str = "") -> str:

@@ -1,19 +1,22 @@
 """The model families the engine trains, by the name `family_detection.detect_family` reads from the base
 model.
 
-A new family is one module with a class providing family.Family's methods, one line here, and its
-family_detection.FamilyLayout (what loading, sampling and the exports read of it).
+A new family is one module with a class providing family.Family's methods (and the classmethods `for_model` and
+`check_settings`), one line here, and its family_detection.FamilyLayout (what loading, sampling and the exports read
+of it).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from rangefinder.errors import ConfigError
-from rangefinder.training.family_detection import import_named
+from rangefinder.training.family_detection import FAMILY_LAYOUTS, import_named
 
 if TYPE_CHECKING:
-    from rangefinder.config import TrainingConfig
+    from rangefinder.config import RangefinderConfig, TrainingConfig
     from rangefinder.models.loading import SDComponents
     from rangefinder.training.family import Family
 
@@ -29,8 +32,48 @@ FAMILIES = {
 def family_for(sd: SDComponents, cfg: TrainingConfig) -> Family:
     """The family object of a loaded model (sd.family, as detected from the base model), with the training settings
     of its objective (a setting that means nothing for the family is a ConfigError)."""
-    target = FAMILIES.get(sd.family)
-    if target is None:
-        raise ConfigError(f"model.base_model: rangefinder cannot train the {sd.family!r} model family")
-    family: Family = import_named(target).for_model(sd, cfg)
+    family: Family = family_class(sd.family).for_model(sd, cfg)
     return family
+
+
+def family_class(name: str) -> Any:
+    """The family class of a family name (imported now); ConfigError for one the engine does not train."""
+    target = FAMILIES.get(name)
+    if target is None:
+        raise ConfigError(f"model.base_model: rangefinder cannot train the {name!r} model family")
+    return import_named(target)
+
+
+def check_family_settings(cfg: RangefinderConfig, family: str) -> None:
+    """ConfigError for a setting that is wrong for the base model's family: what resolve-config runs once the
+    model is resolved, so that such a setting stops the run before any GPU is asked for, not when a training step
+    loads the model (or, for the sampling scheduler, when the fine-tune first samples, after the LR discovery).
+
+    No rule is written here: each is the one the engine applies (the family's `check_settings`, the method's
+    `check_family`, the samples' scheduler checks), so the two cannot drift. Reads the settings, the family's name
+    and the resolved folder's (cfg.model.resolved_dir) small configs: its training scheduler's and its denoiser's
+    config.json, never weights."""
+    from rangefinder.models.loading import check_scheduler_name
+    from rangefinder.training.family_flow import check_flow_scheduler
+    from rangefinder.training.methods import method_class
+
+    if not cfg.model.resolved_dir:  # a caller's mistake, not a person's setting
+        raise ValueError("check_family_settings needs the resolved base model (model.resolved_dir)")
+    family_cls = family_class(family)
+    layout = FAMILY_LAYOUTS[family]
+    folder = Path(cfg.model.resolved_dir)
+    scheduler_cls = import_named(dict(layout.classes)["scheduler"])
+    try:
+        # As models/loading.py loads the training scheduler, so its config holds the same defaults.
+        scheduler_config = scheduler_cls.from_pretrained(str(folder), subfolder="scheduler",
+                                                         local_files_only=True).config
+        denoiser_config: dict[str, Any] = json.loads((folder / layout.denoiser / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConfigError(f"model.base_model: cannot read the configs of {folder} ({reason}); pass a complete "
+                          "diffusers folder") from None
+    family_cls.check_settings(cfg.training, scheduler_config, denoiser_config)
+    method_class(cfg.training.method).check_family(family)
+    check_scheduler_name(cfg.sampling.scheduler)
+    if cfg.sampling.scheduler is not None:
+        check_flow_scheduler(scheduler_cls.__name__, cfg.sampling.scheduler)
