@@ -112,10 +112,14 @@ def discover(cfg, split_dir: Path, out: Path) -> dict[str, Any]:
     (lr_finder), -> choose LR -> constant fine-tune at the midpoint."""
     from rangefinder.steps.choose_lr import run_choose_lr
     from rangefinder.steps.finetune import run_finetune
+    from rangefinder.training.family_detection import family_of
 
     res: dict[str, Any] = {"updates": 0, "seconds": 0.0, "range_tests": []}
     t0 = time.perf_counter()
-    if cfg.pipeline_lr() is None and cfg.lr_finder_for_method() == "prodigy_step":
+    family = family_of(cfg.model)
+    if family is None:  # a hub id not in the cache: this bench only trains local models
+        raise SystemExit(f"model.base_model {cfg.model.base_model}: not a local model; pass a diffusers folder")
+    if cfg.pipeline_lr() is None and cfg.lr_finder_for(family) == "prodigy_step":
         chosen = prodigy_step(cfg, split_dir, out, res)
         if chosen is None:
             return res

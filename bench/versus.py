@@ -6,7 +6,9 @@ on which every arm runs alike):
 
 (a) rangefinder as shipped, through the pipeline's own steps (bench.discovery_quality.discover): the range test
     (and its zoom), choose_lr, the fine-tune with successive halving of lr_mid and lr_high; it delivers the
-    checkpoint the step window kept (chosen.json);
+    checkpoint the step window kept (chosen.json). On sd3 and flux, full and LoRA measure the LR as lr_finder auto
+    does there since "`lr_finder: auto` by model family" (bench/RESULTS.md): Prodigy's final step size, one LR, no
+    halving. Their cases saved before that (seeds 3-37) ran the range test;
 (b) Prodigy at lr 1.0 with the settings diffusers' README recommends (betas 0.9/0.99, weight decay 0.01, bias
     correction and safeguard warmup on, constant schedule), for (a)'s fine-tune length: its best checkpoint by
     validation loss, and its final one;
@@ -1130,7 +1132,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     args.out = args.out or (smoke_out(NAME) if args.smoke else default_out(NAME))
     if args.smoke:
         args.methods, args.kinds, args.seeds, args.images = "full", "shapes", "0", 10
-        args.finetune_epochs, args.grid_points = 2, 1
+        # On the flow families (a) measures its LR with Prodigy's step size (lr_finder auto), whose d leaves its d0
+        # only after about 9 updates on the tiny models: 6 epochs of 2 updates, where 2 epochs do for the range test.
+        args.finetune_epochs, args.grid_points = (6 if args.family in FLOW_FAMILIES else 2), 1
     if args.methods is None:
         args.methods = FLOW_METHODS if args.family in FLOW_FAMILIES else DEFAULT_METHODS
     quiet_libraries()

@@ -279,10 +279,22 @@ LR_FREE_OPTIMIZERS = ("prodigy", "prodigy_schedule_free")
 SCHEDULE_FREE_OPTIMIZERS = ("adamw_schedule_free", "prodigy_schedule_free")
 LR_FREE_LR = 1.0  # the LR-free optimizers' documented lr: a multiplier of the step size they estimate
 # How the pipeline measures the LR when none is fixed (RangefinderConfig.lr_finder): the LR range test, or the step
-# size a Prodigy run of the fine-tune's length ends on (its d x lr); auto picks per method (LR_FINDER_AUTO).
+# size a Prodigy run of the fine-tune's length ends on (its d x lr); auto picks by the base model's family and the
+# method (auto_lr_finder).
 LRFinder = Literal["range_test", "prodigy_step", "auto"]
-LR_FINDER_AUTO: dict[str, Literal["range_test", "prodigy_step"]] = {
-    "full": "prodigy_step", "lora": "prodigy_step", "textual_inversion": "range_test"}
+MeasuredBy = Literal["range_test", "prodigy_step"]
+# The families (training/family_detection.py's names) whose full and lora runs auto measures with prodigy_step; the
+# range test everywhere else. Chosen by a rule written before its 40 fresh cases ran (bench/RESULTS.md, "`lr_finder:
+# auto` by model family"): on the SD3 tiny model the range test read the LR 2-10x too low, and Prodigy's step size
+# beat it in 15 of 20 (lost 1); on Flux the two tied in 18 of 20 (the prior won 2). On SD 1.x it did not beat the
+# range test (fresh seeds 33-34: 3 wins, 6 losses), so SD 1.x/2.x and SDXL keep the range test.
+LR_FINDER_AUTO_PRODIGY: dict[str, tuple[str, ...]] = {"sd3": ("full", "lora"), "flux": ("full", "lora")}
+
+
+def auto_lr_finder(family: str, method: str) -> MeasuredBy:
+    """What lr_finder auto measures the LR with for a base model of `family` trained by `method`."""
+    return "prodigy_step" if method in LR_FINDER_AUTO_PRODIGY.get(family, ()) else "range_test"
+
 ScaleLR = Literal["none", "linear", "sqrt"]
 ProcessesPerNode = Union[Literal["auto"], Annotated[int, Field(ge=1)]]
 
@@ -911,11 +923,12 @@ class RangefinderConfig(_Section):
     # A learning rate chosen by hand skips discovery (range test and zoom); so does an LR-free training.optimizer,
     # which then trains at this lr, or at LR_FREE_LR when it is unset (pipeline_lr).
     lr: Optional[float] = Field(None, gt=0)
-    # How discovery measures the LR (lr_finder_for_method): range_test (the LR range test, then a zoom when needed),
+    # How discovery measures the LR (lr_finder_for): range_test (the LR range test, then a zoom when needed),
     # prodigy_step (a Prodigy run of finetune.epochs at lr 1.0 with diffusers' recipe; the fine-tune then trains at
-    # the step size d x lr it ended on), or auto (LR_FINDER_AUTO: prodigy_step for full and lora, range_test for
-    # textual_inversion). Nothing to do with a fixed lr or an LR-free training.optimizer.
-    lr_finder: LRFinder = "range_test"
+    # the step size d x lr it ended on), or auto, the default (auto_lr_finder: by the base model's family and the
+    # method, LR_FINDER_AUTO_PRODIGY: prodigy_step for full and lora on SD3 and Flux, the range test everywhere
+    # else). Nothing to do with a fixed lr or an LR-free training.optimizer.
+    lr_finder: LRFinder = "auto"
 
     @model_validator(mode="after")
     def _cross(self) -> RangefinderConfig:
@@ -925,8 +938,9 @@ class RangefinderConfig(_Section):
                 f"lr_range_test.lr_max ({hi:g}) must be above lr_range_test.lr_min ({lo:g}) for method "
                 f"{self.training.method}; set both, or leave them unset for the method's default range"
             )
-        # Asked for by name, the Prodigy finder beside the range test's bounds is a contradiction; under auto (which
-        # may become the default) the bounds are a warning (setting_conflicts), so no config turns invalid with it.
+        # Asked for by name, the Prodigy finder beside the range test's bounds is a contradiction; under auto (the
+        # default) the bounds are a warning where it picks prodigy_step (auto_finder_conflicts), so no config turns
+        # invalid on an SD3 or Flux model.
         bounds_set = self.range_test_bounds_given()
         if bounds_set and self.pipeline_lr() is None and self.lr_finder == "prodigy_step":
             raise ValueError(
@@ -964,11 +978,12 @@ class RangefinderConfig(_Section):
         """The range test's bounds set in this config (lr_range_test.lr_min / lr_max), by name."""
         return [f"lr_range_test.{k}" for k in ("lr_min", "lr_max") if getattr(self.lr_range_test, k) is not None]
 
-    def lr_finder_for_method(self) -> Literal["range_test", "prodigy_step"]:
-        """How discovery measures the LR for training.method: lr_finder, with auto resolved (LR_FINDER_AUTO). Only
-        used when discovery runs (pipeline_lr() is None)."""
+    def lr_finder_for(self, family: str) -> MeasuredBy:
+        """How discovery measures the LR of training.method on a base model of `family` (resolve-config reads it off
+        the resolved model): lr_finder, with auto resolved (auto_lr_finder). Only used when discovery runs
+        (pipeline_lr() is None)."""
         if self.lr_finder == "auto":
-            return LR_FINDER_AUTO[self.training.method]
+            return auto_lr_finder(family, self.training.method)
         return self.lr_finder
 
 
@@ -1142,11 +1157,28 @@ def given_settings(section: BaseModel, prefix: str = "", *, defaults_too: bool =
     return out
 
 
-def setting_conflicts(cfg: RangefinderConfig) -> list[str]:
+def auto_finder_conflicts(cfg: RangefinderConfig, family: str) -> list[str]:
+    """The range test's bounds set where lr_finder auto measures this run's LR with prodigy_step (on a base model of
+    `family`), as one line; none otherwise. A warning, not an error: auto is the default, and a config written for
+    an SD 1.x model stays valid on an SD3 one."""
+    bounds = cfg.range_test_bounds_given()
+    if not bounds or cfg.pipeline_lr() is not None or cfg.lr_finder != "auto":
+        return []
+    method = cfg.training.method
+    if auto_lr_finder(family, method) != "prodigy_step":
+        return []
+    return [f"the range test's bounds ({', '.join(bounds)}) are not used: on this {family} base model, lr_finder auto "
+            f"measures the LR of method {method} with prodigy_step, not the range test; set lr_finder: range_test to "
+            "use them, or remove them"]
+
+
+def setting_conflicts(cfg: RangefinderConfig, family: Optional[str] = None) -> list[str]:
     """One line for each pair of settings in `cfg` where one cancels the other, so neither is silently dropped.
 
     Only settings the config itself gives count (given_settings, at their defaults too): a default that another
-    setting switches off is the documented behaviour, not a conflict.
+    setting switches off is the documented behaviour, not a conflict. `family` is the base model's when it is known
+    without fetching anything (training.family_detection.family_of); None: it is not (a hub id not fetched yet), and
+    the lines that depend on it are left to resolve-config, which knows it (auto_finder_conflicts).
     """
     given = given_settings(cfg, defaults_too=True)
     ft, rt, split, val = cfg.finetune, cfg.lr_range_test, cfg.split, cfg.validation
@@ -1161,11 +1193,8 @@ def setting_conflicts(cfg: RangefinderConfig) -> list[str]:
                else f"training.optimizer {cfg.training.optimizer} is LR-free")
         lines.append(f"lr_finder: {cfg.lr_finder} is not used: {why}, so no LR is discovered; remove lr_finder, or "
                      "the fixed lr")
-    bounds = cfg.range_test_bounds_given()
-    if bounds and cfg.pipeline_lr() is None and cfg.lr_finder == "auto" and cfg.lr_finder_for_method() != "range_test":
-        lines.append(f"the range test's bounds ({', '.join(bounds)}) are not used: lr_finder auto measures the LR "
-                     f"of method {cfg.training.method} with prodigy_step, not the range test; set lr_finder: "
-                     "range_test to use them, or remove them")
+    if family is not None:
+        lines += auto_finder_conflicts(cfg, family)
     prodigy_given = [g for g in given if g.startswith("training.prodigy.")]
     if prodigy_given and cfg.training.optimizer != "prodigy":
         lines.append(f"training.prodigy ({', '.join(g.removeprefix('training.prodigy.') for g in prodigy_given)}) is "

@@ -1,6 +1,7 @@
 """The DAG's prodigy_step branch through kfp.local (the same DAG `rangefinder run --local` runs), on the smallest
 whole-run settings (tests/pipelines/tiny_run.py): the Prodigy run's step size becomes the one LR the fine-tune trains
-at, and every step of the branch logs to MLflow under the pipeline's run."""
+at, and every step of the branch logs to MLflow under the pipeline's run. On the tiny SD3 model it is what lr_finder
+auto resolves to (read off the model by resolve-config), so the same run covers a flow-matching model end to end."""
 
 from __future__ import annotations
 
@@ -8,13 +9,13 @@ import sqlite3
 
 import pytest
 
-from tests.pipelines.tiny_run import tiny_config
+from tests.pipelines.tiny_run import TINY, tiny_config
 
 pytestmark = pytest.mark.slow
 
 
-def test_lr_finder_prodigy_step_runs_the_prodigy_branch_and_fine_tunes_at_its_step_size(
-        tmp_path, shapes_dataset_dir, tiny_model_dir, monkeypatch):
+def test_lr_finder_auto_on_sd3_runs_the_prodigy_branch_and_fine_tunes_at_its_step_size(
+        tmp_path, shapes_dataset_dir, tiny_sd3_dir, monkeypatch):
     from rangefinder.analysis import read_curve_csv
     from rangefinder.pipelines.local_run import run_pipeline_locally
     from tests.mlflow_store import seed
@@ -22,8 +23,10 @@ def test_lr_finder_prodigy_step_runs_the_prodigy_branch_and_fine_tunes_at_its_st
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
     # 3 epochs (12 updates): long enough for Prodigy's d to grow from d0 (at update 9 here), as it must to be read.
-    cfg = tiny_config(shapes_dataset_dir, tiny_model_dir, lr_finder="prodigy_step",
-                      lr_range_test={"lr_min": None, "lr_max": None}, finetune={"epochs": 3})
+    # SD3 samples with its own flow-matching scheduler, not the demo's DDIM (as `rangefinder demo --family sd3`).
+    cfg = tiny_config(shapes_dataset_dir, tiny_sd3_dir, lr_finder="auto",
+                      lr_range_test={"lr_min": None, "lr_max": None}, finetune={"epochs": 3},
+                      sampling={**TINY["sampling"], "scheduler": None})
     seed(tmp_path / "mlflow.db")  # the run's default store, migrated: its first step skips MLflow's migrations
     run = run_pipeline_locally(cfg, tmp_path, quiet=True)
     s = run.summary()
@@ -42,6 +45,7 @@ def test_lr_finder_prodigy_step_runs_the_prodigy_branch_and_fine_tunes_at_its_st
     assert {"prodigy-step-size.html", "prodigy-step-size.md", "choose-lr-decision.md"} <= reports, reports
     decision = next(p for p in run.reports if p.name == "choose-lr-decision.md").read_text()
     assert "read off a Prodigy run's final step size d x lr" in decision and "12 updates" in decision
+    assert "(lr_finder: auto, which measures full on sd3 with prodigy_step)" in decision
 
     with sqlite3.connect(tmp_path / "mlflow.db") as con:
         runs = dict(con.execute("select name, status from runs").fetchall())

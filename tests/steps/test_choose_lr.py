@@ -41,12 +41,20 @@ def test_prodigy_step_collapses_the_bounds_onto_the_step_size_and_says_where_it_
                       updates=120)
     assert (c.lr_low, c.lr_mid, c.lr_high, c.source) == (2.5e-4, 2.5e-4, 2.5e-4, "prodigy-step")
     text = out.read_text()
-    assert "read off a Prodigy run's final step size d x lr = 0.00025, 120 updates" in text
+    assert "read off a Prodigy run's final step size d x lr = 0.00025, 120 updates (lr_finder: prodigy_step)" in text
     assert "one constant LR, no successive halving" in text
     # The fine-tune's halving has nothing to race at one LR.
     assert not halving_applies(True, True, "constant", c.lr_mid, c.lr_high)
     with pytest.raises(RangefinderError, match="prodigy-step source gives one LR"):
         run_choose_lr(cfg, source="prodigy-step", lr_low=1e-4, lr_high=1e-3, lr_mid=2e-4)
+
+
+def test_prodigy_step_under_auto_says_what_auto_resolved_to_for_the_model(tmp_path, tiny_sd3_dir):
+    cfg = demo_config(lr_finder="auto", lr_range_test={"lr_min": None, "lr_max": None},
+                      model={"base_model": str(tiny_sd3_dir)}, training={"method": "lora"})
+    out = tmp_path / "decision.md"
+    run_choose_lr(cfg, source="prodigy-step", lr_low=3e-3, lr_high=3e-3, lr_mid=3e-3, decision_path=out)
+    assert "d x lr = 0.003 (lr_finder: auto, which measures lora on sd3 with prodigy_step)" in out.read_text()
 
 
 def test_a_fixed_lr_says_the_lr_finder_had_nothing_to_measure(tmp_path):

@@ -142,17 +142,37 @@ def test_a_local_runs_step_skips_the_teardown_but_keeps_its_exit_status_and_atex
     assert (tmp_path / "handler-ran").read_text() == "yes"
 
 
-@pytest.mark.parametrize("method, finder", [("full", "prodigy_step"), ("lora", "prodigy_step"),
-                                            ("textual_inversion", "range_test")])
-def test_lr_finder_auto_follows_the_method_a_person_sets_at_run_time(method, finder):
-    """The compiled pipeline carries lr_finder as a parameter; resolve-config resolves auto for the method of this
-    run, so changing `method` in the UI changes the finder (the DAG's condition reads this output)."""
+@pytest.mark.parametrize("model, method, finder", [
+    ("sd1", "full", "range_test"), ("sd1", "lora", "range_test"), ("sd3", "full", "prodigy_step"),
+    ("sd3", "lora", "prodigy_step"), ("flux", "full", "prodigy_step"), ("flux", "lora", "prodigy_step"),
+])
+def test_lr_finder_auto_follows_the_model_and_method_a_person_sets_at_run_time(model, method, finder, request):
+    """The compiled pipeline carries lr_finder as a parameter; resolve-config resolves auto for the base model it has
+    just resolved and the method of this run, so changing either in the UI changes the finder (the DAG's condition
+    reads this output). The family is read off the model's files, never from a name."""
     params = parameters_from_config(RangefinderConfig(lr_finder="auto"))
     base = params.pop("base_config")
     params["method"] = method
+    if model != "sd1":  # sd1: the embedded default
+        params["base_model"] = str(request.getfixturevalue(f"tiny_{model}_dir"))
     assert run_resolve_config(base, **params).lr_finder == finder
-    params.update(method="full", lr_finder="range_test")  # the parameter itself wins over base_config
+    params.update(lr_finder="range_test")  # the parameter itself wins over base_config
     assert run_resolve_config(base, **params).lr_finder == "range_test"
+    if model == "sd1":
+        params.update(method="textual_inversion", lr_finder="auto")
+        assert run_resolve_config(base, **params).lr_finder == "range_test"
+
+
+def test_range_test_bounds_auto_leaves_unused_are_a_warning_once_the_model_is_known(tiny_sd3_dir, capsys):
+    """The CLI cannot tell a hub id's family before it is fetched; resolve-config can, and says it in its log."""
+    params = parameters_from_config(RangefinderConfig(lr_range_test={"lr_max": 1e-2}))
+    base = params.pop("base_config")
+    assert run_resolve_config(base, **params).lr_finder == "range_test"  # SD 1.x: the bounds are used
+    assert "warning" not in capsys.readouterr().err
+    params["base_model"] = str(tiny_sd3_dir)
+    assert run_resolve_config(base, **params).lr_finder == "prodigy_step"
+    assert ("rangefinder: warning: the range test's bounds (lr_range_test.lr_max) are not used: on this sd3 base "
+            "model, lr_finder auto measures the LR of method full with prodigy_step") in capsys.readouterr().err
 
 
 # --- the family preflight: settings wrong only for the resolved model's family stop the first step ---------------

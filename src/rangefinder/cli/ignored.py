@@ -95,3 +95,12 @@ def warn_ignored(command: str, ignored: list[tuple[list[str], str]]) -> None:
     if ignored:
         said = "; ".join(f"{', '.join(names)} ({why})" for names, why in ignored)
         warn([f"ignored by `rangefinder {command}`: {said}"])
+
+
+def warn_conflicts(cfg: RangefinderConfig) -> None:
+    """config.setting_conflicts' lines as warnings, told the base model's family where it can be read without
+    fetching or converting anything (a hub id not in the cache yet: not)."""
+    from rangefinder.config import setting_conflicts
+    from rangefinder.training.family_detection import family_of
+
+    warn(setting_conflicts(cfg, family_of(cfg.model)))

@@ -68,7 +68,7 @@ class ResolvedModel:
 
     @property
     def family(self) -> str:
-        """"sd1" | "sdxl", from the folder's model_index.json."""
+        """"sd1" | "sdxl" | "sd3" | "flux", from the folder's model_index.json."""
         return detect_family(self.path)
 
 

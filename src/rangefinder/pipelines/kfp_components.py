@@ -66,7 +66,7 @@ def resolve_config(
         base_model: A diffusers folder, a single-file .safetensors checkpoint or a hub id; empty: the tiny model.
         base_model_revision: Branch, tag or commit of a hub base_model; empty: main.
         method: What trains: full, lora or textual_inversion.
-        lr_finder: How discovery measures the LR: range_test, prodigy_step or auto (by method).
+        lr_finder: How discovery measures the LR: range_test, prodigy_step or auto (by model family and method).
         resolution: Training resolution in pixels (square, a multiple of 8).
         batch_size: Images per micro-batch per GPU.
         grad_accum: Micro-batches per optimizer update.
@@ -89,7 +89,7 @@ def resolve_config(
     Returns:
         config_json: The validated config as JSON, with the base model resolved; every later step reads it.
         fixed_lr: The hand-chosen learning rate, or 0 when discovery runs.
-        lr_finder: The finder discovery runs: range_test or prodigy_step (auto resolved for the method).
+        lr_finder: The finder discovery runs: range_test or prodigy_step (auto resolved for the model and method).
         retrain: Whether the full-data retrain runs.
         mlflow_parent_run_id: The MLflow run the steps' runs nest under (KFP's own when its MLflow plugin is on).
     """

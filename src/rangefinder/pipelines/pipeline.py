@@ -7,7 +7,7 @@ record-status  (exit handler: runs whatever happened, records the final state)
     └── else:            prepare-dataset (dataset_dir or the embedded default) -> train-and-evaluate
 
 train-and-evaluate (one sub-pipeline, so the two dataset branches share everything after the split)
-    ├── if fixed_lr == 0:  discover-lr (lr_finder: resolve-config's, with auto resolved for the method)
+    ├── if fixed_lr == 0:  discover-lr (lr_finder: resolve-config's, auto resolved for the model and method)
     │       if lr_finder == prodigy_step:  prodigy-step-size -> choose-lr (its final step size as the one LR)
     │       else:  range-test
     │           lr-range-test -> if censored / too few points: lr-range-test (zoom) -> choose-lr
@@ -240,8 +240,8 @@ def _build_pipeline(cfg: RangefinderConfig, *, local: bool) -> Callable:
     def discover_lr(
         config_json: str, split: dsl.Input[dsl.Dataset], lr_finder: str, mlflow_parent_run_id: str
     ) -> Bounds:
-        """The LR measured by the finder resolve-config resolved for the method (auto included): the step size a
-        Prodigy run ends on, or the LR range test (and its zoom)."""
+        """The LR measured by the finder resolve-config resolved for the base model and method (auto included): the
+        step size a Prodigy run ends on, or the LR range test (and its zoom)."""
         with dsl.If(lr_finder == "prodigy_step", name="prodigy-step"):
             probe = step(c.prodigy_step_size(config_json=config_json, split=split,
                                              mlflow_parent_run_id=mlflow_parent_run_id), "prodigy_step_size")
@@ -330,7 +330,8 @@ def _build_pipeline(cfg: RangefinderConfig, *, local: bool) -> Callable:
             method: What trains: full, lora or textual_inversion.
             lr_finder: How the LR is measured when fixed_lr is 0: range_test (the LR range test, and a zoom when
                 needed), prodigy_step (a Prodigy run of finetune_epochs at lr 1.0; the fine-tune trains at the step
-                size d x lr it ended on), or auto (prodigy_step for full and lora, range_test for textual_inversion).
+                size d x lr it ended on), or auto, the default (prodigy_step for full and lora on an SD3 or Flux
+                base model, range_test otherwise; read off the model by resolve-config).
             resolution: Training resolution in pixels (square, a multiple of 8); 512 for SD 1.x.
             batch_size: Images per micro-batch per GPU.
             grad_accum: Micro-batches per optimizer update (effective batch = batch_size x grad_accum x GPUs).

@@ -48,7 +48,7 @@ def run_choose_lr(cfg: RangefinderConfig, *, source: str, lr_low: float, lr_high
         run = f", {updates} updates" if updates else ""
         why = {"range-test": "read off the LR range test", "zoom": "read off the zoomed (second) LR range test",
                "prodigy-step": f"read off a Prodigy run's final step size d x lr = {lr_mid:.3g}{run} "
-                               "(lr_finder: prodigy_step)",
+                               f"({finder_words(cfg)})",
                "fixed": skipped_because(cfg) or (f"fixed by hand; discovery skipped (lr_finder {cfg.lr_finder} "
                                                  "has nothing to measure)")}[source]
         # Bounds collapsed onto one LR: the fine-tune's spec trains it constant, and halving has nothing to race.
@@ -60,6 +60,18 @@ def run_choose_lr(cfg: RangefinderConfig, *, source: str, lr_low: float, lr_high
             f"\nThe fine-tune trains at lr_mid ({how}).\n"
         )
     return chosen
+
+
+def finder_words(cfg: RangefinderConfig) -> str:
+    """lr_finder as set, and under auto what it resolved to for this run's base model and method."""
+    if cfg.lr_finder != "auto":
+        return f"lr_finder: {cfg.lr_finder}"
+    from rangefinder.training.family_detection import family_of
+
+    family = family_of(cfg.model)
+    if family is None:  # not resolved (a step run by hand on a config that did not pass resolve-config)
+        return "lr_finder: auto"
+    return f"lr_finder: auto, which measures {cfg.training.method} on {family} with {cfg.lr_finder_for(family)}"
 
 
 def skipped_because(cfg: RangefinderConfig) -> Optional[str]:

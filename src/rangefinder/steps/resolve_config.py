@@ -20,11 +20,11 @@ value means the method's default sweep).
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
-from rangefinder.config import RangefinderConfig, _deep_merge, parse_config
+from rangefinder.config import RangefinderConfig, _deep_merge, auto_finder_conflicts, parse_config
 from rangefinder.errors import ConfigError
 
 # Pipeline parameter -> dotted config field. The order is the order the UI lists them in.
@@ -127,7 +127,7 @@ def config_from_parameters(base_config: str = "", **params: Any) -> RangefinderC
 class ResolvedConfig:
     config_json: str  # the whole validated config, handed to every later step
     fixed_lr: float  # 0.0: discover the LR (the DAG's condition needs a number, not None)
-    lr_finder: str  # how discovery measures it: range_test or prodigy_step (auto resolved for the method)
+    lr_finder: str  # how discovery measures it: range_test or prodigy_step (auto resolved for the model and method)
     retrain: bool
     mlflow_parent_run_id: str  # "" when tracking is off
 
@@ -136,39 +136,42 @@ def run_resolve_config(base_config: str = "", *, pipeline_job_id: str = "", pipe
                        **params: Any) -> ResolvedConfig:
     cfg = config_from_parameters(base_config, **params)
     parent = start_parent_run(cfg, pipeline_job_id, pipeline_job_name) if pipeline_job_id else ""
-    cfg = with_resolved_base_model(cfg)
-    preflight(cfg)
+    cfg, family = with_resolved_base_model(cfg)
+    preflight(cfg, family)
+    # What the CLI could not tell before the model was fetched (a hub id): said here, in the step's log.
+    for line in auto_finder_conflicts(cfg, family):
+        print(f"rangefinder: warning: {line}", file=sys.stderr, flush=True)
     return ResolvedConfig(
         config_json=cfg.model_dump_json(),
         fixed_lr=float(cfg.pipeline_lr() or 0.0),  # an LR-free optimizer skips discovery too
-        # Resolved here, at run time, so auto follows the method a person sets in the UI.
-        lr_finder=cfg.lr_finder_for_method(),
+        # Resolved here, at run time, so auto follows the base model and the method a person sets in the UI.
+        lr_finder=cfg.lr_finder_for(family),
         retrain=bool(cfg.retrain.enabled),
         mlflow_parent_run_id=parent,
     )
 
 
-def with_resolved_base_model(cfg: RangefinderConfig) -> RangefinderConfig:
+def with_resolved_base_model(cfg: RangefinderConfig) -> tuple[RangefinderConfig, str]:
     """`cfg` with `model.resolved_dir` set to the local diffusers folder of `model.base_model` (downloaded or
-    converted now, once); ConfigError when the model cannot be had. A resolved_dir already in the config (a
-    base_config copied from an earlier run's) is ignored: this run resolves its own."""
+    converted now, once), and the model's family; ConfigError when the model cannot be had. A resolved_dir already
+    in the config (a base_config copied from an earlier run's) is ignored: this run resolves its own."""
     from rangefinder.models.loading import resolve_base_model
 
     resolved = resolve_base_model(cfg.model.model_copy(update={"resolved_dir": None}))
-    print(f"base model: {resolved.source} -> {resolved.path}")
-    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"resolved_dir": str(resolved.path)})})
+    family = resolved.family
+    print(f"base model: {resolved.source} -> {resolved.path} ({family})")
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"resolved_dir": str(resolved.path)})}), family
 
 
-def preflight(cfg: RangefinderConfig, family: Optional[str] = None) -> None:
+def preflight(cfg: RangefinderConfig, family: str) -> None:
     """ConfigError for a setting wrong only for the resolved base model's family (a DDPM setting on a flow-matching
     model, a DDPM sampling scheduler on one, a method the family cannot train), with the engine's own rules
     (training.families.check_family_settings): the engine meets them only when a training step loads the model, the
-    sampling scheduler only when the fine-tune first samples, after the whole LR discovery has trained. `family`
-    defaults to the one read off the resolved folder."""
+    sampling scheduler only when the fine-tune first samples, after the whole LR discovery has trained. `family`:
+    the one read off the resolved folder (with_resolved_base_model)."""
     from rangefinder.training.families import check_family_settings
-    from rangefinder.training.family_detection import detect_family
 
-    check_family_settings(cfg, family or detect_family(Path(str(cfg.model.resolved_dir))))
+    check_family_settings(cfg, family)
 
 
 def start_parent_run(cfg: RangefinderConfig, pipeline_job_id: str, pipeline_job_name: str = "") -> str:

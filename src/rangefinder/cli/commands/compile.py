@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from rangefinder.cli.ignored import ignored_by_pipeline, warn_ignored
-from rangefinder.cli.output import add_json_flag, warn
+from rangefinder.cli.ignored import ignored_by_pipeline, warn_conflicts, warn_ignored
+from rangefinder.cli.output import add_json_flag
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -23,13 +23,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from rangefinder.config import load_config, setting_conflicts
+    from rangefinder.config import load_config
     from rangefinder.formats.atomic import atomic_path
     from rangefinder.pipelines.pipeline import PIPELINE_NAME, compile_pipeline
 
     cfg = load_config(args.config)
     warn_ignored("compile", ignored_by_pipeline(cfg, local=False))
-    warn(setting_conflicts(cfg))
+    warn_conflicts(cfg)
     out = Path(args.out)
     # Compile next to the target and rename: a failed compile never leaves a half-written package behind. The
     # temporary name keeps .yaml, from which the KFP compiler picks the format.

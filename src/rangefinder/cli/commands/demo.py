@@ -69,6 +69,8 @@ def prepare_demo(out: Path, retrain: bool = False, lr: float | None = None, fami
         overrides["sampling"] = {"scheduler": None}
     if family == "flux":  # so does Flux, whose guidance scale is the distilled guidance input (3.5), not CFG
         overrides["sampling"] = {"scheduler": None, "guidance_scale": 3.5}
+    if family in ("sd3", "flux"):  # lr_finder auto measures their LR with prodigy_step: the range test's bounds
+        overrides["lr_range_test"] = {"lr_min": None, "lr_max": None}  # (the demo's, for SD 1.x) would go unused
     # Validated before anything is made: a bad --lr costs one line, not a dataset and a model build.
     cfg = demo_run_config(**overrides)
     make_synthetic_dataset(dataset, kind=EMBEDDED_KIND, count=DEMO_IMAGES, seed=0, resolution=32)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from rangefinder.cli.ignored import ignored_by_pipeline, warn_ignored
-from rangefinder.cli.output import add_json_flag, warn
+from rangefinder.cli.ignored import ignored_by_pipeline, warn_conflicts, warn_ignored
+from rangefinder.cli.output import add_json_flag
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -25,10 +25,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from rangefinder.config import load_config, setting_conflicts
+    from rangefinder.config import load_config
     from rangefinder.pipelines.local_run import run_pipeline_locally
 
     cfg = load_config(args.config)
     warn_ignored("run", ignored_by_pipeline(cfg, local=True))
-    warn(setting_conflicts(cfg))
+    warn_conflicts(cfg)
     return run_pipeline_locally(cfg, args.out, quiet=not args.verbose).summary()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 
 from rangefinder.cli import args as argtypes
-from rangefinder.cli.ignored import ignored_by_submit, warn_ignored
-from rangefinder.cli.output import add_json_flag, warn
+from rangefinder.cli.ignored import ignored_by_submit, warn_conflicts, warn_ignored
+from rangefinder.cli.output import add_json_flag
 
 
 def add_endpoint_args(p: argparse.ArgumentParser) -> None:
@@ -36,13 +36,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> dict:
     from dataclasses import asdict
 
-    from rangefinder.config import kubernetes_name_problem, load_config, setting_conflicts
+    from rangefinder.config import kubernetes_name_problem, load_config
     from rangefinder.errors import ConfigError
     from rangefinder.pipelines.client import submit
 
     cfg = load_config(args.config)
     warn_ignored("submit", ignored_by_submit(cfg, args.dataset_uri))
-    warn(setting_conflicts(cfg))
+    warn_conflicts(cfg)
     problem = args.namespace and kubernetes_name_problem(args.namespace, "label")
     if problem:
         raise ConfigError(f"--namespace: {problem}")

@@ -6,8 +6,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from rangefinder.cli.ignored import ignored_by_train, warn_ignored
-from rangefinder.cli.output import add_json_flag, warn
+from rangefinder.cli.ignored import ignored_by_train, warn_conflicts, warn_ignored
+from rangefinder.cli.output import add_json_flag
 from rangefinder.errors import ConfigError
 
 
@@ -55,7 +55,7 @@ def settings_from_args(args: argparse.Namespace):
     """(RangefinderConfig, TrainSpec) from --config and the flags; samples during training only when the file has a
     sampling: section. The spec trains on the processes `training.processes_per_node` asks for, as the pipeline's
     training steps do (launch.processes)."""
-    from rangefinder.config import given_settings, load_config, setting_conflicts
+    from rangefinder.config import given_settings, load_config
     from rangefinder.launch.processes import step_world_size
 
     overrides: dict[str, Any] = {"training": {}, "validation": {}, "data": {}}
@@ -86,7 +86,7 @@ def settings_from_args(args: argparse.Namespace):
     # Only the sections given: a section the file or a flag gave is in cfg.model_fields_set.
     cfg = load_config(args.config, {name: section for name, section in overrides.items() if section})
     warn_ignored("train", ignored_by_train(cfg))
-    warn(setting_conflicts(cfg))
+    warn_conflicts(cfg)
     if not cfg.training.budget_given():
         raise ConfigError("give a budget: --epochs N or --steps N (or training.epochs / training.steps in --config)")
     if cfg.distributed.num_nodes > 1:
