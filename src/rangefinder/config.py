@@ -285,7 +285,7 @@ LRFinder = Literal["range_test", "prodigy_step", "auto"]
 MeasuredBy = Literal["range_test", "prodigy_step"]
 # The families (training/family_detection.py's names) whose full and lora runs auto measures with prodigy_step; the
 # range test everywhere else. Chosen by a rule written before its 40 fresh cases ran (bench/RESULTS.md, "`lr_finder:
-# auto` by model family"): on the SD3 tiny model the range test read the LR 2-10x too low, and Prodigy's step size
+# auto` by model family"): on the SD3 tiny model the range test read the LR 3.5-160x too low, and Prodigy's step size
 # beat it in 15 of 20 (lost 1); on Flux the two tied in 18 of 20 (the prior won 2). On SD 1.x it did not beat the
 # range test (fresh seeds 33-34: 3 wins, 6 losses), so SD 1.x/2.x and SDXL keep the range test.
 LR_FINDER_AUTO_PRODIGY: dict[str, tuple[str, ...]] = {"sd3": ("full", "lora"), "flux": ("full", "lora")}
