@@ -150,9 +150,10 @@ class DataConfig(_Section):
     # bucket and trains exactly as with `false`, which centre-crops every image to a square.
     bucketing: bool = True
     # Bucket sides are multiples of this many pixels. It must be a multiple of the base model's own divisor, the VAE's
-    # downscale times the UNet's (SD 1.x/2.x/SDXL: 8 x 8 = 64; the embedded tiny model: 4 x 2 = 8); the engine checks
-    # it. None: min(64, resolution // 4) rounded down to a multiple of 8 (64 from 256 px up; 8 at the tiny model's
-    # 32 px, where 64 would leave one bucket).
+    # downscale times the UNet's (SD 1.x/2.x/SDXL: 8 x 8 = 64; the embedded tiny model: 4 x 2 = 8); resolve-config
+    # refuses a step none of whose buckets fit, the engine the buckets a dataset's images land in. None: min(64,
+    # resolution // 4) rounded down to a multiple of 8 (64 from 256 px up; 8 at the tiny model's 32 px, where 64
+    # would leave one bucket).
     bucket_step: Optional[int] = Field(None, ge=8)
     # Largest long-side / short-side ratio of a bucket. 2.0 covers 16:9 and 2:3 photos; wider images are cropped to
     # 2:1. Fewer, fuller buckets than kohya's reach of 4:1 mean fewer partial batches and steadier per-bucket

@@ -242,3 +242,130 @@ def test_the_preflight_and_the_engine_refuse_in_the_same_words(tiny_sd3_dir, tin
         with pytest.raises(ConfigError) as engine:
             family_for(load_sd_components(ModelConfig(base_model=str(model_dir))), TrainingConfig(**training))
         assert str(early.value) == str(engine.value)
+
+
+# --- the size preflight: a resolution the model cannot take stops the first step ---------------------------------
+
+def _with_config(model_dir: Path, out: Path, part: str, **changes) -> Path:
+    """A copy of a tiny model folder whose `part`'s config.json has `changes`; every other file is linked. The tiny
+    models take every size the config allows (8 px sides), so a model that takes fewer is made this way: Flux.1's
+    VAE depth, SD3's patch at 4, as the engine's own tests do on the loaded modules (register_to_config)."""
+    for f in model_dir.rglob("*"):
+        if f.is_file():
+            dest = out / f.relative_to(model_dir)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            if f.relative_to(model_dir) == Path(part, "config.json"):
+                dest.write_text(json.dumps({**json.loads(f.read_text()), **changes}))
+            else:
+                dest.symlink_to(f)
+    return out
+
+
+DEEP_VAE = {"block_out_channels": [8, 16, 32, 32]}  # 4 levels: x8, as SD's and Flux.1's VAEs (the tiny one's: x4)
+ON_OWN_SAMPLER = {"sd1": {}, "sdxl": {}, "sd3": OWN_SAMPLER, "flux": OWN_SAMPLER}
+MODELS = {"sd1": "tiny_model_dir", "sdxl": "tiny_sdxl_dir", "sd3": "tiny_sd3_dir", "flux": "tiny_flux_dir"}
+
+
+@pytest.mark.parametrize("family, changed, overrides, words", [
+    # Before, the fine-tune refused it at its first sample, after the LR discovery had trained.
+    ("sd1", None, {"sampling": {"resolution": 36}}, r"sampling.resolution: the pipeline renders sides in multiples "
+     r"of 8 px, not 36; set it to a multiple of 8 \(or leave it unset for data.resolution\)"),
+    ("sd3", None, {"sampling": {"resolution": 36}}, r"sampling.resolution: the pipeline renders sides in multiples "
+     r"of 8 px, not 36"),
+    ("flux", None, {"sampling": {"resolution": 44}}, r"sampling.resolution: the pipeline renders sides in multiples "
+     r"of 8 px, not 44"),
+    ("sd3", ("transformer", {"patch_size": 4}), {"sampling": {"resolution": 40}},
+     r"sampling.resolution: the pipeline renders sides in multiples of 16 px, not 40"),
+    # Before, the first training step refused it when it encoded.
+    ("sdxl", None, {"data": {"resolution": 8}}, r"data.resolution: 8 px is below what the sdxl family supports for "
+     r"this base model \(native 32 px, at least 16 px\); set data.resolution to 16 or more"),
+    ("sd3", ("transformer", {"patch_size": 4}), {"data": {"resolution": 40}}, r"data.resolution: 40 px is not a "
+     r"multiple of 16 px, the sd3 family's patch size in pixels \(the VAE's downscale times the transformer's patch\); "
+     r"set data.resolution to 32"),
+    ("sd3", ("transformer", {"sample_size": 64}), {"data": {"resolution": 56}},  # native 256 px: floor 64
+     r"data.resolution: 56 px is below what the sd3 family supports for this base model \(native 256 px, at least "
+     r"64 px\)"),
+    ("flux", ("vae", DEEP_VAE), {"data": {"resolution": 40}}, r"data.resolution: 40 px is not a multiple of 16 px"),
+    # SD 1.x's UNet takes any square the config allows; a bucket step none of whose buckets it takes cannot work.
+    ("sd1", ("vae", DEEP_VAE), {"data": {"resolution": 40, "bucket_step": 24}}, r"data.bucket_step 24 px does not "
+     r"fit the base model: its image sides must be multiples of 16 px \(VAE x8, UNet x2\), but buckets 24x24, 24x48, "
+     r"48x24 are not; set data.bucket_step to a multiple of 16"),
+], ids=["sd1-sampling", "sd3-sampling", "flux-sampling", "sd3-patch4-sampling", "sdxl-floor", "sd3-patch4-data",
+        "sd3-floor", "flux-vae8-data", "sd1-vae8-buckets"])
+def test_a_size_the_model_cannot_take_stops_the_first_step(request, tmp_path, family, changed, overrides, words):
+    """The engine's one-line refusal, raised by resolve-config from the folder's config.json files."""
+    model_dir = request.getfixturevalue(MODELS[family])
+    if changed is not None:
+        model_dir = _with_config(model_dir, tmp_path / "model", changed[0], **changed[1])
+    sampling = {**ON_OWN_SAMPLER[family], **overrides.pop("sampling", {})}
+    with pytest.raises(ConfigError, match="^" + words) as e:
+        _resolve_on(model_dir, sampling=sampling, **overrides)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("family", MODELS)
+@pytest.mark.parametrize("overrides", [
+    {},  # the demo's 32 px, sampled at it
+    {"sampling": {"resolution": 48}},
+    {"data": {"resolution": 64, "bucket_step": 16}},
+    {"data": {"resolution": 16, "bucketing": False}},
+])
+def test_sizes_the_model_takes_pass_the_preflight(request, family, overrides):
+    model_dir = request.getfixturevalue(MODELS[family])
+    sampling = {**ON_OWN_SAMPLER[family], **overrides.get("sampling", {})}
+    r = _resolve_on(model_dir, **{**overrides, "sampling": sampling})
+    assert load_step_config(r.config_json).model.resolved_dir == str(model_dir)
+
+
+def test_a_bucket_step_that_fits_some_images_is_left_to_the_engine(tiny_model_dir, tmp_path):
+    """At 40 px with 8 px steps an SD 1.x with the x8 VAE takes the 32x48 bucket but not 40x40: whether a set's
+    images land in an odd bucket depends on them, so the first step lets it through and the engine checks the
+    buckets the split fills."""
+    _resolve_on(_with_config(tiny_model_dir, tmp_path / "m", "vae", **DEEP_VAE),
+                data={"resolution": 40, "bucket_step": 8})
+
+
+def test_the_preflight_and_the_engine_refuse_a_size_in_the_same_words(tiny_sdxl_dir, tiny_sd3_dir, tiny_flux_dir,
+                                                                      tiny_model_dir, split_dir, tmp_path):
+    """One rule each (training/geometry.py): the preflight applies it to the folder's config.json, the engine to the
+    loaded modules' configs, here changed as the folder's are (register_to_config)."""
+    from rangefinder.config import DataConfig, ModelConfig, SamplingConfig, TrainingConfig, ValidationConfig
+    from rangefinder.models.loading import load_sd_components
+    from rangefinder.training.encoding import check_bucket_sides, check_resolution
+    from rangefinder.training.families import family_for
+    from rangefinder.training.loop import TrainSpec, train
+
+    cases = [(tiny_sdxl_dir, None, {"resolution": 8}), (tiny_sd3_dir, ("transformer", {"patch_size": 4}),
+             {"resolution": 40}), (tiny_flux_dir, ("vae", DEEP_VAE), {"resolution": 40})]
+    for i, (model_dir, changed, data) in enumerate(cases):
+        sd = load_sd_components(ModelConfig(base_model=str(model_dir)))
+        family = family_for(sd, TrainingConfig())
+        early_dir = model_dir
+        if changed is not None:
+            early_dir = _with_config(model_dir, tmp_path / f"m{i}", changed[0], **changed[1])
+            (sd.unet if changed[0] == "transformer" else sd.vae).register_to_config(**changed[1])
+        with pytest.raises(ConfigError) as early:
+            _resolve_on(early_dir, data=data, sampling=OWN_SAMPLER)
+        with pytest.raises(ConfigError) as engine:
+            check_resolution(family, sd, DataConfig(**data))
+        assert str(early.value) == str(engine.value)
+
+    # A bucket step no bucket fits: the engine names the buckets the images landed in, here all of them.
+    data = DataConfig(resolution=40, bucket_step=24)
+    sd = load_sd_components(ModelConfig(base_model=str(tiny_model_dir)))
+    sd.vae.register_to_config(**DEEP_VAE)
+    with pytest.raises(ConfigError) as early:
+        _resolve_on(_with_config(tiny_model_dir, tmp_path / "sd1", "vae", **DEEP_VAE), data=data.model_dump())
+    with pytest.raises(ConfigError) as engine:
+        check_bucket_sides(sd, family_for(sd, TrainingConfig()), {(24, 24), (24, 48), (48, 24)}, data)
+    assert str(early.value) == str(engine.value)
+
+    # The sampling resolution: the fine-tune's own refusal, before its first update.
+    with pytest.raises(ConfigError) as early:
+        _resolve_on(tiny_model_dir, sampling={"resolution": 36})
+    training = TrainingConfig(batch_size=4, epochs=1, lr=1e-4, cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(ConfigError) as engine:
+        train(TrainSpec(training, ValidationConfig(every_epochs=1), split_dir=split_dir, model=tiny_model_dir,
+                        sampling=SamplingConfig(resolution=36, num_inference_steps=1, every_validations=1)),
+              out_dir=tmp_path / "run")
+    assert str(early.value) == str(engine.value)

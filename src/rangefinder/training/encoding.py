@@ -15,7 +15,8 @@ import torch
 
 from rangefinder.config import DataConfig
 from rangefinder.data.buckets import Placement, Size, bucket_array, bucket_name
-from rangefinder.errors import ConfigError, DataError
+from rangefinder.errors import DataError
+from rangefinder.training import geometry as size_rules
 from rangefinder.training.caching import (
     CachedLatentFiles,
     CachedTextFiles,
@@ -31,8 +32,9 @@ from rangefinder.training.caching import (
 from rangefinder.training.captions import ShuffledCaptions
 from rangefinder.training.data import EncodedOnTheFly, LatentSource
 from rangefinder.training.family import Family, ImageGeometry
+from rangefinder.training.geometry import ModelGeometry
 from rangefinder.training.run import EncodedData, RunSettings
-from rangefinder.training.setup import move_module, native_data_config
+from rangefinder.training.setup import move_module
 from rangefinder.training.validation import ValidationSet
 
 if TYPE_CHECKING:
@@ -97,22 +99,16 @@ def encode_data(settings: RunSettings, sd: SDComponents, family: Family, acceler
                        text.train_text, text.train_geometry)
 
 
+def loaded_geometry(family: Family, sd: SDComponents) -> ModelGeometry:
+    """The size rules' view of a loaded model: its VAE's and denoiser's configs, as the preflight reads them from
+    the folder's config.json (geometry.py)."""
+    return ModelGeometry.of(type(family), sd.vae.config, sd.unet.config)
+
+
 def check_resolution(family: Family, sd: SDComponents, data: DataConfig) -> None:
-    """A training resolution below what the model family supports is a ConfigError naming the floor."""
-    native = native_data_config(sd).resolution
-    floor = family.min_resolution(native)
-    if data.resolution < floor:
-        raise ConfigError(
-            f"data.resolution: {data.resolution} px is below what the {family.name} family supports for this base "
-            f"model (native {native} px, at least {floor} px); set data.resolution to {floor} or more"
-        )
-    multiple = family.side_multiple(sd)
-    if family.patchified and data.resolution % multiple:
-        raise ConfigError(
-            f"data.resolution: {data.resolution} px is not a multiple of {multiple} px, the {family.name} family's "
-            f"patch size in pixels (the VAE's downscale times the transformer's patch); set data.resolution to "
-            f"{max(multiple, data.resolution - data.resolution % multiple)}"
-        )
+    """A training resolution below what the model family supports, or a transformer's off its patch grid, is a
+    ConfigError (geometry.check_resolution, which resolve-config's preflight applies too)."""
+    size_rules.check_resolution(loaded_geometry(family, sd), data)
 
 
 def image_geometry(path: Path, data: DataConfig, placement: Optional[Placement] = None) -> ImageGeometry:
@@ -136,19 +132,9 @@ def image_geometry(path: Path, data: DataConfig, placement: Optional[Placement] 
 
 
 def check_bucket_sides(sd: SDComponents, family: Family, buckets: set[Size], data: DataConfig) -> None:
-    """ConfigError unless every bucket side is a multiple of the family's side multiple (the VAE's downscale times
-    the UNet's, or times the transformer's patch size), so that every latent passes the denoiser evenly."""
-    vae_scale = 2 ** (len(sd.vae.config.block_out_channels) - 1)
-    divisor = family.side_multiple(sd)
-    odd = sorted(b for b in buckets if b[0] % divisor or b[1] % divisor)
-    if odd:
-        raise ConfigError(
-            f"data.bucket_step {data.effective_bucket_step()} px does not fit the base model: its image sides must "
-            f"be multiples of {divisor} px (VAE x{vae_scale}, {'transformer patch' if family.patchified else 'UNet'} "
-            f"x{divisor // vae_scale}), but "
-            f"buckets {', '.join(f'{w}x{h}' for w, h in odd)} are not; set data.bucket_step to a multiple of "
-            f"{divisor}"
-        )
+    """ConfigError unless every bucket the images landed in fits the model (geometry.check_bucket_sides): known only
+    once the split is placed, so checked here; the preflight refuses only a setting none of whose buckets fit."""
+    size_rules.check_bucket_sides(loaded_geometry(family, sd), buckets, data)
 
 
 def _encode_latents(

@@ -47,14 +47,16 @@ def family_class(name: str) -> Any:
 def check_family_settings(cfg: RangefinderConfig, family: str) -> None:
     """ConfigError for a setting that is wrong for the base model's family: what resolve-config runs once the
     model is resolved, so that such a setting stops the run before any GPU is asked for, not when a training step
-    loads the model (or, for the sampling scheduler, when the fine-tune first samples, after the LR discovery).
+    loads the model (or, for the sampling scheduler and resolution, when the fine-tune first samples, after the LR
+    discovery).
 
     No rule is written here: each is the one the engine applies (the family's `check_settings`, the method's
-    `check_family`, the samples' scheduler checks), so the two cannot drift. Reads the settings, the family's name
-    and the resolved folder's (cfg.model.resolved_dir) small configs: its training scheduler's and its denoiser's
-    config.json, never weights."""
+    `check_family`, the samples' scheduler checks, the size rules of geometry.py), so the two cannot drift. Reads
+    the settings, the family's name and the resolved folder's (cfg.model.resolved_dir) small configs: its training
+    scheduler's, its denoiser's and its VAE's config.json, never weights."""
     from rangefinder.models.loading import check_scheduler_name
     from rangefinder.training.family_flow import check_flow_scheduler
+    from rangefinder.training.geometry import ModelGeometry, check_sizes
     from rangefinder.training.methods import method_class
 
     if not cfg.model.resolved_dir:  # a caller's mistake, not a person's setting
@@ -68,12 +70,15 @@ def check_family_settings(cfg: RangefinderConfig, family: str) -> None:
         scheduler_config = scheduler_cls.from_pretrained(str(folder), subfolder="scheduler",
                                                          local_files_only=True).config
         denoiser_config: dict[str, Any] = json.loads((folder / layout.denoiser / "config.json").read_text())
-    except (OSError, ValueError) as e:
+        vae_config: dict[str, Any] = json.loads((folder / "vae" / "config.json").read_text())
+        geometry = ModelGeometry.of(family_cls, vae_config, denoiser_config)
+    except (OSError, ValueError, KeyError, TypeError) as e:  # KeyError, TypeError: a config missing what it needs
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ConfigError(f"model.base_model: cannot read the configs of {folder} ({reason}); pass a complete "
                           "diffusers folder") from None
     family_cls.check_settings(cfg.training, scheduler_config, denoiser_config)
     method_class(cfg.training.method).check_family(family)
+    check_sizes(geometry, cfg)
     check_scheduler_name(cfg.sampling.scheduler)
     if cfg.sampling.scheduler is not None:
         check_flow_scheduler(scheduler_cls.__name__, cfg.sampling.scheduler)

@@ -28,6 +28,7 @@ import torch
 from rangefinder.config import FlowSettings
 from rangefinder.errors import ConfigError
 from rangefinder.training.caching import tokenize
+from rangefinder.training.geometry import vae_downscale
 
 if TYPE_CHECKING:
     from rangefinder.config import TrainingConfig
@@ -70,6 +71,8 @@ class Family(Protocol):
     def num_timesteps(self) -> int: ...
     def text_encoder_names(self) -> tuple[str, ...]: ...
     def min_resolution(self, native: int) -> int: ...
+    @classmethod
+    def side_multiple_of(cls, vae_config: Mapping[str, Any], denoiser_config: Mapping[str, Any]) -> int: ...
     def side_multiple(self, sd: SDComponents) -> int: ...
     def tokenize(self, captions: Sequence[str]) -> torch.Tensor: ...
     def encode_prompt(self, text_encoders: Sequence[torch.nn.Module], input_ids: torch.Tensor) -> torch.Tensor: ...
@@ -146,16 +149,23 @@ class Sd1Family:
         """The SDComponents parts that encode prompts, in order."""
         return ("text_encoder",)
 
-    def min_resolution(self, native: int) -> int:
+    @classmethod
+    def min_resolution(cls, native: int) -> int:
         """The smallest training resolution (pixels) the family supports for a model of `native` resolution: SD
-        1.x/2.x train at any size their VAE and UNet divide (data.resolution's own checks)."""
+        1.x/2.x train at any size their VAE and UNet divide (data.resolution's own checks). A classmethod, like
+        side_multiple_of, so that resolve-config's preflight judges sizes from the configs (geometry.py)."""
         return 8
 
-    def side_multiple(self, sd: SDComponents) -> int:
+    @classmethod
+    def side_multiple_of(cls, vae_config: Mapping[str, Any], denoiser_config: Mapping[str, Any]) -> int:
         """Pixels each image side must be a multiple of for every latent to pass the UNet's down- and upsampling
-        evenly (aspect-ratio buckets): the VAE's downscale times the UNet's."""
-        vae_scale = 2 ** (len(sd.vae.config.block_out_channels) - 1)
-        return vae_scale * 2 ** (len(sd.unet.config.down_block_types) - 1)
+        evenly (aspect-ratio buckets): the VAE's downscale times the UNet's, read from their configs (the loaded
+        modules' or their config.json)."""
+        return vae_downscale(vae_config) * 2 ** (len(denoiser_config["down_block_types"]) - 1)
+
+    def side_multiple(self, sd: SDComponents) -> int:
+        """side_multiple_of a loaded model."""
+        return self.side_multiple_of(sd.vae.config, sd.unet.config)
 
     # --- conditioning -------------------------------------------------------------------------------------------
 

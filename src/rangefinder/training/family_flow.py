@@ -27,15 +27,17 @@ transformer's call on `noised(...)`), `patch_size` and the sampling pipeline.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from statistics import NormalDist
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from rangefinder.config import FlowSettings
 from rangefinder.errors import ConfigError
 from rangefinder.training.family import ValidationWeighting
+from rangefinder.training.geometry import vae_downscale
 
 if TYPE_CHECKING:
     from rangefinder.config import TrainingConfig
@@ -85,9 +87,15 @@ class FlowFamily:
     name: ClassVar[str] = "flow"
     patchified: ClassVar[bool] = True
 
+    @classmethod
+    def side_multiple_of(cls, vae_config: Mapping[str, Any], denoiser_config: Mapping[str, Any]) -> int:
+        """The VAE's downscale times the transformer's patch size (SD3, Flux: 8 x 2 = 16 px), read from their
+        configs (the loaded modules' or their config.json)."""
+        return vae_downscale(vae_config) * int(denoiser_config["patch_size"])
+
     def side_multiple(self, sd: SDComponents) -> int:
-        """The VAE's downscale times the transformer's patch size (SD3, Flux: 8 x 2 = 16 px)."""
-        return 2 ** (len(sd.vae.config.block_out_channels) - 1) * int(sd.unet.config.patch_size)
+        """side_multiple_of a loaded model."""
+        return self.side_multiple_of(sd.vae.config, sd.unet.config)
 
     @property
     def num_timesteps(self) -> int:

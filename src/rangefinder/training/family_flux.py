@@ -34,6 +34,7 @@ from rangefinder.errors import ConfigError
 from rangefinder.training.caching import tokenize
 from rangefinder.training.family import ImageGeometry
 from rangefinder.training.family_flow import FlowFamily, flow_shift, refuse_ddpm_settings
+from rangefinder.training.geometry import vae_downscale
 
 if TYPE_CHECKING:
     from rangefinder.config import TrainingConfig
@@ -108,13 +109,15 @@ class FluxFamily(FlowFamily):
     def text_encoder_names(self) -> tuple[str, ...]:
         return ("text_encoder", "text_encoder_2")
 
-    def min_resolution(self, native: int) -> int:
+    @classmethod
+    def min_resolution(cls, native: int) -> int:
         return 8
 
-    def side_multiple(self, sd: SDComponents) -> int:
+    @classmethod
+    def side_multiple_of(cls, vae_config: Mapping[str, Any], denoiser_config: Mapping[str, Any]) -> int:
         """The VAE's downscale times 2: the latents are packed in 2x2 patches (the transformer's own patch_size is
         1, on the packed tokens)."""
-        return 2 ** (len(sd.vae.config.block_out_channels) - 1) * 2
+        return vae_downscale(vae_config) * 2
 
     # --- sigma --------------------------------------------------------------------------------------------------
 

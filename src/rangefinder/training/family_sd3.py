@@ -67,7 +67,8 @@ class Sd3Family(FlowFamily):
     def text_encoder_names(self) -> tuple[str, ...]:
         return ("text_encoder", "text_encoder_2", "text_encoder_3")
 
-    def min_resolution(self, native: int) -> int:
+    @classmethod
+    def min_resolution(cls, native: int) -> int:
         return max(8, native // 4)  # SD3 was pre-trained from 256 px up (paper sec. 5.3) for its 1024 px native
 
     # --- conditioning -------------------------------------------------------------------------------------------

@@ -55,7 +55,8 @@ class SdxlFamily(Sd1Family):
     def text_encoder_names(self) -> tuple[str, ...]:
         return ("text_encoder", "text_encoder_2")
 
-    def min_resolution(self, native: int) -> int:
+    @classmethod
+    def min_resolution(cls, native: int) -> int:
         """SDXL was trained down to half its native size (512 px for the 1024 px base, through its size
         conditioning); below that it does not produce the images it was trained on."""
         return max(8, native // 2)

@@ -41,9 +41,9 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from rangefinder.errors import ConfigError
 from rangefinder.formats.atomic import atomic_path, write_json
 from rangefinder.models.loading import pipeline_call_kwargs
+from rangefinder.training.geometry import ModelGeometry, check_sampling_resolution
 from rangefinder.training.sinks import ImageSink
 from rangefinder.training.validation import preserved_rng
 
@@ -123,11 +123,9 @@ class TrainingSamples:
         if every is None:
             return None
         resolution = cfg.resolution or run.data.data_cfg.resolution
-        # diffusers' SD and SDXL pipelines take sides in multiples of 8 px (and of the VAE's downscale).
-        step = math.lcm(8, 2 ** (len(run.sd.vae.config.block_out_channels) - 1))
-        if resolution % step:
-            raise ConfigError(f"sampling.resolution: the pipeline renders sides in multiples of {step} px, not "
-                              f"{resolution}; set it to a multiple of {step} (or leave it unset for data.resolution)")
+        # The rule resolve-config's preflight applies too (geometry.py), here for a run started without it.
+        check_sampling_resolution(ModelGeometry.of(type(run.family), run.sd.vae.config, run.sd.unet.config),
+                                  resolution)
         if cfg.scheduler is not None:
             from rangefinder.models.loading import check_scheduler_name
 

@@ -274,11 +274,9 @@ def memory_advice(cfg: TrainingConfig) -> Iterator[None]:
 
 def native_data_config(sd: SDComponents) -> DataConfig:
     """The base model's native resolution (the UNet's sample size times the VAE's downscale), centre-cropped."""
-    vae_scale = 2 ** (len(sd.vae.config.block_out_channels) - 1)
-    sample = getattr(sd.unet.config, "sample_size", None)
-    if sample is None:  # a transformer (Flux) has no sample size; its VAE's is the native resolution in pixels
-        return DataConfig(resolution=int(sd.vae.config.sample_size))
-    return DataConfig(resolution=int(sample) * vae_scale)
+    from rangefinder.training.geometry import native_resolution
+
+    return DataConfig(resolution=native_resolution(sd.vae.config, sd.unet.config))
 
 
 def move_module(module: torch.nn.Module, device: torch.device, dtype: Optional[torch.dtype] = None) -> None:
