@@ -118,7 +118,7 @@ def test_flux_resolution_must_be_a_multiple_of_the_patch(tiny_flux_dir):
 
     sd = load_sd_components(ModelConfig(base_model=str(tiny_flux_dir)))
     family = family_for(sd, TrainingConfig())
-    assert family.side_multiple(sd) == 8
+    assert family.side_multiple_of(sd.vae.config, sd.unet.config) == 8
     check_resolution(family, sd, DataConfig(resolution=40))
     sd.vae.register_to_config(block_out_channels=[8, 16, 32, 32])  # Flux.1's VAE: 4 levels, downscale 8
     with pytest.raises(ConfigError, match="data.resolution: 40 px is not a multiple of 16 px") as e:

@@ -202,7 +202,7 @@ def test_a_resolution_off_the_patch_grid_is_one_line(tiny_sd3_dir):
 
     sd = load_sd_components(ModelConfig(base_model=str(tiny_sd3_dir)))
     family = family_for(sd, TrainingConfig())
-    assert family.side_multiple(sd) == 8
+    assert family.side_multiple_of(sd.vae.config, sd.unet.config) == 8
     check_resolution(family, sd, DataConfig(resolution=32))
     sd.unet.register_to_config(patch_size=4)
     with pytest.raises(ConfigError, match=r"^data.resolution: 40 px is not a multiple of 16 px, the sd3 family's "

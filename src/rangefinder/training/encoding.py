@@ -32,7 +32,6 @@ from rangefinder.training.caching import (
 from rangefinder.training.captions import ShuffledCaptions
 from rangefinder.training.data import EncodedOnTheFly, LatentSource
 from rangefinder.training.family import Family, ImageGeometry
-from rangefinder.training.geometry import ModelGeometry
 from rangefinder.training.run import EncodedData, RunSettings
 from rangefinder.training.setup import move_module
 from rangefinder.training.validation import ValidationSet
@@ -99,16 +98,10 @@ def encode_data(settings: RunSettings, sd: SDComponents, family: Family, acceler
                        text.train_text, text.train_geometry)
 
 
-def loaded_geometry(family: Family, sd: SDComponents) -> ModelGeometry:
-    """The size rules' view of a loaded model: its VAE's and denoiser's configs, as the preflight reads them from
-    the folder's config.json (geometry.py)."""
-    return ModelGeometry.of(type(family), sd.vae.config, sd.unet.config)
-
-
 def check_resolution(family: Family, sd: SDComponents, data: DataConfig) -> None:
     """A training resolution below what the model family supports, or a transformer's off its patch grid, is a
     ConfigError (geometry.check_resolution, which resolve-config's preflight applies too)."""
-    size_rules.check_resolution(loaded_geometry(family, sd), data)
+    size_rules.check_resolution(size_rules.ModelGeometry.loaded(family, sd), data)
 
 
 def image_geometry(path: Path, data: DataConfig, placement: Optional[Placement] = None) -> ImageGeometry:
@@ -134,7 +127,7 @@ def image_geometry(path: Path, data: DataConfig, placement: Optional[Placement] 
 def check_bucket_sides(sd: SDComponents, family: Family, buckets: set[Size], data: DataConfig) -> None:
     """ConfigError unless every bucket the images landed in fits the model (geometry.check_bucket_sides): known only
     once the split is placed, so checked here; the preflight refuses only a setting none of whose buckets fit."""
-    size_rules.check_bucket_sides(loaded_geometry(family, sd), buckets, data)
+    size_rules.check_bucket_sides(size_rules.ModelGeometry.loaded(family, sd), buckets, data)
 
 
 def _encode_latents(

@@ -93,10 +93,6 @@ class FlowFamily:
         configs (the loaded modules' or their config.json)."""
         return vae_downscale(vae_config) * int(denoiser_config["patch_size"])
 
-    def side_multiple(self, sd: SDComponents) -> int:
-        """side_multiple_of a loaded model."""
-        return self.side_multiple_of(sd.vae.config, sd.unet.config)
-
     @property
     def num_timesteps(self) -> int:
         return TIMESTEP_SCALE

@@ -59,6 +59,12 @@ class ModelGeometry:
                    side_multiple=int(family_cls.side_multiple_of(vae_config, denoiser_config)),
                    native=native, min_resolution=int(family_cls.min_resolution(native)))
 
+    @classmethod
+    def loaded(cls, family: Any, sd: Any) -> ModelGeometry:
+        """The geometry of a loaded model (models.loading.SDComponents) of `family` (its family object): its VAE's
+        and denoiser's `.config`, as the preflight reads them from the folder's config.json."""
+        return cls.of(type(family), sd.vae.config, sd.unet.config)
+
     @property
     def sampling_multiple(self) -> int:
         """Pixels the sampling pipeline's sides must be a multiple of: diffusers' SD and SDXL pipelines take multiples

@@ -124,8 +124,7 @@ class TrainingSamples:
             return None
         resolution = cfg.resolution or run.data.data_cfg.resolution
         # The rule resolve-config's preflight applies too (geometry.py), here for a run started without it.
-        check_sampling_resolution(ModelGeometry.of(type(run.family), run.sd.vae.config, run.sd.unet.config),
-                                  resolution)
+        check_sampling_resolution(ModelGeometry.loaded(run.family, run.sd), resolution)
         if cfg.scheduler is not None:
             from rangefinder.models.loading import check_scheduler_name
 
