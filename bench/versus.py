@@ -1132,9 +1132,12 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     args.out = args.out or (smoke_out(NAME) if args.smoke else default_out(NAME))
     if args.smoke:
         args.methods, args.kinds, args.seeds, args.images = "full", "shapes", "0", 10
-        # On the flow families (a) measures its LR with Prodigy's step size (lr_finder auto), whose d leaves its d0
-        # only after about 9 updates on the tiny models: 6 epochs of 2 updates, where 2 epochs do for the range test.
-        args.finetune_epochs, args.grid_points = (6 if args.family in FLOW_FAMILIES else 2), 1
+        # Where lr_finder auto measures (a)'s LR with Prodigy's step size (the flow families), its d leaves d0 only
+        # after about 9 updates on the tiny models: 6 epochs of 2 updates, where 2 epochs do for the range test.
+        from rangefinder.config import auto_lr_finder
+
+        args.finetune_epochs = 6 if auto_lr_finder(args.family, "full") == "prodigy_step" else 2
+        args.grid_points = 1
     if args.methods is None:
         args.methods = FLOW_METHODS if args.family in FLOW_FAMILIES else DEFAULT_METHODS
     quiet_libraries()

@@ -54,7 +54,7 @@ def demo_model_cache(out: Path, family: str = "sd1") -> Path:
 
 def prepare_demo(out: Path, retrain: bool = False, lr: float | None = None, family: str = "sd1"):
     """The demo's config, with its dataset and base model made under `out` (or reused)."""
-    from rangefinder.config import demo_run_config
+    from rangefinder.config import auto_lr_finder, demo_run_config
     from rangefinder.data.synthetic import EMBEDDED_KIND, make_synthetic_dataset
     from rangefinder.models.tiny import ensure_tiny_base_model
 
@@ -69,8 +69,10 @@ def prepare_demo(out: Path, retrain: bool = False, lr: float | None = None, fami
         overrides["sampling"] = {"scheduler": None}
     if family == "flux":  # so does Flux, whose guidance scale is the distilled guidance input (3.5), not CFG
         overrides["sampling"] = {"scheduler": None, "guidance_scale": 3.5}
-    if family in ("sd3", "flux"):  # lr_finder auto measures their LR with prodigy_step: the range test's bounds
-        overrides["lr_range_test"] = {"lr_min": None, "lr_max": None}  # (the demo's, for SD 1.x) would go unused
+    # Where lr_finder auto measures the demo's full fine-tune with prodigy_step (SD3, Flux), the range test's bounds
+    # (the demo's, for SD 1.x) would go unused.
+    if auto_lr_finder(family, "full") == "prodigy_step":
+        overrides["lr_range_test"] = {"lr_min": None, "lr_max": None}
     # Validated before anything is made: a bad --lr costs one line, not a dataset and a model build.
     cfg = demo_run_config(**overrides)
     make_synthetic_dataset(dataset, kind=EMBEDDED_KIND, count=DEMO_IMAGES, seed=0, resolution=32)
