@@ -18,8 +18,10 @@ from bench.versus import (
     finish,
     held_out_prompts,
     plain_finetune,
+    random_at_compute,
     random_draws,
     random_lrs,
+    rebuild_case,
     rechoose,
     report,
     reusable_arms,
@@ -125,7 +127,11 @@ def test_versus_smoke(tmp_path, capsys, family):
     for opp in OPPONENTS:
         assert s[f"vs_{opp}"] in ("win", "tie", "loss", None)
         assert set(saved["aggregate"][f"vs_{opp}"]) == {"n", "win", "tie", "loss"}
-    assert set(saved["aggregate"]["goals"]) >= {"beats_random", "grid", "as_good_as_prodigy_best"}
+    assert set(saved["aggregate"]["goals"]) >= {"beats_random_equal", "beats_random", "grid", "as_good_as_prodigy_best"}
+    # Random search read at exactly (a)'s updates: never more than (a) had, never better than every run whole.
+    exact = random_at_compute(case["random"]["runs"], a["updates"])
+    assert s["random_equal"] == exact["val_loss"] >= s["random_best"] and s["vs_random_equal"] in ("win", "tie", "loss")
+    assert s["random_equal_updates"] == exact["updates"] == min(a["updates"], s["updates"]["random"])
     printed = capsys.readouterr().out
     assert "Validation loss of each arm's delivered checkpoint" in printed and "Compute" in printed
     assert f"| {s['case']} " in printed  # the case's row, under its family's name
@@ -151,6 +157,28 @@ def test_versus_smoke(tmp_path, capsys, family):
     assert all(s[f"unseen_vs_{opp}"] in ("win", "tie", "loss") for opp in OPPONENTS)
     if family == "sd1":
         grid_trained_again_is_the_grid(out, case, tmp_path)
+        a_cut_run_is_a_shorter_run(case, tmp_path)
+
+
+def a_cut_run_is_a_shorter_run(case, tmp_path):
+    """The premise of reading random search at exactly (a)'s compute off the saved curves: a constant-LR run is the
+    first part of a longer one at the same LR, checkpoint for checkpoint, so a run cut where (a)'s updates run out
+    is read from its curve without training it again. (Here the saved run is the shorter: the smoke's 2 epochs are
+    the fewest the step window takes.)"""
+    from bench.discovery_quality import train_fixed_lr
+
+    run = case["random"]["runs"][0]
+    _, cfg, split_dir = rebuild_case(case, tmp_path / "cut")
+    cfg = plain_finetune(cfg)
+    twice = cfg.model_copy(update={"finetune": cfg.finetune.model_copy(update={"epochs": 2 * case["finetune_epochs"]})})
+    longer = train_fixed_lr(twice, split_dir, run["lr"], tmp_path / "cut" / "longer")
+    # The rebuilt case reproduces the saved one as bench.ceiling requires (the base model's loss to 1e-6).
+    assert longer["updates"] == 2 * run["updates"]
+    assert longer["baseline_val_loss"] == pytest.approx(run["baseline_val_loss"], rel=1e-6)
+    first = [p for p in longer["curve"] if p[0] <= run["updates"]]
+    assert [u for u, _ in first] == [u for u, _ in run["curve"]]
+    assert [y for _, y in first] == pytest.approx([y for _, y in run["curve"]], rel=1e-6)
+    assert random_at_compute([longer], run["updates"])["val_loss"] == pytest.approx(run["best_val_loss"], rel=1e-6)
 
 
 def grid_trained_again_is_the_grid(out, case, tmp_path):
@@ -285,6 +313,30 @@ def test_saved_arms_are_reused_only_for_the_same_data_length_span_and_seed():
     # An (a) that trained more (a rule that races a third candidate) keeps the arms: random search is topped up.
     assert reusable_arms(old, {**a, "updates": a["updates"] + 80}, (1e-6, 1.0), 20, own)
     assert not reusable_arms(old, {**a, "updates": a["updates"] - 1}, (1e-6, 1.0), 20, own)
+
+
+def test_random_search_at_exactly_a_s_compute_cuts_the_run_under_way_where_a_s_updates_run_out():
+    def run(lr, curve, updates=None):
+        best = min((y, u) for u, y in curve)
+        return {"lr": lr, "updates": updates or curve[-1][0], "curve": curve, "best_val_loss": best[0],
+                "best_update": best[1]}
+
+    first = run(1e-4, [[40, 0.30], [80, 0.25], [120, 0.24], [160, 0.26]])
+    second = run(1e-3, [[40, 0.28], [80, 0.22], [120, 0.20], [160, 0.19]])
+    # 264 updates: the first run whole, the second cut at 104 (its checkpoints at 40 and 80 count, not 120).
+    got = random_at_compute([first, second], 264)
+    assert (got["val_loss"], got["lr"], got["run"], got["update"]) == (0.22, 1e-3, 1, 80)
+    assert (got["updates"], got["runs_counted"]) == (264, 2)
+    # 320 updates: both whole, as the bench's ceil reading has it; 160: the second is not reached at all.
+    assert random_at_compute([first, second], 320)["val_loss"] == 0.19 == second["best_val_loss"]
+    assert random_at_compute([first, second], 160) == {"val_loss": 0.24, "lr": 1e-4, "run": 0, "update": 120,
+                                                      "updates": 160, "runs_counted": 1}
+    # A run that diverged spent only what it trained: the next one starts after its 71 updates and runs whole.
+    diverged = run(1e-1, [[40, 0.5]], updates=71)
+    assert random_at_compute([diverged, second], 264)["updates"] == 231
+    # A cut before a run's first checkpoint leaves it nothing; budget under any checkpoint: nothing to deliver.
+    assert random_at_compute([first, second], 190)["run"] == 0
+    assert random_at_compute([first], 30) is None
 
 
 def test_random_search_topped_up_keeps_its_draws_and_adds_the_next_of_the_same_sequence(tmp_path):
