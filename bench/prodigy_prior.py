@@ -56,7 +56,7 @@ from bench.versus import (
     case_training_seed,
     count_verdicts,
     plain_finetune,
-    prodigy_as_diffusers_recommends,
+    prodigy_recipe,
     rebuild_case,
     train_arm,
     verdict_of,
@@ -117,10 +117,7 @@ def probe_case(c: dict[str, Any], work: Path, log=print) -> dict[str, Any]:
 
 def prodigy_arm(cfg, split_dir: Path, out: Path) -> dict[str, Any]:
     """Arm (b) as bench.versus trains it: Prodigy at lr 1.0 with diffusers' settings, a plain run."""
-    cfg_b = plain_finetune(cfg)
-    cfg_b = cfg_b.model_copy(update={"training": cfg_b.training.model_copy(update={"optimizer": "prodigy"})})
-    with prodigy_as_diffusers_recommends():
-        return train_arm(cfg_b, split_dir, 1.0, out)
+    return train_arm(prodigy_recipe(plain_finetune(cfg)), split_dir, 1.0, out)
 
 
 def tally(rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -207,30 +207,15 @@ SCORE_PROMPTS = 8  # at most: one per colour the kind's captions use, each with 
 SCORE_SEEDS = (0, 1)
 
 
-@contextmanager
-def prodigy_as_diffusers_recommends() -> Iterator[None]:
-    """training.optimizer prodigy starts from prodigyopt's own defaults; the arm is the recipe diffusers' README
-    gives, so the engine's optimizer factory makes that one while the arm trains."""
-    from rangefinder.training import optimizers, setup
+def prodigy_recipe(cfg):
+    """Arm (b)'s config: `cfg` trained with training.optimizer prodigy and diffusers' README recipe
+    (training.optimizers.PRODIGY_SETTINGS, given as training.prodigy), the arguments the prodigy_step LR finder
+    trains with too, so arm (b) and that finder are the same run."""
+    from rangefinder.config import ProdigySettings
+    from rangefinder.training.optimizers import PRODIGY_SETTINGS
 
-    original = optimizers.make_optimizer
-
-    def make(cfg, groups, lr):
-        if cfg.optimizer != "prodigy":
-            return original(cfg, groups, lr)
-        from prodigyopt import Prodigy
-
-        # diffusers' README (examples/advanced_diffusion_training, "Prodigy"), as the product keeps it: the
-        # prodigy_step LR finder trains with the same arguments, so arm (b) and that finder are the same run.
-        from rangefinder.training.optimizers import PRODIGY_SETTINGS
-
-        return Prodigy(groups, lr=lr, **PRODIGY_SETTINGS)
-
-    optimizers.make_optimizer = setup.make_optimizer = make  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        optimizers.make_optimizer = setup.make_optimizer = original  # type: ignore[assignment]
+    return cfg.model_copy(update={"training": cfg.training.model_copy(update={
+        "optimizer": "prodigy", "prodigy": ProdigySettings(**PRODIGY_SETTINGS)})})
 
 
 @contextmanager
@@ -655,9 +640,8 @@ def one_case(method: str, kind: str, seed: int, args, work: Path, saved: dict[tu
     # (rangefinder.steps.cooldown, .average); they are scored on their curves, not on a delivered pick.
     cfg = plain_finetune(cfg)
     log(f"{tag} (b) prodigy")
-    cfg_b = cfg.model_copy(update={"training": cfg.training.model_copy(update={"optimizer": "prodigy"})})
-    with prodigy_as_diffusers_recommends(), keeping_every_checkpoint():
-        out["prodigy"] = train_arm(cfg_b, split_dir, 1.0, case / "prodigy", keep_weights=keep)
+    with keeping_every_checkpoint():
+        out["prodigy"] = train_arm(prodigy_recipe(cfg), split_dir, 1.0, case / "prodigy", keep_weights=keep)
     keep_delivered(case / "prodigy", out["prodigy"].get("best_update"), _last_update(out["prodigy"]))
     log(f"{tag}   best {out['prodigy']['best_val_loss']}, final {out['prodigy']['final_val_loss']}")
 
