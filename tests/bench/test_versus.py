@@ -131,6 +131,8 @@ def test_versus_smoke(tmp_path, capsys, family):
     # Random search read at exactly (a)'s updates: never more than (a) had, never better than every run whole.
     exact = random_at_compute(case["random"]["runs"], a["updates"])
     assert s["random_equal"] == exact["val_loss"] >= s["random_best"] and s["vs_random_equal"] in ("win", "tie", "loss")
+    # Counted in whole runs only (what fits whole in (a)'s updates): never better than the exact reading.
+    assert s["random_whole_fit"] is None or s["random_whole_fit"] >= s["random_equal"]
     assert s["random_equal_updates"] == exact["updates"] == min(a["updates"], s["updates"]["random"])
     printed = capsys.readouterr().out
     assert "Validation loss of each arm's delivered checkpoint" in printed and "Compute" in printed
