@@ -926,6 +926,13 @@ def aggregate(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     for opp in (*OPPONENTS, "random_equal", "random_whole_fit"):
         v = [s.get(f"vs_{opp}") for s in summaries if s.get(f"vs_{opp}")]
         out[f"vs_{opp}"] = {"n": len(v), **count_verdicts(v)}
+    # Beneath the 1 % band: in how many cases (a)'s loss is lower at all (the direction a tie hides; reported, not
+    # one of the Goal's lines).
+    out["a_lower_than"] = {opp: {"n": sum(s.get("rangefinder") is not None and s.get(opp) is not None
+                                          for s in summaries),
+                                 "lower": sum(s.get("rangefinder") is not None and s.get(opp) is not None
+                                              and s["rangefinder"] < s[opp] for s in summaries)}
+                           for opp in ("prodigy_best", "random_equal")}
     graded = [s for s in summaries if s.get("grid_best") is not None]
     out["grid_cases"] = len(graded)
     for arm in ("rangefinder", *OPPONENTS):
@@ -1003,6 +1010,8 @@ def report(result: dict[str, Any]) -> str:
         for opp in (*OPPONENTS, "random_equal", "random_whole_fit"):
             w = agg[f"vs_{opp}"]
             lines.append(f"  (a) vs {opp}: {w['win']} wins, {w['tie']} ties, {w['loss']} losses of {w['n']}")
+        for opp, lower in agg["a_lower_than"].items():
+            lines.append(f"  (a) lower than {opp} at all (beneath the 1 % band): {lower['lower']} of {lower['n']}")
         for arm in ("rangefinder", *OPPONENTS):
             g = agg[f"gap_{arm}_pct"]
             if g["n"]:

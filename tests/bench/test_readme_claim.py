@@ -30,6 +30,11 @@ def test_the_readme_standings_are_the_saved_standings_of_record():
         saved = agg[f"vs_{opp}"]
         assert (win, tie, loss) == (saved["win"], saved["tie"], saved["loss"]), opp
         assert pct == round(100 * saved["win"] / saved["n"]), opp
+    # Beneath the 1 % band: the counts the README gives as context.
+    text = " ".join((ROOT / "README.md").read_text().split())
+    lower = agg["a_lower_than"]
+    assert (f"(a) is lower than Prodigy's best in {lower['prodigy_best']['lower']} and lower than random search in "
+            f"{lower['random_equal']['lower']}") in text
     goals = agg["goals"]
     assert not goals["beats_random_equal"]["met"] and not goals["as_good_as_prodigy_best"]["met"]
     assert goals["grid"]["met"]

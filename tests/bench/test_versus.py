@@ -71,6 +71,8 @@ def test_goals_follow_the_thresholds():
             _summary(1.0, 0.9, 1.0, 0.9, grid=0.90)]
     agg = aggregate(rows)
     assert agg["vs_prodigy_best"] == {"n": 5, "win": 3, "tie": 1, "loss": 1}
+    # Beneath the band: (a)'s 1.0 is lower than Prodigy's 1.1 three times, equal once, higher once.
+    assert agg["a_lower_than"]["prodigy_best"] == {"n": 5, "lower": 3}
     g = agg["goals"]
     assert g["as_good_as_prodigy_best"]["met"] is True
     assert g["as_good_as_folk_final"]["share"] == 1.0 and g["as_good_as_folk_final"]["met"] is False
