@@ -162,6 +162,35 @@ def test_versus_smoke(tmp_path, capsys, family):
     if family == "sd1":
         grid_trained_again_is_the_grid(out, case, tmp_path)
         a_cut_run_is_a_shorter_run(case, tmp_path)
+        the_exact_pick_is_scored_on_the_unseen_images(case, tmp_path)
+
+
+def the_exact_pick_is_scored_on_the_unseen_images(case, tmp_path):
+    """bench.unseen_equal on this smoke case, its budget cut inside random search's runs so that the exact reading
+    picks another checkpoint than the whole runs do: the run trained again gives the pick's validation loss (so the
+    checkpoint scored on the unseen images is the pick), and the standings read it."""
+    import copy
+
+    from bench.unseen_equal import changed_pick, probe_case, standings
+
+    first = case["random"]["runs"][0]["updates"]
+    cut = None
+    for budget in (first // 2, first + first // 2):
+        c = copy.deepcopy(case)
+        c["rangefinder"]["updates"] = budget
+        if changed_pick(c) is not None:
+            cut = c
+            break
+    assert cut is not None, "no budget changes the pick on this smoke case"
+    row = probe_case(cut, tmp_path / "unseen-equal")
+    assert row["reproduces"] is True and row["val_loss"] == pytest.approx(row["random_equal"], rel=1e-5)
+    assert row["unseen_random_equal"] > 0 and row["update"] <= cut["rangefinder"]["updates"]
+    read = standings({"cases": [cut]}, [row])
+    assert (read["cases"], read["changed"], read["read"]) == (1, 1, 1)
+    assert read["rows"][0]["unseen_vs_random_equal"] == verdict_of(cut["summary"]["unseen_rangefinder"],
+                                                                   row["unseen_random_equal"])
+    # A probe that did not reproduce the pick is not read.
+    assert standings({"cases": [cut]}, [{**row, "reproduces": False}])["read"] == 0
 
 
 def a_cut_run_is_a_shorter_run(case, tmp_path):
