@@ -11,6 +11,7 @@ search at exactly its compute, where every other case keeps its saved unseen sco
 
     python -m bench.unseen_equal --from bench/results/versus_all_275.json --part 1/2 --out part1.json  # and 2/2
     python -m bench.unseen_equal --report bench/results/versus_all_275.json --probes part1.json part2.json
+    python -m bench.unseen_equal --report ... --probes ... --a-from bench/results/timesteps_probe.json  # (a) at K 16
 """
 
 from __future__ import annotations
@@ -76,16 +77,26 @@ def probe_case(c: dict[str, Any], work: Path, log=print) -> dict[str, Any]:
     return out
 
 
-def standings(source: dict[str, Any], probes: list[dict[str, Any]]) -> dict[str, Any]:
+def standings(source: dict[str, Any], probes: list[dict[str, Any]],
+              a_rows: Optional[list[dict[str, Any]]] = None) -> dict[str, Any]:
     """(a) against random search on the unseen images, at exactly (a)'s compute and with whole runs, over the cases
-    that measured them; a case whose exact pick changed is read only where its probe reproduced the pick."""
+    that measured them; a case whose exact pick changed is read only where its probe reproduced the pick. With
+    `a_rows` (bench.timesteps_probe's cases), (a) is the probe's re-run, over the cases it ran (one that failed: a
+    loss, as bench.versus counts it)."""
     got = {case_key(r): r for r in probes if r.get("reproduces")}
+    other_a = None if a_rows is None else {case_key(r): r for r in a_rows}
     rows = []
     for c in source["cases"]:
         s = c["summary"]
-        if "unseen_images" not in s:
+        if "unseen_images" not in s or (other_a is not None and case_key(c) not in other_a):
             continue
-        a = s.get("unseen_rangefinder")
+        if other_a is None:
+            a = s.get("unseen_rangefinder")
+            whole = s.get("unseen_vs_random_best")
+        else:
+            mine = other_a[case_key(c)]
+            a = mine.get("unseen_loss") if mine.get("status") == "ok" else None
+            whole = verdict_of(a, s.get("unseen_random_best"))
         pick = changed_pick(c)
         if pick is None:
             equal = s.get("unseen_random_best")
@@ -95,7 +106,7 @@ def standings(source: dict[str, Any], probes: list[dict[str, Any]]) -> dict[str,
         rows.append({"case": s["case"], "method": c["method"], "changed": pick is not None,
                      "read": pick is None or case_key(c) in got,
                      "unseen_vs_random_equal": verdict_of(a, equal) if equal is not None else None,
-                     "unseen_vs_random_best": s.get("unseen_vs_random_best")})
+                     "unseen_vs_random_best": whole})
     read = [r for r in rows if r["read"]]
     out: dict[str, Any] = {"cases": len(rows), "changed": sum(r["changed"] for r in rows), "read": len(read), "by": {}}
     for name in ("all", "full", "lora", "textual_inversion"):
@@ -114,11 +125,15 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     if "--report" in argv:
         p.add_argument("--report", type=Path, required=True, metavar="JSON", help="the bench.versus result probed")
         p.add_argument("--probes", type=Path, nargs="*", default=[], metavar="JSON")
+        p.add_argument("--a-from", type=Path, nargs="*", metavar="JSON",
+                       help="bench.timesteps_probe results: (a) as that probe re-ran it (e.g. validation.timesteps 16)")
         p.add_argument("--out", type=Path)
         args = p.parse_args(argv)
         probes = [r for f in args.probes for r in json.loads(f.read_text())["cases"]]
+        a_rows = None if args.a_from is None else [r for f in args.a_from for r in json.loads(f.read_text())["cases"]]
         result = {"benchmark": NAME, "source": str(args.report), "probes": [str(f) for f in args.probes],
-                  **standings(json.loads(args.report.read_text()), probes)}
+                  "a_from": None if args.a_from is None else [str(f) for f in args.a_from],
+                  **standings(json.loads(args.report.read_text()), probes, a_rows)}
         print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=1))
         if args.out:
             write_json(args.out, result)

@@ -191,6 +191,14 @@ def the_exact_pick_is_scored_on_the_unseen_images(case, tmp_path):
                                                                    row["unseen_random_equal"])
     # A probe that did not reproduce the pick is not read.
     assert standings({"cases": [cut]}, [{**row, "reproduces": False}])["read"] == 0
+    # (a) as bench.timesteps_probe re-ran it: its unseen loss in (a)'s place; where that run failed, a loss.
+    key = {k: cut[k] for k in ("method", "kind", "seed")}
+    half = row["unseen_random_equal"] / 2
+    better = standings({"cases": [cut]}, [row], [{**key, "status": "ok", "unseen_loss": half}])
+    assert better["rows"][0]["unseen_vs_random_equal"] == "win"
+    failed = standings({"cases": [cut]}, [row], [{**key, "status": "failed", "unseen_loss": None}])
+    assert failed["rows"][0]["unseen_vs_random_equal"] == failed["rows"][0]["unseen_vs_random_best"] == "loss"
+    assert standings({"cases": [cut]}, [row], [])["cases"] == 0  # a case the probe did not run is not read
 
 
 def a_cut_run_is_a_shorter_run(case, tmp_path):
