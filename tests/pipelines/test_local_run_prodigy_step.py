@@ -1,7 +1,8 @@
 """The DAG's prodigy_step branch through kfp.local (the same DAG `rangefinder run --local` runs), on the smallest
 whole-run settings (tests/pipelines/tiny_run.py): the Prodigy run's step size becomes the one LR the fine-tune trains
-at, and every step of the branch logs to MLflow under the pipeline's run. On the tiny SD3 model it is what lr_finder
-auto resolves to (read off the model by resolve-config), so the same run covers a flow-matching model end to end."""
+at, and every step of the branch logs to MLflow under the pipeline's run. On the tiny SD3 and Flux models it is what
+lr_finder auto resolves to (read off the model by resolve-config), so the same run covers each flow-matching family
+end to end: its loss, its sampler and its registered model."""
 
 from __future__ import annotations
 
@@ -14,17 +15,19 @@ from tests.pipelines.tiny_run import TINY, tiny_config
 pytestmark = pytest.mark.slow
 
 
-def test_lr_finder_auto_on_sd3_runs_the_prodigy_branch_and_fine_tunes_at_its_step_size(
-        tmp_path, shapes_dataset_dir, tiny_sd3_dir, monkeypatch):
+@pytest.mark.parametrize("family", ["sd3", "flux"])
+def test_lr_finder_auto_on_a_flow_model_runs_the_prodigy_branch_and_fine_tunes_at_its_step_size(
+        tmp_path, shapes_dataset_dir, family, request, monkeypatch):
     from rangefinder.analysis import read_curve_csv
     from rangefinder.pipelines.local_run import run_pipeline_locally
     from tests.mlflow_store import seed
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
-    # 3 epochs (12 updates): long enough for Prodigy's d to grow from d0 (at update 9 here), as it must to be read.
-    # SD3 samples with its own flow-matching scheduler, not the demo's DDIM (as `rangefinder demo --family sd3`).
-    cfg = tiny_config(shapes_dataset_dir, tiny_sd3_dir, lr_finder="auto",
+    # 3 epochs (12 updates): long enough for Prodigy's d to grow from d0 (at update 9 on SD3), as it must to be read.
+    # Each samples with its own flow-matching scheduler, not the demo's DDIM (as `rangefinder demo --family F`).
+    model = request.getfixturevalue(f"tiny_{family}_dir")
+    cfg = tiny_config(shapes_dataset_dir, model, lr_finder="auto",
                       lr_range_test={"lr_min": None, "lr_max": None}, finetune={"epochs": 3},
                       sampling={**TINY["sampling"], "scheduler": None})
     seed(tmp_path / "mlflow.db")  # the run's default store, migrated: its first step skips MLflow's migrations
@@ -45,7 +48,7 @@ def test_lr_finder_auto_on_sd3_runs_the_prodigy_branch_and_fine_tunes_at_its_ste
     assert {"prodigy-step-size.html", "prodigy-step-size.md", "choose-lr-decision.md"} <= reports, reports
     decision = next(p for p in run.reports if p.name == "choose-lr-decision.md").read_text()
     assert "read off a Prodigy run's final step size d x lr" in decision and "12 updates" in decision
-    assert "(lr_finder: auto, which measures full on sd3 with prodigy_step)" in decision
+    assert f"(lr_finder: auto, which measures full on {family} with prodigy_step)" in decision
 
     with sqlite3.connect(tmp_path / "mlflow.db") as con:
         runs = dict(con.execute("select name, status from runs").fetchall())
