@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from bench.common import add_probe_arguments, case_key, run_probe, write_json
-from bench.unseen import reproduces, score_unseen
+from bench.unseen import rangefinder_alone, reproduces, score_unseen
 from bench.versus import (
     count_verdicts,
     keeping_every_checkpoint,
@@ -60,10 +60,9 @@ def probe_case(c: dict[str, Any], work: Path, log=print) -> dict[str, Any]:
     with keeping_every_checkpoint():
         again = train_fixed_lr(plain_finetune(cfg), split_dir, run["lr"], case / f"random-{i}")
     # Only random search's pick is scored: every other arm is empty, and score_unseen says so for each.
-    none = {"updates": 0, "seconds": 0.0, "best_val_loss": None, "final_val_loss": None, "curve": []}
     runs = [{"best_val_loss": None} for _ in range(i)] + [{**again, "best_update": pick["update"]}]
     probe_c = {**{k: v for k, v in c.items() if k != "reused_arms_from"},
-               "rangefinder": {**none, "status": "not scored"}, "prodigy": none, "folk": none,
+               **rangefinder_alone({"status": "not scored"}),
                "random": {"runs": runs, "updates": again["updates"], "seconds": again["seconds"]},
                "summary": {"random_best": pick["val_loss"]}}
     u = score_unseen(cfg, probe_c, case, split_dir, c["unseen"]["images"], log)

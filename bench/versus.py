@@ -201,6 +201,10 @@ SAVED_GRIDS = ("discovery_quality_v4_tuning.json", "discovery_quality_v4_heldout
 # (d) better in >= 70 %; within 3 % of the grid's best in >= 85 % at <= 25 % of its compute.
 GOAL_AS_GOOD, GOAL_RANDOM, GOAL_GRID_SHARE, GRID_GAP_PCT, GRID_COST = 0.80, 0.70, 0.85, 3.0, 0.25
 OPPONENTS = ("prodigy_best", "prodigy_final", "folk_final", "folk_best", "random_best")
+# Every arm a case's verdicts are given against: the opponents, and random search read at exactly (a)'s updates
+# (random_equal, the line of record) and in the whole runs that fit in them (random_whole_fit, a bound); the last two
+# are read off random search's saved runs, so they have no weights of their own to score on unseen images or prompts.
+VERDICT_ARMS = (*OPPONENTS, "random_equal", "random_whole_fit")
 # The prompt score (issue 34, item 2): the delivered weights of these arms, and the base model for reference.
 SCORED_ARMS = ("rangefinder", "prodigy_best", "prodigy_final", "folk_final", "random_best")
 SCORE_PROMPTS = 8  # at most: one per colour the kind's captions use, each with a shape and background not seen together
@@ -882,7 +886,7 @@ def summarize(c: dict[str, Any]) -> dict[str, Any]:
         "seconds": {"rangefinder": a["seconds"], "prodigy": b["seconds"], "folk": f["seconds"],
                     "random": r["seconds"]},
     }
-    for opp in (*OPPONENTS, "random_equal", "random_whole_fit"):
+    for opp in VERDICT_ARMS:
         s[f"vs_{opp}"] = verdict_of(a_loss, s[opp])
     s.update(prompt_score_summary(c))
     s.update(unseen_summary(c))
@@ -923,16 +927,15 @@ def prompt_score_summary(c: dict[str, Any]) -> dict[str, Any]:
 def aggregate(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     """Per opponent: (a)'s wins, ties, losses; the grid gap per arm; the Goal's three thresholds."""
     out: dict[str, Any] = {"cases": len(summaries), "held_out": sum(s["held_out"] for s in summaries)}
-    for opp in (*OPPONENTS, "random_equal", "random_whole_fit"):
+    for opp in VERDICT_ARMS:
         v = [s.get(f"vs_{opp}") for s in summaries if s.get(f"vs_{opp}")]
         out[f"vs_{opp}"] = {"n": len(v), **count_verdicts(v)}
     # Beneath the 1 % band: in how many cases (a)'s loss is lower at all (the direction a tie hides; reported, not
     # one of the Goal's lines).
-    out["a_lower_than"] = {opp: {"n": sum(s.get("rangefinder") is not None and s.get(opp) is not None
-                                          for s in summaries),
-                                 "lower": sum(s.get("rangefinder") is not None and s.get(opp) is not None
-                                              and s["rangefinder"] < s[opp] for s in summaries)}
-                           for opp in ("prodigy_best", "random_equal")}
+    out["a_lower_than"] = {}
+    for opp in ("prodigy_best", "random_equal"):
+        both = [s for s in summaries if s.get("rangefinder") is not None and s.get(opp) is not None]
+        out["a_lower_than"][opp] = {"n": len(both), "lower": sum(s["rangefinder"] < s[opp] for s in both)}
     graded = [s for s in summaries if s.get("grid_best") is not None]
     out["grid_cases"] = len(graded)
     for arm in ("rangefinder", *OPPONENTS):
@@ -1007,7 +1010,7 @@ def report(result: dict[str, Any]) -> str:
     lines = []
     for label, agg in (("all", result["aggregate"]), ("held out", result["aggregate_held_out"])):
         lines.append(f"{label}: {agg['cases']} cases")
-        for opp in (*OPPONENTS, "random_equal", "random_whole_fit"):
+        for opp in VERDICT_ARMS:
             w = agg[f"vs_{opp}"]
             lines.append(f"  (a) vs {opp}: {w['win']} wins, {w['tie']} ties, {w['loss']} losses of {w['n']}")
         for opp, lower in agg["a_lower_than"].items():
