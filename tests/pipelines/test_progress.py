@@ -1,5 +1,6 @@
 """StepProgress reading what kfp.local prints: the excerpt below is a real kfp.local log (the demo's range test and
-choose-lr), ANSI colours included, trimmed to the lines that matter and with the paths shortened."""
+choose-lr), ANSI colours included, trimmed to the lines that matter and with the paths shortened. The finished bar's
+line comes twice, as tqdm's close repeats it (with another rate) in a real log; the terminal shows it once."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ LOG = f"""23:29:05.604 - INFO - Executing task {C}'lr-range-test-3'{E}
     train (exp-ramp):   4%|▍         | 1/24 [00:00<00:05,  4.10update/s, loss=0.2212, lr=1.33e-05]
     train (exp-ramp):  50%|█████     | 12/24 [00:01<00:01,  6.51update/s, loss=0.2101, lr=0.000316]
     train (exp-ramp): 100%|██████████| 24/24 [00:03<00:00,  6.49update/s, loss=0.1688, lr=0.01]
+        train (exp-ramp): 100%|██████████| 24/24 [00:04<00:00,  5.90update/s, loss=0.1688, lr=0.01]
     [KFP Executor 2026-11-23 23:29:23,324 INFO]: Wrote executor output file to /out/executor_output.json.
 
 

@@ -66,6 +66,7 @@ class StepProgress:
         self._bar: Any = None
         self._bar_desc = ""  # the bar being drawn (a terminal) or last written (plain lines)
         self._last_plain = 0.0
+        self._last_said = ""  # the last plain bar line: tqdm's close repeats a finished bar's last state
 
     # -- the stream --------------------------------------------------------------------------------------------------
     def write(self, text: str) -> int:
@@ -148,8 +149,11 @@ class StepProgress:
         if desc != self._bar_desc or now - self._last_plain >= self.plain_every or n == total:
             self._last_plain, self._bar_desc = now, desc
             eta = m.group("eta").strip()
-            self._say(f"rangefinder:   {desc}: {n}/{total}{f' ({post})' if post else ''}"
-                      f"{f', eta {eta}' if eta and n < total else ''}")
+            said = (f"rangefinder:   {desc}: {n}/{total}{f' ({post})' if post else ''}"
+                    f"{f', eta {eta}' if eta and n < total else ''}")
+            if n < total or said != self._last_said:  # two runs may start alike (successive halving's candidates)
+                self._last_said = said
+                self._say(said)
 
     # -- the terminal ------------------------------------------------------------------------------------------------
     def _close_bar(self) -> None:
