@@ -62,3 +62,20 @@ def test_a_fixed_lr_says_the_lr_finder_had_nothing_to_measure(tmp_path):
     run_choose_lr(demo_config(lr=3e-4, lr_finder="auto"), source="fixed", lr_low=3e-4, lr_high=3e-4, lr_mid=3e-4,
                   decision_path=out)
     assert "lr_finder auto has nothing to measure" in out.read_text()
+
+
+@pytest.mark.parametrize("settings, says", [
+    ({}, "races lr_mid against lr_high (successive halving, constant schedule)"),
+    ({"finetune": {"halving_below_margin": 0.1}}, "lr_below = lr_mid^2 / lr_high joins the race where lr_high is "
+                                                  "more than 10% behind"),
+    ({"finetune": {"successive_halving": False}}, "trains at lr_mid (constant schedule; successive halving is off)"),
+    ({"validation": {"every_epochs": 0.0}}, "trains at lr_mid (constant schedule; successive halving needs "
+                                            "validation)"),
+    ({"finetune": {"schedule": "triangular"}}, "cycles between lr_low and lr_high (triangular schedule)"),
+])
+def test_the_decision_says_what_the_fine_tune_will_train(tmp_path, settings, says):
+    # The demo's decision once said "trains at lr_mid" while its fine-tune raced lr_mid and lr_high and kept lr_high.
+    out = tmp_path / "decision.md"
+    run_choose_lr(demo_config(**settings), source="zoom", lr_low=4.5e-5, lr_high=2.1e-4, lr_mid=1.4e-4,
+                  decision_path=out)
+    assert says in out.read_text()

@@ -51,15 +51,33 @@ def run_choose_lr(cfg: RangefinderConfig, *, source: str, lr_low: float, lr_high
                                f"({finder_words(cfg)})",
                "fixed": skipped_because(cfg) or (f"fixed by hand; discovery skipped (lr_finder {cfg.lr_finder} "
                                                  "has nothing to measure)")}[source]
-        # Bounds collapsed onto one LR: the fine-tune's spec trains it constant, and halving has nothing to race.
-        how = ("one constant LR, no successive halving" if lr_low == lr_high
-               else f"{cfg.finetune.schedule} schedule")
         Path(decision_path).write_text(
             "# Learning rate\n\n| lr_low | lr_mid | lr_high | source |\n|---|---|---|---|\n"
             f"| {lr_low:.3g} | {lr_mid:.3g} | {lr_high:.3g} | {why} |\n"
-            f"\nThe fine-tune trains at lr_mid ({how}).\n"
+            f"\n{finetune_words(cfg, chosen)}\n"
         )
     return chosen
+
+
+def finetune_words(cfg: RangefinderConfig, chosen: ChosenLR) -> str:
+    """What the fine-tune will train with these bounds, as its spec (TrainSpec.finetune) and successive halving
+    (steps.halving) will: one LR, a race between two or three, or a cycle between the bounds."""
+    from rangefinder.steps.halving import halving_applies
+
+    ft = cfg.finetune
+    if chosen.lr_low == chosen.lr_high:  # collapsed bounds: trained constant, and halving has nothing to race
+        return "The fine-tune trains at lr_mid (one constant LR, no successive halving)."
+    if ft.schedule != "constant":
+        return f"The fine-tune cycles between lr_low and lr_high ({ft.schedule} schedule)."
+    if halving_applies(ft.successive_halving, cfg.validation.enabled(), ft.schedule, chosen.lr_mid, chosen.lr_high):
+        below = ("" if ft.halving_below_margin is None else
+                 f" lr_below = lr_mid^2 / lr_high joins the race where lr_high is more than "
+                 f"{ft.halving_below_margin:.0%} behind lr_mid by then, and the lower of those two goes on.")
+        return ("The fine-tune races lr_mid against lr_high (successive halving, constant schedule): both train half "
+                "its epochs, and the one with the lower validation loss by then trains on." + below +
+                " The fine-tune's report says which one it kept.")
+    why = "successive halving is off" if not ft.successive_halving else "successive halving needs validation"
+    return f"The fine-tune trains at lr_mid (constant schedule; {why})."
 
 
 def finder_words(cfg: RangefinderConfig) -> str:
