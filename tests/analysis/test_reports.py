@@ -85,6 +85,19 @@ def test_step_report(tmp_path):
     assert "rose_after_min" in paths["markdown"].read_text()
 
 
+def test_step_report_notes_the_cooldown_and_the_average_under_their_names_once(tmp_path):
+    # The steps' sentences open with their names (they are also the MLflow run's description); the note's label says
+    # it already, so the report does not say "window average: Window average: ...".
+    e = np.arange(61) / 2
+    shape = ConstantRunShape()
+    w = select_step_window(e * 10, e, noisy(shape.loss(e), 0.001, 0))
+    text = write_step_report(w, None, tmp_path, cooldown="Cooldown: a wsd branch; validation loss 0.05, delivered.",
+                             average="Window average: 6 checkpoints averaged; validation loss 0.049, delivered."
+                             )["markdown"].read_text()
+    assert "- **cooldown**: a wsd branch; validation loss 0.05, delivered." in text
+    assert "- **window average**: 6 checkpoints averaged; validation loss 0.049, delivered." in text
+
+
 def test_step_report_names_the_rule_that_picked_the_delivered_checkpoint_and_a_fine_tune_that_did_not_help(tmp_path):
     """No window (a flat curve): the lead says which checkpoint was delivered and why, and that it is not below the
     base model's loss (update 0); a row names the rule. With a window and an improvement, the lead stays short."""

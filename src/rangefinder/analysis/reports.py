@@ -353,10 +353,9 @@ def write_step_report(window: StepWindow, curve: Optional[dict], out_dir: str | 
     if halving is not None:
         rows += _halving_rows(halving)
         notes.append(("successive halving", halving_note(halving)))
-    if cooldown:
-        notes.append(("cooldown", cooldown))
-    if average:
-        notes.append(("window average", average))
+    for label, said in (("cooldown", cooldown), ("window average", average)):
+        if said:  # the step's own sentence opens with its name ("Window average: ..."), which the note's label says
+            notes.append((label, said[len(label) + 2:] if said.lower().startswith(f"{label}: ") else said))
     return _write_report(out, "step_report", "step_window.json", "Step window", window.status, lead, png, rows,
                          notes, _source_line(curve, source), window.to_dict(), samples)
 
