@@ -291,6 +291,9 @@ def test_a_range_test_the_zoom_replaced_says_so_instead_of_train_at(tmp_path):
     replaced = write_lr_report(b, None, tmp_path / "zoomed", zoom=(2e-5, 3e-4))["markdown"].read_text()
     assert "Train at lr_mid" in plain
     assert "Train at" not in replaced and "Replaced by a zoomed range test over 2e-05..0.0003" in replaced
+    # Nor does its status note tell the reader to train at this test's lr_mid (the demo's report did).
+    assert "train at lr_mid" in plain and "train at lr_mid" not in replaced
+    assert "the zoomed range test read the bounds again" in replaced
     assert f"this test read lr_mid {b.lr_mid:.3g}" in replaced
 
 

@@ -249,7 +249,10 @@ def write_lr_report(bounds: LRBounds, curve: Optional[dict], out_dir: str | Path
         ("lr_steepest (fastai 'steep')", bounds.lr_steepest, "for comparison: steepest raw slope, noise-sensitive"),
         ("lr_min / 10 (fastai 'minimum')", bounds.lr_min_div10, "for comparison"),
     ]
-    notes: list[tuple[str, str]] = [(bounds.status, LR_STATUS_ADVICE[bounds.status])]
+    advice = LR_STATUS_ADVICE[bounds.status]
+    if zoom is not None and bounds.status == "ok":  # not "train at lr_mid": the zoom's bounds are trained at
+        advice = "A real descent was found; the zoomed range test read the bounds again, and its report has them."
+    notes: list[tuple[str, str]] = [(bounds.status, advice)]
     notes += [(f, LR_FLAG_ADVICE[f]) for f in bounds.flags]
     notes += _reading_notes(bounds.reading, plan_warnings)
     rows += _sigma_rows(curve, validation_weighting, None)
