@@ -95,7 +95,8 @@ def test_the_window_s_checkpoints_are_averaged_measured_and_the_lower_delivered(
     assert checkpoints.read_chosen(work) == info
     assert not (work / AVERAGE_DIR / "final").exists()  # delivered (moved) or dropped
     assert json.loads((work / "report" / "decision.json").read_text())["chosen"]["average"] == avg
-    assert avg["sentence"] in (work / "report" / "step_report.md").read_text()
+    report = (work / "report" / "step_report.md").read_text()  # the sentence under the label that names it once
+    assert f'**window average**: {avg["sentence"].removeprefix("Window average: ")}' in report
     client = MlflowClient(cfg.tracking.tracking_uri)
     exp = client.get_experiment_by_name("average").experiment_id
     (ft,) = client.search_runs([exp], filter_string="tags.`rangefinder.step` = 'finetune'")

@@ -90,7 +90,8 @@ def test_the_cooldown_is_the_decaying_run_from_the_start_and_the_lower_weights_a
         "branch.json", "cooldown.json", "metrics.csv", "run_summary.json", "updates.csv"]
     decision = json.loads((work / "report" / "decision.json").read_text())
     assert decision["chosen"]["cooldown"]["val_loss"] == at_end
-    assert cool["sentence"] in (work / "report" / "step_report.md").read_text()  # what the user reads
+    report = (work / "report" / "step_report.md").read_text()  # the sentence under the label that names it once
+    assert f'**cooldown**: {cool["sentence"].removeprefix("Cooldown: ")}' in report
 
     # MLflow: the cooldown's curve in its own child run, the verdict on the fine-tune's run.
     client = MlflowClient(cfg.tracking.tracking_uri)
