@@ -357,8 +357,8 @@ def write_step_report(window: StepWindow, curve: Optional[dict], out_dir: str | 
         rows += _halving_rows(halving)
         notes.append(("successive halving", halving_note(halving)))
     for label, said in (("cooldown", cooldown), ("window average", average)):
-        if said:  # the step's own sentence opens with its name ("Window average: ..."), which the note's label says
-            notes.append((label, said[len(label) + 2:] if said.lower().startswith(f"{label}: ") else said))
+        if said:  # the step's sentence opens with its name for the run's description; the note's label says it here
+            notes.append((label, said.removeprefix(f"{label.capitalize()}: ")))
     return _write_report(out, "step_report", "step_window.json", "Step window", window.status, lead, png, rows,
                          notes, _source_line(curve, source), window.to_dict(), samples)
 
