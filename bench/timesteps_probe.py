@@ -81,17 +81,20 @@ LOSSES = {"": "val_loss", "unseen_": "unseen_loss"}  # the verdicts' prefix -> t
 
 
 def probe_case(c: dict[str, Any], work: Path, log=print, timesteps: int = DEFAULT_TIMESTEPS,
-               training_seed: Optional[int] = None, against: Optional[dict[str, Any]] = None) -> dict[str, Any]:
-    """(a) re-run on a saved case with `validation.timesteps` K and, when given, another `training.seed`; scored as
-    the arms were. `against`: the probe row (of another run of this probe) (a) is weighed against as its baseline
-    (`base_*`), else the saved case's (a)."""
+               training_seed: Optional[int] = None, against: Optional[dict[str, Any]] = None,
+               training: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """(a) re-run on a saved case with `validation.timesteps` K and, when given, another `training.seed` and other
+    `training` settings (validated as a config would be); scored as the arms were, which keep theirs. `against`: the
+    probe row (of another run of this probe) (a) is weighed against as its baseline (`base_*`), else the saved
+    case's (a)."""
 
     s, u = c["summary"], c["unseen"]
     tag = f"[{c['method']} {c['kind']} seed {c['seed']}]"
     case, cfg, split_dir = rebuild_case(c, work)
     update: dict[str, Any] = {"validation": cfg.validation.model_copy(update={"timesteps": timesteps})}
-    if training_seed is not None:
-        update["training"] = cfg.training.model_copy(update={"seed": training_seed})
+    settings = {**(training or {}), **({} if training_seed is None else {"seed": training_seed})}
+    if settings:
+        update["training"] = type(cfg.training).model_validate({**cfg.training.model_dump(), **settings})
     steadier = cfg.model_copy(update=update)
     t0 = time.perf_counter()
     with keeping_every_checkpoint():
@@ -104,6 +107,7 @@ def probe_case(c: dict[str, Any], work: Path, log=print, timesteps: int = DEFAUL
     shutil.rmtree(case, ignore_errors=True)
     row: dict[str, Any] = {k: c[k] for k in ("method", "kind", "seed", "held_out")}
     row.update(family=family_of_case(c), timesteps=timesteps, training_seed=steadier.training.seed,
+               training_settings=training or {},
                status=a["status"], error=a.get("error"),
                lr_used=a.get("lr_used"),
                saved_lr_used=c["rangefinder"].get("lr_used"), rule=(a.get("chosen") or {}).get("rule"),
@@ -188,9 +192,17 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--part", default="1/1", help="K/N: every Nth case from the Kth, to run N probes side by side")
     p.add_argument("--timesteps", type=int, default=DEFAULT_TIMESTEPS, help="validation.timesteps in (a)")
     p.add_argument("--training-seed", type=int, help="training.seed in (a) (as saved when left out): its own noise")
+    p.add_argument("--training", action="append", default=[], metavar="KEY=VALUE",
+                   help="a `training` setting of (a) only, its value read as JSON (e.g. adam_beta2=0.99); repeatable")
     p.add_argument("--against", type=Path, nargs="+", help="results of this probe whose (a) is the baseline, case "
                    "by case (as saved when left out)")
     args = p.parse_args(argv)
+    training: dict[str, Any] = {}
+    for item in args.training:
+        key, sep, value = item.partition("=")
+        if not sep:
+            p.error(f"--training {item!r}: write KEY=VALUE, e.g. adam_beta2=0.99")
+        training[key] = json.loads(value)
     quiet_libraries()
     cases = [c for c in json.loads(args.source.read_text())["cases"] if c.get("unseen")]
     k, n = (int(x) for x in args.part.split("/"))
@@ -205,7 +217,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
 
     def probe(c: dict[str, Any], work: Path, log=print) -> dict[str, Any]:
         against = None if baselines is None else baselines[case_key(c)]
-        return probe_case(c, work, log, args.timesteps, args.training_seed, against)
+        return probe_case(c, work, log, args.timesteps, args.training_seed, against, training)
 
     return run_probe(NAME, args, cases, probe, tally)
 
