@@ -47,3 +47,38 @@ def test_results_headline_quotes_the_same_shares():
     for opp in ("prodigy_best", "random_equal", "random_best"):
         w = agg[f"vs_{opp}"]
         assert f"{100 * w['win'] / w['n']:.1f} %" in head, opp
+
+
+def _pct(x: float) -> str:
+    return "100 %" if x == 1 else ("0 %" if x == 0 else f"{100 * x:.1f} %")
+
+
+def test_results_at_a_glance_is_the_saved_standings_by_group():
+    """RESULTS.md's "At a glance" table: every share, for all cases, the held-out ones and each method, is the one
+    the saved standings give, and each line says met or not as the JSON does."""
+    saved = json.loads((ROOT / "bench" / "results" / "versus_all_275.json").read_text())
+    groups = [saved["aggregate"], saved["aggregate_held_out"],
+              *(saved["aggregate_by_method"][m] for m in ("full", "lora", "textual_inversion"))]
+    results = (ROOT / "bench" / "RESULTS.md").read_text()
+    table = results[results.index("**At a glance: the standings of record**"):]
+    table = table[:table.index("\n\n", table.index("| Goal line |"))]
+    rows = {line.split(" | ")[0].strip("| "): [c.strip().replace("**", "") for c in line.strip("|").split(" | ")]
+            for line in table.splitlines() if line.startswith("| ") and not line.startswith("| Goal line")}
+    lines = {"Prodigy, final weights": "as_good_as_prodigy_final",
+             "Prodigy, best checkpoint by validation": "as_good_as_prodigy_best",
+             "folk default, final weights": "as_good_as_folk_final",
+             "folk default, best checkpoint": "as_good_as_folk_best"}
+    for label, goal in lines.items():
+        cells = rows[label][2:7]
+        assert cells == [f"{_pct(g['goals'][goal]['share'])} / {_pct(g['goals'][goal]['better_share'])}"
+                         for g in groups], label
+        assert rows[label][7] == ("yes" if saved["aggregate"]["goals"][goal]["met"] else "no"), label
+    rand = rows["random search at exactly (a)'s updates"]
+    assert rand[2:7] == [_pct(g["goals"]["beats_random_equal"]["share"]) for g in groups]
+    assert rand[7] == ("yes" if saved["aggregate"]["goals"]["beats_random_equal"]["met"] else "no")
+    grid = rows["the 8-LR grid, at <= 25 % of its updates"]
+    gaps = [g["gap_rangefinder_pct"] for g in groups]
+    assert grid[2].startswith(f"{gaps[0]['within_3pct']} of {gaps[0]['n']}, at "
+                              f"{100 * saved['aggregate']['rangefinder_update_share_max']:.1f} %")
+    assert grid[3:7] == [f"{x['within_3pct']} of {x['n']}" for x in gaps[1:]]
+    assert grid[7] == ("yes" if saved["aggregate"]["goals"]["grid"]["met"] else "no")
