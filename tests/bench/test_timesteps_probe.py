@@ -28,14 +28,16 @@ def test_the_probe_at_the_shipped_timesteps_rebuilds_the_saved_case(tmp_path):
     assert (row["self_vs_base"], row["self_change_pct"], row["unseen_self_change_pct"]) == ("tie", 0.0, 0.0)
     assert same["tally"]["verdicts_changed_vs_prodigy_best"]["changed"] == 0
     # Another training.seed is another run of the same method, weighed against the saved (a) as if it were an arm;
-    # and against that run as the baseline (--against), the same run again is itself.
+    # and against that run as the baseline (--against), the same run again is itself. The second asks for the seed
+    # through --training, which sets any of (a)'s training settings: the same run again shows it reached (a).
     reseeded = probe(["--from", str(saved), "--out", str(tmp_path / "s.json"), "--timesteps", "4",
                       "--training-seed", "1235"])
     (r1,) = reseeded["cases"]
     assert r1["training_seed"] == 1235 and r1["unseen_self_change_pct"] != 0.0 and r1["unseen_loss"] is not None
     again = probe(["--from", str(saved), "--out", str(tmp_path / "s2.json"), "--timesteps", "4",
-                   "--training-seed", "1235", "--against", str(tmp_path / "s.json")])
+                   "--training", "seed=1235", "--against", str(tmp_path / "s.json")])
     (r2,) = again["cases"]
+    assert r2["training_settings"] == {"seed": 1235} and r2["training_seed"] == 1235
     assert r2["unseen_loss"] == r1["unseen_loss"] and r2["unseen_self_vs_base"] == "tie"
     assert r2["base_unseen_vs_prodigy_best"] == r1["unseen_vs_prodigy_best"]
     other = probe(["--from", str(saved), "--out", str(tmp_path / "p8.json"), "--timesteps", "8"])
