@@ -69,11 +69,14 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from pydantic import ValidationError
+
 from bench.common import add_probe_arguments, case_key, family_of_case, quiet_libraries, run_probe
 from bench.discovery_quality import discover, gap_pct
 from bench.replicates import moved, verdicts_changed
 from bench.unseen import rangefinder_alone, score_unseen
 from bench.versus import OPPONENTS, VERDICTS, count_verdicts, keeping_every_checkpoint, rebuild_case, verdict_of
+from rangefinder.config import TrainingConfig
 
 NAME = "timesteps_probe"
 DEFAULT_TIMESTEPS = 16
@@ -200,9 +203,16 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     training: dict[str, Any] = {}
     for item in args.training:
         key, sep, value = item.partition("=")
+        try:
+            training[key] = json.loads(value) if sep else None
+        except json.JSONDecodeError:
+            sep = ""
         if not sep:
-            p.error(f"--training {item!r}: write KEY=VALUE, e.g. adam_beta2=0.99")
-        training[key] = json.loads(value)
+            p.error(f"--training {item!r}: write KEY=VALUE with a JSON value, e.g. adam_beta2=0.99")
+    try:  # a typo or an impossible value is said now, not after the first case is rebuilt
+        TrainingConfig.model_validate({**TrainingConfig().model_dump(), **training})
+    except ValidationError as e:
+        p.error(f"--training: {e.errors()[0]['loc'][0]}: {e.errors()[0]['msg']}")
     quiet_libraries()
     cases = [c for c in json.loads(args.source.read_text())["cases"] if c.get("unseen")]
     k, n = (int(x) for x in args.part.split("/"))
