@@ -76,7 +76,7 @@ from bench.discovery_quality import discover, gap_pct
 from bench.replicates import moved, verdicts_changed
 from bench.unseen import rangefinder_alone, score_unseen
 from bench.versus import OPPONENTS, VERDICTS, count_verdicts, keeping_every_checkpoint, rebuild_case, verdict_of
-from rangefinder.config import TrainingConfig
+from rangefinder.config import TrainingConfig, format_validation_error
 
 NAME = "timesteps_probe"
 DEFAULT_TIMESTEPS = 16
@@ -203,16 +203,14 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     training: dict[str, Any] = {}
     for item in args.training:
         key, sep, value = item.partition("=")
-        try:
-            training[key] = json.loads(value) if sep else None
+        try:  # no "=" leaves value "", which is not JSON either
+            training[key] = json.loads(value)
         except json.JSONDecodeError:
-            sep = ""
-        if not sep:
             p.error(f"--training {item!r}: write KEY=VALUE with a JSON value, e.g. adam_beta2=0.99")
     try:  # a typo or an impossible value is said now, not after the first case is rebuilt
         TrainingConfig.model_validate({**TrainingConfig().model_dump(), **training})
     except ValidationError as e:
-        p.error(f"--training: {e.errors()[0]['loc'][0]}: {e.errors()[0]['msg']}")
+        p.error(format_validation_error(e, "--training "))
     quiet_libraries()
     cases = [c for c in json.loads(args.source.read_text())["cases"] if c.get("unseen")]
     k, n = (int(x) for x in args.part.split("/"))
