@@ -105,13 +105,16 @@ def score_unseen(cfg, c: dict[str, Any], case: Path, split_dir: Path, count: int
     from rangefinder.data.split import read_split
     from rangefinder.steps.average import average_weights
     from rangefinder.training.loop import weights_measurer
+    from rangefinder.training.restore import delivered_state
     from rangefinder.training.spec import TrainSpec
 
     t0 = time.perf_counter()
     images = write_unseen_images(case / "unseen-images", c["kind"], c["seed"], c["images"], count)
     splits = {"val_loss": read_split(split_dir), "unseen_loss": unseen_split(cfg, images, case / "unseen-split")}
     sets = delivered_sets(c, case)
-    weights = {arm: average_weights(v) for arm, v in sets.items() if not isinstance(v, str)}
+    # One checkpoint: what its run delivers (an EMA or schedule-free run's averaged weights); several: their average.
+    weights = {arm: average_weights(v) if len(v) > 1 else delivered_state(v[0], cfg.model.base_model)
+               for arm, v in sets.items() if not isinstance(v, str)}
     arms: dict[str, dict[str, Any]] = {arm: {"absent": v} for arm, v in sets.items() if isinstance(v, str)}
     for arm in weights:
         arms[arm] = {"checkpoints": [p.name for p in sets[arm]]}

@@ -40,6 +40,13 @@ def test_the_probe_at_the_shipped_timesteps_rebuilds_the_saved_case(tmp_path):
     assert r2["training_settings"] == {"seed": 1235} and r2["training_seed"] == 1235
     assert r2["unseen_loss"] == r1["unseen_loss"] and r2["unseen_self_vs_base"] == "tie"
     assert r2["base_unseen_vs_prodigy_best"] == r1["unseen_vs_prodigy_best"]
+    # With an EMA average (a) validates and delivers the average, not the checkpoint's own weights: scored as the
+    # arms are, the delivered weights give back the loss (a) recorded (scoring the raw weights did not).
+    ema = probe(["--from", str(saved), "--out", str(tmp_path / "ema.json"), "--timesteps", "4",
+                 "--training", "use_ema=true"])
+    (re,) = ema["cases"]
+    assert re["status"] == "ok" and re["val_loss"] != s["rangefinder"]
+    assert re["val_loss"] == pytest.approx(re["val_loss_k"], rel=1e-5)
     other = probe(["--from", str(saved), "--out", str(tmp_path / "p8.json"), "--timesteps", "8"])
     (row8,) = other["cases"]
     assert (row8["timesteps"], row8["status"], row8["unseen_loss"]) == (8, "failed", None)

@@ -50,6 +50,20 @@ def method_from_checkpoint(ckpt_dir: Path, base_model: Path) -> tuple[Method, SD
     return method, sd
 
 
+def delivered_state(ckpt_dir: Path, base_model: Path) -> dict[str, Any]:
+    """The trained tensors the checkpoint's run delivers (trainable_state_dict's keys): the checkpoint's own, or, where
+    the run kept an EMA average or ran a schedule-free optimizer, the averaged weights it validated. Only those need
+    the method rebuilt on the base model; the manifest is checked either way."""
+    from rangefinder.config import SCHEDULE_FREE_OPTIMIZERS, TrainingConfig
+
+    checkpoints.require_intact(ckpt_dir)
+    cfg = TrainingConfig.model_validate(checkpoints.read_state(ckpt_dir)["training"])
+    if not (Path(ckpt_dir) / checkpoints.EMA_NAME).is_file() and cfg.optimizer not in SCHEDULE_FREE_OPTIMIZERS:
+        return checkpoints.read_weights(ckpt_dir)
+    method, _ = method_from_checkpoint(Path(ckpt_dir), Path(base_model))
+    return method.trainable_state_dict()
+
+
 def _to_averaged_weights(ckpt_dir: Path, cfg: TrainingConfig, method: Method) -> None:
     """A schedule-free run's checkpoint holds the weights it steps from (y, for an exact resume) and, in the
     optimizer's state, the sequence z; the model it delivers is its eval mode, the average x, which the optimizer
