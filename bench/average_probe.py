@@ -73,7 +73,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from bench.common import add_probe_arguments, family_of_case, median_of, quiet_libraries, run_probe
+from bench.common import add_probe_arguments, family_of_case, median_of, part_spec, quiet_libraries, run_probe
 from bench.versus import OPPONENTS, count_verdicts, plain_finetune, rebuild_case, verdict_of, verdict_rank, without_soup
 
 NAME = "average_probe"
@@ -172,7 +172,8 @@ def tally(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(prog="python -m bench.average_probe", description=__doc__.split("\n\n")[0])
     add_probe_arguments(p)
-    p.add_argument("--part", default="1/1", help="K/N: every Nth case from the Kth, to run N probes side by side")
+    p.add_argument("--part", type=part_spec, default="1/1",
+                   help="K/N: every Nth case from the Kth, to run N probes side by side")
     p.add_argument("--family", default="sd1", help="the saved cases of this family only (sd1, sd3, flux)")
     p.add_argument("--soup", type=int, default=0, metavar="TRIES",
                    help="finetune.soup_tries in the probed fine-tune (the greedy soup; 0: the uniform average only)")
@@ -180,7 +181,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     quiet_libraries()
     saved = json.loads(args.source.read_text())
     cases = [c for c in saved["cases"] if family_of_case(c) == args.family and candidate(c)]
-    k, n = (int(x) for x in args.part.split("/"))
+    k, n = args.part
     cases = cases[k - 1::n]
     probe = functools.partial(probe_case, soup_tries=args.soup) if args.soup else probe_case
     return run_probe(NAME + ("_soup" if args.soup else ""), args, cases, probe, tally)

@@ -49,7 +49,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Optional
 
-from bench.common import add_probe_arguments, by_method, case_key, run_probe, table, write_json
+from bench.common import add_probe_arguments, by_method, case_key, part_spec, results_file, run_probe, table, write_json
 from bench.discovery_quality import gap_pct
 from bench.versus import (
     count_verdicts,
@@ -206,12 +206,13 @@ def report(result: dict[str, Any]) -> str:
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(prog="python -m bench.ceiling", description=__doc__.split("\n\n")[0])
-    p.add_argument("--report", type=Path, metavar="JSON",
+    p.add_argument("--report", type=results_file, metavar="JSON",
                    help="read: a bench.versus result; with --grids, the grids this bench trained for its cases")
-    p.add_argument("--grids", type=Path, nargs="*", default=[], metavar="JSON")
+    p.add_argument("--grids", type=results_file, nargs="*", default=[], metavar="JSON")
     p.add_argument("--seeds", default=",".join(map(str, DEFAULT_SEEDS)), help="train grids for these seeds' cases")
     p.add_argument("--methods", default=",".join(METHOD_ORDER))
-    p.add_argument("--part", default="1/1", help="K/N: every Nth case from the Kth, to run N side by side")
+    p.add_argument("--part", type=part_spec, default="1/1",
+                   help="K/N: every Nth case from the Kth, to run N side by side")
     p.add_argument("--grid-points", type=int, default=GRID_POINTS)
     if argv is None:
         argv = sys.argv[1:]
@@ -233,7 +234,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     cases = [c for c in json.loads(args.source.read_text())["cases"]
              if c["seed"] in seeds and c["method"] in methods and not c.get("grid")]
     cases.sort(key=lambda c: methods.index(c["method"]))  # full and LoRA first: a run cut short has them
-    k, n = (int(x) for x in args.part.split("/"))
+    k, n = args.part
     cases = cases[k - 1::n]
 
     def probe(c: dict[str, Any], work: Path, log=print) -> dict[str, Any]:

@@ -273,10 +273,56 @@ def case_key(c: dict[str, Any]) -> CaseKey:
     return (family_of_case(c), c["method"], c["kind"], int(c["seed"]), case_lora(c))
 
 
+def _bench_json(path_text: str, key: str) -> Path:
+    """An argparse type: the path of a bench result JSON holding a list under `key`, checked when the command line is
+    read, so a wrong file is one line naming it, not a traceback after other work."""
+    import argparse
+
+    path = Path(path_text)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise argparse.ArgumentTypeError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise argparse.ArgumentTypeError(f"{path}: cannot be read ({getattr(e, 'strerror', None) or e})") from None
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{path}: not JSON ({e.msg}, line {e.lineno}); give a bench result file, "
+                                         "as the bench wrote it") from None
+    if not isinstance(data, dict) or not isinstance(data.get(key), list):
+        raise argparse.ArgumentTypeError(f"{path}: not a bench result (no list of {key}); give the JSON a bench "
+                                         "command wrote with --out")
+    return path
+
+
+def results_file(path_text: str) -> Path:
+    """An argparse type for a bench result with cases (bench.versus and its probes): see _bench_json."""
+    return _bench_json(path_text, "cases")
+
+
+def rows_file(path_text: str) -> Path:
+    """An argparse type for a bench result with rows (bench.lever_probe): see _bench_json."""
+    return _bench_json(path_text, "rows")
+
+
+def part_spec(text: str) -> tuple[int, int]:
+    """An argparse type for --part K/N (every Nth case from the Kth, to run N processes side by side): (K, N)."""
+    import argparse
+
+    k, sep, n = text.partition("/")
+    try:
+        part = (int(k), int(n))
+    except ValueError:
+        part = (0, 0)
+    if not sep or not 1 <= part[0] <= part[1]:
+        raise argparse.ArgumentTypeError(f"{text!r}: write K/N with 1 <= K <= N, e.g. 1/2 and 2/2 side by side")
+    return part
+
+
 def add_probe_arguments(p: Any, source_required: bool = True) -> None:
     """The arguments every probe of saved bench.versus cases takes (an argparse.ArgumentParser): --from, --out,
     --work-dir, --threads (--from optional for a probe that can also only report)."""
-    p.add_argument("--from", dest="source", type=Path, required=source_required, help="a bench.versus result JSON")
+    p.add_argument("--from", dest="source", type=results_file, required=source_required,
+                   help="a bench.versus result JSON")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--work-dir", type=Path)
     p.add_argument("--threads", type=int, default=1)
@@ -291,8 +337,13 @@ def probe_saved_cases(result: dict[str, Any], cases: Sequence[dict[str, Any]], o
     import sys
     import tempfile
 
-    if out.exists():
-        result["cases"] = json.loads(out.read_text())["cases"]
+    if out.exists():  # a killed run's result goes on; anything else there is said, not overwritten
+        import argparse
+
+        try:
+            result["cases"] = json.loads(results_file(str(out)).read_text())["cases"]
+        except argparse.ArgumentTypeError as e:
+            raise SystemExit(f"--out {e}: it is not this probe's result; move it away, or give another --out") from None
     done = {case_key(r) for r in result["cases"]}
     work = work or Path(tempfile.mkdtemp(prefix=prefix))
     work.mkdir(parents=True, exist_ok=True)

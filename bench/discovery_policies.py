@@ -26,7 +26,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Optional
 
-from bench.common import table
+from bench.common import results_file, table
 from bench.discovery_quality import gap_pct
 
 NAME = "discovery_policies"
@@ -114,7 +114,8 @@ def summarise(rows: list[dict[str, Any]], target_pct: float) -> list[dict[str, A
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(prog="python -m bench.discovery_policies", description=__doc__.split("\n\n")[0])
-    p.add_argument("--base", type=Path, nargs="+", required=True, help="discovery_quality results with the grid")
+    p.add_argument("--base", type=results_file, nargs="+", required=True,
+                   help="discovery_quality results with the grid")
     p.add_argument("--variant", type=Path, nargs="*", default=[], help="results of a variant that reused that grid")
     p.add_argument("--target-pct", type=float, default=3.0)
     p.add_argument("--out", type=Path, help="write the rows and the summary as JSON here too")

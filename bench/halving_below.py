@@ -23,6 +23,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Optional
 
+from bench.common import results_file
 from bench.versus import case_key, summarize, verdict_of, verdict_rank
 
 NAME = "halving_below"
@@ -97,8 +98,9 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(prog="python -m bench.halving_below", description=__doc__.split("\n")[0])
-    p.add_argument("--saved", type=Path, nargs="+", required=True, help="the versus JSONs the cases were saved in")
-    p.add_argument("--rerun", type=Path, nargs="+", required=True, help="the re-runs with the rule")
+    p.add_argument("--saved", type=results_file, nargs="+", required=True,
+                   help="the versus JSONs the cases were saved in")
+    p.add_argument("--rerun", type=results_file, nargs="+", required=True, help="the re-runs with the rule")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--all-cases", action="store_true",
                    help="read R1 and R2 over every pair, not only where the third candidate fired (a change that "

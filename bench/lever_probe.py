@@ -26,7 +26,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Optional
 
-from bench.common import machine_info, quiet_libraries, table, torch_threads, write_json
+from bench.common import machine_info, part_spec, quiet_libraries, rows_file, table, torch_threads, write_json
 
 NAME = "lever_probe"
 LEVERS: dict[str, tuple[dict[str, dict[str, Any]], Optional[int]]] = {  # name: (config overrides, images)
@@ -97,10 +97,10 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--seed", type=int, default=30)
     p.add_argument("--levers", default=",".join(LEVERS))
     p.add_argument("--points", type=int, default=9)
-    p.add_argument("--part", default="1/1", help="K/N: the K-th of N interleaved shares of the grids")
+    p.add_argument("--part", type=part_spec, default="1/1", help="K/N: the K-th of N interleaved shares of the grids")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--report", type=Path, nargs="+", metavar="JSON", help="run nothing: merge these results")
+    p.add_argument("--report", type=rows_file, nargs="+", metavar="JSON", help="run nothing: merge these results")
     args = p.parse_args(argv)
     if args.report:
         rows = [r for path in args.report for r in json.loads(path.read_text())["rows"]]
@@ -110,7 +110,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         bad = [x for x in levers if x not in LEVERS]
         if bad:
             p.error(f"unknown lever {', '.join(bad)}; levers: {', '.join(LEVERS)}")
-        k, n = (int(x) for x in args.part.split("/"))
+        k, n = args.part
         plan = [(m, kind, lever) for m in args.methods.split(",") for kind in args.kinds.split(",")
                 for lever in levers][k - 1::n]
         quiet_libraries()

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
-from bench.common import case_lora, median_of, table, write_json
+from bench.common import case_lora, median_of, results_file, table, write_json
 from bench.discovery_quality import gap_pct
 from bench.versus import OPPONENTS, count_verdicts, summarize
 
@@ -169,7 +169,7 @@ def report(r: dict[str, Any]) -> str:
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(prog="python -m bench.lora_scale", description=__doc__.split("\n\n")[0])
-    p.add_argument("results", type=Path, nargs="+", help="bench.versus result JSONs")
+    p.add_argument("results", type=results_file, nargs="+", help="bench.versus result JSONs")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     cases = [c for path in args.results for c in json.loads(path.read_text())["cases"]]

@@ -44,7 +44,9 @@ from bench.common import (
     case_key,
     family_of_case,
     median_of,
+    part_spec,
     quiet_libraries,
+    results_file,
     run_probe,
     write_json,
 )
@@ -189,12 +191,13 @@ def report(paths: list[Path], out: Path, source: Optional[Path] = None) -> dict[
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(prog="python -m bench.prodigy_prior", description=__doc__.splitlines()[0])
     add_probe_arguments(p, source_required=False)
-    p.add_argument("--report", type=Path, nargs="+", metavar="JSON",
+    p.add_argument("--report", type=results_file, nargs="+", metavar="JSON",
                    help="no runs: the tally over these results of this probe, written to --out (with --from: the "
                         "standings over that result's cases with the prior run in (a)'s place)")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--seeds", default=None, help="only these seeds of the source (default: all)")
-    p.add_argument("--part", default="1/1", metavar="I/N", help="every N-th case from the I-th: side by side")
+    p.add_argument("--part", type=part_spec, default="1/1", metavar="I/N",
+                   help="every N-th case from the I-th: side by side")
     args = p.parse_args(argv)
     quiet_libraries()
     if args.report:
@@ -205,7 +208,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     if unknown := set(methods) - set(METHODS):
         raise SystemExit(f"--methods: {', '.join(sorted(unknown))} not probed (only {', '.join(METHODS)})")
     seeds = {int(x) for x in args.seeds.split(",")} if args.seeds else None
-    i, n = (int(x) for x in args.part.split("/"))
+    i, n = args.part
     cases = [c for c in json.loads(args.source.read_text())["cases"]
              if c["method"] in methods and (seeds is None or int(c["seed"]) in seeds)]
     cases = sorted(cases, key=case_key)[i - 1::n]

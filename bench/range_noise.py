@@ -24,7 +24,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Optional
 
-from bench.common import add_probe_arguments, quiet_libraries, run_probe
+from bench.common import add_probe_arguments, part_spec, quiet_libraries, run_probe
 from bench.discovery_quality import range_tests
 from bench.versus import case_training_seed, rebuild_case
 
@@ -92,14 +92,15 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--seeds", default="14,15,16,17", help="the cases' data seeds")
     p.add_argument("--epochs", default="3,12",
                    help="lr_range_test.epochs to compare (3: the bench's cases, demo_config's; validated every update)")
-    p.add_argument("--part", default="1/1", help="K/N: every Nth case from the Kth, to run N probes side by side")
+    p.add_argument("--part", type=part_spec, default="1/1",
+                   help="K/N: every Nth case from the Kth, to run N probes side by side")
     args = p.parse_args(argv)
     quiet_libraries()
     methods, seeds = set(args.methods.split(",")), {int(x) for x in args.seeds.split(",")}
     epochs = tuple(int(x) for x in args.epochs.split(","))
     cases = [c for c in json.loads(args.source.read_text())["cases"]
              if c["method"] in methods and int(c["seed"]) in seeds and c.get("family", "sd1") == "sd1"]
-    k, n = (int(x) for x in args.part.split("/"))
+    k, n = args.part
     cases = cases[k - 1::n]
     return run_probe(NAME, args, cases, lambda c, work, log=print: probe_case(c, work, log, epochs), tally)
 

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from bench.common import CaseKey, case_key
+from bench.common import CaseKey, case_key, results_file
 from bench.discovery_quality import gap_pct
 from bench.unseen import UNSEEN_ARMS, unseen_view
 from bench.versus import OPPONENTS, aggregate, case_training_seed, count_verdicts, verdict_of
@@ -130,8 +130,8 @@ def table(result: dict[str, Any]) -> str:
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(prog="python -m bench.replicates", description=__doc__.split("\n\n")[0])
-    p.add_argument("--first", type=Path, nargs="+", required=True, help="bench.versus results: the first runs")
-    p.add_argument("--second", type=Path, nargs="+", required=True,
+    p.add_argument("--first", type=results_file, nargs="+", required=True, help="bench.versus results: the first runs")
+    p.add_argument("--second", type=results_file, nargs="+", required=True,
                    help="bench.versus results of the same cases with another --training-seed")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)

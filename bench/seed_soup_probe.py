@@ -57,7 +57,15 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from bench.common import add_probe_arguments, case_key, family_of_case, quiet_libraries, run_probe
+from bench.common import (
+    add_probe_arguments,
+    case_key,
+    family_of_case,
+    part_spec,
+    quiet_libraries,
+    results_file,
+    run_probe,
+)
 from bench.discovery_quality import discover, gap_pct
 from bench.versus import (
     OPPONENTS,
@@ -208,17 +216,18 @@ def tally(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(prog="python -m bench.seed_soup_probe", description=__doc__.split("\n\n")[0])
     add_probe_arguments(p)
-    p.add_argument("--replicate", type=Path, nargs="+", required=True,
+    p.add_argument("--replicate", type=results_file, nargs="+", required=True,
                    help="bench.versus --training-seed results holding each case's replicate")
     p.add_argument("--seeds", default="14,15", help="the data seeds of the cases to probe")
-    p.add_argument("--part", default="1/1", help="K/N: every Nth case from the Kth, to run N probes side by side")
+    p.add_argument("--part", type=part_spec, default="1/1",
+                   help="K/N: every Nth case from the Kth, to run N probes side by side")
     args = p.parse_args(argv)
     quiet_libraries()
     seeds = {int(x) for x in args.seeds.split(",")}
     replicates = {case_key(c): c for f in args.replicate for c in json.loads(f.read_text())["cases"]}
     cases = [c for c in json.loads(args.source.read_text())["cases"]
              if c.get("unseen") and c["seed"] in seeds and case_key(c) in replicates]
-    k, n = (int(x) for x in args.part.split("/"))
+    k, n = args.part
     cases = cases[k - 1::n]
 
     def probe(c: dict[str, Any], work: Path, log=print) -> dict[str, Any]:

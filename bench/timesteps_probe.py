@@ -71,7 +71,15 @@ from typing import Any, Optional
 
 from pydantic import ValidationError
 
-from bench.common import add_probe_arguments, case_key, family_of_case, quiet_libraries, run_probe
+from bench.common import (
+    add_probe_arguments,
+    case_key,
+    family_of_case,
+    part_spec,
+    quiet_libraries,
+    results_file,
+    run_probe,
+)
 from bench.discovery_quality import discover, gap_pct
 from bench.replicates import moved, verdicts_changed
 from bench.unseen import rangefinder_alone, score_unseen
@@ -192,12 +200,14 @@ def against_the_baseline(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(prog="python -m bench.timesteps_probe", description=__doc__.split("\n\n")[0])
     add_probe_arguments(p)
-    p.add_argument("--part", default="1/1", help="K/N: every Nth case from the Kth, to run N probes side by side")
+    p.add_argument("--part", type=part_spec, default="1/1",
+                   help="K/N: every Nth case from the Kth, to run N probes side by side")
     p.add_argument("--timesteps", type=int, default=DEFAULT_TIMESTEPS, help="validation.timesteps in (a)")
     p.add_argument("--training-seed", type=int, help="training.seed in (a) (as saved when left out): its own noise")
     p.add_argument("--training", action="append", default=[], metavar="KEY=VALUE",
                    help="a `training` setting of (a) only, its value read as JSON (e.g. adam_beta2=0.99); repeatable")
-    p.add_argument("--against", type=Path, nargs="+", help="results of this probe whose (a) is the baseline, case "
+    p.add_argument("--against", type=results_file, nargs="+",
+                   help="results of this probe whose (a) is the baseline, case "
                    "by case (as saved when left out)")
     args = p.parse_args(argv)
     training: dict[str, Any] = {}
@@ -213,7 +223,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         p.error(format_validation_error(e, "--training "))
     quiet_libraries()
     cases = [c for c in json.loads(args.source.read_text())["cases"] if c.get("unseen")]
-    k, n = (int(x) for x in args.part.split("/"))
+    k, n = args.part
     cases = cases[k - 1::n]
 
     baselines = None if not args.against else {

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from bench.common import add_probe_arguments, case_key, run_probe, write_json
+from bench.common import add_probe_arguments, case_key, part_spec, results_file, run_probe, write_json
 from bench.unseen import rangefinder_alone, reproduces, score_unseen
 from bench.versus import (
     count_verdicts,
@@ -122,9 +122,10 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     if argv is None:
         argv = sys.argv[1:]
     if "--report" in argv:
-        p.add_argument("--report", type=Path, required=True, metavar="JSON", help="the bench.versus result probed")
-        p.add_argument("--probes", type=Path, nargs="*", default=[], metavar="JSON")
-        p.add_argument("--a-from", type=Path, nargs="*", metavar="JSON",
+        p.add_argument("--report", type=results_file, required=True, metavar="JSON",
+                       help="the bench.versus result probed")
+        p.add_argument("--probes", type=results_file, nargs="*", default=[], metavar="JSON")
+        p.add_argument("--a-from", type=results_file, nargs="*", metavar="JSON",
                        help="bench.timesteps_probe results: (a) as that probe re-ran it (e.g. validation.timesteps 16)")
         p.add_argument("--out", type=Path)
         args = p.parse_args(argv)
@@ -138,11 +139,12 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             write_json(args.out, result)
         return result
     add_probe_arguments(p)
-    p.add_argument("--part", default="1/1", help="K/N: every Nth case from the Kth, to run N side by side")
+    p.add_argument("--part", type=part_spec, default="1/1",
+                   help="K/N: every Nth case from the Kth, to run N side by side")
     args = p.parse_args(argv)
     cases = [c for c in json.loads(args.source.read_text())["cases"]
              if "unseen_images" in c["summary"] and changed_pick(c) is not None]
-    k, n = (int(x) for x in args.part.split("/"))
+    k, n = args.part
     cases = cases[k - 1::n]
 
     def tally(rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -161,6 +161,7 @@ from bench.common import (
     family_of_case,
     machine_info,
     quiet_libraries,
+    results_file,
     smoke_out,
     table,
     torch_threads,
@@ -1120,17 +1121,17 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                    "rewritten after every case, and the cases it holds are not run again (resume); with --report: "
                    "the merged cases")
     p.add_argument("--work-dir", type=Path)
-    p.add_argument("--reuse-arms", type=Path, nargs="+", metavar="JSON",
+    p.add_argument("--reuse-arms", type=results_file, nargs="+", metavar="JSON",
                    help="re-run (a) only: take arms (b)-(e) of a case from these results where its data, (a)'s "
                    "fine-tune length and range-test span are unchanged (else they run again)")
     p.add_argument("--rechoose", action="store_true",
                    help="with --report: re-score (a) with today's checkpoint rule from each case's saved curve")
-    p.add_argument("--report", type=Path, nargs="+", metavar="JSON",
+    p.add_argument("--report", type=results_file, nargs="+", metavar="JSON",
                    help="run nothing: merge the cases of these results and print the tables and the verdict")
-    p.add_argument("--capped-bounds", type=Path, nargs="+", metavar="JSON",
+    p.add_argument("--capped-bounds", type=results_file, nargs="+", metavar="JSON",
                    help="with --report: (a) as delivered by bench.bounds_probe's runs (the zoom's upper bound "
                    "capped at the first test's), in the cases those results hold")
-    p.add_argument("--averaged", type=Path, nargs="+", metavar="JSON",
+    p.add_argument("--averaged", type=results_file, nargs="+", metavar="JSON",
                    help="with --report: (a) as delivered by bench.average_probe's runs (the step window's "
                    "checkpoints averaged), in the cases those results hold")
     args = p.parse_args(argv)

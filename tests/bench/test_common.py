@@ -42,3 +42,33 @@ def test_the_tracked_tree_fits_what_a_device_run_carries():
     paths = [root / n.decode() for n in names if n]
     size = sum(path.stat().st_size for path in paths if path.is_file())
     assert size < 60 * 2**20, f"tracked files: {size / 2**20:.1f} MiB; the device carries 64 MiB in all"
+
+
+def test_a_probe_given_a_wrong_file_or_part_says_so_in_one_line_before_it_runs(tmp_path, capsys):
+    """--from, --against and the like are checked when the command line is read, and so is --part: a missing file, a
+    file that is not JSON, JSON without the cases, or a part that is not K/N is one line naming it, exit status 2.
+    An --out that holds something other than the probe's own result is said, not overwritten."""
+    import pytest
+
+    from bench.timesteps_probe import main as probe
+
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"cases": []}))
+    (tmp_path / "broken.json").write_text('{"cases": [')
+    (tmp_path / "other.json").write_text('{"rows": []}')
+    wrong = {"missing.json": "no such file", "broken.json": "not JSON", "other.json": "no list of cases",
+             ".": "cannot be read"}
+    for name, said in wrong.items():
+        with pytest.raises(SystemExit) as e:
+            probe(["--from", str(tmp_path / name), "--out", str(tmp_path / "o.json")])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and said in err and "argument --from" in err and "Traceback" not in err
+    for part in ("3/2", "0/1", "1", "a/b"):
+        with pytest.raises(SystemExit) as e:
+            probe(["--from", str(good), "--out", str(tmp_path / "o.json"), "--part", part])
+        assert e.value.code == 2 and "write K/N with 1 <= K <= N" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        probe(["--from", str(good), "--out", str(tmp_path / "broken.json")])
+    assert "it is not this probe's result" in str(e.value.code)
+    assert (tmp_path / "broken.json").read_text() == '{"cases": ['
+    assert probe(["--from", str(good), "--out", str(tmp_path / "o.json"), "--part", "2/2"])["cases"] == []
