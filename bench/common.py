@@ -318,6 +318,16 @@ def part_spec(text: str) -> tuple[int, int]:
     return part
 
 
+def resumed(out: Path) -> dict[str, Any]:
+    """What a killed run left in its --out, to go on from: anything else there is one line, and is not overwritten."""
+    import argparse
+
+    try:
+        return dict(json.loads(results_file(str(out)).read_text()))
+    except argparse.ArgumentTypeError as e:
+        raise SystemExit(f"--out {e}: it is not this command's result; move it away, or give another --out") from None
+
+
 def add_probe_arguments(p: Any, source_required: bool = True) -> None:
     """The arguments every probe of saved bench.versus cases takes (an argparse.ArgumentParser): --from, --out,
     --work-dir, --threads (--from optional for a probe that can also only report)."""
@@ -337,13 +347,8 @@ def probe_saved_cases(result: dict[str, Any], cases: Sequence[dict[str, Any]], o
     import sys
     import tempfile
 
-    if out.exists():  # a killed run's result goes on; anything else there is said, not overwritten
-        import argparse
-
-        try:
-            result["cases"] = json.loads(results_file(str(out)).read_text())["cases"]
-        except argparse.ArgumentTypeError as e:
-            raise SystemExit(f"--out {e}: it is not this probe's result; move it away, or give another --out") from None
+    if out.exists():
+        result["cases"] = resumed(out)["cases"]
     done = {case_key(r) for r in result["cases"]}
     work = work or Path(tempfile.mkdtemp(prefix=prefix))
     work.mkdir(parents=True, exist_ok=True)

@@ -162,6 +162,7 @@ from bench.common import (
     machine_info,
     quiet_libraries,
     results_file,
+    resumed,
     smoke_out,
     table,
     torch_threads,
@@ -1205,7 +1206,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     result: dict[str, Any] = {"benchmark": NAME, "smoke": args.smoke, "settings": settings, "cases": [],
                               "runs": []}
     if args.out.exists() and not args.smoke:
-        old = json.loads(args.out.read_text())
+        old = resumed(args.out)
         result["cases"], result["runs"] = old.get("cases", []), old.get("runs", [])
     done = {case_key(c) for c in result["cases"]}
     lora_set = case_adapter(args)

@@ -69,6 +69,6 @@ def test_a_probe_given_a_wrong_file_or_part_says_so_in_one_line_before_it_runs(t
         assert e.value.code == 2 and "write K/N with 1 <= K <= N" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         probe(["--from", str(good), "--out", str(tmp_path / "broken.json")])
-    assert "it is not this probe's result" in str(e.value.code)
+    assert "it is not this command's result" in str(e.value.code)
     assert (tmp_path / "broken.json").read_text() == '{"cases": ['
     assert probe(["--from", str(good), "--out", str(tmp_path / "o.json"), "--part", "2/2"])["cases"] == []
