@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -273,12 +274,9 @@ def case_key(c: dict[str, Any]) -> CaseKey:
     return (family_of_case(c), c["method"], c["kind"], int(c["seed"]), case_lora(c))
 
 
-def _bench_json(path_text: str, key: str) -> Path:
-    """An argparse type: the path of a bench result JSON holding a list under `key`, checked when the command line is
-    read, so a wrong file is one line naming it, not a traceback after other work."""
-    import argparse
-
-    path = Path(path_text)
+def _read_bench_json(path: Path, key: str) -> dict[str, Any]:
+    """A bench result JSON holding a list under `key`, read and parsed; anything else is an argparse.ArgumentTypeError
+    naming the file and what is wrong with it."""
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
@@ -291,6 +289,14 @@ def _bench_json(path_text: str, key: str) -> Path:
     if not isinstance(data, dict) or not isinstance(data.get(key), list):
         raise argparse.ArgumentTypeError(f"{path}: not a bench result (no list of {key}); give the JSON a bench "
                                          "command wrote with --out")
+    return data
+
+
+def _bench_json(path_text: str, key: str) -> Path:
+    """An argparse type: the path of a bench result JSON holding a list under `key`, checked when the command line is
+    read, so a wrong file is one line naming it, not a traceback after other work."""
+    path = Path(path_text)
+    _read_bench_json(path, key)
     return path
 
 
@@ -306,8 +312,6 @@ def rows_file(path_text: str) -> Path:
 
 def part_spec(text: str) -> tuple[int, int]:
     """An argparse type for --part K/N (every Nth case from the Kth, to run N processes side by side): (K, N)."""
-    import argparse
-
     k, sep, n = text.partition("/")
     try:
         part = (int(k), int(n))
@@ -320,10 +324,8 @@ def part_spec(text: str) -> tuple[int, int]:
 
 def resumed(out: Path) -> dict[str, Any]:
     """What a killed run left in its --out, to go on from: anything else there is one line, and is not overwritten."""
-    import argparse
-
     try:
-        return dict(json.loads(results_file(str(out)).read_text()))
+        return _read_bench_json(out, "cases")
     except argparse.ArgumentTypeError as e:
         raise SystemExit(f"--out {e}: it is not this command's result; move it away, or give another --out") from None
 

@@ -25,14 +25,25 @@ def method_from_checkpoint(ckpt_dir: Path, base_model: Path) -> tuple[Method, SD
 
     The files read are first checked against the checkpoint's manifest: a damaged checkpoint is one RangefinderError
     naming it, before anything is loaded."""
+    return _rebuilt(Path(ckpt_dir), _intact_training(ckpt_dir), base_model)
+
+
+def _intact_training(ckpt_dir: Path) -> TrainingConfig:
+    """The training settings the checkpoint's run had, once its files are checked against its manifest."""
+    from rangefinder.config import TrainingConfig
+
+    checkpoints.require_intact(ckpt_dir)
+    return TrainingConfig.model_validate(checkpoints.read_state(ckpt_dir)["training"])
+
+
+def _rebuilt(ckpt_dir: Path, cfg: TrainingConfig, base_model: Path) -> tuple[Method, SDComponents]:
+    """method_from_checkpoint's model, from a checkpoint already checked (_intact_training)."""
     import torch
 
-    from rangefinder.config import SCHEDULE_FREE_OPTIMIZERS, ModelConfig, TrainingConfig
+    from rangefinder.config import SCHEDULE_FREE_OPTIMIZERS, ModelConfig
     from rangefinder.models.loading import load_sd_components
     from rangefinder.training.methods import make_method
 
-    checkpoints.require_intact(ckpt_dir)
-    cfg = TrainingConfig.model_validate(checkpoints.read_state(ckpt_dir)["training"])
     method = make_method(cfg)
     sd = load_sd_components(ModelConfig(base_model=str(base_model)))
     method.setup(sd, torch.float32)
@@ -53,14 +64,13 @@ def method_from_checkpoint(ckpt_dir: Path, base_model: Path) -> tuple[Method, SD
 def delivered_state(ckpt_dir: Path, base_model: Path) -> dict[str, Any]:
     """The trained tensors the checkpoint's run delivers (trainable_state_dict's keys): the checkpoint's own, or, where
     the run kept an EMA average or ran a schedule-free optimizer, the averaged weights it validated. Only those need
-    the method rebuilt on the base model; the manifest is checked either way."""
-    from rangefinder.config import SCHEDULE_FREE_OPTIMIZERS, TrainingConfig
+    the method rebuilt on the base model; the manifest is checked once either way."""
+    from rangefinder.config import SCHEDULE_FREE_OPTIMIZERS
 
-    checkpoints.require_intact(ckpt_dir)
-    cfg = TrainingConfig.model_validate(checkpoints.read_state(ckpt_dir)["training"])
+    cfg = _intact_training(ckpt_dir)
     if not (Path(ckpt_dir) / checkpoints.EMA_NAME).is_file() and cfg.optimizer not in SCHEDULE_FREE_OPTIMIZERS:
         return checkpoints.read_weights(ckpt_dir)
-    method, _ = method_from_checkpoint(Path(ckpt_dir), Path(base_model))
+    method, _ = _rebuilt(Path(ckpt_dir), cfg, Path(base_model))
     return method.trainable_state_dict()
 
 
