@@ -148,12 +148,13 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Optional
 
 from bench.common import (
+    RESULTS_DIR,
     CaseKey,
     case_key,
     case_lora,
@@ -198,6 +199,8 @@ HELD_OUT_KINDS = ("subject", "glyphs")
 HELD_OUT_SEEDS = tuple(range(3, 40))
 TIE_PCT = 1.0  # within 1 %: a tie
 FOLK_LR = {"full": 1e-4, "lora": 1e-4, "textual_inversion": 5e-3}
+# The standings of record: the 275 cases merged on 2026-11-28 and seeds 38-39 (RESULTS.md, "Seeds 38-39 complete").
+STANDINGS_OF_RECORD = ("versus_all_275.json", "versus_unseen_seed38.json", "versus_unseen_seed39.json")
 # discovery_quality's saved full-method results on 20 images, 40-epoch arms, an 8-LR grid over 1e-5..1e-2.
 SAVED_GRIDS = ("discovery_quality_v4_tuning.json", "discovery_quality_v4_heldout.json",
                "discovery_quality_v4_confirm_seed3.json", "discovery_quality_v4_confirm_seed4.json")
@@ -974,6 +977,29 @@ def aggregate(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def merged_cases(paths: list[Path], say: Callable[[str], object] = lambda m: None) -> dict[str, Any]:
+    """The cases of these results as one result (`--report`), each case's verdicts recomputed from its saved arms
+    with today's arithmetic (a failed (a) is a loss since 2026-11-27). A case re-run later (a fix measured on it,
+    --reuse-arms) replaces the earlier run: the later file wins, and `say` is told which."""
+    by_case: dict[CaseKey, dict[str, Any]] = {}
+    for path in paths:
+        for c in json.loads(path.read_text())["cases"]:
+            key = case_key(c)
+            if key in by_case:
+                say(f"{case_name(c)}: the run in {path.name} replaces an earlier one")
+            by_case[key] = c
+    return {"benchmark": NAME, "merged_from": [str(x) for x in paths],
+            "cases": [{**c, "summary": summarize(c)} for c in by_case.values()]}
+
+
+def standings_of_record() -> dict[str, Any]:
+    """The standings of record (bench/RESULTS.md, "At a glance"), merged as `--report` merges them. They are not
+    saved as one file: a merged copy would take the tracked files over the device's 64 MiB carry."""
+    result = merged_cases([RESULTS_DIR / n for n in STANDINGS_OF_RECORD])
+    finish(result, partial=False)
+    return result
+
+
 def finish(result: dict[str, Any], partial: bool) -> None:
     sums = [c["summary"] for c in result["cases"]]
     result["partial"] = partial
@@ -1139,18 +1165,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                    "checkpoints averaged), in the cases those results hold")
     args = p.parse_args(argv)
     if args.report:
-        merged: dict[str, Any] = {"benchmark": NAME, "merged_from": [str(x) for x in args.report], "cases": []}
-        by_case: dict[CaseKey, dict[str, Any]] = {}
-        for path in args.report:
-            for c in json.loads(path.read_text())["cases"]:
-                # A case re-run later (a fix measured on it, --reuse-arms) replaces the earlier run: the later file
-                # wins, and the tables say which.
-                key = case_key(c)
-                if key in by_case:
-                    print(f"{case_name(c)}: the run in {path.name} replaces an earlier one")
-                by_case[key] = c
-        # Each case's verdicts with today's arithmetic (a failed (a) is a loss since 2026-11-27), from its saved arms.
-        merged["cases"] = [{**c, "summary": summarize(c)} for c in by_case.values()]
+        merged = merged_cases(args.report, say=print)
         if args.rechoose:
             merged["rechosen"] = True
             merged["cases"] = [rechoose(c) for c in merged["cases"]]
@@ -1212,7 +1227,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         result["cases"], result["runs"] = old.get("cases", []), old.get("runs", [])
     done = {case_key(c) for c in result["cases"]}
     lora_set = case_adapter(args)
-    saved = load_saved_grids([Path(__file__).resolve().parent / "results" / n for n in SAVED_GRIDS])
+    saved = load_saved_grids([RESULTS_DIR / n for n in SAVED_GRIDS])
     saved_arms = load_saved_arms(args.reuse_arms or [])
     if args.smoke:
         saved = {}

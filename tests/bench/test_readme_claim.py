@@ -1,10 +1,12 @@
 """Issue 34's "the README's claim matches RESULTS.md, number for number": the README's standings table is the one
-the saved standings of record give (bench/results/versus_all_275.json, as `bench.versus --report` aggregates it),
-and RESULTS.md's headline quotes the same shares."""
+the saved standings of record give (bench.versus.STANDINGS_OF_RECORD, merged as `bench.versus --report` merges
+them), and RESULTS.md's headline quotes the same shares."""
 
 import json
 import re
 from pathlib import Path
+
+from bench.versus import STANDINGS_OF_RECORD, standings_of_record
 
 ROOT = Path(__file__).resolve().parents[2]
 # The README's rows, by the opponent each names, in the order the table gives them.
@@ -25,7 +27,7 @@ def _readme_rows() -> dict[str, tuple[int, int, int, int]]:
 
 
 def test_the_readme_standings_are_the_saved_standings_of_record():
-    agg = json.loads((ROOT / "bench" / "results" / "versus_all_275.json").read_text())["aggregate"]
+    agg = standings_of_record()["aggregate"]
     for opp, (win, tie, loss, pct) in _readme_rows().items():
         saved = agg[f"vs_{opp}"]
         assert (win, tie, loss) == (saved["win"], saved["tie"], saved["loss"]), opp
@@ -41,7 +43,7 @@ def test_the_readme_standings_are_the_saved_standings_of_record():
 
 
 def test_results_headline_quotes_the_same_shares():
-    agg = json.loads((ROOT / "bench" / "results" / "versus_all_275.json").read_text())["aggregate"]
+    agg = standings_of_record()["aggregate"]
     results = (ROOT / "bench" / "RESULTS.md").read_text()
     head = results[results.index("The standings of record are over"):][:900]
     for opp in ("prodigy_best", "random_equal", "random_best"):
@@ -56,7 +58,7 @@ def _pct(x: float) -> str:
 def test_results_at_a_glance_is_the_saved_standings_by_group():
     """RESULTS.md's "At a glance" table: every share, for all cases, the held-out ones and each method, is the one
     the saved standings give, and each line says met or not as the JSON does."""
-    saved = json.loads((ROOT / "bench" / "results" / "versus_all_275.json").read_text())
+    saved = standings_of_record()
     groups = [saved["aggregate"], saved["aggregate_held_out"],
               *(saved["aggregate_by_method"][m] for m in ("full", "lora", "textual_inversion"))]
     results = (ROOT / "bench" / "RESULTS.md").read_text()
@@ -82,3 +84,15 @@ def test_results_at_a_glance_is_the_saved_standings_by_group():
                               f"{100 * saved['aggregate']['rangefinder_update_share_max']:.1f} %")
     assert grid[3:7] == [f"{x['within_3pct']} of {x['n']}" for x in gaps[1:]]
     assert grid[7] == ("yes" if saved["aggregate"]["goals"]["grid"]["met"] else "no")
+
+
+def test_the_standings_count_each_case_once_and_say_how_many():
+    """The files of record hold no case twice (a re-run would silently replace one), and RESULTS.md and the README
+    name the number of cases the merge gives."""
+    saved = standings_of_record()
+    n, held = saved["aggregate"]["cases"], saved["aggregate"]["held_out"]
+    files = [ROOT / "bench" / "results" / f for f in STANDINGS_OF_RECORD]
+    assert n == sum(len(json.loads(f.read_text())["cases"]) for f in files)
+    results = " ".join((ROOT / "bench" / "RESULTS.md").read_text().split())
+    assert f"**At a glance: the standings of record** ({n} SD 1.x cases, {held} of them held out" in results
+    assert f"Over {n} SD 1.x cases" in " ".join((ROOT / "README.md").read_text().split())
