@@ -7,7 +7,13 @@ testbed is built on another lever, this checks on a grid which levers move the v
 each lever, as every bench.versus arm but (a) trains (bench.versus.plain_finetune), and reports each grid's best LR
 and its ratio to the shipped one. The levers:
 - `batch16`: training.batch_size 16 (the whole 16-image training split in one update; 4x fewer updates);
-- `images40`: 40 images instead of 20 (twice the updates per epoch, and 8 validation images instead of 4).
+- `images40`: 40 images instead of 20 (twice the updates per epoch, and 8 validation images instead of 4);
+- `vectors4`: textual inversion only, 4 vectors for the concept instead of 1 (`textual_inversion.num_vectors`).
+
+Each grid also says how much the LR matters near its best (`near_pct`: the cheaper of the two neighbouring LRs, half a
+decade off, in % above the best; `decade_pct`: the worst point within a decade of it). Textual inversion's arms tie
+within the 1 % band because, on this model, they do not ("What a cheaper (a) would buy against random search"): a
+testbed where its LR can be won needs a lever that lifts these above the band.
 
     python -m bench.lever_probe --methods lora,full --kinds shapes,subject --seed 30 --out bench/results/levers.json
 """
@@ -33,7 +39,9 @@ LEVERS: dict[str, tuple[dict[str, dict[str, Any]], Optional[int]]] = {  # name: 
     "shipped": ({}, None),
     "batch16": ({"training": {"batch_size": 16}}, None),
     "images40": ({}, 40),
+    "vectors4": ({"training": {"textual_inversion": {"num_vectors": 4}}}, None),
 }
+LEVER_METHODS = {"vectors4": ("textual_inversion",)}  # a lever that only one method has; the others, every method
 GRIDS = {"lora": (1e-4, 1.0), "full": (1e-5, 1e-1), "textual_inversion": (1e-4, 1.0)}  # 9 points: half a decade
 IMAGES = 20
 
@@ -69,8 +77,23 @@ def one_grid(method: str, kind: str, seed: int, lever: str, points: int, work: P
     scored = [g for g in arms if g["best_val_loss"] is not None]
     best = min(scored, key=lambda g: g["best_val_loss"]) if scored else None
     return {"method": method, "kind": kind, "seed": seed, "lever": lever, "images": LEVERS[lever][1] or IMAGES,
-            "batch_size": cfg.training.batch_size, "arms": arms, "best_lr": best and best["lr"],
-            "best_val_loss": best and best["best_val_loss"], "seconds": time.perf_counter() - t0}
+            "batch_size": cfg.training.batch_size, "num_vectors": cfg.training.textual_inversion.num_vectors,
+            "arms": arms, "best_lr": best and best["lr"], "best_val_loss": best and best["best_val_loss"],
+            **sensitivity(arms), "seconds": time.perf_counter() - t0}
+
+
+def sensitivity(arms: list[dict[str, Any]]) -> dict[str, Optional[float]]:
+    """How much the LR matters near a grid's best, in % above the best's loss: `near_pct`, the cheaper of its two
+    neighbours (one point off; a point that failed or lies off the grid does not count); `decade_pct`, the worst of
+    the points within two of it (a decade, at the probe's half-decade spacing), a failed one counting as infinite."""
+    losses = [a["best_val_loss"] for a in arms]
+    if not any(x is not None for x in losses):
+        return {"near_pct": None, "decade_pct": None}
+    i = min((j for j, x in enumerate(losses) if x is not None), key=lambda j: losses[j])
+    pct = [math.inf if x is None else 100 * (x / losses[i] - 1) for x in losses]
+    near = [pct[j] for j in (i - 1, i + 1) if 0 <= j < len(pct) and math.isfinite(pct[j])]
+    around = [pct[j] for j in range(max(0, i - 2), min(len(pct), i + 3)) if j != i]
+    return {"near_pct": min(near) if near else None, "decade_pct": max(around) if around else None}
 
 
 def readings(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -90,6 +113,29 @@ def readings(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def lr_stakes(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per method and lever (the shipped case included): over the kinds, how much a half-decade miss of the best LR
+    costs (`near_pct`, median and each) and how many grids put it above the 1 % tie band."""
+    out = []
+    for method in dict.fromkeys(r["method"] for r in rows):
+        for lever in LEVERS:
+            near = [r["near_pct"] for r in rows
+                    if r["method"] == method and r["lever"] == lever and r.get("near_pct") is not None]
+            if near:
+                out.append({"method": method, "lever": lever, "cases": len(near),
+                            "median_near_pct": statistics.median(near), "near_pct": " ".join(f"{x:.3g}" for x in near),
+                            "above_band": sum(1 for x in near if x > 1.0)})
+    return out
+
+
+def planned(methods: list[str], kinds: list[str], levers: list[str],
+            part: tuple[int, int] = (1, 1)) -> list[tuple[str, str, str]]:
+    """The grids to train, (method, kind, lever), each lever with the methods it applies to; the K-th of N shares."""
+    k, n = part
+    return [(m, kind, lever) for m in methods for kind in kinds for lever in levers
+            if m in LEVER_METHODS.get(lever, (m,))][k - 1::n]
+
+
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(prog="python -m bench.lever_probe", description=__doc__.split("\n\n")[0])
     p.add_argument("--methods", default="lora,full")
@@ -103,16 +149,15 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--report", type=rows_file, nargs="+", metavar="JSON", help="run nothing: merge these results")
     args = p.parse_args(argv)
     if args.report:
-        rows = [r for path in args.report for r in json.loads(path.read_text())["rows"]]
+        # Rows saved before the probe measured what the LR costs near its best get it from their own grids.
+        rows = [{**sensitivity(r["arms"]), **r} for path in args.report for r in json.loads(path.read_text())["rows"]]
         result: dict[str, Any] = {"benchmark": NAME, "merged_from": [str(x) for x in args.report], "rows": rows}
     else:
         levers = [x for x in args.levers.split(",") if x]
         bad = [x for x in levers if x not in LEVERS]
         if bad:
             p.error(f"unknown lever {', '.join(bad)}; levers: {', '.join(LEVERS)}")
-        k, n = args.part
-        plan = [(m, kind, lever) for m in args.methods.split(",") for kind in args.kinds.split(",")
-                for lever in levers][k - 1::n]
+        plan = planned(args.methods.split(","), args.kinds.split(","), levers, args.part)
         quiet_libraries()
         result = {"benchmark": NAME, "machine": machine_info(), "command": " ".join(sys.argv), "rows": []}
         work = Path(tempfile.mkdtemp(prefix="bench-levers-"))
@@ -125,11 +170,15 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         finally:
             shutil.rmtree(work, ignore_errors=True)
     result["readings"] = readings(result["rows"])
-    print(table(result["rows"], ["method", "kind", "lever", "images", "batch_size", "best_lr", "best_val_loss"],
-                title="Each grid's best constant LR"))
+    result["lr_stakes"] = lr_stakes(result["rows"])
+    print(table(result["rows"], ["method", "kind", "lever", "images", "batch_size", "best_lr", "best_val_loss",
+                                 "near_pct", "decade_pct"], title="Each grid's best constant LR"))
     print()
     print(table(result["readings"], ["method", "lever", "cases", "median_ratio", "ratios", "moved"],
                 title="The best LR with each lever over the shipped grid's"))
+    print()
+    print(table(result["lr_stakes"], ["method", "lever", "cases", "median_near_pct", "near_pct", "above_band"],
+                title="What missing the best LR by half a decade costs, in % (the tie band is 1 %)"))
     write_json(args.out, result)
     return result
 
