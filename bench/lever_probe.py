@@ -12,8 +12,8 @@ and its ratio to the shipped one. The levers:
 
 Each grid also says how much the LR matters near its best (`near_pct`: the cheaper of the two neighbouring LRs, half a
 decade off, in % above the best; `decade_pct`: the worst point within a decade of it). Textual inversion's arms tie
-within the 1 % band because, on this model, they do not ("What a cheaper (a) would buy against random search"): a
-testbed where its LR can be won needs a lever that lifts these above the band.
+within the 1 % band ("What a cheaper (a) would buy against random search"): a testbed where its LR can be won needs
+a lever that lifts `near_pct` above the band, and none of these does ("What the LR is worth in textual inversion").
 
     python -m bench.lever_probe --methods lora,full --kinds shapes,subject --seed 30 --out bench/results/levers.json
 """
