@@ -14,6 +14,9 @@ Parts (a part starts only while its minimum time is left; a stopped part says so
    rate, the compiled module's validation overhead).
    compile_static: the compiled run again with dynamo's automatic dynamic shapes off (static graphs per shape).
    k16: the eager validation overhead again at validation.timesteps 16 (issue 34's steadier loss), beside K 4's.
+   ema: full fine-tuning and LoRA at batch 4, eager, with and without `training.use_ema` (issue 34's candidate
+   default, adopted only once its GPU memory is measured: bench/RESULTS.md, "An EMA of the weights in (a)"): peak
+   memory and steady s/update of each, and what the EMA adds.
 3. extras: a torch.profiler summary of the full fine-tune at the largest batch, the bf16 all-reduce hook's cost under
    DDP on NCCL with one process.
 Files: env.json, wholerun.json, wholerun_log.txt, goals.json, profile.txt, extras.json (and the caller's log.txt).
@@ -37,7 +40,7 @@ from typing import Any, Optional
 T0 = time.monotonic()
 
 
-GOAL_PARTS = {"goals", "compile", "compile_static", "k16"}  # the parts goals() runs; each needs its eager run
+GOAL_PARTS = {"goals", "compile", "compile_static", "k16", "ema"}  # the parts goals() runs; each needs its eager run
 
 
 def elapsed() -> float:
@@ -176,7 +179,7 @@ class Stamps:
 def engine(setup, *, method: str, batch: int, updates: int, device: str, mp: str, cache_dir: Path,
            compile: str = "off", validate_every_epochs: float = 0, skip: int = 3,
            on_update: Optional[Callable[[int], None]] = None, timed_validation: bool = False,
-           timesteps: Optional[int] = None) -> dict[str, Any]:
+           timesteps: Optional[int] = None, use_ema: bool = False) -> dict[str, Any]:
     import torch
 
     from bench.common import PeakMemory, mib
@@ -185,7 +188,7 @@ def engine(setup, *, method: str, batch: int, updates: int, device: str, mp: str
 
     cfg = TrainingConfig(method=method, batch_size=batch, steps=updates, lr=1e-5, schedule="constant",
                          mixed_precision=mp, max_grad_norm=1.0, seed=0, cache_dir=str(cache_dir),
-                         channels_last=device == "cuda", compile=compile)
+                         channels_last=device == "cuda", compile=compile, use_ema=use_ema)
     val = ValidationConfig(every_epochs=validate_every_epochs,
                            **({"timesteps": timesteps} if timesteps else {}))  # None: the shipped K
     stamps = Stamps(on_update)
@@ -211,6 +214,7 @@ def engine(setup, *, method: str, batch: int, updates: int, device: str, mp: str
     first = stamps.times[steps[0]] if steps else None
     row = {
         "method": method, "batch_size": batch, "updates": result.updates, "compile": summary["compile"],
+        "use_ema": use_ema,
         "mixed_precision_used": summary.get("mixed_precision_used", summary["training"]["mixed_precision"]),
         "loop_seconds": summary["seconds"], "wall_seconds": wall, "steady_s_per_update": per,
         "images_per_second": batch / per if per else None, "peak_mib": mib(mem.peak_bytes),
@@ -361,7 +365,7 @@ def goals(out: Path, work: Path, setup, device: str, mp: str, deadline: float, t
         row["median_s_per_update"] = median_interval(row)
         return row
 
-    row = guarded("validation overhead eager", 30, lambda: val_run("off")) if parts & GOAL_PARTS else None
+    row = guarded("validation overhead eager", 30, lambda: val_run("off")) if parts & (GOAL_PARTS - {"ema"}) else None
     if isinstance(row, dict):
         res["validation_eager"] = row
     # d'. the same at validation.timesteps 16 (issue 34's steadier loss: four times the draws per image), eager
@@ -404,6 +408,23 @@ def goals(out: Path, work: Path, setup, device: str, mp: str, deadline: float, t
             ev = res.get("validation_eager")
             if ev and ev["median_s_per_update"] and row["median_s_per_update"]:
                 row["gain_s_per_update"] = ev["median_s_per_update"] - row["median_s_per_update"]
+    # g. the EMA of the trained weights (issue 34's candidate default): its memory and time, full and LoRA, batch 4
+    for method in (("full", "lora") if "ema" in parts else ()):
+        pair = {}
+        for ema in (False, True):
+            row = guarded(f"{method} eager b{b4}{' with EMA' if ema else ''}", 25 if tiny else 60,
+                          lambda m=method, e=ema: engine(setup, method=m, batch=b4, updates=upd.get(b4, 20),
+                                                         device=device, mp=mp, cache_dir=cache, use_ema=e))
+            if not isinstance(row, dict):
+                break
+            pair["with_ema" if ema else "without"] = row
+        if len(pair) == 2:
+            a, e = pair["without"], pair["with_ema"]
+            pair["added_peak_mib"] = e["peak_mib"] - a["peak_mib"]
+            if a["steady_s_per_update"] and e["steady_s_per_update"]:
+                pair["s_per_update_ratio"] = e["steady_s_per_update"] / a["steady_s_per_update"]
+        res.setdefault("ema", {})[method] = pair
+        dump(out, "goals.json", res)
     dump(out, "goals.json", res)
     return res
 
