@@ -413,7 +413,7 @@ def goals(out: Path, work: Path, setup, device: str, mp: str, deadline: float, t
         pair = {}
         for ema in (False, True):
             row = guarded(f"{method} eager b{b4}{' with EMA' if ema else ''}", 25 if tiny else 60,
-                          lambda m=method, e=ema: engine(setup, method=m, batch=b4, updates=upd.get(b4, 20),
+                          lambda m=method, e=ema: engine(setup, method=m, batch=b4, updates=upd[b4],
                                                          device=device, mp=mp, cache_dir=cache, use_ema=e))
             if not isinstance(row, dict):
                 break

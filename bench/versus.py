@@ -992,10 +992,11 @@ def merged_cases(paths: list[Path], say: Callable[[str], object] = lambda m: Non
             "cases": [{**c, "summary": summarize(c)} for c in by_case.values()]}
 
 
-def standings_of_record() -> dict[str, Any]:
-    """The standings of record (bench/RESULTS.md, "At a glance"), merged as `--report` merges them. They are not
-    saved as one file: a merged copy would take the tracked files over the device's 64 MiB carry."""
-    result = merged_cases([RESULTS_DIR / n for n in STANDINGS_OF_RECORD])
+def standings_of_record(say: Callable[[str], object] = lambda m: None) -> dict[str, Any]:
+    """The standings of record (bench/RESULTS.md, "At a glance"), merged as `--report` merges them (`say` is told of
+    any case one file re-runs from another). They are not saved as one file: a merged copy would take the tracked
+    files over the device's 64 MiB carry."""
+    result = merged_cases([RESULTS_DIR / n for n in STANDINGS_OF_RECORD], say)
     finish(result, partial=False)
     return result
 

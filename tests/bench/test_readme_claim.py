@@ -2,11 +2,13 @@
 the saved standings of record give (bench.versus.STANDINGS_OF_RECORD, merged as `bench.versus --report` merges
 them), and RESULTS.md's headline quotes the same shares."""
 
-import json
 import re
 from pathlib import Path
+from typing import Any
 
-from bench.versus import STANDINGS_OF_RECORD, standings_of_record
+import pytest
+
+from bench.versus import standings_of_record
 
 ROOT = Path(__file__).resolve().parents[2]
 # The README's rows, by the opponent each names, in the order the table gives them.
@@ -14,6 +16,13 @@ ROWS = {"Prodigy, final weights": "prodigy_final", "folk default, final weights"
         "folk default, best checkpoint": "folk_best", "Prodigy, best checkpoint": "prodigy_best",
         "random search, exactly (a)'s updates": "random_equal",
         "random search, two whole runs (>= (a)'s updates)": "random_best"}
+
+
+@pytest.fixture(scope="module")
+def record() -> tuple[dict[str, Any], list[str]]:
+    """The standings of record, merged once for the module, and what the merge said it replaced."""
+    replaced: list[str] = []
+    return standings_of_record(say=replaced.append), replaced
 
 
 def _readme_rows() -> dict[str, tuple[int, int, int, int]]:
@@ -26,8 +35,8 @@ def _readme_rows() -> dict[str, tuple[int, int, int, int]]:
     return out
 
 
-def test_the_readme_standings_are_the_saved_standings_of_record():
-    agg = standings_of_record()["aggregate"]
+def test_the_readme_standings_are_the_saved_standings_of_record(record):
+    agg = record[0]["aggregate"]
     for opp, (win, tie, loss, pct) in _readme_rows().items():
         saved = agg[f"vs_{opp}"]
         assert (win, tie, loss) == (saved["win"], saved["tie"], saved["loss"]), opp
@@ -42,8 +51,8 @@ def test_the_readme_standings_are_the_saved_standings_of_record():
     assert goals["grid"]["met"]
 
 
-def test_results_headline_quotes_the_same_shares():
-    agg = standings_of_record()["aggregate"]
+def test_results_headline_quotes_the_same_shares(record):
+    agg = record[0]["aggregate"]
     results = (ROOT / "bench" / "RESULTS.md").read_text()
     head = results[results.index("The standings of record are over"):][:900]
     for opp in ("prodigy_best", "random_equal", "random_best"):
@@ -55,10 +64,10 @@ def _pct(x: float) -> str:
     return "100 %" if x == 1 else ("0 %" if x == 0 else f"{100 * x:.1f} %")
 
 
-def test_results_at_a_glance_is_the_saved_standings_by_group():
+def test_results_at_a_glance_is_the_saved_standings_by_group(record):
     """RESULTS.md's "At a glance" table: every share, for all cases, the held-out ones and each method, is the one
     the saved standings give, and each line says met or not as the JSON does."""
-    saved = standings_of_record()
+    saved = record[0]
     groups = [saved["aggregate"], saved["aggregate_held_out"],
               *(saved["aggregate_by_method"][m] for m in ("full", "lora", "textual_inversion"))]
     results = (ROOT / "bench" / "RESULTS.md").read_text()
@@ -86,13 +95,12 @@ def test_results_at_a_glance_is_the_saved_standings_by_group():
     assert grid[7] == ("yes" if saved["aggregate"]["goals"]["grid"]["met"] else "no")
 
 
-def test_the_standings_count_each_case_once_and_say_how_many():
+def test_the_standings_count_each_case_once_and_say_how_many(record):
     """The files of record hold no case twice (a re-run would silently replace one), and RESULTS.md and the README
     name the number of cases the merge gives."""
-    saved = standings_of_record()
+    saved, replaced = record
+    assert replaced == []
     n, held = saved["aggregate"]["cases"], saved["aggregate"]["held_out"]
-    files = [ROOT / "bench" / "results" / f for f in STANDINGS_OF_RECORD]
-    assert n == sum(len(json.loads(f.read_text())["cases"]) for f in files)
     results = " ".join((ROOT / "bench" / "RESULTS.md").read_text().split())
     assert f"**At a glance: the standings of record** ({n} SD 1.x cases, {held} of them held out" in results
     assert f"Over {n} SD 1.x cases" in " ".join((ROOT / "README.md").read_text().split())
