@@ -20,6 +20,10 @@ import pytest
 # go to the other worker.)
 SHARED_RUN_FILES = ("tests/pipelines/test_demo_learns.py", "tests/pipelines/test_local_run.py",
                     "tests/pipelines/test_reports_in_browser.py")
+# The same for bench.versus's SD 1.x smoke case (`sd1_versus_smoke`, tests/bench/conftest.py): checked whole by
+# test_versus.py, and the case the probes of the other two files re-run (a) from.
+SHARED_SMOKE_FILES = ("tests/bench/test_versus.py", "tests/bench/test_timesteps_probe.py",
+                      "tests/bench/test_seed_soup_probe.py")
 # The groups that take minutes go first, so that neither worker is left with one at the end. xdist's scope
 # scheduling hands a worker its next group whenever it has 2 tests or fewer left, in the order of the queue, so the
 # longest first is the classic longest-processing-time packing. That order is this hook's only if xdist does not
@@ -27,21 +31,25 @@ SHARED_RUN_FILES = ("tests/pipelines/test_demo_learns.py", "tests/pipelines/test
 # 858-test 2-worker run of 2026-11-26 that dealt the 304 s one-test demo group (tests/pipelines/test_demo_learns.py)
 # 34th of gw1's 37 groups; the workers still ended within about 30 s of each other only because gw0's last groups
 # (test_outbox, test_server_loss, ...) happened to add up to about as long. `FileGroups` turns the re-sort off.
-# The groups of a minute or more by that run's --durations follow the first four, so that the last groups dealt
-# are the many short ones.
-LONG_FIRST = ("pipelines:demo-run", "tests/steps/test_processes.py",
-              "tests/methods/test_discovery_by_method.py", "tests/bench/test_discovery_quality.py",
-              "tests/pipelines/test_demo_sdxl.py", "tests/pipelines/test_local_run_errors.py",
-              "tests/tracking/test_outbox.py", "tests/training/test_compile.py",
-              "tests/training/test_resume.py", "tests/tracking/test_server_loss.py", "tests/steps/test_halving.py",
-              "tests/training/test_optimizers.py", "tests/pipelines/test_reuse.py",
-              "tests/tracking/test_retried_step.py", "tests/training/test_samples.py",
-              "tests/pipelines/test_local_run_prodigy_step.py", "tests/steps/test_prodigy_step_size.py")
+# After it, the groups in the order of their time in the 1096-test 2-worker run of 2026-11-29 (--durations, all
+# groups of half a minute or more), so that the last groups dealt are the many short ones.
+LONG_FIRST = ("pipelines:demo-run", "bench:versus-smoke", "tests/pipelines/test_local_run_prodigy_step.py",
+              "tests/steps/test_processes.py", "tests/pipelines/test_local_run_errors.py",
+              "tests/pipelines/test_demo_sdxl.py", "tests/steps/test_halving.py",
+              "tests/bench/test_discovery_quality.py", "tests/training/test_resume.py", "tests/tracking/test_outbox.py",
+              "tests/methods/test_discovery_by_method.py", "tests/methods/test_with_engine.py",
+              "tests/steps/test_trainjob_lifecycle.py", "tests/bench/test_range_noise.py",
+              "tests/training/test_samples.py", "tests/cli/test_train.py", "tests/tracking/test_server_loss.py",
+              "tests/bench/test_speed_vs_reference.py", "tests/training/test_compile.py",
+              "tests/steps/test_average.py", "tests/training/test_optimizers.py", "tests/pipelines/test_components.py",
+              "tests/analysis/test_lr_bounds.py")
 
 
 def _group(nodeid: str) -> str:
     path = nodeid.split("::", 1)[0]
-    return "pipelines:demo-run" if path in SHARED_RUN_FILES else path
+    if path in SHARED_RUN_FILES:
+        return "pipelines:demo-run"
+    return "bench:versus-smoke" if path in SHARED_SMOKE_FILES else path
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

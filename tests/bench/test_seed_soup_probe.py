@@ -55,16 +55,16 @@ def test_the_reading_needs_a_majority_against_prodigy_and_70_percent_against_ran
 
 
 @pytest.mark.slow
-def test_the_probe_rebuilds_both_runs_and_measures_their_soup(tmp_path):
-    """On the smoke case and its replicate: the probe's first run is the saved (a) and its second the replicate's (a)
-    (the same weights: the same validation loss), and the soup of the two is measured on both image sets."""
+def test_the_probe_rebuilds_both_runs_and_measures_their_soup(tmp_path, sd1_versus_smoke):
+    """On the smoke case (the session's, tests/bench/conftest.py) and its replicate: the probe's first run is the
+    saved (a) and its second the replicate's (a) (the same weights: the same validation loss), and the soup of the
+    two is measured on both image sets."""
     from bench.seed_soup_probe import main as probe
     from bench.versus import main as versus
 
-    saved, rep = tmp_path / "versus.json", tmp_path / "replicate.json"
-    for out, extra in ((saved, []), (rep, ["--training-seed", "1235"])):
-        versus(["--smoke", "--no-grid", "--out", str(out), "--work-dir", str(tmp_path / out.stem), "--unseen-images",
-                "4", *extra])
+    saved, rep = sd1_versus_smoke.out, tmp_path / "replicate.json"
+    versus(["--smoke", "--no-grid", "--out", str(rep), "--work-dir", str(tmp_path / rep.stem), "--unseen-images", "4",
+            "--training-seed", "1235"])
     result = probe(["--from", str(saved), "--replicate", str(rep), "--seeds", "0", "--out", str(tmp_path / "p.json")])
     (row,) = result["cases"]
     assert row["reproduces"] and row["replicate_reproduces"], row

@@ -10,16 +10,14 @@ from bench.timesteps_probe import tally
 
 
 @pytest.mark.slow
-def test_the_probe_at_the_shipped_timesteps_rebuilds_the_saved_case(tmp_path):
+def test_the_probe_at_the_shipped_timesteps_rebuilds_the_saved_case(tmp_path, sd1_versus_smoke):
     """At validation.timesteps 4 (as shipped) the probe's (a) is the saved (a): the same weights, so the same loss on
     the case's validation images and on the unseen ones, and the same verdicts. At 8 it is another run: on the smoke
     case's 2-epoch zoom its validation loss never falls by more than its noise, so (a) fails, and a failed (a) counts
     as a loss against every arm, as in bench.versus."""
     from bench.timesteps_probe import main as probe
-    from bench.versus import main as versus
 
-    saved = tmp_path / "versus.json"
-    versus(["--smoke", "--no-grid", "--out", str(saved), "--work-dir", str(tmp_path / "w"), "--unseen-images", "4"])
+    saved = sd1_versus_smoke.out  # the session's smoke case (tests/bench/conftest.py)
     s = json.loads(saved.read_text())["cases"][0]["summary"]
     same = probe(["--from", str(saved), "--out", str(tmp_path / "p4.json"), "--timesteps", "4"])
     (row,) = same["cases"]

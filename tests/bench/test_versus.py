@@ -83,13 +83,19 @@ def test_goals_follow_the_thresholds():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["sd1", "flux"])
-def test_versus_smoke(tmp_path, capsys, family):
-    """Every arm runs on the family's tiny model (flux: the flow-matching one, its own loss and sampler)."""
+def test_versus_smoke(tmp_path, capsys, family, request):
+    """Every arm runs on the family's tiny model (flux: the flow-matching one, its own loss and sampler). The SD 1.x
+    smoke is the session's (tests/bench/conftest.py), which the probes' tests start from too."""
     from bench.versus import main
 
-    out = tmp_path / "versus.json"
-    result = main(["--smoke", "--family", family, "--out", str(out), "--work-dir", str(tmp_path / "work"),
-                   "--unseen-images", "4"])
+    if family == "sd1":
+        smoke = request.getfixturevalue("sd1_versus_smoke")
+        out, result, printed = smoke.out, smoke.result, smoke.printed
+    else:
+        out = tmp_path / "versus.json"
+        result = main(["--smoke", "--family", family, "--out", str(out), "--work-dir", str(tmp_path / "work"),
+                       "--unseen-images", "4"])
+        printed = capsys.readouterr().out
     saved = json.loads(out.read_text())
     assert saved["smoke"] is True and saved["partial"] is False
     assert saved["aggregate"] == json.loads(json.dumps(result["aggregate"]))
@@ -136,7 +142,6 @@ def test_versus_smoke(tmp_path, capsys, family):
     # Counted in whole runs only (what fits whole in (a)'s updates): never better than the exact reading.
     assert s["random_whole_fit"] is None or s["random_whole_fit"] >= s["random_equal"]
     assert s["random_equal_updates"] == exact["updates"] == min(a["updates"], s["updates"]["random"])
-    printed = capsys.readouterr().out
     assert "Validation loss of each arm's delivered checkpoint" in printed and "Compute" in printed
     assert f"| {s['case']} " in printed  # the case's row, under its family's name
     # shapes has a prompt score: every arm's delivered weights and the base model were rendered and scored, on
