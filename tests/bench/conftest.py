@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,10 +19,6 @@ class VersusSmoke:
     out: Path
     result: dict[str, Any]
     printed: str
-
-    @property
-    def saved(self) -> dict[str, Any]:
-        return json.loads(self.out.read_text())
 
 
 @pytest.fixture(scope="session")
