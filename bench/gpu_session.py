@@ -40,7 +40,7 @@ from typing import Any, Optional
 T0 = time.monotonic()
 
 
-GOAL_PARTS = {"goals", "compile", "compile_static", "k16", "ema"}  # the parts goals() runs; each needs its eager run
+GOAL_PARTS = {"goals", "compile", "compile_static", "k16", "ema"}  # what goals() runs; all but ema need its eager run
 
 
 def elapsed() -> float:

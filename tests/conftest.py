@@ -18,12 +18,15 @@ import pytest
 # run is made once too. (xdist's own `loadgroup` marks do not work with pytest 9.2: they rename `item._nodeid`, which
 # pytest no longer reads.) (test_demo_sdxl.py does not read that run: its small SDXL run is its own group, free to
 # go to the other worker.)
-SHARED_RUN_FILES = ("tests/pipelines/test_demo_learns.py", "tests/pipelines/test_local_run.py",
-                    "tests/pipelines/test_reports_in_browser.py")
 # The same for bench.versus's SD 1.x smoke case (`sd1_versus_smoke`, tests/bench/conftest.py): checked whole by
-# test_versus.py, and the case the probes of the other two files re-run (a) from.
-SHARED_SMOKE_FILES = ("tests/bench/test_versus.py", "tests/bench/test_timesteps_probe.py",
-                      "tests/bench/test_seed_soup_probe.py")
+# test_versus.py, and the case the probes of the other two files re-run (a) from. group -> its files.
+SHARED_FIXTURE_GROUPS = {
+    "pipelines:demo-run": ("tests/pipelines/test_demo_learns.py", "tests/pipelines/test_local_run.py",
+                           "tests/pipelines/test_reports_in_browser.py"),
+    "bench:versus-smoke": ("tests/bench/test_versus.py", "tests/bench/test_timesteps_probe.py",
+                           "tests/bench/test_seed_soup_probe.py"),
+}
+_GROUP_OF = {path: group for group, paths in SHARED_FIXTURE_GROUPS.items() for path in paths}
 # The groups that take minutes go first, so that neither worker is left with one at the end. xdist's scope
 # scheduling hands a worker its next group whenever it has 2 tests or fewer left, in the order of the queue, so the
 # longest first is the classic longest-processing-time packing. That order is this hook's only if xdist does not
@@ -47,9 +50,7 @@ LONG_FIRST = ("pipelines:demo-run", "bench:versus-smoke", "tests/pipelines/test_
 
 def _group(nodeid: str) -> str:
     path = nodeid.split("::", 1)[0]
-    if path in SHARED_RUN_FILES:
-        return "pipelines:demo-run"
-    return "bench:versus-smoke" if path in SHARED_SMOKE_FILES else path
+    return _GROUP_OF.get(path, path)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
