@@ -56,6 +56,12 @@ another `training.seed`:
 Correction (2026-11-28): the saved cases did not train with 1234. bench.discovery_quality.set_up_case sets each
 case's data seed as its training seed, so "1234" above reads as the case's own seed (14-17); the runs and their
 readings are what they were, 1235 against that seed.
+
+Other settings of (a), `--training KEY=VALUE` and `--setting SECTION.KEY=VALUE` (2026-11-28, 2026-11-29): an EMA
+of the weights ("An EMA of the weights in (a)") and textual inversion at the range test's lr_low ("Textual
+inversion at the range test's lr_low", where the re-run (a) is also given the prompt score, on the case's own
+prompts, seeds and sampler settings, and the case is summarized again with it as (a): random search at exactly its
+updates included). Their rules are in bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -69,7 +75,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from bench.common import (
     add_probe_arguments,
@@ -83,8 +89,19 @@ from bench.common import (
 from bench.discovery_quality import discover, gap_pct
 from bench.replicates import moved, verdicts_changed
 from bench.unseen import rangefinder_alone, score_unseen
-from bench.versus import OPPONENTS, VERDICTS, count_verdicts, keeping_every_checkpoint, rebuild_case, verdict_of
-from rangefinder.config import TrainingConfig, format_validation_error
+from bench.versus import (
+    OPPONENTS,
+    SCORED_ARMS,
+    VERDICTS,
+    count_verdicts,
+    keeping_every_checkpoint,
+    rangefinder_weights,
+    rebuild_case,
+    score_prompts,
+    summarize,
+    verdict_of,
+)
+from rangefinder.config import RangefinderConfig, TrainingConfig, format_validation_error
 
 NAME = "timesteps_probe"
 DEFAULT_TIMESTEPS = 16
@@ -93,19 +110,24 @@ LOSSES = {"": "val_loss", "unseen_": "unseen_loss"}  # the verdicts' prefix -> t
 
 def probe_case(c: dict[str, Any], work: Path, log=print, timesteps: int = DEFAULT_TIMESTEPS,
                training_seed: Optional[int] = None, against: Optional[dict[str, Any]] = None,
-               training: Optional[dict[str, Any]] = None) -> dict[str, Any]:
-    """(a) re-run on a saved case with `validation.timesteps` K and, when given, another `training.seed` and other
-    `training` settings (validated as a config would be); scored as the arms were, which keep theirs. `against`: the
-    probe row (of another run of this probe) (a) is weighed against as its baseline (`base_*`), else the saved
-    case's (a)."""
+               training: Optional[dict[str, Any]] = None,
+               settings: Optional[dict[str, dict[str, Any]]] = None) -> dict[str, Any]:
+    """(a) re-run on a saved case with `validation.timesteps` K and, when given, another `training.seed`, other
+    `training` settings and other settings of any section (`settings`: section -> {key: value}), validated as a
+    config would be; scored as the arms were, which keep theirs: on the validation and unseen images, and with the
+    prompt score where the case measured one (the case's prompts and seeds). `against`: the probe row (of another
+    run of this probe) (a) is weighed against as its baseline (`base_*`), else the saved case's (a)."""
 
     s, u = c["summary"], c["unseen"]
     tag = f"[{c['method']} {c['kind']} seed {c['seed']}]"
     case, cfg, split_dir = rebuild_case(c, work)
     update: dict[str, Any] = {"validation": cfg.validation.model_copy(update={"timesteps": timesteps})}
-    settings = {**(training or {}), **({} if training_seed is None else {"seed": training_seed})}
-    if settings:
-        update["training"] = type(cfg.training).model_validate({**cfg.training.model_dump(), **settings})
+    trained = {**(training or {}), **({} if training_seed is None else {"seed": training_seed})}
+    if trained:
+        update["training"] = type(cfg.training).model_validate({**cfg.training.model_dump(), **trained})
+    for section, values in (settings or {}).items():
+        current = update.get(section) or getattr(cfg, section)
+        update[section] = type(current).model_validate({**current.model_dump(), **values})
     steadier = cfg.model_copy(update=update)
     t0 = time.perf_counter()
     with keeping_every_checkpoint():
@@ -115,10 +137,11 @@ def probe_case(c: dict[str, Any], work: Path, log=print, timesteps: int = DEFAUL
              # what (a) recorded, on its own K-timestep loss: "reproduces" only where K is the arms' 4
              "summary": {"rangefinder": (a.get("chosen") or {}).get("val_loss", a.get("final_val_loss"))}}
     scored = score_unseen(cfg, alone, case, split_dir, u["images"], log)["arms"]["rangefinder"]
+    prompts = score_prompts_again(c, cfg, a, case, log)
     shutil.rmtree(case, ignore_errors=True)
     row: dict[str, Any] = {k: c[k] for k in ("method", "kind", "seed", "held_out")}
     row.update(family=family_of_case(c), timesteps=timesteps, training_seed=steadier.training.seed,
-               training_settings=training or {},
+               training_settings=training or {}, settings=settings or {},
                status=a["status"], error=a.get("error"),
                lr_used=a.get("lr_used"),
                saved_lr_used=c["rangefinder"].get("lr_used"), rule=(a.get("chosen") or {}).get("rule"),
@@ -133,6 +156,17 @@ def probe_case(c: dict[str, Any], work: Path, log=print, timesteps: int = DEFAUL
         row[f"saved_vs_{opp}"] = s.get(f"vs_{opp}")
         row[f"unseen_vs_{opp}"] = verdict_of(row["unseen_loss"], theirs_unseen)
         row[f"saved_unseen_vs_{opp}"] = s.get(f"unseen_vs_{opp}")
+    # The case as if this (a) had been its (a): every verdict as bench.versus gives it, random search at exactly this
+    # (a)'s updates and the prompt score's (a) included.
+    variant = {**c, "rangefinder": a, "unseen": {**u, "arms": {**u["arms"], "rangefinder": scored}}}
+    if prompts is not None:
+        ps = c["prompt_score"]
+        variant["prompt_score"] = {**ps, "arms": {**ps["arms"], "rangefinder": prompts["arms"]["rangefinder"]}}
+        row.update(prompt_reproduces=prompts["reproduces"], summary_prompt={
+                       k: v for k, v in s.items() if k.startswith("prompt_") and isinstance(v, float)},
+                   **{f"prompt_{w}": prompts["arms"]["rangefinder"].get(w) for w in ("colour", "shape")})
+    row["variant_summary"] = summarize(variant)
+    row["saved_vs_random_equal"] = s.get("vs_random_equal")
     # The baseline (a) this run is weighed against as a run of the same method: its own noise when only the seed
     # differs. Its losses and its verdicts against the arms, on both image sets.
     base = against or {"val_loss": row["saved_val_loss"], "unseen_loss": row["saved_unseen_loss"],
@@ -149,6 +183,47 @@ def probe_case(c: dict[str, Any], work: Path, log=print, timesteps: int = DEFAUL
         f"{row['saved_unseen_vs_prodigy_best']}), vs random {row['unseen_vs_random_best']} (was "
         f"{row['saved_unseen_vs_random_best']}), {seconds:.0f} s (saved {row['saved_seconds']:.0f} s)")
     return row
+
+
+def score_prompts_again(c: dict[str, Any], cfg, a: dict[str, Any], case: Path, log=print) -> Optional[dict[str, Any]]:
+    """The prompt score of the re-run (a)'s delivered weights, on the case's own prompts, seeds and sampler settings
+    (as recorded: a rebuilt case's config need not hold the ones it rendered with), with the base model (and, for
+    textual inversion, its "TI start") rendered again beside it: "reproduces" says whether those scored exactly as
+    the case recorded them, so that the re-run (a) can be read against the case's arms. None where the case measured
+    no prompt score."""
+    saved = c.get("prompt_score") or {}
+    if not saved.get("arms"):
+        return None
+    sampler = {"num_inference_steps": saved["steps"], "guidance_scale": saved["guidance_scale"],
+               "scheduler": saved["scheduler"], "resolution": saved["resolution"]}
+    cfg = cfg.model_copy(update={"sampling": cfg.sampling.model_copy(update=sampler)})
+    again = score_prompts(cfg, c, case, log, tuple(saved["seeds"]),
+                          weights={"rangefinder": rangefinder_weights(a, case / "rangefinder")})
+    if again is None or "colour" not in again["arms"].get("rangefinder", {}):
+        return None
+    refs = [arm for arm in ("base", "base_ti_start") if arm in saved["arms"]]
+    again["reproduces"] = again["prompts"] == saved["prompts"] and all(
+        again["arms"].get(arm, {}).get(w) == saved["arms"][arm].get(w) for arm in refs for w in ("colour", "shape"))
+    return again
+
+
+def prompt_tally(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """On the prompt score (where measured and reproduced): the re-run (a)'s colour and shape scores against each
+    scored arm's and the saved (a)'s: in how many cases it scores higher, lower, the same, and the median difference
+    (higher is better)."""
+    read = [r for r in rows if r.get("prompt_reproduces")]
+    out: dict[str, Any] = {"prompt_cases": len(read),
+                           "prompt_not_reproduced": sum(1 for r in rows if r.get("prompt_reproduces") is False)}
+    for w in ("shape", "colour"):
+        for arm in SCORED_ARMS:
+            diffs = [r[f"prompt_{w}"] - r["summary_prompt"][f"prompt_{w}_{arm}"] for r in read
+                     if r["summary_prompt"].get(f"prompt_{w}_{arm}") is not None]
+            name = "saved_rangefinder" if arm == "rangefinder" else arm
+            out[f"prompt_{w}_vs_{name}"] = {
+                "higher": sum(d > 0 for d in diffs), "lower": sum(d < 0 for d in diffs),
+                "same": sum(d == 0 for d in diffs),
+                "median_difference": statistics.median(diffs) if diffs else None}
+    return out
 
 
 def tally(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -173,6 +248,11 @@ def tally(rows: list[dict[str, Any]]) -> dict[str, Any]:
                if r.get("unseen_loss") and r.get("saved_unseen_loss")]
     out["median_unseen_change_pct"] = statistics.median(changes) if changes else None
     out.update(against_the_baseline(rows))
+    variants = [r["variant_summary"] for r in rows if r.get("variant_summary")]
+    out["vs_random_equal"] = count_verdicts([v["vs_random_equal"] for v in variants if v.get("vs_random_equal")])
+    out["saved_vs_random_equal"] = count_verdicts([r["saved_vs_random_equal"] for r in rows
+                                                   if r.get("variant_summary") and r.get("saved_vs_random_equal")])
+    out.update(prompt_tally(rows))
     return out
 
 
@@ -197,6 +277,30 @@ def against_the_baseline(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def parse_settings(p: argparse.ArgumentParser, items: list[str]) -> dict[str, dict[str, Any]]:
+    """--setting SECTION.KEY=VALUE items as section -> {key: value}, each section validated as a config would be
+    (a typo or an impossible value is said now, not after the first case is rebuilt)."""
+    settings: dict[str, dict[str, Any]] = {}
+    sections = {name: f.annotation for name, f in RangefinderConfig.model_fields.items()
+                if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel) and name != "training"}
+    for item in items:
+        name, sep, value = item.partition("=")
+        section, dot, key = name.partition(".")
+        if section not in sections or not key:
+            p.error(f"--setting {item!r}: write SECTION.KEY=VALUE, SECTION one of {', '.join(sections)} (a "
+                    "`training` setting goes in --training)")
+        try:
+            settings.setdefault(section, {})[key] = json.loads(value)
+        except json.JSONDecodeError:
+            p.error(f"--setting {item!r}: the value is not JSON (e.g. finetune.successive_halving=false)")
+    for section, values in settings.items():
+        try:
+            sections[section].model_validate({**sections[section]().model_dump(), **values})
+        except ValidationError as e:
+            p.error(format_validation_error(e, f"--setting {section}."))
+    return settings
+
+
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(prog="python -m bench.timesteps_probe", description=__doc__.split("\n\n")[0])
     add_probe_arguments(p)
@@ -206,6 +310,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--training-seed", type=int, help="training.seed in (a) (as saved when left out): its own noise")
     p.add_argument("--training", action="append", default=[], metavar="KEY=VALUE",
                    help="a `training` setting of (a) only, its value read as JSON (e.g. adam_beta2=0.99); repeatable")
+    p.add_argument("--setting", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="a setting of (a) only in another section than `training`, its value read as JSON (e.g. "
+                   "finetune.successive_halving=false); repeatable")
     p.add_argument("--against", type=results_file, nargs="+",
                    help="results of this probe whose (a) is the baseline, case "
                    "by case (as saved when left out)")
@@ -221,6 +328,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         TrainingConfig.model_validate({**TrainingConfig().model_dump(), **training})
     except ValidationError as e:
         p.error(format_validation_error(e, "--training "))
+    settings = parse_settings(p, args.setting)
     quiet_libraries()
     cases = [c for c in json.loads(args.source.read_text())["cases"] if c.get("unseen")]
     k, n = args.part
@@ -235,7 +343,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
 
     def probe(c: dict[str, Any], work: Path, log=print) -> dict[str, Any]:
         against = None if baselines is None else baselines[case_key(c)]
-        return probe_case(c, work, log, args.timesteps, args.training_seed, against, training)
+        return probe_case(c, work, log, args.timesteps, args.training_seed, against, training, settings)
 
     return run_probe(NAME, args, cases, probe, tally)
 

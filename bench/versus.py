@@ -314,21 +314,25 @@ def _last_update(arm: dict[str, Any]) -> Optional[int]:
     return (arm.get("curve") or [[None]])[-1][0]
 
 
+def rangefinder_weights(a: dict[str, Any], run_dir: Path) -> Any:
+    """The folder (a)'s run in `run_dir` delivers, or why it has none: its chosen checkpoint (its final one where
+    the window kept none), or its chosen/ model where it delivers no checkpoint (the window average, the cooldown)."""
+    from rangefinder.steps.finetune import NOT_A_CHECKPOINT
+
+    if a.get("status") != "ok":
+        return "(a) failed: it delivered no weights"
+    if (a.get("chosen") or {}).get("rule") in NOT_A_CHECKPOINT:  # the cooldown's or the window average's weights
+        chosen_dir = run_dir / "finetune" / "chosen"  # the model (a) delivers, as it delivers it
+        return chosen_dir if chosen_dir.is_dir() else "(a)'s chosen/ is gone"
+    update = (a.get("chosen") or {}).get("update") or ((a.get("curve") or [[None]])[-1][0])
+    return checkpoint_at(run_dir / "finetune", update)
+
+
 def delivered_weights(c: dict[str, Any], case: Path) -> dict[str, Any]:
     """Per scored arm, the checkpoint folder it delivers, or why it has none: (a)'s chosen checkpoint (its final
     one where the window kept none; its chosen/ model where it delivers no checkpoint: the window average, the
     cooldown), (b)'s best and final, (c)'s final, (d)'s best run's best."""
-    from rangefinder.steps.finetune import NOT_A_CHECKPOINT
-
-    a, out = c["rangefinder"], {}
-    if a.get("status") != "ok":
-        out["rangefinder"] = "(a) failed: it delivered no weights"
-    elif (a.get("chosen") or {}).get("rule") in NOT_A_CHECKPOINT:  # the cooldown's or the window average's weights
-        chosen_dir = case / "rangefinder" / "finetune" / "chosen"  # the model (a) delivers, as it delivers it
-        out["rangefinder"] = chosen_dir if chosen_dir.is_dir() else "(a)'s chosen/ is gone"
-    else:
-        update = (a.get("chosen") or {}).get("update") or ((a.get("curve") or [[None]])[-1][0])
-        out["rangefinder"] = checkpoint_at(case / "rangefinder" / "finetune", update)
+    out = {"rangefinder": rangefinder_weights(c["rangefinder"], case / "rangefinder")}
     if c.get("reused_arms_from"):
         for arm in SCORED_ARMS[1:]:
             out[arm] = f"reused from {c['reused_arms_from']}: its weights are gone"
@@ -343,12 +347,13 @@ def delivered_weights(c: dict[str, Any], case: Path) -> dict[str, Any]:
     return {arm: out.get(arm) or "no checkpoint at its update" for arm in SCORED_ARMS}
 
 
-def score_prompts(cfg, c: dict[str, Any], case: Path, log=print,
-                  seeds: tuple[int, ...] = SCORE_SEEDS) -> Optional[dict[str, Any]]:
+def score_prompts(cfg, c: dict[str, Any], case: Path, log=print, seeds: tuple[int, ...] = SCORE_SEEDS,
+                  weights: Optional[dict[str, Any]] = None) -> Optional[dict[str, Any]]:
     """Render the base model and each arm's delivered weights on `held_out_prompts` x `seeds` with the case's
     sampler settings (sampling.render_grid: one CPU generator per cell, so the cells differ only in the weights) and
     score them (data.prompt_score): {"prompts", "seeds", settings, "seconds", "arms": {arm: {"colour", "shape",
-    "images"} or {"absent": why}}}. None for a kind the prompt score cannot read."""
+    "images"} or {"absent": why}}}. None for a kind the prompt score cannot read. `weights`: arm -> folder (or why
+    it has none) to render instead of the case's delivered ones (a probe that re-ran one arm)."""
     from rangefinder.sampling import GridColumn, render_grid, resolve_column
 
     prompts = held_out_prompts(c["kind"], c["seed"], c["images"])
@@ -360,7 +365,7 @@ def score_prompts(cfg, c: dict[str, Any], case: Path, log=print,
     settings = {"steps": smp.num_inference_steps, "guidance_scale": smp.guidance_scale, "scheduler": smp.scheduler,
                 "resolution": smp.resolution or cfg.data.resolution}
     arms: dict[str, Any] = {}
-    weights = delivered_weights(c, case)
+    weights = delivered_weights(c, case) if weights is None else weights
     # A training checkpoint, or (a)'s chosen/ where it delivers no checkpoint (the window average, the cooldown).
     columns = [resolve_column(w, arm) for arm, w in weights.items() if isinstance(w, Path)]
     arms.update({arm: {"absent": w} for arm, w in weights.items() if not isinstance(w, Path)})

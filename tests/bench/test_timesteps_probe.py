@@ -25,6 +25,23 @@ def test_the_probe_at_the_shipped_timesteps_rebuilds_the_saved_case(tmp_path, sd
     assert all(row[f"unseen_vs_{o}"] == row[f"saved_unseen_vs_{o}"] for o in ("prodigy_best", "random_best"))
     assert (row["self_vs_base"], row["self_change_pct"], row["unseen_self_change_pct"]) == ("tie", 0.0, 0.0)
     assert same["tally"]["verdicts_changed_vs_prodigy_best"]["changed"] == 0
+    # The prompt score of the re-run (a), on the case's prompts and seeds, beside the base model rendered again: the
+    # same weights score what the case recorded, and the case with this (a) in it gives every verdict it gave.
+    assert s["prompt_score"] == "measured" and row["prompt_reproduces"] is True
+    assert row["prompt_shape"] == s["prompt_shape_rangefinder"]
+    assert row["prompt_colour"] == s["prompt_colour_rangefinder"]
+    assert same["tally"]["prompt_shape_vs_saved_rangefinder"]["same"] == 1 == same["tally"]["prompt_cases"]
+    assert {k: v for k, v in row["variant_summary"].items() if k.startswith("vs_")} == \
+        {k: v for k, v in s.items() if k.startswith("vs_")}
+    # Settings of other sections than `training` (--setting): the fine-tune at the range test's lr_low, one
+    # candidate (no halving).
+    low = probe(["--from", str(saved), "--out", str(tmp_path / "low.json"), "--timesteps", "4",
+                 "--setting", "lr_range_test.mid_position=0", "--setting", "finetune.successive_halving=false"])
+    (rl,) = low["cases"]
+    saved_a = json.loads(saved.read_text())["cases"][0]["rangefinder"]
+    assert rl["settings"] == {"lr_range_test": {"mid_position": 0}, "finetune": {"successive_halving": False}}
+    assert rl["lr_used"] == pytest.approx(saved_a["lr_low"], rel=1e-9) and rl["lr_used"] < saved_a["lr_mid"]
+    assert rl["variant_summary"]["updates"]["rangefinder"] < s["updates"]["rangefinder"]  # no second candidate
     # Another training.seed is another run of the same method, weighed against the saved (a) as if it were an arm;
     # and against that run as the baseline (--against), the same run again is itself. The second asks for the seed
     # through --training, which sets any of (a)'s training settings: the same run again shows it reached (a).
