@@ -118,7 +118,7 @@ def probe_case(c: dict[str, Any], work: Path, log=print, timesteps: int = DEFAUL
     prompt score where the case measured one (the case's prompts and seeds). `against`: the probe row (of another
     run of this probe) (a) is weighed against as its baseline (`base_*`), else the saved case's (a)."""
 
-    s, u = c["summary"], c["unseen"]
+    s, u = c["summary"], c.get("unseen")
     tag = f"[{c['method']} {c['kind']} seed {c['seed']}]"
     case, cfg, split_dir = rebuild_case(c, work)
     update: dict[str, Any] = {"validation": cfg.validation.model_copy(update={"timesteps": timesteps})}
@@ -136,7 +136,9 @@ def probe_case(c: dict[str, Any], work: Path, log=print, timesteps: int = DEFAUL
     alone = {**{k: c[k] for k in ("method", "kind", "seed", "images")}, **rangefinder_alone(a),
              # what (a) recorded, on its own K-timestep loss: "reproduces" only where K is the arms' 4
              "summary": {"rangefinder": (a.get("chosen") or {}).get("val_loss", a.get("final_val_loss"))}}
-    scored = score_unseen(cfg, alone, case, split_dir, u["images"], log)["arms"]["rangefinder"]
+    # A case with no unseen images (--every-case): (a)'s weights as it measured them, the arms' 4 timesteps.
+    scored = score_unseen(cfg, alone, case, split_dir, u["images"], log)["arms"]["rangefinder"] if u else \
+        {"val_loss": alone["summary"]["rangefinder"]}
     prompts = score_prompts_again(c, cfg, a, case, log)
     shutil.rmtree(case, ignore_errors=True)
     row: dict[str, Any] = {k: c[k] for k in ("method", "kind", "seed", "held_out")}
@@ -151,14 +153,16 @@ def probe_case(c: dict[str, Any], work: Path, log=print, timesteps: int = DEFAUL
                unseen_loss=scored.get("unseen_loss"), saved_val_loss=s["rangefinder"],
                saved_unseen_loss=s.get("unseen_rangefinder"))
     for opp in OPPONENTS:
-        theirs_val, theirs_unseen = s.get(opp), s.get(f"unseen_{opp}")
+        theirs_val, theirs_unseen = s.get(opp), (s.get(f"unseen_{opp}") if u else None)
         row[f"vs_{opp}"] = verdict_of(row["val_loss"], theirs_val)
         row[f"saved_vs_{opp}"] = s.get(f"vs_{opp}")
         row[f"unseen_vs_{opp}"] = verdict_of(row["unseen_loss"], theirs_unseen)
         row[f"saved_unseen_vs_{opp}"] = s.get(f"unseen_vs_{opp}")
     # The case as if this (a) had been its (a): every verdict as bench.versus gives it, random search at exactly this
     # (a)'s updates and the prompt score's (a) included.
-    variant = {**c, "rangefinder": a, "unseen": {**u, "arms": {**u["arms"], "rangefinder": scored}}}
+    variant = {**c, "rangefinder": a}
+    if u:
+        variant["unseen"] = {**u, "arms": {**u["arms"], "rangefinder": scored}}
     if prompts is not None:
         ps = c["prompt_score"]
         variant["prompt_score"] = {**ps, "arms": {**ps["arms"], "rangefinder": prompts["arms"]["rangefinder"]}}
@@ -313,6 +317,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--setting", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="a setting of (a) only in another section than `training`, its value read as JSON (e.g. "
                    "finetune.successive_halving=false); repeatable")
+    p.add_argument("--every-case", action="store_true",
+                   help="every case of --from, those scored on no unseen images too (at --timesteps 4, the arms': "
+                   "(a)'s weights are then read as it measured them); without it, only cases with unseen images")
     p.add_argument("--against", type=results_file, nargs="+",
                    help="results of this probe whose (a) is the baseline, case "
                    "by case (as saved when left out)")
@@ -329,8 +336,11 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     except ValidationError as e:
         p.error(format_validation_error(e, "--training "))
     settings = parse_settings(p, args.setting)
+    if args.every_case and args.timesteps != 4:
+        p.error("--every-case reads (a)'s own validation loss where a case has no unseen images, which is the arms' "
+                "measure only at --timesteps 4")
     quiet_libraries()
-    cases = [c for c in json.loads(args.source.read_text())["cases"] if c.get("unseen")]
+    cases = [c for c in json.loads(args.source.read_text())["cases"] if args.every_case or c.get("unseen")]
     k, n = args.part
     cases = cases[k - 1::n]
 

@@ -42,6 +42,17 @@ def test_the_probe_at_the_shipped_timesteps_rebuilds_the_saved_case(tmp_path, sd
     assert rl["settings"] == {"lr_range_test": {"mid_position": 0}, "finetune": {"successive_halving": False}}
     assert rl["lr_used"] == pytest.approx(saved_a["lr_low"], rel=1e-9) and rl["lr_used"] < saved_a["lr_mid"]
     assert rl["variant_summary"]["updates"]["rangefinder"] < s["updates"]["rangefinder"]  # no second candidate
+    # A case scored on no unseen images is probed too with --every-case: (a) read on its own validation loss.
+    plain = json.loads(saved.read_text())
+    del plain["cases"][0]["unseen"]
+    plain["cases"][0]["summary"] = {k: v for k, v in s.items() if not k.startswith("unseen")}
+    (tmp_path / "plain.json").write_text(json.dumps(plain))
+    assert probe(["--from", str(tmp_path / "plain.json"), "--out", str(tmp_path / "none.json")])["cases"] == []
+    every = probe(["--from", str(tmp_path / "plain.json"), "--out", str(tmp_path / "every.json"), "--timesteps", "4",
+                   "--every-case"])
+    (rv,) = every["cases"]
+    assert rv["val_loss"] == s["rangefinder"] and rv["unseen_loss"] is None and rv["unseen_vs_prodigy_best"] is None
+    assert rv["variant_summary"]["vs_random_equal"] == s["vs_random_equal"]
     # Another training.seed is another run of the same method, weighed against the saved (a) as if it were an arm;
     # and against that run as the baseline (--against), the same run again is itself. The second asks for the seed
     # through --training, which sets any of (a)'s training settings: the same run again shows it reached (a).
