@@ -61,7 +61,8 @@ Other settings of (a), `--training KEY=VALUE` and `--setting SECTION.KEY=VALUE` 
 of the weights ("An EMA of the weights in (a)") and textual inversion at the range test's lr_low ("Textual
 inversion at the range test's lr_low", where the re-run (a) is also given the prompt score, on the case's own
 prompts, seeds and sampler settings, and the case is summarized again with it as (a): random search at exactly its
-updates included). Their rules are in bench/RESULTS.md.
+updates included). `--deliver earliest_tied` scores (a)'s earliest checkpoint tied with its pick instead
+("Textual inversion's earliest tied checkpoint"). Their rules are in bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ from bench.unseen import rangefinder_alone, score_unseen
 from bench.versus import (
     OPPONENTS,
     SCORED_ARMS,
+    TIE_PCT,
     VERDICTS,
     count_verdicts,
     keeping_every_checkpoint,
@@ -111,12 +113,13 @@ LOSSES = {"": "val_loss", "unseen_": "unseen_loss"}  # the verdicts' prefix -> t
 def probe_case(c: dict[str, Any], work: Path, log=print, timesteps: int = DEFAULT_TIMESTEPS,
                training_seed: Optional[int] = None, against: Optional[dict[str, Any]] = None,
                training: Optional[dict[str, Any]] = None,
-               settings: Optional[dict[str, dict[str, Any]]] = None) -> dict[str, Any]:
+               settings: Optional[dict[str, dict[str, Any]]] = None, deliver: str = "as_shipped") -> dict[str, Any]:
     """(a) re-run on a saved case with `validation.timesteps` K and, when given, another `training.seed`, other
     `training` settings and other settings of any section (`settings`: section -> {key: value}), validated as a
     config would be; scored as the arms were, which keep theirs: on the validation and unseen images, and with the
     prompt score where the case measured one (the case's prompts and seeds). `against`: the probe row (of another
-    run of this probe) (a) is weighed against as its baseline (`base_*`), else the saved case's (a)."""
+    run of this probe) (a) is weighed against as its baseline (`base_*`), else the saved case's (a). `deliver`:
+    "earliest_tied" scores (a)'s earliest checkpoint tied with its pick (`earliest_tied`) instead of the pick."""
 
     s, u = c["summary"], c.get("unseen")
     tag = f"[{c['method']} {c['kind']} seed {c['seed']}]"
@@ -133,6 +136,8 @@ def probe_case(c: dict[str, Any], work: Path, log=print, timesteps: int = DEFAUL
     with keeping_every_checkpoint():
         a = discover(steadier, split_dir, case / "rangefinder")
     seconds = time.perf_counter() - t0
+    if deliver == "earliest_tied":
+        a = earliest_tied(a)
     alone = {**{k: c[k] for k in ("method", "kind", "seed", "images")}, **rangefinder_alone(a),
              # what (a) recorded, on its own K-timestep loss: "reproduces" only where K is the arms' 4
              "summary": {"rangefinder": (a.get("chosen") or {}).get("val_loss", a.get("final_val_loss"))}}
@@ -143,7 +148,7 @@ def probe_case(c: dict[str, Any], work: Path, log=print, timesteps: int = DEFAUL
     shutil.rmtree(case, ignore_errors=True)
     row: dict[str, Any] = {k: c[k] for k in ("method", "kind", "seed", "held_out")}
     row.update(family=family_of_case(c), timesteps=timesteps, training_seed=steadier.training.seed,
-               training_settings=training or {}, settings=settings or {},
+               training_settings=training or {}, settings=settings or {}, deliver=deliver,
                status=a["status"], error=a.get("error"),
                lr_used=a.get("lr_used"),
                saved_lr_used=c["rangefinder"].get("lr_used"), rule=(a.get("chosen") or {}).get("rule"),
@@ -187,6 +192,24 @@ def probe_case(c: dict[str, Any], work: Path, log=print, timesteps: int = DEFAUL
         f"{row['saved_unseen_vs_prodigy_best']}), vs random {row['unseen_vs_random_best']} (was "
         f"{row['saved_unseen_vs_random_best']}), {seconds:.0f} s (saved {row['saved_seconds']:.0f} s)")
     return row
+
+
+def earliest_tied(a: dict[str, Any]) -> dict[str, Any]:
+    """(a) as if it delivered its fine-tune's earliest checkpoint whose validation loss is within the Goal's tie band
+    (TIE_PCT) of what it delivers (its pick: the window's lowest checkpoint or their average): among the checkpoints
+    the validation loss cannot tell apart, the one that moved least from the base. Its pick is kept under "chosen"
+    as "shipped_pick". A failed (a), or one with no checkpoint in the band, is returned as it is."""
+    chosen = a.get("chosen") or {}
+    pick = chosen.get("val_loss", a.get("final_val_loss"))
+    if a.get("status") != "ok" or pick is None:
+        return a
+    tied = next(((u, v) for u, v in a["curve"] if v <= pick * (1 + TIE_PCT / 100)), None)
+    if tied is None:  # a window average more than the band below every checkpoint: the pick stays
+        return a
+    update, loss = tied
+    shipped = {k: chosen.get(k) for k in ("update", "val_loss", "rule")}
+    return {**a, "chosen": {**chosen, "update": update, "val_loss": loss, "rule": "earliest_tied",
+                            "shipped_pick": {**shipped, "val_loss": pick}}}
 
 
 def score_prompts_again(c: dict[str, Any], cfg, a: dict[str, Any], case: Path, log=print) -> Optional[dict[str, Any]]:
@@ -317,6 +340,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--setting", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="a setting of (a) only in another section than `training`, its value read as JSON (e.g. "
                    "finetune.successive_halving=false); repeatable")
+    p.add_argument("--deliver", choices=("as_shipped", "earliest_tied"), default="as_shipped",
+                   help="which of (a)'s weights are scored: its pick, as shipped, or its earliest checkpoint within "
+                   "the 1 %% tie band of the pick (every checkpoint is kept while (a) trains)")
     p.add_argument("--every-case", action="store_true",
                    help="every case of --from, those scored on no unseen images too (at --timesteps 4, the arms': "
                    "(a)'s weights are then read as it measured them); without it, only cases with unseen images")
@@ -353,7 +379,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
 
     def probe(c: dict[str, Any], work: Path, log=print) -> dict[str, Any]:
         against = None if baselines is None else baselines[case_key(c)]
-        return probe_case(c, work, log, args.timesteps, args.training_seed, against, training, settings)
+        return probe_case(c, work, log, args.timesteps, args.training_seed, against, training, settings, args.deliver)
 
     return run_probe(NAME, args, cases, probe, tally)
 

@@ -48,11 +48,17 @@ def test_the_probe_at_the_shipped_timesteps_rebuilds_the_saved_case(tmp_path, sd
     plain["cases"][0]["summary"] = {k: v for k, v in s.items() if not k.startswith("unseen")}
     (tmp_path / "plain.json").write_text(json.dumps(plain))
     assert probe(["--from", str(tmp_path / "plain.json"), "--out", str(tmp_path / "none.json")])["cases"] == []
+    # And here (a) delivers its earliest checkpoint tied with its pick (--deliver earliest_tied): within the 1 % band
+    # of the pick, no later than it, and that checkpoint's own loss is what is read and rendered.
     every = probe(["--from", str(tmp_path / "plain.json"), "--out", str(tmp_path / "every.json"), "--timesteps", "4",
-                   "--every-case"])
+                   "--every-case", "--deliver", "earliest_tied"])
     (rv,) = every["cases"]
-    assert rv["val_loss"] == s["rangefinder"] and rv["unseen_loss"] is None and rv["unseen_vs_prodigy_best"] is None
-    assert rv["variant_summary"]["vs_random_equal"] == s["vs_random_equal"]
+    assert rv["unseen_loss"] is None and rv["unseen_vs_prodigy_best"] is None and rv["rule"] == "earliest_tied"
+    v = rv["variant_summary"]
+    assert v["rangefinder_chosen_update"] <= s["rangefinder_chosen_update"]
+    assert rv["val_loss"] == v["rangefinder"] == dict(map(tuple, saved_a["curve"]))[v["rangefinder_chosen_update"]]
+    assert rv["val_loss"] <= s["rangefinder"] * 1.01 and rv["self_vs_base"] in ("tie", "win")
+    assert rv["prompt_reproduces"] is True
     # Another training.seed is another run of the same method, weighed against the saved (a) as if it were an arm;
     # and against that run as the baseline (--against), the same run again is itself. The second asks for the seed
     # through --training, which sets any of (a)'s training settings: the same run again shows it reached (a).
