@@ -311,8 +311,8 @@ def parse_settings(p: argparse.ArgumentParser, items: list[str]) -> dict[str, di
     sections = {name: f.annotation for name, f in RangefinderConfig.model_fields.items()
                 if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel) and name != "training"}
     for item in items:
-        name, sep, value = item.partition("=")
-        section, dot, key = name.partition(".")
+        name, _, value = item.partition("=")
+        section, _, key = name.partition(".")
         if section not in sections or not key:
             p.error(f"--setting {item!r}: write SECTION.KEY=VALUE, SECTION one of {', '.join(sections)} (a "
                     "`training` setting goes in --training)")
