@@ -103,7 +103,7 @@ from bench.versus import (
     summarize,
     verdict_of,
 )
-from rangefinder.config import RangefinderConfig, TrainingConfig, format_validation_error
+from rangefinder.config import RangefinderConfig, format_validation_error
 
 NAME = "timesteps_probe"
 DEFAULT_TIMESTEPS = 16
@@ -304,27 +304,34 @@ def against_the_baseline(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def parse_settings(p: argparse.ArgumentParser, items: list[str]) -> dict[str, dict[str, Any]]:
-    """--setting SECTION.KEY=VALUE items as section -> {key: value}, each section validated as a config would be
-    (a typo or an impossible value is said now, not after the first case is rebuilt)."""
-    settings: dict[str, dict[str, Any]] = {}
+def parse_settings(p: argparse.ArgumentParser, training: list[str], setting: list[str]) -> dict[str, dict[str, Any]]:
+    """(a)'s settings from --training KEY=VALUE and --setting SECTION.KEY=VALUE (any section but `training`), as
+    section -> {key: value}, each value read as JSON and each section validated as a config would be (a typo or an
+    impossible value is said now, not after the first case is rebuilt)."""
     sections = {name: f.annotation for name, f in RangefinderConfig.model_fields.items()
-                if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel) and name != "training"}
-    for item in items:
-        name, _, value = item.partition("=")
-        section, _, key = name.partition(".")
-        if section not in sections or not key:
-            p.error(f"--setting {item!r}: write SECTION.KEY=VALUE, SECTION one of {', '.join(sections)} (a "
-                    "`training` setting goes in --training)")
-        try:
+                if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel)}
+    # (flag, the item as given, section, KEY=VALUE, an example of the flag's form)
+    given = [("--training ", item, "training", item, "adam_beta2=0.99") for item in training]
+    for item in setting:
+        section, _, rest = item.partition(".")
+        if section not in sections or section == "training" or not rest.partition("=")[0]:
+            p.error(f"--setting {item!r}: write SECTION.KEY=VALUE, SECTION one of "
+                    f"{', '.join(n for n in sections if n != 'training')} (a `training` setting goes in --training)")
+        given.append(("--setting ", item, section, rest, "finetune.successive_halving=false"))
+    settings: dict[str, dict[str, Any]] = {}
+    flag_of: dict[str, str] = {}
+    for flag, item, section, pair, example in given:
+        key, _, value = pair.partition("=")
+        try:  # no "=" leaves value "", which is not JSON either
             settings.setdefault(section, {})[key] = json.loads(value)
         except json.JSONDecodeError:
-            p.error(f"--setting {item!r}: the value is not JSON (e.g. finetune.successive_halving=false)")
+            p.error(f"{flag}{item!r}: write KEY=VALUE with a JSON value, e.g. {example}")
+        flag_of[section] = flag if section == "training" else f"{flag}{section}."
     for section, values in settings.items():
         try:
             sections[section].model_validate({**sections[section]().model_dump(), **values})
         except ValidationError as e:
-            p.error(format_validation_error(e, f"--setting {section}."))
+            p.error(format_validation_error(e, flag_of[section]))
     return settings
 
 
@@ -350,18 +357,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                    help="results of this probe whose (a) is the baseline, case "
                    "by case (as saved when left out)")
     args = p.parse_args(argv)
-    training: dict[str, Any] = {}
-    for item in args.training:
-        key, sep, value = item.partition("=")
-        try:  # no "=" leaves value "", which is not JSON either
-            training[key] = json.loads(value)
-        except json.JSONDecodeError:
-            p.error(f"--training {item!r}: write KEY=VALUE with a JSON value, e.g. adam_beta2=0.99")
-    try:  # a typo or an impossible value is said now, not after the first case is rebuilt
-        TrainingConfig.model_validate({**TrainingConfig().model_dump(), **training})
-    except ValidationError as e:
-        p.error(format_validation_error(e, "--training "))
-    settings = parse_settings(p, args.setting)
+    settings = parse_settings(p, args.training, args.setting)
+    training = settings.pop("training", {})
     if args.every_case and args.timesteps != 4:
         p.error("--every-case reads (a)'s own validation loss where a case has no unseen images, which is the arms' "
                 "measure only at --timesteps 4")
