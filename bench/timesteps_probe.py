@@ -93,7 +93,6 @@ from bench.unseen import rangefinder_alone, score_unseen
 from bench.versus import (
     OPPONENTS,
     SCORED_ARMS,
-    TIE_PCT,
     VERDICTS,
     count_verdicts,
     keeping_every_checkpoint,
@@ -197,19 +196,25 @@ def probe_case(c: dict[str, Any], work: Path, log=print, timesteps: int = DEFAUL
 def earliest_tied(a: dict[str, Any]) -> dict[str, Any]:
     """(a) as if it delivered its fine-tune's earliest checkpoint whose validation loss is within the Goal's tie band
     (TIE_PCT) of what it delivers (its pick: the window's lowest checkpoint or their average): among the checkpoints
-    the validation loss cannot tell apart, the one that moved least from the base. Its pick is kept under "chosen"
-    as "shipped_pick". A failed (a), or one with no checkpoint in the band, is returned as it is."""
+    the validation loss cannot tell apart, the one that moved least from the base. The engine's own picker
+    (`finetune.deliver: earliest_tied`, rangefinder.analysis.earliest_tied) on the saved curve, whose every update is
+    a checkpoint in bench.versus. Its pick is kept under "chosen" as "shipped_pick". A failed (a), or one with no
+    checkpoint in the band, is returned as it is."""
+    from rangefinder.analysis import Delivery
+    from rangefinder.analysis import earliest_tied as engine_earliest_tied
+
     chosen = a.get("chosen") or {}
     pick = chosen.get("val_loss", a.get("final_val_loss"))
     if a.get("status") != "ok" or pick is None:
         return a
-    tied = next(((u, v) for u, v in a["curve"] if v <= pick * (1 + TIE_PCT / 100)), None)
+    updates, losses = [u for u, _ in a["curve"]], [v for _, v in a["curve"]]
+    shipped = Delivery(update=int(chosen.get("update") or 0), rule="window_lowest", val_loss=pick, base_val_loss=None)
+    tied = engine_earliest_tied(shipped, updates, updates, losses, pick)
     if tied is None:  # a window average more than the band below every checkpoint: the pick stays
         return a
-    update, loss = tied
-    shipped = {k: chosen.get(k) for k in ("update", "val_loss", "rule")}
-    return {**a, "chosen": {**chosen, "update": update, "val_loss": loss, "rule": "earliest_tied",
-                            "shipped_pick": {**shipped, "val_loss": pick}}}
+    shipped_pick = {**{k: chosen.get(k) for k in ("update", "val_loss", "rule")}, "val_loss": pick}
+    return {**a, "chosen": {**chosen, "update": tied.update, "val_loss": tied.val_loss, "rule": "earliest_tied",
+                            "shipped_pick": shipped_pick}}
 
 
 def score_prompts_again(c: dict[str, Any], cfg, a: dict[str, Any], case: Path, log=print) -> Optional[dict[str, Any]]:

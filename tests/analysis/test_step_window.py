@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from rangefinder.analysis import delivered_checkpoint, select_step_window
+from rangefinder.analysis import delivered_checkpoint, earliest_tied, select_step_window
 from rangefinder.analysis.synthetic import ConstantRunShape, noisy, true_step_window
 from rangefinder.errors import RangefinderError
 
@@ -132,6 +132,27 @@ def test_with_a_window_the_rule_is_named_and_the_base_model_is_the_curve_s_updat
     assert (nearest.update, nearest.rule) == (12, "window_nearest")
     # No update 0 on the curve: the comparison with the base is unknown, not made up.
     assert delivered_checkpoint(_window(3.0, 13.0, 8), [4, 8], update[1:], val[1:]).improved_on_base is None
+
+
+def test_earliest_tied_is_the_first_checkpoint_within_one_percent_of_the_lowest_measured():
+    """finetune.deliver: earliest_tied (bench/RESULTS.md, "Textual inversion's earliest tied checkpoint"): of the
+    checkpoints validated at their own update, the earliest within 1 % of the band's target; never the base model
+    (update 0), never a checkpoint without its own measurement, and none when the band holds no checkpoint."""
+    update = [0, 2, 4, 6, 8, 10, 12]
+    val = [0.0990, 0.1050, 0.1009, 0.1012, 0.1000, 0.1003, 0.1020]
+    pick = delivered_checkpoint(_window(5.0, 11.0, 8), [2, 4, 6, 8, 10, 12], update, val)
+    assert (pick.update, pick.rule) == (8, "window_lowest")
+    tied = earliest_tied(pick, [2, 4, 6, 8, 10, 12], update, val, pick.val_loss)
+    assert (tied.update, tied.rule, tied.val_loss, tied.base_val_loss) == (4, "earliest_tied", 0.1009, 0.0990)
+    assert "within 1% of the lowest" in tied.sentence() and "not below the base model's" in tied.sentence()
+    # Exactly on the band's edge ties; just above it does not.
+    edge = [0.25, 0.2526, 0.2525, 0.25, 0.25, 0.25, 0.25]
+    assert earliest_tied(pick, [2, 4, 8], update, edge, 0.25).update == 4
+    # Update 0 (the base model, lower than every checkpoint here) is not delivered; a checkpoint between validations
+    # (update 5) has no loss of its own.
+    assert earliest_tied(pick, [0, 5, 10], update, val, pick.val_loss).update == 10
+    # A target far below every checkpoint (a window average 5 % lower): no checkpoint is tied, the usual rule stands.
+    assert earliest_tied(pick, [2, 4, 6, 8, 10, 12], update, val, 0.095) is None
 
 
 def test_without_a_window_the_lowest_validation_loss_of_the_whole_run_is_delivered_not_the_final_weights():

@@ -48,8 +48,13 @@ def test_the_probe_at_the_shipped_timesteps_rebuilds_the_saved_case(tmp_path, sd
     plain["cases"][0]["summary"] = {k: v for k, v in s.items() if not k.startswith("unseen")}
     (tmp_path / "plain.json").write_text(json.dumps(plain))
     assert probe(["--from", str(tmp_path / "plain.json"), "--out", str(tmp_path / "none.json")])["cases"] == []
-    # And here (a) delivers its earliest checkpoint tied with its pick (--deliver earliest_tied): within the 1 % band
-    # of the pick, no later than it, and that checkpoint's own loss is what is read and rendered.
+    # And here (a) delivers its earliest checkpoint tied with its pick (--deliver earliest_tied, the engine's picker
+    # for finetune.deliver, whose band is the Goal's tie): within the 1 % band of the pick, no later than it, and
+    # that checkpoint's own loss is what is read and rendered.
+    from bench.versus import TIE_PCT
+    from rangefinder.analysis.step_window import TIE_BAND
+
+    assert TIE_BAND * 100 == TIE_PCT
     every = probe(["--from", str(tmp_path / "plain.json"), "--out", str(tmp_path / "every.json"), "--timesteps", "4",
                    "--every-case", "--deliver", "earliest_tied"])
     (rv,) = every["cases"]

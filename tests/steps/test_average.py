@@ -229,3 +229,60 @@ def test_the_registered_version_names_a_greedy_soup():
     assert delivered_name({"checkpoint": None, "rule": "window_average", "update": 16,
                            "average": {"updates": [8, 16], "how": "greedy_soup"}}) == \
         "window greedy soup of updates 8, 16"
+
+
+def test_earliest_tied_weighs_the_average_and_delivers_the_first_checkpoint_in_its_band(split_dir, tiny_model_dir,
+                                                                                       tmp_path):
+    """finetune.deliver: earliest_tied through the step, for textual inversion (the method it was measured for): the
+    window average is measured and sets the band with the window's pick, the earliest checkpoint within 1 % of the
+    lower of the two is delivered (found here again from the run's curve), the average is said and not delivered, and
+    the report, decision.json, MLflow and the retrain's length follow the delivered checkpoint."""
+    import math
+
+    from mlflow import MlflowClient
+
+    from rangefinder.analysis import read_curve_csv
+    from rangefinder.steps.delivery import NOT_OFFERED
+    from rangefinder.steps.finetune import run_finetune
+
+    with without_mlflow_run_env():
+        cfg = _config(tiny_model_dir, tmp_path, average="on", deliver="earliest_tied")
+        cfg = cfg.model_copy(update={"training": cfg.training.model_copy(update={"method": "textual_inversion"})})
+        result = run_finetune(cfg, split_dir=split_dir, lr_low=5e-3, lr_high=5e-3, lr_mid=5e-3, lr_source="fixed",
+                              model_dir=tmp_path / "ft")
+    info, work = result.chosen, tmp_path / "ft"
+    avg, pick = info["average"], info["window_pick"]
+    target = min(v for v in (pick["val_loss"], avg["val_loss"]) if v is not None)
+    curve = read_curve_csv(result.curve_csv)
+    loss = {int(u): float(v) for u, v, e in zip(curve["update"], curve["val_loss"], curve["epoch"], strict=True)
+            if float(e).is_integer() and e > 0}  # a checkpoint every epoch, validated there
+    expected = min(u for u, v in loss.items() if v <= target * 1.01)
+    assert (info["rule"], info["update"], info["val_loss"]) == ("earliest_tied", expected, loss[expected])
+    assert expected < pick["update"]  # an earlier checkpoint than the window's pick: the rule changed something
+    assert info["band"]["target_val_loss"] == target
+    assert [checkpoints.checkpoint_update(p) for p in checkpoints.list_checkpoints(work / "checkpoints")] == [expected]
+    assert avg["delivered"] is False and avg["sentence"].endswith(f"{NOT_OFFERED}.")
+    assert avg["pick_val_loss"] == pick["val_loss"] and not (work / AVERAGE_DIR / "final").exists()
+    decision = json.loads((work / "report" / "decision.json").read_text())
+    assert decision["chosen"] == info == checkpoints.read_chosen(work)
+    assert f"Delivered: update {expected}, the earliest checkpoint" in (work / "report" / "step_report.md").read_text()
+    epochs = math.ceil(info["epoch"] - 1e-9)
+    assert (result.recommended_epochs, result.recommended_updates) == (epochs, expected)
+    client = MlflowClient(cfg.tracking.tracking_uri)
+    (ft,) = client.search_runs([client.get_experiment_by_name("average").experiment_id],
+                               filter_string="tags.`rangefinder.step` = 'finetune'")
+    assert ft.data.tags["chosen_rule"] == "earliest_tied" and ft.data.tags["average_delivered"].lower() == "false"
+    assert ft.data.metrics["recommended_epochs"] == epochs and ft.data.metrics["chosen_update"] == expected
+
+
+def test_earliest_tied_without_validation_is_one_warning():
+    from rangefinder.config import parse_config, setting_conflicts
+
+    def said(settings):
+        return [ln for ln in setting_conflicts(parse_config(settings)) if "finetune.deliver" in ln]
+
+    (line,) = said({"finetune": {"deliver": "earliest_tied"}, "split": {"val_split": 0}, "lr": 1e-4})
+    assert "does nothing without validation" in line and "split.val_split" in line
+    (line,) = said({"finetune": {"deliver": "earliest_tied"}, "validation": {"every_epochs": 0}})
+    assert "validation.every_epochs" in line
+    assert said({"finetune": {"deliver": "earliest_tied"}}) == said({"split": {"val_split": 0}, "lr": 1e-4}) == []

@@ -111,16 +111,19 @@ def ema_run(split_dir, tiny_model_dir, tmp_path_factory):
     return out, result
 
 
-def test_the_lowest_validation_loss_inside_the_window_becomes_the_chosen_model(ema_run, tiny_model_dir):
+def test_the_lowest_validation_loss_inside_the_window_becomes_the_chosen_model(ema_run, tiny_model_dir, tmp_path):
     """Both checkpoints (updates 4 and 8) lie in the window and the recommendation is the worse one: the one with
     the lower validation loss is kept (not the one nearest the recommendation), the other removed, and chosen/
     holds its weights as the run validated them, the EMA average, not the raw ones."""
+    import shutil
+
     from diffusers import UNet2DConditionModel
 
     from rangefinder.analysis import read_curve_csv
     from rangefinder.formats import checkpoints
 
-    run_dir, result = ema_run
+    result = ema_run[1]
+    run_dir = shutil.copytree(ema_run[0], tmp_path / "run")  # the fixture's run stays whole for the other tests
     assert [checkpoints.checkpoint_update(p) for p in result.checkpoints] == [4, 8]
     curve = read_curve_csv(result.metrics_csv)
     loss = {u: float(curve["val_loss"][list(curve["update"]).index(u)]) for u in (4, 8)}
@@ -194,6 +197,58 @@ def test_with_no_window_the_run_s_lowest_validation_loss_checkpoint_is_delivered
     # What a full-data retrain then trains: up to the delivered checkpoint (its epoch rounded up), not the configured
     # budget, which the run trained through and measured no better (the old code kept the configured 10 epochs).
     assert recommended_length(window, info, 10, updates[-1]) == (max(1, math.ceil(info["epoch"] - 1e-9)), best)
+
+
+@pytest.mark.parametrize("besides", ["none", "an average 3 % lower", "an average 0.5 % lower"])
+def test_earliest_tied_delivers_the_first_checkpoint_within_the_band_and_keeps_it_alone(
+        ema_run, tmp_path, tiny_model_dir, besides):
+    """finetune.deliver: earliest_tied. Updates 4 and 8 lie in the window, 8 the lower; with update 4's curve loss
+    0.5 % above 8's, 4 is delivered: chosen/ holds its weights (as the run validated them), the other checkpoint goes,
+    chosen.json keeps the usual pick and the band, and a retrain trains its length. A window average 3 % lower sets a
+    band no checkpoint reaches, so the usual pick stands; one 0.5 % lower sets a band only update 8 reaches."""
+    import shutil
+
+    from rangefinder.analysis import read_curve_csv
+    from rangefinder.formats import checkpoints
+
+    run_dir = shutil.copytree(ema_run[0], tmp_path / "run")
+    curve = read_curve_csv(ema_run[1].metrics_csv)
+    updates = [int(u) for u in curve["update"]]
+    low = float(curve["val_loss"][updates.index(8)])
+    curve["val_loss"][updates.index(4)] = low * 1.005
+    window = SimpleNamespace(recommended_updates=8, recommended_epochs=2, status="ok", tolerance=0.02,
+                             window_start_update=2.0, window_end_update=8.0)
+    average = {"none": {}, "an average 3 % lower": {"the window average": low * 0.97},
+               "an average 0.5 % lower": {"the window average": low * 0.995}}[besides]
+    name = {u: checkpoints.checkpoint_name(u) for u in (4, 8)}
+    shadow = {u: checkpoints.read_ema(run_dir / "checkpoints" / name[u])["shadow_params"] for u in (4, 8)}
+    info = keep_chosen_checkpoint(run_dir, window, curve, tiny_model_dir, deliver="earliest_tied",
+                                  measured_besides=average)
+
+    expected = {"none": 4, "an average 3 % lower": 8, "an average 0.5 % lower": 8}[besides]
+    assert info["update"] == expected and info["checkpoint"] == name[expected]
+    assert [p.name for p in checkpoints.list_checkpoints(run_dir / "checkpoints")] == [name[expected]]
+    assert checkpoints.read_chosen(run_dir) == info
+    from diffusers import UNet2DConditionModel
+
+    chosen = UNet2DConditionModel.from_pretrained(str(run_dir / checkpoints.CHOSEN_DIR / "unet"))
+    assert all(torch.equal(p.detach(), avg.float())
+               for p, avg in zip(chosen.parameters(), shadow[expected], strict=True))
+    if besides == "an average 3 % lower":
+        assert info["rule"] == "window_lowest" and "band" not in info and "window_pick" not in info
+        assert recommended_length(window, info, 10, 8) == (2, 8)  # the window's centre
+        return
+    assert info["rule"] == "earliest_tied"
+    assert info["window_pick"] == {"checkpoint": name[8], "update": 8, "val_loss": pytest.approx(low),
+                                   "rule": "window_lowest"}
+    set_by = "the window's pick at update 8" if besides == "none" else "the window average"
+    assert info["band"] == {"target_val_loss": pytest.approx(low if besides == "none" else low * 0.995),
+                            "set_by": set_by, "fraction": 0.01}
+    assert "finetune.deliver is earliest_tied" in info["reason"] and f"({set_by})" in info["reason"]
+    assert "Without that rule: smoothed validation loss" in info["reason"] and "update 8 is the checkpoint" in info[
+        "reason"]
+    # A full-data retrain trains the delivered checkpoint's length, not the window's centre (update 8, epoch 2).
+    assert recommended_length(window, info, 10, 8) == ((1, 4) if expected == 4 else (2, 8))
 
 
 def test_the_recommended_length_is_the_window_s_centre_else_the_configured_budget():

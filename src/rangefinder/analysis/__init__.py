@@ -19,6 +19,7 @@ from rangefinder.analysis.step_window import (
     Delivery,
     StepWindow,
     delivered_checkpoint,
+    earliest_tied,
     select_step_window,
 )
 
@@ -32,6 +33,7 @@ __all__ = [
     "analyze_lr_curve",
     "copy_report",
     "delivered_checkpoint",
+    "earliest_tied",
     "plot_lr_range_test",
     "plot_prodigy_step",
     "plot_step_window",

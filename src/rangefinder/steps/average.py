@@ -76,8 +76,9 @@ class WindowAverage:
         """Whether the average is delivered instead of the window's pick: it measures lower."""
         return self.val_loss is not None and (pick_val_loss is None or self.val_loss < pick_val_loss)
 
-    def sentence(self, pick_val_loss: Optional[float]) -> str:
-        """What it averaged and whether it was delivered, for the report and the run's description."""
+    def sentence(self, pick_val_loss: Optional[float], verdict: Optional[str] = None) -> str:
+        """What it averaged and whether it was delivered (`verdict`, when another rule decided that), for the report
+        and the run's description."""
         window = self.window_updates or self.updates
         how = (f"the {len(window)} checkpoints inside the step window (updates {window[0]} to {window[-1]}) "
                "averaged uniformly")
@@ -90,8 +91,8 @@ class WindowAverage:
         if self.val_loss is None:
             return f"Window average: {how}; its validation loss was not finite, so the window's pick stays."
         against = "" if pick_val_loss is None else f" against the window's pick's {pick_val_loss:.4g}"
-        verdict = ("delivered" if self.delivered_over(pick_val_loss)
-                   else "not delivered: the window's pick stays")
+        verdict = verdict or ("delivered" if self.delivered_over(pick_val_loss)
+                              else "not delivered: the window's pick stays")
         return f"Window average: {how}; validation loss {self.val_loss:.4g}{against}, {verdict}."
 
 

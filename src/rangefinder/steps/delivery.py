@@ -21,9 +21,15 @@ class Measured(Protocol):
 
     def delivered_over(self, val_loss: Optional[float]) -> bool: ...
 
-    def sentence(self, val_loss: Optional[float]) -> str: ...
+    def sentence(self, val_loss: Optional[float], verdict: Optional[str] = None) -> str: ...
 
     def to_json(self) -> dict[str, Any]: ...
+
+
+# What the cooldown's and the window average's sentences say when finetune.deliver: earliest_tied delivered a checkpoint
+# (steps/finetune.keep_chosen_checkpoint): they set its band and are not offered.
+NOT_OFFERED = ("not delivered: finetune.deliver is earliest_tied, which delivers the earliest checkpoint tied with the "
+               "lowest loss measured")
 
 
 def deliver_if_lower(work: Path, candidate: Path, chosen: dict[str, Any], measured: Measured, *, key: str,
@@ -31,12 +37,15 @@ def deliver_if_lower(work: Path, candidate: Path, chosen: dict[str, Any], measur
     """chosen.json with `measured` under `key` (and the loss it was weighed against under `compared_as`). When it
     measures below what `chosen` delivers, the model folder `candidate` becomes `chosen/` and chosen.json names it:
     rule `rule` at `update` / `epoch`, the pick it replaced under `window_pick`, the reason beginning with `what`.
-    Otherwise `candidate` is removed. Returns what chosen.json now says."""
+    Otherwise `candidate` is removed. When `chosen` is finetune.deliver's earliest tied checkpoint, `measured` only set
+    its band: it is weighed against the window's pick (`window_pick`), said, and not delivered. Returns what
+    chosen.json now says."""
     work = Path(work)
-    compared = chosen.get("val_loss")
-    delivered = measured.delivered_over(compared) and candidate.is_dir()
+    offered = chosen.get("rule") != "earliest_tied"
+    compared = chosen.get("val_loss") if offered else (chosen.get("window_pick") or {}).get("val_loss")
+    delivered = offered and measured.delivered_over(compared) and candidate.is_dir()
     info = {**chosen, key: {**measured.to_json(), compared_as: compared, "delivered": delivered,
-                            "sentence": measured.sentence(compared)}}
+                            "sentence": measured.sentence(compared, None if offered else NOT_OFFERED)}}
     if delivered:
         rename_into_place(candidate, work / checkpoints.CHOSEN_DIR)
         pick = {k: chosen.get(k) for k in PICK_KEYS}

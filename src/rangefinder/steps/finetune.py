@@ -12,7 +12,9 @@ checkpoint every `finetune.checkpoint_every_epochs` and keeps them all until the
 the one with the lowest validation loss inside the window (analysis.delivered_checkpoint) and writes its model as
 `chosen/` beside `final/`, with `chosen.json` (rangefinder.formats.checkpoints). With no window (no significant
 improvement) it keeps the lowest-loss checkpoint of the whole run instead, and says so, and says when even that is not
-below the base model's loss (update 0). Without a retrain, that is the model registered.
+below the base model's loss (update 0). Without a retrain, that is the model registered. With `finetune.deliver:
+earliest_tied` (off by default) it keeps the earliest checkpoint within 1 % of the lowest loss measured instead
+(analysis.earliest_tied).
 
 For full fine-tuning (`finetune.cooldown`), before the other checkpoints go, the recommended length is trained again
 from one of them with its last ~20 % decaying to LR 0, and those weights are delivered instead when they measure lower
@@ -35,7 +37,7 @@ from rangefinder.launch.processes import batch_note, run_training, step_world_si
 from rangefinder.steps.workdir import publish, work_dir
 
 if TYPE_CHECKING:
-    from rangefinder.analysis import SampleStrip, StepWindow
+    from rangefinder.analysis import Delivery, SampleStrip, StepWindow
     from rangefinder.analysis.halving import HalvingDecision
 
 
@@ -83,19 +85,36 @@ def curve_losses(curve: dict) -> dict[int, float]:
 
 
 def keep_chosen_checkpoint(run_dir: Path, window: Any, curve: dict, base_model: Path,
-                           base_source: Optional[str] = None) -> Optional[dict[str, Any]]:
+                           base_source: Optional[str] = None, *, deliver: str = "lowest",
+                           measured_besides: Optional[dict[str, Optional[float]]] = None) -> Optional[dict[str, Any]]:
     """Keep the checkpoint the window's rule picks (analysis.delivered_checkpoint: the lowest validation loss inside
     the window; with no window, the lowest of the whole run), write its model as `chosen/` with `chosen.json` (its
     update, epoch, loss, the rule and whether it beats the base model), and remove the other checkpoints. None
-    (everything left as it is, the final weights delivered) when there is no checkpoint to pick."""
-    from rangefinder.analysis import delivered_checkpoint
+    (everything left as it is, the final weights delivered) when there is no checkpoint to pick.
+
+    `deliver` is finetune.deliver: with earliest_tied, the earliest checkpoint within analysis.TIE_BAND of the lowest
+    loss measured (the pick's, or one of `measured_besides`: the window average's and the cooldown's, by what they
+    are) is kept instead, the pick under `window_pick` and the band under `band` (the usual pick stays when no
+    checkpoint lies in the band)."""
+    from rangefinder.analysis import delivered_checkpoint, earliest_tied
+    from rangefinder.analysis.step_window import TIE_BAND
     from rangefinder.training.restore import save_checkpoint_model
 
     ckpt_root = Path(run_dir) / checkpoints.RUN_DIR
     found = checkpoints.checkpoints_by_update(ckpt_root)
-    picked = delivered_checkpoint(window, list(found), curve.get("update", []), curve.get("val_loss", []))
+    updates, losses = curve.get("update", []), curve.get("val_loss", [])
+    picked = delivered_checkpoint(window, list(found), updates, losses)
     if picked is None:
         return None
+    pick, band = picked, None
+    if deliver == "earliest_tied":
+        named = {f"the window's pick at update {pick.update}": pick.val_loss, **(measured_besides or {})}
+        finite = {k: float(v) for k, v in named.items() if v is not None and math.isfinite(v)}
+        if finite:
+            set_by = min(finite, key=lambda k: finite[k])
+            tied = earliest_tied(pick, list(found), updates, losses, finite[set_by])
+            if tied is not None:
+                picked, band = tied, {"target_val_loss": finite[set_by], "set_by": set_by, "fraction": TIE_BAND}
     update, ckpt = picked.update, found[picked.update]
     checkpoints.require_intact(ckpt)  # before its state.json is read here and its weights by save_checkpoint_model
     rows = [r for r in checkpoints.read_state(ckpt)["metrics_rows"] if r.get("update") == update]
@@ -103,21 +122,13 @@ def keep_chosen_checkpoint(run_dir: Path, window: Any, curve: dict, base_model: 
     epoch = rows[-1].get("epoch") if rows else None
     if epoch is None:  # a checkpoint between validations
         epoch = epoch_at(curve, update)
-    if picked.rule == "run_lowest":
-        why = ("validation loss never fell by more than its noise, so no step window was found and no length is "
-               "recommended; of the checkpoints kept over the whole run, this one has the lowest validation loss "
-               "(the run's final weights are not delivered: it trained past any useful length)")
-    elif window.status == "still_improving":
-        why = ("validation loss was still falling when the run ended, so the recommended length is the whole run and "
-               "the checkpoint with the lowest validation loss near its end is kept; fine-tune for more epochs to "
-               "find the minimum")
-    else:
-        which = ("the checkpoint with the lowest validation loss inside the window" if picked.rule == "window_lowest"
-                 else "the checkpoint nearest that centre (none inside the window was validated)")
-        why = (f"smoothed validation loss stays within {window.tolerance:.0%} of its minimum from update "
-               f"{window.window_start_update:.0f} to {window.window_end_update:.0f}; the centre of that window, update "
-               f"{window.recommended_updates} (epoch {window.recommended_epochs}), is the recommended length, and this "
-               f"is {which} (the run went on past the window, so its final weights overfit)")
+    why = pick_reason(pick, window)
+    if band is not None:
+        length = f" (epoch {math.ceil(epoch - 1e-9)})" if epoch is not None else ""
+        why = (f"finetune.deliver is earliest_tied, so this is the earliest checkpoint whose validation loss is "
+               f"within {TIE_BAND:.0%} of the lowest the fine-tune measured, {band['target_val_loss']:.4g} "
+               f"({band['set_by']}): the validation loss cannot tell them apart, and this one moved least from the "
+               f"base model; a retrain trains its length{length}. Without that rule: {why}")
     at = f"Weights at update {update} (epoch {epoch:g})" if epoch is not None else f"Weights at update {update}"
     reason = f"{at} of the constant-LR fine-tune: {why}. {picked.against_base()}".rstrip()
     info = {
@@ -135,10 +146,31 @@ def keep_chosen_checkpoint(run_dir: Path, window: Any, curve: dict, base_model: 
         "improved_on_base": picked.improved_on_base,
         "reason": reason,
     }
+    if band is not None:
+        info.update(band=band, window_pick={"checkpoint": found[pick.update].name, "update": pick.update,
+                                            "val_loss": pick.val_loss, "rule": pick.rule})
     save_checkpoint_model(ckpt, base_model, Path(run_dir) / checkpoints.CHOSEN_DIR, source=base_source)
     checkpoints.keep_only(ckpt_root, ckpt)
     write_json(Path(run_dir) / checkpoints.CHOSEN_INFO, info)
     return info
+
+
+def pick_reason(pick: Delivery, window: StepWindow) -> str:
+    """Why the window's rule (analysis.delivered_checkpoint) picked `pick`, for chosen.json's reason."""
+    if pick.rule == "run_lowest":
+        return ("validation loss never fell by more than its noise, so no step window was found and no length is "
+                f"recommended; of the checkpoints kept over the whole run, update {pick.update} has the lowest "
+                "validation loss (the run's final weights are not delivered: it trained past any useful length)")
+    if window.status == "still_improving":
+        return ("validation loss was still falling when the run ended, so the recommended length is the whole run and "
+                f"the checkpoint with the lowest validation loss near its end, update {pick.update}, is kept; "
+                "fine-tune for more epochs to find the minimum")
+    which = ("the checkpoint with the lowest validation loss inside the window" if pick.rule == "window_lowest"
+             else "the checkpoint nearest that centre (none inside the window was validated)")
+    return (f"smoothed validation loss stays within {window.tolerance:.0%} of its minimum from update "
+            f"{window.window_start_update:.0f} to {window.window_end_update:.0f}; the centre of that window, update "
+            f"{window.recommended_updates} (epoch {window.recommended_epochs}), is the recommended length, and update "
+            f"{pick.update} is {which} (the run went on past the window, so its final weights overfit)")
 
 
 def sample_strip(run_dir: Path) -> Optional[SampleStrip]:
@@ -207,14 +239,18 @@ def sample_delivered(work: Path, chosen: Optional[dict[str, Any]], base_model: P
 
 def recommended_length(window: StepWindow, chosen: Optional[dict[str, Any]], configured_epochs: int,
                        trained_updates: int) -> tuple[int, int]:
-    """The length the fine-tune recommends, in epochs and updates (what a full-data retrain trains): the window's
-    centre; with no window (no significant improvement), the delivered checkpoint's epoch rounded up, since the run
-    went on past it and measured no better (in the bench its final weights were worse than the base model); with
-    neither, the configured epochs and the updates trained."""
+    """The length the fine-tune recommends, in epochs and updates (what a full-data retrain trains):
+    - the window's centre;
+    - the delivered checkpoint's epoch rounded up when it is finetune.deliver's earliest tied checkpoint (the rule's
+      point is the weights that moved least), or when there is no window (no significant improvement: the run went on
+      past it and measured no better; in the bench its final weights were worse than the base model);
+    - with neither, the configured epochs and the updates trained."""
+    rule = (chosen or {}).get("rule")
+    own_length = rule == "earliest_tied" or (rule == "run_lowest" and window.recommended_epochs is None)
+    if chosen is not None and own_length and chosen.get("epoch") is not None:
+        return max(1, math.ceil(float(chosen["epoch"]) - 1e-9)), int(chosen["update"])
     if window.recommended_epochs is not None:
         return int(window.recommended_epochs), int(window.recommended_updates or trained_updates)
-    if chosen is not None and chosen.get("rule") == "run_lowest" and chosen.get("epoch") is not None:
-        return max(1, math.ceil(float(chosen["epoch"]) - 1e-9)), int(chosen["update"])
     return int(configured_epochs), int(trained_updates)
 
 
@@ -295,8 +331,12 @@ def run_finetune(
             if average_applies(cfg, validating):
                 averaged = run_average(cfg, spec, work, window, split, base.path, base.source,
                                        curve_losses=curve_losses(curve))
-            chosen = keep_chosen_checkpoint(work, window, curve, base.path, base.source)
-            if cooled is not None and chosen is not None:
+            # finetune.deliver: earliest_tied weighs the cooldown and the average too, before the checkpoints go.
+            besides = {**({} if cooled is None else {"the cooldown's weights": cooled.val_loss}),
+                       **({} if averaged is None else {"the window average": averaged.val_loss})}
+            chosen = keep_chosen_checkpoint(work, window, curve, base.path, base.source, deliver=cfg.finetune.deliver,
+                                            measured_besides=besides)
+            if cooled is not None and chosen is not None:  # offered unless the earliest tied checkpoint was kept
                 chosen = deliver_cooldown(work, cooled, chosen)
             if averaged is not None and chosen is not None:  # weighed against what is delivered by now
                 chosen = deliver_average(work, averaged, chosen, epoch=epoch_at(curve, averaged.updates[-1]))
