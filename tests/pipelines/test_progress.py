@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import io
 
-from rangefinder.pipelines.progress import StepProgress
+from rangefinder.pipelines.progress import StepProgress, headline_text
 
 C, E = "\x1b[96m", "\x1b[0m"
 LOG = f"""23:29:05.604 - INFO - Executing task {C}'lr-range-test-3'{E}
@@ -22,6 +22,8 @@ LOG = f"""23:29:05.604 - INFO - Executing task {C}'lr-range-test-3'{E}
 23:29:25.933 - INFO - Task {C}'lr-range-test-3'{E} finished with status \x1b[92mSUCCESS{E}
 23:29:25.935 - INFO - Task {C}'lr-range-test-3'{E} outputs:
     needs_zoom: True
+    zoom_lr_min: 1.1397092313062261e-05
+    zoom_lr_max: 0.0009859428321015499
     lr_low: 4.558836925224904e-05
     lr_mid: 0.0001616431560297725
     lr_high: 0.00024648570802538746
@@ -52,7 +54,8 @@ def test_a_line_per_step_with_its_headline_and_the_log_kept_whole():
                            "rangefinder:   train (exp-ramp): 1/24 (loss=0.2212, lr=1.33e-05), eta 00:05",
                            "rangefinder:   train (exp-ramp): 24/24 (loss=0.1688, lr=0.01)"]
     assert lines[-3].startswith("rangefinder: lr-range-test done in ")
-    assert lines[-3].endswith(" s: lr_low 4.56e-05, lr_mid 0.000162, lr_high 0.000246, needs_zoom True")
+    assert lines[-3].endswith(" s: lr_low 4.56e-05, lr_mid 0.000162, lr_high 0.000246 (provisional: a zoomed range "
+                              "test follows over 1.14e-05..0.000986)")
     assert lines[-2] == "rangefinder: choose-lr started"
     assert lines[-1].startswith("rangefinder: choose-lr failed after ")
 
@@ -80,3 +83,18 @@ def test_a_steps_warning_is_shown_once_under_its_step():
     lines = terminal.getvalue().splitlines()
     assert lines[:2] == ["rangefinder: finetune started", f"rangefinder:   finetune: warning: {warning}"]
     assert len(lines) == 3
+
+
+def test_a_range_test_s_line_says_what_its_zoom_means():
+    """The first range test's bounds are provisional when a zoom follows, and the component's 0 is no bound: the line
+    said "lr_low 0, lr_mid 0, lr_high 0, needs_zoom True" when the curve gave none. The zoomed test's line (needs_zoom
+    False) says its bounds and nothing of a zoom."""
+    none = {"needs_zoom": "True", "lr_low": "0", "lr_mid": "0", "lr_high": "0", "zoom_lr_min": "1e-06",
+            "zoom_lr_max": "10"}
+    assert headline_text(none) == "no LR bounds read yet: a zoomed range test follows over 1e-06..10"
+    some = {**none, "lr_low": "0.0002"}
+    assert headline_text(some) == "lr_low 0.0002 (provisional: a zoomed range test follows over 1e-06..10)"
+    final = {"needs_zoom": "False", "lr_low": "0.0002", "lr_mid": "0.0005", "lr_high": "0.0006", "zoom_lr_min": "0",
+             "zoom_lr_max": "0"}
+    assert headline_text(final) == "lr_low 0.0002, lr_mid 0.0005, lr_high 0.0006"
+    assert headline_text({"train_images": "16", "source": "fixed"}) == "source fixed, train_images 16"

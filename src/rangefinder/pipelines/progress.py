@@ -33,6 +33,9 @@ _OUR_BARS = re.compile(r"^(train|encode)\b")
 # The outputs worth a line on the terminal, in the order shown; artifacts and the resolved config are left to the log.
 HEADLINE = ("source", "lr", "lr_low", "lr_mid", "lr_high", "needs_zoom", "train_images", "val_images", "skipped_files",
             "halving_kept", "lr_used", "recommended_epochs", "chosen_epoch", "still_improving", "Output", "model_uri")
+# Read with needs_zoom, and said in its place (range_test_said); not shown by name.
+ZOOM_RANGE = ("zoom_lr_min", "zoom_lr_max")
+BOUNDS = ("lr_low", "lr_mid", "lr_high")
 
 
 def step_name(task: str) -> str:
@@ -49,6 +52,25 @@ def _short(value: str) -> str:
     return str(int(number)) if number.is_integer() and abs(number) < 1e6 else f"{number:.3g}"
 
 
+def headline_text(outputs: dict[str, str]) -> str:
+    """A finished step's outputs as its terminal line says them, in HEADLINE's order. A range test's needs_zoom is
+    said as what follows: its bounds are provisional, or none were read (the component's 0), and a zoomed test runs
+    over zoom_lr_min..zoom_lr_max; without a zoom to follow, nothing is said of it."""
+    said = {k: v for k, v in outputs.items() if k in HEADLINE}
+    zoom = said.pop("needs_zoom", None)
+    if zoom == "True":
+        read = [k for k in BOUNDS if said.get(k) not in (None, "0")]
+        for k in BOUNDS:
+            said.pop(k, None)
+        where = (f" over {outputs['zoom_lr_min']}..{outputs['zoom_lr_max']}"
+                 if all(outputs.get(k) not in (None, "0") for k in ZOOM_RANGE) else "")
+        bounds = ", ".join(f"{k} {outputs[k]}" for k in read)
+        said["needs_zoom"] = (f"{bounds} (provisional: a zoomed range test follows{where})" if read
+                              else f"no LR bounds read yet: a zoomed range test follows{where}")
+    ordered = sorted(said.items(), key=lambda kv: HEADLINE.index(kv[0]))
+    return ", ".join(v if k == "needs_zoom" else f"{k} {v}" for k, v in ordered)
+
+
 class StepProgress:
     """A text stream: writes everything to `log`, and the run's progress to `terminal` (see the module doc)."""
 
@@ -62,7 +84,7 @@ class StepProgress:
         self._ended: Optional[tuple[str, str, float]] = None  # task, status, seconds: waiting for its outputs
         self._running = ""  # the task whose lines are coming
         self._warned: set[tuple[str, str]] = set()
-        self._headline: list[str] = []
+        self._headline: dict[str, str] = {}  # the finished step's outputs worth saying, by name
         self._bar: Any = None
         self._bar_desc = ""  # the bar being drawn (a terminal) or last written (plain lines)
         self._last_plain = 0.0
@@ -94,8 +116,9 @@ class StepProgress:
             m = _OUTPUT_LINE.match(line)
             if m and not _OUTPUTS.search(line):
                 value = m.group(2).strip()
-                if m.group(1) in HEADLINE and value not in ("", "''") and not re.match(r"\w+\(", value):
-                    self._headline.append(f"{m.group(1)} {_short(m.group(2))}")
+                name = m.group(1)
+                if name in HEADLINE + ZOOM_RANGE and value not in ("", "''") and not re.match(r"\w+\(", value):
+                    self._headline[name] = _short(value)
                 return
             if _OUTPUTS.search(line):
                 return
@@ -121,7 +144,7 @@ class StepProgress:
             self._close_bar()
             task, status = m.group(1), m.group(2)
             self._ended = (task, status, time.monotonic() - self._started.get(task, time.monotonic()))
-            self._headline = []
+            self._headline = {}
             if status != "SUCCESS":  # no outputs follow a failure
                 self._say_end()
             return
@@ -168,8 +191,8 @@ class StepProgress:
         task, status, seconds = self._ended
         self._ended = None
         if status == "SUCCESS":
-            shown = sorted(self._headline, key=lambda said: HEADLINE.index(said.split(" ", 1)[0]))
-            result = f": {', '.join(shown)}" if shown else ""
+            shown = headline_text(self._headline)
+            result = f": {shown}" if shown else ""
             self._say(f"rangefinder: {step_name(task)} done in {seconds:.1f} s{result}")
         else:
             said = "failed" if status == "FAILURE" else status.lower()
