@@ -324,3 +324,33 @@ def test_step_plot_draws_each_dropped_halving_candidate_in_its_own_colour(tmp_pa
     assert DROPPED["lr_mid"] != DROPPED["lr_high"]
     assert found(DROPPED["lr_mid"]) > 20 and found(DROPPED["lr_high"]) > 20
     assert found(DROPPED["lr_below"]) == 0  # the kept candidate is the run's own curve, not a dropped one
+
+
+@pytest.mark.parametrize("rule", ["window_lowest", "earliest_tied"])
+def test_step_plot_marks_the_delivered_checkpoint_and_an_earliest_tied_band(tmp_path, rule):
+    """The plot showed the recommended length but not the weights delivered, which are a checkpoint of their own
+    (the window's lowest, or with finetune.deliver: earliest_tied, an early one under the band's top). The star in
+    its colour is drawn at its update, and the band's top only for the earliest tied checkpoint."""
+    from matplotlib.image import imread
+
+    from rangefinder.analysis import Delivery
+    from rangefinder.analysis.plots import DELIVERED, plot_step_window
+
+    e = np.arange(41) / 2
+    loss = noisy(ConstantRunShape().loss(e), 0.001, 0)
+    w = select_step_window(e * 10, e, loss)
+    low = float(loss.min())
+    delivered = Delivery(update=60, rule=rule, val_loss=low * 1.005, base_val_loss=float(loss[0]),
+                         tied_ceiling=low * 1.01 if rule == "earliest_tied" else None)
+    rgb = np.array([int(DELIVERED[i:i + 2], 16) for i in (1, 3, 5)]) / 255
+
+    def drawn(path):
+        png = imread(path)[..., :3]
+        where = np.abs(png - rgb).max(axis=-1) < 0.03
+        return int(where.sum()), int(where.any(axis=0).sum())  # pixels, and how many columns hold one
+
+    none = drawn(plot_step_window(w, tmp_path / "none.png"))
+    pixels, columns = drawn(plot_step_window(w, tmp_path / "plot.png", delivered=delivered))
+    assert none == (0, 0) and pixels > 40
+    # The band's top is a line across the axes (and the legend's sample of it); a star alone spans a few columns.
+    assert (columns > 100) is (rule == "earliest_tied")

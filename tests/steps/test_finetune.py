@@ -242,8 +242,9 @@ def test_earliest_tied_delivers_the_first_checkpoint_within_the_band_and_keeps_i
     assert info["window_pick"] == {"checkpoint": name[8], "update": 8, "val_loss": pytest.approx(low),
                                    "rule": "window_lowest"}
     set_by = "the window's pick at update 8" if besides == "none" else "the window average"
-    assert info["band"] == {"target_val_loss": pytest.approx(low if besides == "none" else low * 0.995),
-                            "set_by": set_by, "fraction": 0.01}
+    target = low if besides == "none" else low * 0.995
+    assert info["band"] == {"target_val_loss": pytest.approx(target), "set_by": set_by, "fraction": 0.01,
+                            "ceiling": pytest.approx(target * 1.01)}
     assert "finetune.deliver is earliest_tied" in info["reason"] and f"({set_by})" in info["reason"]
     assert "Without that rule: smoothed validation loss" in info["reason"] and "update 8 is the checkpoint" in info[
         "reason"]

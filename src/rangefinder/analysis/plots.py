@@ -9,7 +9,7 @@ import numpy as np
 
 from rangefinder.analysis.halving import HalvingDecision
 from rangefinder.analysis.lr_bounds import LRBounds
-from rangefinder.analysis.step_window import StepWindow
+from rangefinder.analysis.step_window import TIE_BAND, Delivery, StepWindow
 from rangefinder.formats.atomic import atomic_path
 
 FIGSIZE = (8.0, 4.8)  # inches
@@ -19,6 +19,7 @@ SMOOTH = "#1f4e9c"
 STABILIZE = "#d9822b"
 BAND = "#2e9e5b"
 OTHER_MID = "#7a5195"
+DELIVERED = "#e0a100"  # the delivered checkpoint's star and, with finetune.deliver: earliest_tied, its band
 # The halving's dropped candidates, one colour each (up to three race: lr_mid, lr_high, lr_below).
 DROPPED = {"lr_mid": OTHER_MID, "lr_high": "#c0457a", "lr_below": "#3d8fa8"}
 MID_STYLES = {"tuned": (0, (6, 2)), "geometric": ":", "arithmetic": "-."}
@@ -108,10 +109,12 @@ def plot_lr_range_test(bounds: LRBounds, out_path: str | Path, *, title: Optiona
 
 
 def plot_step_window(window: StepWindow, out_path: str | Path, *, title: Optional[str] = None,
-                     halving: Optional[HalvingDecision] = None) -> Path:
+                     halving: Optional[HalvingDecision] = None, delivered: Optional[Delivery] = None) -> Path:
     """Validation and stabilize loss of the constant run against updates (epochs on the top axis), the window
     shaded and the recommended length marked; with `halving` (rangefinder.steps.halving's decision), the dropped
-    candidate's measured curve up to the pause, and the pause. Returns the PNG's path."""
+    candidate's measured curve up to the pause, and the pause; with `delivered` (the fine-tune's choice), a star at
+    its update and loss, and for finetune.deliver's earliest tied checkpoint the band's top it lies under. Returns
+    the PNG's path."""
     plt = _pyplot()
     fit = window.fit
     if fit is None:
@@ -146,6 +149,12 @@ def plot_step_window(window: StepWindow, out_path: str | Path, *, title: Optiona
     if window.recommended_updates is not None:
         ax.axvline(window.recommended_updates, color=BAND, lw=2, ls="--",
                    label=f"recommended: {window.recommended_epochs} epochs")
+    if delivered is not None and delivered.tied_ceiling is not None:
+        ax.axhline(delivered.tied_ceiling, color=DELIVERED, lw=1.4, ls=":",
+                   label=f"earliest-tied band: {TIE_BAND:.0%} above the lowest")
+    if delivered is not None and delivered.val_loss is not None:
+        ax.plot([delivered.update], [delivered.val_loss], "*", color=DELIVERED, mec="#5c4300", ms=14, zorder=5,
+                label=f"delivered: update {delivered.update}")
     ax.set_xlabel("update (optimizer step)")
     ax.set_ylabel("loss (MSE)")
     e = fit.epoch

@@ -329,7 +329,7 @@ def write_step_report(window: StepWindow, curve: Optional[dict], out_dir: str | 
     Returns {"plot", "html", "markdown", "json"} -> paths.
     """
     out = Path(out_dir)
-    png = plot_step_window(window, out / "step_window.png", halving=halving)
+    png = plot_step_window(window, out / "step_window.png", halving=halving, delivered=delivered)
     lead = step_headline(window, halving, delivered)
     rows: list[tuple[str, Any, str]] = [
         ("recommended epochs", window.recommended_epochs, "the centre of the window (its edges are better determined)"),

@@ -190,6 +190,7 @@ class Delivery:
     rule: DeliveryRule
     val_loss: Optional[float]  # measured at the checkpoint's own update; None when it was not validated there
     base_val_loss: Optional[float]  # the curve's update 0: the base model's own loss; None when not measured
+    tied_ceiling: Optional[float] = None  # earliest_tied: the band's top (TIE_BAND above the lowest loss measured)
 
     @property
     def improved_on_base(self) -> Optional[bool]:
@@ -272,7 +273,8 @@ def earliest_tied(picked: Delivery, checkpoint_updates: Any, update: Any, val_lo
     tied = [c for c in sorted({int(c) for c in checkpoint_updates}) if c > 0 and loss_at.get(c, math.inf) <= ceiling]
     if not tied:
         return None
-    return Delivery(update=tied[0], rule="earliest_tied", val_loss=loss_at[tied[0]], base_val_loss=picked.base_val_loss)
+    return Delivery(update=tied[0], rule="earliest_tied", val_loss=loss_at[tied[0]], base_val_loss=picked.base_val_loss,
+                    tied_ceiling=ceiling)
 
 
 def _select(u_all: np.ndarray, e_all: np.ndarray, y_all: np.ndarray, s_all: Optional[np.ndarray], *,

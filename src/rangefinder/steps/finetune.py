@@ -114,7 +114,8 @@ def keep_chosen_checkpoint(run_dir: Path, window: Any, curve: dict, base_model: 
             set_by = min(finite, key=lambda k: finite[k])
             tied = earliest_tied(pick, list(found), updates, losses, finite[set_by])
             if tied is not None:
-                picked, band = tied, {"target_val_loss": finite[set_by], "set_by": set_by, "fraction": TIE_BAND}
+                picked, band = tied, {"target_val_loss": finite[set_by], "set_by": set_by, "fraction": TIE_BAND,
+                                      "ceiling": tied.tied_ceiling}
     update, ckpt = picked.update, found[picked.update]
     checkpoints.require_intact(ckpt)  # before its state.json is read here and its weights by save_checkpoint_model
     rows = [r for r in checkpoints.read_state(ckpt)["metrics_rows"] if r.get("update") == update]
@@ -342,7 +343,8 @@ def run_finetune(
                 chosen = deliver_average(work, averaged, chosen, epoch=epoch_at(curve, averaged.updates[-1]))
             delivered = None if chosen is None else Delivery(update=chosen["update"], rule=chosen["rule"],
                                                              val_loss=chosen["val_loss"],
-                                                             base_val_loss=chosen["base_val_loss"])
+                                                             base_val_loss=chosen["base_val_loss"],
+                                                             tied_ceiling=(chosen.get("band") or {}).get("ceiling"))
             sample_delivered(work, chosen, base.path, run)
             report = write_step_report(window, curve, report_dir, source=source,
                                        samples=sample_strip(work), halving=race,
