@@ -650,7 +650,9 @@ class FinetuneConfig(_Section):
     # cannot tell apart it delivers the one that moved least from the base. Measured for textual inversion on 12 fresh
     # `shapes` cases it followed held-out prompts as well as Prodigy's best, but on the tiny model that checkpoint is
     # almost the initializer (update 8 of 160), and re-counted it lowered the standings against Prodigy and random
-    # search; so off by default (bench/RESULTS.md, "Textual inversion's earliest tied checkpoint"). Needs validation.
+    # search; so off by default (bench/RESULTS.md, "Textual inversion's earliest tied checkpoint"). For full
+    # fine-tuning and LoRA it was not tested on held-out prompts; re-counted on their saved curves it only turns wins
+    # against Prodigy's best into ties and losses (full 53 -> 47 of 100, LoRA 67 -> 63 of 115). Needs validation.
     deliver: Literal["lowest", "earliest_tied"] = "lowest"
 
     @field_validator("cooldown", "average", mode="before")
