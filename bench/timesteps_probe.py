@@ -200,7 +200,6 @@ def earliest_tied(a: dict[str, Any]) -> dict[str, Any]:
     (`finetune.deliver: earliest_tied`, rangefinder.analysis.earliest_tied) on the saved curve, whose every update is
     a checkpoint in bench.versus. Its pick is kept under "chosen" as "shipped_pick". A failed (a), or one with no
     checkpoint in the band, is returned as it is."""
-    from rangefinder.analysis import Delivery
     from rangefinder.analysis import earliest_tied as engine_earliest_tied
 
     chosen = a.get("chosen") or {}
@@ -208,8 +207,7 @@ def earliest_tied(a: dict[str, Any]) -> dict[str, Any]:
     if a.get("status") != "ok" or pick is None:
         return a
     updates, losses = [u for u, _ in a["curve"]], [v for _, v in a["curve"]]
-    shipped = Delivery(update=int(chosen.get("update") or 0), rule="window_lowest", val_loss=pick, base_val_loss=None)
-    tied = engine_earliest_tied(shipped, updates, updates, losses, pick)
+    tied = engine_earliest_tied(updates, updates, losses, pick)
     if tied is None:  # a window average more than the band below every checkpoint: the pick stays
         return a
     shipped_pick = {**{k: chosen.get(k) for k in ("update", "val_loss", "rule")}, "val_loss": pick}

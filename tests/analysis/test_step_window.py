@@ -142,17 +142,17 @@ def test_earliest_tied_is_the_first_checkpoint_within_one_percent_of_the_lowest_
     val = [0.0990, 0.1050, 0.1009, 0.1012, 0.1000, 0.1003, 0.1020]
     pick = delivered_checkpoint(_window(5.0, 11.0, 8), [2, 4, 6, 8, 10, 12], update, val)
     assert (pick.update, pick.rule) == (8, "window_lowest")
-    tied = earliest_tied(pick, [2, 4, 6, 8, 10, 12], update, val, pick.val_loss)
+    tied = earliest_tied([2, 4, 6, 8, 10, 12], update, val, pick.val_loss)
     assert (tied.update, tied.rule, tied.val_loss, tied.base_val_loss) == (4, "earliest_tied", 0.1009, 0.0990)
     assert "within 1% of the lowest" in tied.sentence() and "not below the base model's" in tied.sentence()
     # Exactly on the band's edge ties; just above it does not.
     edge = [0.25, 0.2526, 0.2525, 0.25, 0.25, 0.25, 0.25]
-    assert earliest_tied(pick, [2, 4, 8], update, edge, 0.25).update == 4
+    assert earliest_tied([2, 4, 8], update, edge, 0.25).update == 4
     # Update 0 (the base model, lower than every checkpoint here) is not delivered; a checkpoint between validations
     # (update 5) has no loss of its own.
-    assert earliest_tied(pick, [0, 5, 10], update, val, pick.val_loss).update == 10
+    assert earliest_tied([0, 5, 10], update, val, pick.val_loss).update == 10
     # A target far below every checkpoint (a window average 5 % lower): no checkpoint is tied, the usual rule stands.
-    assert earliest_tied(pick, [2, 4, 6, 8, 10, 12], update, val, 0.095) is None
+    assert earliest_tied([2, 4, 6, 8, 10, 12], update, val, 0.095) is None
 
 
 def test_without_a_window_the_lowest_validation_loss_of_the_whole_run_is_delivered_not_the_final_weights():

@@ -255,12 +255,12 @@ def delivered_checkpoint(window: StepWindow, checkpoint_updates: Any, update: An
     return delivery(min(ckpts, key=lambda c: (abs(c - rec), c)), "window_nearest")
 
 
-def earliest_tied(picked: Delivery, checkpoint_updates: Any, update: Any, val_loss: Any,
-                  target: float) -> Optional[Delivery]:
+def earliest_tied(checkpoint_updates: Any, update: Any, val_loss: Any, target: float) -> Optional[Delivery]:
     """finetune.deliver: earliest_tied. The earliest checkpoint (after update 0), of those validated at their own
-    update, whose validation loss is within TIE_BAND of `target`: the lowest the fine-tune measured (`picked`'s, the
-    usual rule's delivery, or the window average's or the cooldown's, which set the band but are not delivered:
-    steps/finetune.keep_chosen_checkpoint). None when no checkpoint lies in the band (a window average more than the
+    update, whose validation loss is within TIE_BAND of `target`: the lowest the fine-tune measured (the usual rule's
+    delivery, or the window average's or the cooldown's, which set the band but are not delivered:
+    steps/finetune.keep_chosen_checkpoint). Compared with the base model as delivered_checkpoint does: the curve's
+    update 0. None when no checkpoint lies in the band (a window average more than the
     band below every checkpoint): the usual rule's delivery stands.
 
     Among weights the validation loss cannot tell apart, the earliest moved least from the base. Measured for
@@ -273,7 +273,7 @@ def earliest_tied(picked: Delivery, checkpoint_updates: Any, update: Any, val_lo
     tied = [c for c in sorted({int(c) for c in checkpoint_updates}) if c > 0 and loss_at.get(c, math.inf) <= ceiling]
     if not tied:
         return None
-    return Delivery(update=tied[0], rule="earliest_tied", val_loss=loss_at[tied[0]], base_val_loss=picked.base_val_loss,
+    return Delivery(update=tied[0], rule="earliest_tied", val_loss=loss_at[tied[0]], base_val_loss=loss_at.get(0),
                     tied_ceiling=ceiling)
 
 

@@ -33,7 +33,7 @@ _OUR_BARS = re.compile(r"^(train|encode)\b")
 # The outputs worth a line on the terminal, in the order shown; artifacts and the resolved config are left to the log.
 HEADLINE = ("source", "lr", "lr_low", "lr_mid", "lr_high", "needs_zoom", "train_images", "val_images", "skipped_files",
             "halving_kept", "lr_used", "recommended_epochs", "chosen_epoch", "still_improving", "Output", "model_uri")
-# Read with needs_zoom, and said in its place (range_test_said); not shown by name.
+# Read with needs_zoom, and said in its place (headline_text); not shown by name.
 ZOOM_RANGE = ("zoom_lr_min", "zoom_lr_max")
 BOUNDS = ("lr_low", "lr_mid", "lr_high")
 
@@ -56,19 +56,17 @@ def headline_text(outputs: dict[str, str]) -> str:
     """A finished step's outputs as its terminal line says them, in HEADLINE's order. A range test's needs_zoom is
     said as what follows: its bounds are provisional, or none were read (the component's 0), and a zoomed test runs
     over zoom_lr_min..zoom_lr_max; without a zoom to follow, nothing is said of it."""
-    said = {k: v for k, v in outputs.items() if k in HEADLINE}
-    zoom = said.pop("needs_zoom", None)
-    if zoom == "True":
-        read = [k for k in BOUNDS if said.get(k) not in (None, "0")]
+    phrases = {k: f"{k} {outputs[k]}" for k in HEADLINE if k in outputs}
+    phrases.pop("needs_zoom", None)  # said as what it means, or not at all
+    if outputs.get("needs_zoom") == "True":
+        bounds = ", ".join(phrases[k] for k in BOUNDS if k in phrases and outputs[k] != "0")  # 0: none read
         for k in BOUNDS:
-            said.pop(k, None)
+            phrases.pop(k, None)
         where = (f" over {outputs['zoom_lr_min']}..{outputs['zoom_lr_max']}"
                  if all(outputs.get(k) not in (None, "0") for k in ZOOM_RANGE) else "")
-        bounds = ", ".join(f"{k} {outputs[k]}" for k in read)
-        said["needs_zoom"] = (f"{bounds} (provisional: a zoomed range test follows{where})" if read
-                              else f"no LR bounds read yet: a zoomed range test follows{where}")
-    ordered = sorted(said.items(), key=lambda kv: HEADLINE.index(kv[0]))
-    return ", ".join(v if k == "needs_zoom" else f"{k} {v}" for k, v in ordered)
+        phrases["needs_zoom"] = (f"{bounds} (provisional: a zoomed range test follows{where})" if bounds
+                                 else f"no LR bounds read yet: a zoomed range test follows{where}")
+    return ", ".join(phrases[k] for k in HEADLINE if k in phrases)
 
 
 class StepProgress:

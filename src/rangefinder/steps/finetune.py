@@ -112,7 +112,7 @@ def keep_chosen_checkpoint(run_dir: Path, window: Any, curve: dict, base_model: 
         finite = {k: float(v) for k, v in named.items() if v is not None and math.isfinite(v)}
         if finite:
             set_by = min(finite, key=lambda k: finite[k])
-            tied = earliest_tied(pick, list(found), updates, losses, finite[set_by])
+            tied = earliest_tied(list(found), updates, losses, finite[set_by])
             if tied is not None:
                 picked, band = tied, {"target_val_loss": finite[set_by], "set_by": set_by, "fraction": TIE_BAND,
                                       "ceiling": tied.tied_ceiling}
@@ -125,7 +125,7 @@ def keep_chosen_checkpoint(run_dir: Path, window: Any, curve: dict, base_model: 
         epoch = epoch_at(curve, update)
     why = pick_reason(pick, window)
     if band is not None:
-        length = f" (epoch {math.ceil(epoch - 1e-9)})" if epoch is not None else ""
+        length = f" (epoch {epochs_up_to(epoch)})" if epoch is not None else ""
         why = (f"finetune.deliver is earliest_tied, so this is the earliest checkpoint whose validation loss is "
                f"within {TIE_BAND:.0%} of the lowest the fine-tune measured, {band['target_val_loss']:.4g} "
                f"({band['set_by']}): the validation loss cannot tell them apart, and this one moved least from the "
@@ -238,6 +238,11 @@ def sample_delivered(work: Path, chosen: Optional[dict[str, Any]], base_model: P
         sink.log_image(str(folder / files["grid"]), key=SAMPLES_KEY, step=update)
 
 
+def epochs_up_to(epoch: float) -> int:
+    """The whole epochs a retrain trains to reach a checkpoint at `epoch` (rounded up; at least 1)."""
+    return max(1, math.ceil(float(epoch) - 1e-9))
+
+
 def recommended_length(window: StepWindow, chosen: Optional[dict[str, Any]], configured_epochs: int,
                        trained_updates: int) -> tuple[int, int]:
     """The length the fine-tune recommends, in epochs and updates (what a full-data retrain trains):
@@ -249,7 +254,7 @@ def recommended_length(window: StepWindow, chosen: Optional[dict[str, Any]], con
     rule = (chosen or {}).get("rule")
     own_length = rule == "earliest_tied" or (rule == "run_lowest" and window.recommended_epochs is None)
     if chosen is not None and own_length and chosen.get("epoch") is not None:
-        return max(1, math.ceil(float(chosen["epoch"]) - 1e-9)), int(chosen["update"])
+        return epochs_up_to(chosen["epoch"]), int(chosen["update"])
     if window.recommended_epochs is not None:
         return int(window.recommended_epochs), int(window.recommended_updates or trained_updates)
     return int(configured_epochs), int(trained_updates)
