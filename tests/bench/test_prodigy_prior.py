@@ -4,6 +4,8 @@ it delivers against the saved arms."""
 import json
 from pathlib import Path
 
+import pytest
+
 from bench.common import case_key
 from bench.prodigy_prior import main, probe_case, tally
 from bench.versus import verdict_of
@@ -42,6 +44,7 @@ def test_the_tally_counts_each_delivery_against_each_arm_over_the_cases_read():
     assert t["by"]["lora"]["prior_vs_rangefinder"]["loss"] == 1 and t["by"]["full"]["cases"] == 1
 
 
+@pytest.mark.probe
 def test_a_saved_case_trains_at_its_prodigy_step_size_and_is_weighed(tmp_path):
     """LoRA `shapes` 14 of the standings, cut to 2 epochs: the prior run trains at the step size the saved Prodigy arm
     ended on, on the same data (the base model's loss reproduces), and its delivery gets a verdict against each arm."""
@@ -56,6 +59,7 @@ def test_a_saved_case_trains_at_its_prodigy_step_size_and_is_weighed(tmp_path):
     assert not (tmp_path / "lora-shapes-seed14").exists()
 
 
+@pytest.mark.probe
 def test_a_case_without_a_recorded_step_size_re_runs_prodigy_and_must_reproduce_it(tmp_path):
     """Cut to 2 epochs, the re-run Prodigy arm cannot reproduce the saved 40-epoch arm's best loss: the case is not
     read, and says why (a re-run that does reproduce is read with its own step size)."""

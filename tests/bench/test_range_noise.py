@@ -32,6 +32,7 @@ def test_the_tally_reads_each_length_s_moves_in_decades():
     assert move(None, 1e-3) is None and move(1e-3, 1e-2) == pytest.approx(1.0)
 
 
+@pytest.mark.probe
 def test_a_saved_case_s_range_tests_run_at_each_seed_and_length(tmp_path):
     """LoRA `shapes` 14 rebuilt from the standings: the range tests alone, at its own seed and the replicate's, at 2
     and 4 epochs (the probe's default is 3 and 12: kept short here). Longer tests train more; each run gives ordered

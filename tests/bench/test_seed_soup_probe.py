@@ -55,6 +55,7 @@ def test_the_reading_needs_a_majority_against_prodigy_and_70_percent_against_ran
 
 
 @pytest.mark.slow
+@pytest.mark.probe
 def test_the_probe_rebuilds_both_runs_and_measures_their_soup(tmp_path, sd1_versus_smoke):
     """On the smoke case (the session's, tests/bench/conftest.py) and its replicate: the probe's first run is the
     saved (a) and its second the replicate's (a) (the same weights: the same validation loss), and the soup of the

@@ -9,12 +9,19 @@ import pytest
 from bench.timesteps_probe import tally
 
 
+def without_unseen_images(saved, out):
+    """The saved smoke case as if it had been scored on no unseen images, written to `out`."""
+    plain = json.loads(saved.read_text())
+    del plain["cases"][0]["unseen"]
+    plain["cases"][0]["summary"] = {k: v for k, v in plain["cases"][0]["summary"].items() if not k.startswith("unseen")}
+    out.write_text(json.dumps(plain))
+    return out
+
+
 @pytest.mark.slow
 def test_the_probe_at_the_shipped_timesteps_rebuilds_the_saved_case(tmp_path, sd1_versus_smoke):
     """At validation.timesteps 4 (as shipped) the probe's (a) is the saved (a): the same weights, so the same loss on
-    the case's validation images and on the unseen ones, and the same verdicts. At 8 it is another run: on the smoke
-    case's 2-epoch zoom its validation loss never falls by more than its noise, so (a) fails, and a failed (a) counts
-    as a loss against every arm, as in bench.versus."""
+    the case's validation images and on the unseen ones, the same prompt score and the same verdicts."""
     from bench.timesteps_probe import main as probe
 
     saved = sd1_versus_smoke.out  # the session's smoke case (tests/bench/conftest.py)
@@ -33,6 +40,22 @@ def test_the_probe_at_the_shipped_timesteps_rebuilds_the_saved_case(tmp_path, sd
     assert same["tally"]["prompt_shape_vs_saved_rangefinder"]["same"] == 1 == same["tally"]["prompt_cases"]
     assert {k: v for k, v in row["variant_summary"].items() if k.startswith("vs_")} == \
         {k: v for k, v in s.items() if k.startswith("vs_")}
+    # A case scored on no unseen images is not probed without --every-case.
+    plain = without_unseen_images(saved, tmp_path / "plain.json")
+    assert probe(["--from", str(plain), "--out", str(tmp_path / "none.json")])["cases"] == []
+
+
+@pytest.mark.slow
+@pytest.mark.probe
+def test_each_option_of_the_probe_trains_what_it_names(tmp_path, sd1_versus_smoke):
+    """Each of the probe's options re-runs the smoke case's (a) as it says (seven runs of (a), so `make bench-test`
+    runs this, not `make test`). At 8 timesteps it is another run: on the smoke case's 2-epoch zoom its validation
+    loss never falls by more than its noise, so (a) fails, and a failed (a) counts as a loss against every arm, as in
+    bench.versus."""
+    from bench.timesteps_probe import main as probe
+
+    saved = sd1_versus_smoke.out
+    s = json.loads(saved.read_text())["cases"][0]["summary"]
     # Settings of other sections than `training` (--setting): the fine-tune at the range test's lr_low, one
     # candidate (no halving).
     low = probe(["--from", str(saved), "--out", str(tmp_path / "low.json"), "--timesteps", "4",
@@ -42,12 +65,8 @@ def test_the_probe_at_the_shipped_timesteps_rebuilds_the_saved_case(tmp_path, sd
     assert rl["settings"] == {"lr_range_test": {"mid_position": 0}, "finetune": {"successive_halving": False}}
     assert rl["lr_used"] == pytest.approx(saved_a["lr_low"], rel=1e-9) and rl["lr_used"] < saved_a["lr_mid"]
     assert rl["variant_summary"]["updates"]["rangefinder"] < s["updates"]["rangefinder"]  # no second candidate
-    # A case scored on no unseen images is probed too with --every-case: (a) read on its own validation loss.
-    plain = json.loads(saved.read_text())
-    del plain["cases"][0]["unseen"]
-    plain["cases"][0]["summary"] = {k: v for k, v in s.items() if not k.startswith("unseen")}
-    (tmp_path / "plain.json").write_text(json.dumps(plain))
-    assert probe(["--from", str(tmp_path / "plain.json"), "--out", str(tmp_path / "none.json")])["cases"] == []
+    # A case scored on no unseen images is probed with --every-case: (a) read on its own validation loss.
+    plain = without_unseen_images(saved, tmp_path / "plain.json")
     # And here (a) delivers its earliest checkpoint tied with its pick (--deliver earliest_tied, the engine's picker
     # for finetune.deliver, whose band is the Goal's tie): within the 1 % band of the pick, no later than it, and
     # that checkpoint's own loss is what is read and rendered.
@@ -55,7 +74,7 @@ def test_the_probe_at_the_shipped_timesteps_rebuilds_the_saved_case(tmp_path, sd
     from rangefinder.analysis.step_window import TIE_BAND
 
     assert TIE_BAND * 100 == TIE_PCT
-    every = probe(["--from", str(tmp_path / "plain.json"), "--out", str(tmp_path / "every.json"), "--timesteps", "4",
+    every = probe(["--from", str(plain), "--out", str(tmp_path / "every.json"), "--timesteps", "4",
                    "--every-case", "--deliver", "earliest_tied"])
     (rv,) = every["cases"]
     assert rv["unseen_loss"] is None and rv["unseen_vs_prodigy_best"] is None and rv["rule"] == "earliest_tied"
