@@ -78,6 +78,8 @@ def check_the_kept_checkpoint(summary: dict) -> tuple[Path, int, dict]:
     update = checkpoints.checkpoint_update(ckpt)
     chosen = checkpoints.read_chosen(ft_model)
     assert chosen["update"] == update == summary["chosen_update"]
+    assert chosen["rule"] == summary["chosen_rule"]  # the finetune component's output, as the run's summary says it
+    assert chosen["rule"] in ("window_lowest", "window_nearest", "run_lowest"), chosen["rule"]
     # The window's lowest-loss checkpoint (analysis.delivered_checkpoint): inside the window, or, where none inside
     # was validated, the one nearest the recommended update (checkpoints every epoch = 4 updates apart).
     lo, hi = chosen["window_start_update"], chosen["window_end_update"]

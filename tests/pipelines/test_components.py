@@ -137,7 +137,8 @@ def _through_every_step(cfg, out: Path, *, discover: bool) -> dict:
     registered = c.register_model.python_func(config_json=config_json, model=model, lr=ft.lr_used,
                                               epochs=ft.recommended_epochs, mlflow_parent_run_id="")
     return {"pipeline_root": str(root), "lr_source": lr.source, "registered_model": registered.model_uri,
-            "chosen_update": ft.chosen_update, "recommended_updates": ft.recommended_updates,
+            "chosen_update": ft.chosen_update, "chosen_rule": ft.chosen_rule,
+            "recommended_updates": ft.recommended_updates,
             "mixed_precision": ft.mixed_precision, "config_json": config_json}
 
 

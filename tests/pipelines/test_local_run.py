@@ -161,6 +161,7 @@ def test_fixed_lr_from_a_hub_id_skips_discovery_then_retrains(tmp_path, shapes_d
                for ln in lines), terminal
     (ft_done,) = [ln for ln in lines if ln.startswith("rangefinder: finetune done in ")]
     assert f"recommended_epochs {s['recommended_epochs']}" in ft_done
+    assert s["chosen_rule"] and f"chosen_rule {s['chosen_rule']}" in ft_done  # the rule that picked the weights
     # A fixed LR: nothing for successive halving to compare, so no halving_kept on the line; the LR used is it.
     assert "halving_kept" not in ft_done and s["halving_kept"] is None and s["lr_used"] == 2e-4
     assert any(ln.startswith("rangefinder: register-model done in ") and ln.endswith("model_uri "

@@ -320,7 +320,7 @@ def finetune(
     report_md: Output[Markdown],
 ) -> NamedTuple(  # type: ignore[valid-type]
     "Finetuned", recommended_epochs=int, recommended_updates=int, still_improving=bool, chosen_update=int,
-    chosen_epoch=float, mixed_precision=str, lr_used=float, halving_kept=str,
+    chosen_epoch=float, chosen_rule=str, mixed_precision=str, lr_used=float, halving_kept=str,
 ):
     """Train at the midpoint LR (or cycle between the bounds) for longer than needed; find the step window. With
     successive halving, lr_mid and lr_high train half-way and the better one goes on: `lr_used` is the LR kept.
@@ -345,6 +345,8 @@ def finetune(
         still_improving: Whether validation loss was still falling at the end (train longer).
         chosen_update: The update of the checkpoint delivered in `model`.
         chosen_epoch: The epoch of that checkpoint.
+        chosen_rule: The rule that delivered it (window_lowest, window_nearest, run_lowest, window_average, cooldown
+            or earliest_tied; the report says why); empty: no validation, the final weights.
         mixed_precision: The precision training ran in (no, fp16 or bf16).
         lr_used: The LR the fine-tune kept (lr_mid, or lr_high or lr_below when successive halving kept it).
         halving_kept: Which candidate successive halving kept (lr_mid, lr_high or lr_below); empty: no halving.
@@ -371,9 +373,9 @@ def finetune(
         metrics.log_metric(name, value)
     chosen = r.chosen or {}
     Finetuned = namedtuple("Finetuned", "recommended_epochs recommended_updates still_improving chosen_update "
-                                        "chosen_epoch mixed_precision lr_used halving_kept")
+                                        "chosen_epoch chosen_rule mixed_precision lr_used halving_kept")
     return Finetuned(r.recommended_epochs, r.recommended_updates, r.still_improving, int(chosen.get("update") or 0),
-                     float(chosen.get("epoch") or 0.0), r.mixed_precision, r.lr,
+                     float(chosen.get("epoch") or 0.0), str(chosen.get("rule") or ""), r.mixed_precision, r.lr,
                      r.halving.kept if r.halving is not None else "")
 
 

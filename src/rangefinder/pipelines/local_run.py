@@ -61,7 +61,8 @@ class LocalRun:
                        halving_kept=self.outputs[ft].get("halving_kept") or None)
             if self.outputs[ft].get("chosen_update"):  # the kept checkpoint: the model registered without retrain
                 out.update(chosen_update=self.outputs[ft]["chosen_update"],
-                           chosen_epoch=self.outputs[ft].get("chosen_epoch"))
+                           chosen_epoch=self.outputs[ft].get("chosen_epoch"),
+                           chosen_rule=self.outputs[ft].get("chosen_rule") or None)
             out["mixed_precision"] = self.outputs[ft].get("mixed_precision")
         rt = self.task("retrain-full")
         if rt:
