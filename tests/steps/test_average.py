@@ -105,6 +105,36 @@ def test_the_window_s_checkpoints_are_averaged_measured_and_the_lower_delivered(
     assert ft.data.tags["average_how"] == avg["how"] == "uniform"  # soup_tries 0: no soup
 
 
+def test_a_retried_step_delivers_what_its_first_attempt_delivered(averaged, split_dir):
+    """A pod preempted once the step had kept its checkpoint and delivered (its work folder kept, as RANGEFINDER_WORK
+    keeps it) runs the step again on that folder: it trains again from the one checkpoint left, bit-exactly, reads
+    the average it measured, and delivers the same weights under the same chosen.json, with one checkpoint left.
+    (Until 2026-11-29 it wrote the kept checkpoint's model over the delivered average, and chosen.json said the
+    average was not delivered.)"""
+    import shutil
+
+    from rangefinder.steps.finetune import run_finetune
+
+    cfg, tmp, result, _, _ = averaged
+    assert result.chosen["rule"] == "window_average"  # the average was delivered: what a retry must not undo
+    retry = tmp / "retried"
+    shutil.copytree(tmp / "ft", retry)
+    store = cfg.tracking.model_copy(update={"tracking_uri": f"sqlite:///{tmp / 'retried.db'}"})
+    with without_mlflow_run_env():
+        again = run_finetune(cfg.model_copy(update={"tracking": store}), split_dir=split_dir, lr_low=LR, lr_high=LR,
+                             lr_mid=LR, lr_source="fixed", model_dir=retry)
+    assert again.chosen == result.chosen == checkpoints.read_chosen(retry)
+    assert again.recommended_epochs == result.recommended_epochs
+
+    def files(d):
+        return {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+    assert files(retry / checkpoints.CHOSEN_DIR) == files(tmp / "ft" / checkpoints.CHOSEN_DIR)
+    assert [p.name for p in checkpoints.list_checkpoints(retry / checkpoints.RUN_DIR)] == [
+        p.name for p in checkpoints.list_checkpoints(tmp / "ft" / checkpoints.RUN_DIR)]
+    assert len(checkpoints.list_checkpoints(retry / checkpoints.RUN_DIR)) == 1
+
+
 def test_checkpoints_of_different_runs_are_not_averaged(tmp_path):
     from safetensors.torch import save_file
 

@@ -47,3 +47,27 @@ def test_lower_weights_move_into_chosen_and_the_pick_stays_on_record(tmp_path, w
             assert named in info["reason"] and info["reason"].endswith("Weights at update 12.")
         else:
             assert (info["rule"], info["update"], info["val_loss"]) == ("window_lowest", 12, pick_loss)
+
+
+@pytest.mark.parametrize("which", list(CASES))
+def test_a_retried_step_keeps_the_decision_and_finishes_its_move(tmp_path, which):
+    """A pod preempted after the decision (its work folder kept, as RANGEFINDER_WORK keeps it) retries the step: the
+    candidate is weighed again against what chosen.json now says, which would undo a delivery. The recorded decision
+    stands instead. Stopped between writing chosen.json and moving the model, the retry moves it; stopped after, the
+    retry finds the model in chosen/ and leaves everything as it is."""
+    deliver, folder, _, measured, (rule, update, _), _ = CASES[which]
+    work = tmp_path / which
+    (work / folder / "final").mkdir(parents=True)
+    (work / folder / "final" / "model.safetensors").write_text("candidate")
+    (work / checkpoints.CHOSEN_DIR).mkdir()
+    (work / checkpoints.CHOSEN_DIR / "model.safetensors").write_text("pick")
+    first = deliver(work, measured, PICK)
+    assert (first["rule"], first["update"]) == (rule, update)
+    # Stopped before the move: the decision is on record, the candidate still where it was, chosen/ the pick's.
+    (work / checkpoints.CHOSEN_DIR).rename(work / folder / "final")
+    (work / checkpoints.CHOSEN_DIR).mkdir()
+    (work / checkpoints.CHOSEN_DIR / "model.safetensors").write_text("pick")
+    for _attempt in range(2):  # the retry finishes the move; another retry finds it done
+        assert deliver(work, measured, checkpoints.read_chosen(work)) == first == checkpoints.read_chosen(work)
+        assert (work / checkpoints.CHOSEN_DIR / "model.safetensors").read_text() == "candidate"
+        assert not (work / folder / "final").exists()

@@ -39,21 +39,37 @@ def deliver_if_lower(work: Path, candidate: Path, chosen: dict[str, Any], measur
     rule `rule` at `update` / `epoch`, the pick it replaced under `window_pick`, the reason beginning with `what`.
     Otherwise `candidate` is removed. When `chosen` is finetune.deliver's earliest tied checkpoint, `measured` only set
     its band: it is weighed against the window's pick (`window_pick`), said, and not delivered. Returns what
-    chosen.json now says."""
+    chosen.json now says.
+
+    A retried step (a pod preempted after this ran, its work folder kept) finds `key` in chosen.json already: the
+    decision stands, and only the move or removal it named is finished. chosen.json is written before the move, so an
+    attempt stopped between the two leaves the decision to finish, never a moved model that chosen.json does not
+    name."""
     work = Path(work)
+    if key in chosen:
+        finish_delivery(work, candidate, chosen[key].get("delivered"))
+        return chosen
     offered = chosen.get("rule") != "earliest_tied"
     compared = chosen.get("val_loss") if offered else (chosen.get("window_pick") or {}).get("val_loss")
     delivered = offered and measured.delivered_over(compared) and candidate.is_dir()
     info = {**chosen, key: {**measured.to_json(), compared_as: compared, "delivered": delivered,
                             "sentence": measured.sentence(compared, None if offered else NOT_OFFERED)}}
     if delivered:
-        rename_into_place(candidate, work / checkpoints.CHOSEN_DIR)
         pick = {k: chosen.get(k) for k in PICK_KEYS}
         base = chosen.get("base_val_loss")
         info.update(checkpoint=None, update=update, epoch=epoch, val_loss=measured.val_loss, rule=rule,
                     window_pick=pick, reason=f"{what}: {measured.sentence(compared)} {pick['reason'] or ''}".rstrip(),
                     improved_on_base=None if base is None or measured.val_loss is None else measured.val_loss < base)
+    write_json(work / checkpoints.CHOSEN_INFO, info)
+    finish_delivery(work, candidate, delivered)
+    return info
+
+
+def finish_delivery(work: Path, candidate: Path, delivered: Optional[bool]) -> None:
+    """Move the delivered `candidate` to `chosen/`, or remove one not delivered; nothing when it is gone already."""
+    if not Path(candidate).is_dir():
+        return
+    if delivered:
+        rename_into_place(candidate, Path(work) / checkpoints.CHOSEN_DIR)
     else:
         shutil.rmtree(candidate, ignore_errors=True)
-    write_json(work / checkpoints.CHOSEN_INFO, info)
-    return info

@@ -95,12 +95,22 @@ def keep_chosen_checkpoint(run_dir: Path, window: Any, curve: dict, base_model: 
     `deliver` is finetune.deliver: with earliest_tied, the earliest checkpoint within analysis.TIE_BAND of the lowest
     loss measured (the pick's, or one of `measured_besides`: the window average's and the cooldown's, by what they
     are) is kept instead, the pick under `window_pick` and the band under `band` (the usual pick stays when no
-    checkpoint lies in the band)."""
+    checkpoint lies in the band).
+
+    A retried step (a pod preempted after this ran, its work folder kept) finds chosen.json and chosen/ already, and
+    trained again from the one checkpoint left: the earlier attempt's choice stands (chosen/ may hold weights
+    delivered over it since, steps/delivery.py), and the checkpoints the retry wrote after it are removed again."""
     from rangefinder.analysis import delivered_checkpoint, earliest_tied
     from rangefinder.analysis.step_window import TIE_BAND
     from rangefinder.training.restore import save_checkpoint_model
 
     ckpt_root = Path(run_dir) / checkpoints.RUN_DIR
+    earlier = checkpoints.read_chosen(Path(run_dir))
+    if earlier is not None:
+        kept = earlier.get("checkpoint") or (earlier.get("window_pick") or {}).get("checkpoint")
+        if kept and (ckpt_root / kept).is_dir():
+            checkpoints.keep_only(ckpt_root, ckpt_root / kept)
+        return earlier
     found = checkpoints.checkpoints_by_update(ckpt_root)
     updates, losses = curve.get("update", []), curve.get("val_loss", [])
     picked = delivered_checkpoint(window, list(found), updates, losses)
