@@ -73,6 +73,37 @@ def test_a_folder_that_is_not_a_pipeline_is_refused(shared_sqlite_tracking_uri, 
             run.log_diffusers_model(tmp_path)
 
 
+def test_a_retried_registration_finishes_its_version_instead_of_adding_one(sqlite_tracking_uri, tiny_model_dir):
+    """A retried register-model step goes on in its earlier attempt's run (tracking.step_run), and a server that went
+    away part-way is waited for and the registration tried again: either way that run may have registered its
+    version already. Stopped after the version was made, before its description and alias, the retry finishes that
+    version: one version, @candidate on it, its description, and the model not logged a second time."""
+    from rangefinder.tracking import ensure_parent_run
+
+    name = "rf-retried"
+    cfg = RangefinderConfig(tracking=TrackingConfig(tracking_uri=sqlite_tracking_uri, experiment_name="retried-reg",
+                                                    registered_model_name=name))
+    client = MlflowClient(sqlite_tracking_uri)
+    parent = ensure_parent_run(cfg, name="retried-registration")
+    with pytest.raises(RuntimeError), step_run(cfg, "register_model", parent_run_id=parent) as first:
+        made = first.log_diffusers_model(tiny_model_dir, metrics={"val_loss": 0.2}, num_inference_steps=2)
+        client.delete_registered_model_alias(name, "candidate")  # as if stopped before the description and alias
+        client.update_model_version(name, made.version, description="")
+        raise RuntimeError("preempted")
+    with step_run(cfg, "register_model", parent_run_id=parent) as retry:
+        again = retry.log_diffusers_model(tiny_model_dir, metrics={"val_loss": 0.2}, num_inference_steps=2)
+    assert retry.run_id == first.run_id and again == made
+    assert [str(v.version) for v in client.search_model_versions(f"name='{name}'")] == ["1"]
+    assert str(client.get_model_version_by_alias(name, "candidate").version) == "1"
+    assert "val_loss=0.2" in client.get_model_version(name, "1").description
+    mlflow.set_tracking_uri(sqlite_tracking_uri)
+    assert len(mlflow.search_logged_models(experiment_ids=[first.experiment_id], output_format="list")) == 1
+    # Another run's registration is a version of its own.
+    with step_run(cfg, "register_model") as other:
+        own = other.log_diffusers_model(tiny_model_dir, metrics={"val_loss": 0.1}, num_inference_steps=2)
+    assert own.version == "2"
+
+
 def test_model_is_filed_under_the_runs_experiment(sqlite_tracking_uri, tiny_model_dir, tmp_path, monkeypatch):
     """MLflow 3 files logged models under the active experiment; ours must go with the step's run, and nothing may
     land in ./mlruns of the folder a step happens to run in (the demo keeps everything under its --out)."""

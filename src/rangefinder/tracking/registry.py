@@ -14,6 +14,7 @@ import io
 import logging
 import math
 import os
+import re
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -153,6 +154,10 @@ def log_diffusers_model(
     `source_run_id`: the run that trained the weights (StepRun.log_diffusers_model finds it from a step name): the
     version's source run, where the curves and decisions are, not the run logging the model (which has none).
     None: `run` itself.
+
+    A version that `run` registered already (a retried step goes on in its earlier attempt's run; a server that went
+    away part-way is waited for and the registration tried again) is that version, finished (description, alias),
+    not a second one of the same weights: nothing is logged again.
     """
     import mlflow
     from mlflow.models import Model
@@ -167,22 +172,26 @@ def log_diffusers_model(
     defaults = {"num_inference_steps": int(num_inference_steps), "guidance_scale": float(guidance_scale),
                 "height": res, "width": res}
     mlflow.set_tracking_uri(run.tracking_uri)
-    with _active_experiment(run.experiment_id), warnings.catch_warnings():
-        # An input example would make mlflow load the whole pipeline and generate at logging time; the signature
-        # already says what goes in and out.
-        warnings.filterwarnings("ignore", message=".*input example was not provided.*")
-        info = Model.log(
-            artifact_path=None,
-            name=name,
-            flavor=mlflow.pyfunc,
-            run_id=run.run_id,
-            python_model=str(SD_PYFUNC_PATH),
-            artifacts={"pipeline": str(folder)},
-            model_config=defaults,
-            signature=_signature(defaults),
-            pip_requirements=_requirements(),
-        )
+    earlier = _version_registered_by(run.client, registered_model_name, run.run_id) if registered_model_name else None
+    info = None
+    if earlier is None:
+        with _active_experiment(run.experiment_id), warnings.catch_warnings():
+            # An input example would make mlflow load the whole pipeline and generate at logging time; the signature
+            # already says what goes in and out.
+            warnings.filterwarnings("ignore", message=".*input example was not provided.*")
+            info = Model.log(
+                artifact_path=None,
+                name=name,
+                flavor=mlflow.pyfunc,
+                run_id=run.run_id,
+                python_model=str(SD_PYFUNC_PATH),
+                artifacts={"pipeline": str(folder)},
+                model_config=defaults,
+                signature=_signature(defaults),
+                pip_requirements=_requirements(),
+            )
     if not registered_model_name:
+        assert info is not None  # nothing to find without a registered model: it was logged above
         return RegisteredVersion(model_uri=info.model_uri, name=None, version=None, alias=None)
 
     if metrics is None:  # the run's own latest values
@@ -199,7 +208,8 @@ def log_diffusers_model(
     source_run_id = source_run_id or run.run_id
     if source_run_id != run.run_id:
         version_tags["rangefinder.registered_by_run_id"] = run.run_id
-    mv = _create_version(run.client, registered_model_name, info, source_run_id, version_tags)
+    mv = earlier if earlier is not None else _create_version(run.client, registered_model_name, info, source_run_id,
+                                                              version_tags)
     summary = ", ".join(f"{k}={v:.4g}" for k, v in clean.items())
     text = description or f"Fine-tuned by rangefinder (run {source_run_id})."
     if summary:
@@ -208,8 +218,17 @@ def log_diffusers_model(
     if alias:
         run.client.set_registered_model_alias(registered_model_name, alias, mv.version)
     _log.info("registered %s version %s as @%s", registered_model_name, mv.version, alias)
-    return RegisteredVersion(model_uri=info.model_uri, name=registered_model_name, version=str(mv.version),
-                             alias=alias)
+    return RegisteredVersion(model_uri=mv.source if info is None else info.model_uri, name=registered_model_name,
+                             version=str(mv.version), alias=alias)
+
+
+def _version_registered_by(client: Any, name: str, run_id: str) -> Any:
+    """The version of registered model `name` that the run `run_id` registered (its `rangefinder.run_id` tag), or
+    None."""
+    if not re.fullmatch(r"[0-9a-zA-Z_-]+", run_id):
+        return None
+    found = [v for v in client.search_model_versions(f"tags.`rangefinder.run_id` = '{run_id}'") if v.name == name]
+    return max(found, key=lambda v: int(v.version)) if found else None
 
 
 def _create_version(client: Any, name: str, info: Any, source_run_id: str, tags: Mapping[str, str]) -> Any:
