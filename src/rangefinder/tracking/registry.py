@@ -224,10 +224,16 @@ def log_diffusers_model(
 
 def _version_registered_by(client: Any, name: str, run_id: str) -> Any:
     """The version of registered model `name` that the run `run_id` registered (its `rangefinder.run_id` tag), or
-    None."""
+    None: also where the registry cannot search by tag (a new version is then registered, as before)."""
+    from mlflow.exceptions import MlflowException
+
     if not re.fullmatch(r"[0-9a-zA-Z_-]+", run_id):
         return None
-    found = [v for v in client.search_model_versions(f"tags.`rangefinder.run_id` = '{run_id}'") if v.name == name]
+    try:
+        versions = client.search_model_versions(f"tags.`rangefinder.run_id` = '{run_id}'")
+    except MlflowException:
+        return None
+    found = [v for v in versions if v.name == name]
     return max(found, key=lambda v: int(v.version)) if found else None
 
 
