@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -133,6 +134,32 @@ def test_a_retried_step_delivers_what_its_first_attempt_delivered(averaged, spli
     assert [p.name for p in checkpoints.list_checkpoints(retry / checkpoints.RUN_DIR)] == [
         p.name for p in checkpoints.list_checkpoints(tmp / "ft" / checkpoints.RUN_DIR)]
     assert len(checkpoints.list_checkpoints(retry / checkpoints.RUN_DIR)) == 1
+
+
+def test_a_step_retried_before_it_ends_goes_on_from_the_run_s_end(averaged, split_dir, tiny_model_dir):
+    """The step keeps the run's newest checkpoint beside the one it chose until just before it ends
+    (keep_chosen_checkpoint's keep_newest; one is left after the step, as the test above checks): a step retried in
+    between resumes at the run's end and trains nothing, where from the chosen checkpoint alone it would train the
+    rest of the run again. Here the window is put at updates 4-12, so that the pick is not the run's end."""
+    import shutil
+    from types import SimpleNamespace
+
+    from rangefinder.launch.processes import run_training
+    from rangefinder.steps.finetune import keep_chosen_checkpoint
+
+    cfg, tmp, _, spec, plain = averaged
+    work = shutil.copytree(tmp / "plain", tmp / "before-the-end")
+    window = SimpleNamespace(recommended_updates=8, recommended_epochs=2, status="ok", tolerance=0.02,
+                             window_start_update=4, window_end_update=12)
+    info = keep_chosen_checkpoint(work, window, plain.curve_arrays(), tiny_model_dir, keep_newest=True)
+    assert info is not None and info["update"] in (4, 8, 12)
+    left = [checkpoints.checkpoint_update(p) for p in checkpoints.list_checkpoints(work / checkpoints.RUN_DIR)]
+    assert left == [info["update"], plain.updates] == [info["update"], 24]
+    again = run_training(cfg, spec, out_dir=work, split=read_split(split_dir))
+    assert again.resumed_from == again.updates == plain.updates  # nothing trained again
+    assert again.curve.keys() == plain.curve.keys()
+    for column, values in plain.curve_arrays().items():  # the same curve, NaN where nothing was measured
+        np.testing.assert_array_equal(again.curve_arrays()[column], values)
 
 
 def test_checkpoints_of_different_runs_are_not_averaged(tmp_path):

@@ -114,11 +114,11 @@ def checkpoints_by_update(root: Path) -> dict[int, Path]:
     return {u: p for p in list_checkpoints(root) if (u := checkpoint_update(p)) is not None}
 
 
-def keep_only(root: Path, kept: Path) -> None:
-    """Remove every checkpoint under root but `kept` (folders still being written included)."""
+def keep_only(root: Path, *kept: Path) -> None:
+    """Remove every checkpoint under root but those `kept` (folders still being written included)."""
+    keep = {Path(k).resolve() for k in kept}
     for p in Path(root).iterdir():
-        if p.is_dir() and p.resolve() != Path(kept).resolve() and (checkpoint_update(p) is not None
-                                                                   or p.name.endswith(".tmp")):
+        if p.is_dir() and p.resolve() not in keep and (checkpoint_update(p) is not None or p.name.endswith(".tmp")):
             shutil.rmtree(p, ignore_errors=True)
 
 

@@ -84,9 +84,16 @@ def curve_losses(curve: dict) -> dict[int, float]:
     return {int(u): float(v) for u, v in zip(curve["update"], curve["val_loss"], strict=True)}
 
 
+def kept_checkpoint(chosen: dict[str, Any]) -> Optional[str]:
+    """The name of the checkpoint keep_chosen_checkpoint kept: the one delivered, or, when weights that are no
+    checkpoint were delivered over it (the window average, the cooldown), the window's pick they replaced."""
+    return chosen.get("checkpoint") or (chosen.get("window_pick") or {}).get("checkpoint")
+
+
 def keep_chosen_checkpoint(run_dir: Path, window: Any, curve: dict, base_model: Path,
                            base_source: Optional[str] = None, *, deliver: str = "lowest",
-                           measured_besides: Optional[dict[str, Optional[float]]] = None) -> Optional[dict[str, Any]]:
+                           measured_besides: Optional[dict[str, Optional[float]]] = None,
+                           keep_newest: bool = False) -> Optional[dict[str, Any]]:
     """Keep the checkpoint the window's rule picks (analysis.delivered_checkpoint: the lowest validation loss inside
     the window; with no window, the lowest of the whole run), write its model as `chosen/` with `chosen.json` (its
     update, epoch, loss, the rule and whether it beats the base model), and remove the other checkpoints. None
@@ -97,21 +104,25 @@ def keep_chosen_checkpoint(run_dir: Path, window: Any, curve: dict, base_model: 
     are) is kept instead, the pick under `window_pick` and the band under `band` (the usual pick stays when no
     checkpoint lies in the band).
 
-    A retried step (a pod preempted after this ran, its work folder kept) finds chosen.json and chosen/ already, and
-    trained again from the one checkpoint left: the earlier attempt's choice stands (chosen/ may hold weights
-    delivered over it since, steps/delivery.py), and the checkpoints the retry wrote after it are removed again."""
+    `keep_newest`: the run's newest checkpoint stays too, until the step removes it before it ends (run_finetune), so
+    that a step retried in between goes on from the run's end instead of training its tail again.
+
+    A retried step (a pod preempted after this ran, its work folder kept) finds chosen.json and chosen/ already: the
+    earlier attempt's choice stands (chosen/ may hold weights delivered over it since, steps/delivery.py), and the
+    checkpoints the retry wrote after the one kept are removed again (but the newest, with `keep_newest`)."""
     from rangefinder.analysis import delivered_checkpoint, earliest_tied
     from rangefinder.analysis.step_window import TIE_BAND
     from rangefinder.training.restore import save_checkpoint_model
 
     ckpt_root = Path(run_dir) / checkpoints.RUN_DIR
+    found = checkpoints.checkpoints_by_update(ckpt_root)
+    newest = [found[max(found)]] if keep_newest and found else []
     earlier = checkpoints.read_chosen(Path(run_dir))
     if earlier is not None:
-        kept = earlier.get("checkpoint") or (earlier.get("window_pick") or {}).get("checkpoint")
+        kept = kept_checkpoint(earlier)
         if kept and (ckpt_root / kept).is_dir():
-            checkpoints.keep_only(ckpt_root, ckpt_root / kept)
+            checkpoints.keep_only(ckpt_root, ckpt_root / kept, *newest)
         return earlier
-    found = checkpoints.checkpoints_by_update(ckpt_root)
     updates, losses = curve.get("update", []), curve.get("val_loss", [])
     picked = delivered_checkpoint(window, list(found), updates, losses)
     if picked is None:
@@ -161,7 +172,7 @@ def keep_chosen_checkpoint(run_dir: Path, window: Any, curve: dict, base_model: 
         info.update(band=band, window_pick={"checkpoint": found[pick.update].name, "update": pick.update,
                                             "val_loss": pick.val_loss, "rule": pick.rule})
     save_checkpoint_model(ckpt, base_model, Path(run_dir) / checkpoints.CHOSEN_DIR, source=base_source)
-    checkpoints.keep_only(ckpt_root, ckpt)
+    checkpoints.keep_only(ckpt_root, ckpt, *newest)
     write_json(Path(run_dir) / checkpoints.CHOSEN_INFO, info)
     return info
 
@@ -351,7 +362,7 @@ def run_finetune(
             besides = {**({} if cooled is None else {"the cooldown's weights": cooled.val_loss}),
                        **({} if averaged is None else {"the window average": averaged.val_loss})}
             chosen = keep_chosen_checkpoint(work, window, curve, base.path, base.source, deliver=cfg.finetune.deliver,
-                                            measured_besides=besides)
+                                            measured_besides=besides, keep_newest=True)
             if cooled is not None and chosen is not None:  # offered unless the earliest tied checkpoint was kept
                 chosen = deliver_cooldown(work, cooled, chosen)
             if averaged is not None and chosen is not None:  # weighed against what is delivered by now
@@ -388,6 +399,8 @@ def run_finetune(
                     write_text(p, f"No validation set: trained {rec_epochs} epochs at lr {lr:.3g}.\n")
         if chosen is None:  # no validated checkpoint to choose from: the final weights are delivered, as configured
             checkpoints.keep_newest(work / checkpoints.RUN_DIR, cfg.training.keep_checkpoints)
+        elif kept_checkpoint(chosen):  # the run's newest checkpoint goes last (keep_chosen_checkpoint's keep_newest)
+            checkpoints.keep_only(work / checkpoints.RUN_DIR, work / checkpoints.RUN_DIR / str(kept_checkpoint(chosen)))
         publish(work, model_dir)
         decision.update(lr_low=lr_low, lr_high=lr_high, lr_mid=lr_mid, lr_used=lr, lr_source=lr_source,
                         range_test_skipped=skipped_because(cfg),
