@@ -241,7 +241,7 @@ def keeping_every_checkpoint() -> Iterator[None]:
     from rangefinder.formats import checkpoints
 
     original = checkpoints.keep_only
-    checkpoints.keep_only = lambda root, kept: None  # type: ignore[assignment]
+    checkpoints.keep_only = lambda root, *kept: None  # type: ignore[assignment]
     try:
         yield
     finally:
