@@ -84,10 +84,13 @@ def curve_losses(curve: dict) -> dict[int, float]:
     return {int(u): float(v) for u, v in zip(curve["update"], curve["val_loss"], strict=True)}
 
 
-def kept_checkpoint(chosen: dict[str, Any]) -> Optional[str]:
-    """The name of the checkpoint keep_chosen_checkpoint kept: the one delivered, or, when weights that are no
-    checkpoint were delivered over it (the window average, the cooldown), the window's pick they replaced."""
-    return chosen.get("checkpoint") or (chosen.get("window_pick") or {}).get("checkpoint")
+def keep_only_chosen(ckpt_root: Path, chosen: dict[str, Any], *also: Path) -> None:
+    """Remove every checkpoint under `ckpt_root` but the one keep_chosen_checkpoint kept (and `also`): the one
+    delivered, or, when weights that are no checkpoint were delivered over it (the window average, the cooldown), the
+    window's pick they replaced. Nothing is removed when that checkpoint is not there."""
+    kept = chosen.get("checkpoint") or (chosen.get("window_pick") or {}).get("checkpoint")
+    if kept and (Path(ckpt_root) / kept).is_dir():
+        checkpoints.keep_only(ckpt_root, Path(ckpt_root) / kept, *also)
 
 
 def keep_chosen_checkpoint(run_dir: Path, window: Any, curve: dict, base_model: Path,
@@ -119,9 +122,7 @@ def keep_chosen_checkpoint(run_dir: Path, window: Any, curve: dict, base_model: 
     newest = [found[max(found)]] if keep_newest and found else []
     earlier = checkpoints.read_chosen(Path(run_dir))
     if earlier is not None:
-        kept = kept_checkpoint(earlier)
-        if kept and (ckpt_root / kept).is_dir():
-            checkpoints.keep_only(ckpt_root, ckpt_root / kept, *newest)
+        keep_only_chosen(ckpt_root, earlier, *newest)
         return earlier
     updates, losses = curve.get("update", []), curve.get("val_loss", [])
     picked = delivered_checkpoint(window, list(found), updates, losses)
@@ -399,8 +400,8 @@ def run_finetune(
                     write_text(p, f"No validation set: trained {rec_epochs} epochs at lr {lr:.3g}.\n")
         if chosen is None:  # no validated checkpoint to choose from: the final weights are delivered, as configured
             checkpoints.keep_newest(work / checkpoints.RUN_DIR, cfg.training.keep_checkpoints)
-        elif kept_checkpoint(chosen):  # the run's newest checkpoint goes last (keep_chosen_checkpoint's keep_newest)
-            checkpoints.keep_only(work / checkpoints.RUN_DIR, work / checkpoints.RUN_DIR / str(kept_checkpoint(chosen)))
+        else:  # the run's newest checkpoint goes last (keep_chosen_checkpoint's keep_newest)
+            keep_only_chosen(work / checkpoints.RUN_DIR, chosen)
         publish(work, model_dir)
         decision.update(lr_low=lr_low, lr_high=lr_high, lr_mid=lr_mid, lr_used=lr, lr_source=lr_source,
                         range_test_skipped=skipped_because(cfg),

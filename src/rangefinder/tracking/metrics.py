@@ -26,6 +26,9 @@ VALIDATION_PREFIXES = ("val_", "stabilize_")
 
 
 _BAD_NAME_CHARS = re.compile(r"[^\w\-. :/]")  # what MLflow accepts in a metric name
+# A tag value that may go into a search filter between single quotes as it is (tracking/runs.py hashes a longer or
+# odder key; tracking/registry.py does not search by one).
+SAFE_TAG_VALUE = re.compile(r"^[\w.:/@+ -]{1,200}$")
 
 # The chart section the validation losses (val_loss and its per-bucket val_loss_*) are logged under, so that a
 # run's page opens on its val_loss chart. MLflow 3.17's run page (Model metrics tab) groups charts into sections by

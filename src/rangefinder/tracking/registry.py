@@ -14,7 +14,6 @@ import io
 import logging
 import math
 import os
-import re
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -24,7 +23,7 @@ from pathlib import Path
 from typing import Any, Optional, TypeVar
 
 from rangefinder.errors import TrackingError
-from rangefinder.tracking.metrics import VALIDATION_SECTION
+from rangefinder.tracking.metrics import SAFE_TAG_VALUE, VALIDATION_SECTION
 from rangefinder.tracking.redaction import redact, safe_uri
 
 _log = logging.getLogger(__name__)
@@ -227,7 +226,7 @@ def _version_registered_by(client: Any, name: str, run_id: str) -> Any:
     None: also where the registry cannot search by tag (a new version is then registered, as before)."""
     from mlflow.exceptions import MlflowException
 
-    if not re.fullmatch(r"[0-9a-zA-Z_-]+", run_id):
+    if not SAFE_TAG_VALUE.match(run_id):
         return None
     try:
         versions = client.search_model_versions(f"tags.`rangefinder.run_id` = '{run_id}'")

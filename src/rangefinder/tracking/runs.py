@@ -27,7 +27,6 @@ import json
 import logging
 import numbers as numbers_abc
 import os
-import re
 import subprocess
 import time
 from collections.abc import Iterator, Mapping
@@ -37,7 +36,7 @@ from typing import Any, Optional, TypeVar, Union
 
 from rangefinder.errors import TrackingError
 from rangefinder.formats.digest import hash_file_into
-from rangefinder.tracking.metrics import BatchedMetricLogger, metric_name
+from rangefinder.tracking.metrics import SAFE_TAG_VALUE, BatchedMetricLogger, metric_name
 from rangefinder.tracking.outbox import Outbox, is_away_error
 from rangefinder.tracking.redaction import REDACTED, is_secret_key, redact, safe_uri
 from rangefinder.tracking.spool import Spool, apply_record, describe, read_spool, spool_dir
@@ -63,7 +62,6 @@ TAG_ATTEMPT = "rangefinder.attempt"  # 1, then 2, ... when a retried step goes o
 TAG_NOTE = "mlflow.note.content"  # the run's description in MLflow's UI (Markdown)
 MAX_PARAM_CHARS = 500  # MLflow takes 6000; longer values (prompt lists) are unreadable in its table anyway
 MAX_TAG_CHARS = 5000
-_SAFE_TAG_VALUE = re.compile(r"^[\w.:/@+ -]{1,200}$")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -247,7 +245,7 @@ def _pipeline_key(kfp_run_id: Optional[str], name: Optional[str]) -> str:
     if not key:
         raise TrackingError("a pipeline run needs a name or a KFP run id to be found by its steps; pass name=...")
     # The key goes into a search filter; anything outside a safe alphabet is replaced by its digest.
-    return key if _SAFE_TAG_VALUE.match(key) else "sha1:" + hashlib.sha1(key.encode()).hexdigest()
+    return key if SAFE_TAG_VALUE.match(key) else "sha1:" + hashlib.sha1(key.encode()).hexdigest()
 
 
 def ensure_parent_run(
@@ -704,7 +702,7 @@ def _unfinished_attempt(client: Any, exp_id: str, parent: str, step_name: str) -
 
 def latest_step_run(client: Any, exp_id: str, parent: str, step_name: str) -> Any:
     """The newest run of step `step_name` under the parent run `parent`, or None."""
-    if not _SAFE_TAG_VALUE.match(step_name) or not _SAFE_TAG_VALUE.match(parent):
+    if not SAFE_TAG_VALUE.match(step_name) or not SAFE_TAG_VALUE.match(parent):
         return None
     runs = client.search_runs([exp_id], filter_string=f"tags.`{TAG_PARENT}` = '{parent}' and "
                               f"tags.`{TAG_STEP}` = '{step_name}'", max_results=1,
