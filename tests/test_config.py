@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from rangefinder.config import RangefinderConfig, demo_config, load_config, parse_config
+from rangefinder.config import RangefinderConfig, TrainingConfig, demo_config, load_config, parse_config
 from rangefinder.errors import ConfigError
 from rangefinder.planning import plan, val_count
 
@@ -320,6 +320,37 @@ def test_lr_finder_auto_resolves_by_family_and_method_and_the_others_stay(finder
 
 def test_lr_finder_auto_is_the_default():
     assert RangefinderConfig().lr_finder == parse_config({}).lr_finder == "auto"
+
+
+@pytest.mark.parametrize("training, kept", [
+    # auto, the default: LoRA by AdamW at a constant or decaying LR, where bench/RESULTS.md measured it ("The EMA as
+    # LoRA's default"); nothing else.
+    ({"method": "lora"}, True),
+    ({"method": "lora", "optimizer": "adamw8bit"}, True),
+    ({"method": "lora", "schedule": "cosine"}, True),
+    ({"method": "lora", "schedule": "exp-ramp", "lr_min": 1e-6, "lr_max": 1e-2}, False),  # the range test's ramp
+    ({"method": "lora", "optimizer": "prodigy", "lr": 1.0}, False),
+    ({"method": "lora", "optimizer": "adamw_schedule_free"}, False),
+    ({"method": "full"}, False),
+    ({"method": "textual_inversion"}, False),
+    # Given, it is kept or dropped for every method.
+    ({"method": "full", "use_ema": True}, True),
+    ({"method": "textual_inversion", "use_ema": "true"}, True),
+    ({"method": "lora", "use_ema": False}, False),
+])
+def test_use_ema_auto_keeps_an_ema_for_lora_only_and_true_or_false_always_wins(training, kept):
+    cfg = parse_config({"training": training})
+    assert cfg.training.keeps_ema is kept
+    assert cfg.training.use_ema == training.get("use_ema", "auto") or training["use_ema"] == "true"
+
+
+def test_use_ema_auto_is_the_default_and_reads_from_yaml(tmp_path):
+    assert TrainingConfig().use_ema == RangefinderConfig().training.use_ema == "auto"
+    for text, value in (("auto", "auto"), ("true", True), ("false", False)):
+        (tmp_path / "c.yaml").write_text(f"training:\n  method: lora\n  use_ema: {text}\n")
+        assert load_config(tmp_path / "c.yaml").training.use_ema == value
+    with pytest.raises(ConfigError, match="training.use_ema: must be auto .* true or false"):
+        parse_config({"training": {"use_ema": "sometimes"}})
 
 
 def test_range_test_bounds_beside_a_prodigy_step_finder_are_one_clear_error():

@@ -196,7 +196,16 @@ def test_fixed_lr_from_a_hub_id_skips_discovery_then_retrains(tmp_path, shapes_d
                           ["parameterValues"]["config_json"])["model"]
     assert (resolved["base_model"], resolved["resolved_dir"]) == (HUB_REPO, str(snapshot))
     # The fine-tune kept its window's checkpoint; the retrain's weights, fused on the snapshot, are registered.
-    check_the_kept_checkpoint(s)
+    kept, _, chosen = check_the_kept_checkpoint(s)
+    # LoRA by AdamW keeps an EMA by default (training.use_ema auto): the kept checkpoint holds it, both training steps
+    # say so in MLflow, and no window average was measured (the run already delivers averaged weights).
+    from rangefinder.formats import checkpoints
+
+    assert checkpoints.read_ema(kept) is not None and chosen["rule"] != "window_average"
+    with sqlite3.connect(out / "mlflow.db") as con:
+        used = dict(con.execute("select r.name, p.value from params p join runs r on p.run_uuid = r.run_uuid "
+                                "where p.key = 'training.use_ema_used'").fetchall())
+    assert used == {"finetune": "True", "retrain_full": "True"}, used
     check_registered_is_the_retrain(s, out, snapshot)
     # Two processes, one curve: rank 0 logged it into the step's MLflow run; the report names the global batch.
     ft = task_dir(s, "finetune")

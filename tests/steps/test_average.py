@@ -182,6 +182,11 @@ def test_checkpoints_of_different_runs_are_not_averaged(tmp_path):
 
 @pytest.mark.parametrize(("settings", "warned"), [
     ({"finetune": {"average": "on"}, "training": {"use_ema": True}}, "does nothing with training.use_ema"),
+    # LoRA keeps an EMA by default (training.use_ema auto): the fix names the setting that measures the average.
+    ({"finetune": {"average": "on"}, "training": {"method": "lora"}},
+     "does nothing with training.use_ema auto, which keeps an EMA for LoRA: the run already validates and delivers "
+     "averaged weights; set average off, or training.use_ema false to average the window's checkpoints instead"),
+    ({"finetune": {"average": "on"}, "training": {"method": "lora", "use_ema": False}}, None),
     ({"finetune": {"average": "on"}, "training": {"optimizer": "adamw_schedule_free"}},
      "does nothing with training.optimizer adamw_schedule_free"),
     ({"finetune": {"average": "on"}}, None),
@@ -196,7 +201,7 @@ def test_an_average_asked_for_where_it_cannot_run_is_one_warning(settings, warne
     cfg = parse_config(settings)
     lines = [ln for ln in setting_conflicts(cfg) if "average" in ln]
     assert lines == ([] if warned is None else [lines[0]]) and (warned is None or warned in lines[0])
-    assert average_applies(cfg, True) is (settings in ({"finetune": {"average": "on"}}, {}))
+    assert average_applies(cfg, True) is (warned is None)
     several = cfg.model_copy(update={"distributed": cfg.distributed.model_copy(update={"num_nodes": 2})})
     assert not average_applies(several, True)
     from rangefinder.steps.average import not_on_several_nodes

@@ -114,7 +114,7 @@ def average_applies(cfg: RangefinderConfig, validating: bool) -> bool:
     validates its raw weights (not EMA's or a schedule-free optimizer's averages, which it would average again), and
     a step that trains in its own pod (`not_on_several_nodes`)."""
     tc = cfg.training
-    return (cfg.finetune.average == "on" and validating and not tc.use_ema
+    return (cfg.finetune.average == "on" and validating and not tc.keeps_ema
             and tc.optimizer not in SCHEDULE_FREE_OPTIMIZERS and not not_on_several_nodes(cfg))
 
 

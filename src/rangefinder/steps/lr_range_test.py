@@ -89,7 +89,8 @@ def run_lr_range_test(
     with tracking.step_run(cfg, step_name, parent_run_id=mlflow_parent_run_id) as run:
         precision = resolve_mixed_precision(cfg.training.mixed_precision)
         run.log_config(cfg, extra={"range_test.lr_min": lo, "range_test.lr_max": hi, "range_test.stage": stage,
-                                   "training.mixed_precision_used": precision})
+                                   "training.mixed_precision_used": precision,
+                                   "training.use_ema_used": spec.training.keeps_ema})
         run.log_dataset_manifest(split_dir)
         work = work_dir(out_dir / "run", f"{mlflow_parent_run_id}/{step_name}" if mlflow_parent_run_id else None)
         result = run_training(cfg, spec, out_dir=work, metric_sink=run, save_final=False, step_name=step_name,

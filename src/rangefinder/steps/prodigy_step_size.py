@@ -98,7 +98,7 @@ def run_prodigy_step_size(
         precision = resolve_mixed_precision(tc.mixed_precision)
         run.log_config(probe, plan=spec.plan,
                        extra={"lr_finder": "prodigy_step", "lr_source": SOURCE,
-                              "training.mixed_precision_used": precision})
+                              "training.mixed_precision_used": precision, "training.use_ema_used": tc.keeps_ema})
         run.log_dataset_manifest(split_dir)
         work = work_dir(out_dir / "run", f"{mlflow_parent_run_id}/{STEP}" if mlflow_parent_run_id else None)
         result = run_training(probe, spec, out_dir=work, metric_sink=run, save_final=False, step_name=STEP,

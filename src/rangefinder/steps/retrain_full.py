@@ -40,7 +40,8 @@ def run_retrain_full(cfg: RangefinderConfig, *, split_dir: Path, lr_low: float, 
     with tracking.step_run(cfg, "retrain_full", parent_run_id=mlflow_parent_run_id) as run:
         run.log_config(cfg, plan=spec.plan,
                        extra={"retrain.epochs_used": epochs, "lr": lr,
-                              "training.mixed_precision_used": resolve_mixed_precision(spec.training.mixed_precision)})
+                              "training.mixed_precision_used": resolve_mixed_precision(spec.training.mixed_precision),
+                              "training.use_ema_used": spec.training.keeps_ema})
         work = work_dir(model_dir, f"{mlflow_parent_run_id}/retrain_full" if mlflow_parent_run_id else None)
         result = run_training(cfg, spec, out_dir=work, metric_sink=run, step_name="retrain_full", split=split)
         publish(work, model_dir)

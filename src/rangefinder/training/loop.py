@@ -199,7 +199,7 @@ def weights_measurer(spec: TrainSpec, *, out_dir: Union[str, Path],
     each call loads the given tensors and validates them, a row each in out_dir/metrics.csv, in call order. The
     fine-tune measures its window average and greedy soup this way (rangefinder.steps.average)."""
     settings = check_settings(spec, out_dir, split)
-    if settings.cfg.use_ema or settings.cfg.optimizer in SCHEDULE_FREE_OPTIMIZERS:
+    if settings.cfg.keeps_ema or settings.cfg.optimizer in SCHEDULE_FREE_OPTIMIZERS:
         raise ConfigError("measure_weights measures the weights it is given; a run with EMA or a schedule-free "
                           "optimizer validates its averaged weights instead, which these are not")
     accelerator = start_accelerator(settings.cfg)
@@ -486,6 +486,7 @@ def _finish(run: Run, state: RunState, *, save_final: bool, seconds: float, cpu_
                 run.val_cfg.timesteps, _latent_hw(run)).as_dict(),
             "compile": "on" if settings.compile else "off",  # training.compile resolved
             "mixed_precision_used": run.cfg.mixed_precision,  # training.mixed_precision resolved (auto: per device)
+            "use_ema_used": run.ema is not None,  # training.use_ema resolved (auto: LoRA by AdamW, not on a ramp)
             "seconds": seconds,  # the loop's wall time (loading and encoding excluded)
             "cpu_seconds": cpu_seconds,  # this process' CPU time in the loop (all threads)
             "torch_threads": torch.get_num_threads(),  # CPU threads (RANGEFINDER_TORCH_THREADS; local runs: 1)
