@@ -205,6 +205,15 @@ TIE_PCT = 1.0  # within 1 %: a tie
 FOLK_LR = {"full": 1e-4, "lora": 1e-4, "textual_inversion": 5e-3}
 # The standings of record: the 275 cases merged on 2026-11-28 and seeds 38-39 (RESULTS.md, "Seeds 38-39 complete").
 STANDINGS_OF_RECORD = ("versus_all_275.json", "versus_unseen_seed38.json", "versus_unseen_seed39.json")
+# (a) as it ships after a default changed for one method, re-run on every case of record of that method by
+# bench.timesteps_probe (its rows: (a)'s status, LR, rule and losses at the shipped timesteps); each row replaces its
+# case's saved (a), and the arms stay the saved ones. method -> the probe's result files. LoRA: training.use_ema auto
+# keeps an EMA of the adapter's weights since 2026-11-29 (RESULTS.md, "The EMA as LoRA's default"), re-run on all 115
+# LoRA cases of record (their full and textual inversion rows are not read: those defaults did not change).
+A_AS_SHIPPED: dict[str, tuple[str, ...]] = {
+    "lora": ("ema_probe.json", "ema_fresh.json", "ema_fresh_rest.json", "ema_lora85_part1.json",
+             "ema_lora85_part2.json"),
+}
 # discovery_quality's saved full-method results on 20 images, 40-epoch arms, an 8-LR grid over 1e-5..1e-2.
 SAVED_GRIDS = ("discovery_quality_v4_tuning.json", "discovery_quality_v4_heldout.json",
                "discovery_quality_v4_confirm_seed3.json", "discovery_quality_v4_confirm_seed4.json")
@@ -706,11 +715,12 @@ def one_case(method: str, kind: str, seed: int, args, work: Path, saved: dict[tu
 
 
 def plain_finetune(cfg):
-    """The case's settings with finetune.cooldown and finetune.average off and AdamW: a plain constant-LR run, as
-    every arm but (a) trains (and as (a) trained before either existed; (a) may train another optimizer,
-    --a-optimizer)."""
+    """The case's settings with finetune.cooldown and finetune.average off, AdamW and no EMA: a plain constant-LR
+    run, as every arm but (a) trains (and as (a) trained before any of those existed or was a default; (a) may train
+    another optimizer, --a-optimizer)."""
     return cfg.model_copy(update={"finetune": cfg.finetune.model_copy(update={"cooldown": "off", "average": "off"}),
-                                  "training": cfg.training.model_copy(update={"optimizer": "adamw"})})
+                                  "training": cfg.training.model_copy(update={"optimizer": "adamw",
+                                                                              "use_ema": False})})
 
 
 def train_grid(cfg, split_dir: Path, case: Path, args, log, tag: str) -> dict[str, Any]:
@@ -1006,8 +1016,41 @@ def standings_of_record(say: Callable[[str], object] = lambda m: None) -> dict[s
     any case one file re-runs from another). They are not saved as one file: a merged copy would take the tracked
     files over the device's 64 MiB carry."""
     result = merged_cases([RESULTS_DIR / n for n in STANDINGS_OF_RECORD], say)
+    for method, files in A_AS_SHIPPED.items():
+        with_a_rerun(result, method, [RESULTS_DIR / n for n in files])
     finish(result, partial=False)
     return result
+
+
+def with_a_rerun(result: dict[str, Any], method: str, probes: list[Path]) -> None:
+    """Every `method` case of `result` with (a) as the probes re-ran it (A_AS_SHIPPED): its status, LR, delivered
+    rule and validation loss, and its loss on the unseen images where the case has them; (a)'s prompt score, which
+    the probe does not measure, is marked absent rather than left from the earlier weights. A case the probes did not
+    re-run is an error: the standings would mix two versions of (a)."""
+    from rangefinder.config import ValidationConfig
+
+    shipped = ValidationConfig().timesteps
+    rows = {case_key(r): r for p in probes for r in json.loads(p.read_text())["cases"] if r["method"] == method}
+    for c in result["cases"]:
+        if c["method"] != method:
+            continue
+        r = rows.get(case_key(c))
+        if r is None or r.get("timesteps") != shipped:
+            raise SystemExit(f"{case_name(c)}: no re-run of (a) at the shipped timesteps in "
+                             f"{', '.join(p.name for p in probes)}")
+        ok = r["status"] == "ok"
+        chosen = {"val_loss": r["val_loss"], "rule": r.get("rule"), "status": "ok", "rerun": True} if ok else None
+        # The earlier run's curve and final weights are not this (a)'s: a failed re-run delivered nothing.
+        c["rangefinder"] = {**c["rangefinder"], "status": r["status"], "lr_used": r.get("lr_used"), "chosen": chosen,
+                            "final_val_loss": None, "best_val_loss": None, "best_update": None, "curve": None}
+        arms = (c.get("unseen") or {}).get("arms") or {}
+        if "rangefinder" in arms and r.get("unseen_loss") is not None:
+            arms["rangefinder"] = {**arms["rangefinder"], "val_loss": r["val_loss"], "unseen_loss": r["unseen_loss"],
+                                   "recorded": r["val_loss"]}
+        scores = (c.get("prompt_score") or {}).get("arms") or {}
+        if "rangefinder" in scores:
+            scores["rangefinder"] = {"absent": "(a) re-run as it now ships; the probe measures no prompt score"}
+        c["summary"] = summarize(c)
 
 
 def finish(result: dict[str, Any], partial: bool) -> None:
@@ -1167,6 +1210,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                    help="with --report: re-score (a) with today's checkpoint rule from each case's saved curve")
     p.add_argument("--report", type=results_file, nargs="+", metavar="JSON",
                    help="run nothing: merge the cases of these results and print the tables and the verdict")
+    p.add_argument("--record", action="store_true",
+                   help="run nothing: print the tables and the verdict of the standings of record (the files of "
+                   "STANDINGS_OF_RECORD merged, with (a) as A_AS_SHIPPED's probes re-ran it where a default changed)")
     p.add_argument("--capped-bounds", type=results_file, nargs="+", metavar="JSON",
                    help="with --report: (a) as delivered by bench.bounds_probe's runs (the zoom's upper bound "
                    "capped at the first test's), in the cases those results hold")
@@ -1174,6 +1220,12 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                    help="with --report: (a) as delivered by bench.average_probe's runs (the step window's "
                    "checkpoints averaged), in the cases those results hold")
     args = p.parse_args(argv)
+    if args.record:
+        merged = standings_of_record(say=print)
+        print(report(merged))
+        if args.out:
+            write_json(args.out, merged)
+        return merged
     if args.report:
         merged = merged_cases(args.report, say=print)
         if args.rechoose:

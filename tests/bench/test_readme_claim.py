@@ -104,3 +104,13 @@ def test_the_standings_count_each_case_once_and_say_how_many(record):
     results = " ".join((ROOT / "bench" / "RESULTS.md").read_text().split())
     assert f"**At a glance: the standings of record** ({n} SD 1.x cases, {held} of them held out" in results
     assert f"Over {n} SD 1.x cases" in " ".join((ROOT / "README.md").read_text().split())
+
+
+def test_bench_versus_record_prints_the_standings_of_record(record, capsys):
+    """`python -m bench.versus --record`, the command RESULTS.md gives for the standings: the same standings."""
+    from bench.versus import main
+
+    printed = main(["--record"])
+    assert printed["aggregate"] == record[0]["aggregate"]
+    assert printed["aggregate_by_method"] == record[0]["aggregate_by_method"]
+    assert "| (a) chosen |" in capsys.readouterr().out

@@ -470,6 +470,45 @@ def test_a_s_optimizer_reaches_a_alone_and_every_other_arm_trains_adamw():
     plain = plain_finetune(cfg)
     assert plain.training.optimizer == "adamw" and plain.training.method == "lora"
     assert (plain.finetune.average, plain.finetune.cooldown) == ("off", "off")
+    # (a) keeps LoRA's default EMA (training.use_ema auto); every other arm is a plain run without one, as measured.
+    assert demo_config(**case_overrides("lora", args)).training.keeps_ema and not plain.training.keeps_ema
+
+
+def test_a_re_run_of_a_replaces_its_case_s_a_and_every_case_of_the_method_needs_one(tmp_path):
+    """bench.versus.with_a_rerun (A_AS_SHIPPED): a probe's row becomes its case's (a) (loss, rule, LR, status, the
+    unseen loss), the verdicts are recomputed against the saved arms, a stale prompt score is marked absent, other
+    methods are left alone, and a case of the method with no re-run at the shipped timesteps is refused."""
+    import copy
+
+    from bench.common import case_key
+    from bench.versus import RESULTS_DIR, with_a_rerun
+
+    saved = json.loads((RESULTS_DIR / "versus_unseen_seed38.json").read_text())["cases"]
+    lora = [c for c in saved if c["method"] == "lora" and c.get("prompt_score")][0]
+    full = [c for c in saved if c["method"] == "full"][0]
+    result = {"cases": [copy.deepcopy(lora), copy.deepcopy(full)]}
+    b = summarize(lora)["prodigy_best"]
+    row = {"method": "lora", "kind": lora["kind"], "seed": lora["seed"], "family": "sd1", "timesteps": 4,
+           "status": "ok", "lr_used": 1e-3, "rule": "window_lowest", "val_loss": 0.9 * b, "unseen_loss": 0.5}
+    probe = tmp_path / "probe.json"
+    probe.write_text(json.dumps({"cases": [row]}))
+    with_a_rerun(result, "lora", [probe])
+    s = result["cases"][0]["summary"]
+    assert (s["rangefinder"], s["rangefinder_lr"], s["rangefinder_chosen_rule"]) == (0.9 * b, 1e-3, "window_lowest")
+    assert s["vs_prodigy_best"] == "win" and s["prodigy_best"] == b  # the arm as saved
+    assert result["cases"][0]["unseen"]["arms"]["rangefinder"]["unseen_loss"] == 0.5
+    assert "absent" in result["cases"][0]["prompt_score"]["arms"]["rangefinder"]
+    assert result["cases"][1] == full  # another method: untouched
+    # A failed re-run is a failed (a): a loss against every arm that delivered.
+    probe.write_text(json.dumps({"cases": [{**row, "status": "failed", "val_loss": None}]}))
+    with_a_rerun(result, "lora", [probe])
+    s = result["cases"][0]["summary"]
+    assert s["rangefinder"] is None and s["vs_prodigy_best"] == s["vs_random_equal"] == "loss"
+    for wrong in ({**row, "timesteps": 16}, {**row, "seed": lora["seed"] + 1}):
+        probe.write_text(json.dumps({"cases": [wrong]}))
+        with pytest.raises(SystemExit, match=f"lora {lora['kind']} {lora['seed']}: no re-run of .a. at the shipped"):
+            with_a_rerun({"cases": [copy.deepcopy(lora)]}, "lora", [probe])
+    assert case_key(row) == case_key(lora)
 
 
 def test_a_lora_setting_reaches_every_arm_and_is_a_case_of_its_own(tmp_path, capsys):
