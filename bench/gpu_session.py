@@ -14,9 +14,10 @@ Parts (a part starts only while its minimum time is left; a stopped part says so
    rate, the compiled module's validation overhead).
    compile_static: the compiled run again with dynamo's automatic dynamic shapes off (static graphs per shape).
    k16: the eager validation overhead again at validation.timesteps 16 (issue 34's steadier loss), beside K 4's.
-   ema: full fine-tuning and LoRA at batch 4, eager, with and without `training.use_ema` (issue 34's candidate
-   default, adopted only once its GPU memory is measured: bench/RESULTS.md, "An EMA of the weights in (a)"): peak
-   memory and steady s/update of each, and what the EMA adds.
+   ema: full fine-tuning and LoRA at batch 4, eager, with and without `training.use_ema` (issue 34: LoRA keeps one by
+   default since its copy is the adapter's few MB; full fine-tuning's default waits for this measurement of its
+   whole-UNet copy: bench/RESULTS.md, "The EMA as LoRA's default"): peak memory and steady s/update of each, and
+   what the EMA adds.
 3. extras: a torch.profiler summary of the full fine-tune at the largest batch, the bf16 all-reduce hook's cost under
    DDP on NCCL with one process.
 Files: env.json, wholerun.json, wholerun_log.txt, goals.json, profile.txt, extras.json (and the caller's log.txt).
@@ -408,7 +409,7 @@ def goals(out: Path, work: Path, setup, device: str, mp: str, deadline: float, t
             ev = res.get("validation_eager")
             if ev and ev["median_s_per_update"] and row["median_s_per_update"]:
                 row["gain_s_per_update"] = ev["median_s_per_update"] - row["median_s_per_update"]
-    # g. the EMA of the trained weights (issue 34's candidate default): its memory and time, full and LoRA, batch 4
+    # g. the EMA of the trained weights (LoRA's default; full fine-tuning's candidate): memory and time, batch 4
     for method in (("full", "lora") if "ema" in parts else ()):
         pair = {}
         for ema in (False, True):
