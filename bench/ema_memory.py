@@ -3,8 +3,8 @@
 Stable Diffusion 1.5's and SDXL's published sizes.
 
 The models are built on PyTorch's meta device: every tensor has its shape and dtype and no storage, so the count needs
-no GPU and no 10 GB of memory. What is counted is what the engine builds (training.setup.prepare_run): the method's
-trainable parameters (rangefinder.training.methods, LoRA through peft as the run adds it), handed to `EMAModel`, whose
+no GPU and no 10 GB of memory. What is counted is what the engine builds (training.setup.prepare_run): the engine's own
+method (rangefinder.training.methods) set up on the UNet, its trainable parameters handed to `EMAModel`, whose
 `shadow_params` are the copy the EMA keeps on the training device. That copy is the EMA's whole resident cost: its
 update (`EMAModel.step`, not foreach, as the engine makes it) works parameter by parameter, with two temporaries of one
 parameter's size, so its scratch is at most twice the largest parameter, reported too.
@@ -31,28 +31,28 @@ SDXL_UNET = dict(
     use_linear_projection=True, addition_embed_type="text_time", addition_time_embed_dim=256,
     projection_class_embeddings_input_dim=2816,
 )
-UNETS = {"sd15": SD15_UNET, "sdxl": SDXL_UNET}
+UNETS = {"sd15": (SD15_UNET, "sd1"), "sdxl": (SDXL_UNET, "sdxl")}  # name -> (UNet config, the model family)
 
 
-def ema_bytes(unet_config: dict[str, Any], method: str) -> dict[str, Any]:
-    """The EMA's copy for `method` (full or lora, the shipped LoRA settings) on a UNet of `unet_config`."""
+def ema_bytes(unet_config: dict[str, Any], method: str, family: str = "sd1") -> dict[str, Any]:
+    """The EMA's copy for `method` (full or lora, the shipped settings) on a UNet of `unet_config`: the engine's own
+    method set up on it (the denoiser alone: no text encoder is trained by default), its trainable parameters handed
+    to EMAModel as training.setup.prepare_run hands them."""
     import torch
     from diffusers import UNet2DConditionModel
     from diffusers.training_utils import EMAModel
 
     from rangefinder.config import TrainingConfig
+    from rangefinder.models.loading import SDComponents
+    from rangefinder.training.methods import make_method
 
     with torch.device("meta"):
         unet = UNet2DConditionModel.from_config(unet_config)
         model_params = sum(p.numel() for p in unet.parameters())
-        if method == "lora":
-            from peft import LoraConfig
-
-            s = TrainingConfig(method="lora").lora  # the adapter as the LoRA method adds it (methods/lora.py)
-            unet.requires_grad_(False)
-            unet.add_adapter(LoraConfig(r=s.rank, lora_alpha=s.alpha, lora_dropout=s.dropout,
-                                        init_lora_weights="gaussian", target_modules=list(s.target_modules)))
-        trainable = [p for p in unet.parameters() if p.requires_grad]
+        engine = make_method(TrainingConfig(method=method))
+        engine.setup(SDComponents(unet=unet, vae=None, text_encoder=None, tokenizer=None, noise_scheduler=None,
+                                  source="meta device", family=family), torch.float32)
+        trainable = list(engine.trainable_parameters())
         ema = EMAModel(trainable, decay=0.9999)
     copy = sum(t.numel() * t.element_size() for t in ema.shadow_params)
     return {"method": method, "model_parameters": model_params,
@@ -65,7 +65,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     p = argparse.ArgumentParser(prog="python -m bench.ema_memory", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, help="write the rows as JSON here too")
     args = p.parse_args(argv)
-    rows = [{"unet": name, **ema_bytes(cfg, method)} for name, cfg in UNETS.items() for method in ("full", "lora")]
+    rows = [{"unet": name, **ema_bytes(cfg, method, family)} for name, (cfg, family) in UNETS.items()
+            for method in ("full", "lora")]
     print("| UNet | method | trained parameters | EMA copy | the update's scratch (twice the largest parameter) |")
     print("|---|---|---|---|---|")
     for r in rows:
