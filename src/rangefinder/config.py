@@ -1256,15 +1256,18 @@ def setting_conflicts(cfg: RangefinderConfig, family: Optional[str] = None) -> l
                          "schedule-free optimizer averages its iterates instead of decaying the LR; set cooldown off, "
                          "or choose training.optimizer: adamw")
     if "finetune.average" in given and ft.average == "on":
-        if cfg.training.keeps_ema or cfg.training.optimizer in SCHEDULE_FREE_OPTIMIZERS:
-            if cfg.training.use_ema == "auto" and cfg.training.keeps_ema:
-                why, fix = ("training.use_ema auto, which keeps an EMA for LoRA",
-                            "set average off, or training.use_ema false to average the window's checkpoints instead")
-            else:
-                why = "training.use_ema" if cfg.training.keeps_ema else f"training.optimizer {cfg.training.optimizer}"
-                fix = "set average off"
-            lines.append(f"finetune.average: on does nothing with {why}: the run already validates and delivers "
-                         f"averaged weights; {fix}")
+        tc, fix = cfg.training, "set average off"
+        averaged_by: Optional[str] = None
+        if tc.keeps_ema and tc.use_ema == "auto":
+            averaged_by, fix = ("training.use_ema auto, which keeps an EMA for LoRA", "set average off, or "
+                                "training.use_ema false to average the window's checkpoints instead")
+        elif tc.keeps_ema:
+            averaged_by = "training.use_ema"
+        elif tc.optimizer in SCHEDULE_FREE_OPTIMIZERS:
+            averaged_by = f"training.optimizer {tc.optimizer}"
+        if averaged_by:
+            lines.append(f"finetune.average: on does nothing with {averaged_by}: the run already validates and "
+                         f"delivers averaged weights; {fix}")
     if "finetune.soup_tries" in given and ft.soup_tries > 0 and ft.average == "off":
         lines.append(f"finetune.soup_tries ({ft.soup_tries}) does nothing with finetune.average off: the soup is made "
                      "of the window's checkpoints the average reads; set average on, or remove soup_tries")
