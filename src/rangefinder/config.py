@@ -489,6 +489,12 @@ class TrainingConfig(_Section):
         return (self.method == "lora" and self.optimizer in EMA_AUTO_OPTIMIZERS
                 and self.schedule not in RAMP_SCHEDULES)
 
+    @property
+    def validates_averaged_weights(self) -> bool:
+        """Whether the run validates and saves an average of its weights (its EMA, or a schedule-free optimizer's
+        averaged iterates) rather than its raw ones: then nothing averages them again."""
+        return self.keeps_ema or self.optimizer in SCHEDULE_FREE_OPTIMIZERS
+
 
 def migrate_training(data: dict[str, Any]) -> dict[str, Any]:
     """A `training` section as written before training.optimizer: `use_8bit_adam: true` is `optimizer: adamw8bit`

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from rangefinder.config import SCHEDULE_FREE_OPTIMIZERS, RangefinderConfig
+from rangefinder.config import RangefinderConfig
 from rangefinder.formats import checkpoints
 from rangefinder.formats.atomic import write_json
 from rangefinder.training.spec import TrainSpec
@@ -114,8 +114,8 @@ def average_applies(cfg: RangefinderConfig, validating: bool) -> bool:
     validates its raw weights (not EMA's or a schedule-free optimizer's averages, which it would average again), and
     a step that trains in its own pod (`not_on_several_nodes`)."""
     tc = cfg.training
-    return (cfg.finetune.average == "on" and validating and not tc.keeps_ema
-            and tc.optimizer not in SCHEDULE_FREE_OPTIMIZERS and not not_on_several_nodes(cfg))
+    return (cfg.finetune.average == "on" and validating and not tc.validates_averaged_weights
+            and not not_on_several_nodes(cfg))
 
 
 def not_on_several_nodes(cfg: RangefinderConfig) -> Optional[str]:

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from rangefinder.config import SCHEDULE_FREE_OPTIMIZERS, ValidationConfig
+from rangefinder.config import ValidationConfig
 from rangefinder.errors import ConfigError, Preempted
 from rangefinder.formats import checkpoints
 from rangefinder.formats.atomic import atomic_dir, write_json
@@ -199,7 +199,7 @@ def weights_measurer(spec: TrainSpec, *, out_dir: Union[str, Path],
     each call loads the given tensors and validates them, a row each in out_dir/metrics.csv, in call order. The
     fine-tune measures its window average and greedy soup this way (rangefinder.steps.average)."""
     settings = check_settings(spec, out_dir, split)
-    if settings.cfg.keeps_ema or settings.cfg.optimizer in SCHEDULE_FREE_OPTIMIZERS:
+    if settings.cfg.validates_averaged_weights:
         raise ConfigError("measure_weights measures the weights it is given; a run with EMA or a schedule-free "
                           "optimizer validates its averaged weights instead, which these are not")
     accelerator = start_accelerator(settings.cfg)
