@@ -471,7 +471,7 @@ def test_a_s_optimizer_reaches_a_alone_and_every_other_arm_trains_adamw():
     assert plain.training.optimizer == "adamw" and plain.training.method == "lora"
     assert (plain.finetune.average, plain.finetune.cooldown) == ("off", "off")
     # (a) keeps LoRA's default EMA (training.use_ema auto); every other arm is a plain run without one, as measured.
-    assert demo_config(**case_overrides("lora", args)).training.keeps_ema and not plain.training.keeps_ema
+    assert demo_config(**case_overrides("lora", args)).training.keeps_ema("sd1") and not plain.training.keeps_ema("sd1")
 
 
 def test_a_re_run_of_a_replaces_its_case_s_a_and_every_case_of_the_method_needs_one(tmp_path):

@@ -42,6 +42,8 @@ def test_flux_trains_validates_resumes_and_exports(method, split_dir, tiny_flux_
     assert curve[0]["val_loss"] != curve[-1]["val_loss"]  # it trained
     summary = json.loads(straight.summary_path.read_text())
     assert summary["family"] == "flux"
+    # training.use_ema auto keeps no EMA on Flux, LoRA included (config.EMA_AUTO_FAMILIES): the rule failed there.
+    assert summary["use_ema_used"] is False
     grid = summary["validation_weighting"]["grid"]
     assert len(grid) == 2 and 0 < grid[0] < grid[1] < 1
 

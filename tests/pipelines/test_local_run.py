@@ -203,9 +203,10 @@ def test_fixed_lr_from_a_hub_id_skips_discovery_then_retrains(tmp_path, shapes_d
 
     assert checkpoints.read_ema(kept) is not None and chosen["rule"] != "window_average"
     with sqlite3.connect(out / "mlflow.db") as con:
-        used = dict(con.execute("select r.name, p.value from params p join runs r on p.run_uuid = r.run_uuid "
-                                "where p.key = 'training.use_ema_used'").fetchall())
-    assert used == {"finetune": "True", "retrain_full": "True"}, used
+        used = con.execute("select r.name, p.key, p.value from params p join runs r on p.run_uuid = r.run_uuid "
+                           "where p.key like 'training.%_used'").fetchall()
+    assert sorted(used) == [(step, f"training.{key}_used", value) for step in ("finetune", "retrain_full")
+                            for key, value in (("mixed_precision", "no"), ("use_ema", "True"))], used
     check_registered_is_the_retrain(s, out, snapshot)
     # Two processes, one curve: rank 0 logged it into the step's MLflow run; the report names the global batch.
     ft = task_dir(s, "finetune")

@@ -113,8 +113,10 @@ def average_applies(cfg: RangefinderConfig, validating: bool) -> bool:
     """finetune.average on, with validation (the average is delivered only when it measures lower), a run that
     validates its raw weights (not EMA's or a schedule-free optimizer's averages, which it would average again), and
     a step that trains in its own pod (`not_on_several_nodes`)."""
+    from rangefinder.training.family_detection import family_of
+
     tc = cfg.training
-    return (cfg.finetune.average == "on" and validating and not tc.validates_averaged_weights
+    return (cfg.finetune.average == "on" and validating and not tc.validates_averaged_weights(family_of(cfg.model))
             and not not_on_several_nodes(cfg))
 
 

@@ -307,6 +307,7 @@ def run_finetune(
     from rangefinder.steps.cooldown import cooldown_applies, run_cooldown
     from rangefinder.steps.cooldown import deliver as deliver_cooldown
     from rangefinder.steps.halving import halving_applies, run_halving
+    from rangefinder.training.family_detection import family_of
     from rangefinder.training.spec import TrainSpec
 
     split = read_split(split_dir)
@@ -322,8 +323,7 @@ def run_finetune(
     with tracking.step_run(cfg, "finetune", parent_run_id=mlflow_parent_run_id) as run:
         run.log_config(cfg, plan=plan,
                        extra={"lr_low": lr_low, "lr_high": lr_high, "lr_mid": lr_mid, "lr_source": lr_source,
-                              "training.mixed_precision_used": precision, "finetune.successive_halving_used": halving,
-                              "training.use_ema_used": tc.keeps_ema})
+                              "finetune.successive_halving_used": halving, **tc.used_params(family_of(cfg.model))})
         work = work_dir(model_dir, f"{mlflow_parent_run_id}/finetune" if mlflow_parent_run_id else None)
         race, lr, extra_updates = None, lr_mid, 0
         if halving:

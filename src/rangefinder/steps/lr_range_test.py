@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from rangefinder.analysis.zoom import ended_above_start, points_between, zoom_range
-from rangefinder.config import LR_FREE_OPTIMIZERS, RangefinderConfig, resolve_mixed_precision
+from rangefinder.config import LR_FREE_OPTIMIZERS, RangefinderConfig
 from rangefinder.errors import ConfigError, RangefinderError
 from rangefinder.formats.atomic import write_json
 from rangefinder.launch.processes import batch_note, run_training, step_world_size
@@ -63,6 +63,7 @@ def run_lr_range_test(
     from rangefinder.analysis import analyze_lr_curve, copy_report, write_lr_report
     from rangefinder.analysis.reports import lr_headline
     from rangefinder.data.split import read_split
+    from rangefinder.training.family_detection import family_of
     from rangefinder.training.spec import TrainSpec
 
     if stage not in ("first", "zoom"):
@@ -87,10 +88,8 @@ def run_lr_range_test(
 
     step_name = "lr_range_test" if stage == "first" else "lr_range_test_zoom"
     with tracking.step_run(cfg, step_name, parent_run_id=mlflow_parent_run_id) as run:
-        precision = resolve_mixed_precision(cfg.training.mixed_precision)
         run.log_config(cfg, extra={"range_test.lr_min": lo, "range_test.lr_max": hi, "range_test.stage": stage,
-                                   "training.mixed_precision_used": precision,
-                                   "training.use_ema_used": spec.training.keeps_ema})
+                                   **train_cfg.used_params(family_of(cfg.model))})
         run.log_dataset_manifest(split_dir)
         work = work_dir(out_dir / "run", f"{mlflow_parent_run_id}/{step_name}" if mlflow_parent_run_id else None)
         result = run_training(cfg, spec, out_dir=work, metric_sink=run, save_final=False, step_name=step_name,

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rangefinder.analysis.prodigy_step import ProdigyStep
-from rangefinder.config import LR_FREE_LR, RangefinderConfig, TrainingConfig, resolve_mixed_precision
+from rangefinder.config import LR_FREE_LR, RangefinderConfig, TrainingConfig
 from rangefinder.errors import RangefinderError
 from rangefinder.formats import checkpoints
 from rangefinder.formats.atomic import write_json
@@ -81,6 +81,7 @@ def run_prodigy_step_size(
     from rangefinder import tracking
     from rangefinder.analysis import copy_report, read_curve_csv, read_prodigy_step, write_prodigy_report
     from rangefinder.data.split import read_split
+    from rangefinder.training.family_detection import family_of
     from rangefinder.training.optimizers import require_prodigy
     from rangefinder.training.spec import TrainSpec
 
@@ -95,10 +96,8 @@ def run_prodigy_step_size(
     spec = replace(spec, training=TrainingConfig.model_validate({**spec.training.model_dump(), "keep_checkpoints": 1}))
     tc = spec.training
     with tracking.step_run(cfg, STEP, parent_run_id=mlflow_parent_run_id) as run:
-        precision = resolve_mixed_precision(tc.mixed_precision)
         run.log_config(probe, plan=spec.plan,
-                       extra={"lr_finder": "prodigy_step", "lr_source": SOURCE,
-                              "training.mixed_precision_used": precision, "training.use_ema_used": tc.keeps_ema})
+                       extra={"lr_finder": "prodigy_step", "lr_source": SOURCE, **tc.used_params(family_of(cfg.model))})
         run.log_dataset_manifest(split_dir)
         work = work_dir(out_dir / "run", f"{mlflow_parent_run_id}/{STEP}" if mlflow_parent_run_id else None)
         result = run_training(probe, spec, out_dir=work, metric_sink=run, save_final=False, step_name=STEP,

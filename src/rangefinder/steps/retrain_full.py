@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from rangefinder.config import RangefinderConfig, resolve_mixed_precision
+from rangefinder.config import RangefinderConfig
 from rangefinder.launch.processes import run_training, step_world_size
 from rangefinder.steps.workdir import publish, work_dir
 
@@ -31,6 +31,7 @@ def run_retrain_full(cfg: RangefinderConfig, *, split_dir: Path, lr_low: float, 
     """`lr`: the fine-tune's kept LR (its `lr_used`); `lr_low`, `lr_high`: the bounds, for a triangular schedule."""
     from rangefinder import tracking
     from rangefinder.data.split import read_split
+    from rangefinder.training.family_detection import family_of
     from rangefinder.training.spec import TrainSpec
 
     epochs = cfg.retrain.epochs or max(1, int(recommended_epochs))
@@ -40,8 +41,7 @@ def run_retrain_full(cfg: RangefinderConfig, *, split_dir: Path, lr_low: float, 
     with tracking.step_run(cfg, "retrain_full", parent_run_id=mlflow_parent_run_id) as run:
         run.log_config(cfg, plan=spec.plan,
                        extra={"retrain.epochs_used": epochs, "lr": lr,
-                              "training.mixed_precision_used": resolve_mixed_precision(spec.training.mixed_precision),
-                              "training.use_ema_used": spec.training.keeps_ema})
+                              **spec.training.used_params(family_of(cfg.model))})
         work = work_dir(model_dir, f"{mlflow_parent_run_id}/retrain_full" if mlflow_parent_run_id else None)
         result = run_training(cfg, spec, out_dir=work, metric_sink=run, step_name="retrain_full", split=split)
         publish(work, model_dir)

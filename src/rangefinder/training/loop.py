@@ -199,11 +199,11 @@ def weights_measurer(spec: TrainSpec, *, out_dir: Union[str, Path],
     each call loads the given tensors and validates them, a row each in out_dir/metrics.csv, in call order. The
     fine-tune measures its window average and greedy soup this way (rangefinder.steps.average)."""
     settings = check_settings(spec, out_dir, split)
-    if settings.cfg.validates_averaged_weights:
-        raise ConfigError("measure_weights measures the weights it is given; a run with EMA or a schedule-free "
-                          "optimizer validates its averaged weights instead, which these are not")
     accelerator = start_accelerator(settings.cfg)
     sd, family = load_model(settings, accelerator)
+    if settings.cfg.validates_averaged_weights(family.name):
+        raise ConfigError("measure_weights measures the weights it is given; a run with EMA or a schedule-free "
+                          "optimizer validates its averaged weights instead, which these are not")
     encoded = encode_data(settings, sd, family, accelerator, spec.data or native_data_config(sd))
     run = prepare_run(settings, accelerator, sd, family, encoded)
     if not run.validating:

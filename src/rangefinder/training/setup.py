@@ -301,7 +301,7 @@ def prepare_run(settings: RunSettings, accelerator: Accelerator, sd: SDComponent
     trainable = method.trainable_parameters()
     optimizer = make_optimizer(cfg, groups, settings.schedule(0))
     ema = None
-    if cfg.keeps_ema:
+    if cfg.keeps_ema(family.name):
         from diffusers.training_utils import EMAModel
 
         ema = EMAModel(trainable, decay=cfg.ema_decay)
