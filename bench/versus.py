@@ -1,8 +1,8 @@
 """Versus: does measuring the LR beat what users do instead? Each arm delivers the checkpoint its own rule picks.
 
 `python -m bench.versus` runs, per case (method x synthetic kind x seed) on the embedded tiny model of one family
-(`--family`: SD 1.x by default; sd3 and flux, the flow-matching tiny models of models/tiny_sd3.py and tiny_flux.py,
-on which every arm runs alike):
+(`--family`: SD 1.x by default; sdxl, the tiny SDXL of models/tiny_sdxl.py; sd3 and flux, the flow-matching tiny
+models of models/tiny_sd3.py and tiny_flux.py; every arm runs alike on each):
 
 (a) rangefinder as shipped, through the pipeline's own steps (bench.discovery_quality.discover): the range test
     (and its zoom), choose_lr, the fine-tune with successive halving of lr_mid and lr_high; it delivers the
@@ -176,7 +176,7 @@ NAME = "versus"
 DEFAULT_METHODS = "full,lora,textual_inversion"
 # The tiny model each --family runs on; sd1 is the embedded default every result before the flow families ran on
 # (a saved case without a "family" is one of those).
-FAMILIES = ("sd1", "sd3", "flux")
+FAMILIES = ("sd1", "sdxl", "sd3", "flux")
 FLOW_FAMILIES = ("sd3", "flux")
 FLOW_METHODS = "full,lora"  # neither flow family trains textual inversion (methods/textual_inversion.py, family_flux)
 DEFAULT_KINDS = "shapes,stripes,textures,subject,glyphs"
@@ -199,8 +199,9 @@ HELD_OUT_KINDS = ("subject", "glyphs")
 # 8 prompt seeds) are kept unread for a rule on textual inversion's LR read on the prompt score, written before they
 # are read ("Textual inversion at the range test's lr_low"). 52-63 (the same, as shipped) are kept unread for a rule
 # that delivers textual inversion's earliest checkpoint tied with (a)'s pick, written before they are read
-# ("Textual inversion's earliest tied checkpoint").
-HELD_OUT_SEEDS = tuple(range(3, 64))
+# ("Textual inversion's earliest tied checkpoint"). 65-66 (sdxl, LoRA, as shipped) test the EMA on SDXL, written
+# before they ran ("The EMA on SDXL's LoRA"); 64 ran once on sdxl LoRA `shapes` as the --family sdxl smoke, read.
+HELD_OUT_SEEDS = tuple(range(3, 64)) + (65, 66)
 TIE_PCT = 1.0  # within 1 %: a tie
 FOLK_LR = {"full": 1e-4, "lora": 1e-4, "textual_inversion": 5e-3}
 # The standings of record: the 275 cases merged on 2026-11-28 and seeds 38-39 (RESULTS.md, "Seeds 38-39 complete").
@@ -451,6 +452,10 @@ def effective_lrs(updates_csv: Path, best_update: Optional[int],
 
 def base_model_of(family: str) -> Path:
     """The embedded tiny model of `family` (built or copied into the user cache once, under a file lock)."""
+    if family == "sdxl":
+        from rangefinder.models.tiny_sdxl import ensure_tiny_sdxl_model
+
+        return ensure_tiny_sdxl_model()
     if family == "sd3":
         from rangefinder.models.tiny_sd3 import ensure_tiny_sd3_model
 
@@ -477,8 +482,9 @@ def case_overrides(method: str, args, family: str = "sd1") -> dict[str, dict[str
         overrides["finetune"]["halving_below_margin"] = args.halving_below_margin
     if family != "sd1":
         overrides["model"] = {"base_model": str(base_model_of(family))}
-        # As `rangefinder demo --family`: the demo's DDIM samples DDPM models; a flow model samples with its own
-        # flow-matching Euler scheduler, and Flux's guidance scale is its distilled guidance input (3.5), not CFG.
+    if family in FLOW_FAMILIES:
+        # As `rangefinder demo --family`: the demo's DDIM samples DDPM models (SDXL too); a flow model samples with
+        # its own flow-matching Euler scheduler, and Flux's guidance scale is its distilled guidance input (3.5).
         from rangefinder.training.family_flux import DEFAULT_GUIDANCE
 
         overrides["sampling"] = {"scheduler": None,
