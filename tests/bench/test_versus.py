@@ -439,6 +439,23 @@ def test_a_replicate_sets_the_training_seed_of_every_arm():
     assert case_overrides("lora", SimpleNamespace(**{**vars(args), "training_seed": 1235}))["training"]["seed"] == 1235
 
 
+def test_each_family_runs_on_its_tiny_model_and_only_a_flow_model_gets_its_own_sampler(tiny_sdxl_dir, tiny_flux_dir):
+    """--family: the case's base model is the family's tiny model; SDXL samples with the demo's DDIM as SD 1.x does,
+    a flow model with its own scheduler (and Flux at its distilled guidance)."""
+    from types import SimpleNamespace
+
+    from rangefinder.training.family_detection import detect_family
+
+    args = SimpleNamespace(finetune_epochs=40, smoke=False, soup_tries=0, training_seed=None)
+    assert "model" not in case_overrides("lora", args) and "sampling" not in case_overrides("lora", args)
+    sdxl = case_overrides("lora", args, "sdxl")
+    assert detect_family(Path(sdxl["model"]["base_model"])) == "sdxl" and "sampling" not in sdxl
+    assert Path(sdxl["model"]["base_model"]).resolve() == tiny_sdxl_dir.resolve()
+    flux = case_overrides("lora", args, "flux")
+    assert detect_family(Path(flux["model"]["base_model"])) == "flux"
+    assert flux["sampling"]["scheduler"] is None and flux["sampling"]["guidance_scale"] == 3.5
+
+
 def test_the_rules_under_test_reach_a_s_config_only_when_asked():
     """--halving-below-margin and --range-test-epochs set (a)'s finetune.halving_below_margin and
     lr_range_test.epochs on top of the method's own sweep; left out, the case is as shipped."""
