@@ -340,11 +340,13 @@ def test_lr_finder_auto_is_the_default():
 ])
 def test_use_ema_auto_keeps_an_ema_for_lora_only_and_true_or_false_always_wins(training, kept):
     cfg = parse_config({"training": training})
-    # On SD 1.x/2.x and SDXL, and where the family is not known yet (a hub id the CLI has not fetched).
-    assert cfg.training.keeps_ema("sd1") is cfg.training.keeps_ema("sdxl") is cfg.training.keeps_ema(None) is kept
-    # On SD3 and Flux auto keeps none (bench/RESULTS.md, "The EMA on the flow families' LoRA"); a setting given wins.
+    # On SD 1.x/2.x, and where the family is not known yet (a hub id the CLI has not fetched).
+    assert cfg.training.keeps_ema("sd1") is cfg.training.keeps_ema(None) is kept
+    # On SDXL, SD3 and Flux auto keeps none (bench/RESULTS.md, "The EMA on the flow families' LoRA" and "The EMA on
+    # SDXL's LoRA"); a setting given wins.
     given = training.get("use_ema", "auto") != "auto"
-    assert cfg.training.keeps_ema("sd3") is cfg.training.keeps_ema("flux") is (kept and given)
+    assert cfg.training.keeps_ema("sdxl") is cfg.training.keeps_ema("sd3") is cfg.training.keeps_ema("flux") \
+        is (kept and given)
     assert cfg.training.use_ema == training.get("use_ema", "auto") or training["use_ema"] == "true"
 
 
@@ -353,7 +355,8 @@ def test_used_params_are_what_the_auto_settings_resolve_to_here():
     is none, and `auto` EMA is LoRA's alone; a setting given is logged as given."""
     lora = parse_config({"training": {"method": "lora"}}).training
     assert lora.used_params("sd1") == {"training.mixed_precision_used": "no", "training.use_ema_used": True}
-    assert lora.used_params("flux")["training.use_ema_used"] is False
+    assert lora.used_params("flux")["training.use_ema_used"] is lora.used_params("sdxl")["training.use_ema_used"] \
+        is False
     assert parse_config({"training": {"method": "full", "mixed_precision": "bf16"}}).training.used_params("sd1") == {
         "training.mixed_precision_used": "bf16", "training.use_ema_used": False}
 

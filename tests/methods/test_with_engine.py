@@ -59,7 +59,11 @@ def test_run_resume_outputs_and_grid(method, family, split_dir, base_model_dir, 
     assert [int(r["update"]) for r in curve] == [0, 2, 4] and all(float(r["val_loss"]) > 0 for r in curve)
     import json
 
-    assert json.loads(straight.summary_path.read_text())["family"] == family  # detected, never configured
+    summary = json.loads(straight.summary_path.read_text())
+    assert summary["family"] == family  # detected, never configured
+    # training.use_ema auto: an EMA for LoRA on SD 1.x/2.x only (config.EMA_AUTO_FAMILIES), by the family the engine
+    # loaded; the kill and the resume below go through it on SD's LoRA.
+    assert summary["use_ema_used"] is (method == "lora" and family == "sd1")
 
     # A crash: the same run SIGKILLed inside update 3 (after the update-2 checkpoint), then resumed, ends exactly
     # where the straight run ended.

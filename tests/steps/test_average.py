@@ -184,7 +184,7 @@ def test_checkpoints_of_different_runs_are_not_averaged(tmp_path):
     ({"finetune": {"average": "on"}, "training": {"use_ema": True}}, "does nothing with training.use_ema"),
     # LoRA keeps an EMA by default (training.use_ema auto): the fix names the setting that measures the average.
     ({"finetune": {"average": "on"}, "training": {"method": "lora"}},
-     "does nothing with training.use_ema auto, which keeps an EMA for LoRA on SD 1.x/2.x and SDXL: the run already "
+     "does nothing with training.use_ema auto, which keeps an EMA for LoRA on SD 1.x/2.x: the run already "
      "validates and delivers "
      "averaged weights; set average off, or training.use_ema false to average the window's checkpoints instead"),
     ({"finetune": {"average": "on"}, "training": {"method": "lora", "use_ema": False}}, None),
@@ -213,15 +213,17 @@ def test_an_average_asked_for_where_it_cannot_run_is_one_warning(settings, warne
     assert parse_config(yaml.safe_load("finetune:\n  average: off\n")).finetune.average == "off"
 
 
-def test_lora_on_a_flow_family_keeps_no_ema_by_default_so_the_window_average_runs(tiny_flux_dir):
-    """On SD3 and Flux training.use_ema auto keeps no EMA (config.EMA_AUTO_FAMILIES), so LoRA's window average is
-    measured there, and asking for it is no conflict; on the tiny SD model the same settings keep an EMA instead."""
+@pytest.mark.parametrize("family", ["sdxl", "flux"])
+def test_lora_beyond_sd1_keeps_no_ema_by_default_so_the_window_average_runs(family, request):
+    """On SDXL, SD3 and Flux training.use_ema auto keeps no EMA (config.EMA_AUTO_FAMILIES), so LoRA's window average
+    is measured there, and asking for it is no conflict; on the tiny SD model the same settings keep an EMA instead."""
     from rangefinder.config import parse_config, setting_conflicts
     from rangefinder.steps.average import average_applies
 
+    model_dir = request.getfixturevalue({"sdxl": "tiny_sdxl_dir", "flux": "tiny_flux_dir"}[family])
     settings = {"finetune": {"average": "on"}, "training": {"method": "lora"}}
-    flux = parse_config({**settings, "model": {"base_model": str(tiny_flux_dir)}})
-    assert average_applies(flux, True) and not [ln for ln in setting_conflicts(flux, "flux") if "average" in ln]
+    other = parse_config({**settings, "model": {"base_model": str(model_dir)}})
+    assert average_applies(other, True) and not [ln for ln in setting_conflicts(other, family) if "average" in ln]
     sd = parse_config(settings)
     assert not average_applies(sd, True) and [ln for ln in setting_conflicts(sd, "sd1") if "average" in ln]
 
