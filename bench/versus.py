@@ -201,7 +201,9 @@ HELD_OUT_KINDS = ("subject", "glyphs")
 # that delivers textual inversion's earliest checkpoint tied with (a)'s pick, written before they are read
 # ("Textual inversion's earliest tied checkpoint"). 65-66 (sdxl, LoRA, as shipped) test the EMA on SDXL, written
 # before they ran ("The EMA on SDXL's LoRA"); 64 ran once on sdxl LoRA `shapes` as the --family sdxl smoke, read.
-HELD_OUT_SEEDS = tuple(range(3, 64)) + (65, 66)
+# 67-68 (sdxl, full, as shipped) test `lr_finder: auto` measuring SDXL's full fine-tune with Prodigy's step size,
+# written before they ran ("SDXL's full fine-tune at Prodigy's step size").
+HELD_OUT_SEEDS = tuple(range(3, 64)) + (65, 66, 67, 68)
 TIE_PCT = 1.0  # within 1 %: a tie
 FOLK_LR = {"full": 1e-4, "lora": 1e-4, "textual_inversion": 5e-3}
 # The standings of record: the 275 cases merged on 2026-11-28 and seeds 38-39 (RESULTS.md, "Seeds 38-39 complete").
