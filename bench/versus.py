@@ -453,22 +453,12 @@ def effective_lrs(updates_csv: Path, best_update: Optional[int],
 
 
 def base_model_of(family: str) -> Path:
-    """The embedded tiny model of `family` (built or copied into the user cache once, under a file lock)."""
-    if family == "sdxl":
-        from rangefinder.models.tiny_sdxl import ensure_tiny_sdxl_model
+    """The embedded tiny model of `family` (built or copied into the user cache once, under a file lock): the one
+    models.loading.TINY_MODELS names for it."""
+    from rangefinder.models.loading import TINY_MODELS
+    from rangefinder.training.family_detection import import_named
 
-        return ensure_tiny_sdxl_model()
-    if family == "sd3":
-        from rangefinder.models.tiny_sd3 import ensure_tiny_sd3_model
-
-        return ensure_tiny_sd3_model()
-    if family == "flux":
-        from rangefinder.models.tiny_flux import ensure_tiny_flux_model
-
-        return ensure_tiny_flux_model()
-    from rangefinder.models.tiny import ensure_tiny_base_model
-
-    return ensure_tiny_base_model()
+    return Path(import_named(TINY_MODELS[family])())
 
 
 def case_overrides(method: str, args, family: str = "sd1") -> dict[str, dict[str, Any]]:

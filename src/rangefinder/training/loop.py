@@ -486,7 +486,7 @@ def _finish(run: Run, state: RunState, *, save_final: bool, seconds: float, cpu_
                 run.val_cfg.timesteps, _latent_hw(run)).as_dict(),
             "compile": "on" if settings.compile else "off",  # training.compile resolved
             "mixed_precision_used": run.cfg.mixed_precision,  # training.mixed_precision resolved (auto: per device)
-            "use_ema_used": run.ema is not None,  # training.use_ema resolved (auto: LoRA by AdamW, not on a ramp)
+            "use_ema_used": run.ema is not None,  # training.use_ema resolved (TrainingConfig.keeps_ema)
             "seconds": seconds,  # the loop's wall time (loading and encoding excluded)
             "cpu_seconds": cpu_seconds,  # this process' CPU time in the loop (all threads)
             "torch_threads": torch.get_num_threads(),  # CPU threads (RANGEFINDER_TORCH_THREADS; local runs: 1)
