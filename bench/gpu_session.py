@@ -18,9 +18,17 @@ Parts (a part starts only while its minimum time is left; a stopped part says so
    default since its copy is the adapter's few MB; full fine-tuning's default waits for this measurement of its
    whole-UNet copy: bench/RESULTS.md, "The EMA as LoRA's default"): peak memory and steady s/update of each, and
    what the EMA adds.
+   ti: textual inversion through the engine at the first and last batch, eager: images/s beside full's.
+   precision: the UNet's training step alone (forward, backward, clipping, fused AdamW) at each batch, four ways: the
+   engine's (fp32 weights under bf16 autocast) with and without channels_last, and bf16 weights without autocast
+   whose fp32 master copy the optimizer steps (cast in once per update), with and without channels_last. The first
+   session's profile put 28 % of the GPU time in copies (autocast's casts around group norm and the weights); this
+   measures what leaving autocast would give before the engine is changed for it.
 3. extras: a torch.profiler summary of the full fine-tune at the largest batch, the bf16 all-reduce hook's cost under
    DDP on NCCL with one process.
-Files: env.json, wholerun.json, wholerun_log.txt, goals.json, profile.txt, extras.json (and the caller's log.txt).
+Files: env.json, wholerun.json, wholerun_log.txt, goals.json, precision.json, profile.txt, extras.json (and the
+caller's log.txt). `--wholerun-method full` runs the whole run as a full fine-tune; `--wholerun-last` runs it after
+the other parts, with the time they left.
 """
 
 from __future__ import annotations
@@ -41,7 +49,8 @@ from typing import Any, Optional
 T0 = time.monotonic()
 
 
-GOAL_PARTS = {"goals", "compile", "compile_static", "k16", "ema"}  # what goals() runs; all but ema need its eager run
+# What goals() runs; all but ema and ti need its eager validation run.
+GOAL_PARTS = {"goals", "compile", "compile_static", "k16", "ema", "ti"}
 
 
 def elapsed() -> float:
@@ -96,7 +105,8 @@ def write_mixed_dataset(folder: Path, count: int, base: int) -> Path:
 # 1. The whole run
 
 
-def whole_run(out: Path, work: Path, model_dir: Path, resolution: int, budget: float, tiny: bool) -> dict[str, Any]:
+def whole_run(out: Path, work: Path, model_dir: Path, resolution: int, budget: float, tiny: bool,
+              method: str = "lora") -> dict[str, Any]:
     import yaml
 
     data = write_mixed_dataset(work / "mixed-40", 40, resolution)
@@ -105,7 +115,7 @@ def whole_run(out: Path, work: Path, model_dir: Path, resolution: int, budget: f
         "data": {"dataset_dir": str(data), "resolution": resolution},
         "model": {"base_model": str(model_dir)},
         # Defaults kept: mixed_precision auto, compile auto, bucketing on; batch 4 keeps the epochs short.
-        "training": {"method": "lora", "batch_size": 4, "cache_dir": str(work / "wholerun-cache")},
+        "training": {"method": method, "batch_size": 4, "cache_dir": str(work / "wholerun-cache")},
         "lr_range_test": {"epochs": 3, "validate_every_updates": 2, "zoom": False},
         "finetune": {"epochs": 2},
         "validation": {"every_updates": 2},
@@ -366,7 +376,8 @@ def goals(out: Path, work: Path, setup, device: str, mp: str, deadline: float, t
         row["median_s_per_update"] = median_interval(row)
         return row
 
-    row = guarded("validation overhead eager", 30, lambda: val_run("off")) if parts & (GOAL_PARTS - {"ema"}) else None
+    row = guarded("validation overhead eager", 30, lambda: val_run("off")) \
+        if parts & (GOAL_PARTS - {"ema", "ti"}) else None
     if isinstance(row, dict):
         res["validation_eager"] = row
     # d'. the same at validation.timesteps 16 (issue 34's steadier loss: four times the draws per image), eager
@@ -426,7 +437,127 @@ def goals(out: Path, work: Path, setup, device: str, mp: str, deadline: float, t
                 pair["s_per_update_ratio"] = e["steady_s_per_update"] / a["steady_s_per_update"]
         res.setdefault("ema", {})[method] = pair
         dump(out, "goals.json", res)
+    # h. textual inversion at the first and the last batch, eager (the UNet frozen: its backward reaches the inputs)
+    for b in (sorted({batches[0], batches[-1]}) if "ti" in parts else []):
+        row = guarded(f"textual inversion eager b{b}", 25 if tiny else 45,
+                      lambda b=b: engine(setup, method="textual_inversion", batch=b, updates=upd[b], device=device,
+                                         mp=mp, cache_dir=cache))
+        if not isinstance(row, dict):
+            break
+        mfu(row, False)
+        res.setdefault("textual_inversion", {})[b] = row
+        if b in res["full"] and res["full"][b]["images_per_second"] and row["images_per_second"]:
+            row["over_full"] = row["images_per_second"] / res["full"][b]["images_per_second"]
     dump(out, "goals.json", res)
+    return res
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2'. Precision: the UNet's training step alone, under autocast and in bf16 with an fp32 master copy
+
+
+def precision(out: Path, setup, device: str, batches: list[int], deadline: float) -> dict[str, Any]:
+    """Seconds per training step of the UNet alone, at each batch, for four arms (see the module's docstring).
+
+    autocast: fp32 weights, bf16 autocast, fp32 gradients clipped and stepped by fused AdamW: the engine's way.
+    bf16_master: the weights held in bf16 and run without autocast (group norm, softmax and the weights need no casts
+    at each use); their bf16 gradients cast once into an fp32 master copy, clipped and stepped by fused AdamW there,
+    and the master copied back into the bf16 weights: one cast each way per update instead of per use.
+    The loss of the last step is kept so that an arm that trains nothing stands out."""
+    import copy
+
+    import torch
+    from diffusers import UNet2DConditionModel
+
+    from bench.speed_vs_reference import device_peak_flops, unet_flops_per_update
+
+    name = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
+    peak = device_peak_flops(name) if device == "cuda" else None
+    res: dict[str, Any] = {"device": name, "peak_flops": peak, "resolution": setup.resolution, "rows": [],
+                           "errors": []}
+    base = UNet2DConditionModel.from_pretrained(str(setup.model_dir), subfolder="unet").to(device)
+    side = setup.resolution // 8
+    arms = [("autocast", True), ("autocast_contiguous", False), ("bf16_master", True),
+            ("bf16_master_contiguous", False)]
+    warm, timed = (2, 3) if device == "cpu" else (3, 8)
+
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    for b in batches:
+        g = torch.Generator(device="cpu").manual_seed(b)
+        x = torch.randn(b, 4, side, side, generator=g).to(device)
+        target = torch.randn(b, 4, side, side, generator=g).to(device)
+        c = torch.randn(b, 77, base.config.cross_attention_dim, generator=g).to(device)
+        t = torch.randint(0, 1000, (b,), generator=g).to(device)
+        flops = unet_flops_per_update(setup.model_dir, batch_size=b, resolution=setup.resolution)
+        for arm, channels_last in arms:
+            if deadline - elapsed() < (20 if device == "cuda" else 5):
+                res["errors"].append(f"{arm} b{b}: not run, device time")
+                continue
+            say(f"precision {arm} b{b} ...")
+            unet = opt = None
+            try:
+                unet = copy.deepcopy(base)
+                if channels_last:
+                    unet.to(memory_format=torch.channels_last)
+                unet.train()
+                params = [q for q in unet.parameters() if q.requires_grad]
+                master: list[torch.Tensor] = []
+                if arm.startswith("bf16"):
+                    master = [q.detach().clone().float() for q in params]
+                    unet.to(torch.bfloat16)
+                    params = [q for q in unet.parameters() if q.requires_grad]
+                    opt = torch.optim.AdamW(master, lr=1e-5, fused=device == "cuda")
+                else:
+                    opt = torch.optim.AdamW(params, lr=1e-5, fused=device == "cuda")
+                if device == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
+                times, loss_value = [], None
+                for i in range(warm + timed):
+                    sync()
+                    t0 = time.perf_counter()
+                    if master:
+                        pred = unet(x.bfloat16(), t, c.bfloat16(), return_dict=False)[0]
+                    else:
+                        with torch.autocast(device, dtype=torch.bfloat16):
+                            pred = unet(x, t, c, return_dict=False)[0]
+                    loss = torch.nn.functional.mse_loss(pred.float(), target)
+                    loss.backward()
+                    if master:
+                        for m, q in zip(master, params, strict=True):
+                            m.grad = q.grad.float() if q.grad is not None else None
+                            q.grad = None
+                        torch.nn.utils.clip_grad_norm_(master, 1.0, foreach=True)
+                        opt.step()
+                        opt.zero_grad(set_to_none=True)
+                        with torch.no_grad():
+                            torch._foreach_copy_(params, master)
+                    else:
+                        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+                        opt.step()
+                        opt.zero_grad(set_to_none=True)
+                    loss_value = float(loss.detach())  # synchronises, as the engine's logged loss does
+                    sync()
+                    if i >= warm:
+                        times.append(time.perf_counter() - t0)
+                per = statistics.median(times)
+                row = {"arm": arm, "channels_last": channels_last, "batch_size": b, "s_per_update": per,
+                       "images_per_second": b / per, "tflops": flops / per / 1e12,
+                       "mfu": flops / per / peak if peak else None, "last_loss": loss_value,
+                       "peak_mib": torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else None}
+                res["rows"].append(row)
+                say(f"precision {arm} b{b}: {per:.4f} s/update, {b / per:.1f} images/s"
+                    + (f", MFU {row['mfu']:.1%}" if row["mfu"] else ""))
+            except Exception as e:  # noqa: BLE001 - one arm's failure must not lose the rest
+                res["errors"].append(f"{arm} b{b}: {type(e).__name__}: {str(e)[:400]}")
+                say(res["errors"][-1])
+            finally:
+                del unet, opt
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+                dump(out, "precision.json", res)
     return res
 
 
@@ -508,6 +639,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "gpu-session")
     p.add_argument("--budget", type=float, default=440, help="seconds for everything; parts stop before it")
     p.add_argument("--wholerun-budget", type=float, default=190)
+    p.add_argument("--wholerun-method", default="lora", choices=("lora", "full"))
+    p.add_argument("--wholerun-last", action="store_true",
+                   help="run the whole run after the other parts, with the time they leave (at least --wholerun-budget "
+                        "is kept for it)")
+    p.add_argument("--precision-batches", default="4,32")
     p.add_argument("--tiny", action="store_true", help="CPU dry run: the tiny model at 64 px")
     p.add_argument("--batches", default="4,32,48")
     p.add_argument("--parts", default="wholerun,goals,compile,k16,profile,allreduce")
@@ -554,15 +690,25 @@ def main(argv: Optional[list[str]] = None) -> None:
     parts = args.parts.split(",")
     extras: dict[str, Any] = {}
 
-    if "wholerun" in parts:
+    def wholerun(budget: float) -> None:
         try:
-            budget = min(args.wholerun_budget, args.budget - elapsed() - 60)
-            dump(out, "wholerun.json", whole_run(out, work, setup.model_dir, resolution, budget, args.tiny))
+            dump(out, "wholerun.json", whole_run(out, work, setup.model_dir, resolution, budget, args.tiny,
+                                                 args.wholerun_method))
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             dump(out, "wholerun.json", {"error": f"{type(e).__name__}: {e}"})
         say("wholerun finished")
-    deadline = args.budget - 10
+
+    if "wholerun" in parts and not args.wholerun_last:
+        wholerun(min(args.wholerun_budget, args.budget - elapsed() - 60))
+    # With the whole run last, the other parts stop where they would leave it less than its budget.
+    deadline = args.budget - 10 - (args.wholerun_budget if "wholerun" in parts and args.wholerun_last else 0)
+    if "precision" in parts:
+        try:
+            precision(out, setup, device, [int(b) for b in args.precision_batches.split(",")], deadline)
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            dump(out, "precision.json", {"error": f"{type(e).__name__}: {e}"})
     res: dict[str, Any] = {}
     if GOAL_PARTS & set(parts):
         try:
@@ -586,6 +732,8 @@ def main(argv: Optional[list[str]] = None) -> None:
             traceback.print_exc()
             extras["allreduce"] = {"error": f"{type(e).__name__}: {e}"}
         dump(out, "extras.json", extras)
+    if "wholerun" in parts and args.wholerun_last:
+        wholerun(args.budget - elapsed() - 10)
     say("all parts done")
 
 
