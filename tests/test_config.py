@@ -299,14 +299,15 @@ def test_samples_during_training_use_the_first_seeds():
 
 
 @pytest.mark.parametrize("finder, family, method, resolved", [
-    # What the fresh cases chose (bench/RESULTS.md, "`lr_finder: auto` by model family").
+    # What the fresh cases chose (bench/RESULTS.md, "`lr_finder: auto` by model family"; SDXL's full fine-tune: "SDXL's
+    # full fine-tune at Prodigy's step size", its LoRA and textual inversion untested there, so the range test).
     ("auto", "sd3", "full", "prodigy_step"),
     ("auto", "sd3", "lora", "prodigy_step"),
     ("auto", "flux", "full", "prodigy_step"),
     ("auto", "flux", "lora", "prodigy_step"),
+    ("auto", "sdxl", "full", "prodigy_step"),
     ("auto", "sd1", "full", "range_test"),
     ("auto", "sd1", "lora", "range_test"),
-    ("auto", "sdxl", "full", "range_test"),
     ("auto", "sdxl", "lora", "range_test"),
     ("auto", "sd1", "textual_inversion", "range_test"),
     ("auto", "sdxl", "textual_inversion", "range_test"),
@@ -316,6 +317,19 @@ def test_samples_during_training_use_the_first_seeds():
 def test_lr_finder_auto_resolves_by_family_and_method_and_the_others_stay(finder, family, method, resolved):
     cfg = parse_config({"lr_finder": finder, "training": {"method": method}})
     assert cfg.lr_finder_for(family) == resolved
+
+
+def test_auto_lr_finder_measures_sdxl_full_alone_of_sdxl_s_methods_with_prodigy_step():
+    """The whole mapping, every family by every method: SDXL's full fine-tune moved to Prodigy's step size by its own
+    rule (bench/RESULTS.md, "SDXL's full fine-tune at Prodigy's step size"); its LoRA and textual inversion, and every
+    SD 1.x method, keep the range test."""
+    from rangefinder.config import auto_lr_finder
+
+    assert auto_lr_finder("sdxl", "full") == "prodigy_step"
+    assert auto_lr_finder("sdxl", "lora") == auto_lr_finder("sdxl", "textual_inversion") == "range_test"
+    prodigy = {(family, method) for family in ("sd1", "sdxl", "sd3", "flux")
+               for method in ("full", "lora", "textual_inversion") if auto_lr_finder(family, method) == "prodigy_step"}
+    assert prodigy == {("sdxl", "full"), ("sd3", "full"), ("sd3", "lora"), ("flux", "full"), ("flux", "lora")}
 
 
 def test_lr_finder_auto_is_the_default():
@@ -385,7 +399,10 @@ def test_range_test_bounds_beside_a_prodigy_step_finder_are_one_clear_error():
     assert line == ("the range test's bounds (lr_range_test.lr_min) are not used: on this sd3 base model, lr_finder "
                     "auto measures the LR of method full with prodigy_step, not the range test; set lr_finder: "
                     "range_test to use them, or remove them")
+    assert setting_conflicts(auto, "sdxl") == [line.replace("sd3", "sdxl")]  # SDXL's full fine-tune too
     assert setting_conflicts(auto, "sd1") == []
+    sdxl_lora = parse_config({"lr_finder": "auto", "training": {"method": "lora"}, "lr_range_test": {"lr_min": 1e-6}})
+    assert setting_conflicts(sdxl_lora, "sdxl") == []  # SDXL's LoRA keeps the range test, and its bounds
     assert setting_conflicts(auto) == []  # a hub id not fetched yet: resolve-config says it (test_resolve_config)
     ti = parse_config({"lr_finder": "auto", "training": {"method": "textual_inversion"},
                        "lr_range_test": {"lr_max": 1.0}})

@@ -291,12 +291,17 @@ LR_FREE_LR = 1.0  # the LR-free optimizers' documented lr: a multiplier of the s
 # method (auto_lr_finder).
 LRFinder = Literal["range_test", "prodigy_step", "auto"]
 MeasuredBy = Literal["range_test", "prodigy_step"]
-# The families (training/family_detection.py's names) whose full and lora runs auto measures with prodigy_step; the
-# range test everywhere else. Chosen by a rule written before its 40 fresh cases ran (bench/RESULTS.md, "`lr_finder:
-# auto` by model family"): on the SD3 tiny model the range test read the LR 3.5-160x too low, and Prodigy's step size
-# beat it in 15 of 20 (lost 1); on Flux the two tied in 18 of 20 (the prior won 2). On SD 1.x it did not beat the
-# range test (fresh seeds 33-34: 3 wins, 6 losses), so SD 1.x/2.x and SDXL keep the range test.
-LR_FINDER_AUTO_PRODIGY: dict[str, tuple[str, ...]] = {"sd3": ("full", "lora"), "flux": ("full", "lora")}
+# The families (training/family_detection.py's names) and, for each, the methods auto measures with prodigy_step; the
+# range test everywhere else. SD3 and Flux, full and lora: chosen by a rule written before its 40 fresh cases ran
+# (bench/RESULTS.md, "`lr_finder: auto` by model family"): on the SD3 tiny model the range test read the LR 3.5-160x
+# too low, and Prodigy's step size beat it in 15 of 20 (lost 1); on Flux the two tied in 18 of 20 (the prior won 2).
+# SDXL, full only: by a rule written before its 10 fresh SDXL full cases ran (seeds 67-68; bench/RESULTS.md, "SDXL's
+# full fine-tune at Prodigy's step size"), the prior beat the range test 4 / 4 / 2 and was better than Prodigy's best
+# in 9 against the range test's 8; held narrowly. SDXL's LoRA and textual inversion were not tested, and keep the
+# range test. On SD 1.x Prodigy's step size did not beat the range test (fresh seeds 33-34: 3 wins, 6 losses), so SD
+# 1.x/2.x keeps the range test for every method.
+LR_FINDER_AUTO_PRODIGY: dict[str, tuple[str, ...]] = {"sdxl": ("full",), "sd3": ("full", "lora"),
+                                                      "flux": ("full", "lora")}
 
 
 def auto_lr_finder(family: str, method: str) -> MeasuredBy:
@@ -981,8 +986,8 @@ class RangefinderConfig(_Section):
     # How discovery measures the LR (lr_finder_for): range_test (the LR range test, then a zoom when needed),
     # prodigy_step (a Prodigy run of finetune.epochs at lr 1.0 with diffusers' recipe; the fine-tune then trains at
     # the step size d x lr it ended on), or auto, the default (auto_lr_finder: by the base model's family and the
-    # method, LR_FINDER_AUTO_PRODIGY: prodigy_step for full and lora on SD3 and Flux, the range test everywhere
-    # else). Nothing to do with a fixed lr or an LR-free training.optimizer.
+    # method, LR_FINDER_AUTO_PRODIGY: prodigy_step for full and lora on SD3 and Flux and for full on SDXL, the range
+    # test everywhere else). Nothing to do with a fixed lr or an LR-free training.optimizer.
     lr_finder: LRFinder = "auto"
 
     @model_validator(mode="after")
@@ -995,7 +1000,7 @@ class RangefinderConfig(_Section):
             )
         # Asked for by name, the Prodigy finder beside the range test's bounds is a contradiction; under auto (the
         # default) the bounds are a warning where it picks prodigy_step (auto_finder_conflicts), so no config turns
-        # invalid on an SD3 or Flux model.
+        # invalid on an SD3, Flux or SDXL model.
         bounds_set = self.range_test_bounds_given()
         if bounds_set and self.pipeline_lr() is None and self.lr_finder == "prodigy_step":
             raise ValueError(

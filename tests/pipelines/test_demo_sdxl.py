@@ -2,9 +2,12 @@
 
 Two proofs replace the run of the unchanged `rangefinder demo --family sdxl`:
 - a small SDXL pipeline run, the smallest SD pipeline config (tests/pipelines/tiny_run.py) on the tiny SDXL model,
-  through kfp.local as the demo runs: it writes the SD runs' reports and records the family, read from the model, in
-  every tracked step's MLflow run;
-- `rangefinder demo --family sdxl` compiles the pipeline the SD demo compiles, but for the base model: so the demo
+  through kfp.local as the demo runs: lr_finder auto measures SDXL's full fine-tune with prodigy_step
+  (config.LR_FINDER_AUTO_PRODIGY; bench/RESULTS.md, "SDXL's full fine-tune at Prodigy's step size"), so it takes the
+  DAG's prodigy branch, writes the SD run's reports with the Prodigy run's for the range test's, and records the
+  family, read from the model, in every tracked step's MLflow run;
+- `rangefinder demo --family sdxl` compiles the pipeline the SD demo compiles, but for the base model and the range
+  test's bounds, which it leaves unset there (the prodigy branch has no use for them, as on SD3 and Flux): so the demo
   on SDXL is the small run's pipeline with the demo's settings, which tests/pipelines/test_demo_learns.py runs whole.
 """
 
@@ -16,43 +19,57 @@ from pathlib import Path
 
 import pytest
 
-from tests.pipelines.tiny_run import DISCOVERY_REPORTS, tiny_config
+from tests.pipelines.tiny_run import PRODIGY_REPORTS, tiny_config
 from tests.tracking.fixtures import free_port
 
 pytestmark = pytest.mark.slow
 
 
-def test_a_small_sdxl_run_writes_the_reports_of_the_sd_run(tiny_sdxl_dir, shapes_dataset_dir, tmp_path):
+def test_a_small_sdxl_run_takes_the_prodigy_branch_and_writes_the_reports_of_the_sd_run(
+        tiny_sdxl_dir, shapes_dataset_dir, tmp_path):
     from rangefinder.pipelines.local_run import run_pipeline_locally
 
     out = tmp_path / "sdxl"
+    # As `demo --family sdxl` runs it: lr_finder auto, the range test's bounds unset (auto would not use them); 3
+    # epochs (12 updates) for Prodigy's d to leave d0, as the SD3 and Flux runs of test_local_run_prodigy_step.py.
+    cfg = tiny_config(shapes_dataset_dir, tiny_sdxl_dir, lr_finder="auto",
+                      lr_range_test={"lr_min": None, "lr_max": None}, finetune={"epochs": 3})
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("MLFLOW_TRACKING_URI", raising=False)
         mp.delenv("MLFLOW_RUN_ID", raising=False)
-        s = run_pipeline_locally(tiny_config(shapes_dataset_dir, tiny_sdxl_dir), out).summary()
-    assert s["lr_source"] == "range-test" and s["lr_low"] < s["lr_mid"] < s["lr_high"]
+        run = run_pipeline_locally(cfg, out, quiet=True)
+    s = run.summary()
+    assert run.task("prodigy-step-size") and not run.task("lr-range-test"), sorted(run.outputs)
+    # choose-lr collapsed the bounds onto the Prodigy run's step size; the fine-tune trained that one LR.
+    assert s["lr_source"] == "prodigy-step" and 0 < s["lr_low"] == s["lr_mid"] == s["lr_high"] == s["lr_used"]
     assert s["recommended_epochs"] >= 1 and s["registered_model"] == "models:/rangefinder-sd/1"
-    # The discovery run's reports, by name: DISCOVERY_REPORTS, which the SD demo's run (test_local_run.py) writes too,
-    # with its zoom's two (this config has no zoom; no retrain, whose column would be within sample-images-grid.html).
-    # Reading the set, not that run, keeps this test from building the shared run on an xdist worker that has no
-    # other use for it.
+    decision = next(Path(p) for p in s["reports"] if os.path.basename(p) == "choose-lr-decision.md").read_text()
+    assert "(lr_finder: auto, which measures full on sdxl with prodigy_step)" in decision, decision
+    # The discovery run's reports, by name: PRODIGY_REPORTS, the SD demo's run's (test_local_run.py,
+    # tiny_run.DISCOVERY_REPORTS) with the Prodigy run's two for the range test's (this config has no zoom; no
+    # retrain, whose column would be within sample-images-grid.html). Reading the set, not that run, keeps this test
+    # from building the shared run on an xdist worker that has no other use for it.
     sdxl = {os.path.basename(p) for p in s["reports"]}
-    assert sdxl == DISCOVERY_REPORTS, sdxl
+    assert sdxl == PRODIGY_REPORTS, sdxl
     # The model was SDXL all along: the family came from the model, into every tracked step's MLflow run.
     with sqlite3.connect(out / "mlflow.db") as con:
         families = con.execute("select r.name, t.value from runs r join tags t on t.run_uuid = r.run_uuid "
                                "where t.key = 'rangefinder.model_family'").fetchall()
     assert families and {value for _, value in families} == {"sdxl"}, families
-    assert {name for name, _ in families} >= {"lr_range_test", "finetune"}, families
+    assert {name for name, _ in families} >= {"prodigy_step_size", "finetune"}, families
+    assert "lr_range_test" not in {name for name, _ in families}, families
 
 
-def test_demo_family_sdxl_changes_only_the_base_model(tiny_model_dir, tiny_sdxl_dir, tmp_path, monkeypatch, capsys):
+def test_demo_family_sdxl_changes_only_the_base_model_and_the_unused_bounds(tiny_model_dir, tiny_sdxl_dir, tmp_path,
+                                                                          monkeypatch, capsys):
     """`rangefinder demo --family sdxl` compiles OUT/pipeline.yaml before it runs it; here the run is refused before
     its first step starts, since the MLflow URI holds credentials (pipelines.local_run: one line, no step process,
     the secret not printed). The SD demo's pipeline, compiled as `demo` compiles it, into the same folder (so every
-    other path is the same), differs only in the model."""
+    other path is the same), differs only in the model and in the range test's bounds: lr_finder auto measures
+    SDXL's full fine-tune with prodigy_step, so the SDXL demo leaves them unset (as on SD3 and Flux)."""
     from rangefinder.cli.commands.demo import prepare_demo
     from rangefinder.cli.main import main
+    from rangefinder.config import auto_lr_finder
     from rangefinder.pipelines.pipeline import compile_pipeline
 
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
@@ -63,7 +80,14 @@ def test_demo_family_sdxl_changes_only_the_base_model(tiny_model_dir, tiny_sdxl_
     assert "MLFLOW_TRACKING_URI" in err and "holds" in err and "hunter2" not in err, err[-3000:]
     assert not (out / "pipeline-root").exists()  # refused before kfp.local made its root: no step ran
     sdxl = (out / "pipeline.yaml").read_text()
-    sd = Path(compile_pipeline(prepare_demo(out), str(tmp_path / "sd.yaml"))).read_text()
+    sd_cfg = prepare_demo(out)
+    assert (sd_cfg.lr_range_test.lr_min, sd_cfg.lr_range_test.lr_max) == (1e-5, 1e-2)  # the SD demo's, used there
+    assert auto_lr_finder("sd1", "full") == "range_test" and auto_lr_finder("sdxl", "full") == "prodigy_step"
+    sd = Path(compile_pipeline(sd_cfg, str(tmp_path / "sd.yaml"))).read_text()
     assert str(tiny_model_dir) in sd and str(tiny_sdxl_dir) not in sd
     assert str(tiny_sdxl_dir) in sdxl and str(tiny_model_dir) not in sdxl
-    assert sdxl.replace(str(tiny_sdxl_dir), str(tiny_model_dir)) == sd
+    assert sdxl.replace(str(tiny_sdxl_dir), str(tiny_model_dir)) != sd
+    # The same config with the bounds unset compiles to the SDXL demo's pipeline but for the model.
+    sd_cfg.lr_range_test.lr_min = sd_cfg.lr_range_test.lr_max = None
+    unbounded = Path(compile_pipeline(sd_cfg, str(tmp_path / "sd-unbounded.yaml"))).read_text()
+    assert sdxl.replace(str(tiny_sdxl_dir), str(tiny_model_dir)) == unbounded

@@ -17,11 +17,16 @@ TINY = {
 }
 
 # The reports a discovery run of TINY writes under OUT/reports (no zoom; a retrain has no report of its own, its
-# column is in the grid's): the small SDXL run (test_demo_sdxl.py) is held to this set, and the demo's run
-# (test_local_run.py, the session's shared run) to this set and the zoom's two reports, so the SD and SDXL runs
-# write the same reports but for the zoom without the SDXL test reading the SD run.
+# column is in the grid's): the demo's run (test_local_run.py, the session's shared run) is held to this set and the
+# zoom's two reports.
 DISCOVERY_REPORTS = frozenset({"prepare-dataset-report.md", "lr-range-test-first.html", "lr-range-test-first.md",
                                "choose-lr-decision.md", "finetune.html", "finetune.md", "sample-images-grid.html"})
+# The same run on the prodigy_step branch (lr_finder auto's choice for SDXL's, SD3's and Flux's full fine-tune): the
+# Prodigy run's two reports where the range test's were, the rest alike. The small SDXL run (test_demo_sdxl.py) is
+# held to this set, so the SD and SDXL runs write the same reports but for the finder's, without the SDXL test
+# reading the SD run.
+PRODIGY_REPORTS = (DISCOVERY_REPORTS - {"lr-range-test-first.html", "lr-range-test-first.md"}) | {
+    "prodigy-step-size.html", "prodigy-step-size.md"}
 
 # The retrain the fixed-LR run turns on (test_local_run.py, the DAG's retrain branch): one epoch on train + validation.
 RETRAIN = {"retrain": {"enabled": True, "epochs": 1}}

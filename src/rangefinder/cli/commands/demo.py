@@ -69,8 +69,8 @@ def prepare_demo(out: Path, retrain: bool = False, lr: float | None = None, fami
         overrides["sampling"] = {"scheduler": None}
     if family == "flux":  # so does Flux, whose guidance scale is the distilled guidance input (3.5), not CFG
         overrides["sampling"] = {"scheduler": None, "guidance_scale": 3.5}
-    # Where lr_finder auto measures the demo's full fine-tune with prodigy_step (SD3, Flux), the range test's bounds
-    # (the demo's, for SD 1.x) would go unused.
+    # Where lr_finder auto measures the demo's full fine-tune with prodigy_step (SDXL, SD3, Flux), the range test's
+    # bounds (the demo's, for SD 1.x) would go unused.
     if auto_lr_finder(family, "full") == "prodigy_step":
         overrides["lr_range_test"] = {"lr_min": None, "lr_max": None}
     # Validated before anything is made: a bad --lr costs one line, not a dataset and a model build.
