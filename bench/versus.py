@@ -8,7 +8,9 @@ models of models/tiny_sd3.py and tiny_flux.py; every arm runs alike on each):
     (and its zoom), choose_lr, the fine-tune with successive halving of lr_mid and lr_high; it delivers the
     checkpoint the step window kept (chosen.json). On sd3 and flux, full and LoRA measure the LR as lr_finder auto
     does there since "`lr_finder: auto` by model family" (bench/RESULTS.md): Prodigy's final step size, one LR, no
-    halving. Their cases saved before that (seeds 3-37) ran the range test;
+    halving. Their cases saved before that (seeds 3-37) ran the range test. sdxl's full fine-tuning measures it the
+    same way since "SDXL's full fine-tune at Prodigy's step size" (2026-11-29); its cases saved before that (seeds
+    65-68) ran the range test;
 (b) Prodigy at lr 1.0 with the settings diffusers' README recommends (betas 0.9/0.99, weight decay 0.01, bias
     correction and safeguard warmup on, constant schedule), for (a)'s fine-tune length: its best checkpoint by
     validation loss, and its final one;
@@ -1245,8 +1247,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     args.out = args.out or (smoke_out(NAME) if args.smoke else default_out(NAME))
     if args.smoke:
         args.methods, args.kinds, args.seeds, args.images = "full", "shapes", "0", 10
-        # Where lr_finder auto measures (a)'s LR with Prodigy's step size (the flow families), its d leaves d0 only
-        # after about 9 updates on the tiny models: 6 epochs of 2 updates, where 2 epochs do for the range test.
+        # Where lr_finder auto measures (a)'s LR with Prodigy's step size (the flow families, and sdxl's full
+        # fine-tuning), its d leaves d0 only after about 9 updates on the tiny models: 6 epochs of 2 updates, where 2
+        # epochs do for the range test.
         from rangefinder.config import auto_lr_finder
 
         args.finetune_epochs = 6 if auto_lr_finder(args.family, "full") == "prodigy_step" else 2
