@@ -401,9 +401,11 @@ class TrainingConfig(_Section):
     # --- model and memory
     train_text_encoder: bool = False
     gradient_checkpointing: bool = False
-    # The UNet's weights in channels_last (NHWC) memory format, so its convolutions run NHWC: faster on NVIDIA
-    # tensor cores under bf16/fp16 (PyTorch's channels_last guide); the same numbers up to kernel rounding. Off by
-    # default because on CPU it seldom helps; bench/speed_vs_reference turns it on for its GPU rows.
+    # The UNet's weights in channels_last (NHWC) memory format, so its convolutions run NHWC (PyTorch's channels_last
+    # guide); the same numbers up to kernel rounding. Off by default: on CPU it seldom helps, and on an H200 at SD 1.5
+    # size, 512 px, bf16 (bench/RESULTS.md, "GPU rows, third session") the UNet's training step was 8 % slower with
+    # it at batch 32 and within 2 % at batch 4, the attention blocks' reshapes copying NHWC activations back to
+    # contiguous. bench/speed_vs_reference still turns it on for its GPU rows, to compare with their earlier runs.
     channels_last: bool = False
     # auto: bf16 on a CUDA GPU that supports it (Ampere and newer), else fp16 on CUDA, else no (CPU, MPS); see
     # resolve_mixed_precision. Trainable weights stay fp32 either way (the methods keep fp32 master weights).
