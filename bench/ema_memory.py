@@ -20,17 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from bench.fixtures import SD15_UNET
+from bench.fixtures import SD15_UNET, SDXL_UNET
 
-# SDXL base 1.0's UNet as its published config gives it (2.57 B parameters).
-SDXL_UNET = dict(
-    sample_size=128, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(320, 640, 1280),
-    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
-    up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
-    transformer_layers_per_block=(1, 2, 10), attention_head_dim=(5, 10, 20), cross_attention_dim=2048,
-    use_linear_projection=True, addition_embed_type="text_time", addition_time_embed_dim=256,
-    projection_class_embeddings_input_dim=2816,
-)
 UNETS = {"sd15": (SD15_UNET, "sd1"), "sdxl": (SDXL_UNET, "sdxl")}  # name -> (UNet config, the model family)
 
 

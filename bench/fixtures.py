@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 
 @dataclass(frozen=True)
@@ -57,39 +57,96 @@ SD15_TEXT = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, 
                  max_position_embeddings=77, hidden_act="quick_gelu", projection_dim=768)
 
 
-def sd15_sized_model(out_dir: Path, seed: int = 0) -> Path:
-    """A diffusers folder with SD 1.5-sized UNet, VAE and text encoder (random weights), and the tiny model's
-    tokenizer and scheduler (no download is possible; the tokenizer's vocabulary size only changes an embedding
-    lookup). Reused when already there."""
+# SDXL base 1.0's UNet (2.57 B parameters), VAE and two text encoders (CLIP ViT-L/14 and OpenCLIP ViT-bigG/14, the
+# second with its projection), as their published configs give them.
+SDXL_UNET = dict(
+    sample_size=128, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(320, 640, 1280),
+    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+    up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+    transformer_layers_per_block=(1, 2, 10), attention_head_dim=(5, 10, 20), cross_attention_dim=2048,
+    use_linear_projection=True, addition_embed_type="text_time", addition_time_embed_dim=256,
+    projection_class_embeddings_input_dim=2816,
+)
+SDXL_VAE = {**SD15_VAE, "sample_size": 1024, "scaling_factor": 0.13025}
+SDXL_TEXT = {**SD15_TEXT, "projection_dim": 768}
+SDXL_TEXT_2 = dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=20,
+                   max_position_embeddings=77, hidden_act="gelu", projection_dim=1280)
+# family -> the parts a sized model has: folder -> (class name, config); the text encoders take the vocabulary of the
+# tiny model's tokenizer beside them.
+SIZED = {
+    "sd1": {"unet": ("UNet2DConditionModel", SD15_UNET), "vae": ("AutoencoderKL", SD15_VAE),
+            "text_encoder": ("CLIPTextModel", SD15_TEXT)},
+    "sdxl": {"unet": ("UNet2DConditionModel", SDXL_UNET), "vae": ("AutoencoderKL", SDXL_VAE),
+             "text_encoder": ("CLIPTextModel", SDXL_TEXT),
+             "text_encoder_2": ("CLIPTextModelWithProjection", SDXL_TEXT_2)},
+}
+
+
+def sized_parts(family: str, tokens: dict[str, tuple[int, int, int, int]],
+                parts: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """The randomly initialised modules of a `family` model at its published size (or of `parts`, the same layout
+    with other configs), each text encoder with the vocabulary size and pad, bos and eos ids its tokenizer has
+    (`tokens`, by tokenizer folder). Built on the current default device: under `torch.device("meta")` they cost no
+    memory, which is how the sizes are checked."""
+    import diffusers
+    import transformers
+
+    built: dict[str, Any] = {}
+    for folder, (cls_name, config) in (parts or SIZED[family]).items():
+        if cls_name.startswith("CLIP"):
+            vocab, pad, bos, eos = tokens[folder.replace("text_encoder", "tokenizer")]
+            cfg = transformers.CLIPTextConfig(vocab_size=vocab, pad_token_id=pad, bos_token_id=bos,
+                                              eos_token_id=eos, **config)
+            built[folder] = getattr(transformers, cls_name)(cfg)
+        else:
+            built[folder] = getattr(diffusers, cls_name).from_config(config)
+    return built
+
+
+def sized_model(out_dir: Path, family: str = "sd1", seed: int = 0, device: Optional[str] = None,
+                parts: Optional[dict[str, Any]] = None) -> Path:
+    """A diffusers folder of a `family` model at its published size (SIZED; or `parts`), random weights, with the
+    embedded tiny model's tokenizers, scheduler and model_index.json (no download is possible; a tokenizer's
+    vocabulary size only changes an embedding lookup). `device` builds the modules there (a GPU initialises SDXL's
+    3.4 B parameters in seconds, where a CPU takes minutes); they are saved in fp32 either way. Reused when already
+    there; written beside and renamed, so a half-written folder never looks finished."""
     import shutil
 
     import torch
-    from diffusers import AutoencoderKL, UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+    from transformers import CLIPTokenizer
 
-    from rangefinder.models.tiny import ensure_tiny_base_model
+    from rangefinder.models.loading import TINY_MODELS, import_named
 
     out_dir = Path(out_dir)
-    done = out_dir / "model_index.json"
-    if done.exists():
+    if (out_dir / "model_index.json").exists():
         return out_dir
-    tiny = ensure_tiny_base_model()
+    tiny = Path(import_named(TINY_MODELS[family])(None))
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    layout = parts or SIZED[family]
+    tokenizers = [f.replace("text_encoder", "tokenizer") for f in layout if f.startswith("text_encoder")]
+    tokens = {}
+    for t in tokenizers:
+        tok = CLIPTokenizer.from_pretrained(tiny, subfolder=t)
+        tokens[t] = (len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
     torch.manual_seed(seed)
-    UNet2DConditionModel(**SD15_UNET).save_pretrained(tmp / "unet")
-    AutoencoderKL(**SD15_VAE).save_pretrained(tmp / "vae")
-    tokenizer = CLIPTokenizer.from_pretrained(tiny, subfolder="tokenizer")
-    text_cfg = CLIPTextConfig(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                              bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, **SD15_TEXT)
-    CLIPTextModel(text_cfg).save_pretrained(tmp / "text_encoder")
-    for part in ("tokenizer", "scheduler"):
+    with torch.device(device or "cpu"):
+        built = sized_parts(family, tokens, parts)
+    for folder, module in built.items():
+        module.save_pretrained(tmp / folder)
+        del module
+    for part in (*tokenizers, "scheduler"):
         shutil.copytree(tiny / part, tmp / part)
     shutil.copyfile(tiny / "model_index.json", tmp / "model_index.json")
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
     return out_dir
+
+
+def sd15_sized_model(out_dir: Path, seed: int = 0) -> Path:
+    """The SD 1.5-sized model (sized_model for sd1). Reused when already there."""
+    return sized_model(out_dir, "sd1", seed)
 
 
 def sd15_setup(work_dir: Path, images: int = 32, resolution: int = 512, model_dir: Optional[Path] = None) -> BenchSetup:

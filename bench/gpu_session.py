@@ -109,7 +109,7 @@ def whole_run(out: Path, work: Path, model_dir: Path, resolution: int, budget: f
               method: str = "lora") -> dict[str, Any]:
     import yaml
 
-    data = write_mixed_dataset(work / "mixed-40", 40, resolution)
+    data = write_mixed_dataset(work / f"mixed-40-{resolution}px", 40, resolution)
     run_out = work / "wholerun"
     cfg = {
         "data": {"dataset_dir": str(data), "resolution": resolution},
@@ -649,6 +649,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--budget", type=float, default=440, help="seconds for everything; parts stop before it")
     p.add_argument("--wholerun-budget", type=float, default=190)
     p.add_argument("--wholerun-method", default="lora", choices=("lora", "full"))
+    p.add_argument("--wholerun-model", default="sd15", choices=("sd15", "sdxl"),
+                   help="sdxl: an SDXL-sized model (bench.fixtures.sized_model, built on the GPU; the tiny SDXL with "
+                        "--tiny) at --wholerun-resolution")
+    p.add_argument("--wholerun-resolution", type=int, default=None,
+                   help="pixels; default the session's (512), 1024 for --wholerun-model sdxl (64 with --tiny)")
     p.add_argument("--wholerun-last", action="store_true",
                    help="run the whole run after the other parts, with the time they leave (at least --wholerun-budget "
                         "is kept for it)")
@@ -700,9 +705,22 @@ def main(argv: Optional[list[str]] = None) -> None:
     extras: dict[str, Any] = {}
 
     def wholerun(budget: float) -> None:
+        ends = elapsed() + budget  # the SDXL model's build comes out of the budget
         try:
-            dump(out, "wholerun.json", whole_run(out, work, setup.model_dir, resolution, budget, args.tiny,
-                                                 args.wholerun_method))
+            model_dir, px = setup.model_dir, args.wholerun_resolution or resolution
+            if args.wholerun_model == "sdxl":
+                from bench.fixtures import sized_model
+                from rangefinder.models.tiny_sdxl import ensure_tiny_sdxl_model
+
+                t0 = time.perf_counter()
+                model_dir = ensure_tiny_sdxl_model() if args.tiny else sized_model(work / "sdxl-sized", "sdxl",
+                                                                                   device=device)
+                px = args.wholerun_resolution or (64 if args.tiny else 1024)
+                env["sdxl_setup_seconds"] = time.perf_counter() - t0
+                dump(out, "env.json", env)
+                say(f"SDXL model ready in {env['sdxl_setup_seconds']:.1f} s: {model_dir}")
+            budget = ends - elapsed()
+            dump(out, "wholerun.json", whole_run(out, work, model_dir, px, budget, args.tiny, args.wholerun_method))
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             dump(out, "wholerun.json", {"error": f"{type(e).__name__}: {e}"})
