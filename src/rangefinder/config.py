@@ -410,6 +410,15 @@ class TrainingConfig(_Section):
     # auto: bf16 on a CUDA GPU that supports it (Ampere and newer), else fp16 on CUDA, else no (CPU, MPS); see
     # resolve_mixed_precision. Trainable weights stay fp32 either way (the methods keep fp32 master weights).
     mixed_precision: Literal["auto", "no", "fp16", "bf16"] = "auto"
+    # How the trained weights are held under bf16 mixed precision. fp32 (the default): fp32 weights, the forward under
+    # bf16 autocast, as diffusers' example trainers run. bf16: the weights themselves in bf16 and the forward without
+    # autocast (norms and softmax run in bf16, no casts at each use), while the optimizer steps an fp32 master copy
+    # cast in once per update; checkpoints, the EMA and the saved model hold the fp32 master. On an H200 at SD 1.5
+    # size the UNet's training step ran 11-13 % more images/s this way and held 9 GiB less at batch 32 (bench/
+    # RESULTS.md, "GPU rows, third session"; measured on the step alone, not yet through the engine). Full
+    # fine-tuning of the UNet alone (LoRA already keeps its frozen base in bf16), one process, an optimizer that is not
+    # schedule-free, bf16 mixed precision; gradients accumulate in bf16 across an update's micro-batches.
+    weights_dtype: Literal["fp32", "bf16"] = "fp32"
     # torch.compile of the denoiser (regional: the UNet's repeated transformer blocks, diffusers'
     # compile_repeated_blocks). auto: on for CUDA runs longer than training.setup.COMPILE_AUTO_MIN_UPDATES updates,
     # which is None (never) since an H100 measured a fully compiled UNet slower per update than eager; off on CPU.
@@ -490,6 +499,16 @@ class TrainingConfig(_Section):
             raise ValueError(f"training.schedule: {self.optimizer} is schedule-free (it averages its iterates instead "
                              f"of decaying the LR), so it trains with a constant LR; set training.schedule: constant "
                              f"(got {self.schedule}), or choose training.optimizer: adamw")
+        if self.weights_dtype == "bf16":
+            problem = ("method is " + self.method if self.method != "full"
+                       else "the text encoder trains too" if self.train_text_encoder
+                       else f"{self.optimizer} is schedule-free" if self.optimizer in SCHEDULE_FREE_OPTIMIZERS
+                       else f"mixed_precision is {self.mixed_precision}" if self.mixed_precision in ("no", "fp16")
+                       else None)
+            if problem is not None:
+                raise ValueError(f"training.weights_dtype: bf16 holds a full fine-tune's UNet in bf16 with an fp32 "
+                                 f"master copy, under bf16 mixed precision with an optimizer that is not "
+                                 f"schedule-free, but {problem}; set weights_dtype: fp32")
         return self
 
     def budget_given(self) -> bool:

@@ -67,8 +67,10 @@ def save_checkpoint(run: Run, state: RunState) -> None:
 def _main_parts(run: Run, state: RunState) -> dict[str, Any]:
     """What the main process writes, gathered (and copied to the CPU) before anything is written."""
     accelerator, update = run.accelerator, state.update
+    with run.fp32_weights():  # bf16 weights (training.weights_dtype): their fp32 masters are what is kept
+        weights = {k: v.cpu() for k, v in run.method.trainable_state_dict().items()}
     return dict(
-        weights={k: v.cpu() for k, v in run.method.trainable_state_dict().items()},
+        weights=weights,
         optimizer=run.optimizer.state_dict(),
         ema=run.ema.state_dict() if run.ema is not None else None,
         scaler=accelerator.scaler.state_dict() if accelerator.scaler is not None else None,
@@ -128,7 +130,8 @@ def restore_checkpoint(run: Run, state: RunState) -> None:
         return
     saved = checkpoints.load(ckpt, run.accelerator.process_index)
     check_same_run(saved["state"], run, _train_buckets(run))
-    run.method.load_trainable_state_dict({k: v.to(run.device) for k, v in saved["weights"].items()})
+    with run.fp32_weights():  # bf16 weights: into their fp32 masters, which the weights then follow
+        run.method.load_trainable_state_dict({k: v.to(run.device) for k, v in saved["weights"].items()})
     run.optimizer.load_state_dict(saved["optimizer"])
     if run.ema is not None and saved["ema"] is not None:
         run.ema.load_state_dict(saved["ema"])

@@ -251,7 +251,10 @@ def _train_one_update(run: Run, state: RunState) -> dict[str, Any]:
             with _gradient_sync(run, sync=j == micro_steps[-1]):
                 loss_sum += _micro_batch_loss(run, state.train_gen, j, images_in_update)
 
-    # One update: clip, set this update's LR, step, hooks, EMA.
+    # One update: clip, set this update's LR, step, hooks, EMA. With bf16 weights the fp32 masters are clipped and
+    # stepped (run.trainable), from the accumulated bf16 gradients cast into them here, then copied into the weights.
+    if run.master is not None:
+        run.master.gradients_in()
     clip = run.cfg.max_grad_norm if run.cfg.max_grad_norm is not None else float("inf")
     grad_norm = float(accelerator.clip_grad_norm_(run.trainable, clip))
     lr = run.schedule(state.update)
@@ -260,6 +263,8 @@ def _train_one_update(run: Run, state: RunState) -> dict[str, Any]:
     with memory_advice(run.cfg):  # AdamW allocates its state on the first step
         run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
+    if run.master is not None:
+        run.master.weights_out()
     run.method.after_optimizer_step()
     if run.ema is not None:
         run.ema.step(run.trainable)
@@ -445,7 +450,7 @@ def _finish(run: Run, state: RunState, *, save_final: bool, seconds: float, cpu_
         if run.cfg.channels_last:
             run.sd.unet.to(memory_format=torch.contiguous_format)  # safetensors writes contiguous tensors only
         # the average (EMA's, a schedule-free optimizer's) is what it saves
-        with run.schedule_free_eval(), run.ema_weights(on=True), atomic_dir(final_dir) as tmp:
+        with run.schedule_free_eval(), run.ema_weights(on=True), run.fp32_weights(), atomic_dir(final_dir) as tmp:
             run.method.save_final(run.sd, tmp)
     run.accelerator.wait_for_everyone()
 

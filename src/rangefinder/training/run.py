@@ -24,6 +24,7 @@ from rangefinder.training.caching import CachedTextFiles, CacheStats
 from rangefinder.training.captions import ShuffledCaptions
 from rangefinder.training.data import LatentSource, Stream
 from rangefinder.training.family import Denoiser, Family, ImageGeometry
+from rangefinder.training.master import MasterWeights
 from rangefinder.training.schedules import LRSchedule
 from rangefinder.training.spec import TrainOn
 from rangefinder.training.validation import Shard, ValidationSet
@@ -110,6 +111,8 @@ class Run:
     denoiser: Denoiser  # the training forward pass, through the prepared modules
     eval_denoiser: Denoiser  # the same through the unwrapped modules (validation)
     val_shard: Shard = field(default_factory=Shard)  # this process' share of each validation pass
+    # training.weights_dtype bf16: the fp32 masters of the bf16 weights (`trainable` is then the masters); else None
+    master: Optional[MasterWeights] = None
 
     @property
     def cfg(self) -> TrainingConfig:
@@ -148,10 +151,19 @@ class Run:
             return
         self.ema.store(self.trainable)
         self.ema.copy_to(self.trainable)
+        if self.master is not None:  # the EMA went into the masters: the bf16 weights follow
+            self.master.weights_out()
         try:
             yield
         finally:
             self.ema.restore(self.trainable)
+            if self.master is not None:
+                self.master.weights_out()
+
+    def fp32_weights(self) -> contextlib.AbstractContextManager[None]:
+        """With bf16 weights (training.weights_dtype), the module's parameters are their fp32 masters while inside:
+        what a checkpoint or the saved model reads from the module, and what a resume loads into it. Else nothing."""
+        return self.master.fp32_weights() if self.master is not None else contextlib.nullcontext()
 
     @contextlib.contextmanager
     def schedule_free_eval(self) -> Iterator[None]:

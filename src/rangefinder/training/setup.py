@@ -197,6 +197,12 @@ def load_model(settings: RunSettings, accelerator: Accelerator) -> tuple[SDCompo
     if cfg.channels_last:
         # NHWC convolution weights; the convolutions then run NHWC whatever the inputs' layout.
         sd.unet.to(memory_format=torch.channels_last)
+    if cfg.weights_dtype == "bf16":  # the trained weights in bf16, their fp32 master in the optimizer (prepare_run)
+        from rangefinder.training.master import check_bf16_weights, to_bf16_module
+
+        check_bf16_weights(str(accelerator.mixed_precision), accelerator.num_processes)
+        for m in method.trainable_modules().values():
+            to_bf16_module(m)
     if settings.compile:
         compile_forward_modules(sd, method)
     return sd, family
@@ -299,6 +305,12 @@ def prepare_run(settings: RunSettings, accelerator: Accelerator, sd: SDComponent
     stream = make_stream(settings.plan, cfg.seed, settings.train_bucket_of)
     groups = method.param_groups()
     trainable = method.trainable_parameters()
+    master = None
+    if cfg.weights_dtype == "bf16":  # the optimizer and the EMA step the fp32 masters of the bf16 weights
+        from rangefinder.training.master import MasterWeights
+
+        master = MasterWeights(trainable)
+        groups, trainable = master.param_groups(groups), list(master.masters)
     optimizer = make_optimizer(cfg, groups, settings.schedule(0))
     ema = None
     if cfg.keeps_ema(family.name):
@@ -315,12 +327,13 @@ def prepare_run(settings: RunSettings, accelerator: Accelerator, sd: SDComponent
     text_encoders = ([prepared.get(n, getattr(sd, n)) for n in family.text_encoder_names()]
                      if method.text_encoder_changes else None)
     unwrap = accelerator.unwrap_model
+    autocast = accelerator.autocast if master is None else contextlib.nullcontext  # bf16 weights compute in bf16
     return Run(
         settings, accelerator, sd, family, data, stream, optimizer, ema, trainable, modules, prepared,
-        denoiser=Denoiser(family, unet, text_encoders, accelerator.autocast),
+        denoiser=Denoiser(family, unet, text_encoders, autocast),
         eval_denoiser=Denoiser(family, unwrap(unet), None if text_encoders is None else
-                               [unwrap(t) for t in text_encoders], accelerator.autocast),
-        val_shard=Shard.of(accelerator),
+                               [unwrap(t) for t in text_encoders], autocast),
+        val_shard=Shard.of(accelerator), master=master,
     )
 
 
