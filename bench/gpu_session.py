@@ -19,6 +19,8 @@ Parts (a part starts only while its minimum time is left; a stopped part says so
    whole-UNet copy: bench/RESULTS.md, "The EMA as LoRA's default"): peak memory and steady s/update of each, and
    what the EMA adds.
    ti: textual inversion through the engine at the first and last batch, eager: images/s beside full's.
+   weights: the full fine-tune at every batch with training.weights_dtype fp32 (autocast) and bf16 (bf16 weights,
+   fp32 master in the optimizer), eager: images/s, MFU and peak memory of each.
    precision: the UNet's training step alone (forward, backward, clipping, fused AdamW) at each batch, four ways: the
    engine's (fp32 weights under bf16 autocast) with and without channels_last, and bf16 weights without autocast
    whose fp32 master copy the optimizer steps (cast in once per update), with and without channels_last. The first
@@ -49,8 +51,8 @@ from typing import Any, Optional
 T0 = time.monotonic()
 
 
-# What goals() runs; all but ema and ti need its eager validation run.
-GOAL_PARTS = {"goals", "compile", "compile_static", "k16", "ema", "ti"}
+# What goals() runs; all but ema, ti and weights need its eager validation run.
+GOAL_PARTS = {"goals", "compile", "compile_static", "k16", "ema", "ti", "weights"}
 
 
 def elapsed() -> float:
@@ -190,7 +192,7 @@ class Stamps:
 def engine(setup, *, method: str, batch: int, updates: int, device: str, mp: str, cache_dir: Path,
            compile: str = "off", validate_every_epochs: float = 0, skip: int = 3,
            on_update: Optional[Callable[[int], None]] = None, timed_validation: bool = False,
-           timesteps: Optional[int] = None, use_ema: bool = False) -> dict[str, Any]:
+           timesteps: Optional[int] = None, use_ema: bool = False, weights_dtype: str = "fp32") -> dict[str, Any]:
     import torch
 
     from bench.common import PeakMemory, mib
@@ -199,7 +201,8 @@ def engine(setup, *, method: str, batch: int, updates: int, device: str, mp: str
 
     cfg = TrainingConfig(method=method, batch_size=batch, steps=updates, lr=1e-5, schedule="constant",
                          mixed_precision=mp, max_grad_norm=1.0, seed=0, cache_dir=str(cache_dir),
-                         channels_last=device == "cuda", compile=compile, use_ema=use_ema)
+                         channels_last=device == "cuda", compile=compile, use_ema=use_ema,
+                         weights_dtype=weights_dtype)
     val = ValidationConfig(every_epochs=validate_every_epochs,
                            **({"timesteps": timesteps} if timesteps else {}))  # None: the shipped K
     stamps = Stamps(on_update)
@@ -233,7 +236,7 @@ def engine(setup, *, method: str, batch: int, updates: int, device: str, mp: str
     first = stamps.times[steps[0]] if steps else None
     row = {
         "method": method, "batch_size": batch, "updates": result.updates, "compile": summary["compile"],
-        "use_ema": use_ema,
+        "use_ema": use_ema, "weights_dtype": weights_dtype,
         "mixed_precision_used": summary.get("mixed_precision_used", summary["training"]["mixed_precision"]),
         "loop_seconds": summary["seconds"], "wall_seconds": wall, "steady_s_per_update": per,
         "images_per_second": batch / per if per else None, "peak_mib": mib(mem.peak_bytes),
@@ -386,7 +389,7 @@ def goals(out: Path, work: Path, setup, device: str, mp: str, deadline: float, t
         return row
 
     row = guarded("validation overhead eager", 30, lambda: val_run("off")) \
-        if parts & (GOAL_PARTS - {"ema", "ti"}) else None
+        if parts & (GOAL_PARTS - {"ema", "ti", "weights"}) else None
     if isinstance(row, dict):
         res["validation_eager"] = row
     # d'. the same at validation.timesteps 16 (issue 34's steadier loss: four times the draws per image), eager
@@ -445,6 +448,22 @@ def goals(out: Path, work: Path, setup, device: str, mp: str, deadline: float, t
             if a["steady_s_per_update"] and e["steady_s_per_update"]:
                 pair["s_per_update_ratio"] = e["steady_s_per_update"] / a["steady_s_per_update"]
         res.setdefault("ema", {})[method] = pair
+        dump(out, "goals.json", res)
+    # g'. training.weights_dtype bf16 against fp32 (autocast), full fine-tune, eager, at every batch: the engine-level
+    # reading of the precision part's bf16-master arm
+    for b in (batches if "weights" in parts else []):
+        pair = {}
+        for wd in ("fp32", "bf16"):
+            row = guarded(f"full eager b{b} weights {wd}", 25 if tiny else 45,
+                          lambda b=b, wd=wd: engine(setup, method="full", batch=b, updates=upd[b], device=device,
+                                                    mp="bf16", cache_dir=cache, weights_dtype=wd))  # on CPU too
+            if not isinstance(row, dict):
+                break
+            mfu(row, True)
+            pair[wd] = row
+        if len(pair) == 2 and pair["fp32"]["images_per_second"] and pair["bf16"]["images_per_second"]:
+            pair["bf16_over_fp32"] = pair["bf16"]["images_per_second"] / pair["fp32"]["images_per_second"]
+        res.setdefault("weights_dtype", {})[b] = pair
         dump(out, "goals.json", res)
     # h. textual inversion at the first and the last batch, eager (the UNet frozen: its backward reaches the inputs)
     for b in (sorted({batches[0], batches[-1]}) if "ti" in parts else []):
