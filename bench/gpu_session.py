@@ -14,10 +14,9 @@ Parts (a part starts only while its minimum time is left; a stopped part says so
    rate, the compiled module's validation overhead).
    compile_static: the compiled run again with dynamo's automatic dynamic shapes off (static graphs per shape).
    k16: the eager validation overhead again at validation.timesteps 16 (issue 34's steadier loss), beside K 4's.
-   ema: full fine-tuning and LoRA at batch 4, eager, with and without `training.use_ema` (issue 34: LoRA keeps one by
-   default since its copy is the adapter's few MB; full fine-tuning's default waits for this measurement of its
-   whole-UNet copy: bench/RESULTS.md, "The EMA as LoRA's default"): peak memory and steady s/update of each, and
-   what the EMA adds.
+   ema: full fine-tuning and LoRA at batch 4, eager, with and without `training.use_ema`: the memory each run added
+   over what it started with, steady s/update, and what the EMA adds (measured on an H200 on 2026-11-29: full
+   fine-tuning's fp32 UNet copy and 9 % per update, LoRA's 3 MB; bench/RESULTS.md, "GPU rows, third session").
    ti: textual inversion through the engine at the first and last batch, eager: images/s beside full's.
    weights: the full fine-tune at every batch with training.weights_dtype fp32 (autocast) and bf16 (bf16 weights,
    fp32 master in the optimizer), eager: images/s, MFU and peak memory of each.
@@ -29,8 +28,8 @@ Parts (a part starts only while its minimum time is left; a stopped part says so
 3. extras: a torch.profiler summary of the full fine-tune at the largest batch, the bf16 all-reduce hook's cost under
    DDP on NCCL with one process.
 Files: env.json, wholerun.json, wholerun_log.txt, goals.json, precision.json, profile.txt, extras.json (and the
-caller's log.txt). `--wholerun-method full` runs the whole run as a full fine-tune; `--wholerun-last` runs it after
-the other parts, with the time they left.
+caller's log.txt). `--wholerun-method full` runs the whole run as a full fine-tune, `--wholerun-model sdxl` on an
+SDXL-sized model at 1024 px; `--wholerun-last` runs it after the other parts, with the time they left.
 """
 
 from __future__ import annotations
