@@ -408,7 +408,8 @@ class TrainingConfig(_Section):
     # contiguous. bench/speed_vs_reference still turns it on for its GPU rows, to compare with their earlier runs.
     channels_last: bool = False
     # auto: bf16 on a CUDA GPU that supports it (Ampere and newer), else fp16 on CUDA, else no (CPU, MPS); see
-    # resolve_mixed_precision. Trainable weights stay fp32 either way (the methods keep fp32 master weights).
+    # resolve_mixed_precision. Trainable weights stay fp32 either way (the methods keep fp32 master weights), unless
+    # weights_dtype is bf16 (below).
     mixed_precision: Literal["auto", "no", "fp16", "bf16"] = "auto"
     # How the trained weights are held under bf16 mixed precision. fp32 (the default): fp32 weights, the forward under
     # bf16 autocast, as diffusers' example trainers run. bf16: the weights themselves in bf16 and the forward without

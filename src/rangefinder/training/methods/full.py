@@ -18,8 +18,8 @@ class FullFineTune(ModuleMethod):
     name = "full"
 
     def setup(self, sd: SDComponents, weight_dtype: torch.dtype) -> None:
-        # Trainable weights stay fp32 under mixed precision (autocast computes in half); the frozen text encoder can
-        # be cast down to save memory.
+        # Trainable weights stay fp32 under mixed precision (autocast computes in half; training.weights_dtype bf16
+        # casts them down after, keeping an fp32 master); the frozen text encoder can be cast down to save memory.
         self._modules: dict[str, torch.nn.Module] = {"unet": sd.unet}
         sd.unet.requires_grad_(True)
         _cast(sd.unet, torch.float32)
