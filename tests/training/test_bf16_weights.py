@@ -112,3 +112,22 @@ def test_bf16_weights_where_auto_resolves_to_no_mixed_precision_stop_the_run(spl
         train(TrainSpec(cfg, ValidationConfig(every_epochs=0), split_dir=split_dir, model=tiny_model_dir),
               out_dir=tmp_path / "run", save_final=False)
     assert not (tmp_path / "run" / "updates.csv").exists()
+
+
+@pytest.mark.slow
+def test_bf16_weights_with_an_ema_and_channels_last_save_the_ema_of_the_master(split_dir, tiny_model_dir, tmp_path):
+    """The EMA steps the fp32 masters: validation measures it through the bf16 weights, and final/ saves it in fp32
+    (off bf16's grid), not the raw master; channels_last's conversion before the save leaves the master whole."""
+    finals = {}
+    for ema in (False, True):
+        cfg = TrainingConfig(batch_size=4, steps=4, lr=1e-3, seed=7, mixed_precision="bf16", weights_dtype="bf16",
+                             use_ema=ema, ema_decay=0.5, channels_last=True, cache_dir=str(tmp_path / "cache"))
+        result = train(TrainSpec(cfg, ValidationConfig(every_updates=2), split_dir=split_dir, model=tiny_model_dir),
+                       out_dir=tmp_path / f"ema-{ema}")
+        assert result.status == "ok"
+        finals[ema] = load_file(str(tmp_path / f"ema-{ema}" / UNET))
+    base = load_file(str(tiny_model_dir / "unet" / "diffusion_pytorch_model.safetensors"))
+    moved = [k for k in finals[True] if not torch.equal(base[k], finals[True][k])]
+    assert moved and _off_the_bf16_grid({k: finals[True][k] for k in moved}) > len(moved) // 2
+    # The EMA (decay 0.5 over 4 updates) lags the raw weights: what was saved is not the last master.
+    assert any(not torch.equal(finals[True][k], finals[False][k]) for k in moved)
