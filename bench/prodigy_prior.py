@@ -31,6 +31,7 @@ data or split differ) is reported and read as missing.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import shutil
@@ -70,8 +71,9 @@ DELIVERIES = ("prior", "prior_or_prodigy")
 AGAINST = ("prodigy_best", "folk_best", "random_best", "rangefinder")
 
 
-def probe_case(c: dict[str, Any], work: Path, log=print) -> dict[str, Any]:
-    """One saved case: (a)'s fine-tune at the case's Prodigy final step size, and the two deliveries' verdicts."""
+def probe_case(c: dict[str, Any], work: Path, log=print, multiplier: float = 1.0) -> dict[str, Any]:
+    """One saved case: (a)'s fine-tune at the case's Prodigy final step size (times `multiplier`: --multiplier, a
+    probe of an LR above or below it), and the two deliveries' verdicts."""
     s = c["summary"]
     # The case's key (bench.common.case_key) travels with the row: a killed probe resumes, and --report merges, by it.
     row: dict[str, Any] = {k: c[k] for k in ("method", "kind", "seed", "held_out")}
@@ -91,7 +93,8 @@ def probe_case(c: dict[str, Any], work: Path, log=print) -> dict[str, Any]:
         row["absent"] = "the case's Prodigy arm gave no step size, or its re-run did not reproduce it"
         shutil.rmtree(case, ignore_errors=True)
         return row
-    arm = train_arm(cfg, split_dir, lr, case / "prior")
+    row.update(multiplier=multiplier, trained_lr=lr * multiplier)
+    arm = train_arm(cfg, split_dir, lr * multiplier, case / "prior")
     shutil.rmtree(case, ignore_errors=True)
     chosen = arm.get("chosen") or {}
     row.update(prior=chosen.get("val_loss", arm.get("final_val_loss")), prior_best=arm.get("best_val_loss"),
@@ -101,7 +104,7 @@ def probe_case(c: dict[str, Any], work: Path, log=print) -> dict[str, Any]:
                reproduces=math.isclose(arm.get("baseline_val_loss") or math.nan,
                                        s["baseline_val_loss"] or c["prodigy"]["baseline_val_loss"], rel_tol=1e-6),
                updates=arm["updates"] + c["prodigy"]["updates"], rangefinder_updates=s["updates"]["rangefinder"],
-               rangefinder_lr=s["rangefinder_lr"], lr_over_rangefinder=lr / s["rangefinder_lr"]
+               rangefinder_lr=s["rangefinder_lr"], lr_over_rangefinder=lr * multiplier / s["rangefinder_lr"]
                if s.get("rangefinder_lr") else None)
     row["prior_or_prodigy"] = min((x for x in (row["prior"], s["prodigy_best"]) if x is not None), default=None)
     for opp in AGAINST:
@@ -111,9 +114,10 @@ def probe_case(c: dict[str, Any], work: Path, log=print) -> dict[str, Any]:
             if opp == "rangefinder" and s[opp] is None and row[d] is not None:
                 row[f"{d}_vs_{opp}"] = "win"  # (a) failed (no bounds): it delivered nothing, as verdict_of counts it
         row[f"rangefinder_vs_{opp}"] = verdict_of(s["rangefinder"], s[opp]) if opp != "rangefinder" else None
-    log(f"[{row['case']}] lr {lr:.3g} ({row['lr_over_rangefinder'] or math.nan:.2f}x (a)'s): prior {row['prior']}, "
-        f"(a) {s['rangefinder']}, Prodigy best {s['prodigy_best']}; vs Prodigy best {row['prior_vs_prodigy_best']}"
-        f" (a: {row['rangefinder_vs_prodigy_best']}); {arm['seconds']:.0f} s")
+    log(f"[{row['case']}] lr {lr * multiplier:.3g} ({row['lr_over_rangefinder'] or math.nan:.2f}x (a)'s): "
+        f"prior {row['prior']}, (a) {s['rangefinder']}, Prodigy best {s['prodigy_best']}; "
+        f"vs Prodigy best {row['prior_vs_prodigy_best']} (a: {row['rangefinder_vs_prodigy_best']}); "
+        f"{arm['seconds']:.0f} s")
     return row
 
 
@@ -196,6 +200,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                         "standings over that result's cases with the prior run in (a)'s place)")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--seeds", default=None, help="only these seeds of the source (default: all)")
+    p.add_argument("--multiplier", type=float, default=1.0,
+                   help="train at this multiple of the Prodigy step size (a probe of a higher or lower LR)")
     p.add_argument("--part", type=part_spec, default="1/1", metavar="I/N",
                    help="every N-th case from the I-th: side by side")
     args = p.parse_args(argv)
@@ -212,7 +218,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     cases = [c for c in json.loads(args.source.read_text())["cases"]
              if c["method"] in methods and (seeds is None or int(c["seed"]) in seeds)]
     cases = sorted(cases, key=case_key)[i - 1::n]
-    return run_probe(NAME, args, cases, probe_case, tally)
+    return run_probe(NAME, args, cases, functools.partial(probe_case, multiplier=args.multiplier), tally)
 
 
 if __name__ == "__main__":

@@ -60,6 +60,17 @@ def test_a_saved_case_trains_at_its_prodigy_step_size_and_is_weighed(tmp_path):
 
 
 @pytest.mark.probe
+def test_a_multiplier_trains_at_that_multiple_of_the_step_size(tmp_path):
+    """--multiplier: the same case trained at twice the saved Prodigy step size, recorded as such."""
+    case = _saved("lora", "shapes", 14)
+    row = probe_case(case, tmp_path, multiplier=2.0)
+    step = case["prodigy"]["lr_effective_final"]
+    assert row["prodigy_lr_effective_final"] == step and row["multiplier"] == 2.0 and row["trained_lr"] == 2 * step
+    assert row["lr_over_rangefinder"] == pytest.approx(2 * step / case["summary"]["rangefinder_lr"])
+    assert row["reproduces"] is True and row["prior"] is not None
+
+
+@pytest.mark.probe
 def test_a_case_without_a_recorded_step_size_re_runs_prodigy_and_must_reproduce_it(tmp_path):
     """Cut to 2 epochs, the re-run Prodigy arm cannot reproduce the saved 40-epoch arm's best loss: the case is not
     read, and says why (a re-run that does reproduce is read with its own step size)."""
