@@ -135,7 +135,6 @@ def sized_model(out_dir: Path, family: str = "sd1", seed: int = 0, device: Optio
         built = sized_parts(family, tokens, parts)
     for folder, module in built.items():
         module.save_pretrained(tmp / folder)
-        del module
     for part in (*tokenizers, "scheduler"):
         shutil.copytree(tiny / part, tmp / part)
     shutil.copyfile(tiny / "model_index.json", tmp / "model_index.json")

@@ -431,16 +431,23 @@ def goals(out: Path, work: Path, setup, device: str, mp: str, deadline: float, t
             ev = res.get("validation_eager")
             if ev and ev["median_s_per_update"] and row["median_s_per_update"]:
                 row["gain_s_per_update"] = ev["median_s_per_update"] - row["median_s_per_update"]
-    # g. the EMA of the trained weights (LoRA's default; full fine-tuning's candidate): memory and time, batch 4
-    for method in (("full", "lora") if "ema" in parts else ()):
-        pair = {}
-        for ema in (False, True):
-            row = guarded(f"{method} eager b{b4}{' with EMA' if ema else ''}", 25 if tiny else 60,
-                          lambda m=method, e=ema: engine(setup, method=m, batch=b4, updates=upd[b4],
-                                                         device=device, mp=mp, cache_dir=cache, use_ema=e))
+    def pair_of(arms: dict[str, tuple[str, Callable[[], Any]]], need: float) -> dict[str, Any]:
+        """Two arms of one comparison, each run guarded in order (label, run), by name; stops at the first that
+        gives no row."""
+        pair: dict[str, Any] = {}
+        for name, (label, run) in arms.items():
+            row = guarded(label, need, run)
             if not isinstance(row, dict):
                 break
-            pair["with_ema" if ema else "without"] = row
+            pair[name] = row
+        return pair
+
+    # g. the EMA of the trained weights (LoRA's default; full fine-tuning's candidate): memory and time, batch 4
+    for method in (("full", "lora") if "ema" in parts else ()):
+        pair = pair_of({name: (f"{method} eager b{b4}{' with EMA' if ema else ''}",
+                               lambda m=method, e=ema: engine(setup, method=m, batch=b4, updates=upd[b4],
+                                                              device=device, mp=mp, cache_dir=cache, use_ema=e))
+                        for name, ema in (("without", False), ("with_ema", True))}, 25 if tiny else 60)
         if len(pair) == 2:
             a, e = pair["without"], pair["with_ema"]
             pair["added_peak_mib"] = e["added_mib"] - a["added_mib"]  # each over what its start held
@@ -451,15 +458,12 @@ def goals(out: Path, work: Path, setup, device: str, mp: str, deadline: float, t
     # g'. training.weights_dtype bf16 against fp32 (autocast), full fine-tune, eager, at every batch: the engine-level
     # reading of the precision part's bf16-master arm
     for b in (batches if "weights" in parts else []):
-        pair = {}
-        for wd in ("fp32", "bf16"):
-            row = guarded(f"full eager b{b} weights {wd}", 25 if tiny else 45,
-                          lambda b=b, wd=wd: engine(setup, method="full", batch=b, updates=upd[b], device=device,
-                                                    mp="bf16", cache_dir=cache, weights_dtype=wd))  # on CPU too
-            if not isinstance(row, dict):
-                break
+        pair = pair_of({wd: (f"full eager b{b} weights {wd}",
+                             lambda b=b, wd=wd: engine(setup, method="full", batch=b, updates=upd[b], device=device,
+                                                       mp="bf16", cache_dir=cache, weights_dtype=wd))  # on CPU too
+                        for wd in ("fp32", "bf16")}, 25 if tiny else 45)
+        for row in pair.values():
             mfu(row, True)
-            pair[wd] = row
         if len(pair) == 2 and pair["fp32"]["images_per_second"] and pair["bf16"]["images_per_second"]:
             pair["bf16_over_fp32"] = pair["bf16"]["images_per_second"] / pair["fp32"]["images_per_second"]
         res.setdefault("weights_dtype", {})[b] = pair

@@ -93,8 +93,9 @@ def probe_case(c: dict[str, Any], work: Path, log=print, multiplier: float = 1.0
         row["absent"] = "the case's Prodigy arm gave no step size, or its re-run did not reproduce it"
         shutil.rmtree(case, ignore_errors=True)
         return row
-    row.update(multiplier=multiplier, trained_lr=lr * multiplier)
-    arm = train_arm(cfg, split_dir, lr * multiplier, case / "prior")
+    trained_lr = lr * multiplier
+    row.update(multiplier=multiplier, trained_lr=trained_lr)
+    arm = train_arm(cfg, split_dir, trained_lr, case / "prior")
     shutil.rmtree(case, ignore_errors=True)
     chosen = arm.get("chosen") or {}
     row.update(prior=chosen.get("val_loss", arm.get("final_val_loss")), prior_best=arm.get("best_val_loss"),
@@ -104,7 +105,7 @@ def probe_case(c: dict[str, Any], work: Path, log=print, multiplier: float = 1.0
                reproduces=math.isclose(arm.get("baseline_val_loss") or math.nan,
                                        s["baseline_val_loss"] or c["prodigy"]["baseline_val_loss"], rel_tol=1e-6),
                updates=arm["updates"] + c["prodigy"]["updates"], rangefinder_updates=s["updates"]["rangefinder"],
-               rangefinder_lr=s["rangefinder_lr"], lr_over_rangefinder=lr * multiplier / s["rangefinder_lr"]
+               rangefinder_lr=s["rangefinder_lr"], lr_over_rangefinder=trained_lr / s["rangefinder_lr"]
                if s.get("rangefinder_lr") else None)
     row["prior_or_prodigy"] = min((x for x in (row["prior"], s["prodigy_best"]) if x is not None), default=None)
     for opp in AGAINST:
@@ -114,7 +115,7 @@ def probe_case(c: dict[str, Any], work: Path, log=print, multiplier: float = 1.0
             if opp == "rangefinder" and s[opp] is None and row[d] is not None:
                 row[f"{d}_vs_{opp}"] = "win"  # (a) failed (no bounds): it delivered nothing, as verdict_of counts it
         row[f"rangefinder_vs_{opp}"] = verdict_of(s["rangefinder"], s[opp]) if opp != "rangefinder" else None
-    log(f"[{row['case']}] lr {lr * multiplier:.3g} ({row['lr_over_rangefinder'] or math.nan:.2f}x (a)'s): "
+    log(f"[{row['case']}] lr {trained_lr:.3g} ({row['lr_over_rangefinder'] or math.nan:.2f}x (a)'s): "
         f"prior {row['prior']}, (a) {s['rangefinder']}, Prodigy best {s['prodigy_best']}; "
         f"vs Prodigy best {row['prior_vs_prodigy_best']} (a: {row['rangefinder_vs_prodigy_best']}); "
         f"{arm['seconds']:.0f} s")
