@@ -308,6 +308,19 @@ def auto_lr_finder(family: str, method: str) -> MeasuredBy:
     """What lr_finder auto measures the LR with for a base model of `family` trained by `method`."""
     return "prodigy_step" if method in LR_FINDER_AUTO_PRODIGY.get(family, ()) else "range_test"
 
+
+# The multiple of the Prodigy run's final step size that the prodigy_step finder gives the fine-tune, by family and
+# method (1 everywhere else). SDXL's full fine-tune, 4: by a rule written before its 10 fresh cases ran (seeds 71-72;
+# bench/RESULTS.md, "SDXL's full fine-tune at four times the step size"), 4x the step size beat 1x in 8 cases and lost
+# 2 (both `stripes`), was better than Prodigy's best in as many (8) and beat random search at equal updates in 9
+# against 4. On SD3 and Flux the step size itself stays: no factor was tested there.
+PRODIGY_STEP_FACTOR: dict[str, dict[str, float]] = {"sdxl": {"full": 4.0}}
+
+
+def prodigy_step_factor(family: Optional[str], method: str) -> float:
+    """The multiple of its step size the prodigy_step finder trains a base model of `family` at with `method`."""
+    return PRODIGY_STEP_FACTOR.get(family or "", {}).get(method, 1.0)
+
 ScaleLR = Literal["none", "linear", "sqrt"]
 ProcessesPerNode = Union[Literal["auto"], Annotated[int, Field(ge=1)]]
 
@@ -1007,9 +1020,9 @@ class RangefinderConfig(_Section):
     lr: Optional[float] = Field(None, gt=0)
     # How discovery measures the LR (lr_finder_for): range_test (the LR range test, then a zoom when needed),
     # prodigy_step (a Prodigy run of finetune.epochs at lr 1.0 with diffusers' recipe; the fine-tune then trains at
-    # the step size d x lr it ended on), or auto, the default (auto_lr_finder: by the base model's family and the
-    # method, LR_FINDER_AUTO_PRODIGY: prodigy_step for full and lora on SD3 and Flux and for full on SDXL, the range
-    # test everywhere else). Nothing to do with a fixed lr or an LR-free training.optimizer.
+    # the step size d x lr it ended on, times PRODIGY_STEP_FACTOR), or auto, the default (auto_lr_finder: by the base
+    # model's family and the method, LR_FINDER_AUTO_PRODIGY: prodigy_step for full and lora on SD3 and Flux and for
+    # full on SDXL, the range test everywhere else). Nothing to do with a fixed lr or an LR-free training.optimizer.
     lr_finder: LRFinder = "auto"
 
     @model_validator(mode="after")

@@ -4,8 +4,9 @@ Two proofs replace the run of the unchanged `rangefinder demo --family sdxl`:
 - a small SDXL pipeline run, the smallest SD pipeline config (tests/pipelines/tiny_run.py) on the tiny SDXL model,
   through kfp.local as the demo runs: lr_finder auto measures SDXL's full fine-tune with prodigy_step
   (config.LR_FINDER_AUTO_PRODIGY; bench/RESULTS.md, "SDXL's full fine-tune at Prodigy's step size"), so it takes the
-  DAG's prodigy branch, writes the SD run's reports with the Prodigy run's for the range test's, and records the
-  family, read from the model, in every tracked step's MLflow run;
+  DAG's prodigy branch, fine-tunes at four times the step size the Prodigy run ended on (config.PRODIGY_STEP_FACTOR;
+  "SDXL's full fine-tune at four times the step size"), writes the SD run's reports with the Prodigy run's for the
+  range test's, and records the family, read from the model, in every tracked step's MLflow run;
 - `rangefinder demo --family sdxl` compiles the pipeline the SD demo compiles, but for the base model and the range
   test's bounds, which it leaves unset there (the prodigy branch has no use for them, as on SD3 and Flux): so the demo
   on SDXL is the small run's pipeline with the demo's settings, which tests/pipelines/test_demo_learns.py runs whole.
@@ -27,6 +28,7 @@ pytestmark = pytest.mark.slow
 
 def test_a_small_sdxl_run_takes_the_prodigy_branch_and_writes_the_reports_of_the_sd_run(
         tiny_sdxl_dir, shapes_dataset_dir, tmp_path):
+    from rangefinder.analysis import read_curve_csv
     from rangefinder.pipelines.local_run import run_pipeline_locally
 
     out = tmp_path / "sdxl"
@@ -39,12 +41,17 @@ def test_a_small_sdxl_run_takes_the_prodigy_branch_and_writes_the_reports_of_the
         mp.delenv("MLFLOW_RUN_ID", raising=False)
         run = run_pipeline_locally(cfg, out, quiet=True)
     s = run.summary()
-    assert run.task("prodigy-step-size") and not run.task("lr-range-test"), sorted(run.outputs)
-    # choose-lr collapsed the bounds onto the Prodigy run's step size; the fine-tune trained that one LR.
-    assert s["lr_source"] == "prodigy-step" and 0 < s["lr_low"] == s["lr_mid"] == s["lr_high"] == s["lr_used"]
+    probe = run.task("prodigy-step-size")
+    assert probe and not run.task("lr-range-test"), sorted(run.outputs)
+    # choose-lr collapsed the bounds onto four times the Prodigy run's last step size; the fine-tune trained that LR.
+    updates = read_curve_csv(next(run.run_dir.glob(f"**/{probe}/curve/run/updates.csv")), required=("lr_effective",))
+    lr = run.outputs[probe]["lr"]
+    assert lr == 4 * updates["lr_effective"][-1] == 4 * run.outputs[probe]["d"] > 0
+    assert s["lr_source"] == "prodigy-step" and s["lr_low"] == s["lr_mid"] == s["lr_high"] == s["lr_used"] == lr
     assert s["recommended_epochs"] >= 1 and s["registered_model"] == "models:/rangefinder-sd/1"
     decision = next(Path(p) for p in s["reports"] if os.path.basename(p) == "choose-lr-decision.md").read_text()
     assert "(lr_finder: auto, which measures full on sdxl with prodigy_step)" in decision, decision
+    assert f"d x lr = {lr / 4:.3g}, 12 updates, times 4 = {lr:.3g}" in decision, decision
     # The discovery run's reports, by name: PRODIGY_REPORTS, the SD demo's run's (test_local_run.py,
     # tiny_run.DISCOVERY_REPORTS) with the Prodigy run's two for the range test's (this config has no zoom; no
     # retrain, whose column would be within sample-images-grid.html). Reading the set, not that run, keeps this test
@@ -55,6 +62,9 @@ def test_a_small_sdxl_run_takes_the_prodigy_branch_and_writes_the_reports_of_the
     with sqlite3.connect(out / "mlflow.db") as con:
         families = con.execute("select r.name, t.value from runs r join tags t on t.run_uuid = r.run_uuid "
                                "where t.key = 'rangefinder.model_family'").fetchall()
+        (factor,) = con.execute("select p.value from params p join runs r on p.run_uuid = r.run_uuid "
+                                "where r.name = 'prodigy_step_size' and p.key = 'prodigy_step_factor'").fetchone()
+    assert float(factor) == 4  # the Prodigy run's MLflow run says the LR trained is 4x its step size
     assert families and {value for _, value in families} == {"sdxl"}, families
     assert {name for name, _ in families} >= {"prodigy_step_size", "finetune"}, families
     assert "lr_range_test" not in {name for name, _ in families}, families

@@ -57,6 +57,17 @@ def test_prodigy_step_under_auto_says_what_auto_resolved_to_for_the_model(tmp_pa
     assert "d x lr = 0.003 (lr_finder: auto, which measures lora on sd3 with prodigy_step)" in out.read_text()
 
 
+def test_prodigy_step_on_sdxl_full_says_the_step_size_and_the_factor_it_was_trained_at(tmp_path, tiny_sdxl_dir):
+    """SDXL's full fine-tune trains at 4x the step size (config.PRODIGY_STEP_FACTOR): the decision names both."""
+    cfg = demo_config(lr_finder="auto", lr_range_test={"lr_min": None, "lr_max": None},
+                      model={"base_model": str(tiny_sdxl_dir)})
+    out = tmp_path / "decision.md"
+    run_choose_lr(cfg, source="prodigy-step", lr_low=1e-3, lr_high=1e-3, lr_mid=1e-3, decision_path=out, updates=12)
+    assert ("final step size d x lr = 0.00025, 12 updates, times 4 = 0.001 (full on this family trains at 4 times "
+            "the step size: config.PRODIGY_STEP_FACTOR) (lr_finder: auto, which measures full on sdxl with "
+            "prodigy_step)") in out.read_text()
+
+
 def test_a_fixed_lr_says_the_lr_finder_had_nothing_to_measure(tmp_path):
     out = tmp_path / "decision.md"
     run_choose_lr(demo_config(lr=3e-4, lr_finder="auto"), source="fixed", lr_low=3e-4, lr_high=3e-4, lr_mid=3e-4,

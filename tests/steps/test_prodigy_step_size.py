@@ -101,3 +101,27 @@ def test_no_usable_step_size_is_one_error_naming_the_fix(steps, match):
     with pytest.raises(RangefinderError, match=match) as err:
         read_prodigy_step(updates, None, 1.0)
     assert "lr_finder: range_test" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_factor_trains_at_that_multiple_of_the_step_size_and_the_report_says_both(tmp_path):
+    """config.PRODIGY_STEP_FACTOR (4 on SDXL's full fine-tune): the reading keeps the step size, trains at the
+    multiple, and the report and its JSON show both."""
+    import json
+
+    import numpy as np
+
+    from rangefinder.analysis import read_prodigy_step, write_prodigy_report
+    from rangefinder.config import prodigy_step_factor
+
+    assert prodigy_step_factor("sdxl", "full") == 4.0
+    assert {prodigy_step_factor(f, m) for f, m in [("sdxl", "lora"), ("sd3", "full"), ("flux", "lora"),
+                                                   ("sd1", "full"), (None, "full")]} == {1.0}
+    updates = {"update": np.arange(1.0, 5.0), "lr_effective": np.asarray([1e-6, 1e-5, 1e-4, 2.5e-4])}
+    reading = read_prodigy_step(updates, None, 1.0, factor=4.0)
+    assert (reading.step_size, reading.lr_trained, reading.d) == (2.5e-4, 1e-3, 2.5e-4)
+    assert reading.headline().startswith("Fine-tune at lr 0.001: 4 x the step size d x lr (0.00025)")
+    report = write_prodigy_report(reading, updates, None, tmp_path)
+    md = report["markdown"].read_text()
+    assert "| LR trained | 0.001 |" in md and "train at 4 times the step size Prodigy ended on" in md, md
+    assert json.loads(report["json"].read_text())["lr_trained"] == 1e-3
+    assert read_prodigy_step(updates, None, 1.0).lr_trained == 2.5e-4  # no factor: the step size itself

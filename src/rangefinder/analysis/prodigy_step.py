@@ -22,7 +22,7 @@ PRODIGY_D0 = 1e-6
 
 @dataclass(frozen=True)
 class ProdigyStep:
-    step_size: float  # d x lr at the run's last update: the LR the fine-tune trains at
+    step_size: float  # d x lr at the run's last update
     lr: float  # Prodigy's lr, the multiplier of d (1.0)
     updates: int  # the updates the run took
     epochs: Optional[float]  # the epochs they came to
@@ -30,6 +30,12 @@ class ProdigyStep:
     best_val_loss: Optional[float]  # the lowest validation loss of the run, and its update
     best_update: Optional[int]
     final_val_loss: Optional[float]  # at the last validation
+    factor: float = 1.0  # the multiple of the step size the fine-tune trains at (config.PRODIGY_STEP_FACTOR)
+
+    @property
+    def lr_trained(self) -> float:
+        """The LR the fine-tune trains at: the step size times the factor."""
+        return self.step_size * self.factor
 
     @property
     def d(self) -> float:
@@ -38,17 +44,20 @@ class ProdigyStep:
 
     def headline(self) -> str:
         """The decision in a sentence (the report's lead, the step run's description in MLflow)."""
-        return (f"Fine-tune at lr {self.step_size:.3g}: the step size d x lr a Prodigy run ended on after "
+        times = "" if self.factor == 1 else f"{self.factor:g} x "
+        of = "" if self.factor == 1 else f" ({self.step_size:.3g})"
+        return (f"Fine-tune at lr {self.lr_trained:.3g}: {times}the step size d x lr{of} a Prodigy run ended on after "
                 f"{self.updates} updates (d = {self.d:.3g}, lr {self.lr:g}).")
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "d": self.d}
+        return {**asdict(self), "d": self.d, "lr_trained": self.lr_trained}
 
 
 def read_prodigy_step(updates: dict[str, np.ndarray], curve: Optional[dict[str, np.ndarray]],
-                      lr: float) -> ProdigyStep:
+                      lr: float, factor: float = 1.0) -> ProdigyStep:
     """The reading from the run's updates.csv (`updates`: its columns, update and lr_effective among them) and its
-    validation curve (metrics.csv's columns, or None without validation); RangefinderError when the last step size
+    validation curve (metrics.csv's columns, or None without validation), the fine-tune to train at `factor` times
+    the step size (config.prodigy_step_factor); RangefinderError when the last step size
     is not a positive number (no update was taken, or Prodigy's estimate broke down), or never left d0 (the run
     was too short for Prodigy to estimate anything)."""
     steps = np.asarray(updates.get("lr_effective", ()), dtype=float)
@@ -78,4 +87,4 @@ def read_prodigy_step(updates: dict[str, np.ndarray], curve: Optional[dict[str, 
             base = float(val[0]) if at[0] == 0 and ok[0] else None
     return ProdigyStep(step_size=step_size, lr=float(lr), updates=int(np.asarray(updates["update"])[-1]),
                        epochs=float(epoch[-1]) if epoch is not None and len(epoch) else None, base_val_loss=base,
-                       best_val_loss=best, best_update=best_update, final_val_loss=final)
+                       best_val_loss=best, best_update=best_update, final_val_loss=final, factor=float(factor))

@@ -270,10 +270,14 @@ def write_prodigy_report(reading: ProdigyStep, updates: dict, curve: Optional[di
     Returns {"plot", "html", "markdown", "json"} -> paths."""
     out = Path(out_dir)
     png = plot_prodigy_step(updates["update"], updates["lr_effective"], reading.step_size, out / "prodigy_step.png",
-                            curve=curve)
+                            curve=curve, factor=reading.factor)
     best = None if reading.best_update is None else f"at update {reading.best_update}"
     rows: list[tuple[str, Any, str]] = [
-        ("LR (step size)", reading.step_size, "d x lr at the last update: the constant LR the fine-tune trains at"),
+        ("LR (step size)", reading.step_size, "d x lr at the last update: the constant LR the fine-tune trains at"
+         if reading.factor == 1 else "d x lr at the last update"),
+        *([] if reading.factor == 1 else [
+            ("LR trained", reading.lr_trained, f"{reading.factor:g} x the step size: the constant LR the fine-tune "
+                                               "trains at")]),
         ("d", reading.d, "Prodigy's final estimate of the distance to the solution"),
         ("Prodigy lr", reading.lr, "the multiplier of d, as diffusers' recipe sets it"),
         ("updates", reading.updates, "as many as the fine-tune's (finetune.epochs), constant schedule"),
@@ -287,6 +291,11 @@ def write_prodigy_report(reading: ProdigyStep, updates: dict, curve: Optional[di
                          "fine-tune's constant LR (lr_low = lr_mid = lr_high, so there is no successive halving). "
                          "Set lr_finder: range_test to measure the LR with the LR range test instead."),
     ]
+    if reading.factor != 1:
+        notes.append(("factor", f"This model family and method train at {reading.factor:g} times the step size "
+                                "Prodigy ended on (config.PRODIGY_STEP_FACTOR): on fresh cases measured before the "
+                                "rule shipped, that beat the step size itself (bench/RESULTS.md). Set a fixed lr to "
+                                "train at another."))
     notes += _reading_notes((), plan_warnings)
     rows += _sigma_rows(curve, validation_weighting, reading.best_update)
     notes += _weighting_note(validation_weighting)

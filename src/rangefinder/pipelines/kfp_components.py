@@ -224,7 +224,8 @@ def prodigy_step_size(
     report_md: Output[Markdown],
 ) -> NamedTuple("ProdigyStepSize", lr=float, d=float, updates=int):  # type: ignore[valid-type]
     """The prodigy_step LR finder: a Prodigy run of the fine-tune's length at lr 1.0 (diffusers' recommended
-    settings, constant schedule), whose final step size d x lr is the LR the fine-tune trains at.
+    settings, constant schedule), whose final step size d x lr (times 4 on SDXL's full fine-tune:
+    config.PRODIGY_STEP_FACTOR) is the LR the fine-tune trains at.
 
     Args:
         config_json: The run's validated config, as resolve-config returns it.
@@ -236,7 +237,7 @@ def prodigy_step_size(
         metrics: The step size read, Prodigy's d, the updates and the best validation loss as KFP metrics.
         report_html: The reading's report (step size and validation loss against updates), as HTML.
         report_md: The same report in Markdown.
-        lr: The step size d x lr at the run's last update: the LR to fine-tune at.
+        lr: The LR to fine-tune at: the step size d x lr at the run's last update, times its factor.
         d: Prodigy's final estimate d.
         updates: The updates the run took.
     """

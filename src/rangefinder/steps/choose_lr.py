@@ -47,7 +47,7 @@ def run_choose_lr(cfg: RangefinderConfig, *, source: str, lr_low: float, lr_high
     if decision_path is not None:
         run = f", {updates} updates" if updates else ""
         why = {"range-test": "read off the LR range test", "zoom": "read off the zoomed (second) LR range test",
-               "prodigy-step": f"read off a Prodigy run's final step size d x lr = {lr_mid:.3g}{run} "
+               "prodigy-step": f"read off a Prodigy run's final step size d x lr{times_words(cfg, lr_mid, run)} "
                                f"({finder_words(cfg)})",
                "fixed": skipped_because(cfg) or (f"fixed by hand; discovery skipped (lr_finder {cfg.lr_finder} "
                                                  "has nothing to measure)")}[source]
@@ -78,6 +78,20 @@ def finetune_words(cfg: RangefinderConfig, chosen: ChosenLR) -> str:
                 " The fine-tune's report says which one it kept.")
     why = "successive halving is off" if not ft.successive_halving else "successive halving needs validation"
     return f"The fine-tune trains at lr_mid (constant schedule; {why})."
+
+
+def times_words(cfg: RangefinderConfig, lr: float, run: str = "") -> str:
+    """The step size a prodigy-step LR `lr` came from (`run`: the run's length, as words), and the factor it was
+    multiplied by (config.prodigy_step_factor: by the base model's family and the method); the step size alone where
+    the factor is 1 or the family is unknown."""
+    from rangefinder.config import prodigy_step_factor
+    from rangefinder.training.family_detection import family_of
+
+    factor = prodigy_step_factor(family_of(cfg.model), cfg.training.method)
+    if factor == 1:
+        return f" = {lr:.3g}{run}"
+    return (f" = {lr / factor:.3g}{run}, times {factor:g} = {lr:.3g} ({cfg.training.method} on this family trains at "
+            f"{factor:g} times the step size: config.PRODIGY_STEP_FACTOR)")
 
 
 def finder_words(cfg: RangefinderConfig) -> str:

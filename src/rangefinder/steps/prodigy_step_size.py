@@ -5,9 +5,10 @@ Prodigy at lr 1.0 and the arguments diffusers' advanced_diffusion_training READM
 (training.optimizers.PRODIGY_SETTINGS): the fine-tune's length (finetune.epochs), seed, data order and validation, a
 constant schedule, and none of what the fine-tune step adds after its run (successive halving, cooldown, window
 average, samples): a plain run, a probe. Its training is exactly that of a fine-tune with `training.optimizer:
-prodigy` and `training.prodigy` set to those arguments. The step size at its last update (the last `lr_effective`
-of its updates.csv) is the LR: choose_lr takes it as lr_low = lr_mid = lr_high (source "prodigy-step"), and the
-fine-tune trains that one constant LR with the run's own optimizer (AdamW by default).
+prodigy` and `training.prodigy` set to those arguments. The step size at its last update (the last `lr_effective
+of its updates.csv), times the factor of the model's family and the method (config.PRODIGY_STEP_FACTOR: 4 on SDXL's
+full fine-tune, 1 elsewhere), is the LR: choose_lr takes it as lr_low = lr_mid = lr_high (source "prodigy-step"), and
+the fine-tune trains that one constant LR with the run's own optimizer (AdamW by default).
 
 The probe's weights are not kept: its output is a number, the report and the curves. It checkpoints as the fine-tune
 does, one checkpoint at a time, so a retried pod goes on from where the preempted one stopped.
@@ -41,10 +42,12 @@ class ProdigyStepResult:
 
     @property
     def lr(self) -> float:
-        return self.reading.step_size
+        """The LR the fine-tune trains at: the step size times its family's and method's factor."""
+        return self.reading.lr_trained
 
     def metrics(self) -> dict[str, float]:
         out = {"lr_prodigy_step": self.reading.step_size, "prodigy_d": self.reading.d,
+               "prodigy_step_factor": self.reading.factor, "lr_trained": self.reading.lr_trained,
                "updates": float(self.reading.updates)}
         if self.reading.best_val_loss is not None:
             out["best_val_loss"] = self.reading.best_val_loss
@@ -77,9 +80,11 @@ def run_prodigy_step_size(
     report_md: Optional[Path] = None,
     mlflow_parent_run_id: Optional[str] = None,
 ) -> ProdigyStepResult:
-    """Train the probe, read its last step size, report; RangefinderError when it diverged or read no step size."""
+    """Train the probe, read its last step size (and the LR trained, config.prodigy_step_factor times it), report;
+    RangefinderError when it diverged or read no step size."""
     from rangefinder import tracking
     from rangefinder.analysis import copy_report, read_curve_csv, read_prodigy_step, write_prodigy_report
+    from rangefinder.config import prodigy_step_factor
     from rangefinder.data.split import read_split
     from rangefinder.training.family_detection import family_of
     from rangefinder.training.optimizers import require_prodigy
@@ -95,9 +100,12 @@ def run_prodigy_step_size(
     # One checkpoint at a time (for a retried pod): the probe's weights are never read, so none is kept for a window.
     spec = replace(spec, training=TrainingConfig.model_validate({**spec.training.model_dump(), "keep_checkpoints": 1}))
     tc = spec.training
+    family = family_of(cfg.model)
+    factor = prodigy_step_factor(family, cfg.training.method)
     with tracking.step_run(cfg, STEP, parent_run_id=mlflow_parent_run_id) as run:
         run.log_config(probe, plan=spec.plan,
-                       extra={"lr_finder": "prodigy_step", "lr_source": SOURCE, **tc.used_params(family_of(cfg.model))})
+                       extra={"lr_finder": "prodigy_step", "lr_source": SOURCE, "prodigy_step_factor": factor,
+                              **tc.used_params(family)})
         run.log_dataset_manifest(split_dir)
         work = work_dir(out_dir / "run", f"{mlflow_parent_run_id}/{STEP}" if mlflow_parent_run_id else None)
         result = run_training(probe, spec, out_dir=work, metric_sink=run, save_final=False, step_name=STEP,
@@ -110,7 +118,7 @@ def run_prodigy_step_size(
         publish(work, out_dir / "run")
         updates = read_curve_csv(result.updates_csv, required=("update", "lr_effective"))
         curve = result.curve_arrays()
-        reading = read_prodigy_step(updates, curve, LR_FREE_LR)
+        reading = read_prodigy_step(updates, curve, LR_FREE_LR, factor=factor)
         report = write_prodigy_report(reading, updates, curve, out_dir / "report",
                                       source=f"{result.updates_csv}; {batch_note(tc)}",
                                       plan_warnings=spec.plan.warnings if spec.plan is not None else (),
@@ -127,6 +135,7 @@ def run_prodigy_step_size(
         run.log_artifact(out_dir / "report", "report")
         # On this run only, as the range tests keep their readings: the parent shows choose_lr's decision.
         run.log_decisions({"lr_prodigy_step": reading.step_size, "prodigy_d": reading.d, "updates": reading.updates,
+                           "prodigy_step_factor": reading.factor, "lr_trained": reading.lr_trained,
                            "best_val_loss": reading.best_val_loss, "lr_source": SOURCE}, to_parent=False)
         run.describe(reading.headline())
     return ProdigyStepResult(reading=reading, curve_csv=result.metrics_csv, updates_csv=result.updates_csv,
