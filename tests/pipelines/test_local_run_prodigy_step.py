@@ -19,6 +19,7 @@ pytestmark = pytest.mark.slow
 def test_lr_finder_auto_on_a_flow_model_runs_the_prodigy_branch_and_fine_tunes_at_its_step_size(
         tmp_path, shapes_dataset_dir, family, request, monkeypatch):
     from rangefinder.analysis import read_curve_csv
+    from rangefinder.config import prodigy_step_factor
     from rangefinder.pipelines.local_run import run_pipeline_locally
     from tests.mlflow_store import seed
 
@@ -36,13 +37,14 @@ def test_lr_finder_auto_on_a_flow_model_runs_the_prodigy_branch_and_fine_tunes_a
 
     probe = run.task("prodigy-step-size")
     assert probe and not run.task("lr-range-test"), sorted(run.outputs)
-    step_size = run.outputs[probe]["lr"]
+    lr = run.outputs[probe]["lr"]
     updates = read_curve_csv(next(run.run_dir.glob(f"**/{probe}/curve/run/updates.csv")), required=("lr_effective",))
-    assert step_size == updates["lr_effective"][-1] and run.outputs[probe]["updates"] == len(updates["update"]) == 12
+    # The LR is the last step size, times the family's factor for full fine-tuning (config.PRODIGY_STEP_FACTOR).
+    factor = prodigy_step_factor(family, "full")
+    assert lr == factor * updates["lr_effective"][-1] and run.outputs[probe]["updates"] == len(updates["update"]) == 12
     # choose-lr collapsed the bounds onto it; the fine-tune trained that one LR (no halving) and it was registered.
-    assert (s["lr_source"], s["lr_low"], s["lr_mid"], s["lr_high"]) == ("prodigy-step", step_size, step_size,
-                                                                        step_size)
-    assert s["lr_used"] == step_size and s["halving_kept"] is None
+    assert (s["lr_source"], s["lr_low"], s["lr_mid"], s["lr_high"]) == ("prodigy-step", lr, lr, lr)
+    assert s["lr_used"] == lr and s["halving_kept"] is None
     assert s["registered_model"] == "models:/rangefinder-sd/1"
     reports = {p.name for p in run.reports}
     # Every report of the branch and no other: the SD run's set with the Prodigy run's for the range test's, as the

@@ -104,7 +104,7 @@ def test_no_usable_step_size_is_one_error_naming_the_fix(steps, match):
 
 
 def test_a_factor_trains_at_that_multiple_of_the_step_size_and_the_report_says_both(tmp_path):
-    """config.PRODIGY_STEP_FACTOR (4 on SDXL's full fine-tune): the reading keeps the step size, trains at the
+    """config.PRODIGY_STEP_FACTOR (4 on SDXL's and SD3's full fine-tune): the reading keeps the step size, trains at the
     multiple, and the report and its JSON show both."""
     import json
 
@@ -113,9 +113,9 @@ def test_a_factor_trains_at_that_multiple_of_the_step_size_and_the_report_says_b
     from rangefinder.analysis import read_prodigy_step, write_prodigy_report
     from rangefinder.config import prodigy_step_factor
 
-    assert prodigy_step_factor("sdxl", "full") == 4.0
-    assert {prodigy_step_factor(f, m) for f, m in [("sdxl", "lora"), ("sd3", "full"), ("flux", "lora"),
-                                                   ("sd1", "full"), (None, "full")]} == {1.0}
+    assert prodigy_step_factor("sdxl", "full") == prodigy_step_factor("sd3", "full") == 4.0
+    assert {prodigy_step_factor(f, m) for f, m in [("sdxl", "lora"), ("sd3", "lora"), ("flux", "full"),
+                                                   ("flux", "lora"), ("sd1", "full"), (None, "full")]} == {1.0}
     updates = {"update": np.arange(1.0, 5.0), "lr_effective": np.asarray([1e-6, 1e-5, 1e-4, 2.5e-4])}
     reading = read_prodigy_step(updates, None, 1.0, factor=4.0)
     assert (reading.step_size, reading.lr_trained, reading.d) == (2.5e-4, 1e-3, 2.5e-4)

@@ -330,9 +330,9 @@ def _build_pipeline(cfg: RangefinderConfig, *, local: bool) -> Callable:
             method: What trains: full, lora or textual_inversion.
             lr_finder: How the LR is measured when fixed_lr is 0: range_test (the LR range test, and a zoom when
                 needed), prodigy_step (a Prodigy run of finetune_epochs at lr 1.0; the fine-tune trains at the step
-                size d x lr it ended on, times 4 on SDXL's full fine-tune), or auto, the default (prodigy_step for
-                full and lora on an SD3 or Flux base model and for full on SDXL, range_test otherwise; read off the
-                model by resolve-config).
+                size d x lr it ended on, times 4 on SDXL's and SD3's full fine-tune), or auto, the default
+                (prodigy_step for full and lora on an SD3 or Flux base model and for full on SDXL, range_test
+                otherwise; read off the model by resolve-config).
             resolution: Training resolution in pixels (square, a multiple of 8); 512 for SD 1.x.
             batch_size: Images per micro-batch per GPU.
             grad_accum: Micro-batches per optimizer update (effective batch = batch_size x grad_accum x GPUs).

@@ -5,10 +5,10 @@ Prodigy at lr 1.0 and the arguments diffusers' advanced_diffusion_training READM
 (training.optimizers.PRODIGY_SETTINGS): the fine-tune's length (finetune.epochs), seed, data order and validation, a
 constant schedule, and none of what the fine-tune step adds after its run (successive halving, cooldown, window
 average, samples): a plain run, a probe. Its training is exactly that of a fine-tune with `training.optimizer:
-prodigy` and `training.prodigy` set to those arguments. The step size at its last update (the last `lr_effective
+prodigy` and `training.prodigy` set to those arguments. The step size at its last update (the last `lr_effective`
 of its updates.csv), times the factor of the model's family and the method (config.PRODIGY_STEP_FACTOR: 4 on SDXL's
-full fine-tune, 1 elsewhere), is the LR: choose_lr takes it as lr_low = lr_mid = lr_high (source "prodigy-step"), and
-the fine-tune trains that one constant LR with the run's own optimizer (AdamW by default).
+and SD3's full fine-tune, 1 elsewhere), is the LR: choose_lr takes it as lr_low = lr_mid = lr_high (source
+"prodigy-step"), and the fine-tune trains that one constant LR with the run's own optimizer (AdamW by default).
 
 The probe's weights are not kept: its output is a number, the report and the curves. It checkpoints as the fine-tune
 does, one checkpoint at a time, so a retried pod goes on from where the preempted one stopped.
