@@ -123,5 +123,6 @@ def test_a_factor_trains_at_that_multiple_of_the_step_size_and_the_report_says_b
     report = write_prodigy_report(reading, updates, None, tmp_path)
     md = report["markdown"].read_text()
     assert "| LR trained | 0.001 |" in md and "train at 4 times the step size Prodigy ended on" in md, md
+    assert "the one it ends on, times 4, is taken as the fine-tune's constant LR" in md, md
     assert json.loads(report["json"].read_text())["lr_trained"] == 1e-3
     assert read_prodigy_step(updates, None, 1.0).lr_trained == 2.5e-4  # no factor: the step size itself

@@ -287,8 +287,10 @@ def write_prodigy_report(reading: ProdigyStep, updates: dict, curve: Optional[di
         ("final val loss", reading.final_val_loss, "at the last validation"),
     ]
     notes: list[tuple[str, str]] = [
-        ("prodigy_step", "Prodigy estimates its own step size as it trains; the one it ends on is taken as the "
-                         "fine-tune's constant LR (lr_low = lr_mid = lr_high, so there is no successive halving). "
+        ("prodigy_step", "Prodigy estimates its own step size as it trains; the one it ends on"
+                         + ("" if reading.factor == 1 else f", times {reading.factor:g},")
+                         + " is taken as the fine-tune's constant LR (lr_low = lr_mid = lr_high, so there is no "
+                         "successive halving). "
                          "Set lr_finder: range_test to measure the LR with the LR range test instead."),
     ]
     if reading.factor != 1:
