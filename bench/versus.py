@@ -208,7 +208,7 @@ HELD_OUT_KINDS = ("subject", "glyphs")
 # since 6fcc1e5) are SDXL's first fresh reading as it ships, written before they ran ("SDXL as shipped, fresh").
 # 71-72 (sdxl, full, as shipped) test four times Prodigy's step size on SDXL's full fine-tune, written before they ran
 # ("SDXL's full fine-tune at four times the step size").
-HELD_OUT_SEEDS = tuple(range(3, 64)) + tuple(range(65, 79))
+HELD_OUT_SEEDS = tuple(range(3, 64)) + tuple(range(65, 81))
 TIE_PCT = 1.0  # within 1 %: a tie
 FOLK_LR = {"full": 1e-4, "lora": 1e-4, "textual_inversion": 5e-3}
 # The standings of record: the 275 cases merged on 2026-11-28 and seeds 38-39 (RESULTS.md, "Seeds 38-39 complete").
