@@ -82,6 +82,11 @@ SIZED = {
 }
 
 
+def tokenizer_for(text_encoder: str) -> str:
+    """The folder of the tokenizer beside a text encoder's folder (text_encoder_2 -> tokenizer_2)."""
+    return text_encoder.replace("text_encoder", "tokenizer")
+
+
 def sized_parts(family: str, tokens: dict[str, tuple[int, int, int, int]],
                 parts: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """The randomly initialised modules of a `family` model at its published size (or of `parts`, the same layout
@@ -94,7 +99,7 @@ def sized_parts(family: str, tokens: dict[str, tuple[int, int, int, int]],
     built: dict[str, Any] = {}
     for folder, (cls_name, config) in (parts or SIZED[family]).items():
         if cls_name.startswith("CLIP"):
-            vocab, pad, bos, eos = tokens[folder.replace("text_encoder", "tokenizer")]
+            vocab, pad, bos, eos = tokens[tokenizer_for(folder)]
             cfg = transformers.CLIPTextConfig(vocab_size=vocab, pad_token_id=pad, bos_token_id=bos,
                                               eos_token_id=eos, **config)
             built[folder] = getattr(transformers, cls_name)(cfg)
@@ -125,7 +130,7 @@ def sized_model(out_dir: Path, family: str = "sd1", seed: int = 0, device: Optio
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     layout = parts or SIZED[family]
-    tokenizers = [f.replace("text_encoder", "tokenizer") for f in layout if f.startswith("text_encoder")]
+    tokenizers = [tokenizer_for(f) for f in layout if f.startswith("text_encoder")]
     tokens = {}
     for t in tokenizers:
         tok = CLIPTokenizer.from_pretrained(tiny, subfolder=t)
