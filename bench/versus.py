@@ -208,6 +208,10 @@ HELD_OUT_KINDS = ("subject", "glyphs")
 # since 6fcc1e5) are SDXL's first fresh reading as it ships, written before they ran ("SDXL as shipped, fresh").
 # 71-72 (sdxl, full, as shipped) test four times Prodigy's step size on SDXL's full fine-tune, written before they ran
 # ("SDXL's full fine-tune at four times the step size").
+# 73-74 (sdxl, all three methods), 77-78 (sd3, full and LoRA) and 79-80 (flux, full and LoRA) are fresh readings as
+# shipped ("SDXL as shipped since 278a05d", "SD3 as shipped since 0e91931", "Flux as shipped, fresh"); 75-76 (sd3,
+# full) test twice and four times the step size on SD3's full fine-tune ("SD3's full fine-tune at twice or four
+# times the step size"). Each was written down before it ran.
 HELD_OUT_SEEDS = tuple(range(3, 64)) + tuple(range(65, 81))
 TIE_PCT = 1.0  # within 1 %: a tie
 FOLK_LR = {"full": 1e-4, "lora": 1e-4, "textual_inversion": 5e-3}

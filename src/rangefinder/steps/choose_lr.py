@@ -45,12 +45,14 @@ def run_choose_lr(cfg: RangefinderConfig, *, source: str, lr_low: float, lr_high
                                f"(got {lr_low:g}, {lr_mid:g}, {lr_high:g}); pass the step size as all three")
     chosen = ChosenLR(float(lr_low), float(lr_high), float(lr_mid), source)
     if decision_path is not None:
-        run = f", {updates} updates" if updates else ""
-        why = {"range-test": "read off the LR range test", "zoom": "read off the zoomed (second) LR range test",
-               "prodigy-step": f"read off a Prodigy run's final step size d x lr{times_words(cfg, lr_mid, run)} "
-                               f"({finder_words(cfg)})",
-               "fixed": skipped_because(cfg) or (f"fixed by hand; discovery skipped (lr_finder {cfg.lr_finder} "
-                                                 "has nothing to measure)")}[source]
+        if source == "prodigy-step":
+            why = prodigy_words(cfg, lr_mid, updates)
+        elif source == "fixed":
+            why = skipped_because(cfg) or (f"fixed by hand; discovery skipped (lr_finder {cfg.lr_finder} has nothing "
+                                           "to measure)")
+        else:
+            why = {"range-test": "read off the LR range test",
+                   "zoom": "read off the zoomed (second) LR range test"}[source]
         Path(decision_path).write_text(
             "# Learning rate\n\n| lr_low | lr_mid | lr_high | source |\n|---|---|---|---|\n"
             f"| {lr_low:.3g} | {lr_mid:.3g} | {lr_high:.3g} | {why} |\n"
@@ -80,27 +82,28 @@ def finetune_words(cfg: RangefinderConfig, chosen: ChosenLR) -> str:
     return f"The fine-tune trains at lr_mid (constant schedule; {why})."
 
 
-def times_words(cfg: RangefinderConfig, lr: float, run: str = "") -> str:
-    """The step size a prodigy-step LR `lr` came from (`run`: the run's length, as words), and the factor it was
-    multiplied by (config.prodigy_step_factor: by the base model's family and the method); the step size alone where
-    the factor is 1 or the family is unknown."""
+def prodigy_words(cfg: RangefinderConfig, lr: float, updates: int) -> str:
+    """Where a prodigy-step LR `lr` came from: the step size of a Prodigy run of `updates` updates (0: not said), the
+    factor it was multiplied by (config.prodigy_step_factor: by the base model's family and the method; the step size
+    alone where the factor is 1 or the family is unknown), and the finder that measured it. The family is read off the
+    model once, for both."""
     from rangefinder.config import prodigy_step_factor
     from rangefinder.training.family_detection import family_of
 
-    factor = prodigy_step_factor(family_of(cfg.model), cfg.training.method)
-    if factor == 1:
-        return f" = {lr:.3g}{run}"
-    return (f" = {lr / factor:.3g}{run}, times {factor:g} = {lr:.3g} ({cfg.training.method} on this family trains at "
-            f"{factor:g} times the step size: config.PRODIGY_STEP_FACTOR)")
+    run = f", {updates} updates" if updates else ""
+    family = family_of(cfg.model)
+    factor = prodigy_step_factor(family, cfg.training.method)
+    times = f" = {lr:.3g}{run}" if factor == 1 else (
+        f" = {lr / factor:.3g}{run}, times {factor:g} = {lr:.3g} ({cfg.training.method} on this family trains at "
+        f"{factor:g} times the step size: config.PRODIGY_STEP_FACTOR)")
+    return f"read off a Prodigy run's final step size d x lr{times} ({finder_words(cfg, family)})"
 
 
-def finder_words(cfg: RangefinderConfig) -> str:
-    """lr_finder as set, and under auto what it resolved to for this run's base model and method."""
+def finder_words(cfg: RangefinderConfig, family: Optional[str]) -> str:
+    """lr_finder as set, and under auto what it resolved to for this run's base model (of `family`, None: not known)
+    and method."""
     if cfg.lr_finder != "auto":
         return f"lr_finder: {cfg.lr_finder}"
-    from rangefinder.training.family_detection import family_of
-
-    family = family_of(cfg.model)
     if family is None:  # not resolved (a step run by hand on a config that did not pass resolve-config)
         return "lr_finder: auto"
     return f"lr_finder: auto, which measures {cfg.training.method} on {family} with {cfg.lr_finder_for(family)}"
