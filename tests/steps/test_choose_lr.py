@@ -62,10 +62,24 @@ def test_prodigy_step_on_sdxl_full_says_the_step_size_and_the_factor_it_was_trai
     cfg = demo_config(lr_finder="auto", lr_range_test={"lr_min": None, "lr_max": None},
                       model={"base_model": str(tiny_sdxl_dir)})
     out = tmp_path / "decision.md"
-    run_choose_lr(cfg, source="prodigy-step", lr_low=1e-3, lr_high=1e-3, lr_mid=1e-3, decision_path=out, updates=12)
+    run_choose_lr(cfg, source="prodigy-step", lr_low=1e-3, lr_high=1e-3, lr_mid=1e-3, decision_path=out, updates=12,
+                  factor=4.0)
     assert ("final step size d x lr = 0.00025, 12 updates, times 4 = 0.001 (full on this family trains at 4 times "
             "the step size: config.PRODIGY_STEP_FACTOR) (lr_finder: auto, which measures full on sdxl with "
             "prodigy_step)") in out.read_text()
+
+
+def test_the_decision_names_the_factor_the_step_applied_not_one_it_derives_again(tmp_path):
+    """The factor comes from the prodigy-step-size step's output (ProdigyStep.factor): the text says what was applied,
+    whatever the family; a factor that is not a positive number is one error."""
+    cfg = demo_config(lr_finder="prodigy_step", lr_range_test={"lr_min": None, "lr_max": None})
+    out = tmp_path / "decision.md"
+    run_choose_lr(cfg, source="prodigy-step", lr_low=6e-4, lr_high=6e-4, lr_mid=6e-4, decision_path=out, updates=12,
+                  factor=2.0)
+    assert "d x lr = 0.0003, 12 updates, times 2 = 0.0006 (full on this family trains at 2 times" in out.read_text()
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(RangefinderError, match="prodigy-step factor"):
+            run_choose_lr(cfg, source="prodigy-step", lr_low=6e-4, lr_high=6e-4, lr_mid=6e-4, factor=bad)
 
 
 def test_a_fixed_lr_says_the_lr_finder_had_nothing_to_measure(tmp_path):

@@ -222,7 +222,7 @@ def prodigy_step_size(
     metrics: Output[Metrics],
     report_html: Output[HTML],
     report_md: Output[Markdown],
-) -> NamedTuple("ProdigyStepSize", lr=float, d=float, updates=int):  # type: ignore[valid-type]
+) -> NamedTuple("ProdigyStepSize", lr=float, d=float, updates=int, factor=float):  # type: ignore[valid-type]
     """The prodigy_step LR finder: a Prodigy run of the fine-tune's length at lr 1.0 (diffusers' recommended
     settings, constant schedule), whose final step size d x lr (times 4 on SDXL's and SD3's full fine-tune:
     config.PRODIGY_STEP_FACTOR) is the LR the fine-tune trains at.
@@ -240,6 +240,7 @@ def prodigy_step_size(
         lr: The LR to fine-tune at: the step size d x lr at the run's last update, times its factor.
         d: Prodigy's final estimate d.
         updates: The updates the run took.
+        factor: The factor the step size was multiplied by (1 where the family and method have none).
     """
     from collections import namedtuple
     from pathlib import Path
@@ -259,8 +260,8 @@ def prodigy_step_size(
         )
     for name, value in r.metrics().items():
         metrics.log_metric(name, value)
-    ProdigyStepSize = namedtuple("ProdigyStepSize", "lr d updates")
-    return ProdigyStepSize(r.lr, r.reading.d, r.reading.updates)
+    ProdigyStepSize = namedtuple("ProdigyStepSize", "lr d updates factor")
+    return ProdigyStepSize(r.lr, r.reading.d, r.reading.updates, r.reading.factor)
 
 
 @dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
@@ -272,6 +273,7 @@ def choose_lr(
     lr_mid: float,
     decision: Output[Markdown],
     updates: int = 0,
+    factor: float = 1.0,
 ) -> NamedTuple("ChosenLR", lr_low=float, lr_high=float, lr_mid=float, source=str):  # type: ignore[valid-type]
     """The LR bounds the fine-tune uses, and where they came from (first test, zoom re-test, Prodigy's step size or
     fixed by hand).
@@ -283,6 +285,7 @@ def choose_lr(
         lr_high: The upper LR bound.
         lr_mid: The LR to fine-tune at.
         updates: The updates of the Prodigy run a prodigy-step LR was read off (for the decision's text); 0: none.
+        factor: The factor prodigy-step-size multiplied that run's step size by (for the decision's text).
 
     Returns:
         decision: The decision and its reasons, in Markdown.
@@ -300,7 +303,7 @@ def choose_lr(
 
     with one_line_errors("choose-lr"):
         r = run_choose_lr(load_step_config(config_json), source=source, lr_low=lr_low, lr_high=lr_high, lr_mid=lr_mid,
-                          decision_path=Path(decision.path), updates=updates)
+                          decision_path=Path(decision.path), updates=updates, factor=factor)
     ChosenLR = namedtuple("ChosenLR", "lr_low lr_high lr_mid source")
     return ChosenLR(r.lr_low, r.lr_high, r.lr_mid, r.source)
 

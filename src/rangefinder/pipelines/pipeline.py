@@ -247,7 +247,8 @@ def _build_pipeline(cfg: RangefinderConfig, *, local: bool) -> Callable:
                                              mlflow_parent_run_id=mlflow_parent_run_id), "prodigy_step_size")
             size = probe.outputs["lr"]
             read = step(c.choose_lr(config_json=config_json, source="prodigy-step", lr_low=size, lr_high=size,
-                                    lr_mid=size, updates=probe.outputs["updates"]), "choose_lr")
+                                    lr_mid=size, updates=probe.outputs["updates"],
+                                    factor=probe.outputs["factor"]), "choose_lr")
         with dsl.Else(name="lr-range-test"):
             tested = range_test(config_json=config_json, split=split, mlflow_parent_run_id=mlflow_parent_run_id)
         return Bounds(**{k: dsl.OneOf(read.outputs[k], tested.outputs[k]) for k in Bounds._fields})

@@ -29,9 +29,10 @@ class ChosenLR:
 
 
 def run_choose_lr(cfg: RangefinderConfig, *, source: str, lr_low: float, lr_high: float, lr_mid: float,
-                  decision_path: Optional[Path] = None, updates: int = 0) -> ChosenLR:
-    """The bounds checked, and the decision written to `decision_path`. `updates`: the prodigy-step source's run
-    length, for the decision's text (0: not said)."""
+                  decision_path: Optional[Path] = None, updates: int = 0, factor: float = 1.0) -> ChosenLR:
+    """The bounds checked, and the decision written to `decision_path`. `updates` and `factor`: the prodigy-step
+    source's run length (0: not said) and the factor its step size was multiplied by (ProdigyStep.factor), for the
+    decision's text."""
     if source not in SOURCES:
         raise RangefinderError(f"choose_lr source must be one of {', '.join(SOURCES)} (got {source!r})")
     for name, v in (("lr_low", lr_low), ("lr_high", lr_high), ("lr_mid", lr_mid)):
@@ -40,13 +41,15 @@ def run_choose_lr(cfg: RangefinderConfig, *, source: str, lr_low: float, lr_high
     if not lr_low <= lr_mid <= lr_high:
         raise RangefinderError(f"the bounds from the {source} step are out of order: "
                                f"lr_low {lr_low:g}, lr_mid {lr_mid:g}, lr_high {lr_high:g}")
+    if not (math.isfinite(factor) and factor > 0):
+        raise RangefinderError(f"the prodigy-step factor {factor!r} is not a positive number")
     if source == "prodigy-step" and not lr_low == lr_mid == lr_high:
         raise RangefinderError(f"the prodigy-step source gives one LR, the step size, as lr_low, lr_mid and lr_high "
                                f"(got {lr_low:g}, {lr_mid:g}, {lr_high:g}); pass the step size as all three")
     chosen = ChosenLR(float(lr_low), float(lr_high), float(lr_mid), source)
     if decision_path is not None:
         if source == "prodigy-step":
-            why = prodigy_words(cfg, lr_mid, updates)
+            why = prodigy_words(cfg, lr_mid, updates, factor)
         elif source == "fixed":
             why = skipped_because(cfg) or (f"fixed by hand; discovery skipped (lr_finder {cfg.lr_finder} has nothing "
                                            "to measure)")
@@ -82,21 +85,17 @@ def finetune_words(cfg: RangefinderConfig, chosen: ChosenLR) -> str:
     return f"The fine-tune trains at lr_mid (constant schedule; {why})."
 
 
-def prodigy_words(cfg: RangefinderConfig, lr: float, updates: int) -> str:
+def prodigy_words(cfg: RangefinderConfig, lr: float, updates: int, factor: float = 1.0) -> str:
     """Where a prodigy-step LR `lr` came from: the step size of a Prodigy run of `updates` updates (0: not said), the
-    factor it was multiplied by (config.prodigy_step_factor: by the base model's family and the method; the step size
-    alone where the factor is 1 or the family is unknown), and the finder that measured it. The family is read off the
-    model once, for both."""
-    from rangefinder.config import prodigy_step_factor
+    factor the prodigy-step-size step multiplied it by (config.prodigy_step_factor, by the base model's family and the
+    method; the step size alone where it is 1), and the finder that measured it."""
     from rangefinder.training.family_detection import family_of
 
     run = f", {updates} updates" if updates else ""
-    family = family_of(cfg.model)
-    factor = prodigy_step_factor(family, cfg.training.method)
     times = f" = {lr:.3g}{run}" if factor == 1 else (
         f" = {lr / factor:.3g}{run}, times {factor:g} = {lr:.3g} ({cfg.training.method} on this family trains at "
         f"{factor:g} times the step size: config.PRODIGY_STEP_FACTOR)")
-    return f"read off a Prodigy run's final step size d x lr{times} ({finder_words(cfg, family)})"
+    return f"read off a Prodigy run's final step size d x lr{times} ({finder_words(cfg, family_of(cfg.model))})"
 
 
 def finder_words(cfg: RangefinderConfig, family: Optional[str]) -> str:

@@ -133,10 +133,10 @@ def run_prodigy_step_size(
         run.log_artifact(result.updates_csv, "curves")
         run.log_artifact(reading_json, "analysis")
         run.log_artifact(out_dir / "report", "report")
-        # On this run only, as the range tests keep their readings: the parent shows choose_lr's decision.
-        run.log_decisions({"lr_prodigy_step": reading.step_size, "prodigy_d": reading.d, "updates": reading.updates,
-                           "prodigy_step_factor": reading.factor, "lr_trained": reading.lr_trained,
-                           "best_val_loss": reading.best_val_loss, "lr_source": SOURCE}, to_parent=False)
+        out = ProdigyStepResult(reading=reading, curve_csv=result.metrics_csv, updates_csv=result.updates_csv,
+                                reading_json=reading_json)
+        # On this run only, as the range tests keep their readings: the parent shows choose_lr's decision. The same
+        # numbers as the component's KFP metrics.
+        run.log_decisions({**out.metrics(), "lr_source": SOURCE}, to_parent=False)
         run.describe(reading.headline())
-    return ProdigyStepResult(reading=reading, curve_csv=result.metrics_csv, updates_csv=result.updates_csv,
-                             reading_json=reading_json)
+    return out
