@@ -421,6 +421,35 @@ def test_lr_finder_beside_a_fixed_lr_or_an_lr_free_optimizer_is_a_warning_naming
     assert setting_conflicts(parse_config({"lr_finder": "auto"})) == []
 
 
+def test_prodigy_step_factor_overrides_the_family_s_and_is_refused_or_warned_where_nothing_reads_it():
+    from rangefinder.config import setting_conflicts
+
+    # Unset: the table's, by family and method. Set: the run's own, on every family (1: the step size itself).
+    assert parse_config({}).prodigy_step_factor_for("sdxl") == 4.0
+    assert parse_config({}).prodigy_step_factor_for("sd1") == 1.0
+    own = parse_config({"prodigy_step_factor": 1})
+    assert own.prodigy_step_factor_for("sdxl") == own.prodigy_step_factor_for(None) == 1.0
+    assert "as set in the config" in own.prodigy_step_factor_source()
+    for bad in (0, -2, "inf"):
+        with pytest.raises(ConfigError, match="prodigy_step_factor"):
+            parse_config({"prodigy_step_factor": bad})
+    # Asked for by name beside the range test: a contradiction, one error naming both fixes.
+    with pytest.raises(ConfigError) as err:
+        parse_config({"lr_finder": "range_test", "prodigy_step_factor": 2})
+    msg = str(err.value)
+    assert "\n" not in msg and "lr_finder: range_test" in msg and "remove prodigy_step_factor" in msg
+    # Under auto, a warning where the family's choice is the range test; none where it is prodigy_step.
+    auto = parse_config({"prodigy_step_factor": 2})
+    (line,) = setting_conflicts(auto, "sd1")
+    assert line == ("prodigy_step_factor (2) is not used: on this sd1 base model, lr_finder auto measures the LR of "
+                    "method full with the range test, not prodigy_step; set lr_finder: prodigy_step to use it, or "
+                    "remove it")
+    assert setting_conflicts(auto, "sd3") == setting_conflicts(auto, "sdxl") == setting_conflicts(auto) == []
+    # Beside a fixed lr nothing is discovered.
+    (line,) = setting_conflicts(parse_config({"lr": 1e-4, "prodigy_step_factor": 2}))
+    assert line.startswith("prodigy_step_factor (2) is not used: lr: 0.0001 is fixed")
+
+
 def test_prodigy_settings_are_prodigy_s_arguments_and_unused_with_another_optimizer():
     from rangefinder.config import setting_conflicts
     from rangefinder.training.optimizers import PRODIGY_SETTINGS

@@ -316,7 +316,9 @@ def auto_lr_finder(family: str, method: str) -> MeasuredBy:
 # against 4. SD3's full fine-tune, 4: by a rule written before its 10 fresh cases ran (seeds 75-76; "SD3's full
 # fine-tune at twice or four times the step size"), 2x and 4x both beat 1x, and the rule took the one that beat
 # random search in more cases (4x: 3 against 2x's 1 and 1x's 0); 2x lost less on every other count. Flux (every arm
-# ties there) and the LoRAs were not tested with a factor.
+# ties there) and the LoRAs were not tested with a factor. On SD 1.x twice and four times the step size lost to the
+# range test on the full fine-tune ("SD 1.x's full fine-tune at a multiple of the step size"). A run sets its own
+# with the config's prodigy_step_factor (RangefinderConfig.prodigy_step_factor_for).
 PRODIGY_STEP_FACTOR: dict[str, dict[str, float]] = {"sdxl": {"full": 4.0}, "sd3": {"full": 4.0}}
 
 
@@ -1027,6 +1029,10 @@ class RangefinderConfig(_Section):
     # model's family and the method, LR_FINDER_AUTO_PRODIGY: prodigy_step for full and lora on SD3 and Flux and for
     # full on SDXL, the range test everywhere else). Nothing to do with a fixed lr or an LR-free training.optimizer.
     lr_finder: LRFinder = "auto"
+    # The multiple of Prodigy's final step size the prodigy_step finder's fine-tune trains at; None (the default):
+    # PRODIGY_STEP_FACTOR's, by the base model's family and the method (4 on SDXL's and SD3's full fine-tune, else 1).
+    # Those were measured on tiny models: 1 trains at the step size itself on any model.
+    prodigy_step_factor: Optional[float] = Field(None, gt=0, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _cross(self) -> RangefinderConfig:
@@ -1044,6 +1050,12 @@ class RangefinderConfig(_Section):
             raise ValueError(
                 f"lr_finder: prodigy_step reads the LR off a Prodigy run, so {' and '.join(bounds_set)} (the range "
                 "test's bounds) would not be used; remove them, or set lr_finder: range_test"
+            )
+        if self.prodigy_step_factor is not None and self.pipeline_lr() is None and self.lr_finder == "range_test":
+            raise ValueError(
+                f"prodigy_step_factor ({self.prodigy_step_factor:g}) multiplies the step size the prodigy_step finder "
+                "reads, but lr_finder: range_test measures the LR with the range test; remove prodigy_step_factor, "
+                "or set lr_finder: prodigy_step (or auto)"
             )
         optimizer = self.training.optimizer
         if optimizer in LR_FREE_OPTIMIZERS and bounds_set:
@@ -1083,6 +1095,18 @@ class RangefinderConfig(_Section):
         if self.lr_finder == "auto":
             return auto_lr_finder(family, self.training.method)
         return self.lr_finder
+
+    def prodigy_step_factor_for(self, family: Optional[str]) -> float:
+        """The multiple of its step size the prodigy_step finder trains at, on a base model of `family`: the config's
+        prodigy_step_factor where it is set, else PRODIGY_STEP_FACTOR's for the family and training.method."""
+        if self.prodigy_step_factor is not None:
+            return self.prodigy_step_factor
+        return prodigy_step_factor(family, self.training.method)
+
+    def prodigy_step_factor_source(self) -> str:
+        """Where prodigy_step_factor_for's factor comes from, in words for a report."""
+        return ("prodigy_step_factor, as set in the config" if self.prodigy_step_factor is not None
+                else "config.PRODIGY_STEP_FACTOR, for this family and method")
 
 
 # The demo's prompts: one per shape, each colour once, on the white background of the demo's data. 4 prompts x 3
@@ -1256,14 +1280,20 @@ def given_settings(section: BaseModel, prefix: str = "", *, defaults_too: bool =
 
 
 def auto_finder_conflicts(cfg: RangefinderConfig, family: str) -> list[str]:
-    """The range test's bounds set where lr_finder auto measures this run's LR with prodigy_step (on a base model of
-    `family`), as one line; none otherwise. A warning, not an error: auto is the default, and a config written for
-    an SD 1.x model stays valid on an SD3 one."""
-    bounds = cfg.range_test_bounds_given()
-    if not bounds or cfg.pipeline_lr() is not None or cfg.lr_finder != "auto":
+    """The setting auto's choice for this run leaves unused, as one line: the range test's bounds where lr_finder auto
+    measures the LR with prodigy_step on a base model of `family`, or prodigy_step_factor where it measures it with
+    the range test; none otherwise. A warning, not an error: auto is the default, and a config written for an SD 1.x
+    model stays valid on an SD3 one, and the other way round."""
+    if cfg.pipeline_lr() is not None or cfg.lr_finder != "auto":
         return []
     method = cfg.training.method
     if auto_lr_finder(family, method) != "prodigy_step":
+        return [] if cfg.prodigy_step_factor is None else [
+            f"prodigy_step_factor ({cfg.prodigy_step_factor:g}) is not used: on this {family} base model, lr_finder "
+            f"auto measures the LR of method {method} with the range test, not prodigy_step; set lr_finder: "
+            "prodigy_step to use it, or remove it"]
+    bounds = cfg.range_test_bounds_given()
+    if not bounds:
         return []
     return [f"the range test's bounds ({', '.join(bounds)}) are not used: on this {family} base model, lr_finder auto "
             f"measures the LR of method {method} with prodigy_step, not the range test; set lr_finder: range_test to "
@@ -1291,6 +1321,11 @@ def setting_conflicts(cfg: RangefinderConfig, family: Optional[str] = None) -> l
                else f"training.optimizer {cfg.training.optimizer} is LR-free")
         lines.append(f"lr_finder: {cfg.lr_finder} is not used: {why}, so no LR is discovered; remove lr_finder, or "
                      "the fixed lr")
+    if cfg.prodigy_step_factor is not None and cfg.pipeline_lr() is not None:
+        why = (f"lr: {cfg.lr:g} is fixed" if cfg.lr is not None
+               else f"training.optimizer {cfg.training.optimizer} is LR-free")
+        lines.append(f"prodigy_step_factor ({cfg.prodigy_step_factor:g}) is not used: {why}, so no LR is discovered; "
+                     "remove prodigy_step_factor, or the fixed lr")
     if family is not None:
         lines += auto_finder_conflicts(cfg, family)
     prodigy_given = [g for g in given if g.startswith("training.prodigy.")]

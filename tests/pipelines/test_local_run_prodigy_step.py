@@ -27,10 +27,12 @@ def test_lr_finder_auto_on_a_flow_model_runs_the_prodigy_branch_and_fine_tunes_a
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
     # 3 epochs (12 updates): long enough for Prodigy's d to grow from d0 (at update 9 on SD3), as it must to be read.
     # Each samples with its own flow-matching scheduler, not the demo's DDIM (as `rangefinder demo --family F`).
+    # Flux sets its own factor (prodigy_step_factor: 2, where the family's is 1); SD3 keeps its family's (4).
     model = request.getfixturevalue(f"tiny_{family}_dir")
+    own = {"prodigy_step_factor": 2.0} if family == "flux" else {}
     cfg = tiny_config(shapes_dataset_dir, model, lr_finder="auto",
                       lr_range_test={"lr_min": None, "lr_max": None}, finetune={"epochs": 3},
-                      sampling={**TINY["sampling"], "scheduler": None})
+                      sampling={**TINY["sampling"], "scheduler": None}, **own)
     seed(tmp_path / "mlflow.db")  # the run's default store, migrated: its first step skips MLflow's migrations
     run = run_pipeline_locally(cfg, tmp_path, quiet=True)
     s = run.summary()
@@ -39,8 +41,10 @@ def test_lr_finder_auto_on_a_flow_model_runs_the_prodigy_branch_and_fine_tunes_a
     assert probe and not run.task("lr-range-test"), sorted(run.outputs)
     lr = run.outputs[probe]["lr"]
     updates = read_curve_csv(next(run.run_dir.glob(f"**/{probe}/curve/run/updates.csv")), required=("lr_effective",))
-    # The LR is the last step size, times the family's factor for full fine-tuning (config.PRODIGY_STEP_FACTOR).
-    factor = prodigy_step_factor(family, "full")
+    # The LR is the last step size, times the family's factor for full fine-tuning (config.PRODIGY_STEP_FACTOR), or
+    # the config's own.
+    factor = own.get("prodigy_step_factor") or prodigy_step_factor(family, "full")
+    assert factor == {"sd3": 4.0, "flux": 2.0}[family] and run.outputs[probe]["factor"] == factor
     assert lr == factor * updates["lr_effective"][-1] and run.outputs[probe]["updates"] == len(updates["update"]) == 12
     # choose-lr collapsed the bounds onto it; the fine-tune trained that one LR (no halving) and it was registered.
     assert (s["lr_source"], s["lr_low"], s["lr_mid"], s["lr_high"]) == ("prodigy-step", lr, lr, lr)
@@ -53,6 +57,8 @@ def test_lr_finder_auto_on_a_flow_model_runs_the_prodigy_branch_and_fine_tunes_a
     decision = next(p for p in run.reports if p.name == "choose-lr-decision.md").read_text()
     assert "read off a Prodigy run's final step size d x lr" in decision and "12 updates" in decision
     assert f"(lr_finder: auto, which measures full on {family} with prodigy_step)" in decision
+    assert f", times {factor:g} = {lr:.3g} (" + ("prodigy_step_factor: 2, as set)" if own else
+                                                 "full on this family trains at 4 times") in decision, decision
 
     with sqlite3.connect(tmp_path / "mlflow.db") as con:
         runs = dict(con.execute("select name, status from runs").fetchall())
@@ -62,6 +68,8 @@ def test_lr_finder_auto_on_a_flow_model_runs_the_prodigy_branch_and_fine_tunes_a
             "where t.key = 'mlflow.parentRunId'").fetchall())
         (finder_param,) = con.execute("select p.value from params p join runs r on p.run_uuid = r.run_uuid "
                                       "where r.name = 'prodigy_step_size' and p.key = 'lr_finder'").fetchone()
+        (factor_param,) = con.execute("select p.value from params p join runs r on p.run_uuid = r.run_uuid "
+                                      "where r.name = 'prodigy_step_size' and p.key = 'prodigy_step_factor'").fetchone()
     assert runs["prodigy_step_size"] == runs["finetune"] == runs[parent] == "FINISHED", runs
-    assert "lr_range_test" not in runs and finder_param == "prodigy_step"
+    assert "lr_range_test" not in runs and finder_param == "prodigy_step" and float(factor_param) == factor
     assert nested["prodigy_step_size"] == nested["finetune"]  # both children of the pipeline's run

@@ -72,11 +72,12 @@ def test_prodigy_step_on_sdxl_full_says_the_step_size_and_the_factor_it_was_trai
 def test_the_decision_names_the_factor_the_step_applied_not_one_it_derives_again(tmp_path):
     """The factor comes from the prodigy-step-size step's output (ProdigyStep.factor): the text says what was applied,
     whatever the family; a factor that is not a positive number is one error."""
-    cfg = demo_config(lr_finder="prodigy_step", lr_range_test={"lr_min": None, "lr_max": None})
+    cfg = demo_config(lr_finder="prodigy_step", lr_range_test={"lr_min": None, "lr_max": None},
+                      prodigy_step_factor=2.0)
     out = tmp_path / "decision.md"
     run_choose_lr(cfg, source="prodigy-step", lr_low=6e-4, lr_high=6e-4, lr_mid=6e-4, decision_path=out, updates=12,
                   factor=2.0)
-    assert "d x lr = 0.0003, 12 updates, times 2 = 0.0006 (full on this family trains at 2 times" in out.read_text()
+    assert "d x lr = 0.0003, 12 updates, times 2 = 0.0006 (prodigy_step_factor: 2, as set)" in out.read_text()
     for bad in (0.0, -1.0, float("nan")):
         with pytest.raises(RangefinderError, match="prodigy-step factor"):
             run_choose_lr(cfg, source="prodigy-step", lr_low=6e-4, lr_high=6e-4, lr_mid=6e-4, factor=bad)

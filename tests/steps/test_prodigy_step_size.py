@@ -126,3 +126,8 @@ def test_a_factor_trains_at_that_multiple_of_the_step_size_and_the_report_says_b
     assert "the one it ends on, times 4, is taken as the fine-tune's constant LR" in md, md
     assert json.loads(report["json"].read_text())["lr_trained"] == 1e-3
     assert read_prodigy_step(updates, None, 1.0).lr_trained == 2.5e-4  # no factor: the step size itself
+    # The config's own factor: the report says it was set, not measured.
+    own = read_prodigy_step(updates, None, 1.0, factor=2.0, factor_source="prodigy_step_factor, as set in the config")
+    md = write_prodigy_report(own, updates, None, tmp_path / "own")["markdown"].read_text()
+    assert "| LR trained | 0.0005 |" in md and "2 times the step size Prodigy ended on (prodigy_step_factor, as set" \
+        in md and "PRODIGY_STEP_FACTOR" not in md, md

@@ -30,7 +30,8 @@ class ProdigyStep:
     best_val_loss: Optional[float]  # the lowest validation loss of the run, and its update
     best_update: Optional[int]
     final_val_loss: Optional[float]  # at the last validation
-    factor: float = 1.0  # the multiple of the step size the fine-tune trains at (config.PRODIGY_STEP_FACTOR)
+    factor: float = 1.0  # the multiple of the step size the fine-tune trains at (config.prodigy_step_factor_for)
+    factor_source: str = "config.PRODIGY_STEP_FACTOR"  # where the factor came from, in words
 
     @property
     def lr_trained(self) -> float:
@@ -54,10 +55,12 @@ class ProdigyStep:
 
 
 def read_prodigy_step(updates: dict[str, np.ndarray], curve: Optional[dict[str, np.ndarray]],
-                      lr: float, factor: float = 1.0) -> ProdigyStep:
+                      lr: float, factor: float = 1.0,
+                      factor_source: str = "config.PRODIGY_STEP_FACTOR") -> ProdigyStep:
     """The reading from the run's updates.csv (`updates`: its columns, update and lr_effective among them) and its
     validation curve (metrics.csv's columns, or None without validation), the fine-tune to train at `factor` times
-    the step size (config.prodigy_step_factor); RangefinderError when the last step size
+    the step size (RangefinderConfig.prodigy_step_factor_for; `factor_source` says where it came from);
+    RangefinderError when the last step size
     is not a positive number (no update was taken, or Prodigy's estimate broke down), or never left d0 (the run
     was too short for Prodigy to estimate anything)."""
     steps = np.asarray(updates.get("lr_effective", ()), dtype=float)
@@ -87,4 +90,5 @@ def read_prodigy_step(updates: dict[str, np.ndarray], curve: Optional[dict[str, 
             base = float(val[0]) if at[0] == 0 and ok[0] else None
     return ProdigyStep(step_size=step_size, lr=float(lr), updates=int(np.asarray(updates["update"])[-1]),
                        epochs=float(epoch[-1]) if epoch is not None and len(epoch) else None, base_val_loss=base,
-                       best_val_loss=best, best_update=best_update, final_val_loss=final, factor=float(factor))
+                       best_val_loss=best, best_update=best_update, final_val_loss=final, factor=float(factor),
+                       factor_source=factor_source)

@@ -293,11 +293,14 @@ def write_prodigy_report(reading: ProdigyStep, updates: dict, curve: Optional[di
                          "successive halving). "
                          "Set lr_finder: range_test to measure the LR with the LR range test instead."),
     ]
-    if reading.factor != 1:
+    if reading.factor != 1 and reading.factor_source.startswith("config.PRODIGY_STEP_FACTOR"):
         notes.append(("factor", f"This model family and method train at {reading.factor:g} times the step size "
-                                "Prodigy ended on (config.PRODIGY_STEP_FACTOR): on fresh cases measured before the "
-                                "rule shipped, that beat the step size itself (bench/RESULTS.md). Set a fixed lr to "
-                                "train at another."))
+                                f"Prodigy ended on ({reading.factor_source}): on fresh cases measured before the rule "
+                                "shipped, on tiny models, that beat the step size itself (bench/RESULTS.md). Set "
+                                "prodigy_step_factor to train at another multiple (1: the step size itself)."))
+    elif reading.factor != 1:
+        notes.append(("factor", f"The fine-tune trains at {reading.factor:g} times the step size Prodigy ended on "
+                                f"({reading.factor_source})."))
     notes += _reading_notes((), plan_warnings)
     rows += _sigma_rows(curve, validation_weighting, reading.best_update)
     notes += _weighting_note(validation_weighting)

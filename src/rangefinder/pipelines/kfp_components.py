@@ -224,8 +224,8 @@ def prodigy_step_size(
     report_md: Output[Markdown],
 ) -> NamedTuple("ProdigyStepSize", lr=float, d=float, updates=int, factor=float):  # type: ignore[valid-type]
     """The prodigy_step LR finder: a Prodigy run of the fine-tune's length at lr 1.0 (diffusers' recommended
-    settings, constant schedule), whose final step size d x lr (times 4 on SDXL's and SD3's full fine-tune:
-    config.PRODIGY_STEP_FACTOR) is the LR the fine-tune trains at.
+    settings, constant schedule), whose final step size d x lr (times the config's prodigy_step_factor; unset, 4 on
+    SDXL's and SD3's full fine-tune: config.PRODIGY_STEP_FACTOR) is the LR the fine-tune trains at.
 
     Args:
         config_json: The run's validated config, as resolve-config returns it.

@@ -6,9 +6,10 @@ Prodigy at lr 1.0 and the arguments diffusers' advanced_diffusion_training READM
 constant schedule, and none of what the fine-tune step adds after its run (successive halving, cooldown, window
 average, samples): a plain run, a probe. Its training is exactly that of a fine-tune with `training.optimizer:
 prodigy` and `training.prodigy` set to those arguments. The step size at its last update (the last `lr_effective`
-of its updates.csv), times the factor of the model's family and the method (config.PRODIGY_STEP_FACTOR: 4 on SDXL's
-and SD3's full fine-tune, 1 elsewhere), is the LR: choose_lr takes it as lr_low = lr_mid = lr_high (source
-"prodigy-step"), and the fine-tune trains that one constant LR with the run's own optimizer (AdamW by default).
+of its updates.csv), times a factor, is the LR: the config's prodigy_step_factor where set, else the one for the
+model's family and the method (config.PRODIGY_STEP_FACTOR: 4 on SDXL's and SD3's full fine-tune, 1 elsewhere).
+choose_lr takes it as lr_low = lr_mid = lr_high (source "prodigy-step"), and the fine-tune trains that one constant
+LR with the run's own optimizer (AdamW by default).
 
 The probe's weights are not kept: its output is a number, the report and the curves. It checkpoints as the fine-tune
 does, one checkpoint at a time, so a retried pod goes on from where the preempted one stopped.
@@ -84,7 +85,6 @@ def run_prodigy_step_size(
     RangefinderError when it diverged or read no step size."""
     from rangefinder import tracking
     from rangefinder.analysis import copy_report, read_curve_csv, read_prodigy_step, write_prodigy_report
-    from rangefinder.config import prodigy_step_factor
     from rangefinder.data.split import read_split
     from rangefinder.training.family_detection import family_of
     from rangefinder.training.optimizers import require_prodigy
@@ -101,7 +101,7 @@ def run_prodigy_step_size(
     spec = replace(spec, training=TrainingConfig.model_validate({**spec.training.model_dump(), "keep_checkpoints": 1}))
     tc = spec.training
     family = family_of(cfg.model)
-    factor = prodigy_step_factor(family, cfg.training.method)
+    factor = cfg.prodigy_step_factor_for(family)
     with tracking.step_run(cfg, STEP, parent_run_id=mlflow_parent_run_id) as run:
         run.log_config(probe, plan=spec.plan,
                        extra={"lr_finder": "prodigy_step", "lr_source": SOURCE, "prodigy_step_factor": factor,
@@ -118,7 +118,8 @@ def run_prodigy_step_size(
         publish(work, out_dir / "run")
         updates = read_curve_csv(result.updates_csv, required=("update", "lr_effective"))
         curve = result.curve_arrays()
-        reading = read_prodigy_step(updates, curve, LR_FREE_LR, factor=factor)
+        reading = read_prodigy_step(updates, curve, LR_FREE_LR, factor=factor,
+                                    factor_source=cfg.prodigy_step_factor_source())
         report = write_prodigy_report(reading, updates, curve, out_dir / "report",
                                       source=f"{result.updates_csv}; {batch_note(tc)}",
                                       plan_warnings=spec.plan.warnings if spec.plan is not None else (),
