@@ -114,3 +114,28 @@ def test_bench_versus_record_prints_the_standings_of_record(record, capsys):
     assert printed["aggregate"] == record[0]["aggregate"]
     assert printed["aggregate_by_method"] == record[0]["aggregate_by_method"]
     assert "| (a) chosen |" in capsys.readouterr().out
+
+
+def test_cases_run_as_shipped_join_the_record_as_they_ran_and_a_case_of_record_cannot_join_twice(
+        record, tmp_path, monkeypatch):
+    """RECORD_AS_SHIPPED's cases ran (a) as it ships (LoRA's EMA included), so they join after A_AS_SHIPPED's
+    re-runs with their own (a), LoRA too; a case already of record joining again is one error, not a silent swap."""
+    import json
+
+    import bench.versus as versus
+
+    saved = record[0]
+    lora = next(c for c in saved["cases"] if c["method"] == "lora")
+    fresh = {k: v for k, v in lora.items() if k != "summary"}
+    fresh = {**fresh, "seed": 999, "rangefinder": {**fresh["rangefinder"], "lr_used": 1.234e-3}}
+    path = tmp_path / "fresh.json"
+    path.write_text(json.dumps({"cases": [fresh]}))
+    monkeypatch.setattr(versus, "RECORD_AS_SHIPPED", (*versus.RECORD_AS_SHIPPED, str(path)))
+    grown = versus.standings_of_record()
+    assert grown["aggregate"]["cases"] == saved["aggregate"]["cases"] + 1
+    (joined,) = [c for c in grown["cases"] if c["seed"] == 999]
+    assert joined["rangefinder"]["lr_used"] == 1.234e-3  # its own (a), not a re-run's
+    again = {k: v for k, v in lora.items() if k != "summary"}
+    path.write_text(json.dumps({"cases": [again]}))
+    with pytest.raises(SystemExit, match="in the standings of record twice"):
+        versus.standings_of_record()
