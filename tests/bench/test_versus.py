@@ -82,10 +82,11 @@ def test_goals_follow_the_thresholds():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["sd1", "flux"])
+@pytest.mark.parametrize("family", ["sd1", "sdxl", "flux"])
 def test_versus_smoke(tmp_path, capsys, family, request):
-    """Every arm runs on the family's tiny model (flux: the flow-matching one, its own loss and sampler). The SD 1.x
-    smoke is the session's (tests/bench/conftest.py), which the probes' tests start from too."""
+    """Every arm runs on the family's tiny model (sdxl: its full fine-tune measured by four times Prodigy's step size;
+    flux: the flow-matching one, its own loss and sampler). The SD 1.x smoke is the session's
+    (tests/bench/conftest.py), which the probes' tests start from too."""
     from bench.versus import main
 
     if family == "sd1":
@@ -103,14 +104,16 @@ def test_versus_smoke(tmp_path, capsys, family, request):
     assert saved["settings"]["held_out_seeds"] == list(HELD_OUT_SEEDS)
     assert saved["settings"]["family"] == family and saved["runs"][0]["family"] == family
     # The run's base model is the family's (the tiny models' cache folders are named tiny-sd-, tiny-flux-, ...).
-    assert Path(saved["runs"][0]["base_model"]).name.startswith({"sd1": "tiny-sd-", "flux": "tiny-flux-"}[family])
+    assert Path(saved["runs"][0]["base_model"]).name.startswith(
+        {"sd1": "tiny-sd-", "sdxl": "tiny-sdxl-", "flux": "tiny-flux-"}[family])
     (case,) = saved["cases"]
     s = case["summary"]
     assert (s["family"], s["method"], s["kind"], s["seed"], s["held_out"]) == (family, "full", "shapes", 0, False)
-    assert case["family"] == family and s["case"] == {"sd1": "full shapes 0", "flux": "flux full shapes 0"}[family]
-    # 10 images leave 8 to train on at batch 4: 2 updates an epoch, 2 epochs (flux: 6, for Prodigy's d to move).
-    # Every arm trains (a)'s length.
-    length = {"sd1": 4, "flux": 12}[family]
+    assert case["family"] == family and s["case"] == (
+        "full shapes 0" if family == "sd1" else f"{family} full shapes 0")
+    # 10 images leave 8 to train on at batch 4: 2 updates an epoch, 2 epochs (sdxl and flux: 6, for Prodigy's d to
+    # move). Every arm trains (a)'s length.
+    length = {"sd1": 4, "sdxl": 12, "flux": 12}[family]
     a = case["rangefinder"]
     # (a) as shipped: the range test on SD 1.x; on flux, lr_finder auto's Prodigy step size (no range test), which
     # the smoke's length lets d leave d0 for.
@@ -121,6 +124,11 @@ def test_versus_smoke(tmp_path, capsys, family, request):
         assert a["finetune_updates"] == length
         assert s["rangefinder"] == (a["chosen"]["val_loss"] if a.get("chosen") else a["final_val_loss"])
         assert s["updates"]["prodigy"] == s["updates"]["folk"] == length
+        # (a)'s probe is arm (b)'s Prodigy run (same length, settings and seed): (a) trained at its final step size
+        # times the family's factor for full fine-tuning (config.PRODIGY_STEP_FACTOR: 4 on sdxl).
+        if family != "sd1":
+            factor = {"sdxl": 4.0, "flux": 1.0}[family]
+            assert a["lr_used"] == pytest.approx(factor * case["prodigy"]["lr_effective_final"], rel=1e-6)
         assert all(r["updates"] == length for r in case["random"]["runs"]) and s["random_runs"] == 2
         lo, hi = case["random"]["span"]
         assert all(lo <= r["lr"] <= hi for r in case["random"]["runs"])
