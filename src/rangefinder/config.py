@@ -1316,16 +1316,15 @@ def setting_conflicts(cfg: RangefinderConfig, family: Optional[str] = None) -> l
         lines.append(f"lr: {cfg.lr:g} is fixed, so no range test runs and the lr_range_test section "
                      f"({', '.join(sorted(range_test_given))}) is not used; remove lr to discover the LR, or the "
                      "section")
-    if "lr_finder" in given and cfg.pipeline_lr() is not None:
+    if cfg.pipeline_lr() is not None:  # no LR is discovered, so the finder's settings go unused
         why = (f"lr: {cfg.lr:g} is fixed" if cfg.lr is not None
                else f"training.optimizer {cfg.training.optimizer} is LR-free")
-        lines.append(f"lr_finder: {cfg.lr_finder} is not used: {why}, so no LR is discovered; remove lr_finder, or "
-                     "the fixed lr")
-    if cfg.prodigy_step_factor is not None and cfg.pipeline_lr() is not None:
-        why = (f"lr: {cfg.lr:g} is fixed" if cfg.lr is not None
-               else f"training.optimizer {cfg.training.optimizer} is LR-free")
-        lines.append(f"prodigy_step_factor ({cfg.prodigy_step_factor:g}) is not used: {why}, so no LR is discovered; "
-                     "remove prodigy_step_factor, or the fixed lr")
+        if "lr_finder" in given:
+            lines.append(f"lr_finder: {cfg.lr_finder} is not used: {why}, so no LR is discovered; remove lr_finder, "
+                         "or the fixed lr")
+        if cfg.prodigy_step_factor is not None:
+            lines.append(f"prodigy_step_factor ({cfg.prodigy_step_factor:g}) is not used: {why}, so no LR is "
+                         "discovered; remove prodigy_step_factor, or the fixed lr")
     if family is not None:
         lines += auto_finder_conflicts(cfg, family)
     prodigy_given = [g for g in given if g.startswith("training.prodigy.")]
