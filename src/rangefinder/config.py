@@ -1104,7 +1104,8 @@ class RangefinderConfig(_Section):
         return prodigy_step_factor(family, self.training.method)
 
     def prodigy_step_factor_source(self) -> str:
-        """Where prodigy_step_factor_for's factor comes from, in words for a report."""
+        """Where prodigy_step_factor_for's factor comes from, in words for a report (the table's start with
+        analysis.prodigy_step.FACTOR_FROM_TABLE, which the report reads)."""
         return ("prodigy_step_factor, as set in the config" if self.prodigy_step_factor is not None
                 else "config.PRODIGY_STEP_FACTOR, for this family and method")
 

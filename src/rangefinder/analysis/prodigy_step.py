@@ -15,6 +15,10 @@ import numpy as np
 
 from rangefinder.errors import RangefinderError
 
+# Where a factor read from config.PRODIGY_STEP_FACTOR's table says it came from (config.RangefinderConfig's
+# prodigy_step_factor_source starts with it); a factor the config sets says otherwise.
+FACTOR_FROM_TABLE = "config.PRODIGY_STEP_FACTOR"
+
 # prodigyopt's default d0, the estimate d starts from. d only grows, and it takes Prodigy tens of updates to move it
 # (on the tiny model, the first growth comes at update 9): a run that ends on d0 has measured nothing.
 PRODIGY_D0 = 1e-6
@@ -31,7 +35,7 @@ class ProdigyStep:
     best_update: Optional[int]
     final_val_loss: Optional[float]  # at the last validation
     factor: float = 1.0  # the multiple of the step size the fine-tune trains at (config.prodigy_step_factor_for)
-    factor_source: str = "config.PRODIGY_STEP_FACTOR"  # where the factor came from, in words
+    factor_source: str = FACTOR_FROM_TABLE  # where the factor came from, in words
 
     @property
     def lr_trained(self) -> float:
@@ -56,7 +60,7 @@ class ProdigyStep:
 
 def read_prodigy_step(updates: dict[str, np.ndarray], curve: Optional[dict[str, np.ndarray]],
                       lr: float, factor: float = 1.0,
-                      factor_source: str = "config.PRODIGY_STEP_FACTOR") -> ProdigyStep:
+                      factor_source: str = FACTOR_FROM_TABLE) -> ProdigyStep:
     """The reading from the run's updates.csv (`updates`: its columns, update and lr_effective among them) and its
     validation curve (metrics.csv's columns, or None without validation), the fine-tune to train at `factor` times
     the step size (RangefinderConfig.prodigy_step_factor_for; `factor_source` says where it came from);

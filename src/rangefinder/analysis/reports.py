@@ -24,7 +24,7 @@ from rangefinder.analysis.lr_bounds import FLAG_ADVICE as LR_FLAG_ADVICE
 from rangefinder.analysis.lr_bounds import STATUS_ADVICE as LR_STATUS_ADVICE
 from rangefinder.analysis.lr_bounds import LRBounds
 from rangefinder.analysis.plots import plot_lr_range_test, plot_prodigy_step, plot_step_window
-from rangefinder.analysis.prodigy_step import ProdigyStep
+from rangefinder.analysis.prodigy_step import FACTOR_FROM_TABLE, ProdigyStep
 from rangefinder.analysis.step_window import DELIVERY_RULE_TEXT, Delivery, StepWindow
 from rangefinder.analysis.step_window import FLAG_ADVICE as STEP_FLAG_ADVICE
 from rangefinder.analysis.step_window import STATUS_ADVICE as STEP_STATUS_ADVICE
@@ -293,7 +293,7 @@ def write_prodigy_report(reading: ProdigyStep, updates: dict, curve: Optional[di
                          "successive halving). "
                          "Set lr_finder: range_test to measure the LR with the LR range test instead."),
     ]
-    if reading.factor != 1 and reading.factor_source.startswith("config.PRODIGY_STEP_FACTOR"):
+    if reading.factor != 1 and reading.factor_source.startswith(FACTOR_FROM_TABLE):
         notes.append(("factor", f"This model family and method train at {reading.factor:g} times the step size "
                                 f"Prodigy ended on ({reading.factor_source}): on fresh cases measured before the rule "
                                 "shipped, on tiny models, that beat the step size itself (bench/RESULTS.md). Set "
