@@ -114,7 +114,14 @@ def random_at_equal_compute(s: dict[str, Any], r: dict[str, Any]) -> tuple[Optio
 
 
 def probe_case(c: dict[str, Any], rep: dict[str, Any], work: Path, log=print) -> dict[str, Any]:
-    from bench.unseen import delivered_sets, rangefinder_alone, reproduces, unseen_split, write_unseen_images
+    from bench.unseen import (
+        delivered_sets,
+        measuring_config,
+        rangefinder_alone,
+        reproduces,
+        unseen_split,
+        write_unseen_images,
+    )
     from rangefinder.data.split import read_split
     from rangefinder.steps.average import average_weights
     from rangefinder.training.loop import weights_measurer
@@ -155,7 +162,8 @@ def probe_case(c: dict[str, Any], rep: dict[str, Any], work: Path, log=print) ->
     for loss, split in splits.items():
         for rank, runs in groups.items():
             lora = cfg.training.lora.model_copy(update={"rank": rank * cfg.training.lora.rank})
-            measured_cfg = cfg.model_copy(update={"training": cfg.training.model_copy(update={"lora": lora})})
+            measured = measuring_config(cfg)
+            measured_cfg = measured.model_copy(update={"training": measured.training.model_copy(update={"lora": lora})})
             spec = TrainSpec.finetune(measured_cfg, split, lr=lr, bounds=(lr, lr), world_size=1)
             out_dir = case / f"measure-rank{rank}-{loss}"
             with weights_measurer(spec, out_dir=out_dir, split=split) as measure:

@@ -96,6 +96,15 @@ def recorded_losses(c: dict[str, Any]) -> dict[str, Optional[float]]:
     return {arm: s.get(arm) for arm in UNSEEN_ARMS}
 
 
+def measuring_config(cfg):
+    """`cfg` for a measuring run (`training.loop.weights_measurer`), which validates the weights it is handed: those are
+    already what a run delivers (`training.restore.delivered_state`: an EMA's or a schedule-free optimizer's averaged
+    weights), so the measurer keeps no EMA (`use_ema: auto` keeps one for LoRA on SD 1.x/2.x) and trains with plain
+    AdamW, which it never steps."""
+    training = cfg.training.model_copy(update={"use_ema": False, "optimizer": "adamw"})
+    return cfg.model_copy(update={"training": training})
+
+
 def score_unseen(cfg, c: dict[str, Any], case: Path, split_dir: Path, count: int, log=print) -> dict[str, Any]:
     """Measure each arm's delivered weights on `count` unseen images of the case's kind and seed, and again on the
     case's validation images: {"images", "seconds", "arms": {arm: {"unseen_loss", "val_loss", "recorded",
@@ -121,7 +130,7 @@ def score_unseen(cfg, c: dict[str, Any], case: Path, split_dir: Path, count: int
     lr = cfg.training.lr
     for key, split in splits.items():
         # The measuring run: the case's method, model and validation settings, as its fine-tune; it trains nothing.
-        spec = TrainSpec.finetune(cfg, split, lr=lr, bounds=(lr, lr), world_size=1)
+        spec = TrainSpec.finetune(measuring_config(cfg), split, lr=lr, bounds=(lr, lr), world_size=1)
         out_dir = case / f"unseen-measure-{key}"
         with weights_measurer(spec, out_dir=out_dir, split=split) as measure:
             for arm, w in weights.items():

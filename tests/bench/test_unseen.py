@@ -56,6 +56,36 @@ def test_a_delivered_window_average_is_scored_as_the_checkpoints_it_averaged(spl
     assert all(s[f"unseen_vs_{opp}"] is None for opp in OPPONENTS)  # no other arm has a loss
 
 
+@pytest.mark.slow
+def test_a_lora_run_s_default_ema_is_scored_as_it_delivered_it(split_dir, tiny_model_dir, tmp_path):
+    """LoRA on SD 1.x keeps an EMA by default (training.use_ema auto) and delivers it. Scoring takes the delivered
+    weights with the case's own config: the measuring run keeps no EMA of its own (the measurer refuses a config that
+    validates averaged weights) and gives back the loss (a) recorded for its pick, bit for bit."""
+    from rangefinder.config import demo_config
+    from rangefinder.data.split import read_split
+    from rangefinder.steps.finetune import run_finetune
+
+    cfg = demo_config(model={"base_model": str(tiny_model_dir)}, finetune={"epochs": 4, "successive_halving": False},
+                      training={"method": "lora", "cache_dir": str(tmp_path / "cache")},
+                      sampling={"every_validations": None}, validation={"every_epochs": 0.5},
+                      tracking={"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment_name": "unseen",
+                                "registered_model_name": None})
+    assert cfg.training.keeps_ema("sd1")
+    case = tmp_path / "case"
+    with without_mlflow_run_env(), keeping_every_checkpoint():
+        result = run_finetune(cfg, split_dir=split_dir, lr_low=LR, lr_high=LR, lr_mid=LR, lr_source="fixed",
+                              model_dir=case / "rangefinder" / "finetune")
+    chosen = {k: result.chosen[k] for k in ("rule", "val_loss", "update")}
+    missing = {"updates": 0, "seconds": 0.0, "best_val_loss": None, "final_val_loss": None, "curve": []}
+    items = read_split(split_dir)
+    c = {"method": "lora", "kind": "shapes", "seed": 0, "images": len(items.train) + len(items.val),
+         "held_out": False, "rangefinder": {"status": "ok", "chosen": chosen, "curve": [], "updates": 0, "seconds": 0},
+         "prodigy": missing, "folk": missing, "random": {"runs": [], "updates": 0, "seconds": 0}}
+    a = score_unseen(cfg, c, case, split_dir, 4)["arms"]["rangefinder"]
+    assert a["val_loss"] == chosen["val_loss"] and a["reproduces"] is True
+    assert a["unseen_loss"] > 0
+
+
 def _arms(**losses):
     return {arm: ({"absent": "gone"} if v is None else
                   {"unseen_loss": v[0], "val_loss": 1.0, "recorded": 1.0, "reproduces": v[1]})
