@@ -356,6 +356,10 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--every-case", action="store_true",
                    help="every case of --from, those scored on no unseen images too (at --timesteps 4, the arms': "
                    "(a)'s weights are then read as it measured them); without it, only cases with unseen images")
+    p.add_argument("--methods", type=lambda v: v.split(","), metavar="M1,M2",
+                   help="only the cases of these methods of --from (all when left out)")
+    p.add_argument("--seeds", type=lambda v: [int(x) for x in v.split(",")], metavar="S1,S2",
+                   help="only the cases of these seeds of --from (all when left out)")
     p.add_argument("--against", type=results_file, nargs="+",
                    help="results of this probe whose (a) is the baseline, case "
                    "by case (as saved when left out)")
@@ -366,7 +370,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         p.error("--every-case reads (a)'s own validation loss where a case has no unseen images, which is the arms' "
                 "measure only at --timesteps 4")
     quiet_libraries()
-    cases = [c for c in json.loads(args.source.read_text())["cases"] if args.every_case or c.get("unseen")]
+    cases = [c for c in json.loads(args.source.read_text())["cases"] if (args.every_case or c.get("unseen"))
+             and (args.methods is None or c["method"] in args.methods)
+             and (args.seeds is None or c["seed"] in args.seeds)]
     k, n = args.part
     cases = cases[k - 1::n]
 

@@ -25,8 +25,11 @@ def test_the_probe_at_the_shipped_timesteps_rebuilds_the_saved_case(tmp_path, sd
     from bench.timesteps_probe import main as probe
 
     saved = sd1_versus_smoke.out  # the session's smoke case (tests/bench/conftest.py)
-    s = json.loads(saved.read_text())["cases"][0]["summary"]
-    same = probe(["--from", str(saved), "--out", str(tmp_path / "p4.json"), "--timesteps", "4"])
+    case = json.loads(saved.read_text())["cases"][0]
+    s = case["summary"]
+    # --methods and --seeds keep the cases they name (here the one case), and leave out the rest.
+    same = probe(["--from", str(saved), "--out", str(tmp_path / "p4.json"), "--timesteps", "4",
+                  "--methods", f"textual_inversion,{case['method']}", "--seeds", f"{case['seed']},{case['seed'] + 1}"])
     (row,) = same["cases"]
     assert row["unseen_loss"] == s["unseen_rangefinder"] and row["val_loss"] == row["val_loss_k"] == s["rangefinder"]
     assert all(row[f"unseen_vs_{o}"] == row[f"saved_unseen_vs_{o}"] for o in ("prodigy_best", "random_best"))
@@ -43,6 +46,10 @@ def test_the_probe_at_the_shipped_timesteps_rebuilds_the_saved_case(tmp_path, sd
     # A case scored on no unseen images is not probed without --every-case.
     plain = without_unseen_images(saved, tmp_path / "plain.json")
     assert probe(["--from", str(plain), "--out", str(tmp_path / "none.json")])["cases"] == []
+    other = "lora" if case["method"] != "lora" else "full"
+    assert probe(["--from", str(saved), "--out", str(tmp_path / "m.json"), "--methods", other])["cases"] == []
+    next_seed = str(case["seed"] + 1)
+    assert probe(["--from", str(saved), "--out", str(tmp_path / "s.json"), "--seeds", next_seed])["cases"] == []
 
 
 @pytest.mark.slow
