@@ -158,11 +158,10 @@ def probe_case(c: dict[str, Any], rep: dict[str, Any], work: Path, log=print) ->
     for run in [r for r in RUNS if r in weights]:
         rank = 2 if run == "soup" and c["method"] == "lora" else 1
         groups.setdefault(rank, []).append(run)
-    lr = cfg.training.lr
+    lr, measured = cfg.training.lr, measuring_config(cfg)
     for loss, split in splits.items():
         for rank, runs in groups.items():
             lora = cfg.training.lora.model_copy(update={"rank": rank * cfg.training.lora.rank})
-            measured = measuring_config(cfg)
             measured_cfg = measured.model_copy(update={"training": measured.training.model_copy(update={"lora": lora})})
             spec = TrainSpec.finetune(measured_cfg, split, lr=lr, bounds=(lr, lr), world_size=1)
             out_dir = case / f"measure-rank{rank}-{loss}"
