@@ -232,8 +232,10 @@ A_AS_SHIPPED: dict[str, tuple[str, ...]] = {
              "ema_lora85_part2.json"),
 }
 # Standings of record whose (a) ran as it ships now, every method (A_AS_SHIPPED's defaults included), so nothing of
-# theirs is re-run: merged after the older files' re-runs. Seeds 83-84 (RESULTS.md, "Seeds 83-84, as shipped").
-RECORD_AS_SHIPPED = ("versus_sd1_seed83.json", "versus_sd1_seed84.json")
+# theirs is re-run: merged after the older files' re-runs. Seeds 83-84 and 87-88 (RESULTS.md, "Seeds 83-84, as
+# shipped", "Seeds 87-88, as shipped").
+RECORD_AS_SHIPPED = ("versus_sd1_seed83.json", "versus_sd1_seed84.json", "versus_sd1_seed87.json",
+                     "versus_sd1_seed88.json")
 # discovery_quality's saved full-method results on 20 images, 40-epoch arms, an 8-LR grid over 1e-5..1e-2.
 SAVED_GRIDS = ("discovery_quality_v4_tuning.json", "discovery_quality_v4_heldout.json",
                "discovery_quality_v4_confirm_seed3.json", "discovery_quality_v4_confirm_seed4.json")
