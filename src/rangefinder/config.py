@@ -403,8 +403,8 @@ class TrainingConfig(_Section):
     # --- loss and augmentation
     prediction_type: Optional[Literal["epsilon", "v_prediction"]] = None  # None: the base model's scheduler config
     # Min-SNR weighting (Hang et al. 2023); 5.0 is usual. Off by default: on the SD 1.x bench it lowered the validation
-    # loss on cases already read, then failed a rule on fresh full and LoRA cases, with a higher loss on unseen images
-    # (bench/RESULTS.md, "Min-SNR weighting in (a)").
+    # loss on cases already read, then failed a rule on fresh full and LoRA cases: fewer wins against random search,
+    # and worse on images no choice was made on (bench/RESULTS.md, "Min-SNR weighting in (a)").
     min_snr_gamma: Optional[float] = Field(None, gt=0)
     noise_offset: float = Field(0.0, ge=0)  # 0.05-0.1 helps very dark/bright images
     # Flow-matching families only (SD3, Flux): how sigma is drawn and the loss weighted. min_snr_gamma,
