@@ -72,6 +72,7 @@ from bench.versus import (
     case_training_seed,
     count_verdicts,
     keeping_every_checkpoint,
+    plain_finetune,
     rebuild_case,
     verdict_of,
 )
@@ -114,14 +115,7 @@ def random_at_equal_compute(s: dict[str, Any], r: dict[str, Any]) -> tuple[Optio
 
 
 def probe_case(c: dict[str, Any], rep: dict[str, Any], work: Path, log=print) -> dict[str, Any]:
-    from bench.unseen import (
-        delivered_sets,
-        measuring_config,
-        rangefinder_alone,
-        reproduces,
-        unseen_split,
-        write_unseen_images,
-    )
+    from bench.unseen import delivered_sets, rangefinder_alone, reproduces, unseen_split, write_unseen_images
     from rangefinder.data.split import read_split
     from rangefinder.steps.average import average_weights
     from rangefinder.training.loop import weights_measurer
@@ -158,7 +152,7 @@ def probe_case(c: dict[str, Any], rep: dict[str, Any], work: Path, log=print) ->
     for run in [r for r in RUNS if r in weights]:
         rank = 2 if run == "soup" and c["method"] == "lora" else 1
         groups.setdefault(rank, []).append(run)
-    lr, measured = cfg.training.lr, measuring_config(cfg)
+    lr, measured = cfg.training.lr, plain_finetune(cfg)  # the measurer validates the delivered weights (bench.unseen)
     for loss, split in splits.items():
         for rank, runs in groups.items():
             lora = cfg.training.lora.model_copy(update={"rank": rank * cfg.training.lora.rank})

@@ -96,21 +96,13 @@ def recorded_losses(c: dict[str, Any]) -> dict[str, Optional[float]]:
     return {arm: s.get(arm) for arm in UNSEEN_ARMS}
 
 
-def measuring_config(cfg):
-    """`cfg` for a measuring run (`training.loop.weights_measurer`), which validates the weights it is handed: those are
-    already what a run delivers (`training.restore.delivered_state`: an EMA's or a schedule-free optimizer's averaged
-    weights), so the measurer keeps no EMA (`use_ema: auto` keeps one for LoRA on SD 1.x/2.x) and trains with plain
-    AdamW, which it never steps."""
-    training = cfg.training.model_copy(update={"use_ema": False, "optimizer": "adamw"})
-    return cfg.model_copy(update={"training": training})
-
-
 def score_unseen(cfg, c: dict[str, Any], case: Path, split_dir: Path, count: int, log=print) -> dict[str, Any]:
     """Measure each arm's delivered weights on `count` unseen images of the case's kind and seed, and again on the
     case's validation images: {"images", "seconds", "arms": {arm: {"unseen_loss", "val_loss", "recorded",
     "reproduces"} or {"absent": why}}}."""
     import time
 
+    from bench.versus import plain_finetune
     from rangefinder.data.split import read_split
     from rangefinder.steps.average import average_weights
     from rangefinder.training.loop import weights_measurer
@@ -127,10 +119,13 @@ def score_unseen(cfg, c: dict[str, Any], case: Path, split_dir: Path, count: int
     arms: dict[str, dict[str, Any]] = {arm: {"absent": v} for arm, v in sets.items() if isinstance(v, str)}
     for arm in weights:
         arms[arm] = {"checkpoints": [p.name for p in sets[arm]]}
-    lr = cfg.training.lr
+    # The measuring run: the case's method, model and validation settings, as its fine-tune; it trains nothing. It
+    # validates the weights it is handed, which already are what each arm delivered (an EMA or a schedule-free
+    # optimizer's average included), so it is a plain run (no EMA, AdamW): `use_ema: auto` keeps an EMA for LoRA on
+    # SD 1.x/2.x, and the measurer refuses a config that would validate one.
+    lr, measured = cfg.training.lr, plain_finetune(cfg)
     for key, split in splits.items():
-        # The measuring run: the case's method, model and validation settings, as its fine-tune; it trains nothing.
-        spec = TrainSpec.finetune(measuring_config(cfg), split, lr=lr, bounds=(lr, lr), world_size=1)
+        spec = TrainSpec.finetune(measured, split, lr=lr, bounds=(lr, lr), world_size=1)
         out_dir = case / f"unseen-measure-{key}"
         with weights_measurer(spec, out_dir=out_dir, split=split) as measure:
             for arm, w in weights.items():
