@@ -90,11 +90,12 @@ def prodigy_words(cfg: RangefinderConfig, lr: float, updates: int, factor: float
     factor the prodigy-step-size step multiplied it by (RangefinderConfig.prodigy_step_factor_for: the config's, or
     the base model's family's and the method's; the step size alone where it is 1), and the finder that measured
     it."""
+    from rangefinder.analysis.prodigy_step import FACTOR_FROM_TABLE
     from rangefinder.training.family_detection import family_of
 
     run = f", {updates} updates" if updates else ""
     why = (f"prodigy_step_factor: {factor:g}, as set" if cfg.prodigy_step_factor is not None else
-           f"{cfg.training.method} on this family trains at {factor:g} times the step size: config.PRODIGY_STEP_FACTOR")
+           f"{cfg.training.method} on this family trains at {factor:g} times the step size: {FACTOR_FROM_TABLE}")
     times = f" = {lr:.3g}{run}" if factor == 1 else f" = {lr / factor:.3g}{run}, times {factor:g} = {lr:.3g} ({why})"
     return f"read off a Prodigy run's final step size d x lr{times} ({finder_words(cfg, family_of(cfg.model))})"
 
