@@ -3,6 +3,8 @@ using one would give a wrong answer without a word, it refuses instead. Through 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import yaml
 
 from rangefinder.cli.ignored import ignored_by_pipeline, ignored_by_submit, ignored_by_train
@@ -105,3 +107,14 @@ def test_a_local_run_names_the_pod_settings_and_submit_the_folder_a_uri_replaces
     assert (["data.dataset_dir"], "--dataset-uri is imported instead") in ignored_by_submit(parsed, "s3://b/mine")
     assert ignored_by_submit(parsed, "") == ignored_by_pipeline(parsed, local=False)
     assert ignored_by_train(parse_config({"training": {"epochs": 3}})) == []
+
+
+def test_the_shipped_example_config_compiles_without_a_warning(tmp_path):
+    """configs/example.yaml is what the README's CI job compiles and submits, and what people copy: every setting it
+    writes out is used. It once set finetune.average: on beside LoRA on SD 1.5, where training.use_ema auto keeps an
+    EMA, so every compile of it began with a warning that the line did nothing."""
+    example = Path(__file__).resolve().parents[2] / "configs" / "example.yaml"
+    out = tmp_path / "pipeline.yaml"
+    proc = rangefinder("compile", "--config", str(example), "--out", str(out))
+    assert proc.returncode == 0 and out.is_file(), proc.stderr
+    assert "warning" not in proc.stderr, proc.stderr
