@@ -189,6 +189,22 @@ def test_mlflow_holds_each_candidate_in_a_child_run_and_the_kept_curve_whole_in_
     assert steps(mid.info.run_id) == steps(high.info.run_id) == [0, 8]
 
 
+def test_the_fine_tune_s_plan_params_are_at_the_lr_halving_kept(halved):
+    """The planner's figures on the fine-tune's run (`plan.*`) are the run it trained: with lr_high kept, `plan.lr`
+    and `plan.lr_base` are lr_high, as `lr` is; they once kept lr_mid, planned before the race, beside `lr` lr_high."""
+    from mlflow import MlflowClient
+
+    cfg, _, result, _ = halved
+    assert result.lr == LR_HIGH != LR_MID
+    client = MlflowClient(cfg.tracking.tracking_uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("halving").experiment_id],
+                                filter_string="tags.`rangefinder.step` = 'finetune'")
+    params = run.data.params
+    assert float(params["lr"]) == float(params["plan.lr"]) == float(params["plan.lr_base"]) == LR_HIGH
+    assert float(params["lr_mid"]) == LR_MID  # the bound it was given stays as given
+    assert params["plan.effective_batch"] == "4" and float(params["plan.updates_per_epoch"]) == 4
+
+
 def test_the_report_and_decision_say_which_lr_was_kept_and_why(halved):
     _, root, result, _ = halved
     decision = json.loads((root / "ft" / "report" / "decision.json").read_text())

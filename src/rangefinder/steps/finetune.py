@@ -320,8 +320,12 @@ def run_finetune(
     precision = resolve_mixed_precision(tc.mixed_precision)
     chosen, cooled, averaged = None, None, None
     halving = halving_applies(cfg.finetune.successive_halving, validating, tc.schedule, lr_mid, lr_high)
+    # With halving, the plan's LR is the kept candidate's, known only after the race: logged then, beside `lr` (an
+    # MLflow param is written once, and plan.lr logged now would keep lr_mid where lr_high was kept and trained).
+    plan_lr = ("lr", "lr_base") if halving and plan is not None else ()
+    planned = plan.model_dump(mode="json", exclude=set(plan_lr)) if plan_lr and plan is not None else plan
     with tracking.step_run(cfg, "finetune", parent_run_id=mlflow_parent_run_id) as run:
-        run.log_config(cfg, plan=plan,
+        run.log_config(cfg, plan=planned,
                        extra={"lr_low": lr_low, "lr_high": lr_high, "lr_mid": lr_mid, "lr_source": lr_source,
                               "finetune.successive_halving_used": halving, **tc.used_params(family_of(cfg.model))})
         work = work_dir(model_dir, f"{mlflow_parent_run_id}/finetune" if mlflow_parent_run_id else None)
@@ -331,7 +335,8 @@ def run_finetune(
             lr, extra_updates = race.lr, race.extra_updates
             spec = spec.with_lr(lr)
             tc = spec.training
-        run.log_params({"lr": lr})  # the LR this run trains the delivered model at (lr_mid, or the kept one)
+        # The LR this run trains the delivered model at (lr_mid, or the kept one), and the plan's with it.
+        run.log_params({"lr": lr, **{f"plan.{k}": getattr(spec.plan, k) for k in plan_lr}})
         # With halving, this goes on from the kept candidate's checkpoint at the pause.
         result = run_training(cfg, spec, out_dir=work, metric_sink=run, step_name="finetune", split=split)
         if result.status == "diverged":
