@@ -67,6 +67,18 @@ def test_each_component_file_loads_and_describes_every_input_and_output(step):
     assert f'load_component_from_file("components/{step}/component.yaml")' in readme
 
 
+@pytest.mark.parametrize("step", publish.STEPS)
+def test_each_component_readme_says_kfp_local_runs_it(step):
+    # test_reuse.py runs two loaded component.yaml files under kfp.local to the end, and components/README.md says
+    # so; a component's own README once said kfp.local could not run it, and sent the reader to the page saying the
+    # opposite.
+    readme = (REPO / "components" / step / "README.md").read_text()
+    assert "cannot run" not in readme
+    assert "kfp.local runs it too, in a subprocess of the local Python, which must hold the `rangefinder` package" \
+        in readme
+    assert "it runs under `kfp.local` to the end" in (REPO / "components" / "README.md").read_text()
+
+
 @pytest.mark.parametrize("folder", [f"components/{s}" for s in publish.STEPS] + ["pipelines"])
 def test_metadata_has_the_fields_pipelines_components_checks(folder):
     # kubeflow/pipelines-components, scripts/validate_metadata/validate_metadata.py: these required fields in this

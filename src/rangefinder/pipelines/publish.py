@@ -166,8 +166,9 @@ def component_readme(step: str) -> str:
         "The loaded component takes the inputs above as keyword arguments in a `@dsl.pipeline`. Steps that read a "
         "config take `config_json`, the JSON that `resolve_config` returns (or `rangefinder compile --config FILE`'s "
         "`base_config` default). On a cluster, give its pod what `rangefinder.pipelines.pipeline.configure_task` gives "
-        "it (data volume, MLflow Secret, GPU for the training steps). kfp.local cannot run it: see "
-        "[components/README.md](../README.md).",
+        "it (data volume, MLflow Secret, GPU for the training steps). kfp.local runs it too, in a subprocess of the "
+        "local Python, which must hold the `rangefinder` package (the image is not pulled and the pod settings do "
+        "nothing): see [components/README.md](../README.md).",
         "",
     ]
     return "\n".join(lines)
