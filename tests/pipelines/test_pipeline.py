@@ -289,10 +289,21 @@ def test_retries_and_caching(compiled):
     for prefix in ("sample-images", "resolve-config", "register-model"):
         for _, _, task in compiled.tasks(prefix):
             assert not task.caching_options.enable_cache, prefix
-    for prefix in ("prepare-dataset", "choose-lr"):
-        for _, _, task in compiled.tasks(prefix):
-            assert task.caching_options.enable_cache, prefix
-            assert task.retry_policy.max_retry_count == 0, prefix
+    for _, _, task in compiled.tasks("choose-lr"):
+        assert task.caching_options.enable_cache
+        assert task.retry_policy.max_retry_count == 0
+
+
+def test_prepare_dataset_is_never_served_from_the_cache(compiled):
+    # Its inputs are the config (the dataset folder's path) and, from an object store, the imported artifact: not the
+    # images behind them. KFP's cache key is those inputs, so a cached prepare-dataset would hand a rerun after images
+    # were added to /data/datasets/mine (or re-uploaded to the same URI) the earlier run's split: the whole run would
+    # train, pick and register on the old images, with nothing saying so.
+    tasks = compiled.tasks("prepare-dataset")
+    assert len(tasks) == 2  # the dataset_uri branch and the dataset folder's
+    for dag, _, task in tasks:
+        assert not task.caching_options.enable_cache, dag
+        assert task.retry_policy.max_retry_count == 0, dag
 
 
 def test_config_drives_pods_and_defaults(tmp_path):

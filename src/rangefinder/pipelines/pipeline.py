@@ -57,8 +57,10 @@ MLFLOW_STEPS = ("resolve_config", "lr_range_test", "prodigy_step_size", "finetun
 # others load what it resolved (or resolve again where they cannot see it). They get the caches' paths and HF_TOKEN.
 MODEL_STEPS = ("resolve_config", "lr_range_test", "prodigy_step_size", "finetune", "retrain_full", "sample_images",
                "register_model")
-# Deterministic, cheap steps: the same inputs give the same outputs, so a rerun may reuse them.
-CACHED_STEPS = ("prepare_dataset", "choose_lr")
+# Deterministic, cheap steps: the same inputs give the same outputs, so a rerun may reuse them. Not prepare-dataset:
+# it reads a folder on the data volume (or an object-store URI) whose path is all KFP's cache key sees, so a rerun
+# after images were added or changed there would be handed the earlier run's split and train on the old images.
+CACHED_STEPS = ("choose_lr",)
 SHM_VOLUME = "dshm"
 # With distributed.num_nodes > 1 these steps submit a Kubeflow Trainer TrainJob instead of training in their own pod.
 TRAINJOB_STEPS = ("lr_range_test", "prodigy_step_size", "finetune", "retrain_full")
