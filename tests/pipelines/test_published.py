@@ -79,6 +79,21 @@ def test_each_component_readme_says_kfp_local_runs_it(step):
     assert "it runs under `kfp.local` to the end" in (REPO / "components" / "README.md").read_text()
 
 
+@pytest.mark.parametrize("step", [s for s in publish.STEPS if "mlflow_parent_run_id" in
+                                  (publish.component(s).component_spec.inputs or {})])
+def test_a_loaded_component_needs_no_mlflow_parent_run(step):
+    # Outside rangefinder's own pipeline there is no resolve-config to hand one on: the input is optional, its
+    # default the empty string the step reads as "none", so a user's pipeline leaves it out.
+    path = REPO / "components" / step / "component.yaml"
+    loaded = components.load_component_from_file(str(path))
+    spec = loaded.component_spec.inputs["mlflow_parent_run_id"]
+    assert spec.optional and spec.default == ""
+    ir = loaded.pipeline_spec.components[f"comp-{loaded.component_spec.name}"].input_definitions
+    assert ir.parameters["mlflow_parent_run_id"].is_optional
+    assert ir.parameters["mlflow_parent_run_id"].default_value.string_value == ""
+    assert "| `mlflow_parent_run_id` | String | `''` |" in (REPO / "components" / step / "README.md").read_text()
+
+
 @pytest.mark.parametrize("folder", [f"components/{s}" for s in publish.STEPS] + ["pipelines"])
 def test_metadata_has_the_fields_pipelines_components_checks(folder):
     # kubeflow/pipelines-components, scripts/validate_metadata/validate_metadata.py: these required fields in this

@@ -53,8 +53,7 @@ def _user_pipeline():
     def my_lr_search(source: str, config_json: str) -> float:
         mine = my_images(source=source)
         split = prepare(config_json=config_json, dataset=mine.outputs["images"])
-        found = range_test(config_json=config_json, split=split.outputs["split"], stage="first",
-                           mlflow_parent_run_id="")
+        found = range_test(config_json=config_json, split=split.outputs["split"], stage="first")
         return found.outputs["lr_mid"]
 
     return my_lr_search

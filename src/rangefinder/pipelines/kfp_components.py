@@ -156,13 +156,13 @@ def lr_range_test(
     config_json: str,
     split: Input[Dataset],
     stage: str,
-    mlflow_parent_run_id: str,
     curve: Output[Dataset],
     metrics: Output[Metrics],
     report_html: Output[HTML],
     report_md: Output[Markdown],
     lr_min: float = 0.0,
     lr_max: float = 0.0,
+    mlflow_parent_run_id: str = "",
 ) -> NamedTuple(  # type: ignore[valid-type]
     "LRBounds", lr_low=float, lr_high=float, lr_mid=float, needs_zoom=bool, zoom_lr_min=float, zoom_lr_max=float
 ):
@@ -172,9 +172,10 @@ def lr_range_test(
         config_json: The run's validated config, as resolve-config returns it.
         split: The split dataset folder (prepare-dataset's `split`, or any folder of that layout).
         stage: "first" (the configured range) or "zoom" (a narrower re-test); names the MLflow run and report.
-        mlflow_parent_run_id: The MLflow parent run of the pipeline run (resolve-config's output); empty: none.
         lr_min: Where the LR ramp starts; 0: the config's lr_range_test range.
         lr_max: Where the LR ramp ends; 0: the config's lr_range_test range.
+        mlflow_parent_run_id: The MLflow parent run of the pipeline run (resolve-config's output); empty, the
+            default: the run KFP's MLflow integration made for the task, else $MLFLOW_RUN_ID's, else none.
 
     Returns:
         curve: The loss-against-LR curve (metrics.csv) and the run's record.
@@ -217,11 +218,11 @@ def lr_range_test(
 def prodigy_step_size(
     config_json: str,
     split: Input[Dataset],
-    mlflow_parent_run_id: str,
     curve: Output[Dataset],
     metrics: Output[Metrics],
     report_html: Output[HTML],
     report_md: Output[Markdown],
+    mlflow_parent_run_id: str = "",
 ) -> NamedTuple("ProdigyStepSize", lr=float, d=float, updates=int, factor=float):  # type: ignore[valid-type]
     """The prodigy_step LR finder: a Prodigy run of the fine-tune's length at lr 1.0 (diffusers' recommended
     settings, constant schedule), whose final step size d x lr (times the config's prodigy_step_factor; unset, 4 on
@@ -230,7 +231,8 @@ def prodigy_step_size(
     Args:
         config_json: The run's validated config, as resolve-config returns it.
         split: The split dataset folder (prepare-dataset's `split`, or any folder of that layout).
-        mlflow_parent_run_id: The MLflow parent run of the pipeline run (resolve-config's output); empty: none.
+        mlflow_parent_run_id: The MLflow parent run of the pipeline run (resolve-config's output); empty, the
+            default: the run KFP's MLflow integration made for the task, else $MLFLOW_RUN_ID's, else none.
 
     Returns:
         curve: The run's validation curve (metrics.csv), its per-update step sizes (updates.csv) and its record.
@@ -316,12 +318,12 @@ def finetune(
     lr_high: float,
     lr_mid: float,
     lr_source: str,
-    mlflow_parent_run_id: str,
     model: Output[Model],
     curve: Output[Dataset],
     metrics: Output[Metrics],
     report_html: Output[HTML],
     report_md: Output[Markdown],
+    mlflow_parent_run_id: str = "",
 ) -> NamedTuple(  # type: ignore[valid-type]
     "Finetuned", recommended_epochs=int, recommended_updates=int, still_improving=bool, chosen_update=int,
     chosen_epoch=float, chosen_rule=str, mixed_precision=str, lr_used=float, halving_kept=str,
@@ -336,7 +338,8 @@ def finetune(
         lr_high: The upper LR bound (choose-lr's).
         lr_mid: The LR to fine-tune at (choose-lr's).
         lr_source: Where the bounds came from: range-test, zoom, prodigy-step or fixed.
-        mlflow_parent_run_id: The MLflow parent run of the pipeline run (resolve-config's output); empty: none.
+        mlflow_parent_run_id: The MLflow parent run of the pipeline run (resolve-config's output); empty, the
+            default: the run KFP's MLflow integration made for the task, else $MLFLOW_RUN_ID's, else none.
 
     Returns:
         model: The chosen checkpoint's weights (diffusers folder, or the adapter for lora / textual_inversion).
@@ -391,9 +394,9 @@ def retrain_full(
     lr_high: float,
     lr: float,
     recommended_epochs: int,
-    mlflow_parent_run_id: str,
     model: Output[Model],
     metrics: Output[Metrics],
+    mlflow_parent_run_id: str = "",
 ) -> int:
     """Retrain from the base model on train + validation for the recommended epochs, without validation.
 
@@ -404,7 +407,8 @@ def retrain_full(
         lr_high: The upper LR bound.
         lr: The LR to train at: the one the fine-tune kept (its `lr_used`).
         recommended_epochs: Epochs to train for (the fine-tune's recommendation; the config's retrain_epochs wins).
-        mlflow_parent_run_id: The MLflow parent run of the pipeline run (resolve-config's output); empty: none.
+        mlflow_parent_run_id: The MLflow parent run of the pipeline run (resolve-config's output); empty, the
+            default: the run KFP's MLflow integration made for the task, else $MLFLOW_RUN_ID's, else none.
 
     Returns:
         model: The final weights after the retrain.
@@ -435,10 +439,10 @@ def retrain_full(
 def sample_images(
     config_json: str,
     finetuned: Input[Model],
-    mlflow_parent_run_id: str,
     grid: Output[HTML],
     images: Output[Dataset],
     retrained: Optional[Input[Model]] = None,
+    mlflow_parent_run_id: str = "",
 ):
     """Render the fixed prompts and seeds with the base model, the chosen checkpoint and the final weights into one
     comparison grid.
@@ -446,8 +450,9 @@ def sample_images(
     Args:
         config_json: The run's validated config, as resolve-config returns it.
         finetuned: The fine-tune's chosen checkpoint (finetune's `model`).
-        mlflow_parent_run_id: The MLflow parent run of the pipeline run (resolve-config's output); empty: none.
         retrained: The retrain's final weights (retrain-full's `model`); absent: no retrain column.
+        mlflow_parent_run_id: The MLflow parent run of the pipeline run (resolve-config's output); empty, the
+            default: the run KFP's MLflow integration made for the task, else $MLFLOW_RUN_ID's, else none.
 
     Returns:
         grid: The comparison grid (rows: prompts; columns: base, checkpoints, final), as HTML.
@@ -476,7 +481,7 @@ def register_model(
     model: Input[Model],
     lr: float,
     epochs: int,
-    mlflow_parent_run_id: str,
+    mlflow_parent_run_id: str = "",
 ) -> NamedTuple("Registered", model_uri=str, version=str):  # type: ignore[valid-type]
     """Register the delivered model in MLflow: the fine-tune's checkpoint at the recommended length (or the
     retrain's final weights), tagged with the update, epoch and validation loss it was taken at.
@@ -486,7 +491,8 @@ def register_model(
         model: The weights to register (finetune's or retrain-full's `model`).
         lr: The LR the weights were trained at.
         epochs: The epochs they were trained for.
-        mlflow_parent_run_id: The MLflow parent run of the pipeline run (resolve-config's output); empty: none.
+        mlflow_parent_run_id: The MLflow parent run of the pipeline run (resolve-config's output); empty, the
+            default: the run KFP's MLflow integration made for the task, else $MLFLOW_RUN_ID's, else none.
 
     Returns:
         model_uri: The registered model's URI (models:/NAME/VERSION).
