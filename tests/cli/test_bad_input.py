@@ -299,3 +299,49 @@ def test_make_base_model_takes_a_family(tmp_path, tiny_sdxl_dir):
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["family"] == "sdxl"
     assert json.loads((tmp_path / "m" / "model_index.json").read_text())["_class_name"] == "StableDiffusionXLPipeline"
+
+
+# --- a write the file system refuses (a full disk, a read-only mount, a file-size limit), outside training
+
+
+def limited_writes(max_file_bytes: int):
+    """For subprocess.run's preexec_fn: no file the child writes may grow past `max_file_bytes`. As root, chmod does
+    not stop a write; RLIMIT_FSIZE does, and a write past it fails with EFBIG, as a full disk fails with ENOSPC."""
+    import resource
+    import signal
+
+    def limit() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write then fails with EFBIG instead of killing the child
+        resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_bytes, max_file_bytes))
+
+    return limit
+
+
+@pytest.mark.parametrize("command", ["make-dataset", "make-base-model"])
+def test_a_write_the_file_system_refuses_is_one_line_and_leaves_nothing_that_looks_finished(command, tmp_path,
+                                                                                              tiny_model_dir):
+    out = tmp_path / "out"
+    args = (["make-dataset", "--out", str(out), "--count", "2", "--resolution", "256"] if command == "make-dataset"
+            else ["make-base-model", "--out", str(out)])  # the cached tiny model (tiny_model_dir), copied to --out
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    proc = subprocess.run([sys.executable, "-m", "rangefinder.cli.main", *args], capture_output=True, text=True,
+                          timeout=120, env=env, preexec_fn=limited_writes(1000))
+    line = assert_one_line_error(proc, f"cannot write {out}: file too large", "raise the limit")
+    assert ".tmp" not in line  # the folder the user named, not the writer's temporary sibling
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_storage_problem_names_the_folder_and_the_free_space(tmp_path):
+    import errno
+    import shutil
+
+    from rangefinder.cli.storage import storage_problem
+
+    full = OSError(errno.ENOSPC, "No space left on device")  # as a write() says it: no file named
+    assert storage_problem(full, str(tmp_path / "split")).startswith(f"cannot write {tmp_path / 'split'}: disk full (")
+    assert "GiB free on" in storage_problem(full, str(tmp_path / "split"))
+    ro = OSError(errno.EROFS, "Read-only file system", str(tmp_path / ".ds.123.tmpab12" / "00000.png"))
+    assert storage_problem(ro) == (f"cannot write {tmp_path / 'ds'}: read-only file system; mount it writable or "
+                                   "pass a path on another file system")
+    assert storage_problem(OSError(errno.ENOENT, "No such file or directory", "x")) is None  # not a storage problem
+    assert storage_problem(shutil.Error([("a", "b", "some other failure")])) is None

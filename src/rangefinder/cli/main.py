@@ -20,6 +20,7 @@ from typing import Optional
 
 from rangefinder.cli.args import OneLineParser
 from rangefinder.cli.output import print_table
+from rangefinder.cli.storage import storage_problem
 from rangefinder.errors import Preempted, RangefinderError
 
 # Order is the order `rangefinder --help` lists them in.
@@ -92,6 +93,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # (formats.atomic.usable_folder) catch the known ones; this says any other in one line too.
         print(f"rangefinder {args.command}: error: {e.filename}: {(e.strerror or str(e)).lower()}; pass a folder "
               "where a folder is meant and a file where a file is meant", file=sys.stderr)
+        return 2
+    except OSError as e:
+        # A full disk, a read-only mount, a quota: one line naming the path (the atomic writers left nothing that
+        # looks finished). Any other OSError is a bug and keeps its traceback.
+        problem = storage_problem(e, getattr(args, "out", None))
+        if problem is None:
+            raise
+        print(f"rangefinder {args.command}: error: {problem}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"rangefinder {args.command}: interrupted{_how_to_go_on(args, argv)}", file=sys.stderr)

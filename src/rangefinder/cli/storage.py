@@ -1,0 +1,75 @@
+"""A write the file system refused (a full disk, a read-only mount, a quota, a file-size limit), said in one line.
+
+Training says it in its own words, with the checkpoint that is intact (training/disk.py); every other command
+(`make-dataset`, `make-base-model`, `split`, `sample`, the reports of `analyze-lr` and `select-steps`) writes through
+the atomic writer (formats/atomic.py), so what it leaves behind is a dot-named `.tmp` sibling, never a folder that
+looks finished. What was missing was the line: the OSError reached the user as a traceback, naming that `.tmp`
+sibling. Any other OSError is not a storage problem and is not dressed as one.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Optional
+
+_ELSEWHERE = "or pass a path on another file system"
+
+# errno -> (what happened, what to do).
+_PROBLEMS: dict[int, tuple[str, str]] = {
+    errno.ENOSPC: ("disk full", "free some space there " + _ELSEWHERE),
+    errno.EDQUOT: ("disk quota exceeded", "free some space there or raise the quota " + _ELSEWHERE),
+    errno.EFBIG: ("file too large (the file-size limit, `ulimit -f`, or the file system's largest file)",
+                  "raise the limit " + _ELSEWHERE),
+    errno.EROFS: ("read-only file system", "mount it writable " + _ELSEWHERE),
+    errno.EACCES: ("permission denied", "give user id {uid} access to it " + _ELSEWHERE),
+    errno.EPERM: ("operation not permitted", "give user id {uid} access to it " + _ELSEWHERE),
+    errno.EIO: ("input/output error: the disk or network file system failed",
+                "check that volume (dmesg, the storage's health) " + _ELSEWHERE),
+}
+
+# The temporary sibling the atomic writer fills (`.NAME.PID.tmp...`, formats/atomic.py): the user named NAME.
+_TEMPORARY = re.compile(r"^\.(?P<name>.+?)\.\d+\.(old\.)?tmp")
+_ERRNO_IN_TEXT = re.compile(r"\[Errno (\d+)\]")
+
+
+def storage_problem(e: OSError, out: Optional[str] = None) -> Optional[str]:
+    """One sentence for `e`, where `out` is the command's --out (named when the error names no file); None when `e`
+    is not a storage problem. shutil.copytree's Error (errno None, a list of (source, target, reason) rows) counts
+    by its first row."""
+    code, where = e.errno, e.filename
+    if isinstance(e, shutil.Error) and e.args and isinstance(e.args[0], list) and e.args[0]:
+        row = e.args[0][0]
+        m = _ERRNO_IN_TEXT.search(str(row[-1])) if isinstance(row, tuple) and len(row) == 3 else None
+        code, where = (int(m.group(1)), row[1]) if m else (None, None)
+    if code not in _PROBLEMS:
+        return None
+    path = _as_named(Path(os.fsdecode(where))) if where is not None else Path(out) if out else None
+    why, fix = _PROBLEMS[code]
+    at = path if path is not None else Path.cwd()
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        why += f" ({_free_space(at)})"
+    return f"cannot write {path if path is not None else 'the output'}: {why}; {fix.format(uid=os.getuid())}"
+
+
+def _as_named(path: Path) -> Path:
+    """`path` up to the first temporary sibling in it, named as the user named it (`/x/.ds.123.tmpab/1.png` ->
+    `/x/ds`); `path` itself when it holds none."""
+    for i, part in enumerate(path.parts):
+        m = _TEMPORARY.match(part)
+        if m:
+            return Path(*path.parts[:i], m.group("name"))
+    return path
+
+
+def _free_space(path: Path) -> str:
+    probe = path
+    while not probe.is_dir() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        return f"{shutil.disk_usage(probe).free / 2**30:.2f} GiB free on {probe}"
+    except OSError:
+        return f"free space on {probe} unknown"
