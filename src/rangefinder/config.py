@@ -1195,6 +1195,8 @@ class _ConfigLoader(yaml.SafeLoader):
 def read_config_file(path: str | Path) -> dict:
     """The raw sections of a YAML config file; ConfigError naming the file for anything that is not a sane config."""
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"config file {p} is a folder; pass the path of a YAML file")
     if not p.is_file():
         raise ConfigError(f"config file {p} does not exist; pass the path of a YAML file")
     with open(p, "rb") as f:
@@ -1207,13 +1209,29 @@ def read_config_file(path: str | Path) -> dict:
     except ConfigError as e:
         raise ConfigError(f"config file {p}: {e}") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
+        raise ConfigError(f"config file {p} is not valid YAML: {_yaml_problem(e)}") from None
     except RecursionError:
         raise ConfigError(f"config file {p} nests too deeply to be a config; a config has sections of settings "
                           "(data:, training:, ...) one or two levels deep") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"config file {p} must hold a mapping of sections (data:, training:, ...)")
     return raw
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """PyYAML's complaint on one line, where it is in the file (PyYAML's own text spans lines and calls the file
+    "<byte string>"), and what usually fixes it."""
+    if isinstance(e, yaml.MarkedYAMLError) and e.problem_mark is not None:
+        mark = e.problem_mark
+        what = e.problem or "a syntax error"
+        if e.context:
+            what += f" ({e.context})"
+        fix = ("indent with spaces, not tabs" if "'\\t'" in what
+               else "check the brackets, quotes and indentation there (quote a value holding ': ' or ' #')")
+        return f"line {mark.line + 1}, column {mark.column + 1}: {what}; {fix}"
+    if isinstance(e, yaml.reader.ReaderError):
+        return f"offset {e.position}: {e.reason}; save it as UTF-8 text without control characters"
+    return " ".join(str(e).split())
 
 
 def _check_raw(raw: Any) -> None:

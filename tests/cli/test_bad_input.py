@@ -115,11 +115,15 @@ def test_demo_refuses_a_bad_lr_before_building_anything(lr, tmp_path):
         ("kubernetes:\n  service_account: runner account\n", ["kubernetes.service_account", "RFC 1123"]),
         ("distributed:\n  namespace: ml.team\n", ["distributed.namespace", "RFC 1123 label"]),
         ("kubernetes:\n  node_selector:\n    pool: gpu pool\n", ["kubernetes.node_selector", "label value"]),
+        # YAML that does not parse: one line (PyYAML's own text spans four and calls the file "<byte string>").
+        ("training: [\n", ["not valid YAML: line 2, column 1", "expected the node content", "check the brackets"]),
+        ("training:\n\tepochs: 3\n", ["not valid YAML: line 2, column 1", "indent with spaces, not tabs"]),
+        ("training:\n  lr: 1\x01\n", ["not valid YAML: offset 17", "save it as UTF-8 text"]),
     ],
     ids=["lr-inf", "lr-nan", "lr-negative", "fixed-lr-inf", "seed-negative", "seed-2**32", "split-seed",
          "sampling-seed-huge", "duplicate-key", "long-list", "uri-credentials", "k8s-uri-credentials",
          "credentials-in-any-url", "yaml-on-as-number", "yaml-no-in-a-list", "secret-name", "service-account-name",
-         "namespace-with-dot", "label-value-with-space"],
+         "namespace-with-dot", "label-value-with-space", "yaml-unclosed", "yaml-tab", "yaml-control-character"],
 )
 def test_compile_refuses_a_bad_config_and_writes_nothing(yaml_text, words, tmp_path):
     cfg = tmp_path / "cfg.yaml"
@@ -127,7 +131,7 @@ def test_compile_refuses_a_bad_config_and_writes_nothing(yaml_text, words, tmp_p
     out = tmp_path / "pipeline.yaml"
     run = rangefinder if yaml_text == "training:\n  lr: .inf\n" else in_process
     line = assert_one_line_error(run("compile", "--config", str(cfg), "--out", str(out)), *words)
-    assert "hunter2" not in line and "rf-user" not in line
+    assert "hunter2" not in line and "rf-user" not in line and "<byte string>" not in line
     assert list(tmp_path.iterdir()) == [cfg]  # no package, not even a temporary one
 
 
@@ -171,6 +175,11 @@ def test_train_reads_its_config_with_the_same_checks(tmp_path, split_dir):
     assert_one_line_error(in_process("train", "--data", str(split_dir), "--out", str(tmp_path / "run"),
                                      "--config", str(cfg)), "'epochs'", "lines 2 and 3")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_config_path_that_is_a_folder_is_named_a_folder(tmp_path):
+    assert_one_line_error(in_process("compile", "--config", str(tmp_path), "--out", str(tmp_path / "p.yaml")),
+                          f"config file {tmp_path} is a folder; pass the path of a YAML file")
 
 
 def test_a_bad_seed_flag_is_one_line(tmp_path, split_dir):
