@@ -1272,6 +1272,12 @@ def load_config(path: str | Path | None = None, overrides: Optional[dict] = None
     """Read a YAML file (sections as in RangefinderConfig), apply overrides, validate; ConfigError on problems."""
     raw: dict = read_config_file(path) if path is not None else {}
     if overrides:
+        for name, section in overrides.items():
+            # The merge would put the flags' section in the place of a file's `training: 3` or empty `training:`,
+            # dropping it without a word where the same file without flags is refused.
+            if isinstance(section, dict) and name in raw and not isinstance(raw[name], dict):
+                raise ConfigError(f"{name}: Input should be a section of settings (indented `key: value` lines "
+                                  f"under {name}:) (got {raw[name]!r}); fix it or remove the line")
         raw = _deep_merge(raw, overrides)
     return parse_config(raw)
 

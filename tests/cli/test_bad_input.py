@@ -177,6 +177,19 @@ def test_train_reads_its_config_with_the_same_checks(tmp_path, split_dir):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("section", ["training: 3\n", "training:\n", "training: [1, 2]\n"])
+def test_train_refuses_a_section_that_is_not_a_mapping_as_compile_does(section, tmp_path, split_dir):
+    # The flags' training section used to take the place of the file's, so `train --steps 1` ran without a word.
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(section)
+    out = str(tmp_path / "run")
+    assert_one_line_error(in_process("train", "--data", str(split_dir), "--out", out, "--config", str(cfg), "--steps",
+                                     "1", "--lr", "1e-4"), "training: Input should be a section of settings")
+    assert not (tmp_path / "run").exists()
+    assert_one_line_error(in_process("compile", "--config", str(cfg), "--out", str(tmp_path / "p.yaml")),
+                          "training: Input should be a valid dictionary")
+
+
 def test_a_config_path_that_is_a_folder_is_named_a_folder(tmp_path):
     assert_one_line_error(in_process("compile", "--config", str(tmp_path), "--out", str(tmp_path / "p.yaml")),
                           f"config file {tmp_path} is a folder; pass the path of a YAML file")
