@@ -10,7 +10,7 @@ from PIL import Image
 
 from rangefinder.cli.main import main as cli_main
 from rangefinder.errors import ConfigError
-from rangefinder.sampling import render_grid
+from rangefinder.sampling import read_prompts, render_grid
 
 PROMPTS = ["a red circle", "a blue square"]
 SEEDS = [0, 7]
@@ -115,3 +115,9 @@ def test_columns_are_recognised_by_their_contents(tmp_path):
         empty = tmp_path / "empty"
         empty.mkdir()
         resolve_column(empty)
+
+
+def test_read_prompts_drops_a_byte_order_mark(tmp_path):
+    # Notepad writes UTF-8 with a byte-order mark; it is not part of the first prompt.
+    (tmp_path / "p.txt").write_bytes("a red circle\r\n# a comment\r\nun cercle bleu é\r\n".encode("utf-8-sig"))
+    assert read_prompts(tmp_path / "p.txt") == ["a red circle", "un cercle bleu é"]

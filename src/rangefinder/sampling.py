@@ -501,9 +501,21 @@ def render_grid(
 def read_prompts(path: Union[str, Path]) -> list[str]:
     """Prompts from a text file, one per line; blank lines and lines starting with # are skipped."""
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"prompts file {p} is a folder; pass a text file with one prompt per line")
     if not p.is_file():
         raise ConfigError(f"prompts file {p} does not exist; pass a text file with one prompt per line")
-    prompts = [ln.strip() for ln in p.read_text(encoding="utf-8").splitlines()]
+    raw = p.read_bytes()
+    try:
+        text = raw.decode("utf-8-sig")  # a byte-order mark (Windows editors write one) is not prompt text
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise ConfigError(
+            f"prompts file {p} line {line} is not UTF-8 text (byte 0x{raw[e.start]:02x}; "
+            f"probably saved as Latin-1 or Windows-1252); save it as UTF-8, e.g. `iconv -f cp1252 -t utf-8 {p.name} "
+            f"> fixed.txt`, and pass fixed.txt"
+        ) from None
+    prompts = [ln.strip() for ln in text.splitlines()]
     prompts = [ln for ln in prompts if ln and not ln.startswith("#")]
     if not prompts:
         raise ConfigError(f"prompts file {p} holds no prompts; write one prompt per line")

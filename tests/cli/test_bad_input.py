@@ -281,6 +281,21 @@ def test_a_cut_or_foreign_column_in_sample_is_one_line(tmp_path, tiny_model_dir,
     assert not out.exists()
 
 
+@pytest.mark.parametrize("content", [b"a red circle\nun cercle bleu \xe9\n", None], ids=["latin-1", "a-folder"])
+def test_a_prompts_file_that_is_not_utf8_text_or_is_a_folder_is_one_line(content, tmp_path, tiny_model_dir):
+    prompts = tmp_path / "prompts.txt"
+    if content is None:
+        prompts.mkdir()
+        words = [f"prompts file {prompts} is a folder"]
+    else:
+        prompts.write_bytes(content)
+        words = [f"prompts file {prompts} line 2 is not UTF-8 text (byte 0xe9", "iconv -f cp1252 -t utf-8"]
+    out = tmp_path / "grid"
+    assert_one_line_error(in_process("sample", "--model", str(tiny_model_dir), "--prompts", str(prompts), "--out",
+                                     str(out), "--steps", "1"), *words)
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("header", [
     '{"kind": "spool", "version": 1, "tracking_uri": "http://127.0.0.1:1", "run_id": 42}',
     '{"kind": "spool", "version": 1, "run_id": "abc"}',
