@@ -233,18 +233,23 @@ def test_an_empty_path_argument_is_refused(args, flag, tmp_path):
 
 @pytest.mark.parametrize("args,words", [
     (["make-dataset", "--out", "OUT", "--resolution", "9000"], ["--resolution", "from 8 to 8192"]),
-    (["sample", "--model", "M", "--out", "OUT", "--resolution", "36"], ["--resolution", "multiple of 8", "try 32"]),
+    (["sample", "--model", "M", "--out", "OUT", "--resolution", "36"],
+     ["--resolution: 36 is not a multiple of 8 (the VAE downsamples by 8); try 32"]),
+    (["sample", "--model", "M", "--out", "OUT", "--resolution", "4"],
+     ["--resolution: 4 is out of range: a resolution in pixels must be from 8 to 8192;"]),
+    # 0 is a resolution given, not "take the one the dataset was made at".
+    (["split", "DATA", "--out", "OUT", "--resolution", "0"], ["data.resolution", "greater than or equal to 8 (got 0)"]),
     (["sample", "--model", "M", "--out", "OUT", "--seeds", "0", "-1"], ["--seeds", "from 0 to 4294967295"]),
     (["analyze-lr", "CURVE", "--seed", "-3"], ["--seed", "from 0 to 4294967295"]),
     (["select-steps", "CURVE", "--seed", "4294967296"], ["--seed", "from 0 to 4294967295"]),
-], ids=["dataset-resolution-9000", "sample-resolution-36", "sample-seed-negative", "analyze-seed-negative",
-        "select-seed-2**32"])
-def test_an_argument_out_of_its_bounds_is_one_line(args, words, tmp_path):
+], ids=["dataset-resolution-9000", "sample-resolution-36", "sample-resolution-4", "split-resolution-0",
+        "sample-seed-negative", "analyze-seed-negative", "select-seed-2**32"])
+def test_an_argument_out_of_its_bounds_is_one_line(args, words, tmp_path, shapes_dataset_dir):
     curve = tmp_path / "c.csv"  # a curve the analyses can read: the seed is what is wrong
     curve.write_text("update,epoch,lr,val_loss\n" + "".join(f"{i},{i / 10},{10 ** (i / 4 - 7)},{0.2 - 0.01 * i}\n"
                                                          for i in range(12)))
     args = [str(tmp_path / "out") if a == "OUT" else str(tmp_path / "m") if a == "M" else
-            str(curve) if a == "CURVE" else a for a in args]
+            str(curve) if a == "CURVE" else str(shapes_dataset_dir) if a == "DATA" else a for a in args]
     run = rangefinder if args[0] == "make-dataset" else in_process
     assert_one_line_error(run(*args), *words)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.csv"]

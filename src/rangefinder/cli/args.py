@@ -14,8 +14,10 @@ MAX_SEED = 2**32 - 1
 MAX_RESOLUTION = 8192
 
 
-def int_in(lo: int, hi: int | None = None, *, multiple_of: int = 1, what: str = "") -> Callable[[str], int]:
-    """An argparse type: a whole number in [lo, hi] (hi None: no upper bound), a multiple of `multiple_of`."""
+def int_in(lo: int, hi: int | None = None, *, multiple_of: int = 1, what: str = "",
+           why: str = "") -> Callable[[str], int]:
+    """An argparse type: a whole number in [lo, hi] (hi None: no upper bound), a multiple of `multiple_of`. `what`
+    names the value (the subject of "must be from lo to hi"); `why` says why it is a multiple of `multiple_of`."""
 
     def parse(text: str) -> int:
         try:
@@ -27,7 +29,7 @@ def int_in(lo: int, hi: int | None = None, *, multiple_of: int = 1, what: str = 
             raise argparse.ArgumentTypeError(f"{v} is out of range: {what or 'it'} must be {span}")
         if v % multiple_of:
             raise argparse.ArgumentTypeError(
-                f"{v} is not a multiple of {multiple_of} ({what}); try {max(lo, v - v % multiple_of)}")
+                f"{v} is not a multiple of {multiple_of} ({why or what}); try {max(lo, v - v % multiple_of)}")
         return v
 
     return parse
@@ -51,7 +53,7 @@ def float_in(lo: float, hi: float | None = None, *, lo_open: bool = False) -> Ca
 
 
 seed = int_in(0, MAX_SEED, what="a seed")
-resolution = int_in(8, MAX_RESOLUTION, multiple_of=8, what="a resolution in pixels; the VAE downsamples by 8")
+resolution = int_in(8, MAX_RESOLUTION, multiple_of=8, what="a resolution in pixels", why="the VAE downsamples by 8")
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -55,7 +55,9 @@ def run(args: argparse.Namespace) -> dict:
     from rangefinder.errors import ConfigError
 
     # A folder `make-dataset` made (32 px by default) splits at its own size: 512 px would skip every image.
-    resolution = args.resolution or made_resolution(args.data_dir) or DataConfig.model_fields["resolution"].default
+    # `--resolution 0` is checked below (DataConfig), not taken for "not given".
+    resolution = (args.resolution if args.resolution is not None
+                  else made_resolution(args.data_dir) or DataConfig.model_fields["resolution"].default)
     try:
         data = DataConfig(resolution=resolution, min_image_size=args.min_image_size,
                           bucketing=not args.no_bucketing, bucket_step=args.bucket_step, max_aspect=args.max_aspect)
