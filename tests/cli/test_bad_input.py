@@ -373,6 +373,19 @@ def test_a_write_the_file_system_refuses_is_one_line_and_leaves_nothing_that_loo
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_plot_the_file_system_refuses_names_the_plot(tmp_path):
+    # A write() that fails names no file: the line names the output the command was given (--plot), not the
+    # working folder.
+    curve = tmp_path / "c.csv"
+    curve.write_text("update,lr,val_loss\n" + "".join(f"{i},{10 ** (i / 4 - 7)},{0.2 - 0.01 * i}\n" for i in range(12)))
+    plot = tmp_path / "plot.png"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    proc = subprocess.run([sys.executable, "-m", "rangefinder.cli.main", "analyze-lr", str(curve), "--plot", str(plot)],
+                          capture_output=True, text=True, timeout=120, env=env, preexec_fn=limited_writes(1000))
+    assert_one_line_error(proc, f"cannot write {plot}: file too large")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.csv"]
+
+
 def test_storage_problem_names_the_folder_and_the_free_space(tmp_path):
     import errno
     import shutil

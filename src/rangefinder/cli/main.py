@@ -97,7 +97,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except OSError as e:
         # A full disk, a read-only mount, a quota: one line naming the path (the atomic writers left nothing that
         # looks finished). Any other OSError is a bug and keeps its traceback.
-        problem = storage_problem(e, getattr(args, "out", None))
+        written = [getattr(args, d, None) for d in ("out", "plot", "report", "cache_dir")]
+        problem = storage_problem(e, next((w for w in written if w), None))
         if problem is None:
             raise
         print(f"rangefinder {args.command}: error: {problem}", file=sys.stderr)
