@@ -396,7 +396,7 @@ def test_storage_problem_names_the_folder_and_the_free_space(tmp_path):
     assert storage_problem(full, str(tmp_path / "split")).startswith(f"cannot write {tmp_path / 'split'}: disk full (")
     assert "GiB free on" in storage_problem(full, str(tmp_path / "split"))
     ro = OSError(errno.EROFS, "Read-only file system", str(tmp_path / ".ds.123.tmpab12" / "00000.png"))
-    assert storage_problem(ro) == (f"cannot write {tmp_path / 'ds'}: read-only file system; mount it writable or "
-                                   "pass a path on another file system")
+    assert storage_problem(ro) == (f"cannot write {tmp_path / 'ds'}: read-only file system; mount {tmp_path} "
+                                   "writable or pass a path on another file system")
     assert storage_problem(OSError(errno.ENOENT, "No such file or directory", "x")) is None  # not a storage problem
     assert storage_problem(shutil.Error([("a", "b", "some other failure")])) is None

@@ -1,9 +1,9 @@
 """A write the file system refused (a full disk, a read-only mount, a quota, a file-size limit), said in one line.
 
-Training says it in its own words, with the checkpoint that is intact (training/disk.py); every other command
-(`make-dataset`, `make-base-model`, `split`, `sample`, the reports of `analyze-lr` and `select-steps`) writes through
-the atomic writer (formats/atomic.py), so what it leaves behind is a dot-named `.tmp` sibling, never a folder that
-looks finished. What was missing was the line: the OSError reached the user as a traceback, naming that `.tmp`
+Training says it with the checkpoint that is intact (training/disk.py), in the same words (the atomic writer's
+table, formats.atomic.REFUSED_WRITES). Every other command (`make-dataset`, `make-base-model`, `split`, `sample`, the
+reports of `analyze-lr` and `select-steps`) writes through the atomic writer (formats/atomic.py), so what it leaves
+behind is a dot-named `.tmp` sibling, never a folder that looks finished. What was missing was the line: the OSError reached the user as a traceback, naming that `.tmp`
 sibling. Any other OSError is not a storage problem and is not dressed as one.
 """
 
@@ -16,20 +16,9 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
-_ELSEWHERE = "or pass a path on another file system"
+from rangefinder.formats.atomic import REFUSED_WRITES, free_space
 
-# errno -> (what happened, what to do).
-_PROBLEMS: dict[int, tuple[str, str]] = {
-    errno.ENOSPC: ("disk full", "free some space there " + _ELSEWHERE),
-    errno.EDQUOT: ("disk quota exceeded", "free some space there or raise the quota " + _ELSEWHERE),
-    errno.EFBIG: ("file too large (the file-size limit, `ulimit -f`, or the file system's largest file)",
-                  "raise the limit " + _ELSEWHERE),
-    errno.EROFS: ("read-only file system", "mount it writable " + _ELSEWHERE),
-    errno.EACCES: ("permission denied", "give user id {uid} access to it " + _ELSEWHERE),
-    errno.EPERM: ("operation not permitted", "give user id {uid} access to it " + _ELSEWHERE),
-    errno.EIO: ("input/output error: the disk or network file system failed",
-                "check that volume (dmesg, the storage's health) " + _ELSEWHERE),
-}
+_ELSEWHERE = "or pass a path on another file system"
 
 # The temporary sibling the atomic writer fills (`.NAME.PID.tmp...`, formats/atomic.py): the user named NAME.
 _TEMPORARY = re.compile(r"^\.(?P<name>.+?)\.\d+\.(old\.)?tmp")
@@ -45,14 +34,14 @@ def storage_problem(e: OSError, out: Optional[str] = None) -> Optional[str]:
         row = e.args[0][0]
         m = _ERRNO_IN_TEXT.search(str(row[-1])) if isinstance(row, tuple) and len(row) == 3 else None
         code, where = (int(m.group(1)), row[1]) if m else (None, None)
-    if code not in _PROBLEMS:
+    if code not in REFUSED_WRITES:
         return None
     path = _as_named(Path(os.fsdecode(where))) if where is not None else Path(out) if out else None
-    why, fix = _PROBLEMS[code]
-    at = path if path is not None else Path.cwd()
-    if code in (errno.ENOSPC, errno.EDQUOT):
-        why += f" ({_free_space(at)})"
-    return f"cannot write {path if path is not None else 'the output'}: {why}; {fix.format(uid=os.getuid())}"
+    probe, free = free_space(path if path is not None else Path.cwd())
+    why, fix = REFUSED_WRITES[code]
+    fmt = dict(at=probe, uid=os.getuid(), file=path, elsewhere=_ELSEWHERE)
+    why = why.format(**fmt) + (f" ({free})" if code in (errno.ENOSPC, errno.EDQUOT) else "")
+    return f"cannot write {path if path is not None else 'the output'}: {why}; {fix.format(**fmt)}"
 
 
 def _as_named(path: Path) -> Path:
@@ -64,12 +53,3 @@ def _as_named(path: Path) -> Path:
             return Path(*path.parts[:i], m.group("name"))
     return path
 
-
-def _free_space(path: Path) -> str:
-    probe = path
-    while not probe.is_dir() and probe != probe.parent:
-        probe = probe.parent
-    try:
-        return f"{shutil.disk_usage(probe).free / 2**30:.2f} GiB free on {probe}"
-    except OSError:
-        return f"free space on {probe} unknown"

@@ -8,6 +8,7 @@ sibling behind. The temporary name carries the process id, so two writers of the
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -19,6 +20,36 @@ from typing import Any, Union
 from rangefinder.errors import RangefinderError
 
 PathLike = Union[str, "os.PathLike[str]"]
+
+
+# A write the file system refused, in words: errno -> (what happened, what to do). `{at}` is the nearest existing
+# folder (free_space), `{file}` the path the error names, `{uid}` this process's user id, `{elsewhere}` the caller's
+# other way out (another --out, another file system). A run's writes (training.disk) and every other command's
+# (cli.storage) say it with these words; an errno not here is not a storage problem.
+REFUSED_WRITES: dict[int, tuple[str, str]] = {
+    errno.ENOSPC: ("disk full", "free some space at {at} {elsewhere}"),
+    errno.EDQUOT: ("disk quota exceeded", "free some space at {at} or raise the quota {elsewhere}"),
+    errno.EFBIG: ("file too large (the file-size limit, `ulimit -f`, or the file system's largest file)",
+                  "raise the limit {elsewhere}"),
+    errno.EIO: ("input/output error: the disk or network file system under {at} failed",
+                "check that volume (dmesg, the storage's health) {elsewhere}"),
+    errno.EROFS: ("read-only file system", "mount {at} writable {elsewhere}"),
+    errno.EACCES: ("permission denied", "make {at} writable for user id {uid} {elsewhere}"),
+    errno.EPERM: ("operation not permitted", "make {at} writable for user id {uid} {elsewhere}"),
+    errno.ENOTDIR: ("a file is in the way: a folder on the path {file} is a file", "move it away {elsewhere}"),
+    errno.EEXIST: ("a file is in the way: {file} is a file, not a folder", "move it away {elsewhere}"),
+}
+
+
+def free_space(path: PathLike) -> tuple[Path, str]:
+    """The nearest existing folder at or above `path`, and the free space on it in words."""
+    probe = Path(path)
+    while not probe.is_dir() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        return probe, f"{shutil.disk_usage(probe).free / 2**30:.2f} GiB free on {probe}"
+    except OSError:
+        return probe, f"free space on {probe} unknown"
 
 
 def usable_folder(path: PathLike, what: str) -> Path:

@@ -9,10 +9,8 @@ any other error is not a storage problem and is not dressed as one (it goes on u
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import re
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Optional
@@ -21,25 +19,10 @@ from safetensors import SafetensorError
 
 from rangefinder.errors import RangefinderError
 from rangefinder.formats import checkpoints
+from rangefinder.formats.atomic import REFUSED_WRITES, free_space
 
 _AGAIN = "then run again with --resume"
 _ELSEWHERE = "or choose another --out"
-
-# errno -> (what happened, what to do). Full and quota share a fix; the others each name their own.
-_PROBLEMS: dict[int, tuple[str, str]] = {
-    errno.ENOSPC: ("disk full", "free some space at {at} " + _ELSEWHERE),
-    errno.EDQUOT: ("disk quota exceeded", "free some space at {at} or raise the quota " + _ELSEWHERE),
-    errno.EFBIG: ("file too large (the file-size limit, `ulimit -f`, or the file system's largest file)",
-                  "raise the limit " + _ELSEWHERE),
-    errno.EIO: ("input/output error: the disk or network file system under {at} failed",
-                "check that volume (dmesg, the storage's health) " + _ELSEWHERE),
-    errno.EROFS: ("read-only file system", "mount {at} writable " + _ELSEWHERE),
-    errno.EACCES: ("permission denied", "make {at} writable for user id {uid} " + _ELSEWHERE),
-    errno.EPERM: ("operation not permitted", "make {at} writable for user id {uid} " + _ELSEWHERE),
-    errno.ENOTDIR: ("a file is in the way: a folder on the path {file} is a file", "move it away " + _ELSEWHERE),
-    errno.EEXIST: ("a file is in the way: {file} is a file, not a folder", "move it away " + _ELSEWHERE),
-}
-
 
 def write_errno(e: BaseException) -> Optional[int]:
     """The errno of a failed write: OSError carries it; safetensors (SafetensorError) and torch.save (RuntimeError)
@@ -58,23 +41,17 @@ def disk_problem(what: str, path: Path, e: BaseException) -> Optional[Rangefinde
     """The one sentence for `e` raised while writing `what` under the folder `path`; None when `e` is not a storage
     problem (a bug or a bad input, which must not read as one)."""
     code = write_errno(e)
-    if code is None or (code != -1 and code not in _PROBLEMS):
+    if code is None or (code != -1 and code not in REFUSED_WRITES):
         return None
     where = Path(getattr(e, "filename", None) or path)
-    probe = where
-    while not probe.is_dir() and probe != probe.parent:
-        probe = probe.parent
-    try:
-        free = f"{shutil.disk_usage(probe).free / 2**30:.2f} GiB free on {probe}"
-    except OSError:
-        free = f"free space on {probe} unknown"
+    probe, free = free_space(where)
     previous = checkpoints.latest_checkpoint(path) if Path(path).is_dir() else None
     kept = f"; the previous checkpoint {previous} is intact" if previous else ""
     if code == -1:  # torch.save names no reason; the usual one is a full disk
-        why, fix = f"the write failed ({e})", "free some space at {at} " + _ELSEWHERE
+        why, fix = f"the write failed ({e})", "free some space at {at} {elsewhere}"
     else:
-        why, fix = _PROBLEMS[code]
-    fmt = dict(at=probe, uid=os.getuid(), file=where)
+        why, fix = REFUSED_WRITES[code]
+    fmt = dict(at=probe, uid=os.getuid(), file=where, elsewhere=_ELSEWHERE)
     return RangefinderError(
         f"cannot write {what} under {path}: {why.format(**fmt)} ({free}){kept}; {fix.format(**fmt)}, {_AGAIN}"
     )
