@@ -29,6 +29,7 @@ from rangefinder.formats.diffusers_folder import save_pipeline_folder
 from rangefinder.formats.embeddings import TI_WEIGHTS_NAME
 from rangefinder.formats.grid import compose_grid
 from rangefinder.formats.lora import LORA_WEIGHTS_NAME
+from rangefinder.formats.text import NotUtf8, decode_utf8
 from rangefinder.models.loading import check_scheduler_name, pipeline_call_kwargs
 
 ColumnKind = str  # "pipeline" | "single_file" | "unet" | "lora" | "textual_inversion" | "engine_checkpoint"
@@ -505,16 +506,11 @@ def read_prompts(path: Union[str, Path]) -> list[str]:
         raise ConfigError(f"prompts file {p} is a folder; pass a text file with one prompt per line")
     if not p.is_file():
         raise ConfigError(f"prompts file {p} does not exist; pass a text file with one prompt per line")
-    raw = p.read_bytes()
     try:
-        text = raw.decode("utf-8-sig")  # a byte-order mark (Windows editors write one) is not prompt text
-    except UnicodeDecodeError as e:
-        line = raw[: e.start].count(b"\n") + 1
-        raise ConfigError(
-            f"prompts file {p} line {line} is not UTF-8 text (byte 0x{raw[e.start]:02x}; "
-            f"probably saved as Latin-1 or Windows-1252); save it as UTF-8, e.g. `iconv -f cp1252 -t utf-8 {p.name} "
-            f"> fixed.txt`, and pass fixed.txt"
-        ) from None
+        text = decode_utf8(p.read_bytes())
+    except NotUtf8 as e:
+        raise ConfigError(f"prompts file {p} {e}; save it as UTF-8, e.g. `iconv -f cp1252 -t utf-8 {p.name} > "
+                          "fixed.txt`, and pass fixed.txt") from None
     prompts = [ln.strip() for ln in text.splitlines()]
     prompts = [ln for ln in prompts if ln and not ln.startswith("#")]
     if not prompts:

@@ -3,8 +3,9 @@
 Training says it with the checkpoint that is intact (training/disk.py), in the same words (the atomic writer's
 table, formats.atomic.REFUSED_WRITES). Every other command (`make-dataset`, `make-base-model`, `split`, `sample`, the
 reports of `analyze-lr` and `select-steps`) writes through the atomic writer (formats/atomic.py), so what it leaves
-behind is a dot-named `.tmp` sibling, never a folder that looks finished. What was missing was the line: the OSError reached the user as a traceback, naming that `.tmp`
-sibling. Any other OSError is not a storage problem and is not dressed as one.
+behind is a dot-named `.tmp` sibling, never a folder that looks finished. What was missing was the line: the OSError
+reached the user as a traceback, naming that `.tmp` sibling. Any other OSError is not a storage problem and is not
+dressed as one.
 """
 
 from __future__ import annotations

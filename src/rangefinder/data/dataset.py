@@ -20,6 +20,7 @@ from pathlib import Path, PurePosixPath
 from typing import Optional
 
 from rangefinder.errors import DataError
+from rangefinder.formats.text import NotUtf8, decode_utf8
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp")
 CAPTION_EXTENSION = ".txt"
@@ -88,16 +89,11 @@ def _read_metadata(root: Path) -> tuple[dict[str, str], list[tuple[str, str]]]:
     problems: list[tuple[str, str]] = []
     if not path.is_file():
         return captions, problems
-    raw = path.read_bytes()
     try:
-        content = raw.decode("utf-8-sig")  # a byte-order mark (Windows editors write one) is not caption text
-    except UnicodeDecodeError as e:
-        bad_line = raw[: e.start].count(b"\n") + 1
-        raise DataError(
-            f"{path} line {bad_line} is not UTF-8 text (byte 0x{raw[e.start]:02x}; probably saved as Latin-1 or "
-            f"Windows-1252); save the file as UTF-8, e.g. `iconv -f cp1252 -t utf-8 {METADATA_FILE} > fixed.jsonl` "
-            f"then rename fixed.jsonl to {METADATA_FILE}"
-        ) from None
+        content = decode_utf8(path.read_bytes())
+    except NotUtf8 as e:
+        raise DataError(f"{path} {e}; save the file as UTF-8, e.g. `iconv -f cp1252 -t utf-8 {METADATA_FILE} > "
+                        f"fixed.jsonl` then rename fixed.jsonl to {METADATA_FILE}") from None
     for lineno, line in enumerate(content.splitlines(), start=1):
         if not line.strip():
             continue
