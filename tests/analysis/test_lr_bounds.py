@@ -157,6 +157,14 @@ def test_bad_input():
         analyze_lr_curve([0, 1e-6], [0.2, 0.1, 0.3])
 
 
+@pytest.mark.parametrize("lr", [[-1, 0, 1], [-3, -2, -1, -0.5, 0.1, 0.2, 0.3]], ids=["as-baselines", "as-linear-ramp"])
+def test_a_negative_lr_is_refused(lr):
+    # [-1, 0, 1] was read as two baselines and said "never fell by more than its noise"; the second as a linear ramp
+    # with status ok and negative bounds.
+    with pytest.raises(RangefinderError, match=r"rows? ha(s|ve) a negative lr \(the first: -"):
+        analyze_lr_curve(lr, np.linspace(1.0, 0.5, len(lr)))
+
+
 def test_narrow_valley_in_eleven_points_is_not_called_rising():
     # The default sweep (10 validations + baseline, half a decade apart) can miss a valley 2-3 points wide; it
     # must then say "no descent, validate more often", never "rising from the start" (which says lower the range).

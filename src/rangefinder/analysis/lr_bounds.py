@@ -294,6 +294,15 @@ def analyze_lr_curve(
     y_all = np.asarray(val_loss, dtype=float).ravel()
     if lr_all.shape != y_all.shape:
         raise RangefinderError(f"lr and val_loss differ in length ({lr_all.size} vs {y_all.size}); pass one per row")
+    negative = np.flatnonzero(lr_all < 0)
+    if negative.size:
+        # A learning rate below 0 climbs the loss: no sweep sets one. Read as the start of a linear ramp it gave
+        # negative bounds with status ok; on a log axis it sat with the baselines and hid the descent.
+        raise RangefinderError(
+            f"{negative.size} of {lr_all.size} rows {'has' if negative.size == 1 else 'have'} a negative lr (the "
+            f"first: {lr_all[negative[0]]:g}); a range test's LRs are 0 (a baseline) or above; pass the metrics.csv "
+            "a training run wrote"
+        )
     n_finite = int(np.sum(np.isfinite(y_all) & np.isfinite(lr_all)))
     if n_finite < 3:
         raise RangefinderError(
