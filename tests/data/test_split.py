@@ -90,6 +90,26 @@ def test_errors(tmp_path, capsys):
         read_split(tmp_path)
 
 
+def test_too_few_images_says_what_the_floor_is_for(tmp_path, capsys):
+    # The bracket once always read "at least one to train and one to validate", also for --min-images 100.
+    data = _dataset(tmp_path / "data", 3)
+    assert main(["split", str(data), "--out", str(tmp_path / "s"), "--resolution", "16", "--min-images", "100"]) == 2
+    err = capsys.readouterr().err
+    assert "fewer than the 100 needed (the floor set by data.min_images, or split --min-images)" in err
+    assert "one to train and one to validate" not in err
+    one = _dataset(tmp_path / "one", 1)
+    assert main(["split", str(one), "--out", str(tmp_path / "s1"), "--resolution", "16"]) == 2
+    assert "fewer than the 2 needed (at least one to train and one to validate)" in capsys.readouterr().err
+    empty_val = tmp_path / "val"
+    (empty_val / "broken.png").parent.mkdir()
+    (empty_val / "broken.png").write_bytes(b"junk")
+    (empty_val / "broken.txt").write_text("x")
+    with pytest.raises(DataError, match=r"fewer than the 1 needed \(at least one to validate, in --val-dir"):
+        split_dataset(data, tmp_path / "s2", val_dir=empty_val)
+    with pytest.raises(DataError, match=r"fewer than the 4 needed \(the floor .* less one for --val-dir"):
+        split_dataset(data, tmp_path / "s3", val_dir=_dataset(tmp_path / "val2", 1, green=9), min_images=5)
+
+
 def test_split_moved_with_its_data_still_finds_the_images(tmp_path):
     import shutil
 

@@ -135,9 +135,12 @@ def make_split(
         for k, g in enumerate(order):
             (val if len(val) < n_val and k < len(order) - 1 else train).extend(g)
     else:
-        data.require(max(1, min_images - 1))
+        data.require(max(1, min_images - 1),
+                     why="at least one to train" if min_images <= 2
+                     else "the floor set by data.min_images, or split --min-images, less one for --val-dir "
+                     "(split.val_dir)")
         vdata = validate_dataset(manual_val, min_image_size=min_image_size)
-        vdata.require(1)
+        vdata.require(1, why="at least one to validate, in --val-dir (split.val_dir)")
         # Validation file names relative to the dataset root (e.g. "../val/x.png"), so one root serves all subsets.
         rel = Path(os.path.relpath(manual_val, root)).as_posix()
         val = [Item(item_id(f"{rel}/{it.file_name}"), f"{rel}/{it.file_name}", it.text, sha256=it.sha256)

@@ -38,8 +38,9 @@ class ValidatedDataset:
     items: list[Item]  # usable, sorted by file_name
     skipped: list[Skipped] = field(default_factory=list)
 
-    def require(self, min_images: int = 2) -> ValidatedDataset:
-        """DataError unless at least `min_images` usable images remain."""
+    def require(self, min_images: int = 2, why: Optional[str] = None) -> ValidatedDataset:
+        """DataError unless at least `min_images` usable images remain. `why` says what they are needed for (default:
+        one to train and one to validate at 2, data.min_images above it)."""
         if len(self.items) >= min_images:
             return self
         n = len(self.items)
@@ -56,9 +57,16 @@ class ValidatedDataset:
                "at their size, or a lower --min-image-size (data.min_image_size) to enlarge them") if small else ""
         raise DataError(
             f"dataset folder {self.root} has only {n} usable image{'s' if n != 1 else ''}, fewer than the "
-            f"{min_images} needed (at least one to train and one to validate); skipped: {shown or 'none'}{more}; "
+            f"{min_images} needed ({why or _why_needed(min_images)}); skipped: {shown or 'none'}{more}; "
             f"fix or caption the skipped files, or add images{fix}"
         )
+
+
+def _why_needed(min_images: int) -> str:
+    # Two is what a split needs; more is the user's own floor, which the bracket must not explain as the split's.
+    if min_images <= 2:
+        return "at least one to train and one to validate"
+    return "the floor set by data.min_images, or split --min-images"
 
 
 def check_image(path: Path, min_image_size: int = 1) -> Optional[str]:
