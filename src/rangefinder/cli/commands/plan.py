@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 from rangefinder.cli.output import add_json_flag
 
@@ -36,6 +37,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="multiply the LR by the effective batch (linear) or its square root")
     p.add_argument("--drop-last", action="store_true", help="skip each epoch's trailing partial micro-batch")
     add_json_flag(p)
+    # argparse takes an argument for a value only when it looks like a number ("-1"); "-1,3" looked like an option
+    # and --bucket-counts got "expected one argument". Comma lists of numbers are values too (plan has no option
+    # that looks like a number), so the count is checked, and refused, by what it says.
+    p._negative_number_matcher = re.compile(r"^-\d[\d,]*$|^-\d*\.\d+$")
     p.set_defaults(func=run)
 
 
@@ -45,11 +50,17 @@ def run(args: argparse.Namespace) -> dict:
 
     counts = None
     if args.bucket_counts is not None:
+        usage = f"--bucket-counts takes whole numbers separated by commas, e.g. 5,4,3 (got {args.bucket_counts!r})"
+        filled = [i for i, c in enumerate(args.bucket_counts.split(",")) if c.strip()]
+        if filled and filled[-1] - filled[0] + 1 != len(filled):
+            # "1,,2" (a count lost in a pasted column) is not "1,2": the buckets would shift by one.
+            raise ConfigError(f"{usage}: one is empty; give a count, 0 for an empty bucket, between every two commas")
         try:
             counts = [int(c) for c in args.bucket_counts.split(",") if c.strip()]
         except ValueError:
-            raise ConfigError(f"--bucket-counts takes whole numbers separated by commas, e.g. 5,4,3 (got "
-                              f"{args.bucket_counts!r})") from None
+            raise ConfigError(usage) from None
+        if any(c < 0 for c in counts):
+            raise ConfigError(f"{usage}: a count of images is 0 or more")
         if not counts or sum(counts) < 1:
             raise ConfigError(f"--bucket-counts needs at least one training image (got {args.bucket_counts!r})")
     result = plan(
