@@ -92,6 +92,17 @@ def test_metadata_jsonl_captions_subfolders_and_hidden_files(tmp_path):
     assert "metadata.jsonl:4" in reasons
 
 
+def test_a_metadata_jsonl_that_is_a_folder_is_refused(tmp_path):
+    # It was taken for "no metadata.jsonl": the .txt captions were used without a word and its images trained on.
+    for name in ("a", "b"):
+        Image.new("RGB", (16, 16)).save(tmp_path / f"{name}.png")
+        (tmp_path / f"{name}.txt").write_text("a caption")
+    (tmp_path / "metadata.jsonl").mkdir()
+    Image.new("RGB", (16, 16)).save(tmp_path / "metadata.jsonl" / "c.png")
+    with pytest.raises(DataError, match=r"metadata.jsonl is a folder, not the captions file"):
+        validate_dataset(tmp_path)
+
+
 def _img(path, colour=(0, 0, 0)):
     Image.new("RGB", (16, 16), colour).save(path)
 

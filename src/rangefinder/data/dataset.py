@@ -87,6 +87,11 @@ def _read_metadata(root: Path) -> tuple[dict[str, str], list[tuple[str, str]]]:
     first_line: dict[str, int] = {}
     conflicts: list[str] = []
     problems: list[tuple[str, str]] = []
+    if path.is_dir():
+        # Read as "no metadata.jsonl" it left every caption to .txt files without a word, and its contents were
+        # walked as images of the dataset.
+        raise DataError(f"{path} is a folder, not the captions file; remove or rename it, or put the captions "
+                        "(one JSON object with file_name and text per line) in a file of that name")
     if not path.is_file():
         return captions, problems
     try:
