@@ -80,6 +80,19 @@ def test_manual_validation_folder(tmp_path):
     assert read_split(tmp_path / "s2").path_of(split.val[0]) == (outside / "img000.png").resolve()
 
 
+def test_val_split_with_val_dir_is_refused(tmp_path, capsys):
+    # --val-split was dropped without a word when --val-dir was given too.
+    data = _dataset(tmp_path / "data", 4)
+    held = _dataset(tmp_path / "held", 1, green=9)
+    with pytest.raises(SystemExit) as e:
+        main(["split", str(data), "--out", str(tmp_path / "s"), "--val-dir", str(held), "--val-split", "0.5"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --val-split: not allowed with argument --val-dir" in err and err.count("\n") == 1
+    assert not (tmp_path / "s").exists()
+    assert main(["split", str(data), "--out", str(tmp_path / "s"), "--val-dir", str(held), "--resolution", "16"]) == 0
+
+
 def test_errors(tmp_path, capsys):
     data = _dataset(tmp_path / "data", 1)
     assert main(["split", str(data), "--out", str(tmp_path / "s"), "--resolution", "16"]) == 2

@@ -18,11 +18,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("data_dir", metavar="DATA_DIR", help="dataset folder: images with .txt captions or metadata.jsonl")
     p.add_argument("--out", required=True, help="folder for train.jsonl, val.jsonl, stabilize.jsonl and split.json")
-    p.add_argument("--val-split", type=float, default=0.2, help="share of images for validation, rounded up (0.2)")
+    # One or the other: --val-split with --val-dir was dropped without a word (a config with both gets a warning).
+    val = p.add_mutually_exclusive_group()
+    val.add_argument("--val-split", type=float, default=0.2,
+                     help="share of images for validation, rounded up (0.2); not with --val-dir")
     p.add_argument("--stabilize-split", type=float, default=0.2,
                    help="share of training images in the stabilize subset, rounded up (0.2)")
     p.add_argument("--seed", type=argtypes.seed, default=555, help="seed of the shuffle (555)")
-    p.add_argument("--val-dir", help="a folder of validation images chosen by hand (replaces --val-split)")
+    val.add_argument("--val-dir", help="a folder of validation images chosen by hand (replaces --val-split)")
     p.add_argument("--resolution", type=int, default=None,  # bounds: DataConfig, below
                    help="the training resolution, in pixels (data.resolution; default: the one a `make-dataset` "
                    f"folder was made at, else {DataConfig.model_fields['resolution'].default}): the aspect-ratio "
