@@ -343,3 +343,16 @@ def test_rows_out_of_order_are_read_in_lr_order():
     assert (b.lr_low, b.lr_high, b.lr_mid, b.flags) == (in_order.lr_low, in_order.lr_high, in_order.lr_mid,
                                                          in_order.flags)
     assert any("read sorted by lr" in a for a in b.advice)
+
+
+def test_shuffled_rows_are_read_as_the_sweep_in_order():
+    # The ramp was inferred from the LRs in file order: a shuffled exponential sweep was read as linear, and its
+    # lr_mid moved from 1.8e-5 to 3.0e-5. Sorted (and with its LRs each once) it is the sweep it was.
+    lr = lr_sweep(40)
+    y = noisy(U.loss(lr), 0.002, 5)
+    in_order = analyze_lr_curve(lr, y, seed=5)
+    shuffled = np.random.default_rng(0).permutation(lr.size)
+    b = analyze_lr_curve(lr[shuffled], y[shuffled], seed=5)
+    assert b.reordered and b.ramp == in_order.ramp == "exp"
+    assert (b.lr_low, b.lr_high, b.lr_mid, b.flags) == (in_order.lr_low, in_order.lr_high, in_order.lr_mid,
+                                                         in_order.flags)

@@ -242,10 +242,12 @@ def infer_ramp(lr: np.ndarray) -> Ramp:
     """`exp` when the positive LRs grow by a near-constant factor, `linear` when by a near-constant step.
 
     Compares the spread of the log-ratios with the spread of the differences, each relative to its mean; a
-    baseline at LR 0 is ignored. With fewer than 3 positive LRs there is nothing to compare and `exp` (the
-    default sweep) is returned.
+    baseline at LR 0 is ignored. The LRs are read sorted and each once, as the analysis reads the rows: in file
+    order, a shuffled exponential sweep's steps looked no more constant one way than the other, and it was read as
+    linear. With fewer than 3 distinct positive LRs there is nothing to compare and `exp` (the default sweep) is
+    returned.
     """
-    pos = lr[np.isfinite(lr) & (lr > 0)]
+    pos = np.unique(lr[np.isfinite(lr) & (lr > 0)])
     if pos.size < 3:
         return "exp"
     d_lin = np.diff(pos)
