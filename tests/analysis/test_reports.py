@@ -85,6 +85,21 @@ def test_step_report(tmp_path):
     assert "rose_after_min" in paths["markdown"].read_text()
 
 
+def test_step_report_of_a_curve_without_epochs_gives_the_window_in_updates(tmp_path):
+    # A metrics.csv without an epoch column: the report said "train for the recommended epochs" over a table whose
+    # epochs were all "-", and gave none of the updates the JSON had.
+    e = np.arange(61) / 2
+    w = select_step_window(e * 10, None, noisy(ConstantRunShape().loss(e), 0.001, 0))
+    assert w.status == "ok" and w.recommended_epochs is None and w.recommended_updates is not None
+    paths = write_step_report(w, None, tmp_path)
+    md = paths["markdown"].read_text()
+    assert f"Train for about {w.recommended_updates} updates (the curve has no epochs" in md
+    assert f"| recommended updates | {w.recommended_updates} |" in md
+    assert f"| window (updates) | {w.window_start_update:.4g} - {w.window_end_update:.4g} |" in md
+    assert "train for the recommended epochs" not in md.split("\n")[2]
+    assert f"Train for about {w.recommended_updates} updates" in paths["html"].read_text()
+
+
 def test_step_report_notes_the_cooldown_and_the_average_under_their_names_once(tmp_path):
     # The steps' sentences open with their names (they are also the MLflow run's description); the note's label says
     # it already, so the report does not say "window average: Window average: ...".

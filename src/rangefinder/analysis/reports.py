@@ -211,6 +211,12 @@ def step_headline(window: StepWindow, halving: Optional[HalvingDecision] = None,
         lead = f"Train for {window.recommended_epochs} epochs (about {window.recommended_updates} updates)."
         if window.status == "still_improving":
             lead += " At least: the run ended while still improving."
+    elif window.recommended_updates is not None:
+        # A curve without epochs (no epoch column): the window is known in updates only. The status advice said
+        # "train for the recommended epochs" over a table whose epochs were all "-".
+        lead = f"Train for about {window.recommended_updates} updates (the curve has no epochs to count them in)."
+        if window.status == "still_improving":
+            lead += " At least: the run ended while still improving."
     else:
         lead = STEP_STATUS_ADVICE[window.status]
     if halving is not None:
@@ -351,6 +357,11 @@ def write_step_report(window: StepWindow, curve: Optional[dict], out_dir: str | 
          f"smoothed val loss within {window.band:.3g} of its minimum" if window.band == window.band else ""),
         ("best epoch", window.best_epoch, f"update {_fmt(window.best_update)}; smoothed val loss "
                                           f"{_fmt(window.best_val_loss)}"),
+        *([("recommended updates", window.recommended_updates, "the centre of the window, in updates: the curve "
+                                                               "has no epochs"),
+           ("window (updates)", [window.window_start_update, window.window_end_update],
+            f"smoothed val loss within {window.band:.3g} of its minimum")]
+          if window.recommended_epochs is None and window.recommended_updates is not None else []),
         ("val - stabilize at best", window.val_minus_stabilize,
          "the generalisation gap; growing after the best means overfitting"),
         ("tolerance", window.tolerance, "relative; widened to 2 standard errors when the curve is noisier"),
