@@ -97,6 +97,7 @@ def test_step_report_of_a_curve_without_epochs_gives_the_window_in_updates(tmp_p
     assert f"| recommended updates | {w.recommended_updates} |" in md
     assert f"| window (updates) | {w.window_start_update:.4g} - {w.window_end_update:.4g} |" in md
     assert "train for the recommended epochs" not in md.split("\n")[2]
+    assert "| window (epochs) | - |" in md
     assert f"Train for about {w.recommended_updates} updates" in paths["html"].read_text()
 
 

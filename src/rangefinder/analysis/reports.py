@@ -69,7 +69,8 @@ def _fmt(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
     if isinstance(v, (list, tuple)):
-        return " - ".join(_fmt(i) for i in v)
+        # A range with no ends (a window without epochs) is one "-", not "- - -".
+        return "-" if all(i is None for i in v) else " - ".join(_fmt(i) for i in v)
     return str(v)
 
 
