@@ -165,6 +165,14 @@ def test_a_negative_lr_is_refused(lr):
         analyze_lr_curve(lr, np.linspace(1.0, 0.5, len(lr)))
 
 
+def test_a_curve_whose_lr_does_not_climb_is_refused():
+    # A constant-LR fine-tune's curve passed to analyze-lr said "no descent: validate more often".
+    with pytest.raises(RangefinderError, match=r"1 distinct lr value \(0.0001\).*use select-steps"):
+        analyze_lr_curve(np.full(10, 1e-4), np.linspace(0.3, 0.2, 10))
+    with pytest.raises(RangefinderError, match=r"2 distinct lr values \(0, 0.0001\)"):
+        analyze_lr_curve(np.r_[0, np.full(9, 1e-4)], np.linspace(0.3, 0.2, 10))
+
+
 def test_narrow_valley_in_eleven_points_is_not_called_rising():
     # The default sweep (10 validations + baseline, half a decade apart) can miss a valley 2-3 points wide; it
     # must then say "no descent, validate more often", never "rising from the start" (which says lower the range).

@@ -309,6 +309,15 @@ def analyze_lr_curve(
             f"the curve has {n_finite} finite (lr, val_loss) points; a range test needs at least 3 "
             "(validate more often during the sweep)"
         )
+    distinct = np.unique(lr_all[np.isfinite(lr_all) & np.isfinite(y_all)])
+    if distinct.size < 3:
+        # A constant-LR run's curve (the fine-tune's metrics.csv) read as a range test said "no descent: validate
+        # more often", which no number of validations changes.
+        raise RangefinderError(
+            f"the curve has {distinct.size} distinct lr value{'s' if distinct.size != 1 else ''} "
+            f"({', '.join(f'{v:g}' for v in distinct)}); a range test's LR climbs through at least 3. For a "
+            "constant-LR run's curve, use select-steps"
+        )
     stab_all = None
     if stabilize_loss is not None:
         stab_all = np.asarray(stabilize_loss, dtype=float).ravel()
