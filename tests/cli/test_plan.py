@@ -91,14 +91,14 @@ def test_global_batch_across_processes_and_nodes():
 
 
 @pytest.mark.parametrize("counts,says", [
-    ("-1,3", "a count of images is 0 or more"),  # was argparse's "expected one argument": it looked like an option
-    ("-1,1", "a count of images is 0 or more"),  # was "needs at least one training image"
+    ("-1,3", "a count of images is 0 or more"),  # was "needs at least one training image" (-1,1 likewise)
     ("1,,2", "one is empty"),  # was read as 1,2: every bucket after the gap moved up one
 ])
 def test_bad_bucket_counts_are_refused_for_what_they_say(counts, says, capsys):
     from rangefinder.cli.main import main
 
-    assert main(["plan", "--bucket-counts", counts, "--epochs", "1"]) == 2
+    # With "=": argparse takes a bare "-1,3" for an option (its own one-line "expected one argument").
+    assert main(["plan", f"--bucket-counts={counts}", "--epochs", "1"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"(got {counts!r})" in err and says in err, err
 

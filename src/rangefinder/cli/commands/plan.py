@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import re
 
 from rangefinder.cli.output import add_json_flag
 
@@ -37,10 +36,6 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="multiply the LR by the effective batch (linear) or its square root")
     p.add_argument("--drop-last", action="store_true", help="skip each epoch's trailing partial micro-batch")
     add_json_flag(p)
-    # argparse takes an argument for a value only when it looks like a number ("-1"); "-1,3" looked like an option
-    # and --bucket-counts got "expected one argument". Comma lists of numbers are values too (plan has no option
-    # that looks like a number), so the count is checked, and refused, by what it says.
-    p._negative_number_matcher = re.compile(r"^-\d[\d,]*$|^-\d*\.\d+$")
     p.set_defaults(func=run)
 
 
