@@ -400,3 +400,15 @@ def test_storage_problem_names_the_folder_and_the_free_space(tmp_path):
                                    "writable or pass a path on another file system")
     assert storage_problem(OSError(errno.ENOENT, "No such file or directory", "x")) is None  # not a storage problem
     assert storage_problem(shutil.Error([("a", "b", "some other failure")])) is None
+
+
+def test_a_reader_that_stops_reading_ends_the_command_quietly():
+    """`rangefinder plan ... | head -1`: the reader closes the pipe before the table is written. The command did its
+    work, so nothing reaches stderr (it once ended in a BrokenPipeError traceback) and the status is a shell's for
+    SIGPIPE."""
+    proc = subprocess.Popen([sys.executable, "-m", "rangefinder.cli.main", "plan", "--images", "1000", "--epochs", "3"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # before the child has written a byte: its first write finds no reader
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and err == "", err

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import shlex
 import signal
 import sys
@@ -108,10 +109,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 130
     if result is None:
         return 0
-    if getattr(args, "json", False):
-        print(json.dumps(result, indent=2, default=str))
-    else:
-        print_table(result)
+    try:
+        if getattr(args, "json", False):
+            print(json.dumps(result, indent=2, default=str))
+        else:
+            print_table(result)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader stopped reading (`| head`): the command did its work; say nothing, and keep Python's exit-time
+        # flush of the same stdout from printing a traceback of its own (Python's docs, "Note on SIGPIPE").
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     return 0
 
 
