@@ -129,8 +129,13 @@ def test_no_intact_checkpoint_is_a_clear_error(base, finished, tmp_path):
     cut = copy_run(finished, tmp_path / "cut")
     for ckpt in checkpoints.list_checkpoints(cut / "checkpoints"):
         flip_a_byte(ckpt / checkpoints.WEIGHTS_NAME)
-    with pytest.raises(RangefinderError, match="no intact checkpoint under .*checkpoints"):
+    with pytest.raises(RangefinderError, match="no intact checkpoint under .*checkpoints") as refused:
         run_here(base, cut, resume=True)
+    # The one line says what is wrong with each: the run checks before it warns, so no warning precedes it.
+    message = str(refused.value)
+    for name in ("checkpoint-000004", "checkpoint-000002"):
+        assert f"{name}: weights.safetensors does not match its checksum" in message, message
+    assert "above" not in message, message
 
 
 @pytest.mark.slow

@@ -106,16 +106,20 @@ def _resume_point(run: Run, warn: bool = True) -> Optional[Path]:
     if not run.cfg.resume:
         return None
     found = checkpoints.list_checkpoints(run.settings.ckpt_root)
+    damaged: list[str] = []
     for candidate in reversed(found):
         problem = checkpoints.verify(candidate)
         if problem is None:
             return candidate
+        damaged.append(f"{candidate.name}: {problem}")
         if warn:
             _log.warning("rangefinder: skipping checkpoint %s: %s; resuming from an earlier one", candidate, problem)
     if found:
+        # The error names what is wrong itself: check_resume looks first, without warnings, so none precede it.
+        shown = "; ".join(damaged[:3]) + (f"; and {len(damaged) - 3} more" if len(damaged) > 3 else "")
         raise RangefinderError(
             f"cannot resume: no intact checkpoint under {run.settings.ckpt_root} (all {len(found)} fail their "
-            "checksums, see the warnings above); start again in an empty folder"
+            f"checksums: {shown}); start again in an empty folder"
         )
     return None
 
