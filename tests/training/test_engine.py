@@ -346,3 +346,29 @@ def test_an_image_deleted_or_replaced_after_the_split_stops_the_run_before_train
     assert f"{replaced.file_name} (replaced: not the file that was split)" in msg
     assert "split the dataset again" in msg
     assert not out.exists()  # stopped before anything was written
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The files record the epochs their weights were trained for, not the budget
+
+
+@pytest.mark.parametrize("budget", [dict(steps=6), dict(epochs=2)], ids=["steps", "epochs"])
+def test_exported_files_record_the_epochs_their_weights_trained(budget, split_dir, tiny_model_dir, encoded_cache,
+                                                                 tmp_path):
+    """16 images, batch 4: 4 updates an epoch. The final files say the epochs the run took, and a checkpoint written
+    out as the fine-tune's `chosen/` is (save_checkpoint_model) says its own, not the run's budget; with a budget
+    in steps, the files said no epochs at all."""
+    from rangefinder.formats.weights_file import read_metadata
+    from rangefinder.training.restore import save_checkpoint_model
+
+    cfg = settings(encoded_cache, method="lora", lr=1e-3, checkpoint_every_updates=2, keep_checkpoints=5, **budget)
+    result = train(TrainSpec(cfg, NO_VALIDATION, split_dir=str(split_dir), model=str(tiny_model_dir)),
+                   out_dir=tmp_path / "run")
+    assert result.status == "ok" and result.epochs == result.updates / 4
+    chosen = save_checkpoint_model(tmp_path / "run" / "checkpoints" / "checkpoint-000002", tiny_model_dir,
+                                   tmp_path / "chosen")
+    for folder, updates in ((result.final_dir, result.updates), (chosen, 2)):
+        for name in ("pytorch_lora_weights.safetensors", "lora_kohya.safetensors"):
+            meta = read_metadata(folder / name)
+            assert (meta["rangefinder.updates"], float(meta.get("rangefinder.epochs", "nan"))) == (
+                str(updates), updates / 4), (folder, name, meta)

@@ -42,10 +42,11 @@ def export_metadata(
 
 
 def training_metadata(
-    cfg, base_model: Optional[str] = None, extra=None, updates: Optional[int] = None
+    cfg, base_model: Optional[str] = None, extra=None, updates: Optional[int] = None, epochs: Optional[float] = None
 ) -> dict[str, str]:
-    """The facts every output file carries: base model, method, LR (or the schedule's range), budget, updates taken,
-    version."""
+    """The facts every output file carries: base model, method, LR (or the schedule's range), budget, updates and
+    epochs taken, version. `epochs`: the epochs the weights were trained for; without it (unknown) the epochs
+    budget, when the budget is in epochs."""
     info: dict[str, Any] = {"schedule": cfg.schedule}
     if cfg.schedule != "constant":
         info.update(lr_min=cfg.lr_min, lr_max=cfg.lr_max)
@@ -57,7 +58,7 @@ def training_metadata(
         method=cfg.method,
         base_model=base_model,
         lr=cfg.lr,
-        epochs=cfg.epochs,
+        epochs=cfg.epochs if epochs is None else epochs,
         updates=updates,
         extra=info,
     )

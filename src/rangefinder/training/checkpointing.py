@@ -77,6 +77,7 @@ def _main_parts(run: Run, state: RunState) -> dict[str, Any]:
         state={
             "update": update,
             "micro_batches_done": state.micro_batches_done,
+            "epoch": run.stream.epochs_after(state.micro_batches_done),  # what an export of this checkpoint records
             "total_updates": run.settings.plan.total_updates,
             "train_images": len(run.settings.train_items),
             "train_buckets": _train_buckets(run),

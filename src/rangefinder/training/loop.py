@@ -450,6 +450,7 @@ def _finish(run: Run, state: RunState, *, save_final: bool, seconds: float, cpu_
         if run.cfg.channels_last:
             run.sd.unet.to(memory_format=torch.contiguous_format)  # safetensors writes contiguous tensors only
         # the average (EMA's, a schedule-free optimizer's) is what it saves
+        run.method.epochs_trained = run.stream.epochs_after(state.micro_batches_done)
         with run.schedule_free_eval(), run.ema_weights(on=True), run.fp32_weights(), atomic_dir(final_dir) as tmp:
             run.method.save_final(run.sd, tmp)
     run.accelerator.wait_for_everyone()

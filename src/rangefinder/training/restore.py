@@ -48,6 +48,7 @@ def _rebuilt(ckpt_dir: Path, cfg: TrainingConfig, base_model: Path) -> tuple[Met
     sd = load_sd_components(ModelConfig(base_model=str(base_model)))
     method.setup(sd, torch.float32)
     method.load_trainable_state_dict(checkpoints.read_weights(ckpt_dir))
+    method.epochs_trained = checkpoints.read_state(ckpt_dir).get("epoch")  # None in checkpoints written before it
     ema_state = checkpoints.read_ema(ckpt_dir)
     if ema_state is not None:
         from diffusers.training_utils import EMAModel

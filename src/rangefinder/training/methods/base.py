@@ -50,6 +50,9 @@ class Method(ABC):
         # Optimizer updates taken: the deliverables record it (A1111 shows an embedding's `step`). None when unknown
         # (resumed from a checkpoint written before it was kept).
         self.updates_taken: Optional[int] = 0
+        # Epochs the weights were trained for (the run's, or the checkpoint's it was rebuilt from): the deliverables
+        # record it, not the budget, so a checkpoint chosen before the end says its own. None when unknown.
+        self.epochs_trained: Optional[float] = None
 
     # --- setup -------------------------------------------------------------------------------------------------
 

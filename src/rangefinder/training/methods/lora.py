@@ -101,6 +101,7 @@ class LoraMethod(ModuleMethod):
             extra={"lora_rank": str(lora.rank), "lora_alpha": repr(float(lora.alpha)),
                    "lora_target_modules": lora.target_modules},
             updates=self.updates_taken,
+            epochs=self.epochs_trained,
         )
         te = sd.text_encoder if "text_encoder" in self._modules else None
         te_2 = sd.text_encoder_2 if "text_encoder_2" in self._modules else None

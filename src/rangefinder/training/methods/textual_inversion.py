@@ -197,6 +197,7 @@ class TextualInversion(Method):
                 "learnable_property": s.learnable_property,
             },
             updates=self.updates_taken,
+            epochs=self.epochs_trained,
         )
         if "text_encoder_2" in self._encoders:  # SDXL: clip_l and clip_g
             from rangefinder.formats.embeddings import save_textual_inversion_sdxl
