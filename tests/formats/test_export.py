@@ -189,3 +189,28 @@ def test_diffusers_folder_loads_in_transformers_4(which, transformers4_python, t
     assert torch.equal(got["ids"], ids5)
     assert report["fast_ids"] == ids5.tolist()
     torch.testing.assert_close(got["hidden"], hidden5, rtol=0, atol=1e-6)
+
+
+def test_the_same_weights_and_facts_make_the_same_file_in_every_process(tmp_path):
+    """safetensors writes `__metadata__` from a hash map seeded per process, so an export of the same weights with
+    the same facts once had other bytes (another sha256) in each run, a resumed run's included. The header's
+    metadata is now in key order; the file still reads back whole, in safetensors' own reader and diffusers'."""
+    import hashlib
+    import json
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    write = ("import sys, torch; from pathlib import Path; from rangefinder.formats.weights_file import "
+             "save_safetensors; save_safetensors({'b': torch.arange(5.0), 'a': torch.zeros(2, 3)}, Path(sys.argv[1]), "
+             "metadata={f'rangefinder.k{i}': f'v\\u00e9{i}\"' for i in range(16)})")
+    paths = [tmp_path / f"{i}.safetensors" for i in range(3)]
+    for p in paths:
+        subprocess.run([sys.executable, "-c", write, str(p)], check=True, timeout=120)
+    assert len({hashlib.sha256(p.read_bytes()).hexdigest() for p in paths}) == 1
+    raw = paths[0].read_bytes()
+    header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
+    assert list(header["__metadata__"]) == sorted(header["__metadata__"])
+    assert read_metadata(paths[0])["rangefinder.k3"] == 'v\u00e93"'
+    assert torch.equal(load_file(str(paths[0]))["b"], torch.arange(5.0))

@@ -72,7 +72,30 @@ def save_safetensors(tensors: Mapping[str, Any], path: Path, metadata: Optional[
     with atomic_path(path) as tmp:
         save_file({k: v.detach().contiguous().clone() for k, v in tensors.items()}, str(tmp),
                   metadata=dict(metadata or {}))
+        _sort_metadata(tmp)
     return Path(path)
+
+
+def _sort_metadata(path: Path) -> None:
+    """Put the header's `__metadata__` in key order, in place. safetensors writes it from a hash map whose order
+    changes from process to process, so the same weights and facts made a file with other bytes (another sha256)
+    in every run, a resumed one included. Only the order moves: the header keeps its length, so nothing else in
+    the file does. A header that would not re-serialize to the same length is left as written."""
+    import json
+
+    with open(path, "r+b") as f:
+        size = int.from_bytes(f.read(8), "little")
+        raw = f.read(size)
+        header = json.loads(raw)
+        meta = header.get("__metadata__")
+        if not isinstance(meta, dict) or len(meta) < 2:
+            return
+        header["__metadata__"] = dict(sorted(meta.items()))
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        if len(text) != len(raw.rstrip(b" ")):
+            return
+        f.seek(8)
+        f.write(text.ljust(size, b" "))
 
 
 def read_metadata(path: Path) -> dict[str, str]:
