@@ -192,3 +192,28 @@ def test_min_image_size_defaults_to_half_the_training_resolution_and_lists_what_
     assert "multiple of 8" in capsys.readouterr().err
     assert main(["split", str(data), "--out", str(tmp_path / "s"), "--min-image-size", "1", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["images"] == 3
+
+
+def test_captionless_images_are_kept_only_when_asked_for_textual_inversion(tmp_path, capsys):
+    """A textual inversion folder is often images alone (diffusers' example trains it so): `--captionless` keeps the
+    images with no caption, or an empty one, with an empty caption, which the method fills with a prompt template;
+    without it they are skipped and listed, and a folder of nothing else is too few images."""
+    data = _dataset(tmp_path / "data", 3)
+    for i in range(3, 7):
+        Image.new("RGB", (8, 8), (i, 9, 0)).save(data / f"bare{i}.png")
+    (data / "bare6.txt").write_text("  \n")  # an empty caption file counts as none
+    split = make_split(data, captionless=False)
+    assert len(split.train) + len(split.val) == 3 and len(split.summary["skipped"]) == 4
+    assert split.summary["captionless"] == 0
+    split = make_split(data, captionless=True)
+    assert len(split.train) + len(split.val) == 7 and split.summary["skipped"] == []
+    texts = {it.file_name: it.text for it in split.train + split.val}
+    assert split.summary["captionless"] == 4 and all(texts[f"bare{i}.png"] == "" for i in range(3, 7))
+    assert texts["img000.png"] == "caption 0"
+    for p in data.glob("img*"):
+        p.unlink()
+    with pytest.raises(DataError):
+        make_split(data)
+    assert main(["split", str(data), "--out", str(tmp_path / "s"), "--captionless", "--resolution", "8",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["captionless"] == 4

@@ -172,3 +172,30 @@ def test_whole_pipeline_export_keeps_the_new_tokens_for_slow_tokenizers(trained_
     assert not info["missing_keys"] and not info["unexpected_keys"]
     with torch.no_grad():
         torch.testing.assert_close(te.eval()(ids)[0], parts.text_encoder(ids)[0], rtol=0, atol=1e-6)
+
+
+def test_a_folder_of_images_alone_trains_an_embedding_and_nothing_else(shapes_dataset_dir, tiny_model_dir, tmp_path,
+                                                                       capsys):
+    """Images with no captions, through the real CLI: `split --captionless` keeps them, textual inversion trains on
+    its prompt templates and writes its embedding; LoRA, which trains on captions, refuses the split in one line
+    before anything is loaded or written."""
+    import shutil
+
+    from rangefinder.cli.main import main
+
+    data = tmp_path / "images"
+    data.mkdir()
+    for png in sorted(shapes_dataset_dir.glob("*.png"))[:8]:
+        shutil.copy(png, data / png.name)
+    split = tmp_path / "split"
+    assert main(["split", str(data), "--out", str(split), "--captionless", "--resolution", "32"]) == 0
+    common = ["--data", str(split), "--model", str(tiny_model_dir), "--steps", "2", "--batch-size", "2",
+              "--validate-every-updates", "2"]
+    assert main(["train", *common, "--out", str(tmp_path / "ti"), "--method", "textual_inversion",
+                 "--lr", "5e-3"]) == 0
+    assert (tmp_path / "ti" / "final" / TI_WEIGHTS_NAME).is_file()
+    capsys.readouterr()
+    assert main(["train", *common, "--out", str(tmp_path / "lora"), "--method", "lora", "--lr", "1e-4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "8 images without a caption" in err and "split --captionless" in err, err
+    assert not (tmp_path / "lora").exists()

@@ -76,3 +76,20 @@ def test_the_report_lists_long_captions_duplicates_and_the_size_floor(tmp_path, 
     assert "  - `again.png`: 95 tokens" in report
     assert "identical images (kept in one subset): 1 groups\n  - `00000.png` = `again.png`" in report
     assert f"minimum short side: {cfg.data.effective_min_image_size()} px" in report
+
+
+def test_textual_inversion_splits_a_folder_of_images_without_captions(tmp_path, shapes_dataset_dir):
+    """The pipeline keeps captionless images for textual inversion (its prompt templates fill them) and for no other
+    method, where they are skipped and listed as before."""
+    import shutil
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for png in sorted(Path(shapes_dataset_dir).glob("*.png"))[:6]:
+        shutil.copy(png, data / png.name)
+    ti = demo_config(data={"dataset_dir": str(data)}, training={"method": "textual_inversion"})
+    r = run_prepare_dataset(ti, out_dir=tmp_path / "ti", report_path=tmp_path / "ti.md")
+    assert r.train_images + r.val_images == 6 and r.skipped == 0
+    assert "images without a caption: 6" in (tmp_path / "ti.md").read_text()
+    with pytest.raises(DataError, match="missing caption"):
+        run_prepare_dataset(demo_config(data={"dataset_dir": str(data)}), out_dir=tmp_path / "full")

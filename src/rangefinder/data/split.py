@@ -97,8 +97,11 @@ def make_split(
     buckets: Optional[BucketSettings] = None,
     count_tokens: Optional[Callable[[str], int]] = None,
     token_limit: Optional[int] = None,
+    captionless: bool = False,
 ) -> Split:
     """Validate the dataset (bad items skipped and listed) and split it; DataError when too few usable images.
+    `captionless`: keep images without a caption, with an empty one (textual inversion's prompt templates fill it;
+    the summary's `captionless` counts them, and full fine-tuning and LoRA refuse such a split).
 
     Every item gets its image's size; with `buckets`, the summary also counts the images of each bucket. With
     `count_tokens` (a tokenizer's count of a caption's text tokens) and `token_limit` (how many fit), the summary's
@@ -114,7 +117,7 @@ def make_split(
         raise DataError(f"--val-dir {manual_val} is the dataset folder itself; pass a separate folder of images")
 
     exclude = manual_val if manual_val is not None and root in manual_val.parents else None
-    data = validate_dataset(root, min_image_size=min_image_size, exclude=exclude)
+    data = validate_dataset(root, min_image_size=min_image_size, exclude=exclude, captionless=captionless)
     skipped = [s.to_json() for s in data.skipped]
 
     groups = same_image_groups(data.items)
@@ -139,7 +142,7 @@ def make_split(
                      why="at least one to train" if min_images <= 2
                      else "the floor set by data.min_images, or split --min-images, less one for --val-dir "
                      "(split.val_dir)")
-        vdata = validate_dataset(manual_val, min_image_size=min_image_size)
+        vdata = validate_dataset(manual_val, min_image_size=min_image_size, captionless=captionless)
         vdata.require(1, why="at least one to validate, in --val-dir (split.val_dir)")
         # Validation file names relative to the dataset root (e.g. "../val/x.png"), so one root serves all subsets.
         rel = Path(os.path.relpath(manual_val, root)).as_posix()
@@ -185,6 +188,8 @@ def make_split(
         "val_images": len(val),
         "stabilize_images": len(stabilize),
         "min_image_size": min_image_size,
+        # Images kept with an empty caption (`captionless`): textual inversion trains each on a prompt template.
+        "captionless": sum(1 for it in train + val if not it.text),
         "skipped": sorted(skipped, key=lambda x: x["file_name"]),
         # Identical files (by sha256), each group kept in one subset: the same image under two captions, or a copy.
         "duplicates": sorted(duplicates),

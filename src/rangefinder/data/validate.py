@@ -113,21 +113,24 @@ def validate_dataset(
     min_image_size: int = 1,
     min_images: Optional[int] = None,
     exclude: Optional[Path] = None,
+    captionless: bool = False,
 ) -> ValidatedDataset:
     """Scan `root`, check every item, return the usable ones and the skipped ones with reasons.
 
-    With `min_images`, raise DataError when fewer usable images remain.
+    With `min_images`, raise DataError when fewer usable images remain. With `captionless`, an image without a
+    caption (or with an empty one) is kept with the empty caption, which textual inversion fills with a prompt
+    template; without it, it is skipped and listed.
     """
     scan = scan_dataset(root, exclude=exclude)
     skipped = [Skipped(name, reason) for name, reason in scan.problems]
     items: list[Item] = []
     for c in scan.candidates:
-        if c.caption is None:
+        if c.caption is None and not captionless:
             stem_txt = str(Path(c.file_name).with_suffix(".txt").as_posix())
             skipped.append(Skipped(c.file_name, f"missing caption (no {stem_txt} and no metadata.jsonl entry)"))
             continue
-        text = clean_caption(c.caption)
-        if not text:
+        text = clean_caption(c.caption or "")
+        if not text and not captionless:
             skipped.append(Skipped(c.file_name, f"empty caption in {c.caption_source}"))
             continue
         problem, sha = inspect_image(scan.root / c.file_name, min_image_size)

@@ -64,7 +64,10 @@ def run_prepare_dataset(
                           seed=cfg.split.seed, val_dir=cfg.split.val_dir,
                           min_image_size=cfg.data.effective_min_image_size(), min_images=cfg.data.min_images,
                           buckets=BucketSettings.from_data_config(cfg.data),
-                          count_tokens=count_tokens, token_limit=token_limit)
+                          count_tokens=count_tokens, token_limit=token_limit,
+                          # Textual inversion needs no captions: an image without one trains on a prompt template
+                          # ("a photo of a <tok>"), as diffusers' textual_inversion example trains every image.
+                          captionless=cfg.training.method == "textual_inversion")
     skipped_files = list(split.summary.get("skipped", []))
     skipped = len(skipped_files)
     result = PreparedDataset(split_dir=out_dir, dataset_root=root.resolve(), train_images=len(split.train),
@@ -84,6 +87,9 @@ def run_prepare_dataset(
                          f"off): {long['count']}")
             for x in long["files"]:
                 lines.append(f"  - `{x['file_name']}`: {x['tokens']} tokens")
+        if split.summary.get("captionless"):
+            lines.append(f"- images without a caption: {split.summary['captionless']} (each trains on one of textual "
+                         "inversion's prompt templates, e.g. \"a photo of a <tok>\")")
         lines.append(f"- minimum short side: {split.summary.get('min_image_size')} px")
         duplicates = split.summary.get("duplicates", [])
         lines.append(f"- identical images (kept in one subset): {len(duplicates)} groups")

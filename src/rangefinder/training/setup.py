@@ -79,6 +79,12 @@ def check_settings(spec: TrainSpec, out_dir: Union[str, Path], split: Optional[S
                           f"{len(train_items)} (or other buckets); build the spec from the split it trains on")
     schedule = make_schedule(cfg, run_plan.total_updates, run_plan.updates_per_epoch, run_plan.lr or cfg.lr)
     method = make_method(cfg)
+    bare = sorted({it.file_name for it in train_items + val_items["val"] + val_items["stabilize"] if not it.text})
+    if bare and not method.fills_empty_captions:
+        raise DataError(f"split {split_dir} holds {len(bare)} images without a caption ({', '.join(bare[:3])}"
+                        f"{', ...' if len(bare) > 3 else ''}), made with `split --captionless`; {cfg.method} trains "
+                        "on captions: caption them and split again, or train textual_inversion, which fills in a "
+                        "prompt template")
     check_optimizer(cfg, torch.cuda.is_available())
     cache_root(cfg.cache_dir)  # a cache folder that is a file: one line now, not after the model has loaded
     # The output folder last: every settings error above leaves nothing behind (the lock probe creates the folder).

@@ -39,6 +39,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "its text encoder reads (75 tokens for SD 1.x), which training cuts off")
     p.add_argument("--min-images", type=argtypes.int_in(2, what="the fewest usable images"), default=2,
                    help="fail when fewer usable images remain (2)")
+    p.add_argument("--captionless", action="store_true",
+                   help="keep images without a caption, for textual inversion: each trains on one of its prompt "
+                   "templates (\"a photo of a <tok>\"); full fine-tuning and LoRA refuse such a split. The "
+                   "pipeline does this for training.method textual_inversion")
     p.add_argument("--no-bucketing", action="store_true",
                    help="report no aspect-ratio buckets (data.bucketing: false, every image a centre-cropped square)")
     p.add_argument("--bucket-step", type=int, help="bucket sides are multiples of this, px (data.bucket_step)")
@@ -84,6 +88,7 @@ def run(args: argparse.Namespace) -> dict:
         buckets=BucketSettings.from_data_config(data),
         count_tokens=count_tokens,
         token_limit=token_limit,
+        captionless=args.captionless,
     )
     s = split.summary
     buckets = s["buckets"]
@@ -96,6 +101,7 @@ def run(args: argparse.Namespace) -> dict:
         "stabilize_images": s["stabilize_images"],
         "seed": s["seed"],
         "min_image_size": s["min_image_size"],
+        **({"captionless": s["captionless"]} if args.captionless else {}),
         "duplicates": [" = ".join(group) for group in s["duplicates"]],
         "skipped": [f"{x['file_name']}: {x['reason']}" for x in s["skipped"]],
         "long_captions": (

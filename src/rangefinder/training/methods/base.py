@@ -44,6 +44,9 @@ class Method(ABC):
     """One way of fine-tuning: which weights train, how prompts are encoded, what is saved."""
 
     name: ClassVar[str]
+    # Whether an empty caption is something this method can train on (textual inversion: a prompt template fills
+    # it). The others train on captions, and a split with captionless images (`split --captionless`) is refused.
+    fills_empty_captions: ClassVar[bool] = False
 
     def __init__(self, cfg: TrainingConfig) -> None:
         self.cfg = cfg

@@ -71,6 +71,7 @@ TI_FAMILIES = ("sd1", "sdxl")  # the families whose embedding files consumers lo
 
 class TextualInversion(Method):
     name = "textual_inversion"
+    fills_empty_captions = True  # transform_caption: a prompt template for the learnable property
 
     @classmethod
     def check_family(cls, family: str) -> None:
