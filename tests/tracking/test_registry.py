@@ -205,3 +205,51 @@ def test_each_family_loads_as_its_pipeline_and_generates_what_its_samples_do(sql
     direct = pipe(prompt=prompt, num_inference_steps=2, guidance_scale=1.0, height=32, width=32,
                   generator=torch.Generator().manual_seed(3), **pipeline_call_kwargs(pipe)).images[0]
     assert np.array_equal(np.asarray(image), np.asarray(direct))
+
+
+def test_promote_refusals_are_one_line_and_keep_the_password_out(mlflow_auth_server, monkeypatch, capsys):
+    """On a server with basic auth, what may read the registry may not move an alias: a READ-only user (the check
+    before it passes), a name MLflow refuses as an alias, and a password written into --tracking-uri each end
+    `rangefinder promote` with one line and status 2, not mlflow's traceback, and the alias stays where it was."""
+    import requests  # type: ignore[import-untyped]
+
+    uri, user, password = mlflow_auth_server
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", user)
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", password)
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    name = "rf-promote-denied"
+    run = client.create_run(client.create_experiment("promote-denied"))
+    client.log_text(run.info.run_id, "weights", "model/x.txt")
+    client.create_registered_model(name)
+    mv = client.create_model_version(name, f"runs:/{run.info.run_id}/model", run_id=run.info.run_id)
+    client.set_registered_model_alias(name, "candidate", mv.version)
+    reader, reader_password = "rf-reader", "rf-Reader-pass-5512"
+    made = requests.post(f"{uri}/api/2.0/mlflow/users/create", auth=(user, password), timeout=30,
+                         json={"username": reader, "password": reader_password})
+    assert made.status_code == 200, made.text
+
+    def promote_cli(*args: str) -> tuple[int, str]:
+        capsys.readouterr()
+        code = cli_main(["promote", "--model", name, *args])
+        return code, capsys.readouterr().err
+
+    code, err = promote_cli("--tracking-uri", uri, "--alias", "not an alias!")
+    assert code == 2 and "Traceback" not in err and "'not an alias!'" in err, err
+
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", reader)
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", reader_password)
+    code, err = promote_cli("--tracking-uri", uri)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "HTTP 403" in err and "EDIT" in err and reader_password not in err
+    with pytest.raises(MlflowException):
+        client.get_model_version_by_alias(name, "champion")
+
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", user)
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", password)
+    code, err = promote_cli("--tracking-uri", uri.replace("://", f"://{user}:{password}@"))
+    assert code == 2 and "user name and password" in err and "MLFLOW_TRACKING_PASSWORD" in err
+    assert password not in err
+    with pytest.raises(MlflowException):
+        client.get_model_version_by_alias(name, "champion")
+    assert promote_cli("--tracking-uri", uri) == (0, "")
+    assert client.get_model_version_by_alias(name, "champion").version == mv.version

@@ -306,8 +306,10 @@ def promote(
     from mlflow.exceptions import MlflowException
 
     from rangefinder.config import TrackingConfig
-    from rangefinder.tracking.target import ensure_tracking_server, resolve_tracking_uri
+    from rangefinder.tracking.target import ensure_tracking_server, refuse_uri_credentials, resolve_tracking_uri
 
+    if tracking_uri:
+        refuse_uri_credentials(tracking_uri, "--tracking-uri")  # as relog does: a password has no place in argv
     uri = tracking_uri or resolve_tracking_uri(TrackingConfig())
     ensure_tracking_server(uri)
     client = MlflowClient(tracking_uri=uri, registry_uri=uri)
@@ -335,7 +337,18 @@ def promote(
         previous = client.get_model_version_by_alias(name, to_alias).version
     except MlflowException:
         pass
-    client.set_registered_model_alias(name, to_alias, str(version))
+    try:
+        client.set_registered_model_alias(name, to_alias, str(version))
+    except MlflowException as e:
+        # The check above only proves we may read: a user with READ on the model is refused here (HTTP 403), and a
+        # name MLflow does not take as an alias is refused before any request. One line, not mlflow's traceback.
+        if e.get_http_status_code() == 403 or "error code 403" in str(e):
+            raise TrackingError(
+                f"{safe_uri(uri)} denied moving alias {to_alias!r} of registered model {name!r} (HTTP 403): the "
+                "user in MLFLOW_TRACKING_USERNAME needs EDIT (or MANAGE) permission on it; ask the server's admin, "
+                "or use credentials that have it") from None
+        raise TrackingError(f"could not point alias {to_alias!r} of registered model {name!r} at version {version}: "
+                            f"{redact(e.message).splitlines()[0][:300]}") from None
     return {"name": name, "version": str(version), "alias": to_alias, "previous_version": previous}
 
 
