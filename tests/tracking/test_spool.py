@@ -187,3 +187,25 @@ def test_a_replayed_record_may_only_name_files_the_spool_keeps(tmp_path, mlflow_
     with pytest.raises(TrackingError, match="outside the spool's folder"):
         replay(spool.path, MlflowClient(tracking_uri=mlflow_server_uri))
     assert not MlflowClient(tracking_uri=mlflow_server_uri).list_artifacts(run_id, "x")
+
+
+def test_relog_waits_for_a_step_still_writing_its_spool(tmp_path, mlflow_server_uri, run_id):
+    """A folder of spools ($RANGEFINDER_WORK/mlflow-spool) holds every step's, some maybe still running and spooling.
+    relog sends a spool only under the lock its step appends and sends under: a record the step appends while relog
+    runs is sent with the rest, not dropped when relog removes the spool it read before."""
+    from rangefinder.tracking.outbox import spool_lock
+
+    spool = spool_of(tmp_path, mlflow_server_uri, run_id)
+    spool.append({"kind": "tags", "run_id": run_id, "tags": {"before": "1"}})
+    with spool_lock(spool.path.parent):  # the step, appending (or sending) right now
+        relog = subprocess.Popen([sys.executable, "-m", "rangefinder.cli.main", "relog", str(spool.path.parent),
+                                  "--tracking-uri", mlflow_server_uri], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+        time.sleep(8)  # relog starts, imports mlflow and checks the server meanwhile (a few seconds)
+        assert relog.poll() is None, relog.communicate()
+        spool.append({"kind": "tags", "run_id": run_id, "tags": {"during": "2"}})
+    out, err = relog.communicate(timeout=120)
+    assert relog.returncode == 0, err
+    tags = MlflowClient(tracking_uri=mlflow_server_uri).get_run(run_id).data.tags
+    assert tags["before"] == "1" and tags["during"] == "2"
+    assert not spool.path.exists() and "2 tags to run" in out

@@ -29,6 +29,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 from rangefinder.errors import TrackingError
@@ -165,22 +166,25 @@ class Outbox:
                          safe_uri(self.client.tracking_uri), self._reason or "no answer", self.spool.step,
                          self.spool.path, wait)
 
-    @contextlib.contextmanager
-    def _locked(self, *, blocking: bool) -> Iterator[bool]:
-        """An exclusive lock on the spool's folder, shared by every process of the step (flock: a killed holder
-        leaves no lock behind)."""
-        folder = self.spool.path.parent
-        folder.mkdir(parents=True, exist_ok=True)
-        fd = os.open(folder, os.O_RDONLY)
+    def _locked(self, *, blocking: bool) -> contextlib.AbstractContextManager[bool]:
+        return spool_lock(self.spool.path.parent, blocking=blocking)
+
+
+@contextlib.contextmanager
+def spool_lock(folder: Path, *, blocking: bool = True) -> Iterator[bool]:
+    """An exclusive lock on a spool folder, shared by every process of a step and by `rangefinder relog` (flock: a
+    killed holder leaves no lock behind). Yields False when `blocking` is off and another process holds it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder, os.O_RDONLY)
+    try:
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
-            except BlockingIOError:
-                yield False
-                return
-            yield True
-        finally:
-            os.close(fd)  # closing the descriptor releases the lock
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
 
 
 class _StillAway(Exception):

@@ -47,6 +47,7 @@ def spool_files(paths: list[str]) -> list[Path]:
 
 def run(args: argparse.Namespace) -> dict:
     from rangefinder.errors import TrackingError
+    from rangefinder.tracking.outbox import spool_lock
     from rangefinder.tracking.redaction import safe_uri
     from rangefinder.tracking.spool import describe, read_spool, replay
     from rangefinder.tracking.target import (
@@ -68,7 +69,13 @@ def run(args: argparse.Namespace) -> dict:
         # a URI holding credentials is refused at once.
         from mlflow import MlflowClient
 
-        result = replay(path, MlflowClient(tracking_uri=uri))
+        # The step that wrote the spool may still be running (a folder of spools holds every step's): it appends and
+        # sends under this lock, and a replay beside it would drop what it appends meanwhile or send records twice.
+        with spool_lock(path.parent):
+            if not path.is_file():  # the step sent it itself while we waited
+                done.append(f"{path}: already sent by its step")
+                continue
+            result = replay(path, MlflowClient(tracking_uri=uri))
         line = f"{path}: {describe(result.sent)} to run {header['run_id']} at {safe_uri(uri)}"
         if result.torn:
             line += f" ({result.torn} unreadable lines skipped: a write cut off when the step was killed)"
