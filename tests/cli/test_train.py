@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 
@@ -194,3 +195,60 @@ def test_ctrl_c_says_interrupted_and_names_the_command_that_goes_on(split_dir, t
     assert proc.returncode == 130, err[-2000:]
     line = err[err.index("rangefinder train: interrupted"):].splitlines()[0]
     assert line.endswith("go on from the newest checkpoint with: rangefinder " + " ".join(args) + " --resume"), line
+
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("killed", ["command", "torchrun"])
+def test_a_launcher_killed_with_sigkill_stops_its_ranks_at_a_checkpoint(killed, split_dir, tiny_model_dir, tmp_path):
+    """`rangefinder train` on 2 processes, then SIGKILL to the command (a step killed without a SIGTERM) or to
+    its torchrun (the OOM killer's pick). The ranks, in sessions of their own, once trained on as orphans holding the
+    folder's lock: a resume was refused as "in use by another training run" until they had run to the end. Now
+    they get SIGTERM when their launcher dies: they write a checkpoint together and stop, and --resume goes on."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from rangefinder.formats import checkpoints
+
+    config = tmp_path / "rf.yaml"
+    config.write_text(yaml.safe_dump({"training": {"cache_dir": str(tmp_path / "cache"), "processes_per_node": 2}}))
+    out = tmp_path / "out"
+    args = ["train", "--data", str(split_dir), "--model", str(tiny_model_dir), "--out", str(out), "--config",
+            str(config), "--steps", "60", "--batch-size", "2", "--validate-every-epochs", "0",
+            "--checkpoint-every-updates", "3"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "rangefinder.cli.main", *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    launched: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 300
+        while not checkpoints.list_checkpoints(out / "checkpoints"):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        torchrun = psutil.Process(proc.pid).children()[0]
+        launched = [torchrun, *torchrun.children()]
+        assert len(launched) == 3, launched
+        (torchrun if killed == "torchrun" else psutil.Process(proc.pid)).kill()
+        _, alive = psutil.wait_procs(launched, timeout=120)
+        assert not alive, f"still training after their launcher died: {alive}"
+    finally:
+        for p in [psutil.Process(proc.pid), *launched]:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        _, err = proc.communicate(timeout=60)
+    assert err.count("error: Preempted: stopped by SIGTERM at update ") == 2, err[-3000:]  # each rank's line
+    newest = checkpoints.list_checkpoints(out / "checkpoints")[-1]
+    assert checkpoints.verify(newest) is None and (newest / "rng-1.pt").is_file()
+    stopped = checkpoints.checkpoint_update(newest)
+    assert stopped is not None and stopped < 60
+
+    # The folder is free and the run goes on from the checkpoint the SIGTERM wrote, to its end.
+    resumed = subprocess.run([sys.executable, "-m", "rangefinder.cli.main", *args, "--resume", "--json"],
+                             capture_output=True, text=True, env=env, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    result = json.loads(resumed.stdout)
+    assert (result["status"], result["resumed_from"], result["updates"]) == ("ok", stopped, 60)

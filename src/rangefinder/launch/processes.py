@@ -27,7 +27,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
@@ -223,7 +223,8 @@ def _torchrun(job: Path, nproc: int) -> None:
     """Run the processes; their output goes to the step's log as it comes."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own default for several processes, without its warning
-    with subprocess.Popen(torchrun_command(job, nproc), env=env) as proc, _forward_sigterm(proc):
+    with subprocess.Popen(torchrun_command(job, nproc), env=env, preexec_fn=sigterm_when_parent_dies()) as proc, \
+            _forward_sigterm(proc):
         rc = proc.wait()
     if rc != 0:
         read_result(job)  # a rank's own error, if it wrote one
@@ -231,6 +232,41 @@ def _torchrun(job: Path, nproc: int) -> None:
             f"the {nproc} training processes failed (torchrun exit status {rc}); the log above says why. Run the "
             "step again: it resumes from the newest whole checkpoint"
         )
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def sigterm_when_parent_dies() -> Optional[Callable[[], None]]:
+    """What makes a process get SIGTERM when the process that started it dies, on Linux (prctl PR_SET_PDEATHSIG);
+    None elsewhere. Called in a child between fork and exec (Popen's preexec_fn), or by a process on itself.
+
+    torchrun starts its ranks in sessions of their own, and nothing stops them when their launcher dies: a step (or
+    `rangefinder train`) killed with SIGKILL, or a torchrun the OOM killer took, left the ranks training on, orphans
+    that held the output folder's lock (the resume was refused: "in use by another training run") and wrote into
+    it. With this, a launcher's death reaches torchrun and each rank as the SIGTERM of an eviction: the ranks write a
+    checkpoint at the current update together and stop (training/preemption.py)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: nothing is loaded between fork and exec
+
+    def set_death_signal() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+    return set_death_signal
+
+
+def _stop_with_parent() -> None:
+    """A rank: SIGTERM when its torchrun dies (sigterm_when_parent_dies); at once if it is already gone."""
+    set_death_signal = sigterm_when_parent_dies()
+    if set_death_signal is None:
+        return
+    parent = os.getppid()
+    set_death_signal()
+    if os.getppid() != parent:  # torchrun died before the death signal was set: it never comes
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 @contextlib.contextmanager
@@ -256,6 +292,7 @@ def worker(job_path: Path) -> int:
     from rangefinder.training.loop import train
     from rangefinder.training.sinks import PrefixedSink
 
+    _stop_with_parent()
     job = LaunchJob.from_json(json.loads(Path(job_path).read_text()))
     rank = int(os.environ.get("RANK", "0"))
     folder = Path(job_path).parent
