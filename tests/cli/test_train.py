@@ -252,3 +252,47 @@ def test_a_launcher_killed_with_sigkill_stops_its_ranks_at_a_checkpoint(killed, 
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     result = json.loads(resumed.stdout)
     assert (result["status"], result["resumed_from"], result["updates"]) == ("ok", stopped, 60)
+
+
+@pytest.mark.slow
+def test_a_rank_killed_with_sigkill_ends_the_run_with_one_line_naming_torchruns_status(split_dir, tiny_model_dir,
+                                                                                        tmp_path):
+    """SIGKILL to rank 1 of a 2-process `rangefinder train` (the OOM killer): torchrun stops rank 0, and the command
+    exits 2 within a bounded time with one line naming the failure and how to go on (it named a missing file in the
+    hidden job folder, `.out.launch/launch-result.json`, and the line meant for this case was never reached)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from rangefinder.formats import checkpoints
+
+    config = tmp_path / "rf.yaml"
+    config.write_text(yaml.safe_dump({"training": {"cache_dir": str(tmp_path / "cache"), "processes_per_node": 2}}))
+    out = tmp_path / "out"
+    args = ["train", "--data", str(split_dir), "--model", str(tiny_model_dir), "--out", str(out), "--config",
+            str(config), "--steps", "60", "--batch-size", "2", "--validate-every-epochs", "0",
+            "--checkpoint-every-updates", "3"]
+    proc = subprocess.Popen([sys.executable, "-m", "rangefinder.cli.main", *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    launched: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 300
+        while not checkpoints.list_checkpoints(out / "checkpoints"):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        launched = psutil.Process(proc.pid).children(recursive=True)
+        next(c for c in launched if c.environ().get("RANK") == "1").kill()
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()  # nothing, when it has ended
+        for p in launched:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+    assert proc.returncode == 2, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last == ("rangefinder train: error: the 2 training processes failed (torchrun exit status 1); the log above "
+                    "says why. Run the step again: it resumes from the newest whole checkpoint"), err[-3000:]
+    assert checkpoints.verify(checkpoints.list_checkpoints(out / "checkpoints")[-1]) is None

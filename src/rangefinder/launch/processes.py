@@ -196,6 +196,18 @@ def write_job(cfg: RangefinderConfig, spec: TrainSpec, out_dir: Path, *, save_fi
 def read_result(job: Path) -> TrainResult:
     """Rank 0's TrainResult, or the first rank's error as one RangefinderError."""
     folder = job.parent
+    _raise_rank_error(folder)
+    path = folder / RESULT_NAME
+    if not path.is_file():
+        raise RangefinderError(
+            f"the training processes ended without a result ({path} is missing); the log above says why. Run the "
+            "step again: it resumes from the newest whole checkpoint"
+        )
+    return TrainResult.from_json(json.loads(path.read_text()))
+
+
+def _raise_rank_error(folder: Path) -> None:
+    """The first rank's own error (its type, if it is ours), when a rank wrote one."""
     errors = sorted(folder.glob(f"{ERROR_PREFIX}*.json"))
     if errors:
         from rangefinder import errors as error_types
@@ -204,13 +216,6 @@ def read_result(job: Path) -> TrainResult:
         kind = getattr(error_types, str(e.get("type")), RangefinderError)  # the rank's own error type, if it is ours
         raise (kind if isinstance(kind, type) and issubclass(kind, RangefinderError) else RangefinderError)(
             e["message"])
-    path = folder / RESULT_NAME
-    if not path.is_file():
-        raise RangefinderError(
-            f"the training processes ended without a result ({path} is missing); the log above says why. Run the "
-            "step again: it resumes from the newest whole checkpoint"
-        )
-    return TrainResult.from_json(json.loads(path.read_text()))
 
 
 def torchrun_command(job: Path, nproc: int) -> list[str]:
@@ -227,7 +232,9 @@ def _torchrun(job: Path, nproc: int) -> None:
             _forward_sigterm(proc):
         rc = proc.wait()
     if rc != 0:
-        read_result(job)  # a rank's own error, if it wrote one
+        # A rank's own error, if it wrote one; else (a rank killed, a crash) torchrun's status, not read_result's
+        # "ended without a result", which named only the hidden job folder's missing file.
+        _raise_rank_error(job.parent)
         raise RangefinderError(
             f"the {nproc} training processes failed (torchrun exit status {rc}); the log above says why. Run the "
             "step again: it resumes from the newest whole checkpoint"
