@@ -120,6 +120,7 @@ class Request:
     query: dict[str, list[str]]
     body: Optional[dict]
     code: int = 0
+    at: float = field(default_factory=time.monotonic)  # when it came
 
 
 @dataclass
@@ -137,6 +138,10 @@ class Cluster:
     enforce_deadlines: bool = False
     unavailable_gets: int = 0  # answer the next N TrainJob GETs with 503, as an API server restarting does
     on_create: Optional[Callable[[Cluster, dict], None]] = None
+    # Seconds a deleted TrainJob's pods stay, terminating (deletionTimestamp set), before they are gone: the grace
+    # period in which an evicted rank writes its checkpoint. 0: gone with the TrainJob.
+    pods_linger: float = 0.0
+    pods_gone_at: dict[str, float] = field(default_factory=dict)  # TrainJob name -> when its last pod went
     closed: bool = False
 
     def __post_init__(self) -> None:
@@ -245,9 +250,22 @@ class Cluster:
             return job
 
     def _delete_pods_of(self, name: str) -> None:
-        for key in [k for k, p in self.pods.items() if p["metadata"]["labels"][JOBSET_NAME] == name]:
-            del self.pods[key]
-        self.cond.notify_all()
+        keys = [k for k, p in self.pods.items() if p["metadata"]["labels"][JOBSET_NAME] == name]
+        if self.pods_linger > 0 and keys:
+            for key in keys:  # terminating: listed, with a deletionTimestamp, until the grace period is over
+                self.pods[key]["metadata"]["deletionTimestamp"] = _now()
+            gone = threading.Timer(self.pods_linger, self._pods_gone, args=(name, keys))
+            gone.daemon = True  # a test that ends first does not wait for it
+            gone.start()
+            return
+        self._pods_gone(name, keys)
+
+    def _pods_gone(self, name: str, keys: list[tuple[str, str]]) -> None:
+        with self.cond:
+            for key in keys:
+                self.pods.pop(key, None)
+            self.pods_gone_at[name] = time.monotonic()
+            self.cond.notify_all()
 
     def tick(self) -> None:
         """Trainer's deadline: a TrainJob running past spec.activeDeadlineSeconds fails, its pods terminated."""

@@ -115,6 +115,50 @@ def test_the_step_streams_node_0_and_returns_when_the_trainjob_completes(cluster
     assert all(r.code != 401 for r in cluster.requests)  # the kubeconfig's credentials were used
 
 
+def _previous_attempt(cluster: Cluster, tmp_path: Path) -> tuple[str, list[str]]:
+    """A TrainJob of the step's name left by an earlier attempt, its two node pods running."""
+    name = trainjob.trainjob_name(_job(tmp_path), "finetune")
+    with cluster.cond:
+        cluster.trainjobs[(NS, name)] = {
+            "apiVersion": f"{GROUP}/v1alpha1", "kind": "TrainJob", "_created": time.time(),
+            "metadata": {"name": name, "namespace": NS, "uid": "earlier-attempt", "resourceVersion": "1"},
+            "spec": {"trainer": {"numNodes": 2}}}
+    return name, cluster.start_nodes(name)
+
+
+def test_a_retried_step_submits_only_once_the_previous_attempts_pods_have_stopped(cluster, tmp_path, capsys):
+    """Deleting the earlier attempt's TrainJob only starts its pods' graceful stop, in which each rank writes a
+    checkpoint into the run's folder; a new TrainJob created at once would resume from, and write into, that folder
+    beside them. The step waits until none of the earlier pods is listed, then submits."""
+    name, old = _previous_attempt(cluster, tmp_path)
+    cluster.pods_linger = 1.5
+
+    def script(c: Cluster, job: dict) -> None:
+        c.start_nodes(name)
+        c.finish(name, "Complete", "AllJobsCompleted", "jobset completed successfully")
+
+    cluster.on_create = script
+    _run(_cfg(tmp_path), _job(tmp_path))
+    (delete,) = [r for r in cluster.calls("DELETE", TRAINJOBS + "/.*") if r.code == 200]
+    (post,) = cluster.calls("POST", TRAINJOBS)
+    assert post.at >= cluster.pods_gone_at[name] >= delete.at + 1.5
+    assert not any(key[1] in old for key in cluster.pods)
+    assert "deleted TrainJob" in capsys.readouterr().out
+
+
+def test_pods_of_the_previous_attempt_that_do_not_stop_are_one_error_and_nothing_is_submitted(cluster, tmp_path,
+                                                                                              monkeypatch):
+    name, old = _previous_attempt(cluster, tmp_path)
+    cluster.pods_linger = 30.0  # longer than the step waits here
+    monkeypatch.setattr(trainjob, "RETIRE_TIMEOUT", 1.0)
+    with pytest.raises(RangefinderError) as e:
+        _run(_cfg(tmp_path), _job(tmp_path))
+    message = str(e.value)
+    assert f"2 pods of the previous attempt's TrainJob {NS}/{name}" in message and "\n" not in message
+    assert f"kubectl get pods -n {NS} -l jobset.sigs.k8s.io/jobset-name={name}" in message
+    assert cluster.calls("POST", TRAINJOBS) == []
+
+
 def test_a_failed_trainjob_is_one_error_naming_it_and_is_deleted(cluster, tmp_path, capsys):
     def script(c: Cluster, job: dict) -> None:
         name = job["metadata"]["name"]

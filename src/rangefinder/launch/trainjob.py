@@ -191,6 +191,12 @@ def pod_owner_reference(namespace: str) -> Optional[dict]:
 
 API_TIMEOUT = 60  # s, each call the step makes to the API server itself (the SDK's own calls wait up to 120 s)
 NODE_0 = f"{NODE}-0"  # the SDK's name for node 0's step; its log is streamed
+# How long a previous attempt's pods may take to stop once its TrainJob is deleted: each rank gets SIGTERM, writes a
+# checkpoint at the current update (training/preemption.py) and exits, within the pod's grace period (Kubernetes'
+# default 30 s; a runtime may set more). A new attempt started beside them would resume from, and write into, the
+# same output folder while they still write there.
+RETIRE_TIMEOUT = 600.0  # s
+JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"  # on every pod of a TrainJob's JobSet (named as the TrainJob)
 TAIL_LINES = 30  # of every other node's log, printed when the TrainJob fails (its pods go with it)
 
 
@@ -311,6 +317,32 @@ class _TrainJobObject:
                                    f"{self.namespace} {self.name}") from None
 
 
+    def wait_pods_gone(self, core_api: Any, timeout: float, poll: float) -> None:
+        """Until no pod of this TrainJob's JobSet is left (deleting the TrainJob only starts their graceful stop);
+        RangefinderError naming them when some outlive `timeout` or the API cannot be asked."""
+        selector = f"{JOBSET_NAME_LABEL}={self.name}"
+        end = time.monotonic() + timeout
+        while True:
+            try:
+                pods = core_api.list_namespaced_pod(self.namespace, label_selector=selector,
+                                                    _request_timeout=API_TIMEOUT).items
+            except Exception as e:
+                raise RangefinderError(f"cannot reach the Kubernetes API to see whether the pods of TrainJob "
+                                       f"{self.ref} have stopped ({str(e).splitlines()[0]}); run the step again "
+                                       f"once `kubectl get pods -n {self.namespace} -l {selector}` lists none"
+                                       ) from None
+            if not pods:
+                return
+            if time.monotonic() >= end:
+                names = ", ".join(sorted(p.metadata.name for p in pods)[:3])
+                raise RangefinderError(
+                    f"{len(pods)} pods of the previous attempt's TrainJob {self.ref} ({names}) are still there "
+                    f"{timeout:.0f} s after it was deleted; a new attempt beside them would write into the same "
+                    f"output folder. Run the step again once `kubectl get pods -n {self.namespace} -l {selector}` "
+                    "lists none")
+            time.sleep(poll)
+
+
 def _status_message(e: Any) -> str:
     """The message of a Kubernetes Status object in an ApiException's body."""
     import json
@@ -351,7 +383,9 @@ def run_trainjob(cfg: RangefinderConfig, job: Path, *, step_name: str, processes
     with _sigterm_raises():
         try:
             if trainjob.delete():  # a previous attempt's TrainJob (the step was retried): replace it
-                print(f"rangefinder: deleted TrainJob {trainjob.ref} of a previous attempt", flush=True)
+                print(f"rangefinder: deleted TrainJob {trainjob.ref} of a previous attempt; waiting for its pods "
+                      "to stop", flush=True)
+                trainjob.wait_pods_gone(backend.core_api, RETIRE_TIMEOUT, min(poll, 5.0))
             trainjob.create(obj)
             print(f"rangefinder: TrainJob {trainjob.ref} submitted ({cfg.distributed.num_nodes} nodes x "
                   f"{processes_per_node} processes, runtime {cfg.distributed.runtime}"
