@@ -190,6 +190,23 @@ def test_train_refuses_a_section_that_is_not_a_mapping_as_compile_does(section, 
                           "training: Input should be a valid dictionary")
 
 
+@pytest.mark.parametrize("cut", [0, 5, -100], ids=["empty", "no-header", "cut-short"])
+def test_train_on_a_damaged_safetensors_base_model_is_one_line(cut, tmp_path, split_dir):
+    # The settings' family check read the file's tensor names first, and a cut file's SafetensorError (neither an
+    # OSError nor a ValueError) came out as a traceback before loading.py's own check could name the file.
+    import torch
+    from safetensors.torch import save_file
+
+    whole = tmp_path / "whole.safetensors"
+    save_file({"model.diffusion_model.input_blocks.0.0.weight": torch.zeros(64, 64)}, str(whole))
+    data = whole.read_bytes()
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(data[:cut])
+    assert_one_line_error(in_process("train", "--data", str(split_dir), "--out", str(tmp_path / "run"), "--model",
+                                     str(path), "--steps", "1", "--batch-size", "16"),
+                          f"model.base_model: {path} is not a readable safetensors file", "download it again")
+
+
 def test_a_config_path_that_is_a_folder_is_named_a_folder(tmp_path):
     assert_one_line_error(in_process("compile", "--config", str(tmp_path), "--out", str(tmp_path / "p.yaml")),
                           f"config file {tmp_path} is a folder; pass the path of a YAML file")

@@ -143,10 +143,13 @@ def family_of(model_cfg: ModelConfig) -> Optional[str]:
         if (path / "model_index.json").is_file():
             return detect_family(path)
         if path.is_file() and path.suffix.lower() == ".safetensors":  # the single files loading.py reads
-            from safetensors import safe_open
+            from safetensors import SafetensorError, safe_open
 
-            with safe_open(str(path), framework="pt") as f:
-                return single_file_family(path, list(f.keys()))
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    return single_file_family(path, list(f.keys()))
+            except SafetensorError:  # cut short or not safetensors: loading.py says so, in one line
+                return None
     except (ConfigError, OSError, ValueError):
         return None
     return None
