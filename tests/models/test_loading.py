@@ -167,6 +167,47 @@ def test_pickle_checkpoints_are_refused_unread(tmp_path):
         resolve_base_model(ModelConfig(base_model=str(ckpt)))
 
 
+class _RunsCode:
+    """Pickled, it calls os.system when unpickled: what a malicious .bin holds beside its tensors."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.mark.parametrize("part, weights", [("text_encoder", "pytorch_model.bin"),
+                                           ("unet", "diffusion_pytorch_model.bin")])
+def test_pickle_weights_in_a_folder_are_read_tensors_only_and_code_is_refused(part, weights, tiny_model_dir,
+                                                                              tmp_path):
+    # A transformers part's refusal (torch's UnpicklingError) came out as a traceback telling the user that
+    # weights_only=False "will likely succeed".
+    import shutil
+
+    from safetensors.torch import load_file
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    (safetensors_file,) = (folder / part).glob("*.safetensors")
+    tensors = load_file(str(safetensors_file))
+    safetensors_file.unlink()
+    marker = tmp_path / "code-ran"
+    torch.save({**tensors, "payload": _RunsCode(marker)}, folder / part / weights)
+    with pytest.raises(ConfigError, match=r"^model\.base_model: .*") as e:
+        load_sd_components(ModelConfig(base_model=str(folder)))
+    assert not marker.exists()
+    assert "\n" not in str(e.value) and "weights_only" not in str(e.value), str(e.value)
+    if part == "text_encoder":
+        assert f"text_encoder/ of {folder}" in str(e.value) and "refused unread" in str(e.value)
+    # Tensors only, in the same file name, load as the safetensors did.
+    torch.save(tensors, folder / part / weights)
+    parts = load_sd_components(ModelConfig(base_model=str(folder)))
+    assert all(torch.equal(v, tensors[k]) for k, v in getattr(parts, part).state_dict().items() if k in tensors)
+
+
 def test_missing_paths_and_malformed_ids(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         resolve_base_model(ModelConfig(base_model=str(tmp_path / "nowhere.safetensors")))

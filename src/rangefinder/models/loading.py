@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -504,6 +505,7 @@ def _load_folder(resolved: ResolvedModel, model_cfg: ModelConfig) -> SDComponent
     has_variants = model_cfg.variant and resolved.kind in ("hub", "folder")
     var: dict[str, Any] = {"variant": model_cfg.variant} if has_variants else {}
     parts: dict[str, Any] = {}
+    part = ""
     try:
         for part, class_path in layout.classes:
             cls = import_named(class_path)
@@ -514,6 +516,12 @@ def _load_folder(resolved: ResolvedModel, model_cfg: ModelConfig) -> SDComponent
     except (OSError, ValueError) as e:
         raise ConfigError(
             f"model.base_model: cannot load the diffusers folder {folder} ({resolved.source}): {_first_line(e)}"
+        ) from None
+    except pickle.UnpicklingError:  # transformers' torch.load(weights_only=True) met more than tensors in a .bin
+        raise ConfigError(
+            f"model.base_model: {part}/ of {folder} ({resolved.source}) holds pickle weights with objects other than "
+            f"tensors, so they were refused unread (unpickling them can run code); convert them to "
+            f"{SINGLE_FILE_SUFFIX} or use a copy of the model that has {SINGLE_FILE_SUFFIX} weights"
         ) from None
     for key in ("unet", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
         if key in parts:
