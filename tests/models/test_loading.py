@@ -114,7 +114,11 @@ def test_revision_not_in_the_offline_cache_names_what_is_there(offline_hub):
         resolve_base_model(ModelConfig(base_model=HUB_REPO, revision="v9"))
     msg = str(e.value)
     assert msg.startswith(f"model.revision: 'v9' of hub model '{HUB_REPO}' is not in the Hugging Face cache")
-    assert "refs main, v1" in msg and commit[:12] in msg and "--revision v9" in msg
+    assert "refs main, v1" in msg and "--revision v9" in msg
+    # Each snapshot is named by its whole commit, which model.revision takes: a short one was listed, and refused.
+    listed = msg.split(" and snapshots ")[1].split(")")[0]
+    assert listed == commit
+    assert resolve_base_model(ModelConfig(base_model=HUB_REPO, revision=listed)).path.name == commit
 
 
 def test_incomplete_hub_snapshot_names_the_missing_parts(offline_hub, tiny_model_dir, tmp_path, monkeypatch):

@@ -411,7 +411,8 @@ def _raise_not_cached(repo_id: str, revision: str, cache: Path) -> None:
     repo = cache / repo_folder_name(repo_id=repo_id, repo_type="model")
     refs = sorted(str(p.relative_to(repo / "refs")) for p in (repo / "refs").rglob("*") if p.is_file()) \
         if (repo / "refs").is_dir() else []
-    snapshots = sorted(p.name[:12] for p in (repo / "snapshots").iterdir()) if (repo / "snapshots").is_dir() else []
+    # Whole commits: a snapshot's name is the only revision that finds it offline (a short hash does not).
+    snapshots = sorted(p.name for p in (repo / "snapshots").iterdir()) if (repo / "snapshots").is_dir() else []
     fill = (f"pre-fill it with `HF_HUB_CACHE={cache} hf download {repo_id} --revision {revision} "
             f"--include {HUB_INCLUDE}`, or unset HF_HUB_OFFLINE (with HF_TOKEN for a gated or private repo) so the "
             "first step downloads it")
