@@ -94,12 +94,27 @@ def test_the_full_single_file_is_sd3s_layout_and_loads_bit_for_bit_in_diffusers(
     """final/model.safetensors: Stability's SD3 layout (MMDiT under model.diffusion_model. with fused qkv, VAE under
     first_stage_model., text_encoders.clip_l/clip_g/t5xxl), read back by diffusers' from_single_file into exactly
     the folder's weights, and detected as sd3 by its keys."""
+    assert_single_file_is_sd3s_layout_and_loads_as_its_folder(runs["full"].final_dir)
+
+
+def test_the_kohya_lora_has_sd_scripts_sd3_names_and_comfyui_maps_every_key(runs, tiny_sd3_dir):
+    """lora_kohya.safetensors: kohya's SD3 names (sd-scripts networks/lora_sd3.py: `lora_unet_` + its MMDiT's module
+    path, q/k/v fused into `attn.qkv`). ComfyUI's key map (comfy/lora.py `model_lora_keys_unet` at 41444b5236c6)
+    maps every `diffusion_model.<key>.weight` of the model as `lora_unet_<key with _ for .>`: each module of the file
+    is one of those (0 left over), and its up @ down x alpha / rank is exactly the change that diffusers'
+    load_lora_weights + fuse_lora makes to that weight from the diffusers-named file (q, k, v stacked)."""
+    modules = assert_kohya_lora_is_comfy_named_and_equals_diffusers(runs["lora"].final_dir, tiny_sd3_dir)
+    assert any(m.endswith("_attn_qkv") for m in modules)
+
+
+def assert_single_file_is_sd3s_layout_and_loads_as_its_folder(final) -> list[str]:
+    """final/model.safetensors detected as sd3 and read back by from_single_file into the folder's weights; its
+    keys."""
     from diffusers import StableDiffusion3Pipeline
     from safetensors import safe_open
 
     from rangefinder.training.family_detection import single_file_family
 
-    final = runs["full"].final_dir
     path = final / "model.safetensors"
     with safe_open(str(path), framework="pt") as f:
         keys = list(f.keys())
@@ -112,26 +127,22 @@ def test_the_full_single_file_is_sd3s_layout_and_loads_bit_for_bit_in_diffusers(
     for part in ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
         a, b = getattr(folder, part).state_dict(), getattr(single, part).state_dict()
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), part
+    return keys
 
 
-def test_the_kohya_lora_has_sd_scripts_sd3_names_and_comfyui_maps_every_key(runs, tiny_sd3_dir):
-    """lora_kohya.safetensors: kohya's SD3 names (sd-scripts networks/lora_sd3.py: `lora_unet_` + its MMDiT's module
-    path, q/k/v fused into `attn.qkv`). ComfyUI's key map (comfy/lora.py `model_lora_keys_unet` at 41444b5236c6)
-    maps every `diffusion_model.<key>.weight` of the model as `lora_unet_<key with _ for .>`: each module of the file
-    is one of those (0 left over), and its up @ down x alpha / rank is exactly the change that diffusers'
-    load_lora_weights + fuse_lora makes to that weight from the diffusers-named file (q, k, v stacked)."""
+def assert_kohya_lora_is_comfy_named_and_equals_diffusers(final, base_dir) -> set[str]:
+    """The kohya file's modules are ComfyUI's `lora_unet_` names of the base model's MMDiT weights and each makes the
+    change diffusers makes from the diffusers-named file (see the test above); its module names."""
     from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
 
     from rangefinder.formats.single_file_sd3 import mmdit_module_name, mmdit_state_dict
 
-    final = runs["lora"].final_dir
     kohya = load_file(str(final / "lora_kohya.safetensors"))
     modules = {k.rsplit(".", 2)[0] if ".lora_" in k else k.rsplit(".", 1)[0] for k in kohya}
-    base = StableDiffusion3Pipeline.from_pretrained(str(tiny_sd3_dir), local_files_only=True)
+    base = StableDiffusion3Pipeline.from_pretrained(str(base_dir), local_files_only=True)
     before = {k: v.clone() for k, v in mmdit_state_dict(base.transformer).items()}  # fuse_lora writes in place
     comfy_map = {"lora_unet_" + k.removesuffix(".weight").replace(".", "_"): k for k in before if k.endswith(".weight")}
     assert modules and modules <= comfy_map.keys(), sorted(modules - comfy_map.keys())[:3]
-    assert any(m.endswith("_attn_qkv") for m in modules)
     # The diffusers-named file: ComfyUI maps `transformer.<diffusers module>` through comfy/utils.py
     # `mmdit_to_diffusers` (at 41444b5236c6: to_q/k/v and add_q/k/v_proj as thirds of the qkv rows, the rest by
     # its MMDIT_MAP_BLOCK/BASIC tables), the correspondence mmdit_module_name states; every module has a place.
@@ -150,6 +161,72 @@ def test_the_kohya_lora_has_sd_scripts_sd3_names_and_comfyui_maps_every_key(runs
         delta = up @ down * (float(alpha) / down.shape[0])
         key = comfy_map[m]
         torch.testing.assert_close(after[key] - before[key], delta, rtol=1e-4, atol=1e-6)
+    return modules
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# SD3.5 Medium: MMDiT-X, whose first blocks have a second self-attention on the image stream (diffusers' `attn2`,
+# `dual_attention_layers`). Both exports once ended its runs, after the last update, in a ValueError and no final/.
+
+
+@pytest.fixture(scope="module")
+def medium_dir(tiny_sd3_dir, tmp_path_factory):
+    """The tiny SD3 made as SD3.5 Medium is: block 0 dual-attention; the weights it shares with the tiny SD3 kept,
+    the new ones (attn2, block 0's 9-chunk adaLN) seeded."""
+    import shutil
+
+    from diffusers import SD3Transformer2DModel
+
+    out = tmp_path_factory.mktemp("sd35m") / "model"
+    shutil.copytree(tiny_sd3_dir, out)
+    base = SD3Transformer2DModel.from_pretrained(str(tiny_sd3_dir / "transformer"))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        medium = SD3Transformer2DModel.from_config({**base.config, "dual_attention_layers": (0,)})
+    own = medium.state_dict()
+    medium.load_state_dict({k: v for k, v in base.state_dict().items() if own[k].shape == v.shape}, strict=False)
+    medium.save_pretrained(str(out / "transformer"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def medium_runs(split_dir, medium_dir, tmp_path_factory) -> dict:
+    cache = str(tmp_path_factory.mktemp("encoded-sd35m"))
+    settings = {**SETTINGS, "steps": 2}
+    return {method: train(TrainSpec(TrainingConfig(method=method, cache_dir=cache, **settings),
+                                    ValidationConfig(**VALIDATION), split_dir=split_dir, model=medium_dir),
+                          out_dir=tmp_path_factory.mktemp(f"sd35m-{method}"))
+            for method in ("full", "lora")}
+
+
+def test_sd35_medium_full_single_file_holds_attn2_and_loads_bit_for_bit(medium_runs):
+    """attn2 in the original MMDiT-X names (sd3.5_medium.safetensors' and ComfyUI's; diffusers' from_single_file
+    reads them back, `get_attn2_layers`): `x_block.attn2.qkv` (q, k, v stacked), `proj`, `ln_q`, `ln_k`."""
+    result = medium_runs["full"]
+    assert result.status == "ok" and result.updates == 2
+    keys = assert_single_file_is_sd3s_layout_and_loads_as_its_folder(result.final_dir)
+    attn2 = {k for k in keys if ".attn2." in k}
+    assert attn2 == {f"model.diffusion_model.joint_blocks.0.x_block.attn2.{m}" for m in
+                     ("qkv.weight", "qkv.bias", "proj.weight", "proj.bias", "ln_q.weight", "ln_k.weight")}
+
+
+def test_sd35_medium_lora_on_attn2_is_kohyas_attn2_qkv_and_loads_in_diffusers(medium_runs, medium_dir):
+    """The default targets (to_q, to_k, to_v, to_out.0) adapt attn2 too: kohya's file fuses them into
+    `x_block_attn2_qkv` (and `attn2_proj`), ComfyUI maps every module, and diffusers loads the diffusers-named file
+    with every key used, the same change."""
+    from diffusers import StableDiffusion3Pipeline
+    from peft.tuners.lora import LoraLayer
+
+    result = medium_runs["lora"]
+    assert result.status == "ok"
+    modules = assert_kohya_lora_is_comfy_named_and_equals_diffusers(result.final_dir, medium_dir)
+    assert {"lora_unet_joint_blocks_0_x_block_attn2_qkv", "lora_unet_joint_blocks_0_x_block_attn2_proj"} <= modules
+    tensors = load_file(str(result.final_dir / "pytorch_lora_weights.safetensors"))
+    pipe = StableDiffusion3Pipeline.from_pretrained(str(medium_dir), local_files_only=True)
+    pipe.load_lora_weights(str(result.final_dir / "pytorch_lora_weights.safetensors"))
+    loaded = {n for n, m in pipe.transformer.named_modules() if isinstance(m, LoraLayer)}
+    assert {k.removeprefix("transformer.").rsplit(".lora_", 1)[0] for k in tensors} == loaded
+    assert "transformer_blocks.0.attn2.to_q" in loaded
 
 
 @pytest.mark.slow

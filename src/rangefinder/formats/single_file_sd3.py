@@ -6,6 +6,7 @@ The layout is what Stability ships SD3/3.5 in (`sd3.5_large.safetensors`) and wh
 - the MMDiT under `model.diffusion_model.`, in the original module names: `x_embedder.proj`, `pos_embed`,
   `t_embedder.mlp.{0,2}`, `y_embedder.mlp.{0,2}`, `context_embedder`, `joint_blocks.<i>.{x_block,context_block}.`
   with `attn.qkv` (q, k and v stacked along the output rows), `attn.proj`, `attn.ln_q`/`ln_k` (SD3.5's RMSNorm),
+  SD3.5 Medium's second image self-attention (diffusers' `attn2`, MMDiT-X) as `x_block.attn2.{qkv,proj,ln_q,ln_k}`,
   `adaLN_modulation.1`, `mlp.fc1`/`fc2`, and `final_layer.{linear,adaLN_modulation.1}`. The last joint block's
   context half has no output projection or MLP (it only feeds the image half), and the original's adaLN rows of
   that block and of the final layer come in (shift, scale) order where diffusers' AdaLayerNormContinuous keeps
@@ -45,6 +46,11 @@ _BLOCK_RENAMES = {
     "attn.norm_k": "x_block.attn.ln_k",
     "attn.norm_added_q": "context_block.attn.ln_q",
     "attn.norm_added_k": "context_block.attn.ln_k",
+    # SD3.5 Medium's (MMDiT-X) second self-attention of the image stream, in `dual_attention_layers`; its adaLN rows
+    # (9 chunks, the last 3 for attn2) are in the same order in both (diffusers' SD35AdaLayerNormZeroX).
+    "attn2.to_out.0": "x_block.attn2.proj",
+    "attn2.norm_q": "x_block.attn2.ln_q",
+    "attn2.norm_k": "x_block.attn2.ln_k",
     "norm1.linear": "x_block.adaLN_modulation.1",
     "norm1_context.linear": "context_block.adaLN_modulation.1",
     "ff.net.0.proj": "x_block.mlp.fc1",
@@ -63,7 +69,7 @@ _TOP_RENAMES = {
     "proj_out": "final_layer.linear",
     "norm_out.linear": "final_layer.adaLN_modulation.1",
 }
-_QKV = {"attn.to_": "x_block.attn.qkv", "attn.add_": "context_block.attn.qkv"}
+_QKV = {"attn.to_": "x_block.attn.qkv", "attn.add_": "context_block.attn.qkv", "attn2.to_": "x_block.attn2.qkv"}
 
 
 def _swap_halves(t: Any) -> Any:
@@ -77,8 +83,6 @@ def mmdit_state_dict(transformer: Any) -> dict[str, Any]:
     """The diffusers SD3Transformer2DModel's weights under the original MMDiT names (no prefix)."""
     import torch
 
-    if getattr(transformer.config, "dual_attention_layers", ()):
-        raise ValueError("SD3.5 Medium's dual-attention blocks (attn2) are not written to a single file yet")
     state = transformer.state_dict()
     last = int(transformer.config.num_layers) - 1
     out: dict[str, Any] = {}
