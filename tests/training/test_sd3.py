@@ -107,6 +107,20 @@ def test_the_kohya_lora_has_sd_scripts_sd3_names_and_comfyui_maps_every_key(runs
     assert any(m.endswith("_attn_qkv") for m in modules)
 
 
+def test_the_kohya_loras_metadata_is_sd_scripts_sd3_keys_with_the_run_s_updates(runs):
+    """The sd-scripts keys LoRA browsers show, as on every other family: network module, base model version, dim
+    and alpha as trained, and the updates as `ss_steps` (the SD3 file once had no `ss_steps`)."""
+    from rangefinder.formats.weights_file import read_metadata
+
+    result = runs["lora"]
+    meta = read_metadata(result.final_dir / "lora_kohya.safetensors")
+    lora = TrainingConfig().lora
+    assert meta["ss_network_module"] == "networks.lora_sd3" and meta["ss_base_model_version"] == "sd3"
+    assert meta["ss_network_dim"] == str(lora.rank) and float(meta["ss_network_alpha"]) == lora.alpha
+    assert meta["ss_steps"] == meta["rangefinder.updates"] == str(result.updates) == "4"
+    assert meta["rangefinder.family"] == "sd3" and meta["rangefinder.method"] == "lora"
+
+
 def assert_single_file_is_sd3s_layout_and_loads_as_its_folder(final) -> list[str]:
     """final/model.safetensors detected as sd3 and read back by from_single_file into the folder's weights; its
     keys."""

@@ -196,6 +196,20 @@ def _fused_rows(j: int, adapters: Mapping[int, LoraWeights], config: Mapping[str
     return inner * 4 if parts[j].endswith("proj_mlp") else inner  # FluxSingleTransformerBlock's mlp_ratio 4
 
 
+def kohya_metadata(meta: Mapping[str, str], any_layer: LoraWeights, network_module: str,
+                   base_model_version: Optional[str]) -> dict[str, str]:
+    """`meta` plus sd-scripts' own training metadata keys (train_network.py), which A1111's and ComfyUI's LoRA
+    browsers show: the network module, the base model version, dim and alpha as trained, and the updates as
+    `ss_steps`, the same for every family."""
+    out = {**meta, "ss_network_module": network_module, "ss_network_dim": str(any_layer.rank),
+           "ss_network_alpha": repr(any_layer.scale * any_layer.rank)}
+    if base_model_version is not None:
+        out["ss_base_model_version"] = base_model_version
+    if "rangefinder.updates" in meta:
+        out["ss_steps"] = meta["rangefinder.updates"]
+    return out
+
+
 def save_lora_files(out_dir: Path, unet=None, text_encoder=None, metadata: Optional[Mapping[str, str]] = None,
                     text_encoder_2=None, sdxl: bool = False, flux: bool = False):
     """Both LoRA files into `out_dir`; returns {"diffusers": path, "kohya": path}. `sdxl`: kohya's SDXL names;
@@ -207,18 +221,11 @@ def save_lora_files(out_dir: Path, unet=None, text_encoder=None, metadata: Optio
     if not unet_layers and not te_layers and not te2_layers:
         raise ValueError("no LoRA adapters found on the UNet or the text encoder; nothing to export")
     meta = dict(metadata or {})
-    kohya_meta = dict(meta)
-    # sd-scripts' own training metadata keys, which A1111's and ComfyUI's LoRA browsers show.
-    kohya_meta.setdefault("ss_network_module", "networks.lora")
-    if sdxl:
-        kohya_meta.setdefault("ss_base_model_version", "sdxl_base_v1-0")  # what sd-scripts writes for SDXL
-    if flux:
-        kohya_meta.update(ss_network_module="networks.lora_flux", ss_base_model_version="flux1")  # LoRA browsers show
     any_layer = next(iter({**unet_layers, **te_layers, **te2_layers}.values()))
-    kohya_meta.setdefault("ss_network_dim", str(any_layer.rank))
-    kohya_meta.setdefault("ss_network_alpha", repr(any_layer.scale * any_layer.rank))
-    if "rangefinder.updates" in meta:
-        kohya_meta.setdefault("ss_steps", meta["rangefinder.updates"])
+    if flux:
+        kohya_meta = kohya_metadata(meta, any_layer, "networks.lora_flux", "flux1")
+    else:  # sdxl_base_v1-0: what sd-scripts writes for SDXL (A1111 tells an SDXL LoRA by its `sdxl_` prefix)
+        kohya_meta = kohya_metadata(meta, any_layer, "networks.lora", "sdxl_base_v1-0" if sdxl else None)
     if flux:
         return {
             "diffusers": save_safetensors(lora_to_diffusers_flux(unet_layers, te_layers), out_dir / LORA_WEIGHTS_NAME,
@@ -321,10 +328,7 @@ def save_sd3_lora_files(out_dir: Path, transformer, text_encoder=None, text_enco
     if not layers and not te and not te2:
         raise ValueError("no LoRA adapters found on the transformer or the text encoders; nothing to export")
     meta = dict(metadata or {})
-    any_layer = next(iter({**layers, **te, **te2}.values()))
-    # sd-scripts' own metadata keys, which LoRA browsers show
-    kohya_meta = {**meta, "ss_network_module": "networks.lora_sd3", "ss_base_model_version": "sd3",
-                  "ss_network_dim": str(any_layer.rank), "ss_network_alpha": repr(any_layer.scale * any_layer.rank)}
+    kohya_meta = kohya_metadata(meta, next(iter({**layers, **te, **te2}.values())), "networks.lora_sd3", "sd3")
     return {"diffusers": save_safetensors(sd3_lora_to_diffusers(layers, te, te2), Path(out_dir) / LORA_WEIGHTS_NAME,
                                           meta),
             "kohya": save_safetensors(sd3_lora_to_kohya(layers, te, te2), Path(out_dir) / LORA_KOHYA_NAME,
