@@ -197,20 +197,13 @@ def test_ctrl_c_says_interrupted_and_names_the_command_that_goes_on(split_dir, t
     assert line.endswith("go on from the newest checkpoint with: rangefinder " + " ".join(args) + " --resume"), line
 
 
-
-@pytest.mark.slow
-@pytest.mark.parametrize("killed", ["command", "torchrun"])
-def test_a_launcher_killed_with_sigkill_stops_its_ranks_at_a_checkpoint(killed, split_dir, tiny_model_dir, tmp_path):
-    """`rangefinder train` on 2 processes, then SIGKILL to the command (a step killed without a SIGTERM) or to
-    its torchrun (the OOM killer's pick). The ranks, in sessions of their own, once trained on as orphans holding the
-    folder's lock: a resume was refused as "in use by another training run" until they had run to the end. Now
-    they get SIGTERM when their launcher dies: they write a checkpoint together and stop, and --resume goes on."""
+def _two_ranks_to_a_checkpoint(split_dir, tiny_model_dir, tmp_path):
+    """`rangefinder train` on 2 processes (60 updates, a checkpoint every 3), started and run until its first
+    checkpoint: (its arguments, its environment, the process, its output folder)."""
     import os
     import subprocess
     import sys
     import time
-
-    import psutil
 
     from rangefinder.formats import checkpoints
 
@@ -223,12 +216,32 @@ def test_a_launcher_killed_with_sigkill_stops_its_ranks_at_a_checkpoint(killed, 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "rangefinder.cli.main", *args], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 300
+    while not checkpoints.list_checkpoints(out / "checkpoints"):
+        if proc.poll() is not None or time.monotonic() >= deadline:
+            proc.kill()
+            raise AssertionError(proc.communicate())
+        time.sleep(0.05)
+    return args, env, proc, out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("killed", ["command", "torchrun"])
+def test_a_launcher_killed_with_sigkill_stops_its_ranks_at_a_checkpoint(killed, split_dir, tiny_model_dir, tmp_path):
+    """`rangefinder train` on 2 processes, then SIGKILL to the command (a step killed without a SIGTERM) or to
+    its torchrun (the OOM killer's pick). The ranks, in sessions of their own, once trained on as orphans holding the
+    folder's lock: a resume was refused as "in use by another training run" until they had run to the end. Now
+    they get SIGTERM when their launcher dies: they write a checkpoint together and stop, and --resume goes on."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    from rangefinder.formats import checkpoints
+
+    args, env, proc, out = _two_ranks_to_a_checkpoint(split_dir, tiny_model_dir, tmp_path)
     launched: list[psutil.Process] = []
     try:
-        deadline = time.monotonic() + 300
-        while not checkpoints.list_checkpoints(out / "checkpoints"):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.05)
         torchrun = psutil.Process(proc.pid).children()[0]
         launched = [torchrun, *torchrun.children()]
         assert len(launched) == 3, launched
@@ -260,29 +273,13 @@ def test_a_rank_killed_with_sigkill_ends_the_run_with_one_line_naming_torchruns_
     """SIGKILL to rank 1 of a 2-process `rangefinder train` (the OOM killer): torchrun stops rank 0, and the command
     exits 2 within a bounded time with one line naming the failure and how to go on (it named a missing file in the
     hidden job folder, `.out.launch/launch-result.json`, and the line meant for this case was never reached)."""
-    import os
-    import subprocess
-    import sys
-    import time
-
     import psutil
 
     from rangefinder.formats import checkpoints
 
-    config = tmp_path / "rf.yaml"
-    config.write_text(yaml.safe_dump({"training": {"cache_dir": str(tmp_path / "cache"), "processes_per_node": 2}}))
-    out = tmp_path / "out"
-    args = ["train", "--data", str(split_dir), "--model", str(tiny_model_dir), "--out", str(out), "--config",
-            str(config), "--steps", "60", "--batch-size", "2", "--validate-every-epochs", "0",
-            "--checkpoint-every-updates", "3"]
-    proc = subprocess.Popen([sys.executable, "-m", "rangefinder.cli.main", *args], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    _, _, proc, out = _two_ranks_to_a_checkpoint(split_dir, tiny_model_dir, tmp_path)
     launched: list[psutil.Process] = []
     try:
-        deadline = time.monotonic() + 300
-        while not checkpoints.list_checkpoints(out / "checkpoints"):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.05)
         launched = psutil.Process(proc.pid).children(recursive=True)
         next(c for c in launched if c.environ().get("RANK") == "1").kill()
         _, err = proc.communicate(timeout=120)
