@@ -99,6 +99,28 @@ def test_validating_a_schedule_free_run_changes_nothing_it_trains(split_dir, tin
     assert [r["train_loss"] for r in _updates(outs[0])] == [r["train_loss"] for r in _updates(outs[1])]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["adamw_schedule_free", "prodigy_schedule_free"])
+def test_a_schedule_free_run_with_ema_delivers_from_its_checkpoint_what_it_saved(optimizer, split_dir,
+                                                                                  tiny_model_dir, tmp_path):
+    """use_ema: true beside a schedule-free optimizer: the run validates and saves its EMA (Run.ema_weights inside
+    Run.schedule_free_eval), so the model a checkpoint delivers is that EMA too, not the optimizer's average of the
+    EMA and its z (restore applied the EMA first, then the eval mode on top of it)."""
+    from rangefinder.training.restore import delivered_state, method_from_checkpoint
+
+    training = TrainingConfig(optimizer=optimizer, lr=LR[optimizer], batch_size=4, epochs=1, seed=7, use_ema=True,
+                              ema_decay=0.5, checkpoint_every_updates=4, cache_dir=str(tmp_path / "cache"))
+    train(TrainSpec(training, ValidationConfig(every_updates=4), split_dir=split_dir, model=tiny_model_dir),
+          out_dir=tmp_path / "run")
+    saved = load_file(str(tmp_path / "run" / UNET))
+    ckpt = tmp_path / "run" / "checkpoints" / "checkpoint-000004"
+    method, _ = method_from_checkpoint(ckpt, tiny_model_dir)
+    for delivered in (method.trainable_state_dict(), delivered_state(ckpt, tiny_model_dir)):
+        delivered = {k.removeprefix("unet."): v for k, v in delivered.items()}
+        shared = [k for k in saved if k in delivered]
+        assert shared and all(torch.equal(delivered[k].cpu(), saved[k]) for k in shared)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Wrong combinations: one line each
 

@@ -49,6 +49,11 @@ def _rebuilt(ckpt_dir: Path, cfg: TrainingConfig, base_model: Path) -> tuple[Met
     method.setup(sd, torch.float32)
     method.load_trainable_state_dict(checkpoints.read_weights(ckpt_dir))
     method.epochs_trained = checkpoints.read_state(ckpt_dir).get("epoch")  # None in checkpoints written before it
+    # In the run's order (Run.schedule_free_eval around Run.ema_weights): a schedule-free optimizer's eval mode, then
+    # the EMA, which replaces every trainable tensor; the other way round the optimizer averaged the EMA with its z,
+    # a model the run never validated nor saved.
+    if cfg.optimizer in SCHEDULE_FREE_OPTIMIZERS:
+        _to_averaged_weights(ckpt_dir, cfg, method)
     ema_state = checkpoints.read_ema(ckpt_dir)
     if ema_state is not None:
         from diffusers.training_utils import EMAModel
@@ -57,8 +62,6 @@ def _rebuilt(ckpt_dir: Path, cfg: TrainingConfig, base_model: Path) -> tuple[Met
         ema = EMAModel(params, decay=cfg.ema_decay)
         ema.load_state_dict(ema_state)
         ema.copy_to(params)
-    if cfg.optimizer in SCHEDULE_FREE_OPTIMIZERS:
-        _to_averaged_weights(ckpt_dir, cfg, method)
     return method, sd
 
 
