@@ -188,6 +188,34 @@ def test_the_cli_says_a_wrong_combination_in_one_line(tmp_path):
     assert len(lines) == 1 and "schedule-free" in lines[0], out.stderr
 
 
+def test_adamw8bit_without_cuda_is_one_line_before_anything_is_written_by_compile_and_a_local_run(tmp_path):
+    """compile: training pods without a GPU (kubernetes.gpu_count 0) would fail every training step on the cluster;
+    run --local on a machine without CUDA ran resolve-config and prepare-dataset, wrote OUT, and stopped at the range
+    test in a ten-line log. Both are now one line, exit 2, nothing written."""
+    import subprocess
+
+    def rangefinder(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "rangefinder.cli.main", *args], capture_output=True, text=True,
+                              timeout=120)
+
+    config = tmp_path / "c.yaml"
+    config.write_text("training: {use_8bit_adam: true}\nkubernetes: {gpu_count: 0}\n")
+    out = tmp_path / "pipeline.yaml"
+    cases = [(("compile", "--config", str(config), "--out", str(out)), out, "kubernetes.gpu_count is 0")]
+    if not torch.cuda.is_available():
+        cases.append((("run", "--local", "--config", str(config), "--out", str(tmp_path / "run")), tmp_path / "run",
+                      "on this machine"))
+    for args, written, words in cases:
+        proc = rangefinder(*args)
+        lines = [line for line in proc.stderr.splitlines() if line.strip() and "warning" not in line]
+        assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+        assert "adamw8bit" in lines[0] and "CUDA" in lines[0] and words in lines[0], lines[0]
+        assert not written.exists()
+    # With a GPU in the pods the cluster's package compiles (this machine's CUDA is not the cluster's).
+    config.write_text("training: {optimizer: adamw8bit}\n")
+    assert rangefinder("compile", "--config", str(config), "--out", str(out)).returncode == 0 and out.is_file()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The pipeline with an LR-free optimizer: no range test
 

@@ -126,6 +126,12 @@ def run_pipeline_locally(cfg: RangefinderConfig, out_dir: str | Path, *, dataset
             "num_nodes: 1 here (training.processes_per_node still uses every GPU of this machine), or submit the run "
             "to a cluster with Kubeflow Trainer (`rangefinder submit`)"
         )
+    if cfg.training.optimizer == "adamw8bit":  # else the steps fail one by one at the first training, a log later
+        import torch
+
+        from rangefinder.training.optimizers import check_optimizer
+
+        check_optimizer(cfg.training, torch.cuda.is_available())
     from kfp import local
 
     from rangefinder.pipelines.pipeline import PIPELINE_NAME, build_pipeline

@@ -36,11 +36,12 @@ PRODIGY_SETTINGS: dict[str, Any] = {"betas": (0.9, 0.99), "weight_decay": 0.01, 
                                     "safeguard_warmup": True}
 
 
-def check_optimizer(cfg: TrainingConfig, cuda: bool) -> None:
-    """What can be known before loading anything: adamw8bit needs CUDA."""
+def check_optimizer(cfg: TrainingConfig, cuda: bool, instead: str = "choose training.optimizer: adamw on this machine"
+                    ) -> None:
+    """What can be known before loading anything: adamw8bit needs CUDA (`cuda`: whether the machine that trains has
+    it; `instead`: the fix there)."""
     if cfg.optimizer == "adamw8bit" and not cuda:
-        raise ConfigError("training.optimizer adamw8bit (use_8bit_adam) needs a CUDA GPU (bitsandbytes); "
-                          "choose training.optimizer: adamw on this machine")
+        raise ConfigError(f"training.optimizer adamw8bit (use_8bit_adam) needs a CUDA GPU (bitsandbytes); {instead}")
 
 
 def make_optimizer(cfg: TrainingConfig, groups: list[dict], lr: float) -> torch.optim.Optimizer:
