@@ -450,6 +450,24 @@ def test_prodigy_step_factor_overrides_the_family_s_and_is_refused_or_warned_whe
     assert line.startswith("prodigy_step_factor (2) is not used: lr: 0.0001 is fixed")
 
 
+def test_adamw_settings_beside_another_optimizer_are_named_as_unused():
+    """adam_beta1/2, adam_epsilon and weight_decay are AdamW's; the others start from their packages' defaults, so
+    `weight_decay: 0.1` beside prodigy or adafactor trained with no weight decay and said nothing."""
+    from rangefinder.config import setting_conflicts
+
+    (line,) = setting_conflicts(parse_config({"training": {"optimizer": "prodigy", "weight_decay": 0.1,
+                                                           "adam_beta1": 0.5}}))
+    assert line == ("training.adam_beta1, training.weight_decay are not used: they are AdamW's, and "
+                    "training.optimizer prodigy starts from its package's defaults (its own: training.prodigy); set "
+                    "optimizer adamw, or remove them")
+    (line,) = setting_conflicts(parse_config({"training": {"optimizer": "adafactor", "weight_decay": 0.0}}))
+    assert line.startswith("training.weight_decay is not used: it is AdamW's, and training.optimizer adafactor")
+    for optimizer in ("adamw", "adamw8bit"):
+        assert setting_conflicts(parse_config({"training": {"optimizer": optimizer, "weight_decay": 0.0,
+                                                            "adam_epsilon": 1e-6}})) == []
+    assert setting_conflicts(parse_config({"training": {"optimizer": "adamw_schedule_free"}})) == []
+
+
 def test_prodigy_settings_are_prodigy_s_arguments_and_unused_with_another_optimizer():
     from rangefinder.config import setting_conflicts
     from rangefinder.training.optimizers import PRODIGY_SETTINGS

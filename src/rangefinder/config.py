@@ -1328,6 +1328,10 @@ def auto_finder_conflicts(cfg: RangefinderConfig, family: str) -> list[str]:
             "use them, or remove them"]
 
 
+# AdamW's settings (training.optimizer adamw and adamw8bit); the other optimizers start from their packages' defaults.
+ADAMW_SETTINGS = ("training.adam_beta1", "training.adam_beta2", "training.adam_epsilon", "training.weight_decay")
+
+
 def setting_conflicts(cfg: RangefinderConfig, family: Optional[str] = None) -> list[str]:
     """One line for each pair of settings in `cfg` where one cancels the other, so neither is silently dropped.
 
@@ -1360,6 +1364,13 @@ def setting_conflicts(cfg: RangefinderConfig, family: Optional[str] = None) -> l
         lines.append(f"training.prodigy ({', '.join(g.removeprefix('training.prodigy.') for g in prodigy_given)}) is "
                      f"not used: training.optimizer is {cfg.training.optimizer}; set optimizer prodigy, or remove the "
                      "prodigy section")
+    adamw_given = [g for g in given if g in ADAMW_SETTINGS]
+    if adamw_given and cfg.training.optimizer not in ("adamw", "adamw8bit"):
+        own = " (its own: training.prodigy)" if cfg.training.optimizer == "prodigy" else ""
+        one = len(adamw_given) == 1
+        lines.append(f"{', '.join(adamw_given)} {'is not used: it is' if one else 'are not used: they are'} AdamW's, "
+                     f"and training.optimizer {cfg.training.optimizer} starts from its package's defaults{own}; set "
+                     f"optimizer adamw, or remove {'it' if one else 'them'}")
     halving_asked = "finetune.successive_halving" in given and ft.successive_halving
     if halving_asked and cfg.lr is not None:
         lines.append(f"finetune.successive_halving: true does nothing with a fixed lr ({cfg.lr:g}): halving races "
