@@ -516,7 +516,15 @@ class TrainingConfig(_Section):
         if self.optimizer in LR_FREE_OPTIMIZERS and self.scale_lr != "none":
             raise ValueError(f"training.scale_lr: {self.optimizer} estimates its own step size and its lr is a "
                              f"multiplier of it (1.0), not an LR to scale with the batch; set scale_lr: none")
-        # A ramp is the range test's measurement of the LR, not a training schedule: it stays allowed.
+        # A ramp is the range test's measurement of the LR: an LR-free optimizer has none to measure (its lr multiplies
+        # the step size it estimates), so the pipeline skips the range test for it and `train` refuses the ramp alike.
+        if self.optimizer in LR_FREE_OPTIMIZERS and self.schedule in RAMP_SCHEDULES:
+            raise ValueError(f"training.schedule: {self.schedule} is an LR range test, but {self.optimizer} is "
+                             f"LR-free (it estimates its own step size; lr multiplies it, {LR_FREE_LR:g} by default), "
+                             f"so it has no LR to measure; set training.schedule: constant, or choose "
+                             f"training.optimizer: adamw")
+        # For a schedule-free optimizer a ramp is the range test's measurement of the LR, not a training schedule: it
+        # stays allowed.
         if self.optimizer in SCHEDULE_FREE_OPTIMIZERS and self.schedule not in ("constant", *RAMP_SCHEDULES):
             raise ValueError(f"training.schedule: {self.optimizer} is schedule-free (it averages its iterates instead "
                              f"of decaying the LR), so it trains with a constant LR; set training.schedule: constant "

@@ -132,8 +132,11 @@ def test_a_schedule_free_run_with_ema_delivers_from_its_checkpoint_what_it_saved
     (dict(training=dict(optimizer="prodigy"), lr_range_test=dict(lr_min=1e-6)), "LR-free"),
     (dict(training=dict(optimizer="prodigy", use_8bit_adam=True)), "use_8bit_adam"),
     (dict(training=dict(optimizer="prodigy", scale_lr="linear")), "scale_lr"),
+    # `train` with a ramp is the range test: refused as the pipeline's is (it trained, measuring nothing).
+    (dict(training=dict(optimizer="prodigy", schedule="exp-ramp", lr_min=1e-3, lr_max=10)), "exp-ramp.*LR-free"),
+    (dict(training=dict(optimizer="prodigy_schedule_free", schedule="linear-ramp", lr_max=10)), "linear-ramp.*LR-free"),
 ], ids=["schedule-free-cosine", "schedule-free-triangular-finetune", "range-test-with-prodigy", "8bit-and-prodigy",
-        "prodigy-scaled-lr"])
+        "prodigy-scaled-lr", "ramp-with-prodigy", "ramp-with-prodigy-schedule-free"])
 def test_a_wrong_combination_is_one_config_line(bad, message):
     with pytest.raises(ConfigError, match=message) as err:
         parse_config(bad)
