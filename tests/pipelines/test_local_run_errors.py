@@ -148,3 +148,45 @@ def test_a_later_failure_with_another_cause_keeps_its_own_error():
     assert failure_summary(_task("prepare-dataset-2", ["ValueError: bad"]), "x") == (
         "step prepare-dataset failed: ValueError: bad")
     assert failure_summary("", "choose-lr-3-2") == "step choose-lr failed"
+
+
+@pytest.mark.slow
+def test_ctrl_c_ends_the_pipelines_mlflow_run_killed(tmp_path, shapes_dataset_dir, tiny_model_dir):
+    """Ctrl-C (SIGINT to the terminal's process group) while the fine-tune trains: exit 130 with one "interrupted"
+    line, and no MLflow run left RUNNING in the local sqlite store. The steps' own runs end KILLED by themselves; the
+    pipeline's parent run is ended by the exit handler (record-status), which an interrupted kfp.local never runs,
+    so it stayed RUNNING for good. A fixed LR (no range test) and 30 fine-tune epochs: the signal lands in training."""
+    import sqlite3
+
+    cfg = tiny_config(shapes_dataset_dir, tiny_model_dir, lr=2e-4, finetune={"epochs": 30},
+                      sampling={**TINY["sampling"], "every_validations": None})
+    config = tmp_path / "cfg.yaml"
+    config.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude={"kubernetes"})))
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    # Its own process group, SIGINT at its default: as a command in a terminal's foreground (tests/cli/test_train.py).
+    proc = subprocess.Popen([sys.executable, "-m", "rangefinder.cli.main", "run", "--local", "--config", str(config),
+                             "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    seen: list[str] = []
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            seen.append(line)
+            if line.startswith("rangefinder:   train"):  # the fine-tune's first bar line: its run is open
+                os.killpg(proc.pid, signal.SIGINT)
+                break
+        seen.append(proc.communicate(timeout=120)[1])
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    terminal = "".join(seen)
+    assert proc.returncode == 130 and "Traceback" not in terminal, terminal
+    assert terminal.strip().splitlines()[-1].startswith("rangefinder run: interrupted"), terminal
+    with sqlite3.connect(out / "mlflow.db") as con:
+        runs = con.execute("select name, status from runs").fetchall()
+        (state,) = con.execute("select t.value from tags t join runs r on t.run_uuid = r.run_uuid where "
+                               "t.key = 'rangefinder.final_state'").fetchone()
+    (parent,) = [name for name, _ in runs if name.startswith("rangefinder-finetune-")]
+    assert dict(runs) == {parent: "KILLED", "finetune": "KILLED"}, runs
+    assert state == "CANCELED"

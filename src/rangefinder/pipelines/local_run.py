@@ -175,6 +175,13 @@ def run_pipeline_locally(cfg: RangefinderConfig, out_dir: str | Path, *, dataset
                 pipeline(**parameters_from_config(cfg, dataset_uri=dataset_uri))
             finally:
                 redacted.flush()
+    except KeyboardInterrupt:
+        # Ctrl-C: kfp.local stops and the exit handler (record-status) never runs, so nothing else would end the
+        # MLflow parent run: it would stay RUNNING in the store for good.
+        started = _new_runs(root, before, PIPELINE_NAME)
+        if started:
+            _end_interrupted_parent(tracking_uri, cfg, started[-1].name)
+        raise
     except RuntimeError as e:
         # kfp.local names a failed task, not always the first to fail, and by its outer name (register-model-2 for the
         # log's register-model-2-2); the log says which failed first and why.
@@ -193,8 +200,7 @@ def run_pipeline_locally(cfg: RangefinderConfig, out_dir: str | Path, *, dataset
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-    new = sorted((p for p in root.iterdir() if p.name not in before and p.name.startswith(PIPELINE_NAME)),
-                 key=lambda p: p.stat().st_mtime)
+    new = _new_runs(root, before, PIPELINE_NAME)
     if not new:
         raise RangefinderError(f"kfp.local wrote no run folder under {root}")
     run = LocalRun(out_dir=out, run_dir=new[-1], tracking_uri=tracking_uri,
@@ -202,6 +208,35 @@ def run_pipeline_locally(cfg: RangefinderConfig, out_dir: str | Path, *, dataset
     _collect(run)
     _publish_reports(run)
     return run
+
+
+def _new_runs(root: Path, before: set[str], pipeline_name: str) -> list[Path]:
+    """The run folders kfp.local made under `root` since `before` was read, oldest first."""
+    return sorted((p for p in root.iterdir() if p.name not in before and p.name.startswith(pipeline_name)),
+                  key=lambda p: p.stat().st_mtime)
+
+
+def _end_interrupted_parent(tracking_uri: str, cfg: RangefinderConfig, run_name: str) -> None:
+    """End the MLflow parent run of the kfp.local run `run_name` (its run folder's name, which resolve-config tags
+    it with as kfp.run_name) KILLED, as record-status ends a cancelled run on a cluster. Best effort and bounded: a
+    run interrupted before resolve-config made its parent has none, and MLflow may not answer."""
+    from mlflow import MlflowClient
+
+    from rangefinder.tracking.runs import TAG_CREATED_BY
+    from rangefinder.tracking.target import bound_http_requests
+
+    bound_http_requests()
+    try:
+        client = MlflowClient(tracking_uri=tracking_uri)
+        exp_id = _experiment_id(tracking_uri, cfg)
+        if exp_id is None:
+            return
+        for parent in client.search_runs([exp_id], filter_string=f"tags.`kfp.run_name` = '{run_name}'"):
+            if parent.info.status == "RUNNING" and parent.data.tags.get(TAG_CREATED_BY) == "rangefinder":
+                client.set_tag(parent.info.run_id, "rangefinder.final_state", "CANCELED")
+                client.set_terminated(parent.info.run_id, status="KILLED")
+    except Exception:  # MLflow gone too: the run stays as the store has it
+        return
 
 
 def _experiment_id(tracking_uri: str, cfg: RangefinderConfig) -> Optional[str]:
