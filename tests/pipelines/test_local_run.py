@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sqlite3
+import subprocess
 import sys
 from pathlib import Path
 
@@ -271,3 +273,23 @@ def test_report_names_tell_the_first_range_test_from_the_zoom(tmp_path):
                           "lr-range-test-zoom.md", "finetune.html", "finetune.md"}
     assert "lr-range-test-3" in names["lr-range-test-first.html"]
     assert "lr-range-test-2-2" in names["lr-range-test-zoom.md"]
+
+
+def test_verbose_streams_the_logs_on_stderr_and_keeps_stdout_the_result(tmp_path, shapes_dataset_dir, tiny_model_dir):
+    """`run --local --verbose --json`: the steps' whole logs stream on stderr, and stdout is the JSON result alone
+    (the logs went to stdout, so `--verbose --json | jq` read kfp.local's log lines). A fixed LR, no range test."""
+    cfg = _cfg(shapes_dataset_dir, tiny_model_dir, lr=2e-4, sampling={**TINY["sampling"], "every_validations": None})
+    config = tmp_path / "cfg.yaml"
+    config.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude={"kubernetes"})))
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    r = subprocess.run([sys.executable, "-m", "rangefinder.cli.main", "run", "--local", "--config", str(config),
+                        "--out", str(out), "--verbose", "--json"], capture_output=True, text=True, env=env,
+                       timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads(r.stdout)
+    assert s["registered_model"] == "models:/rangefinder-sd/1" and Path(s["pipeline_root"]).is_dir()
+    # kfp.local's own lines (coloured), every step's: the whole log, as it streams.
+    log = re.sub(r"\x1b\[[0-9;]*m", "", r.stderr)
+    assert "Executing task 'finetune" in log and "Pipeline 'rangefinder-finetune' finished" in log
+    assert "train (constant):" in log

@@ -162,10 +162,10 @@ def run_pipeline_locally(cfg: RangefinderConfig, out_dir: str | Path, *, dataset
     if quiet:
         print(f"rangefinder: running the pipeline with kfp.local; step logs in {log_path}", file=sys.stderr)
     try:
-        # kfp.local prints every step's log and outputs on stdout; with `quiet` they go to the log file instead,
-        # so the terminal (and --json) shows only the result. Either way they pass through redact().
-        # With `quiet`, StepProgress also shows on the terminal a line per step and the training bars.
-        with open(log_path, "a", encoding="utf-8") if quiet else contextlib.nullcontext(sys.stdout) as log, \
+        # kfp.local prints every step's log and outputs on stdout; they go to the log file with `quiet`, else to
+        # stderr (--verbose), so stdout holds only the result, a --json one too. Either way they pass through
+        # redact(). With `quiet`, StepProgress also shows on the terminal a line per step and the training bars.
+        with open(log_path, "a", encoding="utf-8") if quiet else contextlib.nullcontext(sys.stderr) as log, \
                 _progress(log, quiet) as shown, \
                 contextlib.redirect_stdout(RedactingWriter(shown)) as redacted, warnings.catch_warnings():
             try:

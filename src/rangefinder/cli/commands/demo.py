@@ -30,7 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--family", choices=("sd1", "sdxl", "sd3", "flux"), default="sd1",
                    help="which embedded tiny model to run on: SD 1.x (default), SDXL, SD3.5 or Flux.1; the engine "
                    "reads the family from the model, as for any base model")
-    p.add_argument("--verbose", action="store_true", help="stream every step's log here instead of to OUT/pipeline.log")
+    p.add_argument("--verbose", action="store_true",
+                   help="stream every step's log on stderr instead of to OUT/pipeline.log")
     add_json_flag(p)
     p.set_defaults(func=run)
 

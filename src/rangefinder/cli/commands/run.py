@@ -19,7 +19,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="run on this machine (the only mode; `submit` runs on a cluster)")
     p.add_argument("--config", required=True, help="a rangefinder config YAML")
     p.add_argument("--out", default="rangefinder-run", help="output folder (default ./rangefinder-run)")
-    p.add_argument("--verbose", action="store_true", help="stream every step's log here instead of to OUT/pipeline.log")
+    p.add_argument("--verbose", action="store_true",
+                   help="stream every step's log on stderr instead of to OUT/pipeline.log")
     add_json_flag(p)
     p.set_defaults(func=run)
 
