@@ -277,11 +277,14 @@ def test_report_names_tell_the_first_range_test_from_the_zoom(tmp_path):
 
 def test_verbose_streams_the_logs_on_stderr_and_keeps_stdout_the_result(tmp_path, shapes_dataset_dir, tiny_model_dir):
     """`run --local --verbose --json`: the steps' whole logs stream on stderr, and stdout is the JSON result alone
-    (the logs went to stdout, so `--verbose --json | jq` read kfp.local's log lines). A fixed LR, no range test."""
+    (the logs went to stdout, so `--verbose --json | jq` read kfp.local's log lines). The result names no `log`
+    when an earlier run's OUT/pipeline.log is there (it named that file). A fixed LR, no range test."""
     cfg = _cfg(shapes_dataset_dir, tiny_model_dir, lr=2e-4, sampling={**TINY["sampling"], "every_validations": None})
     config = tmp_path / "cfg.yaml"
     config.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude={"kubernetes"})))
     out = tmp_path / "out"
+    out.mkdir()
+    (out / "pipeline.log").write_text("an earlier run's log\n")  # the same --out, run before without --verbose
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
     r = subprocess.run([sys.executable, "-m", "rangefinder.cli.main", "run", "--local", "--config", str(config),
                         "--out", str(out), "--verbose", "--json"], capture_output=True, text=True, env=env,
@@ -293,3 +296,6 @@ def test_verbose_streams_the_logs_on_stderr_and_keeps_stdout_the_result(tmp_path
     log = re.sub(r"\x1b\[[0-9;]*m", "", r.stderr)
     assert "Executing task 'finetune" in log and "Pipeline 'rangefinder-finetune' finished" in log
     assert "train (constant):" in log
+    # No `log` line: this run's log is the stream above; OUT/pipeline.log is an earlier run's, and left as it was.
+    assert "log" not in s, s["log"]
+    assert (out / "pipeline.log").read_text() == "an earlier run's log\n"

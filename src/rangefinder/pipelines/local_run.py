@@ -39,6 +39,7 @@ class LocalRun:
     outputs: dict[str, dict[str, Any]] = field(default_factory=dict)  # task name -> output parameters
     artifacts: dict[str, dict[str, str]] = field(default_factory=dict)  # task name -> output name -> path
     reports: list[Path] = field(default_factory=list)  # copies under OUT/reports/, named to open in a browser
+    log: Optional[Path] = None  # OUT/pipeline.log when this run's steps logged there (not with --verbose)
 
     def task(self, prefix: str) -> Optional[str]:
         """The task whose name starts with `prefix` and that really ran (kfp.local suffixes repeated names)."""
@@ -74,8 +75,8 @@ class LocalRun:
             out["registered_model"] = self.outputs[reg].get("model_uri")
         out["reports"] = [str(p) for p in self.reports]
         out["pipeline_root"] = str(self.run_dir)
-        if (self.out_dir / "pipeline.log").is_file():
-            out["log"] = str(self.out_dir / "pipeline.log")
+        if self.log is not None and self.log.is_file():  # an earlier run's log is not this run's
+            out["log"] = str(self.log)
         out["mlflow"] = safe_uri(self.tracking_uri)
         if self.experiment_id is not None:
             # The UI lands on its GenAI view otherwise; this link opens the runs table (tracking.target.ui_link).
@@ -204,7 +205,7 @@ def run_pipeline_locally(cfg: RangefinderConfig, out_dir: str | Path, *, dataset
     if not new:
         raise RangefinderError(f"kfp.local wrote no run folder under {root}")
     run = LocalRun(out_dir=out, run_dir=new[-1], tracking_uri=tracking_uri,
-                   experiment_id=_experiment_id(tracking_uri, cfg))
+                   experiment_id=_experiment_id(tracking_uri, cfg), log=log_path if quiet else None)
     _collect(run)
     _publish_reports(run)
     return run
