@@ -98,3 +98,48 @@ def test_a_range_test_s_line_says_what_its_zoom_means():
              "zoom_lr_max": "0"}
     assert headline_text(final) == "lr_low 0.0002, lr_mid 0.0005, lr_high 0.0006"
     assert headline_text({"train_images": "16", "source": "fixed"}) == "source fixed, train_images 16"
+
+
+def test_the_bar_is_drawn_on_a_terminal_that_reports_no_width():
+    """A pseudo-terminal no window sized (0 x 0: `script` or `docker run -t` in CI) is a terminal, so the bar is drawn
+    in place, not as plain lines; tqdm sized to it drew nothing at all, and a training step showed no progress
+    between its started and done lines. A real pty, as opened (0 x 0), as the stderr of a process of its own, where
+    StepProgress draws as a local run does (tqdm reads the size of sys.stderr itself)."""
+    import os
+    import pty
+    import select
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import io, sys\n"
+            "from rangefinder.pipelines.progress import StepProgress\n"
+            "from tests.pipelines.test_progress import LOG\n"
+            "progress = StepProgress(io.StringIO(), sys.stderr)\n"
+            "for line in LOG.splitlines(keepends=True):\n"
+            "    progress.write(line)\n"
+            "progress.close()\n")
+    master, slave = pty.openpty()
+    assert os.get_terminal_size(slave) == (0, 0)
+    proc = subprocess.Popen([sys.executable, "-c", code], stderr=slave, cwd=Path(__file__).resolve().parents[2])
+    os.close(slave)
+    drawn = b""
+    try:
+        while True:
+            if select.select([master], [], [], 60)[0]:
+                try:
+                    data = os.read(master, 65536)
+                except OSError:  # EIO: the process closed the terminal
+                    break
+                if not data:
+                    break
+                drawn += data
+            else:
+                break
+    finally:
+        os.close(master)
+        assert proc.wait(timeout=60) == 0
+    shown = drawn.decode("utf-8", errors="replace")
+    assert "rangefinder: lr-range-test started" in shown
+    assert "  train (exp-ramp):  50%|" in shown and "12/24" in shown and "loss=0.2101" in shown, shown  # 80 columns
+    assert "rangefinder:   train" not in shown  # the live bar, not plain lines

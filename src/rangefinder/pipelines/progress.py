@@ -14,6 +14,7 @@ every `plain_every` seconds, so logs stay short.
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from typing import IO, Any, Optional
@@ -68,6 +69,14 @@ def headline_text(outputs: dict[str, str]) -> str:
         phrases["needs_zoom"] = (f"{bounds} (provisional: a zoomed range test follows{where})" if bounds
                                  else f"no LR bounds read yet: a zoomed range test follows{where}")
     return ", ".join(phrases[k] for k in HEADLINE if k in phrases)
+
+
+def _columns(terminal: Any) -> int:
+    """The terminal's width in columns; 0 where it reports none or is no terminal."""
+    try:
+        return os.get_terminal_size(terminal.fileno()).columns
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError and a ValueError
+        return 0
 
 
 class StepProgress:
@@ -160,8 +169,12 @@ class StepProgress:
                 self._close_bar()
                 from tqdm import tqdm
 
+                # tqdm sized to the terminal draws nothing on one that reports no size (0 x 0: a pseudo-terminal no
+                # window sized, as `script` or `docker run -t` in CI give); there it draws 80 x 24.
+                sized = _columns(self.terminal) > 0
                 self._bar = tqdm(total=total, desc=f"  {desc}", unit="update", file=self.terminal,
-                                 dynamic_ncols=True, leave=False)
+                                 dynamic_ncols=sized, ncols=None if sized else 80, nrows=None if sized else 24,
+                                 leave=False)
                 self._bar_desc = desc
             self._bar.n = n
             self._bar.set_postfix_str(post, refresh=False)
