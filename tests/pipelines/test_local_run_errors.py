@@ -155,7 +155,8 @@ def test_ctrl_c_ends_the_pipelines_mlflow_run_killed(tmp_path, shapes_dataset_di
     """Ctrl-C (SIGINT to the terminal's process group) while the fine-tune trains: exit 130 with one "interrupted"
     line, and no MLflow run left RUNNING in the local sqlite store. The steps' own runs end KILLED by themselves; the
     pipeline's parent run is ended by the exit handler (record-status), which an interrupted kfp.local never runs,
-    so it stayed RUNNING for good. A fixed LR (no range test) and 30 fine-tune epochs: the signal lands in training."""
+    so it stayed RUNNING for good. The line says what running the command again does. A fixed LR (no range test)
+    and 30 fine-tune epochs: the signal lands in training."""
     import sqlite3
 
     cfg = tiny_config(shapes_dataset_dir, tiny_model_dir, lr=2e-4, finetune={"epochs": 30},
@@ -182,7 +183,11 @@ def test_ctrl_c_ends_the_pipelines_mlflow_run_killed(tmp_path, shapes_dataset_di
             os.killpg(proc.pid, signal.SIGKILL)
     terminal = "".join(seen)
     assert proc.returncode == 130 and "Traceback" not in terminal, terminal
-    assert terminal.strip().splitlines()[-1].startswith("rangefinder run: interrupted"), terminal
+    # It says what a rerun does: a local run has no resume, so the same command starts over.
+    assert terminal.strip().splitlines()[-1] == (
+        "rangefinder run: interrupted; a local pipeline run does not resume, the same command starts it over: "
+        f"rangefinder run --local --config {config} --out {out} (the steps' outputs so far are under "
+        f"{out / 'pipeline-root'})"), terminal
     with sqlite3.connect(out / "mlflow.db") as con:
         runs = con.execute("select name, status from runs").fetchall()
         (state,) = con.execute("select t.value from tags t join runs r on t.run_uuid = r.run_uuid where "
