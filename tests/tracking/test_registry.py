@@ -73,6 +73,31 @@ def test_a_folder_that_is_not_a_pipeline_is_refused(shared_sqlite_tracking_uri, 
             run.log_diffusers_model(tmp_path)
 
 
+@pytest.mark.parametrize("damage", ["unet weights missing", "vae weights cut short", "text_encoder/ missing"])
+def test_a_half_written_pipeline_folder_is_refused_before_anything_is_registered(sqlite_tracking_uri, tiny_model_dir,
+                                                                                 tmp_path, damage):
+    """A folder with model_index.json but a part missing or cut short (a copy or save that stopped part-way) would
+    become @candidate and fail only when loaded: it is refused, and the registry stays empty."""
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    if damage == "unet weights missing":
+        (folder / "unet" / "diffusion_pytorch_model.safetensors").unlink()
+    elif damage == "vae weights cut short":
+        weights = folder / "vae" / "diffusion_pytorch_model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:-100])
+    else:
+        shutil.rmtree(folder / "text_encoder")
+    name = "rf-half-written"
+    cfg = RangefinderConfig(tracking=TrackingConfig(tracking_uri=sqlite_tracking_uri, experiment_name="half-written",
+                                                    registered_model_name=name))
+    with pytest.raises(TrackingError, match="not a whole diffusers pipeline folder"):
+        with step_run(cfg, "register_model") as run:
+            run.log_diffusers_model(folder, num_inference_steps=2)
+    assert MlflowClient(sqlite_tracking_uri).search_model_versions(f"name='{name}'") == []
+
+
 def test_a_retried_registration_finishes_its_version_instead_of_adding_one(sqlite_tracking_uri, tiny_model_dir):
     """A retried register-model step goes on in its earlier attempt's run (tracking.step_run), and a server that went
     away part-way is waited for and the registration tried again: either way that run may have registered its

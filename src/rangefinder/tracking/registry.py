@@ -167,6 +167,7 @@ def log_diffusers_model(
             f"{folder} is not a diffusers pipeline folder (no model_index.json); save the final pipeline with "
             "save_pretrained() before logging it"
         )
+    _require_whole_pipeline(folder)
     res = int(resolution or _default_resolution(folder))
     defaults = {"num_inference_steps": int(num_inference_steps), "guidance_scale": float(guidance_scale),
                 "height": res, "width": res}
@@ -219,6 +220,43 @@ def log_diffusers_model(
     _log.info("registered %s version %s as @%s", registered_model_name, mv.version, alias)
     return RegisteredVersion(model_uri=mv.source if info is None else info.model_uri, name=registered_model_name,
                              version=str(mv.version), alias=alias)
+
+
+def _require_whole_pipeline(folder: Path) -> None:
+    """Refuse a pipeline folder that is missing a part model_index.json names, or whose model part has no weights or
+    a damaged .safetensors file (a copy cut short, a save that stopped part-way): registered, it would become
+    @candidate and fail only when someone loads it."""
+    import json
+
+    from safetensors import SafetensorError, safe_open
+
+    def refuse(why: str) -> TrackingError:
+        return TrackingError(f"{folder} is not a whole diffusers pipeline folder: {why}; save the pipeline again "
+                             "with save_pipeline_folder (or copy it again) before registering it")
+
+    try:
+        index = json.loads((folder / "model_index.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise refuse(f"model_index.json cannot be read ({e})") from None
+    if not isinstance(index, dict):
+        raise refuse("model_index.json is not a JSON object")
+    for part, spec in sorted(index.items()):
+        if part.startswith("_") or not (isinstance(spec, list) and len(spec) == 2) or spec[0] is None:
+            continue  # a setting, or a part the pipeline goes without (safety_checker: [null, null])
+        part_dir = folder / part
+        if not part_dir.is_dir():
+            raise refuse(f"model_index.json names {part} ({spec[1]}), but {part}/ is missing")
+        if not (part_dir / "config.json").is_file():
+            continue  # a scheduler or tokenizer: settings and vocabularies, no weights
+        weights = sorted(part_dir.glob("*.safetensors"))
+        if not weights and not any(part_dir.glob("*.bin")):
+            raise refuse(f"{part}/ has a config.json but no weights file")
+        for w in weights:
+            try:
+                with safe_open(str(w), framework="pt"):  # checks the header against the file's length
+                    pass
+            except (SafetensorError, OSError) as e:
+                raise refuse(f"{part}/{w.name} is damaged or cut short ({str(e).splitlines()[0][:200]})") from None
 
 
 def _version_registered_by(client: Any, name: str, run_id: str) -> Any:
