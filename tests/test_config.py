@@ -35,6 +35,10 @@ from rangefinder.planning import plan, val_count
         ({"finetune": {"tolerance": 0}}, "finetune.tolerance", "greater than 0"),
         ({"sampling": {"prompts": []}}, "sampling.prompts", "at least one"),
         ({"lr": -1}, "lr", "greater than 0"),
+        ({"tracking": {"registered_model_name": "team/sd"}}, "tracking.registered_model_name", "may not contain '/'"),
+        ({"tracking": {"registered_model_name": "sd:v1"}}, "tracking.registered_model_name", "may not contain '/'"),
+        ({"tracking": {"registered_model_name": ".."}}, "tracking.registered_model_name", "MLflow refuses"),
+        ({"tracking": {"registered_model_name": "  "}}, "tracking.registered_model_name", "blank space"),
     ],
 )
 def test_invalid_values_name_the_field(raw, field, hint):
@@ -479,3 +483,23 @@ def test_prodigy_settings_are_prodigy_s_arguments_and_unused_with_another_optimi
     assert line.startswith("training.prodigy (safeguard_warmup) is not used: training.optimizer is adamw")
     with pytest.raises(ConfigError, match=r"training.prodigy.betas.1: Input should be less than 1"):
         parse_config({"training": {"optimizer": "prodigy", "prodigy": {"betas": [0.9, 1.0]}}})
+
+
+@pytest.mark.parametrize("name", ["team/sd", "sd:v1", ".", "..", "  ", "rangefinder-sd", "my model_2.x", "ä%b"])
+def test_registered_model_names_are_refused_exactly_where_mlflow_refuses_them(name):
+    """The register step runs last: a name MLflow refuses must stop the run when its config is read, and a name
+    MLflow takes must not be refused."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.utils.validation import _validate_model_name
+
+    try:
+        _validate_model_name(name)
+        mlflow_takes = True
+    except MlflowException:
+        mlflow_takes = False
+    try:
+        parse_config({"tracking": {"registered_model_name": name}})
+        we_take = True
+    except ConfigError:
+        we_take = False
+    assert we_take == mlflow_takes

@@ -845,6 +845,19 @@ class TrackingConfig(_Section):
         _refuse_uri_credentials(v)
         return v
 
+    @field_validator("registered_model_name")
+    @classmethod
+    def _a_name_mlflow_takes(cls, v: Optional[str]) -> Optional[str]:
+        # MLflow's rules (mlflow.utils.validation._validate_model_name), checked here so that a run stops before it
+        # trains, not at its register step after hours of training. An empty name stays "do not register".
+        if v:
+            if not v.strip():
+                raise ValueError("is only blank space; give a name, or null (empty) to not register the model")
+            if "/" in v or ":" in v or v in (".", ".."):
+                raise ValueError(f"MLflow refuses {v!r} as a registered model name: it may not contain '/' or ':' "
+                                 "nor be '.' or '..'; use e.g. letters, digits, '-' and '_'")
+        return v
+
 
 # Kubernetes' name rules (k8s.io/apimachinery/pkg/util/validation): what the API server refuses, checked when the
 # config is read so a bad name fails at `compile`, not when the pods are created.
