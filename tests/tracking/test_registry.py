@@ -98,6 +98,24 @@ def test_a_half_written_pipeline_folder_is_refused_before_anything_is_registered
     assert MlflowClient(sqlite_tracking_uri).search_model_versions(f"name='{name}'") == []
 
 
+def test_promote_on_a_local_store_answers_as_on_a_server(sqlite_tracking_uri, tiny_model_dir, capsys):
+    """The default store is a local sqlite file, whose versions are ints: `promote --json` still prints versions as
+    strings, as against a server, and promoting the version champion already holds says so by previous_version."""
+    name = "rf-local-promote"
+    cfg = RangefinderConfig(tracking=TrackingConfig(tracking_uri=sqlite_tracking_uri, experiment_name="local-promote",
+                                                    registered_model_name=name))
+    with step_run(cfg, "register_model") as run:
+        run.log_diffusers_model(tiny_model_dir, num_inference_steps=2)
+    with pytest.raises(TrackingError, match="no version with alias 'nope'"):
+        promote(name, from_alias="nope", tracking_uri=sqlite_tracking_uri)
+    assert promote(name, tracking_uri=sqlite_tracking_uri)["previous_version"] is None
+    capsys.readouterr()
+    assert cli_main(["promote", "--model", name, "--tracking-uri", sqlite_tracking_uri, "--json"]) == 0
+    printed = capsys.readouterr().out
+    assert json.loads(printed[printed.index("{"):]) == {"name": name, "version": "1", "alias": "champion",
+                                                         "previous_version": "1"}
+
+
 def test_a_retried_registration_finishes_its_version_instead_of_adding_one(sqlite_tracking_uri, tiny_model_dir):
     """A retried register-model step goes on in its earlier attempt's run (tracking.step_run), and a server that went
     away part-way is waited for and the registration tried again: either way that run may have registered its

@@ -372,7 +372,8 @@ def promote(
                                 "(Models tab) and pass an existing --version") from None
     previous = None
     try:
-        previous = client.get_model_version_by_alias(name, to_alias).version
+        # A str as `version` is: a file or sqlite store answers an int where a server answers a str.
+        previous = str(client.get_model_version_by_alias(name, to_alias).version)
     except MlflowException:
         pass
     try:
