@@ -116,6 +116,30 @@ def test_promote_on_a_local_store_answers_as_on_a_server(sqlite_tracking_uri, ti
                                                          "previous_version": "1"}
 
 
+@pytest.mark.parametrize("given", ["model", "model/chosen"])
+def test_register_by_hand_says_the_chosen_checkpoint_whichever_folder_it_is_given(sqlite_tracking_uri, tiny_model_dir,
+                                                                                  tmp_path, given):
+    """`rangefinder register` takes the fine-tune's model folder or its chosen/: either way the version is the chosen
+    checkpoint and says so (tags, description), not "final weights, no validated checkpoint"."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model / "chosen")
+    shutil.copytree(tiny_model_dir, model / "final")
+    (model / "chosen.json").write_text(json.dumps({
+        "status": "window", "reason": "The step window's lowest validation loss, at update 12.",
+        "rule": "window_lowest", "update": 12, "epoch": 3, "val_loss": 0.2, "checkpoint": "update-00000012"}))
+    name = "rf-by-hand"
+    config = tmp_path / "config.yaml"
+    config.write_text(f"tracking: {{tracking_uri: '{sqlite_tracking_uri}', registered_model_name: {name}, "
+                      "experiment_name: by-hand}\n")
+    assert cli_main(["register", str(tmp_path / given), "--config", str(config), "--lr", "1e-4", "--epochs", "5"]) == 0
+    version = MlflowClient(sqlite_tracking_uri).get_model_version(name, "1")
+    assert version.tags["rangefinder.weights"] == "finetune update-00000012"
+    assert version.tags["rangefinder.chosen_rule"] == "window_lowest" and version.tags["update"] == "12"
+    assert version.description.startswith("The step window's lowest validation loss, at update 12.")
+
+
 def test_a_retried_registration_finishes_its_version_instead_of_adding_one(sqlite_tracking_uri, tiny_model_dir):
     """A retried register-model step goes on in its earlier attempt's run (tracking.step_run), and a server that went
     away part-way is waited for and the registration tried again: either way that run may have registered its

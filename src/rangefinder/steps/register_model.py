@@ -37,10 +37,16 @@ def delivered_name(chosen: dict[str, Any]) -> str:
 
 
 def delivered_weights(model_dir: Path) -> tuple[Path, Optional[dict]]:
-    """(folder, chosen.json or None): the fine-tune's chosen model when it has one, else the run's final weights."""
+    """(folder, chosen.json or None): the fine-tune's chosen model when it has one, else the run's final weights.
+
+    `model_dir` is the step's output folder; `chosen/` itself (what `rangefinder register` is given by hand) is that
+    same chosen model, with the chosen.json beside it: registered as "final weights, no validated checkpoint", its
+    version would say the opposite of what it holds."""
     from rangefinder.formats import checkpoints
 
     model_dir = Path(model_dir)
+    if model_dir.name == checkpoints.CHOSEN_DIR and checkpoints.read_chosen(model_dir.parent) is not None:
+        return model_dir, checkpoints.read_chosen(model_dir.parent)
     chosen = checkpoints.read_chosen(model_dir)
     if chosen is not None:
         return model_dir / checkpoints.CHOSEN_DIR, chosen

@@ -15,10 +15,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "register",
         help="register a fine-tuned model folder in MLflow (what the register-model step does)",
-        description="Log MODEL_DIR (a fine-tune's or retrain's output: chosen/ or final/) to MLflow as a pyfunc "
-        "model, register it as tracking.registered_model_name and point the candidate alias at it.",
+        description="Log MODEL_DIR (a fine-tune's or retrain's model folder, which holds chosen/ or final/, or one of "
+        "those two) to MLflow as a pyfunc model, register it as tracking.registered_model_name and point the "
+        "candidate alias at it.",
     )
-    p.add_argument("model_dir", help="the fine-tune's or retrain's model folder")
+    p.add_argument("model_dir", help="the fine-tune's or retrain's model folder (or its chosen/ or final/)")
     p.add_argument("--config", required=True, help="the rangefinder config the pipeline ran with")
     p.add_argument("--lr", type=float, required=True, help="the learning rate the weights were trained at")
     p.add_argument("--epochs", type=int, required=True, help="the epochs they were trained for")
