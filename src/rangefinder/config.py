@@ -1349,6 +1349,19 @@ def auto_finder_conflicts(cfg: RangefinderConfig, family: str) -> list[str]:
             "use them, or remove them"]
 
 
+def check_pipeline_config(cfg: RangefinderConfig) -> None:
+    """ConfigError for a config the pipeline cannot run though `rangefinder train` can: the LR range test reads the
+    LR off its validation curve, so discovery by the range test needs validation on. Refused when the pipeline is
+    compiled, run locally or resolved, not when its range-test step meets it after importing the data and resolving
+    the base model. Not in RangefinderConfig's validators: `train --validate-every-epochs 0` is a plain run."""
+    if (not cfg.validation.enabled() and cfg.lr_range_test.validate_every_updates is None
+            and cfg.pipeline_lr() is None and cfg.lr_finder != "prodigy_step"):
+        raise ConfigError(
+            "validation.every_epochs: 0 turns validation off, but the LR range test measures validation loss; set "
+            "validation.every_epochs > 0 (or lr_range_test.validate_every_updates, or a fixed lr to skip discovery)"
+        )
+
+
 # AdamW's settings (training.optimizer adamw and adamw8bit); the other optimizers start from their packages' defaults.
 ADAMW_SETTINGS = ("training.adam_beta1", "training.adam_beta2", "training.adam_epsilon", "training.weight_decay")
 

@@ -3,12 +3,15 @@ using one would give a wrong answer without a word, it refuses instead. Through 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import pytest
 import yaml
 
 from rangefinder.cli.ignored import ignored_by_pipeline, ignored_by_submit, ignored_by_train
 from rangefinder.config import RangefinderConfig, demo_config, given_settings, parse_config
+from rangefinder.errors import ConfigError
 from tests.cli.test_bad_input import assert_one_line_error, rangefinder
 
 
@@ -118,3 +121,25 @@ def test_the_shipped_example_config_compiles_without_a_warning(tmp_path):
     proc = rangefinder("compile", "--config", str(example), "--out", str(out))
     assert proc.returncode == 0 and out.is_file(), proc.stderr
     assert "warning" not in proc.stderr, proc.stderr
+
+
+def test_the_pipeline_refuses_validation_off_when_the_range_test_measures_the_lr(tmp_path):
+    """validation.every_epochs: 0 compiled without a word, and the pipeline failed at its range-test step, after the
+    data were imported and the base model resolved. `train` keeps running without validation (a plain run)."""
+    from rangefinder.steps.resolve_config import config_from_parameters
+
+    out = tmp_path / "pipeline.yaml"
+    proc = rangefinder("compile", "--config", str(_config(tmp_path, {"validation": {"every_epochs": 0}})),
+                       "--out", str(out))
+    assert_one_line_error(proc, "validation.every_epochs: 0", "the LR range test measures validation loss",
+                          "lr_range_test.validate_every_updates")
+    assert not out.exists()
+    with pytest.raises(ConfigError, match="the LR range test measures validation loss"):
+        config_from_parameters(json.dumps({"validation": {"every_epochs": 0}}))
+    # What the range test needs is there, or no LR is discovered: it compiles.
+    for fine in ({"lr_range_test": {"validate_every_updates": 5}}, {"lr": 1e-4}, {"lr_finder": "prodigy_step"},
+                 {"training": {"optimizer": "prodigy"}}):
+        proc = rangefinder("compile", "--config", str(_config(tmp_path, {"validation": {"every_epochs": 0}, **fine})),
+                           "--out", str(out))
+        assert proc.returncode == 0 and out.is_file(), (fine, proc.stderr)
+    assert not parse_config({"validation": {"every_epochs": 0}}).validation.enabled()  # `train` reads it as given

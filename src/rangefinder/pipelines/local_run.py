@@ -121,6 +121,9 @@ def local_tracking_uri(out_dir: Path) -> str:
 def run_pipeline_locally(cfg: RangefinderConfig, out_dir: str | Path, *, dataset_uri: str = "",
                          quiet: bool = False) -> LocalRun:
     """Run the pipeline for `cfg` with kfp.local; raise RangefinderError naming the failed step."""
+    from rangefinder.config import check_pipeline_config
+
+    check_pipeline_config(cfg)
     if cfg.distributed.num_nodes > 1:
         raise ConfigError(
             f"distributed.num_nodes is {cfg.distributed.num_nodes}, but a local run (kfp.local) is single-node: set "

@@ -400,6 +400,10 @@ def compile_pipeline(cfg: Optional[RangefinderConfig], package_path: str) -> str
     from rangefinder.errors import ConfigError
     from rangefinder.tracking.redaction import CREDENTIALS_FIX, url_with_credentials
 
+    if cfg is not None:
+        from rangefinder.config import check_pipeline_config
+
+        check_pipeline_config(cfg)
     if cfg is not None and cfg.distributed.num_nodes > 1 and not cfg.kubernetes.data_pvc:
         raise ConfigError("distributed.num_nodes > 1 needs kubernetes.data_pvc: the nodes share the run's data, "
                           "caches and outputs through it (a ReadWriteMany volume)")

@@ -24,7 +24,13 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from rangefinder.config import RangefinderConfig, _deep_merge, auto_finder_conflicts, parse_config
+from rangefinder.config import (
+    RangefinderConfig,
+    _deep_merge,
+    auto_finder_conflicts,
+    check_pipeline_config,
+    parse_config,
+)
 from rangefinder.errors import ConfigError
 
 # Pipeline parameter -> dotted config field. The order is the order the UI lists them in.
@@ -114,7 +120,9 @@ def config_from_parameters(base_config: str = "", **params: Any) -> RangefinderC
             value = None
         raw = _deep_merge(raw, _nested(PARAMETER_FIELDS[name], value))
     try:
-        return parse_config(raw)
+        cfg = parse_config(raw)
+        check_pipeline_config(cfg)
+        return cfg
     except ConfigError as e:
         # Name the pipeline parameter a person typed, not only the config field behind it.
         msg = str(e)
