@@ -503,3 +503,21 @@ def test_registered_model_names_are_refused_exactly_where_mlflow_refuses_them(na
     except ConfigError:
         we_take = False
     assert we_take == mlflow_takes
+
+
+def test_another_method_s_settings_and_keep_tokens_without_shuffle_are_a_warning_naming_them():
+    """training.lora with method full, training.textual_inversion with lora, keep_tokens without shuffle_tags were
+    taken without a word; each now gets one line naming it. A config written out whole (every default) says nothing."""
+    from rangefinder.config import setting_conflicts
+
+    (line,) = setting_conflicts(parse_config({"training": {"method": "full", "lora": {"rank": 16}}}))
+    assert line.startswith("training.lora (rank) is not used: training.method is full; set method lora")
+    (line,) = setting_conflicts(parse_config({"training": {"method": "lora",
+                                                           "textual_inversion": {"placeholder_token": "<x>"}}}))
+    assert line.startswith("training.textual_inversion (placeholder_token) is not used: training.method is lora")
+    (line,) = setting_conflicts(parse_config({"training": {"keep_tokens": 3}}))
+    assert line.startswith("training.keep_tokens (3) is not used") and "shuffle_tags is false" in line
+    assert setting_conflicts(parse_config({"training": {"method": "lora", "lora": {"rank": 16},
+                                                        "shuffle_tags": True, "keep_tokens": 2}})) == []
+    whole = setting_conflicts(parse_config(RangefinderConfig().model_dump(mode="json")))
+    assert not [ln for ln in whole if ln.startswith(("training.lora", "training.textual_inversion", "training.keep"))]

@@ -1393,6 +1393,18 @@ def setting_conflicts(cfg: RangefinderConfig, family: Optional[str] = None) -> l
                          "discovered; remove prodigy_step_factor, or the fixed lr")
     if family is not None:
         lines += auto_finder_conflicts(cfg, family)
+    tc = cfg.training
+    # Another method's section: only values other than the defaults count (a config written out whole has both).
+    changed = given_settings(tc, "training.")
+    for method, section in (("lora", "training.lora."), ("textual_inversion", "training.textual_inversion.")):
+        named = [g.removeprefix(section) for g in changed if g.startswith(section)]
+        if named and tc.method != method:
+            lines.append(f"{section.rstrip('.')} ({', '.join(named)}) is not used: training.method is {tc.method}; "
+                         f"set method {method}, or remove the {section.split('.')[1]} section")
+    if "training.keep_tokens" in changed and not tc.shuffle_tags:
+        lines.append(f"training.keep_tokens ({tc.keep_tokens}) is not used: it keeps the first tags in place when "
+                     "training.shuffle_tags shuffles them, and shuffle_tags is false; set shuffle_tags true, or "
+                     "remove keep_tokens")
     prodigy_given = [g for g in given if g.startswith("training.prodigy.")]
     if prodigy_given and cfg.training.optimizer != "prodigy":
         lines.append(f"training.prodigy ({', '.join(g.removeprefix('training.prodigy.') for g in prodigy_given)}) is "
