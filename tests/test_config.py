@@ -521,3 +521,25 @@ def test_another_method_s_settings_and_keep_tokens_without_shuffle_are_a_warning
                                                         "shuffle_tags": True, "keep_tokens": 2}})) == []
     whole = setting_conflicts(parse_config(RangefinderConfig().model_dump(mode="json")))
     assert not [ln for ln in whole if ln.startswith(("training.lora", "training.textual_inversion", "training.keep"))]
+
+
+def test_halving_cooldown_and_average_asked_for_without_validation_are_one_warning_naming_them():
+    """The fine-tune step skips each of them without validation (halving_applies, cooldown_applies,
+    average_applies); asked for by name they went without a word."""
+    from rangefinder.config import setting_conflicts
+
+    no_val = {"validation": {"every_epochs": 0}, "lr_range_test": {"validate_every_updates": 5}}
+    (line,) = setting_conflicts(parse_config({**no_val, "finetune": {"successive_halving": True, "cooldown": "on",
+                                                                     "average": "on"}}))
+    assert line.startswith("finetune.successive_halving: true, finetune.cooldown: on, finetune.average: on do "
+                           "nothing without validation")
+    (line,) = setting_conflicts(parse_config({"split": {"val_split": 0}, "training": {"optimizer": "prodigy"},
+                                              "finetune": {"cooldown": "on"}}))
+    assert line.startswith("finetune.cooldown: on does nothing without validation") and "split.val_split" in line
+    # With validation, or left at their defaults, nothing is said; a fixed lr's halving line is said once.
+    assert setting_conflicts(parse_config({"finetune": {"successive_halving": True, "cooldown": "on"}})) == []
+    assert setting_conflicts(parse_config(no_val)) == []
+    fixed = setting_conflicts(parse_config({"validation": {"every_epochs": 0}, "lr": 1e-4,
+                                            "finetune": {"successive_halving": True}}))
+    (line,) = [ln for ln in fixed if "successive_halving" in ln]
+    assert "with a fixed lr" in line

@@ -1454,6 +1454,23 @@ def setting_conflicts(cfg: RangefinderConfig, family: Optional[str] = None) -> l
         lines.append(f"finetune.soup_tries ({ft.soup_tries}) does nothing with finetune.average off: the soup is made "
                      "of the window's checkpoints the average reads; set average on, or remove soup_tries")
     no_validation = (split.val_dir is None and split.val_split == 0) or not val.enabled()
+    # What the fine-tune step skips without validation (steps/finetune.py: halving_applies, cooldown_applies,
+    # average_applies), each named once: a line above already names one another setting turns off.
+    needs_validation = [
+        name for name, asked in (
+            ("finetune.successive_halving: true", halving_asked and cfg.lr is None and ft.schedule == "constant"),
+            ("finetune.cooldown: on", "finetune.cooldown" in given and ft.cooldown == "on" and ft.schedule == "constant"
+             and cfg.training.optimizer not in SCHEDULE_FREE_OPTIMIZERS),
+            ("finetune.average: on", "finetune.average" in given and ft.average == "on"
+             and not cfg.training.validates_averaged_weights(family)),
+        ) if asked
+    ]
+    if needs_validation and no_validation:
+        one = len(needs_validation) == 1
+        lines.append(f"{', '.join(needs_validation)} {'does' if one else 'do'} nothing without validation: the "
+                     "fine-tune compares validation losses to use "
+                     f"{'it' if one else 'them'}; set split.val_split above 0 (or split.val_dir) and "
+                     f"validation.every_epochs above 0, or remove {'it' if one else 'them'}")
     if "finetune.deliver" in given and ft.deliver == "earliest_tied" and no_validation:
         lines.append("finetune.deliver: earliest_tied does nothing without validation: it picks among the fine-tune's "
                      "checkpoints by their validation loss; set split.val_split above 0 (or split.val_dir) and "
