@@ -58,6 +58,10 @@ class _Section(BaseModel):
     # No NaN or infinity anywhere: no setting means "unbounded" by inf (None does), and a NaN LR trains nothing.
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
+    def default_of(self, name: str) -> Any:
+        """The default of field `name` (given_settings compares a given value with it)."""
+        return type(self).model_fields[name].get_default(call_default_factory=True)
+
     @field_validator("*", mode="before")
     @classmethod
     def _no_boolean_numbers(cls, v: Any, info: ValidationInfo) -> Any:
@@ -543,6 +547,13 @@ class TrainingConfig(_Section):
 
     def budget_given(self) -> bool:
         return self.epochs is not None or self.steps is not None
+
+    def default_of(self, name: str) -> Any:
+        """A field's default as this section reads it: an LR-free optimizer's unset lr is LR_FREE_LR
+        (migrate_training), not the field's 1e-5, so given_settings does not count the lr the migration filled in."""
+        if name == "lr" and self.optimizer in LR_FREE_OPTIMIZERS:
+            return LR_FREE_LR
+        return super().default_of(name)
 
     def keeps_ema(self, family: Optional[str]) -> bool:
         """training.use_ema resolved for a base model of `family` (training/family_detection.py's names): whether
@@ -1323,7 +1334,8 @@ def given_settings(section: BaseModel, prefix: str = "", *, defaults_too: bool =
         value = getattr(section, name)
         if isinstance(value, BaseModel):
             out += given_settings(value, f"{prefix}{name}.", defaults_too=defaults_too)
-        elif defaults_too or value != field.get_default(call_default_factory=True):
+        elif defaults_too or value != (section.default_of(name) if isinstance(section, _Section)
+                                       else field.get_default(call_default_factory=True)):
             out.append(prefix + name)
     return out
 

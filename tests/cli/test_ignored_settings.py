@@ -143,3 +143,16 @@ def test_the_pipeline_refuses_validation_off_when_the_range_test_measures_the_lr
                            "--out", str(out))
         assert proc.returncode == 0 and out.is_file(), (fine, proc.stderr)
     assert not parse_config({"validation": {"every_epochs": 0}}).validation.enabled()  # `train` reads it as given
+
+
+def test_an_lr_free_optimizer_s_own_lr_is_not_a_setting_given(tmp_path):
+    """`training: {optimizer: prodigy}` alone warned that training.lr, never written, was ignored: the migration fills
+    in the LR-free optimizer's lr (1.0), which then counted as given. A written lr is still named."""
+    assert given_settings(parse_config({"training": {"optimizer": "prodigy"}})) == ["training.optimizer"]
+    out = tmp_path / "pipeline.yaml"
+    proc = rangefinder("compile", "--config", str(_config(tmp_path, {"training": {"optimizer": "prodigy"}})),
+                       "--out", str(out))
+    assert proc.returncode == 0 and out.is_file() and "warning" not in proc.stderr, proc.stderr
+    proc = rangefinder("compile", "--config", str(_config(tmp_path, {"training": {"optimizer": "prodigy", "lr": 0.5}})),
+                       "--out", str(out))
+    assert _named(_warning(proc.stderr, "compile")) == ["training.lr"]
