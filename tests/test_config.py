@@ -543,3 +543,19 @@ def test_halving_cooldown_and_average_asked_for_without_validation_are_one_warni
                                             "finetune": {"successive_halving": True}}))
     (line,) = [ln for ln in fixed if "successive_halving" in ln]
     assert "with a fixed lr" in line
+
+
+def test_a_retrain_with_no_validation_images_is_a_warning_that_it_repeats_the_fine_tune():
+    """retrain.enabled with split.val_split 0 (allowed with a fixed lr) trained the fine-tune's run a second time:
+    train + validation is the train set, and the fine-tune keeps its configured epochs without validation."""
+    from rangefinder.config import setting_conflicts
+
+    no_val = {"split": {"val_split": 0}, "lr": 1e-4}
+    (line,) = setting_conflicts(parse_config({**no_val, "retrain": {"enabled": True}}))
+    assert line.startswith("retrain.enabled: true adds nothing with split.val_split 0") and "set enabled false" in line
+    assert setting_conflicts(parse_config({**no_val, "retrain": {"enabled": True, "epochs": 30}})) == [line]
+    # Another length, validation images, or no retrain: nothing to say.
+    assert setting_conflicts(parse_config({**no_val, "retrain": {"enabled": True, "epochs": 5}})) == []
+    assert setting_conflicts(parse_config({"lr": 1e-4, "retrain": {"enabled": True}})) == []
+    assert setting_conflicts(parse_config({"lr": 1e-4, "split": {"val_dir": "/v"}, "retrain": {"enabled": True}})) == []
+    assert setting_conflicts(parse_config(no_val)) == []

@@ -1490,6 +1490,13 @@ def setting_conflicts(cfg: RangefinderConfig, family: Optional[str] = None) -> l
     if split.val_dir is not None and "split.val_split" in given:
         lines.append(f"split.val_split ({split.val_split:g}) is not used: split.val_dir ({split.val_dir}) gives the "
                      "validation images; remove one of them")
+    # Without validation images the fine-tune keeps its configured epochs (no window), and a fixed or LR-free lr
+    # collapses the bounds a triangular retrain would cycle between: the retrain would train the same run again.
+    if (cfg.retrain.enabled and split.val_dir is None and split.val_split == 0
+            and cfg.retrain.epochs in (None, ft.epochs)):
+        lines.append("retrain.enabled: true adds nothing with split.val_split 0: the retrain trains on train + "
+                     "validation, and with no validation images that is the fine-tune's data, epochs and LR again, "
+                     "so it repeats the fine-tune; set enabled false, or split.val_split above 0 (or split.val_dir)")
     if "retrain.epochs" in given and not cfg.retrain.enabled and cfg.retrain.epochs is not None:
         lines.append(f"retrain.epochs ({cfg.retrain.epochs}) is not used: retrain.enabled is false; set enabled true "
                      "to retrain on train+validation, or remove epochs")
