@@ -1366,11 +1366,21 @@ def check_pipeline_config(cfg: RangefinderConfig) -> None:
     LR off its validation curve, so discovery by the range test needs validation on. Refused when the pipeline is
     compiled, run locally or resolved, not when its range-test step meets it after importing the data and resolving
     the base model. Not in RangefinderConfig's validators: `train --validate-every-epochs 0` is a plain run."""
-    if (not cfg.validation.enabled() and cfg.lr_range_test.validate_every_updates is None
-            and cfg.pipeline_lr() is None and cfg.lr_finder != "prodigy_step"):
+    val, rt = cfg.validation, cfg.lr_range_test
+    if rt.validate_every_updates is not None or cfg.pipeline_lr() is not None or cfg.lr_finder == "prodigy_step":
+        return
+    if not val.enabled():
         raise ConfigError(
             "validation.every_epochs: 0 turns validation off, but the LR range test measures validation loss; set "
             "validation.every_epochs > 0 (or lr_range_test.validate_every_updates, or a fixed lr to skip discovery)"
+        )
+    # The sweep validates at its start, at each every_epochs boundary it crosses and at its end (samples.
+    # planned_validations); analysis.lr_bounds reads no bounds off fewer than 3 points, after the whole sweep trained.
+    if val.every_updates is None and val.every_epochs >= rt.epochs:
+        raise ConfigError(
+            f"validation.every_epochs ({val.every_epochs:g}) is not below lr_range_test.epochs ({rt.epochs}), so the "
+            "range test validates only at its start and end, and its LR bounds need at least 3 points; set "
+            f"validation.every_epochs below {rt.epochs} (or lr_range_test.validate_every_updates)"
         )
 
 

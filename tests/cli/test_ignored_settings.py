@@ -12,6 +12,7 @@ import yaml
 from rangefinder.cli.ignored import ignored_by_pipeline, ignored_by_submit, ignored_by_train
 from rangefinder.config import RangefinderConfig, demo_config, given_settings, parse_config
 from rangefinder.errors import ConfigError
+from rangefinder.planning import plan
 from tests.cli.test_bad_input import assert_one_line_error, rangefinder
 
 
@@ -156,3 +157,24 @@ def test_an_lr_free_optimizer_s_own_lr_is_not_a_setting_given(tmp_path):
     proc = rangefinder("compile", "--config", str(_config(tmp_path, {"training": {"optimizer": "prodigy", "lr": 0.5}})),
                        "--out", str(out))
     assert _named(_warning(proc.stderr, "compile")) == ["training.lr"]
+
+
+def test_the_pipeline_refuses_a_range_test_validated_only_at_its_ends(tmp_path):
+    """validation.every_epochs at or above lr_range_test.epochs compiled, and the range test trained its whole sweep
+    before analysis.lr_bounds refused its 2 points (it needs 3)."""
+    from rangefinder.config import check_pipeline_config
+    from rangefinder.training.samples import planned_validations
+
+    out = tmp_path / "pipeline.yaml"
+    for every in (10, 100):
+        proc = rangefinder("compile", "--config", str(_config(tmp_path, {"validation": {"every_epochs": every}})),
+                           "--out", str(out))
+        assert_one_line_error(proc, f"validation.every_epochs ({every}) is not below lr_range_test.epochs (10)",
+                              "at least 3 points")
+        assert not out.exists()
+    # Just below: the sweep's start, one boundary and its end, 3 points (as the engine plans them).
+    cfg = parse_config({"validation": {"every_epochs": 9.5}})
+    check_pipeline_config(cfg)
+    assert planned_validations(plan(16, val_split=0.2, epochs=10), cfg.validation) == 3
+    for fine in ({"lr_range_test": {"validate_every_updates": 5}}, {"lr": 1e-4}, {"validation": {"every_updates": 3}}):
+        check_pipeline_config(parse_config({"validation": {"every_epochs": 10}, **fine}))
