@@ -559,3 +559,23 @@ def test_a_retrain_with_no_validation_images_is_a_warning_that_it_repeats_the_fi
     assert setting_conflicts(parse_config({"lr": 1e-4, "retrain": {"enabled": True}})) == []
     assert setting_conflicts(parse_config({"lr": 1e-4, "split": {"val_dir": "/v"}, "retrain": {"enabled": True}})) == []
     assert setting_conflicts(parse_config(no_val)) == []
+
+
+def test_a_cycle_or_a_third_candidate_with_one_lr_is_a_warning_naming_them():
+    """With a fixed lr, an LR-free optimizer or lr_finder prodigy_step, choose_lr collapses the bounds onto one LR:
+    finetune.schedule triangular, retrain.schedule triangular and halving_below_margin then trained constant and
+    raced nothing, without a word."""
+    from rangefinder.config import setting_conflicts
+
+    cyc = {"finetune": {"schedule": "triangular"}, "retrain": {"enabled": True, "schedule": "triangular"}}
+    (line,) = setting_conflicts(parse_config({"lr": 1e-4, **cyc}))
+    assert line.startswith("finetune.schedule: triangular, retrain.schedule: triangular do nothing with a fixed lr "
+                           "(0.0001): the LR bounds collapse onto that one LR")
+    (line,) = setting_conflicts(parse_config({"training": {"optimizer": "prodigy"},
+                                              "finetune": {"schedule": "triangular"}}))
+    assert "LR-free training.optimizer prodigy" in line and line.endswith("(training.optimizer: adamw)")
+    (line,) = setting_conflicts(parse_config({"lr_finder": "prodigy_step", "finetune": {"halving_below_margin": 0.1}}))
+    assert line.startswith("finetune.halving_below_margin (0.1) does nothing with lr_finder: prodigy_step")
+    # Bounds from the range test: each cycles or races as asked.
+    assert setting_conflicts(parse_config(cyc)) == []
+    assert setting_conflicts(parse_config({"finetune": {"halving_below_margin": 0.1}})) == []

@@ -1446,6 +1446,25 @@ def setting_conflicts(cfg: RangefinderConfig, family: Optional[str] = None) -> l
     elif halving_asked and ft.schedule != "constant":
         lines.append(f"finetune.successive_halving: true does nothing with finetune.schedule {ft.schedule}: "
                      "halving compares constant LRs; set the schedule to constant, or halving false")
+    # One LR, no bounds (choose_lr: lr_low = lr_mid = lr_high): a cycle between them is that LR, constant, and
+    # nothing races (TrainSpec.finetune / .retrain, steps.halving.halving_applies).
+    collapsed = (f"a fixed lr ({cfg.lr:g})" if cfg.lr is not None
+                 else f"the LR-free training.optimizer {cfg.training.optimizer}" if cfg.pipeline_lr() is not None
+                 else "lr_finder: prodigy_step, which reads one LR" if cfg.lr_finder == "prodigy_step" else None)
+    if collapsed is not None:
+        cycling = [name for name, asked in (
+            (f"finetune.schedule: {ft.schedule}", ft.schedule != "constant"),
+            (f"retrain.schedule: {cfg.retrain.schedule}", cfg.retrain.enabled and cfg.retrain.schedule != "constant"),
+            (f"finetune.halving_below_margin ({ft.halving_below_margin:g})" if ft.halving_below_margin else "",
+             ft.halving_below_margin is not None and ft.successive_halving),
+        ) if asked]
+        if cycling:
+            one = len(cycling) == 1
+            lines.append(f"{', '.join(cycling)} {'does' if one else 'do'} nothing with {collapsed}: the LR bounds "
+                         "collapse onto that one LR, so the runs train it constant and nothing races; remove "
+                         f"{'it' if one else 'them'}, or let the range test discover the LR"
+                         + (" (training.optimizer: adamw)" if cfg.lr is None and cfg.pipeline_lr() is not None
+                            else ""))
     if ft.halving_below_margin is not None and not ft.successive_halving:
         lines.append(f"finetune.halving_below_margin ({ft.halving_below_margin:g}) does nothing with "
                      "finetune.successive_halving false: the third candidate joins the halving's race; set halving "
