@@ -579,3 +579,19 @@ def test_a_cycle_or_a_third_candidate_with_one_lr_is_a_warning_naming_them():
     # Bounds from the range test: each cycles or races as asked.
     assert setting_conflicts(parse_config(cyc)) == []
     assert setting_conflicts(parse_config({"finetune": {"halving_below_margin": 0.1}})) == []
+
+
+def test_samples_without_validation_and_an_ema_decay_without_an_ema_are_a_warning_naming_them():
+    """sampling.every_validations with validation off rendered nothing, and training.ema_decay with use_ema false
+    was read by nothing, both without a word."""
+    from rangefinder.config import setting_conflicts
+
+    (line,) = setting_conflicts(parse_config({"validation": {"every_epochs": 0}, "lr": 1e-4,
+                                              "sampling": {"every_validations": 3}}))
+    assert line.startswith("sampling.every_validations (3) does nothing with validation.every_epochs 0")
+    (line,) = setting_conflicts(parse_config({"training": {"use_ema": False, "ema_decay": 0.99}}))
+    assert line.startswith("training.ema_decay (0.99) is not used: training.use_ema is false")
+    assert setting_conflicts(parse_config({"validation": {"every_epochs": 0}, "lr": 1e-4,
+                                           "sampling": {"every_validations": None}})) == []
+    assert setting_conflicts(parse_config({"training": {"use_ema": "auto", "ema_decay": 0.99}})) == []
+    assert setting_conflicts(parse_config({"sampling": {"every_validations": 3}})) == []

@@ -1516,6 +1516,16 @@ def setting_conflicts(cfg: RangefinderConfig, family: Optional[str] = None) -> l
         lines.append("finetune.deliver: earliest_tied does nothing without validation: it picks among the fine-tune's "
                      "checkpoints by their validation loss; set split.val_split above 0 (or split.val_dir) and "
                      "validation.every_epochs above 0, or remove deliver")
+    # Samples during training are rendered at validations (training/samples.py), and the EMA's decay is read only
+    # when an EMA is kept.
+    if ("sampling.every_validations" in given and cfg.sampling.every_validations is not None
+            and not val.enabled()):
+        lines.append(f"sampling.every_validations ({cfg.sampling.every_validations}) does nothing with "
+                     "validation.every_epochs 0: samples during training are rendered at validations; set "
+                     "validation.every_epochs above 0, or every_validations null")
+    if "training.ema_decay" in given and cfg.training.use_ema is False:
+        lines.append(f"training.ema_decay ({cfg.training.ema_decay:g}) is not used: training.use_ema is false; set "
+                     "use_ema true (or auto), or remove ema_decay")
     if split.val_dir is not None and "split.val_split" in given:
         lines.append(f"split.val_split ({split.val_split:g}) is not used: split.val_dir ({split.val_dir}) gives the "
                      "validation images; remove one of them")
