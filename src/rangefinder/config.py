@@ -1361,13 +1361,22 @@ def auto_finder_conflicts(cfg: RangefinderConfig, family: str) -> list[str]:
             "use them, or remove them"]
 
 
-def check_pipeline_config(cfg: RangefinderConfig) -> None:
+def check_pipeline_config(cfg: RangefinderConfig, family: Optional[str] = None) -> None:
     """ConfigError for a config the pipeline cannot run though `rangefinder train` can: the LR range test reads the
     LR off its validation curve, so discovery by the range test needs validation on. Refused when the pipeline is
     compiled, run locally or resolved, not when its range-test step meets it after importing the data and resolving
-    the base model. Not in RangefinderConfig's validators: `train --validate-every-epochs 0` is a plain run."""
+    the base model. Not in RangefinderConfig's validators: `train --validate-every-epochs 0` is a plain run.
+    `family`: the base model's where it is known (training.family_detection.family_of; resolve-config's resolved
+    one); None: not yet (a hub id), and `lr_finder: auto` for full fine-tuning and LoRA may then measure with
+    Prodigy's step size (SD3, Flux), so only a range test certain for every family is refused."""
     val, rt = cfg.validation, cfg.lr_range_test
-    if rt.validate_every_updates is not None or cfg.pipeline_lr() is not None or cfg.lr_finder == "prodigy_step":
+    if family is not None:
+        measured: Optional[str] = cfg.lr_finder_for(family)
+    elif cfg.lr_finder != "auto":
+        measured = cfg.lr_finder
+    else:  # auto: the range test on every family for textual inversion only
+        measured = "range_test" if cfg.training.method == "textual_inversion" else None
+    if rt.validate_every_updates is not None or cfg.pipeline_lr() is not None or measured != "range_test":
         return
     if not val.enabled():
         raise ConfigError(

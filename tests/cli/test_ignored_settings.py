@@ -144,6 +144,17 @@ def test_the_pipeline_refuses_validation_off_when_the_range_test_measures_the_lr
                            "--out", str(out))
         assert proc.returncode == 0 and out.is_file(), (fine, proc.stderr)
     assert not parse_config({"validation": {"every_epochs": 0}}).validation.enabled()  # `train` reads it as given
+    # lr_finder auto measures full fine-tuning on SD3 with Prodigy's step size: no range test to refuse there, nor
+    # before the family is known (a hub id not fetched); textual inversion's is a range test on every family.
+    from rangefinder.config import check_pipeline_config
+
+    off = {"validation": {"every_epochs": 0}}
+    check_pipeline_config(parse_config(off), "sd3")
+    check_pipeline_config(parse_config(off), None)
+    with pytest.raises(ConfigError, match="the LR range test measures validation loss"):
+        check_pipeline_config(parse_config({**off, "training": {"method": "textual_inversion"}}), None)
+    with pytest.raises(ConfigError, match="the LR range test measures validation loss"):
+        check_pipeline_config(parse_config(off), "sd1")
 
 
 def test_an_lr_free_optimizer_s_own_lr_is_not_a_setting_given(tmp_path):

@@ -402,8 +402,9 @@ def compile_pipeline(cfg: Optional[RangefinderConfig], package_path: str) -> str
 
     if cfg is not None:
         from rangefinder.config import check_pipeline_config
+        from rangefinder.training.family_detection import family_of
 
-        check_pipeline_config(cfg)
+        check_pipeline_config(cfg, family_of(cfg.model))
     if cfg is not None and cfg.distributed.num_nodes > 1 and not cfg.kubernetes.data_pvc:
         raise ConfigError("distributed.num_nodes > 1 needs kubernetes.data_pvc: the nodes share the run's data, "
                           "caches and outputs through it (a ReadWriteMany volume)")

@@ -32,6 +32,7 @@ from rangefinder.config import (
     parse_config,
 )
 from rangefinder.errors import ConfigError
+from rangefinder.training.family_detection import family_of
 
 # Pipeline parameter -> dotted config field. The order is the order the UI lists them in.
 PARAMETER_FIELDS: dict[str, str] = {
@@ -121,7 +122,7 @@ def config_from_parameters(base_config: str = "", **params: Any) -> RangefinderC
         raw = _deep_merge(raw, _nested(PARAMETER_FIELDS[name], value))
     try:
         cfg = parse_config(raw)
-        check_pipeline_config(cfg)
+        check_pipeline_config(cfg, family_of(cfg.model))  # a hub id not fetched yet: again once it is, below
         return cfg
     except ConfigError as e:
         # Name the pipeline parameter a person typed, not only the config field behind it.
@@ -146,6 +147,7 @@ def run_resolve_config(base_config: str = "", *, pipeline_job_id: str = "", pipe
     parent = start_parent_run(cfg, pipeline_job_id, pipeline_job_name) if pipeline_job_id else ""
     cfg, family = with_resolved_base_model(cfg)
     preflight(cfg, family)
+    check_pipeline_config(cfg, family)  # lr_finder auto, resolved: the range test's needs on this family
     # What the CLI could not tell before the model was fetched (a hub id): said here, in the step's log.
     for line in auto_finder_conflicts(cfg, family):
         print(f"rangefinder: warning: {line}", file=sys.stderr, flush=True)
