@@ -126,15 +126,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _how_to_go_on(args: argparse.Namespace, argv: Optional[Sequence[str]]) -> str:
     """For `train`: the command that goes on from the newest checkpoint (or, without one, starts it again). For a
     local pipeline run (`run`, `demo`): that the same command starts it over, and where the steps' work so far is."""
+    words = list(sys.argv[1:] if argv is None else argv)
     if args.command in ("run", "demo"):
-        words = list(sys.argv[1:] if argv is None else argv)
         return (f"; a local pipeline run does not resume, the same command starts it over: rangefinder "
                 f"{shlex.join(words)} (the steps' outputs so far are under {Path(args.out) / 'pipeline-root'})")
     if args.command != "train":
         return ""
     from rangefinder.formats import checkpoints
 
-    words = list(sys.argv[1:] if argv is None else argv)
     if checkpoints.latest_checkpoint(Path(args.out) / checkpoints.RUN_DIR) is None:
         words = [w for w in words if w != "--resume"]
         return f"; no checkpoint was written yet, so run it again to start over: rangefinder {shlex.join(words)}"

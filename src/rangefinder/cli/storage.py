@@ -53,4 +53,3 @@ def _as_named(path: Path) -> Path:
         if m:
             return Path(*path.parts[:i], m.group("name"))
     return path
-

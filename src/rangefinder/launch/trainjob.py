@@ -316,7 +316,6 @@ class _TrainJobObject:
                                    f"({str(e).splitlines()[0]}); delete it by hand: kubectl delete trainjob -n "
                                    f"{self.namespace} {self.name}") from None
 
-
     def wait_pods_gone(self, core_api: Any, timeout: float, poll: float) -> None:
         """Until no pod of this TrainJob's JobSet is left (deleting the TrainJob only starts their graceful stop);
         RangefinderError naming them when some outlive `timeout` or the API cannot be asked."""

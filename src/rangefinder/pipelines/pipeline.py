@@ -403,14 +403,12 @@ def compile_pipeline(cfg: Optional[RangefinderConfig], package_path: str) -> str
     if cfg is not None:
         from rangefinder.config import check_pipeline_config
         from rangefinder.training.family_detection import family_of
-
-        check_pipeline_config(cfg, family_of(cfg.model))
-    if cfg is not None and cfg.distributed.num_nodes > 1 and not cfg.kubernetes.data_pvc:
-        raise ConfigError("distributed.num_nodes > 1 needs kubernetes.data_pvc: the nodes share the run's data, "
-                          "caches and outputs through it (a ReadWriteMany volume)")
-    if cfg is not None:
         from rangefinder.training.optimizers import check_optimizer
 
+        check_pipeline_config(cfg, family_of(cfg.model))
+        if cfg.distributed.num_nodes > 1 and not cfg.kubernetes.data_pvc:
+            raise ConfigError("distributed.num_nodes > 1 needs kubernetes.data_pvc: the nodes share the run's data, "
+                              "caches and outputs through it (a ReadWriteMany volume)")
         # The training pods are the machines that train: without a GPU, every training step would fail on the cluster.
         check_optimizer(cfg.training, cfg.kubernetes.gpu_count > 0, instead="kubernetes.gpu_count is 0: give the "
                         "training pods a GPU (kubernetes.gpu_count), or choose training.optimizer: adamw")

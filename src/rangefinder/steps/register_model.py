@@ -45,8 +45,10 @@ def delivered_weights(model_dir: Path) -> tuple[Path, Optional[dict]]:
     from rangefinder.formats import checkpoints
 
     model_dir = Path(model_dir)
-    if model_dir.name == checkpoints.CHOSEN_DIR and checkpoints.read_chosen(model_dir.parent) is not None:
-        return model_dir, checkpoints.read_chosen(model_dir.parent)
+    if model_dir.name == checkpoints.CHOSEN_DIR:
+        beside = checkpoints.read_chosen(model_dir.parent)
+        if beside is not None:
+            return model_dir, beside
     chosen = checkpoints.read_chosen(model_dir)
     if chosen is not None:
         return model_dir / checkpoints.CHOSEN_DIR, chosen

@@ -46,12 +46,13 @@ def run(args: argparse.Namespace) -> dict:
     counts = None
     if args.bucket_counts is not None:
         usage = f"--bucket-counts takes whole numbers separated by commas, e.g. 5,4,3 (got {args.bucket_counts!r})"
-        filled = [i for i, c in enumerate(args.bucket_counts.split(",")) if c.strip()]
+        parts = args.bucket_counts.split(",")
+        filled = [i for i, c in enumerate(parts) if c.strip()]
         if filled and filled[-1] - filled[0] + 1 != len(filled):
             # "1,,2" (a count lost in a pasted column) is not "1,2": the buckets would shift by one.
             raise ConfigError(f"{usage}: one is empty; give a count, 0 for an empty bucket, between every two commas")
         try:
-            counts = [int(c) for c in args.bucket_counts.split(",") if c.strip()]
+            counts = [int(parts[i]) for i in filled]
         except ValueError:
             raise ConfigError(usage) from None
         if any(c < 0 for c in counts):
