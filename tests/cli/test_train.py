@@ -197,6 +197,38 @@ def test_ctrl_c_says_interrupted_and_names_the_command_that_goes_on(split_dir, t
     assert line.endswith("go on from the newest checkpoint with: rangefinder " + " ".join(args) + " --resume"), line
 
 
+def _train_with_a_sigint_inside_its_first_cached_latent_read(argv: list[str]) -> None:
+    """In the child: `rangefinder train`, given a real SIGINT inside safetensors' read of a cached latent by the loop
+    (tests/training/test_caching.py)."""
+    from rangefinder.training.caching import CachedLatentFiles
+    from tests.training.test_caching import sigint_inside_the_next_cache_read
+
+    sigint_inside_the_next_cache_read(inside=CachedLatentFiles.get.__code__)
+    raise SystemExit(main(argv))
+
+
+def test_ctrl_c_inside_a_read_of_the_latent_cache_says_interrupted(split_dir, tiny_model_dir, tmp_path):
+    """A Ctrl-C that lands inside the loop's read of a cached latent (the cache warm: encoded before the loop) is a
+    Ctrl-C: exit 130 and the "interrupted" line. torch turned it into its own ValueError there, and the run ended
+    with exit 2 blaming the cache ("cache entry ... cannot be read any more; the cache was cleared or damaged"), or,
+    in a pipeline step, with its MLflow run FAILED (tests/pipelines/test_local_run_errors.py)."""
+    from tests.training.test_resume import ForkedChild
+
+    config = tmp_path / "rf.yaml"
+    config.write_text(yaml.safe_dump({"training": {"cache_dir": str(tmp_path / "cache")}}))
+    args = ["train", "--data", str(split_dir), "--model", str(tiny_model_dir), "--out", str(tmp_path / "out"),
+            "--config", str(config), "--steps", "2", "--batch-size", "4", "--validate-every-epochs", "0"]
+    # A process of its own (a fork of this one, its imports done), with SIGINT at Python's default.
+    child = ForkedChild(tmp_path / "child", tmp_path / "child.out", tmp_path / "child.err",
+                        target=_train_with_a_sigint_inside_its_first_cached_latent_read, args=(args,))
+    _, err = child.communicate(timeout=300)
+    assert child.returncode == 130 and "Traceback" not in err, err[-3000:]
+    line = err[err.index("rangefinder train: interrupted"):].splitlines()[0]
+    assert line == ("rangefinder train: interrupted; no checkpoint was written yet, so run it again to start over: "
+                    f"rangefinder {' '.join(args)}"), line
+    assert list((tmp_path / "cache").rglob("*.safetensors"))  # the loop read a warm cache
+
+
 def _two_ranks_to_a_checkpoint(split_dir, tiny_model_dir, tmp_path):
     """`rangefinder train` on 2 processes (60 updates, a checkpoint every 3), started and run until its first
     checkpoint: (its arguments, its environment, the process, its output folder)."""

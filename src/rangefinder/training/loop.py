@@ -12,7 +12,7 @@ update, validation, checkpoint) -> finish (final weights and summary). The acts 
 - samples.py: the prompts rendered from the current weights at chosen validations (`samples/`, and MLflow);
 - state.py: what the loop changes (RunState, and the CSV log); checkpointing.py: saving and resuming it
   (identity.py: which run a checkpoint belongs to); divergence.py: the finite checks; disk.py: the failed-write
-  rule; outdir.py: the folder lock; preemption.py: SIGTERM.
+  rule; outdir.py: the folder lock; preemption.py: SIGTERM and SIGINT.
 
 Outputs under out_dir: `metrics.csv` (one row per validation measurement; the curve CSV), `updates.csv` (one row
 per update), `checkpoints/`, `final/` (the method's deliverable; a StableDiffusionPipeline folder for full
@@ -48,7 +48,7 @@ from rangefinder.training.divergence import trainable_finite, update_finite
 from rangefinder.training.encoding import encode_data
 from rangefinder.training.optimizers import effective_lr
 from rangefinder.training.outdir import OutDirLock
-from rangefinder.training.preemption import StopRequest, on_sigterm
+from rangefinder.training.preemption import StopRequest, on_sigint, on_sigterm
 from rangefinder.training.run import Run
 from rangefinder.training.samples import TrainingSamples
 from rangefinder.training.setup import (
@@ -75,6 +75,7 @@ if TYPE_CHECKING:
     from rangefinder.data.split import Split
 
 
+@on_sigint()  # Ctrl-C ends the run as interrupted, whichever error it surfaced as
 def train(
     spec: TrainSpec, *, out_dir: Union[str, Path], metric_sink: Optional[MetricSink] = None, save_final: bool = True,
     pause_after_update: Optional[int] = None, split: Optional[Split] = None,
