@@ -1,4 +1,5 @@
-"""The latent cache at scale: encoded to disk batch by batch with progress, and a killed caching run keeps its work."""
+"""The latent cache at scale: encoded to disk batch by batch with progress, and a killed caching run keeps its work;
+a Ctrl-C inside a read is not taken for a damaged entry."""
 
 from __future__ import annotations
 
@@ -6,11 +7,12 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from tests.training.test_resume import ForkedChild
 
@@ -89,3 +91,70 @@ def test_a_killed_caching_run_keeps_its_finished_entries_and_the_next_encodes_on
     names = sorted(p.name for p in folder.glob("*.safetensors"))
     assert names == sorted(f"{k}.safetensors" for k in keys)
     assert sorted(p.name for p in folder.iterdir()) == names  # no temporary file left behind
+
+
+def sigint_inside_the_next_cache_read(inside: object = None) -> None:
+    """A real SIGINT, raised in this process at the moment a Ctrl-C surfaced as another error: while safetensors
+    builds a tensor from an entry, torch sizes it by reading the storage's first element, UntypedStorage.__getitem__
+    (0), Python code torch calls from C; a KeyboardInterrupt raised there comes out as torch's ValueError. A profile
+    hook finds that moment (with `inside`, a code object: the first such read under a frame running it)."""
+    getitem = torch.UntypedStorage.__getitem__.__code__
+
+    def under(frame) -> bool:
+        while frame is not None and frame.f_code is not inside:
+            frame = frame.f_back
+        return frame is not None
+
+    def hook(frame, event, arg) -> None:
+        if (event == "call" and frame.f_code is getitem and frame.f_locals.get("args") == (0,)
+                and (inside is None or under(frame))):
+            sys.setprofile(None)
+            signal.raise_signal(signal.SIGINT)
+
+    sys.setprofile(hook)
+
+
+@pytest.fixture
+def sigint_at_pythons_default():
+    """SIGINT raises KeyboardInterrupt here, as in a command in a terminal's foreground (a suite started in the
+    background ignores it; tests/cli/test_train.py)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_a_ctrl_c_inside_a_cache_read_is_not_taken_for_a_damaged_entry(tmp_path, sigint_at_pythons_default):
+    """A deleted or torn entry is the cache's problem: a DataError naming it (an entry read per micro-batch), or
+    encoded again (one read while encoding). A Ctrl-C that lands inside the read of a whole entry is not: it came out
+    as torch's ValueError, was reported as a damaged cache and the step's MLflow run ended FAILED. Under on_sigint, as
+    train() runs, it leaves as KeyboardInterrupt; an error without a SIGINT leaves as it is."""
+    from rangefinder.errors import DataError
+    from rangefinder.training.caching import _read_tensor, _try_load
+    from rangefinder.training.preemption import on_sigint
+
+    entry = tmp_path / "entry.safetensors"
+    save_file({"latent": torch.randn(4, 8, 8)}, str(entry))
+    torn = tmp_path / "torn.safetensors"
+    torn.write_bytes(entry.read_bytes()[:-1])
+    for bad in (torn, tmp_path / "deleted.safetensors"):
+        with pytest.raises(DataError, match=f"cache entry {bad} cannot be read any more"):
+            _read_tensor(bad, "latent")
+        assert _try_load(bad) is None
+
+    for read in (lambda: _read_tensor(entry, "latent"), lambda: _try_load(entry)):
+        sigint_inside_the_next_cache_read()
+        try:
+            with pytest.raises(BaseException) as interrupted:  # torch's ValueError (KeyboardInterrupt in a later torch)
+                read()
+        finally:
+            sys.setprofile(None)
+        assert not isinstance(interrupted.value, DataError), interrupted.value
+        sigint_inside_the_next_cache_read()
+        try:
+            with pytest.raises(KeyboardInterrupt), on_sigint():
+                read()
+        finally:
+            sys.setprofile(None)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+    with pytest.raises(DataError, match="cannot be read any more"), on_sigint():
+        _read_tensor(torn, "latent")

@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from rangefinder.errors import DataError
@@ -35,6 +35,11 @@ from rangefinder.formats.atomic import atomic_path, usable_folder
 from rangefinder.training.data import LatentSource
 
 CACHE_VERSION = "1"  # bump when the meaning of an entry changes
+
+# What reading an entry raises when the file is the problem: OSError when deleted, SafetensorError when torn, damaged
+# or foreign. Nothing else is the file's: a Ctrl-C that lands inside a read comes out as torch's ValueError
+# (training/preemption.py, on_sigint), which must not be taken for a bad entry.
+UNREADABLE_ENTRY = (OSError, SafetensorError)
 
 
 def cache_root(configured: Optional[str] = None) -> Path:
@@ -228,7 +233,7 @@ def _has(path: Path, wanted: Sequence[str]) -> bool:
     try:
         with safe_open(str(path), framework="pt") as f:
             return all(w in f.keys() for w in wanted)
-    except Exception:  # a torn or foreign file: encode again and overwrite it
+    except UNREADABLE_ENTRY:  # a torn or foreign file: encode again and overwrite it
         return False
 
 
@@ -237,7 +242,7 @@ def _try_load(path: Path) -> Optional[dict[str, torch.Tensor]]:
         return None
     try:
         return load_file(str(path))
-    except Exception:  # a file from an older writer or another format: encode again and overwrite it
+    except UNREADABLE_ENTRY:  # a file from an older writer or another format: encode again and overwrite it
         return None
 
 
@@ -311,7 +316,7 @@ def _read_tensor(path: Path, name: str) -> torch.Tensor:
     try:
         with safe_open(str(path), framework="pt") as f:
             return f.get_tensor(name)
-    except Exception as e:  # OSError when deleted, SafetensorError when damaged
+    except UNREADABLE_ENTRY as e:
         raise DataError(f"cache entry {path} cannot be read any more ({e}); the cache was cleared or damaged during "
                         "the run: resume it (training.resume) to encode it again") from None
 
