@@ -159,11 +159,8 @@ def test_ctrl_c_ends_the_pipelines_mlflow_run_killed(tmp_path, shapes_dataset_di
     and 30 fine-tune epochs: the signal lands in training."""
     import sqlite3
 
-    # Latents encoded per batch, not read from the disk cache: a SIGINT that lands inside safetensors' read of a
-    # cached latent can surface there as torch's TypeError, not KeyboardInterrupt, and the fine-tune's run then ends
-    # FAILED, blaming the cache (a defect of its own, noted on issue 34; 3 of 7 runs here with a warm cache).
     cfg = tiny_config(shapes_dataset_dir, tiny_model_dir, lr=2e-4, finetune={"epochs": 30},
-                      sampling={**TINY["sampling"], "every_validations": None}, training={"cache_latents": False})
+                      sampling={**TINY["sampling"], "every_validations": None})
     config = tmp_path / "cfg.yaml"
     config.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude={"kubernetes"})))
     out = tmp_path / "out"
