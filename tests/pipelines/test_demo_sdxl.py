@@ -44,9 +44,9 @@ def test_a_small_sdxl_run_takes_the_prodigy_branch_and_writes_the_reports_of_the
     probe = run.task("prodigy-step-size")
     assert probe and not run.task("lr-range-test"), sorted(run.outputs)
     # choose-lr collapsed the bounds onto four times the Prodigy run's last step size; the fine-tune trained that LR.
-    updates = read_curve_csv(next(run.run_dir.glob(f"**/{probe}/curve/run/updates.csv")), required=("lr_effective",))
+    updates = read_curve_csv(next(run.run_dir.glob(f"**/{probe}/curve/run/updates.csv")), required=("prodigy_d_lr",))
     lr = run.outputs[probe]["lr"]
-    assert lr == 4 * updates["lr_effective"][-1] == 4 * run.outputs[probe]["d"] > 0
+    assert lr == 4 * updates["prodigy_d_lr"][-1] == 4 * run.outputs[probe]["d"] > 0
     assert s["lr_source"] == "prodigy-step" and s["lr_low"] == s["lr_mid"] == s["lr_high"] == s["lr_used"] == lr
     assert s["recommended_epochs"] >= 1 and s["registered_model"] == "models:/rangefinder-sd/1"
     decision = next(Path(p) for p in s["reports"] if os.path.basename(p) == "choose-lr-decision.md").read_text()

@@ -40,12 +40,12 @@ def test_lr_finder_auto_on_a_flow_model_runs_the_prodigy_branch_and_fine_tunes_a
     probe = run.task("prodigy-step-size")
     assert probe and not run.task("lr-range-test"), sorted(run.outputs)
     lr = run.outputs[probe]["lr"]
-    updates = read_curve_csv(next(run.run_dir.glob(f"**/{probe}/curve/run/updates.csv")), required=("lr_effective",))
-    # The LR is the last step size, times the family's factor for full fine-tuning (config.PRODIGY_STEP_FACTOR), or
-    # the config's own.
+    updates = read_curve_csv(next(run.run_dir.glob(f"**/{probe}/curve/run/updates.csv")), required=("prodigy_d_lr",))
+    # The LR is the last step size (d x lr after the last update), times the family's factor for full fine-tuning
+    # (config.PRODIGY_STEP_FACTOR), or the config's own.
     factor = own.get("prodigy_step_factor") or prodigy_step_factor(family, "full")
     assert factor == {"sd3": 4.0, "flux": 2.0}[family] and run.outputs[probe]["factor"] == factor
-    assert lr == factor * updates["lr_effective"][-1] and run.outputs[probe]["updates"] == len(updates["update"]) == 12
+    assert lr == factor * updates["prodigy_d_lr"][-1] and run.outputs[probe]["updates"] == len(updates["update"]) == 12
     # choose-lr collapsed the bounds onto it; the fine-tune trained that one LR (no halving) and it was registered.
     assert (s["lr_source"], s["lr_low"], s["lr_mid"], s["lr_high"]) == ("prodigy-step", lr, lr, lr)
     assert s["lr_used"] == lr and s["halving_kept"] is None

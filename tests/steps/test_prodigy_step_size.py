@@ -43,14 +43,17 @@ def probed(split_dir, tiny_model_dir, tmp_path_factory):
 
 
 def test_the_lr_is_the_last_step_size_of_a_prodigy_fine_tune_bit_for_bit(probed, split_dir, tiny_model_dir):
-    """The step's LR is the last lr_effective its real Prodigy run logged, and that run is the fine-tune a user gets
+    """The step's LR is the last prodigy_d_lr its real Prodigy run logged (d x lr after the last update, what
+    lr_effective logged before it became the step each update took), and that run is the fine-tune a user gets
     with training.optimizer prodigy and PRODIGY_SETTINGS: the same step sizes and validation losses, bit for bit."""
     from rangefinder.steps.finetune import run_finetune
 
     cfg, tmp, _, result = probed
-    updates = read_curve_csv(result.updates_csv, required=("lr_effective",))
+    updates = read_curve_csv(result.updates_csv, required=("lr_effective", "prodigy_d_lr"))
     assert len(updates["update"]) == result.reading.updates == 12
-    assert result.lr == updates["lr_effective"][-1] == result.reading.step_size
+    assert result.lr == updates["prodigy_d_lr"][-1] == result.reading.step_size
+    # The last update stepped with the d from before it, times the bias correction (< 1): less than the estimate.
+    assert 0 < updates["lr_effective"][-1] < result.lr
     assert result.reading.d == result.lr  # at Prodigy's lr 1.0, d x lr is d
     assert 1e-6 < result.lr < 1.0  # the step size d x lr, grown from d0, not the lr the run was given
 
@@ -59,9 +62,10 @@ def test_the_lr_is_the_last_step_size_of_a_prodigy_fine_tune_bit_for_bit(probed,
         assert plain.pipeline_lr() == 1.0  # the pipeline's fixed branch: one constant run at lr 1.0
         tuned = run_finetune(plain, split_dir=split_dir, lr_low=1.0, lr_high=1.0, lr_mid=1.0, lr_source="fixed",
                              model_dir=tmp / "plain" / "ft")
-    theirs = read_curve_csv(tmp / "plain" / "ft" / "updates.csv", required=("lr_effective",))
-    assert theirs["lr_effective"].tolist() == updates["lr_effective"].tolist()
-    assert theirs["lr_effective"][-1] == result.lr
+    theirs = read_curve_csv(tmp / "plain" / "ft" / "updates.csv", required=("lr_effective", "prodigy_d_lr"))
+    for column in ("lr_effective", "prodigy_d_lr"):
+        assert theirs[column].tolist() == updates[column].tolist(), column
+    assert theirs["prodigy_d_lr"][-1] == result.lr
     mine = read_curve_csv(result.curve_csv)
     assert read_curve_csv(tuned.curve_csv)["val_loss"].tolist() == mine["val_loss"].tolist()
     assert result.reading.best_val_loss == min(mine["val_loss"].tolist())
@@ -75,8 +79,11 @@ def test_logged_as_a_child_run_of_the_pipeline_like_the_range_test(probed):
     exp = client.get_experiment_by_name("prodigy-step").experiment_id
     (run,) = client.search_runs([exp], filter_string="tags.`rangefinder.step` = 'prodigy_step_size'")
     assert run.data.tags["mlflow.parentRunId"] == parent
-    history = client.get_metric_history(run.info.run_id, "lr_effective")
+    history = client.get_metric_history(run.info.run_id, "prodigy_d_lr")
     assert sorted((m.step, m.value) for m in history)[-1] == (12, result.lr)
+    # Beside it, the step each update took (the d from before it, times the bias correction).
+    taken = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "lr_effective"))
+    assert len(taken) == 12 and taken[-1][0] == 12 and 0 < taken[-1][1] < result.lr
     assert run.data.params["training.optimizer"] == "prodigy" and run.data.params["lr_source"] == "prodigy-step"
     assert run.data.tags["lr_source"] == "prodigy-step" and float(run.data.tags["lr_prodigy_step"]) == \
         pytest.approx(result.lr, rel=1e-3)
@@ -101,6 +108,26 @@ def test_no_usable_step_size_is_one_error_naming_the_fix(steps, match):
     with pytest.raises(RangefinderError, match=match) as err:
         read_prodigy_step(updates, None, 1.0)
     assert "lr_finder: range_test" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_reading_is_prodigy_d_lr_and_lr_effective_in_an_updates_csv_written_before_it(tmp_path):
+    """updates.csv's prodigy_d_lr (d x lr after each update) is the reading, not lr_effective (the step the update
+    took); a file written before prodigy_d_lr existed has that number as lr_effective, and a run resumed from such a
+    checkpoint has its first rows without it: each row without prodigy_d_lr is read off its lr_effective."""
+    from rangefinder.analysis import read_prodigy_step
+    from rangefinder.analysis.prodigy_step import step_size_estimates
+
+    files = {"now": "update,epoch,lr,train_loss,grad_norm,lr_effective,prodigy_d_lr\n"
+                    "1,0.25,1.0,0.5,1.0,1e-06,1e-06\n2,0.5,1.0,0.5,1.0,7.4e-07,3e-05\n",
+             "older": "update,epoch,lr,train_loss,grad_norm,lr_effective\n1,0.25,1.0,0.5,1.0,1e-06\n"
+                      "2,0.5,1.0,0.5,1.0,3e-05\n",
+             "resumed": "update,epoch,lr,train_loss,grad_norm,lr_effective,prodigy_d_lr\n"
+                        "1,0.25,1.0,0.5,1.0,1e-06,\n2,0.5,1.0,0.5,1.0,7.4e-07,3e-05\n"}
+    for name, text in files.items():
+        (tmp_path / f"{name}.csv").write_text(text)
+        updates = read_curve_csv(tmp_path / f"{name}.csv", required=("update", "lr_effective"))
+        assert step_size_estimates(updates).tolist() == [1e-06, 3e-05], name
+        assert read_prodigy_step(updates, None, 1.0).step_size == 3e-05, name
 
 
 def test_a_factor_trains_at_that_multiple_of_the_step_size_and_the_report_says_both(tmp_path):

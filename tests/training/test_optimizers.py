@@ -52,8 +52,13 @@ def test_each_optimizer_trains_and_resumes_bit_exactly_after_kill_9(optimizer, s
     effective = [float(r["lr_effective"]) for r in rows]
     assert all(e > 0 for e in effective)
     if optimizer.startswith("prodigy"):
-        # d*lr: Prodigy's estimate grows from d0 = 1e-6 as it learns the distance; it is not the lr multiplier.
-        assert effective[0] != LR[optimizer] and effective[-1] > effective[0]
+        # d*lr: Prodigy's estimate (prodigy_d_lr) grows from d0 = 1e-6 as it learns the distance; it is not the lr
+        # multiplier. Each update steps with the estimate from before it (the packages' defaults: no bias correction).
+        estimate = [float(r["prodigy_d_lr"]) for r in rows]
+        assert effective[0] != LR[optimizer] and estimate[-1] > estimate[0]
+        assert effective[1:] == estimate[:-1]
+    else:
+        assert {r["prodigy_d_lr"] for r in rows} == {""}
     base_unet = load_file(str(tiny_model_dir / "unet" / "diffusion_pytorch_model.safetensors"))
     trained = load_file(str(tmp_path / "whole" / UNET))
     assert any(not torch.equal(base_unet[k], trained[k]) for k in trained)
@@ -119,6 +124,65 @@ def test_a_schedule_free_run_with_ema_delivers_from_its_checkpoint_what_it_saved
         delivered = {k.removeprefix("unet."): v for k, v in delivered.items()}
         shared = [k for k in saved if k in delivered]
         assert shared and all(torch.equal(delivered[k].cpu(), saved[k]) for k in shared)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("settings", ["diffusers", "package"])
+def test_prodigy_logs_the_step_size_each_update_took_and_its_estimate_after_it(settings, split_dir, tiny_model_dir,
+                                                                               tmp_path):
+    """lr_effective is the step each update took, measured off the weights: prodigyopt moves them by d x lr x its
+    bias correction with the d from before the update (not the one the step computes for the next), so at update t
+    (before - after) = dlr * (exp_avg / (sqrt(exp_avg_sq) + d eps) + weight_decay * before) for every weight.
+    prodigy_d_lr is d x lr after the update, what the checkpoint holds: what lr_effective logged before it, which
+    the prodigy_step finder's factors were measured on. diffusers' settings have the bias correction on (d does
+    not move in 4 updates there); the package's defaults have it off and d grows within 4 updates."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    from rangefinder.analysis import read_curve_csv, read_prodigy_step
+    from rangefinder.training.optimizers import PRODIGY_SETTINGS
+
+    taken: list[float] = []
+    before: dict[int, torch.Tensor] = {}
+
+    def snapshot(optimizer, args, kwargs):
+        before.update({id(p): p.detach().clone() for p in optimizer.param_groups[0]["params"] if p.grad is not None})
+
+    def measure(optimizer, args, kwargs):  # least squares of the moves against the direction: the dlr taken
+        group, num, den = optimizer.param_groups[0], 0.0, 0.0
+        for p in group["params"]:
+            if id(p) not in before:
+                continue
+            state, old = optimizer.state[p], before[id(p)].double()
+            u = state["exp_avg"].double() / (state["exp_avg_sq"].double().sqrt() + group["d"] * group["eps"])
+            u += group["weight_decay"] * old
+            num += float(((old - p.detach().double()) * u).sum())
+            den += float((u * u).sum())
+        before.clear()
+        taken.append(num / den)
+
+    training = TrainingConfig(optimizer="prodigy", lr=1.0, prodigy=PRODIGY_SETTINGS if settings == "diffusers" else {},
+                              batch_size=4, epochs=1, seed=7, checkpoint_every_updates=4,
+                              cache_dir=str(tmp_path / "cache"))
+    hooks = [register_optimizer_step_pre_hook(snapshot), register_optimizer_step_post_hook(measure)]
+    try:
+        result = train(TrainSpec(training, ValidationConfig(every_epochs=0), split_dir=split_dir,
+                                 model=tiny_model_dir), out_dir=tmp_path / "run")
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert result.status == "ok" and result.updates == len(taken) == 4
+    updates = read_curve_csv(tmp_path / "run" / "updates.csv", required=("lr_effective", "prodigy_d_lr"))
+    assert updates["lr_effective"].tolist() == pytest.approx(taken, rel=1e-3)
+    # Today's bug would log d x lr after the update: from update 2 on that is not the step taken (the bias
+    # correction is 0.74 there; without it, d has grown by the last update).
+    d_lr = updates["prodigy_d_lr"]
+    assert abs(d_lr[-1] / taken[-1] - 1) > 0.05
+    # The estimate after the last update is the final checkpoint's d x lr, and is what prodigy_step reads.
+    group = torch.load(tmp_path / "run" / "checkpoints" / "checkpoint-000004" / "optimizer.pt",
+                       weights_only=True)["param_groups"][0]
+    assert d_lr[-1] == float(group["d"]) * float(group["lr"])
+    if settings == "package":
+        assert read_prodigy_step(updates, None, 1.0).step_size == d_lr[-1] > d_lr[0]
 
 
 # ---------------------------------------------------------------------------------------------------------------

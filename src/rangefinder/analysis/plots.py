@@ -174,12 +174,12 @@ def plot_step_window(window: StepWindow, out_path: str | Path, *, title: Optiona
 
 def plot_prodigy_step(updates: np.ndarray, step_sizes: np.ndarray, step_size: float, out_path: str | Path, *,
                       curve: Optional[dict] = None, title: Optional[str] = None, factor: float = 1.0) -> Path:
-    """The prodigy_step finder's run: Prodigy's step size d x lr at every update (log axis), the last one (the LR
+    """The prodigy_step finder's run: Prodigy's step size d x lr after every update (log axis), the last one (the LR
     read) marked, and the LR trained (`factor` times it) where that differs, with the validation loss on a second axis
     when `curve` (metrics.csv's columns) has one. Returns the PNG's path."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=FIGSIZE, constrained_layout=True)
-    ax.plot(updates, step_sizes, "-", color=SMOOTH, lw=2, label="step size d x lr (lr_effective)")
+    ax.plot(updates, step_sizes, "-", color=SMOOTH, lw=2, label="step size d x lr after each update (prodigy_d_lr)")
     ax.axhline(step_size, color=BAND, lw=2, ls="--", label=f"LR read: the last step size {step_size:.3g}")
     if factor != 1:
         ax.axhline(step_size * factor, color=BAND, lw=2, ls=":",

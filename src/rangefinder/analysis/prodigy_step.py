@@ -1,8 +1,10 @@
 """The prodigy_step LR finder's reading: the step size a Prodigy run ended on, as the LR to fine-tune at.
 
 Prodigy (Mishchenko & Defazio 2023) estimates the distance to the solution, d, and steps with d x lr; at lr 1.0 its
-final d x lr is its own estimate of the LR for this data and model. The engine logs it per update as `lr_effective`
-(updates.csv). numpy only, like the rest of `analysis`.
+final d x lr is its own estimate of the LR for this data and model. The engine logs it after each update as
+`prodigy_d_lr` (updates.csv); an updates.csv written before that column existed has it as `lr_effective`, which
+is now the step size the update took (the d from before it, times the bias correction). numpy only, like the rest
+of `analysis`.
 """
 
 from __future__ import annotations
@@ -24,9 +26,20 @@ FACTOR_FROM_TABLE = "config.PRODIGY_STEP_FACTOR"
 PRODIGY_D0 = 1e-6
 
 
+def step_size_estimates(updates: dict[str, np.ndarray]) -> np.ndarray:
+    """Prodigy's d x lr after each update (updates.csv's prodigy_d_lr), the series the reading ends on; in a row
+    without it (written before that column existed, when lr_effective was that same number; or by an optimizer
+    without d, where lr_effective is its LR) the row's lr_effective."""
+    effective = np.asarray(updates.get("lr_effective", ()), dtype=float)
+    if "prodigy_d_lr" not in updates:
+        return effective
+    d_lr = np.asarray(updates["prodigy_d_lr"], dtype=float)
+    return np.where(np.isnan(d_lr), effective, d_lr) if d_lr.shape == effective.shape else d_lr
+
+
 @dataclass(frozen=True)
 class ProdigyStep:
-    step_size: float  # d x lr at the run's last update
+    step_size: float  # d x lr after the run's last update (prodigy_d_lr)
     lr: float  # Prodigy's lr, the multiplier of d (1.0)
     updates: int  # the updates the run took
     epochs: Optional[float]  # the epochs they came to
@@ -61,13 +74,13 @@ class ProdigyStep:
 def read_prodigy_step(updates: dict[str, np.ndarray], curve: Optional[dict[str, np.ndarray]],
                       lr: float, factor: float = 1.0,
                       factor_source: str = FACTOR_FROM_TABLE) -> ProdigyStep:
-    """The reading from the run's updates.csv (`updates`: its columns, update and lr_effective among them) and its
-    validation curve (metrics.csv's columns, or None without validation), the fine-tune to train at `factor` times
-    the step size (RangefinderConfig.prodigy_step_factor_for; `factor_source` says where it came from);
-    RangefinderError when the last step size
-    is not a positive number (no update was taken, or Prodigy's estimate broke down), or never left d0 (the run
-    was too short for Prodigy to estimate anything)."""
-    steps = np.asarray(updates.get("lr_effective", ()), dtype=float)
+    """The reading from the run's updates.csv (`updates`: its columns, update and prodigy_d_lr, or in an older file
+    lr_effective, among them: step_size_estimates) and its validation curve (metrics.csv's columns, or None without
+    validation), the fine-tune to train at `factor` times the step size (RangefinderConfig.prodigy_step_factor_for;
+    `factor_source` says where it came from); RangefinderError when the last step size is not a positive number
+    (no update was taken, or Prodigy's estimate broke down), or never left d0 (the run was too short for Prodigy to
+    estimate anything)."""
+    steps = step_size_estimates(updates)
     if steps.size == 0:
         raise RangefinderError("the Prodigy run took no update, so it has no step size to read; give the fine-tune "
                                "at least one update (finetune.epochs), or set lr_finder: range_test")

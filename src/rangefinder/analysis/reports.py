@@ -24,7 +24,7 @@ from rangefinder.analysis.lr_bounds import FLAG_ADVICE as LR_FLAG_ADVICE
 from rangefinder.analysis.lr_bounds import STATUS_ADVICE as LR_STATUS_ADVICE
 from rangefinder.analysis.lr_bounds import LRBounds
 from rangefinder.analysis.plots import plot_lr_range_test, plot_prodigy_step, plot_step_window
-from rangefinder.analysis.prodigy_step import FACTOR_FROM_TABLE, ProdigyStep
+from rangefinder.analysis.prodigy_step import FACTOR_FROM_TABLE, ProdigyStep, step_size_estimates
 from rangefinder.analysis.step_window import DELIVERY_RULE_TEXT, Delivery, StepWindow
 from rangefinder.analysis.step_window import FLAG_ADVICE as STEP_FLAG_ADVICE
 from rangefinder.analysis.step_window import STATUS_ADVICE as STEP_STATUS_ADVICE
@@ -276,12 +276,12 @@ def write_prodigy_report(reading: ProdigyStep, updates: dict, curve: Optional[di
     `curve`, `source`, `plan_warnings` and `validation_weighting` as for write_lr_report.
     Returns {"plot", "html", "markdown", "json"} -> paths."""
     out = Path(out_dir)
-    png = plot_prodigy_step(updates["update"], updates["lr_effective"], reading.step_size, out / "prodigy_step.png",
-                            curve=curve, factor=reading.factor)
+    png = plot_prodigy_step(updates["update"], step_size_estimates(updates), reading.step_size,
+                            out / "prodigy_step.png", curve=curve, factor=reading.factor)
     best = None if reading.best_update is None else f"at update {reading.best_update}"
     rows: list[tuple[str, Any, str]] = [
-        ("LR (step size)", reading.step_size, "d x lr at the last update: the constant LR the fine-tune trains at"
-         if reading.factor == 1 else "d x lr at the last update"),
+        ("LR (step size)", reading.step_size, "d x lr after the last update: the constant LR the fine-tune trains at"
+         if reading.factor == 1 else "d x lr after the last update"),
         *([] if reading.factor == 1 else [
             ("LR trained", reading.lr_trained, f"{reading.factor:g} x the step size: the constant LR the fine-tune "
                                                "trains at")]),

@@ -5,9 +5,10 @@ Prodigy at lr 1.0 and the arguments diffusers' advanced_diffusion_training READM
 (training.optimizers.PRODIGY_SETTINGS): the fine-tune's length (finetune.epochs), seed, data order and validation, a
 constant schedule, and none of what the fine-tune step adds after its run (successive halving, cooldown, window
 average, samples): a plain run, a probe. Its training is exactly that of a fine-tune with `training.optimizer:
-prodigy` and `training.prodigy` set to those arguments. The step size at its last update (the last `lr_effective`
-of its updates.csv), times a factor, is the LR: the config's prodigy_step_factor where set, else the one for the
-model's family and the method (config.PRODIGY_STEP_FACTOR: 4 on SDXL's and SD3's full fine-tune, 1 elsewhere).
+prodigy` and `training.prodigy` set to those arguments. The step size d x lr after its last update (the last
+`prodigy_d_lr` of its updates.csv), times a factor, is the LR: the config's prodigy_step_factor where set, else the
+one for the model's family and the method (config.PRODIGY_STEP_FACTOR: 4 on SDXL's and SD3's full fine-tune, 1
+elsewhere).
 choose_lr takes it as lr_low = lr_mid = lr_high (source "prodigy-step"), and the fine-tune trains that one constant
 LR with the run's own optimizer (AdamW by default).
 
@@ -38,7 +39,7 @@ SOURCE = "prodigy-step"  # choose_lr's source for this finder
 class ProdigyStepResult:
     reading: ProdigyStep  # the step size read, and what the report shows of the run
     curve_csv: Path  # metrics.csv: the validation curve
-    updates_csv: Path  # updates.csv: lr_effective (d x lr) per update
+    updates_csv: Path  # updates.csv: prodigy_d_lr (d x lr after the update) per update
     reading_json: Path
 
     @property

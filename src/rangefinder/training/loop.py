@@ -46,7 +46,7 @@ from rangefinder.training.data import Stream
 from rangefinder.training.disk import outputs_written
 from rangefinder.training.divergence import trainable_finite, update_finite
 from rangefinder.training.encoding import encode_data
-from rangefinder.training.optimizers import effective_lr
+from rangefinder.training.optimizers import step_optimizer
 from rangefinder.training.outdir import OutDirLock
 from rangefinder.training.preemption import StopRequest, on_sigint, on_sigterm
 from rangefinder.training.run import Run
@@ -147,7 +147,7 @@ def train(
             if not update_finite(run, row):
                 state.status = "diverged"  # a NaN/inf loss stops any run, validation on or off
             if metric_sink is not None and run.main:
-                logged = {k: row[k] for k in UPDATE_METRICS}
+                logged = {k: row[k] for k in UPDATE_METRICS if row[k] is not None}  # prodigy_d_lr: Prodigy's only
                 metric_sink.log_metrics(logged, state.update)
             progress.set_postfix(loss=f"{row['train_loss']:.4f}", lr=f"{row['lr']:.3g}", refresh=False)
             progress.update(1)
@@ -262,7 +262,7 @@ def _train_one_update(run: Run, state: RunState) -> dict[str, Any]:
     for g in run.optimizer.param_groups:
         g["lr"] = lr * g.get("lr_scale", 1.0)
     with memory_advice(run.cfg):  # AdamW allocates its state on the first step
-        run.optimizer.step()
+        step_sizes = step_optimizer(run.cfg.optimizer, run.optimizer)
     run.optimizer.zero_grad(set_to_none=True)
     if run.master is not None:
         run.master.weights_out()
@@ -277,7 +277,7 @@ def _train_one_update(run: Run, state: RunState) -> dict[str, Any]:
     train_loss = float(total) / images_in_update
     epoch = stream.epochs_after(state.micro_batches_done)
     return {"update": state.update, "epoch": epoch, "lr": lr, "train_loss": train_loss, "grad_norm": grad_norm,
-            "lr_effective": effective_lr(run.cfg.optimizer, run.optimizer)}
+            **step_sizes}
 
 
 @contextlib.contextmanager

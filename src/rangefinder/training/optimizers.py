@@ -18,7 +18,7 @@ back, so a resumed run continues bit for bit (tests/training/test_optimizers.py)
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -75,16 +75,39 @@ def make_optimizer(cfg: TrainingConfig, groups: list[dict], lr: float) -> torch.
     raise ConfigError(f"training.optimizer {name!r} is not one this version knows")  # the config's Literal stops it
 
 
-def effective_lr(name: str, optimizer: Any) -> float:
-    """The step size the optimizer last took, for the per-update metrics (lr_effective): Prodigy's d x lr (its
-    estimate of the distance to the solution times the multiplier), schedule-free AdamW's warmed-up LR, else the LR
-    it was given. Of the first parameter group (the method's main one)."""
+def step_optimizer(name: str, optimizer: Any) -> dict[str, Optional[float]]:
+    """Take the optimizer's step (`name`: training.optimizer); returns the step sizes of its row of updates.csv, of
+    the first parameter group (the method's main one):
+
+    - `lr_effective`: the step size this update took. Prodigy's d x lr, and with use_bias_correction its bias
+      correction (prodigyopt's dlr; prodigy-plus-schedule-free's get_dlr with its rectification), read before the
+      step, which then moves d for the next one; schedule-free AdamW's warmed-up LR; else the LR it was given (AdamW
+      and AdamW8bit apply their bias correction to their moments, not to it; Adafactor steps with it, its own LR off).
+    - `prodigy_d_lr`: Prodigy's d x lr after the update, its estimate of the step size for the next one, without
+      the bias correction: what lr_finder prodigy_step reads (analysis.prodigy_step); None for the others.
+    """
     group = optimizer.param_groups[0]
-    if name in ("prodigy", "prodigy_schedule_free"):
-        return float(group["d"]) * float(group["lr"])
-    if name == "adamw_schedule_free":
-        return float(group.get("scheduled_lr") or group["lr"])
-    return float(group["lr"])
+    lr_free = name in ("prodigy", "prodigy_schedule_free")
+    took: Any = None
+    if name == "prodigy":
+        # prodigyopt's step: dlr = d * lr * bias_correction, of the shared d and the largest group lr, at its count k.
+        beta1, beta2 = group["betas"]
+        k = group["k"]
+        bias_correction = ((1 - beta2 ** (k + 1)) ** 0.5) / (1 - beta1 ** (k + 1)) if group["use_bias_correction"] \
+            else 1
+        took = group["d"] * max(g["lr"] for g in optimizer.param_groups) * bias_correction
+    elif name == "prodigy_schedule_free":
+        plus = getattr(optimizer, "optimizer", optimizer)  # the package's own, inside accelerate's wrapper
+        took = plus.get_dlr(group)
+        if group["use_bias_correction"]:
+            took, _, _ = plus.get_bias_correction(took, plus.get_betas(group)[1], group["k"])
+    optimizer.step()
+    if name == "adamw_schedule_free":  # the LR its step used, warmup included: set by the step, for logging
+        took = group.get("scheduled_lr") or group["lr"]
+    elif not lr_free:
+        took = group["lr"]
+    return {"lr_effective": float(took),
+            "prodigy_d_lr": float(group["d"]) * float(group["lr"]) if lr_free else None}
 
 
 def require_prodigy(wanted_by: str, instead: str = "choose training.optimizer: adamw") -> Any:

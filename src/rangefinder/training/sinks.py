@@ -20,7 +20,9 @@ class MetricSink(Protocol):
 
 # What the engine logs to its MetricSink: these columns of each update's row (loop.py), and every measured column
 # of a validation row (validation.py); a step that replays a run's CSVs (steps/halving.py) logs the same keys.
-UPDATE_METRICS = ("train_loss", "lr", "grad_norm", "epoch", "lr_effective")
+# lr_effective: the step size the update took; prodigy_d_lr: Prodigy's d x lr after it, its estimate of the step
+# size, which lr_finder prodigy_step reads (training.optimizers.step_optimizer), logged by a Prodigy run only.
+UPDATE_METRICS = ("train_loss", "lr", "grad_norm", "epoch", "lr_effective", "prodigy_d_lr")
 MEASURED_PREFIXES = ("val_", "stabilize_")
 
 

@@ -61,8 +61,9 @@ class RunLog:
         buckets = [f"{s}_loss_b{k}" for s in ("val", "stabilize") for k in range(num_buckets)]
         self.metric_columns = ["update", "epoch", "lr", "train_loss", "val_loss", "stabilize_loss"] + buckets
         self.metric_columns += list(extra_columns)
-        # lr_effective: the step size the optimizer took (Prodigy's d*lr; the schedule's lr for AdamW)
-        self.update_columns = ["update", "epoch", "lr", "train_loss", "grad_norm", "lr_effective"]
+        # lr_effective: the step size the update took (Prodigy's d*lr from before it, times its bias correction; the
+        # schedule's lr for AdamW); prodigy_d_lr: Prodigy's d*lr after it, its estimate (empty for other optimizers)
+        self.update_columns = ["update", "epoch", "lr", "train_loss", "grad_norm", "lr_effective", "prodigy_d_lr"]
         self.metrics_rows: list[dict[str, Any]] = []
         self.update_rows: list[dict[str, Any]] = []
         if write:
