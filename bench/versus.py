@@ -448,18 +448,20 @@ def train_arm(cfg, split_dir: Path, lr: float, out: Path, keep_weights: bool = F
 
 def effective_lrs(updates_csv: Path, best_update: Optional[int],
                   pause: Optional[int] = None) -> dict[str, Optional[float]]:
-    """The step size the optimizer took (updates.csv's lr_effective: Prodigy's d x lr) at the best checkpoint, at the
-    halving's pause (half the run: what a probe stopped there would read) and at the end, to compare with the LR
-    rangefinder measured."""
-    import csv
+    """The step size the optimizer ended each update on (Prodigy's d x lr after it, updates.csv's prodigy_d_lr, what
+    the prodigy_step finder reads; AdamW's LR: analysis.prodigy_step.step_size_estimates) at the best checkpoint,
+    at the halving's pause (half the run: what a probe stopped there would read) and at the end, to compare with the
+    LR rangefinder measured. The keys keep their names (lr_effective_*), which the recorded cases use."""
+    from rangefinder.analysis import read_curve_csv
+    from rangefinder.analysis.prodigy_step import step_size_estimates
 
     none: dict[str, Optional[float]] = {"lr_effective_at_best": None, "lr_effective_at_pause": None,
                                         "lr_effective_final": None}
     if not updates_csv.is_file():
         return none
-    with open(updates_csv, newline="") as f:
-        rows = [(int(float(r["update"])), float(r["lr_effective"])) for r in csv.DictReader(f)
-                if r.get("lr_effective") not in (None, "") and r.get("update") not in (None, "")]
+    updates = read_curve_csv(updates_csv, required=("update",))
+    rows = [(int(u), float(x)) for u, x in zip(updates["update"], step_size_estimates(updates), strict=False)
+            if math.isfinite(u) and not math.isnan(x)]
     if not rows:
         return none
 

@@ -15,6 +15,7 @@ from bench.versus import (
     case_overrides,
     case_training_seed,
     delivered_weights,
+    effective_lrs,
     finish,
     held_out_prompts,
     plain_finetune,
@@ -256,6 +257,24 @@ def grid_trained_again_is_the_grid(out, case, tmp_path):
     assert read["cases"] == 1 and read["rows"][0]["grid_best"] == point["best_val_loss"]
     row["base_reproduces"] = False
     assert not any(c.get("grid") for c in with_grids({"cases": [{**case, "grid": None}]}, [row]))
+
+
+def test_the_step_sizes_recorded_are_prodigy_s_estimate_after_each_update_and_adamw_s_lr(tmp_path):
+    """effective_lrs records what the prodigy_step finder reads, Prodigy's d x lr after each update (prodigy_d_lr),
+    not the step each update took (lr_effective, the d from before it times the bias correction); AdamW's LR; and
+    from an updates.csv written before prodigy_d_lr existed, lr_effective, which was that number then."""
+    head = "update,epoch,lr,train_loss,grad_norm,lr_effective"
+    files = {"prodigy": (f"{head},prodigy_d_lr\n1,0.5,1.0,0.5,1.0,1e-06,1e-06\n2,1.0,1.0,0.5,1.0,7.4e-07,3e-05\n"
+                         "3,1.5,1.0,0.5,1.0,2.2e-05,4e-05\n"),
+             "older": f"{head}\n1,0.5,1.0,0.5,1.0,1e-06\n2,1.0,1.0,0.5,1.0,3e-05\n3,1.5,1.0,0.5,1.0,4e-05\n",
+             "adamw": f"{head},prodigy_d_lr\n1,0.5,1e-4,0.5,1.0,1e-4,\n2,1.0,1e-4,0.5,1.0,1e-4,\n"}
+    for name, text in files.items():
+        (tmp_path / f"{name}.csv").write_text(text)
+    want = {"lr_effective_at_best": 3e-05, "lr_effective_at_pause": 1e-06, "lr_effective_final": 4e-05}
+    assert effective_lrs(tmp_path / "prodigy.csv", 2, 1) == effective_lrs(tmp_path / "older.csv", 2, 1) == want
+    assert effective_lrs(tmp_path / "adamw.csv", 2, 1) == {"lr_effective_at_best": 1e-4, "lr_effective_at_pause": 1e-4,
+                                                           "lr_effective_final": 1e-4}
+    assert set(effective_lrs(tmp_path / "none.csv", 2, 1).values()) == {None}
 
 
 def test_held_out_prompts_are_shapes_prompts_the_case_s_images_do_not_show():
