@@ -785,6 +785,21 @@ class RetrainConfig(_Section):
 # sampling.every_validations: "auto", a count of validations, or None (no samples during training).
 EveryValidations = Union[Literal["auto"], int, None]
 
+# The pixels every pipeline's image sides are a multiple of: diffusers' SD and SDXL pipelines take multiples of 8 px;
+# SD3's and Flux's ask for their patch grid on top (training/geometry.py, ModelGeometry.sampling_multiple).
+SAMPLING_MULTIPLE = 8
+
+
+def sampling_resolution_problem(resolution: int, multiple: int = SAMPLING_MULTIPLE) -> Optional[str]:
+    """What is wrong with sampling at `resolution` px where the pipeline renders sides in multiples of `multiple` px;
+    None: nothing. One rule and one sentence for both checks: the config's, which holds for every base model and so
+    stops a run when its config is read (compile, submit), and the base model's own (geometry.check_sampling_resolution,
+    with its family's multiple)."""
+    if resolution % multiple == 0:
+        return None
+    return (f"the pipeline renders sides in multiples of {multiple} px, not {resolution}; set it to a multiple of "
+            f"{multiple} (or leave it unset for data.resolution)")
+
 
 class SamplingConfig(_Section):
     prompts: list[str] = Field(
@@ -813,6 +828,14 @@ class SamplingConfig(_Section):
     def _non_empty(cls, v: list) -> list:
         if not v:
             raise ValueError("must list at least one entry")
+        return v
+
+    @field_validator("resolution")
+    @classmethod
+    def _renderable(cls, v: Optional[int]) -> Optional[int]:
+        problem = None if v is None else sampling_resolution_problem(v)
+        if problem:
+            raise ValueError(problem)
         return v
 
     @field_validator("every_validations", mode="before")

@@ -119,11 +119,17 @@ def test_demo_refuses_a_bad_lr_before_building_anything(lr, tmp_path):
         ("training: [\n", ["not valid YAML: line 2, column 1", "expected the node content", "check the brackets"]),
         ("training:\n\tepochs: 3\n", ["not valid YAML: line 2, column 1", "indent with spaces, not tabs"]),
         ("training:\n  lr: 1\x01\n", ["not valid YAML: offset 17", "save it as UTF-8 text"]),
+        # Every pipeline renders sides in multiples of 8 px: refused when the config is read, whatever the base model
+        # (a hub id not fetched yet too), not by resolve-config on the cluster.
+        ("sampling:\n  resolution: 100\n", ["sampling.resolution: the pipeline renders sides in multiples of 8 px, "
+                                            "not 100; set it to a multiple of 8"]),
+        ("model:\n  base_model: org/not-fetched\nsampling:\n  resolution: 100\n", ["sampling.resolution", "not 100"]),
     ],
     ids=["lr-inf", "lr-nan", "lr-negative", "fixed-lr-inf", "seed-negative", "seed-2**32", "split-seed",
          "sampling-seed-huge", "duplicate-key", "long-list", "uri-credentials", "k8s-uri-credentials",
          "credentials-in-any-url", "yaml-on-as-number", "yaml-no-in-a-list", "secret-name", "service-account-name",
-         "namespace-with-dot", "label-value-with-space", "yaml-unclosed", "yaml-tab", "yaml-control-character"],
+         "namespace-with-dot", "label-value-with-space", "yaml-unclosed", "yaml-tab", "yaml-control-character",
+         "sampling-resolution-off-8-px", "sampling-resolution-off-8-px-hub-model"],
 )
 def test_compile_refuses_a_bad_config_and_writes_nothing(yaml_text, words, tmp_path):
     cfg = tmp_path / "cfg.yaml"

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from rangefinder.config import SAMPLING_MULTIPLE, sampling_resolution_problem
 from rangefinder.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -68,9 +69,10 @@ class ModelGeometry:
     @property
     def sampling_multiple(self) -> int:
         """Pixels the sampling pipeline's sides must be a multiple of: diffusers' SD and SDXL pipelines take multiples
-        of 8 px (and of the VAE's downscale); SD3's refuses a side off its patch grid and Flux's quietly renders a
-        smaller image, so a transformer's sides are multiples of its side multiple too."""
-        return math.lcm(8, self.side_multiple if self.patchified else self.vae_scale)
+        of 8 px (config.SAMPLING_MULTIPLE, which the config checks on every model) and of the VAE's downscale; SD3's
+        refuses a side off its patch grid and Flux's quietly renders a smaller image, so a transformer's sides are
+        multiples of its side multiple too."""
+        return math.lcm(SAMPLING_MULTIPLE, self.side_multiple if self.patchified else self.vae_scale)
 
 
 def check_resolution(geometry: ModelGeometry, data: DataConfig) -> None:
@@ -124,10 +126,9 @@ def check_some_bucket_fits(geometry: ModelGeometry, data: DataConfig) -> None:
 def check_sampling_resolution(geometry: ModelGeometry, resolution: int) -> None:
     """ConfigError for a sampling resolution (sampling.resolution, else data.resolution) the pipeline cannot
     render."""
-    step = geometry.sampling_multiple
-    if resolution % step:
-        raise ConfigError(f"sampling.resolution: the pipeline renders sides in multiples of {step} px, not "
-                          f"{resolution}; set it to a multiple of {step} (or leave it unset for data.resolution)")
+    problem = sampling_resolution_problem(resolution, geometry.sampling_multiple)
+    if problem:
+        raise ConfigError(f"sampling.resolution: {problem}")
 
 
 def check_sizes(geometry: ModelGeometry, cfg: RangefinderConfig) -> None:
