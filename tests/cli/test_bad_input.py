@@ -141,6 +141,24 @@ def test_compile_refuses_a_bad_config_and_writes_nothing(yaml_text, words, tmp_p
     assert list(tmp_path.iterdir()) == [cfg]  # no package, not even a temporary one
 
 
+@pytest.mark.parametrize("model, yaml_text, words", [
+    ("tiny_sd3_dir", "training:\n  method: textual_inversion\n",
+     ["training.method: textual inversion is not supported on Stable Diffusion 3/3.5 models"]),
+    ("tiny_sdxl_dir", "data:\n  resolution: 8\n", ["data.resolution: 8 px is below what the sdxl family supports"]),
+    ("tiny_flux_dir", "training:\n  noise_offset: 0.05\n", ["training.noise_offset", "Flux is a flow-matching model"]),
+], ids=["sd3-textual-inversion", "sdxl-below-its-floor", "flux-ddpm-setting"])
+def test_compile_and_run_local_refuse_what_a_local_base_model_s_family_cannot_take(request, model, yaml_text, words,
+                                                                                   tmp_path):
+    """resolve-config's preflight (training.families.check_family_settings) refused these only at the pipeline's
+    first step, on the cluster. With the base model here to read, compile and run --local refuse them first, in the
+    same words, and write nothing."""
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(f"model:\n  base_model: {request.getfixturevalue(model)}\n{yaml_text}")
+    assert_one_line_error(in_process("compile", "--config", str(cfg), "--out", str(tmp_path / "p.yaml")), *words)
+    assert_one_line_error(in_process("run", "--local", "--config", str(cfg), "--out", str(tmp_path / "run")), *words)
+    assert list(tmp_path.iterdir()) == [cfg]
+
+
 def test_compile_refuses_a_config_file_over_1_mib(tmp_path):
     cfg = tmp_path / "big.yaml"
     with open(cfg, "w") as f:  # 50 MB, as in the issue: refused after reading at most 1 MiB of it
@@ -211,6 +229,43 @@ def test_train_on_a_damaged_safetensors_base_model_is_one_line(cut, tmp_path, sp
     assert_one_line_error(in_process("train", "--data", str(split_dir), "--out", str(tmp_path / "run"), "--model",
                                      str(path), "--steps", "1", "--batch-size", "16"),
                           f"model.base_model: {path} is not a readable safetensors file", "download it again")
+
+
+@pytest.mark.parametrize("family, form", [("sd3", "folder"), ("flux", "folder"), ("sd3", "single file"),
+                                          ("flux", "single file")])
+def test_train_refuses_textual_inversion_on_sd3_and_flux_before_loading_any_weights(family, form, request, tmp_path,
+                                                                                     split_dir):
+    """It was refused once the weights had loaded (minutes for a real model), naming the family by its code (`sd3`).
+    The folder here holds the model's configs and no weights, the single file only the tensor names that tell its
+    family: a refusal made after loading or converting would name what is missing instead."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    from rangefinder.formats.flux_layout import FLUX_CHECKPOINT_PREFIX, FLUX_DOUBLE_BLOCK_KEY, FLUX_SINGLE_BLOCK_KEY
+    from rangefinder.training.family_detection import SD3_SINGLE_FILE_KEY_PREFIX
+
+    if form == "folder":
+        source = request.getfixturevalue(f"tiny_{family}_dir")
+        model = tmp_path / "configs-only"
+        for f in source.rglob("*"):
+            if f.is_file() and f.suffix != ".safetensors":
+                (model / f.relative_to(source)).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(f, model / f.relative_to(source))
+        # Flux's own refusal says why (family_flux.refuse_unsupported); SD3's names the families that take it.
+        words = {"sd3": "not supported on Stable Diffusion 3/3.5 models", "flux": "not supported on Flux (its prompt"}
+    else:
+        model = tmp_path / "model.safetensors"
+        keys = ([SD3_SINGLE_FILE_KEY_PREFIX + "0.x.weight"] if family == "sd3"
+                else [FLUX_CHECKPOINT_PREFIX + FLUX_DOUBLE_BLOCK_KEY, FLUX_CHECKPOINT_PREFIX + FLUX_SINGLE_BLOCK_KEY])
+        save_file({k: torch.zeros(1) for k in keys}, str(model))
+        words = {"sd3": "not supported on Stable Diffusion 3/3.5 models", "flux": "not supported on Flux.1 models"}
+    line = assert_one_line_error(in_process("train", "--data", str(split_dir), "--out", str(tmp_path / "run"),
+                                            "--model", str(model), "--method", "textual_inversion", "--steps", "1"),
+                                 "training.method: textual inversion", words[family], "use method lora")
+    assert f" {family} " not in line
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_config_path_that_is_a_folder_is_named_a_folder(tmp_path):

@@ -203,7 +203,8 @@ OWN_SAMPLER = {"scheduler": None}  # the model's own sampling scheduler, so that
     ("tiny_sd3_dir", {"training": {"flow": {"guidance": 3.5}}, "sampling": OWN_SAMPLER},
      r"training.flow.guidance: SD3 has no guidance"),
     ("tiny_sd3_dir", {"training": {"method": "textual_inversion"}, "sampling": OWN_SAMPLER},
-     r"training.method: textual inversion is not supported on sd3 models \(only on sd1, sdxl\)"),
+     r"training.method: textual inversion is not supported on Stable Diffusion 3/3.5 models \(only on Stable "
+     r"Diffusion 1.x/2.x and Stable Diffusion XL\); use method lora or full"),
     ("tiny_flux_dir", {"training": {"method": "textual_inversion"}, "sampling": OWN_SAMPLER},
      r"training.method: textual inversion is not supported on Flux \(its prompt reaches the transformer through T5"),
     ("tiny_flux_dir", {"training": {"cond_dropout": 0.1}, "sampling": OWN_SAMPLER},

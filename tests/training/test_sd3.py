@@ -272,7 +272,8 @@ def test_sd3_resumes_after_sigkill_exactly_as_uninterrupted(method, split_dir, t
 @pytest.mark.parametrize("setting, words", [
     (dict(min_snr_gamma=5.0), r"^training.min_snr_gamma: min-SNR weighting is defined through the DDPM noise "
                               r"schedule; sd3 is a flow-matching model"),
-    (dict(method="textual_inversion"), r"^training.method: textual inversion is not supported on sd3 models"),
+    (dict(method="textual_inversion"), r"^training.method: textual inversion is not supported on Stable Diffusion "
+                                        r"3/3.5 models"),
     (dict(flow={"guidance": 3.5}), r"^training.flow.guidance: SD3 has no guidance embedding"),
 ])
 def test_settings_that_mean_nothing_for_sd3_are_one_line(split_dir, tiny_sd3_dir, tmp_path, setting, words):

@@ -143,6 +143,21 @@ def resolve_base_model(model_cfg: ModelConfig) -> ResolvedModel:
     )
 
 
+def local_model_folder(model_cfg: ModelConfig) -> Optional[Path]:
+    """The diffusers folder of the base model when it can be read here as it is, without downloading, converting or
+    copying anything (for the checks made before a run: training.families.check_local_model_settings): the resolved
+    folder, a local diffusers folder, the embedded model's shipped files (what ensure_tiny_base_model copies into the
+    cache); None otherwise (a hub id, a single file not converted yet)."""
+    if model_cfg.resolved_dir and (Path(model_cfg.resolved_dir) / "model_index.json").is_file():
+        return Path(model_cfg.resolved_dir)
+    if model_cfg.base_model is None:
+        from rangefinder.models.tiny import shipped_files
+
+        return shipped_files()
+    path = Path(model_cfg.base_model).expanduser()
+    return path if (path / "model_index.json").is_file() else None
+
+
 def _kind(name: Optional[str]) -> str:
     if name is None:
         return "embedded"

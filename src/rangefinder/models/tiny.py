@@ -127,6 +127,12 @@ def uses_shipped_weights(settings: TinyModelSettings) -> bool:
     return shipped_uses(SHIPPED_NAME, settings, TinyModelSettings())
 
 
+def shipped_files() -> Optional[Path]:
+    """The embedded model's folder as shipped, to read its configs without installing it; None where its weights are
+    not shipped (ensure_tiny_base_model then builds it)."""
+    return shipped.SHIPPED_DIR / SHIPPED_NAME if uses_shipped_weights(TinyModelSettings()) else None
+
+
 def cache_name(settings: TinyModelSettings) -> str:
     return keyed_cache_name(SHIPPED_NAME, settings, TinyModelSettings(), settings_key)
 

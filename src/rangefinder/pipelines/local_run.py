@@ -122,9 +122,11 @@ def run_pipeline_locally(cfg: RangefinderConfig, out_dir: str | Path, *, dataset
                          quiet: bool = False) -> LocalRun:
     """Run the pipeline for `cfg` with kfp.local; raise RangefinderError naming the failed step."""
     from rangefinder.config import check_pipeline_config
+    from rangefinder.training.families import check_local_model_settings
     from rangefinder.training.family_detection import family_of
 
     check_pipeline_config(cfg, family_of(cfg.model))
+    check_local_model_settings(cfg)  # resolve-config's preflight, before kfp.local starts a step
     if cfg.distributed.num_nodes > 1:
         raise ConfigError(
             f"distributed.num_nodes is {cfg.distributed.num_nodes}, but a local run (kfp.local) is single-node: set "

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rangefinder.errors import ConfigError
-from rangefinder.training.family_detection import FAMILY_LAYOUTS, import_named
+from rangefinder.training.family_detection import FAMILY_LAYOUTS, family_of, import_named
 
 if TYPE_CHECKING:
     from rangefinder.config import RangefinderConfig, TrainingConfig
@@ -44,7 +44,7 @@ def family_class(name: str) -> Any:
     return import_named(target)
 
 
-def check_family_settings(cfg: RangefinderConfig, family: str) -> None:
+def check_family_settings(cfg: RangefinderConfig, family: str, *, native_data: bool = False) -> None:
     """ConfigError for a setting that is wrong for the base model's family: what resolve-config runs once the
     model is resolved, so that such a setting stops the run before any GPU is asked for, not when a training step
     loads the model (or, for the sampling scheduler and resolution, when the fine-tune first samples, after the LR
@@ -53,7 +53,10 @@ def check_family_settings(cfg: RangefinderConfig, family: str) -> None:
     No rule is written here: each is the one the engine applies (the family's `check_settings`, the method's
     `check_family`, the samples' scheduler checks, the size rules of geometry.py), so the two cannot drift. Reads
     the settings, the family's name and the resolved folder's (cfg.model.resolved_dir) small configs: its training
-    scheduler's, its denoiser's and its VAE's config.json, never weights."""
+    scheduler's, its denoiser's and its VAE's config.json, never weights. `native_data`: the run trains at the base
+    model's native resolution whatever cfg.data says (`rangefinder train` without a data: section:
+    training.setup.native_data_config), so the size rules judge that one."""
+    from rangefinder.config import DataConfig
     from rangefinder.models.loading import check_scheduler_name
     from rangefinder.training.family_flow import check_flow_scheduler
     from rangefinder.training.geometry import ModelGeometry, check_sizes
@@ -78,7 +81,30 @@ def check_family_settings(cfg: RangefinderConfig, family: str) -> None:
                           "diffusers folder") from None
     family_cls.check_settings(cfg.training, scheduler_config, denoiser_config)
     method_class(cfg.training.method).check_family(family)
-    check_sizes(geometry, cfg)
+    check_sizes(geometry, cfg.model_copy(update={"data": DataConfig(resolution=geometry.native)}) if native_data
+                else cfg)
     check_scheduler_name(cfg.sampling.scheduler)
     if cfg.sampling.scheduler is not None:
         check_flow_scheduler(scheduler_cls.__name__, cfg.sampling.scheduler)
+
+
+def check_local_model_settings(cfg: RangefinderConfig, *, native_data: bool = False) -> None:
+    """check_family_settings before anything is fetched, for a base model that can be read here as it is
+    (models.loading.local_model_folder: a local diffusers folder, the embedded model, a resolved folder): what
+    `compile`, `run --local` and `train` run first, so that a setting wrong for the family stops them at once, not at
+    the pipeline's first step on the cluster, nor once a training step has loaded the weights. A single file's family
+    is read off its tensor names (family_detection.family_of) but its configs only once it is converted: the method's
+    rule, told from the family's name alone, applies to it then. A hub id not fetched yet: nothing here (resolve-
+    config's preflight, once it is). `native_data`: as for check_family_settings."""
+    from rangefinder.models.loading import local_model_folder
+    from rangefinder.training.methods import method_class
+
+    family = family_of(cfg.model)
+    if family is None:
+        return
+    folder = local_model_folder(cfg.model)
+    if folder is None:
+        method_class(cfg.training.method).check_family(family)
+        return
+    model = cfg.model.model_copy(update={"resolved_dir": str(folder)})
+    check_family_settings(cfg.model_copy(update={"model": model}), family, native_data=native_data)

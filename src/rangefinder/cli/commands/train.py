@@ -103,10 +103,14 @@ def settings_from_args(args: argparse.Namespace):
             f"({cfg.training.processes_per_node}) starts {processes} process(es) here; leave world_size out (the "
             f"processes started are counted) or set processes_per_node: {cfg.training.world_size}"
         )
+    from rangefinder.training.families import check_local_model_settings
     from rangefinder.training.loop import TrainSpec
 
-    training = cfg.training.model_copy(update={"world_size": processes})
     data = cfg.data if "data" in cfg.model_fields_set else None
+    # What the family refuses (textual inversion on SD3 or Flux, a size its VAE cannot take, ...), said before any
+    # weights load where the base model's configs are here to read; else the engine says it once it loads them.
+    check_local_model_settings(cfg, native_data=data is None)
+    training = cfg.training.model_copy(update={"world_size": processes})
     sampling = cfg.sampling if "sampling" in cfg.model_fields_set else None
     return cfg, TrainSpec(training, cfg.validation, split_dir=args.data, model=cfg.model, data=data,
                           train_on=args.train_on, sampling=sampling)

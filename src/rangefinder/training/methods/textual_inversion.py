@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rangefinder.errors import ConfigError
+from rangefinder.training.family_detection import FAMILY_NAMES
 from rangefinder.training.methods.base import Method
 
 if TYPE_CHECKING:
@@ -79,8 +80,9 @@ class TextualInversion(Method):
             # SD3 would need an embedding per CLIP and none for T5; no consumer (ComfyUI, A1111, diffusers' SD3
             # loader) reads such a file, so it is refused rather than built for nobody. (Flux's own refusal,
             # family_flux.refuse_unsupported, says why for Flux, and comes first.)
-            raise ConfigError(f"training.method: textual inversion is not supported on {family} models (only on "
-                              f"{', '.join(TI_FAMILIES)}); use method lora or full")
+            raise ConfigError(f"training.method: textual inversion is not supported on {FAMILY_NAMES[family]} models "
+                              f"(only on {' and '.join(FAMILY_NAMES[f] for f in TI_FAMILIES)}); use method lora or "
+                              "full")
 
     def setup(self, sd: SDComponents, weight_dtype: torch.dtype) -> None:
         self.check_family(sd.family)
