@@ -595,3 +595,18 @@ def test_samples_without_validation_and_an_ema_decay_without_an_ema_are_a_warnin
                                            "sampling": {"every_validations": None}})) == []
     assert setting_conflicts(parse_config({"training": {"use_ema": "auto", "ema_decay": 0.99}})) == []
     assert setting_conflicts(parse_config({"sampling": {"every_validations": 3}})) == []
+
+
+def test_checkpoints_no_more_often_than_the_fine_tune_s_length_are_a_warning_that_it_delivers_its_final_weights():
+    """finetune.checkpoint_every_epochs at or above finetune.epochs compiled without a word: the engine then saves
+    only at the end, so the step window, still measured, has no checkpoint in it and the final weights (trained past
+    it) are delivered."""
+    from rangefinder.config import setting_conflicts
+
+    for every, epochs in ((10, 6), (6, 6)):
+        (line,) = setting_conflicts(parse_config({"finetune": {"epochs": epochs, "checkpoint_every_epochs": every}}))
+        assert line.startswith(f"finetune.checkpoint_every_epochs ({every}) is not below finetune.epochs ({epochs}): "
+                               "the fine-tune saves only its final weights") and "set checkpoint_every_epochs" in line
+    # A checkpoint before the end, or a one-epoch fine-tune at the default: nothing to say.
+    assert setting_conflicts(parse_config({"finetune": {"epochs": 6, "checkpoint_every_epochs": 5}})) == []
+    assert setting_conflicts(parse_config({"finetune": {"epochs": 1}})) == []

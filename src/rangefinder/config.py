@@ -1523,6 +1523,14 @@ def setting_conflicts(cfg: RangefinderConfig, family: Optional[str] = None) -> l
         if averaged_by:
             lines.append(f"finetune.average: on does nothing with {averaged_by}: the run already validates and "
                          f"delivers averaged weights; {fix}")
+    # The engine saves every checkpoint_every_updates and at the end (TrainSpec.finetune): past the run's length, at
+    # the end only. The window is still measured, but no checkpoint lies in it to deliver or average (analysis.
+    # delivered_checkpoint then keeps the nearest: the final weights).
+    if ft.checkpoint_every_epochs > 1 and ft.checkpoint_every_epochs >= ft.epochs:
+        lines.append(f"finetune.checkpoint_every_epochs ({ft.checkpoint_every_epochs}) is not below finetune.epochs "
+                     f"({ft.epochs}): the fine-tune saves only its final weights, trained past the step window it "
+                     "measures, and delivers those (nor can it average the window's checkpoints); set "
+                     "checkpoint_every_epochs below epochs, e.g. 1 (the default)")
     if "finetune.soup_tries" in given and ft.soup_tries > 0 and ft.average == "off":
         lines.append(f"finetune.soup_tries ({ft.soup_tries}) does nothing with finetune.average off: the soup is made "
                      "of the window's checkpoints the average reads; set average on, or remove soup_tries")
