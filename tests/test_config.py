@@ -4,6 +4,7 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 from rangefinder.config import RangefinderConfig, TrainingConfig, demo_config, load_config, parse_config
 from rangefinder.errors import ConfigError
@@ -610,3 +611,39 @@ def test_checkpoints_no_more_often_than_the_fine_tune_s_length_are_a_warning_tha
     # A checkpoint before the end, or a one-epoch fine-tune at the default: nothing to say.
     assert setting_conflicts(parse_config({"finetune": {"epochs": 6, "checkpoint_every_epochs": 5}})) == []
     assert setting_conflicts(parse_config({"finetune": {"epochs": 1}})) == []
+
+
+@pytest.mark.parametrize("sections", [
+    {},
+    {"training": {"method": "lora"}},  # use_ema auto keeps an EMA: finetune.average's default on does nothing
+    {"training": {"optimizer": "prodigy"}},  # LR-free: lr_finder's default and AdamW's settings go unused
+    {"lr": 1e-4},  # fixed: the range test's section, lr_finder and successive_halving's defaults go unused
+    {"lr": 1e-4, "validation": {"every_epochs": 0}},
+    {"split": {"val_dir": "/data/val"}, "validation": {"every_updates": 5}, "lr_range_test": {"zoom": False}},
+    {"training": {"use_ema": False}},
+], ids=["defaults", "lora", "prodigy", "fixed-lr", "no-validation", "val-dir-every-updates-no-zoom", "no-ema"])
+def test_a_config_written_out_whole_is_told_only_of_what_it_changed(sections):
+    """A run's whole config (every default written out, as the config.yaml MLflow keeps of it) read back was told
+    that its training.prodigy section, its range test's section, AdamW's settings and others at their defaults went
+    unused. A setting at its default in a section written out whole says nothing of what a person meant; a section
+    at its defaults changes nothing whoever reads it."""
+    from rangefinder.config import setting_conflicts
+
+    whole = yaml.safe_dump(parse_config(sections).model_dump(mode="json"))
+    assert setting_conflicts(parse_config(yaml.safe_load(whole)), "sd1") == []
+
+
+def test_a_section_at_its_defaults_is_not_named_unused_but_a_changed_one_is():
+    from rangefinder.config import setting_conflicts
+
+    at_defaults = {"training": {"prodigy": {"safeguard_warmup": None}, "adam_beta1": 0.9, "optimizer": "adafactor"},
+                   "lr": 1e-4, "lr_range_test": {"epochs": 10}}
+    assert setting_conflicts(parse_config(at_defaults)) == []
+    changed = {"training": {"prodigy": {"safeguard_warmup": True}, "optimizer": "adafactor", "adam_beta1": 0.8},
+               "lr": 1e-4, "lr_range_test": {"epochs": 4}}
+    lines = setting_conflicts(parse_config(changed))
+    assert [ln.split(" is ")[0].split(" are ")[0] for ln in lines] == [
+        "lr: 0.0001", "training.prodigy (safeguard_warmup)", "training.adam_beta1"], lines
+    # Written out whole, the changed ones are still named, and only they.
+    whole = parse_config(yaml.safe_load(yaml.safe_dump(parse_config(changed).model_dump(mode="json"))))
+    assert setting_conflicts(whole) == lines

@@ -1349,16 +1349,20 @@ def parse_config(raw: dict) -> RangefinderConfig:
 def given_settings(section: BaseModel, prefix: str = "", *, defaults_too: bool = False) -> list[str]:
     """Dotted names of the settings `section` was given (pydantic's model_fields_set, section by section), in field
     order: only those given a value other than the default, unless `defaults_too` (a setting written out at its
-    default still says the user meant it: setting_conflicts)."""
+    default still says the user meant it: setting_conflicts). Not in a section written out whole, though: each of its
+    own settings given (its sub-sections aside), as in a config dumped with its defaults (the run's config.yaml in
+    MLflow), says nothing of which ones a person meant, so there only the values other than the defaults count."""
     out: list[str] = []
+    whole = all(name in section.model_fields_set for name in type(section).model_fields
+                if not isinstance(getattr(section, name), BaseModel))
     for name, field in type(section).model_fields.items():
         if name not in section.model_fields_set:
             continue
         value = getattr(section, name)
         if isinstance(value, BaseModel):
             out += given_settings(value, f"{prefix}{name}.", defaults_too=defaults_too)
-        elif defaults_too or value != (section.default_of(name) if isinstance(section, _Section)
-                                       else field.get_default(call_default_factory=True)):
+        elif (defaults_too and not whole) or value != (section.default_of(name) if isinstance(section, _Section)
+                                                       else field.get_default(call_default_factory=True)):
             out.append(prefix + name)
     return out
 
@@ -1423,15 +1427,20 @@ ADAMW_SETTINGS = ("training.adam_beta1", "training.adam_beta2", "training.adam_e
 def setting_conflicts(cfg: RangefinderConfig, family: Optional[str] = None) -> list[str]:
     """One line for each pair of settings in `cfg` where one cancels the other, so neither is silently dropped.
 
-    Only settings the config itself gives count (given_settings, at their defaults too): a default that another
-    setting switches off is the documented behaviour, not a conflict. `family` is the base model's when it is known
-    without fetching anything (training.family_detection.family_of); None: it is not (a hub id not fetched yet), and
-    the lines that depend on it are left to resolve-config, which knows it (auto_finder_conflicts).
+    Only settings the config itself gives count (given_settings, at their defaults too, but not in a section written
+    out whole, as a dumped config is): a default that another setting switches off is the documented behaviour, not
+    a conflict. A section or group of settings left unused is named only for values other than its defaults.
+    `family` is the base model's when it is known without fetching anything (training.family_detection.family_of);
+    None: it is not (a hub id not fetched yet), and the lines that depend on it are left to resolve-config, which
+    knows it (auto_finder_conflicts).
     """
     given = given_settings(cfg, defaults_too=True)
+    # A section (or group of settings) another setting leaves unused: only values other than the defaults count, as a
+    # section at its defaults changes nothing whoever reads it.
+    changed = given_settings(cfg)
     ft, rt, split, val = cfg.finetune, cfg.lr_range_test, cfg.split, cfg.validation
     lines = []
-    range_test_given = [g.removeprefix("lr_range_test.") for g in given if g.startswith("lr_range_test.")]
+    range_test_given = [g.removeprefix("lr_range_test.") for g in changed if g.startswith("lr_range_test.")]
     if cfg.lr is not None and range_test_given:
         lines.append(f"lr: {cfg.lr:g} is fixed, so no range test runs and the lr_range_test section "
                      f"({', '.join(sorted(range_test_given))}) is not used; remove lr to discover the LR, or the "
@@ -1448,8 +1457,7 @@ def setting_conflicts(cfg: RangefinderConfig, family: Optional[str] = None) -> l
     if family is not None:
         lines += auto_finder_conflicts(cfg, family)
     tc = cfg.training
-    # Another method's section: only values other than the defaults count (a config written out whole has both).
-    changed = given_settings(tc, "training.")
+    # Another method's section (a config written out whole has both).
     for method, section in (("lora", "training.lora."), ("textual_inversion", "training.textual_inversion.")):
         named = [g.removeprefix(section) for g in changed if g.startswith(section)]
         if named and tc.method != method:
@@ -1459,12 +1467,12 @@ def setting_conflicts(cfg: RangefinderConfig, family: Optional[str] = None) -> l
         lines.append(f"training.keep_tokens ({tc.keep_tokens}) is not used: it keeps the first tags in place when "
                      "training.shuffle_tags shuffles them, and shuffle_tags is false; set shuffle_tags true, or "
                      "remove keep_tokens")
-    prodigy_given = [g for g in given if g.startswith("training.prodigy.")]
+    prodigy_given = [g for g in changed if g.startswith("training.prodigy.")]
     if prodigy_given and cfg.training.optimizer != "prodigy":
         lines.append(f"training.prodigy ({', '.join(g.removeprefix('training.prodigy.') for g in prodigy_given)}) is "
                      f"not used: training.optimizer is {cfg.training.optimizer}; set optimizer prodigy, or remove the "
                      "prodigy section")
-    adamw_given = [g for g in given if g in ADAMW_SETTINGS]
+    adamw_given = [g for g in changed if g in ADAMW_SETTINGS]
     if adamw_given and cfg.training.optimizer not in ("adamw", "adamw8bit"):
         own = " (its own: training.prodigy)" if cfg.training.optimizer == "prodigy" else ""
         one = len(adamw_given) == 1
