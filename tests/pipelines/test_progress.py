@@ -85,6 +85,27 @@ def test_a_steps_warning_is_shown_once_under_its_step():
     assert len(lines) == 3
 
 
+def test_a_warning_several_steps_print_is_shown_once_per_run():
+    """The demo's training plan warns that its batch (4 of 16 images) is not full-cycle, and the range test, its zoom
+    and the fine-tune (once per successive-halving run) each print it: the terminal showed it three times. It shows
+    it once, under the first step; a warning no step said before is shown under its own."""
+    plan = ("tiny dataset (16 images) but not full-cycle: batch_size x grad_accum x world_size = 4; setting it to 16 "
+            "gives one smooth update per epoch")
+    other = "training.flow.shift (3) is not used"
+    log = ""
+    for task, said in (("lr-range-test-3", [plan]), ("lr-range-test-2-2", [plan]),
+                       ("finetune-2", [plan, plan, other, plan])):
+        log += f"23:29:05.604 - INFO - Executing task {C}'{task}'{E}\n"
+        log += "".join(f"    rangefinder: warning: {w}\n" for w in said)
+        log += f"23:29:25.933 - INFO - Task {C}'{task}'{E} finished with status \x1b[92mSUCCESS{E}\n"
+    terminal = io.StringIO()
+    progress = StepProgress(io.StringIO(), terminal)
+    progress.write(log)
+    progress.close()
+    warned = [ln for ln in terminal.getvalue().splitlines() if ": warning: " in ln]
+    assert warned == [f"rangefinder:   lr-range-test: warning: {plan}", f"rangefinder:   finetune: warning: {other}"]
+
+
 def test_a_range_test_s_line_says_what_its_zoom_means():
     """The first range test's bounds are provisional when a zoom follows, and the component's 0 is no bound: the line
     said "lr_low 0, lr_mid 0, lr_high 0, needs_zoom True" when the curve gave none. The zoomed test's line (needs_zoom

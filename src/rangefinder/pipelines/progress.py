@@ -24,7 +24,9 @@ _START = re.compile(r"Executing task '([^']+)'")
 _END = re.compile(r"Task '([^']+)' finished with status (\w+)")
 _OUTPUTS = re.compile(r"Task '([^']+)' outputs:")
 _OUTPUT_LINE = re.compile(r"^\s{4}(\w+): (.*)$")
-# A step's own warning (the training plan's, settings that cancel each other): said on the terminal, once per step.
+# A step's own warning (the training plan's, settings that cancel each other): said on the terminal once per run,
+# under the first step that says it. The plan's are the same for every run of one batch and dataset, so the range
+# test, its zoom and the fine-tune each print them (the fine-tune once per successive-halving run).
 _WARNING = re.compile(r"rangefinder: warning: (.*)$")
 # tqdm's default format: "desc:  42%|████▏     | 10/24 [00:03<00:04,  3.1update/s, loss=0.2, lr=0.001]"
 _BAR = re.compile(r"^\s*(?P<desc>[^|:]+?):\s+\d+%\|[^|]*\|\s*(?P<n>\d+)/(?P<total>\d+)\s+"
@@ -91,7 +93,7 @@ class StepProgress:
         self._started: dict[str, float] = {}
         self._ended: Optional[tuple[str, str, float]] = None  # task, status, seconds: waiting for its outputs
         self._running = ""  # the task whose lines are coming
-        self._warned: set[tuple[str, str]] = set()
+        self._warned: set[str] = set()  # the warnings said, whichever step said them
         self._headline: dict[str, str] = {}  # the finished step's outputs worth saying, by name
         self._bar: Any = None
         self._bar_desc = ""  # the bar being drawn (a terminal) or last written (plain lines)
@@ -141,11 +143,11 @@ class StepProgress:
             return
         m = _WARNING.search(line)
         if m:
-            said = (self._running, m.group(1).strip())
-            if said not in self._warned:  # several processes of one step say it once each
+            said = m.group(1).strip()
+            if said not in self._warned:  # several steps, runs and processes say it once each
                 self._warned.add(said)
                 self._close_bar()
-                self._say(f"rangefinder:   {step_name(self._running)}: warning: {said[1]}")
+                self._say(f"rangefinder:   {step_name(self._running)}: warning: {said}")
             return
         m = _END.search(line)
         if m:
