@@ -125,6 +125,28 @@ def test_corrupt_newest_checkpoint_falls_back_to_previous_and_ends_bit_identical
 
 
 @pytest.mark.slow
+def test_a_save_killed_between_its_two_renames_resumes_from_the_checkpoint_it_replaced(base, finished, tmp_path):
+    """Where folders cannot be swapped in one step, a save of an update already saved (after a resume that passed over
+    a damaged newest checkpoint) renames the old checkpoint aside, then the new one in: killed between the two, no
+    checkpoint-000004 is left, only the old one renamed aside and the new one at its temporary name
+    (tests/formats/test_atomic.py kills a real writer there). The resume goes on from update 4, not 2."""
+    cut = copy_run(finished, tmp_path / "cut")
+    shutil.rmtree(cut / "final")
+    (cut / "run_summary.json").unlink()
+    root = cut / "checkpoints"
+    (root / "checkpoint-000004").rename(root / ".checkpoint-000004.4242.old.tmp")
+    shutil.copytree(root / ".checkpoint-000004.4242.old.tmp", root / "checkpoint-000004.tmp")
+
+    resumed = run_here(base, cut, resume=True)
+    assert resumed.resumed_from == 4 and resumed.updates == 4 and resumed.status == "ok"
+    # Put back under its name (the new one at the temporary name is left for the next save's sweep, as ever).
+    assert [p.name for p in checkpoints.list_checkpoints(root)] == ["checkpoint-000002", "checkpoint-000004"]
+    assert not list(root.glob(".*.old.tmp")) and checkpoints.verify(root / "checkpoint-000004") is None
+    a, b = unet(finished), unet(cut)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
 def test_no_intact_checkpoint_is_a_clear_error(base, finished, tmp_path):
     cut = copy_run(finished, tmp_path / "cut")
     for ckpt in checkpoints.list_checkpoints(cut / "checkpoints"):

@@ -3,19 +3,28 @@
 A rename within one folder is atomic on POSIX file systems, so a reader (a resumed run, the next pipeline step, a
 user's tool) sees the old content or the new one, never half of it; a killed writer leaves only a dot-named `.tmp`
 sibling behind. The temporary name carries the process id, so two writers of the same path never share one.
+
+A folder that is already there cannot be renamed over; on Linux the two are swapped in one step (renameat2's
+RENAME_EXCHANGE). Elsewhere, and on file systems that refuse the swap (NFS, some FUSE mounts), the old one is renamed
+aside to `.NAME.PID.old.tmp` before the new one is renamed in: a kill between the two leaves no NAME, and whoever
+sweeps that folder's `.tmp` siblings puts the old one back first (`restore_moved_aside`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
+import functools
 import json
 import os
+import re
 import shutil
+import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 from rangefinder.errors import RangefinderError
 
@@ -101,22 +110,82 @@ def write_json(path: PathLike, obj: Any, *, indent: int = 2) -> Path:
 
 
 def replace_dir(src: PathLike, dst: PathLike) -> Path:
-    """Put the finished folder `src` in the place of `dst` (which may exist): the old one is moved aside first (to a
-    `.tmp` name, which the checkpoint writer sweeps up after a kill) and removed once the new one is in place."""
+    """Put the finished folder `src` in the place of `dst` (which may exist), and remove the old one.
+
+    The two are swapped in one step where the system can (`exchange`), so a kill leaves the old folder or the new one
+    at `dst`, never neither. Elsewhere the old one is renamed aside to `.NAME.PID.old.tmp` first: a kill before the
+    second rename leaves it there and no `dst`, which `restore_moved_aside` undoes."""
     src, dst = Path(src), Path(dst)
-    if dst.exists():
+    if not dst.exists():
+        os.replace(src, dst)
+    elif dst.is_dir() and not dst.is_symlink() and exchange(src, dst):
+        shutil.rmtree(src, ignore_errors=True)  # the old folder, now under the temporary name
+    else:
         old = dst.with_name(f".{dst.name}.{os.getpid()}.old.tmp")
         os.replace(dst, old)
-        os.replace(src, dst)
+        try:
+            os.replace(src, dst)
+        except OSError:
+            os.replace(old, dst)  # the new one could not go in: the old one goes back
+            raise
         shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(src, dst)
     return dst
+
+
+# renameat2(2) (Linux 3.15, glibc 2.28; Python has no binding): RENAME_EXCHANGE swaps two existing paths atomically.
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
+# What a system or file system without the swap answers (NFS, some FUSE mounts: EINVAL); the caller renames twice.
+_NO_EXCHANGE = frozenset({errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP})
+# A folder replace_dir renamed aside: `.NAME.PID.old.tmp`.
+_MOVED_ASIDE = re.compile(r"^\.(?P<name>.+)\.\d+\.old\.tmp$")
+
+
+@functools.cache
+def _renameat2() -> Optional[Callable[..., int]]:
+    if sys.platform != "linux":
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # a C library without it (glibc before 2.28)
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def exchange(a: PathLike, b: PathLike) -> bool:
+    """Swap the existing paths `a` and `b` in one atomic step; False where this system or file system cannot (then
+    nothing was done). Another failure (a missing path, another file system) is the OSError a rename raises."""
+    fn = _renameat2()
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in _NO_EXCHANGE:
+        return False
+    raise OSError(err, os.strerror(err), os.fspath(a), None, os.fspath(b))
+
+
+def restore_moved_aside(folder: PathLike, whole: Callable[[Path], bool] = Path.is_dir) -> None:
+    """Put back, under its own name, each folder in `folder` that `replace_dir` renamed aside and a kill kept from
+    replacing (`.NAME.PID.old.tmp`, with no NAME): call it before sweeping `.tmp` siblings away. Only one that is
+    `whole` goes back; a rename refused (a read-only folder, another process first) leaves things as they are."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return
+    for old in folder.glob(".*.old.tmp"):
+        m = _MOVED_ASIDE.match(old.name)
+        dst = folder / m.group("name") if m else None
+        if dst is not None and not (dst.exists() or dst.is_symlink()) and whole(old):
+            with contextlib.suppress(OSError):
+                os.rename(old, dst)
 
 
 def rename_into_place(src: PathLike, dst: PathLike) -> Path:
     """Move the finished file or folder `src` to `dst` on the same file system, in one rename, replacing what is
-    there (a folder through `replace_dir`, so a kill leaves either the old or the new one at `dst`)."""
+    there (a folder through `replace_dir`: a kill leaves the old or the new one at `dst`, or, where the system cannot
+    swap folders, the old one renamed aside for `restore_moved_aside`)."""
     src, dst = Path(src), Path(dst)
     if src.is_dir() and not src.is_symlink() and dst.is_dir() and not dst.is_symlink():
         return replace_dir(src, dst)

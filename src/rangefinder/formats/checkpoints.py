@@ -8,8 +8,10 @@ A checkpoint is a folder `checkpoints/checkpoint-<update:06d>/` holding:
   far, and what the loop needs to go on exactly as if never stopped;
 - `manifest.json`: the sha256 of every other file. Written last.
 It is assembled under a temporary name and renamed into place, so a killed run leaves either a whole checkpoint or a
-`.tmp` folder that readers ignore (and the next save removes). Only the training engine writes checkpoints;
-sampling, export and registration read them through `list_checkpoints`, `read_state`, `read_weights` and
+`.tmp` folder that readers ignore (and the next save removes). A save of an update already saved replaces that
+checkpoint (formats/atomic.py's replace_dir); where the file system cannot swap two folders, a kill inside it can
+leave the old one renamed aside, which `list_checkpoints` and the sweeps put back. Only the training engine writes
+checkpoints; sampling, export and registration read them through `list_checkpoints`, `read_state`, `read_weights` and
 `read_ema`, after `require_intact` has checked the files they read against the manifest (a damaged checkpoint is one
 error naming it, never a silently wrong model).
 
@@ -37,7 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from rangefinder.errors import RangefinderError
-from rangefinder.formats.atomic import replace_dir
+from rangefinder.formats.atomic import replace_dir, restore_moved_aside
 from rangefinder.formats.digest import file_sha256
 
 if TYPE_CHECKING:
@@ -72,9 +74,10 @@ def is_checkpoint(path: Path) -> bool:
 
 
 def list_checkpoints(root: Path) -> list[Path]:
-    """Whole checkpoints under root, oldest first."""
+    """Whole checkpoints under root, oldest first (one a killed save left renamed aside is put back first)."""
     if not Path(root).is_dir():
         return []
+    restore_moved_aside(root, whole=is_checkpoint)
     found = [(checkpoint_update(p), p) for p in Path(root).iterdir()]
     return [p for u, p in sorted((u, p) for u, p in found if u is not None and is_checkpoint(p))]
 
@@ -117,6 +120,7 @@ def checkpoints_by_update(root: Path) -> dict[int, Path]:
 def keep_only(root: Path, *kept: Path) -> None:
     """Remove every checkpoint under root but those `kept` (folders still being written included)."""
     keep = {Path(k).resolve() for k in kept}
+    restore_moved_aside(root, whole=is_checkpoint)  # a checkpoint a killed save left renamed aside is one, not litter
     for p in Path(root).iterdir():
         if p.is_dir() and p.resolve() not in keep and (checkpoint_update(p) is not None or p.name.endswith(".tmp")):
             shutil.rmtree(p, ignore_errors=True)
@@ -134,6 +138,7 @@ def read_chosen(model_dir: Path) -> Optional[dict[str, Any]]:
 def begin(root: Path, update: int) -> Path:
     """A fresh temporary folder for the checkpoint of `update` (main process)."""
     root.mkdir(parents=True, exist_ok=True)
+    restore_moved_aside(root, whole=is_checkpoint)  # the checkpoint a save killed between its renames moved aside
     for stale in root.glob("*.tmp"):  # left by a run killed mid-save
         shutil.rmtree(stale, ignore_errors=True)
     tmp = root / f"{checkpoint_name(update)}.tmp"
@@ -247,7 +252,7 @@ def require_intact(path: Path, only: Iterable[str] = MODEL_FILES) -> None:
 
 def commit(tmp: Path, keep: int) -> Path:
     """Rename the finished temporary folder into place, then drop all but the newest `keep` checkpoints."""
-    # The same update may be saved again (the end of a resumed run that had already finished): replaced whole.
+    # The same update may be saved again (a resume that passed over a damaged newest checkpoint): replaced whole.
     final = replace_dir(tmp, tmp.with_name(tmp.name.removesuffix(".tmp")))
     keep_newest(final.parent, keep)
     return final

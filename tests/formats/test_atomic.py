@@ -1,0 +1,104 @@
+"""A folder replaced in place survives a SIGKILL at any point: a real writer process, killed at the step after the
+old folder left its place, on this machine's file system; then the readers and sweeps a resume goes through."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rangefinder.formats import checkpoints
+
+# Commits checkpoint-000004.tmp over checkpoint-000004 (a save of an update already saved), SIGKILLed at the first
+# step after the old checkpoint left its place: the rename of the new folder into it, or else the removal of the old
+# one (audit events fire before the operation). "renames": as on a system without renameat2.
+WRITER = """
+import os, signal, sys
+from pathlib import Path
+from rangefinder.formats import atomic, checkpoints
+
+root, how = Path(sys.argv[1]), sys.argv[2]
+if how == "renames":
+    atomic._renameat2 = lambda: None
+new = root / "checkpoint-000004.tmp"
+
+def killed_there(event, args):
+    if (event == "os.rename" and Path(args[0]) == new) or event == "shutil.rmtree":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+sys.addaudithook(killed_there)
+checkpoints.commit(new, keep=5)
+"""
+
+
+def write_checkpoint(folder: Path, update: int, written: str) -> Path:
+    """A real checkpoint (the engine's writer, tiny tensors) whose state says which save `written` it was."""
+    folder.mkdir()
+    checkpoints.write_main(folder, weights={"w": torch.full((4,), float(update))}, optimizer={"state": {}},
+                           state={"update": update, "written": written})
+    return folder
+
+
+def killed_mid_replace(root: Path, how: str) -> int:
+    """checkpoint-000002 and -000004 written, then a second save of update 4 killed inside its replace; the pid."""
+    root.mkdir()
+    write_checkpoint(root / "checkpoint-000002", 2, "first")
+    write_checkpoint(root / "checkpoint-000004", 4, "first")
+    write_checkpoint(root / "checkpoint-000004.tmp", 4, "again")
+    child = subprocess.Popen([sys.executable, "-c", WRITER, str(root), how], stderr=subprocess.PIPE, text=True)
+    _, err = child.communicate(timeout=60)
+    assert child.returncode == -signal.SIGKILL, err
+    return child.pid
+
+
+def written(ckpt: Path) -> str:
+    assert checkpoints.verify(ckpt) is None
+    return json.loads((ckpt / checkpoints.STATE_NAME).read_text())["written"]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="renameat2 is Linux's")
+def test_exchange_swaps_two_folders_in_one_step_on_this_file_system(tmp_path):
+    from rangefinder.formats.atomic import exchange
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    for folder in (a, b):
+        folder.mkdir()
+        (folder / "name").write_text(folder.name)
+    assert exchange(a, b) is True
+    assert ((a / "name").read_text(), (b / "name").read_text()) == ("b", "a")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="renameat2 is Linux's")
+def test_a_kill_inside_a_replace_leaves_the_new_checkpoint_in_place(tmp_path):
+    root = tmp_path / "checkpoints"
+    killed_mid_replace(root, "exchange")
+    # Swapped in one step: the new save is in place, the old one under the temporary name, none ever renamed aside.
+    assert sorted(p.name for p in root.iterdir()) == ["checkpoint-000002", "checkpoint-000004",
+                                                      "checkpoint-000004.tmp"]
+    assert written(root / "checkpoint-000004") == "again" and written(root / "checkpoint-000004.tmp") == "first"
+    assert checkpoints.latest_checkpoint(root) == root / "checkpoint-000004"
+    checkpoints.begin(root, 6)  # the next save sweeps the old one away
+    assert sorted(p.name for p in root.iterdir()) == ["checkpoint-000002", "checkpoint-000004",
+                                                      "checkpoint-000006.tmp"]
+
+
+@pytest.mark.parametrize("reader", ["latest_checkpoint", "the next save's sweep"])
+def test_a_kill_between_the_two_renames_gives_the_old_checkpoint_back(tmp_path, reader):
+    """Where folders cannot be swapped, the old checkpoint is renamed aside first: killed before the new one is
+    renamed in, no checkpoint-000004 is left; the resume's reader, or the next save, puts the old one back."""
+    root = tmp_path / "checkpoints"
+    pid = killed_mid_replace(root, "renames")
+    assert sorted(p.name for p in root.iterdir()) == [f".checkpoint-000004.{pid}.old.tmp", "checkpoint-000002",
+                                                      "checkpoint-000004.tmp"]
+    if reader == "latest_checkpoint":
+        assert checkpoints.latest_checkpoint(root) == root / "checkpoint-000004"
+    else:
+        checkpoints.begin(root, 6)
+        assert sorted(p.name for p in root.iterdir()) == ["checkpoint-000002", "checkpoint-000004",
+                                                          "checkpoint-000006.tmp"]
+    assert written(root / "checkpoint-000004") == "first"
