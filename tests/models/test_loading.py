@@ -73,6 +73,20 @@ def test_single_file_is_converted_once_into_a_diffusers_folder(tiny_model_dir, f
     assert _same_weights(parts.unet, folder_parts.unet)
 
 
+def test_our_single_file_of_a_hub_model_loads_back_offline_through_the_cached_snapshot(offline_hub, tiny_model_dir,
+                                                                                     folder_parts, tmp_path):
+    """An export names its hub base model as "org/name@revision": loading the file back as a base model finds the
+    architecture in that model's cached snapshot, with nothing fetched (it asked for model.single_file_config)."""
+    from rangefinder.formats.single_file import export_full
+    from rangefinder.formats.weights_file import export_metadata
+
+    meta = export_metadata(method="full", base_model=resolve_base_model(ModelConfig(base_model=HUB_REPO)).source)
+    path = export_full(tiny_model_dir, tmp_path / "from-hub.safetensors", meta)
+    resolved = resolve_base_model(ModelConfig(base_model=str(path)))
+    assert resolved.kind == "single_file" and (resolved.path / "model_index.json").is_file()
+    assert _same_weights(load_sd_components(ModelConfig(base_model=str(path))).unet, folder_parts.unet)
+
+
 def test_hub_id_resolves_from_the_offline_cache_at_a_branch_tag_or_commit(offline_hub, folder_parts):
     cache, commit = offline_hub
     resolved = resolve_base_model(ModelConfig(base_model=HUB_REPO))

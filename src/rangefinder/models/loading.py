@@ -301,11 +301,28 @@ def _single_file_config(path: Path, model_cfg: ModelConfig, family: str = "sd1")
     base = meta.get("rangefinder.base_model")
     if base and (Path(base) / denoiser).is_dir():
         return Path(base)
+    if base and not Path(base).is_absolute():  # a hub id, "org/name@revision" as exports write it: its snapshot
+        snapshot = _hub_snapshot_of(base, model_cfg)  # in the cache, if the run that trained it left one here
+        if snapshot is not None and (snapshot / denoiser).is_dir():
+            return snapshot
     if base in (None, "", "None", "embedded tiny model") and "rangefinder.method" in meta:
         # Exported from the embedded model: its config is the tiny model's (of the file's family).
         ensure: Callable[[Optional[str]], Path] = import_named(TINY_MODELS[family])
         return ensure(model_cfg.cache_dir)
     return None
+
+
+def _hub_snapshot_of(source: str, model_cfg: ModelConfig) -> Optional[Path]:
+    """The cached snapshot of the hub model `source` names ("org/name" or "org/name@revision"), without any network
+    call; None when it is not a valid hub id or not in the cache."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    repo_id, _, revision = source.partition("@")
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError:
+        return None
+    return _cached_snapshot(repo_id, revision or "main", hub_cache_dir(model_cfg))
 
 
 def _convert_single_file(path: Path, config: Optional[Path], out: Path, family: str = "sd1") -> None:
