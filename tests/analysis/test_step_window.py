@@ -23,7 +23,31 @@ def test_clear_u(seed):
     assert abs(w.best_epoch - best) <= 3
     assert "rose_after_min" in w.flags
     assert w.val_minus_stabilize == pytest.approx(0.01, abs=0.003)
-    assert w.recommended_updates == pytest.approx(10 * w.recommended_epochs, abs=10)
+    assert w.recommended_updates == 10 * w.recommended_epochs
+
+
+@pytest.mark.parametrize(("images", "batch_size", "grad_accum"), [(16, 4, 1), (10, 4, 1), (10, 4, 2)])
+def test_the_recommended_updates_are_what_the_recommended_epochs_train(images, batch_size, grad_accum):
+    """The report said "73 epochs (about 293 updates)": the window's unrounded centre in updates, where 73 epochs at 4
+    updates per epoch are 292. The updates are the engine's count for the recommended whole epochs (planning.plan:
+    a partial last update rounded up), read off the run's own update-epoch line; also past its last row, where a
+    still-improving run that ended mid-epoch recommends the epoch it was in."""
+    from rangefinder.planning import plan
+
+    per_epoch = images / (batch_size * grad_accum)  # updates per epoch: 4, 2.5, 1.25
+
+    def trains(n_epochs):
+        return plan(images, batch_size=batch_size, grad_accum=grad_accum, epochs=n_epochs).total_updates
+
+    for seed in range(3):
+        w = select_step_window(EPOCHS * per_epoch, EPOCHS, noisy(ConstantRunShape().loss(EPOCHS), 0.001, seed))
+        assert w.status == "ok"
+        assert w.recommended_updates == trains(w.recommended_epochs), (seed, w.recommended_epochs)
+    inside = EPOCHS[:-1]  # the last validation at epoch 29.5
+    still = select_step_window(inside * per_epoch, inside,
+                               noisy(ConstantRunShape(tau=30, rise=0.0).loss(inside), 0.001, 0))
+    assert still.status == "still_improving" and still.recommended_epochs == 30
+    assert still.recommended_updates == trains(30) > 29.5 * per_epoch
 
 
 def test_still_improving():

@@ -6,8 +6,9 @@ window is the stretch where the smoothed validation loss is within a tolerance o
 errors of the smoothed minimum. Smoothing, noise and the improvement test are those of the LR bounds (curves.py):
 a centred robust LOWESS in updates, noise from second differences, and a seeded permutation test of "it fell".
 
-The recommendation is the centre of the window in epochs: the minimum itself wanders along a flat bottom with the
-noise, while both window edges sit where the curve is steeper and so are better determined.
+The recommendation is the centre of the window in whole epochs: the minimum itself wanders along a flat bottom with
+the noise, while both window edges sit where the curve is steeper and so are better determined. Its updates are those
+whole epochs' on the run's own update-epoch line (what a run of that length trains), not the centre's.
 """
 
 from __future__ import annotations
@@ -160,6 +161,27 @@ def select_step_window(
     window.reading = reading_notes(rows, n_rows, window.rows_per_point, "update")
     window.advice = window.advice + window.reading
     return window
+
+
+def updates_for_epochs(update: Any, epoch: Any, epochs: float) -> Optional[int]:
+    """The updates a run takes to train `epochs` epochs, read off its curve's update-epoch line: exact at a row,
+    between rows on the line through them, past either end on from it at the whole line's slope (first to last row);
+    rounded up as the engine counts a last, partial update (planning.plan). None without two rows of different
+    epochs."""
+    u = np.asarray(update, dtype=float).ravel()
+    e = np.full_like(u, np.nan) if epoch is None else np.asarray(epoch, dtype=float).ravel()
+    known = np.isfinite(u) & np.isfinite(e)
+    u, e = u[known], e[known]
+    order = np.argsort(e, kind="stable")
+    u, e = u[order], e[order]
+    if e.size < 2 or e[-1] <= e[0]:
+        return None
+    if e[0] <= epochs <= e[-1]:
+        at = float(np.interp(epochs, e, u))
+    else:
+        end = -1 if epochs > e[-1] else 0
+        at = float(u[end] + (epochs - e[end]) * (u[-1] - u[0]) / (e[-1] - e[0]))
+    return max(0, math.ceil(at - 1e-6))  # 1e-6: the epochs' float noise, far below an update
 
 
 DeliveryRule = Literal["window_lowest", "window_nearest", "run_lowest", "cooldown", "window_average", "earliest_tied"]
@@ -349,10 +371,14 @@ def _select(u_all: np.ndarray, e_all: np.ndarray, y_all: np.ndarray, s_all: Opti
     else:
         rec_u = float(u[-1])
     rec_e = epoch_at(rec_u)
-    rec_epochs = None
+    rec_epochs, rec_updates = None, int(round(rec_u))  # a curve without epochs: the window's centre in updates
     if rec_e is not None:
         # Still improving: at least the whole run (rounded up); ok: the nearest whole epoch to the centre.
         rec_epochs = max(1, math.ceil(rec_e - 1e-9) if status == "still_improving" else int(round(rec_e)))
+        # The updates those whole epochs take, so the two agree (73 epochs at 4 per epoch are 292 updates, where
+        # the centre's own 292.6 said 293).
+        at_epochs = updates_for_epochs(u_all, e_all, rec_epochs)
+        rec_updates = rec_updates if at_epochs is None else at_epochs
 
     vms = None
     if s is not None and np.sum(np.isfinite(s)) >= 3:
@@ -373,7 +399,7 @@ def _select(u_all: np.ndarray, e_all: np.ndarray, y_all: np.ndarray, s_all: Opti
         window_start_update=start_u,
         window_end_update=end_u,
         recommended_epochs=rec_epochs,
-        recommended_updates=int(round(rec_u)),
+        recommended_updates=rec_updates,
         val_minus_stabilize=vms,
         band=band,
         flags=flags,
