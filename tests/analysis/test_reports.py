@@ -85,6 +85,19 @@ def test_step_report(tmp_path):
     assert "rose_after_min" in paths["markdown"].read_text()
 
 
+def test_step_report_gives_the_recommended_epochs_and_the_updates_they_take(tmp_path):
+    """The lead said "Train for 10 epochs (about 41 updates)" on a run of 4 updates per epoch: the window's centre in
+    updates beside its rounded epochs. The lead, the rows and the plot's marker say the epochs and their 40 updates."""
+    e = np.arange(61) / 2
+    w = select_step_window(e * 4, e, noisy(ConstantRunShape().loss(e), 0.001, 0))
+    assert w.status == "ok" and w.recommended_epochs == 10
+    paths = write_step_report(w, None, tmp_path)
+    md = paths["markdown"].read_text()
+    assert "Train for 10 epochs (40 updates of this fine-tune)." in md.split("\n")[2]
+    assert "| recommended epochs | 10 |" in md and "| recommended updates | 40 |" in md
+    assert "Train for 10 epochs (40 updates of this fine-tune)." in paths["html"].read_text()
+
+
 def test_step_report_of_a_curve_without_epochs_gives_the_window_in_updates(tmp_path):
     # A metrics.csv without an epoch column: the report said "train for the recommended epochs" over a table whose
     # epochs were all "-", and gave none of the updates the JSON had.

@@ -106,6 +106,29 @@ def test_the_window_s_checkpoints_are_averaged_measured_and_the_lower_delivered(
     assert ft.data.tags["average_how"] == avg["how"] == "uniform"  # soup_tries 0: no soup
 
 
+def test_the_report_mlflow_and_the_step_s_outputs_give_one_recommended_length(averaged):
+    """The report said "Train for 73 epochs (about 293 updates)", and MLflow and the step's outputs 293 updates too:
+    the window's centre in updates, where the 73 epochs a retrain trains take 292 at 4 per epoch. Now the epochs and
+    the updates they take agree, in the report's lead and rows, decision.json, MLflow and the step's outputs."""
+    from mlflow import MlflowClient
+
+    cfg, tmp, result, _, _ = averaged
+    epochs, updates = result.recommended_epochs, result.recommended_updates
+    assert updates == 4 * epochs  # 16 training images at batch 4
+    report = tmp / "ft" / "report"
+    md = (report / "step_report.md").read_text()
+    assert f"Train for {epochs} epochs ({updates} updates of this fine-tune)." in md.split("\n")[2]
+    assert f"| recommended epochs | {epochs} |" in md and f"| recommended updates | {updates} |" in md
+    decision = json.loads((report / "decision.json").read_text())
+    assert decision["recommended_length"] == {"epochs": epochs, "updates": updates, "basis": "window"}
+    assert decision["recommended_updates"] == updates  # the window's own, beside it
+    client = MlflowClient(cfg.tracking.tracking_uri)
+    (ft,) = client.search_runs([client.get_experiment_by_name("average").experiment_id],
+                               filter_string="tags.`rangefinder.step` = 'finetune'")
+    assert (ft.data.metrics["recommended_epochs"], ft.data.metrics["recommended_updates"]) == (epochs, updates)
+    assert result.metrics()["recommended_updates"] == updates  # the step's KFP metrics
+
+
 def test_a_retried_step_delivers_what_its_first_attempt_delivered(averaged, split_dir):
     """A pod preempted once the step had kept its checkpoint and delivered (its work folder kept, as RANGEFINDER_WORK
     keeps it) runs the step again on that folder: it trains again from the one checkpoint left, bit-exactly, reads
@@ -343,9 +366,14 @@ def test_earliest_tied_weighs_the_average_and_delivers_the_first_checkpoint_in_i
     assert avg["pick_val_loss"] == pick["val_loss"] and not (work / AVERAGE_DIR / "final").exists()
     decision = json.loads((work / "report" / "decision.json").read_text())
     assert decision["chosen"] == info == checkpoints.read_chosen(work)
-    assert f"Delivered: update {expected}, the earliest checkpoint" in (work / "report" / "step_report.md").read_text()
+    report = (work / "report" / "step_report.md").read_text()
+    assert f"Delivered: update {expected}, the earliest checkpoint" in report
     epochs = math.ceil(info["epoch"] - 1e-9)
     assert (result.recommended_epochs, result.recommended_updates) == (epochs, expected)
+    # The report's lead and rows give that length, the one the retrain trains, not the window's centre.
+    assert f"Train for {epochs} epochs ({expected} updates of this fine-tune): the delivered checkpoint's epoch" in \
+        report.split("\n")[2]
+    assert f"| recommended epochs | {epochs} |" in report
     client = MlflowClient(cfg.tracking.tracking_uri)
     (ft,) = client.search_runs([client.get_experiment_by_name("average").experiment_id],
                                filter_string="tags.`rangefinder.step` = 'finetune'")

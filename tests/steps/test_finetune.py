@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from rangefinder.analysis import RecommendedLength
 from rangefinder.config import RangefinderConfig, TrainingConfig, demo_config, parse_config
 from rangefinder.data.split import read_split
 from rangefinder.errors import ConfigError
@@ -196,7 +197,8 @@ def test_with_no_window_the_run_s_lowest_validation_loss_checkpoint_is_delivered
     assert (run_dir / checkpoints.CHOSEN_DIR / "model_index.json").is_file()
     # What a full-data retrain then trains: up to the delivered checkpoint (its epoch rounded up), not the configured
     # budget, which the run trained through and measured no better (the old code kept the configured 10 epochs).
-    assert recommended_length(window, info, 10, updates[-1]) == (max(1, math.ceil(info["epoch"] - 1e-9)), best)
+    length = recommended_length(window, info, 10, updates[-1], curve)
+    assert (length.epochs, length.updates, length.basis) == (max(1, math.ceil(info["epoch"] - 1e-9)), best, "no_window")
 
 
 @pytest.mark.parametrize("besides", ["none", "an average 3 % lower", "an average 0.5 % lower"])
@@ -236,7 +238,7 @@ def test_earliest_tied_delivers_the_first_checkpoint_within_the_band_and_keeps_i
                for p, avg in zip(chosen.parameters(), shadow[expected], strict=True))
     if besides == "an average 3 % lower":
         assert info["rule"] == "window_lowest" and "band" not in info and "window_pick" not in info
-        assert recommended_length(window, info, 10, 8) == (2, 8)  # the window's centre
+        assert recommended_length(window, info, 10, 8, curve) == RecommendedLength(2, 8, "window")  # its centre
         return
     assert info["rule"] == "earliest_tied"
     assert info["window_pick"] == {"checkpoint": name[8], "update": 8, "val_loss": pytest.approx(low),
@@ -249,16 +251,23 @@ def test_earliest_tied_delivers_the_first_checkpoint_within_the_band_and_keeps_i
     assert "Without that rule: smoothed validation loss" in info["reason"] and "update 8 is the checkpoint" in info[
         "reason"]
     # A full-data retrain trains the delivered checkpoint's length, not the window's centre (update 8, epoch 2).
-    assert recommended_length(window, info, 10, 8) == ((1, 4) if expected == 4 else (2, 8))
+    assert recommended_length(window, info, 10, 8, curve) == RecommendedLength(expected // 4, expected, "earliest_tied")
 
 
 def test_the_recommended_length_is_the_window_s_centre_else_the_configured_budget():
     window = SimpleNamespace(recommended_epochs=3, recommended_updates=12)
-    assert recommended_length(window, {"rule": "window_lowest", "update": 16, "epoch": 4.0}, 10, 40) == (3, 12)
+    assert recommended_length(window, {"rule": "window_lowest", "update": 16, "epoch": 4.0}, 10, 40) == (
+        RecommendedLength(3, 12, "window"))
     none = SimpleNamespace(recommended_epochs=None, recommended_updates=None)
-    assert recommended_length(none, None, 10, 40) == (10, 40)  # no validated checkpoint: the configured budget
-    assert recommended_length(none, {"rule": "run_lowest", "update": 6, "epoch": 1.5}, 10, 40) == (2, 6)
-    assert recommended_length(none, {"rule": "run_lowest", "update": 8, "epoch": 2.0}, 10, 40) == (2, 8)
+    # No validated checkpoint: the configured budget.
+    assert recommended_length(none, None, 10, 40) == RecommendedLength(10, 40, "configured")
+    # No window: the delivered checkpoint's epoch rounded up, in the updates those whole epochs take (4 per epoch on
+    # this curve), not the checkpoint's own update: 2 epochs are 8 updates, never 6.
+    curve = {"update": [0.0, 2.0, 4.0, 6.0], "epoch": [0.0, 0.5, 1.0, 1.5]}
+    assert recommended_length(none, {"rule": "run_lowest", "update": 6, "epoch": 1.5}, 10, 40, curve) == (
+        RecommendedLength(2, 8, "no_window"))
+    assert recommended_length(none, {"rule": "run_lowest", "update": 8, "epoch": 2.0}, 10, 40, curve) == (
+        RecommendedLength(2, 8, "no_window"))
 
 
 @pytest.mark.slow
@@ -313,6 +322,54 @@ def test_the_finetune_step_logs_samples_during_training_to_mlflow_with_their_ste
     page = report.read_text()
     assert "Samples over training" in page and "<th class='row'>update</th><th>0</th><th>8</th><th>16</th>" in page
     assert page.count(f"alt='{cfg.sampling.prompts[0]} | seed 0 at update") == 3
+
+
+def test_with_no_step_window_the_report_gives_the_fallback_length_the_pipeline_trains(
+        split_dir, tiny_model_dir, tmp_path, monkeypatch):
+    """An LR too small to move the weights: validation loss never falls, so there is no step window, and the pipeline
+    falls back to the delivered checkpoint's length (recommended_length). The report said "recommended epochs -"
+    while the step's outputs (the terminal's line, the retrain's input) and MLflow had the fallback's epochs; now the
+    report, its lead (the run's description), decision.json, MLflow and the outputs give the same epochs and updates,
+    the report calling it the fallback, and the retrain's note the same epochs on train + validation."""
+    from mlflow import MlflowClient
+
+    from rangefinder.steps.finetune import epochs_up_to, run_finetune
+    from rangefinder.steps.retrain_full import retrain_epochs
+
+    for var in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME"):
+        monkeypatch.delenv(var, raising=False)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = demo_config(model={"base_model": str(tiny_model_dir)},
+                      finetune={"epochs": 2, "cooldown": "off", "average": "off"},
+                      training={"cache_dir": str(tmp_path / "cache")}, sampling={"every_validations": None},
+                      validation={"every_epochs": 0.5}, retrain={"enabled": True},
+                      tracking={"tracking_uri": uri, "experiment_name": "fallback", "registered_model_name": None})
+    result = run_finetune(cfg, split_dir=split_dir, lr_low=1e-12, lr_high=1e-12, lr_mid=1e-12, lr_source="fixed",
+                          model_dir=tmp_path / "ft")
+
+    report = tmp_path / "ft" / "report"
+    decision = json.loads((report / "decision.json").read_text())
+    assert decision["status"] == "no_improvement" and result.chosen["rule"] == "run_lowest"
+    epochs = epochs_up_to(result.chosen["epoch"])
+    updates = 4 * epochs  # 16 training images at batch 4
+    assert (result.recommended_epochs, result.recommended_updates) == (epochs, updates)
+    assert decision["recommended_length"] == {"epochs": epochs, "updates": updates, "basis": "no_window"}
+    md = (report / "step_report.md").read_text()
+    assert f"| recommended epochs | {epochs} (fallback) |" in md and f"| recommended updates | {updates} |" in md
+    lead = md.split("\n")[2]
+    assert f"the pipeline falls back to {epochs} epochs ({updates} updates of this fine-tune)" in lead
+    html = (report / "step_report.html").read_text()
+    assert f"<td class='num'>{epochs} (fallback)</td>" in html
+    # The retrain trains the same epochs, on train + validation: 20 images at batch 4.
+    assert retrain_epochs(cfg, result.recommended_epochs) == epochs
+    assert f"A retrain on train + validation follows: {epochs} epochs, {5 * epochs} updates on its 20 images" in md
+
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("fallback").experiment_id],
+                                filter_string="tags.`rangefinder.step` = 'finetune'")
+    assert run.data.metrics["recommended_epochs"] == epochs and run.data.metrics["recommended_updates"] == updates
+    assert run.data.tags["recommended_from"] == "no_window"
+    assert run.data.tags["mlflow.note.content"].startswith(lead.removeprefix("**no_improvement**: "))
 
 
 def test_a_fine_tune_that_diverges_says_so_and_what_to_do(split_dir, tiny_model_dir, tmp_path, monkeypatch):

@@ -17,6 +17,7 @@ from rangefinder.analysis.reports import (
 from rangefinder.analysis.step_window import (
     DELIVERY_RULE_TEXT,
     Delivery,
+    RecommendedLength,
     StepWindow,
     delivered_checkpoint,
     earliest_tied,
@@ -28,6 +29,7 @@ __all__ = [
     "Delivery",
     "LRBounds",
     "ProdigyStep",
+    "RecommendedLength",
     "SampleStrip",
     "StepWindow",
     "analyze_lr_curve",

@@ -9,7 +9,7 @@ import numpy as np
 
 from rangefinder.analysis.halving import HalvingDecision
 from rangefinder.analysis.lr_bounds import LRBounds
-from rangefinder.analysis.step_window import TIE_BAND, Delivery, StepWindow
+from rangefinder.analysis.step_window import TIE_BAND, Delivery, RecommendedLength, StepWindow
 from rangefinder.formats.atomic import atomic_path
 
 FIGSIZE = (8.0, 4.8)  # inches
@@ -109,12 +109,13 @@ def plot_lr_range_test(bounds: LRBounds, out_path: str | Path, *, title: Optiona
 
 
 def plot_step_window(window: StepWindow, out_path: str | Path, *, title: Optional[str] = None,
-                     halving: Optional[HalvingDecision] = None, delivered: Optional[Delivery] = None) -> Path:
+                     halving: Optional[HalvingDecision] = None, delivered: Optional[Delivery] = None,
+                     length: Optional[RecommendedLength] = None) -> Path:
     """Validation and stabilize loss of the constant run against updates (epochs on the top axis), the window
-    shaded and the recommended length marked; with `halving` (rangefinder.steps.halving's decision), the dropped
-    candidate's measured curve up to the pause, and the pause; with `delivered` (the fine-tune's choice), a star at
-    its update and loss, and for finetune.deliver's earliest tied checkpoint the band's top it lies under. Returns
-    the PNG's path."""
+    shaded and the recommended length marked (`length`, the fine-tune's, which may be a fallback; else the window's);
+    with `halving` (rangefinder.steps.halving's decision), the dropped candidate's measured curve up to the pause, and
+    the pause; with `delivered` (the fine-tune's choice), a star at its update and loss, and for finetune.deliver's
+    earliest tied checkpoint the band's top it lies under. Returns the PNG's path."""
     plt = _pyplot()
     fit = window.fit
     if fit is None:
@@ -146,9 +147,13 @@ def plot_step_window(window: StepWindow, out_path: str | Path, *, title: Optiona
     ax.set_ylim(lo, hi)
     if window.best_update is not None:
         ax.plot([window.best_update], [window.best_val_loss], "v", color=SMOOTH, ms=9, label="best (smoothed)")
-    if window.recommended_updates is not None:
+    length = length or RecommendedLength.of_window(window)
+    if length is not None:
+        ax.axvline(length.updates, color=BAND, lw=2, ls="--",
+                   label=f"{'fallback' if length.fallback else 'recommended'}: {length.epochs} epochs")
+    elif window.recommended_updates is not None:  # a curve without epochs
         ax.axvline(window.recommended_updates, color=BAND, lw=2, ls="--",
-                   label=f"recommended: {window.recommended_epochs} epochs")
+                   label=f"recommended: {window.recommended_updates} updates")
     if delivered is not None and delivered.tied_ceiling is not None:
         ax.axhline(delivered.tied_ceiling, color=DELIVERED, lw=1.4, ls=":",
                    label=f"earliest-tied band: {TIE_BAND:.0%} above the lowest")

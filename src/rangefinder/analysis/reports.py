@@ -25,7 +25,13 @@ from rangefinder.analysis.lr_bounds import STATUS_ADVICE as LR_STATUS_ADVICE
 from rangefinder.analysis.lr_bounds import LRBounds
 from rangefinder.analysis.plots import plot_lr_range_test, plot_prodigy_step, plot_step_window
 from rangefinder.analysis.prodigy_step import FACTOR_FROM_TABLE, ProdigyStep, step_size_estimates
-from rangefinder.analysis.step_window import DELIVERY_RULE_TEXT, Delivery, StepWindow
+from rangefinder.analysis.step_window import (
+    DELIVERY_RULE_TEXT,
+    LENGTH_BASIS_TEXT,
+    Delivery,
+    RecommendedLength,
+    StepWindow,
+)
 from rangefinder.analysis.step_window import FLAG_ADVICE as STEP_FLAG_ADVICE
 from rangefinder.analysis.step_window import STATUS_ADVICE as STEP_STATUS_ADVICE
 from rangefinder.defaults import LOW_QUALITY
@@ -204,14 +210,23 @@ def lr_headline(bounds: LRBounds, zoom: Optional[tuple[float, float]] = None) ->
 
 
 def step_headline(window: StepWindow, halving: Optional[HalvingDecision] = None,
-                  delivered: Optional[Delivery] = None) -> str:
+                  delivered: Optional[Delivery] = None, length: Optional[RecommendedLength] = None) -> str:
     """The step-window report's lead (also the fine-tune run's description in MLflow); `delivered`: the checkpoint
     the fine-tune kept (analysis.delivered_checkpoint), said with its rule when it is not the window's usual one or
-    does not beat the base model."""
-    if window.recommended_epochs is not None:
-        lead = f"Train for {window.recommended_epochs} epochs (about {window.recommended_updates} updates)."
-        if window.status == "still_improving":
-            lead += " At least: the run ended while still improving."
+    does not beat the base model; `length`: the length the fine-tune recommends (steps.finetune.recommended_length),
+    which a retrain trains: the window's unless a rule or a fallback sets another (default: the window's)."""
+    length = length or RecommendedLength.of_window(window)
+    if length is not None:
+        made = f"{length.epochs} epochs ({length.updates} updates of this fine-tune)"
+        if length.fallback:
+            lead = (f"{STEP_STATUS_ADVICE[window.status]} With no window, the pipeline falls back to {made}: "
+                    f"{LENGTH_BASIS_TEXT[length.basis]}.")
+        elif length.basis != "window":
+            lead = f"Train for {made}: {LENGTH_BASIS_TEXT[length.basis]}."
+        else:
+            lead = f"Train for {made}."
+            if window.status == "still_improving":
+                lead += " At least: the run ended while still improving."
     elif window.recommended_updates is not None:
         # A curve without epochs (no epoch column): the window is known in updates only. The status advice said
         # "train for the recommended epochs" over a table whose epochs were all "-".
@@ -338,7 +353,8 @@ def write_step_report(window: StepWindow, curve: Optional[dict], out_dir: str | 
                       halving: Optional[HalvingDecision] = None, plan_warnings: Sequence[str] = (),
                       validation_weighting: Optional[dict] = None,
                       delivered: Optional[Delivery] = None, cooldown: Optional[str] = None,
-                      average: Optional[str] = None) -> dict[str, Path]:
+                      average: Optional[str] = None, length: Optional[RecommendedLength] = None,
+                      retrain: Optional[str] = None) -> dict[str, Path]:
     """Write step_window.png, step_report.html (self-contained), step_report.md and step_window.json into out_dir.
 
     `curve` and `source` as for write_lr_report; `samples`: the run's samples over training, shown under the plot;
@@ -346,14 +362,17 @@ def write_step_report(window: StepWindow, curve: Optional[dict], out_dir: str | 
     candidate's curve on the plot; `validation_weighting` as for write_lr_report; `delivered`: the checkpoint the
     fine-tune kept and the rule that picked it, as a row (and in the lead when step_headline says so); `cooldown`:
     what the fine-tune's cooldown measured and whether it was delivered (rangefinder.steps.cooldown), as a note;
-    `average`: the same for the window average (rangefinder.steps.average).
+    `average`: the same for the window average (rangefinder.steps.average); `length`: the length the fine-tune
+    recommends (step_headline), as rows, in the lead and on the plot; `retrain`: what the full-data retrain that
+    follows will train, as a note.
     Returns {"plot", "html", "markdown", "json"} -> paths.
     """
     out = Path(out_dir)
-    png = plot_step_window(window, out / "step_window.png", halving=halving, delivered=delivered)
-    lead = step_headline(window, halving, delivered)
+    length = length or RecommendedLength.of_window(window)
+    png = plot_step_window(window, out / "step_window.png", halving=halving, delivered=delivered, length=length)
+    lead = step_headline(window, halving, delivered, length)
     rows: list[tuple[str, Any, str]] = [
-        ("recommended epochs", window.recommended_epochs, "the centre of the window (its edges are better determined)"),
+        *_length_rows(length),
         ("window (epochs)", [window.window_start_epoch, window.window_end_epoch],
          f"smoothed val loss within {window.band:.3g} of its minimum" if window.band == window.band else ""),
         ("best epoch", window.best_epoch, f"update {_fmt(window.best_update)}; smoothed val loss "
@@ -385,8 +404,20 @@ def write_step_report(window: StepWindow, curve: Optional[dict], out_dir: str | 
     for label, said in (("cooldown", cooldown), ("window average", average)):
         if said:  # the step's sentence opens with its name for the run's description; the note's label says it here
             notes.append((label, said.removeprefix(f"{label.capitalize()}: ")))
+    if retrain:
+        notes.append(("retrain", retrain))
     return _write_report(out, "step_report", "step_window.json", "Step window", window.status, lead, png, rows,
                          notes, _source_line(curve, source), window.to_dict(), samples)
+
+
+def _length_rows(length: Optional[RecommendedLength]) -> list[tuple[str, Any, str]]:
+    """The recommended length in epochs and in the updates they take, a fallback said as such; "-" without one."""
+    if length is None:
+        return [("recommended epochs", None, LENGTH_BASIS_TEXT["window"])]
+    why = LENGTH_BASIS_TEXT[length.basis]
+    return [("recommended epochs", f"{length.epochs} (fallback)" if length.fallback else length.epochs,
+             f"no step window, so the fallback: {why}" if length.fallback else why),
+            ("recommended updates", length.updates, "the updates those epochs take in this fine-tune")]
 
 
 def halving_note(halving: HalvingDecision) -> str:

@@ -184,6 +184,41 @@ def updates_for_epochs(update: Any, epoch: Any, epochs: float) -> Optional[int]:
     return max(0, math.ceil(at - 1e-6))  # 1e-6: the epochs' float noise, far below an update
 
 
+LengthBasis = Literal["window", "earliest_tied", "no_window", "configured"]
+
+# What the recommended length is (RecommendedLength.basis), for the report's row and lead.
+LENGTH_BASIS_TEXT: dict[str, str] = {
+    "window": "the centre of the window (its edges are better determined)",
+    "earliest_tied": "the delivered checkpoint's epoch, rounded up (finetune.deliver is earliest_tied, so a retrain "
+                     "trains the earliest tied checkpoint's length, not the window's centre)",
+    "no_window": "the delivered checkpoint's epoch, rounded up (the lowest validation loss of the whole run)",
+    "configured": "the configured finetune.epochs (no checkpoint to go by)",
+}
+
+
+@dataclass(frozen=True)
+class RecommendedLength:
+    """The length the fine-tune recommends, the one a full-data retrain trains: whole epochs, the updates those epochs
+    take in the fine-tune (updates_for_epochs; the retrain's larger training set takes more per epoch), and what it
+    was read from (LENGTH_BASIS_TEXT)."""
+
+    epochs: int
+    updates: int
+    basis: LengthBasis
+
+    @property
+    def fallback(self) -> bool:
+        """No step window said it: the pipeline falls back on another length."""
+        return self.basis in ("no_window", "configured")
+
+    @classmethod
+    def of_window(cls, window: StepWindow) -> Optional[RecommendedLength]:
+        """The window's own recommendation; None without one in epochs."""
+        if window.recommended_epochs is None or window.recommended_updates is None:
+            return None
+        return cls(epochs=window.recommended_epochs, updates=window.recommended_updates, basis="window")
+
+
 DeliveryRule = Literal["window_lowest", "window_nearest", "run_lowest", "cooldown", "window_average", "earliest_tied"]
 
 # finetune.deliver: earliest_tied delivers the earliest checkpoint whose validation loss is within this fraction of the

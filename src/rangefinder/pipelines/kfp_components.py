@@ -347,8 +347,10 @@ def finetune(
         metrics: The step window and the validation loss as KFP metrics.
         report_html: The fine-tune's report (curves, step window, why), as HTML.
         report_md: The same report in Markdown.
-        recommended_epochs: Epochs to train for, read from the validation curve.
-        recommended_updates: Optimizer updates to train for.
+        recommended_epochs: Epochs to train for, read from the validation curve (with no step window, the
+            fallback the report names).
+        recommended_updates: The optimizer updates those epochs take in the fine-tune (a retrain on train +
+            validation takes more per epoch).
         still_improving: Whether validation loss was still falling at the end (train longer).
         chosen_update: The update of the checkpoint delivered in `model`.
         chosen_epoch: The epoch of that checkpoint.

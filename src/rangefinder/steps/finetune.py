@@ -23,6 +23,7 @@ from one of them with its last ~20 % decaying to LR 0, and those weights are del
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shutil
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ from rangefinder.launch.processes import batch_note, run_training, step_world_si
 from rangefinder.steps.workdir import publish, work_dir
 
 if TYPE_CHECKING:
-    from rangefinder.analysis import Delivery, SampleStrip, StepWindow
+    from rangefinder.analysis import Delivery, RecommendedLength, SampleStrip, StepWindow
     from rangefinder.analysis.halving import HalvingDecision
 
 
@@ -266,20 +267,26 @@ def epochs_up_to(epoch: float) -> int:
 
 
 def recommended_length(window: StepWindow, chosen: Optional[dict[str, Any]], configured_epochs: int,
-                       trained_updates: int) -> tuple[int, int]:
-    """The length the fine-tune recommends, in epochs and updates (what a full-data retrain trains):
+                       trained_updates: int, curve: Optional[dict] = None) -> RecommendedLength:
+    """The length the fine-tune recommends, in epochs and the updates they take (what a full-data retrain trains):
     - the window's centre;
     - the delivered checkpoint's epoch rounded up when it is finetune.deliver's earliest tied checkpoint (the rule's
       point is the weights that moved least), or when there is no window (no significant improvement: the run went on
-      past it and measured no better; in the bench its final weights were worse than the base model);
+      past it and measured no better; in the bench its final weights were worse than the base model), in the updates
+      those whole epochs take on `curve`'s update-epoch line (the checkpoint's own without a curve);
     - with neither, the configured epochs and the updates trained."""
+    from rangefinder.analysis import RecommendedLength
+    from rangefinder.analysis.step_window import updates_for_epochs
+
     rule = (chosen or {}).get("rule")
     own_length = rule == "earliest_tied" or (rule == "run_lowest" and window.recommended_epochs is None)
     if chosen is not None and own_length and chosen.get("epoch") is not None:
-        return epochs_up_to(chosen["epoch"]), int(chosen["update"])
-    if window.recommended_epochs is not None:
-        return int(window.recommended_epochs), int(window.recommended_updates or trained_updates)
-    return int(configured_epochs), int(trained_updates)
+        epochs = epochs_up_to(chosen["epoch"])
+        updates = updates_for_epochs(curve["update"], curve.get("epoch"), epochs) if curve else None
+        return RecommendedLength(epochs=epochs, updates=int(chosen["update"]) if updates is None else updates,
+                                 basis="earliest_tied" if rule == "earliest_tied" else "no_window")
+    return RecommendedLength.of_window(window) or RecommendedLength(
+        epochs=int(configured_epochs), updates=int(trained_updates), basis="configured")
 
 
 def run_finetune(
@@ -297,7 +304,7 @@ def run_finetune(
     mlflow_parent_run_id: Optional[str] = None,
 ) -> FinetuneResult:
     from rangefinder import tracking
-    from rangefinder.analysis import Delivery, copy_report, select_step_window, write_step_report
+    from rangefinder.analysis import Delivery, RecommendedLength, copy_report, select_step_window, write_step_report
     from rangefinder.analysis.reports import step_headline
     from rangefinder.data.split import read_split
     from rangefinder.models.loading import resolve_base_model
@@ -307,6 +314,7 @@ def run_finetune(
     from rangefinder.steps.cooldown import cooldown_applies, run_cooldown
     from rangefinder.steps.cooldown import deliver as deliver_cooldown
     from rangefinder.steps.halving import halving_applies, run_halving
+    from rangefinder.steps.retrain_full import retrain_preview
     from rangefinder.training.family_detection import family_of
     from rangefinder.training.spec import TrainSpec
 
@@ -379,37 +387,44 @@ def run_finetune(
                                                              base_val_loss=chosen["base_val_loss"],
                                                              tied_ceiling=(chosen.get("band") or {}).get("ceiling"))
             sample_delivered(work, chosen, base.path, run)
+            # One length for the report, its lead (the run's description), MLflow and the step's outputs.
+            length = recommended_length(window, chosen, tc.epochs or 1, result.updates, curve)
+            retrain = retrain_preview(cfg, split, recommended_epochs=length.epochs, lr=lr, bounds=(lr_low, lr_high))
             report = write_step_report(window, curve, report_dir, source=source,
                                        samples=sample_strip(work), halving=race,
                                        plan_warnings=spec.plan.warnings if spec.plan is not None else (),
                                        validation_weighting=result.validation_weighting(), delivered=delivered,
                                        cooldown=(chosen or {}).get("cooldown", {}).get("sentence"),
-                                       average=(chosen or {}).get("average", {}).get("sentence"))
+                                       average=(chosen or {}).get("average", {}).get("sentence"),
+                                       length=length, retrain=retrain)
             copy_report(report, report_html, report_md)
-            rec_epochs, rec_updates = recommended_length(window, chosen, tc.epochs or 1, result.updates)
             improving = window.status == "still_improving"
             decision = window.to_dict()
-            note = f"{step_headline(window, race, delivered)} Trained at lr {lr:.3g} (lr source: {lr_source})."
+            note = f"{step_headline(window, race, delivered, length)} Trained at lr {lr:.3g} (lr source: {lr_source})."
             for extra in ("cooldown", "average"):
                 if chosen is not None and chosen.get(extra):
                     note += f" {chosen[extra]['sentence']}"
+            if retrain:
+                note += f" {retrain}"
             skipped_average = not_on_several_nodes(cfg)
             if skipped_average:
                 note += f" {skipped_average}"
         else:
             # No validation set (a fixed LR with val_split 0): nothing to read a window from; keep the budget.
-            rec_epochs, rec_updates, improving = tc.epochs or 1, result.updates, False
-            decision = {"recommended_epochs": rec_epochs, "note": "no validation: the configured epochs are kept"}
-            note = f"No validation set: trained the configured {rec_epochs} epochs at lr {lr:.3g}."
+            length, improving = RecommendedLength(epochs=tc.epochs or 1, updates=result.updates,
+                                                  basis="configured"), False
+            decision = {"recommended_epochs": length.epochs, "note": "no validation: the configured epochs are kept"}
+            note = f"No validation set: trained the configured {length.epochs} epochs at lr {lr:.3g}."
             for p in (report_html, report_md):
                 if p is not None:
-                    write_text(p, f"No validation set: trained {rec_epochs} epochs at lr {lr:.3g}.\n")
+                    write_text(p, f"No validation set: trained {length.epochs} epochs at lr {lr:.3g}.\n")
         if chosen is None:  # no validated checkpoint to choose from: the final weights are delivered, as configured
             checkpoints.keep_newest(work / checkpoints.RUN_DIR, cfg.training.keep_checkpoints)
         else:  # the run's newest checkpoint goes last (keep_chosen_checkpoint's keep_newest)
             keep_only_chosen(work / checkpoints.RUN_DIR, chosen)
         publish(work, model_dir)
-        decision.update(lr_low=lr_low, lr_high=lr_high, lr_mid=lr_mid, lr_used=lr, lr_source=lr_source,
+        decision.update(recommended_length=dataclasses.asdict(length),
+                        lr_low=lr_low, lr_high=lr_high, lr_mid=lr_mid, lr_used=lr, lr_source=lr_source,
                         range_test_skipped=skipped_because(cfg),
                         halving=None if race is None else race.to_json(), mixed_precision=precision, chosen=chosen,
                         world_size=tc.world_size, global_batch=tc.batch_size * tc.grad_accum * tc.world_size,
@@ -422,9 +437,9 @@ def run_finetune(
         # their own readings on their runs).
         if cooled is not None:
             extra_updates += cooled.updates_trained
-        decisions: dict[str, Any] = {"recommended_epochs": rec_epochs, "recommended_updates": rec_updates,
-                                     "still_improving": improving, "lr_low": lr_low, "lr_high": lr_high,
-                                     "lr_mid": lr_mid, "lr_used": lr,
+        decisions: dict[str, Any] = {"recommended_epochs": length.epochs, "recommended_updates": length.updates,
+                                     "recommended_from": length.basis, "still_improving": improving,
+                                     "lr_low": lr_low, "lr_high": lr_high, "lr_mid": lr_mid, "lr_used": lr,
                                      "lr_source": lr_source, "updates_trained": result.updates + extra_updates}
         if cooled is not None and chosen is not None:  # deliver() wrote what the cooldown measured into chosen
             decisions.update(cooldown_delivered=chosen["cooldown"]["delivered"],
@@ -448,7 +463,7 @@ def run_finetune(
         run.describe(note)
     if result.final_dir is None:
         raise RangefinderError(f"the fine-tune wrote no final weights under {model_dir}")
-    return FinetuneResult(recommended_epochs=max(1, rec_epochs), recommended_updates=rec_updates,
+    return FinetuneResult(recommended_epochs=max(1, length.epochs), recommended_updates=length.updates,
                           still_improving=improving, best_val_loss=result.best_val_loss, model_dir=model_dir,
                           curve_csv=result.metrics_csv,
                           checkpoints=checkpoints.list_checkpoints(work / checkpoints.RUN_DIR),

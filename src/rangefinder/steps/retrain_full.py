@@ -8,11 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from rangefinder.config import RangefinderConfig
 from rangefinder.launch.processes import run_training, step_world_size
 from rangefinder.steps.workdir import publish, work_dir
+from rangefinder.training.spec import TrainSpec
+
+if TYPE_CHECKING:
+    from rangefinder.data.split import Split
 
 
 @dataclass
@@ -25,6 +29,28 @@ class RetrainResult:
         return {"epochs": float(self.epochs), "updates": float(self.updates)}
 
 
+def retrain_epochs(cfg: RangefinderConfig, recommended_epochs: int) -> int:
+    """The epochs the retrain trains: retrain.epochs where the config sets it, else the fine-tune's recommendation."""
+    return cfg.retrain.epochs or max(1, int(recommended_epochs))
+
+
+def _why_this_length(cfg: RangefinderConfig) -> str:
+    return "retrain.epochs, set in the config" if cfg.retrain.epochs else "the fine-tune's recommended length"
+
+
+def retrain_preview(cfg: RangefinderConfig, split: Split, *, recommended_epochs: int, lr: float,
+                    bounds: tuple[float, float]) -> Optional[str]:
+    """What the retrain after the fine-tune will train, in a sentence for the fine-tune's report: its epochs, and the
+    updates they take on train + validation (more per epoch than the fine-tune's); None with the retrain off."""
+    if not cfg.retrain.enabled:
+        return None
+    epochs = retrain_epochs(cfg, recommended_epochs)
+    plan = TrainSpec.retrain(cfg, split, bounds=bounds, lr=lr, epochs=epochs, world_size=step_world_size(cfg)).plan
+    assert plan is not None
+    return (f"A retrain on train + validation follows: {epochs} epochs, {plan.total_updates} updates on its "
+            f"{plan.train_images} images ({_why_this_length(cfg)}).")
+
+
 def run_retrain_full(cfg: RangefinderConfig, *, split_dir: Path, lr_low: float, lr_high: float, lr: float,
                      recommended_epochs: int, model_dir: Path,
                      mlflow_parent_run_id: Optional[str] = None) -> RetrainResult:
@@ -32,9 +58,8 @@ def run_retrain_full(cfg: RangefinderConfig, *, split_dir: Path, lr_low: float, 
     from rangefinder import tracking
     from rangefinder.data.split import read_split
     from rangefinder.training.family_detection import family_of
-    from rangefinder.training.spec import TrainSpec
 
-    epochs = cfg.retrain.epochs or max(1, int(recommended_epochs))
+    epochs = retrain_epochs(cfg, recommended_epochs)
     split = read_split(split_dir)
     spec = TrainSpec.retrain(cfg, split, bounds=(lr_low, lr_high), lr=lr, epochs=epochs,
                              world_size=step_world_size(cfg))
@@ -46,6 +71,6 @@ def run_retrain_full(cfg: RangefinderConfig, *, split_dir: Path, lr_low: float, 
         result = run_training(cfg, spec, out_dir=work, metric_sink=run, step_name="retrain_full", split=split)
         publish(work, model_dir)
         run.log_decisions({"retrain_epochs": epochs, "retrain_updates": result.updates})
-        run.describe(f"Retrained on train + validation for {epochs} epochs ({result.updates} updates) at lr {lr:.3g}, "
-                     "the fine-tune's recommended length and kept LR; nothing is validated.")
+        run.describe(f"Retrained on train + validation for {epochs} epochs ({result.updates} updates) at lr {lr:.3g}: "
+                     f"{_why_this_length(cfg)}, and the fine-tune's kept LR; nothing is validated.")
     return RetrainResult(epochs=epochs, updates=result.updates, model_dir=Path(model_dir))
