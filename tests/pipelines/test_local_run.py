@@ -247,32 +247,102 @@ def test_failed_step_is_one_error_and_recorded(tmp_path, shapes_dataset_dir, tin
     assert parents == ["FAILED"]
 
 
-def test_report_names_tell_the_first_range_test_from_the_zoom(tmp_path):
-    """A run folder laid out as kfp.local writes it (the demo's, with a zoom): the copies say which test is which."""
+def _laid_out(out, run_dir, tasks):
+    """A LocalRun of a run folder laid out as kfp.local writes it: per task, its executor output and two reports
+    (`tasks`: task -> output parameters), read back as run_pipeline_locally reads them."""
     import json
 
-    from rangefinder.pipelines.local_run import LocalRun, _collect, _publish_reports
+    from rangefinder.pipelines.local_run import LocalRun, _collect
 
-    run_dir = tmp_path / "root" / "rangefinder-finetune-2026"
-    tasks = {
-        "lr-range-test-3": {"needs_zoom": True, "zoom_lr_min": 1e-5, "zoom_lr_max": 1e-3},
-        "lr-range-test-2-2": {"needs_zoom": False, "zoom_lr_min": 0.0, "zoom_lr_max": 0.0},
-        "finetune-2": {"recommended_epochs": 33},
-    }
     for task, outputs in tasks.items():
         (run_dir / task).mkdir(parents=True)
         (run_dir / task / "executor_output.json").write_text(json.dumps({"parameterValues": outputs}))
-        (run_dir / task / "report_html").write_text(f"<!DOCTYPE html><p>{task}</p>")
-        (run_dir / task / "report_md").write_text(f"# {task}\n")
-    run = LocalRun(out_dir=tmp_path / "out", run_dir=run_dir, tracking_uri="sqlite:///unused.db")
-    (tmp_path / "out").mkdir()
+        (run_dir / task / "report_html").write_text(f"<!DOCTYPE html><p>{run_dir.name} {task}</p>")
+        (run_dir / task / "report_md").write_text(f"# {run_dir.name} {task}\n")
+    run = LocalRun(out_dir=out, run_dir=run_dir, tracking_uri="sqlite:///unused.db")
+    out.mkdir(exist_ok=True)
     _collect(run)
+    return run
+
+
+ZOOMED = {  # the demo's tasks, with a zoom
+    "lr-range-test-3": {"needs_zoom": True, "zoom_lr_min": 1e-5, "zoom_lr_max": 1e-3},
+    "lr-range-test-2-2": {"needs_zoom": False, "zoom_lr_min": 0.0, "zoom_lr_max": 0.0},
+    "finetune-2": {"recommended_epochs": 33},
+}
+
+
+def test_report_names_tell_the_first_range_test_from_the_zoom(tmp_path):
+    """A run folder laid out as kfp.local writes it (the demo's, with a zoom): the copies say which test is which."""
+    from rangefinder.pipelines.local_run import _publish_reports
+
+    run = _laid_out(tmp_path / "out", tmp_path / "root" / "rangefinder-finetune-2026", ZOOMED)
     _publish_reports(run)
     names = {p.name: p.read_text() for p in run.reports}
     assert set(names) == {"lr-range-test-first.html", "lr-range-test-first.md", "lr-range-test-zoom.html",
                           "lr-range-test-zoom.md", "finetune.html", "finetune.md"}
     assert "lr-range-test-3" in names["lr-range-test-first.html"]
     assert "lr-range-test-2-2" in names["lr-range-test-zoom.md"]
+
+
+def test_a_rerun_into_the_same_folder_replaces_the_earlier_run_s_reports_and_keeps_what_it_did_not_write(tmp_path):
+    """`run --local --out OUT` twice, the second run without a zoom: the first run's zoom reports stayed in
+    OUT/reports beside the second run's, which its printed list did not name. Now the second run's reports replace
+    the first run's folder whole; what the first run did not write there (a user's notes, a report of the first run
+    changed by hand since) is kept as it was and named in the summary; nothing is left half-written."""
+    from rangefinder.pipelines.local_run import _publish_reports
+
+    out = tmp_path / "out"
+    reports = out / "reports"
+    _publish_reports(_laid_out(out, tmp_path / "root" / "rangefinder-finetune-1", ZOOMED))
+    (reports / "notes.txt").write_text("my notes on the first run")
+    (reports / "lr-range-test-zoom.md").write_text("# the zoom, annotated by hand\n")
+    (reports / "mine").mkdir()
+    (reports / "mine" / "plot.png").write_bytes(b"a user's plot")
+
+    second = _laid_out(out, tmp_path / "root" / "rangefinder-finetune-2", {
+        "lr-range-test-2": {"needs_zoom": False, "zoom_lr_min": 0.0, "zoom_lr_max": 0.0},
+        "finetune-2": {"recommended_epochs": 20}})
+    _publish_reports(second)
+    written = {"lr-range-test-first.html", "lr-range-test-first.md", "finetune.html", "finetune.md"}
+    assert {p.name for p in second.reports} == written and all(p.parent == reports for p in second.reports)
+    assert all("rangefinder-finetune-2" in p.read_text() for p in second.reports)  # this run's, not the first's
+    # The first run's zoom HTML, unchanged since it wrote it, is gone; the rest stays as it was.
+    visible = {p.name for p in reports.iterdir() if not p.name.startswith(".")}
+    assert visible == written | {"notes.txt", "lr-range-test-zoom.md", "mine"}, visible
+    assert (reports / "notes.txt").read_text() == "my notes on the first run"
+    assert (reports / "lr-range-test-zoom.md").read_text() == "# the zoom, annotated by hand\n"
+    assert (reports / "mine" / "plot.png").read_bytes() == b"a user's plot"
+    assert second.reports_kept == [reports / "lr-range-test-zoom.md", reports / "mine", reports / "notes.txt"]
+    summary = second.summary()
+    assert summary["reports"] == [str(p) for p in second.reports]
+    assert summary["reports_kept"] == [f"{p} (not written by this run; left as it was)" for p in second.reports_kept]
+    assert not [p for p in out.rglob("*") if ".tmp" in p.name]  # nothing half-written left about
+
+    # A third run with nothing new to keep: the kept files stay, and nothing is said about the reports it wrote.
+    third = _laid_out(out, tmp_path / "root" / "rangefinder-finetune-3", {"finetune-2": {"recommended_epochs": 9}})
+    _publish_reports(third)
+    assert {p.name for p in reports.iterdir() if not p.name.startswith(".")} == {
+        "finetune.html", "finetune.md", "notes.txt", "lr-range-test-zoom.md", "mine"}
+    assert [p.name for p in third.reports_kept] == ["lr-range-test-zoom.md", "mine", "notes.txt"]
+
+
+def test_a_reports_path_that_is_a_file_is_one_clear_error_before_anything_runs(tmp_path):
+    """OUT/reports a file: the run said nothing until every step had run, then failed with FileExistsError's traceback
+    (and a folder put in its place would have removed it). Now one line, before a step runs, and the file stays."""
+    from rangefinder.errors import RangefinderError
+    from rangefinder.pipelines.local_run import _publish_reports, run_pipeline_locally
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "reports").write_text("not a folder")
+    said = r"--out's reports folder .*reports cannot be made: it is a file, not a folder"
+    with pytest.raises(RangefinderError, match=said):  # (a missing dataset: a run that got going would stop soon)
+        run_pipeline_locally(demo_config(data={"dataset_dir": str(tmp_path / "missing")}), out)
+    assert not (out / "pipeline-root").exists()  # before anything ran
+    with pytest.raises(RangefinderError, match=said):
+        _publish_reports(_laid_out(out, tmp_path / "root" / "rangefinder-finetune-1", ZOOMED))
+    assert (out / "reports").read_text() == "not a folder"
 
 
 def test_verbose_streams_the_logs_on_stderr_and_keeps_stdout_the_result(tmp_path, shapes_dataset_dir, tiny_model_dir):

@@ -23,6 +23,8 @@ from typing import Any, Optional
 
 from rangefinder.config import RangefinderConfig
 from rangefinder.errors import QUICK_EXIT_ENV, STEP_ERROR_PREFIX, ConfigError, RangefinderError
+from rangefinder.formats.atomic import atomic_dir, usable_folder, write_json
+from rangefinder.formats.digest import file_sha256
 from rangefinder.launch.processes import THREADS_ENV
 from rangefinder.pipelines.progress import StepProgress, step_name
 from rangefinder.tracking.redaction import RedactingWriter, redact, safe_uri
@@ -39,6 +41,8 @@ class LocalRun:
     outputs: dict[str, dict[str, Any]] = field(default_factory=dict)  # task name -> output parameters
     artifacts: dict[str, dict[str, str]] = field(default_factory=dict)  # task name -> output name -> path
     reports: list[Path] = field(default_factory=list)  # copies under OUT/reports/, named to open in a browser
+    # What OUT/reports/ held that an earlier run did not write there (a user's file; a report changed since), kept
+    reports_kept: list[Path] = field(default_factory=list)
     log: Optional[Path] = None  # OUT/pipeline.log when this run's steps logged there (not with --verbose)
 
     def task(self, prefix: str) -> Optional[str]:
@@ -74,6 +78,8 @@ class LocalRun:
         if reg:
             out["registered_model"] = self.outputs[reg].get("model_uri")
         out["reports"] = [str(p) for p in self.reports]
+        if self.reports_kept:
+            out["reports_kept"] = [f"{p} (not written by this run; left as it was)" for p in self.reports_kept]
         out["pipeline_root"] = str(self.run_dir)
         if self.log is not None and self.log.is_file():  # an earlier run's log is not this run's
             out["log"] = str(self.log)
@@ -145,6 +151,7 @@ def run_pipeline_locally(cfg: RangefinderConfig, out_dir: str | Path, *, dataset
     from rangefinder.steps.resolve_config import parameters_from_config
 
     out = Path(out_dir).resolve()
+    usable_folder(out / "reports", "--out's reports folder")  # now, not once every step has run (_publish_reports)
     tracking_uri = cfg.tracking.tracking_uri or local_tracking_uri(out)
     root = out / "pipeline-root"
     root.mkdir(parents=True, exist_ok=True)
@@ -346,31 +353,78 @@ def step_error(log: str, task: str) -> Optional[str]:
 REPORT_OUTPUTS = ("report_html", "report_md", "grid", "decision", "report")
 
 
+# In OUT/reports/: the files the run that made the folder wrote there, with their sha256 (hidden: not a report).
+REPORTS_MANIFEST = ".rangefinder-reports.json"
+
+
 def _publish_reports(run: LocalRun) -> None:
     """Copy the reports to OUT/reports/<step>[-<output>].<html|md> (lr-range-test-first.html, finetune.md,
-    sample-images-grid.html, ...) so they open with a double click and say what they are."""
+    sample-images-grid.html, ...) so they open with a double click and say what they are.
+
+    The folder is this run's: it is filled beside OUT/reports and takes its place whole (formats.atomic.atomic_dir),
+    so an earlier run's report this run did not write (its zoom's, say) does not stay beside this run's, and a reader
+    sees the earlier folder or this one, never a mix or a half-written file. What the earlier folder held that its
+    run did not write there, by its manifest (REPORTS_MANIFEST: a user's file, a report changed since), is carried
+    over as it was and named in the summary; a report this run writes replaces the one of the same name."""
     import shutil
 
-    dest = run.out_dir / "reports"
-    dest.mkdir(exist_ok=True)
-    taken: set[str] = set()
-    for task in sorted(run.artifacts):
-        for key, path in sorted(run.artifacts[task].items()):
-            src = Path(path)
-            if key not in REPORT_OUTPUTS or not src.is_file():
+    dest = usable_folder(run.out_dir / "reports", "--out's reports folder")
+    earlier = _reports_written(dest)
+    written: dict[str, str] = {}
+    with atomic_dir(dest.resolve() if dest.is_symlink() else dest) as tmp:
+        for task in sorted(run.artifacts):
+            for key, path in sorted(run.artifacts[task].items()):
+                src = Path(path)
+                if key not in REPORT_OUTPUTS or not src.is_file():
+                    continue
+                head = src.read_bytes()[:64].lstrip().lower()
+                ext = ".html" if head.startswith((b"<!doctype html", b"<html")) else ".md"
+                stem = _step_name(task, run)
+                if key not in ("report_html", "report_md"):
+                    stem += f"-{key}"
+                if stem + ext in written:  # the same step twice (not in today's DAG): keep kfp.local's task name
+                    stem = f"{task}-{key}"
+                shutil.copyfile(src, tmp / f"{stem}{ext}")
+                written[stem + ext] = file_sha256(tmp / f"{stem}{ext}")
+        for old in sorted(dest.iterdir()) if dest.is_dir() else ():
+            if old.name == REPORTS_MANIFEST or old.name in written:
                 continue
-            head = src.read_bytes()[:64].lstrip().lower()
-            ext = ".html" if head.startswith((b"<!doctype html", b"<html")) else ".md"
-            stem = _step_name(task, run)
-            if key not in ("report_html", "report_md"):
-                stem += f"-{key}"
-            if stem + ext in taken:  # the same step twice (not in today's DAG): keep kfp.local's task name
-                stem = f"{task}-{key}"
-            taken.add(stem + ext)
-            target = dest / f"{stem}{ext}"
-            shutil.copyfile(src, target)
-            run.reports.append(target)
-    run.reports.sort(key=lambda p: p.name)
+            if old.is_file() and not old.is_symlink() and earlier.get(old.name) == file_sha256(old):
+                continue  # the earlier run's report, unchanged: not this run's
+            _carry(old, tmp / old.name)
+            if not old.name.startswith("."):
+                run.reports_kept.append(dest / old.name)
+        write_json(tmp / REPORTS_MANIFEST, {"files": written})
+    run.reports = sorted(dest / name for name in written)
+
+
+def _reports_written(folder: Path) -> dict[str, str]:
+    """The files the run that made `folder` wrote there, name -> sha256, by its manifest; none without one (a folder
+    from before the manifest, or one unreadable): then everything in it is kept."""
+    try:
+        files = json.loads((folder / REPORTS_MANIFEST).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    return {str(k): str(v) for k, v in files.items()} if isinstance(files, dict) else {}
+
+
+def _carry(src: Path, dst: Path) -> None:
+    """`src` at `dst` as well, a folder whole: hard links where the file system allows (no second copy of the bytes),
+    else copies; a symbolic link as a link."""
+    import shutil
+
+    def link_or_copy(a: str, b: str) -> None:
+        try:
+            os.link(a, b)
+        except OSError:
+            shutil.copy2(a, b)
+
+    if src.is_symlink():
+        os.symlink(os.readlink(src), dst)
+    elif src.is_dir():
+        shutil.copytree(src, dst, symlinks=True, copy_function=link_or_copy)
+    else:
+        link_or_copy(str(src), str(dst))
 
 
 def _step_name(task: str, run: LocalRun) -> str:
