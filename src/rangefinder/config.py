@@ -101,8 +101,21 @@ _SECRET_KEY = re.compile(
 )
 
 
+# Settings whose names look secret but whose values only say where a credential is kept: a Kubernetes Secret's
+# name, or the key in it, which the pods read the credential from. Neither is a credential (RBAC guards the Secret's
+# values, not its name), and the run's config.yaml must hold them to be read back (`run --local --config`), so they
+# are logged as they are. Dotted paths: the same word elsewhere (a param `hub.secret`) is still hidden.
+SECRET_REFERENCES = frozenset({"kubernetes.mlflow_secret", "kubernetes.hf_token_secret",
+                               "kubernetes.hf_token_secret_key"})
+
+# What stands in MLflow's copy of a config for a secret it hid (tracking/redaction.py): a config read back with one
+# is refused, naming the setting to fill in, as it would train on the mark.
+REDACTED = "***"
+
+
 def is_secret_key(key: str) -> bool:
-    return bool(_SECRET_KEY.search(key))
+    """Whether the value under `key` (a dotted param, tag or setting name) is to be hidden as a secret."""
+    return key not in SECRET_REFERENCES and bool(_SECRET_KEY.search(key))
 
 
 def uri_credentials(uri: str) -> Optional[str]:
@@ -1291,9 +1304,11 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
 
 def _check_raw(raw: Any) -> None:
     """ConfigError naming (by its dotted path) the first string, list or mapping over its bound, or string holding a
-    URL with credentials; or a config with more values in all than MAX_VALUES. Iterative, so a deep structure cannot
+    URL with credentials; or a config with more values in all than MAX_VALUES; or, in one line, every string holding
+    the mark of a hidden secret (a run's config.yaml read back from MLflow). Iterative, so a deep structure cannot
     exhaust the stack."""
     seen = 0
+    masked: list[str] = []
     todo: list[tuple[str, Any]] = [("", raw)]
     while todo:
         where, value = todo.pop()
@@ -1312,6 +1327,8 @@ def _check_raw(raw: Any) -> None:
                 _refuse_uri_credentials(value)
             except ValueError as e:
                 raise ConfigError(f"{name}: {e}") from None
+        if isinstance(value, str) and REDACTED in value:
+            masked.append(name)
         if isinstance(value, (dict, list)) and len(value) > MAX_LIST_ITEMS:
             raise ConfigError(f"{name}: {len(value)} entries, more than the {MAX_LIST_ITEMS} a setting may have; "
                               "shorten it")
@@ -1321,6 +1338,9 @@ def _check_raw(raw: Any) -> None:
                 todo.append((f"{where}.{k} (the key)" if where else f"{k} (the key)", k))
         elif isinstance(value, list):
             todo.extend((f"{name}.{i}", v) for i, v in enumerate(value))
+    if masked:
+        raise ConfigError(f"{', '.join(sorted(masked))}: {REDACTED} stands where MLflow's copy of a run's config hid a "
+                          "secret; write the setting's value in its place")
 
 
 def load_config(path: str | Path | None = None, overrides: Optional[dict] = None) -> RangefinderConfig:

@@ -56,3 +56,31 @@ def test_uri_credentials_names_what_is_there_never_the_value():
     assert uri_credentials("https://host/api?token=abc&x=1") == "a secret in its query (token=)"
     for clean in ("http://host:5000", "sqlite:////tmp/a@b.db", "https://host/?placeholder_token=x", "databricks"):
         assert uri_credentials(clean) is None, clean
+
+
+def test_only_the_settings_naming_a_kubernetes_secret_look_secret_and_are_kept():
+    """No setting holds a credential (they come from the environment), so every setting whose name looks secret only
+    names where one is kept, and is logged as it is (the run's config.yaml is read back); a new setting named like a
+    credential must be decided on here, not logged as *** without a word."""
+    from pydantic import BaseModel
+
+    from rangefinder.config import SECRET_REFERENCES, RangefinderConfig, is_secret_key
+
+    def settings(model: type[BaseModel], prefix: str = "") -> list[str]:
+        out = []
+        for name, field in model.model_fields.items():
+            sub = field.annotation
+            out += settings(sub, f"{prefix}{name}.") if isinstance(sub, type) and issubclass(sub, BaseModel) else [
+                prefix + name]
+        return out
+
+    names = settings(RangefinderConfig)
+    assert "kubernetes.mlflow_secret" in names and "training.lora.rank" in names
+    # The bare last part, out of its section, is what the name alone says.
+    assert {n for n in names if is_secret_key(n.rsplit(".", 1)[-1])} == SECRET_REFERENCES
+    params = flatten_params(RangefinderConfig())
+    assert params["kubernetes.mlflow_secret"] == "mlflow-credentials"
+    assert params["kubernetes.hf_token_secret_key"] == "HF_TOKEN"
+    # The same words anywhere else are still hidden.
+    assert flatten_params({"hf_token_secret": "x", "vault": {"mlflow_secret": "y"}}) == {
+        "hf_token_secret": "***", "vault.mlflow_secret": "***"}

@@ -104,8 +104,7 @@ def test_run_tree_metrics_decisions_and_artifacts(cfg, tmp_path, capsys):
         path = client.download_artifacts(run_id, "config.yaml", str(tmp_path / run_id))
         whole = yaml.safe_load(open(path).read())
         resolved = json.loads(cfg.model_dump_json())
-        assert whole.pop("kubernetes").keys() == resolved.pop("kubernetes").keys()  # secret-named keys show ***
-        assert whole == resolved, run_id
+        assert whole == resolved, run_id  # the Kubernetes Secrets' names too: they are not credentials
     assert not [k for k in parent.data.params if k.startswith("kubernetes.")]
     assert params["plan.effective_batch"] == "4" and float(params["plan.updates_per_epoch"]) == 4
     assert float(params["plan.lr"]) == pytest.approx(4e-5)  # scaled: 1e-5 x effective batch 4
@@ -206,6 +205,44 @@ def test_no_secret_reaches_params_tags_or_errors(cfg, monkeypatch, tmp_path):
     assert data.params["hub.token"] == "***"
     # Look-alikes that are not secrets stay readable.
     assert data.params["training.textual_inversion.placeholder_token"] == "<rf-concept>"
+
+
+def test_the_logged_config_yaml_reads_back_and_compiles_with_no_credential(mlflow_server_uri, monkeypatch, tmp_path):
+    """A run's config.yaml is there to be read back (`compile --config`, `run --local --config`): the Kubernetes
+    Secrets' names are in it as set (a Secret's name is not a credential; masked, they made 3 validation errors), a
+    credential is not, and a value hidden for holding one is one line naming the setting to fill in."""
+    import yaml
+
+    from rangefinder.config import load_config
+    from tests.cli.test_bad_input import assert_one_line_error, in_process
+
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "s3cret-pw-7781")
+    secrets = {"mlflow_secret": "team-mlflow", "hf_token_secret": "team-hf", "hf_token_secret_key": "HF_READ_TOKEN"}
+    cfg = RangefinderConfig(
+        model={"base_model": "/models/sd15"}, kubernetes=secrets, sampling={"prompts": ["a red circle"]},
+        tracking=TrackingConfig(tracking_uri=mlflow_server_uri, experiment_name=f"config-yaml-{tmp_path.name}"))
+    leaky = cfg.model_copy(update={"sampling": cfg.sampling.model_copy(update={"prompts": ["a cat s3cret-pw-7781"]})})
+    read_back = {}
+    for name, logged in (("clean", cfg), ("leaky", leaky)):
+        with step_run(logged, "finetune") as run:
+            run.log_config(logged)
+        (tmp_path / name).mkdir()
+        read_back[name] = _client(cfg).download_artifacts(run.run_id, "config.yaml", str(tmp_path / name))
+        assert "s3cret-pw-7781" not in open(read_back[name]).read()
+        kubernetes = yaml.safe_load(open(read_back[name]))["kubernetes"]
+        assert {k: kubernetes[k] for k in secrets} == secrets
+
+    assert load_config(read_back["clean"]) == cfg  # what run --local runs
+    package = tmp_path / "pipeline.yaml"
+    proc = in_process("compile", "--config", read_back["clean"], "--out", str(package))
+    assert proc.returncode == 0, proc.stderr
+    compiled = package.read_text()
+    assert all(f"secretName: {s}" in compiled for s in ("team-mlflow", "team-hf")) and "HF_READ_TOKEN" in compiled
+
+    for command in (("compile", "--out", str(tmp_path / "p2.yaml")), ("run", "--local", "--out", str(tmp_path / "o"))):
+        assert_one_line_error(in_process(*command, "--config", read_back["leaky"]),
+                              "sampling.prompts.0: *** stands where MLflow's copy", "write the setting's value")
+    assert not (tmp_path / "p2.yaml").exists() and not (tmp_path / "o").exists()
 
 
 def test_dataset_manifests_are_artifacts_and_dataset_inputs(mlflow_server_uri, split_dir):

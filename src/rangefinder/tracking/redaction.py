@@ -1,7 +1,8 @@
 """Keeping secrets out of MLflow: params, tags, run names and error messages pass through `redact` first.
 
 Three nets, because a config or a message can carry a secret in several ways:
-1. by name: a setting whose last dotted part names a secret (`password`, `api_key`, `token`, ...);
+1. by name: a setting whose last dotted part names a secret (`password`, `api_key`, `token`, ...), but for the
+   settings that only name a Kubernetes Secret or its key (config.SECRET_REFERENCES);
 2. by value: anything equal to the value of a secret-looking environment variable (MLFLOW_TRACKING_PASSWORD,
    HF_TOKEN, AWS_SECRET_ACCESS_KEY, ...), and well-known token shapes (Hugging Face, GitHub, AWS, JWT);
 3. in URLs: the `user:password@` part of any URL is dropped.
@@ -16,12 +17,10 @@ from urllib.parse import urlsplit, urlunsplit
 
 # The rules for what is a secret setting and a URL with credentials live with the settings (config reads them when
 # it validates); they are used from here too.
-from rangefinder.config import CREDENTIALS_FIX, is_secret_key, uri_credentials
+from rangefinder.config import CREDENTIALS_FIX, REDACTED, is_secret_key, uri_credentials
 
 __all__ = ["CREDENTIALS_FIX", "REDACTED", "RedactingWriter", "is_secret_key", "redact", "safe_uri", "uri_credentials",
            "url_with_credentials"]
-
-REDACTED = "***"
 
 # Environment variables whose values are secrets wherever they turn up.
 _SECRET_ENV = re.compile(r"PASSWORD|PASSWD|SECRET|TOKEN|API_?KEY|ACCESS_?KEY|PRIVATE_?KEY|CREDENTIAL", re.IGNORECASE)

@@ -142,14 +142,15 @@ def folder_digest(folder: str | os.PathLike, pattern: str = "*") -> str:
 
 
 def flatten_params(obj: Any, prefix: str = "") -> dict[str, str]:
-    """Nested settings as flat `section.field` -> string params. Secret-named keys are dropped to ***."""
+    """Nested settings as flat `section.field` -> string params. Secret-named keys (is_secret_key, on the dotted
+    name) are dropped to ***."""
     if hasattr(obj, "model_dump"):
         obj = obj.model_dump(mode="json")
     out: dict[str, str] = {}
     if isinstance(obj, Mapping):
         for k, v in obj.items():
             key = f"{prefix}{k}"
-            if is_secret_key(str(k)):
+            if is_secret_key(key):
                 out[key] = REDACTED
             elif isinstance(v, Mapping) or hasattr(v, "model_dump"):
                 out.update(flatten_params(v, key + "."))
@@ -196,18 +197,21 @@ def applicable_params(cfg: Any) -> dict[str, str]:
 
 
 def config_text(cfg: Any) -> str:
-    """The resolved config as YAML, secrets redacted: what `run --local --config` reads back."""
+    """The resolved config as YAML, secrets redacted: what `run --local --config` reads back. The Kubernetes Secrets'
+    names are kept (config.SECRET_REFERENCES); a value that had to be hidden reads back as a one-line refusal naming
+    the setting (config's `_check_raw`)."""
     import yaml
 
     data = cfg.model_dump(mode="json") if hasattr(cfg, "model_dump") else dict(cfg)
     return yaml.safe_dump(_redacted(data), sort_keys=False, allow_unicode=True)
 
 
-def _redacted(obj: Any) -> Any:
+def _redacted(obj: Any, prefix: str = "") -> Any:
     if isinstance(obj, Mapping):
-        return {k: REDACTED if is_secret_key(str(k)) else _redacted(v) for k, v in obj.items()}
+        return {k: REDACTED if is_secret_key(f"{prefix}{k}") else _redacted(v, f"{prefix}{k}.")
+                for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_redacted(v) for v in obj]
+        return [_redacted(v, prefix) for v in obj]
     return redact(obj) if isinstance(obj, str) else obj
 
 
