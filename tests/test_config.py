@@ -401,10 +401,11 @@ def test_range_test_bounds_beside_a_prodigy_step_finder_are_one_clear_error():
     # and the range test's own where it picks the range test: by the base model's family, when it is known.
     auto = parse_config({"lr_finder": "auto", "lr_range_test": {"lr_min": 1e-6}})
     (line,) = setting_conflicts(auto, "sd3")
-    assert line == ("the range test's bounds (lr_range_test.lr_min) are not used: on this sd3 base model, lr_finder "
-                    "auto measures the LR of method full with prodigy_step, not the range test; set lr_finder: "
-                    "range_test to use them, or remove them")
-    assert setting_conflicts(auto, "sdxl") == [line.replace("sd3", "sdxl")]  # SDXL's full fine-tune too
+    assert line == ("the range test's bounds (lr_range_test.lr_min) are not used: on this Stable Diffusion 3/3.5 "
+                    "base model, lr_finder auto measures the LR of method full with prodigy_step, not the range test; "
+                    "set lr_finder: range_test to use them, or remove them")
+    # SDXL's full fine-tune too
+    assert setting_conflicts(auto, "sdxl") == [line.replace("Stable Diffusion 3/3.5", "Stable Diffusion XL")]
     assert setting_conflicts(auto, "sd1") == []
     sdxl_lora = parse_config({"lr_finder": "auto", "training": {"method": "lora"}, "lr_range_test": {"lr_min": 1e-6}})
     assert setting_conflicts(sdxl_lora, "sdxl") == []  # SDXL's LoRA keeps the range test, and its bounds
@@ -446,9 +447,9 @@ def test_prodigy_step_factor_overrides_the_family_s_and_is_refused_or_warned_whe
     # Under auto, a warning where the family's choice is the range test; none where it is prodigy_step.
     auto = parse_config({"prodigy_step_factor": 2})
     (line,) = setting_conflicts(auto, "sd1")
-    assert line == ("prodigy_step_factor (2) is not used: on this sd1 base model, lr_finder auto measures the LR of "
-                    "method full with the range test, not prodigy_step; set lr_finder: prodigy_step to use it, or "
-                    "remove it")
+    assert line == ("prodigy_step_factor (2) is not used: on this Stable Diffusion 1.x/2.x base model, lr_finder "
+                    "auto measures the LR of method full with the range test, not prodigy_step; set lr_finder: "
+                    "prodigy_step to use it, or remove it")
     assert setting_conflicts(auto, "sd3") == setting_conflicts(auto, "sdxl") == setting_conflicts(auto) == []
     # Beside a fixed lr nothing is discovered.
     (line,) = setting_conflicts(parse_config({"lr": 1e-4, "prodigy_step_factor": 2}))

@@ -296,6 +296,10 @@ Optimizer = Literal["adamw", "adamw8bit", "prodigy", "prodigy_schedule_free", "a
 LR_FREE_OPTIMIZERS = ("prodigy", "prodigy_schedule_free")
 SCHEDULE_FREE_OPTIMIZERS = ("adamw_schedule_free", "prodigy_schedule_free")
 EMA_AUTO_OPTIMIZERS = ("adamw", "adamw8bit")  # training.use_ema auto keeps an EMA for LoRA with these only
+# The base model families (training/family_detection.py's names, which it reads off a model's files) as users know
+# them, for every message: "sdxl" is the code the tables here and the engine key on, not a word a user reads.
+FAMILY_NAMES = {"sd1": "Stable Diffusion 1.x/2.x", "sdxl": "Stable Diffusion XL", "sd3": "Stable Diffusion 3/3.5",
+                "flux": "Flux.1"}
 # The base model families (training/family_detection.py's names) on which training.use_ema auto keeps an EMA for LoRA:
 # SD 1.x/2.x, where bench/RESULTS.md measured it ("The EMA as LoRA's default"). Not SDXL, SD3 or Flux: the same rule
 # failed on each ("The EMA on the flow families' LoRA": on SD3's 25 LoRA cases wins against Prodigy's best fell from
@@ -1394,18 +1398,18 @@ def auto_finder_conflicts(cfg: RangefinderConfig, family: str) -> list[str]:
     model stays valid on an SD3 one, and the other way round."""
     if cfg.pipeline_lr() is not None or cfg.lr_finder != "auto":
         return []
-    method = cfg.training.method
+    method, model = cfg.training.method, f"this {FAMILY_NAMES[family]} base model"
     if auto_lr_finder(family, method) != "prodigy_step":
         return [] if cfg.prodigy_step_factor is None else [
-            f"prodigy_step_factor ({cfg.prodigy_step_factor:g}) is not used: on this {family} base model, lr_finder "
-            f"auto measures the LR of method {method} with the range test, not prodigy_step; set lr_finder: "
-            "prodigy_step to use it, or remove it"]
+            f"prodigy_step_factor ({cfg.prodigy_step_factor:g}) is not used: on {model}, lr_finder auto measures the "
+            f"LR of method {method} with the range test, not prodigy_step; set lr_finder: prodigy_step to use it, or "
+            "remove it"]
     bounds = cfg.range_test_bounds_given()
     if not bounds:
         return []
-    return [f"the range test's bounds ({', '.join(bounds)}) are not used: on this {family} base model, lr_finder auto "
-            f"measures the LR of method {method} with prodigy_step, not the range test; set lr_finder: range_test to "
-            "use them, or remove them"]
+    return [f"the range test's bounds ({', '.join(bounds)}) are not used: on {model}, lr_finder auto measures the LR "
+            f"of method {method} with prodigy_step, not the range test; set lr_finder: range_test to use them, or "
+            "remove them"]
 
 
 def check_pipeline_config(cfg: RangefinderConfig, family: Optional[str] = None) -> None:

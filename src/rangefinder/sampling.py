@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from rangefinder.config import FAMILY_NAMES
 from rangefinder.errors import ConfigError, RangefinderError
 from rangefinder.formats import checkpoints
 from rangefinder.formats.atomic import atomic_dir, atomic_path, write_text
@@ -93,7 +94,7 @@ def _classify_file(path: Path) -> tuple[ColumnKind, Optional[str]]:
 
 
 def _column_family(column: GridColumn) -> Optional[str]:
-    """"sd1" or "sdxl" (models.loading.FAMILY_NAMES) for a column whose family its files tell without loading
+    """"sd1" or "sdxl" (config.FAMILY_NAMES) for a column whose family its files tell without loading
     weights (a diffusers folder, a full fine-tune's unet/); None for the others (adapters and engine checkpoints are
     checked when loaded)."""
     from rangefinder.models.loading import detect_family
@@ -406,8 +407,6 @@ def render_grid(
             checkpoints.require_intact(c.path)
         family = _column_family(c)
         if base_family is not None and family is not None and family != base_family:
-            from rangefinder.models.loading import FAMILY_NAMES
-
             raise ConfigError(f"column {c.label} ({c.path}) is a {FAMILY_NAMES[family]} model, but the base model "
                               f"{base} is {FAMILY_NAMES[base_family]}: a grid compares weights of one family; pass "
                               "--model of its family")

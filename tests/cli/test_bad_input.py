@@ -144,8 +144,9 @@ def test_compile_refuses_a_bad_config_and_writes_nothing(yaml_text, words, tmp_p
 @pytest.mark.parametrize("model, yaml_text, words", [
     ("tiny_sd3_dir", "training:\n  method: textual_inversion\n",
      ["training.method: textual inversion is not supported on Stable Diffusion 3/3.5 models"]),
-    ("tiny_sdxl_dir", "data:\n  resolution: 8\n", ["data.resolution: 8 px is below what the sdxl family supports"]),
-    ("tiny_flux_dir", "training:\n  noise_offset: 0.05\n", ["training.noise_offset", "Flux is a flow-matching model"]),
+    ("tiny_sdxl_dir", "data:\n  resolution: 8\n", ["data.resolution: 8 px is below what Stable Diffusion XL supports"]),
+    ("tiny_flux_dir", "training:\n  noise_offset: 0.05\n",
+     ["training.noise_offset", "Flux.1 is a flow-matching model"]),
 ], ids=["sd3-textual-inversion", "sdxl-below-its-floor", "flux-ddpm-setting"])
 def test_compile_and_run_local_refuse_what_a_local_base_model_s_family_cannot_take(request, model, yaml_text, words,
                                                                                    tmp_path):

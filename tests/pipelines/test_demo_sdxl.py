@@ -50,7 +50,7 @@ def test_a_small_sdxl_run_takes_the_prodigy_branch_and_writes_the_reports_of_the
     assert s["lr_source"] == "prodigy-step" and s["lr_low"] == s["lr_mid"] == s["lr_high"] == s["lr_used"] == lr
     assert s["recommended_epochs"] >= 1 and s["registered_model"] == "models:/rangefinder-sd/1"
     decision = next(Path(p) for p in s["reports"] if os.path.basename(p) == "choose-lr-decision.md").read_text()
-    assert "(lr_finder: auto, which measures full on sdxl with prodigy_step)" in decision, decision
+    assert "(lr_finder: auto, which measures full on Stable Diffusion XL with prodigy_step)" in decision, decision
     assert f"d x lr = {lr / 4:.3g}, 12 updates, times 4 = {lr:.3g}" in decision, decision
     # The discovery run's reports, by name: PRODIGY_REPORTS, the SD demo's run's (test_local_run.py,
     # tiny_run.DISCOVERY_REPORTS) with the Prodigy run's two for the range test's (this config has no zoom; no

@@ -54,7 +54,8 @@ def test_prodigy_step_under_auto_says_what_auto_resolved_to_for_the_model(tmp_pa
                       model={"base_model": str(tiny_sd3_dir)}, training={"method": "lora"})
     out = tmp_path / "decision.md"
     run_choose_lr(cfg, source="prodigy-step", lr_low=3e-3, lr_high=3e-3, lr_mid=3e-3, decision_path=out)
-    assert "d x lr = 0.003 (lr_finder: auto, which measures lora on sd3 with prodigy_step)" in out.read_text()
+    assert ("d x lr = 0.003 (lr_finder: auto, which measures lora on Stable Diffusion 3/3.5 with "
+            "prodigy_step)") in out.read_text()
 
 
 def test_prodigy_step_on_sdxl_full_says_the_step_size_and_the_factor_it_was_trained_at(tmp_path, tiny_sdxl_dir):
@@ -65,8 +66,8 @@ def test_prodigy_step_on_sdxl_full_says_the_step_size_and_the_factor_it_was_trai
     run_choose_lr(cfg, source="prodigy-step", lr_low=1e-3, lr_high=1e-3, lr_mid=1e-3, decision_path=out, updates=12,
                   factor=4.0)
     assert ("final step size d x lr = 0.00025, 12 updates, times 4 = 0.001 (full on this family trains at 4 times "
-            "the step size: config.PRODIGY_STEP_FACTOR) (lr_finder: auto, which measures full on sdxl with "
-            "prodigy_step)") in out.read_text()
+            "the step size: config.PRODIGY_STEP_FACTOR) (lr_finder: auto, which measures full on Stable Diffusion "
+            "XL with prodigy_step)") in out.read_text()
 
 
 def test_the_decision_names_the_factor_the_step_applied_not_one_it_derives_again(tmp_path):

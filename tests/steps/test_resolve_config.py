@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
 
-from rangefinder.config import RangefinderConfig, demo_config, parse_config
+from rangefinder.config import FAMILY_NAMES, RangefinderConfig, auto_finder_conflicts, demo_config, parse_config
 from rangefinder.errors import ConfigError
+from rangefinder.steps.choose_lr import finder_words
 from rangefinder.steps.resolve_config import (
     PARAMETER_FIELDS,
     ResolvedConfig,
@@ -18,6 +20,7 @@ from rangefinder.steps.resolve_config import (
     parameters_from_config,
     run_resolve_config,
 )
+from rangefinder.training.families import check_local_model_settings
 
 
 def _without_k8s(cfg: RangefinderConfig) -> dict:
@@ -172,8 +175,9 @@ def test_range_test_bounds_auto_leaves_unused_are_a_warning_once_the_model_is_kn
     assert "warning" not in capsys.readouterr().err
     params["base_model"] = str(tiny_sd3_dir)
     assert run_resolve_config(base, **params).lr_finder == "prodigy_step"
-    assert ("rangefinder: warning: the range test's bounds (lr_range_test.lr_max) are not used: on this sd3 base "
-            "model, lr_finder auto measures the LR of method full with prodigy_step") in capsys.readouterr().err
+    assert ("rangefinder: warning: the range test's bounds (lr_range_test.lr_max) are not used: on this Stable "
+            "Diffusion 3/3.5 base model, lr_finder auto measures the LR of method full with "
+            "prodigy_step") in capsys.readouterr().err
 
 
 # --- the family preflight: settings wrong only for the resolved model's family stop the first step ---------------
@@ -195,11 +199,12 @@ OWN_SAMPLER = {"scheduler": None}  # the model's own sampling scheduler, so that
                          r"model \(it samples with FlowMatchEulerDiscreteScheduler\); set a FlowMatch\* scheduler"),
     ("tiny_flux_dir", {}, r"sampling.scheduler: DDIMScheduler samples DDPM models"),
     ("tiny_sd3_dir", {"training": {"min_snr_gamma": 5.0}, "sampling": OWN_SAMPLER},
-     r"training.min_snr_gamma: min-SNR weighting is defined through the DDPM noise schedule; sd3 is a flow-matching"),
+     r"training.min_snr_gamma: min-SNR weighting is defined through the DDPM noise schedule; Stable Diffusion "
+     r"3/3\.5 is a flow-matching"),
     ("tiny_sd3_dir", {"training": {"prediction_type": "v_prediction"}, "sampling": OWN_SAMPLER},
-     r"training.prediction_type: sd3 is a flow-matching model"),
+     r"training.prediction_type: Stable Diffusion 3/3\.5 is a flow-matching model"),
     ("tiny_flux_dir", {"training": {"noise_offset": 0.05}, "sampling": OWN_SAMPLER},
-     r"training.noise_offset: the offset noise is DDPM's; Flux is a flow-matching model"),
+     r"training.noise_offset: the offset noise is DDPM's; Flux\.1 is a flow-matching model"),
     ("tiny_sd3_dir", {"training": {"flow": {"guidance": 3.5}}, "sampling": OWN_SAMPLER},
      r"training.flow.guidance: SD3 has no guidance"),
     ("tiny_sd3_dir", {"training": {"method": "textual_inversion"}, "sampling": OWN_SAMPLER},
@@ -210,7 +215,8 @@ OWN_SAMPLER = {"scheduler": None}  # the model's own sampling scheduler, so that
     ("tiny_flux_dir", {"training": {"cond_dropout": 0.1}, "sampling": OWN_SAMPLER},
      r"training.cond_dropout: Flux.1-dev is guidance-distilled"),
     ("tiny_model_dir", {"training": {"flow": {"loss_weighting": "cosmap"}}},
-     r"training.flow \(loss_weighting\): the base model is a DDPM model \(sd1\), not a flow-matching one"),
+     r"training.flow \(loss_weighting\): the base model is a DDPM model \(Stable Diffusion "
+     r"1\.x/2\.x\), not a flow-matching one"),
 ])
 def test_a_setting_wrong_for_the_model_family_stops_the_first_step(request, model, overrides, words):
     """The engine's own one-line refusal, raised by resolve-config, before any training step asks for a GPU."""
@@ -279,14 +285,14 @@ MODELS = {"sd1": "tiny_model_dir", "sdxl": "tiny_sdxl_dir", "sd3": "tiny_sd3_dir
     ("sd3", ("transformer", {"patch_size": 4}), {"sampling": {"resolution": 40}},
      r"sampling.resolution: the pipeline renders sides in multiples of 16 px, not 40"),
     # Before, the first training step refused it when it encoded.
-    ("sdxl", None, {"data": {"resolution": 8}}, r"data.resolution: 8 px is below what the sdxl family supports for "
+    ("sdxl", None, {"data": {"resolution": 8}}, r"data.resolution: 8 px is below what Stable Diffusion XL supports for "
      r"this base model \(native 32 px, at least 16 px\); set data.resolution to 16 or more"),
     ("sd3", ("transformer", {"patch_size": 4}), {"data": {"resolution": 40}}, r"data.resolution: 40 px is not a "
-     r"multiple of 16 px, the sd3 family's patch size in pixels \(the VAE's downscale times the transformer's patch\); "
-     r"set data.resolution to 32"),
+     r"multiple of 16 px, Stable Diffusion 3/3\.5's patch size in pixels \(the VAE's downscale times the "
+     r"transformer's patch\); set data.resolution to 32"),
     ("sd3", ("transformer", {"sample_size": 64}), {"data": {"resolution": 56}},  # native 256 px: floor 64
-     r"data.resolution: 56 px is below what the sd3 family supports for this base model \(native 256 px, at least "
-     r"64 px\)"),
+     r"data.resolution: 56 px is below what Stable Diffusion 3/3\.5 supports for this base model \(native 256 px, "
+     r"at least 64 px\)"),
     ("flux", ("vae", DEEP_VAE), {"data": {"resolution": 40}}, r"data.resolution: 40 px is not a multiple of 16 px"),
     # SD 1.x's UNet takes any square the config allows; a bucket step none of whose buckets it takes cannot work.
     ("sd1", ("vae", DEEP_VAE), {"data": {"resolution": 40, "bucket_step": 24}}, r"data.bucket_step 24 px does not "
@@ -317,6 +323,32 @@ def test_sizes_the_model_takes_pass_the_preflight(request, family, overrides):
     sampling = {**ON_OWN_SAMPLER[family], **overrides.get("sampling", {})}
     r = _resolve_on(model_dir, **{**overrides, "sampling": sampling})
     assert load_step_config(r.config_json).model.resolved_dir == str(model_dir)
+
+
+# A family's code as a word of its own (sd3, "(sdxl)"), not inside a path (tiny-sdxl/) or a name (Flux.1).
+FAMILY_CODE = re.compile(r"(?<![\w/.-])(?:sd1|sdxl|sd3|flux)(?![\w/-])")
+
+
+@pytest.mark.parametrize("family", MODELS)
+def test_messages_name_the_family_as_users_know_it(request, family, capsys):
+    """What a base model's family refuses, what lr_finder auto leaves unused on it, the first step's line on the base
+    model and the LR decision's words name the family as users know it (config.FAMILY_NAMES: "Stable Diffusion
+    3/3.5 is a flow-matching model"), never by the code the engine keys on ("sd3 is a flow-matching model")."""
+    model_dir = request.getfixturevalue(MODELS[family])
+    said = []
+    for settings in ({"data": {"resolution": 8}}, {"training": {"min_snr_gamma": 5.0}},
+                     {"training": {"prediction_type": "v_prediction"}}, {"training": {"noise_offset": 0.05}},
+                     {"training": {"flow": {"shift": 2.0}}}, {"training": {"method": "textual_inversion"}}):
+        try:
+            check_local_model_settings(parse_config({"model": {"base_model": str(model_dir)}, **settings}))
+        except ConfigError as e:
+            said.append(str(e))
+    unused = parse_config({"lr_range_test": {"lr_min": 1e-6}, "prodigy_step_factor": 2})
+    said += [*auto_finder_conflicts(unused, family), finder_words(unused, family)]
+    _resolve_on(model_dir, sampling=ON_OWN_SAMPLER[family])
+    said.append(capsys.readouterr().out)
+    assert sum(FAMILY_NAMES[family] in line for line in said) >= 4, said
+    assert not [line for line in said if FAMILY_CODE.search(line)]
 
 
 def test_a_bucket_step_that_fits_some_images_is_left_to_the_engine(tiny_model_dir, tmp_path):

@@ -24,7 +24,7 @@ def test_resuming_an_sd1_run_on_an_sdxl_base_is_refused(split_dir, tiny_model_di
 
 def test_a_resolution_below_the_family_floor_is_refused(split_dir, tiny_sdxl_dir, tmp_path):
     cfg = TrainingConfig(batch_size=8, steps=1, cache_dir=str(tmp_path / "cache"))
-    with pytest.raises(ConfigError, match=r"data.resolution: 8 px is below what the sdxl family supports .*"
+    with pytest.raises(ConfigError, match=r"data.resolution: 8 px is below what Stable Diffusion XL supports .*"
                                           r"native 32 px, at least 16 px"):
         train(TrainSpec(cfg, ValidationConfig(every_epochs=0), split_dir=split_dir, model=tiny_sdxl_dir,
                         data=DataConfig(resolution=8)), out_dir=tmp_path / "run")

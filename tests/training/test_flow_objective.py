@@ -63,7 +63,7 @@ def test_the_weightings():
 
 @pytest.mark.parametrize("setting, words", [
     (dict(min_snr_gamma=5.0), "training.min_snr_gamma: min-SNR weighting is defined through the DDPM"),
-    (dict(prediction_type="v_prediction"), "training.prediction_type: sd3 is a flow-matching model"),
+    (dict(prediction_type="v_prediction"), "training.prediction_type: Stable Diffusion 3/3.5 is a flow-matching model"),
     (dict(noise_offset=0.05), "training.noise_offset: the offset noise is DDPM's"),
 ])
 def test_ddpm_settings_are_refused_on_a_flow_model_in_one_line(setting, words):

@@ -271,7 +271,7 @@ def test_sd3_resumes_after_sigkill_exactly_as_uninterrupted(method, split_dir, t
 
 @pytest.mark.parametrize("setting, words", [
     (dict(min_snr_gamma=5.0), r"^training.min_snr_gamma: min-SNR weighting is defined through the DDPM noise "
-                              r"schedule; sd3 is a flow-matching model"),
+                              r"schedule; Stable Diffusion 3/3.5 is a flow-matching model"),
     (dict(method="textual_inversion"), r"^training.method: textual inversion is not supported on Stable Diffusion "
                                         r"3/3.5 models"),
     (dict(flow={"guidance": 3.5}), r"^training.flow.guidance: SD3 has no guidance embedding"),
@@ -297,8 +297,8 @@ def test_a_resolution_off_the_patch_grid_is_one_line(tiny_sd3_dir):
     assert family.side_multiple_of(sd.vae.config, sd.unet.config) == 8
     check_resolution(family, sd, DataConfig(resolution=32))
     sd.unet.register_to_config(patch_size=4)
-    with pytest.raises(ConfigError, match=r"^data.resolution: 40 px is not a multiple of 16 px, the sd3 family's "
-                                          r"patch size in pixels .* set data.resolution to 32$"):
+    with pytest.raises(ConfigError, match=r"^data.resolution: 40 px is not a multiple of 16 px, Stable Diffusion "
+                                          r"3/3\.5's patch size in pixels .* set data.resolution to 32$"):
         check_resolution(family, sd, DataConfig(resolution=40))
 
 

@@ -32,12 +32,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from rangefinder.config import ModelConfig
+from rangefinder.config import FAMILY_NAMES, ModelConfig
 from rangefinder.errors import ConfigError
 from rangefinder.training.family_detection import (
     FAMILY_DENOISER,
     FAMILY_LAYOUTS,
-    FAMILY_NAMES,
     FAMILY_PARTS,
     detect_family,
     import_named,

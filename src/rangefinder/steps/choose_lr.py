@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from rangefinder.config import LR_FREE_OPTIMIZERS, RangefinderConfig
+from rangefinder.config import FAMILY_NAMES, LR_FREE_OPTIMIZERS, RangefinderConfig
 from rangefinder.errors import RangefinderError
 
 SOURCES = ("range-test", "zoom", "prodigy-step", "fixed")
@@ -107,7 +107,8 @@ def finder_words(cfg: RangefinderConfig, family: Optional[str]) -> str:
         return f"lr_finder: {cfg.lr_finder}"
     if family is None:  # not resolved (a step run by hand on a config that did not pass resolve-config)
         return "lr_finder: auto"
-    return f"lr_finder: auto, which measures {cfg.training.method} on {family} with {cfg.lr_finder_for(family)}"
+    return (f"lr_finder: auto, which measures {cfg.training.method} on {FAMILY_NAMES[family]} with "
+            f"{cfg.lr_finder_for(family)}")
 
 
 def skipped_because(cfg: RangefinderConfig) -> Optional[str]:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rangefinder.config import (
+    FAMILY_NAMES,
     RangefinderConfig,
     _deep_merge,
     auto_finder_conflicts,
@@ -169,7 +170,7 @@ def with_resolved_base_model(cfg: RangefinderConfig) -> tuple[RangefinderConfig,
 
     resolved = resolve_base_model(cfg.model.model_copy(update={"resolved_dir": None}))
     family = resolved.family
-    print(f"base model: {resolved.source} -> {resolved.path} ({family})")
+    print(f"base model: {resolved.source} -> {resolved.path} ({FAMILY_NAMES[family]})")
     return cfg.model_copy(update={"model": cfg.model.model_copy(update={"resolved_dir": str(resolved.path)})}), family
 
 

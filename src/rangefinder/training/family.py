@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Optional, Protocol
 
 import torch
 
-from rangefinder.config import FlowSettings
+from rangefinder.config import FAMILY_NAMES, FlowSettings
 from rangefinder.errors import ConfigError
 from rangefinder.training.caching import tokenize
 from rangefinder.training.geometry import vae_downscale
@@ -127,8 +127,8 @@ class Sd1Family:
             default = FlowSettings()
             changed = ", ".join(sorted(k for k in FlowSettings.model_fields
                                        if getattr(cfg.flow, k) != getattr(default, k)))
-            raise ConfigError(f"training.flow ({changed}): the base model is a DDPM model ({cls.name}), not a "
-                              "flow-matching one (SD3, Flux); remove training.flow")
+            raise ConfigError(f"training.flow ({changed}): the base model is a DDPM model ({FAMILY_NAMES[cls.name]}), "
+                              "not a flow-matching one (SD3, Flux); remove training.flow")
         predicts = cfg.prediction_type or str(scheduler_config.get("prediction_type"))
         if predicts not in PREDICTION_TYPES:
             raise ConfigError(

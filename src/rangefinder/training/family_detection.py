@@ -33,9 +33,8 @@ def import_named(target: str) -> Any:
 class FamilyLayout:
     """What loading, sampling and exporting read of a family: plain facts, so that models/, sampling and the methods
     read them here, beside detection, without importing the engine's family classes (training/families.py). A new
-    family is one entry here and its family module."""
+    family is one entry here, its name in config.FAMILY_NAMES and its family module."""
 
-    words: str  # its name in messages
     pipeline: str  # the diffusers pipeline class (model_index.json `_class_name`)
     denoiser: str  # the denoiser's folder and pipeline argument (loaded as SDComponents.unet whatever its kind)
     # (part, "library:Class") that models/loading.py loads for training; "scheduler" is the training scheduler.
@@ -64,16 +63,16 @@ _SD_CLASSES = (("tokenizer", "transformers:CLIPTokenizer"), ("text_encoder", "tr
              ("vae", "diffusers:AutoencoderKL"), ("unet", "diffusers:UNet2DConditionModel"),
              ("scheduler", "diffusers:DDPMScheduler"))  # a DDPM model trains with DDPMScheduler
 FAMILY_LAYOUTS = {
-    "sd1": FamilyLayout("Stable Diffusion 1.x/2.x", "StableDiffusionPipeline", "unet", _SD_CLASSES,
+    "sd1": FamilyLayout("StableDiffusionPipeline", "unet", _SD_CLASSES,
                         pipeline_kwargs=(("safety_checker", None), ("feature_extractor", None),
                                          ("requires_safety_checker", False))),
-    "sdxl": FamilyLayout("Stable Diffusion XL", "StableDiffusionXLPipeline", "unet",
+    "sdxl": FamilyLayout("StableDiffusionXLPipeline", "unet",
                          (*_SD_CLASSES, ("tokenizer_2", "transformers:CLIPTokenizer"),
                           ("text_encoder_2", "transformers:CLIPTextModelWithProjection")),
                          samples_with_its_scheduler=True,
                          lora_export="rangefinder.formats.lora:save_sdxl_lora_files"),
     # SD3: both CLIPs with projection, T5 with whatever tokenizer its folder names (AutoTokenizer), the MMDiT.
-    "sd3": FamilyLayout("Stable Diffusion 3/3.5", "StableDiffusion3Pipeline", "transformer",
+    "sd3": FamilyLayout("StableDiffusion3Pipeline", "transformer",
                         (("tokenizer", "transformers:CLIPTokenizer"),
                          ("text_encoder", "transformers:CLIPTextModelWithProjection"),
                          ("tokenizer_2", "transformers:CLIPTokenizer"),
@@ -88,7 +87,7 @@ FAMILY_LAYOUTS = {
                         lora_export="rangefinder.formats.lora:save_sd3_lora_files"),
     # Flux: CLIP-L, and T5 with its tokenizer as the second encoder; `full`'s file is the transformer alone in
     # Black Forest Labs' layout, as BFL ships Flux.
-    "flux": FamilyLayout("Flux.1", "FluxPipeline", "transformer",
+    "flux": FamilyLayout("FluxPipeline", "transformer",
                          (("tokenizer", "transformers:CLIPTokenizer"), ("text_encoder", "transformers:CLIPTextModel"),
                           ("tokenizer_2", "transformers:AutoTokenizer"),
                           ("text_encoder_2", "transformers:T5EncoderModel"), ("vae", "diffusers:AutoencoderKL"),
@@ -101,7 +100,6 @@ FAMILY_LAYOUTS = {
 FAMILY_OF_PIPELINE = {layout.pipeline: name for name, layout in FAMILY_LAYOUTS.items()}
 FAMILY_PARTS = {name: layout.parts for name, layout in FAMILY_LAYOUTS.items()}
 FAMILY_DENOISER = {name: layout.denoiser for name, layout in FAMILY_LAYOUTS.items()}
-FAMILY_NAMES = {name: layout.words for name, layout in FAMILY_LAYOUTS.items()}
 # In a single file (the LDM/SGM layout): SDXL's UNet has the added (pooled text + size) embedding `label_emb`, and
 # SGM's conditioner holds the two text encoders, CLIP ViT-L as embedders.0 and OpenCLIP bigG as embedders.1.
 SDXL_SINGLE_FILE_UNET_KEY = LDM_UNET_PREFIX + "label_emb.0.0.weight"

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from rangefinder.config import FlowSettings
+from rangefinder.config import FAMILY_NAMES, FlowSettings
 from rangefinder.errors import ConfigError
 from rangefinder.training.family import ValidationWeighting
 from rangefinder.training.geometry import vae_downscale
@@ -48,16 +48,17 @@ TIMESTEP_SCALE = 1000
 
 
 def refuse_ddpm_settings(cfg: TrainingConfig, family: str) -> None:
-    """One ConfigError line for a DDPM setting on a flow-matching model (never ignored silently)."""
+    """One ConfigError line for a DDPM setting on a flow-matching model of `family` (never ignored silently)."""
+    model = FAMILY_NAMES[family]
     if cfg.min_snr_gamma is not None:
         raise ConfigError(f"training.min_snr_gamma: min-SNR weighting is defined through the DDPM noise schedule; "
-                          f"{family} is a flow-matching model; remove it (training.flow.loss_weighting sets the "
+                          f"{model} is a flow-matching model; remove it (training.flow.loss_weighting sets the "
                           "flow weighting: none, sigma_sqrt, cosmap)")
     if cfg.prediction_type is not None:
-        raise ConfigError(f"training.prediction_type: {family} is a flow-matching model, trained on the velocity "
+        raise ConfigError(f"training.prediction_type: {model} is a flow-matching model, trained on the velocity "
                           f"noise - x0, not {cfg.prediction_type}; remove training.prediction_type")
     if cfg.noise_offset:
-        raise ConfigError(f"training.noise_offset: the offset noise is DDPM's; {family} is a flow-matching model; "
+        raise ConfigError(f"training.noise_offset: the offset noise is DDPM's; {model} is a flow-matching model; "
                           "set training.noise_offset to 0")
 
 

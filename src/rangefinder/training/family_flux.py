@@ -84,7 +84,7 @@ class FluxFamily(FlowFamily):
         """What Flux refuses from the settings and its transformer's config (family.Sd1Family.check_settings says
         who calls it): DDPM's settings, what a guidance-distilled model with a frozen T5 does not do, and a
         training guidance for a model without the guidance embedding."""
-        refuse_ddpm_settings(cfg, "Flux")
+        refuse_ddpm_settings(cfg, cls.name)
         refuse_unsupported(cfg)
         if cfg.flow.guidance is not None and not guidance_embedded(denoiser_config):
             raise ConfigError("training.flow.guidance: this Flux model has no guidance embedding (FLUX.1-schnell is "

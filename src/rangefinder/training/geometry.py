@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from rangefinder.config import SAMPLING_MULTIPLE, sampling_resolution_problem
+from rangefinder.config import FAMILY_NAMES, SAMPLING_MULTIPLE, sampling_resolution_problem
 from rangefinder.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -43,7 +43,7 @@ def native_resolution(vae_config: Mapping[str, Any], denoiser_config: Mapping[st
 class ModelGeometry:
     """What the size rules read of a base model, from its configs."""
 
-    family: str  # the family's name, as the messages say it (sd1, sdxl, sd3, flux)
+    family: str  # sd1, sdxl, sd3 or flux; messages say it as users know it (config.FAMILY_NAMES)
     patchified: bool  # a transformer cutting latents into patches: every side a multiple of side_multiple
     vae_scale: int  # the VAE's downscale
     side_multiple: int  # px each image side must be a multiple of for every latent to pass the denoiser evenly
@@ -81,15 +81,15 @@ def check_resolution(geometry: ModelGeometry, data: DataConfig) -> None:
     floor = geometry.min_resolution
     if data.resolution < floor:
         raise ConfigError(
-            f"data.resolution: {data.resolution} px is below what the {geometry.family} family supports for this "
+            f"data.resolution: {data.resolution} px is below what {FAMILY_NAMES[geometry.family]} supports for this "
             f"base model (native {geometry.native} px, at least {floor} px); set data.resolution to {floor} or more"
         )
     multiple = geometry.side_multiple
     if geometry.patchified and data.resolution % multiple:
         raise ConfigError(
-            f"data.resolution: {data.resolution} px is not a multiple of {multiple} px, the {geometry.family} "
-            f"family's patch size in pixels (the VAE's downscale times the transformer's patch); set data.resolution "
-            f"to {max(multiple, data.resolution - data.resolution % multiple)}"
+            f"data.resolution: {data.resolution} px is not a multiple of {multiple} px, "
+            f"{FAMILY_NAMES[geometry.family]}'s patch size in pixels (the VAE's downscale times the transformer's "
+            f"patch); set data.resolution to {max(multiple, data.resolution - data.resolution % multiple)}"
         )
 
 

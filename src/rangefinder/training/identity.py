@@ -18,7 +18,7 @@ import json
 import math
 from typing import TYPE_CHECKING, Any, Optional
 
-from rangefinder.config import DataConfig, TrainingConfig, ValidationConfig, migrate_training
+from rangefinder.config import FAMILY_NAMES, DataConfig, TrainingConfig, ValidationConfig, migrate_training
 from rangefinder.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -64,8 +64,6 @@ def check_same_run(saved: dict[str, Any], run: Run, train_buckets: Optional[dict
     """ConfigError naming every way `run` differs from the run that wrote the checkpoint state `saved`. A checkpoint
     from before an item was recorded is not checked for that item; a setting newer than the checkpoint counts as its
     default (the run trained as that default does)."""
-    from rangefinder.training.family_detection import FAMILY_NAMES
-
     root = run.settings.ckpt_root
     family = saved.get("family", "sd1")  # checkpoints from before families were recorded: SD 1.x/2.x
     if family != run.family.name:

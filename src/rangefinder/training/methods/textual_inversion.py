@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rangefinder.config import FAMILY_NAMES
 from rangefinder.errors import ConfigError
-from rangefinder.training.family_detection import FAMILY_NAMES
 from rangefinder.training.methods.base import Method
 
 if TYPE_CHECKING:
