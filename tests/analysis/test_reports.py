@@ -1,6 +1,7 @@
 """Plots, HTML/Markdown reports and the two CLI commands, on real files."""
 
 import csv
+import html
 import json
 from html.parser import HTMLParser
 
@@ -147,6 +148,35 @@ def test_step_report_names_the_rule_that_picked_the_delivered_checkpoint_and_a_f
     good = Delivery(update=100, rule="window_lowest", val_loss=0.05, base_val_loss=0.2)
     text = write_step_report(w, None, tmp_path / "ok", delivered=good)["markdown"].read_text()
     assert "Delivered:" not in text.split("|")[0] and "update 100, rule window_lowest, val loss 0.05" in text
+
+
+@pytest.mark.parametrize("shape", ["a window", "no window"])
+def test_a_step_report_on_a_run_that_kept_only_its_final_weights_says_they_are_delivered(tmp_path, shape):
+    """finetune.checkpoint_every_epochs not below finetune.epochs: the run's only checkpoint is its end (update 200
+    of a 20-epoch curve). The rule that picks it (delivered_checkpoint) says so in the report's lead and its row, the
+    window's centre and the run's end being far apart; with every checkpoint kept, the same report names the window's
+    pick and says nothing of final weights."""
+    from rangefinder.analysis import delivered_checkpoint
+
+    e = np.arange(41) / 2
+    loss = ConstantRunShape().loss(e) if shape == "a window" else np.full(e.shape, 0.2)
+    update, val = e * 10, noisy(loss, 0.002, 0)
+    w = select_step_window(update, e, val)
+    assert (w.recommended_updates is not None) is (shape == "a window")
+    only_final = delivered_checkpoint(w, [200], update, val)
+    assert only_final.update == 200 and only_final.final
+    paths = write_step_report(w, None, tmp_path / "final", delivered=only_final)
+    lead = paths["markdown"].read_text().split("|")[0]
+    assert "Delivered: update 200" in lead and "it is the run's final weights" in lead
+    page = html.unescape(paths["html"].read_text())
+    row = page[page.index("delivered checkpoint</th>"):].split("</tr>")[0]  # the page's row has the rule's words
+    assert "it is the run's final weights" in row
+    if shape == "a window":
+        assert only_final.rule == "window_nearest" and "trained past the window" in row
+    every = delivered_checkpoint(w, update[1:], update, val)  # a checkpoint at every validation
+    assert every.final is (every.update == 200) and (shape == "no window" or every.update < w.window_end_update)
+    paths = write_step_report(w, None, tmp_path / "every", delivered=every)
+    assert ("final weights" in paths["markdown"].read_text() + html.unescape(paths["html"].read_text())) is every.final
 
 
 def test_step_report_lists_each_aspect_buckets_validation_loss(tmp_path):

@@ -201,6 +201,44 @@ def test_with_no_window_the_run_s_lowest_validation_loss_checkpoint_is_delivered
     assert (length.epochs, length.updates, length.basis) == (max(1, math.ceil(info["epoch"] - 1e-9)), best, "no_window")
 
 
+@pytest.mark.parametrize("window, rule", [
+    ((None, None, None, "no_improvement"), "run_lowest"),
+    ((2.0, 6.0, 4, "ok"), "window_nearest"),  # the window ends before the run: its final weights trained past it
+    ((4.0, 8.0, 6, "ok"), "window_lowest"),  # the window reaches the run's end
+], ids=["no-window", "window-before-the-end", "window-to-the-end"])
+def test_with_only_the_final_checkpoint_the_reason_and_the_report_say_the_final_weights_are_delivered(
+        ema_run, tmp_path, tiny_model_dir, window, rule):
+    """finetune.checkpoint_every_epochs not below finetune.epochs (config.setting_conflicts warns of it): the run
+    keeps only its final weights (here the 2-epoch run's update 8, its update-4 checkpoint removed), and those are
+    delivered. chosen.json's reason (the registered model's description) said "the run's final weights are not
+    delivered" with no window, and that they "overfit" with one; now it, the report's lead and its row say they are
+    what is delivered."""
+    import shutil
+
+    from rangefinder.analysis import read_curve_csv
+    from rangefinder.analysis.reports import step_headline
+    from rangefinder.formats import checkpoints
+    from rangefinder.steps.finetune import chosen_delivery
+
+    run_dir = shutil.copytree(ema_run[0], tmp_path / "run")
+    shutil.rmtree(run_dir / "checkpoints" / checkpoints.checkpoint_name(4))
+    curve = read_curve_csv(ema_run[1].metrics_csv)
+    start, end, centre, status = window
+    window = SimpleNamespace(recommended_updates=centre, recommended_epochs=None if centre is None else centre / 4,
+                             status=status, tolerance=0.02, window_start_update=start, window_end_update=end)
+    info = keep_chosen_checkpoint(run_dir, window, curve, tiny_model_dir)
+
+    assert (info["update"], info["rule"], info["final_weights"]) == (8, rule, True)
+    reason = info["reason"]
+    assert "the run's final weights" in reason and "not delivered" not in reason and "overfit" not in reason, reason
+    delivered = chosen_delivery(info)
+    said = {"lead": step_headline(window, None, delivered), "row": delivered.what()}
+    for where, text in said.items():
+        assert "it is the run's final weights" in text, (where, text)
+    if rule == "window_nearest":  # and how to save a checkpoint inside the window
+        assert "trained past the window" in said["row"] and "finetune.checkpoint_every_epochs" in reason
+
+
 @pytest.mark.parametrize("besides", ["none", "an average 3 % lower", "an average 0.5 % lower"])
 def test_earliest_tied_delivers_the_first_checkpoint_within_the_band_and_keeps_it_alone(
         ema_run, tmp_path, tiny_model_dir, besides):

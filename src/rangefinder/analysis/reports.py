@@ -25,14 +25,13 @@ from rangefinder.analysis.lr_bounds import STATUS_ADVICE as LR_STATUS_ADVICE
 from rangefinder.analysis.lr_bounds import LRBounds
 from rangefinder.analysis.plots import plot_lr_range_test, plot_prodigy_step, plot_step_window
 from rangefinder.analysis.prodigy_step import FACTOR_FROM_TABLE, ProdigyStep, step_size_estimates
+from rangefinder.analysis.step_window import FLAG_ADVICE as STEP_FLAG_ADVICE
 from rangefinder.analysis.step_window import (
-    DELIVERY_RULE_TEXT,
     LENGTH_BASIS_TEXT,
     Delivery,
     RecommendedLength,
     StepWindow,
 )
-from rangefinder.analysis.step_window import FLAG_ADVICE as STEP_FLAG_ADVICE
 from rangefinder.analysis.step_window import STATUS_ADVICE as STEP_STATUS_ADVICE
 from rangefinder.defaults import LOW_QUALITY
 from rangefinder.formats.atomic import write_bytes
@@ -212,9 +211,10 @@ def lr_headline(bounds: LRBounds, zoom: Optional[tuple[float, float]] = None) ->
 def step_headline(window: StepWindow, halving: Optional[HalvingDecision] = None,
                   delivered: Optional[Delivery] = None, length: Optional[RecommendedLength] = None) -> str:
     """The step-window report's lead (also the fine-tune run's description in MLflow); `delivered`: the checkpoint
-    the fine-tune kept (analysis.delivered_checkpoint), said with its rule when it is not the window's usual one or
-    does not beat the base model; `length`: the length the fine-tune recommends (steps.finetune.recommended_length),
-    which a retrain trains: the window's unless a rule or a fallback sets another (default: the window's)."""
+    the fine-tune kept (analysis.delivered_checkpoint), said with its rule when it is not the window's usual one, is
+    the run's final weights or does not beat the base model; `length`: the length the fine-tune recommends
+    (steps.finetune.recommended_length), which a retrain trains: the window's unless a rule or a fallback sets another
+    (default: the window's)."""
     length = length or RecommendedLength.of_window(window)
     if length is not None:
         made = f"{length.epochs} epochs ({length.updates} updates of this fine-tune)"
@@ -237,7 +237,8 @@ def step_headline(window: StepWindow, halving: Optional[HalvingDecision] = None,
         lead = STEP_STATUS_ADVICE[window.status]
     if halving is not None:
         lead += f" The LR is {halving.lr:.3g}, {halving.kept}, kept by successive halving."
-    if delivered is not None and (delivered.rule != "window_lowest" or delivered.improved_on_base is False):
+    if delivered is not None and (delivered.rule != "window_lowest" or delivered.final
+                                  or delivered.improved_on_base is False):
         lead += f" {delivered.sentence()}"
     return lead
 
@@ -391,7 +392,7 @@ def write_step_report(window: StepWindow, curve: Optional[dict], out_dir: str | 
     if delivered is not None:
         base = "" if delivered.base_val_loss is None else f"; base model (update 0): {_fmt(delivered.base_val_loss)}"
         rows.append(("delivered checkpoint", f"update {delivered.update}, rule {delivered.rule}, val loss "
-                                             f"{_fmt(delivered.val_loss)}{base}", DELIVERY_RULE_TEXT[delivered.rule]))
+                                             f"{_fmt(delivered.val_loss)}{base}", delivered.what()))
     rows += _bucket_rows(curve, window.best_update)
     rows += _sigma_rows(curve, validation_weighting, window.best_update)
     notes: list[tuple[str, str]] = [(window.status, STEP_STATUS_ADVICE[window.status])]

@@ -237,6 +237,14 @@ DELIVERY_RULE_TEXT: dict[str, str] = {
                      "fine-tune measured (finetune.deliver: earliest_tied): the validation loss cannot tell them "
                      "apart, and this one moved least from the base model; a retrain trains its length",
 }
+# What DELIVERY_RULE_TEXT goes on to say where the checkpoint delivered is the run's final weights, its last checkpoint
+# (the only one where finetune.checkpoint_every_epochs is not below finetune.epochs): the rule's words alone read as
+# weights from inside the run.
+FINAL_WEIGHTS_TEXT: dict[str, str] = {
+    "window_nearest": "; it is the run's final weights, trained past the window (a smaller "
+                      "finetune.checkpoint_every_epochs saves checkpoints inside it)",
+    "window_lowest": "; it is the run's final weights: the window reaches the run's end",
+}
 
 
 @dataclass(frozen=True)
@@ -248,6 +256,7 @@ class Delivery:
     val_loss: Optional[float]  # measured at the checkpoint's own update; None when it was not validated there
     base_val_loss: Optional[float]  # the curve's update 0: the base model's own loss; None when not measured
     tied_ceiling: Optional[float] = None  # earliest_tied: the band's top (TIE_BAND above the lowest loss measured)
+    final: bool = False  # the run's final weights: its last checkpoint, at the curve's last update
 
     @property
     def improved_on_base(self) -> Optional[bool]:
@@ -266,9 +275,15 @@ class Delivery:
                 f"{self.val_loss:.4g} is not below the base model's {self.base_val_loss:.4g} (update 0); use the base "
                 "model, or check the LR bounds (try lr_low), the data and the captions.")
 
+    def what(self) -> str:
+        """The rule that picked it, in words, and whether it is the run's final weights."""
+        if not self.final:
+            return DELIVERY_RULE_TEXT[self.rule]
+        return DELIVERY_RULE_TEXT[self.rule] + FINAL_WEIGHTS_TEXT.get(self.rule, "; it is the run's final weights")
+
     def sentence(self) -> str:
         """What was delivered and by which rule, for the report's lead and the run's description."""
-        return f"Delivered: update {self.update}, {DELIVERY_RULE_TEXT[self.rule]}. {self.against_base()}".rstrip()
+        return f"Delivered: update {self.update}, {self.what()}. {self.against_base()}".rstrip()
 
 
 def losses_by_update(update: Any, val_loss: Any) -> dict[int, float]:
@@ -299,7 +314,8 @@ def delivered_checkpoint(window: StepWindow, checkpoint_updates: Any, update: An
     base = loss_at.get(0)
 
     def delivery(c: int, rule: DeliveryRule) -> Delivery:
-        return Delivery(update=c, rule=rule, val_loss=loss_at.get(c), base_val_loss=base)
+        return Delivery(update=c, rule=rule, val_loss=loss_at.get(c), base_val_loss=base,
+                        final=is_final(c, ckpts, loss_at))
 
     rec = window.recommended_updates
     if rec is None:
@@ -327,11 +343,18 @@ def earliest_tied(checkpoint_updates: Any, update: Any, val_loss: Any, target: f
     """
     ceiling = target + TIE_BAND * abs(target)
     loss_at = losses_by_update(update, val_loss)
-    tied = [c for c in sorted({int(c) for c in checkpoint_updates}) if c > 0 and loss_at.get(c, math.inf) <= ceiling]
+    ckpts = sorted({int(c) for c in checkpoint_updates})
+    tied = [c for c in ckpts if c > 0 and loss_at.get(c, math.inf) <= ceiling]
     if not tied:
         return None
     return Delivery(update=tied[0], rule="earliest_tied", val_loss=loss_at[tied[0]], base_val_loss=loss_at.get(0),
-                    tied_ceiling=ceiling)
+                    tied_ceiling=ceiling, final=is_final(tied[0], ckpts, loss_at))
+
+
+def is_final(checkpoint: int, checkpoints: list[int], loss_at: dict[int, float]) -> bool:
+    """Whether `checkpoint` holds the run's final weights: the last of `checkpoints` (sorted), at or past the curve's
+    last measured update (the engine validates and checkpoints at its end)."""
+    return checkpoint == checkpoints[-1] and checkpoint >= max(loss_at, default=checkpoint)
 
 
 def _select(u_all: np.ndarray, e_all: np.ndarray, y_all: np.ndarray, s_all: Optional[np.ndarray], *,

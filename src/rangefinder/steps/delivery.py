@@ -57,8 +57,9 @@ def deliver_if_lower(work: Path, candidate: Path, chosen: dict[str, Any], measur
     if delivered:
         pick = {k: chosen.get(k) for k in PICK_KEYS}
         base = chosen.get("base_val_loss")
-        info.update(checkpoint=None, update=update, epoch=epoch, val_loss=measured.val_loss, rule=rule,
-                    window_pick=pick, reason=f"{what}: {measured.sentence(compared)} {pick['reason'] or ''}".rstrip(),
+        info.update(checkpoint=None, final_weights=False, update=update, epoch=epoch, val_loss=measured.val_loss,
+                    rule=rule, window_pick=pick,
+                    reason=f"{what}: {measured.sentence(compared)} {pick['reason'] or ''}".rstrip(),
                     improved_on_base=None if base is None or measured.val_loss is None else measured.val_loss < base)
     write_json(work / checkpoints.CHOSEN_INFO, info)
     finish_delivery(work, candidate, delivered)

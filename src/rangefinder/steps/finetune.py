@@ -166,6 +166,7 @@ def keep_chosen_checkpoint(run_dir: Path, window: Any, curve: dict, base_model: 
         "window_end_update": window.window_end_update,
         "status": window.status,
         "rule": picked.rule,
+        "final_weights": picked.final,
         "base_val_loss": picked.base_val_loss,
         "improved_on_base": picked.improved_on_base,
         "reason": reason,
@@ -179,22 +180,36 @@ def keep_chosen_checkpoint(run_dir: Path, window: Any, curve: dict, base_model: 
     return info
 
 
+def chosen_delivery(chosen: Optional[dict[str, Any]]) -> Optional[Delivery]:
+    """What chosen.json delivers, as the step report and the run's description say it (analysis.Delivery)."""
+    from rangefinder.analysis import Delivery
+
+    if chosen is None:
+        return None
+    return Delivery(update=chosen["update"], rule=chosen["rule"], val_loss=chosen["val_loss"],
+                    base_val_loss=chosen["base_val_loss"], tied_ceiling=(chosen.get("band") or {}).get("ceiling"),
+                    final=bool(chosen.get("final_weights")))
+
+
 def pick_reason(pick: Delivery, window: StepWindow) -> str:
-    """Why the window's rule (analysis.delivered_checkpoint) picked `pick`, for chosen.json's reason."""
+    """Why the window's rule (analysis.delivered_checkpoint) picked `pick`, for chosen.json's reason: said of the
+    run's final weights too, where they are what is delivered (the run's only checkpoint, or its lowest)."""
     if pick.rule == "run_lowest":
+        final = ("these are the run's final weights" if pick.final
+                 else "the run's final weights are not delivered: it trained past any useful length")
         return ("validation loss never fell by more than its noise, so no step window was found and no length is "
                 f"recommended; of the checkpoints kept over the whole run, update {pick.update} has the lowest "
-                "validation loss (the run's final weights are not delivered: it trained past any useful length)")
+                f"validation loss ({final})")
     if window.status == "still_improving":
+        final = ", the run's final weights," if pick.final else ""
         return ("validation loss was still falling when the run ended, so the recommended length is the whole run and "
-                f"the checkpoint with the lowest validation loss near its end, update {pick.update}, is kept; "
+                f"the checkpoint with the lowest validation loss near its end, update {pick.update}{final} is kept; "
                 "fine-tune for more epochs to find the minimum")
-    which = ("the checkpoint with the lowest validation loss inside the window" if pick.rule == "window_lowest"
-             else "the checkpoint nearest that centre (none inside the window was validated)")
+    past = "" if pick.final else " (the run went on past the window, so its final weights overfit)"
     return (f"smoothed validation loss stays within {window.tolerance:.0%} of its minimum from update "
             f"{window.window_start_update:.0f} to {window.window_end_update:.0f}; the centre of that window, update "
             f"{window.recommended_updates} (epoch {window.recommended_epochs}), is the recommended length, and update "
-            f"{pick.update} is {which} (the run went on past the window, so its final weights overfit)")
+            f"{pick.update} is {pick.what()}{past}")
 
 
 def sample_strip(run_dir: Path) -> Optional[SampleStrip]:
@@ -304,7 +319,7 @@ def run_finetune(
     mlflow_parent_run_id: Optional[str] = None,
 ) -> FinetuneResult:
     from rangefinder import tracking
-    from rangefinder.analysis import Delivery, RecommendedLength, copy_report, select_step_window, write_step_report
+    from rangefinder.analysis import RecommendedLength, copy_report, select_step_window, write_step_report
     from rangefinder.analysis.reports import step_headline
     from rangefinder.data.split import read_split
     from rangefinder.models.loading import resolve_base_model
@@ -382,10 +397,7 @@ def run_finetune(
                 chosen = deliver_cooldown(work, cooled, chosen)
             if averaged is not None and chosen is not None:  # weighed against what is delivered by now
                 chosen = deliver_average(work, averaged, chosen, epoch=epoch_at(curve, averaged.updates[-1]))
-            delivered = None if chosen is None else Delivery(update=chosen["update"], rule=chosen["rule"],
-                                                             val_loss=chosen["val_loss"],
-                                                             base_val_loss=chosen["base_val_loss"],
-                                                             tied_ceiling=(chosen.get("band") or {}).get("ceiling"))
+            delivered = chosen_delivery(chosen)
             sample_delivered(work, chosen, base.path, run)
             # One length for the report, its lead (the run's description), MLflow and the step's outputs.
             length = recommended_length(window, chosen, tc.epochs or 1, result.updates, curve)
