@@ -15,12 +15,18 @@ which the test machines do not have).
 """
 
 # No `from __future__ import annotations`: KFP reads the component's annotations as real types.
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from kfp import compiler, components, dsl, local
 from kfp.dsl import Dataset, Output
 
+from rangefinder.steps.resolve_config import load_step_config
 from tests.mlflow_store import seed
 from tests.pipelines.tiny_run import tiny_config
 
@@ -90,3 +96,74 @@ def test_a_users_pipeline_with_the_published_range_test_runs_under_kfp_local(
     assert lo < lr_mid < hi
     curves = list((tmp_path / "root").rglob("metrics.csv"))
     assert curves, "the range test wrote no curve"
+
+
+def _load(step: str):
+    return components.load_component_from_file(str(REPO / "components" / step / "component.yaml"))
+
+
+def _users_config_pipeline():
+    """A user's pipeline that sets only what differs from rangefinder's defaults: resolve-config's other inputs keep
+    the default config's values, as the published pipeline's parameters do."""
+    resolve, prepare = _load("resolve_config"), _load("prepare_dataset")
+
+    @dsl.pipeline(name="my-config")
+    def my_config(dataset_dir: str) -> str:
+        resolved = resolve(dataset_dir=dataset_dir, method="lora", resolution=32)
+        prepare(config_json=resolved.outputs["config_json"])
+        return resolved.outputs["config_json"]
+
+    return my_config
+
+
+def test_a_users_pipeline_sets_only_the_resolve_config_inputs_it_changes(tmp_path):
+    # Every input of resolve-config was required: a user's pipeline had to pass all 23 (base_config's whole JSON
+    # among them) to compile.
+    package = tmp_path / "mine.yaml"
+    compiler.Compiler().compile(_users_config_pipeline(), package_path=str(package))
+    spec = yaml.safe_load(package.read_text())
+    task = spec["root"]["dag"]["tasks"]["resolve-config"]["inputs"]["parameters"]
+    assert set(task) == {"dataset_dir", "method", "resolution"}
+    inputs = spec["components"]["comp-resolve-config"]["inputDefinitions"]["parameters"]
+    assert all(p.get("isOptional") for p in inputs.values())
+    assert inputs["finetune_epochs"]["defaultValue"] == 30 and inputs["method"]["defaultValue"] == "full"
+
+
+@pytest.mark.slow
+def test_resolve_config_with_its_defaults_runs_under_kfp_local(shapes_dataset_dir, tmp_path, monkeypatch):
+    """kfp.local hands a component the IR's defaults for the inputs a pipeline leaves out."""
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(tmp_path / "root"),
+               raise_on_error=True)
+    with pytest.warns(RuntimeWarning, match="custom or non-Python base image"):
+        config_json = _users_config_pipeline()(dataset_dir=str(shapes_dataset_dir)).output
+    cfg = load_step_config(config_json)
+    assert (cfg.training.method, cfg.data.resolution, cfg.data.dataset_dir) == ("lora", 32, str(shapes_dataset_dir))
+    assert (cfg.finetune.epochs, cfg.lr_range_test.epochs, cfg.split.seed) == (30, 10, 555)  # the config's defaults
+    assert list((tmp_path / "root").rglob("split")), "prepare-dataset did not run on the resolved config"
+
+
+def test_resolve_config_in_a_pod_takes_the_packages_defaults_for_inputs_left_out(tmp_path):
+    """On a cluster KFP's driver does not pass an optional input a pipeline left out; the component's own Python
+    default applies in the pod (kubeflow/pipelines backend/src/v2/driver/resolve.go: "They are resolved internally
+    within the component"). Here the published container command runs as the pod runs it, with an executor input
+    that holds only `method`: the defaults come from the package (this Python stands in for the image's)."""
+    spec = yaml.safe_load((REPO / "components" / "resolve_config" / "component.yaml").read_text())
+    container = spec["deploymentSpec"]["executors"]["exec-resolve-config"]["container"]
+    outputs = spec["components"]["comp-resolve-config"]["outputDefinitions"]["parameters"]
+    executor_output = tmp_path / "executor_output.json"
+    executor_input = {
+        "inputs": {"parameterValues": {"method": "lora"}},
+        "outputs": {"parameters": {name: {"outputFile": str(tmp_path / name)} for name in outputs},
+                    "outputFile": str(executor_output)},
+    }
+    args = [json.dumps(executor_input) if a == "{{$}}" else a for a in container["args"]]
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("MLFLOW_RUN_ID", None)
+    done = subprocess.run([*container["command"], *args], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    values = json.loads(executor_output.read_text())["parameterValues"]
+    cfg = load_step_config(values["config_json"])
+    assert cfg.training.method == "lora"
+    assert (cfg.data.resolution, cfg.finetune.epochs, cfg.tracking.experiment_name) == (512, 30, "rangefinder")
+    assert values["mlflow_parent_run_id"] == ""  # no pipeline_job_id: no parent run

@@ -17,6 +17,7 @@ from rangefinder.steps.resolve_config import (
     ResolvedConfig,
     config_from_parameters,
     load_step_config,
+    parameter_defaults,
     parameters_from_config,
     run_resolve_config,
 )
@@ -165,6 +166,27 @@ def test_lr_finder_auto_follows_the_model_and_method_a_person_sets_at_run_time(m
     if model in ("sd1", "sdxl"):  # textual inversion keeps the range test on each, SDXL's full fine-tune aside
         params.update(method="textual_inversion", lr_finder="auto")
         assert run_resolve_config(base, **params).lr_finder == "range_test"
+
+
+def test_defaults_that_replace_base_config_are_a_warning(capsys):
+    """resolve-config loaded into a user's pipeline defaults every typed parameter (the default config's values);
+    a whole config passed as base_config alone loses its typed fields to them. The parameters still win, as the
+    pipeline's do, but the step's log names each one it replaced."""
+    mine = parameters_from_config(demo_config(training={"method": "lora"}, sampling={"prompts": ["a cat"]}))
+    r = run_resolve_config(mine["base_config"], **parameter_defaults())
+    assert load_step_config(r.config_json).training.method == "full"
+    (line,) = [ln for ln in capsys.readouterr().err.splitlines() if "base_config" in ln]
+    assert line.startswith("rangefinder: warning: pipeline parameter(s) at their default replace what base_config "
+                           "sets: method 'full' (base_config's training.method: 'lora'); resolution 512 ")
+    assert "prompts [" in line and line.endswith("pass each with base_config's value to keep it")
+    # The pipeline's own runs pass base_config and parameters from one config: nothing is replaced.
+    base = mine.pop("base_config")
+    mine.pop("dataset_uri")
+    run_resolve_config(base, **mine)
+    assert "base_config" not in capsys.readouterr().err
+    # A parameter set on purpose (not its default) is not named.
+    run_resolve_config(base, **{**parameter_defaults(), **mine, "method": "textual_inversion"})
+    assert "base_config" not in capsys.readouterr().err
 
 
 def test_range_test_bounds_auto_leaves_unused_are_a_warning_once_the_model_is_known(tiny_sd3_dir, capsys):

@@ -15,7 +15,7 @@ Imports live inside the bodies: KFP ships each body to the pod as source, so mod
 # No `from __future__ import annotations`: KFP reads the components' annotations as real types. Their outputs are
 # declared the way KFP documents, `-> NamedTuple("Name", field=type)`, a call mypy does not accept as a type; hence
 # the `type: ignore[valid-type]` on each. A class-based NamedTuple would not exist in the pod: KFP ships only the body.
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 from kfp import dsl
 from kfp.dsl import HTML, Dataset, Input, Markdown, Metrics, Model, Output
@@ -28,31 +28,41 @@ TRAINER_IMAGE = default_images()["trainer"]
 CPU_IMAGE = default_images()["cpu"]
 
 
-@dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
+def _config_default(parameter: str) -> Any:
+    """resolve_config's default for `parameter`: the default config's value, as the published pipeline's parameters
+    have it (steps.resolve_config.parameter_defaults). KFP ships this function beside the component
+    (`additional_funcs`): on a cluster an input a pipeline leaves out is not passed at all and the function's own
+    default applies, read here from the package in the image, the same value the compiler wrote into the IR."""
+    from rangefinder.steps.resolve_config import parameter_defaults
+
+    return parameter_defaults()[parameter]
+
+
+@dsl.component(base_image=CPU_IMAGE, install_kfp_package=False, additional_funcs=[_config_default])
 def resolve_config(
-    base_config: str,
-    dataset_dir: str,
-    base_model: str,
-    base_model_revision: str,
-    method: str,
-    lr_finder: str,
-    resolution: int,
-    batch_size: int,
-    grad_accum: int,
-    ramp: str,
-    lr_min: float,
-    lr_max: float,
-    range_test_epochs: int,
-    finetune_epochs: int,
-    val_split: float,
-    split_seed: int,
-    seed: int,
-    fixed_lr: float,
-    retrain: bool,
-    retrain_epochs: int,
-    prompts: list,
-    mlflow_experiment: str,
-    pipeline_job_id: str,
+    base_config: str = "",
+    dataset_dir: str = _config_default("dataset_dir"),
+    base_model: str = _config_default("base_model"),
+    base_model_revision: str = _config_default("base_model_revision"),
+    method: str = _config_default("method"),
+    lr_finder: str = _config_default("lr_finder"),
+    resolution: int = _config_default("resolution"),
+    batch_size: int = _config_default("batch_size"),
+    grad_accum: int = _config_default("grad_accum"),
+    ramp: str = _config_default("ramp"),
+    lr_min: float = _config_default("lr_min"),
+    lr_max: float = _config_default("lr_max"),
+    range_test_epochs: int = _config_default("range_test_epochs"),
+    finetune_epochs: int = _config_default("finetune_epochs"),
+    val_split: float = _config_default("val_split"),
+    split_seed: int = _config_default("split_seed"),
+    seed: int = _config_default("seed"),
+    fixed_lr: float = _config_default("fixed_lr"),
+    retrain: bool = _config_default("retrain"),
+    retrain_epochs: int = _config_default("retrain_epochs"),
+    prompts: list = _config_default("prompts"),  # noqa: B008 (read once; the body never changes it)
+    mlflow_experiment: str = _config_default("mlflow_experiment"),
+    pipeline_job_id: str = "",
     pipeline_job_name: str = "",
 ) -> NamedTuple(  # type: ignore[valid-type]
     "ResolvedConfig", config_json=str, fixed_lr=float, lr_finder=str, retrain=bool, mlflow_parent_run_id=str
@@ -61,7 +71,9 @@ def resolve_config(
     converted once; fails fast, before any GPU is requested); open the MLflow parent run of this pipeline run.
 
     Args:
-        base_config: Every other setting, as the JSON of a rangefinder config; the parameters below override it.
+        base_config: Every other setting, as the JSON of a rangefinder config; empty, the default: the default
+            config. The parameters below override it, each at its default too (the default config's value): pass
+            those whose field base_config sets otherwise (resolve-config warns of each it replaced).
         dataset_dir: Path of the dataset folder on the data volume; empty: the embedded synthetic shapes dataset.
         base_model: A diffusers folder, a single-file .safetensors checkpoint or a hub id; empty: the tiny model.
         base_model_revision: Branch, tag or commit of a hub base_model; empty: main.
@@ -83,7 +95,8 @@ def resolve_config(
         retrain_epochs: Epochs of the full-data retrain; 0: the epochs the fine-tune recommends.
         prompts: Prompts of the evaluation grid (one row each, fixed seeds).
         mlflow_experiment: MLflow experiment the runs are logged under.
-        pipeline_job_id: The KFP run id; the MLflow parent run is found by it.
+        pipeline_job_id: The KFP run id (dsl.PIPELINE_JOB_ID_PLACEHOLDER); the MLflow parent run is found by it.
+            Empty, the default: no parent run, each step's MLflow run stands alone.
         pipeline_job_name: The KFP run name; the MLflow parent run is named after it.
 
     Returns:

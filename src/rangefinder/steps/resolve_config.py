@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from rangefinder.config import (
     FAMILY_NAMES,
@@ -100,6 +101,33 @@ def parameters_from_config(cfg: RangefinderConfig, dataset_uri: str = "") -> dic
     return params
 
 
+def parameter_defaults() -> dict[str, Any]:
+    """The typed parameters' defaults: the default config's values, as the published pipeline's parameters and
+    resolve-config's inputs have them (one source, the config model)."""
+    params = parameters_from_config(RangefinderConfig())
+    del params["dataset_uri"], params["base_config"]
+    return params
+
+
+def defaults_replacing_base_config(base_config: str, params: Mapping[str, Any]) -> Optional[str]:
+    """A warning naming the typed parameters that are at their default yet replace another value base_config sets,
+    or None. resolve-config loaded into someone's pipeline defaults every one of them, so a whole config passed as
+    base_config alone would otherwise lose each of its typed fields to the default without a word."""
+    if not (base_config and base_config.strip()):
+        return None
+    try:
+        base = parameters_from_config(config_from_parameters(base_config))
+    except ConfigError:
+        return None  # base_config's own fault is reported with the parameters laid over it
+    defaults = parameter_defaults()
+    replaced = [f"{name} {value!r} (base_config's {PARAMETER_FIELDS[name]}: {base[name]!r})"
+                for name, value in params.items() if name in defaults and value == defaults[name] != base[name]]
+    if not replaced:
+        return None
+    return (f"pipeline parameter(s) at their default replace what base_config sets: {'; '.join(replaced)}; pass "
+            "each with base_config's value to keep it")
+
+
 def config_from_parameters(base_config: str = "", **params: Any) -> RangefinderConfig:
     """Lay the typed parameters over `base_config` and validate; ConfigError names the parameter at fault."""
     unknown = sorted(set(params) - set(PARAMETER_FIELDS) - {"dataset_uri"})
@@ -145,6 +173,9 @@ class ResolvedConfig:
 def run_resolve_config(base_config: str = "", *, pipeline_job_id: str = "", pipeline_job_name: str = "",
                        **params: Any) -> ResolvedConfig:
     cfg = config_from_parameters(base_config, **params)
+    replaced = defaults_replacing_base_config(base_config, params)
+    if replaced:
+        print(f"rangefinder: warning: {replaced}", file=sys.stderr, flush=True)
     parent = start_parent_run(cfg, pipeline_job_id, pipeline_job_name) if pipeline_job_id else ""
     cfg, family = with_resolved_base_model(cfg)
     preflight(cfg, family)
