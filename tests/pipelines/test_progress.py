@@ -121,6 +121,11 @@ def test_a_range_test_s_line_says_what_its_zoom_means():
     assert headline_text({"train_images": "16", "source": "fixed"}) == "source fixed, train_images 16"
 
 
+def test_the_retrains_line_says_its_epochs_by_name():
+    # retrain-full's one output was KFP's default `Output`: the terminal said "retrain-full done in 20 s: Output 1".
+    assert headline_text({"epochs": "1", "Output": "1"}) == "epochs 1"
+
+
 def test_the_bar_is_drawn_on_a_terminal_that_reports_no_width():
     """A pseudo-terminal no window sized (0 x 0: `script` or `docker run -t` in CI) is a terminal, so the bar is drawn
     in place, not as plain lines; tqdm sized to it drew nothing at all, and a training step showed no progress

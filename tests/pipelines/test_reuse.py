@@ -167,3 +167,46 @@ def test_resolve_config_in_a_pod_takes_the_packages_defaults_for_inputs_left_out
     assert cfg.training.method == "lora"
     assert (cfg.data.resolution, cfg.finetune.epochs, cfg.tracking.experiment_name) == (512, 30, "rangefinder")
     assert values["mlflow_parent_run_id"] == ""  # no pipeline_job_id: no parent run
+
+
+def _users_retrain_pipeline(epochs_output: str):
+    """A user's own split, retrained on by the published retrain-full, whose epochs register-model records."""
+    prepare, retrain, register = _load("prepare_dataset"), _load("retrain_full"), _load("register_model")
+
+    @dsl.pipeline(name="my-retrain")
+    def my_retrain(source: str, config_json: str, lr: float) -> int:
+        mine = my_images(source=source)
+        split = prepare(config_json=config_json, dataset=mine.outputs["images"])
+        full = retrain(config_json=config_json, split=split.outputs["split"], lr_low=lr, lr_high=lr, lr=lr,
+                       recommended_epochs=1)
+        register(config_json=config_json, model=full.outputs["model"], lr=lr, epochs=full.outputs[epochs_output])
+        return full.outputs[epochs_output]
+
+    return my_retrain
+
+
+def test_retrain_full_names_its_epochs_and_keeps_the_old_name(tmp_path):
+    # Its one output was KFP's default name for a return value, `Output`, beside every other component's named
+    # ones; `epochs` now, with `Output` kept for the pipelines written against it.
+    for name in ("epochs", "Output"):
+        package = tmp_path / f"{name}.yaml"
+        compiler.Compiler().compile(_users_retrain_pipeline(name), package_path=str(package))
+        spec = yaml.safe_load(package.read_text())
+        register = spec["root"]["dag"]["tasks"]["register-model"]["inputs"]["parameters"]["epochs"]
+        assert register["taskOutputParameter"] == {"outputParameterKey": name, "producerTask": "retrain-full"}
+
+
+@pytest.mark.slow
+def test_retrain_full_s_epochs_come_out_under_kfp_local(shapes_dataset_dir, tiny_model_dir, tmp_path, monkeypatch):
+    cfg = tiny_config(shapes_dataset_dir, tiny_model_dir)
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setenv("RANGEFINDER_MLFLOW_SPOOL", str(tmp_path / "spool"))
+    monkeypatch.setenv("RANGEFINDER_TORCH_THREADS", "1")  # as test_reuse's range test (above) and `run --local`
+    seed(tmp_path / "mlflow.db")
+    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(tmp_path / "root"),
+               raise_on_error=True)
+    with pytest.warns(RuntimeWarning, match="custom or non-Python base image"):
+        epochs = _users_retrain_pipeline("epochs")(source=str(shapes_dataset_dir), config_json=cfg.model_dump_json(),
+                                                   lr=1e-4).output
+    assert epochs == 1

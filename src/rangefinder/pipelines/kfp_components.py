@@ -412,7 +412,7 @@ def retrain_full(
     model: Output[Model],
     metrics: Output[Metrics],
     mlflow_parent_run_id: str = "",
-) -> int:
+) -> NamedTuple("Retrained", epochs=int, Output=int):  # type: ignore[valid-type]
     """Retrain from the base model on train + validation for the recommended epochs, without validation.
 
     Args:
@@ -428,8 +428,10 @@ def retrain_full(
     Returns:
         model: The final weights after the retrain.
         metrics: The retrain's training loss and length as KFP metrics.
-        Output: The epochs the retrain ran.
+        epochs: The epochs the retrain ran.
+        Output: The same as `epochs`, under its earlier name (KFP's for a bare return), kept; read `epochs`.
     """
+    from collections import namedtuple
     from pathlib import Path
 
     from rangefinder.errors import one_line_errors
@@ -447,7 +449,8 @@ def retrain_full(
         )
     for name, value in r.metrics().items():
         metrics.log_metric(name, value)
-    return r.epochs
+    Retrained = namedtuple("Retrained", "epochs Output")
+    return Retrained(r.epochs, r.epochs)
 
 
 @dsl.component(base_image=TRAINER_IMAGE, install_kfp_package=False)

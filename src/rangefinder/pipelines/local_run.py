@@ -71,7 +71,7 @@ class LocalRun:
             out["mixed_precision"] = self.outputs[ft].get("mixed_precision")
         rt = self.task("retrain-full")
         if rt:
-            out["retrained_epochs"] = self.outputs[rt].get("Output")
+            out["retrained_epochs"] = self.outputs[rt].get("epochs")
         for score, by_column in self.prompt_scores().items():
             out[f"prompt_{score}"] = by_column
         reg = self.task("register-model")

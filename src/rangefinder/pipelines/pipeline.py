@@ -283,7 +283,7 @@ def _build_pipeline(cfg: RangefinderConfig, *, local: bool) -> Callable:
                                  retrained=full.outputs["model"], mlflow_parent_run_id=mlflow_parent_run_id),
                  "sample_images")
             step(c.register_model(config_json=config_json, model=full.outputs["model"], lr=kept_lr,
-                                  epochs=full.outputs["Output"], mlflow_parent_run_id=mlflow_parent_run_id),
+                                  epochs=full.outputs["epochs"], mlflow_parent_run_id=mlflow_parent_run_id),
                  "register_model")
         with dsl.Else(name="keep-finetuned"):
             step(c.sample_images(config_json=config_json, finetuned=tuned.outputs["model"],

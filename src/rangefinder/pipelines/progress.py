@@ -35,7 +35,7 @@ _BAR = re.compile(r"^\s*(?P<desc>[^|:]+?):\s+\d+%\|[^|]*\|\s*(?P<n>\d+)/(?P<tota
 _OUR_BARS = re.compile(r"^(train|encode)\b")
 # The outputs worth a line on the terminal, in the order shown; artifacts and the resolved config are left to the log.
 HEADLINE = ("source", "lr", "lr_low", "lr_mid", "lr_high", "needs_zoom", "train_images", "val_images", "skipped_files",
-            "halving_kept", "lr_used", "recommended_epochs", "chosen_epoch", "chosen_rule", "still_improving", "Output",
+            "halving_kept", "lr_used", "recommended_epochs", "chosen_epoch", "chosen_rule", "still_improving", "epochs",
             "model_uri")
 # Read with needs_zoom, and said in its place (headline_text); not shown by name.
 ZOOM_RANGE = ("zoom_lr_min", "zoom_lr_max")
