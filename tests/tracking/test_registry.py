@@ -30,7 +30,7 @@ def test_registered_model_loads_from_its_alias_and_generates(mlflow_server_uri, 
     client = MlflowClient(tracking_uri=mlflow_server_uri)
     mv = client.get_model_version_by_alias(name, "candidate")
     assert mv.version == "1" and mv.run_id == run.run_id
-    assert mv.tags["val_loss"] == "0.21" and mv.tags["rangefinder.run_id"] == run.run_id
+    assert mv.tags["val_loss"] == "0.21" and mv.tags["rangefinder.registered_by_run_id"] == run.run_id
     assert "val_loss=0.21" in mv.description
 
     mlflow.set_tracking_uri(mlflow_server_uri)
@@ -320,3 +320,25 @@ def test_promote_refusals_are_one_line_and_keep_the_password_out(mlflow_auth_ser
         client.get_model_version_by_alias(name, "champion")
     assert promote_cli("--tracking-uri", uri) == (0, "")
     assert client.get_model_version_by_alias(name, "champion").version == mv.version
+
+
+def test_a_version_names_the_run_that_registered_it_once_and_its_retry_finds_it(shared_sqlite_tracking_uri,
+                                                                                tiny_model_dir):
+    """The register step's run id was on each version twice, as `rangefinder.run_id` and (weights trained by another
+    run) `rangefinder.registered_by_run_id`. One tag now; a retried register step, which goes on in its earlier
+    run, finds its version by it instead of registering the same weights again."""
+    from rangefinder.tracking import ensure_parent_run
+
+    name = "rf-registered-by"
+    cfg = RangefinderConfig(tracking=TrackingConfig(tracking_uri=shared_sqlite_tracking_uri,
+                                                    experiment_name="registered-by", registered_model_name=name))
+    parent = ensure_parent_run(cfg, name="pipeline-run-registered-by")
+    with step_run(cfg, "finetune", parent_run_id=parent) as ft:
+        ft.log_metrics({"val_loss": 0.3}, step=4)
+    with step_run(cfg, "register_model", parent_run_id=parent) as reg:
+        first = reg.log_diffusers_model(tiny_model_dir, source_step="finetune", num_inference_steps=2)
+        again = reg.log_diffusers_model(tiny_model_dir, source_step="finetune", num_inference_steps=2)
+    assert first.version == again.version == "1"
+    mv = MlflowClient(tracking_uri=shared_sqlite_tracking_uri).get_model_version(name, "1")
+    assert mv.run_id == ft.run_id  # the run that trained the weights: the version's source run
+    assert {k for k, v in mv.tags.items() if v == reg.run_id} == {"rangefinder.registered_by_run_id"}

@@ -32,6 +32,8 @@ T = TypeVar("T")
 SD_PYFUNC_PATH = Path(__file__).with_name("sd_pyfunc.py")
 CANDIDATE = "candidate"
 CHAMPION = "champion"
+# The version tag naming the run that registered it (register_model's, or the training run's own).
+REGISTERED_BY = "rangefinder.registered_by_run_id"
 # What loading the model needs, pinned to the public release of the versions that logged it.
 # The registered model's description in MLflow's Models tab (set when it has none).
 MODEL_DESCRIPTION = (
@@ -202,12 +204,12 @@ def log_diffusers_model(
     # A version tag names the quantity as the reports do (val_loss), not by its chart section in the run.
     version_tags = {k.removeprefix(VALIDATION_SECTION): f"{v:.6g}" for k, v in clean.items()}
     version_tags.update({k: redact(str(v)) for k, v in (tags or {}).items()})
-    version_tags["rangefinder.run_id"] = run.run_id
+    # The run that registered the version, which a retry of it finds the version by; the run that trained the weights
+    # is the version's own source run.
+    version_tags[REGISTERED_BY] = run.run_id
     if run.parent_run_id:
         version_tags["rangefinder.parent_run_id"] = run.parent_run_id
     source_run_id = source_run_id or run.run_id
-    if source_run_id != run.run_id:
-        version_tags["rangefinder.registered_by_run_id"] = run.run_id
     mv = earlier if earlier is not None else _create_version(run.client, registered_model_name, info, source_run_id,
                                                               version_tags)
     summary = ", ".join(f"{k}={v:.4g}" for k, v in clean.items())
@@ -260,14 +262,14 @@ def _require_whole_pipeline(folder: Path) -> None:
 
 
 def _version_registered_by(client: Any, name: str, run_id: str) -> Any:
-    """The version of registered model `name` that the run `run_id` registered (its `rangefinder.run_id` tag), or
-    None: also where the registry cannot search by tag (a new version is then registered, as before)."""
+    """The version of registered model `name` that the run `run_id` registered (its REGISTERED_BY tag), or None: also
+    where the registry cannot search by tag (a new version is then registered, as before)."""
     from mlflow.exceptions import MlflowException
 
     if not SAFE_TAG_VALUE.match(run_id):
         return None
     try:
-        versions = client.search_model_versions(f"tags.`rangefinder.run_id` = '{run_id}'")
+        versions = client.search_model_versions(f"tags.`{REGISTERED_BY}` = '{run_id}'")
     except MlflowException:
         return None
     found = [v for v in versions if v.name == name]
