@@ -96,6 +96,17 @@ def test_a_users_pipeline_with_the_published_range_test_runs_under_kfp_local(
     assert lo < lr_mid < hi
     curves = list((tmp_path / "root").rglob("metrics.csv"))
     assert curves, "the range test wrote no curve"
+    # The range the run swept, beside the setting it came from: it was logged as `range_test.lr_min` next to the
+    # config's `lr_range_test.lr_min`, two params of one name in MLflow's compare view.
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment_name).experiment_id],
+                                filter_string="tags.`rangefinder.step` = 'lr_range_test'")
+    params = run.data.params
+    assert (float(params["lr_range_test.lr_min_used"]), float(params["lr_range_test.lr_max_used"])) == (lo, hi)
+    assert params["lr_range_test.lr_min"] == str(cfg.lr_range_test.lr_min)  # the setting, as before
+    assert not [k for k in params if k.startswith("range_test.lr")]
 
 
 def _load(step: str):

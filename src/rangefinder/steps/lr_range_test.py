@@ -88,8 +88,11 @@ def run_lr_range_test(
 
     step_name = "lr_range_test" if stage == "first" else "lr_range_test_zoom"
     with tracking.step_run(cfg, step_name, parent_run_id=mlflow_parent_run_id) as run:
-        run.log_config(cfg, extra={"range_test.lr_min": lo, "range_test.lr_max": hi, "range_test.stage": stage,
-                                   **train_cfg.used_params(family_of(cfg.model))})
+        # The range this run swept beside the setting it came from (a zoom's is its own; unset: the method's), named
+        # as the other resolved settings are (training.mixed_precision_used), so MLflow's compare view sorts them
+        # together and no second `lr_min` reads as the config's.
+        run.log_config(cfg, extra={"lr_range_test.lr_min_used": lo, "lr_range_test.lr_max_used": hi,
+                                   "range_test.stage": stage, **train_cfg.used_params(family_of(cfg.model))})
         run.log_dataset_manifest(split_dir)
         work = work_dir(out_dir / "run", f"{mlflow_parent_run_id}/{step_name}" if mlflow_parent_run_id else None)
         result = run_training(cfg, spec, out_dir=work, metric_sink=run, save_final=False, step_name=step_name,
