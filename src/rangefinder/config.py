@@ -993,8 +993,11 @@ class KubernetesConfig(_Section):
     )
     # The MLflow server of manifests/mlflow as seen from inside the cluster (Service `mlflow`, namespace `rangefinder`).
     mlflow_tracking_uri: str = "http://mlflow.rangefinder.svc.cluster.local:5000"
-    # Labels every step's pod carries; manifests/mlflow's NetworkPolicy admits only pods with them to MLflow.
-    pod_labels: dict[str, str] = Field(default_factory=lambda: {"rangefinder.io/mlflow-client": "true"})
+    # Labels every step's pod carries (an owner, a cost centre); none by default.
+    pod_labels: dict[str, str] = Field(default_factory=dict)
+    # Labels the pods that talk to MLflow carry (the steps that log to it, and a TrainJob's nodes): manifests/mlflow's
+    # NetworkPolicy admits only pods with them. prepare-dataset and choose-lr never reach MLflow and go without.
+    mlflow_client_labels: dict[str, str] = Field(default_factory=lambda: {"rangefinder.io/mlflow-client": "true"})
     # The runs' Kubernetes service account (manifests/pipeline-namespace grants it least-privilege RBAC).
     service_account: Optional[str] = "rangefinder-pipeline-runner"
     cpu_image: Optional[str] = None  # None: the CPU image for the cheap steps, tagged with the package version
@@ -1044,7 +1047,7 @@ class KubernetesConfig(_Section):
     def _secret_key(cls, v: str) -> str:
         return _k8s_name(v, "secret key")
 
-    @field_validator("node_selector", "pod_labels")
+    @field_validator("node_selector", "pod_labels", "mlflow_client_labels")
     @classmethod
     def _labels(cls, v: dict[str, str]) -> dict[str, str]:
         for key, value in v.items():

@@ -74,6 +74,21 @@ def test_steps_that_log_to_mlflow_are_admitted_by_its_network_policy(compiled, r
             assert wanted.items() <= labels.items(), f"{name} logs to MLflow but lacks the labels {wanted}"
 
 
+def test_steps_that_never_reach_mlflow_are_not_admitted_by_its_network_policy(compiled, rendered):
+    # Every step's pod carried MLflow's client label, prepare-dataset's and choose-lr's too, which never talk to it:
+    # the NetworkPolicy opened MLflow to pods that have no business there.
+    _, executors = compiled
+    peer = rendered["mlflow"].find("NetworkPolicy", "mlflow-from-pipeline-pods")["spec"]["ingress"][0]["from"][0]
+    wanted = peer["podSelector"]["matchLabels"]
+    secret = RangefinderConfig().kubernetes.mlflow_secret
+    outside = {name: k8s for name, k8s in executors.items()
+               if not any(ref["secretName"] == secret for ref in k8s.get("secretAsEnv", []))}
+    assert {"exec-prepare-dataset", "exec-choose-lr"} <= set(outside), sorted(outside)
+    for name, k8s in outside.items():
+        labels = k8s.get("podMetadata", {}).get("labels", {})
+        assert not wanted.items() <= labels.items(), f"{name} never reaches MLflow but carries {wanted}"
+
+
 def test_gpu_steps_land_on_the_example_node_pool(compiled, rendered):
     container_images, executors = compiled
     (group,) = yaml.safe_load((MANIFESTS / "examples" / "gpu-node-pool" / "eksctl-nodegroup.yaml").read_text())[

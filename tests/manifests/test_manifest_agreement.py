@@ -123,8 +123,8 @@ def test_only_pipeline_pods_reach_mlflow(rendered, entry):
     assert policy["spec"]["podSelector"]["matchLabels"].items() <= mlflow_labels.items()
     (rule,) = policy["spec"]["ingress"]
     (peer,) = rule["from"]
-    # The step pods carry KubernetesConfig.pod_labels (rangefinder.pipelines.pipeline adds them to every task).
-    assert peer["podSelector"]["matchLabels"] == K8S.pod_labels
+    # The step pods that log to MLflow carry KubernetesConfig.mlflow_client_labels (rangefinder.pipelines.pipeline).
+    assert peer["podSelector"]["matchLabels"] == K8S.mlflow_client_labels
     # Alone, manifests/mlflow admits the namespace manifests/pipeline-namespace deploys to.
     pipeline_side = r if r.has("ServiceAccount", K8S.service_account) else rendered["pipeline-namespace"]
     expected_ns = _pipeline_namespace(pipeline_side)

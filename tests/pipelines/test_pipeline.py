@@ -233,6 +233,20 @@ def test_kubernetes_settings(compiled):
             ("/data", "rangefinder-data")]
 
 
+def test_pod_labels_go_on_every_step_and_mlflow_s_only_on_the_steps_that_reach_it(tmp_path):
+    """pod_labels on every pod; mlflow_client_labels (what MLflow's NetworkPolicy admits) only where a step logs to
+    MLflow: prepare-dataset and choose-lr had it too."""
+    path = tmp_path / "p.yaml"
+    compile_pipeline(parse_config({"kubernetes": {"pod_labels": {"team": "vision"},
+                                                  "mlflow_client_labels": {"mlflow-access": "yes"}}}), str(path))
+    c = Compiled(path)
+    for prefix in (*TRAINING, *CHEAP):
+        for _, _, task in c.tasks(prefix):
+            labels = dict(c.k8s[c.executor_of(task)].pod_metadata.labels)
+            talks_to_mlflow = prefix not in ("prepare-dataset", "choose-lr")
+            assert labels == {"team": "vision", **({"mlflow-access": "yes"} if talks_to_mlflow else {})}, prefix
+
+
 def _hf_token_secrets(c: Compiled, prefix: str) -> list:
     """The HF token Secrets wired into every task of `prefix` (one list per task, concatenated)."""
     out = []

@@ -110,9 +110,10 @@ def trainer_and_options(cfg: RangefinderConfig, job: Path, name: str, processes_
         node_selector=dict(k8s.node_selector) if k8s.gpu_count > 0 and k8s.node_selector else None,
         tolerations=[t.model_dump(exclude_none=True) for t in k8s.tolerations] if k8s.gpu_count > 0 else None,
     )
+    labels = {**k8s.pod_labels, **k8s.mlflow_client_labels}  # every node logs to MLflow
     patch = RuntimePatch(training_runtime_spec=TrainingRuntimeSpecPatch(template=JobSetTemplatePatch(
         spec=JobSetSpecPatch(replicated_jobs=[ReplicatedJobPatch(name=NODE, template=JobTemplatePatch(
-            spec=JobSpecPatch(template=PodTemplatePatch(metadata={"labels": dict(k8s.pod_labels)} or None,
+            spec=JobSpecPatch(template=PodTemplatePatch(metadata={"labels": labels} if labels else None,
                                                        spec=pod))))]))))
     # torchrun takes nodes, ranks and the master from the runtime's PET_* variables; processes per node too (the
     # GPUs of resourcesPerNode), unless training.processes_per_node asks for fewer.

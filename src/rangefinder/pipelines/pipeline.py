@@ -50,7 +50,8 @@ PIPELINE_DESCRIPTION = (
 
 # Steps whose pods need the GPU node pool; the cheap ones run on any node and may be cached.
 TRAINING_STEPS = ("lr_range_test", "prodigy_step_size", "finetune", "retrain_full", "sample_images")
-# Steps whose pods talk to MLflow (they log to the parent run) and so get its credentials.
+# Steps whose pods talk to MLflow (they log to the parent run) and so get its credentials and the labels its
+# NetworkPolicy admits (kubernetes.mlflow_client_labels).
 MLFLOW_STEPS = ("resolve_config", "lr_range_test", "prodigy_step_size", "finetune", "retrain_full", "sample_images",
                 "register_model", "record_status")
 # Steps that load the base model: the first resolves (downloads, converts) it into the caches on the data volume, the
@@ -122,7 +123,8 @@ def configure_task(task: dsl.PipelineTask, step: str, k8s: KubernetesConfig, loc
             task.set_env_variable(SPOOL_ENV, f"{k8s.data_mount_path.rstrip('/')}/work/mlflow-spool")
     if k8s.image_pull_secrets:
         kubernetes.set_image_pull_secrets(task, list(k8s.image_pull_secrets))
-    for key, value in k8s.pod_labels.items():
+    labels = {**k8s.pod_labels, **(k8s.mlflow_client_labels if step in MLFLOW_STEPS else {})}
+    for key, value in labels.items():
         kubernetes.add_pod_label(task, label_key=key, label_value=value)
     if step in MODEL_STEPS and k8s.hf_token_secret:
         # Gated or private hub models; optional, so a run on a public model needs no Secret. The token stays in the
