@@ -221,3 +221,11 @@ def test_retrain_full_s_epochs_come_out_under_kfp_local(shapes_dataset_dir, tiny
         epochs = _users_retrain_pipeline("epochs")(source=str(shapes_dataset_dir), config_json=cfg.model_dump_json(),
                                                    lr=1e-4).output
     assert epochs == 1
+    # register-model told the retrain's weights by the config's retrain.enabled, which only rangefinder's own pipeline
+    # sets with the retrain: here (not set) the version said "The fine-tune's final weights" of the retrain's.
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    mv = client.get_model_version(cfg.tracking.registered_model_name, "1")
+    assert mv.tags["rangefinder.weights"] == "retrain_full final"
+    assert mv.description.startswith("Retrained on train + validation for 1 epochs")

@@ -56,6 +56,22 @@ def delivered_weights(model_dir: Path) -> tuple[Path, Optional[dict]]:
     return (final if final.is_dir() else model_dir), None
 
 
+def retrained_on_all_data(model_dir: Path) -> Optional[bool]:
+    """Whether the run that wrote `model_dir` (a training step's output folder, or its final/) is the full-data
+    retrain, from its run_summary.json (`train_on`); None where there is none (a folder given by hand)."""
+    import json
+
+    model_dir = Path(model_dir)
+    for folder in (model_dir, model_dir.parent) if model_dir.name == "final" else (model_dir,):
+        try:
+            summary = json.loads((folder / "run_summary.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(summary, dict) and summary.get("train_on") in ("train", "train+val"):
+            return summary["train_on"] == "train+val"
+    return None
+
+
 def run_register_model(cfg: RangefinderConfig, *, model_dir: Path, lr: float, epochs: int,
                        mlflow_parent_run_id: Optional[str] = None) -> Registered:
     from rangefinder import tracking
@@ -64,8 +80,13 @@ def run_register_model(cfg: RangefinderConfig, *, model_dir: Path, lr: float, ep
     weights = delivered
     metrics: dict[str, float] = {"lr": lr, "epochs": epochs}
     tags: dict[str, str] = {}
+    # Final weights are the retrain's or the fine-tune's, as the run that wrote them says: the config's retrain
+    # setting tells them apart only in rangefinder's own pipeline, where it also decides whether retrain-full runs;
+    # a pipeline of someone else's that wires retrain-full to register-model need not set it.
+    retrained_here = retrained_on_all_data(model_dir)
+    retrained = chosen is None and (cfg.retrain.enabled if retrained_here is None else retrained_here)
     # The step whose run made these weights: the version links to it (its curves and decisions).
-    source_step = "retrain_full" if chosen is None and cfg.retrain.enabled else "finetune"
+    source_step = "retrain_full" if retrained else "finetune"
     if chosen is not None:
         metrics.update({k: chosen[k] for k in ("update", "epoch", "val_loss") if chosen.get(k) is not None})
         tags = {"rangefinder.weights": f"finetune {delivered_name(chosen)}", "rangefinder.chosen_because":
@@ -78,7 +99,6 @@ def run_register_model(cfg: RangefinderConfig, *, model_dir: Path, lr: float, ep
             tags["rangefinder.improved_on_base"] = str(chosen["improved_on_base"]).lower()
         description = chosen["reason"]
     else:
-        retrained = cfg.retrain.enabled
         tags = {"rangefinder.weights": "retrain_full final" if retrained else "finetune final"}
         description = (f"Retrained on train + validation for {epochs} epochs (the fine-tune's recommended length) "
                        f"at lr {lr:.3g}, without validation." if retrained else
