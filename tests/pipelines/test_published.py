@@ -51,8 +51,8 @@ def test_each_component_file_loads_and_describes_every_input_and_output(step):
     assert set(spec.inputs or {}) == set(original.inputs or {})
     assert set(spec.outputs or {}) == set(original.outputs or {})
     # KFP 2.17 leaves the descriptions out of the in-memory spec it reads back (structures.InputSpec
-    # .from_ir_component_inputs_dict), but the loaded component keeps the file's IR, and that is what goes into the
-    # package of a pipeline that uses it (test_reuse.py); so they are read there.
+    # .from_ir_component_inputs_dict), so a pipeline that uses the loaded component compiles without them; they are
+    # read from the file's IR, which the loaded component keeps.
     ir = loaded.pipeline_spec.components[f"comp-{spec.name}"]
     described = {}
     for definitions in (ir.input_definitions, ir.output_definitions):
