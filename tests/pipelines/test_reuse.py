@@ -59,7 +59,7 @@ def _user_pipeline():
     def my_lr_search(source: str, config_json: str) -> float:
         mine = my_images(source=source)
         split = prepare(config_json=config_json, dataset=mine.outputs["images"])
-        found = range_test(config_json=config_json, split=split.outputs["split"], stage="first")
+        found = range_test(config_json=config_json, split=split.outputs["split"])  # stage: "first", the default
         return found.outputs["lr_mid"]
 
     return my_lr_search
@@ -77,6 +77,9 @@ def test_a_users_pipeline_with_the_published_range_test_compiles(tmp_path):
     mine = yaml.safe_load(text)
     assert (mine["deploymentSpec"]["executors"]["exec-lr-range-test"]
             == published["deploymentSpec"]["executors"]["exec-lr-range-test"])
+    # stage was required: a user's one range test had to say stage="first"; it is the default now.
+    stage = yaml.safe_load(text)["components"]["comp-lr-range-test"]["inputDefinitions"]["parameters"]["stage"]
+    assert stage["defaultValue"] == "first" and stage["isOptional"]
 
 
 @pytest.mark.slow

@@ -168,11 +168,11 @@ def prepare_dataset(
 def lr_range_test(
     config_json: str,
     split: Input[Dataset],
-    stage: str,
     curve: Output[Dataset],
     metrics: Output[Metrics],
     report_html: Output[HTML],
     report_md: Output[Markdown],
+    stage: str = "first",
     lr_min: float = 0.0,
     lr_max: float = 0.0,
     mlflow_parent_run_id: str = "",
@@ -184,7 +184,8 @@ def lr_range_test(
     Args:
         config_json: The run's validated config, as resolve-config returns it.
         split: The split dataset folder (prepare-dataset's `split`, or any folder of that layout).
-        stage: "first" (the configured range) or "zoom" (a narrower re-test); names the MLflow run and report.
+        stage: "first", the default (the configured range), or "zoom" (a narrower re-test); names the MLflow run and
+            report.
         lr_min: Where the LR ramp starts; 0: the config's lr_range_test range.
         lr_max: Where the LR ramp ends; 0: the config's lr_range_test range.
         mlflow_parent_run_id: The MLflow parent run of the pipeline run (resolve-config's output); empty, the
