@@ -10,6 +10,7 @@ import sqlite3
 
 import pytest
 
+from rangefinder.config import FAMILY_NAMES
 from tests.pipelines.tiny_run import PRODIGY_REPORTS, TINY, tiny_config
 
 pytestmark = pytest.mark.slow
@@ -56,7 +57,7 @@ def test_lr_finder_auto_on_a_flow_model_runs_the_prodigy_branch_and_fine_tunes_a
     assert reports == PRODIGY_REPORTS, reports
     decision = next(p for p in run.reports if p.name == "choose-lr-decision.md").read_text()
     assert "read off a Prodigy run's final step size d x lr" in decision and "12 updates" in decision
-    assert f"(lr_finder: auto, which measures full on {family} with prodigy_step)" in decision
+    assert f"(lr_finder: auto, which measures full on {FAMILY_NAMES[family]} with prodigy_step)" in decision
     assert f", times {factor:g} = {lr:.3g} (" + ("prodigy_step_factor: 2, as set)" if own else
                                                  "full on this family trains at 4 times") in decision, decision
 
