@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
+import ssl
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from email.parser import BytesParser
 from email.policy import HTTP
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 import pytest
@@ -23,16 +27,25 @@ from rangefinder.pipelines.pipeline import PIPELINE_NAME
 
 
 class FakeKFP:
-    """Just enough of the KFP v2beta1 REST API for upload, experiments, runs and recurring runs."""
+    """Just enough of the KFP v2beta1 REST API for upload, experiments, runs and recurring runs.
 
-    def __init__(self, refuse: int | None = None, token: str | None = None):
+    `hook(method, path, rec)` answers a request before the routes when it returns (code, body), or "hang" to answer
+    never (until close); `multi_user` makes it refuse an experiment without a namespace, as KFP does."""
+
+    def __init__(self, refuse: int | None = None, token: str | None = None, tls: tuple[str, str] | None = None):
         self.requests: list[dict] = []
         self.pipelines: dict[str, dict] = {}
         self.versions: dict[str, list[dict]] = {}
         self.experiments: dict[str, dict] = {}
+        self.runs: dict[str, dict] = {}
+        self.recurring_runs: dict[str, dict] = {}
         self.packages: dict[str, str] = {}  # version id -> uploaded YAML
         self.refuse = refuse
         self.token = token
+        self.hook: Callable[[str, str, dict], Any] | None = None
+        self.multi_user = False
+        self.run_state = "SUCCEEDED"  # what GET /runs/{id} says
+        self.closed = threading.Event()
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -58,7 +71,11 @@ class FakeKFP:
                     return self._reply(fake.refuse, {"error": "denied", "code": 16, "message": "denied"})
                 if fake.token and self.headers.get("Authorization") != f"Bearer {fake.token}":
                     return self._reply(401, {"error": "no token", "code": 16, "message": "no token"})
-                code, out = fake.route(method, url.path, rec)
+                hooked = fake.hook(method, url.path, rec) if fake.hook else None
+                if hooked == "hang":
+                    fake.closed.wait(60)
+                    return None
+                code, out = hooked or fake.route(method, url.path, rec)
                 self._reply(code, out)
 
             def do_GET(self):
@@ -68,10 +85,17 @@ class FakeKFP:
                 self._handle("POST")
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        scheme = "http"
+        if tls:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(*tls)
+            self.server.socket = context.wrap_socket(self.server.socket, server_side=True)
+            scheme = "https"
+        self.url = f"{scheme}://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
 
     def close(self):
+        self.closed.set()
         self.server.shutdown()
         self.server.server_close()
 
@@ -92,7 +116,7 @@ class FakeKFP:
     def route(self, method: str, path: str, rec) -> tuple[int, dict]:
         api = "/apis/v2beta1"
         if path == f"{api}/healthz":
-            return 200, {"multi_user": False}
+            return 200, {"multi_user": self.multi_user}
         if method == "GET" and path == f"{api}/pipelines":
             name = self._name_filter(rec)
             found = [p for p in self.pipelines.values() if name is None or p["display_name"] == name]
@@ -124,16 +148,41 @@ class FakeKFP:
             return 200, ({"experiments": found, "total_size": len(found)} if found else {})
         if method == "POST" and path == f"{api}/experiments":
             e = json.loads(rec["body"])
+            if self.multi_user and not e.get("namespace"):
+                return 400, {"error": "Invalid input error: In multi-user mode, experiment namespace can't be empty",
+                             "code": 3}
             eid = f"e{len(self.experiments) + 1}"
-            self.experiments[eid] = {"experiment_id": eid, "display_name": e["display_name"]}
+            self.experiments[eid] = {"experiment_id": eid, "display_name": e["display_name"],
+                                     "namespace": e.get("namespace")}
             return 200, self.experiments[eid]
         if method == "POST" and path == f"{api}/runs":
-            return 200, {"run_id": "r1", **json.loads(rec["body"])}
-        if method == "GET" and path == f"{api}/runs/r1":
-            return 200, {"run_id": "r1", "state": "SUCCEEDED"}
+            rid = f"r{len(self.runs) + 1}"
+            self.runs[rid] = {"run_id": rid, "state": "PENDING", **json.loads(rec["body"])}
+            return 200, self.runs[rid]
+        if method == "GET" and path == f"{api}/runs":
+            return 200, self._listed("runs", self.runs.values(), rec)
+        m = re.fullmatch(rf"{api}/runs/(\w+)", path)
+        if method == "GET" and m and m.group(1) in self.runs:
+            return 200, {**self.runs[m.group(1)], "state": self.run_state}
         if method == "POST" and path == f"{api}/recurringruns":
-            return 200, {"recurring_run_id": "rr1", **json.loads(rec["body"])}
+            rrid = f"rr{len(self.recurring_runs) + 1}"
+            self.recurring_runs[rrid] = {"recurring_run_id": rrid, "status": "ENABLED", **json.loads(rec["body"])}
+            return 200, self.recurring_runs[rrid]
+        if method == "GET" and path == f"{api}/recurringruns":
+            return 200, self._listed("recurringRuns", self.recurring_runs.values(), rec)  # as KFP spells it
+        m = re.fullmatch(rf"{api}/recurringruns/(\w+):disable", path)
+        if method == "POST" and m and m.group(1) in self.recurring_runs:
+            self.recurring_runs[m.group(1)]["status"] = "DISABLED"
+            return 200, {}
         return 404, {"error": f"no route {method} {path}", "code": 5, "message": "not found"}
+
+    def _listed(self, key: str, items, rec) -> dict:
+        """A list answer: the items of the experiment_id and display_name asked for, newest first."""
+        name = self._name_filter(rec)
+        experiment = rec["query"].get("experiment_id", [None])[0]
+        found = [i for i in reversed(list(items)) if (name is None or i["display_name"] == name)
+                 and (experiment is None or i["experiment_id"] == experiment)]
+        return {key: found, "total_size": len(found)} if found else {}
 
     def sent(self, method: str, path_end: str) -> list[dict]:
         return [r for r in self.requests if r["method"] == method and r["path"].endswith(path_end)]
@@ -242,14 +291,27 @@ def test_refused_token_is_one_clear_error(code):
         s.close()
 
 
-def test_cli_reports_refusal_on_one_line(tmp_path):
-    s = FakeKFP(refuse=401)
+def rangefinder_cli(*args: str, home, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`rangefinder ARGS` in a process of its own whose environment holds HOME and nothing else of ours (no ambient
+    endpoint or token), bar the PYTHONPATH this test runs under, so it runs the code under test."""
+    base = {"PATH": "", "HOME": str(home)}
+    if os.environ.get("PYTHONPATH"):
+        base["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    return subprocess.run([sys.executable, "-m", "rangefinder.cli.main", *args], capture_output=True, text=True,
+                          env={**base, **(env or {})}, timeout=timeout)
+
+
+def _config_file(tmp_path) -> str:
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump(CFG))
+    return str(cfg)
+
+
+def test_cli_reports_refusal_on_one_line(tmp_path):
+    s = FakeKFP(refuse=401)
     try:
-        r = subprocess.run([sys.executable, "-m", "rangefinder.cli.main", "submit", "--host", s.url,
-                            "--config", str(cfg), "--token", "bad"],
-                           capture_output=True, text=True, env={"PATH": "", "HOME": str(tmp_path)})
+        r = rangefinder_cli("submit", "--host", s.url, "--config", _config_file(tmp_path), "--token", "bad",
+                            home=tmp_path)
     finally:
         s.close()
     assert r.returncode == 2
@@ -259,11 +321,9 @@ def test_cli_reports_refusal_on_one_line(tmp_path):
 
 def test_schedule_cli_rejects_bad_cron_before_any_request(tmp_path):
     s = FakeKFP()
-    cfg = tmp_path / "c.yaml"
-    cfg.write_text(yaml.safe_dump(CFG))
     try:
-        r = subprocess.run([sys.executable, "-m", "rangefinder.cli.main", "schedule", "--host", s.url,
-                            "--config", str(cfg), "--cron", "0 3 * * *"], capture_output=True, text=True)
+        r = rangefinder_cli("schedule", "--host", s.url, "--config", _config_file(tmp_path), "--cron", "0 3 * * *",
+                            home=tmp_path)
     finally:
         s.close()
     assert r.returncode == 2 and "5 fields" in r.stderr and "'0 0 3 * * *'" in r.stderr
@@ -293,3 +353,20 @@ def test_valid_crons(expr):
 def test_invalid_crons(expr, message):
     with pytest.raises(ConfigError, match=message):
         validate_cron(expr)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What a CI job and a team scheduling retraining meet
+
+
+def test_cli_json_is_the_result_alone(kfp_server, tmp_path):
+    """`submit --json` prints one JSON document (the run's id and link in it) and nothing else: kfp's own
+    "Pipeline details: ..." lines went to stdout before it, and its FutureWarning to stderr."""
+    from tests.cli.test_bad_input import in_process
+
+    r = in_process("submit", "--host", kfp_server.url, "--config", _config_file(tmp_path), "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["run_id"] == "r1" and out["run_url"] == f"{kfp_server.url}/#/runs/details/r1"
+    assert out["experiment"] == "cats" and out["uploaded"] is True
+    assert r.stderr == ""

@@ -8,7 +8,8 @@ Endpoint and credentials are found the way `kfp.Client` finds them:
   or an endpoint without auth).
 
 Before handing over to `kfp.Client` (which retries a refused healthz for half a minute), one quick request to the
-healthz endpoint turns "nothing listens there" and "the token was refused" into one clear sentence each.
+healthz endpoint turns "nothing listens there" and "the token was refused" into one clear sentence each. kfp's own
+lines ("Pipeline details: ...") are kept off stdout, which holds the command's result (`--json` is JSON alone).
 
 A pipeline version is named after the package version and a hash of the compiled YAML: submitting the same
 package twice reuses the uploaded version, a changed one becomes a new version of the same pipeline.
@@ -16,13 +17,17 @@ package twice reuses the uploaded version, a changed one becomes a new version o
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import os
 import re
 import tempfile
 import urllib.error
 import urllib.request
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -181,12 +186,22 @@ def check_endpoint(ep: Endpoint, timeout: float = 10.0) -> dict:
         raise EndpointError(f"{ep.host}{HEALTHZ_PATH} did not answer JSON; is --host the KFP endpoint?") from None
 
 
-def connect(host: Optional[str] = None, token: Optional[str] = None, namespace: Optional[str] = None):
-    """A `kfp.Client` for the endpoint, after the quick reachability and credentials check."""
+@contextlib.contextmanager
+def _session(ep: Endpoint) -> Iterator[None]:
+    """Around everything kfp does: kfp's prints ("Pipeline details: <link>") and its FutureWarning stay off the
+    terminal (the result names the run and its link), and its failures become one sentence (_kfp_errors)."""
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), _kfp_errors(ep):
+        warnings.filterwarnings("ignore", message="This client only works with Kubeflow Pipeline",
+                                category=FutureWarning)
+        yield
+
+
+def connect(ep: Endpoint, namespace: Optional[str] = None):
+    """A `kfp.Client` for the endpoint, after the quick reachability and credentials check. Call it inside
+    `_session(ep)`."""
     import kfp
     from kfp.client.set_volume_credentials import ServiceAccountTokenVolumeCredentials
 
-    ep = resolve_endpoint(host, token)
     check_endpoint(ep)
     kwargs: dict[str, Any] = {"host": ep.host}
     if ep.token:
@@ -195,8 +210,7 @@ def connect(host: Optional[str] = None, token: Optional[str] = None, namespace: 
         kwargs["credentials"] = ServiceAccountTokenVolumeCredentials(str(ep.token_path))
     if namespace:
         kwargs["namespace"] = namespace
-    with _kfp_errors(ep):
-        return kfp.Client(**kwargs)
+    return kfp.Client(**kwargs)
 
 
 class _kfp_errors:
@@ -269,10 +283,16 @@ class Submission:
     pipeline_id: str
     version_id: str
     uploaded: bool
+    experiment: str
     experiment_id: str
+    name: str  # the run's or the recurring run's display name
     run_id: Optional[str] = None
     recurring_run_id: Optional[str] = None
     state: Optional[str] = None
+
+    @property
+    def run_url(self) -> Optional[str]:
+        return f"{self.host}/#/runs/details/{self.run_id}" if self.run_id else None
 
 
 def _compiled(cfg) -> tempfile.TemporaryDirectory:
@@ -305,15 +325,16 @@ def submit(
     params = parameters_from_config(cfg, dataset_uri=dataset_uri)
     experiment = experiment or cfg.tracking.experiment_name
     ep = resolve_endpoint(host, token)
-    client = connect(host, token, namespace)
-    with _kfp_errors(ep), _compiled(cfg) as tmp:
-        package = str(Path(tmp) / "pipeline.yaml")
-        pipeline_id, version_id, uploaded = ensure_pipeline_version(client, package, PIPELINE_NAME,
-                                                                    PIPELINE_DESCRIPTION)
+    with _session(ep):
+        client = connect(ep, namespace)
+        with _compiled(cfg) as tmp:
+            package = str(Path(tmp) / "pipeline.yaml")
+            pipeline_id, version_id, uploaded = ensure_pipeline_version(client, package, PIPELINE_NAME,
+                                                                        PIPELINE_DESCRIPTION)
         exp = client.create_experiment(experiment)
-        sub = Submission(host=ep.host, pipeline_id=pipeline_id, version_id=version_id, uploaded=uploaded,
-                         experiment_id=exp.experiment_id)
         name = run_name or f"{PIPELINE_NAME}-{version_id[:8]}"
+        sub = Submission(host=ep.host, pipeline_id=pipeline_id, version_id=version_id, uploaded=uploaded,
+                         experiment=experiment, experiment_id=exp.experiment_id, name=name)
         sa = cfg.kubernetes.service_account
         if cron is not None:
             rr = client.create_recurring_run(

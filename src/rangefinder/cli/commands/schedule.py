@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from rangefinder.cli.commands.submit import add_endpoint_args
-from rangefinder.cli.ignored import ignored_by_submit, warn_conflicts, warn_ignored
+from rangefinder.cli.commands.submit import add_endpoint_args, endpoint_kwargs, load_checked_config
 from rangefinder.cli.output import add_json_flag
 
 
@@ -18,26 +17,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_endpoint_args(p)
     p.add_argument("--cron", required=True, help="6-field cron: seconds minutes hours day-of-month month day-of-week")
+    p.add_argument("--name", help="display name of the recurring run (default: rangefinder-finetune-<version>)")
     add_json_flag(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> dict:
-    from dataclasses import asdict
-
-    from rangefinder.config import kubernetes_name_problem, load_config
-    from rangefinder.errors import ConfigError
     from rangefinder.pipelines.client import submit, validate_cron
 
     cron = validate_cron(args.cron)  # a bad cron fails before the config is even read
-    cfg = load_config(args.config)
-    warn_ignored("schedule", ignored_by_submit(cfg, args.dataset_uri))
-    warn_conflicts(cfg)
-    problem = args.namespace and kubernetes_name_problem(args.namespace, "label")
-    if problem:
-        raise ConfigError(f"--namespace: {problem}")
-    sub = submit(cfg, host=args.host, token=args.token, experiment=args.experiment, run_name=args.name,
-                 dataset_uri=args.dataset_uri, cron=cron, namespace=args.namespace)
-    out = {k: v for k, v in asdict(sub).items() if v is not None}
-    out["cron"] = cron
-    return out
+    cfg = load_checked_config(args, "schedule")
+    sub = submit(cfg, **endpoint_kwargs(args), cron=cron)
+    return {"recurring_run_id": sub.recurring_run_id, "name": sub.name, "cron": cron, "experiment": sub.experiment,
+            "experiment_id": sub.experiment_id, "pipeline_id": sub.pipeline_id, "version_id": sub.version_id,
+            "uploaded": sub.uploaded, "host": sub.host}

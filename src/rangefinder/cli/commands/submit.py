@@ -14,18 +14,39 @@ def add_endpoint_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token", help="bearer token (default: the in-cluster service-account token, if any)")
     p.add_argument("--namespace", help="Kubeflow profile namespace (multi-user installs)")
     p.add_argument("--config", required=True, help="a rangefinder config YAML: parameters and pod settings")
-    p.add_argument("--experiment", help="KFP experiment (default: tracking.experiment_name of the config)")
+    p.add_argument("--experiment", help="KFP experiment, made if missing (default: tracking.experiment_name of the "
+                   "config)")
     p.add_argument("--dataset-uri", default="", help="object-store URI of the dataset folder (s3://, gs://, minio://)")
-    p.add_argument("--name", help="display name of the run")
+
+
+def load_checked_config(args: argparse.Namespace, command: str):
+    """The config, its ignored settings and conflicts warned about, --namespace checked: before any request."""
+    from rangefinder.config import kubernetes_name_problem, load_config
+    from rangefinder.errors import ConfigError
+
+    cfg = load_config(args.config)
+    warn_ignored(command, ignored_by_submit(cfg, args.dataset_uri))
+    warn_conflicts(cfg)
+    problem = args.namespace and kubernetes_name_problem(args.namespace, "label")
+    if problem:
+        raise ConfigError(f"--namespace: {problem}")
+    return cfg
+
+
+def endpoint_kwargs(args: argparse.Namespace) -> dict:
+    return {"host": args.host, "token": args.token, "namespace": args.namespace, "experiment": args.experiment,
+            "dataset_uri": args.dataset_uri, "run_name": args.name}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "submit",
         help="run the pipeline on a Kubeflow Pipelines endpoint",
-        description="Compile the pipeline for a config, upload it (or reuse the same version), and create a run.",
+        description="Compile the pipeline for a config, upload it (or reuse the same version), and create a run. "
+        "Prints the run's id and link (--json: as JSON alone on stdout).",
     )
     add_endpoint_args(p)
+    p.add_argument("--name", help="display name of the run (default: rangefinder-finetune-<version>)")
     p.add_argument("--wait", action="store_true", help="wait until the run finishes and print its state")
     p.add_argument("--timeout", type=argtypes.int_in(1, what="seconds"), default=24 * 3600,
                    help="seconds --wait waits (default 86400)")
@@ -34,25 +55,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from dataclasses import asdict
-
-    from rangefinder.config import kubernetes_name_problem, load_config
-    from rangefinder.errors import ConfigError
+    from rangefinder.errors import RangefinderError
     from rangefinder.pipelines.client import submit
 
-    cfg = load_config(args.config)
-    warn_ignored("submit", ignored_by_submit(cfg, args.dataset_uri))
-    warn_conflicts(cfg)
-    problem = args.namespace and kubernetes_name_problem(args.namespace, "label")
-    if problem:
-        raise ConfigError(f"--namespace: {problem}")
-    sub = submit(cfg, host=args.host, token=args.token, experiment=args.experiment, run_name=args.name,
-                 dataset_uri=args.dataset_uri, wait=args.wait, timeout_s=args.timeout, namespace=args.namespace)
-    out = {k: v for k, v in asdict(sub).items() if v is not None}
-    if sub.run_id:
-        out["run_url"] = f"{sub.host}/#/runs/details/{sub.run_id}"
+    cfg = load_checked_config(args, "submit")
+    sub = submit(cfg, **endpoint_kwargs(args), wait=args.wait, timeout_s=args.timeout)
+    out: dict = {"run_id": sub.run_id, "run_url": sub.run_url, "name": sub.name}
+    if sub.state is not None:
+        out["state"] = sub.state
+    out.update(experiment=sub.experiment, experiment_id=sub.experiment_id, pipeline_id=sub.pipeline_id,
+               version_id=sub.version_id, uploaded=sub.uploaded, host=sub.host)
     if args.wait and sub.state and sub.state.lower() not in ("succeeded",):
-        from rangefinder.errors import RangefinderError
-
-        raise RangefinderError(f"run {sub.run_id} finished as {sub.state}; see {out['run_url']}")
+        raise RangefinderError(f"run {sub.run_id} finished as {sub.state}; see {sub.run_url}")
     return out
