@@ -370,3 +370,37 @@ def test_cli_json_is_the_result_alone(kfp_server, tmp_path):
     assert out["run_id"] == "r1" and out["run_url"] == f"{kfp_server.url}/#/runs/details/r1"
     assert out["experiment"] == "cats" and out["uploaded"] is True
     assert r.stderr == ""
+
+
+def test_the_same_config_from_another_process_reuses_the_version(kfp_server, tmp_path):
+    """The version is named after the package's hash, and the package is compiled to the same bytes in every process
+    (KFP's compiler numbers its components in an order Python's string hashing and protobuf's maps change from one
+    process to the next): a CI job submitting the same config again uploads nothing."""
+    cfg = _config_file(tmp_path)
+    runs = [rangefinder_cli("submit", "--host", kfp_server.url, "--config", cfg, "--json", home=tmp_path,
+                            env={"PYTHONHASHSEED": seed}) for seed in ("1", "2")]
+    assert [r.returncode for r in runs] == [0, 0], runs[-1].stderr
+    first, second = (json.loads(r.stdout) for r in runs)
+    assert first["uploaded"] is True and second["uploaded"] is False
+    assert second["version_id"] == first["version_id"]
+    assert len(kfp_server.sent("POST", "/pipelines/upload_version")) == 1
+
+
+def test_two_submits_racing_to_upload_share_the_winner(kfp_server):
+    """Two CI jobs submitting at once both find no pipeline (or version) and both upload; KFP refuses the second
+    with HTTP 409 AlreadyExists. The loser takes the winner's upload instead of failing."""
+    raced: list[str] = []
+
+    def another_job_wins(method, path, rec):
+        if method == "POST" and path.endswith(("/pipelines/upload", "/pipelines/upload_version")):
+            kfp_server.route(method, path, rec)  # the other job's upload lands first...
+            raced.append(path)
+            return 409, {"error": "already exists", "code": 6, "message": "already exists"}  # ...and ours is refused
+        return None
+
+    kfp_server.hook = another_job_wins
+    sub = submit(parse_config(CFG), host=kfp_server.url)
+    assert len(raced) == 2 and sub.run_id == "r1"
+    (pipeline,) = kfp_server.pipelines.values()
+    assert sub.pipeline_id == pipeline["pipeline_id"]
+    assert sub.version_id == kfp_server.versions[sub.pipeline_id][-1]["pipeline_version_id"]

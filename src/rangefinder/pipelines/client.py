@@ -11,8 +11,10 @@ Before handing over to `kfp.Client` (which retries a refused healthz for half a 
 healthz endpoint turns "nothing listens there" and "the token was refused" into one clear sentence each. kfp's own
 lines ("Pipeline details: ...") are kept off stdout, which holds the command's result (`--json` is JSON alone).
 
-A pipeline version is named after the package version and a hash of the compiled YAML: submitting the same
-package twice reuses the uploaded version, a changed one becomes a new version of the same pipeline.
+A pipeline version is named after the package version and a hash of the compiled YAML, compiled reproducibly (the
+same bytes from one process to the next: rangefinder.pipelines.reproducible): submitting the same config twice, from
+two CI jobs say, reuses the uploaded version; a changed one becomes a new version of the same pipeline. Two submits
+racing to upload the same pipeline or version both end up with the one that won.
 """
 
 from __future__ import annotations
@@ -256,6 +258,20 @@ def _filter_by_name(name: str) -> str:
     return json.dumps({"predicates": [{"operation": "EQUALS", "key": "display_name", "stringValue": name}]})
 
 
+def _already_exists(exc: BaseException) -> bool:
+    """An upload refused because the same name was uploaded meanwhile (HTTP 409, AlreadyExists): another submit of
+    the same config, a CI job retried beside the first, won the race."""
+    import kfp_server_api
+
+    return isinstance(exc, kfp_server_api.ApiException) and exc.status == 409
+
+
+def _version_named(client, pipeline_id: str, version_name: str) -> Optional[str]:
+    versions = client.list_pipeline_versions(pipeline_id=pipeline_id, page_size=10,
+                                             filter=_filter_by_name(version_name)).pipeline_versions or []
+    return next((v.pipeline_version_id for v in versions if v.display_name == version_name), None)
+
+
 def ensure_pipeline_version(
     client, package_path: str, pipeline_name: str, description: str = ""
 ) -> tuple[str, str, bool]:
@@ -264,16 +280,27 @@ def ensure_pipeline_version(
     pipeline_id = client.get_pipeline_id(pipeline_name)
     uploaded = False
     if pipeline_id is None:
-        pipeline_id = client.upload_pipeline(package_path, pipeline_name=pipeline_name,
-                                             description=description).pipeline_id
-        uploaded = True
-    versions = client.list_pipeline_versions(pipeline_id=pipeline_id, page_size=10,
-                                             filter=_filter_by_name(version_name)).pipeline_versions or []
-    for v in versions:
-        if v.display_name == version_name:
-            return pipeline_id, v.pipeline_version_id, uploaded
-    version = client.upload_pipeline_version(package_path, pipeline_version_name=version_name,
-                                             pipeline_id=pipeline_id, description=description)
+        try:
+            pipeline_id = client.upload_pipeline(package_path, pipeline_name=pipeline_name,
+                                                 description=description).pipeline_id
+            uploaded = True
+        except Exception as e:
+            if not _already_exists(e):
+                raise
+            pipeline_id = client.get_pipeline_id(pipeline_name)
+            if pipeline_id is None:
+                raise
+    version_id = _version_named(client, pipeline_id, version_name)
+    if version_id is not None:
+        return pipeline_id, version_id, uploaded
+    try:
+        version = client.upload_pipeline_version(package_path, pipeline_version_name=version_name,
+                                                 pipeline_id=pipeline_id, description=description)
+    except Exception as e:
+        version_id = _version_named(client, pipeline_id, version_name) if _already_exists(e) else None
+        if version_id is None:
+            raise
+        return pipeline_id, version_id, uploaded
     return pipeline_id, version.pipeline_version_id, True
 
 
@@ -295,14 +322,6 @@ class Submission:
         return f"{self.host}/#/runs/details/{self.run_id}" if self.run_id else None
 
 
-def _compiled(cfg) -> tempfile.TemporaryDirectory:
-    from rangefinder.pipelines.pipeline import compile_pipeline
-
-    tmp = tempfile.TemporaryDirectory(prefix="rangefinder-submit-")
-    compile_pipeline(cfg, str(Path(tmp.name) / "pipeline.yaml"))
-    return tmp
-
-
 def submit(
     cfg,
     *,
@@ -318,6 +337,7 @@ def submit(
 ) -> Submission:
     """Compile `cfg` into a package, upload or reuse it, and create a run (or a recurring run when `cron` is set)."""
     from rangefinder.pipelines.pipeline import PIPELINE_DESCRIPTION, PIPELINE_NAME
+    from rangefinder.pipelines.reproducible import compile_reproducibly
     from rangefinder.steps.resolve_config import parameters_from_config
 
     if cron is not None:
@@ -327,8 +347,8 @@ def submit(
     ep = resolve_endpoint(host, token)
     with _session(ep):
         client = connect(ep, namespace)
-        with _compiled(cfg) as tmp:
-            package = str(Path(tmp) / "pipeline.yaml")
+        with tempfile.TemporaryDirectory(prefix="rangefinder-submit-") as tmp:
+            package = compile_reproducibly(cfg, str(Path(tmp) / "pipeline.yaml"))
             pipeline_id, version_id, uploaded = ensure_pipeline_version(client, package, PIPELINE_NAME,
                                                                         PIPELINE_DESCRIPTION)
         exp = client.create_experiment(experiment)

@@ -41,6 +41,7 @@ from rangefinder.errors import ConfigError, RangefinderError
 from rangefinder.formats.atomic import write_text
 from rangefinder.pipelines import kfp_components as c
 from rangefinder.pipelines.pipeline import MLFLOW_STEPS, PIPELINE_NAME, TRAINING_STEPS, TRAINJOB_STEPS, compile_pipeline
+from rangefinder.pipelines.reproducible import DETERMINISTIC_ENV, compiles_deterministically
 from rangefinder.tracking.redaction import CREDENTIALS_FIX, url_with_credentials
 
 # The ten steps, in the order the pipeline runs them (one of the two LR finders); each is `components/<step>/`.
@@ -236,21 +237,12 @@ def pipeline_metadata() -> str:
                      ("stable_diffusion", "fine_tuning", "learning_rate", "lr_range_test", "training"))
 
 
-# The same DAG compiles to differently named (equivalent) YAML from one process to the next, for two reasons in
-# KFP 2.17 and protobuf: the compiler orders a OneOf's channels by iterating a set of them (kfp/dsl/pipeline_channel.py,
-# `list(set(pipeline_channels))`: Python's per-process string hashing), and it merges the sub-pipelines' components
-# by iterating protobuf maps, whose order in the C (upb) implementation changes between processes, so the numbered
-# names (`comp-condition-3-2`, ...) land on different groups. The published files are compiled in a child process
-# with both fixed: hash seed 0 and protobuf's pure-Python maps (ordered dicts).
-_DETERMINISTIC_ENV = {"PYTHONHASHSEED": "0", "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "python"}
-
-
 def published_files() -> list[Published]:
     """Every generated file, compiled now from the code (in a child process that compiles deterministically, unless
-    this one is such a process)."""
-    if any(os.environ.get(k) != v for k, v in _DETERMINISTIC_ENV.items()):
+    this one is such a process: rangefinder.pipelines.reproducible)."""
+    if not compiles_deterministically():
         out = subprocess.run([sys.executable, "-m", "rangefinder.pipelines.publish", "--json"], capture_output=True,
-                             text=True, timeout=600, env={**os.environ, **_DETERMINISTIC_ENV})
+                             text=True, timeout=600, env={**os.environ, **DETERMINISTIC_ENV})
         if out.returncode != 0:
             raise RangefinderError(f"compiling the published files failed: {out.stderr.strip()[-2000:]}")
         return [Published(**f) for f in json.loads(out.stdout)]
