@@ -85,3 +85,16 @@ def public_name(e: RangefinderError) -> str:
 class Preempted(RangefinderError):
     """Training stopped on SIGTERM (a pod eviction, a spot preemption) after writing a checkpoint at the current
     update: the CLI exits 143 (128 + SIGTERM), a pipeline step fails, and a retry or `--resume` goes on from there."""
+
+
+class RunDidNotSucceed(RangefinderError):
+    """What a command waited on ended otherwise than it should (`submit --wait`: the pipeline run failed, was
+    cancelled, or was still going when the wait ran out). The command did its part, so the CLI prints `result` as it
+    prints any result (a CI job reads the run's id and link from it), then this message, and exits 1, not bad
+    input's 2."""
+
+    exit_status = 1
+
+    def __init__(self, message: str, result: dict):
+        super().__init__(message)
+        self.result = result

@@ -10,6 +10,7 @@ import ssl
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from email.parser import BytesParser
 from email.policy import HTTP
@@ -384,6 +385,69 @@ def test_the_same_config_from_another_process_reuses_the_version(kfp_server, tmp
     assert first["uploaded"] is True and second["uploaded"] is False
     assert second["version_id"] == first["version_id"]
     assert len(kfp_server.sent("POST", "/pipelines/upload_version")) == 1
+
+
+def test_an_endpoint_that_stops_answering_ends_the_command(kfp_server):
+    """An endpoint that answers the healthz probe and then nothing (a stuck proxy, a server under load) ends the
+    submit after --request-timeout per request, in one sentence: kfp gives its requests no timeout at all."""
+    probes: list[str] = []
+
+    def hang_after_the_probe(method, path, rec):
+        if path.endswith("/healthz") and not probes:
+            probes.append(path)
+            return None
+        return "hang"
+
+    kfp_server.hook = hang_after_the_probe
+    start = time.monotonic()
+    with pytest.raises(EndpointError, match=r"did not answer a request within 0\.5 s; .*--request-timeout"):
+        submit(parse_config(CFG), host=kfp_server.url, request_timeout_s=0.5)
+    assert time.monotonic() - start < 20  # urllib3 tries a GET 4 times
+    import kfp_server_api.rest
+
+    assert kfp_server_api.rest.RESTClientObject.request.__name__ == "request"  # kfp is left as it was
+
+
+@pytest.mark.parametrize("state, status, line", [
+    ("CANCELED", 1, r"run r1 finished CANCELED; see http://\S+/#/runs/details/r1"),
+    ("FAILED", 1, "run r1 finished FAILED"),
+    ("RUNNING", 1, r"run r1 is still RUNNING after --timeout 1 s \(it goes on on the cluster\)"),
+    ("SUCCEEDED", 0, None),
+])
+def test_wait_exit_status_and_result(kfp_server, tmp_path, state, status, line):
+    """`submit --wait` ends on every final state (kfp's own wait knew no CANCELED and waited out --timeout, then
+    said it had lost the endpoint) and says how in its exit status: 0 succeeded, 1 anything else, with the result
+    (the run's id and link) on stdout all the same and one line on stderr."""
+    from tests.cli.test_bad_input import in_process
+
+    kfp_server.run_state = state
+    r = in_process("submit", "--host", kfp_server.url, "--config", _config_file(tmp_path), "--json", "--wait",
+                   "--timeout", "1")
+    assert r.returncode == status, r.stderr
+    out = json.loads(r.stdout)
+    assert out["run_id"] == "r1" and out["state"] == state and out["run_url"].endswith("/#/runs/details/r1")
+    if line:
+        (only,) = r.stderr.strip().splitlines()
+        assert re.search(line, only), only
+    else:
+        assert r.stderr == ""
+
+
+def test_wait_outlasts_a_few_failed_polls(kfp_server):
+    """A --wait of hours meets a proxy restarting: a poll answered HTTP 503 is tried again, not the end of the wait
+    (the run goes on on the cluster either way)."""
+    polls: list[int] = []
+
+    def restarting(method, path, rec):
+        if method == "GET" and re.search(r"/runs/r\d+$", path):
+            polls.append(1)
+            if len(polls) <= 2:
+                return 503, {"error": "upstream connect error", "code": 14}
+        return None
+
+    kfp_server.hook = restarting
+    sub = submit(parse_config(CFG), host=kfp_server.url, wait=True, timeout_s=30, poll_s=0.05)
+    assert (sub.state, sub.timed_out, len(polls)) == ("SUCCEEDED", False, 3)
 
 
 def test_two_submits_racing_to_upload_share_the_winner(kfp_server):

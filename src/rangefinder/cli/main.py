@@ -2,7 +2,8 @@
 
 Each command module defines `register(subparsers)`, which adds its parser and sets `func(args) -> dict`. The
 returned dict is printed as a human table, or as JSON with `--json`. Bad input raises RangefinderError, which is
-printed as one line on stderr with exit status 2. Heavy imports (torch, kfp, mlflow) happen inside `func`, so
+printed as one line on stderr with exit status 2; RunDidNotSucceed (`submit --wait` on a run that failed) prints its
+result first, then its line, and exits 1. Heavy imports (torch, kfp, mlflow) happen inside `func`, so
 `rangefinder --help` and `rangefinder plan` stay fast.
 """
 
@@ -22,7 +23,7 @@ from typing import Optional
 from rangefinder.cli.args import OneLineParser
 from rangefinder.cli.output import print_table
 from rangefinder.cli.storage import storage_problem
-from rangefinder.errors import Preempted, RangefinderError
+from rangefinder.errors import Preempted, RangefinderError, RunDidNotSucceed
 
 # Order is the order `rangefinder --help` lists them in.
 COMMANDS = [
@@ -86,6 +87,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except Preempted as e:  # SIGTERM: a checkpoint at the current update is written
         print(f"rangefinder {args.command}: {e}", file=sys.stderr)
         return 128 + signal.SIGTERM
+    except RunDidNotSucceed as e:
+        status = _print_result(args, e.result)
+        print(f"rangefinder {args.command}: {e}", file=sys.stderr)
+        return status or e.exit_status
     except RangefinderError as e:
         print(f"rangefinder {args.command}: error: {e}", file=sys.stderr)
         return 2
@@ -109,6 +114,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 130
     if result is None:
         return 0
+    return _print_result(args, result)
+
+
+def _print_result(args: argparse.Namespace, result: dict) -> int:
+    """Print a command's result as JSON (--json) or a table; 0, or 141 where the reader stopped reading."""
     try:
         if getattr(args, "json", False):
             print(json.dumps(result, indent=2, default=str))

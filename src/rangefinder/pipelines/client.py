@@ -8,8 +8,10 @@ Endpoint and credentials are found the way `kfp.Client` finds them:
   or an endpoint without auth).
 
 Before handing over to `kfp.Client` (which retries a refused healthz for half a minute), one quick request to the
-healthz endpoint turns "nothing listens there" and "the token was refused" into one clear sentence each. kfp's own
-lines ("Pipeline details: ...") are kept off stdout, which holds the command's result (`--json` is JSON alone).
+healthz endpoint turns "nothing listens there" and "the token was refused" into one clear sentence each. Every
+request, kfp's included, gives up after `--request-timeout` seconds, so an endpoint that accepts the connection and
+never answers ends the command instead of hanging it. kfp's own lines ("Pipeline details: ...") are kept off stdout,
+which holds the command's result (`--json` is JSON alone).
 
 A pipeline version is named after the package version and a hash of the compiled YAML, compiled reproducibly (the
 same bytes from one process to the next: rangefinder.pipelines.reproducible): submitting the same config twice, from
@@ -26,6 +28,7 @@ import json
 import os
 import re
 import tempfile
+import time
 import urllib.error
 import urllib.request
 import warnings
@@ -40,6 +43,11 @@ ENDPOINT_ENV = "KF_PIPELINES_ENDPOINT"
 SA_TOKEN_ENV = "KF_PIPELINES_SA_TOKEN_PATH"
 SA_TOKEN_DEFAULT_PATH = "/var/run/secrets/kubeflow/pipelines/token"
 HEALTHZ_PATH = "/apis/v2beta1/healthz"
+REQUEST_TIMEOUT_S = 30.0  # --request-timeout default: one request (not an upload of many, nor --wait)
+# A run's states in KFP v2 (V2beta1RuntimeState) after which it changes no more. kfp.Client.wait_for_run_completion
+# knows no CANCELED (it waited out the whole timeout on a cancelled run).
+FINAL_STATES = ("SUCCEEDED", "SKIPPED", "FAILED", "CANCELED")
+WAIT_TRIES = 5  # polls in a row that may fail (a timeout, HTTP 5xx) before --wait gives up
 
 
 class EndpointError(RangefinderError):
@@ -128,6 +136,7 @@ class Endpoint:
     host: str
     token: Optional[str]  # a bearer token given by hand
     token_path: Optional[Path]  # a service-account token file (re-read by kfp on every request)
+    timeout_s: float = REQUEST_TIMEOUT_S
 
     def bearer(self) -> Optional[str]:
         if self.token:
@@ -144,7 +153,8 @@ class Endpoint:
         return "no token"
 
 
-def resolve_endpoint(host: Optional[str] = None, token: Optional[str] = None) -> Endpoint:
+def resolve_endpoint(host: Optional[str] = None, token: Optional[str] = None,
+                     timeout_s: float = REQUEST_TIMEOUT_S) -> Endpoint:
     from rangefinder.errors import ConfigError
 
     host = (host or os.environ.get(ENDPOINT_ENV, "")).strip()
@@ -158,17 +168,17 @@ def resolve_endpoint(host: Optional[str] = None, token: Optional[str] = None) ->
     if not token:
         p = Path(os.environ.get(SA_TOKEN_ENV) or SA_TOKEN_DEFAULT_PATH)
         token_path = p if p.is_file() else None
-    return Endpoint(host=host, token=token or None, token_path=token_path)
+    return Endpoint(host=host, token=token or None, token_path=token_path, timeout_s=timeout_s)
 
 
-def check_endpoint(ep: Endpoint, timeout: float = 10.0) -> dict:
+def check_endpoint(ep: Endpoint) -> dict:
     """One GET of the healthz endpoint; EndpointError with one clear sentence when it fails."""
     req = urllib.request.Request(ep.host + HEALTHZ_PATH, headers={"Accept": "application/json"})
     bearer = ep.bearer()
     if bearer:
         req.add_header("Authorization", f"Bearer {bearer}")
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
+        with urllib.request.urlopen(req, timeout=ep.timeout_s) as resp:
             body = resp.read()
     except urllib.error.HTTPError as e:
         if e.code in (401, 403):
@@ -180,6 +190,9 @@ def check_endpoint(ep: Endpoint, timeout: float = 10.0) -> dict:
                             "check that --host is the KFP API (ml-pipeline or its UI proxy)") from None
     except (urllib.error.URLError, OSError) as e:
         reason = getattr(e, "reason", e)
+        if isinstance(reason, TimeoutError):
+            raise EndpointError(f"the KFP endpoint {ep.host} did not answer within {ep.timeout_s:g} s; check "
+                                f"--host / ${ENDPOINT_ENV}, or allow more with --request-timeout") from None
         raise EndpointError(f"cannot reach the KFP endpoint {ep.host} ({reason}); check --host / ${ENDPOINT_ENV} "
                             "and that the port-forward or ingress is up") from None
     try:
@@ -190,12 +203,26 @@ def check_endpoint(ep: Endpoint, timeout: float = 10.0) -> dict:
 
 @contextlib.contextmanager
 def _session(ep: Endpoint) -> Iterator[None]:
-    """Around everything kfp does: kfp's prints ("Pipeline details: <link>") and its FutureWarning stay off the
-    terminal (the result names the run and its link), and its failures become one sentence (_kfp_errors)."""
-    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), _kfp_errors(ep):
-        warnings.filterwarnings("ignore", message="This client only works with Kubeflow Pipeline",
-                                category=FutureWarning)
-        yield
+    """Around everything kfp does: each request gives up after ep.timeout_s (kfp passes its requests no timeout and
+    has no setting for one, so kfp_server_api's one request method gets it while the block runs, as the compiler's
+    `inspect` is swapped in pipeline.py; urllib3 retries a GET that timed out three times), kfp's prints
+    ("Pipeline details: <link>") and its FutureWarning stay off the terminal (the result names the run and its
+    link), and its failures become one sentence (_kfp_errors)."""
+    from kfp_server_api import rest
+
+    request = rest.RESTClientObject.request
+
+    def with_timeout(self, *args: Any, _request_timeout: Any = None, **kwargs: Any) -> Any:
+        return request(self, *args, _request_timeout=_request_timeout or (ep.timeout_s, ep.timeout_s), **kwargs)
+
+    rest.RESTClientObject.request = with_timeout
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), _kfp_errors(ep):
+            warnings.filterwarnings("ignore", message="This client only works with Kubeflow Pipeline",
+                                    category=FutureWarning)
+            yield
+    finally:
+        rest.RESTClientObject.request = request
 
 
 def connect(ep: Endpoint, namespace: Optional[str] = None):
@@ -238,8 +265,14 @@ class _kfp_errors:
             raise EndpointError(
                 f"the KFP endpoint {self.ep.host} answered HTTP {exc.status} {exc.reason}: {body}"
             ) from None
+        reason: BaseException = exc
+        if isinstance(exc, urllib3.exceptions.MaxRetryError) and exc.reason is not None:
+            reason = exc.reason
+        if isinstance(reason, (urllib3.exceptions.TimeoutError, TimeoutError)):
+            raise EndpointError(f"the KFP endpoint {self.ep.host} did not answer a request within "
+                                f"{self.ep.timeout_s:g} s; try again, or allow more with --request-timeout") from None
         if isinstance(exc, (urllib3.exceptions.HTTPError, OSError)):
-            raise EndpointError(f"lost the KFP endpoint {self.ep.host} ({exc})") from None
+            raise EndpointError(f"lost the KFP endpoint {self.ep.host} ({reason})") from None
         return False
 
 
@@ -316,10 +349,41 @@ class Submission:
     run_id: Optional[str] = None
     recurring_run_id: Optional[str] = None
     state: Optional[str] = None
+    timed_out: Optional[bool] = None  # --wait ran out of time with the run still going
 
     @property
     def run_url(self) -> Optional[str]:
         return f"{self.host}/#/runs/details/{self.run_id}" if self.run_id else None
+
+
+def wait_for_run(client, run_id: str, timeout_s: float, poll_s: float = 5.0) -> tuple[str, bool]:
+    """(state, timed_out): poll the run until it is in one of FINAL_STATES, or `timeout_s` has passed. A day's wait
+    outlives a proxy's restart: a poll that times out or gets HTTP 5xx is tried again, up to WAIT_TRIES in a row."""
+    deadline = time.monotonic() + timeout_s
+    failed = 0
+    state = "RUNTIME_STATE_UNSPECIFIED"
+    while True:
+        try:
+            state = str(client.get_run(run_id).state or "RUNTIME_STATE_UNSPECIFIED").upper()
+            failed = 0
+        except Exception as e:
+            failed += 1
+            if not _passing(e) or failed >= WAIT_TRIES:
+                raise
+        left = deadline - time.monotonic()
+        if state in FINAL_STATES or left <= 0:
+            return state, state not in FINAL_STATES
+        time.sleep(min(poll_s, left))
+
+
+def _passing(exc: BaseException) -> bool:
+    """A failure the next request may not meet: a timeout, a dropped connection, HTTP 5xx."""
+    import kfp_server_api
+    import urllib3
+
+    if isinstance(exc, kfp_server_api.ApiException):
+        return exc.status == 0 or exc.status >= 500
+    return isinstance(exc, (urllib3.exceptions.HTTPError, OSError))
 
 
 def submit(
@@ -331,9 +395,11 @@ def submit(
     run_name: Optional[str] = None,
     dataset_uri: str = "",
     wait: bool = False,
-    timeout_s: int = 24 * 3600,
+    timeout_s: float = 24 * 3600,
     cron: Optional[str] = None,
     namespace: Optional[str] = None,
+    request_timeout_s: float = REQUEST_TIMEOUT_S,
+    poll_s: float = 5.0,
 ) -> Submission:
     """Compile `cfg` into a package, upload or reuse it, and create a run (or a recurring run when `cron` is set)."""
     from rangefinder.pipelines.pipeline import PIPELINE_DESCRIPTION, PIPELINE_NAME
@@ -344,7 +410,7 @@ def submit(
         cron = validate_cron(cron)  # before any network traffic
     params = parameters_from_config(cfg, dataset_uri=dataset_uri)
     experiment = experiment or cfg.tracking.experiment_name
-    ep = resolve_endpoint(host, token)
+    ep = resolve_endpoint(host, token, timeout_s=request_timeout_s)
     with _session(ep):
         client = connect(ep, namespace)
         with tempfile.TemporaryDirectory(prefix="rangefinder-submit-") as tmp:
@@ -368,6 +434,5 @@ def submit(
                                   version_id=version_id, service_account=sa)
         sub.run_id = run.run_id
         if wait:
-            done = client.wait_for_run_completion(run.run_id, timeout=timeout_s)
-            sub.state = str(done.state)
+            sub.state, sub.timed_out = wait_for_run(client, run.run_id, timeout_s, poll_s)
     return sub

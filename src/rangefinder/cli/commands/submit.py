@@ -13,6 +13,8 @@ def add_endpoint_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", help="KFP endpoint URL (default: $KF_PIPELINES_ENDPOINT)")
     p.add_argument("--token", help="bearer token (default: the in-cluster service-account token, if any)")
     p.add_argument("--namespace", help="Kubeflow profile namespace (multi-user installs)")
+    p.add_argument("--request-timeout", type=argtypes.float_in(0, lo_open=True), default=30.0,
+                   help="seconds one request to the endpoint may take before the command gives up (default 30)")
     p.add_argument("--config", required=True, help="a rangefinder config YAML: parameters and pod settings")
     p.add_argument("--experiment", help="KFP experiment, made if missing (default: tracking.experiment_name of the "
                    "config)")
@@ -34,8 +36,9 @@ def load_checked_config(args: argparse.Namespace, command: str):
 
 
 def endpoint_kwargs(args: argparse.Namespace) -> dict:
-    return {"host": args.host, "token": args.token, "namespace": args.namespace, "experiment": args.experiment,
-            "dataset_uri": args.dataset_uri, "run_name": args.name}
+    return {"host": args.host, "token": args.token, "namespace": args.namespace,
+            "request_timeout_s": args.request_timeout, "experiment": args.experiment, "dataset_uri": args.dataset_uri,
+            "run_name": args.name}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -43,7 +46,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "submit",
         help="run the pipeline on a Kubeflow Pipelines endpoint",
         description="Compile the pipeline for a config, upload it (or reuse the same version), and create a run. "
-        "Prints the run's id and link (--json: as JSON alone on stdout).",
+        "Prints the run's id and link (--json: as JSON alone on stdout). Exit status 0 once the run is created "
+        "(with --wait: once it succeeded), 1 with --wait when it failed, was cancelled or was still going at "
+        "--timeout (the result is printed all the same), 2 when it could not be submitted.",
     )
     add_endpoint_args(p)
     p.add_argument("--name", help="display name of the run (default: rangefinder-finetune-<version>)")
@@ -55,7 +60,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from rangefinder.errors import RangefinderError
+    from rangefinder.errors import RunDidNotSucceed
     from rangefinder.pipelines.client import submit
 
     cfg = load_checked_config(args, "submit")
@@ -65,6 +70,9 @@ def run(args: argparse.Namespace) -> dict:
         out["state"] = sub.state
     out.update(experiment=sub.experiment, experiment_id=sub.experiment_id, pipeline_id=sub.pipeline_id,
                version_id=sub.version_id, uploaded=sub.uploaded, host=sub.host)
-    if args.wait and sub.state and sub.state.lower() not in ("succeeded",):
-        raise RangefinderError(f"run {sub.run_id} finished as {sub.state}; see {sub.run_url}")
+    if args.wait and sub.state != "SUCCEEDED":
+        if sub.timed_out:
+            raise RunDidNotSucceed(f"run {sub.run_id} is still {sub.state} after --timeout {args.timeout} s (it goes "
+                                   f"on on the cluster); see {sub.run_url}", out)
+        raise RunDidNotSucceed(f"run {sub.run_id} finished {sub.state}; see {sub.run_url}", out)
     return out
