@@ -468,3 +468,85 @@ def test_two_submits_racing_to_upload_share_the_winner(kfp_server):
     (pipeline,) = kfp_server.pipelines.values()
     assert sub.pipeline_id == pipeline["pipeline_id"]
     assert sub.version_id == kfp_server.versions[sub.pipeline_id][-1]["pipeline_version_id"]
+
+
+def test_multi_user_endpoint_without_a_namespace_is_one_line_before_any_upload(kfp_server):
+    kfp_server.multi_user = True
+    with pytest.raises(ConfigError, match=r"is multi-user: pass --namespace"):
+        submit(parse_config(CFG), host=kfp_server.url)
+    assert not kfp_server.sent("POST", "/pipelines/upload") and not kfp_server.sent("POST", "/experiments")
+
+    sub = submit(parse_config(CFG), host=kfp_server.url, namespace="team-a")
+    assert kfp_server.experiments[sub.experiment_id]["namespace"] == "team-a"
+
+
+@pytest.fixture(scope="module")
+def self_signed(tmp_path_factory) -> tuple[str, str]:
+    """A certificate for 127.0.0.1 signed by itself, and its key (PEM files)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kfp.test")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(hours=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+            .sign(key, hashes.SHA256()))
+    folder = tmp_path_factory.mktemp("tls")
+    (folder / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (folder / "key.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                                       serialization.PrivateFormat.PKCS8,
+                                                       serialization.NoEncryption()))
+    return str(folder / "cert.pem"), str(folder / "key.pem")
+
+
+def test_tls_problems_are_one_line_naming_the_fix(self_signed):
+    """A private CA's certificate: one line naming --ca-cert (the probe trusts what kfp trusts, certifi's CAs, so a
+    CA only this machine's store holds no longer passes the probe and fails in kfp in urllib3's words); with
+    --ca-cert both trust it. https:// to a plain-HTTP port: one line saying to use http://."""
+    s = FakeKFP(tls=self_signed)
+    plain = FakeKFP()
+    try:
+        with pytest.raises(EndpointError, match=r"presented a certificate this machine does not trust \(.*"
+                                                r"self-signed.*\); pass --ca-cert FILE"):
+            submit(parse_config(CFG), host=s.url)
+        sub = submit(parse_config(CFG), host=s.url, ca_cert=self_signed[0])
+        assert sub.run_id == "r1"
+        with pytest.raises(EndpointError, match=r"TLS handshake with the KFP endpoint https://\S+ failed .*use "
+                                                r"http://"):
+            submit(parse_config(CFG), host=plain.url.replace("http://", "https://"))
+    finally:
+        s.close()
+        plain.close()
+
+
+def test_a_request_refused_after_the_probe_says_why(kfp_server):
+    """Healthz answers anyone; the pipelines API may refuse this account (a profile it has no access to). The line
+    carries the server's reason, and names --namespace beside --token."""
+    kfp_server.hook = lambda method, path, rec: None if path.endswith("/healthz") else (
+        403, {"error": "User 'ci@example.com' is not authorized with reason: PermissionDenied", "code": 7})
+    with pytest.raises(EndpointError, match=r"refused the request \(HTTP 403, token from --token: User "
+                                            r"'ci@example.com' is not authorized.*\).*--namespace"):
+        submit(parse_config(CFG), host=kfp_server.url, token="t")
+
+
+def test_credentials_in_the_host_url_are_refused_unshown():
+    with pytest.raises(ConfigError, match=r"--host holds a user name and password; .*--token") as e:
+        submit(parse_config(CFG), host="https://ci:hunter2@kfp.example.com")
+    assert "hunter2" not in str(e.value)
+
+
+def test_a_token_path_that_names_no_file_is_said(kfp_server, monkeypatch, tmp_path):
+    kfp_server.token = "sa-token"
+    monkeypatch.setenv("KF_PIPELINES_SA_TOKEN_PATH", str(tmp_path / "tokn"))
+    with pytest.raises(EndpointError, match=r"\(HTTP 401, no token: \$KF_PIPELINES_SA_TOKEN_PATH names \S+tokn, "
+                                            r"which is not a file\)"):
+        submit(parse_config(CFG), host=kfp_server.url)

@@ -8,10 +8,11 @@ Endpoint and credentials are found the way `kfp.Client` finds them:
   or an endpoint without auth).
 
 Before handing over to `kfp.Client` (which retries a refused healthz for half a minute), one quick request to the
-healthz endpoint turns "nothing listens there" and "the token was refused" into one clear sentence each. Every
-request, kfp's included, gives up after `--request-timeout` seconds, so an endpoint that accepts the connection and
-never answers ends the command instead of hanging it. kfp's own lines ("Pipeline details: ...") are kept off stdout,
-which holds the command's result (`--json` is JSON alone).
+healthz endpoint turns "nothing listens there", "the token was refused" and "its certificate is not trusted" into one
+clear sentence each; it trusts what kfp's own requests trust (certifi's CAs, or `--ca-cert`). Every request, kfp's
+included, gives up after `--request-timeout` seconds, so an endpoint that accepts the connection and never answers
+ends the command instead of hanging it. kfp's own lines ("Pipeline details: ...") are kept off stdout, which holds
+the command's result (`--json` is JSON alone).
 
 A pipeline version is named after the package version and a hash of the compiled YAML, compiled reproducibly (the
 same bytes from one process to the next: rangefinder.pipelines.reproducible): submitting the same config twice, from
@@ -27,6 +28,7 @@ import io
 import json
 import os
 import re
+import ssl
 import tempfile
 import time
 import urllib.error
@@ -136,7 +138,9 @@ class Endpoint:
     host: str
     token: Optional[str]  # a bearer token given by hand
     token_path: Optional[Path]  # a service-account token file (re-read by kfp on every request)
+    ca_cert: Optional[str] = None  # a CA bundle to trust instead of certifi's
     timeout_s: float = REQUEST_TIMEOUT_S
+    token_note: str = ""  # why there is no token, where $KF_PIPELINES_SA_TOKEN_PATH names no file
 
     def bearer(self) -> Optional[str]:
         if self.token:
@@ -150,35 +154,68 @@ class Endpoint:
             return "token from --token"
         if self.token_path is not None:
             return f"service-account token {self.token_path}"
-        return "no token"
+        return f"no token{self.token_note}"
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """What kfp's requests trust (kfp_server_api: the CA bundle given, else certifi's), so the probe fails where
+        they would."""
+        import certifi
+
+        return ssl.create_default_context(cafile=self.ca_cert or certifi.where())
 
 
-def resolve_endpoint(host: Optional[str] = None, token: Optional[str] = None,
+def resolve_endpoint(host: Optional[str] = None, token: Optional[str] = None, ca_cert: Optional[str] = None,
                      timeout_s: float = REQUEST_TIMEOUT_S) -> Endpoint:
+    from rangefinder.config import uri_credentials
     from rangefinder.errors import ConfigError
 
+    flag = "--host" if host else f"${ENDPOINT_ENV}"
     host = (host or os.environ.get(ENDPOINT_ENV, "")).strip()
     if not host:
         raise ConfigError(f"no KFP endpoint: pass --host URL or set ${ENDPOINT_ENV} (e.g. http://localhost:8080 "
                           "after `kubectl port-forward -n kubeflow svc/ml-pipeline-ui 8080:80`)")
+    held = uri_credentials(host)
+    if held:  # named, never shown: the URL goes into messages and the run's link
+        raise ConfigError(f"{flag} holds {held}; give the endpoint's URL alone and the credentials as a bearer "
+                          f"token (--token, or a token file named by ${SA_TOKEN_ENV})")
     if not re.match(r"^https?://", host):
-        raise ConfigError(f"--host {host!r} must start with http:// or https://")
+        raise ConfigError(f"{flag} {host!r} must start with http:// or https://")
+    if ca_cert is not None and not Path(ca_cert).is_file():
+        raise ConfigError(f"--ca-cert {ca_cert}: no such file; give the PEM file of the CA that signed the "
+                          "endpoint's certificate")
     host = host.rstrip("/")
-    token_path = None
+    token_path, note = None, ""
     if not token:
-        p = Path(os.environ.get(SA_TOKEN_ENV) or SA_TOKEN_DEFAULT_PATH)
+        named = os.environ.get(SA_TOKEN_ENV)
+        p = Path(named or SA_TOKEN_DEFAULT_PATH)
         token_path = p if p.is_file() else None
-    return Endpoint(host=host, token=token or None, token_path=token_path, timeout_s=timeout_s)
+        if named and token_path is None:
+            note = f": ${SA_TOKEN_ENV} names {named}, which is not a file"
+    return Endpoint(host=host, token=token or None, token_path=token_path, ca_cert=ca_cert, timeout_s=timeout_s,
+                    token_note=note)
+
+
+def _tls_problem(ep: Endpoint, reason: BaseException) -> Optional[str]:
+    """One sentence for a TLS failure (`reason` from urllib or urllib3), or None when it is not one."""
+    if isinstance(reason, ssl.SSLCertVerificationError):
+        return (f"the KFP endpoint {ep.host} presented a certificate this machine does not trust "
+                f"({reason.verify_message}); pass --ca-cert FILE with the CA that signed it")
+    if isinstance(reason, ssl.SSLError):
+        return (f"the TLS handshake with the KFP endpoint {ep.host} failed ({reason.reason or reason}); if it "
+                "serves plain HTTP (a port-forward does), use http://")
+    return None
 
 
 def check_endpoint(ep: Endpoint) -> dict:
-    """One GET of the healthz endpoint; EndpointError with one clear sentence when it fails."""
+    """One GET of the healthz endpoint; EndpointError with one clear sentence when it fails. Returns its JSON
+    (`multi_user` says whether runs need a namespace)."""
     req = urllib.request.Request(ep.host + HEALTHZ_PATH, headers={"Accept": "application/json"})
     bearer = ep.bearer()
     if bearer:
         req.add_header("Authorization", f"Bearer {bearer}")
     try:
-        with urllib.request.urlopen(req, timeout=ep.timeout_s) as resp:
+        context = ep.ssl_context() if ep.host.startswith("https://") else None
+        with urllib.request.urlopen(req, timeout=ep.timeout_s, context=context) as resp:
             body = resp.read()
     except urllib.error.HTTPError as e:
         if e.code in (401, 403):
@@ -186,10 +223,17 @@ def check_endpoint(ep: Endpoint) -> dict:
                 f"the KFP endpoint {ep.host} refused the credentials (HTTP {e.code}, {ep.describe_auth()}); "
                 "pass a valid --token or check the service account's access to the namespace"
             ) from None
+        if e.code >= 500:
+            raise EndpointError(f"the KFP endpoint {ep.host} answered HTTP {e.code} {e.reason} on {HEALTHZ_PATH}: "
+                                "the KFP API server (ml-pipeline) or the proxy before it is failing; try again "
+                                "later or check its pods") from None
         raise EndpointError(f"the KFP endpoint {ep.host} answered HTTP {e.code} {e.reason} on {HEALTHZ_PATH}; "
                             "check that --host is the KFP API (ml-pipeline or its UI proxy)") from None
     except (urllib.error.URLError, OSError) as e:
         reason = getattr(e, "reason", e)
+        tls = _tls_problem(ep, reason) if isinstance(reason, BaseException) else None
+        if tls:
+            raise EndpointError(tls) from None
         if isinstance(reason, TimeoutError):
             raise EndpointError(f"the KFP endpoint {ep.host} did not answer within {ep.timeout_s:g} s; check "
                                 f"--host / ${ENDPOINT_ENV}, or allow more with --request-timeout") from None
@@ -231,15 +275,25 @@ def connect(ep: Endpoint, namespace: Optional[str] = None):
     import kfp
     from kfp.client.set_volume_credentials import ServiceAccountTokenVolumeCredentials
 
-    check_endpoint(ep)
+    from rangefinder.errors import ConfigError
+
+    health = check_endpoint(ep)
     kwargs: dict[str, Any] = {"host": ep.host}
     if ep.token:
         kwargs["existing_token"] = ep.token
     elif ep.token_path is not None:
         kwargs["credentials"] = ServiceAccountTokenVolumeCredentials(str(ep.token_path))
+    if ep.ca_cert:
+        kwargs["ssl_ca_cert"] = ep.ca_cert
     if namespace:
         kwargs["namespace"] = namespace
-    return kfp.Client(**kwargs)
+    client = kfp.Client(**kwargs)
+    # kfp finds a namespace in ~/.config/kfp/context.json or, in a pod, its service account's; without one a
+    # multi-user endpoint refuses the experiment after the pipeline is uploaded, in its own words.
+    if health.get("multi_user") and not client.get_user_namespace():
+        raise ConfigError(f"the KFP endpoint {ep.host} is multi-user: pass --namespace with your Kubeflow "
+                          "profile's namespace")
+    return client
 
 
 class _kfp_errors:
@@ -258,12 +312,16 @@ class _kfp_errors:
         import urllib3
 
         if isinstance(exc, kfp_server_api.ApiException):
+            said = _server_message(exc)
+            if exc.status == 0:  # kfp_server_api's own wrap of a failed TLS handshake or connection
+                last = str(exc.reason).splitlines()[-1]
+                raise EndpointError(f"lost the KFP endpoint {self.ep.host} ({last})") from None
             if exc.status in (401, 403):
-                raise EndpointError(f"the KFP endpoint {self.ep.host} refused the credentials (HTTP {exc.status}, "
-                                    f"{self.ep.describe_auth()}); pass a valid --token") from None
-            body = (exc.body or "").strip().replace("\n", " ")[:300] if isinstance(exc.body, str) else ""
+                raise EndpointError(f"the KFP endpoint {self.ep.host} refused the request (HTTP {exc.status}, "
+                                    f"{self.ep.describe_auth()}{': ' + said if said else ''}); pass a valid --token, "
+                                    "or check the account's access to the namespace (--namespace)") from None
             raise EndpointError(
-                f"the KFP endpoint {self.ep.host} answered HTTP {exc.status} {exc.reason}: {body}"
+                f"the KFP endpoint {self.ep.host} answered HTTP {exc.status} {exc.reason}{': ' + said if said else ''}"
             ) from None
         reason: BaseException = exc
         if isinstance(exc, urllib3.exceptions.MaxRetryError) and exc.reason is not None:
@@ -271,9 +329,26 @@ class _kfp_errors:
         if isinstance(reason, (urllib3.exceptions.TimeoutError, TimeoutError)):
             raise EndpointError(f"the KFP endpoint {self.ep.host} did not answer a request within "
                                 f"{self.ep.timeout_s:g} s; try again, or allow more with --request-timeout") from None
+        if isinstance(reason, urllib3.exceptions.SSLError) and reason.args and isinstance(reason.args[0],
+                                                                                           BaseException):
+            reason = reason.args[0]
+        tls = _tls_problem(self.ep, reason)
+        if tls:
+            raise EndpointError(tls) from None
         if isinstance(exc, (urllib3.exceptions.HTTPError, OSError)):
             raise EndpointError(f"lost the KFP endpoint {self.ep.host} ({reason})") from None
         return False
+
+
+def _server_message(exc) -> str:
+    """What the KFP API server said about a refused request (its JSON `error` or `message`), on one line."""
+    body = exc.body if isinstance(exc.body, str) else ""
+    try:
+        said = json.loads(body)
+        text = str(said.get("error") or said.get("message") or "") if isinstance(said, dict) else body
+    except ValueError:
+        text = body
+    return " ".join(text.split())[:300]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -398,6 +473,7 @@ def submit(
     timeout_s: float = 24 * 3600,
     cron: Optional[str] = None,
     namespace: Optional[str] = None,
+    ca_cert: Optional[str] = None,
     request_timeout_s: float = REQUEST_TIMEOUT_S,
     poll_s: float = 5.0,
 ) -> Submission:
@@ -410,7 +486,7 @@ def submit(
         cron = validate_cron(cron)  # before any network traffic
     params = parameters_from_config(cfg, dataset_uri=dataset_uri)
     experiment = experiment or cfg.tracking.experiment_name
-    ep = resolve_endpoint(host, token, timeout_s=request_timeout_s)
+    ep = resolve_endpoint(host, token, ca_cert, request_timeout_s)
     with _session(ep):
         client = connect(ep, namespace)
         with tempfile.TemporaryDirectory(prefix="rangefinder-submit-") as tmp:

@@ -11,8 +11,11 @@ from rangefinder.cli.output import add_json_flag
 
 def add_endpoint_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", help="KFP endpoint URL (default: $KF_PIPELINES_ENDPOINT)")
-    p.add_argument("--token", help="bearer token (default: the in-cluster service-account token, if any)")
+    p.add_argument("--token", help="bearer token (default: the token file $KF_PIPELINES_SA_TOKEN_PATH names, else "
+                   "the in-cluster service-account token, if any)")
     p.add_argument("--namespace", help="Kubeflow profile namespace (multi-user installs)")
+    p.add_argument("--ca-cert", help="PEM file of the CA that signed the endpoint's certificate (default: certifi's "
+                   "public CAs)")
     p.add_argument("--request-timeout", type=argtypes.float_in(0, lo_open=True), default=30.0,
                    help="seconds one request to the endpoint may take before the command gives up (default 30)")
     p.add_argument("--config", required=True, help="a rangefinder config YAML: parameters and pod settings")
@@ -36,7 +39,7 @@ def load_checked_config(args: argparse.Namespace, command: str):
 
 
 def endpoint_kwargs(args: argparse.Namespace) -> dict:
-    return {"host": args.host, "token": args.token, "namespace": args.namespace,
+    return {"host": args.host, "token": args.token, "namespace": args.namespace, "ca_cert": args.ca_cert,
             "request_timeout_s": args.request_timeout, "experiment": args.experiment, "dataset_uri": args.dataset_uri,
             "run_name": args.name}
 
