@@ -550,3 +550,19 @@ def test_a_token_path_that_names_no_file_is_said(kfp_server, monkeypatch, tmp_pa
     with pytest.raises(EndpointError, match=r"\(HTTP 401, no token: \$KF_PIPELINES_SA_TOKEN_PATH names \S+tokn, "
                                             r"which is not a file\)"):
         submit(parse_config(CFG), host=kfp_server.url)
+
+
+def test_once_reuses_a_live_run_of_the_name(kfp_server):
+    """A CI job retried after its run was created starts no second training with --once --name; a run of the name
+    that failed is started again."""
+    cfg = parse_config(CFG)
+    first = submit(cfg, host=kfp_server.url, run_name="release-1.2", once=True)
+    again = submit(cfg, host=kfp_server.url, run_name="release-1.2", once=True)
+    assert (first.reused_run, again.reused_run, again.run_id) == (False, True, first.run_id)
+    assert len(kfp_server.sent("POST", "/runs")) == 1
+
+    kfp_server.runs[first.run_id]["state"] = "FAILED"
+    retried = submit(cfg, host=kfp_server.url, run_name="release-1.2", once=True)
+    assert retried.reused_run is False and retried.run_id != first.run_id
+    with pytest.raises(ConfigError, match="--once needs --name"):
+        submit(cfg, host=kfp_server.url, once=True)

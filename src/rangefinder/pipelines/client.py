@@ -50,6 +50,8 @@ REQUEST_TIMEOUT_S = 30.0  # --request-timeout default: one request (not an uploa
 # knows no CANCELED (it waited out the whole timeout on a cancelled run).
 FINAL_STATES = ("SUCCEEDED", "SKIPPED", "FAILED", "CANCELED")
 WAIT_TRIES = 5  # polls in a row that may fail (a timeout, HTTP 5xx) before --wait gives up
+# A run in one of these did not do its work, so `submit --once` starts another.
+UNDONE_STATES = ("SKIPPED", "FAILED", "CANCELING", "CANCELED")
 
 
 class EndpointError(RangefinderError):
@@ -422,6 +424,7 @@ class Submission:
     experiment_id: str
     name: str  # the run's or the recurring run's display name
     run_id: Optional[str] = None
+    reused_run: Optional[bool] = None  # --once found a run of the name and started none
     recurring_run_id: Optional[str] = None
     state: Optional[str] = None
     timed_out: Optional[bool] = None  # --wait ran out of time with the run still going
@@ -461,6 +464,14 @@ def _passing(exc: BaseException) -> bool:
     return isinstance(exc, (urllib3.exceptions.HTTPError, OSError))
 
 
+def _live_run(client, experiment_id: str, name: str):
+    """The newest run of `name` in the experiment that has not failed, been cancelled or skipped; None if none."""
+    found = client.list_runs(experiment_id=experiment_id, page_size=100, sort_by="created_at desc",
+                             filter=_filter_by_name(name)).runs or []
+    return next((r for r in found if r.display_name == name and str(r.state or "").upper() not in UNDONE_STATES),
+                None)
+
+
 def submit(
     cfg,
     *,
@@ -475,15 +486,22 @@ def submit(
     namespace: Optional[str] = None,
     ca_cert: Optional[str] = None,
     request_timeout_s: float = REQUEST_TIMEOUT_S,
+    once: bool = False,
     poll_s: float = 5.0,
 ) -> Submission:
-    """Compile `cfg` into a package, upload or reuse it, and create a run (or a recurring run when `cron` is set)."""
+    """Compile `cfg` into a package, upload or reuse it, and create a run (or a recurring run when `cron` is set).
+
+    `once` (runs, with `run_name`): a run of that name in the experiment that has not failed, been cancelled or
+    skipped is taken instead of starting another (a CI job retried after the run was created)."""
+    from rangefinder.errors import ConfigError
     from rangefinder.pipelines.pipeline import PIPELINE_DESCRIPTION, PIPELINE_NAME
     from rangefinder.pipelines.reproducible import compile_reproducibly
     from rangefinder.steps.resolve_config import parameters_from_config
 
     if cron is not None:
         cron = validate_cron(cron)  # before any network traffic
+    if once and not run_name:
+        raise ConfigError("--once needs --name: it looks for an earlier run of that name in the experiment")
     params = parameters_from_config(cfg, dataset_uri=dataset_uri)
     experiment = experiment or cfg.tracking.experiment_name
     ep = resolve_endpoint(host, token, ca_cert, request_timeout_s)
@@ -506,9 +524,15 @@ def submit(
             )
             sub.recurring_run_id = rr.recurring_run_id
             return sub
-        run = client.run_pipeline(exp.experiment_id, name, params=params, pipeline_id=pipeline_id,
-                                  version_id=version_id, service_account=sa)
-        sub.run_id = run.run_id
+        live = _live_run(client, exp.experiment_id, name) if once else None
+        if live is not None:
+            sub.run_id, sub.reused_run = live.run_id, True
+        else:
+            run = client.run_pipeline(exp.experiment_id, name, params=params, pipeline_id=pipeline_id,
+                                      version_id=version_id, service_account=sa)
+            sub.run_id = run.run_id
+            if once:
+                sub.reused_run = False
         if wait:
-            sub.state, sub.timed_out = wait_for_run(client, run.run_id, timeout_s, poll_s)
+            sub.state, sub.timed_out = wait_for_run(client, sub.run_id, timeout_s, poll_s)
     return sub

@@ -55,6 +55,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_endpoint_args(p)
     p.add_argument("--name", help="display name of the run (default: rangefinder-finetune-<version>)")
+    p.add_argument("--once", action="store_true",
+                   help="with --name: start no second run of that name in the experiment; one that has not failed, "
+                   "been cancelled or skipped is reported (and waited for) instead. For a CI job that may be retried")
     p.add_argument("--wait", action="store_true", help="wait until the run finishes and print its state")
     p.add_argument("--timeout", type=argtypes.int_in(1, what="seconds"), default=24 * 3600,
                    help="seconds --wait waits (default 86400)")
@@ -67,8 +70,10 @@ def run(args: argparse.Namespace) -> dict:
     from rangefinder.pipelines.client import submit
 
     cfg = load_checked_config(args, "submit")
-    sub = submit(cfg, **endpoint_kwargs(args), wait=args.wait, timeout_s=args.timeout)
+    sub = submit(cfg, **endpoint_kwargs(args), wait=args.wait, timeout_s=args.timeout, once=args.once)
     out: dict = {"run_id": sub.run_id, "run_url": sub.run_url, "name": sub.name}
+    if sub.reused_run is not None:
+        out["reused_run"] = sub.reused_run
     if sub.state is not None:
         out["state"] = sub.state
     out.update(experiment=sub.experiment, experiment_id=sub.experiment_id, pipeline_id=sub.pipeline_id,
