@@ -332,7 +332,9 @@ def test_schedule_cli_rejects_bad_cron_before_any_request(tmp_path):
 
 
 @pytest.mark.parametrize("expr", ["0 0 3 * * *", "*/30 * * * * ?", "0 0 9 ? * 2-6", "0 15 10 1,15 jan-jun *",
-                                  "0 0 0 * * SUN", "5-10/2 0 0 * * *"])
+                                  "0 0 0 * * SUN", "5-10/2 0 0 * * *",
+                                  # robfig/cron's descriptors, which KFP's API server parses too
+                                  "@daily", "@weekly", "@every 12h", "@every 1h30m", "@every 90s"])
 def test_valid_crons(expr):
     assert validate_cron(expr) == expr
 
@@ -350,6 +352,11 @@ def test_valid_crons(expr):
     ("0 10-5 * * * *", "runs backwards"),
     ("? * * * * *", r"'\?' is only allowed"),
     ("0 1,,2 * * * *", "empty entry"),
+    ("@fortnightly", "KFP knows @yearly"),
+    ("@daily 3", "KFP knows @yearly"),
+    ("@every", "@every takes one duration"),
+    ("@every 7d", "no d: a week is 168h"),
+    ("@every 0s", "under a second"),
 ])
 def test_invalid_crons(expr, message):
     with pytest.raises(ConfigError, match=message):

@@ -71,16 +71,24 @@ _CRON_FIELDS: tuple[tuple[str, int, int, dict[str, int]], ...] = (
     ("day of week", 0, 6, {d: i for i, d in enumerate(("sun", "mon", "tue", "wed", "thu", "fri", "sat"))}),
 )
 _CRON_EXAMPLE = "'0 0 3 * * *' (every day at 03:00:00)"
+# robfig/cron v1's descriptors, which KFP's API server and scheduler take too (cron.Parse), and `@every` with a Go
+# duration: the interval form of a schedule.
+_CRON_DESCRIPTORS = ("@yearly", "@annually", "@monthly", "@weekly", "@daily", "@midnight", "@hourly")
+_GO_DURATION_PART = r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|μs|ms|s|m|h)"
+_GO_DURATION_UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
 def validate_cron(expr: str) -> str:
-    """Check a 6-field cron expression (seconds minutes hours day-of-month month day-of-week); return it normalised.
+    """Check a 6-field cron expression (seconds minutes hours day-of-month month day-of-week), or one of robfig/cron's
+    descriptors (@daily, @every 12h, ...); return it normalised.
 
     Raises ConfigError naming the field at fault. KFP's scheduler uses robfig/cron with a seconds field, so a
     5-field crontab line is refused with the fix rather than silently meaning something else.
     """
     from rangefinder.errors import ConfigError
 
+    if expr.strip().startswith("@"):
+        return _validate_cron_descriptor(expr)
     fields = expr.split()
     if len(fields) == 5:
         raise ConfigError(
@@ -99,6 +107,26 @@ def validate_cron(expr: str) -> str:
         for part in value.split(","):
             _check_cron_part(expr, part, name, lo, hi, names)
     return " ".join(fields)
+
+
+def _validate_cron_descriptor(expr: str) -> str:
+    from rangefinder.errors import ConfigError
+
+    word, _, rest = expr.strip().partition(" ")
+    if word in _CRON_DESCRIPTORS and not rest.strip():
+        return word
+    if word != "@every":
+        raise ConfigError(f"cron {expr!r}: KFP knows {', '.join(_CRON_DESCRIPTORS)} and @every DURATION; or give 6 "
+                          f"fields, e.g. {_CRON_EXAMPLE}")
+    duration = rest.strip()
+    if not duration or not re.fullmatch(f"(?:{_GO_DURATION_PART})+", duration):
+        raise ConfigError(f"cron {expr!r}: @every takes one duration such as 12h, 90m or 1h30m (units h, m, s; no d: "
+                          "a week is 168h)")
+    seconds = sum(float(n) * _GO_DURATION_UNIT_S[u] for n, u in re.findall(_GO_DURATION_PART, duration))
+    if seconds < 1:
+        raise ConfigError(f"cron {expr!r}: @every {duration} is under a second (KFP would run it every second); give "
+                          "the interval, e.g. @every 12h")
+    return f"@every {duration}"
 
 
 def _check_cron_part(expr: str, part: str, name: str, lo: int, hi: int, names: dict[str, int]) -> None:

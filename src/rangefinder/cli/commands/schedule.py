@@ -13,10 +13,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "schedule",
         help="create a recurring run on a Kubeflow Pipelines endpoint",
         description="Compile the pipeline for a config, upload it (or reuse the same version), and create a recurring "
-        "run. The cron has 6 fields, seconds first, as KFP reads it: '0 0 3 * * *' is every day at 03:00.",
+        "run. The cron has 6 fields, seconds first, as KFP reads it: '0 0 3 * * *' is every day at 03:00 in the "
+        "scheduler's time zone (UTC unless KFP's CRON_SCHEDULE_TIMEZONE says otherwise); '@daily' and "
+        "'@every 12h' work too.",
     )
     add_endpoint_args(p)
-    p.add_argument("--cron", required=True, help="6-field cron: seconds minutes hours day-of-month month day-of-week")
+    p.add_argument("--cron", required=True, help="6-field cron: seconds minutes hours day-of-month month day-of-week; "
+                   "or @hourly, @daily, @weekly, @monthly, @yearly, @every DURATION (e.g. 12h, 90m)")
     p.add_argument("--name", help="display name of the recurring run (default: rangefinder-finetune-<version>)")
     add_json_flag(p)
     p.set_defaults(func=run)
