@@ -573,3 +573,37 @@ def test_once_reuses_a_live_run_of_the_name(kfp_server):
     assert retried.reused_run is False and retried.run_id != first.run_id
     with pytest.raises(ConfigError, match="--once needs --name"):
         submit(cfg, host=kfp_server.url, once=True)
+
+
+def test_schedule_again_is_refused_unless_replace(kfp_server, tmp_path):
+    """A second `schedule` of the same name in the experiment (a changed config, a re-run deploy job) would have
+    added a second nightly retrain beside the first; the default name was the version's, so a changed config always
+    did. It is refused, naming the one there; --replace makes the new one and disables the old."""
+    from tests.cli.test_bad_input import in_process
+
+    cfg = _config_file(tmp_path)
+    r = in_process("schedule", "--host", kfp_server.url, "--config", cfg, "--cron", "0 0 3 * * *", "--json")
+    assert r.returncode == 0, r.stderr
+    first = json.loads(r.stdout)
+    assert first["name"] == PIPELINE_NAME and first["recurring_run_url"].endswith("/#/recurringrun/details/rr1")
+
+    r = in_process("schedule", "--host", kfp_server.url, "--config", cfg, "--cron", "0 0 4 * * *")
+    assert r.returncode == 2
+    (line,) = r.stderr.strip().splitlines()
+    assert f"experiment 'cats' already has an enabled recurring run named '{PIPELINE_NAME}': rr1 (cron " \
+           "'0 0 3 * * *'); pass --replace" in line
+    assert len(kfp_server.recurring_runs) == 1
+
+    r = in_process("schedule", "--host", kfp_server.url, "--config", cfg, "--cron", "@every 12h", "--replace",
+                   "--max-concurrency", "2", "--catchup", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["recurring_run_id"] == "rr2" and out["replaced"] == ["rr1"]
+    assert kfp_server.recurring_runs["rr1"]["status"] == "DISABLED"
+    body = json.loads(kfp_server.sent("POST", "/recurringruns")[-1]["body"])
+    assert body["trigger"]["cron_schedule"]["cron"] == "@every 12h"
+    assert int(body["max_concurrency"]) == 2 and body["no_catchup"] is False
+
+    # Another name stands beside it.
+    assert in_process("schedule", "--host", kfp_server.url, "--config", cfg, "--cron", "@weekly", "--name",
+                      "weekly").returncode == 0

@@ -35,7 +35,7 @@ import urllib.error
 import urllib.request
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -454,12 +454,17 @@ class Submission:
     run_id: Optional[str] = None
     reused_run: Optional[bool] = None  # --once found a run of the name and started none
     recurring_run_id: Optional[str] = None
+    replaced: list[str] = field(default_factory=list)  # recurring runs of the same name disabled by --replace
     state: Optional[str] = None
     timed_out: Optional[bool] = None  # --wait ran out of time with the run still going
 
     @property
     def run_url(self) -> Optional[str]:
         return f"{self.host}/#/runs/details/{self.run_id}" if self.run_id else None
+
+    @property
+    def recurring_run_url(self) -> Optional[str]:
+        return f"{self.host}/#/recurringrun/details/{self.recurring_run_id}" if self.recurring_run_id else None
 
 
 def wait_for_run(client, run_id: str, timeout_s: float, poll_s: float = 5.0) -> tuple[str, bool]:
@@ -492,6 +497,12 @@ def _passing(exc: BaseException) -> bool:
     return isinstance(exc, (urllib3.exceptions.HTTPError, OSError))
 
 
+def _enabled_recurring_runs(client, experiment_id: str, name: str) -> list:
+    found = client.list_recurring_runs(experiment_id=experiment_id, page_size=100,
+                                       filter=_filter_by_name(name)).recurring_runs or []
+    return [r for r in found if r.display_name == name and str(r.status or "").upper() != "DISABLED"]
+
+
 def _live_run(client, experiment_id: str, name: str):
     """The newest run of `name` in the experiment that has not failed, been cancelled or skipped; None if none."""
     found = client.list_runs(experiment_id=experiment_id, page_size=100, sort_by="created_at desc",
@@ -515,12 +526,17 @@ def submit(
     ca_cert: Optional[str] = None,
     request_timeout_s: float = REQUEST_TIMEOUT_S,
     once: bool = False,
+    replace: bool = False,
+    max_concurrency: int = 1,
+    catchup: bool = False,
     poll_s: float = 5.0,
 ) -> Submission:
     """Compile `cfg` into a package, upload or reuse it, and create a run (or a recurring run when `cron` is set).
 
     `once` (runs, with `run_name`): a run of that name in the experiment that has not failed, been cancelled or
-    skipped is taken instead of starting another (a CI job retried after the run was created)."""
+    skipped is taken instead of starting another (a CI job retried after the run was created). A recurring run is
+    refused where the experiment has an enabled one of the same name, unless `replace`: then the new one is created
+    and the old ones disabled."""
     from rangefinder.errors import ConfigError
     from rangefinder.pipelines.pipeline import PIPELINE_DESCRIPTION, PIPELINE_NAME
     from rangefinder.pipelines.reproducible import compile_reproducibly
@@ -530,6 +546,8 @@ def submit(
         cron = validate_cron(cron)  # before any network traffic
     if once and not run_name:
         raise ConfigError("--once needs --name: it looks for an earlier run of that name in the experiment")
+    if not 1 <= max_concurrency <= 10:
+        raise ConfigError(f"max concurrency must be in 1-10, as KFP allows (got {max_concurrency})")
     params = parameters_from_config(cfg, dataset_uri=dataset_uri)
     experiment = experiment or cfg.tracking.experiment_name
     ep = resolve_endpoint(host, token, ca_cert, request_timeout_s)
@@ -540,17 +558,28 @@ def submit(
             pipeline_id, version_id, uploaded = ensure_pipeline_version(client, package, PIPELINE_NAME,
                                                                         PIPELINE_DESCRIPTION)
         exp = client.create_experiment(experiment)
-        name = run_name or f"{PIPELINE_NAME}-{version_id[:8]}"
+        # A recurring run is found again by its name: one name whatever the config, so a changed config meets the
+        # schedule it replaces. A run's default name tells its version apart.
+        name = run_name or (PIPELINE_NAME if cron is not None else f"{PIPELINE_NAME}-{version_id[:8]}")
         sub = Submission(host=ep.host, pipeline_id=pipeline_id, version_id=version_id, uploaded=uploaded,
                          experiment=experiment, experiment_id=exp.experiment_id, name=name)
         sa = cfg.kubernetes.service_account
         if cron is not None:
+            old = _enabled_recurring_runs(client, exp.experiment_id, name)
+            if old and not replace:
+                ids = ", ".join(f"{r.recurring_run_id} ({_cron_of(r)})" for r in old)
+                raise RangefinderError(
+                    f"experiment {experiment!r} already has an enabled recurring run named {name!r}: {ids}; pass "
+                    "--replace to disable it once the new one is made, or another --name to keep both")
             rr = client.create_recurring_run(
                 experiment_id=exp.experiment_id, job_name=name, cron_expression=cron, params=params,
-                pipeline_id=pipeline_id, version_id=version_id, max_concurrency=1, no_catchup=True,
-                service_account=sa,
+                pipeline_id=pipeline_id, version_id=version_id, max_concurrency=max_concurrency,
+                no_catchup=not catchup, service_account=sa,
             )
             sub.recurring_run_id = rr.recurring_run_id
+            for r in old:
+                client.disable_recurring_run(r.recurring_run_id)
+                sub.replaced.append(r.recurring_run_id)
             return sub
         live = _live_run(client, exp.experiment_id, name) if once else None
         if live is not None:
@@ -564,3 +593,9 @@ def submit(
         if wait:
             sub.state, sub.timed_out = wait_for_run(client, sub.run_id, timeout_s, poll_s)
     return sub
+
+
+def _cron_of(recurring_run) -> str:
+    trigger = getattr(recurring_run, "trigger", None)
+    cron = getattr(getattr(trigger, "cron_schedule", None), "cron", None)
+    return f"cron {cron!r}" if cron else "no cron"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from rangefinder.cli import args as argtypes
 from rangefinder.cli.commands.submit import add_endpoint_args, endpoint_kwargs, load_checked_config
 from rangefinder.cli.output import add_json_flag
 
@@ -15,12 +16,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Compile the pipeline for a config, upload it (or reuse the same version), and create a recurring "
         "run. The cron has 6 fields, seconds first, as KFP reads it: '0 0 3 * * *' is every day at 03:00 in the "
         "scheduler's time zone (UTC unless KFP's CRON_SCHEDULE_TIMEZONE says otherwise); '@daily' and "
-        "'@every 12h' work too.",
+        "'@every 12h' work too. An enabled recurring run of the same name in the experiment is refused unless "
+        "--replace.",
     )
     add_endpoint_args(p)
     p.add_argument("--cron", required=True, help="6-field cron: seconds minutes hours day-of-month month day-of-week; "
                    "or @hourly, @daily, @weekly, @monthly, @yearly, @every DURATION (e.g. 12h, 90m)")
-    p.add_argument("--name", help="display name of the recurring run (default: rangefinder-finetune-<version>)")
+    p.add_argument("--name", help="display name of the recurring run (default: rangefinder-finetune)")
+    p.add_argument("--replace", action="store_true",
+                   help="disable the enabled recurring runs of this name in the experiment once the new one is made")
+    p.add_argument("--max-concurrency", type=argtypes.int_in(1, 10), default=1,
+                   help="runs of this schedule that may run at once (1-10, default 1)")
+    p.add_argument("--catchup", action="store_true",
+                   help="run every schedule missed while it was paused or behind (default: only the latest)")
     add_json_flag(p)
     p.set_defaults(func=run)
 
@@ -30,7 +38,9 @@ def run(args: argparse.Namespace) -> dict:
 
     cron = validate_cron(args.cron)  # a bad cron fails before the config is even read
     cfg = load_checked_config(args, "schedule")
-    sub = submit(cfg, **endpoint_kwargs(args), cron=cron)
-    return {"recurring_run_id": sub.recurring_run_id, "name": sub.name, "cron": cron, "experiment": sub.experiment,
-            "experiment_id": sub.experiment_id, "pipeline_id": sub.pipeline_id, "version_id": sub.version_id,
-            "uploaded": sub.uploaded, "host": sub.host}
+    sub = submit(cfg, **endpoint_kwargs(args), cron=cron, replace=args.replace,
+                 max_concurrency=args.max_concurrency, catchup=args.catchup)
+    return {"recurring_run_id": sub.recurring_run_id, "recurring_run_url": sub.recurring_run_url, "name": sub.name,
+            "cron": cron, "max_concurrency": args.max_concurrency, "catchup": args.catchup, "replaced": sub.replaced,
+            "experiment": sub.experiment, "experiment_id": sub.experiment_id, "pipeline_id": sub.pipeline_id,
+            "version_id": sub.version_id, "uploaded": sub.uploaded, "host": sub.host}
