@@ -342,3 +342,36 @@ def test_a_version_names_the_run_that_registered_it_once_and_its_retry_finds_it(
     mv = MlflowClient(tracking_uri=shared_sqlite_tracking_uri).get_model_version(name, "1")
     assert mv.run_id == ft.run_id  # the run that trained the weights: the version's source run
     assert {k for k, v in mv.tags.items() if v == reg.run_id} == {"rangefinder.registered_by_run_id"}
+
+
+def test_a_delivered_window_average_s_version_states_its_own_validation_loss(sqlite_tracking_uri, tiny_model_dir,
+                                                                              tmp_path):
+    """The window average replaced the window's pick: the version's description (chosen.json's reason) ended on the
+    pick's own "Its validation loss 0.05024 is below the base model's", read as the delivered weights' loss beside a
+    val_loss tag of 0.04859. It now states the average's loss against the base model and frames the pick's reason as
+    the pick's."""
+    import shutil
+
+    from rangefinder.formats import checkpoints
+    from rangefinder.steps import average
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model / checkpoints.CHOSEN_DIR)
+    shutil.copytree(tiny_model_dir, model / average.AVERAGE_DIR / "final")
+    pick = {"checkpoint": "checkpoint-000304", "update": 304, "epoch": 76.0, "val_loss": 0.05024,
+            "rule": "window_lowest", "status": "ok", "base_val_loss": 0.2486, "improved_on_base": True,
+            "reason": "Weights at update 304 (epoch 76). Its validation loss 0.05024 is below the base model's 0.2486."}
+    (model / checkpoints.CHOSEN_INFO).write_text(json.dumps(pick))
+    average.deliver(model, average.WindowAverage(updates=(272, 288, 304, 312), val_loss=0.04859),
+                    checkpoints.read_chosen(model), epoch=78.0)
+
+    name = "rf-average"
+    config = tmp_path / "config.yaml"
+    config.write_text(f"tracking: {{tracking_uri: '{sqlite_tracking_uri}', registered_model_name: {name}, "
+                      "experiment_name: average}\n")
+    assert cli_main(["register", str(model), "--config", str(config), "--lr", "2e-4", "--epochs", "73"]) == 0
+    version = MlflowClient(sqlite_tracking_uri).get_model_version(name, "1")
+    assert version.tags["val_loss"] == "0.04859" and version.tags["rangefinder.chosen_rule"] == "window_average"
+    delivered, replaced = version.description.split(" It replaced the window's pick: ")
+    assert delivered.endswith("Its validation loss 0.04859 is below the base model's 0.2486.")
+    assert "0.05024 is below" not in delivered and replaced.startswith("Weights at update 304 (epoch 76).")

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import Any, Optional, Protocol, cast
 
+from rangefinder.analysis.step_window import Delivery, DeliveryRule
 from rangefinder.formats import checkpoints
 from rangefinder.formats.atomic import rename_into_place, write_json
 
@@ -56,11 +57,15 @@ def deliver_if_lower(work: Path, candidate: Path, chosen: dict[str, Any], measur
                             "sentence": measured.sentence(compared, None if offered else NOT_OFFERED)}}
     if delivered:
         pick = {k: chosen.get(k) for k in PICK_KEYS}
-        base = chosen.get("base_val_loss")
+        ours = Delivery(update=update, rule=cast(DeliveryRule, rule), val_loss=measured.val_loss,
+                        base_val_loss=chosen.get("base_val_loss"))
+        # The pick's reason ends on its own loss against the base model's: said as the pick's, after the delivered
+        # weights' own (a version's description read the pick's loss as that of the weights it holds).
+        replaced = f" It replaced the window's pick: {pick['reason']}" if pick["reason"] else ""
         info.update(checkpoint=None, final_weights=False, update=update, epoch=epoch, val_loss=measured.val_loss,
                     rule=rule, window_pick=pick,
-                    reason=f"{what}: {measured.sentence(compared)} {pick['reason'] or ''}".rstrip(),
-                    improved_on_base=None if base is None or measured.val_loss is None else measured.val_loss < base)
+                    reason=f"{what}: {measured.sentence(compared)} {ours.against_base()}".rstrip() + replaced,
+                    improved_on_base=ours.improved_on_base)
     write_json(work / checkpoints.CHOSEN_INFO, info)
     finish_delivery(work, candidate, delivered)
     return info
