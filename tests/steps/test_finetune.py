@@ -344,6 +344,10 @@ def test_the_finetune_step_logs_samples_during_training_to_mlflow_with_their_ste
     # Issue 35: what MLflow shows of the run: its validation images as the split holds them, the bounds the step
     # was given on the run, and its decision in one line as its description.
     assert run.data.params["plan.val_images"] == "4"
+    # The run a registered version links to names the data its weights were trained on (MLflow's Datasets column).
+    inputs = {d.dataset.name.rsplit("-", 1)[1]: d for d in run.inputs.dataset_inputs}
+    assert sorted(inputs) == ["stabilize", "train", "val"] and run.data.tags["rangefinder.dataset_digest"]
+    assert json.loads(inputs["val"].dataset.profile) == {"num_rows": 4}
     assert run.data.tags["lr_low"] == run.data.tags["lr_high"] == "1.000e-03"
     note = run.data.tags["mlflow.note.content"]
     headline, used = note.split(" Trained at ")

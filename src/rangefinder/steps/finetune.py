@@ -351,6 +351,9 @@ def run_finetune(
         run.log_config(cfg, plan=planned,
                        extra={"lr_low": lr_low, "lr_high": lr_high, "lr_mid": lr_mid, "lr_source": lr_source,
                               "finetune.successive_halving_used": halving, **tc.used_params(family_of(cfg.model))})
+        # The registered version's source run: its Datasets column names what the weights were trained on (also
+        # where no range test ran, an LR given by hand).
+        run.log_dataset_manifest(split_dir)
         work = work_dir(model_dir, f"{mlflow_parent_run_id}/finetune" if mlflow_parent_run_id else None)
         race, lr, extra_updates = None, lr_mid, 0
         if halving:
