@@ -127,12 +127,9 @@ def local_tracking_uri(out_dir: Path) -> str:
 def run_pipeline_locally(cfg: RangefinderConfig, out_dir: str | Path, *, dataset_uri: str = "",
                          quiet: bool = False) -> LocalRun:
     """Run the pipeline for `cfg` with kfp.local; raise RangefinderError naming the failed step."""
-    from rangefinder.config import check_pipeline_config
-    from rangefinder.training.families import check_local_model_settings
-    from rangefinder.training.family_detection import family_of
+    from rangefinder.training.families import check_pipeline_settings
 
-    check_pipeline_config(cfg, family_of(cfg.model))
-    check_local_model_settings(cfg)  # resolve-config's preflight, before kfp.local starts a step
+    check_pipeline_settings(cfg)  # with resolve-config's preflight, before kfp.local starts a step
     if cfg.distributed.num_nodes > 1:
         raise ConfigError(
             f"distributed.num_nodes is {cfg.distributed.num_nodes}, but a local run (kfp.local) is single-node: set "

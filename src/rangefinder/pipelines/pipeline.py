@@ -403,13 +403,10 @@ def compile_pipeline(cfg: Optional[RangefinderConfig], package_path: str) -> str
     from rangefinder.tracking.redaction import CREDENTIALS_FIX, url_with_credentials
 
     if cfg is not None:
-        from rangefinder.config import check_pipeline_config
-        from rangefinder.training.families import check_local_model_settings
-        from rangefinder.training.family_detection import family_of
+        from rangefinder.training.families import check_pipeline_settings
         from rangefinder.training.optimizers import check_optimizer
 
-        check_pipeline_config(cfg, family_of(cfg.model))
-        check_local_model_settings(cfg)  # resolve-config's preflight, where the base model is here to read
+        check_pipeline_settings(cfg)  # with resolve-config's preflight, where the base model is here to read
         if cfg.distributed.num_nodes > 1 and not cfg.kubernetes.data_pvc:
             raise ConfigError("distributed.num_nodes > 1 needs kubernetes.data_pvc: the nodes share the run's data, "
                               "caches and outputs through it (a ReadWriteMany volume)")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from rangefinder.errors import ConfigError
 from rangefinder.training.family_detection import FAMILY_LAYOUTS, family_of, import_named
@@ -88,18 +88,32 @@ def check_family_settings(cfg: RangefinderConfig, family: str, *, native_data: b
         check_flow_scheduler(scheduler_cls.__name__, cfg.sampling.scheduler)
 
 
+def check_pipeline_settings(cfg: RangefinderConfig) -> None:
+    """What `compile` and `run --local` check before the pipeline starts: the config's own rules for a pipeline run
+    (config.check_pipeline_config) with the base model's family where it is known here, then that family's
+    (check_local_model_settings)."""
+    from rangefinder.config import check_pipeline_config
+
+    family = family_of(cfg.model)
+    check_pipeline_config(cfg, family)
+    _check_local_model(cfg, family, native_data=False)
+
+
 def check_local_model_settings(cfg: RangefinderConfig, *, native_data: bool = False) -> None:
     """check_family_settings before anything is fetched, for a base model that can be read here as it is
     (models.loading.local_model_folder: a local diffusers folder, the embedded model, a resolved folder): what
-    `compile`, `run --local` and `train` run first, so that a setting wrong for the family stops them at once, not at
-    the pipeline's first step on the cluster, nor once a training step has loaded the weights. A single file's family
-    is read off its tensor names (family_detection.family_of) but its configs only once it is converted: the method's
-    rule, told from the family's name alone, applies to it then. A hub id not fetched yet: nothing here (resolve-
-    config's preflight, once it is). `native_data`: as for check_family_settings."""
+    `compile`, `run --local` (check_pipeline_settings) and `train` run first, so that a setting wrong for the family
+    stops them at once, not at the pipeline's first step on the cluster, nor once a training step has loaded the
+    weights. A single file's family is read off its tensor names (family_detection.family_of) but its configs only
+    once it is converted: the method's rule, told from the family's name alone, applies to it then. A hub id not
+    fetched yet: nothing here (resolve-config's preflight, once it is). `native_data`: as for check_family_settings."""
+    _check_local_model(cfg, family_of(cfg.model), native_data=native_data)
+
+
+def _check_local_model(cfg: RangefinderConfig, family: Optional[str], *, native_data: bool) -> None:
     from rangefinder.models.loading import local_model_folder
     from rangefinder.training.methods import method_class
 
-    family = family_of(cfg.model)
     if family is None:
         return
     folder = local_model_folder(cfg.model)
