@@ -8,11 +8,15 @@ Endpoint and credentials are found the way `kfp.Client` finds them:
   or an endpoint without auth).
 
 Before handing over to `kfp.Client` (which retries a refused healthz for half a minute), one quick request to the
-healthz endpoint turns "nothing listens there", "the token was refused" and "its certificate is not trusted" into one
-clear sentence each; it trusts what kfp's own requests trust (certifi's CAs, or `--ca-cert`). Every request, kfp's
-included, gives up after `--request-timeout` seconds, so an endpoint that accepts the connection and never answers
-ends the command instead of hanging it. kfp's own lines ("Pipeline details: ...") are kept off stdout, which holds
-the command's result (`--json` is JSON alone).
+healthz endpoint turns "nothing listens there", "the token was refused" and "its certificate is not trusted" into
+one clear sentence each; it trusts what kfp's own requests trust (certifi's CAs, or `--ca-cert`). Every request,
+kfp's included, gives up once connecting, or waiting for the server's answer, has taken `--request-timeout` seconds,
+and is not sent again (urllib3 sent a GET that timed out three times more), so an endpoint that accepts the
+connection and never answers ends the command after that long instead of hanging it. The two waits are counted
+apart, the second as the longest silence between the server's bytes (a socket's timeout: neither urllib3 nor urllib
+has another), so a request whose connection took nearly the whole timeout may wait as long again for its answer, and
+a server that keeps sending, however slowly, is not cut off. kfp's own lines ("Pipeline details: ...") are kept off
+stdout, which holds the command's result (`--json` is JSON alone).
 
 A pipeline version is named after the package version and a hash of the compiled YAML, compiled reproducibly (the
 same bytes from one process to the next: rangefinder.pipelines.reproducible): submitting the same config twice, from
@@ -275,20 +279,42 @@ def check_endpoint(ep: Endpoint) -> dict:
         raise EndpointError(f"{ep.host}{HEALTHZ_PATH} did not answer JSON; is --host the KFP endpoint?") from None
 
 
+def _timeouts_not_retried():
+    """urllib3's default retries (3), less those after a timeout: a GET whose answer did not come in time was sent
+    again three times, so a stalled endpoint held the command for 4x --request-timeout (a connect that timed out, any
+    method, alike). The server that did not answer once is not asked again; a dropped connection still is."""
+    import urllib3
+
+    class TimeoutsNotRetried(urllib3.Retry):
+        def increment(self, method=None, url=None, response=None, error=None, _pool=None, _stacktrace=None):
+            if isinstance(error, urllib3.exceptions.TimeoutError):  # ConnectTimeoutError, ReadTimeoutError
+                raise error
+            return super().increment(method, url, response, error, _pool, _stacktrace)
+
+    return TimeoutsNotRetried(urllib3.Retry.DEFAULT.total)
+
+
 @contextlib.contextmanager
 def _session(ep: Endpoint) -> Iterator[None]:
     """Around everything kfp does: each request gives up after ep.timeout_s (kfp passes its requests no timeout and
     has no setting for one, so kfp_server_api's one request method gets it while the block runs, as the compiler's
-    `inspect` is swapped in pipeline.py; urllib3 retries a GET that timed out three times), kfp's prints
-    ("Pipeline details: <link>") and its FutureWarning stay off the terminal (the result names the run and its
-    link), and its failures become one sentence (_kfp_errors)."""
+    `inspect` is swapped in pipeline.py) and is not sent again after a timeout (the clients kfp makes in the block
+    get kfp_server_api's `retries` setting: _timeouts_not_retried), kfp's prints ("Pipeline details: <link>") and its
+    FutureWarning stay off the terminal (the result names the run and its link), and its failures become one
+    sentence (_kfp_errors)."""
     from kfp_server_api import rest
 
-    request = rest.RESTClientObject.request
+    init, request = rest.RESTClientObject.__init__, rest.RESTClientObject.request
+
+    def timeouts_not_retried(self, configuration: Any, *args: Any, **kwargs: Any) -> None:
+        if configuration.retries is None:
+            configuration.retries = _timeouts_not_retried()
+        init(self, configuration, *args, **kwargs)
 
     def with_timeout(self, *args: Any, _request_timeout: Any = None, **kwargs: Any) -> Any:
         return request(self, *args, _request_timeout=_request_timeout or (ep.timeout_s, ep.timeout_s), **kwargs)
 
+    rest.RESTClientObject.__init__ = timeouts_not_retried
     rest.RESTClientObject.request = with_timeout
     try:
         with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), _kfp_errors(ep):
@@ -296,7 +322,7 @@ def _session(ep: Endpoint) -> Iterator[None]:
                                     category=FutureWarning)
             yield
     finally:
-        rest.RESTClientObject.request = request
+        rest.RESTClientObject.__init__, rest.RESTClientObject.request = init, request
 
 
 def connect(ep: Endpoint, namespace: Optional[str] = None):

@@ -17,7 +17,8 @@ def add_endpoint_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ca-cert", help="PEM file of the CA that signed the endpoint's certificate (default: certifi's "
                    "public CAs)")
     p.add_argument("--request-timeout", type=argtypes.float_in(0, lo_open=True), default=30.0,
-                   help="seconds one request to the endpoint may take before the command gives up (default 30)")
+                   help="seconds a request to the endpoint may wait to connect, or for the server's answer, before the "
+                   "command gives up; one that timed out is not sent again (default 30)")
     p.add_argument("--config", required=True, help="a rangefinder config YAML: parameters and pod settings")
     p.add_argument("--experiment", help="KFP experiment, made if missing (default: tracking.experiment_name of the "
                    "config)")
