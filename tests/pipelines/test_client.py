@@ -658,3 +658,37 @@ def test_schedule_again_is_refused_unless_replace(kfp_server, tmp_path):
     # Another name stands beside it.
     assert in_process("schedule", "--host", kfp_server.url, "--config", cfg, "--cron", "@weekly", "--name",
                       "weekly").returncode == 0
+
+
+def test_a_made_experiment_is_said(kfp_server, tmp_path):
+    """kfp's create_experiment gets or makes one without a word, so `--experiment catz` for cats put the run in a new
+    experiment unseen. A missing experiment is still made (a scheduled job outlives a deleted one), and the result
+    says so: `experiment_created` in --json, a note naming the flag to correct in the table."""
+    from tests.cli.test_bad_input import in_process
+
+    cfg = _config_file(tmp_path)
+    first = json.loads(in_process("submit", "--host", kfp_server.url, "--config", cfg, "--json").stdout)
+    assert (first["experiment"], first["experiment_created"]) == ("cats", True)
+    again = json.loads(in_process("submit", "--host", kfp_server.url, "--config", cfg, "--json").stdout)
+    assert (again["experiment_id"], again["experiment_created"]) == (first["experiment_id"], False)
+
+    r = in_process("submit", "--host", kfp_server.url, "--config", cfg, "--experiment", "catz")
+    assert r.returncode == 0, r.stderr
+    (row,) = [line for line in r.stdout.splitlines() if line.startswith("experiment ")]
+    assert row.split(None, 1)[1] == ("catz (created: KFP had no experiment of that name; if you meant an existing "
+                                     "one, correct --experiment)")
+    r = in_process("schedule", "--host", kfp_server.url, "--config", cfg, "--cron", "@daily", "--experiment", "catz")
+    (row,) = [line for line in r.stdout.splitlines() if line.startswith("experiment ")]
+    assert row.split() == ["experiment", "catz"]
+    assert sorted(e["display_name"] for e in kfp_server.experiments.values()) == ["cats", "catz"]
+
+    # Another submit made it between our look and our create (KFP refuses the second, HTTP 409): that one is used.
+    def another_job_wins(method, path, rec):
+        if method == "POST" and path.endswith("/experiments"):
+            kfp_server.route(method, path, rec)
+            return 409, {"error": "already exists", "code": 6, "message": "already exists"}
+        return None
+
+    kfp_server.hook = another_job_wins
+    sub = submit(parse_config(CFG), host=kfp_server.url, experiment="dogs")
+    assert kfp_server.experiments[sub.experiment_id]["display_name"] == "dogs" and not sub.experiment_created

@@ -468,6 +468,23 @@ def ensure_pipeline_version(
     return pipeline_id, version.pipeline_version_id, True
 
 
+def ensure_experiment(client, name: str) -> tuple[Any, bool]:
+    """(experiment, created): the experiment of that name in the user's namespace, made where there is none. kfp's
+    create_experiment gets or makes one without saying which, so a misspelt --experiment made a new experiment
+    unseen and the run went there. A second submit making the same one meanwhile (HTTP 409) shares it."""
+    try:
+        return client.get_experiment(experiment_name=name), False
+    except ValueError as e:  # kfp's word for "none of that name"
+        if not str(e).startswith("No experiment is found with name"):
+            raise
+    try:
+        return client.create_experiment(name), True
+    except Exception as e:
+        if not _already_exists(e):
+            raise
+        return client.get_experiment(experiment_name=name), False
+
+
 @dataclass
 class Submission:
     host: str
@@ -481,6 +498,7 @@ class Submission:
     reused_run: Optional[bool] = None  # --once found a run of the name and started none
     recurring_run_id: Optional[str] = None
     replaced: list[str] = field(default_factory=list)  # recurring runs of the same name disabled by --replace
+    experiment_created: bool = False  # there was no experiment of the name: this submit made it
     state: Optional[str] = None
     timed_out: Optional[bool] = None  # --wait ran out of time with the run still going
 
@@ -583,12 +601,13 @@ def submit(
             package = compile_reproducibly(cfg, str(Path(tmp) / "pipeline.yaml"))
             pipeline_id, version_id, uploaded = ensure_pipeline_version(client, package, PIPELINE_NAME,
                                                                         PIPELINE_DESCRIPTION)
-        exp = client.create_experiment(experiment)
+        exp, experiment_created = ensure_experiment(client, experiment)
         # A recurring run is found again by its name: one name whatever the config, so a changed config meets the
         # schedule it replaces. A run's default name tells its version apart.
         name = run_name or (PIPELINE_NAME if cron is not None else f"{PIPELINE_NAME}-{version_id[:8]}")
         sub = Submission(host=ep.host, pipeline_id=pipeline_id, version_id=version_id, uploaded=uploaded,
-                         experiment=experiment, experiment_id=exp.experiment_id, name=name)
+                         experiment=experiment, experiment_id=exp.experiment_id, name=name,
+                         experiment_created=experiment_created)
         sa = cfg.kubernetes.service_account
         if cron is not None:
             old = _enabled_recurring_runs(client, exp.experiment_id, name)

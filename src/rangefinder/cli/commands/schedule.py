@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from rangefinder.cli import args as argtypes
-from rangefinder.cli.commands.submit import add_endpoint_args, endpoint_kwargs, load_checked_config
+from rangefinder.cli.commands.submit import add_endpoint_args, endpoint_kwargs, experiment_result, load_checked_config
 from rangefinder.cli.output import add_json_flag
 
 
@@ -42,5 +42,5 @@ def run(args: argparse.Namespace) -> dict:
                  max_concurrency=args.max_concurrency, catchup=args.catchup)
     return {"recurring_run_id": sub.recurring_run_id, "recurring_run_url": sub.recurring_run_url, "name": sub.name,
             "cron": cron, "max_concurrency": args.max_concurrency, "catchup": args.catchup, "replaced": sub.replaced,
-            "experiment": sub.experiment, "experiment_id": sub.experiment_id, "pipeline_id": sub.pipeline_id,
+            **experiment_result(args, sub), "experiment_id": sub.experiment_id, "pipeline_id": sub.pipeline_id,
             "version_id": sub.version_id, "uploaded": sub.uploaded, "host": sub.host}

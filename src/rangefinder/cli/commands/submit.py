@@ -20,8 +20,8 @@ def add_endpoint_args(p: argparse.ArgumentParser) -> None:
                    help="seconds a request to the endpoint may wait to connect, or for the server's answer, before the "
                    "command gives up; one that timed out is not sent again (default 30)")
     p.add_argument("--config", required=True, help="a rangefinder config YAML: parameters and pod settings")
-    p.add_argument("--experiment", help="KFP experiment, made if missing (default: tracking.experiment_name of the "
-                   "config)")
+    p.add_argument("--experiment", help="KFP experiment, made if missing, which the result says (default: "
+                   "tracking.experiment_name of the config)")
     p.add_argument("--dataset-uri", default="", help="object-store URI of the dataset folder (s3://, gs://, minio://)")
 
 
@@ -43,6 +43,19 @@ def endpoint_kwargs(args: argparse.Namespace) -> dict:
     return {"host": args.host, "token": args.token, "namespace": args.namespace, "ca_cert": args.ca_cert,
             "request_timeout_s": args.request_timeout, "experiment": args.experiment, "dataset_uri": args.dataset_uri,
             "run_name": args.name}
+
+
+def experiment_result(args: argparse.Namespace, sub) -> dict:
+    """The experiment in the result: --json carries `experiment_created`; the table says it in words, with where the
+    name came from, since a misspelt name makes a new experiment rather than failing."""
+    if args.json:
+        return {"experiment": sub.experiment, "experiment_created": sub.experiment_created}
+    if not sub.experiment_created:
+        return {"experiment": sub.experiment}
+    fix = "correct --experiment" if args.experiment else (f"pass --experiment or correct tracking.experiment_name in "
+                                                         f"{args.config}")
+    return {"experiment": f"{sub.experiment} (created: KFP had no experiment of that name; if you meant an existing "
+                          f"one, {fix})"}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -77,8 +90,9 @@ def run(args: argparse.Namespace) -> dict:
         out["reused_run"] = sub.reused_run
     if sub.state is not None:
         out["state"] = sub.state
-    out.update(experiment=sub.experiment, experiment_id=sub.experiment_id, pipeline_id=sub.pipeline_id,
-               version_id=sub.version_id, uploaded=sub.uploaded, host=sub.host)
+    out.update(experiment_result(args, sub))
+    out.update(experiment_id=sub.experiment_id, pipeline_id=sub.pipeline_id, version_id=sub.version_id,
+               uploaded=sub.uploaded, host=sub.host)
     if args.wait and sub.state != "SUCCEEDED":
         if sub.timed_out:
             raise RunDidNotSucceed(f"run {sub.run_id} is still {sub.state} after --timeout {args.timeout} s (it goes "
