@@ -199,6 +199,7 @@ def kfp_server():
 @pytest.fixture(autouse=True)
 def _no_ambient_endpoint(monkeypatch, tmp_path):
     monkeypatch.delenv("KF_PIPELINES_ENDPOINT", raising=False)
+    monkeypatch.delenv("KF_PIPELINES_UI_ENDPOINT", raising=False)
     monkeypatch.setenv("KF_PIPELINES_SA_TOKEN_PATH", str(tmp_path / "no-token"))
     monkeypatch.setenv("HOME", str(tmp_path))  # kfp reads ~/.config/kfp/context.json
 
@@ -692,3 +693,37 @@ def test_a_made_experiment_is_said(kfp_server, tmp_path):
     kfp_server.hook = another_job_wins
     sub = submit(parse_config(CFG), host=kfp_server.url, experiment="dogs")
     assert kfp_server.experiments[sub.experiment_id]["display_name"] == "dogs" and not sub.experiment_created
+
+
+def test_links_point_at_the_kfp_ui(kfp_server, tmp_path):
+    """--host is often the API server (a port-forward of ml-pipeline, its in-cluster service), which serves no UI: the
+    links went there all the same. --ui-url, else kfp's $KF_PIPELINES_UI_ENDPOINT, says where the UI is, and links
+    its routes as kfp.Client does (`{ui}/#/runs/details/{id}`); without either, the table says the link assumes the
+    endpoint serves the UI."""
+    from tests.cli.test_bad_input import in_process
+
+    cfg = _config_file(tmp_path)
+    out = json.loads(in_process("submit", "--host", kfp_server.url, "--config", cfg, "--json", "--ui-url",
+                                "https://kubeflow.example.com/pipeline/#/runs").stdout)  # copied from the browser
+    assert out["run_url"] == "https://kubeflow.example.com/pipeline/#/runs/details/r1"
+    assert (out["host"], out["ui_url"]) == (kfp_server.url, "https://kubeflow.example.com/pipeline")
+
+    # kfp's variable, which kfp reads without a scheme as http://
+    r = in_process("schedule", "--host", kfp_server.url, "--config", cfg, "--cron", "@daily",
+                   env={"KF_PIPELINES_UI_ENDPOINT": "localhost:8080"})
+    rows = dict(line.split(None, 1) for line in r.stdout.splitlines())
+    assert rows["recurring_run_url"] == "http://localhost:8080/#/recurringrun/details/rr1"
+    assert rows["ui_url"] == "http://localhost:8080"
+
+    r = in_process("submit", "--host", kfp_server.url, "--config", cfg)
+    rows = dict(line.split(None, 1) for line in r.stdout.splitlines())
+    assert rows["run_url"] == f"{kfp_server.url}/#/runs/details/r2"
+    assert rows["ui_url"] == (f"{kfp_server.url} (the endpoint, assumed to serve the KFP UI; where it does not, pass "
+                              "--ui-url or set $KF_PIPELINES_UI_ENDPOINT)")
+
+    # A password in it would be printed in every link: one line, before any request, not showing it.
+    sent = len(kfp_server.requests)
+    r = in_process("submit", "--host", kfp_server.url, "--config", cfg, "--ui-url", "https://ci:hunter2@kfp.example")
+    (line,) = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and "--ui-url holds a user name and password" in line and "hunter2" not in line
+    assert len(kfp_server.requests) == sent

@@ -5,7 +5,9 @@ Endpoint and credentials are found the way `kfp.Client` finds them:
 - the endpoint is `--host`, else `$KF_PIPELINES_ENDPOINT`;
 - the token is `--token`, else the service-account token a pod gets from a projected volume
   (`$KF_PIPELINES_SA_TOKEN_PATH`, default `/var/run/secrets/kubeflow/pipelines/token`), else none (a port-forward
-  or an endpoint without auth).
+  or an endpoint without auth);
+- the KFP UI the result's links point at is `--ui-url`, else `$KF_PIPELINES_UI_ENDPOINT`, else the endpoint (which
+  is the UI only where it is the UI's proxy: resolve_ui_url).
 
 Before handing over to `kfp.Client` (which retries a refused healthz for half a minute), one quick request to the
 healthz endpoint turns "nothing listens there", "the token was refused" and "its certificate is not trusted" into
@@ -46,6 +48,7 @@ from typing import Any, Optional
 from rangefinder.errors import RangefinderError
 
 ENDPOINT_ENV = "KF_PIPELINES_ENDPOINT"
+UI_ENDPOINT_ENV = "KF_PIPELINES_UI_ENDPOINT"  # kfp.Client's own: the KFP UI its links point at
 SA_TOKEN_ENV = "KF_PIPELINES_SA_TOKEN_PATH"
 SA_TOKEN_DEFAULT_PATH = "/var/run/secrets/kubeflow/pipelines/token"
 HEALTHZ_PATH = "/apis/v2beta1/healthz"
@@ -227,6 +230,27 @@ def resolve_endpoint(host: Optional[str] = None, token: Optional[str] = None, ca
             note = f": ${SA_TOKEN_ENV} names {named}, which is not a file"
     return Endpoint(host=host, token=token or None, token_path=token_path, ca_cert=ca_cert, timeout_s=timeout_s,
                     token_note=note)
+
+
+def resolve_ui_url(ui_url: Optional[str], host: str) -> tuple[str, bool]:
+    """(where the links of the result point, whether the KFP UI's URL was given): `--ui-url`, else
+    `$KF_PIPELINES_UI_ENDPOINT`, else the endpoint, which serves the UI only where it is the UI's proxy
+    (ml-pipeline-ui, as a port-forward of it), not the API server (ml-pipeline, port 8888, in the cluster). As
+    kfp.Client's links (_get_url_prefix), a URL without a scheme is http://; a page of the UI copied from the browser
+    (`.../#/runs`) counts up to its `#`, which starts the UI's own routes."""
+    from rangefinder.config import uri_credentials
+    from rangefinder.errors import ConfigError
+
+    flag = "--ui-url" if ui_url else f"${UI_ENDPOINT_ENV}"
+    url = (ui_url or os.environ.get(UI_ENDPOINT_ENV, "")).strip()
+    if not url:
+        return host, False
+    held = uri_credentials(url)
+    if held:
+        raise ConfigError(f"{flag} holds {held}, which the printed links would show; give the KFP UI's URL alone")
+    if not re.match(r"^https?://", url):
+        url = "http://" + url
+    return url.split("#", 1)[0].rstrip("/"), True
 
 
 def _tls_problem(ep: Endpoint, reason: BaseException) -> Optional[str]:
@@ -488,6 +512,7 @@ def ensure_experiment(client, name: str) -> tuple[Any, bool]:
 @dataclass
 class Submission:
     host: str
+    ui_url: str  # the KFP UI the links point at (resolve_ui_url)
     pipeline_id: str
     version_id: str
     uploaded: bool
@@ -499,16 +524,18 @@ class Submission:
     recurring_run_id: Optional[str] = None
     replaced: list[str] = field(default_factory=list)  # recurring runs of the same name disabled by --replace
     experiment_created: bool = False  # there was no experiment of the name: this submit made it
+    ui_url_given: bool = False  # False: ui_url is the endpoint, taken to serve the UI too
     state: Optional[str] = None
     timed_out: Optional[bool] = None  # --wait ran out of time with the run still going
 
+    # The KFP UI's routes, as kfp.Client links a run (`{ui}/#/runs/details/{id}`) and the UI its recurring runs.
     @property
     def run_url(self) -> Optional[str]:
-        return f"{self.host}/#/runs/details/{self.run_id}" if self.run_id else None
+        return f"{self.ui_url}/#/runs/details/{self.run_id}" if self.run_id else None
 
     @property
     def recurring_run_url(self) -> Optional[str]:
-        return f"{self.host}/#/recurringrun/details/{self.recurring_run_id}" if self.recurring_run_id else None
+        return f"{self.ui_url}/#/recurringrun/details/{self.recurring_run_id}" if self.recurring_run_id else None
 
 
 def wait_for_run(client, run_id: str, timeout_s: float, poll_s: float = 5.0) -> tuple[str, bool]:
@@ -569,6 +596,7 @@ def submit(
     namespace: Optional[str] = None,
     ca_cert: Optional[str] = None,
     request_timeout_s: float = REQUEST_TIMEOUT_S,
+    ui_url: Optional[str] = None,
     once: bool = False,
     replace: bool = False,
     max_concurrency: int = 1,
@@ -595,6 +623,7 @@ def submit(
     params = parameters_from_config(cfg, dataset_uri=dataset_uri)
     experiment = experiment or cfg.tracking.experiment_name
     ep = resolve_endpoint(host, token, ca_cert, request_timeout_s)
+    ui_url, ui_url_given = resolve_ui_url(ui_url, ep.host)
     with _session(ep):
         client = connect(ep, namespace)
         with tempfile.TemporaryDirectory(prefix="rangefinder-submit-") as tmp:
@@ -605,9 +634,9 @@ def submit(
         # A recurring run is found again by its name: one name whatever the config, so a changed config meets the
         # schedule it replaces. A run's default name tells its version apart.
         name = run_name or (PIPELINE_NAME if cron is not None else f"{PIPELINE_NAME}-{version_id[:8]}")
-        sub = Submission(host=ep.host, pipeline_id=pipeline_id, version_id=version_id, uploaded=uploaded,
-                         experiment=experiment, experiment_id=exp.experiment_id, name=name,
-                         experiment_created=experiment_created)
+        sub = Submission(host=ep.host, ui_url=ui_url, pipeline_id=pipeline_id, version_id=version_id,
+                         uploaded=uploaded, experiment=experiment, experiment_id=exp.experiment_id, name=name,
+                         experiment_created=experiment_created, ui_url_given=ui_url_given)
         sa = cfg.kubernetes.service_account
         if cron is not None:
             old = _enabled_recurring_runs(client, exp.experiment_id, name)

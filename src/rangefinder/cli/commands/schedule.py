@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 
 from rangefinder.cli import args as argtypes
-from rangefinder.cli.commands.submit import add_endpoint_args, endpoint_kwargs, experiment_result, load_checked_config
+from rangefinder.cli.commands.submit import (
+    add_endpoint_args,
+    endpoint_kwargs,
+    endpoint_result,
+    experiment_result,
+    load_checked_config,
+)
 from rangefinder.cli.output import add_json_flag
 
 
@@ -43,4 +49,4 @@ def run(args: argparse.Namespace) -> dict:
     return {"recurring_run_id": sub.recurring_run_id, "recurring_run_url": sub.recurring_run_url, "name": sub.name,
             "cron": cron, "max_concurrency": args.max_concurrency, "catchup": args.catchup, "replaced": sub.replaced,
             **experiment_result(args, sub), "experiment_id": sub.experiment_id, "pipeline_id": sub.pipeline_id,
-            "version_id": sub.version_id, "uploaded": sub.uploaded, "host": sub.host}
+            "version_id": sub.version_id, "uploaded": sub.uploaded, **endpoint_result(args, sub)}

@@ -11,6 +11,10 @@ from rangefinder.cli.output import add_json_flag
 
 def add_endpoint_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", help="KFP endpoint URL (default: $KF_PIPELINES_ENDPOINT)")
+    p.add_argument("--ui-url", help="the KFP UI the printed links point at, e.g. "
+                   "https://kubeflow.example.com/pipeline or http://localhost:8080 after `kubectl port-forward -n "
+                   "kubeflow svc/ml-pipeline-ui 8080:80` (default: $KF_PIPELINES_UI_ENDPOINT, as kfp reads it, else "
+                   "the endpoint)")
     p.add_argument("--token", help="bearer token (default: the token file $KF_PIPELINES_SA_TOKEN_PATH names, else "
                    "the in-cluster service-account token, if any)")
     p.add_argument("--namespace", help="Kubeflow profile namespace (multi-user installs)")
@@ -42,7 +46,7 @@ def load_checked_config(args: argparse.Namespace, command: str):
 def endpoint_kwargs(args: argparse.Namespace) -> dict:
     return {"host": args.host, "token": args.token, "namespace": args.namespace, "ca_cert": args.ca_cert,
             "request_timeout_s": args.request_timeout, "experiment": args.experiment, "dataset_uri": args.dataset_uri,
-            "run_name": args.name}
+            "run_name": args.name, "ui_url": args.ui_url}
 
 
 def experiment_result(args: argparse.Namespace, sub) -> dict:
@@ -56,6 +60,16 @@ def experiment_result(args: argparse.Namespace, sub) -> dict:
                                                          f"{args.config}")
     return {"experiment": f"{sub.experiment} (created: KFP had no experiment of that name; if you meant an existing "
                           f"one, {fix})"}
+
+
+def endpoint_result(args: argparse.Namespace, sub) -> dict:
+    """The endpoint and the KFP UI the links point at; the table says when that is the endpoint, taken to serve the
+    UI (a port-forward of ml-pipeline-ui does; the API server, ml-pipeline, does not)."""
+    ui_url = sub.ui_url
+    if not (args.json or sub.ui_url_given):
+        ui_url += (" (the endpoint, assumed to serve the KFP UI; where it does not, pass --ui-url or set "
+                   "$KF_PIPELINES_UI_ENDPOINT)")
+    return {"host": sub.host, "ui_url": ui_url}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -92,7 +106,7 @@ def run(args: argparse.Namespace) -> dict:
         out["state"] = sub.state
     out.update(experiment_result(args, sub))
     out.update(experiment_id=sub.experiment_id, pipeline_id=sub.pipeline_id, version_id=sub.version_id,
-               uploaded=sub.uploaded, host=sub.host)
+               uploaded=sub.uploaded, **endpoint_result(args, sub))
     if args.wait and sub.state != "SUCCEEDED":
         if sub.timed_out:
             raise RunDidNotSucceed(f"run {sub.run_id} is still {sub.state} after --timeout {args.timeout} s (it goes "
