@@ -147,8 +147,11 @@ def lora_to_kohya_flux(transformer_layers: Mapping[str, LoraWeights], text_encod
     Where BFL fuses diffusers modules into one linear layer (`img_attn.qkv`, a single block's `linear1`), the
     adapters fuse as sd-scripts' own `split_qkv` LoRA saves them (LoRANetwork.state_dict there): the parts' `down`
     stacked, `up` block-diagonal, so the fused product is each part's product in its rows. A part without an
-    adapter is rows of zeros. Each part's scale is folded into its `up` block and `.alpha` is the fused rank (scale 1
-    for every reader, which all take alpha / down's rows), since the parts' scales need not agree.
+    adapter is rows of zeros. Every module keeps `up` as trained and `.alpha` = its first part's scale x its rank
+    (down's rows), from which every reader takes alpha / rank (ComfyUI's comfy/weight_adapter/lora.py
+    `calculate_weight`, diffusers' `_convert_kohya_flux_lora_to_diffusers`): so the file's alpha is the trained one,
+    as `ss_network_alpha` says. A part whose scale differs from the first's (peft's alpha_pattern) has the ratio
+    folded into its `up` block; with one LoRA config the ratio is 1 and nothing is folded.
     """
     import torch
 
@@ -168,23 +171,20 @@ def lora_to_kohya_flux(transformer_layers: Mapping[str, LoraWeights], text_encod
         ordered = [adapters[j] for j in sorted(adapters)]
         down = torch.cat([w.down for w in ordered], dim=0)
         rows = [_fused_rows(j, adapters, transformer_config, parts) for j in range(len(parts))]
+        scale = ordered[0].scale
         up = torch.zeros((sum(rows), down.shape[0]), dtype=ordered[0].up.dtype)
         row, col = 0, 0
         for j, n_rows in enumerate(rows):
             if j in adapters:
                 w = adapters[j]
-                up[row: row + n_rows, col: col + w.rank] = (w.up.float() * w.scale).to(up.dtype)
+                block = w.up if w.scale == scale else (w.up.float() * (w.scale / scale)).to(up.dtype)
+                up[row: row + n_rows, col: col + w.rank] = block
                 col += w.rank
             row += n_rows
-        name = KOHYA_FLUX_PREFIX + bfl.replace(".", "_")
-        out[f"{name}.lora_down.weight"] = down
-        out[f"{name}.lora_up.weight"] = up
-        out[f"{name}.alpha"] = torch.tensor(float(down.shape[0]), dtype=torch.float32)
+        out.update(_kohya_module(KOHYA_FLUX_PREFIX + bfl.replace(".", "_"), down, up, scale))
     for path, w in text_encoder_layers.items():
-        name = KOHYA_FLUX_CLIP_PREFIX + clip_text_key(path).replace(".", "_")
-        out[f"{name}.lora_down.weight"] = w.down
-        out[f"{name}.lora_up.weight"] = w.up
-        out[f"{name}.alpha"] = torch.tensor(w.scale * w.rank, dtype=torch.float32)
+        out.update(_kohya_module(KOHYA_FLUX_CLIP_PREFIX + clip_text_key(path).replace(".", "_"), w.down, w.up,
+                                 w.scale))
     return out
 
 

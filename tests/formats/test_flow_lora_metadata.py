@@ -1,0 +1,157 @@
+"""The kohya LoRA of the flow families (Flux.1, SD3/3.5) as its consumers read it: the sd-scripts and model-spec
+metadata that LoRA browsers, kohya's tools and model managers show agrees with the tensors, and the file still loads,
+the same model, in diffusers and through ComfyUI's rules.
+
+The adapters are the `lora` method's own (its `setup` on the tiny Flux and SD3), rank 4 and alpha 8, with non-zero
+`up`s, written by the family's own export (FamilyLayout.lora_export). sd-scripts writes `ss_network_dim` and
+`ss_network_alpha` as trained (train_network.py's metadata block), and every reader scales a module by its `.alpha`
+over its `down`'s rows (ComfyUI: comfy/weight_adapter/lora.py `calculate_weight`; diffusers:
+lora_conversion_utils.py `_convert_kohya_flux_lora_to_diffusers`), so a module holding one adapter must carry
+alpha = ss_network_alpha at rank ss_network_dim, and a fused one (q, k and v in one BFL or MMDiT layer) the same
+ratio. The Flux file once carried alpha = rank (scale folded into `up`) under `ss_network_alpha` 8.0.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rangefinder.formats.weights_file import read_metadata
+
+RANK, ALPHA = 4, 8.0  # alpha != rank, so a scale dropped or doubled anywhere shows
+# Every linear layer of a block (BFL fuses q, k, v and a single block's MLP input; the MMDiT fuses q, k, v), so both
+# fused and one-adapter modules are written.
+TARGETS = {
+    "flux": ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+             "ff.net.0.proj", "ff.net.2", "proj_mlp"],
+    "sd3": ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+            "ff.net.2"],
+}
+
+
+@pytest.fixture(scope="module", params=["flux", "sd3"])
+def exported(request, tmp_path_factory):
+    """(family, base folder, {weight key: trained weight} of the transformer, {"diffusers"/"kohya": file})."""
+    from peft.tuners.lora import LoraLayer
+
+    from rangefinder.config import ModelConfig, TrainingConfig
+    from rangefinder.formats.weights_file import export_metadata
+    from rangefinder.models.loading import load_sd_components
+    from rangefinder.training.family_detection import FAMILY_LAYOUTS, import_named
+    from rangefinder.training.methods import make_method
+
+    family = request.param
+    folder = request.getfixturevalue({"flux": "tiny_flux_dir", "sd3": "tiny_sd3_dir"}[family])
+    sd = load_sd_components(ModelConfig(base_model=str(folder)))
+    assert sd.family == family
+    cfg = TrainingConfig(method="lora", lora={"rank": RANK, "alpha": ALPHA, "target_modules": TARGETS[family]})
+    make_method(cfg).setup(sd, torch.float32)
+    g = torch.Generator().manual_seed(0)
+    trained = {}
+    for path, layer in sd.unet.named_modules():
+        if isinstance(layer, LoraLayer):
+            b = layer.lora_B["default"].weight
+            b.data = torch.randn(b.shape, generator=g) * 0.1  # B starts at zero in training
+            trained[f"{path}.weight"] = (layer.get_base_layer().weight + layer.get_delta_weight("default")).detach()
+    state = {k.replace(".base_layer", ""): v for k, v in sd.unet.state_dict().items() if "lora_" not in k}
+    files = import_named(FAMILY_LAYOUTS[family].lora_export)(
+        tmp_path_factory.mktemp(f"{family}-lora"), sd.unet, None, None,
+        {**export_metadata(method="lora", updates=3), "rangefinder.family": family})
+    return family, folder, {**state, **trained}, files
+
+
+def _modules(lora: dict[str, torch.Tensor]) -> dict[str, tuple[int, float]]:
+    """{kohya module: (its rank, down's rows; its alpha)}."""
+    return {k.removesuffix(".alpha"): (int(lora[k.replace(".alpha", ".lora_down.weight")].shape[0]), float(v))
+            for k, v in lora.items() if k.endswith(".alpha")}
+
+
+def test_kohya_dim_and_alpha_agree_with_the_tensors_and_consumers_apply_the_trained_change(exported):
+    family, folder, trained, files = exported
+    meta = read_metadata(files["kohya"])
+    lora = load_file(str(files["kohya"]))
+    assert meta["ss_network_dim"] == str(RANK) and float(meta["ss_network_alpha"]) == ALPHA
+    assert meta["ss_steps"] == "3"
+
+    modules = _modules(lora)
+    assert {k.rsplit(".", 2)[0] for k in lora if ".lora_" in k} == set(modules)  # every module has its alpha
+    single = {m: alpha for m, (rank, alpha) in modules.items() if rank == RANK}
+    fused = {m for m, (rank, _) in modules.items() if rank > RANK}
+    assert single and fused
+    # A module of one adapter is the network's dim and alpha; every module scales by the trained alpha / rank.
+    assert set(single.values()) == {float(meta["ss_network_alpha"])}
+    assert all(alpha / rank == ALPHA / RANK for rank, alpha in modules.values())
+
+    # ComfyUI's rules (alpha / down's rows, on the weight its key map names) give the trained weights.
+    if family == "flux":
+        _comfy_gives_the_trained_flux(lora, trained, folder)
+    else:
+        _comfy_gives_the_trained_sd3(lora, trained, folder)
+
+    # diffusers' own loader: both Flux files (it converts kohya's Flux names), SD3's diffusers-named one (it has no
+    # conversion for kohya's SD3 names: docs/model-families.md); fused, the trained weights.
+    for which in ("diffusers", "kohya") if family == "flux" else ("diffusers",):
+        fused_state = _diffusers_fused(family, folder, files[which])
+        for key, want in trained.items():
+            torch.testing.assert_close(fused_state[key], want, rtol=1e-5, atol=1e-6, msg=f"{which}: {key}")
+
+
+def _comfy_gives_the_trained_flux(lora, trained, folder) -> None:
+    from diffusers import FluxTransformer2DModel
+    from transformers import CLIPTextModel
+
+    from rangefinder.formats.flux_layout import to_bfl_state_dict
+    from tests.formats.consumers import comfy_flux_key_map, comfy_flux_patched, comfy_load_lora
+
+    config = FluxTransformer2DModel.load_config(str(folder / "transformer"))
+    base = to_bfl_state_dict(FluxTransformer2DModel.from_pretrained(str(folder / "transformer")).state_dict(), config)
+    clip_l = CLIPTextModel.from_pretrained(str(folder / "text_encoder"))
+    patches, left = comfy_load_lora(lora, comfy_flux_key_map(base, clip_l))
+    assert left == set()
+    patched = comfy_flux_patched(base, patches)
+    for key, want in to_bfl_state_dict(trained, config).items():
+        torch.testing.assert_close(patched[key], want.float(), rtol=1e-5, atol=1e-6, msg=key)
+
+
+def _comfy_gives_the_trained_sd3(lora, trained, folder) -> None:
+    """comfy/lora.py `model_lora_keys_unet` names every `diffusion_model.` weight `lora_unet_<path with _>`."""
+    from diffusers import SD3Transformer2DModel
+
+    from rangefinder.formats.single_file_sd3 import mmdit_state_dict
+    from tests.formats.consumers import comfy_load_lora, comfy_patched_state
+
+    base = SD3Transformer2DModel.from_pretrained(str(folder / "transformer"))
+    before = {k: v.clone() for k, v in mmdit_state_dict(base).items()}  # load_state_dict copies in place
+    base.load_state_dict(trained, strict=True)
+    after = mmdit_state_dict(base)
+    key_map = {"lora_unet_" + k.removesuffix(".weight").replace(".", "_"): ("transformer", k)
+               for k in before if k.endswith(".weight")}
+    patches, left = comfy_load_lora(lora, key_map)
+    assert left == set()
+    patched = comfy_patched_state({k: v.float() for k, v in before.items()}, patches, "transformer")
+    for key, want in after.items():
+        torch.testing.assert_close(patched[key], want.float(), rtol=1e-5, atol=1e-6, msg=key)
+
+
+def _diffusers_fused(family, folder, path) -> dict[str, torch.Tensor]:
+    """The transformer's weights after diffusers' load_lora_weights and fuse_lora of `path`."""
+    from contextlib import nullcontext
+
+    from diffusers import FluxPipeline, StableDiffusion3Pipeline
+
+    pipe = (FluxPipeline if family == "flux" else StableDiffusion3Pipeline).from_pretrained(
+        str(folder), local_files_only=True)
+    if family == "flux":
+        from tests.formats.test_flux_outputs import diffusers_at_width
+
+        config = pipe.transformer.config
+        width = diffusers_at_width(int(config.num_attention_heads * config.attention_head_dim))
+    else:
+        width = nullcontext()
+    with width:
+        pipe.load_lora_weights(str(path))
+    pipe.fuse_lora()
+    pipe.unload_lora_weights()
+    return pipe.transformer.state_dict()
+
