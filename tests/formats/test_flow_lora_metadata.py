@@ -28,6 +28,18 @@ TARGETS = {
     "sd3": ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
             "ff.net.2"],
 }
+# What sd-scripts writes for these models (flux_train_network.py, sd3_train_network.py, library/sai_model_spec.py):
+# the tiny Flux takes guidance (dev); the tiny SD3 has SD3.5's RMSNorm q/k and no second attention (5-large).
+EXPECTED = {
+    "flux": {"ss_network_module": "networks.lora_flux", "ss_base_model_version": "flux1",
+             "modelspec.architecture": "flux-1-dev/lora",
+             "modelspec.implementation": "https://github.com/black-forest-labs/flux"},
+    "sd3": {"ss_network_module": "networks.lora_sd3", "ss_base_model_version": "5-large",
+            "modelspec.architecture": "stable-diffusion-3-5-large/lora"},
+    "sdxl": {"ss_network_module": "networks.lora", "ss_base_model_version": "sdxl_base_v1-0",
+             "modelspec.architecture": "stable-diffusion-xl-v1-base/lora",
+             "modelspec.implementation": "https://github.com/Stability-AI/generative-models"},
+}
 
 
 @pytest.fixture(scope="module", params=["flux", "sd3"])
@@ -155,3 +167,35 @@ def _diffusers_fused(family, folder, path) -> dict[str, torch.Tensor]:
     pipe.unload_lora_weights()
     return pipe.transformer.state_dict()
 
+
+
+def test_kohya_metadata_names_the_base_model_as_sd_scripts_does(exported):
+    """The network module, `ss_base_model_version` and the model spec's architecture (the base model's id +
+    "/lora") with the codebase whose module names the file uses, as sd-scripts writes them for these models."""
+    family, _, _, files = exported
+    meta = read_metadata(files["kohya"])
+    assert {k: meta.get(k) for k in EXPECTED[family]} == EXPECTED[family]
+    assert meta["modelspec.sai_model_spec"] == "1.0.1"
+
+
+@pytest.mark.parametrize("sd3_config", [{"qk_norm": None}, {"qk_norm": "rms_norm", "dual_attention_layers": [0]}])
+def test_sd3_medium_and_sd35_medium_are_told_apart_as_sd_scripts_does(sd3_config):
+    """sd-scripts' library/sd3_utils.py `analyze_state_dict_state`: no q/k norm is SD3 Medium, q/k norm and a
+    second image attention is SD3.5 Medium (the tiny SD3 above is SD3.5 Large's kind)."""
+    from rangefinder.formats.lora import sd3_model_type
+
+    assert sd3_model_type(sd3_config) == ("medium" if sd3_config["qk_norm"] is None else "5-medium")
+
+
+def test_sdxl_kohya_lora_names_its_base_model_through_the_same_metadata(tiny_sdxl_dir, tmp_path):
+    """SDXL's kohya file goes through the same kohya_metadata: its sd-scripts version and model spec."""
+    from rangefinder.config import ModelConfig, TrainingConfig
+    from rangefinder.formats.lora import save_sdxl_lora_files
+    from rangefinder.models.loading import load_sd_components
+    from rangefinder.training.methods import make_method
+
+    sd = load_sd_components(ModelConfig(base_model=str(tiny_sdxl_dir)))
+    make_method(TrainingConfig(method="lora", lora={"rank": RANK, "alpha": ALPHA})).setup(sd, torch.float32)
+    meta = read_metadata(save_sdxl_lora_files(tmp_path, sd.unet)["kohya"])
+    assert {k: meta.get(k) for k in EXPECTED["sdxl"]} == EXPECTED["sdxl"]
+    assert meta["ss_network_dim"] == str(RANK) and float(meta["ss_network_alpha"]) == ALPHA

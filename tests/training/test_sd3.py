@@ -115,7 +115,7 @@ def test_the_kohya_loras_metadata_is_sd_scripts_sd3_keys_with_the_run_s_updates(
     result = runs["lora"]
     meta = read_metadata(result.final_dir / "lora_kohya.safetensors")
     lora = TrainingConfig().lora
-    assert meta["ss_network_module"] == "networks.lora_sd3" and meta["ss_base_model_version"] == "sd3"
+    assert meta["ss_network_module"] == "networks.lora_sd3" and meta["ss_base_model_version"] == "5-large"
     assert meta["ss_network_dim"] == str(lora.rank) and float(meta["ss_network_alpha"]) == lora.alpha
     assert meta["ss_steps"] == meta["rangefinder.updates"] == str(result.updates) == "4"
     assert meta["rangefinder.family"] == "sd3" and meta["rangefinder.method"] == "lora"
@@ -235,6 +235,11 @@ def test_sd35_medium_lora_on_attn2_is_kohyas_attn2_qkv_and_loads_in_diffusers(me
     assert result.status == "ok"
     modules = assert_kohya_lora_is_comfy_named_and_equals_diffusers(result.final_dir, medium_dir)
     assert {"lora_unet_joint_blocks_0_x_block_attn2_qkv", "lora_unet_joint_blocks_0_x_block_attn2_proj"} <= modules
+    from rangefinder.formats.weights_file import read_metadata
+
+    meta = read_metadata(result.final_dir / "lora_kohya.safetensors")  # sd-scripts' name for SD3.5 Medium
+    assert (meta["ss_base_model_version"], meta["modelspec.architecture"]) == (
+        "5-medium", "stable-diffusion-3-5-medium/lora")
     tensors = load_file(str(result.final_dir / "pytorch_lora_weights.safetensors"))
     pipe = StableDiffusion3Pipeline.from_pretrained(str(medium_dir), local_files_only=True)
     pipe.load_lora_weights(str(result.final_dir / "pytorch_lora_weights.safetensors"))

@@ -196,15 +196,31 @@ def _fused_rows(j: int, adapters: Mapping[int, LoraWeights], config: Mapping[str
     return inner * 4 if parts[j].endswith("proj_mlp") else inner  # FluxSingleTransformerBlock's mlp_ratio 4
 
 
+# The SAI model spec (modelspec.*) that sd-scripts writes beside its own keys (library/sai_model_spec.py at
+# 48d368fa5577: its version, ARCH_* ids and IMPL_* codebases), which LoRA browsers read to tell a file's base model.
+MODELSPEC_VERSION = "1.0.1"
+MODELSPEC_IMPL_SGM = "https://github.com/Stability-AI/generative-models"
+MODELSPEC_IMPL_FLUX = "https://github.com/black-forest-labs/flux"
+
+
 def kohya_metadata(meta: Mapping[str, str], any_layer: LoraWeights, network_module: str,
-                   base_model_version: Optional[str]) -> dict[str, str]:
+                   base_model_version: Optional[str], architecture: Optional[str] = None,
+                   implementation: Optional[str] = None) -> dict[str, str]:
     """`meta` plus sd-scripts' own training metadata keys (train_network.py), which A1111's and ComfyUI's LoRA
-    browsers show: the network module, the base model version, dim and alpha as trained, and the updates as
-    `ss_steps`, the same for every family."""
+    browsers show: the network module, the base model version, dim and alpha as trained (what the file's `.alpha`
+    tensors hold: each family's `lora_to_kohya*` writes alpha = scale x rank), and the updates as `ss_steps`, the
+    same for every family; and, given the base model's `architecture` (sai_model_spec.py's ARCH_* id), the model
+    spec's version, `modelspec.architecture` (that id + "/lora", as sd-scripts' `determine_architecture` makes it)
+    and the `implementation` whose module names the file uses."""
     out = {**meta, "ss_network_module": network_module, "ss_network_dim": str(any_layer.rank),
            "ss_network_alpha": repr(any_layer.scale * any_layer.rank)}
     if base_model_version is not None:
         out["ss_base_model_version"] = base_model_version
+    if architecture is not None:
+        out["modelspec.sai_model_spec"] = MODELSPEC_VERSION
+        out["modelspec.architecture"] = f"{architecture}/lora"
+    if implementation is not None:
+        out["modelspec.implementation"] = implementation
     if "rangefinder.updates" in meta:
         out["ss_steps"] = meta["rangefinder.updates"]
     return out
@@ -223,9 +239,16 @@ def save_lora_files(out_dir: Path, unet=None, text_encoder=None, metadata: Optio
     meta = dict(metadata or {})
     any_layer = next(iter({**unet_layers, **te_layers, **te2_layers}.values()))
     if flux:
-        kohya_meta = kohya_metadata(meta, any_layer, "networks.lora_flux", "flux1")
-    else:  # sdxl_base_v1-0: what sd-scripts writes for SDXL (A1111 tells an SDXL LoRA by its `sdxl_` prefix)
-        kohya_meta = kohya_metadata(meta, any_layer, "networks.lora", "sdxl_base_v1-0" if sdxl else None)
+        # sd-scripts' Flux values (flux_train_network.py: flux_utils.MODEL_VERSION_FLUX_V1; dev or schnell by
+        # whether the model takes guidance, as its flux_utils.analyze_checkpoint_state tells them).
+        variant = "dev" if dict(unet.config).get("guidance_embeds") else "schnell"
+        kohya_meta = kohya_metadata(meta, any_layer, "networks.lora_flux", "flux1", f"flux-1-{variant}",
+                                    MODELSPEC_IMPL_FLUX)
+    elif sdxl:  # sdxl_base_v1-0: what sd-scripts writes for SDXL (A1111 tells an SDXL LoRA by its `sdxl_` prefix)
+        kohya_meta = kohya_metadata(meta, any_layer, "networks.lora", "sdxl_base_v1-0", "stable-diffusion-xl-v1-base",
+                                    MODELSPEC_IMPL_SGM)
+    else:  # SD 1.x or 2.x: which one (and whether v-prediction) is not known here, so no base model is claimed
+        kohya_meta = kohya_metadata(meta, any_layer, "networks.lora", None)
     if flux:
         return {
             "diffusers": save_safetensors(lora_to_diffusers_flux(unet_layers, te_layers), out_dir / LORA_WEIGHTS_NAME,
@@ -301,6 +324,16 @@ def _kohya_module(name: str, down, up, scale: float) -> dict:
             f"{name}.alpha": torch.tensor(scale * down.shape[0], dtype=torch.float32)}
 
 
+def sd3_model_type(config: Mapping[str, Any]) -> str:
+    """The SD3 model type sd-scripts writes as `ss_base_model_version` and after `stable-diffusion-3-` in
+    `modelspec.architecture` (sd3_train_network.py returns `mmdit.model_type`, which library/sd3_utils.py
+    `analyze_state_dict_state` reads off the weights): "medium" for SD3 Medium (no q/k norm), "5-large" for SD3.5
+    Large (RMSNorm q/k), "5-medium" for SD3.5 Medium (RMSNorm q/k and MMDiT-X's second image attention)."""
+    if not config.get("qk_norm"):
+        return "medium"
+    return "5-medium" if config.get("dual_attention_layers") else "5-large"
+
+
 # One signature per family's LoRA export, (out_dir, denoiser, text_encoder, text_encoder_2, metadata), which
 # training/family_detection.py's FamilyLayout.lora_export names.
 def save_sd_lora_files(out_dir: Path, unet, text_encoder=None, text_encoder_2=None,
@@ -328,7 +361,11 @@ def save_sd3_lora_files(out_dir: Path, transformer, text_encoder=None, text_enco
     if not layers and not te and not te2:
         raise ValueError("no LoRA adapters found on the transformer or the text encoders; nothing to export")
     meta = dict(metadata or {})
-    kohya_meta = kohya_metadata(meta, next(iter({**layers, **te, **te2}.values())), "networks.lora_sd3", "sd3")
+    model_type = sd3_model_type(transformer.config)
+    # No modelspec.implementation: sd-scripts writes "diffusers" for an SD3 LoRA (sai_model_spec.py
+    # `determine_implementation`), but this file's module names are the original MMDiT's, not diffusers'.
+    kohya_meta = kohya_metadata(meta, next(iter({**layers, **te, **te2}.values())), "networks.lora_sd3", model_type,
+                                f"stable-diffusion-3-{model_type}")
     return {"diffusers": save_safetensors(sd3_lora_to_diffusers(layers, te, te2), Path(out_dir) / LORA_WEIGHTS_NAME,
                                           meta),
             "kohya": save_safetensors(sd3_lora_to_kohya(layers, te, te2), Path(out_dir) / LORA_KOHYA_NAME,
