@@ -108,8 +108,9 @@ _SECRET_KEY = re.compile(
 SECRET_REFERENCES = frozenset({"kubernetes.mlflow_secret", "kubernetes.hf_token_secret",
                                "kubernetes.hf_token_secret_key"})
 
-# What stands in MLflow's copy of a config for a secret it hid (tracking/redaction.py): a config read back with one
-# is refused, naming the setting to fill in, as it would train on the mark.
+# What stands in MLflow's copy of a config for a value it hid (tracking/runs.py config_text: a secret-named setting,
+# or a string that held a secret, each hidden whole): a config read back with one is refused, naming the setting to
+# fill in, as it would train on the mark. Only a whole value: a prompt may hold *** of its own ("a ***bold*** sign").
 REDACTED = "***"
 
 
@@ -1311,7 +1312,7 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
 
 def _check_raw(raw: Any) -> None:
     """ConfigError naming (by its dotted path) the first string, list or mapping over its bound, or string holding a
-    URL with credentials; or a config with more values in all than MAX_VALUES; or, in one line, every string holding
+    URL with credentials; or a config with more values in all than MAX_VALUES; or, in one line, every value that is
     the mark of a hidden secret (a run's config.yaml read back from MLflow). Iterative, so a deep structure cannot
     exhaust the stack."""
     seen = 0
@@ -1334,7 +1335,7 @@ def _check_raw(raw: Any) -> None:
                 _refuse_uri_credentials(value)
             except ValueError as e:
                 raise ConfigError(f"{name}: {e}") from None
-        if isinstance(value, str) and REDACTED in value:
+        if value == REDACTED:
             masked.append(name)
         if isinstance(value, (dict, list)) and len(value) > MAX_LIST_ITEMS:
             raise ConfigError(f"{name}: {len(value)} entries, more than the {MAX_LIST_ITEMS} a setting may have; "

@@ -84,3 +84,34 @@ def test_only_the_settings_naming_a_kubernetes_secret_look_secret_and_are_kept()
     # The same words anywhere else are still hidden.
     assert flatten_params({"hf_token_secret": "x", "vault": {"mlflow_secret": "y"}}) == {
         "hf_token_secret": "***", "vault.mlflow_secret": "***"}
+
+
+def test_a_logged_config_reads_back_refused_only_where_its_masking_hid_a_value(monkeypatch, tmp_path):
+    """The run's config.yaml hides a value whole, a secret-named setting's (a pod label `api_key`) or a string's
+    that held a secret (a prompt with the tracking password in it), and reading it back refuses exactly those, in one
+    line naming each. A *** of the user's own ("a ***bold*** sign") was refused as a hidden secret too; it is a
+    prompt, and reads back as it is."""
+    import pytest
+    import yaml
+
+    from rangefinder.config import RangefinderConfig, load_config
+    from rangefinder.errors import ConfigError
+    from rangefinder.tracking.runs import config_text
+
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "s3cret-pw-7781")
+    clean = RangefinderConfig(sampling={"prompts": ["a ***bold*** sign", "***a star*** on white"]},
+                              kubernetes={"pod_labels": {"team": "vision"}})
+    leaky = clean.model_copy(update={
+        "sampling": clean.sampling.model_copy(update={"prompts": ["a ***bold*** sign", "a cat s3cret-pw-7781"]}),
+        "kubernetes": clean.kubernetes.model_copy(update={"pod_labels": {"team": "vision", "api_key": "k-123456"}})})
+    for name, cfg in (("clean", clean), ("leaky", leaky)):
+        (tmp_path / f"{name}.yaml").write_text(config_text(cfg))
+    logged = yaml.safe_load((tmp_path / "leaky.yaml").read_text())
+    assert logged["sampling"]["prompts"] == ["a ***bold*** sign", "***"]
+    assert logged["kubernetes"]["pod_labels"] == {"team": "vision", "api_key": "***"}
+
+    assert load_config(tmp_path / "clean.yaml") == clean
+    with pytest.raises(ConfigError) as refused:
+        load_config(tmp_path / "leaky.yaml")
+    assert str(refused.value) == ("kubernetes.pod_labels.api_key, sampling.prompts.1: *** stands where MLflow's copy "
+                                  "of a run's config hid a secret; write the setting's value in its place")

@@ -219,7 +219,7 @@ def test_the_logged_config_yaml_reads_back_and_compiles_with_no_credential(mlflo
     monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "s3cret-pw-7781")
     secrets = {"mlflow_secret": "team-mlflow", "hf_token_secret": "team-hf", "hf_token_secret_key": "HF_READ_TOKEN"}
     cfg = RangefinderConfig(
-        model={"base_model": "/models/sd15"}, kubernetes=secrets, sampling={"prompts": ["a red circle"]},
+        model={"base_model": "/models/sd15"}, kubernetes=secrets, sampling={"prompts": ["a ***bold*** red circle"]},
         tracking=TrackingConfig(tracking_uri=mlflow_server_uri, experiment_name=f"config-yaml-{tmp_path.name}"))
     leaky = cfg.model_copy(update={"sampling": cfg.sampling.model_copy(update={"prompts": ["a cat s3cret-pw-7781"]})})
     read_back = {}

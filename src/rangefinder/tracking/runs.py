@@ -198,8 +198,8 @@ def applicable_params(cfg: Any) -> dict[str, str]:
 
 def config_text(cfg: Any) -> str:
     """The resolved config as YAML, secrets redacted: what `run --local --config` reads back. The Kubernetes Secrets'
-    names are kept (config.SECRET_REFERENCES); a value that had to be hidden reads back as a one-line refusal naming
-    the setting (config's `_check_raw`)."""
+    names are kept (config.SECRET_REFERENCES); a value that had to be hidden is *** whole, and reads back as a
+    one-line refusal naming the setting (config's `_check_raw`)."""
     import yaml
 
     data = cfg.model_dump(mode="json") if hasattr(cfg, "model_dump") else dict(cfg)
@@ -212,7 +212,9 @@ def _redacted(obj: Any, prefix: str = "") -> Any:
                 for k, v in obj.items()}
     if isinstance(obj, list):
         return [_redacted(v, prefix) for v in obj]
-    return redact(obj) if isinstance(obj, str) else obj
+    # A string that held a secret is hidden whole, as a secret-named setting is: only the mark alone is refused when
+    # the file is read back (config.REDACTED), and "a cat ***" would read back as a prompt to train on.
+    return REDACTED if isinstance(obj, str) and redact(obj) != obj else obj
 
 
 def _param_value(v: Any) -> str:
