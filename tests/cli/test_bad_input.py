@@ -233,12 +233,15 @@ def test_train_on_a_damaged_safetensors_base_model_is_one_line(cut, tmp_path, sp
 
 
 @pytest.mark.parametrize("family, form", [("sd3", "folder"), ("flux", "folder"), ("sd3", "single file"),
-                                          ("flux", "single file")])
+                                          ("flux", "single file"), ("sd3", "hub id"), ("flux", "hub id")])
 def test_train_refuses_textual_inversion_on_sd3_and_flux_before_loading_any_weights(family, form, request, tmp_path,
-                                                                                     split_dir):
+                                                                                     split_dir, monkeypatch):
     """It was refused once the weights had loaded (minutes for a real model), naming the family by its code (`sd3`).
     The folder here holds the model's configs and no weights, the single file only the tensor names that tell its
-    family: a refusal made after loading or converting would name what is missing instead."""
+    family: a refusal made after loading or converting would name what is missing instead. A hub id's family is
+    read off its model_index.json alone: it was refused only after the whole download; here the offline Hugging Face
+    cache holds the configs-only folder as the repo, and a refusal made after fetching or loading weights would name
+    the weights missing."""
     import shutil
 
     import torch
@@ -246,8 +249,9 @@ def test_train_refuses_textual_inversion_on_sd3_and_flux_before_loading_any_weig
 
     from rangefinder.formats.flux_layout import FLUX_CHECKPOINT_PREFIX, FLUX_DOUBLE_BLOCK_KEY, FLUX_SINGLE_BLOCK_KEY
     from rangefinder.training.family_detection import SD3_SINGLE_FILE_KEY_PREFIX
+    from tests.models.fake_hub import make_cached_repo
 
-    if form == "folder":
+    if form != "single file":
         source = request.getfixturevalue(f"tiny_{family}_dir")
         model = tmp_path / "configs-only"
         for f in source.rglob("*"):
@@ -256,6 +260,14 @@ def test_train_refuses_textual_inversion_on_sd3_and_flux_before_loading_any_weig
                 shutil.copyfile(f, model / f.relative_to(source))
         # Flux's own refusal says why (family_flux.refuse_unsupported); SD3's names the families that take it.
         words = {"sd3": "not supported on Stable Diffusion 3/3.5 models", "flux": "not supported on Flux (its prompt"}
+        if form == "hub id":
+            make_cached_repo(tmp_path / "hub", f"rangefinder-tests/{family}-configs", model)
+            monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+            monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+            model = f"rangefinder-tests/{family}-configs"
+            # The method's rule, told from the family's name (as for a single file): the configs are read once
+            # the model is resolved.
+            words["flux"] = "not supported on Flux.1 models"
     else:
         model = tmp_path / "model.safetensors"
         keys = ([SD3_SINGLE_FILE_KEY_PREFIX + "0.x.weight"] if family == "sd3"

@@ -267,6 +267,26 @@ def test_gated_repo_without_a_token_or_with_one_that_has_no_access(fake_hub, mon
     assert any("/resolve/" in r for r in fake_hub.requests), fake_hub.requests
 
 
+def test_a_snapshot_of_model_index_json_alone_tells_the_family_and_is_completed_from_the_hub(fake_hub, tmp_path,
+                                                                                           tiny_model_dir):
+    """What hub_family leaves in the cache when it fetched the one file (`rangefinder train` reads the family before
+    any weights are downloaded): the family is read there with no request, and resolving the model goes on to the
+    hub to complete the snapshot (here a gated repo, so the hub's answer is the error), where it was refused as a
+    folder lacking unet/, vae/, ... and the download never came."""
+    from rangefinder.models.loading import hub_family
+    from tests.models.fake_hub import make_cached_repo
+
+    index_only = tmp_path / "index-only"
+    index_only.mkdir()
+    (index_only / "model_index.json").write_bytes((tiny_model_dir / "model_index.json").read_bytes())
+    make_cached_repo(tmp_path / "hub", fake_hub.gated_repo, index_only)
+    cfg = ModelConfig(base_model=fake_hub.gated_repo)
+    assert hub_family(cfg) == "sd1" and fake_hub.requests == []
+    with pytest.raises(ConfigError, match="is gated"):
+        resolve_base_model(cfg)
+    assert fake_hub.requests and all(fake_hub.gated_repo in r for r in fake_hub.requests), fake_hub.requests
+
+
 def test_missing_repo_and_missing_revision_online(fake_hub):
     with pytest.raises(ConfigError, match=r"no hub model 'someone/nothing-here' \(or it is private"):
         resolve_base_model(ModelConfig(base_model="someone/nothing-here"))

@@ -105,6 +105,25 @@ def test_a_bad_base_model_stops_the_first_step(tmp_path, monkeypatch):
         run_resolve_config(base, **params)
 
 
+def test_the_first_step_refuses_a_method_the_hub_model_s_family_cannot_train_before_downloading_it(
+        tiny_sd3_dir, tmp_path, monkeypatch):
+    """Textual inversion on an SD3 hub model: refused off its model_index.json, the one file in the cache here (as
+    the hub's metadata is, before a download); it was refused only once the whole model had been downloaded, and
+    here, offline, the step named the weights' folders missing instead."""
+    from tests.models.fake_hub import make_cached_repo
+
+    (tmp_path / "index").mkdir()
+    (tmp_path / "index" / "model_index.json").write_bytes((tiny_sd3_dir / "model_index.json").read_bytes())
+    make_cached_repo(tmp_path / "hub", "org/sd3", tmp_path / "index")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    params = parameters_from_config(demo_config(model={"base_model": "org/sd3"},
+                                                training={"method": "textual_inversion"}))
+    base = params.pop("base_config")
+    with pytest.raises(ConfigError, match="training.method: textual inversion is not supported on Stable Diffusion 3"):
+        run_resolve_config(base, **params)
+
+
 def test_one_line_errors_end_a_step_without_a_traceback(capsys):
     from rangefinder.errors import one_line_errors
 

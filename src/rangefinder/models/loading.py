@@ -403,7 +403,8 @@ def hub_offline() -> bool:
     return constants.HF_HUB_OFFLINE or any(f.strip().lower() in ("1", "true", "yes", "on") for f in flags)
 
 
-def _resolve_hub(repo_id: str, model_cfg: ModelConfig) -> ResolvedModel:
+def _hub_location(repo_id: str, model_cfg: ModelConfig) -> tuple[str, Path]:
+    """(revision, Hugging Face cache folder) of a hub id; ConfigError for an id the hub cannot have."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     try:
@@ -413,11 +414,35 @@ def _resolve_hub(repo_id: str, model_cfg: ModelConfig) -> ResolvedModel:
             f"model.base_model: {repo_id!r} is neither an existing path nor a valid hub id; pass a diffusers folder, "
             f"a {SINGLE_FILE_SUFFIX} file or a hub id such as stable-diffusion-v1-5/stable-diffusion-v1-5"
         ) from None
-    revision = model_cfg.revision or "main"
-    cache = hub_cache_dir(model_cfg)
+    return model_cfg.revision or "main", hub_cache_dir(model_cfg)
+
+
+def hub_family(model_cfg: ModelConfig) -> Optional[str]:
+    """The family of a hub id base model, read off its model_index.json alone, before any weights are fetched:
+    from the snapshot in the Hugging Face cache, else that one file downloaded into it (with the cache, offline
+    setting, endpoint and errors of resolve_base_model, which then finds it there). For the checks made before a
+    run (training.families.check_local_model_settings): a method the family cannot train is refused before a
+    download of gigabytes, not after it. None when the base model is not a hub id, or its cached snapshot has no
+    model_index.json (resolve_base_model says so)."""
+    name = model_cfg.base_model
+    if name is None or _kind(name) != "hub":
+        return None
+    revision, cache = _hub_location(name, model_cfg)
+    folder = _cached_snapshot(name, revision, cache)
+    if folder is None:
+        if hub_offline():
+            _raise_not_cached(name, revision, cache)
+        folder = _fetch_model_index(name, revision, cache).parent
+    return detect_family(folder) if (folder / "model_index.json").is_file() else None
+
+
+def _resolve_hub(repo_id: str, model_cfg: ModelConfig) -> ResolvedModel:
+    revision, cache = _hub_location(repo_id, model_cfg)
     where = f"hub model {repo_id!r} at revision {revision!r}"
     folder = _cached_snapshot(repo_id, revision, cache)
-    if folder is None:
+    # A snapshot without its parts' configs (model_index.json alone, fetched by hub_family; a download cut short)
+    # is completed where the hub can be reached; offline, _check_folder names what it lacks.
+    if folder is None or (_missing_parts(folder) != [] and not hub_offline()):
         if hub_offline():
             _raise_not_cached(repo_id, revision, cache)
         folder = _download(repo_id, revision, model_cfg, cache)
@@ -468,9 +493,26 @@ def _gated(repo_id: str) -> ConfigError:
 
 
 def _download(repo_id: str, revision: str, model_cfg: ModelConfig, cache: Path) -> Path:
-    """Check the repo in one metadata call (failing in seconds, with the reason), then download what a diffusers
-    pipeline loads (diffusers' own file selection: one weights format, the asked variant, no safety checker)."""
+    """Check the repo and fetch its model_index.json (_fetch_model_index), then download what a diffusers pipeline
+    loads (diffusers' own file selection: one weights format, the asked variant, no safety checker)."""
     from diffusers import DiffusionPipeline
+    from huggingface_hub.errors import GatedRepoError
+
+    _fetch_model_index(repo_id, revision, cache)
+    try:
+        folder = DiffusionPipeline.download(repo_id, revision=revision, variant=model_cfg.variant,
+                                            cache_dir=str(cache), safety_checker=None, feature_extractor=None)
+    except GatedRepoError:
+        raise _gated(repo_id) from None
+    except Exception as e:  # a missing variant, a repo of another pipeline, the network gone mid-download
+        raise ConfigError(f"model.base_model: cannot download hub model {repo_id!r} at revision {revision!r}: "
+                          f"{_first_line(e)}") from None
+    return Path(folder)
+
+
+def _fetch_model_index(repo_id: str, revision: str, cache: Path) -> Path:
+    """Check the repo in one metadata call (failing in seconds, with the reason) and download its model_index.json
+    alone into the cache; the file's path there."""
     from huggingface_hub import HfApi, get_token, hf_hub_download
     from huggingface_hub.errors import (
         EntryNotFoundError,
@@ -484,8 +526,8 @@ def _download(repo_id: str, revision: str, model_cfg: ModelConfig, cache: Path) 
         info = HfApi(endpoint=endpoint).model_info(repo_id, revision=revision, timeout=HUB_TIMEOUT_S)
         if info.gated and get_token() is None:
             raise _gated(repo_id)
-        hf_hub_download(repo_id, "model_index.json", revision=revision, cache_dir=str(cache), endpoint=endpoint,
-                        etag_timeout=HUB_TIMEOUT_S)
+        return Path(hf_hub_download(repo_id, "model_index.json", revision=revision, cache_dir=str(cache),
+                                    endpoint=endpoint, etag_timeout=HUB_TIMEOUT_S))
     except GatedRepoError:  # a token that has not accepted the licence
         raise _gated(repo_id) from None
     except RevisionNotFoundError:
@@ -510,15 +552,6 @@ def _download(repo_id: str, revision: str, model_cfg: ModelConfig, cache: Path) 
             f"reached from here ({_first_line(e)}); pre-fill the cache on a machine that can reach it (`hf download "
             f"{repo_id} --revision {revision}`), or pass a local folder or checkpoint file"
         ) from None
-    try:
-        folder = DiffusionPipeline.download(repo_id, revision=revision, variant=model_cfg.variant,
-                                            cache_dir=str(cache), safety_checker=None, feature_extractor=None)
-    except GatedRepoError:
-        raise _gated(repo_id) from None
-    except Exception as e:  # a missing variant, a repo of another pipeline, the network gone mid-download
-        raise ConfigError(f"model.base_model: cannot download hub model {repo_id!r} at revision {revision!r}: "
-                          f"{_first_line(e)}") from None
-    return Path(folder)
 
 
 # ---------------------------------------------------------------------------------------------------------------

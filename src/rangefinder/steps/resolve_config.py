@@ -196,10 +196,17 @@ def run_resolve_config(base_config: str = "", *, pipeline_job_id: str = "", pipe
 def with_resolved_base_model(cfg: RangefinderConfig) -> tuple[RangefinderConfig, str]:
     """`cfg` with `model.resolved_dir` set to the local diffusers folder of `model.base_model` (downloaded or
     converted now, once), and the model's family; ConfigError when the model cannot be had. A resolved_dir already
-    in the config (a base_config copied from an earlier run's) is ignored: this run resolves its own."""
-    from rangefinder.models.loading import resolve_base_model
+    in the config (a base_config copied from an earlier run's) is ignored: this run resolves its own. A hub model's
+    family is read off its model_index.json alone first, so that a method it cannot train (textual inversion on SD3
+    or Flux) is refused before its weights are downloaded; the rest of its rules once it is here (preflight)."""
+    from rangefinder.models.loading import hub_family, resolve_base_model
+    from rangefinder.training.methods import method_class
 
-    resolved = resolve_base_model(cfg.model.model_copy(update={"resolved_dir": None}))
+    model = cfg.model.model_copy(update={"resolved_dir": None})
+    before_download = hub_family(model)
+    if before_download is not None:
+        method_class(cfg.training.method).check_family(before_download)
+    resolved = resolve_base_model(model)
     family = resolved.family
     print(f"base model: {resolved.source} -> {resolved.path} ({FAMILY_NAMES[family]})")
     return cfg.model_copy(update={"model": cfg.model.model_copy(update={"resolved_dir": str(resolved.path)})}), family

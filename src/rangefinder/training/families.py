@@ -105,9 +105,12 @@ def check_local_model_settings(cfg: RangefinderConfig, *, native_data: bool = Fa
     `compile`, `run --local` (check_pipeline_settings) and `train` run first, so that a setting wrong for the family
     stops them at once, not at the pipeline's first step on the cluster, nor once a training step has loaded the
     weights. A single file's family is read off its tensor names (family_detection.family_of) but its configs only
-    once it is converted: the method's rule, told from the family's name alone, applies to it then. A hub id not
-    fetched yet: nothing here (resolve-config's preflight, once it is). `native_data`: as for check_family_settings."""
-    _check_local_model(cfg, family_of(cfg.model), native_data=native_data)
+    once it is converted: the method's rule, told from the family's name alone, applies to it then; so it does to a
+    hub id, whose family is read off its model_index.json alone (models.loading.hub_family: from the cache, else
+    that one file fetched), before its weights are downloaded. `native_data`: as for check_family_settings."""
+    from rangefinder.models.loading import hub_family
+
+    _check_local_model(cfg, family_of(cfg.model) or hub_family(cfg.model), native_data=native_data)
 
 
 def _check_local_model(cfg: RangefinderConfig, family: Optional[str], *, native_data: bool) -> None:

@@ -108,7 +108,8 @@ def settings_from_args(args: argparse.Namespace):
 
     data = cfg.data if "data" in cfg.model_fields_set else None
     # What the family refuses (textual inversion on SD3 or Flux, a size its VAE cannot take, ...), said before any
-    # weights load where the base model's configs are here to read; else the engine says it once it loads them.
+    # weights load where the base model's configs are here to read, and before a hub model's weights are downloaded
+    # (its family read off model_index.json alone); else the engine says it once it loads them.
     check_local_model_settings(cfg, native_data=data is None)
     training = cfg.training.model_copy(update={"world_size": processes})
     sampling = cfg.sampling if "sampling" in cfg.model_fields_set else None
