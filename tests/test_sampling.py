@@ -121,3 +121,27 @@ def test_read_prompts_drops_a_byte_order_mark(tmp_path):
     # Notepad writes UTF-8 with a byte-order mark; it is not part of the first prompt.
     (tmp_path / "p.txt").write_bytes("a red circle\r\n# a comment\r\nun cercle bleu é\r\n".encode("utf-8-sig"))
     assert read_prompts(tmp_path / "p.txt") == ["a red circle", "un cercle bleu é"]
+
+
+def _sample_with_a_sigint_inside_its_first_weight_read(argv: list[str]) -> None:
+    """In the child: `rangefinder sample`, given a real SIGINT inside safetensors' read of the first weight it loads
+    (tests/training/test_caching.py)."""
+    from tests.training.test_caching import sigint_inside_the_next_cache_read
+
+    sigint_inside_the_next_cache_read()
+    raise SystemExit(cli_main(argv))
+
+
+def test_ctrl_c_while_sample_loads_a_model_says_interrupted_not_damaged(tiny_model_dir, tmp_path):
+    """A Ctrl-C that lands inside the load of a column's weights: torch turns it into a ValueError, diffusers into
+    "Unable to load weights from checkpoint file", and `sample` exited 2 saying the model "is damaged, or a
+    checkpoint of another model". It is a Ctrl-C: exit 130 and the "interrupted" line."""
+    from tests.training.test_resume import ForkedChild
+
+    args = ["sample", "--model", str(tiny_model_dir), "--out", str(tmp_path / "grid"), "--steps", "1", "--seeds", "0"]
+    child = ForkedChild(tmp_path / "child", tmp_path / "child.out", tmp_path / "child.err",
+                        target=_sample_with_a_sigint_inside_its_first_weight_read, args=(args,))
+    _, err = child.communicate(timeout=300)
+    assert child.returncode == 130 and "Traceback" not in err and "damaged" not in err, err[-3000:]
+    assert "rangefinder sample: interrupted" in err.splitlines()[-1], err[-3000:]
+    assert not (tmp_path / "grid" / "grid.json").exists()

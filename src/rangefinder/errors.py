@@ -5,9 +5,11 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import signal
 import sys
+import threading
 from collections.abc import Iterator
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import Optional
 
 
@@ -31,13 +33,49 @@ STEP_ERROR_PREFIX = "rangefinder step"
 
 
 @contextlib.contextmanager
+def on_sigint() -> Iterator[None]:
+    """SIGINT while inside raises KeyboardInterrupt as Python's handler does, and any error after it leaves as
+    KeyboardInterrupt too: the step's MLflow run ends KILLED and the command exits 130, as for any Ctrl-C. Around
+    every command (cli.main), every step (one_line_errors, and tracking.step_run for its MLflow run) and the engine's
+    train().
+
+    Python raises the KeyboardInterrupt in whatever Python code runs next, which can be code a C extension calls
+    back: inside safetensors' read of a tensor (torch's UntypedStorage.__getitem__), torch turns it into its own
+    ValueError ("could not determine the shape of object type 'torch.storage.UntypedStorage'"), and the run failed,
+    blaming the cache; loading a model, diffusers turns that into "Unable to load weights from checkpoint file", and
+    `sample` said the model was damaged. SIGINT ignored (a run started with nohup or in the background) or at the
+    system's default stays so; a run in another thread keeps the process's handler."""
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or not callable(previous):
+        yield
+        return
+    came = False
+
+    def handle(signum: int, frame: Optional[FrameType]) -> None:
+        nonlocal came
+        came = True
+        previous(signum, frame)  # Python's own raises KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, handle)
+    try:
+        yield
+    except Exception as e:
+        if came:
+            raise KeyboardInterrupt from e
+        raise
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@contextlib.contextmanager
 def one_line_errors(step: str) -> Iterator[None]:
     """Inside a pipeline step: bad input ends the step with exit status 2 and one line on stderr,
     `rangefinder step STEP: error: ConfigError: MESSAGE`, instead of a traceback. The local runner quotes it from
     `ConfigError:` on, as it quotes other exceptions (rangefinder.pipelines.local_run); on a cluster it is the last
-    line of the pod's log."""
+    line of the pod's log. A Ctrl-C (a local run's) is a Ctrl-C whatever error it surfaced as (on_sigint)."""
     try:
-        yield
+        with on_sigint():
+            yield
     except RangefinderError as e:
         print(f"{STEP_ERROR_PREFIX} {step}: error: {public_name(e)}: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None

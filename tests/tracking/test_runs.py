@@ -261,3 +261,32 @@ def test_dataset_manifests_are_artifacts_and_dataset_inputs(mlflow_server_uri, s
     rows = {part: json.loads(d.dataset.profile)["num_rows"] for part, d in inputs.items()}
     assert rows == {part: len((split_dir / f"{part}.jsonl").read_text().splitlines()) for part in rows}
     assert {t.key: t.value for t in inputs["val"].tags}["mlflow.data.context"] == "validation"
+
+
+def test_a_ctrl_c_inside_a_step_s_model_load_ends_the_step_interrupted_not_failed(shared_sqlite_tracking_uri,
+                                                                                  tiny_model_dir, tmp_path):
+    """A real SIGINT inside safetensors' read of a weight while a step loads the base model outside the engine's
+    train() (sample-images, register-model's export): torch turns it into a ValueError and diffusers into "Unable to
+    load weights from checkpoint file", which the loader reports as a folder it cannot load. The step ended with
+    `error: ConfigError: model.base_model: cannot load the diffusers folder ...` and its MLflow run FAILED; it now
+    leaves as the Ctrl-C it is, its run KILLED."""
+    import signal
+
+    from rangefinder.config import ModelConfig
+    from rangefinder.errors import one_line_errors
+    from rangefinder.models.loading import load_sd_components
+    from tests.training.test_caching import sigint_inside_the_next_cache_read
+
+    cfg = RangefinderConfig(tracking=TrackingConfig(tracking_uri=shared_sqlite_tracking_uri,
+                                                    experiment_name=f"ctrl-c-{tmp_path.name}"))
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal's foreground
+    try:
+        with pytest.raises(KeyboardInterrupt), one_line_errors("sample-images"), \
+                step_run(cfg, "sample_images") as run:
+            sigint_inside_the_next_cache_read()
+            load_sd_components(ModelConfig(base_model=str(tiny_model_dir)))
+    finally:
+        sys.setprofile(None)
+        signal.signal(signal.SIGINT, previous)
+    assert _client(cfg).get_run(run.run_id).info.status == "KILLED"
+    assert signal.getsignal(signal.SIGINT) is previous

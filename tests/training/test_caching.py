@@ -128,9 +128,8 @@ def test_a_ctrl_c_inside_a_cache_read_is_not_taken_for_a_damaged_entry(tmp_path,
     encoded again (one read while encoding). A Ctrl-C that lands inside the read of a whole entry is not: it came out
     as torch's ValueError, was reported as a damaged cache and the step's MLflow run ended FAILED. Under on_sigint, as
     train() runs, it leaves as KeyboardInterrupt; an error without a SIGINT leaves as it is."""
-    from rangefinder.errors import DataError
+    from rangefinder.errors import DataError, on_sigint
     from rangefinder.training.caching import _read_tensor, _try_load
-    from rangefinder.training.preemption import on_sigint
 
     entry = tmp_path / "entry.safetensors"
     save_file({"latent": torch.randn(4, 8, 8)}, str(entry))

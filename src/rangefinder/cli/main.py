@@ -23,7 +23,7 @@ from typing import Optional
 from rangefinder.cli.args import OneLineParser
 from rangefinder.cli.output import print_table
 from rangefinder.cli.storage import storage_problem
-from rangefinder.errors import Preempted, RangefinderError, RunDidNotSucceed
+from rangefinder.errors import Preempted, RangefinderError, RunDidNotSucceed, on_sigint
 
 # Order is the order `rangefinder --help` lists them in.
 COMMANDS = [
@@ -83,7 +83,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     try:
         _refuse_empty_paths(args)
-        result = args.func(args)
+        with on_sigint():  # a Ctrl-C that surfaced as another error (a model load's "damaged weights") is a Ctrl-C
+            result = args.func(args)
     except Preempted as e:  # SIGTERM: a checkpoint at the current update is written
         print(f"rangefinder {args.command}: {e}", file=sys.stderr)
         return 128 + signal.SIGTERM

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, TypeVar, Union
 
-from rangefinder.errors import TrackingError
+from rangefinder.errors import TrackingError, on_sigint
 from rangefinder.formats.digest import hash_file_into
 from rangefinder.tracking.metrics import SAFE_TAG_VALUE, BatchedMetricLogger, metric_name
 from rangefinder.tracking.outbox import Outbox, is_away_error
@@ -688,7 +688,8 @@ def step_run(
             step = StepRun(client=client, run_id=run.info.run_id, experiment_id=exp_id, step_name=step_name,
                            parent_run_id=parent, tracking_uri=uri, cfg=cfg, spool_dir=folder)
     try:
-        yield step
+        with on_sigint():  # a Ctrl-C ends the run KILLED, whatever error it surfaced as (a model load's)
+            yield step
     except BaseException as e:
         interrupted = isinstance(e, KeyboardInterrupt)
         msg = f"{type(e).__name__}: {e}".splitlines()[0] if str(e) else type(e).__name__

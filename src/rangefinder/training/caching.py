@@ -38,7 +38,7 @@ CACHE_VERSION = "1"  # bump when the meaning of an entry changes
 
 # What reading an entry raises when the file is the problem: OSError when deleted, SafetensorError when torn, damaged
 # or foreign. Nothing else is the file's: a Ctrl-C that lands inside a read comes out as torch's ValueError
-# (training/preemption.py, on_sigint), which must not be taken for a bad entry.
+# (errors.on_sigint), which must not be taken for a bad entry.
 UNREADABLE_ENTRY = (OSError, SafetensorError)
 
 

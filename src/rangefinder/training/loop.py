@@ -12,7 +12,7 @@ update, validation, checkpoint) -> finish (final weights and summary). The acts 
 - samples.py: the prompts rendered from the current weights at chosen validations (`samples/`, and MLflow);
 - state.py: what the loop changes (RunState, and the CSV log); checkpointing.py: saving and resuming it
   (identity.py: which run a checkpoint belongs to); divergence.py: the finite checks; disk.py: the failed-write
-  rule; outdir.py: the folder lock; preemption.py: SIGTERM and SIGINT.
+  rule; outdir.py: the folder lock; preemption.py: SIGTERM (SIGINT: errors.on_sigint).
 
 Outputs under out_dir: `metrics.csv` (one row per validation measurement; the curve CSV), `updates.csv` (one row
 per update), `checkpoints/`, `final/` (the method's deliverable; a StableDiffusionPipeline folder for full
@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from rangefinder.config import ValidationConfig
-from rangefinder.errors import ConfigError, Preempted
+from rangefinder.errors import ConfigError, Preempted, on_sigint
 from rangefinder.formats import checkpoints
 from rangefinder.formats.atomic import atomic_dir, write_json
 from rangefinder.training.checkpointing import check_resume, restore_checkpoint, save_checkpoint
@@ -48,7 +48,7 @@ from rangefinder.training.divergence import trainable_finite, update_finite
 from rangefinder.training.encoding import encode_data
 from rangefinder.training.optimizers import step_optimizer
 from rangefinder.training.outdir import OutDirLock
-from rangefinder.training.preemption import StopRequest, on_sigint, on_sigterm
+from rangefinder.training.preemption import StopRequest, on_sigterm
 from rangefinder.training.run import Run
 from rangefinder.training.samples import TrainingSamples
 from rangefinder.training.setup import (

@@ -7,7 +7,7 @@ updates (or only one may get it), so at each boundary they sum their flags (one 
 stop at the same update: a checkpoint is written by all ranks together.
 
 SIGINT (Ctrl-C) stops at once, with KeyboardInterrupt as ever (no checkpoint: the newest one is where a resume goes
-on from); `on_sigint` only makes sure the run ends as interrupted whatever error the signal surfaced as.
+on from); errors.on_sigint only makes sure the run ends as interrupted whatever error the signal surfaced as.
 """
 
 from __future__ import annotations
@@ -67,35 +67,3 @@ def on_sigterm() -> Iterator[StopRequest]:
         yield request
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-@contextlib.contextmanager
-def on_sigint() -> Iterator[None]:
-    """SIGINT while inside raises KeyboardInterrupt as Python's handler does, and any error after it leaves as
-    KeyboardInterrupt too: the step's MLflow run ends KILLED and the command exits 130, as for any Ctrl-C.
-
-    Python raises the KeyboardInterrupt in whatever Python code runs next, which can be code a C extension calls
-    back: inside safetensors' read of a cache entry (torch's UntypedStorage.__getitem__), torch turns it into its own
-    ValueError ("could not determine the shape of object type 'torch.storage.UntypedStorage'"), and the run failed,
-    blaming the cache. SIGINT ignored (a run started with nohup or in the background) or at the system's default
-    stays so; a run in another thread keeps the process's handler."""
-    previous = signal.getsignal(signal.SIGINT)
-    if threading.current_thread() is not threading.main_thread() or not callable(previous):
-        yield
-        return
-    came = False
-
-    def handle(signum: int, frame: Optional[FrameType]) -> None:
-        nonlocal came
-        came = True
-        previous(signum, frame)  # Python's own raises KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, handle)
-    try:
-        yield
-    except Exception as e:
-        if came:
-            raise KeyboardInterrupt from e
-        raise
-    finally:
-        signal.signal(signal.SIGINT, previous)
