@@ -198,7 +198,7 @@ def load_column_pipeline(column: GridColumn, base_model: Path, *, device: str, d
     if scheduler is not None:
         import diffusers
 
-        from rangefinder.training.family_flow import check_flow_scheduler
+        from rangefinder.training.family_rules import check_flow_scheduler
 
         check_flow_scheduler(type(pipe.scheduler).__name__, scheduler)
         pipe.scheduler = getattr(diffusers, scheduler).from_config(pipe.scheduler.config)

@@ -10,7 +10,8 @@ import torch
 
 from rangefinder.config import FlowSettings, TrainingConfig
 from rangefinder.errors import ConfigError
-from rangefinder.training.family_flow import FlowFamily, refuse_ddpm_settings
+from rangefinder.training.family_flow import FlowFamily
+from rangefinder.training.family_rules import refuse_ddpm_settings
 
 
 def family(shift: float = 3.0, **flow) -> FlowFamily:

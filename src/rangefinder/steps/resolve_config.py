@@ -200,12 +200,12 @@ def with_resolved_base_model(cfg: RangefinderConfig) -> tuple[RangefinderConfig,
     family is read off its model_index.json alone first, so that a method it cannot train (textual inversion on SD3
     or Flux) is refused before its weights are downloaded; the rest of its rules once it is here (preflight)."""
     from rangefinder.models.loading import hub_family, resolve_base_model
-    from rangefinder.training.methods import method_class
+    from rangefinder.training.family_rules import check_method_family
 
     model = cfg.model.model_copy(update={"resolved_dir": None})
     before_download = hub_family(model)
     if before_download is not None:
-        method_class(cfg.training.method).check_family(before_download)
+        check_method_family(cfg.training.method, before_download)
     resolved = resolve_base_model(model)
     family = resolved.family
     print(f"base model: {resolved.source} -> {resolved.path} ({FAMILY_NAMES[family]})")

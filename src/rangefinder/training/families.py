@@ -1,9 +1,10 @@
 """The model families the engine trains, by the name `family_detection.detect_family` reads from the base
 model.
 
-A new family is one module with a class providing family.Family's methods (and the classmethods `for_model` and
-`check_settings`), one line here, and its family_detection.FamilyLayout (what loading, sampling and the exports read
-of it).
+A new family is one module with a class providing family.Family's methods (and the classmethod `for_model`), its
+rules told from the configs alone (a class in family_rules.py the family class inherits: `check_settings`,
+`min_resolution`, `side_multiple_of`), one line for each here, and its family_detection.FamilyLayout (what loading,
+sampling and the exports read of it).
 """
 
 from __future__ import annotations
@@ -27,6 +28,14 @@ FAMILIES = {
     "flux": "rangefinder.training.family_flux:FluxFamily",
     "sd3": "rangefinder.training.family_sd3:Sd3Family",
 }
+# family name -> its rules (family_rules.py), which FAMILIES' class inherits: what the checks before a run apply,
+# without importing torch or diffusers.
+FAMILY_RULES = {
+    "sd1": "rangefinder.training.family_rules:Sd1Rules",
+    "sdxl": "rangefinder.training.family_rules:SdxlRules",
+    "flux": "rangefinder.training.family_rules:FluxRules",
+    "sd3": "rangefinder.training.family_rules:Sd3Rules",
+}
 
 
 def family_for(sd: SDComponents, cfg: TrainingConfig) -> Family:
@@ -38,10 +47,19 @@ def family_for(sd: SDComponents, cfg: TrainingConfig) -> Family:
 
 def family_class(name: str) -> Any:
     """The family class of a family name (imported now); ConfigError for one the engine does not train."""
-    target = FAMILIES.get(name)
+    return import_named(_target(FAMILIES, name))
+
+
+def family_rules(name: str) -> Any:
+    """The rules of a family name (family_rules.py; no torch); ConfigError for one the engine does not train."""
+    return import_named(_target(FAMILY_RULES, name))
+
+
+def _target(registry: dict[str, str], name: str) -> str:
+    target = registry.get(name)
     if target is None:
         raise ConfigError(f"model.base_model: rangefinder cannot train the {name!r} model family")
-    return import_named(target)
+    return target
 
 
 def check_family_settings(cfg: RangefinderConfig, family: str, *, native_data: bool = False) -> None:
@@ -51,41 +69,41 @@ def check_family_settings(cfg: RangefinderConfig, family: str, *, native_data: b
     discovery).
 
     No rule is written here: each is the one the engine applies (the family's `check_settings`, the method's
-    `check_family`, the samples' scheduler checks, the size rules of geometry.py), so the two cannot drift. Reads
-    the settings, the family's name and the resolved folder's (cfg.model.resolved_dir) small configs: its training
-    scheduler's, its denoiser's and its VAE's config.json, never weights. `native_data`: the run trains at the base
-    model's native resolution whatever cfg.data says (`rangefinder train` without a data: section:
-    training.setup.native_data_config), so the size rules judge that one."""
+    family rule, the samples' scheduler checks, the size rules of geometry.py), so the two cannot drift. Reads
+    the settings, the family's name and the resolved folder's (cfg.model.resolved_dir) small configs: its
+    scheduler's, its denoiser's and its VAE's config.json, never weights; and imports neither torch nor diffusers
+    (family_rules.py), but for a sampling.scheduler to check against diffusers' classes. `native_data`: the run
+    trains at the base model's native resolution whatever cfg.data says (`rangefinder train` without a data:
+    section: training.setup.native_data_config), so the size rules judge that one."""
     from rangefinder.config import DataConfig
     from rangefinder.models.loading import check_scheduler_name
-    from rangefinder.training.family_flow import check_flow_scheduler
+    from rangefinder.training.family_rules import check_flow_scheduler, check_method_family
     from rangefinder.training.geometry import ModelGeometry, check_sizes
-    from rangefinder.training.methods import method_class
 
     if not cfg.model.resolved_dir:  # a caller's mistake, not a person's setting
         raise ValueError("check_family_settings needs the resolved base model (model.resolved_dir)")
-    family_cls = family_class(family)
+    rules = family_rules(family)
     layout = FAMILY_LAYOUTS[family]
     folder = Path(cfg.model.resolved_dir)
-    scheduler_cls = import_named(dict(layout.classes)["scheduler"])
+    scheduler_name = dict(layout.classes)["scheduler"].split(":")[1]  # the training scheduler models/loading.py loads
     try:
-        # As models/loading.py loads the training scheduler, so its config holds the same defaults.
-        scheduler_config = scheduler_cls.from_pretrained(str(folder), subfolder="scheduler",
-                                                         local_files_only=True).config
+        # The file the engine's training scheduler is loaded from; the one key of it a rule reads that a file may
+        # leave out has its default in the rule (family_rules.DDPM_DEFAULT_PREDICTION).
+        scheduler_config: dict[str, Any] = json.loads((folder / "scheduler" / "scheduler_config.json").read_text())
         denoiser_config: dict[str, Any] = json.loads((folder / layout.denoiser / "config.json").read_text())
         vae_config: dict[str, Any] = json.loads((folder / "vae" / "config.json").read_text())
-        geometry = ModelGeometry.of(family_cls, vae_config, denoiser_config)
+        geometry = ModelGeometry.of(rules, vae_config, denoiser_config)
     except (OSError, ValueError, KeyError, TypeError) as e:  # KeyError, TypeError: a config missing what it needs
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ConfigError(f"model.base_model: cannot read the configs of {folder} ({reason}); pass a complete "
                           "diffusers folder") from None
-    family_cls.check_settings(cfg.training, scheduler_config, denoiser_config)
-    method_class(cfg.training.method).check_family(family)
+    rules.check_settings(cfg.training, scheduler_config, denoiser_config)
+    check_method_family(cfg.training.method, family)
     check_sizes(geometry, cfg.model_copy(update={"data": DataConfig(resolution=geometry.native)}) if native_data
                 else cfg)
     check_scheduler_name(cfg.sampling.scheduler)
     if cfg.sampling.scheduler is not None:
-        check_flow_scheduler(scheduler_cls.__name__, cfg.sampling.scheduler)
+        check_flow_scheduler(scheduler_name, cfg.sampling.scheduler)
 
 
 def check_pipeline_settings(cfg: RangefinderConfig) -> None:
@@ -115,13 +133,13 @@ def check_local_model_settings(cfg: RangefinderConfig, *, native_data: bool = Fa
 
 def _check_local_model(cfg: RangefinderConfig, family: Optional[str], *, native_data: bool) -> None:
     from rangefinder.models.loading import local_model_folder
-    from rangefinder.training.methods import method_class
+    from rangefinder.training.family_rules import check_method_family
 
     if family is None:
         return
     folder = local_model_folder(cfg.model)
     if folder is None:
-        method_class(cfg.training.method).check_family(family)
+        check_method_family(cfg.training.method, family)
         return
     model = cfg.model.model_copy(update={"resolved_dir": str(folder)})
     check_family_settings(cfg.model_copy(update={"model": model}), family, native_data=native_data)

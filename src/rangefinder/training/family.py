@@ -25,10 +25,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Optional, Protocol
 
 import torch
 
-from rangefinder.config import FAMILY_NAMES, FlowSettings
-from rangefinder.errors import ConfigError
 from rangefinder.training.caching import tokenize
-from rangefinder.training.geometry import vae_downscale
+from rangefinder.training.family_rules import Sd1Rules
 
 if TYPE_CHECKING:
     from rangefinder.config import TrainingConfig
@@ -90,9 +88,6 @@ class Family(Protocol):
     def sampling_pipeline(self, sd: SDComponents, scheduler: Any) -> Any: ...
 
 
-PREDICTION_TYPES = ("epsilon", "v_prediction")
-
-
 def _checked_prediction_type(family: type[Sd1Family], sd: SDComponents, cfg: TrainingConfig) -> str:
     """The prediction type trained: cfg.prediction_type, which overrides the model scheduler's, or the model's own
     (None); after the family's config-only checks (`check_settings`)."""
@@ -103,37 +98,14 @@ def _checked_prediction_type(family: type[Sd1Family], sd: SDComponents, cfg: Tra
 
 
 @dataclass
-class Sd1Family:
-    """Stable Diffusion 1.x / 2.x: conditioning is the (N, 77, D) last hidden state of one CLIP text encoder."""
+class Sd1Family(Sd1Rules):
+    """Stable Diffusion 1.x / 2.x: conditioning is the (N, 77, D) last hidden state of one CLIP text encoder. Its
+    rules told from the configs alone (check_settings, min_resolution, side_multiple_of) are Sd1Rules'
+    (family_rules.py)."""
 
     tokenizer: Any  # transformers CLIPTokenizer
     noise_scheduler: Any  # diffusers DDPMScheduler (training)
     prediction_type: str  # "epsilon" | "v_prediction"
-    name: ClassVar[str] = "sd1"
-    patchified: ClassVar[bool] = False
-
-    @classmethod
-    def check_settings(cls, cfg: TrainingConfig, scheduler_config: Mapping[str, Any],
-                       denoiser_config: Mapping[str, Any]) -> None:
-        """ConfigError for a training setting this family refuses, judged from the settings, the training
-        scheduler's config and the denoiser's config alone (no weights): the one rule that `for_model` applies to a
-        loaded model and resolve-config's preflight (families.check_family_settings) to the resolved folder, before
-        any GPU is asked for. Each family has one. SD 1.x/SDXL: the flow objective's settings are refused (they
-        would be ignored), and so is a model predicting what the DDPM objective does not train, unless
-        training.prediction_type overrides it."""
-        if cfg.flow != FlowSettings():
-            # The fields that differ from the defaults, not model_fields_set: a config that went through JSON
-            # (base_config, config_json) has every field set.
-            default = FlowSettings()
-            changed = ", ".join(sorted(k for k in FlowSettings.model_fields
-                                       if getattr(cfg.flow, k) != getattr(default, k)))
-            raise ConfigError(f"training.flow ({changed}): the base model is a DDPM model ({FAMILY_NAMES[cls.name]}), "
-                              "not a flow-matching one (SD3, Flux); remove training.flow")
-        predicts = cfg.prediction_type or str(scheduler_config.get("prediction_type"))
-        if predicts not in PREDICTION_TYPES:
-            raise ConfigError(
-                f"training.prediction_type: the base model predicts {predicts!r}; set epsilon or v_prediction"
-            )
 
     @classmethod
     def for_model(cls, sd: SDComponents, cfg: TrainingConfig) -> Sd1Family:
@@ -147,20 +119,6 @@ class Sd1Family:
     def text_encoder_names(self) -> tuple[str, ...]:
         """The SDComponents parts that encode prompts, in order."""
         return ("text_encoder",)
-
-    @classmethod
-    def min_resolution(cls, native: int) -> int:
-        """The smallest training resolution (pixels) the family supports for a model of `native` resolution: SD
-        1.x/2.x train at any size their VAE and UNet divide (data.resolution's own checks). A classmethod, like
-        side_multiple_of, so that resolve-config's preflight judges sizes from the configs (geometry.py)."""
-        return 8
-
-    @classmethod
-    def side_multiple_of(cls, vae_config: Mapping[str, Any], denoiser_config: Mapping[str, Any]) -> int:
-        """Pixels each image side must be a multiple of for every latent to pass the UNet's down- and upsampling
-        evenly (aspect-ratio buckets): the VAE's downscale times the UNet's, read from their configs (the loaded
-        modules' or their config.json)."""
-        return vae_downscale(vae_config) * 2 ** (len(denoiser_config["down_block_types"]) - 1)
 
     # --- conditioning -------------------------------------------------------------------------------------------
 

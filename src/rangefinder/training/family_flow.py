@@ -17,8 +17,8 @@ train_dreambooth_lora_sd3.py and sd-scripts' sd3_train.py / flux_train.py, writt
   The K buckets are equal-probability parts of what training samples, so their plain mean (val_loss) is a K-point
   estimate of the expected unweighted training loss; no weighting by sigma is applied, and the losses at different
   sigma differ in scale, so the largest dominate the mean (the report states this, `validation_weighting`).
-- DDPM's settings mean nothing here and are refused (`refuse_ddpm_settings`): min-SNR (defined through the DDPM
-  SNR), epsilon / v prediction, and the DDPM noise offset.
+- DDPM's settings mean nothing here and are refused (family_rules.refuse_ddpm_settings): min-SNR (defined through
+  the DDPM SNR), epsilon / v prediction, and the DDPM noise offset.
 
 A flow family subclasses FlowFamily and provides the conditioning (tokenize, encode_prompt, ...), `predict` (its
 transformer's call on `noised(...)`), `patch_size` and the sampling pipeline.
@@ -27,48 +27,21 @@ transformer's call on `noised(...)`), `patch_size` and the sampling pipeline.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 from statistics import NormalDist
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING
 
 import torch
 
-from rangefinder.config import FAMILY_NAMES, FlowSettings
-from rangefinder.errors import ConfigError
+from rangefinder.config import FlowSettings
 from rangefinder.training.family import ValidationWeighting
-from rangefinder.training.geometry import vae_downscale
+from rangefinder.training.family_rules import FlowRules
 
 if TYPE_CHECKING:
-    from rangefinder.config import TrainingConfig
     from rangefinder.models.loading import SDComponents
 
 # The model's timestep is sigma times this (FlowMatchEulerDiscreteScheduler's num_train_timesteps).
 TIMESTEP_SCALE = 1000
-
-
-def refuse_ddpm_settings(cfg: TrainingConfig, family: str) -> None:
-    """One ConfigError line for a DDPM setting on a flow-matching model of `family` (never ignored silently)."""
-    model = FAMILY_NAMES[family]
-    if cfg.min_snr_gamma is not None:
-        raise ConfigError(f"training.min_snr_gamma: min-SNR weighting is defined through the DDPM noise schedule; "
-                          f"{model} is a flow-matching model; remove it (training.flow.loss_weighting sets the "
-                          "flow weighting: none, sigma_sqrt, cosmap)")
-    if cfg.prediction_type is not None:
-        raise ConfigError(f"training.prediction_type: {model} is a flow-matching model, trained on the velocity "
-                          f"noise - x0, not {cfg.prediction_type}; remove training.prediction_type")
-    if cfg.noise_offset:
-        raise ConfigError(f"training.noise_offset: the offset noise is DDPM's; {model} is a flow-matching model; "
-                          "set training.noise_offset to 0")
-
-
-def check_flow_scheduler(model_scheduler: str, wanted: str) -> None:
-    """ConfigError for a DDPM-family sampling scheduler on a flow-matching model (whose own scheduler is a
-    FlowMatch* one): it would step a velocity as if it were noise."""
-    if model_scheduler.startswith("FlowMatch") and not wanted.startswith("FlowMatch"):
-        raise ConfigError(f"sampling.scheduler: {wanted} samples DDPM models; this base model is a flow-matching "
-                          f"model (it samples with {model_scheduler}); set a FlowMatch* scheduler or leave "
-                          "sampling.scheduler unset")
 
 
 def flow_shift(sd: SDComponents, settings: FlowSettings) -> float:
@@ -79,20 +52,13 @@ def flow_shift(sd: SDComponents, settings: FlowSettings) -> float:
 
 
 @dataclass
-class FlowFamily:
-    """The flow objective; subclasses add the conditioning and the transformer's call."""
+class FlowFamily(FlowRules):
+    """The flow objective; subclasses add the conditioning and the transformer's call. Its rules told from the
+    configs alone are FlowRules' (family_rules.py)."""
 
     flow: FlowSettings
     shift: float
     prediction_type: str = "flow"  # recorded in run_summary.json: the velocity noise - x0
-    name: ClassVar[str] = "flow"
-    patchified: ClassVar[bool] = True
-
-    @classmethod
-    def side_multiple_of(cls, vae_config: Mapping[str, Any], denoiser_config: Mapping[str, Any]) -> int:
-        """The VAE's downscale times the transformer's patch size (SD3, Flux: 8 x 2 = 16 px), read from their
-        configs (the loaded modules' or their config.json)."""
-        return vae_downscale(vae_config) * int(denoiser_config["patch_size"])
 
     @property
     def num_timesteps(self) -> int:

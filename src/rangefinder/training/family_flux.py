@@ -24,17 +24,17 @@ CLIP's 77 ids and T5's L ids, each padded with its tokenizer's pad id to W = max
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from rangefinder.errors import ConfigError
 from rangefinder.training.caching import tokenize
 from rangefinder.training.family import ImageGeometry
-from rangefinder.training.family_flow import FlowFamily, flow_shift, refuse_ddpm_settings
-from rangefinder.training.geometry import vae_downscale
+from rangefinder.training.family_flow import FlowFamily, flow_shift
+from rangefinder.training.family_rules import FluxRules, guidance_embedded
 
 if TYPE_CHECKING:
     from rangefinder.config import TrainingConfig
@@ -46,29 +46,12 @@ DEFAULT_GUIDANCE = 3.5  # diffusers' train_dreambooth_lora_flux.py --guidance_sc
 T5_LENGTH = 512
 
 
-def refuse_unsupported(cfg: TrainingConfig) -> None:
-    """One line for each setting that asks for what a guidance-distilled model with a frozen T5 does not do."""
-    if cfg.method == "textual_inversion":
-        raise ConfigError("training.method: textual inversion is not supported on Flux (its prompt reaches the "
-                          "transformer through T5, which has no standard embedding format to train; kohya and "
-                          "diffusers train Flux concepts with LoRA); use method lora")
-    if cfg.cond_dropout > 0:
-        raise ConfigError("training.cond_dropout: Flux.1-dev is guidance-distilled (the guidance scale is an input of "
-                          "its transformer, training.flow.guidance) and has no unconditional branch to train; set "
-                          "training.cond_dropout to 0")
-    if cfg.train_text_encoder or cfg.lora.train_text_encoder:
-        raise ConfigError("training.train_text_encoder: Flux's text encoders are not trained here (T5 never is; "
-                          "CLIP-L conditions only through its pooled vector); remove train_text_encoder")
-
-
-def guidance_embedded(denoiser_config: Mapping[str, Any]) -> bool:
-    """Whether the transformer takes the guidance scale as an input (Flux.1-dev; not schnell): its config's
-    `guidance_embeds`, whose absence (a config.json written without it) means diffusers' default, off."""
-    return bool(denoiser_config.get("guidance_embeds", False))
-
-
 @dataclass
-class FluxFamily(FlowFamily):
+class FluxFamily(FluxRules, FlowFamily):
+    """Its rules told from the configs alone (check_settings: DDPM's settings, what a guidance-distilled model with
+    a frozen T5 does not do, a training guidance without the guidance embedding; its sizes) are FluxRules'
+    (family_rules.py)."""
+
     tokenizer: Any = None  # CLIP's
     tokenizer_2: Any = None  # T5's
     t5_length: int = T5_LENGTH
@@ -76,19 +59,6 @@ class FluxFamily(FlowFamily):
     pooled_width: int = 0
     guidance: Optional[float] = DEFAULT_GUIDANCE  # None: a model without the guidance embedding (schnell)
     dynamic_shift: Optional[dict[str, float]] = None  # the scheduler's resolution-dependent shift; None: constant
-    name: ClassVar[str] = "flux"
-
-    @classmethod
-    def check_settings(cls, cfg: TrainingConfig, scheduler_config: Mapping[str, Any],
-                       denoiser_config: Mapping[str, Any]) -> None:
-        """What Flux refuses from the settings and its transformer's config (family.Sd1Family.check_settings says
-        who calls it): DDPM's settings, what a guidance-distilled model with a frozen T5 does not do, and a
-        training guidance for a model without the guidance embedding."""
-        refuse_ddpm_settings(cfg, cls.name)
-        refuse_unsupported(cfg)
-        if cfg.flow.guidance is not None and not guidance_embedded(denoiser_config):
-            raise ConfigError("training.flow.guidance: this Flux model has no guidance embedding (FLUX.1-schnell is "
-                              "not guidance-distilled); remove training.flow.guidance")
 
     @classmethod
     def for_model(cls, sd: SDComponents, cfg: TrainingConfig) -> FluxFamily:
@@ -108,16 +78,6 @@ class FluxFamily(FlowFamily):
 
     def text_encoder_names(self) -> tuple[str, ...]:
         return ("text_encoder", "text_encoder_2")
-
-    @classmethod
-    def min_resolution(cls, native: int) -> int:
-        return 8
-
-    @classmethod
-    def side_multiple_of(cls, vae_config: Mapping[str, Any], denoiser_config: Mapping[str, Any]) -> int:
-        """The VAE's downscale times 2: the latents are packed in 2x2 patches (the transformer's own patch_size is
-        1, on the packed tokens)."""
-        return vae_downscale(vae_config) * 2
 
     # --- sigma --------------------------------------------------------------------------------------------------
 

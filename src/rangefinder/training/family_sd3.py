@@ -14,9 +14,9 @@ L = max(77, L3): CLIP-L's ids, CLIP-G's ids (each in the first 77 columns) and T
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -24,7 +24,8 @@ from rangefinder.errors import ConfigError
 from rangefinder.models.tiny_sd3 import sd3_conditioning
 from rangefinder.training.caching import tokenize
 from rangefinder.training.family import ImageGeometry
-from rangefinder.training.family_flow import FlowFamily, flow_shift, refuse_ddpm_settings
+from rangefinder.training.family_flow import FlowFamily, flow_shift
+from rangefinder.training.family_rules import Sd3Rules
 
 if TYPE_CHECKING:
     from rangefinder.config import TrainingConfig
@@ -35,23 +36,13 @@ T5_LENGTH = 77  # T5 tokens per caption: diffusers' SD3 training examples' max_s
 
 
 @dataclass
-class Sd3Family(FlowFamily):
+class Sd3Family(Sd3Rules, FlowFamily):
+    """Its rules told from the configs alone are Sd3Rules' (family_rules.py)."""
+
     tokenizer: Any = None  # CLIP ViT-L's
     tokenizer_2: Any = None  # OpenCLIP bigG's
     tokenizer_3: Any = None  # T5's
     pooled_dim: int = 0  # P1 + P2
-    name: ClassVar[str] = "sd3"
-
-    @classmethod
-    def check_settings(cls, cfg: TrainingConfig, scheduler_config: Mapping[str, Any],
-                       denoiser_config: Mapping[str, Any]) -> None:
-        """What SD3 refuses from the settings alone (family.Sd1Family.check_settings says who calls it): DDPM's
-        settings, and Flux's distilled guidance."""
-        refuse_ddpm_settings(cfg, cls.name)
-        if cfg.flow.guidance is not None:
-            raise ConfigError("training.flow.guidance: SD3 has no guidance embedding (only Flux.1-dev is "
-                              "guidance-distilled; SD3 samples with classifier-free guidance, "
-                              "sampling.guidance_scale); remove training.flow.guidance")
 
     @classmethod
     def for_model(cls, sd: SDComponents, cfg: TrainingConfig) -> Sd3Family:
@@ -66,10 +57,6 @@ class Sd3Family(FlowFamily):
 
     def text_encoder_names(self) -> tuple[str, ...]:
         return ("text_encoder", "text_encoder_2", "text_encoder_3")
-
-    @classmethod
-    def min_resolution(cls, native: int) -> int:
-        return max(8, native // 4)  # SD3 was pre-trained from 256 px up (paper sec. 5.3) for its 1024 px native
 
     # --- conditioning -------------------------------------------------------------------------------------------
 

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from rangefinder.errors import ConfigError
 from rangefinder.training.caching import tokenize
 from rangefinder.training.family import ImageGeometry, Sd1Family, _checked_prediction_type
+from rangefinder.training.family_rules import SdxlRules
 
 if TYPE_CHECKING:
     from rangefinder.config import TrainingConfig
@@ -37,10 +38,11 @@ def add_time_ids(g: ImageGeometry) -> list[int]:
 
 
 @dataclass
-class SdxlFamily(Sd1Family):
+class SdxlFamily(SdxlRules, Sd1Family):
+    """Its rules told from the configs alone are SdxlRules' (family_rules.py)."""
+
     tokenizer_2: Any = None  # transformers CLIPTokenizer of the second encoder
     pooled_dim: int = 0  # P: text_encoder_2's projection width
-    name: ClassVar[str] = "sdxl"
 
     @classmethod
     def for_model(cls, sd: SDComponents, cfg: TrainingConfig) -> SdxlFamily:
@@ -54,12 +56,6 @@ class SdxlFamily(Sd1Family):
 
     def text_encoder_names(self) -> tuple[str, ...]:
         return ("text_encoder", "text_encoder_2")
-
-    @classmethod
-    def min_resolution(cls, native: int) -> int:
-        """SDXL was trained down to half its native size (512 px for the 1024 px base, through its size
-        conditioning); below that it does not produce the images it was trained on."""
-        return max(8, native // 2)
 
     # --- conditioning -------------------------------------------------------------------------------------------
 

@@ -52,8 +52,9 @@ class ModelGeometry:
 
     @classmethod
     def of(cls, family_cls: Any, vae_config: Mapping[str, Any], denoiser_config: Mapping[str, Any]) -> ModelGeometry:
-        """The geometry of a model of family `family_cls` (a families.FAMILIES class) from its VAE's and denoiser's
-        configs: the loaded modules' `.config` or their config.json."""
+        """The geometry of a model of family `family_cls` (a families.FAMILIES class, or its rules:
+        families.FAMILY_RULES) from its VAE's and denoiser's configs: the loaded modules' `.config` or their
+        config.json."""
         native = native_resolution(vae_config, denoiser_config)
         return cls(family=family_cls.name, patchified=bool(family_cls.patchified),
                    vae_scale=vae_downscale(vae_config),

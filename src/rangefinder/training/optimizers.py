@@ -18,12 +18,13 @@ back, so a resumed run continues bit for bit (tests/training/test_optimizers.py)
 
 from __future__ import annotations
 
-from typing import Any, Optional
-
-import torch
+from typing import TYPE_CHECKING, Any, Optional
 
 from rangefinder.config import TrainingConfig
 from rangefinder.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 # The pip package each optimizer but adamw and adafactor needs: prodigyopt is a dependency of rangefinder (the
 # prodigy_step LR finder trains with it); the others come with the extra `optimizers` (pip install
@@ -46,6 +47,8 @@ def check_optimizer(cfg: TrainingConfig, cuda: bool, instead: str = "choose trai
 
 def make_optimizer(cfg: TrainingConfig, groups: list[dict], lr: float) -> torch.optim.Optimizer:
     """The run's optimizer over `groups` (method.param_groups()), at `lr` (the schedule's first LR)."""
+    import torch  # here, not above: `compile` checks the optimizer (check_optimizer) without loading torch
+
     name = cfg.optimizer
     if name in ("adamw", "adamw8bit"):
         kwargs: dict[str, Any] = dict(

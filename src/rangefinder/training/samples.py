@@ -309,7 +309,7 @@ def _inference_scheduler(sd: Any, name: Optional[str], prediction_type: str) -> 
             cls_name = entry[1] if isinstance(entry, list) and len(entry) == 2 else None
     cls = getattr(diffusers, cls_name or type(sd.noise_scheduler).__name__)
     if prediction_type == "flow":  # a flow-matching family: its own FlowMatch* scheduler (no prediction type)
-        from rangefinder.training.family_flow import check_flow_scheduler
+        from rangefinder.training.family_rules import check_flow_scheduler
 
         check_flow_scheduler(type(sd.noise_scheduler).__name__, cls.__name__)
         return cls.from_config(config)

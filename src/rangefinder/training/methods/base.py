@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 import torch
 
+from rangefinder.training.family_rules import check_method_family
+
 if TYPE_CHECKING:
     from rangefinder.config import TrainingConfig
     from rangefinder.models.loading import SDComponents
@@ -62,9 +64,8 @@ class Method(ABC):
     @classmethod
     def check_family(cls, family: str) -> None:
         """ConfigError when the method cannot train a model of `family` ("sd1" | "sdxl" | "sd3" | "flux"), told from
-        the name alone: the one rule `setup` applies and resolve-config's preflight (families.check_family_settings)
-        applies before any GPU is asked for. Every family, unless a method says otherwise."""
-        return None
+        the name alone (family_rules.check_method_family, the rule the checks before a run apply too)."""
+        check_method_family(cls.name, family)
 
     @abstractmethod
     def setup(self, sd: SDComponents, weight_dtype: torch.dtype) -> None:

@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rangefinder.config import FAMILY_NAMES
 from rangefinder.errors import ConfigError
 from rangefinder.training.methods.base import Method
 
@@ -67,22 +66,9 @@ def placeholder_tokens(token: str, num_vectors: int) -> list[str]:
     return [token] + [f"{token}_{i}" for i in range(1, num_vectors)]
 
 
-TI_FAMILIES = ("sd1", "sdxl")  # the families whose embedding files consumers load
-
-
 class TextualInversion(Method):
     name = "textual_inversion"
     fills_empty_captions = True  # transform_caption: a prompt template for the learnable property
-
-    @classmethod
-    def check_family(cls, family: str) -> None:
-        if family not in TI_FAMILIES:
-            # SD3 would need an embedding per CLIP and none for T5; no consumer (ComfyUI, A1111, diffusers' SD3
-            # loader) reads such a file, so it is refused rather than built for nobody. (Flux's own refusal,
-            # family_flux.refuse_unsupported, says why for Flux, and comes first.)
-            raise ConfigError(f"training.method: textual inversion is not supported on {FAMILY_NAMES[family]} models "
-                              f"(only on {' and '.join(FAMILY_NAMES[f] for f in TI_FAMILIES)}); use method lora or "
-                              "full")
 
     def setup(self, sd: SDComponents, weight_dtype: torch.dtype) -> None:
         self.check_family(sd.family)

@@ -1,0 +1,206 @@
+"""What each model family refuses or requires, told from the settings and the model's small configs alone: each
+family's rules, without torch, diffusers or transformers.
+
+Each rule is written once, here, and applied twice: by the engine, whose family classes (family.py, family_sdxl.py,
+family_sd3.py, family_flux.py) inherit them and apply them to the loaded model's `.config` (`for_model`), and by the
+checks made before a run (families.check_family_settings: resolve-config's preflight, and `compile`, `run --local`
+and `train` where the base model is here to read) to the config.json files of its folder. So `rangefinder compile`
+on a local or embedded model reads JSON and imports none of the libraries that load models (seconds each).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from rangefinder.config import FAMILY_NAMES, FlowSettings
+from rangefinder.errors import ConfigError
+from rangefinder.training.geometry import vae_downscale
+
+if TYPE_CHECKING:
+    from rangefinder.config import TrainingConfig
+
+PREDICTION_TYPES = ("epsilon", "v_prediction")
+TI_FAMILIES = ("sd1", "sdxl")  # the families whose textual-inversion embedding files consumers load
+# What a scheduler config without `prediction_type` (SD 1.4's, written before diffusers had the field) predicts:
+# DDPMScheduler's default, which the engine's training scheduler, loaded from that config, has filled in.
+DDPM_DEFAULT_PREDICTION = "epsilon"
+
+
+def check_method_family(method: str, family: str) -> None:
+    """ConfigError when training.method `method` cannot train a model of `family` ("sd1" | "sdxl" | "sd3" |
+    "flux"), told from the names alone: the one rule a method's `setup` applies (methods.base.Method.check_family)
+    and the checks before a run apply (families.check_family_settings). Every family, unless a method says
+    otherwise here."""
+    if method == "textual_inversion" and family not in TI_FAMILIES:
+        # SD3 would need an embedding per CLIP and none for T5; no consumer (ComfyUI, A1111, diffusers' SD3
+        # loader) reads such a file, so it is refused rather than built for nobody. (Flux's own refusal,
+        # refuse_unsupported, says why for Flux, and comes first.)
+        raise ConfigError(f"training.method: textual inversion is not supported on {FAMILY_NAMES[family]} models "
+                          f"(only on {' and '.join(FAMILY_NAMES[f] for f in TI_FAMILIES)}); use method lora or "
+                          "full")
+
+
+class Sd1Rules:
+    """Stable Diffusion 1.x / 2.x (family.Sd1Family)."""
+
+    name: ClassVar[str] = "sd1"
+    # True for a transformer that cuts the latents into patches (every image side must be a multiple of
+    # side_multiple); False for a UNet, which pads its upsampling for other square sizes.
+    patchified: ClassVar[bool] = False
+
+    @classmethod
+    def check_settings(cls, cfg: TrainingConfig, scheduler_config: Mapping[str, Any],
+                       denoiser_config: Mapping[str, Any]) -> None:
+        """ConfigError for a training setting this family refuses, judged from the settings, the training
+        scheduler's config and the denoiser's config alone (no weights): the one rule that `for_model` applies to a
+        loaded model and resolve-config's preflight (families.check_family_settings) to the resolved folder, before
+        any GPU is asked for. Each family has one. SD 1.x/SDXL: the flow objective's settings are refused (they
+        would be ignored), and so is a model predicting what the DDPM objective does not train, unless
+        training.prediction_type overrides it."""
+        if cfg.flow != FlowSettings():
+            # The fields that differ from the defaults, not model_fields_set: a config that went through JSON
+            # (base_config, config_json) has every field set.
+            default = FlowSettings()
+            changed = ", ".join(sorted(k for k in FlowSettings.model_fields
+                                       if getattr(cfg.flow, k) != getattr(default, k)))
+            raise ConfigError(f"training.flow ({changed}): the base model is a DDPM model ({FAMILY_NAMES[cls.name]}), "
+                              "not a flow-matching one (SD3, Flux); remove training.flow")
+        predicts = cfg.prediction_type or str(scheduler_config.get("prediction_type", DDPM_DEFAULT_PREDICTION))
+        if predicts not in PREDICTION_TYPES:
+            raise ConfigError(
+                f"training.prediction_type: the base model predicts {predicts!r}; set epsilon or v_prediction"
+            )
+
+    @classmethod
+    def min_resolution(cls, native: int) -> int:
+        """The smallest training resolution (pixels) the family supports for a model of `native` resolution: SD
+        1.x/2.x train at any size their VAE and UNet divide (data.resolution's own checks). A classmethod, like
+        side_multiple_of, so that resolve-config's preflight judges sizes from the configs (geometry.py)."""
+        return 8
+
+    @classmethod
+    def side_multiple_of(cls, vae_config: Mapping[str, Any], denoiser_config: Mapping[str, Any]) -> int:
+        """Pixels each image side must be a multiple of for every latent to pass the UNet's down- and upsampling
+        evenly (aspect-ratio buckets): the VAE's downscale times the UNet's, read from their configs (the loaded
+        modules' or their config.json)."""
+        return vae_downscale(vae_config) * 2 ** (len(denoiser_config["down_block_types"]) - 1)
+
+
+class SdxlRules(Sd1Rules):
+    """Stable Diffusion XL (family_sdxl.SdxlFamily): SD's rules, but for its floor."""
+
+    name: ClassVar[str] = "sdxl"
+
+    @classmethod
+    def min_resolution(cls, native: int) -> int:
+        """SDXL was trained down to half its native size (512 px for the 1024 px base, through its size
+        conditioning); below that it does not produce the images it was trained on."""
+        return max(8, native // 2)
+
+
+def refuse_ddpm_settings(cfg: TrainingConfig, family: str) -> None:
+    """One ConfigError line for a DDPM setting on a flow-matching model of `family` (never ignored silently)."""
+    model = FAMILY_NAMES[family]
+    if cfg.min_snr_gamma is not None:
+        raise ConfigError(f"training.min_snr_gamma: min-SNR weighting is defined through the DDPM noise schedule; "
+                          f"{model} is a flow-matching model; remove it (training.flow.loss_weighting sets the "
+                          "flow weighting: none, sigma_sqrt, cosmap)")
+    if cfg.prediction_type is not None:
+        raise ConfigError(f"training.prediction_type: {model} is a flow-matching model, trained on the velocity "
+                          f"noise - x0, not {cfg.prediction_type}; remove training.prediction_type")
+    if cfg.noise_offset:
+        raise ConfigError(f"training.noise_offset: the offset noise is DDPM's; {model} is a flow-matching model; "
+                          "set training.noise_offset to 0")
+
+
+def check_flow_scheduler(model_scheduler: str, wanted: str) -> None:
+    """ConfigError for a DDPM-family sampling scheduler on a flow-matching model (whose own scheduler is a
+    FlowMatch* one): it would step a velocity as if it were noise."""
+    if model_scheduler.startswith("FlowMatch") and not wanted.startswith("FlowMatch"):
+        raise ConfigError(f"sampling.scheduler: {wanted} samples DDPM models; this base model is a flow-matching "
+                          f"model (it samples with {model_scheduler}); set a FlowMatch* scheduler or leave "
+                          "sampling.scheduler unset")
+
+
+class FlowRules:
+    """The rectified-flow families' (family_flow.FlowFamily)."""
+
+    name: ClassVar[str] = "flow"
+    patchified: ClassVar[bool] = True
+
+    @classmethod
+    def side_multiple_of(cls, vae_config: Mapping[str, Any], denoiser_config: Mapping[str, Any]) -> int:
+        """The VAE's downscale times the transformer's patch size (SD3, Flux: 8 x 2 = 16 px), read from their
+        configs (the loaded modules' or their config.json)."""
+        return vae_downscale(vae_config) * int(denoiser_config["patch_size"])
+
+
+class Sd3Rules(FlowRules):
+    """Stable Diffusion 3 / 3.5 (family_sd3.Sd3Family)."""
+
+    name: ClassVar[str] = "sd3"
+
+    @classmethod
+    def check_settings(cls, cfg: TrainingConfig, scheduler_config: Mapping[str, Any],
+                       denoiser_config: Mapping[str, Any]) -> None:
+        """What SD3 refuses from the settings alone (Sd1Rules.check_settings says who calls it): DDPM's
+        settings, and Flux's distilled guidance."""
+        refuse_ddpm_settings(cfg, cls.name)
+        if cfg.flow.guidance is not None:
+            raise ConfigError("training.flow.guidance: SD3 has no guidance embedding (only Flux.1-dev is "
+                              "guidance-distilled; SD3 samples with classifier-free guidance, "
+                              "sampling.guidance_scale); remove training.flow.guidance")
+
+    @classmethod
+    def min_resolution(cls, native: int) -> int:
+        return max(8, native // 4)  # SD3 was pre-trained from 256 px up (paper sec. 5.3) for its 1024 px native
+
+
+def refuse_unsupported(cfg: TrainingConfig) -> None:
+    """One line for each setting that asks Flux for what a guidance-distilled model with a frozen T5 does not do."""
+    if cfg.method == "textual_inversion":
+        raise ConfigError("training.method: textual inversion is not supported on Flux (its prompt reaches the "
+                          "transformer through T5, which has no standard embedding format to train; kohya and "
+                          "diffusers train Flux concepts with LoRA); use method lora")
+    if cfg.cond_dropout > 0:
+        raise ConfigError("training.cond_dropout: Flux.1-dev is guidance-distilled (the guidance scale is an input of "
+                          "its transformer, training.flow.guidance) and has no unconditional branch to train; set "
+                          "training.cond_dropout to 0")
+    if cfg.train_text_encoder or cfg.lora.train_text_encoder:
+        raise ConfigError("training.train_text_encoder: Flux's text encoders are not trained here (T5 never is; "
+                          "CLIP-L conditions only through its pooled vector); remove train_text_encoder")
+
+
+def guidance_embedded(denoiser_config: Mapping[str, Any]) -> bool:
+    """Whether the transformer takes the guidance scale as an input (Flux.1-dev; not schnell): its config's
+    `guidance_embeds`, whose absence (a config.json written without it) means diffusers' default, off."""
+    return bool(denoiser_config.get("guidance_embeds", False))
+
+
+class FluxRules(FlowRules):
+    """Flux.1 (family_flux.FluxFamily)."""
+
+    name: ClassVar[str] = "flux"
+
+    @classmethod
+    def check_settings(cls, cfg: TrainingConfig, scheduler_config: Mapping[str, Any],
+                       denoiser_config: Mapping[str, Any]) -> None:
+        """What Flux refuses from the settings and its transformer's config (Sd1Rules.check_settings says who
+        calls it): DDPM's settings, what a guidance-distilled model with a frozen T5 does not do, and a training
+        guidance for a model without the guidance embedding."""
+        refuse_ddpm_settings(cfg, cls.name)
+        refuse_unsupported(cfg)
+        if cfg.flow.guidance is not None and not guidance_embedded(denoiser_config):
+            raise ConfigError("training.flow.guidance: this Flux model has no guidance embedding (FLUX.1-schnell is "
+                              "not guidance-distilled); remove training.flow.guidance")
+
+    @classmethod
+    def min_resolution(cls, native: int) -> int:
+        return 8
+
+    @classmethod
+    def side_multiple_of(cls, vae_config: Mapping[str, Any], denoiser_config: Mapping[str, Any]) -> int:
+        """The VAE's downscale times 2: the latents are packed in 2x2 patches (the transformer's own patch_size is
+        1, on the packed tokens)."""
+        return vae_downscale(vae_config) * 2
