@@ -364,3 +364,22 @@ def test_shuffled_rows_are_read_as_the_sweep_in_order():
     assert b.reordered and b.ramp == in_order.ramp == "exp"
     assert (b.lr_low, b.lr_high, b.lr_mid, b.flags) == (in_order.lr_low, in_order.lr_high, in_order.lr_mid,
                                                          in_order.flags)
+
+
+def test_rows_at_one_lr_are_read_as_one_point_their_mean():
+    """A sweep that holds each LR over 3 validations (a step-wise ramp), or a file whose rows were written twice: rows
+    at one lr made the smoother's and the permutation test's differences 0 / 0, which crashed (ZeroDivisionError) or
+    read flat noise as rising_from_start at p = 1/300. The rows at each lr are one point, their mean."""
+    lr = lr_sweep(40)
+    y = noisy(U.loss(lr), 0.002, 0)
+    clean = analyze_lr_curve(lr, y)
+    twice = analyze_lr_curve(np.repeat(lr, 2), np.repeat(y, 2))
+    assert (twice.status, twice.lr_low, twice.lr_mid, twice.lr_high, twice.flags) == (
+        clean.status, clean.lr_low, clean.lr_mid, clean.lr_high, clean.flags)
+    assert twice.rows_merged == lr.size and clean.rows_merged == 0 and not twice.reordered
+    assert any(a.startswith(f"{lr.size} of {2 * lr.size} rows had the lr of another row") for a in twice.advice)
+    steps = np.repeat(np.geomspace(1e-7, 1e-2, 15), 3)
+    for seed in range(4):
+        check_bounds(analyze_lr_curve(steps, noisy(U.loss(steps), 0.002, seed), seed=seed), U, tol=0.3)
+        flat = analyze_lr_curve(steps, noisy(np.full(steps.size, 0.2), 0.002, seed), seed=seed)
+        assert flat.status == "no_descent" and flat.p_descent > 0.05 and math.isfinite(flat.noise_sigma)

@@ -194,3 +194,32 @@ def test_without_a_window_the_lowest_validation_loss_of_the_whole_run_is_deliver
     # The base model (update 0) is never a checkpoint to deliver, and an unvalidated checkpoint is no measurement.
     assert delivered_checkpoint(_window(None, None, None), [0, 6], [0, 4], [0.01, 0.02]) is None
     assert delivered_checkpoint(_window(None, None, None), [], [0, 4], [0.01, 0.02]) is None
+
+
+def test_rows_at_one_update_are_read_as_one_point_their_mean():
+    """Rows written twice (a file joined with a copy of its tail) made the smoother's and the permutation test's
+    differences 0 / 0: flat noise read as a window at p = 1/300 (an "ok" recommendation of what never improved), and
+    the noise as NaN. The rows at each update are one point, their mean: the clean curve's window."""
+    shape = ConstantRunShape()
+    y = noisy(shape.loss(EPOCHS), 0.001, 0)
+    clean = select_step_window(UPDATES, EPOCHS, y)
+    rows = np.r_[0:41, 20:61]  # rows 20-40 twice
+    w = select_step_window(UPDATES[rows], EPOCHS[rows], y[rows])
+    assert (w.status, w.window_start_update, w.window_end_update, w.recommended_epochs, w.noise_sigma) == (
+        clean.status, clean.window_start_update, clean.window_end_update, clean.recommended_epochs, clean.noise_sigma)
+    assert w.rows_merged == 21 and any(a.startswith("21 of 82 rows had the update of another row") for a in w.advice)
+    for seed in range(4):
+        for times in (2, 3):
+            e = np.repeat(EPOCHS[::3], times)
+            flat = select_step_window(10 * e, e, noisy(np.full(e.shape, 0.2), 0.001, seed), seed=seed)
+            assert flat.status == "no_improvement" and flat.recommended_epochs is None, (seed, times)
+            assert np.isfinite(flat.noise_sigma)
+
+
+def test_a_curve_at_fewer_than_3_updates_is_refused():
+    # The window average's metrics.csv holds its measurements all at update 0: "no_improvement: this LR does not help"
+    # said of a curve with no length.
+    with pytest.raises(RangefinderError, match=r"1 distinct update value \(0\); the step window needs validations"):
+        select_step_window([0, 0, 0, 0], [0, 0, 0, 0], [0.2, 0.19, 0.21, 0.2])
+    with pytest.raises(RangefinderError, match=r"2 distinct update values \(0, 10\)"):
+        select_step_window([0, 10, 10, 0], None, [0.2, 0.19, 0.21, 0.2])

@@ -149,6 +149,26 @@ def order_rows(axis: np.ndarray, y: np.ndarray) -> RowOrder:
     return RowOrder(index=keep, non_finite=int(axis.size - keep.size), reordered=reordered)
 
 
+def merge_ties(x: np.ndarray, *arrays: np.ndarray) -> list[np.ndarray]:
+    """[x, *arrays] with the rows that share an `x` value (x sorted) read as one: that x, and the mean of each array's
+    finite values over them (NaN where none is). The arrays as they are when every x is distinct.
+
+    The smoother, the noise estimate and the permutation test each divide by differences of x: two rows at one x gave
+    a 0/0 that made the permutation test call pure noise a descent (p = 1/300) and the noise NaN. Rows at one update
+    are the same weights measured again (a file written twice); rows at one LR of a step-wise sweep, its loss there.
+    """
+    values, first, inverse = np.unique(x, return_index=True, return_inverse=True)
+    if values.size == x.size:
+        return [x, *arrays]
+    out = [x[first]]
+    for a in arrays:
+        finite = np.isfinite(a)
+        counts = np.bincount(inverse, weights=finite.astype(float), minlength=values.size)
+        sums = np.bincount(inverse, weights=np.where(finite, a, 0.0), minlength=values.size)
+        out.append(np.where(counts > 0, sums / np.maximum(counts, 1.0), np.nan))
+    return out
+
+
 def bin_means(max_points: int, *arrays: np.ndarray) -> tuple[int, list[np.ndarray]]:
     """(rows per point, arrays) with each array cut into consecutive bins of k rows, k the smallest that leaves
     at most `max_points` bins, and each bin replaced by its mean (NaNs ignored; all-NaN bins stay NaN). k = 1
@@ -169,7 +189,7 @@ def bin_means(max_points: int, *arrays: np.ndarray) -> tuple[int, list[np.ndarra
     return k, out
 
 
-def reading_notes(rows: RowOrder, n_rows: int, rows_per_point: int, axis_name: str) -> list[str]:
+def reading_notes(rows: RowOrder, n_rows: int, rows_per_point: int, axis_name: str, merged: int = 0) -> list[str]:
     """Advice lines for what an analysis did to the rows before reading them (none when it read them as given)."""
     notes = []
     if rows.non_finite:
@@ -182,6 +202,12 @@ def reading_notes(rows: RowOrder, n_rows: int, rows_per_point: int, axis_name: s
         notes.append(
             f"The rows were not in increasing {axis_name} order; they were read sorted by {axis_name}. Check that "
             "the file holds one run (two files joined end to end interleave)."
+        )
+    if merged:
+        why = "a row written twice" + (", or an LR held over several validations" if axis_name == "lr" else "")
+        notes.append(
+            f"{merged} of {n_rows} rows had the {axis_name} of another row; the rows at each {axis_name} were read as "
+            f"one point, their mean ({why}). Check that the file holds one run if that is unexpected."
         )
     if rows_per_point > 1:
         notes.append(

@@ -50,6 +50,7 @@ from rangefinder.analysis.curves import (
     finite_prefix,
     infer_ramp,
     lowess,
+    merge_ties,
     noise_sigma,
     order_rows,
     reading_notes,
@@ -169,6 +170,7 @@ class LRBounds:
     points_non_finite: int = 0  # rows left out for a NaN/inf between finite rows (counted in points_dropped too)
     reordered: bool = False  # the rows were not in LR order and were read sorted
     rows_per_point: int = 1  # > 1: a long curve read as means of this many consecutive rows (MAX_CURVE_POINTS)
+    rows_merged: int = 0  # rows read as one point with another row at the same lr (curves.merge_ties)
     reading: list[str] = field(default_factory=list)  # what was done to the rows before reading (also in advice)
     fit: Optional[LRCurveFit] = field(default=None, repr=False)
 
@@ -342,7 +344,8 @@ def analyze_lr_curve(
                          midpoint=midpoint, _turns_up_after=_turns_up_after)
     bounds.points_dropped = int(n_rows - bounds.points_used)
     bounds.points_non_finite, bounds.reordered = rows.non_finite, rows.reordered
-    bounds.reading = reading_notes(rows, n_rows, bounds.rows_per_point, "lr")
+    bounds.rows_merged = int(lr_all.size - np.unique(lr_all).size)
+    bounds.reading = reading_notes(rows, n_rows, bounds.rows_per_point, "lr", bounds.rows_merged)
     bounds.advice = bounds.advice + bounds.reading
     return bounds
 
@@ -374,8 +377,9 @@ def _read_curve(lr_all: np.ndarray, y_all: np.ndarray, stab_all: Optional[np.nda
     dropped = n_ok < lr_all.size
     fit_dropped_lr, fit_dropped_y = lr_all[n_ok:], y_all[n_ok:]
 
+    n_used = lr_u.size
+    lr_u, y = merge_ties(lr_u, y)
     x = _axis(lr_u, ramp)
-    n_used = x.size
     rows_per_point, (x, y) = bin_means(MAX_CURVE_POINTS, x, y)
     if rows_per_point > 1:
         lr_u = np.exp(x) if ramp == "exp" else x

@@ -27,6 +27,7 @@ from rangefinder.analysis.curves import (
     end_slope,
     finite_prefix,
     lowess,
+    merge_ties,
     noise_sigma,
     order_rows,
     reading_notes,
@@ -103,6 +104,7 @@ class StepWindow:
     points_non_finite: int = 0  # rows left out for a NaN/inf between finite rows (counted in points_dropped too)
     reordered: bool = False  # the rows were not in update order and were read sorted
     rows_per_point: int = 1  # > 1: a long curve read as means of this many consecutive rows (MAX_CURVE_POINTS)
+    rows_merged: int = 0  # rows read as one point with another row at the same update (curves.merge_ties)
     reading: list[str] = field(default_factory=list)  # what was done to the rows before reading (also in advice)
     fit: Optional[StepCurveFit] = field(default=None, repr=False)
 
@@ -142,6 +144,15 @@ def select_step_window(
             f"the curve has {n_finite} finite (update, val_loss) points; the step window needs at least 3 "
             "(validate more often during the fine-tune)"
         )
+    distinct = np.unique(u_all[np.isfinite(u_all) & np.isfinite(y_all)])
+    if distinct.size < 3:
+        # Rows at one or two updates (the window average's measurements, all at update 0) said "no_improvement: this
+        # LR does not help", of a curve that has no length to read.
+        raise RangefinderError(
+            f"the curve has {distinct.size} distinct update value{'s' if distinct.size != 1 else ''} "
+            f"({', '.join(f'{v:g}' for v in distinct)}); the step window needs validations at 3 or more updates "
+            "(pass a fine-tune's metrics.csv, or validate more often during the fine-tune)"
+        )
     s_all = None
     if stabilize_loss is not None:
         s_all = np.asarray(stabilize_loss, dtype=float).ravel()
@@ -158,7 +169,8 @@ def select_step_window(
     window = _select(u_all, e_all, y_all, s_all, tolerance=tolerance, seed=seed, divergence_factor=divergence_factor)
     window.points_dropped = int(n_rows - window.points_used)
     window.points_non_finite, window.reordered = rows.non_finite, rows.reordered
-    window.reading = reading_notes(rows, n_rows, window.rows_per_point, "update")
+    window.rows_merged = int(u_all.size - np.unique(u_all).size)
+    window.reading = reading_notes(rows, n_rows, window.rows_per_point, "update", window.rows_merged)
     window.advice = window.advice + window.reading
     return window
 
@@ -372,7 +384,7 @@ def _select(u_all: np.ndarray, e_all: np.ndarray, y_all: np.ndarray, s_all: Opti
     u, y, e = u_all[:n_ok], y_all[:n_ok], e_all[:n_ok]
     s = None if s_all is None else s_all[:n_ok]
     n_used = u.size
-    binned = [u, e, y] + ([] if s is None else [s])
+    binned = merge_ties(u, e, y, *([] if s is None else [s]))
     rows_per_point, binned = bin_means(MAX_CURVE_POINTS, *binned)
     u, e, y = binned[:3]
     s = binned[3] if s is not None else None
