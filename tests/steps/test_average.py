@@ -185,21 +185,26 @@ def test_a_step_retried_before_it_ends_goes_on_from_the_run_s_end(averaged, spli
         np.testing.assert_array_equal(again.curve_arrays()[column], values)
 
 
-def test_checkpoints_of_different_runs_are_not_averaged(tmp_path):
+@pytest.mark.parametrize(("second", "said"), [
+    ({"y": torch.ones(2)}, "other tensors"),
+    # The same names at another shape (a LoRA rank changed between the runs): a torch broadcasting traceback.
+    ({"x": torch.ones(3)}, r"holds x of shape \(3,\) where .*a holds \(2,\): they are not checkpoints of one run"),
+], ids=["other-names", "other-shapes"])
+def test_checkpoints_of_different_runs_are_not_averaged(tmp_path, second, said):
     from safetensors.torch import save_file
 
     from rangefinder.errors import RangefinderError
     from rangefinder.formats.digest import file_sha256
 
-    for name, key in (("a", "x"), ("b", "y")):
+    for name, weights in (("a", {"x": torch.ones(2)}), ("b", second)):
         d = tmp_path / name
         d.mkdir()
-        save_file({key: torch.ones(2)}, str(d / checkpoints.WEIGHTS_NAME))
+        save_file(weights, str(d / checkpoints.WEIGHTS_NAME))
         for other in (checkpoints.OPTIMIZER_NAME, checkpoints.STATE_NAME):
             (d / other).write_text("{}")
         sums = {f.name: file_sha256(f) for f in d.iterdir()}
         (d / checkpoints.MANIFEST_NAME).write_text(json.dumps({"sha256": sums}))
-    with pytest.raises(RangefinderError, match="other tensors"):
+    with pytest.raises(RangefinderError, match=said):
         average_weights([tmp_path / "a", tmp_path / "b"])
 
 

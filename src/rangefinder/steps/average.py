@@ -154,6 +154,12 @@ def average_weights(ckpts: list[Path]) -> dict[str, torch.Tensor]:
         if n > 1 and set(weights) != set(mean):
             raise RangefinderError(f"checkpoint {ckpt} holds other tensors than {ckpts[0]}: they are not checkpoints "
                                    "of one run, and cannot be averaged")
+        reshaped = [k for k, v in weights.items() if n > 1 and v.shape != mean[k].shape]
+        if reshaped:
+            k = reshaped[0]
+            raise RangefinderError(f"checkpoint {ckpt} holds {k} of shape {tuple(weights[k].shape)} where {ckpts[0]} "
+                                   f"holds {tuple(mean[k].shape)}: they are not checkpoints of one run (a LoRA rank or "
+                                   "other setting changed between them), and cannot be averaged")
         for key, value in weights.items():
             if n == 1:
                 dtypes[key] = value.dtype
