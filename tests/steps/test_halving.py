@@ -301,6 +301,29 @@ def test_a_step_killed_while_lr_below_races_ends_as_one_never_killed(halved, spl
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_pause_before_the_first_validation_compares_the_candidates_where_both_paused(halved, split_dir,
+                                                                                      tiny_model_dir, tmp_path):
+    """validation.every_epochs 2 of a 3-epoch fine-tune (12 updates): the pause, update 6, comes before the first
+    validation, update 8, where the engine pauses both candidates. Compared by update 6 neither had a loss, and the
+    step failed with "both fine-tune candidates diverged or measured nothing ... the range test's bounds are too
+    high". They are compared where both paused, which the decision names as its pause."""
+    from rangefinder.data.split import read_split
+    from rangefinder.steps.halving import run_halving
+    from rangefinder.training.spec import TrainSpec
+
+    cfg = demo_config(model={"base_model": str(tiny_model_dir)}, finetune={"epochs": 3},
+                      validation={"every_epochs": 2.0}, training={"cache_dir": str(halved[1] / "cache")},
+                      sampling={"every_validations": None})
+    split = read_split(split_dir)
+    spec = TrainSpec.finetune(cfg, split, bounds=(LR_LOW, LR_HIGH), lr=LR_MID, world_size=1)
+    race = run_halving(cfg, spec, tmp_path / "work", lr_mid=LR_MID, lr_high=LR_HIGH, split=split)
+    assert race.pause_update == 8 and set(race.candidates) == {"lr_mid", "lr_high"}
+    for c in race.candidates.values():
+        assert (c.status, c.updates, c.best_update, c.best_val_loss) == ("paused", 8, 8, dict(c.curve)[8])
+    assert race.kept == min(race.candidates, key=lambda n: race.candidates[n].best_val_loss)
+    assert json.loads((tmp_path / "work" / HALVING_DIR / DECISION).read_text())["pause_update"] == 8
+
+
 def test_halving_runs_only_where_there_are_two_constant_lrs_to_compare():
     assert halving_applies(True, True, "constant", 1e-4, 1e-3)
     assert not halving_applies(False, True, "constant", 1e-4, 1e-3)  # finetune.successive_halving: false

@@ -45,6 +45,11 @@ class HalvingCandidate:
         best, at = best_until(curve, pause)
         return cls(lr=lr, status=status, updates=updates, best_val_loss=best, best_update=at, curve=curve)
 
+    def by(self, update: int) -> HalvingCandidate:
+        """The candidate with its best validation loss (and where) after update 0 and at or before `update`."""
+        best, at = best_until(self.curve, update)
+        return replace(self, best_val_loss=best, best_update=at)
+
     def to_json(self) -> dict[str, JSONValue]:
         return {"lr": self.lr, "status": self.status, "updates": self.updates, "best_val_loss": self.best_val_loss,
                 "best_update": self.best_update, "curve": [[u, v] for u, v in self.curve]}
@@ -102,6 +107,16 @@ def pause_update(total_updates: int) -> int:
     """Where both candidates pause: half the fine-tune's updates (the engine pauses at the first validation at or
     after it)."""
     return max(1, math.ceil(total_updates / 2))
+
+
+def compared_at(pause: int, candidates: Mapping[str, HalvingCandidate]) -> int:
+    """The update the race compares its candidates' best losses by: the pause, or, when none of them validated between
+    update 0 and it (validation every few epochs, and a pause before the first), the first update after it that one of
+    them validated at. The engine pauses each candidate there, at its first validation at or after the pause (they
+    validate at the same updates); by the pause alone none had a loss, and the race called them all diverged."""
+    if any(best_until(c.curve, pause)[0] is not None for c in candidates.values()):
+        return pause
+    return min((u for c in candidates.values() for u, _ in c.curve if u > pause), default=pause)
 
 
 def best_until(points: Sequence[Sequence[float]], update: int) -> tuple[Optional[float], Optional[int]]:

@@ -45,6 +45,7 @@ from rangefinder.analysis.halving import (
     HalvingDecision,
     below_lr,
     best_until,
+    compared_at,
     fires_below,
     pause_update,
     pick,
@@ -84,15 +85,17 @@ def run_halving(cfg: RangefinderConfig, spec: TrainSpec, work: Path, *, lr_mid: 
     decision = HalvingDecision.from_json(json.loads(decision_path.read_text())) if decision_path.is_file() else None
     if decision is None:
         plan = spec.plan if spec.plan is not None else spec.plan_from(_read(spec))
-        pause = pause_update(plan.total_updates)
+        half = pause_update(plan.total_updates)
         lrs = {"lr_mid": lr_mid, "lr_high": lr_high, BELOW: below_lr(lr_mid, lr_high)}
         margin = cfg.finetune.halving_below_margin
         candidates: dict[str, HalvingCandidate] = {}
         for name in RACED:
-            candidates[name] = _race(cfg, spec, root / name, sink, name, lrs[name], pause, split)
+            candidates[name] = _race(cfg, spec, root / name, sink, name, lrs[name], half, split)
+        pause = compared_at(half, candidates)  # half, unless no validation came before it
+        candidates = {name: c.by(pause) for name, c in candidates.items()}
         rule = RULE
         if fires_below(candidates, margin):
-            candidates[BELOW] = _race(cfg, spec, root / BELOW, sink, BELOW, lrs[BELOW], pause, split)
+            candidates[BELOW] = _race(cfg, spec, root / BELOW, sink, BELOW, lrs[BELOW], half, split).by(pause)
             rule = f"{RULE}; lr_high lost by more than {margin:g}, so lr_below = lr_mid^2 / lr_high raced too"
         decision = HalvingDecision.decide(pause, candidates, rule)
         write_json(decision_path, decision.to_json())  # before anything moves: a killed step redoes only the move
