@@ -144,6 +144,10 @@ def test_without_a_validated_checkpoint_inside_the_window_the_nearest_one_is_del
     assert delivered_update_of(_window(7.0, 11.0, 10), [6, 12, 18], [4, 8, 12], [0.1, 0.2, 0.3]) == 12
     # A NaN loss is no measurement.
     assert delivered_update_of(_window(7.0, 13.0, 7), [8, 12], [8, 12], [0.2, float("nan")]) == 8
+    # Nor is the nearest checkpoint one whose own validation came out NaN: it failed its measurement (it was delivered
+    # with no loss, as if never validated).
+    assert delivered_update_of(_window(9.0, 13.0, 11), [8, 12], [8, 12], [0.2, float("nan")]) == 8
+    assert delivered_update_of(_window(9.0, 13.0, 11), [8, 12, 16], [8, 12], [0.2, float("inf")]) == 8
     assert delivered_update_of(_window(7.0, 13.0, 10), [], [8, 12], [0.2, 0.1]) is None
 
 

@@ -308,7 +308,8 @@ def losses_by_update(update: Any, val_loss: Any) -> dict[int, float]:
 def delivered_checkpoint(window: StepWindow, checkpoint_updates: Any, update: Any, val_loss: Any) -> Optional[Delivery]:
     """The checkpoint to deliver, of those validated at their own update:
     - with a window: the one with the lowest validation loss inside it (ties: the one nearest the recommended update,
-      then the earlier); the checkpoint nearest the recommended update when none inside was validated;
+      then the earlier); the checkpoint nearest the recommended update when none inside was validated (passing over
+      those whose own validation came out NaN or inf, unless all did);
     - without (no_improvement): the one with the lowest validation loss of the whole run (ties: the earlier);
     None when there is no checkpoint, or no window and no validated checkpoint.
 
@@ -337,7 +338,12 @@ def delivered_checkpoint(window: StepWindow, checkpoint_updates: Any, update: An
     inside = [c for c in ckpts if lo is not None and hi is not None and lo <= c <= hi and c in loss_at]
     if inside:
         return delivery(min(inside, key=lambda c: (loss_at[c], abs(c - rec), c)), "window_lowest")
-    return delivery(min(ckpts, key=lambda c: (abs(c - rec), c)), "window_nearest")
+    # Not one whose own validation came out NaN or inf: it was measured, and failed (the nearest checkpoint to a
+    # window whose only checkpoint did was delivered with no loss, as if never validated).
+    failed = {int(u) for u, y in zip(np.asarray(update, dtype=float).ravel(), np.asarray(val_loss, dtype=float).ravel(),
+                                     strict=True) if math.isfinite(u) and not math.isfinite(y)} - set(loss_at)
+    near = [c for c in ckpts if c not in failed] or ckpts
+    return delivery(min(near, key=lambda c: (abs(c - rec), c)), "window_nearest")
 
 
 def earliest_tied(checkpoint_updates: Any, update: Any, val_loss: Any, target: float) -> Optional[Delivery]:
