@@ -140,12 +140,18 @@ def test_register_by_hand_says_the_chosen_checkpoint_whichever_folder_it_is_give
     assert version.description.startswith("The step window's lowest validation loss, at update 12.")
 
 
-def test_a_retried_registration_finishes_its_version_instead_of_adding_one(sqlite_tracking_uri, tiny_model_dir):
+@pytest.mark.parametrize("registered_by", ["this code", "code before cec60ec"])
+def test_a_retried_registration_finishes_its_version_instead_of_adding_one(sqlite_tracking_uri, tiny_model_dir,
+                                                                          registered_by):
     """A retried register-model step goes on in its earlier attempt's run (tracking.step_run), and a server that went
     away part-way is waited for and the registration tried again: either way that run may have registered its
     version already. Stopped after the version was made, before its description and alias, the retry finishes that
-    version: one version, @candidate on it, its description, and the model not logged a second time."""
+    version: one version, @candidate on it, its description, and the model not logged a second time.
+
+    Also for a version registered before cec60ec, which named its registering run (its source run here) only as
+    `rangefinder.run_id`: the retry, run by the code of now, finds it by that tag and adds the tag of now."""
     from rangefinder.tracking import ensure_parent_run
+    from rangefinder.tracking.registry import OLD_REGISTERED_BY, REGISTERED_BY
 
     name = "rf-retried"
     cfg = RangefinderConfig(tracking=TrackingConfig(tracking_uri=sqlite_tracking_uri, experiment_name="retried-reg",
@@ -156,6 +162,9 @@ def test_a_retried_registration_finishes_its_version_instead_of_adding_one(sqlit
         made = first.log_diffusers_model(tiny_model_dir, metrics={"val_loss": 0.2}, num_inference_steps=2)
         client.delete_registered_model_alias(name, "candidate")  # as if stopped before the description and alias
         client.update_model_version(name, made.version, description="")
+        if registered_by != "this code":  # the version's tags as the code before cec60ec wrote them
+            client.delete_model_version_tag(name, made.version, REGISTERED_BY)
+            client.set_model_version_tag(name, made.version, OLD_REGISTERED_BY, first.run_id)
         raise RuntimeError("preempted")
     with step_run(cfg, "register_model", parent_run_id=parent) as retry:
         again = retry.log_diffusers_model(tiny_model_dir, metrics={"val_loss": 0.2}, num_inference_steps=2)
@@ -163,6 +172,7 @@ def test_a_retried_registration_finishes_its_version_instead_of_adding_one(sqlit
     assert [str(v.version) for v in client.search_model_versions(f"name='{name}'")] == ["1"]
     assert str(client.get_model_version_by_alias(name, "candidate").version) == "1"
     assert "val_loss=0.2" in client.get_model_version(name, "1").description
+    assert client.get_model_version(name, "1").tags[REGISTERED_BY] == first.run_id
     mlflow.set_tracking_uri(sqlite_tracking_uri)
     assert len(mlflow.search_logged_models(experiment_ids=[first.experiment_id], output_format="list")) == 1
     # Another run's registration is a version of its own.

@@ -34,6 +34,9 @@ CANDIDATE = "candidate"
 CHAMPION = "champion"
 # The version tag naming the run that registered it (register_model's, or the training run's own).
 REGISTERED_BY = "rangefinder.registered_by_run_id"
+# The tag that named it before REGISTERED_BY was set on every version (cec60ec): a version registered by earlier code
+# carries only this one where the registering run was the source run, and a retry must still find it.
+OLD_REGISTERED_BY = "rangefinder.run_id"
 # What loading the model needs, pinned to the public release of the versions that logged it.
 # The registered model's description in MLflow's Models tab (set when it has none).
 MODEL_DESCRIPTION = (
@@ -212,6 +215,8 @@ def log_diffusers_model(
     source_run_id = source_run_id or run.run_id
     mv = earlier if earlier is not None else _create_version(run.client, registered_model_name, info, source_run_id,
                                                               version_tags)
+    if earlier is not None and earlier.tags.get(REGISTERED_BY) != run.run_id:  # registered by earlier code
+        run.client.set_model_version_tag(registered_model_name, mv.version, REGISTERED_BY, run.run_id)
     summary = ", ".join(f"{k}={v:.4g}" for k, v in clean.items())
     text = description or f"Fine-tuned by rangefinder (run {source_run_id})."
     if summary:
@@ -262,18 +267,23 @@ def _require_whole_pipeline(folder: Path) -> None:
 
 
 def _version_registered_by(client: Any, name: str, run_id: str) -> Any:
-    """The version of registered model `name` that the run `run_id` registered (its REGISTERED_BY tag), or None: also
-    where the registry cannot search by tag (a new version is then registered, as before)."""
+    """The version of registered model `name` that the run `run_id` registered (its REGISTERED_BY tag, or for a
+    version registered by earlier code its OLD_REGISTERED_BY), or None: also where the registry cannot search by tag
+    (a new version is then registered, as before). MLflow's version search has no OR, so the old tag is a second
+    search, made only when the first finds nothing."""
     from mlflow.exceptions import MlflowException
 
     if not SAFE_TAG_VALUE.match(run_id):
         return None
-    try:
-        versions = client.search_model_versions(f"tags.`{REGISTERED_BY}` = '{run_id}'")
-    except MlflowException:
-        return None
-    found = [v for v in versions if v.name == name]
-    return max(found, key=lambda v: int(v.version)) if found else None
+    for tag in (REGISTERED_BY, OLD_REGISTERED_BY):
+        try:
+            versions = client.search_model_versions(f"tags.`{tag}` = '{run_id}'")
+        except MlflowException:
+            return None
+        found = [v for v in versions if v.name == name]
+        if found:
+            return max(found, key=lambda v: int(v.version))
+    return None
 
 
 def _create_version(client: Any, name: str, info: Any, source_run_id: str, tags: Mapping[str, str]) -> Any:
