@@ -67,3 +67,21 @@ def test_a_range_test_s_bounds_stay_on_its_run_and_the_parent_shows_the_fine_tun
         "3.000e-05", "2.000e-04", "8.000e-05")
     assert on_parent.tags["lr_used"] == "8.000e-05" and not on_parent.metrics
     assert client.get_run(rt.run_id).data.tags["lr_low"] == "1.000e-05"
+
+
+def test_an_experiment_rangefinder_creates_says_what_it_holds_and_one_it_finds_keeps_its_own(
+        shared_sqlite_tracking_uri):
+    """MLflow's experiment page showed no description: one rangefinder creates has one (`mlflow.note.content`); an
+    experiment someone made first, with a description of their own, keeps it."""
+    from rangefinder.tracking.target import EXPERIMENT_DESCRIPTION
+
+    client = MlflowClient(tracking_uri=shared_sqlite_tracking_uri)
+    ensure_parent_run(TrackingConfig(tracking_uri=shared_sqlite_tracking_uri, experiment_name="made-here"),
+                      name="pipeline-run-new-experiment")
+    made = client.get_experiment_by_name("made-here")
+    assert made.tags[NOTE] == EXPERIMENT_DESCRIPTION and "rangefinder" in EXPERIMENT_DESCRIPTION
+
+    theirs = client.create_experiment("made-by-a-person", tags={NOTE: "Our SD fine-tunes for the spring campaign."})
+    ensure_parent_run(TrackingConfig(tracking_uri=shared_sqlite_tracking_uri, experiment_name="made-by-a-person"),
+                      name="pipeline-run-their-experiment")
+    assert client.get_experiment(theirs).tags[NOTE] == "Our SD fine-tunes for the spring campaign."

@@ -41,6 +41,7 @@ from rangefinder.tracking.outbox import Outbox, is_away_error
 from rangefinder.tracking.redaction import REDACTED, is_secret_key, redact, safe_uri
 from rangefinder.tracking.spool import Spool, apply_record, describe, read_spool, spool_dir
 from rangefinder.tracking.target import (
+    TAG_NOTE,
     TrackingSource,
     bound_http_requests,
     default_experiment_id,
@@ -59,7 +60,6 @@ TAG_STEP = "rangefinder.step"
 TAG_CREATED_BY = "rangefinder.created_by"
 TAG_ERROR = "rangefinder.error"
 TAG_ATTEMPT = "rangefinder.attempt"  # 1, then 2, ... when a retried step goes on in its run
-TAG_NOTE = "mlflow.note.content"  # the run's description in MLflow's UI (Markdown)
 MAX_PARAM_CHARS = 500  # MLflow takes 6000; longer values (prompt lists) are unreadable in its table anyway
 MAX_TAG_CHARS = 5000
 

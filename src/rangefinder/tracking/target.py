@@ -26,6 +26,14 @@ CHECK_TIMEOUT_S = 5.0  # per request; a healthy server answers the check in mill
 CHECK_RETRIES = 2  # a restarting server or a blip gets two more chances (0.5 s, 1 s apart), then we stop
 _CREDENTIAL_VARS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
 _checked: set[tuple[str, str]] = set()
+TAG_NOTE = "mlflow.note.content"  # a run's or an experiment's description in MLflow's UI (Markdown)
+# The description of an experiment rangefinder creates (one it finds keeps its own, or none).
+EXPERIMENT_DESCRIPTION = (
+    "Stable Diffusion fine-tunes by rangefinder: one parent run per pipeline run, named after its KFP run, with a "
+    "child run per step (LR range test, fine-tune, retrain, sample grid, registration) holding its curves, decisions "
+    "and reports. Each parent run's description says which weights it delivered and which registered model version "
+    "holds them."
+)
 
 
 class ServerAway(TrackingError):
@@ -265,7 +273,8 @@ def _connection_reason(message: str) -> str:
 
 
 def default_experiment_id(client: Any, cfg: Optional[TrackingSource] = None) -> str:
-    """$MLFLOW_EXPERIMENT_ID if set (KFP's plugin), else the id of the named experiment, created when missing."""
+    """$MLFLOW_EXPERIMENT_ID if set (KFP's plugin), else the id of the named experiment, created when missing, with
+    EXPERIMENT_DESCRIPTION as its description (an experiment found, someone's own or KFP's, is left as it is)."""
     from mlflow.exceptions import MlflowException
 
     exp_id = os.environ.get("MLFLOW_EXPERIMENT_ID")
@@ -281,7 +290,8 @@ def default_experiment_id(client: Any, cfg: Optional[TrackingSource] = None) -> 
             )
         return exp.experiment_id
     try:
-        return client.create_experiment(name, artifact_location=_local_artifact_location(client.tracking_uri))
+        return client.create_experiment(name, artifact_location=_local_artifact_location(client.tracking_uri),
+                                        tags={TAG_NOTE: EXPERIMENT_DESCRIPTION})
     except MlflowException:
         # Another step created it between our look-up and create (steps of one pipeline may start together).
         exp = client.get_experiment_by_name(name)
