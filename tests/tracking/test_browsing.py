@@ -3,6 +3,8 @@ linked to the run that trained its weights, and one LR decision on the parent ru
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 from mlflow import MlflowClient
 
@@ -19,6 +21,9 @@ def test_the_version_s_source_run_is_the_fine_tune_and_every_run_and_the_model_s
     from rangefinder.tracking.spool import SPOOL_ENV
 
     monkeypatch.setenv(SPOOL_ENV, str(tmp_path / "spool"))  # register_model keeps its config there
+    # The process as KFP starts a step: MLflow names its entry point as the source of what it logs unless told.
+    monkeypatch.setattr(sys, "argv", ["/usr/local/lib/python3.11/site-packages/kfp/dsl/executor_main.py",
+                                      "--executor_input", "{}", "--function_to_execute", "register_model"])
 
     name = "rf-browse"
     cfg = RangefinderConfig(tracking=TrackingConfig(tracking_uri=sqlite_tracking_uri, experiment_name="browse",
@@ -40,6 +45,15 @@ def test_the_version_s_source_run_is_the_fine_tune_and_every_run_and_the_model_s
     assert "epochs at lr 0.0002" in mv.description
     assert "fine-tuned by rangefinder" in client.get_registered_model(name).description
     assert reg.data.tags[NOTE].startswith(f"The delivered weights, registered as {name} version 1 (@candidate): ")
+    # Each run and the logged model name the code that made them, as a job (MLflow's Source column and model page).
+    for run_id, source in ((parent, "rangefinder pipeline"), (ft.run_id, "rangefinder.steps.finetune"),
+                           (reg.info.run_id, "rangefinder.steps.register_model")):
+        tags = client.get_run(run_id).data.tags
+        assert (tags["mlflow.source.name"], tags["mlflow.source.type"]) == (source, "JOB"), run_id
+    model = client.get_logged_model(mv.source.removeprefix("models:/"))
+    assert (model.tags["mlflow.source.name"], model.tags["mlflow.source.type"]) == (
+        "rangefinder.steps.register_model", "JOB")
+    assert model.tags["mlflow.source.git.commit"] == reg.data.tags["mlflow.source.git.commit"]
     assert client.get_run(parent).data.tags[NOTE] == (
         f"Trained at lr 0.0002 for 7 epochs; the weights are registered as {name} version 1 (@candidate).")
 

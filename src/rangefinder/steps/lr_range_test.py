@@ -87,7 +87,8 @@ def run_lr_range_test(
         raise RangefinderError("the LR range test measures validation loss: set validation.every_epochs > 0")
 
     step_name = "lr_range_test" if stage == "first" else "lr_range_test_zoom"
-    with tracking.step_run(cfg, step_name, parent_run_id=mlflow_parent_run_id) as run:
+    # The zoom's run is this module's too (step_source would name a module lr_range_test_zoom).
+    with tracking.step_run(cfg, step_name, parent_run_id=mlflow_parent_run_id, source=__name__) as run:
         # The range this run swept beside the setting it came from (a zoom's is its own; unset: the method's), named
         # as the other resolved settings are (training.mixed_precision_used), so MLflow's compare view sorts them
         # together and no second `lr_min` reads as the config's.

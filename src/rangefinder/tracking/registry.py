@@ -194,6 +194,9 @@ def log_diffusers_model(
                 model_config=defaults,
                 signature=_signature(defaults),
                 pip_requirements=_requirements(),
+                # The model's source is the step that logged it, as its run's is: MLflow would name the process's
+                # entry point (kfp's executor_main.py under KFP).
+                tags=run.source_tags or None,
             )
     if not registered_model_name:
         assert info is not None  # nothing to find without a registered model: it was logged above

@@ -99,14 +99,33 @@ def _checkout_revision() -> Optional[str]:
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
-def common_tags(cfg: Optional[TrackingSource] = None) -> dict[str, str]:
-    """Pipeline version, git revision, image and base model: the facts that make a run reproducible."""
-    from rangefinder import __version__
+# MLflow's source of a pipeline's parent run (a step's is its module: `step_source`); the pipeline may be someone's
+# own, made of rangefinder's components, so not the name of rangefinder's.
+PIPELINE_SOURCE = "rangefinder pipeline"
 
-    tags = {"rangefinder.version": __version__, "mlflow.source.name": "rangefinder", "mlflow.source.type": "JOB"}
+
+def step_source(step_name: str) -> str:
+    """The source MLflow shows for a step's run: the module that runs the step, rangefinder.steps.<step>."""
+    return f"rangefinder.steps.{step_name}"
+
+
+def source_tags(source: str) -> dict[str, str]:
+    """MLflow's source tags for a run or logged model rangefinder made: `source` (PIPELINE_SOURCE or a step's module)
+    as a JOB, at the git revision when known. Without them MLflow names the process's entry point: kfp's
+    executor_main.py under KFP, pytest or the rangefinder script elsewhere."""
+    tags = {"mlflow.source.name": source, "mlflow.source.type": "JOB"}
     rev = git_revision()
     if rev:
         tags["mlflow.source.git.commit"] = rev  # MLflow's UI links this
+    return tags
+
+
+def common_tags(cfg: Optional[TrackingSource] = None, *, source: str = PIPELINE_SOURCE) -> dict[str, str]:
+    """Pipeline version, source (`source_tags`) and git revision, image and base model: the facts that make a run
+    reproducible."""
+    from rangefinder import __version__
+
+    tags = {"rangefinder.version": __version__, **source_tags(source)}
     image = os.environ.get("RANGEFINDER_IMAGE") or _get(cfg, "kubernetes", "image")
     if image:
         tags["rangefinder.image"] = image
@@ -377,6 +396,7 @@ class StepRun:
     # False for the task run KFP's MLflow integration made: KFP ends it when the task ends, so `finish` does not.
     owned: bool = True
     logged_through: Optional[Mapping[str, int]] = None  # a continued run: the last update each metric reached
+    source: Optional[str] = None  # MLflow's mlflow.source.name of the run (step_source), for what it logs (a model)
     metrics: BatchedMetricLogger = field(init=False)
     spool: Spool = field(init=False)
     outbox: Outbox = field(init=False)
@@ -560,6 +580,12 @@ class StepRun:
         return log_diffusers_model(self, pipeline_dir, **kwargs)
 
     @property
+    def source_tags(self) -> dict[str, str]:
+        """MLflow's source tags of this run (`source_tags`), for what it logs (the model it registers); none for a
+        run opened elsewhere without a source."""
+        return source_tags(self.source) if self.source else {}
+
+    @property
     def artifact_uri(self) -> str:
         return self.client.get_run(self.run_id).info.artifact_uri
 
@@ -616,12 +642,12 @@ Sink = TypeVar("Sink")
 def child_run(cfg: Optional[TrackingSource], sink: Sink, step_name: str, *, run_name: str, tags: Mapping[str, Any],
               description: str) -> Iterator[Union[Sink, StepRun]]:
     """A child run of `sink`'s run for one part of a step (a successive-halving candidate, the fine-tune's cooldown),
-    named, tagged and described, when `sink` is a step's MLflow run; otherwise `sink` as it is (None, or a bench's
-    own sink)."""
+    named, tagged and described, its source the step's, when `sink` is a step's MLflow run; otherwise `sink` as it is
+    (None, or a bench's own sink)."""
     if not isinstance(sink, StepRun):
         yield sink
         return
-    with step_run(cfg, step_name, parent_run_id=sink.run_id, run_name=run_name, tags=tags) as run:
+    with step_run(cfg, step_name, parent_run_id=sink.run_id, run_name=run_name, tags=tags, source=sink.source) as run:
         run.describe(description)
         yield run
 
@@ -637,6 +663,7 @@ def step_run(
     run_name: Optional[str] = None,
     tags: Optional[Mapping[str, Any]] = None,
     spool_dir: Optional[str | os.PathLike] = None,
+    source: Optional[str] = None,
 ) -> Iterator[StepRun]:
     """Open a child run for one step; end it FINISHED, or FAILED (KILLED on Ctrl-C) with the error as a tag.
 
@@ -646,12 +673,14 @@ def step_run(
     `ensure_parent_run(name=pipeline_run_name, kfp_run_id=...)` when either is given; else none (a step run from
     the CLI on its own is a top-level run). The tracking server is checked before anything else. If it stops
     answering later, the step goes on; see StepRun.finish. `spool_dir`: where the run's spool goes if needed.
+    `source`: the run's MLflow source (`source_tags`), the module that runs the step (default `step_source`).
 
     A step whose earlier attempt under the same parent did not finish (a KFP retry, a step run again to resume its
     training) goes on in that attempt's run, so MLflow shows one whole curve; a finished one is left as it is.
     """
     client = tracking_client(cfg)
-    all_tags: dict[str, Any] = {**common_tags(cfg), TAG_STEP: step_name, **(tags or {})}
+    source = source or step_source(step_name)
+    all_tags: dict[str, Any] = {**common_tags(cfg, source=source), TAG_STEP: step_name, **(tags or {})}
     kfp_task = kfp_task_run(client)
     if kfp_task is not None and parent_run_id in (None, kfp_task.data.tags[TAG_PARENT]):
         # KFP made this step's run, nested under its pipeline run: log into it; a run of our own would be a third
@@ -675,18 +704,18 @@ def step_run(
         all_tags[TAG_PARENT] = parent
     if run is not None:  # KFP's task run: KFP ends it, so the step does not
         step = StepRun(client=client, run_id=run.info.run_id, experiment_id=exp_id, step_name=step_name,
-                       parent_run_id=parent, tracking_uri=uri, cfg=cfg, spool_dir=folder, owned=False)
+                       parent_run_id=parent, tracking_uri=uri, cfg=cfg, spool_dir=folder, owned=False, source=source)
         step.set_tags(all_tags)
     else:
         earlier = _unfinished_attempt(client, exp_id, parent, step_name) if parent else None
         if earlier is not None:
-            step = _continue(client, earlier, cfg, uri, folder)
+            step = _continue(client, earlier, cfg, uri, folder, source)
         else:
             all_tags[TAG_ATTEMPT] = 1
             run = client.create_run(exp_id, run_name=run_name or step_name,
                                     tags={k: _tag_value(v) for k, v in all_tags.items() if v is not None})
             step = StepRun(client=client, run_id=run.info.run_id, experiment_id=exp_id, step_name=step_name,
-                           parent_run_id=parent, tracking_uri=uri, cfg=cfg, spool_dir=folder)
+                           parent_run_id=parent, tracking_uri=uri, cfg=cfg, spool_dir=folder, source=source)
     try:
         with on_sigint():  # a Ctrl-C ends the run KILLED, whatever error it surfaced as (a model load's)
             yield step
@@ -718,7 +747,7 @@ def latest_step_run(client: Any, exp_id: str, parent: str, step_name: str) -> An
 
 
 def _continue(client: Any, earlier: Any, cfg: Optional[TrackingSource], uri: str,
-              folder: Optional[Path]) -> StepRun:
+              folder: Optional[Path], source: str) -> StepRun:
     """Reopen an earlier attempt's run: RUNNING again, its error tag gone, its attempt counted, and the curve it
     holds kept (what the resumed training logs again up to there is not logged twice)."""
     run_id = earlier.info.run_id
@@ -731,7 +760,7 @@ def _continue(client: Any, earlier: Any, cfg: Optional[TrackingSource], uri: str
     _log.info("MLflow run %s of step %s goes on (attempt %d)", run_id, tags.get(TAG_STEP), attempt)
     return StepRun(client=client, run_id=run_id, experiment_id=earlier.info.experiment_id,
                    step_name=tags[TAG_STEP], parent_run_id=tags.get(TAG_PARENT), tracking_uri=uri, cfg=cfg,
-                   spool_dir=folder, logged_through=logged_through(client, run_id))
+                   spool_dir=folder, logged_through=logged_through(client, run_id), source=source)
 
 
 def logged_through(client: Any, run_id: str) -> dict[str, int]:
