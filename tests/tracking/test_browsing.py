@@ -99,3 +99,30 @@ def test_an_experiment_rangefinder_creates_says_what_it_holds_and_one_it_finds_k
     ensure_parent_run(TrackingConfig(tracking_uri=shared_sqlite_tracking_uri, experiment_name="made-by-a-person"),
                       name="pipeline-run-their-experiment")
     assert client.get_experiment(theirs).tags[NOTE] == "Our SD fine-tunes for the spring campaign."
+
+
+def test_the_parent_run_s_model_resolved_dir_is_the_folder_resolve_config_resolved(sqlite_tracking_uri):
+    """resolve-config makes the parent run before it fetches the base model (a server that does not answer stops the
+    run before a download), so the parent's `model.resolved_dir` param read None, for good (a param is written once).
+    It is the folder every later step reads, in the param and in config.yaml; a retried resolve-config adds nothing."""
+    from pathlib import Path
+
+    import yaml
+
+    from rangefinder.config import demo_config
+    from rangefinder.steps.resolve_config import load_step_config, parameters_from_config, run_resolve_config
+
+    params = parameters_from_config(demo_config(tracking={"tracking_uri": sqlite_tracking_uri,
+                                                          "experiment_name": "resolved"}))
+    base = params.pop("base_config")
+    r = run_resolve_config(base, pipeline_job_id="kfp-run-resolved", **params)
+    folder = load_step_config(r.config_json).model.resolved_dir
+    assert folder and r.mlflow_parent_run_id
+    again = run_resolve_config(base, pipeline_job_id="kfp-run-resolved", **params)  # KFP's retry of the step
+    assert again.mlflow_parent_run_id == r.mlflow_parent_run_id
+
+    client = MlflowClient(tracking_uri=sqlite_tracking_uri)
+    parent = client.get_run(r.mlflow_parent_run_id)
+    assert parent.data.params["model.resolved_dir"] == folder
+    config = yaml.safe_load(Path(client.download_artifacts(parent.info.run_id, "config.yaml")).read_text())
+    assert config["model"]["resolved_dir"] == folder

@@ -176,8 +176,13 @@ def run_resolve_config(base_config: str = "", *, pipeline_job_id: str = "", pipe
     replaced = defaults_replacing_base_config(base_config, params)
     if replaced:
         print(f"rangefinder: warning: {replaced}", file=sys.stderr, flush=True)
+    # The parent run first: a tracking server that does not answer stops the run before a model download.
     parent = start_parent_run(cfg, pipeline_job_id, pipeline_job_name) if pipeline_job_id else ""
     cfg, family = with_resolved_base_model(cfg)
+    if parent:
+        from rangefinder import tracking
+
+        tracking.log_resolved_config(cfg, parent)  # model.resolved_dir, known now
     preflight(cfg, family)
     check_pipeline_config(cfg, family)  # lr_finder auto, resolved: the range test's needs on this family
     # What the CLI could not tell before the model was fetched (a hub id): said here, in the step's log.

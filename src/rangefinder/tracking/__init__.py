@@ -56,6 +56,7 @@ from rangefinder.tracking.runs import (
     finish_pipeline_run,
     flatten_params,
     folder_digest,
+    log_resolved_config,
     step_run,
     tracking_client,
 )
@@ -81,6 +82,7 @@ __all__ = [
     "finish_pipeline_run",
     "flatten_params",
     "folder_digest",
+    "log_resolved_config",
     "promote",
     "redact",
     "resolve_experiment_name",

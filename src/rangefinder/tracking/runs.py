@@ -29,7 +29,7 @@ import numbers as numbers_abc
 import os
 import subprocess
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, TypeVar, Union
@@ -201,6 +201,10 @@ def applicable_params(cfg: Any) -> dict[str, str]:
     params = flatten_params(cfg)
     if getattr(cfg, "lr", 0) is None:
         params.pop("lr", None)  # no LR set by hand: "lr" is the one a step trained at (the fine-tune logs it)
+    if getattr(getattr(cfg, "model", None), "resolved_dir", "") is None:
+        # Not resolved yet (the parent run is made before resolve-config fetches the model): logged once it is
+        # (log_resolved_config), where a param, written once, would otherwise read None for good.
+        params.pop("model.resolved_dir", None)
     training = getattr(cfg, "training", None)
     if training is None or not hasattr(cfg, "kubernetes"):
         return params
@@ -320,12 +324,31 @@ def ensure_parent_run(
         client.delete_run(run_id)
         return first
     if log_config and cfg is not None and hasattr(cfg, "tracking"):
-        apply_record(client, {"kind": "params", "run_id": run_id, "params": applicable_params(cfg)})
-        if hasattr(cfg, "kubernetes"):
-            apply_record(client, {"kind": "text", "run_id": run_id, "text": config_text(cfg),
-                                  "artifact_file": CONFIG_ARTIFACT})
+        _log_parent_config(client, run_id, cfg)
     _log.info("MLflow parent run %s (%s) in %s", run_id, name, safe_uri(resolve_tracking_uri(cfg)))
     return run_id
+
+
+def _log_parent_config(client: Any, run_id: str, cfg: Any, logged: Collection[str] = ()) -> None:
+    """`cfg`'s params (applicable_params) but those named in `logged`, and its config.yaml, on the parent run
+    `run_id`."""
+    params = {k: v for k, v in applicable_params(cfg).items() if k not in logged}
+    if params:
+        apply_record(client, {"kind": "params", "run_id": run_id, "params": params})
+    if hasattr(cfg, "kubernetes"):
+        apply_record(client, {"kind": "text", "run_id": run_id, "text": config_text(cfg),
+                              "artifact_file": CONFIG_ARTIFACT})
+
+
+def log_resolved_config(cfg: Any, run_id: str) -> None:
+    """resolve-config's config, once the base model is resolved, on the parent run `run_id` that ensure_parent_run
+    made before: the params it did not have (model.resolved_dir; all of them for a parent made by a step that stopped
+    before it logged any) and config.yaml with the folder in it. A parent KFP's MLflow integration made is KFP's,
+    left as it is."""
+    client = tracking_client(cfg)
+    run = _get_run(client, run_id, "the parent run id")
+    if run.data.tags.get(TAG_CREATED_BY) == "rangefinder":
+        _log_parent_config(client, run_id, cfg, run.data.params)
 
 
 def _find_parent(client: Any, exp_id: str, key: str) -> Optional[str]:
