@@ -75,7 +75,13 @@ def check_pipeline_record(tracking_uri: str, experiment: str, summary: dict, *, 
         mv = client.get_model_version_by_alias(model_name, "candidate")
         # Issue 35: the version's source run is the one that trained the weights, with their curves.
         assert mv.run_id in {children[s].info.run_id for s in ("finetune", "retrain_full") if s in children}
-        assert parent.data.tags["mlflow.note.content"].startswith("Trained at lr ")
+        # The pipeline run says which weights it delivered (not the recommended epochs beside them) and where.
+        note = parent.data.tags["mlflow.note.content"]
+        assert note.endswith(f" They are registered as {model_name} version {mv.version} (@candidate)."), note
+        if "retrain_full" in children:
+            assert note.startswith("Retrained on train + validation for "), note
+        else:
+            assert note.startswith("Delivered the fine-tune's ") and f"trained at lr {summary['lr_used']:.3g}." in note
         assert float(mv.tags["lr"]) == pytest.approx(summary["lr_used"], rel=1e-5)  # the LR it was trained at
         if generate:
             mlflow.set_tracking_uri(tracking_uri)

@@ -3,6 +3,8 @@ linked to the run that trained its weights, and one LR decision on the parent ru
 
 from __future__ import annotations
 
+import json
+import shutil
 import sys
 
 import pytest
@@ -55,15 +57,31 @@ def test_the_version_s_source_run_is_the_fine_tune_and_every_run_and_the_model_s
         "rangefinder.steps.register_model", "JOB")
     assert model.tags["mlflow.source.git.commit"] == reg.data.tags["mlflow.source.git.commit"]
     assert client.get_run(parent).data.tags[NOTE] == (
-        f"Trained at lr 0.0002 for 7 epochs; the weights are registered as {name} version 1 (@candidate).")
+        "The fine-tune's final weights after 7 epochs at lr 0.0002 (no validated checkpoint to choose from). They are "
+        f"registered as {name} version 1 (@candidate).")
 
     # A description someone wrote on the model stays; the next version still links its own training run.
     client.update_registered_model(name, description="ours")
     with step_run(cfg, "finetune", parent_run_id=parent) as ft2:
         ft2.log_metrics({"val_loss": 0.2}, step=4)
-    run_register_model(cfg, model_dir=tiny_model_dir, lr=2e-4, epochs=7, mlflow_parent_run_id=parent)
+    # Its weights are the window average the fine-tune delivered: the pipeline run's description says so, with the
+    # average's own loss as the version's does, not "73 epochs" (the recommended length) beside updates 272-312.
+    averaged = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, averaged / "chosen")
+    (averaged / "chosen.json").write_text(json.dumps({
+        "checkpoint": None, "update": 312, "epoch": 78.0, "val_loss": 0.04859, "base_val_loss": 0.0612,
+        "rule": "window_average", "status": "ok", "improved_on_base": True,
+        "average": {"updates": [272, 292, 312], "how": "uniform", "delivered": True},
+        "reason": "The average of the fine-tune's checkpoints at updates 272, 292, 312, the ones inside the step "
+                  "window: ... Its validation loss 0.04859 is below the base model's 0.0612. It replaced the "
+                  "window's pick: ... Its validation loss 0.05024 is below the base model's 0.0612."}))
+    run_register_model(cfg, model_dir=averaged, lr=2e-4, epochs=73, mlflow_parent_run_id=parent)
     assert client.get_model_version(name, "2").run_id == ft2.run_id
     assert client.get_registered_model(name).description == "ours"
+    assert client.get_run(parent).data.tags[NOTE] == (
+        "Delivered the fine-tune's window average of updates 272-312, trained at lr 0.0002. Its validation loss "
+        f"0.04859 is below the base model's 0.0612. They are registered as {name} version 2 (@candidate).")
+    assert "Its validation loss 0.04859 is below" in client.get_model_version(name, "2").description
 
 
 def test_a_range_test_s_bounds_stay_on_its_run_and_the_parent_shows_the_fine_tune_s(shared_sqlite_tracking_uri):
@@ -126,3 +144,16 @@ def test_the_parent_run_s_model_resolved_dir_is_the_folder_resolve_config_resolv
     assert parent.data.params["model.resolved_dir"] == folder
     config = yaml.safe_load(Path(client.download_artifacts(parent.info.run_id, "config.yaml")).read_text())
     assert config["model"]["resolved_dir"] == folder
+
+
+def test_the_pipeline_run_s_description_names_a_delivered_checkpoint_by_its_update_and_epoch():
+    from rangefinder.steps.register_model import delivered_lead
+
+    chosen = {"checkpoint": "checkpoint-000116", "update": 116, "epoch": 29.0, "val_loss": 0.8868,
+              "base_val_loss": 1.138, "rule": "window_lowest"}
+    assert delivered_lead(chosen, 2.09e-4) == (
+        "Delivered the fine-tune's checkpoint at update 116, epoch 29, trained at lr 0.000209. Its validation loss "
+        "0.8868 is below the base model's 1.138.")
+    # A chosen.json of earlier code (no epoch, no base model's loss): said without them.
+    assert delivered_lead({"checkpoint": "update-00000012", "update": 12, "rule": None}, 1e-4) == (
+        "Delivered the fine-tune's checkpoint at update 12, trained at lr 0.0001.")

@@ -36,6 +36,24 @@ def delivered_name(chosen: dict[str, Any]) -> str:
     return f"{chosen.get('rule') or 'chosen'} at update {chosen.get('update')}"
 
 
+def delivered_lead(chosen: dict[str, Any], lr: float) -> str:
+    """What the fine-tune delivered, in a sentence or two for the pipeline run's description: which weights (the
+    checkpoint at its update and epoch, or the weights that are no checkpoint, as `delivered_name` says), the LR they
+    trained at, and their own validation loss against the base model's, as the version's description ends (a window
+    average's is its own, not the pick's it replaced). A chosen.json of earlier code, or one written by hand, may lack
+    the epoch or the base model's loss: the sentence then goes without them."""
+    from rangefinder.analysis import Delivery
+
+    if chosen.get("checkpoint"):
+        epoch = f", epoch {chosen['epoch']:g}" if chosen.get("epoch") is not None else ""
+        what = f"checkpoint at update {chosen.get('update')}{epoch}"
+    else:
+        what = delivered_name(chosen)
+    against = Delivery(update=int(chosen.get("update") or 0), rule=chosen.get("rule") or "window_lowest",
+                       val_loss=chosen.get("val_loss"), base_val_loss=chosen.get("base_val_loss")).against_base()
+    return f"Delivered the fine-tune's {what}, trained at lr {lr:.3g}. {against}".rstrip()
+
+
 def delivered_weights(model_dir: Path) -> tuple[Path, Optional[dict]]:
     """(folder, chosen.json or None): the fine-tune's chosen model when it has one, else the run's final weights.
 
@@ -121,9 +139,12 @@ def run_register_model(cfg: RangefinderConfig, *, model_dir: Path, lr: float, ep
                                             resolution=cfg.data.resolution, source_step=source_step)
                 model = (f"registered as {v.name} version {v.version} (@{v.alias})" if v.version else
                          f"logged as {v.model_uri} (tracking.registered_model_name is empty: not registered)")
-                # The last step that knows the whole decision writes the pipeline run's description.
+                # The last step that knows the whole decision writes the pipeline run's description: what the weights
+                # are (a checkpoint, or a window average of updates a-b: not "the recommended epochs", which the
+                # fine-tune's run gives), as the version's description says.
+                lead = description if chosen is None else delivered_lead(chosen, lr)
                 run.describe(f"The delivered weights, {model}: {description}",
-                             pipeline=f"Trained at lr {lr:.3g} for {epochs} epochs; the weights are {model}.")
+                             pipeline=f"{lead} They are {model}.")
                 return v
 
         # The server must answer now (a version number cannot wait in a spool): wait for it a bounded time, then
