@@ -348,7 +348,7 @@ def test_the_finetune_step_logs_samples_during_training_to_mlflow_with_their_ste
     inputs = {d.dataset.name.rsplit("-", 1)[1]: d for d in run.inputs.dataset_inputs}
     assert sorted(inputs) == ["stabilize", "train", "val"] and run.data.tags["rangefinder.dataset_digest"]
     assert json.loads(inputs["val"].dataset.profile) == {"num_rows": 4}
-    assert run.data.tags["lr_low"] == run.data.tags["lr_high"] == "1.000e-03"
+    assert float(run.data.params["lr_low"]) == float(run.data.params["lr_high"]) == 1e-3  # params, not tags too
     note = run.data.tags["mlflow.note.content"]
     headline, used = note.split(" Trained at ")
     assert used == "lr 0.001 (lr source: range-test)."

@@ -88,16 +88,19 @@ COUNTED: dict[str, dict] = {}  # the counts of each step run under counted_reads
 
 @pytest.fixture(scope="module")
 def halved(split_dir, tiny_model_dir, tmp_path_factory, one_thread):
-    """The step with halving, uninterrupted, and the kept LR's plain fine-tune (halving off) beside it."""
+    """The step with halving, uninterrupted, under a pipeline run's parent run, and the kept LR's plain fine-tune
+    (halving off) beside it."""
     from rangefinder.steps.finetune import run_finetune
+    from rangefinder.tracking import ensure_parent_run
 
     root = tmp_path_factory.mktemp("halving")
     with without_mlflow_run_env():
         cfg = _cfg(tiny_model_dir, root)
+        parent = ensure_parent_run(cfg, name="halving-pipeline-run")
         with counted_reads() as counts:
             result = run_finetune(cfg, split_dir=split_dir, lr_low=LR_LOW, lr_high=LR_HIGH, lr_mid=LR_MID,
                                   model_dir=root / "ft", report_html=root / "finetune.html",
-                                  report_md=root / "finetune.md")
+                                  report_md=root / "finetune.md", mlflow_parent_run_id=parent)
         COUNTED["finetune"] = counts
         plain = run_finetune(_cfg(tiny_model_dir, root / "plain", successive_halving=False), split_dir=split_dir,
                              lr_low=LR_LOW, lr_high=LR_HIGH, lr_mid=result.lr, model_dir=root / "plain" / "ft")
@@ -172,8 +175,7 @@ def test_mlflow_holds_each_candidate_in_a_child_run_and_the_kept_curve_whole_in_
     assert not any(k.startswith(("lr_mid/", "lr_high/")) for k in run.data.metrics), run.data.metrics
     assert [u for u, _ in history("train_loss")] == list(range(1, 17))
     assert {v for _, v in history("lr")} == {LR_HIGH}
-    assert run.data.tags["lr_used"] == "1.000e-03" and run.data.tags["halving.kept"] == "lr_high"
-    assert run.data.tags["halving.lr_mid.lr"] == "1.000e-04" and run.data.metrics["updates_trained"] == 24
+    assert run.data.tags["halving.kept"] == "lr_high" and run.data.metrics["updates_trained"] == 24
     # One "lr" param, the LR the run trained the delivered model at; not the config's training.lr, which the
     # pipeline does not read.
     assert float(run.data.params["lr"]) == LR_HIGH and "training.lr" not in run.data.params
@@ -189,9 +191,11 @@ def test_mlflow_holds_each_candidate_in_a_child_run_and_the_kept_curve_whole_in_
     assert steps(mid.info.run_id) == steps(high.info.run_id) == [0, 8]
 
 
-def test_the_fine_tune_s_plan_params_are_at_the_lr_halving_kept(halved):
-    """The planner's figures on the fine-tune's run (`plan.*`) are the run it trained: with lr_high kept, `plan.lr`
-    and `plan.lr_base` are lr_high, as `lr` is; they once kept lr_mid, planned before the race, beside `lr` lr_high."""
+def test_each_lr_has_one_home_on_the_fine_tune_s_run_and_the_pipeline_run_s_row_shows_them(halved):
+    """The fine-tune's run logged its LRs several times: lr_low/lr_mid/lr_high as params and tags, `lr` and the tag
+    lr_used, plan.lr and plan.lr_base, halving.<candidate>.lr. Each is now a param once (the bounds as given, where
+    they came from, and `lr`, the LR halving kept, never plan.lr planned before the race); the parent run's row in
+    MLflow's run list has them as tags (`lr_used` the kept one)."""
     from mlflow import MlflowClient
 
     cfg, _, result, _ = halved
@@ -199,10 +203,15 @@ def test_the_fine_tune_s_plan_params_are_at_the_lr_halving_kept(halved):
     client = MlflowClient(cfg.tracking.tracking_uri)
     (run,) = client.search_runs([client.get_experiment_by_name("halving").experiment_id],
                                 filter_string="tags.`rangefinder.step` = 'finetune'")
-    params = run.data.params
-    assert float(params["lr"]) == float(params["plan.lr"]) == float(params["plan.lr_base"]) == LR_HIGH
-    assert float(params["lr_mid"]) == LR_MID  # the bound it was given stays as given
+    params, tags = run.data.params, run.data.tags
+    assert float(params["lr"]) == LR_HIGH and params["lr_source"] == "range-test"
+    assert [float(params[k]) for k in ("lr_low", "lr_mid", "lr_high")] == [LR_LOW, LR_MID, LR_HIGH]  # as given
+    assert not {"plan.lr", "plan.lr_base"} & set(params)
+    assert not [k for k in tags if k == "lr_source" or k.rsplit(".", 1)[-1] == "lr" or k.startswith("lr_")], tags
     assert params["plan.effective_batch"] == "4" and float(params["plan.updates_per_epoch"]) == 4
+    parent = client.get_run(tags["mlflow.parentRunId"]).data.tags
+    assert [parent[k] for k in ("lr_low", "lr_mid", "lr_high", "lr_used", "lr_source")] == [
+        "3.000e-05", "1.000e-04", "1.000e-03", "1.000e-03", "range-test"]
 
 
 def test_the_report_and_decision_say_which_lr_was_kept_and_why(halved):

@@ -54,8 +54,9 @@ def check_pipeline_record(tracking_uri: str, experiment: str, summary: dict, *, 
         assert float(used.data.tags[key]) == pytest.approx(summary[key], rel=1e-3)
         assert float(parent.data.tags[key]) == pytest.approx(summary[key], rel=1e-3)
     assert parent.data.metrics["recommended_epochs"] == summary["recommended_epochs"]
-    # The LR the fine-tune kept (successive halving: lr_mid or lr_high), on its run and the parent's.
-    assert float(children["finetune"].data.tags["lr_used"]) == pytest.approx(summary["lr_used"], rel=1e-3)
+    # The LR the fine-tune kept (successive halving: lr_mid or lr_high): its run's param `lr`, the parent's row's tag.
+    assert float(children["finetune"].data.params["lr"]) == pytest.approx(summary["lr_used"], rel=1e-5)
+    assert "lr_used" not in children["finetune"].data.tags
     assert float(parent.data.tags["lr_used"]) == pytest.approx(summary["lr_used"], rel=1e-3)
     if "retrain_full" in children:  # the retrain's LR is the kept one, and its param says so by that name
         assert float(children["retrain_full"].data.params["lr"]) == pytest.approx(summary["lr_used"], rel=1e-5)

@@ -343,10 +343,10 @@ def run_finetune(
     precision = resolve_mixed_precision(tc.mixed_precision)
     chosen, cooled, averaged = None, None, None
     halving = halving_applies(cfg.finetune.successive_halving, validating, tc.schedule, lr_mid, lr_high)
-    # With halving, the plan's LR is the kept candidate's, known only after the race: logged then, beside `lr` (an
-    # MLflow param is written once, and plan.lr logged now would keep lr_mid where lr_high was kept and trained).
-    plan_lr = ("lr", "lr_base") if halving and plan is not None else ()
-    planned = plan.model_dump(mode="json", exclude=set(plan_lr)) if plan_lr and plan is not None else plan
+    # One home per LR on this run, its params: the bounds it was given and where they came from (here), and `lr`, the
+    # LR it trained the delivered model at (after the race, below). The plan's lr and lr_base are that LR again (the
+    # fine-tune does not scale it), so they are left out; the parent run's row shows the bounds and lr_used as tags.
+    planned = plan.model_dump(mode="json", exclude={"lr", "lr_base"}) if plan is not None else None
     with tracking.step_run(cfg, "finetune", parent_run_id=mlflow_parent_run_id) as run:
         run.log_config(cfg, plan=planned,
                        extra={"lr_low": lr_low, "lr_high": lr_high, "lr_mid": lr_mid, "lr_source": lr_source,
@@ -361,8 +361,8 @@ def run_finetune(
             lr, extra_updates = race.lr, race.extra_updates
             spec = spec.with_lr(lr)
             tc = spec.training
-        # The LR this run trains the delivered model at (lr_mid, or the kept one), and the plan's with it.
-        run.log_params({"lr": lr, **{f"plan.{k}": getattr(spec.plan, k) for k in plan_lr}})
+        # The LR this run trains the delivered model at (lr_mid, or the kept one).
+        run.log_params({"lr": lr})
         # With halving, this goes on from the kept candidate's checkpoint at the pause.
         result = run_training(cfg, spec, out_dir=work, metric_sink=run, step_name="finetune", split=split)
         if result.status == "diverged":
@@ -448,14 +448,11 @@ def run_finetune(
         shutil.copyfile(result.metrics_csv, report_dir / "metrics.csv")
         run.log_artifact(report_dir, "report")
         run.log_artifact(result.metrics_csv, "curves")
-        # lr_low and lr_high with lr_mid: the parent run shows the bounds choose_lr decided (the range tests keep
-        # their own readings on their runs).
         if cooled is not None:
             extra_updates += cooled.updates_trained
         decisions: dict[str, Any] = {"recommended_epochs": length.epochs, "recommended_updates": length.updates,
                                      "recommended_from": length.basis, "still_improving": improving,
-                                     "lr_low": lr_low, "lr_high": lr_high, "lr_mid": lr_mid, "lr_used": lr,
-                                     "lr_source": lr_source, "updates_trained": result.updates + extra_updates}
+                                     "updates_trained": result.updates + extra_updates}
         if cooled is not None and chosen is not None:  # deliver() wrote what the cooldown measured into chosen
             decisions.update(cooldown_delivered=chosen["cooldown"]["delivered"],
                              cooldown_updates=cooled.updates_trained)
@@ -467,14 +464,19 @@ def run_finetune(
             if averaged.val_loss is not None:
                 decisions["average_val_loss"] = averaged.val_loss
         if race is not None:
+            # Each candidate's LR is its child run's (tag and name) and a bound here: not a third time.
             decisions["halving"] = {"kept": race.kept, "pause_update": race.pause_update,
-                                    **{n: {"lr": c.lr, "best_val_loss": c.best_val_loss, "best_update": c.best_update}
+                                    **{n: {"best_val_loss": c.best_val_loss, "best_update": c.best_update}
                                        for n, c in race.candidates.items()}}
         if chosen is not None:
             # The rule that picked it and whether it beats the base model become tags (log_decisions).
             decisions.update({f"chosen_{k}": chosen[k] for k in ("update", "epoch", "val_loss", "rule",
                                                                   "improved_on_base")})
         run.log_decisions(decisions)
+        # The parent run's row in MLflow's run list: the bounds choose_lr decided (the range tests keep their own
+        # readings on their runs), where they came from and the LR kept, which this run holds as params.
+        run.log_decisions({"lr_low": lr_low, "lr_high": lr_high, "lr_mid": lr_mid, "lr_used": lr,
+                           "lr_source": lr_source}, parent_only=True)
         run.describe(note)
     if result.final_dir is None:
         raise RangefinderError(f"the fine-tune wrote no final weights under {model_dir}")

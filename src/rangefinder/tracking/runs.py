@@ -492,7 +492,7 @@ class StepRun:
     # --- decisions
     def log_decisions(
         self, decisions: Mapping[str, Any], *, prefix: str = "", to_parent: bool = True, step: Optional[int] = None,
-        numbers_to_parent: bool = True,
+        numbers_to_parent: bool = True, parent_only: bool = False,
     ) -> None:
         """Numbers become metrics (quality, recommended_epochs, ...); learning rates (`lr`, `lr_*`: lr_low, lr_mid,
         lr_used, ...), strings, booleans and lists become tags (status, flags, ...): MLflow draws a single-value
@@ -502,7 +502,8 @@ class StepRun:
         With `to_parent`, the parent run gets the same keys (one row per pipeline run in MLflow's table, one key per
         quantity on parent and child). `numbers_to_parent=False` keeps the numbers and LRs on this run: a step whose
         numbers are not the ones the pipeline used (a range test's bounds, before choose_lr) would otherwise mix
-        decisions on the parent.
+        decisions on the parent. `parent_only`: the parent alone gets them, for its row in MLflow's run list, where
+        this run holds them already as params (the bounds a fine-tune was given, the LR it kept).
         """
         numbers: dict[str, float] = {}
         rates: dict[str, str] = {}
@@ -521,8 +522,8 @@ class StepRun:
                 words[k] = v
         ts = int(time.time() * 1000)
         rows = [[metric_name(k), v, ts, step or 0] for k, v in numbers.items()]
-        targets = [(self.run_id, {**rates, **words})]
-        if to_parent and self.parent_run_id:
+        targets = [] if parent_only else [(self.run_id, {**rates, **words})]
+        if (to_parent or parent_only) and self.parent_run_id:
             targets.append((self.parent_run_id, {**rates, **words} if numbers_to_parent else words))
         for run_id, tags in targets:
             if rows and (run_id == self.run_id or numbers_to_parent):
