@@ -81,7 +81,11 @@ def test_the_version_s_source_run_is_the_fine_tune_and_every_run_and_the_model_s
     assert client.get_run(parent).data.tags[NOTE] == (
         "Delivered the fine-tune's window average of updates 272-312, trained at lr 0.0002. Its validation loss "
         f"0.04859 is below the base model's 0.0612. They are registered as {name} version 2 (@candidate).")
-    assert "Its validation loss 0.04859 is below" in client.get_model_version(name, "2").description
+    v2 = client.get_model_version(name, "2")
+    assert "Its validation loss 0.04859 is below" in v2.description
+    # The length handed in is the fine-tune's recommendation, not how long these weights trained (epoch 78).
+    assert (v2.tags["recommended_epochs"], v2.tags["epoch"], v2.tags["update"]) == ("73", "78", "312")
+    assert "epochs" not in v2.tags and "recommended_epochs=73" in v2.description
 
 
 def test_a_range_test_s_bounds_stay_on_its_run_and_the_parent_shows_the_fine_tune_s(shared_sqlite_tracking_uri):

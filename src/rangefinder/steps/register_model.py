@@ -106,6 +106,9 @@ def run_register_model(cfg: RangefinderConfig, *, model_dir: Path, lr: float, ep
     # The step whose run made these weights: the version links to it (its curves and decisions).
     source_step = "retrain_full" if retrained else "finetune"
     if chosen is not None:
+        # The weights are a checkpoint (or an average) at its own update and epoch: the length handed in is the one
+        # the fine-tune recommends, and a version's `epochs` beside `epoch` read as how long these weights trained.
+        metrics["recommended_epochs"] = metrics.pop("epochs")
         metrics.update({k: chosen[k] for k in ("update", "epoch", "val_loss") if chosen.get(k) is not None})
         tags = {"rangefinder.weights": f"finetune {delivered_name(chosen)}", "rangefinder.chosen_because":
                 chosen["status"]}
