@@ -8,8 +8,36 @@ from rangefinder.analysis.zoom import ZOOM_EXTEND, ZOOM_MARGIN, ended_above_star
 
 
 def test_points_between_counts_inclusive():
-    assert points_between([0.0, 1e-5, 1e-4, 1e-3, 1e-2], 1e-4, 1e-3) == 2
-    assert points_between([1e-5], None, 1e-3) == 0
+    assert points_between([0.0, 1e-5, 1e-4, 1e-3, 1e-2], [0.2, 0.2, 0.19, 0.17, 0.18], 1e-4, 1e-3) == 2
+    assert points_between([1e-5], [0.2], None, 1e-3) == 0
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_nan_or_inf_row_between_the_bounds_is_no_point_for_the_zoom(bad):
+    """points_between counted every row whose LR lay between the bounds, a NaN or inf validation among them: a curve
+    with 4 measurements inside, one short of lr_range_test.zoom_min_points (5), read as having enough and was not
+    zoomed. The reading itself leaves such a row out (points_non_finite)."""
+    from rangefinder.analysis import analyze_lr_curve
+    from rangefinder.analysis.synthetic import RangeTestShape, lr_sweep, noisy
+
+    shape = RangeTestShape(base=0.2, drop=0.04, lr_fall=1e-4, fall_width=0.5, rise=0.05, lr_rise=3e-3)
+    lr = lr_sweep(20, 1e-6, 1e-2)
+    clean = noisy(shape.loss(lr), 0.001, seed=1)
+    b = analyze_lr_curve(lr, clean, ramp="exp", bootstrap=20)
+    inside = [i for i, x in enumerate(lr) if b.lr_low <= x <= b.lr_high]
+    # The clean curve: 5 measurements between its bounds, enough; no zoom (as before).
+    assert b.status == "ok" and points_between(lr, clean, b.lr_low, b.lr_high) == len(inside) == 5
+    assert zoom_range(b.status, b.flags, b.lr_low, b.lr_high, 1e-6, 1e-2, 5, min_points=5) is None
+
+    y = clean.copy()
+    y[inside[2]] = bad
+    b = analyze_lr_curve(lr, y, ramp="exp", bootstrap=20)
+    assert b.status == "ok" and b.points_non_finite == 1
+    assert [i for i, x in enumerate(lr) if b.lr_low <= x <= b.lr_high] == inside  # the same rows between the bounds
+    n = points_between(lr, y, b.lr_low, b.lr_high)
+    assert n == 4
+    zoom = zoom_range(b.status, b.flags, b.lr_low, b.lr_high, 1e-6, 1e-2, n, min_points=5)
+    assert zoom == pytest.approx((b.lr_low / ZOOM_MARGIN, b.lr_high * ZOOM_MARGIN))
 
 
 @pytest.mark.parametrize("status, flags, low, high, n, expect", [

@@ -29,10 +29,13 @@ ZOOM_MARGIN = 3.0  # x/÷ around ok bounds that hold too few points
 ZOOM_EXTEND = 10.0  # one decade past a censored end
 
 
-def points_between(lr: Any, lr_low: Optional[float], lr_high: Optional[float]) -> int:
+def points_between(lr: Any, val_loss: Any, lr_low: Optional[float], lr_high: Optional[float]) -> int:
+    """The measurements between the bounds (inclusive): rows whose validation loss is finite. A NaN or inf row is no
+    point of the curve (the reading leaves it out), so it must not make a curve with too few points look read."""
     if lr_low is None or lr_high is None:
         return 0
-    return sum(1 for x in lr if lr_low <= float(x) <= lr_high)
+    return sum(1 for x, y in zip(lr, val_loss, strict=True)
+               if math.isfinite(float(y)) and lr_low <= float(x) <= lr_high)
 
 
 def ended_above_start(val_loss: Any) -> bool:

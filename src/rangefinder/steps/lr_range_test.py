@@ -104,7 +104,7 @@ def run_lr_range_test(
         bounds = analyze_lr_curve(curve["lr"], curve["val_loss"], ramp=rt.ramp, stabilize_loss=stabilize,
                                   seed=cfg.validation.seed, divergence_factor=cfg.validation.divergence_factor,
                                   mid_position=rt.mid_position, midpoint=rt.midpoint)
-        n_between = points_between(curve["lr"], bounds.lr_low, bounds.lr_high)
+        n_between = points_between(curve["lr"], curve["val_loss"], bounds.lr_low, bounds.lr_high)
         zoom = None
         if stage == "first" and rt.zoom:
             zoom = zoom_range(bounds.status, bounds.flags, bounds.lr_low, bounds.lr_high, lo, hi, n_between,
