@@ -1438,7 +1438,7 @@ def check_pipeline_config(cfg: RangefinderConfig, family: Optional[str] = None) 
             "validation.every_epochs: 0 turns validation off, but the LR range test measures validation loss; set "
             "validation.every_epochs > 0 (or lr_range_test.validate_every_updates, or a fixed lr to skip discovery)"
         )
-    # The sweep validates at its start, at each every_epochs boundary it crosses and at its end (samples.
+    # The sweep validates at its start, at each every_epochs boundary it crosses and at its end (planning.
     # planned_validations); analysis.lr_bounds reads no bounds off fewer than 3 points, after the whole sweep trained.
     if val.every_updates is None and val.every_epochs >= rt.epochs:
         raise ConfigError(

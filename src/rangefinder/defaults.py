@@ -28,3 +28,8 @@ LOW_QUALITY = 0.3
 # A ramp is stopped, and a curve read as diverged, when smoothed validation loss exceeds this multiple of its best
 # (or turns NaN/inf).
 DIVERGENCE_FACTOR = 4.0
+
+# The step window (analysis.select_step_window) reads a fine-tune's validation curve at this many distinct updates or
+# more, update 0's baseline among them: with fewer there is no curve to smooth. The pipeline refuses a fine-tune
+# planned to validate at fewer before it trains (planning.check_finetune_validations).
+STEP_WINDOW_MIN_UPDATES = 3

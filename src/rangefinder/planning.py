@@ -21,7 +21,8 @@ from typing import Optional
 
 from pydantic import BaseModel
 
-from rangefinder.config import ScaleLR, StepsUnit, TrainingConfig
+from rangefinder.config import RangefinderConfig, ScaleLR, StepsUnit, TrainingConfig, ValidationConfig
+from rangefinder.defaults import STEP_WINDOW_MIN_UPDATES
 from rangefinder.errors import ConfigError
 
 
@@ -283,4 +284,54 @@ def plan_for(cfg: TrainingConfig, train_images: int, bucket_counts: Optional[Seq
         scale_lr=cfg.scale_lr,
         drop_last=cfg.drop_last,
         bucket_counts=bucket_counts,
+    )
+
+
+def planned_validations(plan: Plan, val_cfg: ValidationConfig) -> int:
+    """The validations a run of `plan` makes: its update-0 baseline, one every N updates or at every crossed
+    every-N-epochs boundary (loop._validation_due), and its last."""
+    total = plan.total_updates
+    if val_cfg.every_updates is not None:
+        return 1 + total // val_cfg.every_updates + (1 if total % val_cfg.every_updates else 0)
+    if val_cfg.every_epochs <= 0 or total == 0:
+        return 0
+    epochs = total / plan.updates_per_epoch
+    crossed = math.floor(epochs / val_cfg.every_epochs + 1e-9)
+    return 1 + crossed + (0 if abs(crossed * val_cfg.every_epochs - epochs) < 1e-9 else 1)
+
+
+def check_finetune_validations(cfg: RangefinderConfig, finetune_plan: Optional[Plan] = None) -> None:
+    """ConfigError for a fine-tune that validates at fewer updates than its step window reads
+    (defaults.STEP_WINDOW_MIN_UPDATES, analysis.select_step_window): it would train to its end and only then fail.
+    Counted as the engine validates (planned_validations): at update 0, every validation.every_epochs or every_updates,
+    and at the end. The successive halving's pause adds none and takes none (both candidates pause right after a
+    validation and the kept one goes on from it, the same run), and the retrain validates nothing; a fixed lr skips
+    the range test, not the step window. Nothing to check without validation: the fine-tune keeps its epochs.
+
+    `finetune_plan`: the fine-tune's own (TrainSpec.finetune's, from the split a step read). None: before the data are
+    read (compile, run --local, resolve-config), where every_epochs alone decides: the boundaries a run crosses and
+    its end are whole epochs, so every_epochs not below finetune.epochs validates only at the start and end whatever
+    the data's size (counted here on one update per epoch); every_updates needs the fine-tune's updates, and is left
+    to the steps that train the fine-tune's plan (the fine-tune, the prodigy_step probe), before they train."""
+    val, epochs = cfg.validation, cfg.finetune.epochs
+    if not val.enabled() or (cfg.split.val_dir is None and cfg.split.val_split == 0):
+        return
+    if finetune_plan is None and val.every_updates is not None:
+        return
+    counted = finetune_plan or plan(1, epochs=epochs)
+    if planned_validations(counted, val) >= STEP_WINDOW_MIN_UPDATES:
+        return
+    total = counted.total_updates
+    if val.every_updates is not None:
+        setting = f"validation.every_updates: {val.every_updates}"
+        fix = (f"set validation.every_updates below {total} (e.g. {max(1, total // 10)}) or raise finetune.epochs"
+               if total > 1 else "raise finetune.epochs")
+    else:
+        setting = f"validation.every_epochs: {val.every_epochs:g}"
+        fix = f"set validation.every_epochs below {epochs} (e.g. {min(1.0, epochs / 2):g}) or raise finetune.epochs"
+    length = "" if finetune_plan is None else f" ({total} update{'s' if total != 1 else ''})"
+    raise ConfigError(
+        f"{setting} with finetune.epochs: {epochs}{length} validates the fine-tune only at its start and end, and its "
+        f"step window needs validations at {STEP_WINDOW_MIN_UPDATES} or more updates (it would train to the end, then "
+        f"fail); {fix}"
     )

@@ -174,7 +174,7 @@ def test_the_pipeline_refuses_a_range_test_validated_only_at_its_ends(tmp_path):
     """validation.every_epochs at or above lr_range_test.epochs compiled, and the range test trained its whole sweep
     before analysis.lr_bounds refused its 2 points (it needs 3)."""
     from rangefinder.config import check_pipeline_config
-    from rangefinder.training.samples import planned_validations
+    from rangefinder.planning import planned_validations
 
     out = tmp_path / "pipeline.yaml"
     for every in (10, 100):
@@ -189,3 +189,43 @@ def test_the_pipeline_refuses_a_range_test_validated_only_at_its_ends(tmp_path):
     assert planned_validations(plan(16, val_split=0.2, epochs=10), cfg.validation) == 3
     for fine in ({"lr_range_test": {"validate_every_updates": 5}}, {"lr": 1e-4}, {"validation": {"every_updates": 3}}):
         check_pipeline_config(parse_config({"validation": {"every_epochs": 10}, **fine}))
+
+
+def test_the_pipeline_refuses_a_fine_tune_validated_only_at_its_ends(tmp_path):
+    """A 1-epoch fine-tune validated every epoch (or every 2 epochs of 2) compiled, and the fine-tune trained to its
+    end before the step window refused its 2 validations (it needs 3 updates). Refused when the pipeline is compiled
+    or resolved, with a fixed LR too (no range test runs, the step window still does), counted as the engine plans
+    its validations (planning.planned_validations)."""
+    from rangefinder.config import demo_run_config
+    from rangefinder.steps.resolve_config import config_from_parameters
+    from rangefinder.training.families import check_pipeline_settings
+
+    out = tmp_path / "pipeline.yaml"
+    proc = rangefinder("compile", "--config", str(_config(tmp_path, {"lr": 1e-4, "finetune": {"epochs": 1}})),
+                       "--out", str(out))
+    assert_one_line_error(proc, "validation.every_epochs: 1 with finetune.epochs: 1 validates the fine-tune only at "
+                          "its start and end", "needs validations at 3 or more updates",
+                          "set validation.every_epochs below 1 (e.g. 0.5) or raise finetune.epochs")
+    assert not out.exists()
+    with pytest.raises(ConfigError, match=r"every_epochs: 2 with finetune.epochs \(pipeline parameter "
+                                          r"finetune_epochs\): 2 validates the fine-tune only at its start and end"):
+        config_from_parameters(json.dumps({"validation": {"every_epochs": 2}}), finetune_epochs=2)
+    for sections in ({"finetune": {"epochs": 1}, "lr_finder": "prodigy_step"},
+                     {"finetune": {"epochs": 4}, "validation": {"every_epochs": 4.5},
+                      "lr_range_test": {"validate_every_updates": 2}}):
+        with pytest.raises(ConfigError, match="validates the fine-tune only at its start and end"):
+            check_pipeline_settings(parse_config(sections))
+    # One more validation inside the run is enough; without validation there is no window to read (the fine-tune keeps
+    # its epochs); every_updates needs the data's size, so the steps check it with their plan.
+    for sections in ({"finetune": {"epochs": 2}}, {"finetune": {"epochs": 1}, "validation": {"every_epochs": 0.5}},
+                     {"lr": 1e-4, "finetune": {"epochs": 1}, "split": {"val_split": 0}},
+                     {"lr": 1e-4, "finetune": {"epochs": 1}, "validation": {"every_epochs": 0}},
+                     {"finetune": {"epochs": 1}, "validation": {"every_updates": 1000}}):
+        check_pipeline_settings(parse_config(sections))
+        config_from_parameters(json.dumps(sections), finetune_epochs=parse_config(sections).finetune.epochs)
+    from rangefinder.planning import check_finetune_validations, planned_validations
+
+    assert planned_validations(plan(16, val_split=0.2, epochs=2), parse_config({}).validation) == 3
+    # The embedded default, the demo's run and the test and bench settings built on demo_config pass.
+    for cfg in (RangefinderConfig(), demo_config(), demo_run_config(), demo_config(finetune={"epochs": 2})):
+        check_finetune_validations(cfg)

@@ -432,6 +432,40 @@ def test_a_fine_tune_that_diverges_says_so_and_what_to_do(split_dir, tiny_model_
     assert not (tmp_path / "ft" / "final").exists() and next((tmp_path / "ft").rglob("metrics.csv"), None)
 
 
+def test_a_fine_tune_validated_too_seldom_for_its_step_window_is_refused_before_anything_trains(
+        split_dir, tiny_model_dir, tmp_path, monkeypatch):
+    """validation.every_updates not below the fine-tune's updates (8: 2 epochs of 16 images at batch 4): it validated
+    at update 0 and at its end only, trained both halving candidates and the kept run to that end, and then the step
+    window refused its 2 validations (it needs 3 updates). Only the data's size tells, so compile cannot; the step
+    refuses it on its own plan before it trains, before the halving's race; so does the prodigy_step probe, which
+    trains the fine-tune's plan first."""
+    from rangefinder.steps.finetune import run_finetune
+    from rangefinder.steps.prodigy_step_size import run_prodigy_step_size
+
+    for var in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME"):
+        monkeypatch.delenv(var, raising=False)
+    cfg = demo_config(model={"base_model": str(tiny_model_dir)}, finetune={"epochs": 2},
+                      validation={"every_updates": 8}, training={"cache_dir": str(tmp_path / "cache")},
+                      sampling={"every_validations": None},
+                      tracking={"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "registered_model_name": None})
+    said = (r"^validation\.every_updates: 8 with finetune\.epochs: 2 \(8 updates\) validates the fine-tune only at its "
+            r"start and end, and its step window needs validations at 3 or more updates .*; set "
+            r"validation\.every_updates below 8 \(e\.g\. 1\) or raise finetune\.epochs$")
+    with pytest.raises(ConfigError, match=said):
+        run_finetune(cfg, split_dir=split_dir, lr_low=1e-4, lr_high=1e-3, lr_mid=3e-4, lr_source="range-test",
+                     model_dir=tmp_path / "ft")
+    with pytest.raises(ConfigError, match=said):
+        run_prodigy_step_size(cfg.model_copy(update={"lr_finder": "prodigy_step"}), split_dir=split_dir,
+                              out_dir=tmp_path / "probe")
+    assert next(tmp_path.rglob("metrics.csv"), None) is None  # nothing trained
+    # Every 4 updates: update 0, 4 and the end, enough for the window.
+    from rangefinder.planning import check_finetune_validations
+
+    every_4 = demo_config(finetune={"epochs": 2}, validation={"every_updates": 4})
+    check_finetune_validations(every_4, TrainSpec.finetune(every_4, read_split(split_dir), lr=3e-4,
+                                                            bounds=(1e-4, 1e-3), world_size=1).plan)
+
+
 def test_the_delivered_update_is_sampled_in_the_strip_and_the_mlflow_series(tiny_model_dir, tmp_path, monkeypatch):
     """Issue 35: the samples during training ran every few validations, and the slider ended before the weights the
     pipeline delivers (the chosen checkpoint). The step renders those weights with the same settings and adds them

@@ -34,7 +34,7 @@ from rangefinder.analysis.curves import (
     trend_test,
 )
 from rangefinder.analysis.lr_bounds import PERMUTATIONS, SIGNIFICANCE, _jsonable
-from rangefinder.defaults import DIVERGENCE_FACTOR
+from rangefinder.defaults import DIVERGENCE_FACTOR, STEP_WINDOW_MIN_UPDATES
 from rangefinder.errors import RangefinderError
 
 WindowStatus = Literal["ok", "still_improving", "no_improvement"]
@@ -139,18 +139,19 @@ def select_step_window(
     if not 0 < tolerance < 1:
         raise RangefinderError(f"tolerance must be in (0, 1), e.g. 0.02 for 2% (got {tolerance})")
     n_finite = int(np.sum(np.isfinite(y_all) & np.isfinite(u_all)))
-    if n_finite < 3:
+    if n_finite < STEP_WINDOW_MIN_UPDATES:
         raise RangefinderError(
-            f"the curve has {n_finite} finite (update, val_loss) points; the step window needs at least 3 "
-            "(validate more often during the fine-tune)"
+            f"the curve has {n_finite} finite (update, val_loss) points; the step window needs at least "
+            f"{STEP_WINDOW_MIN_UPDATES} (validate more often during the fine-tune)"
         )
     distinct = np.unique(u_all[np.isfinite(u_all) & np.isfinite(y_all)])
-    if distinct.size < 3:
+    if distinct.size < STEP_WINDOW_MIN_UPDATES:
         # Rows at one or two updates (the window average's measurements, all at update 0) said "no_improvement: this
         # LR does not help", of a curve that has no length to read.
         raise RangefinderError(
             f"the curve has {distinct.size} distinct update value{'s' if distinct.size != 1 else ''} "
-            f"({', '.join(f'{v:g}' for v in distinct)}); the step window needs validations at 3 or more updates "
+            f"({', '.join(f'{v:g}' for v in distinct)}); the step window needs validations at "
+            f"{STEP_WINDOW_MIN_UPDATES} or more updates "
             "(pass a fine-tune's metrics.csv, or validate more often during the fine-tune)"
         )
     s_all = None

@@ -323,6 +323,7 @@ def run_finetune(
     from rangefinder.analysis.reports import step_headline
     from rangefinder.data.split import read_split
     from rangefinder.models.loading import resolve_base_model
+    from rangefinder.planning import check_finetune_validations
     from rangefinder.steps.average import average_applies, not_on_several_nodes, run_average
     from rangefinder.steps.average import deliver as deliver_average
     from rangefinder.steps.choose_lr import skipped_because
@@ -339,6 +340,7 @@ def run_finetune(
                               world_size=step_world_size(cfg))
     tc, plan = spec.training, spec.plan
     validating = cfg.validation.enabled() and len(split.val) > 0
+    check_finetune_validations(cfg, plan)  # before the halving's race and the run: the step window needs 3 updates
     model_dir = Path(model_dir)
     precision = resolve_mixed_precision(tc.mixed_precision)
     chosen, cooled, averaged = None, None, None

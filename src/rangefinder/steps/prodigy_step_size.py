@@ -87,6 +87,7 @@ def run_prodigy_step_size(
     from rangefinder import tracking
     from rangefinder.analysis import copy_report, read_curve_csv, read_prodigy_step, write_prodigy_report
     from rangefinder.data.split import read_split
+    from rangefinder.planning import check_finetune_validations
     from rangefinder.training.family_detection import family_of
     from rangefinder.training.optimizers import require_prodigy
     from rangefinder.training.spec import TrainSpec
@@ -98,6 +99,8 @@ def run_prodigy_step_size(
     split = read_split(split_dir)
     spec = TrainSpec.finetune(probe, split, bounds=(LR_FREE_LR, LR_FREE_LR), lr=LR_FREE_LR,
                               world_size=step_world_size(probe))
+    # The probe trains the fine-tune's plan: a fine-tune its step window cannot read is refused before either trains.
+    check_finetune_validations(cfg, spec.plan)
     # One checkpoint at a time (for a retried pod): the probe's weights are never read, so none is kept for a window.
     spec = replace(spec, training=TrainingConfig.model_validate({**spec.training.model_dump(), "keep_checkpoints": 1}))
     tc = spec.training

@@ -34,6 +34,7 @@ from rangefinder.config import (
     parse_config,
 )
 from rangefinder.errors import ConfigError
+from rangefinder.planning import check_finetune_validations
 from rangefinder.training.family_detection import family_of
 
 # Pipeline parameter -> dotted config field. The order is the order the UI lists them in.
@@ -152,6 +153,7 @@ def config_from_parameters(base_config: str = "", **params: Any) -> RangefinderC
     try:
         cfg = parse_config(raw)
         check_pipeline_config(cfg, family_of(cfg.model))  # a hub id not fetched yet: again once it is, below
+        check_finetune_validations(cfg)  # every_epochs here; every_updates, which needs the data's size, in the steps
         return cfg
     except ConfigError as e:
         # Name the pipeline parameter a person typed, not only the config field behind it.

@@ -108,12 +108,14 @@ def check_family_settings(cfg: RangefinderConfig, family: str, *, native_data: b
 
 def check_pipeline_settings(cfg: RangefinderConfig) -> None:
     """What `compile` and `run --local` check before the pipeline starts: the config's own rules for a pipeline run
-    (config.check_pipeline_config) with the base model's family where it is known here, then that family's
-    (check_local_model_settings)."""
+    (config.check_pipeline_config) with the base model's family where it is known here, the fine-tune's validations
+    (planning.check_finetune_validations), then that family's (check_local_model_settings)."""
     from rangefinder.config import check_pipeline_config
+    from rangefinder.planning import check_finetune_validations
 
     family = family_of(cfg.model)
     check_pipeline_config(cfg, family)
+    check_finetune_validations(cfg)
     _check_local_model(cfg, family, native_data=False)
 
 

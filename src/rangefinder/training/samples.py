@@ -43,13 +43,13 @@ import torch
 
 from rangefinder.formats.atomic import atomic_path, write_json
 from rangefinder.models.loading import pipeline_call_kwargs
+from rangefinder.planning import planned_validations
 from rangefinder.training.geometry import ModelGeometry, check_sampling_resolution
 from rangefinder.training.sinks import ImageSink
 from rangefinder.training.validation import preserved_rng
 
 if TYPE_CHECKING:
-    from rangefinder.config import SamplingConfig, ValidationConfig
-    from rangefinder.planning import Plan
+    from rangefinder.config import SamplingConfig
     from rangefinder.training.run import Run
     from rangefinder.training.state import RunState
 
@@ -60,19 +60,6 @@ INDEX_NAME = "index.json"
 SAMPLES_KEY = "samples_during_training"  # the MLflow image series
 # "auto" aims at this many grids after the baseline: enough to see a run turn, a bounded cost whatever its length.
 AUTO_GRIDS = 10
-
-
-def planned_validations(plan: Plan, val_cfg: ValidationConfig) -> int:
-    """The validations a run of `plan` makes: its update-0 baseline, one every N updates or at every crossed
-    every-N-epochs boundary (loop._validation_due), and its last."""
-    total = plan.total_updates
-    if val_cfg.every_updates is not None:
-        return 1 + total // val_cfg.every_updates + (1 if total % val_cfg.every_updates else 0)
-    if val_cfg.every_epochs <= 0 or total == 0:
-        return 0
-    epochs = total / plan.updates_per_epoch
-    crossed = math.floor(epochs / val_cfg.every_epochs + 1e-9)
-    return 1 + crossed + (0 if abs(crossed * val_cfg.every_epochs - epochs) < 1e-9 else 1)
 
 
 def resolve_every(setting: Any, planned: int) -> Optional[int]:
