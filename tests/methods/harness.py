@@ -87,3 +87,13 @@ def pipeline_image(pipe, prompt: str, seed: int = 0, steps: int = 4):
     g = torch.Generator("cpu").manual_seed(seed)
     img = pipe(prompt, num_inference_steps=steps, guidance_scale=3.0, generator=g, output_type="np").images[0]
     return np.asarray(img)
+
+
+def unet_output(unet: torch.nn.Module) -> torch.Tensor:
+    """The UNet's output on one fixed noisy latent, timestep and conditioning (seeded), to compare two UNets by."""
+    g = torch.Generator().manual_seed(1)
+    size = unet.config.sample_size
+    x = torch.randn(1, 4, size, size, generator=g)
+    h = torch.randn(1, 77, unet.config.cross_attention_dim, generator=g)
+    with torch.no_grad():
+        return unet(x, torch.tensor([500]), h).sample

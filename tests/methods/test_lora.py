@@ -13,7 +13,7 @@ from rangefinder.formats.lora import LORA_KOHYA_NAME, LORA_WEIGHTS_NAME, trained
 from rangefinder.training.methods import make_method
 from rangefinder.training.methods.base import UPDATES_KEY
 from tests.formats.consumers import comfy_load_lora, comfy_patched_state, comfy_sd1_key_map
-from tests.methods.harness import load_parts, pipeline_image, state_of, train_updates
+from tests.methods.harness import load_parts, pipeline_image, state_of, train_updates, unet_output
 
 RANK, ALPHA = 4, 8.0  # alpha != rank, so a file that drops the scale alpha/rank is caught
 UPDATES = 3
@@ -21,15 +21,6 @@ UPDATES = 3
 # layer outside attention (ff.net.2) and 3x3 convolutions (conv1).
 TARGETS = ["to_k", "to_q", "to_v", "to_out.0", "proj_in", "ff.net.2", "conv1"]
 PROMPT_IDS_TEXT = ["a red circle"]
-
-
-def _unet_out(unet):
-    g = torch.Generator().manual_seed(1)
-    size = unet.config.sample_size
-    x = torch.randn(1, 4, size, size, generator=g)
-    h = torch.randn(1, 77, unet.config.cross_attention_dim, generator=g)
-    with torch.no_grad():
-        return unet(x, torch.tensor([500]), h).sample
 
 
 @pytest.fixture(scope="module")
@@ -78,9 +69,9 @@ def test_diffusers_loads_every_adapter_and_reproduces_the_trained_model(trained_
     from diffusers import StableDiffusionPipeline
 
     _, parts, _, out, _ = trained_lora
-    trained = _unet_out(parts.unet)
+    trained = unet_output(parts.unet)
     base = StableDiffusionPipeline.from_pretrained(str(tiny_model_dir), safety_checker=None)
-    base_out, base_img = _unet_out(base.unet), pipeline_image(base, "a red circle")
+    base_out, base_img = unet_output(base.unet), pipeline_image(base, "a red circle")
     assert not torch.allclose(trained, base_out)
 
     pipe = StableDiffusionPipeline.from_pretrained(str(tiny_model_dir), safety_checker=None)
@@ -89,7 +80,7 @@ def test_diffusers_loads_every_adapter_and_reproduces_the_trained_model(trained_
     loaded = {(part, f"{path}.weight") for part in ("unet", "text_encoder")
               for path in trained_lora_layers(getattr(pipe, part), adapter="loaded")}
     assert loaded == _trained_modules(parts)
-    torch.testing.assert_close(_unet_out(pipe.unet), trained, rtol=0, atol=1e-5, msg=weight_name)
+    torch.testing.assert_close(unet_output(pipe.unet), trained, rtol=0, atol=1e-5, msg=weight_name)
     torch.testing.assert_close(_te_out(pipe.text_encoder, pipe.tokenizer), _te_out(parts.text_encoder, parts.tokenizer),
                                rtol=0, atol=1e-5)
     img = pipeline_image(pipe, "a red circle")
@@ -110,7 +101,7 @@ def test_comfyui_maps_every_key_and_reproduces_the_trained_model(trained_lora, t
     assert set(patches) == _trained_modules(parts)
     base.unet.load_state_dict(comfy_patched_state(base.unet.state_dict(), patches, "unet"))
     base.text_encoder.load_state_dict(comfy_patched_state(base.text_encoder.state_dict(), patches, "text_encoder"))
-    torch.testing.assert_close(_unet_out(base.unet), _unet_out(parts.unet), rtol=0, atol=1e-5)
+    torch.testing.assert_close(unet_output(base.unet), unet_output(parts.unet), rtol=0, atol=1e-5)
     torch.testing.assert_close(_te_out(base.text_encoder, base.tokenizer), _te_out(parts.text_encoder, parts.tokenizer),
                                rtol=0, atol=1e-5)
 
@@ -168,7 +159,7 @@ def test_checkpoint_state_round_trips_bit_for_bit(trained_lora, tiny_model_dir):
     assert all(torch.equal(v, state[k]) for k, v in fresh.trainable_state_dict().items())
     assert fresh.updates_taken == UPDATES
     fresh_parts.unet.eval()
-    assert torch.equal(_unet_out(fresh_parts.unet), _unet_out(parts.unet))
+    assert torch.equal(unet_output(fresh_parts.unet), unet_output(parts.unet))
     with pytest.raises(ValueError, match="same training.lora settings"):
         fresh.load_trainable_state_dict({k: v for k, v in list(state.items())[1:]})
 
