@@ -21,6 +21,15 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rangefinder.formats.diffusers_folder import clip_text_key
+from rangefinder.formats.model_spec import (
+    ADAPTER_LORA,
+    ARCH_SDXL,
+    MODELSPEC_IMPL_DIFFUSERS,
+    MODELSPEC_IMPL_FLUX,
+    MODELSPEC_IMPL_SGM,
+    model_spec,
+    sd_base_model,
+)
 from rangefinder.formats.single_file import map_keys, top_level_tables, unet_prefix_table
 from rangefinder.formats.weights_file import save_safetensors
 
@@ -196,13 +205,6 @@ def _fused_rows(j: int, adapters: Mapping[int, LoraWeights], config: Mapping[str
     return inner * 4 if parts[j].endswith("proj_mlp") else inner  # FluxSingleTransformerBlock's mlp_ratio 4
 
 
-# The SAI model spec (modelspec.*) that sd-scripts writes beside its own keys (library/sai_model_spec.py at
-# 48d368fa5577: its version, ARCH_* ids and IMPL_* codebases), which LoRA browsers read to tell a file's base model.
-MODELSPEC_VERSION = "1.0.1"
-MODELSPEC_IMPL_SGM = "https://github.com/Stability-AI/generative-models"
-MODELSPEC_IMPL_FLUX = "https://github.com/black-forest-labs/flux"
-
-
 def kohya_metadata(meta: Mapping[str, str], any_layer: LoraWeights, network_module: str,
                    base_model_version: Optional[str], architecture: Optional[str] = None,
                    implementation: Optional[str] = None) -> dict[str, str]:
@@ -210,26 +212,26 @@ def kohya_metadata(meta: Mapping[str, str], any_layer: LoraWeights, network_modu
     browsers show: the network module, the base model version, dim and alpha as trained (what the file's `.alpha`
     tensors hold: each family's `lora_to_kohya*` writes alpha = scale x rank), and the updates as `ss_steps`, the
     same for every family; and, given the base model's `architecture` (sai_model_spec.py's ARCH_* id), the model
-    spec's version, `modelspec.architecture` (that id + "/lora", as sd-scripts' `determine_architecture` makes it)
-    and the `implementation` whose module names the file uses."""
+    spec's keys for a LoRA on it (formats/model_spec.py) with the `implementation` whose module names the file
+    uses."""
     out = {**meta, "ss_network_module": network_module, "ss_network_dim": str(any_layer.rank),
            "ss_network_alpha": repr(any_layer.scale * any_layer.rank)}
     if base_model_version is not None:
         out["ss_base_model_version"] = base_model_version
     if architecture is not None:
-        out["modelspec.sai_model_spec"] = MODELSPEC_VERSION
-        out["modelspec.architecture"] = f"{architecture}/lora"
-    if implementation is not None:
-        out["modelspec.implementation"] = implementation
+        out.update(model_spec(architecture, ADAPTER_LORA, implementation))
     if "rangefinder.updates" in meta:
         out["ss_steps"] = meta["rangefinder.updates"]
     return out
 
 
 def save_lora_files(out_dir: Path, unet=None, text_encoder=None, metadata: Optional[Mapping[str, str]] = None,
-                    text_encoder_2=None, sdxl: bool = False, flux: bool = False):
+                    text_encoder_2=None, sdxl: bool = False, flux: bool = False,
+                    prediction_type: Optional[str] = None):
     """Both LoRA files into `out_dir`; returns {"diffusers": path, "kohya": path}. `sdxl`: kohya's SDXL names;
-    `flux`: `unet` is Flux's transformer, in Flux's names (lora_to_diffusers_flux, lora_to_kohya_flux)."""
+    `flux`: `unet` is Flux's transformer, in Flux's names (lora_to_diffusers_flux, lora_to_kohya_flux).
+    `prediction_type`: what SD 1.x/2.x's UNet was trained to predict ("epsilon" | "v_prediction"), which with its
+    config names the base model in the kohya file's metadata; without it (or without the UNet) none is claimed."""
     out_dir = Path(out_dir)
     unet_layers = trained_lora_layers(unet) if unet is not None else {}
     te_layers = trained_lora_layers(text_encoder) if text_encoder is not None else {}
@@ -245,9 +247,14 @@ def save_lora_files(out_dir: Path, unet=None, text_encoder=None, metadata: Optio
         kohya_meta = kohya_metadata(meta, any_layer, "networks.lora_flux", "flux1", f"flux-1-{variant}",
                                     MODELSPEC_IMPL_FLUX)
     elif sdxl:  # sdxl_base_v1-0: what sd-scripts writes for SDXL (A1111 tells an SDXL LoRA by its `sdxl_` prefix)
-        kohya_meta = kohya_metadata(meta, any_layer, "networks.lora", "sdxl_base_v1-0", "stable-diffusion-xl-v1-base",
-                                    MODELSPEC_IMPL_SGM)
-    else:  # SD 1.x or 2.x: which one (and whether v-prediction) is not known here, so no base model is claimed
+        kohya_meta = kohya_metadata(meta, any_layer, "networks.lora", "sdxl_base_v1-0", ARCH_SDXL, MODELSPEC_IMPL_SGM)
+    elif unet is not None and prediction_type is not None:
+        # SD 1.x or 2.x by the UNet's config, v-prediction or not by what it trained (model_spec.sd_base_model);
+        # sd-scripts' implementation for such a LoRA is diffusers' (`determine_implementation`), whose module paths
+        # its `lora_unet_` names are.
+        version, architecture = sd_base_model(unet.config, prediction_type)
+        kohya_meta = kohya_metadata(meta, any_layer, "networks.lora", version, architecture, MODELSPEC_IMPL_DIFFUSERS)
+    else:  # a text encoder's LoRA alone, or the prediction type not given: no base model is claimed
         kohya_meta = kohya_metadata(meta, any_layer, "networks.lora", None)
     if flux:
         return {
@@ -334,25 +341,31 @@ def sd3_model_type(config: Mapping[str, Any]) -> str:
     return "5-medium" if config.get("dual_attention_layers") else "5-large"
 
 
-# One signature per family's LoRA export, (out_dir, denoiser, text_encoder, text_encoder_2, metadata), which
-# training/family_detection.py's FamilyLayout.lora_export names.
+# One signature per family's LoRA export, (out_dir, denoiser, text_encoder, text_encoder_2, metadata,
+# prediction_type), which training/family_detection.py's FamilyLayout.lora_export names. Only SD 1.x/2.x reads the
+# prediction type: SDXL's base model is one whatever it predicts (sd-scripts names it sdxl_base_v1-0 either way), and
+# the flow families predict no epsilon or v.
 def save_sd_lora_files(out_dir: Path, unet, text_encoder=None, text_encoder_2=None,
-                       metadata: Optional[Mapping[str, str]] = None) -> dict[str, Path]:
-    return save_lora_files(out_dir, unet, text_encoder, metadata)
+                       metadata: Optional[Mapping[str, str]] = None,
+                       prediction_type: Optional[str] = None) -> dict[str, Path]:
+    return save_lora_files(out_dir, unet, text_encoder, metadata, prediction_type=prediction_type)
 
 
 def save_sdxl_lora_files(out_dir: Path, unet, text_encoder=None, text_encoder_2=None,
-                         metadata: Optional[Mapping[str, str]] = None) -> dict[str, Path]:
+                         metadata: Optional[Mapping[str, str]] = None,
+                         prediction_type: Optional[str] = None) -> dict[str, Path]:
     return save_lora_files(out_dir, unet, text_encoder, metadata, text_encoder_2=text_encoder_2, sdxl=True)
 
 
 def save_flux_lora_files(out_dir: Path, transformer, text_encoder=None, text_encoder_2=None,
-                         metadata: Optional[Mapping[str, str]] = None) -> dict[str, Path]:
+                         metadata: Optional[Mapping[str, str]] = None,
+                         prediction_type: Optional[str] = None) -> dict[str, Path]:
     return save_lora_files(out_dir, transformer, text_encoder, metadata, text_encoder_2=text_encoder_2, flux=True)
 
 
 def save_sd3_lora_files(out_dir: Path, transformer, text_encoder=None, text_encoder_2=None,
-                        metadata: Optional[Mapping[str, str]] = None) -> dict[str, Path]:
+                        metadata: Optional[Mapping[str, str]] = None,
+                        prediction_type: Optional[str] = None) -> dict[str, Path]:
     """SD3's LoRA in diffusers' naming and in kohya's (`lora_kohya.safetensors`); returns {"diffusers": path,
     "kohya": path}."""
     layers = trained_lora_layers(transformer)

@@ -45,7 +45,7 @@ class FamilyLayout:
     # `full`'s single file, "module:function(folder, file, metadata)": the layout ComfyUI and A1111 load.
     single_file_export: str = "rangefinder.formats.single_file:export_full"
     # `lora`'s two files (diffusers' names and kohya's), "module:function(folder, denoiser, text_encoder,
-    # text_encoder_2, metadata)" (formats/lora.py).
+    # text_encoder_2, metadata, prediction_type)" (formats/lora.py).
     lora_export: str = "rangefinder.formats.lora:save_sd_lora_files"
     pipeline_kwargs: tuple[tuple[str, object], ...] = ()  # what its pipeline's constructor and loaders also take
     # Its saved folder keeps the base model's own sampling scheduler (SDXL ships Euler) rather than the training

@@ -1,0 +1,84 @@
+"""The base model an SD 1.x/2.x LoRA's kohya file names, as sd-scripts names it, read off the model exported: SD 1.x
+or 2.x by the UNet's cross-attention width, v-prediction by what it was trained to predict (training.prediction_type
+over the model's scheduler).
+
+What sd-scripts writes (kohya-ss/sd-scripts at 48d368f): `ss_base_model_version` sd_v1 / sd_v2, `_v` appended for
+v-prediction (library/model_util.py `get_model_version_str_for_sd1_sd2`, train_network.py); `modelspec.architecture`
+stable-diffusion-v1 whatever it predicts, stable-diffusion-v2-768-v for 2.x predicting v, stable-diffusion-v2-512
+otherwise, + "/lora"; `modelspec.implementation` diffusers for an SD 1.x/2.x LoRA (library/sai_model_spec.py
+`determine_architecture`, `determine_implementation`).
+
+The SD 2.x-like model is the tiny SD model with its UNet rebuilt from its config at SD 2.x's 1024-wide cross-attention
+(and SD 2.x's linear projections), random weights. The model's scheduler is left as loaded, without the override
+registered, as a model rebuilt from a checkpoint has it (training/restore.py), so the setting must win on its own.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rangefinder.config import TrainingConfig
+from rangefinder.formats.lora import LORA_KOHYA_NAME, trained_lora_layers
+from rangefinder.formats.weights_file import read_metadata
+from rangefinder.training.methods import make_method
+from tests.methods.harness import Parts, load_parts, unet_output
+
+V1, V2_512, V2_768_V = "stable-diffusion-v1", "stable-diffusion-v2-512", "stable-diffusion-v2-768-v"
+# (the UNet, what the model's scheduler predicts, training.prediction_type, ss_base_model_version, architecture)
+LORA_CASES = [
+    ("sd1", "epsilon", None, "sd_v1", V1),
+    ("sd1", "epsilon", "v_prediction", "sd_v1_v", V1),
+    ("sd2", "epsilon", None, "sd_v2", V2_512),
+    ("sd2", "v_prediction", None, "sd_v2_v", V2_768_V),
+    ("sd2", "v_prediction", "epsilon", "sd_v2", V2_512),  # trained as epsilon: what was trained, not the model's own
+    ("sd2", "epsilon", "v_prediction", "sd_v2_v", V2_768_V),
+]
+
+
+def _parts(tiny_model_dir, unet: str, predicts: str) -> Parts:
+    from diffusers import DDPMScheduler, UNet2DConditionModel
+
+    parts = load_parts(tiny_model_dir)
+    assert parts.unet.config.cross_attention_dim != 1024  # the tiny model is SD 1.x's kind
+    if unet == "sd2":
+        torch.manual_seed(0)
+        parts.unet = UNet2DConditionModel.from_config(
+            {**parts.unet.config, "cross_attention_dim": 1024, "use_linear_projection": True})
+    parts.noise_scheduler = DDPMScheduler.from_config(parts.noise_scheduler.config, prediction_type=predicts)
+    return parts
+
+
+@pytest.mark.parametrize("unet,predicts,setting,version,architecture", LORA_CASES)
+def test_the_kohya_lora_names_its_base_model_as_sd_scripts_does_and_loads_in_diffusers(
+        tiny_model_dir, tmp_path, unet, predicts, setting, version, architecture):
+    import copy
+
+    from diffusers import StableDiffusionPipeline
+    from peft.tuners.lora import LoraLayer
+
+    parts = _parts(tiny_model_dir, unet, predicts)
+    base_unet = copy.deepcopy(parts.unet)
+    method = make_method(TrainingConfig(method="lora", lora={"rank": 4, "alpha": 8.0}, prediction_type=setting))
+    method.setup(parts, torch.float32)
+    g = torch.Generator().manual_seed(0)
+    for layer in parts.unet.modules():
+        if isinstance(layer, LoraLayer):
+            b = layer.lora_B["default"].weight
+            b.data = torch.randn(b.shape, generator=g) * 0.1  # B starts at zero in training
+    method.save_final(parts, tmp_path)
+
+    meta = read_metadata(tmp_path / LORA_KOHYA_NAME)
+    keys = ("ss_network_module", "ss_base_model_version", "modelspec.sai_model_spec", "modelspec.architecture",
+            "modelspec.implementation")
+    assert {k: meta.get(k) for k in keys} == {
+        "ss_network_module": "networks.lora", "ss_base_model_version": version, "modelspec.sai_model_spec": "1.0.1",
+        "modelspec.architecture": f"{architecture}/lora", "modelspec.implementation": "diffusers"}
+
+    # diffusers' load_lora_weights takes the kohya file whole, and its UNet computes what the trained one does.
+    pipe = StableDiffusionPipeline(vae=parts.vae, text_encoder=parts.text_encoder, tokenizer=parts.tokenizer,
+                                   unet=base_unet, scheduler=parts.noise_scheduler, safety_checker=None,
+                                   feature_extractor=None, requires_safety_checker=False)
+    pipe.load_lora_weights(str(tmp_path), weight_name=LORA_KOHYA_NAME, adapter_name="loaded")
+    assert set(trained_lora_layers(pipe.unet, adapter="loaded")) == set(trained_lora_layers(parts.unet))
+    torch.testing.assert_close(unet_output(pipe.unet), unet_output(parts.unet), rtol=0, atol=1e-5)
