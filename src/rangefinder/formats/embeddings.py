@@ -3,6 +3,13 @@
 `learned_embeds.safetensors` (diffusers: `{token: (vectors, dim)}`) and, under `a1111/`, an embedding named after
 its trigger word (A1111 names an embedding after its file) as `.safetensors` and as a `.pt` that A1111's restricted
 unpickler accepts, with the update count and base model filled in. SDXL's embedding holds `clip_l` and `clip_g`.
+
+The A1111 `.safetensors` is the file sd-scripts' textual inversion writes (train_textual_inversion.py and
+sdxl_train_textual_inversion.py `save_weights`: `emb_params`, or `clip_l` and `clip_g`), and it carries the model
+spec sd-scripts gives it (`train_util.get_sai_model_spec` with textual_inversion): the base model's architecture +
+"/textual-inversion" and, for every embedding, Stability's codebase as the implementation
+(sai_model_spec.py `determine_implementation`). The loaders read tensors only (A1111's and ComfyUI's embedding
+readers, diffusers' `load_textual_inversion`), so the header changes nothing for them.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from rangefinder.formats.atomic import atomic_path
+from rangefinder.formats.model_spec import ADAPTER_TEXTUAL_INVERSION, ARCH_SDXL, MODELSPEC_IMPL_SGM, model_spec
 from rangefinder.formats.weights_file import save_safetensors
 
 TI_WEIGHTS_NAME = "learned_embeds.safetensors"  # diffusers' default name for `load_textual_inversion`
@@ -69,13 +77,15 @@ def save_a1111_pt(path: Path, embeds, name: str, step: Optional[int], checkpoint
 
 
 def save_textual_inversion(
-    out_dir: Path, token: str, embeds, metadata: Optional[Mapping[str, str]] = None
+    out_dir: Path, token: str, embeds, metadata: Optional[Mapping[str, str]] = None,
+    architecture: Optional[str] = None,
 ) -> dict[str, Path]:
     """`embeds` is (num_vectors, dim). Writes diffusers' `learned_embeds.safetensors` and A1111's embedding.
 
     A1111 names an embedding after its file, so the A1111 files are `a1111/<trigger>.safetensors` (one tensor,
     `emb_params`: A1111 takes a single-tensor file as an embedding) and `a1111/<trigger>.pt` (which also carries the
-    update count and the base model, shown in A1111's UI).
+    update count and the base model, shown in A1111's UI). `architecture`: the base model's model-spec id
+    (model_spec.sd_base_model), which the A1111 `.safetensors` names as sd-scripts does; None claims none.
     """
     out_dir = Path(out_dir)
     meta = dict(metadata or {})
@@ -86,7 +96,8 @@ def save_textual_inversion(
     a1111 = out_dir / TI_A1111_DIR
     return {
         "diffusers": save_safetensors({token: embeds}, out_dir / TI_WEIGHTS_NAME, meta),
-        "a1111": save_safetensors({"emb_params": embeds}, a1111 / f"{name}.safetensors", meta),
+        "a1111": save_safetensors({"emb_params": embeds}, a1111 / f"{name}.safetensors",
+                                  {**meta, **_embedding_spec(architecture)}),
         "a1111_pt": save_a1111_pt(a1111 / f"{name}.pt", embeds, name, None if updates is None else int(updates),
                                   base_model_name(meta.get("rangefinder.base_model"))),
     }
@@ -108,5 +119,13 @@ def save_textual_inversion_sdxl(
     tensors = {"clip_l": clip_l, "clip_g": clip_g}
     return {
         "diffusers": save_safetensors(tensors, out_dir / TI_WEIGHTS_NAME, meta),
-        "a1111": save_safetensors(tensors, out_dir / TI_A1111_DIR / f"{name}.safetensors", meta),
+        "a1111": save_safetensors(tensors, out_dir / TI_A1111_DIR / f"{name}.safetensors",
+                                  {**meta, **_embedding_spec(ARCH_SDXL)}),
     }
+
+
+def _embedding_spec(architecture: Optional[str]) -> dict[str, str]:
+    """The model spec sd-scripts writes into an embedding on the base model `architecture` (none without it)."""
+    if architecture is None:
+        return {}
+    return model_spec(architecture, ADAPTER_TEXTUAL_INVERSION, MODELSPEC_IMPL_SGM)

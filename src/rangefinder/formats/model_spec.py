@@ -18,6 +18,7 @@ MODELSPEC_IMPL_FLUX = "https://github.com/black-forest-labs/flux"
 MODELSPEC_IMPL_DIFFUSERS = "diffusers"  # an SD 1.x/2.x LoRA, whose kohya names are diffusers' module paths
 ARCH_SDXL = "stable-diffusion-xl-v1-base"
 ADAPTER_LORA = "lora"
+ADAPTER_TEXTUAL_INVERSION = "textual-inversion"
 # The UNet's cross-attention width is its text encoder's: SD 2.x's OpenCLIP ViT-H is 1024 wide, SD 1.x's CLIP ViT-L
 # 768 (the first difference sd-scripts' library/original_unet.py lists between v1.5 and v2.1).
 SD2_CROSS_ATTENTION_DIM = 1024
@@ -40,7 +41,7 @@ def sd_base_model(unet_config: Mapping[str, Any], prediction_type: str) -> tuple
 
 
 def model_spec(architecture: str, adapter: str, implementation: Optional[str] = None) -> dict[str, str]:
-    """The model spec's keys for an `adapter` ("lora") on the base model `architecture`: the
+    """The model spec's keys for an `adapter` ("lora" | "textual-inversion") on the base model `architecture`: the
     spec's version and `<architecture>/<adapter>` (as `determine_architecture` appends it), and the `implementation`
     whose module names the file uses, when given."""
     spec = {"modelspec.sai_model_spec": MODELSPEC_VERSION, "modelspec.architecture": f"{architecture}/{adapter}"}

@@ -195,4 +195,10 @@ class TextualInversion(Method):
                                         self.learned_embeds("text_encoder_2").float().cpu(),
                                         metadata={**meta, "rangefinder.family": sd.family})
             return
-        save_textual_inversion(out_dir, s.placeholder_token, self.learned_embeds().float().cpu(), metadata=meta)
+        from rangefinder.formats.model_spec import sd_base_model
+
+        # SD 1.x or 2.x, named in the A1111 file as sd-scripts names an embedding's base model.
+        predicts = self.trained_prediction_type(sd)
+        architecture = None if predicts is None else sd_base_model(sd.unet.config, predicts)[1]
+        save_textual_inversion(out_dir, s.placeholder_token, self.learned_embeds().float().cpu(), metadata=meta,
+                               architecture=architecture)
