@@ -141,7 +141,7 @@ def run_prodigy_step_size(
         out = ProdigyStepResult(reading=reading, curve_csv=result.metrics_csv, updates_csv=result.updates_csv,
                                 reading_json=reading_json)
         # On this run only, as the range tests keep their readings: the parent shows choose_lr's decision. The same
-        # numbers as the component's KFP metrics.
-        run.log_decisions({**out.metrics(), "lr_source": SOURCE}, to_parent=False)
+        # numbers as the component's KFP metrics. lr_source is a param above (its one home, as on the fine-tune's run).
+        run.log_decisions(out.metrics(), to_parent=False)
         run.describe(reading.headline())
     return out
