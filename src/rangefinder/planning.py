@@ -287,6 +287,15 @@ def plan_for(cfg: TrainingConfig, train_images: int, bucket_counts: Optional[Seq
     )
 
 
+def plan_like(run_plan: Plan, *, epochs: int) -> Plan:
+    """The plan of a run on `run_plan`'s training images (and aspect-ratio buckets) with its batch arithmetic, over
+    `epochs`: the fine-tune's updates, counted by the range test on its own run's figures before it trains (the same
+    split and batches), without reading the split again. Its LR is None (the batch arithmetic does not use it)."""
+    return plan(run_plan.train_images, train_images=run_plan.train_images, batch_size=run_plan.batch_size,
+                grad_accum=run_plan.grad_accum, world_size=run_plan.world_size, epochs=epochs,
+                drop_last=run_plan.drop_last, bucket_counts=run_plan.bucket_counts)
+
+
 def planned_validations(plan: Plan, val_cfg: ValidationConfig) -> int:
     """The validations a run of `plan` makes: its update-0 baseline, one every N updates or at every crossed
     every-N-epochs boundary (loop._validation_due), and its last."""
@@ -312,7 +321,8 @@ def check_finetune_validations(cfg: RangefinderConfig, finetune_plan: Optional[P
     read (compile, run --local, resolve-config), where every_epochs alone decides: the boundaries a run crosses and
     its end are whole epochs, so every_epochs not below finetune.epochs validates only at the start and end whatever
     the data's size (counted here on one update per epoch); every_updates needs the fine-tune's updates, and is left
-    to the steps that train the fine-tune's plan (the fine-tune, the prodigy_step probe), before they train."""
+    to the steps that know them before they train: the LR finder that runs first (the range test, on its own run's
+    figures: plan_like; the prodigy_step probe, which trains the fine-tune's plan) and the fine-tune itself."""
     val, epochs = cfg.validation, cfg.finetune.epochs
     if not val.enabled() or (cfg.split.val_dir is None and cfg.split.val_split == 0):
         return

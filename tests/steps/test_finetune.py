@@ -438,8 +438,11 @@ def test_a_fine_tune_validated_too_seldom_for_its_step_window_is_refused_before_
     at update 0 and at its end only, trained both halving candidates and the kept run to that end, and then the step
     window refused its 2 validations (it needs 3 updates). Only the data's size tells, so compile cannot; the step
     refuses it on its own plan before it trains, before the halving's race; so does the prodigy_step probe, which
-    trains the fine-tune's plan first."""
+    trains the fine-tune's plan first, and the range test, which trained its sweep before the fine-tune refused it:
+    it counts the fine-tune's updates on its own run's figures (planning.plan_like), the same split and batches."""
+    from rangefinder.planning import plan_like
     from rangefinder.steps.finetune import run_finetune
+    from rangefinder.steps.lr_range_test import run_lr_range_test
     from rangefinder.steps.prodigy_step_size import run_prodigy_step_size
 
     for var in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME"):
@@ -457,13 +460,21 @@ def test_a_fine_tune_validated_too_seldom_for_its_step_window_is_refused_before_
     with pytest.raises(ConfigError, match=said):
         run_prodigy_step_size(cfg.model_copy(update={"lr_finder": "prodigy_step"}), split_dir=split_dir,
                               out_dir=tmp_path / "probe")
+    with pytest.raises(ConfigError, match=said):
+        run_lr_range_test(cfg, split_dir=split_dir, out_dir=tmp_path / "range")
     assert next(tmp_path.rglob("metrics.csv"), None) is None  # nothing trained
     # Every 4 updates: update 0, 4 and the end, enough for the window.
     from rangefinder.planning import check_finetune_validations
 
     every_4 = demo_config(finetune={"epochs": 2}, validation={"every_updates": 4})
-    check_finetune_validations(every_4, TrainSpec.finetune(every_4, read_split(split_dir), lr=3e-4,
-                                                            bounds=(1e-4, 1e-3), world_size=1).plan)
+    split = read_split(split_dir)
+    planned = TrainSpec.finetune(every_4, split, lr=3e-4, bounds=(1e-4, 1e-3), world_size=1).plan
+    check_finetune_validations(every_4, planned)
+    # The range test's count is the fine-tune's own plan but for its LR (which the batch arithmetic does not use).
+    ramp = TrainSpec.ramp(every_4, split, lr_min=1e-6, lr_max=1e-1, world_size=1).plan
+    assert ramp is not None and planned is not None and ramp.total_updates != planned.total_updates
+    same = {"lr", "lr_base", "val_images"}
+    assert plan_like(ramp, epochs=2).model_dump(exclude=same) == planned.model_dump(exclude=same)
 
 
 def test_the_delivered_update_is_sampled_in_the_strip_and_the_mlflow_series(tiny_model_dir, tmp_path, monkeypatch):

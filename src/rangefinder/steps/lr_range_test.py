@@ -63,6 +63,7 @@ def run_lr_range_test(
     from rangefinder.analysis import analyze_lr_curve, copy_report, write_lr_report
     from rangefinder.analysis.reports import lr_headline
     from rangefinder.data.split import read_split
+    from rangefinder.planning import check_finetune_validations, plan_like
     from rangefinder.training.family_detection import family_of
     from rangefinder.training.spec import TrainSpec
 
@@ -82,6 +83,12 @@ def run_lr_range_test(
     out_dir.mkdir(parents=True, exist_ok=True)
     split = read_split(split_dir)
     spec = TrainSpec.ramp(cfg, split, lr_min=lo, lr_max=hi, world_size=step_world_size(cfg))
+    assert spec.plan is not None
+    if cfg.validation.every_updates is not None:
+        # Whether the fine-tune validates often enough for its step window, only the data's size tells
+        # (every_epochs was checked before the pipeline started): the fine-tune trains this split with these
+        # batches, so its updates are counted here, and a fine-tune it would refuse is refused before this trains.
+        check_finetune_validations(cfg, plan_like(spec.plan, epochs=cfg.finetune.epochs))
     train_cfg = spec.training
     if not spec.validation.enabled():
         raise RangefinderError("the LR range test measures validation loss: set validation.every_epochs > 0")
