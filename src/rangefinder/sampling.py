@@ -244,8 +244,10 @@ def load_embedding(pipe: Any, path: Path, token: Optional[str]) -> None:
 
 def _engine_checkpoint_pipeline(ckpt_dir: Path, base_model: Path, common: dict):
     """A pipeline with a training checkpoint's weights (rangefinder.training.restore: the run's method rebuilt on the
-    base model, the checkpoint's tensors, or their EMA average, put back)."""
+    base model, the checkpoint's tensors, or their EMA average, put back), sampling with the base model's own
+    scheduler predicting what the run trained, as the run's own samples do."""
     from rangefinder.training.restore import method_from_checkpoint
+    from rangefinder.training.samples import sampling_scheduler
 
     _, sd = method_from_checkpoint(ckpt_dir, base_model)
     cls, _ = pipeline_class(base_model)
@@ -253,7 +255,7 @@ def _engine_checkpoint_pipeline(ckpt_dir: Path, base_model: Path, common: dict):
 
     layout = FAMILY_LAYOUTS[sd.family]  # the denoiser is the pipeline's unet or transformer
     parts = {layout.denoiser: sd.unet, "text_encoder": sd.text_encoder, "tokenizer": sd.tokenizer,
-             **{name: getattr(sd, name) for name in layout.parts}}
+             "scheduler": sampling_scheduler(sd), **{name: getattr(sd, name) for name in layout.parts}}
     pipe = cls.from_pretrained(str(base_model), local_files_only=True, **parts, **common)
     return pipe.to(common["torch_dtype"])
 

@@ -2,9 +2,10 @@
 chosen model.
 
 The run's method is rebuilt on the base model (adapters, new tokens) and the checkpoint's tensors are put back, as a
-resume does. When the run kept an EMA average, the average replaces them: it is what that run validated and what it
-saves as its final weights, so the chosen model is the one whose validation loss was measured. Likewise a
-schedule-free optimizer's averaged weights (its eval mode).
+resume does; the run's family is set up on it first, so its scheduler predicts what the run trained
+(`training.prediction_type` over the base model's). When the run kept an EMA average, the average replaces them: it
+is what that run validated and what it saves as its final weights, so the chosen model is the one whose validation
+loss was measured. Likewise a schedule-free optimizer's averaged weights (its eval mode).
 """
 
 from __future__ import annotations
@@ -42,10 +43,15 @@ def _rebuilt(ckpt_dir: Path, cfg: TrainingConfig, base_model: Path) -> tuple[Met
 
     from rangefinder.config import SCHEDULE_FREE_OPTIMIZERS, ModelConfig
     from rangefinder.models.loading import load_sd_components
+    from rangefinder.training.families import family_for
     from rangefinder.training.methods import make_method
 
     method = make_method(cfg)
     sd = load_sd_components(ModelConfig(base_model=str(base_model)))
+    # As the run did (setup.py): its family registers training.prediction_type on the model's scheduler, which the
+    # saved folder, the single file and the samples then predict; the base model's own would be sampled as what it
+    # predicted before (an epsilon model fine-tuned into v-prediction, sampled as epsilon: noise).
+    family_for(sd, cfg)
     method.setup(sd, torch.float32)
     method.load_trainable_state_dict(checkpoints.read_weights(ckpt_dir))
     method.epochs_trained = checkpoints.read_state(ckpt_dir).get("epoch")  # None in checkpoints written before it

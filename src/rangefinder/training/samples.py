@@ -203,8 +203,7 @@ class TrainingSamples:
     def _pipeline(self) -> Any:
         if self._pipe is None:
             sd = self.run.sd
-            pipe = self.run.family.sampling_pipeline(sd, _inference_scheduler(sd, self.cfg.scheduler,
-                                                                              self.run.family.prediction_type))
+            pipe = self.run.family.sampling_pipeline(sd, sampling_scheduler(sd, self.cfg.scheduler))
             pipe.set_progress_bar_config(disable=True)
             self._pipe = pipe
         return self._pipe
@@ -278,9 +277,13 @@ def _save_png(img: Any, path: Path) -> None:
         img.save(tmp, format="PNG")
 
 
-def _inference_scheduler(sd: Any, name: Optional[str], prediction_type: str) -> Any:
-    """The scheduler samples use: `name` (sampling.scheduler), else the base model's own (model_index.json), set up
-    from the model's scheduler config and predicting what the run trains the UNet to predict."""
+def sampling_scheduler(sd: Any, name: Optional[str] = None) -> Any:
+    """The scheduler a trained model samples with: `name` (sampling.scheduler), else the base model's own
+    (model_index.json), set up from the model's scheduler config and predicting what its training scheduler predicts
+    (`sd.noise_scheduler`, on which the run's family registered training.prediction_type: family.py
+    `_checked_prediction_type`). The one source of the prediction type for the run's samples, a checkpoint's samples
+    (sampling.py) and a saved SDXL folder's scheduler (methods/full.py); a flow-matching family's scheduler predicts
+    none and keeps its own FlowMatch* class."""
     import json
 
     import diffusers
@@ -295,9 +298,10 @@ def _inference_scheduler(sd: Any, name: Optional[str], prediction_type: str) -> 
             entry = json.loads(index.read_text()).get("scheduler") if index.is_file() else None
             cls_name = entry[1] if isinstance(entry, list) and len(entry) == 2 else None
     cls = getattr(diffusers, cls_name or type(sd.noise_scheduler).__name__)
-    if prediction_type == "flow":  # a flow-matching family: its own FlowMatch* scheduler (no prediction type)
+    predicts = sd.noise_scheduler.config.get("prediction_type")
+    if predicts is None:  # a flow-matching family: its own FlowMatch* scheduler (no prediction type)
         from rangefinder.training.family_rules import check_flow_scheduler
 
         check_flow_scheduler(type(sd.noise_scheduler).__name__, cls.__name__)
         return cls.from_config(config)
-    return cls.from_config(config, prediction_type=prediction_type)
+    return cls.from_config(config, prediction_type=predicts)

@@ -121,9 +121,9 @@ class Method(ABC):
     def trained_prediction_type(self, sd: SDComponents) -> Optional[str]:
         """What the weights were trained to predict, for the deliverables to name their base model: the setting
         training.prediction_type, which overrides the model's, else its training scheduler's. The setting comes first
-        because a model rebuilt from a checkpoint (training/restore.py) loads the base model's scheduler as is, while
-        the run's own had the override registered (family.py `_checked_prediction_type`). None for a flow family,
-        whose scheduler predicts no epsilon or v."""
+        because parts set up without the run's family keep the base model's scheduler as is, while a run's own and a
+        model rebuilt from its checkpoint (training/restore.py) have the override registered (family.py
+        `_checked_prediction_type`). None for a flow family, whose scheduler predicts no epsilon or v."""
         return self.cfg.prediction_type or sd.noise_scheduler.config.get("prediction_type")
 
     def _with_updates(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

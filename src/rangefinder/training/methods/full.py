@@ -72,17 +72,14 @@ def save_pipeline(sd: SDComponents, out_dir: Path) -> None:
     import diffusers
 
     from rangefinder.formats.diffusers_folder import save_pipeline_folder
+    from rangefinder.training.samples import sampling_scheduler
 
     layout = FAMILY_LAYOUTS[sd.family]
-    # A copy: the pipeline's constructor rewrites outdated scheduler configs in place.
+    # A copy: the pipeline's constructor rewrites outdated scheduler configs in place. Either predicts what the
+    # training scheduler does: training.prediction_type, which the family registered there.
     scheduler = type(sd.noise_scheduler).from_config(sd.noise_scheduler.config)
     if layout.samples_with_its_scheduler and sd.model_dir is not None and (sd.model_dir / "scheduler").is_dir():
-        # The base model's own sampling scheduler (SDXL ships Euler), not the training DDPM.
-        import json
-
-        config = json.loads((sd.model_dir / "scheduler" / "scheduler_config.json").read_text())
-        cls = getattr(diffusers, config.get("_class_name", ""), type(sd.noise_scheduler))
-        scheduler = cls.from_config({**config, "prediction_type": sd.noise_scheduler.config.prediction_type})
+        scheduler = sampling_scheduler(sd)  # the base model's own sampling scheduler (SDXL ships Euler), not DDPM
     parts = {layout.denoiser: sd.unet, "vae": sd.vae, "text_encoder": sd.text_encoder, "tokenizer": sd.tokenizer,
              "scheduler": scheduler, **{name: getattr(sd, name) for name in layout.parts}}
     pipe: Any = getattr(diffusers, layout.pipeline)(**parts, **dict(layout.pipeline_kwargs))
