@@ -31,7 +31,7 @@ from rangefinder.formats.embeddings import TI_WEIGHTS_NAME
 from rangefinder.formats.grid import compose_grid
 from rangefinder.formats.lora import LORA_WEIGHTS_NAME
 from rangefinder.formats.text import NotUtf8, decode_utf8
-from rangefinder.models.loading import check_scheduler_name, pipeline_call_kwargs
+from rangefinder.models.loading import check_scheduler_name, pipeline_call_kwargs, predict_as_the_file_says
 
 ColumnKind = str  # "pipeline" | "single_file" | "unet" | "lora" | "textual_inversion" | "engine_checkpoint"
 
@@ -173,6 +173,7 @@ def load_column_pipeline(column: GridColumn, base_model: Path, *, device: str, d
         pipe = cls.from_pretrained(str(column.path), local_files_only=True, **common)
     elif column.kind == "single_file":
         pipe = cls.from_single_file(str(column.path), config=str(base_model), local_files_only=True, **common)
+        predict_as_the_file_says(pipe, column.path)  # not the base model's: the file may predict otherwise
     elif column.kind == "engine_checkpoint":
         pipe = _engine_checkpoint_pipeline(column.path, base_model, common)
     else:

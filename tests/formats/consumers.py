@@ -2,6 +2,9 @@
 source so tests can hold our files to them. Each rule cites the file and commit it was read from; none of their
 code is copied.
 
+ComfyUI's checkpoint loader: comfy/supported_models.py (`SDXL.model_type`) and supported_models_base.py
+(`BASE.model_type`).
+
 ComfyUI: comfy/lora.py (`model_lora_keys_unet`, `model_lora_keys_clip`, `load_lora`) at 41444b5236c6 and its later
 form that hands the tensors to comfy/weight_adapter (same SD 1.x key map), and comfy/weight_adapter/lora.py
 (`LoRAAdapter.load`, `calculate_weight`) at 6fd406fb14ca.
@@ -28,6 +31,18 @@ import torch
 
 from rangefinder.formats.diffusers_folder import clip_text_key
 from rangefinder.formats.single_file import map_keys, top_level_tables, unet_prefix_table
+
+# ---------------------------------------------------------------------------------------------------------------
+# ComfyUI: what a whole checkpoint's UNet predicts
+
+
+def comfy_model_type(state: Mapping[str, Any], sdxl: bool) -> str:
+    """The ModelType ComfyUI's checkpoint loader gives a single file's UNet: comfy/supported_models.py `SDXL.model_type`
+    (at 005e37025 and later) reads an SDXL file's `v_pred` tensor as V_PREDICTION; SD15 has no model_type of its own,
+    so supported_models_base.py `BASE.model_type` (at 01e93c7b7f) gives an SD 1.x file EPS whatever it holds (SD 2.x's
+    is a guess from its weights, not read here)."""
+    return "V_PREDICTION" if sdxl and "v_pred" in state else "EPS"
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # ComfyUI: which LoRA tensor names patch which model weight, for an SD 1.x model

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -58,6 +60,33 @@ def test_single_file_loads_back_with_from_single_file(tiny_model_dir, tiny_pipe,
     )
     for name in ("unet", "vae", "text_encoder"):
         _assert_same(getattr(loaded, name).state_dict(), getattr(tiny_pipe, name).state_dict(), name)
+
+
+def test_an_sdxl_single_file_of_a_v_prediction_folder_reads_as_v_prediction_in_comfyui(tiny_sdxl_dir, tmp_path):
+    """An SDXL folder whose scheduler predicts v exports a file ComfyUI loads as V_PREDICTION (its `v_pred` tensor),
+    the epsilon one a file it loads as EPS; diffusers' from_single_file takes the marked file whole, and
+    rangefinder's reading of it predicts v where the folder it borrows the scheduler from predicts epsilon."""
+    import json
+    import shutil
+
+    from diffusers import StableDiffusionXLPipeline
+    from safetensors.torch import load_file
+
+    from rangefinder.models.loading import predict_as_the_file_says
+    from tests.formats.consumers import comfy_model_type
+
+    folder = Path(shutil.copytree(tiny_sdxl_dir, tmp_path / "v-model"))
+    config = folder / "scheduler" / "scheduler_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "prediction_type": "v_prediction"}))
+    marked = export_full(folder, tmp_path / "v.safetensors")
+    plain = export_full(tiny_sdxl_dir, tmp_path / "eps.safetensors")
+    assert comfy_model_type(load_file(str(marked)), sdxl=True) == "V_PREDICTION"
+    assert comfy_model_type(load_file(str(plain)), sdxl=True) == "EPS"
+
+    pipe = StableDiffusionXLPipeline.from_single_file(str(marked), config=str(tiny_sdxl_dir), local_files_only=True)
+    assert pipe.scheduler.config.prediction_type == "epsilon"  # the config folder's: diffusers reads no marker
+    predict_as_the_file_says(pipe, marked)
+    assert pipe.scheduler.config.prediction_type == "v_prediction"
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -5,13 +5,15 @@ on the same model whose scheduler says v_prediction), keeping its checkpoints. I
 out as the fine-tune's `chosen/` and as the window average's `final/` (training/restore.py `save_checkpoint_model`,
 as steps/finetune.py and steps/average.py call it), the pipeline the grid samples a checkpoint with and the whole
 pipeline the registry logs (sampling.py) are read by diffusers' own loaders, as a consumer reads them (MLflow's
-logged model loads the folder with `DiffusionPipeline.from_pretrained`, tracking/sd_pyfunc.py).
+logged model loads the folder with `DiffusionPipeline.from_pretrained`, tracking/sd_pyfunc.py); their single files
+say it as ComfyUI's saver does, and rangefinder's own readers of a single file read it back.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ import pytest
 from rangefinder.config import TrainingConfig, ValidationConfig
 from rangefinder.formats import checkpoints
 from rangefinder.training.loop import TrainSpec, train
+from rangefinder.training.spec import TrainResult
 
 # (what the base model's scheduler predicts, training.prediction_type)
 CASES = [("epsilon", "v_prediction"), ("v_prediction", "epsilon")]
@@ -30,9 +33,21 @@ def _predicts(folder: Path) -> str:
     return str(DiffusionPipeline.from_pretrained(str(folder)).scheduler.config.prediction_type)
 
 
+@dataclass
+class Run:
+    base: Path  # the base model's folder
+    trained: str  # training.prediction_type
+    result: TrainResult
+    chosen: Path  # its first checkpoint written out as the fine-tune's chosen/
+    average: Path  # its two checkpoints' average written out as the window average's final/
+
+
 @pytest.fixture(scope="module", params=CASES, ids=["epsilon-model-trained-as-v", "v-model-trained-as-epsilon"])
-def overridden(request, split_dir, tiny_model_dir, tmp_path_factory):
-    """(base model folder, the prediction type trained, the run's result): 2 updates, a checkpoint after each."""
+def overridden(request, split_dir, tiny_model_dir, tmp_path_factory) -> Run:
+    """2 updates, a checkpoint after each, and what the fine-tune's steps write of them."""
+    from rangefinder.steps.average import average_weights
+    from rangefinder.training.restore import save_checkpoint_model
+
     base_predicts, trained = request.param
     tmp = tmp_path_factory.mktemp("predicts")
     base = Path(tiny_model_dir)
@@ -46,22 +61,18 @@ def overridden(request, split_dir, tiny_model_dir, tmp_path_factory):
     result = train(TrainSpec(cfg, ValidationConfig(every_epochs=0), split_dir=split_dir, model=base),
                    out_dir=tmp / "run")
     assert result.status == "ok" and len(result.checkpoints) == 2
-    return base, trained, result
+    chosen = save_checkpoint_model(result.checkpoints[0], base, tmp / checkpoints.CHOSEN_DIR)
+    average = save_checkpoint_model(result.checkpoints[-1], base, tmp / "average" / "final",
+                                    weights=average_weights(list(result.checkpoints)))
+    return Run(base, trained, result, chosen, average)
 
 
-def test_every_delivered_folder_predicts_what_was_trained(overridden, tmp_path):
+def test_every_delivered_folder_predicts_what_was_trained(overridden):
     """final/, a checkpoint as chosen/ and the window average as average/final/ all load predicting the type trained,
     not the base model's."""
-    from rangefinder.steps.average import average_weights
-    from rangefinder.training.restore import save_checkpoint_model
-
-    base, trained, result = overridden
-    chosen = save_checkpoint_model(result.checkpoints[0], base, tmp_path / checkpoints.CHOSEN_DIR)
-    average = save_checkpoint_model(result.checkpoints[-1], base, tmp_path / "average" / "final",
-                                    weights=average_weights(list(result.checkpoints)))
-    assert {name: _predicts(folder) for name, folder in
-            (("final", result.final_dir), ("chosen", chosen), ("average", average))} == dict.fromkeys(
-        ("final", "chosen", "average"), trained)
+    run = overridden
+    folders = {"final": run.result.final_dir, "chosen": run.chosen, "average": run.average}
+    assert {name: _predicts(folder) for name, folder in folders.items()} == dict.fromkeys(folders, run.trained)
 
 
 def test_a_checkpoint_is_sampled_and_registered_predicting_what_was_trained(overridden, tmp_path):
@@ -69,9 +80,34 @@ def test_a_checkpoint_is_sampled_and_registered_predicting_what_was_trained(over
     checkpoint (what the registry logs) loads with it."""
     from rangefinder.sampling import export_pipeline, load_column_pipeline, resolve_column
 
-    base, trained, result = overridden
-    column = resolve_column(result.checkpoints[-1])
+    run = overridden
+    column = resolve_column(run.result.checkpoints[-1])
     assert column.kind == "engine_checkpoint"
-    pipe = load_column_pipeline(column, base, device="cpu")
-    assert pipe.scheduler.config.prediction_type == trained
-    assert _predicts(export_pipeline(result.checkpoints[-1], base, tmp_path / "pipeline")) == trained
+    pipe = load_column_pipeline(column, run.base, device="cpu")
+    assert pipe.scheduler.config.prediction_type == run.trained
+    assert _predicts(export_pipeline(run.result.checkpoints[-1], run.base, tmp_path / "pipeline")) == run.trained
+
+
+def test_the_single_files_say_what_was_trained_and_rangefinder_reads_it_back(overridden, tmp_path):
+    """Each model.safetensors says what its UNet predicts as ComfyUI's own saver does: a `v_pred` tensor when it
+    predicts v (what ComfyUI and A1111 read, for SDXL), `modelspec.predict_key` either way. rangefinder's own readers
+    of a single file, the grid's single-file column and a single file as the base model, take the architecture and
+    scheduler from the base model's folder and then predict what the file says."""
+    from safetensors import safe_open
+
+    from rangefinder.config import ModelConfig
+    from rangefinder.formats.single_file import PREDICT_KEY, SINGLE_FILE_NAME, V_PRED_KEY
+    from rangefinder.models.loading import resolve_base_model
+    from rangefinder.sampling import load_column_pipeline, resolve_column
+
+    run = overridden
+    for folder in (run.result.final_dir, run.chosen, run.average):
+        with safe_open(str(folder / SINGLE_FILE_NAME), framework="pt") as f:
+            said = (V_PRED_KEY in f.keys(), (f.metadata() or {}).get(PREDICT_KEY))
+        assert said == {"v_prediction": (True, "v"), "epsilon": (False, "epsilon")}[run.trained], folder
+    file = run.result.final_dir / SINGLE_FILE_NAME
+    column = resolve_column(file)
+    assert column.kind == "single_file"
+    assert load_column_pipeline(column, run.base, device="cpu").scheduler.config.prediction_type == run.trained
+    converted = resolve_base_model(ModelConfig(base_model=str(file), cache_dir=str(tmp_path / "cache")))
+    assert _predicts(converted.path) == run.trained

@@ -27,6 +27,15 @@ LDM_CLIP_PREFIX = "cond_stage_model.transformer."
 # encoders under the conditioner, CLIP ViT-L in transformers' naming, OpenCLIP bigG in open_clip's.
 SGM_CLIP_L_PREFIX = "conditioner.embedders.0.transformer."
 SGM_CLIP_G_PREFIX = "conditioner.embedders.1.model."
+# What the UNet predicts, as ComfyUI's own checkpoint saver says it (comfy_extras/nodes_model_merging.py
+# `save_checkpoint` at 3d3d14d2847: an empty `v_pred` tensor in a v-prediction model, and `modelspec.predict_key`
+# "epsilon" or "v" in the metadata). The tensor is what loaders read back: ComfyUI for SDXL (comfy/supported_models.py
+# `SDXL.model_type`), A1111 for SDXL and SD 2.x in its later versions (modules/sd_models_config.py
+# `guess_model_config_from_state_dict`), diffusers never. No loader reads it for SD 1.x: ComfyUI's SD15 keeps
+# `supported_models_base.BASE.model_type`'s EPS, A1111 its v1 config unless a `<file>.yaml` lies beside the file.
+V_PRED_KEY = "v_pred"
+PREDICT_KEY = "modelspec.predict_key"
+PREDICT_KEY_VALUES = {"epsilon": "epsilon", "v_prediction": "v"}  # diffusers' prediction_type -> predict_key
 
 # Inside a UNet ResBlock (openaimodel.ResBlock), diffusers' ResnetBlock2D names -> LDM names.
 UNET_RESNET_RENAMES = {
@@ -192,18 +201,45 @@ def diffusers_to_ldm_state_dict(unet, vae, text_encoder, text_encoder_2=None) ->
 
 
 def save_single_file_checkpoint(unet, vae, text_encoder, path: Path, metadata: Optional[Mapping[str, str]] = None,
-                                text_encoder_2=None):
+                                text_encoder_2=None, prediction_type: Optional[str] = None):
     """The `.safetensors` single file A1111 and ComfyUI load (and `StableDiffusionPipeline.from_single_file`, or
-    StableDiffusionXLPipeline's for SDXL)."""
-    return save_safetensors(diffusers_to_ldm_state_dict(unet, vae, text_encoder, text_encoder_2), Path(path), metadata)
+    StableDiffusionXLPipeline's for SDXL). `prediction_type` ("epsilon" | "v_prediction"): what the UNet predicts,
+    said as ComfyUI's saver says it (V_PRED_KEY, PREDICT_KEY); None says nothing."""
+    state = diffusers_to_ldm_state_dict(unet, vae, text_encoder, text_encoder_2)
+    meta = dict(metadata or {})
+    if prediction_type in PREDICT_KEY_VALUES:
+        meta[PREDICT_KEY] = PREDICT_KEY_VALUES[prediction_type]
+    if prediction_type == "v_prediction":
+        import torch
+
+        state[V_PRED_KEY] = torch.tensor([])
+    return save_safetensors(state, Path(path), meta)
+
+
+def single_file_prediction_type(path: Path) -> Optional[str]:
+    """What a single file says its UNet predicts ("epsilon" | "v_prediction"), read as ComfyUI and A1111 read it (a
+    `v_pred` tensor), else from `modelspec.predict_key`; None when it says nothing (most files: the loader's default,
+    or the config it is read with, decides)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        if V_PRED_KEY in f.keys():
+            return "v_prediction"
+        said = (f.metadata() or {}).get(PREDICT_KEY)
+    return {v: k for k, v in PREDICT_KEY_VALUES.items()}.get(said or "")
 
 
 def export_full(model_dir: Path, out_path: Optional[Path] = None, metadata: Optional[Mapping[str, str]] = None):
-    """The single file next to a diffusers folder (`final/` -> `final/model.safetensors` by default)."""
+    """The single file next to a diffusers folder (`final/` -> `final/model.safetensors` by default), saying what its
+    UNet predicts as the folder's scheduler does."""
+    import json
+
     from diffusers import AutoencoderKL, UNet2DConditionModel
     from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
     model_dir = Path(model_dir)
+    config = model_dir / "scheduler" / "scheduler_config.json"
+    predicts = json.loads(config.read_text()).get("prediction_type") if config.is_file() else None
     unet = UNet2DConditionModel.from_pretrained(str(model_dir / "unet"))
     vae = AutoencoderKL.from_pretrained(str(model_dir / "vae"))
     text_encoder = CLIPTextModel.from_pretrained(str(model_dir / "text_encoder"))
@@ -211,4 +247,5 @@ def export_full(model_dir: Path, out_path: Optional[Path] = None, metadata: Opti
     if (model_dir / "text_encoder_2" / "config.json").is_file():  # SDXL
         text_encoder_2 = CLIPTextModelWithProjection.from_pretrained(str(model_dir / "text_encoder_2"))
     return save_single_file_checkpoint(unet, vae, text_encoder, out_path or model_dir / SINGLE_FILE_NAME, metadata,
-                                       text_encoder_2=text_encoder_2)
+                                       text_encoder_2=text_encoder_2,
+                                       prediction_type=predicts)

@@ -34,6 +34,7 @@ from typing import Any, Optional
 
 from rangefinder.config import FAMILY_NAMES, ModelConfig
 from rangefinder.errors import ConfigError
+from rangefinder.formats.single_file import single_file_prediction_type
 from rangefinder.training.family_detection import (
     FAMILY_DENOISER,
     FAMILY_LAYOUTS,
@@ -280,6 +281,9 @@ def _single_file_key(path: Path, config: Optional[Path]) -> str:
         for block in iter(lambda: f.read(1 << 24), b""):
             h.update(block)
     h.update(f"|{config}|{diffusers.__version__}".encode())
+    predicts = single_file_prediction_type(path)
+    if predicts is not None:  # read since the scheduler says it: an earlier conversion predicted the config's
+        h.update(f"|{predicts}".encode())
     return h.hexdigest()[:16]
 
 
@@ -350,7 +354,18 @@ def _convert_single_file(path: Path, config: Optional[Path], out: Path, family: 
                  "(diffusers otherwise fetches one from the hub)"
         )
         raise ConfigError(f"model.base_model: cannot convert the checkpoint {path}: {_first_line(e)}; {hint}") from None
+    predict_as_the_file_says(pipe, path)
     pipe.save_pretrained(str(out), safe_serialization=True)
+
+
+def predict_as_the_file_says(pipe: Any, path: Path) -> None:
+    """Set the scheduler of `pipe`, read from the single file `path`, to predict what the file says its UNet predicts
+    (a v-prediction SDXL checkpoint's `v_pred` tensor, rangefinder's own `modelspec.predict_key`:
+    formats.single_file.single_file_prediction_type): diffusers' `from_single_file` takes the scheduler from the
+    config folder it is given, or its defaults, never from the file. A file that says nothing keeps that."""
+    predicts = single_file_prediction_type(path)
+    if predicts is not None and "prediction_type" in pipe.scheduler.config:
+        pipe.scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config, prediction_type=predicts)
 
 
 def _convert_flux_file(path: Path, config: Optional[Path], out: Path) -> None:
