@@ -423,7 +423,9 @@ class TrainingConfig(_Section):
     max_grad_norm: Optional[float] = Field(1.0, gt=0)  # None turns clipping off
 
     # --- loss and augmentation
-    prediction_type: Optional[Literal["epsilon", "v_prediction"]] = None  # None: the base model's scheduler config
+    # None: the base model's scheduler config. Every model delivered predicts it (full: its folder's scheduler and
+    # single file); a LoRA or embedding is sampled with its base model's scheduler, so changing it needs full.
+    prediction_type: Optional[Literal["epsilon", "v_prediction"]] = None
     # Min-SNR weighting (Hang et al. 2023); 5.0 is usual. Off by default: on the SD 1.x bench it lowered the validation
     # loss on cases already read, then failed a rule on fresh full and LoRA cases: fewer wins against random search,
     # and worse on images no choice was made on (bench/RESULTS.md, "Min-SNR weighting in (a)").
