@@ -223,6 +223,10 @@ class SplitConfig(_Section):
     # A folder of validation images chosen by hand; when set, val_split is ignored.
     val_dir: Optional[str] = None
 
+    def holds_out_validation(self) -> bool:
+        """Whether the split sets images aside for validation: a val_dir, or a val_split above 0."""
+        return self.val_dir is not None or self.val_split > 0
+
 
 class ModelConfig(_Section):
     # A local diffusers folder, a single-file checkpoint (.safetensors; pickle formats are refused) or a Hugging Face
@@ -1150,7 +1154,7 @@ class RangefinderConfig(_Section):
                 if schedule != "constant":
                     raise ValueError(f"{where}.schedule: {optimizer} is schedule-free, so it trains with a constant "
                                      f"LR; set {where}.schedule: constant (got {schedule})")
-        if (self.split.val_dir is None and self.split.val_split == 0 and self.lr is None
+        if (not self.split.holds_out_validation() and self.lr is None
                 and optimizer not in LR_FREE_OPTIMIZERS):
             raise ValueError(
                 "split.val_split: discovery measures validation loss, so it needs val_split > 0 "
@@ -1572,7 +1576,7 @@ def setting_conflicts(cfg: RangefinderConfig, family: Optional[str] = None) -> l
     if "finetune.soup_tries" in given and ft.soup_tries > 0 and ft.average == "off":
         lines.append(f"finetune.soup_tries ({ft.soup_tries}) does nothing with finetune.average off: the soup is made "
                      "of the window's checkpoints the average reads; set average on, or remove soup_tries")
-    no_validation = (split.val_dir is None and split.val_split == 0) or not val.enabled()
+    no_validation = not split.holds_out_validation() or not val.enabled()
     # What the fine-tune step skips without validation (steps/finetune.py: halving_applies, cooldown_applies,
     # average_applies), each named once: a line above already names one another setting turns off.
     needs_validation = [
@@ -1609,7 +1613,7 @@ def setting_conflicts(cfg: RangefinderConfig, family: Optional[str] = None) -> l
                      "validation images; remove one of them")
     # Without validation images the fine-tune keeps its configured epochs (no window), and a fixed or LR-free lr
     # collapses the bounds a triangular retrain would cycle between: the retrain would train the same run again.
-    if (cfg.retrain.enabled and split.val_dir is None and split.val_split == 0
+    if (cfg.retrain.enabled and not split.holds_out_validation()
             and cfg.retrain.epochs in (None, ft.epochs)):
         lines.append("retrain.enabled: true adds nothing with split.val_split 0: the retrain trains on train + "
                      "validation, and with no validation images that is the fine-tune's data, epochs and LR again, "

@@ -324,7 +324,7 @@ def check_finetune_validations(cfg: RangefinderConfig, finetune_plan: Optional[P
     to the steps that know them before they train: the LR finder that runs first (the range test, on its own run's
     figures: plan_like; the prodigy_step probe, which trains the fine-tune's plan) and the fine-tune itself."""
     val, epochs = cfg.validation, cfg.finetune.epochs
-    if not val.enabled() or (cfg.split.val_dir is None and cfg.split.val_split == 0):
+    if not val.enabled() or not cfg.split.holds_out_validation():
         return
     if finetune_plan is None and val.every_updates is not None:
         return
