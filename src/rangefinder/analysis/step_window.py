@@ -14,6 +14,7 @@ whole epochs' on the run's own update-epoch line (what a run of that length trai
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
@@ -270,6 +271,14 @@ class Delivery:
     base_val_loss: Optional[float]  # the curve's update 0: the base model's own loss; None when not measured
     tied_ceiling: Optional[float] = None  # earliest_tied: the band's top (TIE_BAND above the lowest loss measured)
     final: bool = False  # the run's final weights: its last checkpoint, at the curve's last update
+
+    @classmethod
+    def of_chosen(cls, chosen: Mapping[str, Any]) -> Delivery:
+        """What a chosen.json (steps/finetune.py) delivers. One written by earlier code, or by hand, may lack a key:
+        what it lacks reads as unknown (no loss, no band, not the final weights)."""
+        return cls(update=int(chosen.get("update") or 0), rule=chosen.get("rule") or "window_lowest",
+                   val_loss=chosen.get("val_loss"), base_val_loss=chosen.get("base_val_loss"),
+                   tied_ceiling=(chosen.get("band") or {}).get("ceiling"), final=bool(chosen.get("final_weights")))
 
     @property
     def improved_on_base(self) -> Optional[bool]:

@@ -184,11 +184,7 @@ def chosen_delivery(chosen: Optional[dict[str, Any]]) -> Optional[Delivery]:
     """What chosen.json delivers, as the step report and the run's description say it (analysis.Delivery)."""
     from rangefinder.analysis import Delivery
 
-    if chosen is None:
-        return None
-    return Delivery(update=chosen["update"], rule=chosen["rule"], val_loss=chosen["val_loss"],
-                    base_val_loss=chosen["base_val_loss"], tied_ceiling=(chosen.get("band") or {}).get("ceiling"),
-                    final=bool(chosen.get("final_weights")))
+    return None if chosen is None else Delivery.of_chosen(chosen)
 
 
 def pick_reason(pick: Delivery, window: StepWindow) -> str:

@@ -49,8 +49,7 @@ def delivered_lead(chosen: dict[str, Any], lr: float) -> str:
         what = f"checkpoint at update {chosen.get('update')}{epoch}"
     else:
         what = delivered_name(chosen)
-    against = Delivery(update=int(chosen.get("update") or 0), rule=chosen.get("rule") or "window_lowest",
-                       val_loss=chosen.get("val_loss"), base_val_loss=chosen.get("base_val_loss")).against_base()
+    against = Delivery.of_chosen(chosen).against_base()
     return f"Delivered the fine-tune's {what}, trained at lr {lr:.3g}. {against}".rstrip()
 
 
