@@ -248,6 +248,25 @@ def test_credentials_in_a_tracking_uri_are_refused_without_echoing_them(field, u
     assert msg.startswith(field + ":") and held in msg and "MLFLOW_TRACKING_USERNAME" in msg, msg
     assert "hunter2" not in msg and "alice" not in msg
     parse_config(_nested(field, "https://mlflow.example:5000/prefix?x=1"))  # no secret: fine
+
+
+@pytest.mark.parametrize("field,refused,taken", [
+    ("cpu_limit", ["8 cores", "1.5.2"], ["8", "0.5", "500m"]),
+    ("memory_limit", ["48GB", "48K", "1.5Gi"], ["48Gi", "64G", "512Mi"]),
+    ("shm_size", ["8GB", "lots", "-1Gi"], ["8Gi", "1.5Gi", "512M"]),
+    ("accelerator_type", ["gpu", "NVIDIA_TESLA_T4", "kubernetes.io/gpu"],
+     ["nvidia.com/gpu", "amd.com/gpu", "nvidia.com/mig-1g.10gb"]),
+    ("data_mount_path", ["data", "/", "/dev/shm"], ["/data", "/mnt/datasets/"]),
+])
+def test_pod_values_the_cluster_would_refuse_are_refused_naming_the_field(field, refused, taken):
+    """What KFP's driver or the API server would refuse on the cluster (a step whose pod is never made, a driver that
+    crashes on a bad /dev/shm size, a GPU limit under a name no device plugin has), refused when the config is read;
+    what both kfp and Kubernetes take is taken as given."""
+    for value in refused:
+        with pytest.raises(ConfigError, match=rf"^kubernetes\.{field}: {re.escape(repr(value))} is not"):
+            parse_config({"kubernetes": {field: value}})
+    for value in taken:
+        assert getattr(parse_config({"kubernetes": {field: value}}).kubernetes, field) == value
 def test_mixed_precision_auto_is_the_default_and_resolves_per_device():
     import torch
 

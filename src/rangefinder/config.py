@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 import typing
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, Literal, Optional, Union
 from urllib.parse import parse_qsl, urlsplit
 
@@ -964,6 +964,23 @@ def _k8s_name(value: Any, rule: K8sNameRule) -> Any:
     return value
 
 
+# The pods' resource values, checked when the config is read so a bad one fails at `compile`: on the cluster KFP's
+# driver parses the CPU and memory limits as Kubernetes quantities (a bad one: the step's pod is never made) and the
+# /dev/shm size with MustParse (a bad one crashes the driver of every training step), and a TrainJob sends all three
+# to the API server. kfp's own set_cpu_limit / set_memory_limit refuse some quantities Kubernetes takes ("1.5Gi", the
+# decimal-SI "k") and let one through that Kubernetes refuses ("48K"), so the limits take what both take; the size
+# takes what ParseQuantity (k8s.io/apimachinery/pkg/api/resource) does, signs aside.
+_CPU_LIMIT = re.compile(r"([0-9]*[.])?[0-9]+m?")
+_MEMORY_LIMIT = re.compile(r"[0-9]+(Ei|Pi|Ti|Gi|Mi|Ki|E|P|T|G|M)?")
+_K8S_QUANTITY = re.compile(r"([0-9]+[.]?[0-9]*|[.][0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE][-+]?[0-9]+)?")
+
+
+def _quantity(value: str, pattern: re.Pattern[str], what: str) -> str:
+    if not pattern.fullmatch(value):
+        raise ValueError(f"{value!r} is not {what}")
+    return value
+
+
 class Toleration(_Section):
     key: str
     operator: Literal["Equal", "Exists"] = "Equal"
@@ -1053,6 +1070,46 @@ class KubernetesConfig(_Section):
     @classmethod
     def _secret_key(cls, v: str) -> str:
         return _k8s_name(v, "secret key")
+
+    @field_validator("cpu_limit")
+    @classmethod
+    def _cpu_limit(cls, v: str) -> str:
+        return _quantity(v, _CPU_LIMIT, "a CPU count KFP takes: use cores (8, 0.5) or millicores (500m)")
+
+    @field_validator("memory_limit")
+    @classmethod
+    def _memory_limit(cls, v: str) -> str:
+        return _quantity(v, _MEMORY_LIMIT, "a memory size KFP and Kubernetes take: use a whole number with Ki, Mi, Gi "
+                                           "or Ti (powers of 1024) or M, G or T (of 1000), e.g. 48Gi")
+
+    @field_validator("shm_size")
+    @classmethod
+    def _shm_size(cls, v: str) -> str:
+        return _quantity(v, _K8S_QUANTITY, "a Kubernetes quantity: use a number with Ki, Mi, Gi (powers of 1024) or "
+                                           "M, G (of 1000), e.g. 8Gi")
+
+    @field_validator("accelerator_type")
+    @classmethod
+    def _extended_resource(cls, v: str) -> str:
+        # KFP's driver puts it in the pod's limits as it is (so does a TrainJob's resourcesPerNode), where the API
+        # server takes only a device plugin's fully qualified resource name (k8s.io/api/core/v1,
+        # IsExtendedResourceName): no "gpu", no "NVIDIA_TESLA_T4".
+        if "/" not in v or "kubernetes.io/" in v or kubernetes_name_problem(v, "label key"):
+            raise ValueError(f"{v!r} is not a device plugin's resource name; use the fully qualified name the GPU "
+                             "nodes list under Allocatable (kubectl describe node), e.g. nvidia.com/gpu or amd.com/gpu")
+        return v
+
+    @field_validator("data_mount_path")
+    @classmethod
+    def _mount_path(cls, v: str) -> str:
+        # Every step mounts the data volume there, and the caches, the work folder and the spool are paths under it:
+        # a relative path is no mount point (the container does not start), and / or /dev would hide the image's
+        # files or the GPUs' device files and /dev/shm.
+        path = PurePosixPath(v)
+        if not path.is_absolute() or ".." in path.parts or path.parent == path or path.is_relative_to("/dev"):
+            raise ValueError(f"{v!r} is not a place to mount the data volume; use an absolute path other than / and "
+                             "not under /dev, e.g. /data")
+        return v
 
     @field_validator("node_selector", "pod_labels", "mlflow_client_labels")
     @classmethod

@@ -115,6 +115,14 @@ def test_demo_refuses_a_bad_lr_before_building_anything(lr, tmp_path):
         ("kubernetes:\n  service_account: runner account\n", ["kubernetes.service_account", "RFC 1123"]),
         ("distributed:\n  namespace: ml.team\n", ["distributed.namespace", "RFC 1123 label"]),
         ("kubernetes:\n  node_selector:\n    pool: gpu pool\n", ["kubernetes.node_selector", "label value"]),
+        # Pod values KFP's driver or the API server would refuse on the cluster: kfp raised a traceback for the
+        # limits, and compiled the rest into a package whose steps never start.
+        ("kubernetes:\n  memory_limit: 48GB\n", ["kubernetes.memory_limit: '48GB' is not a memory size", "48Gi"]),
+        ("kubernetes:\n  memory_limit: 48K\n", ["kubernetes.memory_limit: '48K'", "Ki"]),
+        ("kubernetes:\n  cpu_limit: 8 cores\n", ["kubernetes.cpu_limit: '8 cores' is not a CPU count", "500m"]),
+        ("kubernetes:\n  shm_size: 8GB\n", ["kubernetes.shm_size: '8GB' is not a Kubernetes quantity", "8Gi"]),
+        ("kubernetes:\n  accelerator_type: gpu\n", ["kubernetes.accelerator_type: 'gpu'", "nvidia.com/gpu"]),
+        ("kubernetes:\n  data_mount_path: data\n", ["kubernetes.data_mount_path: 'data'", "absolute path", "/data"]),
         # YAML that does not parse: one line (PyYAML's own text spans four and calls the file "<byte string>").
         ("training: [\n", ["not valid YAML: line 2, column 1", "expected the node content", "check the brackets"]),
         ("training:\n\tepochs: 3\n", ["not valid YAML: line 2, column 1", "indent with spaces, not tabs"]),
@@ -128,7 +136,9 @@ def test_demo_refuses_a_bad_lr_before_building_anything(lr, tmp_path):
     ids=["lr-inf", "lr-nan", "lr-negative", "fixed-lr-inf", "seed-negative", "seed-2**32", "split-seed",
          "sampling-seed-huge", "duplicate-key", "long-list", "uri-credentials", "k8s-uri-credentials",
          "credentials-in-any-url", "yaml-on-as-number", "yaml-no-in-a-list", "secret-name", "service-account-name",
-         "namespace-with-dot", "label-value-with-space", "yaml-unclosed", "yaml-tab", "yaml-control-character",
+         "namespace-with-dot", "label-value-with-space", "memory-limit-gb", "memory-limit-kfp-only",
+         "cpu-limit-words", "shm-size-gb", "accelerator-type-bare", "data-mount-path-relative", "yaml-unclosed",
+         "yaml-tab", "yaml-control-character",
          "sampling-resolution-off-8-px", "sampling-resolution-off-8-px-hub-model"],
 )
 def test_compile_refuses_a_bad_config_and_writes_nothing(yaml_text, words, tmp_path):
