@@ -360,6 +360,21 @@ def test_no_gpu_config_requests_no_accelerator(tmp_path):
         assert not c.k8s[c.executor_of(task)].node_selector.labels
 
 
+def test_sample_images_asks_for_one_gpu_whatever_the_training_steps_get(tmp_path):
+    """It renders every column on one GPU (sampling.render_grid): with kubernetes.gpu_count 4 its pod held 4, three
+    of them idle while it rendered, on the same node pool, selector and taint as the training steps."""
+    path = tmp_path / "p.yaml"
+    compile_pipeline(parse_config({"kubernetes": {"gpu_count": 4}}), str(path))
+    c = Compiled(path)
+    for prefix in TRAINING:
+        for _, _, task in c.tasks(prefix):
+            res = c.executors[c.executor_of(task)].container.resources
+            assert res.accelerator.resource_type == "nvidia.com/gpu", prefix
+            assert res.accelerator.resource_count == ("1" if prefix == "sample-images" else "4"), prefix
+            k = c.k8s[c.executor_of(task)]
+            assert dict(k.node_selector.labels) == {"rangefinder.io/pool": "gpu"} and k.tolerations, prefix
+
+
 def test_compile_cli(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("data:\n  resolution: 256\nkubernetes:\n  gpu_count: 1\n")

@@ -50,6 +50,9 @@ PIPELINE_DESCRIPTION = (
 
 # Steps whose pods need the GPU node pool; the cheap ones run on any node and may be cached.
 TRAINING_STEPS = ("lr_range_test", "prodigy_step_size", "finetune", "retrain_full", "sample_images")
+# The GPU step that uses one GPU whatever kubernetes.gpu_count gives the training: it renders every column on the
+# first (sampling.render_grid), so more would be held idle for as long as it renders.
+ONE_GPU_STEPS = ("sample_images",)
 # Steps whose pods talk to MLflow (they log to the parent run) and so get its credentials and the labels its
 # NetworkPolicy admits (kubernetes.mlflow_client_labels).
 MLFLOW_STEPS = ("resolve_config", "lr_range_test", "prodigy_step_size", "finetune", "retrain_full", "sample_images",
@@ -95,7 +98,7 @@ def configure_task(task: dsl.PipelineTask, step: str, k8s: KubernetesConfig, loc
     elif training:
         if k8s.gpu_count > 0:
             task.set_accelerator_type(k8s.accelerator_type)
-            task.set_accelerator_limit(k8s.gpu_count)
+            task.set_accelerator_limit(1 if step in ONE_GPU_STEPS else k8s.gpu_count)
             for key, value in k8s.node_selector.items():
                 kubernetes.add_node_selector(task, label_key=key, label_value=value)
             for t in k8s.tolerations:
