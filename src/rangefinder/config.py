@@ -1027,7 +1027,7 @@ class KubernetesConfig(_Section):
     cpu_image: Optional[str] = None  # None: the CPU image for the cheap steps, tagged with the package version
     image_pull_secrets: list[str] = Field(default_factory=list)
     shm_size: str = "8Gi"  # /dev/shm for data loader workers
-    retries: int = Field(2, ge=0)  # training steps resume from their newest checkpoint on retry
+    retries: int = Field(2, ge=0)  # of the GPU steps: training resumes from its newest checkpoint, sampling reruns
     # A Secret whose key `hf_token_secret_key` becomes HF_TOKEN in the steps that load the base model, for gated or
     # private hub models (manifests/pipeline-namespace ships the template). Mounted as optional: a run on a public
     # model works without it. None: no token. Never logged.

@@ -18,7 +18,7 @@ from rangefinder.pipelines import kfp_components
 from rangefinder.pipelines.pipeline import PIPELINE_NAME, compile_pipeline
 
 TRAINING = ("lr-range-test", "prodigy-step-size", "finetune", "retrain-full", "sample-images")
-RETRIED = ("lr-range-test", "prodigy-step-size", "finetune", "retrain-full")
+RETRIED = ("lr-range-test", "prodigy-step-size", "finetune", "retrain-full", "sample-images")
 CHEAP = ("resolve-config", "prepare-dataset", "choose-lr", "register-model", "record-status")
 
 
@@ -300,7 +300,7 @@ def test_retries_and_caching(compiled):
         for _, _, task in compiled.tasks(prefix):
             assert task.retry_policy.max_retry_count == 2, prefix
             assert not task.caching_options.enable_cache, prefix
-    for prefix in ("sample-images", "resolve-config", "register-model"):
+    for prefix in ("resolve-config", "register-model"):
         for _, _, task in compiled.tasks(prefix):
             assert not task.caching_options.enable_cache, prefix
     for _, _, task in compiled.tasks("choose-lr"):

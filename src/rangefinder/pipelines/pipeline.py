@@ -108,8 +108,10 @@ def configure_task(task: dsl.PipelineTask, step: str, k8s: KubernetesConfig, loc
         # Data loader workers share batches through /dev/shm, which is 64 MiB in a default pod.
         kubernetes.empty_dir_mount(task, volume_name=SHM_VOLUME, mount_path="/dev/shm", medium="Memory",
                                    size_limit=k8s.shm_size)
-        if k8s.retries and step != "sample_images":
+        if k8s.retries:
             # A preempted node kills the pod; the retry resumes from the newest whole checkpoint (training.resume).
+            # sample-images, on the same (often spot) GPU pool, renders its fixed seeds again, in its attempt's MLflow
+            # run: without a retry a preemption there failed the run after all the training, with nothing registered.
             task.set_retry(num_retries=k8s.retries, backoff_duration="60s", backoff_factor=2.0)
     if k8s.data_pvc:
         kubernetes.mount_pvc(task, pvc_name=k8s.data_pvc, mount_path=k8s.data_mount_path)
