@@ -992,6 +992,20 @@ class Toleration(_Section):
     def _label_key(cls, v: str) -> str:
         return _k8s_name(v, "label key")
 
+    @field_validator("value")
+    @classmethod
+    def _label_value(cls, v: Optional[str]) -> Optional[str]:
+        return _k8s_name(v, "label value")
+
+    @model_validator(mode="after")
+    def _exists_names_no_value(self) -> Toleration:
+        # The API server's rule (ValidateTolerations): Exists matches the key whatever its value, so it names none; a
+        # pod that does is refused when KFP's driver or a TrainJob's JobSet makes it.
+        if self.operator == "Exists" and self.value:
+            raise ValueError(f"operator Exists tolerates {self.key} whatever its value, so it takes no value (got "
+                             f"{self.value!r}); remove the value, or use operator Equal")
+        return self
+
 
 # Argo and KFP keep TTLs and deadlines in int32 fields.
 _INT32_MAX = 2**31 - 1

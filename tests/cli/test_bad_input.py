@@ -123,6 +123,10 @@ def test_demo_refuses_a_bad_lr_before_building_anything(lr, tmp_path):
         ("kubernetes:\n  shm_size: 8GB\n", ["kubernetes.shm_size: '8GB' is not a Kubernetes quantity", "8Gi"]),
         ("kubernetes:\n  accelerator_type: gpu\n", ["kubernetes.accelerator_type: 'gpu'", "nvidia.com/gpu"]),
         ("kubernetes:\n  data_mount_path: data\n", ["kubernetes.data_mount_path: 'data'", "absolute path", "/data"]),
+        ("kubernetes:\n  tolerations:\n    - {key: spot, operator: Exists, value: 'true'}\n",
+         ["kubernetes.tolerations.0: operator Exists tolerates spot whatever its value", "remove the value"]),
+        ("kubernetes:\n  tolerations:\n    - {key: pool, value: gpu pool}\n",
+         ["kubernetes.tolerations.0.value: 'gpu pool' is not a valid Kubernetes label value"]),
         # YAML that does not parse: one line (PyYAML's own text spans four and calls the file "<byte string>").
         ("training: [\n", ["not valid YAML: line 2, column 1", "expected the node content", "check the brackets"]),
         ("training:\n\tepochs: 3\n", ["not valid YAML: line 2, column 1", "indent with spaces, not tabs"]),
@@ -137,7 +141,8 @@ def test_demo_refuses_a_bad_lr_before_building_anything(lr, tmp_path):
          "sampling-seed-huge", "duplicate-key", "long-list", "uri-credentials", "k8s-uri-credentials",
          "credentials-in-any-url", "yaml-on-as-number", "yaml-no-in-a-list", "secret-name", "service-account-name",
          "namespace-with-dot", "label-value-with-space", "memory-limit-gb", "memory-limit-kfp-only",
-         "cpu-limit-words", "shm-size-gb", "accelerator-type-bare", "data-mount-path-relative", "yaml-unclosed",
+         "cpu-limit-words", "shm-size-gb", "accelerator-type-bare", "data-mount-path-relative",
+         "toleration-exists-with-value", "toleration-value-with-space", "yaml-unclosed",
          "yaml-tab", "yaml-control-character",
          "sampling-resolution-off-8-px", "sampling-resolution-off-8-px-hub-model"],
 )
