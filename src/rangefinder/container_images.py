@@ -16,6 +16,7 @@ Each name can be overridden at run time (read when called, never at import):
 from __future__ import annotations
 
 import os
+import re
 from typing import Optional
 
 from rangefinder import __version__
@@ -25,6 +26,16 @@ DEFAULT_REGISTRY = "ghcr.io/rangefinder"
 TRAINER_REPOSITORY = "rangefinder-trainer"
 CPU_REPOSITORY = "rangefinder-cpu"
 MLFLOW_REPOSITORY = "rangefinder-mlflow"
+
+
+# The grammar of an image reference (distribution/reference, which the kubelet parses): [domain[:port]/]path[:tag]
+# [@digest], the path's components in lower case. A pod with any other image never starts: the kubelet leaves it
+# waiting (InvalidImageName, not a failure), so its step would hang, never retried, until the run's deadline.
+_DOMAIN_COMPONENT = r"[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?"
+_DOMAIN = rf"(?:{_DOMAIN_COMPONENT}(?:\.{_DOMAIN_COMPONENT})*|\[[0-9a-fA-F:]+\])(?::[0-9]+)?"
+_PATH_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_IMAGE_REFERENCE = re.compile(rf"(?:{_DOMAIN}/)?{_PATH_COMPONENT}(?:/{_PATH_COMPONENT})*(?::[\w][\w.-]{{0,127}})?"
+                              r"(?:@[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,})?")
 
 
 def registry() -> str:
@@ -43,13 +54,16 @@ def _reference(repository: str, env_name: str) -> str:
     if override:
         _check_reference(override, env_name)
         return override
-    return f"{registry()}/{repository}:{image_tag()}"
+    ref = f"{registry()}/{repository}:{image_tag()}"
+    if os.environ.get("RANGEFINDER_REGISTRY", "").strip():
+        _check_reference(ref, "RANGEFINDER_REGISTRY")
+    return ref
 
 
 def _check_reference(ref: str, where: str) -> None:
-    # A reference with whitespace or no repository part would only fail later, on a node, as ImagePullBackOff.
-    if any(c.isspace() for c in ref) or ref.startswith((":", "@", "/")) or ref.endswith((":", "@", "/")):
-        raise ConfigError(f"{where}={ref!r} is not an image reference; use e.g. registry.example.com/team/name:tag")
+    if not _IMAGE_REFERENCE.fullmatch(ref):
+        raise ConfigError(f"{where}={ref!r} is not an image reference; use e.g. registry.example.com/team/name:tag "
+                          "(the path in lower case), or name@sha256:<digest>")
 
 
 def trainer_image(override: Optional[str] = None) -> str:

@@ -127,6 +127,8 @@ def test_demo_refuses_a_bad_lr_before_building_anything(lr, tmp_path):
          ["kubernetes.tolerations.0: operator Exists tolerates spot whatever its value", "remove the value"]),
         ("kubernetes:\n  tolerations:\n    - {key: pool, value: gpu pool}\n",
          ["kubernetes.tolerations.0.value: 'gpu pool' is not a valid Kubernetes label value"]),
+        ("kubernetes:\n  image: registry.example.com/Team/Trainer:1\n",
+         ["kubernetes.image='registry.example.com/Team/Trainer:1' is not an image reference", "lower case"]),
         # YAML that does not parse: one line (PyYAML's own text spans four and calls the file "<byte string>").
         ("training: [\n", ["not valid YAML: line 2, column 1", "expected the node content", "check the brackets"]),
         ("training:\n\tepochs: 3\n", ["not valid YAML: line 2, column 1", "indent with spaces, not tabs"]),
@@ -142,7 +144,7 @@ def test_demo_refuses_a_bad_lr_before_building_anything(lr, tmp_path):
          "credentials-in-any-url", "yaml-on-as-number", "yaml-no-in-a-list", "secret-name", "service-account-name",
          "namespace-with-dot", "label-value-with-space", "memory-limit-gb", "memory-limit-kfp-only",
          "cpu-limit-words", "shm-size-gb", "accelerator-type-bare", "data-mount-path-relative",
-         "toleration-exists-with-value", "toleration-value-with-space", "yaml-unclosed",
+         "toleration-exists-with-value", "toleration-value-with-space", "image-in-upper-case", "yaml-unclosed",
          "yaml-tab", "yaml-control-character",
          "sampling-resolution-off-8-px", "sampling-resolution-off-8-px-hub-model"],
 )

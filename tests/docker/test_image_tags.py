@@ -51,13 +51,31 @@ def test_a_config_value_wins_over_the_environment(monkeypatch):
     assert images.trainer_image("registry.example.com/ml/trainer:cfg") == "registry.example.com/ml/trainer:cfg"
 
 
-@pytest.mark.parametrize("bad", ["my image:1", "registry.example.com/x:", ":1.0", "x@"])
+@pytest.mark.parametrize("bad", [
+    "my image:1", "registry.example.com/x:", ":1.0", "x@",
+    # What the kubelet refuses as InvalidImageName, leaving the pod waiting for good: a path in upper case, a tag
+    # with a character tags do not have, a digest too short to be one.
+    "registry.example.com/Team/Trainer:1", "registry.example.com/team/trainer:1.0+cu130",
+    "registry.example.com/team/trainer@sha256:abc123",
+])
 def test_a_malformed_reference_is_refused_with_its_source(monkeypatch, bad):
     monkeypatch.setenv("RANGEFINDER_CPU_IMAGE", bad)
     with pytest.raises(ConfigError, match="RANGEFINDER_CPU_IMAGE"):
         images.cpu_image()
     with pytest.raises(ConfigError, match="kubernetes.image"):
         images.trainer_image(bad)
+
+
+def test_references_follow_the_kubelet_s_grammar(monkeypatch):
+    """What the kubelet takes (a registry's port, upper case in the domain, digests with or without a tag) is taken;
+    a mirror whose path is in upper case makes every default name one it refuses."""
+    for good in ("trainer", "localhost:5000/ml/trainer:dev", "Registry.Example.com/ml/trainer:1", "a__b/c_d-e.f:T_1",
+                 "registry.example.com/team/trainer@sha256:" + "0" * 64,
+                 "registry.example.com/team/trainer:1@sha256:" + "a" * 64):
+        assert images.trainer_image(good) == good
+    monkeypatch.setenv("RANGEFINDER_REGISTRY", "mirror.example.com/Team")
+    with pytest.raises(ConfigError, match="RANGEFINDER_REGISTRY='mirror.example.com/Team/rangefinder-cpu:"):
+        images.cpu_image()
 
 
 def test_the_module_prints_the_references_for_build_scripts():
