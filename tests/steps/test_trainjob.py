@@ -63,9 +63,9 @@ def test_the_trainjob_fits_the_crd_and_the_runtime(trainjob_schema, runtime, mon
     assert runtime["metadata"]["name"] == "torch-distributed" and "torch" in runtime["spec"]["mlPolicy"]
     t = spec["trainer"]
     assert t["numNodes"] == 2 and t["image"] == cfg.kubernetes.image
-    # torchrun reads nodes, node rank and master from the runtime's PET_* variables and, with 8 GPUs per node,
-    # 8 processes per node: the entrypoint adds no launcher flags of its own.
-    assert t["command"] == ["torchrun", "-m", "rangefinder.launch.processes", str(JOB)]
+    # torchrun reads nodes, node rank and master from the runtime's PET_* variables, and 8 processes per node (one
+    # per GPU) from the command.
+    assert t["command"] == ["torchrun", "--nproc_per_node", "8", "-m", "rangefinder.launch.processes", str(JOB)]
     assert t["resourcesPerNode"]["limits"] == t["resourcesPerNode"]["requests"] == \
         {"nvidia.com/gpu": 8, "cpu": "8", "memory": "48Gi"}
     env = {e["name"]: e["value"] for e in t["env"]}
@@ -101,6 +101,19 @@ def test_the_trainjob_fits_the_crd_and_the_runtime(trainjob_schema, runtime, mon
 def test_fewer_processes_than_gpus_are_passed_to_torchrun(trainjob_schema):
     obj = _manifest(_cfg(), processes=4)
     assert obj["spec"]["trainer"]["command"][:3] == ["torchrun", "--nproc_per_node", "4"]
+    assert check_against_crd(obj, trainjob_schema) == []
+
+
+def test_the_processes_per_node_are_the_command_s_whatever_trainer_would_count(trainjob_schema, runtime):
+    """Trainer's torch plugin sets PET_NPROC_PER_NODE to "auto" only for a resource whose name holds "gpu", and to
+    the node's CPU count otherwise: a MIG slice (1 device, 8 CPUs) left to it got 8 processes for a job planned for
+    1. The command says the count itself, which torchrun takes over the variable."""
+    cfg = RangefinderConfig(kubernetes={"gpu_count": 1, "accelerator_type": "nvidia.com/mig-1g.10gb"},
+                            distributed={"num_nodes": 2})
+    obj = _manifest(cfg, processes=launch.processes_per_node(cfg))
+    t = obj["spec"]["trainer"]
+    assert "gpu" not in "".join(t["resourcesPerNode"]["limits"]) and t["resourcesPerNode"]["limits"]["cpu"] == "8"
+    assert t["command"][:3] == ["torchrun", "--nproc_per_node", "1"]
     assert check_against_crd(obj, trainjob_schema) == []
 
 

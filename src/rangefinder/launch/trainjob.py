@@ -6,7 +6,7 @@ step's pod submits a TrainJob on the runtime `distributed.runtime` (Trainer's `t
 ClusterTrainingRuntime), whose torch plugin starts the trainer container on every node with the PET_* variables
 torchrun reads (nodes, node rank, master address and port, processes per node). Each node runs
 
-    torchrun [--nproc_per_node N] -m <the launcher module> <job file on the data volume>
+    torchrun --nproc_per_node N -m <the launcher module> <job file on the data volume>
 
 so every process rebuilds the same run from the job file, as on one node (rangefinder.launch.processes). Each node gets
 the step's image, the data volume (split copy, caches, work folder, job file), the MLflow and Hugging Face Secrets as
@@ -57,8 +57,9 @@ def trainjob_name(job: Path, step_name: str) -> str:
 def trainer_and_options(cfg: RangefinderConfig, job: Path, name: str, processes_per_node: int,
                         worker_module: str) -> tuple[Any, list]:
     """The SDK's CustomTrainerContainer and options (name, labels, command, deadline, runtime patch) of the TrainJob
-    whose nodes run `torchrun -m <worker_module> <job>` (rangefinder.launch.processes passes itself). `run_trainjob`
-    hands exactly these to TrainerClient.train; `trainjob_manifest` builds the object they make."""
+    whose nodes run `torchrun --nproc_per_node N -m <worker_module> <job>` (rangefinder.launch.processes passes
+    itself). `run_trainjob` hands exactly these to TrainerClient.train; `trainjob_manifest` builds the object they
+    make."""
     from kubeflow.trainer import CustomTrainerContainer
     from kubeflow.trainer.options import (
         ActiveDeadlineSeconds,
@@ -115,11 +116,11 @@ def trainer_and_options(cfg: RangefinderConfig, job: Path, name: str, processes_
         spec=JobSetSpecPatch(replicated_jobs=[ReplicatedJobPatch(name=NODE, template=JobTemplatePatch(
             spec=JobSpecPatch(template=PodTemplatePatch(metadata={"labels": labels} if labels else None,
                                                        spec=pod))))]))))
-    # torchrun takes nodes, ranks and the master from the runtime's PET_* variables; processes per node too (the
-    # GPUs of resourcesPerNode), unless training.processes_per_node asks for fewer.
-    nproc = [] if k8s.gpu_count > 0 and processes_per_node == k8s.gpu_count else \
-        ["--nproc_per_node", str(processes_per_node)]
-    command = [*ENTRYPOINT, *nproc, "-m", worker_module, str(job)]
+    # torchrun takes nodes, ranks and the master from the runtime's PET_* variables, and the processes per node from
+    # the command, which wins over PET_NPROC_PER_NODE: Trainer sets that to "auto" only for a resource whose name
+    # says "gpu" and to the node's CPU count otherwise, so a MIG slice (nvidia.com/mig-1g.10gb: 1 device) got 8
+    # processes for a job file planned for 1 (runtime.GetNumGPUPerNode, torch plugin, Trainer v2.3.0).
+    command = [*ENTRYPOINT, "--nproc_per_node", str(processes_per_node), "-m", worker_module, str(job)]
     trainer = CustomTrainerContainer(image=trainer_image(k8s.image), num_nodes=cfg.distributed.num_nodes,
                                      resources_per_node=resources, env=env)
     options = [
