@@ -122,6 +122,30 @@ def test_hub_id_not_in_the_offline_cache_says_how_to_fill_it(offline_hub):
     assert "\n" not in msg
 
 
+def test_the_offline_message_s_hf_download_fetches_a_whole_diffusers_folder(offline_hub, tiny_model_dir):
+    """The command the message gives, read by the hf CLI's own parser: every pattern is an --include (hf's --include
+    takes one pattern a time; the ones after it would be file names, and hf then drops --include), and together they
+    select model_index.json and every part of a diffusers folder."""
+    import shlex
+
+    import click
+    from huggingface_hub.cli.hf import app
+    from huggingface_hub.utils import filter_repo_objects
+
+    with pytest.raises(ConfigError) as e:
+        resolve_base_model(ModelConfig(base_model="rangefinder-tests/not-downloaded"))
+    command = str(e.value).split("pre-fill it with `", 1)[1].split("`", 1)[0]
+    env, hf, verb, *args = shlex.split(command)
+    assert env.startswith("HF_HUB_CACHE=") and (hf, verb) == ("hf", "download")
+    download = app.get_command(click.Context(app), "download")
+    download = getattr(download, "materialize", lambda: download)()  # hf loads its commands lazily
+    params = download.make_context("download", args).params
+    assert params["repo_id"] == "rangefinder-tests/not-downloaded" and not params["filenames"], params
+    files = {str(p.relative_to(tiny_model_dir)) for p in tiny_model_dir.rglob("*") if p.is_file()}
+    needed = {f for f in files if "/" in f} | {"model_index.json"}
+    assert needed <= set(filter_repo_objects(files, allow_patterns=params["include"]))
+
+
 def test_revision_not_in_the_offline_cache_names_what_is_there(offline_hub):
     _, commit = offline_hub
     with pytest.raises(ConfigError) as e:

@@ -50,8 +50,10 @@ PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".pkl")
 # The parts training and sampling load; each is a sub-folder of a diffusers Stable Diffusion folder.
 REQUIRED_PARTS = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
 HUB_TIMEOUT_S = 10.0  # seconds for one hub metadata request (downloads use huggingface_hub's per-read timeout)
-# What a diffusers Stable Diffusion repo needs, for `hf download --include` in the offline message.
-HUB_INCLUDE = '"model_index.json" "*/*.json" "*/*.txt" "*/*.safetensors"'
+# What a diffusers Stable Diffusion repo needs, for `hf download` in the offline message. `hf`'s --include takes one
+# pattern each time it is given: patterns after the first would be read as file names, and hf then ignores --include.
+HUB_INCLUDE = " ".join(f'--include "{pattern}"' for pattern in ("model_index.json", "*/*.json", "*/*.txt",
+                                                                 "*/*.safetensors"))
 # Each family's embedded tiny model, "module:ensure(cache_dir)": the architecture of a file exported from it.
 TINY_MODELS = {"sd1": "rangefinder.models.tiny:ensure_tiny_base_model",
                "sdxl": "rangefinder.models.tiny_sdxl:ensure_tiny_sdxl_model",
@@ -485,7 +487,7 @@ def _raise_not_cached(repo_id: str, revision: str, cache: Path) -> None:
     # Whole commits: a snapshot's name is the only revision that finds it offline (a short hash does not).
     snapshots = sorted(p.name for p in (repo / "snapshots").iterdir()) if (repo / "snapshots").is_dir() else []
     fill = (f"pre-fill it with `HF_HUB_CACHE={cache} hf download {repo_id} --revision {revision} "
-            f"--include {HUB_INCLUDE}`, or unset HF_HUB_OFFLINE (with HF_TOKEN for a gated or private repo) so the "
+            f"{HUB_INCLUDE}`, or unset HF_HUB_OFFLINE (with HF_TOKEN for a gated or private repo) so the "
             "first step downloads it")
     if refs or snapshots:
         raise ConfigError(
