@@ -48,8 +48,8 @@ components: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/rangefinder demo --out $(DEMO_OUT)
 
-# The tiny SD and SDXL models' shipped weights (src/rangefinder/models/weights): built from config and pre-trained
-# on this CPU (about 5 minutes on 2 cores). Another CPU builds other weights; commit them with the README's output.
+# The tiny SD, SDXL, SD3 and Flux models' shipped weights (src/rangefinder/models/weights): built from config and
+# pre-trained on this CPU (about 5 minutes on 2 cores). Another CPU builds other weights; commit them with the README's output.
 tiny-weights: $(STAMP)
 	$(VENV)/bin/rangefinder make-base-model --rebuild
 

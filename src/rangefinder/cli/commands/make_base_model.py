@@ -13,14 +13,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="the tiny offline Stable Diffusion model (diffusers folder layout), from the package's shipped weights",
         description="Copy the tiny Stable Diffusion pipeline shipped with the package (checked against its sha256 "
         "digests) into the cache under $RANGEFINDER_CACHE or ~/.cache/rangefinder, or reuse the cached one; --out "
-        "copies it to a folder of your choice. --rebuild builds the tiny SD and SDXL models from config, pre-trains "
-        "them on synthetic stripes (about 5 minutes on 2 CPU cores) and writes them as the package's shipped "
-        "weights (`make tiny-weights`).",
+        "copies it to a folder of your choice. --rebuild builds the tiny SD, SDXL, SD3 and Flux models from config, "
+        "pre-trains them on synthetic stripes (about 5 minutes on 2 CPU cores) and writes them as the package's "
+        "shipped weights (`make tiny-weights`).",
     )
     p.add_argument("--out", help="folder to write the model to (new or empty); default: print the cached folder")
     p.add_argument("--cache-dir", help="cache folder (default $RANGEFINDER_CACHE or ~/.cache/rangefinder)")
     p.add_argument("--rebuild", action="store_true",
-                   help="rebuild the shipped tiny SD and SDXL weights (src/rangefinder/models/weights) on this CPU")
+                   help="rebuild the shipped tiny SD, SDXL, SD3 and Flux weights (src/rangefinder/models/weights) on "
+                   "this CPU")
     p.add_argument("--family", choices=("sd1", "sdxl"), default="sd1",
                    help="sd1: the tiny Stable Diffusion 1.x model (default); sdxl: the tiny SDXL model, as `demo "
                    "--family sdxl` trains")
