@@ -29,13 +29,16 @@ TARGETS = {
             "ff.net.2"],
 }
 # What sd-scripts writes for these models (flux_train_network.py, sd3_train_network.py, library/sai_model_spec.py):
-# the tiny Flux takes guidance (dev); the tiny SD3 has SD3.5's RMSNorm q/k and no second attention (5-large).
+# the tiny Flux takes guidance (dev); the tiny SD3 has SD3.5's RMSNorm q/k and no second attention (5-large). The SD3
+# file's implementation is the one sd-scripts and ComfyUI give an SD3 checkpoint in the same MMDiT names (Stability's);
+# sd-scripts' own SD3 LoRA says "diffusers", whose module names it does not use.
 EXPECTED = {
     "flux": {"ss_network_module": "networks.lora_flux", "ss_base_model_version": "flux1",
              "modelspec.architecture": "flux-1-dev/lora",
              "modelspec.implementation": "https://github.com/black-forest-labs/flux"},
     "sd3": {"ss_network_module": "networks.lora_sd3", "ss_base_model_version": "5-large",
-            "modelspec.architecture": "stable-diffusion-3-5-large/lora"},
+            "modelspec.architecture": "stable-diffusion-3-5-large/lora",
+            "modelspec.implementation": "https://github.com/Stability-AI/generative-models"},
     "sdxl": {"ss_network_module": "networks.lora", "ss_base_model_version": "sdxl_base_v1-0",
              "modelspec.architecture": "stable-diffusion-xl-v1-base/lora",
              "modelspec.implementation": "https://github.com/Stability-AI/generative-models"},
@@ -182,7 +185,7 @@ def test_kohya_metadata_names_the_base_model_as_sd_scripts_does(exported):
 def test_sd3_medium_and_sd35_medium_are_told_apart_as_sd_scripts_does(sd3_config):
     """sd-scripts' library/sd3_utils.py `analyze_state_dict_state`: no q/k norm is SD3 Medium, q/k norm and a
     second image attention is SD3.5 Medium (the tiny SD3 above is SD3.5 Large's kind)."""
-    from rangefinder.formats.lora import sd3_model_type
+    from rangefinder.formats.model_spec import sd3_model_type
 
     assert sd3_model_type(sd3_config) == ("medium" if sd3_config["qk_norm"] is None else "5-medium")
 

@@ -6,7 +6,9 @@ What sd-scripts writes (kohya-ss/sd-scripts at 48d368f): `ss_base_model_version`
 v-prediction (library/model_util.py `get_model_version_str_for_sd1_sd2`, train_network.py); `modelspec.architecture`
 stable-diffusion-v1 whatever it predicts, stable-diffusion-v2-768-v for 2.x predicting v, stable-diffusion-v2-512
 otherwise, + "/lora" or "/textual-inversion"; `modelspec.implementation` diffusers for an SD 1.x/2.x LoRA, Stability's
-generative-models for any embedding (library/sai_model_spec.py `determine_architecture`, `determine_implementation`).
+generative-models for any embedding (library/sai_model_spec.py `determine_architecture`, `determine_implementation`);
+`modelspec.prediction_type` v or epsilon, as trained (`build_metadata_dataclass`). The diffusers-named files say the
+same base model in diffusers' implementation.
 
 The SD 2.x-like model is the tiny SD model with its UNet rebuilt from its config at SD 2.x's 1024-wide cross-attention
 (and SD 2.x's linear projections), random weights. The model's scheduler is left as loaded, without the override
@@ -20,7 +22,7 @@ import torch
 
 from rangefinder.config import TrainingConfig
 from rangefinder.formats.embeddings import TI_A1111_DIR, TI_WEIGHTS_NAME, a1111_embedding_name
-from rangefinder.formats.lora import LORA_KOHYA_NAME, trained_lora_layers
+from rangefinder.formats.lora import LORA_KOHYA_NAME, LORA_WEIGHTS_NAME, trained_lora_layers
 from rangefinder.formats.weights_file import read_metadata
 from rangefinder.training.methods import make_method
 from tests.formats.consumers import a1111_load_embedding
@@ -73,10 +75,14 @@ def test_the_kohya_lora_names_its_base_model_as_sd_scripts_does_and_loads_in_dif
 
     meta = read_metadata(tmp_path / LORA_KOHYA_NAME)
     keys = ("ss_network_module", "ss_base_model_version", "modelspec.sai_model_spec", "modelspec.architecture",
-            "modelspec.implementation")
+            "modelspec.implementation", "modelspec.prediction_type")
+    predicts = "v" if version.endswith("_v") else "epsilon"
     assert {k: meta.get(k) for k in keys} == {
         "ss_network_module": "networks.lora", "ss_base_model_version": version, "modelspec.sai_model_spec": "1.0.1",
-        "modelspec.architecture": f"{architecture}/lora", "modelspec.implementation": "diffusers"}
+        "modelspec.architecture": f"{architecture}/lora", "modelspec.implementation": "diffusers",
+        "modelspec.prediction_type": predicts}
+    assert {k: v for k, v in read_metadata(tmp_path / LORA_WEIGHTS_NAME).items() if k.startswith("modelspec.")} == {
+        k: v for k, v in meta.items() if k.startswith("modelspec.")}
 
     # diffusers' load_lora_weights takes the kohya file whole, and its UNet computes what the trained one does.
     pipe = StableDiffusionPipeline(vae=parts.vae, text_encoder=parts.text_encoder, tokenizer=parts.tokenizer,
@@ -95,8 +101,8 @@ def test_the_kohya_lora_names_its_base_model_as_sd_scripts_does_and_loads_in_dif
 def test_the_a1111_embedding_names_its_base_model_as_sd_scripts_does(tiny_model_dir, tmp_path, unet, predicts,
                                                                      setting, architecture):
     """sd-scripts' embedding (train_textual_inversion.py: `emb_params` with `get_sai_model_spec(..., textual_inversion
-    =True)`) is the A1111 file; A1111's reader still takes it. The diffusers-named file is not sd-scripts' and stays
-    without the spec."""
+    =True)`) is the A1111 file; A1111's reader still takes it. The diffusers-named file names the same base model in
+    diffusers' implementation, its `{token: vectors}` being diffusers' format."""
     token = "<rf-concept>"
     parts = _parts(tiny_model_dir, unet, predicts)
     method = make_method(TrainingConfig(method="textual_inversion", textual_inversion={"placeholder_token": token},
@@ -105,15 +111,17 @@ def test_the_a1111_embedding_names_its_base_model_as_sd_scripts_does(tiny_model_
     method.save_final(parts, tmp_path)
     a1111 = tmp_path / TI_A1111_DIR / f"{a1111_embedding_name(token)}.safetensors"
     meta = read_metadata(a1111)
-    assert {k: v for k, v in meta.items() if k.startswith("modelspec.")} == {
-        "modelspec.sai_model_spec": "1.0.1", "modelspec.architecture": f"{architecture}/textual-inversion",
-        "modelspec.implementation": SGM}
-    assert not any(k.startswith("modelspec.") for k in read_metadata(tmp_path / TI_WEIGHTS_NAME))
+    spec = {"modelspec.sai_model_spec": "1.0.1", "modelspec.architecture": f"{architecture}/textual-inversion",
+            "modelspec.implementation": SGM, "modelspec.prediction_type": "v" if setting else "epsilon"}
+    assert {k: v for k, v in meta.items() if k.startswith("modelspec.")} == spec
+    assert {k: v for k, v in read_metadata(tmp_path / TI_WEIGHTS_NAME).items() if k.startswith("modelspec.")} == {
+        **spec, "modelspec.implementation": "diffusers"}
     torch.testing.assert_close(a1111_load_embedding(a1111)["vec"], method.learned_embeds().float(), rtol=0, atol=0)
 
 
 def test_the_sdxl_a1111_embedding_names_sdxl_as_sd_scripts_does(tmp_path):
-    """sdxl_train_textual_inversion.py writes `clip_l` and `clip_g` with the SDXL base model's spec."""
+    """sdxl_train_textual_inversion.py writes `clip_l` and `clip_g` with the SDXL base model's spec (no prediction type
+    given: none is claimed)."""
     from rangefinder.formats.embeddings import save_textual_inversion_sdxl
 
     files = save_textual_inversion_sdxl(tmp_path, "<rf-concept>", torch.randn(2, 32), torch.randn(2, 48))

@@ -6,10 +6,12 @@ unpickler accepts, with the update count and base model filled in. SDXL's embedd
 
 The A1111 `.safetensors` is the file sd-scripts' textual inversion writes (train_textual_inversion.py and
 sdxl_train_textual_inversion.py `save_weights`: `emb_params`, or `clip_l` and `clip_g`), and it carries the model
-spec sd-scripts gives it (`train_util.get_sai_model_spec` with textual_inversion): the base model's architecture +
-"/textual-inversion" and, for every embedding, Stability's codebase as the implementation
-(sai_model_spec.py `determine_implementation`). The loaders read tensors only (A1111's and ComfyUI's embedding
-readers, diffusers' `load_textual_inversion`), so the header changes nothing for them.
+spec sd-scripts gives it (`train_util.get_sai_model_spec` with textual_inversion; formats/model_spec.py): the base
+model's architecture + "/textual-inversion" and, for every embedding, Stability's codebase as the implementation
+(sai_model_spec.py `determine_implementation`), with the run's title, resolution, date and the base model's
+prediction type. `learned_embeds.safetensors` carries the same spec, in diffusers' implementation where it is
+diffusers' `{token: vectors}` (SDXL's holds A1111's `clip_l`/`clip_g`). The loaders read tensors only (A1111's and
+ComfyUI's embedding readers, diffusers' `load_textual_inversion`), so the header changes nothing for them.
 """
 
 from __future__ import annotations
@@ -19,7 +21,14 @@ from pathlib import Path
 from typing import Optional
 
 from rangefinder.formats.atomic import atomic_path
-from rangefinder.formats.model_spec import ADAPTER_TEXTUAL_INVERSION, ARCH_SDXL, MODELSPEC_IMPL_SGM, model_spec
+from rangefinder.formats.model_spec import (
+    ADAPTER_TEXTUAL_INVERSION,
+    ARCH_SDXL,
+    MODELSPEC_IMPL_DIFFUSERS,
+    MODELSPEC_IMPL_SGM,
+    SpecFacts,
+    model_spec,
+)
 from rangefinder.formats.weights_file import save_safetensors
 
 TI_WEIGHTS_NAME = "learned_embeds.safetensors"  # diffusers' default name for `load_textual_inversion`
@@ -78,14 +87,15 @@ def save_a1111_pt(path: Path, embeds, name: str, step: Optional[int], checkpoint
 
 def save_textual_inversion(
     out_dir: Path, token: str, embeds, metadata: Optional[Mapping[str, str]] = None,
-    architecture: Optional[str] = None,
+    architecture: Optional[str] = None, prediction_type: Optional[str] = None, facts: Optional[SpecFacts] = None,
 ) -> dict[str, Path]:
     """`embeds` is (num_vectors, dim). Writes diffusers' `learned_embeds.safetensors` and A1111's embedding.
 
     A1111 names an embedding after its file, so the A1111 files are `a1111/<trigger>.safetensors` (one tensor,
     `emb_params`: A1111 takes a single-tensor file as an embedding) and `a1111/<trigger>.pt` (which also carries the
     update count and the base model, shown in A1111's UI). `architecture`: the base model's model-spec id
-    (model_spec.sd_base_model), which the A1111 `.safetensors` names as sd-scripts does; None claims none.
+    (model_spec.sd_base_model), which both `.safetensors` name as sd-scripts does, with what the base model
+    predicts (`prediction_type`) and the run's `facts`; None claims none.
     """
     out_dir = Path(out_dir)
     meta = dict(metadata or {})
@@ -94,38 +104,41 @@ def save_textual_inversion(
     meta["rangefinder.a1111_trigger"] = name
     updates = meta.get("rangefinder.updates")
     a1111 = out_dir / TI_A1111_DIR
+    diffusers_spec, a1111_spec = (_embedding_spec(architecture, implementation, prediction_type, facts)
+                                  for implementation in (MODELSPEC_IMPL_DIFFUSERS, MODELSPEC_IMPL_SGM))
     return {
-        "diffusers": save_safetensors({token: embeds}, out_dir / TI_WEIGHTS_NAME, meta),
-        "a1111": save_safetensors({"emb_params": embeds}, a1111 / f"{name}.safetensors",
-                                  {**meta, **_embedding_spec(architecture)}),
+        "diffusers": save_safetensors({token: embeds}, out_dir / TI_WEIGHTS_NAME, {**meta, **diffusers_spec}),
+        "a1111": save_safetensors({"emb_params": embeds}, a1111 / f"{name}.safetensors", {**meta, **a1111_spec}),
         "a1111_pt": save_a1111_pt(a1111 / f"{name}.pt", embeds, name, None if updates is None else int(updates),
                                   base_model_name(meta.get("rangefinder.base_model"))),
     }
 
 
 def save_textual_inversion_sdxl(
-    out_dir: Path, token: str, clip_l, clip_g, metadata: Optional[Mapping[str, str]] = None
+    out_dir: Path, token: str, clip_l, clip_g, metadata: Optional[Mapping[str, str]] = None,
+    prediction_type: Optional[str] = None, facts: Optional[SpecFacts] = None,
 ) -> dict[str, Path]:
     """SDXL's embedding format: one file holding `clip_l` (num_vectors, D1), the rows of the first encoder (CLIP
     ViT-L), and `clip_g` (num_vectors, D2), those of the second (OpenCLIP bigG); A1111 and ComfyUI load it as an
     SDXL embedding, and diffusers with `load_textual_inversion(state["clip_l"], text_encoder=pipe.text_encoder, ...)`
     and again for `clip_g` with text_encoder_2. Written as `learned_embeds.safetensors` and, under the trigger word
-    A1111 knows it by, `a1111/<trigger>.safetensors`."""
+    A1111 knows it by, `a1111/<trigger>.safetensors`, both with the model spec of an SDXL embedding."""
     out_dir = Path(out_dir)
     meta = dict(metadata or {})
     meta.setdefault("rangefinder.placeholder_token", token)
     name = a1111_embedding_name(token)
     meta["rangefinder.a1111_trigger"] = name
     tensors = {"clip_l": clip_l, "clip_g": clip_g}
+    meta.update(_embedding_spec(ARCH_SDXL, MODELSPEC_IMPL_SGM, prediction_type, facts))  # one layout, both files
     return {
         "diffusers": save_safetensors(tensors, out_dir / TI_WEIGHTS_NAME, meta),
-        "a1111": save_safetensors(tensors, out_dir / TI_A1111_DIR / f"{name}.safetensors",
-                                  {**meta, **_embedding_spec(ARCH_SDXL)}),
+        "a1111": save_safetensors(tensors, out_dir / TI_A1111_DIR / f"{name}.safetensors", meta),
     }
 
 
-def _embedding_spec(architecture: Optional[str]) -> dict[str, str]:
-    """The model spec sd-scripts writes into an embedding on the base model `architecture` (none without it)."""
+def _embedding_spec(architecture: Optional[str], implementation: str, prediction_type: Optional[str],
+                    facts: Optional[SpecFacts]) -> dict[str, str]:
+    """The model spec of an embedding on the base model `architecture` (none without it)."""
     if architecture is None:
         return {}
-    return model_spec(architecture, ADAPTER_TEXTUAL_INVERSION, MODELSPEC_IMPL_SGM)
+    return model_spec(architecture, implementation, facts, prediction_type, ADAPTER_TEXTUAL_INVERSION)

@@ -19,6 +19,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional
 
+from rangefinder.formats.model_spec import MODELSPEC_IMPL_FLUX, SpecFacts, flux_architecture, model_spec
+
 # Flux LoRA module names in kohya's sd-scripts (networks/lora_flux.py at 0087a46e14c8: LORA_PREFIX_FLUX
 # "lora_unet", LORA_PREFIX_TEXT_ENCODER_CLIP "lora_te1"); a module name is the prefix + its path, "." -> "_".
 KOHYA_FLUX_PREFIX = "lora_unet_"
@@ -113,16 +115,21 @@ def to_bfl_state_dict(state_dict: Mapping[str, Any], config: Mapping[str, Any]) 
     return out
 
 
-def export_flux_transformer(model_dir: Path, out_path: Path, metadata: Optional[Mapping[str, str]] = None) -> Path:
+def export_flux_transformer(model_dir: Path, out_path: Path, metadata: Optional[Mapping[str, str]] = None,
+                            facts: Optional[SpecFacts] = None) -> Path:
     """`final/model.safetensors` for Flux: the transformer of the diffusers folder `model_dir` in BFL's layout, as
     BFL ships flux1-dev.safetensors (the transformer only: ComfyUI loads it as a diffusion model beside its own VAE,
-    CLIP-L and T5 files; diffusers' `FluxTransformer2DModel.from_single_file` reads it)."""
+    CLIP-L and T5 files; diffusers' `FluxTransformer2DModel.from_single_file` reads it), with the model spec
+    sd-scripts gives a Flux checkpoint (flux_train_utils.py: BFL's codebase, no prediction type) and the run's
+    `facts`."""
     from diffusers import FluxTransformer2DModel
 
     from rangefinder.formats.weights_file import save_safetensors
 
     transformer = FluxTransformer2DModel.from_pretrained(str(Path(model_dir) / "transformer"))
-    return save_safetensors(to_bfl_state_dict(transformer.state_dict(), transformer.config), Path(out_path), metadata)
+    spec = model_spec(flux_architecture(transformer.config), MODELSPEC_IMPL_FLUX, facts)
+    return save_safetensors(to_bfl_state_dict(transformer.state_dict(), transformer.config), Path(out_path),
+                            {**(metadata or {}), **spec})
 
 
 def from_bfl_state_dict(bfl: Mapping[str, Any], config: Mapping[str, Any]) -> dict[str, Any]:

@@ -27,7 +27,11 @@ from rangefinder.formats.model_spec import (
     MODELSPEC_IMPL_DIFFUSERS,
     MODELSPEC_IMPL_FLUX,
     MODELSPEC_IMPL_SGM,
+    SpecFacts,
+    flux_architecture,
     model_spec,
+    sd3_architecture,
+    sd3_model_type,
     sd_base_model,
 )
 from rangefinder.formats.single_file import map_keys, top_level_tables, unet_prefix_table
@@ -206,32 +210,39 @@ def _fused_rows(j: int, adapters: Mapping[int, LoraWeights], config: Mapping[str
 
 
 def kohya_metadata(meta: Mapping[str, str], any_layer: LoraWeights, network_module: str,
-                   base_model_version: Optional[str], architecture: Optional[str] = None,
-                   implementation: Optional[str] = None) -> dict[str, str]:
+                   base_model_version: Optional[str], spec: Optional[Mapping[str, str]] = None) -> dict[str, str]:
     """`meta` plus sd-scripts' own training metadata keys (train_network.py), which A1111's and ComfyUI's LoRA
     browsers show: the network module, the base model version, dim and alpha as trained (what the file's `.alpha`
     tensors hold: each family's `lora_to_kohya*` writes alpha = scale x rank), and the updates as `ss_steps`, the
-    same for every family; and, given the base model's `architecture` (sai_model_spec.py's ARCH_* id), the model
-    spec's keys for a LoRA on it (formats/model_spec.py) with the `implementation` whose module names the file
-    uses."""
+    same for every family; and the file's model spec (formats/model_spec.py), when its base model is known."""
     out = {**meta, "ss_network_module": network_module, "ss_network_dim": str(any_layer.rank),
            "ss_network_alpha": repr(any_layer.scale * any_layer.rank)}
     if base_model_version is not None:
         out["ss_base_model_version"] = base_model_version
-    if architecture is not None:
-        out.update(model_spec(architecture, ADAPTER_LORA, implementation))
+    out.update(spec or {})
     if "rangefinder.updates" in meta:
         out["ss_steps"] = meta["rangefinder.updates"]
     return out
 
 
+def lora_specs(architecture: Optional[str], kohya_implementation: str, facts: Optional[SpecFacts],
+               prediction_type: Optional[str]) -> tuple[dict[str, str], dict[str, str]]:
+    """(the diffusers-named file's model spec, the kohya file's): a LoRA on the base model `architecture`, the first
+    in diffusers' module names, the second in those of `kohya_implementation`; neither without an architecture."""
+    if architecture is None:
+        return {}, {}
+    return (model_spec(architecture, MODELSPEC_IMPL_DIFFUSERS, facts, prediction_type, ADAPTER_LORA),
+            model_spec(architecture, kohya_implementation, facts, prediction_type, ADAPTER_LORA))
+
+
 def save_lora_files(out_dir: Path, unet=None, text_encoder=None, metadata: Optional[Mapping[str, str]] = None,
                     text_encoder_2=None, sdxl: bool = False, flux: bool = False,
-                    prediction_type: Optional[str] = None):
+                    prediction_type: Optional[str] = None, facts: Optional[SpecFacts] = None):
     """Both LoRA files into `out_dir`; returns {"diffusers": path, "kohya": path}. `sdxl`: kohya's SDXL names;
     `flux`: `unet` is Flux's transformer, in Flux's names (lora_to_diffusers_flux, lora_to_kohya_flux).
-    `prediction_type`: what SD 1.x/2.x's UNet was trained to predict ("epsilon" | "v_prediction"), which with its
-    config names the base model in the kohya file's metadata; without it (or without the UNet) none is claimed."""
+    `prediction_type`: what the UNet's base model predicts ("epsilon" | "v_prediction"; as trained), which with its
+    config names an SD 1.x/2.x base model; without it (or without the UNet) an SD 1.x/2.x LoRA claims none. Both
+    files carry the model spec of a LoRA on their base model, with the run's `facts`."""
     out_dir = Path(out_dir)
     unet_layers = trained_lora_layers(unet) if unet is not None else {}
     te_layers = trained_lora_layers(text_encoder) if text_encoder is not None else {}
@@ -240,32 +251,36 @@ def save_lora_files(out_dir: Path, unet=None, text_encoder=None, metadata: Optio
         raise ValueError("no LoRA adapters found on the UNet or the text encoder; nothing to export")
     meta = dict(metadata or {})
     any_layer = next(iter({**unet_layers, **te_layers, **te2_layers}.values()))
+    version: Optional[str] = None
+    architecture: Optional[str] = None
     if flux:
         # sd-scripts' Flux values (flux_train_network.py: flux_utils.MODEL_VERSION_FLUX_V1; dev or schnell by
         # whether the model takes guidance, as its flux_utils.analyze_checkpoint_state tells them).
-        variant = "dev" if dict(unet.config).get("guidance_embeds") else "schnell"
-        kohya_meta = kohya_metadata(meta, any_layer, "networks.lora_flux", "flux1", f"flux-1-{variant}",
-                                    MODELSPEC_IMPL_FLUX)
+        network_module, version, architecture, implementation = ("networks.lora_flux", "flux1",
+                                                                 flux_architecture(dict(unet.config)),
+                                                                 MODELSPEC_IMPL_FLUX)
     elif sdxl:  # sdxl_base_v1-0: what sd-scripts writes for SDXL (A1111 tells an SDXL LoRA by its `sdxl_` prefix)
-        kohya_meta = kohya_metadata(meta, any_layer, "networks.lora", "sdxl_base_v1-0", ARCH_SDXL, MODELSPEC_IMPL_SGM)
-    elif unet is not None and prediction_type is not None:
+        network_module, version, architecture, implementation = ("networks.lora", "sdxl_base_v1-0", ARCH_SDXL,
+                                                                 MODELSPEC_IMPL_SGM)
+    else:
         # SD 1.x or 2.x by the UNet's config, v-prediction or not by what it trained (model_spec.sd_base_model);
         # sd-scripts' implementation for such a LoRA is diffusers' (`determine_implementation`), whose module paths
-        # its `lora_unet_` names are.
-        version, architecture = sd_base_model(unet.config, prediction_type)
-        kohya_meta = kohya_metadata(meta, any_layer, "networks.lora", version, architecture, MODELSPEC_IMPL_DIFFUSERS)
-    else:  # a text encoder's LoRA alone, or the prediction type not given: no base model is claimed
-        kohya_meta = kohya_metadata(meta, any_layer, "networks.lora", None)
+        # its `lora_unet_` names are. A text encoder's LoRA alone, or no prediction type: no base model is claimed.
+        network_module, implementation = "networks.lora", MODELSPEC_IMPL_DIFFUSERS
+        if unet is not None and prediction_type is not None:
+            version, architecture = sd_base_model(unet.config, prediction_type)
+    diffusers_spec, kohya_spec = lora_specs(architecture, implementation, facts, prediction_type)
+    kohya_meta = kohya_metadata(meta, any_layer, network_module, version, kohya_spec)
     if flux:
         return {
             "diffusers": save_safetensors(lora_to_diffusers_flux(unet_layers, te_layers), out_dir / LORA_WEIGHTS_NAME,
-                                          meta),
+                                          {**meta, **diffusers_spec}),
             "kohya": save_safetensors(lora_to_kohya_flux(unet_layers, te_layers, dict(unet.config)),
                                       out_dir / LORA_KOHYA_NAME, kohya_meta),
         }
     return {
         "diffusers": save_safetensors(lora_to_diffusers(unet_layers, te_layers, te2_layers),
-                                      out_dir / LORA_WEIGHTS_NAME, meta),
+                                      out_dir / LORA_WEIGHTS_NAME, {**meta, **diffusers_spec}),
         "kohya": save_safetensors(
             lora_to_kohya(unet_layers, te_layers, te2_layers, dict(unet.config) if sdxl and unet is not None else None),
             out_dir / LORA_KOHYA_NAME, kohya_meta),
@@ -331,41 +346,33 @@ def _kohya_module(name: str, down, up, scale: float) -> dict:
             f"{name}.alpha": torch.tensor(scale * down.shape[0], dtype=torch.float32)}
 
 
-def sd3_model_type(config: Mapping[str, Any]) -> str:
-    """The SD3 model type sd-scripts writes as `ss_base_model_version` and after `stable-diffusion-3-` in
-    `modelspec.architecture` (sd3_train_network.py returns `mmdit.model_type`, which library/sd3_utils.py
-    `analyze_state_dict_state` reads off the weights): "medium" for SD3 Medium (no q/k norm), "5-large" for SD3.5
-    Large (RMSNorm q/k), "5-medium" for SD3.5 Medium (RMSNorm q/k and MMDiT-X's second image attention)."""
-    if not config.get("qk_norm"):
-        return "medium"
-    return "5-medium" if config.get("dual_attention_layers") else "5-large"
-
-
 # One signature per family's LoRA export, (out_dir, denoiser, text_encoder, text_encoder_2, metadata,
-# prediction_type), which training/family_detection.py's FamilyLayout.lora_export names. Only SD 1.x/2.x reads the
-# prediction type: SDXL's base model is one whatever it predicts (sd-scripts names it sdxl_base_v1-0 either way), and
-# the flow families predict no epsilon or v.
+# prediction_type, facts), which training/family_detection.py's FamilyLayout.lora_export names. SD 1.x/2.x's base model
+# is named by the prediction type too; SDXL's is one whatever it predicts (sd-scripts names it sdxl_base_v1-0 either
+# way), which its model spec's prediction_type says; the flow families predict no epsilon or v.
 def save_sd_lora_files(out_dir: Path, unet, text_encoder=None, text_encoder_2=None,
-                       metadata: Optional[Mapping[str, str]] = None,
-                       prediction_type: Optional[str] = None) -> dict[str, Path]:
-    return save_lora_files(out_dir, unet, text_encoder, metadata, prediction_type=prediction_type)
+                       metadata: Optional[Mapping[str, str]] = None, prediction_type: Optional[str] = None,
+                       facts: Optional[SpecFacts] = None) -> dict[str, Path]:
+    return save_lora_files(out_dir, unet, text_encoder, metadata, prediction_type=prediction_type, facts=facts)
 
 
 def save_sdxl_lora_files(out_dir: Path, unet, text_encoder=None, text_encoder_2=None,
-                         metadata: Optional[Mapping[str, str]] = None,
-                         prediction_type: Optional[str] = None) -> dict[str, Path]:
-    return save_lora_files(out_dir, unet, text_encoder, metadata, text_encoder_2=text_encoder_2, sdxl=True)
+                         metadata: Optional[Mapping[str, str]] = None, prediction_type: Optional[str] = None,
+                         facts: Optional[SpecFacts] = None) -> dict[str, Path]:
+    return save_lora_files(out_dir, unet, text_encoder, metadata, text_encoder_2=text_encoder_2, sdxl=True,
+                           prediction_type=prediction_type, facts=facts)
 
 
 def save_flux_lora_files(out_dir: Path, transformer, text_encoder=None, text_encoder_2=None,
-                         metadata: Optional[Mapping[str, str]] = None,
-                         prediction_type: Optional[str] = None) -> dict[str, Path]:
-    return save_lora_files(out_dir, transformer, text_encoder, metadata, text_encoder_2=text_encoder_2, flux=True)
+                         metadata: Optional[Mapping[str, str]] = None, prediction_type: Optional[str] = None,
+                         facts: Optional[SpecFacts] = None) -> dict[str, Path]:
+    return save_lora_files(out_dir, transformer, text_encoder, metadata, text_encoder_2=text_encoder_2, flux=True,
+                           facts=facts)
 
 
 def save_sd3_lora_files(out_dir: Path, transformer, text_encoder=None, text_encoder_2=None,
-                        metadata: Optional[Mapping[str, str]] = None,
-                        prediction_type: Optional[str] = None) -> dict[str, Path]:
+                        metadata: Optional[Mapping[str, str]] = None, prediction_type: Optional[str] = None,
+                        facts: Optional[SpecFacts] = None) -> dict[str, Path]:
     """SD3's LoRA in diffusers' naming and in kohya's (`lora_kohya.safetensors`); returns {"diffusers": path,
     "kohya": path}."""
     layers = trained_lora_layers(transformer)
@@ -374,12 +381,13 @@ def save_sd3_lora_files(out_dir: Path, transformer, text_encoder=None, text_enco
     if not layers and not te and not te2:
         raise ValueError("no LoRA adapters found on the transformer or the text encoders; nothing to export")
     meta = dict(metadata or {})
-    model_type = sd3_model_type(transformer.config)
-    # No modelspec.implementation: sd-scripts writes "diffusers" for an SD3 LoRA (sai_model_spec.py
-    # `determine_implementation`), but this file's module names are the original MMDiT's, not diffusers'.
-    kohya_meta = kohya_metadata(meta, next(iter({**layers, **te, **te2}.values())), "networks.lora_sd3", model_type,
-                                f"stable-diffusion-3-{model_type}")
+    # The kohya file's module names are the original MMDiT's, which sd-scripts and ComfyUI both call Stability's
+    # (the implementation of an SD3 checkpoint they save, in the same names: sd3_train_utils.py, nodes_model_merging.py
+    # "sgm"); sd-scripts' own "diffusers" for its SD3 LoRA (`determine_implementation`) names no codebase of them.
+    diffusers_spec, kohya_spec = lora_specs(sd3_architecture(transformer.config), MODELSPEC_IMPL_SGM, facts, None)
+    kohya_meta = kohya_metadata(meta, next(iter({**layers, **te, **te2}.values())), "networks.lora_sd3",
+                                sd3_model_type(transformer.config), kohya_spec)
     return {"diffusers": save_safetensors(sd3_lora_to_diffusers(layers, te, te2), Path(out_dir) / LORA_WEIGHTS_NAME,
-                                          meta),
+                                          {**meta, **diffusers_spec}),
             "kohya": save_safetensors(sd3_lora_to_kohya(layers, te, te2), Path(out_dir) / LORA_KOHYA_NAME,
                                       kohya_meta)}

@@ -1,30 +1,58 @@
-"""How sd-scripts names a file's base model: the SAI model spec (`modelspec.*`) and, for a LoRA, its own version key.
+"""What an exported file says about itself: the SAI model spec (`modelspec.*`), and sd-scripts' name of a base model.
 
-kohya's sd-scripts writes the model spec beside its training keys into every LoRA and embedding it trains
-(library/sai_model_spec.py at 48d368fa5577: the spec's version, the ARCH_* ids of base models, the adapter suffixes
-and the IMPL_* codebases whose module names a file uses; `determine_architecture`, `determine_implementation`), and
-LoRA browsers and model managers read it to tell what a file is for. rangefinder reads the base model off the model
-being exported (its denoiser's config, and what it was trained to predict), never off a setting.
+The spec (Stability-AI/ModelSpec, README.md at fe8dc60, version 1.0.1) puts its keys in a `.safetensors` header:
+`sai_model_spec`, `architecture`, `implementation`, `title` and, for an image model, `resolution` are a MUST; `date`
+a SHOULD; `prediction_type` a CAN. kohya's sd-scripts writes that set into every LoRA, embedding and checkpoint it
+trains (library/sai_model_spec.py at 48d368fa5577, `build_metadata_dataclass`: the ARCH_* ids of base models with
+the adapter appended, the IMPL_* codebases whose module names a file uses, `determine_resolution`, the date in
+ISO-8601, the prediction type but for Flux), and model browsers read it: SwarmUI (src/Text2Image/
+T2IModelHandler.cs `LoadMetadata`) lists a file by its `title`, `date` and `resolution` (parsed as `WxH`), and its
+ComfyUI backend samples it with `prediction_type` (v: ModelSamplingDiscrete v_prediction). ComfyUI's own checkpoint
+saver (comfy_extras/nodes_model_merging.py `save_checkpoint` at 3d3d14d2847) says what a whole model predicts as
+`modelspec.predict_key`.
+
+Every export writes these keys through `model_spec`, here, with what the run knows (`SpecFacts`): the base model is
+read off the model exported (its denoiser's config, and what it was trained to predict), never off a setting.
+Two deliberate departures from sd-scripts: no `implementation_version` (sd-scripts fills it with its own git commit;
+the spec means the implementation codebase's version, and `rangefinder.version` already names the writer), and no
+`prediction_type` for SD3 (sd-scripts writes "epsilon" there, which a flow-matching model does not predict).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Optional
 
 MODELSPEC_VERSION = "1.0.1"
 MODELSPEC_IMPL_SGM = "https://github.com/Stability-AI/generative-models"
 MODELSPEC_IMPL_FLUX = "https://github.com/black-forest-labs/flux"
-MODELSPEC_IMPL_DIFFUSERS = "diffusers"  # an SD 1.x/2.x LoRA, whose kohya names are diffusers' module paths
+MODELSPEC_IMPL_DIFFUSERS = "diffusers"  # a file in diffusers' module names (an SD 1.x/2.x kohya LoRA's are too)
 ARCH_SDXL = "stable-diffusion-xl-v1-base"
 ADAPTER_LORA = "lora"
 ADAPTER_TEXTUAL_INVERSION = "textual-inversion"
 # The UNet's cross-attention width is its text encoder's: SD 2.x's OpenCLIP ViT-H is 1024 wide, SD 1.x's CLIP ViT-L
 # 768 (the first difference sd-scripts' library/original_unet.py lists between v1.5 and v2.1).
 SD2_CROSS_ATTENTION_DIM = 1024
+# ComfyUI's key for what a whole model predicts; the spec's own is `modelspec.prediction_type`. Both take diffusers'
+# prediction_type as "epsilon" or "v" (sd-scripts' PRED_TYPE_EPSILON, PRED_TYPE_V).
+PREDICT_KEY = "modelspec.predict_key"
+PREDICTION_TYPE_KEY = "modelspec.prediction_type"
+PREDICTION_TYPES = {"epsilon": "epsilon", "v_prediction": "v"}
 
 
-def sd_base_model(unet_config: Mapping[str, Any], prediction_type: str) -> tuple[str, str]:
+@dataclass(frozen=True)
+class SpecFacts:
+    """What the run knows of the model it delivers, for the spec's title, resolution and date. Each is recorded once
+    when the run starts and kept in its checkpoints (training/state.py RunState), so a resumed run, and a model
+    written out of one of its checkpoints (training/restore.py), say what the uninterrupted run says."""
+
+    title: str  # the registered model name the run delivers under, else its output folder's name
+    resolution: Optional[int] = None  # px: the side of the square the run trained at (data.resolution)
+    date: Optional[str] = None  # ISO-8601, when the run started; None for a checkpoint from before it was recorded
+
+
+def sd_base_model(unet_config: Mapping[str, Any], prediction_type: Optional[str]) -> tuple[str, str]:
     """(sd-scripts' `ss_base_model_version`, the model spec's architecture id) of an SD 1.x/2.x UNet trained to
     predict `prediction_type` ("epsilon" | "v_prediction"), as sd-scripts names them from its --v2 and
     --v_parameterization flags: the version `sd_v1`/`sd_v2`, `_v` appended for v-prediction (library/model_util.py
@@ -40,11 +68,45 @@ def sd_base_model(unet_config: Mapping[str, Any], prediction_type: str) -> tuple
     return version, "stable-diffusion-v2-768-v" if v else "stable-diffusion-v2-512"
 
 
-def model_spec(architecture: str, adapter: str, implementation: Optional[str] = None) -> dict[str, str]:
-    """The model spec's keys for an `adapter` ("lora" | "textual-inversion") on the base model `architecture`: the
-    spec's version and `<architecture>/<adapter>` (as `determine_architecture` appends it), and the `implementation`
-    whose module names the file uses, when given."""
-    spec = {"modelspec.sai_model_spec": MODELSPEC_VERSION, "modelspec.architecture": f"{architecture}/{adapter}"}
-    if implementation is not None:
-        spec["modelspec.implementation"] = implementation
+def sd3_model_type(config: Mapping[str, Any]) -> str:
+    """The SD3 model type sd-scripts writes as `ss_base_model_version` and after `stable-diffusion-3-` in
+    `modelspec.architecture` (sd3_train_network.py returns `mmdit.model_type`, which library/sd3_utils.py
+    `analyze_state_dict_state` reads off the weights): "medium" for SD3 Medium (no q/k norm), "5-large" for SD3.5
+    Large (RMSNorm q/k), "5-medium" for SD3.5 Medium (RMSNorm q/k and MMDiT-X's second image attention)."""
+    if not config.get("qk_norm"):
+        return "medium"
+    return "5-medium" if config.get("dual_attention_layers") else "5-large"
+
+
+def sd3_architecture(config: Mapping[str, Any]) -> str:
+    """An SD3 transformer's architecture id, as sai_model_spec.py `determine_architecture` builds it."""
+    return f"stable-diffusion-3-{sd3_model_type(config)}"
+
+
+def flux_architecture(config: Mapping[str, Any]) -> str:
+    """A Flux transformer's architecture id: flux-1-dev when it takes guidance, flux-1-schnell otherwise (what
+    sd-scripts' flux_utils.analyze_checkpoint_state tells them by)."""
+    return "flux-1-dev" if config.get("guidance_embeds") else "flux-1-schnell"
+
+
+def model_spec(architecture: str, implementation: str, facts: Optional[SpecFacts] = None,
+               prediction_type: Optional[str] = None, adapter: Optional[str] = None) -> dict[str, str]:
+    """The model spec's keys of a file: a whole model of `architecture`, or an `adapter` ("lora" |
+    "textual-inversion") for it (`<architecture>/<adapter>`, as `determine_architecture` appends it), in the module
+    names of `implementation`; the run's `facts` (title, resolution as `WxH`, date), when given; and what the model
+    predicts (diffusers' "epsilon" | "v_prediction"; None for the flow families, whose models predict neither),
+    which a whole model also says as ComfyUI's saver does."""
+    spec = {"modelspec.sai_model_spec": MODELSPEC_VERSION,
+            "modelspec.architecture": architecture if adapter is None else f"{architecture}/{adapter}",
+            "modelspec.implementation": implementation}
+    if facts is not None:
+        spec["modelspec.title"] = facts.title
+        if facts.resolution is not None:
+            spec["modelspec.resolution"] = f"{facts.resolution}x{facts.resolution}"
+        if facts.date is not None:
+            spec["modelspec.date"] = facts.date
+    if prediction_type in PREDICTION_TYPES:
+        spec[PREDICTION_TYPE_KEY] = PREDICTION_TYPES[prediction_type]
+        if adapter is None:
+            spec[PREDICT_KEY] = PREDICTION_TYPES[prediction_type]
     return spec

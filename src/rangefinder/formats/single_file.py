@@ -17,6 +17,15 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rangefinder.formats.diffusers_folder import clip_text_key
+from rangefinder.formats.model_spec import (
+    ARCH_SDXL,
+    MODELSPEC_IMPL_SGM,
+    PREDICT_KEY,
+    PREDICTION_TYPES,
+    SpecFacts,
+    model_spec,
+    sd_base_model,
+)
 from rangefinder.formats.weights_file import save_safetensors
 
 SINGLE_FILE_NAME = "model.safetensors"
@@ -29,13 +38,13 @@ SGM_CLIP_L_PREFIX = "conditioner.embedders.0.transformer."
 SGM_CLIP_G_PREFIX = "conditioner.embedders.1.model."
 # What the UNet predicts, as ComfyUI's own checkpoint saver says it (comfy_extras/nodes_model_merging.py
 # `save_checkpoint` at 3d3d14d2847: an empty `v_pred` tensor in a v-prediction model, and `modelspec.predict_key`
-# "epsilon" or "v" in the metadata). The tensor is what loaders read back: ComfyUI for SDXL (comfy/supported_models.py
-# `SDXL.model_type`), A1111 for SDXL and SD 2.x in its later versions (modules/sd_models_config.py
-# `guess_model_config_from_state_dict`), diffusers never. No loader reads it for SD 1.x: ComfyUI's SD15 keeps
-# `supported_models_base.BASE.model_type`'s EPS, A1111 its v1 config unless a `<file>.yaml` lies beside the file.
+# "epsilon" or "v" in the metadata, which model_spec.model_spec writes with the spec's `modelspec.prediction_type`).
+# The tensor is what loaders read back: ComfyUI for SDXL (comfy/supported_models.py `SDXL.model_type`), A1111 for
+# SDXL in its later versions (modules/sd_models_config.py `guess_model_config_from_state_dict`), diffusers never. No
+# loader reads it for SD 1.x: ComfyUI's SD15 keeps `supported_models_base.BASE.model_type`'s EPS, A1111 its v1 config
+# unless a `<checkpoint stem>.yaml` lies beside the file (`find_checkpoint_config_near_filename`, which it reads
+# before guessing); SwarmUI samples it as `modelspec.prediction_type` says.
 V_PRED_KEY = "v_pred"
-PREDICT_KEY = "modelspec.predict_key"
-PREDICT_KEY_VALUES = {"epsilon": "epsilon", "v_prediction": "v"}  # diffusers' prediction_type -> predict_key
 
 # Inside a UNet ResBlock (openaimodel.ResBlock), diffusers' ResnetBlock2D names -> LDM names.
 UNET_RESNET_RENAMES = {
@@ -201,14 +210,16 @@ def diffusers_to_ldm_state_dict(unet, vae, text_encoder, text_encoder_2=None) ->
 
 
 def save_single_file_checkpoint(unet, vae, text_encoder, path: Path, metadata: Optional[Mapping[str, str]] = None,
-                                text_encoder_2=None, prediction_type: Optional[str] = None):
+                                text_encoder_2=None, prediction_type: Optional[str] = None,
+                                facts: Optional[SpecFacts] = None):
     """The `.safetensors` single file A1111 and ComfyUI load (and `StableDiffusionPipeline.from_single_file`, or
     StableDiffusionXLPipeline's for SDXL). `prediction_type` ("epsilon" | "v_prediction"): what the UNet predicts,
-    said as ComfyUI's saver says it (V_PRED_KEY, PREDICT_KEY); None says nothing."""
+    said as ComfyUI's saver says it (V_PRED_KEY; PREDICT_KEY in the model spec); None says nothing. The model spec
+    is sd-scripts' for a checkpoint (`is_stable_diffusion_ckpt`: Stability's codebase, whose layout this is), with
+    the run's `facts`."""
     state = diffusers_to_ldm_state_dict(unet, vae, text_encoder, text_encoder_2)
-    meta = dict(metadata or {})
-    if prediction_type in PREDICT_KEY_VALUES:
-        meta[PREDICT_KEY] = PREDICT_KEY_VALUES[prediction_type]
+    architecture = ARCH_SDXL if text_encoder_2 is not None else sd_base_model(unet.config, prediction_type)[1]
+    meta = {**(metadata or {}), **model_spec(architecture, MODELSPEC_IMPL_SGM, facts, prediction_type)}
     if prediction_type == "v_prediction":
         import torch
 
@@ -226,12 +237,13 @@ def single_file_prediction_type(path: Path) -> Optional[str]:
         if V_PRED_KEY in f.keys():
             return "v_prediction"
         said = (f.metadata() or {}).get(PREDICT_KEY)
-    return {v: k for k, v in PREDICT_KEY_VALUES.items()}.get(said or "")
+    return {v: k for k, v in PREDICTION_TYPES.items()}.get(said or "")
 
 
-def export_full(model_dir: Path, out_path: Optional[Path] = None, metadata: Optional[Mapping[str, str]] = None):
+def export_full(model_dir: Path, out_path: Optional[Path] = None, metadata: Optional[Mapping[str, str]] = None,
+                facts: Optional[SpecFacts] = None):
     """The single file next to a diffusers folder (`final/` -> `final/model.safetensors` by default), saying what its
-    UNet predicts as the folder's scheduler does."""
+    UNet predicts as the folder's scheduler does, with the run's `facts` in its model spec."""
     import json
 
     from diffusers import AutoencoderKL, UNet2DConditionModel
@@ -247,5 +259,4 @@ def export_full(model_dir: Path, out_path: Optional[Path] = None, metadata: Opti
     if (model_dir / "text_encoder_2" / "config.json").is_file():  # SDXL
         text_encoder_2 = CLIPTextModelWithProjection.from_pretrained(str(model_dir / "text_encoder_2"))
     return save_single_file_checkpoint(unet, vae, text_encoder, out_path or model_dir / SINGLE_FILE_NAME, metadata,
-                                       text_encoder_2=text_encoder_2,
-                                       prediction_type=predicts)
+                                       text_encoder_2=text_encoder_2, prediction_type=predicts, facts=facts)

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rangefinder.formats.diffusers_folder import clip_text_key
+from rangefinder.formats.model_spec import MODELSPEC_IMPL_SGM, SpecFacts, model_spec, sd3_architecture
 from rangefinder.formats.single_file import (
     LDM_UNET_PREFIX,
     LDM_VAE_PREFIX,
@@ -138,8 +139,11 @@ def sd3_single_file_state_dict(transformer: Any, vae: Any, text_encoder: Any, te
     return sd
 
 
-def export_sd3_full(model_dir: Path, out_path: Path, metadata: Optional[Mapping[str, str]] = None) -> Path:
-    """The SD3 single file next to a StableDiffusion3Pipeline folder."""
+def export_sd3_full(model_dir: Path, out_path: Path, metadata: Optional[Mapping[str, str]] = None,
+                    facts: Optional[SpecFacts] = None) -> Path:
+    """The SD3 single file next to a StableDiffusion3Pipeline folder, with the model spec sd-scripts gives an SD3
+    checkpoint (sd3_train_utils.py: `is_stable_diffusion_ckpt`, so Stability's codebase) and the run's `facts`; no
+    prediction type, which a flow-matching model has none of (sd-scripts' "epsilon" there is not what it predicts)."""
     from diffusers import AutoencoderKL, SD3Transformer2DModel
     from transformers import CLIPTextModelWithProjection, T5EncoderModel
 
@@ -149,7 +153,8 @@ def export_sd3_full(model_dir: Path, out_path: Path, metadata: Optional[Mapping[
              CLIPTextModelWithProjection.from_pretrained(str(model_dir / "text_encoder")),
              CLIPTextModelWithProjection.from_pretrained(str(model_dir / "text_encoder_2")),
              T5EncoderModel.from_pretrained(str(model_dir / "text_encoder_3")))
-    return save_safetensors(sd3_single_file_state_dict(*parts), Path(out_path), metadata)
+    spec = model_spec(sd3_architecture(parts[0].config), MODELSPEC_IMPL_SGM, facts)
+    return save_safetensors(sd3_single_file_state_dict(*parts), Path(out_path), {**(metadata or {}), **spec})
 
 
 def mmdit_module_name(path: str) -> tuple[str, Optional[int]]:

@@ -42,10 +42,11 @@ class FamilyLayout:
     t5: Optional[str] = None  # the part holding T5: never trained, and kept out of fp16 (T5 overflows there)
     # Parameters kept frozen when their encoder trains: SD3's CLIP-L pools unprojected (its projection the identity).
     frozen: tuple[str, ...] = ()
-    # `full`'s single file, "module:function(folder, file, metadata)": the layout ComfyUI and A1111 load.
+    # `full`'s single file, "module:function(folder, file, metadata, facts)": the layout ComfyUI and A1111 load, with
+    # the run's facts (formats/model_spec.py SpecFacts) in its model spec.
     single_file_export: str = "rangefinder.formats.single_file:export_full"
     # `lora`'s two files (diffusers' names and kohya's), "module:function(folder, denoiser, text_encoder,
-    # text_encoder_2, metadata, prediction_type)" (formats/lora.py).
+    # text_encoder_2, metadata, prediction_type, facts)" (formats/lora.py).
     lora_export: str = "rangefinder.formats.lora:save_sd_lora_files"
     pipeline_kwargs: tuple[tuple[str, object], ...] = ()  # what its pipeline's constructor and loaders also take
     # Its saved folder keeps the base model's own sampling scheduler (SDXL ships Euler) rather than the training

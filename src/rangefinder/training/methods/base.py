@@ -36,6 +36,7 @@ from rangefinder.training.family_rules import check_method_family
 
 if TYPE_CHECKING:
     from rangefinder.config import TrainingConfig
+    from rangefinder.formats.model_spec import SpecFacts
     from rangefinder.models.loading import SDComponents
 
 
@@ -58,6 +59,9 @@ class Method(ABC):
         # Epochs the weights were trained for (the run's, or the checkpoint's it was rebuilt from): the deliverables
         # record it, not the budget, so a checkpoint chosen before the end says its own. None when unknown.
         self.epochs_trained: Optional[float] = None
+        # The run's title, resolution and start, which the deliverables' model spec names (set, like epochs_trained,
+        # by the run's end and by a model rebuilt from a checkpoint; None: the files name no title, size or date).
+        self.spec_facts: Optional[SpecFacts] = None
 
     # --- setup -------------------------------------------------------------------------------------------------
 

@@ -62,7 +62,8 @@ class FullFineTune(ModuleMethod):
         # The same weights as one file in the layout ComfyUI and A1111 load: the original SD or SGM layout
         # (formats/single_file.py), Stability's SD3 layout (single_file_sd3.py), Flux's transformer in Black Forest
         # Labs' layout (flux_layout.py).
-        import_named(FAMILY_LAYOUTS[sd.family].single_file_export)(out_dir, out_dir / SINGLE_FILE_NAME, meta)
+        import_named(FAMILY_LAYOUTS[sd.family].single_file_export)(out_dir, out_dir / SINGLE_FILE_NAME, meta,
+                                                                   facts=self.spec_facts)
 
 
 def save_pipeline(sd: SDComponents, out_dir: Path) -> None:

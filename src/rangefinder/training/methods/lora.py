@@ -105,8 +105,9 @@ class LoraMethod(ModuleMethod):
         )
         te = sd.text_encoder if "text_encoder" in self._modules else None
         te_2 = sd.text_encoder_2 if "text_encoder_2" in self._modules else None
-        # Diffusers' names and kohya's, in the family's layout (formats/lora.py); kohya's names the base model, by
-        # the denoiser's config and what it was trained to predict.
+        # Diffusers' names and kohya's, in the family's layout (formats/lora.py); both name the base model, by the
+        # denoiser's config and what it was trained to predict, in their model spec.
         import_named(FAMILY_LAYOUTS[sd.family].lora_export)(out_dir, sd.unet, te, te_2,
                                                             {**meta, "rangefinder.family": sd.family},
-                                                            prediction_type=self.trained_prediction_type(sd))
+                                                            prediction_type=self.trained_prediction_type(sd),
+                                                            facts=self.spec_facts)

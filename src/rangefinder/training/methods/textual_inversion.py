@@ -188,17 +188,18 @@ class TextualInversion(Method):
             updates=self.updates_taken,
             epochs=self.epochs_trained,
         )
+        predicts = self.trained_prediction_type(sd)
         if "text_encoder_2" in self._encoders:  # SDXL: clip_l and clip_g
             from rangefinder.formats.embeddings import save_textual_inversion_sdxl
 
             save_textual_inversion_sdxl(out_dir, s.placeholder_token, self.learned_embeds().float().cpu(),
                                         self.learned_embeds("text_encoder_2").float().cpu(),
-                                        metadata={**meta, "rangefinder.family": sd.family})
+                                        metadata={**meta, "rangefinder.family": sd.family}, prediction_type=predicts,
+                                        facts=self.spec_facts)
             return
         from rangefinder.formats.model_spec import sd_base_model
 
-        # SD 1.x or 2.x, named in the A1111 file as sd-scripts names an embedding's base model.
-        predicts = self.trained_prediction_type(sd)
+        # SD 1.x or 2.x, named in the files as sd-scripts names an embedding's base model.
         architecture = None if predicts is None else sd_base_model(sd.unet.config, predicts)[1]
         save_textual_inversion(out_dir, s.placeholder_token, self.learned_embeds().float().cpu(), metadata=meta,
-                               architecture=architecture)
+                               architecture=architecture, prediction_type=predicts, facts=self.spec_facts)

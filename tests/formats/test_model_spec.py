@@ -1,0 +1,91 @@
+"""What every exported file says about itself: the SAI model spec, read back from the file with safetensors.
+
+Each family's tiny model gets each method it trains set up on it (no training: the adapters and tokens as they
+start), with the facts a run records (its title, resolution and start), and writes its deliverable through the
+method's own `save_final`, as a run's end does. Every `.safetensors` it writes must carry the spec's MUST keys
+(Stability-AI/ModelSpec README.md: sai_model_spec, architecture, implementation, title, resolution) and what
+sd-scripts adds to them (library/sai_model_spec.py at 48d368f `build_metadata_dataclass`: the date, the prediction type
+but for the flow families), the architecture and implementation as sd-scripts names them for that kind of file; a
+whole model also says what it predicts as ComfyUI's saver does (`modelspec.predict_key`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from rangefinder.formats.model_spec import SpecFacts
+from rangefinder.formats.weights_file import read_metadata
+
+FACTS = SpecFacts(title="rangefinder-sd", resolution=32, date="2025-06-01T08:30:00+00:00")
+SGM = "https://github.com/Stability-AI/generative-models"
+BFL = "https://github.com/black-forest-labs/flux"
+TOKEN = "<rf-concept>"
+
+# (family, method) -> {file under final/: (architecture, implementation)}. SD 1.x and SDXL predict epsilon here (the
+# tiny models' schedulers); SD3 and Flux predict neither.
+EXPECTED = {
+    ("sd1", "full"): {"model.safetensors": ("stable-diffusion-v1", SGM)},
+    ("sd1", "lora"): {"pytorch_lora_weights.safetensors": ("stable-diffusion-v1/lora", "diffusers"),
+                      "lora_kohya.safetensors": ("stable-diffusion-v1/lora", "diffusers")},
+    ("sd1", "textual_inversion"): {
+        "learned_embeds.safetensors": ("stable-diffusion-v1/textual-inversion", "diffusers"),
+        "a1111/rf-concept.safetensors": ("stable-diffusion-v1/textual-inversion", SGM)},
+    ("sdxl", "full"): {"model.safetensors": ("stable-diffusion-xl-v1-base", SGM)},
+    ("sdxl", "lora"): {"pytorch_lora_weights.safetensors": ("stable-diffusion-xl-v1-base/lora", "diffusers"),
+                       "lora_kohya.safetensors": ("stable-diffusion-xl-v1-base/lora", SGM)},
+    ("sdxl", "textual_inversion"): {
+        "learned_embeds.safetensors": ("stable-diffusion-xl-v1-base/textual-inversion", SGM),
+        "a1111/rf-concept.safetensors": ("stable-diffusion-xl-v1-base/textual-inversion", SGM)},
+    ("sd3", "full"): {"model.safetensors": ("stable-diffusion-3-5-large", SGM)},
+    ("sd3", "lora"): {"pytorch_lora_weights.safetensors": ("stable-diffusion-3-5-large/lora", "diffusers"),
+                      "lora_kohya.safetensors": ("stable-diffusion-3-5-large/lora", SGM)},
+    ("flux", "full"): {"model.safetensors": ("flux-1-dev", BFL)},
+    ("flux", "lora"): {"pytorch_lora_weights.safetensors": ("flux-1-dev/lora", "diffusers"),
+                       "lora_kohya.safetensors": ("flux-1-dev/lora", BFL)},
+}
+PREDICTS = {"sd1": "epsilon", "sdxl": "epsilon", "sd3": None, "flux": None}
+
+
+@pytest.mark.parametrize(("family", "method"), list(EXPECTED), ids=[f"{f}-{m}" for f, m in EXPECTED])
+def test_every_exported_file_carries_the_model_spec_of_what_it_is(request, tmp_path, family, method):
+    from rangefinder.config import ModelConfig, TrainingConfig
+    from rangefinder.models.loading import load_sd_components
+    from rangefinder.training.methods import make_method
+
+    folder = request.getfixturevalue({"sd1": "tiny_model_dir", "sdxl": "tiny_sdxl_dir", "sd3": "tiny_sd3_dir",
+                                      "flux": "tiny_flux_dir"}[family])
+    sd = load_sd_components(ModelConfig(base_model=str(folder)))
+    assert sd.family == family
+    trainer = make_method(TrainingConfig(method=method, textual_inversion={"placeholder_token": TOKEN}))
+    trainer.setup(sd, torch.float32)
+    trainer.spec_facts = FACTS  # as the run's end sets it (training/loop.py _finish)
+    trainer.save_final(sd, tmp_path)
+
+    written = {p.relative_to(tmp_path).as_posix() for p in tmp_path.glob("*.safetensors")}
+    written |= {p.relative_to(tmp_path).as_posix() for p in tmp_path.glob("a1111/*.safetensors")}
+    assert written == set(EXPECTED[family, method])  # every file a user picks up, and no other
+    predicts = {"epsilon": "epsilon", "v_prediction": "v", None: None}[PREDICTS[family]]
+    for name, (architecture, implementation) in EXPECTED[family, method].items():
+        spec = {k: v for k, v in read_metadata(tmp_path / name).items() if k.startswith("modelspec.")}
+        expected = {"modelspec.sai_model_spec": "1.0.1", "modelspec.architecture": architecture,
+                    "modelspec.implementation": implementation, "modelspec.title": "rangefinder-sd",
+                    "modelspec.resolution": "32x32", "modelspec.date": "2025-06-01T08:30:00+00:00"}
+        if predicts is not None:
+            expected["modelspec.prediction_type"] = predicts
+            if method == "full":
+                expected["modelspec.predict_key"] = predicts  # ComfyUI's saver's key, for a whole model
+        assert spec == expected, name
+
+
+def test_without_the_run_s_facts_a_file_still_names_its_base_model(tiny_model_dir, tmp_path):
+    """Exported outside a run (formats' functions called alone), a file keeps the spec's keys it can know."""
+    from rangefinder.formats.single_file import export_full
+
+    spec = {k: v for k, v in read_metadata(export_full(Path(tiny_model_dir), tmp_path / "m.safetensors")).items()
+            if k.startswith("modelspec.")}
+    assert spec == {"modelspec.sai_model_spec": "1.0.1", "modelspec.architecture": "stable-diffusion-v1",
+                    "modelspec.implementation": SGM, "modelspec.prediction_type": "epsilon",
+                    "modelspec.predict_key": "epsilon"}
