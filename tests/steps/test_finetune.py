@@ -97,6 +97,20 @@ def test_each_step_s_spec_is_validated_planned_once_and_round_trips_through_json
         TrainSpec.ramp(cfg, split, lr_min=-1e-6, lr_max=1e-1, world_size=1)
 
 
+def test_each_step_s_run_titles_its_deliverables_with_the_registered_model_name(split_dir):
+    """What a step's run delivers is titled (its files' model spec, formats/model_spec.py) with the name the
+    pipeline registers the model under; with none registered the spec leaves it to the engine, which takes the
+    run's output folder name (training/setup.py)."""
+    split = read_split(split_dir)
+    for registered, title in (("cats-v2", "cats-v2"), (None, None)):
+        cfg = demo_config(tracking={"registered_model_name": registered})
+        ft = TrainSpec.finetune(cfg, split, bounds=(1e-3, 1e-3), lr=1e-3, world_size=1)
+        specs = (ft, ft.with_lr(1e-2), ft.cooldown_of(split, epochs=2, decay_fraction=0.5),
+                 TrainSpec.ramp(cfg, split, lr_min=1e-6, lr_max=1e-1, world_size=1),
+                 TrainSpec.retrain(cfg, split, bounds=(1e-4, 1e-2), lr=1e-3, epochs=5, world_size=1))
+        assert [spec.title for spec in specs] == [title] * len(specs), registered
+
+
 @pytest.fixture(scope="module")
 def ema_run(split_dir, tiny_model_dir, tmp_path_factory):
     """A 2-epoch full fine-tune of the tiny model with an EMA average (decay 0.5: far from the raw weights)."""

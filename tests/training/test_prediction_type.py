@@ -58,8 +58,8 @@ def overridden(request, split_dir, tiny_model_dir, tmp_path_factory) -> Run:
     assert _predicts(base) == base_predicts != trained
     cfg = TrainingConfig(batch_size=4, lr=1e-4, seed=7, cache_dir=str(tmp / "cache"), steps=2, prediction_type=trained,
                          checkpoint_every_updates=1, keep_checkpoints=2)
-    result = train(TrainSpec(cfg, ValidationConfig(every_epochs=0), split_dir=split_dir, model=base),
-                   out_dir=tmp / "run")
+    result = train(TrainSpec(cfg, ValidationConfig(every_epochs=0), split_dir=split_dir, model=base,
+                             title="rf-predicts"), out_dir=tmp / "run")
     assert result.status == "ok" and len(result.checkpoints) == 2
     chosen = save_checkpoint_model(result.checkpoints[0], base, tmp / checkpoints.CHOSEN_DIR)
     average = save_checkpoint_model(result.checkpoints[-1], base, tmp / "average" / "final",
@@ -111,3 +111,32 @@ def test_the_single_files_say_what_was_trained_and_rangefinder_reads_it_back(ove
     assert load_column_pipeline(column, run.base, device="cpu").scheduler.config.prediction_type == run.trained
     converted = resolve_base_model(ModelConfig(base_model=str(file), cache_dir=str(tmp_path / "cache")))
     assert _predicts(converted.path) == run.trained
+
+
+def test_the_single_files_name_the_run_and_what_it_trained_in_their_model_spec(overridden):
+    """The model spec of final/'s single file (what SwarmUI lists and samples a checkpoint by: its title, date and
+    resolution, and modelspec.prediction_type, which it applies where ComfyUI and A1111 read nothing for SD 1.x)
+    names the run: its title (the spec's, as a pipeline step gives its registered model name), the resolution it
+    trained at and when it started, as run_summary.json records them; and what it trained the UNet to predict, not
+    what the base model predicts. chosen/ and the average's final/, written out of the run's checkpoints, say the
+    same."""
+    import datetime
+
+    from rangefinder.formats.single_file import SINGLE_FILE_NAME
+    from rangefinder.formats.weights_file import read_metadata
+
+    run = overridden
+    summary = json.loads(run.result.summary_path.read_text())
+    started = datetime.datetime.fromisoformat(summary["started"])
+    assert started.utcoffset() == datetime.timedelta(0)
+    assert abs(datetime.datetime.now(datetime.timezone.utc) - started) < datetime.timedelta(hours=1)
+    predicts = {"v_prediction": "v", "epsilon": "epsilon"}[run.trained]
+    specs = {name: {k: v for k, v in read_metadata(folder / SINGLE_FILE_NAME).items() if k.startswith("modelspec.")}
+             for name, folder in (("final", run.result.final_dir), ("chosen", run.chosen), ("average", run.average))}
+    assert specs["final"] == {
+        "modelspec.sai_model_spec": "1.0.1", "modelspec.architecture": "stable-diffusion-v1",
+        "modelspec.implementation": "https://github.com/Stability-AI/generative-models",
+        "modelspec.title": "rf-predicts", "modelspec.resolution": f"{summary['resolution']}x{summary['resolution']}",
+        "modelspec.date": summary["started"], "modelspec.prediction_type": predicts,
+        "modelspec.predict_key": predicts}
+    assert specs["chosen"] == specs["average"] == specs["final"]

@@ -289,6 +289,38 @@ def resume_short(short_run: dict, tmp_path: Path, split_dir, model, validation=S
         assert files() == before
 
 
+def test_a_resumed_run_s_files_name_when_and_as_what_the_run_began(short_run, split_dir, tiny_model_dir, tmp_path):
+    """The model spec's date and title (formats/model_spec.py SpecFacts) are what the run recorded when it began, kept
+    in its checkpoints: resumed (here a copy of the finished run under another folder name, from its last
+    checkpoint, whose start is set back to a day long past), final/ names that start and the first folder's name,
+    not the resume's clock or folder, and run_summary.json says the same."""
+    import shutil
+
+    from rangefinder.formats import checkpoints
+    from rangefinder.formats.digest import file_sha256
+    from rangefinder.formats.single_file import SINGLE_FILE_NAME
+    from rangefinder.formats.weights_file import read_metadata
+
+    out = Path(shutil.copytree(short_run["out"], tmp_path / "elsewhere"))
+    newest = checkpoints.list_checkpoints(out / checkpoints.RUN_DIR)[-1]
+    state = json.loads((newest / checkpoints.STATE_NAME).read_text())
+    assert state["title"] == short_run["out"].name  # recorded at the start: the output folder's name, no spec title
+    state["started"] = "2001-02-03T04:05:06+00:00"
+    (newest / checkpoints.STATE_NAME).write_text(json.dumps(state))
+    manifest = json.loads((newest / checkpoints.MANIFEST_NAME).read_text())
+    manifest["sha256"][checkpoints.STATE_NAME] = file_sha256(newest / checkpoints.STATE_NAME)
+    (newest / checkpoints.MANIFEST_NAME).write_text(json.dumps(manifest))
+
+    spec = TrainSpec(TrainingConfig(**short_run["training"], resume=True), ValidationConfig(**SHORT_VALIDATION),
+                     split_dir=split_dir, model=tiny_model_dir)
+    resumed = train(spec, out_dir=out)
+    assert (resumed.status, resumed.resumed_from) == ("ok", 2)
+    meta = read_metadata(out / "final" / SINGLE_FILE_NAME)
+    assert (meta["modelspec.date"], meta["modelspec.title"]) == ("2001-02-03T04:05:06+00:00", short_run["out"].name)
+    summary = json.loads((out / "run_summary.json").read_text())
+    assert (summary["started"], summary["title"]) == ("2001-02-03T04:05:06+00:00", short_run["out"].name)
+
+
 def test_a_resume_with_other_validation_timesteps_and_seed_is_refused_naming_both(
         short_run, split_dir, tiny_model_dir, tmp_path):
     from rangefinder.errors import ConfigError

@@ -89,6 +89,8 @@ def _main_parts(run: Run, state: RunState) -> dict[str, Any]:
             "metrics_rows": state.log.metrics_rows,
             "update_rows": state.log.update_rows,
             "identity": run_identity(run),
+            "started": state.started,  # what the deliverables' model spec names (RunState), kept across a resume
+            "title": state.title,
         },
     )
 
@@ -149,6 +151,7 @@ def restore_checkpoint(run: Run, state: RunState) -> None:
     state.loss_sum, state.loss_count = st["loss_since_row"]
     state.status = st["status"]
     state.log.restore(st["metrics_rows"], st["update_rows"])
+    state.started, state.title = st.get("started", state.started), st.get("title", state.title)  # not in older ones
     state.resumed_from = state.update
 
 

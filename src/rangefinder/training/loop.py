@@ -41,6 +41,7 @@ from rangefinder.config import ValidationConfig
 from rangefinder.errors import ConfigError, Preempted, on_sigint
 from rangefinder.formats import checkpoints
 from rangefinder.formats.atomic import atomic_dir, write_json
+from rangefinder.formats.model_spec import SpecFacts
 from rangefinder.training.checkpointing import check_resume, restore_checkpoint, save_checkpoint
 from rangefinder.training.data import Stream
 from rangefinder.training.disk import outputs_written
@@ -121,7 +122,7 @@ def train(
         # One training generator, the same on every rank: each rank draws the randomness of the whole micro-batch
         # and keeps its share (_micro_batch_loss), so N processes train what one process does at the same global
         # batch (up to float summation order).
-        state = RunState.fresh(cfg.seed, log)
+        state = RunState.fresh(cfg.seed, log, settings.title)
         restore_checkpoint(run, state)
         # Samples during training (sampling.every_validations): rendered right after the validations they follow.
         samples = TrainingSamples.start(run, state, spec.sampling, metric_sink)
@@ -214,7 +215,7 @@ def weights_measurer(spec: TrainSpec, *, out_dir: Union[str, Path],
 
         def measure(weights: dict[str, torch.Tensor]) -> dict[str, Any]:
             run.method.load_trainable_state_dict({k: v.to(run.device) for k, v in weights.items()})
-            validate(run, RunState.fresh(settings.cfg.seed, log), None)
+            validate(run, RunState.fresh(settings.cfg.seed, log, settings.title), None)
             return dict(log.metrics_rows[-1])
 
         yield measure
@@ -452,6 +453,8 @@ def _finish(run: Run, state: RunState, *, save_final: bool, seconds: float, cpu_
             run.sd.unet.to(memory_format=torch.contiguous_format)  # safetensors writes contiguous tensors only
         # the average (EMA's, a schedule-free optimizer's) is what it saves
         run.method.epochs_trained = run.stream.epochs_after(state.micro_batches_done)
+        run.method.spec_facts = SpecFacts(title=state.title, resolution=run.data.data_cfg.resolution,
+                                          date=state.started)
         with run.schedule_free_eval(), run.ema_weights(on=True), run.fp32_weights(), atomic_dir(final_dir) as tmp:
             run.method.save_final(run.sd, tmp)
     run.accelerator.wait_for_everyone()
@@ -485,6 +488,8 @@ def _finish(run: Run, state: RunState, *, save_final: bool, seconds: float, cpu_
             "validation": run.val_cfg.model_dump(),
             "train_on": settings.train_on,
             "resolution": run.data.data_cfg.resolution,
+            "started": state.started,  # the run's start (a resumed run's too), its deliverables' model-spec date
+            "title": state.title,  # their model-spec title
             "buckets": _bucket_summary(run, state),
             "family": run.family.name,  # detected from the base model (models/loading.py: detect_family)
             "prediction_type": run.family.prediction_type,

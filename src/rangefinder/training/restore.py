@@ -17,6 +17,7 @@ from rangefinder.formats import checkpoints
 
 if TYPE_CHECKING:
     from rangefinder.config import TrainingConfig
+    from rangefinder.formats.model_spec import SpecFacts
     from rangefinder.models.loading import SDComponents
     from rangefinder.training.methods.base import Method
 
@@ -54,7 +55,9 @@ def _rebuilt(ckpt_dir: Path, cfg: TrainingConfig, base_model: Path) -> tuple[Met
     family_for(sd, cfg)
     method.setup(sd, torch.float32)
     method.load_trainable_state_dict(checkpoints.read_weights(ckpt_dir))
-    method.epochs_trained = checkpoints.read_state(ckpt_dir).get("epoch")  # None in checkpoints written before it
+    state = checkpoints.read_state(ckpt_dir)
+    method.epochs_trained = state.get("epoch")  # None in checkpoints written before it
+    method.spec_facts = _spec_facts(ckpt_dir, state)
     # In the run's order (Run.schedule_free_eval around Run.ema_weights): a schedule-free optimizer's eval mode, then
     # the EMA, which replaces every trainable tensor; the other way round the optimizer averaged the EMA with its z,
     # a model the run never validated nor saved.
@@ -69,6 +72,18 @@ def _rebuilt(ckpt_dir: Path, cfg: TrainingConfig, base_model: Path) -> tuple[Met
         ema.load_state_dict(ema_state)
         ema.copy_to(params)
     return method, sd
+
+
+def _spec_facts(ckpt_dir: Path, state: dict[str, Any]) -> SpecFacts:
+    """The title, resolution and start the checkpoint's run recorded (training/state.py RunState), which its final
+    files name: a model written out of the checkpoint says what the run's own final/ says. A checkpoint from before
+    they were kept: the run's folder name (the engine's own default title), and no date."""
+    from rangefinder.formats.model_spec import SpecFacts
+
+    run_dir = Path(ckpt_dir).resolve().parent.parent  # <run>/checkpoints/checkpoint-<update>
+    return SpecFacts(title=state.get("title") or run_dir.name,
+                     resolution=state.get("identity", {}).get("data", {}).get("resolution"),
+                     date=state.get("started"))
 
 
 def delivered_state(ckpt_dir: Path, base_model: Path) -> dict[str, Any]:

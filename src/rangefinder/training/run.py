@@ -61,6 +61,7 @@ class RunSettings:
     train_buckets: Optional[list[Size]] = None  # the buckets training items are in, sorted by (width, height)
     train_bucket_of: Optional[list[int]] = None
     branch: bool = False  # TrainSpec.branch: the first checkpoint is another run's, continued under another schedule
+    title: str = ""  # the deliverables' model-spec title: TrainSpec.title, else the output folder's name
 
     @property
     def ckpt_root(self) -> Path:

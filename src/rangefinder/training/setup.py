@@ -98,7 +98,8 @@ def check_settings(spec: TrainSpec, out_dir: Union[str, Path], split: Optional[S
                        out_dir=out_dir, file_hashes=hashes,
                        compile=resolve_compile(cfg.compile, run_plan.total_updates, torch.cuda.is_available()),
                        buckets=buckets, placements=placements, train_buckets=train_buckets,
-                       train_bucket_of=train_bucket_of, branch=spec.branch)
+                       train_bucket_of=train_bucket_of, branch=spec.branch,
+                       title=spec.title or out_dir.resolve().name)
 
 
 # Runs of more updates than this would compile under training.compile=auto, if compiling paid: None, it has not.

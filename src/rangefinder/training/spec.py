@@ -57,6 +57,9 @@ class TrainSpec:
     under another schedule or length (the fine-tune's cooldown, `cooldown_of`); the resume check then lets the
     schedule and the length differ, provided every update before the checkpoint had the same LR in both
     (identity.check_same_run). Everything else must be the same run.
+    `title`: what the run's deliverables call the model (their model spec's title, formats/model_spec.py): the
+    pipeline's registered model name; None: the output folder's name, as sd-scripts' default title is its output
+    name. Recorded when the run starts (training/state.py RunState), so it is not part of the run's identity.
     """
 
     training: TrainingConfig
@@ -68,6 +71,7 @@ class TrainSpec:
     sampling: Optional[SamplingConfig] = None
     plan: Optional[Plan] = None
     branch: bool = False
+    title: Optional[str] = None
 
     # --- one validated constructor per step kind ------------------------------------------------------------------
 
@@ -147,7 +151,7 @@ class TrainSpec:
         if split.folder is None:
             raise ValueError("a step's spec is built from a split read from its folder (data.split.read_split)")
         spec = cls(training, validation, split_dir=split.folder, model=cfg.model, data=cfg.data, train_on=train_on,
-                   sampling=sampling)
+                   sampling=sampling, title=cfg.tracking.registered_model_name or None)
         return replace(spec, plan=spec.plan_from(split))
 
     def plan_from(self, split: Split) -> Plan:

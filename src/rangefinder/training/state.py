@@ -8,6 +8,7 @@ it had never stopped. Everything else the loop uses is fixed once setup is done 
 from __future__ import annotations
 
 import csv
+import datetime
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,11 +32,17 @@ class RunState:
     loss_count: int = 0
     status: str = "ok"  # "ok" | "diverged" | "paused" (set after the pause's checkpoint, never saved)
     resumed_from: Optional[int] = None  # the update this process resumed at (not saved)
+    # When the run began (ISO-8601, UTC, to the second) and the title its deliverables carry: what their model spec
+    # names as its date and title (formats/model_spec.py SpecFacts). Recorded once, when the run starts afresh, and
+    # put back from its checkpoint by a resume, so a resumed run's files say what the uninterrupted run's say.
+    started: str = ""
+    title: str = ""
 
     @classmethod
-    def fresh(cls, seed: int, log: RunLog) -> RunState:
+    def fresh(cls, seed: int, log: RunLog, title: str) -> RunState:
         """The state before the first update; `seed` is the run's seed plus the process rank."""
-        return cls(train_gen=torch.Generator().manual_seed(seed), log=log)
+        started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        return cls(train_gen=torch.Generator().manual_seed(seed), log=log, started=started, title=title)
 
     def add_update(self, row: dict[str, Any]) -> None:
         """Record one update's row of updates.csv (`train_loss` also counts towards the next metrics row)."""
