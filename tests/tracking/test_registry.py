@@ -255,7 +255,8 @@ def test_model_environment_installs_from_the_configured_index_and_predicts(sqlit
 def test_each_family_loads_as_its_pipeline_and_generates_what_its_samples_do(sqlite_tracking_uri, request, family,
                                                                             pipeline_class):
     """The pyfunc model of each family renders the image the family's own pipeline renders with the call arguments
-    of samples during training (Flux: the T5 sequence length it was trained with, not FluxPipeline's 512)."""
+    of samples during training (SD3 and Flux: the T5 sequence length each was trained with, not its pipeline's
+    default)."""
     import diffusers
     import numpy as np
     import torch

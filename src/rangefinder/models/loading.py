@@ -38,10 +38,12 @@ from rangefinder.formats.single_file import single_file_prediction_type
 from rangefinder.training.family_detection import (
     FAMILY_DENOISER,
     FAMILY_LAYOUTS,
+    FAMILY_OF_PIPELINE,
     FAMILY_PARTS,
     detect_family,
     import_named,
     single_file_family,
+    t5_sequence_length,
 )
 
 SINGLE_FILE_SUFFIX = ".safetensors"
@@ -652,10 +654,11 @@ def check_scheduler_name(name: Optional[str]) -> None:
 
 
 def pipeline_call_kwargs(pipe: Any) -> dict[str, Any]:
-    """Keyword arguments a loaded pipeline of the model's family needs at call time beyond the common ones: Flux's T5
-    sequence length, the one it was trained with (FluxPipeline defaults to 512 tokens; a T5 tokenizer that stops
-    sooner, as the tiny model's ByT5, means a shorter one), so samples see the conditioning training saw."""
-    tokenizer_2 = getattr(pipe, "tokenizer_2", None)
-    if type(pipe).__name__ != "FluxPipeline" or tokenizer_2 is None:
+    """Keyword arguments a loaded pipeline of the model's family needs at call time beyond the common ones: the T5
+    sequence length its family trains with (family_detection.t5_sequence_length: SD3's 77 tokens, where
+    StableDiffusion3Pipeline defaults to 256; Flux's 512, or fewer where its T5 tokenizer stops sooner, as the tiny
+    model's ByT5), so samples see the conditioning training saw."""
+    family = FAMILY_OF_PIPELINE.get(type(pipe).__name__)
+    if family is None or FAMILY_LAYOUTS[family].t5_tokens is None:
         return {}
-    return {"max_sequence_length": min(512, int(getattr(tokenizer_2, "model_max_length", 512) or 512))}
+    return {"max_sequence_length": t5_sequence_length(family, pipe)}

@@ -39,11 +39,14 @@ class StableDiffusionPyfunc(PythonModel):
         settings = {**self.defaults, **{k: v for k, v in (params or {}).items() if v is not None}}
         call = {k: settings[k] for k in ("num_inference_steps", "guidance_scale", "height", "width")
                 if settings.get(k) is not None}
-        tokenizer_2 = getattr(self.pipe, "tokenizer_2", None)
-        if type(self.pipe).__name__ == "FluxPipeline" and tokenizer_2 is not None:
-            # Flux's T5 sequence length, the one it was trained with: FluxPipeline's 512 tokens, or fewer where its
-            # T5 tokenizer stops sooner (models/loading.py: pipeline_call_kwargs, which this script cannot import).
-            call["max_sequence_length"] = min(512, int(getattr(tokenizer_2, "model_max_length", 512) or 512))
+        # The T5 sequence length the model was trained with, not its pipeline's default: SD3's 77 tokens (where
+        # StableDiffusion3Pipeline takes 256), Flux's 512, each or fewer where its T5 tokenizer stops sooner
+        # (training/family_detection.py: t5_sequence_length, which this script cannot import).
+        t5 = {"StableDiffusion3Pipeline": (77, "tokenizer_3"), "FluxPipeline": (512, "tokenizer_2")}
+        if type(self.pipe).__name__ in t5:
+            tokens, tokenizer = t5[type(self.pipe).__name__]
+            limit = getattr(getattr(self.pipe, tokenizer, None), "model_max_length", None)
+            call["max_sequence_length"] = min(tokens, int(limit or tokens))
         rows = []
         for i, row in enumerate(df.to_dict("records")):
             seed = row.get("seed")

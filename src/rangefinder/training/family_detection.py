@@ -40,6 +40,9 @@ class FamilyLayout:
     # (part, "library:Class") that models/loading.py loads for training; "scheduler" is the training scheduler.
     classes: tuple[tuple[str, str], ...]
     t5: Optional[str] = None  # the part holding T5: never trained, and kept out of fp16 (T5 overflows there)
+    # T5 tokens per caption (`t5_sequence_length`): what training encodes, and so what its pipeline is called with
+    # (max_sequence_length), whose own default may differ (StableDiffusion3Pipeline's is 256).
+    t5_tokens: Optional[int] = None
     # Parameters kept frozen when their encoder trains: SD3's CLIP-L pools unprojected (its projection the identity).
     frozen: tuple[str, ...] = ()
     # `full`'s single file, "module:function(folder, file, metadata, facts)": the layout ComfyUI and A1111 load, with
@@ -52,6 +55,11 @@ class FamilyLayout:
     # Its saved folder keeps the base model's own sampling scheduler (SDXL ships Euler) rather than the training
     # DDPM; SD 1.x's has always kept the training DDPM, and SD3 and Flux train with their flow-matching one.
     samples_with_its_scheduler: bool = False
+
+    @property
+    def t5_tokenizer(self) -> Optional[str]:
+        """The part holding T5's tokenizer (text_encoder_3's is tokenizer_3); None without T5."""
+        return None if self.t5 is None else "tokenizer" + self.t5.removeprefix("text_encoder")
 
     @property
     def parts(self) -> tuple[str, ...]:
@@ -82,7 +90,7 @@ FAMILY_LAYOUTS = {
                          ("text_encoder_3", "transformers:T5EncoderModel"),
                          ("vae", "diffusers:AutoencoderKL"), ("transformer", "diffusers:SD3Transformer2DModel"),
                          ("scheduler", "diffusers:FlowMatchEulerDiscreteScheduler")),
-                        t5="text_encoder_3",
+                        t5="text_encoder_3", t5_tokens=77,  # diffusers' SD3 training examples' max_sequence_length
                         frozen=("text_encoder.text_projection",),
                         single_file_export="rangefinder.formats.single_file_sd3:export_sd3_full",
                         lora_export="rangefinder.formats.lora:save_sd3_lora_files"),
@@ -94,7 +102,7 @@ FAMILY_LAYOUTS = {
                           ("text_encoder_2", "transformers:T5EncoderModel"), ("vae", "diffusers:AutoencoderKL"),
                           ("transformer", "diffusers:FluxTransformer2DModel"),
                           ("scheduler", "diffusers:FlowMatchEulerDiscreteScheduler")),
-                         t5="text_encoder_2",
+                         t5="text_encoder_2", t5_tokens=512,  # FluxPipeline's, and diffusers' Flux training examples'
                          single_file_export="rangefinder.formats.flux_layout:export_flux_transformer",
                          lora_export="rangefinder.formats.lora:save_flux_lora_files"),
 }
@@ -108,6 +116,19 @@ SDXL_SINGLE_FILE_TE2_PREFIX = SGM_CLIP_G_PREFIX
 # SD3's single file (Stability's layout, which ComfyUI and diffusers' from_single_file read): the MMDiT's
 # `joint_blocks` under model.diffusion_model.
 SD3_SINGLE_FILE_KEY_PREFIX = LDM_UNET_PREFIX + "joint_blocks."
+
+
+def t5_sequence_length(family: str, parts: Any) -> int:
+    """T5 tokens per caption for a model of `family`, a family with T5: its layout's `t5_tokens`, or fewer where the
+    model's T5 tokenizer (an attribute of `parts`, its loaded parts or its pipeline) stops sooner, as the tiny Flux's
+    ByT5 at 64. The family's training encodes captions to this length and every sampling call passes it
+    (models/loading.py: pipeline_call_kwargs): T5 runs without an attention mask, so its states, and what the
+    transformer attends to, change with the padding, and another length is another conditioning."""
+    layout = FAMILY_LAYOUTS[family]
+    if layout.t5_tokens is None or layout.t5_tokenizer is None:
+        raise ValueError(f"the {family} family has no T5 encoder")
+    tokenizer = getattr(parts, layout.t5_tokenizer, None)
+    return min(layout.t5_tokens, int(getattr(tokenizer, "model_max_length", None) or layout.t5_tokens))
 
 
 def detect_family(folder: Path) -> str:

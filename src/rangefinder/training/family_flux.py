@@ -33,6 +33,7 @@ import torch
 from rangefinder.errors import ConfigError
 from rangefinder.training.caching import tokenize
 from rangefinder.training.family import ImageGeometry
+from rangefinder.training.family_detection import t5_sequence_length
 from rangefinder.training.family_flow import FlowFamily, flow_shift
 from rangefinder.training.family_rules import FluxRules, guidance_embedded
 
@@ -42,8 +43,6 @@ if TYPE_CHECKING:
 
 CLIP_LENGTH = 77
 DEFAULT_GUIDANCE = 3.5  # diffusers' train_dreambooth_lora_flux.py --guidance_scale, sd-scripts' --guidance_scale
-# T5's sequence length: Flux.1-dev's 512, or the tokenizer's own limit when shorter (the tiny model's 64 bytes).
-T5_LENGTH = 512
 
 
 @dataclass
@@ -54,7 +53,9 @@ class FluxFamily(FluxRules, FlowFamily):
 
     tokenizer: Any = None  # CLIP's
     tokenizer_2: Any = None  # T5's
-    t5_length: int = T5_LENGTH
+    # T5's sequence length: Flux.1-dev's 512, or the tokenizer's own limit when shorter (the tiny model's 64 bytes);
+    # family_detection.t5_sequence_length, which the pipeline's calls pass too.
+    t5_length: int = 512
     t5_width: int = 0
     pooled_width: int = 0
     guidance: Optional[float] = DEFAULT_GUIDANCE  # None: a model without the guidance embedding (schnell)
@@ -70,9 +71,8 @@ class FluxFamily(FluxRules, FlowFamily):
         if cfg.flow.shift is None and getattr(sched, "use_dynamic_shifting", False):
             dynamic = {k: float(getattr(sched, k)) for k in ("base_image_seq_len", "max_image_seq_len",
                                                                "base_shift", "max_shift")}
-        t5_limit = int(getattr(sd.tokenizer_2, "model_max_length", T5_LENGTH) or T5_LENGTH)
         return cls(cfg.flow, flow_shift(sd, cfg.flow), tokenizer=sd.tokenizer, tokenizer_2=sd.tokenizer_2,
-                   t5_length=min(T5_LENGTH, t5_limit), t5_width=int(sd.text_encoder_2.config.d_model),
+                   t5_length=t5_sequence_length("flux", sd), t5_width=int(sd.text_encoder_2.config.d_model),
                    pooled_width=int(sd.text_encoder.config.hidden_size),
                    guidance=guidance if guidance_embeds else None, dynamic_shift=dynamic)
 

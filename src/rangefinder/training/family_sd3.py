@@ -24,6 +24,7 @@ from rangefinder.errors import ConfigError
 from rangefinder.models.tiny_sd3 import sd3_conditioning
 from rangefinder.training.caching import tokenize
 from rangefinder.training.family import ImageGeometry
+from rangefinder.training.family_detection import t5_sequence_length
 from rangefinder.training.family_flow import FlowFamily, flow_shift
 from rangefinder.training.family_rules import Sd3Rules
 
@@ -32,7 +33,6 @@ if TYPE_CHECKING:
     from rangefinder.models.loading import SDComponents
 
 CLIP_LENGTH = 77
-T5_LENGTH = 77  # T5 tokens per caption: diffusers' SD3 training examples' max_sequence_length default
 
 
 @dataclass
@@ -43,6 +43,7 @@ class Sd3Family(Sd3Rules, FlowFamily):
     tokenizer_2: Any = None  # OpenCLIP bigG's
     tokenizer_3: Any = None  # T5's
     pooled_dim: int = 0  # P1 + P2
+    t5_length: int = 77  # L3, T5 tokens per caption (family_detection.t5_sequence_length: the pipeline's too)
 
     @classmethod
     def for_model(cls, sd: SDComponents, cfg: TrainingConfig) -> Sd3Family:
@@ -53,7 +54,7 @@ class Sd3Family(Sd3Rules, FlowFamily):
             raise ConfigError(f"model.base_model: an SD3 model whose pooled width ({pooled}) exceeds T5's width "
                               f"({width}) is not supported")
         return cls(cfg.flow, flow_shift(sd, cfg.flow), tokenizer=sd.tokenizer, tokenizer_2=sd.tokenizer_2,
-                   tokenizer_3=sd.tokenizer_3, pooled_dim=pooled)
+                   tokenizer_3=sd.tokenizer_3, pooled_dim=pooled, t5_length=t5_sequence_length("sd3", sd))
 
     def text_encoder_names(self) -> tuple[str, ...]:
         return ("text_encoder", "text_encoder_2", "text_encoder_3")
@@ -62,7 +63,7 @@ class Sd3Family(Sd3Rules, FlowFamily):
 
     def tokenize(self, captions: Sequence[str]) -> torch.Tensor:
         """(N, 3, max(77, L3)): each tokenizer's ids, zero-padded at the end to one length."""
-        t5 = self.tokenizer_3(list(captions), padding="max_length", max_length=T5_LENGTH, truncation=True,
+        t5 = self.tokenizer_3(list(captions), padding="max_length", max_length=self.t5_length, truncation=True,
                               return_tensors="pt").input_ids
         rows = [tokenize(self.tokenizer, captions), tokenize(self.tokenizer_2, captions), t5]
         length = max(r.shape[1] for r in rows)
@@ -71,7 +72,7 @@ class Sd3Family(Sd3Rules, FlowFamily):
     def encode_prompt(self, text_encoders: Sequence[torch.nn.Module], input_ids: torch.Tensor) -> torch.Tensor:
         """(B, 3, L) ids -> (B, 77 + L3 + 1, D3): the hidden states, then the pooled row."""
         hidden, pooled = sd3_conditioning(text_encoders, input_ids[:, 0, :CLIP_LENGTH],
-                                          input_ids[:, 1, :CLIP_LENGTH], input_ids[:, 2, :T5_LENGTH])
+                                          input_ids[:, 1, :CLIP_LENGTH], input_ids[:, 2, : self.t5_length])
         row = torch.zeros((hidden.shape[0], 1, hidden.shape[2]), dtype=hidden.dtype, device=hidden.device)
         row[:, 0, : pooled.shape[1]] = pooled.to(hidden.dtype)
         return torch.cat([hidden, row], dim=1)
