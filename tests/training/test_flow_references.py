@@ -52,3 +52,27 @@ def test_samples_call_the_transformer_as_training_does(family, request):
         stepped = unpack_latents(stepped, channels, height // down, width // down)
     assert float(velocity.abs().mean()) > 0.1  # a velocity, not a no-op
     torch.testing.assert_close(stepped, noise - velocity, rtol=1e-5, atol=1e-5)
+
+
+def test_the_flux_validation_grid_is_the_schedulers_shift_and_says_so(request):
+    """With the scheduler's dynamic shifting (Flux.1-dev's config, and the tiny Flux's), each size's validation grid
+    is diffusers' own: FlowMatchEulerDiscreteScheduler.time_shift at calculate_shift's mu for the packed image's
+    token count (the mu FluxPipeline samples with); the run's statement of the grid names that shift and its mu, not
+    the config's constant `shift` (3.0), which dynamic shifting does not apply."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+    from rangefinder.training.family_flow import FlowFamily
+
+    sd, fam = loaded("flux", request)
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(sd.noise_scheduler.config)
+    c = scheduler.config
+    assert c.use_dynamic_shifting and c.shift == 3.0
+    unshifted = FlowFamily(fam.flow, 1.0).validation_sigmas(4, (4, 6))
+    for latent_hw in [(4, 6), (64, 64), (96, 128)]:  # a tiny bucket, Flux at 1024 px and at 1536x2048 px
+        mu = calculate_shift((latent_hw[0] // 2) * (latent_hw[1] // 2), c.base_image_seq_len, c.max_image_seq_len,
+                             c.base_shift, c.max_shift)
+        expected = scheduler.time_shift(mu, 1.0, torch.tensor(unshifted, dtype=torch.float64)).float()
+        assert fam.validation_sigmas(4, latent_hw) == pytest.approx(expected.tolist(), rel=1e-6)
+        statement = fam.validation_weighting(4, latent_hw).statement
+        assert "shift 3" not in statement and f"mu {mu:.4g}" in statement

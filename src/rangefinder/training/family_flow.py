@@ -72,6 +72,10 @@ class FlowFamily(FlowRules):
         s = self.shift
         return s * sigmas / (1 + (s - 1) * sigmas)
 
+    def shift_words(self, latent_hw: tuple[int, int]) -> str:
+        """The shift `shift_sigmas` applies at latents of `latent_hw`, in the words of the validation statement."""
+        return f"shift {self.shift:g}"
+
     def _from_uniform(self, u: torch.Tensor) -> torch.Tensor:
         """Sigma (before the shift) at uniform u, through the inverse CDF of the sampling density; float64."""
         f = self.flow
@@ -117,11 +121,12 @@ class FlowFamily(FlowRules):
         return ValidationWeighting(
             f"val_loss is the plain mean of the {num_buckets} per-sigma losses val_loss_b0..b{num_buckets - 1}; "
             f"bucket k scores every image at the one sigma of the grid (the (k + 1/2)/{num_buckets} quantile of the "
-            f"training density, {f.timestep_sampling}, shift {self.shift:g}) with noise fixed by (seed, item, k): "
-            "equal-probability parts of what training samples, so the mean estimates the expected unweighted "
-            "training loss; the MSE against the velocity noise - x0, unweighted (training.flow.loss_weighting "
-            f"{f.loss_weighting} weights training only); the losses at different sigma differ in scale and the "
-            "largest dominate the mean: read the per-sigma columns for where the model changes",
+            f"training density, {f.timestep_sampling}, {self.shift_words(latent_hw)}) with noise fixed by "
+            "(seed, item, k): equal-probability parts of what training samples, so the mean estimates the expected "
+            "unweighted training loss; the MSE against the velocity noise - x0, unweighted "
+            f"(training.flow.loss_weighting {f.loss_weighting} weights training only); the losses at different "
+            "sigma differ in scale and the largest dominate the mean: read the per-sigma columns for where the "
+            "model changes",
             tuple(sigmas))
 
     # --- the objective ------------------------------------------------------------------------------------------

@@ -84,12 +84,23 @@ class FluxFamily(FluxRules, FlowFamily):
     def shift_sigmas(self, sigmas: torch.Tensor, latent_hw: tuple[int, int]) -> torch.Tensor:
         if self.dynamic_shift is None:
             return super().shift_sigmas(sigmas, latent_hw)
-        d = self.dynamic_shift
-        tokens = (latent_hw[0] // 2) * (latent_hw[1] // 2)
-        slope = (d["max_shift"] - d["base_shift"]) / (d["max_image_seq_len"] - d["base_image_seq_len"])
-        mu = d["base_shift"] + slope * (tokens - d["base_image_seq_len"])
+        mu = self._mu(latent_hw)
         s = sigmas.double().clamp(1e-12, 1.0)
         return (math.exp(mu) / (math.exp(mu) + (1 / s - 1))).to(sigmas.dtype)
+
+    def shift_words(self, latent_hw: tuple[int, int]) -> str:
+        # the scheduler config's `shift` is not what is applied when its dynamic shifting is
+        if self.dynamic_shift is None:
+            return super().shift_words(latent_hw)
+        return (f"the scheduler's resolution-dependent shift, mu {self._mu(latent_hw):.4g} at "
+                f"{_image_tokens(latent_hw)} image tokens (latents {latent_hw[0]}x{latent_hw[1]}; each image size "
+                "has its own grid)")
+
+    def _mu(self, latent_hw: tuple[int, int]) -> float:
+        """The exponential shift's mu at latents of `latent_hw`: linear in the packed image's token count."""
+        d = self.dynamic_shift or {}
+        slope = (d["max_shift"] - d["base_shift"]) / (d["max_image_seq_len"] - d["base_image_seq_len"])
+        return d["base_shift"] + slope * (_image_tokens(latent_hw) - d["base_image_seq_len"])
 
     # --- conditioning -------------------------------------------------------------------------------------------
 
@@ -153,6 +164,11 @@ class FluxFamily(FluxRules, FlowFamily):
 
         return FluxPipeline(scheduler=scheduler, vae=sd.vae, text_encoder=sd.text_encoder, tokenizer=sd.tokenizer,
                             text_encoder_2=sd.text_encoder_2, tokenizer_2=sd.tokenizer_2, transformer=sd.unet)
+
+
+def _image_tokens(latent_hw: tuple[int, int]) -> int:
+    """The transformer's image tokens for latents of (h, w): one per 2x2 patch."""
+    return (latent_hw[0] // 2) * (latent_hw[1] // 2)
 
 
 def unpack_latents(packed: torch.Tensor, channels: int, height: int, width: int) -> torch.Tensor:
