@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 import mlflow
 import pandas as pd
@@ -386,3 +387,72 @@ def test_a_delivered_window_average_s_version_states_its_own_validation_loss(sql
     delivered, replaced = version.description.split(" It replaced the window's pick: ")
     assert delivered.endswith("Its validation loss 0.04859 is below the base model's 0.2486.")
     assert "0.05024 is below" not in delivered and replaced.startswith("Weights at update 304 (epoch 76).")
+
+
+def test_scheduled_versions_name_what_made_them_and_say_when_their_val_loss_does_not_compare(
+        sqlite_tracking_uri, tiny_model_dir, shapes_dataset_dir, split_dir, tmp_path):
+    """A schedule registers run after run into one model, and a person compares the new @candidate with the one
+    before it and with @champion in the Models tab. Each version's tags name its base model, family, method and data
+    (the split's digest, and its validation set's digest and image count, as its source run's MLflow Datasets have
+    them): a rerun on unchanged data reads alike. A version trained another way, or on other data, says so in its
+    description, and that its val_loss was measured on other images where the validation set changed: they read
+    only the same `val_loss` and description, and v3's looked worse than v2's where its validation set was harder.
+    The fine-tune's run is the real step's record (its config and split), without training."""
+    import shutil
+
+    from rangefinder.data.split import split_dataset
+    from rangefinder.data.synthetic import make_synthetic_dataset
+    from rangefinder.tracking import ensure_parent_run, folder_digest
+
+    name = "rf-scheduled"
+    client = MlflowClient(sqlite_tracking_uri)
+
+    def pipeline_run(run_name: str, method: str, split) -> Any:
+        cfg = RangefinderConfig.model_validate({
+            "model": {"base_model": str(tiny_model_dir)}, "training": {"method": method},
+            "tracking": {"tracking_uri": sqlite_tracking_uri, "experiment_name": "scheduled",
+                         "registered_model_name": name}})
+        parent = ensure_parent_run(cfg, name=run_name)
+        with step_run(cfg, "finetune", parent_run_id=parent) as ft:
+            ft.log_config(cfg)
+            ft.log_dataset_manifest(split)
+        with step_run(cfg, "register_model", parent_run_id=parent) as reg:
+            made = reg.log_diffusers_model(tiny_model_dir, source_step="finetune", metrics={"val_loss": 0.1},
+                                           num_inference_steps=2)
+        return client.get_model_version(name, made.version)
+
+    first = pipeline_run("monday", "lora", split_dir)
+    lineage = {"rangefinder.base_model": str(tiny_model_dir), "rangefinder.model_family": "sd1",
+               "rangefinder.method": "lora", "rangefinder.dataset_digest": folder_digest(split_dir, "*.jsonl"),
+               "rangefinder.validation_digest": folder_digest(split_dir, "val.jsonl"),
+               "rangefinder.validation_images": "4"}
+    assert {k: first.tags.get(k) for k in lineage} == lineage
+    # The same config and data again: another source run, the same lineage, and nothing said against version 1.
+    again = pipeline_run("tuesday", "lora", split_dir)
+    assert again.run_id != first.run_id and {k: again.tags.get(k) for k in lineage} == lineage
+    assert "Unlike" not in again.description
+    promote(name, "1", tracking_uri=sqlite_tracking_uri)
+
+    # Images added and a caption changed, then a full fine-tune into the same registered model.
+    data = tmp_path / "data"
+    shutil.copytree(shapes_dataset_dir, data)
+    make_synthetic_dataset(tmp_path / "more", kind="shapes", count=4, seed=9)
+    for i, image in enumerate(sorted((tmp_path / "more").glob("*.png"))):
+        shutil.copy(image, data / f"added{i}.png")
+        shutil.copy(image.with_suffix(".txt"), data / f"added{i}.txt")
+    (data / "00000.txt").write_text("a shape, captioned anew\n")
+    changed = tmp_path / "split"
+    split_dataset(data, changed, val_split=0.2, stabilize_split=0.2, seed=555)
+    third = pipeline_run("wednesday", "full", changed)
+    val_digest = folder_digest(changed, "val.jsonl")
+    assert third.tags["rangefinder.method"] == "full" and third.tags["rangefinder.validation_images"] == "5"
+    assert third.tags["rangefinder.validation_digest"] == val_digest != lineage["rangefinder.validation_digest"]
+    unlike = (f"method full where it had lora; another validation set (5 images, digest {val_digest}, where it had "
+              f"4 images, digest {lineage['rangefinder.validation_digest']}), so their val_loss values were measured "
+              f"on other images and do not compare; other data (dataset digest {folder_digest(changed, '*.jsonl')}, "
+              f"where it had {lineage['rangefinder.dataset_digest']}).")
+    assert f"Unlike version 2 (the version before it): {unlike}" in third.description, third.description
+    assert f"Unlike version 1 (@champion): {unlike}" in third.description, third.description
+    # The run moved @candidate only: @champion stays where the person put it.
+    assert str(client.get_model_version_by_alias(name, "candidate").version) == "3"
+    assert str(client.get_model_version_by_alias(name, "champion").version) == "1"

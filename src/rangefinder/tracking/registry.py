@@ -37,6 +37,19 @@ REGISTERED_BY = "rangefinder.registered_by_run_id"
 # The tag that named it before REGISTERED_BY was set on every version (cec60ec): a version registered by earlier code
 # carries only this one where the registering run was the source run, and a retry must still find it.
 OLD_REGISTERED_BY = "rangefinder.run_id"
+# What made a version's weights, as its tags (StepRun.lineage), so that versions of one registered model that a schedule
+# registers run after run can be told apart without opening their source runs: the base model and its family, the
+# method, the split's digest, and the validation part's digest and image count (the images its val_loss is measured
+# on; a retrain's version has none). The runs that read the split carry its digest too (log_dataset_manifest), and
+# every run the base model and family (common_tags).
+TAG_BASE_MODEL = "rangefinder.base_model"
+TAG_MODEL_FAMILY = "rangefinder.model_family"
+TAG_METHOD = "rangefinder.method"
+TAG_DATASET_DIGEST = "rangefinder.dataset_digest"
+TAG_VALIDATION_DIGEST = "rangefinder.validation_digest"
+TAG_VALIDATION_IMAGES = "rangefinder.validation_images"
+# The lineage tags whose difference makes two versions other models, in the words a version's description says it.
+TRAINED_AS = {TAG_BASE_MODEL: "base model", TAG_MODEL_FAMILY: "model family", TAG_METHOD: "method"}
 # What loading the model needs, pinned to the public release of the versions that logged it.
 # The registered model's description in MLflow's Models tab (set when it has none).
 MODEL_DESCRIPTION = (
@@ -224,12 +237,64 @@ def log_diffusers_model(
     text = description or f"Fine-tuned by rangefinder (run {source_run_id})."
     if summary:
         text += f" Metrics: {summary}."
+    text += "".join(f" {line}" for line in _unlike_earlier(run.client, registered_model_name, str(mv.version),
+                                                             version_tags))
     run.client.update_model_version(registered_model_name, mv.version, description=redact(text))
     if alias:
         run.client.set_registered_model_alias(registered_model_name, alias, mv.version)
     _log.info("registered %s version %s as @%s", registered_model_name, mv.version, alias)
     return RegisteredVersion(model_uri=mv.source if info is None else info.model_uri, name=registered_model_name,
                              version=str(mv.version), alias=alias)
+
+
+def _unlike_earlier(client: Any, name: str, version: str, tags: Mapping[str, str]) -> list[str]:
+    """A sentence for each version a person compares version `version` of `name` with, the one before it (the
+    previous run's, @candidate until now) and @champion, that was not made alike (its lineage tags, `tags` here):
+    another base model, family or method, another validation set (their val_loss values were measured on other
+    images and do not compare), or other data. Nothing where they were alike, or for a version registered before
+    these tags were."""
+    from mlflow.exceptions import MlflowException
+
+    earlier: dict[str, tuple[str, Any]] = {}  # version -> (which it is, to a person; the version)
+    for before in range(int(version) - 1, 0, -1):  # the newest earlier version; a deleted one is skipped
+        try:
+            earlier[str(before)] = ("the version before it", client.get_model_version(name, str(before)))
+            break
+        except MlflowException:
+            continue
+    try:
+        champion = client.get_model_version_by_alias(name, CHAMPION)
+        if str(champion.version) in earlier:
+            earlier[str(champion.version)] = (f"the version before it, @{CHAMPION}", champion)
+        elif str(champion.version) != version:
+            earlier[str(champion.version)] = (f"@{CHAMPION}", champion)
+    except MlflowException:
+        pass
+    lines = []
+    for other, (which, mv) in earlier.items():
+        was = mv.tags
+        differs = [f"{words} {tags[k]} where it had {was[k]}" for k, words in TRAINED_AS.items()
+                   if _changed(k, tags, was)]
+        if _changed(TAG_VALIDATION_DIGEST, tags, was):
+            differs.append(f"another validation set ({_validation_set(tags)}, where it had {_validation_set(was)}), "
+                           "so their val_loss values were measured on other images and do not compare")
+        if _changed(TAG_DATASET_DIGEST, tags, was):
+            differs.append(f"other data (dataset digest {tags[TAG_DATASET_DIGEST]}, where it had "
+                           f"{was[TAG_DATASET_DIGEST]})")
+        if differs:
+            lines.append(f"Unlike version {other} ({which}): {'; '.join(differs)}.")
+    return lines
+
+
+def _changed(key: str, tags: Mapping[str, str], was: Mapping[str, str]) -> bool:
+    """Both versions have the lineage tag `key`, and not the same value (a version registered before it has none)."""
+    return bool(tags.get(key)) and bool(was.get(key)) and tags[key] != was[key]
+
+
+def _validation_set(tags: Mapping[str, str]) -> str:
+    """A version's validation set in a few words: its image count, where known, and digest."""
+    count = f"{tags[TAG_VALIDATION_IMAGES]} images, " if tags.get(TAG_VALIDATION_IMAGES) else ""
+    return f"{count}digest {tags[TAG_VALIDATION_DIGEST]}"
 
 
 def _require_whole_pipeline(folder: Path) -> None:

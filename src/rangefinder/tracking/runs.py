@@ -39,6 +39,14 @@ from rangefinder.formats.digest import hash_file_into
 from rangefinder.tracking.metrics import SAFE_TAG_VALUE, BatchedMetricLogger, metric_name
 from rangefinder.tracking.outbox import Outbox, is_away_error
 from rangefinder.tracking.redaction import REDACTED, is_secret_key, redact, safe_uri
+from rangefinder.tracking.registry import (
+    TAG_BASE_MODEL,
+    TAG_DATASET_DIGEST,
+    TAG_METHOD,
+    TAG_MODEL_FAMILY,
+    TAG_VALIDATION_DIGEST,
+    TAG_VALIDATION_IMAGES,
+)
 from rangefinder.tracking.spool import Spool, apply_record, describe, read_spool, spool_dir
 from rangefinder.tracking.target import (
     TAG_NOTE,
@@ -131,13 +139,13 @@ def common_tags(cfg: Optional[TrackingSource] = None, *, source: str = PIPELINE_
         tags["rangefinder.image"] = image
     model = _get(cfg, "model", "base_model")
     if cfg is not None and hasattr(cfg, "model"):
-        tags["rangefinder.base_model"] = model or "embedded-tiny"
+        tags[TAG_BASE_MODEL] = model or "embedded-tiny"
         from rangefinder.config import ModelConfig
         from rangefinder.training.family_detection import family_of
 
         family = family_of(cfg.model) if isinstance(cfg.model, ModelConfig) else None
         if family:
-            tags["rangefinder.model_family"] = family  # detected from the model (sd1 | sdxl), never configured
+            tags[TAG_MODEL_FAMILY] = family  # detected from the model (sd1 | sdxl), never configured
     return tags
 
 
@@ -585,7 +593,7 @@ class StepRun:
         if datasets:
             self._deliver({"kind": "inputs", "run_id": self.run_id, "datasets": datasets})
         for run_id in filter(None, (self.run_id, self.parent_run_id)):
-            self._set_tags(run_id, {"rangefinder.dataset_digest": digest})
+            self._set_tags(run_id, {TAG_DATASET_DIGEST: digest})
         return digest
 
     # --- models
@@ -596,12 +604,42 @@ class StepRun:
         when there is no parent or no such run)."""
         from rangefinder.tracking.registry import log_diffusers_model
 
+        found = None
         if source_step and self.parent_run_id:
             found = latest_step_run(self.client, self.experiment_id, self.parent_run_id, source_step)
             if found is not None:
                 kwargs.setdefault("source_run_id", found.info.run_id)
         kwargs.setdefault("registered_model_name", tracking_settings(self.cfg).registered_model_name)
+        kwargs["tags"] = {**self.lineage(found), **(kwargs.get("tags") or {})}
         return log_diffusers_model(self, pipeline_dir, **kwargs)
+
+    def lineage(self, source: Any = None) -> dict[str, str]:
+        """What made the weights this run registers, as their version's tags (registry's TAG_METHOD and the tags
+        beside it): the base model and its family (the config's, which every step of a pipeline run shares and a
+        LoRA's pipeline is exported on), the method (the `source` run's param, else the config's), and the data: the
+        split's digest (the source run's tag, else the parent run's: a retrain logs no split) and its validation
+        part's digest and image count (the source run's MLflow Dataset in context validation, as
+        log_dataset_manifest logged it; a retrain validates nothing). `source`: the run that trained the weights, as
+        search_runs returns it, or None (a registration by hand): then what the config says."""
+        from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+        base = common_tags(self.cfg)
+        tags = {k: base[k] for k in (TAG_BASE_MODEL, TAG_MODEL_FAMILY) if k in base}
+        method = (source.data.params.get("training.method") if source is not None else None) or \
+            _get(self.cfg, "training", "method")
+        if method:
+            tags[TAG_METHOD] = str(method)
+        digest = source.data.tags.get(TAG_DATASET_DIGEST) if source is not None else None
+        if digest is None and self.parent_run_id:
+            digest = _get_run(self.client, self.parent_run_id, "the parent run id").data.tags.get(TAG_DATASET_DIGEST)
+        if digest:
+            tags[TAG_DATASET_DIGEST] = digest
+        for given in (source.inputs.dataset_inputs if source is not None and source.inputs else []):
+            if {t.key: t.value for t in given.tags}.get(MLFLOW_DATASET_CONTEXT) == "validation":
+                tags[TAG_VALIDATION_DIGEST] = given.dataset.digest
+                with contextlib.suppress(ValueError, TypeError, AttributeError):
+                    tags[TAG_VALIDATION_IMAGES] = str(json.loads(given.dataset.profile)["num_rows"])
+        return tags
 
     @property
     def source_tags(self) -> dict[str, str]:
