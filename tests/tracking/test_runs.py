@@ -15,7 +15,7 @@ from PIL import Image
 from rangefinder import __version__
 from rangefinder.config import RangefinderConfig, TrackingConfig
 from rangefinder.planning import plan_for
-from rangefinder.tracking import ensure_parent_run, finish_pipeline_run, step_run
+from rangefinder.tracking import ensure_parent_run, finish_pipeline_run, folder_digest, step_run
 
 
 @pytest.fixture(params=["server", "sqlite"])
@@ -261,6 +261,11 @@ def test_dataset_manifests_are_artifacts_and_dataset_inputs(mlflow_server_uri, s
     rows = {part: json.loads(d.dataset.profile)["num_rows"] for part, d in inputs.items()}
     assert rows == {part: len((split_dir / f"{part}.jsonl").read_text().splitlines()) for part in rows}
     assert {t.key: t.value for t in inputs["val"].tags}["mlflow.data.context"] == "validation"
+    # The validation set's digest is a tag of the run and of its parent, whose row in the runs table has no Datasets:
+    # its chosen_val_loss beside another run's compares only where the two validation sets are the same.
+    val = inputs["val"].dataset.digest
+    assert child.data.tags["rangefinder.validation_digest"] == val == folder_digest(split_dir, "val.jsonl")
+    assert client.get_run(parent_id).data.tags["rangefinder.validation_digest"] == val
 
 
 def test_a_ctrl_c_inside_a_step_s_model_load_ends_the_step_interrupted_not_failed(shared_sqlite_tracking_uri,

@@ -40,8 +40,8 @@ OLD_REGISTERED_BY = "rangefinder.run_id"
 # What made a version's weights, as its tags (StepRun.lineage), so that versions of one registered model that a schedule
 # registers run after run can be told apart without opening their source runs: the base model and its family, the
 # method, the split's digest, and the validation part's digest and image count (the images its val_loss is measured
-# on; a retrain's version has none). The runs that read the split carry its digest too (log_dataset_manifest), and
-# every run the base model and family (common_tags).
+# on; a retrain's version has none). The runs that read the split carry its two digests too (log_dataset_manifest),
+# and every run the base model and family (common_tags).
 TAG_BASE_MODEL = "rangefinder.base_model"
 TAG_MODEL_FAMILY = "rangefinder.model_family"
 TAG_METHOD = "rangefinder.method"

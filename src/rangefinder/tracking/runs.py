@@ -567,7 +567,9 @@ class StepRun:
     def log_dataset_manifest(self, split_dir: str | os.PathLike, artifact_path: str = "dataset") -> str:
         """The split folder's manifests (train/val/stabilize.jsonl, split.json) as artifacts, and each part as an
         MLflow dataset input (the run's "Datasets" column: name, digest, row count, context). Returns the digest of
-        the whole split, also set as the tag `rangefinder.dataset_digest` here and on the parent run."""
+        the whole split, also set as the tag `rangefinder.dataset_digest` here and on the parent run, beside the
+        validation part's digest, `rangefinder.validation_digest`: the parent's row has no Datasets, and its
+        chosen_val_loss compares with another run's only on the same validation images."""
         folder = Path(split_dir)
         files = [p for p in sorted(folder.iterdir()) if p.suffix in (".jsonl", ".json") and p.is_file()] \
             if folder.is_dir() else []
@@ -582,18 +584,22 @@ class StepRun:
             root = str(folder)
         name = Path(root).name or "dataset"
         datasets = []
+        digests = {TAG_DATASET_DIGEST: digest}
         for part, context in (("train", "training"), ("val", "validation"), ("stabilize", "stabilize")):
             manifest = folder / f"{part}.jsonl"
             if not manifest.is_file():
                 continue
             rows = sum(1 for line in manifest.read_text().splitlines() if line.strip())
-            datasets.append({"name": f"{name}-{part}", "digest": folder_digest(folder, manifest.name),
+            part_digest = folder_digest(folder, manifest.name)
+            if context == "validation":
+                digests[TAG_VALIDATION_DIGEST] = part_digest
+            datasets.append({"name": f"{name}-{part}", "digest": part_digest,
                              "source_type": "local", "source": json.dumps({"uri": redact(root)}),
                              "profile": json.dumps({"num_rows": rows}), "context": context})
         if datasets:
             self._deliver({"kind": "inputs", "run_id": self.run_id, "datasets": datasets})
         for run_id in filter(None, (self.run_id, self.parent_run_id)):
-            self._set_tags(run_id, {TAG_DATASET_DIGEST: digest})
+            self._set_tags(run_id, digests)
         return digest
 
     # --- models
