@@ -79,6 +79,35 @@ def test_cli_sample_writes_grid(tiny_model_dir, tmp_path, capsys):
     assert result["images"] == 1 and (out / "grid.png").is_file() and (out / "grid.json").is_file()
 
 
+def test_cli_sample_renders_at_the_model_s_own_guidance_unless_told(tiny_flux_dir, tmp_path, capsys):
+    """`rangefinder sample` without --guidance sampled every family at 7.5; a Flux.1-dev model (the tiny one takes
+    guidance) samples at FluxPipeline's own, 3.5: the grid says so, and its cell is the one FluxPipeline renders when
+    given no guidance scale. --guidance still sets it."""
+    import diffusers
+    import torch
+
+    from rangefinder.models.loading import pipeline_call_kwargs
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red circle\n")
+    cells = {}
+    for name, extra in (("own", []), ("told", ["--guidance", "7.5"])):
+        out = tmp_path / name
+        assert cli_main(["sample", "--model", str(tiny_flux_dir), "--prompts", str(prompts), "--seeds", "3",
+                         "--out", str(out), "--steps", "2", "--resolution", "32", "--json", *extra]) == 0
+        manifest = json.loads((out / "grid.json").read_text())
+        assert manifest["settings"]["guidance_scale"] == {"own": 3.5, "told": 7.5}[name]
+        assert "guidance_scale=" + str(manifest["settings"]["guidance_scale"]) in (out / "grid.html").read_text()
+        cells[name] = np.asarray(Image.open(manifest["images"][0][0]).convert("RGB"))
+    capsys.readouterr()
+    pipe = diffusers.FluxPipeline.from_pretrained(str(tiny_flux_dir), local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    direct = pipe(prompt="a red circle", num_inference_steps=2, height=32, width=32,
+                  generator=torch.Generator().manual_seed(3), **pipeline_call_kwargs(pipe)).images[0]
+    assert np.array_equal(cells["own"], np.asarray(direct))
+    assert not np.array_equal(cells["own"], cells["told"])
+
+
 def test_bad_scheduler_and_missing_model_are_one_clear_error(tiny_model_dir, tmp_path):
     with pytest.raises(ConfigError, match="DDIMScheduler"):
         render_grid([tiny_model_dir], PROMPTS, SEEDS, out_dir=tmp_path, scheduler="NoSuchScheduler")

@@ -831,7 +831,11 @@ class SamplingConfig(_Section):
     )
     seeds: list[Seed] = Field(default_factory=lambda: [0, 1])
     num_inference_steps: int = Field(25, ge=1)
-    guidance_scale: float = Field(7.5, ge=0)
+    # None: the base model's own, what its diffusers pipeline's __call__ defaults to (SD 1.x/2.x 7.5, SDXL 5.0, SD3 7.0,
+    # Flux 3.5: Flux.1-dev's distilled guidance input, not classifier-free guidance; schnell ignores it), resolved
+    # where the model's family is known (family_detection.guidance_scale_for). One value for every family would sample
+    # some family at a scale its pipeline never uses: Flux.1-dev at 7.5 draws washed-out or burnt images.
+    guidance_scale: Optional[float] = Field(None, ge=0)
     scheduler: Optional[str] = None  # a diffusers scheduler class name, e.g. "DDIMScheduler"; None keeps the model's
     resolution: Optional[int] = Field(None, ge=8, le=8192)  # None: data.resolution
     # Samples during the fine-tune (training/samples.py), to see a bad run early: `prompts` x the first

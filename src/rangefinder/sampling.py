@@ -32,6 +32,7 @@ from rangefinder.formats.grid import compose_grid
 from rangefinder.formats.lora import LORA_WEIGHTS_NAME
 from rangefinder.formats.text import NotUtf8, decode_utf8
 from rangefinder.models.loading import check_scheduler_name, pipeline_call_kwargs, predict_as_the_file_says
+from rangefinder.training.family_detection import detect_family, guidance_scale_for
 
 ColumnKind = str  # "pipeline" | "single_file" | "unet" | "lora" | "textual_inversion" | "engine_checkpoint"
 
@@ -360,7 +361,7 @@ def render_grid(
     labels: Optional[Sequence[str]] = None,
     base_model: Union[str, Path, None] = None,
     steps: int = 25,
-    guidance_scale: float = 7.5,
+    guidance_scale: Optional[float] = None,
     scheduler: Optional[str] = None,
     resolution: Optional[int] = None,
     negative_prompt: Optional[str] = None,
@@ -371,7 +372,9 @@ def render_grid(
     """Render every prompt x seed (rows) for every model (columns) into `out_dir`.
 
     `models[0]` is normally the base model, so the first column shows what training changed. A LoRA or embedding
-    column is applied on top of `base_model` (default: `models[0]`). Returns the paths written and the layout:
+    column is applied on top of `base_model` (default: `models[0]`). `guidance_scale` None: the base model's own
+    (family_detection.guidance_scale_for), which the manifest's settings record. Returns the paths written and the
+    layout:
     `{"grid", "html", "manifest", "images": [[path per column] per row], "rows", "columns", "layout", "settings",
     "scores"}`; "scores" says per column how well its images follow shapes prompts (`prompt_scores`).
     """
@@ -413,6 +416,7 @@ def render_grid(
             raise ConfigError(f"column {c.label} ({c.path}) is a {FAMILY_NAMES[family]} model, but the base model "
                               f"{base} is {FAMILY_NAMES[base_family]}: a grid compares weights of one family; pass "
                               "--model of its family")
+    guidance_scale = guidance_scale_for(base_family or detect_family(base), guidance_scale)
     device = device or _default_device()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -150,6 +150,29 @@ def test_the_parent_run_s_model_resolved_dir_is_the_folder_resolve_config_resolv
     assert config["model"]["resolved_dir"] == folder
 
 
+def test_the_parent_run_s_guidance_scale_is_the_one_the_samples_use(sqlite_tracking_uri, tiny_flux_dir):
+    """sampling.guidance_scale unset is the base model's own, known once resolve-config has the model: the parent run
+    (made before that) shows the value every step samples at, FluxPipeline's 3.5 here, not None."""
+    from pathlib import Path
+
+    import yaml
+
+    from rangefinder.config import demo_config
+    from rangefinder.steps.resolve_config import parameters_from_config, run_resolve_config
+
+    params = parameters_from_config(demo_config(
+        model={"base_model": str(tiny_flux_dir)}, sampling={"scheduler": None, "guidance_scale": None},
+        tracking={"tracking_uri": sqlite_tracking_uri, "experiment_name": "guidance"}))
+    base = params.pop("base_config")
+    r = run_resolve_config(base, pipeline_job_id="kfp-run-guidance", **params)
+
+    client = MlflowClient(tracking_uri=sqlite_tracking_uri)
+    parent = client.get_run(r.mlflow_parent_run_id)
+    assert parent.data.params["sampling.guidance_scale"] == "3.5"
+    config = yaml.safe_load(Path(client.download_artifacts(parent.info.run_id, "config.yaml")).read_text())
+    assert config["sampling"]["guidance_scale"] == 3.5
+
+
 def test_the_pipeline_run_s_description_names_a_delivered_checkpoint_by_its_update_and_epoch():
     from rangefinder.steps.register_model import delivered_lead
 

@@ -36,6 +36,7 @@ def test_registered_model_loads_from_its_alias_and_generates(mlflow_server_uri, 
 
     mlflow.set_tracking_uri(mlflow_server_uri)
     model = mlflow.pyfunc.load_model(f"models:/{name}@candidate")
+    assert model.model_config["guidance_scale"] == 1.0  # as set, not the pipeline's own
     prompts = pd.DataFrame({"prompt": ["a red circle on a blue background", "a yellow square"], "seed": [3, 3]})
     out = model.predict(prompts)
     assert list(out.columns) == ["prompt", "seed", "image"] and len(out) == 2
@@ -257,7 +258,9 @@ def test_each_family_loads_as_its_pipeline_and_generates_what_its_samples_do(sql
                                                                             pipeline_class):
     """The pyfunc model of each family renders the image the family's own pipeline renders with the call arguments
     of samples during training (SD3 and Flux: the T5 sequence length each was trained with, not its pipeline's
-    default)."""
+    default). Registered without a guidance scale, its default is the pipeline's own (it was 7.5 for every family:
+    SDXL's is 5.0, SD3's 7.0 and Flux.1-dev's distilled guidance 3.5), so it renders what the pipeline renders given
+    none."""
     import diffusers
     import numpy as np
     import torch
@@ -269,19 +272,22 @@ def test_each_family_loads_as_its_pipeline_and_generates_what_its_samples_do(sql
                                                     registered_model_name=f"rf-{family}"),
                             model=ModelConfig(base_model=str(folder)))
     with step_run(cfg, "finetune") as run:
-        version = run.log_diffusers_model(folder, num_inference_steps=2, guidance_scale=1.0, resolution=32)
+        version = run.log_diffusers_model(folder, num_inference_steps=2, resolution=32)
     assert MlflowClient(tracking_uri=sqlite_tracking_uri).get_run(run.run_id).data.tags[
         "rangefinder.model_family"] == family
     mlflow.set_tracking_uri(sqlite_tracking_uri)
     model = mlflow.pyfunc.load_model(version.model_uri)
     assert type(model.unwrap_python_model().pipe).__name__ == pipeline_class
+    own = {"sdxl": 5.0, "sd3": 7.0, "flux": 3.5}[family]
+    assert model.model_config["guidance_scale"] == own
+    assert {p.name: p.default for p in model.metadata.get_params_schema().params}["guidance_scale"] == own
     prompt = "a red circle on a blue background"
     out = model.predict(pd.DataFrame({"prompt": [prompt], "seed": [3]}))
     image = decode_image(out["image"][0])
     assert image.size == (32, 32)
     pipe = getattr(diffusers, pipeline_class).from_pretrained(str(folder), local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
-    direct = pipe(prompt=prompt, num_inference_steps=2, guidance_scale=1.0, height=32, width=32,
+    direct = pipe(prompt=prompt, num_inference_steps=2, height=32, width=32,
                   generator=torch.Generator().manual_seed(3), **pipeline_call_kwargs(pipe)).images[0]
     assert np.array_equal(np.asarray(image), np.asarray(direct))
 

@@ -29,6 +29,20 @@ def rows(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+def base_render(model: Path, prompt: str, seed: int) -> Image.Image:
+    """What the model's own diffusers pipeline renders at 32 px in 2 steps, with no guidance scale given."""
+    import torch
+
+    from rangefinder.models.loading import pipeline_call_kwargs
+    from rangefinder.sampling import pipeline_class
+
+    cls, kwargs = pipeline_class(model)
+    pipe = cls.from_pretrained(str(model), local_files_only=True, **kwargs)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe(prompt=prompt, num_inference_steps=2, height=32, width=32,
+                generator=torch.Generator("cpu").manual_seed(seed), **pipeline_call_kwargs(pipe)).images[0]
+
+
 @pytest.mark.parametrize("family", FLOW_DIRS)
 def test_the_range_test_ramp_runs_over_buckets_with_samples(family, split_report, request, tmp_path):  # noqa: F811
     """The range test's exp ramp (TrainSpec.ramp's schedule) on the mixed-aspect set: every update at a higher LR,
@@ -37,8 +51,8 @@ def test_the_range_test_ramp_runs_over_buckets_with_samples(family, split_report
     split_dir, report = split_report[0], split_report[1]
     cfg = TrainingConfig(method="lora", schedule="exp-ramp", lr_min=1e-5, lr_max=1e-2, lr=1e-2, scale_lr="none",
                          batch_size=2, epochs=1, seed=2, cache_dir=str(tmp_path / "cache"))
-    sampling = SamplingConfig(prompts=["a red circle"], seeds=[0], num_inference_steps=2, guidance_scale=3.5,
-                              resolution=32, every_validations=1)
+    sampling = SamplingConfig(prompts=["a red circle"], seeds=[0], num_inference_steps=2, resolution=32,
+                              every_validations=1)  # guidance unset: the pipeline's own
     result = train(TrainSpec(cfg, ValidationConfig(every_updates=3, timesteps=2), split_dir=split_dir, model=model,
                              data=DATA, sampling=sampling), out_dir=tmp_path / "run")
     assert result.status == "ok" and result.family == family
@@ -63,6 +77,10 @@ def test_the_range_test_ramp_runs_over_buckets_with_samples(family, split_report
             assert cell.size == (32, 32)
             cells.append(cell.tobytes())
     assert cells[0] != cells[-1]  # the ramp moved the weights, and the samples show it
+    # At the pipeline's own guidance scale (Flux.1-dev's distilled guidance 3.5, SD3's 7.0), not 7.5 for every family:
+    # the baseline, still the base model, is what the pipeline renders given none.
+    assert index["settings"]["guidance_scale"] == {"sd3": 7.0, "flux": 3.5}[family]
+    assert cells[0] == base_render(model, "a red circle", seed=0).tobytes()
 
 
 @pytest.mark.parametrize("family", FLOW_DIRS)

@@ -57,6 +57,7 @@ def test_grids_at_the_baseline_every_nth_validation_and_the_last(split_dir, tiny
     entries = index["samples"]
     assert [(e["update"], e["epoch"], e["validation"]) for e in entries] == [(0, 0.0, 0), (8, 2.0, 2), (12, 3.0, 3)]
     assert index["settings"]["seeds"] == [3] and index["settings"]["every_validations"] == 2
+    assert index["settings"]["guidance_scale"] == 3.0  # as set, not the pipeline's own
     folder = tmp_path / "run" / "samples"
     for e in entries:
         assert e["grid"] == f"update-{e['update']:06d}.png" and e["logged_to"] is None  # no image sink here

@@ -25,6 +25,7 @@ from typing import Any, Optional, TypeVar
 from rangefinder.errors import TrackingError
 from rangefinder.tracking.metrics import SAFE_TAG_VALUE, VALIDATION_SECTION
 from rangefinder.tracking.redaction import redact, safe_uri
+from rangefinder.training.family_detection import detect_family, guidance_scale_for
 
 _log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -156,7 +157,7 @@ def log_diffusers_model(
     description: Optional[str] = None,
     alias: Optional[str] = CANDIDATE,
     num_inference_steps: int = 25,
-    guidance_scale: float = 7.5,
+    guidance_scale: Optional[float] = None,
     resolution: Optional[int] = None,
     name: str = "model",
     source_run_id: Optional[str] = None,
@@ -166,7 +167,8 @@ def log_diffusers_model(
     latest metric values) as version tags and in its description, `tags` as further version tags, and point
     `alias` at it.
 
-    num_inference_steps, guidance_scale and resolution become the model's defaults (overridable per predict call).
+    num_inference_steps, guidance_scale and resolution become the model's defaults (overridable per predict call);
+    guidance_scale None: the model's own, its family's pipeline's default (family_detection.guidance_scale_for).
 
     `source_run_id`: the run that trained the weights (StepRun.log_diffusers_model finds it from a step name): the
     version's source run, where the curves and decisions are, not the run logging the model (which has none).
@@ -187,7 +189,8 @@ def log_diffusers_model(
         )
     _require_whole_pipeline(folder)
     res = int(resolution or _default_resolution(folder))
-    defaults = {"num_inference_steps": int(num_inference_steps), "guidance_scale": float(guidance_scale),
+    defaults = {"num_inference_steps": int(num_inference_steps),
+                "guidance_scale": guidance_scale_for(detect_family(folder), guidance_scale),
                 "height": res, "width": res}
     mlflow.set_tracking_uri(run.tracking_uri)
     earlier = _version_registered_by(run.client, registered_model_name, run.run_id) if registered_model_name else None

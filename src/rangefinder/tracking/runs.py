@@ -213,6 +213,10 @@ def applicable_params(cfg: Any) -> dict[str, str]:
         # Not resolved yet (the parent run is made before resolve-config fetches the model): logged once it is
         # (log_resolved_config), where a param, written once, would otherwise read None for good.
         params.pop("model.resolved_dir", None)
+    if getattr(getattr(cfg, "sampling", None), "guidance_scale", "") is None:
+        # The base model's own until resolve-config reads its family (resolve_config.with_resolved_base_model):
+        # logged then, as the value the samples use, not None.
+        params.pop("sampling.guidance_scale", None)
     training = getattr(cfg, "training", None)
     if training is None or not hasattr(cfg, "kubernetes"):
         return params

@@ -131,6 +131,21 @@ def t5_sequence_length(family: str, parts: Any) -> int:
     return min(layout.t5_tokens, int(getattr(tokenizer, "model_max_length", None) or layout.t5_tokens))
 
 
+def guidance_scale_for(family: str, setting: Optional[float] = None) -> float:
+    """The guidance scale a model of `family` samples at: `setting` (sampling.guidance_scale) when set, else what the
+    family's diffusers pipeline samples at when given none, its `__call__`'s default (StableDiffusionPipeline 7.5,
+    StableDiffusionXLPipeline 5.0, StableDiffusion3Pipeline 7.0, FluxPipeline 3.5, which is Flux.1-dev's distilled
+    guidance input and which schnell, without the guidance embedding, ignores). Read from diffusers rather than
+    written down here, so that it is the value a diffusers user of the same model gets. Imports diffusers only when
+    `setting` is None."""
+    if setting is not None:
+        return float(setting)
+    import inspect
+
+    pipeline = import_named(f"diffusers:{FAMILY_LAYOUTS[family].pipeline}")
+    return float(inspect.signature(pipeline.__call__).parameters["guidance_scale"].default)
+
+
 def detect_family(folder: Path) -> str:
     """The family of a diffusers folder, from model_index.json's `_class_name`; ConfigError for a pipeline class
     rangefinder does not train."""

@@ -44,6 +44,7 @@ import torch
 from rangefinder.formats.atomic import atomic_path, write_json
 from rangefinder.models.loading import pipeline_call_kwargs
 from rangefinder.planning import planned_validations
+from rangefinder.training.family_detection import guidance_scale_for
 from rangefinder.training.geometry import ModelGeometry, check_sampling_resolution
 from rangefinder.training.sinks import ImageSink
 from rangefinder.training.validation import preserved_rng
@@ -90,6 +91,7 @@ class TrainingSamples:
     cfg: SamplingConfig
     every: int  # render at every Nth validation (and the baseline and the last)
     resolution: int  # pixels, square
+    guidance_scale: float  # sampling.guidance_scale, or the base model's own when unset
     sink: Optional[ImageSink]
     index: dict[str, Any]
     folder: Path
@@ -117,10 +119,11 @@ class TrainingSamples:
 
             check_scheduler_name(cfg.scheduler)
         folder = run.settings.out_dir / SAMPLES_DIR
+        guidance = guidance_scale_for(run.sd.family, cfg.guidance_scale)
         settings = {"prompts": list(cfg.prompts), "seeds": cfg.seeds_for_training(),
-                    "num_inference_steps": cfg.num_inference_steps, "guidance_scale": cfg.guidance_scale,
+                    "num_inference_steps": cfg.num_inference_steps, "guidance_scale": guidance,
                     "scheduler": cfg.scheduler, "resolution": resolution, "every_validations": every}
-        samples = cls(run, cfg, every, resolution, sink if isinstance(sink, ImageSink) else None,
+        samples = cls(run, cfg, every, resolution, guidance, sink if isinstance(sink, ImageSink) else None,
                       {"settings": settings, "samples": []}, folder)
         samples._resume(read_index(run.settings.out_dir), state)
         return samples
@@ -196,7 +199,7 @@ class TrainingSamples:
             generators = [torch.Generator("cpu").manual_seed(int(seed)) for _, seed in cells]
             with run.accelerator.autocast():
                 out = pipe(prompt=[p for p, _ in cells], num_inference_steps=cfg.num_inference_steps,
-                           guidance_scale=cfg.guidance_scale, height=self.resolution, width=self.resolution,
+                           guidance_scale=self.guidance_scale, height=self.resolution, width=self.resolution,
                            generator=generators, **pipeline_call_kwargs(pipe))
         return list(out.images)
 

@@ -68,8 +68,8 @@ def prepare_demo(out: Path, retrain: bool = False, lr: float | None = None, fami
         overrides["lr"] = lr
     if family == "sd3":  # the demo's DDIM samples DDPM models; SD3 samples with its own flow-matching Euler
         overrides["sampling"] = {"scheduler": None}
-    if family == "flux":  # so does Flux, whose guidance scale is the distilled guidance input (3.5), not CFG
-        overrides["sampling"] = {"scheduler": None, "guidance_scale": 3.5}
+    if family == "flux":  # so does Flux, at its own guidance scale (FluxPipeline's: the distilled guidance input, 3.5)
+        overrides["sampling"] = {"scheduler": None, "guidance_scale": None}
     # Where lr_finder auto measures the demo's full fine-tune with prodigy_step (SDXL, SD3, Flux), the range test's
     # bounds (the demo's, for SD 1.x) would go unused.
     if auto_lr_finder(family, "full") == "prodigy_step":
