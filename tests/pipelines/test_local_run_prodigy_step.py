@@ -6,6 +6,7 @@ end to end: its loss, its sampler and its registered model."""
 
 from __future__ import annotations
 
+import json
 import sqlite3
 
 import pytest
@@ -27,13 +28,14 @@ def test_lr_finder_auto_on_a_flow_model_runs_the_prodigy_branch_and_fine_tunes_a
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
     # 3 epochs (12 updates): long enough for Prodigy's d to grow from d0 (at update 9 on SD3), as it must to be read.
-    # Each samples with its own flow-matching scheduler, not the demo's DDIM (as `rangefinder demo --family F`).
+    # Each samples with its own flow-matching scheduler, not the demo's DDIM (as `rangefinder demo --family F`), and at
+    # its own pipeline's guidance scale, not the demo's 5.
     # Flux sets its own factor (prodigy_step_factor: 2, where the family's is 1); SD3 keeps its family's (4).
     model = request.getfixturevalue(f"tiny_{family}_dir")
     own = {"prodigy_step_factor": 2.0} if family == "flux" else {}
     cfg = tiny_config(shapes_dataset_dir, model, lr_finder="auto",
                       lr_range_test={"lr_min": None, "lr_max": None}, finetune={"epochs": 3},
-                      sampling={**TINY["sampling"], "scheduler": None}, **own)
+                      sampling={**TINY["sampling"], "scheduler": None, "guidance_scale": None}, **own)
     seed(tmp_path / "mlflow.db")  # the run's default store, migrated: its first step skips MLflow's migrations
     run = run_pipeline_locally(cfg, tmp_path, quiet=True)
     s = run.summary()
@@ -71,6 +73,15 @@ def test_lr_finder_auto_on_a_flow_model_runs_the_prodigy_branch_and_fine_tunes_a
                                       "where r.name = 'prodigy_step_size' and p.key = 'lr_finder'").fetchone()
         (factor_param,) = con.execute("select p.value from params p join runs r on p.run_uuid = r.run_uuid "
                                       "where r.name = 'prodigy_step_size' and p.key = 'prodigy_step_factor'").fetchone()
+        guidance = dict(con.execute("select r.name, p.value from params p join runs r on p.run_uuid = r.run_uuid "
+                                    "where p.key = 'sampling.guidance_scale'").fetchall())
     assert runs["prodigy_step_size"] == runs["finetune"] == runs[parent] == "FINISHED", runs
     assert "lr_range_test" not in runs and finder_param == "prodigy_step" and float(factor_param) == factor
     assert nested["prodigy_step_size"] == nested["finetune"]  # both children of the pipeline's run
+    # The guidance unset is the family's pipeline's own (FluxPipeline's distilled guidance 3.5, SD3's 7.0), resolved
+    # once: the pipeline's run and each step's show it, and the grid and the registered model sample at it.
+    own_guidance = {"sd3": 7.0, "flux": 3.5}[family]
+    assert {float(v) for v in guidance.values()} == {own_guidance} and {parent, "finetune"} <= set(guidance), guidance
+    grid = json.loads(next(run.run_dir.glob("sample-images*/images/grid.json")).read_text())
+    during = json.loads(next(run.run_dir.glob("finetune*/model/samples/index.json")).read_text())
+    assert grid["settings"]["guidance_scale"] == during["settings"]["guidance_scale"] == own_guidance
