@@ -245,6 +245,11 @@ class ModelConfig(_Section):
     # Set by the pipeline's first step, not by hand: the local diffusers folder base_model resolved to (downloaded
     # or converted once), which every later step loads. A step that cannot see it resolves base_model again.
     resolved_dir: Optional[str] = None
+    # Set with resolved_dir, not by hand: the revision base_model resolved to, which no later change upstream moves (a
+    # hub id's snapshot commit, where `revision: main` names whatever main is that day; a single file's
+    # "sha256:<hex>", read anyway to find its conversion). None for a folder or the embedded model. The MLflow tag
+    # rangefinder.base_model_revision of every step's run and of the registered version.
+    resolved_revision: Optional[str] = None
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -30,7 +30,8 @@ def _resolve(cfg) -> tuple:
 
 def test_resolve_config_resolves_a_hub_id_from_the_offline_cache(fake_hub_cache, shapes_dataset_dir, monkeypatch):
     """A real user's hub id on an air-gapped cluster (test_a_hub_id_through_every_step_registers_the_kept_checkpoint
-    below runs it through every step's function): the snapshot folder is in the config every later step reads."""
+    below runs it through every step's function): the snapshot folder is in the config every later step reads, and
+    its commit, the revision main named when this run resolved it (tracking tags every run with it)."""
     cache, commit = fake_hub_cache
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -39,13 +40,15 @@ def test_resolve_config_resolves_a_hub_id_from_the_offline_cache(fake_hub_cache,
     assert (r.fixed_lr, r.retrain, r.mlflow_parent_run_id) == (4e-3, True, "")
     model = load_step_config(r.config_json).model
     snapshot = cache / f"models--{HUB_REPO.replace('/', '--')}" / "snapshots" / commit
-    assert (model.base_model, model.resolved_dir) == (HUB_REPO, str(snapshot))
+    assert (model.base_model, model.resolved_dir, model.resolved_revision) == (HUB_REPO, str(snapshot), commit)
 
 
 def test_resolve_config_converts_a_single_file_once(tiny_model_dir, tmp_path):
     """A downloaded single-file checkpoint (no rangefinder metadata; model.single_file_config names the
     architecture), converted by the first step into the cache, once. tests/models/test_loading.py shows the
-    converted folder holds the file's weights."""
+    converted folder holds the file's weights. The file's sha256 (read to find the conversion) is its revision: the
+    checksum a model page lists, which tells two files of one name apart."""
+    from rangefinder.formats.digest import file_sha256
     from rangefinder.formats.single_file import export_full
 
     single = export_full(tiny_model_dir, tmp_path / "tiny-sd.safetensors")
@@ -54,6 +57,7 @@ def test_resolve_config_converts_a_single_file_once(tiny_model_dir, tmp_path):
     first = load_step_config(_resolve(cfg).config_json).model
     (converted,) = [p for p in (tmp_path / "cache" / "base-models").glob("tiny-sd-*") if p.is_dir()]
     assert first.base_model == str(single) and first.resolved_dir == str(converted)
+    assert first.resolved_revision == f"sha256:{file_sha256(single)}"
     stamp = (converted / "model_index.json").stat().st_mtime_ns
     again = load_step_config(_resolve(cfg).config_json).model
     assert again.resolved_dir == str(converted)

@@ -78,21 +78,24 @@ def test_run_resolve_config_outputs():
 
 
 def test_the_first_step_resolves_the_base_model_once_for_every_later_step(fake_hub_cache, monkeypatch):
-    """A hub id becomes the cached snapshot folder in the config the later steps receive; the UI's revision wins."""
+    """A hub id becomes the cached snapshot folder, and its commit, in the config the later steps receive; the UI's
+    revision wins."""
     from tests.conftest import HUB_REPO
 
     cache, commit = fake_hub_cache
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     params = parameters_from_config(demo_config(model={"base_model": HUB_REPO, "revision": "main",
-                                                       "resolved_dir": "/elsewhere/stale"}))
+                                                       "resolved_dir": "/elsewhere/stale",
+                                                       "resolved_revision": "0" * 40}))
     base = params.pop("base_config")
-    assert "resolved_dir" not in json.loads(base)["model"]  # each run resolves its own
+    assert {"resolved_dir", "resolved_revision"}.isdisjoint(json.loads(base)["model"])  # each run resolves its own
     params["base_model_revision"] = "v1"
     r = run_resolve_config(base, **params)
     model = json.loads(r.config_json)["model"]
     assert model["base_model"] == HUB_REPO and model["revision"] == "v1"
     assert model["resolved_dir"] == str(cache / f"models--{HUB_REPO.replace('/', '--')}" / "snapshots" / commit)
+    assert model["resolved_revision"] == commit
     assert load_step_config(r.config_json).model.resolved_dir == model["resolved_dir"]
 
 

@@ -462,3 +462,53 @@ def test_scheduled_versions_name_what_made_them_and_say_when_their_val_loss_does
     # The run moved @candidate only: @champion stays where the person put it.
     assert str(client.get_model_version_by_alias(name, "candidate").version) == "3"
     assert str(client.get_model_version_by_alias(name, "champion").version) == "1"
+
+
+def test_a_scheduled_version_names_the_commit_its_hub_base_model_resolved_to(sqlite_tracking_uri, tiny_model_dir,
+                                                                             split_dir, tmp_path, monkeypatch):
+    """A schedule trains on `revision: main` of a hub id, and main moves upstream between two runs: the base model
+    read the same on both versions, and only the parent's model.resolved_dir param showed the snapshot. resolve-config
+    (the real step, from an offline Hugging Face cache) resolves main to a snapshot commit and hands it on in the
+    config, as it hands on the folder: every step's run, the parent and the version carry it, and the second version
+    says its base model revision differs from the first's."""
+    from rangefinder.config import demo_config
+    from rangefinder.steps.resolve_config import load_step_config, parameters_from_config, run_resolve_config
+    from tests.conftest import HUB_REPO
+    from tests.models.fake_hub import make_cached_repo
+
+    cache = tmp_path / "hf-hub-cache"
+    monday = make_cached_repo(cache, HUB_REPO, tiny_model_dir, refs=("main",))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    name = "rf-hub-scheduled"
+    client = MlflowClient(sqlite_tracking_uri)
+
+    def pipeline_run(kfp_run_id: str) -> tuple[Any, dict[str, Any]]:
+        params = parameters_from_config(demo_config(
+            model={"base_model": HUB_REPO, "revision": "main"},
+            tracking={"tracking_uri": sqlite_tracking_uri, "experiment_name": "hub-scheduled",
+                      "registered_model_name": name}))
+        resolved = run_resolve_config(params.pop("base_config"), pipeline_job_id=kfp_run_id, **params)
+        cfg, parent = load_step_config(resolved.config_json), resolved.mlflow_parent_run_id
+        with step_run(cfg, "finetune", parent_run_id=parent) as ft:
+            ft.log_config(cfg)
+            ft.log_dataset_manifest(split_dir)
+        with step_run(cfg, "register_model", parent_run_id=parent) as reg:
+            made = reg.log_diffusers_model(tiny_model_dir, source_step="finetune", metrics={"val_loss": 0.1},
+                                           num_inference_steps=2)
+        runs = {"parent": client.get_run(parent), "finetune": client.get_run(ft.run_id),
+                "register_model": client.get_run(reg.run_id)}
+        return client.get_model_version(name, made.version), runs
+
+    first, runs = pipeline_run("kfp-monday")
+    revision = "rangefinder.base_model_revision"
+    assert (first.tags["rangefinder.base_model"], first.tags[revision]) == (HUB_REPO, monday)
+    assert {k: r.data.tags.get(revision) for k, r in runs.items()} == dict.fromkeys(runs, monday)
+    assert runs["parent"].data.params["model.resolved_revision"] == monday
+
+    tuesday = make_cached_repo(cache, HUB_REPO, tiny_model_dir, refs=("main",), commit="7" * 40)  # main moved
+    second, runs = pipeline_run("kfp-tuesday")
+    assert (second.tags["rangefinder.base_model"], second.tags[revision]) == (HUB_REPO, tuesday)
+    assert {k: r.data.tags.get(revision) for k, r in runs.items()} == dict.fromkeys(runs, tuesday)
+    assert (f"Unlike version 1 (the version before it): base model revision {tuesday} where it had {monday}."
+            in second.description), second.description

@@ -41,7 +41,8 @@ PIPELINE = (
     Unused(("training.world_size",),
            "the pipeline counts the processes: training.processes_per_node x distributed.num_nodes"),
     Unused(("training.resume",), "a retried training step always resumes from its newest checkpoint"),
-    Unused(("model.resolved_dir",), "the pipeline's first step sets it from model.base_model"),
+    Unused(("model.resolved_dir", "model.resolved_revision"), "the pipeline's first step sets them from "
+           "model.base_model"),
     MULTI_NODE,
 )
 

@@ -34,6 +34,7 @@ from typing import Any, Optional
 
 from rangefinder.config import FAMILY_NAMES, ModelConfig
 from rangefinder.errors import ConfigError
+from rangefinder.formats.digest import hash_file_into
 from rangefinder.formats.single_file import single_file_prediction_type
 from rangefinder.training.family_detection import (
     FAMILY_DENOISER,
@@ -70,6 +71,9 @@ class ResolvedModel:
     path: Path  # a diffusers folder with model_index.json and REQUIRED_PARTS
     kind: str  # "embedded" | "folder" | "single_file" | "hub"
     source: str  # for logs, tags and file metadata: "org/name@main", a path, "embedded tiny model"
+    # What `source` was when resolved, which a move upstream does not change (model.resolved_revision): a hub id's
+    # snapshot commit, a single file's "sha256:<hex>"; None for a folder or the embedded model (nothing hashed).
+    revision: Optional[str] = None
 
     @property
     def family(self) -> str:
@@ -127,7 +131,7 @@ def resolve_base_model(model_cfg: ModelConfig) -> ResolvedModel:
     if model_cfg.resolved_dir:
         done = Path(model_cfg.resolved_dir)
         if _missing_parts(done) == []:  # resolved by the pipeline's first step, and visible here
-            return ResolvedModel(done, kind, describe_base_model(model_cfg))
+            return ResolvedModel(done, kind, describe_base_model(model_cfg), model_cfg.resolved_revision)
     name = model_cfg.base_model
     if name is None:
         from rangefinder.models.tiny import ensure_tiny_base_model
@@ -244,13 +248,14 @@ def _resolve_single_file(path: Path, model_cfg: ModelConfig) -> ResolvedModel:
     family = _check_sd_checkpoint(path)
     config = _single_file_config(path, model_cfg, family)
     root = Path(model_cfg.cache_dir).expanduser() if model_cfg.cache_dir else default_cache_dir()
-    out = root / "base-models" / f"{path.stem[:40]}-{_single_file_key(path, config)}"
+    content, key = _single_file_key(path, config)
+    out = root / "base-models" / f"{path.stem[:40]}-{key}"
     if _missing_parts(out) != []:
         with FileLock(str(out) + ".lock"):
             if _missing_parts(out) != []:
                 with atomic_dir(out) as tmp:
                     _convert_single_file(path, config, tmp, family)
-    return ResolvedModel(out, "single_file", str(path))
+    return ResolvedModel(out, "single_file", str(path), f"sha256:{content}")
 
 
 def _check_sd_checkpoint(path: Path) -> str:
@@ -276,19 +281,20 @@ def _check_sd_checkpoint(path: Path) -> str:
     return single_file_family(path, keys)
 
 
-def _single_file_key(path: Path, config: Optional[Path]) -> str:
-    """sha256 of the file's bytes and of the architecture it is read with: a new file or config converts anew."""
+def _single_file_key(path: Path, config: Optional[Path]) -> tuple[str, str]:
+    """(the sha256 of the file's bytes, the conversion's key): the key is a sha256 of those bytes and of the
+    architecture they are read with, so a new file or config converts anew; the file's own sha256 comes of the same
+    one read (the checksum a model page lists beside the file)."""
     import diffusers
 
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
+    hash_file_into(h, path)
+    content = h.hexdigest()  # the bytes' alone; hashing goes on from there for the key
     h.update(f"|{config}|{diffusers.__version__}".encode())
     predicts = single_file_prediction_type(path)
     if predicts is not None:  # read since the scheduler says it: an earlier conversion predicted the config's
         h.update(f"|{predicts}".encode())
-    return h.hexdigest()[:16]
+    return content, h.hexdigest()[:16]
 
 
 def _single_file_config(path: Path, model_cfg: ModelConfig, family: str = "sd1") -> Optional[Path]:
@@ -466,7 +472,8 @@ def _resolve_hub(repo_id: str, model_cfg: ModelConfig) -> ResolvedModel:
             _raise_not_cached(repo_id, revision, cache)
         folder = _download(repo_id, revision, model_cfg, cache)
     _check_folder(folder, f"{where} ({folder})")
-    return ResolvedModel(folder, "hub", f"{repo_id}@{revision}")
+    # The cache keeps each commit in snapshots/<commit>: the folder's name is the commit `revision` (a branch) named.
+    return ResolvedModel(folder, "hub", f"{repo_id}@{revision}", folder.name)
 
 
 def _cached_snapshot(repo_id: str, revision: str, cache: Path) -> Optional[Path]:

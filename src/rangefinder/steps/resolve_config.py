@@ -9,8 +9,9 @@ the config's own checks, then, once the base model is resolved, the settings tha
 
 The base model is resolved here too (rangefinder.models.loading): a hub id is found in the Hugging Face cache or
 downloaded into it, a single file is converted to a diffusers folder, and `model.resolved_dir` in the config every
-later step receives names that folder. So a missing, gated or malformed model stops the run here, with one clear
-error, and the model is fetched once per pipeline run, not once per step.
+later step receives names that folder (`model.resolved_revision` the snapshot's commit, or the file's sha256). So a
+missing, gated or malformed model stops the run here, with one clear error, and the model is fetched once per
+pipeline run, not once per step.
 
 Strings and numbers cannot be None in the KFP UI, so an empty string or 0 means "unset" for the parameters below
 whose config field is Optional (dataset_dir, base_model, fixed_lr, retrain_epochs, and lr_min/lr_max, whose unset
@@ -86,9 +87,9 @@ def _nested(dotted: str, value: Any) -> dict:
 
 def base_config_json(cfg: RangefinderConfig) -> str:
     """The config as the `base_config` parameter carries it. Kubernetes settings are compiled into the pipeline
-    itself (they shape the pods), so they are left out, and so is a resolved model folder (each run resolves its
-    own)."""
-    return cfg.model_dump_json(exclude={"kubernetes": True, "model": {"resolved_dir"}})
+    itself (they shape the pods), so they are left out, and so is a resolved model folder and revision (each run
+    resolves its own)."""
+    return cfg.model_dump_json(exclude={"kubernetes": True, "model": {"resolved_dir", "resolved_revision"}})
 
 
 def parameters_from_config(cfg: RangefinderConfig, dataset_uri: str = "") -> dict[str, Any]:
@@ -184,7 +185,7 @@ def run_resolve_config(base_config: str = "", *, pipeline_job_id: str = "", pipe
     if parent:
         from rangefinder import tracking
 
-        tracking.log_resolved_config(cfg, parent)  # model.resolved_dir, known now
+        tracking.log_resolved_config(cfg, parent)  # model.resolved_dir and resolved_revision, known now
     preflight(cfg, family)
     check_pipeline_config(cfg, family)  # lr_finder auto, resolved: the range test's needs on this family
     # What the CLI could not tell before the model was fetched (a hub id): said here, in the step's log.
@@ -202,17 +203,17 @@ def run_resolve_config(base_config: str = "", *, pipeline_job_id: str = "", pipe
 
 def with_resolved_base_model(cfg: RangefinderConfig) -> tuple[RangefinderConfig, str]:
     """`cfg` with `model.resolved_dir` set to the local diffusers folder of `model.base_model` (downloaded or
-    converted now, once) and an unset `sampling.guidance_scale` set to that model's own (its family's pipeline's
-    default: family_detection.guidance_scale_for), so that every later step's samples, the registered model and
-    their MLflow params use and show one value; and the model's family. ConfigError when the model cannot be had.
-    A resolved_dir already in the config (a base_config copied from an earlier run's) is ignored: this run resolves
-    its own. A hub model's family is read off its model_index.json alone first, so that a method it cannot train
-    (textual inversion on SD3 or Flux) is refused before its weights are downloaded; the rest of its rules once it is
-    here (preflight)."""
+    converted now, once), `model.resolved_revision` to what it resolved to (a hub snapshot's commit, a single file's
+    sha256), and an unset `sampling.guidance_scale` to that model's own (its family's pipeline's default:
+    family_detection.guidance_scale_for), so that every later step's samples, the registered model and their MLflow
+    params use and show one value; and the model's family. ConfigError when the model cannot be had. A resolved_dir
+    already in the config (a base_config copied from an earlier run's) is ignored: this run resolves its own. A hub
+    model's family is read off its model_index.json alone first, so that a method it cannot train (textual inversion
+    on SD3 or Flux) is refused before its weights are downloaded; the rest of its rules once it is here (preflight)."""
     from rangefinder.models.loading import hub_family, resolve_base_model
     from rangefinder.training.family_rules import check_method_family
 
-    model = cfg.model.model_copy(update={"resolved_dir": None})
+    model = cfg.model.model_copy(update={"resolved_dir": None, "resolved_revision": None})
     before_download = hub_family(model)
     if before_download is not None:
         check_method_family(cfg.training.method, before_download)
@@ -220,7 +221,8 @@ def with_resolved_base_model(cfg: RangefinderConfig) -> tuple[RangefinderConfig,
     family = resolved.family
     print(f"base model: {resolved.source} -> {resolved.path} ({FAMILY_NAMES[family]})")
     guidance = guidance_scale_for(family, cfg.sampling.guidance_scale)
-    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"resolved_dir": str(resolved.path)}),
+    return cfg.model_copy(update={"model": model.model_copy(update={"resolved_dir": str(resolved.path),
+                                                                    "resolved_revision": resolved.revision}),
                                   "sampling": cfg.sampling.model_copy(update={"guidance_scale": guidance})}), family
 
 

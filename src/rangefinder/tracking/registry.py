@@ -39,18 +39,22 @@ REGISTERED_BY = "rangefinder.registered_by_run_id"
 # carries only this one where the registering run was the source run, and a retry must still find it.
 OLD_REGISTERED_BY = "rangefinder.run_id"
 # What made a version's weights, as its tags (StepRun.lineage), so that versions of one registered model that a schedule
-# registers run after run can be told apart without opening their source runs: the base model and its family, the
-# method, the split's digest, and the validation part's digest and image count (the images its val_loss is measured
-# on; a retrain's version has none). The runs that read the split carry its two digests too (log_dataset_manifest),
-# and every run the base model and family (common_tags).
+# registers run after run can be told apart without opening their source runs: the base model, the revision it
+# resolved to and its family, the method, the split's digest, and the validation part's digest and image count (the
+# images its val_loss is measured on; a retrain's version has none). The runs that read the split carry its two
+# digests too (log_dataset_manifest), and every step's run the base model, revision and family (common_tags).
 TAG_BASE_MODEL = "rangefinder.base_model"
+# model.resolved_revision: a hub id's snapshot commit (`revision: main` names another commit once upstream moves), a
+# single file's sha256; none for a folder.
+TAG_BASE_MODEL_REVISION = "rangefinder.base_model_revision"
 TAG_MODEL_FAMILY = "rangefinder.model_family"
 TAG_METHOD = "rangefinder.method"
 TAG_DATASET_DIGEST = "rangefinder.dataset_digest"
 TAG_VALIDATION_DIGEST = "rangefinder.validation_digest"
 TAG_VALIDATION_IMAGES = "rangefinder.validation_images"
 # The lineage tags whose difference makes two versions other models, in the words a version's description says it.
-TRAINED_AS = {TAG_BASE_MODEL: "base model", TAG_MODEL_FAMILY: "model family", TAG_METHOD: "method"}
+TRAINED_AS = {TAG_BASE_MODEL: "base model", TAG_BASE_MODEL_REVISION: "base model revision",
+              TAG_MODEL_FAMILY: "model family", TAG_METHOD: "method"}
 # What loading the model needs, pinned to the public release of the versions that logged it.
 # The registered model's description in MLflow's Models tab (set when it has none).
 MODEL_DESCRIPTION = (
@@ -253,9 +257,9 @@ def log_diffusers_model(
 def _unlike_earlier(client: Any, name: str, version: str, tags: Mapping[str, str]) -> list[str]:
     """A sentence for each version a person compares version `version` of `name` with, the one before it (the
     previous run's, @candidate until now) and @champion, that was not made alike (its lineage tags, `tags` here):
-    another base model, family or method, another validation set (their val_loss values were measured on other
-    images and do not compare), or other data. Nothing where they were alike, or for a version registered before
-    these tags were."""
+    another base model, another revision of the same one (a hub id's main moved), family or method, another
+    validation set (their val_loss values were measured on other images and do not compare), or other data. Nothing
+    where they were alike, or for a version registered before these tags were."""
     from mlflow.exceptions import MlflowException
 
     earlier: dict[str, tuple[str, Any]] = {}  # version -> (which it is, to a person; the version)
@@ -276,8 +280,10 @@ def _unlike_earlier(client: Any, name: str, version: str, tags: Mapping[str, str
     lines = []
     for other, (which, mv) in earlier.items():
         was = mv.tags
-        differs = [f"{words} {tags[k]} where it had {was[k]}" for k, words in TRAINED_AS.items()
-                   if _changed(k, tags, was)]
+        # Another base model has another revision too: the revision is news only for the same one.
+        said = [k for k in TRAINED_AS if _changed(k, tags, was)
+                and not (k == TAG_BASE_MODEL_REVISION and _changed(TAG_BASE_MODEL, tags, was))]
+        differs = [f"{TRAINED_AS[k]} {tags[k]} where it had {was[k]}" for k in said]
         if _changed(TAG_VALIDATION_DIGEST, tags, was):
             differs.append(f"another validation set ({_validation_set(tags)}, where it had {_validation_set(was)}), "
                            "so their val_loss values were measured on other images and do not compare")

@@ -41,6 +41,7 @@ from rangefinder.tracking.outbox import Outbox, is_away_error
 from rangefinder.tracking.redaction import REDACTED, is_secret_key, redact, safe_uri
 from rangefinder.tracking.registry import (
     TAG_BASE_MODEL,
+    TAG_BASE_MODEL_REVISION,
     TAG_DATASET_DIGEST,
     TAG_METHOD,
     TAG_MODEL_FAMILY,
@@ -129,7 +130,8 @@ def source_tags(source: str) -> dict[str, str]:
 
 
 def common_tags(cfg: Optional[TrackingSource] = None, *, source: str = PIPELINE_SOURCE) -> dict[str, str]:
-    """Pipeline version, source (`source_tags`) and git revision, image and base model: the facts that make a run
+    """Pipeline version, source (`source_tags`) and git revision, image and base model (with the revision it
+    resolved to, once resolve-config has resolved it: model.resolved_revision): the facts that make a run
     reproducible."""
     from rangefinder import __version__
 
@@ -140,6 +142,9 @@ def common_tags(cfg: Optional[TrackingSource] = None, *, source: str = PIPELINE_
     model = _get(cfg, "model", "base_model")
     if cfg is not None and hasattr(cfg, "model"):
         tags[TAG_BASE_MODEL] = model or "embedded-tiny"
+        revision = _get(cfg, "model", "resolved_revision")
+        if revision:
+            tags[TAG_BASE_MODEL_REVISION] = revision
         from rangefinder.config import ModelConfig
         from rangefinder.training.family_detection import family_of
 
@@ -213,6 +218,7 @@ def applicable_params(cfg: Any) -> dict[str, str]:
         # Not resolved yet (the parent run is made before resolve-config fetches the model): logged once it is
         # (log_resolved_config), where a param, written once, would otherwise read None for good.
         params.pop("model.resolved_dir", None)
+        params.pop("model.resolved_revision", None)
     if getattr(getattr(cfg, "sampling", None), "guidance_scale", "") is None:
         # The base model's own until resolve-config reads its family (resolve_config.with_resolved_base_model):
         # logged then, as the value the samples use, not None.
@@ -354,13 +360,17 @@ def _log_parent_config(client: Any, run_id: str, cfg: Any, logged: Collection[st
 
 def log_resolved_config(cfg: Any, run_id: str) -> None:
     """resolve-config's config, once the base model is resolved, on the parent run `run_id` that ensure_parent_run
-    made before: the params it did not have (model.resolved_dir; all of them for a parent made by a step that stopped
-    before it logged any) and config.yaml with the folder in it. A parent KFP's MLflow integration made is KFP's,
-    left as it is."""
+    made before: the params it did not have (model.resolved_dir, model.resolved_revision; all of them for a parent
+    made by a step that stopped before it logged any), config.yaml with the folder in it, and the base model's tags
+    known only now (its revision; the family of a hub id not fetched before). A parent KFP's MLflow integration made
+    is KFP's, left as it is."""
     client = tracking_client(cfg)
     run = _get_run(client, run_id, "the parent run id")
     if run.data.tags.get(TAG_CREATED_BY) == "rangefinder":
         _log_parent_config(client, run_id, cfg, run.data.params)
+        known = {k: v for k, v in common_tags(cfg).items() if k in (TAG_BASE_MODEL_REVISION, TAG_MODEL_FAMILY)}
+        if known:
+            apply_record(client, {"kind": "tags", "run_id": run_id, "tags": known})
 
 
 def _find_parent(client: Any, exp_id: str, key: str) -> Optional[str]:
@@ -625,16 +635,16 @@ class StepRun:
 
     def lineage(self, source: Any = None) -> dict[str, str]:
         """What made the weights this run registers, as their version's tags (registry's TAG_METHOD and the tags
-        beside it): the base model and its family (the config's, which every step of a pipeline run shares and a
-        LoRA's pipeline is exported on), the method (the `source` run's param, else the config's), and the data: the
-        split's digest (the source run's tag, else the parent run's: a retrain logs no split) and its validation
-        part's digest and image count (the source run's MLflow Dataset in context validation, as
-        log_dataset_manifest logged it; a retrain validates nothing). `source`: the run that trained the weights, as
-        search_runs returns it, or None (a registration by hand): then what the config says."""
+        beside it): the base model, the revision it resolved to and its family (the config's, which every step of a
+        pipeline run shares and a LoRA's pipeline is exported on), the method (the `source` run's param, else the
+        config's), and the data: the split's digest (the source run's tag, else the parent run's: a retrain logs no
+        split) and its validation part's digest and image count (the source run's MLflow Dataset in context
+        validation, as log_dataset_manifest logged it; a retrain validates nothing). `source`: the run that trained
+        the weights, as search_runs returns it, or None (a registration by hand): then what the config says."""
         from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 
         base = common_tags(self.cfg)
-        tags = {k: base[k] for k in (TAG_BASE_MODEL, TAG_MODEL_FAMILY) if k in base}
+        tags = {k: base[k] for k in (TAG_BASE_MODEL, TAG_BASE_MODEL_REVISION, TAG_MODEL_FAMILY) if k in base}
         method = (source.data.params.get("training.method") if source is not None else None) or \
             _get(self.cfg, "training", "method")
         if method:
