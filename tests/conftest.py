@@ -89,6 +89,21 @@ def one_torch_thread_per_worker():
     torch.set_num_threads(before)
 
 
+@pytest.fixture
+def one_thread_as_a_local_run(monkeypatch):
+    """The training steps on one torch thread, as a local run's step processes train (pipelines.local_run sets
+    RANGEFINDER_TORCH_THREADS=1; launch.processes applies it): on two busy cores torch's default threads wait for each
+    other (161 s for the full fine-tune's chain instead of 30 s). The test process's own count is put back."""
+    import torch
+
+    from rangefinder.launch.processes import THREADS_ENV
+
+    before = torch.get_num_threads()
+    monkeypatch.setenv(THREADS_ENV, "1")
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def new_mlflow_stores_from_a_template():
     """Every new SQLite MLflow store this process opens starts as a copy of one migrated, empty store instead of

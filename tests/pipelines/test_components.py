@@ -152,21 +152,6 @@ def _through_every_step(cfg, out: Path, *, discover: bool) -> dict:
 FIXED_LR = {"textual_inversion": 2e-2}
 
 
-@pytest.fixture
-def one_thread_as_a_local_run(monkeypatch):
-    """The training steps on one torch thread, as a local run's step processes train (pipelines.local_run sets
-    RANGEFINDER_TORCH_THREADS=1; launch.processes applies it): on two busy cores torch's default threads wait for each
-    other (161 s for the full fine-tune's chain instead of 30 s). The test process's own count is put back."""
-    import torch
-
-    from rangefinder.launch.processes import THREADS_ENV
-
-    before = torch.get_num_threads()
-    monkeypatch.setenv(THREADS_ENV, "1")
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.mark.slow
 @pytest.mark.usefixtures("one_thread_as_a_local_run")
 @pytest.mark.parametrize("method", ["full", "textual_inversion"])

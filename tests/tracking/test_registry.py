@@ -512,3 +512,56 @@ def test_a_scheduled_version_names_the_commit_its_hub_base_model_resolved_to(sql
     assert {k: r.data.tags.get(revision) for k, r in runs.items()} == dict.fromkeys(runs, tuesday)
     assert (f"Unlike version 1 (the version before it): base model revision {tuesday} where it had {monday}."
             in second.description), second.description
+
+
+@pytest.mark.usefixtures("one_thread_as_a_local_run")
+def test_a_retrain_s_version_says_its_weights_saw_the_validation_images(sqlite_tracking_uri, tiny_model_dir,
+                                                                        split_dir, tmp_path):
+    """The nightly run retrains on train + validation after a week of fine-tunes registered as they were: the
+    retrain's run logged no Datasets, so its version had the split's digest (from the parent) and nothing else, and
+    beside the fine-tune's version, whose val_loss was measured on the validation images, read as made alike. The
+    real retrain step logs the parts it trained on as its Datasets (both in context training: no validation set), and
+    the real register step's version says it trained on train + validation, and what that means for val_loss."""
+    from rangefinder.config import demo_config
+    from rangefinder.steps.register_model import run_register_model
+    from rangefinder.steps.retrain_full import run_retrain_full
+    from rangefinder.tracking import ensure_parent_run, folder_digest
+
+    name = "rf-nightly"
+    # One update per epoch (20 images in one batch): the retrain is real, and short.
+    cfg = demo_config(model={"base_model": str(tiny_model_dir)}, retrain={"enabled": True},
+                      training={"batch_size": 20},
+                      tracking={"tracking_uri": sqlite_tracking_uri, "experiment_name": "nightly",
+                                "registered_model_name": name})
+    client = MlflowClient(sqlite_tracking_uri)
+    monday = ensure_parent_run(cfg, name="monday")
+    with step_run(cfg, "finetune", parent_run_id=monday) as ft:
+        ft.log_config(cfg)
+        ft.log_dataset_manifest(split_dir)
+    with step_run(cfg, "register_model", parent_run_id=monday) as reg:
+        reg.log_diffusers_model(tiny_model_dir, source_step="finetune", metrics={"val_loss": 0.1},
+                                num_inference_steps=2)
+    assert client.get_model_version(name, "1").tags["rangefinder.train_on"] == "train"
+
+    tuesday = ensure_parent_run(cfg, name="tuesday")
+    full = run_retrain_full(cfg, split_dir=split_dir, lr_low=1e-4, lr_high=1e-4, lr=1e-4, recommended_epochs=1,
+                            model_dir=tmp_path / "retrain", mlflow_parent_run_id=tuesday)
+    registered = run_register_model(cfg, model_dir=full.model_dir, lr=1e-4, epochs=full.epochs,
+                                    mlflow_parent_run_id=tuesday)
+    version = client.get_model_version(name, registered.version)
+    retrain = client.get_run(version.run_id)
+    assert retrain.data.tags["rangefinder.step"] == "retrain_full"
+    datasets = {d.dataset.name: (d.dataset.digest, {t.key: t.value for t in d.tags}["mlflow.data.context"])
+                for d in retrain.inputs.dataset_inputs}
+    images = json.loads((split_dir / "split.json").read_text())["root"].rsplit("/", 1)[-1]  # the dataset's folder
+    assert datasets == {f"{images}-train": (folder_digest(split_dir, "train.jsonl"), "training"),
+                        f"{images}-val": (folder_digest(split_dir, "val.jsonl"), "training")}
+    assert retrain.data.tags["rangefinder.dataset_digest"] == folder_digest(split_dir, "*.jsonl")
+    assert "rangefinder.validation_digest" not in retrain.data.tags  # it validated on nothing
+
+    assert version.tags["rangefinder.train_on"] == "train+val"
+    assert version.tags["rangefinder.dataset_digest"] == folder_digest(split_dir, "*.jsonl")
+    assert not {"rangefinder.validation_digest", "rangefinder.validation_images", "val_loss"} & set(version.tags)
+    assert ("Unlike version 1 (the version before it): trained on train + validation where it was trained on the "
+            "training images alone: its weights saw the validation images, so no val_loss measured on them compares "
+            "the two.") in version.description, version.description

@@ -67,6 +67,7 @@ def run_retrain_full(cfg: RangefinderConfig, *, split_dir: Path, lr_low: float, 
         run.log_config(cfg, plan=spec.plan,
                        extra={"retrain.epochs_used": epochs, "lr": lr,
                               **spec.training.used_params(family_of(cfg.model))})
+        run.log_dataset_manifest(split_dir, train_on=spec.train_on)  # its Datasets: train and val, both trained on
         work = work_dir(model_dir, f"{mlflow_parent_run_id}/retrain_full" if mlflow_parent_run_id else None)
         result = run_training(cfg, spec, out_dir=work, metric_sink=run, step_name="retrain_full", split=split)
         publish(work, model_dir)

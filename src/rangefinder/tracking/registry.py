@@ -40,9 +40,10 @@ REGISTERED_BY = "rangefinder.registered_by_run_id"
 OLD_REGISTERED_BY = "rangefinder.run_id"
 # What made a version's weights, as its tags (StepRun.lineage), so that versions of one registered model that a schedule
 # registers run after run can be told apart without opening their source runs: the base model, the revision it
-# resolved to and its family, the method, the split's digest, and the validation part's digest and image count (the
-# images its val_loss is measured on; a retrain's version has none). The runs that read the split carry its two
-# digests too (log_dataset_manifest), and every step's run the base model, revision and family (common_tags).
+# resolved to and its family, the method, the split's digest, the parts its weights trained on, and the validation
+# part's digest and image count (the images its val_loss is measured on; a retrain's version has none, having trained
+# on them). The runs that read the split carry its two digests too (log_dataset_manifest), and every step's run the
+# base model, revision and family (common_tags).
 TAG_BASE_MODEL = "rangefinder.base_model"
 # model.resolved_revision: a hub id's snapshot commit (`revision: main` names another commit once upstream moves), a
 # single file's sha256; none for a folder.
@@ -52,6 +53,11 @@ TAG_METHOD = "rangefinder.method"
 TAG_DATASET_DIGEST = "rangefinder.dataset_digest"
 TAG_VALIDATION_DIGEST = "rangefinder.validation_digest"
 TAG_VALIDATION_IMAGES = "rangefinder.validation_images"
+# The parts of the split the weights trained on (training.spec.TrainOn), in a person's words: "train+val" is the
+# full-data retrain's, whose weights saw the validation images (so no val_loss of theirs, or of another version's on
+# those images, measures them on unseen images).
+TAG_TRAIN_ON = "rangefinder.train_on"
+TRAIN_ON_WORDS = {"train": "the training images alone", "train+val": "train + validation"}
 # The lineage tags whose difference makes two versions other models, in the words a version's description says it.
 TRAINED_AS = {TAG_BASE_MODEL: "base model", TAG_BASE_MODEL_REVISION: "base model revision",
               TAG_MODEL_FAMILY: "model family", TAG_METHOD: "method"}
@@ -257,9 +263,10 @@ def log_diffusers_model(
 def _unlike_earlier(client: Any, name: str, version: str, tags: Mapping[str, str]) -> list[str]:
     """A sentence for each version a person compares version `version` of `name` with, the one before it (the
     previous run's, @candidate until now) and @champion, that was not made alike (its lineage tags, `tags` here):
-    another base model, another revision of the same one (a hub id's main moved), family or method, another
-    validation set (their val_loss values were measured on other images and do not compare), or other data. Nothing
-    where they were alike, or for a version registered before these tags were."""
+    another base model, another revision of the same one (a hub id's main moved), family or method, other training
+    images (one trained on train + validation: the images the other's val_loss was measured on), another validation
+    set (their val_loss values were measured on other images and do not compare), or other data. Nothing where they
+    were alike, or for a version registered before these tags were."""
     from mlflow.exceptions import MlflowException
 
     earlier: dict[str, tuple[str, Any]] = {}  # version -> (which it is, to a person; the version)
@@ -284,6 +291,11 @@ def _unlike_earlier(client: Any, name: str, version: str, tags: Mapping[str, str
         said = [k for k in TRAINED_AS if _changed(k, tags, was)
                 and not (k == TAG_BASE_MODEL_REVISION and _changed(TAG_BASE_MODEL, tags, was))]
         differs = [f"{TRAINED_AS[k]} {tags[k]} where it had {was[k]}" for k in said]
+        if _changed(TAG_TRAIN_ON, tags, was):
+            whose = "its" if tags[TAG_TRAIN_ON] == "train+val" else "that version's"
+            differs.append(f"trained on {TRAIN_ON_WORDS.get(tags[TAG_TRAIN_ON], tags[TAG_TRAIN_ON])} where it was "
+                           f"trained on {TRAIN_ON_WORDS.get(was[TAG_TRAIN_ON], was[TAG_TRAIN_ON])}: {whose} weights "
+                           "saw the validation images, so no val_loss measured on them compares the two")
         if _changed(TAG_VALIDATION_DIGEST, tags, was):
             differs.append(f"another validation set ({_validation_set(tags)}, where it had {_validation_set(was)}), "
                            "so their val_loss values were measured on other images and do not compare")

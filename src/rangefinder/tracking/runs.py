@@ -45,6 +45,7 @@ from rangefinder.tracking.registry import (
     TAG_DATASET_DIGEST,
     TAG_METHOD,
     TAG_MODEL_FAMILY,
+    TAG_TRAIN_ON,
     TAG_VALIDATION_DIGEST,
     TAG_VALIDATION_IMAGES,
 )
@@ -69,6 +70,10 @@ TAG_STEP = "rangefinder.step"
 TAG_CREATED_BY = "rangefinder.created_by"
 TAG_ERROR = "rangefinder.error"
 TAG_ATTEMPT = "rangefinder.attempt"  # 1, then 2, ... when a retried step goes on in its run
+# Each split part's MLflow Dataset context, by what the run trains on (training.spec.TrainOn): the full-data retrain
+# trains on the validation images as on the training ones (MLflow's "training" context), and measures nothing.
+DATASET_CONTEXTS = {"train": {"train": "training", "val": "validation", "stabilize": "stabilize"},
+                    "train+val": {"train": "training", "val": "training"}}
 MAX_PARAM_CHARS = 500  # MLflow takes 6000; longer values (prompt lists) are unreadable in its table anyway
 MAX_TAG_CHARS = 5000
 
@@ -578,12 +583,16 @@ class StepRun:
             record["image"] = image
         self._deliver(record)
 
-    def log_dataset_manifest(self, split_dir: str | os.PathLike, artifact_path: str = "dataset") -> str:
-        """The split folder's manifests (train/val/stabilize.jsonl, split.json) as artifacts, and each part as an
-        MLflow dataset input (the run's "Datasets" column: name, digest, row count, context). Returns the digest of
-        the whole split, also set as the tag `rangefinder.dataset_digest` here and on the parent run, beside the
-        validation part's digest, `rangefinder.validation_digest`: the parent's row has no Datasets, and its
-        chosen_val_loss compares with another run's only on the same validation images."""
+    def log_dataset_manifest(self, split_dir: str | os.PathLike, artifact_path: str = "dataset", *,
+                             train_on: str = "train") -> str:
+        """The split folder's manifests (train/val/stabilize.jsonl, split.json) as artifacts, and each part the run
+        reads as an MLflow dataset input (the run's "Datasets" column: name, digest, row count, context:
+        DATASET_CONTEXTS). Returns the digest of the whole split, also set as the tag `rangefinder.dataset_digest`
+        here and on the parent run, beside the validation part's digest, `rangefinder.validation_digest`: the
+        parent's row has no Datasets, and its chosen_val_loss compares with another run's only on the same
+        validation images. `train_on` ("train" or "train+val", training.spec.TrainOn, also the run's tag
+        `rangefinder.train_on`): with "train+val" (the full-data retrain) the validation part is training data, and
+        no validation set's digest is set."""
         folder = Path(split_dir)
         files = [p for p in sorted(folder.iterdir()) if p.suffix in (".jsonl", ".json") and p.is_file()] \
             if folder.is_dir() else []
@@ -599,7 +608,7 @@ class StepRun:
         name = Path(root).name or "dataset"
         datasets = []
         digests = {TAG_DATASET_DIGEST: digest}
-        for part, context in (("train", "training"), ("val", "validation"), ("stabilize", "stabilize")):
+        for part, context in DATASET_CONTEXTS[train_on].items():
             manifest = folder / f"{part}.jsonl"
             if not manifest.is_file():
                 continue
@@ -614,6 +623,7 @@ class StepRun:
             self._deliver({"kind": "inputs", "run_id": self.run_id, "datasets": datasets})
         for run_id in filter(None, (self.run_id, self.parent_run_id)):
             self._set_tags(run_id, digests)
+        self._set_tags(self.run_id, {TAG_TRAIN_ON: train_on})  # the parent's steps train on either
         return digest
 
     # --- models
@@ -637,10 +647,12 @@ class StepRun:
         """What made the weights this run registers, as their version's tags (registry's TAG_METHOD and the tags
         beside it): the base model, the revision it resolved to and its family (the config's, which every step of a
         pipeline run shares and a LoRA's pipeline is exported on), the method (the `source` run's param, else the
-        config's), and the data: the split's digest (the source run's tag, else the parent run's: a retrain logs no
-        split) and its validation part's digest and image count (the source run's MLflow Dataset in context
-        validation, as log_dataset_manifest logged it; a retrain validates nothing). `source`: the run that trained
-        the weights, as search_runs returns it, or None (a registration by hand): then what the config says."""
+        config's), and the data: the split's digest (the source run's tag, else the parent run's: a source run of
+        earlier code may have none), the parts the weights trained on (the source run's `rangefinder.train_on`:
+        train+val for the full-data retrain), and its validation part's digest and image count (the source run's
+        MLflow Dataset in context validation, as log_dataset_manifest logged it; a retrain validates nothing).
+        `source`: the run that trained the weights, as search_runs returns it, or None (a registration by hand):
+        then what the config says."""
         from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 
         base = common_tags(self.cfg)
@@ -654,6 +666,9 @@ class StepRun:
             digest = _get_run(self.client, self.parent_run_id, "the parent run id").data.tags.get(TAG_DATASET_DIGEST)
         if digest:
             tags[TAG_DATASET_DIGEST] = digest
+        train_on = source.data.tags.get(TAG_TRAIN_ON) if source is not None else None
+        if train_on:
+            tags[TAG_TRAIN_ON] = train_on
         for given in (source.inputs.dataset_inputs if source is not None and source.inputs else []):
             if {t.key: t.value for t in given.tags}.get(MLFLOW_DATASET_CONTEXT) == "validation":
                 tags[TAG_VALIDATION_DIGEST] = given.dataset.digest
