@@ -101,6 +101,12 @@ def test_dag_order_and_conditions(compiled):
     (_, _, status), = compiled.tasks("record-status")
     assert status.trigger_policy.strategy == pb.PipelineTaskSpec.TriggerPolicy.ALL_UPSTREAM_TASKS_COMPLETED
     assert status.inputs.parameters["status"].task_final_status.producer_task == "exit-handler-1"
+    # It finds the parent run by the KFP run's id and name, as resolve-config made it (kfp.local's ids can repeat).
+    (_, _, resolve), = compiled.tasks("resolve-config")
+    for task in (status, resolve):
+        given = {k: task.inputs.parameters[k].runtime_value.constant.string_value
+                 for k in ("pipeline_job_id", "pipeline_job_name")}
+        assert given == {"pipeline_job_id": "{{$.pipeline_job_uuid}}", "pipeline_job_name": "{{$.pipeline_job_name}}"}
 
     # The importer runs only when a dataset URI is given, and feeds prepare-dataset.
     (imp_dag, imp_name, imp), = compiled.tasks("importer")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import subprocess
@@ -170,6 +171,50 @@ def test_another_process_finds_the_same_parent(mlflow_server_uri):
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == parent_id
+
+
+def test_two_local_runs_that_drew_one_kfp_run_id_keep_their_own_parent_runs(sqlite_tracking_uri):
+    """kfp.local draws a run's id from 10^8 numbers (kfp.local.placeholder_utils.make_random_id): of a few thousand
+    local runs logging to one experiment (a team's MLflow server), two likely drew the same. The parent was found by
+    that id alone, so the newer run's steps nested under the older run's parent: its fine-tune, with the older one's
+    failed, went on in that failed run as a retry, and its exit step ended the older parent. The real resolve-config
+    and record-status steps, given what kfp.local gives them (one id, each run's name as kfp.local makes it: the
+    pipeline's name and its start to the microsecond), keep each run's tree apart."""
+    from kfp.local.executor_input_utils import get_local_pipeline_resource_name
+
+    from rangefinder.config import demo_config
+    from rangefinder.pipelines.pipeline import PIPELINE_NAME
+    from rangefinder.steps.record_status import run_record_status
+    from rangefinder.steps.resolve_config import load_step_config, parameters_from_config, run_resolve_config
+
+    drawn = "72033077"  # the same id, drawn twice
+    experiment = "local-runs"
+    client = MlflowClient(sqlite_tracking_uri)
+
+    def local_run(fails: bool) -> tuple[str, str]:
+        params = parameters_from_config(demo_config(tracking={"tracking_uri": sqlite_tracking_uri,
+                                                              "experiment_name": experiment}))
+        name = get_local_pipeline_resource_name(PIPELINE_NAME)
+        resolved = run_resolve_config(params.pop("base_config"), pipeline_job_id=drawn, pipeline_job_name=name,
+                                      **params)
+        cfg = load_step_config(resolved.config_json)
+        with pytest.raises(ValueError) if fails else contextlib.nullcontext():
+            with step_run(cfg, "finetune", parent_run_id=resolved.mlflow_parent_run_id) as ft:
+                if fails:
+                    raise ValueError("out of memory at update 3")
+        run_record_status(state="FAILED" if fails else "SUCCEEDED", mlflow_experiment=experiment,
+                          pipeline_job_id=drawn, pipeline_job_name=name)
+        return resolved.mlflow_parent_run_id, ft.run_id
+
+    monday, monday_finetune = local_run(fails=True)
+    tuesday, tuesday_finetune = local_run(fails=False)
+    assert tuesday != monday and tuesday_finetune != monday_finetune
+    finetune = client.get_run(tuesday_finetune)
+    assert finetune.data.tags["mlflow.parentRunId"] == tuesday and finetune.data.tags["rangefinder.attempt"] == "1"
+    assert client.get_run(monday_finetune).info.status == "FAILED"  # not taken up again by Tuesday's run
+    states = {run_id: (r.info.status, r.data.tags["rangefinder.final_state"])
+              for run_id in (monday, tuesday) for r in [client.get_run(run_id)]}
+    assert states == {monday: ("FAILED", "FAILED"), tuesday: ("FINISHED", "SUCCEEDED")}
 
 
 def test_a_failing_step_is_marked_failed_with_its_error(cfg):

@@ -97,7 +97,7 @@ def resolve_config(
         mlflow_experiment: MLflow experiment the runs are logged under.
         pipeline_job_id: The KFP run id (dsl.PIPELINE_JOB_ID_PLACEHOLDER); the MLflow parent run is found by it.
             Empty, the default: no parent run, each step's MLflow run stands alone.
-        pipeline_job_name: The KFP run name; the MLflow parent run is named after it.
+        pipeline_job_name: The KFP run name; the MLflow parent run is named after it, and found by it with the id.
 
     Returns:
         config_json: The validated config as JSON, with the base model resolved; every later step reads it.
@@ -532,13 +532,16 @@ def register_model(
 
 
 @dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
-def record_status(status: dsl.PipelineTaskFinalStatus, mlflow_experiment: str, pipeline_job_id: str):
+def record_status(status: dsl.PipelineTaskFinalStatus, mlflow_experiment: str, pipeline_job_id: str,
+                  pipeline_job_name: str = ""):
     """The exit step: record the run's final state (and the error, if any) on its MLflow parent run.
 
     Args:
         status: The pipeline's final status, which KFP fills in for an exit handler's task.
         mlflow_experiment: The MLflow experiment the parent run is in.
         pipeline_job_id: The KFP run id the parent run is found by.
+        pipeline_job_name: The KFP run name (dsl.PIPELINE_JOB_NAME_PLACEHOLDER), which the parent run must carry
+            too where given: kfp.local's run ids can repeat; empty, the default: the id alone.
     """
     from rangefinder.errors import one_line_errors
     from rangefinder.steps.record_status import run_record_status
@@ -550,4 +553,5 @@ def record_status(status: dsl.PipelineTaskFinalStatus, mlflow_experiment: str, p
             failed_task=getattr(status, "pipeline_task_name", "") or "",
             mlflow_experiment=mlflow_experiment,
             pipeline_job_id=pipeline_job_id,
+            pipeline_job_name=pipeline_job_name,
         )

@@ -233,7 +233,7 @@ def _end_interrupted_parent(tracking_uri: str, cfg: RangefinderConfig, run_name:
     run interrupted before resolve-config made its parent has none, and MLflow may not answer."""
     from mlflow import MlflowClient
 
-    from rangefinder.tracking.runs import TAG_CREATED_BY
+    from rangefinder.tracking.runs import TAG_CREATED_BY, TAG_KFP_RUN_NAME
     from rangefinder.tracking.target import bound_http_requests
 
     bound_http_requests()
@@ -242,7 +242,7 @@ def _end_interrupted_parent(tracking_uri: str, cfg: RangefinderConfig, run_name:
         exp_id = _experiment_id(tracking_uri, cfg)
         if exp_id is None:
             return
-        for parent in client.search_runs([exp_id], filter_string=f"tags.`kfp.run_name` = '{run_name}'"):
+        for parent in client.search_runs([exp_id], filter_string=f"tags.`{TAG_KFP_RUN_NAME}` = '{run_name}'"):
             if parent.info.status == "RUNNING" and parent.data.tags.get(TAG_CREATED_BY) == "rangefinder":
                 client.set_tag(parent.info.run_id, "rangefinder.final_state", "CANCELED")
                 client.set_terminated(parent.info.run_id, status="KILLED")

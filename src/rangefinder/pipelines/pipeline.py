@@ -366,7 +366,8 @@ def _build_pipeline(cfg: RangefinderConfig, *, local: bool) -> Callable:
                 fills it in); the parameters above override it.
         """
         status = step(c.record_status(mlflow_experiment=mlflow_experiment,
-                                      pipeline_job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER), "record_status")
+                                      pipeline_job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
+                                      pipeline_job_name=dsl.PIPELINE_JOB_NAME_PLACEHOLDER), "record_status")
         with dsl.ExitHandler(status, name="run-and-record"):
             resolved = step(c.resolve_config(
                 base_config=base_config, dataset_dir=dataset_dir, base_model=base_model,

@@ -13,13 +13,15 @@ STATES = {"SUCCEEDED": "FINISHED", "FAILED": "FAILED", "CANCELED": "KILLED", "CA
 
 
 def run_record_status(*, state: str, error_message: str = "", failed_task: str = "", mlflow_experiment: str = "",
-                      pipeline_job_id: str = "") -> str:
+                      pipeline_job_id: str = "", pipeline_job_name: str = "") -> str:
+    """The parent run is found by the KFP run's id and, where given, its name, as resolve-config made it: kfp.local's
+    ids can repeat in one experiment (tracking.runs._find_parent)."""
     from rangefinder import tracking
 
     cfg = RangefinderConfig.model_validate({"tracking": {"experiment_name": mlflow_experiment or "rangefinder"}})
     status = STATES.get((state or "").upper(), "FAILED")
     parent = tracking.ensure_parent_run(cfg, kfp_run_id=pipeline_job_id or None, name=pipeline_job_id or None,
-                                        log_config=False)
+                                        kfp_run_name=pipeline_job_name or None, log_config=False)
     client = tracking.tracking_client(cfg)
     client.set_tag(parent, "rangefinder.final_state", state or "UNKNOWN")
     # KFP fills failed_task (with the exit handler's own group) even when nothing failed: only a failure names it.

@@ -2,7 +2,8 @@
 
 Each KFP step is its own process (often its own pod), so nothing is shared in memory: a step finds its parent by id.
 `ensure_parent_run` is idempotent: it looks the parent up by the tag `rangefinder.pipeline_run` (the KFP run id, or
-the pipeline run's name) and creates it only when missing, so any step, in any order, gets the same parent.
+the pipeline run's name), and by `kfp.run_name` too where the KFP run's name is known, and creates it only when
+missing, so any step, in any order, gets the same parent.
 
 Under KFP's own MLflow integration (KFP 2.17), KFP makes the tree itself: a parent run per pipeline run and a nested
 run per task, which it names to the task's pod in $MLFLOW_RUN_ID (with $MLFLOW_EXPERIMENT_ID and $MLFLOW_WORKSPACE,
@@ -70,10 +71,13 @@ TAG_STEP = "rangefinder.step"
 TAG_CREATED_BY = "rangefinder.created_by"
 TAG_ERROR = "rangefinder.error"
 TAG_ATTEMPT = "rangefinder.attempt"  # 1, then 2, ... when a retried step goes on in its run
+TAG_KFP_RUN_NAME = "kfp.run_name"
 # Each split part's MLflow Dataset context, by what the run trains on (training.spec.TrainOn): the full-data retrain
 # trains on the validation images as on the training ones (MLflow's "training" context), and measures nothing.
 DATASET_CONTEXTS = {"train": {"train": "training", "val": "validation", "stabilize": "stabilize"},
                     "train+val": {"train": "training", "val": "training"}}
+# Parent runs of one key read to find the one of a KFP run's name: one is usual, a few where kfp.local's ids met.
+MAX_PARENTS_OF_A_KEY = 100
 MAX_PARAM_CHARS = 500  # MLflow takes 6000; longer values (prompt lists) are unreadable in its table anyway
 MAX_TAG_CHARS = 5000
 
@@ -313,9 +317,10 @@ def ensure_parent_run(
 
     Under KFP's MLflow integration, KFP's pipeline run is the parent: the parent of $MLFLOW_RUN_ID's task run (or
     $MLFLOW_RUN_ID itself when it has no parent: a run the caller made for us). Otherwise the parent is found by
-    `kfp_run_id` (or `name`; $KFP_RUN_ID / $KFP_RUN_NAME fill them in when not given) and made when missing:
-    named `name`, tagged with the KFP run, pipeline version, git revision, image, base model and `tags` (e.g.
-    `{"rangefinder.dataset_digest": ...}`), with `cfg`'s settings as params when it is a whole RangefinderConfig.
+    `kfp_run_id` (or `name`; $KFP_RUN_ID / $KFP_RUN_NAME fill them in when not given), and by `kfp_run_name` as
+    well when it is known (`_find_parent`), and made when missing: named `name`, tagged with the KFP run, pipeline
+    version, git revision, image, base model and `tags` (e.g. `{"rangefinder.dataset_digest": ...}`), with `cfg`'s
+    settings as params when it is a whole RangefinderConfig.
     """
     client = tracking_client(cfg)
     env_run = os.environ.get("MLFLOW_RUN_ID")
@@ -328,7 +333,7 @@ def ensure_parent_run(
     name = name or kfp_run_name or kfp_run_id
     key = _pipeline_key(kfp_run_id, name)
     exp_id = default_experiment_id(client, cfg)
-    found = _find_parent(client, exp_id, key)
+    found = _find_parent(client, exp_id, key, kfp_run_name)
     if found:
         return found
 
@@ -336,13 +341,13 @@ def ensure_parent_run(
     if kfp_run_id:
         all_tags["kfp.run_id"] = kfp_run_id
     if kfp_run_name:
-        all_tags["kfp.run_name"] = kfp_run_name
+        all_tags[TAG_KFP_RUN_NAME] = kfp_run_name
     all_tags.update(tags or {})
     run = client.create_run(exp_id, run_name=redact(name), tags={k: _tag_value(v) for k, v in all_tags.items()
                                                                  if v is not None})
     run_id = run.info.run_id
     # Two steps racing to create the parent: the earliest one wins, the loser's run is deleted.
-    first = _find_parent(client, exp_id, key)
+    first = _find_parent(client, exp_id, key, kfp_run_name)
     if first and first != run_id:
         client.delete_run(run_id)
         return first
@@ -378,14 +383,21 @@ def log_resolved_config(cfg: Any, run_id: str) -> None:
             apply_record(client, {"kind": "tags", "run_id": run_id, "tags": known})
 
 
-def _find_parent(client: Any, exp_id: str, key: str) -> Optional[str]:
+def _find_parent(client: Any, exp_id: str, key: str, kfp_run_name: Optional[str] = None) -> Optional[str]:
+    """The oldest parent run tagged with the pipeline run's `key` and, where `kfp_run_name` is given, with that KFP
+    run name (the tag as ensure_parent_run wrote it). The key alone is not always one run's: kfp.local draws a run's
+    id from 10^8 numbers (kfp 2.17, kfp.local.placeholder_utils.make_random_id), so of a few thousand local runs in
+    one experiment two likely share one, and the newer run's steps would go on under the older run's parent (an
+    unfinished step's MLflow run continued as a retry, the older parent's description and state overwritten). A
+    kfp.local run's name holds its start to the microsecond; a cluster's run ids are UUIDs."""
     runs = client.search_runs(
         [exp_id],
         filter_string=f"tags.`{TAG_PIPELINE_RUN}` = '{key}'",
-        max_results=1,
+        max_results=MAX_PARENTS_OF_A_KEY,
         order_by=["attributes.start_time ASC"],
     )
-    return runs[0].info.run_id if runs else None
+    name = _tag_value(kfp_run_name) if kfp_run_name else None
+    return next((r.info.run_id for r in runs if name is None or r.data.tags.get(TAG_KFP_RUN_NAME) == name), None)
 
 
 def _get_run(client: Any, run_id: str, what: str):
