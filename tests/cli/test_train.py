@@ -229,49 +229,50 @@ def test_ctrl_c_inside_a_read_of_the_latent_cache_says_interrupted(split_dir, ti
     assert list((tmp_path / "cache").rglob("*.safetensors"))  # the loop read a warm cache
 
 
-def _two_ranks_to_a_checkpoint(split_dir, tiny_model_dir, tmp_path):
-    """`rangefinder train` on 2 processes (60 updates, a checkpoint every 3), started and run until its first
-    checkpoint: (its arguments, its environment, the process, its output folder)."""
+STEPS = 24  # of a 2-process run below: 6 epochs of 16 images at a global batch of 4, a checkpoint every 3
+
+
+def _two_ranks_args(split_dir, tiny_model_dir, tmp_path):
+    """`rangefinder train` on 2 processes (STEPS updates, a checkpoint every 3): (its arguments, its environment,
+    its output folder)."""
     import os
+
+    config = tmp_path / "rf.yaml"
+    config.write_text(yaml.safe_dump({"training": {"cache_dir": str(tmp_path / "cache"), "processes_per_node": 2}}))
+    out = tmp_path / "out"
+    args = ["train", "--data", str(split_dir), "--model", str(tiny_model_dir), "--out", str(out), "--config",
+            str(config), "--steps", str(STEPS), "--batch-size", "2", "--validate-every-epochs", "0",
+            "--checkpoint-every-updates", "3"]
+    return args, {**os.environ, "OMP_NUM_THREADS": "1"}, out
+
+
+def _run_to_a_checkpoint_past(args, env, out, after: int):
+    """`rangefinder train ARGS` started and run until a checkpoint past update `after` is in `out`: the process."""
     import subprocess
     import sys
     import time
 
     from rangefinder.formats import checkpoints
 
-    config = tmp_path / "rf.yaml"
-    config.write_text(yaml.safe_dump({"training": {"cache_dir": str(tmp_path / "cache"), "processes_per_node": 2}}))
-    out = tmp_path / "out"
-    args = ["train", "--data", str(split_dir), "--model", str(tiny_model_dir), "--out", str(out), "--config",
-            str(config), "--steps", "60", "--batch-size", "2", "--validate-every-epochs", "0",
-            "--checkpoint-every-updates", "3"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "rangefinder.cli.main", *args], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + 300
-    while not checkpoints.list_checkpoints(out / "checkpoints"):
+    while not [c for c in checkpoints.list_checkpoints(out / "checkpoints")
+               if (checkpoints.checkpoint_update(c) or 0) > after]:
         if proc.poll() is not None or time.monotonic() >= deadline:
             proc.kill()
             raise AssertionError(proc.communicate())
         time.sleep(0.05)
-    return args, env, proc, out
+    return proc
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("killed", ["command", "torchrun"])
-def test_a_launcher_killed_with_sigkill_stops_its_ranks_at_a_checkpoint(killed, split_dir, tiny_model_dir, tmp_path):
-    """`rangefinder train` on 2 processes, then SIGKILL to the command (a step killed without a SIGTERM) or to
-    its torchrun (the OOM killer's pick). The ranks, in sessions of their own, once trained on as orphans holding the
-    folder's lock: a resume was refused as "in use by another training run" until they had run to the end. Now
-    they get SIGTERM when their launcher dies: they write a checkpoint together and stop, and --resume goes on."""
-    import subprocess
-    import sys
-
+def _kill_the_launcher(proc, killed: str, out) -> int:
+    """SIGKILL to the command `proc` or to its torchrun: all 3 processes it launched end, each rank saying it was
+    stopped by SIGTERM, at one whole checkpoint holding both ranks' RNG; the update it stopped at."""
     import psutil
 
     from rangefinder.formats import checkpoints
 
-    args, env, proc, out = _two_ranks_to_a_checkpoint(split_dir, tiny_model_dir, tmp_path)
     launched: list[psutil.Process] = []
     try:
         torchrun = psutil.Process(proc.pid).children()[0]
@@ -279,7 +280,7 @@ def test_a_launcher_killed_with_sigkill_stops_its_ranks_at_a_checkpoint(killed, 
         assert len(launched) == 3, launched
         (torchrun if killed == "torchrun" else psutil.Process(proc.pid)).kill()
         _, alive = psutil.wait_procs(launched, timeout=120)
-        assert not alive, f"still training after their launcher died: {alive}"
+        assert not alive, f"still training after their launcher ({killed}) died: {alive}"
     finally:
         for p in [psutil.Process(proc.pid), *launched]:
             with contextlib.suppress(psutil.Error):
@@ -289,14 +290,32 @@ def test_a_launcher_killed_with_sigkill_stops_its_ranks_at_a_checkpoint(killed, 
     newest = checkpoints.list_checkpoints(out / "checkpoints")[-1]
     assert checkpoints.verify(newest) is None and (newest / "rng-1.pt").is_file()
     stopped = checkpoints.checkpoint_update(newest)
-    assert stopped is not None and stopped < 60
+    assert stopped is not None and stopped < STEPS
+    return stopped
 
-    # The folder is free and the run goes on from the checkpoint the SIGTERM wrote, to its end.
+
+@pytest.mark.slow
+def test_a_launcher_killed_with_sigkill_stops_its_ranks_at_a_checkpoint(split_dir, tiny_model_dir, tmp_path):
+    """`rangefinder train` on 2 processes, then SIGKILL to the command (a step killed without a SIGTERM), and in its
+    resume SIGKILL to its torchrun (the OOM killer's pick). The ranks, in sessions of their own, once trained on as
+    orphans holding the folder's lock: a resume was refused as "in use by another training run" until they had run
+    to the end. Now they get SIGTERM when their launcher dies: they write a checkpoint together and stop, and
+    --resume goes on."""
+    import subprocess
+    import sys
+
+    args, env, out = _two_ranks_args(split_dir, tiny_model_dir, tmp_path)
+    first = _kill_the_launcher(_run_to_a_checkpoint_past(args, env, out, 0), "command", out)
+    # The folder is free: the resume goes on from there (a resume refused, or stopped, fails in the wait).
+    second = _kill_the_launcher(_run_to_a_checkpoint_past([*args, "--resume"], env, out, first), "torchrun", out)
+    assert second > first
+
+    # The folder is free again and the run goes on from the checkpoint the second SIGTERM wrote, to its end.
     resumed = subprocess.run([sys.executable, "-m", "rangefinder.cli.main", *args, "--resume", "--json"],
                              capture_output=True, text=True, env=env, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     result = json.loads(resumed.stdout)
-    assert (result["status"], result["resumed_from"], result["updates"]) == ("ok", stopped, 60)
+    assert (result["status"], result["resumed_from"], result["updates"]) == ("ok", second, STEPS)
 
 
 @pytest.mark.slow
@@ -309,7 +328,8 @@ def test_a_rank_killed_with_sigkill_ends_the_run_with_one_line_naming_torchruns_
 
     from rangefinder.formats import checkpoints
 
-    _, _, proc, out = _two_ranks_to_a_checkpoint(split_dir, tiny_model_dir, tmp_path)
+    args, env, out = _two_ranks_args(split_dir, tiny_model_dir, tmp_path)
+    proc = _run_to_a_checkpoint_past(args, env, out, 0)
     launched: list[psutil.Process] = []
     try:
         launched = psutil.Process(proc.pid).children(recursive=True)
