@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sqlite3
-import subprocess
 import sys
 from pathlib import Path
 
@@ -343,29 +341,3 @@ def test_a_reports_path_that_is_a_file_is_one_clear_error_before_anything_runs(t
     with pytest.raises(RangefinderError, match=said):
         _publish_reports(_laid_out(out, tmp_path / "root" / "rangefinder-finetune-1", ZOOMED))
     assert (out / "reports").read_text() == "not a folder"
-
-
-def test_verbose_streams_the_logs_on_stderr_and_keeps_stdout_the_result(tmp_path, shapes_dataset_dir, tiny_model_dir):
-    """`run --local --verbose --json`: the steps' whole logs stream on stderr, and stdout is the JSON result alone
-    (the logs went to stdout, so `--verbose --json | jq` read kfp.local's log lines). The result names no `log`
-    when an earlier run's OUT/pipeline.log is there (it named that file). A fixed LR, no range test."""
-    cfg = _cfg(shapes_dataset_dir, tiny_model_dir, lr=2e-4, sampling={**TINY["sampling"], "every_validations": None})
-    config = tmp_path / "cfg.yaml"
-    config.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude={"kubernetes"})))
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "pipeline.log").write_text("an earlier run's log\n")  # the same --out, run before without --verbose
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
-    r = subprocess.run([sys.executable, "-m", "rangefinder.cli.main", "run", "--local", "--config", str(config),
-                        "--out", str(out), "--verbose", "--json"], capture_output=True, text=True, env=env,
-                       timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    s = json.loads(r.stdout)
-    assert s["registered_model"] == "models:/rangefinder-sd/1" and Path(s["pipeline_root"]).is_dir()
-    # kfp.local's own lines (coloured), every step's: the whole log, as it streams.
-    log = re.sub(r"\x1b\[[0-9;]*m", "", r.stderr)
-    assert "Executing task 'finetune" in log and "Pipeline 'rangefinder-finetune' finished" in log
-    assert "train (constant):" in log
-    # No `log` line: this run's log is the stream above; OUT/pipeline.log is an earlier run's, and left as it was.
-    assert "log" not in s, s["log"]
-    assert (out / "pipeline.log").read_text() == "an earlier run's log\n"

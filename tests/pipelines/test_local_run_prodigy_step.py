@@ -2,14 +2,21 @@
 whole-run settings (tests/pipelines/tiny_run.py): the Prodigy run's step size becomes the one LR the fine-tune trains
 at, and every step of the branch logs to MLflow under the pipeline's run. On the tiny SD3 and Flux models it is what
 lr_finder auto resolves to (read off the model by resolve-config), so the same run covers each flow-matching family
-end to end: its loss, its sampler and its registered model."""
+end to end: its loss, its sampler and its registered model. Each run is `rangefinder run --local --verbose --json`
+in a process of its own, so it also shows what --verbose does with the steps' logs and the result."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import sqlite3
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+import yaml
 
 from rangefinder.config import FAMILY_NAMES
 from tests.pipelines.tiny_run import PRODIGY_REPORTS, TINY, tiny_config
@@ -19,14 +26,15 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.parametrize("family", ["sd3", "flux"])
 def test_lr_finder_auto_on_a_flow_model_runs_the_prodigy_branch_and_fine_tunes_at_its_step_size(
-        tmp_path, shapes_dataset_dir, family, request, monkeypatch):
+        tmp_path, shapes_dataset_dir, family, request):
+    """The branch, run as `run --local --verbose --json`: the steps' whole logs stream on stderr, and stdout is the
+    JSON result alone (the logs went to stdout, so `--verbose --json | jq` read kfp.local's log lines). The result
+    names no `log` when an earlier run's OUT/pipeline.log is there (it named that file)."""
     from rangefinder.analysis import read_curve_csv
     from rangefinder.config import prodigy_step_factor
-    from rangefinder.pipelines.local_run import run_pipeline_locally
+    from rangefinder.pipelines.local_run import LocalRun, _collect
     from tests.mlflow_store import seed
 
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
     # 3 epochs (12 updates): long enough for Prodigy's d to grow from d0 (at update 9 on SD3), as it must to be read.
     # Each samples with its own flow-matching scheduler, not the demo's DDIM (as `rangefinder demo --family F`), and at
     # its own pipeline's guidance scale, not the demo's 5.
@@ -36,9 +44,29 @@ def test_lr_finder_auto_on_a_flow_model_runs_the_prodigy_branch_and_fine_tunes_a
     cfg = tiny_config(shapes_dataset_dir, model, lr_finder="auto",
                       lr_range_test={"lr_min": None, "lr_max": None}, finetune={"epochs": 3},
                       sampling={**TINY["sampling"], "scheduler": None, "guidance_scale": None}, **own)
-    seed(tmp_path / "mlflow.db")  # the run's default store, migrated: its first step skips MLflow's migrations
-    run = run_pipeline_locally(cfg, tmp_path, quiet=True)
-    s = run.summary()
+    config = tmp_path / "cfg.yaml"
+    config.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude={"kubernetes"})))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "pipeline.log").write_text("an earlier run's log\n")  # the same --out, run before without --verbose
+    seed(out / "mlflow.db")  # the run's default store, migrated: its first step skips MLflow's migrations
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    r = subprocess.run([sys.executable, "-m", "rangefinder.cli.main", "run", "--local", "--config", str(config),
+                        "--out", str(out), "--verbose", "--json"], capture_output=True, text=True, env=env,
+                       timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads(r.stdout)
+    assert Path(s["pipeline_root"]).is_dir()
+    # kfp.local's own lines (coloured), every step's: the whole log, as it streams.
+    log = re.sub(r"\x1b\[[0-9;]*m", "", r.stderr)
+    assert "Executing task 'finetune" in log and "Pipeline 'rangefinder-finetune' finished" in log
+    assert "train (constant):" in log
+    # No `log` line: this run's log is the stream above; OUT/pipeline.log is an earlier run's, and left as it was.
+    assert "log" not in s, s["log"]
+    assert (out / "pipeline.log").read_text() == "an earlier run's log\n"
+    # The run's task outputs, read back from its folder as the run read them before it printed its result.
+    run = LocalRun(out_dir=out, run_dir=Path(s["pipeline_root"]), tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
+    _collect(run)
 
     probe = run.task("prodigy-step-size")
     assert probe and not run.task("lr-range-test"), sorted(run.outputs)
@@ -53,17 +81,17 @@ def test_lr_finder_auto_on_a_flow_model_runs_the_prodigy_branch_and_fine_tunes_a
     assert (s["lr_source"], s["lr_low"], s["lr_mid"], s["lr_high"]) == ("prodigy-step", lr, lr, lr)
     assert s["lr_used"] == lr and s["halving_kept"] is None
     assert s["registered_model"] == "models:/rangefinder-sd/1"
-    reports = {p.name for p in run.reports}
+    reports = {Path(p).name for p in s["reports"]}
     # Every report of the branch and no other: the SD run's set with the Prodigy run's for the range test's, as the
     # small SDXL run of test_demo_sdxl.py writes it.
     assert reports == PRODIGY_REPORTS, reports
-    decision = next(p for p in run.reports if p.name == "choose-lr-decision.md").read_text()
+    decision = next(Path(p) for p in s["reports"] if Path(p).name == "choose-lr-decision.md").read_text()
     assert "read off a Prodigy run's final step size d x lr" in decision and "12 updates" in decision
     assert f"(lr_finder: auto, which measures full on {FAMILY_NAMES[family]} with prodigy_step)" in decision
     assert f", times {factor:g} = {lr:.3g} (" + ("prodigy_step_factor: 2, as set)" if own else
                                                  "full on this family trains at 4 times") in decision, decision
 
-    with sqlite3.connect(tmp_path / "mlflow.db") as con:
+    with sqlite3.connect(out / "mlflow.db") as con:
         runs = dict(con.execute("select name, status from runs").fetchall())
         (parent,) = [n for n in runs if n.startswith("rangefinder-")]
         nested = dict(con.execute(
