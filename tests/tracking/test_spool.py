@@ -9,6 +9,7 @@ import math
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
@@ -189,6 +190,11 @@ def test_a_replayed_record_may_only_name_files_the_spool_keeps(tmp_path, mlflow_
     assert not MlflowClient(tracking_uri=mlflow_server_uri).list_artifacts(run_id, "x")
 
 
+def _waits_for_a_lock(pid: int) -> bool:
+    """Whether process `pid` is blocked in a flock (or fcntl) call: its request is a `->` line of /proc/locks."""
+    return any(f[1] == "->" and f[5] == str(pid) for f in map(str.split, Path("/proc/locks").read_text().splitlines()))
+
+
 def test_relog_waits_for_a_step_still_writing_its_spool(tmp_path, mlflow_server_uri, run_id):
     """A folder of spools ($RANGEFINDER_WORK/mlflow-spool) holds every step's, some maybe still running and spooling.
     relog sends a spool only under the lock its step appends and sends under: a record the step appends while relog
@@ -201,8 +207,12 @@ def test_relog_waits_for_a_step_still_writing_its_spool(tmp_path, mlflow_server_
         relog = subprocess.Popen([sys.executable, "-m", "rangefinder.cli.main", "relog", str(spool.path.parent),
                                   "--tracking-uri", mlflow_server_uri], stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True)
-        time.sleep(8)  # relog starts, imports mlflow and checks the server meanwhile (a few seconds)
-        assert relog.poll() is None, relog.communicate()
+        # relog starts, imports mlflow and checks the server (seconds), then waits for the lock: what the step
+        # appends from here on, relog has not read yet.
+        deadline = time.monotonic() + 120
+        while not _waits_for_a_lock(relog.pid):
+            assert relog.poll() is None and time.monotonic() < deadline, relog.communicate()
+            time.sleep(0.1)
         spool.append({"kind": "tags", "run_id": run_id, "tags": {"during": "2"}})
     out, err = relog.communicate(timeout=120)
     assert relog.returncode == 0, err
