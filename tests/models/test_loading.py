@@ -340,3 +340,20 @@ def test_unreachable_hub_fails_in_seconds_with_the_id(monkeypatch, tmp_path):
     assert time.monotonic() - t0 < 30
     msg = str(e.value)
     assert "'rangefinder-tests/no-such-model'" in msg and "cannot be reached" in msg and "hf download" in msg
+
+
+def test_the_scheduler_names_taken_without_importing_diffusers_are_its_scheduler_classes():
+    """check_scheduler_name takes KNOWN_SCHEDULERS (the demo's DDIM) without importing diffusers, so that a compile
+    or resolve-config of the demo's config imports neither it nor torch: each must be a diffusers scheduler class,
+    as a name outside them is checked to be."""
+    import diffusers
+    from diffusers import SchedulerMixin
+
+    from rangefinder.config import demo_config
+    from rangefinder.models.loading import KNOWN_SCHEDULERS, check_scheduler_name
+
+    assert demo_config().sampling.scheduler in KNOWN_SCHEDULERS
+    for name in KNOWN_SCHEDULERS:
+        assert issubclass(getattr(diffusers, name), SchedulerMixin), name
+    with pytest.raises(ConfigError, match="'UNet2DConditionModel' is not a diffusers scheduler class"):
+        check_scheduler_name("UNet2DConditionModel")  # diffusers' class, no scheduler: outside the set, it is read

@@ -645,9 +645,15 @@ def _first_line(e: BaseException) -> str:
 # Schedulers
 
 
+# Scheduler class names taken as diffusers' without importing it: importing diffusers imports torch, about 4 s of a
+# `compile`, a `run --local` or resolve-config of the demo's config (config.demo_config samples with DDIM), none of
+# which needs either (training/families.py). tests/models/test_loading.py holds each to diffusers' own classes.
+KNOWN_SCHEDULERS = frozenset({"DDIMScheduler"})
+
+
 def check_scheduler_name(name: Optional[str]) -> None:
     """ConfigError unless `name` (sampling.scheduler) is a diffusers scheduler class; None (the model's own) is."""
-    if name is None:
+    if name is None or name in KNOWN_SCHEDULERS:
         return
     import diffusers
     from diffusers import SchedulerMixin

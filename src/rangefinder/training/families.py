@@ -72,9 +72,10 @@ def check_family_settings(cfg: RangefinderConfig, family: str, *, native_data: b
     family rule, the samples' scheduler checks, the size rules of geometry.py), so the two cannot drift. Reads
     the settings, the family's name and the resolved folder's (cfg.model.resolved_dir) small configs: its
     scheduler's, its denoiser's and its VAE's config.json, never weights; and imports neither torch nor diffusers
-    (family_rules.py), but for a sampling.scheduler to check against diffusers' classes. `native_data`: the run
-    trains at the base model's native resolution whatever cfg.data says (`rangefinder train` without a data:
-    section: training.setup.native_data_config), so the size rules judge that one."""
+    (family_rules.py), but for a sampling.scheduler to check against diffusers' classes (the demo's is not:
+    loading.KNOWN_SCHEDULERS). `native_data`: the run trains at the base model's native resolution whatever cfg.data
+    says (`rangefinder train` without a data: section: training.setup.native_data_config), so the size rules judge
+    that one."""
     from rangefinder.config import DataConfig
     from rangefinder.models.loading import check_scheduler_name
     from rangefinder.training.family_rules import check_flow_scheduler, check_method_family
