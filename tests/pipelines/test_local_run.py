@@ -24,7 +24,6 @@ from tests.mlflow_store import seed
 from tests.pipelines.registered_model import check_registered_is_the_retrain, check_the_kept_checkpoint, task_dir
 from tests.pipelines.terminal import run_on_terminal
 from tests.pipelines.tiny_run import DISCOVERY_REPORTS, RETRAIN, TINY
-from tests.pipelines.tiny_run import tiny_config as _cfg
 from tests.tracking.pipeline_record import check_pipeline_record
 
 pytestmark = pytest.mark.slow
@@ -230,19 +229,6 @@ def test_several_nodes_are_refused_locally(tmp_path):
     with pytest.raises(ConfigError, match="kfp.local.*single-node.*num_nodes: 1"):
         run_pipeline_locally(demo_config(distributed={"num_nodes": 2}), tmp_path)
     assert not any(tmp_path.iterdir())
-
-
-def test_failed_step_is_one_error_and_recorded(tmp_path, shapes_dataset_dir, tiny_model_dir):
-    """A step that fails stops the run with one error naming it; the exit handler still marks MLflow FAILED."""
-    from rangefinder.errors import RangefinderError
-    from rangefinder.pipelines.local_run import run_pipeline_locally
-
-    cfg = _cfg(tmp_path / "no-such-dataset", tiny_model_dir)
-    with pytest.raises(RangefinderError, match="prepare-dataset"):
-        run_pipeline_locally(cfg, tmp_path)
-    parents = [status for name, status in _mlflow_runs(tmp_path / "mlflow.db").items()
-               if name.startswith("rangefinder-")]
-    assert parents == ["FAILED"]
 
 
 def _laid_out(out, run_dir, tasks):

@@ -52,9 +52,14 @@ def test_mlflow_down_shows_the_cause_on_the_terminal(tmp_path, monkeypatch, capf
 
 
 @pytest.mark.slow
-def test_secrets_stay_out_of_the_terminal_and_pipeline_log(tmp_path, monkeypatch, capfd):
-    """A secret's value that turns up in what kfp.local prints (here inside a dataset path, printed with the step's
-    inputs and in its error) is redacted in pipeline.log and in the error shown."""
+def test_a_failed_step_is_one_error_recorded_with_the_secrets_out_of_the_terminal_and_pipeline_log(
+        tmp_path, monkeypatch, capfd):
+    """A step that fails (prepare-dataset, on a dataset folder that is not there) stops the run with one error
+    naming it, and the exit handler still marks the pipeline's MLflow run FAILED. A secret's value that turns up in
+    what kfp.local prints (here inside the dataset path, printed with the step's inputs and in its error) is redacted
+    in pipeline.log and in the error shown."""
+    import sqlite3
+
     secret = "rf-Secret-4417-pw"
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(f"data:\n  resolution: 32\n  dataset_dir: {tmp_path / ('no-such-' + secret)}\n")
@@ -67,6 +72,10 @@ def test_secrets_stay_out_of_the_terminal_and_pipeline_log(tmp_path, monkeypatch
     log = (out / "pipeline.log").read_text()
     assert "no-such-***" in log and "Executing task" in log
     assert secret not in log and secret not in proc.stdout + proc.stderr
+    with sqlite3.connect(out / "mlflow.db") as con:  # the local default store: no tracking URI was set
+        parents = [status for name, status in con.execute("select name, status from runs")
+                   if name.startswith("rangefinder-")]
+    assert parents == ["FAILED"]
 
 
 def test_the_result_names_what_mlflow_did_not_take_and_no_credentials(tmp_path):
