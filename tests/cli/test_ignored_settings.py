@@ -1,5 +1,7 @@
 """Issue 37: a command given a config uses each setting in it or says, in one line, which it does not use; where not
-using one would give a wrong answer without a word, it refuses instead. Through the real CLI, on real config files."""
+using one would give a wrong answer without a word, it refuses instead. Through the real CLI, on real config files:
+each test runs its command in a process of its own first, and a second call of the same command in the test goes to
+the console script's entry point in this process (`in_process`, tests/cli/test_bad_input.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from rangefinder.cli.ignored import ignored_by_pipeline, ignored_by_submit, igno
 from rangefinder.config import RangefinderConfig, demo_config, given_settings, parse_config
 from rangefinder.errors import ConfigError
 from rangefinder.planning import plan
-from tests.cli.test_bad_input import assert_one_line_error, rangefinder
+from tests.cli.test_bad_input import assert_one_line_error, in_process, rangefinder
 
 
 def _config(tmp_path, sections: dict):
@@ -63,14 +65,14 @@ def test_train_names_the_pipeline_settings_it_does_not_use(tmp_path, split_dir):
 
 def test_train_refuses_several_nodes_and_a_world_size_it_does_not_start(tmp_path, split_dir):
     """Trained anyway, both would be another run than the one asked for: one line each, nothing written."""
-    for sections, words in (
-        ({"distributed": {"num_nodes": 2}}, ("distributed.num_nodes is 2", "`rangefinder submit`")),
-        ({"training": {"world_size": 2}}, ("training.world_size is 2", "starts 1 process(es)",
-                                           "processes_per_node: 2")),
+    for run, sections, words in (
+        (rangefinder, {"distributed": {"num_nodes": 2}}, ("distributed.num_nodes is 2", "`rangefinder submit`")),
+        (in_process, {"training": {"world_size": 2}}, ("training.world_size is 2", "starts 1 process(es)",
+                                                       "processes_per_node: 2")),
     ):
         cfg = _config(tmp_path, sections)
-        proc = rangefinder("train", "--data", str(split_dir), "--out", str(tmp_path / "run"), "--config", str(cfg),
-                           "--epochs", "1")
+        proc = run("train", "--data", str(split_dir), "--out", str(tmp_path / "run"), "--config", str(cfg),
+                   "--epochs", "1")
         assert_one_line_error(proc, *words)
         assert not (tmp_path / "run").exists()
 
@@ -140,8 +142,8 @@ def test_the_pipeline_refuses_validation_off_when_the_range_test_measures_the_lr
     # What the range test needs is there, or no LR is discovered: it compiles.
     for fine in ({"lr_range_test": {"validate_every_updates": 5}}, {"lr": 1e-4}, {"lr_finder": "prodigy_step"},
                  {"training": {"optimizer": "prodigy"}}):
-        proc = rangefinder("compile", "--config", str(_config(tmp_path, {"validation": {"every_epochs": 0}, **fine})),
-                           "--out", str(out))
+        proc = in_process("compile", "--config", str(_config(tmp_path, {"validation": {"every_epochs": 0}, **fine})),
+                          "--out", str(out))
         assert proc.returncode == 0 and out.is_file(), (fine, proc.stderr)
     assert not parse_config({"validation": {"every_epochs": 0}}).validation.enabled()  # `train` reads it as given
     # lr_finder auto measures full fine-tuning on SD3 with Prodigy's step size: no range test to refuse there, nor
@@ -165,8 +167,8 @@ def test_an_lr_free_optimizer_s_own_lr_is_not_a_setting_given(tmp_path):
     proc = rangefinder("compile", "--config", str(_config(tmp_path, {"training": {"optimizer": "prodigy"}})),
                        "--out", str(out))
     assert proc.returncode == 0 and out.is_file() and "warning" not in proc.stderr, proc.stderr
-    proc = rangefinder("compile", "--config", str(_config(tmp_path, {"training": {"optimizer": "prodigy", "lr": 0.5}})),
-                       "--out", str(out))
+    proc = in_process("compile", "--config", str(_config(tmp_path, {"training": {"optimizer": "prodigy", "lr": 0.5}})),
+                      "--out", str(out))
     assert _named(_warning(proc.stderr, "compile")) == ["training.lr"]
 
 
@@ -177,9 +179,9 @@ def test_the_pipeline_refuses_a_range_test_validated_only_at_its_ends(tmp_path):
     from rangefinder.planning import planned_validations
 
     out = tmp_path / "pipeline.yaml"
-    for every in (10, 100):
-        proc = rangefinder("compile", "--config", str(_config(tmp_path, {"validation": {"every_epochs": every}})),
-                           "--out", str(out))
+    for run, every in ((rangefinder, 10), (in_process, 100)):
+        proc = run("compile", "--config", str(_config(tmp_path, {"validation": {"every_epochs": every}})),
+                   "--out", str(out))
         assert_one_line_error(proc, f"validation.every_epochs ({every}) is not below lr_range_test.epochs (10)",
                               "at least 3 points")
         assert not out.exists()
