@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from rangefinder.pipelines.local_run import LocalRun, failure_summary
+from tests.mlflow_store import seed
 from tests.pipelines.tiny_run import TINY, tiny_config
 from tests.tracking.fixtures import free_port, start_mlflow_server, stop_mlflow_server
 
@@ -64,6 +65,7 @@ def test_a_failed_step_is_one_error_recorded_with_the_secrets_out_of_the_termina
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(f"data:\n  resolution: 32\n  dataset_dir: {tmp_path / ('no-such-' + secret)}\n")
     out = tmp_path / "out"
+    seed(out / "mlflow.db")  # the run's default store, migrated: its first step skips MLflow's migrations
     proc = run_local(cfg, out, {"MLFLOW_TRACKING_PASSWORD": secret}, monkeypatch, capfd)
     assert proc.returncode == 2, proc.stderr
     error = proc.stderr.strip().splitlines()[-1]
@@ -173,6 +175,7 @@ def test_ctrl_c_ends_the_pipelines_mlflow_run_killed(tmp_path, shapes_dataset_di
     config = tmp_path / "cfg.yaml"
     config.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude={"kubernetes"})))
     out = tmp_path / "out"
+    seed(out / "mlflow.db")  # the run's default store, migrated: its first step skips MLflow's migrations
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
     # Its own process group, SIGINT at its default: as a command in a terminal's foreground (tests/cli/test_train.py).
     proc = subprocess.Popen([sys.executable, "-m", "rangefinder.cli.main", "run", "--local", "--config", str(config),
