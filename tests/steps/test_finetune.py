@@ -336,7 +336,7 @@ def test_the_finetune_step_logs_samples_during_training_to_mlflow_with_their_ste
     for var in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME"):
         monkeypatch.delenv(var, raising=False)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    cfg = demo_config(model={"base_model": str(tiny_model_dir)}, finetune={"epochs": 4},
+    cfg = demo_config(model={"base_model": str(tiny_model_dir)}, finetune={"epochs": 3},
                       training={"cache_dir": str(tmp_path / "cache")},
                       tracking={"tracking_uri": uri, "experiment_name": "samples", "registered_model_name": None},
                       sampling={"num_inference_steps": 2, "every_validations": 2})
@@ -350,8 +350,8 @@ def test_the_finetune_step_logs_samples_during_training_to_mlflow_with_their_ste
     names = [f.path.split("/")[-1] for f in client.list_artifacts(run.info.run_id, "images")]
     steps = sorted(int(n.split("+step+")[1].split("+")[0]) for n in names
                    if n.startswith(f"{SAMPLES_KEY}+step+") and n.endswith(".png"))
-    # 16 images at batch 4, 4 epochs: validations at updates 0, 4, 8, 12, 16; every 2nd and the last.
-    assert steps == [0, 8, 16]
+    # 16 images at batch 4, 3 epochs: validations at updates 0, 4, 8, 12; every 2nd (0, 8) and the last (12).
+    assert steps == [0, 8, 12]
     index = read_index(tmp_path / "ft")
     assert [e["update"] for e in index["samples"]] == steps
     assert {e["logged_to"] for e in index["samples"]} == {run.info.run_id}
@@ -376,7 +376,7 @@ def test_the_finetune_step_logs_samples_during_training_to_mlflow_with_their_ste
     assert f"update {chosen['update']}, rule {chosen['rule']}" in (tmp_path / "ft" / "report" / "step_report.md"
                                                                    ).read_text()
     page = report.read_text()
-    assert "Samples over training" in page and "<th class='row'>update</th><th>0</th><th>8</th><th>16</th>" in page
+    assert "Samples over training" in page and "<th class='row'>update</th><th>0</th><th>8</th><th>12</th>" in page
     assert page.count(f"alt='{cfg.sampling.prompts[0]} | seed 0 at update") == 3
 
 
