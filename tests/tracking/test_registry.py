@@ -395,6 +395,19 @@ def test_a_delivered_window_average_s_version_states_its_own_validation_loss(sql
     assert "0.05024 is below" not in delivered and replaced.startswith("Weights at update 304 (epoch 76).")
 
 
+def finetune_record_then_register(cfg: Any, parent: str, split: Any, weights: Any) -> tuple[Any, Any, Any]:
+    """A pipeline run's fine-tune record (its config and split, as the real step logs them; no training) under
+    `parent`, then the register step's version of `weights` from it: (the version, the fine-tune's run, the
+    register step's run)."""
+    with step_run(cfg, "finetune", parent_run_id=parent) as ft:
+        ft.log_config(cfg)
+        ft.log_dataset_manifest(split)
+    with step_run(cfg, "register_model", parent_run_id=parent) as reg:
+        made = reg.log_diffusers_model(weights, source_step="finetune", metrics={"val_loss": 0.1},
+                                       num_inference_steps=2)
+    return made, ft, reg
+
+
 def test_scheduled_versions_name_what_made_them_and_say_when_their_val_loss_does_not_compare(
         sqlite_tracking_uri, tiny_model_dir, shapes_dataset_dir, split_dir, tmp_path):
     """A schedule registers run after run into one model, and a person compares the new @candidate with the one
@@ -419,12 +432,7 @@ def test_scheduled_versions_name_what_made_them_and_say_when_their_val_loss_does
             "tracking": {"tracking_uri": sqlite_tracking_uri, "experiment_name": "scheduled",
                          "registered_model_name": name}})
         parent = ensure_parent_run(cfg, name=run_name)
-        with step_run(cfg, "finetune", parent_run_id=parent) as ft:
-            ft.log_config(cfg)
-            ft.log_dataset_manifest(split)
-        with step_run(cfg, "register_model", parent_run_id=parent) as reg:
-            made = reg.log_diffusers_model(tiny_model_dir, source_step="finetune", metrics={"val_loss": 0.1},
-                                           num_inference_steps=2)
+        made, _, _ = finetune_record_then_register(cfg, parent, split, tiny_model_dir)
         return client.get_model_version(name, made.version)
 
     first = pipeline_run("monday", "lora", split_dir)
@@ -490,12 +498,7 @@ def test_a_scheduled_version_names_the_commit_its_hub_base_model_resolved_to(sql
                       "registered_model_name": name}))
         resolved = run_resolve_config(params.pop("base_config"), pipeline_job_id=kfp_run_id, **params)
         cfg, parent = load_step_config(resolved.config_json), resolved.mlflow_parent_run_id
-        with step_run(cfg, "finetune", parent_run_id=parent) as ft:
-            ft.log_config(cfg)
-            ft.log_dataset_manifest(split_dir)
-        with step_run(cfg, "register_model", parent_run_id=parent) as reg:
-            made = reg.log_diffusers_model(tiny_model_dir, source_step="finetune", metrics={"val_loss": 0.1},
-                                           num_inference_steps=2)
+        made, ft, reg = finetune_record_then_register(cfg, parent, split_dir, tiny_model_dir)
         runs = {"parent": client.get_run(parent), "finetune": client.get_run(ft.run_id),
                 "register_model": client.get_run(reg.run_id)}
         return client.get_model_version(name, made.version), runs
