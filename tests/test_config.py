@@ -280,6 +280,8 @@ def test_credentials_in_a_tracking_uri_are_refused_without_echoing_them(field, u
 @pytest.mark.parametrize("field,refused,taken", [
     ("cpu_limit", ["8 cores", "1.5.2"], ["8", "0.5", "500m"]),
     ("memory_limit", ["48GB", "48K", "1.5Gi"], ["48Gi", "64G", "512Mi"]),
+    ("cpu_request", ["half a core"], ["1", "250m"]),
+    ("memory_request", ["2GB"], ["4Gi", "512Mi"]),
     ("shm_size", ["8GB", "lots", "-1Gi"], ["8Gi", "1.5Gi", "512M"]),
     ("accelerator_type", ["gpu", "NVIDIA_TESLA_T4", "kubernetes.io/gpu"],
      ["nvidia.com/gpu", "amd.com/gpu", "nvidia.com/mig-1g.10gb"]),
@@ -294,6 +296,8 @@ def test_pod_values_the_cluster_would_refuse_are_refused_naming_the_field(field,
             parse_config({"kubernetes": {field: value}})
     for value in taken:
         assert getattr(parse_config({"kubernetes": {field: value}}).kubernetes, field) == value
+
+
 def test_mixed_precision_auto_is_the_default_and_resolves_per_device():
     import torch
 

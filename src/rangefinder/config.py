@@ -1026,6 +1026,12 @@ class KubernetesConfig(_Section):
     gpu_count: int = Field(1, ge=0)
     cpu_limit: str = "8"
     memory_limit: str = "48Gi"
+    # What each step on the CPU image (resolve-config, prepare-dataset, choose-lr, register-model, record-status)
+    # requests. A namespace with a ResourceQuota on cpu or memory (a Kubeflow Profile's resourceQuotaSpec) refuses a
+    # pod that requests none unless a LimitRange fills them in; the training steps request their limits. No limit is
+    # set, so a step that needs more (a single file converted by resolve-config) is not killed for it.
+    cpu_request: str = "500m"
+    memory_request: str = "2Gi"
     node_selector: dict[str, str] = Field(default_factory=lambda: {"rangefinder.io/pool": "gpu"})
     tolerations: list[Toleration] = Field(
         default_factory=lambda: [Toleration(key="nvidia.com/gpu", operator="Exists", effect="NoSchedule")]
@@ -1094,12 +1100,12 @@ class KubernetesConfig(_Section):
     def _secret_key(cls, v: str) -> str:
         return _k8s_name(v, "secret key")
 
-    @field_validator("cpu_limit")
+    @field_validator("cpu_limit", "cpu_request")
     @classmethod
     def _cpu_limit(cls, v: str) -> str:
         return _quantity(v, _CPU_LIMIT, "a CPU count KFP takes: use cores (8, 0.5) or millicores (500m)")
 
-    @field_validator("memory_limit")
+    @field_validator("memory_limit", "memory_request")
     @classmethod
     def _memory_limit(cls, v: str) -> str:
         return _quantity(v, _MEMORY_LIMIT, "a memory size KFP and Kubernetes take: use a whole number with Ki, Mi, Gi "

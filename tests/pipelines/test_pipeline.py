@@ -204,6 +204,9 @@ def test_gpu_and_limits_only_on_training_steps(compiled):
         for _, _, task in compiled.tasks(prefix):
             res = compiled.executors[compiled.executor_of(task)].container.resources
             assert not res.accelerator.resource_type, prefix
+            # Requests, so a namespace's ResourceQuota (a Kubeflow Profile's) admits the pod; no limit to be killed by.
+            assert (res.resource_cpu_request, res.resource_memory_request) == ("500m", "2Gi"), prefix
+            assert not res.resource_cpu_limit and not res.resource_memory_limit, prefix
 
 
 def test_kubernetes_settings(compiled):

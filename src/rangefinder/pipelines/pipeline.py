@@ -113,6 +113,10 @@ def configure_task(task: dsl.PipelineTask, step: str, k8s: KubernetesConfig, loc
             # sample-images, on the same (often spot) GPU pool, renders its fixed seeds again, in its attempt's MLflow
             # run: without a retry a preemption there failed the run after all the training, with nothing registered.
             task.set_retry(num_retries=k8s.retries, backoff_duration="60s", backoff_factor=2.0)
+    else:
+        # Requests without limits: admitted under a namespace's ResourceQuota (KubernetesConfig.cpu_request).
+        task.set_cpu_request(k8s.cpu_request)
+        task.set_memory_request(k8s.memory_request)
     if k8s.data_pvc:
         kubernetes.mount_pvc(task, pvc_name=k8s.data_pvc, mount_path=k8s.data_mount_path)
     if step in MLFLOW_STEPS:
