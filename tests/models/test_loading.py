@@ -146,6 +146,24 @@ def test_the_offline_message_s_hf_download_fetches_a_whole_diffusers_folder(offl
     assert needed <= set(filter_repo_objects(files, allow_patterns=params["include"]))
 
 
+def test_a_step_that_cannot_see_the_resolved_folder_loads_the_commit_resolved_not_the_branch(tmp_path, monkeypatch,
+                                                                                             tiny_model_dir):
+    """resolve-config resolved `main` to a commit and handed it on (model.resolved_revision); a later step that
+    cannot see its folder (no shared volume) resolves again, after `main` moved upstream: it must load the commit the
+    run was resolved to, which the run's MLflow records name, not the new head of the branch."""
+    from tests.models.fake_hub import make_cached_repo
+
+    cache = tmp_path / "hf-hub-cache"  # its own: the session's cache is shared by the other tests
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monday = make_cached_repo(cache, HUB_REPO, tiny_model_dir, refs=("main",))
+    tuesday = make_cached_repo(cache, HUB_REPO, tiny_model_dir, refs=("main",), commit="7" * 40)  # main moved
+    assert resolve_base_model(ModelConfig(base_model=HUB_REPO)).path.name == tuesday
+    again = resolve_base_model(ModelConfig(base_model=HUB_REPO, resolved_dir="/not/on/this/node",
+                                           resolved_revision=monday))
+    assert (again.path.name, again.revision, again.source) == (monday, monday, f"{HUB_REPO}@main")
+
+
 def test_revision_not_in_the_offline_cache_names_what_is_there(offline_hub):
     _, commit = offline_hub
     with pytest.raises(ConfigError) as e:

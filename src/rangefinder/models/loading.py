@@ -16,7 +16,8 @@
 once and hands the folder on in the config (`model.resolved_dir`), so a download or conversion happens once per
 pipeline run and every later step (range test, fine-tune, retrain, samples, export, registry) loads the same files.
 On a cluster the caches are on the data volume, shared by every pod; a step that cannot see `resolved_dir` (a
-cluster without a shared volume) resolves again from `base_model`, through the same caches.
+cluster without a shared volume) resolves again from `base_model`, through the same caches, at the commit the first
+step resolved (`model.resolved_revision`), not what a branch names by then.
 
 The training noise scheduler is always a DDPMScheduler built from the model's scheduler config, as in diffusers'
 training examples, whatever scheduler the model samples with.
@@ -429,7 +430,9 @@ def hub_offline() -> bool:
 
 
 def _hub_location(repo_id: str, model_cfg: ModelConfig) -> tuple[str, Path]:
-    """(revision, Hugging Face cache folder) of a hub id; ConfigError for an id the hub cannot have."""
+    """(revision, Hugging Face cache folder) of a hub id; ConfigError for an id the hub cannot have. The revision is
+    the commit the pipeline's first step resolved `model.revision` to (model.resolved_revision), where it did: a step
+    that cannot see that step's folder loads the same commit, not what a branch names by then."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     try:
@@ -439,7 +442,7 @@ def _hub_location(repo_id: str, model_cfg: ModelConfig) -> tuple[str, Path]:
             f"model.base_model: {repo_id!r} is neither an existing path nor a valid hub id; pass a diffusers folder, "
             f"a {SINGLE_FILE_SUFFIX} file or a hub id such as stable-diffusion-v1-5/stable-diffusion-v1-5"
         ) from None
-    return model_cfg.revision or "main", hub_cache_dir(model_cfg)
+    return model_cfg.resolved_revision or model_cfg.revision or "main", hub_cache_dir(model_cfg)
 
 
 def hub_family(model_cfg: ModelConfig) -> Optional[str]:
@@ -473,7 +476,8 @@ def _resolve_hub(repo_id: str, model_cfg: ModelConfig) -> ResolvedModel:
         folder = _download(repo_id, revision, model_cfg, cache)
     _check_folder(folder, f"{where} ({folder})")
     # The cache keeps each commit in snapshots/<commit>: the folder's name is the commit `revision` (a branch) named.
-    return ResolvedModel(folder, "hub", f"{repo_id}@{revision}", folder.name)
+    # The source names the revision as configured (a branch), as a step that sees the resolved folder names it.
+    return ResolvedModel(folder, "hub", f"{repo_id}@{model_cfg.revision or 'main'}", folder.name)
 
 
 def _cached_snapshot(repo_id: str, revision: str, cache: Path) -> Optional[Path]:
