@@ -4,6 +4,7 @@ import dataclasses
 import json
 
 import numpy as np
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -109,3 +110,18 @@ def test_make_base_model_command_copies_the_cached_model(tmp_path, monkeypatch, 
         (tiny_model_dir / "unet" / "diffusion_pytorch_model.safetensors").read_bytes()
     assert main(["make-base-model", "--out", str(tmp_path / "m")]) == 2  # never overwrites
     assert "already exists" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", ["sd3", "flux"])
+def test_make_base_model_gives_each_family_s_tiny_model(family, tmp_path, monkeypatch, capsys, request):
+    """`demo --family sd3|flux` trains the tiny SD3 and Flux.1 models; `make-base-model --family` gives them too, for
+    a user's own config (it offered sd1 and sdxl only)."""
+    from rangefinder.cli.main import main
+    from rangefinder.models.loading import detect_family
+
+    model = request.getfixturevalue(f"tiny_{family}_dir")
+    monkeypatch.setenv("RANGEFINDER_CACHE", str(model.parent))
+    assert main(["make-base-model", "--family", family, "--out", str(tmp_path / "m"), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["cached"], out["family"]) == (str(model), family)
+    assert detect_family(tmp_path / "m") == family

@@ -22,9 +22,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rebuild", action="store_true",
                    help="rebuild the shipped tiny SD, SDXL, SD3 and Flux weights (src/rangefinder/models/weights) on "
                    "this CPU")
-    p.add_argument("--family", choices=("sd1", "sdxl"), default="sd1",
-                   help="sd1: the tiny Stable Diffusion 1.x model (default); sdxl: the tiny SDXL model, as `demo "
-                   "--family sdxl` trains")
+    p.add_argument("--family", choices=("sd1", "sdxl", "sd3", "flux"), default="sd1",
+                   help="sd1: the tiny Stable Diffusion 1.x model (default); sdxl, sd3, flux: the tiny SDXL, SD3 or "
+                   "Flux.1 model, as `demo --family F` trains")
     add_json_flag(p)
     p.set_defaults(func=run)
 
@@ -32,15 +32,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> dict:
     import json
 
-    from rangefinder.models.tiny import copy_model, ensure_tiny_base_model
-    from rangefinder.models.tiny_sdxl import ensure_tiny_sdxl_model
+    from rangefinder.models.loading import TINY_MODELS
+    from rangefinder.models.tiny import copy_model
+    from rangefinder.training.family_detection import import_named
 
     if args.rebuild:
         from rangefinder.models.tiny_weights import rebuild_shipped_weights
 
         return {name: str(folder) for name, folder in rebuild_shipped_weights().items()}
-    ensure = ensure_tiny_sdxl_model if args.family == "sdxl" else ensure_tiny_base_model
-    cached = ensure(args.cache_dir)
+    cached = import_named(TINY_MODELS[args.family])(args.cache_dir)
     out = copy_model(cached, args.out) if args.out else cached
     info = json.loads((cached / "rangefinder_tiny.json").read_text())
     return {"out": str(out), "cached": str(cached), "family": args.family,
