@@ -142,6 +142,27 @@ def test_run_tree_metrics_decisions_and_artifacts(cfg, tmp_path, capsys):
     assert open(local).read() == csv.read_text()
 
 
+@pytest.mark.parametrize("family", ["sd1", "flux"])
+def test_a_run_s_params_leave_out_the_other_objective_s_settings(family, request):
+    """A DDPM model's runs showed the flow-matching objective's 8 settings (training.flow.*), and a flow model's
+    DDPM's (min_snr_gamma, prediction_type, noise_offset): each family refuses the other kind's unless left unset,
+    so as params they said nothing but looked like choices. Left out once the family can be told from the model."""
+    from rangefinder.tracking.runs import applicable_params
+
+    model = request.getfixturevalue("tiny_model_dir" if family == "sd1" else "tiny_flux_dir")
+    params = applicable_params(RangefinderConfig.model_validate({"model": {"base_model": str(model)}}))
+    flow = [k for k in params if k.startswith("training.flow.")]
+    ddpm = {"training.min_snr_gamma", "training.prediction_type", "training.noise_offset"} & params.keys()
+    if family == "sd1":
+        assert not flow and ddpm == {"training.min_snr_gamma", "training.prediction_type", "training.noise_offset"}
+    else:
+        assert "training.flow.timestep_sampling" in flow and not ddpm
+    assert "training.batch_size" in params
+    # Where the family cannot be told yet (a hub id not resolved), nothing is left out on its account.
+    unresolved = applicable_params(RangefinderConfig.model_validate({"model": {"base_model": "org/not-resolved"}}))
+    assert "training.flow.timestep_sampling" in unresolved and "training.noise_offset" in unresolved
+
+
 def test_steps_nest_under_mlflow_run_id_when_kfp_sets_it(cfg, monkeypatch, tmp_path):
     client = _client(cfg)
     exp = client.create_experiment(cfg.tracking.experiment_name + "-kfp", artifact_location=tmp_path.as_uri())

@@ -216,7 +216,9 @@ def applicable_params(cfg: Any) -> dict[str, str]:
     fine-tune showed 162 params, among them LoRA's rank and the pods' tolerations. Left out here (they are still in
     the run's config.yaml artifact): the settings of the methods not trained (`training.lora`,
     `training.textual_inversion`), `kubernetes` outside a pod (Kubernetes sets $KUBERNETES_SERVICE_HOST in every
-    pod), `distributed` on one node, `retrain` when it is off, and the `training` fields each pipeline run sets
+    pod), `distributed` on one node, `retrain` when it is off, the objective settings of the other kind of model
+    (`training.flow` on SD 1.x/2.x and SDXL, DDPM's on SD3 and Flux: family_rules' `unused_training`, once the
+    family can be told from the model), and the `training` fields each pipeline run sets
     itself (its budget, LR, schedule and process count: training/spec.py), which only `rangefinder train` reads and
     which logs to no MLflow: a fine-tune showed `training.lr` 1e-4 beside the LR it trained at.
     """
@@ -243,6 +245,14 @@ def applicable_params(cfg: Any) -> dict[str, str]:
         dropped += [f"distributed.{k}" for k in type(cfg.distributed).model_fields if k != "num_nodes"]
     if not cfg.retrain.enabled:
         dropped += [f"retrain.{k}" for k in type(cfg.retrain).model_fields if k != "enabled"]
+    from rangefinder.training.families import family_rules
+    from rangefinder.training.family_detection import family_of
+
+    family = family_of(cfg.model)
+    if family:  # the objective's settings of the other kind (flow-matching or DDPM), refused unless left unset
+        unused = [f"training.{k}" for k in family_rules(family).unused_training]
+        pipeline_set |= set(unused)
+        dropped += [f"{k}." for k in unused]
     return {k: v for k, v in params.items() if k not in pipeline_set and not k.startswith(tuple(dropped))}
 
 

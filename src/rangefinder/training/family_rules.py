@@ -45,6 +45,9 @@ class Sd1Rules:
     """Stable Diffusion 1.x / 2.x (family.Sd1Family)."""
 
     name: ClassVar[str] = "sd1"
+    # The `training` settings this family's objective has no use for, which check_settings refuses unless left at
+    # their defaults: runs leave them out of their MLflow params (tracking.runs.applicable_params).
+    unused_training: ClassVar[tuple[str, ...]] = ("flow",)
     # True for a transformer that cuts the latents into patches (every image side must be a multiple of
     # side_multiple); False for a UNet, which pads its upsampling for other square sizes.
     patchified: ClassVar[bool] = False
@@ -128,6 +131,7 @@ class FlowRules:
 
     name: ClassVar[str] = "flow"
     patchified: ClassVar[bool] = True
+    unused_training: ClassVar[tuple[str, ...]] = ("min_snr_gamma", "prediction_type", "noise_offset")  # DDPM's
 
     @classmethod
     def side_multiple_of(cls, vae_config: Mapping[str, Any], denoiser_config: Mapping[str, Any]) -> int:
