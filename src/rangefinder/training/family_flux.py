@@ -53,9 +53,9 @@ class FluxFamily(FluxRules, FlowFamily):
 
     tokenizer: Any = None  # CLIP's
     tokenizer_2: Any = None  # T5's
-    # T5's sequence length: Flux.1-dev's 512, or the tokenizer's own limit when shorter (the tiny model's 64 bytes);
-    # family_detection.t5_sequence_length, which the pipeline's calls pass too.
-    t5_length: int = 512
+    # T5's sequence length: Flux.1-dev's 512, or the tokenizer's own limit when shorter (the tiny model's 64 bytes).
+    # Set by for_model from family_detection.t5_sequence_length, the one source the pipeline's calls read too.
+    t5_length: int = 0
     t5_width: int = 0
     pooled_width: int = 0
     guidance: Optional[float] = DEFAULT_GUIDANCE  # None: a model without the guidance embedding (schnell)

@@ -43,7 +43,8 @@ class Sd3Family(Sd3Rules, FlowFamily):
     tokenizer_2: Any = None  # OpenCLIP bigG's
     tokenizer_3: Any = None  # T5's
     pooled_dim: int = 0  # P1 + P2
-    t5_length: int = 77  # L3, T5 tokens per caption (family_detection.t5_sequence_length: the pipeline's too)
+    # L3, T5 tokens per caption: set by for_model from family_detection.t5_sequence_length (the pipeline's too).
+    t5_length: int = 0
 
     @classmethod
     def for_model(cls, sd: SDComponents, cfg: TrainingConfig) -> Sd3Family:
