@@ -192,23 +192,15 @@ def _pretrain(parts: dict[str, Any], settings: TinySd3Settings, log: Callable[[s
 def build_tiny_sd3_model(out_dir: str | Path, base: Path, settings: Optional[TinySd3Settings] = None,
                          log: Optional[Callable[[str], None]] = None) -> Path:
     """Build and save the tiny SD3 model into `out_dir` (written under a temporary name, then renamed)."""
-    import torch
     from diffusers import StableDiffusion3Pipeline
 
     settings = settings or TinySd3Settings()
     log = log or tiny._log_stderr
     out = Path(out_dir).expanduser().resolve()
     with atomic_dir(out, replace=False) as tmp:
-        was_deterministic, threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
-        torch.use_deterministic_algorithms(True)
-        torch.set_num_threads(1)  # bit-for-bit the same weights whatever the core count (tiny.py)
-        try:
-            with torch.random.fork_rng(devices=[]):
-                parts = build_tiny_sd3_components(settings, base)
-                stats = _pretrain(parts, settings, log)
-        finally:
-            torch.use_deterministic_algorithms(was_deterministic)
-            torch.set_num_threads(threads)
+        with tiny.deterministic_build():  # bit-for-bit the same weights whatever the core count
+            parts = build_tiny_sd3_components(settings, base)
+            stats = _pretrain(parts, settings, log)
         save_pipeline_folder(StableDiffusion3Pipeline(**parts), tmp)
         info = {"builder_version": BUILDER_VERSION, "family": "sd3", "settings": dataclasses.asdict(settings),
                 "pretraining": stats, "vae_and_tokenizer_from": base.name}

@@ -174,23 +174,15 @@ def _pretrain(parts: dict[str, Any], settings: TinySdxlSettings, log: Callable[[
 def build_tiny_sdxl_model(out_dir: str | Path, base: Path, settings: Optional[TinySdxlSettings] = None,
                           log: Optional[Callable[[str], None]] = None) -> Path:
     """Build and save the tiny SDXL model into `out_dir` (written under a temporary name, then renamed)."""
-    import torch
     from diffusers import StableDiffusionXLPipeline
 
     settings = settings or TinySdxlSettings()
     log = log or tiny._log_stderr
     out = Path(out_dir).expanduser().resolve()
     with atomic_dir(out, replace=False) as tmp:
-        was_deterministic, threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
-        torch.use_deterministic_algorithms(True)
-        torch.set_num_threads(1)  # bit-for-bit the same weights whatever the core count (tiny.py)
-        try:
-            with torch.random.fork_rng(devices=[]):
-                parts = build_tiny_sdxl_components(settings, base)
-                stats = _pretrain(parts, settings, log)
-        finally:
-            torch.use_deterministic_algorithms(was_deterministic)
-            torch.set_num_threads(threads)
+        with tiny.deterministic_build():  # bit-for-bit the same weights whatever the core count
+            parts = build_tiny_sdxl_components(settings, base)
+            stats = _pretrain(parts, settings, log)
         pipe = StableDiffusionXLPipeline(
             vae=parts["vae"], text_encoder=parts["text_encoder"], text_encoder_2=parts["text_encoder_2"],
             tokenizer=parts["tokenizer"], tokenizer_2=parts["tokenizer_2"], unet=parts["unet"],
