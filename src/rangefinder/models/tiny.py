@@ -308,6 +308,36 @@ def _images(kind: str, seed: int, count: int, resolution: int):
     return torch.from_numpy(np.stack(arrays)), captions  # (N, 3, R, R) in [-1, 1]
 
 
+def pretrain_vae(vae: Any, data: Any, steps: int, batch: int, lr: float, g: Any) -> tuple[Any, float]:
+    """The first stage of the tiny models' pre-training (the SD model's and Flux's): `vae` trained on `data` ((N, 3,
+    R, R) in [-1, 1]) as a plain autoencoder through the posterior's mode, `steps` Adam steps of `batch` images drawn
+    with the generator `g`, then frozen. Returns the mode latents of all of `data` and their reconstruction MSE.
+
+    Sampling and a KL term slow this short training down; the engine encodes with the mode anyway
+    (training.latent_sampling), and a small penalty on the latents' size keeps them from drifting (the callers
+    normalise them after)."""
+    import torch
+    import torch.nn.functional as F
+
+    vae.train()
+    opt = torch.optim.Adam(vae.parameters(), lr=lr)
+    for _ in range(steps):
+        idx = torch.randint(0, len(data), (batch,), generator=g)
+        x = data[idx]
+        z = vae.encode(x).latent_dist.mode()
+        recon = vae.decode(z).sample
+        loss = F.mse_loss(recon, x) + 1e-4 * z.pow(2).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    vae.eval()
+    vae.requires_grad_(False)
+    with torch.no_grad():
+        latents = vae.encode(data).latent_dist.mode()
+        recon_mse = F.mse_loss(vae.decode(latents).sample, data).item()
+    return latents, recon_mse
+
+
 def _pretrain(parts: dict, settings: TinyModelSettings, log: Callable[[str], None]) -> dict:
     import torch
     import torch.nn.functional as F
@@ -321,27 +351,11 @@ def _pretrain(parts: dict, settings: TinyModelSettings, log: Callable[[str], Non
     stripes, stripe_captions = _images("stripes", 1_000_003 + settings.seed, n, settings.resolution)
     shapes, _ = _images("shapes", 2_000_003 + settings.seed, n, settings.resolution)
 
-    # --- stage 1: VAE on stripes and shapes, as a plain autoencoder through the posterior's mode. Sampling and a KL
-    # term slow this short training down; the engine encodes with the mode anyway (training.latent_sampling), and a
-    # small penalty on the latents' size keeps them from drifting (the scaling factor below normalises them).
+    # --- stage 1: VAE on stripes and shapes, as a plain autoencoder (pretrain_vae)
     vae_data = torch.cat([stripes, shapes])
-    vae.train()
-    opt = torch.optim.Adam(vae.parameters(), lr=settings.vae_lr)
     t0 = time.time()
-    for _ in range(settings.vae_steps):
-        idx = torch.randint(0, len(vae_data), (settings.vae_batch,), generator=g)
-        x = vae_data[idx]
-        z = vae.encode(x).latent_dist.mode()
-        recon = vae.decode(z).sample
-        loss = F.mse_loss(recon, x) + 1e-4 * z.pow(2).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-    vae.eval()
-    vae.requires_grad_(False)
-    with torch.no_grad():
-        all_latents = vae.encode(vae_data).latent_dist.mode()  # (2N, 4, h, w): stripes then shapes
-        recon_mse = F.mse_loss(vae.decode(all_latents).sample, vae_data).item()
+    # all_latents: (2N, 4, h, w), stripes then shapes
+    all_latents, recon_mse = pretrain_vae(vae, vae_data, settings.vae_steps, settings.vae_batch, settings.vae_lr, g)
     scaling = float(1.0 / all_latents.std())  # over both kinds: the demo's shapes get unit-variance latents too
     latents = all_latents[:n]  # stripes only from here on
     vae.register_to_config(scaling_factor=scaling)

@@ -156,23 +156,10 @@ def _pretrain(parts: dict[str, Any], settings: TinyFluxSettings, log: Callable[[
     stripes, captions = tiny._images("stripes", 4_000_037 + settings.seed, n, res)
     shapes, _ = tiny._images("shapes", 5_000_011 + settings.seed, n, res)
 
-    # --- stage 1: the VAE as an autoencoder through the posterior's mode (tiny.py's stage 1)
-    data = torch.cat([stripes, shapes])
-    vae.train()
-    opt = torch.optim.Adam(vae.parameters(), lr=settings.vae_lr)
+    # --- stage 1: the VAE as an autoencoder through the posterior's mode (tiny.pretrain_vae, as the SD model's)
     t0 = time.time()
-    for _ in range(settings.vae_steps):
-        x = data[torch.randint(0, len(data), (settings.vae_batch,), generator=g)]
-        z = vae.encode(x).latent_dist.mode()
-        loss = F.mse_loss(vae.decode(z).sample, x) + 1e-4 * z.pow(2).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-    vae.eval()
-    vae.requires_grad_(False)
-    with torch.no_grad():
-        z_all = vae.encode(data).latent_dist.mode()
-        recon = F.mse_loss(vae.decode(z_all).sample, data).item()
+    z_all, recon = tiny.pretrain_vae(vae, torch.cat([stripes, shapes]), settings.vae_steps, settings.vae_batch,
+                                     settings.vae_lr, g)
     shift, scaling = float(z_all.mean()), float(1.0 / z_all.std())
     vae.register_to_config(shift_factor=shift, scaling_factor=scaling)
     log(f"tiny Flux model: VAE {settings.vae_steps} steps in {time.time() - t0:.0f}s, recon MSE {recon:.4f}, "
