@@ -120,6 +120,12 @@ def _draw_shape(d: _Draws, draw: ImageDraw.ImageDraw, shape: str, colour: tuple[
     half = size * big / 2
     cx = d.uniform(half + 1, big - half - 1)
     cy = d.uniform(half + 1, big - half - 1)
+    _draw_shape_at(draw, shape, colour, cx, cy, half)
+
+
+def _draw_shape_at(draw: ImageDraw.ImageDraw, shape: str, colour: tuple[int, int, int], cx: float, cy: float,
+                   half: float) -> None:
+    """`shape` centred on (cx, cy), `half` its half side / radius, in pixels."""
     box = (cx - half, cy - half, cx + half, cy + half)
     if shape == "circle":
         draw.ellipse(box, fill=colour)
@@ -255,16 +261,7 @@ def _subject_item(d: _Draws, resolution: int, seed: int) -> tuple[Image.Image, s
     top = d.uniform(1, big - height - 1)
     cy = top + 2 * hr + half  # the body's centre
     flip = -1.0 if d.uniform(0, 1) < 0.5 else 1.0  # facing left or right
-    colour = COLOURS[ident["body"]]
-    box = (cx - half, cy - half, cx + half, cy + half)
-    if ident["shape"] == "circle":
-        draw.ellipse(box, fill=colour)
-    elif ident["shape"] == "square":
-        draw.rectangle(box, fill=colour)
-    elif ident["shape"] == "triangle":
-        draw.polygon([(cx, cy - half), (cx + half, cy + half), (cx - half, cy + half)], fill=colour)
-    else:
-        draw.polygon([(cx, cy - half), (cx + half, cy), (cx, cy + half), (cx - half, cy)], fill=colour)
+    _draw_shape_at(draw, ident["shape"], COLOURS[ident["body"]], cx, cy, half)
     by = cy - half + 2 * half * ident["belt_at"]
     draw.rectangle((cx - half * 0.8, by - half * 0.12, cx + half * 0.8, by + half * 0.12), fill=COLOURS[ident["belt"]])
     hx, hy = cx + flip * half * 0.25, top + hr
