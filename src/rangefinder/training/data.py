@@ -33,14 +33,42 @@ from rangefinder.planning import Plan
 
 
 @dataclass(frozen=True)
-class ImageStream:
-    train_images: int
+class _Batching:
+    """What both streams share: micro-batch step j is a chunk of `batch_size * world_size` images, shared between the
+    processes, and an update is `grad_accum` steps."""
+
     batch_size: int  # per process
     world_size: int
     grad_accum: int
     drop_last: bool
     seed: int
     total_micro_batches: int  # per process == micro-batch steps of the run
+
+    @property
+    def chunk(self) -> int:
+        return self.batch_size * self.world_size
+
+    @property
+    def total_updates(self) -> int:
+        return -(-self.total_micro_batches // self.grad_accum)
+
+    def micro_batch(self, j: int) -> list[int]:
+        """Indices (into the training items) of micro-batch step j, across all processes: each stream draws its own."""
+        raise NotImplementedError
+
+    def local(self, j: int, rank: int) -> list[int]:
+        """This process's share of micro-batch j (may be short, or empty, in a partial chunk: the stream's last, or
+        a bucket's last in an epoch)."""
+        return self.micro_batch(j)[rank * self.batch_size : (rank + 1) * self.batch_size]
+
+    def update_micro_batches(self, u: int) -> range:
+        """Micro-batch steps making up update u (0-based); the last update may have fewer than grad_accum."""
+        return range(u * self.grad_accum, min((u + 1) * self.grad_accum, self.total_micro_batches))
+
+
+@dataclass(frozen=True)
+class ImageStream(_Batching):
+    train_images: int
     total_images: int  # images in the stream (all processes); the last chunk may be partial
 
     @classmethod
@@ -56,14 +84,6 @@ class ImageStream:
             total_images=p.images_seen,
         )
 
-    @property
-    def chunk(self) -> int:
-        return self.batch_size * self.world_size
-
-    @property
-    def total_updates(self) -> int:
-        return -(-self.total_micro_batches // self.grad_accum)
-
     def permutation(self, epoch: int) -> np.ndarray:
         return _permutation(self.seed, epoch, self.train_images)
 
@@ -76,14 +96,6 @@ class ImageStream:
             return self.permutation(epoch)[k * c : (k + 1) * c].tolist()
         start, stop = j * c, min((j + 1) * c, self.total_images)
         return [int(self.permutation(p // n)[p % n]) for p in range(start, stop)]
-
-    def local(self, j: int, rank: int) -> list[int]:
-        """This process's share of micro-batch j (may be short, or empty, in a partial last chunk)."""
-        return self.micro_batch(j)[rank * self.batch_size : (rank + 1) * self.batch_size]
-
-    def update_micro_batches(self, u: int) -> range:
-        """Micro-batch steps making up update u (0-based); the last update may have fewer than grad_accum."""
-        return range(u * self.grad_accum, min((u + 1) * self.grad_accum, self.total_micro_batches))
 
     def epochs_after(self, micro_batches_done: int) -> float:
         """Progress in epochs (passes over the training set) after that many micro-batch steps."""
@@ -99,17 +111,11 @@ def _permutation(seed: int, epoch: int, n: int) -> np.ndarray:
 
 
 @dataclass(frozen=True)
-class BucketedStream:
+class BucketedStream(_Batching):
     """Micro-batches of one aspect-ratio bucket each (see the module docstring); counted as `plan()` counts them
     when given `bucket_counts`."""
 
     bucket_of: tuple[int, ...]  # the bucket (an index) of each training item
-    batch_size: int  # per process
-    world_size: int
-    grad_accum: int
-    drop_last: bool
-    seed: int
-    total_micro_batches: int  # per process == micro-batch steps of the run
     _epochs: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # the newest epochs' chunks
     # The training items of each bucket, in item order; computed once.
     members: list[np.ndarray] = field(default_factory=list, init=False, repr=False, compare=False)
@@ -120,20 +126,12 @@ class BucketedStream:
 
     @classmethod
     def from_plan(cls, p: Plan, seed: int, bucket_of: Sequence[int]) -> BucketedStream:
-        return cls(tuple(bucket_of), p.batch_size, p.world_size, p.grad_accum, p.drop_last, seed,
-                   p.total_micro_batches)
-
-    @property
-    def chunk(self) -> int:
-        return self.batch_size * self.world_size
+        return cls(bucket_of=tuple(bucket_of), batch_size=p.batch_size, world_size=p.world_size,
+                   grad_accum=p.grad_accum, drop_last=p.drop_last, seed=seed, total_micro_batches=p.total_micro_batches)
 
     @property
     def train_images(self) -> int:
         return len(self.bucket_of)
-
-    @property
-    def total_updates(self) -> int:
-        return -(-self.total_micro_batches // self.grad_accum)
 
     @property
     def micro_batches_per_epoch(self) -> int:
@@ -160,14 +158,6 @@ class BucketedStream:
         """Indices (into the training items) of micro-batch step j, across all processes; one bucket."""
         epoch, k = divmod(j, self.micro_batches_per_epoch)
         return self.epoch_chunks(epoch)[k]
-
-    def local(self, j: int, rank: int) -> list[int]:
-        """This process's share of micro-batch j (may be short, or empty, in a bucket's partial last chunk)."""
-        return self.micro_batch(j)[rank * self.batch_size : (rank + 1) * self.batch_size]
-
-    def update_micro_batches(self, u: int) -> range:
-        """Micro-batch steps making up update u (0-based); the last update may have fewer than grad_accum."""
-        return range(u * self.grad_accum, min((u + 1) * self.grad_accum, self.total_micro_batches))
 
     def epochs_after(self, micro_batches_done: int) -> float:
         """Progress in epochs after that many micro-batch steps: whole epochs plus the share of the epoch's images
