@@ -74,11 +74,15 @@ class WindowAverage:
 
     def delivered_over(self, pick_val_loss: Optional[float]) -> bool:
         """Whether the average is delivered instead of the window's pick: it measures lower."""
-        return self.val_loss is not None and (pick_val_loss is None or self.val_loss < pick_val_loss)
+        from rangefinder.steps.delivery import measures_lower
+
+        return measures_lower(self.val_loss, pick_val_loss)
 
     def sentence(self, pick_val_loss: Optional[float], verdict: Optional[str] = None) -> str:
         """What it averaged and whether it was delivered (`verdict`, when another rule decided that), for the report
         and the run's description."""
+        from rangefinder.steps.delivery import measured_sentence
+
         window = self.window_updates or self.updates
         how = (f"the {len(window)} checkpoints inside the step window (updates {window[0]} to {window[-1]}) "
                "averaged uniformly")
@@ -88,12 +92,7 @@ class WindowAverage:
                    f"below {how} ({_loss(self.uniform_val_loss)})")
         elif self.soup_tries:
             how += f" (a greedy soup, {self.soup_tries} tried, measured no lower)"
-        if self.val_loss is None:
-            return f"Window average: {how}; its validation loss was not finite, so the window's pick stays."
-        against = "" if pick_val_loss is None else f" against the window's pick's {pick_val_loss:.4g}"
-        verdict = verdict or ("delivered" if self.delivered_over(pick_val_loss)
-                              else "not delivered: the window's pick stays")
-        return f"Window average: {how}; validation loss {self.val_loss:.4g}{against}, {verdict}."
+        return measured_sentence("Window average", how, self.val_loss, pick_val_loss, verdict)
 
 
 def average_label(average: dict[str, Any]) -> str:

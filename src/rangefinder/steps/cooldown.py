@@ -74,20 +74,19 @@ class Cooldown:
 
     def delivered_over(self, window_val_loss: Optional[float]) -> bool:
         """Whether its weights are delivered instead of the window's pick: they measure lower."""
-        return self.val_loss is not None and (window_val_loss is None or self.val_loss < window_val_loss)
+        from rangefinder.steps.delivery import measures_lower
+
+        return measures_lower(self.val_loss, window_val_loss)
 
     def sentence(self, window_val_loss: Optional[float], verdict: Optional[str] = None) -> str:
         """What it did and whether it was delivered (`verdict`, when another rule decided that), for the report and
         the run's description."""
+        from rangefinder.steps.delivery import measured_sentence
+
         how = (f"the recommended {self.epochs} epochs ({self.total_updates} updates) again at lr {self.lr:.3g}, "
                f"decaying linearly to 0 from update {self.decay_start}, branched from "
                + (f"update {self.start_update}" if self.start_update else "the base model"))
-        if self.val_loss is None:
-            return f"Cooldown: {how}; its validation loss was not finite, so the window's pick stays."
-        against = "" if window_val_loss is None else f" against the window's pick's {window_val_loss:.4g}"
-        verdict = verdict or ("delivered" if self.delivered_over(window_val_loss)
-                              else "not delivered: the window's pick stays")
-        return f"Cooldown: {how}; validation loss {self.val_loss:.4g}{against}, {verdict}."
+        return measured_sentence("Cooldown", how, self.val_loss, window_val_loss, verdict)
 
 
 def cooldown_applies(cfg: RangefinderConfig, validating: bool, schedule: str) -> bool:

@@ -33,6 +33,24 @@ NOT_OFFERED = ("not delivered: finetune.deliver is earliest_tied, which delivers
                "lowest loss measured")
 
 
+def measures_lower(val_loss: Optional[float], compared: Optional[float]) -> bool:
+    """The rule: measured weights are delivered when their validation loss is finite and below the one they are
+    weighed against, or that one is not finite."""
+    return val_loss is not None and (compared is None or val_loss < compared)
+
+
+def measured_sentence(name: str, how: str, val_loss: Optional[float], compared: Optional[float],
+                      verdict: Optional[str] = None) -> str:
+    """A Measured's sentence, for the report and the run's description: "`name`: `how`;", then what it measured
+    against the window's pick (`compared`) and whether it was delivered (`verdict`, when another rule decided that)."""
+    if val_loss is None:
+        return f"{name}: {how}; its validation loss was not finite, so the window's pick stays."
+    against = "" if compared is None else f" against the window's pick's {compared:.4g}"
+    verdict = verdict or ("delivered" if measures_lower(val_loss, compared)
+                          else "not delivered: the window's pick stays")
+    return f"{name}: {how}; validation loss {val_loss:.4g}{against}, {verdict}."
+
+
 def deliver_if_lower(work: Path, candidate: Path, chosen: dict[str, Any], measured: Measured, *, key: str,
                      compared_as: str, rule: str, update: int, epoch: Optional[float], what: str) -> dict[str, Any]:
     """chosen.json with `measured` under `key` (and the loss it was weighed against under `compared_as`). When it
