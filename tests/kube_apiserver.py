@@ -407,6 +407,16 @@ class Cluster:
                 return
 
 
+def reply_json(handler: http.server.BaseHTTPRequestHandler, code: int, obj: Any) -> None:
+    """Answer `handler`'s request with `obj` as JSON, its length given (the loopback servers' tests share it)."""
+    data = json.dumps(obj).encode()
+    handler.send_response(code)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
+
+
 class _Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive and chunked logs, as the API server speaks
     cluster: Cluster
@@ -462,12 +472,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         return 200
 
     def _json(self, code: int, obj: Any) -> None:
-        data = json.dumps(obj).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        reply_json(self, code, obj)
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's names)
         self._serve("GET")

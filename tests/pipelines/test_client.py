@@ -25,6 +25,7 @@ from rangefinder.config import parse_config
 from rangefinder.errors import ConfigError
 from rangefinder.pipelines.client import EndpointError, submit, validate_cron
 from rangefinder.pipelines.pipeline import PIPELINE_NAME
+from tests.kube_apiserver import reply_json
 
 
 class FakeKFP:
@@ -54,12 +55,7 @@ class FakeKFP:
                 pass
 
             def _reply(self, code: int, body: dict):
-                data = json.dumps(body).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                reply_json(self, code, body)
 
             def _handle(self, method: str):
                 n = int(self.headers.get("Content-Length") or 0)

@@ -159,12 +159,7 @@ class _Api(http.server.BaseHTTPRequestHandler):
             code = 200
         else:
             body, code = {"kind": "Status", "code": 404}, 404
-        data = json.dumps(body).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        kube_apiserver.reply_json(self, code, body)
 
     def log_message(self, *args):
         pass
