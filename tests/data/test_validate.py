@@ -196,3 +196,30 @@ def test_captions_of_control_or_invisible_characters_are_empty_and_every_unused_
     assert reasons["moving.webp"].startswith("animated (3 frames)")
     assert reasons["README.md"].startswith("not used: .md")
     assert {it.file_name: it.text for it in result.items}["bell.png"] == "a red circle"
+
+
+def test_captions_in_caption_files_and_in_any_case_are_read_and_two_that_disagree_listed(tmp_path):
+    # kohya's sd-scripts reads `.caption` by default (--caption_extension), and a Windows tool writes `.TXT`: both
+    # images were listed as uncaptioned beside their caption. A caption in an extension not read gets a line naming
+    # its image, and an image whose two caption files say different things is not trained on either one.
+    for i, name in enumerate(("a.jpg", "b.png", "c.png", "d.png", "e.png")):
+        _img(tmp_path / name, (i, 0, 0))
+    (tmp_path / "a.caption").write_text("kohya's caption\n")
+    (tmp_path / "b.TXT").write_text("an upper-case extension")
+    (tmp_path / "c.txt").write_text("the same caption")
+    (tmp_path / "c.caption").write_text("the same  caption\n")
+    (tmp_path / "d.txt").write_text("one caption")
+    (tmp_path / "d.caption").write_text("another caption")
+    (tmp_path / "e.cap").write_text("a caption in kohya's --caption_extension .cap")
+    (tmp_path / "f.caption").write_text("no image")
+    result = validate_dataset(tmp_path)
+    assert [(it.file_name, it.text) for it in result.items] == [
+        ("a.jpg", "kohya's caption"), ("b.png", "an upper-case extension"), ("c.png", "the same caption")]
+    reasons = {s.file_name: s.reason for s in result.skipped}
+    assert reasons == {
+        "d.png": "its caption files disagree (d.txt and d.caption); delete the one that is not its caption",
+        "e.png": "missing caption (no e.txt or e.caption, and no metadata.jsonl entry)",
+        "e.cap": "not used: captions are read from .txt or .caption files; if this holds e.png's caption, save it "
+                 "as e.txt",
+        "f.caption": "not used: a caption file with no image of the same name beside it",
+    }

@@ -1,7 +1,9 @@
 """The dataset folder contract: images with captions, found in a fixed order.
 
 A dataset is a folder of images (png, jpg, jpeg, webp, any case, in subfolders too) each with a caption in a sibling
-`.txt` file of the same stem, the convention of EveryDream2 and kohya's sd-scripts. A `metadata.jsonl` at the root
+`.txt` or `.caption` file of the same stem (any case), the conventions of EveryDream2, OneTrainer and kohya's
+sd-scripts (whose `--caption_extension` defaults to `.caption`); an image with both, saying different things, is
+skipped and listed. A file of another kind beside an image is listed as not used. A `metadata.jsonl` at the root
 with one `{"file_name": ..., "text": ...}` per line (Hugging Face's imagefolder convention) is also accepted; its
 captions win over `.txt` files. Hidden files and folders (names starting with ".") are ignored.
 
@@ -23,7 +25,9 @@ from rangefinder.errors import DataError
 from rangefinder.formats.text import NotUtf8, decode_utf8
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp")
-CAPTION_EXTENSION = ".txt"
+# An image's caption beside it: `.txt` (EveryDream2, OneTrainer, kohya_ss's GUI) or `.caption` (kohya sd-scripts'
+# default --caption_extension; EveryDream2 reads both). The first is the one named in messages.
+CAPTION_EXTENSIONS = (".txt", ".caption")
 METADATA_FILE = "metadata.jsonl"
 
 
@@ -68,7 +72,7 @@ class Candidate:
 
     file_name: str  # POSIX, relative to the root
     caption: Optional[str]
-    caption_source: Optional[str]  # "metadata.jsonl" or the .txt file's relative path
+    caption_source: Optional[str]  # "metadata.jsonl" or the caption file's relative path
 
 
 @dataclass
@@ -125,14 +129,14 @@ def _read_metadata(root: Path) -> tuple[dict[str, str], list[tuple[str, str]]]:
 
 
 def _walk_images(root: Path, exclude: Optional[Path], problems: list[tuple[str, str]],
-                 texts: list[PurePosixPath]) -> list[PurePosixPath]:
+                 texts: list[PurePosixPath], others: list[PurePosixPath]) -> list[PurePosixPath]:
     """Image files under `root`, following symbolic links to folders once each; never recursing forever.
 
     Real folders are walked first, links to folders after, so a folder reached both ways is listed under its real
     path. A link to a folder already walked (a loop back to an ancestor, or a second way to the same folder) and a
-    broken link to an image are listed in `problems`, not silently left out, and so is every other file that is not
-    an image, a caption (collected in `texts`) or the dataset's metadata.jsonl. `os.scandir`, not `Path.rglob`: one
-    stat per entry, which matters at 100,000 images.
+    broken link to an image are listed in `problems`, not silently left out. Caption files are collected in `texts`,
+    and every other file but the dataset's metadata.jsonl in `others`, for the caller to list. `os.scandir`, not
+    `Path.rglob`: one stat per entry, which matters at 100,000 images.
     """
     images: list[PurePosixPath] = []
     visited: set[tuple[int, int]] = set()
@@ -166,13 +170,10 @@ def _walk_images(root: Path, exclude: Optional[Path], problems: list[tuple[str, 
                 ext = os.path.splitext(entry.name)[1].lower()
                 if ext in IMAGE_EXTENSIONS:
                     images.append(child)
-                elif ext == CAPTION_EXTENSION:
+                elif ext in CAPTION_EXTENSIONS:
                     texts.append(child)
                 elif not (str(rel) == "." and entry.name == METADATA_FILE):
-                    # Every file not used gets a line: a GIF with a caption beside it was left out without a word.
-                    problems.append((str(child), f"not used: {ext or 'a file without an extension'} is not an image "
-                                                 f"format rangefinder trains on ({', '.join(IMAGE_EXTENSIONS)}); "
-                                                 "convert it (one frame of an animation) or move it out"))
+                    others.append(child)
             elif entry.is_symlink() and os.path.splitext(entry.name)[1].lower() in IMAGE_EXTENSIONS:
                 target = os.readlink(entry.path)
                 problems.append((str(child), f"broken symbolic link (points to {target}, which does not exist)"))
@@ -207,11 +208,18 @@ def scan_dataset(root: str | Path, exclude: Optional[Path] = None) -> Scan:
     exclude = exclude.resolve() if exclude is not None else None
     meta, problems = _read_metadata(root)
     texts: list[PurePosixPath] = []
-    images = _walk_images(root, exclude, problems, texts)
+    others: list[PurePosixPath] = []
+    images = _walk_images(root, exclude, problems, texts, others)
     found = {str(r) for r in images}
-    stems = {r.with_suffix("") for r in images}
+    image_of: dict[PurePosixPath, PurePosixPath] = {}  # each stem's first image, named in lines on files beside it
+    for r in images:
+        image_of.setdefault(r.with_suffix(""), r)
+    captions_of: dict[PurePosixPath, list[PurePosixPath]] = {}
+    for t in texts:
+        captions_of.setdefault(t.with_suffix(""), []).append(t)
     problems += [(str(t), "not used: a caption file with no image of the same name beside it")
-                 for t in texts if t.with_suffix("") not in stems]
+                 for t in texts if t.with_suffix("") not in image_of]
+    problems += [(str(o), _not_used(o, image_of.get(o.with_suffix("")))) for o in others]
 
     candidates = []
     for rel in images:
@@ -219,20 +227,45 @@ def scan_dataset(root: str | Path, exclude: Optional[Path] = None) -> Scan:
         if name in meta:
             candidates.append(Candidate(name, meta[name], METADATA_FILE))
             continue
-        txt = root / rel.with_suffix(".txt")
-        if txt.is_file():
+        read: dict[str, str] = {}  # the caption files beside it, by relative path, with their text
+        for cap in sorted(captions_of.get(rel.with_suffix(""), []), key=_caption_order):
             try:
-                caption: Optional[str] = txt.read_text(encoding="utf-8-sig")  # a BOM is not caption text
+                read[str(cap)] = (root / cap).read_text(encoding="utf-8-sig")  # a BOM is not caption text
             except UnicodeDecodeError:
-                caption = None
-                problems.append((name, f"caption file {rel.with_suffix('.txt')} is not UTF-8 text; save it as UTF-8"))
-                continue
-            candidates.append(Candidate(name, caption, str(rel.with_suffix(".txt"))))
+                problems.append((name, f"caption file {cap} is not UTF-8 text; save it as UTF-8"))
+                break
         else:
-            candidates.append(Candidate(name, None, None))
+            if len({clean_caption(text) for text in read.values()}) > 1:
+                # Which one the user means is anyone's guess: kohya reads one extension, EveryDream2 merges both.
+                problems.append((name, f"its caption files disagree ({' and '.join(read)}); delete the one that is "
+                                       "not its caption"))
+            elif read:
+                source, caption = next(iter(read.items()))
+                candidates.append(Candidate(name, caption, source))
+            else:
+                candidates.append(Candidate(name, None, None))
     for name in sorted(set(meta) - found):
         problems.append((name, f"listed in {METADATA_FILE} but no such image file"))
     return Scan(root=root, candidates=candidates, problems=problems)
+
+
+def _caption_order(path: PurePosixPath) -> tuple[int, str]:
+    """`.txt` before `.caption` (CAPTION_EXTENSIONS' order), then by name: the caption a source line names."""
+    return CAPTION_EXTENSIONS.index(path.suffix.lower()), str(path)
+
+
+def _not_used(path: PurePosixPath, image: Optional[PurePosixPath]) -> str:
+    """Why a file that is neither an image nor a caption file is left out, and what to do, in a few words."""
+    from PIL import Image
+
+    ext = path.suffix.lower()
+    if image is not None and ext not in Image.registered_extensions():  # a picture of it is no caption
+        # A caption in another extension (kohya's --caption_extension .cap, EveryDream2's .yaml): its image would
+        # otherwise be listed as uncaptioned with no word on the file beside it.
+        return (f"not used: captions are read from {' or '.join(CAPTION_EXTENSIONS)} files; if this holds {image}'s "
+                f"caption, save it as {path.with_suffix(CAPTION_EXTENSIONS[0])}")
+    return (f"not used: {ext or 'a file without an extension'} is not an image format rangefinder trains on "
+            f"({', '.join(IMAGE_EXTENSIONS)}); convert it (one frame of an animation) or move it out")
 
 
 def clean_caption(text: str) -> str:

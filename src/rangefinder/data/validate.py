@@ -46,8 +46,8 @@ class ValidatedDataset:
         n = len(self.items)
         if not self.skipped and n == 0:
             raise DataError(
-                f"dataset folder {self.root} holds no images (png, jpg, jpeg, webp); put images with a .txt caption "
-                "of the same stem (or a metadata.jsonl) there"
+                f"dataset folder {self.root} holds no images (png, jpg, jpeg, webp); put images there, each "
+                "with its caption in a .txt or .caption file of the same stem (or a metadata.jsonl)"
             )
         shown = "; ".join(str(s) for s in self.skipped[:10])
         more = f"; and {len(self.skipped) - 10} more" if len(self.skipped) > 10 else ""
@@ -126,8 +126,9 @@ def validate_dataset(
     items: list[Item] = []
     for c in scan.candidates:
         if c.caption is None and not captionless:
-            stem_txt = str(Path(c.file_name).with_suffix(".txt").as_posix())
-            skipped.append(Skipped(c.file_name, f"missing caption (no {stem_txt} and no metadata.jsonl entry)"))
+            stem = Path(c.file_name).with_suffix("").as_posix()
+            skipped.append(Skipped(c.file_name, f"missing caption (no {stem}.txt or {stem}.caption, and no "
+                                                 "metadata.jsonl entry)"))
             continue
         text = clean_caption(c.caption or "")
         if not text and not captionless:
