@@ -147,9 +147,6 @@ def _refuse_uri_credentials(uri: Optional[str]) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # Data, split, model
 
-IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp")
-
-
 class DataConfig(_Section):
     # None means the embedded default dataset (synthetic shapes, made offline by `rangefinder make-dataset`).
     dataset_dir: Optional[str] = None

@@ -172,7 +172,8 @@ def test_symbolic_links_are_followed_once_and_loops_and_broken_links_listed(tmp_
 
 def test_captions_of_control_or_invisible_characters_are_empty_and_every_unused_file_is_reported(tmp_path):
     # Issue 36, class 4: a caption of escape and tab characters, or of zero-width spaces, carries no words: refused
-    # like an empty one. A TIFF and an animated WebP with captions, and a stray file, each get a line.
+    # like an empty one. A HEIC (no format rangefinder reads) and an animated WebP with captions, and a stray file,
+    # each get a line.
     d = tmp_path / "data"
     d.mkdir()
     _good(d, 3)
@@ -182,8 +183,8 @@ def test_captions_of_control_or_invisible_characters_are_empty_and_every_unused_
     (d / "zerowidth.txt").write_text("\u200b \u2060\u200b", encoding="utf-8")
     shutil.copy(d / "good00.png", d / "bell.png")
     (d / "bell.txt").write_text("a red\x07 circle", encoding="utf-8")
-    Image.new("RGB", (32, 32)).save(d / "scan.tiff")
-    (d / "scan.txt").write_text("a scanned photo")
+    (d / "phone.heic").write_bytes(b"\0\0\0\x18ftypheic")
+    (d / "phone.txt").write_text("a phone's photo")
     frames = [Image.new("RGB", (32, 32), (c, 0, 0)) for c in (0, 120, 240)]
     frames[0].save(d / "moving.webp", save_all=True, append_images=frames[1:], duration=100)
     (d / "moving.txt").write_text("a moving picture")
@@ -191,8 +192,8 @@ def test_captions_of_control_or_invisible_characters_are_empty_and_every_unused_
     result = validate_dataset(d)
     reasons = {s.file_name: s.reason for s in result.skipped}
     assert reasons["escapes.png"].startswith("empty caption") and reasons["zerowidth.png"].startswith("empty caption")
-    assert reasons["scan.tiff"].startswith("not used: .tiff is not an image format")
-    assert reasons["scan.txt"].startswith("not used: a caption file with no image")
+    assert reasons["phone.heic"].startswith("not used: .heic is not an image format")
+    assert reasons["phone.txt"].startswith("not used: a caption file with no image")
     assert reasons["moving.webp"].startswith("animated (3 frames)")
     assert reasons["README.md"].startswith("not used: .md")
     assert {it.file_name: it.text for it in result.items}["bell.png"] == "a red circle"
@@ -223,3 +224,23 @@ def test_captions_in_caption_files_and_in_any_case_are_read_and_two_that_disagre
                  "as e.txt",
         "f.caption": "not used: a caption file with no image of the same name beside it",
     }
+
+
+def test_the_image_formats_other_trainers_take_are_trained_and_only_true_animations_refused(tmp_path):
+    # A kohya or EveryDream2 set of BMPs, OneTrainer's TIFFs, a still GIF and a camera's JPEG stored as MPO (a photo
+    # with a preview after it) were each left out, the MPO as "animated"; an animated GIF and a multi-page TIFF are
+    # still refused, naming what they are.
+    colours = iter((10 * i, 0, 0) for i in range(20))
+    for name in ("a.bmp", "b.gif", "c.tif", "d.TIFF", "e.jfif"):
+        Image.new("RGB", (16, 16), next(colours)).save(tmp_path / name, format={".jfif": "JPEG"}.get(name[-5:]))
+    photo, preview = Image.new("RGB", (16, 16), next(colours)), Image.new("RGB", (8, 8), next(colours))
+    photo.save(tmp_path / "camera.jpg", format="MPO", save_all=True, append_images=[preview])
+    frames = [Image.new("RGB", (16, 16), next(colours)) for _ in range(3)]
+    frames[0].save(tmp_path / "moving.gif", save_all=True, append_images=frames[1:], duration=100)
+    frames[0].save(tmp_path / "pages.tif", save_all=True, append_images=frames[1:])
+    for f in list(tmp_path.iterdir()):
+        f.with_suffix(".txt").write_text(f"a picture called {f.stem}")
+    result = validate_dataset(tmp_path)
+    assert [it.file_name for it in result.items] == ["a.bmp", "b.gif", "c.tif", "camera.jpg", "d.TIFF", "e.jfif"]
+    assert {s.file_name: s.reason.split(":")[0] for s in result.skipped} == {
+        "moving.gif": "animated (3 frames)", "pages.tif": "multi-page (3 frames)"}

@@ -1,6 +1,7 @@
 """The dataset folder contract: images with captions, found in a fixed order.
 
-A dataset is a folder of images (png, jpg, jpeg, webp, any case, in subfolders too) each with a caption in a sibling
+A dataset is a folder of images (png, jpg, jpeg, webp, bmp, gif, tif, tiff, jfif, any case, in subfolders too; not
+an animation) each with a caption in a sibling
 `.txt` or `.caption` file of the same stem (any case), the conventions of EveryDream2, OneTrainer and kohya's
 sd-scripts (whose `--caption_extension` defaults to `.caption`); an image with both, saying different things, is
 skipped and listed. A file of another kind beside an image is listed as not used. A `metadata.jsonl` at the root
@@ -24,7 +25,9 @@ from typing import Optional
 from rangefinder.errors import DataError
 from rangefinder.formats.text import NotUtf8, decode_utf8
 
-IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp")
+# What kohya's sd-scripts (bmp), EveryDream2 (bmp, jfif) and OneTrainer (bmp, tif, tiff) take besides the first four,
+# and GIF, which Hugging Face's imagefolder takes. Any frame count is found here; validate.py refuses an animation.
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".jfif")
 # An image's caption beside it: `.txt` (EveryDream2, OneTrainer, kohya_ss's GUI) or `.caption` (kohya sd-scripts'
 # default --caption_extension; EveryDream2 reads both). The first is the one named in messages.
 CAPTION_EXTENSIONS = (".txt", ".caption")
@@ -265,7 +268,7 @@ def _not_used(path: PurePosixPath, image: Optional[PurePosixPath]) -> str:
         return (f"not used: captions are read from {' or '.join(CAPTION_EXTENSIONS)} files; if this holds {image}'s "
                 f"caption, save it as {path.with_suffix(CAPTION_EXTENSIONS[0])}")
     return (f"not used: {ext or 'a file without an extension'} is not an image format rangefinder trains on "
-            f"({', '.join(IMAGE_EXTENSIONS)}); convert it (one frame of an animation) or move it out")
+            f"({', '.join(IMAGE_EXTENSIONS)}); convert it to one of those or move it out")
 
 
 def clean_caption(text: str) -> str:

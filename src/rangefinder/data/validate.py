@@ -15,7 +15,7 @@ from typing import Optional
 
 from PIL import Image, UnidentifiedImageError
 
-from rangefinder.data.dataset import Item, clean_caption, item_id, scan_dataset
+from rangefinder.data.dataset import IMAGE_EXTENSIONS, Item, clean_caption, item_id, scan_dataset
 from rangefinder.data.pixels import load_rgb
 from rangefinder.errors import DataError
 
@@ -46,7 +46,7 @@ class ValidatedDataset:
         n = len(self.items)
         if not self.skipped and n == 0:
             raise DataError(
-                f"dataset folder {self.root} holds no images (png, jpg, jpeg, webp); put images there, each "
+                f"dataset folder {self.root} holds no images ({', '.join(IMAGE_EXTENSIONS)}); put images there, each "
                 "with its caption in a .txt or .caption file of the same stem (or a metadata.jsonl)"
             )
         shown = "; ".join(str(s) for s in self.skipped[:10])
@@ -98,9 +98,13 @@ def _problem(data: bytes, min_image_size: int) -> Optional[str]:
             return f"truncated or corrupt image ({msg})"
         return f"unreadable image ({type(e).__name__}: {msg})"
     with Image.open(io.BytesIO(data)) as probe:  # the header again: load_rgb's RGB copy has one frame
-        frames = getattr(probe, "n_frames", 1)
+        # A camera's JPEG is often an MPO (CIPA DC-007) whose later frames are previews or a stereo pair's other
+        # view: its first frame is the photo, as every viewer shows. A GIF, PNG or WebP of several frames is an
+        # animation, and a TIFF of several a multi-page scan, of which no one frame is the image.
+        frames = 1 if probe.format == "MPO" else getattr(probe, "n_frames", 1)
+        kind = "multi-page" if probe.format == "TIFF" else "animated"
     if frames > 1:
-        return f"animated ({frames} frames): only a still image is trained on; save the frame you mean as a PNG"
+        return f"{kind} ({frames} frames): only a still image is trained on; save the frame you mean as a PNG"
     w, h = img.size
     if min(w, h) < min_image_size:
         return f"too small: {w}x{h} px, the short side must be at least {min_image_size} px"
