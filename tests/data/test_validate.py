@@ -219,7 +219,7 @@ def test_captions_in_caption_files_and_in_any_case_are_read_and_two_that_disagre
     reasons = {s.file_name: s.reason for s in result.skipped}
     assert reasons == {
         "d.png": "its caption files disagree (d.txt and d.caption); delete the one that is not its caption",
-        "e.png": "missing caption (no e.txt or e.caption, and no metadata.jsonl entry)",
+        "e.png": "missing caption (no e.txt or e.caption, and no metadata.jsonl or metadata.csv row)",
         "e.cap": "not used: captions are read from .txt or .caption files; if this holds e.png's caption, save it "
                  "as e.txt",
         "f.caption": "not used: a caption file with no image of the same name beside it",
@@ -244,3 +244,56 @@ def test_the_image_formats_other_trainers_take_are_trained_and_only_true_animati
     assert [it.file_name for it in result.items] == ["a.bmp", "b.gif", "c.tif", "camera.jpg", "d.TIFF", "e.jfif"]
     assert {s.file_name: s.reason.split(":")[0] for s in result.skipped} == {
         "moving.gif": "animated (3 frames)", "pages.tif": "multi-page (3 frames)"}
+
+
+def test_a_metadata_csv_is_read_as_metadata_jsonl_is(tmp_path):
+    # Hugging Face's imagefolder takes a metadata.csv as well: it was listed as "not an image format" and every image
+    # trained on its .txt caption, or was skipped as uncaptioned. Excel's UTF-8 CSV starts with a byte-order mark.
+    for i, name in enumerate(("a.png", "b.png", "sub/c.png")):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        _img(tmp_path / name, (i, 0, 0))
+    (tmp_path / "a.txt").write_text("loses to metadata.csv")
+    rows = 'file_name,text,source\na.png,"a red square, small",web\nsub/c.png,"two\nlines",scan\n,orphan,x\n' \
+           "gone.png,nothing,x\n"
+    (tmp_path / "metadata.csv").write_text(rows, encoding="utf-8-sig")
+    result = validate_dataset(tmp_path)
+    assert [(it.file_name, it.text) for it in result.items] == [("a.png", "a red square, small"),
+                                                                  ("sub/c.png", "two lines")]
+    assert {s.file_name: s.reason for s in result.skipped} == {
+        "b.png": "missing caption (no b.txt or b.caption, and no metadata.jsonl or metadata.csv row)",
+        "metadata.csv:5": "no file_name; row ignored",
+        "gone.png": "listed in metadata.csv but no such image file"}
+
+
+@pytest.mark.parametrize("files, expected", [
+    ({"metadata.jsonl": '{"file_name": "a.png", "caption": "a cat"}\n{"file_name": "b.png", "caption": "a dog"}\n'},
+     "metadata.jsonl has no text field (its fields: caption, file_name), where rangefinder reads each image's caption; "
+     "rename the field that holds it to text on every line, e.g. `sed -i 's/\"caption\":/\"text\":/' metadata.jsonl`"),
+    ({"metadata.csv": "file_name,prompt,seed\na.png,a cat,1\nb.png,a dog,2\n"},
+     "metadata.csv has no text column (its columns: file_name, prompt, seed), where rangefinder reads each image's "
+     "caption; rename the column that holds it to text in its header line"),
+    ({"metadata.csv": "image,text\na.png,a cat\n"},
+     "metadata.csv has no file_name column (its columns: image, text), where rangefinder reads each image's path; "
+     "rename the column that holds it to file_name in its header line"),
+    ({"metadata.csv": "file_name,text\na.png,a cat\n", "metadata.jsonl": '{"file_name": "b.png", "text": "a dog"}\n'},
+     "holds both metadata.jsonl and metadata.csv; keep one captions file, with the other's rows moved into it"),
+    ({"train/metadata.jsonl": '{"file_name": "c.png", "text": "a bird"}\n'},
+     ": train/metadata.jsonl is not read, captions being read from a metadata.jsonl or metadata.csv at the root only; "
+     "pass the folder of the split to train on as the dataset folder (another split's as --val-dir)"),
+])
+def test_a_metadata_file_rangefinder_would_misread_is_one_clear_error(tmp_path, capsys, files, expected):
+    # A caption column not named text (diffusers' --caption_column), two captions files, or an imagefolder split's
+    # file in a subfolder: each image was skipped as having an "empty caption", or trained on a .txt caption
+    # instead, or (a subfolder's) listed as "not an image format" among many lines.
+    from rangefinder.cli.main import main
+
+    (tmp_path / "train").mkdir()
+    for name in ("a.png", "b.png", "train/c.png"):
+        _img(tmp_path / name, (len(name), 0, 0))
+        (tmp_path / name).with_suffix(".txt").write_text("a caption the metadata file would replace")
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    assert main(["split", str(tmp_path), "--out", str(tmp_path / "s"), "--resolution", "16"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert expected in err

@@ -1,12 +1,14 @@
 """The dataset folder contract: images with captions, found in a fixed order.
 
 A dataset is a folder of images (png, jpg, jpeg, webp, bmp, gif, tif, tiff, jfif, any case, in subfolders too; not
-an animation) each with a caption in a sibling
-`.txt` or `.caption` file of the same stem (any case), the conventions of EveryDream2, OneTrainer and kohya's
-sd-scripts (whose `--caption_extension` defaults to `.caption`); an image with both, saying different things, is
-skipped and listed. A file of another kind beside an image is listed as not used. A `metadata.jsonl` at the root
-with one `{"file_name": ..., "text": ...}` per line (Hugging Face's imagefolder convention) is also accepted; its
-captions win over `.txt` files. Hidden files and folders (names starting with ".") are ignored.
+an animation) each with a caption in a sibling `.txt` or `.caption` file of the same stem (any case), the conventions
+of EveryDream2, OneTrainer and kohya's sd-scripts (whose `--caption_extension` defaults to `.caption`); an image with
+both, saying different things, is skipped and listed. A file of another kind beside an image is listed as not used.
+A `metadata.jsonl` (one `{"file_name": ..., "text": ...}` per line) or a `metadata.csv` (a header line, then
+`file_name,text` rows) at the root, Hugging Face's imagefolder conventions, is also accepted; its captions win over
+caption files. One without a `text` field (a caption column of another name, which diffusers reads with
+`--caption_column`), both at once, or one in a subfolder (an imagefolder split's) is refused, naming the fix. Hidden
+files and folders (names starting with ".") are ignored.
 
 Items are listed sorted by their POSIX path relative to the root, so the order, and everything seeded from it, is the
 same on every machine and file system.
@@ -14,6 +16,8 @@ same on every machine and file system.
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
 import unicodedata
@@ -31,7 +35,10 @@ IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".
 # An image's caption beside it: `.txt` (EveryDream2, OneTrainer, kohya_ss's GUI) or `.caption` (kohya sd-scripts'
 # default --caption_extension; EveryDream2 reads both). The first is the one named in messages.
 CAPTION_EXTENSIONS = (".txt", ".caption")
-METADATA_FILE = "metadata.jsonl"
+# Captions listed at the root, as Hugging Face's imagefolder reads them: one row per image, its path relative to the
+# root in `file_name`, its caption in `text` (the column diffusers' train_text_to_image reads unless told another).
+METADATA_FILES = ("metadata.jsonl", "metadata.csv")
+CAPTION_FIELD = "text"
 
 
 @dataclass(frozen=True)
@@ -75,7 +82,7 @@ class Candidate:
 
     file_name: str  # POSIX, relative to the root
     caption: Optional[str]
-    caption_source: Optional[str]  # "metadata.jsonl" or the caption file's relative path
+    caption_source: Optional[str]  # "metadata.jsonl", "metadata.csv" or the caption file's relative path
 
 
 @dataclass
@@ -86,36 +93,44 @@ class Scan:
     problems: list[tuple[str, str]]
 
 
-def _read_metadata(root: Path) -> tuple[dict[str, str], list[tuple[str, str]]]:
-    """Captions from `metadata.jsonl`. A file that is not UTF-8, or one image listed twice with different captions,
-    stops here with a DataError (every caption in it is suspect); a line that is not a JSON object is listed."""
-    path = root / METADATA_FILE
+def _read_metadata(root: Path) -> tuple[dict[str, str], list[tuple[str, str]], Optional[str]]:
+    """Captions from the root's `metadata.jsonl` or `metadata.csv`, with the problems found and the file's name (None:
+    neither is there). A file that is not UTF-8, one without a file_name or text field at all, both files at once,
+    or one image listed twice with different captions stops here with a DataError (every caption in it is suspect);
+    a row without a file name is listed."""
     captions: dict[str, str] = {}
     first_line: dict[str, int] = {}
     conflicts: list[str] = []
     problems: list[tuple[str, str]] = []
-    if path.is_dir():
-        # Read as "no metadata.jsonl" it left every caption to .txt files without a word, and its contents were
-        # walked as images of the dataset.
-        raise DataError(f"{path} is a folder, not the captions file; remove or rename it, or put the captions "
-                        "(one JSON object with file_name and text per line) in a file of that name")
-    if not path.is_file():
-        return captions, problems
+    for name in METADATA_FILES:
+        if (root / name).is_dir():
+            # Read as "no metadata.jsonl" it left every caption to .txt files without a word, and its contents were
+            # walked as images of the dataset.
+            raise DataError(f"{root / name} is a folder, not the captions file; remove or rename it, or put the "
+                            "captions (one row with file_name and text per image) in a file of that name")
+    present = [name for name in METADATA_FILES if (root / name).is_file()]
+    if not present:
+        return captions, problems, None
+    if len(present) > 1:
+        raise DataError(f"dataset folder {root} holds both {' and '.join(present)}; keep one captions file, with "
+                        "the other's rows moved into it")
+    name = present[0]
+    path = root / name
     try:
         content = decode_utf8(path.read_bytes())
     except NotUtf8 as e:
-        raise DataError(f"{path} {e}; save the file as UTF-8, e.g. `iconv -f cp1252 -t utf-8 {METADATA_FILE} > "
-                        f"fixed.jsonl` then rename fixed.jsonl to {METADATA_FILE}") from None
-    for lineno, line in enumerate(content.splitlines(), start=1):
-        if not line.strip():
+        raise DataError(f"{path} {e}; save the file as UTF-8, e.g. `iconv -f cp1252 -t utf-8 {name} > "
+                        f"fixed{path.suffix}` then rename fixed{path.suffix} to {name}") from None
+    rows, fields = _csv_rows(path, content) if name.endswith(".csv") else _jsonl_rows(content, problems)
+    for field, holds in (("file_name", "path"), (CAPTION_FIELD, "caption")):
+        if rows and field not in fields:
+            raise DataError(_missing_field(path, field, holds, fields))
+    for lineno, row in rows:
+        file_name, text = row.get("file_name"), row.get(CAPTION_FIELD)
+        if file_name is None or not str(file_name).strip():
+            problems.append((f"{name}:{lineno}", "no file_name; row ignored"))
             continue
-        try:
-            obj = json.loads(line)
-            name, text = obj["file_name"], obj.get("text")
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
-            problems.append((f"{METADATA_FILE}:{lineno}", "not a JSON object with file_name and text; line ignored"))
-            continue
-        rel = str(PurePosixPath(str(name).replace("\\", "/")))
+        rel = str(PurePosixPath(str(file_name).replace("\\", "/")))
         text = "" if text is None else str(text)
         if rel in captions:
             if clean_caption(captions[rel]) != clean_caption(text):  # the same caption twice is harmless
@@ -128,7 +143,50 @@ def _read_metadata(root: Path) -> tuple[dict[str, str], list[tuple[str, str]]]:
             f"{path} lists {len(conflicts)} image{'s' if len(conflicts) != 1 else ''} twice with different captions: "
             f"{shown}; keep one line per image (to train an image under two captions, copy it under another name)"
         )
-    return captions, problems
+    return captions, problems, name
+
+
+def _jsonl_rows(content: str, problems: list[tuple[str, str]]) -> tuple[list[tuple[int, dict]], set[str]]:
+    """`metadata.jsonl`'s objects with their line numbers, and every field any of them has; a line that is not a JSON
+    object is listed in `problems`."""
+    rows: list[tuple[int, dict]] = []
+    for lineno, line in enumerate(content.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            obj = None
+        if not isinstance(obj, dict):
+            problems.append((f"{METADATA_FILES[0]}:{lineno}", "not a JSON object with file_name and text; line "
+                                                              "ignored"))
+            continue
+        rows.append((lineno, obj))
+    return rows, {field for _, obj in rows for field in obj}
+
+
+def _csv_rows(path: Path, content: str) -> tuple[list[tuple[int, dict]], set[str]]:
+    """`metadata.csv`'s rows by its header line, with the line each ends on, and the header's columns."""
+    reader = csv.DictReader(io.StringIO(content, newline=""))
+    try:
+        rows = [(reader.line_num, {k: v for k, v in row.items() if k is not None}) for row in reader]
+    except csv.Error as e:
+        raise DataError(f"{path} line {reader.line_num} is not CSV ({e}); save it as comma-separated values with a "
+                        "header line of file_name,text") from None
+    return rows, set(reader.fieldnames or ())
+
+
+def _missing_field(path: Path, field: str, holds: str, fields: set[str]) -> str:
+    """The one line for a metadata file none of whose rows has `field` (Hugging Face's imagefolder names a caption
+    column freely, and diffusers reads the one --caption_column names, `text` unless told)."""
+    kind = "column" if path.suffix == ".csv" else "field"
+    others = sorted(fields - {"file_name", CAPTION_FIELD})
+    where = "in its header line" if kind == "column" else "on every line"
+    example = ""
+    if kind == "field" and len(others) == 1:
+        example = f", e.g. `sed -i 's/\"{others[0]}\":/\"{field}\":/' {path.name}`"
+    return (f"{path} has no {field} {kind} (its {kind}s: {', '.join(sorted(fields)) or 'none'}), where rangefinder "
+            f"reads each image's {holds}; rename the {kind} that holds it to {field} {where}{example}")
 
 
 def _walk_images(root: Path, exclude: Optional[Path], problems: list[tuple[str, str]],
@@ -175,7 +233,7 @@ def _walk_images(root: Path, exclude: Optional[Path], problems: list[tuple[str, 
                     images.append(child)
                 elif ext in CAPTION_EXTENSIONS:
                     texts.append(child)
-                elif not (str(rel) == "." and entry.name == METADATA_FILE):
+                elif not (str(rel) == "." and entry.name in METADATA_FILES):
                     others.append(child)
             elif entry.is_symlink() and os.path.splitext(entry.name)[1].lower() in IMAGE_EXTENSIONS:
                 target = os.readlink(entry.path)
@@ -209,10 +267,19 @@ def scan_dataset(root: str | Path, exclude: Optional[Path] = None) -> Scan:
     if not root.is_dir():
         raise DataError(f"dataset folder {root} does not exist or is not a folder; pass the folder holding the images")
     exclude = exclude.resolve() if exclude is not None else None
-    meta, problems = _read_metadata(root)
+    meta, problems, meta_file = _read_metadata(root)
     texts: list[PurePosixPath] = []
     others: list[PurePosixPath] = []
     images = _walk_images(root, exclude, problems, texts, others)
+    nested = [o for o in others if o.name in METADATA_FILES]
+    if nested:
+        # Hugging Face's imagefolder reads one in any folder (a split's train/ and test/ each hold one): read from
+        # the root, both splits' images would train; left unread, its captions were lost with one line among many.
+        named = " and ".join(map(str, nested[:3])) + (f" and {len(nested) - 3} more" if len(nested) > 3 else "")
+        raise DataError(f"dataset folder {root}: {named} {'is' if len(nested) == 1 else 'are'} not read, captions "
+                        f"being read from a {' or '.join(METADATA_FILES)} at the root only; pass the folder of the "
+                        "split to train on as the dataset folder (another split's as --val-dir), or move the rows "
+                        "into one at the root with their folder before each file_name")
     found = {str(r) for r in images}
     image_of: dict[PurePosixPath, PurePosixPath] = {}  # each stem's first image, named in lines on files beside it
     for r in images:
@@ -228,7 +295,7 @@ def scan_dataset(root: str | Path, exclude: Optional[Path] = None) -> Scan:
     for rel in images:
         name = str(rel)
         if name in meta:
-            candidates.append(Candidate(name, meta[name], METADATA_FILE))
+            candidates.append(Candidate(name, meta[name], meta_file))
             continue
         read: dict[str, str] = {}  # the caption files beside it, by relative path, with their text
         for cap in sorted(captions_of.get(rel.with_suffix(""), []), key=_caption_order):
@@ -248,7 +315,7 @@ def scan_dataset(root: str | Path, exclude: Optional[Path] = None) -> Scan:
             else:
                 candidates.append(Candidate(name, None, None))
     for name in sorted(set(meta) - found):
-        problems.append((name, f"listed in {METADATA_FILE} but no such image file"))
+        problems.append((name, f"listed in {meta_file} but no such image file"))
     return Scan(root=root, candidates=candidates, problems=problems)
 
 

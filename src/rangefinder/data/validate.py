@@ -47,7 +47,7 @@ class ValidatedDataset:
         if not self.skipped and n == 0:
             raise DataError(
                 f"dataset folder {self.root} holds no images ({', '.join(IMAGE_EXTENSIONS)}); put images there, each "
-                "with its caption in a .txt or .caption file of the same stem (or a metadata.jsonl)"
+                "with its caption in a .txt or .caption file of the same stem (or a metadata.jsonl or metadata.csv)"
             )
         shown = "; ".join(str(s) for s in self.skipped[:10])
         more = f"; and {len(self.skipped) - 10} more" if len(self.skipped) > 10 else ""
@@ -132,7 +132,7 @@ def validate_dataset(
         if c.caption is None and not captionless:
             stem = Path(c.file_name).with_suffix("").as_posix()
             skipped.append(Skipped(c.file_name, f"missing caption (no {stem}.txt or {stem}.caption, and no "
-                                                 "metadata.jsonl entry)"))
+                                                 "metadata.jsonl or metadata.csv row)"))
             continue
         text = clean_caption(c.caption or "")
         if not text and not captionless:

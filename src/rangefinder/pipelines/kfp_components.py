@@ -136,8 +136,8 @@ def prepare_dataset(
 
     Args:
         config_json: The run's validated config, as resolve-config returns it.
-        dataset: A dataset folder (images with a caption in a sibling .txt, or a metadata.jsonl); absent: the
-            config's data.dataset_dir, or the embedded synthetic shapes dataset.
+        dataset: A dataset folder (images with a caption in a sibling .txt or .caption, or a metadata.jsonl or
+            metadata.csv); absent: the config's data.dataset_dir, or the embedded synthetic shapes dataset.
 
     Returns:
         split: The split dataset folder (train / validation / stabilize) every training step reads.

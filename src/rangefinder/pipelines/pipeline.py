@@ -334,7 +334,8 @@ def _build_pipeline(cfg: RangefinderConfig, *, local: bool) -> Callable:
 
         Args:
             dataset_uri: Object-store URI (s3://, gs://, minio://) of a dataset folder: images with a caption in a
-                sibling .txt, or a metadata.jsonl. Imported as a Dataset artifact. Empty: use dataset_dir.
+                sibling .txt or .caption, or a metadata.jsonl or metadata.csv. Imported as a Dataset artifact. Empty:
+                use dataset_dir.
             dataset_dir: Path of the dataset folder on the data volume (e.g. /data/datasets/mine). Empty with an
                 empty dataset_uri: the embedded synthetic shapes dataset.
             base_model: Base model: a diffusers folder or single-file .safetensors checkpoint on the data volume, or

@@ -17,7 +17,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "items sorted by path, a seeded shuffle, ceil(p*N) to validation, the stabilize subset drawn from training.",
     )
     p.add_argument("data_dir", metavar="DATA_DIR",
-                   help="dataset folder: images with .txt or .caption captions, or metadata.jsonl")
+                   help="dataset folder: images with .txt or .caption captions, or metadata.jsonl or .csv")
     p.add_argument("--out", required=True, help="folder for train.jsonl, val.jsonl, stabilize.jsonl and split.json")
     # One or the other: --val-split with --val-dir was dropped without a word (a config with both gets a warning).
     val = p.add_mutually_exclusive_group()
