@@ -280,7 +280,7 @@ def test_a_metadata_csv_is_read_as_metadata_jsonl_is(tmp_path):
     ({"train/metadata.jsonl": '{"file_name": "c.png", "text": "a bird"}\n'},
      ": train/metadata.jsonl is not read, captions being read from a metadata.jsonl or metadata.csv at the root only; "
      "pass the folder of the split to train on as the dataset folder (another split's as --val-dir)"),
-])
+], ids=["jsonl-caption-field", "csv-prompt-column", "csv-image-column", "jsonl-and-csv", "split-subfolder"])
 def test_a_metadata_file_rangefinder_would_misread_is_one_clear_error(tmp_path, capsys, files, expected):
     # A caption column not named text (diffusers' --caption_column), two captions files, or an imagefolder split's
     # file in a subfolder: each image was skipped as having an "empty caption", or trained on a .txt caption
@@ -297,3 +297,58 @@ def test_a_metadata_file_rangefinder_would_misread_is_one_clear_error(tmp_path, 
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert expected in err
+
+
+@pytest.mark.parametrize("folder, layout, expected", [
+    # kohya_ss's GUI layout, passed whole: the reg/ images trained as the subject's.
+    ("data", {"img/10_sks dog/a.png": "sks dog", "img/10_sks dog/b.png": "sks dog", "reg/1_dog/c.png": "a dog"},
+     "data: reg is named as a folder of regularization (prior-preservation) images, kohya's --reg_data_dir or "
+     "diffusers' --class_data_dir, and rangefinder trains no prior preservation, so they would train as the "
+     "subject; pass the subject's folder alone (e.g. {root}/img), or rename reg if its images are the subject's"),
+    # kohya's train_data_dir: each image trained once an epoch, not 10 times, without a word.
+    ("data", {"10_sks dog/a.png": "sks dog", "10_sks dog/b.png": "sks dog", "1_style/c.png": "a style"},
+     "data: 10_sks dog is named as kohya sd-scripts' repeat folders (<repeats>_<caption>: 10 repeats of \"sks dog\"), "
+     "and rangefinder trains each image once an epoch and reads neither repeats nor captions from folder names; "
+     "rename it without the count (\"sks dog\") and multiply training.epochs by the repeats"),
+    # One concept's folder passed itself.
+    ("3_cat", {"a.png": "a cat", "b.png": "a cat"},
+     "3_cat: 3_cat is named as kohya sd-scripts' repeat folders (<repeats>_<caption>: 3 repeats of \"cat\")"),
+    # EveryDream2's multiply.txt.
+    ("data", {"sub/a.png": "a", "sub/b.png": "b", "sub/multiply.txt": "2"},
+     "data: sub/multiply.txt is EveryDream2's repeat count for the images beside it ('2'), and rangefinder trains "
+     "each image once an epoch and reads no setting of a folder's own; delete it and multiply training.epochs by it"),
+], ids=["kohya_ss-reg-folder", "kohya-repeat-folders", "kohya-repeat-folder-passed-itself", "everydream2-multiply"])
+def test_another_trainers_repeats_or_regularization_folder_is_one_clear_error(tmp_path, capsys, folder, layout,
+                                                                               expected):
+    from rangefinder.cli.main import main
+
+    data = tmp_path / folder
+    for i, (name, text) in enumerate(layout.items()):
+        path = data / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if name.endswith(".png"):
+            _img(path, (i, 0, 0))
+            path = path.with_suffix(".txt")
+        path.write_text(text)
+    assert main(["split", str(data), "--out", str(tmp_path / "s"), "--resolution", "16"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert expected.format(root=data) in err
+
+
+def test_a_layout_other_trainers_read_as_training_once_an_epoch_is_trained(tmp_path):
+    # kohya's "1_" folders (one repeat), numbered folders that read as one, and EveryDream2's multiply.txt of 1
+    # train as they are; an image kohya would caption by its folder's name is listed saying so.
+    for i, name in enumerate(("1_sks dog/a.png", "01_portraits/b.png", "sub/c.png", "1_sks dog/uncaptioned.png")):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        _img(tmp_path / name, (i, 0, 0))
+        if "uncaptioned" not in name:
+            (tmp_path / name).with_suffix(".txt").write_text(f"image {i}")
+    (tmp_path / "sub" / "multiply.txt").write_text("1.0\n")
+    result = validate_dataset(tmp_path)
+    assert [it.file_name for it in result.items] == ["01_portraits/b.png", "1_sks dog/a.png", "sub/c.png"]
+    assert {s.file_name: s.reason for s in result.skipped} == {
+        "1_sks dog/uncaptioned.png": "missing caption (no 1_sks dog/uncaptioned.txt or 1_sks dog/uncaptioned.caption, "
+                                     "and no metadata.jsonl or metadata.csv row; kohya's caption from its folder's "
+                                     "name, \"sks dog\", is not read)",
+        "sub/multiply.txt": "not used: EveryDream2's repeat count of 1, which is what rangefinder does"}

@@ -10,6 +10,12 @@ caption files. One without a `text` field (a caption column of another name, whi
 `--caption_column`), both at once, or one in a subfolder (an imagefolder split's) is refused, naming the fix. Hidden
 files and folders (names starting with ".") are ignored.
 
+Every image trains once an epoch, and nothing about it is read from its folder's name. So a layout that tells another
+trainer to weight or add images is refused with the conversion, rather than trained otherwise without a word: a
+folder (the dataset's own included) named as kohya's repeat folders, `<repeats>_<caption>` with repeats other than 1
+("10_sks dog"), one named as regularization images (`reg`, `regularization_images`, `class_images`), and
+EveryDream2's `multiply.txt` of other than 1.
+
 Items are listed sorted by their POSIX path relative to the root, so the order, and everything seeded from it, is the
 same on every machine and file system.
 """
@@ -20,6 +26,7 @@ import csv
 import io
 import json
 import os
+import re
 import unicodedata
 import zlib
 from dataclasses import dataclass
@@ -39,6 +46,17 @@ CAPTION_EXTENSIONS = (".txt", ".caption")
 # root in `file_name`, its caption in `text` (the column diffusers' train_text_to_image reads unless told another).
 METADATA_FILES = ("metadata.jsonl", "metadata.csv")
 CAPTION_FIELD = "text"
+# Other trainers' ways to weight or add images that a folder's layout carries, which rangefinder does not read: a
+# dataset laid out so is refused (`_refuse_layout_not_read`), so that none trains as something else without a word.
+# kohya sd-scripts' "<repeats>_<caption>" folders ("10_sks dog": each image 10 times an epoch, captioned "sks dog"
+# where it has no caption file; library/train_util.py, DreamBoothDataset).
+KOHYA_FOLDER = re.compile(r"^(\d+)_(.+)$")
+# Prior-preservation images: kohya_ss's GUI lays out img/ and reg/ (--reg_data_dir), diffusers' DreamBooth examples a
+# folder of class images (--class_data_dir).
+REGULARIZATION_FOLDER = re.compile(r"^(reg|regulari[sz]ation)([ _-]?(images?|imgs?|data))?$"
+                                   r"|^class[ _-]?(images?|imgs?|data)$", re.IGNORECASE)
+# EveryDream2's repeat count for the images of its folder (data/dataset.py, `multiply`).
+MULTIPLY_FILE = "multiply.txt"
 
 
 @dataclass(frozen=True)
@@ -287,9 +305,12 @@ def scan_dataset(root: str | Path, exclude: Optional[Path] = None) -> Scan:
     captions_of: dict[PurePosixPath, list[PurePosixPath]] = {}
     for t in texts:
         captions_of.setdefault(t.with_suffix(""), []).append(t)
-    problems += [(str(t), "not used: a caption file with no image of the same name beside it")
+    problems += [(str(t), "not used: EveryDream2's repeat count of 1, which is what rangefinder does"
+                  if t.name == MULTIPLY_FILE else "not used: a caption file with no image of the same name beside it")
                  for t in texts if t.with_suffix("") not in image_of]
     problems += [(str(o), _not_used(o, image_of.get(o.with_suffix("")))) for o in others]
+
+    _refuse_layout_not_read(root, images, texts)
 
     candidates = []
     for rel in images:
@@ -317,6 +338,63 @@ def scan_dataset(root: str | Path, exclude: Optional[Path] = None) -> Scan:
     for name in sorted(set(meta) - found):
         problems.append((name, f"listed in {meta_file} but no such image file"))
     return Scan(root=root, candidates=candidates, problems=problems)
+
+
+def kohya_folder(file_name: str) -> Optional[tuple[str, int, str]]:
+    """The innermost folder above `file_name` named as kohya's repeat folders: (its path, repeats, caption); None."""
+    parent = PurePosixPath(file_name).parent
+    for folder in (parent, *parent.parents):
+        m = KOHYA_FOLDER.match(folder.name)
+        if m:
+            return str(folder), int(m.group(1)), m.group(2)
+    return None
+
+
+def _refuse_layout_not_read(root: Path, images: list[PurePosixPath], texts: list[PurePosixPath]) -> None:
+    """DataError where the folders weight or add images in another trainer's way that rangefinder does not read:
+    kohya's regularization folder or repeat count in a folder's name, EveryDream2's multiply.txt. Trained on as
+    they are, a kohya user's 10 repeats were 1 and their regularization images trained as the subject."""
+    folders = {folder for rel in images for folder in rel.parents if str(folder) != "."}
+    regularization = sorted(str(f) for f in folders if REGULARIZATION_FOLDER.match(f.name))
+    if regularization:
+        subject = sorted({rel.parts[0] for rel in images if len(rel.parts) > 1} - set(regularization))
+        instead = f" (e.g. {root / subject[0]})" if subject else ""
+        raise DataError(
+            f"dataset folder {root}: {regularization[0]} is named as a folder of regularization (prior-preservation) "
+            "images, kohya's --reg_data_dir or diffusers' --class_data_dir, and rangefinder trains no prior "
+            f"preservation, so they would train as the subject; pass the subject's folder alone{instead}, or rename "
+            f"{regularization[0]} if its images are the subject's"
+        )
+    # The dataset folder's own name too: a kohya user passes the concept's folder ("10_sks dog") as often as its
+    # parent; the innermost name, as kohya reads only the folder the images are in.
+    named = [kohya_folder(str(rel)) or kohya_folder(f"{root.name}/{rel.name}") for rel in images]
+    repeated = sorted({kf for kf in named if kf is not None and kf[1] != 1})
+    if repeated:
+        folder, repeats, caption = repeated[0]
+        more = f" (and {len(repeated) - 1} more)" if len(repeated) > 1 else ""
+        raise DataError(
+            f"dataset folder {root}: {folder}{more} is named as kohya sd-scripts' repeat folders (<repeats>_<caption>: "
+            f"{repeats} repeats of \"{caption}\"), and rangefinder trains each image once an epoch and reads neither "
+            f"repeats nor captions from folder names; rename it without the count (\"{caption}\") and multiply "
+            "training.epochs by the repeats, or copy its images so that folders keep their weights, and give each "
+            "image a .txt or .caption"
+        )
+    stems = {rel.with_suffix("") for rel in images}
+    for t in texts:
+        if t.name != MULTIPLY_FILE or t.with_suffix("") in stems:  # not the caption of a multiply.png
+            continue
+        value = (root / t).read_text(encoding="utf-8", errors="replace").strip()
+        try:
+            if float(value) == 1:
+                continue
+        except ValueError:
+            pass
+        raise DataError(
+            f"dataset folder {root}: {t} is EveryDream2's repeat count for the images beside it ({value!r}), and "
+            "rangefinder trains each image once an epoch and reads no setting of a folder's own; delete it and "
+            "multiply training.epochs by it, or copy (or remove) that folder's images so that folders keep their "
+            "weights"
+        )
 
 
 def _caption_order(path: PurePosixPath) -> tuple[int, str]:

@@ -15,7 +15,7 @@ from typing import Optional
 
 from PIL import Image, UnidentifiedImageError
 
-from rangefinder.data.dataset import IMAGE_EXTENSIONS, Item, clean_caption, item_id, scan_dataset
+from rangefinder.data.dataset import IMAGE_EXTENSIONS, Item, clean_caption, item_id, kohya_folder, scan_dataset
 from rangefinder.data.pixels import load_rgb
 from rangefinder.errors import DataError
 
@@ -131,8 +131,10 @@ def validate_dataset(
     for c in scan.candidates:
         if c.caption is None and not captionless:
             stem = Path(c.file_name).with_suffix("").as_posix()
+            kohya = kohya_folder(c.file_name)  # kohya captions an image with none by its folder's name
+            hint = f"; kohya's caption from its folder's name, \"{kohya[2]}\", is not read" if kohya else ""
             skipped.append(Skipped(c.file_name, f"missing caption (no {stem}.txt or {stem}.caption, and no "
-                                                 "metadata.jsonl or metadata.csv row)"))
+                                                 f"metadata.jsonl or metadata.csv row{hint})"))
             continue
         text = clean_caption(c.caption or "")
         if not text and not captionless:
