@@ -352,3 +352,20 @@ def test_a_layout_other_trainers_read_as_training_once_an_epoch_is_trained(tmp_p
                                      "and no metadata.jsonl or metadata.csv row; kohya's caption from its folder's "
                                      "name, \"sks dog\", is not read)",
         "sub/multiply.txt": "not used: EveryDream2's repeat count of 1, which is what rangefinder does"}
+
+
+def test_onetrainers_masks_and_conditioning_images_are_listed_not_trained(tmp_path):
+    # OneTrainer keeps a mask (x-masklabel.png) and a conditioning image (x-condlabel.png) beside each image:
+    # textual inversion, which needs no caption, trained them as images of the concept.
+    for i, name in enumerate(("a.png", "a-masklabel.png", "b.jpg", "b-condlabel.png", "c-masklabel.png")):
+        _img(tmp_path / name, (i, 0, 0))
+    (tmp_path / "a.txt").write_text("a photo of a <tok>")
+    result = validate_dataset(tmp_path, captionless=True)
+    assert [it.file_name for it in result.items] == ["a.png", "b.jpg"]
+    assert {s.file_name: s.reason for s in result.skipped} == {
+        "a-masklabel.png": "not used: OneTrainer's mask for masked training of a.png; rangefinder trains on the whole "
+                           "image alone",
+        "b-condlabel.png": "not used: OneTrainer's conditioning image of b.jpg; rangefinder trains on the whole image "
+                           "alone",
+        "c-masklabel.png": "not used: OneTrainer's mask for masked training of c; rangefinder trains on the whole "
+                           "image alone"}

@@ -14,7 +14,8 @@ Every image trains once an epoch, and nothing about it is read from its folder's
 trainer to weight or add images is refused with the conversion, rather than trained otherwise without a word: a
 folder (the dataset's own included) named as kohya's repeat folders, `<repeats>_<caption>` with repeats other than 1
 ("10_sks dog"), one named as regularization images (`reg`, `regularization_images`, `class_images`), and
-EveryDream2's `multiply.txt` of other than 1.
+EveryDream2's `multiply.txt` of other than 1. OneTrainer's masks and conditioning images (`x-masklabel.png`,
+`x-condlabel.png`) are listed as not used, not trained as images: rangefinder trains on the whole image alone.
 
 Items are listed sorted by their POSIX path relative to the root, so the order, and everything seeded from it, is the
 same on every machine and file system.
@@ -57,6 +58,9 @@ REGULARIZATION_FOLDER = re.compile(r"^(reg|regulari[sz]ation)([ _-]?(images?|img
                                    r"|^class[ _-]?(images?|imgs?|data)$", re.IGNORECASE)
 # EveryDream2's repeat count for the images of its folder (data/dataset.py, `multiply`).
 MULTIPLY_FILE = "multiply.txt"
+# OneTrainer's files beside an image, named after it, that are no training image of their own (its image lister
+# leaves them out): a mask for masked training and a conditioning image. What each is, for the line that lists it.
+ONETRAINER_LABELS = {"-masklabel.png": "mask for masked training", "-condlabel.png": "conditioning image"}
 
 
 @dataclass(frozen=True)
@@ -289,6 +293,8 @@ def scan_dataset(root: str | Path, exclude: Optional[Path] = None) -> Scan:
     texts: list[PurePosixPath] = []
     others: list[PurePosixPath] = []
     images = _walk_images(root, exclude, problems, texts, others)
+    labels = [r for r in images if r.name.lower().endswith(tuple(ONETRAINER_LABELS))]
+    images = [r for r in images if not r.name.lower().endswith(tuple(ONETRAINER_LABELS))]
     nested = [o for o in others if o.name in METADATA_FILES]
     if nested:
         # Hugging Face's imagefolder reads one in any folder (a split's train/ and test/ each hold one): read from
@@ -309,6 +315,13 @@ def scan_dataset(root: str | Path, exclude: Optional[Path] = None) -> Scan:
                   if t.name == MULTIPLY_FILE else "not used: a caption file with no image of the same name beside it")
                  for t in texts if t.with_suffix("") not in image_of]
     problems += [(str(o), _not_used(o, image_of.get(o.with_suffix("")))) for o in others]
+    for label in labels:
+        # Trained as images they taught the model black and white silhouettes (textual inversion, which needs no
+        # caption, kept them); listed as uncaptioned, they read as images the user forgot to caption.
+        suffix = next(x for x in ONETRAINER_LABELS if label.name.lower().endswith(x))
+        of = image_of.get(label.with_name(label.name[: -len(suffix)]), label.name[: -len(suffix)])
+        problems.append((str(label), f"not used: OneTrainer's {ONETRAINER_LABELS[suffix]} of {of}; rangefinder "
+                                     "trains on the whole image alone"))
 
     _refuse_layout_not_read(root, images, texts)
 
