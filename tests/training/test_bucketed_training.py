@@ -346,3 +346,19 @@ def test_sdxl_centre_crop_geometry_is_diffusers(tmp_path):
     assert (g.original_hw, g.crop_top_left, g.target_hw) == ((40, 80), (0, 16), (32, 32))
     g = image_geometry(path, DataConfig(resolution=32, bucketing=False, center_crop=False))
     assert g.crop_top_left == (0, 0)
+
+
+def test_sdxl_centre_crop_geometry_of_an_exif_rotated_photo_is_of_the_upright_image(tmp_path):
+    """A phone photo stored 80x40 with EXIF orientation 6 trains as the 40x80 portrait it shows (pixels.load_rgb):
+    its size conditioning was the stored landscape's, cropped across the wrong side."""
+    from PIL import Image
+
+    from rangefinder.training.encoding import image_geometry
+
+    path = tmp_path / "phone.jpg"
+    img = Image.new("RGB", (80, 40))
+    exif = img.getexif()
+    exif[0x0112] = 6  # rotate 90 degrees clockwise to view
+    img.save(path, exif=exif)
+    g = image_geometry(path, DataConfig(resolution=32, bucketing=False))
+    assert (g.original_hw, g.crop_top_left, g.target_hw) == ((80, 40), (16, 0), (32, 32))

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from rangefinder.config import DataConfig
-from rangefinder.data.buckets import Placement, Size, bucket_array, bucket_name
+from rangefinder.data.buckets import Placement, Size, bucket_array, bucket_name, image_size
 from rangefinder.errors import DataError
 from rangefinder.training import geometry as size_rules
 from rangefinder.training.caching import (
@@ -112,10 +112,8 @@ def image_geometry(path: Path, data: DataConfig, placement: Optional[Placement] 
     if placement is not None:
         (w, h), (bw, bh), (left, top) = placement.size, placement.bucket, placement.crop
         return ImageGeometry(original_hw=(h, w), crop_top_left=(top, left), target_hw=(bh, bw))
-    from PIL import Image
-
-    with Image.open(path) as img:
-        width, height = img.size
+    # Upright, as load_rgb turns the pixels: a phone photo stored landscape with an EXIF rotation is a portrait.
+    width, height = image_size(path)
     res = data.resolution
     top = left = 0
     if data.center_crop:
