@@ -218,7 +218,7 @@ def _walk_images(root: Path, exclude: Optional[Path], problems: list[tuple[str, 
     Real folders are walked first, links to folders after, so a folder reached both ways is listed under its real
     path. A link to a folder already walked (a loop back to an ancestor, or a second way to the same folder) and a
     broken link to an image are listed in `problems`, not silently left out. Caption files are collected in `texts`,
-    and every other file but the dataset's metadata.jsonl in `others`, for the caller to list. `os.scandir`, not
+    and every other file but the root's metadata file in `others`, for the caller to list. `os.scandir`, not
     `Path.rglob`: one stat per entry, which matters at 100,000 images.
     """
     images: list[PurePosixPath] = []
@@ -304,6 +304,7 @@ def scan_dataset(root: str | Path, exclude: Optional[Path] = None) -> Scan:
                         f"being read from a {' or '.join(METADATA_FILES)} at the root only; pass the folder of the "
                         "split to train on as the dataset folder (another split's as --val-dir), or move the rows "
                         "into one at the root with their folder before each file_name")
+    _refuse_layout_not_read(root, images, texts)
     found = {str(r) for r in images}
     image_of: dict[PurePosixPath, PurePosixPath] = {}  # each stem's first image, named in lines on files beside it
     for r in images:
@@ -322,8 +323,6 @@ def scan_dataset(root: str | Path, exclude: Optional[Path] = None) -> Scan:
         of = image_of.get(label.with_name(label.name[: -len(suffix)]), label.name[: -len(suffix)])
         problems.append((str(label), f"not used: OneTrainer's {ONETRAINER_LABELS[suffix]} of {of}; rangefinder "
                                      "trains on the whole image alone"))
-
-    _refuse_layout_not_read(root, images, texts)
 
     candidates = []
     for rel in images:
