@@ -305,19 +305,11 @@ def test_a_metadata_file_rangefinder_would_misread_is_one_clear_error(tmp_path, 
      "data: reg is named as a folder of regularization (prior-preservation) images, kohya's --reg_data_dir or "
      "diffusers' --class_data_dir, and rangefinder trains no prior preservation, so they would train as the "
      "subject; pass the subject's folder alone (e.g. {root}/img), or rename reg if its images are the subject's"),
-    # kohya's train_data_dir: each image trained once an epoch, not 10 times, without a word.
-    ("data", {"10_sks dog/a.png": "sks dog", "10_sks dog/b.png": "sks dog", "1_style/c.png": "a style"},
-     "data: 10_sks dog is named as kohya sd-scripts' repeat folders (<repeats>_<caption>: 10 repeats of \"sks dog\"), "
-     "and rangefinder trains each image once an epoch and reads neither repeats nor captions from folder names; "
-     "rename it without the count (\"sks dog\") and multiply training.epochs by the repeats"),
-    # One concept's folder passed itself.
-    ("3_cat", {"a.png": "a cat", "b.png": "a cat"},
-     "3_cat: 3_cat is named as kohya sd-scripts' repeat folders (<repeats>_<caption>: 3 repeats of \"cat\")"),
     # EveryDream2's multiply.txt.
     ("data", {"sub/a.png": "a", "sub/b.png": "b", "sub/multiply.txt": "2"},
      "data: sub/multiply.txt is EveryDream2's repeat count for the images beside it ('2'), and rangefinder trains "
      "each image once an epoch and reads no setting of a folder's own; delete it and multiply training.epochs by it"),
-], ids=["kohya_ss-reg-folder", "kohya-repeat-folders", "kohya-repeat-folder-passed-itself", "everydream2-multiply"])
+], ids=["kohya_ss-reg-folder", "everydream2-multiply"])
 def test_another_trainers_repeats_or_regularization_folder_is_one_clear_error(tmp_path, capsys, folder, layout,
                                                                                expected):
     from rangefinder.cli.main import main
@@ -334,6 +326,43 @@ def test_another_trainers_repeats_or_regularization_folder_is_one_clear_error(tm
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert expected.format(root=data) in err
+
+
+@pytest.mark.parametrize("folder, layout, expected", [
+    # kohya's train_data_dir: each image trains once an epoch, not 10 times; said, not silent.
+    ("data", {"10_sks dog/a.png": "sks dog", "10_sks dog/b.png": "sks dog", "1_style/c.png": "a style"},
+     "data: 10_sks dog is named as kohya sd-scripts' repeat folders (<repeats>_<caption>: 10 repeats of \"sks dog\"), "
+     "which rangefinder does not read: each image trains once an epoch and the length is measured; to keep folders' "
+     "relative weights, copy a folder's images as often as its repeats"),
+    # One concept's folder passed itself; a name such as "2023_trip" reads the same, so it is a warning, not a refusal.
+    ("2023_trip", {"a.png": "a beach", "b.png": "a cat"},
+     "2023_trip: 2023_trip is named as kohya sd-scripts' repeat folders (<repeats>_<caption>: 2023 repeats of "
+     "\"trip\")"),
+], ids=["kohya-repeat-folders", "numbered-folder-passed-itself"])
+def test_a_folder_named_as_kohyas_repeats_trains_once_an_epoch_with_one_warning(tmp_path, capsys, folder, layout,
+                                                                                 expected):
+    import json
+
+    from rangefinder.cli.main import main
+    from rangefinder.config import RangefinderConfig
+    from rangefinder.steps.prepare_dataset import run_prepare_dataset
+
+    data = tmp_path / folder
+    for i, (name, text) in enumerate(layout.items()):
+        (data / name).parent.mkdir(parents=True, exist_ok=True)
+        _img(data / name, (i, 0, 0))
+        (data / name).with_suffix(".txt").write_text(text)
+    assert main(["split", str(data), "--out", str(tmp_path / "s"), "--resolution", "16", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert err.count("\n") == 1 and err.startswith("rangefinder: warning: ") and expected in err
+    assert json.loads(out)["train_images"] + json.loads(out)["val_images"] == len(layout)
+    assert json.loads((tmp_path / "s" / "split.json").read_text())["notes"] == [err.removeprefix(
+        "rangefinder: warning: ").strip()]
+    # The pipeline's step says it too, in its log and its report.
+    cfg = RangefinderConfig.model_validate({"data": {"dataset_dir": str(data), "resolution": 16}})
+    run_prepare_dataset(cfg, out_dir=tmp_path / "p", report_path=tmp_path / "report.md")
+    assert expected in capsys.readouterr().err
+    assert f"- not read: dataset folder {tmp_path}/{expected}" in (tmp_path / "report.md").read_text()
 
 
 def test_a_layout_other_trainers_read_as_training_once_an_epoch_is_trained(tmp_path):

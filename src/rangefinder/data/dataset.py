@@ -11,10 +11,12 @@ caption files. One without a `text` field (a caption column of another name, whi
 files and folders (names starting with ".") are ignored.
 
 Every image trains once an epoch, and nothing about it is read from its folder's name. So a layout that tells another
-trainer to weight or add images is refused with the conversion, rather than trained otherwise without a word: a
-folder (the dataset's own included) named as kohya's repeat folders, `<repeats>_<caption>` with repeats other than 1
-("10_sks dog"), one named as regularization images (`reg`, `regularization_images`, `class_images`), and
-EveryDream2's `multiply.txt` of other than 1. OneTrainer's masks and conditioning images (`x-masklabel.png`,
+trainer to add images or weight them is refused with the conversion, rather than trained otherwise without a word: a
+folder named as regularization images (`reg`, `regularization_images`, `class_images`), and EveryDream2's
+`multiply.txt` of other than 1. A folder (the dataset's own included) named as kohya's repeat folders,
+`<repeats>_<caption>` with repeats other than 1 ("10_sks dog"), trains once an epoch with a warning naming it
+(`Scan.notes`): a name such as "2023_trip" reads the same, and no setting of the run depends on it, the length being
+measured. OneTrainer's masks and conditioning images (`x-masklabel.png`,
 `x-condlabel.png`) are listed as not used, not trained as images: rangefinder trains on the whole image alone.
 
 Items are listed sorted by their POSIX path relative to the root, so the order, and everything seeded from it, is the
@@ -30,7 +32,7 @@ import os
 import re
 import unicodedata
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Optional
 
@@ -48,7 +50,8 @@ CAPTION_EXTENSIONS = (".txt", ".caption")
 METADATA_FILES = ("metadata.jsonl", "metadata.csv")
 CAPTION_FIELD = "text"
 # Other trainers' ways to weight or add images that a folder's layout carries, which rangefinder does not read: a
-# dataset laid out so is refused (`_refuse_layout_not_read`), so that none trains as something else without a word.
+# dataset laid out so is refused (`_refuse_layout_not_read`) or warned of (`repeat_folder_notes`), so that none trains
+# as something else without a word.
 # kohya sd-scripts' "<repeats>_<caption>" folders ("10_sks dog": each image 10 times an epoch, captioned "sks dog"
 # where it has no caption file; library/train_util.py, DreamBoothDataset).
 KOHYA_FOLDER = re.compile(r"^(\d+)_(.+)$")
@@ -113,6 +116,8 @@ class Scan:
     candidates: list[Candidate]
     # Problems found while scanning, before any image is opened: (file_name, reason).
     problems: list[tuple[str, str]]
+    # What the layout says that rangefinder does not read, each a warning's line (kohya's repeat folders).
+    notes: list[str] = field(default_factory=list)
 
 
 def _read_metadata(root: Path) -> tuple[dict[str, str], list[tuple[str, str]], Optional[str]]:
@@ -144,9 +149,9 @@ def _read_metadata(root: Path) -> tuple[dict[str, str], list[tuple[str, str]], O
         raise DataError(f"{path} {e}; save the file as UTF-8, e.g. `iconv -f cp1252 -t utf-8 {name} > "
                         f"fixed{path.suffix}` then rename fixed{path.suffix} to {name}") from None
     rows, fields = _csv_rows(path, content) if name.endswith(".csv") else _jsonl_rows(content, problems)
-    for field, holds in (("file_name", "path"), (CAPTION_FIELD, "caption")):
-        if rows and field not in fields:
-            raise DataError(_missing_field(path, field, holds, fields))
+    for column, holds in (("file_name", "path"), (CAPTION_FIELD, "caption")):
+        if rows and column not in fields:
+            raise DataError(_missing_field(path, column, holds, fields))
     for lineno, row in rows:
         file_name, text = row.get("file_name"), row.get(CAPTION_FIELD)
         if file_name is None or not str(file_name).strip():
@@ -349,7 +354,7 @@ def scan_dataset(root: str | Path, exclude: Optional[Path] = None) -> Scan:
                 candidates.append(Candidate(name, None, None))
     for name in sorted(set(meta) - found):
         problems.append((name, f"listed in {meta_file} but no such image file"))
-    return Scan(root=root, candidates=candidates, problems=problems)
+    return Scan(root=root, candidates=candidates, problems=problems, notes=repeat_folder_notes(root, images))
 
 
 def kohya_folder(file_name: str) -> Optional[tuple[str, int, str]]:
@@ -363,9 +368,9 @@ def kohya_folder(file_name: str) -> Optional[tuple[str, int, str]]:
 
 
 def _refuse_layout_not_read(root: Path, images: list[PurePosixPath], texts: list[PurePosixPath]) -> None:
-    """DataError where the folders weight or add images in another trainer's way that rangefinder does not read:
-    kohya's regularization folder or repeat count in a folder's name, EveryDream2's multiply.txt. Trained on as
-    they are, a kohya user's 10 repeats were 1 and their regularization images trained as the subject."""
+    """DataError where the folders add images or weight them in another trainer's way that rangefinder does not read:
+    kohya's regularization folder, EveryDream2's multiply.txt. Trained on as they are, a kohya user's regularization
+    images trained as the subject, an EveryDream2 user's weights were lost."""
     folders = {folder for rel in images for folder in rel.parents if str(folder) != "."}
     regularization = sorted(str(f) for f in folders if REGULARIZATION_FOLDER.match(f.name))
     if regularization:
@@ -376,20 +381,6 @@ def _refuse_layout_not_read(root: Path, images: list[PurePosixPath], texts: list
             "images, kohya's --reg_data_dir or diffusers' --class_data_dir, and rangefinder trains no prior "
             f"preservation, so they would train as the subject; pass the subject's folder alone{instead}, or rename "
             f"{regularization[0]} if its images are the subject's"
-        )
-    # The dataset folder's own name too: a kohya user passes the concept's folder ("10_sks dog") as often as its
-    # parent; the innermost name, as kohya reads only the folder the images are in.
-    named = [kohya_folder(str(rel)) or kohya_folder(f"{root.name}/{rel.name}") for rel in images]
-    repeated = sorted({kf for kf in named if kf is not None and kf[1] != 1})
-    if repeated:
-        folder, repeats, caption = repeated[0]
-        more = f" (and {len(repeated) - 1} more)" if len(repeated) > 1 else ""
-        raise DataError(
-            f"dataset folder {root}: {folder}{more} is named as kohya sd-scripts' repeat folders (<repeats>_<caption>: "
-            f"{repeats} repeats of \"{caption}\"), and rangefinder trains each image once an epoch and reads neither "
-            f"repeats nor captions from folder names; rename it without the count (\"{caption}\") and multiply "
-            "training.epochs by the repeats, or copy its images so that folders keep their weights, and give each "
-            "image a .txt or .caption"
         )
     stems = {rel.with_suffix("") for rel in images}
     for t in texts:
@@ -407,6 +398,24 @@ def _refuse_layout_not_read(root: Path, images: list[PurePosixPath], texts: list
             "multiply training.epochs by it, or copy (or remove) that folder's images so that folders keep their "
             "weights"
         )
+
+
+def repeat_folder_notes(root: Path, images: list[PurePosixPath]) -> list[str]:
+    """A warning's line where folders are named as kohya sd-scripts' repeat folders with repeats other than 1: each
+    image trains once an epoch here, so the folders' relative weights are not kept. A warning, not a refusal: a folder
+    named "2023_trip" or "02_landscapes" reads the same, and the run's length is measured, not set by repeats."""
+    # The dataset folder's own name too: a kohya user passes the concept's folder ("10_sks dog") as often as its
+    # parent; the innermost name, as kohya reads only the folder the images are in.
+    named = [kohya_folder(str(rel)) or kohya_folder(f"{root.name}/{rel.name}") for rel in images]
+    repeated = sorted({kf for kf in named if kf is not None and kf[1] != 1})
+    if not repeated:
+        return []
+    folder, repeats, caption = repeated[0]
+    more = f" (and {len(repeated) - 1} more)" if len(repeated) > 1 else ""
+    return [f"dataset folder {root}: {folder}{more} is named as kohya sd-scripts' repeat folders (<repeats>_<caption>: "
+            f"{repeats} repeats of \"{caption}\"), which rangefinder does not read: each image trains once an epoch "
+            "and the length is measured; to keep folders' relative weights, copy a folder's images as often as its "
+            "repeats (and rename it, to silence this, if the number is no repeat count)"]
 
 
 def _caption_order(path: PurePosixPath) -> tuple[int, str]:

@@ -119,6 +119,7 @@ def make_split(
     exclude = manual_val if manual_val is not None and root in manual_val.parents else None
     data = validate_dataset(root, min_image_size=min_image_size, exclude=exclude, captionless=captionless)
     skipped = [s.to_json() for s in data.skipped]
+    notes = list(data.notes)
 
     groups = same_image_groups(data.items)
     duplicates = [[it.file_name for it in g] for g in groups if len(g) > 1]
@@ -149,6 +150,7 @@ def make_split(
         val = [Item(item_id(f"{rel}/{it.file_name}"), f"{rel}/{it.file_name}", it.text, sha256=it.sha256)
                for it in vdata.items]
         skipped += [{"file_name": f"{rel}/{s.file_name}", "reason": s.reason} for s in vdata.skipped]
+        notes += vdata.notes
         # A training image identical to a hand-picked validation image would leak it: kept out of training, listed.
         val_by_sha = {it.sha256: it.file_name for it in val}
         leaks = [it for it in data.items if it.sha256 in val_by_sha]
@@ -197,6 +199,8 @@ def make_split(
         # Captions longer than the text encoder reads ({"limit", "count", "files"}); None: no tokenizer was given.
         "long_captions": long_caption_report(found, token_limit),
     }
+    if notes:  # only where there are: a split without any is byte-identical to one written before they were
+        summary["notes"] = notes
     if buckets is not None:
         table = bucket_table({name: [place(it.size, buckets) for it in items if it.size is not None]
                               for name, items in (("train", train), ("val", val), ("stabilize", stabilize))})

@@ -37,6 +37,7 @@ class ValidatedDataset:
     root: Path
     items: list[Item]  # usable, sorted by file_name
     skipped: list[Skipped] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # the scan's warnings (dataset.Scan.notes)
 
     def require(self, min_images: int = 2, why: Optional[str] = None) -> ValidatedDataset:
         """DataError unless at least `min_images` usable images remain. `why` says what they are needed for (default:
@@ -146,7 +147,7 @@ def validate_dataset(
             continue
         items.append(Item(id=item_id(c.file_name), file_name=c.file_name, text=text, sha256=sha))
     skipped.sort(key=lambda s: s.file_name)
-    result = ValidatedDataset(root=scan.root, items=items, skipped=skipped)
+    result = ValidatedDataset(root=scan.root, items=items, skipped=skipped, notes=scan.notes)
     if min_images is not None:
         result.require(min_images)
     return result

@@ -9,6 +9,7 @@ later step gets its own download of the split and nothing else; a `dataset_dir` 
 from __future__ import annotations
 
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -68,6 +69,9 @@ def run_prepare_dataset(
                           # Textual inversion needs no captions: an image without one trains on a prompt template
                           # ("a photo of a <tok>"), as diffusers' textual_inversion example trains every image.
                           captionless=cfg.training.method == "textual_inversion")
+    notes = list(split.summary.get("notes", []))
+    for line in notes:  # a local run's progress shows each such line once
+        print(f"rangefinder: warning: {line}", file=sys.stderr, flush=True)
     skipped_files = list(split.summary.get("skipped", []))
     skipped = len(skipped_files)
     result = PreparedDataset(split_dir=out_dir, dataset_root=root.resolve(), train_images=len(split.train),
@@ -79,6 +83,7 @@ def run_prepare_dataset(
                  f"- stabilize subset: {len(split.stabilize)}", f"- skipped files: {skipped}"]
         for item in skipped_files:
             lines.append(f"  - `{item.get('file_name')}`: {item.get('reason')}")
+        lines += [f"- not read: {line}" for line in notes]
         long = split.summary.get("long_captions")
         if long is None:
             lines.append("- captions longer than the text encoder reads: not counted (no resolved model)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from rangefinder.cli import args as argtypes
-from rangefinder.cli.output import add_json_flag
+from rangefinder.cli.output import add_json_flag, warn
 from rangefinder.config import DataConfig
 
 
@@ -92,6 +92,7 @@ def run(args: argparse.Namespace) -> dict:
         captionless=args.captionless,
     )
     s = split.summary
+    warn(s.get("notes", []))
     buckets = s["buckets"]
     result = {
         "out": str(args.out),
