@@ -258,14 +258,15 @@ def test_each_family_loads_as_its_pipeline_and_generates_what_its_samples_do(sql
                                                                             pipeline_class):
     """The pyfunc model of each family renders the image the family's own pipeline renders with the call arguments
     of samples during training (SD3 and Flux: the T5 sequence length each was trained with, not its pipeline's
-    default). Registered without a guidance scale, its default is the pipeline's own (it was 7.5 for every family:
-    SDXL's is 5.0, SD3's 7.0 and Flux.1-dev's distilled guidance 3.5), so it renders what the pipeline renders given
-    none."""
+    default, from the model's config). Registered without a guidance scale, its default is the pipeline's own (it
+    was 7.5 for every family: SDXL's is 5.0, SD3's 7.0 and Flux.1-dev's distilled guidance 3.5), so it renders what
+    the pipeline renders given none."""
     import diffusers
     import numpy as np
     import torch
 
     from rangefinder.models.loading import pipeline_call_kwargs
+    from rangefinder.training.family_detection import t5_sequence_length
 
     folder = request.getfixturevalue({"sdxl": "tiny_sdxl_dir", "sd3": "tiny_sd3_dir", "flux": "tiny_flux_dir"}[family])
     cfg = RangefinderConfig(tracking=TrackingConfig(tracking_uri=sqlite_tracking_uri, experiment_name=family,
@@ -278,6 +279,10 @@ def test_each_family_loads_as_its_pipeline_and_generates_what_its_samples_do(sql
     mlflow.set_tracking_uri(sqlite_tracking_uri)
     model = mlflow.pyfunc.load_model(version.model_uri)
     assert type(model.unwrap_python_model().pipe).__name__ == pipeline_class
+    # The T5 length is the model config's, written by the registration from the family's one source: the model's
+    # script cannot import rangefinder, and kept a second table of its own.
+    t5 = model.model_config.get("max_sequence_length")
+    assert t5 == (None if family == "sdxl" else t5_sequence_length(family, model.unwrap_python_model().pipe))
     own = {"sdxl": 5.0, "sd3": 7.0, "flux": 3.5}[family]
     assert model.model_config["guidance_scale"] == own
     assert {p.name: p.default for p in model.metadata.get_params_schema().params}["guidance_scale"] == own

@@ -25,7 +25,7 @@ from typing import Any, Optional, TypeVar
 from rangefinder.errors import TrackingError
 from rangefinder.tracking.metrics import SAFE_TAG_VALUE, VALIDATION_SECTION
 from rangefinder.tracking.redaction import redact, safe_uri
-from rangefinder.training.family_detection import detect_family, guidance_scale_for
+from rangefinder.training.family_detection import detect_family, folder_t5_sequence_length, guidance_scale_for
 
 _log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -178,7 +178,8 @@ def log_diffusers_model(
     `alias` at it.
 
     num_inference_steps, guidance_scale and resolution become the model's defaults (overridable per predict call);
-    guidance_scale None: the model's own, its family's pipeline's default (family_detection.guidance_scale_for).
+    guidance_scale None: the model's own, its family's pipeline's default (family_detection.guidance_scale_for). A
+    model with T5 (SD3, Flux) also gets `max_sequence_length` in its config, the T5 length it was trained with.
 
     `source_run_id`: the run that trained the weights (StepRun.log_diffusers_model finds it from a step name): the
     version's source run, where the curves and decisions are, not the run logging the model (which has none).
@@ -199,9 +200,14 @@ def log_diffusers_model(
         )
     _require_whole_pipeline(folder)
     res = int(resolution or _default_resolution(folder))
-    defaults = {"num_inference_steps": int(num_inference_steps),
-                "guidance_scale": guidance_scale_for(detect_family(folder), guidance_scale),
-                "height": res, "width": res}
+    defaults: dict[str, Any] = {"num_inference_steps": int(num_inference_steps),
+                                "guidance_scale": guidance_scale_for(detect_family(folder), guidance_scale),
+                                "height": res, "width": res}
+    # SD3's and Flux's T5 tokens per prompt, as trained (family_detection.t5_sequence_length), which the model's script
+    # passes as max_sequence_length: it cannot import rangefinder, so the value travels in its config.
+    t5_tokens = folder_t5_sequence_length(folder)
+    if t5_tokens is not None:
+        defaults["max_sequence_length"] = t5_tokens
     mlflow.set_tracking_uri(run.tracking_uri)
     earlier = _version_registered_by(run.client, registered_model_name, run.run_id) if registered_model_name else None
     info = None

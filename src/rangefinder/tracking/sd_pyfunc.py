@@ -6,9 +6,10 @@ only mlflow, diffusers, torch, pandas and pillow, not rangefinder, so anyone wit
 
 Input: a pandas DataFrame with a `prompt` column and optional `seed` (int; default: the row number) and
 `negative_prompt` columns. Params (per call, defaults from the model config): num_inference_steps, guidance_scale,
-height, width. Output: a DataFrame with `prompt`, `seed` and `image`, the image as a base64-encoded PNG (a string,
-so it survives MLflow's JSON serving as well). Each image depends only on its own (prompt, seed), never on the
-other rows, because each row gets its own seeded generator.
+height, width; a model with T5 also has max_sequence_length in its config, the length it was trained with. Output:
+a DataFrame with `prompt`, `seed` and `image`, the image as a base64-encoded PNG (a string, so it survives MLflow's
+JSON serving as well). Each image depends only on its own (prompt, seed), never on the other rows, because each row
+gets its own seeded generator.
 """
 
 import base64
@@ -17,6 +18,12 @@ import io
 import mlflow
 import pandas as pd
 from mlflow.pyfunc import PythonModel
+
+# The pipeline's call arguments the model config sets. max_sequence_length, in the config of a model with T5 only (SD3,
+# Flux), is the T5 length the model was trained with, which the registration wrote there
+# (training/family_detection.py: t5_sequence_length), not its pipeline's default (StableDiffusion3Pipeline's 256 where
+# SD3 trains with 77 tokens); it is no param, as another length is another conditioning than the one trained.
+CALL_SETTINGS = ("num_inference_steps", "guidance_scale", "height", "width", "max_sequence_length")
 
 
 class StableDiffusionPyfunc(PythonModel):
@@ -37,16 +44,7 @@ class StableDiffusionPyfunc(PythonModel):
 
         df = model_input if isinstance(model_input, pd.DataFrame) else pd.DataFrame({"prompt": list(model_input)})
         settings = {**self.defaults, **{k: v for k, v in (params or {}).items() if v is not None}}
-        call = {k: settings[k] for k in ("num_inference_steps", "guidance_scale", "height", "width")
-                if settings.get(k) is not None}
-        # The T5 sequence length the model was trained with, not its pipeline's default: SD3's 77 tokens (where
-        # StableDiffusion3Pipeline takes 256), Flux's 512, each or fewer where its T5 tokenizer stops sooner
-        # (training/family_detection.py: t5_sequence_length, which this script cannot import).
-        t5 = {"StableDiffusion3Pipeline": (77, "tokenizer_3"), "FluxPipeline": (512, "tokenizer_2")}
-        if type(self.pipe).__name__ in t5:
-            tokens, tokenizer = t5[type(self.pipe).__name__]
-            limit = getattr(getattr(self.pipe, tokenizer, None), "model_max_length", None)
-            call["max_sequence_length"] = min(tokens, int(limit or tokens))
+        call = {k: settings[k] for k in CALL_SETTINGS if settings.get(k) is not None}
         rows = []
         for i, row in enumerate(df.to_dict("records")):
             seed = row.get("seed")

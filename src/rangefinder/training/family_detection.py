@@ -14,6 +14,7 @@ import importlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Optional
 
 from rangefinder.config import ModelConfig
@@ -129,6 +130,19 @@ def t5_sequence_length(family: str, parts: Any) -> int:
         raise ValueError(f"the {family} family has no T5 encoder")
     tokenizer = getattr(parts, layout.t5_tokenizer, None)
     return min(layout.t5_tokens, int(getattr(tokenizer, "model_max_length", None) or layout.t5_tokens))
+
+
+def folder_t5_sequence_length(folder: Path) -> Optional[int]:
+    """`t5_sequence_length` of the model in the diffusers folder `folder`, its T5 tokenizer loaded with the class its
+    family's layout names (as models/loading.py loads it for training); None for a family without T5. For what reads a
+    saved folder without loading the model: the registered MLflow model's config (tracking/registry.py)."""
+    family = detect_family(folder)
+    layout = FAMILY_LAYOUTS[family]
+    if layout.t5_tokens is None or layout.t5_tokenizer is None:
+        return None
+    tokenizer_cls = import_named(dict(layout.classes)[layout.t5_tokenizer])
+    tokenizer = tokenizer_cls.from_pretrained(str(folder), subfolder=layout.t5_tokenizer, local_files_only=True)
+    return t5_sequence_length(family, SimpleNamespace(**{layout.t5_tokenizer: tokenizer}))
 
 
 def guidance_scale_for(family: str, setting: Optional[float] = None) -> float:
