@@ -573,3 +573,49 @@ def test_a_retrain_s_version_says_its_weights_saw_the_validation_images(sqlite_t
     assert ("Unlike version 1 (the version before it): trained on train + validation where it was trained on the "
             "training images alone: its weights saw the validation images, so no val_loss measured on them compares "
             "the two.") in version.description, version.description
+
+
+@pytest.fixture(scope="module")
+def run_registered(shared_sqlite_tracking_uri, tiny_model_dir):
+    """(config, model): the tiny model registered by the register step of a run with the demo's sampling settings
+    (DDIM, guidance 5) and a sampling resolution of its own, loaded as the team downstream loads it."""
+    from rangefinder.config import demo_config
+    from rangefinder.steps.register_model import run_register_model
+    from tests.tracking.fixtures import without_mlflow_run_env
+
+    cfg = demo_config(model={"base_model": str(tiny_model_dir)}, sampling={"num_inference_steps": 4, "resolution": 64},
+                      tracking={"tracking_uri": shared_sqlite_tracking_uri, "experiment_name": "downstream",
+                                "registered_model_name": "rf-downstream"})
+    previous = mlflow.get_tracking_uri() if mlflow.is_tracking_uri_set() else None
+    with without_mlflow_run_env():
+        registered = run_register_model(cfg, model_dir=tiny_model_dir, lr=1e-4, epochs=1)
+        mlflow.set_tracking_uri(shared_sqlite_tracking_uri)
+        model = mlflow.pyfunc.load_model(registered.model_uri)
+    mlflow.set_tracking_uri(previous)
+    return cfg, model
+
+
+def test_the_registered_model_renders_by_default_what_the_run_s_grid_shows(run_registered, tiny_model_dir, tmp_path):
+    """The model's defaults are the settings the run's samples and grid were drawn with: the scheduler (the demo's
+    DDIM; the saved folder keeps the training DDPM, which the model sampled with), the steps, the guidance and
+    sampling.resolution over data.resolution (it had data.resolution). So a (prompt, seed) of the grid renders, by
+    default, the image the person promoting the model looked at."""
+    import numpy as np
+    from PIL import Image
+
+    from rangefinder.sampling import render_grid
+
+    cfg, model = run_registered
+    s = cfg.sampling
+    assert model.model_config == {"num_inference_steps": 4, "guidance_scale": 5.0, "scheduler": "DDIMScheduler",
+                                  "height": 64, "width": 64}
+    assert {p.name: p.default for p in model.metadata.get_params_schema().params} == {
+        "num_inference_steps": 4, "guidance_scale": 5.0, "height": 64, "width": 64}
+    prompt, seed = s.prompts[0], s.seeds[1]
+    out = model.predict(pd.DataFrame({"prompt": [prompt], "seed": [seed]}))
+    # As the sample_images step renders its grid.
+    grid = render_grid([tiny_model_dir], [prompt], [seed], out_dir=tmp_path, steps=s.num_inference_steps,
+                       guidance_scale=s.guidance_scale, scheduler=s.scheduler,
+                       resolution=s.resolution or cfg.data.resolution)
+    cell = Image.open(grid["images"][0][0]).convert("RGB")
+    assert np.array_equal(np.asarray(decode_image(out["image"][0])), np.asarray(cell))

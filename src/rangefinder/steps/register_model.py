@@ -135,10 +135,14 @@ def run_register_model(cfg: RangefinderConfig, *, model_dir: Path, lr: float, ep
 
         def register() -> tracking.RegisteredVersion:
             with tracking.step_run(cfg, "register_model", parent_run_id=mlflow_parent_run_id) as run:
+                # The model's defaults are the settings the run's samples and grid were drawn with, so that by
+                # default it renders what the person promoting it looked at.
                 v = run.log_diffusers_model(weights, metrics=metrics, tags=tags, description=description,
                                             num_inference_steps=cfg.sampling.num_inference_steps,
                                             guidance_scale=cfg.sampling.guidance_scale,
-                                            resolution=cfg.data.resolution, source_step=source_step)
+                                            scheduler=cfg.sampling.scheduler,
+                                            resolution=cfg.sampling.resolution or cfg.data.resolution,
+                                            source_step=source_step)
                 model = (f"registered as {v.name} version {v.version} (@{v.alias})" if v.version else
                          f"logged as {v.model_uri} (tracking.registered_model_name is empty: not registered)")
                 # The last step that knows the whole decision writes the pipeline run's description: what the weights

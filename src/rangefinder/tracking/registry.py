@@ -169,6 +169,7 @@ def log_diffusers_model(
     num_inference_steps: int = 25,
     guidance_scale: Optional[float] = None,
     resolution: Optional[int] = None,
+    scheduler: Optional[str] = None,
     name: str = "model",
     source_run_id: Optional[str] = None,
 ) -> RegisteredVersion:
@@ -178,8 +179,11 @@ def log_diffusers_model(
     `alias` at it.
 
     num_inference_steps, guidance_scale and resolution become the model's defaults (overridable per predict call);
-    guidance_scale None: the model's own, its family's pipeline's default (family_detection.guidance_scale_for). A
-    model with T5 (SD3, Flux) also gets `max_sequence_length` in its config, the T5 length it was trained with.
+    guidance_scale None: the model's own, its family's pipeline's default (family_detection.guidance_scale_for).
+    `scheduler` (a diffusers class name, sampling.scheduler) is the scheduler it samples with, set up from the
+    folder's own scheduler config; None: the folder's. A pipeline run registers its weights with the settings its
+    samples were drawn with, so the model renders by default what the person promoting it looked at. A model with
+    T5 (SD3, Flux) also gets `max_sequence_length` in its config, the T5 length it was trained with.
 
     `source_run_id`: the run that trained the weights (StepRun.log_diffusers_model finds it from a step name): the
     version's source run, where the curves and decisions are, not the run logging the model (which has none).
@@ -208,6 +212,8 @@ def log_diffusers_model(
     t5_tokens = folder_t5_sequence_length(folder)
     if t5_tokens is not None:
         defaults["max_sequence_length"] = t5_tokens
+    if scheduler:
+        defaults["scheduler"] = scheduler
     mlflow.set_tracking_uri(run.tracking_uri)
     earlier = _version_registered_by(run.client, registered_model_name, run.run_id) if registered_model_name else None
     info = None

@@ -6,7 +6,8 @@ only mlflow, diffusers, torch, pandas and pillow, not rangefinder, so anyone wit
 
 Input: a pandas DataFrame with a `prompt` column and optional `seed` (int; default: the row number) and
 `negative_prompt` columns. Params (per call, defaults from the model config): num_inference_steps, guidance_scale,
-height, width; a model with T5 also has max_sequence_length in its config, the length it was trained with. Output:
+height, width; the config also names the scheduler where the training run's samples used another than the
+saved folder's, and for a model with T5 the max_sequence_length it was trained with. Output:
 a DataFrame with `prompt`, `seed` and `image`, the image as a base64-encoded PNG (a string, so it survives MLflow's
 JSON serving as well). Each image depends only on its own (prompt, seed), never on the other rows, because each row
 gets its own seeded generator.
@@ -28,6 +29,7 @@ CALL_SETTINGS = ("num_inference_steps", "guidance_scale", "height", "width", "ma
 
 class StableDiffusionPyfunc(PythonModel):
     def load_context(self, context):
+        import diffusers
         import torch
         from diffusers import DiffusionPipeline
 
@@ -35,6 +37,12 @@ class StableDiffusionPyfunc(PythonModel):
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         dtype = torch.float16 if self.device == "cuda" else torch.float32
         self.pipe = DiffusionPipeline.from_pretrained(context.artifacts["pipeline"], dtype=dtype)
+        # The scheduler the training run's samples were drawn with (sampling.scheduler, e.g. the demo's DDIM, where a
+        # saved SD 1.x folder keeps the training DDPM), set up from the saved one's config as rangefinder's grid does,
+        # so it predicts what the weights were trained to. None in the config: the folder's own.
+        scheduler = self.defaults.get("scheduler")
+        if scheduler and scheduler != type(self.pipe.scheduler).__name__:
+            self.pipe.scheduler = getattr(diffusers, scheduler).from_config(self.pipe.scheduler.config)
         self.pipe.to(self.device)
         self.pipe.set_progress_bar_config(disable=True)
 
