@@ -619,3 +619,22 @@ def test_the_registered_model_renders_by_default_what_the_run_s_grid_shows(run_r
                        resolution=s.resolution or cfg.data.resolution)
     cell = Image.open(grid["images"][0][0]).convert("RGB")
     assert np.array_equal(np.asarray(decode_image(out["image"][0])), np.asarray(cell))
+
+
+def test_a_dict_of_prompt_lists_renders_an_image_per_prompt(run_registered):
+    """`predict({"prompt": [...]})`, a DataFrame's columns as a dict: MLflow makes a dict of strings and lists of
+    strings into one row holding the lists, and the model drew one image of the prompt "['a', 'b']". Each prompt
+    gets its row, as pandas makes of the same dict, a single negative prompt or seed going with every prompt; lists
+    of other lengths are refused in one line."""
+    _, model = run_registered
+    prompts = ["a red circle on a white background", "a blue square on a white background"]
+    out = model.predict({"prompt": prompts})
+    assert out["prompt"].tolist() == prompts and out["seed"].tolist() == [0, 1]
+    as_frame = model.predict(pd.DataFrame({"prompt": prompts}))
+    assert out["image"].tolist() == as_frame["image"].tolist()
+    both = model.predict({"prompt": prompts, "negative_prompt": "green"})
+    assert both["image"].tolist() == model.predict(pd.DataFrame({"prompt": prompts, "negative_prompt": "green"}))[
+        "image"].tolist() != out["image"].tolist()
+    with pytest.raises(MlflowException, match=r"^the input's columns are lists of different lengths \(prompt 2, "
+                                              r"negative_prompt 1\); give each column one value per prompt"):
+        model.predict({"prompt": prompts, "negative_prompt": ["green"]})

@@ -4,20 +4,22 @@ This file is an MLflow "model from code" script: `log_diffusers_model` hands its
 the model and runs it when the model is loaded (it ends with `mlflow.models.set_model`). Do not import it. It needs
 only mlflow, diffusers, torch, pandas and pillow, not rangefinder, so anyone with MLflow can load the model.
 
-Input: a pandas DataFrame with a `prompt` column and optional `seed` (int; default: the row number) and
-`negative_prompt` columns. Params (per call, defaults from the model config): num_inference_steps, guidance_scale,
-height, width; the config also names the scheduler where the training run's samples used another than the
-saved folder's, and for a model with T5 the max_sequence_length it was trained with. Output:
-a DataFrame with `prompt`, `seed` and `image`, the image as a base64-encoded PNG (a string, so it survives MLflow's
-JSON serving as well). Each image depends only on its own (prompt, seed), never on the other rows, because each row
-gets its own seeded generator.
+Input: a pandas DataFrame (or a dict of its columns) with a `prompt` column and optional `seed` (int; default: the
+row number) and `negative_prompt` columns. Params (per call, defaults from the model config): num_inference_steps,
+guidance_scale, height, width. The config holds the training run's sampling settings: those four, the scheduler its
+samples used (`scheduler`, where sampling.scheduler named one) and, for a model with T5, the max_sequence_length it
+was trained with. Output: a DataFrame with `prompt`, `seed` and `image`, a row per prompt, the image as a
+base64-encoded PNG (a string, so it survives MLflow's JSON serving as well). Each image depends only on its own
+(prompt, seed), never on the other rows, because each row gets its own seeded generator.
 """
 
 import base64
 import io
 
 import mlflow
+import numpy as np
 import pandas as pd
+from mlflow.exceptions import MlflowException
 from mlflow.pyfunc import PythonModel
 
 # The pipeline's call arguments the model config sets. max_sequence_length, in the config of a model with T5 only (SD3,
@@ -54,7 +56,7 @@ class StableDiffusionPyfunc(PythonModel):
         settings = {**self.defaults, **{k: v for k, v in (params or {}).items() if v is not None}}
         call = {k: settings[k] for k in CALL_SETTINGS if settings.get(k) is not None}
         rows = []
-        for i, row in enumerate(df.to_dict("records")):
+        for i, row in enumerate(one_row_per_prompt(df)):
             seed = row.get("seed")
             seed = i if seed is None or pd.isna(seed) else int(seed)
             negative = row.get("negative_prompt")
@@ -70,6 +72,26 @@ class StableDiffusionPyfunc(PythonModel):
             rows.append({"prompt": str(row["prompt"]), "seed": seed,
                          "image": base64.b64encode(buf.getvalue()).decode("ascii")})
         return pd.DataFrame(rows, columns=["prompt", "seed", "image"])
+
+
+def one_row_per_prompt(df: pd.DataFrame) -> list[dict]:
+    """The input's rows, one per prompt. MLflow makes a dict whose values are strings or lists of strings
+    (`{"prompt": ["a cat", "a dog"]}`, a DataFrame's columns as a dict) into one row holding the lists, which would
+    render a single image of the prompt "['a cat', 'a dog']"; such a row becomes a row per prompt, as pandas makes
+    of that dict, a single value (a negative prompt, a seed) going with each prompt."""
+    rows = []
+    for row in df.to_dict("records"):
+        if not isinstance(row.get("prompt"), (list, tuple, np.ndarray)):
+            rows.append(row)
+            continue
+        try:
+            rows.extend(pd.DataFrame(row).to_dict("records"))
+        except ValueError:
+            lengths = ", ".join(f"{k} {len(v)}" for k, v in row.items() if isinstance(v, (list, tuple, np.ndarray)))
+            raise MlflowException.invalid_parameter_value(
+                f"the input's columns are lists of different lengths ({lengths}); give each column one value per "
+                "prompt, or one value for every prompt") from None
+    return rows
 
 
 mlflow.models.set_model(StableDiffusionPyfunc())
