@@ -290,6 +290,10 @@ def test_each_family_loads_as_its_pipeline_and_generates_what_its_samples_do(sql
     out = model.predict(pd.DataFrame({"prompt": [prompt], "seed": [3]}))
     image = decode_image(out["image"][0])
     assert image.size == (32, 32)
+    if family == "flux":  # FluxPipeline reads a negative prompt only with true_cfg_scale: it drew the same image
+        with pytest.raises(MlflowException, match=r"^negative_prompt: a Flux model draws without one \(.*; leave "
+                                                  r"the column out$"):
+            model.predict(pd.DataFrame({"prompt": [prompt], "seed": [3], "negative_prompt": ["blue"]}))
     pipe = getattr(diffusers, pipeline_class).from_pretrained(str(folder), local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
     direct = pipe(prompt=prompt, num_inference_steps=2, height=32, width=32,
@@ -638,3 +642,20 @@ def test_a_dict_of_prompt_lists_renders_an_image_per_prompt(run_registered):
     with pytest.raises(MlflowException, match=r"^the input's columns are lists of different lengths \(prompt 2, "
                                               r"negative_prompt 1\); give each column one value per prompt"):
         model.predict({"prompt": prompts, "negative_prompt": ["green"]})
+
+
+def test_a_negative_prompt_the_pipeline_would_draw_without_is_refused(run_registered):
+    """At guidance_scale 1 or below the pipeline runs no classifier-free guidance, and drew the image a call without
+    the negative prompt draws; the call is refused in one line that says what to pass. (Flux, which reads none at
+    any guidance: test_each_family_loads_as_its_pipeline_and_generates_what_its_samples_do.)"""
+    _, model = run_registered
+    call = pd.DataFrame({"prompt": ["a red circle on a white background"], "negative_prompt": ["green"]})
+    with pytest.raises(MlflowException, match=r"^negative_prompt: this call's guidance_scale is 1, and classifier-free "
+                                              r"guidance, which a negative prompt steers, runs only above 1; pass "
+                                              r"params=\{'guidance_scale': ...\} above 1, or leave the column out$"):
+        model.predict(call, params={"guidance_scale": 1.0})
+    # An empty cell is no negative prompt, as pandas leaves a column's gaps.
+    gaps = model.predict(pd.DataFrame({"prompt": ["a", "b"], "negative_prompt": ["", None]}),
+                         params={"guidance_scale": 1.0})
+    assert gaps["image"].tolist() == model.predict({"prompt": ["a", "b"]}, params={"guidance_scale": 1.0})[
+        "image"].tolist()

@@ -2,7 +2,7 @@
 
 This file is an MLflow "model from code" script: `log_diffusers_model` hands its path to mlflow, which copies it into
 the model and runs it when the model is loaded (it ends with `mlflow.models.set_model`). Do not import it. It needs
-only mlflow, diffusers, torch, pandas and pillow, not rangefinder, so anyone with MLflow can load the model.
+only mlflow, diffusers, torch, pandas, numpy and pillow, not rangefinder, so anyone with MLflow can load the model.
 
 Input: a pandas DataFrame (or a dict of its columns) with a `prompt` column and optional `seed` (int; default: the
 row number) and `negative_prompt` columns. Params (per call, defaults from the model config): num_inference_steps,
@@ -55,15 +55,17 @@ class StableDiffusionPyfunc(PythonModel):
         df = model_input if isinstance(model_input, pd.DataFrame) else pd.DataFrame({"prompt": list(model_input)})
         settings = {**self.defaults, **{k: v for k, v in (params or {}).items() if v is not None}}
         call = {k: settings[k] for k in CALL_SETTINGS if settings.get(k) is not None}
+        records = one_row_per_prompt(df)
+        negatives = [None if missing(r.get("negative_prompt")) else str(r["negative_prompt"]) for r in records]
+        if any(negatives):
+            self.check_negative_prompt_steers(float(call.get("guidance_scale", 1.0)))
         rows = []
-        for i, row in enumerate(one_row_per_prompt(df)):
-            seed = row.get("seed")
-            seed = i if seed is None or pd.isna(seed) else int(seed)
-            negative = row.get("negative_prompt")
+        for i, (row, negative) in enumerate(zip(records, negatives, strict=True)):
+            seed = i if missing(row.get("seed")) else int(row["seed"])
             generator = torch.Generator(device=self.device).manual_seed(seed)
             image = self.pipe(
                 prompt=str(row["prompt"]),
-                negative_prompt=None if negative is None or pd.isna(negative) else str(negative),
+                negative_prompt=negative,
                 generator=generator,
                 **call,
             ).images[0]
@@ -72,6 +74,25 @@ class StableDiffusionPyfunc(PythonModel):
             rows.append({"prompt": str(row["prompt"]), "seed": seed,
                          "image": base64.b64encode(buf.getvalue()).decode("ascii")})
         return pd.DataFrame(rows, columns=["prompt", "seed", "image"])
+
+    def check_negative_prompt_steers(self, guidance_scale: float) -> None:
+        """Refuse a negative prompt the pipeline would draw without: FluxPipeline's guidance_scale is Flux.1-dev's
+        distilled guidance input, and it reads a negative prompt only with true_cfg_scale, which this model does
+        not set; the other pipelines read one for classifier-free guidance, which they run above guidance_scale 1."""
+        if type(self.pipe).__name__ == "FluxPipeline":
+            raise MlflowException.invalid_parameter_value(
+                "negative_prompt: a Flux model draws without one (its guidance_scale is Flux.1-dev's distilled "
+                "guidance, not classifier-free guidance, which a negative prompt steers); leave the column out")
+        if guidance_scale <= 1:
+            raise MlflowException.invalid_parameter_value(
+                f"negative_prompt: this call's guidance_scale is {guidance_scale:g}, and classifier-free guidance, "
+                "which a negative prompt steers, runs only above 1; pass params={'guidance_scale': ...} above 1, or "
+                "leave the column out")
+
+
+def missing(value) -> bool:
+    """A cell the input leaves empty: absent, None or NaN (pandas fills a column's gaps with them), or ''."""
+    return value is None or (not isinstance(value, str) and bool(pd.isna(value))) or value == ""
 
 
 def one_row_per_prompt(df: pd.DataFrame) -> list[dict]:
