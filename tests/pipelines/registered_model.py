@@ -32,7 +32,8 @@ def check_registered_is_the_kept_checkpoint(summary: dict, out: Path, base_dir: 
     assert mv.tags["rangefinder.weights"] == f"finetune {ckpt.name}"
     assert mv.tags["rangefinder.chosen_rule"] == chosen["rule"] in ("window_lowest", "window_nearest", "run_lowest")
     assert f"update {update}" in mv.description and "recommended length" in mv.description
-    check_registered_weights(summary, out, base_dir, method, checkpoints.read_weights(ckpt))
+    check_registered_weights(summary, out, base_dir, method, checkpoints.read_weights(ckpt),
+                             task_dir(summary, "finetune") / "model" / checkpoints.CHOSEN_DIR)
 
 
 def check_registered_is_the_retrain(summary: dict, out: Path, base_dir: Path) -> None:
@@ -62,7 +63,8 @@ def check_registered_is_the_retrain(summary: dict, out: Path, base_dir: Path) ->
             module += ".0" if module.endswith(".to_out") else ""
             trained[f"{module}.lora_A.weight"] = down
             trained[f"{module}.lora_B.weight"] = final[key.replace("down.weight", "up.weight")]
-    check_registered_weights(summary, out, base_dir, "lora", trained)
+    check_registered_weights(summary, out, base_dir, "lora", trained,
+                             task_dir(summary, "retrain-full") / "model" / "final")
     grid = json.loads((task_dir(summary, "sample-images") / "images" / "grid.json").read_text())
     assert any(c["label"] == "retrained" and "retrain-full" in c["path"] for c in grid["columns"]), grid["columns"]
 
@@ -88,9 +90,13 @@ def check_the_kept_checkpoint(summary: dict) -> tuple[Path, int, dict]:
     return ckpt, update, chosen
 
 
-def check_registered_weights(summary: dict, out: Path, base_dir: Path, method: str, trained: dict) -> None:
+def check_registered_weights(summary: dict, out: Path, base_dir: Path, method: str, trained: dict,
+                             delivered: Path) -> None:
     """The registered version, downloaded from the run's SQLite store, holds `trained` (the method's tensors, as a
-    checkpoint stores them) on `base_dir`'s model; the grid's base column is `base_dir`, and it has a chosen column."""
+    checkpoint stores them) on `base_dir`'s model, and the files the step delivered (`delivered`): a full
+    fine-tune's are the pipeline folder with its single file, a LoRA's or an embedding's are beside the pipeline
+    they were fused into, byte for byte, for the tools that load them. The grid's base column is `base_dir`, and it
+    has a chosen column."""
     import mlflow
     from safetensors.torch import load_file
 
@@ -99,6 +105,15 @@ def check_registered_weights(summary: dict, out: Path, base_dir: Path, method: s
     mlflow.set_tracking_uri(uri)
     local = Path(mlflow.artifacts.download_artifacts(f"models:/{name}/{version}", dst_path=str(out / "registered")))
     (pipe_dir,) = {p.parent for p in local.rglob("model_index.json")}
+    beside = local / "artifacts" / "delivered"
+    if method == "full":
+        assert (pipe_dir / "model.safetensors").read_bytes() == (delivered / "model.safetensors").read_bytes()
+        assert not beside.exists()
+    else:
+        files = sorted(p.relative_to(delivered) for p in delivered.rglob("*") if p.is_file())
+        assert files and sorted(p.relative_to(beside) for p in beside.rglob("*") if p.is_file()) == files
+        for f in files:
+            assert (beside / f).read_bytes() == (delivered / f).read_bytes(), f
     unet = load_file(str(pipe_dir / "unet" / "diffusion_pytorch_model.safetensors"))
     base_unet = load_file(str(base_dir / "unet" / "diffusion_pytorch_model.safetensors"))
     if method == "full":

@@ -127,7 +127,8 @@ def run_register_model(cfg: RangefinderConfig, *, model_dir: Path, lr: float, ep
     with tempfile.TemporaryDirectory(prefix="rangefinder-register-") as scratch:
         if not (weights / "model_index.json").is_file():
             # LoRA and textual inversion deliver a small file; the registry gets a whole pipeline that generates
-            # on its own (the step's input artifact may be read-only, so it is built in scratch space).
+            # on its own (the step's input artifact may be read-only, so it is built in scratch space), and the
+            # delivered files beside it.
             from rangefinder.models.loading import resolve_base_model
             from rangefinder.sampling import export_pipeline
 
@@ -142,6 +143,7 @@ def run_register_model(cfg: RangefinderConfig, *, model_dir: Path, lr: float, ep
                                             guidance_scale=cfg.sampling.guidance_scale,
                                             scheduler=cfg.sampling.scheduler,
                                             resolution=cfg.sampling.resolution or cfg.data.resolution,
+                                            delivered=None if weights == delivered else delivered,
                                             source_step=source_step)
                 model = (f"registered as {v.name} version {v.version} (@{v.alias})" if v.version else
                          f"logged as {v.model_uri} (tracking.registered_model_name is empty: not registered)")

@@ -14,6 +14,8 @@ import io
 import logging
 import math
 import os
+import shutil
+import tempfile
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -31,6 +33,8 @@ _log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 SD_PYFUNC_PATH = Path(__file__).with_name("sd_pyfunc.py")
+# The model's artifact holding the files a LoRA or textual-inversion run delivered (log_diffusers_model `delivered`).
+DELIVERED = "delivered"
 CANDIDATE = "candidate"
 CHAMPION = "champion"
 # The version tag naming the run that registered it (register_model's, or the training run's own).
@@ -170,6 +174,7 @@ def log_diffusers_model(
     guidance_scale: Optional[float] = None,
     resolution: Optional[int] = None,
     scheduler: Optional[str] = None,
+    delivered: Optional[str | os.PathLike] = None,
     name: str = "model",
     source_run_id: Optional[str] = None,
 ) -> RegisteredVersion:
@@ -184,6 +189,10 @@ def log_diffusers_model(
     folder's own scheduler config; None: the folder's. A pipeline run registers its weights with the settings its
     samples were drawn with, so the model renders by default what the person promoting it looked at. A model with
     T5 (SD3, Flux) also gets `max_sequence_length` in its config, the T5 length it was trained with.
+
+    `delivered`: the files the run delivered, where they are not the pipeline folder (a LoRA's or an embedding's,
+    which `pipeline_dir` holds fused or added), logged beside it as the model's `artifacts/delivered/`, so that
+    whoever loads the model can also download the files ComfyUI, A1111 and diffusers' loaders take.
 
     `source_run_id`: the run that trained the weights (StepRun.log_diffusers_model finds it from a step name): the
     version's source run, where the curves and decisions are, not the run logging the model (which has none).
@@ -218,17 +227,23 @@ def log_diffusers_model(
     earlier = _version_registered_by(run.client, registered_model_name, run.run_id) if registered_model_name else None
     info = None
     if earlier is None:
-        with _active_experiment(run.experiment_id), warnings.catch_warnings():
+        with _active_experiment(run.experiment_id), warnings.catch_warnings(), \
+                tempfile.TemporaryDirectory(prefix="rangefinder-delivered-") as staging:
             # An input example would make mlflow load the whole pipeline and generate at logging time; the signature
             # already says what goes in and out.
             warnings.filterwarnings("ignore", message=".*input example was not provided.*")
+            artifacts = {"pipeline": str(folder)}
+            if delivered is not None:
+                # Named `delivered` in the model whatever the folder's name (chosen/, final/, or a pipeline/ that would
+                # land on the exported pipeline's): mlflow files a folder artifact under its own name.
+                artifacts[DELIVERED] = str(shutil.copytree(delivered, Path(staging) / DELIVERED))
             info = Model.log(
                 artifact_path=None,
                 name=name,
                 flavor=mlflow.pyfunc,
                 run_id=run.run_id,
                 python_model=str(SD_PYFUNC_PATH),
-                artifacts={"pipeline": str(folder)},
+                artifacts=artifacts,
                 model_config=defaults,
                 signature=_signature(defaults),
                 pip_requirements=_requirements(),
