@@ -290,6 +290,9 @@ def test_each_family_loads_as_its_pipeline_and_generates_what_its_samples_do(sql
     out = model.predict(pd.DataFrame({"prompt": [prompt], "seed": [3]}))
     image = decode_image(out["image"][0])
     assert image.size == (32, 32)
+    # Off the sides the pipeline renders (a multiple of 8 px here): refused, where Flux's drew a 32 px image.
+    with pytest.raises(MlflowException, match=r"^height: the pipeline renders sides in multiples of 8 px, not 36; "):
+        model.predict(pd.DataFrame({"prompt": [prompt]}), params={"height": 36})
     if family == "flux":  # FluxPipeline reads a negative prompt only with true_cfg_scale: it drew the same image
         with pytest.raises(MlflowException, match=r"^negative_prompt: a Flux model draws without one \(.*; leave "
                                                   r"the column out$"):
@@ -612,7 +615,7 @@ def test_the_registered_model_renders_by_default_what_the_run_s_grid_shows(run_r
     cfg, model = run_registered
     s = cfg.sampling
     assert model.model_config == {"num_inference_steps": 4, "guidance_scale": 5.0, "scheduler": "DDIMScheduler",
-                                  "height": 64, "width": 64}
+                                  "height": 64, "width": 64, "size_multiple": 8}
     assert {p.name: p.default for p in model.metadata.get_params_schema().params} == {
         "num_inference_steps": 4, "guidance_scale": 5.0, "height": 64, "width": 64}
     prompt, seed = s.prompts[0], s.seeds[1]
@@ -659,3 +662,17 @@ def test_a_negative_prompt_the_pipeline_would_draw_without_is_refused(run_regist
                          params={"guidance_scale": 1.0})
     assert gaps["image"].tolist() == model.predict({"prompt": ["a", "b"]}, params={"guidance_scale": 1.0})[
         "image"].tolist()
+
+
+@pytest.mark.parametrize("params, refusal", [
+    ({"height": 0}, r"^height: the pipeline renders sides in multiples of 8 px, not 0; pass a multiple of 8 \(the "
+                    r"default is 64\)$"),
+    ({"width": 60}, r"^width: the pipeline renders sides in multiples of 8 px, not 60; "),
+    ({"num_inference_steps": 0}, r"^num_inference_steps: 0 draws no image; pass 1 or more$"),
+    ({"num_inference_steps": -1}, r"^num_inference_steps: -1 draws no image; pass 1 or more$")])
+def test_a_size_or_step_count_the_pipeline_cannot_draw_is_refused(run_registered, params, refusal):
+    """Each was drawn or failed without a word on what to pass: a side of 0 drew at the pipeline's default size, -1
+    steps drew an image of no denoising, 0 steps divided by zero, a side off 8 px raised diffusers' own error."""
+    _, model = run_registered
+    with pytest.raises(MlflowException, match=refusal):
+        model.predict(pd.DataFrame({"prompt": ["a red circle on a white background"]}), params=params)

@@ -27,7 +27,12 @@ from typing import Any, Optional, TypeVar
 from rangefinder.errors import TrackingError
 from rangefinder.tracking.metrics import SAFE_TAG_VALUE, VALIDATION_SECTION
 from rangefinder.tracking.redaction import redact, safe_uri
-from rangefinder.training.family_detection import detect_family, folder_t5_sequence_length, guidance_scale_for
+from rangefinder.training.family_detection import (
+    FAMILY_LAYOUTS,
+    detect_family,
+    folder_t5_sequence_length,
+    guidance_scale_for,
+)
 
 _log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -122,18 +127,24 @@ def _signature(defaults: Mapping[str, Any]):
     return ModelSignature(inputs=inputs, outputs=outputs, params=params)
 
 
-def _default_resolution(pipeline_dir: Path) -> int:
-    """The UNet's sample size times the VAE's downsampling, as diffusers' pipeline computes its default."""
+def _geometry(pipeline_dir: Path, family: str) -> Any:
+    """The size rules' geometry of the pipeline (training/geometry.py: ModelGeometry) from its VAE's and denoiser's
+    config.json: its native resolution, the model's default size, and the multiple its sampling sides take."""
     import json
 
+    from rangefinder.training.families import family_rules
+    from rangefinder.training.geometry import ModelGeometry
+
+    denoiser = FAMILY_LAYOUTS[family].denoiser
     try:
-        vae = json.loads((pipeline_dir / "vae" / "config.json").read_text())
-        if not (pipeline_dir / "unet").is_dir():  # a transformer model (Flux): its VAE's sample size, in pixels
-            return int(vae["sample_size"])
-        unet = json.loads((pipeline_dir / "unet" / "config.json").read_text())
-        return int(unet["sample_size"]) * 2 ** (len(vae["block_out_channels"]) - 1)
-    except (OSError, KeyError, ValueError, TypeError):
-        return 512
+        vae_config = json.loads((pipeline_dir / "vae" / "config.json").read_text())
+        denoiser_config = json.loads((pipeline_dir / denoiser / "config.json").read_text())
+        return ModelGeometry.of(family_rules(family), vae_config, denoiser_config)
+    except (OSError, KeyError, ValueError, TypeError) as e:  # KeyError, TypeError: a config missing what it needs
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise TrackingError(f"{pipeline_dir}: cannot read the sizes of vae/config.json and {denoiser}/config.json "
+                            f"({reason}); save the pipeline again with save_pipeline_folder before registering it"
+                            ) from None
 
 
 @contextlib.contextmanager
@@ -184,7 +195,8 @@ def log_diffusers_model(
     `alias` at it.
 
     num_inference_steps, guidance_scale and resolution become the model's defaults (overridable per predict call);
-    guidance_scale None: the model's own, its family's pipeline's default (family_detection.guidance_scale_for).
+    guidance_scale None: the model's own, its family's pipeline's default (family_detection.guidance_scale_for);
+    resolution None: the model's native one.
     `scheduler` (a diffusers class name, sampling.scheduler) is the scheduler it samples with, set up from the
     folder's own scheduler config; None: the folder's. A pipeline run registers its weights with the settings its
     samples were drawn with, so the model renders by default what the person promoting it looked at. A model with
@@ -212,10 +224,14 @@ def log_diffusers_model(
             "save_pretrained() before logging it"
         )
     _require_whole_pipeline(folder)
-    res = int(resolution or _default_resolution(folder))
+    family = detect_family(folder)
+    geometry = _geometry(folder, family)
+    res = int(resolution or geometry.native)
+    # size_multiple: the pixels the pipeline's sides take (SD3's refuses others, Flux's quietly renders a smaller
+    # image), which the model's script checks a call's height and width against.
     defaults: dict[str, Any] = {"num_inference_steps": int(num_inference_steps),
-                                "guidance_scale": guidance_scale_for(detect_family(folder), guidance_scale),
-                                "height": res, "width": res}
+                                "guidance_scale": guidance_scale_for(family, guidance_scale),
+                                "height": res, "width": res, "size_multiple": geometry.sampling_multiple}
     # SD3's and Flux's T5 tokens per prompt, as trained (family_detection.t5_sequence_length), which the model's script
     # passes as max_sequence_length: it cannot import rangefinder, so the value travels in its config.
     t5_tokens = folder_t5_sequence_length(folder)

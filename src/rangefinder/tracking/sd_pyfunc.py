@@ -8,7 +8,8 @@ Input: a pandas DataFrame (or a dict of its columns) with a `prompt` column and 
 row number) and `negative_prompt` columns. Params (per call, defaults from the model config): num_inference_steps,
 guidance_scale, height, width. The config holds the training run's sampling settings: those four, the scheduler its
 samples used (`scheduler`, where sampling.scheduler named one) and, for a model with T5, the max_sequence_length it
-was trained with. Output: a DataFrame with `prompt`, `seed` and `image`, a row per prompt, the image as a
+was trained with; and the multiple of pixels its sides take (`size_multiple`), which a call's height and width are
+checked against. Output: a DataFrame with `prompt`, `seed` and `image`, a row per prompt, the image as a
 base64-encoded PNG (a string, so it survives MLflow's JSON serving as well). Each image depends only on its own
 (prompt, seed), never on the other rows, because each row gets its own seeded generator.
 """
@@ -55,6 +56,7 @@ class StableDiffusionPyfunc(PythonModel):
         df = model_input if isinstance(model_input, pd.DataFrame) else pd.DataFrame({"prompt": list(model_input)})
         settings = {**self.defaults, **{k: v for k, v in (params or {}).items() if v is not None}}
         call = {k: settings[k] for k in CALL_SETTINGS if settings.get(k) is not None}
+        self.check_call(call)
         records = one_row_per_prompt(df)
         negatives = [None if missing(r.get("negative_prompt")) else str(r["negative_prompt"]) for r in records]
         if any(negatives):
@@ -74,6 +76,22 @@ class StableDiffusionPyfunc(PythonModel):
             rows.append({"prompt": str(row["prompt"]), "seed": seed,
                          "image": base64.b64encode(buf.getvalue()).decode("ascii")})
         return pd.DataFrame(rows, columns=["prompt", "seed", "image"])
+
+    def check_call(self, call: dict) -> None:
+        """Refuse steps below 1 (the pipeline divides by zero, or draws an image of none) and a height or width off
+        the sides the pipeline renders, the model config's size_multiple (SD3's refuses them in its own words,
+        Flux's quietly renders a smaller image, and a side of 0 draws at the pipeline's default size)."""
+        steps = call.get("num_inference_steps")
+        if steps is not None and int(steps) < 1:
+            raise MlflowException.invalid_parameter_value(
+                f"num_inference_steps: {steps} draws no image; pass 1 or more")
+        multiple = int(self.defaults.get("size_multiple") or 1)
+        for side in ("height", "width"):
+            value = call.get(side)
+            if value is not None and (int(value) < multiple or int(value) % multiple):
+                raise MlflowException.invalid_parameter_value(
+                    f"{side}: the pipeline renders sides in multiples of {multiple} px, not {value}; pass a multiple "
+                    f"of {multiple} (the default is {self.defaults.get(side)})")
 
     def check_negative_prompt_steers(self, guidance_scale: float) -> None:
         """Refuse a negative prompt the pipeline would draw without: FluxPipeline's guidance_scale is Flux.1-dev's
