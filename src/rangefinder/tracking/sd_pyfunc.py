@@ -64,7 +64,8 @@ class StableDiffusionPyfunc(PythonModel):
         rows = []
         for i, (row, negative) in enumerate(zip(records, negatives, strict=True)):
             seed = i if missing(row.get("seed")) else int(row["seed"])
-            generator = torch.Generator(device=self.device).manual_seed(seed)
+            # On the CPU, as the grid's (sampling.render_grid): a seed draws the same initial noise on any device.
+            generator = torch.Generator("cpu").manual_seed(seed)
             image = self.pipe(
                 prompt=str(row["prompt"]),
                 negative_prompt=negative,
