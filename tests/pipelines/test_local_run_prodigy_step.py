@@ -102,12 +102,12 @@ def test_lr_finder_auto_on_a_flow_model_runs_the_prodigy_branch_and_fine_tunes_a
         (factor_param,) = con.execute("select p.value from params p join runs r on p.run_uuid = r.run_uuid "
                                       "where r.name = 'prodigy_step_size' and p.key = 'prodigy_step_factor'").fetchone()
         guidance = dict(con.execute("select r.name, p.value from params p join runs r on p.run_uuid = r.run_uuid "
-                                    "where p.key = 'sampling.guidance_scale'").fetchall())
+                                    "where p.key = 'sampling.guidance_scale_used'").fetchall())
     assert runs["prodigy_step_size"] == runs["finetune"] == runs[parent] == "FINISHED", runs
     assert "lr_range_test" not in runs and finder_param == "prodigy_step" and float(factor_param) == factor
     assert nested["prodigy_step_size"] == nested["finetune"]  # both children of the pipeline's run
-    # The guidance unset is the family's pipeline's own (FluxPipeline's distilled guidance 3.5, SD3's 7.0), resolved
-    # once: the pipeline's run and each step's show it, and the grid and the registered model sample at it.
+    # The guidance unset is the family's pipeline's own (FluxPipeline's distilled guidance 3.5, SD3's 7.0): the
+    # pipeline's run and each step's show it beside the setting, and the grid and the registered model sample at it.
     own_guidance = {"sd3": 7.0, "flux": 3.5}[family]
     assert {float(v) for v in guidance.values()} == {own_guidance} and {parent, "finetune"} <= set(guidance), guidance
     grid = json.loads(next(run.run_dir.glob("sample-images*/images/grid.json")).read_text())

@@ -285,22 +285,26 @@ def test_settings_right_for_the_model_family_pass_the_preflight(request, model, 
 @pytest.mark.parametrize("model", ["tiny_model_dir", "tiny_sdxl_dir", "tiny_sd3_dir", "tiny_flux_dir"])
 def test_an_unset_guidance_scale_is_the_one_the_model_s_own_pipeline_samples_at(request, model):
     """sampling.guidance_scale was 7.5 for every family: Flux.1-dev sampled its distilled guidance input at 7.5
-    (FluxPipeline's default is 3.5), SDXL and SD3 off their pipelines' 5.0 and 7.0. Unset, resolve-config writes
-    what the pipeline class the model's model_index.json names samples at when given none, into the config every
-    later step reads; a value set, the old default included, stays what it says."""
+    (FluxPipeline's default is 3.5), SDXL and SD3 off their pipelines' 5.0 and 7.0. Unset, every step samples at what
+    the pipeline class the model's model_index.json names samples at when given none (guidance_scale_for, on the
+    family of the folder resolve-config hands on); the config keeps it unset (a copy of it given another model samples
+    that one at its own: tests/tracking/test_browsing.py). A value set, the old default included, stays what it says."""
     import inspect
 
     import diffusers
+
+    from rangefinder.training.family_detection import family_of, guidance_scale_for
 
     model_dir = request.getfixturevalue(model)
     pipeline = getattr(diffusers, json.loads((model_dir / "model_index.json").read_text())["_class_name"])
     own = inspect.signature(pipeline.__call__).parameters["guidance_scale"].default
     assert own == {"tiny_model_dir": 7.5, "tiny_sdxl_dir": 5.0, "tiny_sd3_dir": 7.0, "tiny_flux_dir": 3.5}[model]
-    unset = _resolve_on(model_dir, sampling={"scheduler": None, "guidance_scale": None})
-    assert load_step_config(unset.config_json).sampling.guidance_scale == own
+    unset = load_step_config(_resolve_on(model_dir, sampling={"scheduler": None, "guidance_scale": None}).config_json)
+    assert unset.sampling.guidance_scale is None
+    assert guidance_scale_for(family_of(unset.model), unset.sampling.guidance_scale) == own
     if model == "tiny_flux_dir":
-        kept = _resolve_on(model_dir, sampling={"scheduler": None, "guidance_scale": 7.5})
-        assert load_step_config(kept.config_json).sampling.guidance_scale == 7.5
+        kept = load_step_config(_resolve_on(model_dir, sampling={"scheduler": None, "guidance_scale": 7.5}).config_json)
+        assert guidance_scale_for(family_of(kept.model), kept.sampling.guidance_scale) == 7.5
 
 
 def test_the_preflight_and_the_engine_refuse_in_the_same_words(tiny_sd3_dir, tiny_flux_dir):

@@ -150,27 +150,44 @@ def test_the_parent_run_s_model_resolved_dir_is_the_folder_resolve_config_resolv
     assert config["model"]["resolved_dir"] == folder
 
 
-def test_the_parent_run_s_guidance_scale_is_the_one_the_samples_use(sqlite_tracking_uri, tiny_flux_dir):
+def test_the_guidance_scale_used_is_logged_beside_the_setting_and_resolved_again_from_a_copied_config(
+        sqlite_tracking_uri, tiny_flux_dir, tiny_sdxl_dir, tmp_path):
     """sampling.guidance_scale unset is the base model's own, known once resolve-config has the model: the parent run
-    (made before that) shows the value every step samples at, FluxPipeline's 3.5 here, not None."""
+    (made before that) shows the value every step samples at, FluxPipeline's 3.5 here, as sampling.guidance_scale_used.
+    resolve-config wrote it into the setting itself, so the run's config.yaml, copied and given an SDXL model, sampled
+    SDXL at Flux's 3.5 (its own is 5.0) without a word."""
     from pathlib import Path
 
     import yaml
 
-    from rangefinder.config import demo_config
-    from rangefinder.steps.resolve_config import parameters_from_config, run_resolve_config
+    from rangefinder.config import demo_config, load_config
+    from rangefinder.steps.resolve_config import load_step_config, parameters_from_config, run_resolve_config
+    from rangefinder.training.family_detection import family_of, guidance_scale_for
 
-    params = parameters_from_config(demo_config(
-        model={"base_model": str(tiny_flux_dir)}, sampling={"scheduler": None, "guidance_scale": None},
-        tracking={"tracking_uri": sqlite_tracking_uri, "experiment_name": "guidance"}))
-    base = params.pop("base_config")
-    r = run_resolve_config(base, pipeline_job_id="kfp-run-guidance", **params)
+    def resolve(cfg, job):
+        params = parameters_from_config(cfg)
+        r = run_resolve_config(params.pop("base_config"), pipeline_job_id=job, **params)
+        parent = client.get_run(r.mlflow_parent_run_id)
+        config = Path(client.download_artifacts(parent.info.run_id, "config.yaml", str(tmp_path / job)))
+        resolved = load_step_config(r.config_json)
+        # What every step that samples (the grid, the samples during training, the registered model) renders at.
+        samples_at = guidance_scale_for(family_of(resolved.model), resolved.sampling.guidance_scale)
+        return parent.data.params, config, samples_at
 
     client = MlflowClient(tracking_uri=sqlite_tracking_uri)
-    parent = client.get_run(r.mlflow_parent_run_id)
-    assert parent.data.params["sampling.guidance_scale"] == "3.5"
-    config = yaml.safe_load(Path(client.download_artifacts(parent.info.run_id, "config.yaml")).read_text())
-    assert config["sampling"]["guidance_scale"] == 3.5
+    (tmp_path / "kfp-run-guidance").mkdir()
+    params, config, samples_at = resolve(demo_config(
+        model={"base_model": str(tiny_flux_dir)}, sampling={"scheduler": None, "guidance_scale": None},
+        tracking={"tracking_uri": sqlite_tracking_uri, "experiment_name": "guidance"}), "kfp-run-guidance")
+    assert params["sampling.guidance_scale_used"] == "3.5" and samples_at == 3.5
+    copied = yaml.safe_load(config.read_text())
+    assert copied["sampling"]["guidance_scale"] is None  # as given
+
+    copied["model"]["base_model"] = str(tiny_sdxl_dir)  # the user's one change
+    (tmp_path / "mine.yaml").write_text(yaml.safe_dump(copied))
+    (tmp_path / "kfp-run-copied").mkdir()
+    params, _, samples_at = resolve(load_config(tmp_path / "mine.yaml"), "kfp-run-copied")
+    assert samples_at == 5.0 and params["sampling.guidance_scale_used"] == "5.0"
 
 
 def test_the_pipeline_run_s_description_names_a_delivered_checkpoint_by_its_update_and_epoch():

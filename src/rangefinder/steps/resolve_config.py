@@ -36,7 +36,7 @@ from rangefinder.config import (
 )
 from rangefinder.errors import ConfigError
 from rangefinder.planning import check_finetune_validations
-from rangefinder.training.family_detection import family_of, guidance_scale_for
+from rangefinder.training.family_detection import family_of
 
 # Pipeline parameter -> dotted config field. The order is the order the UI lists them in.
 PARAMETER_FIELDS: dict[str, str] = {
@@ -203,11 +203,12 @@ def run_resolve_config(base_config: str = "", *, pipeline_job_id: str = "", pipe
 
 def with_resolved_base_model(cfg: RangefinderConfig) -> tuple[RangefinderConfig, str]:
     """`cfg` with `model.resolved_dir` set to the local diffusers folder of `model.base_model` (downloaded or
-    converted now, once), `model.resolved_revision` to what it resolved to (a hub snapshot's commit, a single file's
-    sha256), and an unset `sampling.guidance_scale` to that model's own (its family's pipeline's default:
-    family_detection.guidance_scale_for), so that every later step's samples, the registered model and their MLflow
-    params use and show one value; and the model's family. ConfigError when the model cannot be had. A resolved_dir
-    already in the config (a base_config copied from an earlier run's) is ignored: this run resolves its own. A hub
+    converted now, once) and `model.resolved_revision` to what it resolved to (a hub snapshot's commit, a single file's
+    sha256); and the model's family. ConfigError when the model cannot be had. A resolved_dir already in the config (a
+    base_config copied from an earlier run's) is ignored: this run resolves its own. No setting is changed: an unset
+    `sampling.guidance_scale` stays unset, and each step that samples reads the model's own off its family
+    (family_detection.guidance_scale_for; the runs' param sampling.guidance_scale_used), so that a config copied from
+    this run and given another base model samples that one at its own. A hub
     model's family is read off its model_index.json alone first, so that a method it cannot train (textual inversion
     on SD3 or Flux) is refused before its weights are downloaded; the rest of its rules once it is here (preflight)."""
     from rangefinder.models.loading import hub_family, resolve_base_model
@@ -220,10 +221,8 @@ def with_resolved_base_model(cfg: RangefinderConfig) -> tuple[RangefinderConfig,
     resolved = resolve_base_model(model)
     family = resolved.family
     print(f"base model: {resolved.source} -> {resolved.path} ({FAMILY_NAMES[family]})")
-    guidance = guidance_scale_for(family, cfg.sampling.guidance_scale)
     return cfg.model_copy(update={"model": model.model_copy(update={"resolved_dir": str(resolved.path),
-                                                                    "resolved_revision": resolved.revision}),
-                                  "sampling": cfg.sampling.model_copy(update={"guidance_scale": guidance})}), family
+                                                                    "resolved_revision": resolved.revision})}), family
 
 
 def preflight(cfg: RangefinderConfig, family: str) -> None:

@@ -220,7 +220,8 @@ def applicable_params(cfg: Any) -> dict[str, str]:
     (`training.flow` on SD 1.x/2.x and SDXL, DDPM's on SD3 and Flux: family_rules' `unused_training`, once the
     family can be told from the model), and the `training` fields each pipeline run sets
     itself (its budget, LR, schedule and process count: training/spec.py), which only `rangefinder train` reads and
-    which logs to no MLflow: a fine-tune showed `training.lr` 1e-4 beside the LR it trained at.
+    which logs to no MLflow: a fine-tune showed `training.lr` 1e-4 beside the LR it trained at. Added, once the family
+    can be told: `sampling.guidance_scale_used`, the guidance the samples use.
     """
     params = flatten_params(cfg)
     if getattr(cfg, "lr", 0) is None:
@@ -230,10 +231,6 @@ def applicable_params(cfg: Any) -> dict[str, str]:
         # (log_resolved_config), where a param, written once, would otherwise read None for good.
         params.pop("model.resolved_dir", None)
         params.pop("model.resolved_revision", None)
-    if getattr(getattr(cfg, "sampling", None), "guidance_scale", "") is None:
-        # The base model's own until resolve-config reads its family (resolve_config.with_resolved_base_model):
-        # logged then, as the value the samples use, not None.
-        params.pop("sampling.guidance_scale", None)
     training = getattr(cfg, "training", None)
     if training is None or not hasattr(cfg, "kubernetes"):
         return params
@@ -246,13 +243,17 @@ def applicable_params(cfg: Any) -> dict[str, str]:
     if not cfg.retrain.enabled:
         dropped += [f"retrain.{k}" for k in type(cfg.retrain).model_fields if k != "enabled"]
     from rangefinder.training.families import family_rules
-    from rangefinder.training.family_detection import family_of
+    from rangefinder.training.family_detection import family_of, guidance_scale_for
 
     family = family_of(cfg.model)
     if family:  # the objective's settings of the other kind (flow-matching or DDPM), refused unless left unset
         unused = [f"training.{k}" for k in family_rules(family).unused_training]
         pipeline_set |= set(unused)
         dropped += [f"{k}." for k in unused]
+        # What the samples use beside what the config says (unset: the model's own, resolved here and by every step
+        # that samples, never written into the setting: a config copied from this run samples another model at its
+        # own): the parent run made before a hub id is fetched gets it once resolve-config has the model.
+        params["sampling.guidance_scale_used"] = _param_value(guidance_scale_for(family, cfg.sampling.guidance_scale))
     return {k: v for k, v in params.items() if k not in pipeline_set and not k.startswith(tuple(dropped))}
 
 
@@ -380,8 +381,9 @@ def _log_parent_config(client: Any, run_id: str, cfg: Any, logged: Collection[st
 
 def log_resolved_config(cfg: Any, run_id: str) -> None:
     """resolve-config's config, once the base model is resolved, on the parent run `run_id` that ensure_parent_run
-    made before: the params it did not have (model.resolved_dir, model.resolved_revision; all of them for a parent
-    made by a step that stopped before it logged any), config.yaml with the folder in it, and the base model's tags
+    made before: the params it did not have (model.resolved_dir, model.resolved_revision, and a hub id's
+    sampling.guidance_scale_used; all of them for a parent made by a step that stopped before it logged any),
+    config.yaml with the folder in it, and the base model's tags
     known only now (its revision; the family of a hub id not fetched before). A parent KFP's MLflow integration made
     is KFP's, left as it is."""
     client = tracking_client(cfg)
