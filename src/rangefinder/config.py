@@ -240,7 +240,8 @@ class ModelConfig(_Section):
     # None: the base model named in the file's rangefinder metadata, else diffusers infers one (from the hub).
     single_file_config: Optional[str] = None
     # Set by the pipeline's first step, not by hand: the local diffusers folder base_model resolved to (downloaded
-    # or converted once), which every later step loads. A step that cannot see it resolves base_model again.
+    # or converted once), which every later step loads. A step that cannot see it resolves base_model again; a
+    # command that starts a run ignores it (a config copied from an earlier run holds that run's: unresolved).
     resolved_dir: Optional[str] = None
     # Set with resolved_dir, not by hand: the revision base_model resolved to, which no later change upstream moves (a
     # hub id's snapshot commit, where `revision: main` names whatever main is that day; a single file's
@@ -1251,6 +1252,13 @@ class RangefinderConfig(_Section):
         if self.lr is not None:
             return self.lr
         return LR_FREE_LR if self.training.optimizer in LR_FREE_OPTIMIZERS else None
+
+    def unresolved(self) -> RangefinderConfig:
+        """This config as a new run starts from it: without model.resolved_dir and model.resolved_revision, which a
+        run's first step sets for its base model (a config copied from an earlier run, its config.yaml, holds that
+        run's), so that model.base_model is resolved afresh."""
+        model = self.model.model_copy(update={"resolved_dir": None, "resolved_revision": None})
+        return self.model_copy(update={"model": model})
 
     def range_test_bounds_given(self) -> list[str]:
         """The range test's bounds set in this config (lr_range_test.lr_min / lr_max), by name."""

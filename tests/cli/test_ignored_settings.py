@@ -99,6 +99,27 @@ def test_compile_names_the_training_settings_the_pipeline_sets_itself(tmp_path):
                             "distributed.namespace"], said
 
 
+def test_a_config_copied_from_a_run_is_checked_against_the_base_model_it_names(tmp_path, tiny_sd3_dir,
+                                                                               tiny_model_dir):
+    """A run's config.yaml (tracking.runs.config_text, as MLflow keeps it) holds the folder that run's base model
+    resolved to (model.resolved_dir). Copied from an SD3 run and given an SD 1.x model to train textual inversion on,
+    compile refused it for the SD3 folder, which the new run never loads ("textual inversion is not supported on
+    Stable Diffusion 3/3.5 models"); the pipeline's first step resolves the model named, and so do the checks."""
+    from rangefinder.steps.resolve_config import with_resolved_base_model
+    from rangefinder.tracking.runs import config_text
+
+    earlier, _ = with_resolved_base_model(demo_config(model={"base_model": str(tiny_sd3_dir)},
+                                                      sampling={"scheduler": None},
+                                                      lr_range_test={"lr_min": None, "lr_max": None}))
+    copied = yaml.safe_load(config_text(earlier))
+    copied["model"]["base_model"] = str(tiny_model_dir)
+    copied["training"]["method"] = "textual_inversion"
+    out = tmp_path / "pipeline.yaml"
+    proc = in_process("compile", "--config", str(_config(tmp_path, copied)), "--out", str(out))
+    assert proc.returncode == 0 and out.is_file(), proc.stderr
+    assert "model.resolved_dir (each run resolves model.base_model afresh" in _warning(proc.stderr, "compile")
+
+
 def test_a_local_run_names_the_pod_settings_and_submit_the_folder_a_uri_replaces(tmp_path):
     cfg = _config(tmp_path, {**PIPELINE_CONFIG, "distributed": {"num_nodes": 2}})
     # Several nodes are refused by a local run before any step: the warning, then the error.

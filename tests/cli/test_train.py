@@ -345,3 +345,28 @@ def test_a_rank_killed_with_sigkill_ends_the_run_with_one_line_naming_torchruns_
     assert last == ("rangefinder train: error: the 2 training processes failed (torchrun exit status 1); the log above "
                     "says why. Run the step again: it resumes from the newest whole checkpoint"), err[-3000:]
     assert checkpoints.verify(checkpoints.list_checkpoints(out / "checkpoints")[-1]) is None
+
+
+def test_a_config_copied_from_a_run_trains_the_base_model_it_names(split_dir, tiny_model_dir, tiny_sdxl_dir, tmp_path,
+                                                                   capsys):
+    """A run's config.yaml (tracking.runs.config_text, as MLflow keeps it) holds the folder that run's base model
+    resolved to (model.resolved_dir). Copied and given an SDXL model, `train` loaded that SD 1.x folder all the same,
+    whatever model.base_model (or --model) said; the folder is named as ignored, and the model named is trained."""
+    from rangefinder.config import demo_config
+    from rangefinder.steps.resolve_config import with_resolved_base_model
+    from rangefinder.tracking.runs import config_text
+
+    earlier, _ = with_resolved_base_model(demo_config(model={"base_model": str(tiny_model_dir)}))
+    copied = yaml.safe_load(config_text(earlier))
+    assert copied["model"]["resolved_dir"] == str(tiny_model_dir)
+    copied["model"]["base_model"] = str(tiny_sdxl_dir)  # the user's one change (and a cache of the test's own)
+    copied["training"]["cache_dir"] = str(tmp_path / "cache")
+    config = tmp_path / "copied.yaml"
+    config.write_text(yaml.safe_dump(copied))
+    out = tmp_path / "out"
+    rc = main(["train", "--data", str(split_dir), "--out", str(out), "--config", str(config), "--steps", "1",
+               "--validate-every-epochs", "0", "--json"])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert json.loads((out / "run_summary.json").read_text())["family"] == "sdxl"
+    assert "model.resolved_dir (each run resolves model.base_model afresh" in err

@@ -30,6 +30,12 @@ class Unused:
 MULTI_NODE = Unused(("distributed.runtime", "distributed.namespace", "distributed.timeout_hours",
                      "distributed.poll_seconds"), "they apply with distributed.num_nodes > 1")
 
+# What a run's base model resolved to (the pipeline's first step sets them): a config copied from an earlier run, its
+# config.yaml, holds that run's. Every command that starts a run resolves model.base_model afresh (config.unresolved).
+RESOLVED = Unused(("model.resolved_dir", "model.resolved_revision"),
+                  "each run resolves model.base_model afresh, and these are what an earlier run resolved it to; "
+                  "pin a hub model's commit with model.revision")
+
 # What the pipeline's three training runs set themselves, whatever `training:` says.
 PIPELINE = (
     Unused(("training.epochs", "training.steps", "training.steps_unit"),
@@ -41,8 +47,7 @@ PIPELINE = (
     Unused(("training.world_size",),
            "the pipeline counts the processes: training.processes_per_node x distributed.num_nodes"),
     Unused(("training.resume",), "a retried training step always resumes from its newest checkpoint"),
-    Unused(("model.resolved_dir", "model.resolved_revision"), "the pipeline's first step sets them from "
-           "model.base_model"),
+    RESOLVED,
     MULTI_NODE,
 )
 
@@ -57,6 +62,7 @@ TRAIN = (
            "training.epochs or training.steps"),
     Unused(("tracking",), "`rangefinder train` logs to no MLflow server; its curve is OUT/metrics.csv"),
     Unused(("kubernetes",), "pod settings of the pipeline: `compile`, `submit`, `schedule`"),
+    RESOLVED,
     MULTI_NODE,
 )
 
@@ -100,8 +106,10 @@ def warn_ignored(command: str, ignored: list[tuple[list[str], str]]) -> None:
 
 def warn_conflicts(cfg: RangefinderConfig) -> None:
     """config.setting_conflicts' lines as warnings, told the base model's family where it can be read without
-    fetching or converting anything (a hub id not in the cache yet: not)."""
+    fetching or converting anything (a hub id not in the cache yet: not), of model.base_model as the run will
+    resolve it."""
     from rangefinder.config import setting_conflicts
     from rangefinder.training.family_detection import family_of
 
+    cfg = cfg.unresolved()  # the model the run will resolve, not an earlier run's (a copied config.yaml holds its)
     warn(setting_conflicts(cfg, family_of(cfg.model)))

@@ -214,7 +214,7 @@ def with_resolved_base_model(cfg: RangefinderConfig) -> tuple[RangefinderConfig,
     from rangefinder.models.loading import hub_family, resolve_base_model
     from rangefinder.training.family_rules import check_method_family
 
-    model = cfg.model.model_copy(update={"resolved_dir": None, "resolved_revision": None})
+    model = cfg.unresolved().model
     before_download = hub_family(model)
     if before_download is not None:
         check_method_family(cfg.training.method, before_download)

@@ -114,6 +114,7 @@ def check_pipeline_settings(cfg: RangefinderConfig) -> None:
     from rangefinder.config import check_pipeline_config
     from rangefinder.planning import check_finetune_validations
 
+    cfg = cfg.unresolved()  # the pipeline's first step resolves model.base_model afresh: these checks read that model
     family = family_of(cfg.model)
     check_pipeline_config(cfg, family)
     check_finetune_validations(cfg)

@@ -86,6 +86,9 @@ def settings_from_args(args: argparse.Namespace):
     # Only the sections given: a section the file or a flag gave is in cfg.model_fields_set.
     cfg = load_config(args.config, {name: section for name, section in overrides.items() if section})
     warn_ignored("train", ignored_by_train(cfg))
+    # What an earlier run resolved its base model to (a copied config.yaml holds it) is not this run's: it trained
+    # that folder whatever model.base_model or --model said.
+    cfg = cfg.unresolved()
     warn_conflicts(cfg)
     if not cfg.training.budget_given():
         raise ConfigError("give a budget: --epochs N or --steps N (or training.epochs / training.steps in --config)")
