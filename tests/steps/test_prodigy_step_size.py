@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from rangefinder.analysis import read_curve_csv
-from rangefinder.config import demo_config
+from rangefinder.config import demo_config, load_config
 from rangefinder.training.optimizers import PRODIGY_SETTINGS
 from tests.tracking.fixtures import without_mlflow_run_env
 
@@ -85,6 +85,10 @@ def test_logged_as_a_child_run_of_the_pipeline_like_the_range_test(probed):
     taken = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "lr_effective"))
     assert len(taken) == 12 and taken[-1][0] == 12 and 0 < taken[-1][1] < result.lr
     assert run.data.params["training.optimizer"] == "prodigy" and run.data.params["lr_source"] == "prodigy-step"
+    # Its config.yaml is the pipeline run's, as every step run's is: the probe's (optimizer prodigy at lr 1.0, no
+    # halving, no average), copied to run again, trained a Prodigy fine-tune and discovered no LR, without a word.
+    copied = load_config(client.download_artifacts(run.info.run_id, "config.yaml", str(tmp / "copied")))
+    assert copied == cfg and copied.pipeline_lr() is None
     # lr_source has one home on this run, its params, as on the fine-tune's; the step size read is a tag (an LR).
     assert "lr_source" not in run.data.tags and float(run.data.tags["lr_prodigy_step"]) == \
         pytest.approx(result.lr, rel=1e-3)

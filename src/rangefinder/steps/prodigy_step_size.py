@@ -107,7 +107,7 @@ def run_prodigy_step_size(
     family = family_of(cfg.model)
     factor = cfg.prodigy_step_factor_for(family)
     with tracking.step_run(cfg, STEP, parent_run_id=mlflow_parent_run_id) as run:
-        run.log_config(probe, plan=spec.plan,
+        run.log_config(cfg, trained=probe, plan=spec.plan,
                        extra={"lr_finder": "prodigy_step", "lr_source": SOURCE, "prodigy_step_factor": factor,
                               **tc.used_params(family)})
         run.log_dataset_manifest(split_dir)

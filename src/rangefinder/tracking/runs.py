@@ -496,18 +496,22 @@ class StepRun:
 
     # --- settings
     def log_config(
-        self, cfg: Optional[TrackingSource] = None, *, plan: Any = None, extra: Optional[Mapping[str, Any]] = None
+        self, cfg: Optional[TrackingSource] = None, *, plan: Any = None, extra: Optional[Mapping[str, Any]] = None,
+        trained: Optional[TrackingSource] = None,
     ) -> None:
         """The resolved settings that apply to this run as flat params (`training.batch_size`, ...;
         `applicable_params`), the whole config as the artifact config.yaml, the planner's figures as `plan.*`.
 
         `plan` is a rangefinder.planning.Plan (effective_batch, updates_per_epoch, lr = the scaled LR, ...);
-        `extra` holds any other figures a step worked out (logged under their own names).
+        `extra` holds any other figures a step worked out (logged under their own names). `trained`: the config the
+        step trained when it made one of its own from `cfg` (the prodigy_step finder's Prodigy run), whose settings
+        are then the params; config.yaml is `cfg` still, the pipeline run's as given, which a person copies to run
+        it again (the probe's would run a Prodigy fine-tune, no LR discovered).
         """
         params: dict[str, str] = {}
         cfg = cfg if cfg is not None else self.cfg
         if cfg is not None:
-            params.update(applicable_params(cfg))
+            params.update(applicable_params(trained if trained is not None else cfg))
             if hasattr(cfg, "kubernetes"):  # a whole RangefinderConfig
                 self.log_text(config_text(cfg), CONFIG_ARTIFACT)
         if plan is not None:
