@@ -139,6 +139,8 @@ def test_auto_resolves_to_off_on_cpu_and_is_recorded(tmp_path, split_dir, tiny_m
     summary = json.loads(result.summary_path.read_text())
     assert summary["compile"] == "off" and summary["training"]["compile"] == "auto"
     assert summary["mixed_precision_used"] == "no"  # no bf16 on CPU
+    # The setting as given beside it, as compile's: the resolved "no" there, copied to a GPU, trained it in fp32.
+    assert summary["training"]["mixed_precision"] == "auto"
 
 
 def test_yaml_on_off_read_as_the_setting():

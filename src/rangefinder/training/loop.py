@@ -484,7 +484,8 @@ def _finish(run: Run, state: RunState, *, save_final: bool, seconds: float, cpu_
         updates_here = state.update - (state.resumed_from or 0)
         summary = result.as_dict() | {
             "plan": settings.plan.model_dump(),
-            "training": run.cfg.model_dump(),
+            # The settings as given (a copy of them trains as they say on another machine); what auto became: below.
+            "training": run.cfg.model_dump() | {"mixed_precision": settings.mixed_precision_given},
             "validation": run.val_cfg.model_dump(),
             "train_on": settings.train_on,
             "resolution": run.data.data_cfg.resolution,

@@ -54,6 +54,9 @@ class RunSettings:
     # sha256 of every image the run reads, by item id, checked against the split's manifests (the latent cache's keys)
     file_hashes: dict[int, str] = field(default_factory=dict)
     compile: bool = False  # training.compile resolved (auto -> on or off); written to run_summary.json
+    # training.mixed_precision as given (`cfg` holds it resolved for this machine): run_summary.json's `training`
+    # section holds the settings as given, and what `auto` became beside them (mixed_precision_used)
+    mixed_precision_given: str = "auto"
     # Aspect-ratio buckets (data.bucketing), None when every image is a centre-cropped square; then where each
     # item (by id, every subset) goes, and the bucket of each training item as an index into `train_buckets`.
     buckets: Optional[BucketSettings] = None

@@ -47,6 +47,7 @@ def check_settings(spec: TrainSpec, out_dir: Union[str, Path], split: Optional[S
     from rangefinder.data.split import file_hashes, read_split
 
     cfg, val_cfg = _revalidated(spec.training), _revalidated(spec.validation)
+    given_precision = cfg.mixed_precision
     cfg = cfg.model_copy(update={"mixed_precision": resolve_mixed_precision(cfg.mixed_precision)})  # auto: per device
     split_dir, model, train_on = spec.split_dir, spec.model, spec.train_on
     if train_on not in ("train", "train+val"):
@@ -97,6 +98,7 @@ def check_settings(spec: TrainSpec, out_dir: Union[str, Path], split: Optional[S
                        val_items=val_items, plan=run_plan, schedule=schedule, method=method, model_cfg=model,
                        out_dir=out_dir, file_hashes=hashes,
                        compile=resolve_compile(cfg.compile, run_plan.total_updates, torch.cuda.is_available()),
+                       mixed_precision_given=given_precision,
                        buckets=buckets, placements=placements, train_buckets=train_buckets,
                        train_bucket_of=train_bucket_of, branch=spec.branch,
                        title=spec.title or out_dir.resolve().name)
