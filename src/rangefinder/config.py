@@ -1257,6 +1257,8 @@ class RangefinderConfig(_Section):
         """This config as a new run starts from it: without model.resolved_dir and model.resolved_revision, which a
         run's first step sets for its base model (a config copied from an earlier run, its config.yaml, holds that
         run's), so that model.base_model is resolved afresh."""
+        if self.model.resolved_dir is None and self.model.resolved_revision is None:
+            return self  # as it is, the settings it was given (given_settings) too
         model = self.model.model_copy(update={"resolved_dir": None, "resolved_revision": None})
         return self.model_copy(update={"model": model})
 

@@ -150,6 +150,27 @@ def test_the_parent_run_s_model_resolved_dir_is_the_folder_resolve_config_resolv
     assert config["model"]["resolved_dir"] == folder
 
 
+def test_a_base_config_copied_from_an_earlier_run_records_the_base_model_this_run_resolves(
+        sqlite_tracking_uri, tiny_model_dir, tiny_sdxl_dir):
+    """An earlier run's config_json (resolve-config's output, shown in the KFP UI) pasted as base_config, with an SDXL
+    model as the base_model parameter: the run trained SDXL, but its parent run, made before the model is resolved,
+    logged the earlier run's SD 1.x folder as model.resolved_dir, a param written once and so wrong for good."""
+    from rangefinder.config import demo_config
+    from rangefinder.steps.resolve_config import load_step_config, parameters_from_config, run_resolve_config
+
+    params = parameters_from_config(demo_config(model={"base_model": str(tiny_model_dir)},
+                                                tracking={"tracking_uri": sqlite_tracking_uri,
+                                                          "experiment_name": "copied-base-config"}))
+    earlier = run_resolve_config(params.pop("base_config"), **params)
+    assert load_step_config(earlier.config_json).model.resolved_dir == str(tiny_model_dir)
+    r = run_resolve_config(earlier.config_json, pipeline_job_id="kfp-run-copied-base-config",
+                           **{**params, "base_model": str(tiny_sdxl_dir)})
+    assert load_step_config(r.config_json).model.resolved_dir == str(tiny_sdxl_dir)
+    parent = MlflowClient(tracking_uri=sqlite_tracking_uri).get_run(r.mlflow_parent_run_id)
+    assert parent.data.params["model.resolved_dir"] == str(tiny_sdxl_dir)
+    assert parent.data.tags["rangefinder.model_family"] == "sdxl"
+
+
 def test_the_guidance_scale_used_is_logged_beside_the_setting_and_resolved_again_from_a_copied_config(
         sqlite_tracking_uri, tiny_flux_dir, tiny_sdxl_dir, tmp_path):
     """sampling.guidance_scale unset is the base model's own, known once resolve-config has the model: the parent run

@@ -152,7 +152,9 @@ def config_from_parameters(base_config: str = "", **params: Any) -> RangefinderC
             value = None
         raw = _deep_merge(raw, _nested(PARAMETER_FIELDS[name], value))
     try:
-        cfg = parse_config(raw)
+        # A base_config copied from an earlier run's config_json holds the folder and revision its base model resolved
+        # to: this run resolves its own, and its checks and its parent run's record are of that one, not of them.
+        cfg = parse_config(raw).unresolved()
         check_pipeline_config(cfg, family_of(cfg.model))  # a hub id not fetched yet: again once it is, below
         check_finetune_validations(cfg)  # every_epochs here; every_updates, which needs the data's size, in the steps
         return cfg
