@@ -31,7 +31,8 @@ MULTI_NODE = Unused(("distributed.runtime", "distributed.namespace", "distribute
                      "distributed.poll_seconds"), "they apply with distributed.num_nodes > 1")
 
 # What a run's base model resolved to (the pipeline's first step sets them): a config copied from an earlier run, its
-# config.yaml, holds that run's. Every command that starts a run resolves model.base_model afresh (config.unresolved).
+# config.yaml, holds that run's. Every command that starts a run resolves model.base_model afresh
+# (RangefinderConfig.unresolved).
 RESOLVED = Unused(("model.resolved_dir", "model.resolved_revision"),
                   "each run resolves model.base_model afresh, and these are what an earlier run resolved it to; "
                   "pin a hub model's commit with model.revision")

@@ -210,9 +210,9 @@ def with_resolved_base_model(cfg: RangefinderConfig) -> tuple[RangefinderConfig,
     base_config copied from an earlier run's) is ignored: this run resolves its own. No setting is changed: an unset
     `sampling.guidance_scale` stays unset, and each step that samples reads the model's own off its family
     (family_detection.guidance_scale_for; the runs' param sampling.guidance_scale_used), so that a config copied from
-    this run and given another base model samples that one at its own. A hub
-    model's family is read off its model_index.json alone first, so that a method it cannot train (textual inversion
-    on SD3 or Flux) is refused before its weights are downloaded; the rest of its rules once it is here (preflight)."""
+    this run and given another base model samples that one at its own. A hub model's family is read off its
+    model_index.json alone first, so that a method it cannot train (textual inversion on SD3 or Flux) is refused
+    before its weights are downloaded; the rest of its rules once it is here (preflight)."""
     from rangefinder.models.loading import hub_family, resolve_base_model
     from rangefinder.training.family_rules import check_method_family
 

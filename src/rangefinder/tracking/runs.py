@@ -383,9 +383,8 @@ def log_resolved_config(cfg: Any, run_id: str) -> None:
     """resolve-config's config, once the base model is resolved, on the parent run `run_id` that ensure_parent_run
     made before: the params it did not have (model.resolved_dir, model.resolved_revision, and a hub id's
     sampling.guidance_scale_used; all of them for a parent made by a step that stopped before it logged any),
-    config.yaml with the folder in it, and the base model's tags
-    known only now (its revision; the family of a hub id not fetched before). A parent KFP's MLflow integration made
-    is KFP's, left as it is."""
+    config.yaml with the folder in it, and the base model's tags known only now (its revision; the family of a hub id
+    not fetched before). A parent KFP's MLflow integration made is KFP's, left as it is."""
     client = tracking_client(cfg)
     run = _get_run(client, run_id, "the parent run id")
     if run.data.tags.get(TAG_CREATED_BY) == "rangefinder":
