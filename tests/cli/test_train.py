@@ -370,3 +370,30 @@ def test_a_config_copied_from_a_run_trains_the_base_model_it_names(split_dir, ti
     assert rc == 0, err
     assert json.loads((out / "run_summary.json").read_text())["family"] == "sdxl"
     assert "model.resolved_dir (each run resolves model.base_model afresh" in err
+
+
+def test_a_prodigy_runs_config_switched_to_adamw_is_refused_at_lr_1(split_dir, tmp_path, capsys):
+    """A Prodigy run's config.yaml holds training.lr: 1.0 (an LR-free optimizer's unset lr reads as its multiplier):
+    copied, switched to AdamW and trained, it trained at lr 1 without a word. One line naming the fix; nothing
+    trains."""
+    from rangefinder.config import demo_config
+    from rangefinder.tracking.runs import config_text
+
+    prodigy_run = demo_config(training={"optimizer": "prodigy", "lr": None},
+                              lr_range_test={"lr_min": None, "lr_max": None})
+    copied = yaml.safe_load(config_text(prodigy_run))
+    assert copied["training"]["lr"] == 1.0
+    copied["training"]["optimizer"] = "adamw"  # the user's one change
+    config = tmp_path / "copied.yaml"
+    config.write_text(yaml.safe_dump(copied))
+    out = tmp_path / "out"
+    rc = main(["train", "--data", str(split_dir), "--out", str(out), "--config", str(config), "--steps", "1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(
+        "rangefinder train: error: training.lr is 1 with optimizer adamw: 1 is an LR-free optimizer's multiplier")
+    assert not out.exists()
+    # Given the LR to train at, it trains.
+    rc = main(["train", "--data", str(split_dir), "--out", str(out), "--config", str(config), "--steps", "1",
+               "--lr", "1e-4", "--validate-every-epochs", "0"])
+    assert rc == 0, capsys.readouterr().err

@@ -55,7 +55,7 @@ def settings_from_args(args: argparse.Namespace):
     """(RangefinderConfig, TrainSpec) from --config and the flags; samples during training only when the file has a
     sampling: section. The spec trains on the processes `training.processes_per_node` asks for, as the pipeline's
     training steps do (launch.processes)."""
-    from rangefinder.config import given_settings, load_config
+    from rangefinder.config import LR_FREE_LR, LR_FREE_OPTIMIZERS, given_settings, load_config
     from rangefinder.launch.processes import step_world_size
 
     overrides: dict[str, Any] = {"training": {}, "validation": {}, "data": {}}
@@ -90,6 +90,15 @@ def settings_from_args(args: argparse.Namespace):
     # that folder whatever model.base_model or --model said.
     cfg = cfg.unresolved()
     warn_conflicts(cfg)
+    if cfg.training.optimizer not in LR_FREE_OPTIMIZERS and cfg.training.lr == LR_FREE_LR:
+        # What a Prodigy run's config holds (an LR-free optimizer's unset lr reads as its multiplier, 1): copied and
+        # switched to AdamW it trained at lr 1 without a word.
+        raise ConfigError(
+            f"training.lr is {LR_FREE_LR:g} with optimizer {cfg.training.optimizer}: {LR_FREE_LR:g} is an LR-free "
+            "optimizer's multiplier of the step size it estimates, which a config written by a Prodigy run holds, "
+            f"and {cfg.training.optimizer} would diverge at it; set the LR to train at (--lr or training.lr), or "
+            "leave training.lr out for the default"
+        )
     if not cfg.training.budget_given():
         raise ConfigError("give a budget: --epochs N or --steps N (or training.epochs / training.steps in --config)")
     if cfg.distributed.num_nodes > 1:
