@@ -1,5 +1,6 @@
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 from PIL import Image
@@ -299,6 +300,19 @@ def test_a_metadata_file_rangefinder_would_misread_is_one_clear_error(tmp_path, 
     assert expected in err
 
 
+def _lay_out(data: Path, layout: dict[str, str]) -> Path:
+    """A dataset folder of `layout`: each .png a distinct image with its text as its .txt caption, other files the
+    text itself."""
+    for i, (name, text) in enumerate(layout.items()):
+        path = data / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if name.endswith(".png"):
+            _img(path, (i, 0, 0))
+            path = path.with_suffix(".txt")
+        path.write_text(text)
+    return data
+
+
 @pytest.mark.parametrize("folder, layout, expected", [
     # kohya_ss's GUI layout, passed whole: the reg/ images trained as the subject's.
     ("data", {"img/10_sks dog/a.png": "sks dog", "img/10_sks dog/b.png": "sks dog", "reg/1_dog/c.png": "a dog"},
@@ -314,14 +328,7 @@ def test_another_trainers_repeats_or_regularization_folder_is_one_clear_error(tm
                                                                                expected):
     from rangefinder.cli.main import main
 
-    data = tmp_path / folder
-    for i, (name, text) in enumerate(layout.items()):
-        path = data / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if name.endswith(".png"):
-            _img(path, (i, 0, 0))
-            path = path.with_suffix(".txt")
-        path.write_text(text)
+    data = _lay_out(tmp_path / folder, layout)
     assert main(["split", str(data), "--out", str(tmp_path / "s"), "--resolution", "16"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
@@ -341,17 +348,11 @@ def test_another_trainers_repeats_or_regularization_folder_is_one_clear_error(tm
 ], ids=["kohya-repeat-folders", "numbered-folder-passed-itself"])
 def test_a_folder_named_as_kohyas_repeats_trains_once_an_epoch_with_one_warning(tmp_path, capsys, folder, layout,
                                                                                  expected):
-    import json
-
     from rangefinder.cli.main import main
     from rangefinder.config import RangefinderConfig
     from rangefinder.steps.prepare_dataset import run_prepare_dataset
 
-    data = tmp_path / folder
-    for i, (name, text) in enumerate(layout.items()):
-        (data / name).parent.mkdir(parents=True, exist_ok=True)
-        _img(data / name, (i, 0, 0))
-        (data / name).with_suffix(".txt").write_text(text)
+    data = _lay_out(tmp_path / folder, layout)
     assert main(["split", str(data), "--out", str(tmp_path / "s"), "--resolution", "16", "--json"]) == 0
     out, err = capsys.readouterr()
     assert err.count("\n") == 1 and err.startswith("rangefinder: warning: ") and expected in err
