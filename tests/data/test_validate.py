@@ -171,6 +171,42 @@ def test_symbolic_links_are_followed_once_and_loops_and_broken_links_listed(tmp_
     assert len(result.skipped) == 3
 
 
+def test_a_text_file_linked_from_outside_the_dataset_is_not_read_into_the_split(tmp_path):
+    # Whoever can write the dataset can plant a caption that is a link to any file the step can read (a mounted
+    # token, /proc/self/environ with the MLflow credentials): its text went into train.jsonl, which MLflow keeps,
+    # and a linked multiply.txt's into the error message. A link within the dataset, and a linked folder's own
+    # caption files (test above), are the dataset's and still read.
+    import os
+
+    from rangefinder.data.split import split_dataset
+
+    secret = tmp_path / "environ"
+    secret.write_text("MLFLOW_TRACKING_PASSWORD=hunter22-not-a-caption")
+    data = tmp_path / "data"
+    data.mkdir()
+    _good(data, 3)
+    shutil.copy(data / "good00.png", data / "planted.png")
+    os.symlink(secret, data / "planted.txt")
+    shutil.copy(data / "good01.png", data / "alias.png")
+    os.symlink("good01.txt", data / "alias.txt")  # a link inside the dataset: its caption
+    split = split_dataset(data, tmp_path / "split", min_image_size=8)
+    reasons = {s["file_name"]: s["reason"] for s in split.summary["skipped"]}
+    assert reasons["planted.png"] == (f"caption file planted.txt is a symbolic link to {secret}, outside the dataset "
+                                      "folder, so it is not read; copy the file itself into the folder")
+    assert {it.file_name: it.text for it in split.train + split.val}["alias.png"] == "a blue square number 1"
+    written = "".join(p.read_text() for p in (tmp_path / "split").iterdir() if p.is_file())
+    assert "hunter22" not in written
+
+    (data / "planted.txt").unlink()
+    for name in ("metadata.csv", "multiply.txt"):
+        os.symlink(secret, data / name)
+        with pytest.raises(DataError) as e:
+            validate_dataset(data)
+        assert f"is a symbolic link to {secret}, outside the dataset folder, so it is not read" in str(e.value)
+        assert "hunter22" not in str(e.value)
+        (data / name).unlink()
+
+
 def test_captions_of_control_or_invisible_characters_are_empty_and_every_unused_file_is_reported(tmp_path):
     # Issue 36, class 4: a caption of escape and tab characters, or of zero-width spaces, carries no words: refused
     # like an empty one. A HEIC (no format rangefinder reads) and an animated WebP with captions, and a stray file,

@@ -143,6 +143,9 @@ def _read_metadata(root: Path) -> tuple[dict[str, str], list[tuple[str, str]], O
                         "the other's rows moved into it")
     name = present[0]
     path = root / name
+    outside = _linked_outside(path, root)
+    if outside:
+        raise DataError(f"{path} is {outside}; copy the file itself into the dataset folder")
     try:
         content = decode_utf8(path.read_bytes())
     except NotUtf8 as e:
@@ -337,6 +340,10 @@ def scan_dataset(root: str | Path, exclude: Optional[Path] = None) -> Scan:
             continue
         read: dict[str, str] = {}  # the caption files beside it, by relative path, with their text
         for cap in sorted(captions_of.get(rel.with_suffix(""), []), key=_caption_order):
+            outside = _linked_outside(root / cap, root)
+            if outside:
+                problems.append((name, f"caption file {cap} is {outside}; copy the file itself into the folder"))
+                break
             try:
                 read[str(cap)] = (root / cap).read_text(encoding="utf-8-sig")  # a BOM is not caption text
             except UnicodeDecodeError:
@@ -386,6 +393,10 @@ def _refuse_layout_not_read(root: Path, images: list[PurePosixPath], texts: list
     for t in texts:
         if t.name != MULTIPLY_FILE or t.with_suffix("") in stems:  # not the caption of a multiply.png
             continue
+        outside = _linked_outside(root / t, root)
+        if outside:
+            raise DataError(f"dataset folder {root}: {t} is {outside}; delete it (rangefinder trains each image once "
+                            "an epoch and reads no repeat count)")
         value = (root / t).read_text(encoding="utf-8", errors="replace").strip()
         try:
             if float(value) == 1:
@@ -416,6 +427,21 @@ def repeat_folder_notes(root: Path, images: list[PurePosixPath]) -> list[str]:
             f"{repeats} repeats of \"{caption}\"), which rangefinder does not read: each image trains once an epoch "
             "and the length is measured; to keep folders' relative weights, copy a folder's images as often as its "
             "repeats (and rename it, to silence this, if the number is no repeat count)"]
+
+
+def _linked_outside(path: Path, root: Path) -> Optional[str]:
+    """Where a text file of the dataset really is, said as "a symbolic link to X, outside the dataset folder", when
+    it is a link to a file outside the (resolved) `root` and outside the folder the link lies in; None for the
+    dataset's own files, a linked folder's included. What a caption or metadata file holds is copied into the
+    split's manifests, which MLflow keeps, and a multiply.txt's into an error message: read through such a link, a
+    file planted by whoever can write the dataset would carry any file the step can read there (a mounted token,
+    /proc/self/environ with the MLflow credentials). Only text is held to it: an image is decoded, never copied."""
+    if not os.path.islink(path):
+        return None
+    real = Path(os.path.realpath(path))
+    if real.is_relative_to(root) or real.parent == Path(os.path.realpath(path.parent)):
+        return None
+    return f"a symbolic link to {real}, outside the dataset folder, so it is not read"
 
 
 def _caption_order(path: PurePosixPath) -> tuple[int, str]:
