@@ -386,6 +386,7 @@ def test_a_folder_named_as_kohyas_repeats_trains_once_an_epoch_with_one_warning(
                                                                                  expected):
     from rangefinder.cli.main import main
     from rangefinder.config import RangefinderConfig
+    from rangefinder.formats.text import markdown_text
     from rangefinder.steps.prepare_dataset import run_prepare_dataset
 
     data = _lay_out(tmp_path / folder, layout)
@@ -399,7 +400,8 @@ def test_a_folder_named_as_kohyas_repeats_trains_once_an_epoch_with_one_warning(
     cfg = RangefinderConfig.model_validate({"data": {"dataset_dir": str(data), "resolution": 16}})
     run_prepare_dataset(cfg, out_dir=tmp_path / "p", report_path=tmp_path / "report.md")
     assert expected in capsys.readouterr().err
-    assert f"- not read: dataset folder {tmp_path}/{expected}" in (tmp_path / "report.md").read_text()
+    report = (tmp_path / "report.md").read_text()
+    assert f"- not read: {markdown_text(f'dataset folder {tmp_path}/{expected}')}" in report
 
 
 def test_a_layout_other_trainers_read_as_training_once_an_epoch_is_trained(tmp_path):

@@ -93,3 +93,49 @@ def test_textual_inversion_splits_a_folder_of_images_without_captions(tmp_path, 
     assert "images without a caption: 6" in (tmp_path / "ti.md").read_text()
     with pytest.raises(DataError, match="missing caption"):
         run_prepare_dataset(demo_config(data={"dataset_dir": str(data)}), out_dir=tmp_path / "full")
+
+
+def test_file_and_folder_names_show_in_the_report_as_text_never_as_markup(tmp_path, shapes_dataset_dir):
+    """The KFP UI renders the report's Markdown, raw HTML included. Whoever can write the dataset names its files:
+    a name that closed the report's code span (a backtick) or its list item (blank lines) made an <img onerror> or a
+    <script> of the report page. Rendered by a CommonMark renderer, every element is one the report writes itself,
+    and each name reads as it is."""
+    import shutil
+    from html.parser import HTMLParser
+
+    from markdown_it import MarkdownIt
+
+    data = tmp_path / "data"
+    shutil.copytree(shapes_dataset_dir, data)
+    names = ["a`<img src=x onerror=alert(1)>`.png", "b\n\n<script>alert(2)\n.png", "<img src=y onerror=alert(3)>.png",
+             "[run](javascript:alert(4)).png"]
+    for name in names:  # copies, uncaptioned (listed as skipped) but the third (listed as identical to 00000.png)
+        shutil.copy(data / "00000.png", data / name)
+    (data / names[2]).with_suffix(".txt").write_text("a shape")
+    (data / "10_<img src=z onerror=alert(5)>").mkdir()  # kohya's repeat folder: a note naming its caption
+    shutil.copy(data / "00001.png", data / "10_<img src=z onerror=alert(5)>" / "c.png")
+    (data / "10_<img src=z onerror=alert(5)>" / "c.txt").write_text("a shape")
+    run_prepare_dataset(demo_config(data={"dataset_dir": str(data)}), out_dir=tmp_path / "split",
+                        report_path=tmp_path / "r.md")
+
+    class Page(HTMLParser):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tags: set[str] = set()
+            self.attributes: list[str] = []
+            self.text = ""
+
+        def handle_starttag(self, tag, attrs):
+            self.tags.add(tag)
+            self.attributes += [k for k, _ in attrs]
+
+        def handle_data(self, data):
+            self.text += data
+
+    page = Page()
+    page.feed(MarkdownIt("commonmark").render((tmp_path / "r.md").read_text()))
+    assert page.tags <= {"h1", "h2", "ul", "li", "code", "p", "table", "thead", "tbody", "tr", "th", "td"}
+    assert page.attributes == []
+    for shown in ("a`<img src=x onerror=alert(1)>`.png", "b\\n\\n<script>alert(2)\\n.png",
+                  "<img src=y onerror=alert(3)>.png", "[run](javascript:alert(4)).png", "<img src=z onerror=alert(5)>"):
+        assert shown in page.text

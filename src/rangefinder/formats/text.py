@@ -1,6 +1,10 @@
-"""Text files a user hands over (captions, prompts): read as UTF-8, and where they are not, said where and why."""
+"""Text a user hands over (captions, prompts, file names): read as UTF-8, and where it is not, said where and why;
+shown in a Markdown report as the text it is."""
 
 from __future__ import annotations
+
+import re
+import unicodedata
 
 
 class NotUtf8(ValueError):
@@ -16,3 +20,30 @@ def decode_utf8(raw: bytes) -> str:
         line = raw[: e.start].count(b"\n") + 1
         raise NotUtf8(f"line {line} is not UTF-8 text (byte 0x{raw[e.start]:02x}; probably saved as Latin-1 or "
                       "Windows-1252)") from None
+
+
+# What CommonMark (and the KFP UI's markdown-to-jsx) can read as markup in running text: `<` opens raw HTML, which a
+# renderer passes on (an image named `<img src=x onerror=...>.png` became an <img> that ran its script), `&` an
+# entity, the rest emphasis, links, code and table cells. Backslash escapes any of them (CommonMark 0.31, 2.4).
+_MARKDOWN_MARKUP = frozenset("\\`*_[]<>&|~!")
+
+
+def _shown(text: str) -> str:
+    """`text` with each control or invisible format character (Unicode Cc, Cf: a newline in a file name, a
+    right-to-left override) written as its escape, `\\n`, `\\u202e`: one line, and the name as it really is."""
+    return "".join(c.encode("unicode_escape").decode("ascii") if unicodedata.category(c) in ("Cc", "Cf") else c
+                   for c in text)
+
+
+def markdown_text(text: str) -> str:
+    """User text (a file or folder name, inside a sentence) as Markdown that renders as that text, never as markup."""
+    return "".join("\\" + c if c in _MARKDOWN_MARKUP else c for c in _shown(text))
+
+
+def markdown_code(text: str) -> str:
+    """User text as a Markdown code span, whose content is never markup: fenced by more backticks than any run of
+    them inside it, and padded with a space where it starts or ends with one (CommonMark 0.31, 6.1)."""
+    shown = _shown(text)
+    fence = "`" * (max((len(run) for run in re.findall("`+", shown)), default=0) + 1)
+    pad = " " if shown.startswith("`") or shown.endswith("`") else ""
+    return f"{fence}{pad}{shown}{pad}{fence}"

@@ -16,6 +16,7 @@ from typing import Optional
 
 from rangefinder.config import RangefinderConfig
 from rangefinder.errors import DataError
+from rangefinder.formats.text import markdown_code, markdown_text
 
 EMBEDDED_IMAGES = 20  # the embedded dataset (synthetic.EMBEDDED_KIND): 16 train + 4 validation at the default split
 
@@ -78,12 +79,12 @@ def run_prepare_dataset(
                              val_images=len(split.val), skipped=skipped)
     if report_path is not None:
         source = dataset_dir or cfg.data.dataset_dir or f"embedded {EMBEDDED_KIND}"
-        lines = ["# Dataset", "", f"- images from: `{source}`",
+        lines = ["# Dataset", "", f"- images from: {markdown_code(str(source))}",
                  f"- training images: {result.train_images}", f"- validation images: {result.val_images}",
                  f"- stabilize subset: {len(split.stabilize)}", f"- skipped files: {skipped}"]
         for item in skipped_files:
-            lines.append(f"  - `{item.get('file_name')}`: {item.get('reason')}")
-        lines += [f"- not read: {line}" for line in notes]
+            lines.append(f"  - {markdown_code(str(item.get('file_name')))}: {markdown_text(str(item.get('reason')))}")
+        lines += [f"- not read: {markdown_text(line)}" for line in notes]
         long = split.summary.get("long_captions")
         if long is None:
             lines.append("- captions longer than the text encoder reads: not counted (no resolved model)")
@@ -91,15 +92,15 @@ def run_prepare_dataset(
             lines.append(f"- captions longer than the text encoder reads ({long['limit']} tokens; the rest is cut "
                          f"off): {long['count']}")
             for x in long["files"]:
-                lines.append(f"  - `{x['file_name']}`: {x['tokens']} tokens")
+                lines.append(f"  - {markdown_code(x['file_name'])}: {x['tokens']} tokens")
         if split.summary.get("captionless"):
             lines.append(f"- images without a caption: {split.summary['captionless']} (each trains on one of textual "
-                         "inversion's prompt templates, e.g. \"a photo of a <tok>\")")
+                         "inversion's prompt templates, e.g. `a photo of a <tok>`)")
         lines.append(f"- minimum short side: {split.summary.get('min_image_size')} px")
         duplicates = split.summary.get("duplicates", [])
         lines.append(f"- identical images (kept in one subset): {len(duplicates)} groups")
         for group in duplicates:
-            lines.append("  - " + " = ".join(f"`{name}`" for name in group))
+            lines.append("  - " + " = ".join(markdown_code(name) for name in group))
         buckets = split.summary.get("buckets")
         if buckets:
             lines += ["", f"## Aspect-ratio buckets ({buckets['resolution']} px, sides in steps of "
