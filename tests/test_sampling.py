@@ -174,3 +174,37 @@ def test_ctrl_c_while_sample_loads_a_model_says_interrupted_not_damaged(tiny_mod
     assert child.returncode == 130 and "Traceback" not in err and "damaged" not in err, err[-3000:]
     assert "rangefinder sample: interrupted" in err.splitlines()[-1], err[-3000:]
     assert not (tmp_path / "grid" / "grid.json").exists()
+
+
+# A prompt, a column label and a negative prompt as someone hostile would write them: closing the attribute they are
+# quoted in, opening an element of their own.
+HOSTILE = ["<script>alert(1)</script> a red circle", "a square\" onerror=\"alert(2)", "a' onload='alert(3)"]
+
+
+def test_the_grid_page_shows_prompts_and_labels_as_text_never_as_markup(tiny_model_dir, tmp_path):
+    """The KFP UI and MLflow render grid.html: every prompt, label and setting on it is escaped, in an element or an
+    attribute, so no element or event attribute of its own comes from them."""
+    from html.parser import HTMLParser
+
+    class Page(HTMLParser):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tags: set[str] = set()
+            self.attributes: set[str] = set()
+            self.text = ""
+
+        def handle_starttag(self, tag, attrs):
+            self.tags.add(tag)
+            self.attributes |= {k for k, _ in attrs}
+            self.text += " ".join(v or "" for _, v in attrs)
+
+        def handle_data(self, data):
+            self.text += data
+
+    out = render_grid([tiny_model_dir], HOSTILE[:2], [0], labels=[HOSTILE[2]], out_dir=tmp_path, steps=1,
+                      negative_prompt=HOSTILE[0], device="cpu")
+    page = Page()
+    page.feed((tmp_path / "grid.html").read_text())
+    assert "script" not in page.tags and page.attributes <= {"lang", "charset", "name", "content", "class", "alt",
+                                                              "width", "height", "src"}
+    assert all(text in page.text for text in HOSTILE) and out["html"] == str(tmp_path / "grid.html")

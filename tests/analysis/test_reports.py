@@ -28,10 +28,11 @@ def png_size(path):
 class _Collect(HTMLParser):
     def __init__(self):
         super().__init__()
-        self.tags, self.srcs = [], []
+        self.tags, self.srcs, self.attributes = [], [], []
 
     def handle_starttag(self, tag, attrs):
         self.tags.append(tag)
+        self.attributes += [k for k, _ in attrs]
         a = dict(attrs)
         for k in ("src", "href"):
             if k in a:
@@ -311,6 +312,26 @@ def test_step_report_shows_the_samples_over_training_strip(tmp_path):
     assert "width='40'" in many.read_text() and "Scroll the strip sideways" in many.read_text()
     plain = write_step_report(w, None, tmp_path / "plain")["html"].read_text()
     assert "Samples over training" not in plain
+
+
+def test_the_samples_strip_shows_prompts_as_text_never_as_markup(tmp_path):
+    """A row's label is a sampling prompt and its seed, shown in a header cell and in each image's alt attribute of
+    the report the KFP UI and MLflow render: a prompt that closes the attribute or opens an element stays text."""
+    from PIL import Image
+
+    from rangefinder.analysis import SampleStrip
+
+    e = np.arange(61) / 2
+    w = select_step_window(e * 10, e, noisy(ConstantRunShape().loss(e), 0.001, 0))
+    png = tmp_path / "cell.png"
+    Image.new("RGB", (32, 32), "red").save(png)
+    rows = ["<script>alert(1)</script> | seed 0", "a' onerror='alert(2) | seed 0", '<img src=x onerror="alert(3)">']
+    page = write_step_report(w, None, tmp_path / "report", samples=SampleStrip(rows, [(0, 0.0, [png] * 3)]))["html"]
+    parser = _Collect()
+    parser.feed(page.read_text())
+    assert "script" not in parser.tags and parser.tags.count("img") == 1 + 3  # the plot and the three cells
+    assert not [a for a in parser.attributes if a.startswith("on")]
+    assert all(html.escape(r) in page.read_text() for r in rows)
 
 
 def test_low_quality_reading_advises_a_zoom_or_a_grid(tmp_path):
