@@ -375,3 +375,39 @@ def test_the_scheduler_names_taken_without_importing_diffusers_are_its_scheduler
         assert issubclass(getattr(diffusers, name), SchedulerMixin), name
     with pytest.raises(ConfigError, match="'UNet2DConditionModel' is not a diffusers scheduler class"):
         check_scheduler_name("UNet2DConditionModel")  # diffusers' class, no scheduler: outside the set, it is read
+
+
+def test_a_folder_that_names_code_of_its_own_is_refused_before_anything_loads(tiny_model_dir, tmp_path):
+    """Whoever can write the data volume (or owns a hub repo) can ship code in a model folder for diffusers or
+    transformers to import: a part's `<library>.py` named in model_index.json (older diffusers releases import it
+    unasked), an `auto_map` in a part's config (transformers' Auto classes ask on a terminal), a custom
+    pipeline class. Such a folder resolved, trained, and met the code when sampling; now it is one line at resolve,
+    also for a later step handed the folder as resolved, and no code of it runs."""
+    import json
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    index = json.loads((folder / "model_index.json").read_text())
+    marker = tmp_path / "code-ran"
+    (folder / "unet" / "layers.py").write_text(f"open({str(marker)!r}, 'w')\n"
+                                                "from diffusers import UNet2DConditionModel\n")
+    (folder / "model_index.json").write_text(json.dumps({**index, "unet": ["layers", "UNet2DConditionModel"]}))
+    for cfg in (ModelConfig(base_model=str(folder)), ModelConfig(resolved_dir=str(folder))):
+        with pytest.raises(ConfigError) as e:
+            resolve_base_model(cfg)
+        assert str(e.value) == (f"model.base_model: {folder} loads parts with code shipped in the folder "
+                                "(unet/layers.py), and rangefinder never runs code from a base model; pass a model "
+                                "saved by diffusers' own classes (its save_pretrained) without that code")
+    assert not marker.exists()
+
+    (folder / "model_index.json").write_text(json.dumps(index))
+    tokenizer_config = json.loads((folder / "tokenizer" / "tokenizer_config.json").read_text())
+    (folder / "tokenizer" / "tokenizer_config.json").write_text(json.dumps(
+        {**tokenizer_config, "auto_map": {"AutoTokenizer": ["layers.Tokenizer", None]}}))
+    with pytest.raises(ConfigError, match=r"code shipped in the folder \(tokenizer/tokenizer_config\.json \(auto_map"):
+        resolve_base_model(ModelConfig(base_model=str(folder)))
+
+    (folder / "model_index.json").write_text(json.dumps({**index, "_class_name": ["pipeline", "MyPipeline"]}))
+    with pytest.raises(ConfigError, match=r"names a custom pipeline \['pipeline', 'MyPipeline'\], code shipped"):
+        resolve_base_model(ModelConfig(base_model=str(folder)))

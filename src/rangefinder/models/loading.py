@@ -26,6 +26,7 @@ training examples, whatever scheduler the model samples with.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import pickle
 from collections.abc import Callable
@@ -132,6 +133,7 @@ def resolve_base_model(model_cfg: ModelConfig) -> ResolvedModel:
     if model_cfg.resolved_dir:
         done = Path(model_cfg.resolved_dir)
         if _missing_parts(done) == []:  # resolved by the pipeline's first step, and visible here
+            _refuse_code(done, str(done))  # again: a folder on the data volume may have changed since
             return ResolvedModel(done, kind, describe_base_model(model_cfg), model_cfg.resolved_revision)
     name = model_cfg.base_model
     if name is None:
@@ -219,6 +221,40 @@ def _check_folder(folder: Path, what: str) -> None:
             "text_encoder_2/ and tokenizer_2/)"
         )
     detect_family(folder)  # a pipeline class rangefinder does not train: say so now
+    _refuse_code(folder, what)
+
+
+# A part's config files where transformers' Auto classes find an `auto_map`: the classes of code shipped in the folder.
+AUTO_MAP_FILES = ("config.json", "tokenizer_config.json")
+
+
+def _refuse_code(folder: Path, what: str) -> None:
+    """ConfigError where the folder names code of its own to load a part with: loading a base model never runs code
+    from it, as a pickle is refused for that reason. model_index.json's `[library, class]` of a part whose folder
+    holds `<library>.py` is diffusers' custom component, which older diffusers releases import without asking (0.42,
+    in constraints.txt, refuses it unless told trust_remote_code); an `auto_map` in a part's config or tokenizer
+    config is transformers' custom code, which its AutoTokenizer (SD3's and Flux's T5 tokenizer) asks about on a
+    terminal. Whoever can write the data volume or owns the hub repo writes these files."""
+    index = json.loads((folder / "model_index.json").read_text())
+    named = [f"{part}/{entry[0]}.py" for part, entry in index.items()
+             if not part.startswith("_") and isinstance(entry, list) and len(entry) == 2
+             and isinstance(entry[0], str) and (folder / part / f"{entry[0]}.py").is_file()]
+    named += [f"{part.name}/{name} (auto_map)" for part in sorted(folder.iterdir()) if part.is_dir()
+              for name in AUTO_MAP_FILES if _has_auto_map(part / name)]
+    if named:
+        raise ConfigError(
+            f"model.base_model: {what} loads parts with code shipped in the folder ({', '.join(named)}), and "
+            "rangefinder never runs code from a base model; pass a model saved by diffusers' own classes (its "
+            "save_pretrained) without that code"
+        )
+
+
+def _has_auto_map(path: Path) -> bool:
+    try:
+        config = json.loads(path.read_text()) if path.is_file() else None
+    except (OSError, ValueError):  # unreadable: the part's own load says so
+        return False
+    return isinstance(config, dict) and "auto_map" in config
 
 
 def _resolve_folder(folder: Path) -> ResolvedModel:

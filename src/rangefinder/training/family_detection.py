@@ -169,6 +169,9 @@ def detect_family(folder: Path) -> str:
     except (OSError, ValueError) as e:
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ConfigError(f"model.base_model: cannot read {index} ({reason}); pass a diffusers folder") from None
+    if not isinstance(class_name, str):  # ["module", "Class"]: a custom pipeline, code shipped with the model
+        raise ConfigError(f"model.base_model: {index} names a custom pipeline {class_name}, code shipped in the "
+                          "folder, which rangefinder never runs; pass a model saved by one of diffusers' pipelines")
     family = FAMILY_OF_PIPELINE.get(class_name)
     if family is None:
         known = ", ".join(f"{v} ({k})" for k, v in FAMILY_OF_PIPELINE.items())
