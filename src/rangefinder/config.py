@@ -1100,12 +1100,12 @@ class KubernetesConfig(_Section):
 
     @field_validator("cpu_limit", "cpu_request")
     @classmethod
-    def _cpu_limit(cls, v: str) -> str:
+    def _cpu_quantity(cls, v: str) -> str:
         return _quantity(v, _CPU_LIMIT, "a CPU count KFP takes: use cores (8, 0.5) or millicores (500m)")
 
     @field_validator("memory_limit", "memory_request")
     @classmethod
-    def _memory_limit(cls, v: str) -> str:
+    def _memory_quantity(cls, v: str) -> str:
         return _quantity(v, _MEMORY_LIMIT, "a memory size KFP and Kubernetes take: use a whole number with Ki, Mi, Gi "
                                            "or Ti (powers of 1024) or M, G or T (of 1000), e.g. 48Gi")
 
