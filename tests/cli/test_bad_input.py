@@ -520,3 +520,26 @@ def test_a_reader_that_stops_reading_ends_the_command_quietly():
     proc.stdout.close()  # before the child has written a byte: its first write finds no reader
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141 and err == "", err
+
+
+def test_a_file_or_folder_name_reaches_the_terminal_with_its_control_characters_escaped(tmp_path):
+    """A dataset's file and folder names reach the terminal in split's table, its warnings and its errors: an ESC
+    sequence in one cleared the screen or hid what followed, and a newline split a one-line message."""
+    from PIL import Image
+
+    esc = "\x1b[2J\x1b[8m"
+    data = tmp_path / f"10_dog{esc}"
+    data.mkdir()
+    for i, name in enumerate(("a.png", "b.png", f"c{esc}\n.png")):
+        Image.new("RGB", (16, 16), (40 * i, 0, 0)).save(data / name)
+    for name in ("a", "b"):
+        (data / f"{name}.txt").write_text("a dog")
+    done = in_process("split", str(data), "--out", str(tmp_path / "s"), "--resolution", "16")
+    assert done.returncode == 0, done.stderr
+    for text in (done.stdout, done.stderr):
+        assert "\x1b" not in text and "\\x1b[2J\\x1b[8m" in text
+    assert done.stderr.count("\n") == 1  # the repeat folder's warning, one line
+    assert "c\\x1b[2J\\x1b[8m\\n.png: missing caption" in done.stdout
+    refused = in_process("split", str(tmp_path / f"gone{esc}\nx"), "--out", str(tmp_path / "t"))
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1
+    assert "\x1b" not in refused.stderr and "gone\\x1b[2J\\x1b[8m\\nx" in refused.stderr

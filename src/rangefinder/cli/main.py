@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Optional
 
 from rangefinder.cli.args import OneLineParser
-from rangefinder.cli.output import print_table
+from rangefinder.cli.output import print_table, printable
 from rangefinder.cli.storage import storage_problem
 from rangefinder.errors import Preempted, RangefinderError, RunDidNotSucceed, on_sigint
 
@@ -86,20 +86,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         with on_sigint():  # a Ctrl-C that surfaced as another error (a model load's "damaged weights") is a Ctrl-C
             result = args.func(args)
     except Preempted as e:  # SIGTERM: a checkpoint at the current update is written
-        print(f"rangefinder {args.command}: {e}", file=sys.stderr)
+        print(f"rangefinder {args.command}: {printable(e)}", file=sys.stderr)
         return 128 + signal.SIGTERM
     except RunDidNotSucceed as e:
         status = _print_result(args, e.result)
-        print(f"rangefinder {args.command}: {e}", file=sys.stderr)
+        print(f"rangefinder {args.command}: {printable(e)}", file=sys.stderr)
         return status or e.exit_status
     except RangefinderError as e:
-        print(f"rangefinder {args.command}: error: {e}", file=sys.stderr)
+        print(f"rangefinder {args.command}: error: {printable(e)}", file=sys.stderr)
         return 2
     except (FileExistsError, NotADirectoryError, IsADirectoryError) as e:
         # A path given where a folder is meant names a file, or the other way round: the checks at the edge
         # (formats.atomic.usable_folder) catch the known ones; this says any other in one line too.
-        print(f"rangefinder {args.command}: error: {e.filename}: {(e.strerror or str(e)).lower()}; pass a folder "
-              "where a folder is meant and a file where a file is meant", file=sys.stderr)
+        print(f"rangefinder {args.command}: error: {printable(e.filename)}: {(e.strerror or str(e)).lower()}; pass a "
+              "folder where a folder is meant and a file where a file is meant", file=sys.stderr)
         return 2
     except OSError as e:
         # A full disk, a read-only mount, a quota: one line naming the path (the atomic writers left nothing that
@@ -108,7 +108,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         problem = storage_problem(e, next((w for w in written if w), None))
         if problem is None:
             raise
-        print(f"rangefinder {args.command}: error: {problem}", file=sys.stderr)
+        print(f"rangefinder {args.command}: error: {printable(problem)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"rangefinder {args.command}: interrupted{_how_to_go_on(args, argv)}", file=sys.stderr)

@@ -11,6 +11,13 @@ import sys
 from typing import Any
 
 
+def printable(text: object) -> str:
+    """`text` with its control characters written as escapes (ESC as \\x1b, a newline as \\n): a file or folder name
+    a dataset holds reaches the terminal in a table, a warning or an error, where its ESC sequences could clear the
+    screen or recolour and hide what follows, and a newline split a one-line message."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in str(text))
+
+
 def add_json_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
@@ -23,18 +30,18 @@ def print_table(result: dict[str, Any], out=None) -> None:
         if isinstance(v, list):
             print(f"{k:<{width}}  {'' if v else '-'}", file=out)
             for item in v:
-                print(f"{'':<{width}}  - {item}", file=out)
+                print(f"{'':<{width}}  - {printable(item)}", file=out)
         elif isinstance(v, dict):
             print(f"{k}:", file=out)
             for kk, vv in v.items():
-                print(f"  {kk}: {vv}", file=out)
+                print(f"  {kk}: {printable(vv)}", file=out)
         elif isinstance(v, float):
             print(f"{k:<{width}}  {v:.6g}", file=out)
         else:
-            print(f"{k:<{width}}  {v}", file=out)
+            print(f"{k:<{width}}  {printable(v)}", file=out)
 
 
 def warn(lines: list[str], out=None) -> None:
     """Each line on stderr as `rangefinder: warning: ...` (a local run's progress shows lines of this form too)."""
     for line in lines:
-        print(f"rangefinder: warning: {line}", file=out or sys.stderr, flush=True)
+        print(f"rangefinder: warning: {printable(line)}", file=out or sys.stderr, flush=True)
