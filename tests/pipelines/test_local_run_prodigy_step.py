@@ -97,14 +97,16 @@ def test_lr_finder_auto_on_a_flow_model_runs_the_prodigy_branch_and_fine_tunes_a
         nested = dict(con.execute(
             "select r.name, t.value from runs r join tags t on t.run_uuid = r.run_uuid "
             "where t.key = 'mlflow.parentRunId'").fetchall())
-        (finder_param,) = con.execute("select p.value from params p join runs r on p.run_uuid = r.run_uuid "
-                                      "where r.name = 'prodigy_step_size' and p.key = 'lr_finder'").fetchone()
+        finder = dict(con.execute("select p.key, p.value from params p join runs r on p.run_uuid = r.run_uuid "
+                                  "where r.name = 'prodigy_step_size' and p.key like 'lr_finder%'").fetchall())
         (factor_param,) = con.execute("select p.value from params p join runs r on p.run_uuid = r.run_uuid "
                                       "where r.name = 'prodigy_step_size' and p.key = 'prodigy_step_factor'").fetchone()
         guidance = dict(con.execute("select r.name, p.value from params p join runs r on p.run_uuid = r.run_uuid "
                                     "where p.key = 'sampling.guidance_scale_used'").fetchall())
     assert runs["prodigy_step_size"] == runs["finetune"] == runs[parent] == "FINISHED", runs
-    assert "lr_range_test" not in runs and finder_param == "prodigy_step" and float(factor_param) == factor
+    assert "lr_range_test" not in runs and float(factor_param) == factor
+    # The setting as the config says it, what it resolved to beside it (as every *_used param).
+    assert finder == {"lr_finder": "auto", "lr_finder_used": "prodigy_step"}, finder
     assert nested["prodigy_step_size"] == nested["finetune"]  # both children of the pipeline's run
     # The guidance unset is the family's pipeline's own (FluxPipeline's distilled guidance 3.5, SD3's 7.0): the
     # pipeline's run and each step's show it beside the setting, and the grid and the registered model sample at it.

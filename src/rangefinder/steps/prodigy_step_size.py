@@ -108,7 +108,7 @@ def run_prodigy_step_size(
     factor = cfg.prodigy_step_factor_for(family)
     with tracking.step_run(cfg, STEP, parent_run_id=mlflow_parent_run_id) as run:
         run.log_config(cfg, trained=probe, plan=spec.plan,
-                       extra={"lr_finder": "prodigy_step", "lr_source": SOURCE, "prodigy_step_factor": factor,
+                       extra={"lr_finder_used": "prodigy_step", "lr_source": SOURCE, "prodigy_step_factor": factor,
                               **tc.used_params(family)})
         run.log_dataset_manifest(split_dir)
         work = work_dir(out_dir / "run", f"{mlflow_parent_run_id}/{STEP}" if mlflow_parent_run_id else None)
