@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from rangefinder.analysis.curves import infer_ramp, lowess, noise_sigma, read_curve_csv, rise_cut
+from rangefinder.analysis.curves import divergence_cut, infer_ramp, lowess, noise_sigma, read_curve_csv, rise_cut
 from rangefinder.errors import RangefinderError
 
 
@@ -94,3 +94,11 @@ def test_rise_cut_looks_for_the_climb_after_the_minimum():
     assert rise_cut(y, 6) == 7
     assert rise_cut(y, 8) == y.size  # too short a prefix: read whole
     assert rise_cut(np.array([0.2, 0.21, 0.3, 0.5]), 2) == 4  # never below the start
+
+
+def test_divergence_cut_cuts_an_exploded_tail_not_a_lone_spike():
+    # Above 4x the best before it from index 4 to the end: the explosion. A spike followed by a normal point is a
+    # failed measurement among good ones, and the points after it are kept.
+    assert divergence_cut(np.array([0.2, 0.19, 0.18, 0.17, 0.9, 3.0, 40.0]), 4.0) == 4
+    assert divergence_cut(np.array([0.2, 0.19, 0.18, 0.9, 0.17, 0.16]), 4.0) == 6
+    assert divergence_cut(np.array([0.2, 0.19, 0.18, 0.9, 0.17, 0.8, 0.9]), 4.0) == 5
