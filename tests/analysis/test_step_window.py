@@ -60,6 +60,39 @@ def test_still_improving():
     assert "more epochs" in advice and "try lr_high" in advice
 
 
+def test_the_window_s_edges_are_interpolated_and_the_recommendation_is_its_centre_in_whole_epochs():
+    """On a noiseless curve validated every half epoch the window's edges are where the smoothed curve crosses the
+    level, between validations (within a tenth of an epoch of the formula's), and the recommended length is the
+    window's centre rounded to whole epochs (10.9 -> 11), not the minimum's epoch (12.5) nor the centre rounded down."""
+    shape = ConstantRunShape(overfit_from=13.0)
+    _, start, end = true_step_window(shape, 30, 0.02)
+    w = select_step_window(UPDATES, EPOCHS, shape.loss(EPOCHS))
+    assert w.status == "ok"
+    assert abs(w.window_start_epoch - start) <= 0.1 and abs(w.window_end_epoch - end) <= 0.1
+    centre = 0.5 * (w.window_start_epoch + w.window_end_epoch)
+    assert centre % 1 > 0.5 and abs(w.best_epoch - centre) > 1
+    assert w.recommended_epochs == round(centre) and w.recommended_updates == 10 * w.recommended_epochs
+
+
+def test_a_noisy_curve_s_window_is_at_least_two_standard_errors_tall():
+    """With a tolerance far below the noise, the band is two standard errors of the smoothed minimum, not the
+    tolerance: a window a noise-wide minimum wanders in, not a point."""
+    y = noisy(ConstantRunShape().loss(EPOCHS), 0.003, 0)
+    w = select_step_window(UPDATES, EPOCHS, y, tolerance=0.001)
+    assert w.status == "ok" and w.band > 5 * 0.001 * w.best_val_loss
+    assert w.window_end_epoch - w.window_start_epoch > 2
+
+
+def test_a_curve_that_flattens_is_rarely_called_rising_after_its_minimum():
+    """The smoothed curve wanders with the noise after its minimum; a rise must pass the band and two standard errors
+    of the end's difference from the minimum. A curve that never rises was flagged at any wiggle above the band
+    (6 of 10 here)."""
+    shape = ConstantRunShape(rise=0.0)
+    flagged = sum("rose_after_min" in select_step_window(UPDATES, EPOCHS, noisy(shape.loss(EPOCHS), 0.004, s),
+                                                         seed=s).flags for s in range(10))
+    assert flagged <= 2
+
+
 def test_flat():
     w = select_step_window(UPDATES, EPOCHS, noisy(np.full(EPOCHS.shape, 0.2), 0.001, 0))
     assert w.status == "no_improvement" and w.recommended_epochs is None and w.window_start_epoch is None
@@ -138,6 +171,15 @@ def test_the_delivered_checkpoint_is_the_lowest_validation_loss_inside_the_windo
     assert delivered_update_of(_window(7.0, 21.0, 15), [8, 12, 16, 20], update, flat) == 16
 
 
+def test_past_the_last_row_the_updates_follow_the_whole_line_not_its_last_step():
+    """Two aspect-ratio buckets of 5 images at batch 4: an epoch is micro-batches of 4, 1, 4 and 1 images, so a run that
+    stopped after its second (epoch 0.5) took its last step on one image. One epoch is the 4 updates the whole line
+    gives, not the 7 of that last step's pace."""
+    from rangefinder.analysis.step_window import updates_for_epochs
+
+    assert updates_for_epochs([0, 1, 2], [0.0, 0.4, 0.5], 1) == 4
+
+
 def test_without_a_validated_checkpoint_inside_the_window_the_nearest_one_is_delivered():
     # Checkpoints every 6 updates, validation every 4: none of them was validated inside the window [7, 11].
     assert delivered_update_of(_window(7.0, 11.0, 9), [6, 12, 18], [4, 8, 12], [0.1, 0.2, 0.3]) == 6
@@ -158,6 +200,9 @@ def test_with_a_window_the_rule_is_named_and_the_base_model_is_the_curve_s_updat
     assert picked.improved_on_base is True
     nearest = delivered_checkpoint(_window(7.0, 11.0, 10), [6, 12], update, val)
     assert (nearest.update, nearest.rule) == (12, "window_nearest")
+    # A loss equal to the base model's is no improvement on it.
+    same = delivered_checkpoint(_window(3.0, 13.0, 8), [4, 8, 12], update, [0.04, 0.05, 0.04, 0.06])
+    assert same.update == 8 and same.improved_on_base is False and "did not improve" in same.sentence()
     # No update 0 on the curve: the comparison with the base is unknown, not made up.
     assert delivered_checkpoint(_window(3.0, 13.0, 8), [4, 8], update[1:], val[1:]).improved_on_base is None
 
