@@ -60,6 +60,16 @@ def test_zoom_range(status, flags, low, high, n, expect):
 def test_zoom_on_divergence_stays_below_the_blow_up():
     lo, hi = zoom_range("diverged", ["diverged"], None, None, 1e-6, 1.0, 0, 5)
     assert lo < hi <= 1.0 / 100
+    # A sweep of one decade (a zoomed one): two decades below its top lie below its bottom, so the second sweep runs
+    # from a decade below the bottom to a decade above it, never to a top under its bottom.
+    assert zoom_range("diverged", ["diverged"], None, None, 1e-4, 1e-3, 0, 5) == pytest.approx((1e-5, 1e-3))
+
+
+def test_too_few_points_widen_the_bounds_no_lower_than_a_decade_below_the_sweep():
+    # A linear sweep's lr_low may be its baseline, lr 0 (or just above it): a third of it would start the second
+    # sweep at 0 (or far below the first); it starts a decade below lr_min at the lowest.
+    assert zoom_range("ok", [], 0.0, 1e-4, 1e-5, 1e-3, 2, min_points=5) == pytest.approx((1e-6, 3e-4))
+    assert zoom_range("ok", [], 1e-7, 1e-4, 1e-5, 1e-3, 2, min_points=5) == pytest.approx((1e-6, 3e-4))
 
 
 def test_zoom_after_a_descent_that_blew_up_goes_below_the_blow_up():
@@ -91,6 +101,8 @@ def test_ended_above_start():
     # One spike at the end is not the end of the sweep.
     assert not ended_above_start([0.10, 0.099, 0.098, 0.097, 0.096, 0.3])
     assert not ended_above_start([0.10, float("nan")])
+    # A curve that did not move at all (the same losses to the bit) did not end above its start: zoom up, not down.
+    assert not ended_above_start([0.10] * 6)
 
 
 # A real first range test (bench/discovery_quality on the tiny model of BUILDER_VERSION 3, `textures` seed 1, 6

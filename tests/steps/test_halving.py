@@ -21,7 +21,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rangefinder.analysis.halving import CANDIDATES, HalvingCandidate, below_lr, best_until, fires_below, pick
+from rangefinder.analysis.halving import (
+    CANDIDATES,
+    HalvingCandidate,
+    HalvingDecision,
+    below_lr,
+    best_until,
+    compared_at,
+    fires_below,
+    pause_update,
+    pick,
+)
 from rangefinder.config import demo_config
 from rangefinder.errors import RangefinderError
 from rangefinder.formats import checkpoints
@@ -367,11 +377,40 @@ def test_a_third_candidate_below_lr_mid_fires_only_where_lr_high_lost_by_the_mar
     race = {"lr_mid": cand(0.100), "lr_high": cand(0.111)}
     assert fires_below(race, 0.10) and not fires_below(race, 0.12) and not fires_below(race, None)
     assert not fires_below({"lr_mid": cand(0.100), "lr_high": cand(0.110)}, 0.10)  # "more than" the margin
+    # Exactly the margin above (0.75 = 0.5 x 1.5 in binary too; 0.1 x 1.1 rounds above 0.110): not more than it.
+    assert not fires_below({"lr_mid": cand(0.5), "lr_high": cand(0.75)}, 0.5)
+    assert fires_below({"lr_mid": cand(0.5), "lr_high": cand(0.7500001)}, 0.5)
     assert not fires_below({"lr_mid": cand(0.100), "lr_high": cand(0.09)}, 0.10)  # lr_high won
     assert fires_below({"lr_mid": cand(0.1), "lr_high": cand(0.05, "diverged")}, 0.10)  # it blew up
     assert fires_below({"lr_mid": cand(0.1), "lr_high": cand(None)}, 0.10)  # it measured nothing
     # lr_mid itself failed: searching below it is not this rule's business (pick decides, or the step fails).
     assert not fires_below({"lr_mid": cand(0.1, "diverged"), "lr_high": cand(0.5)}, 0.10)
+
+
+def test_the_pause_is_half_the_updates_rounded_up():
+    assert (pause_update(16), pause_update(15), pause_update(1)) == (8, 8, 1)
+
+
+def test_the_race_compares_by_the_pause_when_any_candidate_validated_before_it():
+    """Validation at 4 and 8, the pause at 6: lr_high blew up before its first validation (no finite loss), lr_mid
+    measured at 4. The race compares by 6 (the candidates paused at 8, their first validation at or after it); only
+    where no candidate measured anything by the pause does it compare where they paused."""
+    mid = HalvingCandidate.measured(1e-4, "paused", 8, [0, 4, 8], [0.2, 0.15, 0.12], 6)
+    high = HalvingCandidate.measured(1e-3, "diverged", 3, [0], [0.2], 6)
+    assert compared_at(6, {"lr_mid": mid, "lr_high": high}) == 6
+    assert mid.by(6).best_val_loss == 0.15
+    late = HalvingCandidate.measured(1e-4, "paused", 8, [0, 8], [0.2, 0.12], 6)
+    assert compared_at(6, {"lr_mid": late, "lr_high": high}) == 8
+
+
+def test_halving_json_reads_back_as_the_decision_written():
+    """halving.json is what a killed step goes on from: a decision whose kept run was moved reads back moved (a step
+    retried after the move does not move and replay it again), with every candidate as written."""
+    mid = HalvingCandidate.measured(1e-4, "paused", 8, [0, 4, 8], [0.2, 0.15, 0.12], 8)
+    high = HalvingCandidate.measured(1e-3, "paused", 8, [0, 4, 8], [0.2, 0.14, 0.13], 8)
+    decision = HalvingDecision.decide(8, {"lr_mid": mid, "lr_high": high}).done_moving()
+    back = HalvingDecision.from_json(json.loads(json.dumps(decision.to_json())))
+    assert back == decision and back.moved and back.kept == "lr_mid"
 
 
 def test_lr_below_races_when_lr_high_loses_widely_and_the_one_kept_is_its_lr_s_own_fine_tune(halved, split_dir,

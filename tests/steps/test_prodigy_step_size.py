@@ -135,6 +135,22 @@ def test_the_reading_is_prodigy_d_lr_and_lr_effective_in_an_updates_csv_written_
         assert read_prodigy_step(updates, None, 1.0).step_size == 3e-05, name
 
 
+def test_the_reading_s_losses_are_the_finite_ones_and_its_epochs_the_last_row_s():
+    """A constant-LR run goes on past a validation that came out NaN (only a ramp stops on one): the best and the final
+    validation loss are the finite ones, and the epochs are where the run ended, not where it began."""
+    import numpy as np
+
+    from rangefinder.analysis import read_prodigy_step
+
+    updates = {"update": np.arange(1.0, 9.0), "epoch": np.arange(1.0, 9.0) / 4,
+               "lr_effective": np.geomspace(1e-6, 1e-4, 8)}
+    curve = {"update": np.asarray([0.0, 2, 4, 6, 8]), "val_loss": np.asarray([0.2, np.nan, 0.15, 0.18, np.nan])}
+    reading = read_prodigy_step(updates, curve, 1.0)
+    assert (reading.base_val_loss, reading.best_val_loss, reading.best_update, reading.final_val_loss) == (
+        0.2, 0.15, 4, 0.18)
+    assert (reading.updates, reading.epochs) == (8, 2.0)
+
+
 def test_a_factor_trains_at_that_multiple_of_the_step_size_and_the_report_says_both(tmp_path):
     """config.PRODIGY_STEP_FACTOR (4 on SDXL's and SD3's full fine-tune): the reading keeps the step size, trains at the
     multiple, and the report and its JSON show both."""
