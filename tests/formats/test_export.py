@@ -87,6 +87,30 @@ def test_an_sdxl_single_file_of_a_v_prediction_folder_reads_as_v_prediction_in_c
     assert pipe.scheduler.config.prediction_type == "epsilon"  # the config folder's: diffusers reads no marker
     predict_as_the_file_says(pipe, marked)
     assert pipe.scheduler.config.prediction_type == "v_prediction"
+    # Every weight comes back, the bigG encoder's too (open_clip's fused in_proj and transposed projection, which
+    # diffusers' convert_open_clip_checkpoint splits and turns back).
+    folder_pipe = StableDiffusionXLPipeline.from_pretrained(str(tiny_sdxl_dir), local_files_only=True)
+    for name in ("unet", "vae", "text_encoder", "text_encoder_2"):
+        _assert_same(getattr(pipe, name).state_dict(), getattr(folder_pipe, name).state_dict(), name)
+
+
+def test_a_single_file_s_prediction_type_is_read_from_its_tensor_or_else_its_metadata(tmp_path):
+    """ComfyUI and A1111 tell a v-prediction checkpoint by its empty `v_pred` tensor, which files without a model spec
+    carry alone; rangefinder's reading takes that first, then `modelspec.predict_key`, else says nothing."""
+    from safetensors.torch import save_file
+
+    from rangefinder.formats.model_spec import PREDICT_KEY
+    from rangefinder.formats.single_file import V_PRED_KEY, single_file_prediction_type
+
+    weight = {"model.diffusion_model.out.2.bias": torch.zeros(4)}
+    cases = {"tensor only": ({**weight, V_PRED_KEY: torch.tensor([])}, None, "v_prediction"),
+             "key only": (weight, {PREDICT_KEY: "v"}, "v_prediction"),
+             "epsilon": (weight, {PREDICT_KEY: "epsilon"}, "epsilon"),
+             "nothing": (weight, None, None)}
+    for name, (tensors, metadata, predicts) in cases.items():
+        path = tmp_path / f"{name}.safetensors"
+        save_file(tensors, str(path), metadata)
+        assert single_file_prediction_type(path) == predicts, name
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -48,6 +48,16 @@ EXPECTED = {
 @pytest.fixture(scope="module", params=["flux", "sd3"])
 def exported(request, tmp_path_factory):
     """(family, base folder, {weight key: trained weight} of the transformer, {"diffusers"/"kohya": file})."""
+    family = request.param
+    folder = request.getfixturevalue({"flux": "tiny_flux_dir", "sd3": "tiny_sd3_dir"}[family])
+    trained, files = _export(family, folder, TARGETS[family], tmp_path_factory.mktemp(f"{family}-lora"))
+    return family, folder, trained, files
+
+
+def _export(family: str, folder, targets: list[str], out_dir) -> tuple[dict[str, torch.Tensor], dict]:
+    """The `lora` method's adapters on `targets` of the tiny model at `folder`, with non-zero `up`s, exported by the
+    family's own export into `out_dir`: ({weight key: trained weight} of the transformer,
+    {"diffusers"/"kohya": file})."""
     from peft.tuners.lora import LoraLayer
 
     from rangefinder.config import ModelConfig, TrainingConfig
@@ -56,11 +66,9 @@ def exported(request, tmp_path_factory):
     from rangefinder.training.family_detection import FAMILY_LAYOUTS, import_named
     from rangefinder.training.methods import make_method
 
-    family = request.param
-    folder = request.getfixturevalue({"flux": "tiny_flux_dir", "sd3": "tiny_sd3_dir"}[family])
     sd = load_sd_components(ModelConfig(base_model=str(folder)))
     assert sd.family == family
-    cfg = TrainingConfig(method="lora", lora={"rank": RANK, "alpha": ALPHA, "target_modules": TARGETS[family]})
+    cfg = TrainingConfig(method="lora", lora={"rank": RANK, "alpha": ALPHA, "target_modules": targets})
     make_method(cfg).setup(sd, torch.float32)
     g = torch.Generator().manual_seed(0)
     trained = {}
@@ -71,9 +79,8 @@ def exported(request, tmp_path_factory):
             trained[f"{path}.weight"] = (layer.get_base_layer().weight + layer.get_delta_weight("default")).detach()
     state = {k.replace(".base_layer", ""): v for k, v in sd.unet.state_dict().items() if "lora_" not in k}
     files = import_named(FAMILY_LAYOUTS[family].lora_export)(
-        tmp_path_factory.mktemp(f"{family}-lora"), sd.unet, None, None,
-        {**export_metadata(method="lora", updates=3), "rangefinder.family": family})
-    return family, folder, {**state, **trained}, files
+        out_dir, sd.unet, None, None, {**export_metadata(method="lora", updates=3), "rangefinder.family": family})
+    return {**state, **trained}, files
 
 
 def _modules(lora: dict[str, torch.Tensor]) -> dict[str, tuple[int, float]]:
@@ -110,6 +117,16 @@ def test_kohya_dim_and_alpha_agree_with_the_tensors_and_consumers_apply_the_trai
         fused_state = _diffusers_fused(family, folder, files[which])
         for key, want in trained.items():
             torch.testing.assert_close(fused_state[key], want, rtol=1e-5, atol=1e-6, msg=f"{which}: {key}")
+
+
+def test_an_sd3_qkv_module_with_some_of_its_parts_adapted_holds_each_in_its_own_rows(tiny_sd3_dir, tmp_path):
+    """lora.target_modules is the user's: with to_q and to_v (not to_k), and add_k_proj alone, the MMDiT's fused
+    `attn.qkv` modules hold two parts and one; each part's `up` lies in its own third of the rows (v's in the last,
+    not the second), the part left out in zeros, so ComfyUI's rules still give the trained weights."""
+    trained, files = _export("sd3", tiny_sd3_dir, ["to_q", "to_v", "add_k_proj"], tmp_path)
+    lora = load_file(str(files["kohya"]))
+    assert {rank for rank, _ in _modules(lora).values()} == {RANK, 2 * RANK}
+    _comfy_gives_the_trained_sd3(lora, trained, tiny_sd3_dir)
 
 
 def _comfy_gives_the_trained_flux(lora, trained, folder) -> None:

@@ -9,7 +9,7 @@ import torch
 
 from rangefinder.config import TrainingConfig
 from rangefinder.errors import ConfigError
-from rangefinder.formats.embeddings import TI_A1111_DIR, TI_WEIGHTS_NAME, a1111_embedding_name
+from rangefinder.formats.embeddings import TI_A1111_DIR, TI_WEIGHTS_NAME, a1111_embedding_name, base_model_name
 from rangefinder.formats.weights_file import read_metadata
 from rangefinder.training.methods import make_method
 from tests.formats.consumers import A1111Rejected, a1111_load_embedding, a1111_safe_check
@@ -105,6 +105,16 @@ def test_a1111_loads_the_embedding_with_its_step_and_checkpoint(trained_ti, tiny
     if file_name.endswith(".pt"):
         assert emb["step"] == UPDATES
         assert emb["sd_checkpoint_name"] == tiny_model_dir.name
+
+
+def test_the_pt_names_its_base_model_as_a1111_names_a_checkpoint(tmp_path):
+    """A1111 shows an embedding's sd_checkpoint_name beside its own checkpoints' names, a file's name without its
+    extension: a single-file base model (what models/loading.py resolves it from: its path) is named so; a folder
+    by its name, a hub id as it is."""
+    assert base_model_name(str(tmp_path / "sd15-pruned.safetensors")) == "sd15-pruned"
+    assert base_model_name(str(tmp_path / "v1-5.ckpt")) == "v1-5"
+    assert base_model_name(str(tmp_path / "my-model")) == "my-model"
+    assert base_model_name("runwayml/stable-diffusion-v1-5@main") == "runwayml/stable-diffusion-v1-5@main"
 
 
 def test_a1111_safe_check_refuses_what_torch_save_writes_by_default(tmp_path):
