@@ -208,6 +208,67 @@ def test_sampling_and_export_refuse_a_damaged_checkpoint(base, finished, tmp_pat
     assert len(err.splitlines()) == 1 and problem in err and "Traceback" not in err, err
 
 
+def drop_from_manifest(ckpt: Path, name: str) -> None:
+    manifest = json.loads((ckpt / checkpoints.MANIFEST_NAME).read_text())
+    del manifest["sha256"][name]
+    (ckpt / checkpoints.MANIFEST_NAME).write_text(json.dumps(manifest))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["unlisted ema", "unlisted weights", "listed rng gone"])
+def test_the_manifest_and_the_files_must_agree_both_ways(finished, tmp_path, damage):
+    """A file the manifest does not list (an ema.pt planted in a checkpoint written without one: read_ema would load
+    it) is refused where a reader reads it; a manifest without one of the required files' checksums, or listing a file
+    that is gone (the resume reads every process's RNG state), fails `verify`, the resume's check."""
+    ckpt = Path(shutil.copytree(finished / "checkpoints" / "checkpoint-000002", tmp_path / "checkpoint-000002"))
+    if damage == "unlisted ema":
+        drop_from_manifest(ckpt, checkpoints.EMA_NAME)
+        with pytest.raises(RangefinderError, match="damaged: ema.pt is not in its manifest.json"):
+            checkpoints.require_intact(ckpt)
+        return
+    if damage == "unlisted weights":
+        drop_from_manifest(ckpt, checkpoints.WEIGHTS_NAME)
+        assert checkpoints.verify(ckpt) == "the manifest lists no checksum for weights.safetensors"
+    else:
+        (ckpt / "rng-0.pt").unlink()
+        assert checkpoints.verify(ckpt) == "rng-0.pt is missing"
+
+
+@pytest.mark.slow
+def test_a_checkpoint_found_intact_is_checked_again_once_a_file_changes(finished, tmp_path):
+    """require_intact remembers a checkpoint it hashed (a grid checks its columns, then loads each), by each file's
+    size and modification time: a file changed since is hashed again, not passed on the earlier check."""
+    ckpt = Path(shutil.copytree(finished / "checkpoints" / "checkpoint-000002", tmp_path / "checkpoint-000002"))
+    checkpoints.require_intact(ckpt)
+    flip_a_byte(ckpt / checkpoints.WEIGHTS_NAME)
+    with pytest.raises(RangefinderError, match="weights.safetensors does not match its checksum"):
+        checkpoints.require_intact(ckpt)
+
+
+@pytest.mark.slow
+def test_the_checkpoint_folder_s_bookkeeping(finished, tmp_path):
+    """list_checkpoints lists whole checkpoints only, keep_newest keeps exactly that many, keep_only removes every other
+    checkpoint and a half-written `.tmp` one, and a chosen.json without its chosen/ is no chosen model."""
+    root = Path(shutil.copytree(finished / "checkpoints", tmp_path / "checkpoints"))
+    shutil.copytree(root / "checkpoint-000004", root / "checkpoint-000006")
+    (root / "checkpoint-000006" / checkpoints.STATE_NAME).unlink()  # not whole
+    assert [p.name for p in checkpoints.list_checkpoints(root)] == ["checkpoint-000002", "checkpoint-000004"]
+    checkpoints.keep_newest(root, 1)
+    assert [p.name for p in checkpoints.list_checkpoints(root)] == ["checkpoint-000004"]
+
+    shutil.copytree(finished / "checkpoints" / "checkpoint-000002", root / "checkpoint-000002")
+    shutil.copytree(root / "checkpoint-000004", root / "checkpoint-000008.tmp")
+    checkpoints.keep_only(root, root / "checkpoint-000002")
+    assert sorted(p.name for p in root.iterdir()) == ["checkpoint-000002"]
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / checkpoints.CHOSEN_INFO).write_text(json.dumps({"update": 2}))
+    assert checkpoints.read_chosen(run) is None
+    (run / checkpoints.CHOSEN_DIR).mkdir()
+    assert checkpoints.read_chosen(run) == {"update": 2}
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Item 2: one run per output folder; a SIGKILLed run's lock does not block its resume
 
