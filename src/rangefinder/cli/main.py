@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import Optional
 
 from rangefinder.cli.args import OneLineParser
-from rangefinder.cli.output import print_table, printable
+from rangefinder.cli.output import print_table
 from rangefinder.cli.storage import storage_problem
 from rangefinder.errors import Preempted, RangefinderError, RunDidNotSucceed, on_sigint
+from rangefinder.formats.text import printable
 
 # Order is the order `rangefinder --help` lists them in.
 COMMANDS = [

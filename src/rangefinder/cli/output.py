@@ -10,12 +10,7 @@ import argparse
 import sys
 from typing import Any
 
-
-def printable(text: object) -> str:
-    """`text` with its control characters written as escapes (ESC as \\x1b, a newline as \\n): a file or folder name
-    a dataset holds reaches the terminal in a table, a warning or an error, where its ESC sequences could clear the
-    screen or recolour and hide what follows, and a newline split a one-line message."""
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in str(text))
+from rangefinder.formats.text import printable
 
 
 def add_json_flag(p: argparse.ArgumentParser) -> None:

@@ -4,7 +4,6 @@ shown in a Markdown report as the text it is."""
 from __future__ import annotations
 
 import re
-import unicodedata
 
 
 class NotUtf8(ValueError):
@@ -28,22 +27,23 @@ def decode_utf8(raw: bytes) -> str:
 _MARKDOWN_MARKUP = frozenset("\\`*_[]<>&|~!")
 
 
-def _shown(text: str) -> str:
-    """`text` with each control or invisible format character (Unicode Cc, Cf: a newline in a file name, a
-    right-to-left override) written as its escape, `\\n`, `\\u202e`: one line, and the name as it really is."""
-    return "".join(c.encode("unicode_escape").decode("ascii") if unicodedata.category(c) in ("Cc", "Cf") else c
-                   for c in text)
+def printable(text: object) -> str:
+    """`text` with each character that is not printable (a control or invisible format character, Unicode Cc and Cf:
+    a newline or an ESC in a file name, a right-to-left override; any other but the space, too) written as its escape,
+    `\\n`, `\\x1b`, `\\u202e`: one line, and the name as it really is, in a report or on a terminal, where an ESC
+    sequence could clear the screen or hide what follows."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in str(text))
 
 
 def markdown_text(text: str) -> str:
     """User text (a file or folder name, inside a sentence) as Markdown that renders as that text, never as markup."""
-    return "".join("\\" + c if c in _MARKDOWN_MARKUP else c for c in _shown(text))
+    return "".join("\\" + c if c in _MARKDOWN_MARKUP else c for c in printable(text))
 
 
 def markdown_code(text: str) -> str:
     """User text as a Markdown code span, whose content is never markup: fenced by more backticks than any run of
     them inside it, and padded with a space where it starts or ends with one (CommonMark 0.31, 6.1)."""
-    shown = _shown(text)
+    shown = printable(text)
     fence = "`" * (max((len(run) for run in re.findall("`+", shown)), default=0) + 1)
     pad = " " if shown.startswith("`") or shown.endswith("`") else ""
     return f"{fence}{pad}{shown}{pad}{fence}"
