@@ -522,7 +522,7 @@ def test_a_reader_that_stops_reading_ends_the_command_quietly():
     assert proc.wait(timeout=120) == 141 and err == "", err
 
 
-def test_a_file_or_folder_name_reaches_the_terminal_with_its_control_characters_escaped(tmp_path):
+def test_a_file_or_folder_name_reaches_the_terminal_with_its_control_characters_escaped(tmp_path, capsys):
     """A dataset's file and folder names reach the terminal in split's table, its warnings and its errors: an ESC
     sequence in one cleared the screen or hid what followed, and a newline split a one-line message."""
     from PIL import Image
@@ -540,6 +540,14 @@ def test_a_file_or_folder_name_reaches_the_terminal_with_its_control_characters_
         assert "\x1b" not in text and "\\x1b[2J\\x1b[8m" in text
     assert done.stderr.count("\n") == 1  # the repeat folder's warning, one line
     assert "c\\x1b[2J\\x1b[8m\\n.png: missing caption" in done.stdout
+    # The pipeline's prepare-dataset step warns of the same folder in its log, escaped as the command does.
+    from rangefinder.config import RangefinderConfig
+    from rangefinder.steps.prepare_dataset import run_prepare_dataset
+
+    cfg = RangefinderConfig.model_validate({"data": {"dataset_dir": str(data), "resolution": 16}})
+    run_prepare_dataset(cfg, out_dir=tmp_path / "p", report_path=tmp_path / "report.md")
+    step_err = capsys.readouterr().err
+    assert step_err.startswith("rangefinder: warning: ") and "\x1b" not in step_err and "\\x1b[2J" in step_err
     refused = in_process("split", str(tmp_path / f"gone{esc}\nx"), "--out", str(tmp_path / "t"))
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1
     assert "\x1b" not in refused.stderr and "gone\\x1b[2J\\x1b[8m\\nx" in refused.stderr

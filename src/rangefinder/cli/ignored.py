@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from rangefinder.cli.output import warn
 from rangefinder.config import RangefinderConfig, given_settings
+from rangefinder.formats.text import warn
 
 
 @dataclass(frozen=True)

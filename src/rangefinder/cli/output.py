@@ -34,9 +34,3 @@ def print_table(result: dict[str, Any], out=None) -> None:
             print(f"{k:<{width}}  {v:.6g}", file=out)
         else:
             print(f"{k:<{width}}  {printable(v)}", file=out)
-
-
-def warn(lines: list[str], out=None) -> None:
-    """Each line on stderr as `rangefinder: warning: ...` (a local run's progress shows lines of this form too)."""
-    for line in lines:
-        print(f"rangefinder: warning: {printable(line)}", file=out or sys.stderr, flush=True)

@@ -4,6 +4,7 @@ shown in a Markdown report as the text it is."""
 from __future__ import annotations
 
 import re
+import sys
 
 
 class NotUtf8(ValueError):
@@ -33,6 +34,13 @@ def printable(text: object) -> str:
     `\\n`, `\\x1b`, `\\u202e`: one line, and the name as it really is, in a report or on a terminal, where an ESC
     sequence could clear the screen or hide what follows."""
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in str(text))
+
+
+def warn(lines: list[str], out=None) -> None:
+    """Each line on stderr as `rangefinder: warning: ...`, printable (a local run's progress shows lines of this form
+    too): every command and step warns through this, so a file name's ESC sequence never reaches a terminal raw."""
+    for line in lines:
+        print(f"rangefinder: warning: {printable(line)}", file=out or sys.stderr, flush=True)
 
 
 def markdown_text(text: str) -> str:

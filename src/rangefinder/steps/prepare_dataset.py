@@ -9,14 +9,13 @@ later step gets its own download of the split and nothing else; a `dataset_dir` 
 from __future__ import annotations
 
 import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from rangefinder.config import RangefinderConfig
 from rangefinder.errors import DataError
-from rangefinder.formats.text import markdown_code, markdown_text
+from rangefinder.formats.text import markdown_code, markdown_text, warn
 
 EMBEDDED_IMAGES = 20  # the embedded dataset (synthetic.EMBEDDED_KIND): 16 train + 4 validation at the default split
 
@@ -71,8 +70,7 @@ def run_prepare_dataset(
                           # ("a photo of a <tok>"), as diffusers' textual_inversion example trains every image.
                           captionless=cfg.training.method == "textual_inversion")
     notes = list(split.summary.get("notes", []))
-    for line in notes:  # a local run's progress shows each such line once
-        print(f"rangefinder: warning: {line}", file=sys.stderr, flush=True)
+    warn(notes)  # a local run's progress shows each such line once
     skipped_files = list(split.summary.get("skipped", []))
     skipped = len(skipped_files)
     result = PreparedDataset(split_dir=out_dir, dataset_root=root.resolve(), train_images=len(split.train),

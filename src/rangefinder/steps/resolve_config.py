@@ -21,7 +21,6 @@ value means the method's default sweep).
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -35,6 +34,7 @@ from rangefinder.config import (
     parse_config,
 )
 from rangefinder.errors import ConfigError
+from rangefinder.formats.text import warn
 from rangefinder.planning import check_finetune_validations
 from rangefinder.training.family_detection import family_of
 
@@ -180,7 +180,7 @@ def run_resolve_config(base_config: str = "", *, pipeline_job_id: str = "", pipe
     cfg = config_from_parameters(base_config, **params)
     replaced = defaults_replacing_base_config(base_config, params)
     if replaced:
-        print(f"rangefinder: warning: {replaced}", file=sys.stderr, flush=True)
+        warn([replaced])
     # The parent run first: a tracking server that does not answer stops the run before a model download.
     parent = start_parent_run(cfg, pipeline_job_id, pipeline_job_name) if pipeline_job_id else ""
     cfg, family = with_resolved_base_model(cfg)
@@ -191,8 +191,7 @@ def run_resolve_config(base_config: str = "", *, pipeline_job_id: str = "", pipe
     preflight(cfg, family)
     check_pipeline_config(cfg, family)  # lr_finder auto, resolved: the range test's needs on this family
     # What the CLI could not tell before the model was fetched (a hub id): said here, in the step's log.
-    for line in auto_finder_conflicts(cfg, family):
-        print(f"rangefinder: warning: {line}", file=sys.stderr, flush=True)
+    warn(auto_finder_conflicts(cfg, family))
     return ResolvedConfig(
         config_json=cfg.model_dump_json(),
         fixed_lr=float(cfg.pipeline_lr() or 0.0),  # an LR-free optimizer skips discovery too

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -42,6 +41,7 @@ from rangefinder.errors import ConfigError, Preempted, on_sigint
 from rangefinder.formats import checkpoints
 from rangefinder.formats.atomic import atomic_dir, write_json
 from rangefinder.formats.model_spec import SpecFacts
+from rangefinder.formats.text import warn
 from rangefinder.training.checkpointing import check_resume, restore_checkpoint, save_checkpoint
 from rangefinder.training.data import Stream
 from rangefinder.training.disk import outputs_written
@@ -100,8 +100,7 @@ def train(
     if accelerator.is_main_process:
         # The plan's warnings (an effective batch larger than the set, ...) change what the run measures: on the
         # terminal, not only in run_summary.json. A local run's progress shows lines of this form too.
-        for warning in settings.plan.warnings:
-            print(f"rangefinder: warning: {warning}", file=sys.stderr, flush=True)
+        warn(list(settings.plan.warnings))
     out_lock = OutDirLock(settings.out_dir, hold=accelerator.is_main_process)  # one run per out_dir; until the end
 
     # --- model: the method's trainable parts set up, the family's conditioning and objective ----------------------

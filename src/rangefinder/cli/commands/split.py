@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 
 from rangefinder.cli import args as argtypes
-from rangefinder.cli.output import add_json_flag, warn
+from rangefinder.cli.output import add_json_flag
 from rangefinder.config import DataConfig
+from rangefinder.formats.text import warn
 
 
 def register(sub: argparse._SubParsersAction) -> None:
