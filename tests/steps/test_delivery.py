@@ -4,6 +4,10 @@ pick (steps/delivery.deliver_if_lower), through each step's own `deliver`, on re
 from __future__ import annotations
 
 import functools
+import json
+import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -20,6 +24,21 @@ CASES = {
                        average.WindowAverage(updates=(8, 12, 16), val_loss=0.1), ("window_average", 16, 3.0),
                        "8, 12, 16"),
 }
+
+# The cooldown's deliver, SIGKILLed at the first folder removal: the pick's old chosen/ swapped out once the candidate
+# took its place (audit events fire before the operation).
+KILLED_AFTER_THE_MOVE = """
+import json, os, signal, sys
+from pathlib import Path
+from rangefinder.steps import cooldown
+
+def killed_there(event, args):
+    if event == "shutil.rmtree":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+sys.addaudithook(killed_there)
+cooldown.deliver(Path(sys.argv[1]), cooldown.Cooldown(**json.loads(sys.argv[2])), json.loads(sys.argv[3]))
+"""
 
 
 @pytest.mark.parametrize("which", list(CASES))
@@ -71,3 +90,46 @@ def test_a_retried_step_keeps_the_decision_and_finishes_its_move(tmp_path, which
         assert deliver(work, measured, checkpoints.read_chosen(work)) == first == checkpoints.read_chosen(work)
         assert (work / checkpoints.CHOSEN_DIR / "model.safetensors").read_text() == "candidate"
         assert not (work / folder / "final").exists()
+
+
+@pytest.mark.parametrize("which", list(CASES))
+def test_weights_measured_against_a_pick_without_a_finite_loss_are_delivered_if_their_model_is_there(tmp_path, which):
+    """A window's pick with no finite validation loss (None in chosen.json) loses to any finite measurement: the
+    candidate is delivered. A candidate whose model folder is not there is never named as delivered, whatever it
+    measured: chosen.json would name weights that chosen/ does not hold."""
+    deliver, folder, compared_as, measured, (rule, update, _), _ = CASES[which]
+    for present in (True, False):
+        work = tmp_path / f"{which}-{present}"
+        (work / folder).mkdir(parents=True)
+        if present:
+            (work / folder / "final").mkdir()
+            (work / folder / "final" / "model.safetensors").write_text("candidate")
+        (work / checkpoints.CHOSEN_DIR).mkdir()
+        (work / checkpoints.CHOSEN_DIR / "model.safetensors").write_text("pick")
+        pick_loss = None if present else 0.11
+        info = deliver(work, measured, {**PICK, "val_loss": pick_loss})
+
+        record = info["cooldown" if which == "cooldown" else "average"]
+        assert record["delivered"] is present and record[compared_as] == pick_loss
+        assert (info["rule"], info["update"]) == ((rule, update) if present else ("window_lowest", 12))
+        assert (work / checkpoints.CHOSEN_DIR / "model.safetensors").read_text() == ("candidate" if present else "pick")
+        assert checkpoints.read_chosen(work) == info
+
+
+def test_a_step_killed_right_after_the_move_finds_chosen_json_naming_the_moved_weights(tmp_path):
+    """chosen.json is written before the delivered model moves into chosen/: killed just after the move, chosen/
+    holds the cooldown's weights and chosen.json already names them (never the window's pick over other weights),
+    and the retry keeps that decision."""
+    _, folder, _, measured, (rule, update, _), _ = CASES["cooldown"]
+    work = tmp_path / "work"
+    (work / folder / "final").mkdir(parents=True)
+    (work / folder / "final" / "model.safetensors").write_text("candidate")
+    (work / checkpoints.CHOSEN_DIR).mkdir()
+    (work / checkpoints.CHOSEN_DIR / "model.safetensors").write_text("pick")
+    child = subprocess.run([sys.executable, "-c", KILLED_AFTER_THE_MOVE, str(work), json.dumps(measured.to_json()),
+                            json.dumps(PICK)], capture_output=True, text=True, timeout=120)
+    assert child.returncode == -signal.SIGKILL, child.stderr[-2000:]
+    assert (work / checkpoints.CHOSEN_DIR / "model.safetensors").read_text() == "candidate"
+    info = checkpoints.read_chosen(work)
+    assert info is not None and (info["rule"], info["update"], info["cooldown"]["delivered"]) == (rule, update, True)
+    assert cooldown.deliver(work, measured, info) == info == checkpoints.read_chosen(work)
