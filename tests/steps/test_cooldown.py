@@ -134,6 +134,7 @@ def test_a_branch_may_change_the_schedule_only_after_its_checkpoint(cooled, spli
      "does nothing with training.optimizer adamw_schedule_free"),
     ({"finetune": {"cooldown": "on"}}, None),
     ({"finetune": {"cooldown": "auto", "schedule": "triangular"}}, None),  # auto: it runs where it can
+    ({"finetune": {"cooldown": "auto"}, "training": {"method": "lora"}}, None),  # auto: full fine-tuning only
     ({}, None),  # the default: off
 ])
 def test_a_cooldown_asked_for_where_it_cannot_run_is_one_warning(settings, warned):

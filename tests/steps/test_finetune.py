@@ -62,6 +62,18 @@ def test_retrain_uses_recommended_epochs_and_schedule(split_dir):
     assert (tri.schedule, tri.lr_min, tri.lr_max) == ("triangular", 1e-4, 1e-2)
 
 
+
+def test_the_retrain_trains_retrain_epochs_where_set_else_the_fine_tune_s_recommendation(split_dir):
+    """retrain.epochs, set in the config, is the retrain's length whatever the fine-tune recommends (its preview in
+    the fine-tune's report says so too); unset, the recommendation, at least one epoch."""
+    from rangefinder.steps.retrain_full import retrain_epochs, retrain_preview
+
+    fixed = demo_config(retrain={"enabled": True, "epochs": 3})
+    assert retrain_epochs(fixed, 7) == 3
+    preview = retrain_preview(fixed, read_split(split_dir), recommended_epochs=7, lr=1e-3, bounds=(1e-4, 1e-2))
+    assert "3 epochs, 15 updates on its 20 images (retrain.epochs, set in the config)" in (preview or "")
+    assert (retrain_epochs(demo_config(), 7), retrain_epochs(demo_config(), 0)) == (7, 1)
+
 def test_checkpoints_every_epoch_all_kept_until_the_window_is_known(split_dir):
     cfg = demo_config()  # 150 epochs of 16 images at batch 4: 4 updates per epoch
     tc = finetune_training_config(cfg, split_dir, 1e-4, 1e-2, 1e-3)

@@ -23,3 +23,17 @@ def test_work_volume_run_is_published(tmp_path, monkeypatch):
     assert (tmp_path / "model" / "final" / "weights.safetensors").read_bytes() == b"w"
     assert (tmp_path / "model" / "metrics.csv").is_file()
     publish(tmp_path / "model", tmp_path / "model")  # the same folder: nothing to do
+
+
+def test_a_run_is_published_into_an_artifact_folder_the_step_already_wrote_to(tmp_path, monkeypatch):
+    """The fine-tune writes its report into its artifact folder (model/report) before the run is published there:
+    publishing adds the run beside it."""
+    monkeypatch.setenv("RANGEFINDER_WORK", str(tmp_path / "work"))
+    work = work_dir(tmp_path / "model", "run123/finetune")
+    (work / "final").mkdir(parents=True)
+    (work / "final" / "weights.safetensors").write_bytes(b"w")
+    (tmp_path / "model" / "report").mkdir(parents=True)
+    (tmp_path / "model" / "report" / "decision.json").write_text("{}")
+    publish(work, tmp_path / "model")
+    assert (tmp_path / "model" / "final" / "weights.safetensors").read_bytes() == b"w"
+    assert (tmp_path / "model" / "report" / "decision.json").read_text() == "{}"
