@@ -362,3 +362,26 @@ def test_sdxl_centre_crop_geometry_of_an_exif_rotated_photo_is_of_the_upright_im
     img.save(path, exif=exif)
     g = image_geometry(path, DataConfig(resolution=32, bucketing=False))
     assert (g.original_hw, g.crop_top_left, g.target_hw) == ((80, 40), (16, 0), (32, 32))
+
+
+def test_the_epochs_a_checkpoint_and_a_resume_at_the_end_record_are_the_micro_batches_trained(
+        bucketed_runs, split_report, tiny_model_dir):
+    """With grad_accum 2 an update is two micro-batches: the epoch each checkpoint records (what an export of it
+    names) is its updates.csv row's, and a run resumed at its last checkpoint (a step retried once it had trained
+    everything) reports the epochs it trained from the stream position the checkpoint saved, not one micro-batch
+    per update."""
+    from rangefinder.formats import checkpoints
+
+    cfg, _, runs = bucketed_runs
+    first, result, _ = runs["first"]
+    epoch_of = {int(r["update"]): float(r["epoch"]) for r in rows(first / "updates.csv")}
+    saved = checkpoints.checkpoints_by_update(first / "checkpoints")
+    assert sorted(saved) == [3, 6, 7]
+    assert all(checkpoints.read_state(p)["epoch"] == epoch_of[u] for u, p in saved.items())
+
+    again = Path(shutil.copytree(first, first.parent / "at-the-end"))
+    (again / "run_summary.json").unlink()
+    resumed = train(TrainSpec(cfg.model_copy(update={"resume": True}), VALIDATION, split_dir=split_report[0],
+                              model=tiny_model_dir, data=DATA), out_dir=again, save_final=False)
+    assert (resumed.resumed_from, resumed.updates) == (7, 7)
+    assert resumed.epochs == result.epochs == 2.0
