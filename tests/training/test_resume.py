@@ -397,3 +397,21 @@ def test_sigterm_mid_epoch_writes_a_checkpoint_there_and_the_kfp_local_retry_res
     assert said and float(said.group(1)) < 30, first["message"]
     assert run.output == 5  # the retry resumed at the checkpoint the SIGTERM wrote
     assert_ends_like(reference, out)
+
+
+def test_after_the_run_sigterm_is_the_process_s_own_again():
+    """Inside a run SIGTERM only asks for a checkpoint at the next update boundary; once the run is over, the handler
+    the process had is back. Left in place, a step that goes on after training (export, upload, registration) would
+    take Kubernetes' SIGTERM as a request nobody reads, and sit out the grace period until SIGKILL."""
+    from rangefinder.training.preemption import on_sigterm
+
+    got: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+    try:
+        with on_sigterm() as request:
+            signal.raise_signal(signal.SIGTERM)
+            assert request.at is not None and got == []  # the run's request, not the process's handler
+        signal.raise_signal(signal.SIGTERM)
+        assert got == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
