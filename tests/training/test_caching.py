@@ -157,3 +157,30 @@ def test_a_ctrl_c_inside_a_cache_read_is_not_taken_for_a_damaged_entry(tmp_path,
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
     with pytest.raises(DataError, match="cannot be read any more"), on_sigint():
         _read_tensor(torn, "latent")
+
+
+def test_every_setting_a_latent_depends_on_keys_its_folder(tiny_model_dir):
+    """A latent is made by the VAE's weights, the square's resolution or the bucket, the crop, and the distribution's
+    mode or a sample with its seed: change any one and the latents are another folder's, never the ones made before
+    (a stale latent trains silently at the wrong size, crop or noise). The mode draws nothing: its seed is no part."""
+    import copy
+
+    from diffusers import AutoencoderKL
+
+    from rangefinder.training.caching import VaeEncoder, latent_cache_dir
+
+    vae = AutoencoderKL.from_pretrained(os.path.join(tiny_model_dir, "vae"))
+    retrained = copy.deepcopy(vae)  # the same VAE but one weight: another base model's
+    with torch.no_grad():
+        next(retrained.parameters()).view(-1)[0] += 0.5
+
+    def folder(vae=vae, sampling="sample", seed=3, resolution=32, crop=True, bucket=None) -> Path:
+        encoder = VaeEncoder(vae, torch.device("cpu"), sampling, seed)
+        return latent_cache_dir(Path("cache"), encoder, resolution, crop, bucket=bucket)
+
+    first = folder()
+    assert folder() == first and folder(sampling="mode", seed=4) == folder(sampling="mode")
+    others = [folder(vae=retrained), folder(sampling="mode"), folder(seed=4), folder(resolution=40),
+              folder(crop=False), folder(bucket=(40, 24)), folder(bucket=(24, 40)), folder(bucket=(40, 24), crop=False),
+              folder(bucket=(40, 24), seed=4)]
+    assert len({first, *others}) == 1 + len(others)
