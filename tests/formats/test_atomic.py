@@ -102,3 +102,17 @@ def test_a_kill_between_the_two_renames_gives_the_old_checkpoint_back(tmp_path, 
         assert sorted(p.name for p in root.iterdir()) == ["checkpoint-000002", "checkpoint-000004",
                                                           "checkpoint-000006.tmp"]
     assert written(root / "checkpoint-000004") == "first"
+
+
+@pytest.mark.parametrize("replace", [True, False])
+def test_a_folder_written_whole_is_readable_as_any_other_folder(tmp_path, replace):
+    """atomic_dir fills a private temporary folder (mkdtemp's 0700); what it publishes (a run's final/, a shared
+    cache's model) is listed and read by other users like any folder made with the usual umask: 0755."""
+    import stat
+
+    from rangefinder.formats.atomic import atomic_dir
+
+    with atomic_dir(tmp_path / "out", replace=replace) as tmp:
+        (tmp / "weights.safetensors").write_bytes(b"w")
+    assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == 0o755
+    assert (tmp_path / "out" / "weights.safetensors").read_bytes() == b"w"
