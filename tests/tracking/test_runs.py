@@ -238,6 +238,34 @@ def test_two_local_runs_that_drew_one_kfp_run_id_keep_their_own_parent_runs(sqli
     assert states == {monday: ("FAILED", "FAILED"), tuesday: ("FINISHED", "SUCCEEDED")}
 
 
+
+def test_the_exit_handler_ends_the_parent_as_kfp_ended_the_run_and_names_only_a_failure(sqlite_tracking_uri,
+                                                                                         monkeypatch):
+    """record-status's state, as MLflow shows the parent run: cancelled KILLED, failed or unknown FAILED, succeeded
+    FINISHED. Only a run that did not succeed carries the error and the failed task (KFP fills failed_task with the
+    exit handler's own group even when nothing failed), and the error redacted: a token in it never reaches MLflow."""
+    from rangefinder.config import REDACTED
+    from rangefinder.steps.record_status import run_record_status
+
+    for var in ("MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", sqlite_tracking_uri)
+    token = "hf_" + "a1" * 15
+    ended = {"CANCELED": "KILLED", "FAILED": "FAILED", "": "FAILED", "SUCCEEDED": "FINISHED"}
+    for state, status in ended.items():
+        assert run_record_status(state=state, error_message=f"HTTP 401 with {token}", failed_task="exit-handler-1",
+                                 mlflow_experiment="exits", pipeline_job_id=f"job-{state or 'none'}") == status
+    client = MlflowClient(sqlite_tracking_uri)
+    runs = client.search_runs([client.get_experiment_by_name("exits").experiment_id])
+    by_state = {r.data.tags["rangefinder.final_state"]: r for r in runs}
+    assert sorted(by_state) == sorted(s or "UNKNOWN" for s in ended)
+    for state, status in ended.items():
+        run = by_state[state or "UNKNOWN"]
+        failed = status != "FINISHED"
+        assert run.info.status == status
+        assert run.data.tags.get("rangefinder.failed_task") == ("exit-handler-1" if failed else None)
+        assert run.data.tags.get("rangefinder.error") == (f"HTTP 401 with {REDACTED}" if failed else None)
+
 def test_a_failing_step_is_marked_failed_with_its_error(cfg):
     with pytest.raises(ValueError):
         with step_run(cfg, "train") as run:
