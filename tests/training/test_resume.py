@@ -350,6 +350,26 @@ def test_a_resume_on_the_same_images_with_one_caption_changed_is_refused(
         resume_short(short_run, tmp_path, other_split, tiny_model_dir)
 
 
+
+def test_a_resume_with_one_validation_caption_changed_is_refused(short_run, shapes_dataset_dir, tiny_model_dir,
+                                                                  split_dir, tmp_path):
+    """The same training images and captions, one validation image's caption changed: the curve after the resume
+    would be measured on another validation set than before it, so the run's data digest covers every subset."""
+    import shutil
+
+    from rangefinder.data.split import read_split, split_dataset
+    from rangefinder.errors import ConfigError
+
+    data = Path(shutil.copytree(shapes_dataset_dir, tmp_path / "data"))
+    caption = (data / read_split(split_dir).val[0].file_name).with_suffix(".txt")
+    caption.write_text(caption.read_text() + " at noon")
+    other_split = tmp_path / "split"
+    split_dataset(data, other_split, val_split=0.2, stabilize_split=0.2, seed=555)  # as the split_dir fixture
+    assert [it.text for it in read_split(other_split).train] == [it.text for it in read_split(split_dir).train]
+    with pytest.raises(ConfigError, match=r"cannot resume: .*the data \(another dataset, or images or captions "
+                                          r"changed\)"):
+        resume_short(short_run, tmp_path, other_split, tiny_model_dir)
+
 def test_a_resume_on_another_base_model_of_the_same_family_is_refused(
         short_run, split_dir, tiny_model_dir, tmp_path):
     """A copy of the base model with one UNet weight changed (another fine-tune of the same architecture)."""
