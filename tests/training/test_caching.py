@@ -184,3 +184,32 @@ def test_every_setting_a_latent_depends_on_keys_its_folder(tiny_model_dir):
               folder(crop=False), folder(bucket=(40, 24)), folder(bucket=(24, 40)), folder(bucket=(40, 24), crop=False),
               folder(bucket=(40, 24), seed=4)]
     assert len({first, *others}) == 1 + len(others)
+
+
+def test_a_run_with_flips_encodes_the_mirrored_latents_a_run_without_them_left_out(shapes_dataset_dir, tiny_model_dir,
+                                                                                  tmp_path):
+    """One cache for a run without random_flip, then one with it: the entries lack the mirrored images' latents, so
+    the second run encodes them (never reads an entry that does not hold them); a third finds everything."""
+    from diffusers import AutoencoderKL
+
+    from rangefinder.data.pixels import load_rgb, to_model_array
+    from rangefinder.formats.digest import file_sha256
+    from rangefinder.training.caching import LatentCache, VaeEncoder
+
+    paths = sorted(Path(shapes_dataset_dir).glob("*.png"))[:2]
+    keys = [file_sha256(p) for p in paths]
+    vae = AutoencoderKL.from_pretrained(os.path.join(tiny_model_dir, "vae"))
+
+    def cache() -> LatentCache:
+        return LatentCache(VaeEncoder(vae, torch.device("cpu"), "sample", 3),
+                           lambda p: to_model_array(load_rgb(p), 32), tmp_path / "cache", batch_size=2)
+
+    plain = cache()
+    assert plain.latents(paths, keys, flipped=False, progress=False)[1] is None
+    flipping = cache()
+    z, mirrored = flipping.latents(paths, keys, flipped=True, progress=False)
+    assert flipping.stats.as_dict() == {"encoded": 2, "reused": 0}
+    assert mirrored is not None and mirrored.shape == z.shape and not torch.equal(mirrored, z)
+    again = cache()
+    again.latents(paths, keys, flipped=True, progress=False)
+    assert again.stats.as_dict() == {"encoded": 0, "reused": 2}
