@@ -116,3 +116,30 @@ def test_a_folder_written_whole_is_readable_as_any_other_folder(tmp_path, replac
         (tmp / "weights.safetensors").write_bytes(b"w")
     assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == 0o755
     assert (tmp_path / "out" / "weights.safetensors").read_bytes() == b"w"
+
+
+def test_a_shared_folder_another_writer_finished_first_is_kept(tmp_path):
+    """replace=False (a shared cache several processes fill at once): the writer that finishes second gets OSError
+    and the first one's folder stays as it was, whole; its own temporary folder is gone."""
+    from rangefinder.formats.atomic import atomic_dir
+
+    with atomic_dir(tmp_path / "model", replace=False) as tmp:
+        (tmp / "weights.safetensors").write_bytes(b"first")
+    with pytest.raises(OSError), atomic_dir(tmp_path / "model", replace=False) as tmp:
+        (tmp / "weights.safetensors").write_bytes(b"second")
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]
+    assert [p.name for p in (tmp_path / "model").iterdir()] == ["weights.safetensors"]
+    assert (tmp_path / "model" / "weights.safetensors").read_bytes() == b"first"
+
+
+def test_a_file_renamed_into_a_folder_s_place_replaces_it(tmp_path):
+    """rename_into_place moves a finished file where a folder of that name is (os.replace cannot put a file over a
+    folder): the file is there afterwards, the folder gone."""
+    from rangefinder.formats.atomic import rename_into_place
+
+    (tmp_path / "metrics.csv").mkdir()
+    (tmp_path / "metrics.csv" / "stale").write_text("old")
+    (tmp_path / ".metrics.csv.tmp").write_text("update,val_loss\n")
+    assert rename_into_place(tmp_path / ".metrics.csv.tmp", tmp_path / "metrics.csv") == tmp_path / "metrics.csv"
+    assert (tmp_path / "metrics.csv").read_text() == "update,val_loss\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.csv"]
