@@ -156,3 +156,23 @@ def test_yaml_s_bare_on_and_off_mean_the_words():
 
     for word in ("on", "off", "auto"):
         assert parse_config(yaml.safe_load(f"finetune:\n  cooldown: {word}\n")).finetune.cooldown == word
+
+
+def test_the_branch_starts_at_a_checkpoint_taken_at_the_decay_s_first_update(tmp_path):
+    """The newest fine-tune checkpoint at or before the decay's start S is the branch point: one taken at S itself
+    is the fine-tune's run up to there, so the cooldown trains only the decay (not S - 4 updates the fine-tune took
+    already). Copied whole into the cooldown's checkpoints, and noted for a retry."""
+    from rangefinder.steps.cooldown import BRANCH_POINT, _branch_point
+
+    source = tmp_path / "ft" / checkpoints.RUN_DIR
+    for update in (4, 8, 12):
+        folder = source / checkpoints.checkpoint_name(update)
+        folder.mkdir(parents=True)
+        checkpoints.write_main(folder, weights={"w": torch.full((4,), float(update))}, optimizer={"state": {}},
+                               state={"update": update})
+    root = tmp_path / "ft" / COOLDOWN_DIR
+    assert _branch_point(source, root, 8) == 8
+    (copied,) = checkpoints.list_checkpoints(root / checkpoints.RUN_DIR)
+    assert copied.name == checkpoints.checkpoint_name(8) and checkpoints.verify(copied) is None
+    assert json.loads((root / BRANCH_POINT).read_text()) == {"start_update": 8}
+    assert _branch_point(source, tmp_path / "other", 7) == 4 and _branch_point(source, tmp_path / "none", 3) == 0
