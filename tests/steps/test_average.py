@@ -397,3 +397,22 @@ def test_earliest_tied_without_validation_is_one_warning():
     (line,) = said({"finetune": {"deliver": "earliest_tied"}, "validation": {"every_epochs": 0}})
     assert "validation.every_epochs" in line
     assert said({"finetune": {"deliver": "earliest_tied"}}) == said({"split": {"val_split": 0}, "lr": 1e-4}) == []
+
+
+def test_the_window_s_checkpoints_include_the_ones_at_its_edges(tmp_path):
+    """The average takes every kept checkpoint inside the step window, its first and last update included (a window
+    read off validations lies on checkpoints where the two coincide); none without a recommended length."""
+    from types import SimpleNamespace
+
+    from rangefinder.steps.average import window_checkpoints
+
+    root = tmp_path / checkpoints.RUN_DIR
+    for update in (4, 8, 12, 16, 20):
+        folder = root / checkpoints.checkpoint_name(update)
+        folder.mkdir(parents=True)
+        checkpoints.write_main(folder, weights={"w": torch.full((4,), float(update))}, optimizer={"state": {}},
+                               state={"update": update})
+    window = SimpleNamespace(recommended_epochs=3, window_start_update=8.0, window_end_update=16.0)
+    assert sorted(window_checkpoints(root, window)) == [8, 12, 16]
+    assert window_checkpoints(root, SimpleNamespace(recommended_epochs=None, window_start_update=8.0,
+                                                    window_end_update=16.0)) == {}
