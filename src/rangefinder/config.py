@@ -355,6 +355,7 @@ def prodigy_step_factor(family: Optional[str], method: str) -> float:
     """The multiple of its step size the prodigy_step finder trains a base model of `family` at with `method`."""
     return PRODIGY_STEP_FACTOR.get(family or "", {}).get(method, 1.0)
 
+
 ScaleLR = Literal["none", "linear", "sqrt"]
 ProcessesPerNode = Union[Literal["auto"], Annotated[int, Field(ge=1)]]
 

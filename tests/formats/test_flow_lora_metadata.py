@@ -188,7 +188,6 @@ def _diffusers_fused(family, folder, path) -> dict[str, torch.Tensor]:
     return pipe.transformer.state_dict()
 
 
-
 def test_kohya_metadata_names_the_base_model_as_sd_scripts_does(exported):
     """The network module, `ss_base_model_version` and the model spec's architecture (the base model's id +
     "/lora") with the codebase whose module names the file uses, as sd-scripts writes them for these models."""

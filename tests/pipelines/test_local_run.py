@@ -28,6 +28,7 @@ from tests.tracking.pipeline_record import check_pipeline_record
 
 pytestmark = pytest.mark.slow
 
+
 @pytest.fixture(autouse=True)
 def _local_mlflow(monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)

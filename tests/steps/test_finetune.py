@@ -62,7 +62,6 @@ def test_retrain_uses_recommended_epochs_and_schedule(split_dir):
     assert (tri.schedule, tri.lr_min, tri.lr_max) == ("triangular", 1e-4, 1e-2)
 
 
-
 def test_the_retrain_trains_retrain_epochs_where_set_else_the_fine_tune_s_recommendation(split_dir):
     """retrain.epochs, set in the config, is the retrain's length whatever the fine-tune recommends (its preview in
     the fine-tune's report says so too); unset, the recommendation, at least one epoch."""
@@ -73,6 +72,7 @@ def test_the_retrain_trains_retrain_epochs_where_set_else_the_fine_tune_s_recomm
     preview = retrain_preview(fixed, read_split(split_dir), recommended_epochs=7, lr=1e-3, bounds=(1e-4, 1e-2))
     assert "3 epochs, 15 updates on its 20 images (retrain.epochs, set in the config)" in (preview or "")
     assert (retrain_epochs(demo_config(), 7), retrain_epochs(demo_config(), 0)) == (7, 1)
+
 
 def test_checkpoints_every_epoch_all_kept_until_the_window_is_known(split_dir):
     cfg = demo_config()  # 150 epochs of 16 images at batch 4: 4 updates per epoch

@@ -238,7 +238,6 @@ def test_two_local_runs_that_drew_one_kfp_run_id_keep_their_own_parent_runs(sqli
     assert states == {monday: ("FAILED", "FAILED"), tuesday: ("FINISHED", "SUCCEEDED")}
 
 
-
 def test_the_exit_handler_ends_the_parent_as_kfp_ended_the_run_and_names_only_a_failure(sqlite_tracking_uri,
                                                                                          monkeypatch):
     """record-status's state, as MLflow shows the parent run: cancelled KILLED, failed or unknown FAILED, succeeded
@@ -265,6 +264,7 @@ def test_the_exit_handler_ends_the_parent_as_kfp_ended_the_run_and_names_only_a_
         assert run.info.status == status
         assert run.data.tags.get("rangefinder.failed_task") == ("exit-handler-1" if failed else None)
         assert run.data.tags.get("rangefinder.error") == (f"HTTP 401 with {REDACTED}" if failed else None)
+
 
 def test_a_failing_step_is_marked_failed_with_its_error(cfg):
     with pytest.raises(ValueError):

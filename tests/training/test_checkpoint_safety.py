@@ -363,7 +363,6 @@ def test_an_io_error_reads_as_one_and_the_same_on_both_write_paths(base, tmp_pat
     assert not checkpoints.list_checkpoints(out / "checkpoints")  # nothing half-written looks finished
 
 
-
 def test_an_error_that_is_no_storage_problem_goes_on_up_as_it_is(tmp_path):
     """The write rule dresses only the errnos a storage problem raises: another OSError raised while writing (a bad
     file descriptor: a bug) is not called a full disk or a quota; it goes on up as it is (None here)."""

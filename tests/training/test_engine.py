@@ -124,7 +124,6 @@ def test_metrics_csv_has_the_curve_columns(triangular_runs, split_dir):
     assert summary["best_val_loss"] == min(float(r["val_loss"]) for r in table)
 
 
-
 def test_a_metrics_row_s_train_loss_is_the_mean_of_the_updates_since_the_row_before(triangular_runs):
     """metrics.csv's train_loss sits beside a validation: the mean of updates.csv's train_loss over the updates since
     the row before (each epoch's here), not a sum, nor a mean over every update so far."""
@@ -135,6 +134,7 @@ def test_a_metrics_row_s_train_loss_is_the_mean_of_the_updates_since_the_row_bef
     for before, row in zip(table[:-1], table[1:], strict=True):
         since = [per_update[u] for u in range(int(before["update"]) + 1, int(row["update"]) + 1)]
         assert len(since) > 1 and float(row["train_loss"]) == pytest.approx(sum(since) / len(since), rel=1e-12)
+
 
 def test_logged_lr_follows_the_triangular_formula(triangular_runs, split_dir):
     cfg, runs = triangular_runs

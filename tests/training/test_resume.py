@@ -350,7 +350,6 @@ def test_a_resume_on_the_same_images_with_one_caption_changed_is_refused(
         resume_short(short_run, tmp_path, other_split, tiny_model_dir)
 
 
-
 def test_a_resume_with_one_validation_caption_changed_is_refused(short_run, shapes_dataset_dir, tiny_model_dir,
                                                                   split_dir, tmp_path):
     """The same training images and captions, one validation image's caption changed: the curve after the resume
@@ -369,6 +368,7 @@ def test_a_resume_with_one_validation_caption_changed_is_refused(short_run, shap
     with pytest.raises(ConfigError, match=r"cannot resume: .*the data \(another dataset, or images or captions "
                                           r"changed\)"):
         resume_short(short_run, tmp_path, other_split, tiny_model_dir)
+
 
 def test_a_resume_on_another_base_model_of_the_same_family_is_refused(
         short_run, split_dir, tiny_model_dir, tmp_path):

@@ -45,6 +45,7 @@ class ServerAway(TrackingError):
         super().__init__(message)
         self.reason = reason
 
+
 # What every MLflow HTTP call of a step may cost, unless the user's environment says otherwise. MLflow's defaults
 # (120 s timeout, 7 retries with backoff factor 2) keep one call retrying ~4 minutes against a dead server, and
 # the training loop logs every few updates. 20 s still covers a busy server answering a metadata call (it takes

@@ -24,6 +24,7 @@ from rangefinder.formats.atomic import REFUSED_WRITES, free_space
 _AGAIN = "then run again with --resume"
 _ELSEWHERE = "or choose another --out"
 
+
 def write_errno(e: BaseException) -> Optional[int]:
     """The errno of a failed write: OSError carries it; safetensors (SafetensorError) and torch.save (RuntimeError)
     only name it in their message, as "(os error 28)", or not at all ("file write failed": -1 here)."""

@@ -115,7 +115,6 @@ class Shard:
         return n_pairs * self.rank // self.world_size, n_pairs * (self.rank + 1) // self.world_size
 
 
-
 def noise_seed(seed: int, item_id: int, k: int) -> int:
     digest = hashlib.blake2b(f"{seed}|{item_id}|{k}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
