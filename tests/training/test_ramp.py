@@ -15,7 +15,7 @@ from rangefinder.training.loop import TrainSpec, train
 def test_linear_ramp_falls_then_rises_and_stops_on_divergence(split_dir, tiny_model_dir, tmp_path):
     # 16 images, batch 4: 40 updates over 10 epochs, LR climbing linearly to 0.03, far too high for this model.
     cfg = TrainingConfig(batch_size=4, epochs=10, schedule="linear-ramp", lr_max=0.03, seed=3,
-                         cache_dir=str(tmp_path / "cache"))
+                         cache_dir=str(tmp_path / "cache"), checkpoint_every_updates=8)
     val_cfg = ValidationConfig(every_updates=2, divergence_factor=4.0, divergence_window=3)
     result = train(TrainSpec(cfg, val_cfg, split_dir=split_dir, model=tiny_model_dir), out_dir=tmp_path / "run")
 
@@ -34,3 +34,12 @@ def test_linear_ramp_falls_then_rises_and_stops_on_divergence(split_dir, tiny_mo
     summary = json.loads(result.summary_path.read_text())
     assert summary["status"] == "diverged" and summary["final_dir"] is None
     assert not (tmp_path / "run" / "final").exists()
+
+    # Killed after the stop's checkpoint, before the summary: the retry's resume reads the stop from the checkpoint
+    # and ends there, instead of ramping on past the divergence and adding points above it to the curve.
+    curve = (tmp_path / "run" / "metrics.csv").read_bytes()
+    result.summary_path.unlink()
+    again = train(TrainSpec(cfg.model_copy(update={"resume": True}), val_cfg, split_dir=split_dir,
+                            model=tiny_model_dir), out_dir=tmp_path / "run")
+    assert (again.status, again.updates) == ("diverged", result.updates)
+    assert (tmp_path / "run" / "metrics.csv").read_bytes() == curve
