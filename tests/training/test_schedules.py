@@ -50,14 +50,14 @@ def test_cosine_with_warmup():
         assert got[u] == pytest.approx(0.5 * 1e-3 * (1 + math.cos(math.pi * (u - 5) / (U - 5))), rel=1e-12)
 
 
-@pytest.mark.parametrize(("fraction", "warmup", "lr_min"), [(0.2, 0, None), (0.25, 4, 1e-5)])
+@pytest.mark.parametrize(("fraction", "warmup", "lr_min"), [(0.2, 0, None), (0.25, 4, 1e-5), (0.13, 2, None)])
 def test_wsd_is_constant_then_decays_linearly_over_its_last_share(fraction, warmup, lr_min):
     """Warmup, stable, decay: the last ceil(fraction x U) updates fall linearly to lr_min; the last one still moves;
     before the decay (after any warmup) it is the constant schedule, update for update (the cooldown relies on it)."""
     kw = {} if lr_min is None else {"lr_min": lr_min}
     got = lrs(schedule="wsd", lr=1e-3, decay_fraction=fraction, warmup_updates=warmup, **kw)
     lo, decay = lr_min or 0.0, math.ceil(fraction * U)
-    start = U - decay  # 32 and 30 of 40
+    start = U - decay  # 32, 30 and 34 of 40 (0.13 x 40 = 5.2 rounds up)
     assert got[:warmup] == pytest.approx([1e-3 * (u + 1) / warmup for u in range(warmup)], rel=1e-12)
     assert got[warmup:start] == lrs(lr=1e-3)[warmup:start]
     assert got[start:] == pytest.approx([lo + (1e-3 - lo) * (U - u) / (decay + 1) for u in range(start, U)],
