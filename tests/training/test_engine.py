@@ -174,6 +174,93 @@ def test_two_validation_passes_of_one_model_are_bit_identical(tiny_model_dir, sp
     assert measure(vset, **{**kw, "seed": 1}) != first  # the noise does come from the seed
 
 
+def test_an_update_steps_the_clipped_gradient_of_its_images_mean_weighted_loss_at_the_schedule_s_lr(
+        split_dir, tiny_model_dir, encoded_cache, tmp_path, monkeypatch):
+    """What the UNet is trained on, read off a real run by hooks: each micro-batch's gradient at the UNet's output
+    (dL/dpred) gives (pred - target) = dL/dpred x n / (2 x w x min-SNR weight) with w = 1 / (images in the update),
+    the same for every micro-batch of an accumulated update; from it, the train loss logged is the update's plain
+    per-image MSE mean, the UNet's input is the latents (flipped for about half of the images) noised to t with that
+    target, and the target carries the offset noise (a whole channel's mean moved). Caption dropout conditions its
+    share of the images on the empty caption. The optimizer steps the gradient clipped to
+    max_grad_norm (the norm logged is the one before) at the schedule's LR for that update (linear ramp: (u + 1) / U
+    of lr_max)."""
+    from diffusers import DDPMScheduler
+    from torch.nn.modules.module import register_module_forward_hook
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    from transformers import CLIPTextModel, CLIPTokenizer
+
+    from rangefinder.training.caching import CachedLatentFiles
+
+    gamma, clip, lr_max = 2.0, 1e-3, 1e-4
+    cfg = settings(encoded_cache, batch_size=2, grad_accum=2, steps=2, schedule="linear-ramp", lr_max=lr_max,
+                   min_snr_gamma=gamma, noise_offset=1.0, cond_dropout=0.25, max_grad_norm=clip, random_flip=True)
+    micro: list[dict] = []
+    stepped: list[tuple[float, float]] = []
+    latents: list[tuple[list[bool], torch.Tensor]] = []
+    get = CachedLatentFiles.get
+
+    def latents_got(self, indices, flips, device):  # the cache's own read, recorded
+        out = get(self, indices, flips, device)
+        latents.append((list(flips), out.detach().clone()))
+        return out
+
+    monkeypatch.setattr(CachedLatentFiles, "get", latents_got)
+
+    def forward(module, args, output):
+        if type(module).__name__ == "UNet2DConditionModel" and output[0].requires_grad:
+            seen = {"x": args[0].detach().clone(), "t": args[1].detach().clone(), "cond": args[2].detach().clone(),
+                    "pred": output[0].detach().clone()}
+            micro.append(seen)
+            output[0].register_hook(lambda g: seen.__setitem__("grad", g.detach().clone()))
+
+    def step(optimizer, a, kw):
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        stepped.append((float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))),
+                        optimizer.param_groups[0]["lr"]))
+
+    hooks = [register_module_forward_hook(forward), register_optimizer_step_pre_hook(step)]
+    try:
+        train(TrainSpec(cfg, NO_VALIDATION, split_dir=split_dir, model=tiny_model_dir), out_dir=tmp_path,
+              save_final=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    logged = rows(tmp_path / "updates.csv")
+    assert len(logged) == len(stepped) == 2 and len(micro) == 4
+
+    abar = DDPMScheduler.from_pretrained(str(tiny_model_dir), subfolder="scheduler").alphas_cumprod.double()
+    images, targets, mse = 4, [], []
+    assert len(latents) == 4
+    flips = [f for fs, _ in latents for f in fs]
+    assert 0 < sum(flips) < len(flips)
+    for m, (_, x0) in zip(micro, latents, strict=True):
+        snr = abar[m["t"]] / (1 - abar[m["t"]])
+        weight = (snr.clamp(max=gamma) / snr / images).view(-1, 1, 1, 1)
+        n = m["pred"][0].numel()
+        diff = m["grad"].double() * n / (2 * weight)
+        mse.append(diff.pow(2).mean(dim=(1, 2, 3)))
+        targets.append(m["pred"].double() - diff)
+        a = abar[m["t"]].view(-1, 1, 1, 1)
+        torch.testing.assert_close(m["x"].double(), a.sqrt() * x0.double() + (1 - a).sqrt() * targets[-1],
+                                   rtol=0, atol=1e-4)
+    mse_by_update = torch.cat(mse).view(2, images)
+    for r, per_image in zip(logged, mse_by_update, strict=True):
+        assert float(r["train_loss"]) == pytest.approx(float(per_image.mean()), rel=1e-4)
+    channel_means = torch.cat(targets).mean(dim=(2, 3)).abs()  # N(0, 1) offsets; ~N(0, 1 / (h w)) without
+    assert float(channel_means.mean()) > 0.3
+
+    tokenizer = CLIPTokenizer.from_pretrained(str(tiny_model_dir), subfolder="tokenizer")
+    encoder = CLIPTextModel.from_pretrained(str(tiny_model_dir), subfolder="text_encoder")
+    with torch.no_grad():
+        empty = encoder(tokenizer([""], padding="max_length", max_length=77, return_tensors="pt").input_ids)[0][0]
+    dropped = sum(torch.allclose(c, empty, atol=1e-5) for m in micro for c in m["cond"])
+    assert 0 < dropped < images  # a quarter of 8, not three quarters
+
+    for r, (norm, lr), u in zip(logged, stepped, range(2), strict=True):
+        assert float(r["grad_norm"]) > clip and norm == pytest.approx(clip, rel=1e-4)
+        assert float(r["lr"]) == lr == pytest.approx(lr_max * (u + 1) / 2, rel=1e-12)
+
+
 def test_final_is_a_loadable_pipeline_with_the_trained_weights(triangular_runs, tiny_model_dir):
     from diffusers import StableDiffusionPipeline, UNet2DConditionModel
 
@@ -320,7 +407,8 @@ def test_with_ema_validation_measures_the_weights_that_are_saved(split_dir, tiny
     cfg = settings(encoded_cache, steps=3, use_ema=True, ema_decay=0.9)
     ema_run = train(TrainSpec(cfg, ValidationConfig(every_updates=1), split_dir=split_dir, model=tiny_model_dir),
                     out_dir=tmp_path / "ema")
-    last = rows(tmp_path / "ema" / "metrics.csv")[-1]
+    first, last = rows(tmp_path / "ema" / "metrics.csv")[0], rows(tmp_path / "ema" / "metrics.csv")[-1]
+    assert float(last["val_loss"]) != float(first["val_loss"])  # the average moved off the base model
     train(TrainSpec(settings(encoded_cache, steps=1), ValidationConfig(every_updates=1), split_dir=split_dir,
                     model=str(ema_run.final_dir)),
           out_dir=tmp_path / "again")
