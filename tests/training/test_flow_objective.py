@@ -30,11 +30,14 @@ def test_noising_is_the_straight_line_and_the_target_its_velocity():
     assert torch.equal(f.target(x0, noise, sigma), noise - x0)
 
 
-@pytest.mark.parametrize("sampling", ["uniform", "logit_normal", "mode"])
+@pytest.mark.parametrize("sampling", [dict(timestep_sampling="uniform"), dict(timestep_sampling="logit_normal"),
+                                      dict(timestep_sampling="logit_normal", logit_mean=0.5, logit_std=0.8),
+                                      dict(timestep_sampling="mode")],
+                         ids=["uniform", "logit_normal", "logit_normal-0.5-0.8", "mode"])
 def test_the_validation_grid_splits_what_training_draws_into_equal_parts(sampling):
     """Each grid sigma is the middle of an equal-probability part of the (shifted) training density: of 200k
     training draws, the share below grid point k is (k + 1/2) / K."""
-    f = family(shift=3.0, timestep_sampling=sampling)
+    f = family(shift=3.0, **sampling)
     K = 4
     grid = f.validation_sigmas(K, (8, 8))
     assert grid == sorted(grid) and all(0 < s < 1 for s in grid)
@@ -52,6 +55,19 @@ def test_the_shift_moves_sigma_towards_noise():
     plain, shifted = family(shift=1.0).validation_sigmas(4, (8, 8)), family(shift=3.0).validation_sigmas(4, (8, 8))
     assert all(b > a for a, b in zip(plain, shifted, strict=True))
     assert shifted[0] == pytest.approx(3 * plain[0] / (1 + 2 * plain[0]), rel=1e-6)
+
+
+def test_the_shift_is_the_base_model_scheduler_s_unless_training_flow_shift_sets_one(tiny_sd3_dir):
+    from types import SimpleNamespace
+
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from rangefinder.training.family_flow import flow_shift
+
+    sd = SimpleNamespace(noise_scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(str(tiny_sd3_dir),
+                                                                                         subfolder="scheduler"))
+    assert flow_shift(sd, FlowSettings()) == sd.noise_scheduler.config.shift == 3.0  # SD3's
+    assert flow_shift(sd, FlowSettings(shift=2.0)) == 2.0
 
 
 def test_the_weightings():
@@ -83,3 +99,13 @@ def test_flow_settings_on_a_ddpm_model_are_refused(tiny_model_dir):
     with pytest.raises(ConfigError, match=r"training.flow \(loss_weighting\): the base model is a DDPM model"):
         family_for(sd, TrainingConfig(flow=FlowSettings(loss_weighting="cosmap")))
     assert family_for(sd, TrainingConfig()).name == "sd1"
+
+
+def test_a_training_guidance_for_a_flux_model_without_the_guidance_embedding_is_refused():
+    from rangefinder.training.family_rules import FluxRules
+
+    cfg = TrainingConfig(flow=FlowSettings(guidance=3.5))
+    FluxRules.check_settings(cfg, {}, {"guidance_embeds": True})  # Flux.1-dev
+    for schnell in ({"guidance_embeds": False}, {}):
+        with pytest.raises(ConfigError, match=r"^training.flow.guidance: this Flux model has no guidance embedding"):
+            FluxRules.check_settings(cfg, {}, schnell)

@@ -17,6 +17,10 @@ def loaded(family: str, request: pytest.FixtureRequest):
     from rangefinder.training.families import family_for
 
     sd = load_sd_components(ModelConfig(base_model=str(request.getfixturevalue(FLOW_DIRS[family]))))
+    if family == "sd3":
+        # The tiny model's two CLIP tokenizers are one; SD3's bigG tokenizer pads with "!", as SDXL's does, so its
+        # ids differ from CLIP-L's and each encoder must be given its own.
+        sd.tokenizer_2.pad_token = "!"
     return sd, family_for(sd, TrainingConfig())
 
 
@@ -76,3 +80,18 @@ def test_the_flux_validation_grid_is_the_schedulers_shift_and_says_so(request):
         assert fam.validation_sigmas(4, latent_hw) == pytest.approx(expected.tolist(), rel=1e-6)
         statement = fam.validation_weighting(4, latent_hw).statement
         assert "shift 3" not in statement and f"mu {mu:.4g}" in statement
+
+
+def test_flux_trains_at_the_guidance_and_the_constant_shift_training_flow_sets(request):
+    """training.flow.guidance is the guidance input (3.5 unset: diffusers' and sd-scripts' default);
+    training.flow.shift replaces the scheduler's resolution-dependent shift with that constant one at every size."""
+    from rangefinder.config import FlowSettings
+    from rangefinder.training.families import family_for
+    from rangefinder.training.family_flow import FlowFamily
+
+    sd, fam = loaded("flux", request)
+    assert fam.guidance == 3.5
+    assert family_for(sd, TrainingConfig(flow=FlowSettings(guidance=5.0))).guidance == 5.0
+    fixed = family_for(sd, TrainingConfig(flow=FlowSettings(shift=2.0)))
+    for latent_hw in [(4, 6), (64, 64)]:
+        assert fixed.validation_sigmas(4, latent_hw) == FlowFamily(fixed.flow, 2.0).validation_sigmas(4, latent_hw)
