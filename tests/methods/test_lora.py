@@ -189,3 +189,26 @@ def test_engine_keeps_optimizer_state_for_adapters_only(tiny_model_dir, split_di
     assert len(optimizer["state"]) == len(adapters)  # one AdamW state per adapter tensor, none for frozen weights
     shapes = sorted(tuple(s["exp_avg"].shape) for s in optimizer["state"].values())
     assert shapes == sorted(tuple(p.shape) for p in parts.unet.parameters() if p.requires_grad)
+
+
+def test_setup_puts_fp32_adapters_with_the_set_scale_and_dropout_on_the_set_modules_of_half_weights(tiny_model_dir):
+    """Under mixed precision the frozen weights are cast down and the adapters stay fp32 (the optimizer's masters);
+    alpha / rank scales every adapter, lora.dropout is its dropout, the UNet's adapters sit on lora.target_modules
+    and the text encoder's (training.train_text_encoder, the CLI's flag, asks for them as lora.train_text_encoder
+    does) on every attention projection of CLIP."""
+    cfg = TrainingConfig(method="lora", lora={"rank": RANK, "alpha": ALPHA, "dropout": 0.25}, train_text_encoder=True)
+    parts = load_parts(tiny_model_dir)
+    method = make_method(cfg)
+    method.setup(parts, torch.bfloat16)
+    assert set(method.trainable_modules()) == {"unet", "text_encoder"} and method.text_encoder_changes
+    for part, targets in (("unet", cfg.lora.target_modules), ("text_encoder", ["q_proj", "k_proj", "v_proj",
+                                                                                "out_proj"])):
+        module = getattr(parts, part)
+        layers = {n: m for n, m in module.named_modules() if hasattr(m, "lora_A")}
+        assert layers and set(layers) == {n for n, _ in module.named_modules()
+                                          if any(n.endswith(f".{t}") for t in targets)}, part
+        assert all(m.scaling["default"] == ALPHA / RANK and m.lora_dropout["default"].p == 0.25
+                   for m in layers.values()), part
+        for n, p in module.named_parameters():
+            assert p.dtype == (torch.float32 if "lora_" in n else torch.bfloat16), (part, n, p.dtype)
+            assert p.requires_grad == ("lora_" in n), (part, n)

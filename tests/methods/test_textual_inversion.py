@@ -209,3 +209,24 @@ def test_a_folder_of_images_alone_trains_an_embedding_and_nothing_else(shapes_da
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "8 images without a caption" in err and "split --captionless" in err, err
     assert not (tmp_path / "lora").exists()
+
+
+def test_every_new_row_starts_at_the_initializer_s_and_sdxl_trains_both_encoders_rows(tiny_model_dir, tiny_sdxl_dir):
+    """Each placeholder vector starts as the initializer word's embedding, in each text encoder (SDXL: CLIP-L and
+    bigG, each through its own tokenizer), and the optimizer gets both encoders' embeddings."""
+    from rangefinder.config import ModelConfig
+    from rangefinder.models.loading import load_sd_components
+
+    for parts in (load_parts(tiny_model_dir), load_sd_components(ModelConfig(base_model=str(tiny_sdxl_dir)))):
+        named = {"text_encoder": (parts.text_encoder, parts.tokenizer)}
+        if parts.text_encoder_2 is not None:
+            named["text_encoder_2"] = (parts.text_encoder_2, parts.tokenizer_2)
+        init = {name: te.get_input_embeddings().weight[tok.encode("object", add_special_tokens=False)].detach()[0]
+                for name, (te, tok) in named.items()}
+        method = make_method(_cfg(initializer_token="object"))
+        method.setup(parts, torch.float32)
+        trained = method.param_groups()[0]["params"]
+        assert [id(p) for p in trained] == [id(te.get_input_embeddings().weight) for te, _ in named.values()]
+        for name in named:
+            learned = method.learned_embeds(name)
+            assert learned.shape[0] == 2 and all(torch.equal(row, init[name]) for row in learned), name
