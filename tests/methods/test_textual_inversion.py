@@ -32,8 +32,10 @@ def trained_ti(tiny_model_dir, tmp_path_factory):
     method = make_method(cfg)
     parts = load_parts(tiny_model_dir)
     before = {"unet": state_of(parts.unet), "text_encoder": state_of(parts.text_encoder)}
+    # The initializer word's row: its one token as the tokenizer encodes it ("object</w>"), not the token "object",
+    # which this vocabulary lacks (convert_tokens_to_ids gives the unknown token's row).
     init_row = parts.text_encoder.get_input_embeddings().weight[
-        parts.tokenizer.convert_tokens_to_ids(cfg.textual_inversion.initializer_token)].detach().clone()
+        parts.tokenizer.encode(cfg.textual_inversion.initializer_token, add_special_tokens=False)[0]].detach().clone()
     method.setup(parts, torch.float32)
     train_updates(method, parts, ["", "a red circle"], updates=UPDATES, lr=5e-2)
     out = tmp_path_factory.mktemp("ti") / "final"
