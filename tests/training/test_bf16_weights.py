@@ -81,6 +81,40 @@ def test_bf16_weights_train_like_autocast_keep_the_fp32_master_and_resume_exactl
     assert all(torch.equal(final[k], resumed_unet[k]) for k in final)
 
 
+def test_the_masters_take_each_update_s_gradients_once_and_hand_their_weights_back():
+    """gradients_in moves the update's bf16 gradients into the masters as they are (and clears the bf16 ones, so the
+    next update does not add to them); the module's weights are the masters inside fp32_weights and their rounding
+    after; to_bf16_module casts the latents and text states coming in, not the timesteps."""
+    from rangefinder.training.master import MasterWeights, to_bf16_module
+
+    layer = torch.nn.Linear(3, 2).to(torch.bfloat16)
+    masters = MasterWeights(list(layer.parameters()))
+    for update in range(2):
+        layer.weight.grad = torch.full((2, 3), 0.5 + update, dtype=torch.bfloat16)
+        layer.bias.grad = None
+        masters.gradients_in()
+        assert masters.masters[0].grad is not None and torch.equal(masters.masters[0].grad, torch.full((2, 3),
+                                                                                                          0.5 + update))
+        assert masters.masters[1].grad is None and layer.weight.grad is None
+    with torch.no_grad():
+        masters.masters[0].add_(1e-3)  # a step smaller than bf16's spacing around 1
+        with masters.fp32_weights():
+            assert layer.weight.dtype == torch.float32 and torch.equal(layer.weight, masters.masters[0])
+            layer.weight.add_(1.0)  # what a resumed checkpoint loads inside goes into the master
+    assert layer.weight.dtype == torch.bfloat16 and torch.equal(layer.weight, masters.masters[0].to(torch.bfloat16))
+
+    seen = {}
+
+    class Model(torch.nn.Module):
+        def forward(self, latents, timesteps, hidden):
+            seen.update(latents=latents.dtype, timesteps=timesteps.dtype, hidden=hidden.dtype)
+
+    model = Model()
+    to_bf16_module(model)
+    model(torch.zeros(1, 4, 2, 2), torch.tensor([999.0]), hidden=torch.zeros(1, 3, 5))
+    assert seen == {"latents": torch.bfloat16, "timesteps": torch.float32, "hidden": torch.bfloat16}
+
+
 @pytest.mark.slow
 def test_bf16_weights_run_sdxl_s_size_and_time_conditioning(split_dir, tiny_sdxl_dir, tmp_path):
     """SDXL's UNet takes its pooled text and time ids as keyword inputs: cast to bf16 with the rest."""

@@ -391,6 +391,27 @@ def test_huge_lr_with_validation_off_stops_as_diverged_and_saves_nothing_nan(bas
         assert all(torch.isfinite(t).all() for t in checkpoints.read_weights(ckpt).values()), ckpt
 
 
+@pytest.mark.parametrize("scaler", [None, "fp16"])
+def test_an_update_is_finite_only_when_its_loss_lr_and_gradient_norm_are_and_the_weights_only_when_all_are(scaler):
+    """Each of the loss, the LR and the gradient norm stops the run on its own (a NaN in one need not reach the
+    others in the same update); with fp16's grad scaler an inf norm is a skipped step, not a divergence. Every trained
+    tensor must be finite, not just one."""
+    from types import SimpleNamespace
+
+    from rangefinder.training.divergence import trainable_finite, update_finite
+
+    run = SimpleNamespace(accelerator=SimpleNamespace(scaler=scaler))
+    ok = {"train_loss": 0.1, "lr": 1e-4, "grad_norm": 2.0}
+    assert update_finite(run, ok)
+    for key in ("train_loss", "lr"):
+        for bad in (float("nan"), float("inf")):
+            assert not update_finite(run, {**ok, key: bad}), (key, bad)
+    assert update_finite(run, {**ok, "grad_norm": float("inf")}) == (scaler is not None)
+    tensors = [torch.zeros(2), torch.tensor([0.0, float("nan")])]
+    assert not trainable_finite(SimpleNamespace(trainable=tensors))
+    assert trainable_finite(SimpleNamespace(trainable=tensors[:1]))
+
+
 @pytest.mark.slow
 def test_full_disk_while_writing_final_is_a_clear_error(base, finished, tmp_path):
     # No checkpoints here: the first large file the run writes is final/'s UNet, and it cannot grow past the limit.

@@ -330,3 +330,23 @@ def test_training_prodigy_reaches_prodigy_and_unset_keeps_the_package_defaults()
     plain = make_optimizer(TrainingConfig(optimizer="prodigy"), params, 1.0).param_groups[0]
     package = Prodigy(params, lr=1.0).param_groups[0]
     assert {k: plain[k] for k in PRODIGY_SETTINGS} == {k: package[k] for k in PRODIGY_SETTINGS}
+
+
+def test_adamw_gets_the_betas_eps_and_weight_decay_set_and_adafactor_steps_at_the_lr_given():
+    """training.adam_beta1/2, adam_epsilon and weight_decay reach AdamW in their places; Adafactor's own LR
+    (relative_step, scale_parameter, warmup_init) is off, so an update moves a weight by the LR it was given (its
+    first step on a zero weight: the clipped, RMS-normalised gradient's sign times lr), and the LR logged is that."""
+    from rangefinder.training.optimizers import make_optimizer, step_optimizer
+
+    params = [{"params": [torch.nn.Parameter(torch.zeros(2))]}]
+    cfg = TrainingConfig(adam_beta1=0.8, adam_beta2=0.95, adam_epsilon=1e-6, weight_decay=0.03)
+    group = make_optimizer(cfg, params, 2e-4).param_groups[0]
+    assert (group["lr"], group["betas"], group["eps"], group["weight_decay"]) == (2e-4, (0.8, 0.95), 1e-6, 0.03)
+
+    weight = torch.nn.Parameter(torch.zeros(4))
+    adafactor = make_optimizer(TrainingConfig(optimizer="adafactor"), [{"params": [weight]}], 1e-3)
+    assert {k: adafactor.param_groups[0][k] for k in ("relative_step", "scale_parameter", "warmup_init")} == \
+        dict.fromkeys(("relative_step", "scale_parameter", "warmup_init"), False)
+    weight.grad = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    assert step_optimizer("adafactor", adafactor) == {"lr_effective": 1e-3, "prodigy_d_lr": None}
+    assert torch.allclose(weight.detach(), torch.tensor([-1e-3, 1e-3, -1e-3, 1e-3]))
