@@ -181,9 +181,9 @@ def test_an_update_steps_the_clipped_gradient_of_its_images_mean_weighted_loss_a
     the same for every micro-batch of an accumulated update; from it, the train loss logged is the update's plain
     per-image MSE mean, the UNet's input is the latents (flipped for about half of the images) noised to t with that
     target, and the target carries the offset noise (a whole channel's mean moved). Caption dropout conditions its
-    share of the images on the empty caption. The optimizer steps the gradient clipped to
-    max_grad_norm (the norm logged is the one before) at the schedule's LR for that update (linear ramp: (u + 1) / U
-    of lr_max)."""
+    share of the images on the empty caption. The optimizer steps the gradient clipped to max_grad_norm (the norm
+    logged is the one before; the next update starts from no gradient) at the schedule's LR for that update (linear
+    ramp: (u + 1) / U of lr_max)."""
     from diffusers import DDPMScheduler
     from torch.nn.modules.module import register_module_forward_hook
     from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -209,7 +209,8 @@ def test_an_update_steps_the_clipped_gradient_of_its_images_mean_weighted_loss_a
     def forward(module, args, output):
         if type(module).__name__ == "UNet2DConditionModel" and output[0].requires_grad:
             seen = {"x": args[0].detach().clone(), "t": args[1].detach().clone(), "cond": args[2].detach().clone(),
-                    "pred": output[0].detach().clone()}
+                    "pred": output[0].detach().clone(),
+                    "grads_before": any(p.grad is not None for p in module.parameters())}
             micro.append(seen)
             output[0].register_hook(lambda g: seen.__setitem__("grad", g.detach().clone()))
 
@@ -227,6 +228,8 @@ def test_an_update_steps_the_clipped_gradient_of_its_images_mean_weighted_loss_a
             hook.remove()
     logged = rows(tmp_path / "updates.csv")
     assert len(logged) == len(stepped) == 2 and len(micro) == 4
+    # each update starts from no gradient and accumulates over its two micro-batches
+    assert [m["grads_before"] for m in micro] == [False, True, False, True]
 
     abar = DDPMScheduler.from_pretrained(str(tiny_model_dir), subfolder="scheduler").alphas_cumprod.double()
     images, targets, mse = 4, [], []
