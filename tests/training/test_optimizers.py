@@ -350,3 +350,19 @@ def test_adamw_gets_the_betas_eps_and_weight_decay_set_and_adafactor_steps_at_th
     weight.grad = torch.tensor([1.0, -1.0, 1.0, -1.0])
     assert step_optimizer("adafactor", adafactor) == {"lr_effective": 1e-3, "prodigy_d_lr": None}
     assert torch.allclose(weight.detach(), torch.tensor([-1e-3, 1e-3, -1e-3, 1e-3]))
+
+
+def test_prodigy_logs_d_times_its_lr_when_the_lr_multiplier_is_not_1():
+    """Prodigy's training.lr multiplies its d: prodigy_d_lr is d x lr after the step (at lr 1.0, as every run
+    above trains, d alone would pass), and lr_effective is d x lr x the bias correction before it."""
+    from rangefinder.training.optimizers import PRODIGY_SETTINGS, make_optimizer, step_optimizer
+
+    weight = torch.nn.Parameter(torch.ones(4))
+    optimizer = make_optimizer(TrainingConfig(optimizer="prodigy", lr=0.5, prodigy=PRODIGY_SETTINGS),
+                               [{"params": [weight]}], 0.5)
+    group = optimizer.param_groups[0]
+    d0 = group["d"]
+    weight.grad = torch.tensor([1.0, -2.0, 3.0, -4.0])
+    logged = step_optimizer("prodigy", optimizer)
+    assert logged["prodigy_d_lr"] == group["d"] * 0.5
+    assert logged["lr_effective"] == pytest.approx(d0 * 0.5 * (1 - 0.99) ** 0.5 / (1 - 0.9), rel=1e-12)
