@@ -117,3 +117,21 @@ def test_sdxl_unet_gets_the_hidden_states_the_pooled_vector_and_the_time_ids_fro
     f.predict(unet, draws(2, 4, 2, 2, seed=1), draws(2, 4, 2, 2, seed=2), torch.tensor([1, 2]), cond)
     assert torch.equal(seen["hidden"], cond[:, :L]) and torch.equal(seen["text_embeds"], cond[:, L, :P])
     assert seen["time_ids"].tolist() == [[600, 800, 12, 34, 512, 768], [1024, 1024, 0, 0, 1024, 1024]]
+
+
+def test_sdxl_token_id_conditioning_keeps_the_sizes_row_when_the_text_encoders_train():
+    """With a text encoder training the conditioning holds token ids, (N, 3, 77): the two tokenizers' ids and the
+    add_time_ids row, which must come through the encoding as the last row."""
+    from types import SimpleNamespace
+
+    class Encoder:  # a CLIP's output as encode_prompt reads it: hidden states and (bigG) the pooled embedding
+        def __call__(self, ids, output_hidden_states=True):
+            hidden = ids.float().unsqueeze(-1).expand(*ids.shape, D // 2) / 1000
+            return SimpleNamespace(hidden_states=[hidden * 3, hidden * 2, hidden], text_embeds=hidden[:, 0, :P])
+
+    f = sdxl()
+    ids = torch.stack([torch.arange(77).repeat(2, 1), torch.arange(100, 177).repeat(2, 1)], dim=1)  # (2, 2, 77)
+    out = f.conditioning([Encoder(), Encoder()], f.with_images(ids, GEOMETRY))
+    assert out.shape == (2, 77 + 2, D)
+    assert out[:, -1, :6].tolist() == [[600, 800, 12, 34, 512, 768], [1024, 1024, 0, 0, 1024, 1024]]
+    assert torch.allclose(out[:, -2, :P], torch.full((2, P), 0.1))  # bigG's pooled row (its first token, id 100)
