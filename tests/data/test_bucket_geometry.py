@@ -38,6 +38,12 @@ def test_buckets_have_about_the_square_area_step_sides_and_bounded_aspect(settin
         assert (h, w) in sizes  # portraits and landscapes alike
 
 
+def test_a_bucket_exactly_at_max_aspect_is_kept():
+    # 40x24 is 5:3 exactly: with max_aspect 5/3 it stays (the bound is inclusive), so the set is TINY's.
+    assert bucket_sizes(BucketSettings(32, 8, 40 / 24)) == ((24, 40), (32, 32), (40, 24))
+    assert bucket_sizes(BucketSettings(32, 8, 1.6)) == ((32, 32),)
+
+
 def test_sd_buckets_at_512_px():
     assert bucket_sizes(SD) == ((384, 640), (448, 576), (512, 512), (576, 448), (640, 384))
     assert bucket_sizes(TINY) == ((24, 40), (32, 32), (40, 24))
@@ -58,6 +64,7 @@ def test_default_step_follows_the_resolution():
     ((6000, 2000), (640, 384)),  # 3:1 panorama: cropped to the widest bucket
     ((777, 777), (512, 512)),
     ((500, 530), (512, 512)),
+    ((1470, 1000), (640, 384)),  # nearer 5:3 than 9:7 in log aspect; in w/h (kohya's measure) it is nearer 9:7
 ])
 def test_each_image_goes_to_the_bucket_nearest_its_aspect(size, bucket):
     assert nearest_bucket(size, SD) == bucket
@@ -88,6 +95,29 @@ def test_bucket_array_has_the_buckets_shape_and_matches_the_square_path_on_squar
     square = Image.fromarray(np.random.default_rng(1).integers(0, 256, (64, 64, 3), dtype=np.uint8), "RGB")
     # A square image in the square bucket is exactly what the square crop (bucketing off) gives.
     assert np.array_equal(bucket_array(square, (32, 32)), to_model_array(square, 32))
+
+
+def test_bucket_image_cuts_the_overflow_off_both_ends_of_the_long_side():
+    # Images that cover their bucket at scale 1: what is left is exactly the centre columns (rows) of the pixels.
+    rng = np.random.default_rng(2)
+    wide = Image.fromarray(rng.integers(0, 256, (32, 48, 3), dtype=np.uint8), "RGB")  # 48x32 into 40x32
+    out, p = bucket_image(wide, (40, 32))
+    assert (p.resized, p.crop) == ((48, 32), (4, 0))
+    assert np.array_equal(np.asarray(out), np.asarray(wide)[:, 4:44])
+    tall = Image.fromarray(rng.integers(0, 256, (48, 32, 3), dtype=np.uint8), "RGB")  # 32x48 into 32x40
+    out, p = bucket_image(tall, (32, 40))
+    assert (p.resized, p.crop) == ((32, 48), (0, 4))
+    assert np.array_equal(np.asarray(out), np.asarray(tall)[4:44])
+
+
+def test_center_crop_off_squashes_each_image_into_its_bucket():
+    settings = BucketSettings.from_data_config(DataConfig(resolution=32, center_crop=False))
+    assert settings is not None and settings.crop is False
+    p = place((90, 50), settings)
+    assert (p.bucket, p.resized, p.crop) == ((40, 24), (40, 24), (0, 0))  # the whole image, squashed
+    cropping = BucketSettings.from_data_config(DataConfig(resolution=32))
+    assert cropping is not None and place((90, 50), cropping).crop == (1, 0)  # the default cuts the overflow
+    assert BucketSettings.from_data_config(DataConfig(resolution=32, bucketing=False)) is None
 
 
 def test_image_size_reads_the_header_and_turns_with_exif(tmp_path):
