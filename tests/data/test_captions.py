@@ -39,6 +39,7 @@ def test_long_captions_are_counted_and_listed_in_the_split_report(tmp_path, tiny
         Image.new("RGB", (16, 16), (i, 0, 0)).save(tmp_path / f"{i}.png")
         (tmp_path / f"{i}.txt").write_text(text)
     assert long_captions([("x.png", "a b c")], lambda t: len(t.split()), 2) == [{"file_name": "x.png", "tokens": 3}]
+    assert long_captions([("x.png", "a b")], lambda t: len(t.split()), 2) == []  # exactly the limit: all read
     out = tmp_path / "s"
     assert main(["split", str(tmp_path), "--out", str(out), "--resolution", "16", "--tokenizer", str(tiny_model_dir),
                  "--json"]) == 0

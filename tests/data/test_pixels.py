@@ -49,11 +49,12 @@ def _grey_levels(path):
 
 def test_16_bit_greyscale_png_keeps_its_tones(tmp_path):
     # A 16-bit greyscale PNG opens as "I;16"; PIL's own convert("RGB") clips 0..65535 to 0..255 (almost all white).
-    values = np.array([[0, 257 * 64, 32768, 65535]], dtype=np.uint16)
+    # 49151 is 191.25 of 255: scaled by 255/65535 it is 191, shifted down a byte (/ 256) it would be 192.
+    values = np.array([[0, 257 * 64, 32768, 49151, 65535]], dtype=np.uint16)
     Image.fromarray(values).save(tmp_path / "grey16.png")
     with Image.open(tmp_path / "grey16.png") as im:
         assert im.mode.startswith("I;16")  # the probe's case, not some other mode
-    assert _grey_levels(tmp_path / "grey16.png").tolist() == [[0, 64, 128, 255]]
+    assert _grey_levels(tmp_path / "grey16.png").tolist() == [[0, 64, 128, 191, 255]]
 
 
 def test_other_wide_and_odd_modes_convert_as_viewers_show_them(tmp_path):
