@@ -217,3 +217,46 @@ def test_captionless_images_are_kept_only_when_asked_for_textual_inversion(tmp_p
     assert main(["split", str(data), "--out", str(tmp_path / "s"), "--captionless", "--resolution", "8",
                  "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["captionless"] == 4
+
+
+def test_the_stabilize_subset_is_pinned_too(tmp_path):
+    # The same files and seed give the same stabilize subset on any machine and release, as the validation draw:
+    # a seeded draw (seed + 1) from the training items in their drawn order, with --val-dir as without.
+    plain = make_split(_dataset(tmp_path / "plain", 10), seed=555, stabilize_split=0.5)
+    assert [it.file_name for it in plain.val] == ["img005.png", "img008.png"]
+    assert [it.file_name for it in plain.stabilize] == ["img002.png", "img003.png", "img006.png", "img009.png"]
+    assert plain.summary["stabilize_split"] == 0.5 and plain.summary["val_split"] == 0.2
+    manual = make_split(_dataset(tmp_path / "data", 6), val_dir=_dataset(tmp_path / "val", 2, green=9), seed=555,
+                        stabilize_split=0.5)
+    assert [it.file_name for it in manual.stabilize] == ["img001.png", "img002.png", "img004.png"]
+
+
+def test_a_group_of_identical_images_never_takes_the_last_training_place(tmp_path):
+    import shutil
+
+    # Two pictures, one of them twice: validation wants 2 of 3 images, but whichever group is drawn second trains.
+    data = _dataset(tmp_path / "data", 2)
+    shutil.copy(data / "img000.png", data / "copy.png")
+    (data / "copy.txt").write_text("the same picture again")
+    for seed in range(6):
+        split = make_split(data, seed=seed, val_split=0.5)
+        assert split.train and split.val and len(split.train) + len(split.val) == 3, seed
+
+
+def test_each_image_is_recorded_with_the_sha256_of_its_whole_file(tmp_path):
+    import hashlib
+
+    import numpy as np
+
+    data = _dataset(tmp_path / "data", 2)
+    # Noise compresses badly: a PNG of several KiB, whose bytes past the first KiB differ from a copy's below.
+    noise = np.random.default_rng(0).integers(0, 256, (48, 48, 3), dtype=np.uint8)
+    Image.fromarray(noise).save(data / "noise_a.png")
+    noise[-1, -1] = 255 - noise[-1, -1]
+    Image.fromarray(noise).save(data / "noise_b.png")
+    for name in ("noise_a", "noise_b"):
+        (data / f"{name}.txt").write_text(name)
+    split = make_split(data, seed=1)
+    for it in split.train + split.val:
+        assert it.sha256 == hashlib.sha256((data / it.file_name).read_bytes()).hexdigest(), it.file_name
+    assert split.summary["duplicates"] == []
