@@ -1,5 +1,6 @@
 import json
 import shutil
+import zlib
 from pathlib import Path
 
 import pytest
@@ -76,21 +77,26 @@ def test_empty_and_missing_folders(tmp_path):
 def test_metadata_jsonl_captions_subfolders_and_hidden_files(tmp_path):
     (tmp_path / "sub").mkdir()
     (tmp_path / ".cache").mkdir()
-    for name in ("b.png", "sub/a.JPG", ".cache/x.png", "c.png"):
+    for name in ("b.png", "sub/a.JPG", ".cache/x.png", "c.png", "sub/b.png"):
         Image.new("RGB", (16, 16)).save(tmp_path / name, format="JPEG" if name.endswith("JPG") else "PNG")
     (tmp_path / "c.txt").write_text("from the txt file")
     (tmp_path / "b.txt").write_text("loses to metadata")
     lines = [{"file_name": "b.png", "text": "a black\nsquare"}, {"file_name": "sub/a.JPG", "text": "a photo"},
-             {"file_name": "gone.png", "text": "nothing"}]
+             {"file_name": "gone.png", "text": "nothing"},
+             {"file_name": "sub\\b.png", "text": "listed on Windows"}]  # a backslash path names sub/b.png
     (tmp_path / "metadata.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines) + "{broken\n")
     scan = scan_dataset(tmp_path)
-    assert [c.file_name for c in scan.candidates] == ["b.png", "c.png", "sub/a.JPG"]
+    assert [c.file_name for c in scan.candidates] == ["b.png", "c.png", "sub/a.JPG", "sub/b.png"]
     result = validate_dataset(tmp_path)
     assert [(it.file_name, it.text) for it in result.items] == [
-        ("b.png", "a black square"), ("c.png", "from the txt file"), ("sub/a.JPG", "a photo")]
+        ("b.png", "a black square"), ("c.png", "from the txt file"), ("sub/a.JPG", "a photo"),
+        ("sub/b.png", "listed on Windows")]
+    # Each item's id is the CRC-32 of its whole relative path: b.png and sub/b.png are two items.
+    assert [it.id for it in result.items] == [zlib.crc32(it.file_name.encode()) for it in result.items]
+    assert len({it.id for it in result.items}) == 4
     reasons = {s.file_name: s.reason for s in result.skipped}
     assert "no such image file" in reasons["gone.png"]
-    assert "metadata.jsonl:4" in reasons
+    assert "metadata.jsonl:5" in reasons
 
 
 def test_a_metadata_jsonl_that_is_a_folder_is_refused(tmp_path):
