@@ -97,3 +97,39 @@ def test_a_steps_budget_ending_mid_epoch_is_flagged_with_buckets():
     p = plan(12, bucket_counts=[4, 5, 3], batch_size=2, steps=10)
     assert p.total_updates == 10 and p.epochs == 1
     assert any("ends 3 micro-batches into epoch 2" in w for w in p.warnings)
+
+
+def test_bucketed_epochs_draw_afresh_and_mix_the_buckets_chunks():
+    from rangefinder.training.data import make_stream
+
+    counts = (4, 5, 3)
+    bucket_of = [b for b, c in enumerate(counts) for _ in range(c)]
+    p = plan(12, bucket_counts=counts, batch_size=2, epochs=2)
+    s = make_stream(p, 5, bucket_of)
+    assert s.epoch_chunks(0) != s.epoch_chunks(1)  # each epoch its own order, as the plain stream's
+    # The chunks of all buckets are shuffled together: not every run opens with the first bucket's chunks.
+    firsts = {bucket_of[make_stream(p, seed, bucket_of).micro_batch(0)[0]] for seed in range(8)}
+    assert len(firsts) > 1
+
+
+def test_without_the_cache_a_flipped_image_gets_the_caches_mirrored_latent(tiny_model_dir, tmp_path):
+    """cache_latents off encodes each micro-batch itself: a flipped image is the one mirrored left to right, its latent
+    sampled with the seed the cache samples the mirrored latent with."""
+    import torch
+    from diffusers import AutoencoderKL
+    from PIL import Image
+
+    from rangefinder.data.pixels import load_rgb, to_model_array
+    from rangefinder.training.caching import LatentCache, VaeEncoder
+    from rangefinder.training.data import EncodedOnTheFly
+
+    path = tmp_path / "a.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(path)
+    cpu = torch.device("cpu")
+    vae = AutoencoderKL.from_pretrained(tiny_model_dir / "vae")
+    cache = LatentCache(VaeEncoder(vae, cpu, "sample", 3), lambda p: to_model_array(load_rgb(p), 32), tmp_path / "c")
+    latent, mirrored = cache.latents([path], ["key"], flipped=True, progress=False)
+    assert mirrored is not None and not torch.equal(latent, mirrored)
+    on_the_fly = EncodedOnTheFly([path], ["key"], cache.encoder, cache.load)
+    assert torch.equal(on_the_fly.get([0], [False], cpu), latent)
+    assert torch.equal(on_the_fly.get([0], [True], cpu), mirrored)
