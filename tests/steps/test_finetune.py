@@ -60,6 +60,10 @@ def test_retrain_uses_recommended_epochs_and_schedule(split_dir):
     tri = retrain_training_config(parse_config({"retrain": {"schedule": "triangular"}}), split_dir, 1e-4, 1e-2,
                                   1e-3, 5)
     assert (tri.schedule, tri.lr_min, tri.lr_max) == ("triangular", 1e-4, 1e-2)
+    # A fixed LR (bounds equal) cannot cycle: constant, as the fine-tune's (a triangle between equal bounds is refused).
+    fixed = retrain_training_config(parse_config({"retrain": {"schedule": "triangular"}}), split_dir, 1e-3, 1e-3,
+                                    1e-3, 5)
+    assert (fixed.schedule, fixed.lr, fixed.lr_min, fixed.lr_max) == ("constant", 1e-3, None, None)
 
 
 def test_the_retrain_trains_retrain_epochs_where_set_else_the_fine_tune_s_recommendation(split_dir):
