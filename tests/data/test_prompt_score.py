@@ -41,3 +41,30 @@ def test_only_shapes_prompts_are_scored():
     assert parse_prompt("A Red circle") == parse_prompt("a red circle")
     assert parse_prompt("an orange diamond on a white background").background == "white"  # type: ignore[union-attr]
     assert score_images([Image.new("RGB", (8, 8))], ["a photo of a cat"]) is None
+
+
+def test_a_shape_drawn_as_the_dataset_draws_it_scores_its_overlap_with_the_named_shape():
+    from PIL import ImageDraw
+
+    from rangefinder.data.synthetic import _draw_shape_at
+
+    # Drawn 4x larger and resized, as data.synthetic does: the shape's pixels are those it covers at least half of.
+    least = {"circle": 0.95, "square": 0.99, "triangle": 0.89, "diamond": 0.94}
+    for shape, floor in least.items():
+        big = Image.new("RGB", (128, 128), COLOURS["blue"])
+        _draw_shape_at(ImageDraw.Draw(big), shape, COLOURS["red"], 64, 64, 40)
+        img = big.resize((32, 32), Image.Resampling.LANCZOS)
+        s = score_image(img, f"a red {shape} on a blue background")
+        assert s is not None and s["shape"] >= floor, (shape, s)
+    # A bar 32 x 8 px is compared with the circle in the square around it (32 px across), not an 8 px one.
+    bar = Image.new("RGB", (32, 32), COLOURS["blue"])
+    bar.paste(COLOURS["red"], (0, 12, 32, 20))
+    s = score_image(bar, "a red circle on a blue background")
+    assert s is not None and abs(s["shape"] - 0.31) < 0.02, s
+
+
+def test_the_scores_of_several_images_are_their_means():
+    good = Image.new("RGB", (8, 8), COLOURS["red"])
+    other = Image.new("RGB", (8, 8), COLOURS["green"])
+    s = score_images([good, other, other], ["a red square"] * 3)
+    assert s is not None and s["colour"] == 1 / 3 and s["shape"] == 1 / 3
