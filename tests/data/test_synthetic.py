@@ -33,9 +33,12 @@ def test_same_seed_gives_byte_identical_files(tmp_path, capsys):
     assert len([f for f in files_a if f.endswith(".png")]) == 6
     for f in files_a:
         assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
-    other = make_synthetic_dataset(tmp_path / "c", count=6, seed=8)
+    other = make_synthetic_dataset(tmp_path / "c", kind="shapes", count=6, seed=8)
     assert other["reused"] is False
     assert (tmp_path / "c" / "00000.png").read_bytes() != (tmp_path / "a" / "00000.png").read_bytes()
+    # Another seed is another dataset, of every kind (the same kind: "c" above differed from "a" by seed alone).
+    for kind in KINDS:
+        assert render_item(kind, 7, 0)[0].tobytes() != render_item(kind, 8, 0)[0].tobytes(), kind
 
 
 def test_captions_are_true():
