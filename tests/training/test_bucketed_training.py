@@ -221,6 +221,27 @@ def test_per_bucket_validation_losses_are_reported(bucketed_runs, split_report):
             assert b["val_loss"] == float(table[-1][f"val_loss_{b['bucket']}"])
 
 
+def test_each_buckets_validation_set_is_conditioned_on_its_own_items_captions(split_report, tiny_model_dir, tmp_path):
+    """A subset spread over buckets is measured as one set per bucket: each set's rows of text conditioning are its
+    own items' captions, in its items' order (not the subset's first rows)."""
+    from rangefinder.training.encoding import encode_data
+    from rangefinder.training.setup import check_settings, load_model, start_accelerator
+
+    cfg = TrainingConfig(batch_size=2, steps=1, seed=5, cache_dir=str(tmp_path / "cache"))
+    spec = TrainSpec(cfg, VALIDATION, split_dir=split_report[0], model=tiny_model_dir, data=DATA)
+    settings = check_settings(spec, tmp_path / "run")
+    accelerator = start_accelerator(settings.cfg)
+    sd, family = load_model(settings, accelerator)
+    encoded = encode_data(settings, sd, family, accelerator, DATA)
+    captions = {it.id: it.text for items in settings.val_items.values() for it in items}
+    assert max(sum(vs.name == name for vs in encoded.val_sets) for name in ("val", "stabilize")) >= 2
+    encoders = [getattr(sd, n) for n in family.text_encoder_names()]
+    for vs in encoded.val_sets:
+        with torch.no_grad():
+            own = family.encode_prompt(encoders, family.tokenize([captions[i] for i in vs.ids])).float().cpu()
+        assert torch.allclose(vs.conditioning, own, atol=1e-5), (vs.name, vs.bucket)
+
+
 def test_validation_is_bit_identical_across_two_runs_and_a_resume(bucketed_runs, split_report, tiny_model_dir):
     cfg, _, runs = bucketed_runs
     first, second = runs["first"][0], runs["second"][0]
