@@ -1,6 +1,7 @@
 """The flow families (training/family_sd3.py, family_flux.py) read against diffusers' own pipelines and functions on
 the tiny SD3 and Flux: what the transformer is given in training is what the family's pipeline gives it when samples
-are rendered, and the validation grid's shift is the scheduler's."""
+are rendered, and the validation grid's shift is the scheduler's. The UNet families (SD 1.x, SDXL) against their
+pipelines' encode_prompt: the prompt embeddings training conditions on are those samples are rendered with."""
 
 from __future__ import annotations
 
@@ -95,3 +96,31 @@ def test_flux_trains_at_the_guidance_and_the_constant_shift_training_flow_sets(r
     fixed = family_for(sd, TrainingConfig(flow=FlowSettings(shift=2.0)))
     for latent_hw in [(4, 6), (64, 64)]:
         assert fixed.validation_sigmas(4, latent_hw) == FlowFamily(fixed.flow, 2.0).validation_sigmas(4, latent_hw)
+
+
+@pytest.mark.parametrize("family", ["sd1", "sdxl"])
+def test_the_unet_families_train_on_the_prompt_embeddings_their_pipelines_sample_with(family, request):
+    """What a UNet family's training conditions on (family.encode_prompt of family.tokenize, what the text cache
+    holds) is what its diffusers pipeline's encode_prompt gives the UNet when samples are rendered: SD 1.x the last
+    hidden state of 77 tokens, SDXL both encoders' penultimate hidden states side by side and the second's pooled
+    text embedding."""
+    from rangefinder.models.loading import load_sd_components
+    from rangefinder.training.families import family_for
+    from rangefinder.training.samples import sampling_scheduler
+
+    fixture = {"sd1": "tiny_model_dir", "sdxl": "tiny_sdxl_dir"}[family]
+    sd = load_sd_components(ModelConfig(base_model=str(request.getfixturevalue(fixture))))
+    fam = family_for(sd, TrainingConfig())
+    prompt = "a red circle on a blue background"
+    pipe = fam.sampling_pipeline(sd, sampling_scheduler(sd))
+    with torch.no_grad():
+        cond = fam.encode_prompt([getattr(sd, n) for n in fam.text_encoder_names()], fam.tokenize([prompt]))
+        out = pipe.encode_prompt(prompt=prompt, device=torch.device("cpu"), num_images_per_prompt=1,
+                                 do_classifier_free_guidance=False)
+    if family == "sd1":
+        torch.testing.assert_close(cond, out[0])
+        return
+    embeds, pooled = out[0], out[2]
+    torch.testing.assert_close(cond[:, :-1], embeds)
+    torch.testing.assert_close(cond[:, -1, : pooled.shape[1]], pooled)
+    assert not cond[:, -1, pooled.shape[1] :].any()
