@@ -53,6 +53,12 @@ def test_captions_carry_the_placeholder(tiny_model_dir):
     assert method.transform_caption("") != method.transform_caption("")  # templates vary across captionless items
     assert method.transform_caption("a red circle") == f"a red circle, in the style of {expanded}"
     assert method.transform_caption(f"a {TOKEN} circle") == f"a {expanded} circle"
+    # An object's token leads a caption that lacks it ("<tok>, caption", as the module says); its templates name it
+    # as an object.
+    obj = make_method(_cfg(learnable_property="object"))
+    obj.setup(load_parts(tiny_model_dir), torch.float32)
+    assert obj.transform_caption("a red circle") == f"{expanded}, a red circle"
+    assert obj.transform_caption("") == f"a photo of a {expanded}"
 
 
 def test_only_the_new_rows_train(trained_ti):
