@@ -221,17 +221,25 @@ def test_per_bucket_validation_losses_are_reported(bucketed_runs, split_report):
             assert b["val_loss"] == float(table[-1][f"val_loss_{b['bucket']}"])
 
 
-def test_each_buckets_validation_set_is_conditioned_on_its_own_items_captions(split_report, tiny_model_dir, tmp_path):
+@pytest.fixture(scope="module")
+def loaded_run(split_report, tiny_model_dir, tmp_path_factory):
+    """A bucketed run's settings, accelerator, model and family, set up as the engine sets them up, nothing encoded."""
+    from rangefinder.training.setup import check_settings, load_model, start_accelerator
+
+    tmp = tmp_path_factory.mktemp("loaded-run")
+    cfg = TrainingConfig(batch_size=2, steps=1, seed=5, cache_dir=str(tmp / "cache"))
+    settings = check_settings(TrainSpec(cfg, VALIDATION, split_dir=split_report[0], model=tiny_model_dir, data=DATA),
+                              tmp / "run")
+    accelerator = start_accelerator(settings.cfg)
+    return settings, accelerator, *load_model(settings, accelerator)
+
+
+def test_each_buckets_validation_set_is_conditioned_on_its_own_items_captions(loaded_run):
     """A subset spread over buckets is measured as one set per bucket: each set's rows of text conditioning are its
     own items' captions, in its items' order (not the subset's first rows)."""
     from rangefinder.training.encoding import encode_data
-    from rangefinder.training.setup import check_settings, load_model, start_accelerator
 
-    cfg = TrainingConfig(batch_size=2, steps=1, seed=5, cache_dir=str(tmp_path / "cache"))
-    spec = TrainSpec(cfg, VALIDATION, split_dir=split_report[0], model=tiny_model_dir, data=DATA)
-    settings = check_settings(spec, tmp_path / "run")
-    accelerator = start_accelerator(settings.cfg)
-    sd, family = load_model(settings, accelerator)
+    settings, accelerator, sd, family = loaded_run
     encoded = encode_data(settings, sd, family, accelerator, DATA)
     captions = {it.id: it.text for items in settings.val_items.values() for it in items}
     assert max(sum(vs.name == name for vs in encoded.val_sets) for name in ("val", "stabilize")) >= 2
@@ -240,6 +248,31 @@ def test_each_buckets_validation_set_is_conditioned_on_its_own_items_captions(sp
         with torch.no_grad():
             own = family.encode_prompt(encoders, family.tokenize([captions[i] for i in vs.ids])).float().cpu()
         assert torch.allclose(vs.conditioning, own, atol=1e-5), (vs.name, vs.bucket)
+
+
+@pytest.mark.parametrize("bucketing", [True, False])
+def test_center_crop_off_encodes_each_image_squashed_not_cropped(loaded_run, bucketing):
+    """data.center_crop false: the latents are of the whole image squashed into its bucket (or the square), not of
+    its centre: those of every image that overflows its bucket (or the square) differ, the others' are the same."""
+    from rangefinder.training.encoding import encode_data
+
+    settings, accelerator, sd, family = loaded_run
+    if not bucketing:
+        settings = dataclasses.replace(settings, placements=None)
+    size = {it.id: it.size for items in settings.val_items.values() for it in items}
+    latents: dict[bool, dict[int, torch.Tensor]] = {}
+    for crop in (True, False):
+        data = DataConfig(resolution=32, bucketing=bucketing, center_crop=crop)
+        val_sets = encode_data(settings, sd, family, accelerator, data).val_sets
+        latents[crop] = {i: z for vs in val_sets for i, z in zip(vs.ids, vs.latents, strict=True)}
+    assert latents[True].keys() == latents[False].keys() == size.keys()
+    buckets = BucketSettings.from_data_config(DATA)
+    assert buckets is not None
+    fits = {i for i, (w, h) in size.items()
+            if (place((w, h), buckets).resized == place((w, h), buckets).bucket if bucketing else w == h)}
+    assert fits and fits != size.keys()
+    for i, cropped in latents[True].items():
+        assert torch.equal(cropped, latents[False][i]) == (i in fits), size[i]
 
 
 def test_validation_is_bit_identical_across_two_runs_and_a_resume(bucketed_runs, split_report, tiny_model_dir):
