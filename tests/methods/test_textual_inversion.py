@@ -238,3 +238,27 @@ def test_every_new_row_starts_at_the_initializer_s_and_sdxl_trains_both_encoders
         for name in named:
             learned = method.learned_embeds(name)
             assert learned.shape[0] == 2 and all(torch.equal(row, init[name]) for row in learned), name
+
+
+def test_validation_captions_carry_the_placeholder_as_training_captions_do(split_dir, tiny_model_dir, tmp_path):
+    """The validation loss of a textual inversion run measures the learned word: the validation and stabilize
+    captions are tokenized with the placeholder's vectors, as the training captions are."""
+    from rangefinder.config import ValidationConfig
+    from rangefinder.training.encoding import encode_data
+    from rangefinder.training.loop import TrainSpec
+    from rangefinder.training.setup import check_settings, load_model, native_data_config, start_accelerator
+
+    cfg = TrainingConfig(method="textual_inversion", textual_inversion={"num_vectors": 2}, steps=1, batch_size=2,
+                         cache_dir=str(tmp_path / "cache"))
+    settings = check_settings(TrainSpec(cfg, ValidationConfig(every_updates=1), split_dir=split_dir,
+                                        model=tiny_model_dir), tmp_path / "run")
+    accelerator = start_accelerator(settings.cfg)
+    sd, family = load_model(settings, accelerator)
+    encoded = encode_data(settings, sd, family, accelerator, native_data_config(sd))
+    placeholder = set(sd.tokenizer.convert_tokens_to_ids([TOKEN, f"{TOKEN}_1"]))
+    names: set[str] = set()
+    for vs in encoded.val_sets:
+        names.add(vs.name)
+        for ids in vs.conditioning:  # (77,) token ids: the text encoder trains
+            assert placeholder <= set(ids.tolist()), vs.name
+    assert names == {"val", "stabilize"}
