@@ -74,6 +74,8 @@ def test_manual_validation_folder(tmp_path):
     split = split_dataset(data, tmp_path / "s", val_dir=data / "val")
     assert [it.file_name for it in split.val] == ["val/img000.png", "val/img001.png"]
     assert len(split.train) == 6 and not any(it.file_name.startswith("val/") for it in split.train)
+    # Left out of the scan, not met as copies of the validation images (which the leak guard would list).
+    assert split.summary["skipped"] == [] and split.summary["duplicates"] == []
     outside = _dataset(tmp_path / "heldout", 1, green=9)
     split = split_dataset(data, tmp_path / "s2", val_dir=outside)
     assert [it.file_name for it in split.val] == ["../heldout/img000.png"]
