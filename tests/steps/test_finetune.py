@@ -113,6 +113,18 @@ def test_each_step_s_spec_is_validated_planned_once_and_round_trips_through_json
         TrainSpec.ramp(cfg, split, lr_min=-1e-6, lr_max=1e-1, world_size=1)
 
 
+def test_a_cooldown_branch_renders_no_samples_and_keeps_only_its_newest_checkpoint(split_dir):
+    """TrainSpec.cooldown_of: the constant run's settings but its schedule (wsd, decaying its last share), no samples
+    during training, one checkpoint kept (a retried step goes on from it), branched from the run's checkpoint."""
+    split = read_split(split_dir)
+    ft = TrainSpec.finetune(demo_config(), split, bounds=(1e-3, 1e-3), lr=1e-3, world_size=1)
+    assert ft.sampling is not None and ft.training.keep_checkpoints > 1 and ft.plan is not None
+    cd = ft.cooldown_of(split, epochs=2, decay_fraction=0.5)
+    assert cd.sampling is None and cd.branch and cd.training.keep_checkpoints == 1
+    assert (cd.training.schedule, cd.training.decay_fraction, cd.training.epochs) == ("wsd", 0.5, 2)
+    assert cd.plan is not None and cd.plan.total_updates == 2 * ft.plan.updates_per_epoch
+
+
 def test_each_step_s_run_titles_its_deliverables_with_the_registered_model_name(split_dir):
     """What a step's run delivers is titled (its files' model spec, formats/model_spec.py) with the name the
     pipeline registers the model under; with none registered the spec leaves it to the engine, which takes the
