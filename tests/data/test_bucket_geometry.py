@@ -44,6 +44,13 @@ def test_a_bucket_exactly_at_max_aspect_is_kept():
     assert bucket_sizes(BucketSettings(32, 8, 1.6)) == ((32, 32),)
 
 
+def test_the_square_is_a_bucket_even_where_no_width_reaches_it():
+    # 96 px at step 64: the width 64 gets the height 128 (the area allows 144), so the square comes only as itself.
+    settings = BucketSettings(96, 64, 2.0)
+    assert bucket_sizes(settings) == ((64, 64), (64, 128), (128, 64))
+    assert nearest_bucket((500, 500), settings) == (64, 64)
+
+
 def test_sd_buckets_at_512_px():
     assert bucket_sizes(SD) == ((384, 640), (448, 576), (512, 512), (576, 448), (640, 384))
     assert bucket_sizes(TINY) == ((24, 40), (32, 32), (40, 24))
