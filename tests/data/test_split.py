@@ -231,6 +231,8 @@ def test_the_stabilize_subset_is_pinned_too(tmp_path):
     manual = make_split(_dataset(tmp_path / "data", 6), val_dir=_dataset(tmp_path / "val", 2, green=9), seed=555,
                         stabilize_split=0.5)
     assert [it.file_name for it in manual.stabilize] == ["img001.png", "img002.png", "img004.png"]
+    whole = make_split(_dataset(tmp_path / "plain", 10), seed=555, stabilize_split=1)  # all of training, allowed
+    assert whole.stabilize == whole.train
 
 
 def test_a_group_of_identical_images_never_takes_the_last_training_place(tmp_path):
