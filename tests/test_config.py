@@ -27,10 +27,18 @@ from rangefinder.planning import plan, val_count
         ({"training": {"epochs": 2, "steps": 10}}, "training", "either training.epochs or training.steps"),
         ({"training": {"schedule": "triangular", "lr_min": 1e-3, "lr_max": 1e-4}}, "training.lr_max",
          "must be above training.lr_min"),
+        ({"training": {"schedule": "exp_range", "lr_min": 1e-4, "lr_max": 1e-4}}, "training.lr_max",
+         "must be above training.lr_min"),  # a cycle of no height
         ({"training": {"schedule": "exp-ramp", "lr_max": 1e-2}}, "training.lr_min", "lr_min > 0"),
+        ({"training": {"optimizer": "prodigy", "scale_lr": "linear"}}, "training.scale_lr", "set scale_lr: none"),
+        ({"training": {"optimizer": "prodigy", "schedule": "linear-ramp", "lr_max": 1e-2}}, "training.schedule",
+         "no LR to measure"),
         ({"training": {"schedule": "cosine-ish"}}, "training.schedule", "Input should be"),
         ({"training": {"steps_unit": "epoch"}}, "training.steps_unit", "'update' or 'micro-batch'"),
         ({"lr_range_test": {"lr_min": 1e-2, "lr_max": 1e-3}}, "lr_range_test.lr_max", "must be above"),
+        ({"lr_range_test": {"lr_min": 1e-3, "lr_max": 1e-3}}, "lr_range_test.lr_max", "must be above"),  # no sweep
+        ({"training": {"optimizer": "adamw_schedule_free"}, "finetune": {"schedule": "triangular"}},
+         "finetune.schedule", "schedule-free, so it trains with a constant LR"),
         ({"lr_range_test": {"midpoint": "harmonic"}}, "lr_range_test.midpoint", "'tuned', 'geometric' or 'arithmetic'"),
         ({"validation": {"divergence_factor": 1.0}}, "validation.divergence_factor", "greater than 1"),
         ({"finetune": {"tolerance": 0}}, "finetune.tolerance", "greater than 0"),
@@ -52,6 +60,7 @@ def test_invalid_values_name_the_field(raw, field, hint):
 def test_defaults_and_demo_are_valid():
     cfg = RangefinderConfig()
     assert cfg.split.val_split == 0.2 and cfg.data.resolution == 512
+    assert cfg.tracking.server_wait_seconds == 60  # a step waits out a server pod's restart before it spools
     demo = demo_config()
     assert demo.data.resolution == 32 and demo.model.base_model is None
 
@@ -228,6 +237,12 @@ def test_a_non_finite_or_non_positive_lr_is_refused_everywhere(lr, tmp_path):
     with pytest.raises(ConfigError, match=r"training\.lr: Input should be a finite number"):
         load_config(yaml_inf)
     assert plan(10, epochs=1, lr=10.0).lr == 10.0  # large, but a number: the planner only counts
+
+
+def test_scale_lr_multiplies_the_lr_by_the_effective_batch_or_its_square_root():
+    for scale, factor in (("none", 1.0), ("linear", 16.0), ("sqrt", 4.0)):
+        p = plan(32, epochs=1, batch_size=2, grad_accum=4, world_size=2, lr=1e-4, scale_lr=scale)
+        assert p.lr_scale_factor == factor and p.lr == pytest.approx(1e-4 * factor), scale
 
 
 @pytest.mark.parametrize("field", ["training.seed", "split.seed", "validation.seed", "sampling.seeds.0"])
@@ -483,6 +498,8 @@ def test_prodigy_step_factor_overrides_the_family_s_and_is_refused_or_warned_whe
     # Unset: the table's, by family and method. Set: the run's own, on every family (1: the step size itself).
     assert parse_config({}).prodigy_step_factor_for("sdxl") == 4.0
     assert parse_config({}).prodigy_step_factor_for("sd1") == 1.0
+    assert parse_config({}).prodigy_step_factor_for("sd3") == 4.0
+    assert parse_config({"training": {"method": "lora"}}).prodigy_step_factor_for("sd3") == 1.0
     own = parse_config({"prodigy_step_factor": 1})
     assert own.prodigy_step_factor_for("sdxl") == own.prodigy_step_factor_for(None) == 1.0
     assert "as set in the config" in own.prodigy_step_factor_source()

@@ -206,6 +206,7 @@ def test_bad_process_counts_are_one_clear_error(split_dir, tiny_model_dir, tmp_p
     with pytest.raises(ConfigError, match="sees only 2 GPU"):
         resolve_processes_per_node(4, gpus=2)
     assert resolve_processes_per_node("auto", gpus=0) == 1 and resolve_processes_per_node("auto", gpus=8) == 8
+    assert resolve_processes_per_node(8, gpus=8) == 8  # one process per GPU, as many as the node has
     assert resolve_processes_per_node(2, gpus=0) == 2  # no GPU: gloo processes on the CPU
     # A global batch larger than the training set (16 images): 4 processes x 8 images.
     cfg = _cfg(4, 8, tmp_path / "cache")
