@@ -9,6 +9,7 @@ def test_urls_lose_their_credentials_and_query():
     assert safe_uri("http://bob:s3cr3t@mlflow.example:5000/prefix?token=abc") == "http://mlflow.example:5000/prefix"
     assert safe_uri("sqlite:////tmp/out/mlflow.db") == "sqlite:////tmp/out/mlflow.db"
     assert safe_uri("postgresql://user:pw@db:5432/mlflow") == "postgresql://db:5432/mlflow"
+    assert safe_uri("postgresql://user:pw@db/mlflow?password=pw") == "postgresql://db/mlflow"  # libpq's query too
     assert redact("see https://bob:s3cr3t@host/x and more") == "see https://host/x and more"
 
 
@@ -17,6 +18,16 @@ def test_values_of_secret_environment_variables_and_token_shapes(monkeypatch):
     monkeypatch.setenv("SOME_DEBUG_FLAG", "hunter2-long-not-a-secret-name")  # a name that says nothing
     text = "pw hunter2-long, hf hf_ABCDEFGHIJKLMNOPQRSTUVWXYZ, aws AKIAABCDEFGHIJKLMNOP"
     assert redact(text) == "pw ***, hf ***, aws ***"
+
+
+def test_every_kind_of_secret_variable_is_hidden_whole_down_to_four_characters(monkeypatch):
+    """A bearer token (MLFLOW_TRACKING_TOKEN) in no known shape, a secret that holds another one (hidden whole, not
+    as *** and the rest), and a 4-character password (the shortest hidden)."""
+    monkeypatch.setenv("MLFLOW_TRACKING_TOKEN", "opaque-bearer-9c1f")
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "rf-pw-0451")
+    monkeypatch.setenv("HF_TOKEN", "rf-pw-0451-and-more")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "w7Qz")
+    assert redact("Bearer opaque-bearer-9c1f; rf-pw-0451-and-more, rf-pw-0451, w7Qz") == "Bearer ***; ***, ***, ***"
 
 
 def test_secret_named_settings_are_hidden_and_look_alikes_kept():
