@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 
 from rangefinder.config import RangefinderConfig, SamplingConfig, resolve_processes_per_node
 from rangefinder.data.split import read_split
-from rangefinder.errors import ConfigError, Preempted
+from rangefinder.errors import ConfigError, Preempted, RangefinderError
 from rangefinder.formats import checkpoints
 from rangefinder.launch import processes as launch
 from rangefinder.training.samples import read_index
@@ -213,6 +213,23 @@ def test_bad_process_counts_are_one_clear_error(split_dir, tiny_model_dir, tmp_p
     with pytest.raises(ConfigError, match="global batch.*32.*larger than the 16 training images"):
         launch.run_training(cfg, _spec(cfg, split_dir, tiny_model_dir), out_dir=tmp_path / "big")
     assert not (tmp_path / "big").exists()
+    launch.check_global_batch(cfg.training.model_copy(update={"batch_size": 4, "world_size": 4}), 16)  # full-cycle
+
+
+def test_a_new_attempt_never_reads_an_earlier_attempt_s_outcome(split_dir, tiny_model_dir, tmp_path):
+    """A step run again (a KFP retry) writes its job where the killed attempt did: that attempt's result or a rank's
+    error file would be read as this attempt's when its processes end without one."""
+    cfg = _cfg(2, 2, tmp_path / "cache")
+    spec = _spec(cfg, split_dir, tiny_model_dir)
+
+    def job():
+        return launch.write_job(cfg, spec, tmp_path / "out", save_final=True, step_name="finetune", mlflow_run_id=None)
+
+    folder = job().parent
+    (folder / launch.RESULT_NAME).write_text("{}")
+    (folder / f"{launch.ERROR_PREFIX}1.json").write_text(json.dumps({"rank": 1, "type": "Preempted", "message": "x"}))
+    with pytest.raises(RangefinderError, match="ended without a result"):
+        launch.read_result(job())
 
 
 def test_torch_threads_come_from_the_environment_and_a_bad_value_is_one_clear_error(monkeypatch):

@@ -88,6 +88,8 @@ def test_the_trainjob_fits_the_crd_and_the_runtime(trainjob_schema, runtime, mon
     assert {"name": "rangefinder-data", "mountPath": "/data"} in container["volumeMounts"]
     refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"]}
     assert refs["MLFLOW_TRACKING_PASSWORD"] == {"name": "mlflow-credentials", "key": "MLFLOW_TRACKING_PASSWORD"}
+    # The Secret names the server: no plain MLFLOW_TRACKING_URI beside it (kubernetes.mlflow_tracking_uri's).
+    assert refs["MLFLOW_TRACKING_URI"]["name"] == "mlflow-credentials" and "MLFLOW_TRACKING_URI" not in env
     assert refs["HF_TOKEN"] == {"name": "hf-token", "key": "HF_TOKEN", "optional": True}
     assert all("value" not in e for e in container["env"])
     assert "s3cr3t-value-never-shipped" not in json.dumps(obj)
@@ -115,6 +117,14 @@ def test_the_processes_per_node_are_the_command_s_whatever_trainer_would_count(t
     assert "gpu" not in "".join(t["resourcesPerNode"]["limits"]) and t["resourcesPerNode"]["limits"]["cpu"] == "8"
     assert t["command"][:3] == ["torchrun", "--nproc_per_node", "1"]
     assert check_against_crd(obj, trainjob_schema) == []
+
+
+def test_every_node_s_processes_count_in_the_world_size_from_the_pods_gpus():
+    """The step's pod only submits the TrainJob (it has no GPU): auto is kubernetes.gpu_count processes per node, and
+    the batch arithmetic's world size (the LR's scaling, the updates per epoch) counts every node's."""
+    cfg = _cfg()  # 2 nodes of 8 GPUs
+    assert launch.processes_per_node(cfg, gpus=0) == 8
+    assert launch.step_world_size(cfg, gpus=0) == 16
 
 
 def test_the_submitting_pod_as_owner_fits_the_crd(trainjob_schema):
