@@ -94,7 +94,8 @@ def test_a_range_test_s_bounds_stay_on_its_run_and_the_parent_shows_the_fine_tun
     cfg = TrackingConfig(tracking_uri=shared_sqlite_tracking_uri, experiment_name="one-decision")
     parent = ensure_parent_run(cfg, name="pipeline-run-decisions")
     with step_run(cfg, "lr_range_test", parent_run_id=parent) as rt:
-        rt.log_decisions({"lr_low": 1e-5, "lr_high": 1e-3, "lr_mid": 1e-4, "status": "ok"}, numbers_to_parent=False)
+        rt.log_decisions({"lr_low": 1e-5, "lr_high": 1e-3, "lr_mid": 1e-4, "quality": 0.75, "status": "ok"},
+                         numbers_to_parent=False)
     with step_run(cfg, "finetune", parent_run_id=parent) as ft:
         ft.log_decisions({"lr_low": 3e-5, "lr_high": 2e-4, "lr_mid": 8e-5, "lr_used": 8e-5})
     client = MlflowClient(tracking_uri=shared_sqlite_tracking_uri)
@@ -103,6 +104,7 @@ def test_a_range_test_s_bounds_stay_on_its_run_and_the_parent_shows_the_fine_tun
         "3.000e-05", "2.000e-04", "8.000e-05")
     assert on_parent.tags["lr_used"] == "8.000e-05" and not on_parent.metrics
     assert client.get_run(rt.run_id).data.tags["lr_low"] == "1.000e-05"
+    assert client.get_run(rt.run_id).data.metrics == {"quality": 0.75}  # the range test's own number, not the parent's
 
 
 def test_an_experiment_rangefinder_creates_says_what_it_holds_and_one_it_finds_keeps_its_own(

@@ -28,7 +28,7 @@ def test_a_retried_step_goes_on_in_its_run_with_each_update_once(shared_sqlite_t
     # The first attempt logs updates 1..6 and is preempted (its last checkpoint: update 3).
     with pytest.raises(RuntimeError), step_run(cfg, "finetune", parent_run_id=parent) as first:
         for update in range(1, 7):
-            first.log_metrics({"train_loss": 1.0 / update, "lr": 1e-4}, step=update)
+            first.log_metrics({"train_loss": 1.0 / update, "lr": 1e-4, "val_loss": 2.0 / update}, step=update)
         first.metrics.flush()
         raise RuntimeError("preempted")
 
@@ -36,18 +36,19 @@ def test_a_retried_step_goes_on_in_its_run_with_each_update_once(shared_sqlite_t
     # its own process and through a worker's sink, as a multi-process run would.
     with step_run(cfg, "finetune", parent_run_id=parent) as retry:
         for update in range(4, 7):
-            retry.log_metrics({"train_loss": 1.0 / update, "lr": 1e-4}, step=update)
+            retry.log_metrics({"train_loss": 1.0 / update, "lr": 1e-4, "val_loss": 2.0 / update}, step=update)
         retry.metrics.flush()
         worker = step_metric_sink(cfg, retry.run_id, "finetune")
         for update in range(5, 9):
-            worker.log_metrics({"train_loss": 1.0 / update, "lr": 1e-4}, step=update)
+            worker.log_metrics({"train_loss": 1.0 / update, "lr": 1e-4, "val_loss": 2.0 / update}, step=update)
         worker.close()
         retry.log_decisions({"status": "ok"}, to_parent=False)
     assert retry.run_id == first.run_id
 
     client = MlflowClient(tracking_uri=shared_sqlite_tracking_uri)
     run = client.get_run(retry.run_id)
-    for key in ("train_loss", "lr"):
+    # The validation loss too, whose MLflow key (validation/val_loss) is not the engine's (val_loss).
+    for key in ("train_loss", "lr", "validation/val_loss"):
         assert sorted(m.step for m in client.get_metric_history(run.info.run_id, key)) == list(range(1, 9)), key
     assert run.info.status == "FINISHED" and run.data.tags["status"] == "ok"
     assert TAG_ERROR not in run.data.tags  # the first attempt's error is not this run's
@@ -60,6 +61,24 @@ def test_a_retried_step_goes_on_in_its_run_with_each_update_once(shared_sqlite_t
     with step_run(cfg, "finetune", parent_run_id=parent) as again:
         pass
     assert again.run_id != retry.run_id
+
+
+def test_a_step_whose_pod_was_lost_mid_step_goes_on_in_its_run(shared_sqlite_tracking_uri):
+    """A pod killed inside the step (SIGKILL, node loss) never ends its run: MLflow still has it RUNNING, and the
+    retry goes on in it as it does in a FAILED one."""
+    cfg = RangefinderConfig(tracking={"tracking_uri": shared_sqlite_tracking_uri, "experiment_name": "lost-pod"})
+    parent = ensure_parent_run(cfg, name="lost-pod-pipeline")
+    lost = step_run(cfg, "finetune", parent_run_id=parent)
+    first = lost.__enter__()  # the pod dies in the block: nothing ends the run
+    first.log_metrics({"train_loss": 1.0}, step=1)
+    first.metrics.flush()
+    client = MlflowClient(tracking_uri=shared_sqlite_tracking_uri)
+    assert client.get_run(first.run_id).info.status == "RUNNING"
+    with step_run(cfg, "finetune", parent_run_id=parent) as retry:
+        retry.log_metrics({"train_loss": 0.5}, step=2)
+    assert retry.run_id == first.run_id
+    run = client.get_run(retry.run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["rangefinder.attempt"] == "2"
 
 
 @pytest.mark.slow
