@@ -194,6 +194,20 @@ def test_another_process_finds_the_same_parent(mlflow_server_uri):
     assert out.stdout.strip().splitlines()[-1] == parent_id
 
 
+def test_of_two_parents_a_race_left_every_step_takes_the_first(shared_sqlite_tracking_uri):
+    """Two steps that start together may each make the parent: each then keeps the earliest of the key's parents,
+    the later one's step deletes its own, and so every step nests under one parent (the newest would leave one step
+    under each, when the first looked before the second made its own)."""
+    cfg = RangefinderConfig(tracking=TrackingConfig(tracking_uri=shared_sqlite_tracking_uri,
+                                                    experiment_name="parent-race"))
+    first = ensure_parent_run(cfg, name="rf-race")
+    client = _client(cfg)
+    made = client.get_run(first)
+    second = client.create_run(made.info.experiment_id, start_time=made.info.start_time + 1000,
+                               tags={"rangefinder.pipeline_run": "rf-race"}).info.run_id
+    assert second != first and ensure_parent_run(cfg, name="rf-race") == first
+
+
 def test_two_local_runs_that_drew_one_kfp_run_id_keep_their_own_parent_runs(sqlite_tracking_uri):
     """kfp.local draws a run's id from 10^8 numbers (kfp.local.placeholder_utils.make_random_id): of a few thousand
     local runs logging to one experiment (a team's MLflow server), two likely drew the same. The parent was found by

@@ -72,15 +72,19 @@ def test_records_survive_a_torn_line_and_replay_once(tmp_path, mlflow_server_uri
     artifact = tmp_path / "report.md"
     artifact.write_text("# report\n")
     spool.append({"kind": "artifact", "run_id": run_id, "path": str(artifact), "artifact_path": "report"})
-    artifact.unlink()  # a pod's outputs are gone by relog time: the spool kept its own copy
+    curve = tmp_path / "metrics.csv"
+    curve.write_text("update,val_loss\n0,1.0\n")
+    spool.append({"kind": "artifact", "run_id": run_id, "path": str(curve), "artifact_path": "curves"})
+    artifact.unlink()  # a pod's outputs are gone by relog time: the spool kept its own copy of each
+    curve.unlink()
     with open(spool.path, "a") as f:
         f.write('{"kind": "metrics", "run_id": "')  # a write cut off by a kill
-    assert dict(spool.counts) == {"metrics": 2, "params": 1, "tags": 1, "text": 1, "artifact": 1}
+    assert dict(spool.counts) == {"metrics": 2, "params": 1, "tags": 1, "text": 1, "artifact": 2}
 
     kept = read_spool(spool.path)
-    assert kept.torn == 1 and kept.header["tracking_uri"] == mlflow_server_uri and len(kept.records) == 5
+    assert kept.torn == 1 and kept.header["tracking_uri"] == mlflow_server_uri and len(kept.records) == 6
     result = replay(spool.path, MlflowClient(tracking_uri=mlflow_server_uri))
-    assert result.torn == 1 and not result.left and sum(result.sent.values()) == 6
+    assert result.torn == 1 and not result.left and sum(result.sent.values()) == 7
     assert not spool.path.exists() and not spool.files_dir.exists()
 
     client = MlflowClient(tracking_uri=mlflow_server_uri)
@@ -89,6 +93,7 @@ def test_records_survive_a_torn_line_and_replay_once(tmp_path, mlflow_server_uri
     run = client.get_run(run_id)
     assert run.data.params == {"training.lr": "0.0001"} and run.data.tags["status"] == "ok"
     assert {a.path for a in client.list_artifacts(run_id, "report")} == {"report/report.md"}
+    assert {a.path for a in client.list_artifacts(run_id, "curves")} == {"curves/metrics.csv"}
     assert client.download_artifacts(run_id, "notes/hello.txt", str(tmp_path)).endswith("hello.txt")
 
 
@@ -115,6 +120,19 @@ def test_a_record_mlflow_refuses_is_named_and_kept_with_the_rest(tmp_path, mlflo
         replay(spool.path, MlflowClient(tracking_uri=mlflow_server_uri))
     left = read_spool(spool.path).records
     assert [r["tags"] for r in left] == [{"b": "2"}, {"c": "3"}]  # the first went, and is not sent twice
+
+
+def test_a_param_logged_again_with_another_value_keeps_the_first_and_logs_the_rest(mlflow_server_uri, run_id, caplog):
+    """A retried or replayed run logs its params again, some changed (the plan of a resumed run): MLflow refuses to
+    change a param, so the first value stays, with a warning, and the new ones are logged; the step goes on."""
+    from rangefinder.tracking.spool import apply_record
+
+    client = MlflowClient(tracking_uri=mlflow_server_uri)
+    apply_record(client, {"kind": "params", "run_id": run_id, "params": {"plan.lr": "0.0001"}})
+    with caplog.at_level(logging.WARNING):
+        apply_record(client, {"kind": "params", "run_id": run_id, "params": {"plan.lr": "0.0002", "plan.epochs": "3"}})
+    assert client.get_run(run_id).data.params == {"plan.lr": "0.0001", "plan.epochs": "3"}
+    assert any("plan.lr already logged as '0.0001'" in r.getMessage() for r in caplog.records)
 
 
 def test_relog_command_reports_a_spool_it_cannot_read(tmp_path):
@@ -180,13 +198,14 @@ def test_a_step_against_a_healthy_server_writes_no_spool(tmp_path, mlflow_server
 
 def test_a_replayed_record_may_only_name_files_the_spool_keeps(tmp_path, mlflow_server_uri, run_id):
     """relog uploads what a record names: a spool edited to name any other file (/etc/passwd) is refused."""
-    spool = spool_of(tmp_path, mlflow_server_uri, run_id)
-    spool.append({"kind": "tags", "run_id": run_id, "tags": {"a": "1"}})
-    with open(spool.path, "a") as f:
-        f.write(json.dumps({"kind": "artifact", "run_id": run_id, "path": "/etc/passwd", "artifact_path": "x"}) + "\n")
-        f.write(json.dumps({"kind": "artifact", "run_id": run_id, "path": "../../x", "artifact_path": "x"}) + "\n")
-    with pytest.raises(TrackingError, match="outside the spool's folder"):
-        replay(spool.path, MlflowClient(tracking_uri=mlflow_server_uri))
+    (tmp_path / "x").write_text("not the spool's")
+    for n, outside in enumerate(("/etc/passwd", "../../x")):  # each in a spool of its own: each refused
+        spool = spool_of(tmp_path / str(n), mlflow_server_uri, run_id)
+        spool.append({"kind": "tags", "run_id": run_id, "tags": {"a": "1"}})
+        with open(spool.path, "a") as f:
+            f.write(json.dumps({"kind": "artifact", "run_id": run_id, "path": outside, "artifact_path": "x"}) + "\n")
+        with pytest.raises(TrackingError, match="outside the spool's folder"):
+            replay(spool.path, MlflowClient(tracking_uri=mlflow_server_uri))
     assert not MlflowClient(tracking_uri=mlflow_server_uri).list_artifacts(run_id, "x")
 
 
