@@ -175,6 +175,8 @@ def test_a_step_whose_server_dies_waits_a_bounded_time_and_keeps_its_records(tmp
     counts = read_spool(spool).counts()
     assert dict(counts) == {"artifact": 1, "image": 1, "tags": 1, "metrics": 1, "end": 1}
     assert any("rangefinder relog" in r.getMessage() and "1 metric value" in r.getMessage() for r in caplog.records)
+    # One line when the spool starts, not one per record kept in it.
+    assert sum("is not answering" in r.getMessage() for r in caplog.records) == 1
 
 
 def _png(tmp_path):

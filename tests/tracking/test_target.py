@@ -101,3 +101,16 @@ def test_right_credentials_log_a_run(mlflow_auth_server, monkeypatch):
     assert run_data.data.metrics["train_loss"] == 0.5
     values = list(run_data.data.params.values()) + list(run_data.data.tags.values())
     assert not any(password in v for v in values)
+
+
+def test_an_answer_of_500_is_a_server_away_and_a_refusal_is_not():
+    """What MLflow's REST client raises for an answer: a 5xx (the server's database away behind it, a restarting
+    pod behind its proxy) is waited for and spooled like no answer; a 4xx refuses the record and is raised."""
+    from mlflow.exceptions import RestException
+
+    from rangefinder.tracking.target import server_unreachable
+
+    for code in ("INTERNAL_ERROR", "TEMPORARILY_UNAVAILABLE"):  # HTTP 500, 503
+        assert server_unreachable(RestException({"error_code": code, "message": "database is away"})), code
+    for code in ("INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST"):  # HTTP 400, 404
+        assert not server_unreachable(RestException({"error_code": code, "message": "refused"})), code
