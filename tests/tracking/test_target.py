@@ -101,6 +101,10 @@ def test_right_credentials_log_a_run(mlflow_auth_server, monkeypatch):
     assert run_data.data.metrics["train_loss"] == 0.5
     values = list(run_data.data.params.values()) + list(run_data.data.tags.values())
     assert not any(password in v for v in values)
+    # The server is checked once per process and credentials: others are checked again, refused before the body.
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "changed-password-456")
+    with pytest.raises(TrackingError, match="refused the credentials"), step_run(cfg, "train"):
+        pytest.fail("the step body must not run")
 
 
 def test_an_answer_of_500_is_a_server_away_and_a_refusal_is_not():
