@@ -177,10 +177,14 @@ def test_a_retried_registration_finishes_its_version_instead_of_adding_one(sqlit
     assert client.get_model_version(name, "1").tags[REGISTERED_BY] == first.run_id
     mlflow.set_tracking_uri(sqlite_tracking_uri)
     assert len(mlflow.search_logged_models(experiment_ids=[first.experiment_id], output_format="list")) == 1
-    # Another run's registration is a version of its own.
+    # Another run's registration is a version of its own; without metrics given, its tags are the run's own latest
+    # values, each under the quantity's name (val_loss), not its chart section in the run (validation/val_loss).
     with step_run(cfg, "register_model") as other:
-        own = other.log_diffusers_model(tiny_model_dir, metrics={"val_loss": 0.1}, num_inference_steps=2)
+        other.log_metrics({"val_loss": 0.1}, step=3)
+        own = other.log_diffusers_model(tiny_model_dir, num_inference_steps=2)
     assert own.version == "2"
+    tags = client.get_model_version(name, "2").tags
+    assert tags["val_loss"] == "0.1" and not [k for k in tags if k.startswith("validation/")]
 
 
 def test_model_is_filed_under_the_runs_experiment(sqlite_tracking_uri, tiny_model_dir, tmp_path, monkeypatch):
