@@ -245,6 +245,15 @@ def test_scale_lr_multiplies_the_lr_by_the_effective_batch_or_its_square_root():
         assert p.lr_scale_factor == factor and p.lr == pytest.approx(1e-4 * factor), scale
 
 
+def test_validations_counted_every_n_updates_include_the_last_update():
+    from rangefinder.config import ValidationConfig
+    from rangefinder.planning import planned_validations
+
+    p = plan(16, epochs=1)  # 16 updates: validated at 0, 5, 10, 15 and the last, 16
+    assert planned_validations(p, ValidationConfig(every_updates=5)) == 5
+    assert planned_validations(p, ValidationConfig(every_updates=4)) == 5  # 0, 4, 8, 12, 16
+
+
 @pytest.mark.parametrize("field", ["training.seed", "split.seed", "validation.seed", "sampling.seeds.0"])
 def test_seeds_outside_what_numpy_and_torch_take_are_refused(field):
     from rangefinder.config import MAX_SEED

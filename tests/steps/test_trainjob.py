@@ -127,6 +127,17 @@ def test_every_node_s_processes_count_in_the_world_size_from_the_pods_gpus():
     assert launch.step_world_size(cfg, gpus=0) == 16
 
 
+def test_cpu_nodes_are_not_sent_to_the_gpu_pool(trainjob_schema):
+    """kubernetes.gpu_count 0 (gloo on CPU nodes): no GPU in the resources, and not the GPU pool's selector and
+    toleration, which would keep the nodes pending where no GPU node is free."""
+    obj = _manifest(RangefinderConfig(kubernetes={"gpu_count": 0}, distributed={"num_nodes": 2}), processes=1)
+    pod = obj["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0][
+        "template"]["spec"]["template"]["spec"]
+    assert "nodeSelector" not in pod and "tolerations" not in pod, pod
+    assert "nvidia.com/gpu" not in obj["spec"]["trainer"]["resourcesPerNode"]["limits"]
+    assert check_against_crd(obj, trainjob_schema) == []
+
+
 def test_the_submitting_pod_as_owner_fits_the_crd(trainjob_schema):
     cfg = _cfg()
     trainer, options = trainjob.trainer_and_options(cfg, JOB, "rf-finetune-0123456789", 8, launch.WORKER_MODULE)
