@@ -138,6 +138,13 @@ def test_cpu_nodes_are_not_sent_to_the_gpu_pool(trainjob_schema):
     assert check_against_crd(obj, trainjob_schema) == []
 
 
+def test_every_node_carries_the_pod_labels_beside_mlflow_s():
+    cfg = RangefinderConfig(kubernetes={"gpu_count": 8, "pod_labels": {"team": "vision"}}, distributed={"num_nodes": 2})
+    (rjob,) = _manifest(cfg)["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    assert rjob["template"]["spec"]["template"]["metadata"]["labels"] == {"team": "vision",
+                                                                          "rangefinder.io/mlflow-client": "true"}
+
+
 def test_the_submitting_pod_as_owner_fits_the_crd(trainjob_schema):
     cfg = _cfg()
     trainer, options = trainjob.trainer_and_options(cfg, JOB, "rf-finetune-0123456789", 8, launch.WORKER_MODULE)
