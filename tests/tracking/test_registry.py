@@ -159,6 +159,7 @@ def test_a_retried_registration_finishes_its_version_instead_of_adding_one(sqlit
     cfg = RangefinderConfig(tracking=TrackingConfig(tracking_uri=sqlite_tracking_uri, experiment_name="retried-reg",
                                                     registered_model_name=name))
     client = MlflowClient(sqlite_tracking_uri)
+    client.create_registered_model(name, description="Ours: ask #vision before promoting")  # someone made it first
     parent = ensure_parent_run(cfg, name="retried-registration")
     with pytest.raises(RuntimeError), step_run(cfg, "register_model", parent_run_id=parent) as first:
         made = first.log_diffusers_model(tiny_model_dir, metrics={"val_loss": 0.2}, num_inference_steps=2)
@@ -183,6 +184,7 @@ def test_a_retried_registration_finishes_its_version_instead_of_adding_one(sqlit
         other.log_metrics({"val_loss": 0.1}, step=3)
         own = other.log_diffusers_model(tiny_model_dir, num_inference_steps=2)
     assert own.version == "2"
+    assert client.get_registered_model(name).description == "Ours: ask #vision before promoting"  # kept
     tags = client.get_model_version(name, "2").tags
     assert tags["val_loss"] == "0.1" and not [k for k in tags if k.startswith("validation/")]
 
