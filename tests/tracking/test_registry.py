@@ -682,3 +682,24 @@ def test_a_size_or_step_count_the_pipeline_cannot_draw_is_refused(run_registered
     _, model = run_registered
     with pytest.raises(MlflowException, match=refusal):
         model.predict(pd.DataFrame({"prompt": ["a red circle on a white background"]}), params=params)
+
+
+def test_a_registration_the_server_refuses_is_not_tried_again(sqlite_tracking_uri):
+    """Only a server that does not answer is waited for: a refusal (no permission on the model) is raised at once,
+    not tried again for as long as the server answers."""
+    from mlflow.exceptions import RestException
+
+    from rangefinder.tracking.registry import retry_while_server_away
+
+    tries = []
+
+    def register() -> str:
+        tries.append(1)
+        if len(tries) == 1:
+            raise RestException({"error_code": "PERMISSION_DENIED", "message": "no EDIT on rangefinder-sd"})
+        return "registered on a later try"
+
+    cfg = RangefinderConfig(tracking=TrackingConfig(tracking_uri=sqlite_tracking_uri))
+    with pytest.raises(RestException, match="no EDIT"):
+        retry_while_server_away(cfg, register, what="register the model", later=lambda: "rangefinder register")
+    assert len(tries) == 1
