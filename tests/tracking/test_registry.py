@@ -181,12 +181,13 @@ def test_a_retried_registration_finishes_its_version_instead_of_adding_one(sqlit
     # Another run's registration is a version of its own; without metrics given, its tags are the run's own latest
     # values, each under the quantity's name (val_loss), not its chart section in the run (validation/val_loss).
     with step_run(cfg, "register_model") as other:
-        other.log_metrics({"val_loss": 0.1}, step=3)
+        other.log_metrics({"val_loss": 0.1, "train_loss": float("nan")}, step=3)  # a diverged value: no tag
         own = other.log_diffusers_model(tiny_model_dir, num_inference_steps=2)
     assert own.version == "2"
     assert client.get_registered_model(name).description == "Ours: ask #vision before promoting"  # kept
     tags = client.get_model_version(name, "2").tags
     assert tags["val_loss"] == "0.1" and not [k for k in tags if k.startswith("validation/")]
+    assert "train_loss" not in tags and "nan" not in client.get_model_version(name, "2").description
 
 
 def test_model_is_filed_under_the_runs_experiment(sqlite_tracking_uri, tiny_model_dir, tmp_path, monkeypatch):

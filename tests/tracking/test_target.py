@@ -118,3 +118,14 @@ def test_an_answer_of_500_is_a_server_away_and_a_refusal_is_not():
         assert server_unreachable(RestException({"error_code": code, "message": "database is away"})), code
     for code in ("INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST"):  # HTTP 400, 404
         assert not server_unreachable(RestException({"error_code": code, "message": "refused"})), code
+
+
+def test_a_deleted_experiment_is_refused_naming_the_restore(sqlite_tracking_uri):
+    """Runs made in a deleted experiment are hidden from the UI: a step refuses it before it trains."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=sqlite_tracking_uri)
+    client.delete_experiment(client.create_experiment("binned"))
+    cfg = RangefinderConfig(tracking=TrackingConfig(tracking_uri=sqlite_tracking_uri, experiment_name="binned"))
+    with pytest.raises(TrackingError, match="'binned' is deleted; restore it"), step_run(cfg, "train"):
+        pytest.fail("the step body must not run")
