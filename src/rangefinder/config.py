@@ -488,6 +488,7 @@ class TrainingConfig(_Section):
     # LR-free and schedule-free optimizers, which were not measured with it, and the range test's ramps. true and
     # false keep or drop it always.
     use_ema: Union[bool, Literal["auto"]] = "auto"
+    # diffusers' EMAModel: at the n-th update the decay is min(ema_decay, n / (n + 9)) (docs/design.md, "EMA").
     ema_decay: float = Field(0.9999, gt=0, lt=1)
     cache_latents: bool = True  # encode every image once; reused across runs of the same data and base model
     latent_sampling: Literal["mode", "sample"] = "mode"  # a random-init VAE's sample drowns the signal: use mode
