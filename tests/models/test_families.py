@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from rangefinder.config import ModelConfig
 from rangefinder.errors import ConfigError
 from rangefinder.models.loading import resolve_base_model
-from rangefinder.training.family_detection import detect_family, family_of, single_file_family
+from rangefinder.training.family_detection import detect_family, family_of, guidance_scale_for, single_file_family
 
 
 def test_family_comes_from_model_index(tiny_model_dir, tiny_sdxl_dir, tiny_sd3_dir, tmp_path):
@@ -20,6 +20,8 @@ def test_family_comes_from_model_index(tiny_model_dir, tiny_sdxl_dir, tiny_sd3_d
     assert detect_family(tiny_sd3_dir) == "sd3" and family_of(ModelConfig(base_model=str(tiny_sd3_dir))) == "sd3"
     assert family_of(ModelConfig(base_model=str(tiny_sdxl_dir))) == "sdxl"
     assert family_of(ModelConfig()) == "sd1"  # the embedded model
+    # A hub id is told by the folder the pipeline's first step resolved it to.
+    assert family_of(ModelConfig(base_model="org/an-sdxl-model", resolved_dir=str(tiny_sdxl_dir))) == "sdxl"
     other = tmp_path / "kandinsky"
     other.mkdir()
     (other / "model_index.json").write_text(json.dumps({"_class_name": "KandinskyV22Pipeline"}))
@@ -51,6 +53,9 @@ def test_single_file_family_from_keys_and_missing_second_encoder(tmp_path):
     sdxl = ["model.diffusion_model.label_emb.0.0.weight", "conditioner.embedders.0.transformer.x",
             "conditioner.embedders.1.model.positional_embedding"]
     assert single_file_family(tmp_path, sd1) == "sd1" and single_file_family(tmp_path, sdxl) == "sdxl"
+    # SDXL's UNet alone (its added embedding, no conditioner at all) is the pruned SDXL file, not an SD 1.x one.
+    with pytest.raises(ConfigError, match="SDXL checkpoint without its second text encoder"):
+        single_file_family(tmp_path, sdxl[:1])
     # SD3's single file (Stability's layout): the MMDiT's joint blocks under model.diffusion_model.
     sd3 = ["model.diffusion_model.joint_blocks.0.x_block.attn.qkv.weight", "text_encoders.clip_l.x"]
     assert single_file_family(tmp_path, sd3) == "sd3"
@@ -99,3 +104,10 @@ def test_kohya_sdxl_unet_names_match_sd_scripts_for_the_real_sdxl_layout():
     assert kohya_sdxl_unet_name(paths[0], config) == "input_blocks.4.1.transformer_blocks.0.attn1.to_q"
     assert kohya_sdxl_unet_name(paths[4], config).startswith("output_blocks.0.1.")
     assert kohya_sdxl_unet_name(paths[-1], config).startswith("middle_block.1.")
+
+
+def test_a_guidance_scale_of_zero_is_kept_not_taken_for_unset():
+    """sampling.guidance_scale 0 (allowed: no classifier-free guidance) is the scale sampled at; only None means the
+    family's pipeline's own."""
+    assert guidance_scale_for("sdxl", 0.0) == 0.0 and guidance_scale_for("sdxl", None) == 5.0
+    assert guidance_scale_for("sd1", None) == 7.5 and guidance_scale_for("flux", 2) == 2.0
