@@ -68,9 +68,29 @@ def test_single_file_is_converted_once_into_a_diffusers_folder(tiny_model_dir, f
     other = resolve_base_model(ModelConfig(base_model=str(bare), single_file_config=str(tiny_model_dir),
                                            cache_dir=str(tmp_path / "cache")))
     assert other.path != resolved.path
+    # So is another file of the same name (a newer download of tiny.safetensors): it is converted, not taken for the
+    # folder the first one was converted to.
+    (tmp_path / "newer").mkdir()
+    newer = export_full(tiny_model_dir, tmp_path / "newer" / "tiny.safetensors", {**meta, "epochs": "2"})
+    assert resolve_base_model(ModelConfig(base_model=str(newer), cache_dir=str(tmp_path / "cache"))).path \
+        not in (resolved.path, other.path)
     parts = load_sd_components(ModelConfig(base_model=str(bare), single_file_config=str(tiny_model_dir),
                                            cache_dir=str(tmp_path / "cache")))
     assert _same_weights(parts.unet, folder_parts.unet)
+
+
+def test_the_weights_digest_tells_two_fine_tunes_of_one_architecture_apart(folder_parts):
+    """The base model's digest reads the weights' values, not only their names and shapes: another fine-tune of the
+    same architecture (differing in its first values, as every tensor of one does) is another base model."""
+    import copy
+
+    from rangefinder.models.loading import weights_digest
+
+    unet = copy.deepcopy(folder_parts.unet)
+    assert weights_digest({"unet": unet}) == weights_digest({"unet": folder_parts.unet})
+    with torch.no_grad():
+        next(unet.parameters()).view(-1)[0] += 1
+    assert weights_digest({"unet": unet}) != weights_digest({"unet": folder_parts.unet})
 
 
 def test_our_single_file_of_a_hub_model_loads_back_offline_through_the_cached_snapshot(offline_hub, tiny_model_dir,
@@ -109,6 +129,25 @@ def test_a_resolved_folder_is_loaded_without_resolving_again(offline_hub, tmp_pa
     # A resolved_dir this step cannot see (another pod's disk) is resolved again, here from an empty cache.
     with pytest.raises(ConfigError, match="not in the Hugging Face cache"):
         resolve_base_model(ModelConfig(base_model=HUB_REPO, resolved_dir=str(tmp_path / "gone")))
+    # One this step sees only in part (model_index.json, no parts: a copy cut short) is not trusted either.
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    (partial / "model_index.json").write_text((resolved.path / "model_index.json").read_text())
+    with pytest.raises(ConfigError, match="not in the Hugging Face cache"):
+        resolve_base_model(ModelConfig(base_model=HUB_REPO, resolved_dir=str(partial)))
+
+
+def test_a_folder_s_variant_files_are_the_ones_loaded(tiny_model_dir, folder_parts, tmp_path):
+    """model.variant loads a local folder's variant files (diffusion_pytorch_model.fp16.safetensors, as a saved or
+    downloaded folder names them), not only a hub snapshot's."""
+    import shutil
+
+    folder = tmp_path / "variant"
+    shutil.copytree(tiny_model_dir, folder)
+    for weights in folder.glob("*/*.safetensors"):
+        weights.rename(weights.with_name(weights.name.replace(".safetensors", ".fp16.safetensors")))
+    parts = load_sd_components(ModelConfig(base_model=str(folder), variant="fp16"))
+    assert parts.kind == "folder" and _same_weights(parts.unet, folder_parts.unet)
 
 
 def test_hub_id_not_in_the_offline_cache_says_how_to_fill_it(offline_hub):
@@ -120,6 +159,12 @@ def test_hub_id_not_in_the_offline_cache_says_how_to_fill_it(offline_hub):
     assert "HF_HUB_OFFLINE is set" in msg and str(cache) in msg
     assert "hf download rangefinder-tests/not-downloaded --revision v2" in msg and "HF_TOKEN" in msg
     assert "\n" not in msg
+    # So does the family's check before a run (hub_family), which reads model_index.json alone: not a fetch tried.
+    from rangefinder.models.loading import hub_family
+
+    with pytest.raises(ConfigError) as e:
+        hub_family(ModelConfig(base_model="rangefinder-tests/not-downloaded", revision="v2"))
+    assert str(e.value) == msg
 
 
 def test_the_offline_message_s_hf_download_fetches_a_whole_diffusers_folder(offline_hub, tiny_model_dir):
@@ -162,6 +207,10 @@ def test_a_step_that_cannot_see_the_resolved_folder_loads_the_commit_resolved_no
     again = resolve_base_model(ModelConfig(base_model=HUB_REPO, resolved_dir="/not/on/this/node",
                                            resolved_revision=monday))
     assert (again.path.name, again.revision, again.source) == (monday, monday, f"{HUB_REPO}@main")
+    # So it does where the config names the branch itself: the resolved commit comes before model.revision.
+    named = resolve_base_model(ModelConfig(base_model=HUB_REPO, revision="main", resolved_dir="/not/on/this/node",
+                                           resolved_revision=monday))
+    assert (named.path.name, named.revision, named.source) == (monday, monday, f"{HUB_REPO}@main")
 
 
 def test_revision_not_in_the_offline_cache_names_what_is_there(offline_hub):
