@@ -79,6 +79,16 @@ def test_single_file_is_converted_once_into_a_diffusers_folder(tiny_model_dir, f
     assert _same_weights(parts.unet, folder_parts.unet)
 
 
+def test_a_single_file_config_of_another_family_is_refused_before_converting(tiny_model_dir, tiny_sdxl_dir, tmp_path):
+    from rangefinder.formats.single_file import export_full
+
+    bare = export_full(tiny_model_dir, tmp_path / "bare.safetensors")
+    with pytest.raises(ConfigError, match=r"single_file_config: .* is a Stable Diffusion XL model but .* is a "
+                                          r"Stable Diffusion 1.x/2.x checkpoint; pass a folder of the checkpoint's"):
+        resolve_base_model(ModelConfig(base_model=str(bare), single_file_config=str(tiny_sdxl_dir),
+                                       cache_dir=str(tmp_path / "cache")))
+
+
 def test_the_weights_digest_tells_two_fine_tunes_of_one_architecture_apart(folder_parts):
     """The base model's digest reads the weights' values, not only their names and shapes: another fine-tune of the
     same architecture (differing in its first values, as every tensor of one does) is another base model."""
