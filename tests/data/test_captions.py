@@ -49,3 +49,21 @@ def test_long_captions_are_counted_and_listed_in_the_split_report(tmp_path, tiny
         "limit": 75, "count": 1, "files": [{"file_name": "1.png", "tokens": 95}]}
     assert main(["split", str(tmp_path), "--out", str(out), "--resolution", "16", "--json"]) == 0
     assert "give --tokenizer" in json.loads(capsys.readouterr().out)["long_captions"]
+
+
+def test_a_tokenizer_saved_without_its_length_counts_against_clip_s_77(tiny_model_dir, tmp_path):
+    """A tokenizer whose saved model_max_length is transformers' huge sentinel leaves 75 text tokens (CLIP's 77
+    less its two special ones), read from tokenizer.json or, without it, through transformers."""
+    import shutil
+
+    from rangefinder.models.tokens import caption_token_counter
+
+    folder = tmp_path / "tokenizer"
+    shutil.copytree(tiny_model_dir / "tokenizer", folder)
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**settings, "model_max_length": int(1e30)}))
+    count, limit = caption_token_counter(folder)
+    assert limit == 75 and count("a red circle") == 3
+    (folder / "tokenizer.json").unlink()  # a slow tokenizer's vocab and merges alone
+    count, limit = caption_token_counter(folder)
+    assert limit == 75 and count("a red circle") == 3
