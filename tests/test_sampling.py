@@ -133,6 +133,11 @@ def test_columns_are_recognised_by_their_contents(tmp_path):
     ti = resolve_column(st("c.safetensors", ["<tok>"]))
     assert (ti.kind, ti.token) == ("textual_inversion", "<tok>")
     assert resolve_column(st("d.safetensors", ["emb_params"])).kind == "textual_inversion"
+    # A1111's .pt embedding: its vectors under string_to_param, its trigger word under name.
+    torch.save({"string_to_token": {"*": 265}, "string_to_param": {"*": torch.zeros(1, 4)}, "name": "shape-tok",
+                "step": 10}, str(tmp_path / "e.pt"))
+    pt = resolve_column(tmp_path / "e.pt")
+    assert (pt.kind, pt.token) == ("textual_inversion", "shape-tok")
     ckpt = tmp_path / "checkpoint-000002"
     ckpt.mkdir()
     save_file({"unet.w": torch.zeros(1)}, str(ckpt / "weights.safetensors"))
@@ -208,3 +213,80 @@ def test_the_grid_page_shows_prompts_and_labels_as_text_never_as_markup(tiny_mod
     assert "script" not in page.tags and page.attributes <= {"lang", "charset", "name", "content", "class", "alt",
                                                               "width", "height", "src"}
     assert all(text in page.text for text in HOSTILE) and out["html"] == str(tmp_path / "grid.html")
+
+
+def test_a_cell_is_what_diffusers_renders_with_the_grid_s_settings(tiny_model_dir, tmp_path):
+    """A cell is the base model's pipeline called with every setting the grid was given: the scheduler (not the
+    model's own DDPM), the steps, the guidance, the resolution (not the native one), the negative prompt and the
+    row's seed, in fp32 on the CPU. Each was read by no test that looked at the pixels."""
+    import diffusers
+    import torch
+
+    settings = dict(steps=3, guidance_scale=4.0, scheduler="DDIMScheduler", resolution=48,
+                    negative_prompt="a green triangle")
+    manifest = render_grid([tiny_model_dir], ["a red circle"], [5], out_dir=tmp_path, device="cpu", **settings)
+    pipe = diffusers.StableDiffusionPipeline.from_pretrained(str(tiny_model_dir), local_files_only=True,
+                                                             safety_checker=None, requires_safety_checker=False)
+    pipe.scheduler = diffusers.DDIMScheduler.from_config(pipe.scheduler.config)
+    pipe.set_progress_bar_config(disable=True)
+    direct = pipe(["a red circle"], negative_prompt=["a green triangle"], num_inference_steps=3, guidance_scale=4.0,
+                  height=48, width=48, generator=[torch.Generator("cpu").manual_seed(5)]).images[0]
+    cell = np.asarray(Image.open(manifest["images"][0][0]).convert("RGB"))
+    assert cell.shape == (48, 48, 3) and np.array_equal(cell, np.asarray(direct))
+
+
+def test_a_full_fine_tune_s_unet_column_is_told_sdxl_by_its_config(tiny_model_dir, tiny_sdxl_dir, tmp_path):
+    """A full fine-tune's checkpoint folder (unet/ alone) of SDXL is an SDXL column: refused on an SD 1.x base
+    before anything renders, in the line naming both families."""
+    import shutil
+
+    ckpt = tmp_path / "checkpoint"
+    (ckpt / "unet").mkdir(parents=True)
+    shutil.copy(tiny_sdxl_dir / "unet" / "config.json", ckpt / "unet" / "config.json")
+    with pytest.raises(ConfigError, match=r"checkpoint\) is a Stable Diffusion XL model, but the base model "
+                                          r".* is Stable Diffusion 1"):
+        render_grid([tiny_model_dir, ckpt], PROMPTS, SEEDS, out_dir=tmp_path / "grid", device="cpu")
+
+
+def test_a_full_fine_tune_s_column_samples_with_its_own_text_encoder(tiny_model_dir, tmp_path):
+    """A full fine-tune's checkpoint (unet/ and text_encoder/, the method trained both) is sampled with both: its
+    text encoder, not the base model's, encodes the prompts."""
+    import torch
+    from diffusers import UNet2DConditionModel
+    from transformers import CLIPTextModel
+
+    from rangefinder.sampling import load_column_pipeline, resolve_column
+
+    ckpt = tmp_path / "checkpoint"
+    UNet2DConditionModel.from_pretrained(str(tiny_model_dir / "unet")).save_pretrained(str(ckpt / "unet"))
+    encoder = CLIPTextModel.from_pretrained(str(tiny_model_dir / "text_encoder"))
+    with torch.no_grad():
+        for p in encoder.parameters():
+            p.add_(0.01)
+    encoder.save_pretrained(str(ckpt / "text_encoder"))
+    column = resolve_column(ckpt)
+    pipe = load_column_pipeline(column, tiny_model_dir, device="cpu")
+    assert column.kind == "unet" and all(
+        torch.equal(a, b) for a, b in zip(pipe.text_encoder.parameters(), encoder.parameters(), strict=True))
+
+
+def test_an_sdxl_embedding_column_puts_each_encoder_s_vectors_in_that_encoder(tiny_sdxl_dir, tmp_path):
+    """An SDXL embedding file (A1111's and ComfyUI's `clip_l` and `clip_g`) loads its CLIP-L vectors into the first
+    text encoder and its OpenCLIP-G vectors into the second, under the one placeholder token."""
+    import torch
+    from safetensors.torch import save_file
+
+    from rangefinder.sampling import load_column_pipeline, resolve_column
+
+    widths = [json.loads((tiny_sdxl_dir / part / "config.json").read_text())["hidden_size"]
+              for part in ("text_encoder", "text_encoder_2")]
+    generator = torch.Generator().manual_seed(0)
+    vectors = {"clip_l": torch.randn(1, widths[0], generator=generator),
+               "clip_g": torch.randn(1, widths[1], generator=generator)}
+    save_file(vectors, str(tmp_path / "emb.safetensors"), metadata={"rangefinder.placeholder_token": "<shape>"})
+    column = resolve_column(tmp_path / "emb.safetensors")
+    pipe = load_column_pipeline(column, tiny_sdxl_dir, device="cpu")
+    for encoder, tokenizer, key in ((pipe.text_encoder, pipe.tokenizer, "clip_l"),
+                                    (pipe.text_encoder_2, pipe.tokenizer_2, "clip_g")):
+        row = encoder.get_input_embeddings().weight[tokenizer.convert_tokens_to_ids("<shape>")]
+        assert torch.equal(row, vectors[key][0]), key
