@@ -212,3 +212,25 @@ def test_setup_puts_fp32_adapters_with_the_set_scale_and_dropout_on_the_set_modu
         for n, p in module.named_parameters():
             assert p.dtype == (torch.float32 if "lora_" in n else torch.bfloat16), (part, n, p.dtype)
             assert p.requires_grad == ("lora_" in n), (part, n)
+
+
+def test_the_adapters_initial_weights_follow_the_training_seed(split_dir, tiny_model_dir, tmp_path):
+    """The engine seeds the global RNG with training.seed before the method builds its adapters (training/setup.py
+    load_model): the same seed gives the same initial LoRA, another seed another one. And the trained modules
+    checkpoint their activations as training.gradient_checkpointing says."""
+    from rangefinder.config import ValidationConfig
+    from rangefinder.training.loop import TrainSpec
+    from rangefinder.training.setup import check_settings, load_model, start_accelerator
+
+    initial, checkpointing = [], []
+    for run, seed in enumerate((1, 2, 1)):
+        cfg = TrainingConfig(method="lora", steps=1, batch_size=2, seed=seed, gradient_checkpointing=run == 0,
+                             cache_dir=str(tmp_path / "cache"))
+        settings = check_settings(TrainSpec(cfg, ValidationConfig(every_updates=1), split_dir=split_dir,
+                                            model=tiny_model_dir), tmp_path / f"run{run}")
+        load_model(settings, start_accelerator(settings.cfg))
+        initial.append(torch.cat([p.detach().flatten() for m in settings.method.trainable_modules().values()
+                                  for p in m.parameters() if p.requires_grad]))
+        checkpointing.append({m.is_gradient_checkpointing for m in settings.method.trainable_modules().values()})
+    assert torch.equal(initial[0], initial[2]) and not torch.equal(initial[0], initial[1])
+    assert checkpointing == [{True}, {False}, {False}]
