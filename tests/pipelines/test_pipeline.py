@@ -121,7 +121,13 @@ def test_dag_order_and_conditions(compiled):
     stages = {t.inputs.parameters["stage"].runtime_value.constant.string_value: (d, t) for d, _, t in tests}
     assert set(stages) == {"first", "zoom"}
     zoom_dag, zoom = stages["zoom"]
+    # The zoom runs when the first test says it is needed, its readable curve's choose-lr otherwise (not the reverse).
     assert "needs_zoom" in compiled.condition_of(zoom_dag)
+    assert compiled.condition_of(zoom_dag).endswith("== true") and not compiled.condition_of(zoom_dag).startswith("!(")
+    kept = [d for d, _, t in compiled.tasks("choose-lr")
+            if t.inputs.parameters["source"].runtime_value.constant.string_value == "range-test"]
+    assert kept and all(compiled.condition_of(d).startswith("!(") and "needs_zoom" in compiled.condition_of(d)
+                        for d in kept)
     assert source(zoom.inputs.parameters["lr_min"]).endswith("zoom_lr_min")
     assert source(zoom.inputs.parameters["lr_max"]).endswith("zoom_lr_max")
     first_dag, _ = stages["first"]
@@ -136,14 +142,27 @@ def test_dag_order_and_conditions(compiled):
     for dag_name, _, ft in compiled.tasks("finetune"):
         dag = dict(compiled.dags())[dag_name]
         assert ft.inputs.parameters["lr_mid"].task_output_parameter.producer_task.startswith("condition-branches")
-        assert ft.inputs.artifacts["split"].component_input_artifact == "split"
         branches = dag.tasks[ft.inputs.parameters["lr_mid"].task_output_parameter.producer_task]
         assert branches.component_ref.name.startswith("comp-condition-branches")
+        # Each bound from the same output of either branch: not the range's top as its midpoint.
+        for name, wanted in (("lr_low", "lr_low"), ("lr_high", "lr_high"), ("lr_mid", "lr_mid"),
+                             ("lr_source", "source")):
+            out = ft.inputs.parameters[name].task_output_parameter
+            oneof = compiled.spec.components[branches.component_ref.name].dag.outputs.parameters[
+                out.output_parameter_key].value_from_oneof
+            keys = [p.output_parameter_key for p in oneof.parameter_selectors]
+            assert len(keys) == 2 and all(k.endswith(f"-{wanted}") for k in keys), (name, keys)
+        assert ft.inputs.artifacts["split"].component_input_artifact == "split"
 
     # The retrain is conditional and takes the fine-tune's recommended epochs, and the LR the fine-tune kept
     # (lr_mid, or lr_high by successive halving), as the registry does.
+    retrain_dags = set()
     for dag_name, _, rt in compiled.tasks("retrain-full"):
         assert "retrain" in compiled.condition_of(dag_name)
+        # retrain on (true) retrains; retrain off keeps the fine-tune's checkpoint.
+        assert compiled.condition_of(dag_name).endswith("== true") and not compiled.condition_of(dag_name).startswith(
+            "!(")
+        retrain_dags.add(dag_name)
         assert source(rt.inputs.parameters["recommended_epochs"]).endswith("recommended_epochs")
         assert source(rt.inputs.parameters["lr"]).endswith("lr_used")
         assert "lr_mid" not in rt.inputs.parameters  # the retrain's LR is the kept one, named as such
@@ -158,6 +177,13 @@ def test_dag_order_and_conditions(compiled):
         model = reg.inputs.artifacts["model"]
         producer = model.task_output_artifact.producer_task or model.component_input_artifact
         assert producer, "register-model has no model input"
+        # The retrained model with the retrain's epochs where it retrained; else the fine-tune's model and its
+        # recommended epochs (its chosen checkpoint's), both named in the registry's tags.
+        if dag_name in retrain_dags:
+            assert producer == "retrain-full" and source(reg.inputs.parameters["epochs"]) == "retrain-full.epochs"
+        else:
+            assert producer.endswith("finetune-model"), producer
+            assert source(reg.inputs.parameters["epochs"]).endswith("finetune-recommended_epochs")
     samples = compiled.tasks("sample-images")
     assert any("retrained" in t.inputs.artifacts for _, _, t in samples)
     assert any("retrained" not in t.inputs.artifacts for _, _, t in samples)

@@ -238,6 +238,11 @@ def test_the_compiled_pipeline_submits_from_light_pods_with_secrets_and_volume(t
         assert "accelerator" not in container.get("resources", {}), step
         env = {e["name"]: e["value"] for e in container.get("env", [])}
         assert env["RANGEFINDER_NUM_NODES"] == "2" and env["RANGEFINDER_WORK"] == "/data/work", step
+    # A preempted node's TrainJob is replaced by the step's retry, which resumes from the newest checkpoint.
+    retried = {t["taskInfo"]["name"]: t.get("retryPolicy", {}).get("maxRetryCount")
+               for c in spec["components"].values() for t in c.get("dag", {}).get("tasks", {}).values()
+               if t["taskInfo"]["name"] in ("lr-range-test", "finetune", "retrain-full")}
+    assert retried == dict.fromkeys(("lr-range-test", "finetune", "retrain-full"), 2)
     # Sampling still runs on one GPU node.
     assert executors["exec-sample-images"]["nodeSelector"]
 
