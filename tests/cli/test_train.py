@@ -397,3 +397,27 @@ def test_a_prodigy_runs_config_switched_to_adamw_is_refused_at_lr_1(split_dir, t
     rc = main(["train", "--data", str(split_dir), "--out", str(out), "--config", str(config), "--steps", "1",
                "--lr", "1e-4", "--validate-every-epochs", "0"])
     assert rc == 0, capsys.readouterr().err
+
+
+def test_every_flag_reaches_its_setting(split_dir, tiny_model_dir, tmp_path):
+    """The flags win over the file, each on its own setting (read as `train` reads them, before anything loads): a
+    flag dropped or wired to another setting trained with the file's value (or the default) without a word."""
+    from rangefinder.cli.commands.train import settings_from_args
+    from rangefinder.cli.main import build_parser
+
+    config = tmp_path / "rf.yaml"
+    config.write_text(yaml.safe_dump({"training": {"steps": 50, "seed": 1, "lr_min": 1e-6, "lr_max": 1e-1},
+                                      "validation": {"every_updates": 9}}))
+    args = build_parser().parse_args([
+        "train", "--data", str(split_dir), "--model", str(tiny_model_dir), "--out", str(tmp_path / "out"),
+        "--config", str(config), "--epochs", "3", "--schedule", "linear-ramp", "--lr-min", "1e-5", "--lr-max",
+        "1e-3", "--batch-size", "2", "--grad-accum", "3", "--seed", "7", "--checkpoint-every-updates", "4",
+        "--validate-every-epochs", "0.5", "--train-on", "train+val"])
+    cfg, spec = settings_from_args(args)
+    t = spec.training
+    assert (t.epochs, t.steps, t.schedule, t.lr_min, t.lr_max) == (3, None, "linear-ramp", 1e-5, 1e-3)
+    assert (t.batch_size, t.grad_accum, t.seed, t.checkpoint_every_updates) == (2, 3, 7, 4)
+    # Validation every half epoch replaces the file's every 9 updates rather than both counting.
+    assert (spec.validation.every_epochs, spec.validation.every_updates) == (0.5, None)
+    assert spec.train_on == "train+val" and str(spec.split_dir) == str(split_dir)
+    assert cfg.model.base_model == str(tiny_model_dir)
