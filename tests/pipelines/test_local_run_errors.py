@@ -159,6 +159,20 @@ def test_a_later_failure_with_another_cause_keeps_its_own_error():
     assert failure_summary(_task("prepare-dataset-2", ["ValueError: bad"]), "x") == (
         "step prepare-dataset failed: ValueError: bad")
     assert failure_summary("", "choose-lr-3-2") == "step choose-lr failed"
+    # A traceback's exception goes on below its line: what it goes on to say is the cause too.
+    oom = ["Traceback (most recent call last):", '  File "x.py", line 1, in <module>',
+           "torch.OutOfMemoryError: CUDA out of memory.", "Tried to allocate 2.00 GiB"]
+    assert failure_summary(_task("finetune-2", oom), "x") == (
+        "step finetune failed: OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+def test_the_summary_says_the_retrain_s_own_epochs(tmp_path):
+    """retrained_epochs is what retrain-full trained (retrain.epochs, when set, over the fine-tune's recommendation),
+    beside the fine-tune's recommended_epochs: not the recommendation again."""
+    run = LocalRun(out_dir=tmp_path, run_dir=tmp_path, tracking_uri="x", outputs={
+        "finetune-2": {"recommended_epochs": 33, "lr_used": 3e-4}, "retrain-full-2": {"epochs": 50}})
+    summary = run.summary()
+    assert (summary["recommended_epochs"], summary["retrained_epochs"], summary["lr_used"]) == (33, 50, 3e-4)
 
 
 @pytest.mark.slow
