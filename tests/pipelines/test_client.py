@@ -241,8 +241,13 @@ def test_submit_uploads_once_and_creates_a_run(kfp_server):
     assert sub2.state and sub2.state.upper() == "SUCCEEDED"
 
     # A changed config is a new version of the same pipeline.
-    sub3 = submit(parse_config({**CFG, "data": {"resolution": 512}}), host=kfp_server.url, token="secret-token")
+    sub3 = submit(parse_config({**CFG, "data": {"resolution": 512}}), host=kfp_server.url, token="secret-token",
+                  dataset_uri="s3://bucket/cats")
     assert sub3.pipeline_id == sub.pipeline_id and sub3.version_id != sub.version_id
+    assert sub3.uploaded  # a new version was uploaded, though the pipeline was there
+    # --dataset-uri reaches the run, whose importer then reads the dataset from the object store.
+    params = json.loads(kfp_server.sent("POST", "/runs")[-1]["body"])["runtime_config"]["parameters"]
+    assert params["dataset_uri"] == "s3://bucket/cats"
 
 
 def test_schedule_creates_a_recurring_run(kfp_server, monkeypatch):
@@ -255,6 +260,12 @@ def test_schedule_creates_a_recurring_run(kfp_server, monkeypatch):
     assert body["max_concurrency"] == "1" or body["max_concurrency"] == 1
     assert body["runtime_config"]["parameters"]["resolution"] == 256
     assert body["pipeline_version_reference"]["pipeline_version_id"] == sub.version_id
+    assert body["service_account"] == "sa-runner"  # the recurring runs' pods run as the config's account too
+    # More runs at once than KFP allows is refused here, before any request, as the command's flag refuses it.
+    sent = len(kfp_server.requests)
+    with pytest.raises(ConfigError, match=r"max concurrency must be in 1-10, as KFP allows \(got 11\)"):
+        submit(parse_config(CFG), cron="@daily", max_concurrency=11)
+    assert len(kfp_server.requests) == sent
 
 
 def test_service_account_token_is_sent(kfp_server, monkeypatch, tmp_path):
@@ -329,7 +340,7 @@ def test_schedule_cli_rejects_bad_cron_before_any_request(tmp_path):
 
 
 @pytest.mark.parametrize("expr", ["0 0 3 * * *", "*/30 * * * * ?", "0 0 9 ? * 2-6", "0 15 10 1,15 jan-jun *",
-                                  "0 0 0 * * SUN", "5-10/2 0 0 * * *",
+                                  "0 0 0 * * SUN", "5-10/2 0 0 * * *", "0 0 3-3 * * *",  # a one-hour range
                                   # robfig/cron's descriptors, which KFP's API server parses too
                                   "@daily", "@weekly", "@every 12h", "@every 1h30m", "@every 90s"])
 def test_valid_crons(expr):
@@ -505,6 +516,25 @@ def test_wait_outlasts_a_few_failed_polls(kfp_server):
     assert (sub.state, sub.timed_out, len(polls)) == ("SUCCEEDED", False, 3)
 
 
+def test_wait_gives_up_after_its_tries_of_failed_polls(kfp_server):
+    """An endpoint that keeps failing (HTTP 500 as much as 503) is polled WAIT_TRIES times in a row, then the wait
+    ends with one line: not once (500 taken for a refusal), nor once more than it says."""
+    from rangefinder.pipelines.client import WAIT_TRIES
+
+    polls: list[int] = []
+
+    def down(method, path, rec):
+        if method == "GET" and re.search(r"/runs/r\d+$", path):
+            polls.append(1)
+            return 500, {"error": "internal error", "code": 13}
+        return None
+
+    kfp_server.hook = down
+    with pytest.raises(EndpointError, match="HTTP 500"):
+        submit(parse_config(CFG), host=kfp_server.url, wait=True, timeout_s=30, poll_s=0.01)
+    assert len(polls) == WAIT_TRIES
+
+
 def test_two_submits_racing_to_upload_share_the_winner(kfp_server):
     """Two CI jobs submitting at once both find no pipeline (or version) and both upload; KFP refuses the second
     with HTTP 409 AlreadyExists. The loser takes the winner's upload instead of failing."""
@@ -614,6 +644,8 @@ def test_once_reuses_a_live_run_of_the_name(kfp_server):
     first = submit(cfg, host=kfp_server.url, run_name="release-1.2", once=True)
     again = submit(cfg, host=kfp_server.url, run_name="release-1.2", once=True)
     assert (first.reused_run, again.reused_run, again.run_id) == (False, True, first.run_id)
+    # The newest run of the name is the one looked at: KFP lists oldest first unless asked otherwise.
+    assert kfp_server.sent("GET", "/runs")[-1]["query"]["sort_by"] == ["created_at desc"]
     assert len(kfp_server.sent("POST", "/runs")) == 1
 
     kfp_server.runs[first.run_id]["state"] = "FAILED"
@@ -655,6 +687,24 @@ def test_schedule_again_is_refused_unless_replace(kfp_server, tmp_path):
     # Another name stands beside it.
     assert in_process("schedule", "--host", kfp_server.url, "--config", cfg, "--cron", "@weekly", "--name",
                       "weekly").returncode == 0
+
+
+def test_every_submit_flag_reaches_the_request(kfp_server, tmp_path):
+    """--name, --once, --dataset-uri and --namespace, through the command as a CI job gives them: each was read by
+    submit() in the tests above, but the command could drop one on its way there without a test noticing."""
+    from tests.cli.test_bad_input import in_process
+
+    cfg = _config_file(tmp_path)
+    flags = ("submit", "--host", kfp_server.url, "--config", cfg, "--name", "release-1", "--once", "--dataset-uri",
+             "s3://bucket/cats", "--namespace", "team-a", "--json")
+    first = json.loads(in_process(*flags).stdout)
+    body = json.loads(kfp_server.sent("POST", "/runs")[-1]["body"])
+    assert (body["display_name"], body["runtime_config"]["parameters"]["dataset_uri"]) == ("release-1",
+                                                                                           "s3://bucket/cats")
+    assert kfp_server.experiments[first["experiment_id"]]["namespace"] == "team-a"
+    again = json.loads(in_process(*flags).stdout)
+    assert (again["run_id"], again["reused_run"]) == (first["run_id"], True)
+    assert len(kfp_server.sent("POST", "/runs")) == 1
 
 
 def test_a_made_experiment_is_said(kfp_server, tmp_path):
