@@ -139,3 +139,30 @@ def test_file_and_folder_names_show_in_the_report_as_text_never_as_markup(tmp_pa
     for shown in ("a`<img src=x onerror=alert(1)>`.png", "b\\n\\n<script>alert(2)\\n.png",
                   "<img src=y onerror=alert(3)>.png", "[run](javascript:alert(4)).png", "<img src=z onerror=alert(5)>"):
         assert shown in page.text
+
+
+def test_the_split_section_s_settings_reach_the_split_and_its_report(tmp_path, shapes_dataset_dir):
+    """split.val_split, stabilize_split, seed and val_dir are the step's, and the report counts each subset."""
+    import shutil
+
+    data = shapes_dataset_dir
+    settings = {"val_split": 0.25, "stabilize_split": 0.5, "seed": 7}
+    r = run_prepare_dataset(demo_config(data={"dataset_dir": str(data)}, split=settings), out_dir=tmp_path / "s7",
+                            report_path=tmp_path / "r.md")
+    split = read_split(r.split_dir)
+    assert (r.train_images, r.val_images, len(split.stabilize)) == (15, 5, 8)  # ceil(0.25 x 20), half of 15 rounded up
+    report = (tmp_path / "r.md").read_text()
+    assert "- training images: 15\n- validation images: 5\n- stabilize subset: 8\n" in report
+    other = run_prepare_dataset(demo_config(data={"dataset_dir": str(data)}, split={**settings, "seed": 8}),
+                                out_dir=tmp_path / "s8")
+    assert {it.file_name for it in read_split(other.split_dir).val} != {it.file_name for it in split.val}
+    # A hand-chosen validation folder replaces val_split.
+    train, val = tmp_path / "train", tmp_path / "val"
+    shutil.copytree(data, train)
+    val.mkdir()
+    for name in ("00000", "00001", "00002"):
+        for ext in (".png", ".txt"):
+            shutil.move(train / f"{name}{ext}", val / f"{name}{ext}")
+    by_hand = run_prepare_dataset(demo_config(data={"dataset_dir": str(train)}, split={"val_dir": str(val)}),
+                                  out_dir=tmp_path / "by_hand")
+    assert (by_hand.train_images, by_hand.val_images) == (17, 3)
