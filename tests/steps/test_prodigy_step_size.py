@@ -28,13 +28,14 @@ def _config(tiny_model_dir, tmp, training=None, **extra):
 
 @pytest.fixture(scope="module")
 def probed(split_dir, tiny_model_dir, tmp_path_factory):
-    """The step on the tiny model (full fine-tuning), under an MLflow parent run as the pipeline opens one."""
+    """The step on the tiny model (full fine-tuning), under an MLflow parent run as the pipeline opens one, with the
+    config's own prodigy_step_factor (2: the LR trained is twice the step size read)."""
     from rangefinder import tracking
     from rangefinder.steps.prodigy_step_size import run_prodigy_step_size
 
     tmp = tmp_path_factory.mktemp("prodigy-step")
     with without_mlflow_run_env():
-        cfg = _config(tiny_model_dir, tmp, lr_finder="prodigy_step")
+        cfg = _config(tiny_model_dir, tmp, lr_finder="prodigy_step", prodigy_step_factor=2.0)
         parent = tracking.ensure_parent_run(cfg, name="pipeline", kfp_run_id="kfp-prodigy-step")
         result = run_prodigy_step_size(cfg, split_dir=split_dir, out_dir=tmp / "probe",
                                        report_html=tmp / "report.html", report_md=tmp / "report.md",
@@ -51,11 +52,12 @@ def test_the_lr_is_the_last_step_size_of_a_prodigy_fine_tune_bit_for_bit(probed,
     cfg, tmp, _, result = probed
     updates = read_curve_csv(result.updates_csv, required=("lr_effective", "prodigy_d_lr"))
     assert len(updates["update"]) == result.reading.updates == 12
-    assert result.lr == updates["prodigy_d_lr"][-1] == result.reading.step_size
+    step = result.reading.step_size
+    assert step == updates["prodigy_d_lr"][-1] and result.lr == 2 * step  # the config's factor times the step size
     # The last update stepped with the d from before it, times the bias correction (< 1): less than the estimate.
-    assert 0 < updates["lr_effective"][-1] < result.lr
-    assert result.reading.d == result.lr  # at Prodigy's lr 1.0, d x lr is d
-    assert 1e-6 < result.lr < 1.0  # the step size d x lr, grown from d0, not the lr the run was given
+    assert 0 < updates["lr_effective"][-1] < step
+    assert result.reading.d == step  # at Prodigy's lr 1.0, d x lr is d
+    assert 1e-6 < step < 1.0  # the step size d x lr, grown from d0, not the lr the run was given
 
     with without_mlflow_run_env():
         plain = _config(tiny_model_dir, tmp / "plain", training={"optimizer": "prodigy", "prodigy": PRODIGY_SETTINGS})
@@ -65,7 +67,7 @@ def test_the_lr_is_the_last_step_size_of_a_prodigy_fine_tune_bit_for_bit(probed,
     theirs = read_curve_csv(tmp / "plain" / "ft" / "updates.csv", required=("lr_effective", "prodigy_d_lr"))
     for column in ("lr_effective", "prodigy_d_lr"):
         assert theirs[column].tolist() == updates[column].tolist(), column
-    assert theirs["prodigy_d_lr"][-1] == result.lr
+    assert theirs["prodigy_d_lr"][-1] == step
     mine = read_curve_csv(result.curve_csv)
     assert read_curve_csv(tuned.curve_csv)["val_loss"].tolist() == mine["val_loss"].tolist()
     assert result.reading.best_val_loss == min(mine["val_loss"].tolist())
@@ -79,11 +81,12 @@ def test_logged_as_a_child_run_of_the_pipeline_like_the_range_test(probed):
     exp = client.get_experiment_by_name("prodigy-step").experiment_id
     (run,) = client.search_runs([exp], filter_string="tags.`rangefinder.step` = 'prodigy_step_size'")
     assert run.data.tags["mlflow.parentRunId"] == parent
+    step = result.reading.step_size
     history = client.get_metric_history(run.info.run_id, "prodigy_d_lr")
-    assert sorted((m.step, m.value) for m in history)[-1] == (12, result.lr)
+    assert sorted((m.step, m.value) for m in history)[-1] == (12, step)
     # Beside it, the step each update took (the d from before it, times the bias correction).
     taken = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "lr_effective"))
-    assert len(taken) == 12 and taken[-1][0] == 12 and 0 < taken[-1][1] < result.lr
+    assert len(taken) == 12 and taken[-1][0] == 12 and 0 < taken[-1][1] < step
     assert run.data.params["training.optimizer"] == "prodigy" and run.data.params["lr_source"] == "prodigy-step"
     # Its config.yaml is the pipeline run's, as every step run's is: the probe's (optimizer prodigy at lr 1.0, no
     # halving, no average), copied to run again, trained a Prodigy fine-tune and discovered no LR, without a word.
@@ -91,7 +94,8 @@ def test_logged_as_a_child_run_of_the_pipeline_like_the_range_test(probed):
     assert copied == cfg and copied.pipeline_lr() is None
     # lr_source has one home on this run, its params, as on the fine-tune's; the step size read is a tag (an LR).
     assert "lr_source" not in run.data.tags and float(run.data.tags["lr_prodigy_step"]) == \
-        pytest.approx(result.lr, rel=1e-3)
+        pytest.approx(step, rel=1e-3)
+    assert float(run.data.tags["lr_trained"]) == pytest.approx(result.lr, rel=1e-3) and result.lr == 2 * step
     assert run.data.metrics["prodigy_d"] == result.reading.d
     # The parent shows choose_lr's decision, not the probe's reading.
     assert "lr_prodigy_step" not in client.get_run(parent).data.tags
@@ -179,3 +183,16 @@ def test_a_factor_trains_at_that_multiple_of_the_step_size_and_the_report_says_b
     md = write_prodigy_report(own, updates, None, tmp_path / "own")["markdown"].read_text()
     assert "| LR trained | 0.0005 |" in md and "2 times the step size Prodigy ended on (prodigy_step_factor, as set" \
         in md and "PRODIGY_STEP_FACTOR" not in md, md
+
+
+def test_the_probe_trains_no_samples_and_scales_no_lr_whatever_the_fine_tune_does():
+    """The probe is a plain Prodigy run: samples during training would render grids nobody reads, and an LR scaled
+    with the batch is refused beside Prodigy (its lr is a multiplier of its own step size)."""
+    from rangefinder.config import LR_FREE_LR
+    from rangefinder.steps.prodigy_step_size import probe_config
+
+    cfg = demo_config(lr_finder="prodigy_step", training={"scale_lr": "sqrt"}, sampling={"every_validations": 2},
+                      lr_range_test={"lr_min": None, "lr_max": None})
+    probe = probe_config(cfg)
+    assert (probe.training.optimizer, probe.training.lr, probe.training.scale_lr) == ("prodigy", LR_FREE_LR, "none")
+    assert probe.sampling.every_validations is None and not probe.finetune.successive_halving
