@@ -139,6 +139,8 @@ def test_register_by_hand_says_the_chosen_checkpoint_whichever_folder_it_is_give
     version = MlflowClient(sqlite_tracking_uri).get_model_version(name, "1")
     assert version.tags["rangefinder.weights"] == "finetune update-00000012"
     assert version.tags["rangefinder.chosen_rule"] == "window_lowest" and version.tags["update"] == "12"
+    # --epochs is the length the fine-tune recommends, not how long a checkpoint at epoch 3 trained.
+    assert version.tags["recommended_epochs"] == "5" and version.tags["epoch"] == "3" and "epochs" not in version.tags
     assert version.description.startswith("The step window's lowest validation loss, at update 12.")
 
 
