@@ -70,6 +70,18 @@ def test_grids_at_the_baseline_every_nth_validation_and_the_last(split_dir, tiny
     # Training moved the weights, so the pictures moved too; the baseline is the base model's.
     first, last = (Image.open(folder / entries[i]["cells"][0]).tobytes() for i in (0, -1))
     assert first != last
+    # Each cell is its seed's: the baseline is what the base model renders from seed 3 with the same settings.
+    from rangefinder.sampling import render_grid
+
+    base = render_grid([tiny_model_dir], SAMPLING.prompts, [3], out_dir=tmp_path / "base", steps=3, guidance_scale=3.0,
+                       resolution=32)
+    assert [Image.open(row[0]).tobytes() for row in base["images"]] == \
+        [Image.open(folder / c).tobytes() for c in entries[0]["cells"]]
+    # The last is what the run delivers renders: its final weights, the EMA's (use_ema), not the raw ones.
+    final = render_grid([tmp_path / "run" / "final"], SAMPLING.prompts, [3], out_dir=tmp_path / "final",
+                        base_model=tiny_model_dir, steps=3, guidance_scale=3.0, resolution=32)
+    assert [Image.open(row[0]).tobytes() for row in final["images"]] == \
+        [Image.open(folder / c).tobytes() for c in entries[-1]["cells"]]
     assert sorted(p.name for p in folder.iterdir()) == sorted(
         [INDEX_JSON] + [e["grid"] for e in entries] + [Path(e["grid"]).stem for e in entries])
     assert result.status == "ok"
