@@ -77,6 +77,18 @@ def test_run_resolve_config_outputs():
     assert json.loads(r.config_json)["lr"] == 2e-4
 
 
+def test_an_lr_free_optimizer_takes_the_fixed_lr_branch_without_an_lr():
+    """An LR-free optimizer (Prodigy) discovers nothing: fixed_lr, the DAG's condition, is its lr 1.0 with no lr set,
+    so the pipeline skips the range test (which refuses it) and trains the fine-tune at once."""
+    from rangefinder.config import LR_FREE_LR
+
+    params = parameters_from_config(demo_config(training={"optimizer": "prodigy"},
+                                                lr_range_test={"lr_min": None, "lr_max": None}))
+    base = params.pop("base_config")
+    r = run_resolve_config(base, **params)
+    assert load_step_config(r.config_json).lr is None and r.fixed_lr == LR_FREE_LR == 1.0
+
+
 def test_the_first_step_resolves_the_base_model_once_for_every_later_step(fake_hub_cache, monkeypatch):
     """A hub id becomes the cached snapshot folder, and its commit, in the config the later steps receive; the UI's
     revision wins."""
