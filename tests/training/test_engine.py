@@ -458,6 +458,15 @@ def test_with_ema_validation_measures_the_weights_that_are_saved(split_dir, tiny
           out_dir=tmp_path / "raw")
     assert float(rows(tmp_path / "raw" / "metrics.csv")[-1]["val_loss"]) != pytest.approx(
         float(last["val_loss"]), rel=1e-4)
+    # Measuring the EMA puts the trained weights back bit for bit: validated at 0 and 3 only, the run trains and
+    # saves exactly what the run validated at every update does (not on from the average it measured).
+    seldom = train(TrainSpec(cfg, ValidationConfig(every_updates=3), split_dir=split_dir, model=tiny_model_dir),
+                   out_dir=tmp_path / "seldom")
+    saved = sorted(Path(ema_run.final_dir).rglob("*.safetensors"))
+    assert saved
+    for f in saved:
+        mine, theirs = load_file(str(f)), load_file(str(Path(seldom.final_dir) / f.relative_to(ema_run.final_dir)))
+        assert all(torch.equal(mine[k], theirs[k]) for k in mine), f
 
 
 def test_an_image_deleted_or_replaced_after_the_split_stops_the_run_before_training(shapes_dataset_dir, tmp_path):
