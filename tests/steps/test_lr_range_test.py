@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from rangefinder.config import demo_config, parse_config
 from rangefinder.data.split import read_split
 from rangefinder.training.spec import TrainSpec
@@ -19,3 +21,13 @@ def test_ramp_settings_follow_the_range_test_section(split_dir):
     every = TrainSpec.ramp(parse_config({"lr_range_test": {"validate_every_updates": 3}}), split,
                            lr_min=0.0001, lr_max=0.01, world_size=1).validation
     assert every.every_updates == 3
+
+
+def test_a_zoom_sweeps_the_range_it_is_given_not_the_configured_one(split_dir, tmp_path):
+    """The zoom's lr_min and lr_max are its own: an empty one is refused as given (the configured range is not)."""
+    from rangefinder.errors import RangefinderError
+    from rangefinder.steps.lr_range_test import run_lr_range_test
+
+    with pytest.raises(RangefinderError, match=r"^LR range 0\.001\.\.0\.0005 is empty"):
+        run_lr_range_test(demo_config(), split_dir=split_dir, out_dir=tmp_path, stage="zoom", lr_min=1e-3,
+                          lr_max=5e-4)
