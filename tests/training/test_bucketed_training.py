@@ -269,7 +269,7 @@ def test_center_crop_off_encodes_each_image_squashed_not_cropped(loaded_run, buc
     buckets = BucketSettings.from_data_config(DATA)
     assert buckets is not None
     fits = {i for i, (w, h) in size.items()
-            if (place((w, h), buckets).resized == place((w, h), buckets).bucket if bucketing else w == h)}
+            if ((p := place((w, h), buckets)).resized == p.bucket if bucketing else w == h)}
     assert fits and fits != size.keys()
     for i, cropped in latents[True].items():
         assert torch.equal(cropped, latents[False][i]) == (i in fits), size[i]

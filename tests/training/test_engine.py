@@ -174,6 +174,19 @@ def test_two_validation_passes_of_one_model_are_bit_identical(tiny_model_dir, sp
     assert measure(vset, **{**kw, "seed": 1}) != first  # the noise does come from the seed
 
 
+def empty_caption_conditioning(model_dir) -> torch.Tensor:
+    """The empty caption's text conditioning (classifier-free guidance's unconditional branch), as the SD 1.x family
+    encodes it for training: what a caption dropped by training.cond_dropout conditions on."""
+    from rangefinder.config import ModelConfig
+    from rangefinder.models.loading import load_sd_components
+    from rangefinder.training.families import family_for
+
+    sd = load_sd_components(ModelConfig(base_model=str(model_dir)))
+    family = family_for(sd, TrainingConfig())
+    with torch.no_grad():
+        return family.encode_prompt([sd.text_encoder], family.tokenize([""]))[0]
+
+
 def test_an_update_steps_the_clipped_gradient_of_its_images_mean_weighted_loss_at_the_schedule_s_lr(
         split_dir, tiny_model_dir, encoded_cache, tmp_path, monkeypatch):
     """What the UNet is trained on, read off a real run by hooks: each micro-batch's gradient at the UNet's output
@@ -187,7 +200,6 @@ def test_an_update_steps_the_clipped_gradient_of_its_images_mean_weighted_loss_a
     from diffusers import DDPMScheduler
     from torch.nn.modules.module import register_module_forward_hook
     from torch.optim.optimizer import register_optimizer_step_pre_hook
-    from transformers import CLIPTextModel, CLIPTokenizer
 
     from rangefinder.training.caching import CachedLatentFiles
 
@@ -252,10 +264,7 @@ def test_an_update_steps_the_clipped_gradient_of_its_images_mean_weighted_loss_a
     channel_means = torch.cat(targets).mean(dim=(2, 3)).abs()  # N(0, 1) offsets; ~N(0, 1 / (h w)) without
     assert float(channel_means.mean()) > 0.3
 
-    tokenizer = CLIPTokenizer.from_pretrained(str(tiny_model_dir), subfolder="tokenizer")
-    encoder = CLIPTextModel.from_pretrained(str(tiny_model_dir), subfolder="text_encoder")
-    with torch.no_grad():
-        empty = encoder(tokenizer([""], padding="max_length", max_length=77, return_tensors="pt").input_ids)[0][0]
+    empty = empty_caption_conditioning(tiny_model_dir)
     dropped = sum(torch.allclose(c, empty, atol=1e-5) for m in micro for c in m["cond"])
     assert 0 < dropped < images  # a quarter of 8, not three quarters
 
@@ -347,10 +356,6 @@ def test_caption_dropout_trains_that_share_of_images_on_the_empty_caption(split_
     tell that share from its complement, nor the dropped images from the kept."""
     from diffusers import UNet2DConditionModel
 
-    from rangefinder.config import ModelConfig
-    from rangefinder.models.loading import load_sd_components
-    from rangefinder.training.families import family_for
-
     seen: list[torch.Tensor] = []
 
     def watch(module, args):
@@ -363,10 +368,7 @@ def test_caption_dropout_trains_that_share_of_images_on_the_empty_caption(split_
                         split_dir=split_dir, model=tiny_model_dir), out_dir=tmp_path, save_final=False)
     finally:
         handle.remove()
-    sd = load_sd_components(ModelConfig(base_model=str(tiny_model_dir)))
-    family = family_for(sd, TrainingConfig())
-    with torch.no_grad():
-        empty = family.encode_prompt([sd.text_encoder], family.tokenize([""]))[0]
+    empty = empty_caption_conditioning(tiny_model_dir)
     conds = torch.cat(seen)
     assert len(conds) == 8  # 2 updates of 4 images
     dropped = sum(bool(torch.allclose(c, empty, atol=1e-5)) for c in conds)
@@ -443,7 +445,8 @@ def test_with_ema_validation_measures_the_weights_that_are_saved(split_dir, tiny
     cfg = settings(encoded_cache, steps=3, use_ema=True, ema_decay=0.9)
     ema_run = train(TrainSpec(cfg, ValidationConfig(every_updates=1), split_dir=split_dir, model=tiny_model_dir),
                     out_dir=tmp_path / "ema")
-    first, last = rows(tmp_path / "ema" / "metrics.csv")[0], rows(tmp_path / "ema" / "metrics.csv")[-1]
+    table = rows(tmp_path / "ema" / "metrics.csv")
+    first, last = table[0], table[-1]
     assert float(last["val_loss"]) != float(first["val_loss"])  # the average moved off the base model
     train(TrainSpec(settings(encoded_cache, steps=1), ValidationConfig(every_updates=1), split_dir=split_dir,
                     model=str(ema_run.final_dir)),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import sys
+from collections.abc import Iterable
 
 
 class NotUtf8(ValueError):
@@ -36,7 +37,7 @@ def printable(text: object) -> str:
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in str(text))
 
 
-def warn(lines: list[str], out=None) -> None:
+def warn(lines: Iterable[str], out=None) -> None:
     """Each line on stderr as `rangefinder: warning: ...`, printable (a local run's progress shows lines of this form
     too): every command and step warns through this, so a file name's ESC sequence never reaches a terminal raw."""
     for line in lines:

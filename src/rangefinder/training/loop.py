@@ -100,7 +100,7 @@ def train(
     if accelerator.is_main_process:
         # The plan's warnings (an effective batch larger than the set, ...) change what the run measures: on the
         # terminal, not only in run_summary.json. A local run's progress shows lines of this form too.
-        warn(list(settings.plan.warnings))
+        warn(settings.plan.warnings)
     out_lock = OutDirLock(settings.out_dir, hold=accelerator.is_main_process)  # one run per out_dir; until the end
 
     # --- model: the method's trainable parts set up, the family's conditioning and objective ----------------------
