@@ -8,6 +8,7 @@ import json
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -41,17 +42,25 @@ cooldown.deliver(Path(sys.argv[1]), cooldown.Cooldown(**json.loads(sys.argv[2]))
 """
 
 
+def lay_out(work: Path, folder: str, candidate: bool = True) -> Path:
+    """A step's work folder at delivery: the window's pick in chosen/ and (with `candidate`) the weights measured
+    against it in `folder`/final."""
+    (work / folder).mkdir(parents=True)
+    if candidate:
+        (work / folder / "final").mkdir()
+        (work / folder / "final" / "model.safetensors").write_text("candidate")
+    (work / checkpoints.CHOSEN_DIR).mkdir()
+    (work / checkpoints.CHOSEN_DIR / "model.safetensors").write_text("pick")
+    return work
+
+
 @pytest.mark.parametrize("which", list(CASES))
 def test_lower_weights_move_into_chosen_and_the_pick_stays_on_record(tmp_path, which):
     """Measured lower, the candidate's model becomes chosen/ (its rule, update and epoch; the pick under
     window_pick); measured higher or equal, it is removed and chosen/ stays as it was. chosen.json says which."""
     deliver, folder, compared_as, measured, (rule, update, epoch), named = CASES[which]
     for pick_loss, delivered in ((0.11, True), (0.1, False)):
-        work = tmp_path / f"{which}-{pick_loss}"
-        (work / folder / "final").mkdir(parents=True)
-        (work / folder / "final" / "model.safetensors").write_text("candidate")
-        (work / checkpoints.CHOSEN_DIR).mkdir()
-        (work / checkpoints.CHOSEN_DIR / "model.safetensors").write_text("pick")
+        work = lay_out(tmp_path / f"{which}-{pick_loss}", folder)
         info = deliver(work, measured, {**PICK, "val_loss": pick_loss})
 
         record = info["cooldown" if which == "cooldown" else "average"]
@@ -75,11 +84,7 @@ def test_a_retried_step_keeps_the_decision_and_finishes_its_move(tmp_path, which
     stands instead. Stopped between writing chosen.json and moving the model, the retry moves it; stopped after, the
     retry finds the model in chosen/ and leaves everything as it is."""
     deliver, folder, _, measured, (rule, update, _), _ = CASES[which]
-    work = tmp_path / which
-    (work / folder / "final").mkdir(parents=True)
-    (work / folder / "final" / "model.safetensors").write_text("candidate")
-    (work / checkpoints.CHOSEN_DIR).mkdir()
-    (work / checkpoints.CHOSEN_DIR / "model.safetensors").write_text("pick")
+    work = lay_out(tmp_path / which, folder)
     first = deliver(work, measured, PICK)
     assert (first["rule"], first["update"]) == (rule, update)
     # Stopped before the move: the decision is on record, the candidate still where it was, chosen/ the pick's.
@@ -99,13 +104,7 @@ def test_weights_measured_against_a_pick_without_a_finite_loss_are_delivered_if_
     measured: chosen.json would name weights that chosen/ does not hold."""
     deliver, folder, compared_as, measured, (rule, update, _), _ = CASES[which]
     for present in (True, False):
-        work = tmp_path / f"{which}-{present}"
-        (work / folder).mkdir(parents=True)
-        if present:
-            (work / folder / "final").mkdir()
-            (work / folder / "final" / "model.safetensors").write_text("candidate")
-        (work / checkpoints.CHOSEN_DIR).mkdir()
-        (work / checkpoints.CHOSEN_DIR / "model.safetensors").write_text("pick")
+        work = lay_out(tmp_path / f"{which}-{present}", folder, candidate=present)
         pick_loss = None if present else 0.11
         info = deliver(work, measured, {**PICK, "val_loss": pick_loss})
 
@@ -121,11 +120,7 @@ def test_a_step_killed_right_after_the_move_finds_chosen_json_naming_the_moved_w
     holds the cooldown's weights and chosen.json already names them (never the window's pick over other weights),
     and the retry keeps that decision."""
     _, folder, _, measured, (rule, update, _), _ = CASES["cooldown"]
-    work = tmp_path / "work"
-    (work / folder / "final").mkdir(parents=True)
-    (work / folder / "final" / "model.safetensors").write_text("candidate")
-    (work / checkpoints.CHOSEN_DIR).mkdir()
-    (work / checkpoints.CHOSEN_DIR / "model.safetensors").write_text("pick")
+    work = lay_out(tmp_path / "work", folder)
     child = subprocess.run([sys.executable, "-c", KILLED_AFTER_THE_MOVE, str(work), json.dumps(measured.to_json()),
                             json.dumps(PICK)], capture_output=True, text=True, timeout=120)
     assert child.returncode == -signal.SIGKILL, child.stderr[-2000:]
