@@ -72,8 +72,9 @@ test: $(STAMP) $(TOOLS_STAMP)
 	exit $$status
 
 # The bench probes' own end-to-end tests (the `probe` mark): run them before re-running a probe of bench/.
+# No per-test time limit (pyproject's `timeout` catches hangs in `make test`): a probe re-runs a bench for its length.
 bench-test: $(STAMP)
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadscope -m probe tests/bench $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadscope -m probe --timeout 0 tests/bench $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) $(DEMO_OUT) $(SCREENSHOTS_DEMO) .pytest_cache .mypy_cache .ruff_cache

@@ -474,6 +474,7 @@ def test_a_stalled_request_waits_request_timeout_once():
     assert elapsed < 2.5, elapsed  # 1 s, not 4
 
 
+@pytest.mark.timeout(300)  # a wait that ignored --timeout 1 would otherwise hang here, not fail
 @pytest.mark.parametrize("state, status, line", [
     ("CANCELED", 1, r"run r1 finished CANCELED; see http://\S+/#/runs/details/r1"),
     ("FAILED", 1, "run r1 finished FAILED"),
