@@ -212,3 +212,13 @@ def mixed_aspect_dataset_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         img.resize(size).save(out / f"img{i:02d}_{size[0]}x{size[1]}.png")
         (out / f"img{i:02d}_{size[0]}x{size[1]}.txt").write_text(caption + "\n")
     return out
+
+
+def set_up_engine(spec, out_dir: Path):
+    """A run's settings, accelerator, model and family, set up as the engine sets them up before it encodes anything
+    (`training.setup`: check_settings, start_accelerator, load_model), for tests of what comes after."""
+    from rangefinder.training.setup import check_settings, load_model, start_accelerator
+
+    settings = check_settings(spec, out_dir)
+    accelerator = start_accelerator(settings.cfg)
+    return settings, accelerator, *load_model(settings, accelerator)

@@ -220,15 +220,14 @@ def test_the_adapters_initial_weights_follow_the_training_seed(split_dir, tiny_m
     checkpoint their activations as training.gradient_checkpointing says."""
     from rangefinder.config import ValidationConfig
     from rangefinder.training.loop import TrainSpec
-    from rangefinder.training.setup import check_settings, load_model, start_accelerator
+    from tests.conftest import set_up_engine
 
     initial, checkpointing = [], []
     for run, seed in enumerate((1, 2, 1)):
         cfg = TrainingConfig(method="lora", steps=1, batch_size=2, seed=seed, gradient_checkpointing=run == 0,
                              cache_dir=str(tmp_path / "cache"))
-        settings = check_settings(TrainSpec(cfg, ValidationConfig(every_updates=1), split_dir=split_dir,
-                                            model=tiny_model_dir), tmp_path / f"run{run}")
-        load_model(settings, start_accelerator(settings.cfg))
+        settings = set_up_engine(TrainSpec(cfg, ValidationConfig(every_updates=1), split_dir=split_dir,
+                                           model=tiny_model_dir), tmp_path / f"run{run}")[0]
         initial.append(torch.cat([p.detach().flatten() for m in settings.method.trainable_modules().values()
                                   for p in m.parameters() if p.requires_grad]))
         checkpointing.append({m.is_gradient_checkpointing for m in settings.method.trainable_modules().values()})

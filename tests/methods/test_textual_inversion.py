@@ -246,14 +246,13 @@ def test_validation_captions_carry_the_placeholder_as_training_captions_do(split
     from rangefinder.config import ValidationConfig
     from rangefinder.training.encoding import encode_data
     from rangefinder.training.loop import TrainSpec
-    from rangefinder.training.setup import check_settings, load_model, native_data_config, start_accelerator
+    from rangefinder.training.setup import native_data_config
+    from tests.conftest import set_up_engine
 
     cfg = TrainingConfig(method="textual_inversion", textual_inversion={"num_vectors": 2}, steps=1, batch_size=2,
                          cache_dir=str(tmp_path / "cache"))
-    settings = check_settings(TrainSpec(cfg, ValidationConfig(every_updates=1), split_dir=split_dir,
-                                        model=tiny_model_dir), tmp_path / "run")
-    accelerator = start_accelerator(settings.cfg)
-    sd, family = load_model(settings, accelerator)
+    settings, accelerator, sd, family = set_up_engine(
+        TrainSpec(cfg, ValidationConfig(every_updates=1), split_dir=split_dir, model=tiny_model_dir), tmp_path / "run")
     encoded = encode_data(settings, sd, family, accelerator, native_data_config(sd))
     placeholder = set(sd.tokenizer.convert_tokens_to_ids([TOKEN, f"{TOKEN}_1"]))
     names: set[str] = set()

@@ -224,14 +224,12 @@ def test_per_bucket_validation_losses_are_reported(bucketed_runs, split_report):
 @pytest.fixture(scope="module")
 def loaded_run(split_report, tiny_model_dir, tmp_path_factory):
     """A bucketed run's settings, accelerator, model and family, set up as the engine sets them up, nothing encoded."""
-    from rangefinder.training.setup import check_settings, load_model, start_accelerator
+    from tests.conftest import set_up_engine
 
     tmp = tmp_path_factory.mktemp("loaded-run")
     cfg = TrainingConfig(batch_size=2, steps=1, seed=5, cache_dir=str(tmp / "cache"))
-    settings = check_settings(TrainSpec(cfg, VALIDATION, split_dir=split_report[0], model=tiny_model_dir, data=DATA),
-                              tmp / "run")
-    accelerator = start_accelerator(settings.cfg)
-    return settings, accelerator, *load_model(settings, accelerator)
+    return set_up_engine(TrainSpec(cfg, VALIDATION, split_dir=split_report[0], model=tiny_model_dir, data=DATA),
+                         tmp / "run")
 
 
 def test_each_buckets_validation_set_is_conditioned_on_its_own_items_captions(loaded_run):
