@@ -6,7 +6,8 @@ out as the fine-tune's `chosen/` and as the window average's `final/` (training/
 as steps/finetune.py and steps/average.py call it), the pipeline the grid samples a checkpoint with and the whole
 pipeline the registry logs (sampling.py) are read by diffusers' own loaders, as a consumer reads them (MLflow's
 logged model loads the folder with `DiffusionPipeline.from_pretrained`, tracking/sd_pyfunc.py); their single files
-say it as ComfyUI's saver does, and rangefinder's own readers of a single file read it back.
+say it as ComfyUI's saver does, and rangefinder's own readers of a single file read it back. A one-update SDXL run's
+checkpoint and final folder sample with the base model's own scheduler class (Euler), not the training DDPM.
 """
 
 from __future__ import annotations
@@ -140,3 +141,31 @@ def test_the_single_files_name_the_run_and_what_it_trained_in_their_model_spec(o
         "modelspec.date": summary["started"], "modelspec.prediction_type": predicts,
         "modelspec.predict_key": predicts}
     assert specs["chosen"] == specs["average"] == specs["final"]
+
+
+def test_an_sdxl_checkpoint_samples_with_the_base_model_s_own_scheduler_predicting_what_was_trained(
+        split_dir, tiny_sdxl_dir, tmp_path):
+    """An SDXL run's checkpoint column in the grid, and the final folder it saves, sample with the base model's own
+    scheduler (model_index.json: the tiny SDXL's, as SDXL's, is EulerDiscreteScheduler), set up from its config,
+    predicting what the run trained: not the run's training DDPMScheduler, and not the base model's prediction type."""
+    from diffusers import DiffusionPipeline
+
+    from rangefinder.sampling import load_column_pipeline, resolve_column
+
+    base = Path(tiny_sdxl_dir)
+    own = json.loads((base / "scheduler" / "scheduler_config.json").read_text())
+    assert json.loads((base / "model_index.json").read_text())["scheduler"][1] == own["_class_name"] != "DDPMScheduler"
+    assert own["prediction_type"] == "epsilon"
+    cfg = TrainingConfig(batch_size=4, lr=1e-4, seed=7, cache_dir=str(tmp_path / "cache"), steps=1,
+                         prediction_type="v_prediction", checkpoint_every_updates=1)
+    result = train(TrainSpec(cfg, ValidationConfig(every_epochs=0), split_dir=split_dir, model=base),
+                   out_dir=tmp_path / "run")
+    assert result.status == "ok" and len(result.checkpoints) == 1
+    column = resolve_column(result.checkpoints[0])
+    assert column.kind == "engine_checkpoint"
+    schedulers = {"checkpoint": load_column_pipeline(column, base, device="cpu").scheduler,
+                  "final": DiffusionPipeline.from_pretrained(str(result.final_dir)).scheduler}
+    expected = {k: v for k, v in own.items() if not k.startswith("_")} | {"prediction_type": "v_prediction"}
+    for name, scheduler in schedulers.items():
+        assert type(scheduler).__name__ == own["_class_name"], name
+        assert {k: scheduler.config[k] for k in expected} == expected, name
