@@ -127,6 +127,30 @@ def test_comfyui_check_catches_a_peft_named_file(trained_lora, tiny_model_dir, t
     assert patches and not any(".to_" in key for _, key in patches)
 
 
+def test_the_exported_pipeline_is_the_base_model_with_the_adapters_fused_at_their_scale(trained_lora, tiny_model_dir,
+                                                                                       tmp_path):
+    """export_pipeline (what the registry logs of a LoRA run): a plain pipeline folder whose UNet and text encoder
+    compute what the trained adapters on the base model compute (fused at alpha / rank, not left out nor scaled
+    otherwise), and which generates what the base model with the LoRA loaded generates, not what the base does."""
+    from diffusers import StableDiffusionPipeline
+
+    from rangefinder.sampling import export_pipeline
+
+    _, parts, _, out, _ = trained_lora
+    exported = StableDiffusionPipeline.from_pretrained(str(export_pipeline(out, tiny_model_dir, tmp_path / "whole")),
+                                                       safety_checker=None)
+    assert not any("lora_" in k for part in (exported.unet, exported.text_encoder) for k in part.state_dict())
+    torch.testing.assert_close(unet_output(exported.unet), unet_output(parts.unet), rtol=0, atol=1e-5)
+    torch.testing.assert_close(_te_out(exported.text_encoder, exported.tokenizer),
+                               _te_out(parts.text_encoder, parts.tokenizer), rtol=0, atol=1e-5)
+    with_lora = StableDiffusionPipeline.from_pretrained(str(tiny_model_dir), safety_checker=None)
+    with_lora.load_lora_weights(str(out), weight_name=LORA_WEIGHTS_NAME)
+    base = StableDiffusionPipeline.from_pretrained(str(tiny_model_dir), safety_checker=None)
+    image = pipeline_image(exported, "a red circle")
+    np.testing.assert_allclose(image, pipeline_image(with_lora, "a red circle"), rtol=0, atol=1e-4)
+    assert np.abs(image - pipeline_image(base, "a red circle")).max() > 1e-2
+
+
 def test_files_have_their_consumers_keys_alpha_and_metadata(trained_lora):
     _, _, _, out, cfg = trained_lora
     with safe_open(str(out / LORA_KOHYA_NAME), framework="pt") as f:
