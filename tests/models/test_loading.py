@@ -1,6 +1,8 @@
 """The base model from each source (embedded, folder, single file, hub id), resolved to one local diffusers folder;
 and each bad source's one clear error."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -115,6 +117,31 @@ def test_our_single_file_of_a_hub_model_loads_back_offline_through_the_cached_sn
     resolved = resolve_base_model(ModelConfig(base_model=str(path)))
     assert resolved.kind == "single_file" and (resolved.path / "model_index.json").is_file()
     assert _same_weights(load_sd_components(ModelConfig(base_model=str(path))).unet, folder_parts.unet)
+
+
+def test_our_single_file_of_a_hub_model_at_a_revision_is_read_with_that_revision_s_config(tiny_model_dir, tmp_path):
+    """The export names the revision it was trained on ("org/name@v1"): loading the file back takes the architecture
+    and scheduler from that revision's cached snapshot, not from main's, which has moved on to another config."""
+    import json
+    import shutil
+
+    from rangefinder.formats.single_file import export_full
+    from rangefinder.formats.weights_file import export_metadata
+    from tests.models.fake_hub import make_cached_repo
+
+    cache = tmp_path / "hf-hub-cache"  # its own: the session's cache is shared by the other tests
+    v1 = make_cached_repo(cache, HUB_REPO, tiny_model_dir, refs=("v1",))
+    newer = Path(shutil.copytree(tiny_model_dir, tmp_path / "newer"))
+    scheduler = newer / "scheduler" / "scheduler_config.json"
+    scheduler.write_text(json.dumps({**json.loads(scheduler.read_text()), "timestep_spacing": "trailing"}))
+    main = make_cached_repo(cache, HUB_REPO, newer, refs=("main",))
+    assert main != v1
+    path = export_full(tiny_model_dir, tmp_path / "from-v1.safetensors",
+                       export_metadata(method="full", base_model=f"{HUB_REPO}@v1"))
+    # model.cache_dir is the hub cache the snapshot is looked up in, and where the file is converted to.
+    resolved = resolve_base_model(ModelConfig(base_model=str(path), cache_dir=str(cache)))
+    converted = json.loads((resolved.path / "scheduler" / "scheduler_config.json").read_text())
+    assert converted["timestep_spacing"] == "leading" != json.loads(scheduler.read_text())["timestep_spacing"]
 
 
 def test_hub_id_resolves_from_the_offline_cache_at_a_branch_tag_or_commit(offline_hub, folder_parts):
