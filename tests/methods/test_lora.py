@@ -1,7 +1,10 @@
 """LoRA: only adapters train; both files load in diffusers and in ComfyUI, every key, and reproduce the trained model
-(alpha != rank, adapters on attention, linear and convolution layers)."""
+(alpha != rank, adapters on attention, linear and convolution layers); the pipeline they are exported and registered
+as is the base model with them fused."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +17,7 @@ from rangefinder.training.methods import make_method
 from rangefinder.training.methods.base import UPDATES_KEY
 from tests.formats.consumers import comfy_load_lora, comfy_patched_state, comfy_sd1_key_map
 from tests.methods.harness import load_parts, pipeline_image, state_of, train_updates, unet_output
+from tests.tracking.fixtures import clean_mlflow_env  # noqa: F401  (no MLflow run of the caller's leaks in)
 
 RANK, ALPHA = 4, 8.0  # alpha != rank, so a file that drops the scale alpha/rank is caught
 UPDATES = 3
@@ -149,6 +153,40 @@ def test_the_exported_pipeline_is_the_base_model_with_the_adapters_fused_at_thei
     image = pipeline_image(exported, "a red circle")
     np.testing.assert_allclose(image, pipeline_image(with_lora, "a red circle"), rtol=0, atol=1e-4)
     assert np.abs(image - pipeline_image(base, "a red circle")).max() > 1e-2
+
+
+@pytest.mark.usefixtures("clean_mlflow_env")
+def test_a_run_without_a_chosen_checkpoint_registers_its_final_lora_fused_with_the_files_beside(trained_lora,
+                                                                                              tiny_model_dir, tmp_path):
+    """register-model on a LoRA run's folder with no chosen/ (no validation to choose by, or the full-data retrain):
+    the version is the run's final weights, as a whole pipeline built from the base model with the adapters fused
+    (the UNet computes what the trained adapters do), and the LoRA files final/ delivered are beside it, byte for
+    byte, for the tools that load them."""
+    import mlflow
+    from diffusers import UNet2DConditionModel
+    from mlflow import MlflowClient
+
+    from rangefinder.config import demo_config
+    from rangefinder.steps.register_model import run_register_model
+
+    _, parts, _, final, _ = trained_lora
+    run_dir = final.parent  # what the step is handed: the run's folder, final/ inside, no chosen/
+    assert sorted(p.name for p in run_dir.iterdir()) == ["final"]
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = demo_config(model={"base_model": str(tiny_model_dir)},
+                      tracking={"tracking_uri": uri, "experiment_name": "lora-final", "registered_model_name": "rf"})
+    registered = run_register_model(cfg, model_dir=run_dir, lr=1e-2, epochs=1)
+    assert (registered.model_uri, registered.weights) == ("models:/rf/1", final)
+    assert MlflowClient(uri).get_model_version("rf", "1").tags["rangefinder.weights"] == "finetune final"
+    mlflow.set_tracking_uri(uri)
+    local = Path(mlflow.artifacts.download_artifacts(registered.model_uri, dst_path=str(tmp_path / "registered")))
+    (pipeline,) = {p.parent for p in local.rglob("model_index.json")}
+    unet = UNet2DConditionModel.from_pretrained(str(pipeline / "unet"))
+    torch.testing.assert_close(unet_output(unet), unet_output(parts.unet), rtol=0, atol=1e-5)
+    beside = local / "artifacts" / "delivered"
+    files = sorted(p.relative_to(final) for p in final.rglob("*") if p.is_file())
+    assert sorted(p.relative_to(beside) for p in beside.rglob("*") if p.is_file()) == files
+    assert all((beside / f).read_bytes() == (final / f).read_bytes() for f in files)
 
 
 def test_files_have_their_consumers_keys_alpha_and_metadata(trained_lora):
