@@ -6,8 +6,9 @@ out as the fine-tune's `chosen/` and as the window average's `final/` (training/
 as steps/finetune.py and steps/average.py call it), the pipeline the grid samples a checkpoint with and the whole
 pipeline the registry logs (sampling.py) are read by diffusers' own loaders, as a consumer reads them (MLflow's
 logged model loads the folder with `DiffusionPipeline.from_pretrained`, tracking/sd_pyfunc.py); their single files
-say it as ComfyUI's saver does, and rangefinder's own readers of a single file read it back. A one-update SDXL run's
-checkpoint and final folder sample with the base model's own scheduler class (Euler), not the training DDPM.
+say it as ComfyUI's saver does, and rangefinder's own readers of a single file read it back. A one-update run's
+checkpoint and final folder sample with the base model's own scheduler class (SD 1.5's PNDM, SDXL's Euler), not the
+training DDPM.
 """
 
 from __future__ import annotations
@@ -143,16 +144,30 @@ def test_the_single_files_name_the_run_and_what_it_trained_in_their_model_spec(o
     assert specs["chosen"] == specs["average"] == specs["final"]
 
 
-def test_an_sdxl_checkpoint_samples_with_the_base_model_s_own_scheduler_predicting_what_was_trained(
-        split_dir, tiny_sdxl_dir, tmp_path):
-    """An SDXL run's checkpoint column in the grid, and the final folder it saves, sample with the base model's own
-    scheduler (model_index.json: the tiny SDXL's, as SDXL's, is EulerDiscreteScheduler), set up from its config,
-    predicting what the run trained: not the run's training DDPMScheduler, and not the base model's prediction type."""
+def _shipping_pndm(model_dir: Path, out: Path) -> Path:
+    """A copy of an SD 1.x folder whose own sampling scheduler is PNDM, as Stable Diffusion 1.5's is (its
+    model_index.json and scheduler/ say PNDMScheduler; it trains with DDPM all the same)."""
+    from diffusers import PNDMScheduler
+
+    folder = Path(shutil.copytree(model_dir, out))
+    PNDMScheduler.from_pretrained(str(folder), subfolder="scheduler").save_pretrained(str(folder / "scheduler"))
+    index = folder / "model_index.json"
+    index.write_text(json.dumps({**json.loads(index.read_text()), "scheduler": ["diffusers", "PNDMScheduler"]}))
+    return folder
+
+
+@pytest.mark.parametrize("family", ["sd1", "sdxl"])
+def test_a_checkpoint_and_the_final_folder_sample_with_the_base_model_s_own_scheduler_predicting_what_was_trained(
+        family, split_dir, tiny_model_dir, tiny_sdxl_dir, tmp_path):
+    """A run's checkpoint column in the grid, and the final folder it saves, sample with the base model's own
+    scheduler (model_index.json: PNDM for an SD 1.x model as SD 1.5 ships, Euler for the tiny SDXL as for SDXL), set up
+    from its config, predicting what the run trained: not the run's training DDPMScheduler, and not the base model's
+    prediction type. So a grid's columns of one run differ only in their weights, as its base column does."""
     from diffusers import DiffusionPipeline
 
     from rangefinder.sampling import load_column_pipeline, resolve_column
 
-    base = Path(tiny_sdxl_dir)
+    base = _shipping_pndm(tiny_model_dir, tmp_path / "base") if family == "sd1" else Path(tiny_sdxl_dir)
     own = json.loads((base / "scheduler" / "scheduler_config.json").read_text())
     assert json.loads((base / "model_index.json").read_text())["scheduler"][1] == own["_class_name"] != "DDPMScheduler"
     assert own["prediction_type"] == "epsilon"
@@ -163,9 +178,11 @@ def test_an_sdxl_checkpoint_samples_with_the_base_model_s_own_scheduler_predicti
     assert result.status == "ok" and len(result.checkpoints) == 1
     column = resolve_column(result.checkpoints[0])
     assert column.kind == "engine_checkpoint"
-    schedulers = {"checkpoint": load_column_pipeline(column, base, device="cpu").scheduler,
+    schedulers = {"base": DiffusionPipeline.from_pretrained(str(base)).scheduler,
+                  "checkpoint": load_column_pipeline(column, base, device="cpu").scheduler,
                   "final": DiffusionPipeline.from_pretrained(str(result.final_dir)).scheduler}
-    expected = {k: v for k, v in own.items() if not k.startswith("_")} | {"prediction_type": "v_prediction"}
+    expected = {k: v for k, v in own.items() if not k.startswith("_")}
     for name, scheduler in schedulers.items():
         assert type(scheduler).__name__ == own["_class_name"], name
-        assert {k: scheduler.config[k] for k in expected} == expected, name
+        trained = "epsilon" if name == "base" else "v_prediction"
+        assert {k: scheduler.config[k] for k in expected} == expected | {"prediction_type": trained}, name

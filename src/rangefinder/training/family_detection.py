@@ -53,8 +53,10 @@ class FamilyLayout:
     # text_encoder_2, metadata, prediction_type, facts)" (formats/lora.py).
     lora_export: str = "rangefinder.formats.lora:save_sd_lora_files"
     pipeline_kwargs: tuple[tuple[str, object], ...] = ()  # what its pipeline's constructor and loaders also take
-    # Its saved folder keeps the base model's own sampling scheduler (SDXL ships Euler) rather than the training
-    # DDPM; SD 1.x's has always kept the training DDPM, and SD3 and Flux train with their flow-matching one.
+    # Its saved folder keeps the base model's own sampling scheduler (SD 1.5 ships PNDM, SDXL Euler) rather than the
+    # training DDPM, as its samples and the grid's checkpoint columns sample (samples.sampling_scheduler): a grid's
+    # chosen/ and final/ columns then differ from its base and checkpoint columns in their weights alone. SD3 and Flux
+    # train with their flow-matching one.
     samples_with_its_scheduler: bool = False
 
     @property
@@ -75,7 +77,8 @@ _SD_CLASSES = (("tokenizer", "transformers:CLIPTokenizer"), ("text_encoder", "tr
 FAMILY_LAYOUTS = {
     "sd1": FamilyLayout("StableDiffusionPipeline", "unet", _SD_CLASSES,
                         pipeline_kwargs=(("safety_checker", None), ("feature_extractor", None),
-                                         ("requires_safety_checker", False))),
+                                         ("requires_safety_checker", False)),
+                        samples_with_its_scheduler=True),
     "sdxl": FamilyLayout("StableDiffusionXLPipeline", "unet",
                          (*_SD_CLASSES, ("tokenizer_2", "transformers:CLIPTokenizer"),
                           ("text_encoder_2", "transformers:CLIPTextModelWithProjection")),

@@ -80,7 +80,7 @@ def save_pipeline(sd: SDComponents, out_dir: Path) -> None:
     # training scheduler does: training.prediction_type, which the family registered there.
     scheduler = type(sd.noise_scheduler).from_config(sd.noise_scheduler.config)
     if layout.samples_with_its_scheduler and sd.model_dir is not None and (sd.model_dir / "scheduler").is_dir():
-        scheduler = sampling_scheduler(sd)  # the base model's own sampling scheduler (SDXL ships Euler), not DDPM
+        scheduler = sampling_scheduler(sd)  # the base model's own (SD 1.5 ships PNDM, SDXL Euler), not DDPM
     parts = {layout.denoiser: sd.unet, "vae": sd.vae, "text_encoder": sd.text_encoder, "tokenizer": sd.tokenizer,
              "scheduler": scheduler, **{name: getattr(sd, name) for name in layout.parts}}
     pipe: Any = getattr(diffusers, layout.pipeline)(**parts, **dict(layout.pipeline_kwargs))
