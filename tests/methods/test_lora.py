@@ -247,7 +247,7 @@ def test_engine_keeps_optimizer_state_for_adapters_only(tiny_model_dir, split_di
 
     result = train(TrainSpec(cfg, ValidationConfig(every_epochs=0), split_dir=split_dir, model=tiny_model_dir),
                    out_dir=tmp_path / "run", save_final=False)
-    optimizer = torch.load(result.checkpoints[-1] / "optimizer.pt", weights_only=False)
+    optimizer = torch.load(result.checkpoints[-1] / "optimizer.pt", weights_only=True)
     assert len(optimizer["state"]) == len(adapters)  # one AdamW state per adapter tensor, none for frozen weights
     shapes = sorted(tuple(s["exp_avg"].shape) for s in optimizer["state"].values())
     assert shapes == sorted(tuple(p.shape) for p in parts.unet.parameters() if p.requires_grad)
