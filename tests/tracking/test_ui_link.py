@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import mlflow
@@ -48,3 +49,17 @@ def test_a_server_is_linked_without_its_credentials_and_without_a_command():
     assert command is None
     assert link == "https://mlflow.example:5000/#/experiments/3/runs?workflowType=machine_learning"
     assert "hunter2" not in link
+
+
+def test_the_ui_command_pasted_into_a_shell_opens_the_store_under_a_folder_with_a_space(tmp_path):
+    """`run --local --out "run 1"` printed `mlflow ui --backend-store-uri sqlite:////.../run 1/mlflow.db`, which a
+    shell splits in two: the UI opened a store named `sqlite:////.../run`."""
+    db = tmp_path / "run 1 ü" / "mlflow.db"
+    db.parent.mkdir()
+    uri = f"sqlite:///{db}"
+    exp_id = MlflowClient(tracking_uri=uri).create_experiment("landing")
+    command, _ = ui_link(uri, exp_id)
+    assert command is not None
+    words = shlex.split(command)
+    assert words[:3] == ["mlflow", "ui", "--backend-store-uri"] and len(words) == 4
+    assert MlflowClient(tracking_uri=words[3]).get_experiment(exp_id).name == "landing"

@@ -8,6 +8,7 @@ timeouts too (`bound_http_requests`): a server that dies mid-run costs a step se
 from __future__ import annotations
 
 import os
+import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Union
 from urllib.parse import unquote, urlsplit
@@ -328,8 +329,10 @@ MLFLOW_UI_PORT = 5000
 
 def ui_link(uri: str, experiment_id: str) -> tuple[Optional[str], str]:
     """(the command that serves MLflow's UI for `uri`, or None when `uri` is a server; the link that opens the
-    experiment's model-training runs table in that UI). Credentials in `uri` never appear in either."""
+    experiment's model-training runs table in that UI). Credentials in `uri` never appear in either. The command is
+    quoted for a shell: a local store under a folder with a space in its name (`--out "run 1"`) split in two when
+    pasted."""
     route = UI_RUNS_ROUTE.format(experiment_id=experiment_id)
     if urlsplit(uri).scheme.lower() in ("http", "https"):
         return None, f"{safe_uri(uri).rstrip('/')}/{route}"
-    return f"mlflow ui --backend-store-uri {safe_uri(uri)}", f"http://127.0.0.1:{MLFLOW_UI_PORT}/{route}"
+    return shlex.join(["mlflow", "ui", "--backend-store-uri", safe_uri(uri)]), f"http://127.0.0.1:{MLFLOW_UI_PORT}/{route}"
