@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import io
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 import warnings
@@ -307,6 +309,20 @@ def test_a_bad_seed_flag_is_one_line(tmp_path, split_dir):
     assert_one_line_error(in_process("train", "--data", str(split_dir), "--out", str(tmp_path / "run"),
                                      "--epochs", "1", "--seed", "-3"), "training.seed")
     assert not Path(tmp_path / "run").exists()
+
+
+def test_train_given_the_dataset_folder_instead_of_its_split_names_the_split_command(tmp_path, shapes_dataset_dir):
+    """`train --data` on the images themselves (kohya's `10_name/` layout, a space in the path) was told to make a
+    split `--out` that same folder, unquoted: followed, it wrote the split's files into the dataset."""
+    data = tmp_path / "my data" / "10_sks dog"
+    data.mkdir(parents=True)
+    for name in ("00000.png", "00000.txt"):
+        shutil.copy(shapes_dataset_dir / name, data / name)
+    line = assert_one_line_error(in_process("train", "--data", str(data.parent), "--out", str(tmp_path / "run"),
+                                            "--epochs", "1"), "is a dataset folder (it holds images), not a split")
+    assert f"rangefinder split {shlex.quote(str(data.parent))} --out SPLIT_DIR" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["my data"]
+    assert sorted(p.name for p in data.iterdir()) == ["00000.png", "00000.txt"]
 
 
 def test_compile_names_each_pair_of_settings_that_cancel_each_other(tmp_path):

@@ -101,8 +101,9 @@ def test_errors(tmp_path, capsys):
     assert "only 1 usable image" in capsys.readouterr().err
     with pytest.raises(DataError, match="val_split"):
         make_split(data, val_split=1.0)
+    (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match="not a finished split folder"):
-        read_split(tmp_path)
+        read_split(tmp_path / "empty")
 
 
 def test_too_few_images_says_what_the_floor_is_for(tmp_path, capsys):

@@ -22,6 +22,7 @@ import json
 import math
 import os
 import random
+import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -29,7 +30,7 @@ from typing import Optional
 
 from rangefinder.data.buckets import BucketSettings, Placement, bucket_table, image_size, place
 from rangefinder.data.captions import long_caption_report, long_captions
-from rangefinder.data.dataset import Item, item_id
+from rangefinder.data.dataset import IMAGE_EXTENSIONS, Item, item_id
 from rangefinder.data.validate import validate_dataset
 from rangefinder.errors import DataError
 from rangefinder.formats.atomic import usable_folder, write_text
@@ -278,6 +279,15 @@ def write_split(split: Split, out_dir: str | Path) -> Path:
     return out
 
 
+def _holds_images(folder: Path) -> bool:
+    """Whether `folder` (or a folder under it, as kohya's `10_name/`) holds an image file: a dataset, not a split."""
+    for _, dirs, files in os.walk(folder):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        if any(os.path.splitext(f)[1].lower() in IMAGE_EXTENSIONS for f in files if not f.startswith(".")):
+            return True
+    return False
+
+
 def read_split(split_dir: str | Path, root: str | Path | None = None) -> Split:
     """Read a split folder written by `write_split` (`rangefinder split`).
 
@@ -286,9 +296,15 @@ def read_split(split_dir: str | Path, root: str | Path | None = None) -> Split:
     d = Path(split_dir).expanduser()
     summary_path = d / SUMMARY_FILE
     if not summary_path.is_file():
+        if _holds_images(d):
+            # Told to make a split "--out" this folder, a user who passed the dataset itself wrote the split into it.
+            raise DataError(
+                f"{d} is a dataset folder (it holds images), not a split of one; split it first with `rangefinder "
+                f"split {shlex.quote(str(d))} --out SPLIT_DIR`, then pass SPLIT_DIR"
+            )
         raise DataError(
             f"{d} is not a finished split folder (no {SUMMARY_FILE}); "
-            f"make one with `rangefinder split DATA_DIR --out {d}`"
+            f"make one with `rangefinder split DATA_DIR --out {shlex.quote(str(d))}`"
         )
     summary = json.loads(summary_path.read_text(encoding="utf-8"))
     subsets: dict[str, list[Item]] = {}
