@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from rangefinder.cli.ignored import ignored_by_train, warn_conflicts, warn_ignored
 from rangefinder.cli.output import add_json_flag
+from rangefinder.config import Method, Optimizer, Schedule
 from rangefinder.errors import ConfigError
 
 
@@ -27,16 +28,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, metavar="OUT_DIR",
                    help="output folder (checkpoints under OUT_DIR/checkpoints)")
     p.add_argument("--config", metavar="FILE", help="YAML config (sections as in `rangefinder` configs)")
-    p.add_argument("--method", help="full | lora | textual_inversion")
-    p.add_argument("--schedule", help="constant, linear-ramp, exp-ramp, cosine, triangular, triangular2, exp_range")
-    p.add_argument("--lr", type=float, help="learning rate (constant, or the peak of cosine)")
-    p.add_argument("--optimizer", help="adamw (default), adamw8bit, prodigy, prodigy_schedule_free, "
-                                       "adamw_schedule_free, adafactor (README: Optimizers)")
-    p.add_argument("--lr-min", type=float, help="lower end of a ramp or cycle")
+    # The choices named from config's own lists: a schedule added there (wsd) went unnamed here.
+    p.add_argument("--method", help=" | ".join(get_args(Method)))
+    p.add_argument("--schedule", help=", ".join(get_args(Schedule)))
+    p.add_argument("--lr", type=float, help="learning rate (constant, or the peak of cosine and wsd)")
+    p.add_argument("--optimizer", help=", ".join(f"{o} (default)" if o == "adamw" else o for o in get_args(Optimizer))
+                   + " (README: Optimizers)")
+    p.add_argument("--lr-min", type=float, help="lower end of a ramp or cycle, or where wsd decays to (0)")
     p.add_argument("--lr-max", type=float, help="upper end of a ramp or cycle")
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--epochs", type=int, help="passes over the training images")
-    budget.add_argument("--steps", type=int, help="optimizer updates (see --steps-unit in the config)")
+    budget.add_argument("--steps", type=int, help="optimizer updates (micro-batches with training.steps_unit: "
+                                                     "micro-batch in --config)")
     p.add_argument("--batch-size", type=int, help="images per micro-batch per process")
     p.add_argument("--grad-accum", type=int, help="micro-batches per update")
     p.add_argument("--seed", type=int, help="training seed (data order, noise, timesteps)")
