@@ -1,12 +1,20 @@
 """The typed config rejects every invalid value with a message naming the field, and loads from YAML."""
 
+import functools
 import re
 from pathlib import Path
 
 import pytest
 import yaml
 
-from rangefinder.config import RangefinderConfig, TrainingConfig, demo_config, load_config, parse_config
+from rangefinder.config import (
+    OTHER_TOOLS_NAMES,
+    RangefinderConfig,
+    TrainingConfig,
+    demo_config,
+    load_config,
+    parse_config,
+)
 from rangefinder.errors import ConfigError
 from rangefinder.planning import plan, val_count
 
@@ -20,8 +28,8 @@ from rangefinder.planning import plan, val_count
         ({"split": {"stabilize_split": 1.5}}, "split.stabilize_split", "less than or equal to 1"),
         ({"data": {"resolution": 30}}, "data.resolution", "multiple of 8"),
         ({"data": {"min_images": 1}}, "data.min_images", "greater than or equal to 2"),
-        ({"data": {"colour": "red"}}, "data.colour", "Extra inputs are not permitted"),
-        ({"trainng": {}}, "trainng", "Extra inputs are not permitted"),
+        ({"data": {"colour": "red"}}, "data.colour", "not a setting of data (got 'red'); remove it"),
+        ({"trainng": {}}, "trainng", "not a setting or section of the config; did you mean training?"),
         ({"training": {"batch_size": 0}}, "training.batch_size", "greater than or equal to 1"),
         ({"training": {"lr": 0}}, "training.lr", "greater than 0"),
         ({"training": {"epochs": 2, "steps": 10}}, "training", "either training.epochs or training.steps"),
@@ -55,6 +63,38 @@ def test_invalid_values_name_the_field(raw, field, hint):
         parse_config(raw)
     msg = str(e.value)
     assert field in msg and hint in msg, msg
+
+
+@pytest.mark.parametrize("raw,hint", [
+    ({"training": {"learnig_rate": "1e-4"}}, "training.learnig_rate: not a setting of training (got '1e-4'); "
+                                             "rangefinder's name for learning_rate (kohya sd-scripts, diffusers) is "
+                                             "training.lr"),
+    ({"training": {"max_train_steps": 500}}, "training.max_train_steps: not a setting of training (got 500); "
+                                             "rangefinder's name for max_train_steps (kohya sd-scripts, diffusers) "
+                                             "is training.steps"),
+    ({"training": {"lora": {"rnk": 4}}}, "training.lora.rnk: not a setting of training.lora (got 4); did you mean "
+                                         "training.lora.rank?"),
+    ({"epochs": 3}, "epochs: not a setting or section of the config (got 3); epochs is a setting of training, "
+                    "lr_range_test, finetune, retrain: put it under the one meant"),
+    ({"kubernetes": {"tolerations": [{"key": "a", "valu": "b"}]}},
+     "kubernetes.tolerations.0.valu: not a setting of kubernetes.tolerations (got 'b'); did you mean "
+     "kubernetes.tolerations.value?"),
+    ({"training": {"colour": 3}}, "training.colour: not a setting of training (got 3); remove it (every setting "
+                                  "is documented in src/rangefinder/config.py)"),
+], ids=["misspelt-other-tools-name", "other-tools-name", "misspelt", "at-the-wrong-level", "in-a-list", "unknown"])
+def test_an_unknown_setting_is_told_what_was_meant(raw, hint):
+    """A key no section has said only "Extra inputs are not permitted": nothing of `epochs` belonging under a section
+    or of kohya's `learning_rate` being `training.lr`."""
+    with pytest.raises(ConfigError) as e:
+        parse_config(raw)
+    assert str(e.value) == hint
+
+
+def test_every_other_tools_name_points_at_a_setting():
+    cfg = RangefinderConfig()
+    for name, target in OTHER_TOOLS_NAMES.items():
+        section, _, key = target.rpartition(".")
+        assert key in type(functools.reduce(getattr, section.split("."), cfg)).model_fields, (name, target)
 
 
 def test_defaults_and_demo_are_valid():

@@ -29,13 +29,83 @@ def format_validation_error(err: ValidationError, prefix: str = "") -> str:
         loc = ".".join(str(p) for p in e.get("loc", ()) if p != "__root__")
         where = f"{prefix}{loc}" if loc else (prefix.rstrip(".") or "config")
         msg = e.get("msg", "invalid value").removeprefix("Value error, ")
+        fix = ""
+        if e.get("type") == "extra_forbidden" and _sections().get(prefix.rstrip("."), object).__name__ == err.title:
+            msg, fix = _unknown_setting(where)
         got = e.get("input")
         got_txt = ""
         if e.get("type") not in ("value_error", "missing") and not isinstance(got, (dict, list)):
             got_txt = f" (got {got!r})"
+        got_txt += f"; {fix}" if fix else ""
         # Cross-field checks already name their fields in the message.
         lines.append(f"{msg}{got_txt}" if msg.startswith(where) else f"{where}: {msg}{got_txt}")
     return "; ".join(lines)
+
+
+# Other trainers' names for settings rangefinder names otherwise (kohya sd-scripts' and diffusers' example scripts'
+# arguments), which no spelling distance finds: a config carried over from one of them is told where each goes.
+OTHER_TOOLS_NAMES = {
+    "learning_rate": "training.lr",
+    "unet_lr": "training.lr",
+    "max_train_steps": "training.steps",
+    "max_train_epochs": "training.epochs",
+    "num_train_epochs": "training.epochs",
+    "train_batch_size": "training.batch_size",
+    "gradient_accumulation_steps": "training.grad_accum",
+    "lr_scheduler": "training.schedule",
+    "lr_warmup_steps": "training.warmup_updates",
+    "optimizer_type": "training.optimizer",
+    "network_dim": "training.lora.rank",
+    "network_alpha": "training.lora.alpha",
+    "pretrained_model_name_or_path": "model.base_model",
+    "train_data_dir": "data.dataset_dir",
+    "instance_data_dir": "data.dataset_dir",
+}
+
+
+def _sections() -> dict[str, type[BaseModel]]:
+    """Every section of RangefinderConfig by its dotted path ("" for the top level, "training.lora", ...; a list of
+    sections, kubernetes.tolerations, by the list's path)."""
+    out: dict[str, type[BaseModel]] = {}
+    todo: list[tuple[str, type[BaseModel]]] = [("", RangefinderConfig)]
+    while todo:
+        path, model = todo.pop(0)  # breadth first, in the order the fields are declared
+        out[path] = model
+        for name, field in model.model_fields.items():
+            types, leaves = [field.annotation], []
+            while types:
+                t = types.pop()
+                if typing.get_args(t):
+                    types.extend(typing.get_args(t))
+                else:
+                    leaves.append(t)
+            todo.extend((f"{path}.{name}".lstrip("."), t) for t in leaves
+                        if isinstance(t, type) and issubclass(t, BaseModel))
+    return out
+
+
+def _unknown_setting(where: str) -> tuple[str, str]:
+    """What to say of `where` (a dotted path), a key no section of the config has: the section's setting spelled
+    nearly alike, the rangefinder name of another trainer's setting (or of one spelled nearly alike), or the sections
+    that hold a setting of that name (one put at the wrong level); else where the settings are listed. (The problem,
+    the fix.)"""
+    import difflib
+
+    parent, _, key = where.rpartition(".")
+    parent = re.sub(r"\.\d+(?=\.|$)", "", parent)  # kubernetes.tolerations.0 -> kubernetes.tolerations
+    sections = _sections()
+    names = list(sections[parent].model_fields) if parent in sections else []
+    what = f"not a setting of {parent}" if parent else "not a setting or section of the config"
+    # 0.75: `colour` is not `lora` (0.6), while `epoch`, `rnk` and `learnig_rate` are a letter off theirs.
+    close = difflib.get_close_matches(key, [*names, *OTHER_TOOLS_NAMES], n=1, cutoff=0.75)
+    if close and close[0] in OTHER_TOOLS_NAMES:
+        return what, f"rangefinder's name for {close[0]} (kohya sd-scripts, diffusers) is {OTHER_TOOLS_NAMES[close[0]]}"
+    if close:
+        return what, f"did you mean {f'{parent}.' if parent else ''}{close[0]}?"
+    homes = [path or "the top level" for path, model in sections.items() if key in model.model_fields]
+    if homes:
+        return what, f"{key} is a setting of {', '.join(homes)}: put it under the one meant"
+    return what, "remove it (every setting is documented in src/rangefinder/config.py)"
 
 
 def _number_not_bool(annotation: Any) -> bool:
