@@ -269,6 +269,22 @@ def test_captions_in_caption_files_and_in_any_case_are_read_and_two_that_disagre
     }
 
 
+def test_a_captions_table_rangefinder_does_not_read_is_named_as_one(tmp_path):
+    # kohya's fine-tuning layout keeps its captions in meta_cap.json (--in_json): the file was told "not an image
+    # format ...; convert it to one of those", beside every image listed as uncaptioned.
+    for i, name in enumerate(("a.png", "b.png")):
+        _img(tmp_path / name, (i, 0, 0))
+    (tmp_path / "meta_cap.json").write_text(json.dumps({"a": {"caption": "a black square"}, "b": {"caption": "red"}}))
+    (tmp_path / "captions.parquet").write_bytes(b"PAR1")
+    reasons = {s.file_name: s.reason for s in validate_dataset(tmp_path, min_images=0).skipped}
+    assert reasons["a.png"].startswith("missing caption")
+    for table in ("meta_cap.json", "captions.parquet"):
+        assert reasons[table] == (
+            "not used: captions are read from a .txt or .caption file beside each image, or from a metadata.jsonl or "
+            "metadata.csv at the dataset folder's root (file_name and text per image); if this file holds the "
+            "captions (kohya's meta_cap.json, a metadata.parquet), write them out as one of those")
+
+
 def test_the_image_formats_other_trainers_take_are_trained_and_only_true_animations_refused(tmp_path):
     # A kohya or EveryDream2 set of BMPs, OneTrainer's TIFFs, a still GIF and a camera's JPEG stored as MPO (a photo
     # with a preview after it) were each left out, the MPO as "animated"; an animated GIF and a multi-page TIFF are

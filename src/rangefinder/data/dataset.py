@@ -48,6 +48,9 @@ CAPTION_EXTENSIONS = (".txt", ".caption")
 # Captions listed at the root, as Hugging Face's imagefolder reads them: one row per image, its path relative to the
 # root in `file_name`, its caption in `text` (the column diffusers' train_text_to_image reads unless told another).
 METADATA_FILES = ("metadata.jsonl", "metadata.csv")
+# Tables other trainers keep captions in (kohya sd-scripts' fine-tuning metadata, meta_cap.json; Hugging Face's
+# metadata.parquet), named in the line on such a file that is not one of METADATA_FILES at the root.
+CAPTION_TABLES = (".json", ".jsonl", ".csv", ".tsv", ".parquet")
 CAPTION_FIELD = "text"
 # Other trainers' ways to weight or add images that a folder's layout carries, which rangefinder does not read: a
 # dataset laid out so is refused (`_refuse_layout_not_read`) or warned of (`repeat_folder_notes`), so that none trains
@@ -459,6 +462,13 @@ def _not_used(path: PurePosixPath, image: Optional[PurePosixPath]) -> str:
         # otherwise be listed as uncaptioned with no word on the file beside it.
         return (f"not used: captions are read from {' or '.join(CAPTION_EXTENSIONS)} files; if this holds {image}'s "
                 f"caption, save it as {path.with_suffix(CAPTION_EXTENSIONS[0])}")
+    if ext in CAPTION_TABLES:
+        # Told to convert it to an image format, a kohya user's meta_cap.json (its fine-tuning captions, --in_json)
+        # read as a file put there by mistake, beside every image listed as uncaptioned.
+        return (f"not used: captions are read from a {' or '.join(CAPTION_EXTENSIONS)} file beside each image, or "
+                f"from a {' or '.join(METADATA_FILES)} at the dataset folder's root (file_name and text per image); "
+                "if this file holds the captions (kohya's meta_cap.json, a metadata.parquet), write them out as one "
+                "of those")
     return (f"not used: {ext or 'a file without an extension'} is not an image format rangefinder trains on "
             f"({', '.join(IMAGE_EXTENSIONS)}); convert it to one of those or move it out")
 
