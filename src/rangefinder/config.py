@@ -7,6 +7,7 @@ pydantic model that rejects unknown keys and bad values with a message naming th
 from __future__ import annotations
 
 import re
+import sys
 import typing
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, Literal, Optional, Union
@@ -1456,13 +1457,37 @@ def read_config_file(path: str | Path) -> dict:
     except ConfigError as e:
         raise ConfigError(f"config file {p}: {e}") from None
     except yaml.YAMLError as e:
+        _refuse_toml(p, data)
         raise ConfigError(f"config file {p} is not valid YAML: {_yaml_problem(e)}") from None
     except RecursionError:
         raise ConfigError(f"config file {p} nests too deeply to be a config; a config has sections of settings "
                           "(data:, training:, ...) one or two levels deep") from None
     if not isinstance(raw, dict):
+        _refuse_toml(p, data)
         raise ConfigError(f"config file {p} must hold a mapping of sections (data:, training:, ...)")
     return raw
+
+
+def _refuse_toml(p: Path, data: bytes) -> None:
+    """ConfigError when a config that is no YAML mapping is TOML, as kohya sd-scripts' --config_file and
+    --dataset_config are: it was told to check its brackets and quotes, or to hold a mapping of sections. Names
+    where its keys that rangefinder knows by other names (OTHER_TOOLS_NAMES) go. Python 3.10 has no TOML reader:
+    there the YAML line stands."""
+    if sys.version_info >= (3, 11):  # the whole body under it, so that mypy's 3.10 skips it
+        import tomllib
+
+        try:
+            toml = tomllib.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, tomllib.TOMLDecodeError):
+            return
+        if not toml:
+            return
+        known = [f"{key} -> {OTHER_TOOLS_NAMES[key]}" for key in toml if key in OTHER_TOOLS_NAMES]
+        raise ConfigError(
+            f"config file {p} is TOML (as kohya sd-scripts' configs are), and rangefinder reads YAML: sections of "
+            "settings (data:, training:, ...) as in configs/example.yaml, every setting documented in "
+            "src/rangefinder/config.py" + (f"; of this file's keys, {', '.join(known)}" if known else "")
+        )
 
 
 def _yaml_problem(e: yaml.YAMLError) -> str:

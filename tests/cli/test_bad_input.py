@@ -24,6 +24,8 @@ import pytest
 
 from tests.tracking.fixtures import free_port
 
+NEEDS_TOMLLIB = pytest.mark.skipif(sys.version_info < (3, 11), reason="Python 3.10 has no TOML reader")
+
 
 def rangefinder(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
@@ -140,6 +142,13 @@ def test_demo_refuses_a_bad_lr_before_building_anything(lr, tmp_path):
         ("sampling:\n  resolution: 100\n", ["sampling.resolution: the pipeline renders sides in multiples of 8 px, "
                                             "not 100; set it to a multiple of 8"]),
         ("model:\n  base_model: org/not-fetched\nsampling:\n  resolution: 100\n", ["sampling.resolution", "not 100"]),
+        # kohya sd-scripts' TOML, brought along: told to hold a mapping of sections, or to check its brackets.
+        pytest.param('pretrained_model_name_or_path = "org/sd"\nlearning_rate = 1e-4\nnetwork_dim = 16\n',
+                     ["is TOML (as kohya sd-scripts' configs are), and rangefinder reads YAML", "configs/example.yaml",
+                      "of this file's keys, pretrained_model_name_or_path -> model.base_model, learning_rate -> "
+                      "training.lr, network_dim -> training.lora.rank"], marks=NEEDS_TOMLLIB),
+        pytest.param("[general]\nshuffle_caption = true\n\n[[datasets]]\nresolution = 512\n",
+                     ["is TOML (as kohya sd-scripts' configs are), and rangefinder reads YAML"], marks=NEEDS_TOMLLIB),
     ],
     ids=["lr-inf", "lr-nan", "lr-negative", "fixed-lr-inf", "seed-negative", "seed-2**32", "split-seed",
          "sampling-seed-huge", "duplicate-key", "long-list", "uri-credentials", "k8s-uri-credentials",
@@ -148,7 +157,8 @@ def test_demo_refuses_a_bad_lr_before_building_anything(lr, tmp_path):
          "cpu-limit-words", "shm-size-gb", "accelerator-type-bare", "data-mount-path-relative",
          "toleration-exists-with-value", "toleration-value-with-space", "image-in-upper-case", "yaml-unclosed",
          "yaml-tab", "yaml-control-character",
-         "sampling-resolution-off-8-px", "sampling-resolution-off-8-px-hub-model"],
+         "sampling-resolution-off-8-px", "sampling-resolution-off-8-px-hub-model", "kohya-config-toml",
+         "kohya-dataset-toml"],
 )
 def test_compile_refuses_a_bad_config_and_writes_nothing(yaml_text, words, tmp_path):
     cfg = tmp_path / "cfg.yaml"
