@@ -706,3 +706,17 @@ def test_a_registration_the_server_refuses_is_not_tried_again(sqlite_tracking_ur
     with pytest.raises(RestException, match="no EDIT"):
         retry_while_server_away(cfg, register, what="register the model", later=lambda: "rangefinder register")
     assert len(tries) == 1
+
+
+def test_promote_where_there_is_no_database_creates_none(tmp_path, monkeypatch, capsys):
+    """Run beside a local run's OUT folder, `promote` opened the default ./mlflow.db, which created an empty store
+    there, and said only that the model was not in it."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    for args in ([], ["--tracking-uri", f"sqlite:///{tmp_path / 'run 1' / 'mlflow.db'}"]):
+        capsys.readouterr()
+        assert cli_main(["promote", "--version", "1", *args]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err, err
+        assert "no MLflow database at" in err and "pass --tracking-uri sqlite:///OUT/mlflow.db" in err, err
+    assert list(tmp_path.iterdir()) == []

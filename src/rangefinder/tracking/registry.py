@@ -488,11 +488,24 @@ def promote(
     from mlflow.exceptions import MlflowException
 
     from rangefinder.config import TrackingConfig
-    from rangefinder.tracking.target import ensure_tracking_server, refuse_uri_credentials, resolve_tracking_uri
+    from rangefinder.tracking.target import (
+        ensure_tracking_server,
+        refuse_uri_credentials,
+        resolve_tracking_uri,
+        sqlite_path,
+    )
 
     if tracking_uri:
         refuse_uri_credentials(tracking_uri, "--tracking-uri")  # as relog does: a password has no place in argv
     uri = tracking_uri or resolve_tracking_uri(TrackingConfig())
+    db = sqlite_path(uri)
+    if db is not None and not db.is_file():
+        # Opened, it was created empty (a megabyte of tables) and the model looked up in it: the default
+        # ./mlflow.db is not the store a local run registered in, which is beside its outputs.
+        raise TrackingError(
+            f"no MLflow database at {db}, so no model to promote; a local run's is OUT/mlflow.db: "
+            "pass --tracking-uri sqlite:///OUT/mlflow.db (the run's `mlflow` line), or set MLFLOW_TRACKING_URI"
+        )
     ensure_tracking_server(uri)
     client = MlflowClient(tracking_uri=uri, registry_uri=uri)
     try:
