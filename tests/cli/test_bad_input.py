@@ -400,6 +400,17 @@ def test_an_output_folder_under_a_file_and_an_output_file_that_is_a_folder(tmp_p
     assert_one_line_error(in_process("analyze-lr", str(tmp_path / "binary.csv")), "is not a CSV text file")
 
 
+def test_a_runs_folder_given_for_its_curve_names_the_curve_in_it(tmp_path):
+    """`analyze-lr OUT` (the run's folder, not its metrics.csv) was told the folder does not exist."""
+    run = tmp_path / "run"
+    run.mkdir()
+    assert_one_line_error(in_process("select-steps", str(run)), f"curve file {run} is a folder; pass the metrics.csv")
+    (run / "metrics.csv").write_text("update,lr,val_loss\n0,0,0.2\n1,1e-6,0.19\n2,1e-5,0.15\n3,1e-4,0.1\n")
+    assert_one_line_error(in_process("analyze-lr", str(run)),
+                          f"curve file {run} is a folder; pass the curve in it, {run / 'metrics.csv'}")
+    assert sorted(p.name for p in run.iterdir()) == ["metrics.csv"]
+
+
 def test_the_cache_folder_on_a_file_is_one_line(tmp_path, split_dir, tiny_model_dir):
     (tmp_path / "cache").write_text("not a folder")
     proc = rangefinder("train", "--data", str(split_dir), "--model", str(tiny_model_dir), "--out",

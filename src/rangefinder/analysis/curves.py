@@ -49,6 +49,11 @@ def read_curve_csv(path: str | Path, required: Sequence[str] = ("val_loss",),
     `required` column or has a non-number in a contract column.
     """
     p = Path(path)
+    if p.is_dir():  # a run's output folder, given for the curve in it: it was told the folder does not exist
+        inside = p / "metrics.csv"
+        raise RangefinderError(f"curve file {p} is a folder; pass "
+                               + (f"the curve in it, {inside}" if inside.is_file() else
+                                  "the metrics.csv a training run wrote"))
     if not p.is_file():
         raise RangefinderError(f"curve file {p} does not exist; pass the metrics.csv a training run wrote")
     try:
