@@ -42,9 +42,15 @@ def test_bad_files_are_listed_not_fatal(tmp_path, shapes_dataset_dir):
     assert "broken.png" in (tmp_path / "r.md").read_text()
 
 
-def test_missing_folder_is_one_clear_error(tmp_path):
-    with pytest.raises(DataError, match="is not a folder"):
+def test_missing_folder_is_one_clear_error(tmp_path, monkeypatch):
+    with pytest.raises(DataError, match="nope does not exist; give the folder of images"):
         run_prepare_dataset(demo_config(data={"dataset_dir": str(tmp_path / "nope")}), out_dir=tmp_path / "s")
+    # A relative path, run from another folder than the config's: it said only "nope is not a folder".
+    monkeypatch.chdir(tmp_path / "s")
+    with pytest.raises(DataError) as e:
+        run_prepare_dataset(demo_config(data={"dataset_dir": "nope"}), out_dir=tmp_path / "s")
+    assert str(e.value).startswith(f"data.dataset_dir nope (read as {tmp_path / 's' / 'nope'}, from the folder "
+                                   "rangefinder runs in) does not exist")
 
 
 def test_the_report_lists_the_aspect_ratio_buckets(tmp_path, mixed_aspect_dataset_dir):

@@ -51,7 +51,12 @@ def run_prepare_dataset(
     elif cfg.data.dataset_dir:
         root = Path(cfg.data.dataset_dir).expanduser()
         if not root.is_dir():
-            raise DataError(f"data.dataset_dir {root} is not a folder; give the folder of images and captions")
+            # A relative path is read from the folder rangefinder runs in, not the config file's: said so, with the
+            # folder it looked in, where it was only "is not a folder".
+            where = "" if root.is_absolute() else f" (read as {root.absolute()}, from the folder rangefinder runs in)"
+            what = "is a file, not a folder" if root.exists() else "does not exist"
+            raise DataError(f"data.dataset_dir {root}{where} {what}; give the folder of images and captions (an "
+                            "absolute path)")
     else:
         root = out_dir / "dataset"
         make_synthetic_dataset(root, kind=EMBEDDED_KIND, count=EMBEDDED_IMAGES, seed=0,
