@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import time
 
 import pytest
@@ -44,6 +45,22 @@ def test_step_run_against_a_down_server_raises_before_the_body_runs():
         with step_run(cfg, "train"):
             entered = True
     assert not entered
+
+
+@pytest.mark.parametrize("uri,driver", [("mysql://127.0.0.1/runs", "MySQLdb"), ("mssql://127.0.0.1/runs", "pyodbc")])
+def test_a_sql_store_without_its_driver_names_the_driver_before_the_body_runs(uri, driver):
+    """A local run on a postgresql:// store (no psycopg here) stopped its first step with
+    "ModuleNotFoundError: No module named 'psycopg'", naming neither the URI nor a way on."""
+    if importlib.util.find_spec(driver) is not None:
+        pytest.skip(f"{driver} is installed here")
+    cfg = RangefinderConfig(tracking=TrackingConfig(tracking_uri=uri))
+    entered = False
+    with pytest.raises(TrackingError) as e:
+        with step_run(cfg, "train"):
+            entered = True
+    assert not entered
+    assert str(e.value).startswith(f"the tracking URI {uri} needs the Python database driver {driver}, which is not "
+                                   "installed here;")
 
 
 def test_a_server_that_is_up_passes(mlflow_server_uri):

@@ -130,13 +130,16 @@ def check_tracking_server(uri: str, *, experiment_name: str = "Default", timeout
 
     For http(s) this makes one cheap authenticated REST call (get-experiment-by-name) with mlflow's own request
     helper, so the credentials, TLS and auth-plugin settings are exactly those later logging uses. For sqlite it
-    makes sure the database's folder exists. Other stores (file, databricks, SQL servers) are left to mlflow.
+    makes sure the database's folder exists. For a SQL server it makes sure its driver is installed. Other stores
+    (file, databricks) and reaching a SQL server are left to mlflow.
     """
     scheme = urlsplit(uri).scheme.lower()
     if scheme in ("http", "https"):
         _check_http(uri, experiment_name, timeout)
     elif scheme == "sqlite":
         _check_sqlite(uri)
+    elif scheme.split("+")[0] in SQL_SERVERS:
+        _check_sql_driver(uri)
 
 
 def await_tracking_server(uri: str, seconds: float) -> None:
@@ -162,6 +165,28 @@ def ensure_tracking_server(uri: str, *, experiment_name: str = "Default") -> Non
         return
     check_tracking_server(uri, experiment_name=experiment_name)
     _checked.add(key)
+
+
+# The SQL servers MLflow keeps runs in directly (mlflow.store.db.db_types), each through a driver of its own.
+SQL_SERVERS = ("postgresql", "mysql", "mssql")
+
+
+def _check_sql_driver(uri: str) -> None:
+    """TrackingError when the Python driver a SQL server's URI needs is not installed: the step said only
+    "ModuleNotFoundError: No module named 'psycopg'". SQLAlchemy imports it when the engine is made, before any
+    connection."""
+    import sqlalchemy
+
+    try:
+        sqlalchemy.create_engine(uri)
+    except ModuleNotFoundError as e:
+        raise TrackingError(
+            f"the tracking URI {safe_uri(uri)} needs the Python database driver {e.name}, which is not installed "
+            "here; install it where the steps run (this environment, the step image), or point "
+            "MLFLOW_TRACKING_URI (or tracking.tracking_uri) at an MLflow server (http://...)"
+        ) from None
+    except Exception:  # a URI SQLAlchemy cannot read: mlflow says what is wrong with it
+        return
 
 
 def _check_sqlite(uri: str) -> None:
