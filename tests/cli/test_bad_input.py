@@ -335,6 +335,21 @@ def test_train_given_the_dataset_folder_instead_of_its_split_names_the_split_com
     assert sorted(p.name for p in data.iterdir()) == ["00000.png", "00000.txt"]
 
 
+def test_run_local_refuses_an_out_folder_inside_the_dataset(tmp_path, shapes_dataset_dir):
+    """--out inside data.dataset_dir (or the folder itself, or the default ./rangefinder-run run from there): the
+    next run read this one's sample grids and MLflow's copies of them as images, and textual inversion, which keeps
+    images without captions, trained on them."""
+    data = tmp_path / "data"
+    shutil.copytree(shapes_dataset_dir, data)
+    before = sorted(p.name for p in data.iterdir())
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(f"data:\n  dataset_dir: {data}\n  resolution: 32\nlr: 1.0e-4\n")
+    for out, where in ((data, "is the dataset folder"), (data / "runs" / "1", f"is inside the dataset folder {data}")):
+        assert_one_line_error(in_process("run", "--local", "--config", str(cfg), "--out", str(out)),
+                              f"--out {out} {where} (data.dataset_dir)", "pass an --out outside it")
+    assert sorted(p.name for p in data.iterdir()) == before
+
+
 def test_compile_names_each_pair_of_settings_that_cancel_each_other(tmp_path):
     # Issue 36, class 3: settings one of which switches the other off get one warning line each; the compile goes on.
     cfg = tmp_path / "cfg.yaml"

@@ -148,6 +148,15 @@ def run_pipeline_locally(cfg: RangefinderConfig, out_dir: str | Path, *, dataset
     from rangefinder.steps.resolve_config import parameters_from_config
 
     out = Path(out_dir).resolve()
+    data = Path(cfg.data.dataset_dir).expanduser().resolve() if cfg.data.dataset_dir and not dataset_uri else None
+    if data is not None and (out == data or data in out.parents):
+        # The next run's prepare-dataset walked this one's outputs as the dataset: textual inversion, which keeps
+        # images without captions, trained on the sample grids and MLflow's copies of them.
+        where = "is the dataset folder" if out == data else f"is inside the dataset folder {data}"
+        raise ConfigError(
+            f"--out {out} {where} (data.dataset_dir), where the next run would read this one's outputs (sample "
+            "grids, MLflow's artifacts) as images of the dataset; pass an --out outside it"
+        )
     usable_folder(out / "reports", "--out's reports folder")  # now, not once every step has run (_publish_reports)
     tracking_uri = cfg.tracking.tracking_uri or local_tracking_uri(out)
     root = out / "pipeline-root"
