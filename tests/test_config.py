@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from rangefinder.config import (
+    MLFLOW_EXPERIMENT_NAME_CHARS,
     OTHER_TOOLS_NAMES,
     RangefinderConfig,
     TrainingConfig,
@@ -56,6 +57,9 @@ from rangefinder.planning import plan, val_count
         ({"tracking": {"registered_model_name": "sd:v1"}}, "tracking.registered_model_name", "may not contain '/'"),
         ({"tracking": {"registered_model_name": ".."}}, "tracking.registered_model_name", "MLflow refuses"),
         ({"tracking": {"registered_model_name": "  "}}, "tracking.registered_model_name", "blank space"),
+        # Compiled, and refused by MLflow in the run's first step.
+        ({"tracking": {"experiment_name": ""}}, "tracking.experiment_name", "MLflow refuses as an experiment name"),
+        ({"tracking": {"experiment_name": "x" * 501}}, "tracking.experiment_name", "at most 500"),
     ],
 )
 def test_invalid_values_name_the_field(raw, field, hint):
@@ -95,6 +99,13 @@ def test_every_other_tools_name_points_at_a_setting():
     for name, target in OTHER_TOOLS_NAMES.items():
         section, _, key = target.rpartition(".")
         assert key in type(functools.reduce(getattr, section.split("."), cfg)).model_fields, (name, target)
+
+
+def test_the_experiment_name_limit_is_mlflows():
+    from mlflow.utils.validation import MAX_EXPERIMENT_NAME_LENGTH
+
+    assert MLFLOW_EXPERIMENT_NAME_CHARS == MAX_EXPERIMENT_NAME_LENGTH
+    parse_config({"tracking": {"experiment_name": "x" * MAX_EXPERIMENT_NAME_LENGTH}})
 
 
 def test_defaults_and_demo_are_valid():

@@ -967,6 +967,9 @@ class SamplingConfig(_Section):
         return list(self.seeds[: self.seeds_during_training])
 
 
+MLFLOW_EXPERIMENT_NAME_CHARS = 500  # mlflow.utils.validation.MAX_EXPERIMENT_NAME_LENGTH
+
+
 class TrackingConfig(_Section):
     # None: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working folder.
     tracking_uri: Optional[str] = None
@@ -981,6 +984,19 @@ class TrackingConfig(_Section):
     @classmethod
     def _no_credentials(cls, v: Optional[str]) -> Optional[str]:
         _refuse_uri_credentials(v)
+        return v
+
+    @field_validator("experiment_name")
+    @classmethod
+    def _an_experiment_mlflow_takes(cls, v: str) -> str:
+        # MLflow's rules (mlflow.utils.validation._validate_experiment_name): an empty name compiled, and stopped the
+        # run's first step with "MlflowException: Invalid experiment name: ''".
+        if not v.strip():
+            raise ValueError("is empty or only blank space, which MLflow refuses as an experiment name; give a name, "
+                             "or leave the setting out for rangefinder's own (rangefinder)")
+        if len(v) > MLFLOW_EXPERIMENT_NAME_CHARS:
+            raise ValueError(f"is {len(v)} characters long; MLflow takes an experiment name of at most "
+                             f"{MLFLOW_EXPERIMENT_NAME_CHARS}")
         return v
 
     @field_validator("registered_model_name")
