@@ -52,6 +52,9 @@ from rangefinder.planning import plan, val_count
         ({"validation": {"divergence_factor": 1.0}}, "validation.divergence_factor", "greater than 1"),
         ({"finetune": {"tolerance": 0}}, "finetune.tolerance", "greater than 0"),
         ({"sampling": {"prompts": []}}, "sampling.prompts", "at least one"),
+        # One value where a list belongs: it said only "Input should be a valid list".
+        ({"sampling": {"prompts": "a red circle"}}, "sampling.prompts", 'write it as a list, e.g. ["a red circle"]'),
+        ({"sampling": {"seeds": 0}}, "sampling.seeds", "write it as a list, e.g. [0]"),
         ({"lr": -1}, "lr", "greater than 0"),
         ({"tracking": {"registered_model_name": "team/sd"}}, "tracking.registered_model_name", "may not contain '/'"),
         ({"tracking": {"registered_model_name": "sd:v1"}}, "tracking.registered_model_name", "may not contain '/'"),

@@ -6,6 +6,7 @@ pydantic model that rejects unknown keys and bad values with a message naming th
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 import typing
@@ -37,6 +38,9 @@ def format_validation_error(err: ValidationError, prefix: str = "") -> str:
         got_txt = ""
         if e.get("type") not in ("value_error", "missing") and not isinstance(got, (dict, list)):
             got_txt = f" (got {got!r})"
+        if e.get("type") == "list_type" and isinstance(got, (str, int, float)) and not isinstance(got, bool):
+            # `prompts: "a red circle"`, `seeds: 0`: one value where a list of them belongs.
+            fix = f"write it as a list, e.g. [{json.dumps(got, ensure_ascii=False)}]"
         got_txt += f"; {fix}" if fix else ""
         # Cross-field checks already name their fields in the message.
         lines.append(f"{msg}{got_txt}" if msg.startswith(where) else f"{where}: {msg}{got_txt}")
