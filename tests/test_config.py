@@ -555,6 +555,20 @@ def test_lr_finder_beside_a_fixed_lr_or_an_lr_free_optimizer_is_a_warning_naming
     assert setting_conflicts(parse_config({"lr_finder": "auto"})) == []
 
 
+def test_an_adamw_lr_beside_an_lr_free_optimizer_is_a_warning_naming_its_multiplier():
+    """`lr: 1e-4` with Prodigy (a learning rate carried over from AdamW) trained at a ten-thousandth of the step size
+    Prodigy estimates, without a word; 1.0 or 0.5 is its multiplier as meant."""
+    from rangefinder.config import setting_conflicts
+
+    (line,) = setting_conflicts(parse_config({"lr": 1e-4, "training": {"optimizer": "prodigy"}}))
+    assert line == ("lr: 0.0001 beside the LR-free optimizer prodigy multiplies the step size it estimates (1.0 trains "
+                    "at that step size), so this trains at 0.0001 x it: an AdamW LR does not carry over; leave lr out "
+                    "(or set 1.0), or choose training.optimizer: adamw to train at 0.0001")
+    for fine in ({"lr": 0.5, "training": {"optimizer": "prodigy_schedule_free"}}, {"lr": 1e-4},
+                 {"training": {"optimizer": "prodigy"}}):
+        assert setting_conflicts(parse_config(fine)) == [], fine
+
+
 def test_prodigy_step_factor_overrides_the_family_s_and_is_refused_or_warned_where_nothing_reads_it():
     from rangefinder.config import setting_conflicts
 

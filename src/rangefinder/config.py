@@ -1668,6 +1668,22 @@ def check_pipeline_config(cfg: RangefinderConfig, family: Optional[str] = None) 
 ADAMW_SETTINGS = ("training.adam_beta1", "training.adam_beta2", "training.adam_epsilon", "training.weight_decay")
 
 
+# An LR-free optimizer's lr at or below this is read as an LR meant for AdamW: its multiplier of the step size the
+# optimizer estimates is 1.0 (0.5 or so to train more gently), and kohya's and diffusers' Prodigy recipes set 1.0.
+LR_FREE_LR_SUSPECT = 0.01
+
+
+def lr_free_lr_problem(optimizer: str, lr: Optional[float], name: str) -> Optional[str]:
+    """A warning's line where `lr` (the setting `name`) beside an LR-free `optimizer` looks like an AdamW LR: Prodigy
+    at lr 1e-4 trains at a ten-thousandth of the step size it estimates, and learns next to nothing, without a word.
+    None otherwise. (The other way round, AdamW at Prodigy's 1.0, `train` refuses.)"""
+    if optimizer not in LR_FREE_OPTIMIZERS or lr is None or lr > LR_FREE_LR_SUSPECT:
+        return None
+    return (f"{name}: {lr:g} beside the LR-free optimizer {optimizer} multiplies the step size it estimates "
+            f"({LR_FREE_LR:.1f} trains at that step size), so this trains at {lr:g} x it: an AdamW LR does not carry "
+            f"over; leave {name} out (or set {LR_FREE_LR:.1f}), or choose training.optimizer: adamw to train at {lr:g}")
+
+
 def setting_conflicts(cfg: RangefinderConfig, family: Optional[str] = None) -> list[str]:
     """One line for each pair of settings in `cfg` where one cancels the other, so neither is silently dropped.
 
@@ -1684,6 +1700,9 @@ def setting_conflicts(cfg: RangefinderConfig, family: Optional[str] = None) -> l
     changed = given_settings(cfg)
     ft, rt, split, val = cfg.finetune, cfg.lr_range_test, cfg.split, cfg.validation
     lines = []
+    lr_free = lr_free_lr_problem(cfg.training.optimizer, cfg.lr, "lr")  # the pipeline's: training.lr is train's
+    if lr_free:
+        lines.append(lr_free)
     range_test_given = [g.removeprefix("lr_range_test.") for g in changed if g.startswith("lr_range_test.")]
     if cfg.lr is not None and range_test_given:
         lines.append(f"lr: {cfg.lr:g} is fixed, so no range test runs and the lr_range_test section "

@@ -74,6 +74,17 @@ def test_bad_settings_exit_2_with_one_line(flags, words, split_dir, tmp_path, ca
     assert not out.exists()
 
 
+def test_an_adamw_lr_beside_prodigy_is_a_warning(split_dir, tmp_path, capsys):
+    """`train --optimizer prodigy --lr 1e-4` trained at a ten-thousandth of Prodigy's step size without a word (no
+    budget here: the warning comes before the run would start)."""
+    rc = main(["train", "--data", str(split_dir), "--out", str(tmp_path / "out"), "--optimizer", "prodigy",
+               "--lr", "1e-4"])
+    warning, error = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and "budget" in error
+    assert warning.startswith("rangefinder: warning: training.lr: 0.0001 beside the LR-free optimizer prodigy "
+                              "multiplies the step size it estimates")
+
+
 @pytest.mark.slow
 def test_processes_per_node_trains_on_that_many_processes_as_the_pipeline_does(mixed_aspect_dataset_dir, tiny_sd3_dir,
                                                                                tmp_path, capfd, monkeypatch):

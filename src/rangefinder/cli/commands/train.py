@@ -10,6 +10,7 @@ from rangefinder.cli.ignored import ignored_by_train, warn_conflicts, warn_ignor
 from rangefinder.cli.output import add_json_flag
 from rangefinder.config import Method, Optimizer, Schedule
 from rangefinder.errors import ConfigError
+from rangefinder.formats.text import warn
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -58,7 +59,7 @@ def settings_from_args(args: argparse.Namespace):
     """(RangefinderConfig, TrainSpec) from --config and the flags; samples during training only when the file has a
     sampling: section. The spec trains on the processes `training.processes_per_node` asks for, as the pipeline's
     training steps do (launch.processes)."""
-    from rangefinder.config import LR_FREE_LR, LR_FREE_OPTIMIZERS, given_settings, load_config
+    from rangefinder.config import LR_FREE_LR, LR_FREE_OPTIMIZERS, given_settings, load_config, lr_free_lr_problem
     from rangefinder.launch.processes import step_world_size
 
     overrides: dict[str, Any] = {"training": {}, "validation": {}, "data": {}}
@@ -102,6 +103,8 @@ def settings_from_args(args: argparse.Namespace):
             f"and {cfg.training.optimizer} would diverge at it; set the LR to train at (--lr or training.lr), or "
             "leave training.lr out for the default"
         )
+    if "training.lr" in given_settings(cfg):
+        warn([line for line in [lr_free_lr_problem(cfg.training.optimizer, cfg.training.lr, "training.lr")] if line])
     if not cfg.training.budget_given():
         raise ConfigError("give a budget: --epochs N or --steps N (or training.epochs / training.steps in --config)")
     if cfg.distributed.num_nodes > 1:
