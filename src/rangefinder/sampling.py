@@ -135,6 +135,11 @@ def resolve_column(path: Union[str, Path], label: Optional[str] = None) -> GridC
         return GridColumn(label, p / TI_WEIGHTS_NAME, "textual_inversion", token)
     if (p / "unet" / "config.json").is_file():
         return GridColumn(label, p, "unet")  # a full fine-tune checkpoint: unet/ (and text_encoder/) only
+    # A run's own folder (`train --out`, the fine-tune step's), given for the model in it: named as what it holds.
+    inside = [str(p / name) for name in ("chosen", "final") if (p / name).is_dir()]
+    inside += [f"a checkpoint under {p / 'checkpoints'}"] if (p / "checkpoints").is_dir() else []
+    if inside:
+        raise ConfigError(f"{p} is a training run's folder, not a model; pass {' or '.join(inside)}")
     raise ConfigError(
         f"{p}: no model_index.json, unet/, {LORA_WEIGHTS_NAME} or {TI_WEIGHTS_NAME} inside; "
         "pass a diffusers model folder or a checkpoint folder written by `rangefinder train`"

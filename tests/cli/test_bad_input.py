@@ -446,6 +446,19 @@ def test_a_cut_or_foreign_column_in_sample_is_one_line(tmp_path, tiny_model_dir,
     assert not out.exists()
 
 
+def test_a_runs_folder_as_a_sample_column_names_the_models_in_it(tmp_path, tiny_model_dir):
+    """`sample --checkpoints OUT` (a `train --out` folder) was told the folder holds no model_index.json, unet/, ..."""
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    (run / "checkpoints" / "checkpoint-000004").mkdir(parents=True)
+    out = tmp_path / "grid"
+    assert_one_line_error(in_process("sample", "--model", str(tiny_model_dir), "--checkpoints", str(run), "--out",
+                                     str(out), "--steps", "1"),
+                          f"{run} is a training run's folder, not a model; pass {run / 'final'} or a checkpoint under "
+                          f"{run / 'checkpoints'}")
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("content", [b"a red circle\nun cercle bleu \xe9\n", None], ids=["latin-1", "a-folder"])
 def test_a_prompts_file_that_is_not_utf8_text_or_is_a_folder_is_one_line(content, tmp_path, tiny_model_dir):
     prompts = tmp_path / "prompts.txt"
