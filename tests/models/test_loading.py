@@ -361,6 +361,21 @@ def test_missing_paths_and_malformed_ids(tmp_path):
         resolve_base_model(ModelConfig(base_model="org/bad name!"))
 
 
+@pytest.mark.parametrize("url, instead", [
+    ("https://huggingface.co/stable-diffusion-v1-5/stable-diffusion-v1-5/blob/main/v1-5-pruned-emaonly.safetensors",
+     "pass its hub id, stable-diffusion-v1-5/stable-diffusion-v1-5, instead (model.revision for a branch or commit)"),
+    ("https://civitai.com/api/download/models/12345",
+     "download the file, then pass its path (a .safetensors file), or pass a hub id such as org/name"),
+], ids=["hugging-face-page", "download-link"])
+def test_a_url_is_named_a_url_with_what_to_pass(url, instead, tmp_path, monkeypatch):
+    """A model's link was read as a path: "does not exist (relative to /the/working/folder)"."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as e:
+        resolve_base_model(ModelConfig(base_model=url))
+    assert str(e.value) == f"model.base_model: {url} is a URL, which rangefinder does not download; {instead}"
+    assert list(tmp_path.iterdir()) == []
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Online: the hub's own answers, from a loopback stand-in (HF_ENDPOINT), through huggingface_hub
 

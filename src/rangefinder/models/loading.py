@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
+from urllib.parse import urlsplit
 
 from rangefinder.config import FAMILY_NAMES, ModelConfig
 from rangefinder.errors import ConfigError
@@ -143,6 +144,8 @@ def resolve_base_model(model_cfg: ModelConfig) -> ResolvedModel:
         return ResolvedModel(folder, "embedded", f"embedded tiny model ({folder})")
     if kind == "hub":
         return _resolve_hub(name, model_cfg)
+    if "://" in name:
+        _refuse_url(name)
     path = Path(name).expanduser()
     if path.is_dir():
         return _resolve_folder(path.resolve())
@@ -152,6 +155,19 @@ def resolve_base_model(model_cfg: ModelConfig) -> ResolvedModel:
         f"model.base_model: {name} does not exist (relative to {Path.cwd()}); pass an existing diffusers folder, "
         f"a {SINGLE_FILE_SUFFIX} checkpoint file or a hub id such as org/name"
     )
+
+
+def _refuse_url(name: str) -> None:
+    """ConfigError for a link as the base model: a model page's or a download's (Hugging Face, Civitai) was read as a
+    path relative to the working folder, and said not to exist there. A Hugging Face link names its hub id."""
+    parts = urlsplit(name)
+    repo = "/".join(parts.path.strip("/").split("/")[:2])
+    if (parts.hostname or "").removeprefix("www.") in ("huggingface.co", "hf.co") and repo.count("/") == 1:
+        instead = f"pass its hub id, {repo}, instead (model.revision for a branch or commit)"
+    else:
+        instead = (f"download the file, then pass its path (a {SINGLE_FILE_SUFFIX} file), or pass a hub id such as "
+                   "org/name")
+    raise ConfigError(f"model.base_model: {name} is a URL, which rangefinder does not download; {instead}")
 
 
 def local_model_folder(model_cfg: ModelConfig) -> Optional[Path]:
