@@ -77,14 +77,7 @@ def _sections() -> dict[str, type[BaseModel]]:
         path, model = todo.pop(0)  # breadth first, in the order the fields are declared
         out[path] = model
         for name, field in model.model_fields.items():
-            types, leaves = [field.annotation], []
-            while types:
-                t = types.pop()
-                if typing.get_args(t):
-                    types.extend(typing.get_args(t))
-                else:
-                    leaves.append(t)
-            todo.extend((f"{path}.{name}".lstrip("."), t) for t in leaves
+            todo.extend((f"{path}.{name}".lstrip("."), t) for t in _leaf_types(field.annotation)
                         if isinstance(t, type) and issubclass(t, BaseModel))
     return out
 
@@ -113,8 +106,9 @@ def _unknown_setting(where: str) -> tuple[str, str]:
     return what, "remove it (every setting is documented in src/rangefinder/config.py)"
 
 
-def _number_not_bool(annotation: Any) -> bool:
-    """Whether a field of this type (or a list of them) takes numbers but not booleans."""
+def _leaf_types(annotation: Any) -> list[Any]:
+    """The plain types a field of this type holds: through Optional, unions, lists and Annotated; a Literal's values'
+    types."""
     leaves: list[Any] = []
     todo = [annotation]
     while todo:
@@ -126,6 +120,12 @@ def _number_not_bool(annotation: Any) -> bool:
             todo.extend(args[:1] if typing.get_origin(t) is Annotated else args)
         else:
             leaves.append(t)
+    return leaves
+
+
+def _number_not_bool(annotation: Any) -> bool:
+    """Whether a field of this type (or a list of them) takes numbers but not booleans."""
+    leaves = _leaf_types(annotation)
     return bool({int, float} & set(leaves)) and bool not in leaves
 
 
