@@ -252,3 +252,28 @@ def test_the_pipeline_refuses_a_fine_tune_validated_only_at_its_ends(tmp_path):
     # The embedded default, the demo's run and the test and bench settings built on demo_config pass.
     for cfg in (RangefinderConfig(), demo_config(), demo_run_config(), demo_config(finetune={"epochs": 2})):
         check_finetune_validations(cfg)
+
+
+def test_compile_names_each_path_the_clusters_pods_cannot_read(tmp_path):
+    """A config written for `run --local` compiled without a word with the dataset on this machine's disk, and the
+    run failed on the cluster, where the pods mount only the data volume."""
+    cfg = _config(tmp_path, {"data": {"dataset_dir": str(tmp_path / "my data")},
+                             "split": {"val_dir": "held-out"},
+                             "model": {"base_model": "/home/me/sd15.safetensors",
+                                       "single_file_config": "/data/models/sd15-config"}})
+    proc = in_process("compile", "--config", str(cfg), "--out", str(tmp_path / "p.yaml"))
+    assert proc.returncode == 0, proc.stderr
+    lines = [ln.removeprefix("rangefinder: warning: ") for ln in proc.stderr.splitlines()]
+    volume = (", and the pipeline's pods mount only the data volume (rangefinder-data) at /data: the run will not find "
+              "it there; copy it onto the volume and give its path under /data")
+    outside = "is not under kubernetes.data_mount_path (/data)"
+    assert lines == [
+        f"data.dataset_dir {tmp_path / 'my data'} {outside}{volume} (or import it: `rangefinder submit --dataset-uri`)",
+        f"split.val_dir held-out is a relative path, read from a pod's own working folder{volume}",
+        f"model.base_model /home/me/sd15.safetensors {outside}{volume}",
+    ]
+    # Under the mount, a hub id, or no data volume at all (the image's own paths): nothing to say.
+    for sections in ({"data": {"dataset_dir": "/data/datasets/mine/"}, "model": {"base_model": "org/name"}},
+                     {"data": {"dataset_dir": "/srv/mine"}, "kubernetes": {"data_pvc": None}}):
+        proc = in_process("compile", "--config", str(_config(tmp_path, sections)), "--out", str(tmp_path / "p.yaml"))
+        assert proc.returncode == 0 and "warning" not in proc.stderr, proc.stderr

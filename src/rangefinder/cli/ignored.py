@@ -10,8 +10,10 @@ command reads it, and a config written out whole (`model_dump`) sets every field
 
 from __future__ import annotations
 
+import posixpath
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import PurePosixPath
 
 from rangefinder.config import RangefinderConfig, given_settings
 from rangefinder.formats.text import warn
@@ -95,6 +97,38 @@ def ignored_by_submit(cfg: RangefinderConfig, dataset_uri: str) -> list[tuple[li
 
 def ignored_by_train(cfg: RangefinderConfig) -> list[tuple[list[str], str]]:
     return unused_settings(cfg, TRAIN)
+
+
+def off_the_data_volume(cfg: RangefinderConfig, dataset_uri: str = "") -> list[str]:
+    """A warning's line for each path of the config that a cluster's pods cannot read: not under
+    kubernetes.data_mount_path, the one volume they mount (a relative one, read from a pod's own working folder,
+    too). Compiled and submitted with a path of the machine it was written on, the run failed in its first steps on
+    the cluster. A base model's value counts only where it reads as a path (a hub id does not). None without a data
+    volume (kubernetes.data_pvc null): the paths are then the image's own."""
+    if not cfg.kubernetes.data_pvc:
+        return []
+    mount = PurePosixPath(cfg.kubernetes.data_mount_path)
+    base = cfg.model.base_model
+    paths = {
+        "data.dataset_dir": None if dataset_uri else cfg.data.dataset_dir,
+        "split.val_dir": cfg.split.val_dir,
+        "model.base_model": base if base and base.startswith(("/", "./", "../", "~")) else None,
+        "model.single_file_config": cfg.model.single_file_config,
+    }
+    lines = []
+    for name, value in paths.items():
+        if value is None:
+            continue
+        path = PurePosixPath(posixpath.normpath(value))
+        if path == mount or mount in path.parents:
+            continue
+        where = "is a relative path, read from a pod's own working folder" if not path.is_absolute() else (
+            f"is not under kubernetes.data_mount_path ({mount})")
+        also = " (or import it: `rangefinder submit --dataset-uri`)" if name == "data.dataset_dir" else ""
+        lines.append(f"{name} {value} {where}, and the pipeline's pods mount only the data volume "
+                     f"({cfg.kubernetes.data_pvc}) at {mount}: the run will not find it there; copy it onto the "
+                     f"volume and give its path under {mount}{also}")
+    return lines
 
 
 def warn_ignored(command: str, ignored: list[tuple[list[str], str]]) -> None:

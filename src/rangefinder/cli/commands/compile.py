@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from rangefinder.cli.ignored import ignored_by_pipeline, warn_conflicts, warn_ignored
+from rangefinder.cli.ignored import ignored_by_pipeline, off_the_data_volume, warn_conflicts, warn_ignored
 from rangefinder.cli.output import add_json_flag
+from rangefinder.formats.text import warn
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -35,6 +36,7 @@ def run(args: argparse.Namespace) -> dict:
     # temporary name keeps .yaml, from which the KFP compiler picks the format.
     with atomic_path(out, suffix=".yaml") as tmp:
         compile_pipeline(cfg, str(tmp))
+    warn(off_the_data_volume(cfg))  # of a package written: one refused says only why
     k8s = cfg.kubernetes
     return {
         "pipeline": PIPELINE_NAME,

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 
 from rangefinder.cli import args as argtypes
-from rangefinder.cli.ignored import ignored_by_submit, warn_conflicts, warn_ignored
+from rangefinder.cli.ignored import ignored_by_submit, off_the_data_volume, warn_conflicts, warn_ignored
 from rangefinder.cli.output import add_json_flag
+from rangefinder.formats.text import warn
 
 
 def add_endpoint_args(p: argparse.ArgumentParser) -> None:
@@ -37,6 +38,7 @@ def load_checked_config(args: argparse.Namespace, command: str):
     cfg = load_config(args.config)
     warn_ignored(command, ignored_by_submit(cfg, args.dataset_uri))
     warn_conflicts(cfg)
+    warn(off_the_data_volume(cfg, args.dataset_uri))
     problem = args.namespace and kubernetes_name_problem(args.namespace, "label")
     if problem:
         raise ConfigError(f"--namespace: {problem}")
