@@ -350,6 +350,26 @@ def test_run_local_refuses_an_out_folder_inside_the_dataset(tmp_path, shapes_dat
     assert sorted(p.name for p in data.iterdir()) == before
 
 
+def test_run_local_refuses_an_out_folder_another_run_is_using(tmp_path, shapes_dataset_dir):
+    """Two `run --local` into one --out both ran: they shared pipeline.log and reports/, and each printed the reports
+    the other had replaced as its own."""
+    out = tmp_path / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from rangefinder.training.outdir import OutDirLock; "
+                               f"lock = OutDirLock({str(out)!r}); print('held', flush=True); time.sleep(120)"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        cfg = tmp_path / "cfg.yaml"
+        cfg.write_text(f"data:\n  dataset_dir: {shapes_dataset_dir}\n  resolution: 32\nlr: 1.0e-4\n")
+        assert_one_line_error(in_process("run", "--local", "--config", str(cfg), "--out", str(out)),
+                              f"output folder {out} is in use by another", f"pid {holder.pid}", "choose another --out")
+    finally:
+        holder.kill()
+        holder.wait()
+    assert sorted(p.name for p in out.iterdir()) == [".rangefinder.lock"]  # the holder's: nothing of this run
+
+
 def test_compile_names_each_pair_of_settings_that_cancel_each_other(tmp_path):
     # Issue 36, class 3: settings one of which switches the other off get one warning line each; the compile goes on.
     cfg = tmp_path / "cfg.yaml"

@@ -30,6 +30,7 @@ from rangefinder.pipelines.progress import StepProgress, step_name
 from rangefinder.tracking.redaction import RedactingWriter, redact, safe_uri
 from rangefinder.tracking.spool import SPOOL_ENV
 from rangefinder.tracking.target import ui_link
+from rangefinder.training.outdir import OutDirLock
 
 
 @dataclass
@@ -158,6 +159,9 @@ def run_pipeline_locally(cfg: RangefinderConfig, out_dir: str | Path, *, dataset
             "grids, MLflow's artifacts) as images of the dataset; pass an --out outside it"
         )
     usable_folder(out / "reports", "--out's reports folder")  # now, not once every step has run (_publish_reports)
+    # One run at a time in --out: two at once shared pipeline.log and reports/, and each printed the reports the
+    # other replaced as its own. Held until this returns (released with the frame when it raises).
+    lock = OutDirLock(out)
     tracking_uri = cfg.tracking.tracking_uri or local_tracking_uri(out)
     root = out / "pipeline-root"
     root.mkdir(parents=True, exist_ok=True)
@@ -227,6 +231,7 @@ def run_pipeline_locally(cfg: RangefinderConfig, out_dir: str | Path, *, dataset
                    experiment_id=_experiment_id(tracking_uri, cfg), log=log_path if quiet else None)
     _collect(run)
     _publish_reports(run)
+    lock.release()
     return run
 
 
