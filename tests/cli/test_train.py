@@ -85,6 +85,23 @@ def test_an_adamw_lr_beside_prodigy_is_a_warning(split_dir, tmp_path, capsys):
                               "multiplies the step size it estimates")
 
 
+def test_a_resolution_that_enlarges_the_splits_images_is_a_warning(shapes_dataset_dir, tmp_path, capsys):
+    """A split made at 32 px keeps 16 px images; `train --resolution 512` on it enlarged them 16x without a word
+    (`split` at 512 px skips them). No budget: the warning comes before the run would start."""
+    split_dir = tmp_path / "split"
+    assert main(["split", str(shapes_dataset_dir), "--out", str(split_dir), "--resolution", "32"]) == 0
+    capsys.readouterr()
+    rc = main(["train", "--data", str(split_dir), "--out", str(tmp_path / "out"), "--resolution", "512"])
+    warning, error = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and "budget" in error
+    assert warning == (f"rangefinder: warning: 20 of the 20 images of split {split_dir} are under 256 px on their "
+                       "short side (data.min_image_size, half of data.resolution 512), down to 32 px: they are "
+                       "enlarged up to 16x; train at --resolution 32 (the split's), or split again with --resolution "
+                       "512 to leave them out")
+    rc = main(["train", "--data", str(split_dir), "--out", str(tmp_path / "out"), "--resolution", "32"])
+    assert rc == 2 and "warning" not in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_processes_per_node_trains_on_that_many_processes_as_the_pipeline_does(mixed_aspect_dataset_dir, tiny_sd3_dir,
                                                                                tmp_path, capfd, monkeypatch):

@@ -105,6 +105,8 @@ def settings_from_args(args: argparse.Namespace):
         )
     if "training.lr" in given_settings(cfg):
         warn([line for line in [lr_free_lr_problem(cfg.training.optimizer, cfg.training.lr, "training.lr")] if line])
+    if "data" in cfg.model_fields_set:  # else the model's native resolution, which the split was checked for
+        warn(_enlarged(args.data, cfg.data))
     if not cfg.training.budget_given():
         raise ConfigError("give a budget: --epochs N or --steps N (or training.epochs / training.steps in --config)")
     if cfg.distributed.num_nodes > 1:
@@ -133,6 +135,26 @@ def settings_from_args(args: argparse.Namespace):
     sampling = cfg.sampling if "sampling" in cfg.model_fields_set else None
     return cfg, TrainSpec(training, cfg.validation, split_dir=args.data, model=cfg.model, data=data,
                           train_on=args.train_on, sampling=sampling)
+
+
+def _enlarged(split_dir: str, data: Any) -> list[str]:
+    """A warning's line where the split holds images smaller than this run's data.min_image_size: `split` skips them
+    for the resolution it is given (made at 32 px, a split keeps 16 px images), and `train --resolution 512` on it
+    enlarged them 16x or more without a word. None of the items' sizes recorded (an older split): not checked."""
+    from rangefinder.data.split import read_split
+
+    split = read_split(split_dir)
+    floor = data.effective_min_image_size()
+    sizes = [min(it.size) for it in (*split.train, *split.val) if it.size is not None]
+    small = [side for side in sizes if side < floor]
+    if not small:
+        return []
+    made_at = split.buckets.resolution if split.buckets is not None else None
+    again = f"train at --resolution {made_at} (the split's), or " if made_at else ""
+    return [f"{len(small)} of the {len(sizes)} images of split {split_dir} are under {floor} px on their short side "
+            f"(data.min_image_size, half of data.resolution {data.resolution}), down to {min(small)} px: they are "
+            f"enlarged up to {data.resolution / min(small):g}x; {again}split again with --resolution "
+            f"{data.resolution} to leave them out"]
 
 
 def _check_something_to_resume(out: Path) -> None:
