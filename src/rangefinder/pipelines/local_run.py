@@ -159,10 +159,11 @@ def run_pipeline_locally(cfg: RangefinderConfig, out_dir: str | Path, *, dataset
             "grids, MLflow's artifacts) as images of the dataset; pass an --out outside it"
         )
     usable_folder(out / "reports", "--out's reports folder")  # now, not once every step has run (_publish_reports)
-    # One run at a time in --out: two at once shared pipeline.log and reports/, and each printed the reports the
-    # other replaced as its own. Held until this returns (released with the frame when it raises).
-    lock = OutDirLock(out)
     tracking_uri = cfg.tracking.tracking_uri or local_tracking_uri(out)
+    # One run at a time in --out, taken at its first write: two at once shared pipeline.log and reports/, and each
+    # printed the reports the other replaced as its own. Held until this returns (released with the frame when it
+    # raises).
+    lock = OutDirLock(out)
     root = out / "pipeline-root"
     root.mkdir(parents=True, exist_ok=True)
 
