@@ -69,8 +69,8 @@ def test_a_failed_step_is_one_error_recorded_with_the_secrets_out_of_the_termina
     proc = run_local(cfg, out, {"MLFLOW_TRACKING_PASSWORD": secret}, monkeypatch, capfd)
     assert proc.returncode == 2, proc.stderr
     error = proc.stderr.strip().splitlines()[-1]
-    assert re.search(r"step prepare-dataset(-\d+)? failed: DataError: data.dataset_dir \S*/no-such-\*\*\* is not a "
-                     "folder", error), error
+    assert re.search(r"step prepare-dataset(-\d+)? failed: DataError: data.dataset_dir \S*/no-such-\*\*\* does not "
+                     "exist", error), error
     log = (out / "pipeline.log").read_text()
     assert "no-such-***" in log and "Executing task" in log
     assert secret not in log and secret not in proc.stdout + proc.stderr
