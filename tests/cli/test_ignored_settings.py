@@ -264,8 +264,8 @@ def test_compile_names_each_path_the_clusters_pods_cannot_read(tmp_path):
     proc = in_process("compile", "--config", str(cfg), "--out", str(tmp_path / "p.yaml"))
     assert proc.returncode == 0, proc.stderr
     lines = [ln.removeprefix("rangefinder: warning: ") for ln in proc.stderr.splitlines()]
-    volume = (", and the pipeline's pods mount only the data volume (rangefinder-data) at /data: the run will not find "
-              "it there; copy it onto the volume and give its path under /data")
+    volume = (", and the pipeline's pods mount only the data volume (rangefinder-data) at /data: unless the step "
+              "images hold it, the run will not find it there; copy it onto the volume and give its path under /data")
     outside = "is not under kubernetes.data_mount_path (/data)"
     assert lines == [
         f"data.dataset_dir {tmp_path / 'my data'} {outside}{volume} (or import it: `rangefinder submit --dataset-uri`)",

@@ -126,8 +126,8 @@ def off_the_data_volume(cfg: RangefinderConfig, dataset_uri: str = "") -> list[s
             f"is not under kubernetes.data_mount_path ({mount})")
         also = " (or import it: `rangefinder submit --dataset-uri`)" if name == "data.dataset_dir" else ""
         lines.append(f"{name} {value} {where}, and the pipeline's pods mount only the data volume "
-                     f"({cfg.kubernetes.data_pvc}) at {mount}: the run will not find it there; copy it onto the "
-                     f"volume and give its path under {mount}{also}")
+                     f"({cfg.kubernetes.data_pvc}) at {mount}: unless the step images hold it, the run will not find "
+                     f"it there; copy it onto the volume and give its path under {mount}{also}")
     return lines
 
 
