@@ -320,27 +320,51 @@ def test_a_step_killed_while_lr_below_races_ends_as_one_never_killed(halved, spl
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_a_pause_before_the_first_validation_compares_the_candidates_where_both_paused(halved, split_dir,
+def test_a_pause_before_the_first_validation_compares_the_candidates_where_they_paused(halved, split_dir,
                                                                                       tiny_model_dir, tmp_path):
     """validation.every_epochs 2 of a 3-epoch fine-tune (12 updates): the pause, update 6, comes before the first
-    validation, update 8, where the engine pauses both candidates. Compared by update 6 neither had a loss, and the
+    validation, update 8, where the engine pauses the candidates. Compared by update 6 none had a loss, and the
     step failed with "both fine-tune candidates diverged or measured nothing ... the range test's bounds are too
-    high". They are compared where both paused, which the decision names as its pause."""
+    high". They are compared where they paused, which the decision names as its pause: lr_below too, which races
+    after the two where lr_high loses widely (here it diverges at once: its decision says so)."""
     from rangefinder.data.split import read_split
     from rangefinder.steps.halving import run_halving
     from rangefinder.training.spec import TrainSpec
 
-    cfg = demo_config(model={"base_model": str(tiny_model_dir)}, finetune={"epochs": 3},
+    cfg = demo_config(model={"base_model": str(tiny_model_dir)}, finetune={"epochs": 3, "halving_below_margin": 0.10},
                       validation={"every_epochs": 2.0}, training={"cache_dir": str(halved[1] / "cache")},
                       sampling={"every_validations": None})
     split = read_split(split_dir)
-    spec = TrainSpec.finetune(cfg, split, bounds=(LR_LOW, LR_HIGH), lr=LR_MID, world_size=1)
-    race = run_halving(cfg, spec, tmp_path / "work", lr_mid=LR_MID, lr_high=LR_HIGH, split=split)
-    assert race.pause_update == 8 and set(race.candidates) == {"lr_mid", "lr_high"}
-    for c in race.candidates.values():
-        assert (c.status, c.updates, c.best_update, c.best_val_loss) == ("paused", 8, 8, dict(c.curve)[8])
-    assert race.kept == min(race.candidates, key=lambda n: race.candidates[n].best_val_loss)
+    spec = TrainSpec.finetune(cfg, split, bounds=(LR_LOW, 1e6), lr=LR_HIGH, world_size=1)
+    race = run_halving(cfg, spec, tmp_path / "work", lr_mid=LR_HIGH, lr_high=1e6, split=split)
+    assert race.pause_update == 8 and set(race.candidates) == {"lr_mid", "lr_high", "lr_below"}
+    high = race.candidates["lr_high"]
+    assert (high.status, high.best_val_loss) == ("diverged", None) and high.updates < 8
+    for name in ("lr_mid", "lr_below"):
+        c = race.candidates[name]
+        assert (c.status, c.updates, c.best_update, c.best_val_loss) == ("paused", 8, 8, dict(c.curve)[8]), name
+    assert race.kept == min(("lr_mid", "lr_below"), key=lambda n: race.candidates[n].best_val_loss)
     assert json.loads((tmp_path / "work" / HALVING_DIR / DECISION).read_text())["pause_update"] == 8
+
+
+def test_an_odd_fine_tune_races_to_half_its_updates_rounded_up_and_lr_below_only_past_the_margin(
+        halved, split_dir, tiny_model_dir, tmp_path):
+    """A fine-tune of 3 updates (16 images at batch 6, 1 epoch): the candidates train to update 2, half the updates
+    rounded up, not 1; and with finetune.halving_below_margin set wider than lr_high can lose by without diverging,
+    no third candidate races (the margin decides, not that it is set)."""
+    from rangefinder.data.split import read_split
+    from rangefinder.steps.halving import run_halving
+    from rangefinder.training.spec import TrainSpec
+
+    cfg = demo_config(model={"base_model": str(tiny_model_dir)}, finetune={"epochs": 1, "halving_below_margin": 5.0},
+                      validation={"every_updates": 2}, sampling={"every_validations": None},
+                      training={"cache_dir": str(halved[1] / "cache"), "batch_size": 6})
+    split = read_split(split_dir)
+    spec = TrainSpec.finetune(cfg, split, bounds=(LR_LOW, LR_HIGH), lr=LR_MID, world_size=1)
+    assert spec.plan is not None and spec.plan.total_updates == 3
+    race = run_halving(cfg, spec, tmp_path / "work", lr_mid=LR_MID, lr_high=LR_HIGH, split=split)
+    assert set(race.candidates) == {"lr_mid", "lr_high"} and race.pause_update == 2
+    assert all((c.status, c.updates, c.best_update) == ("paused", 2, 2) for c in race.candidates.values())
 
 
 def test_halving_runs_only_where_there_are_two_constant_lrs_to_compare():
