@@ -185,6 +185,43 @@ def test_a_step_retried_before_it_ends_goes_on_from_the_run_s_end(averaged, spli
         np.testing.assert_array_equal(again.curve_arrays()[column], values)
 
 
+def test_a_window_holding_one_checkpoint_is_not_averaged(averaged, split_dir, tiny_model_dir):
+    """Fewer than 2 checkpoints inside the window: nothing to average, so nothing is measured or written (an
+    "average" of the one checkpoint is that checkpoint, and chosen.json would offer it as the window average)."""
+    import shutil
+    from types import SimpleNamespace
+
+    from rangefinder.steps.average import run_average
+
+    cfg, tmp, _, spec, _ = averaged
+    work = tmp / "one-in-the-window"
+    shutil.copytree(tmp / "plain" / "checkpoints", work / "checkpoints")
+    window = SimpleNamespace(recommended_epochs=2, window_start_update=6.0, window_end_update=10.0)  # update 8 only
+    assert run_average(cfg, spec, work, window, read_split(split_dir), tiny_model_dir) is None
+    assert not (work / AVERAGE_DIR).exists()
+
+
+def test_a_multi_process_fine_tune_s_average_is_measured_as_one_process_measures_it(averaged, split_dir,
+                                                                                     tiny_model_dir):
+    """The step measures the window average in its own process: for a fine-tune trained on 2 processes it measures
+    the whole validation set as one process, the loss the one-process step measured for the same average."""
+    import shutil
+    from types import SimpleNamespace
+
+    from rangefinder.steps.average import run_average
+
+    cfg, tmp, result, _, _ = averaged
+    info, split = result.chosen, read_split(split_dir)
+    work = tmp / "two-processes"
+    shutil.copytree(tmp / "plain" / "checkpoints", work / "checkpoints")
+    window = SimpleNamespace(recommended_epochs=info["recommended_epochs"],
+                             window_start_update=info["window_start_update"],
+                             window_end_update=info["window_end_update"])
+    two = TrainSpec.finetune(cfg, split, bounds=(LR, LR), lr=LR, world_size=2)
+    measured = run_average(cfg, two, work, window, split, tiny_model_dir)
+    assert measured is not None and measured.val_loss == info["average"]["val_loss"]
+
+
 @pytest.mark.parametrize(("second", "said"), [
     ({"y": torch.ones(2)}, "other tensors"),
     # The same names at another shape (a LoRA rank changed between the runs): a torch broadcasting traceback.
@@ -416,3 +453,28 @@ def test_the_window_s_checkpoints_include_the_ones_at_its_edges(tmp_path):
     assert sorted(window_checkpoints(root, window)) == [8, 12, 16]
     assert window_checkpoints(root, SimpleNamespace(recommended_epochs=None, window_start_update=8.0,
                                                     window_end_update=16.0)) == {}
+
+
+def test_half_precision_checkpoints_are_averaged_in_float32_and_kept_in_their_own_dtype(tmp_path):
+    """bf16 and fp16 trained tensors (LoRA factors, textual inversion vectors under a half-precision weights dtype):
+    the running mean is taken in float32 and each average returned in its tensor's own dtype. In bf16 the mean of
+    1, 1+2^-7, 1+2^-7 rounds back to 1 at every step (its steps are below bf16's spacing at 1), where the float32
+    mean, 1.0052, rounds to 1+2^-7; the update count is the newest checkpoint's."""
+    step = 2.0 ** -7  # bf16's spacing at 1
+    ckpts = []
+    for update, value in ((4, 1.0), (8, 1.0 + step), (12, 1.0 + step)):
+        folder = tmp_path / checkpoints.checkpoint_name(update)
+        folder.mkdir()
+        weights = {"lora.bf16": torch.full((3,), value, dtype=torch.bfloat16),
+                   "ti.fp16": torch.full((2,), value * 3, dtype=torch.float16),
+                   "method.updates": torch.tensor(update, dtype=torch.int64)}
+        checkpoints.write_main(folder, weights=weights, optimizer={"state": {}}, state={"update": update})
+        ckpts.append(folder)
+    mean = average_weights(ckpts)
+    assert {k: v.dtype for k, v in mean.items()} == {"lora.bf16": torch.bfloat16, "ti.fp16": torch.float16,
+                                                     "method.updates": torch.int64}
+    for key in ("lora.bf16", "ti.fp16"):
+        by_hand = torch.stack([checkpoints.read_weights(c)[key].float() for c in ckpts]).mean(0)
+        assert torch.equal(mean[key], by_hand.to(mean[key].dtype)), key
+    assert torch.equal(mean["lora.bf16"], torch.full((3,), 1.0 + step, dtype=torch.bfloat16))
+    assert int(mean["method.updates"]) == 12
