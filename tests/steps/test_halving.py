@@ -347,6 +347,29 @@ def test_a_pause_before_the_first_validation_compares_the_candidates_where_they_
     assert json.loads((tmp_path / "work" / HALVING_DIR / DECISION).read_text())["pause_update"] == 8
 
 
+def test_a_step_retried_after_the_decision_goes_on_from_it_without_racing_again(halved, split_dir, tmp_path):
+    """halving.json is what a retried step goes on from: once the decision is made and its move done, run_halving
+    returns it without training a candidate again, and the step's run in the work folder stays as it is (raced
+    again, the kept candidate's run to the pause would be moved over it)."""
+    import shutil
+
+    from rangefinder.data.split import read_split
+    from rangefinder.steps.halving import run_halving
+    from rangefinder.training.spec import TrainSpec
+
+    cfg, root, result, _ = halved
+    work = Path(shutil.copytree(root / "ft", tmp_path / "ft"))
+
+    def files() -> dict:
+        return {p.relative_to(work): p.read_bytes() for p in work.rglob("*") if p.is_file()}
+
+    before = files()
+    split = read_split(split_dir)
+    spec = TrainSpec.finetune(cfg, split, bounds=(LR_LOW, LR_HIGH), lr=LR_MID, world_size=1)
+    assert run_halving(cfg, spec, work, lr_mid=LR_MID, lr_high=LR_HIGH, split=split) == result.halving
+    assert files() == before
+
+
 def test_an_odd_fine_tune_races_to_half_its_updates_rounded_up_and_lr_below_only_past_the_margin(
         halved, split_dir, tiny_model_dir, tmp_path):
     """A fine-tune of 3 updates (16 images at batch 6, 1 epoch): the candidates train to update 2, half the updates
