@@ -88,6 +88,7 @@ def test_the_window_s_checkpoints_are_averaged_measured_and_the_lower_delivered(
     assert avg["delivered"] is (avg["val_loss"] < avg["pick_val_loss"])
     if avg["delivered"]:
         assert (info["rule"], info["update"], info["val_loss"]) == ("window_average", inside[-1], avg["val_loss"])
+        assert info["epoch"] == inside[-1] / 4  # the newest averaged checkpoint's epoch (16 images at batch 4)
         assert info["window_pick"]["val_loss"] == avg["pick_val_loss"]
         unet = UNet2DConditionModel.from_pretrained(str(work / checkpoints.CHOSEN_DIR / "unet")).state_dict()
         assert all(torch.equal(unet[k.removeprefix("unet.")], v) for k, v in mean.items() if k.startswith("unet."))
@@ -112,6 +113,8 @@ def test_the_report_mlflow_and_the_step_s_outputs_give_one_recommended_length(av
     the updates they take agree, in the report's lead and rows, decision.json, MLflow and the step's outputs."""
     from mlflow import MlflowClient
 
+    from rangefinder.analysis import read_curve_csv, select_step_window
+
     cfg, tmp, result, _, _ = averaged
     epochs, updates = result.recommended_epochs, result.recommended_updates
     assert updates == 4 * epochs  # 16 training images at batch 4
@@ -122,11 +125,21 @@ def test_the_report_mlflow_and_the_step_s_outputs_give_one_recommended_length(av
     decision = json.loads((report / "decision.json").read_text())
     assert decision["recommended_length"] == {"epochs": epochs, "updates": updates, "basis": "window"}
     assert decision["recommended_updates"] == updates  # the window's own, beside it
+    assert (result.chosen["recommended_epochs"], result.chosen["recommended_updates"]) == (epochs, updates)
+    # The window is read off the run's validation and stabilize curves with the config's settings.
+    curve = read_curve_csv(result.curve_csv)
+    window = select_step_window(curve["update"], curve["epoch"], curve["val_loss"],
+                                stabilize_loss=curve["stabilize_loss"], tolerance=cfg.finetune.tolerance,
+                                seed=cfg.validation.seed, divergence_factor=cfg.validation.divergence_factor).to_dict()
+    assert window["val_minus_stabilize"] is not None and {k: decision[k] for k in window} == window
     client = MlflowClient(cfg.tracking.tracking_uri)
     (ft,) = client.search_runs([client.get_experiment_by_name("average").experiment_id],
                                filter_string="tags.`rangefinder.step` = 'finetune'")
     assert (ft.data.metrics["recommended_epochs"], ft.data.metrics["recommended_updates"]) == (epochs, updates)
-    assert result.metrics()["recommended_updates"] == updates  # the step's KFP metrics
+    metrics = result.metrics()  # the step's KFP metrics
+    assert metrics["recommended_updates"] == updates
+    assert [metrics[f"chosen_{k}"] for k in ("update", "epoch", "val_loss")] == [
+        result.chosen[k] for k in ("update", "epoch", "val_loss")]
 
 
 def test_a_retried_step_delivers_what_its_first_attempt_delivered(averaged, split_dir):

@@ -203,6 +203,23 @@ def test_no_validated_checkpoint_keeps_everything(tmp_path):
     assert (tmp_path / "checkpoints" / "checkpoint-000004").is_dir() and not (tmp_path / "chosen").exists()
 
 
+def test_weights_delivered_over_the_pick_keep_the_pick_s_checkpoint_alone(tmp_path):
+    """At the step's end every checkpoint but the kept one goes: where the window average or the cooldown was
+    delivered (chosen.json names no checkpoint), the window's pick they replaced is the one kept, and the run's
+    newest, kept until then for a retry, goes too."""
+    from rangefinder.formats import checkpoints
+    from rangefinder.steps.finetune import keep_only_chosen
+
+    root = tmp_path / checkpoints.RUN_DIR
+    for update in (4, 8, 12):
+        folder = root / checkpoints.checkpoint_name(update)
+        folder.mkdir(parents=True)
+        checkpoints.write_main(folder, weights={"w": torch.zeros(1)}, optimizer={"state": {}}, state={"update": update})
+    keep_only_chosen(root, {"checkpoint": None, "rule": "window_average", "update": 12,
+                            "window_pick": {"checkpoint": checkpoints.checkpoint_name(8), "update": 8}})
+    assert [p.name for p in checkpoints.list_checkpoints(root)] == [checkpoints.checkpoint_name(8)]
+
+
 @pytest.mark.parametrize("base", ["measured", "below every checkpoint"])
 def test_with_no_window_the_run_s_lowest_validation_loss_checkpoint_is_delivered_and_compared_with_the_base(
         ema_run, tmp_path, tiny_model_dir, base):
@@ -347,6 +364,9 @@ def test_the_recommended_length_is_the_window_s_centre_else_the_configured_budge
     assert recommended_length(none, {"rule": "run_lowest", "update": 6, "epoch": 1.5}, 10, 40, curve) == (
         RecommendedLength(2, 8, "no_window"))
     assert recommended_length(none, {"rule": "run_lowest", "update": 8, "epoch": 2.0}, 10, 40, curve) == (
+        RecommendedLength(2, 8, "no_window"))
+    # Rounded up, never to the nearest: a checkpoint a quarter into epoch 2 is 2 epochs to reach.
+    assert recommended_length(none, {"rule": "run_lowest", "update": 5, "epoch": 1.25}, 10, 40, curve) == (
         RecommendedLength(2, 8, "no_window"))
 
 
@@ -525,10 +545,13 @@ def test_the_delivered_update_is_sampled_in_the_strip_and_the_mlflow_series(tiny
     at their update."""
     import shutil
 
+    import numpy as np
     from mlflow import MlflowClient
+    from PIL import Image
 
     from rangefinder.config import TrackingConfig
     from rangefinder.formats.checkpoints import CHOSEN_DIR
+    from rangefinder.sampling import render_grid
     from rangefinder.steps.finetune import sample_delivered, sample_strip
     from rangefinder.tracking import step_run
     from rangefinder.training.samples import INDEX_NAME, SAMPLES_DIR, SAMPLES_KEY, read_index
@@ -547,11 +570,61 @@ def test_the_delivered_update_is_sampled_in_the_strip_and_the_mlflow_series(tiny
     with step_run(TrackingConfig(tracking_uri=uri, experiment_name="delivered"), "finetune") as run:
         sample_delivered(work, {"update": 12, "epoch": 3.0}, tiny_model_dir, run)
         sample_delivered(work, {"update": 16, "epoch": 4.0}, tiny_model_dir, run)  # sampled already: nothing
+        entries = read_index(work)["samples"]
+        assert [e["update"] for e in entries] == [0, 12, 16] and entries[1]["delivered"] is True
+        # Drawn with the samples' own settings (a guidance scale other than the model's default here).
+        drawn = render_grid([work / CHOSEN_DIR], settings["prompts"], settings["seeds"], out_dir=tmp_path / "drawn",
+                            base_model=tiny_model_dir, steps=2, guidance_scale=5.0, scheduler="DDIMScheduler",
+                            resolution=32, device="cpu")["images"]
+
+        def pixels(path) -> list:
+            return np.asarray(Image.open(path).convert("RGB")).tolist()
+
+        assert [pixels(work / SAMPLES_DIR / c) for c in entries[1]["cells"]] == [pixels(p) for (p,) in drawn]
+        assert [c[0] for c in sample_strip(work).columns] == [0, 12, 16]  # the report's strip
+        names = [f.path.split("/")[-1] for f in MlflowClient(uri).list_artifacts(run.run_id, "images")]
+        assert [n for n in names if n.startswith(f"{SAMPLES_KEY}+step+") and n.endswith(".png")] == [
+            n for n in names if n.startswith(f"{SAMPLES_KEY}+step+12+") and n.endswith(".png")] != []
+        # Weights that are no checkpoint (the window average, the cooldown) delivered at a sampled update are not
+        # what was sampled there: their grid replaces that update's.
+        sample_delivered(work, {"update": 16, "epoch": 4.0, "rule": "window_average"}, tiny_model_dir, run)
 
     entries = read_index(work)["samples"]
-    assert [e["update"] for e in entries] == [0, 12, 16] and entries[1]["delivered"] is True
-    assert [(work / SAMPLES_DIR / c).is_file() for c in entries[1]["cells"]] == [True, True]
-    assert [c[0] for c in sample_strip(work).columns] == [0, 12, 16]  # the report's strip
+    assert [(e["update"], e.get("delivered")) for e in entries] == [(0, None), (12, True), (16, True)]
     names = [f.path.split("/")[-1] for f in MlflowClient(uri).list_artifacts(run.run_id, "images")]
-    assert [n for n in names if n.startswith(f"{SAMPLES_KEY}+step+") and n.endswith(".png")] == [
-        n for n in names if n.startswith(f"{SAMPLES_KEY}+step+12+") and n.endswith(".png")] != []
+    assert sorted(n.split("+")[2] for n in names if n.startswith(f"{SAMPLES_KEY}+step+") and n.endswith(".png")) == [
+        "12", "16"]
+
+
+def test_the_step_window_and_the_window_average_follow_their_settings(split_dir, tiny_model_dir, tmp_path,
+                                                                      monkeypatch):
+    """finetune.tolerance and validation.seed (the seed of the trend test's permutations) are the step window's:
+    decision.json is select_step_window's reading of the run's curves with them, which neither leaves as it would be
+    at its default; and finetune.soup_tries reaches the window average, which tries a greedy soup."""
+    from rangefinder.analysis import read_curve_csv, select_step_window
+    from rangefinder.steps.finetune import run_finetune
+
+    for var in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME"):
+        monkeypatch.delenv(var, raising=False)
+    # 16 updates at 3e-3, validated every 2: a window over the checkpoints at updates 12 and 16.
+    cfg = demo_config(model={"base_model": str(tiny_model_dir)},
+                      finetune={"epochs": 4, "successive_halving": False, "cooldown": "off", "average": "on",
+                                "soup_tries": 2, "tolerance": 0.1},
+                      validation={"every_epochs": 0.5, "seed": 3}, training={"cache_dir": str(tmp_path / "cache")},
+                      sampling={"every_validations": None},
+                      tracking={"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "registered_model_name": None})
+    result = run_finetune(cfg, split_dir=split_dir, lr_low=3e-3, lr_high=3e-3, lr_mid=3e-3, lr_source="fixed",
+                          model_dir=tmp_path / "ft")
+    decision = json.loads((tmp_path / "ft" / "report" / "decision.json").read_text())
+    curve = read_curve_csv(result.curve_csv)
+
+    def window(**default) -> dict:
+        settings = {"tolerance": 0.1, "seed": 3, **default}
+        return select_step_window(curve["update"], curve["epoch"], curve["val_loss"],
+                                  stabilize_loss=curve["stabilize_loss"], **settings).to_dict()
+
+    read = window()
+    assert {k: decision[k] for k in read} == read and read["status"] == "ok"
+    assert window(tolerance=0.02)["tolerance"] != read["tolerance"]
+    assert window(seed=0)["p_improvement"] != read["p_improvement"]
+    assert result.chosen is not None and result.chosen["average"]["soup_tries"] >= 1
