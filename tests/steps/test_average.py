@@ -491,3 +491,29 @@ def test_half_precision_checkpoints_are_averaged_in_float32_and_kept_in_their_ow
         assert torch.equal(mean[key], by_hand.to(mean[key].dtype)), key
     assert torch.equal(mean["lora.bf16"], torch.full((3,), 1.0 + step, dtype=torch.bfloat16))
     assert int(mean["method.updates"]) == 12
+
+
+def test_the_greedy_soup_starts_from_the_pick_and_keeps_what_lowers_the_measured_loss(tmp_path):
+    """greedy_soup's rule on weights whose loss is known: w at 0, 3 and -2 (updates 8, 12, 4) measured as (w - 1)^2,
+    their curve losses 1, 4 and 9. From update 8 (the lowest), update 12 is tried first and kept (the soup's mean
+    1.5 measures 0.25, below 1), then update 4 is tried and left out (1/3 measures 0.44); the soup's update count is
+    its newest checkpoint's. Started from the worst, or each candidate measured at the wrong mean, it keeps others."""
+    from rangefinder.steps.average import greedy_soup
+
+    found = {}
+    for update, w in ((4, -2.0), (8, 0.0), (12, 3.0)):
+        folder = tmp_path / checkpoints.checkpoint_name(update)
+        folder.mkdir()
+        checkpoints.write_main(folder, weights={"w": torch.tensor([w]), "method.updates": torch.tensor(update)},
+                               optimizer={"state": {}}, state={"update": update})
+        found[update] = folder
+    measured: list[float] = []
+
+    def measure(weights):
+        measured.append(float(weights["w"].mean()))
+        return {"val_loss": (measured[-1] - 1.0) ** 2}
+
+    soup = greedy_soup(found, {4: 9.0, 8: 1.0, 12: 4.0}, measure, tries=2)
+    assert measured == pytest.approx([1.5, 1 / 3])
+    assert (soup.updates, soup.val_loss, soup.tries) == ((8, 12), 0.25, 2)
+    assert float(soup.weights["w"]) == 1.5 and int(soup.weights["method.updates"]) == 12
