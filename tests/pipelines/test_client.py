@@ -614,6 +614,19 @@ def test_tls_problems_are_one_line_naming_the_fix(self_signed):
         plain.close()
 
 
+def test_a_ca_cert_holding_no_certificate_is_said_before_any_request(self_signed, kfp_server, tmp_path):
+    """--ca-cert given the server's private key (the file beside its certificate) or an empty file: one line saying
+    the file holds no certificate, before any request; it was "cannot reach the KFP endpoint
+    (NO_CERTIFICATE_OR_CRL_FOUND); check --host", sending the user after the endpoint."""
+    empty = tmp_path / "ca.pem"
+    empty.write_text("")
+    for wrong in (self_signed[1], str(empty)):
+        with pytest.raises(ConfigError, match=rf"^--ca-cert {re.escape(wrong)} holds no PEM certificate "
+                                              r"\(NO_CERTIFICATE_OR_CRL_FOUND\); give the PEM file "):
+            submit(parse_config(CFG), host=kfp_server.url.replace("http://", "https://"), ca_cert=wrong)
+    assert kfp_server.requests == []
+
+
 def test_a_request_refused_after_the_probe_says_why(kfp_server):
     """Healthz answers anyone; the pipelines API may refuse this account (a profile it has no access to). The line
     carries the server's reason, and names --namespace beside --token."""

@@ -220,6 +220,15 @@ def resolve_endpoint(host: Optional[str] = None, token: Optional[str] = None, ca
     if ca_cert is not None and not Path(ca_cert).is_file():
         raise ConfigError(f"--ca-cert {ca_cert}: no such file; give the PEM file of the CA that signed the "
                           "endpoint's certificate")
+    if ca_cert is not None:
+        # Read as the probe and kfp read it: a file holding no certificate (a private key, a DER file) failed the
+        # probe as "cannot reach the KFP endpoint (NO_CERTIFICATE_OR_CRL_FOUND); check --host".
+        try:
+            ssl.create_default_context(cafile=ca_cert)
+        except ssl.SSLError as e:
+            raise ConfigError(f"--ca-cert {ca_cert} holds no PEM certificate ({getattr(e, 'reason', None) or e}); "
+                              "give the PEM file (-----BEGIN CERTIFICATE-----) of the CA that signed the endpoint's "
+                              "certificate") from None
     host = host.rstrip("/")
     token_path, note = None, ""
     if not token:
