@@ -643,6 +643,25 @@ def test_credentials_in_the_host_url_are_refused_unshown():
     assert "hunter2" not in str(e.value)
 
 
+def test_a_dataset_uri_with_credentials_or_no_object_store_is_refused_before_any_request(kfp_server, tmp_path):
+    """--dataset-uri becomes a parameter of the run, shown in the KFP UI: one holding keys was sent with them, and a
+    folder's path (the dataset_dir a CLI user knows) made a run whose importer failed on the cluster. Each is one line,
+    the keys unshown, before any request (and before the warning that the URI replaces data.dataset_dir)."""
+    with pytest.raises(ConfigError, match=r"^--dataset-uri holds a user name and password, .*KFP's own Secret$") as e:
+        submit(parse_config(CFG), host=kfp_server.url, dataset_uri="s3://AKIAEXAMPLE:hunter2@bucket/cats")
+    assert "hunter2" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"^--dataset-uri holds a secret in its query \(token=\)"):
+        submit(parse_config(CFG), host=kfp_server.url, dataset_uri="s3://bucket/cats?token=abc")
+    r = rangefinder_cli("submit", "--host", kfp_server.url, "--config", _config_file(tmp_path), "--dataset-uri",
+                        "/data/sets/cats", home=tmp_path)
+    assert r.returncode == 2 and r.stderr.splitlines() == [
+        "rangefinder submit: error: --dataset-uri '/data/sets/cats' is not an object-store URI (s3://, gs://, "
+        "minio://), which KFP's importer downloads; for a folder on the data volume set data.dataset_dir in the "
+        "config and leave --dataset-uri out"]
+    assert kfp_server.requests == []
+    assert submit(parse_config(CFG), host=kfp_server.url, dataset_uri="minio://mlpipeline/cats").run_id == "r1"
+
+
 def test_a_token_path_that_names_no_file_is_said(kfp_server, monkeypatch, tmp_path):
     kfp_server.token = "sa-token"
     monkeypatch.setenv("KF_PIPELINES_SA_TOKEN_PATH", str(tmp_path / "tokn"))

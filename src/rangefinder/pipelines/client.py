@@ -241,6 +241,31 @@ def resolve_endpoint(host: Optional[str] = None, token: Optional[str] = None, ca
                     token_note=note)
 
 
+# What KFP's importer downloads from (its launcher's object store: gs, s3, minio); --dataset-uri's help names them.
+DATASET_URI_SCHEMES = ("s3", "gs", "minio")
+
+
+def check_dataset_uri(uri: str) -> None:
+    """ConfigError unless `uri` (--dataset-uri) is an object-store URI without credentials. It becomes a parameter of
+    the run, shown in the KFP UI, and was sent as given: a password in it went there, and a folder's path made a run
+    whose importer failed on the cluster."""
+    from rangefinder.config import uri_credentials
+    from rangefinder.errors import ConfigError
+
+    if not uri:
+        return
+    held = uri_credentials(uri)
+    if held:  # named, never shown
+        raise ConfigError(f"--dataset-uri holds {held}, which the run's parameters would show; give the URI alone "
+                          "(s3://bucket/prefix): the pods read the object store's keys from KFP's own Secret")
+    scheme = uri.partition("://")[0] if "://" in uri else ""
+    if scheme not in DATASET_URI_SCHEMES:
+        schemes = ", ".join(f"{s}://" for s in DATASET_URI_SCHEMES)
+        raise ConfigError(f"--dataset-uri {uri!r} is not an object-store URI ({schemes}), which KFP's importer "
+                          "downloads; for a folder on the data volume set data.dataset_dir in the config and leave "
+                          "--dataset-uri out")
+
+
 def resolve_ui_url(ui_url: Optional[str], host: str) -> tuple[str, bool]:
     """(where the links of the result point, whether the KFP UI's URL was given): `--ui-url`, else
     `$KF_PIPELINES_UI_ENDPOINT`, else the endpoint, which serves the UI only where it is the UI's proxy
@@ -625,6 +650,7 @@ def submit(
 
     if cron is not None:
         cron = validate_cron(cron)  # before any network traffic
+    check_dataset_uri(dataset_uri)
     if once and not run_name:
         raise ConfigError("--once needs --name: it looks for an earlier run of that name in the experiment")
     if not 1 <= max_concurrency <= 10:

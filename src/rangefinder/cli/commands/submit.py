@@ -31,10 +31,13 @@ def add_endpoint_args(p: argparse.ArgumentParser) -> None:
 
 
 def load_checked_config(args: argparse.Namespace, command: str):
-    """The config, its ignored settings and conflicts warned about, --namespace checked: before any request."""
+    """The config, its ignored settings and conflicts warned about, --dataset-uri and --namespace checked: before any
+    request."""
     from rangefinder.config import kubernetes_name_problem, load_config
     from rangefinder.errors import ConfigError
+    from rangefinder.pipelines.client import check_dataset_uri
 
+    check_dataset_uri(args.dataset_uri)  # before the warning that it replaces data.dataset_dir
     cfg = load_config(args.config)
     warn_ignored(command, ignored_by_submit(cfg, args.dataset_uri))
     warn_conflicts(cfg)
