@@ -28,6 +28,10 @@ from mlflow.pyfunc import PythonModel
 # (training/family_detection.py: t5_sequence_length), not its pipeline's default (StableDiffusion3Pipeline's 256 where
 # SD3 trains with 77 tokens); it is no param, as another length is another conditioning than the one trained.
 CALL_SETTINGS = ("num_inference_steps", "guidance_scale", "height", "width", "max_sequence_length")
+# The most a call's height or width may be, in multiples of the model's default side (the size its run sampled at).
+# Memory and time grow with the pixels, attention's faster: a height of 100000 was drawn until the kernel killed the
+# process (a serving container with it), with no word; 4 x is well past the size a model draws whole pictures at.
+MAX_SIDE_FACTOR = 4
 
 
 class StableDiffusionPyfunc(PythonModel):
@@ -79,9 +83,10 @@ class StableDiffusionPyfunc(PythonModel):
         return pd.DataFrame(rows, columns=["prompt", "seed", "image"])
 
     def check_call(self, call: dict) -> None:
-        """Refuse steps below 1 (the pipeline divides by zero, or draws an image of none) and a height or width off
+        """Refuse steps below 1 (the pipeline divides by zero, or draws an image of none), a height or width off
         the sides the pipeline renders, the model config's size_multiple (SD3's refuses them in its own words,
-        Flux's quietly renders a smaller image, and a side of 0 draws at the pipeline's default size)."""
+        Flux's quietly renders a smaller image, and a side of 0 draws at the pipeline's default size), and one over
+        MAX_SIDE_FACTOR times the model's default."""
         steps = call.get("num_inference_steps")
         if steps is not None and int(steps) < 1:
             raise MlflowException.invalid_parameter_value(
@@ -93,6 +98,11 @@ class StableDiffusionPyfunc(PythonModel):
                 raise MlflowException.invalid_parameter_value(
                     f"{side}: the pipeline renders sides in multiples of {multiple} px, not {value}; pass a multiple "
                     f"of {multiple} (the default is {self.defaults.get(side)})")
+            default = self.defaults.get(side)
+            if value is not None and default and int(value) > MAX_SIDE_FACTOR * int(default):
+                raise MlflowException.invalid_parameter_value(
+                    f"{side}: {value} px is over {MAX_SIDE_FACTOR} times the model's {default} px, more memory and "
+                    f"time than a picture of it takes; pass at most {MAX_SIDE_FACTOR * int(default)}")
 
     def check_negative_prompt_steers(self, guidance_scale: float) -> None:
         """Refuse a negative prompt the pipeline would draw without: FluxPipeline's guidance_scale is Flux.1-dev's
