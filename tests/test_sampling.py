@@ -113,6 +113,12 @@ def test_bad_scheduler_and_missing_model_are_one_clear_error(tiny_model_dir, tmp
         render_grid([tiny_model_dir], PROMPTS, SEEDS, out_dir=tmp_path, scheduler="NoSuchScheduler")
     with pytest.raises(ConfigError, match="does not exist"):
         render_grid([tmp_path / "nope"], PROMPTS, SEEDS, out_dir=tmp_path)
+    # A registered model's URI, as `register` prints it, was "models:/rf/1 does not exist": the fix is named.
+    for uri in ("models:/rf-sd/1", "models:/rf-sd@champion"):
+        with pytest.raises(ConfigError, match=rf"^{uri} is an MLflow model URI, .*`mlflow artifacts download -u {uri} "
+                                              r"-d DIR`.* pass the folder under DIR/artifacts/ that holds "
+                                              r"model_index.json$"):
+            render_grid([tiny_model_dir, uri], PROMPTS, SEEDS, out_dir=tmp_path)
     assert not (tmp_path / "grid.json").exists()
 
 

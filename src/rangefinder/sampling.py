@@ -116,6 +116,11 @@ def _column_family(column: GridColumn) -> Optional[str]:
 def resolve_column(path: Union[str, Path], label: Optional[str] = None) -> GridColumn:
     """What a path holds, for the grid: a diffusers pipeline folder, a training checkpoint or an adapter."""
     p = Path(path)
+    if not p.exists() and re.match(r"(models|runs):/", str(path)):
+        # A registered model's URI, as `register` prints it: it was "models:/NAME/1 does not exist".
+        raise ConfigError(f"{path} is an MLflow model URI, and only folders and files are sampled here; download it "
+                          f"(`mlflow artifacts download -u {path} -d DIR`, with MLFLOW_TRACKING_URI set) and pass the "
+                          "folder under DIR/artifacts/ that holds model_index.json")
     if not p.exists():
         raise ConfigError(f"{p} does not exist; pass a model folder, a checkpoint folder or a weights file")
     if p.is_file() and p.name == checkpoints.WEIGHTS_NAME and (p.parent / checkpoints.STATE_NAME).is_file():
