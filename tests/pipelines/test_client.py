@@ -662,11 +662,16 @@ def test_a_dataset_uri_with_credentials_or_no_object_store_is_refused_before_any
     assert submit(parse_config(CFG), host=kfp_server.url, dataset_uri="minio://mlpipeline/cats").run_id == "r1"
 
 
-def test_a_token_path_that_names_no_file_is_said(kfp_server, monkeypatch, tmp_path):
+def test_a_token_path_that_names_no_file_or_an_empty_one_is_said(kfp_server, monkeypatch, tmp_path):
     kfp_server.token = "sa-token"
     monkeypatch.setenv("KF_PIPELINES_SA_TOKEN_PATH", str(tmp_path / "tokn"))
     with pytest.raises(EndpointError, match=r"\(HTTP 401, no token: \$KF_PIPELINES_SA_TOKEN_PATH names \S+tokn, "
                                             r"which is not a file\)"):
+        submit(parse_config(CFG), host=kfp_server.url)
+    # An empty token file (a CI secret never filled in) sends none: said so, not as if a token had been refused.
+    (tmp_path / "tokn").write_text("\n")
+    with pytest.raises(EndpointError, match=r"\(HTTP 401, service-account token \S+tokn, which is empty: no token "
+                                            r"was sent\)"):
         submit(parse_config(CFG), host=kfp_server.url)
 
 

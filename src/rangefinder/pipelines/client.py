@@ -190,7 +190,13 @@ class Endpoint:
         if self.token:
             return "token from --token"
         if self.token_path is not None:
-            return f"service-account token {self.token_path}"
+            # An empty file (a CI secret that was never filled in) sends no token at all; the refusal said only the
+            # file's name, as if a token had been refused.
+            try:
+                empty = not self.bearer()
+            except OSError:
+                empty = False
+            return f"service-account token {self.token_path}{', which is empty: no token was sent' if empty else ''}"
         return f"no token{self.token_note}"
 
     def ssl_context(self) -> ssl.SSLContext:
