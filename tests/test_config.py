@@ -355,6 +355,20 @@ def test_credentials_in_a_tracking_uri_are_refused_without_echoing_them(field, u
     parse_config(_nested(field, "https://mlflow.example:5000/prefix?x=1"))  # no secret: fine
 
 
+@pytest.mark.parametrize("field", ["model.base_model", "data.dataset_dir"])
+def test_credentials_in_another_setting_s_url_name_where_they_go_not_mlflow_s_variables(field):
+    """A URL with a password in a setting other than an MLflow URI: refused unshown, as any, with a fix that fits it.
+    It said to set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, which no hub or download reads."""
+    from rangefinder.steps.resolve_config import _nested
+
+    with pytest.raises(ConfigError) as e:
+        parse_config(_nested(field, "https://alice:hunter2-pw@models.example/sd15.safetensors"))
+    msg = str(e.value)
+    assert msg == (f"{field}: the URI holds a user name and password; remove it: a config is compiled into the "
+                   "pipeline and shown with its parameters; a gated or private hub model reads HF_TOKEN from the "
+                   "environment (on a cluster from the Secret kubernetes.hf_token_secret)"), msg
+
+
 @pytest.mark.parametrize("field,refused,taken", [
     ("cpu_limit", ["8 cores", "1.5.2"], ["8", "0.5", "500m"]),
     ("memory_limit", ["48GB", "48K", "1.5Gi"], ["48Gi", "64G", "512Mi"]),

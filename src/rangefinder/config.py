@@ -211,12 +211,23 @@ def uri_credentials(uri: str) -> Optional[str]:
     return None
 
 
-def _refuse_uri_credentials(uri: Optional[str]) -> None:
-    """A URI in a setting must not carry credentials: it is shown in tables and logs and compiled into the pipeline."""
+# The settings that name an MLflow server, whose credentials belong in MLflow's variables (CREDENTIALS_FIX).
+MLFLOW_URI_SETTINGS = frozenset({"tracking.tracking_uri", "kubernetes.mlflow_tracking_uri"})
+# Where another URI's credentials go: no setting reads a URL's own (a base model is a folder, a file or a hub id).
+_MLFLOW_FIX = f" and {CREDENTIALS_FIX}"
+_OTHER_FIX = (
+    ": a config is compiled into the pipeline and shown with its parameters; a gated or private hub model reads "
+    "HF_TOKEN from the environment (on a cluster from the Secret kubernetes.hf_token_secret)"
+)
+
+
+def _refuse_uri_credentials(uri: Optional[str], fix: str = _MLFLOW_FIX) -> None:
+    """A URI in a setting must not carry credentials: it is shown in tables and logs and compiled into the pipeline.
+    `fix` follows "remove it": where the credentials go instead."""
     if uri:
         held = uri_credentials(uri)
         if held:
-            raise ValueError(f"the URI holds {held}; remove it and {CREDENTIALS_FIX}")
+            raise ValueError(f"the URI holds {held}; remove it{fix}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1548,7 +1559,8 @@ def _check_raw(raw: Any) -> None:
             # Any URL, not only the tracking URIs: the whole config is a parameter of the compiled pipeline, printed
             # by kfp.local and kept in every step's executor output.
             try:
-                _refuse_uri_credentials(value)
+                # model.base_model's said to set MLFLOW_TRACKING_PASSWORD: only the MLflow URIs' fix is MLflow's.
+                _refuse_uri_credentials(value, _MLFLOW_FIX if where in MLFLOW_URI_SETTINGS else _OTHER_FIX)
             except ValueError as e:
                 raise ConfigError(f"{name}: {e}") from None
         if value == REDACTED:
