@@ -627,6 +627,48 @@ def test_a_ca_cert_holding_no_certificate_is_said_before_any_request(self_signed
     assert kfp_server.requests == []
 
 
+def test_a_login_page_an_auth_proxy_redirects_to_is_said_and_gets_no_token():
+    """An auth proxy before KFP (oauth2-proxy, Dex) sends a request it does not let in (an expired token) to its
+    login page, which answers 200 with HTML. That was "did not answer JSON; is --host the KFP endpoint?", and the
+    token went along to the login page, wherever the redirect pointed. Now one line naming the redirect and the fix
+    (not the login's query, which holds its state), and the token stays with the endpoint it was given for."""
+    seen: list[tuple[str, str | None]] = []
+
+    class LoginProxy(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_GET(self):
+            seen.append((self.path, self.headers.get("Authorization")))
+            if self.path.startswith("/apis/"):
+                self.send_response(302)
+                self.send_header("Location", "/dex/auth?client_id=kubeflow-oidc&state=login-state-4411")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            page = b"<html><body>Log in to Your Account</body></html>"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(page)))
+            self.end_headers()
+            self.wfile.write(page)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), LoginProxy)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    host = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with pytest.raises(EndpointError) as e:
+            submit(parse_config(CFG), host=host, token="expired-token")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert str(e.value) == (f"the KFP endpoint {host} redirected the request to {host}/dex/auth, as an auth proxy "
+                            "sends one it does not let in to its login page (token from --token); pass a valid "
+                            "--token")
+    assert seen == [("/apis/v2beta1/healthz", "Bearer expired-token"),
+                    ("/dex/auth?client_id=kubeflow-oidc&state=login-state-4411", None)]
+
+
 def test_a_request_refused_after_the_probe_says_why(kfp_server):
     """Healthz answers anyone; the pipelines API may refuse this account (a profile it has no access to). The line
     carries the server's reason, and names --namespace beside --token."""

@@ -10,15 +10,16 @@ Endpoint and credentials are found the way `kfp.Client` finds them:
   is the UI only where it is the UI's proxy: resolve_ui_url).
 
 Before handing over to `kfp.Client` (which retries a refused healthz for half a minute), one quick request to the
-healthz endpoint turns "nothing listens there", "the token was refused" and "its certificate is not trusted" into
-one clear sentence each; it trusts what kfp's own requests trust (certifi's CAs, or `--ca-cert`). Every request,
-kfp's included, gives up once connecting, or waiting for the server's answer, has taken `--request-timeout` seconds,
-and is not sent again (urllib3 sent a GET that timed out three times more), so an endpoint that accepts the
-connection and never answers ends the command after that long instead of hanging it. The two waits are counted
-apart, the second as the longest silence between the server's bytes (a socket's timeout: neither urllib3 nor urllib
-has another), so a request whose connection took nearly the whole timeout may wait as long again for its answer, and
-a server that keeps sending, however slowly, is not cut off. kfp's own lines ("Pipeline details: ...") are kept off
-stdout, which holds the command's result (`--json` is JSON alone).
+healthz endpoint turns "nothing listens there", "the token was refused", "an auth proxy sent it to its login page" and
+"its certificate is not trusted" into one clear sentence each (the token is not sent on along a redirect); it trusts
+what kfp's own requests trust (certifi's CAs, or `--ca-cert`). Every request, kfp's included, gives up once connecting,
+or waiting for the server's answer, has taken `--request-timeout` seconds, and is not sent again (urllib3 sent a GET
+that timed out three times more), so an endpoint that accepts the connection and never answers ends the command after
+that long instead of hanging it. The two waits are counted apart, the second as the longest silence between the
+server's bytes (a socket's timeout: neither urllib3 nor urllib has another), so a request whose connection took nearly
+the whole timeout may wait as long again for its answer, and a server that keeps sending, however slowly, is not cut
+off. kfp's own lines ("Pipeline details: ...") are kept off stdout, which holds the command's result (`--json` is JSON
+alone).
 
 A pipeline version is named after the package version and a hash of the compiled YAML, compiled reproducibly (the
 same bytes from one process to the next: rangefinder.pipelines.reproducible): submitting the same config twice, from
@@ -38,6 +39,7 @@ import ssl
 import tempfile
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import warnings
 from collections.abc import Iterator
@@ -310,11 +312,14 @@ def check_endpoint(ep: Endpoint) -> dict:
     req = urllib.request.Request(ep.host + HEALTHZ_PATH, headers={"Accept": "application/json"})
     bearer = ep.bearer()
     if bearer:
-        req.add_header("Authorization", f"Bearer {bearer}")
+        # Not sent on along a redirect (urllib's headers are, to whatever host it points at): an auth proxy's login
+        # page, say, on another host.
+        req.add_unredirected_header("Authorization", f"Bearer {bearer}")
     try:
         context = ep.ssl_context() if ep.host.startswith("https://") else None
         with urllib.request.urlopen(req, timeout=ep.timeout_s, context=context) as resp:
             body = resp.read()
+            final = urllib.parse.urlsplit(resp.geturl())
     except urllib.error.HTTPError as e:
         if e.code in (401, 403):
             raise EndpointError(
@@ -337,6 +342,12 @@ def check_endpoint(ep: Endpoint) -> dict:
                                 f"--host / ${ENDPOINT_ENV}, or allow more with --request-timeout") from None
         raise EndpointError(f"cannot reach the KFP endpoint {ep.host} ({reason}); check --host / ${ENDPOINT_ENV} "
                             "and that the port-forward or ingress is up") from None
+    if final.path != urllib.parse.urlsplit(ep.host + HEALTHZ_PATH).path:
+        # An auth proxy in front of KFP (oauth2-proxy, Dex) sends a request it does not let in to its login page,
+        # which answers 200 with HTML: it was "did not answer JSON; is --host the KFP endpoint?".
+        where = f"{final.scheme}://{final.netloc.rsplit('@', 1)[-1]}{final.path}"  # its query holds the login's state
+        raise EndpointError(f"the KFP endpoint {ep.host} redirected the request to {where}, as an auth proxy sends one "
+                            f"it does not let in to its login page ({ep.describe_auth()}); pass a valid --token")
     try:
         return json.loads(body or b"{}")
     except json.JSONDecodeError:
