@@ -685,6 +685,27 @@ def test_credentials_in_the_host_url_are_refused_unshown():
     assert "hunter2" not in str(e.value)
 
 
+def test_a_token_as_a_ci_secret_holds_it_is_sent_or_refused_unshown(kfp_server, monkeypatch, tmp_path):
+    """A CI secret's trailing newline (`--token "$KFP_TOKEN"`) made http.client raise a traceback that printed the
+    token; it is stripped, as a token file's always was. A line break inside, or a copied `Bearer ` prefix (sent
+    twice, and refused as a wrong token), is one line before any request, the token unshown."""
+    kfp_server.token = "ci-token-5521"
+    assert submit(parse_config(CFG), host=kfp_server.url, token="ci-token-5521\n").run_id == "r1"
+    sent = len(kfp_server.requests)
+    with pytest.raises(ConfigError, match=r"^--token starts with 'Bearer ', which the request adds itself; give the "
+                                          r"token alone$"):
+        submit(parse_config(CFG), host=kfp_server.url, token="Bearer ci-token-5521")
+    with pytest.raises(ConfigError, match=r"^--token holds a space, line break or control character") as e:
+        submit(parse_config(CFG), host=kfp_server.url, token="ci-token-5521\nci-token-5521")
+    assert "5521" not in str(e.value)
+    token_file = tmp_path / "token"
+    token_file.write_text("ci-token-5521 ci-token-5521\n")
+    monkeypatch.setenv("KF_PIPELINES_SA_TOKEN_PATH", str(token_file))
+    with pytest.raises(ConfigError, match=r"^the token file \S+token holds a space, line break or control character"):
+        submit(parse_config(CFG), host=kfp_server.url)
+    assert len(kfp_server.requests) == sent
+
+
 def test_a_dataset_uri_with_credentials_or_no_object_store_is_refused_before_any_request(kfp_server, tmp_path):
     """--dataset-uri becomes a parameter of the run, shown in the KFP UI: one holding keys was sent with them, and a
     folder's path (the dataset_dir a CLI user knows) made a run whose importer failed on the cluster. Each is one line,

@@ -185,7 +185,7 @@ class Endpoint:
         if self.token:
             return self.token
         if self.token_path is not None:
-            return self.token_path.read_text().strip()
+            return checked_token(self.token_path.read_text(), f"the token file {self.token_path}")
         return None
 
     def describe_auth(self) -> str:
@@ -207,6 +207,21 @@ class Endpoint:
         import certifi
 
         return ssl.create_default_context(cafile=self.ca_cert or certifi.where())
+
+
+def checked_token(token: str, where: str) -> str:
+    """The bearer token of `where` (--token, a token file) without the blanks around it (a CI secret's trailing
+    newline); ConfigError, the token unshown, where it is not one: a newline or space inside made http.client raise a
+    traceback that printed the token, and a copied `Bearer ` prefix was sent twice and refused as a wrong token."""
+    from rangefinder.errors import ConfigError
+
+    token = token.strip()
+    if token.lower().startswith("bearer "):
+        raise ConfigError(f"{where} starts with 'Bearer ', which the request adds itself; give the token alone")
+    if any(c.isspace() or not c.isprintable() for c in token):
+        raise ConfigError(f"{where} holds a space, line break or control character, which no bearer token has (not "
+                          "shown); give the token alone, as one line")
+    return token
 
 
 def resolve_endpoint(host: Optional[str] = None, token: Optional[str] = None, ca_cert: Optional[str] = None,
@@ -238,6 +253,7 @@ def resolve_endpoint(host: Optional[str] = None, token: Optional[str] = None, ca
                               "give the PEM file (-----BEGIN CERTIFICATE-----) of the CA that signed the endpoint's "
                               "certificate") from None
     host = host.rstrip("/")
+    token = checked_token(token, "--token") if token else None
     token_path, note = None, ""
     if not token:
         named = os.environ.get(SA_TOKEN_ENV)
