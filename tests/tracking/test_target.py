@@ -106,6 +106,27 @@ def test_wrong_password_is_refused_and_never_shown(mlflow_auth_server, monkeypat
     assert "wrong-password-123" not in str(e.value)
 
 
+def test_a_credential_copied_with_its_line_break_is_named_unshown(mlflow_server_uri, mlflow_auth_server, monkeypatch):
+    """A secret copied with its newline: MLFLOW_TRACKING_TOKEN's made every request fail in requests' words, read as
+    "cannot reach the MLflow tracking server (no answer)" of a server that was up; a password's was refused as a
+    wrong one with no word on why. Each is named, never its value."""
+    monkeypatch.setenv("MLFLOW_TRACKING_TOKEN", "tok-6630\n")
+    with pytest.raises(TrackingError) as e:
+        check_tracking_server(mlflow_server_uri)
+    assert str(e.value) == ("MLFLOW_TRACKING_TOKEN holds a space, line break or control character (not shown), "
+                            "which no request can carry; set it to the token alone")
+    monkeypatch.delenv("MLFLOW_TRACKING_TOKEN")
+    uri, user, password = mlflow_auth_server
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", user)
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", password + "\n")
+    with pytest.raises(TrackingError) as e:
+        check_tracking_server(uri)
+    assert "refused the credentials (HTTP 401)" in str(e.value) and str(e.value).endswith(
+        "(now set: MLFLOW_TRACKING_USERNAME, MLFLOW_TRACKING_PASSWORD; MLFLOW_TRACKING_PASSWORD starts or ends with a "
+        "space or line break: set it without)")
+    assert password not in str(e.value)
+
+
 def test_right_credentials_log_a_run(mlflow_auth_server, monkeypatch):
     uri, user, password = mlflow_auth_server
     monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", user)

@@ -119,10 +119,25 @@ def resolve_experiment_name(cfg: Optional[TrackingSource] = None) -> str:
 def _credential_hint() -> str:
     set_vars = [v for v in _CREDENTIAL_VARS if os.environ.get(v)]
     now = f"now set: {', '.join(set_vars)}" if set_vars else "none of them is set now"
+    # A secret copied with its line break (`kubectl get secret ... | base64 -d` into a CI variable) is refused like a
+    # wrong one; say which, never the value.
+    padded = [v for v in set_vars if os.environ[v] != os.environ[v].strip()]
+    if padded:
+        now += f"; {', '.join(padded)} starts or ends with a space or line break: set it without"
     return (
         "set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (basic auth) or MLFLOW_TRACKING_TOKEN (bearer) "
         f"to credentials the server accepts ({now})"
     )
+
+
+def _check_token_variable() -> None:
+    """TrackingError where MLFLOW_TRACKING_TOKEN cannot go in a header: a line break or space in it (a secret copied
+    with its newline) made every request fail in requests' own words, which the check read as "cannot reach the
+    MLflow tracking server (no answer)"."""
+    token = os.environ.get("MLFLOW_TRACKING_TOKEN") or ""
+    if any(c.isspace() or not c.isprintable() for c in token):
+        raise TrackingError("MLFLOW_TRACKING_TOKEN holds a space, line break or control character (not shown), which "
+                            "no request can carry; set it to the token alone")
 
 
 def check_tracking_server(uri: str, *, experiment_name: str = "Default", timeout: float = CHECK_TIMEOUT_S) -> None:
@@ -214,6 +229,7 @@ def _check_http(uri: str, experiment_name: str, timeout: float) -> None:
     from mlflow.utils.rest_utils import http_request
 
     where = safe_uri(uri)
+    _check_token_variable()
     try:
         resp = http_request(
             get_default_host_creds(uri),
