@@ -361,6 +361,34 @@ def test_promote_refusals_are_one_line_and_keep_the_password_out(mlflow_auth_ser
     assert client.get_model_version_by_alias(name, "champion").version == mv.version
 
 
+def test_promote_by_a_user_denied_the_model_says_so_not_that_it_is_missing(mlflow_auth_server, monkeypatch, capsys):
+    """A user the server denies a registered model (DENY on it) was told "no registered model ...; check --model" of
+    a model that is there, sending them after a typo; the line says the server denied it and what permission the
+    user needs. A model that is not there is still said to be missing."""
+    import requests  # type: ignore[import-untyped]
+
+    uri, user, password = mlflow_auth_server
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", user)
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", password)
+    name, outsider, outsider_password = "rf-promote-hidden", "rf-outsider", "rf-Outsider-pass-2290"
+    MlflowClient(tracking_uri=uri, registry_uri=uri).create_registered_model(name)
+    deny = {"username": outsider, "resource_type": "registered_model", "resource_id": name, "permission": "DENY"}
+    for path, body in (("2.0/mlflow/users/create", {"username": outsider, "password": outsider_password}),
+                       ("3.0/mlflow/users/permissions/grant", deny)):
+        made = requests.post(f"{uri}/api/{path}", auth=(user, password), json=body, timeout=30)
+        assert made.status_code == 200, made.text
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", outsider)
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", outsider_password)
+    capsys.readouterr()
+    assert cli_main(["promote", "--tracking-uri", uri, "--model", name, "--version", "1"]) == 2
+    assert capsys.readouterr().err == (
+        f"rangefinder promote: error: {uri} denied reading registered model {name!r} (HTTP 403): the user in "
+        "MLFLOW_TRACKING_USERNAME needs READ permission on it (EDIT to move an alias); ask the server's admin, or use "
+        "credentials that have it\n")
+    with pytest.raises(TrackingError, match=r"^no registered model 'rf-promote-nowhere' in .*; check --model"):
+        promote("rf-promote-nowhere", "1", tracking_uri=uri)
+
+
 def test_a_version_names_the_run_that_registered_it_once_and_its_retry_finds_it(shared_sqlite_tracking_uri,
                                                                                 tiny_model_dir):
     """The register step's run id was on each version twice, as `rangefinder.run_id` and (weights trained by another

@@ -510,7 +510,12 @@ def promote(
     client = MlflowClient(tracking_uri=uri, registry_uri=uri)
     try:
         client.get_registered_model(name)
-    except MlflowException:
+    except MlflowException as e:
+        if _denied(e):  # it was "no registered model ...; check --model" of a model that is there
+            raise TrackingError(
+                f"{safe_uri(uri)} denied reading registered model {name!r} (HTTP 403): the user in "
+                "MLFLOW_TRACKING_USERNAME needs READ permission on it (EDIT to move an alias); ask the server's admin, "
+                "or use credentials that have it") from None
         raise TrackingError(
             f"no registered model {name!r} in {safe_uri(uri)}; check --model (and MLFLOW_TRACKING_URI)"
         ) from None
@@ -538,7 +543,7 @@ def promote(
     except MlflowException as e:
         # The check above only proves we may read: a user with READ on the model is refused here (HTTP 403), and a
         # name MLflow does not take as an alias is refused before any request. One line, not mlflow's traceback.
-        if e.get_http_status_code() == 403 or "error code 403" in str(e):
+        if _denied(e):
             raise TrackingError(
                 f"{safe_uri(uri)} denied moving alias {to_alias!r} of registered model {name!r} (HTTP 403): the "
                 "user in MLFLOW_TRACKING_USERNAME needs EDIT (or MANAGE) permission on it; ask the server's admin, "
@@ -546,6 +551,11 @@ def promote(
         raise TrackingError(f"could not point alias {to_alias!r} of registered model {name!r} at version {version}: "
                             f"{redact(e.message).splitlines()[0][:300]}") from None
     return {"name": name, "version": str(version), "alias": to_alias, "previous_version": previous}
+
+
+def _denied(e: Any) -> bool:
+    """Whether an MlflowException is the server's HTTP 403: the user may not do that to the model."""
+    return e.get_http_status_code() == 403 or "error code 403" in str(e)
 
 
 def decode_image(b64_png: str):
