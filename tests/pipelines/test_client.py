@@ -500,6 +500,17 @@ def test_wait_exit_status_and_result(kfp_server, tmp_path, state, status, line):
         assert r.stderr == ""
 
 
+def test_timeout_without_wait_is_said_to_be_ignored(kfp_server, tmp_path):
+    """`--timeout` bounds `--wait`; alone it was taken without a word, and a CI job meaning to wait for the run got a
+    command that returned, status 0, once the run was created."""
+    r = rangefinder_cli("submit", "--host", kfp_server.url, "--config", _config_file(tmp_path), "--timeout", "3600",
+                        "--json", home=tmp_path)
+    assert r.returncode == 0 and json.loads(r.stdout)["run_id"] == "r1"
+    assert r.stderr.splitlines() == ["rangefinder: warning: ignored by `rangefinder submit`: --timeout (it bounds "
+                                     "--wait, which is not given: the command returns once the run is created)"]
+    assert kfp_server.sent("GET", "/runs/r1") == []  # nothing waited for
+
+
 def test_wait_outlasts_a_few_failed_polls(kfp_server):
     """A --wait of hours meets a proxy restarting: a poll answered HTTP 503 is tried again, not the end of the wait
     (the run goes on on the cluster either way)."""

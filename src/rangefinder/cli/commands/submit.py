@@ -9,6 +9,8 @@ from rangefinder.cli.ignored import ignored_by_submit, off_the_data_volume, warn
 from rangefinder.cli.output import add_json_flag
 from rangefinder.formats.text import warn
 
+WAIT_TIMEOUT_S = 24 * 3600  # --timeout's default
+
 
 def add_endpoint_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", help="KFP endpoint URL (default: $KF_PIPELINES_ENDPOINT)")
@@ -92,8 +94,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="with --name: start no second run of that name in the experiment; one that has not failed, "
                    "been cancelled or skipped is reported (and waited for) instead. For a CI job that may be retried")
     p.add_argument("--wait", action="store_true", help="wait until the run finishes and print its state")
-    p.add_argument("--timeout", type=argtypes.int_in(1, what="seconds"), default=24 * 3600,
-                   help="seconds --wait waits (default 86400)")
+    p.add_argument("--timeout", type=argtypes.int_in(1, what="seconds"),
+                   help=f"with --wait: seconds it waits (default {WAIT_TIMEOUT_S})")
     add_json_flag(p)
     p.set_defaults(func=run)
 
@@ -102,8 +104,14 @@ def run(args: argparse.Namespace) -> dict:
     from rangefinder.errors import RunDidNotSucceed
     from rangefinder.pipelines.client import submit
 
+    if args.timeout is not None and not args.wait:
+        # It was taken without a word: a CI job meaning to wait for the run, at most that long, got a command that
+        # returned once the run was created, and passed whatever the run did.
+        warn_ignored("submit", [(["--timeout"], "it bounds --wait, which is not given: the command returns once the "
+                                 "run is created")])
+    timeout = args.timeout or WAIT_TIMEOUT_S
     cfg = load_checked_config(args, "submit")
-    sub = submit(cfg, **endpoint_kwargs(args), wait=args.wait, timeout_s=args.timeout, once=args.once)
+    sub = submit(cfg, **endpoint_kwargs(args), wait=args.wait, timeout_s=timeout, once=args.once)
     out: dict = {"run_id": sub.run_id, "run_url": sub.run_url, "name": sub.name}
     if sub.reused_run is not None:
         out["reused_run"] = sub.reused_run
@@ -114,7 +122,7 @@ def run(args: argparse.Namespace) -> dict:
                uploaded=sub.uploaded, **endpoint_result(args, sub))
     if args.wait and sub.state != "SUCCEEDED":
         if sub.timed_out:
-            raise RunDidNotSucceed(f"run {sub.run_id} is still {sub.state} after --timeout {args.timeout} s (it goes "
+            raise RunDidNotSucceed(f"run {sub.run_id} is still {sub.state} after --timeout {timeout} s (it goes "
                                    f"on on the cluster); see {sub.run_url}", out)
         raise RunDidNotSucceed(f"run {sub.run_id} finished {sub.state}; see {sub.run_url}", out)
     return out
