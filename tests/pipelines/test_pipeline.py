@@ -431,6 +431,23 @@ def test_compile_cli(tmp_path):
     assert not out2.exists()
 
 
+def test_compile_refuses_a_package_name_kfp_s_upload_does_not_take(tmp_path, capsys):
+    """The package is YAML whatever --out is called (the compile goes to a temporary .yaml, from which KFP's compiler
+    picks the format): `--out pipeline` or `--out p.json` wrote YAML under a name KFP's upload refuses, or reads as
+    another format, and KFP's own compiler refuses. One line naming the name to use, before anything is written."""
+    from rangefinder.cli.main import main as cli_main
+
+    for out, named in (("pipeline", "pipeline.yaml"), ("p.json", "p.yaml"), ("p.YML", "p.yaml")):
+        assert cli_main(["compile", "--out", str(tmp_path / out)]) == 2
+        assert capsys.readouterr().err == (f"rangefinder compile: error: --out {tmp_path / out}: the package is YAML, "
+                                           "which KFP's upload knows by a name ending in .yaml or .yml; name it "
+                                           f"{tmp_path / named}\n")
+    assert cli_main(["compile", "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (f"rangefinder compile: error: --out {tmp_path} is a folder; name the package "
+                                       f"in it, e.g. {tmp_path / 'rangefinder-pipeline.yaml'}\n")
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("model", ["embedded", "sd3 folder", "sd1 folder, SD 1.4's scheduler config"])
 def test_compile_checks_a_local_model_s_family_without_loading_torch_or_diffusers(model, tiny_model_dir, tiny_sd3_dir,
                                                                                  tmp_path):

@@ -17,7 +17,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Compile the pipeline. A --config file sets the parameters' defaults (shown in the KFP UI) and "
         "the pod settings of its kubernetes: section (GPU, node pool, volumes, secrets, retries).",
     )
-    p.add_argument("--out", default="rangefinder-pipeline.yaml", help="output YAML (default rangefinder-pipeline.yaml)")
+    p.add_argument("--out", default="rangefinder-pipeline.yaml",
+                   help="output YAML, named .yaml or .yml, as KFP uploads it (default rangefinder-pipeline.yaml)")
     p.add_argument("--config", help="a rangefinder config YAML (default: the built-in defaults)")
     add_json_flag(p)
     p.set_defaults(func=run)
@@ -25,13 +26,23 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     from rangefinder.config import load_config
+    from rangefinder.errors import ConfigError
     from rangefinder.formats.atomic import atomic_path
     from rangefinder.pipelines.pipeline import PIPELINE_NAME, compile_pipeline
 
+    out = Path(args.out)
+    if out.is_dir():
+        raise ConfigError(f"--out {args.out} is a folder; name the package in it, e.g. "
+                          f"{out / 'rangefinder-pipeline.yaml'}")
+    if out.suffix not in (".yaml", ".yml"):
+        # KFP's own compiler refuses such a name, or writes JSON for .json; the package here was YAML under any name,
+        # which KFP's upload (UI or API) then refused for its name, or read as another format.
+        named = out.with_suffix(".yaml") if out.suffix.lower() in (".json", ".yaml", ".yml") else f"{out}.yaml"
+        raise ConfigError(f"--out {args.out}: the package is YAML, which KFP's upload knows by a name ending in .yaml "
+                          f"or .yml; name it {named}")
     cfg = load_config(args.config)
     warn_ignored("compile", ignored_by_pipeline(cfg, local=False))
     warn_conflicts(cfg)
-    out = Path(args.out)
     # Compile next to the target and rename: a failed compile never leaves a half-written package behind. The
     # temporary name keeps .yaml, from which the KFP compiler picks the format.
     with atomic_path(out, suffix=".yaml") as tmp:
