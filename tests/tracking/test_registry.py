@@ -684,6 +684,17 @@ def test_a_dict_of_prompt_lists_renders_an_image_per_prompt(run_registered):
         model.predict({"prompt": prompts, "negative_prompt": ["green"]})
 
 
+def test_a_row_without_a_prompt_is_refused_not_drawn_as_the_word_none(run_registered):
+    """A gap in the prompt column (None, or NaN where pandas fills one) was drawn as the prompt "None" or "nan". It
+    is refused in one line naming the rows; an empty prompt is a prompt, drawn without one."""
+    _, model = run_registered
+    with pytest.raises(MlflowException, match=r"^prompt: row\(s\) 1 have none \(None or NaN\), which would be drawn "
+                                              r"as the text 'None' or 'nan'; give each row its prompt \('' draws "
+                                              r"without one\)$"):
+        model.predict(pd.DataFrame({"prompt": ["a red circle on a white background", None]}))
+    assert model.predict(pd.DataFrame({"prompt": [""]}))["prompt"].tolist() == [""]
+
+
 def test_a_negative_prompt_the_pipeline_would_draw_without_is_refused(run_registered):
     """At guidance_scale 1 or below the pipeline runs no classifier-free guidance, and drew the image a call without
     the negative prompt draws; the call is refused in one line that says what to pass. (Flux, which reads none at

@@ -62,6 +62,12 @@ class StableDiffusionPyfunc(PythonModel):
         call = {k: settings[k] for k in CALL_SETTINGS if settings.get(k) is not None}
         self.check_call(call)
         records = one_row_per_prompt(df)
+        # A gap pandas leaves in the column (None, NaN) was drawn as the prompt "None" or "nan"; '' is a prompt (none).
+        gaps = [i for i, r in enumerate(records) if r.get("prompt") != "" and missing(r.get("prompt"))]
+        if gaps:
+            raise MlflowException.invalid_parameter_value(
+                f"prompt: row(s) {', '.join(map(str, gaps[:10]))} have none (None or NaN), which would be drawn as the "
+                "text 'None' or 'nan'; give each row its prompt ('' draws without one)")
         negatives = [None if missing(r.get("negative_prompt")) else str(r["negative_prompt"]) for r in records]
         if any(negatives):
             self.check_negative_prompt_steers(float(call.get("guidance_scale", 1.0)))
