@@ -719,12 +719,13 @@ def test_a_negative_prompt_the_pipeline_would_draw_without_is_refused(run_regist
     ({"num_inference_steps": 0}, r"^num_inference_steps: 0 draws no image; pass 1 or more$"),
     ({"num_inference_steps": -1}, r"^num_inference_steps: -1 draws no image; pass 1 or more$"),
     ({"width": 264}, r"^width: 264 px is over 4 times the model's 64 px, more memory and time than a picture of it "
-                     r"takes; pass at most 256$")])
+                     r"takes; pass at most 256$"),
+    ({"guidance_scale": -3.0}, r"^guidance_scale: -3.0 is below 0; pass 0 or more \(the default is 5.0\)$")])
 def test_a_size_or_step_count_the_pipeline_cannot_draw_is_refused(run_registered, params, refusal):
     """Each was drawn or failed without a word on what to pass: a side of 0 drew at the pipeline's default size, -1
     steps drew an image of no denoising, 0 steps divided by zero, a side off 8 px raised diffusers' own error. A side
     over 4 times the default was drawn however large: a height of 100000 until the kernel killed the process (264
-    here: drawn, and cheap to draw, without the check)."""
+    here: drawn, and cheap to draw, without the check). A guidance scale below 0 was drawn as if it were 1."""
     _, model = run_registered
     with pytest.raises(MlflowException, match=refusal):
         model.predict(pd.DataFrame({"prompt": ["a red circle on a white background"]}), params=params)

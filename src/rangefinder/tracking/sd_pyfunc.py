@@ -91,12 +91,19 @@ class StableDiffusionPyfunc(PythonModel):
     def check_call(self, call: dict) -> None:
         """Refuse steps below 1 (the pipeline divides by zero, or draws an image of none), a height or width off
         the sides the pipeline renders, the model config's size_multiple (SD3's refuses them in its own words,
-        Flux's quietly renders a smaller image, and a side of 0 draws at the pipeline's default size), and one over
-        MAX_SIDE_FACTOR times the model's default."""
+        Flux's quietly renders a smaller image, and a side of 0 draws at the pipeline's default size), one over
+        MAX_SIDE_FACTOR times the model's default, and a guidance scale below 0."""
         steps = call.get("num_inference_steps")
         if steps is not None and int(steps) < 1:
             raise MlflowException.invalid_parameter_value(
                 f"num_inference_steps: {steps} draws no image; pass 1 or more")
+        guidance = call.get("guidance_scale")
+        if guidance is not None and not float(guidance) >= 0:  # NaN too
+            # Drawn as if it were 1 (no classifier-free guidance runs at 1 or below); rangefinder's grid and the
+            # config refuse it alike.
+            raise MlflowException.invalid_parameter_value(
+                f"guidance_scale: {guidance} is below 0; pass 0 or more (the default is "
+                f"{self.defaults.get('guidance_scale')})")
         multiple = int(self.defaults.get("size_multiple") or 1)
         for side in ("height", "width"):
             value = call.get(side)
