@@ -354,7 +354,7 @@ def test_valid_crons(expr):
     ("0 0 24 * * *", "hours must be in 0-23"),
     ("0 0 0 0 * *", "day of month must be in 1-31"),
     ("0 0 0 * 13 *", "month must be in 1-12"),
-    ("0 0 0 * * 7", "day of week must be in 0-6"),
+    ("0 0 0 * * 7", r"day of week must be in 0-6 \(got 7\); Sunday is 0 \(or sun\)$"),  # 7 is crontab(5)'s Sunday
     ("0 0 0 * * fun", "day of week field has 'fun'"),
     ("0 */0 * * * *", "step '0'"),
     ("0 10-5 * * * *", "runs backwards"),

@@ -149,7 +149,9 @@ def _check_cron_part(expr: str, part: str, name: str, lo: int, hi: int, names: d
             raise ConfigError(f"cron {expr!r}: {name} field has {tok!r}, which is not a number in {lo}-{hi}")
         v = int(tok)
         if not lo <= v <= hi:
-            raise ConfigError(f"cron {expr!r}: {name} must be in {lo}-{hi} (got {v})")
+            # crontab(5) takes 7 for Sunday too; robfig/cron, KFP's, does not.
+            sunday = "; Sunday is 0 (or sun)" if name == "day of week" and v == 7 else ""
+            raise ConfigError(f"cron {expr!r}: {name} must be in {lo}-{hi} (got {v}){sunday}")
         return v
 
     base, _, step = part.partition("/")
