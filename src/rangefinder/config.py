@@ -168,10 +168,13 @@ CREDENTIALS_FIX = (
 )
 
 # The last dotted segment of a param/tag key that marks it secret. `placeholder_token` (textual inversion) is a
-# word of the prompt, not a credential, so only the bare word `token` or these compounds count.
+# word of the prompt, not a credential, so only the bare word `token` or these compounds count. A pre-signed object
+# store URL (a dataset's) carries its grant in its query: S3's X-Amz-Signature and X-Amz-Security-Token, GCS's
+# X-Goog-Signature, Azure's SAS `sig`.
 _SECRET_KEY = re.compile(
     r"(?:^|[._-])(?:password|passwd|pwd|secret|secret_key|api_?key|access_?key|private_?key|credentials?|"
-    r"auth_?token|access_?token|bearer|hf_?token|client_?secret)$|^token$|\.token$",
+    r"auth_?token|access_?token|bearer|hf_?token|client_?secret|signature|security[_-]?token)$|^(?:token|sig)$|"
+    r"\.token$",
     re.IGNORECASE,
 )
 

@@ -65,6 +65,13 @@ def test_uri_credentials_names_what_is_there_never_the_value():
     assert uri_credentials("http://alice:pw@host:5000") == "a user name and password"
     assert uri_credentials("https://alice@host") == "a user name"
     assert uri_credentials("https://host/api?token=abc&x=1") == "a secret in its query (token=)"
+    # Pre-signed object store URLs (a dataset's): S3's (SigV4), GCS's and Azure's SAS grants.
+    s3 = ("https://b.s3.amazonaws.com/d.zip?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=AKIA%2F20261207&"
+          "X-Amz-Security-Token=FwoG&X-Amz-Signature=abc123")
+    assert uri_credentials(s3) == "a secret in its query (X-Amz-Credential=, X-Amz-Security-Token=, X-Amz-Signature=)"
+    assert uri_credentials("https://storage.googleapis.com/b/d?X-Goog-Signature=ab") == (
+        "a secret in its query (X-Goog-Signature=)")
+    assert uri_credentials("https://a.blob.core.windows.net/c/d?sv=2022&sig=abc%3D") == "a secret in its query (sig=)"
     for clean in ("http://host:5000", "sqlite:////tmp/a@b.db", "https://host/?placeholder_token=x", "databricks"):
         assert uri_credentials(clean) is None, clean
 
