@@ -289,7 +289,7 @@ def test_second_run_on_the_same_out_fails_naming_the_holder_and_a_killed_holder_
             second = start_child(settings, tmp_path, name)
             _, err = second.communicate(timeout=300)
             assert second.returncode == 2, err
-            assert "is in use by another training run" in err and f"pid {first.pid} on host" in err, err
+            assert "is in use by another rangefinder run" in err and f"pid {first.pid} on host" in err, err
             assert "Traceback" not in err
     finally:
         first.send_signal(signal.SIGKILL)

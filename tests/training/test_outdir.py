@@ -51,7 +51,7 @@ def _try(out: Path) -> subprocess.CompletedProcess:
 
 def _refused(said: str, out: Path, pid: int) -> None:
     host = socket.gethostname()
-    assert said.startswith(f"output folder {out} is in use by another training run (pid {pid} on host {host}, "
+    assert said.startswith(f"output folder {out} is in use by another rangefinder run (pid {pid} on host {host}, "
                            "started "), said
     assert said.endswith("; wait for it to finish or stop it, or choose another --out") and "\n" not in said, said
 

@@ -91,6 +91,6 @@ def _holder(fd: int) -> str:
 
 def _held_error(out_dir: Path, holder: str) -> ConfigError:
     return ConfigError(
-        f"output folder {out_dir} is in use by another training run ({holder}); wait for it to finish or stop it, "
+        f"output folder {out_dir} is in use by another rangefinder run ({holder}); wait for it to finish or stop it, "
         "or choose another --out"
     )
