@@ -31,3 +31,30 @@ def test_a_zoom_sweeps_the_range_it_is_given_not_the_configured_one(split_dir, t
     with pytest.raises(RangefinderError, match=r"^LR range 0\.001\.\.0\.0005 is empty"):
         run_lr_range_test(demo_config(), split_dir=split_dir, out_dir=tmp_path, stage="zoom", lr_min=1e-3,
                           lr_max=5e-4)
+
+
+def test_its_kfp_metrics_are_named_as_its_mlflow_run_and_bounds_json_name_them(split_dir, tiny_model_dir, tmp_path,
+                                                                                monkeypatch):
+    """The step's KFP metrics (the run's Metrics in the KFP UI) name each quantity as its MLflow run and bounds.json
+    do: the count of validations between the bounds was `points_between_bounds` in KFP and `points_between` in
+    MLflow, bounds.json and docs/scaling.md, which tells the reader to look for it."""
+    import json
+
+    from mlflow import MlflowClient
+
+    from rangefinder.steps.lr_range_test import run_lr_range_test
+
+    for var in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME"):
+        monkeypatch.delenv(var, raising=False)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = demo_config(model={"base_model": str(tiny_model_dir)}, training={"cache_dir": str(tmp_path / "cache")},
+                      tracking={"tracking_uri": uri, "registered_model_name": None})
+    result = run_lr_range_test(cfg, split_dir=split_dir, out_dir=tmp_path / "range")
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name(cfg.tracking.experiment_name)
+    assert experiment is not None
+    [run] = client.search_runs([experiment.experiment_id], "tags.`rangefinder.step` = 'lr_range_test'")
+    kfp = set(result.metrics())
+    assert kfp <= set(run.data.metrics) | set(run.data.tags), kfp - set(run.data.metrics) - set(run.data.tags)
+    assert kfp <= set(json.loads(result.bounds_json.read_text(encoding="utf-8")))
+    assert result.metrics()["points_between"] == run.data.metrics["points_between"]

@@ -43,7 +43,7 @@ class RangeTestResult:
 
     def metrics(self) -> dict[str, float]:
         return {"lr_low": self.lr_low, "lr_high": self.lr_high, "lr_mid": self.lr_mid, "quality": self.quality,
-                "points_between_bounds": float(self.points_between)}
+                "points_between": float(self.points_between)}
 
 
 def run_lr_range_test(
