@@ -603,6 +603,8 @@ def test_a_retrain_s_version_says_its_weights_saw_the_validation_images(sqlite_t
     version = client.get_model_version(name, registered.version)
     retrain = client.get_run(version.run_id)
     assert retrain.data.tags["rangefinder.step"] == "retrain_full"
+    # Its KFP metrics are named as its MLflow run has them (they were `epochs` and `updates` in KFP).
+    assert {k: retrain.data.metrics.get(k) for k in full.metrics()} == full.metrics()
     datasets = {d.dataset.name: (d.dataset.digest, {t.key: t.value for t in d.tags}["mlflow.data.context"])
                 for d in retrain.inputs.dataset_inputs}
     images = json.loads((split_dir / "split.json").read_text())["root"].rsplit("/", 1)[-1]  # the dataset's folder

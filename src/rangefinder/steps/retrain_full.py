@@ -26,7 +26,8 @@ class RetrainResult:
     model_dir: Path
 
     def metrics(self) -> dict[str, float]:
-        return {"epochs": float(self.epochs), "updates": float(self.updates)}
+        """The step's KFP metrics, named as its MLflow run (and the parent) has them."""
+        return {"retrain_epochs": float(self.epochs), "retrain_updates": float(self.updates)}
 
 
 def retrain_epochs(cfg: RangefinderConfig, recommended_epochs: int) -> int:
@@ -71,7 +72,8 @@ def run_retrain_full(cfg: RangefinderConfig, *, split_dir: Path, lr_low: float, 
         work = work_dir(model_dir, f"{mlflow_parent_run_id}/retrain_full" if mlflow_parent_run_id else None)
         result = run_training(cfg, spec, out_dir=work, metric_sink=run, step_name="retrain_full", split=split)
         publish(work, model_dir)
-        run.log_decisions({"retrain_epochs": epochs, "retrain_updates": result.updates})
+        retrained = RetrainResult(epochs=epochs, updates=result.updates, model_dir=Path(model_dir))
+        run.log_decisions(retrained.metrics())
         run.describe(f"Retrained on train + validation for {epochs} epochs ({result.updates} updates) at lr {lr:.3g}: "
                      f"{_why_this_length(cfg)}, and the fine-tune's kept LR; nothing is validated.")
-    return RetrainResult(epochs=epochs, updates=result.updates, model_dir=Path(model_dir))
+    return retrained
