@@ -37,6 +37,12 @@ def printable(text: object) -> str:
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in str(text))
 
 
+def is_header_token(text: str) -> bool:
+    """Whether `text` can go in an HTTP header as a bearer token: no space, line break or other unprintable character
+    (a secret copied with its newline has one, and the HTTP libraries fail on it in words of their own)."""
+    return not any(c.isspace() or not c.isprintable() for c in text)
+
+
 def warn(lines: Iterable[str], out=None) -> None:
     """Each line on stderr as `rangefinder: warning: ...`, printable (a local run's progress shows lines of this form
     too): every command and step warns through this, so a file name's ESC sequence never reaches a terminal raw."""

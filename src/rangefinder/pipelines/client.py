@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rangefinder.errors import RangefinderError
+from rangefinder.formats.text import is_header_token
 
 ENDPOINT_ENV = "KF_PIPELINES_ENDPOINT"
 UI_ENDPOINT_ENV = "KF_PIPELINES_UI_ENDPOINT"  # kfp.Client's own: the KFP UI its links point at
@@ -220,7 +221,7 @@ def checked_token(token: str, where: str) -> str:
     token = token.strip()
     if token.lower().startswith("bearer "):
         raise ConfigError(f"{where} starts with 'Bearer ', which the request adds itself; give the token alone")
-    if any(c.isspace() or not c.isprintable() for c in token):
+    if not is_header_token(token):
         raise ConfigError(f"{where} holds a space, line break or control character, which no bearer token has (not "
                           "shown); give the token alone, as one line")
     return token

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 from urllib.parse import unquote, urlsplit
 
 from rangefinder.errors import TrackingError
+from rangefinder.formats.text import is_header_token
 from rangefinder.tracking.redaction import CREDENTIALS_FIX, safe_uri, uri_credentials
 
 if TYPE_CHECKING:
@@ -135,7 +136,7 @@ def _check_token_variable() -> None:
     with its newline) made every request fail in requests' own words, which the check read as "cannot reach the
     MLflow tracking server (no answer)"."""
     token = os.environ.get("MLFLOW_TRACKING_TOKEN") or ""
-    if any(c.isspace() or not c.isprintable() for c in token):
+    if not is_header_token(token):
         raise TrackingError("MLFLOW_TRACKING_TOKEN holds a space, line break or control character (not shown), which "
                             "no request can carry; set it to the token alone")
 
