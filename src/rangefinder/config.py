@@ -6,6 +6,7 @@ pydantic model that rejects unknown keys and bad values with a message naming th
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import sys
@@ -68,9 +69,11 @@ OTHER_TOOLS_NAMES = {
 }
 
 
+@functools.cache
 def _sections() -> dict[str, type[BaseModel]]:
     """Every section of RangefinderConfig by its dotted path ("" for the top level, "training.lora", ...; a list of
-    sections, kubernetes.tolerations, by the list's path)."""
+    sections, kubernetes.tolerations, by the list's path). Walked once: an error of several unknown keys asks for it
+    for each."""
     out: dict[str, type[BaseModel]] = {}
     todo: list[tuple[str, type[BaseModel]]] = [("", RangefinderConfig)]
     while todo:
