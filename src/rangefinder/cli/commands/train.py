@@ -103,8 +103,10 @@ def settings_from_args(args: argparse.Namespace):
             f"and {cfg.training.optimizer} would diverge at it; set the LR to train at (--lr or training.lr), or "
             "leave training.lr out for the default"
         )
-    if "training.lr" in given_settings(cfg):
-        warn([line for line in [lr_free_lr_problem(cfg.training.optimizer, cfg.training.lr, "training.lr")] if line])
+    lr_free = "training.lr" in given_settings(cfg) and lr_free_lr_problem(cfg.training.optimizer, cfg.training.lr,
+                                                                         "training.lr")
+    if lr_free:
+        warn([lr_free])
     if "data" in cfg.model_fields_set:  # else the model's native resolution, which the split was checked for
         warn(_enlarged(args.data, cfg.data))
     if not cfg.training.budget_given():
