@@ -714,6 +714,17 @@ def test_a_negative_prompt_the_pipeline_would_draw_without_is_refused(run_regist
         "image"].tolist()
 
 
+def test_a_seed_the_grid_and_config_refuse_is_refused(run_registered):
+    """A negative seed (or one past 2**32 - 1) was drawn, a torch.Generator taking it, where the run's grid and config
+    refuse it: no grid cell can show that image. The call is refused in one line naming the rows, before any is
+    drawn."""
+    _, model = run_registered
+    call = pd.DataFrame({"prompt": ["a red circle on a white background"] * 3, "seed": [0, -1, 2**32]})
+    with pytest.raises(MlflowException, match=r"^seed: row\(s\) 1 \(-1\), 2 \(4294967296\) have a seed the run's "
+                                              r"grid and config refuse; pass seeds from 0 to 4294967295$"):
+        model.predict(call)
+
+
 @pytest.mark.parametrize("params, refusal", [
     ({"height": 0}, r"^height: the pipeline renders sides in multiples of 8 px, not 0; pass a multiple of 8 \(the "
                     r"default is 64\)$"),

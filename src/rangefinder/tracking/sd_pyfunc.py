@@ -4,14 +4,15 @@ This file is an MLflow "model from code" script: `log_diffusers_model` hands its
 the model and runs it when the model is loaded (it ends with `mlflow.models.set_model`). Do not import it. It needs
 only mlflow, diffusers, torch, pandas, numpy and pillow, not rangefinder, so anyone with MLflow can load the model.
 
-Input: a pandas DataFrame (or a dict of its columns) with a `prompt` column and optional `seed` (int; default: the
-row number) and `negative_prompt` columns. Params (per call, defaults from the model config): num_inference_steps,
-guidance_scale, height, width. The config holds the training run's sampling settings: those four, the scheduler its
-samples used (`scheduler`, where sampling.scheduler named one) and, for a model with T5, the max_sequence_length it
-was trained with; and the multiple of pixels its sides take (`size_multiple`), which a call's height and width are
-checked against. Output: a DataFrame with `prompt`, `seed` and `image`, a row per prompt, the image as a
-base64-encoded PNG (a string, so it survives MLflow's JSON serving as well). Each image depends only on its own
-(prompt, seed), never on the other rows, because each row gets its own seeded generator.
+Input: a pandas DataFrame (or a dict of its columns) with a `prompt` column and optional `seed` (an int from 0 to
+MAX_SEED, as the run's seeds; default: the row number) and `negative_prompt` columns. Params (per call, defaults
+from the model config): num_inference_steps, guidance_scale, height, width. The config holds the training run's
+sampling settings: those four, the scheduler its samples used (`scheduler`, where sampling.scheduler named one) and,
+for a model with T5, the max_sequence_length it was trained with; and the multiple of pixels its sides take
+(`size_multiple`), which a call's height and width are checked against. Output: a DataFrame with `prompt`, `seed`
+and `image`, a row per prompt, the image as a base64-encoded PNG (a string, so it survives MLflow's JSON serving as
+well). Each image depends only on its own (prompt, seed), never on the other rows, because each row gets its own
+seeded generator.
 """
 
 import base64
@@ -32,6 +33,9 @@ CALL_SETTINGS = ("num_inference_steps", "guidance_scale", "height", "width", "ma
 # Memory and time grow with the pixels, attention's faster: a height of 100000 was drawn until the kernel killed the
 # process (a serving container with it), with no word; 4 x is well past the size a model draws whole pictures at.
 MAX_SIDE_FACTOR = 4
+# The seeds rangefinder's config and grid take (rangefinder.config.MAX_SEED, which this file may not import): a
+# torch.Generator takes a negative one too, and drew an image of a seed no grid or config can name.
+MAX_SEED = 2**32 - 1
 
 
 class StableDiffusionPyfunc(PythonModel):
@@ -71,9 +75,14 @@ class StableDiffusionPyfunc(PythonModel):
         negatives = [None if missing(r.get("negative_prompt")) else str(r["negative_prompt"]) for r in records]
         if any(negatives):
             self.check_negative_prompt_steers(float(call.get("guidance_scale", 1.0)))
+        seeds = [i if missing(r.get("seed")) else int(r["seed"]) for i, r in enumerate(records)]
+        outside = [(i, s) for i, s in enumerate(seeds) if not 0 <= s <= MAX_SEED]
+        if outside:
+            raise MlflowException.invalid_parameter_value(
+                f"seed: row(s) {', '.join(f'{i} ({s})' for i, s in outside[:10])} have a seed the run's grid and "
+                f"config refuse; pass seeds from 0 to {MAX_SEED}")
         rows = []
-        for i, (row, negative) in enumerate(zip(records, negatives, strict=True)):
-            seed = i if missing(row.get("seed")) else int(row["seed"])
+        for row, negative, seed in zip(records, negatives, seeds, strict=True):
             # On the CPU, as the grid's (sampling.render_grid): a seed draws the same initial noise on any device.
             generator = torch.Generator("cpu").manual_seed(seed)
             image = self.pipe(
