@@ -176,7 +176,9 @@ def test_compile_refuses_a_bad_config_and_writes_nothing(yaml_text, words, tmp_p
     ("tiny_sdxl_dir", "data:\n  resolution: 8\n", ["data.resolution: 8 px is below what Stable Diffusion XL supports"]),
     ("tiny_flux_dir", "training:\n  noise_offset: 0.05\n",
      ["training.noise_offset", "Flux.1 is a flow-matching model"]),
-], ids=["sd3-textual-inversion", "sdxl-below-its-floor", "flux-ddpm-setting"])
+    ("tiny_model_dir", "training:\n  method: textual_inversion\n  textual_inversion:\n    initializer_token: zebra\n",
+     ["training.textual_inversion.initializer_token: 'zebra' is 5 tokens"]),
+], ids=["sd3-textual-inversion", "sdxl-below-its-floor", "flux-ddpm-setting", "initializer-split-into-tokens"])
 def test_compile_and_run_local_refuse_what_a_local_base_model_s_family_cannot_take(request, model, yaml_text, words,
                                                                                    tmp_path):
     """resolve-config's preflight (training.families.check_family_settings) refused these only at the pipeline's
@@ -307,6 +309,25 @@ def test_train_refuses_textual_inversion_on_sd3_and_flux_before_loading_any_weig
                                             "--model", str(model), "--method", "textual_inversion", "--steps", "1"),
                                  "training.method: textual inversion", words[family], "use method lora")
     assert f" {family} " not in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_train_refuses_an_initializer_word_the_tokenizer_splits_before_loading_any_weights(tiny_model_dir, tmp_path,
+                                                                                             split_dir):
+    """Textual inversion's initializer word must be one token (each new row starts as its row): one the tokenizer
+    splits was refused only once a training step had loaded the weights (the pipeline's range test, after the
+    dataset was prepared). The folder holds the model's configs and tokenizer, no weights: a refusal made after
+    loading them would name the weights missing instead."""
+    import shutil
+
+    model = tmp_path / "configs-only"
+    shutil.copytree(tiny_model_dir, model, ignore=shutil.ignore_patterns("*.safetensors"))
+    cfg = tmp_path / "ti.yaml"
+    cfg.write_text("training:\n  textual_inversion:\n    initializer_token: zebra\n")
+    assert_one_line_error(in_process("train", "--data", str(split_dir), "--out", str(tmp_path / "run"), "--model",
+                                     str(model), "--config", str(cfg), "--method", "textual_inversion", "--steps", "1"),
+                          "training.textual_inversion.initializer_token: 'zebra' is 5 tokens for the base model's "
+                          "tokenizer; pick a word that is a single token")
     assert not (tmp_path / "run").exists()
 
 

@@ -268,6 +268,11 @@ OWN_SAMPLER = {"scheduler": None}  # the model's own sampling scheduler, so that
      r"Diffusion 1.x/2.x and Stable Diffusion XL\); use method lora or full"),
     ("tiny_flux_dir", {"training": {"method": "textual_inversion"}, "sampling": OWN_SAMPLER},
      r"training.method: textual inversion is not supported on Flux \(its prompt reaches the transformer through T5"),
+    # A word SDXL's tokenizers split: refused here, not by the first training step, once the weights had loaded.
+    ("tiny_sdxl_dir",
+     {"training": {"method": "textual_inversion", "textual_inversion": {"initializer_token": "zebra"}}},
+     r"training.textual_inversion.initializer_token: 'zebra' is 5 tokens for the base model's tokenizer; pick a word "
+     r"that is a single token \(e.g. 'object', 'style'\)$"),
     ("tiny_flux_dir", {"training": {"cond_dropout": 0.1}, "sampling": OWN_SAMPLER},
      r"training.cond_dropout: Flux.1-dev is guidance-distilled"),
     ("tiny_model_dir", {"training": {"flow": {"loss_weighting": "cosmap"}}},

@@ -1,4 +1,5 @@
-"""How many tokens a caption takes in a model's tokenizer, for the split report's count of captions cut off.
+"""How many tokens a caption takes in a model's tokenizer, for the split report's count of captions cut off, and
+whether textual inversion's initializer word is the one token it must be.
 
 CLIP's text encoder (SD 1.x/2.x) reads 77 positions: a start token, 75 of text and an end token; longer captions are
 truncated, their last tags silently unseen by the model (docs/design.md, "Long captions").
@@ -41,6 +42,30 @@ def caption_token_counter(model_or_tokenizer_dir: str | Path) -> tuple[Callable[
     # The Python tokenizer warns (once) about sequences longer than the model: here that is what is being counted.
     tokenizer.deprecation_warnings["sequence-length-is-longer-than-the-specified-maximum"] = True
     return (lambda text: len(tokenizer.tokenize(text))), length - special
+
+
+def check_initializer_token(initializer: str, count_tokens: Callable[[str], int]) -> None:
+    """ConfigError unless `initializer` (training.textual_inversion.initializer_token) is a single token of the
+    tokenizer `count_tokens` counts text tokens with: each new embedding row starts as that one token's row. What the
+    engine checks on the tokenizer it loaded (methods/textual_inversion.py) and the checks before a run on the base
+    model's folder (check_initializer_in_model), in the same words."""
+    pieces = count_tokens(initializer)
+    if pieces != 1:
+        raise ConfigError(
+            f"training.textual_inversion.initializer_token: {initializer!r} is {pieces} tokens for the base model's "
+            "tokenizer; pick a word that is a single token (e.g. 'object', 'style')"
+        )
+
+
+def check_initializer_in_model(model_dir: str | Path, initializer: str) -> None:
+    """check_initializer_token with each tokenizer of a diffusers model folder whose encoder textual inversion trains
+    (tokenizer/, and SDXL's tokenizer_2/), read from its files without loading any weights: so that a word it splits
+    stops a run before it trains (it stopped the pipeline's first training step, after its dataset was prepared)."""
+    folder = Path(model_dir).expanduser()
+    for part in ("tokenizer", "tokenizer_2"):
+        if (folder / part).is_dir():
+            count_tokens, _ = caption_token_counter(folder / part)
+            check_initializer_token(initializer, count_tokens)
 
 
 def _from_tokenizer_json(folder: Path) -> tuple[Callable[[str], int], int] | None:

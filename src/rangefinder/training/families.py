@@ -69,15 +69,18 @@ def check_family_settings(cfg: RangefinderConfig, family: str, *, native_data: b
     discovery).
 
     No rule is written here: each is the one the engine applies (the family's `check_settings`, the method's
-    family rule, the samples' scheduler checks, the size rules of geometry.py), so the two cannot drift. Reads
+    family rule, the samples' scheduler checks, the size rules of geometry.py, textual inversion's initializer rule
+    of models/tokens.py), so the two cannot drift. Reads
     the settings, the family's name and the resolved folder's (cfg.model.resolved_dir) small configs: its
-    scheduler's, its denoiser's and its VAE's config.json, never weights; and imports neither torch nor diffusers
+    scheduler's, its denoiser's and its VAE's config.json, and for textual inversion its tokenizers' files (the
+    initializer word must be one token), never weights; and imports neither torch nor diffusers
     (family_rules.py), but for a sampling.scheduler to check against diffusers' classes (the demo's is not:
     loading.KNOWN_SCHEDULERS). `native_data`: the run trains at the base model's native resolution whatever cfg.data
     says (`rangefinder train` without a data: section: training.setup.native_data_config), so the size rules judge
     that one."""
     from rangefinder.config import DataConfig
     from rangefinder.models.loading import check_scheduler_name
+    from rangefinder.models.tokens import check_initializer_in_model
     from rangefinder.training.family_rules import check_flow_scheduler, check_method_family
     from rangefinder.training.geometry import ModelGeometry, check_sizes
 
@@ -100,6 +103,8 @@ def check_family_settings(cfg: RangefinderConfig, family: str, *, native_data: b
                           "diffusers folder") from None
     rules.check_settings(cfg.training, scheduler_config, denoiser_config)
     check_method_family(cfg.training.method, family)
+    if cfg.training.method == "textual_inversion":
+        check_initializer_in_model(folder, cfg.training.textual_inversion.initializer_token)
     check_sizes(geometry, cfg.model_copy(update={"data": DataConfig(resolution=geometry.native)}) if native_data
                 else cfg)
     check_scheduler_name(cfg.sampling.scheduler)

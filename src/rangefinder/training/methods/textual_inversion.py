@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rangefinder.errors import ConfigError
+from rangefinder.models.tokens import check_initializer_token
 from rangefinder.training.methods.base import Method
 
 if TYPE_CHECKING:
@@ -94,12 +95,8 @@ class TextualInversion(Method):
                 f"training.textual_inversion.placeholder_token: {clash[0]!r} is already in the tokenizer's "
                 "vocabulary; choose a new word, e.g. '<my-concept>'"
             )
+        check_initializer_token(initializer, lambda word: len(tok.encode(word, add_special_tokens=False)))
         init_ids = tok.encode(initializer, add_special_tokens=False)
-        if len(init_ids) != 1:
-            raise ConfigError(
-                f"training.textual_inversion.initializer_token: {initializer!r} is {len(init_ids)} tokens "
-                "for this tokenizer; pick a word that is a single token (e.g. 'object', 'style')"
-            )
         tok.add_tokens(self.tokens)
         token_ids = tok.convert_tokens_to_ids(self.tokens)
         if len(tok) > te.get_input_embeddings().weight.shape[0]:  # never shrink: a model may have spare rows
