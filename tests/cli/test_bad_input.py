@@ -371,6 +371,19 @@ def test_run_local_refuses_an_out_folder_inside_the_dataset(tmp_path, shapes_dat
     assert sorted(p.name for p in data.iterdir()) == before
 
 
+def test_split_refuses_an_out_folder_inside_the_dataset_as_run_local_does(tmp_path, shapes_dataset_dir):
+    """`split --out` the dataset folder (or a folder in it) wrote train.jsonl, val.jsonl, stabilize.jsonl and
+    split.json among the images, and the next split listed each as a file of the dataset. Refused as `run --local`
+    refuses an --out inside data.dataset_dir, by the same check, with nothing written."""
+    data = tmp_path / "data"
+    shutil.copytree(shapes_dataset_dir, data)
+    before = sorted(p.name for p in data.iterdir())
+    for out, where in ((data, "is the dataset folder"), (data / "s" / "1", f"is inside the dataset folder {data}")):
+        assert_one_line_error(in_process("split", str(data), "--out", str(out), "--resolution", "32"),
+                              f"--out {out} {where} (DATA_DIR)", "train.jsonl", "pass an --out outside it")
+    assert sorted(p.name for p in data.iterdir()) == before
+
+
 def test_run_local_refuses_an_out_folder_another_run_is_using(tmp_path, shapes_dataset_dir):
     """Two `run --local` into one --out both ran: they shared pipeline.log and reports/, and each printed the reports
     the other had replaced as its own."""

@@ -35,19 +35,21 @@ def test_shuffled_captions_are_drawn_from_the_generator_and_keep_tokens_stay():
 def test_long_captions_are_counted_and_listed_in_the_split_report(tmp_path, tiny_model_dir, capsys):
     from rangefinder.cli.main import main
 
+    data = tmp_path / "data"
+    data.mkdir()
     for i, text in enumerate(["a red circle", ", ".join(["a red circle on a blue background"] * 12)]):
-        Image.new("RGB", (16, 16), (i, 0, 0)).save(tmp_path / f"{i}.png")
-        (tmp_path / f"{i}.txt").write_text(text)
+        Image.new("RGB", (16, 16), (i, 0, 0)).save(data / f"{i}.png")
+        (data / f"{i}.txt").write_text(text)
     assert long_captions([("x.png", "a b c")], lambda t: len(t.split()), 2) == [{"file_name": "x.png", "tokens": 3}]
     assert long_captions([("x.png", "a b")], lambda t: len(t.split()), 2) == []  # exactly the limit: all read
     out = tmp_path / "s"
-    assert main(["split", str(tmp_path), "--out", str(out), "--resolution", "16", "--tokenizer", str(tiny_model_dir),
+    assert main(["split", str(data), "--out", str(out), "--resolution", "16", "--tokenizer", str(tiny_model_dir),
                  "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
     assert shown["long_captions"] == ["1.png: 95 tokens, over 75"]
     assert json.loads((out / "split.json").read_text())["long_captions"] == {
         "limit": 75, "count": 1, "files": [{"file_name": "1.png", "tokens": 95}]}
-    assert main(["split", str(tmp_path), "--out", str(out), "--resolution", "16", "--json"]) == 0
+    assert main(["split", str(data), "--out", str(out), "--resolution", "16", "--json"]) == 0
     assert "give --tokenizer" in json.loads(capsys.readouterr().out)["long_captions"]
 
 

@@ -148,7 +148,9 @@ def test_a_latin1_metadata_jsonl_is_one_clear_error(tmp_path, capsys):
     _img(tmp_path / "b.png", (9, 9, 9))
     text = '{"file_name": "a.png", "text": "a cat"}\n{"file_name": "b.png", "text": "caf\u00e9 au lait"}\n'
     (tmp_path / "metadata.jsonl").write_bytes(text.encode("latin-1"))
-    assert main(["split", str(tmp_path), "--out", str(tmp_path / "s"), "--resolution", "16"]) == 2
+    # Refused before anything is written: an --out beside the dataset, not in it (which split refuses).
+    assert main(["split", str(tmp_path), "--out", str(tmp_path.with_name(tmp_path.name + "-split")), "--resolution",
+                 "16"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert f"{tmp_path / 'metadata.jsonl'} line 2 is not UTF-8 text (byte 0xe9" in err
@@ -352,7 +354,9 @@ def test_a_metadata_file_rangefinder_would_misread_is_one_clear_error(tmp_path, 
         (tmp_path / name).with_suffix(".txt").write_text("a caption the metadata file would replace")
     for name, text in files.items():
         (tmp_path / name).write_text(text)
-    assert main(["split", str(tmp_path), "--out", str(tmp_path / "s"), "--resolution", "16"]) == 2
+    # Refused before anything is written: an --out beside the dataset, not in it (which split refuses).
+    assert main(["split", str(tmp_path), "--out", str(tmp_path.with_name(tmp_path.name + "-split")), "--resolution",
+                 "16"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert expected in err

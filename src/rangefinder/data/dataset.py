@@ -367,6 +367,19 @@ def scan_dataset(root: str | Path, exclude: Optional[Path] = None) -> Scan:
     return Scan(root=root, candidates=candidates, problems=problems, notes=repeat_folder_notes(root, images))
 
 
+def check_out_outside_dataset(out: str | Path, dataset: str | Path, *, flag: str, setting: str,
+                              outputs: str) -> None:
+    """DataError when an output folder `out` (the command's `flag`) is the dataset folder (given as `setting`) or
+    inside it: the next scan of the dataset walks the outputs as the dataset's own files. A local pipeline run's
+    sample grids and MLflow's copies of them were trained on as images (textual inversion keeps images without
+    captions); a split's manifests were listed as files of the dataset."""
+    out, data = Path(out).expanduser().resolve(), Path(dataset).expanduser().resolve()
+    if out == data or data in out.parents:
+        where = "is the dataset folder" if out == data else f"is inside the dataset folder {data}"
+        raise DataError(f"{flag} {out} {where} ({setting}), where the next run would read this one's outputs "
+                        f"({outputs}) as files of the dataset; pass an {flag} outside it")
+
+
 def kohya_folder(file_name: str) -> Optional[tuple[str, int, str]]:
     """The innermost folder above `file_name` named as kohya's repeat folders: (its path, repeats, caption); None."""
     parent = PurePosixPath(file_name).parent

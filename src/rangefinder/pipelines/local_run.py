@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rangefinder.config import RangefinderConfig
+from rangefinder.data.dataset import check_out_outside_dataset
 from rangefinder.errors import QUICK_EXIT_ENV, STEP_ERROR_PREFIX, ConfigError, RangefinderError
 from rangefinder.formats.atomic import atomic_dir, usable_folder, write_json
 from rangefinder.formats.digest import file_sha256
@@ -150,14 +151,9 @@ def run_pipeline_locally(cfg: RangefinderConfig, out_dir: str | Path, *, dataset
 
     out = Path(out_dir).resolve()
     data = Path(cfg.data.dataset_dir).expanduser().resolve() if cfg.data.dataset_dir and not dataset_uri else None
-    if data is not None and (out == data or data in out.parents):
-        # The next run's prepare-dataset walked this one's outputs as the dataset: textual inversion, which keeps
-        # images without captions, trained on the sample grids and MLflow's copies of them.
-        where = "is the dataset folder" if out == data else f"is inside the dataset folder {data}"
-        raise ConfigError(
-            f"--out {out} {where} (data.dataset_dir), where the next run would read this one's outputs (sample "
-            "grids, MLflow's artifacts) as images of the dataset; pass an --out outside it"
-        )
+    if data is not None:
+        check_out_outside_dataset(out, data, flag="--out", setting="data.dataset_dir",
+                                  outputs="sample grids, MLflow's artifacts")
     usable_folder(out / "reports", "--out's reports folder")  # now, not once every step has run (_publish_reports)
     tracking_uri = cfg.tracking.tracking_uri or local_tracking_uri(out)
     # One run at a time in --out, taken at its first write: two at once shared pipeline.log and reports/, and each

@@ -59,10 +59,14 @@ def run(args: argparse.Namespace) -> dict:
 
     from rangefinder.config import format_validation_error
     from rangefinder.data.buckets import BucketSettings
-    from rangefinder.data.dataset import made_resolution
+    from rangefinder.data.dataset import check_out_outside_dataset, made_resolution
     from rangefinder.data.split import split_dataset
     from rangefinder.errors import ConfigError
 
+    # Written into the dataset, the split's manifests were listed by the next split (and a local run's
+    # prepare-dataset) as files of the dataset.
+    check_out_outside_dataset(args.out, args.data_dir, flag="--out", setting="DATA_DIR",
+                              outputs="train.jsonl, val.jsonl, stabilize.jsonl, split.json")
     # A folder `make-dataset` made (32 px by default) splits at its own size: 512 px would skip every image.
     # `--resolution 0` is checked below (DataConfig), not taken for "not given".
     resolution = (args.resolution if args.resolution is not None
