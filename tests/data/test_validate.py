@@ -287,6 +287,31 @@ def test_a_captions_table_rangefinder_does_not_read_is_named_as_one(tmp_path):
             "captions (kohya's meta_cap.json, a metadata.parquet), write them out as one of those")
 
 
+def test_a_split_left_in_the_dataset_folder_is_named_as_a_split_not_a_captions_table(tmp_path):
+    """A split's own files in the dataset (at its root, or in a folder of it; `split --out` there is refused now,
+    but an older one or a copy leaves them) were each told they were a captions table to convert. A train.jsonl
+    without a split's summary beside it may be anyone's table, and is still named as one."""
+    from rangefinder.data.split import split_dataset
+
+    data = tmp_path / "data"
+    (data / "tables").mkdir(parents=True)
+    for i, name in enumerate(("a.png", "b.png", "c.png")):
+        _img(data / name, (40 * i, 0, 0))
+        (data / name).with_suffix(".txt").write_text(f"square {i}")
+    split_dataset(data, data)  # the library writes where it is told; `rangefinder split` refuses this --out
+    shutil.copytree(data, data / "old-split", ignore=shutil.ignore_patterns("*.png", "*.txt", "tables"))
+    (data / "tables" / "train.jsonl").write_text('{"file": "a.png", "caption": "a square"}\n')
+    reasons = {s.file_name: s.reason for s in validate_dataset(data, min_images=0).skipped}
+    split_files = ("train.jsonl", "val.jsonl", "stabilize.jsonl", "split.json")
+    for folder in ("", "old-split/"):
+        for name in split_files:
+            assert reasons.pop(folder + name) == (
+                "not used: a file of a split `rangefinder split` wrote into the dataset folder (train.jsonl, "
+                "val.jsonl, stabilize.jsonl, split.json), not captions; move them out of the dataset folder")
+    assert reasons == {"tables/train.jsonl": reasons["tables/train.jsonl"]}
+    assert reasons["tables/train.jsonl"].startswith("not used: captions are read from a .txt or .caption file")
+
+
 def test_the_image_formats_other_trainers_take_are_trained_and_only_true_animations_refused(tmp_path):
     # A kohya or EveryDream2 set of BMPs, OneTrainer's TIFFs, a still GIF and a camera's JPEG stored as MPO (a photo
     # with a preview after it) were each left out, the MPO as "animated"; an animated GIF and a multi-page TIFF are

@@ -52,6 +52,10 @@ METADATA_FILES = ("metadata.jsonl", "metadata.csv")
 # metadata.parquet), named in the line on such a file that is not one of METADATA_FILES at the root.
 CAPTION_TABLES = (".json", ".jsonl", ".csv", ".tsv", ".parquet")
 CAPTION_FIELD = "text"
+# What `rangefinder split` writes (data/split.py, which imports this module): a manifest per subset, `<subset>.jsonl`,
+# and the summary, written last. Such files left in a dataset folder are named as a split's, not as a captions table.
+SPLIT_SUBSETS = ("train", "val", "stabilize")
+SPLIT_SUMMARY = "split.json"
 # Other trainers' ways to weight or add images that a folder's layout carries, which rangefinder does not read: a
 # dataset laid out so is refused (`_refuse_layout_not_read`) or warned of (`repeat_folder_notes`), so that none trains
 # as something else without a word.
@@ -326,7 +330,15 @@ def scan_dataset(root: str | Path, exclude: Optional[Path] = None) -> Scan:
     problems += [(str(t), "not used: EveryDream2's repeat count of 1, which is what rangefinder does"
                   if t.name == MULTIPLY_FILE else "not used: a caption file with no image of the same name beside it")
                  for t in texts if t.with_suffix("") not in image_of]
-    problems += [(str(o), _not_used(o, image_of.get(o.with_suffix("")))) for o in others]
+    # A split written into the dataset (by a `split --out` it now refuses, or copied in): its manifests were each told
+    # they were a captions table to convert.
+    splits = {o.parent for o in others if o.name == SPLIT_SUMMARY}
+    split_names = [*(f"{name}.jsonl" for name in SPLIT_SUBSETS), SPLIT_SUMMARY]
+    left = [o for o in others if o.parent in splits and o.name in split_names]
+    problems += [(str(o), _not_used(o, image_of.get(o.with_suffix("")))) for o in others if o not in left]
+    problems += [(str(o), f"not used: a file of a split `rangefinder split` wrote into the dataset folder "
+                          f"({', '.join(split_names)}), not captions; move them out of the dataset folder")
+                 for o in left]
     for label in labels:
         # Trained as images they taught the model black and white silhouettes (textual inversion, which needs no
         # caption, kept them); listed as uncaptioned, they read as images the user forgot to caption.

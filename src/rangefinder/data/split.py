@@ -30,15 +30,15 @@ from typing import Optional
 
 from rangefinder.data.buckets import BucketSettings, Placement, bucket_table, image_size, place
 from rangefinder.data.captions import long_caption_report, long_captions
-from rangefinder.data.dataset import IMAGE_EXTENSIONS, Item, item_id
+from rangefinder.data.dataset import IMAGE_EXTENSIONS, SPLIT_SUBSETS, SPLIT_SUMMARY, Item, item_id
 from rangefinder.data.validate import validate_dataset
 from rangefinder.errors import DataError
 from rangefinder.formats.atomic import usable_folder, write_text
 from rangefinder.formats.digest import file_sha256
 from rangefinder.planning import val_count
 
-SUBSETS = ("train", "val", "stabilize")
-SUMMARY_FILE = "split.json"
+SUBSETS = SPLIT_SUBSETS
+SUMMARY_FILE = SPLIT_SUMMARY
 FORMAT_VERSION = 1
 
 
