@@ -32,7 +32,9 @@ class FakeKFP:
     """Just enough of the KFP v2beta1 REST API for upload, experiments, runs and recurring runs.
 
     `hook(method, path, rec)` answers a request before the routes when it returns (code, body), or "hang" to answer
-    never (until close); `multi_user` makes it refuse an experiment without a namespace, as KFP does."""
+    never (until close); `multi_user` makes it refuse an experiment without a namespace, as KFP does, and a request
+    in one of `denied_namespaces` (an experiment listed or made there) is refused HTTP 403, as KFP's authorization
+    (a SubjectAccessReview of the user in that namespace) refuses an account the profile does not share."""
 
     def __init__(self, refuse: int | None = None, token: str | None = None, tls: tuple[str, str] | None = None):
         self.requests: list[dict] = []
@@ -46,6 +48,7 @@ class FakeKFP:
         self.token = token
         self.hook: Callable[[str, str, dict], Any] | None = None
         self.multi_user = False
+        self.denied_namespaces: set[str] = set()
         self.run_state = "SUCCEEDED"  # what GET /runs/{id} says
         self.closed = threading.Event()
         fake = self
@@ -114,6 +117,16 @@ class FakeKFP:
         api = "/apis/v2beta1"
         if path == f"{api}/healthz":
             return 200, {"multi_user": self.multi_user}
+        try:
+            body = json.loads(rec["body"] or b"{}")
+        except ValueError:  # an upload's multipart body
+            body = {}
+        namespace = rec["query"].get("namespace", [None])[0] or (body.get("namespace") if isinstance(body, dict)
+                                                                 else None)
+        if namespace in self.denied_namespaces:
+            return 403, {"error": f"Failed to authorize with API: PermissionDenied: User 'ci@example.com' is not "
+                                  f"authorized with reason:  (request: &ResourceAttributes{{Namespace:{namespace},"
+                                  "Group:pipelines.kubeflow.org,Resource:experiments})", "code": 7}
         if method == "GET" and path == f"{api}/pipelines":
             name = self._name_filter(rec)
             found = [p for p in self.pipelines.values() if name is None or p["display_name"] == name]
@@ -575,6 +588,24 @@ def test_multi_user_endpoint_without_a_namespace_is_one_line_before_any_upload(k
 
     sub = submit(parse_config(CFG), host=kfp_server.url, namespace="team-a")
     assert kfp_server.experiments[sub.experiment_id]["namespace"] == "team-a"
+
+
+def test_a_namespace_the_account_may_not_use_is_refused_before_any_upload(kfp_server, tmp_path):
+    """The pipeline (a shared one, no namespace) was uploaded, then the experiment's lookup in the namespace refused:
+    a refused submit left a pipeline and a version behind. The experiment is looked up first now, so the refusal
+    comes before any upload; it names the server's reason and --namespace."""
+    kfp_server.multi_user = True
+    kfp_server.denied_namespaces = {"team-b"}
+    proc = rangefinder_cli("submit", "--config", _config_file(tmp_path), "--host", kfp_server.url, "--namespace",
+                           "team-b", home=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "refused the request (HTTP 403" in proc.stderr and "Namespace:team-b" in proc.stderr, proc.stderr
+    assert "--namespace" in proc.stderr
+    assert not kfp_server.sent("POST", "/pipelines/upload") and not kfp_server.sent("POST", "/upload_version")
+    assert not kfp_server.pipelines and not kfp_server.experiments
+
+    sub = submit(parse_config(CFG), host=kfp_server.url, namespace="team-a")
+    assert kfp_server.experiments[sub.experiment_id]["namespace"] == "team-a" and sub.experiment_created
 
 
 @pytest.fixture(scope="module")

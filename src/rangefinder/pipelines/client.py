@@ -562,15 +562,21 @@ def ensure_pipeline_version(
     return pipeline_id, version.pipeline_version_id, True
 
 
-def ensure_experiment(client, name: str) -> tuple[Any, bool]:
-    """(experiment, created): the experiment of that name in the user's namespace, made where there is none. kfp's
-    create_experiment gets or makes one without saying which, so a misspelt --experiment made a new experiment
-    unseen and the run went there. A second submit making the same one meanwhile (HTTP 409) shares it."""
+def find_experiment(client, name: str) -> Optional[Any]:
+    """The experiment of that name in the user's namespace, or None. The first request made in the namespace: KFP
+    refuses it (HTTP 403) where the account may not use the namespace, so submit asks it before uploading anything."""
     try:
-        return client.get_experiment(experiment_name=name), False
+        return client.get_experiment(experiment_name=name)
     except ValueError as e:  # kfp's word for "none of that name"
         if not str(e).startswith("No experiment is found with name"):
             raise
+    return None
+
+
+def make_experiment(client, name: str) -> tuple[Any, bool]:
+    """(experiment, created): an experiment of that name in the user's namespace, where find_experiment found none.
+    kfp's create_experiment gets or makes one without saying which, so a misspelt --experiment made a new experiment
+    unseen and the run went there. A second submit making the same one meanwhile (HTTP 409) shares it."""
     try:
         return client.create_experiment(name), True
     except Exception as e:
@@ -697,11 +703,14 @@ def submit(
     ui_url, ui_url_given = resolve_ui_url(ui_url, ep.host)
     with _session(ep):
         client = connect(ep, namespace)
+        # Before the upload (a shared pipeline, which any account may upload): a namespace the account may not use
+        # was refused only at the experiment, with the pipeline and its version left behind.
+        found = find_experiment(client, experiment)
         with tempfile.TemporaryDirectory(prefix="rangefinder-submit-") as tmp:
             package = compile_reproducibly(cfg, str(Path(tmp) / "pipeline.yaml"))
             pipeline_id, version_id, uploaded = ensure_pipeline_version(client, package, PIPELINE_NAME,
                                                                         PIPELINE_DESCRIPTION)
-        exp, experiment_created = ensure_experiment(client, experiment)
+        exp, experiment_created = (found, False) if found is not None else make_experiment(client, experiment)
         # A recurring run is found again by its name: one name whatever the config, so a changed config meets the
         # schedule it replaces. A run's default name tells its version apart.
         name = run_name or (PIPELINE_NAME if cron is not None else f"{PIPELINE_NAME}-{version_id[:8]}")
