@@ -341,6 +341,28 @@ def test_cli_reports_refusal_on_one_line(tmp_path):
     assert len(lines) == 1 and "refused the credentials (HTTP 401" in lines[0]
 
 
+@pytest.mark.parametrize("tag, named", [("1.8.5", "Kubeflow Pipelines 1.8.5"), ("", "Kubeflow Pipelines 1.x")])
+def test_a_kfp_v1_api_server_is_named_as_one(kfp_server, tmp_path, tag, named):
+    """A KFP 1.x API server answers its v1beta1 API and 404 on every v2beta1 path: the command said "answered HTTP
+    404 Not Found on /apis/v2beta1/healthz; check that --host is the KFP API", of a host that is the KFP API. It
+    says the server is KFP v1 (by the release its v1 healthz names) and that rangefinder needs 2.x."""
+    kfp_server.hook = lambda method, path, rec: (
+        (200, {"commit_sha": "0e8d2c8", "tag_name": tag, "multi_user": False})
+        if path == "/apis/v1beta1/healthz" else (404, {"error": "Not Found", "code": 5}))
+    proc = rangefinder_cli("submit", "--host", kfp_server.url, "--config", _config_file(tmp_path), home=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert (f"the KFP endpoint {kfp_server.url} is {named}, a KFP v1 API server (/apis/v2beta1/healthz answered "
+            "HTTP 404, /apis/v1beta1/healthz answered); rangefinder needs KFP v2 (2.x): upgrade the install to "
+            "Kubeflow Pipelines 2.x, or pass --host of one that runs it") in proc.stderr, proc.stderr
+    assert not kfp_server.sent("POST", "/pipelines/upload")
+    # Only a server whose v1 healthz answers JSON is called KFP v1: one that answers 404 everywhere (a wrong path,
+    # another service) is told to check --host, as before.
+    kfp_server.hook = lambda method, path, rec: (404, {"error": "Not Found", "code": 5})
+    with pytest.raises(EndpointError, match=r"answered HTTP 404 Not Found on /apis/v2beta1/healthz; check that "
+                                            r"--host is the KFP API"):
+        submit(parse_config(CFG), host=kfp_server.url)
+
+
 def test_schedule_cli_rejects_bad_cron_before_any_request(tmp_path):
     s = FakeKFP()
     try:

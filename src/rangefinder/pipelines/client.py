@@ -55,6 +55,8 @@ UI_ENDPOINT_ENV = "KF_PIPELINES_UI_ENDPOINT"  # kfp.Client's own: the KFP UI its
 SA_TOKEN_ENV = "KF_PIPELINES_SA_TOKEN_PATH"
 SA_TOKEN_DEFAULT_PATH = "/var/run/secrets/kubeflow/pipelines/token"
 HEALTHZ_PATH = "/apis/v2beta1/healthz"
+# KFP 1.x's: a v1 API server answers it and 404 on HEALTHZ_PATH (the v2beta1 API came with KFP 2.0).
+V1_HEALTHZ_PATH = "/apis/v1beta1/healthz"
 REQUEST_TIMEOUT_S = 30.0  # --request-timeout default: one request (not an upload of many, nor --wait)
 # A run's states in KFP v2 (V2beta1RuntimeState) after which it changes no more. kfp.Client.wait_for_run_completion
 # knows no CANCELED (it waited out the whole timeout on a cancelled run).
@@ -325,15 +327,33 @@ def _tls_problem(ep: Endpoint, reason: BaseException) -> Optional[str]:
     return None
 
 
-def check_endpoint(ep: Endpoint) -> dict:
-    """One GET of the healthz endpoint; EndpointError with one clear sentence when it fails. Returns its JSON
-    (`multi_user` says whether runs need a namespace)."""
-    req = urllib.request.Request(ep.host + HEALTHZ_PATH, headers={"Accept": "application/json"})
+def _healthz_request(ep: Endpoint, path: str) -> urllib.request.Request:
+    req = urllib.request.Request(ep.host + path, headers={"Accept": "application/json"})
     bearer = ep.bearer()
     if bearer:
         # Not sent on along a redirect (urllib's headers are, to whatever host it points at): an auth proxy's login
         # page, say, on another host.
         req.add_unredirected_header("Authorization", f"Bearer {bearer}")
+    return req
+
+
+def _kfp_v1_version(ep: Endpoint) -> Optional[str]:
+    """The release a KFP 1.x API server names on its V1_HEALTHZ_PATH (its `tag_name`, '' where it names none), or
+    None where that path does not answer JSON either: asked only once HEALTHZ_PATH answered 404."""
+    try:
+        context = ep.ssl_context() if ep.host.startswith("https://") else None
+        with urllib.request.urlopen(_healthz_request(ep, V1_HEALTHZ_PATH), timeout=ep.timeout_s,
+                                    context=context) as resp:
+            said = json.loads(resp.read() or b"{}")
+    except (OSError, ValueError):  # urllib's errors are OSErrors; not JSON
+        return None
+    return str(said.get("tag_name") or "") if isinstance(said, dict) else None
+
+
+def check_endpoint(ep: Endpoint) -> dict:
+    """One GET of the healthz endpoint; EndpointError with one clear sentence when it fails. Returns its JSON
+    (`multi_user` says whether runs need a namespace)."""
+    req = _healthz_request(ep, HEALTHZ_PATH)
     try:
         context = ep.ssl_context() if ep.host.startswith("https://") else None
         with urllib.request.urlopen(req, timeout=ep.timeout_s, context=context) as resp:
@@ -349,6 +369,13 @@ def check_endpoint(ep: Endpoint) -> dict:
             raise EndpointError(f"the KFP endpoint {ep.host} answered HTTP {e.code} {e.reason} on {HEALTHZ_PATH}: "
                                 "the KFP API server (ml-pipeline) or the proxy before it is failing; try again "
                                 "later or check its pods") from None
+        v1 = _kfp_v1_version(ep) if e.code == 404 else None
+        if v1 is not None:
+            # kfp 2's client speaks the v2beta1 API alone; its requests would each be answered 404 in turn.
+            raise EndpointError(
+                f"the KFP endpoint {ep.host} is Kubeflow Pipelines {v1 or '1.x'}, a KFP v1 API server ({HEALTHZ_PATH} "
+                f"answered HTTP 404, {V1_HEALTHZ_PATH} answered); rangefinder needs KFP v2 (2.x): upgrade the "
+                "install to Kubeflow Pipelines 2.x, or pass --host of one that runs it") from None
         raise EndpointError(f"the KFP endpoint {ep.host} answered HTTP {e.code} {e.reason} on {HEALTHZ_PATH}; "
                             "check that --host is the KFP API (ml-pipeline or its UI proxy)") from None
     except (urllib.error.URLError, OSError) as e:
