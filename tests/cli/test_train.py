@@ -225,6 +225,27 @@ def test_ctrl_c_says_interrupted_and_names_the_command_that_goes_on(split_dir, t
     assert line.endswith("go on from the newest checkpoint with: rangefinder " + " ".join(args) + " --resume"), line
 
 
+def test_train_prints_no_line_about_torchvision_and_every_other_warning(split_dir, tiny_model_dir, tmp_path):
+    """transformers said on every run that CLIPImageProcessor and SiglipImageProcessor need torchvision (which
+    rangefinder never installs) and fall back to PIL, as diffusers' pipeline modules import them: two lines of noise
+    under the run's own warnings. They are gone; the run's warning stays, and so does any other line of the logger
+    they came from. In a process of its own: transformers says it once per process."""
+    import logging
+    import subprocess
+    import sys
+
+    args = ["train", "--data", str(split_dir), "--model", str(tiny_model_dir), "--out", str(tmp_path / "out"),
+            "--steps", "1", "--validate-every-epochs", "0"]
+    proc = subprocess.run([sys.executable, "-m", "rangefinder.cli.main", *args], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "torchvision" not in proc.stderr, proc.stderr[-2000:]
+    assert "rangefinder: warning: tiny dataset" in proc.stderr  # the run's own warning (the split's 9 images)
+    source = logging.getLogger("transformers.utils.import_utils")
+    other = source.makeRecord(source.name, logging.WARNING, __file__, 0, "`Foo` requires scipy", None, None)
+    assert source.filter(other)
+
+
 def _train_with_a_sigint_inside_its_first_cached_latent_read(argv: list[str]) -> None:
     """In the child: `rangefinder train`, given a real SIGINT inside safetensors' read of a cached latent by the loop
     (tests/training/test_caching.py)."""
