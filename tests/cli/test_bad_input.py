@@ -600,6 +600,39 @@ def test_a_write_the_file_system_refuses_is_one_line_and_leaves_nothing_that_loo
     assert list(tmp_path.iterdir()) == []
 
 
+def read_only_mount(folder: Path) -> list[str]:
+    """The argv prefix that runs a command in a mount namespace of its own, where `folder` is a read-only bind mount
+    of itself: as root, chmod does not stop a write, and a read-only mount does (EROFS), as a volume mounted
+    read-only does. Nothing outside the child sees the mount, and it ends with the child. Skips where this machine
+    gives no mount namespace (not root, no unshare)."""
+    prefix = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+              'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" && exec "$@"', str(folder)]
+    probe = subprocess.run([*prefix, "sh", "-c", 'touch "$0/.probe"', str(folder)], capture_output=True, text=True)
+    if "Read-only file system" not in probe.stderr:
+        pytest.skip(f"no read-only bind mount in a mount namespace here ({probe.stderr.strip() or 'the write passed'})")
+    return prefix
+
+
+def test_train_and_run_local_into_a_read_only_folder_are_one_line_without_resume(tmp_path, split_dir):
+    """--out on a read-only mount: refused at the run's lock file, before anything trains, in one line naming the
+    file system and the fix. It ended "then run again with --resume", which `train` then refused (no checkpoint to
+    resume) and `run --local` does not take."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    prefix = read_only_mount(ro)
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("data:\n  resolution: 32\nlr: 1.0e-4\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    for args in (["train", "--data", str(split_dir), "--out", str(ro / "run"), "--steps", "1"],
+                 ["run", "--local", "--config", str(cfg), "--out", str(ro / "run")]):
+        proc = subprocess.run([*prefix, sys.executable, "-m", "rangefinder.cli.main", *args], capture_output=True,
+                              text=True, timeout=120, env=env)
+        line = assert_one_line_error(proc, f"cannot write the run's lock file under {ro / 'run'}: read-only file "
+                                           f"system", f"mount {ro} writable or choose another --out, then run again")
+        assert "--resume" not in line
+    assert list(ro.iterdir()) == []
+
+
 def test_a_plot_the_file_system_refuses_names_the_plot(tmp_path):
     # A write() that fails names no file: the line names the output the command was given (--plot), not the
     # working folder.

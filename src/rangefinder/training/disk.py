@@ -21,7 +21,6 @@ from rangefinder.errors import RangefinderError
 from rangefinder.formats import checkpoints
 from rangefinder.formats.atomic import REFUSED_WRITES, free_space
 
-_AGAIN = "then run again with --resume"
 _ELSEWHERE = "or choose another --out"
 
 
@@ -48,13 +47,16 @@ def disk_problem(what: str, path: Path, e: BaseException) -> Optional[Rangefinde
     probe, free = free_space(where)
     previous = checkpoints.latest_checkpoint(path) if Path(path).is_dir() else None
     kept = f"; the previous checkpoint {previous} is intact" if previous else ""
+    # --resume goes on from a checkpoint: with none (the run's lock, or a write before its first checkpoint) it is
+    # refused ("holds no run to resume"), and a local pipeline run (run --local, demo) has no --resume at all.
+    again = "then run again with --resume" if previous else "then run again"
     if code == -1:  # torch.save names no reason; the usual one is a full disk
         why, fix = f"the write failed ({e})", "free some space at {at} {elsewhere}"
     else:
         why, fix = REFUSED_WRITES[code]
     fmt = dict(at=probe, uid=os.getuid(), file=where, elsewhere=_ELSEWHERE)
     return RangefinderError(
-        f"cannot write {what} under {path}: {why.format(**fmt)} ({free}){kept}; {fix.format(**fmt)}, {_AGAIN}"
+        f"cannot write {what} under {path}: {why.format(**fmt)} ({free}){kept}; {fix.format(**fmt)}, {again}"
     )
 
 
