@@ -341,6 +341,31 @@ def test_checkpoints_path_occupied_by_a_file_is_a_clear_error(base, tmp_path):
         run_here(base, out, epochs=None, steps=2)
 
 
+def test_a_run_folder_mounted_read_only_names_its_intact_checkpoint_and_resume(base, finished, tmp_path):
+    """A run's folder remounted read-only, then resumed: refused at its lock file, in one line that names the
+    newest checkpoint as intact and says to run again with --resume. The run's folder was searched for checkpoints
+    itself, not its checkpoints/ (the lock file's and the outputs' writes name the run's folder): the line named
+    none. A run with none is told to run again without --resume (tests/cli/test_bad_input.py)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.cli.test_bad_input import read_only_mount
+
+    out = copy_run(finished, tmp_path / "out")
+    args = ["train", "--data", base["split_dir"], "--model", base["model"], "--out", str(out), "--resume",
+            "--epochs", "1", "--batch-size", "4"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    proc = subprocess.run([*read_only_mount(out), sys.executable, "-m", "rangefinder.cli.main", *args],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"rangefinder train: error: cannot write the run's lock file under {out}: read-only file "
+                           "system"), line
+    assert f"the previous checkpoint {out / 'checkpoints' / 'checkpoint-000004'} is intact" in line, line
+    assert line.endswith(f"mount {out} writable or choose another --out, then run again with --resume"), line
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("writing", ["checkpoint", "outputs"])
 def test_an_io_error_reads_as_one_and_the_same_on_both_write_paths(base, tmp_path, writing):

@@ -45,9 +45,12 @@ def disk_problem(what: str, path: Path, e: BaseException) -> Optional[Rangefinde
         return None
     where = Path(getattr(e, "filename", None) or path)
     probe, free = free_space(where)
-    previous = checkpoints.latest_checkpoint(path) if Path(path).is_dir() else None
+    # `path` is the checkpoints folder (a checkpoint's save) or the run's folder (its outputs, its lock file), whose
+    # checkpoints are under RUN_DIR: they were not looked for there, and a run that had them was told of none.
+    previous = next(filter(None, (checkpoints.latest_checkpoint(folder)
+                                  for folder in (Path(path), Path(path) / checkpoints.RUN_DIR))), None)
     kept = f"; the previous checkpoint {previous} is intact" if previous else ""
-    # --resume goes on from a checkpoint: with none (the run's lock, or a write before its first checkpoint) it is
+    # --resume goes on from a checkpoint: with none (a new run's lock file, a write before the first checkpoint) it is
     # refused ("holds no run to resume"), and a local pipeline run (run --local, demo) has no --resume at all.
     again = "then run again with --resume" if previous else "then run again"
     if code == -1:  # torch.save names no reason; the usual one is a full disk
