@@ -3,6 +3,7 @@
 import csv
 import html
 import json
+import re
 from html.parser import HTMLParser
 
 import numpy as np
@@ -189,8 +190,10 @@ def test_step_report_lists_each_aspect_buckets_validation_loss(tmp_path):
     text = write_step_report(w, curve, tmp_path)["markdown"].read_text()
     at = int(np.argmin(np.abs(e * 10 - w.best_update)))
     lines = [ln for ln in text.splitlines() if ln.startswith("| val loss, bucket")]
-    assert lines == [f"| val loss, bucket 24x40 | {loss[at] - 0.1:.4g} |",
-                     f"| val loss, bucket 40x24 | {loss[at] + 0.1:.4g} |"]
+    u = int(e[at] * 10)
+    assert lines == [
+        f"| val loss, bucket 24x40 | {loss[at] - 0.1:.4g} | at update {u} (baseline {loss[0] - 0.1:.4g}) |",
+        f"| val loss, bucket 40x24 | {loss[at] + 0.1:.4g} | at update {u} (baseline {loss[0] + 0.1:.4g}) |"]
     plain = write_step_report(w, {"update": e * 10, "val_loss": loss}, tmp_path / "plain")["markdown"].read_text()
     assert "bucket" not in plain
 
@@ -205,8 +208,11 @@ def test_step_report_shows_each_sigmas_loss_and_states_the_weighting(tmp_path):
     text = write_step_report(w, curve, tmp_path, validation_weighting=weighting)["markdown"].read_text()
     at = int(np.argmin(np.abs(e * 10 - w.best_update)))
     lines = [ln for ln in text.splitlines() if ln.startswith("| val loss at sigma")]
-    assert lines == [f"| val loss at sigma 0.25 (val_loss_b0) | {3 * loss[at]:.4g} |",
-                     f"| val loss at sigma 0.75 (val_loss_b1) | {loss[at] / 3:.4g} |"]
+    u = int(e[at] * 10)
+    assert lines == [f"| val loss at sigma 0.25 (val_loss_b0) | {3 * loss[at]:.4g} | at update {u} (baseline "
+                     f"{3 * loss[0]:.4g}) |",
+                     f"| val loss at sigma 0.75 (val_loss_b1) | {loss[at] / 3:.4g} | at update {u} (baseline "
+                     f"{loss[0] / 3:.4g}) |"]
     assert "plain mean of the 2 per-sigma losses" in text
     plain = write_step_report(w, curve, tmp_path / "ddpm", validation_weighting={"statement": "x", "grid": None})
     assert "sigma" not in plain["markdown"].read_text()
@@ -404,6 +410,30 @@ def test_step_plot_draws_each_dropped_halving_candidate_in_its_own_colour(tmp_pa
     assert DROPPED["lr_mid"] != DROPPED["lr_high"]
     assert found(DROPPED["lr_mid"]) > 20 and found(DROPPED["lr_high"]) > 20
     assert found(DROPPED["lr_below"]) == 0  # the kept candidate is the run's own curve, not a dropped one
+
+
+def test_the_markdown_report_has_the_html_report_s_columns(tmp_path):
+    """reports/*.md showed each row's quantity and value but not the third column the HTML page shows: the halving
+    candidates' best validation losses by the pause, the window's band, the noise's p(improvement). Both now give the
+    same three cells per row."""
+    from rangefinder.analysis.halving import HalvingCandidate, HalvingDecision
+
+    e = np.arange(41) / 2
+    shape = ConstantRunShape()
+    w = select_step_window(e * 10, e, noisy(shape.loss(e), 0.001, 0))
+    u = e[:21] * 10
+    decision = HalvingDecision(pause_update=100, kept="lr_high", lr=1e-3, candidates={
+        "lr_mid": HalvingCandidate.measured(3e-4, "paused", 100, u, shape.loss(e[:21]) + 0.004, 100),
+        "lr_high": HalvingCandidate.measured(1e-3, "paused", 100, u, shape.loss(e[:21]), 100)})
+    paths = write_step_report(w, None, tmp_path, halving=decision)
+    html_rows = [[html.unescape(c) for c in row] for row in re.findall(
+        r"<tr><th>(.*?)</th><td class='num'>(.*?)</td><td class='muted'>(.*?)</td></tr>", paths["html"].read_text())]
+    md_rows = [[c.strip() for c in ln.strip("|").split(" | ")] for ln in paths["markdown"].read_text().splitlines()
+               if ln.startswith("| ") and not ln.startswith("| |")]
+    assert len(html_rows) == 10 and md_rows == html_rows
+    mid = next(r for r in md_rows if r[0].startswith("lr_mid (dropped)"))
+    best = decision.candidates["lr_mid"]
+    assert f"best val loss by update 100: {best.best_val_loss:.4g} at update {best.best_update}" in mid[2]
 
 
 @pytest.mark.parametrize("rule", ["window_lowest", "earliest_tied"])

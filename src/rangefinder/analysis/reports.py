@@ -35,6 +35,7 @@ from rangefinder.analysis.step_window import (
 from rangefinder.analysis.step_window import STATUS_ADVICE as STEP_STATUS_ADVICE
 from rangefinder.defaults import LOW_QUALITY
 from rangefinder.formats.atomic import write_bytes
+from rangefinder.formats.text import markdown_cell
 
 _CSS = """
 body{font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;max-width:860px;margin:24px auto;padding:0 16px;
@@ -157,8 +158,9 @@ def _markdown(
     title: str, status: str, lead: str, rows: list[tuple[str, Any, str]], notes: list[tuple[str, str]],
     strip: Optional[SampleStrip] = None,
 ) -> str:
-    lines = [f"## {title}", "", f"**{status}**: {lead}", "", "| | |", "|---|---|"]
-    lines += [f"| {k} | {_fmt(v)} |" for k, v, _ in rows]
+    # The HTML page's columns: the quantity, its value, and what it is (the halving candidates' best losses, ...).
+    lines = [f"## {title}", "", f"**{status}**: {lead}", "", "| | | |", "|---|---|---|"]
+    lines += [f"| {markdown_cell(k)} | {markdown_cell(_fmt(v))} | {markdown_cell(why)} |" for k, v, why in rows]
     lines += [""] + [f"- **{k}**: {text}" for k, text in notes]
     if strip is not None and strip.columns:
         where = f" (MLflow image series `{strip.mlflow_key}`)" if strip.mlflow_key else ""

@@ -55,6 +55,12 @@ def markdown_text(text: str) -> str:
     return "".join("\\" + c if c in _MARKDOWN_MARKUP else c for c in printable(text))
 
 
+def markdown_cell(text: object) -> str:
+    """Our own text (a description, a report's value or note) as one cell of a Markdown table: on one line, its `|`
+    escaped, which would otherwise end the cell (None is an empty cell)."""
+    return " ".join(("" if text is None else str(text)).split()).replace("|", "\\|")
+
+
 def markdown_code(text: str) -> str:
     """User text as a Markdown code span, whose content is never markup: fenced by more backticks than any run of
     them inside it, and padded with a space where it starts or ends with one (CommonMark 0.31, 6.1)."""

@@ -39,6 +39,7 @@ from rangefinder.config import KubernetesConfig, RangefinderConfig
 from rangefinder.container_images import default_images
 from rangefinder.errors import ConfigError, RangefinderError
 from rangefinder.formats.atomic import write_text
+from rangefinder.formats.text import markdown_cell
 from rangefinder.pipelines import kfp_components as c
 from rangefinder.pipelines.pipeline import MLFLOW_STEPS, PIPELINE_NAME, TRAINING_STEPS, TRAINJOB_STEPS, compile_pipeline
 from rangefinder.pipelines.reproducible import DETERMINISTIC_ENV, compiles_deterministically
@@ -121,10 +122,6 @@ def _default(value: Any, where: str = "component.yaml") -> str:
     return f"`{text}`" if len(text) <= 80 else f"(see {where})"
 
 
-def _cell(text: Optional[str]) -> str:
-    return " ".join((text or "").split()).replace("|", "\\|")
-
-
 def _image_kind(step: str) -> str:
     return "trainer (CUDA)" if step in TRAINING_STEPS else "cpu"
 
@@ -137,7 +134,7 @@ def component_readme(step: str) -> str:
         "",
         f"<!-- {GENERATED.format(source=COMPONENTS_SOURCE)} -->",
         "",
-        _cell(spec.description),
+        markdown_cell(spec.description),
         "",
         f"It runs `rangefinder.steps.{step}.run_{step}()` in the rangefinder {_image_kind(step)} image "
         f"(`{default_images()['trainer' if step in TRAINING_STEPS else 'cpu']}`), which holds the package; nothing is "
@@ -150,10 +147,10 @@ def component_readme(step: str) -> str:
     ]
     for name, i in (spec.inputs or {}).items():
         default = _default(i.default) if i.default is not None else ("optional" if i.optional else "")
-        lines.append(f"| `{name}` | {_type_name(i.type)} | {default} | {_cell(i.description)} |")
+        lines.append(f"| `{name}` | {_type_name(i.type)} | {default} | {markdown_cell(i.description)} |")
     lines += ["", "## Outputs", "", "| name | type | description |", "|---|---|---|"]
     for name, o in (spec.outputs or {}).items():
-        lines.append(f"| `{name}` | {_type_name(o.type)} | {_cell(o.description)} |")
+        lines.append(f"| `{name}` | {_type_name(o.type)} | {markdown_cell(o.description)} |")
     lines += [
         "",
         "## Use it in your own pipeline",
@@ -204,7 +201,7 @@ def pipeline_readme(package: str) -> str:
         "",
         f"<!-- {GENERATED.format(source=PIPELINE_SOURCE)} -->",
         "",
-        _cell(spec["pipelineInfo"].get("description")),
+        markdown_cell(spec["pipelineInfo"].get("description")),
         "",
         f"[`{PIPELINE_NAME}.yaml`]({PIPELINE_NAME}.yaml) is the compiled package with the default config: in the "
         "Kubeflow Pipelines UI, *Pipelines* > *Upload pipeline* > this file, then *Create run*. It expects what "
@@ -224,7 +221,7 @@ def pipeline_readme(package: str) -> str:
         if p["parameterType"] == "NUMBER_INTEGER" and default is not None:
             default = int(default)  # the IR keeps every number as a double
         lines.append(f"| `{name}` | {p['parameterType']} | {_default(default, PIPELINE_FILE.split('/')[-1])} | "
-                     f"{_cell(p.get('description'))} |")
+                     f"{markdown_cell(p.get('description'))} |")
     lines += [""]
     return "\n".join(lines)
 
