@@ -135,8 +135,11 @@ def test_register_by_hand_says_the_chosen_checkpoint_whichever_folder_it_is_give
     config = tmp_path / "config.yaml"
     config.write_text(f"tracking: {{tracking_uri: '{sqlite_tracking_uri}', registered_model_name: {name}, "
                       "experiment_name: by-hand}\n")
-    assert cli_main(["register", str(tmp_path / given), "--config", str(config), "--lr", "1e-4", "--epochs", "5"]) == 0
+    assert cli_main(["register", str(tmp_path / given), "--config", str(config), "--lr", "2.091234e-4", "--epochs",
+                     "5"]) == 0
     version = MlflowClient(sqlite_tracking_uri).get_model_version(name, "1")
+    # The LR as the runs' tags write it (tracking.metrics.lr_text), not 0.000209123.
+    assert version.tags["lr"] == "2.091e-04" and "lr=2.091e-04" in version.description
     assert version.tags["rangefinder.weights"] == "finetune update-00000012"
     assert version.tags["rangefinder.chosen_rule"] == "window_lowest" and version.tags["update"] == "12"
     # --epochs is the length the fine-tune recommends, not how long a checkpoint at epoch 3 trained.

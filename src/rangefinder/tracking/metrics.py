@@ -25,6 +25,19 @@ from rangefinder.tracking.outbox import Outbox
 VALIDATION_PREFIXES = ("val_", "stabilize_")
 
 
+def is_lr_key(key: str) -> bool:
+    """A decision that is a learning rate: `lr` or `lr_*` as the last part of its dotted key (lr_low,
+    halving.lr_mid.lr, ...), never lr_source (a word, not a number)."""
+    last = key.rsplit(".", 1)[-1]
+    return last == "lr" or last.startswith("lr_")
+
+
+def lr_text(lr: float) -> str:
+    """An LR as a tag: 4 significant digits in scientific notation (2.091e-04), as readable as it is exact enough
+    to sort and compare by."""
+    return f"{lr:.3e}"
+
+
 _BAD_NAME_CHARS = re.compile(r"[^\w\-. :/]")  # what MLflow accepts in a metric name
 # A tag value that may go into a search filter between single quotes as it is (tracking/runs.py hashes a longer or
 # odder key; tracking/registry.py does not search by one).

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Optional, TypeVar
 
 from rangefinder.errors import TrackingError
-from rangefinder.tracking.metrics import SAFE_TAG_VALUE, VALIDATION_SECTION
+from rangefinder.tracking.metrics import SAFE_TAG_VALUE, VALIDATION_SECTION, is_lr_key, lr_text
 from rangefinder.tracking.redaction import redact, safe_uri
 from rangefinder.training.family_detection import (
     FAMILY_LAYOUTS,
@@ -276,8 +276,10 @@ def log_diffusers_model(
         metrics = run.client.get_run(run.run_id).data.metrics
     clean = {k: float(v) for k, v in metrics.items()
              if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))}
-    # A version tag names the quantity as the reports do (val_loss), not by its chart section in the run.
-    version_tags = {k.removeprefix(VALIDATION_SECTION): f"{v:.6g}" for k, v in clean.items()}
+    # A version tag names the quantity as the reports do (val_loss), not by its chart section in the run; an LR is
+    # written as the runs' tags write it (2.091e-04).
+    shown = {k: lr_text(v) if is_lr_key(k) else f"{v:.6g}" for k, v in clean.items()}
+    version_tags = {k.removeprefix(VALIDATION_SECTION): v for k, v in shown.items()}
     version_tags.update({k: redact(str(v)) for k, v in (tags or {}).items()})
     # The run that registered the version, which a retry of it finds the version by; the run that trained the weights
     # is the version's own source run.
@@ -289,7 +291,7 @@ def log_diffusers_model(
                                                               version_tags)
     if earlier is not None and earlier.tags.get(REGISTERED_BY) != run.run_id:  # registered by earlier code
         run.client.set_model_version_tag(registered_model_name, mv.version, REGISTERED_BY, run.run_id)
-    summary = ", ".join(f"{k}={v:.4g}" for k, v in clean.items())
+    summary = ", ".join(f"{k}={lr_text(v) if is_lr_key(k) else f'{v:.4g}'}" for k, v in clean.items())
     text = description or f"Fine-tuned by rangefinder (run {source_run_id})."
     if summary:
         text += f" Metrics: {summary}."

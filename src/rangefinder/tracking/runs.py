@@ -37,7 +37,7 @@ from typing import Any, Optional, TypeVar, Union
 
 from rangefinder.errors import TrackingError, on_sigint
 from rangefinder.formats.digest import hash_file_into
-from rangefinder.tracking.metrics import SAFE_TAG_VALUE, BatchedMetricLogger, metric_name
+from rangefinder.tracking.metrics import SAFE_TAG_VALUE, BatchedMetricLogger, is_lr_key, lr_text, metric_name
 from rangefinder.tracking.outbox import Outbox, is_away_error
 from rangefinder.tracking.redaction import REDACTED, is_secret_key, redact, safe_uri
 from rangefinder.tracking.registry import (
@@ -734,19 +734,6 @@ class StepRun:
                          "They are kept in %s; when the server answers again, run: rangefinder relog %s",
                          safe_uri(self.tracking_uri), self.step_name, left, self.run_id, self.spool.path,
                          self.spool.path)
-
-
-def is_lr_key(key: str) -> bool:
-    """A decision that is a learning rate: `lr` or `lr_*` as the last part of its dotted key (lr_low,
-    halving.lr_mid.lr, ...), never lr_source (a word, not a number)."""
-    last = key.rsplit(".", 1)[-1]
-    return last == "lr" or last.startswith("lr_")
-
-
-def lr_text(lr: float) -> str:
-    """An LR as a tag: 4 significant digits in scientific notation (2.091e-04), as readable as it is exact enough
-    to sort and compare by."""
-    return f"{lr:.3e}"
 
 
 def _flatten_any(obj: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
