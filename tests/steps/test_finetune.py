@@ -437,6 +437,7 @@ def test_with_no_step_window_the_report_gives_the_fallback_length_the_pipeline_t
     the report calling it the fallback, and the retrain's note the same epochs on train + validation."""
     from mlflow import MlflowClient
 
+    from rangefinder.analysis import read_curve_csv
     from rangefinder.steps.finetune import epochs_up_to, run_finetune
     from rangefinder.steps.retrain_full import retrain_epochs
 
@@ -474,6 +475,13 @@ def test_with_no_step_window_the_report_gives_the_fallback_length_the_pipeline_t
     assert run.data.metrics["recommended_epochs"] == epochs and run.data.metrics["recommended_updates"] == updates
     assert run.data.tags["recommended_from"] == "no_window"
     assert run.data.tags["mlflow.note.content"].startswith(lead.removeprefix("**no_improvement**: "))
+    # Each KFP metric of the step is the MLflow metric of the same name on its run (README, "Reading the results"),
+    # but lr_used, the LR kept: a param here (below) and a tag on the parent.
+    measured = [float(v) for v in read_curve_csv(result.curve_csv)["val_loss"] if math.isfinite(v)]
+    kfp = {k: v for k, v in result.metrics().items() if k != "lr_used"}
+    assert kfp["best_val_loss"] == min(measured)
+    assert {k: run.data.metrics.get(k) for k in kfp} == kfp
+    assert run.data.params["lr"] == "1e-12"  # lr_used: the LR kept, a param here and a tag on the parent
 
 
 def test_a_fine_tune_that_diverges_says_so_and_what_to_do(split_dir, tiny_model_dir, tmp_path, monkeypatch):

@@ -448,9 +448,12 @@ def run_finetune(
         run.log_artifact(result.metrics_csv, "curves")
         if cooled is not None:
             extra_updates += cooled.updates_trained
+        # best_val_loss: the lowest validation loss the run measured, the KFP metric of the same name (None: no
+        # validation, and log_decisions skips it).
         decisions: dict[str, Any] = {"recommended_epochs": length.epochs, "recommended_updates": length.updates,
                                      "recommended_from": length.basis, "still_improving": improving,
-                                     "updates_trained": result.updates + extra_updates}
+                                     "updates_trained": result.updates + extra_updates,
+                                     "best_val_loss": result.best_val_loss}
         if cooled is not None and chosen is not None:  # deliver() wrote what the cooldown measured into chosen
             decisions.update(cooldown_delivered=chosen["cooldown"]["delivered"],
                              cooldown_updates=cooled.updates_trained)
