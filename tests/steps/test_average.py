@@ -92,6 +92,13 @@ def test_the_window_s_checkpoints_are_averaged_measured_and_the_lower_delivered(
         assert info["window_pick"]["val_loss"] == avg["pick_val_loss"]
         unet = UNet2DConditionModel.from_pretrained(str(work / checkpoints.CHOSEN_DIR / "unet")).state_dict()
         assert all(torch.equal(unet[k.removeprefix("unet.")], v) for k, v in mean.items() if k.startswith("unet."))
+        # Its file says it is an average, and of which checkpoints; its updates and epochs are the newest one's, the
+        # training that made it (what A1111 and kohya's browsers show as its steps), not a checkpoint it is.
+        from rangefinder.formats.weights_file import read_metadata
+
+        meta = read_metadata(work / checkpoints.CHOSEN_DIR / "model.safetensors")
+        assert json.loads(meta["rangefinder.averaged_updates"]) == inside
+        assert (meta["rangefinder.updates"], float(meta["rangefinder.epochs"])) == (str(inside[-1]), inside[-1] / 4)
     else:
         assert info["rule"] == "window_lowest" and info["val_loss"] == avg["pick_val_loss"]
     assert checkpoints.read_chosen(work) == info

@@ -112,16 +112,18 @@ def _to_averaged_weights(ckpt_dir: Path, cfg: TrainingConfig, method: Method) ->
 
 
 def save_checkpoint_model(ckpt_dir: Path, base_model: Path, out_dir: Path, source: str | None = None,
-                          weights: dict[str, Any] | None = None) -> Path:
+                          weights: dict[str, Any] | None = None, averaged_updates: tuple[int, ...] = ()) -> Path:
     """Write the checkpoint's model into `out_dir` in the method's own output format, the files `final/` holds (a
     diffusers folder and single file; LoRA files; embeddings). Whole or absent (a temporary name, then a rename).
     `source` names the base model in the files' metadata (default: the folder). `weights`: trained tensors of the
-    same run to write in place of the checkpoint's (the average of several of its checkpoints)."""
+    same run to write in place of the checkpoint's (the average of several of its checkpoints, `averaged_updates`,
+    which the files' metadata names; `ckpt_dir` is the newest of them)."""
     from rangefinder.formats.atomic import atomic_dir
 
     method, sd = method_from_checkpoint(Path(ckpt_dir), Path(base_model))
     if weights is not None:
         method.load_trainable_state_dict(weights)
+        method.averaged_updates = tuple(averaged_updates) or None
     if source is not None:
         sd.source = source
     with atomic_dir(out_dir) as tmp:

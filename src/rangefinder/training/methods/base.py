@@ -62,6 +62,10 @@ class Method(ABC):
         # The run's title, resolution and start, which the deliverables' model spec names (set, like epochs_trained,
         # by the run's end and by a model rebuilt from a checkpoint; None: the files name no title, size or date).
         self.spec_facts: Optional[SpecFacts] = None
+        # The checkpoints, by update, whose average these weights are (the fine-tune's window average,
+        # steps/average.py); None: one point of the run. The deliverables name them beside the updates and epochs,
+        # which are then the newest one's: the training that made the average, not a checkpoint it is.
+        self.averaged_updates: Optional[tuple[int, ...]] = None
 
     # --- setup -------------------------------------------------------------------------------------------------
 
@@ -121,6 +125,18 @@ class Method(ABC):
     @abstractmethod
     def save_final(self, sd: SDComponents, out_dir: Path) -> None:
         """Write the finished model into the empty folder `out_dir`."""
+
+    def output_metadata(self, sd: SDComponents, extra: Optional[dict[str, Any]] = None) -> dict[str, str]:
+        """The facts every file of the deliverable carries (formats.weights_file.training_metadata): the base model
+        `sd` came from, the method's own settings (`extra`), the updates and epochs that trained the weights, and
+        which checkpoints they average when they are an average (`rangefinder.averaged_updates`)."""
+        from rangefinder.formats.weights_file import training_metadata
+
+        facts = dict(extra or {})
+        if self.averaged_updates:
+            facts["averaged_updates"] = list(self.averaged_updates)
+        return training_metadata(self.cfg, getattr(sd, "source", None), extra=facts, updates=self.updates_taken,
+                                 epochs=self.epochs_trained)
 
     def trained_prediction_type(self, sd: SDComponents) -> Optional[str]:
         """What the weights were trained to predict, for the deliverables to name their base model: the setting

@@ -53,12 +53,9 @@ class FullFineTune(ModuleMethod):
 
     def save_final(self, sd: SDComponents, out_dir: Path) -> None:
         from rangefinder.formats.single_file import SINGLE_FILE_NAME
-        from rangefinder.formats.weights_file import training_metadata
 
         save_pipeline(sd, out_dir)
-        meta = training_metadata(self.cfg, getattr(sd, "source", None), updates=self.updates_taken,
-                                 epochs=self.epochs_trained)
-        meta = {**meta, "rangefinder.family": sd.family}
+        meta = {**self.output_metadata(sd), "rangefinder.family": sd.family}
         # The same weights as one file in the layout ComfyUI and A1111 load: the original SD or SGM layout
         # (formats/single_file.py), Stability's SD3 layout (single_file_sd3.py), Flux's transformer in Black Forest
         # Labs' layout (flux_layout.py).

@@ -92,17 +92,9 @@ class LoraMethod(ModuleMethod):
         self._restore_updates(state)
 
     def save_final(self, sd: SDComponents, out_dir: Path) -> None:
-        from rangefinder.formats.weights_file import training_metadata
-
         lora = self.cfg.lora
-        meta = training_metadata(
-            self.cfg,
-            getattr(sd, "source", None),
-            extra={"lora_rank": str(lora.rank), "lora_alpha": repr(float(lora.alpha)),
-                   "lora_target_modules": lora.target_modules},
-            updates=self.updates_taken,
-            epochs=self.epochs_trained,
-        )
+        meta = self.output_metadata(sd, extra={"lora_rank": str(lora.rank), "lora_alpha": repr(float(lora.alpha)),
+                                               "lora_target_modules": lora.target_modules})
         te = sd.text_encoder if "text_encoder" in self._modules else None
         te_2 = sd.text_encoder_2 if "text_encoder_2" in self._modules else None
         # Diffusers' names and kohya's, in the family's layout (formats/lora.py); both name the base model, by the

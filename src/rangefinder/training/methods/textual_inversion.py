@@ -170,21 +170,13 @@ class TextualInversion(Method):
 
     def save_final(self, sd: SDComponents, out_dir: Path) -> None:
         from rangefinder.formats.embeddings import save_textual_inversion
-        from rangefinder.formats.weights_file import training_metadata
-
         s = self.cfg.textual_inversion
-        meta = training_metadata(
-            self.cfg,
-            getattr(sd, "source", None),
-            extra={
-                "placeholder_token": s.placeholder_token,
-                "initializer_token": s.initializer_token,
-                "num_vectors": str(s.num_vectors),
-                "learnable_property": s.learnable_property,
-            },
-            updates=self.updates_taken,
-            epochs=self.epochs_trained,
-        )
+        meta = self.output_metadata(sd, extra={
+            "placeholder_token": s.placeholder_token,
+            "initializer_token": s.initializer_token,
+            "num_vectors": str(s.num_vectors),
+            "learnable_property": s.learnable_property,
+        })
         predicts = self.trained_prediction_type(sd)
         if "text_encoder_2" in self._encoders:  # SDXL: clip_l and clip_g
             from rangefinder.formats.embeddings import save_textual_inversion_sdxl
