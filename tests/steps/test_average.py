@@ -3,6 +3,7 @@ run's own terms, and delivered when they measure lower than the window's pick.""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -524,3 +525,27 @@ def test_the_greedy_soup_starts_from_the_pick_and_keeps_what_lowers_the_measured
     assert measured == pytest.approx([1.5, 1 / 3])
     assert (soup.updates, soup.val_loss, soup.tries) == ((8, 12), 0.25, 2)
     assert float(soup.weights["w"]) == 1.5 and int(soup.weights["method.updates"]) == 12
+
+
+def test_the_greedy_soup_is_offered_only_where_it_measures_below_the_uniform_average():
+    """The window average offers the greedy soup only where it measured lower than the uniform average of the
+    window's checkpoints: a soup measured higher (it starts from the window's pick and keeps what lowers its own
+    loss, which need not reach the uniform average's) leaves the uniform average offered, the soup's tries said."""
+    from rangefinder.steps.average import Soup, WindowAverage, offered
+
+    uniform = WindowAverage(updates=(4, 8, 12), val_loss=0.10, window_updates=(4, 8, 12), uniform_val_loss=0.10)
+
+    def soup(updates, val_loss):
+        return Soup(updates=updates, weights={}, val_loss=val_loss, tries=2)
+
+    assert offered(uniform, None) == uniform
+    higher = offered(uniform, soup((8, 12), 0.12))
+    assert (higher.how, higher.updates, higher.val_loss, higher.soup_tries) == ("uniform", (4, 8, 12), 0.10, 2)
+    assert offered(uniform, soup((8, 12), 0.10)).how == "uniform"  # as low: the uniform average, which has no choice
+    lower = offered(uniform, soup((8, 12), 0.08))
+    assert (lower.how, lower.updates, lower.val_loss, lower.uniform_val_loss, lower.window_updates) == (
+        "greedy_soup", (8, 12), 0.08, 0.10, (4, 8, 12))
+    assert offered(uniform, soup((4, 8, 12), 0.08)).how == "uniform"  # every checkpoint: the uniform average
+    assert offered(uniform, soup((8,), None)).how == "uniform"  # nothing added to the pick: no soup
+    not_finite = dataclasses.replace(uniform, val_loss=None, uniform_val_loss=None)
+    assert offered(not_finite, soup((8, 12), 0.12)).how == "greedy_soup"

@@ -195,18 +195,30 @@ def run_average(cfg: RangefinderConfig, spec: TrainSpec, work: Path, window: Ste
         soup = None
         if cfg.finetune.soup_tries > 0 and curve_losses:
             soup = greedy_soup(found, curve_losses, measure, cfg.finetune.soup_tries)
-    measured = WindowAverage(updates=tuple(found), val_loss=uniform, window_updates=tuple(found),
-                             uniform_val_loss=uniform, soup_tries=0 if soup is None else soup.tries)
-    # A soup of every checkpoint in the window is the uniform average (its loss differs only by summation order).
-    if soup is not None and soup.val_loss is not None and 1 < len(soup.updates) < len(found) and (
-            uniform is None or soup.val_loss < uniform):
-        measured = dataclasses.replace(measured, updates=soup.updates, val_loss=soup.val_loss, how="greedy_soup")
+    measured = offered(WindowAverage(updates=tuple(found), val_loss=uniform, window_updates=tuple(found),
+                                     uniform_val_loss=uniform), soup)
+    if measured.how == "greedy_soup" and soup is not None:
         weights = soup.weights
     if measured.val_loss is not None:
         save_checkpoint_model(found[max(measured.updates)], base_model, root / "final", source=base_source,
                               weights=weights, averaged_updates=measured.updates)
     write_json(root / MEASURED, measured.to_json())  # last: a retry finds the measurement and the model beside it
     return measured
+
+
+def offered(uniform: WindowAverage, soup: Optional[Soup]) -> WindowAverage:
+    """What the window average offers for delivery: the greedy soup where it measured lower than the `uniform`
+    average of the window's checkpoints (or the uniform average's loss was not finite), else the uniform average;
+    either way with the soup's tries. A soup of fewer than 2 checkpoints is no average, and one of every checkpoint
+    in the window is the uniform average (its loss differs only by summation order)."""
+    if soup is None:
+        return uniform
+    tried = dataclasses.replace(uniform, soup_tries=soup.tries)
+    if soup.val_loss is None or not 1 < len(soup.updates) < len(uniform.window_updates):
+        return tried
+    if uniform.val_loss is not None and not soup.val_loss < uniform.val_loss:
+        return tried
+    return dataclasses.replace(tried, updates=soup.updates, val_loss=soup.val_loss, how="greedy_soup")
 
 
 @dataclass
