@@ -643,3 +643,34 @@ def test_the_step_window_and_the_window_average_follow_their_settings(split_dir,
     assert window(tolerance=0.02)["tolerance"] != read["tolerance"]
     assert window(seed=0)["p_improvement"] != read["p_improvement"]
     assert result.chosen is not None and result.chosen["average"]["soup_tries"] >= 1
+
+
+def test_validation_divergence_factor_is_the_step_window_s(split_dir, tiny_model_dir, tmp_path, monkeypatch):
+    """A fine-tune whose loss blew up at once and stayed above 4 times its start (3e-2 on the tiny model): at the
+    default validation.divergence_factor, 4, the step window leaves every point after the start out as diverged;
+    with the setting null (off) it reads them all. decision.json is the reading with the step's setting, not with
+    the default."""
+    from rangefinder.analysis import read_curve_csv, select_step_window
+    from rangefinder.steps.finetune import run_finetune
+
+    for var in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME"):
+        monkeypatch.delenv(var, raising=False)
+    cfg = demo_config(model={"base_model": str(tiny_model_dir)},
+                      finetune={"epochs": 1, "successive_halving": False, "cooldown": "off", "average": "off"},
+                      validation={"every_epochs": 0.25, "divergence_factor": None},
+                      training={"cache_dir": str(tmp_path / "cache")}, sampling={"every_validations": None},
+                      tracking={"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "registered_model_name": None})
+    result = run_finetune(cfg, split_dir=split_dir, lr_low=3e-2, lr_high=3e-2, lr_mid=3e-2, lr_source="fixed",
+                          model_dir=tmp_path / "ft")
+    decision = json.loads((tmp_path / "ft" / "report" / "decision.json").read_text())
+    curve = read_curve_csv(result.curve_csv)
+
+    def window(factor) -> dict:
+        return select_step_window(curve["update"], curve["epoch"], curve["val_loss"],
+                                  stabilize_loss=curve["stabilize_loss"], tolerance=cfg.finetune.tolerance,
+                                  seed=cfg.validation.seed, divergence_factor=factor).to_dict()
+
+    read, at_default = window(None), window(4.0)
+    assert {k: decision[k] for k in read} == read
+    assert (read["points_dropped"], read["flags"]) == (0, [])
+    assert at_default["points_dropped"] == read["points_used"] - 1 and at_default["flags"] == ["diverged"]
