@@ -674,3 +674,42 @@ def test_validation_divergence_factor_is_the_step_window_s(split_dir, tiny_model
     assert {k: decision[k] for k in read} == read
     assert (read["points_dropped"], read["flags"]) == (0, [])
     assert at_default["points_dropped"] == read["points_used"] - 1 and at_default["flags"] == ["diverged"]
+
+
+def test_a_step_stopped_after_its_pick_resumes_from_the_run_s_end(
+        split_dir, tiny_model_dir, tmp_path, monkeypatch):
+    """The step keeps the run's newest checkpoint beside its pick until just before it ends: a step stopped in
+    between (here by a Markdown report path that is a folder, where a pod would be preempted) leaves both, and run
+    again on its folder resumes at the run's end, trains nothing, and delivers the pick. The pick is the earliest
+    tied checkpoint (finetune.deliver: earliest_tied; an LR too small to move the weights ties them all), at update 3
+    of 6."""
+    from rangefinder.errors import RangefinderError
+    from rangefinder.formats import checkpoints
+    from rangefinder.steps.finetune import run_finetune
+
+    for var in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME"):
+        monkeypatch.delenv(var, raising=False)
+    cfg = demo_config(model={"base_model": str(tiny_model_dir)},
+                      finetune={"epochs": 2, "successive_halving": False, "cooldown": "off", "average": "off",
+                                "deliver": "earliest_tied"},
+                      validation={"every_epochs": 0.5},
+                      training={"cache_dir": str(tmp_path / "cache"), "batch_size": 2, "grad_accum": 3},
+                      sampling={"every_validations": None},
+                      tracking={"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "registered_model_name": None})
+    work, folder = tmp_path / "ft", tmp_path / "report.md"
+    folder.mkdir()
+
+    def step(report_md):
+        return run_finetune(cfg, split_dir=split_dir, lr_low=1e-12, lr_high=1e-12, lr_mid=1e-12, lr_source="fixed",
+                            model_dir=work, report_md=report_md)
+
+    with pytest.raises(RangefinderError, match="is a folder"):
+        step(folder)
+    chosen = checkpoints.read_chosen(work)
+    assert (chosen["rule"], chosen["update"], chosen["epoch"]) == ("earliest_tied", 3, 1.125)
+    kept = [checkpoints.checkpoint_update(p) for p in checkpoints.list_checkpoints(work / checkpoints.RUN_DIR)]
+    assert kept == [3, 6]  # the pick, and the run's end (6 updates: 16 micro-batches, the last update of 1)
+
+    result = step(tmp_path / "report-again.md")
+    assert json.loads((work / "run_summary.json").read_text())["resumed_from"] == 6  # nothing trained again
+    assert result.chosen == chosen and [p.name for p in result.checkpoints] == [chosen["checkpoint"]]
