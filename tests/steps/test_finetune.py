@@ -676,13 +676,14 @@ def test_validation_divergence_factor_is_the_step_window_s(split_dir, tiny_model
     assert at_default["points_dropped"] == read["points_used"] - 1 and at_default["flags"] == ["diverged"]
 
 
-def test_a_step_stopped_after_its_pick_resumes_from_the_run_s_end(
+def test_a_step_stopped_after_its_pick_resumes_from_the_run_s_end_and_recommends_whole_epochs(
         split_dir, tiny_model_dir, tmp_path, monkeypatch):
     """The step keeps the run's newest checkpoint beside its pick until just before it ends: a step stopped in
     between (here by a Markdown report path that is a folder, where a pod would be preempted) leaves both, and run
     again on its folder resumes at the run's end, trains nothing, and delivers the pick. The pick is the earliest
-    tied checkpoint (finetune.deliver: earliest_tied; an LR too small to move the weights ties them all), at update 3
-    of 6."""
+    tied checkpoint (finetune.deliver: earliest_tied; an LR too small to move the weights ties them all), at update 3:
+    at 2 images a micro-batch and 3 micro-batches an update an epoch is 2 2/3 updates, so update 3 is epoch 1.125 and
+    the length recommended is the 2 whole epochs' 6 updates on the run's curve, not the checkpoint's own 3."""
     from rangefinder.errors import RangefinderError
     from rangefinder.formats import checkpoints
     from rangefinder.steps.finetune import run_finetune
@@ -713,3 +714,4 @@ def test_a_step_stopped_after_its_pick_resumes_from_the_run_s_end(
     result = step(tmp_path / "report-again.md")
     assert json.loads((work / "run_summary.json").read_text())["resumed_from"] == 6  # nothing trained again
     assert result.chosen == chosen and [p.name for p in result.checkpoints] == [chosen["checkpoint"]]
+    assert (result.recommended_epochs, result.recommended_updates) == (2, 6)
