@@ -715,3 +715,52 @@ def test_a_step_stopped_after_its_pick_resumes_from_the_run_s_end_and_recommends
     assert json.loads((work / "run_summary.json").read_text())["resumed_from"] == 6  # nothing trained again
     assert result.chosen == chosen and [p.name for p in result.checkpoints] == [chosen["checkpoint"]]
     assert (result.recommended_epochs, result.recommended_updates) == (2, 6)
+
+
+def test_a_fine_tune_without_a_validation_set_delivers_its_final_weights_after_the_configured_epochs(
+        shapes_dataset_dir, tiny_model_dir, tmp_path, monkeypatch):
+    """A split with no validation images (split.val_split 0, an LR given by hand): there is no curve to read a window
+    from, so the step trains the configured epochs, delivers its final weights (no chosen/), keeps the newest
+    training.keep_checkpoints checkpoints, and its reports, decision.json, MLflow and KFP outputs say the configured
+    length, with no validation loss anywhere."""
+    from mlflow import MlflowClient
+
+    from rangefinder.data.split import split_dataset
+    from rangefinder.formats import checkpoints
+    from rangefinder.steps.finetune import run_finetune
+
+    for var in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME"):
+        monkeypatch.delenv(var, raising=False)
+    split = tmp_path / "split"
+    assert len(split_dataset(shapes_dataset_dir, split, val_split=0.0, stabilize_split=0.2, seed=555).val) == 0
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = demo_config(model={"base_model": str(tiny_model_dir)}, split={"val_split": 0.0}, lr=1e-4,
+                      finetune={"epochs": 2, "average": "off", "cooldown": "off"},
+                      training={"cache_dir": str(tmp_path / "cache"), "keep_checkpoints": 1},
+                      sampling={"every_validations": None},
+                      tracking={"tracking_uri": uri, "experiment_name": "no-val", "registered_model_name": None})
+    reports = {k: tmp_path / f"finetune.{k}" for k in ("html", "md")}
+    result = run_finetune(cfg, split_dir=split, lr_low=1e-4, lr_high=1e-4, lr_mid=1e-4, lr_source="fixed",
+                          model_dir=tmp_path / "ft", report_html=reports["html"], report_md=reports["md"])
+
+    work = tmp_path / "ft"
+    # 20 training images at batch 4: 5 updates an epoch; checkpoints at updates 5 and 10, the newest kept.
+    assert (result.recommended_epochs, result.recommended_updates, result.updates_trained) == (2, 10, 10)
+    assert result.chosen is None and result.best_val_loss is None and not result.still_improving
+    assert (work / "final" / "model_index.json").is_file() and not (work / checkpoints.CHOSEN_DIR).exists()
+    assert [checkpoints.checkpoint_update(p) for p in result.checkpoints] == [10]
+    for path in reports.values():
+        assert path.read_text() == "No validation set: trained 2 epochs at lr 0.0001.\n"
+    decision = json.loads((work / "report" / "decision.json").read_text())
+    assert decision["recommended_length"] == {"epochs": 2, "updates": 10, "basis": "configured"}
+    assert decision["chosen"] is None and decision["note"] == "no validation: the configured epochs are kept"
+    assert result.metrics() == {"recommended_epochs": 2.0, "recommended_updates": 10.0, "lr_used": 1e-4,
+                                "updates_trained": 10.0}
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("no-val").experiment_id],
+                                filter_string="tags.`rangefinder.step` = 'finetune'")
+    assert {k: run.data.metrics[k] for k in ("recommended_epochs", "recommended_updates", "updates_trained")} == {
+        "recommended_epochs": 2.0, "recommended_updates": 10.0, "updates_trained": 10.0}
+    assert not {"best_val_loss", "chosen_update", "validation/val_loss"} & set(run.data.metrics)
+    assert (run.data.tags["recommended_from"], run.data.tags["still_improving"]) == ("configured", "false")
+    assert run.data.tags["mlflow.note.content"] == "No validation set: trained the configured 2 epochs at lr 0.0001."
