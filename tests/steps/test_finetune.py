@@ -749,8 +749,13 @@ def test_a_fine_tune_without_a_validation_set_delivers_its_final_weights_after_t
     assert result.chosen is None and result.best_val_loss is None and not result.still_improving
     assert (work / "final" / "model_index.json").is_file() and not (work / checkpoints.CHOSEN_DIR).exists()
     assert [checkpoints.checkpoint_update(p) for p in result.checkpoints] == [10]
-    for path in reports.values():
-        assert path.read_text() == "No validation set: trained 2 epochs at lr 0.0001.\n"
+    # The step report's page and Markdown, without a plot, saying what was trained and how to have it measured.
+    page, markdown = reports["html"].read_text(), reports["md"].read_text()
+    assert page.startswith("<!DOCTYPE html>") and "<img" not in page
+    for text in (page, markdown):
+        assert "No validation set: trained the configured 2 epochs at lr 0.0001." in text
+        assert "split.val_split above 0" in text
+    assert "| updates trained | 10 |" in markdown
     decision = json.loads((work / "report" / "decision.json").read_text())
     assert decision["recommended_length"] == {"epochs": 2, "updates": 10, "basis": "configured"}
     assert decision["chosen"] is None and decision["note"] == "no validation: the configured epochs are kept"

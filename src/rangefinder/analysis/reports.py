@@ -124,7 +124,7 @@ def _strip_html(strip: Optional[SampleStrip]) -> str:
             f"<div class='strip'><table>{head}{''.join(body)}</table></div>")
 
 
-def _page(title: str, status: str, lead: str, png: Path, rows: list[tuple[str, Any, str]],
+def _page(title: str, status: str, lead: str, png: Optional[Path], rows: list[tuple[str, Any, str]],
           notes: list[tuple[str, str]], source: Optional[str], extra_html: str = "") -> str:
     e = html.escape
     table = "\n".join(
@@ -133,6 +133,7 @@ def _page(title: str, status: str, lead: str, png: Path, rows: list[tuple[str, A
     )
     items = "\n".join(f"<li><span class='flag'>{e(k)}</span>: {e(text)}</li>" for k, text in notes)
     src = f"<p class='muted'>Curve: {e(source)}</p>" if source else ""
+    img = f'<img alt="{e(title)} plot" src="{_png_data_uri(png)}">' if png is not None else ""
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
 <title>{e(title)}</title><style>{_CSS}</style></head>
@@ -140,7 +141,7 @@ def _page(title: str, status: str, lead: str, png: Path, rows: list[tuple[str, A
 <h1>{e(title)}</h1>
 <p><span class="status {_status_class(status)}">{e(status)}</span> {e(lead)}</p>
 {src}
-<img alt="{e(title)} plot" src="{_png_data_uri(png)}">
+{img}
 {extra_html}
 <h2>Numbers</h2>
 <table>
@@ -486,6 +487,25 @@ def _sigma_rows(curve: Optional[dict], weighting: Optional[dict],
 
 def _weighting_note(weighting: Optional[dict]) -> list[tuple[str, str]]:
     return [("validation score", str(weighting["statement"]))] if weighting and weighting.get("statement") else []
+
+
+def write_unmeasured_step_report(epochs: float, updates: int, lr: float, lr_source: str,
+                                  html_path: Optional[Path], markdown_path: Optional[Path]) -> None:
+    """The fine-tune's report where there was no validation set to read a step window from (split.val_split 0, an LR
+    given by hand): the same page and Markdown as write_step_report's, without a plot, saying the configured length
+    was trained and how to have it measured; None skips one."""
+    lead = f"No validation set: trained the configured {_fmt(epochs)} epoch{'' if epochs == 1 else 's'} at lr {lr:.3g}."
+    rows: list[tuple[str, Any, str]] = [
+        ("epochs trained", epochs, "finetune.epochs, as configured"),
+        ("updates trained", updates, "the final weights are delivered"),
+        ("lr", lr, f"lr source: {lr_source}"),
+    ]
+    notes = [("no step window", "with no validation images there is no loss to read a window from, so the length "
+                                "is not measured; set split.val_split above 0 (or split.val_dir) to have it measured")]
+    for dest, text in ((html_path, _page("Step window", "no validation", lead, None, rows, notes, None)),
+                       (markdown_path, _markdown("Step window", "no validation", lead, rows, notes))):
+        if dest is not None:
+            write_bytes(dest, text.encode("utf-8"))
 
 
 def copy_report(report: dict, html_path: Optional[Path], markdown_path: Optional[Path]) -> None:

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from rangefinder.config import RangefinderConfig, resolve_mixed_precision
 from rangefinder.errors import RangefinderError
 from rangefinder.formats import checkpoints
-from rangefinder.formats.atomic import write_json, write_text
+from rangefinder.formats.atomic import write_json
 from rangefinder.launch.processes import batch_note, run_training, step_world_size
 from rangefinder.steps.workdir import publish, work_dir
 
@@ -316,7 +316,7 @@ def run_finetune(
 ) -> FinetuneResult:
     from rangefinder import tracking
     from rangefinder.analysis import RecommendedLength, copy_report, select_step_window, write_step_report
-    from rangefinder.analysis.reports import step_headline
+    from rangefinder.analysis.reports import step_headline, write_unmeasured_step_report
     from rangefinder.data.split import read_split
     from rangefinder.models.loading import resolve_base_model
     from rangefinder.planning import check_finetune_validations
@@ -427,10 +427,9 @@ def run_finetune(
             length, improving = RecommendedLength(epochs=tc.epochs or 1, updates=result.updates,
                                                   basis="configured"), False
             decision = {"recommended_epochs": length.epochs, "note": "no validation: the configured epochs are kept"}
-            note = f"No validation set: trained the configured {length.epochs} epochs at lr {lr:.3g}."
-            for p in (report_html, report_md):
-                if p is not None:
-                    write_text(p, f"No validation set: trained {length.epochs} epochs at lr {lr:.3g}.\n")
+            note = (f"No validation set: trained the configured {length.epochs} "
+                    f"epoch{'' if length.epochs == 1 else 's'} at lr {lr:.3g}.")
+            write_unmeasured_step_report(length.epochs, result.updates, lr, lr_source, report_html, report_md)
         if chosen is None:  # no validated checkpoint to choose from: the final weights are delivered, as configured
             checkpoints.keep_newest(work / checkpoints.RUN_DIR, cfg.training.keep_checkpoints)
         else:  # the run's newest checkpoint goes last (keep_chosen_checkpoint's keep_newest)
