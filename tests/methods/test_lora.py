@@ -208,7 +208,7 @@ def test_files_have_their_consumers_keys_alpha_and_metadata(trained_lora):
     for m in (meta, dmeta):
         assert m["rangefinder.method"] == "lora" and float(m["rangefinder.lr"]) == cfg.lr
         assert m["rangefinder.lora_rank"] == str(RANK) and "rangefinder.version" in m
-        assert m["rangefinder.updates"] == str(UPDATES)
+        assert m["rangefinder.updates"] == str(UPDATES) and m["rangefinder.family"] == "sd1"
 
 
 def test_checkpoint_state_round_trips_bit_for_bit(trained_lora, tiny_model_dir):

@@ -139,6 +139,7 @@ def test_metadata_and_resume_state(trained_ti, tiny_model_dir):
         meta = read_metadata(out / name)
         assert meta["rangefinder.method"] == "textual_inversion" and meta["rangefinder.placeholder_token"] == TOKEN
         assert meta["rangefinder.updates"] == str(UPDATES) and meta["rangefinder.a1111_trigger"] == TRIGGER
+        assert meta["rangefinder.family"] == "sd1"  # as the full and LoRA files, and SDXL's embeddings, say theirs
     state = method.trainable_state_dict()
     fresh = make_method(_cfg())
     fresh.setup(load_parts(tiny_model_dir), torch.float32)

@@ -128,11 +128,14 @@ class Method(ABC):
 
     def output_metadata(self, sd: SDComponents, extra: Optional[dict[str, Any]] = None) -> dict[str, str]:
         """The facts every file of the deliverable carries (formats.weights_file.training_metadata): the base model
-        `sd` came from, the method's own settings (`extra`), the updates and epochs that trained the weights, and
-        which checkpoints they average when they are an average (`rangefinder.averaged_updates`)."""
+        `sd` came from and its family (`rangefinder.family`), the method's own settings (`extra`), the updates and
+        epochs that trained the weights, and which checkpoints they average when they are an average
+        (`rangefinder.averaged_updates`)."""
         from rangefinder.formats.weights_file import training_metadata
 
         facts = dict(extra or {})
+        if getattr(sd, "family", None):  # which loader the files are for (sample and register read it)
+            facts["family"] = sd.family
         if self.averaged_updates:
             facts["averaged_updates"] = list(self.averaged_updates)
         return training_metadata(self.cfg, getattr(sd, "source", None), extra=facts, updates=self.updates_taken,

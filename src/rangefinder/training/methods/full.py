@@ -55,7 +55,7 @@ class FullFineTune(ModuleMethod):
         from rangefinder.formats.single_file import SINGLE_FILE_NAME
 
         save_pipeline(sd, out_dir)
-        meta = {**self.output_metadata(sd), "rangefinder.family": sd.family}
+        meta = self.output_metadata(sd)
         # The same weights as one file in the layout ComfyUI and A1111 load: the original SD or SGM layout
         # (formats/single_file.py), Stability's SD3 layout (single_file_sd3.py), Flux's transformer in Black Forest
         # Labs' layout (flux_layout.py).

@@ -100,6 +100,6 @@ class LoraMethod(ModuleMethod):
         # Diffusers' names and kohya's, in the family's layout (formats/lora.py); both name the base model, by the
         # denoiser's config and what it was trained to predict, in their model spec.
         import_named(FAMILY_LAYOUTS[sd.family].lora_export)(out_dir, sd.unet, te, te_2,
-                                                            {**meta, "rangefinder.family": sd.family},
+                                                            meta,
                                                             prediction_type=self.trained_prediction_type(sd),
                                                             facts=self.spec_facts)

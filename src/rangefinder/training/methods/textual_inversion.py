@@ -183,7 +183,7 @@ class TextualInversion(Method):
 
             save_textual_inversion_sdxl(out_dir, s.placeholder_token, self.learned_embeds().float().cpu(),
                                         self.learned_embeds("text_encoder_2").float().cpu(),
-                                        metadata={**meta, "rangefinder.family": sd.family}, prediction_type=predicts,
+                                        metadata=meta, prediction_type=predicts,
                                         facts=self.spec_facts)
             return
         from rangefinder.formats.model_spec import sd_base_model
