@@ -369,6 +369,12 @@ def test_run_local_refuses_an_out_folder_inside_the_dataset(tmp_path, shapes_dat
         assert_one_line_error(in_process("run", "--local", "--config", str(cfg), "--out", str(out)),
                               f"--out {out} {where} (data.dataset_dir)", "pass an --out outside it")
     assert sorted(p.name for p in data.iterdir()) == before
+    val = tmp_path / "val"  # a validation folder chosen by hand: its next scan read the outputs as validation images
+    shutil.copytree(shapes_dataset_dir, val)
+    cfg.write_text(f"data:\n  dataset_dir: {data}\n  resolution: 32\nsplit:\n  val_dir: {val}\nlr: 1.0e-4\n")
+    assert_one_line_error(in_process("run", "--local", "--config", str(cfg), "--out", str(val / "run")),
+                          f"--out {val / 'run'} is inside the dataset folder {val} (split.val_dir)")
+    assert not (val / "run").exists()
 
 
 def test_split_refuses_an_out_folder_inside_the_dataset_as_run_local_does(tmp_path, shapes_dataset_dir):
@@ -382,6 +388,13 @@ def test_split_refuses_an_out_folder_inside_the_dataset_as_run_local_does(tmp_pa
         assert_one_line_error(in_process("split", str(data), "--out", str(out), "--resolution", "32"),
                               f"--out {out} {where} (DATA_DIR)", "train.jsonl", "pass an --out outside it")
     assert sorted(p.name for p in data.iterdir()) == before
+    # The validation folder chosen by hand too: its manifests were read back as validation images' neighbours.
+    val = tmp_path / "val"
+    shutil.copytree(shapes_dataset_dir, val)
+    assert_one_line_error(in_process("split", str(data), "--val-dir", str(val), "--out", str(val / "split"),
+                                     "--resolution", "32"),
+                          f"--out {val / 'split'} is inside the dataset folder {val} (--val-dir)")
+    assert not (val / "split").exists()
 
 
 def test_run_local_refuses_an_out_folder_another_run_is_using(tmp_path, shapes_dataset_dir):

@@ -151,9 +151,11 @@ def run_pipeline_locally(cfg: RangefinderConfig, out_dir: str | Path, *, dataset
 
     out = Path(out_dir).resolve()
     data = Path(cfg.data.dataset_dir).expanduser().resolve() if cfg.data.dataset_dir and not dataset_uri else None
-    if data is not None:
-        check_out_outside_dataset(out, data, flag="--out", setting="data.dataset_dir",
-                                  outputs="sample grids, MLflow's artifacts")
+    # The validation folder chosen by hand too: its next scan would read the outputs as validation images.
+    for folder, setting in ((data, "data.dataset_dir"), (cfg.split.val_dir, "split.val_dir")):
+        if folder is not None:
+            check_out_outside_dataset(out, folder, flag="--out", setting=setting,
+                                      outputs="sample grids, MLflow's artifacts")
     usable_folder(out / "reports", "--out's reports folder")  # now, not once every step has run (_publish_reports)
     tracking_uri = cfg.tracking.tracking_uri or local_tracking_uri(out)
     # One run at a time in --out, taken at its first write: two at once shared pipeline.log and reports/, and each

@@ -65,8 +65,10 @@ def run(args: argparse.Namespace) -> dict:
 
     # Written into the dataset, the split's manifests were listed by the next split (and a local run's
     # prepare-dataset) as files of the dataset.
-    check_out_outside_dataset(args.out, args.data_dir, flag="--out", setting="DATA_DIR",
-                              outputs="train.jsonl, val.jsonl, stabilize.jsonl, split.json")
+    for folder, setting in ((args.data_dir, "DATA_DIR"), (args.val_dir, "--val-dir")):
+        if folder:
+            check_out_outside_dataset(args.out, folder, flag="--out", setting=setting,
+                                      outputs="train.jsonl, val.jsonl, stabilize.jsonl, split.json")
     # A folder `make-dataset` made (32 px by default) splits at its own size: 512 px would skip every image.
     # `--resolution 0` is checked below (DataConfig), not taken for "not given".
     resolution = (args.resolution if args.resolution is not None
