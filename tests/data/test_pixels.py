@@ -89,3 +89,46 @@ def test_other_wide_and_odd_modes_convert_as_viewers_show_them(tmp_path):
     cmyk.save(tmp_path / "cmyk.jpg", quality=95)
     rgb = np.asarray(load_rgb(tmp_path / "cmyk.jpg")).astype(int)
     assert rgb[:, :4].min() > 240 and rgb[:, 12:].max() < 15
+
+
+def _profile_with_red_and_blue_swapped() -> bytes:
+    """An RGB ICC profile that is littlecms' sRGB with its red and blue primaries swapped and its description renamed:
+    in it, the numbers (255, 0, 0) are sRGB's pure blue. Built from littlecms' own sRGB, so the test needs no profile
+    file; a photo's Display P3 or Adobe RGB profile differs from sRGB the same way (other primaries), only less."""
+    import io
+    import struct
+
+    from PIL import ImageCms
+
+    data = bytearray(ImageCms.ImageCmsProfile(ImageCms.createProfile("sRGB")).tobytes())
+    entries = {bytes(data[132 + 12 * i:136 + 12 * i]): 132 + 12 * i
+               for i in range(struct.unpack(">I", data[128:132])[0])}
+    red, blue = entries[b"rXYZ"], entries[b"bXYZ"]  # each entry: signature, offset, size: swap where they point
+    data[red + 4:red + 12], data[blue + 4:blue + 12] = data[blue + 4:blue + 12], data[red + 4:red + 12]
+    renamed = bytes(data).replace("sRGB".encode("utf-16-be"), "swap".encode("utf-16-be")).replace(b"sRGB", b"swap")
+    assert "srgb" not in ImageCms.getProfileDescription(ImageCms.ImageCmsProfile(io.BytesIO(renamed))).lower()
+    return renamed
+
+
+def test_colours_in_another_colour_space_are_converted_to_srgb(tmp_path):
+    """A file whose embedded ICC profile is not sRGB (a phone's Display P3, a camera's Adobe RGB) stores other numbers
+    for the same colour; they were read as sRGB numbers. Here the profile's red is sRGB's blue, so the stored red
+    must come out blue, in a PNG, a JPEG and with an alpha channel. An sRGB profile or none leaves the numbers as
+    stored, bit for bit (the arrays, and the latents cached from them, of every other image stay what they were)."""
+    from PIL import ImageCms
+
+    swapped = _profile_with_red_and_blue_swapped()
+    Image.new("RGB", (8, 8), (255, 0, 0)).save(tmp_path / "tagged.png", icc_profile=swapped)
+    Image.new("RGB", (8, 8), (255, 0, 0)).save(tmp_path / "tagged.jpg", icc_profile=swapped, quality=100)
+    Image.new("RGBA", (8, 8), (255, 0, 0, 255)).save(tmp_path / "tagged-alpha.png", icc_profile=swapped)
+    for name in ("tagged.png", "tagged.jpg", "tagged-alpha.png"):
+        r, g, b = np.asarray(load_rgb(tmp_path / name)).astype(int)[4, 4]
+        assert b > 240 and r < 15 and g < 15, (name, r, g, b)
+
+    srgb = ImageCms.ImageCmsProfile(ImageCms.createProfile("sRGB")).tobytes()
+    odd = (200, 100, 50)
+    Image.new("RGB", (8, 8), odd).save(tmp_path / "srgb.png", icc_profile=srgb)
+    Image.new("RGB", (8, 8), odd).save(tmp_path / "untagged.png")
+    Image.new("RGB", (8, 8), odd).save(tmp_path / "broken.png", icc_profile=b"not a profile")
+    for name in ("srgb.png", "untagged.png", "broken.png"):
+        assert tuple(np.asarray(load_rgb(tmp_path / name))[4, 4]) == odd, name

@@ -6,8 +6,9 @@ array (PIL's resampling is deterministic), which the deterministic validation lo
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
-from typing import BinaryIO, Union
+from typing import BinaryIO, Optional, Union
 
 import numpy as np
 from PIL import Image, ImageOps
@@ -19,11 +20,13 @@ def load_rgb(path: Union[str, Path, BinaryIO]) -> Image.Image:
     Phone photos store their rotation in EXIF instead of rotating the pixels; `exif_transpose` applies it, as every
     viewer does. Transparent pixels are composited on white rather than on whatever colour the file stored there.
     Modes PIL's own `convert("RGB")` gets wrong are rescaled first (see `_to_8bit`): a 16-bit greyscale PNG would
-    otherwise clip every value above 255 to pure white.
+    otherwise clip every value above 255 to pure white. Colours in another colour space than sRGB (an embedded ICC
+    profile: a phone's Display P3, Adobe RGB, a print CMYK) are converted to sRGB (see `_in_srgb`).
     """
     with Image.open(path) as im:
         im.load()
-        im = ImageOps.exif_transpose(im)
+        icc = im.info.get("icc_profile")
+        im = _in_srgb(ImageOps.exif_transpose(im), icc)
         im = _to_8bit(im)
         if im.mode in ("RGBA", "LA", "PA", "RGBa", "La") or (im.mode == "P" and "transparency" in im.info):
             rgba = im.convert("RGBA")
@@ -31,6 +34,28 @@ def load_rgb(path: Union[str, Path, BinaryIO]) -> Image.Image:
             canvas.alpha_composite(rgba)
             return canvas.convert("RGB")
         return im.convert("RGB")
+
+
+def _in_srgb(im: Image.Image, icc: Optional[bytes]) -> Image.Image:
+    """`im`'s colours in sRGB, the colour space viewers show an untagged image in and the base models' training
+    images were in, where the file embeds the ICC profile `icc` of another: a phone photo in Display P3, a camera's
+    Adobe RGB, a print CMYK file store other numbers for the same colour, which were read as sRGB numbers (duller or
+    shifted colours, learnt as the dataset's look). Converted by littlecms (Pillow's ImageCms; perceptual intent).
+    An image without a profile, with an sRGB one (its description names sRGB), in a mode other than RGB, RGBA and
+    CMYK, or with a profile littlecms cannot read passes as it is: its array stays what it was, bit for bit."""
+    if not icc or im.mode not in ("RGB", "RGBA", "CMYK"):
+        return im
+    from PIL import ImageCms
+
+    try:
+        profile = ImageCms.ImageCmsProfile(io.BytesIO(icc))
+        if "srgb" in (ImageCms.getProfileDescription(profile) or "").lower():
+            return im
+        converted = ImageCms.profileToProfile(im, profile, ImageCms.createProfile("sRGB"),
+                                              outputMode="RGBA" if im.mode == "RGBA" else "RGB")
+    except (OSError, ImageCms.PyCMSError):  # a damaged or foreign profile: the numbers as stored, as any viewer
+        return im
+    return converted if converted is not None else im
 
 
 def _to_8bit(im: Image.Image) -> Image.Image:

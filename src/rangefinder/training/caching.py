@@ -34,7 +34,7 @@ from rangefinder.errors import DataError
 from rangefinder.formats.atomic import atomic_path, usable_folder
 from rangefinder.training.data import LatentSource
 
-CACHE_VERSION = "1"  # bump when the meaning of an entry changes
+CACHE_VERSION = "2"  # bump when the meaning of an entry changes (2: pixels with an ICC profile converted to sRGB)
 
 # What reading an entry raises when the file is the problem: OSError when deleted, SafetensorError when torn, damaged
 # or foreign. Nothing else is the file's: a Ctrl-C that lands inside a read comes out as torch's ValueError
