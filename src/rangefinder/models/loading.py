@@ -660,21 +660,32 @@ def _load_folder(resolved: ResolvedModel, model_cfg: ModelConfig) -> SDComponent
             key = {layout.denoiser: "unet", "scheduler": "noise_scheduler"}.get(part, part)
             parts[key] = cls.from_pretrained(folder, subfolder=part, local_files_only=True,
                                              **(var if weights else {}))
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, pickle.UnpicklingError) as e:
+        where = f"{part}/ of {folder} ({resolved.source})"
+        if _raised_from(e, pickle.UnpicklingError):  # torch.load(weights_only=True) met more than tensors in a .bin:
+            raise ConfigError(  # transformers raises it as it is, diffusers inside an OSError of its own
+                f"model.base_model: {where} holds pickle weights with objects other than tensors, so they were "
+                f"refused unread (unpickling them can run code); convert them to {SINGLE_FILE_SUFFIX} or use a copy "
+                f"of the model that has {SINGLE_FILE_SUFFIX} weights"
+            ) from None
         raise ConfigError(
             f"model.base_model: cannot load the diffusers folder {folder} ({resolved.source}): {_first_line(e)}"
-        ) from None
-    except pickle.UnpicklingError:  # transformers' torch.load(weights_only=True) met more than tensors in a .bin
-        raise ConfigError(
-            f"model.base_model: {part}/ of {folder} ({resolved.source}) holds pickle weights with objects other than "
-            f"tensors, so they were refused unread (unpickling them can run code); convert them to "
-            f"{SINGLE_FILE_SUFFIX} or use a copy of the model that has {SINGLE_FILE_SUFFIX} weights"
         ) from None
     for key in ("unet", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
         if key in parts:
             parts[key].eval()
     return SDComponents(source=resolved.source, model_dir=resolved.path, kind=resolved.kind, family=family,
                         digest=weights_digest(parts), **parts)
+
+
+def _raised_from(e: BaseException, kind: type[BaseException]) -> bool:
+    """Whether `e`, or an exception it was raised from or while handling, is a `kind`."""
+    seen: Optional[BaseException] = e
+    while seen is not None:
+        if isinstance(seen, kind):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def weights_digest(parts: dict[str, Any]) -> str:
