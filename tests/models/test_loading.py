@@ -187,6 +187,38 @@ def test_a_folder_s_variant_files_are_the_ones_loaded(tiny_model_dir, folder_par
     assert parts.kind == "folder" and _same_weights(parts.unet, folder_parts.unet)
 
 
+def test_a_part_without_the_weights_asked_for_names_the_part_and_the_variant_to_set(tiny_model_dir, tmp_path):
+    """An fp16-only download loaded without model.variant, a variant the folder lacks, a part with no weights: diffusers
+    and transformers said "no file named diffusion_pytorch_model.bin (or model.safetensors) found in directory" of the
+    model's folder, naming neither the part nor model.variant."""
+    import shutil
+
+    fp16 = tmp_path / "fp16-only"
+    shutil.copytree(tiny_model_dir, fp16)
+    for weights in fp16.glob("*/*.safetensors"):
+        weights.rename(weights.with_name(weights.name.replace(".safetensors", ".fp16.safetensors")))
+    cases = [
+        (ModelConfig(base_model=str(fp16)), "holds only the fp16 variant of its weights, and model.variant is unset; "
+                                            "set model.variant: fp16"),
+        (ModelConfig(base_model=str(fp16), variant="fp61"), "has no 'fp61' variant of its weights (model.variant), "
+                                                            "only fp16; set model.variant to one of those"),
+        (ModelConfig(base_model=str(tiny_model_dir), variant="fp16"), "has no 'fp16' variant of its weights "
+                                                                      "(model.variant), only the plain ones; leave "
+                                                                      "model.variant unset"),
+    ]
+    for cfg, fix in cases:
+        with pytest.raises(ConfigError) as e:
+            load_sd_components(cfg)
+        assert str(e.value).startswith(f"model.base_model: text_encoder/ of {cfg.base_model} ") and fix in str(e.value)
+        assert "\n" not in str(e.value)
+    cut = tmp_path / "no-unet-weights"
+    shutil.copytree(tiny_model_dir, cut)
+    (cut / "unet" / "diffusion_pytorch_model.safetensors").unlink()
+    with pytest.raises(ConfigError, match=r"^model\.base_model: unet/ of .* holds no weights file .*fetch the model "
+                                          r"again or pass a complete folder$"):
+        load_sd_components(ModelConfig(base_model=str(cut)))
+
+
 def test_hub_id_not_in_the_offline_cache_says_how_to_fill_it(offline_hub):
     cache, _ = offline_hub
     with pytest.raises(ConfigError) as e:

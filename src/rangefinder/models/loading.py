@@ -29,6 +29,7 @@ import hashlib
 import json
 import os
 import pickle
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -148,7 +149,7 @@ def resolve_base_model(model_cfg: ModelConfig) -> ResolvedModel:
         _refuse_url(name)
     path = Path(name).expanduser()
     if path.is_dir():
-        return _resolve_folder(path.resolve())
+        return _resolve_folder(path.resolve(), model_cfg.variant)
     if path.is_file():
         return _resolve_single_file(path.resolve(), model_cfg)
     raise ConfigError(
@@ -223,7 +224,7 @@ def _missing_parts(folder: Path) -> Optional[list[str]]:
             if not any((folder / p / f).is_file() for f in configs.get(p, ("config.json",)))]
 
 
-def _check_folder(folder: Path, what: str) -> None:
+def _check_folder(folder: Path, what: str, variant: Optional[str] = None) -> None:
     missing = _missing_parts(folder)
     if missing is None:
         raise ConfigError(
@@ -236,8 +237,12 @@ def _check_folder(folder: Path, what: str) -> None:
             "Stable Diffusion folder needs unet/, vae/, text_encoder/, tokenizer/ and scheduler/ (SDXL also "
             "text_encoder_2/ and tokenizer_2/)"
         )
-    detect_family(folder)  # a pipeline class rangefinder does not train: say so now
+    layout = FAMILY_LAYOUTS[detect_family(folder)]  # a pipeline class rangefinder does not train: say so now
     _refuse_code(folder, what)
+    for part, _ in layout.classes:  # weights the load would not find (an fp16-only download): said now, not by the
+        problem = _weights_missing(folder / part, variant) if _has_weights(part) else None  # step that loads them
+        if problem is not None:
+            raise ConfigError(f"model.base_model: {part}/ of {what} {problem}")
 
 
 # A part's config files where transformers' Auto classes find an `auto_map`: the classes of code shipped in the folder.
@@ -273,8 +278,8 @@ def _has_auto_map(path: Path) -> bool:
     return isinstance(config, dict) and "auto_map" in config
 
 
-def _resolve_folder(folder: Path) -> ResolvedModel:
-    _check_folder(folder, str(folder))
+def _resolve_folder(folder: Path, variant: Optional[str]) -> ResolvedModel:
+    _check_folder(folder, str(folder), variant)
     return ResolvedModel(folder, "folder", str(folder))
 
 
@@ -526,7 +531,7 @@ def _resolve_hub(repo_id: str, model_cfg: ModelConfig) -> ResolvedModel:
         if hub_offline():
             _raise_not_cached(repo_id, revision, cache)
         folder = _download(repo_id, revision, model_cfg, cache)
-    _check_folder(folder, f"{where} ({folder})")
+    _check_folder(folder, f"{where} ({folder})", model_cfg.variant)
     # The cache keeps each commit in snapshots/<commit>: the folder's name is the commit `revision` (a branch) named.
     # The source names the revision as configured (a branch), as a step that sees the resolved folder names it.
     return ResolvedModel(folder, "hub", f"{repo_id}@{model_cfg.revision or 'main'}", folder.name)
@@ -656,7 +661,7 @@ def _load_folder(resolved: ResolvedModel, model_cfg: ModelConfig) -> SDComponent
     try:
         for part, class_path in layout.classes:
             cls = import_named(class_path)
-            weights = not (part.startswith("tokenizer") or part == "scheduler")
+            weights = _has_weights(part)
             key = {layout.denoiser: "unet", "scheduler": "noise_scheduler"}.get(part, part)
             parts[key] = cls.from_pretrained(folder, subfolder=part, local_files_only=True,
                                              **(var if weights else {}))
@@ -678,6 +683,11 @@ def _load_folder(resolved: ResolvedModel, model_cfg: ModelConfig) -> SDComponent
                         digest=weights_digest(parts), **parts)
 
 
+def _has_weights(part: str) -> bool:
+    """Whether a part of a diffusers folder is a model with weights (not a tokenizer or the scheduler)."""
+    return not (part.startswith("tokenizer") or part == "scheduler")
+
+
 def _raised_from(e: BaseException, kind: type[BaseException]) -> bool:
     """Whether `e`, or an exception it was raised from or while handling, is a `kind`."""
     seen: Optional[BaseException] = e
@@ -686,6 +696,34 @@ def _raised_from(e: BaseException, kind: type[BaseException]) -> bool:
             return True
         seen = seen.__cause__ or seen.__context__
     return False
+
+
+# A part's weights file, as diffusers and transformers name it: `diffusion_pytorch_model`, `model` or `pytorch_model`,
+# then `.<variant>` where it is one (fp16), `-00001-of-00002` where it is a shard, then the format.
+_WEIGHTS_FILE = re.compile(r"^(?:diffusion_pytorch_model|model|pytorch_model)(?:\.(?P<variant>[^.-]+))?"
+                           r"(?:-\d+-of-\d+)?\.(?:safetensors|bin)(?:\.index\.json)?$")
+
+
+def _weights_missing(part_dir: Path, variant: Optional[str]) -> Optional[str]:
+    """Why a part of a diffusers folder has no weights its load would find, with the fix: only another
+    variant's files (an fp16-only download, without model.variant), none of the variant asked for, or none at all;
+    None when the files asked for are there."""
+    found = {m["variant"] for f in (part_dir.iterdir() if part_dir.is_dir() else ())
+             if (m := _WEIGHTS_FILE.match(f.name))}
+    if variant in found:
+        return None
+    others = sorted(v for v in found if v is not None)
+    if variant is None and others:
+        return (f"holds only the {' and '.join(others)} variant of its weights, and model.variant is unset; set "
+                f"model.variant: {others[0]}")
+    if variant is not None and not others and found:
+        return (f"has no {variant!r} variant of its weights (model.variant), only the plain ones; leave model.variant "
+                "unset")
+    if variant is not None and found:
+        return (f"has no {variant!r} variant of its weights (model.variant), only {', '.join(others)}; set "
+                f"model.variant to one of those{', or leave it unset' if None in found else ''}")
+    return ("holds no weights file (no diffusion_pytorch_model or model .safetensors); the download or copy is "
+            "incomplete: fetch the model again or pass a complete folder")
 
 
 def weights_digest(parts: dict[str, Any]) -> str:
