@@ -30,6 +30,7 @@ from rangefinder.formats.diffusers_folder import save_pipeline_folder
 from rangefinder.formats.embeddings import TI_WEIGHTS_NAME
 from rangefinder.formats.grid import compose_grid
 from rangefinder.formats.lora import LORA_WEIGHTS_NAME
+from rangefinder.formats.model_spec import architecture_family
 from rangefinder.formats.text import NotUtf8, decode_utf8
 from rangefinder.models.loading import check_scheduler_name, pipeline_call_kwargs, predict_as_the_file_says
 from rangefinder.training.family_detection import detect_family, guidance_scale_for
@@ -95,13 +96,16 @@ def _classify_file(path: Path) -> tuple[ColumnKind, Optional[str]]:
 
 
 def _column_family(column: GridColumn) -> Optional[str]:
-    """"sd1" or "sdxl" (config.FAMILY_NAMES) for a column whose family its files tell without loading
-    weights (a diffusers folder, a full fine-tune's unet/); None for the others (adapters and engine checkpoints are
-    checked when loaded)."""
+    """The family (config.FAMILY_NAMES) of a column whose files tell it without loading weights (a diffusers folder,
+    a full fine-tune's unet/, a .safetensors file whose model spec names its architecture, as rangefinder's and
+    kohya's exports do); None for the others (engine checkpoints, and files that say nothing, are checked when
+    loaded). diffusers loaded a Flux LoRA on SD3 in part, and an SD 1.x embedding on SDXL, without a word."""
     from rangefinder.models.loading import detect_family
 
     if column.kind == "pipeline":
         return detect_family(column.path)
+    if column.path.is_file() and column.path.suffix == ".safetensors":
+        return architecture_family(_safetensors_info(column.path)[1])
     if column.kind == "unet":
         try:
             unet = json.loads((column.path / "unet" / "config.json").read_text())
@@ -423,7 +427,8 @@ def render_grid(
             checkpoints.require_intact(c.path)
         family = _column_family(c)
         if base_family is not None and family is not None and family != base_family:
-            raise ConfigError(f"column {c.label} ({c.path}) is a {FAMILY_NAMES[family]} model, but the base model "
+            what = {"lora": "LoRA", "textual_inversion": "embedding"}.get(c.kind, "model")
+            raise ConfigError(f"column {c.label} ({c.path}) is a {FAMILY_NAMES[family]} {what}, but the base model "
                               f"{base} is {FAMILY_NAMES[base_family]}: a grid compares weights of one family; pass "
                               "--model of its family")
     guidance_scale = guidance_scale_for(base_family or detect_family(base), guidance_scale)

@@ -39,6 +39,18 @@ SD2_CROSS_ATTENTION_DIM = 1024
 PREDICT_KEY = "modelspec.predict_key"
 PREDICTION_TYPE_KEY = "modelspec.prediction_type"
 PREDICTION_TYPES = {"epsilon": "epsilon", "v_prediction": "v"}
+# The family (training/family_detection.py's names) of each architecture id the spec's writers use, by its start:
+# sd-scripts' ARCH_SD_V1, ARCH_SD_V2_*, ARCH_SD_XL_V1_BASE, ARCH_SD3_*, ARCH_FLUX_1_* (with `/lora` or
+# `/textual-inversion` after an adapter's).
+ARCHITECTURE_FAMILIES = (("stable-diffusion-xl-", "sdxl"), ("stable-diffusion-3-", "sd3"),
+                         ("stable-diffusion-v1", "sd1"), ("stable-diffusion-v2", "sd1"), ("flux-1-", "flux"))
+
+
+def architecture_family(metadata: Mapping[str, str]) -> Optional[str]:
+    """The family of the model a file's `modelspec.architecture` names (rangefinder's, kohya's and other trainers'
+    exports write it); None where it names none rangefinder knows."""
+    arch = metadata.get("modelspec.architecture") or ""
+    return next((family for start, family in ARCHITECTURE_FAMILIES if arch.startswith(start)), None)
 
 
 @dataclass(frozen=True)
