@@ -81,6 +81,13 @@ def _classify_file(path: Path) -> tuple[ColumnKind, Optional[str]]:
         raise ConfigError(f"{path}: unknown weights file type; pass a .safetensors, .pt or .ckpt file or a folder")
     if any(k.startswith("model.diffusion_model.") for k in keys):
         return "single_file", None
+    kohya = any(k.startswith(("lora_unet_", "lora_te")) for k in keys)
+    if kohya and (architecture_family(meta) == "sd3" or any(k.startswith("lora_unet_joint_blocks_") for k in keys)):
+        raise ConfigError(
+            f"{path} is a LoRA in kohya's SD3 names, which diffusers' SD3 loader (what samples and the registered "
+            f"model are drawn with) does not read: it would draw the base model unchanged; pass the "
+            f"{LORA_WEIGHTS_NAME} written beside it (the kohya file is for ComfyUI and sd-scripts)"
+        )
     if any("lora" in k for k in keys):
         return "lora", None
     if sorted(keys) == ["clip_g", "clip_l"]:  # an SDXL embedding (A1111's and ComfyUI's format)

@@ -536,12 +536,14 @@ def _exported(request, family: str, method: str, out: Path) -> Path:
      ["is a Flux.1 LoRA, but the base model", "is Stable Diffusion 3/3.5"]),
     ("sd1", "textual_inversion", "learned_embeds.safetensors", "tiny_sdxl_dir",
      ["is a Stable Diffusion 1.x/2.x embedding, but the base model", "is Stable Diffusion XL"]),
-], ids=["flux-lora-on-sd3", "sd1-embedding-on-sdxl"])
+    ("sd3", "lora", "lora_kohya.safetensors", "tiny_sd3_dir",
+     ["is a LoRA in kohya's SD3 names, which diffusers' SD3 loader", "pass the pytorch_lora_weights.safetensors"]),
+], ids=["flux-lora-on-sd3", "sd1-embedding-on-sdxl", "sd3-kohya-lora"])
 def test_sample_refuses_an_adapter_diffusers_would_apply_in_part_or_not_at_all(family, method, name, base, words,
                                                                                 request, tmp_path):
     """diffusers loaded a Flux LoRA on SD3 in part (the blocks both name transformer_blocks) and an SD 1.x embedding
-    into SDXL's first encoder without a word: each column was drawn, labelled as the adapter, from weights it did not
-    hold."""
+    into SDXL's first encoder, and skipped kohya's SD3 names without a word: each column was drawn, labelled as the
+    adapter, from weights it did not hold."""
     adapter = _exported(request, family, method, tmp_path / "final") / name
     out = tmp_path / "grid"
     assert_one_line_error(in_process("sample", "--model", str(request.getfixturevalue(base)), "--checkpoints",
