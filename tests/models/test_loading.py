@@ -493,6 +493,44 @@ def test_unreachable_hub_fails_in_seconds_with_the_id(monkeypatch, tmp_path):
     assert "'rangefinder-tests/no-such-model'" in msg and "cannot be reached" in msg and "hf download" in msg
 
 
+def test_an_unreachable_hub_says_what_the_cache_holds_of_the_model(fake_hub_cache, tiny_model_dir, monkeypatch,
+                                                                  tmp_path):
+    """A misspelt revision, or a snapshot cut short, of a model in the cache, with the hub out of reach: each was told
+    the model "is not in the Hugging Face cache", and to download what was there."""
+    import shutil
+    import socket
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        pytest.skip("huggingface_hub was imported with HF_HUB_OFFLINE set")
+    cache, commit = fake_hub_cache
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: connections to it are refused
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    with pytest.raises(ConfigError) as e:
+        resolve_base_model(ModelConfig(base_model=HUB_REPO, revision="mian"))
+    assert str(e.value).startswith(f"model.revision: 'mian' of hub model '{HUB_REPO}' is not in the Hugging Face "
+                                   f"cache {cache} (it holds refs main, v1 and snapshots {commit}) and the hub cannot "
+                                   "be reached from here (")
+    assert "set model.revision to one of those" in str(e.value) and "\n" not in str(e.value)
+
+    from tests.models.fake_hub import make_cached_repo
+
+    partial = tmp_path / "partial"
+    shutil.copytree(tiny_model_dir, partial, ignore=shutil.ignore_patterns("vae"))
+    own = tmp_path / "cache"  # the session's cache is shared by the other tests
+    make_cached_repo(own, "rangefinder-tests/partial", partial)
+    monkeypatch.setenv("HF_HUB_CACHE", str(own))
+    with pytest.raises(ConfigError, match=r"^model\.base_model: the snapshot of hub model 'rangefinder-tests/partial' "
+                                          r"at revision 'main' in the Hugging Face cache \(.*\) lacks vae/, and the "
+                                          r"hub cannot be reached from here \(.*\) to complete it; pre-fill"):
+        resolve_base_model(ModelConfig(base_model="rangefinder-tests/partial"))
+
+
 def test_the_scheduler_names_taken_without_importing_diffusers_are_its_scheduler_classes():
     """check_scheduler_name takes KNOWN_SCHEDULERS (the demo's DDIM) without importing diffusers, so that a compile
     or resolve-config of the demo's config imports neither it nor torch: each must be a diffusers scheduler class,

@@ -548,7 +548,9 @@ def _cached_snapshot(repo_id: str, revision: str, cache: Path) -> Optional[Path]
         return None
 
 
-def _raise_not_cached(repo_id: str, revision: str, cache: Path) -> None:
+def _revisions_held(repo_id: str, cache: Path) -> Optional[str]:
+    """"refs main, v1 and snapshots <commit>": what the Hugging Face cache holds of a hub repo, for a message naming
+    the revisions model.revision can take offline; None when it holds none of it."""
     from huggingface_hub.file_download import repo_folder_name
 
     repo = cache / repo_folder_name(repo_id=repo_id, repo_type="model")
@@ -556,18 +558,48 @@ def _raise_not_cached(repo_id: str, revision: str, cache: Path) -> None:
         if (repo / "refs").is_dir() else []
     # Whole commits: a snapshot's name is the only revision that finds it offline (a short hash does not).
     snapshots = sorted(p.name for p in (repo / "snapshots").iterdir()) if (repo / "snapshots").is_dir() else []
+    if not (refs or snapshots):
+        return None
+    return f"refs {', '.join(refs) or 'none'} and snapshots {', '.join(snapshots) or 'none'}"
+
+
+def _raise_not_cached(repo_id: str, revision: str, cache: Path) -> None:
+    held = _revisions_held(repo_id, cache)
     fill = (f"pre-fill it with `HF_HUB_CACHE={cache} hf download {repo_id} --revision {revision} "
             f"{HUB_INCLUDE}`, or unset HF_HUB_OFFLINE (with HF_TOKEN for a gated or private repo) so the "
             "first step downloads it")
-    if refs or snapshots:
+    if held:
         raise ConfigError(
             f"model.revision: {revision!r} of hub model {repo_id!r} is not in the Hugging Face cache {cache} (it "
-            f"holds refs {', '.join(refs) or 'none'} and snapshots {', '.join(snapshots) or 'none'}) and "
-            f"HF_HUB_OFFLINE is set; set model.revision to one of those, or {fill}"
+            f"holds {held}) and HF_HUB_OFFLINE is set; set model.revision to one of those, or {fill}"
         )
     raise ConfigError(
         f"model.base_model: hub model {repo_id!r} (revision {revision!r}) is not in the Hugging Face cache {cache} "
         f"and HF_HUB_OFFLINE is set; {fill}"
+    )
+
+
+def _unreachable(repo_id: str, revision: str, cache: Path, e: Exception) -> ConfigError:
+    """The error for a hub that cannot be reached, saying what the cache holds of the repo: the revision's snapshot
+    without some of its parts (a download cut short), other revisions (a misspelt model.revision), or nothing."""
+    unreachable = f"the hub cannot be reached from here ({_first_line(e)})"
+    fill = f"pre-fill the cache on a machine that can reach it (`hf download {repo_id} --revision {revision}`)"
+    partial = _cached_snapshot(repo_id, revision, cache)
+    lacks = _missing_parts(partial) if partial is not None else None
+    if partial is not None and lacks:
+        return ConfigError(
+            f"model.base_model: the snapshot of hub model {repo_id!r} at revision {revision!r} in the Hugging Face "
+            f"cache ({partial}) lacks {', '.join(f'{p}/' for p in lacks)}, and {unreachable} to complete it; {fill}"
+        )
+    held = _revisions_held(repo_id, cache)
+    if held:
+        return ConfigError(
+            f"model.revision: {revision!r} of hub model {repo_id!r} is not in the Hugging Face cache {cache} (it "
+            f"holds {held}) and {unreachable}; set model.revision to one of those, or {fill}"
+        )
+    return ConfigError(
+        f"model.base_model: hub model {repo_id!r} is not in the Hugging Face cache {cache} and {unreachable}; {fill}, "
+        "or pass a local folder or checkpoint file"
     )
 
 
@@ -634,11 +666,7 @@ def _fetch_model_index(repo_id: str, revision: str, cache: Path) -> Path:
     except ConfigError:
         raise
     except Exception as e:  # network errors come from the HTTP library, whose classes vary by version
-        raise ConfigError(
-            f"model.base_model: hub model {repo_id!r} is not in the Hugging Face cache {cache} and the hub cannot be "
-            f"reached from here ({_first_line(e)}); pre-fill the cache on a machine that can reach it (`hf download "
-            f"{repo_id} --revision {revision}`), or pass a local folder or checkpoint file"
-        ) from None
+        raise _unreachable(repo_id, revision, cache, e) from None
 
 
 # ---------------------------------------------------------------------------------------------------------------
