@@ -531,6 +531,23 @@ def test_an_unreachable_hub_says_what_the_cache_holds_of_the_model(fake_hub_cach
         resolve_base_model(ModelConfig(base_model="rangefinder-tests/partial"))
 
 
+@pytest.mark.parametrize("variable", ["HF_HOME", "HF_HUB_CACHE"])
+def test_a_hub_cache_variable_one_folder_off_names_the_folder_that_holds_the_model(variable, offline_hub, tmp_path,
+                                                                                   monkeypatch):
+    """HF_HOME set to the hub cache itself (it is HF_HOME/hub), or HF_HUB_CACHE to the folder above it: the model was
+    "not in the Hugging Face cache", with a download to fill the wrong folder."""
+    cache, _ = offline_hub
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "hub").symlink_to(cache)
+    monkeypatch.delenv("HF_HUB_CACHE")
+    monkeypatch.setenv(variable, str(cache if variable == "HF_HOME" else home))
+    with pytest.raises(ConfigError) as e:
+        resolve_base_model(ModelConfig(base_model=HUB_REPO))
+    holder = cache if variable == "HF_HOME" else home / "hub"
+    assert f"(it is in {holder}: set HF_HUB_CACHE={holder}, the folder the models--* folders are in" in str(e.value)
+
+
 def test_the_scheduler_names_taken_without_importing_diffusers_are_its_scheduler_classes():
     """check_scheduler_name takes KNOWN_SCHEDULERS (the demo's DDIM) without importing diffusers, so that a compile
     or resolve-config of the demo's config imports neither it nor torch: each must be a diffusers scheduler class,

@@ -563,6 +563,19 @@ def _revisions_held(repo_id: str, cache: Path) -> Optional[str]:
     return f"refs {', '.join(refs) or 'none'} and snapshots {', '.join(snapshots) or 'none'}"
 
 
+def _cache_one_level_off(repo_id: str, cache: Path) -> str:
+    """A clause for a cache that holds nothing of the repo where the folder above or below it does: HF_HOME set to the
+    hub cache itself (which is HF_HOME/hub), or HF_HUB_CACHE to HF_HOME. Empty otherwise."""
+    from huggingface_hub.file_download import repo_folder_name
+
+    name = repo_folder_name(repo_id=repo_id, repo_type="model")
+    other = next((d for d in (cache / "hub", cache.parent) if (d / name).is_dir()), None)
+    if other is None:
+        return ""
+    return (f" (it is in {other}: set HF_HUB_CACHE={other}, the folder the models--* folders are in; HF_HOME is the "
+            "folder above it)")
+
+
 def _raise_not_cached(repo_id: str, revision: str, cache: Path) -> None:
     held = _revisions_held(repo_id, cache)
     fill = (f"pre-fill it with `HF_HUB_CACHE={cache} hf download {repo_id} --revision {revision} "
@@ -574,8 +587,8 @@ def _raise_not_cached(repo_id: str, revision: str, cache: Path) -> None:
             f"holds {held}) and HF_HUB_OFFLINE is set; set model.revision to one of those, or {fill}"
         )
     raise ConfigError(
-        f"model.base_model: hub model {repo_id!r} (revision {revision!r}) is not in the Hugging Face cache {cache} "
-        f"and HF_HUB_OFFLINE is set; {fill}"
+        f"model.base_model: hub model {repo_id!r} (revision {revision!r}) is not in the Hugging Face cache {cache}"
+        f"{_cache_one_level_off(repo_id, cache)} and HF_HUB_OFFLINE is set; {fill}"
     )
 
 
@@ -598,8 +611,8 @@ def _unreachable(repo_id: str, revision: str, cache: Path, e: Exception) -> Conf
             f"holds {held}) and {unreachable}; set model.revision to one of those, or {fill}"
         )
     return ConfigError(
-        f"model.base_model: hub model {repo_id!r} is not in the Hugging Face cache {cache} and {unreachable}; {fill}, "
-        "or pass a local folder or checkpoint file"
+        f"model.base_model: hub model {repo_id!r} is not in the Hugging Face cache {cache}"
+        f"{_cache_one_level_off(repo_id, cache)} and {unreachable}; {fill}, or pass a local folder or checkpoint file"
     )
 
 
