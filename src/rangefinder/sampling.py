@@ -124,6 +124,21 @@ def _column_family(column: GridColumn) -> Optional[str]:
     return None
 
 
+def undelivered(path: Path) -> Optional[str]:
+    """Why a run's `final/` or `chosen/` that does not exist is not there, when its run folder says: the run stopped
+    (killed, or still training) before it delivered them; the line names its newest whole checkpoint, which samples
+    and registers as a model does. None where the path is no such folder."""
+    run = path.parent
+    # A run that wrote final/ ended (`train` writes no chosen/).
+    if path.name not in ("final", "chosen") or (run / "final").is_dir() or not (run / checkpoints.RUN_DIR).is_dir():
+        return None
+    newest = checkpoints.latest_checkpoint(run / checkpoints.RUN_DIR)
+    instead = (f"pass its newest checkpoint, {newest}, or resume the run (`rangefinder train --resume` with --out "
+               f"{run})") if newest is not None else "it left no whole checkpoint: train it again"
+    return (f"{path} does not exist: the run in {run} stopped before it wrote {path.name}/ (killed, or still "
+            f"training); {instead}")
+
+
 def resolve_column(path: Union[str, Path], label: Optional[str] = None) -> GridColumn:
     """What a path holds, for the grid: a diffusers pipeline folder, a training checkpoint or an adapter."""
     p = Path(path)
@@ -133,7 +148,8 @@ def resolve_column(path: Union[str, Path], label: Optional[str] = None) -> GridC
                           f"(`mlflow artifacts download -u {path} -d DIR`, with MLFLOW_TRACKING_URI set) and pass the "
                           "folder under DIR/artifacts/ that holds model_index.json")
     if not p.exists():
-        raise ConfigError(f"{p} does not exist; pass a model folder, a checkpoint folder or a weights file")
+        raise ConfigError(undelivered(p) or f"{p} does not exist; pass a model folder, a checkpoint folder or a "
+                          "weights file")
     if p.is_file() and p.name == checkpoints.WEIGHTS_NAME and (p.parent / checkpoints.STATE_NAME).is_file():
         p = p.parent
     label = label or (p.parent.name if p.name == "final" else p.stem if p.is_file() else p.name)

@@ -196,8 +196,9 @@ def test_resume_on_a_folder_that_holds_no_run_is_refused(holds, split_dir, tmp_p
 
 
 @pytest.mark.slow
-def test_ctrl_c_says_interrupted_and_names_the_command_that_goes_on(split_dir, tiny_model_dir, tmp_path):
-    """SIGINT (Ctrl-C) after the first checkpoint: one line, "interrupted", and the same command with --resume."""
+def test_ctrl_c_says_interrupted_and_names_the_command_that_goes_on(split_dir, tiny_model_dir, tmp_path, capsys):
+    """SIGINT (Ctrl-C) after the first checkpoint: one line, "interrupted", and the same command with --resume. The
+    final/ it never wrote, given to `sample` or `register`, names the run's newest checkpoint instead."""
     import os
     import signal
     import subprocess
@@ -223,6 +224,21 @@ def test_ctrl_c_says_interrupted_and_names_the_command_that_goes_on(split_dir, t
     assert proc.returncode == 130, err[-2000:]
     line = err[err.index("rangefinder train: interrupted"):].splitlines()[0]
     assert line.endswith("go on from the newest checkpoint with: rangefinder " + " ".join(args) + " --resume"), line
+
+    # Both said only "final does not exist" (sample) or "is not a folder" (register).
+    from rangefinder.formats.checkpoints import latest_checkpoint
+
+    newest = latest_checkpoint(out / "checkpoints")
+    for command in (["sample", "--model", str(tiny_model_dir), "--checkpoints", str(out / "final"), "--out",
+                     str(tmp_path / "grid")],
+                    ["register", str(out / "final"), "--config", str(tmp_path / "none.yaml"), "--lr", "1e-4",
+                     "--epochs", "1"]):
+        assert main(command) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == (f"rangefinder {command[0]}: error: {out / 'final'} does not exist: the run in {out} stopped "
+                       f"before it wrote final/ (killed, or still training); pass its newest checkpoint, {newest}, or "
+                       f"resume the run (`rangefinder train --resume` with --out {out})"), err
+    assert not (tmp_path / "grid").exists()
 
 
 def test_train_prints_no_line_about_torchvision_and_every_other_warning(split_dir, tiny_model_dir, tmp_path):

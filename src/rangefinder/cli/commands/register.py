@@ -33,11 +33,13 @@ def run(args: argparse.Namespace) -> dict:
 
     from rangefinder.config import load_config
     from rangefinder.errors import ConfigError
+    from rangefinder.sampling import undelivered
     from rangefinder.steps.register_model import run_register_model
 
     model_dir = Path(args.model_dir)
     if not model_dir.is_dir():
-        raise ConfigError(f"{model_dir} is not a folder; pass the fine-tune's or retrain's model folder")
+        raise ConfigError(undelivered(model_dir) or f"{model_dir} is not a folder; pass the fine-tune's or retrain's "
+                          "model folder")
     r = run_register_model(load_config(args.config), model_dir=model_dir, lr=args.lr, epochs=args.epochs,
                            mlflow_parent_run_id=args.parent_run_id)
     return {"model_uri": r.model_uri, "version": r.version, "weights": str(r.weights)}
