@@ -105,14 +105,18 @@ def _classify_file(path: Path) -> tuple[ColumnKind, Optional[str]]:
 def _column_family(column: GridColumn) -> Optional[str]:
     """The family (config.FAMILY_NAMES) of a column whose files tell it without loading weights (a diffusers folder,
     a full fine-tune's unet/, a .safetensors file whose model spec names its architecture, as rangefinder's and
-    kohya's exports do); None for the others (engine checkpoints, and files that say nothing, are checked when
-    loaded). diffusers loaded a Flux LoRA on SD3 in part, and an SD 1.x embedding on SDXL, without a word."""
+    kohya's exports do, a training checkpoint, whose state records its run's); None for the others (files that say
+    nothing are checked when loaded). diffusers loaded a Flux LoRA on SD3 in part, and an SD 1.x embedding on SDXL,
+    without a word."""
     from rangefinder.models.loading import detect_family
 
     if column.kind == "pipeline":
         return detect_family(column.path)
     if column.path.is_file() and column.path.suffix == ".safetensors":
         return architecture_family(_safetensors_info(column.path)[1])
+    if column.kind == "engine_checkpoint":  # the family its run trained (checked intact before this is read)
+        family = checkpoints.read_state(column.path).get("family")
+        return family if family in FAMILY_NAMES else None
     if column.kind == "unet":
         try:
             unet = json.loads((column.path / "unet" / "config.json").read_text())
@@ -450,7 +454,8 @@ def render_grid(
             checkpoints.require_intact(c.path)
         family = _column_family(c)
         if base_family is not None and family is not None and family != base_family:
-            what = {"lora": "LoRA", "textual_inversion": "embedding"}.get(c.kind, "model")
+            what = {"lora": "LoRA", "textual_inversion": "embedding",
+                    "engine_checkpoint": "checkpoint"}.get(c.kind, "model")
             raise ConfigError(f"column {c.label} ({c.path}) is a {FAMILY_NAMES[family]} {what}, but the base model "
                               f"{base} is {FAMILY_NAMES[base_family]}: a grid compares weights of one family; pass "
                               "--model of its family")

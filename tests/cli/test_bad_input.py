@@ -551,6 +551,26 @@ def test_sample_refuses_an_adapter_diffusers_would_apply_in_part_or_not_at_all(f
     assert not out.exists()
 
 
+def test_a_training_checkpoint_of_another_family_in_sample_is_one_line(tmp_path, split_dir, tiny_model_dir,
+                                                                       tiny_sdxl_dir):
+    """A textual-inversion checkpoint of SD 1.x on an SDXL base model was loaded, and refused half-way with "does not
+    hold 1 embedding vectors for text_encoder_2; resume with the same training.textual_inversion settings"."""
+    from rangefinder.formats.checkpoints import latest_checkpoint
+
+    run = tmp_path / "run"
+    trained = in_process("train", "--data", str(split_dir), "--model", str(tiny_model_dir), "--out", str(run),
+                         "--method", "textual_inversion", "--steps", "1", "--checkpoint-every-updates", "1",
+                         "--validate-every-epochs", "0")
+    assert trained.returncode == 0, trained.stderr
+    checkpoint = latest_checkpoint(run / "checkpoints")
+    out = tmp_path / "grid"
+    assert_one_line_error(in_process("sample", "--model", str(tiny_sdxl_dir), "--checkpoints", str(checkpoint),
+                                     "--out", str(out), "--steps", "1"),
+                          f"({checkpoint}) is a Stable Diffusion 1.x/2.x checkpoint, but the base model",
+                          "is Stable Diffusion XL")
+    assert not out.exists()
+
+
 def test_a_runs_folder_as_a_sample_column_names_the_models_in_it(tmp_path, tiny_model_dir):
     """`sample --checkpoints OUT` (a `train --out` folder) was told the folder holds no model_index.json, unet/, ..."""
     run = tmp_path / "run"
