@@ -241,6 +241,21 @@ def test_a_cell_is_what_diffusers_renders_with_the_grid_s_settings(tiny_model_di
     assert cell.shape == (48, 48, 3) and np.array_equal(cell, np.asarray(direct))
 
 
+def test_a_base_model_of_variant_files_alone_is_sampled_as_its_plain_copy(tiny_model_dir, tmp_path):
+    """A base model downloaded with model.variant: fp16 holds its weights as `*.fp16.safetensors` alone, which diffusers
+    loads only when told the variant: after the whole fine-tune, sample-images and register-model's pipeline of a
+    LoRA refused it ("no file named diffusion_pytorch_model.bin found in directory"), and so did `sample`."""
+    import shutil
+
+    fp16 = tmp_path / "fp16-only"
+    shutil.copytree(tiny_model_dir, fp16)
+    for weights in fp16.glob("*/*.safetensors"):  # the same tensors, under the variant's names
+        weights.rename(weights.with_name(weights.name.replace(".safetensors", ".fp16.safetensors")))
+    cells = [render_grid([model], ["a red circle"], [5], out_dir=tmp_path / name, steps=1, device="cpu")["images"]
+             for name, model in (("variant", fp16), ("plain", tiny_model_dir))]
+    assert np.array_equal(*(np.asarray(Image.open(grid[0][0])) for grid in cells))
+
+
 def test_a_full_fine_tune_s_unet_column_is_told_sdxl_by_its_config(tiny_model_dir, tiny_sdxl_dir, tmp_path):
     """A full fine-tune's checkpoint folder (unet/ alone) of SDXL is an SDXL column: refused on an SD 1.x base
     before anything renders, in the line naming both families."""

@@ -32,7 +32,12 @@ from rangefinder.formats.grid import compose_grid
 from rangefinder.formats.lora import LORA_WEIGHTS_NAME
 from rangefinder.formats.model_spec import architecture_family
 from rangefinder.formats.text import NotUtf8, decode_utf8
-from rangefinder.models.loading import check_scheduler_name, pipeline_call_kwargs, predict_as_the_file_says
+from rangefinder.models.loading import (
+    check_scheduler_name,
+    folder_variant,
+    pipeline_call_kwargs,
+    predict_as_the_file_says,
+)
 from rangefinder.training.family_detection import detect_family, guidance_scale_for
 
 ColumnKind = str  # "pipeline" | "single_file" | "unet" | "lora" | "textual_inversion" | "engine_checkpoint"
@@ -212,14 +217,14 @@ def load_column_pipeline(column: GridColumn, base_model: Path, *, device: str, d
     cls, family_kwargs = pipeline_class(base_model)
     common = dict(torch_dtype=dtype, **family_kwargs)
     if column.kind == "pipeline":
-        pipe = cls.from_pretrained(str(column.path), local_files_only=True, **common)
+        pipe = cls.from_pretrained(str(column.path), local_files_only=True, **_variant_of(column.path), **common)
     elif column.kind == "single_file":
         pipe = cls.from_single_file(str(column.path), config=str(base_model), local_files_only=True, **common)
         predict_as_the_file_says(pipe, column.path)  # not the base model's: the file may predict otherwise
     elif column.kind == "engine_checkpoint":
         pipe = _engine_checkpoint_pipeline(column.path, base_model, common)
     else:
-        pipe = cls.from_pretrained(str(base_model), local_files_only=True, **common)
+        pipe = cls.from_pretrained(str(base_model), local_files_only=True, **_variant_of(base_model), **common)
         if column.kind == "unet":
             pipe.unet = UNet2DConditionModel.from_pretrained(str(column.path / "unet"), torch_dtype=dtype)
             if (column.path / "text_encoder" / "config.json").is_file():
@@ -247,6 +252,13 @@ def load_column_pipeline(column: GridColumn, base_model: Path, *, device: str, d
         pipe.scheduler = getattr(diffusers, scheduler).from_config(pipe.scheduler.config)
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(device)
+
+
+def _variant_of(folder: Path) -> dict[str, str]:
+    """diffusers' `variant` for a folder whose parts hold only that variant's weights (a base model downloaded with
+    model.variant: fp16), which it loads only when told; none for plain weights."""
+    variant = folder_variant(Path(folder))
+    return {"variant": variant} if variant else {}
 
 
 def export_pipeline(weights: Path, base_model: Path, out_dir: Path) -> Path:
@@ -299,7 +311,7 @@ def _engine_checkpoint_pipeline(ckpt_dir: Path, base_model: Path, common: dict):
     layout = FAMILY_LAYOUTS[sd.family]  # the denoiser is the pipeline's unet or transformer
     parts = {layout.denoiser: sd.unet, "text_encoder": sd.text_encoder, "tokenizer": sd.tokenizer,
              "scheduler": sampling_scheduler(sd), **{name: getattr(sd, name) for name in layout.parts}}
-    pipe = cls.from_pretrained(str(base_model), local_files_only=True, **parts, **common)
+    pipe = cls.from_pretrained(str(base_model), local_files_only=True, **parts, **_variant_of(base_model), **common)
     return pipe.to(common["torch_dtype"])
 
 

@@ -185,21 +185,29 @@ def test_a_folder_s_variant_files_are_the_ones_loaded(tiny_model_dir, folder_par
         weights.rename(weights.with_name(weights.name.replace(".safetensors", ".fp16.safetensors")))
     parts = load_sd_components(ModelConfig(base_model=str(folder), variant="fp16"))
     assert parts.kind == "folder" and _same_weights(parts.unet, folder_parts.unet)
+    # Variant files alone need no model.variant: the one variant there is loaded (diffusers and transformers load
+    # them only when told it; every step after the first, sampling and restoring a checkpoint, was told none).
+    parts = load_sd_components(ModelConfig(base_model=str(folder)))
+    assert _same_weights(parts.unet, folder_parts.unet) and _same_weights(parts.text_encoder, folder_parts.text_encoder)
 
 
 def test_a_part_without_the_weights_asked_for_names_the_part_and_the_variant_to_set(tiny_model_dir, tmp_path):
-    """An fp16-only download loaded without model.variant, a variant the folder lacks, a part with no weights: diffusers
-    and transformers said "no file named diffusion_pytorch_model.bin (or model.safetensors) found in directory" of the
-    model's folder, naming neither the part nor model.variant."""
+    """Two variants and no plain weights without model.variant, a variant the folder lacks, a part with no weights:
+    diffusers and transformers said "no file named diffusion_pytorch_model.bin (or model.safetensors) found in
+    directory" of the model's folder, naming neither the part nor model.variant."""
     import shutil
 
     fp16 = tmp_path / "fp16-only"
     shutil.copytree(tiny_model_dir, fp16)
     for weights in fp16.glob("*/*.safetensors"):
         weights.rename(weights.with_name(weights.name.replace(".safetensors", ".fp16.safetensors")))
+    two = tmp_path / "fp16-and-bf16"
+    shutil.copytree(fp16, two)
+    for weights in two.glob("*/*.fp16.safetensors"):
+        shutil.copy(weights, weights.with_name(weights.name.replace(".fp16.", ".bf16.")))
     cases = [
-        (ModelConfig(base_model=str(fp16)), "holds only the fp16 variant of its weights, and model.variant is unset; "
-                                            "set model.variant: fp16"),
+        (ModelConfig(base_model=str(two)), "holds only the bf16 and fp16 variants of its weights, and model.variant "
+                                           "is unset; set model.variant to the one to train"),
         (ModelConfig(base_model=str(fp16), variant="fp61"), "has no 'fp61' variant of its weights (model.variant), "
                                                             "only fp16; set model.variant to one of those"),
         (ModelConfig(base_model=str(tiny_model_dir), variant="fp16"), "has no 'fp16' variant of its weights "

@@ -240,7 +240,8 @@ def _check_folder(folder: Path, what: str, variant: Optional[str] = None) -> Non
     layout = FAMILY_LAYOUTS[detect_family(folder)]  # a pipeline class rangefinder does not train: say so now
     _refuse_code(folder, what)
     for part, _ in layout.classes:  # weights the load would not find (an fp16-only download): said now, not by the
-        problem = _weights_missing(folder / part, variant) if _has_weights(part) else None  # step that loads them
+        problem = _weights_missing(folder / part, variant or sole_variant(folder / part)) if _has_weights(part) \
+            else None  # step that loads them
         if problem is not None:
             raise ConfigError(f"model.base_model: {part}/ of {what} {problem}")
 
@@ -704,8 +705,9 @@ def _load_folder(resolved: ResolvedModel, model_cfg: ModelConfig) -> SDComponent
             cls = import_named(class_path)
             weights = _has_weights(part)
             key = {layout.denoiser: "unet", "scheduler": "noise_scheduler"}.get(part, part)
+            variant = (var.get("variant") or sole_variant(resolved.path / part)) if weights else None
             parts[key] = cls.from_pretrained(folder, subfolder=part, local_files_only=True,
-                                             **(var if weights else {}))
+                                             **({"variant": variant} if variant else {}))
     except (OSError, ValueError, pickle.UnpicklingError) as e:
         where = f"{part}/ of {folder} ({resolved.source})"
         if _raised_from(e, pickle.UnpicklingError):  # torch.load(weights_only=True) met more than tensors in a .bin:
@@ -745,18 +747,40 @@ _WEIGHTS_FILE = re.compile(r"^(?:diffusion_pytorch_model|model|pytorch_model)(?:
                            r"(?:-\d+-of-\d+)?\.(?:safetensors|bin)(?:\.index\.json)?$")
 
 
+def _variants(part_dir: Path) -> set[Optional[str]]:
+    """The variants a part's weights files are in (None: the plain weights)."""
+    files = part_dir.iterdir() if part_dir.is_dir() else ()
+    return {m["variant"] for f in files if (m := _WEIGHTS_FILE.match(f.name))}
+
+
+def sole_variant(part_dir: Path) -> Optional[str]:
+    """The variant a part holds its weights in when it holds them in that one alone, no plain ones (an fp16-only
+    download, or a part of a folder saved so): diffusers and transformers load such files only when told their
+    variant, which model.variant need not repeat; None otherwise."""
+    found = _variants(part_dir)
+    return next(iter(found)) if len(found) == 1 else None
+
+
+def folder_variant(folder: Path) -> Optional[str]:
+    """The variant to load a whole diffusers folder with (a pipeline's from_pretrained, which takes the plain weights
+    of a part without that variant): the one its parts without plain weights hold theirs in; None when every part
+    has plain weights (or they disagree: the load names what is missing)."""
+    only = {sole_variant(part) for part in folder.iterdir() if part.is_dir() and None not in _variants(part)}
+    only.discard(None)
+    return next(iter(only)) if len(only) == 1 else None
+
+
 def _weights_missing(part_dir: Path, variant: Optional[str]) -> Optional[str]:
-    """Why a part of a diffusers folder has no weights its load would find, with the fix: only another
-    variant's files (an fp16-only download, without model.variant), none of the variant asked for, or none at all;
-    None when the files asked for are there."""
-    found = {m["variant"] for f in (part_dir.iterdir() if part_dir.is_dir() else ())
-             if (m := _WEIGHTS_FILE.match(f.name))}
+    """Why a part of a diffusers folder has no weights its load would find, with the fix: only other variants'
+    files (more than one, model.variant unset), none of the variant asked for, or none at all; None when the files
+    asked for are there."""
+    found = _variants(part_dir)
     if variant in found:
         return None
     others = sorted(v for v in found if v is not None)
     if variant is None and others:
-        return (f"holds only the {' and '.join(others)} variant of its weights, and model.variant is unset; set "
-                f"model.variant: {others[0]}")
+        return (f"holds only the {' and '.join(others)} variants of its weights, and model.variant is unset; set "
+                f"model.variant to the one to train")
     if variant is not None and not others and found:
         return (f"has no {variant!r} variant of its weights (model.variant), only the plain ones; leave model.variant "
                 "unset")
