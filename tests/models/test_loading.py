@@ -91,6 +91,19 @@ def test_a_single_file_config_of_another_family_is_refused_before_converting(tin
                                        cache_dir=str(tmp_path / "cache")))
 
 
+def test_a_single_file_config_of_a_unet_family_for_a_transformer_file_names_both_families(tiny_flux_dir,
+                                                                                          tiny_model_dir, tmp_path):
+    """A Flux (or SD3) file with an SD 1.x folder as its architecture was told the folder "is not a diffusers folder
+    (no transformer/)"."""
+    from rangefinder.formats.flux_layout import export_flux_transformer
+
+    bare = export_flux_transformer(tiny_flux_dir, tmp_path / "flux.safetensors", {})
+    with pytest.raises(ConfigError, match=r"^model\.single_file_config: .* is a Stable Diffusion 1.x/2.x model but "
+                                          r".* is a Flux.1 checkpoint; pass a folder of the checkpoint's own family$"):
+        resolve_base_model(ModelConfig(base_model=str(bare), single_file_config=str(tiny_model_dir),
+                                       cache_dir=str(tmp_path / "cache")))
+
+
 def test_the_weights_digest_tells_two_fine_tunes_of_one_architecture_apart(folder_parts):
     """The base model's digest reads the weights' values, not only their names and shapes: another fine-tune of the
     same architecture (differing in its first values, as every tensor of one does) is another base model."""

@@ -362,6 +362,8 @@ def _single_file_config(path: Path, model_cfg: ModelConfig, family: str = "sd1")
     denoiser = FAMILY_DENOISER.get(family, "unet")
     if explicit:
         folder = Path(explicit).expanduser()
+        if (folder / "model_index.json").is_file():  # said before its parts: a folder of SDXL has no transformer/
+            _check_config_family(folder, path, family)
         if not (folder / denoiser).is_dir():
             raise ConfigError(f"model.single_file_config: {folder} is not a diffusers folder (no {denoiser}/); pass "
                               "the folder of a model with the same architecture")
@@ -407,11 +409,7 @@ def _convert_single_file(path: Path, config: Optional[Path], out: Path, family: 
     layout = FAMILY_LAYOUTS[family]
     kwargs: dict[str, Any] = dict(layout.pipeline_kwargs)
     if config is not None:
-        if detect_family(config) != family:
-            raise ConfigError(
-                f"model.single_file_config: {config} is a {FAMILY_NAMES[detect_family(config)]} model but {path} is "
-                f"a {FAMILY_NAMES[family]} checkpoint; pass a folder of the checkpoint's own family"
-            )
+        _check_config_family(config, path, family)
         kwargs.update(config=str(config), local_files_only=True)
     pipeline_class: Any = getattr(diffusers, layout.pipeline)
     try:
@@ -425,6 +423,16 @@ def _convert_single_file(path: Path, config: Optional[Path], out: Path, family: 
         raise ConfigError(f"model.base_model: cannot convert the checkpoint {path}: {_first_line(e)}; {hint}") from None
     predict_as_the_file_says(pipe, path)
     pipe.save_pretrained(str(out), safe_serialization=True)
+
+
+def _check_config_family(config: Path, path: Path, family: str) -> None:
+    """ConfigError where the folder giving a single file's architecture is a model of another family."""
+    theirs = detect_family(config)
+    if theirs != family:
+        raise ConfigError(
+            f"model.single_file_config: {config} is a {FAMILY_NAMES[theirs]} model but {path} is a "
+            f"{FAMILY_NAMES[family]} checkpoint; pass a folder of the checkpoint's own family"
+        )
 
 
 def predict_as_the_file_says(pipe: Any, path: Path) -> None:
@@ -452,9 +460,7 @@ def _convert_flux_file(path: Path, config: Optional[Path], out: Path) -> None:
             f"model.base_model: {path} holds Flux's transformer only (Black Forest Labs' layout); set "
             "model.single_file_config to a local Flux diffusers folder, whose VAE, CLIP-L and T5 are used with it"
         )
-    if detect_family(config) != "flux":
-        raise ConfigError(f"model.single_file_config: {config} is a {FAMILY_NAMES[detect_family(config)]} model but "
-                          f"{path} is a Flux.1 transformer; pass a Flux folder")
+    _check_config_family(config, path, "flux")
     pipe = FluxPipeline.from_pretrained(str(config), local_files_only=True)
     transformer = FluxTransformer2DModel.from_config(pipe.transformer.config)
     try:
