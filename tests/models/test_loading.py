@@ -359,6 +359,26 @@ def test_files_that_are_not_stable_diffusion_checkpoints(tmp_path):
         resolve_base_model(ModelConfig(base_model=str(notes)))
 
 
+def test_an_inpainting_checkpoint_is_named_one_before_converting(tiny_model_dir, tmp_path):
+    """An inpainting model's file (its UNet's first convolution takes the mask and the masked image beside the
+    latents: 9 channels) was converted with a text-to-image architecture, and refused with diffusers' advice to pass
+    ignore_mismatched_sizes=True."""
+    from safetensors.torch import load_file, save_file
+
+    from rangefinder.formats.single_file import export_full
+
+    tensors = load_file(str(export_full(tiny_model_dir, tmp_path / "sd.safetensors")))
+    conv_in = tensors["model.diffusion_model.input_blocks.0.0.weight"]
+    tensors["model.diffusion_model.input_blocks.0.0.weight"] = torch.cat([conv_in, conv_in, conv_in[:, :1]], dim=1)
+    save_file(tensors, str(tmp_path / "sd-inpainting.safetensors"))
+    with pytest.raises(ConfigError, match=r"^model\.base_model: .*sd-inpainting\.safetensors is not a text-to-image "
+                                          r"checkpoint: its UNet takes 9 input channels, an inpainting model's .* pass "
+                                          r"the text-to-image checkpoint it was made from$"):
+        resolve_base_model(ModelConfig(base_model=str(tmp_path / "sd-inpainting.safetensors"),
+                                       single_file_config=str(tiny_model_dir), cache_dir=str(tmp_path / "cache")))
+    assert not (tmp_path / "cache").exists()  # refused before any conversion
+
+
 def test_pickle_checkpoints_are_refused_unread(tmp_path):
     ckpt = tmp_path / "model.ckpt"
     ckpt.write_bytes(b"\x80\x04 a pickle that must never be loaded")

@@ -52,6 +52,9 @@ from rangefinder.training.family_detection import (
 )
 
 SINGLE_FILE_SUFFIX = ".safetensors"
+# A single file's UNet input convolution and VAE decoder input convolution: their input channels are the latents'.
+UNET_CONV_IN_KEY = "model.diffusion_model.input_blocks.0.0.weight"
+VAE_DECODER_CONV_IN_KEY = "first_stage_model.decoder.conv_in.weight"
 # Refused: torch.load of a pickle runs whatever code the file holds (safetensors holds tensors only).
 PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".pkl")
 # The parts training and sampling load; each is a sub-folder of a diffusers Stable Diffusion folder.
@@ -325,6 +328,10 @@ def _check_sd_checkpoint(path: Path) -> str:
     try:
         with safe_open(str(path), framework="pt") as f:
             keys = list(f.keys())
+            # The UNet's first convolution takes the VAE's latents (4 channels in SD 1.x/2.x and SDXL), and more in
+            # an inpainting or image-conditioned UNet (the mask and the masked image, or the input image).
+            unet_in, latents = (f.get_slice(k).get_shape()[1] if k in keys else None
+                                for k in (UNET_CONV_IN_KEY, VAE_DECODER_CONV_IN_KEY))
     except (SafetensorError, OSError) as e:
         raise ConfigError(
             f"model.base_model: {path} is not a readable safetensors file ({_first_line(e)}); download it again"
@@ -336,6 +343,15 @@ def _check_sd_checkpoint(path: Path) -> str:
         raise ConfigError(
             f"model.base_model: {path} is not a Stable Diffusion checkpoint (no model.diffusion_model.* UNet weights; "
             f"it looks like {hint}); pass a whole SD checkpoint, a diffusers folder or a hub id"
+        )
+    if unet_in is not None and unet_in != (latents or 4):
+        kind = {9: "an inpainting model's (latents, mask and masked image)",
+                8: "an image-conditioned model's (latents and the input image, as InstructPix2Pix)"}.get(
+            unet_in, "a model's conditioned on more than the text")
+        raise ConfigError(
+            f"model.base_model: {path} is not a text-to-image checkpoint: its UNet takes {unet_in} input channels, "
+            f"{kind}, where text-to-image takes the VAE's {latents or 4} latent channels, and rangefinder trains "
+            "text-to-image models; pass the text-to-image checkpoint it was made from"
         )
     return single_file_family(path, keys)
 
