@@ -342,6 +342,42 @@ def test_folder_without_model_index(tmp_path, tiny_model_dir):
     assert str(e.value).startswith(f"model.base_model: {folder} is not a diffusers model folder (no model_index.json)")
 
 
+@pytest.mark.parametrize("given", ["a part", "a hub cache folder", "a run's folder", "an adapter's folder"])
+def test_a_folder_one_step_from_a_model_names_what_to_pass(given, tiny_model_dir, fake_hub_cache, tmp_path):
+    """A model's unet/, the Hugging Face cache's models--org--name, a full fine-tune's run folder, a LoRA's or an
+    embedding's folder: each was "not a diffusers model folder (no model_index.json)", with save_pretrained() to use."""
+    import shutil
+
+    import torch
+
+    cache, _ = fake_hub_cache
+    if given == "a part":
+        folder, says = tiny_model_dir / "unet", f"it is the unet/ part of the diffusers folder {tiny_model_dir}: pass"
+    elif given == "a hub cache folder":
+        folder = cache / f"models--{HUB_REPO.replace('/', '--')}"
+        says = f"pass the hub id {HUB_REPO} (with HF_HUB_CACHE={cache}), or one of its snapshot folders"
+    elif given == "a run's folder":
+        folder = tmp_path / "run"
+        shutil.copytree(tiny_model_dir, folder / "final")
+        says = f"it is a run's folder: pass the model it delivered, {folder / 'final'}"
+    else:
+        from rangefinder.config import TrainingConfig
+        from rangefinder.training.methods import make_method
+
+        folder = tmp_path / "final"
+        sd = load_sd_components(ModelConfig(base_model=str(tiny_model_dir)))
+        trainer = make_method(TrainingConfig(method="textual_inversion"))
+        trainer.setup(sd, torch.float32)
+        trainer.save_final(sd, folder)  # as a run's end writes it, naming its base model
+        says = (f"it holds learned_embeds.safetensors, an adapter, which is trained on a base model and applied on "
+                f"top of it: pass that base model ({tiny_model_dir})")
+    with pytest.raises(ConfigError) as e:
+        resolve_base_model(ModelConfig(base_model=str(folder)))
+    assert str(e.value).startswith(f"model.base_model: {folder} is not a diffusers model folder (no "
+                                   "model_index.json); ")
+    assert says in str(e.value) and "save_pretrained" not in str(e.value)
+
+
 def test_files_that_are_not_stable_diffusion_checkpoints(tmp_path):
     from safetensors.torch import save_file
 

@@ -38,8 +38,10 @@ from urllib.parse import urlsplit
 
 from rangefinder.config import FAMILY_NAMES, ModelConfig
 from rangefinder.errors import ConfigError
+from rangefinder.formats import checkpoints
 from rangefinder.formats.digest import hash_file_into
 from rangefinder.formats.single_file import single_file_prediction_type
+from rangefinder.formats.weights_file import read_metadata
 from rangefinder.training.family_detection import (
     FAMILY_DENOISER,
     FAMILY_LAYOUTS,
@@ -231,8 +233,9 @@ def _check_folder(folder: Path, what: str, variant: Optional[str] = None) -> Non
     missing = _missing_parts(folder)
     if missing is None:
         raise ConfigError(
-            f"model.base_model: {what} is not a diffusers model folder (no model_index.json); pass a folder saved "
-            f"with save_pretrained(), a {SINGLE_FILE_SUFFIX} checkpoint file or a hub id"
+            f"model.base_model: {what} is not a diffusers model folder (no model_index.json); "
+            + (_folder_above_or_inside(folder) or f"pass a folder saved with save_pretrained(), a {SINGLE_FILE_SUFFIX} "
+                                                  "checkpoint file or a hub id")
         )
     if missing:
         raise ConfigError(
@@ -247,6 +250,41 @@ def _check_folder(folder: Path, what: str, variant: Optional[str] = None) -> Non
             else None  # step that loads them
         if problem is not None:
             raise ConfigError(f"model.base_model: {part}/ of {what} {problem}")
+
+
+def _folder_above_or_inside(folder: Path) -> Optional[str]:
+    """What to pass instead of a folder without model_index.json that is one step from a model: a part of a diffusers
+    folder (its unet/), the Hugging Face cache's folder of a hub repo (models--org--name, or its snapshots/), a run's
+    folder holding the model it delivered, or an adapter's folder (a LoRA or an embedding is no base model); None
+    for any other folder."""
+    from rangefinder.formats.embeddings import TI_WEIGHTS_NAME
+    from rangefinder.formats.lora import LORA_WEIGHTS_NAME
+
+    if (folder.parent / "model_index.json").is_file():
+        return f"it is the {folder.name}/ part of the diffusers folder {folder.parent}: pass that folder"
+    repo = next((d for d in (folder, folder.parent) if d.name.startswith("models--") and "--" in d.name[8:]), None)
+    if repo is not None:
+        repo_id = repo.name[len("models--"):].replace("--", "/")
+        return (f"it is the Hugging Face cache's folder of hub model {repo_id}: pass the hub id {repo_id} (with "
+                f"HF_HUB_CACHE={repo.parent}), or one of its snapshot folders, {repo / 'snapshots'}/<commit>")
+    delivered = [folder / name for name in ("chosen", "final") if (folder / name / "model_index.json").is_file()]
+    if delivered:
+        return f"it is a run's folder: pass the model it delivered, {delivered[0]}"
+    if checkpoints.is_checkpoint(folder):
+        return (f"it is a training checkpoint, not a model: `rangefinder train --resume --out {folder.parent.parent}` "
+                "continues its run, `rangefinder sample --checkpoints` draws with it, and a full fine-tune's final/ "
+                "is a base model to train further")
+    adapter = next((d / name for d in (folder, folder / "final") for name in (LORA_WEIGHTS_NAME, TI_WEIGHTS_NAME)
+                    if (d / name).is_file()), None)
+    if adapter is not None:
+        try:
+            base = read_metadata(adapter).get("rangefinder.base_model")
+        except Exception:  # noqa: BLE001  (safetensors raises its own error, or OSError, for a file it cannot read)
+            base = None
+        return (f"it holds {adapter.name}, an adapter, which is trained on a base model and applied on top of it: "
+                f"pass that base model{f' ({base})' if base else ''}, and the file to `rangefinder sample "
+                "--checkpoints` to draw with it")
+    return None
 
 
 # A part's config files where transformers' Auto classes find an `auto_map`: the classes of code shipped in the folder.
