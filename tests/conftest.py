@@ -222,3 +222,20 @@ def set_up_engine(spec, out_dir: Path):
     settings = check_settings(spec, out_dir)
     accelerator = start_accelerator(settings.cfg)
     return settings, accelerator, *load_model(settings, accelerator)
+
+
+def delivered_files(base_model: Path, method: str, out: Path) -> Path:
+    """`out` holding the files `method` delivers on the base model folder `base_model`, written through the method's own
+    `save_final` as a run's end writes them (the adapters as they start: what is read is the files' names, layout and
+    metadata, which name `base_model`)."""
+    import torch
+
+    from rangefinder.config import ModelConfig, TrainingConfig
+    from rangefinder.models.loading import load_sd_components
+    from rangefinder.training.methods import make_method
+
+    sd = load_sd_components(ModelConfig(base_model=str(base_model)))
+    trainer = make_method(TrainingConfig(method=method))
+    trainer.setup(sd, torch.float32)
+    trainer.save_final(sd, out)
+    return out

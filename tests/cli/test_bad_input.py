@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import delivered_files
 from tests.tracking.fixtures import free_port
 
 NEEDS_TOMLLIB = pytest.mark.skipif(sys.version_info < (3, 11), reason="Python 3.10 has no TOML reader")
@@ -513,24 +514,6 @@ def test_a_cut_or_foreign_column_in_sample_is_one_line(tmp_path, tiny_model_dir,
     assert not out.exists()
 
 
-def _exported(request, family: str, method: str, out: Path) -> Path:
-    """The files `method` delivers on `family`'s tiny model, written through the method's own `save_final` as a run's
-    end writes them (the adapters as they start: the files' names and metadata are what is read here)."""
-    import torch
-
-    from rangefinder.config import ModelConfig, TrainingConfig
-    from rangefinder.models.loading import load_sd_components
-    from rangefinder.training.methods import make_method
-
-    folder = request.getfixturevalue({"sd1": "tiny_model_dir", "sdxl": "tiny_sdxl_dir", "sd3": "tiny_sd3_dir",
-                                      "flux": "tiny_flux_dir"}[family])
-    sd = load_sd_components(ModelConfig(base_model=str(folder)))
-    trainer = make_method(TrainingConfig(method=method))
-    trainer.setup(sd, torch.float32)
-    trainer.save_final(sd, out)
-    return out
-
-
 @pytest.mark.parametrize("family, method, name, base, words", [
     ("flux", "lora", "pytorch_lora_weights.safetensors", "tiny_sd3_dir",
      ["is a Flux.1 LoRA, but the base model", "is Stable Diffusion 3/3.5"]),
@@ -544,7 +527,9 @@ def test_sample_refuses_an_adapter_diffusers_would_apply_in_part_or_not_at_all(f
     """diffusers loaded a Flux LoRA on SD3 in part (the blocks both name transformer_blocks) and an SD 1.x embedding
     into SDXL's first encoder, and skipped kohya's SD3 names without a word: each column was drawn, labelled as the
     adapter, from weights it did not hold."""
-    adapter = _exported(request, family, method, tmp_path / "final") / name
+    folder = request.getfixturevalue({"sd1": "tiny_model_dir", "sdxl": "tiny_sdxl_dir", "sd3": "tiny_sd3_dir",
+                                      "flux": "tiny_flux_dir"}[family])
+    adapter = delivered_files(folder, method, tmp_path / "final") / name
     out = tmp_path / "grid"
     assert_one_line_error(in_process("sample", "--model", str(request.getfixturevalue(base)), "--checkpoints",
                                      str(adapter), "--out", str(out), "--steps", "1"), str(adapter), *words)

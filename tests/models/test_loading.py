@@ -9,7 +9,7 @@ import torch
 from rangefinder.config import ModelConfig
 from rangefinder.errors import ConfigError
 from rangefinder.models.loading import load_sd_components, resolve_base_model
-from tests.conftest import HUB_REPO
+from tests.conftest import HUB_REPO, delivered_files
 from tests.models.fake_hub import FakeHubServer
 
 
@@ -348,8 +348,6 @@ def test_a_folder_one_step_from_a_model_names_what_to_pass(given, tiny_model_dir
     embedding's folder: each was "not a diffusers model folder (no model_index.json)", with save_pretrained() to use."""
     import shutil
 
-    import torch
-
     cache, _ = fake_hub_cache
     if given == "a part":
         folder, says = tiny_model_dir / "unet", f"it is the unet/ part of the diffusers folder {tiny_model_dir}: pass"
@@ -361,16 +359,9 @@ def test_a_folder_one_step_from_a_model_names_what_to_pass(given, tiny_model_dir
         shutil.copytree(tiny_model_dir, folder / "final")
         says = f"it is a run's folder: pass the model it delivered, {folder / 'final'}"
     else:
-        from rangefinder.config import TrainingConfig
-        from rangefinder.training.methods import make_method
-
-        folder = tmp_path / "final"
-        sd = load_sd_components(ModelConfig(base_model=str(tiny_model_dir)))
-        trainer = make_method(TrainingConfig(method="textual_inversion"))
-        trainer.setup(sd, torch.float32)
-        trainer.save_final(sd, folder)  # as a run's end writes it, naming its base model
+        folder = delivered_files(tiny_model_dir, "textual_inversion", tmp_path / "final")
         says = (f"it holds learned_embeds.safetensors, an adapter, which is trained on a base model and applied on "
-                f"top of it: pass that base model ({tiny_model_dir})")
+                f"top of it; it was trained on {tiny_model_dir}: pass that as the base model")
     with pytest.raises(ConfigError) as e:
         resolve_base_model(ModelConfig(base_model=str(folder)))
     assert str(e.value).startswith(f"model.base_model: {folder} is not a diffusers model folder (no "
@@ -413,6 +404,30 @@ def test_an_inpainting_checkpoint_is_named_one_before_converting(tiny_model_dir,
         resolve_base_model(ModelConfig(base_model=str(tmp_path / "sd-inpainting.safetensors"),
                                        single_file_config=str(tiny_model_dir), cache_dir=str(tmp_path / "cache")))
     assert not (tmp_path / "cache").exists()  # refused before any conversion
+
+
+@pytest.mark.parametrize("given", ["an embedding", "a VAE"])
+def test_an_adapter_or_a_vae_file_as_the_base_model_is_named_with_what_to_pass(given, tiny_model_dir, tmp_path):
+    """Our own embedding file, or a VAE alone, given as the base model: each "looks like an embedding, a VAE or another
+    kind of file", and the embedding did not name the base model it was trained on, which its metadata holds."""
+    from safetensors.torch import load_file, save_file
+
+    from rangefinder.formats.single_file import export_full
+
+    if given == "an embedding":
+        path = delivered_files(tiny_model_dir, "textual_inversion", tmp_path / "final") / "learned_embeds.safetensors"
+        says = (f"it looks like a textual-inversion embedding); it was trained on {tiny_model_dir}: pass that as the "
+                "base model, and this file to `rangefinder sample --checkpoints` to draw with it")
+    else:
+        whole = load_file(str(export_full(tiny_model_dir, tmp_path / "sd.safetensors")))
+        path = tmp_path / "vae.safetensors"  # as VAE files are shipped: the autoencoder's own names
+        save_file({k.removeprefix("first_stage_model."): v for k, v in whole.items()
+                   if k.startswith("first_stage_model.")}, str(path))
+        says = "it looks like a VAE alone); pass a whole SD checkpoint, a diffusers folder or a hub id"
+    with pytest.raises(ConfigError) as e:
+        resolve_base_model(ModelConfig(base_model=str(path)))
+    assert str(e.value) == (f"model.base_model: {path} is not a Stable Diffusion checkpoint (no "
+                            f"model.diffusion_model.* UNet weights; {says}")
 
 
 def test_pickle_checkpoints_are_refused_unread(tmp_path):

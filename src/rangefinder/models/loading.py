@@ -278,12 +278,12 @@ def _folder_above_or_inside(folder: Path) -> Optional[str]:
                     if (d / name).is_file()), None)
     if adapter is not None:
         try:
-            base = read_metadata(adapter).get("rangefinder.base_model")
+            meta = read_metadata(adapter)
         except Exception:  # noqa: BLE001  (safetensors raises its own error, or OSError, for a file it cannot read)
-            base = None
-        return (f"it holds {adapter.name}, an adapter, which is trained on a base model and applied on top of it: "
-                f"pass that base model{f' ({base})' if base else ''}, and the file to `rangefinder sample "
-                "--checkpoints` to draw with it")
+            meta = {}
+        return (f"it holds {adapter.name}, an adapter, which is trained on a base model and applied on top of it; "
+                + (_trained_on(meta) or "pass that base model, and the file to `rangefinder sample --checkpoints` to "
+                                        "draw with it"))
     return None
 
 
@@ -365,7 +365,7 @@ def _check_sd_checkpoint(path: Path) -> str:
 
     try:
         with safe_open(str(path), framework="pt") as f:
-            keys = list(f.keys())
+            keys, meta = list(f.keys()), f.metadata() or {}
             # The UNet's first convolution takes the VAE's latents (4 channels in SD 1.x/2.x and SDXL), and more in
             # an inpainting or image-conditioned UNet (the mask and the masked image, or the input image).
             unet_in, latents = (f.get_slice(k).get_shape()[1] if k in keys else None
@@ -377,10 +377,10 @@ def _check_sd_checkpoint(path: Path) -> str:
     if single_file_family(path, keys) == "flux":  # BFL's transformer file: its names are bare
         return "flux"
     if not any(k.startswith("model.diffusion_model.") for k in keys):
-        hint = "a LoRA" if any("lora" in k for k in keys) else "an embedding, a VAE or another kind of file"
         raise ConfigError(
             f"model.base_model: {path} is not a Stable Diffusion checkpoint (no model.diffusion_model.* UNet weights; "
-            f"it looks like {hint}); pass a whole SD checkpoint, a diffusers folder or a hub id"
+            f"it looks like {_what_file(keys, meta)}); "
+            + (_trained_on(meta) or "pass a whole SD checkpoint, a diffusers folder or a hub id")
         )
     if unet_in is not None and unet_in != (latents or 4):
         kind = {9: "an inpainting model's (latents, mask and masked image)",
@@ -392,6 +392,35 @@ def _check_sd_checkpoint(path: Path) -> str:
             "text-to-image models; pass the text-to-image checkpoint it was made from"
         )
     return single_file_family(path, keys)
+
+
+def _what_file(keys: list[str], meta: dict[str, str]) -> str:
+    """What a .safetensors file that holds no UNet is, for the line refusing it as a base model: read off the model
+    spec's architecture (`.../lora`, `.../textual-inversion`: rangefinder's, kohya's and other trainers' exports),
+    else its tensor names."""
+    arch = meta.get("modelspec.architecture", "")
+    if arch.endswith("/lora") or any("lora" in k for k in keys):
+        return "a LoRA"
+    if arch.endswith("/textual-inversion") or keys in (["emb_params"], ["clip_g", "clip_l"]) or len(keys) == 1:
+        return "a textual-inversion embedding"
+    if any(k.startswith(("encoder.", "decoder.", "first_stage_model.")) for k in keys):
+        return "a VAE alone"
+    return "an embedding, a VAE or another kind of file"
+
+
+def _trained_on(meta: dict[str, str]) -> str:
+    """The clause naming the base model an adapter says it was trained on (rangefinder.base_model), to pass instead."""
+    base = meta.get("rangefinder.base_model")
+    if not base:
+        return ""
+    repo_id, _, revision = base.partition("@")  # a hub id as exports write it, "org/name@revision"
+    if base in ("None", "embedded tiny model"):
+        instead = "leave model.base_model unset for it"
+    elif revision and _looks_like_hub_id(repo_id):
+        instead = f"pass {repo_id} as the base model (model.revision {revision})"
+    else:
+        instead = "pass that as the base model"
+    return f"it was trained on {base}: {instead}, and this file to `rangefinder sample --checkpoints` to draw with it"
 
 
 def _single_file_key(path: Path, config: Optional[Path]) -> tuple[str, str]:
