@@ -32,6 +32,7 @@ from rangefinder.formats.grid import compose_grid
 from rangefinder.formats.lora import LORA_WEIGHTS_NAME
 from rangefinder.formats.model_spec import architecture_family
 from rangefinder.formats.text import NotUtf8, decode_utf8
+from rangefinder.formats.weights_file import pickle_format
 from rangefinder.models.loading import (
     check_scheduler_name,
     folder_variant,
@@ -60,6 +61,11 @@ def _safetensors_info(path: Path) -> tuple[list[str], dict[str, str]]:
         with safe_open(str(path), framework="pt") as f:
             return list(f.keys()), dict(f.metadata() or {})
     except (SafetensorError, OSError) as e:
+        pickled = pickle_format(path)
+        if pickled is not None:
+            raise ConfigError(f"{path} is {pickled}, not safetensors (a pickle checkpoint such as a .ckpt, renamed), "
+                              "which can run code when loaded, so it is refused unread; pass a .safetensors file") \
+                from None
         raise ConfigError(f"{path} is not a readable .safetensors file ({str(e).splitlines()[0]}): it is damaged, "
                           "cut short or not a weights file; pass a whole checkpoint") from None
 

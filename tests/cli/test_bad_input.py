@@ -511,6 +511,13 @@ def test_a_cut_or_foreign_column_in_sample_is_one_line(tmp_path, tiny_model_dir,
     assert_one_line_error(in_process("sample", "--model", str(tiny_sdxl_dir), "--checkpoints", str(tiny_model_dir),
                                       "--out", str(out), "--steps", "1"),
                           "is a Stable Diffusion 1.x/2.x model", "is Stable Diffusion XL")
+    # A .ckpt renamed .safetensors was "damaged, cut short or not a weights file".
+    import torch
+
+    torch.save({"state_dict": {"w": torch.zeros(2)}}, tmp_path / "renamed.safetensors")
+    assert_one_line_error(in_process("sample", "--model", str(tiny_model_dir), "--checkpoints",
+                                     str(tmp_path / "renamed.safetensors"), "--out", str(out), "--steps", "1"),
+                          "renamed.safetensors is a PyTorch zip file, not safetensors", "refused unread")
     assert not out.exists()
 
 

@@ -437,6 +437,20 @@ def test_pickle_checkpoints_are_refused_unread(tmp_path):
         resolve_base_model(ModelConfig(base_model=str(ckpt)))
 
 
+@pytest.mark.parametrize("protocol", ["zip", "legacy"])
+def test_a_pickle_named_safetensors_is_refused_unread_as_a_pickle(protocol, tmp_path):
+    """A .ckpt renamed .safetensors (torch.save's zip, or a legacy pickle) was "not a readable safetensors file ...;
+    download it again"; it is named a pickle, from its first bytes, and nothing in it runs."""
+    path, marker = tmp_path / "model.safetensors", tmp_path / "code-ran"
+    torch.save({"state_dict": _RunsCode(marker)}, path, _use_new_zipfile_serialization=protocol == "zip")
+    with pytest.raises(ConfigError) as e:
+        resolve_base_model(ModelConfig(base_model=str(path)))
+    pickled = "a PyTorch zip file" if protocol == "zip" else "a pickle"
+    assert str(e.value).startswith(f"model.base_model: {path} is {pickled}, not safetensors (a pickle checkpoint such "
+                                   "as a .ckpt, renamed), which can run code when loaded, so it is refused unread")
+    assert not marker.exists()
+
+
 class _RunsCode:
     """Pickled, it calls os.system when unpickled: what a malicious .bin holds beside its tensors."""
 

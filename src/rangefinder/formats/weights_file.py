@@ -103,3 +103,19 @@ def read_metadata(path: Path) -> dict[str, str]:
 
     with safe_open(str(path), framework="pt") as f:
         return dict(f.metadata() or {})
+
+
+def pickle_format(path: Path) -> Optional[str]:
+    """What pickle format a file that should be safetensors is in, read off its first bytes alone (nothing of it is
+    unpickled): "a pickle" (protocol 2 or later, as a .ckpt of torch's legacy format starts), "a PyTorch zip file" (a
+    zip holding a pickle, torch.save's default), or None. A .ckpt renamed .safetensors was said to be "damaged"."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError:
+        return None
+    if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:
+        return "a pickle"
+    if head == b"PK\x03\x04":
+        return "a PyTorch zip file"
+    return None

@@ -41,7 +41,7 @@ from rangefinder.errors import ConfigError
 from rangefinder.formats import checkpoints
 from rangefinder.formats.digest import hash_file_into
 from rangefinder.formats.single_file import single_file_prediction_type
-from rangefinder.formats.weights_file import read_metadata
+from rangefinder.formats.weights_file import pickle_format, read_metadata
 from rangefinder.training.family_detection import (
     FAMILY_DENOISER,
     FAMILY_LAYOUTS,
@@ -371,6 +371,13 @@ def _check_sd_checkpoint(path: Path) -> str:
             unet_in, latents = (f.get_slice(k).get_shape()[1] if k in keys else None
                                 for k in (UNET_CONV_IN_KEY, VAE_DECODER_CONV_IN_KEY))
     except (SafetensorError, OSError) as e:
+        pickled = pickle_format(path)
+        if pickled is not None:
+            raise ConfigError(
+                f"model.base_model: {path} is {pickled}, not safetensors (a pickle checkpoint such as a .ckpt, "
+                f"renamed), which can run code when loaded, so it is refused unread; pass the model's "
+                f"{SINGLE_FILE_SUFFIX} file (most model pages offer one) or a diffusers folder"
+            ) from None
         raise ConfigError(
             f"model.base_model: {path} is not a readable safetensors file ({_first_line(e)}); download it again"
         ) from None
