@@ -79,6 +79,38 @@ def test_cli_sample_writes_grid(tiny_model_dir, tmp_path, capsys):
     assert result["images"] == 1 and (out / "grid.png").is_file() and (out / "grid.json").is_file()
 
 
+def test_cli_sample_takes_a_single_file_or_a_hub_id_as_its_base_model_as_train_does(tiny_model_dir, fake_hub_cache,
+                                                                                    tmp_path, capsys, monkeypatch):
+    """`sample --model` took a diffusers folder alone: the checkpoint file or hub id a run trained on was "not a
+    diffusers folder (no model_index.json)". Each is resolved as `train --model` resolves it, and draws the same
+    cell as the folder it holds."""
+    from rangefinder.formats.single_file import export_full
+    from rangefinder.formats.weights_file import export_metadata
+    from tests.conftest import HUB_REPO
+
+    cache, _ = fake_hub_cache
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("RANGEFINDER_CACHE", str(tmp_path / "rf-cache"))  # where the file is converted
+    single = export_full(tiny_model_dir, tmp_path / "sd.safetensors",
+                         export_metadata(method="full", base_model=str(tiny_model_dir)))
+    cells = []
+    for name, model in (("folder", tiny_model_dir), ("file", single), ("hub", HUB_REPO)):
+        rc = cli_main(["sample", "--model", str(model), "--prompts", str(_one_prompt(tmp_path)), "--seeds", "3",
+                       "--out", str(tmp_path / name), "--steps", "1", "--json"])
+        assert rc == 0, capsys.readouterr().err
+        result = json.loads(capsys.readouterr().out)
+        assert result["columns"] == [{"folder": tiny_model_dir.name, "file": "sd", "hub": "tiny-sd"}[name]]
+        cells.append(np.asarray(Image.open(tmp_path / name / "images" / f"00-{result['columns'][0]}" / "p00-s3.png")))
+    assert all(np.array_equal(cells[0], c) for c in cells[1:])
+
+
+def _one_prompt(tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red circle\n")
+    return prompts
+
+
 def test_cli_sample_renders_at_the_model_s_own_guidance_unless_told(tiny_flux_dir, tmp_path, capsys):
     """`rangefinder sample` without --guidance sampled every family at 7.5; a Flux.1-dev model (the tiny one takes
     guidance) samples at FluxPipeline's own, 3.5: the grid says so, and its cell is the one FluxPipeline renders when

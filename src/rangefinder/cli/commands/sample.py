@@ -21,7 +21,9 @@ def register(sub: argparse._SubParsersAction) -> None:
             "the single images under --out."
         ),
     )
-    p.add_argument("--model", required=True, help="the base model: a diffusers folder (the first column)")
+    p.add_argument("--model", required=True,
+                   help="the base model (the first column): a diffusers folder, a single .safetensors checkpoint or a "
+                   "hub id, as `train --model` takes it")
     p.add_argument(
         "--checkpoints",
         nargs="*",
@@ -47,28 +49,37 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from rangefinder.config import SamplingConfig
+    from pathlib import Path
+
+    from rangefinder.config import ModelConfig, SamplingConfig
     from rangefinder.errors import ConfigError
-    from rangefinder.sampling import read_prompts, render_grid
+    from rangefinder.models.loading import resolve_base_model
+    from rangefinder.sampling import GridColumn, read_prompts, render_grid
 
     d = SamplingConfig()
     prompts = read_prompts(args.prompts) if args.prompts else d.prompts
     seeds = args.seeds if args.seeds else d.seeds
-    models = [args.model, *args.checkpoints]
-    if args.labels and len(args.labels) != len(models):
+    if args.labels and len(args.labels) != 1 + len(args.checkpoints):
         raise ConfigError(
-            f"--labels: {len(args.labels)} labels for {len(models)} columns (the base model and "
+            f"--labels: {len(args.labels)} labels for {1 + len(args.checkpoints)} columns (the base model and "
             f"{len(args.checkpoints)} checkpoints); give one label per column"
         )
     if args.steps < 1:
         raise ConfigError(f"--steps must be at least 1 (got {args.steps})")
+    base: object = args.model
+    if not (Path(args.model).expanduser() / "model_index.json").is_file():
+        # A single file or a hub id, resolved to a diffusers folder as `train --model` resolves it (a file converted
+        # once into the rangefinder cache); anything else is refused there, naming what to pass.
+        folder = resolve_base_model(ModelConfig(base_model=args.model)).path
+        base = GridColumn(args.labels[0] if args.labels else Path(args.model).stem, folder, "pipeline")
+    models = [base, *args.checkpoints]
     result = render_grid(
         models,
         prompts,
         seeds,
         out_dir=args.out,
         labels=args.labels or None,
-        base_model=args.model,
+        base_model=base.path if isinstance(base, GridColumn) else args.model,
         steps=args.steps,
         guidance_scale=args.guidance,
         scheduler=args.scheduler,
