@@ -390,6 +390,22 @@ def test_a_resume_on_another_base_model_of_the_same_family_is_refused(
         resume_short(short_run, tmp_path, split_dir, model)
 
 
+def test_a_resume_on_the_base_model_with_its_scheduler_predicting_otherwise_is_refused(
+        short_run, split_dir, tiny_model_dir, tmp_path):
+    """The same weights, the scheduler config edited to v_prediction (an SD 2.x 768-v folder's config put right
+    mid-run): the weights' digest matched, and the run went on training another target than its first updates."""
+    import shutil
+
+    from rangefinder.errors import ConfigError
+
+    model = Path(shutil.copytree(tiny_model_dir, tmp_path / "model"))
+    config = model / "scheduler" / "scheduler_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "prediction_type": "v_prediction"}))
+    with pytest.raises(ConfigError, match=r"cannot resume: .*what the model is trained to predict \(epsilon -> "
+                                          r"v_prediction: the base model's scheduler config"):
+        resume_short(short_run, tmp_path, split_dir, model)
+
+
 @pytest.mark.slow
 def test_sigterm_mid_epoch_writes_a_checkpoint_there_and_the_kfp_local_retry_resumes_identical(reference, tmp_path):
     """A pod eviction or a spot preemption, through a kfp.local retry (kfp 2.17's local runner honours

@@ -53,6 +53,10 @@ def run_identity(run: Run) -> dict[str, Any]:
         "validation": run.val_cfg.model_dump(mode="json"),
         "data": _data_settings(run.data.data_cfg),
         "train_on": run.settings.train_on,
+        # What the denoiser is trained to predict (epsilon, v_prediction: the base model's scheduler, or
+        # training.prediction_type), which the same weights under an edited scheduler config change; None for the
+        # flow families, which predict the velocity whatever the config.
+        "prediction_type": getattr(run.family, "prediction_type", None),
     }
 
 
@@ -82,6 +86,10 @@ def check_same_run(saved: dict[str, Any], run: Run, train_buckets: Optional[dict
     if identity.get("data_digest") not in (None, now["data_digest"]) or not same_size:
         sizes = "" if same_size else f": {saved['train_images']} training images, now {len(run.settings.train_items)}"
         diffs.append(f"the data (another dataset, or images or captions changed{sizes})")
+    if identity.get("prediction_type") not in (None, now["prediction_type"]):
+        diffs.append(f"what the model is trained to predict ({identity['prediction_type']} -> "
+                     f"{now['prediction_type']}: the base model's scheduler config, or training.prediction_type, "
+                     "says otherwise now)")
     if identity.get("train_on") not in (None, now["train_on"]):
         diffs.append(f"what it trains on ({identity['train_on']} -> {now['train_on']})")
     # Settings as written before a rename (use_8bit_adam: training.optimizer) read as today's.
