@@ -327,7 +327,10 @@ def test_incomplete_hub_snapshot_names_the_missing_parts(offline_hub, tiny_model
     cache = tmp_path / "cache"
     make_cached_repo(cache, "rangefinder-tests/partial", partial)
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    with pytest.raises(ConfigError, match=r"lacks vae/, text_encoder/, tokenizer/, scheduler/"):
+    # It said "a Stable Diffusion folder needs unet/, vae/, ...", of a snapshot the cache holds cut short.
+    with pytest.raises(ConfigError, match=r"lacks vae/, text_encoder/, tokenizer/, scheduler/, which cannot be "
+                                          r"fetched here \(HF_HUB_OFFLINE is set\); complete it with "
+                                          rf"`HF_HUB_CACHE={cache} hf download rangefinder-tests/partial "):
         resolve_base_model(ModelConfig(base_model="rangefinder-tests/partial"))
 
 
@@ -632,8 +635,9 @@ def test_an_unreachable_hub_says_what_the_cache_holds_of_the_model(fake_hub_cach
     make_cached_repo(own, "rangefinder-tests/partial", partial)
     monkeypatch.setenv("HF_HUB_CACHE", str(own))
     with pytest.raises(ConfigError, match=r"^model\.base_model: the snapshot of hub model 'rangefinder-tests/partial' "
-                                          r"at revision 'main' in the Hugging Face cache \(.*\) lacks vae/, and the "
-                                          r"hub cannot be reached from here \(.*\) to complete it; pre-fill"):
+                                          r"at revision 'main' in the Hugging Face cache \(.*\) lacks vae/, which "
+                                          r"cannot be fetched here \(the hub cannot be reached from here: .*\); "
+                                          r"complete it with `HF_HUB_CACHE=.* hf download rangefinder-tests/partial "):
         resolve_base_model(ModelConfig(base_model="rangefinder-tests/partial"))
 
 

@@ -623,8 +623,12 @@ def _resolve_hub(repo_id: str, model_cfg: ModelConfig) -> ResolvedModel:
     where = f"hub model {repo_id!r} at revision {revision!r}"
     folder = _cached_snapshot(repo_id, revision, cache)
     # A snapshot without its parts' configs (model_index.json alone, fetched by hub_family; a download cut short)
-    # is completed where the hub can be reached; offline, _check_folder names what it lacks.
-    if folder is None or (_missing_parts(folder) != [] and not hub_offline()):
+    # is completed where the hub can be reached; offline, the line names what it lacks and how to fill it.
+    lacks = _missing_parts(folder) if folder is not None else None
+    if folder is not None and lacks and hub_offline():
+        raise _snapshot_incomplete(repo_id, revision, cache, folder, lacks, "HF_HUB_OFFLINE is set",
+                                   "or unset HF_HUB_OFFLINE so the first step completes it")
+    if folder is None or lacks != []:
         if hub_offline():
             _raise_not_cached(repo_id, revision, cache)
         folder = _download(repo_id, revision, model_cfg, cache)
@@ -689,6 +693,17 @@ def _raise_not_cached(repo_id: str, revision: str, cache: Path) -> None:
     )
 
 
+def _snapshot_incomplete(repo_id: str, revision: str, cache: Path, snapshot: Path, lacks: list[str], why: str,
+                         otherwise: str) -> ConfigError:
+    """The error for a snapshot in the cache without some of its parts (a download cut short) that cannot be
+    completed here (`why`), with the download that completes it."""
+    return ConfigError(
+        f"model.base_model: the snapshot of hub model {repo_id!r} at revision {revision!r} in the Hugging Face cache "
+        f"({snapshot}) lacks {', '.join(f'{p}/' for p in lacks)}, which cannot be fetched here ({why}); complete "
+        f"it with `HF_HUB_CACHE={cache} hf download {repo_id} --revision {revision} {HUB_INCLUDE}` {otherwise}"
+    )
+
+
 def _unreachable(repo_id: str, revision: str, cache: Path, e: Exception) -> ConfigError:
     """The error for a hub that cannot be reached, saying what the cache holds of the repo: the revision's snapshot
     without some of its parts (a download cut short), other revisions (a misspelt model.revision), or nothing."""
@@ -697,10 +712,9 @@ def _unreachable(repo_id: str, revision: str, cache: Path, e: Exception) -> Conf
     partial = _cached_snapshot(repo_id, revision, cache)
     lacks = _missing_parts(partial) if partial is not None else None
     if partial is not None and lacks:
-        return ConfigError(
-            f"model.base_model: the snapshot of hub model {repo_id!r} at revision {revision!r} in the Hugging Face "
-            f"cache ({partial}) lacks {', '.join(f'{p}/' for p in lacks)}, and {unreachable} to complete it; {fill}"
-        )
+        return _snapshot_incomplete(repo_id, revision, cache, partial, lacks,
+                                    f"the hub cannot be reached from here: {_first_line(e)}",
+                                    "on a machine that can reach the hub")
     held = _revisions_held(repo_id, cache)
     if held:
         return ConfigError(
