@@ -53,6 +53,25 @@ def test_long_captions_are_counted_and_listed_in_the_split_report(tmp_path, tiny
     assert "give --tokenizer" in json.loads(capsys.readouterr().out)["long_captions"]
 
 
+def test_split_counts_tokens_with_a_hub_id_s_tokenizer_as_train_takes_the_model(tmp_path, fake_hub_cache, capsys,
+                                                                                  monkeypatch):
+    """`--tokenizer org/name` (the model `train --model` is given) was "no tokenizer in org/name (We couldn't
+    connect to 'https://huggingface.co' ...)" with the model in the offline cache."""
+    from rangefinder.cli.main import main
+    from tests.conftest import HUB_REPO
+
+    cache, _ = fake_hub_cache
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    Image.new("RGB", (16, 16)).save(tmp_path / "0.png")
+    (tmp_path / "0.txt").write_text(", ".join(["a red circle on a blue background"] * 12))
+    Image.new("RGB", (16, 16), (9, 9, 9)).save(tmp_path / "1.png")
+    (tmp_path / "1.txt").write_text("a red circle")
+    assert main(["split", str(tmp_path), "--out", str(tmp_path / "s"), "--resolution", "16", "--tokenizer", HUB_REPO,
+                 "--json"]) == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out)["long_captions"] == ["0.png: 95 tokens, over 75"]
+
+
 def test_a_tokenizer_saved_without_its_length_counts_against_clip_s_77(tiny_model_dir, tmp_path):
     """A tokenizer whose saved model_max_length is transformers' huge sentinel leaves 75 text tokens (CLIP's 77
     less its two special ones), read from tokenizer.json or, without it, through transformers."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from rangefinder.cli import args as argtypes
 from rangefinder.cli.output import add_json_flag
@@ -37,8 +38,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="skip (and list) images whose short side is smaller than this, in pixels (default: half the "
                    "resolution, as data.min_image_size: smaller images would be enlarged more than twice)")
     p.add_argument("--tokenizer", metavar="MODEL_DIR",
-                   help="a diffusers model folder (or tokenizer folder): count and list the captions longer than "
-                   "its text encoder reads (75 tokens for SD 1.x), which training cuts off")
+                   help="a diffusers model folder (or tokenizer folder), or a single .safetensors checkpoint or hub id "
+                   "as `train` takes its base model: count and list the captions longer than its text encoder reads "
+                   "(75 tokens for SD 1.x), which training cuts off")
     p.add_argument("--min-images", type=argtypes.int_in(2, what="the fewest usable images"), default=2,
                    help="fail when fewer usable images remain (2)")
     p.add_argument("--captionless", action="store_true",
@@ -83,7 +85,13 @@ def run(args: argparse.Namespace) -> dict:
     if args.tokenizer:
         from rangefinder.models.tokens import caption_token_counter
 
-        count_tokens, token_limit = caption_token_counter(args.tokenizer)
+        tokenizer = Path(args.tokenizer).expanduser()
+        if not tokenizer.is_dir():  # a single file or a hub id, resolved as `train --model` resolves it: both were
+            from rangefinder.config import ModelConfig  # "no tokenizer in" them, with a JSON parser's complaint.
+            from rangefinder.models.loading import resolve_base_model
+
+            tokenizer = resolve_base_model(ModelConfig(base_model=args.tokenizer)).path
+        count_tokens, token_limit = caption_token_counter(tokenizer)
     split = split_dataset(
         args.data_dir,
         args.out,
