@@ -83,7 +83,7 @@ def check_pipeline_record(tracking_uri: str, experiment: str, summary: dict, *, 
             assert note.startswith("Retrained on train + validation for "), note
         else:
             assert note.startswith("Delivered the fine-tune's ") and f"trained at lr {summary['lr_used']:.3g}." in note
-        assert float(mv.tags["lr"]) == pytest.approx(summary["lr_used"], rel=1e-5)  # the LR it was trained at
+        assert float(mv.tags["lr"]) == pytest.approx(summary["lr_used"], rel=1e-3)  # its LR, 4 digits (2.091e-04)
         if generate:
             mlflow.set_tracking_uri(tracking_uri)
             model = mlflow.pyfunc.load_model(f"models:/{model_name}@candidate")
