@@ -31,6 +31,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="further columns: diffusers folders, checkpoint folders, single-file checkpoints, LoRA or "
         "textual-inversion files (LoRA and embeddings are applied on top of --model)",
     )
+    p.add_argument("--single-file-config", metavar="FOLDER",
+                   help="for a --model single file that names no architecture: a local diffusers folder of the same "
+                   "architecture (model.single_file_config; a Flux transformer file takes its VAE and text encoders)")
     p.add_argument("--labels", nargs="*", help="column labels, one per column (base model first)")
     p.add_argument("--prompts", help="text file with one prompt per line (default: the sampling config's prompts)")
     p.add_argument("--seeds", nargs="+", type=argtypes.seed, default=None, help=f"seeds (default {d.seeds})")
@@ -67,10 +70,18 @@ def run(args: argparse.Namespace) -> dict:
     if args.steps < 1:
         raise ConfigError(f"--steps must be at least 1 (got {args.steps})")
     base: object = args.model
+    if args.single_file_config and Path(args.model).expanduser().is_dir():
+        raise ConfigError(f"--single-file-config is for a --model that is a single .safetensors file; {args.model} is "
+                          "a folder, whose own configs give its architecture: drop --single-file-config")
     if not (Path(args.model).expanduser() / "model_index.json").is_file():
         # A single file or a hub id, resolved to a diffusers folder as `train --model` resolves it (a file converted
         # once into the rangefinder cache); anything else is refused there, naming what to pass.
-        folder = resolve_base_model(ModelConfig(base_model=args.model)).path
+        try:
+            folder = resolve_base_model(ModelConfig(base_model=args.model,
+                                                    single_file_config=args.single_file_config)).path
+        except ConfigError as e:  # named as this command's flags: there is no config file to set them in
+            raise ConfigError(str(e).replace("model.single_file_config", "--single-file-config")
+                              .replace("model.base_model", "--model")) from None
         base = GridColumn(args.labels[0] if args.labels else Path(args.model).stem, folder, "pipeline")
     models = [base, *args.checkpoints]
     result = render_grid(
