@@ -24,9 +24,15 @@ from rangefinder.formats.atomic import REFUSED_WRITES, free_space
 _ELSEWHERE = "or choose another --out"
 
 
+# What torch.save's writer says of a write the file system refused, with no errno: "file write failed" (older torch),
+# or "basic_ios::clear: iostream error" and then, as the zip writer closes the file, "unexpected pos N vs M" (the
+# error raised, the first as its context). A full disk under a checkpoint's optimizer.pt read as a traceback.
+_TORCH_WRITE_FAILED = re.compile(r"file write failed|iostream error|unexpected pos \d+ vs \d+")
+
+
 def write_errno(e: BaseException) -> Optional[int]:
     """The errno of a failed write: OSError carries it; safetensors (SafetensorError) and torch.save (RuntimeError)
-    only name it in their message, as "(os error 28)", or not at all ("file write failed": -1 here)."""
+    only name it in their message, as "(os error 28)", or not at all (_TORCH_WRITE_FAILED: -1 here)."""
     if isinstance(e, OSError):
         return e.errno
     if not isinstance(e, (SafetensorError, RuntimeError)):
@@ -34,7 +40,8 @@ def write_errno(e: BaseException) -> Optional[int]:
     m = re.search(r"\(os error (\d+)\)", str(e))
     if m:
         return int(m.group(1))
-    return -1 if "file write failed" in str(e) else None
+    said = f"{e} {e.__context__ or ''}"
+    return -1 if _TORCH_WRITE_FAILED.search(said) else None
 
 
 def disk_problem(what: str, path: Path, e: BaseException) -> Optional[RangefinderError]:
@@ -54,7 +61,8 @@ def disk_problem(what: str, path: Path, e: BaseException) -> Optional[Rangefinde
     # refused ("holds no run to resume"), and a local pipeline run (run --local, demo) has no --resume at all.
     again = "then run again with --resume" if previous else "then run again"
     if code == -1:  # torch.save names no reason; the usual one is a full disk
-        why, fix = f"the write failed ({e})", "free some space at {at} {elsewhere}"
+        why = "the write failed (torch.save names no reason: a full disk, a quota or a file-size limit)"
+        fix = "free some space at {at} {elsewhere}"
     else:
         why, fix = REFUSED_WRITES[code]
     fmt = dict(at=probe, uid=os.getuid(), file=where, elsewhere=_ELSEWHERE)
