@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.training.test_resume import ForkedChild
+from tests.training.test_resume import ForkedChild, start_child
 
 
 def _encode_until_killed(model: str, data: str, folder: str, kill_at: int) -> None:
@@ -38,6 +38,27 @@ def _encode_until_killed(model: str, data: str, folder: str, kill_at: int) -> No
     vae = AutoencoderKL.from_pretrained(os.path.join(model, "vae"))
     cache = LatentCache(VaeEncoder(vae, torch.device("cpu"), "sample", 3), load, Path(folder), batch_size=2)
     cache.ensure(paths, [file_sha256(p) for p in paths], flipped=True)
+
+
+@pytest.mark.slow
+def test_a_full_disk_under_the_cache_is_one_line_naming_the_cache_and_leaves_no_torn_entry(split_dir, tiny_model_dir,
+                                                                                          tmp_path):
+    """A cache entry the disk refuses (RLIMIT_FSIZE in the child: EFBIG, as a full disk fails with ENOSPC) is the
+    run's one-line disk error naming the cache folder and the setting that moves it; it was safetensors' traceback
+    ("No space left on device (os error 28)"). Nothing torn or temporary stays in the cache."""
+    cache = tmp_path / "cache"
+    settings = {"split_dir": split_dir, "model": tiny_model_dir, "out_dir": tmp_path / "out",
+                "training": {"batch_size": 4, "steps": 1, "lr": 1e-4, "cache_dir": str(cache)},
+                "validation": {"every_epochs": 0}, "max_file_bytes": 600}  # an entry at 32 px is over 1 KiB
+    # A process of its own whose stderr is a pipe: the limit holds for every file it writes, a forked child's log too.
+    child = start_child(settings, tmp_path, "full", fresh=True)
+    _, err = child.communicate(timeout=600)
+    assert child.returncode == 2 and "Traceback" not in err, err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith(f"rangefinder train: error: cannot write the encoded-data cache under "
+                           f"{cache / 'encoded' / 'latents'}/"), line
+    assert "file too large" in line and "point training.cache_dir (or $RANGEFINDER_CACHE) at another disk" in line
+    assert not [p for p in cache.rglob("*") if p.is_file()]  # no entry was whole, none is there
 
 
 def _ensure(model: Path, data: Path, folder: Path, kill_at: int) -> subprocess.CompletedProcess:

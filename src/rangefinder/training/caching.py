@@ -33,8 +33,11 @@ from safetensors.torch import load_file, save_file
 from rangefinder.errors import DataError
 from rangefinder.formats.atomic import atomic_path, usable_folder
 from rangefinder.training.data import LatentSource
+from rangefinder.training.disk import disk_problem
 
 CACHE_VERSION = "2"  # bump when the meaning of an entry changes (2: pixels with an ICC profile converted to sRGB)
+# The way out of a cache whose disk refuses a write, besides freeing space there (disk.disk_problem's `elsewhere`).
+_CACHE_ELSEWHERE = "or point training.cache_dir (or $RANGEFINDER_CACHE) at another disk"
 
 # What reading an entry raises when the file is the problem: OSError when deleted, SafetensorError when torn, damaged
 # or foreign. Nothing else is the file's: a Ctrl-C that lands inside a read comes out as torch's ValueError
@@ -220,10 +223,20 @@ class CachedLatentFiles(LatentSource):
 
 
 def _write_entry(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """One cache entry, whole or absent (formats/atomic.py): concurrent or killed writers never leave a torn one."""
-    with atomic_path(path) as tmp:
-        # safetensors refuses non-contiguous tensors (a latent's row of a strided batch); metadata as exports write it.
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={})
+    """One cache entry, whole or absent (formats/atomic.py): concurrent or killed writers never leave a torn one. A
+    write the file system refuses (a full disk) is one sentence naming the cache folder (disk.py's rule); the entries
+    already written stay, and the next run encodes only the rest."""
+    try:
+        with atomic_path(path) as tmp:
+            # safetensors refuses non-contiguous tensors (a latent's row of a strided batch); metadata as exports
+            # write it.
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={})
+    except (OSError, SafetensorError) as e:
+        problem = disk_problem("the encoded-data cache", path.parent, e, elsewhere=_CACHE_ELSEWHERE,
+                               again="then run again (the entries written so far are kept)")
+        if problem is None:
+            raise
+        raise problem from None
 
 
 def _has(path: Path, wanted: Sequence[str]) -> bool:

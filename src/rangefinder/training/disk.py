@@ -44,9 +44,11 @@ def write_errno(e: BaseException) -> Optional[int]:
     return -1 if _TORCH_WRITE_FAILED.search(said) else None
 
 
-def disk_problem(what: str, path: Path, e: BaseException) -> Optional[RangefinderError]:
+def disk_problem(what: str, path: Path, e: BaseException, *, elsewhere: str = _ELSEWHERE,
+                 again: str = _AGAIN) -> Optional[RangefinderError]:
     """The one sentence for `e` raised while writing `what` under the folder `path`; None when `e` is not a storage
-    problem (a bug or a bad input, which must not read as one)."""
+    problem (a bug or a bad input, which must not read as one). `elsewhere` and `again`: the way out besides freeing
+    space there, and what to do then (a run's outputs: another --out, then --resume)."""
     code = write_errno(e)
     if code is None or (code != -1 and code not in REFUSED_WRITES):
         return None
@@ -65,7 +67,7 @@ def disk_problem(what: str, path: Path, e: BaseException) -> Optional[Rangefinde
         fix = "free some space at {at} {elsewhere}"
     else:
         why, fix = REFUSED_WRITES[code]
-    fmt = dict(at=probe, uid=os.getuid(), file=where, elsewhere=_ELSEWHERE)
+    fmt = dict(at=probe, uid=os.getuid(), file=where, elsewhere=elsewhere)
     return RangefinderError(
         f"cannot write {what} under {path}: {why.format(**fmt)} ({free}){kept}; {fix.format(**fmt)}, {again}"
     )
