@@ -166,6 +166,17 @@ def test_a_later_failure_with_another_cause_keeps_its_own_error():
         "step finetune failed: OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
 
 
+def test_a_step_s_error_after_its_progress_bar_is_the_error_alone():
+    """A step that fails while it trains prints its one line where the bar stands (the bar's line ends in a carriage
+    return, so the log holds both on one line), and the bar's last state follows when the bar is collected. The cause
+    is the error line's text alone: it was the last three lines, bars and error run together."""
+    bar = "train (constant):  46%|####6     | 11/24 [00:01<00:01,  7.11update/s, loss=0.3433, lr=0.000159]"
+    error = "RangefinderError: cannot write checkpoint checkpoint-000012 under /out/checkpoints: disk full"
+    lines = [bar.replace("11/24", "9/24"), f"{bar}rangefinder step finetune: error: {error}",
+             bar.replace("11/24", "12/24")]
+    assert failure_summary(_task("finetune-2", lines), "x") == f"step finetune failed: {error}"
+
+
 def test_the_summary_says_the_retrain_s_own_epochs(tmp_path):
     """retrained_epochs is what retrain-full trained (retrain.epochs, when set, over the fine-tune's recommendation),
     beside the fine-tune's recommended_epochs: not the recommendation again."""

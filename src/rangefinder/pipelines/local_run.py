@@ -343,8 +343,10 @@ def step_error(log: str, task: str) -> Optional[str]:
     if not sections:
         return None
     lines = [line.strip() for line in sections[-1].splitlines() if line.strip()]
-    # Bad input ends a step with one line and no traceback (rangefinder.errors.one_line_errors): that line is it.
-    said = [m.group(1) for m in map(_STEP_ERROR.match, lines) if m]
+    # Bad input ends a step with one line and no traceback (rangefinder.errors.one_line_errors): that line is it, also
+    # where it follows a progress bar's last state on the log's line (a bar ends in a carriage return, not a newline:
+    # a full disk mid-training was told as the bar's last three lines, the error amid them).
+    said = [m.group(1) for m in map(_STEP_ERROR.search, lines) if m]
     if said:
         return said[-1][:2000]
     exception = re.compile(r"^(?:[A-Za-z_][\w]*\.)*([A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit|Failure))(?::\s*|$)")
