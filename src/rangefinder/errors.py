@@ -68,6 +68,57 @@ def on_sigint() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def sigterm_stops(came: list[bool]) -> Iterator[None]:
+    """SIGTERM while inside (`kill PID`, a supervisor or CI job stopping the command, a container's stop) stops the
+    command as a Ctrl-C in its terminal does: the processes it started get SIGINT (a local run's steps end their MLflow
+    runs KILLED), and this one runs its SIGINT handler (on_sigint's, so whatever error it surfaces as is an interrupt).
+    `came` gets True, for the CLI to say SIGTERM and exit 143. It went by the system's default: the process died
+    without a word, a local run's steps trained on into a closed pipe and their MLflow runs stayed RUNNING or ended
+    FAILED. Where a part has its own rule it installs its own handler inside (the training loop: a checkpoint at the
+    update, then Preempted). SIGTERM already handled or ignored by whoever started the command stays so."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+
+    def handle(signum: int, frame: Optional[FrameType]) -> None:
+        came.append(True)
+        on_int = signal.getsignal(signal.SIGINT)
+        # Started with SIGINT ignored (in the background, nohup), the children ignore it too: they get the SIGTERM.
+        for child in _children(os.getpid()):
+            with contextlib.suppress(OSError):  # gone already
+                os.kill(child, signal.SIGINT if callable(on_int) else signal.SIGTERM)
+        if callable(on_int):
+            on_int(signal.SIGINT, frame)  # raises KeyboardInterrupt (Python's handler, or on_sigint's around it)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handle)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _children(pid: int) -> list[int]:
+    """Every process below `pid` (children, theirs, ...), from /proc; none where there is no /proc."""
+    parents: dict[int, int] = {}
+    with contextlib.suppress(OSError):
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit():
+                try:
+                    with open(f"/proc/{entry.name}/stat", "rb") as f:
+                        stat = f.read()
+                except OSError:  # gone since the listing
+                    continue
+                # pid (comm) state ppid ...: comm may hold spaces and parentheses, so read after its last ")".
+                parents[int(entry.name)] = int(stat[stat.rindex(b")") + 2:].split()[1])
+    below, frontier = [], [pid]
+    while frontier:
+        frontier = [p for p, parent in parents.items() if parent in frontier]
+        below += frontier
+    return below
+
+
+@contextlib.contextmanager
 def one_line_errors(step: str) -> Iterator[None]:
     """Inside a pipeline step: bad input ends the step with exit status 2 and one line on stderr,
     `rangefinder step STEP: error: ConfigError: MESSAGE`, instead of a traceback. The local runner quotes it from

@@ -294,6 +294,43 @@ def test_ctrl_c_inside_a_read_of_the_latent_cache_says_interrupted(split_dir, ti
     assert list((tmp_path / "cache").rglob("*.safetensors"))  # the loop read a warm cache
 
 
+def _train_with_a_sigterm_while_it_encodes(argv: list[str]) -> None:
+    """In the child: `rangefinder train`, sent SIGTERM (`kill PID`) as it starts encoding its images, before the
+    training loop (whose own rule is a checkpoint, then Preempted)."""
+    import os
+    import signal
+
+    from rangefinder.training import loop
+
+    encode = loop.encode_data
+
+    def sigterm_then_encode(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return encode(*args, **kwargs)
+
+    loop.encode_data = sigterm_then_encode
+    raise SystemExit(main(argv))
+
+
+def test_a_sigterm_before_training_is_one_line_and_exit_143(split_dir, tiny_model_dir, tmp_path):
+    """SIGTERM while the run loads and encodes (a laptop's session ending, `kill`, a CI job cancelled): one line
+    saying so and what to run, exit 143 (128 + SIGTERM), as for SIGTERM in the loop. The process died without a word."""
+    from tests.training.test_resume import ForkedChild
+
+    config = tmp_path / "rf.yaml"
+    config.write_text(yaml.safe_dump({"training": {"cache_dir": str(tmp_path / "cache")}}))
+    args = ["train", "--data", str(split_dir), "--model", str(tiny_model_dir), "--out", str(tmp_path / "out"),
+            "--config", str(config), "--steps", "2", "--batch-size", "4", "--validate-every-epochs", "0"]
+    child = ForkedChild(tmp_path / "child", tmp_path / "child.out", tmp_path / "child.err",
+                        target=_train_with_a_sigterm_while_it_encodes, args=(args,))
+    _, err = child.communicate(timeout=300)
+    assert child.returncode == 128 + 15 and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == (
+        "rangefinder train: stopped by SIGTERM; no checkpoint was written yet, so run it again to start over: "
+        f"rangefinder {' '.join(args)}"), err[-3000:]
+    assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").rglob("*.safetensors"))
+
+
 STEPS = 24  # of a 2-process run below: 6 epochs of 16 images at a global batch of 4, a checkpoint every 3
 
 

@@ -187,12 +187,15 @@ def test_the_summary_says_the_retrain_s_own_epochs(tmp_path):
 
 
 @pytest.mark.slow
-def test_ctrl_c_ends_the_pipelines_mlflow_run_killed(tmp_path, shapes_dataset_dir, tiny_model_dir):
+@pytest.mark.parametrize("stop", ["ctrl-c", "sigterm"])
+def test_ctrl_c_ends_the_pipelines_mlflow_run_killed(tmp_path, shapes_dataset_dir, tiny_model_dir, stop):
     """Ctrl-C (SIGINT to the terminal's process group) while the fine-tune trains: exit 130 with one "interrupted"
     line, and no MLflow run left RUNNING in the local sqlite store. The steps' own runs end KILLED by themselves; the
     pipeline's parent run is ended by the exit handler (record-status), which an interrupted kfp.local never runs,
     so it stayed RUNNING for good. The line says what running the command again does. A fixed LR (no range test)
-    and 30 fine-tune epochs: the signal lands in training."""
+    and 30 fine-tune epochs: the signal lands in training. SIGTERM to the command alone (`kill PID`, a supervisor's
+    stop) does the same, saying SIGTERM, with exit 143: the command died without a word, its parent run stayed
+    RUNNING and the fine-tune, training on into a closed pipe, ended FAILED."""
     import sqlite3
 
     cfg = tiny_config(shapes_dataset_dir, tiny_model_dir, lr=2e-4, finetune={"epochs": 30},
@@ -212,17 +215,21 @@ def test_ctrl_c_ends_the_pipelines_mlflow_run_killed(tmp_path, shapes_dataset_di
         for line in proc.stderr:
             seen.append(line)
             if line.startswith("rangefinder:   train"):  # the fine-tune's first bar line: its run is open
-                os.killpg(proc.pid, signal.SIGINT)
+                if stop == "ctrl-c":
+                    os.killpg(proc.pid, signal.SIGINT)
+                else:
+                    proc.send_signal(signal.SIGTERM)
                 break
         seen.append(proc.communicate(timeout=120)[1])
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     terminal = "".join(seen)
-    assert proc.returncode == 130 and "Traceback" not in terminal, terminal
+    said = "interrupted" if stop == "ctrl-c" else "stopped by SIGTERM"
+    assert proc.returncode == (130 if stop == "ctrl-c" else 143) and "Traceback" not in terminal, terminal
     # It says what a rerun does: a local run has no resume, so the same command starts over.
     assert terminal.strip().splitlines()[-1] == (
-        "rangefinder run: interrupted; a local pipeline run does not resume, the same command starts it over: "
+        f"rangefinder run: {said}; a local pipeline run does not resume, the same command starts it over: "
         f"rangefinder run --local --config {config} --out {out} (the steps' outputs so far are under "
         f"{out / 'pipeline-root'})"), terminal
     with sqlite3.connect(out / "mlflow.db") as con:

@@ -23,7 +23,7 @@ from typing import Optional
 from rangefinder.cli.args import OneLineParser
 from rangefinder.cli.output import print_table
 from rangefinder.cli.storage import storage_problem
-from rangefinder.errors import Preempted, RangefinderError, RunDidNotSucceed, on_sigint
+from rangefinder.errors import Preempted, RangefinderError, RunDidNotSucceed, on_sigint, sigterm_stops
 from rangefinder.formats.text import printable
 
 # Order is the order `rangefinder --help` lists them in.
@@ -82,9 +82,12 @@ def _refuse_empty_paths(args: argparse.Namespace) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    terminated: list[bool] = []
     try:
         _refuse_empty_paths(args)
-        with on_sigint():  # a Ctrl-C that surfaced as another error (a model load's "damaged weights") is a Ctrl-C
+        # A Ctrl-C that surfaced as another error (a model load's "damaged weights") is a Ctrl-C; a SIGTERM stops the
+        # command as a Ctrl-C does (the training loop's own rule aside: a checkpoint, then Preempted).
+        with on_sigint(), sigterm_stops(terminated):
             result = args.func(args)
     except Preempted as e:  # SIGTERM: a checkpoint at the current update is written
         print(f"rangefinder {args.command}: {printable(e)}", file=sys.stderr)
@@ -112,6 +115,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"rangefinder {args.command}: error: {printable(problem)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        if terminated:
+            print(f"rangefinder {args.command}: stopped by SIGTERM{_how_to_go_on(args, argv)}", file=sys.stderr)
+            return 128 + signal.SIGTERM
         print(f"rangefinder {args.command}: interrupted{_how_to_go_on(args, argv)}", file=sys.stderr)
         return 130
     if result is None:
