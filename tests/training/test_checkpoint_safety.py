@@ -146,6 +146,42 @@ def test_a_save_killed_between_its_two_renames_resumes_from_the_checkpoint_it_re
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+# Fills final/ as the engine does (formats.atomic.atomic_dir) and is SIGKILLed half-way, as a preempted run would be.
+FINAL_WRITER = """
+import os, signal, sys
+from pathlib import Path
+from rangefinder.formats.atomic import atomic_dir
+
+with atomic_dir(Path(sys.argv[1]) / "final") as tmp:
+    (tmp / "unet").mkdir()
+    (tmp / "unet" / "diffusion_pytorch_model.safetensors").write_bytes(bytes(1 << 20))
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_final_write_killed_half_way_is_swept_by_the_resume(base, finished, tmp_path):
+    """A run killed while it wrote final/ leaves its half under a hidden temporary name (never as final/). The resume
+    writes final/ whole and removes that half: it stayed, one more on every such kill, as large as the model."""
+    import subprocess
+    import sys
+
+    cut = copy_run(finished, tmp_path / "cut")
+    shutil.rmtree(cut / "final")
+    (cut / "run_summary.json").unlink()
+    writer = subprocess.run([sys.executable, "-c", FINAL_WRITER, str(cut)], capture_output=True, text=True,
+                            timeout=60)
+    assert writer.returncode == -signal.SIGKILL, writer.stderr
+    (half,) = cut.glob(".final.*")
+    assert not (cut / "final").exists() and (half / "unet").is_dir()
+
+    resumed = run_here(base, cut, resume=True)
+    assert resumed.resumed_from == 4 and resumed.status == "ok"
+    assert not half.exists() and sorted(p.name for p in cut.iterdir() if p.name.startswith(".")) == [
+        ".rangefinder.lock"]
+    a, b = unet(finished), unet(cut)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 @pytest.mark.slow
 def test_no_intact_checkpoint_is_a_clear_error(base, finished, tmp_path):
     cut = copy_run(finished, tmp_path / "cut")

@@ -17,12 +17,10 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
-from rangefinder.formats.atomic import REFUSED_WRITES, free_space
+from rangefinder.formats.atomic import REFUSED_WRITES, TEMPORARY, free_space
 
 _ELSEWHERE = "or pass a path on another file system"
 
-# The temporary sibling the atomic writer fills (`.NAME.PID.tmp...`, formats/atomic.py): the user named NAME.
-_TEMPORARY = re.compile(r"^\.(?P<name>.+?)\.\d+\.(old\.)?tmp")
 _ERRNO_IN_TEXT = re.compile(r"\[Errno (\d+)\]")
 
 
@@ -49,7 +47,7 @@ def _as_named(path: Path) -> Path:
     """`path` up to the first temporary sibling in it, named as the user named it (`/x/.ds.123.tmpab/1.png` ->
     `/x/ds`); `path` itself when it holds none."""
     for i, part in enumerate(path.parts):
-        m = _TEMPORARY.match(part)
+        m = TEMPORARY.match(part)  # the atomic writer's sibling: the user named NAME
         if m:
             return Path(*path.parts[:i], m.group("name"))
     return path

@@ -138,6 +138,9 @@ _AT_FDCWD, _RENAME_EXCHANGE = -100, 2
 _NO_EXCHANGE = frozenset({errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP})
 # A folder replace_dir renamed aside: `.NAME.PID.old.tmp`.
 _MOVED_ASIDE = re.compile(r"^\.(?P<name>.+)\.\d+\.old\.tmp$")
+# What these writers fill or set aside, named after what they write (NAME): `.NAME.PID.tmp...` (atomic_path,
+# atomic_dir) and `.NAME.PID.old.tmp` (replace_dir). A writer killed mid-write leaves it behind.
+TEMPORARY = re.compile(r"^\.(?P<name>.+?)\.\d+\.(old\.)?tmp")
 
 
 @functools.cache
@@ -180,6 +183,25 @@ def restore_moved_aside(folder: PathLike, whole: Callable[[Path], bool] = Path.i
         if dst is not None and not (dst.exists() or dst.is_symlink()) and whole(old):
             with contextlib.suppress(OSError):
                 os.rename(old, dst)
+
+
+def sweep_leftovers(folder: PathLike) -> list[Path]:
+    """Remove what writers killed mid-write left in `folder` (TEMPORARY: a `.final.PID.tmp...` as large as the model
+    it was filling, which nothing removed, one more on every kill), after putting back a folder renamed aside whose
+    NAME is gone (restore_moved_aside). Only for a folder the caller holds (a run's output folder under its lock), so
+    that no live writer's file is taken; never a folder several processes fill at once (the encoded cache). The
+    paths removed."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    restore_moved_aside(folder)
+    removed = [p for p in folder.iterdir() if TEMPORARY.match(p.name)]
+    for p in removed:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+    return removed
 
 
 def rename_into_place(src: PathLike, dst: PathLike) -> Path:

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from rangefinder.config import ValidationConfig
 from rangefinder.errors import ConfigError, Preempted, on_sigint
 from rangefinder.formats import checkpoints
-from rangefinder.formats.atomic import atomic_dir, write_json
+from rangefinder.formats.atomic import atomic_dir, sweep_leftovers, write_json
 from rangefinder.formats.model_spec import SpecFacts
 from rangefinder.formats.text import warn
 from rangefinder.training.checkpointing import check_resume, restore_checkpoint, save_checkpoint
@@ -102,6 +102,8 @@ def train(
         # terminal, not only in run_summary.json. A local run's progress shows lines of this form too.
         warn(settings.plan.warnings)
     out_lock = OutDirLock(settings.out_dir, hold=accelerator.is_main_process)  # one run per out_dir; until the end
+    if accelerator.is_main_process:
+        sweep_leftovers(settings.out_dir)  # a killed run's half-written final/, summary, curve: the lock is ours now
 
     # --- model: the method's trainable parts set up, the family's conditioning and objective ----------------------
     sd, family = load_model(settings, accelerator)
