@@ -186,19 +186,12 @@ def test_the_summary_says_the_retrain_s_own_epochs(tmp_path):
     assert (summary["recommended_epochs"], summary["retrained_epochs"], summary["lr_used"]) == (33, 50, 3e-4)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("stop", ["ctrl-c", "sigterm"])
-def test_ctrl_c_ends_the_pipelines_mlflow_run_killed(tmp_path, shapes_dataset_dir, tiny_model_dir, stop):
-    """Ctrl-C (SIGINT to the terminal's process group) while the fine-tune trains: exit 130 with one "interrupted"
-    line, and no MLflow run left RUNNING in the local sqlite store. The steps' own runs end KILLED by themselves; the
-    pipeline's parent run is ended by the exit handler (record-status), which an interrupted kfp.local never runs,
-    so it stayed RUNNING for good. The line says what running the command again does. A fixed LR (no range test)
-    and 30 fine-tune epochs: the signal lands in training. SIGTERM to the command alone (`kill PID`, a supervisor's
-    stop) does the same, saying SIGTERM, with exit 143: the command died without a word, its parent run stayed
-    RUNNING and the fine-tune, training on into a closed pipe, ended FAILED."""
-    import sqlite3
-
-    cfg = tiny_config(shapes_dataset_dir, tiny_model_dir, lr=2e-4, finetune={"epochs": 30},
+def _stop_while_the_finetune_trains(tmp_path: Path, dataset: Path, model: Path, stop: str):
+    """`rangefinder run --local` (a fixed LR, no range test, 30 fine-tune epochs) stopped once the fine-tune's bar
+    shows (its MLflow run is open): `ctrl-c` (SIGINT to its process group, as a terminal sends it), `sigterm` (to the
+    command alone, as `kill PID` does) or `sigkill` (to every process of it, as a machine losing power). (the process,
+    what it printed, its config file, its --out)."""
+    cfg = tiny_config(dataset, model, lr=2e-4, finetune={"epochs": 30},
                       sampling={**TINY["sampling"], "every_validations": None})
     config = tmp_path / "cfg.yaml"
     config.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude={"kubernetes"})))
@@ -215,16 +208,39 @@ def test_ctrl_c_ends_the_pipelines_mlflow_run_killed(tmp_path, shapes_dataset_di
         for line in proc.stderr:
             seen.append(line)
             if line.startswith("rangefinder:   train"):  # the fine-tune's first bar line: its run is open
-                if stop == "ctrl-c":
-                    os.killpg(proc.pid, signal.SIGINT)
-                else:
+                if stop == "sigterm":
                     proc.send_signal(signal.SIGTERM)
+                else:
+                    os.killpg(proc.pid, signal.SIGINT if stop == "ctrl-c" else signal.SIGKILL)
                 break
         seen.append(proc.communicate(timeout=120)[1])
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    terminal = "".join(seen)
+    return proc, "".join(seen), config, out
+
+
+def _runs(out: Path) -> tuple[dict[str, str], dict[str, str]]:
+    """The local store's runs: {name: status}, and the parent's rangefinder.* tags."""
+    import sqlite3
+
+    with sqlite3.connect(out / "mlflow.db") as con:
+        runs = dict(con.execute("select name, status from runs").fetchall())
+        tags = dict(con.execute("select t.key, t.value from tags t join runs r on t.run_uuid = r.run_uuid where "
+                                "r.name like 'rangefinder-finetune-%' and t.key like 'rangefinder.%'").fetchall())
+    return runs, tags
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop", ["ctrl-c", "sigterm"])
+def test_ctrl_c_ends_the_pipelines_mlflow_run_killed(tmp_path, shapes_dataset_dir, tiny_model_dir, stop):
+    """Ctrl-C (SIGINT to the terminal's process group) while the fine-tune trains: exit 130 with one "interrupted"
+    line, and no MLflow run left RUNNING in the local sqlite store. The steps' own runs end KILLED by themselves; the
+    pipeline's parent run is ended by the exit handler (record-status), which an interrupted kfp.local never runs,
+    so it stayed RUNNING for good. The line says what running the command again does. SIGTERM to the command alone
+    (`kill PID`, a supervisor's stop) does the same, saying SIGTERM, with exit 143: the command died without a word,
+    its parent run stayed RUNNING and the fine-tune, training on into a closed pipe, ended FAILED."""
+    proc, terminal, config, out = _stop_while_the_finetune_trains(tmp_path, shapes_dataset_dir, tiny_model_dir, stop)
     said = "interrupted" if stop == "ctrl-c" else "stopped by SIGTERM"
     assert proc.returncode == (130 if stop == "ctrl-c" else 143) and "Traceback" not in terminal, terminal
     # It says what a rerun does: a local run has no resume, so the same command starts over.
@@ -232,10 +248,30 @@ def test_ctrl_c_ends_the_pipelines_mlflow_run_killed(tmp_path, shapes_dataset_di
         f"rangefinder run: {said}; a local pipeline run does not resume, the same command starts it over: "
         f"rangefinder run --local --config {config} --out {out} (the steps' outputs so far are under "
         f"{out / 'pipeline-root'})"), terminal
-    with sqlite3.connect(out / "mlflow.db") as con:
-        runs = con.execute("select name, status from runs").fetchall()
-        (state,) = con.execute("select t.value from tags t join runs r on t.run_uuid = r.run_uuid where "
-                               "t.key = 'rangefinder.final_state'").fetchone()
-    (parent,) = [name for name, _ in runs if name.startswith("rangefinder-finetune-")]
-    assert dict(runs) == {parent: "KILLED", "finetune": "KILLED"}, runs
-    assert state == "CANCELED"
+    runs, tags = _runs(out)
+    (parent,) = [name for name in runs if name.startswith("rangefinder-finetune-")]
+    assert runs == {parent: "KILLED", "finetune": "KILLED"}, runs
+    assert tags["rangefinder.final_state"] == "CANCELED"
+
+
+@pytest.mark.slow
+def test_the_runs_a_killed_local_run_left_running_are_ended_by_the_next_one(tmp_path, shapes_dataset_dir,
+                                                                              tiny_model_dir):
+    """Every process of a local run SIGKILLed (a machine that lost power, the OOM killer taking the group) while the
+    fine-tune trains: nothing could end its MLflow runs, and its parent and fine-tune stayed RUNNING for good. The
+    next run in the same --out, holding the folder, ends them KILLED (CANCELED, saying why) before it starts."""
+    from rangefinder.config import load_config
+    from rangefinder.pipelines.local_run import ABANDONED, _end_abandoned_runs, local_tracking_uri
+
+    proc, terminal, config, out = _stop_while_the_finetune_trains(tmp_path, shapes_dataset_dir, tiny_model_dir,
+                                                                  "sigkill")
+    assert proc.returncode == -signal.SIGKILL, terminal
+    runs, _ = _runs(out)
+    (parent,) = [name for name in runs if name.startswith("rangefinder-finetune-")]
+    assert runs == {parent: "RUNNING", "finetune": "RUNNING"}, runs
+    # What the next `run --local` does first, once it holds --out (run_pipeline_locally), on this folder's run folders.
+    _end_abandoned_runs(local_tracking_uri(out), load_config(str(config)),
+                        {p.name for p in (out / "pipeline-root").iterdir()})
+    runs, tags = _runs(out)
+    assert runs == {parent: "KILLED", "finetune": "KILLED"}, runs
+    assert tags["rangefinder.final_state"] == "CANCELED" and tags["rangefinder.error"] == ABANDONED

@@ -166,6 +166,7 @@ def run_pipeline_locally(cfg: RangefinderConfig, out_dir: str | Path, *, dataset
     root.mkdir(parents=True, exist_ok=True)
 
     before = {p.name for p in root.iterdir()}
+    _end_abandoned_runs(tracking_uri, cfg, {name for name in before if name.startswith(PIPELINE_NAME)})
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(root), raise_on_error=True)
     # No pod settings: kfp.local would rerun a failed step on retries, and hand the cluster's environment
     # (data-volume paths, MLflow URI) to the steps.
@@ -244,6 +245,28 @@ def _end_interrupted_parent(tracking_uri: str, cfg: RangefinderConfig, run_name:
     """End the MLflow parent run of the kfp.local run `run_name` (its run folder's name, which resolve-config tags
     it with as kfp.run_name) KILLED, as record-status ends a cancelled run on a cluster. Best effort and bounded: a
     run interrupted before resolve-config made its parent has none, and MLflow may not answer."""
+    _end_parents(tracking_uri, cfg, {run_name})
+
+
+# Why an earlier run's MLflow runs were ended by a later one (the parent's rangefinder.error).
+ABANDONED = ("the command running it was killed (SIGKILL, the OOM killer, a machine that lost power) before it could "
+             "end its MLflow runs; the next local run in the same --out ended them")
+
+
+def _end_abandoned_runs(tracking_uri: str, cfg: RangefinderConfig, run_names: set[str]) -> None:
+    """End KILLED the MLflow runs of this folder's earlier local runs (`run_names`, their run folders) that are still
+    RUNNING, with every run still RUNNING under them: a Ctrl-C or SIGTERM ends a run's own, but a command killed
+    outright left its parent RUNNING for good (and, where its steps died with it, their runs). The folder's lock, now
+    held, says none of them goes on. Only with a store that is there already: a first run reads nothing."""
+    store = Path(tracking_uri.removeprefix("sqlite:///")) if tracking_uri.startswith("sqlite:///") else None
+    if run_names and (store is None or store.is_file()):
+        _end_parents(tracking_uri, cfg, run_names, note=ABANDONED)
+
+
+def _end_parents(tracking_uri: str, cfg: RangefinderConfig, run_names: set[str], note: Optional[str] = None) -> None:
+    """End KILLED the MLflow parent runs of the kfp.local runs `run_names` still RUNNING; with `note` (why, as the
+    parent's rangefinder.error), also the runs still RUNNING under them. Best effort and bounded: MLflow may not
+    answer, and then the runs stay as the store has them."""
     from mlflow import MlflowClient
 
     from rangefinder.tracking.runs import TAG_CREATED_BY, TAG_KFP_RUN_NAME
@@ -255,11 +278,21 @@ def _end_interrupted_parent(tracking_uri: str, cfg: RangefinderConfig, run_name:
         exp_id = _experiment_id(tracking_uri, cfg)
         if exp_id is None:
             return
-        for parent in client.search_runs([exp_id], filter_string=f"tags.`{TAG_KFP_RUN_NAME}` = '{run_name}'"):
-            if parent.info.status == "RUNNING" and parent.data.tags.get(TAG_CREATED_BY) == "rangefinder":
-                client.set_tag(parent.info.run_id, "rangefinder.final_state", "CANCELED")
-                client.set_terminated(parent.info.run_id, status="KILLED")
-    except Exception:  # MLflow gone too: the run stays as the store has it
+        running = client.search_runs([exp_id], filter_string="attributes.status = 'RUNNING'", max_results=5000)
+        ended = [r.info.run_id for r in running if r.data.tags.get(TAG_KFP_RUN_NAME) in run_names
+                 and r.data.tags.get(TAG_CREATED_BY) == "rangefinder"]
+        for run_id in ended:
+            client.set_tag(run_id, "rangefinder.final_state", "CANCELED")
+            if note:
+                client.set_tag(run_id, "rangefinder.error", note)
+            client.set_terminated(run_id, status="KILLED")
+        below = set(ended) if note else set()
+        while below:  # the steps' runs, and theirs (the halving candidates, the cooldown)
+            under = [r.info.run_id for r in running if r.data.tags.get("mlflow.parentRunId") in below]
+            for run_id in under:
+                client.set_terminated(run_id, status="KILLED")
+            below = set(under)
+    except Exception:  # MLflow gone too: the runs stay as the store has them
         return
 
 
