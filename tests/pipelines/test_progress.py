@@ -106,6 +106,28 @@ def test_a_warning_several_steps_print_is_shown_once_per_run():
     assert warned == [f"rangefinder:   lr-range-test: warning: {plan}", f"rangefinder:   finetune: warning: {other}"]
 
 
+def test_an_mlflow_outage_a_step_rides_out_is_said_on_the_terminal():
+    """The outbox's two lines of an outage (the server away: the step goes on and spools; back: the spool sent), as a
+    step logs them, reach a local run's terminal under the step: they were only in pipeline.log, and the terminal
+    said nothing of a server that went away mid-run and came back."""
+    from rangefinder.tracking.outbox import AWAY_SAID, BACK_SAID
+
+    away = AWAY_SAID % ("http://127.0.0.1:5000", "connection refused", "finetune_lr_mid",
+                        "/out/mlflow-spool/finetune_lr_mid-abc.jsonl", "30 s")
+    back = BACK_SAID % ("http://127.0.0.1:5000", "60 metric values, 2 images", "finetune_lr_mid")
+    log = (f"23:29:05.604 - INFO - Executing task {C}'finetune-2'{E}\n"
+           f"    [KFP Executor 2026-12-07 09:44:27,602 WARNING]: {away}\n"
+           f"    [KFP Executor 2026-12-07 09:44:46,490 WARNING]: {back}\n"
+           f"23:29:25.933 - INFO - Task {C}'finetune-2'{E} finished with status \x1b[92mSUCCESS{E}\n")
+    terminal = io.StringIO()
+    progress = StepProgress(io.StringIO(), terminal)
+    progress.write(log)
+    progress.close()
+    said = [ln.removeprefix("rangefinder:   finetune: warning: ") for ln in terminal.getvalue().splitlines()[1:3]]
+    assert said == [away.removeprefix("rangefinder: warning: "), back.removeprefix("rangefinder: warning: ")]
+    assert said[0].startswith("MLflow at http://127.0.0.1:5000 is not answering (connection refused); step ")
+
+
 def test_a_range_test_s_line_says_what_its_zoom_means():
     """The first range test's bounds are provisional when a zoom follows, and the component's 0 is no bound: the line
     said "lr_low 0, lr_mid 0, lr_high 0, needs_zoom True" when the curve gave none. The zoomed test's line (needs_zoom

@@ -39,6 +39,13 @@ from rangefinder.tracking.target import await_tracking_server, server_unreachabl
 
 _log = logging.getLogger(__name__)
 
+# What a step says of an outage: once when its spool starts, once when the spool is sent. Warning lines
+# (`rangefinder: warning: ...`), which a local run's terminal shows under the step (pipelines/progress.py), as a pod's
+# log shows them: the terminal said nothing of a server that went away and came back.
+AWAY_SAID = ("rangefinder: warning: MLflow at %s is not answering (%s); step %s goes on, keeps what it logs in %s and "
+             "sends it in order when the server answers (next try in %s, then less and less often)")
+BACK_SAID = "rangefinder: warning: MLflow at %s answers again: sent %s that step %s had kept in its spool"
+
 FIRST_RETRY_S = 30.0  # after the first failure; doubled after each failed try
 MAX_RETRY_S = 600.0
 
@@ -142,8 +149,7 @@ class Outbox:
             result = replay(self.spool.path, self.client)
         if result.left:
             raise _StillAway(f"the server stopped answering again with {describe(result.left)} left to send")
-        _log.warning("MLflow at %s answers again: sent %s that step %s had kept in its spool",
-                     safe_uri(self.client.tracking_uri), describe(result.sent), self.spool.step)
+        _log.warning(BACK_SAID, safe_uri(self.client.tracking_uri), describe(result.sent), self.spool.step)
         return True
 
     def _failed(self, e: BaseException | None) -> None:
@@ -161,9 +167,7 @@ class Outbox:
             self.spool.append(record)
         if new:
             wait = f"{self._retry_wait:.0f} s" if self.away else "a moment"
-            _log.warning("MLflow at %s is not answering (%s); step %s goes on, keeps what it logs in %s and sends "
-                         "it in order when the server answers (next try in %s, then less and less often)",
-                         safe_uri(self.client.tracking_uri), self._reason or "no answer", self.spool.step,
+            _log.warning(AWAY_SAID, safe_uri(self.client.tracking_uri), self._reason or "no answer", self.spool.step,
                          self.spool.path, wait)
 
     def _locked(self, *, blocking: bool) -> contextlib.AbstractContextManager[bool]:
