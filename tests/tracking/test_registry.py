@@ -147,6 +147,29 @@ def test_register_by_hand_says_the_chosen_checkpoint_whichever_folder_it_is_give
     assert version.description.startswith("The step window's lowest validation loss, at update 12.")
 
 
+@pytest.mark.parametrize("damage", ['{"update": 12, "rul', '["update", 12]'])
+def test_register_by_hand_refuses_a_damaged_chosen_json_in_one_line(sqlite_tracking_uri, tmp_path, capsys, damage):
+    """A chosen.json damaged since the fine-tune wrote it whole (a torn copy, an edit): one line naming the file and
+    the way on (the fine-tune again, or final/), before anything is registered. It was json's traceback."""
+    model = tmp_path / "model"
+    for folder in ("chosen", "final"):
+        (model / folder).mkdir(parents=True)
+    (model / "chosen.json").write_text(damage)
+    name = "rf-damaged"
+    config = tmp_path / "config.yaml"
+    config.write_text(f"tracking: {{tracking_uri: '{sqlite_tracking_uri}', registered_model_name: {name}, "
+                      "experiment_name: damaged}\n")
+    capsys.readouterr()
+    assert cli_main(["register", str(model), "--config", str(config), "--lr", "1e-4", "--epochs", "5"]) == 2
+    err = capsys.readouterr().err
+    why = "not valid JSON (" if damage.startswith("{") else "not a JSON object;"
+    assert len(err.splitlines()) == 1 and err.startswith(
+        f"rangefinder register: error: {model / 'chosen.json'} cannot be read: {why}"), err
+    assert err.rstrip().endswith(f"the fine-tune wrote it whole, so it was damaged or changed since: run the fine-tune "
+                                 f"again, or use {model / 'final'} (the run's final weights) instead"), err
+    assert MlflowClient(sqlite_tracking_uri).search_registered_models(f"name='{name}'") == []
+
+
 @pytest.mark.parametrize("registered_by", ["this code", "code before cec60ec"])
 def test_a_retried_registration_finishes_its_version_instead_of_adding_one(sqlite_tracking_uri, tiny_model_dir,
                                                                           registered_by):

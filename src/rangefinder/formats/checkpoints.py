@@ -132,7 +132,17 @@ def read_chosen(model_dir: Path) -> Optional[dict[str, Any]]:
     info = Path(model_dir) / CHOSEN_INFO
     if not (info.is_file() and (Path(model_dir) / CHOSEN_DIR).is_dir()):
         return None
-    return json.loads(info.read_text())
+    try:
+        chosen = json.loads(info.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:  # written whole (formats.atomic): damaged, or edited
+        chosen = e
+    if not isinstance(chosen, dict):
+        why = f"not valid JSON ({chosen})" if isinstance(chosen, Exception) else "not a JSON object"
+        raise RangefinderError(
+            f"{info} cannot be read: {why}; the fine-tune wrote it whole, so it was damaged or changed since: run the "
+            f"fine-tune again, or use {Path(model_dir) / 'final'} (the run's final weights) instead"
+        )
+    return chosen
 
 
 def begin(root: Path, update: int) -> Path:
