@@ -3,6 +3,7 @@ change nothing about the training, and an index that survives a SIGKILL and a re
 
 from __future__ import annotations
 
+import re
 import signal
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from rangefinder.config import SamplingConfig, TrainingConfig, ValidationConfig
-from rangefinder.errors import ConfigError
+from rangefinder.errors import ConfigError, RangefinderError
 from rangefinder.training.loop import TrainSpec, train
 from rangefinder.training.samples import AUTO_GRIDS, planned_validations, read_index, resolve_every
 from tests.training.test_resume import run_child
@@ -88,6 +89,27 @@ def test_grids_at_the_baseline_every_nth_validation_and_the_last(split_dir, tiny
 
 
 INDEX_JSON = "index.json"
+
+
+@pytest.mark.parametrize("damage", ['{"settings": ', "[]"])
+def test_a_resume_on_a_damaged_sample_index_is_one_error_naming_it(split_dir, tiny_model_dir, tmp_path, damage):
+    """samples/index.json damaged since the run wrote it whole (a torn copy, an edit), then the run resumed: one
+    error naming the file and what removing it does, before a grid is removed or rendered. It was json's traceback."""
+    spec = TrainSpec(training(tmp_path, epochs=None, steps=4, checkpoint_every_updates=2),
+                     ValidationConfig(every_updates=2), split_dir=split_dir, model=tiny_model_dir,
+                     sampling=SAMPLING.model_copy(update={"every_validations": 1}))
+    run = tmp_path / "run"
+    assert train(spec, out_dir=run, save_final=False).status == "ok"
+    (run / "run_summary.json").unlink()
+    index = run / "samples" / INDEX_JSON
+    index.write_text(damage)
+    grids = sorted(p.name for p in (run / "samples").iterdir())
+    resumed = TrainSpec(spec.training.model_copy(update={"resume": True}), spec.validation, split_dir=split_dir,
+                        model=tiny_model_dir, sampling=spec.sampling)
+    said = rf"^{re.escape(str(index))} cannot be read: .*; it is written whole after each grid, so it was damaged or "
+    with pytest.raises(RangefinderError, match=said + "changed since: remove it to go on"):
+        train(resumed, out_dir=run)
+    assert index.read_text() == damage and sorted(p.name for p in (run / "samples").iterdir()) == grids
 
 
 def test_auto_spreads_about_ten_grids_over_any_run_length():

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from rangefinder.errors import RangefinderError
 from rangefinder.formats.atomic import atomic_path, write_json
 from rangefinder.models.loading import pipeline_call_kwargs
 from rangefinder.planning import planned_validations
@@ -80,7 +81,18 @@ def read_index(run_dir: Path) -> Optional[dict[str, Any]]:
     path = Path(run_dir) / SAMPLES_DIR / INDEX_NAME
     if not path.is_file():
         return None
-    return json.loads(path.read_text())
+    try:
+        index = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:  # written whole (formats.atomic): damaged, or edited
+        index = e
+    if not (isinstance(index, dict) and isinstance(index.get("samples", []), list)):
+        why = f"not valid JSON ({index})" if isinstance(index, Exception) else "not a samples index"
+        raise RangefinderError(
+            f"{path} cannot be read: {why}; it is written whole after each grid, so it was damaged or changed since: "
+            "remove it to go on (a resumed run then drops the grids from before the update it resumes at and renders "
+            "the later ones)"
+        )
+    return index
 
 
 @dataclass
