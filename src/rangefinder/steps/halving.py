@@ -89,17 +89,18 @@ def run_halving(cfg: RangefinderConfig, spec: TrainSpec, work: Path, *, lr_mid: 
         lrs = {"lr_mid": lr_mid, "lr_high": lr_high, BELOW: below_lr(lr_mid, lr_high)}
         margin = cfg.finetune.halving_below_margin
         candidates: dict[str, HalvingCandidate] = {}
+        runs: dict[str, str] = {}  # each candidate's MLflow child run, as it opened it
         for name in RACED:
-            candidates[name] = _race(cfg, spec, root / name, sink, name, lrs[name], half, split)
+            candidates[name] = _race(cfg, spec, root / name, sink, name, lrs[name], half, split, runs)
         pause = compared_at(half, candidates)  # half, unless no validation came before it
         candidates = {name: c.by(pause) for name, c in candidates.items()}
         rule = RULE
         if fires_below(candidates, margin):
-            candidates[BELOW] = _race(cfg, spec, root / BELOW, sink, BELOW, lrs[BELOW], half, split).by(pause)
+            candidates[BELOW] = _race(cfg, spec, root / BELOW, sink, BELOW, lrs[BELOW], half, split, runs).by(pause)
             rule = f"{RULE}; lr_high lost by more than {margin:g}, so lr_below = lr_mid^2 / lr_high raced too"
         decision = HalvingDecision.decide(pause, candidates, rule)
         write_json(decision_path, decision.to_json())  # before anything moves: a killed step redoes only the move
-        _tag_outcomes(sink, decision)
+        _tag_outcomes(sink, decision, runs)
     if not decision.moved:
         _move_up(root / decision.kept, Path(work))
         shutil.rmtree(root / decision.kept, ignore_errors=True)  # only its lock is left
@@ -114,11 +115,15 @@ def run_halving(cfg: RangefinderConfig, spec: TrainSpec, work: Path, *, lr_mid: 
 
 
 def _race(cfg: RangefinderConfig, spec: TrainSpec, out_dir: Path, sink: Optional[MetricSink], name: str, lr: float,
-          pause: int, split: Optional[Split]) -> HalvingCandidate:
-    """One candidate's run to the pause (or on from where a killed attempt left it), in its own child run."""
+          pause: int, split: Optional[Split], runs: dict[str, str]) -> HalvingCandidate:
+    """One candidate's run to the pause (or on from where a killed attempt left it), in its own child run, whose id
+    goes in `runs` (an MLflow run's)."""
     from rangefinder.launch.processes import run_training
+    from rangefinder.tracking import StepRun
 
     with _candidate_run(cfg, sink, name, lr) as candidate_sink:
+        if isinstance(candidate_sink, StepRun):
+            runs[name] = candidate_sink.run_id
         result = run_training(cfg, spec.with_lr(lr), out_dir=out_dir, step_name=candidate_step(name),
                               pause_after_update=pause, split=split, metric_sink=candidate_sink)
     return HalvingCandidate.measured(lr, result.status, result.updates, result.curve["update"],
@@ -141,21 +146,21 @@ def _candidate_run(cfg: RangefinderConfig, sink: Optional[MetricSink], name: str
                      description=f"Successive halving candidate {name}: the fine-tune at lr {lr:.3g} to the pause.")
 
 
-def _tag_outcomes(sink: Optional[MetricSink], decision: HalvingDecision) -> None:
-    """Each candidate's child run says whether it was kept, in a tag and in its name (MLflow's chart legend)."""
+def _tag_outcomes(sink: Optional[MetricSink], decision: HalvingDecision, runs: dict[str, str]) -> None:
+    """Each candidate's child run (`runs`: as the race opened it) says whether it was kept, in a tag and in its name
+    (MLflow's chart legend), through the step's outbox: a server away since then gets them from the spool. (The runs
+    were searched for on the server, which failed the step after both candidates trained when it was away.)"""
     from rangefinder.tracking import StepRun
-    from rangefinder.tracking.runs import latest_step_run
 
     if not isinstance(sink, StepRun):
         return
     for name, candidate in decision.candidates.items():
-        child = latest_step_run(sink.client, sink.experiment_id, sink.run_id, candidate_step(name))
-        if child is None:
+        if name not in runs:
             continue
         outcome = "kept" if name == decision.kept else "dropped"
         why = (f"best val_loss {candidate.best_val_loss:.4g} by update {decision.pause_update}"
                if candidate.best_val_loss is not None else f"no val_loss by update {decision.pause_update}")
-        sink.set_run_tags(child.info.run_id, {
+        sink.set_run_tags(runs[name], {
             "halving.outcome": outcome, "mlflow.runName": f"{name} lr {candidate.lr:.3g} ({outcome})",
             "mlflow.note.content": f"Successive halving candidate {name} at lr {candidate.lr:.3g}: {why}; "
             + ("kept: the fine-tune goes on with it." if outcome == "kept" else f"dropped for {decision.kept}.")})
