@@ -248,25 +248,27 @@ def _end_interrupted_parent(tracking_uri: str, cfg: RangefinderConfig, run_name:
     _end_parents(tracking_uri, cfg, {run_name})
 
 
-# Why an earlier run's MLflow runs were ended by a later one (the parent's rangefinder.error).
-ABANDONED = ("the command running it was killed (SIGKILL, the OOM killer, a machine that lost power) before it could "
-             "end its MLflow runs; the next local run in the same --out ended them")
+# Why an earlier run's MLflow runs were ended by a later one (the parent's rangefinder.error); its final state is not
+# known then (rangefinder.final_state UNKNOWN).
+ABANDONED = ("left RUNNING by its command (killed outright: SIGKILL, the OOM killer, a machine that lost power; or "
+             "MLflow away when it ended); the next local run in the same --out ended it")
 
 
 def _end_abandoned_runs(tracking_uri: str, cfg: RangefinderConfig, run_names: set[str]) -> None:
     """End KILLED the MLflow runs of this folder's earlier local runs (`run_names`, their run folders) that are still
     RUNNING, with every run still RUNNING under them: a Ctrl-C or SIGTERM ends a run's own, but a command killed
-    outright left its parent RUNNING for good (and, where its steps died with it, their runs). The folder's lock, now
-    held, says none of them goes on. Only with a store that is there already: a first run reads nothing."""
+    outright left its parent RUNNING for good (and, where its steps died with it, their runs), as did one whose exit
+    handler found MLflow away. The folder's lock, now held, says none of them goes on. Only with a store that is there
+    already: a first run reads nothing."""
     store = Path(tracking_uri.removeprefix("sqlite:///")) if tracking_uri.startswith("sqlite:///") else None
     if run_names and (store is None or store.is_file()):
         _end_parents(tracking_uri, cfg, run_names, note=ABANDONED)
 
 
 def _end_parents(tracking_uri: str, cfg: RangefinderConfig, run_names: set[str], note: Optional[str] = None) -> None:
-    """End KILLED the MLflow parent runs of the kfp.local runs `run_names` still RUNNING; with `note` (why, as the
-    parent's rangefinder.error), also the runs still RUNNING under them. Best effort and bounded: MLflow may not
-    answer, and then the runs stay as the store has them."""
+    """End KILLED the MLflow parent runs of the kfp.local runs `run_names` still RUNNING (final state CANCELED); with
+    `note` (why, as the parent's rangefinder.error), also the runs still RUNNING under them, and the final state
+    UNKNOWN. Best effort and bounded: MLflow may not answer, and then the runs stay as the store has them."""
     from mlflow import MlflowClient
 
     from rangefinder.tracking.runs import TAG_CREATED_BY, TAG_KFP_RUN_NAME
@@ -282,7 +284,7 @@ def _end_parents(tracking_uri: str, cfg: RangefinderConfig, run_names: set[str],
         ended = [r.info.run_id for r in running if r.data.tags.get(TAG_KFP_RUN_NAME) in run_names
                  and r.data.tags.get(TAG_CREATED_BY) == "rangefinder"]
         for run_id in ended:
-            client.set_tag(run_id, "rangefinder.final_state", "CANCELED")
+            client.set_tag(run_id, "rangefinder.final_state", "UNKNOWN" if note else "CANCELED")
             if note:
                 client.set_tag(run_id, "rangefinder.error", note)
             client.set_terminated(run_id, status="KILLED")
