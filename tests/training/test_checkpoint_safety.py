@@ -108,16 +108,24 @@ def flip_a_byte(path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_corrupt_newest_checkpoint_falls_back_to_previous_and_ends_bit_identical(base, finished, tmp_path, caplog):
+@pytest.mark.parametrize("damage", ["flipped", "deleted"])
+def test_corrupt_newest_checkpoint_falls_back_to_previous_and_ends_bit_identical(base, finished, tmp_path, caplog,
+                                                                                  damage):
+    """A byte flipped in the newest checkpoint's weights, or one of its files deleted (which made it no checkpoint:
+    the resume went back one without a word), is named as the resume passes over it."""
     cut = copy_run(finished, tmp_path / "cut")
     shutil.rmtree(cut / "final")
     (cut / "run_summary.json").unlink()
-    flip_a_byte(cut / "checkpoints" / "checkpoint-000004" / checkpoints.WEIGHTS_NAME)
+    if damage == "flipped":
+        flip_a_byte(cut / "checkpoints" / "checkpoint-000004" / checkpoints.WEIGHTS_NAME)
+    else:
+        (cut / "checkpoints" / "checkpoint-000004" / checkpoints.OPTIMIZER_NAME).unlink()
 
     with caplog.at_level(logging.WARNING):
         resumed = run_here(base, cut, resume=True)
     assert resumed.resumed_from == 2 and resumed.updates == 4 and resumed.status == "ok"
-    assert "checkpoint-000004" in caplog.text and "weights.safetensors does not match its checksum" in caplog.text
+    said = ("weights.safetensors does not match its checksum" if damage == "flipped" else "optimizer.pt is missing")
+    assert f"skipping checkpoint {cut / 'checkpoints' / 'checkpoint-000004'}: {said}" in caplog.text, caplog.text
     a, b = unet(finished), unet(cut)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # The bad one was replaced by a good save of the same update.

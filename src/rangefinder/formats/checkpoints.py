@@ -73,13 +73,16 @@ def is_checkpoint(path: Path) -> bool:
     return path.is_dir() and all((path / f).is_file() for f in REQUIRED)
 
 
-def list_checkpoints(root: Path) -> list[Path]:
-    """Whole checkpoints under root, oldest first (one a killed save left renamed aside is put back first)."""
+def list_checkpoints(root: Path, *, whole: bool = True) -> list[Path]:
+    """Whole checkpoints under root, oldest first (one a killed save left renamed aside is put back first). With
+    `whole` off, every folder with a checkpoint's name: one that lacks a file was damaged since (a save renames only
+    a whole one into place), which a resume names as it passes over it."""
     if not Path(root).is_dir():
         return []
     restore_moved_aside(root, whole=is_checkpoint)
     found = [(checkpoint_update(p), p) for p in Path(root).iterdir()]
-    return [p for u, p in sorted((u, p) for u, p in found if u is not None and is_checkpoint(p))]
+    return [p for u, p in sorted((u, p) for u, p in found if u is not None and (is_checkpoint(p) if whole
+                                                                                 else p.is_dir()))]
 
 
 def latest_checkpoint(root: Path) -> Optional[Path]:

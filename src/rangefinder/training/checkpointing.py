@@ -108,7 +108,7 @@ def _resume_point(run: Run, warn: bool = True) -> Optional[Path]:
     their checksums are passed over, with a warning naming each when `warn`."""
     if not run.cfg.resume:
         return None
-    found = checkpoints.list_checkpoints(run.settings.ckpt_root)
+    found = checkpoints.list_checkpoints(run.settings.ckpt_root, whole=False)  # one missing a file: named below
     damaged: list[str] = []
     for candidate in reversed(found):
         problem = checkpoints.verify(candidate)
