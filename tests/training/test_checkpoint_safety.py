@@ -413,7 +413,8 @@ def test_a_run_folder_mounted_read_only_names_its_intact_checkpoint_and_resume(b
     assert line.startswith(f"rangefinder train: error: cannot write the run's lock file under {out}: read-only file "
                            "system"), line
     assert f"the previous checkpoint {out / 'checkpoints' / 'checkpoint-000004'} is intact" in line, line
-    assert line.endswith(f"mount {out} writable or choose another --out, then run again with --resume"), line
+    # Another --out has nothing to resume: said apart from --resume.
+    assert line.endswith(f"mount {out} writable, then run again with --resume (another --out starts anew)"), line
 
 
 @pytest.mark.slow

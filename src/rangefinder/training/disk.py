@@ -44,11 +44,12 @@ def write_errno(e: BaseException) -> Optional[int]:
     return -1 if _TORCH_WRITE_FAILED.search(said) else None
 
 
-def disk_problem(what: str, path: Path, e: BaseException, *, elsewhere: str = _ELSEWHERE,
-                 again: str = _AGAIN) -> Optional[RangefinderError]:
+def disk_problem(what: str, path: Path, e: BaseException, *, elsewhere: Optional[str] = None,
+                 again: Optional[str] = None) -> Optional[RangefinderError]:
     """The one sentence for `e` raised while writing `what` under the folder `path`; None when `e` is not a storage
     problem (a bug or a bad input, which must not read as one). `elsewhere` and `again`: the way out besides freeing
-    space there, and what to do then (a run's outputs: another --out, then --resume)."""
+    space there, and what to do then; by default those of a run's outputs (another --out; then --resume where a
+    checkpoint is there to resume from)."""
     code = write_errno(e)
     if code is None or (code != -1 and code not in REFUSED_WRITES):
         return None
@@ -61,7 +62,10 @@ def disk_problem(what: str, path: Path, e: BaseException, *, elsewhere: str = _E
     kept = f"; the previous checkpoint {previous} is intact" if previous else ""
     # --resume goes on from a checkpoint: with none (a new run's lock file, a write before the first checkpoint) it is
     # refused ("holds no run to resume"), and a local pipeline run (run --local, demo) has no --resume at all.
-    again = "then run again with --resume" if previous else "then run again"
+    if again is None and previous:  # another --out has nothing to resume: said apart from --resume
+        elsewhere, again = "", "then run again with --resume (another --out starts anew)"
+    elsewhere = _ELSEWHERE if elsewhere is None else elsewhere
+    again = again or "then run again"
     if code == -1:  # torch.save names no reason; the usual one is a full disk
         why = "the write failed (torch.save names no reason: a full disk, a quota or a file-size limit)"
         fix = "free some space at {at} {elsewhere}"
@@ -69,7 +73,7 @@ def disk_problem(what: str, path: Path, e: BaseException, *, elsewhere: str = _E
         why, fix = REFUSED_WRITES[code]
     fmt = dict(at=probe, uid=os.getuid(), file=where, elsewhere=elsewhere)
     return RangefinderError(
-        f"cannot write {what} under {path}: {why.format(**fmt)} ({free}){kept}; {fix.format(**fmt)}, {again}"
+        f"cannot write {what} under {path}: {why.format(**fmt)} ({free}){kept}; {fix.format(**fmt).rstrip()}, {again}"
     )
 
 
