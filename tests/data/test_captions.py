@@ -63,11 +63,13 @@ def test_split_counts_tokens_with_a_hub_id_s_tokenizer_as_train_takes_the_model(
     cache, _ = fake_hub_cache
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    Image.new("RGB", (16, 16)).save(tmp_path / "0.png")
-    (tmp_path / "0.txt").write_text(", ".join(["a red circle on a blue background"] * 12))
-    Image.new("RGB", (16, 16), (9, 9, 9)).save(tmp_path / "1.png")
-    (tmp_path / "1.txt").write_text("a red circle")
-    assert main(["split", str(tmp_path), "--out", str(tmp_path / "s"), "--resolution", "16", "--tokenizer", HUB_REPO,
+    data = tmp_path / "data"
+    data.mkdir()
+    Image.new("RGB", (16, 16)).save(data / "0.png")
+    (data / "0.txt").write_text(", ".join(["a red circle on a blue background"] * 12))
+    Image.new("RGB", (16, 16), (9, 9, 9)).save(data / "1.png")
+    (data / "1.txt").write_text("a red circle")
+    assert main(["split", str(data), "--out", str(tmp_path / "s"), "--resolution", "16", "--tokenizer", HUB_REPO,
                  "--json"]) == 0, capsys.readouterr().err
     assert json.loads(capsys.readouterr().out)["long_captions"] == ["0.png: 95 tokens, over 75"]
 
