@@ -256,7 +256,7 @@ def test_ctrl_c_ends_the_pipelines_mlflow_run_killed(tmp_path, shapes_dataset_di
 
 @pytest.mark.slow
 def test_the_runs_a_killed_local_run_left_running_are_ended_by_the_next_one(tmp_path, shapes_dataset_dir,
-                                                                              tiny_model_dir):
+                                                                              tiny_model_dir, monkeypatch):
     """Every process of a local run SIGKILLed (a machine that lost power, the OOM killer taking the group) while the
     fine-tune trains: nothing could end its MLflow runs, and its parent and fine-tune stayed RUNNING for good. The
     next run in the same --out, holding the folder, ends them KILLED (saying why; how it ended is not known) before it
@@ -270,7 +270,11 @@ def test_the_runs_a_killed_local_run_left_running_are_ended_by_the_next_one(tmp_
     runs, _ = _runs(out)
     (parent,) = [name for name in runs if name.startswith("rangefinder-finetune-")]
     assert runs == {parent: "RUNNING", "finetune": "RUNNING"}, runs
-    # What the next `run --local` does first, once it holds --out (run_pipeline_locally), on this folder's run folders.
+    # What the next `run --local` does first, once it holds --out (run_pipeline_locally), on this folder's run folders,
+    # in a command's environment: an experiment id an earlier test's mlflow.set_experiment left in this process's
+    # environment ($MLFLOW_EXPERIMENT_ID, which wins) named another store's experiment, and nothing was ended.
+    for name in [k for k in os.environ if k.startswith("MLFLOW_")]:
+        monkeypatch.delenv(name)
     _end_abandoned_runs(local_tracking_uri(out), load_config(str(config)),
                         {p.name for p in (out / "pipeline-root").iterdir()})
     runs, tags = _runs(out)
