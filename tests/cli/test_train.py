@@ -262,6 +262,21 @@ def test_train_prints_no_line_about_torchvision_and_every_other_warning(split_di
     assert source.filter(other)
 
 
+def _train_in_a_child(split_dir, model_dir, tmp_path, target) -> tuple[list[str], object, str]:
+    """`rangefinder train` of 2 updates, validation off, its cache under tmp_path, run by `target(args)` in a process
+    of its own (a fork of this one, its imports done, SIGINT at Python's default): (args, the child, its stderr)."""
+    from tests.training.test_resume import ForkedChild
+
+    config = tmp_path / "rf.yaml"
+    config.write_text(yaml.safe_dump({"training": {"cache_dir": str(tmp_path / "cache")}}))
+    args = ["train", "--data", str(split_dir), "--model", str(model_dir), "--out", str(tmp_path / "out"),
+            "--config", str(config), "--steps", "2", "--batch-size", "4", "--validate-every-epochs", "0"]
+    child = ForkedChild(tmp_path / "child", tmp_path / "child.out", tmp_path / "child.err", target=target,
+                        args=(args,))
+    _, err = child.communicate(timeout=300)
+    return args, child, err
+
+
 def _train_with_a_sigint_inside_its_first_cached_latent_read(argv: list[str]) -> None:
     """In the child: `rangefinder train`, given a real SIGINT inside safetensors' read of a cached latent by the loop
     (tests/training/test_caching.py)."""
@@ -277,16 +292,8 @@ def test_ctrl_c_inside_a_read_of_the_latent_cache_says_interrupted(split_dir, ti
     Ctrl-C: exit 130 and the "interrupted" line. torch turned it into its own ValueError there, and the run ended
     with exit 2 blaming the cache ("cache entry ... cannot be read any more; the cache was cleared or damaged"), or,
     in a pipeline step, with its MLflow run FAILED (tests/pipelines/test_local_run_errors.py)."""
-    from tests.training.test_resume import ForkedChild
-
-    config = tmp_path / "rf.yaml"
-    config.write_text(yaml.safe_dump({"training": {"cache_dir": str(tmp_path / "cache")}}))
-    args = ["train", "--data", str(split_dir), "--model", str(tiny_model_dir), "--out", str(tmp_path / "out"),
-            "--config", str(config), "--steps", "2", "--batch-size", "4", "--validate-every-epochs", "0"]
-    # A process of its own (a fork of this one, its imports done), with SIGINT at Python's default.
-    child = ForkedChild(tmp_path / "child", tmp_path / "child.out", tmp_path / "child.err",
-                        target=_train_with_a_sigint_inside_its_first_cached_latent_read, args=(args,))
-    _, err = child.communicate(timeout=300)
+    args, child, err = _train_in_a_child(split_dir, tiny_model_dir, tmp_path,
+                                         _train_with_a_sigint_inside_its_first_cached_latent_read)
     assert child.returncode == 130 and "Traceback" not in err, err[-3000:]
     line = err[err.index("rangefinder train: interrupted"):].splitlines()[0]
     assert line == ("rangefinder train: interrupted; no checkpoint was written yet, so run it again to start over: "
@@ -315,15 +322,7 @@ def _train_with_a_sigterm_while_it_encodes(argv: list[str]) -> None:
 def test_a_sigterm_before_training_is_one_line_and_exit_143(split_dir, tiny_model_dir, tmp_path):
     """SIGTERM while the run loads and encodes (a laptop's session ending, `kill`, a CI job cancelled): one line
     saying so and what to run, exit 143 (128 + SIGTERM), as for SIGTERM in the loop. The process died without a word."""
-    from tests.training.test_resume import ForkedChild
-
-    config = tmp_path / "rf.yaml"
-    config.write_text(yaml.safe_dump({"training": {"cache_dir": str(tmp_path / "cache")}}))
-    args = ["train", "--data", str(split_dir), "--model", str(tiny_model_dir), "--out", str(tmp_path / "out"),
-            "--config", str(config), "--steps", "2", "--batch-size", "4", "--validate-every-epochs", "0"]
-    child = ForkedChild(tmp_path / "child", tmp_path / "child.out", tmp_path / "child.err",
-                        target=_train_with_a_sigterm_while_it_encodes, args=(args,))
-    _, err = child.communicate(timeout=300)
+    args, child, err = _train_in_a_child(split_dir, tiny_model_dir, tmp_path, _train_with_a_sigterm_while_it_encodes)
     assert child.returncode == 128 + 15 and "Traceback" not in err, err[-3000:]
     assert err.strip().splitlines()[-1] == (
         "rangefinder train: stopped by SIGTERM; no checkpoint was written yet, so run it again to start over: "

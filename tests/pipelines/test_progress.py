@@ -45,6 +45,15 @@ def _shown(plain_every: float) -> tuple[list[str], str]:
     return terminal.getvalue().splitlines(), log.getvalue()
 
 
+def _terminal_of(log: str) -> list[str]:
+    """The lines a local run's terminal shows for the pipeline log `log`, written at once and closed."""
+    terminal = io.StringIO()
+    progress = StepProgress(io.StringIO(), terminal)
+    progress.write(log)
+    progress.close()
+    return terminal.getvalue().splitlines()
+
+
 def test_a_line_per_step_with_its_headline_and_the_log_kept_whole():
     lines, log = _shown(plain_every=3600)
     assert log == LOG
@@ -76,11 +85,7 @@ def test_a_steps_warning_is_shown_once_under_its_step():
            f"    rangefinder: warning: {warning}\n"
            f"    WARNING:rangefinder.training.loop:rangefinder: warning: {warning}\n"
            f"23:29:25.933 - INFO - Task {C}'finetune-2'{E} finished with status \x1b[92mSUCCESS{E}\n")
-    terminal = io.StringIO()
-    progress = StepProgress(io.StringIO(), terminal)
-    progress.write(log)
-    progress.close()
-    lines = terminal.getvalue().splitlines()
+    lines = _terminal_of(log)
     assert lines[:2] == ["rangefinder: finetune started", f"rangefinder:   finetune: warning: {warning}"]
     assert len(lines) == 3
 
@@ -98,11 +103,8 @@ def test_a_warning_several_steps_print_is_shown_once_per_run():
         log += f"23:29:05.604 - INFO - Executing task {C}'{task}'{E}\n"
         log += "".join(f"    rangefinder: warning: {w}\n" for w in said)
         log += f"23:29:25.933 - INFO - Task {C}'{task}'{E} finished with status \x1b[92mSUCCESS{E}\n"
-    terminal = io.StringIO()
-    progress = StepProgress(io.StringIO(), terminal)
-    progress.write(log)
-    progress.close()
-    warned = [ln for ln in terminal.getvalue().splitlines() if ": warning: " in ln]
+    lines = _terminal_of(log)
+    warned = [ln for ln in lines if ": warning: " in ln]
     assert warned == [f"rangefinder:   lr-range-test: warning: {plan}", f"rangefinder:   finetune: warning: {other}"]
 
 
@@ -119,11 +121,8 @@ def test_an_mlflow_outage_a_step_rides_out_is_said_on_the_terminal():
            f"    [KFP Executor 2026-12-07 09:44:27,602 WARNING]: {away}\n"
            f"    [KFP Executor 2026-12-07 09:44:46,490 WARNING]: {back}\n"
            f"23:29:25.933 - INFO - Task {C}'finetune-2'{E} finished with status \x1b[92mSUCCESS{E}\n")
-    terminal = io.StringIO()
-    progress = StepProgress(io.StringIO(), terminal)
-    progress.write(log)
-    progress.close()
-    said = [ln.removeprefix("rangefinder:   finetune: warning: ") for ln in terminal.getvalue().splitlines()[1:3]]
+    lines = _terminal_of(log)
+    said = [ln.removeprefix("rangefinder:   finetune: warning: ") for ln in lines[1:3]]
     assert said == [away.removeprefix("rangefinder: warning: "), back.removeprefix("rangefinder: warning: ")]
     assert said[0].startswith("MLflow at http://127.0.0.1:5000 is not answering (connection refused); step ")
 
