@@ -89,6 +89,20 @@ def one_torch_thread_per_worker():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(autouse=True)
+def mlflow_environment_put_back():
+    """What a test leaves in the process's MLFLOW_* environment is put back after it, so no test reads another's:
+    46 tests left $MLFLOW_TRACKING_URI (a step run in-process sets it) or the $MLFLOW_HTTP_REQUEST_* limits
+    (tracking.target.bound_http_requests) to every later test in their worker, and an experiment id there
+    ($MLFLOW_EXPERIMENT_ID, which mlflow.set_experiment sets) wins over a test's own experiment. Fixtures of a wider
+    scope are set up before it, so what they set stays."""
+    saved = {k: v for k, v in os.environ.items() if k.startswith("MLFLOW_")}
+    yield
+    for k in [k for k in os.environ if k.startswith("MLFLOW_") and k not in saved]:
+        del os.environ[k]
+    os.environ.update(saved)
+
+
 @pytest.fixture
 def one_thread_as_a_local_run(monkeypatch):
     """The training steps on one torch thread, as a local run's step processes train (pipelines.local_run sets
