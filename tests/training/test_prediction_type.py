@@ -186,3 +186,25 @@ def test_a_checkpoint_and_the_final_folder_sample_with_the_base_model_s_own_sche
         assert type(scheduler).__name__ == own["_class_name"], name
         trained = "epsilon" if name == "base" else "v_prediction"
         assert {k: scheduler.config[k] for k in expected} == expected | {"prediction_type": trained}, name
+
+
+@pytest.mark.parametrize("method, predicts, warned", [
+    ("lora", "v_prediction", True), ("textual_inversion", "v_prediction", True),
+    ("lora", "epsilon", False), ("full", "v_prediction", False), ("lora", None, False)])
+def test_an_adapter_trained_to_predict_other_than_its_base_model_is_warned_of(tiny_model_dir, capsys, method,
+                                                                             predicts, warned):
+    """A LoRA or an embedding is sampled on its base model with that model's scheduler, which reads its denoiser's
+    output as the model predicts: one trained to another target (training.prediction_type v_prediction on the epsilon
+    tiny model) trained without a word. Full fine-tuning may change the target (its folder says the new one); a
+    prediction_type equal to the model's changes nothing."""
+    from rangefinder.config import ModelConfig
+    from rangefinder.models.loading import load_sd_components
+    from rangefinder.training.family import Sd1Family
+
+    sd = load_sd_components(ModelConfig(base_model=str(tiny_model_dir)))
+    family = Sd1Family.for_model(sd, TrainingConfig(method=method, prediction_type=predicts))
+    assert family.prediction_type == (predicts or "epsilon")
+    said = capsys.readouterr().err
+    assert ("training.prediction_type v_prediction with method" in said) is warned, said
+    if warned:
+        assert said.count("rangefinder: warning:") == 1 and "which reads it as epsilon" in said, said

@@ -25,8 +25,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, Optional, Protocol
 
 import torch
 
+from rangefinder.formats.text import warn
 from rangefinder.training.caching import tokenize
-from rangefinder.training.family_rules import Sd1Rules
+from rangefinder.training.family_rules import DDPM_DEFAULT_PREDICTION, Sd1Rules
 
 if TYPE_CHECKING:
     from rangefinder.config import TrainingConfig
@@ -88,10 +89,23 @@ class Family(Protocol):
     def sampling_pipeline(self, sd: SDComponents, scheduler: Any) -> Any: ...
 
 
+# The methods whose files are applied to the base model at sampling time (diffusers' load_lora_weights and
+# load_textual_inversion, ComfyUI, A1111): the base model's scheduler decides what their denoiser's output is read as.
+ADAPTERS_SAMPLED_ON_THE_BASE = ("lora", "textual_inversion")
+
+
 def _checked_prediction_type(family: type[Sd1Family], sd: SDComponents, cfg: TrainingConfig) -> str:
     """The prediction type trained: cfg.prediction_type, which overrides the model scheduler's, or the model's own
     (None); after the family's config-only checks (`check_settings`)."""
     family.check_settings(cfg, sd.noise_scheduler.config, sd.unet.config)
+    own = str(sd.noise_scheduler.config.get("prediction_type", DDPM_DEFAULT_PREDICTION))
+    if cfg.prediction_type is not None and cfg.prediction_type != own and cfg.method in ADAPTERS_SAMPLED_ON_THE_BASE:
+        # An adapter cannot change what the model predicts: its consumer samples it on the base model with that
+        # model's own scheduler (README, "prediction type"), so it learnt a target nobody will read it as.
+        warn([f"training.prediction_type {cfg.prediction_type} with method {cfg.method}, on a base model whose "
+              f"scheduler predicts {own}: a {cfg.method} is sampled on its base model, with that model's scheduler, "
+              f"which reads it as {own}; set training.prediction_type only where the base model's scheduler config "
+              "misstates what the model predicts, or train method full to change it"])
     if cfg.prediction_type is not None:
         sd.noise_scheduler.register_to_config(prediction_type=cfg.prediction_type)
     return str(sd.noise_scheduler.config.prediction_type)
