@@ -490,10 +490,10 @@ def _weighting_note(weighting: Optional[dict]) -> list[tuple[str, str]]:
 
 
 def write_unmeasured_step_report(epochs: float, updates: int, lr: float, lr_source: str,
-                                  html_path: Optional[Path], markdown_path: Optional[Path]) -> None:
+                                  html_path: Optional[Path], markdown_path: Optional[Path]) -> str:
     """The fine-tune's report where there was no validation set to read a step window from (split.val_split 0, an LR
     given by hand): the same page and Markdown as write_step_report's, without a plot, saying the configured length
-    was trained and how to have it measured; None skips one."""
+    was trained and how to have it measured; None skips one. Returns its lead, the step's note."""
     lead = f"No validation set: trained the configured {_fmt(epochs)} epoch{'' if epochs == 1 else 's'} at lr {lr:.3g}."
     rows: list[tuple[str, Any, str]] = [
         ("epochs trained", epochs, "finetune.epochs, as configured"),
@@ -506,6 +506,7 @@ def write_unmeasured_step_report(epochs: float, updates: int, lr: float, lr_sour
                        (markdown_path, _markdown("Step window", "no validation", lead, rows, notes))):
         if dest is not None:
             write_bytes(dest, text.encode("utf-8"))
+    return lead
 
 
 def copy_report(report: dict, html_path: Optional[Path], markdown_path: Optional[Path]) -> None:

@@ -427,9 +427,7 @@ def run_finetune(
             length, improving = RecommendedLength(epochs=tc.epochs or 1, updates=result.updates,
                                                   basis="configured"), False
             decision = {"recommended_epochs": length.epochs, "note": "no validation: the configured epochs are kept"}
-            note = (f"No validation set: trained the configured {length.epochs} "
-                    f"epoch{'' if length.epochs == 1 else 's'} at lr {lr:.3g}.")
-            write_unmeasured_step_report(length.epochs, result.updates, lr, lr_source, report_html, report_md)
+            note = write_unmeasured_step_report(length.epochs, result.updates, lr, lr_source, report_html, report_md)
         if chosen is None:  # no validated checkpoint to choose from: the final weights are delivered, as configured
             checkpoints.keep_newest(work / checkpoints.RUN_DIR, cfg.training.keep_checkpoints)
         else:  # the run's newest checkpoint goes last (keep_chosen_checkpoint's keep_newest)
