@@ -677,20 +677,28 @@ def _cache_one_level_off(repo_id: str, cache: Path) -> str:
             "folder above it)")
 
 
-def _raise_not_cached(repo_id: str, revision: str, cache: Path) -> None:
+def _not_cached(repo_id: str, revision: str, cache: Path, why: str, fill: str, *, named: str = "",
+                else_: str = "") -> ConfigError:
+    """The error for a hub model the cache does not hold at `revision` and that cannot be fetched (`why`), with the
+    download that fills the cache (`fill`): naming the revisions it holds of the repo (a misspelt model.revision), or,
+    where it holds none, a cache one folder off. `named` follows the repo id, `else_` the fill, in the second."""
     held = _revisions_held(repo_id, cache)
+    if held:
+        return ConfigError(
+            f"model.revision: {revision!r} of hub model {repo_id!r} is not in the Hugging Face cache {cache} (it "
+            f"holds {held}) and {why}; set model.revision to one of those, or {fill}"
+        )
+    return ConfigError(
+        f"model.base_model: hub model {repo_id!r}{named} is not in the Hugging Face cache {cache}"
+        f"{_cache_one_level_off(repo_id, cache)} and {why}; {fill}{else_}"
+    )
+
+
+def _raise_not_cached(repo_id: str, revision: str, cache: Path) -> None:
     fill = (f"pre-fill it with `HF_HUB_CACHE={cache} hf download {repo_id} --revision {revision} "
             f"{HUB_INCLUDE}`, or unset HF_HUB_OFFLINE (with HF_TOKEN for a gated or private repo) so the "
             "first step downloads it")
-    if held:
-        raise ConfigError(
-            f"model.revision: {revision!r} of hub model {repo_id!r} is not in the Hugging Face cache {cache} (it "
-            f"holds {held}) and HF_HUB_OFFLINE is set; set model.revision to one of those, or {fill}"
-        )
-    raise ConfigError(
-        f"model.base_model: hub model {repo_id!r} (revision {revision!r}) is not in the Hugging Face cache {cache}"
-        f"{_cache_one_level_off(repo_id, cache)} and HF_HUB_OFFLINE is set; {fill}"
-    )
+    raise _not_cached(repo_id, revision, cache, "HF_HUB_OFFLINE is set", fill, named=f" (revision {revision!r})")
 
 
 def _snapshot_incomplete(repo_id: str, revision: str, cache: Path, snapshot: Path, lacks: list[str], why: str,
@@ -715,16 +723,7 @@ def _unreachable(repo_id: str, revision: str, cache: Path, e: Exception) -> Conf
         return _snapshot_incomplete(repo_id, revision, cache, partial, lacks,
                                     f"the hub cannot be reached from here: {_first_line(e)}",
                                     "on a machine that can reach the hub")
-    held = _revisions_held(repo_id, cache)
-    if held:
-        return ConfigError(
-            f"model.revision: {revision!r} of hub model {repo_id!r} is not in the Hugging Face cache {cache} (it "
-            f"holds {held}) and {unreachable}; set model.revision to one of those, or {fill}"
-        )
-    return ConfigError(
-        f"model.base_model: hub model {repo_id!r} is not in the Hugging Face cache {cache}"
-        f"{_cache_one_level_off(repo_id, cache)} and {unreachable}; {fill}, or pass a local folder or checkpoint file"
-    )
+    return _not_cached(repo_id, revision, cache, unreachable, fill, else_=", or pass a local folder or checkpoint file")
 
 
 def _gated(repo_id: str) -> ConfigError:
