@@ -109,6 +109,20 @@ def write_json(path: PathLike, obj: Any, *, indent: int = 2) -> Path:
     return write_text(path, json.dumps(obj, indent=indent, default=str) + "\n")
 
 
+def read_written_json(path: PathLike, valid: Callable[[Any], bool], not_valid: str, fix: str) -> Any:
+    """A JSON file write_json wrote whole, read back; RangefinderError `PATH cannot be read: WHY; FIX` where it is
+    no JSON (damaged, or edited since) or, by `valid`, not what it should hold (WHY: `not_valid`)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        why = f"not valid JSON ({e})"
+    else:
+        if valid(data):
+            return data
+        why = not_valid
+    raise RangefinderError(f"{path} cannot be read: {why}; {fix}")
+
+
 def replace_dir(src: PathLike, dst: PathLike) -> Path:
     """Put the finished folder `src` in the place of `dst` (which may exist), and remove the old one.
 

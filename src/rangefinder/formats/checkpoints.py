@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from rangefinder.errors import RangefinderError
-from rangefinder.formats.atomic import replace_dir, restore_moved_aside
+from rangefinder.formats.atomic import read_written_json, replace_dir, restore_moved_aside
 from rangefinder.formats.digest import file_sha256
 
 if TYPE_CHECKING:
@@ -135,17 +135,9 @@ def read_chosen(model_dir: Path) -> Optional[dict[str, Any]]:
     info = Path(model_dir) / CHOSEN_INFO
     if not (info.is_file() and (Path(model_dir) / CHOSEN_DIR).is_dir()):
         return None
-    try:
-        chosen = json.loads(info.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as e:  # written whole (formats.atomic): damaged, or edited
-        chosen = e
-    if not isinstance(chosen, dict):
-        why = f"not valid JSON ({chosen})" if isinstance(chosen, Exception) else "not a JSON object"
-        raise RangefinderError(
-            f"{info} cannot be read: {why}; the fine-tune wrote it whole, so it was damaged or changed since: run the "
-            f"fine-tune again, or use {Path(model_dir) / 'final'} (the run's final weights) instead"
-        )
-    return chosen
+    return read_written_json(info, lambda chosen: isinstance(chosen, dict), "not a JSON object",
+                             "the fine-tune wrote it whole, so it was damaged or changed since: run the fine-tune "
+                             f"again, or use {Path(model_dir) / 'final'} (the run's final weights) instead")
 
 
 def begin(root: Path, update: int) -> Path:

@@ -41,8 +41,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from rangefinder.errors import RangefinderError
-from rangefinder.formats.atomic import atomic_path, write_json
+from rangefinder.formats.atomic import atomic_path, read_written_json, write_json
 from rangefinder.models.loading import pipeline_call_kwargs
 from rangefinder.planning import planned_validations
 from rangefinder.training.family_detection import guidance_scale_for
@@ -76,23 +75,14 @@ def resolve_every(setting: Any, planned: int) -> Optional[int]:
 
 def read_index(run_dir: Path) -> Optional[dict[str, Any]]:
     """The samples index of a run folder (see the module's doc), or None when it has none."""
-    import json
 
     path = Path(run_dir) / SAMPLES_DIR / INDEX_NAME
     if not path.is_file():
         return None
-    try:
-        index = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as e:  # written whole (formats.atomic): damaged, or edited
-        index = e
-    if not (isinstance(index, dict) and isinstance(index.get("samples", []), list)):
-        why = f"not valid JSON ({index})" if isinstance(index, Exception) else "not a samples index"
-        raise RangefinderError(
-            f"{path} cannot be read: {why}; it is written whole after each grid, so it was damaged or changed since: "
-            "remove it to go on (a resumed run then drops the grids from before the update it resumes at and renders "
-            "the later ones)"
-        )
-    return index
+    return read_written_json(
+        path, lambda index: isinstance(index, dict) and isinstance(index.get("samples", []), list),
+        "not a samples index", "it is written whole after each grid, so it was damaged or changed since: remove it to "
+        "go on (a resumed run then drops the grids from before the update it resumes at and renders the later ones)")
 
 
 @dataclass
