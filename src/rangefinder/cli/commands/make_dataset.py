@@ -21,7 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     # Written out, not imported from data.synthetic, so that `--help` stays fast (tests check they agree).
     p.add_argument("--kind", choices=["shapes-on-white", "shapes", "stripes", "textures", "subject", "glyphs"],
                    default="shapes-on-white",
-                   help="what the images show")
+                   help="what the images show (default shapes-on-white)")
     p.add_argument("--out", required=True, help="folder to create (must be new or empty)")
     p.add_argument("--count", type=argtypes.int_in(1, 1_000_000, what="the number of images"), default=20,
                    help="number of images (default 20)")

@@ -19,8 +19,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="training images in each aspect-ratio bucket (the train column of `rangefinder split`); "
                        "each micro-batch then holds one bucket's images")
     p.add_argument("--val-split", type=float, default=0.0, help="share held out for validation (default 0)")
-    p.add_argument("--batch-size", type=int, default=1, help="images per micro-batch per process")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per update")
+    p.add_argument("--batch-size", type=int, default=1, help="images per micro-batch per process (default 1)")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per update (default 1)")
     p.add_argument("--world-size", type=int, default=None,
                    help="processes in all (GPUs); default --processes-per-node x --nodes")
     p.add_argument("--processes-per-node", type=int, default=1,
@@ -30,10 +30,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     budget.add_argument("--epochs", type=int, help="passes over the training images")
     budget.add_argument("--steps", type=int, help="steps, counted in --steps-unit")
     p.add_argument("--steps-unit", choices=["update", "micro-batch"], default="update",
-                   help="what a step is: an optimizer update (diffusers) or a micro-batch (A1111)")
+                   help="what a step is: an optimizer update (diffusers) or a micro-batch (A1111) (default update)")
     p.add_argument("--lr", type=float, help="base learning rate (before --scale-lr)")
     p.add_argument("--scale-lr", choices=["none", "linear", "sqrt"], default="none",
-                   help="multiply the LR by the effective batch (linear) or its square root")
+                   help="multiply the LR by the effective batch (linear) or its square root (default none)")
     p.add_argument("--drop-last", action="store_true", help="skip each epoch's trailing partial micro-batch")
     add_json_flag(p)
     p.set_defaults(func=run)

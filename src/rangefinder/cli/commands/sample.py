@@ -39,7 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seeds", nargs="+", type=argtypes.seed, default=None, help=f"seeds (default {d.seeds})")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--steps", type=argtypes.int_in(1, 10_000, what="the denoising steps"),
-                   default=d.num_inference_steps, help="denoising steps")
+                   default=d.num_inference_steps, help=f"denoising steps (default {d.num_inference_steps})")
     p.add_argument("--guidance", type=argtypes.float_in(0.0), default=d.guidance_scale,
                    help="guidance scale: classifier-free guidance's, or Flux.1-dev's distilled guidance input "
                    "(default: the model's own, what its diffusers pipeline samples at: 7.5 for SD 1.x/2.x, 5 for "

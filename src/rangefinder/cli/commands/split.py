@@ -49,9 +49,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "pipeline does this for training.method textual_inversion")
     p.add_argument("--no-bucketing", action="store_true",
                    help="report no aspect-ratio buckets (data.bucketing: false, every image a centre-cropped square)")
-    p.add_argument("--bucket-step", type=int, help="bucket sides are multiples of this, px (data.bucket_step)")
+    p.add_argument("--bucket-step", type=int,
+                   help="bucket sides are multiples of this, px (data.bucket_step; default: a quarter of the "
+                   "resolution, rounded down to a multiple of 8, between 8 and 64)")
     p.add_argument("--max-aspect", type=float, default=2.0,
-                   help="longest bucket side over its shortest (2.0; data.max_aspect)")
+                   help="longest bucket side over its shortest (data.max_aspect; default 2.0)")
     add_json_flag(p)
     p.set_defaults(func=run)
 

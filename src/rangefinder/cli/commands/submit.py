@@ -29,7 +29,9 @@ def add_endpoint_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, help="a rangefinder config YAML: parameters and pod settings")
     p.add_argument("--experiment", help="KFP experiment, made if missing, which the result says (default: "
                    "tracking.experiment_name of the config)")
-    p.add_argument("--dataset-uri", default="", help="object-store URI of the dataset folder (s3://, gs://, minio://)")
+    p.add_argument("--dataset-uri", default="",
+                   help="object-store URI of the dataset folder (s3://, gs://, minio://); default: none, the "
+                   "config's data.dataset_dir on the data volume")
 
 
 def load_checked_config(args: argparse.Namespace, command: str):

@@ -8,9 +8,15 @@ from typing import Any, get_args
 
 from rangefinder.cli.ignored import ignored_by_train, warn_conflicts, warn_ignored
 from rangefinder.cli.output import add_json_flag
-from rangefinder.config import Method, Optimizer, Schedule
+from rangefinder.config import Method, Optimizer, Schedule, TrainingConfig, ValidationConfig
 from rangefinder.errors import ConfigError
 from rangefinder.formats.text import warn
+
+
+def _default(section: type[TrainingConfig] | type[ValidationConfig], field: str) -> str:
+    """"(training.FIELD; default VALUE)": what a flag left out trains with, unless --config sets it."""
+    name = "training" if section is TrainingConfig else "validation"
+    return f"({name}.{field}; default {section.model_fields[field].default})"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -30,9 +36,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="output folder (checkpoints under OUT_DIR/checkpoints)")
     p.add_argument("--config", metavar="FILE", help="YAML config (sections as in `rangefinder` configs)")
     # The choices named from config's own lists: a schedule added there (wsd) went unnamed here.
-    p.add_argument("--method", help=" | ".join(get_args(Method)))
-    p.add_argument("--schedule", help=", ".join(get_args(Schedule)))
-    p.add_argument("--lr", type=float, help="learning rate (constant, or the peak of cosine and wsd)")
+    p.add_argument("--method", help=" | ".join(get_args(Method)) + " " + _default(TrainingConfig, "method"))
+    p.add_argument("--schedule", help=", ".join(get_args(Schedule)) + " " + _default(TrainingConfig, "schedule"))
+    p.add_argument("--lr", type=float, help="learning rate (constant, or the peak of cosine and wsd) "
+                   + _default(TrainingConfig, "lr")[:-1] + "; 1.0, a multiplier, with prodigy and "
+                   "prodigy_schedule_free)")
     p.add_argument("--optimizer", help=", ".join(f"{o} (default)" if o == "adamw" else o for o in get_args(Optimizer))
                    + " (README: Optimizers)")
     p.add_argument("--lr-min", type=float, help="lower end of a ramp or cycle, or where wsd decays to (0)")
@@ -41,15 +49,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     budget.add_argument("--epochs", type=int, help="passes over the training images")
     budget.add_argument("--steps", type=int, help="optimizer updates (micro-batches with training.steps_unit: "
                                                      "micro-batch in --config)")
-    p.add_argument("--batch-size", type=int, help="images per micro-batch per process")
-    p.add_argument("--grad-accum", type=int, help="micro-batches per update")
-    p.add_argument("--seed", type=int, help="training seed (data order, noise, timesteps)")
+    p.add_argument("--batch-size", type=int,
+                   help="images per micro-batch per process " + _default(TrainingConfig, "batch_size"))
+    p.add_argument("--grad-accum", type=int, help="micro-batches per update " + _default(TrainingConfig, "grad_accum"))
+    p.add_argument("--seed", type=int,
+                   help="training seed (data order, noise, timesteps) " + _default(TrainingConfig, "seed"))
     p.add_argument("--resolution", type=int, help="training resolution in pixels (default: the model's native one)")
-    p.add_argument("--validate-every-epochs", type=float, help="validate every N epochs; 0 turns validation off")
+    p.add_argument("--validate-every-epochs", type=float, help="validate every N epochs; 0 turns validation off "
+                   + _default(ValidationConfig, "every_epochs"))
     p.add_argument("--validate-every-updates", type=int, help="validate every N updates instead")
     p.add_argument("--checkpoint-every-updates", type=int, help="save a checkpoint every N updates (and at the end)")
     p.add_argument("--train-on", choices=["train", "train+val"], default="train",
-                   help="train+val: the full-data retrain (the validation set is then not measured)")
+                   help="train: the split's training images (default); train+val: the full-data retrain (the "
+                   "validation set is then not measured)")
     p.add_argument("--resume", action="store_true", help="continue from the newest whole checkpoint in OUT_DIR")
     add_json_flag(p)
     p.set_defaults(func=run)
