@@ -260,6 +260,13 @@ def test_the_recurring_run_is_a_valid_kfp_request_for_the_runner_account():
     assert validate_cron(run.trigger.cron_schedule.cron) == run.trigger.cron_schedule.cron
     assert run.max_concurrency == "1" and run.no_catchup is True and run.mode == "ENABLE"
     assert run.pipeline_version_reference.pipeline_id and run.pipeline_version_reference.pipeline_version_id
+    # It does what its description says: the parameters, each one of the published pipeline's, name a dataset on the
+    # data volume and turn the retrain on. With none it trained the embedded shapes weekly and never retrained.
+    package = next(yaml.safe_load_all((MANIFESTS.parent / "pipelines" / "rangefinder-finetune.yaml").read_text()))
+    params = run.runtime_config.parameters
+    assert set(params) <= set(package["root"]["inputDefinitions"]["parameters"]), sorted(params)
+    assert "full-data retrain" in run.description and params.get("retrain") is True
+    assert str(params.get("dataset_dir", "")).startswith(K8S.data_mount_path + "/"), params
 
 
 # ---------------------------------------------------------------------------------------------------------------
