@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from rangefinder.config import demo_config
+from rangefinder.tracking.target import mlflow_executable
 from tests.conftest import HUB_REPO
 from tests.mlflow_store import seed
 from tests.pipelines.registered_model import check_registered_is_the_retrain, check_the_kept_checkpoint, task_dir
@@ -82,7 +83,7 @@ def test_the_demos_run_on_default_sqlite_reads_back_whole(demo_run, demo_run_mlf
     db = out / "mlflow.db"
     assert db.is_file()
     # Issue 35: the summary (what `demo` and `run --local` print) serves the store and links its runs table.
-    assert s["mlflow_ui"] == f"mlflow ui --backend-store-uri sqlite:///{db}"
+    assert s["mlflow_ui"] == f"{mlflow_executable()} ui --backend-store-uri sqlite:///{db}"
     with sqlite3.connect(db) as con:
         (exp_id,) = con.execute("select distinct experiment_id from runs").fetchone()
     assert s["mlflow_link"] == f"http://127.0.0.1:5000/#/experiments/{exp_id}/runs?workflowType=machine_learning"

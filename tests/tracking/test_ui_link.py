@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import os
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import mlflow
@@ -12,7 +15,7 @@ from mlflow import MlflowClient
 from rangefinder.config import RangefinderConfig, TrackingConfig
 from rangefinder.pipelines.local_run import LocalRun, _experiment_id
 from rangefinder.tracking import step_run
-from rangefinder.tracking.target import ui_link
+from rangefinder.tracking.target import mlflow_executable, ui_link
 
 
 def _ui_bundle() -> str:
@@ -37,7 +40,7 @@ def test_a_local_runs_summary_links_the_experiment_its_steps_logged_to(sqlite_tr
     exp_id = _experiment_id(sqlite_tracking_uri, cfg)
     summary = LocalRun(out_dir=tmp_path, run_dir=tmp_path, tracking_uri=sqlite_tracking_uri,
                        experiment_id=exp_id).summary()
-    assert summary["mlflow_ui"] == f"mlflow ui --backend-store-uri {sqlite_tracking_uri}"
+    assert summary["mlflow_ui"] == f"{mlflow_executable()} ui --backend-store-uri {sqlite_tracking_uri}"
     assert summary["mlflow_link"] == f"http://127.0.0.1:5000/#/experiments/{exp_id}/runs?workflowType=machine_learning"
     # The linked experiment is the one holding the step's run.
     found = MlflowClient(tracking_uri=sqlite_tracking_uri).search_runs([exp_id])
@@ -61,5 +64,21 @@ def test_the_ui_command_pasted_into_a_shell_opens_the_store_under_a_folder_with_
     command, _ = ui_link(uri, exp_id)
     assert command is not None
     words = shlex.split(command)
-    assert words[:3] == ["mlflow", "ui", "--backend-store-uri"] and len(words) == 4
+    assert words[1:3] == ["ui", "--backend-store-uri"] and len(words) == 4
     assert MlflowClient(tracking_uri=words[3]).get_experiment(exp_id).name == "landing"
+
+
+def test_the_ui_command_runs_from_a_shell_without_the_venv_on_its_path(sqlite_tracking_uri, tmp_path, monkeypatch):
+    """`make demo` runs .venv/bin/rangefinder with no venv activated: the `mlflow_ui` line said `mlflow ui ...`, which
+    that shell does not find. Its command is this interpreter's mlflow, by path where PATH lacks it."""
+    monkeypatch.setenv("PATH", str(tmp_path))  # a shell whose PATH holds no mlflow
+    command, _ = ui_link(sqlite_tracking_uri, "0")
+    assert command is not None
+    executable = shlex.split(command)[0]
+    assert Path(executable) == Path(sys.executable).parent / "mlflow"
+    version = subprocess.run([executable, "--version"], capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "PATH": str(tmp_path)})
+    assert version.returncode == 0 and "version" in version.stdout, version.stderr[-500:]
+    # With this interpreter's bin first on PATH (an activated venv), the command is the short name it finds.
+    monkeypatch.setenv("PATH", str(Path(sys.executable).parent))
+    assert shlex.split(ui_link(sqlite_tracking_uri, "0")[0] or "")[0] == "mlflow"

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Union
 from urllib.parse import unquote, urlsplit
@@ -369,6 +371,17 @@ UI_RUNS_ROUTE = "#/experiments/{experiment_id}/runs?workflowType=machine_learnin
 MLFLOW_UI_PORT = 5000
 
 
+def mlflow_executable() -> str:
+    """`mlflow` where the shell finds this interpreter's own, else the path of the one beside the interpreter:
+    `make demo` runs .venv/bin/rangefinder with no venv activated, and there `mlflow` alone is not found (or is
+    another install's, which may not read this store's schema)."""
+    beside = Path(sys.executable).parent / "mlflow"
+    found = shutil.which("mlflow")
+    if beside.is_file() and (found is None or Path(found).resolve() != beside.resolve()):
+        return str(beside)
+    return "mlflow"
+
+
 def ui_link(uri: str, experiment_id: str) -> tuple[Optional[str], str]:
     """(the command that serves MLflow's UI for `uri`, or None when `uri` is a server; the link that opens the
     experiment's model-training runs table in that UI). Credentials in `uri` never appear in either. The command is
@@ -377,4 +390,5 @@ def ui_link(uri: str, experiment_id: str) -> tuple[Optional[str], str]:
     route = UI_RUNS_ROUTE.format(experiment_id=experiment_id)
     if urlsplit(uri).scheme.lower() in ("http", "https"):
         return None, f"{safe_uri(uri).rstrip('/')}/{route}"
-    return shlex.join(["mlflow", "ui", "--backend-store-uri", safe_uri(uri)]), f"http://127.0.0.1:{MLFLOW_UI_PORT}/{route}"
+    command = shlex.join([mlflow_executable(), "ui", "--backend-store-uri", safe_uri(uri)])
+    return command, f"http://127.0.0.1:{MLFLOW_UI_PORT}/{route}"
