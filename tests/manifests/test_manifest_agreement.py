@@ -6,6 +6,7 @@ side without the other fails here instead of as a pod stuck in ContainerCreating
 
 from __future__ import annotations
 
+import re
 from urllib.parse import urlparse
 
 import pytest
@@ -13,7 +14,7 @@ import yaml
 
 from rangefinder import container_images as images
 from rangefinder.config import KubernetesConfig
-from tests.manifests.manifest_support import MANIFESTS, pod_specs
+from tests.manifests.manifest_support import MANIFESTS, entry_points, pod_specs
 
 K8S = KubernetesConfig()
 # The entry points that hold the pipeline namespace's pieces, with the namespace MLflow must admit pods from.
@@ -267,6 +268,17 @@ def test_the_recurring_run_is_a_valid_kfp_request_for_the_runner_account():
     assert set(params) <= set(package["root"]["inputDefinitions"]["parameters"]), sorted(params)
     assert "full-data retrain" in run.description and params.get("retrain") is True
     assert str(params.get("dataset_dir", "")).startswith(K8S.data_mount_path + "/"), params
+
+
+def test_the_readme_lists_every_entry_point():
+    """manifests/README.md's table is where an installer looks for what to apply: multi-node/ (the RBAC that
+    `distributed.num_nodes > 1` needs, which the top README and docs/scaling.md send people to install) was missing."""
+    entries = entry_points()
+    # A part of another entry point (the profile overlay's own pipeline-namespace) is applied with it.
+    own = {e for e in entries if not any(e.startswith(f"{o}/") for o in entries if o != ".")}
+    table = (MANIFESTS / "README.md").read_text()
+    listed = {e.rstrip("/") for e in re.findall(r"^\| `([^`]+)` (?:\(this folder\) )?\|", table, re.M)}
+    assert sorted(own - listed) == []
 
 
 # ---------------------------------------------------------------------------------------------------------------
