@@ -192,6 +192,19 @@ def test_compile_and_run_local_refuse_what_a_local_base_model_s_family_cannot_ta
     assert list(tmp_path.iterdir()) == [cfg]
 
 
+def test_compile_refuses_to_write_its_package_over_its_config(tmp_path):
+    """`compile --config my.yaml --out my.yaml` replaced the user's config with the compiled pipeline, and said
+    nothing; a link to the config is the same file."""
+    cfg = tmp_path / "my.yaml"
+    cfg.write_text("training:\n  method: lora\n")
+    (tmp_path / "link.yaml").symlink_to(cfg)
+    for out in (cfg, tmp_path / "link.yaml"):
+        assert_one_line_error(in_process("compile", "--config", str(cfg), "--out", str(out)),
+                              "is the --config file itself", "my-pipeline.yaml" if out == cfg else "link-pipeline")
+    assert cfg.read_text() == "training:\n  method: lora\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.yaml", "my.yaml"]
+
+
 def test_compile_refuses_a_config_file_over_1_mib(tmp_path):
     cfg = tmp_path / "big.yaml"
     with open(cfg, "w") as f:  # 50 MB, as in the issue: refused after reading at most 1 MiB of it
