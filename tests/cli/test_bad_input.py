@@ -205,6 +205,18 @@ def test_compile_refuses_to_write_its_package_over_its_config(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link.yaml", "my.yaml"]
 
 
+@pytest.mark.parametrize("command", ["analyze-lr", "select-steps"])
+def test_a_plot_named_as_the_curve_is_refused_and_the_curve_kept(command, tmp_path):
+    """`analyze-lr metrics.csv --plot metrics.csv` wrote the PNG over the curve it had read."""
+    curve = tmp_path / "metrics.csv"
+    rows = [(u, u, 10 ** (u - 7), loss) for u, loss in enumerate((0.50, 0.49, 0.45, 0.38, 0.36, 0.37, 0.60))]
+    text = "update,epoch,lr,val_loss\n" + "".join(f"{u},{e},{lr!r},{loss}\n" for u, e, lr, loss in rows)
+    curve.write_text(text)
+    assert_one_line_error(in_process(command, str(curve), "--plot", str(curve)),
+                          "--plot", "is the CURVE.csv file itself", str(tmp_path / "metrics.png"))
+    assert curve.read_text() == text
+
+
 def test_compile_refuses_a_config_file_over_1_mib(tmp_path):
     cfg = tmp_path / "big.yaml"
     with open(cfg, "w") as f:  # 50 MB, as in the issue: refused after reading at most 1 MiB of it

@@ -6,6 +6,9 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable
+from pathlib import Path
+
+from rangefinder.errors import RangefinderError
 
 # The seeds every generator here takes (config.MAX_SEED; numpy's global seeding refuses more).
 MAX_SEED = 2**32 - 1
@@ -62,3 +65,10 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+
+def refuse_writing_over(out: str | None, out_flag: str, source: str | None, source_flag: str, fix: str) -> None:
+    """RangefinderError when `out` is the file `source` names (a link to it too): the command would replace the
+    input it read (`compile --config my.yaml --out my.yaml` replaced the config with the package)."""
+    if out and source and Path(out).is_file() and Path(source).is_file() and Path(out).samefile(source):
+        raise RangefinderError(f"{out_flag} {out} is the {source_flag} file itself, which it would replace; {fix}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from rangefinder.cli import args as argtypes
 from rangefinder.cli.output import add_json_flag
@@ -37,6 +38,9 @@ def run(args: argparse.Namespace) -> dict:
     from rangefinder.analysis import analyze_lr_curve, plot_lr_range_test, read_curve_csv, write_lr_report
     from rangefinder.errors import RangefinderError
 
+    if args.plot:  # before anything is read or written
+        argtypes.refuse_writing_over(args.plot, "--plot", args.curve, "CURVE.csv",
+                                     f"name the plot apart, e.g. {Path(args.plot).with_suffix('.png')}")
     curve = read_curve_csv(args.curve, required=("lr", "val_loss"), skip_empty=("val_loss",))
     if curve["val_loss"].dtype == object or curve["lr"].dtype == object:
         raise RangefinderError(f"{args.curve}: lr and val_loss must be numbers")

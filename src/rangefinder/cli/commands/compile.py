@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from rangefinder.cli.args import refuse_writing_over
 from rangefinder.cli.ignored import ignored_by_pipeline, off_the_data_volume, warn_conflicts, warn_ignored
 from rangefinder.cli.output import add_json_flag
 from rangefinder.formats.text import warn
@@ -40,10 +41,8 @@ def run(args: argparse.Namespace) -> dict:
         named = out.with_suffix(".yaml") if out.suffix.lower() in (".json", ".yaml", ".yml") else f"{out}.yaml"
         raise ConfigError(f"--out {args.out}: the package is YAML, which KFP's upload knows by a name ending in .yaml "
                           f"or .yml; name it {named}")
-    if args.config and out.is_file() and Path(args.config).is_file() and out.samefile(args.config):
-        # The package replaced the config it was compiled from: the settings gone, a pipeline in their place.
-        raise ConfigError(f"--out {args.out} is the --config file itself, which the package would replace; name the "
-                          f"package apart, e.g. {out.with_name(out.stem + '-pipeline.yaml')}")
+    refuse_writing_over(args.out, "--out", args.config, "--config",
+                        f"name the package apart, e.g. {out.with_name(out.stem + '-pipeline.yaml')}")
     cfg = load_config(args.config)
     warn_ignored("compile", ignored_by_pipeline(cfg, local=False))
     warn_conflicts(cfg)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from rangefinder.cli import args as argtypes
 from rangefinder.cli.output import add_json_flag
@@ -28,6 +29,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> dict:
     from rangefinder.analysis import plot_step_window, read_curve_csv, select_step_window, write_step_report
 
+    if args.plot:  # before anything is read or written
+        argtypes.refuse_writing_over(args.plot, "--plot", args.curve, "CURVE.csv",
+                                     f"name the plot apart, e.g. {Path(args.plot).with_suffix('.png')}")
     curve = read_curve_csv(args.curve, required=("update", "val_loss"), skip_empty=("val_loss",))
     window = select_step_window(curve["update"], curve.get("epoch"), curve["val_loss"], tolerance=args.tolerance,
                                 stabilize_loss=curve.get("stabilize_loss"), seed=args.seed)
