@@ -36,8 +36,8 @@ $(TOOLS_STAMP): constraints-tools.txt
 
 # The step images, tagged as src/rangefinder/container_images.py names them (needs a Docker engine; see images/README.md).
 images:
-	docker build -f images/Dockerfile.trainer -t "$$(PYTHONPATH=src $(PYTHON) -m rangefinder.container_images | sed -n 's/^trainer=//p')" .
-	docker build -f images/Dockerfile.cpu -t "$$(PYTHONPATH=src $(PYTHON) -m rangefinder.container_images | sed -n 's/^cpu=//p')" .
+	docker build -f images/Dockerfile.trainer --build-arg GIT_REVISION="$$(git rev-parse HEAD 2>/dev/null)" -t "$$(PYTHONPATH=src $(PYTHON) -m rangefinder.container_images | sed -n 's/^trainer=//p')" .
+	docker build -f images/Dockerfile.cpu --build-arg GIT_REVISION="$$(git rev-parse HEAD 2>/dev/null)" -t "$$(PYTHONPATH=src $(PYTHON) -m rangefinder.container_images | sed -n 's/^cpu=//p')" .
 	docker build -f images/Dockerfile.mlflow -t "$$(PYTHONPATH=src $(PYTHON) -m rangefinder.container_images | sed -n 's/^mlflow=//p')" .
 
 # components/<step>/ (component.yaml, README.md, metadata.yaml) and pipelines/ (the package to upload), compiled from

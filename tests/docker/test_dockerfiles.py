@@ -157,6 +157,31 @@ def test_step_images_hold_the_project_and_writable_caches(name):
     assert final.args_of("WORKDIR") == ["/work"]
 
 
+@pytest.mark.parametrize("name", ["Dockerfile.trainer", "Dockerfile.cpu"])
+def test_step_images_carry_the_commit_they_were_built_from(name):
+    """The README tags each run with its git revision (`mlflow.source.git.commit`); a step image holds the package
+    installed, with no .git to ask, so the tag was missing from every cluster run. The build passes the commit in,
+    and the final stage sets the variable tracking.runs.git_revision reads."""
+    import inspect
+
+    from rangefinder.tracking import runs
+
+    final = parse(REPO / "images" / name)[-1]
+    assert "GIT_REVISION" in " ".join(final.args_of("ARG"))
+    assert "RANGEFINDER_GIT_REVISION=${GIT_REVISION}" in " ".join(final.args_of("ENV"))
+    assert 'os.environ.get("RANGEFINDER_GIT_REVISION")' in inspect.getsource(runs.git_revision)
+    # Every build command the repository shows passes it: make images, images/README.md, the Dockerfile's own
+    # header, and the example CI job.
+    image = name.split(".")[1]
+    shown = [(REPO / "Makefile").read_text(), (REPO / "images" / "README.md").read_text(),
+             (REPO / "images" / name).read_text()]
+    for text in shown:
+        builds = [line for line in re.sub(r"\\\n#?\s*", " ", text).splitlines()
+                  if f"docker build -f images/{name} " in line]
+        assert builds and all("--build-arg GIT_REVISION=" in b for b in builds), (image, builds)
+    assert "build-args: GIT_REVISION=" in (REPO / ".github" / "workflows" / "images.yml").read_text()
+
+
 def test_the_trainer_cuda_base_matches_the_torch_wheels():
     text = (REPO / "images" / "Dockerfile.trainer").read_text()
     index = re.search(r"ARG TORCH_INDEX_URL=https://download\.pytorch\.org/whl/cu(\d+)(\d)\b", text)
