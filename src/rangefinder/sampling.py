@@ -221,7 +221,7 @@ def load_column_pipeline(column: GridColumn, base_model: Path, *, device: str, d
 
     dtype = dtype or (torch.float16 if device.startswith("cuda") else torch.float32)
     cls, family_kwargs = pipeline_class(base_model)
-    common = dict(torch_dtype=dtype, **family_kwargs)
+    common = dict(dtype=dtype, **family_kwargs)  # `torch_dtype` is deprecated since diffusers 0.40
     if column.kind == "pipeline":
         pipe = cls.from_pretrained(str(column.path), local_files_only=True, **_variant_of(column.path), **common)
     elif column.kind == "single_file":
@@ -232,7 +232,7 @@ def load_column_pipeline(column: GridColumn, base_model: Path, *, device: str, d
     else:
         pipe = cls.from_pretrained(str(base_model), local_files_only=True, **_variant_of(base_model), **common)
         if column.kind == "unet":
-            pipe.unet = UNet2DConditionModel.from_pretrained(str(column.path / "unet"), torch_dtype=dtype)
+            pipe.unet = UNet2DConditionModel.from_pretrained(str(column.path / "unet"), dtype=dtype)
             if (column.path / "text_encoder" / "config.json").is_file():
                 from transformers import CLIPTextModel
 
@@ -318,7 +318,7 @@ def _engine_checkpoint_pipeline(ckpt_dir: Path, base_model: Path, common: dict):
     parts = {layout.denoiser: sd.unet, "text_encoder": sd.text_encoder, "tokenizer": sd.tokenizer,
              "scheduler": sampling_scheduler(sd), **{name: getattr(sd, name) for name in layout.parts}}
     pipe = cls.from_pretrained(str(base_model), local_files_only=True, **parts, **_variant_of(base_model), **common)
-    return pipe.to(common["torch_dtype"])
+    return pipe.to(common["dtype"])
 
 
 # ---------------------------------------------------------------------------------------------------------------
