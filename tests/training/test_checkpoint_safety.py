@@ -502,3 +502,35 @@ def test_full_disk_while_writing_final_is_a_clear_error(base, finished, tmp_path
     assert "Traceback" not in err
     assert f"cannot write the run's outputs under {out}" in err and "GiB free" in err, err
     assert not (out / "final").exists() and not (out / "run_summary.json").exists()  # nothing looks finished
+
+
+class _SigtermAt:
+    """A metric sink that sends this process SIGTERM as it logs update `update` (an eviction mid-run)."""
+
+    def __init__(self, update: int) -> None:
+        self.update = update
+
+    def log_metrics(self, metrics, step):
+        if step == self.update and "train_loss" in metrics:
+            signal.raise_signal(signal.SIGTERM)
+
+
+def test_the_preempted_lines_start_lines_of_their_own_in_a_log(base, tmp_path, capfd):
+    """In a log that is no terminal (a pod's, CI's, `2> file`) a bar's line ends in a carriage return: the SIGTERM
+    notice and the line saying the run was preempted (printed by the CLI and a step as they catch Preempted) were
+    written onto the bar's state. Each starts a line of its own: the bar is closed once the loop stops, before the
+    error is caught."""
+    from rangefinder.errors import Preempted
+
+    spec = TrainSpec(TrainingConfig(**base["training"]), ValidationConfig(**base["validation"]),
+                     split_dir=base["split_dir"], model=base["model"])
+    try:
+        train(spec, out_dir=tmp_path / "out", metric_sink=_SigtermAt(1))
+    except Preempted as e:
+        assert "stopped by SIGTERM at update 1 of 4" in str(e)
+        err = capfd.readouterr().err  # what is written when the CLI writes its line (the error still alive)
+    else:
+        raise AssertionError("not preempted")
+    lines = err.split("\n")
+    assert "rangefinder: SIGTERM: finishing the current update, then writing a checkpoint" in lines, err[-600:]
+    assert "train (constant)" in err and err.endswith("\n"), repr(err[-300:])

@@ -138,43 +138,45 @@ def train(
         for m in run.modules.values():
             m.train()
         stream = run.stream
-        progress = tqdm(total=stream.total_updates, initial=state.update, disable=not run.main,
-                        desc=f"train ({cfg.schedule})", unit="update", dynamic_ncols=True)
-        t0, cpu0 = time.perf_counter(), time.process_time()
-        paused = _pause_due(pause_after_update, state)  # resumed at the pause: nothing to train
-        while state.update < stream.total_updates and state.status == "ok" and not paused:
-            first_micro_batch = state.micro_batches_done
-            row = _train_one_update(run, state)
-            state.add_update(row)
-            if not update_finite(run, row):
-                state.status = "diverged"  # a NaN/inf loss stops any run, validation on or off
-            if metric_sink is not None and run.main:
-                logged = {k: row[k] for k in UPDATE_METRICS if row[k] is not None}  # prodigy_d_lr: Prodigy's only
-                metric_sink.log_metrics(logged, state.update)
-            progress.set_postfix(loss=f"{row['train_loss']:.4f}", lr=f"{row['lr']:.3g}", refresh=False)
-            progress.update(1)
+        # The bar is closed (its line ended) however the loop ends: in a log that is no terminal its line ends in a
+        # carriage return, and the line a stop or an error prints (Preempted's, a full disk's) was written onto it.
+        with tqdm(total=stream.total_updates, initial=state.update, disable=not run.main,
+                  desc=f"train ({cfg.schedule})", unit="update", dynamic_ncols=True) as progress:
+            t0, cpu0 = time.perf_counter(), time.process_time()
+            paused = _pause_due(pause_after_update, state)  # resumed at the pause: nothing to train
+            while state.update < stream.total_updates and state.status == "ok" and not paused:
+                first_micro_batch = state.micro_batches_done
+                row = _train_one_update(run, state)
+                state.add_update(row)
+                if not update_finite(run, row):
+                    state.status = "diverged"  # a NaN/inf loss stops any run, validation on or off
+                if metric_sink is not None and run.main:
+                    # prodigy_d_lr: Prodigy's only
+                    logged = {k: row[k] for k in UPDATE_METRICS if row[k] is not None}
+                    metric_sink.log_metrics(logged, state.update)
+                progress.set_postfix(loss=f"{row['train_loss']:.4f}", lr=f"{row['lr']:.3g}", refresh=False)
+                progress.update(1)
 
-            # Validation: every N updates, or whenever an every-N-epochs boundary was crossed; and at the end. A ramp
-            # stops once it diverges: the range test has found its upper bound.
-            last = state.update == stream.total_updates
-            if run.validating and (_validation_due(run.val_cfg, stream, first_micro_batch, state) or last):
-                validate(run, state, metric_sink, last=last)
-                if samples is not None:
-                    samples.after_validation(state, last=last)
-                if run.schedule.is_ramp and _diverged(run.val_cfg, state.log):
-                    state.status = "diverged"
-            paused = not last and _pause_due(pause_after_update, state)
+                # Validation: every N updates, or whenever an every-N-epochs boundary was crossed; and at the end. A
+                # ramp stops once it diverges: the range test has found its upper bound.
+                last = state.update == stream.total_updates
+                if run.validating and (_validation_due(run.val_cfg, stream, first_micro_batch, state) or last):
+                    validate(run, state, metric_sink, last=last)
+                    if samples is not None:
+                        samples.after_validation(state, last=last)
+                    if run.schedule.is_ramp and _diverged(run.val_cfg, state.log):
+                        state.status = "diverged"
+                paused = not last and _pause_due(pause_after_update, state)
 
-            # Checkpoint: every N updates and at the end (also when stopping on divergence; weights that are no longer
-            # finite are not saved, so the last checkpoint is the last finite one), and where the run pauses.
-            every = cfg.checkpoint_every_updates
-            saving = bool(every and (state.update % every == 0 or last or state.status != "ok")) or paused
-            if saving:
-                save_checkpoint(run, state)
-            # Preemption (SIGTERM): at this update boundary, on every rank at once.
-            if not last and state.status == "ok" and not paused and stop.agreed(run):
-                _preempt(run, state, stop, saved_already=saving)
-        progress.close()
+                # Checkpoint: every N updates and at the end (also when stopping on divergence; weights that are no
+                # longer finite are not saved, so the last checkpoint is the last finite one), and where the run pauses.
+                every = cfg.checkpoint_every_updates
+                saving = bool(every and (state.update % every == 0 or last or state.status != "ok")) or paused
+                if saving:
+                    save_checkpoint(run, state)
+                # Preemption (SIGTERM): at this update boundary, on every rank at once.
+                if not last and state.status == "ok" and not paused and stop.agreed(run):
+                    _preempt(run, state, stop, saved_already=saving)
         seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - cpu0
 
         # --- final weights and summary --------------------------------------------------------------------------------

@@ -36,8 +36,11 @@ class StopRequest:
     def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
         if self.at is None:
             self.at = time.monotonic()
-            print("rangefinder: SIGTERM: finishing the current update, then writing a checkpoint", file=sys.stderr,
-                  flush=True)
+            # A bar's line ends in a carriage return, not a newline: in a log that is no terminal (a pod's, CI's,
+            # `2> file`) this line was written onto the bar's. It starts a line of its own where a bar is shown.
+            lead = "\n" if _bar_shown() else ""
+            print(f"{lead}rangefinder: SIGTERM: finishing the current update, then writing a checkpoint",
+                  file=sys.stderr, flush=True)
 
     def agreed(self, run: Run) -> bool:
         """Whether any process was asked to stop (the same answer on every rank: one collective, every rank calls
@@ -52,6 +55,13 @@ class StopRequest:
         if self.at is None:
             return "after another process got SIGTERM"
         return f"{time.monotonic() - self.at:.1f} s after the signal"
+
+
+def _bar_shown() -> bool:
+    """Whether a tqdm bar is open and drawn (the training loop's, or the encoding's)."""
+    from tqdm import tqdm
+
+    return any(not bar.disable for bar in list(getattr(tqdm, "_instances", ())))
 
 
 @contextlib.contextmanager
