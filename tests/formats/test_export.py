@@ -267,3 +267,28 @@ def test_the_same_weights_and_facts_make_the_same_file_in_every_process(tmp_path
     assert list(header["__metadata__"]) == sorted(header["__metadata__"])
     assert read_metadata(paths[0])["rangefinder.k3"] == 'v\u00e93"'
     assert torch.equal(load_file(str(paths[0]))["b"], torch.arange(5.0))
+
+
+def test_delivered_weights_files_have_the_mode_a_usual_write_gives(saved_folder, tmp_path):
+    """safetensors creates its file 0600, so an exported LoRA, embedding or model file, and the weights of a full
+    fine-tune's folder (diffusers' save_pretrained writes through it), were unreadable to the group and others: a
+    serving tool run as another user, or a shared volume's readers, could not load them. They get 0666 less the
+    umask, as the folder's other files (config.json) have; the umask still decides."""
+    import os
+    import stat
+
+    from rangefinder.formats.weights_file import save_safetensors
+
+    folder, _ = saved_folder
+    weights = sorted(folder.rglob("*.safetensors"))
+    assert {"unet", "vae", "text_encoder"} <= {p.parent.name for p in weights}
+    usual = stat.S_IMODE((folder / "unet" / "config.json").stat().st_mode)
+    assert usual == 0o666 & ~os.umask(os.umask(0o022))  # the process's umask, put straight back
+    modes = {str(p.relative_to(folder)): oct(stat.S_IMODE(p.stat().st_mode)) for p in weights}
+    assert modes == dict.fromkeys(modes, oct(usual))
+    previous = os.umask(0o027)
+    try:
+        path = save_safetensors({"a": torch.zeros(2)}, tmp_path / "lora.safetensors")
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640

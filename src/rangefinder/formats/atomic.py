@@ -75,6 +75,26 @@ def usable_folder(path: PathLike, what: str) -> Path:
     return p
 
 
+def process_umask() -> int:
+    """This process's umask, read without changing it where Linux says it (/proc/self/status, Linux 4.7+); elsewhere
+    set and put straight back (os.umask has no read-only form)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def give_usual_mode(path: PathLike) -> None:
+    """The mode `path` would have had if opened for writing as usual (0666 less the umask: 0644 at the usual 022).
+    safetensors' writer (and diffusers' save_pretrained, through it) creates its file 0600, so a delivered weights
+    file was unreadable to the group and others that a user, their serving tools or a shared volume's readers
+    expect to read it."""
+    os.chmod(path, 0o666 & ~process_umask())
+
+
 @contextlib.contextmanager
 def atomic_path(path: PathLike, *, suffix: str = "") -> Iterator[Path]:
     """A temporary sibling of `path` to write; renamed onto `path` when the block ends, removed if it raises.

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from rangefinder.formats.atomic import write_json, write_text
+from rangefinder.formats.atomic import give_usual_mode, write_json, write_text
 from rangefinder.formats.weights_file import save_safetensors
 
 CLIP_TEXT_PREFIX = "text_model."
@@ -78,9 +78,12 @@ def write_slow_tokenizer_files(tokenizer, tokenizer_dir: Path) -> None:
 
 def save_pipeline_folder(pipe, out_dir: Path) -> Path:
     """`pipe.save_pretrained` (safetensors), then the two fixes above, so the folder loads under transformers 4.x
-    and 5.x, with fast or slow tokenizers."""
+    and 5.x, with fast or slow tokenizers; its weights files get the mode a usual write gives (save_pretrained's
+    are 0600)."""
     out_dir = Path(out_dir)
     pipe.save_pretrained(str(out_dir), safe_serialization=True)
+    for weights in out_dir.rglob("*.safetensors"):
+        give_usual_mode(weights)  # save_pretrained's safetensors files are 0600
     if (out_dir / "text_encoder").is_dir():
         write_text_encoder_weights_with_prefix(out_dir / "text_encoder")
     for name in ("tokenizer", "tokenizer_2"):  # tokenizer_2: SDXL's second

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rangefinder import __version__
-from rangefinder.formats.atomic import atomic_path
+from rangefinder.formats.atomic import atomic_path, give_usual_mode
 
 
 def export_metadata(
@@ -65,7 +65,8 @@ def training_metadata(
 
 
 def save_safetensors(tensors: Mapping[str, Any], path: Path, metadata: Optional[Mapping[str, str]] = None) -> Path:
-    """Write to a temporary name and rename, so a half-written file never looks finished."""
+    """Write to a temporary name and rename, so a half-written file never looks finished; the file gets the mode a
+    usual write gives (formats.atomic.give_usual_mode)."""
     from safetensors.torch import save_file
 
     # safetensors refuses shared or non-contiguous storage; a clone per tensor keeps the caller's tensors intact.
@@ -73,6 +74,7 @@ def save_safetensors(tensors: Mapping[str, Any], path: Path, metadata: Optional[
         save_file({k: v.detach().contiguous().clone() for k, v in tensors.items()}, str(tmp),
                   metadata=dict(metadata or {}))
         _sort_metadata(tmp)
+        give_usual_mode(tmp)  # safetensors makes it 0600
     return Path(path)
 
 
