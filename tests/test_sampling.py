@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -349,3 +350,31 @@ def test_an_sdxl_embedding_column_puts_each_encoder_s_vectors_in_that_encoder(ti
                                     (pipe.text_encoder_2, pipe.tokenizer_2, "clip_g")):
         row = encoder.get_input_embeddings().weight[tokenizer.convert_tokens_to_ids("<shape>")]
         assert torch.equal(row, vectors[key][0]), key
+
+
+def test_model_variant_is_the_base_model_sampled_where_the_folder_holds_plain_weights_too(tiny_model_dir, tmp_path):
+    """model.variant: fp16 on a folder holding `*.fp16.safetensors` beside the plain weights (a hub snapshot with
+    both, a folder saved with both): training loads the variant, and the grid (sample-images, the delivered model's
+    samples) and register-model's pipeline loaded the plain weights, which diffusers takes unless told the variant.
+    Here the variant's weights differ from the plain ones: the grid draws the variant's."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    both, variant_alone = tmp_path / "both", tmp_path / "variant-alone"
+    shutil.copytree(tiny_model_dir, both)
+    for weights in both.glob("*/*.safetensors"):
+        tensors = {k: v.half() for k, v in load_file(str(weights)).items()}
+        if weights.parent.name == "unet":
+            tensors["conv_out.weight"] = -tensors["conv_out.weight"]  # the variant is other weights than the plain
+        save_file(tensors, str(weights.with_name(weights.name.replace(".safetensors", ".fp16.safetensors"))))
+    shutil.copytree(both, variant_alone, ignore=lambda _, names: [n for n in names if n.endswith(".safetensors")
+                                                                   and ".fp16." not in n])
+
+    def cell(model: Path, name: str, **kw) -> np.ndarray:
+        grid = render_grid([model], ["a red circle"], [5], out_dir=tmp_path / name, steps=1, device="cpu", **kw)
+        return np.asarray(Image.open(grid["images"][0][0]))
+
+    asked = cell(both, "asked", variant="fp16")
+    assert np.array_equal(asked, cell(variant_alone, "alone"))
+    assert not np.array_equal(asked, cell(both, "plain"))

@@ -213,9 +213,10 @@ def pipeline_class(base_model: Path) -> tuple[Any, dict[str, Any]]:
     return getattr(diffusers, layout.pipeline), dict(layout.pipeline_kwargs)
 
 
-def load_column_pipeline(column: GridColumn, base_model: Path, *, device: str, dtype=None, scheduler=None):
+def load_column_pipeline(column: GridColumn, base_model: Path, *, device: str, dtype=None, scheduler=None,
+                         variant: Optional[str] = None):
     """A pipeline of the base model's family (StableDiffusionPipeline or StableDiffusionXLPipeline) with the
-    column's weights; adapters go on top of `base_model`."""
+    column's weights; adapters go on top of `base_model`, loaded in its weights' `variant` (model.variant)."""
     import torch
     from diffusers import UNet2DConditionModel
 
@@ -223,14 +224,18 @@ def load_column_pipeline(column: GridColumn, base_model: Path, *, device: str, d
     cls, family_kwargs = pipeline_class(base_model)
     common = dict(dtype=dtype, **family_kwargs)  # `torch_dtype` is deprecated since diffusers 0.40
     if column.kind == "pipeline":
-        pipe = cls.from_pretrained(str(column.path), local_files_only=True, **_variant_of(column.path), **common)
+        # The base model's own column is the base model: in the variant it is trained in.
+        asked = variant if Path(column.path) == Path(base_model) else None
+        pipe = cls.from_pretrained(str(column.path), local_files_only=True, **_variant_of(column.path, asked),
+                                   **common)
     elif column.kind == "single_file":
         pipe = cls.from_single_file(str(column.path), config=str(base_model), local_files_only=True, **common)
         predict_as_the_file_says(pipe, column.path)  # not the base model's: the file may predict otherwise
     elif column.kind == "engine_checkpoint":
-        pipe = _engine_checkpoint_pipeline(column.path, base_model, common)
+        pipe = _engine_checkpoint_pipeline(column.path, base_model, common, variant)
     else:
-        pipe = cls.from_pretrained(str(base_model), local_files_only=True, **_variant_of(base_model), **common)
+        pipe = cls.from_pretrained(str(base_model), local_files_only=True, **_variant_of(base_model, variant),
+                                   **common)
         if column.kind == "unet":
             pipe.unet = UNet2DConditionModel.from_pretrained(str(column.path / "unet"), dtype=dtype)
             if (column.path / "text_encoder" / "config.json").is_file():
@@ -260,14 +265,16 @@ def load_column_pipeline(column: GridColumn, base_model: Path, *, device: str, d
     return pipe.to(device)
 
 
-def _variant_of(folder: Path) -> dict[str, str]:
-    """diffusers' `variant` for a folder whose parts hold only that variant's weights (a base model downloaded with
-    model.variant: fp16), which it loads only when told; none for plain weights."""
-    variant = folder_variant(Path(folder))
+def _variant_of(folder: Path, asked: Optional[str] = None) -> dict[str, str]:
+    """diffusers' `variant` for a base model's folder: `asked` (model.variant, which training loaded: a folder may
+    hold it beside the plain weights, which diffusers loads unless told), else the one its parts hold their weights
+    in alone (a base model downloaded with model.variant: fp16), which it loads only when told; none for plain
+    weights."""
+    variant = asked or folder_variant(Path(folder))
     return {"variant": variant} if variant else {}
 
 
-def export_pipeline(weights: Path, base_model: Path, out_dir: Path) -> Path:
+def export_pipeline(weights: Path, base_model: Path, out_dir: Path, variant: Optional[str] = None) -> Path:
     """A whole diffusers pipeline folder for any trained output: a full fine-tune's folder as it is; LoRA adapters
     fused into the base model's weights; a textual-inversion embedding added to the base tokenizer and text encoder.
 
@@ -278,7 +285,7 @@ def export_pipeline(weights: Path, base_model: Path, out_dir: Path) -> Path:
     column = resolve_column(weights)
     if column.kind == "pipeline":
         return weights
-    pipe = load_column_pipeline(column, Path(base_model), device="cpu")
+    pipe = load_column_pipeline(column, Path(base_model), device="cpu", variant=variant)
     if column.kind == "lora":
         # Bake the adapters into the base weights, then drop the adapter layers: a plain pipeline remains.
         pipe.fuse_lora()
@@ -303,21 +310,22 @@ def load_embedding(pipe: Any, path: Path, token: Optional[str]) -> None:
     pipe.load_textual_inversion(str(path), token=token)
 
 
-def _engine_checkpoint_pipeline(ckpt_dir: Path, base_model: Path, common: dict):
+def _engine_checkpoint_pipeline(ckpt_dir: Path, base_model: Path, common: dict, variant: Optional[str] = None):
     """A pipeline with a training checkpoint's weights (rangefinder.training.restore: the run's method rebuilt on the
     base model, the checkpoint's tensors, or their EMA average, put back), sampling with the base model's own
     scheduler predicting what the run trained, as the run's own samples do."""
     from rangefinder.training.restore import method_from_checkpoint
     from rangefinder.training.samples import sampling_scheduler
 
-    _, sd = method_from_checkpoint(ckpt_dir, base_model)
+    _, sd = method_from_checkpoint(ckpt_dir, base_model, variant)
     cls, _ = pipeline_class(base_model)
     from rangefinder.training.family_detection import FAMILY_LAYOUTS
 
     layout = FAMILY_LAYOUTS[sd.family]  # the denoiser is the pipeline's unet or transformer
     parts = {layout.denoiser: sd.unet, "text_encoder": sd.text_encoder, "tokenizer": sd.tokenizer,
              "scheduler": sampling_scheduler(sd), **{name: getattr(sd, name) for name in layout.parts}}
-    pipe = cls.from_pretrained(str(base_model), local_files_only=True, **parts, **_variant_of(base_model), **common)
+    pipe = cls.from_pretrained(str(base_model), local_files_only=True, **parts, **_variant_of(base_model, variant),
+                               **common)
     return pipe.to(common["dtype"])
 
 
@@ -427,12 +435,14 @@ def render_grid(
     device: Optional[str] = None,
     dtype=None,
     cell_size: Optional[int] = None,
+    variant: Optional[str] = None,
 ) -> dict[str, Any]:
     """Render every prompt x seed (rows) for every model (columns) into `out_dir`.
 
     `models[0]` is normally the base model, so the first column shows what training changed. A LoRA or embedding
     column is applied on top of `base_model` (default: `models[0]`). `guidance_scale` None: the base model's own
-    (family_detection.guidance_scale_for), which the manifest's settings record. Returns the paths written and the
+    (family_detection.guidance_scale_for), which the manifest's settings record. `variant`: the base model's weights
+    variant (model.variant), where its folder holds it beside the plain weights. Returns the paths written and the
     layout:
     `{"grid", "html", "manifest", "images": [[path per column] per row], "rows", "columns", "layout", "settings",
     "scores"}`; "scores" says per column how well its images follow shapes prompts (`prompt_scores`).
@@ -492,7 +502,8 @@ def render_grid(
     size: Optional[int] = None
     for c_index, column in enumerate(columns):
         try:
-            pipe = load_column_pipeline(column, base, device=device, dtype=dtype, scheduler=scheduler)
+            pipe = load_column_pipeline(column, base, device=device, dtype=dtype, scheduler=scheduler,
+                                        variant=variant)
         except RangefinderError:
             raise
         except Exception as e:  # diffusers, transformers, peft and safetensors each raise their own for bad weights

@@ -201,7 +201,7 @@ def run_average(cfg: RangefinderConfig, spec: TrainSpec, work: Path, window: Ste
         weights = soup.weights
     if measured.val_loss is not None:
         save_checkpoint_model(found[max(measured.updates)], base_model, root / "final", source=base_source,
-                              weights=weights, averaged_updates=measured.updates)
+                              weights=weights, averaged_updates=measured.updates, variant=cfg.model.variant)
     write_json(root / MEASURED, measured.to_json())  # last: a retry finds the measurement and the model beside it
     return measured
 

@@ -97,7 +97,7 @@ def keep_only_chosen(ckpt_root: Path, chosen: dict[str, Any], *also: Path) -> No
 def keep_chosen_checkpoint(run_dir: Path, window: Any, curve: dict, base_model: Path,
                            base_source: Optional[str] = None, *, deliver: str = "lowest",
                            measured_besides: Optional[dict[str, Optional[float]]] = None,
-                           keep_newest: bool = False) -> Optional[dict[str, Any]]:
+                           keep_newest: bool = False, variant: Optional[str] = None) -> Optional[dict[str, Any]]:
     """Keep the checkpoint the window's rule picks (analysis.delivered_checkpoint: the lowest validation loss inside
     the window; with no window, the lowest of the whole run), write its model as `chosen/` with `chosen.json` (its
     update, epoch, loss, the rule and whether it beats the base model), and remove the other checkpoints. None
@@ -174,7 +174,8 @@ def keep_chosen_checkpoint(run_dir: Path, window: Any, curve: dict, base_model: 
     if band is not None:
         info.update(band=band, window_pick={"checkpoint": found[pick.update].name, "update": pick.update,
                                             "val_loss": pick.val_loss, "rule": pick.rule})
-    save_checkpoint_model(ckpt, base_model, Path(run_dir) / checkpoints.CHOSEN_DIR, source=base_source)
+    save_checkpoint_model(ckpt, base_model, Path(run_dir) / checkpoints.CHOSEN_DIR, source=base_source,
+                          variant=variant)
     checkpoints.keep_only(ckpt_root, ckpt, *newest)
     write_json(Path(run_dir) / checkpoints.CHOSEN_INFO, info)
     return info
@@ -225,7 +226,7 @@ def sample_strip(run_dir: Path) -> Optional[SampleStrip]:
 
 
 def sample_delivered(work: Path, chosen: Optional[dict[str, Any]], base_model: Path,
-                     sink: Optional[Any] = None) -> None:
+                     sink: Optional[Any] = None, variant: Optional[str] = None) -> None:
     """Render the delivered (chosen) checkpoint with the settings of the samples during training and add its grid to
     them at its update, in the index (the report's strip) and in MLflow's image series (`sink`): the samples ran
     every few validations, and the slider ended before, or stepped over, the weights the pipeline delivers."""
@@ -258,7 +259,7 @@ def sample_delivered(work: Path, chosen: Optional[dict[str, Any]], base_model: P
         out = render_grid([Path(work) / checkpoints.CHOSEN_DIR], settings["prompts"], settings["seeds"], out_dir=tmp,
                           labels=["delivered"], base_model=base_model, steps=settings["num_inference_steps"],
                           guidance_scale=settings["guidance_scale"], scheduler=settings["scheduler"],
-                          resolution=settings["resolution"], device="cpu")
+                          resolution=settings["resolution"], device="cpu", variant=variant)
         images = [Image.open(path).convert("RGB") for (path,) in out["images"]]
     rows = [(r["prompt"], int(r["seed"])) for r in out["rows"]]
     files = save_sample_grid(folder, update, grid_title(update, epoch, " (delivered)"), rows, len(settings["seeds"]),
@@ -393,13 +394,14 @@ def run_finetune(
             besides = {**({} if cooled is None else {"the cooldown's weights": cooled.val_loss}),
                        **({} if averaged is None else {"the window average": averaged.val_loss})}
             chosen = keep_chosen_checkpoint(work, window, curve, base.path, base.source, deliver=cfg.finetune.deliver,
-                                            measured_besides=besides, keep_newest=True)
+                                            measured_besides=besides, keep_newest=True,
+                                            variant=cfg.model.variant)
             if cooled is not None and chosen is not None:  # offered unless the earliest tied checkpoint was kept
                 chosen = deliver_cooldown(work, cooled, chosen)
             if averaged is not None and chosen is not None:  # weighed against what is delivered by now
                 chosen = deliver_average(work, averaged, chosen, epoch=epoch_at(curve, averaged.updates[-1]))
             delivered = chosen_delivery(chosen)
-            sample_delivered(work, chosen, base.path, run)
+            sample_delivered(work, chosen, base.path, run, cfg.model.variant)
             # One length for the report, its lead (the run's description), MLflow and the step's outputs.
             length = recommended_length(window, chosen, tc.epochs or 1, result.updates, curve)
             retrain = retrain_preview(cfg, split, recommended_epochs=length.epochs, lr=lr, bounds=(lr_low, lr_high))

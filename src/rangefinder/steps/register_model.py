@@ -132,7 +132,8 @@ def run_register_model(cfg: RangefinderConfig, *, model_dir: Path, lr: float, ep
             from rangefinder.models.loading import resolve_base_model
             from rangefinder.sampling import export_pipeline
 
-            weights = export_pipeline(weights, resolve_base_model(cfg.model).path, Path(scratch) / "pipeline")
+            weights = export_pipeline(weights, resolve_base_model(cfg.model).path, Path(scratch) / "pipeline",
+                                      cfg.model.variant)
 
         def register() -> tracking.RegisteredVersion:
             with tracking.step_run(cfg, "register_model", parent_run_id=mlflow_parent_run_id) as run:

@@ -66,7 +66,7 @@ def run_sample_images(cfg: RangefinderConfig, *, finetuned_dir: Path, retrained_
     with tracking.step_run(cfg, "sample_images", parent_run_id=mlflow_parent_run_id) as run:
         out = render_grid(models, s.prompts, s.seeds, out_dir=out_dir, labels=labels, base_model=models[0],
                           steps=s.num_inference_steps, guidance_scale=s.guidance_scale, scheduler=s.scheduler,
-                          resolution=s.resolution or cfg.data.resolution)
+                          resolution=s.resolution or cfg.data.resolution, variant=cfg.model.variant)
         if grid_html is not None:
             shutil.copyfile(out["html"], grid_html)
         run.log_artifact(out_dir, "samples")

@@ -22,12 +22,14 @@ if TYPE_CHECKING:
     from rangefinder.training.methods.base import Method
 
 
-def method_from_checkpoint(ckpt_dir: Path, base_model: Path) -> tuple[Method, SDComponents]:
-    """(method, parts): the base model's parts in fp32 on the CPU, carrying the checkpoint's trained weights.
+def method_from_checkpoint(ckpt_dir: Path, base_model: Path, variant: str | None = None
+                           ) -> tuple[Method, SDComponents]:
+    """(method, parts): the base model's parts (in its weights' `variant`, model.variant, as the run loaded them) in
+    fp32 on the CPU, carrying the checkpoint's trained weights.
 
     The files read are first checked against the checkpoint's manifest: a damaged checkpoint is one RangefinderError
     naming it, before anything is loaded."""
-    return _rebuilt(Path(ckpt_dir), _intact_training(ckpt_dir), base_model)
+    return _rebuilt(Path(ckpt_dir), _intact_training(ckpt_dir), base_model, variant)
 
 
 def _intact_training(ckpt_dir: Path) -> TrainingConfig:
@@ -38,7 +40,8 @@ def _intact_training(ckpt_dir: Path) -> TrainingConfig:
     return TrainingConfig.model_validate(checkpoints.read_state(ckpt_dir)["training"])
 
 
-def _rebuilt(ckpt_dir: Path, cfg: TrainingConfig, base_model: Path) -> tuple[Method, SDComponents]:
+def _rebuilt(ckpt_dir: Path, cfg: TrainingConfig, base_model: Path,
+             variant: str | None = None) -> tuple[Method, SDComponents]:
     """method_from_checkpoint's model, from a checkpoint already checked (_intact_training)."""
     import torch
 
@@ -48,7 +51,7 @@ def _rebuilt(ckpt_dir: Path, cfg: TrainingConfig, base_model: Path) -> tuple[Met
     from rangefinder.training.methods import make_method
 
     method = make_method(cfg)
-    sd = load_sd_components(ModelConfig(base_model=str(base_model)))
+    sd = load_sd_components(ModelConfig(base_model=str(base_model), variant=variant))
     # As the run did (setup.py): its family registers training.prediction_type on the model's scheduler, which the
     # saved folder, the single file and the samples then predict; the base model's own would be sampled as what it
     # predicted before (an epsilon model fine-tuned into v-prediction, sampled as epsilon: noise).
@@ -112,15 +115,16 @@ def _to_averaged_weights(ckpt_dir: Path, cfg: TrainingConfig, method: Method) ->
 
 
 def save_checkpoint_model(ckpt_dir: Path, base_model: Path, out_dir: Path, source: str | None = None,
-                          weights: dict[str, Any] | None = None, averaged_updates: tuple[int, ...] = ()) -> Path:
+                          weights: dict[str, Any] | None = None, averaged_updates: tuple[int, ...] = (),
+                          variant: str | None = None) -> Path:
     """Write the checkpoint's model into `out_dir` in the method's own output format, the files `final/` holds (a
     diffusers folder and single file; LoRA files; embeddings). Whole or absent (a temporary name, then a rename).
     `source` names the base model in the files' metadata (default: the folder). `weights`: trained tensors of the
     same run to write in place of the checkpoint's (the average of several of its checkpoints, `averaged_updates`,
-    which the files' metadata names; `ckpt_dir` is the newest of them)."""
+    which the files' metadata names; `ckpt_dir` is the newest of them). `variant`: the base model's (model.variant)."""
     from rangefinder.formats.atomic import atomic_dir
 
-    method, sd = method_from_checkpoint(Path(ckpt_dir), Path(base_model))
+    method, sd = method_from_checkpoint(Path(ckpt_dir), Path(base_model), variant)
     if weights is not None:
         method.load_trainable_state_dict(weights)
         method.averaged_updates = tuple(averaged_updates) or None
