@@ -280,3 +280,30 @@ def test_the_runs_a_killed_local_run_left_running_are_ended_by_the_next_one(tmp_
     runs, tags = _runs(out)
     assert runs == {parent: "KILLED", "finetune": "KILLED"}, runs
     assert tags["rangefinder.final_state"] == "UNKNOWN" and tags["rangefinder.error"] == ABANDONED
+
+
+def test_a_full_disk_in_a_local_run_s_training_names_the_command_that_goes_on(tmp_path, monkeypatch):
+    """A full disk at a fine-tune's checkpoint inside `run --local` (reproduced on a tmpfs of 24 MiB: checkpoint 8
+    of the fine-tune, 4 intact) ended "then run again with --resume (another --out starts anew)": `run --local` takes
+    no --resume, and the same command starts the pipeline over. In a local run's steps (its environment) the line
+    names that command; `train`'s own keeps its --resume."""
+    import errno
+
+    from rangefinder.formats import checkpoints
+    from rangefinder.pipelines.local_run import local_step_env
+    from rangefinder.training.disk import disk_problem
+
+    ckpts = tmp_path / "finetune-2" / "model" / "checkpoints"
+    previous = ckpts / "checkpoint-000004"
+    previous.mkdir(parents=True)
+    for name in checkpoints.REQUIRED:
+        (previous / name).write_text("{}")
+    full = OSError(errno.ENOSPC, "No space left on device")
+    assert str(disk_problem("checkpoint checkpoint-000008", ckpts, full)).endswith(
+        "then run again with --resume (another --out starts anew)")
+    for name, value in local_step_env(tmp_path, f"sqlite:///{tmp_path / 'mlflow.db'}").items():
+        monkeypatch.setenv(name, value)
+    said = str(disk_problem("checkpoint checkpoint-000008", ckpts, full))
+    assert f"the previous checkpoint {previous} is intact" in said and "--resume" not in said, said
+    assert said.endswith(f"free some space at {ckpts} or choose another --out, then run the same command again (a "
+                         "local pipeline run starts over, in a new pipeline-root/ run folder)"), said

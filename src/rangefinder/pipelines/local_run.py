@@ -31,6 +31,7 @@ from rangefinder.pipelines.progress import StepProgress, step_name
 from rangefinder.tracking.redaction import RedactingWriter, redact, safe_uri
 from rangefinder.tracking.spool import SPOOL_ENV
 from rangefinder.tracking.target import ui_link
+from rangefinder.training.disk import AGAIN_ENV
 from rangefinder.training.outdir import OutDirLock
 
 
@@ -175,10 +176,7 @@ def run_pipeline_locally(cfg: RangefinderConfig, out_dir: str | Path, *, dataset
     # torch on one CPU thread per step unless the caller says otherwise: the same numbers whatever the core count,
     # and beside another busy process the tiny model's update took 3.7x longer on torch's 2 threads than on 1 (alone,
     # 2 threads were 1.4x faster; bench/RESULTS.md, "Threads of a local run").
-    step_env = {"MLFLOW_TRACKING_URI": tracking_uri,
-                SPOOL_ENV: os.environ.get(SPOOL_ENV) or str(out / "mlflow-spool"),
-                THREADS_ENV: os.environ.get(THREADS_ENV) or "1",
-                QUICK_EXIT_ENV: "1"}  # errors.one_line_errors: a finished step skips the interpreter's teardown
+    step_env = local_step_env(out, tracking_uri)
     saved = {name: os.environ.get(name) for name in step_env}
     os.environ.update(step_env)
     log_path = out / "pipeline.log"
@@ -233,6 +231,20 @@ def run_pipeline_locally(cfg: RangefinderConfig, out_dir: str | Path, *, dataset
     _publish_reports(run)
     lock.release()
     return run
+
+
+# What a step's failed write says to do once space is freed (training.disk.AGAIN_ENV): the steps' own words
+# ("then run again with --resume") named a flag `run --local` and `demo` do not take.
+LOCAL_AGAIN = "then run the same command again (a local pipeline run starts over, in a new pipeline-root/ run folder)"
+
+
+def local_step_env(out: Path, tracking_uri: str) -> dict[str, str]:
+    """The environment a local run's steps run in, beside the caller's (put back afterwards)."""
+    return {"MLFLOW_TRACKING_URI": tracking_uri,
+            SPOOL_ENV: os.environ.get(SPOOL_ENV) or str(out / "mlflow-spool"),
+            THREADS_ENV: os.environ.get(THREADS_ENV) or "1",
+            QUICK_EXIT_ENV: "1",  # errors.one_line_errors: a finished step skips the interpreter's teardown
+            AGAIN_ENV: LOCAL_AGAIN}
 
 
 def _new_runs(root: Path, before: set[str], pipeline_name: str) -> list[Path]:

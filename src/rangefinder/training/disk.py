@@ -23,6 +23,10 @@ from rangefinder.formats.atomic import REFUSED_WRITES, free_space
 
 _ELSEWHERE = "or choose another --out"
 
+# Set by a local pipeline run for its steps (pipelines/local_run.py): what to do once space is freed, where `--resume`
+# is no way on: `run --local` and `demo` take no --resume, and the same command again starts the pipeline over.
+AGAIN_ENV = "RANGEFINDER_AGAIN"
+
 
 # What torch.save's writer says of a write the file system refused, with no errno: "file write failed" (older torch),
 # or "basic_ios::clear: iostream error" and then, as the zip writer closes the file, "unexpected pos N vs M" (the
@@ -49,7 +53,7 @@ def disk_problem(what: str, path: Path, e: BaseException, *, elsewhere: Optional
     """The one sentence for `e` raised while writing `what` under the folder `path`; None when `e` is not a storage
     problem (a bug or a bad input, which must not read as one). `elsewhere` and `again`: the way out besides freeing
     space there, and what to do then; by default those of a run's outputs (another --out; then --resume where a
-    checkpoint is there to resume from)."""
+    checkpoint is there to resume from; in a local pipeline run's step, $RANGEFINDER_AGAIN's)."""
     code = write_errno(e)
     if code is None or (code != -1 and code not in REFUSED_WRITES):
         return None
@@ -61,7 +65,9 @@ def disk_problem(what: str, path: Path, e: BaseException, *, elsewhere: Optional
                                   for folder in (Path(path), Path(path) / checkpoints.RUN_DIR))), None)
     kept = f"; the previous checkpoint {previous} is intact" if previous else ""
     # --resume goes on from a checkpoint: with none (a new run's lock file, a write before the first checkpoint) it is
-    # refused ("holds no run to resume"), and a local pipeline run (run --local, demo) has no --resume at all.
+    # refused ("holds no run to resume"), and a local pipeline run (run --local, demo) has no --resume at all: its
+    # steps are told what to say instead (AGAIN_ENV).
+    again = again or os.environ.get(AGAIN_ENV) or None
     if again is None and previous:  # another --out has nothing to resume: said apart from --resume
         elsewhere, again = "", "then run again with --resume (another --out starts anew)"
     elsewhere = _ELSEWHERE if elsewhere is None else elsewhere
