@@ -329,3 +329,28 @@ def test_a_reports_path_that_is_a_file_is_one_clear_error_before_anything_runs(t
     with pytest.raises(RangefinderError, match=said):
         _publish_reports(_laid_out(out, tmp_path / "root" / "rangefinder-finetune-1", ZOOMED))
     assert (out / "reports").read_text() == "not a folder"
+
+
+def test_the_summary_says_where_the_earlier_runs_folders_are_and_how_much_they_hold(tmp_path):
+    """Each `run --local` into an --out adds a run folder under pipeline-root/ (its final/, checkpoints, samples:
+    gigabytes for a real model), a stopped or failed run's too, and nothing said so: they piled up unseen. Nothing
+    reads them again, but a user may want an earlier final/, so they are kept, and the summary names them with their
+    size; the first run into a folder says nothing of it."""
+    from rangefinder.pipelines.local_run import earlier_runs
+
+    root = tmp_path / "out" / "pipeline-root"
+    sizes = {"rangefinder-finetune-2026-01-01": 3 * 2**20, "rangefinder-finetune-2026-01-02": 2**20 + 2**19}
+    for name, size in sizes.items():
+        (root / name / "finetune-2" / "model" / "final").mkdir(parents=True)
+        (root / name / "finetune-2" / "model" / "final" / "model.safetensors").write_bytes(b"\0" * size)
+    this = _laid_out(tmp_path / "out", root / "rangefinder-finetune-2026-01-03", ZOOMED)
+    said = earlier_runs(root, [root / name for name in sizes])
+    assert said == (f"2 earlier runs' folders under {root}, 4.5 MiB in all (their final/ and checkpoints; MLflow "
+                    "keeps its own copy of what they logged): remove those you no longer need")
+    assert earlier_runs(root, [root / "rangefinder-finetune-2026-01-01"]) == (
+        f"1 earlier run's folder under {root}, 3.0 MiB in all (its final/ and checkpoints; MLflow keeps its own copy "
+        "of what it logged): remove it once you no longer need it")
+    this.earlier_runs = said
+    assert this.summary()["earlier_runs"] == said and this.run_dir.is_dir()
+    assert earlier_runs(root, []) is None and "earlier_runs" not in _laid_out(tmp_path / "o2", tmp_path / "r2" / "x",
+                                                                              ZOOMED).summary()

@@ -47,6 +47,7 @@ class LocalRun:
     # What OUT/reports/ held that an earlier run did not write there (a user's file; a report changed since), kept
     reports_kept: list[Path] = field(default_factory=list)
     log: Optional[Path] = None  # OUT/pipeline.log when this run's steps logged there (not with --verbose)
+    earlier_runs: Optional[str] = None  # where the earlier runs' folders beside run_dir are, their size (earlier_runs)
 
     def task(self, prefix: str) -> Optional[str]:
         """The task whose name starts with `prefix` and that really ran (kfp.local suffixes repeated names)."""
@@ -84,6 +85,8 @@ class LocalRun:
         if self.reports_kept:
             out["reports_kept"] = [f"{p} (not written by this run; left as it was)" for p in self.reports_kept]
         out["pipeline_root"] = str(self.run_dir)
+        if self.earlier_runs:
+            out["earlier_runs"] = self.earlier_runs
         if self.log is not None and self.log.is_file():  # an earlier run's log is not this run's
             out["log"] = str(self.log)
         out["mlflow"] = safe_uri(self.tracking_uri)
@@ -226,7 +229,8 @@ def run_pipeline_locally(cfg: RangefinderConfig, out_dir: str | Path, *, dataset
     if not new:
         raise RangefinderError(f"kfp.local wrote no run folder under {root}")
     run = LocalRun(out_dir=out, run_dir=new[-1], tracking_uri=tracking_uri,
-                   experiment_id=_experiment_id(tracking_uri, cfg), log=log_path if quiet else None)
+                   experiment_id=_experiment_id(tracking_uri, cfg), log=log_path if quiet else None,
+                   earlier_runs=earlier_runs(root, [root / n for n in sorted(before) if n.startswith(PIPELINE_NAME)]))
     _collect(run)
     _publish_reports(run)
     lock.release()
@@ -245,6 +249,28 @@ def local_step_env(out: Path, tracking_uri: str) -> dict[str, str]:
             THREADS_ENV: os.environ.get(THREADS_ENV) or "1",
             QUICK_EXIT_ENV: "1",  # errors.one_line_errors: a finished step skips the interpreter's teardown
             AGAIN_ENV: LOCAL_AGAIN}
+
+
+def earlier_runs(root: Path, folders: list[Path]) -> Optional[str]:
+    """Where the earlier runs' folders under `root` (`folders`: each run in --out made one, a stopped or failed run
+    too) are and how much they hold; None when there are none. They are kept: nothing reads them again (MLflow holds
+    its own copy of what the steps logged, and a local run starts over), but their final/ and checkpoints are a
+    user's to keep or remove, and each run of a real model added gigabytes there without a word."""
+    folders = [f for f in folders if f.is_dir()]
+    if not folders:
+        return None
+    size = 0
+    for folder in folders:
+        for parent, _, files in os.walk(folder):
+            for name in files:
+                with contextlib.suppress(OSError):
+                    size += os.lstat(os.path.join(parent, name)).st_size
+    amount = f"{size / 2**30:.1f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
+    one = len(folders) == 1
+    runs, their, they = ("run's folder", "its", "it") if one else ("runs' folders", "their", "they")
+    remove = "remove it once you no longer need it" if one else "remove those you no longer need"
+    return (f"{len(folders)} earlier {runs} under {root}, {amount} in all ({their} final/ and checkpoints; MLflow "
+            f"keeps its own copy of what {they} logged): {remove}")
 
 
 def _new_runs(root: Path, before: set[str], pipeline_name: str) -> list[Path]:
