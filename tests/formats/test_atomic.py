@@ -4,6 +4,7 @@ old folder left its place, on this machine's file system; then the readers and s
 from __future__ import annotations
 
 import json
+import platform
 import signal
 import subprocess
 import sys
@@ -143,3 +144,48 @@ def test_a_file_renamed_into_a_folder_s_place_replaces_it(tmp_path):
     assert rename_into_place(tmp_path / ".metrics.csv.tmp", tmp_path / "metrics.csv") == tmp_path / "metrics.csv"
     assert (tmp_path / "metrics.csv").read_text() == "update,val_loss\n"
     assert [p.name for p in tmp_path.iterdir()] == ["metrics.csv"]
+
+
+def _unflushable_writes(root: Path, conn) -> None:
+    """In a forked child: fsync and fdatasync return EIO from now on, as a disk reports its failed writes there (the
+    write-back of a file's blocks happens after write() returned, and a rename does not wait for it); then chosen.json
+    and a checkpoint are written over the earlier ones. What each write raised (its errno's name) or "written"."""
+    import errno
+
+    from rangefinder.formats.atomic import write_json
+    from tests.training.engine_child import fail_with_eio
+
+    fail_with_eio(74, 75)  # fsync, fdatasync
+    said = {}
+    for what, write in (("chosen.json", lambda: write_json(root / "chosen.json", {"update": 8})),
+                        ("checkpoint", lambda: checkpoints.commit(root / "checkpoint-000004.tmp", keep=5))):
+        try:
+            write()
+            said[what] = "written"
+        except OSError as e:
+            said[what] = errno.errorcode.get(e.errno or 0, str(e.errno))
+    conn.send(said)
+
+
+@pytest.mark.skipif(sys.platform != "linux" or platform.machine() != "x86_64", reason="a seccomp filter of x86_64's")
+def test_a_file_or_checkpoint_whose_data_did_not_reach_the_disk_is_not_renamed_into_place(tmp_path):
+    """A rename is atomic but not durable: renamed before its data was flushed, a file can be found empty under its
+    finished name after a power loss, and a write-back that failed was never seen. The data is flushed (fsync) before
+    the rename: where that fails, the write fails with the disk's error and the earlier file or checkpoint stays."""
+    import multiprocessing
+
+    root = tmp_path / "run"
+    root.mkdir()
+    (root / "chosen.json").write_text('{"update": 4}\n')
+    write_checkpoint(root / "checkpoint-000004", 4, "first")
+    write_checkpoint(root / "checkpoint-000004.tmp", 4, "again")
+    fork = multiprocessing.get_context("fork")  # the filter is the child's alone, for its lifetime
+    ours, theirs = fork.Pipe()
+    child = fork.Process(target=_unflushable_writes, args=(root, theirs))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0 and ours.poll(), child.exitcode
+    assert ours.recv() == {"chosen.json": "EIO", "checkpoint": "EIO"}
+    assert (root / "chosen.json").read_text() == '{"update": 4}\n'
+    assert written(root / "checkpoint-000004") == "first"
+    assert sorted(p.name for p in root.iterdir()) == ["checkpoint-000004", "checkpoint-000004.tmp", "chosen.json"]

@@ -25,8 +25,9 @@ import time
 import torch
 
 
-def fail_renames_with_eio():
-    """A seccomp filter on this process: rename, renameat and renameat2 return EIO from now on (x86_64 numbers)."""
+def fail_with_eio(*syscalls: int) -> None:
+    """A seccomp filter on this process: the given system calls (x86_64 numbers) return EIO from now on, as on a
+    failing disk."""
 
     class Insn(ctypes.Structure):
         _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint32)]
@@ -36,12 +37,19 @@ def fail_renames_with_eio():
 
     load, jeq, ret = 0x20, 0x15, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_RET|K
     audit_arch_x86_64, allow, fail = 0xC000003E, 0x7FFF0000, 0x00050000 | errno.EIO
-    code = [(load, 0, 0, 4), (jeq, 0, 4, audit_arch_x86_64), (load, 0, 0, 0), (jeq, 3, 0, 82), (jeq, 2, 0, 264),
-            (jeq, 1, 0, 316), (ret, 0, 0, allow), (ret, 0, 0, fail)]
+    n = len(syscalls)
+    # Another architecture: allowed. Each listed call jumps to the last instruction (fail); none: the one before.
+    code = [(load, 0, 0, 4), (jeq, 0, n + 1, audit_arch_x86_64), (load, 0, 0, 0),
+            *[(jeq, n - i, 0, nr) for i, nr in enumerate(syscalls)], (ret, 0, 0, allow), (ret, 0, 0, fail)]
     prog = Prog(len(code), (Insn * len(code))(*[Insn(*c) for c in code]))
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(38, 1, 0, 0, 0) != 0 or libc.syscall(317, 1, 1, ctypes.byref(prog)) != 0:  # NO_NEW_PRIVS; TSYNC
         raise OSError(ctypes.get_errno(), "cannot install the seccomp filter")
+
+
+def fail_renames_with_eio():
+    """rename, renameat and renameat2 return EIO from now on."""
+    fail_with_eio(82, 264, 316)
 
 
 class KillAt:

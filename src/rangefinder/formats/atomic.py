@@ -8,6 +8,11 @@ A folder that is already there cannot be renamed over; on Linux the two are swap
 RENAME_EXCHANGE). Elsewhere, and on file systems that refuse the swap (NFS, some FUSE mounts), the old one is renamed
 aside to `.NAME.PID.old.tmp` before the new one is renamed in: a kill between the two leaves no NAME, and whoever
 sweeps that folder's `.tmp` siblings puts the old one back first (`restore_moved_aside`).
+
+A rename is atomic, not durable: after a power loss the file system may hold the new name over data never written
+(ext4 and XFS write a file's blocks back later than its rename), a "finished" file that is empty. So what is renamed
+into place is flushed to the disk first (`fsync_file`, `fsync_tree`), and the folder holding the new name after
+(`fsync_dir`).
 """
 
 from __future__ import annotations
@@ -95,11 +100,52 @@ def give_usual_mode(path: PathLike) -> None:
     os.chmod(path, 0o666 & ~process_umask())
 
 
+# What a file system that cannot flush a folder (or this kind of file) answers to fsync: nothing to make durable there.
+_NO_FSYNC = frozenset({errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF})
+
+
+def _fsync(path: PathLike, flags: int) -> None:
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        if e.errno in (errno.EACCES, errno.EPERM):  # a folder or file this user may not open: cannot be flushed here
+            return
+        raise
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in _NO_FSYNC:
+            raise  # EIO, ENOSPC: the data did not reach the disk, which a finished file must not hide
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: PathLike) -> None:
+    """Flush the file's data to the disk, before it is renamed into place."""
+    _fsync(path, os.O_RDONLY)
+
+
+def fsync_dir(path: PathLike) -> None:
+    """Flush the folder's entries (a rename into it) to the disk."""
+    _fsync(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+
+
+def fsync_tree(folder: PathLike) -> None:
+    """Flush every file and folder under `folder` (itself included), before it is renamed into place."""
+    for parent, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(parent, name)
+            if not os.path.islink(path):
+                fsync_file(path)
+        fsync_dir(parent)
+
+
 @contextlib.contextmanager
-def atomic_path(path: PathLike, *, suffix: str = "") -> Iterator[Path]:
+def atomic_path(path: PathLike, *, suffix: str = "", durable: bool = True) -> Iterator[Path]:
     """A temporary sibling of `path` to write; renamed onto `path` when the block ends, removed if it raises.
 
-    `suffix` ends the temporary name, for writers that choose the format by extension (e.g. `.yaml`).
+    `suffix` ends the temporary name, for writers that choose the format by extension (e.g. `.yaml`). `durable`
+    False: not flushed to the disk (a cache entry its reader rebuilds when torn, one of thousands).
     """
     path = Path(path)
     if path.is_dir():
@@ -109,7 +155,11 @@ def atomic_path(path: PathLike, *, suffix: str = "") -> Iterator[Path]:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp{suffix}")
     try:
         yield tmp
+        if durable:
+            fsync_file(tmp)  # its data on the disk before its name is: never a finished name over an empty file
         os.replace(tmp, path)
+        if durable:
+            fsync_dir(path.parent)
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -150,6 +200,7 @@ def replace_dir(src: PathLike, dst: PathLike) -> Path:
     at `dst`, never neither. Elsewhere the old one is renamed aside to `.NAME.PID.old.tmp` first: a kill before the
     second rename leaves it there and no `dst`, which `restore_moved_aside` undoes."""
     src, dst = Path(src), Path(dst)
+    fsync_tree(src)  # its files on the disk before the folder's name is (module docstring)
     if not dst.exists():
         os.replace(src, dst)
     elif dst.is_dir() and not dst.is_symlink() and exchange(src, dst):
@@ -163,6 +214,7 @@ def replace_dir(src: PathLike, dst: PathLike) -> Path:
             os.replace(old, dst)  # the new one could not go in: the old one goes back
             raise
         shutil.rmtree(old, ignore_errors=True)
+    fsync_dir(dst.parent)
     return dst
 
 
@@ -247,7 +299,12 @@ def rename_into_place(src: PathLike, dst: PathLike) -> Path:
         return replace_dir(src, dst)
     if dst.is_dir() and not dst.is_symlink():
         shutil.rmtree(dst)  # a file in a folder's place: os.replace cannot put it over a folder
+    if src.is_dir() and not src.is_symlink():
+        fsync_tree(src)
+    else:
+        fsync_file(src)
     os.replace(src, dst)
+    fsync_dir(dst.parent)
     return dst
 
 

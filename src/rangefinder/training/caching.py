@@ -227,7 +227,7 @@ def _write_entry(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     write the file system refuses (a full disk) is one sentence naming the cache folder (disk.py's rule); the entries
     already written stay, and the next run encodes only the rest."""
     try:
-        with atomic_path(path) as tmp:
+        with atomic_path(path, durable=False) as tmp:  # a torn entry is encoded again (_has, _try_load)
             # safetensors refuses non-contiguous tensors (a latent's row of a strided batch); metadata as exports
             # write it.
             save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={})
