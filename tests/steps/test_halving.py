@@ -390,19 +390,23 @@ def test_an_odd_fine_tune_races_to_half_its_updates_rounded_up_and_lr_below_only
     assert all((c.status, c.updates, c.best_update) == ("paused", 2, 2) for c in race.candidates.values())
 
 
-def test_a_server_gone_after_the_race_leaves_the_step_going_and_the_outcomes_spooled(split_dir, tiny_model_dir,
-                                                                                   tmp_path, monkeypatch, one_thread):
-    """A real `mlflow server` stopped once both candidates have raced, as the step decides: the step goes on to its end
-    (README, "A server that stops answering mid-run") and names each candidate kept or dropped through its outbox, so
-    the tags wait in the spool with the rest and reach MLflow with `rangefinder relog`. It asked the server for the
-    candidates' runs there, and failed with MLflow's own error after both had trained."""
+def test_a_server_gone_before_the_race_makes_the_candidates_runs_when_it_answers(split_dir, tiny_model_dir, tmp_path,
+                                                                                  monkeypatch, one_thread):
+    """A real `mlflow server` stopped as the fine-tune opens its first candidate's child run: the run could not be
+    made (MLflow gives a run its id), and the step failed with MLflow's error once the fine-tune had trained to the
+    race. The step goes on (README, "A server that stops answering mid-run"); each candidate's run is made from its
+    spool when the server answers (here `rangefinder relog`, which sends the fine-tune's spool and, for its tags on a
+    candidate, the candidate's first), holding its curve, its tags and the outcome the fine-tune gave it through its
+    outbox (it asked the server for the candidates' runs there, and failed the step with MLflow's own error, a server
+    gone after the race too)."""
     from mlflow import MlflowClient
 
     from rangefinder.cli.main import main as cli_main
     from rangefinder.steps import halving
     from rangefinder.steps.finetune import run_finetune
     from rangefinder.tracking import ensure_parent_run
-    from rangefinder.tracking.spool import SPOOL_ENV, read_spool
+    from rangefinder.tracking.metrics import curve_metric_name
+    from rangefinder.tracking.spool import PENDING, SPOOL_ENV, read_spool
     from tests.tracking.fixtures import start_mlflow_server, stop_mlflow_server
 
     for name in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME"):
@@ -412,38 +416,43 @@ def test_a_server_gone_after_the_race_leaves_the_step_going_and_the_outcomes_spo
     cfg = _cfg(tiny_model_dir, tmp_path, epochs=2).model_copy(deep=True)  # 8 updates, the race to 4
     cfg.tracking.tracking_uri, cfg.tracking.server_wait_seconds = uri, 0.0
     cfg.sampling.every_validations = None
-    decide = halving.HalvingDecision.decide
+    open_candidate = halving._candidate_run
 
-    def decide_with_the_server_gone(*args, **kwargs):  # the real decision, once the server has stopped
+    def candidate_run_with_the_server_gone(*args, **kwargs):  # the real child run, once the server has stopped
         stop_mlflow_server(server)
-        return decide(*args, **kwargs)
+        return open_candidate(*args, **kwargs)
 
-    monkeypatch.setattr(halving.HalvingDecision, "decide", decide_with_the_server_gone)
+    monkeypatch.setattr(halving, "_candidate_run", candidate_run_with_the_server_gone)
     try:
-        parent = ensure_parent_run(cfg, name="gone-after-the-race")
+        parent = ensure_parent_run(cfg, name="gone-before-the-race")
         result = run_finetune(cfg, split_dir=split_dir, lr_low=LR_LOW, lr_high=LR_HIGH, lr_mid=LR_MID,
                               model_dir=tmp_path / "ft", report_html=tmp_path / "finetune.html",
                               report_md=tmp_path / "finetune.md", mlflow_parent_run_id=parent)
     finally:
         stop_mlflow_server(server)
-    assert server.poll() is not None and result.halving is not None
-    spooled = [record for spool in (tmp_path / "spool").glob("*.jsonl") for record in read_spool(spool).records]
-    assert sum(r["kind"] == "tags" and "halving.outcome" in r["tags"] for r in spooled) == 2
-    # The server back on its store and port, the spools sent (`rangefinder relog`): each candidate's run is named.
+    assert result.halving is not None
+    spools = [read_spool(s) for s in (tmp_path / "spool").glob("*.jsonl")]
+    assert sum(spool.header["run_id"].startswith(PENDING) for spool in spools) == 2
+    assert sum(r["kind"] == "tags" and "halving.outcome" in r["tags"] for spool in spools for r in spool.records) == 2
     _, server = start_mlflow_server(tmp_path / "server", port=int(uri.rsplit(":", 1)[1]))
     try:
         assert cli_main(["relog", str(tmp_path / "spool"), "--tracking-uri", uri]) == 0
         client = MlflowClient(uri)
         children = client.search_runs([client.get_run(parent).info.experiment_id],
                                       filter_string="tags.`halving.candidate` != ''")
+        curves = {r.data.tags["halving.candidate"]: client.get_metric_history(r.info.run_id,
+                                                                             curve_metric_name("val_loss"))
+                  for r in children}
     finally:
         stop_mlflow_server(server)
-    named = {r.data.tags["halving.candidate"]: (r.data.tags.get("halving.outcome"), r.info.run_name)
-             for r in children}
+    assert not list((tmp_path / "spool").glob("*.jsonl"))
+    finetune_run = {r.data.tags.get("mlflow.parentRunId") for r in children}
+    assert len(finetune_run) == 1 and None not in finetune_run
     kept = result.halving.kept
-    assert {name: outcome for name, (outcome, _) in named.items()} == {
-        name: "kept" if name == kept else "dropped" for name in ("lr_mid", "lr_high")}, named
-    assert all(run_name.endswith(f"({outcome})") for outcome, run_name in named.values()), named
+    assert {r.data.tags["halving.candidate"]: r.data.tags.get("halving.outcome") for r in children} == {
+        name: "kept" if name == kept else "dropped" for name in ("lr_mid", "lr_high")}
+    assert all(r.info.status == "FINISHED" and r.info.run_name.endswith(")") for r in children)
+    assert all(max(m.step for m in curve) == 4 for curve in curves.values()), curves  # each to the pause
 
 
 def test_halving_runs_only_where_there_are_two_constant_lrs_to_compare():

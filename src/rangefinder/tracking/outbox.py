@@ -34,7 +34,7 @@ from typing import Any
 
 from rangefinder.errors import TrackingError
 from rangefinder.tracking.redaction import redact, safe_uri
-from rangefinder.tracking.spool import MAX_METRICS_PER_BATCH, Spool, apply_record, describe, replay
+from rangefinder.tracking.spool import MAX_METRICS_PER_BATCH, RunNotMadeYet, Spool, apply_record, describe, replay
 from rangefinder.tracking.target import await_tracking_server, server_unreachable
 
 _log = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ class Outbox:
         if time.monotonic() >= self._retry_at:
             try:
                 if self._drain():
-                    apply_record(self.client, record)
+                    apply_record(self.client, record, folder=self.spool.path.parent)
                     self._answered()
                     return True
             except Exception as e:
@@ -196,5 +196,6 @@ class _StillAway(Exception):
 
 
 def is_away_error(e: BaseException) -> bool:
-    """The server did not answer (as opposed to refusing a record, which is raised to the caller)."""
-    return isinstance(e, _StillAway) or server_unreachable(e)
+    """The server did not answer (as opposed to refusing a record, which is raised to the caller), or the record's run
+    is not made yet (a child run made from another spool when the server answers)."""
+    return isinstance(e, (_StillAway, RunNotMadeYet)) or server_unreachable(e)

@@ -50,11 +50,13 @@ from rangefinder.tracking.registry import (
     TAG_VALIDATION_DIGEST,
     TAG_VALIDATION_IMAGES,
 )
-from rangefinder.tracking.spool import Spool, apply_record, describe, read_spool, spool_dir
+from rangefinder.tracking.spool import PENDING, Spool, apply_record, describe, read_spool, spool_dir
 from rangefinder.tracking.target import (
     TAG_NOTE,
+    ServerAway,
     TrackingSource,
     bound_http_requests,
+    check_tracking_server,
     default_experiment_id,
     ensure_tracking_server,
     resolve_experiment_name,
@@ -758,9 +760,45 @@ def child_run(cfg: Optional[TrackingSource], sink: Sink, step_name: str, *, run_
     if not isinstance(sink, StepRun):
         yield sink
         return
-    with step_run(cfg, step_name, parent_run_id=sink.run_id, run_name=run_name, tags=tags, source=sink.source) as run:
+    if not sink.offline and _answers(sink):
+        with step_run(cfg, step_name, parent_run_id=sink.run_id, run_name=run_name, tags=tags,
+                      source=sink.source) as run:
+            run.describe(description)
+            yield run
+        return
+    # The server is away: the part goes on in a run made when the server answers (its spool's first record), as
+    # every record of the step waits for it. It failed the step, once the fine-tune had trained to the race.
+    with _pending_child_run(cfg, sink, step_name, run_name=run_name, tags=tags) as run:
         run.describe(description)
         yield run
+
+
+def _answers(run: StepRun) -> bool:
+    """Whether the server of `run` answers now (one bounded check: tracking/target.py HTTP_LIMITS)."""
+    try:
+        check_tracking_server(run.tracking_uri)
+    except ServerAway:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def _pending_child_run(cfg: Optional[TrackingSource], parent: StepRun, step_name: str, *, run_name: str,
+                       tags: Mapping[str, Any]) -> Iterator[StepRun]:
+    """A child run of `parent` while the server is away: named by a pending id (tracking.spool.PENDING) until the
+    first record of its spool makes it, with the tags step_run gives a run (a retried step then goes on in it)."""
+    import uuid
+
+    all_tags = {**common_tags(cfg, source=parent.source or step_source(step_name)), TAG_STEP: step_name, **tags,
+                TAG_PARENT: parent.run_id, TAG_ATTEMPT: 1}
+    step = StepRun(client=parent.client, run_id=f"{PENDING}{uuid.uuid4().hex}", experiment_id=parent.experiment_id,
+                   step_name=step_name, parent_run_id=parent.run_id, tracking_uri=parent.tracking_uri, cfg=cfg,
+                   spool_dir=parent.spool.path.parent, source=parent.source)
+    step.outbox.send({"kind": "create", "run_id": step.run_id, "experiment_id": parent.experiment_id,
+                      "run_name": run_name, "run_tags": {k: _tag_value(v) for k, v in all_tags.items()
+                                                         if v is not None}})
+    with _ended(step):
+        yield step
 
 
 @contextlib.contextmanager
@@ -827,6 +865,13 @@ def step_run(
                                     tags={k: _tag_value(v) for k, v in all_tags.items() if v is not None})
             step = StepRun(client=client, run_id=run.info.run_id, experiment_id=exp_id, step_name=step_name,
                            parent_run_id=parent, tracking_uri=uri, cfg=cfg, spool_dir=folder, source=source)
+    with _ended(step):
+        yield step
+
+
+@contextlib.contextmanager
+def _ended(step: StepRun) -> Iterator[StepRun]:
+    """`step` until the block ends, then ended FINISHED, or FAILED (KILLED on Ctrl-C) with the error as a tag."""
     try:
         with on_sigint():  # a Ctrl-C ends the run KILLED, whatever error it surfaced as (a model load's)
             yield step

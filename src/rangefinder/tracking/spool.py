@@ -4,6 +4,12 @@ Every logging call of a step (tracking/runs.py) is a *record*: a JSON object nam
 (metrics, params, tags, dataset inputs, an artifact, a text, an image, the run's end). `apply_record` is the one
 place a record reaches MLflow, live or replayed, so a relog does exactly what the step would have done.
 
+A run a step could not make while the server was away (a child run: a halving candidate's, the cooldown's) is named
+by a pending id (`PENDING`) until it is made: its spool starts with a `create` record, which makes it, and the id
+MLflow gave it is noted beside the spool (`made_run`), so every record naming the pending id, in that spool or in
+another (the fine-tune's tags on its candidates), reaches the run made. A record whose run is not made yet waits as
+for a server away (`RunNotMadeYet`).
+
 A spool is a JSON Lines file: a header (the tracking URI without credentials, the run and its step), then one record
 per line. Each line goes out in one `write` to a file opened for appending and is fsynced, so a step killed while
 writing leaves whole lines and at worst a torn last one, which reading skips and counts. Files a record names
@@ -48,7 +54,24 @@ _KIND_WORDS = {
     "text": ("text artifact", "text artifacts"),
     "image": ("image", "images"),
     "end": ("end of the run", "ends of the run"),
+    "create": ("run made", "runs made"),
 }
+
+PENDING = "pending-"  # the id of a run not made yet: PENDING + a uuid4's hex
+
+
+class RunNotMadeYet(TrackingError):
+    """A record names a pending run whose `create` record has not reached MLflow yet: it waits, as for a server away."""
+
+
+def made_run(folder: Path, run_id: str) -> Optional[str]:
+    """The id MLflow gave the pending run `run_id`, as noted in the spool folder `folder` when it was made; None if
+    it is not made yet. Any other id is returned as it is."""
+    if not run_id.startswith(PENDING):
+        return run_id
+    with contextlib.suppress(OSError):
+        return (Path(folder) / f"{run_id}.run_id").read_text().strip() or None
+    return None
 
 
 def spool_dir(explicit: Optional[str | os.PathLike] = None) -> Path:
@@ -84,11 +107,31 @@ def describe(counts: Mapping[str, int]) -> str:
 # Applying a record: the one way anything a step logs reaches MLflow
 
 
-def apply_record(client: Any, record: Mapping[str, Any], base: Optional[Path] = None) -> None:
-    """Log one record to MLflow through `client`; relative file paths are read from `base` (the spool's folder)."""
+def apply_record(client: Any, record: Mapping[str, Any], base: Optional[Path] = None,
+                 folder: Optional[Path] = None) -> None:
+    """Log one record to MLflow through `client`; relative file paths are read from `base` (the spool's folder). A
+    pending run's id is looked up in (and a `create` record notes the run made in) `folder`, by default `base`."""
     from mlflow.entities import Metric, Param, RunTag
 
     kind, run_id = record["kind"], record["run_id"]
+    ids = folder if folder is not None else base
+    if run_id.startswith(PENDING):
+        made = made_run(ids, run_id) if ids is not None else None
+        if kind == "create":
+            if made is None:  # (a replay cut off after the run was made does not make a second one)
+                run = client.create_run(record["experiment_id"], run_name=record["run_name"],
+                                        tags=record["run_tags"])
+                write_text(Path(ids or ".") / f"{run_id}.run_id", run.info.run_id + "\n")
+            return
+        if made is None and ids is not None:
+            # Its own spool, beside this one, makes it first (the fine-tune's tags on a candidate whose run, opened
+            # while the server was away, is made when the server answers).
+            for pending in sorted(Path(ids).glob(f"*-{run_id}.jsonl")):
+                replay(pending, client)
+            made = made_run(ids, run_id)
+        if made is None:
+            raise RunNotMadeYet(f"run {run_id} is not made in MLflow yet (its spool's first record makes it)")
+        run_id = made
     if kind == "metrics":
         rows = [Metric(key, float(value), int(ts), int(step)) for key, value, ts, step in record["metrics"]]
         for i in range(0, len(rows), MAX_METRICS_PER_BATCH):
@@ -304,7 +347,7 @@ def replay(path: str | os.PathLike, client: Any) -> ReplayResult:
         except Exception as e:
             rest = contents.records[i:]
             _rewrite(p, contents.header, rest)
-            if server_unreachable(e):
+            if server_unreachable(e) or isinstance(e, RunNotMadeYet):
                 left: Counter = Counter()
                 for r in rest:
                     left[r["kind"]] += record_size(r)

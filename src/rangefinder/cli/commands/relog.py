@@ -62,6 +62,9 @@ def run(args: argparse.Namespace) -> dict:
     bound_http_requests()
     done: list[str] = []
     for path in spool_files(args.spools):
+        if not path.is_file():  # a run's spool sent before its turn, with a spool naming that run (tracking.spool)
+            done.append(f"{path}: already sent, with a spool that names its run")
+            continue
         header = read_spool(path).header
         uri = args.tracking_uri or env_tracking_uri() or header["tracking_uri"]
         ensure_tracking_server(uri)
