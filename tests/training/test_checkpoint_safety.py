@@ -534,3 +534,26 @@ def test_the_preempted_lines_start_lines_of_their_own_in_a_log(base, tmp_path, c
     lines = err.split("\n")
     assert "rangefinder: SIGTERM: finishing the current update, then writing a checkpoint" in lines, err[-600:]
     assert "train (constant)" in err and err.endswith("\n"), repr(err[-300:])
+
+
+def test_a_checkpoint_s_model_is_rebuilt_on_the_base_model_s_variant(finished, tiny_model_dir, tmp_path):
+    """model.variant on a base folder holding the variant beside the plain weights: the run trained on the variant,
+    and its checkpoints were rebuilt (chosen/, the window average's final/, a checkpoint's grid column) on the plain
+    weights, which diffusers loads unless told. The parts the run did not train (the VAE here) are the variant's."""
+    from safetensors.torch import save_file
+
+    from rangefinder.training.restore import method_from_checkpoint
+
+    both = tmp_path / "both"
+    shutil.copytree(tiny_model_dir, both)
+    key = "decoder.conv_out.weight"
+    for weights in both.glob("*/*.safetensors"):
+        tensors = {k: v.half() for k, v in load_file(str(weights)).items()}
+        if weights.parent.name == "vae":
+            tensors[key] = -tensors[key]  # the variant is other weights than the plain
+        save_file(tensors, str(weights.with_name(weights.name.replace(".safetensors", ".fp16.safetensors"))))
+    ckpt = finished / "checkpoints" / "checkpoint-000004"
+    plain = load_file(str(both / "vae" / "diffusion_pytorch_model.safetensors"))[key]
+    assert torch.equal(method_from_checkpoint(ckpt, both)[1].vae.state_dict()[key], plain)
+    rebuilt = method_from_checkpoint(ckpt, both, "fp16")[1].vae.state_dict()[key]
+    assert torch.equal(rebuilt, -plain.half().float())
