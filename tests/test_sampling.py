@@ -61,6 +61,25 @@ def test_grid_has_one_cell_per_model_prompt_and_seed(base_twice_grid):
     assert "Does it follow the prompts?" in page
 
 
+def test_the_manifest_names_the_grid_s_files_in_its_folder_wherever_the_folder_goes(base_twice_grid, tmp_path):
+    """The sample-images step logs the grid's folder to MLflow (`samples/`): downloaded on another machine, its
+    grid.json must find the grid, the page and every cell in the copy, not in the folder it was rendered in."""
+    import shutil
+    from pathlib import Path
+
+    rendered = Path(base_twice_grid["manifest"]).parent
+    copy = Path(shutil.copytree(rendered, tmp_path / "downloaded" / "samples"))
+    text = (copy / "grid.json").read_text()
+    assert str(rendered) not in text
+    manifest = json.loads(text)
+    assert (copy / manifest["manifest"]).samefile(copy / "grid.json")
+    assert Image.open(copy / manifest["grid"]).size == tuple(manifest["layout"]["size"])
+    assert "data:image/png;base64," in (copy / manifest["html"]).read_text()
+    for row, rendered_row in zip(manifest["images"], base_twice_grid["images"], strict=True):
+        for path, original in zip(row, rendered_row, strict=True):
+            assert (copy / path).read_bytes() == Path(original).read_bytes()
+
+
 def test_identical_weights_and_seed_give_identical_cells(base_twice_grid):
     for row in base_twice_grid["images"]:
         a, b = (np.asarray(Image.open(p)) for p in row)
@@ -132,7 +151,7 @@ def test_cli_sample_renders_at_the_model_s_own_guidance_unless_told(tiny_flux_di
         manifest = json.loads((out / "grid.json").read_text())
         assert manifest["settings"]["guidance_scale"] == {"own": 3.5, "told": 7.5}[name]
         assert "guidance_scale=" + str(manifest["settings"]["guidance_scale"]) in (out / "grid.html").read_text()
-        cells[name] = np.asarray(Image.open(manifest["images"][0][0]).convert("RGB"))
+        cells[name] = np.asarray(Image.open(out / manifest["images"][0][0]).convert("RGB"))
     capsys.readouterr()
     pipe = diffusers.FluxPipeline.from_pretrained(str(tiny_flux_dir), local_files_only=True)
     pipe.set_progress_bar_config(disable=True)

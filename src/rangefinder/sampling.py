@@ -7,7 +7,7 @@ so a cell is the same on any device order and identical weights give identical c
 
 Outputs under `out_dir`: `grid.png` (labelled rows and columns), the single images under `images/`, `grid.html`
 (images embedded as base64, since the KFP UI shows no plain image files) and `grid.json` (the manifest, written
-last: its presence means the grid is complete).
+last: its presence means the grid is complete; it names the grid's files relative to its own folder).
 """
 
 from __future__ import annotations
@@ -573,7 +573,11 @@ def render_grid(
         "settings": settings,
         "scores": scores,
     }
-    write_text(manifest_path, json.dumps(result, indent=2))
+    # The manifest names its own files relative to its folder: the folder is what travels (MLflow's `samples/`, a
+    # KFP artifact downloaded elsewhere), and the render folder's absolute path means nothing once it has.
+    local = {**result, "grid": grid_path.name, "html": html_path.name, "manifest": manifest_path.name,
+             "images": [[Path(p).relative_to(out).as_posix() for p in row] for row in paths]}
+    write_text(manifest_path, json.dumps(local, indent=2))
     return result
 
 
