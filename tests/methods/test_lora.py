@@ -187,6 +187,11 @@ def test_a_run_without_a_chosen_checkpoint_registers_its_final_lora_fused_with_t
     files = sorted(p.relative_to(final) for p in final.rglob("*") if p.is_file())
     assert sorted(p.relative_to(beside) for p in beside.rglob("*") if p.is_file()) == files
     assert all((beside / f).read_bytes() == (final / f).read_bytes() for f in files)
+    # The version's description names both folders, as the consumer downloading it finds them.
+    description = MlflowClient(uri).get_model_version("rf", "1").description
+    assert (f"its `artifacts/{pipeline.name}/` is a diffusers folder" in description
+            and pipeline.parent == local / "artifacts" and "`artifacts/delivered/` the files the run delivered" in
+            description), description
 
 
 def test_files_have_their_consumers_keys_alpha_and_metadata(trained_lora):

@@ -693,6 +693,34 @@ def test_the_registered_model_renders_by_default_what_the_run_s_grid_shows(run_r
     assert np.array_equal(np.asarray(decode_image(out["image"][0])), np.asarray(cell))
 
 
+def test_a_version_s_description_says_how_to_load_it_and_what_it_says_works_as_written(run_registered,
+                                                                                       shared_sqlite_tracking_uri,
+                                                                                       tiny_model_dir, tmp_path,
+                                                                                       monkeypatch):
+    """A teammate who only sees the registry reads the version's description for how to use it: each call it
+    quotes runs as written, the model it names renders, and the folder it names loads in diffusers as the pipeline
+    registered (the tiny model's own folder name: mlflow files the folder under its name)."""
+    import re
+
+    import diffusers
+
+    monkeypatch.chdir(tmp_path)  # download_artifacts' files land here
+    mlflow.set_tracking_uri(shared_sqlite_tracking_uri)
+    mv = MlflowClient(shared_sqlite_tracking_uri).get_model_version_by_alias("rf-downstream", "candidate")
+    quoted = re.findall(r"`([^`]+)`", mv.description.split("To use it: ", 1)[1])
+    load, predict, _, download, folder, *_ = quoted
+    assert load == f'mlflow.pyfunc.load_model("models:/rf-downstream/{mv.version}")'
+    out = eval(load + predict, {"mlflow": mlflow, "pandas": pd})  # noqa: S307  (the description's own words)
+    assert decode_image(out["image"][0]).size == (64, 64)
+    local = eval(download, {"mlflow": mlflow})  # noqa: S307
+    assert folder == f"artifacts/{tiny_model_dir.name}/"
+    pipe = diffusers.DiffusionPipeline.from_pretrained(os.path.join(local, folder), local_files_only=True)
+    assert isinstance(pipe, diffusers.StableDiffusionPipeline)
+    weights = "unet/diffusion_pytorch_model.safetensors"
+    assert (tmp_path / local / folder / weights).read_bytes() == (tiny_model_dir / weights).read_bytes()
+    assert "artifacts/delivered/" not in mv.description  # a full pipeline: no files beside it to name
+
+
 def test_a_dict_of_prompt_lists_renders_an_image_per_prompt(run_registered):
     """`predict({"prompt": [...]})`, a DataFrame's columns as a dict: MLflow makes a dict of strings and lists of
     strings into one row holding the lists, and the model drew one image of the prompt "['a', 'b']". Each prompt

@@ -297,12 +297,26 @@ def log_diffusers_model(
         text += f" Metrics: {summary}."
     text += "".join(f" {line}" for line in _unlike_earlier(run.client, registered_model_name, str(mv.version),
                                                              version_tags))
+    text += " " + how_to_load(registered_model_name, str(mv.version), folder.name, delivered=delivered is not None)
     run.client.update_model_version(registered_model_name, mv.version, description=redact(text))
     if alias:
         run.client.set_registered_model_alias(registered_model_name, alias, mv.version)
     _log.info("registered %s version %s as @%s", registered_model_name, mv.version, alias)
     return RegisteredVersion(model_uri=mv.source if info is None else info.model_uri, name=registered_model_name,
                              version=str(mv.version), alias=alias)
+
+
+def how_to_load(name: str, version: str, pipeline_folder: str, *, delivered: bool) -> str:
+    """The version description's last words: how its consumer, who sees only the registry, renders with it and gets
+    its weights. mlflow files the pipeline folder under the model's `artifacts/` by its own name (chosen/, final/,
+    pipeline/ for a fused adapter) and the delivered files as `artifacts/delivered/`."""
+    uri = f"models:/{name}/{version}"
+    files = (f" and `artifacts/{DELIVERED}/` the files the run delivered (the LoRA or the embedding, for diffusers' "
+             "`load_lora_weights` or `load_textual_inversion`, ComfyUI and A1111)" if delivered else "")
+    return (f"To use it: `mlflow.pyfunc.load_model(\"{uri}\")` renders prompts (`.predict(pandas.DataFrame("
+            f"{{\"prompt\": [\"a red circle\"], \"seed\": [0]}}))`, each image a base64 PNG in column `image`); "
+            f"`mlflow.artifacts.download_artifacts(\"{uri}\")` downloads it: its `artifacts/{pipeline_folder}/` is a "
+            f"diffusers folder for `diffusers.DiffusionPipeline.from_pretrained`{files}.")
 
 
 def _unlike_earlier(client: Any, name: str, version: str, tags: Mapping[str, str]) -> list[str]:
