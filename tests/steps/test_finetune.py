@@ -425,6 +425,9 @@ def test_the_finetune_step_logs_samples_during_training_to_mlflow_with_their_ste
                                                                    ).read_text()
     page = report.read_text()
     assert "Samples over training" in page and "<th class='row'>update</th><th>0</th><th>8</th><th>12</th>" in page
+    from tests.tracking.fixtures import check_logged_files_name_no_local_path
+
+    check_logged_files_name_no_local_path(client, run.info.run_id, tmp_path, ("report",))
     assert page.count(f"alt='{cfg.sampling.prompts[0]} | seed 0 at update") == 3
 
 

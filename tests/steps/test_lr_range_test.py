@@ -58,3 +58,8 @@ def test_its_kfp_metrics_are_named_as_its_mlflow_run_and_bounds_json_name_them(s
     assert kfp <= set(run.data.metrics) | set(run.data.tags), kfp - set(run.data.metrics) - set(run.data.tags)
     assert kfp <= set(json.loads(result.bounds_json.read_text(encoding="utf-8")))
     assert result.metrics()["points_between"] == run.data.metrics["points_between"]
+    # Its report and bounds.json, as MLflow hands them to a teammate, name the curve as the run holds it, not as a
+    # path of the machine that ran it.
+    from tests.tracking.fixtures import check_logged_files_name_no_local_path
+
+    check_logged_files_name_no_local_path(client, run.info.run_id, tmp_path, ("report", "analysis"))

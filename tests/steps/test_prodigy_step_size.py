@@ -102,6 +102,11 @@ def test_logged_as_a_child_run_of_the_pipeline_like_the_range_test(probed):
     # The report a person reads says where the LR came from; the probe's weights are not kept.
     assert f"{result.lr:.3g}" in (tmp / "report.md").read_text() and "d x lr" in (tmp / "report.md").read_text()
     assert (tmp / "report.html").read_text().startswith("<!DOCTYPE html>")
+    # Its report and reading, as MLflow hands them to a teammate, name the curves as the run holds them.
+    from tests.tracking.fixtures import check_logged_files_name_no_local_path
+
+    text = check_logged_files_name_no_local_path(client, run.info.run_id, tmp, ("report", "analysis"))
+    assert "curves/metrics.csv in this step's MLflow run" in text and "curves/updates.csv in this step's" in text
     assert not list((tmp / "probe").rglob("checkpoint-*"))
 
 

@@ -165,3 +165,25 @@ def clean_mlflow_env(monkeypatch):
     if mlflow.active_run():
         mlflow.end_run()
     mlflow.set_tracking_uri(previous)
+
+
+def check_logged_files_name_no_local_path(client, run_id: str, machine_dir: Path, folders: tuple[str, ...]) -> str:
+    """The text files a step logged under `folders` of its MLflow run, read as someone on another machine downloads
+    them: none names a path under `machine_dir` (the folder the step ran in), and each curve one names as
+    `curves/<file> in this step's MLflow run` is in the run. Returns their text, joined."""
+    import html
+    import re
+    import tempfile
+
+    logged = {a.path for a in client.list_artifacts(run_id, "curves")}
+    texts = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for folder in folders:
+            local = Path(client.download_artifacts(run_id, folder, tmp))
+            files = [local] if local.is_file() else sorted(p for p in local.rglob("*") if p.is_file())
+            texts += [html.unescape(p.read_text()) for p in files if p.suffix in (".html", ".md", ".json")]
+    text = "\n".join(texts)
+    assert texts and str(machine_dir) not in text, [t for t in texts if str(machine_dir) in t][0][:2000]
+    named = set(re.findall(r"(curves/[\w.-]+) in this step's MLflow run", text))
+    assert named and named <= logged, (named, logged)
+    return text

@@ -380,7 +380,7 @@ def run_finetune(
                                         divergence_factor=cfg.validation.divergence_factor)
             # With an LR-free optimizer the report says why there was no range test (and no halving).
             skipped = skipped_because(cfg)
-            source = f"{result.metrics_csv}; {batch_note(tc)}" + (f"; {skipped}" if skipped else "")
+            source = "; ".join(p for p in (tracking.logged_curve(result.metrics_csv), batch_note(tc), skipped) if p)
             base = resolve_base_model(cfg.model)
             # The cooldown branches from one of the run's checkpoints, so it trains before the window's pick is
             # kept and the others are removed.
@@ -444,7 +444,7 @@ def run_finetune(
         write_json(report_dir / "decision.json", decision)
         shutil.copyfile(result.metrics_csv, report_dir / "metrics.csv")
         run.log_artifact(report_dir, "report")
-        run.log_artifact(result.metrics_csv, "curves")
+        run.log_artifact(result.metrics_csv, tracking.CURVES_ARTIFACT)
         if cooled is not None:
             extra_updates += cooled.updates_trained
         # best_val_loss: the lowest validation loss the run measured, the KFP metric of the same name (None: no

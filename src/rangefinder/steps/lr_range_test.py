@@ -119,18 +119,18 @@ def run_lr_range_test(
                               rose_at_top=ended_above_start(curve["val_loss"]))
         decision = {**bounds.to_dict(), "stage": stage, "lr_min": lo, "lr_max": hi, "points_between": n_between,
                     "needs_zoom": zoom is not None, "zoom_range": list(zoom) if zoom else None,
-                    "updates": result.updates, "curve_csv": str(result.metrics_csv),
+                    "updates": result.updates, "curve_csv": tracking.logged_curve(result.metrics_csv),
                     "world_size": train_cfg.world_size,
                     "global_batch": train_cfg.batch_size * train_cfg.grad_accum * train_cfg.world_size,
                     "model_family": result.family}
         report = write_lr_report(bounds, curve, out_dir / "report",
-                                 source=f"{result.metrics_csv}; {batch_note(train_cfg)}",
+                                 source=f"{tracking.logged_curve(result.metrics_csv)}; {batch_note(train_cfg)}",
                                  plan_warnings=spec.plan.warnings if spec.plan is not None else (), zoom=zoom,
                                  validation_weighting=result.validation_weighting())
         copy_report(report, report_html, report_md)
         bounds_json = out_dir / "bounds.json"
         write_json(bounds_json, decision)
-        run.log_artifact(result.metrics_csv, "curves")
+        run.log_artifact(result.metrics_csv, tracking.CURVES_ARTIFACT)
         run.log_artifact(bounds_json, "analysis")
         run.log_artifact(out_dir / "report", "report")
         # The same keys on the first test's run and the zoom's (the run's stage tag tells them apart); nothing goes

@@ -125,17 +125,18 @@ def run_prodigy_step_size(
         reading = read_prodigy_step(updates, curve, LR_FREE_LR, factor=factor,
                                     factor_source=cfg.prodigy_step_factor_source())
         report = write_prodigy_report(reading, updates, curve, out_dir / "report",
-                                      source=f"{result.updates_csv}; {batch_note(tc)}",
+                                      source=f"{tracking.logged_curve(result.updates_csv)}; {batch_note(tc)}",
                                       plan_warnings=spec.plan.warnings if spec.plan is not None else (),
                                       validation_weighting=result.validation_weighting())
         copy_report(report, report_html, report_md)
         decision: dict[str, Any] = {**reading.to_dict(), "lr_source": SOURCE, "prodigy_settings": tc.prodigy.kwargs(),
-                                    "curve_csv": str(result.metrics_csv), "updates_csv": str(result.updates_csv),
+                                    "curve_csv": tracking.logged_curve(result.metrics_csv),
+                                    "updates_csv": tracking.logged_curve(result.updates_csv),
                                     "world_size": tc.world_size, "model_family": result.family}
         reading_json = out_dir / "prodigy_step.json"
         write_json(reading_json, decision)
-        run.log_artifact(result.metrics_csv, "curves")
-        run.log_artifact(result.updates_csv, "curves")
+        run.log_artifact(result.metrics_csv, tracking.CURVES_ARTIFACT)
+        run.log_artifact(result.updates_csv, tracking.CURVES_ARTIFACT)
         run.log_artifact(reading_json, "analysis")
         run.log_artifact(out_dir / "report", "report")
         out = ProdigyStepResult(reading=reading, curve_csv=result.metrics_csv, updates_csv=result.updates_csv,

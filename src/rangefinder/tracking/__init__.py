@@ -49,6 +49,7 @@ from rangefinder.tracking.registry import (
     retry_while_server_away,
 )
 from rangefinder.tracking.runs import (
+    CURVES_ARTIFACT,
     StepRun,
     child_run,
     common_tags,
@@ -57,6 +58,7 @@ from rangefinder.tracking.runs import (
     flatten_params,
     folder_digest,
     log_resolved_config,
+    logged_curve,
     step_run,
     tracking_client,
 )
@@ -71,6 +73,7 @@ __all__ = [
     "BatchedMetricLogger",
     "CANDIDATE",
     "CHAMPION",
+    "CURVES_ARTIFACT",
     "DEFAULT_TRACKING_URI",
     "RegisteredVersion",
     "StepRun",
@@ -83,6 +86,7 @@ __all__ = [
     "flatten_params",
     "folder_digest",
     "log_resolved_config",
+    "logged_curve",
     "promote",
     "redact",
     "resolve_experiment_name",

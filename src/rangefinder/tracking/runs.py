@@ -206,6 +206,17 @@ def flatten_params(obj: Any, prefix: str = "") -> dict[str, str]:
 
 # The file the resolved config is logged as, whole, on every run that logs its settings.
 CONFIG_ARTIFACT = "config.yaml"
+# The folder a training step's curve CSVs are logged under (metrics.csv; the Prodigy step's updates.csv too).
+CURVES_ARTIFACT = "curves"
+
+
+def logged_curve(csv: str | os.PathLike) -> str:
+    """Where a step's report and JSON name its curve: as the step's MLflow run holds it. The step's own path is a
+    folder of the machine that ran it (a pod's volume, a local run's pipeline-root), which the report travels away
+    from (MLflow, the KFP UI)."""
+    return f"{CURVES_ARTIFACT}/{Path(csv).name} in this step's MLflow run"
+
+
 # The `training` fields the pipeline's runs set themselves (cli/ignored.py's PIPELINE says the same to the user).
 PIPELINE_SET_TRAINING = ("epochs", "steps", "steps_unit", "lr", "scale_lr", "schedule", "lr_min", "lr_max",
                          "warmup_updates", "decay_fraction", "world_size", "resume")
