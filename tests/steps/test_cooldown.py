@@ -51,6 +51,7 @@ def test_the_cooldown_is_the_decaying_run_from_the_start_and_the_lower_weights_a
     from mlflow import MlflowClient
 
     from rangefinder.launch.processes import run_training
+    from rangefinder.tracking.metrics import lr_text
 
     cfg, tmp, result = cooled
     info = result.chosen
@@ -99,6 +100,7 @@ def test_the_cooldown_is_the_decaying_run_from_the_start_and_the_lower_weights_a
     (ft,) = client.search_runs([exp], filter_string="tags.`rangefinder.step` = 'finetune'")
     (child,) = client.search_runs([exp], filter_string="tags.`rangefinder.step` = 'finetune_cooldown'")
     assert child.data.tags["mlflow.parentRunId"] == ft.info.run_id
+    assert child.data.tags["lr"] == lr_text(float(ft.data.params["lr"]))  # as every LR tag is written (2.091e-04)
     history = client.get_metric_history(child.info.run_id, "validation/val_loss")
     assert max(m.step for m in history) == total and [m.value for m in history if m.step == total] == [at_end]
     assert ft.data.metrics["cooldown_val_loss"] == at_end

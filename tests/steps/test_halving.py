@@ -148,7 +148,7 @@ def test_mlflow_holds_each_candidate_in_a_child_run_and_the_kept_curve_whole_in_
     from mlflow import MlflowClient
 
     from rangefinder.analysis import read_curve_csv
-    from rangefinder.tracking.metrics import curve_metric_name
+    from rangefinder.tracking.metrics import curve_metric_name, lr_text
     from rangefinder.training.samples import SAMPLES_KEY
 
     VAL_LOSS = curve_metric_name("val_loss")  # validation/val_loss: its chart section leads the run's page
@@ -180,6 +180,10 @@ def test_mlflow_holds_each_candidate_in_a_child_run_and_the_kept_curve_whole_in_
     assert history(VAL_LOSS, mid.info.run_id)[1:] != history(VAL_LOSS, high.info.run_id)[1:]
     assert (mid.data.tags["halving.outcome"], high.data.tags["halving.outcome"]) == ("dropped", "kept")
     assert high.info.run_name == "lr_high lr 0.001 (kept)" and mid.info.run_name == "lr_mid lr 0.0001 (dropped)"
+    # Their LR tags are written as every LR tag is (the range test's, the parent's, the version's: 1.000e-04), so a
+    # filter a user copies from one of those finds the candidate too.
+    (found,) = client.search_runs([run.info.experiment_id], filter_string=f"tags.lr = '{lr_text(LR_MID)}'")
+    assert found.info.run_id == mid.info.run_id and high.data.tags["lr"] == "1.000e-03"
     assert "kept: the fine-tune goes on with it" in high.data.tags["mlflow.note.content"]
     assert all(r.info.status == "FINISHED" for r in (mid, high))
     assert not any(k.startswith(("lr_mid/", "lr_high/")) for k in run.data.metrics), run.data.metrics

@@ -176,7 +176,8 @@ def _cooldown_run(cfg: RangefinderConfig, sink: Optional[MetricSink],
                   lr: float) -> contextlib.AbstractContextManager[Optional[MetricSink]]:
     """The cooldown's child run under the fine-tune's run when that is an MLflow run, else the sink as it is."""
     from rangefinder.tracking import child_run
+    from rangefinder.tracking.metrics import lr_text
 
-    return child_run(cfg, sink, STEP, run_name=f"cooldown lr {lr:.3g}", tags={"cooldown": "true", "lr": f"{lr:.4g}"},
+    return child_run(cfg, sink, STEP, run_name=f"cooldown lr {lr:.3g}", tags={"cooldown": "true", "lr": lr_text(lr)},
                      description=f"The fine-tune's cooldown: its recommended length again at lr {lr:.3g}, the last "
                      f"{cfg.finetune.cooldown_fraction:.0%} decaying linearly to 0 (rangefinder.steps.cooldown).")

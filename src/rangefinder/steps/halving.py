@@ -140,9 +140,12 @@ def _candidate_run(cfg: RangefinderConfig, sink: Optional[MetricSink], name: str
                    lr: float) -> contextlib.AbstractContextManager[Optional[MetricSink]]:
     """The candidate's child run under the fine-tune's run when that is an MLflow run, else the sink as it is."""
     from rangefinder.tracking import child_run
+    from rangefinder.tracking.metrics import lr_text
 
+    # Its `lr` tag as every LR tag is written (the range test's lr_mid, the parent's lr_used, the version's lr), so
+    # one filter or sort finds it beside them.
     return child_run(cfg, sink, candidate_step(name), run_name=f"{name} lr {lr:.3g}",
-                     tags={"halving.candidate": name, "lr": f"{lr:.4g}"},
+                     tags={"halving.candidate": name, "lr": lr_text(lr)},
                      description=f"Successive halving candidate {name}: the fine-tune at lr {lr:.3g} to the pause.")
 
 
