@@ -409,6 +409,7 @@ def test_the_finetune_step_logs_samples_during_training_to_mlflow_with_their_ste
     # The run a registered version links to names the data its weights were trained on (MLflow's Datasets column).
     inputs = {d.dataset.name.rsplit("-", 1)[1]: d for d in run.inputs.dataset_inputs}
     assert sorted(inputs) == ["stabilize", "train", "val"] and run.data.tags["rangefinder.dataset_digest"]
+    assert (run.data.tags["rangefinder.method"], run.data.tags["rangefinder.model_family"]) == ("full", "sd1")
     assert json.loads(inputs["val"].dataset.profile) == {"num_rows": 4}
     assert float(run.data.params["lr_low"]) == float(run.data.params["lr_high"]) == 1e-3  # params, not tags too
     note = run.data.tags["mlflow.note.content"]

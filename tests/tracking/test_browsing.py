@@ -171,6 +171,10 @@ def test_a_base_config_copied_from_an_earlier_run_records_the_base_model_this_ru
     parent = MlflowClient(tracking_uri=sqlite_tracking_uri).get_run(r.mlflow_parent_run_id)
     assert parent.data.params["model.resolved_dir"] == str(tiny_sdxl_dir)
     assert parent.data.tags["rangefinder.model_family"] == "sdxl"
+    # The filter a user writes for "my SDXL full fine-tunes" finds the run, as it finds their registered versions.
+    found = MlflowClient(tracking_uri=sqlite_tracking_uri).search_runs(
+        [parent.info.experiment_id], "tags.`rangefinder.model_family` = 'sdxl' and tags.`rangefinder.method` = 'full'")
+    assert [r.info.run_id for r in found] == [parent.info.run_id]
 
 
 def test_the_guidance_scale_used_is_logged_beside_the_setting_and_resolved_again_from_a_copied_config(

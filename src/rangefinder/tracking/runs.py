@@ -142,8 +142,9 @@ def source_tags(source: str) -> dict[str, str]:
 
 def common_tags(cfg: Optional[TrackingSource] = None, *, source: str = PIPELINE_SOURCE) -> dict[str, str]:
     """Pipeline version, source (`source_tags`) and git revision, image and base model (with the revision it
-    resolved to, once resolve-config has resolved it: model.resolved_revision): the facts that make a run
-    reproducible."""
+    resolved to, once resolve-config has resolved it: model.resolved_revision), its family and the method: the facts
+    that make a run reproducible, and what a search for "every LoRA of SDXL" filters runs by, as it filters the
+    registered versions (which carry the same two tags)."""
     from rangefinder import __version__
 
     tags = {"rangefinder.version": __version__, **source_tags(source)}
@@ -162,6 +163,9 @@ def common_tags(cfg: Optional[TrackingSource] = None, *, source: str = PIPELINE_
         family = family_of(cfg.model) if isinstance(cfg.model, ModelConfig) else None
         if family:
             tags[TAG_MODEL_FAMILY] = family  # detected from the model (sd1 | sdxl), never configured
+    method = _get(cfg, "training", "method")
+    if method:
+        tags[TAG_METHOD] = str(method)
     return tags
 
 
