@@ -53,6 +53,21 @@ def grid_columns(cfg: RangefinderConfig, finetuned_dir: Path, retrained_dir: Opt
     return models, labels
 
 
+def grid_note(prompts: int, seeds: int, labels: list[str], scores: list[dict]) -> str:
+    """The sample-images run's description. The colour scores (sampling.prompt_scores) exist only for prompts that
+    name the synthetic data's colours and shapes; a user's own prompts have none, and the note says nothing of them
+    (it ended "how well each follows the prompts' colours: .")."""
+    def count(n: int, what: str) -> str:
+        return f"{n} {what}" if n == 1 else f"{n} {what}s"
+
+    note = (f"Sample grid: {count(prompts, 'prompt')} x {count(seeds, 'seed')} for {', '.join(labels)}, the same "
+            "noise in every column")
+    if scores:
+        note += "; how well each follows the prompts' colours: " + ", ".join(
+            f"{s['column']} {s['colour']:.2f}" for s in scores)
+    return note + "."
+
+
 def run_sample_images(cfg: RangefinderConfig, *, finetuned_dir: Path, retrained_dir: Optional[Path] = None,
                       out_dir: Path, grid_html: Optional[Path] = None,
                       mlflow_parent_run_id: Optional[str] = None) -> dict:
@@ -76,7 +91,5 @@ def run_sample_images(cfg: RangefinderConfig, *, finetuned_dir: Path, retrained_
         # (data.prompt_score).
         run.log_decisions({f"prompt_{k}.{column_slug(s_['column'])}": s_[k] for s_ in out["scores"]
                            for k in ("colour", "shape")}, to_parent=False)
-        scores = ", ".join(f"{s_['column']} {s_['colour']:.2f}" for s_ in out["scores"])
-        run.describe(f"Sample grid: {len(s.prompts)} prompts x {len(s.seeds)} seeds for {', '.join(labels)}, the "
-                     f"same noise in every column; how well each follows the prompts' colours: {scores}.")
+        run.describe(grid_note(len(s.prompts), len(s.seeds), labels, out["scores"]))
     return out
