@@ -429,6 +429,10 @@ def test_the_finetune_step_logs_samples_during_training_to_mlflow_with_their_ste
     from tests.tracking.fixtures import check_logged_files_name_no_local_path
 
     check_logged_files_name_no_local_path(client, run.info.run_id, tmp_path, ("report",))
+    # One file of each: the curve under curves/ only, the window's JSON inside decision.json only.
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "report")] == [
+        "report/decision.json", "report/step_report.html", "report/step_report.md", "report/step_window.png"]
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "curves")] == ["curves/metrics.csv"]
     assert page.count(f"alt='{cfg.sampling.prompts[0]} | seed 0 at update") == 3
 
 

@@ -63,3 +63,7 @@ def test_its_kfp_metrics_are_named_as_its_mlflow_run_and_bounds_json_name_them(s
     from tests.tracking.fixtures import check_logged_files_name_no_local_path
 
     check_logged_files_name_no_local_path(client, run.info.run_id, tmp_path, ("report", "analysis"))
+    # One file of each: the report's own JSON is bounds.json's first keys, which analysis/ holds whole.
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "report")] == [
+        "report/lr_range_test.png", "report/lr_report.html", "report/lr_report.md"]
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "analysis")] == ["analysis/bounds.json"]

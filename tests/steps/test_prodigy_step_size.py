@@ -107,6 +107,9 @@ def test_logged_as_a_child_run_of_the_pipeline_like_the_range_test(probed):
 
     text = check_logged_files_name_no_local_path(client, run.info.run_id, tmp, ("report", "analysis"))
     assert "curves/metrics.csv in this step's MLflow run" in text and "curves/updates.csv in this step's" in text
+    # One file of each: the report's JSON is the reading, which analysis/prodigy_step.json holds with the settings.
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "report")] == [
+        "report/prodigy_report.html", "report/prodigy_report.md", "report/prodigy_step.png"]
     assert not list((tmp / "probe").rglob("checkpoint-*"))
 
 

@@ -443,7 +443,8 @@ def run_finetune(
                         model_family=result.family)
         write_json(report_dir / "decision.json", decision)
         shutil.copyfile(result.metrics_csv, report_dir / "metrics.csv")
-        run.log_artifact(report_dir, "report")
+        # decision.json holds the window's JSON (step_window.json) whole; the curve goes under curves/ once.
+        run.log_report(report_dir, held_elsewhere=[report_dir / "step_window.json", result.metrics_csv])
         run.log_artifact(result.metrics_csv, tracking.CURVES_ARTIFACT)
         if cooled is not None:
             extra_updates += cooled.updates_trained

@@ -132,7 +132,7 @@ def run_lr_range_test(
         write_json(bounds_json, decision)
         run.log_artifact(result.metrics_csv, tracking.CURVES_ARTIFACT)
         run.log_artifact(bounds_json, "analysis")
-        run.log_artifact(out_dir / "report", "report")
+        run.log_report(out_dir / "report", held_elsewhere=[report["json"]])  # analysis/bounds.json holds it all
         # The same keys on the first test's run and the zoom's (the run's stage tag tells them apart); nothing goes
         # to the parent run, which shows the one decision the fine-tune used (choose_lr's bounds), not one per test.
         run.log_decisions({k: decision[k] for k in ("status", "lr_low", "lr_high", "lr_mid", "quality", "flags",

@@ -138,7 +138,7 @@ def run_prodigy_step_size(
         run.log_artifact(result.metrics_csv, tracking.CURVES_ARTIFACT)
         run.log_artifact(result.updates_csv, tracking.CURVES_ARTIFACT)
         run.log_artifact(reading_json, "analysis")
-        run.log_artifact(out_dir / "report", "report")
+        run.log_report(out_dir / "report", held_elsewhere=[report["json"]])  # analysis/ holds it, with settings
         out = ProdigyStepResult(reading=reading, curve_csv=result.metrics_csv, updates_csv=result.updates_csv,
                                 reading_json=reading_json)
         # On this run only, as the range tests keep their readings: the parent shows choose_lr's decision. The same

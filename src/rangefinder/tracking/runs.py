@@ -30,7 +30,7 @@ import numbers as numbers_abc
 import os
 import subprocess
 import time
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, TypeVar, Union
@@ -212,6 +212,8 @@ def flatten_params(obj: Any, prefix: str = "") -> dict[str, str]:
 CONFIG_ARTIFACT = "config.yaml"
 # The folder a training step's curve CSVs are logged under (metrics.csv; the Prodigy step's updates.csv too).
 CURVES_ARTIFACT = "curves"
+# The folder a step's report (plot, HTML, Markdown) is logged under (StepRun.log_report).
+REPORT_ARTIFACT = "report"
 
 
 def logged_curve(csv: str | os.PathLike) -> str:
@@ -609,6 +611,16 @@ class StepRun:
             raise TrackingError(f"cannot log {p} to MLflow: no such file or folder")
         self._deliver({"kind": "artifact", "run_id": self.run_id, "path": str(p.absolute()),
                        "artifact_path": artifact_path})
+
+    def log_report(self, report_dir: str | os.PathLike, *, held_elsewhere: Sequence[str | os.PathLike]) -> None:
+        """A step's report folder as the run's `report/`, less the files the run already holds in another form
+        (`held_elsewhere`: the curve under curves/, the report's JSON where the step's decision JSON holds all of
+        it). The step's KFP output keeps them all; in MLflow one file of each made two to tell apart (a
+        report/metrics.csv beside curves/metrics.csv, a report/lr_bounds.json beside analysis/bounds.json)."""
+        skip = {Path(p).name for p in held_elsewhere}
+        for p in sorted(Path(report_dir).iterdir()):
+            if p.name not in skip:
+                self.log_artifact(p, REPORT_ARTIFACT)
 
     def log_text(self, text: str, artifact_file: str) -> None:
         self._deliver({"kind": "text", "run_id": self.run_id, "text": text, "artifact_file": artifact_file})
