@@ -67,3 +67,6 @@ def test_its_kfp_metrics_are_named_as_its_mlflow_run_and_bounds_json_name_them(s
     assert [a.path for a in client.list_artifacts(run.info.run_id, "report")] == [
         "report/lr_range_test.png", "report/lr_report.html", "report/lr_report.md"]
     assert [a.path for a in client.list_artifacts(run.info.run_id, "analysis")] == ["analysis/bounds.json"]
+    local = client.download_artifacts(run.info.run_id, "analysis/bounds.json", str(tmp_path / "dl"))
+    with open(local, encoding="utf-8") as f:
+        assert json.load(f)["curve_csv"] == "curves/metrics.csv"  # the run's own path to it

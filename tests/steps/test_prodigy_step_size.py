@@ -4,6 +4,9 @@ logged to MLflow as a child of the pipeline's run."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from rangefinder.analysis import read_curve_csv
@@ -106,10 +109,13 @@ def test_logged_as_a_child_run_of_the_pipeline_like_the_range_test(probed):
     from tests.tracking.fixtures import check_logged_files_name_no_local_path
 
     text = check_logged_files_name_no_local_path(client, run.info.run_id, tmp, ("report", "analysis"))
-    assert "curves/metrics.csv in this step's MLflow run" in text and "curves/updates.csv in this step's" in text
+    assert "curves/updates.csv in this step's MLflow run" in text  # the report's curve: the step size per update
     # One file of each: the report's JSON is the reading, which analysis/prodigy_step.json holds with the settings.
     assert [a.path for a in client.list_artifacts(run.info.run_id, "report")] == [
         "report/prodigy_report.html", "report/prodigy_report.md", "report/prodigy_step.png"]
+    reading = json.loads(Path(client.download_artifacts(run.info.run_id, "analysis/prodigy_step.json",
+                                                        str(tmp / "dl"))).read_text())
+    assert (reading["curve_csv"], reading["updates_csv"]) == ("curves/metrics.csv", "curves/updates.csv")
     assert not list((tmp / "probe").rglob("checkpoint-*"))
 
 

@@ -119,7 +119,7 @@ def run_lr_range_test(
                               rose_at_top=ended_above_start(curve["val_loss"]))
         decision = {**bounds.to_dict(), "stage": stage, "lr_min": lo, "lr_max": hi, "points_between": n_between,
                     "needs_zoom": zoom is not None, "zoom_range": list(zoom) if zoom else None,
-                    "updates": result.updates, "curve_csv": tracking.logged_curve(result.metrics_csv),
+                    "updates": result.updates, "curve_csv": tracking.logged_curve_path(result.metrics_csv),
                     "world_size": train_cfg.world_size,
                     "global_batch": train_cfg.batch_size * train_cfg.grad_accum * train_cfg.world_size,
                     "model_family": result.family}

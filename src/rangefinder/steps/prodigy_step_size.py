@@ -130,8 +130,8 @@ def run_prodigy_step_size(
                                       validation_weighting=result.validation_weighting())
         copy_report(report, report_html, report_md)
         decision: dict[str, Any] = {**reading.to_dict(), "lr_source": SOURCE, "prodigy_settings": tc.prodigy.kwargs(),
-                                    "curve_csv": tracking.logged_curve(result.metrics_csv),
-                                    "updates_csv": tracking.logged_curve(result.updates_csv),
+                                    "curve_csv": tracking.logged_curve_path(result.metrics_csv),
+                                    "updates_csv": tracking.logged_curve_path(result.updates_csv),
                                     "world_size": tc.world_size, "model_family": result.family}
         reading_json = out_dir / "prodigy_step.json"
         write_json(reading_json, decision)

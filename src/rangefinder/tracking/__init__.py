@@ -59,6 +59,7 @@ from rangefinder.tracking.runs import (
     folder_digest,
     log_resolved_config,
     logged_curve,
+    logged_curve_path,
     step_run,
     tracking_client,
 )
@@ -87,6 +88,7 @@ __all__ = [
     "folder_digest",
     "log_resolved_config",
     "logged_curve",
+    "logged_curve_path",
     "promote",
     "redact",
     "resolve_experiment_name",

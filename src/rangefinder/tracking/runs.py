@@ -216,11 +216,16 @@ CURVES_ARTIFACT = "curves"
 REPORT_ARTIFACT = "report"
 
 
+def logged_curve_path(csv: str | os.PathLike) -> str:
+    """A step's curve CSV as its MLflow run holds it (`curves/metrics.csv`), the path its decision JSON names. The
+    step's own path is a folder of the machine that ran it (a pod's volume, a local run's pipeline-root), which the
+    JSON and the report travel away from (MLflow, the KFP UI)."""
+    return f"{CURVES_ARTIFACT}/{Path(csv).name}"
+
+
 def logged_curve(csv: str | os.PathLike) -> str:
-    """Where a step's report and JSON name its curve: as the step's MLflow run holds it. The step's own path is a
-    folder of the machine that ran it (a pod's volume, a local run's pipeline-root), which the report travels away
-    from (MLflow, the KFP UI)."""
-    return f"{CURVES_ARTIFACT}/{Path(csv).name} in this step's MLflow run"
+    """Where a step's report says its curve is, in words: `curves/metrics.csv in this step's MLflow run`."""
+    return f"{logged_curve_path(csv)} in this step's MLflow run"
 
 
 # The `training` fields the pipeline's runs set themselves (cli/ignored.py's PIPELINE says the same to the user).
