@@ -184,6 +184,13 @@ def test_mlflow_holds_each_candidate_in_a_child_run_and_the_kept_curve_whole_in_
     # filter a user copies from one of those finds the candidate too.
     (found,) = client.search_runs([run.info.experiment_id], filter_string=f"tags.lr = '{lr_text(LR_MID)}'")
     assert found.info.run_id == mid.info.run_id and high.data.tags["lr"] == "1.000e-03"
+    # They measured val_loss on the fine-tune's validation set: a search by it finds their curves beside the
+    # fine-tune's (two val_loss values compare only on one validation set).
+    same_images = client.search_runs([run.info.experiment_id], filter_string="tags.`rangefinder.validation_digest` = "
+                                     f"'{run.data.tags['rangefinder.validation_digest']}'")
+    assert {r.info.run_id for r in same_images} >= {run.info.run_id, mid.info.run_id, high.info.run_id}
+    assert all(c.data.tags[k] == run.data.tags[k] for c in (mid, high)
+               for k in ("rangefinder.dataset_digest", "rangefinder.train_on"))
     assert "kept: the fine-tune goes on with it" in high.data.tags["mlflow.note.content"]
     assert all(r.info.status == "FINISHED" for r in (mid, high))
     assert not any(k.startswith(("lr_mid/", "lr_high/")) for k in run.data.metrics), run.data.metrics

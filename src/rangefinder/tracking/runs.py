@@ -494,6 +494,9 @@ class StepRun:
     owned: bool = True
     logged_through: Optional[Mapping[str, int]] = None  # a continued run: the last update each metric reached
     source: Optional[str] = None  # MLflow's mlflow.source.name of the run (step_source), for what it logs (a model)
+    # The data tags log_dataset_manifest set (the split's and validation set's digests, train_on), which the run's
+    # child runs carry too (child_run): their val_loss compares with another run's only on the same validation set.
+    data_tags: dict[str, str] = field(init=False, default_factory=dict)
     metrics: BatchedMetricLogger = field(init=False)
     spool: Spool = field(init=False)
     outbox: Outbox = field(init=False)
@@ -685,6 +688,7 @@ class StepRun:
         for run_id in filter(None, (self.run_id, self.parent_run_id)):
             self._set_tags(run_id, digests)
         self._set_tags(self.run_id, {TAG_TRAIN_ON: train_on})  # the parent's steps train on either
+        self.data_tags = {**digests, TAG_TRAIN_ON: train_on}
         return digest
 
     # --- models
@@ -788,19 +792,20 @@ def child_run(cfg: Optional[TrackingSource], sink: Sink, step_name: str, *, run_
               description: str) -> Iterator[Union[Sink, StepRun]]:
     """A child run of `sink`'s run for one part of a step (a successive-halving candidate, the fine-tune's cooldown),
     named, tagged and described, its source the step's, when `sink` is a step's MLflow run; otherwise `sink` as it is
-    (None, or a bench's own sink)."""
+    (None, or a bench's own sink). It carries the step run's data tags (StepRun.data_tags): the same images, and a
+    search by validation set finds its val_loss curve beside the step's."""
     if not isinstance(sink, StepRun):
         yield sink
         return
     if not sink.offline and _answers(sink):
-        with step_run(cfg, step_name, parent_run_id=sink.run_id, run_name=run_name, tags=tags,
+        with step_run(cfg, step_name, parent_run_id=sink.run_id, run_name=run_name, tags={**sink.data_tags, **tags},
                       source=sink.source) as run:
             run.describe(description)
             yield run
         return
     # The server is away: the part goes on in a run made when the server answers (its spool's first record), as
     # every record of the step waits for it. It failed the step, once the fine-tune had trained to the race.
-    with _pending_child_run(cfg, sink, step_name, run_name=run_name, tags=tags) as run:
+    with _pending_child_run(cfg, sink, step_name, run_name=run_name, tags={**sink.data_tags, **tags}) as run:
         run.describe(description)
         yield run
 
