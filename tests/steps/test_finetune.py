@@ -258,6 +258,9 @@ def test_with_no_window_the_run_s_lowest_validation_loss_checkpoint_is_delivered
     # budget, which the run trained through and measured no better (the old code kept the configured 10 epochs).
     length = recommended_length(window, info, 10, updates[-1], curve)
     assert (length.epochs, length.updates, length.basis) == (max(1, math.ceil(info["epoch"] - 1e-9)), best, "no_window")
+    # The reason (the registered version's description) says that length, which the version's recommended_epochs
+    # tag carries: it said "no length is recommended" beside that tag.
+    assert "the recommended length is this checkpoint's epoch, rounded up" in info["reason"], info["reason"]
 
 
 @pytest.mark.parametrize("window, rule", [

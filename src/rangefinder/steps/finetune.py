@@ -194,9 +194,10 @@ def pick_reason(pick: Delivery, window: StepWindow) -> str:
     if pick.rule == "run_lowest":
         final = ("these are the run's final weights" if pick.final
                  else "the run's final weights are not delivered: it trained past any useful length")
-        return ("validation loss never fell by more than its noise, so no step window was found and no length is "
-                f"recommended; of the checkpoints kept over the whole run, update {pick.update} has the lowest "
-                f"validation loss ({final})")
+        # The length recommended_length falls back to: the registered version's recommended_epochs tag beside this.
+        return ("validation loss never fell by more than its noise, so no step window was found and the recommended "
+                f"length is this checkpoint's epoch, rounded up; of the checkpoints kept over the whole run, update "
+                f"{pick.update} has the lowest validation loss ({final})")
     if window.status == "still_improving":
         final = ", the run's final weights," if pick.final else ""
         return ("validation loss was still falling when the run ended, so the recommended length is the whole run and "
