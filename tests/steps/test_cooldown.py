@@ -101,6 +101,7 @@ def test_the_cooldown_is_the_decaying_run_from_the_start_and_the_lower_weights_a
     (child,) = client.search_runs([exp], filter_string="tags.`rangefinder.step` = 'finetune_cooldown'")
     assert child.data.tags["mlflow.parentRunId"] == ft.info.run_id
     assert child.data.tags["lr"] == lr_text(float(ft.data.params["lr"]))  # as every LR tag is written (2.091e-04)
+    assert child.data.params["lr"] == ft.data.params["lr"]  # its peak LR, the param the compare view lines up
     history = client.get_metric_history(child.info.run_id, "validation/val_loss")
     assert max(m.step for m in history) == total and [m.value for m in history if m.step == total] == [at_end]
     assert ft.data.metrics["cooldown_val_loss"] == at_end

@@ -191,6 +191,9 @@ def test_mlflow_holds_each_candidate_in_a_child_run_and_the_kept_curve_whole_in_
     assert {r.info.run_id for r in same_images} >= {run.info.run_id, mid.info.run_id, high.info.run_id}
     assert all(c.data.tags[k] == run.data.tags[k] for c in (mid, high)
                for k in ("rangefinder.dataset_digest", "rangefinder.train_on"))
+    # Selected together in MLflow's compare view, their params row is the LR each trained at, under the fine-tune
+    # run's own name for it.
+    assert {n: float(c.data.params["lr"]) for n, c in children.items()} == {"lr_mid": LR_MID, "lr_high": LR_HIGH}
     assert "kept: the fine-tune goes on with it" in high.data.tags["mlflow.note.content"]
     assert all(r.info.status == "FINISHED" for r in (mid, high))
     assert not any(k.startswith(("lr_mid/", "lr_high/")) for k in run.data.metrics), run.data.metrics

@@ -179,5 +179,6 @@ def _cooldown_run(cfg: RangefinderConfig, sink: Optional[MetricSink],
     from rangefinder.tracking.metrics import lr_text
 
     return child_run(cfg, sink, STEP, run_name=f"cooldown lr {lr:.3g}", tags={"cooldown": "true", "lr": lr_text(lr)},
+                     params={"lr": lr},
                      description=f"The fine-tune's cooldown: its recommended length again at lr {lr:.3g}, the last "
                      f"{cfg.finetune.cooldown_fraction:.0%} decaying linearly to 0 (rangefinder.steps.cooldown).")

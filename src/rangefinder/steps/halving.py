@@ -145,7 +145,7 @@ def _candidate_run(cfg: RangefinderConfig, sink: Optional[MetricSink], name: str
     # Its `lr` tag as every LR tag is written (the range test's lr_mid, the parent's lr_used, the version's lr), so
     # one filter or sort finds it beside them.
     return child_run(cfg, sink, candidate_step(name), run_name=f"{name} lr {lr:.3g}",
-                     tags={"halving.candidate": name, "lr": lr_text(lr)},
+                     tags={"halving.candidate": name, "lr": lr_text(lr)}, params={"lr": lr},
                      description=f"Successive halving candidate {name}: the fine-tune at lr {lr:.3g} to the pause.")
 
 

@@ -789,11 +789,12 @@ Sink = TypeVar("Sink")
 
 @contextlib.contextmanager
 def child_run(cfg: Optional[TrackingSource], sink: Sink, step_name: str, *, run_name: str, tags: Mapping[str, Any],
-              description: str) -> Iterator[Union[Sink, StepRun]]:
+              description: str, params: Optional[Mapping[str, Any]] = None) -> Iterator[Union[Sink, StepRun]]:
     """A child run of `sink`'s run for one part of a step (a successive-halving candidate, the fine-tune's cooldown),
     named, tagged and described, its source the step's, when `sink` is a step's MLflow run; otherwise `sink` as it is
     (None, or a bench's own sink). It carries the step run's data tags (StepRun.data_tags): the same images, and a
-    search by validation set finds its val_loss curve beside the step's."""
+    search by validation set finds its val_loss curve beside the step's. `params`: what sets it apart from its
+    siblings (a candidate's `lr`), named as the step run's own param, so MLflow's compare view lines them up."""
     if not isinstance(sink, StepRun):
         yield sink
         return
@@ -807,6 +808,8 @@ def child_run(cfg: Optional[TrackingSource], sink: Sink, step_name: str, *, run_
     # every record of the step waits for it. It failed the step, once the fine-tune had trained to the race.
     with _pending_child_run(cfg, sink, step_name, run_name=run_name, tags={**sink.data_tags, **tags}) as run:
         run.describe(description)
+        if params:
+            run.log_params(params)
         yield run
 
 
