@@ -798,15 +798,13 @@ def child_run(cfg: Optional[TrackingSource], sink: Sink, step_name: str, *, run_
     if not isinstance(sink, StepRun):
         yield sink
         return
-    if not sink.offline and _answers(sink):
-        with step_run(cfg, step_name, parent_run_id=sink.run_id, run_name=run_name, tags={**sink.data_tags, **tags},
-                      source=sink.source) as run:
-            run.describe(description)
-            yield run
-        return
-    # The server is away: the part goes on in a run made when the server answers (its spool's first record), as
-    # every record of the step waits for it. It failed the step, once the fine-tune had trained to the race.
-    with _pending_child_run(cfg, sink, step_name, run_name=run_name, tags={**sink.data_tags, **tags}) as run:
+    tags = {**sink.data_tags, **tags}
+    # The server away: the part goes on in a run made when the server answers (its spool's first record), as every
+    # record of the step waits for it. It failed the step, once the fine-tune had trained to the race.
+    opened = (step_run(cfg, step_name, parent_run_id=sink.run_id, run_name=run_name, tags=tags, source=sink.source)
+              if not sink.offline and _answers(sink) else
+              _pending_child_run(cfg, sink, step_name, run_name=run_name, tags=tags))
+    with opened as run:
         run.describe(description)
         if params:
             run.log_params(params)
