@@ -350,7 +350,9 @@ class LoraSettings(_Section):
     rank: int = Field(4, ge=1)  # adapter rank r
     alpha: float = Field(4.0, gt=0)  # scale = alpha / rank
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    # UNet attention projections, as in diffusers' LoRA example.
+    # The denoiser's attention projections, as in diffusers' SD 1.x LoRA example: diffusers' module paths or their ends
+    # (peft's match; a name matching no layer is refused). On SD3 and Flux the image stream's only: their diffusers
+    # scripts add attn.add_{q,k,v}_proj and attn.to_add_out (docs/model-families.md).
     target_modules: list[str] = Field(default_factory=lambda: ["to_k", "to_q", "to_v", "to_out.0"])
     train_text_encoder: bool = False
 

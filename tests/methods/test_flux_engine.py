@@ -110,6 +110,25 @@ def test_flux_refuses_what_it_does_not_do_in_one_line(setting, message, split_di
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("targets", [["img_attn.qkv"], ["to_q", "txt_attn.qkv"]])
+def test_lora_targets_in_another_layout_are_one_line_naming_the_layers_there_are(targets, tiny_flux_dir):
+    """kohya's Flux names (BFL's fused `img_attn.qkv`) are not the diffusers model's: alone they stopped the run in
+    peft's traceback, beside a name that matches they were skipped without a word, the text stream untrained."""
+    from rangefinder.config import ModelConfig
+    from rangefinder.models.loading import load_sd_components
+    from rangefinder.training.methods import make_method
+
+    sd = load_sd_components(ModelConfig(base_model=str(tiny_flux_dir)))
+    method = make_method(TrainingConfig(method="lora", lora={"target_modules": targets}))
+    with pytest.raises(ConfigError, match=rf"training.lora.target_modules: '{targets[-1]}' names no layer of the "
+                                          r"Flux.1 transformer .*: .*attn.add_q_proj, .*proj_mlp") as e:
+        method.setup(sd, torch.float32)
+    assert "\n" not in str(e.value)
+    assert not any("lora_" in n for n, _ in sd.unet.named_parameters())  # refused before any adapter went on
+    make_method(TrainingConfig(method="lora", lora={"target_modules": ["attn.add_q_proj", "proj_mlp"]})).setup(
+        sd, torch.float32)  # diffusers' names, whole paths' ends included, are taken
+
+
 def test_flux_resolution_must_be_a_multiple_of_the_patch(tiny_flux_dir):
     """Flux packs 2x2 latent patches: a side must be a multiple of the VAE's downscale times 2. The tiny model's is
     8 px, which every DataConfig resolution already is, so the check is shown on Flux.1's VAE depth (x8: 16 px)."""

@@ -12,11 +12,14 @@ with `.alpha`: A1111, ComfyUI, kohya), both with the run's metadata.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rangefinder.config import FAMILY_NAMES
+from rangefinder.errors import ConfigError
 from rangefinder.training.family_detection import FAMILY_LAYOUTS, import_named
 from rangefinder.training.methods.base import ModuleMethod, module_state, split_state
 
@@ -25,6 +28,26 @@ if TYPE_CHECKING:
 
 # CLIP's attention projections (transformers' CLIPAttention), the text-encoder counterpart of to_q/to_k/to_v/to_out.0.
 TEXT_ENCODER_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "out_proj"]
+# The layer types peft's LoRA wraps (peft.tuners.lora.layer's dispatchers).
+_ADAPTABLE = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.Embedding)
+# A path's repeated-block prefix (`down_blocks.0.attentions.1.transformer_blocks.0.`, `single_transformer_blocks.3.`),
+# cut off to name a layer as it recurs in every block.
+_BLOCK_PREFIX = re.compile(r"^(.*\.)?(transformer_blocks|single_transformer_blocks|attentions|resnets|layers)\.\d+\.")
+
+
+def check_target_modules(denoiser: torch.nn.Module, targets: list[str], family: str) -> None:
+    """Every name of training.lora.target_modules names a layer of the denoiser as peft matches it (the module's
+    path, or its end after a dot: peft.tuners.tuners_utils.check_target_module_exists): a name of another trainer's
+    layout (kohya's `img_attn.qkv` for Flux) stopped a run in peft's traceback when no name matched, and was skipped
+    without a word when another did."""
+    layers = [n for n, m in denoiser.named_modules() if isinstance(m, _ADAPTABLE)]
+    missing = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in layers)]
+    if missing:
+        names = sorted({_BLOCK_PREFIX.sub("", n) for n in layers})
+        denoiser_name = {"unet": "UNet"}.get(FAMILY_LAYOUTS[family].denoiser, FAMILY_LAYOUTS[family].denoiser)
+        raise ConfigError(f"training.lora.target_modules: {', '.join(map(repr, missing))} names no layer of the "
+                          f"{FAMILY_NAMES.get(family, family)} {denoiser_name} (diffusers' module "
+                          f"paths, or their ends, as peft matches them); name some of its layers: {', '.join(names)}")
 
 
 class LoraMethod(ModuleMethod):
@@ -43,6 +66,7 @@ class LoraMethod(ModuleMethod):
         # so update 0 validates the base model itself.
         # peft annotates lora_alpha as int but only uses lora_alpha / r, so a fractional alpha is fine.
         alpha: Any = s.alpha
+        check_target_modules(sd.unet, list(s.target_modules), sd.family)
         sd.unet.add_adapter(
             LoraConfig(r=s.rank, lora_alpha=alpha, lora_dropout=s.dropout, init_lora_weights="gaussian",
                        target_modules=list(s.target_modules))
