@@ -104,6 +104,45 @@ def test_every_other_tools_name_points_at_a_setting():
         assert key in type(functools.reduce(getattr, section.split("."), cfg)).model_fields, (name, target)
 
 
+@pytest.mark.parametrize("raw,hint", [
+    ({"training": {"guidance_scale": 1.0}}, "training.guidance_scale: not a setting of training (got 1.0); the "
+     "guidance Flux.1-dev trains with (diffusers' and sd-scripts' Flux guidance_scale) is training.flow.guidance"),
+    ({"training": {"flow": {"weighting_scheme": "cosmap"}}}, "training.flow.weighting_scheme: not a setting of "
+     "training.flow (got 'cosmap'); diffusers' weighting_scheme is two settings here: training.flow.timestep_sampling "
+     "(logit_normal, mode, uniform) and training.flow.loss_weighting (sigma_sqrt, cosmap)"),
+    ({"training": {"discrete_flow_shift": 3.1}}, "training.discrete_flow_shift: not a setting of training (got 3.1); "
+     "rangefinder's name for discrete_flow_shift (kohya sd-scripts, diffusers) is training.flow.shift"),
+    ({"training": {"flow": {"max_sequence_length": 256}}}, "training.flow.max_sequence_length: not a setting of "
+     "training.flow (got 256); T5's tokens per caption are no setting: 512 on Flux.1, 77 on SD3"),
+    ({"training": {"flow": {"timestep_sampling": "flux_shift"}}}, "training.flow.timestep_sampling: Input should be "
+     "'uniform', 'logit_normal' or 'mode' (got 'flux_shift'); sd-scripts' flux_shift is logit_normal with "
+     "training.flow.shift unset"),
+    ({"training": {"flow": {"loss_weighting": "logit_normal"}}}, "training.flow.loss_weighting: Input should be "
+     "'none', 'sigma_sqrt' or 'cosmap' (got 'logit_normal'); logit_normal is how sigma is drawn: "
+     "training.flow.timestep_sampling"),
+], ids=["training-guidance", "weighting-scheme", "flow-shift", "t5-length", "sd-scripts-sampling", "density-as-weight"])
+def test_a_flow_setting_of_another_trainer_is_told_what_stands_for_it(raw, hint):
+    """A config carried over from diffusers' or sd-scripts' SD3/Flux trainers: `training.guidance_scale` was sent to
+    sampling (the samples' guidance, not the one Flux trains with), and weighting_scheme, discrete_flow_shift, T5's
+    length and sd-scripts' timestep_sampling values were told only to go."""
+    with pytest.raises(ConfigError) as e:
+        parse_config(raw)
+    assert str(e.value).startswith(hint), str(e.value)
+
+
+def test_every_other_tools_value_is_refused_where_it_is_told():
+    import typing
+
+    from rangefinder.config import OTHER_TOOLS_SAID, OTHER_TOOLS_VALUES, FlowSettings, _sections
+
+    for where, values in OTHER_TOOLS_VALUES.items():
+        field = where.rpartition(".")[2]
+        taken = typing.get_args(FlowSettings.model_fields[field].annotation)
+        assert where.startswith("training.flow.") and taken, where
+        assert not set(values) & set(taken), where  # each is refused there, and so its hint is read
+    assert not set(OTHER_TOOLS_SAID) & {k for m in _sections().values() for k in m.model_fields} - {"guidance_scale"}
+
+
 def test_the_experiment_name_limit_is_mlflows():
     from mlflow.utils.validation import MAX_EXPERIMENT_NAME_LENGTH
 

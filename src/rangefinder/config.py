@@ -42,6 +42,8 @@ def format_validation_error(err: ValidationError, prefix: str = "") -> str:
         if e.get("type") == "list_type" and isinstance(got, (str, int, float)) and not isinstance(got, bool):
             # `prompts: "a red circle"`, `seeds: 0`: one value where a list of them belongs.
             fix = f"write it as a list, e.g. [{json.dumps(got, ensure_ascii=False)}]"
+        if e.get("type") == "literal_error" and isinstance(got, str):
+            fix = OTHER_TOOLS_VALUES.get(where, {}).get(got, fix)
         got_txt += f"; {fix}" if fix else ""
         # Cross-field checks already name their fields in the message.
         lines.append(f"{msg}{got_txt}" if msg.startswith(where) else f"{where}: {msg}{got_txt}")
@@ -66,6 +68,46 @@ OTHER_TOOLS_NAMES = {
     "pretrained_model_name_or_path": "model.base_model",
     "train_data_dir": "data.dataset_dir",
     "instance_data_dir": "data.dataset_dir",
+    # The flow-matching models' (sd-scripts' SD3 and Flux trainers): the constant shift, and logit-normal's spread.
+    "discrete_flow_shift": "training.flow.shift",
+    "training_shift": "training.flow.shift",
+    "sigmoid_scale": "training.flow.logit_std",
+}
+# Other trainers' flow-matching settings that are no one setting here, and what stands for each
+# (docs/model-families.md, "Where the reference trainers differ"): diffusers' weighting_scheme is two of ours, its Flux
+# script's guidance_scale is training's (not the samples'), and T5's length and the preconditioned target are fixed.
+OTHER_TOOLS_SAID = {
+    "weighting_scheme": "diffusers' weighting_scheme is two settings here: training.flow.timestep_sampling "
+                        "(logit_normal, mode, uniform) and training.flow.loss_weighting (sigma_sqrt, cosmap)",
+    "guidance_scale": "the guidance Flux.1-dev trains with (diffusers' and sd-scripts' Flux guidance_scale) is "
+                      "training.flow.guidance; the samples' is sampling.guidance_scale",
+    "max_sequence_length": "T5's tokens per caption are no setting: 512 on Flux.1, 77 on SD3, the same in training, "
+                           "validation and every sample (docs/model-families.md); remove it",
+    "t5xxl_max_token_length": "T5's tokens per caption are no setting: 512 on Flux.1, 77 on SD3, the same in "
+                              "training, validation and every sample (docs/model-families.md); remove it",
+    "precondition_outputs": "SD3 and Flux train on the velocity noise - x0, not preconditioned (the same minimiser, "
+                            "weighted sigma^2 there); training.flow.loss_weighting weights it; remove it",
+    "model_prediction_type": "SD3 and Flux train on the velocity noise - x0 (sd-scripts' raw), not preconditioned; "
+                             "training.flow.loss_weighting weights it; remove it",
+}
+# Values of another trainer's that a setting of the same name here spells otherwise: the setting, the value, and what
+# stands for it (sd-scripts' timestep_sampling; diffusers' weighting_scheme values, which are split in two here).
+OTHER_TOOLS_VALUES = {
+    "training.flow.timestep_sampling": {
+        "sigmoid": "sd-scripts' sigmoid is logit_normal unshifted (training.flow.shift 1.0), its sigmoid_scale "
+                   "training.flow.logit_std",
+        "shift": "sd-scripts' shift is logit_normal with training.flow.shift its discrete_flow_shift",
+        "flux_shift": "sd-scripts' flux_shift is logit_normal with training.flow.shift unset (Flux's "
+                      "resolution-dependent shift)",
+        "sigma": "sd-scripts' sigma is its weighting_scheme's density (logit_normal, mode, uniform) shifted by its "
+                 "discrete_flow_shift: that density here, training.flow.shift the shift",
+        "sigma_sqrt": "sigma_sqrt weights the loss: training.flow.loss_weighting",
+        "cosmap": "cosmap weights the loss: training.flow.loss_weighting",
+    },
+    "training.flow.loss_weighting": {
+        "logit_normal": "logit_normal is how sigma is drawn: training.flow.timestep_sampling",
+        "mode": "mode is how sigma is drawn: training.flow.timestep_sampling",
+    },
 }
 
 
@@ -97,6 +139,8 @@ def _unknown_setting(where: str) -> tuple[str, str]:
     sections = _sections()
     names = list(sections[parent].model_fields) if parent in sections else []
     what = f"not a setting of {parent}" if parent else "not a setting or section of the config"
+    if key in OTHER_TOOLS_SAID:
+        return what, OTHER_TOOLS_SAID[key]
     # 0.75: `colour` is not `lora` (0.6), while `epoch`, `rnk` and `learnig_rate` are a letter off theirs.
     close = difflib.get_close_matches(key, [*names, *OTHER_TOOLS_NAMES], n=1, cutoff=0.75)
     if close and close[0] in OTHER_TOOLS_NAMES:
