@@ -397,3 +397,21 @@ def test_model_variant_is_the_base_model_sampled_where_the_folder_holds_plain_we
     asked = cell(both, "asked", variant="fp16")
     assert np.array_equal(asked, cell(variant_alone, "alone"))
     assert not np.array_equal(asked, cell(both, "plain"))
+
+
+def test_a_flux_full_fine_tune_s_transformer_file_is_a_column_drawn_as_its_folder(tiny_flux_dir, tiny_sd3_dir,
+                                                                                 tmp_path):
+    """`full`'s model.safetensors on Flux is the transformer alone in Black Forest Labs' layout: `sample` called the
+    run's own file "not a checkpoint ... rangefinder knows", and on an SD3 base said no more. On its base model it
+    draws what its folder draws (the VAE and encoders the base model's); on another family's, the family line."""
+    from rangefinder.formats.flux_layout import export_flux_transformer
+
+    weights = export_flux_transformer(tiny_flux_dir, tmp_path / "flux.safetensors", {})
+    grid = render_grid([tiny_flux_dir, weights], ["a red circle"], [3], out_dir=tmp_path / "grid", steps=2,
+                       resolution=32, device="cpu")
+    assert [c["kind"] for c in grid["columns"]] == ["pipeline", "single_file"]
+    assert np.array_equal(*(np.asarray(Image.open(cell)) for cell in grid["images"][0]))
+    with pytest.raises(ConfigError, match=r"column flux \(.*\) is a Flux.1 model, but the base model .* is Stable "
+                                          r"Diffusion 3/3.5"):
+        render_grid([tiny_sd3_dir, weights], ["a red circle"], [3], out_dir=tmp_path / "sd3", device="cpu")
+

@@ -28,6 +28,7 @@ from rangefinder.formats import checkpoints
 from rangefinder.formats.atomic import atomic_dir, atomic_path, write_text
 from rangefinder.formats.diffusers_folder import save_pipeline_folder
 from rangefinder.formats.embeddings import TI_WEIGHTS_NAME
+from rangefinder.formats.flux_layout import FLUX_DOUBLE_BLOCK_KEY, FLUX_SINGLE_BLOCK_KEY
 from rangefinder.formats.grid import compose_grid
 from rangefinder.formats.lora import LORA_WEIGHTS_NAME
 from rangefinder.formats.model_spec import architecture_family
@@ -35,6 +36,7 @@ from rangefinder.formats.text import NotUtf8, decode_utf8
 from rangefinder.formats.weights_file import pickle_format
 from rangefinder.models.loading import (
     check_scheduler_name,
+    flux_transformer_from_file,
     folder_variant,
     pipeline_call_kwargs,
     predict_as_the_file_says,
@@ -92,6 +94,8 @@ def _classify_file(path: Path) -> tuple[ColumnKind, Optional[str]]:
         raise ConfigError(f"{path}: unknown weights file type; pass a .safetensors, .pt or .ckpt file or a folder")
     if any(k.startswith("model.diffusion_model.") for k in keys):
         return "single_file", None
+    if FLUX_DOUBLE_BLOCK_KEY in keys and FLUX_SINGLE_BLOCK_KEY in keys:
+        return "single_file", None  # Flux's transformer alone, in BFL's layout: `full`'s model.safetensors
     kohya = any(k.startswith(("lora_unet_", "lora_te")) for k in keys)
     if kohya and (architecture_family(meta) == "sd3" or any(k.startswith("lora_unet_joint_blocks_") for k in keys)):
         raise ConfigError(
@@ -228,6 +232,12 @@ def load_column_pipeline(column: GridColumn, base_model: Path, *, device: str, d
         asked = variant if Path(column.path) == Path(base_model) else None
         pipe = cls.from_pretrained(str(column.path), local_files_only=True, **_variant_of(column.path, asked),
                                    **common)
+    elif column.kind == "single_file" and FLUX_DOUBLE_BLOCK_KEY in _safetensors_info(column.path)[0]:
+        # A Flux transformer file holds nothing else: the base model's VAE and text encoders go with it.
+        pipe = cls.from_pretrained(str(base_model), local_files_only=True, **_variant_of(base_model, variant),
+                                   **common)
+        pipe.transformer = flux_transformer_from_file(column.path, pipe.transformer.config, base_model,
+                                                      f"column {column.label}").to(dtype)
     elif column.kind == "single_file":
         pipe = cls.from_single_file(str(column.path), config=str(base_model), local_files_only=True, **common)
         predict_as_the_file_says(pipe, column.path)  # not the base model's: the file may predict otherwise

@@ -539,11 +539,9 @@ def _convert_flux_file(path: Path, config: Optional[Path], out: Path) -> None:
     """A Flux transformer file (Black Forest Labs' layout) as a FluxPipeline folder: the file's transformer, mapped
     back by formats/flux_layout.py (diffusers' own converter assumes Flux.1's widths), with the VAE, CLIP-L and T5 of
     `config`, a Flux folder: a transformer file holds nothing else."""
-    from diffusers import FluxPipeline, FluxTransformer2DModel
-    from safetensors.torch import load_file
+    from diffusers import FluxPipeline
 
     from rangefinder.formats.diffusers_folder import save_pipeline_folder
-    from rangefinder.formats.flux_layout import from_bfl_state_dict
 
     if config is None:
         raise ConfigError(
@@ -552,14 +550,27 @@ def _convert_flux_file(path: Path, config: Optional[Path], out: Path) -> None:
         )
     _check_config_family(config, path, "flux")
     pipe = FluxPipeline.from_pretrained(str(config), local_files_only=True)
-    transformer = FluxTransformer2DModel.from_config(pipe.transformer.config)
+    pipe.transformer = flux_transformer_from_file(path, pipe.transformer.config, config, "model.base_model")
+    save_pipeline_folder(pipe, out)
+
+
+def flux_transformer_from_file(path: Path, config: Any, config_source: Path, setting: str) -> Any:
+    """The FluxTransformer2DModel of `config` (from the folder `config_source`) with the weights of the Flux
+    transformer file `path` (Black Forest Labs' layout, mapped back by formats/flux_layout.py: diffusers' own
+    converter assumes Flux.1's widths); ConfigError naming `setting` where they do not fit."""
+    from diffusers import FluxTransformer2DModel
+    from safetensors.torch import load_file
+
+    from rangefinder.formats.flux_layout import from_bfl_state_dict
+
+    transformer = FluxTransformer2DModel.from_config(config)
     try:
         transformer.load_state_dict(from_bfl_state_dict(load_file(str(path)), transformer.config), strict=True)
     except (ValueError, RuntimeError) as e:
-        raise ConfigError(f"model.base_model: cannot read the Flux transformer {path} with the architecture of "
-                          f"{config}: {_first_line(e)}; pass the folder of the model it was trained from") from None
-    pipe.transformer = transformer
-    save_pipeline_folder(pipe, out)
+        raise ConfigError(f"{setting}: cannot read the Flux transformer {path} with the architecture of "
+                          f"{config_source}: {_first_line(e)}; pass the folder of the model it was trained from") \
+            from None
+    return transformer
 
 
 # --- hub id --------------------------------------------------------------------------------------------------
