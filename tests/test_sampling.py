@@ -415,3 +415,14 @@ def test_a_flux_full_fine_tune_s_transformer_file_is_a_column_drawn_as_its_folde
                                           r"Diffusion 3/3.5"):
         render_grid([tiny_sd3_dir, weights], ["a red circle"], [3], out_dir=tmp_path / "sd3", device="cpu")
 
+
+def test_a_lora_run_s_folder_of_another_family_is_refused_as_its_file_is(tiny_sd3_dir, tiny_flux_dir, tmp_path):
+    """A LoRA run's final/ (its pytorch_lora_weights.safetensors) of SD3 on a Flux base was drawn, the two families
+    sharing diffusers' attention names; its file alone was refused."""
+    from tests.conftest import delivered_files
+
+    final = delivered_files(tiny_sd3_dir, "lora", tmp_path / "run" / "final")
+    for column in (final, final / "pytorch_lora_weights.safetensors"):
+        with pytest.raises(ConfigError, match=r"is a Stable Diffusion 3/3.5 LoRA, but the base model .* is Flux.1: "):
+            render_grid([tiny_flux_dir, column], ["a red circle"], [3], out_dir=tmp_path / "grid", device="cpu")
+    assert not (tmp_path / "grid").exists()

@@ -119,16 +119,18 @@ def _classify_file(path: Path) -> tuple[ColumnKind, Optional[str]]:
 
 def _column_family(column: GridColumn) -> Optional[str]:
     """The family (config.FAMILY_NAMES) of a column whose files tell it without loading weights (a diffusers folder,
-    a full fine-tune's unet/, a .safetensors file whose model spec names its architecture, as rangefinder's and
-    kohya's exports do, a training checkpoint, whose state records its run's); None for the others (files that say
-    nothing are checked when loaded). diffusers loaded a Flux LoRA on SD3 in part, and an SD 1.x embedding on SDXL,
-    without a word."""
+    a full fine-tune's unet/, a .safetensors file, or a LoRA folder's, whose model spec names its architecture, as
+    rangefinder's and kohya's exports do, a training checkpoint, whose state records its run's); None for the others
+    (files that say nothing are checked when loaded). diffusers loaded a Flux LoRA on SD3 in part, and an SD 1.x
+    embedding on SDXL, without a word."""
     from rangefinder.models.loading import detect_family
 
     if column.kind == "pipeline":
         return detect_family(column.path)
     if column.path.is_file() and column.path.suffix == ".safetensors":
         return architecture_family(_safetensors_info(column.path)[1])
+    if column.kind == "lora" and (column.path / LORA_WEIGHTS_NAME).is_file():  # a LoRA run's final/: its file's
+        return architecture_family(_safetensors_info(column.path / LORA_WEIGHTS_NAME)[1])
     if column.kind == "engine_checkpoint":  # the family its run trained (checked intact before this is read)
         family = checkpoints.read_state(column.path).get("family")
         return family if family in FAMILY_NAMES else None
