@@ -228,3 +228,24 @@ def test_the_pipeline_run_s_description_names_a_delivered_checkpoint_by_its_upda
     # A chosen.json of earlier code (no epoch, no base model's loss): said without them.
     assert delivered_lead({"checkpoint": "update-00000012", "update": 12, "rule": None}, 1e-4) == (
         "Delivered the fine-tune's checkpoint at update 12, trained at lr 0.0001.")
+
+
+def test_a_flow_run_s_params_say_the_shift_and_guidance_it_trains_at_where_the_settings_are_unset(
+        sqlite_tracking_uri, tiny_flux_dir, tiny_sd3_dir, tiny_model_dir):
+    """training.flow.shift and .guidance unset showed `None` in every step's params, where SD3 trains at its
+    scheduler's shift 3.0 and Flux.1-dev at guidance 3.5 with the resolution-dependent shift (the engine's family
+    reads the same rules: family_rules.FlowRules.settings_used); set, they are the settings; SD 1.x has none."""
+    from rangefinder.config import demo_config
+
+    client = MlflowClient(tracking_uri=sqlite_tracking_uri)
+    logged = {}
+    for name, model, flow in (("flux", tiny_flux_dir, {}), ("flux-set", tiny_flux_dir, {"shift": 2.0, "guidance": 1.0}),
+                              ("sd3", tiny_sd3_dir, {}), ("sd1", tiny_model_dir, {})):
+        cfg = demo_config(model={"base_model": str(model)}, training={"flow": flow} if flow else {},
+                          tracking={"tracking_uri": sqlite_tracking_uri, "experiment_name": "flow-used"})
+        with step_run(cfg, "finetune") as run:
+            run.log_config(cfg)
+        params = client.get_run(run.run_id).data.params
+        logged[name] = tuple(params.get(f"training.flow.{k}_used") for k in ("shift", "guidance"))
+    assert logged == {"flux": ("resolution-dependent", "3.5"), "flux-set": ("2.0", "1.0"), "sd3": ("3.0", None),
+                      "sd1": (None, None)}

@@ -245,7 +245,9 @@ def applicable_params(cfg: Any) -> dict[str, str]:
     family can be told from the model), and the `training` fields each pipeline run sets
     itself (its budget, LR, schedule and process count: training/spec.py), which only `rangefinder train` reads and
     which logs to no MLflow: a fine-tune showed `training.lr` 1e-4 beside the LR it trained at. Added, once the family
-    can be told: `sampling.guidance_scale_used`, the guidance the samples use.
+    can be told: `sampling.guidance_scale_used`, the guidance the samples use, and on SD3 and Flux
+    `training.flow.shift_used` and (Flux) `training.flow.guidance_used`, what training uses
+    (families.objective_settings_used).
     """
     params = flatten_params(cfg)
     if getattr(cfg, "lr", 0) is None:
@@ -266,7 +268,7 @@ def applicable_params(cfg: Any) -> dict[str, str]:
         dropped += [f"distributed.{k}" for k in type(cfg.distributed).model_fields if k != "num_nodes"]
     if not cfg.retrain.enabled:
         dropped += [f"retrain.{k}" for k in type(cfg.retrain).model_fields if k != "enabled"]
-    from rangefinder.training.families import family_rules
+    from rangefinder.training.families import family_rules, objective_settings_used
     from rangefinder.training.family_detection import family_of, guidance_scale_for
 
     family = family_of(cfg.model)
@@ -278,6 +280,9 @@ def applicable_params(cfg: Any) -> dict[str, str]:
         # that samples, never written into the setting: a config copied from this run samples another model at its
         # own): the parent run made before a hub id is fetched gets it once resolve-config has the model.
         params["sampling.guidance_scale_used"] = _param_value(guidance_scale_for(family, cfg.sampling.guidance_scale))
+        # And what the flow objective trains at where its settings are unset (SD3's shift 3.0, Flux's guidance 3.5),
+        # which the settings' own params show as None.
+        params.update({k: _param_value(v) for k, v in objective_settings_used(cfg, family).items()})
     return {k: v for k, v in params.items() if k not in pipeline_set and not k.startswith(tuple(dropped))}
 
 

@@ -112,6 +112,27 @@ def check_family_settings(cfg: RangefinderConfig, family: str, *, native_data: b
         check_flow_scheduler(scheduler_name, cfg.sampling.scheduler)
 
 
+def objective_settings_used(cfg: RangefinderConfig, family: str) -> dict[str, Any]:
+    """What the training objective's unset settings resolve to on the base model (its family rules'
+    `settings_used`: a flow model's shift and Flux's training guidance), read from the small configs of its folder
+    when it can be read here (the resolved folder, a local one, the embedded model); {} otherwise, or where they
+    cannot be read (the checks before a run say why). For the MLflow params beside the settings."""
+    from rangefinder.models.loading import local_model_folder
+
+    folder = local_model_folder(cfg.model)
+    if folder is None:
+        return {}
+    layout = FAMILY_LAYOUTS[family]
+    try:
+        scheduler_config = json.loads((folder / "scheduler" / "scheduler_config.json").read_text())
+        denoiser_config = json.loads((folder / layout.denoiser / "config.json").read_text())
+        used: dict[str, Any] = family_rules(family).settings_used(cfg.training.flow, scheduler_config,
+                                                                   denoiser_config)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
+    return used
+
+
 def check_pipeline_settings(cfg: RangefinderConfig) -> None:
     """What `compile` and `run --local` check before the pipeline starts: the config's own rules for a pipeline run
     (config.check_pipeline_config) with the base model's family where it is known here, the fine-tune's validations

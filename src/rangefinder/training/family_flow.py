@@ -46,9 +46,7 @@ TIMESTEP_SCALE = 1000
 
 def flow_shift(sd: SDComponents, settings: FlowSettings) -> float:
     """training.flow.shift, else the base model's scheduler config's `shift` (1.0 when it has none)."""
-    if settings.shift is not None:
-        return float(settings.shift)
-    return float(getattr(sd.noise_scheduler.config, "shift", 1.0) or 1.0)
+    return FlowRules.constant_shift(settings, sd.noise_scheduler.config)
 
 
 @dataclass

@@ -35,14 +35,13 @@ from rangefinder.training.caching import tokenize
 from rangefinder.training.family import ImageGeometry
 from rangefinder.training.family_detection import t5_sequence_length
 from rangefinder.training.family_flow import FlowFamily, flow_shift
-from rangefinder.training.family_rules import FluxRules, guidance_embedded
+from rangefinder.training.family_rules import DEFAULT_GUIDANCE, FluxRules
 
 if TYPE_CHECKING:
     from rangefinder.config import TrainingConfig
     from rangefinder.models.loading import SDComponents
 
 CLIP_LENGTH = 77
-DEFAULT_GUIDANCE = 3.5  # diffusers' train_dreambooth_lora_flux.py --guidance_scale, sd-scripts' --guidance_scale
 
 
 @dataclass
@@ -64,17 +63,11 @@ class FluxFamily(FluxRules, FlowFamily):
     @classmethod
     def for_model(cls, sd: SDComponents, cfg: TrainingConfig) -> FluxFamily:
         cls.check_settings(cfg, sd.noise_scheduler.config, sd.unet.config)
-        guidance_embeds = guidance_embedded(sd.unet.config)
-        guidance = cfg.flow.guidance if cfg.flow.guidance is not None else DEFAULT_GUIDANCE
-        sched = sd.noise_scheduler.config
-        dynamic = None
-        if cfg.flow.shift is None and getattr(sched, "use_dynamic_shifting", False):
-            dynamic = {k: float(getattr(sched, k)) for k in ("base_image_seq_len", "max_image_seq_len",
-                                                               "base_shift", "max_shift")}
         return cls(cfg.flow, flow_shift(sd, cfg.flow), tokenizer=sd.tokenizer, tokenizer_2=sd.tokenizer_2,
                    t5_length=t5_sequence_length("flux", sd), t5_width=int(sd.text_encoder_2.config.d_model),
                    pooled_width=int(sd.text_encoder.config.hidden_size),
-                   guidance=guidance if guidance_embeds else None, dynamic_shift=dynamic)
+                   guidance=cls.training_guidance(cfg.flow, sd.unet.config),
+                   dynamic_shift=cls.dynamic_shift_of(cfg.flow, sd.noise_scheduler.config))
 
     def text_encoder_names(self) -> tuple[str, ...]:
         return ("text_encoder", "text_encoder_2")

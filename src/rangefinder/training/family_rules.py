@@ -11,7 +11,7 @@ on a local or embedded model reads JSON and imports none of the libraries that l
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 from rangefinder.config import FAMILY_NAMES, FlowSettings
 from rangefinder.errors import ConfigError
@@ -25,6 +25,11 @@ TI_FAMILIES = ("sd1", "sdxl")  # the families whose textual-inversion embedding 
 # What a scheduler config without `prediction_type` (SD 1.4's, written before diffusers had the field) predicts:
 # DDPMScheduler's default, which the engine's training scheduler, loaded from that config, has filled in.
 DDPM_DEFAULT_PREDICTION = "epsilon"
+# The guidance Flux.1-dev trains with when training.flow.guidance is unset: diffusers' train_dreambooth_lora_flux.py
+# --guidance_scale, sd-scripts' --guidance_scale.
+DEFAULT_GUIDANCE = 3.5
+# The keys of a FlowMatchEulerDiscreteScheduler config that its resolution-dependent shift reads.
+DYNAMIC_SHIFT_KEYS = ("base_image_seq_len", "max_image_seq_len", "base_shift", "max_shift")
 
 
 def check_method_family(method: str, family: str) -> None:
@@ -51,6 +56,12 @@ class Sd1Rules:
     # True for a transformer that cuts the latents into patches (every image side must be a multiple of
     # side_multiple); False for a UNet, which pads its upsampling for other square sizes.
     patchified: ClassVar[bool] = False
+
+    @classmethod
+    def settings_used(cls, flow: FlowSettings, scheduler_config: Mapping[str, Any],
+                      denoiser_config: Mapping[str, Any]) -> dict[str, Any]:
+        """No flow-matching settings apply (FlowRules.settings_used)."""
+        return {}
 
     @classmethod
     def check_settings(cls, cfg: TrainingConfig, scheduler_config: Mapping[str, Any],
@@ -139,6 +150,21 @@ class FlowRules:
         configs (the loaded modules' or their config.json)."""
         return vae_downscale(vae_config) * int(denoiser_config["patch_size"])
 
+    @classmethod
+    def constant_shift(cls, flow: FlowSettings, scheduler_config: Mapping[str, Any]) -> float:
+        """training.flow.shift, else the base model's scheduler config's `shift` (1.0 when it has none)."""
+        if flow.shift is not None:
+            return float(flow.shift)
+        return float(scheduler_config.get("shift", 1.0) or 1.0)
+
+    @classmethod
+    def settings_used(cls, flow: FlowSettings, scheduler_config: Mapping[str, Any],
+                      denoiser_config: Mapping[str, Any]) -> dict[str, Any]:
+        """What training.flow's settings resolve to on this model, as the engine resolves them (the family's
+        `for_model`), for the MLflow params beside the settings: `training.flow.shift` unset read `None` there, where
+        SD3 trains at its scheduler's 3.0."""
+        return {"training.flow.shift_used": cls.constant_shift(flow, scheduler_config)}
+
 
 class Sd3Rules(FlowRules):
     """Stable Diffusion 3 / 3.5 (family_sd3.Sd3Family)."""
@@ -198,6 +224,34 @@ class FluxRules(FlowRules):
         if cfg.flow.guidance is not None and not guidance_embedded(denoiser_config):
             raise ConfigError("training.flow.guidance: this Flux model has no guidance embedding (FLUX.1-schnell is "
                               "not guidance-distilled); remove training.flow.guidance")
+
+    @classmethod
+    def training_guidance(cls, flow: FlowSettings, denoiser_config: Mapping[str, Any]) -> Optional[float]:
+        """The guidance the transformer is fed in training: training.flow.guidance, else DEFAULT_GUIDANCE; None for
+        a model without the guidance embedding (schnell)."""
+        if not guidance_embedded(denoiser_config):
+            return None
+        return float(flow.guidance) if flow.guidance is not None else DEFAULT_GUIDANCE
+
+    @classmethod
+    def dynamic_shift_of(cls, flow: FlowSettings, scheduler_config: Mapping[str, Any]) -> Optional[dict[str, float]]:
+        """The scheduler's resolution-dependent shift's constants, unless training.flow.shift sets a constant shift
+        or the scheduler has none (None)."""
+        if flow.shift is not None or not scheduler_config.get("use_dynamic_shifting", False):
+            return None
+        return {k: float(scheduler_config[k]) for k in DYNAMIC_SHIFT_KEYS}
+
+    @classmethod
+    def settings_used(cls, flow: FlowSettings, scheduler_config: Mapping[str, Any],
+                      denoiser_config: Mapping[str, Any]) -> dict[str, Any]:
+        """FlowRules' and the guidance fed (`training.flow.guidance` unset read `None`, where Flux.1-dev trains at
+        3.5); the shift of a scheduler that shifts by resolution is "resolution-dependent" (its mu per image size is
+        in run_summary.json's validation_weighting), not its config's constant `shift`, which it does not apply."""
+        guidance = cls.training_guidance(flow, denoiser_config)
+        used = super().settings_used(flow, scheduler_config, denoiser_config)
+        if cls.dynamic_shift_of(flow, scheduler_config) is not None:
+            used["training.flow.shift_used"] = "resolution-dependent"
+        return used | {"training.flow.guidance_used": "none (no guidance input)" if guidance is None else guidance}
 
     @classmethod
     def min_resolution(cls, native: int) -> int:
