@@ -426,3 +426,22 @@ def test_a_lora_run_s_folder_of_another_family_is_refused_as_its_file_is(tiny_sd
         with pytest.raises(ConfigError, match=r"is a Stable Diffusion 3/3.5 LoRA, but the base model .* is Flux.1: "):
             render_grid([tiny_flux_dir, column], ["a red circle"], [3], out_dir=tmp_path / "grid", device="cpu")
     assert not (tmp_path / "grid").exists()
+
+
+@pytest.mark.parametrize("family_dir,guidance,refused", [
+    ("tiny_flux_dir", None, "a Flux model draws without one"),
+    ("tiny_model_dir", 1.0, "the guidance scale is 1, and classifier-free guidance, which a negative prompt steers, "
+                            "runs only above 1"),
+])
+def test_a_negative_prompt_the_pipeline_would_draw_without_is_refused(family_dir, guidance, refused, request,
+                                                                      tmp_path, capsys):
+    """`sample --negative-prompt` on Flux (FluxPipeline reads one only with true_cfg_scale) or at guidance 1 drew
+    every cell exactly as without it; the registered model already refused both."""
+    model = request.getfixturevalue(family_dir)
+    (tmp_path / "p.txt").write_text("a red circle\\n")
+    args = ["sample", "--model", str(model), "--prompts", str(tmp_path / "p.txt"), "--seeds", "1", "--out",
+            str(tmp_path / "grid"), "--steps", "1", "--resolution", "32", "--negative-prompt", "blurry"]
+    assert cli_main(args + (["--guidance", str(guidance)] if guidance is not None else [])) != 0
+    err = capsys.readouterr().err
+    assert f"--negative-prompt: {refused}" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "grid" / "grid.json").exists()

@@ -431,6 +431,23 @@ def _scores_html(scores: list[dict[str, Any]]) -> str:
 PIXELS_PER_CALL = 4 * 512 * 512
 
 
+def check_negative_prompt_steers(family: str, guidance_scale: float, negative_prompt: Optional[str]) -> None:
+    """ConfigError for a negative prompt the grid's pipeline would draw without, every cell the same as with none:
+    FluxPipeline reads one only with true_cfg_scale (its guidance_scale is Flux.1-dev's distilled guidance input),
+    and the other pipelines for classifier-free guidance, which they run only above guidance scale 1. The registered
+    model refuses the same (tracking/sd_pyfunc.py, check_negative_prompt_steers: its script cannot import this)."""
+    if negative_prompt is None:
+        return
+    if family == "flux":
+        raise ConfigError("--negative-prompt: a Flux model draws without one (its guidance scale is Flux.1-dev's "
+                          "distilled guidance input, not classifier-free guidance, which a negative prompt steers); "
+                          "leave it out")
+    if guidance_scale <= 1:
+        raise ConfigError(f"--negative-prompt: the guidance scale is {guidance_scale:g}, and classifier-free guidance, "
+                          "which a negative prompt steers, runs only above 1; pass --guidance above 1, or leave the "
+                          "negative prompt out")
+
+
 def render_grid(
     models: Sequence[Union[str, Path, GridColumn]],
     prompts: Sequence[str],
@@ -499,7 +516,9 @@ def render_grid(
             raise ConfigError(f"column {c.label} ({c.path}) is a {FAMILY_NAMES[family]} {what}, but the base model "
                               f"{base} is {FAMILY_NAMES[base_family]}: a grid compares weights of one family; pass "
                               "--model of its family")
-    guidance_scale = guidance_scale_for(base_family or detect_family(base), guidance_scale)
+    grid_family = base_family or detect_family(base)
+    guidance_scale = guidance_scale_for(grid_family, guidance_scale)
+    check_negative_prompt_steers(grid_family, guidance_scale, negative_prompt)
     device = device or _default_device()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -46,7 +46,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "SDXL, 7 for SD3, 3.5 for Flux)")
     p.add_argument("--scheduler", help="a diffusers scheduler class name, e.g. DDIMScheduler (default: the model's)")
     p.add_argument("--resolution", type=argtypes.resolution, help="image size in pixels (default: the model's)")
-    p.add_argument("--negative-prompt", help="negative prompt for every cell")
+    p.add_argument("--negative-prompt", help="negative prompt for every cell (it steers classifier-free guidance: "
+                   "refused on Flux and at a guidance scale of 1 or below, where it would change nothing)")
     add_json_flag(p)
     p.set_defaults(func=run)
 
