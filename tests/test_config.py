@@ -60,6 +60,11 @@ from rangefinder.planning import plan, val_count
         ({"tracking": {"registered_model_name": "sd:v1"}}, "tracking.registered_model_name", "may not contain '/'"),
         ({"tracking": {"registered_model_name": ".."}}, "tracking.registered_model_name", "MLflow refuses"),
         ({"tracking": {"registered_model_name": "  "}}, "tracking.registered_model_name", "blank space"),
+        # A density's shape under another density: trained as if unset, without a word.
+        ({"training": {"flow": {"timestep_sampling": "uniform", "logit_std": 1.5}}}, "training.flow.logit_std",
+         "shapes timestep_sampling logit_normal, and timestep_sampling is uniform, which does not read it"),
+        ({"training": {"flow": {"mode_scale": 1.0}}}, "training.flow.mode_scale",
+         "and timestep_sampling is logit_normal, which does not read it; remove it, or set timestep_sampling: mode"),
         # Compiled, and refused by MLflow in the run's first step.
         ({"tracking": {"experiment_name": ""}}, "tracking.experiment_name", "MLflow refuses as an experiment name"),
         ({"tracking": {"experiment_name": "x" * 501}}, "tracking.experiment_name", "at most 500"),
@@ -128,6 +133,16 @@ def test_a_flow_setting_of_another_trainer_is_told_what_stands_for_it(raw, hint)
     with pytest.raises(ConfigError) as e:
         parse_config(raw)
     assert str(e.value).startswith(hint), str(e.value)
+
+
+def test_a_density_s_shape_is_taken_with_its_density_and_as_its_default_under_another():
+    """The rule refuses only what changes nothing: a config written out whole (a run's config.yaml, every field at
+    its value) reads back, and each shape goes with its own density."""
+    for sampling in ("uniform", "logit_normal", "mode"):
+        flow = parse_config({"training": {"flow": {"timestep_sampling": sampling}}}).training.flow
+        assert parse_config({"training": {"flow": flow.model_dump()}}).training.flow == flow
+    parse_config({"training": {"flow": {"timestep_sampling": "logit_normal", "logit_mean": 0.5, "logit_std": 0.8}}})
+    parse_config({"training": {"flow": {"timestep_sampling": "mode", "mode_scale": 1.0}}})
 
 
 def test_every_other_tools_value_is_refused_where_it_is_told():

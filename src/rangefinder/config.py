@@ -420,6 +420,18 @@ class FlowSettings(_Section):
     # default of diffusers' and sd-scripts' Flux trainers).
     guidance: Optional[float] = Field(None, ge=0)
 
+    @model_validator(mode="after")
+    def _only_the_drawn_density_s_shape(self) -> FlowSettings:
+        # logit_mean and logit_std shape logit_normal, mode_scale shapes mode; under another timestep_sampling one
+        # changed from its default trained as if unset without a word (diffusers and sd-scripts read them so too).
+        owner = {"logit_mean": "logit_normal", "logit_std": "logit_normal", "mode_scale": "mode"}
+        for name, density in owner.items():
+            if density != self.timestep_sampling and getattr(self, name) != self.default_of(name):
+                raise ValueError(f"training.flow.{name} shapes timestep_sampling {density}, and timestep_sampling "
+                                 f"is {self.timestep_sampling}, which does not read it; remove it, or set "
+                                 f"timestep_sampling: {density}")
+        return self
+
 
 class TextualInversionSettings(_Section):
     placeholder_token: str = "<rf-concept>"
