@@ -823,7 +823,8 @@ class ValidationConfig(_Section):
     # Validate every N epochs (0 turns validation off) or, when set, every N updates instead.
     every_epochs: float = Field(1.0, ge=0)
     every_updates: Optional[int] = Field(None, ge=1)
-    # K fixed, stratified timesteps per item, one per 1/K of the noise schedule.
+    # K fixed, stratified timesteps per item, one per 1/K of the noise schedule; on SD3 and Flux K fixed sigmas, the
+    # (k + 1/2)/K quantiles of the training density, shifted (val_loss_b<k>: docs/model-families.md).
     timesteps: int = Field(4, ge=1)
     seed: Seed = 0  # noise for item i, bucket k comes from a generator seeded by (seed, i, k)
     # Ramps stop when smoothed validation loss exceeds this multiple of its best (or turns NaN/inf).
