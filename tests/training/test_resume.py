@@ -332,6 +332,19 @@ def test_a_resume_with_other_validation_timesteps_and_seed_is_refused_naming_bot
     assert "training." not in str(e.value)  # only what differs is named
 
 
+def test_a_resume_with_a_setting_of_a_section_changed_names_that_setting(short_run, split_dir, tiny_model_dir,
+                                                                        tmp_path):
+    """training.flow.guidance or training.lora.rank changed: the refusal wrote the whole section's JSON before and
+    after, for the reader to find the one value that differs."""
+    from rangefinder.errors import ConfigError
+
+    changed = {**short_run, "training": {**short_run["training"], "lora": {"rank": 8, "dropout": 0.1}}}
+    with pytest.raises(ConfigError, match=r"different settings or data \(training.lora.dropout 0.0 -> 0.1; "
+                                          r"training.lora.rank 4 -> 8\); resume with") as e:
+        resume_short(changed, tmp_path, split_dir, tiny_model_dir)
+    assert "alpha" not in str(e.value)
+
+
 def test_a_resume_on_the_same_images_with_one_caption_changed_is_refused(
         short_run, shapes_dataset_dir, tiny_model_dir, tmp_path):
     """Same images, same sizes, same split: only one caption differs, and the run's data digest sees it."""

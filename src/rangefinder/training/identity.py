@@ -134,11 +134,20 @@ def _same_lr_so_far(before: dict[str, Any], saved: dict[str, Any], run: Run) -> 
 
 def _changed(section: str, before: dict[str, Any], now: dict[str, Any], defaults: Any,
              may_change: frozenset[str] = frozenset()) -> list[str]:
-    """`section.key before -> now` for each setting that differs, leaving out `may_change`."""
-    known = defaults.model_dump(mode="json")
+    """`section.key before -> now` for each setting that differs, leaving out `may_change`; within a section of
+    settings (training.flow, training.lora), each of its own that differs: `training.flow.guidance null -> 1.0`, where
+    the whole section's JSON was written twice."""
+    known = defaults if isinstance(defaults, dict) else defaults.model_dump(mode="json")
     before = {**{k: known[k] for k in now if k in known and k not in before}, **before}
     keys = sorted(k for k in set(before) | set(now) if k not in may_change and before.get(k) != now.get(k))
-    return [f"{section}.{k} {_show(before.get(k))} -> {_show(now.get(k))}" for k in keys]
+    out: list[str] = []
+    for k in keys:
+        was, is_ = before.get(k), now.get(k)
+        if isinstance(was, dict) and isinstance(is_, dict):
+            out += _changed(f"{section}.{k}", was, is_, known.get(k) if isinstance(known.get(k), dict) else {})
+        else:
+            out.append(f"{section}.{k} {_show(was)} -> {_show(is_)}")
+    return out
 
 
 def _show(value: Any) -> str:
