@@ -60,6 +60,8 @@ from rangefinder.planning import plan, val_count
         ({"tracking": {"registered_model_name": "sd:v1"}}, "tracking.registered_model_name", "may not contain '/'"),
         ({"tracking": {"registered_model_name": ".."}}, "tracking.registered_model_name", "MLflow refuses"),
         ({"tracking": {"registered_model_name": "  "}}, "tracking.registered_model_name", "blank space"),
+        ({"training": {"lora": {"target_modules": []}}}, "training.lora.target_modules", "is empty, and LoRA adapts "
+         "the layers it names; name at least one"),
         # A density's shape under another density: trained as if unset, without a word.
         ({"training": {"flow": {"timestep_sampling": "uniform", "logit_std": 1.5}}}, "training.flow.logit_std",
          "shapes timestep_sampling logit_normal, and timestep_sampling is uniform, which does not read it"),

@@ -400,6 +400,15 @@ class LoraSettings(_Section):
     target_modules: list[str] = Field(default_factory=lambda: ["to_k", "to_q", "to_v", "to_out.0"])
     train_text_encoder: bool = False
 
+    @field_validator("target_modules")
+    @classmethod
+    def _some_layer(cls, v: list[str]) -> list[str]:
+        # An empty list stopped the first training step in peft's traceback, once the model had loaded.
+        if not v:
+            raise ValueError("is empty, and LoRA adapts the layers it names; name at least one (diffusers' module "
+                             "names, such as to_q) or leave it out for the default")
+        return v
+
 
 class FlowSettings(_Section):
     """The rectified-flow objective's settings (SD3, Flux: docs/model-families.md); refused on SD 1.x/SDXL when
