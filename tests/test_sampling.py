@@ -175,6 +175,13 @@ def test_bad_scheduler_and_missing_model_are_one_clear_error(tiny_model_dir, tmp
     assert not (tmp_path / "grid.json").exists()
 
 
+def test_a_scheduler_the_flux_pipeline_cannot_drive_is_one_line_before_any_cell(tiny_flux_dir, tmp_path):
+    """FlowMatchHeunDiscreteScheduler takes no sigmas, which FluxPipeline gives every call: diffusers' ValueError."""
+    with pytest.raises(ConfigError, match=r"^sampling.scheduler: FlowMatchHeunDiscreteScheduler cannot sample Flux.1"):
+        render_grid([tiny_flux_dir], PROMPTS, SEEDS, out_dir=tmp_path, scheduler="FlowMatchHeunDiscreteScheduler")
+    assert not (tmp_path / "grid.json").exists()
+
+
 def test_columns_are_recognised_by_their_contents(tmp_path):
     """Each output the methods write resolves to the loader that can read it (by its keys, not its name)."""
     import torch

@@ -36,6 +36,7 @@ from rangefinder.formats.text import NotUtf8, decode_utf8
 from rangefinder.formats.weights_file import pickle_format
 from rangefinder.models.loading import (
     check_scheduler_name,
+    check_scheduler_takes,
     flux_transformer_from_file,
     folder_variant,
     pipeline_call_kwargs,
@@ -519,6 +520,7 @@ def render_grid(
     grid_family = base_family or detect_family(base)
     guidance_scale = guidance_scale_for(grid_family, guidance_scale)
     check_negative_prompt_steers(grid_family, guidance_scale, negative_prompt)
+    check_scheduler_takes(grid_family, scheduler)
     device = device or _default_device()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

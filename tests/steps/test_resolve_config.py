@@ -254,6 +254,11 @@ OWN_SAMPLER = {"scheduler": None}  # the model's own sampling scheduler, so that
     ("tiny_sd3_dir", {}, r"sampling.scheduler: DDIMScheduler samples DDPM models; this base model is a flow-matching "
                          r"model \(it samples with FlowMatchEulerDiscreteScheduler\); set a FlowMatch\* scheduler"),
     ("tiny_flux_dir", {}, r"sampling.scheduler: DDIMScheduler samples DDPM models"),
+    # A flow scheduler FluxPipeline cannot hand its sigmas: the fine-tune's first sample was diffusers' ValueError.
+    ("tiny_flux_dir", {"sampling": {"scheduler": "FlowMatchHeunDiscreteScheduler"}},
+     r"sampling.scheduler: FlowMatchHeunDiscreteScheduler cannot sample Flux.1: FluxPipeline gives its scheduler "
+     r"sigmas and mu, which FlowMatchHeunDiscreteScheduler.set_timesteps does not take; use "
+     r"FlowMatchEulerDiscreteScheduler"),
     ("tiny_sd3_dir", {"training": {"min_snr_gamma": 5.0}, "sampling": OWN_SAMPLER},
      r"training.min_snr_gamma: min-SNR weighting is defined through the DDPM noise schedule; Stable Diffusion "
      r"3/3\.5 is a flow-matching"),
@@ -289,6 +294,7 @@ def test_a_setting_wrong_for_the_model_family_stops_the_first_step(request, mode
 @pytest.mark.parametrize("model, sampling", [
     ("tiny_sd3_dir", {"scheduler": "FlowMatchEulerDiscreteScheduler"}),
     ("tiny_sd3_dir", {"scheduler": None}),
+    ("tiny_sd3_dir", {"scheduler": "FlowMatchHeunDiscreteScheduler"}),  # SD3's pipeline gives it no sigmas
     ("tiny_flux_dir", {"scheduler": None, "guidance_scale": 3.5}),
     ("tiny_model_dir", {}),  # the demo's DDIM on an SD 1.x model
 ])

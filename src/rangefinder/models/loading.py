@@ -956,6 +956,27 @@ def check_scheduler_name(name: Optional[str]) -> None:
         )
 
 
+def check_scheduler_takes(family: str, name: Optional[str]) -> None:
+    """ConfigError where sampling.scheduler `name` cannot take what the family's pipeline hands its `set_timesteps`
+    (FamilyLayout.scheduler_takes): FlowMatchHeunDiscreteScheduler on Flux stopped the first sample in diffusers'
+    ValueError, the fine-tune's after the LR discovery. None (the model's own) is fine; `name` is a diffusers
+    scheduler class (check_scheduler_name)."""
+    needs = FAMILY_LAYOUTS[family].scheduler_takes
+    if name is None or not needs:
+        return
+    import inspect
+
+    import diffusers
+
+    taken = inspect.signature(getattr(diffusers, name).set_timesteps).parameters
+    missing = [n for n in needs if n not in taken]
+    if missing:
+        raise ConfigError(f"sampling.scheduler: {name} cannot sample {FAMILY_NAMES[family]}: "
+                          f"{FAMILY_LAYOUTS[family].pipeline} gives its scheduler {' and '.join(missing)}, which "
+                          f"{name}.set_timesteps does not take; use FlowMatchEulerDiscreteScheduler (the model's own) "
+                          "or leave sampling.scheduler unset")
+
+
 def pipeline_call_kwargs(pipe: Any) -> dict[str, Any]:
     """Keyword arguments a loaded pipeline of the model's family needs at call time beyond the common ones: the T5
     sequence length its family trains with (family_detection.t5_sequence_length: SD3's 77 tokens, where

@@ -79,7 +79,7 @@ def check_family_settings(cfg: RangefinderConfig, family: str, *, native_data: b
     says (`rangefinder train` without a data: section: training.setup.native_data_config), so the size rules judge
     that one."""
     from rangefinder.config import DataConfig
-    from rangefinder.models.loading import check_scheduler_name
+    from rangefinder.models.loading import check_scheduler_name, check_scheduler_takes
     from rangefinder.models.tokens import check_initializer_in_model
     from rangefinder.training.family_rules import check_flow_scheduler, check_method_family
     from rangefinder.training.geometry import ModelGeometry, check_sizes
@@ -110,6 +110,7 @@ def check_family_settings(cfg: RangefinderConfig, family: str, *, native_data: b
     check_scheduler_name(cfg.sampling.scheduler)
     if cfg.sampling.scheduler is not None:
         check_flow_scheduler(scheduler_name, cfg.sampling.scheduler)
+        check_scheduler_takes(family, cfg.sampling.scheduler)
 
 
 def objective_settings_used(cfg: RangefinderConfig, family: str) -> dict[str, Any]:

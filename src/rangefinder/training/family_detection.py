@@ -58,6 +58,9 @@ class FamilyLayout:
     # chosen/ and final/ columns then differ from its base and checkpoint columns in their weights alone. SD3 and Flux
     # train with their flow-matching one.
     samples_with_its_scheduler: bool = False
+    # What its pipeline hands the sampling scheduler's `set_timesteps` (FluxPipeline: its own sigmas and the image
+    # size's shift mu, every call), which a sampling.scheduler must take (models/loading.py check_scheduler_takes).
+    scheduler_takes: tuple[str, ...] = ()
 
     @property
     def t5_tokenizer(self) -> Optional[str]:
@@ -107,6 +110,7 @@ FAMILY_LAYOUTS = {
                           ("transformer", "diffusers:FluxTransformer2DModel"),
                           ("scheduler", "diffusers:FlowMatchEulerDiscreteScheduler")),
                          t5="text_encoder_2", t5_tokens=512,  # FluxPipeline's, and diffusers' Flux training examples'
+                         scheduler_takes=("sigmas", "mu"),
                          single_file_export="rangefinder.formats.flux_layout:export_flux_transformer",
                          lora_export="rangefinder.formats.lora:save_flux_lora_files"),
 }

@@ -117,9 +117,10 @@ class TrainingSamples:
         # The rule resolve-config's preflight applies too (geometry.py), here for a run started without it.
         check_sampling_resolution(ModelGeometry.loaded(run.family, run.sd), resolution)
         if cfg.scheduler is not None:
-            from rangefinder.models.loading import check_scheduler_name
+            from rangefinder.models.loading import check_scheduler_name, check_scheduler_takes
 
             check_scheduler_name(cfg.scheduler)
+            check_scheduler_takes(run.sd.family, cfg.scheduler)
         folder = run.settings.out_dir / SAMPLES_DIR
         guidance = guidance_scale_for(run.sd.family, cfg.guidance_scale)
         settings = {"prompts": list(cfg.prompts), "seeds": cfg.seeds_for_training(),
