@@ -129,6 +129,19 @@ def test_an_sd3_qkv_module_with_some_of_its_parts_adapted_holds_each_in_its_own_
     _comfy_gives_the_trained_sd3(lora, trained, tiny_sd3_dir)
 
 
+@pytest.mark.parametrize("family, targets", [("flux", ["norm_out.linear"]),
+                                             ("sd3", ["norm_out.linear", "norm1_context.linear"])])
+def test_an_adapted_adaln_whose_halves_the_original_orders_otherwise_holds_them_in_its_order(family, targets, request,
+                                                                                           tmp_path):
+    """The final layer's adaLN (and SD3's last block's context one) modulates (shift, scale) in BFL's and the MMDiT's
+    order, (scale, shift) in diffusers': the single files swap the weight's halves, and the kohya file now swaps its
+    adapter's `up` rows too. It wrote them as trained, so ComfyUI applied the change to scale to shift and back."""
+    folder = request.getfixturevalue({"flux": "tiny_flux_dir", "sd3": "tiny_sd3_dir"}[family])
+    trained, files = _export(family, folder, targets, tmp_path)
+    lora = load_file(str(files["kohya"]))
+    (_comfy_gives_the_trained_flux if family == "flux" else _comfy_gives_the_trained_sd3)(lora, trained, folder)
+
+
 def _comfy_gives_the_trained_flux(lora, trained, folder) -> None:
     from diffusers import FluxTransformer2DModel
     from transformers import CLIPTextModel

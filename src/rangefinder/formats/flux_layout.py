@@ -83,7 +83,12 @@ def bfl_module_of(config: Mapping[str, Any]) -> dict[str, tuple[str, int]]:
     return {part: (bfl, j) for bfl, parts in bfl_modules(config).items() for j, part in enumerate(parts)}
 
 
-def _swap_halves(t: Any) -> Any:
+# The one BFL module whose output rows are diffusers' in the other order: the final AdaLN's (shift, scale), diffusers'
+# (scale, shift). Its weights, and a LoRA's `up` on it, are swapped by halves between the layouts.
+SWAPPED_HALVES = "final_layer.adaLN_modulation.1"
+
+
+def swap_halves(t: Any) -> Any:
     import torch
 
     first, second = t.chunk(2, dim=0)
@@ -104,8 +109,8 @@ def to_bfl_state_dict(state_dict: Mapping[str, Any], config: Mapping[str, Any]) 
             if not all(k in state_dict for k in keys):
                 continue
             value = torch.cat([state_dict[k] for k in keys], dim=0) if len(keys) > 1 else state_dict[keys[0]]
-            if bfl == "final_layer.adaLN_modulation.1":
-                value = _swap_halves(value)  # diffusers: (scale, shift); BFL: (shift, scale)
+            if bfl == SWAPPED_HALVES:
+                value = swap_halves(value)  # diffusers: (scale, shift); BFL: (shift, scale)
             out[f"{bfl}.{'scale' if norm else kind}"] = value
             used.update(keys)
     left = sorted(set(state_dict) - used)
@@ -156,8 +161,8 @@ def from_bfl_state_dict(bfl: Mapping[str, Any], config: Mapping[str, Any]) -> di
                 raise ValueError(f"the Flux single file lacks {key!r}; it is not a whole Flux transformer")
             value = bare[key]
             used.add(key)
-            if module == "final_layer.adaLN_modulation.1":
-                value = _swap_halves(value)
+            if module == SWAPPED_HALVES:
+                value = swap_halves(value)
             if len(parts) == 1:
                 out[f"{parts[0]}.{kind}"] = value
                 continue

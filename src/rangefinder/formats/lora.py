@@ -168,7 +168,14 @@ def lora_to_kohya_flux(transformer_layers: Mapping[str, LoraWeights], text_encod
     """
     import torch
 
-    from rangefinder.formats.flux_layout import KOHYA_FLUX_CLIP_PREFIX, KOHYA_FLUX_PREFIX, bfl_module_of, bfl_modules
+    from rangefinder.formats.flux_layout import (
+        KOHYA_FLUX_CLIP_PREFIX,
+        KOHYA_FLUX_PREFIX,
+        SWAPPED_HALVES,
+        bfl_module_of,
+        bfl_modules,
+        swap_halves,
+    )
 
     fused_parts = bfl_modules(transformer_config)
     where = bfl_module_of(transformer_config)
@@ -194,6 +201,8 @@ def lora_to_kohya_flux(transformer_layers: Mapping[str, LoraWeights], text_encod
                 up[row: row + n_rows, col: col + w.rank] = block
                 col += w.rank
             row += n_rows
+        if bfl == SWAPPED_HALVES:  # the weight's (scale, shift) rows are BFL's (shift, scale): the change's too
+            up = swap_halves(up)
         out.update(_kohya_module(KOHYA_FLUX_PREFIX + bfl.replace(".", "_"), down, up, scale))
     for path, w in text_encoder_layers.items():
         out.update(_kohya_module(KOHYA_FLUX_CLIP_PREFIX + clip_text_key(path).replace(".", "_"), w.down, w.up,
@@ -304,23 +313,25 @@ def sd3_lora_to_diffusers(transformer_layers: Mapping[str, LoraWeights],
 
 
 def sd3_lora_to_kohya(transformer_layers: Mapping[str, LoraWeights], text_encoder_layers: Mapping[str, LoraWeights],
-                      text_encoder_2_layers: Mapping[str, LoraWeights]) -> dict:
+                      text_encoder_2_layers: Mapping[str, LoraWeights], transformer_config: Mapping[str, Any]) -> dict:
     """kohya's sd-scripts SD3 layout (networks/lora_sd3.py: `lora_unet_` + the module path in its own MMDiT,
     library/sd3_models.py; `lora_te1_`/`lora_te2_` for CLIP-L/G), which ComfyUI's key map also reads (every
     `diffusion_model.` weight as `lora_unet_<path>`). The original fuses q, k and v into one `attn.qkv` module: the
     adapters of to_q, to_k and to_v (or add_q/k/v_proj) become one LoRA on it whose down is theirs stacked (rank
     3r) and whose up places each one's rows in its third, zeros elsewhere, so up @ down is exactly the three deltas
-    stacked (the layout sd-scripts' own split_qkv option merges to). `.alpha` = scale x the module's rank."""
+    stacked (the layout sd-scripts' own split_qkv option merges to). `.alpha` = scale x the module's rank. An adaLN
+    whose halves the original orders the other way round (single_file_sd3.swaps_halves) has its `up` swapped too."""
     import torch
 
-    from rangefinder.formats.single_file_sd3 import mmdit_module_name
+    from rangefinder.formats.single_file_sd3 import mmdit_module_name, swap_halves, swaps_halves
 
     out: dict = {}
     fused: dict[str, dict[int, LoraWeights]] = {}
     for path, w in transformer_layers.items():
         name, third = mmdit_module_name(path)
         if third is None:
-            out.update(_kohya_module("lora_unet_" + name.replace(".", "_"), w.down, w.up, w.scale))
+            up = swap_halves(w.up) if swaps_halves(path, transformer_config) else w.up
+            out.update(_kohya_module("lora_unet_" + name.replace(".", "_"), w.down, up, w.scale))
         else:
             fused.setdefault(name, {})[third] = w
     for name, parts in fused.items():
@@ -389,5 +400,6 @@ def save_sd3_lora_files(out_dir: Path, transformer, text_encoder=None, text_enco
                                 sd3_model_type(transformer.config), kohya_spec)
     return {"diffusers": save_safetensors(sd3_lora_to_diffusers(layers, te, te2), Path(out_dir) / LORA_WEIGHTS_NAME,
                                           {**meta, **diffusers_spec}),
-            "kohya": save_safetensors(sd3_lora_to_kohya(layers, te, te2), Path(out_dir) / LORA_KOHYA_NAME,
+            "kohya": save_safetensors(sd3_lora_to_kohya(layers, te, te2, transformer.config),
+                                      Path(out_dir) / LORA_KOHYA_NAME,
                                       kohya_meta)}

@@ -73,7 +73,15 @@ _TOP_RENAMES = {
 _QKV = {"attn.to_": "x_block.attn.qkv", "attn.add_": "context_block.attn.qkv", "attn2.to_": "x_block.attn2.qkv"}
 
 
-def _swap_halves(t: Any) -> Any:
+def swaps_halves(path: str, config: Mapping[str, Any]) -> bool:
+    """Whether the diffusers module `path` of an SD3 transformer of `config` orders its output rows' halves the other
+    way round from the original MMDiT: the final layer's adaLN and the last block's context one, which modulate only
+    (shift, scale) there and (scale, shift) in diffusers. Its weights, and a LoRA's `up` on it, swap halves."""
+    last = int(config["num_layers"]) - 1
+    return path in ("norm_out.linear", f"transformer_blocks.{last}.norm1_context.linear")
+
+
+def swap_halves(t: Any) -> Any:
     import torch
 
     first, second = t.chunk(2, dim=0)
@@ -85,7 +93,6 @@ def mmdit_state_dict(transformer: Any) -> dict[str, Any]:
     import torch
 
     state = transformer.state_dict()
-    last = int(transformer.config.num_layers) - 1
     out: dict[str, Any] = {}
     qkv: dict[str, dict[str, Any]] = {}
     for key, value in state.items():
@@ -102,11 +109,12 @@ def mmdit_state_dict(transformer: Any) -> dict[str, Any]:
                     raise ValueError(f"SD3 transformer weight {key!r} has no place in the single-file layout")
                 name = f"joint_blocks.{i}.{_BLOCK_RENAMES[rest]}.{param}"
                 # The last block's context half modulates only (shift, scale) in the original's order.
-                out[name] = _swap_halves(value) if rest == "norm1_context.linear" and int(i) == last else value
+                out[name] = swap_halves(value) if swaps_halves(module, transformer.config) else value
         elif key in _TOP_RENAMES:  # pos_embed.pos_embed is a parameter of its own
             out[_TOP_RENAMES[key]] = value
         elif module in _TOP_RENAMES:
-            out[f"{_TOP_RENAMES[module]}.{param}"] = _swap_halves(value) if module == "norm_out.linear" else value
+            out[f"{_TOP_RENAMES[module]}.{param}"] = swap_halves(value) if swaps_halves(module, transformer.config) \
+                else value
         else:
             raise ValueError(f"SD3 transformer weight {key!r} has no place in the single-file layout")
     for name, parts in qkv.items():
