@@ -39,6 +39,7 @@ from rangefinder.models.loading import (
     check_scheduler_takes,
     flux_transformer_from_file,
     folder_variant,
+    parts_not_in_single_file,
     pipeline_call_kwargs,
     predict_as_the_file_says,
 )
@@ -242,7 +243,9 @@ def load_column_pipeline(column: GridColumn, base_model: Path, *, device: str, d
         pipe.transformer = flux_transformer_from_file(column.path, pipe.transformer.config, base_model,
                                                       f"column {column.label}").to(dtype)
     elif column.kind == "single_file":
-        pipe = cls.from_single_file(str(column.path), config=str(base_model), local_files_only=True, **common)
+        pipe = cls.from_single_file(str(column.path), config=str(base_model), local_files_only=True, **common,
+                                    **parts_not_in_single_file(column.path, base_model, detect_family(base_model),
+                                                               dtype))
         predict_as_the_file_says(pipe, column.path)  # not the base model's: the file may predict otherwise
     elif column.kind == "engine_checkpoint":
         pipe = _engine_checkpoint_pipeline(column.path, base_model, common, variant)

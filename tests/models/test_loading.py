@@ -104,6 +104,26 @@ def test_a_single_file_config_of_a_unet_family_for_a_transformer_file_names_both
                                        cache_dir=str(tmp_path / "cache")))
 
 
+def test_an_sd3_file_without_its_text_encoders_takes_them_from_its_single_file_config(tiny_sd3_dir, tmp_path):
+    """Stability ships SD3.5's MMDiT and VAE as one file, its text encoders apart: with model.single_file_config the
+    conversion stopped in diffusers' "Weights for this component appear to be missing in the checkpoint". The
+    file's transformer and VAE are loaded, the folder's three encoders beside them."""
+    from safetensors.torch import load_file, save_file
+
+    from rangefinder.formats.single_file_sd3 import export_sd3_full
+
+    whole = export_sd3_full(tiny_sd3_dir, tmp_path / "whole.safetensors", {})
+    state = load_file(str(whole))
+    transformer_vae = {k: v for k, v in state.items() if not k.startswith("text_encoders.")}
+    assert len(transformer_vae) < len(state)
+    save_file(transformer_vae, str(tmp_path / "sd3.5.safetensors"))
+    sd = load_sd_components(ModelConfig(base_model=str(tmp_path / "sd3.5.safetensors"),
+                                        single_file_config=str(tiny_sd3_dir), cache_dir=str(tmp_path / "cache")))
+    for part in ("text_encoder", "text_encoder_2", "text_encoder_3"):
+        theirs = type(getattr(sd, part)).from_pretrained(str(tiny_sd3_dir), subfolder=part).state_dict()
+        assert all(torch.equal(v, theirs[k]) for k, v in getattr(sd, part).state_dict().items()), part
+
+
 def test_the_weights_digest_tells_two_fine_tunes_of_one_architecture_apart(folder_parts):
     """The base model's digest reads the weights' values, not only their names and shapes: another fine-tune of the
     same architecture (differing in its first values, as every tensor of one does) is another base model."""

@@ -501,6 +501,7 @@ def _convert_single_file(path: Path, config: Optional[Path], out: Path, family: 
     if config is not None:
         _check_config_family(config, path, family)
         kwargs.update(config=str(config), local_files_only=True)
+        kwargs.update(parts_not_in_single_file(path, config, family))
     pipeline_class: Any = getattr(diffusers, layout.pipeline)
     try:
         pipe = pipeline_class.from_single_file(str(path), **kwargs)
@@ -513,6 +514,30 @@ def _convert_single_file(path: Path, config: Optional[Path], out: Path, family: 
         raise ConfigError(f"model.base_model: cannot convert the checkpoint {path}: {_first_line(e)}; {hint}") from None
     predict_as_the_file_says(pipe, path)
     pipe.save_pretrained(str(out), safe_serialization=True)
+
+
+def parts_not_in_single_file(path: Path, config: Path, family: str, dtype: Any = None) -> dict[str, Any]:
+    """The parts of an SD3 model its single file leaves out, loaded from `config` (a local SD3 folder), for
+    from_single_file; {} for another family (an SD 1.x/SDXL file holds every part, a Flux file is read apart:
+    _convert_flux_file); in `dtype` where given, as the pipeline loading the file. Stability ships SD3.5 Large's and
+    Medium's MMDiT and VAE in one file and the three text encoders apart (the repo's
+    text_encoders/, which ComfyUI loads beside it), and diffusers' from_single_file reads a part the file lacks only
+    when it is passed in: it stopped with "Weights for this component appear to be missing in the checkpoint"."""
+    from safetensors import safe_open
+
+    from rangefinder.formats.single_file import LDM_VAE_PREFIX
+    from rangefinder.formats.single_file_sd3 import SD3_CLIP_G_PREFIX, SD3_CLIP_L_PREFIX, SD3_T5_PREFIX
+
+    if family != "sd3":
+        return {}
+    with safe_open(str(path), framework="pt") as f:
+        keys = list(f.keys())
+    held = {"text_encoder": SD3_CLIP_L_PREFIX, "text_encoder_2": SD3_CLIP_G_PREFIX, "text_encoder_3": SD3_T5_PREFIX,
+            "vae": LDM_VAE_PREFIX}
+    classes = dict(FAMILY_LAYOUTS["sd3"].classes)
+    parts = {part: import_named(classes[part]).from_pretrained(str(config), subfolder=part, local_files_only=True)
+             for part, prefix in held.items() if not any(k.startswith(prefix) for k in keys)}
+    return {part: module.to(dtype) for part, module in parts.items()} if dtype is not None else parts
 
 
 def _check_config_family(config: Path, path: Path, family: str) -> None:
