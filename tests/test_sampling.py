@@ -182,6 +182,29 @@ def test_a_scheduler_the_flux_pipeline_cannot_drive_is_one_line_before_any_cell(
     assert not (tmp_path / "grid.json").exists()
 
 
+def test_a_flux_kohya_lora_with_adapters_diffusers_drops_is_refused_and_one_of_the_blocks_taken(tmp_path):
+    """diffusers' kohya Flux converter names img_in, txt_in, the embedders and the final layer without the
+    `transformer.` prefix, and load_lora_weights leaves them unapplied: such a column drew the model without them."""
+    import torch
+    from safetensors.torch import save_file
+
+    from rangefinder.sampling import resolve_column
+
+    def kohya(path, modules):
+        save_file({f"lora_unet_{m}.{part}": torch.zeros(4, 4) for m in modules
+                   for part in ("lora_down.weight", "lora_up.weight")}, str(path),
+                  {"modelspec.architecture": "flux-1-dev/lora"})
+        return path
+
+    blocks = kohya(tmp_path / "blocks.safetensors", ["double_blocks_0_img_attn_qkv", "single_blocks_0_linear1"])
+    assert resolve_column(blocks).kind == "lora"
+    outside = kohya(tmp_path / "outside.safetensors", ["double_blocks_0_img_attn_qkv", "img_in", "final_layer_linear"])
+    with pytest.raises(ConfigError, match=r"is a Flux LoRA in kohya's names with adapters outside the blocks "
+                                          r"\(lora_unet_final_layer_linear, lora_unet_img_in\), which diffusers' "
+                                          r"Flux loader .* drops: .* pass the pytorch_lora_weights.safetensors"):
+        resolve_column(outside)
+
+
 def test_columns_are_recognised_by_their_contents(tmp_path):
     """Each output the methods write resolves to the loader that can read it (by its keys, not its name)."""
     import torch

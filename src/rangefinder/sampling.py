@@ -74,6 +74,13 @@ def _safetensors_info(path: Path) -> tuple[list[str], dict[str, str]]:
                           "cut short or not a weights file; pass a whole checkpoint") from None
 
 
+# kohya's Flux LoRA modules outside the double and single blocks (BFL's img_in, txt_in, time_in, vector_in,
+# guidance_in, final_layer): diffusers 0.42's `_convert_kohya_flux_lora_to_diffusers` converts them to names without
+# the `transformer.` prefix, which load_lora_weights then leaves unapplied, without an error.
+FLUX_KOHYA_OUTSIDE_BLOCKS = tuple(f"lora_unet_{m}" for m in ("img_in", "txt_in", "time_in", "vector_in",
+                                                                "guidance_in", "final_layer"))
+
+
 def _classify_file(path: Path) -> tuple[ColumnKind, Optional[str]]:
     """The kind of a weights file, from its keys (the file name is not trusted)."""
     if path.suffix == ".safetensors":
@@ -104,6 +111,14 @@ def _classify_file(path: Path) -> tuple[ColumnKind, Optional[str]]:
             f"{path} is a LoRA in kohya's SD3 names, which diffusers' SD3 loader (what samples and the registered "
             f"model are drawn with) does not read: it would draw the base model unchanged; pass the "
             f"{LORA_WEIGHTS_NAME} written beside it (the kohya file is for ComfyUI and sd-scripts)"
+        )
+    outside = sorted({k.split(".")[0] for k in keys if k.startswith(FLUX_KOHYA_OUTSIDE_BLOCKS)}) if kohya else []
+    if outside:
+        raise ConfigError(
+            f"{path} is a Flux LoRA in kohya's names with adapters outside the blocks ({', '.join(outside[:3])}), "
+            f"which diffusers' Flux loader (what samples and the registered model are drawn with) drops: it would "
+            f"draw the model without them; pass the {LORA_WEIGHTS_NAME} written beside it (the kohya file is for "
+            "ComfyUI and sd-scripts)"
         )
     if any("lora" in k for k in keys):
         return "lora", None
