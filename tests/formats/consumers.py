@@ -457,12 +457,13 @@ def comfy_flux_key_map(bfl_state: Mapping[str, torch.Tensor], text_encoder) -> d
                          "diffusion_model." + base):
                 key_map[name] = ("transformer", k, None)
     depth, single, hidden = comfy_flux_config(set(bfl_state), bfl_state)
-    for d_key, (bfl_key, offset, _swap) in comfy_flux_to_diffusers(depth, single, hidden).items():
+    for d_key, (bfl_key, offset, swap) in comfy_flux_to_diffusers(depth, single, hidden).items():
         if d_key.endswith(".weight") and bfl_key in bfl_state:
             base = d_key[: -len(".weight")]
             for name in ("transformer." + base, "lycoris_" + base.replace(".", "_"),
                          "lora_transformer_" + base.replace(".", "_")):
-                key_map[name] = ("transformer", bfl_key, offset)
+                # The map's third element, swap_scale_shift, which calculate_weight applies to the change.
+                key_map[name] = ("transformer", bfl_key, offset, *(("swap_scale_shift",) if swap else ()))
     for name, target in comfy_clip_l_key_map(text_encoder).items():
         key_map[name] = (*target, None)
     return key_map
@@ -470,11 +471,14 @@ def comfy_flux_key_map(bfl_state: Mapping[str, torch.Tensor], text_encoder) -> d
 
 def comfy_flux_patched(bfl_state: Mapping[str, torch.Tensor], patches) -> dict[str, torch.Tensor]:
     """The BFL weights with each transformer patch applied as calculate_weight does at strength 1: on the slice the
-    key map names (`weight.narrow`), else on the whole weight."""
+    key map names (`weight.narrow`), else on the whole weight, through the map's function where it names one."""
     out = {k: v.clone().float() for k, v in bfl_state.items()}
-    for (part, key, offset), patch in patches.items():
+    for (part, key, offset, *function), patch in patches.items():
         if part != "transformer":
             continue
         w = out[key] if offset is None else out[key].narrow(offset[0], offset[1], offset[2])
-        w += lora_delta(patch, w.shape)
+        delta = lora_delta(patch, w.shape)
+        if function:  # swap_scale_shift: the change's halves in BFL's order
+            delta = torch.cat(delta.chunk(2, dim=0)[::-1], dim=0)
+        w += delta
     return out
