@@ -129,6 +129,24 @@ def test_lora_targets_in_another_layout_are_one_line_naming_the_layers_there_are
         sd, torch.float32)  # diffusers' names, whole paths' ends included, are taken
 
 
+def test_lora_setup_at_the_model_s_own_dtype_casts_nothing_and_says_nothing(tiny_flux_dir, capfd):
+    """diffusers warns on every ModelMixin.to(dtype) of the transformer ("should be kept in float32: []. Casting
+    directly with `to()` can lead to inconsistent results"): every Flux and SD3 LoRA run at fp32 printed it for a cast
+    that changed nothing."""
+    from rangefinder.config import ModelConfig
+    from rangefinder.models.loading import load_sd_components
+    from rangefinder.training.methods import make_method
+
+    sd = load_sd_components(ModelConfig(base_model=str(tiny_flux_dir)))
+    capfd.readouterr()
+    make_method(TrainingConfig(method="lora")).setup(sd, torch.float32)
+    assert "kept in float32" not in capfd.readouterr().err
+    assert all(p.dtype == torch.float32 for p in sd.unet.parameters())
+    half = load_sd_components(ModelConfig(base_model=str(tiny_flux_dir)))
+    make_method(TrainingConfig(method="lora")).setup(half, torch.bfloat16)  # a cast there is, still made
+    assert {p.dtype for n, p in half.unet.named_parameters() if "lora_" not in n} == {torch.bfloat16}
+
+
 def test_flux_resolution_must_be_a_multiple_of_the_patch(tiny_flux_dir):
     """Flux packs 2x2 latent patches: a side must be a multiple of the VAE's downscale times 2. The tiny model's is
     8 px, which every DataConfig resolution already is, so the check is shown on Flux.1's VAE depth (x8: 16 px)."""

@@ -175,6 +175,14 @@ class ModuleMethod(Method):
         return [{"params": params}]
 
 
+def cast_frozen(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    """A frozen module in `dtype`, cast only where it is not already: diffusers' ModelMixin.to warns on every cast of
+    a model it lists no fp32 modules for ("should be kept in float32: []. Casting directly with `to()` can lead to
+    inconsistent results"), so a Flux or SD3 LoRA run at fp32 printed it for a cast that changed nothing."""
+    if any(p.dtype != dtype for p in module.parameters()):
+        module.to(dtype)
+
+
 def module_state(prefix: str, module: torch.nn.Module, only_trainable: bool = False) -> dict[str, torch.Tensor]:
     """`module.state_dict()` with `prefix.` in front of each key, detached and contiguous (safetensors wants that)."""
     if only_trainable:

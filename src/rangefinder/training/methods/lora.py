@@ -21,7 +21,7 @@ import torch
 from rangefinder.config import FAMILY_NAMES
 from rangefinder.errors import ConfigError
 from rangefinder.training.family_detection import FAMILY_LAYOUTS, import_named
-from rangefinder.training.methods.base import ModuleMethod, module_state, split_state
+from rangefinder.training.methods.base import ModuleMethod, cast_frozen, module_state, split_state
 
 if TYPE_CHECKING:
     from rangefinder.models.loading import SDComponents
@@ -58,7 +58,7 @@ class LoraMethod(ModuleMethod):
 
         s = self.cfg.lora
         sd.unet.requires_grad_(False)
-        sd.unet.to(weight_dtype)
+        cast_frozen(sd.unet, weight_dtype)
         for te in sd.text_encoders().values():
             te.requires_grad_(False)
             te.to(weight_dtype)

@@ -26,7 +26,7 @@ import torch
 
 from rangefinder.errors import ConfigError
 from rangefinder.models.tokens import check_initializer_token
-from rangefinder.training.methods.base import Method
+from rangefinder.training.methods.base import Method, cast_frozen
 
 if TYPE_CHECKING:
     from rangefinder.models.loading import SDComponents
@@ -76,7 +76,7 @@ class TextualInversion(Method):
         s = self.cfg.textual_inversion
         self.tokens = placeholder_tokens(s.placeholder_token, s.num_vectors)
         sd.unet.requires_grad_(False)
-        sd.unet.to(weight_dtype)
+        cast_frozen(sd.unet, weight_dtype)
         # One embedding per text encoder (SDXL: both, each with its own tokenizer), all starting at the
         # initializer word's row of that encoder.
         tokenizers = {"text_encoder": sd.tokenizer, "text_encoder_2": sd.tokenizer_2}
