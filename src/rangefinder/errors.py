@@ -178,9 +178,9 @@ class Preempted(RangefinderError):
 
 class RunDidNotSucceed(RangefinderError):
     """What a command waited on ended otherwise than it should (`submit --wait`: the pipeline run failed, was
-    cancelled, or was still going when the wait ran out). The command did its part, so the CLI prints `result` as it
-    prints any result (a CI job reads the run's id and link from it), then this message, and exits 1, not bad
-    input's 2."""
+    cancelled, or was still going when the wait ran out; `promote --if-better`: the version was not measured
+    better). The command did its part, so the CLI prints `result` as it prints any result (a CI job reads the run's
+    id and link from it), then this message, and exits 1, not bad input's 2."""
 
     exit_status = 1
 

@@ -57,8 +57,9 @@ def test_registered_model_loads_from_its_alias_and_generates(mlflow_server_uri, 
     capsys.readouterr()
     assert cli_main(["promote", "--model", name, "--tracking-uri", mlflow_server_uri, "--json"]) == 0
     printed = capsys.readouterr().out
-    assert json.loads(printed[printed.index("{"):]) == {"name": name, "version": "2", "alias": "champion",
-                                                         "previous_version": "1"}
+    result = json.loads(printed[printed.index("{"):])
+    assert {k: result[k] for k in ("name", "version", "alias", "previous_version", "promoted")} == {
+        "name": name, "version": "2", "alias": "champion", "previous_version": "1", "promoted": True}
     assert client.get_model_version_by_alias(name, "champion").version == "2"  # from @candidate
 
     with pytest.raises(TrackingError, match="has no version 9"):
@@ -114,8 +115,10 @@ def test_promote_on_a_local_store_answers_as_on_a_server(sqlite_tracking_uri, ti
     capsys.readouterr()
     assert cli_main(["promote", "--model", name, "--tracking-uri", sqlite_tracking_uri, "--json"]) == 0
     printed = capsys.readouterr().out
-    assert json.loads(printed[printed.index("{"):]) == {"name": name, "version": "1", "alias": "champion",
-                                                         "previous_version": "1"}
+    assert json.loads(printed[printed.index("{"):]) == {
+        "name": name, "version": "1", "alias": "champion", "previous_version": "1", "promoted": True,
+        "val_loss": None, "previous_val_loss": None, "val_loss_change": None, "better": None, "improved_on_base": None,
+        "comparison": "version 1 already holds @champion"}
 
 
 @pytest.mark.parametrize("given", ["model", "model/chosen"])
@@ -470,27 +473,30 @@ def test_a_delivered_window_average_s_version_states_its_own_validation_loss(sql
     assert "0.05024 is below" not in delivered and replaced.startswith("Weights at update 304 (epoch 76).")
 
 
-def finetune_record_then_register(cfg: Any, parent: str, split: Any, weights: Any) -> tuple[Any, Any, Any]:
+def finetune_record_then_register(cfg: Any, parent: str, split: Any, weights: Any,
+                                  val_loss: float = 0.1) -> tuple[Any, Any, Any]:
     """A pipeline run's fine-tune record (its config and split, as the real step logs them; no training) under
-    `parent`, then the register step's version of `weights` from it: (the version, the fine-tune's run, the
-    register step's run)."""
+    `parent`, then the register step's version of `weights` from it, measured at `val_loss`: (the version, the
+    fine-tune's run, the register step's run)."""
     with step_run(cfg, "finetune", parent_run_id=parent) as ft:
         ft.log_config(cfg)
         ft.log_dataset_manifest(split)
     with step_run(cfg, "register_model", parent_run_id=parent) as reg:
-        made = reg.log_diffusers_model(weights, source_step="finetune", metrics={"val_loss": 0.1},
+        made = reg.log_diffusers_model(weights, source_step="finetune", metrics={"val_loss": val_loss},
                                        num_inference_steps=2)
     return made, ft, reg
 
 
 def test_scheduled_versions_name_what_made_them_and_say_when_their_val_loss_does_not_compare(
-        sqlite_tracking_uri, tiny_model_dir, shapes_dataset_dir, split_dir, tmp_path):
+        sqlite_tracking_uri, tiny_model_dir, shapes_dataset_dir, split_dir, tmp_path, capsys):
     """A schedule registers run after run into one model, and a person compares the new @candidate with the one
     before it and with @champion in the Models tab. Each version's tags name its base model, family, method and data
     (the split's digest, and its validation set's digest and image count, as its source run's MLflow Datasets have
     them): a rerun on unchanged data reads alike. A version trained another way, or on other data, says so in its
     description, and that its val_loss was measured on other images where the validation set changed: they read
     only the same `val_loss` and description, and v3's looked worse than v2's where its validation set was harder.
+    `promote` compares a version with @champion as the team that promotes only a better week does: by how much, on
+    the same validation images, and `--if-better` leaves @champion where it was otherwise (it moved blindly before).
     The fine-tune's run is the real step's record (its config and split), without training."""
     import shutil
 
@@ -501,14 +507,21 @@ def test_scheduled_versions_name_what_made_them_and_say_when_their_val_loss_does
     name = "rf-scheduled"
     client = MlflowClient(sqlite_tracking_uri)
 
-    def pipeline_run(run_name: str, method: str, split) -> Any:
+    def pipeline_run(run_name: str, method: str, split, val_loss: float = 0.1) -> Any:
         cfg = RangefinderConfig.model_validate({
             "model": {"base_model": str(tiny_model_dir)}, "training": {"method": method},
             "tracking": {"tracking_uri": sqlite_tracking_uri, "experiment_name": "scheduled",
                          "registered_model_name": name}})
         parent = ensure_parent_run(cfg, name=run_name)
-        made, _, _ = finetune_record_then_register(cfg, parent, split, tiny_model_dir)
+        made, _, _ = finetune_record_then_register(cfg, parent, split, tiny_model_dir, val_loss)
         return client.get_model_version(name, made.version)
+
+    def promote_cli(*flags: str) -> tuple[int, dict, str]:
+        """`rangefinder promote --json` of @candidate: (exit status, the result, stderr)."""
+        capsys.readouterr()
+        code = cli_main(["promote", "--model", name, "--tracking-uri", sqlite_tracking_uri, "--json", *flags])
+        out, err = capsys.readouterr()
+        return code, json.loads(out), err
 
     first = pipeline_run("monday", "lora", split_dir)
     lineage = {"rangefinder.base_model": str(tiny_model_dir), "rangefinder.model_family": "sd1",
@@ -516,11 +529,23 @@ def test_scheduled_versions_name_what_made_them_and_say_when_their_val_loss_does
                "rangefinder.validation_digest": folder_digest(split_dir, "val.jsonl"),
                "rangefinder.validation_images": "4"}
     assert {k: first.tags.get(k) for k in lineage} == lineage
+    # The first week: no @champion to beat, so --if-better promotes it, and says there was nothing to compare with.
+    code, promoted, _ = promote_cli("--if-better")
+    assert code == 0 and promoted["promoted"] and promoted["previous_version"] is None
+    assert promoted["comparison"] == "no version held @champion before: nothing to compare with"
     # The same config and data again: another source run, the same lineage, and nothing said against version 1.
-    again = pipeline_run("tuesday", "lora", split_dir)
+    again = pipeline_run("tuesday", "lora", split_dir, val_loss=0.12)
     assert again.run_id != first.run_id and {k: again.tags.get(k) for k in lineage} == lineage
     assert "Unlike" not in again.description
-    promote(name, "1", tracking_uri=sqlite_tracking_uri)
+    # Measured on the same images and worse: --if-better says by how much, exits 1 and leaves @champion at 1.
+    code, refused, err = promote_cli("--if-better")
+    assert code == 1 and not refused["promoted"] and refused["better"] is False
+    assert refused["val_loss_change"] == pytest.approx(0.02)
+    said = (f"val_loss 0.12 against @champion version 1's 0.1: 0.02 higher (20.0%), not better, on the same "
+            f"validation images (4 images, digest {lineage['rangefinder.validation_digest']})")
+    assert refused["comparison"] == said
+    assert err == f"rangefinder promote: not promoted (--if-better): {said}; @champion stays at version 1\n"
+    assert str(client.get_model_version_by_alias(name, "champion").version) == "1"
 
     # Images added and a caption changed, then a full fine-tune into the same registered model.
     data = tmp_path / "data"
@@ -545,6 +570,18 @@ def test_scheduled_versions_name_what_made_them_and_say_when_their_val_loss_does
     # The run moved @candidate only: @champion stays where the person put it.
     assert str(client.get_model_version_by_alias(name, "candidate").version) == "3"
     assert str(client.get_model_version_by_alias(name, "champion").version) == "1"
+    # A lower val_loss on another validation set ranks nothing: --if-better refuses and names the fix; a promotion by
+    # hand goes through, with a warning saying the same.
+    code, refused, err = promote_cli("--if-better")
+    assert code == 1 and refused["better"] is None and refused["val_loss_change"] is None
+    assert "does not rank them: another validation set" in err and "split.val_dir" in err
+    assert "base model" not in refused["comparison"]  # the same base model: that is not among the reasons
+    assert str(client.get_model_version_by_alias(name, "champion").version) == "1"
+    code, promoted, err = promote_cli()
+    assert code == 0 and promoted["promoted"] and promoted["previous_version"] == "1"
+    assert err.startswith("rangefinder: warning: promoted version 3 to @champion, but val_loss 0.1 against "
+                          "@champion version 1's 0.1 does not rank them: another validation set"), err
+    assert str(client.get_model_version_by_alias(name, "champion").version) == "3"
 
 
 def test_a_scheduled_version_names_the_commit_its_hub_base_model_resolved_to(sqlite_tracking_uri, tiny_model_dir,

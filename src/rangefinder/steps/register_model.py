@@ -92,6 +92,7 @@ def retrained_on_all_data(model_dir: Path) -> Optional[bool]:
 def run_register_model(cfg: RangefinderConfig, *, model_dir: Path, lr: float, epochs: int,
                        mlflow_parent_run_id: Optional[str] = None) -> Registered:
     from rangefinder import tracking
+    from rangefinder.tracking.registry import TAG_IMPROVED_ON_BASE
 
     delivered, chosen = delivered_weights(model_dir)
     weights = delivered
@@ -116,7 +117,7 @@ def run_register_model(cfg: RangefinderConfig, *, model_dir: Path, lr: float, ep
         if chosen.get("rule") is not None:
             tags["rangefinder.chosen_rule"] = str(chosen["rule"])
         if chosen.get("improved_on_base") is not None:
-            tags["rangefinder.improved_on_base"] = str(chosen["improved_on_base"]).lower()
+            tags[TAG_IMPROVED_ON_BASE] = str(chosen["improved_on_base"]).lower()
         description = chosen["reason"]
     else:
         tags = {"rangefinder.weights": "retrain_full final" if retrained else "finetune final"}

@@ -24,7 +24,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Optional, TypeVar
 
-from rangefinder.errors import TrackingError
+from rangefinder.errors import RunDidNotSucceed, TrackingError
 from rangefinder.tracking.metrics import SAFE_TAG_VALUE, VALIDATION_SECTION, is_lr_key, lr_text
 from rangefinder.tracking.redaction import redact, safe_uri
 from rangefinder.training.family_detection import (
@@ -66,6 +66,8 @@ TAG_VALIDATION_IMAGES = "rangefinder.validation_images"
 # full-data retrain's, whose weights saw the validation images (so no val_loss of theirs, or of another version's on
 # those images, measures them on unseen images).
 TAG_TRAIN_ON = "rangefinder.train_on"
+# Whether the delivered weights' val_loss is below the base model's, measured alike (register_model sets it).
+TAG_IMPROVED_ON_BASE = "rangefinder.improved_on_base"
 TRAIN_ON_WORDS = {"train": "the training images alone", "train+val": "train + validation"}
 # The lineage tags whose difference makes two versions other models, in the words a version's description says it.
 TRAINED_AS = {TAG_BASE_MODEL: "base model", TAG_BASE_MODEL_REVISION: "base model revision",
@@ -345,25 +347,34 @@ def _unlike_earlier(client: Any, name: str, version: str, tags: Mapping[str, str
         pass
     lines = []
     for other, (which, mv) in earlier.items():
-        was = mv.tags
-        # Another base model has another revision too: the revision is news only for the same one.
-        said = [k for k in TRAINED_AS if _changed(k, tags, was)
-                and not (k == TAG_BASE_MODEL_REVISION and _changed(TAG_BASE_MODEL, tags, was))]
-        differs = [f"{TRAINED_AS[k]} {tags[k]} where it had {was[k]}" for k in said]
-        if _changed(TAG_TRAIN_ON, tags, was):
-            whose = "its" if tags[TAG_TRAIN_ON] == "train+val" else "that version's"
-            differs.append(f"trained on {TRAIN_ON_WORDS.get(tags[TAG_TRAIN_ON], tags[TAG_TRAIN_ON])} where it was "
-                           f"trained on {TRAIN_ON_WORDS.get(was[TAG_TRAIN_ON], was[TAG_TRAIN_ON])}: {whose} weights "
-                           "saw the validation images, so no val_loss measured on them compares the two")
-        if _changed(TAG_VALIDATION_DIGEST, tags, was):
-            differs.append(f"another validation set ({_validation_set(tags)}, where it had {_validation_set(was)}), "
-                           "so their val_loss values were measured on other images and do not compare")
-        if _changed(TAG_DATASET_DIGEST, tags, was):
-            differs.append(f"other data (dataset digest {tags[TAG_DATASET_DIGEST]}, where it had "
-                           f"{was[TAG_DATASET_DIGEST]})")
+        differs = [text for text, _ in _differences(tags, mv.tags)]
         if differs:
             lines.append(f"Unlike version {other} ({which}): {'; '.join(differs)}.")
     return lines
+
+
+def _differences(tags: Mapping[str, str], was: Mapping[str, str]) -> list[tuple[str, bool]]:
+    """How a version made as its lineage tags `tags` say differs from one made as `was` says: (the difference in a
+    person's words, whether it keeps their val_loss values from ranking them). Another base model, revision or family
+    does (the loss of other starting weights, or of another noise schedule, ranks no fine-tune); so do weights that
+    saw the other's validation images and another validation set. Another method, or other data with the same
+    validation set (a dataset that grew), is what a comparison is for."""
+    # Another base model has another revision too: the revision is news only for the same one.
+    said = [k for k in TRAINED_AS if _changed(k, tags, was)
+            and not (k == TAG_BASE_MODEL_REVISION and _changed(TAG_BASE_MODEL, tags, was))]
+    differs = [(f"{TRAINED_AS[k]} {tags[k]} where it had {was[k]}", k != TAG_METHOD) for k in said]
+    if _changed(TAG_TRAIN_ON, tags, was):
+        whose = "its" if tags[TAG_TRAIN_ON] == "train+val" else "that version's"
+        differs.append((f"trained on {TRAIN_ON_WORDS.get(tags[TAG_TRAIN_ON], tags[TAG_TRAIN_ON])} where it was "
+                        f"trained on {TRAIN_ON_WORDS.get(was[TAG_TRAIN_ON], was[TAG_TRAIN_ON])}: {whose} weights "
+                        "saw the validation images, so no val_loss measured on them compares the two", True))
+    if _changed(TAG_VALIDATION_DIGEST, tags, was):
+        differs.append((f"another validation set ({_validation_set(tags)}, where it had {_validation_set(was)}), "
+                        "so their val_loss values were measured on other images and do not compare", True))
+    if _changed(TAG_DATASET_DIGEST, tags, was):
+        differs.append((f"other data (dataset digest {tags[TAG_DATASET_DIGEST]}, where it had "
+                        f"{was[TAG_DATASET_DIGEST]})", False))
+    return differs
 
 
 def _changed(key: str, tags: Mapping[str, str], was: Mapping[str, str]) -> bool:
@@ -494,11 +505,15 @@ def promote(
     from_alias: str = CANDIDATE,
     to_alias: str = CHAMPION,
     tracking_uri: Optional[str] = None,
-) -> dict[str, Optional[str]]:
+    if_better: bool = False,
+) -> dict[str, Any]:
     """Point `to_alias` (champion) at `version`, or at the version `from_alias` (candidate) points to.
 
-    Returns {name, version, alias, previous_version}. Raises TrackingError naming the model, version or alias that
-    does not exist.
+    Returns {name, version, alias, previous_version, promoted} and the comparison with the version `to_alias` held
+    (compare_versions): whether their val_loss values rank them, and by how much. Raises TrackingError naming the
+    model, version or alias that does not exist. `if_better`: move the alias only where the version's val_loss is
+    below that version's on the same validation images, of the same base model (the first version promoted: below
+    its base model's); else raise RunDidNotSucceed with the result (promoted false), the alias where it was.
     """
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
@@ -537,23 +552,33 @@ def promote(
         ) from None
     if version is None:
         try:
-            version = client.get_model_version_by_alias(name, from_alias).version
+            chosen = client.get_model_version_by_alias(name, from_alias)
         except MlflowException:
             raise TrackingError(
                 f"registered model {name!r} has no version with alias {from_alias!r}; pass --version N"
             ) from None
     else:
         try:
-            client.get_model_version(name, str(version))
+            chosen = client.get_model_version(name, str(version))
         except MlflowException:
             raise TrackingError(f"registered model {name!r} has no version {version}; list them in the MLflow UI "
                                 "(Models tab) and pass an existing --version") from None
-    previous = None
-    try:
-        # A str as `version` is: a file or sqlite store answers an int where a server answers a str.
-        previous = str(client.get_model_version_by_alias(name, to_alias).version)
-    except MlflowException:
-        pass
+    # A str as `version` is: a file or sqlite store answers an int where a server answers a str.
+    version = str(chosen.version)
+    held = None
+    with contextlib.suppress(MlflowException):
+        held = client.get_model_version_by_alias(name, to_alias)
+    previous = str(held.version) if held is not None else None
+    result: dict[str, Any] = {"name": name, "version": version, "alias": to_alias, "previous_version": previous,
+                              **compare_versions(chosen, held, to_alias)}
+    if held is None or previous == version:  # nothing to beat, or nothing moves: only its base model to be below
+        allowed = result["improved_on_base"] is not False
+    else:
+        allowed = result["better"] is True
+    if if_better and not allowed:
+        stays = f"at version {previous}" if previous is not None else "unset"
+        raise RunDidNotSucceed(f"not promoted (--if-better): {result['comparison']}; @{to_alias} stays {stays}",
+                               {**result, "promoted": False})
     try:
         client.set_registered_model_alias(name, to_alias, str(version))
     except MlflowException as e:
@@ -566,7 +591,73 @@ def promote(
                 "or use credentials that have it") from None
         raise TrackingError(f"could not point alias {to_alias!r} of registered model {name!r} at version {version}: "
                             f"{redact(e.message).splitlines()[0][:300]}") from None
-    return {"name": name, "version": str(version), "alias": to_alias, "previous_version": previous}
+    return {**result, "promoted": True}
+
+
+def compare_versions(mv: Any, held: Any, alias: str = CHAMPION) -> dict[str, Any]:
+    """Version `mv` against `held`, the version `alias` points to (None: none yet), as a person deciding to promote
+    it asks: is it better, by how much, and does its val_loss rank the two at all. {val_loss, previous_val_loss,
+    val_loss_change (mv's less held's, where they compare), better (True, False, or None where they do not compare
+    or nothing is held), improved_on_base (its tag, None where it has none), comparison (that, in one sentence)}.
+    Two val_loss values rank two versions only where both were measured on the same validation images (the
+    validation digest) of the same base model, by weights that never trained on them (_differences); a dataset that
+    grows week by week draws another validation set each week unless its images are kept apart (split.val_dir). A
+    version whose val_loss is not below its own base model's is said to be so."""
+    loss = _tag_float(mv.tags, "val_loss")
+    improved = mv.tags.get(TAG_IMPROVED_ON_BASE)
+    out: dict[str, Any] = {"val_loss": loss, "previous_val_loss": None, "val_loss_change": None, "better": None,
+                           "improved_on_base": None if improved is None else improved == "true"}
+    worse_than_base = improved == "false"
+    base_note = ("its val_loss is not below its base model's (tag rangefinder.improved_on_base), so fine-tuning made "
+                 "it no better than the model it started from")
+    if held is None or str(held.version) == str(mv.version):
+        first = held is None
+        out["comparison"] = (f"no version held @{alias} before: nothing to compare with" if first
+                             else f"version {mv.version} already holds @{alias}")
+        if worse_than_base:
+            out["comparison"] = f"{out['comparison']}; {base_note}"
+        return out
+    theirs = _tag_float(held.tags, "val_loss")
+    out["previous_val_loss"] = theirs
+    reasons = [text for text, breaks in _differences(mv.tags, held.tags) if breaks]
+    for v in (mv, held):
+        if _tag_float(v.tags, "val_loss") is None:
+            reasons.append(f"version {v.version} has no val_loss (weights trained on train + validation, or "
+                           "registered by hand, are not measured on unseen images)")
+        elif not v.tags.get(TAG_VALIDATION_DIGEST) and v.tags.get(TAG_TRAIN_ON) != "train+val":
+            reasons.append(f"version {v.version} does not record its validation set (registered by hand or by "
+                           "earlier code), so whether both were measured on the same images is unknown")
+    said = f"val_loss {_num(loss)} against @{alias} version {held.version}'s {_num(theirs)}"
+    if reasons:
+        fix = (": to rank weekly versions by val_loss, keep the validation images in a folder of their own "
+               "(split.val_dir), so every run measures on the same ones" if any(
+                   "another validation set" in r for r in reasons) else "")
+        out["comparison"] = f"{said} does not rank them: {'; '.join(reasons)}{fix}"
+    else:
+        assert loss is not None and theirs is not None  # a missing one is a reason above
+        change = loss - theirs
+        out["val_loss_change"] = change
+        out["better"] = change < 0 and not worse_than_base
+        how = "the same" if change == 0 else (f"{abs(change):.3g} {'lower' if change < 0 else 'higher'}"
+                                                + (f" ({abs(change) / theirs:.1%})" if theirs > 0 else ""))
+        out["comparison"] = (f"{said}: {how}, {'better' if change < 0 else 'not better'}, on the same validation "
+                             f"images ({_validation_set(mv.tags)})")
+        if worse_than_base:
+            out["comparison"] += f"; but {base_note}"
+    return out
+
+
+def _tag_float(tags: Mapping[str, str], key: str) -> Optional[float]:
+    """A version tag as a finite number, or None: not there, or not a number."""
+    try:
+        value = float(tags[key])
+    except (KeyError, TypeError, ValueError):
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _num(value: Optional[float]) -> str:
+    return "none" if value is None else f"{value:.4g}"
 
 
 def _denied(e: Any) -> bool:
