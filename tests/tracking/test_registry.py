@@ -507,9 +507,10 @@ def test_scheduled_versions_name_what_made_them_and_say_when_their_val_loss_does
     name = "rf-scheduled"
     client = MlflowClient(sqlite_tracking_uri)
 
-    def pipeline_run(run_name: str, method: str, split, val_loss: float = 0.1) -> Any:
+    def pipeline_run(run_name: str, method: str, split, val_loss: float = 0.1, timesteps: int = 4) -> Any:
         cfg = RangefinderConfig.model_validate({
             "model": {"base_model": str(tiny_model_dir)}, "training": {"method": method},
+            "validation": {"timesteps": timesteps},
             "tracking": {"tracking_uri": sqlite_tracking_uri, "experiment_name": "scheduled",
                          "registered_model_name": name}})
         parent = ensure_parent_run(cfg, name=run_name)
@@ -529,6 +530,8 @@ def test_scheduled_versions_name_what_made_them_and_say_when_their_val_loss_does
                "rangefinder.validation_digest": folder_digest(split_dir, "val.jsonl"),
                "rangefinder.validation_images": "4"}
     assert {k: first.tags.get(k) for k in lineage} == lineage
+    assert first.tags["rangefinder.validation_settings"].startswith(
+        "validation.timesteps=4, validation.seed=0, data.resolution=512, data.center_crop=True, ")
     # The first week: no @champion to beat, so --if-better promotes it, and says there was nothing to compare with.
     code, promoted, _ = promote_cli("--if-better")
     assert code == 0 and promoted["promoted"] and promoted["previous_version"] is None
@@ -581,6 +584,15 @@ def test_scheduled_versions_name_what_made_them_and_say_when_their_val_loss_does
     assert code == 0 and promoted["promoted"] and promoted["previous_version"] == "1"
     assert err.startswith("rangefinder: warning: promoted version 3 to @champion, but val_loss 0.1 against "
                           "@champion version 1's 0.1 does not rank them: another validation set"), err
+    assert str(client.get_model_version_by_alias(name, "champion").version) == "3"
+    # The same images as version 3, measured at 8 timesteps where it was 4: the same validation digest, but another
+    # val_loss; the description and promote say so, and --if-better refuses it.
+    fourth = pipeline_run("thursday", "full", changed, val_loss=0.05, timesteps=8)
+    assert fourth.tags["rangefinder.validation_digest"] == val_digest
+    otherwise = "val_loss measured otherwise (validation.timesteps 8 where it had 4), so their val_loss values do not"
+    assert f"Unlike version 3 (the version before it, @champion): {otherwise} compare." in fourth.description
+    code, refused, err = promote_cli("--if-better")
+    assert code == 1 and refused["better"] is None and otherwise in refused["comparison"], err
     assert str(client.get_model_version_by_alias(name, "champion").version) == "3"
 
 

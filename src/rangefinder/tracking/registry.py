@@ -66,6 +66,17 @@ TAG_VALIDATION_IMAGES = "rangefinder.validation_images"
 # full-data retrain's, whose weights saw the validation images (so no val_loss of theirs, or of another version's on
 # those images, measures them on unseen images).
 TAG_TRAIN_ON = "rangefinder.train_on"
+# How the val_loss was measured, as the settings that define it (validation_settings): two versions measured on the
+# same images but at other timesteps, noise seed, resolution, crop, buckets, latents or target have val_loss values
+# that do not compare either.
+TAG_VALIDATION_SETTINGS = "rangefinder.validation_settings"
+# The params (as the training runs log them) that define what a val_loss measures (training/validation.py): the K
+# timesteps and the noise seed; the latents' size, crop, buckets and mode; the target the loss is taken against; and
+# a flow family's sigma grid. validation.batch_size and the precision change only the last bits.
+VALIDATION_DEFINITION = ("validation.timesteps", "validation.seed", "data.resolution", "data.center_crop",
+                         "data.bucketing", "data.bucket_step", "data.max_aspect", "training.latent_sampling",
+                         "training.prediction_type")
+VALIDATION_DEFINITION_PREFIXES = ("training.flow.",)
 # Whether the delivered weights' val_loss is below the base model's, measured alike (register_model sets it).
 TAG_IMPROVED_ON_BASE = "rangefinder.improved_on_base"
 TRAIN_ON_WORDS = {"train": "the training images alone", "train+val": "train + validation"}
@@ -371,6 +382,13 @@ def _differences(tags: Mapping[str, str], was: Mapping[str, str]) -> list[tuple[
     if _changed(TAG_VALIDATION_DIGEST, tags, was):
         differs.append((f"another validation set ({_validation_set(tags)}, where it had {_validation_set(was)}), "
                         "so their val_loss values were measured on other images and do not compare", True))
+    if _changed(TAG_VALIDATION_SETTINGS, tags, was):
+        ours, theirs = (dict(kv.split("=", 1) for kv in t[TAG_VALIDATION_SETTINGS].split(", ") if "=" in kv)
+                        for t in (tags, was))
+        changed = [f"{k} {ours.get(k, 'unset')} where it had {theirs.get(k, 'unset')}"
+                   for k in sorted(set(ours) | set(theirs)) if ours.get(k) != theirs.get(k)]
+        differs.append((f"val_loss measured otherwise ({'; '.join(changed)}), so their val_loss values do not "
+                        "compare", True))
     if _changed(TAG_DATASET_DIGEST, tags, was):
         differs.append((f"other data (dataset digest {tags[TAG_DATASET_DIGEST]}, where it had "
                         f"{was[TAG_DATASET_DIGEST]})", False))
@@ -380,6 +398,15 @@ def _differences(tags: Mapping[str, str], was: Mapping[str, str]) -> list[tuple[
 def _changed(key: str, tags: Mapping[str, str], was: Mapping[str, str]) -> bool:
     """Both versions have the lineage tag `key`, and not the same value (a version registered before it has none)."""
     return bool(tags.get(key)) and bool(was.get(key)) and tags[key] != was[key]
+
+
+def validation_settings(params: Mapping[str, Any]) -> Optional[str]:
+    """The settings that define what a run's val_loss measures (VALIDATION_DEFINITION), from its flat params, as one
+    readable tag value (`validation.timesteps=4, validation.seed=0, data.resolution=512, ...`); None where the params
+    hold none of them (a run of earlier code)."""
+    keys = [k for k in VALIDATION_DEFINITION if k in params]
+    keys += sorted(k for k in params if k.startswith(VALIDATION_DEFINITION_PREFIXES))
+    return ", ".join(f"{k}={params[k]}" for k in keys) or None
 
 
 def _validation_set(tags: Mapping[str, str]) -> str:

@@ -49,6 +49,8 @@ from rangefinder.tracking.registry import (
     TAG_TRAIN_ON,
     TAG_VALIDATION_DIGEST,
     TAG_VALIDATION_IMAGES,
+    TAG_VALIDATION_SETTINGS,
+    validation_settings,
 )
 from rangefinder.tracking.spool import PENDING, Spool, apply_record, describe, read_spool, spool_dir
 from rangefinder.tracking.target import (
@@ -720,7 +722,8 @@ class StepRun:
         config's), and the data: the split's digest (the source run's tag, else the parent run's: a source run of
         earlier code may have none), the parts the weights trained on (the source run's `rangefinder.train_on`:
         train+val for the full-data retrain), and its validation part's digest and image count (the source run's
-        MLflow Dataset in context validation, as log_dataset_manifest logged it; a retrain validates nothing).
+        MLflow Dataset in context validation, as log_dataset_manifest logged it; a retrain validates nothing), with
+        the settings that define what its val_loss measures (registry.validation_settings of the source run's params).
         `source`: the run that trained the weights, as search_runs returns it, or None (a registration by hand):
         then what the config says."""
         from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
@@ -744,6 +747,10 @@ class StepRun:
                 tags[TAG_VALIDATION_DIGEST] = given.dataset.digest
                 with contextlib.suppress(ValueError, TypeError, AttributeError):
                     tags[TAG_VALIDATION_IMAGES] = str(json.loads(given.dataset.profile)["num_rows"])
+                # How that val_loss was measured: the source run's settings, as it logged them.
+                settings = validation_settings(source.data.params)
+                if settings:
+                    tags[TAG_VALIDATION_SETTINGS] = settings
         return tags
 
     @property
