@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any
 
 import mlflow
@@ -497,7 +498,8 @@ def test_scheduled_versions_name_what_made_them_and_say_when_their_val_loss_does
     only the same `val_loss` and description, and v3's looked worse than v2's where its validation set was harder.
     `promote` compares a version with @champion as the team that promotes only a better week does: by how much, on
     the same validation images, and `--if-better` leaves @champion where it was otherwise (it moved blindly before).
-    The fine-tune's run is the real step's record (its config and split), without training."""
+    Each version records when it held @champion and why, or why it was not promoted. The fine-tune's run is the
+    real step's record (its config and split), without training."""
     import shutil
 
     from rangefinder.data.split import split_dataset
@@ -585,6 +587,19 @@ def test_scheduled_versions_name_what_made_them_and_say_when_their_val_loss_does
     assert err.startswith("rangefinder: warning: promoted version 3 to @champion, but val_loss 0.1 against "
                           "@champion version 1's 0.1 does not rank them: another validation set"), err
     assert str(client.get_model_version_by_alias(name, "champion").version) == "3"
+    # The alias keeps no history; the versions do: when each took @champion and why, until when, and why not.
+    history = {v: client.get_model_version(name, v).tags for v in ("1", "2", "3")}
+    assert re.fullmatch(r"20\d\d-\d\d-\d\dT\S+ no version held @champion before: nothing to compare with",
+                        history["1"]["rangefinder.champion_since"])
+    assert history["1"]["rangefinder.champion_until"].endswith(" replaced by version 3")
+    assert history["2"]["rangefinder.champion_refused"].endswith(f" not promoted: {said}")
+    assert "val_loss 0.1 against @champion version 1's 0.1 does not rank them" in history["3"][
+        "rangefinder.champion_since"] and "rangefinder.champion_until" not in history["3"]
+    # A rollback: version 1 again, which holds @champion without a stale "until"; version 3's says until when.
+    assert promote(name, "1", tracking_uri=sqlite_tracking_uri)["previous_version"] == "3"
+    assert "rangefinder.champion_until" not in client.get_model_version(name, "1").tags
+    assert client.get_model_version(name, "3").tags["rangefinder.champion_until"].endswith(" replaced by version 1")
+    assert promote(name, "3", tracking_uri=sqlite_tracking_uri)["previous_version"] == "1"
     # The same images as version 3, measured at 8 timesteps where it was 4: the same validation digest, but another
     # val_loss; the description and promote say so, and --if-better refuses it.
     fourth = pipeline_run("thursday", "full", changed, val_loss=0.05, timesteps=8)

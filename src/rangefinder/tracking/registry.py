@@ -540,7 +540,8 @@ def promote(
     (compare_versions): whether their val_loss values rank them, and by how much. Raises TrackingError naming the
     model, version or alias that does not exist. `if_better`: move the alias only where the version's val_loss is
     below that version's on the same validation images, of the same base model (the first version promoted: below
-    its base model's); else raise RunDidNotSucceed with the result (promoted false), the alias where it was.
+    its base model's); else raise RunDidNotSucceed with the result (promoted false), the alias where it was. The
+    versions keep the alias's history as tags: `rangefinder.<alias>_since` and `_until`, and `_refused`.
     """
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
@@ -604,10 +605,24 @@ def promote(
         allowed = result["better"] is True
     if if_better and not allowed:
         stays = f"at version {previous}" if previous is not None else "unset"
+        # Said on the version too, where the Models tab shows why a scheduled week stayed a candidate; a user who
+        # may only read the model is told the refusal all the same.
+        with contextlib.suppress(MlflowException):
+            client.set_model_version_tag(name, version, f"rangefinder.{to_alias}_refused",
+                                         _history(f"not promoted: {result['comparison']}"))
         raise RunDidNotSucceed(f"not promoted (--if-better): {result['comparison']}; @{to_alias} stays {stays}",
                                {**result, "promoted": False})
     try:
         client.set_registered_model_alias(name, to_alias, str(version))
+        if previous != version:
+            # An alias keeps no history: each version says when it took the alias, over which, and why; the one it
+            # replaced, until when. So the Models tab answers "which version served in week N".
+            client.set_model_version_tag(name, version, f"rangefinder.{to_alias}_since", _history(result["comparison"]))
+            with contextlib.suppress(MlflowException):  # held before, and given it again (a rollback)
+                client.delete_model_version_tag(name, version, f"rangefinder.{to_alias}_until")
+            if previous is not None:
+                client.set_model_version_tag(name, previous, f"rangefinder.{to_alias}_until",
+                                             _history(f"replaced by version {version}"))
     except MlflowException as e:
         # The check above only proves we may read: a user with READ on the model is refused here (HTTP 403), and a
         # name MLflow does not take as an alias is refused before any request. One line, not mlflow's traceback.
@@ -619,6 +634,14 @@ def promote(
         raise TrackingError(f"could not point alias {to_alias!r} of registered model {name!r} at version {version}: "
                             f"{redact(e.message).splitlines()[0][:300]}") from None
     return {**result, "promoted": True}
+
+
+def _history(what: str) -> str:
+    """A version tag's value for an alias's history: the UTC time, then what happened (cut to fit a tag)."""
+    import datetime
+
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return redact(f"{now} {what}")[:4000]
 
 
 def compare_versions(mv: Any, held: Any, alias: str = CHAMPION) -> dict[str, Any]:
