@@ -265,3 +265,33 @@ def test_each_image_is_recorded_with_the_sha256_of_its_whole_file(tmp_path):
     for it in split.train + split.val:
         assert it.sha256 == hashlib.sha256((data / it.file_name).read_bytes()).hexdigest(), it.file_name
     assert split.summary["duplicates"] == []
+
+
+def test_a_growing_dataset_keeps_its_validation_set_only_in_a_folder_of_its_own(tmp_path):
+    """The README's recipe for a schedule on a dataset that grows: the seeded draw picks other validation images once
+    images are added (so no two weeks' val_loss compare, and last week's validation images train), while a first
+    split's validation images copied into a split.val_dir (their copies left in the dataset folder) make every week's
+    val.jsonl the same file, and keep those images out of training."""
+    import shutil
+
+    from rangefinder.tracking import folder_digest
+
+    data = _dataset(tmp_path / "data", 20)
+    first = split_dataset(data, tmp_path / "drawn1", val_split=0.2, seed=555)
+    val_dir = tmp_path / "val"
+    val_dir.mkdir()
+    for it in first.val:
+        for path in (data / it.file_name, (data / it.file_name).with_suffix(".txt")):
+            shutil.copy(path, val_dir / path.name)
+    week1 = split_dataset(data, tmp_path / "week1", val_dir=val_dir, seed=555)
+
+    _dataset(tmp_path / "more", 26)  # 6 more images (img020..img025), added to the folder
+    for src in sorted((tmp_path / "more").glob("img02[0-5].*")):
+        shutil.copy(src, data / src.name)
+    drawn = split_dataset(data, tmp_path / "drawn2", val_split=0.2, seed=555)
+    assert {it.file_name for it in first.val} & {it.file_name for it in drawn.train}  # last week's val images train
+    week2 = split_dataset(data, tmp_path / "week2", val_dir=val_dir, seed=555)
+
+    assert folder_digest(tmp_path / "week1", "val.jsonl") == folder_digest(tmp_path / "week2", "val.jsonl")
+    assert len(week2.train) == len(week1.train) + 6
+    assert not {it.sha256 for it in first.val} & {it.sha256 for it in week1.train + week2.train}
