@@ -353,12 +353,30 @@ def test_the_logged_config_yaml_reads_back_and_compiles_with_no_credential(mlflo
     assert not (tmp_path / "p2.yaml").exists() and not (tmp_path / "o").exists()
 
 
-def test_dataset_manifests_are_artifacts_and_dataset_inputs(mlflow_server_uri, split_dir):
+def test_dataset_manifests_are_artifacts_and_dataset_inputs(mlflow_server_uri, split_dir, tmp_path):
     cfg = RangefinderConfig(tracking=TrackingConfig(tracking_uri=mlflow_server_uri, experiment_name="datasets"))
     parent_id = ensure_parent_run(cfg, name="rf-datasets")
     with step_run(cfg, "split", parent_run_id=parent_id) as run:
         digest = run.log_dataset_manifest(split_dir)
     client = MlflowClient(tracking_uri=mlflow_server_uri)
+    # The split's size and what it left out, in the runs table: a week whose folder took a bad file shows it there.
+    tags = client.get_run(parent_id).data.tags
+    assert (tags["rangefinder.dataset_images"], tags["rangefinder.skipped_files"]) == ("20", "0")
+    from rangefinder.data.split import split_dataset
+
+    data = tmp_path / "week"
+    data.mkdir()
+    for i in range(4):
+        Image.new("RGB", (16, 16), (60 * i, 0, 0)).save(data / f"{i}.png")
+        (data / f"{i}.txt").write_text(f"image {i}")
+    (data / "cut.png").write_bytes((data / "0.png").read_bytes()[:40])  # a copy cut short
+    (data / "cut.txt").write_text("cut")
+    Image.new("RGB", (16, 16), (0, 90, 0)).save(data / "uncaptioned.png")
+    split_dataset(data, tmp_path / "split", val_split=0.2)
+    with step_run(cfg, "split") as bad_week:
+        bad_week.log_dataset_manifest(tmp_path / "split")
+    tags = client.get_run(bad_week.run_id).data.tags
+    assert (tags["rangefinder.dataset_images"], tags["rangefinder.skipped_files"]) == ("4", "2")
     names = {a.path for a in client.list_artifacts(run.run_id, "dataset")}
     assert {"dataset/train.jsonl", "dataset/val.jsonl", "dataset/stabilize.jsonl", "dataset/split.json"} <= names
     child = client.get_run(run.run_id)

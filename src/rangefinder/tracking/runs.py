@@ -235,6 +235,11 @@ PIPELINE_SET_TRAINING = ("epochs", "steps", "steps_unit", "lr", "scale_lr", "sch
                          "warmup_updates", "decay_fraction", "world_size", "resume")
 
 
+# The split's image count and the files it left out (log_dataset_manifest), on the training runs and their parent.
+TAG_DATASET_IMAGES = "rangefinder.dataset_images"
+TAG_SKIPPED_FILES = "rangefinder.skipped_files"
+
+
 def applicable_params(cfg: Any) -> dict[str, str]:
     """The params of `cfg` that apply to this run, flat (`training.batch_size`, ...).
 
@@ -659,7 +664,8 @@ class StepRun:
         """The split folder's manifests (train/val/stabilize.jsonl, split.json) as artifacts, and each part the run
         reads as an MLflow dataset input (the run's "Datasets" column: name, digest, row count, context:
         DATASET_CONTEXTS). Returns the digest of the whole split, also set as the tag `rangefinder.dataset_digest`
-        here and on the parent run, beside the validation part's digest, `rangefinder.validation_digest`: the
+        here and on the parent run, with the split's image count and the files it skipped (`rangefinder.dataset_images`,
+        `rangefinder.skipped_files`), beside the validation part's digest, `rangefinder.validation_digest`: the
         parent's row has no Datasets, and its chosen_val_loss compares with another run's only on the same
         validation images. `train_on` ("train" or "train+val", training.spec.TrainOn, also the run's tag
         `rangefinder.train_on`): with "train+val" (the full-data retrain) the validation part is training data, and
@@ -673,12 +679,21 @@ class StepRun:
             self.log_artifact(p, artifact_path)
         digest = folder_digest(folder, "*.jsonl")
         try:
-            root = json.loads((folder / "split.json").read_text()).get("root") or str(folder)
+            summary = json.loads((folder / "split.json").read_text())
         except (OSError, ValueError):
-            root = str(folder)
+            summary = {}
+        summary = summary if isinstance(summary, dict) else {}
+        root = summary.get("root") or str(folder)
         name = Path(root).name or "dataset"
         datasets = []
         digests = {TAG_DATASET_DIGEST: digest}
+        # What this run's data was, beside its digest, in the runs table: how many images the split found, and how
+        # many files it left out (unreadable, too small, no caption), so a week whose folder took a bad file shows it
+        # without opening split.json.
+        if isinstance(summary.get("images"), int):
+            digests[TAG_DATASET_IMAGES] = str(summary["images"])
+        if isinstance(summary.get("skipped"), list):
+            digests[TAG_SKIPPED_FILES] = str(len(summary["skipped"]))
         for part, context in DATASET_CONTEXTS[train_on].items():
             manifest = folder / f"{part}.jsonl"
             if not manifest.is_file():
