@@ -895,3 +895,66 @@ def test_promote_where_there_is_no_database_creates_none(tmp_path, monkeypatch, 
         assert err.count("\n") == 1 and "Traceback" not in err, err
         assert "no MLflow database at" in err and "pass --tracking-uri sqlite:///OUT/mlflow.db" in err, err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_promote_ranks_two_versions_only_where_their_val_loss_was_measured_alike():
+    """compare_versions, on versions as the registry holds them (their lineage tags): a lower val_loss ranks two
+    versions only on the same validation images of the same base model, measured by weights that never trained on
+    them; another method or more training data is what a comparison is for."""
+    from mlflow.entities.model_registry import ModelVersion, ModelVersionTag
+
+    from rangefinder.tracking.registry import compare_versions
+
+    week = {"rangefinder.base_model": "sd-base", "rangefinder.model_family": "sd1", "rangefinder.method": "lora",
+            "rangefinder.dataset_digest": "d1", "rangefinder.train_on": "train",
+            "rangefinder.validation_digest": "v1", "rangefinder.validation_images": "4", "val_loss": "0.2"}
+
+    def version(number: int, **tags: str) -> ModelVersion:
+        merged = {k: v for k, v in {**week, **tags}.items() if v}
+        return ModelVersion("m", str(number), 0, tags=[ModelVersionTag(k, v) for k, v in merged.items()])
+
+    ranked = compare_versions(version(2, val_loss="0.18", **{"rangefinder.method": "full",
+                                                            "rangefinder.dataset_digest": "d2"}), version(1))
+    assert ranked["better"] is True and ranked["val_loss_change"] == pytest.approx(-0.02)
+    assert ranked["comparison"] == ("val_loss 0.18 against @champion version 1's 0.2: 0.02 lower (10.0%), better, "
+                                    "on the same validation images (4 images, digest v1)")
+    other_base = compare_versions(version(2, val_loss="0.1", **{"rangefinder.base_model": "sd-other"}), version(1))
+    assert other_base["better"] is None and "base model sd-other where it had sd-base" in other_base["comparison"]
+    retrained = compare_versions(version(2), version(1, val_loss="", **{"rangefinder.train_on": "train+val",
+                                                                        "rangefinder.validation_digest": ""}))
+    assert retrained["better"] is None and "that version's weights saw the validation images" in retrained[
+        "comparison"] and "version 1 has no val_loss" in retrained["comparison"]
+    by_hand = compare_versions(version(2, val_loss="0.1"), version(1, **{"rangefinder.validation_digest": ""}))
+    assert by_hand["better"] is None and "version 1 does not record its validation set" in by_hand["comparison"]
+    first = compare_versions(version(1, **{"rangefinder.improved_on_base": "false"}), None)
+    assert first["better"] is None and first["improved_on_base"] is False
+    assert first["comparison"].startswith("no version held @champion before: nothing to compare with; its val_loss "
+                                          "is not below its base model's")
+
+
+def test_the_first_week_is_promoted_if_better_only_where_it_beats_its_base_model(sqlite_tracking_uri, capsys):
+    """No @champion yet: --if-better has nothing to beat but the version's own base model, so a first week whose
+    fine-tune made the model worse than it started stays a candidate (exit 1, no alias), and a promotion by hand
+    of it goes through with a warning."""
+    client = MlflowClient(tracking_uri=sqlite_tracking_uri, registry_uri=sqlite_tracking_uri)
+    name = "rf-first-week"
+    run = client.create_run(client.create_experiment("first-week"))
+    client.log_text(run.info.run_id, "weights", "model/x.txt")
+    client.create_registered_model(name)
+    mv = client.create_model_version(name, f"runs:/{run.info.run_id}/model", run_id=run.info.run_id,
+                                     tags={"val_loss": "0.3", "rangefinder.improved_on_base": "false"})
+    client.set_registered_model_alias(name, "candidate", mv.version)
+
+    def promote_cli(*flags: str) -> tuple[int, str]:
+        capsys.readouterr()
+        return cli_main(["promote", "--model", name, "--tracking-uri", sqlite_tracking_uri, *flags]), \
+            capsys.readouterr().err
+
+    code, err = promote_cli("--if-better")
+    assert code == 1 and "its val_loss is not below its base model's" in err and "@champion stays unset" in err
+    with pytest.raises(MlflowException):
+        client.get_model_version_by_alias(name, "champion")
+    code, err = promote_cli()
+    assert code == 0 and err.startswith("rangefinder: warning: promoted version 1 to @champion, but no version held "
+                                        "@champion before: nothing to compare with; its val_loss is not below"), err
+    assert str(client.get_model_version_by_alias(name, "champion").version) == "1"
