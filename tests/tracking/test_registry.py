@@ -542,6 +542,10 @@ def test_scheduled_versions_name_what_made_them_and_say_when_their_val_loss_does
     again = pipeline_run("tuesday", "lora", split_dir, val_loss=0.12)
     assert again.run_id != first.run_id and {k: again.tags.get(k) for k in lineage} == lineage
     assert "Unlike" not in again.description
+    # What promote would answer is in its description from the start: measured alike, and worse than @champion's.
+    assert again.description.endswith(
+        "Against @champion: val_loss 0.12 against @champion version 1's 0.1: 0.02 higher (20.0%), not better, on the "
+        f"same validation images (4 images, digest {lineage['rangefinder.validation_digest']})."), again.description
     # Measured on the same images and worse: --if-better says by how much, exits 1 and leaves @champion at 1.
     code, refused, err = promote_cli("--if-better")
     assert code == 1 and not refused["promoted"] and refused["better"] is False

@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Optional, TypeVar
 
 from rangefinder.errors import RunDidNotSucceed, TrackingError
@@ -338,7 +339,8 @@ def _unlike_earlier(client: Any, name: str, version: str, tags: Mapping[str, str
     another base model, another revision of the same one (a hub id's main moved), family or method, other training
     images (one trained on train + validation: the images the other's val_loss was measured on), another validation
     set (their val_loss values were measured on other images and do not compare), or other data. Nothing where they
-    were alike, or for a version registered before these tags were."""
+    were alike, or for a version registered before these tags were. Where its val_loss and @champion's rank the two
+    (compare_versions), one more sentence says which is better, by how much."""
     from mlflow.exceptions import MlflowException
 
     earlier: dict[str, tuple[str, Any]] = {}  # version -> (which it is, to a person; the version)
@@ -348,6 +350,7 @@ def _unlike_earlier(client: Any, name: str, version: str, tags: Mapping[str, str
             break
         except MlflowException:
             continue
+    champion = None
     try:
         champion = client.get_model_version_by_alias(name, CHAMPION)
         if str(champion.version) in earlier:
@@ -361,6 +364,11 @@ def _unlike_earlier(client: Any, name: str, version: str, tags: Mapping[str, str
         differs = [text for text, _ in _differences(tags, mv.tags)]
         if differs:
             lines.append(f"Unlike version {other} ({which}): {'; '.join(differs)}.")
+    if champion is not None and str(champion.version) != version:
+        # Where the two rank, the answer `rangefinder promote` would give, there when the run registers it.
+        against = compare_versions(SimpleNamespace(version=version, tags=dict(tags)), champion)
+        if against["better"] is not None:
+            lines.append(f"Against @{CHAMPION}: {against['comparison']}.")
     return lines
 
 
