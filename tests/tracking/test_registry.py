@@ -939,15 +939,20 @@ def test_promote_ranks_two_versions_only_where_their_val_loss_was_measured_alike
 def test_the_first_week_is_promoted_if_better_only_where_it_beats_its_base_model(sqlite_tracking_uri, capsys):
     """No @champion yet: --if-better has nothing to beat but the version's own base model, so a first week whose
     fine-tune made the model worse than it started stays a candidate (exit 1, no alias), and a promotion by hand
-    of it goes through with a warning."""
+    of it goes through with a warning. A later week better by less than --min-improvement stays a candidate too."""
     client = MlflowClient(tracking_uri=sqlite_tracking_uri, registry_uri=sqlite_tracking_uri)
     name = "rf-first-week"
     run = client.create_run(client.create_experiment("first-week"))
     client.log_text(run.info.run_id, "weights", "model/x.txt")
     client.create_registered_model(name)
-    mv = client.create_model_version(name, f"runs:/{run.info.run_id}/model", run_id=run.info.run_id,
-                                     tags={"val_loss": "0.3", "rangefinder.improved_on_base": "false"})
-    client.set_registered_model_alias(name, "candidate", mv.version)
+    measured = {"rangefinder.validation_digest": "v1", "rangefinder.train_on": "train"}
+
+    def week(val_loss: str, **tags: str) -> None:
+        mv = client.create_model_version(name, f"runs:/{run.info.run_id}/model", run_id=run.info.run_id,
+                                         tags={"val_loss": val_loss, **measured, **tags})
+        client.set_registered_model_alias(name, "candidate", mv.version)
+
+    week("0.3", **{"rangefinder.improved_on_base": "false"})
 
     def promote_cli(*flags: str) -> tuple[int, str]:
         capsys.readouterr()
@@ -962,3 +967,11 @@ def test_the_first_week_is_promoted_if_better_only_where_it_beats_its_base_model
     assert code == 0 and err.startswith("rangefinder: warning: promoted version 1 to @champion, but no version held "
                                         "@champion before: nothing to compare with; its val_loss is not below"), err
     assert str(client.get_model_version_by_alias(name, "champion").version) == "1"
+
+    week("0.299")  # 0.33 % lower, on the same validation images
+    code, err = promote_cli("--if-better", "--min-improvement", "0.01")
+    assert code == 1 and err.endswith("0.001 lower (0.3%), better, on the same validation images (digest v1); "
+                                      "--min-improvement asks for 1.0% at least; @champion stays at version 1\n"), err
+    assert promote_cli("--min-improvement", "0.01")[0] == 2  # without --if-better it would be ignored: refused
+    assert promote_cli("--if-better") == (0, "")
+    assert str(client.get_model_version_by_alias(name, "champion").version) == "2"

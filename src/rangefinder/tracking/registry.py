@@ -541,6 +541,7 @@ def promote(
     to_alias: str = CHAMPION,
     tracking_uri: Optional[str] = None,
     if_better: bool = False,
+    min_improvement: float = 0.0,
 ) -> dict[str, Any]:
     """Point `to_alias` (champion) at `version`, or at the version `from_alias` (candidate) points to.
 
@@ -548,7 +549,9 @@ def promote(
     (compare_versions): whether their val_loss values rank them, and by how much. Raises TrackingError naming the
     model, version or alias that does not exist. `if_better`: move the alias only where the version's val_loss is
     below that version's on the same validation images, of the same base model (the first version promoted: below
-    its base model's); else raise RunDidNotSucceed with the result (promoted false), the alias where it was. The
+    its base model's), by at least `min_improvement` of that version's val_loss (0.01: 1 %, so a difference within
+    what another training run of the same data would give is not taken for progress); else raise RunDidNotSucceed
+    with the result (promoted false), the alias where it was. The
     versions keep the alias's history as tags: `rangefinder.<alias>_since` and `_until`, and `_refused`.
     """
     from mlflow import MlflowClient
@@ -611,6 +614,10 @@ def promote(
         allowed = result["improved_on_base"] is not False
     else:
         allowed = result["better"] is True
+        theirs, change = result["previous_val_loss"], result["val_loss_change"]
+        if if_better and allowed and min_improvement > 0 and theirs and -change < min_improvement * theirs:
+            allowed = False
+            result["comparison"] += f"; --min-improvement asks for {min_improvement:.1%} at least"
     if if_better and not allowed:
         stays = f"at version {previous}" if previous is not None else "unset"
         # Said on the version too, where the Models tab shows why a scheduled week stayed a candidate; a user who

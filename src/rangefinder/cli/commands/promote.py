@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 
+from rangefinder.cli import args as argtypes
 from rangefinder.cli.output import add_json_flag
 
 
@@ -39,6 +40,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="promote only a version whose val_loss is below the one the alias holds, measured on the same "
                    "validation images of the same base model (the first one promoted: below its base model's); "
                    "else exit 1 and move nothing")
+    p.add_argument("--min-improvement", type=argtypes.float_in(0, 1), default=0.0,
+                   help="with --if-better: the share of the held version's val_loss the new one must be lower by "
+                   "(0.01: 1%%; default 0, any lower val_loss)")
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)")
     add_json_flag(p)
     p.set_defaults(func=run)
@@ -51,8 +55,11 @@ def run(args: argparse.Namespace) -> dict:
 
     if not args.model:
         raise ConfigError("--model: give the registered model's name")
+    if args.min_improvement and not args.if_better:
+        raise ConfigError("--min-improvement applies to --if-better only; add --if-better, or leave it out")
     result = promote(args.model, args.version, from_alias=args.from_alias, to_alias=args.alias,
-                     tracking_uri=args.tracking_uri, if_better=args.if_better)
+                     tracking_uri=args.tracking_uri, if_better=args.if_better,
+                     min_improvement=args.min_improvement)
     moved = result["previous_version"] not in (None, result["version"])
     if result["improved_on_base"] is False or (moved and result["better"] is not True):
         # Promoted all the same (without --if-better): a person who did not look at the comparison is told.
