@@ -975,3 +975,26 @@ def test_the_first_week_is_promoted_if_better_only_where_it_beats_its_base_model
     assert promote_cli("--min-improvement", "0.01")[0] == 2  # without --if-better it would be ignored: refused
     assert promote_cli("--if-better") == (0, "")
     assert str(client.get_model_version_by_alias(name, "champion").version) == "2"
+
+
+def test_a_run_that_started_earlier_but_finished_later_does_not_take_candidate(sqlite_tracking_uri, tiny_model_dir,
+                                                                                split_dir):
+    """Two pipeline runs at once into one model (a schedule's --max-concurrency, a run submitted beside it): the one
+    started first, on older data, finished last and took @candidate from the newer run's version. Its version is
+    registered, and says why it is not @candidate."""
+    from rangefinder.tracking import ensure_parent_run
+
+    name = "rf-overlap"
+    cfg = RangefinderConfig.model_validate({
+        "model": {"base_model": str(tiny_model_dir)},
+        "tracking": {"tracking_uri": sqlite_tracking_uri, "experiment_name": "overlap", "registered_model_name": name}})
+    monday = ensure_parent_run(cfg, name="monday")
+    tuesday = ensure_parent_run(cfg, name="tuesday")
+    newer, _, _ = finetune_record_then_register(cfg, tuesday, split_dir, tiny_model_dir)
+    older, _, _ = finetune_record_then_register(cfg, monday, split_dir, tiny_model_dir)
+    client = MlflowClient(sqlite_tracking_uri)
+    assert (newer.version, newer.alias, older.version, older.alias) == ("1", "candidate", "2", None)
+    assert str(client.get_model_version_by_alias(name, "candidate").version) == "1"
+    assert client.get_model_version(name, "2").description.endswith(
+        "Not @candidate: version 1, of a pipeline run started after this one's, holds it (the two ran at once, and "
+        "this one finished last).")

@@ -147,7 +147,8 @@ def run_register_model(cfg: RangefinderConfig, *, model_dir: Path, lr: float, ep
                                             resolution=cfg.sampling.resolution or cfg.data.resolution,
                                             delivered=None if weights == delivered else delivered,
                                             source_step=source_step)
-                model = (f"registered as {v.name} version {v.version} (@{v.alias})" if v.version else
+                held = f"@{v.alias}" if v.alias else "not @candidate: a pipeline run started later holds it"
+                model = (f"registered as {v.name} version {v.version} ({held})" if v.version else
                          f"logged as {v.model_uri} (tracking.registered_model_name is empty: not registered)")
                 # The last step that knows the whole decision writes the pipeline run's description: what the weights
                 # are (a checkpoint, or a window average of updates a-b: not "the recommended epochs", which the

@@ -311,11 +311,18 @@ def log_diffusers_model(
         text += f" Metrics: {summary}."
     text += "".join(f" {line}" for line in _unlike_earlier(run.client, registered_model_name, str(mv.version),
                                                              version_tags))
+    later = _later_run_holds(run.client, registered_model_name, alias, run.parent_run_id) if alias else None
+    if later is not None:
+        text += (f" Not @{alias}: version {later}, of a pipeline run started after this one's, holds it (the two "
+                 "ran at once, and this one finished last).")
+        _log.warning("%s version %s is not @%s: version %s, of a pipeline run started after this one's, holds it",
+                     registered_model_name, mv.version, alias, later)
+        alias = None
     text += " " + how_to_load(registered_model_name, str(mv.version), folder.name, delivered=delivered is not None)
     run.client.update_model_version(registered_model_name, mv.version, description=redact(text))
     if alias:
         run.client.set_registered_model_alias(registered_model_name, alias, mv.version)
-    _log.info("registered %s version %s as @%s", registered_model_name, mv.version, alias)
+        _log.info("registered %s version %s as @%s", registered_model_name, mv.version, alias)
     return RegisteredVersion(model_uri=mv.source if info is None else info.model_uri, name=registered_model_name,
                              version=str(mv.version), alias=alias)
 
@@ -331,6 +338,29 @@ def how_to_load(name: str, version: str, pipeline_folder: str, *, delivered: boo
             f"{{\"prompt\": [\"a red circle\"], \"seed\": [0]}}))`, each image a base64 PNG in column `image`); "
             f"`mlflow.artifacts.download_artifacts(\"{uri}\")` downloads it: its `artifacts/{pipeline_folder}/` is a "
             f"diffusers folder for `diffusers.DiffusionPipeline.from_pretrained`{files}.")
+
+
+def _later_run_holds(client: Any, name: str, alias: str, parent_run_id: Optional[str]) -> Optional[str]:
+    """The version `alias` points to where a pipeline run that started after `parent_run_id` registered it, else None.
+
+    `@candidate` is the newest pipeline run's: two runs at once (a schedule's --max-concurrency, a run submitted
+    beside it, a replaced schedule's run still going) registered in the order they finished, and the one started
+    earlier, on older data, took the alias from the newer. None too where either start cannot be told (no parent
+    run: a registration by hand; a version of earlier code), so the alias moves as it always did."""
+    from mlflow.exceptions import MlflowException
+
+    if not parent_run_id:
+        return None
+    try:
+        held = client.get_model_version_by_alias(name, alias)
+        theirs = held.tags.get("rangefinder.parent_run_id")
+        if not theirs or theirs == parent_run_id:
+            return None
+        if client.get_run(theirs).info.start_time > client.get_run(parent_run_id).info.start_time:
+            return str(held.version)
+    except MlflowException:  # no version holds it, or a parent run is gone
+        return None
+    return None
 
 
 def _unlike_earlier(client: Any, name: str, version: str, tags: Mapping[str, str]) -> list[str]:

@@ -33,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="disable the enabled recurring runs of this name in the experiment once the new one is made")
     p.add_argument("--max-concurrency", type=argtypes.int_in(1, 10), default=1,
                    help="runs of this schedule that may run at once (1-10, default 1); runs at once register into one "
-                   "model, and @candidate ends on whichever finishes last")
+                   "model, and @candidate ends on the one started last")
     p.add_argument("--catchup", action="store_true",
                    help="run every schedule missed while it was paused or behind (default: only the latest); each "
                    "trains on the dataset as it is when it runs, so the missed runs of a retrain repeat one run")
