@@ -591,6 +591,7 @@ def test_scheduled_versions_name_what_made_them_and_say_when_their_val_loss_does
     assert err.startswith("rangefinder: warning: promoted version 3 to @champion, but val_loss 0.1 against "
                           "@champion version 1's 0.1 does not rank them: another validation set"), err
     assert str(client.get_model_version_by_alias(name, "champion").version) == "3"
+    assert "--if-better" in client.get_registered_model(name).description  # the Models tab says how it moves
     # The alias keeps no history; the versions do: when each took @champion and why, until when, and why not.
     history = {v: client.get_model_version(name, v).tags for v in ("1", "2", "3")}
     assert re.fullmatch(r"20\d\d-\d\d-\d\dT\S+ no version held @champion before: nothing to compare with",

@@ -89,7 +89,9 @@ TRAINED_AS = {TAG_BASE_MODEL: "base model", TAG_BASE_MODEL_REVISION: "base model
 MODEL_DESCRIPTION = (
     "Stable Diffusion weights fine-tuned by rangefinder. Each version is one pipeline run's delivered weights: its "
     "description says which LR and length made them, and its source run is the training run with their curves. "
-    "@candidate is the newest pipeline run's; @champion is the version a person promoted (rangefinder promote)."
+    "@candidate is the newest pipeline run's; @champion is the version promoted by rangefinder promote, by a person "
+    "or by a job's --if-better (a lower val_loss on the same validation images); each version's tags "
+    "rangefinder.champion_since, _until and _refused say when it held @champion, or why not."
 )
 _REQUIREMENTS = ("mlflow", "diffusers", "transformers", "torch", "safetensors", "accelerate", "pillow", "pandas",
                  "numpy")
