@@ -543,7 +543,7 @@ def test_scheduled_versions_name_what_made_them_and_say_when_their_val_loss_does
     assert again.run_id != first.run_id and {k: again.tags.get(k) for k in lineage} == lineage
     assert "Unlike" not in again.description
     # What promote would answer is in its description from the start: measured alike, and worse than @champion's.
-    assert again.description.endswith(
+    assert again.description.split(" To use it: ")[0].endswith(
         "Against @champion: val_loss 0.12 against @champion version 1's 0.1: 0.02 higher (20.0%), not better, on the "
         f"same validation images (4 images, digest {lineage['rangefinder.validation_digest']})."), again.description
     # Measured on the same images and worse: --if-better says by how much, exits 1 and leaves @champion at 1.
@@ -996,6 +996,6 @@ def test_a_run_that_started_earlier_but_finished_later_does_not_take_candidate(s
     client = MlflowClient(sqlite_tracking_uri)
     assert (newer.version, newer.alias, older.version, older.alias) == ("1", "candidate", "2", None)
     assert str(client.get_model_version_by_alias(name, "candidate").version) == "1"
-    assert client.get_model_version(name, "2").description.endswith(
+    assert client.get_model_version(name, "2").description.split(" To use it: ")[0].endswith(
         "Not @candidate: version 1, of a pipeline run started after this one's, holds it (the two ran at once, and "
         "this one finished last).")
