@@ -64,7 +64,9 @@ def read_curve_csv(path: str | Path, required: Sequence[str] = ("val_loss",),
 
 
 def _read_csv(p: Path, required: Sequence[str], skip_empty: Sequence[str]) -> dict[str, np.ndarray]:
-    with p.open(newline="", encoding="utf-8") as f:
+    # utf-8-sig: Excel's "CSV UTF-8" and PowerShell's Export-Csv start the file with a byte-order mark, which read as
+    # utf-8 glued itself to the first column's name ("\ufefflr").
+    with p.open(newline="", encoding="utf-8-sig") as f:
         reader = csv.reader(f)
         header = next(reader, None)
         if not header or not any(h.strip() for h in header):
