@@ -40,3 +40,16 @@ def test_a_curve_saved_with_a_byte_order_mark_reads_as_without(tmp_path):
     plain = analyze(write_rows(tmp_path / "plain.csv", ["lr", "val_loss"], [lr, loss]))
     bom = analyze(write_rows(tmp_path / "bom.csv", ["lr", "val_loss"], [lr, loss], encoding="utf-8-sig"))
     assert bom["lr_mid"] == plain["lr_mid"] and bom["status"] == "ok"
+
+
+def test_a_curve_separated_by_semicolons_with_decimal_commas_or_by_tabs_reads_as_with_commas(tmp_path):
+    # A spreadsheet in a German or French locale saves "CSV" with semicolons and decimal commas; a table pasted
+    # from a terminal is tab-separated.
+    lr, loss = range_test_rows()
+    plain = analyze(write_rows(tmp_path / "plain.csv", ["lr", "val_loss"], [lr, loss]))
+    semicolons = tmp_path / "excel-de.csv"
+    rows = (f"{float(a)!r};{float(b)!r}\n".replace(".", ",") for a, b in zip(lr, loss, strict=True))
+    semicolons.write_text("lr;val_loss\n" + "".join(rows))
+    tabs = write_rows(tmp_path / "pasted.tsv", ["lr", "val_loss"], [lr, loss], sep="\t")
+    for path in (semicolons, tabs):
+        assert analyze(path)["lr_mid"] == plain["lr_mid"], path

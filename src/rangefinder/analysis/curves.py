@@ -17,8 +17,9 @@ Everything is vectorised over leading batch axes so a seeded residual bootstrap 
 from __future__ import annotations
 
 import csv
+import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import NormalDist
@@ -67,7 +68,12 @@ def _read_csv(p: Path, required: Sequence[str], skip_empty: Sequence[str]) -> di
     # utf-8-sig: Excel's "CSV UTF-8" and PowerShell's Export-Csv start the file with a byte-order mark, which read as
     # utf-8 glued itself to the first column's name ("\ufefflr").
     with p.open(newline="", encoding="utf-8-sig") as f:
-        reader = csv.reader(f)
+        first = f.readline()
+        # The separator the header row uses: a comma, or the semicolon a spreadsheet in a decimal-comma locale
+        # (German, French, ...) writes, or a tab (a table pasted from a terminal or a spreadsheet). Read with commas,
+        # "lr;val_loss" was one column that held neither.
+        sep = next((s for s in (",", ";", "\t") if s in first), ",")
+        reader = csv.reader(itertools.chain([first], f), delimiter=sep)
         header = next(reader, None)
         if not header or not any(h.strip() for h in header):
             raise RangefinderError(
@@ -96,13 +102,15 @@ def _read_csv(p: Path, required: Sequence[str], skip_empty: Sequence[str]) -> di
             f"{p} has no {', '.join(missing)} column (it has {', '.join(header)}); "
             "pass the metrics.csv of a run that measured validation loss"
         )
+    # Where the comma does not separate cells it may be the decimal mark ("1,5e-06;0,2113"), and reads as a point.
+    number = float if sep == "," else lambda c: float(c.replace(",", "."))
     out: dict[str, np.ndarray] = {}
     for h, col in cells.items():
         try:
-            out[h] = np.array([float(c) if c else math.nan for c in col], dtype=float)
+            out[h] = np.array([number(c) if c else math.nan for c in col], dtype=float)
         except ValueError:
             if h in CURVE_COLUMNS or h.startswith(("val_loss_b", "stabilize_loss_b")):
-                bad = next((i, c) for i, c in zip(kept_lines, col, strict=True) if not _is_float(c))
+                bad = next((i, c) for i, c in zip(kept_lines, col, strict=True) if not _is_float(c, number))
                 raise RangefinderError(
                     f"{p} line {bad[0]}, column {h}: {bad[1]!r} is not a number; leave a cell empty when not measured"
                 ) from None
@@ -110,11 +118,11 @@ def _read_csv(p: Path, required: Sequence[str], skip_empty: Sequence[str]) -> di
     return out
 
 
-def _is_float(c: str) -> bool:
+def _is_float(c: str, number: Callable[[str], float] = float) -> bool:
     if not c:
         return True
     try:
-        float(c)
+        number(c)
         return True
     except ValueError:
         return False
