@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from rangefinder.analysis.synthetic import RangeTestShape, lr_sweep, noisy
-from tests.cli.test_bad_input import in_process
+from rangefinder.analysis.synthetic import ConstantRunShape, RangeTestShape, lr_sweep, noisy
+from tests.cli.test_bad_input import assert_one_line_error, in_process
 
 SHAPE = RangeTestShape(rise=0.05)
 
@@ -53,3 +53,42 @@ def test_a_curve_separated_by_semicolons_with_decimal_commas_or_by_tabs_reads_as
     tabs = write_rows(tmp_path / "pasted.tsv", ["lr", "val_loss"], [lr, loss], sep="\t")
     for path in (semicolons, tabs):
         assert analyze(path)["lr_mid"] == plain["lr_mid"], path
+
+
+def test_analyze_lr_reads_another_trainers_column_names_when_told_them(tmp_path):
+    # kohya logs the LR every step as lr/unet; a validation loss joined in from another tag fills every 10th row.
+    lr, loss = range_test_rows()
+    ours = analyze(write_rows(tmp_path / "metrics.csv", ["lr", "val_loss"], [lr, loss]))
+    steps = np.arange(lr.size * 10)
+    every_step_lr = np.repeat(lr, 10)
+    sparse_loss = np.where(steps % 10 == 0, np.repeat(loss, 10), np.nan)
+    kohya = tmp_path / "kohya.csv"
+    rows = zip(steps, every_step_lr, sparse_loss, strict=True)
+    kohya.write_text("step,lr/unet,loss/validation\n"
+                     + "".join(f"{s},{float(a)!r},{'' if np.isnan(b) else repr(float(b))}\n" for s, a, b in rows))
+    theirs = analyze(kohya, "--lr-column", "lr/unet", "--loss-column", "loss/validation")
+    assert theirs["lr_mid"] == ours["lr_mid"]
+    assert theirs["columns"] == {"lr": "lr/unet", "val_loss": "loss/validation"}
+    # Not told: one line naming both flags, with the column that looks like each.
+    assert_one_line_error(in_process("analyze-lr", str(kohya)), "no lr, val_loss column",
+                          "--lr-column lr/unet", "--loss-column loss/validation")
+    # A name the header does not spell: the line names it, and what the header has.
+    assert_one_line_error(in_process("analyze-lr", str(kohya), "--lr-column", "lr", "--loss-column", "loss/validation"),
+                          "no column 'lr' (named for lr)", "it has step, lr/unet, loss/validation")
+
+
+def test_select_steps_reads_a_tensorboard_export_when_told_its_columns(tmp_path):
+    # TensorBoard's "download CSV" of one tag: Wall time,Step,Value; Step is the trainer's global step (its updates).
+    shape = ConstantRunShape()
+    updates = np.arange(0, 800, 10)
+    loss = noisy(shape.loss(updates / 20), 0.0005, seed=5)
+    ours = json.loads(in_process("select-steps", str(write_rows(tmp_path / "metrics.csv", ["update", "val_loss"],
+                                                                [updates, loss])), "--json").stdout)
+    export = write_rows(tmp_path / "tb.csv", ["Wall time", "Step", "Value"], [1.7e9 + updates, updates, loss])
+    proc = in_process("select-steps", str(export), "--json", "--update-column", "Step", "--loss-column", "Value",
+                      "--report", str(tmp_path / "report"))
+    assert proc.returncode == 0, proc.stderr
+    theirs = json.loads(proc.stdout)
+    assert theirs["recommended_updates"] == ours["recommended_updates"] and theirs["status"] == "ok"
+    assert "update from &#x27;Step&#x27;" in (tmp_path / "report" / "step_report.html").read_text()
+    assert_one_line_error(in_process("select-steps", str(export)), "--update-column Step", "--loss-column Value")

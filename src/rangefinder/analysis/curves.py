@@ -19,7 +19,9 @@ from __future__ import annotations
 import csv
 import itertools
 import math
-from collections.abc import Callable, Sequence
+import re
+import shlex
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import NormalDist
@@ -40,9 +42,13 @@ CURVE_COLUMNS = ("update", "epoch", "lr", "train_loss", "val_loss", "stabilize_l
 
 
 def read_curve_csv(path: str | Path, required: Sequence[str] = ("val_loss",),
-                   skip_empty: Sequence[str] = ()) -> dict[str, np.ndarray]:
+                   skip_empty: Sequence[str] = (), columns: Optional[Mapping[str, str]] = None,
+                   flags: Optional[Mapping[str, str]] = None) -> dict[str, np.ndarray]:
     """Read a curve CSV (the engine's metrics.csv) into float arrays, one per column; empty cells become NaN.
 
+    `columns` maps a contract column to the file's name for it (another trainer's export: `Step`, `Value`,
+    `lr/unet`); that column is read under the contract name. `flags` names, per contract column, the command-line
+    flag that sets its name, for the message when it is missing.
     Rows whose cell is empty in a `skip_empty` column are left out (not measured there), while a written `nan` or
     `inf` is kept: it is a measurement that blew up.
     Columns that are not numbers throughout (none in the contract) are kept as string arrays. Raises
@@ -58,13 +64,14 @@ def read_curve_csv(path: str | Path, required: Sequence[str] = ("val_loss",),
     if not p.is_file():
         raise RangefinderError(f"curve file {p} does not exist; pass the metrics.csv a training run wrote")
     try:
-        return _read_csv(p, required, skip_empty)
+        return _read_csv(p, required, skip_empty, columns or {}, flags or {})
     except (UnicodeDecodeError, csv.Error) as e:
         raise RangefinderError(f"curve file {p} is not a CSV text file ({type(e).__name__}: {e}); pass the "
                                "metrics.csv a training run wrote") from None
 
 
-def _read_csv(p: Path, required: Sequence[str], skip_empty: Sequence[str]) -> dict[str, np.ndarray]:
+def _read_csv(p: Path, required: Sequence[str], skip_empty: Sequence[str], columns: Mapping[str, str],
+              flags: Mapping[str, str]) -> dict[str, np.ndarray]:
     # utf-8-sig: Excel's "CSV UTF-8" and PowerShell's Export-Csv start the file with a byte-order mark, which read as
     # utf-8 glued itself to the first column's name ("\ufefflr").
     with p.open(newline="", encoding="utf-8-sig") as f:
@@ -79,6 +86,13 @@ def _read_csv(p: Path, required: Sequence[str], skip_empty: Sequence[str]) -> di
             raise RangefinderError(
                 f"curve file {p} is empty; it needs a header row such as update,epoch,lr,val_loss")
         header = [h.strip() for h in header]
+        absent = [f"{given!r} (named for {ours})" for ours, given in columns.items() if given not in header]
+        if absent:
+            raise RangefinderError(f"{p} has no column {', '.join(absent)} (it has {', '.join(header)}); "
+                                   "give a name as the header row spells it")
+        # The named column is read as ours; a column the file itself calls by our name is set aside.
+        renamed = {given: ours for ours, given in columns.items()}
+        header = [renamed.get(h, f"{h} (unused)" if h in columns else h) for h in header]
         cells: dict[str, list[str]] = {h: [] for h in header}
         kept_lines: list[int] = []  # the line number of each kept row, for error messages
         skip_at = [header.index(c) for c in skip_empty if c in header]
@@ -98,10 +112,10 @@ def _read_csv(p: Path, required: Sequence[str], skip_empty: Sequence[str]) -> di
                 cells[h].append(c.strip())
     missing = [c for c in required if c not in cells]
     if missing:
-        raise RangefinderError(
-            f"{p} has no {', '.join(missing)} column (it has {', '.join(header)}); "
-            "pass the metrics.csv of a run that measured validation loss"
-        )
+        fix = "pass the metrics.csv of a run that measured validation loss"
+        if all(c in flags for c in missing):
+            fix = "; ".join(_name_the_column(c, flags[c], header) for c in missing)
+        raise RangefinderError(f"{p} has no {', '.join(missing)} column (it has {', '.join(header)}); {fix}")
     # Where the comma does not separate cells it may be the decimal mark ("1,5e-06;0,2113"), and reads as a point.
     number = float if sep == "," else lambda c: float(c.replace(",", "."))
     out: dict[str, np.ndarray] = {}
@@ -116,6 +130,26 @@ def _read_csv(p: Path, required: Sequence[str], skip_empty: Sequence[str]) -> di
                 ) from None
             out[h] = np.array(col, dtype=object)
     return out
+
+
+# What another trainer's log calls a contract column, by its name in lower case with every run of other characters
+# read as "_": kohya's `lr/unet`, W&B's `run - val_loss` (not its `__MIN`/`__MAX` band), OneTrainer's
+# `loss/validation_step`, a TensorBoard export's `Step` and `Value` (one tag per file).
+_LIKELY = {
+    "lr": lambda n: n in ("lr", "learning_rate") or n.startswith("lr_") or n.endswith("_lr"),
+    "val_loss": lambda n: n == "value" or ("loss" in n and "val" in n and not n.endswith(("_min", "_max"))),
+    "update": lambda n: n in ("step", "global_step", "steps", "update", "updates", "optimizer_step"),
+    "epoch": lambda n: n in ("epoch", "epochs"),
+}
+_MEANING = {"lr": "the learning rate of each validation", "val_loss": "the validation loss",
+            "update": "the optimizer update (global step) of each validation", "epoch": "the epoch of each validation"}
+
+
+def _name_the_column(ours: str, flag: str, header: Sequence[str]) -> str:
+    """How to name the file's column for `ours`: its flag, and the one column of `header` that looks like it."""
+    likely = [h for h in header if _LIKELY.get(ours, lambda n: False)(re.sub(r"[^a-z0-9]+", "_", h.lower()).strip("_"))]
+    guess = f", e.g. {flag} {shlex.quote(likely[0])}" if len(likely) == 1 else ""
+    return f"name the column that holds {_MEANING.get(ours, ours)} with {flag} NAME{guess}"
 
 
 def _is_float(c: str, number: Callable[[str], float] = float) -> bool:

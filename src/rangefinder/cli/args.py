@@ -72,3 +72,15 @@ def refuse_writing_over(out: str | None, out_flag: str, source: str | None, sour
     input it read (`compile --config my.yaml --out my.yaml` replaced the config with the package)."""
     if out and source and Path(out).is_file() and Path(source).is_file() and Path(out).samefile(source):
         raise RangefinderError(f"{out_flag} {out} is the {source_flag} file itself, which it would replace; {fix}")
+
+
+def named_columns(**given: str | None) -> dict[str, str]:
+    """The curve columns a command's `--*-column` flags named: contract name -> the file's name (unset ones left
+    out, so the contract's own name is read)."""
+    return {ours: name for ours, name in given.items() if name is not None}
+
+
+def curve_source(curve: str, columns: dict[str, str]) -> str:
+    """The curve file for a report, and the columns read from it under another name."""
+    named = ", ".join(f"{ours} from {theirs!r}" for ours, theirs in columns.items())
+    return f"{curve} ({named})" if named else curve

@@ -17,7 +17,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Find where validation loss starts to fall (lr_low), where it flattens or turns up (lr_high), "
         "and the midpoint to train at, with a quality score and flags for curves it cannot read.",
     )
-    p.add_argument("curve", metavar="CURVE.csv", help="the range test's metrics.csv (columns lr, val_loss, ...)")
+    p.add_argument("curve", metavar="CURVE.csv",
+                   help="the range test's metrics.csv, or any CSV with one row per validation: the LR it was "
+                   "measured at and the validation loss, e.g. 'step,lr,val_loss' then '200,1e-06,0.1841' (rows "
+                   "without a loss, e.g. the LR logged every step, are skipped; commas, semicolons or tabs)")
+    p.add_argument("--lr-column", metavar="NAME",
+                   help="the file's column holding the learning rate (default lr), e.g. 'lr/unet' as kohya logs it")
+    p.add_argument("--loss-column", metavar="NAME",
+                   help="the file's column holding the validation loss (default val_loss), e.g. 'myrun - val_loss' "
+                   "from a W&B export")
     p.add_argument("--ramp", choices=["linear", "exp"], help="how the LR climbed (default: inferred from the LRs)")
     p.add_argument("--plot", metavar="OUT.png", help="write the range-test plot here")
     p.add_argument("--report", metavar="DIR", help="write an HTML report, a Markdown summary, the plot and JSON here")
@@ -41,16 +49,20 @@ def run(args: argparse.Namespace) -> dict:
     if args.plot:  # before anything is read or written
         argtypes.refuse_writing_over(args.plot, "--plot", args.curve, "CURVE.csv",
                                      f"name the plot apart, e.g. {Path(args.plot).with_suffix('.png')}")
-    curve = read_curve_csv(args.curve, required=("lr", "val_loss"), skip_empty=("val_loss",))
+    columns = argtypes.named_columns(lr=args.lr_column, val_loss=args.loss_column)
+    curve = read_curve_csv(args.curve, required=("lr", "val_loss"), skip_empty=("val_loss",), columns=columns,
+                           flags={"lr": "--lr-column", "val_loss": "--loss-column"})
     if curve["val_loss"].dtype == object or curve["lr"].dtype == object:
         raise RangefinderError(f"{args.curve}: lr and val_loss must be numbers")
     extra = {k: v for k, v in (("mid_position", args.mid_position), ("midpoint", args.midpoint)) if v is not None}
     bounds = analyze_lr_curve(curve["lr"], curve["val_loss"], ramp=args.ramp, seed=args.seed,
                               stabilize_loss=curve.get("stabilize_loss"), **extra)
     result = bounds.to_dict()
+    if columns:  # what was read as what, for the script that reads this result and for the report
+        result["columns"] = columns
     if args.plot:
         result["plot"] = str(plot_lr_range_test(bounds, args.plot))
     if args.report:
-        paths = write_lr_report(bounds, curve, args.report, source=str(args.curve))
+        paths = write_lr_report(bounds, curve, args.report, source=argtypes.curve_source(args.curve, columns))
         result["report"] = str(paths["html"])
     return result

@@ -16,7 +16,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Find where smoothed validation loss is within a tolerance of its minimum, and how many "
         "epochs to train for.",
     )
-    p.add_argument("curve", metavar="CURVE.csv", help="the fine-tune's metrics.csv (columns update, epoch, val_loss)")
+    p.add_argument("curve", metavar="CURVE.csv",
+                   help="the fine-tune's metrics.csv, or any CSV with one row per validation: the optimizer update "
+                   "(global step) it was measured at, the validation loss and, optionally, the epoch, e.g. "
+                   "'update,epoch,val_loss' then '500,10,0.1841' (rows without a loss are skipped; commas, "
+                   "semicolons or tabs)")
+    p.add_argument("--update-column", metavar="NAME",
+                   help="the file's column holding the update (default update), e.g. Step in a TensorBoard export; "
+                   "the window comes back in its unit")
+    p.add_argument("--epoch-column", metavar="NAME",
+                   help="the file's column holding the epoch (default epoch); without one no epochs are recommended")
+    p.add_argument("--loss-column", metavar="NAME",
+                   help="the file's column holding the validation loss (default val_loss), e.g. Value in a "
+                   "TensorBoard export")
     p.add_argument("--tolerance", type=float, default=0.02,
                    help="relative distance from the minimum that still counts as in the window (default 0.02)")
     p.add_argument("--plot", metavar="OUT.png", help="write the step-window plot here")
@@ -32,13 +44,17 @@ def run(args: argparse.Namespace) -> dict:
     if args.plot:  # before anything is read or written
         argtypes.refuse_writing_over(args.plot, "--plot", args.curve, "CURVE.csv",
                                      f"name the plot apart, e.g. {Path(args.plot).with_suffix('.png')}")
-    curve = read_curve_csv(args.curve, required=("update", "val_loss"), skip_empty=("val_loss",))
+    columns = argtypes.named_columns(update=args.update_column, epoch=args.epoch_column, val_loss=args.loss_column)
+    curve = read_curve_csv(args.curve, required=("update", "val_loss"), skip_empty=("val_loss",), columns=columns,
+                           flags={"update": "--update-column", "val_loss": "--loss-column"})
     window = select_step_window(curve["update"], curve.get("epoch"), curve["val_loss"], tolerance=args.tolerance,
                                 stabilize_loss=curve.get("stabilize_loss"), seed=args.seed)
     result = window.to_dict()
+    if columns:  # what was read as what, for the script that reads this result and for the report
+        result["columns"] = columns
     if args.plot:
         result["plot"] = str(plot_step_window(window, args.plot))
     if args.report:
-        paths = write_step_report(window, curve, args.report, source=str(args.curve))
+        paths = write_step_report(window, curve, args.report, source=argtypes.curve_source(args.curve, columns))
         result["report"] = str(paths["html"])
     return result
