@@ -92,3 +92,24 @@ def test_select_steps_reads_a_tensorboard_export_when_told_its_columns(tmp_path)
     assert theirs["recommended_updates"] == ours["recommended_updates"] and theirs["status"] == "ok"
     assert "update from &#x27;Step&#x27;" in (tmp_path / "report" / "step_report.html").read_text()
     assert_one_line_error(in_process("select-steps", str(export)), "--update-column Step", "--loss-column Value")
+
+
+def test_select_steps_recommends_epochs_for_a_curve_without_them_given_the_updates_per_epoch(tmp_path):
+    # A trainer's log has the global step only; its user knows (or `plan` counts) 20 updates per epoch.
+    shape = ConstantRunShape()
+    updates = np.arange(0, 800, 10)
+    loss = noisy(shape.loss(updates / 20), 0.0005, seed=5)
+    with_epochs = write_rows(tmp_path / "metrics.csv", ["update", "epoch", "val_loss"], [updates, updates / 20, loss])
+    ours = json.loads(in_process("select-steps", str(with_epochs), "--json").stdout)
+    steps_only = write_rows(tmp_path / "steps.csv", ["step", "val_loss"], [updates, loss])
+    flags = ("--update-column", "step", "--json")
+    theirs = json.loads(in_process("select-steps", str(steps_only), *flags, "--updates-per-epoch", "20").stdout)
+    assert ours["recommended_epochs"] is not None
+    for key in ("recommended_epochs", "recommended_updates", "best_epoch", "window_start_epoch"):
+        assert theirs[key] == ours[key], key
+    # Without it the advice speaks of the length it has, in updates, not of epochs it leaves null.
+    bare = json.loads(in_process("select-steps", str(steps_only), *flags).stdout)
+    assert bare["recommended_epochs"] is None and bare["recommended_updates"] is not None
+    assert "recommended updates" in bare["advice"][0] and not any("epochs" in a for a in bare["advice"][:2])
+    assert_one_line_error(in_process("select-steps", str(with_epochs), "--updates-per-epoch", "20"),
+                          "has an epoch column", "drop --updates-per-epoch")

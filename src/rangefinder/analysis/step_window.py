@@ -492,9 +492,14 @@ def _select(u_all: np.ndarray, e_all: np.ndarray, y_all: np.ndarray, s_all: Opti
         p_improvement=p_down,
         noise_sigma=sigma,
         span=span,
-        advice=[STATUS_ADVICE[status]] + [FLAG_ADVICE[fl] for fl in flags],
+        advice=[_in_updates(a, rec_epochs) for a in [STATUS_ADVICE[status]] + [FLAG_ADVICE[fl] for fl in flags]],
         **common,
     )
+
+
+def _in_updates(advice: str, epochs: Optional[int]) -> str:
+    """The advice for a curve without epochs speaks of the updates it recommends, the one length it has."""
+    return advice if epochs is not None else advice.replace("recommended epochs", "recommended updates")
 
 
 def _no_improvement(flags: list[str], common: dict, *, sigma: float, p: float, span: int) -> StepWindow:

@@ -25,7 +25,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the file's column holding the update (default update), e.g. Step in a TensorBoard export; "
                    "the window comes back in its unit")
     p.add_argument("--epoch-column", metavar="NAME",
-                   help="the file's column holding the epoch (default epoch); without one no epochs are recommended")
+                   help="the file's column holding the epoch (default epoch); without one (and without "
+                   "--updates-per-epoch) the recommendation is in updates only")
+    p.add_argument("--updates-per-epoch", type=argtypes.float_in(0, lo_open=True), metavar="N",
+                   help="for a curve without an epoch column: the updates one epoch took, so the window comes back "
+                   "in epochs too (`rangefinder plan` counts them; kohya: images x repeats / (batch x GPUs x "
+                   "gradient accumulation), rounded up)")
     p.add_argument("--loss-column", metavar="NAME",
                    help="the file's column holding the validation loss (default val_loss), e.g. Value in a "
                    "TensorBoard export")
@@ -40,6 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     from rangefinder.analysis import plot_step_window, read_curve_csv, select_step_window, write_step_report
+    from rangefinder.errors import RangefinderError
 
     if args.plot:  # before anything is read or written
         argtypes.refuse_writing_over(args.plot, "--plot", args.curve, "CURVE.csv",
@@ -47,6 +53,11 @@ def run(args: argparse.Namespace) -> dict:
     columns = argtypes.named_columns(update=args.update_column, epoch=args.epoch_column, val_loss=args.loss_column)
     curve = read_curve_csv(args.curve, required=("update", "val_loss"), skip_empty=("val_loss",), columns=columns,
                            flags={"update": "--update-column", "val_loss": "--loss-column"})
+    if args.updates_per_epoch is not None:
+        if "epoch" in curve:
+            raise RangefinderError(f"{args.curve} has an epoch column and --updates-per-epoch was given too; "
+                                   "drop --updates-per-epoch to read the file's epochs")
+        curve["epoch"] = curve["update"] / args.updates_per_epoch
     window = select_step_window(curve["update"], curve.get("epoch"), curve["val_loss"], tolerance=args.tolerance,
                                 stabilize_loss=curve.get("stabilize_loss"), seed=args.seed)
     result = window.to_dict()
