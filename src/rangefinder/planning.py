@@ -266,6 +266,19 @@ def plan(
     )
 
 
+def loader_updates_per_epoch(images_per_bucket: Sequence[int], *, batch_size: int, world_size: int,
+                             grad_accum: int, drop_last: bool = False) -> int:
+    """Updates per epoch as kohya's sd-scripts and the diffusers examples count them, for their `max_train_steps`
+    from `max_train_epochs` / `num_train_epochs` and back: each epoch is a dataloader of its own, whose last batch
+    of each bucket is partial, sharded over the processes, and ended by an update however few micro-batches it
+    accumulated. sd-scripts (train_network.py): ceil(len(train_dataloader) / num_processes / grad_accum); the
+    diffusers examples: ceil(len(prepared dataloader) / grad_accum), accelerate's sharding giving
+    ceil(batches / num_processes); the two agree (nested ceilings of whole numbers). `drop_last`: their
+    dataloader's, which leaves each bucket's partial batch out."""
+    batches = sum(n // batch_size if drop_last else -(-n // batch_size) for n in images_per_bucket)
+    return -(-batches // (world_size * grad_accum))
+
+
 def plan_for(cfg: TrainingConfig, train_images: int, bucket_counts: Optional[Sequence[int]] = None) -> Plan:
     """The plan of one engine run, from its settings and the size of its training set (and its images per
     aspect-ratio bucket, when bucketed)."""

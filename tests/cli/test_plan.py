@@ -105,3 +105,31 @@ def test_bad_bucket_counts_are_refused_for_what_they_say(counts, says, capsys):
 
 def test_bucket_counts_with_a_trailing_comma_are_the_counts():
     assert plan("--bucket-counts", "3,2,", "--epochs", "1")["train_images"] == 5
+
+
+def test_kohya_repeats_and_max_train_epochs_in_both_conventions():
+    # sd-scripts: 20 images in a 10_name folder, train_batch_size 2 on 2 GPUs, max_train_epochs 4. Its
+    # train_network.py counts ceil(len(train_dataloader) / num_processes / grad_accum) = ceil(100 / 2) = 50 steps an
+    # epoch, 200 max_train_steps; each image is seen 40 times, rangefinder's 40 epochs.
+    p = plan("--images", "20", "--repeats", "10", "--batch-size", "2", "--world-size", "2", "--epochs", "4")
+    assert (p["train_images"], p["images_per_epoch"], p["repeats"]) == (20, 200, 10)
+    assert (p["total_updates"], p["images_seen"], p["passes_over_each_image"]) == (200, 800, 40)
+    loader = p["per_epoch_loader"]
+    assert (loader["updates_per_epoch"], loader["max_train_steps"], loader["num_train_epochs"]) == (50, 200, 4)
+    # The split is of the images, before their repeats.
+    p = plan("--images", "25", "--val-split", "0.2", "--repeats", "10", "--epochs", "1")
+    assert (p["train_images"], p["val_images"], p["images_per_epoch"], p["total_updates"]) == (20, 5, 200, 200)
+
+
+def test_diffusers_max_train_steps_to_its_num_train_epochs_and_rangefinders_epochs():
+    # The diffusers examples: 21 images, train_batch_size 2, gradient_accumulation_steps 2, max_train_steps 1100.
+    # Their dataloader has ceil(21 / 2) = 11 batches an epoch, so ceil(11 / 2) = 6 updates (the last one of 1
+    # micro-batch) and num_train_epochs = ceil(1100 / 6) = 184; rangefinder's stream straddles epochs, 5.25 updates
+    # an epoch, and the same 1100 updates show each image 4400 / 21 times.
+    p = plan("--images", "21", "--batch-size", "2", "--grad-accum", "2", "--steps", "1100")
+    assert (p["updates_per_epoch"], p["total_updates"], p["passes_over_each_image"]) == (5.25, 1100, 209.5238)
+    loader = p["per_epoch_loader"]
+    assert (loader["updates_per_epoch"], loader["max_train_steps"], loader["num_train_epochs"]) == (6, 1100, 184)
+    # With their dataloader's drop_last, the partial batch is not an epoch's.
+    assert plan("--images", "21", "--batch-size", "2", "--grad-accum", "2", "--steps", "1100",
+                "--drop-last")["per_epoch_loader"]["updates_per_epoch"] == 5
