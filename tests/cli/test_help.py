@@ -132,3 +132,19 @@ def _only_required_missing(parser: argparse.ArgumentParser, argv: list[str]) -> 
         except SystemExit:
             continue
     return False
+
+
+def test_the_standalone_commands_help_ends_in_examples_each_on_its_line_that_parse():
+    """A user of another trainer reads `--help` for what the input looks like: plan, train, analyze-lr and
+    select-steps showed no command to copy. Each example is whole on its line and parses as written."""
+    import shlex
+
+    commands = _commands()
+    for name in ("plan", "train", "analyze-lr", "select-steps"):
+        text = commands[name].format_help()
+        assert "\nexamples:\n" in text, name
+        shown = [line.strip() for line in text.split("\nexamples:\n", 1)[1].splitlines() if line.strip()]
+        runs = [shlex.split(line)[1:] for line in shown if line.startswith(f"rangefinder {name} ")]
+        assert runs, (name, shown)
+        for argv in runs:
+            commands[name].parse_args(argv[1:])  # exits (fails the test) on a flag or value it does not take

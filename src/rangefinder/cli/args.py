@@ -67,6 +67,25 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
 
 
+class ExamplesHelpFormatter(argparse.HelpFormatter):
+    """argparse's help, with the epilog `examples()` wrote kept line by line: each command whole on its line, as
+    the user copies it (argparse fills an epilog into one paragraph)."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if text.startswith(EXAMPLES):
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
+
+EXAMPLES = "examples:\n"
+
+
+def examples(*lines: str) -> dict:
+    """`add_parser` keywords for a help that ends in these example lines (a command, or a `# comment` above one)."""
+    return {"epilog": EXAMPLES + "".join(f"  {line}\n" for line in lines),
+            "formatter_class": ExamplesHelpFormatter}
+
+
 def refuse_writing_over(out: str | None, out_flag: str, source: str | None, source_flag: str, fix: str) -> None:
     """RangefinderError when `out` is the file `source` names (a link to it too): the command would replace the
     input it read (`compile --config my.yaml --out my.yaml` replaced the config with the package)."""

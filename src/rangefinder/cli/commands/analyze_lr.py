@@ -16,6 +16,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="read LR bounds off an LR range test (metrics.csv)",
         description="Find where validation loss starts to fall (lr_low), where it flattens or turns up (lr_high), "
         "and the midpoint to train at, with a quality score and flags for curves it cannot read.",
+        **argtypes.examples(
+            "rangefinder analyze-lr lrtest/metrics.csv --report lrtest/report",
+            "# another trainer's range test: one row per validation, its LR and loss under its own names",
+            "rangefinder analyze-lr kohya_lr_test.csv --lr-column lr/unet --loss-column loss/validation --json",
+        ),
     )
     p.add_argument("curve", metavar="CURVE.csv",
                    help="the range test's metrics.csv, or any CSV with one row per validation: the LR it was "

@@ -17,6 +17,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "max_train_epochs 4: rangefinder plan --images 20 --repeats 10 --batch-size 2 --world-size 2 --epochs 4. "
         "per_epoch_loader gives the steps and epochs as sd-scripts and the diffusers examples count them "
         "(max_train_steps, num_train_epochs); passes_over_each_image, rangefinder's own epochs.",
+        **argtypes.examples(
+            "# kohya sd-scripts: 20 images in 10_name, train_batch_size 2 on 2 GPUs, max_train_epochs 4",
+            "rangefinder plan --images 20 --repeats 10 --batch-size 2 --world-size 2 --epochs 4",
+            "# the diffusers examples: max_train_steps 1100 at train_batch_size 2, gradient_accumulation_steps 2",
+            "rangefinder plan --images 21 --batch-size 2 --grad-accum 2 --steps 1100",
+            "# A1111: 3000 steps (micro-batches) at batch 3, accumulation 17",
+            "rangefinder plan --images 26 --batch-size 3 --grad-accum 17 --steps 3000 --steps-unit micro-batch",
+        ),
     )
     sizes = p.add_mutually_exclusive_group(required=True)
     sizes.add_argument("--images", type=int, help="number of images in the dataset")

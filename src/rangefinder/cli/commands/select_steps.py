@@ -15,6 +15,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="find the step window of a constant-LR fine-tune (metrics.csv)",
         description="Find where smoothed validation loss is within a tolerance of its minimum, and how many "
         "epochs to train for.",
+        **argtypes.examples(
+            "rangefinder select-steps finetune/metrics.csv --plot window.png",
+            "# TensorBoard's CSV of a validation-loss tag (Wall time,Step,Value), 50 updates an epoch",
+            "rangefinder select-steps val_loss.csv --update-column Step --loss-column Value --updates-per-epoch 50",
+        ),
     )
     p.add_argument("curve", metavar="CURVE.csv",
                    help="the fine-tune's metrics.csv, or any CSV with one row per validation: the optimizer update "

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any, get_args
 
+from rangefinder.cli import args as argtypes
 from rangefinder.cli.ignored import ignored_by_train, warn_conflicts, warn_ignored
 from rangefinder.cli.output import add_json_flag
 from rangefinder.config import Method, Optimizer, Schedule, TrainingConfig, ValidationConfig
@@ -28,6 +29,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "A sampling: section in --config also renders samples during training into OUT_DIR/samples/. "
         "training.processes_per_node processes train, as in the pipeline's steps (auto: one per GPU, 1 on CPU); "
         "settings of the file that train does not use are named in one warning line.",
+        **argtypes.examples(
+            "# an LR range test of your own model: split the images, ramp the LR, validate often, read the curve",
+            "rangefinder split my_images --out my_split",
+            "rangefinder train --data my_split --model my_model.safetensors --out lrtest --schedule exp-ramp "
+            "--lr-min 1e-7 --lr-max 1e-3 --epochs 10 --validate-every-updates 5",
+            "rangefinder analyze-lr lrtest/metrics.csv",
+        ),
     )
     p.add_argument("--data", required=True, metavar="SPLIT_DIR", help="a split folder written by `rangefinder split`")
     p.add_argument("--model", metavar="MODEL_DIR",
