@@ -113,3 +113,15 @@ def test_select_steps_recommends_epochs_for_a_curve_without_them_given_the_updat
     assert "recommended updates" in bare["advice"][0] and not any("epochs" in a for a in bare["advice"][:2])
     assert_one_line_error(in_process("select-steps", str(with_epochs), "--updates-per-epoch", "20"),
                           "has an epoch column", "drop --updates-per-epoch")
+
+
+def test_two_tensorboard_exports_pasted_side_by_side_are_refused_for_their_repeated_names(tmp_path):
+    # The LR tag's and the loss tag's CSV pasted into one sheet: Wall time,Step,Value twice. Read by name, the two
+    # Value columns were interleaved into one and select-steps reported on a curve that was neither.
+    lr, loss = range_test_rows()
+    steps = np.arange(lr.size) * 10.0
+    pasted = write_rows(tmp_path / "pasted.csv", ["Wall time", "Step", "Value"] * 2,
+                        [1.7e9 + steps, steps, lr, 1.7e9 + steps, steps, loss])
+    line = assert_one_line_error(in_process("select-steps", str(pasted), "--update-column", "Step",
+                                            "--loss-column", "Value"), "more than one column", "'Value'")
+    assert "rename them apart" in line

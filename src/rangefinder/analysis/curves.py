@@ -86,6 +86,12 @@ def _read_csv(p: Path, required: Sequence[str], skip_empty: Sequence[str], colum
             raise RangefinderError(
                 f"curve file {p} is empty; it needs a header row such as update,epoch,lr,val_loss")
         header = [h.strip() for h in header]
+        twice = sorted({h for h in header if header.count(h) > 1})
+        if twice:
+            # Two TensorBoard exports pasted side by side (Wall time,Step,Value twice): read by name, the two
+            # columns' cells were interleaved into one, and the curve read was neither.
+            raise RangefinderError(f"{p} names more than one column {', '.join(map(repr, twice))}; rename them "
+                                   "apart in the header row (e.g. Value to lr and val_loss), or drop the copies")
         absent = [f"{given!r} (named for {ours})" for ours, given in columns.items() if given not in header]
         if absent:
             raise RangefinderError(f"{p} has no column {', '.join(absent)} (it has {', '.join(header)}); "
