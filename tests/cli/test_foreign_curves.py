@@ -125,3 +125,17 @@ def test_two_tensorboard_exports_pasted_side_by_side_are_refused_for_their_repea
     line = assert_one_line_error(in_process("select-steps", str(pasted), "--update-column", "Step",
                                             "--loss-column", "Value"), "more than one column", "'Value'")
     assert "rename them apart" in line
+
+
+def test_an_mlflow_metric_history_in_long_form_is_refused_with_the_pivot_that_reads_it(tmp_path):
+    # MlflowClient.get_metric_history of two metrics in one DataFrame: key,value,step,timestamp. Told the loss is
+    # `value`, analyze-lr read the LRs and the losses as one curve.
+    lr, loss = range_test_rows()
+    steps = np.arange(lr.size) * 10
+    history = tmp_path / "history.csv"
+    history.write_text("key,value,step,timestamp\n" + "".join(
+        f"{k},{float(v)!r},{s},0\n" for s, a, b in zip(steps, lr, loss, strict=True) for k, v in (("lr", a),
+                                                                                                ("val_loss", b))))
+    line = assert_one_line_error(in_process("select-steps", str(history), "--update-column", "step",
+                                            "--loss-column", "value"), "2 metrics in long form", "lr, val_loss")
+    assert "pivot_table" in line

@@ -135,7 +135,22 @@ def _read_csv(p: Path, required: Sequence[str], skip_empty: Sequence[str], colum
                     f"{p} line {bad[0]}, column {h}: {bad[1]!r} is not a number; leave a cell empty when not measured"
                 ) from None
             out[h] = np.array(col, dtype=object)
+    _refuse_long_form(p, out)
     return out
+
+
+def _refuse_long_form(p: Path, out: dict[str, np.ndarray]) -> None:
+    """RangefinderError for MLflow's metric history in long form, one row per (metric, step) under `key` and
+    `value` (MlflowClient.get_metric_history in a DataFrame, mlflow's `key,value,step,timestamp`): read as columns,
+    `value` mixed every metric's values into one curve."""
+    key = next((h for h in out if h.lower() == "key" and out[h].dtype == object), None)
+    names = sorted({str(k) for k in out[key]}) if key else []
+    if len(names) > 1:
+        shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
+        raise RangefinderError(
+            f"{p} holds {len(names)} metrics in long form, one per row under {key} ({shown}), which read as columns "
+            "mix into one curve; write one column per metric first, e.g. with pandas: "
+            "df.pivot_table(index='step', columns='key', values='value').to_csv('wide.csv'), then name its columns")
 
 
 # What another trainer's log calls a contract column, by its name in lower case with every run of other characters
