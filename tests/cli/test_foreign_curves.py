@@ -139,3 +139,19 @@ def test_an_mlflow_metric_history_in_long_form_is_refused_with_the_pivot_that_re
     line = assert_one_line_error(in_process("select-steps", str(history), "--update-column", "step",
                                             "--loss-column", "value"), "2 metrics in long form", "lr, val_loss")
     assert "pivot_table" in line
+
+
+def test_a_validation_logged_on_a_row_of_its_own_takes_the_lr_logged_above_it(tmp_path):
+    # W&B's history: wandb.log({"lr": ...}) every step and wandb.log({"val_loss": ...}) at each validation, each
+    # call a row of its own. Every validation row had an empty lr, and analyze-lr found 0 points and asked to
+    # validate more often.
+    lr, loss = range_test_rows()
+    ours = analyze(write_rows(tmp_path / "metrics.csv", ["lr", "val_loss"], [lr, loss]))
+    lines = ["_step,lr,val_loss"]
+    for i, (a, b) in enumerate(zip(lr, loss, strict=True)):
+        lines += [f"{3 * i},{float(a)!r},", f"{3 * i + 1},{float(a)!r},", f"{3 * i + 2},,{float(b)!r}"]
+    history = tmp_path / "wandb_history.csv"
+    history.write_text("\n".join(lines) + "\n")
+    theirs = analyze(history)
+    assert theirs["lr_mid"] == ours["lr_mid"]
+    assert any(f"{lr.size} of {lr.size} validation rows had no lr" in note for note in theirs["reading"])

@@ -43,12 +43,16 @@ CURVE_COLUMNS = ("update", "epoch", "lr", "train_loss", "val_loss", "stabilize_l
 
 def read_curve_csv(path: str | Path, required: Sequence[str] = ("val_loss",),
                    skip_empty: Sequence[str] = (), columns: Optional[Mapping[str, str]] = None,
-                   flags: Optional[Mapping[str, str]] = None) -> dict[str, np.ndarray]:
+                   flags: Optional[Mapping[str, str]] = None,
+                   fill_down: Sequence[str] = ()) -> dict[str, np.ndarray]:
     """Read a curve CSV (the engine's metrics.csv) into float arrays, one per column; empty cells become NaN.
 
     `columns` maps a contract column to the file's name for it (another trainer's export: `Step`, `Value`,
     `lr/unet`); that column is read under the contract name. `flags` names, per contract column, the command-line
-    flag that sets its name, for the message when it is missing.
+    flag that sets its name, for the message when it is missing. A kept row whose `fill_down` cell is empty takes
+    the last value above it in the file, as a log that writes the LR on each step's row and the validation loss on
+    a row of its own reads (W&B's history, a join of TensorBoard tags); `<column>_filled` then says, per kept row,
+    whether it did.
     Rows whose cell is empty in a `skip_empty` column are left out (not measured there), while a written `nan` or
     `inf` is kept: it is a measurement that blew up.
     Columns that are not numbers throughout (none in the contract) are kept as string arrays. Raises
@@ -64,14 +68,14 @@ def read_curve_csv(path: str | Path, required: Sequence[str] = ("val_loss",),
     if not p.is_file():
         raise RangefinderError(f"curve file {p} does not exist; pass the metrics.csv a training run wrote")
     try:
-        return _read_csv(p, required, skip_empty, columns or {}, flags or {})
+        return _read_csv(p, required, skip_empty, columns or {}, flags or {}, fill_down)
     except (UnicodeDecodeError, csv.Error) as e:
         raise RangefinderError(f"curve file {p} is not a CSV text file ({type(e).__name__}: {e}); pass the "
                                "metrics.csv a training run wrote") from None
 
 
 def _read_csv(p: Path, required: Sequence[str], skip_empty: Sequence[str], columns: Mapping[str, str],
-              flags: Mapping[str, str]) -> dict[str, np.ndarray]:
+              flags: Mapping[str, str], fill_down: Sequence[str]) -> dict[str, np.ndarray]:
     # utf-8-sig: Excel's "CSV UTF-8" and PowerShell's Export-Csv start the file with a byte-order mark, which read as
     # utf-8 glued itself to the first column's name ("\ufefflr").
     with p.open(newline="", encoding="utf-8-sig") as f:
@@ -102,6 +106,10 @@ def _read_csv(p: Path, required: Sequence[str], skip_empty: Sequence[str], colum
         cells: dict[str, list[str]] = {h: [] for h in header}
         kept_lines: list[int] = []  # the line number of each kept row, for error messages
         skip_at = [header.index(c) for c in skip_empty if c in header]
+        fill_at = {header.index(c): c for c in fill_down if c in header}
+        above: dict[int, str] = {}  # the last value of each fill_down column, in file order
+        # Per kept row and fill_down column: whether its cell came from above.
+        filled: dict[str, list[bool]] = {c: [] for c in fill_at.values()}
         # Row by row into the columns: a long file is held once, as its cells, not also as its rows.
         for lineno, row in enumerate(reader, start=2):
             if not any(c.strip() for c in row):
@@ -111,11 +119,15 @@ def _read_csv(p: Path, required: Sequence[str], skip_empty: Sequence[str], colum
                     f"{p} line {lineno} has {len(row)} cells but the header has {len(header)}; "
                     "the file is cut or not a curve CSV"
                 )
+            from_above = {i for i in fill_at if not row[i].strip() and i in above}
+            above |= {i: row[i] for i in fill_at if row[i].strip()}
             if any(not row[i].strip() for i in skip_at):
                 continue
             kept_lines.append(lineno)
-            for h, c in zip(header, row, strict=True):
-                cells[h].append(c.strip())
+            for i, c in fill_at.items():
+                filled[c].append(i in from_above)
+            for j, (h, c) in enumerate(zip(header, row, strict=True)):
+                cells[h].append((above[j] if j in from_above else c).strip())
     missing = [c for c in required if c not in cells]
     if missing:
         fix = "pass the metrics.csv of a run that measured validation loss"
@@ -136,6 +148,8 @@ def _read_csv(p: Path, required: Sequence[str], skip_empty: Sequence[str], colum
                 ) from None
             out[h] = np.array(col, dtype=object)
     _refuse_long_form(p, out)
+    for c, flags_ in filled.items():
+        out[f"{c}_filled"] = np.array(flags_, dtype=bool)
     return out
 
 
