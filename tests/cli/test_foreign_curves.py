@@ -155,3 +155,17 @@ def test_a_validation_logged_on_a_row_of_its_own_takes_the_lr_logged_above_it(tm
     theirs = analyze(history)
     assert theirs["lr_mid"] == ours["lr_mid"]
     assert any(f"{lr.size} of {lr.size} validation rows had no lr" in note for note in theirs["reading"])
+
+
+def test_select_steps_refuses_a_range_tests_curve_and_reads_a_warmup_and_decay(tmp_path):
+    # The range test's file given to the wrong command: its rise where the LR grew too high was read as
+    # overfitting and a "window" of updates came back, status ok.
+    lr, loss = range_test_rows()
+    sweep = write_rows(tmp_path / "lr_test.csv", ["update", "lr", "val_loss"], [np.arange(lr.size) * 10.0, lr, loss])
+    assert_one_line_error(in_process("select-steps", str(sweep)), "is an LR range test's curve", "analyze-lr")
+    # kohya's warmup then cosine decay: the LR rises, then holds and falls; a fine-tune's curve, read.
+    updates = np.arange(0, 800, 10.0)
+    warm_cosine = np.where(updates < 100, 1e-5 * updates / 100, 1e-5 * 0.5 * (1 + np.cos(np.pi * updates / 800)))
+    loss = noisy(ConstantRunShape().loss(updates / 20), 0.0005, seed=5)
+    run = write_rows(tmp_path / "run.csv", ["update", "lr", "val_loss"], [updates, warm_cosine, loss])
+    assert in_process("select-steps", str(run)).returncode == 0

@@ -58,6 +58,7 @@ def run(args: argparse.Namespace) -> dict:
     columns = argtypes.named_columns(update=args.update_column, epoch=args.epoch_column, val_loss=args.loss_column)
     curve = read_curve_csv(args.curve, required=("update", "val_loss"), skip_empty=("val_loss",), columns=columns,
                            flags={"update": "--update-column", "val_loss": "--loss-column"})
+    _refuse_a_range_test(args.curve, curve)
     if args.updates_per_epoch is not None:
         if "epoch" in curve:
             raise RangefinderError(f"{args.curve} has an epoch column and --updates-per-epoch was given too; "
@@ -74,3 +75,23 @@ def run(args: argparse.Namespace) -> dict:
         paths = write_step_report(window, curve, args.report, source=argtypes.curve_source(args.curve, columns))
         result["report"] = str(paths["html"])
     return result
+
+
+def _refuse_a_range_test(path: str, curve: dict) -> None:
+    """RangefinderError for an LR range test's curve, whose LR rises at every validation by a decade or more in all:
+    read as a fine-tune's, its turn where the LR grew too high was called overfitting, and its "window" an LR's.
+    A warmup, a decay or a cycle does not rise at every validation, and is read."""
+    import numpy as np
+
+    from rangefinder.errors import RangefinderError
+
+    lr = curve.get("lr")
+    if lr is None or lr.dtype == object:
+        return
+    order = np.argsort(curve["update"], kind="stable")
+    lr, y = lr[order], curve["val_loss"][order]
+    lr = lr[np.isfinite(lr) & (lr > 0) & np.isfinite(y)]
+    if lr.size >= 3 and np.all(np.diff(lr) > 0) and lr[-1] >= 10 * lr[0]:
+        raise RangefinderError(f"{path} is an LR range test's curve: its lr rises at every validation, from "
+                               f"{lr[0]:.3g} to {lr[-1]:.3g}; read it with analyze-lr (select-steps reads a "
+                               "constant-LR fine-tune's curve)")
