@@ -42,6 +42,18 @@ def test_a_curve_saved_with_a_byte_order_mark_reads_as_without(tmp_path):
     assert bom["lr_mid"] == plain["lr_mid"] and bom["status"] == "ok"
 
 
+def test_a_curve_in_utf16_as_windows_powershell_redirects_output_reads_as_in_utf8(tmp_path):
+    # `python export.py > curve.csv` in Windows PowerShell 5.1 writes UTF-16 with its byte-order mark: it was
+    # "not a CSV text file".
+    lr, loss = range_test_rows()
+    plain = analyze(write_rows(tmp_path / "plain.csv", ["lr", "val_loss"], [lr, loss]))
+    for encoding in ("utf-16", "utf-16-be"):
+        path = tmp_path / f"{encoding}.csv"
+        path.write_bytes((b"\xfe\xff" if encoding == "utf-16-be" else b"")
+                         + (tmp_path / "plain.csv").read_text().encode(encoding))
+        assert analyze(path)["lr_mid"] == plain["lr_mid"], encoding
+
+
 def test_a_curve_separated_by_semicolons_with_decimal_commas_or_by_tabs_reads_as_with_commas(tmp_path):
     # A spreadsheet in a German or French locale saves "CSV" with semicolons and decimal commas; a table pasted
     # from a terminal is tab-separated.

@@ -16,6 +16,7 @@ Everything is vectorised over leading batch axes so a seeded residual bootstrap 
 
 from __future__ import annotations
 
+import codecs
 import csv
 import itertools
 import math
@@ -77,8 +78,11 @@ def read_curve_csv(path: str | Path, required: Sequence[str] = ("val_loss",),
 def _read_csv(p: Path, required: Sequence[str], skip_empty: Sequence[str], columns: Mapping[str, str],
               flags: Mapping[str, str], fill_down: Sequence[str]) -> dict[str, np.ndarray]:
     # utf-8-sig: Excel's "CSV UTF-8" and PowerShell's Export-Csv start the file with a byte-order mark, which read as
-    # utf-8 glued itself to the first column's name ("\ufefflr").
-    with p.open(newline="", encoding="utf-8-sig") as f:
+    # utf-8 glued itself to the first column's name ("\ufefflr"). A UTF-16 mark: Windows PowerShell 5.1's `>`
+    # (Out-File) writes a script's printed CSV so, which read as utf-8 was "not a CSV text file".
+    with p.open("rb") as raw:
+        utf16 = raw.read(2) in (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
+    with p.open(newline="", encoding="utf-16" if utf16 else "utf-8-sig") as f:
         first = f.readline()
         # The separator the header row uses: a comma, or the semicolon a spreadsheet in a decimal-comma locale
         # (German, French, ...) writes, or a tab (a table pasted from a terminal or a spreadsheet). Read with commas,
