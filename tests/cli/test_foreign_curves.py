@@ -181,3 +181,12 @@ def test_select_steps_refuses_a_range_tests_curve_and_reads_a_warmup_and_decay(t
     loss = noisy(ConstantRunShape().loss(updates / 20), 0.0005, seed=5)
     run = write_rows(tmp_path / "run.csv", ["update", "lr", "val_loss"], [updates, warm_cosine, loss])
     assert in_process("select-steps", str(run)).returncode == 0
+
+
+def test_a_cell_that_is_not_a_number_is_named_by_the_files_own_column(tmp_path):
+    # A spreadsheet's thousands separator in TensorBoard's Step: the line said "column update", a name the
+    # user's file does not have.
+    export = tmp_path / "tb.csv"
+    export.write_text('Wall time,Step,Value\n1.7e9,0,0.2\n1.7e9,"1,200",0.19\n1.7e9,2400,0.18\n')
+    assert_one_line_error(in_process("select-steps", str(export), "--update-column", "Step", "--loss-column", "Value"),
+                          "line 3, column 'Step' (read as update): '1,200' is not a number")

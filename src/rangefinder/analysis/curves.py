@@ -147,8 +147,10 @@ def _read_csv(p: Path, required: Sequence[str], skip_empty: Sequence[str], colum
         except ValueError:
             if h in CURVE_COLUMNS or h.startswith(("val_loss_b", "stabilize_loss_b")):
                 bad = next((i, c) for i, c in zip(kept_lines, col, strict=True) if not _is_float(c, number))
+                named = f"{columns[h]!r} (read as {h})" if h in columns else h  # as the user's header spells it
                 raise RangefinderError(
-                    f"{p} line {bad[0]}, column {h}: {bad[1]!r} is not a number; leave a cell empty when not measured"
+                    f"{p} line {bad[0]}, column {named}: {bad[1]!r} is not a number; leave a cell empty when not "
+                    "measured"
                 ) from None
             out[h] = np.array(col, dtype=object)
     _refuse_long_form(p, out)
