@@ -190,3 +190,21 @@ def test_a_cell_that_is_not_a_number_is_named_by_the_files_own_column(tmp_path):
     export.write_text('Wall time,Step,Value\n1.7e9,0,0.2\n1.7e9,"1,200",0.19\n1.7e9,2400,0.18\n')
     assert_one_line_error(in_process("select-steps", str(export), "--update-column", "Step", "--loss-column", "Value"),
                           "line 3, column 'Step' (read as update): '1,200' is not a number")
+
+
+def test_select_steps_reads_a_curve_logged_by_epoch_given_the_updates_per_epoch(tmp_path):
+    # A validation logged once an epoch at step = epoch (a TensorBoard tag of epoch averages): no update column.
+    shape = ConstantRunShape()
+    epochs = np.arange(0, 40.0)
+    loss = noisy(shape.loss(epochs), 0.0005, seed=5)
+    ours = json.loads(in_process("select-steps", str(write_rows(
+        tmp_path / "metrics.csv", ["update", "epoch", "val_loss"], [epochs * 50, epochs, loss])), "--json").stdout)
+    export = write_rows(tmp_path / "epoch_average.csv", ["Wall time", "Step", "Value"], [1.7e9 + epochs, epochs, loss])
+    proc = in_process("select-steps", str(export), "--epoch-column", "Step", "--loss-column", "Value",
+                      "--updates-per-epoch", "50", "--json")
+    assert proc.returncode == 0, proc.stderr
+    theirs = json.loads(proc.stdout)
+    for key in ("recommended_epochs", "recommended_updates", "best_update", "window_end_epoch"):
+        assert theirs[key] == ours[key], key
+    unnamed = in_process("select-steps", str(export), "--loss-column", "Value", "--updates-per-epoch", "50")
+    assert_one_line_error(unnamed, "no update or epoch column", "--epoch-column")

@@ -33,9 +33,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the file's column holding the epoch (default epoch); without one (and without "
                    "--updates-per-epoch) the recommendation is in updates only")
     p.add_argument("--updates-per-epoch", type=argtypes.float_in(0, lo_open=True), metavar="N",
-                   help="for a curve without an epoch column: the updates one epoch took, so the window comes back "
-                   "in epochs too (`rangefinder plan` counts them; kohya: images x repeats / (batch x GPUs x "
-                   "gradient accumulation), rounded up)")
+                   help="the updates one epoch took, for a curve with updates and no epochs (the window comes back "
+                   "in epochs too) or with epochs and no updates (a validation logged once an epoch) "
+                   "(`rangefinder plan` counts them: its per_epoch_loader's for kohya's and diffusers' runs)")
     p.add_argument("--loss-column", metavar="NAME",
                    help="the file's column holding the validation loss (default val_loss), e.g. Value in a "
                    "TensorBoard export")
@@ -56,14 +56,25 @@ def run(args: argparse.Namespace) -> dict:
         argtypes.refuse_writing_over(args.plot, "--plot", args.curve, "CURVE.csv",
                                      f"name the plot apart, e.g. {Path(args.plot).with_suffix('.png')}")
     columns = argtypes.named_columns(update=args.update_column, epoch=args.epoch_column, val_loss=args.loss_column)
-    curve = read_curve_csv(args.curve, required=("update", "val_loss"), skip_empty=("val_loss",), columns=columns,
+    # Given the updates an epoch takes, a curve by epoch alone (a validation logged once an epoch, at step epoch)
+    # needs no update column: the updates are counted from its epochs.
+    by_epoch = args.updates_per_epoch is not None and args.update_column is None
+    curve = read_curve_csv(args.curve, required=("val_loss",) if by_epoch else ("update", "val_loss"),
+                           skip_empty=("val_loss",), columns=columns,
                            flags={"update": "--update-column", "val_loss": "--loss-column"})
-    _refuse_a_range_test(args.curve, curve)
     if args.updates_per_epoch is not None:
-        if "epoch" in curve:
+        if "update" in curve and "epoch" in curve:
             raise RangefinderError(f"{args.curve} has an epoch column and --updates-per-epoch was given too; "
                                    "drop --updates-per-epoch to read the file's epochs")
-        curve["epoch"] = curve["update"] / args.updates_per_epoch
+        if "update" in curve:
+            curve["epoch"] = curve["update"] / args.updates_per_epoch
+        elif "epoch" in curve:
+            curve["update"] = curve["epoch"] * args.updates_per_epoch
+        else:
+            raise RangefinderError(f"{args.curve} has no update or epoch column (it has "
+                                   f"{', '.join(k for k in curve if not k.endswith('_filled'))}); name the one it "
+                                   "has with --update-column or --epoch-column")
+    _refuse_a_range_test(args.curve, curve)
     window = select_step_window(curve["update"], curve.get("epoch"), curve["val_loss"], tolerance=args.tolerance,
                                 stabilize_loss=curve.get("stabilize_loss"), seed=args.seed)
     result = window.to_dict()
