@@ -138,9 +138,12 @@ def _through_every_step(cfg, out: Path, *, discover: bool) -> dict:
     c.sample_images.python_func(config_json=config_json, finetuned=model, mlflow_parent_run_id="",
                                 grid=artifact(HTML, "sample-images", "grid"),
                                 images=artifact(Dataset, "sample-images", "images"))
+    result = artifact(Markdown, "register-model", "result")
     registered = c.register_model.python_func(config_json=config_json, model=model, lr=ft.lr_used,
-                                              epochs=ft.recommended_epochs, mlflow_parent_run_id="")
+                                              epochs=ft.recommended_epochs, mlflow_parent_run_id="", result=result)
     return {"pipeline_root": str(root), "lr_source": lr.source, "registered_model": registered.model_uri,
+            "result": Path(result.path).read_text(), "lr_used": ft.lr_used,
+            "recommended_epochs": ft.recommended_epochs,
             "chosen_update": ft.chosen_update, "chosen_rule": ft.chosen_rule,
             "recommended_updates": ft.recommended_updates,
             "mixed_precision": ft.mixed_precision, "config_json": config_json}
@@ -184,6 +187,14 @@ def test_a_hub_id_through_every_step_registers_the_kept_checkpoint(method, fake_
     s = _through_every_step(cfg, out, discover=method not in FIXED_LR)
     assert s["lr_source"] == ("fixed" if method in FIXED_LR else "range-test")
     assert s["registered_model"] == "models:/rangefinder-sd/1"
+    # register-model's result, the run's outcome on its graph in the Kubeflow UI: the model, the kept checkpoint, the
+    # LR and length, and the MLflow run (a local store: its UI's link, and the command that serves it).
+    result = s["result"]
+    assert "| Model | `models:/rangefinder-sd/1` |" in result, result
+    assert f"| Learning rate | {s['lr_used']:.3g} |" in result, result
+    assert f"| Recommended epochs | {s['recommended_epochs']} |" in result, result
+    assert f"update {s['chosen_update']}" in result and "](http://127.0.0.1:5000/#/experiments/" in result, result
+    assert "mlflow ui --backend-store-uri sqlite:///" in result, result
     snapshot = cache / f"models--{HUB_REPO.replace('/', '--')}" / "snapshots" / commit
     resolved = load_step_config(s["config_json"]).model
     assert (resolved.base_model, resolved.resolved_dir) == (HUB_REPO, str(snapshot))

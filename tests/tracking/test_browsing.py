@@ -12,6 +12,7 @@ from mlflow import MlflowClient
 
 from rangefinder.config import RangefinderConfig, TrackingConfig
 from rangefinder.tracking import ensure_parent_run, step_run
+from rangefinder.tracking.target import mlflow_executable
 
 NOTE = "mlflow.note.content"
 
@@ -34,8 +35,19 @@ def test_the_version_s_source_run_is_the_fine_tune_and_every_run_and_the_model_s
     parent = ensure_parent_run(cfg, name="pipeline-run-1")
     with step_run(cfg, "finetune", parent_run_id=parent) as ft:
         ft.log_metrics({"val_loss": 0.3}, step=4)
-    registered = run_register_model(cfg, model_dir=tiny_model_dir, lr=2e-4, epochs=7, mlflow_parent_run_id=parent)
+    result = tmp_path / "result.md"
+    registered = run_register_model(cfg, model_dir=tiny_model_dir, lr=2e-4, epochs=7, mlflow_parent_run_id=parent,
+                                    result_md=result)
     assert registered.version == "1"
+    # The run's outcome as register-model's Markdown artifact shows it in the Kubeflow UI: the model, the weights,
+    # the LR, the length, and the link to the pipeline's MLflow run (not the step's), with the command serving the UI.
+    exp_id = MlflowClient(tracking_uri=sqlite_tracking_uri).get_experiment_by_name("browse").experiment_id
+    text = result.read_text()
+    for row in (f"| Model | `models:/{name}/1` |", "| Weights | the fine-tune's final weights |",
+                "| Learning rate | 0.0002 |", "| Epochs trained | 7 |",
+                f"| MLflow | [the run's record](http://127.0.0.1:5000/#/experiments/{exp_id}/runs/{parent}) (serve the "
+                f"UI first: `{mlflow_executable()} ui --backend-store-uri {sqlite_tracking_uri}`) |"):
+        assert row in text, text
 
     client = MlflowClient(tracking_uri=sqlite_tracking_uri)
     mv = client.get_model_version(name, "1")

@@ -500,6 +500,7 @@ def register_model(
     model: Input[Model],
     lr: float,
     epochs: int,
+    result: Output[Markdown],
     mlflow_parent_run_id: str = "",
 ) -> NamedTuple("Registered", model_uri=str, version=str):  # type: ignore[valid-type]
     """Register the delivered model in MLflow: the fine-tune's checkpoint at the recommended length (or the
@@ -514,6 +515,8 @@ def register_model(
             default: the run KFP's MLflow integration made for the task, else $MLFLOW_RUN_ID's, else none.
 
     Returns:
+        result: The run's result in Markdown: the registered model, the weights, the LR, the length and the link to
+            the pipeline's MLflow run.
         model_uri: The registered model's URI (models:/NAME/VERSION).
         version: The registered version number; empty when no version was made.
     """
@@ -526,7 +529,7 @@ def register_model(
 
     with one_line_errors("register-model"):
         r = run_register_model(load_step_config(config_json), model_dir=Path(model.path), lr=lr, epochs=epochs,
-                               mlflow_parent_run_id=mlflow_parent_run_id or None)
+                               mlflow_parent_run_id=mlflow_parent_run_id or None, result_md=Path(result.path))
     Registered = namedtuple("Registered", "model_uri version")
     return Registered(r.model_uri, r.version or "")
 

@@ -22,6 +22,28 @@ class Registered:
     model_uri: str
     version: Optional[str]
     weights: Path  # the folder that was registered (chosen/ or final/)
+    # The MLflow UI's page of the pipeline's parent run (the step's own run without one), without credentials, and
+    # the command that serves that UI for a store that is no server (None for a server): tracking.target.ui_link.
+    mlflow_link: Optional[str] = None
+    mlflow_ui: Optional[str] = None
+
+
+def result_markdown(registered: Registered, *, lr: float, length: tuple[str, str], weights: str, why: str) -> str:
+    """The pipeline's result in a few lines of Markdown, for register-model's `result` artifact: what a person looks
+    for when a run ends (the model registered and how to load it, the LR, the length, where MLflow holds the record),
+    on the run's graph in the Kubeflow UI instead of in a step's log. The model's name comes from the config: a code
+    span, never markup."""
+    from rangefinder.formats.text import markdown_cell, markdown_code
+
+    model = markdown_code(registered.model_uri) + ("" if registered.version else
+                                                   " (logged; tracking.registered_model_name is empty: not registered)")
+    rows = [("Model", model), ("Weights", weights), ("Learning rate", f"{lr:.3g}"), length]
+    if registered.mlflow_link:
+        rows.append(("MLflow", f"[the run's record]({registered.mlflow_link})"
+                     + (f" (serve the UI first: {markdown_code(registered.mlflow_ui)})" if registered.mlflow_ui
+                        else "")))
+    table = "\n".join(f"| {k} | {markdown_cell(v)} |" for k, v in rows)
+    return f"# Result\n\n| | |\n|---|---|\n{table}\n\n{why}\n"
 
 
 def delivered_name(chosen: dict[str, Any]) -> str:
@@ -90,9 +112,11 @@ def retrained_on_all_data(model_dir: Path) -> Optional[bool]:
 
 
 def run_register_model(cfg: RangefinderConfig, *, model_dir: Path, lr: float, epochs: int,
-                       mlflow_parent_run_id: Optional[str] = None) -> Registered:
+                       mlflow_parent_run_id: Optional[str] = None, result_md: Optional[Path] = None) -> Registered:
+    """`result_md`: where to write the result in Markdown (result_markdown), the step's visualization in KFP."""
     from rangefinder import tracking
     from rangefinder.tracking.registry import TAG_IMPROVED_ON_BASE
+    from rangefinder.tracking.target import run_ui_link
 
     delivered, chosen = delivered_weights(model_dir)
     weights = delivered
@@ -136,8 +160,12 @@ def run_register_model(cfg: RangefinderConfig, *, model_dir: Path, lr: float, ep
             weights = export_pipeline(weights, resolve_base_model(cfg.model).path, Path(scratch) / "pipeline",
                                       cfg.model.variant)
 
+        where: dict[str, Optional[str]] = {}
+
         def register() -> tracking.RegisteredVersion:
             with tracking.step_run(cfg, "register_model", parent_run_id=mlflow_parent_run_id) as run:
+                where["mlflow_ui"], where["mlflow_link"] = run_ui_link(
+                    run.tracking_uri, run.experiment_id, run.parent_run_id or run.run_id)
                 # The model's defaults are the settings the run's samples and grid were drawn with, so that by
                 # default it renders what the person promoting it looked at.
                 v = run.log_diffusers_model(weights, metrics=metrics, tags=tags, description=description,
@@ -165,7 +193,19 @@ def run_register_model(cfg: RangefinderConfig, *, model_dir: Path, lr: float, ep
             later=lambda: _later_command(cfg, model_dir, lr, epochs, mlflow_parent_run_id))
     # The registry's name for it when registered (what a person loads or promotes), else the logged model's URI.
     uri = f"models:/{v.name}/{v.version}" if v.version else v.model_uri
-    return Registered(model_uri=uri, version=v.version, weights=delivered)
+    registered = Registered(model_uri=uri, version=v.version, weights=delivered, **where)
+    if result_md is not None:
+        from rangefinder.formats.atomic import write_text
+
+        if chosen is not None:
+            at = ", ".join(f"{k} {chosen[k]:g}" for k in ("update", "epoch") if chosen.get(k) is not None)
+            what = f"the fine-tune's {delivered_name(chosen)}" + (f" ({at})" if at else "")
+            length = ("Recommended epochs", str(epochs))
+        else:
+            what = "the full-data retrain's final weights" if retrained else "the fine-tune's final weights"
+            length = ("Epochs trained", str(epochs))
+        write_text(result_md, result_markdown(registered, lr=lr, length=length, weights=what, why=description))
+    return registered
 
 
 def _later_command(cfg: RangefinderConfig, model_dir: Path, lr: float, epochs: int,

@@ -368,6 +368,7 @@ def _local_artifact_location(uri: str) -> Optional[str]:
 # reads `workflowType` from the query (`machine_learning` or `genai`; the built UI, mlflow/server/js) and its `runs`
 # tab is the model-training runs table. `mlflow ui` serves on this port unless told otherwise.
 UI_RUNS_ROUTE = "#/experiments/{experiment_id}/runs?workflowType=machine_learning"
+UI_RUN_ROUTE = "#/experiments/{experiment_id}/runs/{run_id}"  # one run's page (the same UI's runs/:runUuid route)
 MLFLOW_UI_PORT = 5000
 
 
@@ -392,3 +393,11 @@ def ui_link(uri: str, experiment_id: str) -> tuple[Optional[str], str]:
         return None, f"{safe_uri(uri).rstrip('/')}/{route}"
     command = shlex.join([mlflow_executable(), "ui", "--backend-store-uri", safe_uri(uri)])
     return command, f"http://127.0.0.1:{MLFLOW_UI_PORT}/{route}"
+
+
+def run_ui_link(uri: str, experiment_id: str, run_id: str) -> tuple[Optional[str], str]:
+    """`ui_link` for one run: the command that serves the UI for `uri` (None for a server) and the link that opens
+    the run's page there (its params, metrics, description and artifacts), without credentials."""
+    command, link = ui_link(uri, experiment_id)
+    return command, link.replace(UI_RUNS_ROUTE.format(experiment_id=experiment_id),
+                                 UI_RUN_ROUTE.format(experiment_id=experiment_id, run_id=run_id))
