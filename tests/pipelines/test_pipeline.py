@@ -189,6 +189,45 @@ def test_dag_order_and_conditions(compiled):
     assert any("retrained" not in t.inputs.artifacts for _, _, t in samples)
 
 
+def _graph_names(compiled, dag, branch: str = "") -> list[tuple[str, str, str]]:
+    """(the name of the branch it runs in, its name on the run's graph, its component) of every step under `dag`,
+    as the Kubeflow UI names the nodes (task_info.name); a branch is the nearest dsl.If / dsl.Else above it."""
+    out = []
+    for task in dag.tasks.values():
+        ref = task.component_ref.name
+        comp = compiled.spec.components[ref]
+        if comp.WhichOneof("implementation") == "dag":
+            conditional = ref.startswith("comp-condition-") and not ref.startswith("comp-condition-branches")
+            out += _graph_names(compiled, comp.dag, task.task_info.name if conditional else branch)
+        else:
+            out.append((branch, task.task_info.name, ref))
+    return out
+
+
+def test_each_node_of_the_graph_says_what_it_does_and_in_which_branch(compiled):
+    """The run's graph in the Kubeflow UI shows the steps by name: the four ways to an LR were four nodes named
+    choose-lr, and the two registrations (retrained model or fine-tuned checkpoint) two named register-model; which
+    one ran, or was skipped, was to be read off the branch around it. Each name is unique in its sub-pipeline and says
+    what it does; the exit handler's step says what it records where."""
+    names = _graph_names(compiled, compiled.spec.root.dag)
+    (status,) = [n for _, n, ref in names if ref == "comp-record-status"]
+    assert status == "record-final-status-in-mlflow"
+    chosen = {(b, n) for b, n, ref in names if ref.startswith("comp-choose-lr")}
+    assert chosen == {("prodigy-step", "choose-lr-from-prodigy-step"), ("zoom-needed", "choose-lr-from-zoom"),
+                      ("first-test-readable", "choose-lr-from-range-test"), ("fixed-lr", "choose-lr-fixed")}, chosen
+    delivered = {(b, n) for b, n, ref in names if ref.startswith(("comp-register-model", "comp-sample-images"))}
+    assert delivered == {("retrain-on-all-data", "register-retrained-model"),
+                         ("retrain-on-all-data", "sample-images-finetuned-and-retrained"),
+                         ("keep-finetuned", "register-finetuned-model"),
+                         ("keep-finetuned", "sample-images-finetuned")}, delivered
+    # Within one dataset branch (the importer's or the folder's train-and-evaluate) no two steps share a name.
+    for dataset_branch in ("import-dataset", "dataset-folder"):
+        under = [n for b, n, _ in _graph_names(compiled, next(
+            compiled.spec.components[t.component_ref.name].dag for _, dag in compiled.dags()
+            for t in dag.tasks.values() if t.task_info.name == dataset_branch))]
+        assert len(under) == len(set(under)), sorted(under)
+
+
 def test_the_lr_finder_is_a_parameter_resolved_at_run_time_and_picks_the_discovery_branch(compiled):
     """lr_finder reaches resolve-config with the method (auto is resolved there, at run time, so a UI user who
     changes `method` gets its finder), and resolve-config's resolved value picks, inside discover-lr, the Prodigy run

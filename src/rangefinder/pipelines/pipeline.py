@@ -221,8 +221,11 @@ def _build_pipeline(cfg: RangefinderConfig, *, local: bool) -> Callable:
     k8s = cfg.kubernetes
     d = parameters_from_config(cfg)
 
-    def step(task: dsl.PipelineTask, name: str) -> dsl.PipelineTask:
-        return configure_task(task, name, k8s, local=local, num_nodes=cfg.distributed.num_nodes)
+    def step(task: dsl.PipelineTask, name: str, shown: Optional[str] = None) -> dsl.PipelineTask:
+        """`task` configured as step `name`; `shown`: its name on the run's graph where the step appears in more than
+        one branch, saying which (the Kubeflow UI names each node by it alone), else the step's."""
+        configured = configure_task(task, name, k8s, local=local, num_nodes=cfg.distributed.num_nodes)
+        return configured.set_display_name(shown) if shown else configured
 
     @dsl.pipeline(name="range-test")
     def range_test(
@@ -238,10 +241,12 @@ def _build_pipeline(cfg: RangefinderConfig, *, local: bool) -> Callable:
                                         mlflow_parent_run_id=mlflow_parent_run_id), "lr_range_test")
             zoom.set_display_name("lr-range-test-zoom")
             zoomed = step(c.choose_lr(config_json=config_json, source="zoom", lr_low=zoom.outputs["lr_low"],
-                                      lr_high=zoom.outputs["lr_high"], lr_mid=zoom.outputs["lr_mid"]), "choose_lr")
+                                      lr_high=zoom.outputs["lr_high"], lr_mid=zoom.outputs["lr_mid"]), "choose_lr",
+                          "choose-lr-from-zoom")
         with dsl.Else(name="first-test-readable"):
             kept = step(c.choose_lr(config_json=config_json, source="range-test", lr_low=first.outputs["lr_low"],
-                                    lr_high=first.outputs["lr_high"], lr_mid=first.outputs["lr_mid"]), "choose_lr")
+                                    lr_high=first.outputs["lr_high"], lr_mid=first.outputs["lr_mid"]), "choose_lr",
+                        "choose-lr-from-range-test")
         return Bounds(
             lr_low=dsl.OneOf(zoomed.outputs["lr_low"], kept.outputs["lr_low"]),
             lr_high=dsl.OneOf(zoomed.outputs["lr_high"], kept.outputs["lr_high"]),
@@ -261,7 +266,7 @@ def _build_pipeline(cfg: RangefinderConfig, *, local: bool) -> Callable:
             size = probe.outputs["lr"]
             read = step(c.choose_lr(config_json=config_json, source="prodigy-step", lr_low=size, lr_high=size,
                                     lr_mid=size, updates=probe.outputs["updates"],
-                                    factor=probe.outputs["factor"]), "choose_lr")
+                                    factor=probe.outputs["factor"]), "choose_lr", "choose-lr-from-prodigy-step")
         with dsl.Else(name="lr-range-test"):
             tested = range_test(config_json=config_json, split=split, mlflow_parent_run_id=mlflow_parent_run_id)
         return Bounds(**{k: dsl.OneOf(read.outputs[k], tested.outputs[k]) for k in Bounds._fields})
@@ -277,7 +282,7 @@ def _build_pipeline(cfg: RangefinderConfig, *, local: bool) -> Callable:
                                 mlflow_parent_run_id=mlflow_parent_run_id)
         with dsl.Else(name="fixed-lr"):
             fixed = step(c.choose_lr(config_json=config_json, source="fixed", lr_low=fixed_lr, lr_high=fixed_lr,
-                                     lr_mid=fixed_lr), "choose_lr")
+                                     lr_mid=fixed_lr), "choose_lr", "choose-lr-fixed")
         lr = {k: dsl.OneOf(found.outputs[k], fixed.outputs[k]) for k in ("lr_low", "lr_high", "lr_mid", "source")}
 
         tuned = step(c.finetune(config_json=config_json, split=split, lr_low=lr["lr_low"], lr_high=lr["lr_high"],
@@ -292,16 +297,17 @@ def _build_pipeline(cfg: RangefinderConfig, *, local: bool) -> Callable:
                                        mlflow_parent_run_id=mlflow_parent_run_id), "retrain_full")
             step(c.sample_images(config_json=config_json, finetuned=tuned.outputs["model"],
                                  retrained=full.outputs["model"], mlflow_parent_run_id=mlflow_parent_run_id),
-                 "sample_images")
+                 "sample_images", "sample-images-finetuned-and-retrained")
             step(c.register_model(config_json=config_json, model=full.outputs["model"], lr=kept_lr,
                                   epochs=full.outputs["epochs"], mlflow_parent_run_id=mlflow_parent_run_id),
-                 "register_model")
+                 "register_model", "register-retrained-model")
         with dsl.Else(name="keep-finetuned"):
             step(c.sample_images(config_json=config_json, finetuned=tuned.outputs["model"],
-                                 mlflow_parent_run_id=mlflow_parent_run_id), "sample_images")
+                                 mlflow_parent_run_id=mlflow_parent_run_id), "sample_images", "sample-images-finetuned")
             step(c.register_model(config_json=config_json, model=tuned.outputs["model"], lr=kept_lr,
                                   epochs=tuned.outputs["recommended_epochs"],
-                                  mlflow_parent_run_id=mlflow_parent_run_id), "register_model")
+                                  mlflow_parent_run_id=mlflow_parent_run_id), "register_model",
+                 "register-finetuned-model")
 
     @dsl.pipeline(name=PIPELINE_NAME, description=PIPELINE_DESCRIPTION,
                   pipeline_config=None if local else pipeline_config(k8s))
@@ -372,7 +378,8 @@ def _build_pipeline(cfg: RangefinderConfig, *, local: bool) -> Callable:
         """
         status = step(c.record_status(mlflow_experiment=mlflow_experiment,
                                       pipeline_job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
-                                      pipeline_job_name=dsl.PIPELINE_JOB_NAME_PLACEHOLDER), "record_status")
+                                      pipeline_job_name=dsl.PIPELINE_JOB_NAME_PLACEHOLDER), "record_status",
+                      "record-final-status-in-mlflow")
         with dsl.ExitHandler(status, name="run-and-record"):
             resolved = step(c.resolve_config(
                 base_config=base_config, dataset_dir=dataset_dir, base_model=base_model,
