@@ -133,3 +133,19 @@ def test_the_pipeline_file_loads_with_its_defaults_and_run_settings():
     assert params["method"]["defaultValue"] == "full" and all(p.get("description") for p in params.values())
     assert docs[1]["platforms"]["kubernetes"]["pipelineConfig"] == {"resourceTtlOnCompletion": 7 * 24 * 3600}
     assert "ghcr.io/rangefinder/rangefinder-trainer:" in package.read_text()
+
+
+@pytest.mark.parametrize("readme", ["pipelines/README.md", "components/resolve_config/README.md"])
+def test_a_list_parameter_s_default_and_description_are_what_the_run_form_takes(readme):
+    """The Kubeflow UI's run form takes a LIST parameter as JSON: the README showed the prompts' default in YAML's
+    flow style, [a red circle on a blue background, ...], which the form refuses when pasted, and the description
+    did not say the value is a JSON list."""
+    import json
+
+    from rangefinder.config import RangefinderConfig
+
+    (row,) = [ln for ln in (REPO / readme).read_text().splitlines() if ln.startswith("| `prompts` |")]
+    cells = [c.strip() for c in row.strip("|").split(" | ")]
+    assert cells[1] in ("LIST", "List"), row
+    assert json.loads(cells[2].strip("`")) == RangefinderConfig().sampling.prompts, row
+    assert "JSON list" in cells[3], row

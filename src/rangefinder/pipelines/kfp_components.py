@@ -93,7 +93,7 @@ def resolve_config(
         fixed_lr: A learning rate chosen by hand (skips discovery); 0: find it by measurement.
         retrain: Retrain on train + validation for the recommended epochs and register that model.
         retrain_epochs: Epochs of the full-data retrain; 0: the epochs the fine-tune recommends.
-        prompts: Prompts of the evaluation grid (one row each, fixed seeds).
+        prompts: Prompts of the evaluation grid (one row each, fixed seeds), as a JSON list of strings.
         mlflow_experiment: MLflow experiment the runs are logged under.
         pipeline_job_id: The KFP run id (dsl.PIPELINE_JOB_ID_PLACEHOLDER); the MLflow parent run is found by it.
             Empty, the default: no parent run, each step's MLflow run stands alone.

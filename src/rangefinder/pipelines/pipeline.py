@@ -371,7 +371,7 @@ def _build_pipeline(cfg: RangefinderConfig, *, local: bool) -> Callable:
             retrain: Retrain on train + validation for the recommended epochs, and register that model. Off: the
                 fine-tune's checkpoint at the recommended length is registered (its validation loss was measured).
             retrain_epochs: Epochs of the full-data retrain. 0: the epochs the fine-tune recommends.
-            prompts: Prompts of the evaluation grid (one row each, fixed seeds).
+            prompts: Prompts of the evaluation grid (one row each, fixed seeds), as a JSON list of strings.
             mlflow_experiment: MLflow experiment the runs are logged under.
             base_config: Every other setting, as the JSON of a rangefinder config (`rangefinder compile --config`
                 fills it in); the parameters above override it.

@@ -117,6 +117,10 @@ def _type_name(spec_type: str) -> str:
 def _default(value: Any, where: str = "component.yaml") -> str:
     if value is None:
         return ""
+    if isinstance(value, (list, dict)):
+        # As the run form takes a LIST or STRUCT parameter: JSON (YAML's flow style is refused there when pasted).
+        text = json.dumps(value, ensure_ascii=False)
+        return f"`{text}`" if len(text) <= 120 else f"(see {where})"
     text = yaml.safe_dump(value, default_flow_style=True, width=10**6).strip()
     text = text.removesuffix("\n...").strip()
     return f"`{text}`" if len(text) <= 80 else f"(see {where})"
