@@ -160,12 +160,12 @@ def component_readme(step: str) -> str:
         "## Use it in your own pipeline",
         "",
         "```python",
-        "from kfp import components",
-        "",
-        f'{step} = components.load_component_from_file("components/{step}/component.yaml")',
+        *component_example(step, spec),
         "```",
         "",
-        "The loaded component takes the inputs above as keyword arguments in a `@dsl.pipeline`. Steps that read a "
+        "The loaded component takes the inputs above as keyword arguments in a `@dsl.pipeline` (the example passes "
+        "those without a default; an artifact input comes from another step's output, or from `dsl.importer` as here). "
+        "Steps that read a "
         "config take `config_json`, the JSON that `resolve_config` returns (or `rangefinder compile --config FILE`'s "
         "`base_config` default). On a cluster, give its pod what `rangefinder.pipelines.pipeline.configure_task` gives "
         "it (data volume, MLflow Secret, GPU for the training steps). kfp.local runs it too, in a subprocess of the "
@@ -174,6 +174,52 @@ def component_readme(step: str) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+# Python's names of KFP's parameter types, for an example pipeline's signature.
+_PYTHON_TYPES = {"String": "str", "Integer": "int", "Float": "float", "Boolean": "bool", "List": "list",
+                 "Dict": "dict"}
+# What the example of a component whose inputs all have defaults passes (resolve_config: the usual few to set).
+_EXAMPLE_SETTINGS = {"resolve_config": ("dataset_dir", "base_model", "method")}
+
+
+def component_example(step: str, spec: ComponentSpec) -> list[str]:
+    """A pipeline that loads the component and runs it, every input without a default given: its parameters from the
+    pipeline's own (typed as the component types them), its artifacts through `dsl.importer` from a URI parameter.
+    The exit step, whose status KFP fills in, runs as the exit handler around resolve_config. Compiled by
+    tests/pipelines/test_published.py as the README shows it."""
+    dash = step.replace("_", "-")
+    load = [f'{step} = components.load_component_from_file("components/{step}/component.yaml")']
+    if step == "record_status":
+        return ["from kfp import components, dsl", "", *load,
+                'resolve_config = components.load_component_from_file("components/resolve_config/component.yaml")',
+                "", "",
+                f'@dsl.pipeline(name="{dash}-example")',
+                f"def {step}_example(mlflow_experiment: str = \"rangefinder\"):",
+                "    run = dict(pipeline_job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, "
+                "pipeline_job_name=dsl.PIPELINE_JOB_NAME_PLACEHOLDER)",
+                f"    status = {step}(mlflow_experiment=mlflow_experiment, **run)",
+                "    with dsl.ExitHandler(status):  # records the final state of what runs inside, whatever happened",
+                "        resolve_config(mlflow_experiment=mlflow_experiment, **run)"]
+    given = {name: i for name, i in (spec.inputs or {}).items()
+             if name in _EXAMPLE_SETTINGS.get(step, ()) or (i.default is None and not i.optional)}
+    params, body, args = [], [], []
+    for name, i in given.items():
+        kind = _type_name(i.type)
+        if kind.startswith("system."):
+            params.append(f"{name}_uri: str")
+            body.append(f"    {name} = dsl.importer(artifact_uri={name}_uri, artifact_class=dsl.{kind[7:]}).output")
+        else:
+            params.append(f"{name}: {_PYTHON_TYPES[kind]}")
+        args.append(f"{name}={name}")
+    call = f"    {step}({', '.join(args)})"
+    if len(call) > 100:
+        call = f"    {step}(\n" + "".join(f"        {a},\n" for a in args) + "    )"
+    signature = f"def {step}_example({', '.join(params)}):"
+    if len(signature) > 100:
+        signature = f"def {step}_example(\n" + "".join(f"    {p},\n" for p in params) + "):"
+    return ["from kfp import components, dsl", "", *load, "", "",
+            f'@dsl.pipeline(name="{dash}-example")', signature, *body, call]
 
 
 def component_metadata(step: str) -> str:
