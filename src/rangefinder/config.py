@@ -385,6 +385,27 @@ class ModelConfig(_Section):
     # rangefinder.base_model_revision of every step's run and of the registered version.
     resolved_revision: Optional[str] = None
 
+    @field_validator("revision")
+    @classmethod
+    def _a_hub_model_s(cls, v: Optional[str], info: ValidationInfo) -> Optional[str]:
+        # A revision beside the embedded model, a folder or a single file was ignored without a word: a person who
+        # typed a commit believed the run pinned to it. main is the default branch, no change (the example config
+        # sets it). By the name's shape (models/loading.py's _looks_like_hub_id also asks the filesystem, which a
+        # config's validation does not), so a path that reads as org/name is left to the loader.
+        base = info.data.get("base_model")
+        if v is not None and v != "main" and not _hub_id_shaped(base):
+            what = "empty (the embedded tiny model)" if not base else f"{base!r}, a path"
+            raise ValueError(f"{v!r} is a branch, tag or commit of a hub model, and model.base_model is {what}, which "
+                             "has none: it would be ignored; clear it, or give model.base_model a hub id (org/name)")
+        return v
+
+
+def _hub_id_shaped(name: Optional[str]) -> bool:
+    """Whether `name` can be a hub id (org/name or name) by its shape: not a path, file name or URL."""
+    return bool(name) and not (
+        str(name).startswith(("/", "./", "../", "~", ".")) or str(name).count("/") > 1 or "://" in str(name)
+        or str(name).lower().endswith((".safetensors", ".ckpt", ".pt", ".pth", ".bin")))
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # Methods

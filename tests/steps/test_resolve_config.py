@@ -111,6 +111,25 @@ def test_the_first_step_resolves_the_base_model_once_for_every_later_step(fake_h
     assert load_step_config(r.config_json).model.resolved_dir == model["resolved_dir"]
 
 
+@pytest.mark.parametrize("base_model", ["", "/data/models/mine", "/data/models/mine.safetensors"])
+def test_a_revision_for_a_base_model_that_has_none_is_named_by_its_parameter(base_model):
+    """A branch, tag or commit typed into the run form's base_model_revision beside the embedded model, a folder or a
+    single file on the data volume: the run trained that model as it was, the revision ignored without a word, and the
+    person believed the run pinned to it. main, the default branch (configs/example.yaml sets it), is no change."""
+    params = parameters_from_config(demo_config())
+    base = params.pop("base_config")
+    params.update(base_model=base_model, base_model_revision="v1.2")
+    with pytest.raises(ConfigError) as e:
+        config_from_parameters(base, **params)
+    assert str(e.value).startswith("model.revision (pipeline parameter base_model_revision): 'v1.2' is a branch, tag "
+                                   "or commit of a hub model"), e.value
+    assert "clear it, or give model.base_model a hub id (org/name)" in str(e.value)
+    params["base_model_revision"] = "main"
+    assert config_from_parameters(base, **params).model.revision == "main"
+    assert config_from_parameters(base, **{**params, "base_model": "org/name", "base_model_revision": "v1.2"}
+                                  ).model.revision == "v1.2"
+
+
 def test_a_bad_base_model_stops_the_first_step(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
