@@ -100,6 +100,25 @@ def test_a_component_ends_on_bad_input_with_exit_2_and_one_line(tmp_path, capsys
                            "are out of order"), line
 
 
+@pytest.mark.parametrize(("typed", "said"), [
+    ("/data/datasets/mine", "pipeline parameter dataset_uri '/data/datasets/mine' is not an object-store URI (s3://, "
+                            "gs://, minio://), which KFP's importer downloads; for a folder on the data volume give "
+                            "its path as dataset_dir and leave dataset_uri empty"),
+    ("s3://AKIAEXAMPLE:hunter2-pw@bucket/cats", "pipeline parameter dataset_uri holds a user name and password"),
+])
+def test_a_dataset_uri_the_importer_cannot_read_is_resolve_config_s_one_line(typed, said, capsys):
+    """The run form's dataset_uri, checked as `submit --dataset-uri` is: a folder's path typed there (dataset_dir's
+    kind of value) failed in the importer in KFP's own words, and a URI holding a password went on to it. The
+    importer runs after resolve-config (test_pipeline.py), so this line is the run's error; the secret is not in it."""
+    params = parameters_from_config(demo_config(), dataset_uri=typed)
+    with pytest.raises(SystemExit) as stopped:
+        c.resolve_config.python_func(**params, pipeline_job_id="")
+    assert stopped.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"rangefinder step resolve-config: error: ConfigError: {said}"), line
+    assert "hunter2" not in line
+
+
 def _through_every_step(cfg, out: Path, *, discover: bool) -> dict:
     """The keep-finetuned branch, component by component: resolve-config, prepare-dataset, the range test and
     choose-lr (or choose-lr on the fixed LR), finetune, sample-images and register-model, each function on the

@@ -111,6 +111,15 @@ def test_dag_order_and_conditions(compiled):
     # The importer runs only when a dataset URI is given, and feeds prepare-dataset.
     (imp_dag, imp_name, imp), = compiled.tasks("importer")
     assert "dataset_uri" in compiled.condition_of(imp_dag) and "!= ''" in compiled.condition_of(imp_dag)
+    # After resolve-config, whose check of the URI (no path, no credentials) is then the run's one line.
+    runs_in = {t.component_ref.name: (dag_name, t) for dag_name, dag in compiled.dags() for t in dag.tasks.values()}
+    waits, group = list(imp.dependent_tasks), imp_dag
+    while group in runs_in:  # the groups around the importer, out to the root: what each waits for
+        group, task = runs_in[group]
+        waits += task.dependent_tasks
+    assert "resolve-config" in waits, waits
+    (_, _, resolve_task), = compiled.tasks("resolve-config")
+    assert resolve_task.inputs.parameters["dataset_uri"].component_input_parameter.endswith("dataset_uri")
     preps = compiled.tasks("prepare-dataset")
     assert len(preps) == 2
     fed = [t for d, _, t in preps if "dataset" in t.inputs.artifacts]

@@ -270,29 +270,13 @@ def resolve_endpoint(host: Optional[str] = None, token: Optional[str] = None, ca
                     token_note=note)
 
 
-# What KFP's importer downloads from (its launcher's object store: gs, s3, minio); --dataset-uri's help names them.
-DATASET_URI_SCHEMES = ("s3", "gs", "minio")
-
-
 def check_dataset_uri(uri: str) -> None:
     """ConfigError unless `uri` (--dataset-uri) is an object-store URI without credentials. It becomes a parameter of
     the run, shown in the KFP UI, and was sent as given: a password in it went there, and a folder's path made a run
-    whose importer failed on the cluster."""
-    from rangefinder.config import uri_credentials
-    from rangefinder.errors import ConfigError
+    whose importer failed on the cluster. resolve-config checks the run form's dataset_uri the same way."""
+    from rangefinder.steps.resolve_config import check_dataset_uri as check
 
-    if not uri:
-        return
-    held = uri_credentials(uri)
-    if held:  # named, never shown
-        raise ConfigError(f"--dataset-uri holds {held}, which the run's parameters would show; give the URI alone "
-                          "(s3://bucket/prefix): the pods read the object store's keys from KFP's own Secret")
-    scheme = uri.partition("://")[0] if "://" in uri else ""
-    if scheme not in DATASET_URI_SCHEMES:
-        schemes = ", ".join(f"{s}://" for s in DATASET_URI_SCHEMES)
-        raise ConfigError(f"--dataset-uri {uri!r} is not an object-store URI ({schemes}), which KFP's importer "
-                          "downloads; for a folder on the data volume set data.dataset_dir in the config and leave "
-                          "--dataset-uri out")
+    check(uri, "--dataset-uri", "set data.dataset_dir in the config and leave --dataset-uri out")
 
 
 def resolve_ui_url(ui_url: Optional[str], host: str) -> tuple[str, bool]:

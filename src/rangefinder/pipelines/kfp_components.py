@@ -64,6 +64,7 @@ def resolve_config(
     mlflow_experiment: str = _config_default("mlflow_experiment"),
     pipeline_job_id: str = "",
     pipeline_job_name: str = "",
+    dataset_uri: str = "",
 ) -> NamedTuple(  # type: ignore[valid-type]
     "ResolvedConfig", config_json=str, fixed_lr=float, lr_finder=str, retrain=bool, mlflow_parent_run_id=str
 ):
@@ -98,6 +99,8 @@ def resolve_config(
         pipeline_job_id: The KFP run id (dsl.PIPELINE_JOB_ID_PLACEHOLDER); the MLflow parent run is found by it.
             Empty, the default: no parent run, each step's MLflow run stands alone.
         pipeline_job_name: The KFP run name; the MLflow parent run is named after it, and found by it with the id.
+        dataset_uri: The object-store URI (s3://, gs://, minio://) the pipeline's importer reads the dataset from,
+            checked here (no path, no credentials); empty, the default: none.
 
     Returns:
         config_json: The validated config as JSON, with the base model resolved; every later step reads it.
@@ -119,7 +122,7 @@ def resolve_config(
             finetune_epochs=finetune_epochs, val_split=val_split, split_seed=split_seed, seed=seed, fixed_lr=fixed_lr,
             retrain=retrain,
             retrain_epochs=retrain_epochs, prompts=prompts, mlflow_experiment=mlflow_experiment,
-            pipeline_job_id=pipeline_job_id, pipeline_job_name=pipeline_job_name,
+            pipeline_job_id=pipeline_job_id, pipeline_job_name=pipeline_job_name, dataset_uri=dataset_uri,
         )
     ResolvedConfig = namedtuple("ResolvedConfig", "config_json fixed_lr lr_finder retrain mlflow_parent_run_id")
     return ResolvedConfig(r.config_json, r.fixed_lr, r.lr_finder, r.retrain, r.mlflow_parent_run_id)

@@ -389,7 +389,7 @@ def _build_pipeline(cfg: RangefinderConfig, *, local: bool) -> Callable:
                 val_split=val_split, split_seed=split_seed, seed=seed, fixed_lr=fixed_lr, retrain=retrain,
                 retrain_epochs=retrain_epochs, prompts=prompts, mlflow_experiment=mlflow_experiment,
                 pipeline_job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
-                pipeline_job_name=dsl.PIPELINE_JOB_NAME_PLACEHOLDER,
+                pipeline_job_name=dsl.PIPELINE_JOB_NAME_PLACEHOLDER, dataset_uri=dataset_uri,
             ), "resolve_config")
             config_json = resolved.outputs["config_json"]
             rest = dict(fixed_lr=resolved.outputs["fixed_lr"], lr_finder=resolved.outputs["lr_finder"],
@@ -397,6 +397,8 @@ def _build_pipeline(cfg: RangefinderConfig, *, local: bool) -> Callable:
                         mlflow_parent_run_id=resolved.outputs["mlflow_parent_run_id"])
             with dsl.If(dataset_uri != "", name="import-dataset"):
                 imported = dsl.importer(artifact_uri=dataset_uri, artifact_class=dsl.Dataset, reimport=False)
+                # After resolve-config (the branches read its config_json), whose check of the URI is then the run's
+                # one line for a path or a password typed there.
                 imported.set_display_name("dataset-importer")
                 prepared = step(c.prepare_dataset(config_json=config_json, dataset=imported.output),
                                 "prepare_dataset")

@@ -130,6 +130,30 @@ def defaults_replacing_base_config(base_config: str, params: Mapping[str, Any]) 
             "each with base_config's value to keep it")
 
 
+# What KFP's importer downloads from (its launcher's object store: gs, s3, minio); the dataset_uri parameter's
+# description and --dataset-uri's help name them.
+DATASET_URI_SCHEMES = ("s3", "gs", "minio")
+
+
+def check_dataset_uri(uri: str, name: str, folder_fix: str) -> None:
+    """ConfigError unless `uri` (the parameter or flag `name`) is empty or an object-store URI without credentials.
+    A folder's path there made a run whose importer failed in KFP's own words; credentials are named, never shown.
+    `folder_fix`: where a folder's path goes instead."""
+    from rangefinder.config import uri_credentials
+
+    if not uri:
+        return
+    held = uri_credentials(uri)
+    if held:
+        raise ConfigError(f"{name} holds {held}, which the run's parameters would show; give the URI alone "
+                          "(s3://bucket/prefix): the pods read the object store's keys from KFP's own Secret")
+    scheme = uri.partition("://")[0] if "://" in uri else ""
+    if scheme not in DATASET_URI_SCHEMES:
+        schemes = ", ".join(f"{s}://" for s in DATASET_URI_SCHEMES)
+        raise ConfigError(f"{name} {uri!r} is not an object-store URI ({schemes}), which KFP's importer downloads; "
+                          f"for a folder on the data volume {folder_fix}")
+
+
 def config_from_parameters(base_config: str = "", **params: Any) -> RangefinderConfig:
     """Lay the typed parameters over `base_config` and validate; ConfigError names the parameter at fault."""
     unknown = sorted(set(params) - set(PARAMETER_FIELDS) - {"dataset_uri"})
@@ -177,6 +201,10 @@ class ResolvedConfig:
 
 def run_resolve_config(base_config: str = "", *, pipeline_job_id: str = "", pipeline_job_name: str = "",
                        **params: Any) -> ResolvedConfig:
+    # The run form's dataset_uri, which the importer reads after this step: a folder's path typed there failed in
+    # the importer, in KFP's words, and a URI with a password went on to it.
+    check_dataset_uri(params.get("dataset_uri") or "", "pipeline parameter dataset_uri",
+                      "give its path as dataset_dir and leave dataset_uri empty")
     cfg = config_from_parameters(base_config, **params)
     replaced = defaults_replacing_base_config(base_config, params)
     if replaced:
