@@ -91,6 +91,11 @@ def test_parameters_are_typed_with_descriptions(compiled):
     assert {k: v.parameter_type for k, v in params.items()} == expected
     for name, p in params.items():
         assert len(p.description) > 10, f"{name} has no UI description"
+        # The run form lists the parameters by name (base_config first), not in the signature's order.
+        assert not {"above", "below"} & set(p.description.split()), f"{name}: {p.description}"
+    # A fixed LR skips whichever finder lr_finder names, and the retrain's length applies with the retrain only.
+    assert "range test" in params["fixed_lr"].description and "Prodigy" in params["fixed_lr"].description
+    assert "with retrain on" in params["retrain_epochs"].description
     # Unset in the config: 0 in the UI, which the first step reads as the method's default sweep.
     assert params["lr_max"].default_value.number_value == 0.0
     assert params["fixed_lr"].default_value.number_value == 0.0

@@ -367,14 +367,16 @@ def _build_pipeline(cfg: RangefinderConfig, *, local: bool) -> Callable:
             val_split: Share of images held out for validation loss (0.2 = 20 %, rounded up, at least one image).
             split_seed: Seed of the train/validation split; the same seed and files give the same split.
             seed: Seed of training (weights, noise, shuffling).
-            fixed_lr: A learning rate chosen by hand; skips the LR range tests. 0: find it by measurement.
+            fixed_lr: A learning rate chosen by hand; skips LR discovery (the range tests or the Prodigy run of
+                lr_finder). 0: find it by measurement.
             retrain: Retrain on train + validation for the recommended epochs, and register that model. Off: the
                 fine-tune's checkpoint at the recommended length is registered (its validation loss was measured).
-            retrain_epochs: Epochs of the full-data retrain. 0: the epochs the fine-tune recommends.
+            retrain_epochs: Epochs of the full-data retrain, with retrain on. 0: the epochs the fine-tune
+                recommends.
             prompts: Prompts of the evaluation grid (one row each, fixed seeds), as a JSON list of strings.
             mlflow_experiment: MLflow experiment the runs are logged under.
             base_config: Every other setting, as the JSON of a rangefinder config (`rangefinder compile --config`
-                fills it in); the parameters above override it.
+                fills it in); the other parameters override it.
         """
         status = step(c.record_status(mlflow_experiment=mlflow_experiment,
                                       pipeline_job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
