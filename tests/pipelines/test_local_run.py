@@ -210,6 +210,13 @@ def test_fixed_lr_from_a_hub_id_skips_discovery_then_retrains(tmp_path, shapes_d
     assert sorted(used) == [(step, f"training.{key}_used", value) for step in ("finetune", "retrain_full")
                             for key, value in (("mixed_precision", "no"), ("use_ema", "True"))], used
     check_registered_is_the_retrain(s, out, snapshot)
+    # register-model's `result` through the DAG's retrain branch, the run's outcome on its graph: the version, the
+    # retrain's weights at the LR the fine-tune used and the epochs the retrain ran, the pipeline's MLflow run.
+    (result,) = task_dir(s, "register-model").rglob("result")
+    text = result.read_text()
+    for row in ("| Model | `models:/rangefinder-sd/1` |", "| Weights | the full-data retrain's final weights |",
+                "| Learning rate | 0.0002 |", "| Epochs trained | 1 |", "/#/experiments/"):
+        assert row in text, text
     # Two processes, one curve: rank 0 logged it into the step's MLflow run; the report names the global batch.
     ft = task_dir(s, "finetune")
     summary = json.loads((ft / "model" / "run_summary.json").read_text())
