@@ -170,3 +170,18 @@ def test_each_component_readme_s_example_compiles_into_a_pipeline_that_runs_the_
     spec = yaml.safe_load(package.read_text())
     executors = {e["container"]["args"][-1] for e in spec["deploymentSpec"]["executors"].values() if "container" in e}
     assert step in executors, executors
+
+
+@pytest.mark.parametrize("step", publish.STEPS)
+def test_each_component_readme_lists_its_outputs_or_says_it_has_none(step):
+    """record-status's README showed an Outputs table of headers alone, which reads as outputs left out."""
+    readme = (REPO / "components" / step / "README.md").read_text()
+    section = readme.split("## Outputs\n\n", 1)[1].split("\n\n", 1)[0]
+    rows = [ln for ln in section.splitlines() if ln.startswith("| `")]
+    outputs = component_outputs(step)
+    assert [ln.split("`")[1] for ln in rows] == outputs, section
+    assert outputs or section.startswith("None: "), section
+
+
+def component_outputs(step: str) -> list[str]:
+    return list(publish.component(step).component_spec.outputs or {})

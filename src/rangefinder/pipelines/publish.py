@@ -152,7 +152,11 @@ def component_readme(step: str) -> str:
     for name, i in (spec.inputs or {}).items():
         default = _default(i.default) if i.default is not None else ("optional" if i.optional else "")
         lines.append(f"| `{name}` | {_type_name(i.type)} | {default} | {markdown_cell(i.description)} |")
-    lines += ["", "## Outputs", "", "| name | type | description |", "|---|---|---|"]
+    lines += ["", "## Outputs", ""]
+    if spec.outputs:
+        lines += ["| name | type | description |", "|---|---|---|"]
+    else:  # a table of headers alone read as outputs left out
+        lines.append("None: what it does is on MLflow, not in an output for a later step.")
     for name, o in (spec.outputs or {}).items():
         lines.append(f"| `{name}` | {_type_name(o.type)} | {markdown_cell(o.description)} |")
     lines += [
