@@ -1,6 +1,7 @@
 """The typed config rejects every invalid value with a message naming the field, and loads from YAML."""
 
 import functools
+import json
 import re
 from pathlib import Path
 
@@ -18,6 +19,27 @@ from rangefinder.config import (
 )
 from rangefinder.errors import ConfigError
 from rangefinder.planning import plan, val_count
+
+
+@pytest.mark.parametrize("raw", [{"model": {"hf_token": "hf_abcdefghijklmnopqrstuvwx"}},
+                                 {"tracking": {"password": "hunter2-pw"}}, {"token": "hf_abcdefghijklmnopqrstuvwx"}])
+def test_a_secret_under_a_setting_the_config_lacks_is_named_not_shown(raw, capsys):
+    """A token pasted into base_config in the run form (or a config file) under a name the config does not have:
+    the one line that refuses it printed its value, into the step's log and the run's record."""
+    from rangefinder.pipelines import kfp_components as c
+    from rangefinder.steps.resolve_config import parameters_from_config
+
+    with pytest.raises(ConfigError) as e:
+        parse_config(raw)
+    assert "not a setting" in str(e.value) and "(got ***)" in str(e.value), e.value
+    assert "hf_abc" not in str(e.value) and "hunter2" not in str(e.value)
+    params = parameters_from_config(RangefinderConfig())
+    params.pop("dataset_uri")
+    params["base_config"] = json.dumps(raw)
+    with pytest.raises(SystemExit):  # resolve-config's one line, on the run's log
+        c.resolve_config.python_func(**params, pipeline_job_id="")
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "not a setting" in line and "hf_abc" not in line and "hunter2" not in line, line
 
 
 @pytest.mark.parametrize(

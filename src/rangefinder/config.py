@@ -38,7 +38,9 @@ def format_validation_error(err: ValidationError, prefix: str = "") -> str:
         got = e.get("input")
         got_txt = ""
         if e.get("type") not in ("value_error", "missing") and not isinstance(got, (dict, list)):
-            got_txt = f" (got {got!r})"
+            # A secret under a name the config does not have (hf_token, password) is named, never shown: the line
+            # goes to the terminal, a step's log and the pipeline run's record.
+            got_txt = f" (got {REDACTED})" if is_secret_key(where) else f" (got {got!r})"
         if e.get("type") == "list_type" and isinstance(got, (str, int, float)) and not isinstance(got, bool):
             # `prompts: "a red circle"`, `seeds: 0`: one value where a list of them belongs.
             fix = f"write it as a list, e.g. [{json.dumps(got, ensure_ascii=False)}]"
