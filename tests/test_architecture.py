@@ -7,7 +7,7 @@ package's __init__ importing its own submodules (so a submodule importing the pa
 at module granularity: `from pkg import name` is an edge to `pkg.name` when that is a module, else to `pkg`.
 
 Layers, lowest first (a module may import its own layer and those below):
-    base       config, planning, errors, defaults, container_images, the root package
+    base       config, planning, errors, redaction, defaults, container_images, the root package
     formats    on-disk formats: the atomic writer, checkpoints, exports
     library    data, models, training, analysis, tracking, sampling
     launch     how a training step's run starts: one process, torchrun on one node, a TrainJob on several
@@ -38,6 +38,7 @@ LAYERS: dict[str, int] = {
     "config": 0,
     "planning": 0,
     "errors": 0,
+    "redaction": 0,
     "defaults": 0,
     "container_images": 0,
     "formats": 1,

@@ -18,6 +18,7 @@ from urllib.parse import parse_qsl, urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from rangefinder import redaction
 from rangefinder.defaults import DIVERGENCE_FACTOR, MID_POSITION, MIDPOINT
 from rangefinder.errors import ConfigError
 
@@ -238,7 +239,7 @@ SECRET_REFERENCES = frozenset({"kubernetes.mlflow_secret", "kubernetes.hf_token_
 # What stands in MLflow's copy of a config for a value it hid (tracking/runs.py config_text: a secret-named setting,
 # or a string that held a secret, each hidden whole): a config read back with one is refused, naming the setting to
 # fill in, as it would train on the mark. Only a whole value: a prompt may hold *** of its own ("a ***bold*** sign").
-REDACTED = "***"
+REDACTED = redaction.REDACTED
 
 
 def is_secret_key(key: str) -> bool:

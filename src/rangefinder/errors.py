@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from types import FrameType, TracebackType
 from typing import Optional
 
+from rangefinder.redaction import redact
+
 
 class RangefinderError(Exception):
     """Bad input or an impossible setting; the CLI prints it on one line and exits non-zero."""
@@ -128,7 +130,8 @@ def one_line_errors(step: str) -> Iterator[None]:
         with on_sigint():
             yield
     except RangefinderError as e:
-        print(f"{STEP_ERROR_PREFIX} {step}: error: {public_name(e)}: {e}", file=sys.stderr, flush=True)
+        # With any secret the message quotes hidden: the line is the last of the pod's log, and a local run shows it.
+        print(f"{STEP_ERROR_PREFIX} {step}: error: {public_name(e)}: {redact(e)}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     if os.environ.get(QUICK_EXIT_ENV) == "1":
         _exit_without_teardown()

@@ -139,6 +139,30 @@ def test_a_bad_base_model_stops_the_first_step(tmp_path, monkeypatch):
         run_resolve_config(base, **params)
 
 
+def test_a_token_pasted_as_the_base_model_is_hidden_in_the_step_s_error_line_and_the_command_s(
+        tmp_path, monkeypatch, capsys):
+    """A Hugging Face token pasted into the run form's base_model (or a config's): the loader's one line names the
+    model it could not find, so the token went whole into the pod's log, and into the terminal of `rangefinder
+    sample`. Both lines now show *** in its place, and still say what was wrong."""
+    from rangefinder.cli.main import main as cli_main
+    from rangefinder.errors import one_line_errors
+
+    token = "hf_" + "AbCdEfGhIjKlMnOpQrStUvWx12"
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    params = parameters_from_config(demo_config(model={"base_model": token}))
+    base = params.pop("base_config")
+    with pytest.raises(SystemExit), one_line_errors("resolve-config"):
+        run_resolve_config(base, **params)
+    step_line = capsys.readouterr().err
+    assert token not in step_line and "hub model '***'" in step_line, step_line
+    (tmp_path / "prompts.txt").write_text("a red circle\n")
+    assert cli_main(["sample", "--model", token, "--prompts", str(tmp_path / "prompts.txt"),
+                     "--out", str(tmp_path / "out")]) == 2
+    command_line = capsys.readouterr().err
+    assert token not in command_line and "***" in command_line and command_line.count("\n") == 1, command_line
+
+
 def test_the_first_step_refuses_a_method_the_hub_model_s_family_cannot_train_before_downloading_it(
         tiny_sd3_dir, tmp_path, monkeypatch):
     """Textual inversion on an SD3 hub model: refused off its model_index.json, the one file in the cache here (as

@@ -25,6 +25,7 @@ from rangefinder.cli.output import print_table
 from rangefinder.cli.storage import storage_problem
 from rangefinder.errors import Preempted, RangefinderError, RunDidNotSucceed, on_sigint, sigterm_stops
 from rangefinder.formats.text import printable
+from rangefinder.redaction import redact
 
 # Order is the order `rangefinder --help` lists them in.
 COMMANDS = [
@@ -79,6 +80,12 @@ def _refuse_empty_paths(args: argparse.Namespace) -> None:
                                        "argument)")
 
 
+def _said(text: object) -> str:
+    """An error line's words: printable, and with any secret it carries hidden (a token pasted into a setting that a
+    message quotes, a URL's password)."""
+    return printable(redact(text))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -90,19 +97,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         with on_sigint(), sigterm_stops(terminated):
             result = args.func(args)
     except Preempted as e:  # SIGTERM: a checkpoint at the current update is written
-        print(f"rangefinder {args.command}: {printable(e)}", file=sys.stderr)
+        print(f"rangefinder {args.command}: {_said(e)}", file=sys.stderr)
         return 128 + signal.SIGTERM
     except RunDidNotSucceed as e:
         status = _print_result(args, e.result)
-        print(f"rangefinder {args.command}: {printable(e)}", file=sys.stderr)
+        print(f"rangefinder {args.command}: {_said(e)}", file=sys.stderr)
         return status or e.exit_status
     except RangefinderError as e:
-        print(f"rangefinder {args.command}: error: {printable(e)}", file=sys.stderr)
+        print(f"rangefinder {args.command}: error: {_said(e)}", file=sys.stderr)
         return 2
     except (FileExistsError, NotADirectoryError, IsADirectoryError) as e:
         # A path given where a folder is meant names a file, or the other way round: the checks at the edge
         # (formats.atomic.usable_folder) catch the known ones; this says any other in one line too.
-        print(f"rangefinder {args.command}: error: {printable(e.filename)}: {(e.strerror or str(e)).lower()}; pass a "
+        print(f"rangefinder {args.command}: error: {_said(e.filename)}: {(e.strerror or str(e)).lower()}; pass a "
               "folder where a folder is meant and a file where a file is meant", file=sys.stderr)
         return 2
     except OSError as e:
@@ -112,7 +119,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         problem = storage_problem(e, next((w for w in written if w), None))
         if problem is None:
             raise
-        print(f"rangefinder {args.command}: error: {printable(problem)}", file=sys.stderr)
+        print(f"rangefinder {args.command}: error: {_said(problem)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         if terminated:

@@ -10,7 +10,6 @@ Three nets, because a config or a message can carry a secret in several ways:
 
 from __future__ import annotations
 
-import os
 import re
 from typing import Any, Optional
 from urllib.parse import urlsplit, urlunsplit
@@ -18,46 +17,15 @@ from urllib.parse import urlsplit, urlunsplit
 # The rules for what is a secret setting and a URL with credentials live with the settings (config reads them when
 # it validates); they are used from here too.
 from rangefinder.config import CREDENTIALS_FIX, REDACTED, is_secret_key, uri_credentials
+from rangefinder.redaction import URL_USERINFO, redact
 
 __all__ = ["CREDENTIALS_FIX", "REDACTED", "RedactingWriter", "is_secret_key", "redact", "safe_uri", "uri_credentials",
            "url_with_credentials"]
 
-# Environment variables whose values are secrets wherever they turn up.
-_SECRET_ENV = re.compile(r"PASSWORD|PASSWD|SECRET|TOKEN|API_?KEY|ACCESS_?KEY|PRIVATE_?KEY|CREDENTIAL", re.IGNORECASE)
-_TOKEN_SHAPES = re.compile(
-    r"hf_[A-Za-z0-9]{20,}"  # Hugging Face
-    r"|gh[pousr]_[A-Za-z0-9]{20,}"  # GitHub
-    r"|AKIA[0-9A-Z]{16}"  # AWS access key id
-    r"|eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}"  # JWT (bearer tokens, service-account tokens)
-)
-_URL_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]+@")
-_MIN_SECRET_LEN = 4  # shorter env values ("1", "true") would redact half of every message
-
-
-def _env_secrets() -> list[str]:
-    env: dict[str, str] = {}
-    for _ in range(5):  # another thread (mlflow's telemetry) may change os.environ while we copy it
-        try:
-            env = dict(os.environ)
-            break
-        except (KeyError, RuntimeError):
-            continue
-    vals = {v for k, v in env.items() if _SECRET_ENV.search(k) and v and len(v) >= _MIN_SECRET_LEN}
-    return sorted(vals, key=len, reverse=True)  # longest first, so a secret containing another is hidden whole
-
-
-def redact(text: Any) -> str:
-    """`text` as a string with every secret it carries replaced by ***."""
-    s = str(text)
-    s = _URL_USERINFO.sub(r"\g<scheme>", s)
-    for secret in _env_secrets():
-        s = s.replace(secret, REDACTED)
-    return _TOKEN_SHAPES.sub(REDACTED, s)
-
 
 def url_with_credentials(text: str) -> Optional[str]:
     """The first URL in `text` that carries `user[:password]@`, shown without them; None when there is none."""
-    m = _URL_USERINFO.search(text)
+    m = URL_USERINFO.search(text)
     if not m:
         return None
     url = re.match(r"[^\s\"',]*", text[m.start():])
