@@ -48,7 +48,7 @@ class Run:
 def overridden(request, split_dir, tiny_model_dir, tmp_path_factory) -> Run:
     """2 updates, a checkpoint after each, and what the fine-tune's steps write of them."""
     from rangefinder.steps.average import average_weights
-    from rangefinder.training.restore import save_checkpoint_model
+    from rangefinder.training.restore import AveragedWeights, save_checkpoint_model
 
     base_predicts, trained = request.param
     tmp = tmp_path_factory.mktemp("predicts")
@@ -65,7 +65,7 @@ def overridden(request, split_dir, tiny_model_dir, tmp_path_factory) -> Run:
     assert result.status == "ok" and len(result.checkpoints) == 2
     chosen = save_checkpoint_model(result.checkpoints[0], base, tmp / checkpoints.CHOSEN_DIR)
     average = save_checkpoint_model(result.checkpoints[-1], base, tmp / "average" / "final",
-                                    weights=average_weights(list(result.checkpoints)))
+                                    weights=AveragedWeights(average_weights(list(result.checkpoints))))
     return Run(base, trained, result, chosen, average)
 
 

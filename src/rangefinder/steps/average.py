@@ -178,7 +178,7 @@ def run_average(cfg: RangefinderConfig, spec: TrainSpec, work: Path, window: Ste
     loss by update, which orders the checkpoints), and write the lower of the two's model as `average/final/`; None
     when the window holds fewer than 2 checkpoints. A retried step reads average.json instead of measuring again."""
     from rangefinder.training.loop import weights_measurer
-    from rangefinder.training.restore import save_checkpoint_model
+    from rangefinder.training.restore import AveragedWeights, save_checkpoint_model
 
     root = Path(work) / AVERAGE_DIR
     if (root / MEASURED).is_file():
@@ -201,7 +201,7 @@ def run_average(cfg: RangefinderConfig, spec: TrainSpec, work: Path, window: Ste
         weights = soup.weights
     if measured.val_loss is not None:
         save_checkpoint_model(found[max(measured.updates)], base_model, root / "final", source=base_source,
-                              weights=weights, averaged_updates=measured.updates, variant=cfg.model.variant)
+                              weights=AveragedWeights(weights, measured.updates), variant=cfg.model.variant)
     write_json(root / MEASURED, measured.to_json())  # last: a retry finds the measurement and the model beside it
     return measured
 

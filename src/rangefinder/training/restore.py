@@ -10,6 +10,7 @@ loss was measured. Likewise a schedule-free optimizer's averaged weights (its ev
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -114,20 +115,28 @@ def _to_averaged_weights(ckpt_dir: Path, cfg: TrainingConfig, method: Method) ->
     optimizer.eval()
 
 
+@dataclass(frozen=True)
+class AveragedWeights:
+    """Trained tensors of one run written in place of a checkpoint's (the average of several of its checkpoints, or
+    a greedy soup), and the updates of the checkpoints they average, which the files' metadata names."""
+
+    tensors: dict[str, Any]
+    updates: tuple[int, ...] = ()
+
+
 def save_checkpoint_model(ckpt_dir: Path, base_model: Path, out_dir: Path, source: str | None = None,
-                          weights: dict[str, Any] | None = None, averaged_updates: tuple[int, ...] = (),
-                          variant: str | None = None) -> Path:
+                          weights: AveragedWeights | None = None, variant: str | None = None) -> Path:
     """Write the checkpoint's model into `out_dir` in the method's own output format, the files `final/` holds (a
     diffusers folder and single file; LoRA files; embeddings). Whole or absent (a temporary name, then a rename).
     `source` names the base model in the files' metadata (default: the folder). `weights`: trained tensors of the
-    same run to write in place of the checkpoint's (the average of several of its checkpoints, `averaged_updates`,
-    which the files' metadata names; `ckpt_dir` is the newest of them). `variant`: the base model's (model.variant)."""
+    same run to write in place of the checkpoint's (`ckpt_dir` is the newest of the checkpoints they average).
+    `variant`: the base model's (model.variant)."""
     from rangefinder.formats.atomic import atomic_dir
 
     method, sd = method_from_checkpoint(Path(ckpt_dir), Path(base_model), variant)
     if weights is not None:
-        method.load_trainable_state_dict(weights)
-        method.averaged_updates = tuple(averaged_updates) or None
+        method.load_trainable_state_dict(weights.tensors)
+        method.averaged_updates = tuple(weights.updates) or None
     if source is not None:
         sd.source = source
     with atomic_dir(out_dir) as tmp:
