@@ -390,8 +390,7 @@ def ensure_parent_run(
     if kfp_run_name:
         all_tags[TAG_KFP_RUN_NAME] = kfp_run_name
     all_tags.update(tags or {})
-    run = client.create_run(exp_id, run_name=redact(name), tags={k: _tag_value(v) for k, v in all_tags.items()
-                                                                 if v is not None})
+    run = client.create_run(exp_id, run_name=redact(name), tags=_tag_values(all_tags))
     run_id = run.info.run_id
     # Two steps racing to create the parent: the earliest one wins, the loser's run is deleted.
     first = _find_parent(client, exp_id, key, kfp_run_name)
@@ -847,6 +846,16 @@ def _answers(run: StepRun) -> bool:
     return True
 
 
+def _step_tags(cfg: Optional[TrackingSource], step_name: str, source: str, tags: Mapping[str, Any]) -> dict[str, Any]:
+    """The tags every step's run starts with (step_run's, and a child run's made later from its spool)."""
+    return {**common_tags(cfg, source=source), TAG_STEP: step_name, **tags}
+
+
+def _tag_values(tags: Mapping[str, Any]) -> dict[str, str]:
+    """`tags` as MLflow takes them when a run is created: each value a tag's text, the unset ones left out."""
+    return {k: _tag_value(v) for k, v in tags.items() if v is not None}
+
+
 @contextlib.contextmanager
 def _pending_child_run(cfg: Optional[TrackingSource], parent: StepRun, step_name: str, *, run_name: str,
                        tags: Mapping[str, Any]) -> Iterator[StepRun]:
@@ -854,14 +863,13 @@ def _pending_child_run(cfg: Optional[TrackingSource], parent: StepRun, step_name
     first record of its spool makes it, with the tags step_run gives a run (a retried step then goes on in it)."""
     import uuid
 
-    all_tags = {**common_tags(cfg, source=parent.source or step_source(step_name)), TAG_STEP: step_name, **tags,
+    all_tags = {**_step_tags(cfg, step_name, parent.source or step_source(step_name), tags),
                 TAG_PARENT: parent.run_id, TAG_ATTEMPT: 1}
     step = StepRun(client=parent.client, run_id=f"{PENDING}{uuid.uuid4().hex}", experiment_id=parent.experiment_id,
                    step_name=step_name, parent_run_id=parent.run_id, tracking_uri=parent.tracking_uri, cfg=cfg,
                    spool_dir=parent.spool.path.parent, source=parent.source)
     step.outbox.send({"kind": "create", "run_id": step.run_id, "experiment_id": parent.experiment_id,
-                      "run_name": run_name, "run_tags": {k: _tag_value(v) for k, v in all_tags.items()
-                                                         if v is not None}})
+                      "run_name": run_name, "run_tags": _tag_values(all_tags)})
     with _ended(step):
         yield step
 
@@ -894,7 +902,7 @@ def step_run(
     """
     client = tracking_client(cfg)
     source = source or step_source(step_name)
-    all_tags: dict[str, Any] = {**common_tags(cfg, source=source), TAG_STEP: step_name, **(tags or {})}
+    all_tags = _step_tags(cfg, step_name, source, tags or {})
     kfp_task = kfp_task_run(client)
     if kfp_task is not None and parent_run_id in (None, kfp_task.data.tags[TAG_PARENT]):
         # KFP made this step's run, nested under its pipeline run: log into it; a run of our own would be a third
@@ -927,7 +935,7 @@ def step_run(
         else:
             all_tags[TAG_ATTEMPT] = 1
             run = client.create_run(exp_id, run_name=run_name or step_name,
-                                    tags={k: _tag_value(v) for k, v in all_tags.items() if v is not None})
+                                    tags=_tag_values(all_tags))
             step = StepRun(client=client, run_id=run.info.run_id, experiment_id=exp_id, step_name=step_name,
                            parent_run_id=parent, tracking_uri=uri, cfg=cfg, spool_dir=folder, source=source)
     with _ended(step):
