@@ -19,9 +19,11 @@ def without_unseen_images(saved, out):
 
 
 @pytest.mark.slow
+@pytest.mark.probe
 def test_the_probe_at_the_shipped_timesteps_rebuilds_the_saved_case(tmp_path, sd1_versus_smoke):
     """At validation.timesteps 4 (as shipped) the probe's (a) is the saved (a): the same weights, so the same loss on
-    the case's validation images and on the unseen ones, the same prompt score and the same verdicts."""
+    the case's validation images and on the unseen ones, the same prompt score and the same verdicts. It re-runs (a)
+    (37 s of the 2-worker suite), so `make bench-test` runs it, not `make test`, as the probe's other options' test."""
     from bench.timesteps_probe import main as probe
 
     saved = sd1_versus_smoke.out  # the session's smoke case (tests/bench/conftest.py)
@@ -43,6 +45,15 @@ def test_the_probe_at_the_shipped_timesteps_rebuilds_the_saved_case(tmp_path, sd
     assert same["tally"]["prompt_shape_vs_saved_rangefinder"]["same"] == 1 == same["tally"]["prompt_cases"]
     assert {k: v for k, v in row["variant_summary"].items() if k.startswith("vs_")} == \
         {k: v for k, v in s.items() if k.startswith("vs_")}
+
+
+@pytest.mark.slow
+def test_the_probe_leaves_out_the_cases_its_options_do_not_name(tmp_path, sd1_versus_smoke):
+    """What the probe would re-run is chosen before it trains anything: none of these calls trains."""
+    from bench.timesteps_probe import main as probe
+
+    saved = sd1_versus_smoke.out
+    case = json.loads(saved.read_text())["cases"][0]
     # A case scored on no unseen images is not probed without --every-case.
     plain = without_unseen_images(saved, tmp_path / "plain.json")
     assert probe(["--from", str(plain), "--out", str(tmp_path / "none.json")])["cases"] == []
