@@ -218,3 +218,48 @@ def test_a_hub_id_through_every_step_registers_the_kept_checkpoint(method, fake_
     resolved = load_step_config(s["config_json"]).model
     assert (resolved.base_model, resolved.resolved_dir) == (HUB_REPO, str(snapshot))
     check_registered_is_the_kept_checkpoint(s, out, snapshot, method)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_thread_as_a_local_run")
+def test_retrain_full_in_a_users_pipeline_registers_the_retrain_s_weights(shapes_dataset_dir, tiny_model_dir,
+                                                                          tmp_path, monkeypatch):
+    """A user's own pipeline: prepare-dataset, retrain-full and register-model, handed the config as the user wrote
+    it (no resolve-config, so retrain.enabled is not set). retrain-full returns its epochs under both names, and
+    register-model tells the retrain's weights by the model artifact retrain-full wrote, not by the config: with the
+    config's flag it said "The fine-tune's final weights" of the retrain's. The published files run such a pipeline
+    under kfp.local (test_reuse.py, the range test); the retrain branch's outputs go through kfp.local's DAG in
+    test_local_run.py."""
+    from kfp.dsl import Metrics, Model
+    from mlflow import MlflowClient
+
+    from tests.mlflow_store import seed
+    from tests.pipelines.tiny_run import tiny_config
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    seed(tmp_path / "mlflow.db")
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("RANGEFINDER_MLFLOW_SPOOL", str(tmp_path / "spool"))
+    cfg = tiny_config(shapes_dataset_dir, tiny_model_dir)
+    assert not cfg.retrain.enabled
+    config_json = cfg.model_dump_json()
+    root = tmp_path / "root"
+
+    def artifact(kind, task: str, name: str):
+        (root / task).mkdir(parents=True, exist_ok=True)
+        return kind(name=name, uri=str(root / task / name))
+
+    split = artifact(Dataset, "prepare-dataset", "split")
+    c.prepare_dataset.python_func(config_json=config_json, split=split,
+                                  report=artifact(Markdown, "prepare-dataset", "report"))
+    model = artifact(Model, "retrain-full", "model")
+    full = c.retrain_full.python_func(config_json=config_json, split=split, lr_low=1e-4, lr_high=1e-4, lr=1e-4,
+                                      recommended_epochs=1, model=model,
+                                      metrics=artifact(Metrics, "retrain-full", "metrics"))
+    assert (full.epochs, full.Output) == (1, 1)
+    c.register_model.python_func(config_json=config_json, model=model, lr=1e-4, epochs=full.epochs,
+                                 mlflow_parent_run_id="", result=artifact(Markdown, "register-model", "result"))
+    mv = MlflowClient(uri).get_model_version(cfg.tracking.registered_model_name, "1")
+    assert mv.tags["rangefinder.weights"] == "retrain_full final"
+    assert mv.description.startswith("Retrained on train + validation for 1 epochs")

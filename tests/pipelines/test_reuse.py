@@ -213,27 +213,3 @@ def test_retrain_full_names_its_epochs_and_keeps_the_old_name(tmp_path):
         spec = yaml.safe_load(package.read_text())
         register = spec["root"]["dag"]["tasks"]["register-model"]["inputs"]["parameters"]["epochs"]
         assert register["taskOutputParameter"] == {"outputParameterKey": name, "producerTask": "retrain-full"}
-
-
-@pytest.mark.slow
-def test_retrain_full_s_epochs_come_out_under_kfp_local(shapes_dataset_dir, tiny_model_dir, tmp_path, monkeypatch):
-    cfg = tiny_config(shapes_dataset_dir, tiny_model_dir)
-    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
-    monkeypatch.setenv("RANGEFINDER_MLFLOW_SPOOL", str(tmp_path / "spool"))
-    monkeypatch.setenv("RANGEFINDER_TORCH_THREADS", "1")  # as test_reuse's range test (above) and `run --local`
-    seed(tmp_path / "mlflow.db")
-    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(tmp_path / "root"),
-               raise_on_error=True)
-    with pytest.warns(RuntimeWarning, match="custom or non-Python base image"):
-        epochs = _users_retrain_pipeline("epochs")(source=str(shapes_dataset_dir), config_json=cfg.model_dump_json(),
-                                                   lr=1e-4).output
-    assert epochs == 1
-    # register-model told the retrain's weights by the config's retrain.enabled, which only rangefinder's own pipeline
-    # sets with the retrain: here (not set) the version said "The fine-tune's final weights" of the retrain's.
-    from mlflow import MlflowClient
-
-    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    mv = client.get_model_version(cfg.tracking.registered_model_name, "1")
-    assert mv.tags["rangefinder.weights"] == "retrain_full final"
-    assert mv.description.startswith("Retrained on train + validation for 1 epochs")
