@@ -264,6 +264,16 @@ def uri_credentials(uri: str) -> Optional[str]:
     return None
 
 
+def page_base_url(url: str) -> str:
+    """A web UI's address as links are built on it: http:// where it names no scheme (as kfp.Client's links take a
+    host), and a page of the UI copied from the browser (`.../#/experiments/1`) counted up to its `#`, which starts
+    the UI's own routes (KFP's and MLflow's UIs both route there), without a trailing `/`."""
+    url = url.strip()
+    if not re.match(r"^https?://", url, re.IGNORECASE):
+        url = "http://" + url
+    return url.split("#", 1)[0].rstrip("/")
+
+
 # The settings that name an MLflow server, whose credentials belong in MLflow's variables (CREDENTIALS_FIX).
 MLFLOW_URI_SETTINGS = frozenset({"tracking.tracking_uri", "kubernetes.mlflow_tracking_uri"})
 # Where another URI's credentials go: no setting reads a URL's own (a base model is a folder, a file or a hub id).
@@ -1092,12 +1102,27 @@ class TrackingConfig(_Section):
     # Seconds a step waits at its end for an MLflow server that stopped answering, before it leaves what the server
     # did not take in its spool (`rangefinder relog`) and ends with a warning. A minute covers a server pod's restart.
     server_wait_seconds: float = Field(60.0, ge=0)
+    # The MLflow UI's address as a person's browser opens it (an ingress, a port-forward's http://localhost:5000),
+    # which the links a run shows point at: register-model's result, a local run's mlflow_link. None: the tracking
+    # URI the steps log to, which on a cluster is often an in-cluster name (mlflow.mlflow.svc) no browser reaches.
+    ui_url: Optional[str] = None
 
     @field_validator("tracking_uri")
     @classmethod
     def _no_credentials(cls, v: Optional[str]) -> Optional[str]:
         _refuse_uri_credentials(v)
         return v
+
+    @field_validator("ui_url")
+    @classmethod
+    def _a_page_without_credentials(cls, v: Optional[str]) -> Optional[str]:
+        if v is None or not v.strip():
+            return None
+        held = uri_credentials(v)
+        if held:  # named, never shown: the URL goes into the run's result and its parameters
+            raise ValueError(f"holds {held}, which every link the run shows would carry; give the MLflow UI's URL "
+                             "alone (the browser signs in itself)")
+        return page_base_url(v)
 
     @field_validator("experiment_name")
     @classmethod

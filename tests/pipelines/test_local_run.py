@@ -140,7 +140,9 @@ def test_fixed_lr_from_a_hub_id_skips_discovery_then_retrains(tmp_path, shapes_d
     cfg = demo_config(data={"dataset_dir": str(shapes_dataset_dir), "resolution": 32},
                       model={"base_model": HUB_REPO}, lr=2e-4,
                       training={"method": "lora", "processes_per_node": 2, "batch_size": 2},
-                      validation={"every_updates": 1}, **{**TINY, **RETRAIN})
+                      validation={"every_updates": 1},
+                      # The MLflow UI's address as the browser sees it, copied from a page of it (tracking.ui_url).
+                      tracking={"ui_url": "https://mlflow.example.org/#/experiments/0"}, **{**TINY, **RETRAIN})
     config = tmp_path / "mine.yaml"
     config.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude={"kubernetes"})))
     out = tmp_path / "out"
@@ -215,8 +217,10 @@ def test_fixed_lr_from_a_hub_id_skips_discovery_then_retrains(tmp_path, shapes_d
     (result,) = task_dir(s, "register-model").rglob("result")
     text = result.read_text()
     for row in ("| Model | `models:/rangefinder-sd/1` |", "| Weights | the full-data retrain's final weights |",
-                "| Learning rate | 0.0002 |", "| Epochs trained | 1 |", "/#/experiments/"):
+                "| Learning rate | 0.0002 |", "| Epochs trained | 1 |", "](https://mlflow.example.org/#/experiments/"):
         assert row in text, text
+    # The config's tracking.ui_url, through the run form's mlflow_ui_url, is where the links point, the printed one too.
+    assert s["mlflow_link"].startswith("https://mlflow.example.org/#/experiments/"), s["mlflow_link"]
     # Two processes, one curve: rank 0 logged it into the step's MLflow run; the report names the global batch.
     ft = task_dir(s, "finetune")
     summary = json.loads((ft / "model" / "run_summary.json").read_text())

@@ -86,7 +86,7 @@ def test_parameters_are_typed_with_descriptions(compiled):
         "finetune_epochs": P.NUMBER_INTEGER, "val_split": P.NUMBER_DOUBLE, "split_seed": P.NUMBER_INTEGER,
         "seed": P.NUMBER_INTEGER, "fixed_lr": P.NUMBER_DOUBLE, "retrain": P.BOOLEAN,
         "retrain_epochs": P.NUMBER_INTEGER, "prompts": P.LIST, "mlflow_experiment": P.STRING,
-        "base_config": P.STRING,
+        "mlflow_ui_url": P.STRING, "base_config": P.STRING,
     }
     assert {k: v.parameter_type for k, v in params.items()} == expected
     for name, p in params.items():
@@ -99,6 +99,8 @@ def test_parameters_are_typed_with_descriptions(compiled):
     # Unset in the config: 0 in the UI, which the first step reads as the method's default sweep.
     assert params["lr_max"].default_value.number_value == 0.0
     assert params["fixed_lr"].default_value.number_value == 0.0
+    # Where the run's MLflow links point, settable in the form: unset by default (the pods' tracking URI).
+    assert params["mlflow_ui_url"].default_value.string_value == "" and "browser" in params["mlflow_ui_url"].description
 
 
 def test_dag_order_and_conditions(compiled):

@@ -33,7 +33,7 @@ def _without_k8s(cfg: RangefinderConfig) -> dict:
     demo_config(),
     parse_config({"data": {"dataset_dir": "/data/x", "resolution": 256}, "lr": 3e-5, "retrain": {"enabled": True,
                   "epochs": 7}, "training": {"method": "lora", "lora": {"rank": 16}},
-                  "sampling": {"prompts": ["a cat"]}}),
+                  "sampling": {"prompts": ["a cat"]}, "tracking": {"ui_url": "https://mlflow.example.org"}}),
 ])
 def test_round_trip(cfg):
     params = parameters_from_config(cfg)

@@ -10,12 +10,15 @@ import sys
 from pathlib import Path
 
 import mlflow
+import pytest
 from mlflow import MlflowClient
 
-from rangefinder.config import RangefinderConfig, TrackingConfig
+from rangefinder.config import RangefinderConfig, TrackingConfig, parse_config
+from rangefinder.errors import ConfigError
 from rangefinder.pipelines.local_run import LocalRun, _experiment_id
+from rangefinder.steps.register_model import Registered, result_markdown
 from rangefinder.tracking import step_run
-from rangefinder.tracking.target import mlflow_executable, ui_link
+from rangefinder.tracking.target import mlflow_executable, run_ui_link, ui_link, ui_url_hint
 
 
 def _ui_bundle() -> str:
@@ -82,3 +85,56 @@ def test_the_ui_command_runs_from_a_shell_without_the_venv_on_its_path(sqlite_tr
     # With this interpreter's bin first on PATH (an activated venv), the command is the short name it finds.
     monkeypatch.setenv("PATH", str(Path(sys.executable).parent))
     assert shlex.split(ui_link(sqlite_tracking_uri, "0")[0] or "")[0] == "mlflow"
+
+
+# Issue K item 1: the links a cluster's run shows point where the browser goes, not at the pods' in-cluster address.
+
+IN_CLUSTER = "http://mlflow.mlflow.svc:5000"
+
+
+def test_the_ui_url_set_is_where_the_links_point_and_no_hint_is_given():
+    ui = TrackingConfig(ui_url="mlflow.example.org/prefix/#/experiments/3?x=1").ui_url
+    assert ui == "http://mlflow.example.org/prefix"  # a page copied from the browser: up to its #, with a scheme
+    command, link = run_ui_link(IN_CLUSTER, "3", "abc", ui)
+    assert (command, link) == (None, "http://mlflow.example.org/prefix/#/experiments/3/runs/abc")
+    assert ui_url_hint(IN_CLUSTER, ui) is None
+    # A local store still needs its UI served; the link goes to where the person said it is served.
+    command, link = ui_link("sqlite:///x.db", "7", "http://localhost:8080/")
+    assert command is not None and "--backend-store-uri sqlite:///x.db" in command
+    assert link == "http://localhost:8080/#/experiments/7/runs?workflowType=machine_learning"
+
+
+@pytest.mark.parametrize("uri,host", [
+    (IN_CLUSTER, "mlflow.mlflow.svc"),
+    ("http://mlflow.rangefinder.svc.cluster.local:5000", "mlflow.rangefinder.svc.cluster.local"),
+    ("http://mlflow:5000", "mlflow"),
+    ("http://localhost:5000", None),
+    ("http://127.0.0.1:5000", None),
+    ("https://mlflow.example.org", None),
+    ("sqlite:///mlflow.db", None),
+])
+def test_an_in_cluster_tracking_uri_without_a_ui_url_says_what_to_set(uri, host):
+    """Unset, the link is today's (the tracking URI's) and, where that names a Service, the result says so and names
+    the setting, in the run form's words and the config's."""
+    hint = ui_url_hint(uri, None)
+    if host is None:
+        assert hint is None
+        return
+    assert hint is not None and host in hint and "mlflow_ui_url" in hint and "tracking.ui_url" in hint
+    _, link = run_ui_link(uri, "3", "abc")
+    assert link.startswith(uri + "/#/")
+    markdown = result_markdown(Registered(model_uri="models:/m/1", version="1", weights=Path("w"), mlflow_link=link,
+                                          mlflow_hint=hint), lr=1e-4, length=("Epochs trained", "2"), weights="w",
+                               why="")
+    (row,) = [r for r in markdown.splitlines() if r.startswith("| MLflow |")]
+    assert f"]({link})" in row and "tracking.ui_url" in row
+
+
+@pytest.mark.parametrize("given,held", [("https://alice:hunter2-pw@mlflow.example.org", "a user name and password"),
+                                        ("https://mlflow.example.org/?token=hunter2-pw", "a secret in its query")])
+def test_a_ui_url_with_credentials_is_refused_unshown(given, held):
+    with pytest.raises(ConfigError) as e:
+        parse_config({"tracking": {"ui_url": given}})
+    msg = str(e.value)
+    assert msg.startswith("tracking.ui_url:") and held in msg and "hunter2" not in msg and "alice" not in msg, msg
+    assert TrackingConfig(ui_url="  ").ui_url is None  # blank: unset, as the run form's empty string

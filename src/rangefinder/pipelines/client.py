@@ -285,7 +285,7 @@ def resolve_ui_url(ui_url: Optional[str], host: str) -> tuple[str, bool]:
     (ml-pipeline-ui, as a port-forward of it), not the API server (ml-pipeline, port 8888, in the cluster). As
     kfp.Client's links (_get_url_prefix), a URL without a scheme is http://; a page of the UI copied from the browser
     (`.../#/runs`) counts up to its `#`, which starts the UI's own routes."""
-    from rangefinder.config import uri_credentials
+    from rangefinder.config import page_base_url, uri_credentials
     from rangefinder.errors import ConfigError
 
     flag = "--ui-url" if ui_url else f"${UI_ENDPOINT_ENV}"
@@ -295,9 +295,7 @@ def resolve_ui_url(ui_url: Optional[str], host: str) -> tuple[str, bool]:
     held = uri_credentials(url)
     if held:
         raise ConfigError(f"{flag} holds {held}, which the printed links would show; give the KFP UI's URL alone")
-    if not re.match(r"^https?://", url):
-        url = "http://" + url
-    return url.split("#", 1)[0].rstrip("/"), True
+    return page_base_url(url), True
 
 
 def _tls_problem(ep: Endpoint, reason: BaseException) -> Optional[str]:

@@ -62,6 +62,7 @@ def resolve_config(
     retrain_epochs: int = _config_default("retrain_epochs"),
     prompts: list = _config_default("prompts"),  # noqa: B008 (read once; the body never changes it)
     mlflow_experiment: str = _config_default("mlflow_experiment"),
+    mlflow_ui_url: str = _config_default("mlflow_ui_url"),
     pipeline_job_id: str = "",
     pipeline_job_name: str = "",
     dataset_uri: str = "",
@@ -96,6 +97,8 @@ def resolve_config(
         retrain_epochs: Epochs of the full-data retrain; 0: the epochs the fine-tune recommends.
         prompts: Prompts of the evaluation grid (one row each, fixed seeds), as a JSON list of strings.
         mlflow_experiment: MLflow experiment the runs are logged under.
+        mlflow_ui_url: The MLflow UI's address as a browser opens it, which the run's MLflow links point at; empty:
+            the tracking URI the pods use.
         pipeline_job_id: The KFP run id (dsl.PIPELINE_JOB_ID_PLACEHOLDER); the MLflow parent run is found by it.
             Empty, the default: no parent run, each step's MLflow run stands alone.
         pipeline_job_name: The KFP run name; the MLflow parent run is named after it, and found by it with the id.
@@ -122,7 +125,8 @@ def resolve_config(
             finetune_epochs=finetune_epochs, val_split=val_split, split_seed=split_seed, seed=seed, fixed_lr=fixed_lr,
             retrain=retrain,
             retrain_epochs=retrain_epochs, prompts=prompts, mlflow_experiment=mlflow_experiment,
-            pipeline_job_id=pipeline_job_id, pipeline_job_name=pipeline_job_name, dataset_uri=dataset_uri,
+            mlflow_ui_url=mlflow_ui_url, pipeline_job_id=pipeline_job_id, pipeline_job_name=pipeline_job_name,
+            dataset_uri=dataset_uri,
         )
     ResolvedConfig = namedtuple("ResolvedConfig", "config_json fixed_lr lr_finder retrain mlflow_parent_run_id")
     return ResolvedConfig(r.config_json, r.fixed_lr, r.lr_finder, r.retrain, r.mlflow_parent_run_id)

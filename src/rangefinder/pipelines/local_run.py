@@ -48,6 +48,7 @@ class LocalRun:
     reports_kept: list[Path] = field(default_factory=list)
     log: Optional[Path] = None  # OUT/pipeline.log when this run's steps logged there (not with --verbose)
     earlier_runs: Optional[str] = None  # where the earlier runs' folders beside run_dir are, their size (earlier_runs)
+    ui_url: Optional[str] = None  # the MLflow UI's address as the browser opens it (tracking.ui_url), for the link
 
     def task(self, prefix: str) -> Optional[str]:
         """The task whose name starts with `prefix` and that really ran (kfp.local suffixes repeated names)."""
@@ -92,7 +93,7 @@ class LocalRun:
         out["mlflow"] = safe_uri(self.tracking_uri)
         if self.experiment_id is not None:
             # The UI lands on its GenAI view otherwise; this link opens the runs table (tracking.target.ui_link).
-            command, link = ui_link(self.tracking_uri, self.experiment_id)
+            command, link = ui_link(self.tracking_uri, self.experiment_id, self.ui_url)
             if command:
                 out["mlflow_ui"] = command
             out["mlflow_link"] = link
@@ -230,7 +231,8 @@ def run_pipeline_locally(cfg: RangefinderConfig, out_dir: str | Path, *, dataset
         raise RangefinderError(f"kfp.local wrote no run folder under {root}")
     run = LocalRun(out_dir=out, run_dir=new[-1], tracking_uri=tracking_uri,
                    experiment_id=_experiment_id(tracking_uri, cfg), log=log_path if quiet else None,
-                   earlier_runs=earlier_runs(root, [root / n for n in sorted(before) if n.startswith(PIPELINE_NAME)]))
+                   earlier_runs=earlier_runs(root, [root / n for n in sorted(before) if n.startswith(PIPELINE_NAME)]),
+                   ui_url=cfg.tracking.ui_url)
     _collect(run)
     _publish_reports(run)
     lock.release()

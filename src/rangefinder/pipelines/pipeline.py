@@ -334,6 +334,7 @@ def _build_pipeline(cfg: RangefinderConfig, *, local: bool) -> Callable:
         retrain_epochs: int = d["retrain_epochs"],
         prompts: list = d["prompts"],
         mlflow_experiment: str = d["mlflow_experiment"],
+        mlflow_ui_url: str = d["mlflow_ui_url"],
         base_config: str = d["base_config"],
     ):
         """Fine-tune Stable Diffusion with the learning rate and training length found by measurement.
@@ -375,6 +376,9 @@ def _build_pipeline(cfg: RangefinderConfig, *, local: bool) -> Callable:
                 recommends.
             prompts: Prompts of the evaluation grid (one row each, fixed seeds), as a JSON list of strings.
             mlflow_experiment: MLflow experiment the runs are logged under.
+            mlflow_ui_url: The MLflow UI's address as your browser opens it (e.g. https://mlflow.example.org), which
+                the run's MLflow links point at (register-model's result). Empty: the tracking URI the pods log to,
+                which a browser outside the cluster cannot open when it is a Service's name (mlflow.mlflow.svc).
             base_config: Every other setting, as the JSON of a rangefinder config (`rangefinder compile --config`
                 fills it in); the other parameters override it.
         """
@@ -390,7 +394,7 @@ def _build_pipeline(cfg: RangefinderConfig, *, local: bool) -> Callable:
                 lr_max=lr_max, range_test_epochs=range_test_epochs, finetune_epochs=finetune_epochs,
                 val_split=val_split, split_seed=split_seed, seed=seed, fixed_lr=fixed_lr, retrain=retrain,
                 retrain_epochs=retrain_epochs, prompts=prompts, mlflow_experiment=mlflow_experiment,
-                pipeline_job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
+                mlflow_ui_url=mlflow_ui_url, pipeline_job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
                 pipeline_job_name=dsl.PIPELINE_JOB_NAME_PLACEHOLDER, dataset_uri=dataset_uri,
             ), "resolve_config")
             config_json = resolved.outputs["config_json"]

@@ -26,6 +26,8 @@ class Registered:
     # the command that serves that UI for a store that is no server (None for a server): tracking.target.ui_link.
     mlflow_link: Optional[str] = None
     mlflow_ui: Optional[str] = None
+    # What to set where that link is built on an in-cluster tracking URI (tracking.target.ui_url_hint), else None.
+    mlflow_hint: Optional[str] = None
 
 
 def result_markdown(registered: Registered, *, lr: float, length: tuple[str, str], weights: str, why: str) -> str:
@@ -41,7 +43,8 @@ def result_markdown(registered: Registered, *, lr: float, length: tuple[str, str
     if registered.mlflow_link:
         rows.append(("MLflow", f"[the run's record]({registered.mlflow_link})"
                      + (f" (serve the UI first: {markdown_code(registered.mlflow_ui)})" if registered.mlflow_ui
-                        else "")))
+                        else "")
+                     + (f" ({registered.mlflow_hint})" if registered.mlflow_hint else "")))
     table = "\n".join(f"| {k} | {markdown_cell(v)} |" for k, v in rows)
     return f"# Result\n\n| | |\n|---|---|\n{table}\n\n{why}\n"
 
@@ -116,7 +119,7 @@ def run_register_model(cfg: RangefinderConfig, *, model_dir: Path, lr: float, ep
     """`result_md`: where to write the result in Markdown (result_markdown), the step's visualization in KFP."""
     from rangefinder import tracking
     from rangefinder.tracking.registry import TAG_IMPROVED_ON_BASE
-    from rangefinder.tracking.target import run_ui_link
+    from rangefinder.tracking.target import run_ui_link, ui_url_hint
 
     delivered, chosen = delivered_weights(model_dir)
     weights = delivered
@@ -165,7 +168,8 @@ def run_register_model(cfg: RangefinderConfig, *, model_dir: Path, lr: float, ep
         def register() -> tracking.RegisteredVersion:
             with tracking.step_run(cfg, "register_model", parent_run_id=mlflow_parent_run_id) as run:
                 where["mlflow_ui"], where["mlflow_link"] = run_ui_link(
-                    run.tracking_uri, run.experiment_id, run.parent_run_id or run.run_id)
+                    run.tracking_uri, run.experiment_id, run.parent_run_id or run.run_id, cfg.tracking.ui_url)
+                where["mlflow_hint"] = ui_url_hint(run.tracking_uri, cfg.tracking.ui_url)
                 # The model's defaults are the settings the run's samples and grid were drawn with, so that by
                 # default it renders what the person promoting it looked at.
                 v = run.log_diffusers_model(weights, metrics=metrics, tags=tags, description=description,

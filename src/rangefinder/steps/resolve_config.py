@@ -14,8 +14,8 @@ missing, gated or malformed model stops the run here, with one clear error, and 
 pipeline run, not once per step.
 
 Strings and numbers cannot be None in the KFP UI, so an empty string or 0 means "unset" for the parameters below
-whose config field is Optional (dataset_dir, base_model, fixed_lr, retrain_epochs, and lr_min/lr_max, whose unset
-value means the method's default sweep).
+whose config field is Optional (dataset_dir, base_model, fixed_lr, retrain_epochs, mlflow_ui_url, and lr_min/lr_max,
+whose unset value means the method's default sweep).
 """
 
 from __future__ import annotations
@@ -61,11 +61,12 @@ PARAMETER_FIELDS: dict[str, str] = {
     "retrain_epochs": "retrain.epochs",
     "prompts": "sampling.prompts",
     "mlflow_experiment": "tracking.experiment_name",
+    "mlflow_ui_url": "tracking.ui_url",
 }
 
 # Parameters whose config field is Optional: the UI's "empty" value stands for None.
 _UNSET: dict[str, Any] = {"dataset_dir": "", "base_model": "", "base_model_revision": "", "fixed_lr": 0.0,
-                          "retrain_epochs": 0, "lr_min": 0.0, "lr_max": 0.0}
+                          "retrain_epochs": 0, "lr_min": 0.0, "lr_max": 0.0, "mlflow_ui_url": ""}
 
 
 def _get(cfg: RangefinderConfig, dotted: str) -> Any:

@@ -383,21 +383,45 @@ def mlflow_executable() -> str:
     return "mlflow"
 
 
-def ui_link(uri: str, experiment_id: str) -> tuple[Optional[str], str]:
+def ui_link(uri: str, experiment_id: str, ui_url: Optional[str] = None) -> tuple[Optional[str], str]:
     """(the command that serves MLflow's UI for `uri`, or None when `uri` is a server; the link that opens the
-    experiment's model-training runs table in that UI). Credentials in `uri` never appear in either. The command is
-    quoted for a shell: a local store under a folder with a space in its name (`--out "run 1"`) split in two when
-    pasted."""
+    experiment's model-training runs table in that UI). `ui_url`: the UI's address as the browser sees it
+    (tracking.ui_url, checked and trimmed there), which the link is built on instead of `uri`. Credentials in `uri`
+    never appear in either. The command is quoted for a shell: a local store under a folder with a space in its name
+    (`--out "run 1"`) split in two when pasted."""
     route = UI_RUNS_ROUTE.format(experiment_id=experiment_id)
     if urlsplit(uri).scheme.lower() in ("http", "https"):
-        return None, f"{safe_uri(uri).rstrip('/')}/{route}"
+        return None, f"{(ui_url or safe_uri(uri)).rstrip('/')}/{route}"
     command = shlex.join([mlflow_executable(), "ui", "--backend-store-uri", safe_uri(uri)])
-    return command, f"http://127.0.0.1:{MLFLOW_UI_PORT}/{route}"
+    return command, f"{(ui_url or f'http://127.0.0.1:{MLFLOW_UI_PORT}').rstrip('/')}/{route}"
 
 
-def run_ui_link(uri: str, experiment_id: str, run_id: str) -> tuple[Optional[str], str]:
+def run_ui_link(uri: str, experiment_id: str, run_id: str,
+                ui_url: Optional[str] = None) -> tuple[Optional[str], str]:
     """`ui_link` for one run: the command that serves the UI for `uri` (None for a server) and the link that opens
     the run's page there (its params, metrics, description and artifacts), without credentials."""
-    command, link = ui_link(uri, experiment_id)
+    command, link = ui_link(uri, experiment_id, ui_url)
     return command, link.replace(UI_RUNS_ROUTE.format(experiment_id=experiment_id),
                                  UI_RUN_ROUTE.format(experiment_id=experiment_id, run_id=run_id))
+
+
+def in_cluster_host(uri: str) -> Optional[str]:
+    """The host of a server URI that names a Kubernetes Service (`mlflow.mlflow.svc`, `...svc.cluster.local`, or a
+    name without a dot, `mlflow`, as a pod in its namespace resolves it), which a browser outside the cluster cannot
+    open; None for another host (localhost, a port-forward's, an ingress's) and for a store that is no server."""
+    parts = urlsplit(uri)
+    host = (parts.hostname or "").rstrip(".").lower()
+    if parts.scheme.lower() not in ("http", "https") or not host or host == "localhost":
+        return None
+    service = host.endswith((".svc", ".svc.cluster.local")) or ("." not in host and ":" not in host)  # ":": IPv6
+    return host if service else None
+
+
+def ui_url_hint(uri: str, ui_url: Optional[str]) -> Optional[str]:
+    """What to set where a run's MLflow link is built on an in-cluster tracking URI (in_cluster_host) for want of
+    tracking.ui_url, in one sentence; None where the link needs none."""
+    host = None if ui_url else in_cluster_host(uri)
+    if host is None:
+        return None
+    return (f"the link is built on the tracking URI the pods use ({host} is a name inside the cluster); set the MLflow "
+            "UI's address as your browser opens it in the run form's mlflow_ui_url, or tracking.ui_url in the config")
