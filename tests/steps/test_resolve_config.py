@@ -279,6 +279,22 @@ def test_range_test_bounds_auto_leaves_unused_are_a_warning_once_the_model_is_kn
             "prodigy_step") in capsys.readouterr().err
 
 
+def test_parameters_the_chosen_path_leaves_unused_are_a_warning_in_the_step_s_log(capsys):
+    """The run form: retrain_epochs with the retrain off, the range test's ramp and bound with a fixed LR did nothing
+    without a word. resolve-config warns of them in the CLI's lines (config.setting_conflicts), naming the parameter;
+    the parameters the form sends at their defaults are not taken for settings a person gave."""
+    form = {**parameter_defaults(), "fixed_lr": 1e-4}
+    run_resolve_config("", **form)  # lr_finder at its default (auto) is not "unused" by the fixed LR
+    assert "warning" not in capsys.readouterr().err
+    run_resolve_config("", **{**form, "ramp": "linear", "lr_max": 1e-2, "retrain_epochs": 3})
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("rangefinder: warning: ")]
+    assert lines == [
+        "rangefinder: warning: lr (pipeline parameter fixed_lr): 0.0001 is fixed, so no range test runs and the "
+        "lr_range_test section (lr_max, ramp) is not used; remove lr to discover the LR, or the section",
+        "rangefinder: warning: retrain.epochs (3) is not used: retrain.enabled is false; set enabled true to retrain "
+        "on train+validation, or remove epochs"], lines
+
+
 # --- the family preflight: settings wrong only for the resolved model's family stop the first step ---------------
 
 def _resolve_on(model_dir: Path, **overrides) -> ResolvedConfig:

@@ -70,7 +70,9 @@ def resolve_config(
     "ResolvedConfig", config_json=str, fixed_lr=float, lr_finder=str, retrain=bool, mlflow_parent_run_id=str
 ):
     """Validate the parameters into one config and resolve the base model to a local folder (downloaded or
-    converted once; fails fast, before any GPU is requested); open the MLflow parent run of this pipeline run.
+    converted once; fails fast, before any GPU is requested); open the MLflow parent run of this pipeline run. The
+    log warns of each parameter the run leaves unused (retrain_epochs with retrain off, the range test's with a
+    fixed LR), as the CLI does.
 
     Args:
         base_config: Every other setting, as the JSON of a rangefinder config; empty, the default: the default

@@ -21,6 +21,7 @@ whose unset value means the method's default sweep).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -29,9 +30,9 @@ from rangefinder.config import (
     FAMILY_NAMES,
     RangefinderConfig,
     _deep_merge,
-    auto_finder_conflicts,
     check_pipeline_config,
     parse_config,
+    setting_conflicts,
 )
 from rangefinder.errors import ConfigError
 from rangefinder.formats.text import warn
@@ -131,6 +132,32 @@ def defaults_replacing_base_config(base_config: str, params: Mapping[str, Any]) 
             "each with base_config's value to keep it")
 
 
+def form_conflicts(base_config: str, params: Mapping[str, Any], family: str) -> list[str]:
+    """The settings the run leaves unused (retrain_epochs with the retrain off, the range test's ramp and bounds with
+    a fixed LR, ...), in the lines `rangefinder run`, `compile` and `submit` warn with (config.setting_conflicts), for
+    the resolved base model's `family`. The run form sends every parameter, each at its default unless a person typed
+    another value, so a parameter counts as given where it is not at its default or replaces what base_config sets:
+    the config read so holds the same values as the run's, and only what a person gave (a fixed LR typed in the form
+    did not make lr_finder auto, its default, a setting left unused)."""
+    defaults = parameter_defaults()
+    base = json.loads(base_config) if base_config and base_config.strip() else {}
+
+    def in_base(dotted: str) -> bool:
+        section: Any = base
+        for part in dotted.split("."):
+            if not isinstance(section, dict) or part not in section:
+                return False
+            section = section[part]
+        return True
+
+    given = {name: value for name, value in params.items()
+             if name not in defaults or value != defaults[name] or in_base(PARAMETER_FIELDS[name])}
+    as_given = config_from_parameters(base_config, **given)
+    if as_given.model_dump() != config_from_parameters(base_config, **params).model_dump():
+        as_given = config_from_parameters(base_config, **params)  # a default read otherwise: the run's own config
+    return [naming_parameters(line) for line in setting_conflicts(as_given, family)]
+
+
 # What KFP's importer downloads from (its launcher's object store: gs, s3, minio); the dataset_uri parameter's
 # description and --dataset-uri's help name them.
 DATASET_URI_SCHEMES = ("s3", "gs", "minio")
@@ -184,11 +211,16 @@ def config_from_parameters(base_config: str = "", **params: Any) -> RangefinderC
         check_finetune_validations(cfg)  # every_epochs here; every_updates, which needs the data's size, in the steps
         return cfg
     except ConfigError as e:
-        # Name the pipeline parameter a person typed, not only the config field behind it.
-        msg = str(e)
-        for name, dotted in PARAMETER_FIELDS.items():
-            msg = msg.replace(f"{dotted}:", f"{dotted} (pipeline parameter {name}):")
-        raise ConfigError(msg) from None
+        raise ConfigError(naming_parameters(str(e))) from None
+
+
+def naming_parameters(line: str) -> str:
+    """`line` (an error or a warning) with the pipeline parameter a person typed named beside the config field behind
+    it: `lr (pipeline parameter fixed_lr): ...`. A field is named where it starts a clause (`field:`), not inside a
+    longer name (`training.lr:` is not the top-level lr)."""
+    for name, dotted in PARAMETER_FIELDS.items():
+        line = re.sub(rf"(?<![\w.]){re.escape(dotted)}:", f"{dotted} (pipeline parameter {name}):", line)
+    return line
 
 
 @dataclass(frozen=True)
@@ -219,8 +251,9 @@ def run_resolve_config(base_config: str = "", *, pipeline_job_id: str = "", pipe
         tracking.log_resolved_config(cfg, parent)  # model.resolved_dir and resolved_revision, known now
     preflight(cfg, family)
     check_pipeline_config(cfg, family)  # lr_finder auto, resolved: the range test's needs on this family
-    # What the CLI could not tell before the model was fetched (a hub id): said here, in the step's log.
-    warn(auto_finder_conflicts(cfg, family))
+    # The settings this run leaves unused, as the CLI warns of them: typed into the run form, they were dropped
+    # without a word; and what the CLI could not tell before the model was fetched (a hub id's family).
+    warn(form_conflicts(base_config, params, family))
     return ResolvedConfig(
         config_json=cfg.model_dump_json(),
         fixed_lr=float(cfg.pipeline_lr() or 0.0),  # an LR-free optimizer skips discovery too
