@@ -593,3 +593,26 @@ def test_kfp_still_names_its_caller_while_the_pipeline_is_built():
     assert pipeline_task.inspect is inspect
     build_pipeline(RangefinderConfig())
     assert pipeline_task.inspect is inspect
+
+
+def test_kfp_refuses_pipeline_outputs_from_inside_the_exit_handler(compiled):
+    """The pipeline has no outputs (docs/design.md, 4.4): every step runs inside the exit handler that records the
+    run's state in MLflow, and kfp 2.17 refuses a pipeline output made there, a dsl.OneOf across branches too. A kfp
+    that takes it fails this test: then the delivered model's URI and LR can be the pipeline's outputs."""
+    from kfp.compiler.compiler_utils import InvalidTopologyException
+
+    assert not compiled.spec.root.output_definitions.parameters and not compiled.spec.root.output_definitions.artifacts
+    def outputs_from_the_exit_handler(retrain=False):
+        with dsl.ExitHandler(kfp_components.record_status(mlflow_experiment="x", pipeline_job_id="",
+                                                          pipeline_job_name="")):
+            with dsl.If(retrain == True):  # noqa: E712 (a KFP expression)
+                kept = kfp_components.choose_lr(config_json="{}", source="fixed", lr_low=1.0, lr_high=1.0, lr_mid=1.0)
+            with dsl.Else():
+                other = kfp_components.choose_lr(config_json="{}", source="fixed", lr_low=2.0, lr_high=2.0,
+                                                 lr_mid=2.0)
+        return dsl.OneOf(kept.outputs["lr_mid"], other.outputs["lr_mid"])
+
+    # Real types: this module's annotations are strings (from __future__ import annotations), which kfp cannot read.
+    outputs_from_the_exit_handler.__annotations__ = {"retrain": bool, "return": float}
+    with pytest.raises(InvalidTopologyException, match=r"from within the control flow group dsl\.ExitHandler"):
+        dsl.pipeline(name="outputs-from-the-exit-handler")(outputs_from_the_exit_handler)

@@ -276,7 +276,11 @@ def pipeline_readme(package: str) -> str:
             default = int(default)  # the IR keeps every number as a double
         lines.append(f"| `{name}` | {p['parameterType']} | {_default(default, PIPELINE_FILE.split('/')[-1])} | "
                      f"{markdown_cell(p.get('description'))} |")
-    lines += [""]
+    lines += ["", "## Outputs", "",
+              "None: every step runs inside the exit handler that records the run's state in MLflow, and KFP 2.17 "
+              "takes no pipeline output from inside one ([docs/design.md](../docs/design.md#44-the-dag) says what "
+              "fails). The delivered model is register-model's `model_uri` output on the run's graph, and "
+              "`models:/<tracking.registered_model_name>@candidate` in MLflow.", ""]
     return "\n".join(lines)
 
 
