@@ -119,11 +119,12 @@ def test_a_dataset_uri_the_importer_cannot_read_is_resolve_config_s_one_line(typ
     assert "hunter2" not in line
 
 
-def _through_every_step(cfg, out: Path, *, discover: bool) -> dict:
-    """The keep-finetuned branch, component by component: resolve-config, prepare-dataset, the range test and
-    choose-lr (or choose-lr on the fixed LR), finetune, sample-images and register-model, each function on the
-    outputs of the ones before it, in task folders as a pipeline root holds them. Returns the fields of a local
-    run's summary that the registry check reads (tests/pipelines/registered_model.py)."""
+def _through_every_step(cfg, out: Path, *, finder: str) -> dict:
+    """The keep-finetuned branch, component by component: resolve-config, prepare-dataset, the LR's source (`finder`:
+    the range test, prodigy-step-size or the fixed LR) and choose-lr, finetune, sample-images and register-model,
+    each function on the outputs of the ones before it, in task folders as a pipeline root holds them. Returns the
+    fields of a local run's summary that the registry check reads (tests/pipelines/registered_model.py), and the
+    prodigy run's outputs under `prodigy`."""
     from kfp.dsl import HTML, Metrics, Model
 
     root = out / "pipeline-root"
@@ -137,7 +138,18 @@ def _through_every_step(cfg, out: Path, *, discover: bool) -> dict:
     split = artifact(Dataset, "prepare-dataset", "split")
     c.prepare_dataset.python_func(config_json=config_json, split=split,
                                   report=artifact(Markdown, "prepare-dataset", "report"))
-    if discover:
+    prodigy = None
+    chosen: dict = {}
+    if finder == "prodigy-step":
+        prodigy = c.prodigy_step_size.python_func(
+            config_json=config_json, split=split, mlflow_parent_run_id="",
+            curve=artifact(Dataset, "prodigy-step-size", "curve"),
+            metrics=artifact(Metrics, "prodigy-step-size", "metrics"),
+            report_html=artifact(HTML, "prodigy-step-size", "report_html"),
+            report_md=artifact(Markdown, "prodigy-step-size", "report_md"))
+        bounds = (prodigy.lr,) * 3 + ("prodigy-step",)
+        chosen = {"updates": prodigy.updates, "factor": prodigy.factor}
+    elif finder == "range-test":
         found = c.lr_range_test.python_func(
             config_json=config_json, split=split, stage="first", mlflow_parent_run_id="",
             curve=artifact(Dataset, "lr-range-test", "curve"), metrics=artifact(Metrics, "lr-range-test", "metrics"),
@@ -147,7 +159,7 @@ def _through_every_step(cfg, out: Path, *, discover: bool) -> dict:
     else:
         bounds = (resolved.fixed_lr,) * 3 + ("fixed",)
     lr = c.choose_lr.python_func(config_json=config_json, lr_low=bounds[0], lr_high=bounds[1], lr_mid=bounds[2],
-                                 source=bounds[3], decision=artifact(Markdown, "choose-lr", "decision"))
+                                 source=bounds[3], decision=artifact(Markdown, "choose-lr", "decision"), **chosen)
     model = artifact(Model, "finetune", "model")
     ft = c.finetune.python_func(
         config_json=config_json, split=split, lr_low=lr.lr_low, lr_high=lr.lr_high, lr_mid=lr.lr_mid,
@@ -165,7 +177,8 @@ def _through_every_step(cfg, out: Path, *, discover: bool) -> dict:
             "recommended_epochs": ft.recommended_epochs,
             "chosen_update": ft.chosen_update, "chosen_rule": ft.chosen_rule,
             "recommended_updates": ft.recommended_updates,
-            "mixed_precision": ft.mixed_precision, "config_json": config_json}
+            "mixed_precision": ft.mixed_precision, "config_json": config_json, "prodigy": prodigy,
+            "lr_finder": resolved.lr_finder, "lr_mid": lr.lr_mid, "lr_low": lr.lr_low, "lr_high": lr.lr_high}
 
 
 # A fixed LR per method near the tiny model's measured midpoints (config.DEFAULT_LR_RANGE's comment); textual
@@ -203,7 +216,7 @@ def test_a_hub_id_through_every_step_registers_the_kept_checkpoint(method, fake_
                       lr_range_test={"epochs": 4, "zoom": False}, finetune={"epochs": 2},
                       validation={"every_updates": 1},
                       sampling={"prompts": ["a red circle"], "seeds": [0], "num_inference_steps": 2}, **lr)
-    s = _through_every_step(cfg, out, discover=method not in FIXED_LR)
+    s = _through_every_step(cfg, out, finder="fixed" if method in FIXED_LR else "range-test")
     assert s["lr_source"] == ("fixed" if method in FIXED_LR else "range-test")
     assert s["registered_model"] == "models:/rangefinder-sd/1"
     # register-model's result, the run's outcome on its graph in the Kubeflow UI: the model, the kept checkpoint, the
@@ -263,3 +276,61 @@ def test_retrain_full_in_a_users_pipeline_registers_the_retrain_s_weights(shapes
     mv = MlflowClient(uri).get_model_version(cfg.tracking.registered_model_name, "1")
     assert mv.tags["rangefinder.weights"] == "retrain_full final"
     assert mv.description.startswith("Retrained on train + validation for 1 epochs")
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_thread_as_a_local_run")
+def test_lr_finder_auto_on_sd3_fine_tunes_at_the_prodigy_step_size_and_registers_it(tiny_sd3_dir, shapes_dataset_dir,
+                                                                                   tmp_path, monkeypatch):
+    """SD3, end to end on the branch lr_finder auto takes there (prodigy_step, read off the model by resolve-config):
+    its loss, its flow-matching sampler at its own pipeline's guidance, and its registered model, through every
+    step's function with the whole run's tiny settings. The same branch runs whole under kfp.local on Flux
+    (test_local_run_prodigy_step.py), which was run on SD3 too until it showed nothing these functions do not."""
+    import sqlite3
+
+    from rangefinder.analysis import read_curve_csv
+    from rangefinder.config import FAMILY_NAMES, prodigy_step_factor
+    from tests.mlflow_store import seed
+    from tests.pipelines.tiny_run import TINY, tiny_config
+
+    for var in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID"):
+        monkeypatch.delenv(var, raising=False)
+    out = tmp_path / "out"
+    out.mkdir()
+    seed(out / "mlflow.db")
+    # 3 epochs (12 updates): long enough for Prodigy's d to grow from d0 (at update 9 on SD3), as it must to be read;
+    # the sampler and guidance the family's own (the scheduler and guidance unset).
+    cfg = tiny_config(shapes_dataset_dir, tiny_sd3_dir, lr_finder="auto",
+                      lr_range_test={"lr_min": None, "lr_max": None}, finetune={"epochs": 3},
+                      sampling={**TINY["sampling"], "scheduler": None, "guidance_scale": None},
+                      tracking={"tracking_uri": f"sqlite:///{out / 'mlflow.db'}"})
+    s = _through_every_step(cfg, out, finder="prodigy-step")
+    assert s["lr_finder"] == "prodigy_step"  # what resolve-config read auto as, on this model
+    probe = s["prodigy"]
+    updates = read_curve_csv(next((out / "pipeline-root" / "prodigy-step-size" / "curve").glob("**/updates.csv")),
+                             required=("prodigy_d_lr",))
+    # The LR is the last step size (d x lr after the last update), times the family's factor for full fine-tuning.
+    factor = prodigy_step_factor("sd3", "full")
+    assert factor == 4.0 == probe.factor
+    assert probe.lr == factor * updates["prodigy_d_lr"][-1] and probe.updates == len(updates["update"]) == 12
+    # choose-lr collapsed the bounds onto it; the fine-tune trained that one LR (no halving) and it was registered.
+    assert (s["lr_source"], s["lr_low"], s["lr_mid"], s["lr_high"]) == ("prodigy-step", probe.lr, probe.lr, probe.lr)
+    assert s["lr_used"] == probe.lr and s["registered_model"] == "models:/rangefinder-sd/1"
+    decision = (out / "pipeline-root" / "choose-lr" / "decision").read_text()
+    assert "read off a Prodigy run's final step size d x lr" in decision and "12 updates" in decision
+    assert f"(lr_finder: auto, which measures full on {FAMILY_NAMES['sd3']} with prodigy_step)" in decision
+    assert f", times {factor:g} = {probe.lr:.3g} (full on this family trains at 4 times" in decision, decision
+    with sqlite3.connect(out / "mlflow.db") as con:
+        runs = dict(con.execute("select name, status from runs").fetchall())
+        finder = dict(con.execute("select p.key, p.value from params p join runs r on p.run_uuid = r.run_uuid "
+                                  "where r.name = 'prodigy_step_size' and p.key like 'lr_finder%'").fetchall())
+        guidance = dict(con.execute("select r.name, p.value from params p join runs r on p.run_uuid = r.run_uuid "
+                                    "where p.key = 'sampling.guidance_scale_used'").fetchall())
+    assert runs["prodigy_step_size"] == runs["finetune"] == "FINISHED" and "lr_range_test" not in runs, runs
+    assert finder == {"lr_finder": "auto", "lr_finder_used": "prodigy_step"}, finder
+    # The guidance unset is SD3's pipeline's own (7.0): the step's run shows it beside the setting, and the grid and
+    # the samples during training are drawn at it.
+    assert {float(v) for v in guidance.values()} == {7.0} and "finetune" in guidance, guidance
+    grid = json.loads(next((out / "pipeline-root" / "sample-images").glob("**/grid.json")).read_text())
+    during = json.loads(next((out / "pipeline-root" / "finetune").glob("**/samples/index.json")).read_text())
+    assert grid["settings"]["guidance_scale"] == during["settings"]["guidance_scale"] == 7.0
