@@ -16,8 +16,8 @@ import pytest
 # whole test files, so a file's module fixtures are made once, on one worker; the files below share the
 # session-scoped whole run of the unchanged demo (`demo_run`, tests/pipelines/conftest.py) and go together, so that
 # run is made once too. (xdist's own `loadgroup` marks do not work with pytest 9.2: they rename `item._nodeid`, which
-# pytest no longer reads.) (test_demo_sdxl.py does not read that run: its small SDXL run is its own group, free to
-# go to the other worker.)
+# pytest no longer reads.) (test_demo_sdxl.py does not read that run: it is its own group, free to go to the
+# other worker.)
 # The same for bench.versus's SD 1.x smoke case (`sd1_versus_smoke`, tests/bench/conftest.py): checked whole by
 # test_versus.py, and the case the probes of the other two files re-run (a) from. group -> its files.
 SHARED_FIXTURE_GROUPS = {
@@ -38,14 +38,13 @@ _GROUP_OF = {path: group for group, paths in SHARED_FIXTURE_GROUPS.items() for p
 # groups of half a minute or more), so that the last groups dealt are the many short ones.
 LONG_FIRST = ("pipelines:demo-run", "bench:versus-smoke", "tests/pipelines/test_local_run_prodigy_step.py",
               "tests/steps/test_processes.py", "tests/pipelines/test_local_run_errors.py",
-              "tests/pipelines/test_demo_sdxl.py", "tests/steps/test_halving.py",
+              "tests/pipelines/test_components.py", "tests/steps/test_halving.py",
               "tests/bench/test_discovery_quality.py", "tests/training/test_resume.py", "tests/tracking/test_outbox.py",
               "tests/methods/test_discovery_by_method.py", "tests/methods/test_with_engine.py",
               "tests/steps/test_trainjob_lifecycle.py", "tests/bench/test_range_noise.py",
               "tests/training/test_samples.py", "tests/cli/test_train.py", "tests/tracking/test_server_loss.py",
               "tests/bench/test_speed_vs_reference.py", "tests/training/test_compile.py",
-              "tests/steps/test_average.py", "tests/training/test_optimizers.py", "tests/pipelines/test_components.py",
-              "tests/analysis/test_lr_bounds.py")
+              "tests/steps/test_average.py", "tests/training/test_optimizers.py", "tests/analysis/test_lr_bounds.py")
 
 
 def _group(nodeid: str) -> str:

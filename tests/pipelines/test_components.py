@@ -278,14 +278,21 @@ def test_retrain_full_in_a_users_pipeline_registers_the_retrain_s_weights(shapes
     assert mv.description.startswith("Retrained on train + validation for 1 epochs")
 
 
+# Each family's own pipeline's guidance, which the run samples at with sampling.guidance_scale unset.
+OWN_GUIDANCE = {"sd3": 7.0, "sdxl": 5.0}
+
+
 @pytest.mark.slow
 @pytest.mark.usefixtures("one_thread_as_a_local_run")
-def test_lr_finder_auto_on_sd3_fine_tunes_at_the_prodigy_step_size_and_registers_it(tiny_sd3_dir, shapes_dataset_dir,
-                                                                                   tmp_path, monkeypatch):
-    """SD3, end to end on the branch lr_finder auto takes there (prodigy_step, read off the model by resolve-config):
-    its loss, its flow-matching sampler at its own pipeline's guidance, and its registered model, through every
-    step's function with the whole run's tiny settings. The same branch runs whole under kfp.local on Flux
-    (test_local_run_prodigy_step.py), which was run on SD3 too until it showed nothing these functions do not."""
+@pytest.mark.parametrize("family", ["sd3", "sdxl"])
+def test_lr_finder_auto_fine_tunes_at_the_prodigy_step_size_and_registers_it(family, shapes_dataset_dir, tmp_path,
+                                                                              monkeypatch, request):
+    """SD3 and SDXL, end to end on the branch lr_finder auto takes for their full fine-tune (prodigy_step, read off
+    the model by resolve-config): the family's loss, its sampler at its own pipeline's guidance, and its registered
+    model, through every step's function with the whole run's tiny settings, the family read from the model into
+    every step's MLflow run. The same branch runs whole under kfp.local on Flux (test_local_run_prodigy_step.py,
+    which also holds the branch's reports to tiny_run.PRODIGY_REPORTS); SD3 ran there whole and SDXL in
+    test_demo_sdxl.py until 2026-12-07, and showed nothing these functions do not."""
     import sqlite3
 
     from rangefinder.analysis import read_curve_csv
@@ -300,7 +307,8 @@ def test_lr_finder_auto_on_sd3_fine_tunes_at_the_prodigy_step_size_and_registers
     seed(out / "mlflow.db")
     # 3 epochs (12 updates): long enough for Prodigy's d to grow from d0 (at update 9 on SD3), as it must to be read;
     # the sampler and guidance the family's own (the scheduler and guidance unset).
-    cfg = tiny_config(shapes_dataset_dir, tiny_sd3_dir, lr_finder="auto",
+    model = request.getfixturevalue(f"tiny_{family}_dir")
+    cfg = tiny_config(shapes_dataset_dir, model, lr_finder="auto",
                       lr_range_test={"lr_min": None, "lr_max": None}, finetune={"epochs": 3},
                       sampling={**TINY["sampling"], "scheduler": None, "guidance_scale": None},
                       tracking={"tracking_uri": f"sqlite:///{out / 'mlflow.db'}"})
@@ -310,27 +318,38 @@ def test_lr_finder_auto_on_sd3_fine_tunes_at_the_prodigy_step_size_and_registers
     updates = read_curve_csv(next((out / "pipeline-root" / "prodigy-step-size" / "curve").glob("**/updates.csv")),
                              required=("prodigy_d_lr",))
     # The LR is the last step size (d x lr after the last update), times the family's factor for full fine-tuning.
-    factor = prodigy_step_factor("sd3", "full")
+    factor = prodigy_step_factor(family, "full")
     assert factor == 4.0 == probe.factor
-    assert probe.lr == factor * updates["prodigy_d_lr"][-1] and probe.updates == len(updates["update"]) == 12
+    assert probe.lr == factor * updates["prodigy_d_lr"][-1] == factor * probe.d > 0
+    assert probe.updates == len(updates["update"]) == 12
     # choose-lr collapsed the bounds onto it; the fine-tune trained that one LR (no halving) and it was registered.
     assert (s["lr_source"], s["lr_low"], s["lr_mid"], s["lr_high"]) == ("prodigy-step", probe.lr, probe.lr, probe.lr)
     assert s["lr_used"] == probe.lr and s["registered_model"] == "models:/rangefinder-sd/1"
+    assert s["recommended_epochs"] >= 1
     decision = (out / "pipeline-root" / "choose-lr" / "decision").read_text()
-    assert "read off a Prodigy run's final step size d x lr" in decision and "12 updates" in decision
-    assert f"(lr_finder: auto, which measures full on {FAMILY_NAMES['sd3']} with prodigy_step)" in decision
-    assert f", times {factor:g} = {probe.lr:.3g} (full on this family trains at 4 times" in decision, decision
+    assert "read off a Prodigy run's final step size d x lr" in decision
+    assert f"(lr_finder: auto, which measures full on {FAMILY_NAMES[family]} with prodigy_step)" in decision
+    assert f"d x lr = {probe.lr / 4:.3g}, 12 updates, times 4 = {probe.lr:.3g} (full on this family trains at 4 " \
+           "times" in decision, decision
     with sqlite3.connect(out / "mlflow.db") as con:
         runs = dict(con.execute("select name, status from runs").fetchall())
         finder = dict(con.execute("select p.key, p.value from params p join runs r on p.run_uuid = r.run_uuid "
                                   "where r.name = 'prodigy_step_size' and p.key like 'lr_finder%'").fetchall())
+        (factor_param,) = con.execute("select p.value from params p join runs r on p.run_uuid = r.run_uuid "
+                                      "where r.name = 'prodigy_step_size' and p.key = 'prodigy_step_factor'").fetchone()
         guidance = dict(con.execute("select r.name, p.value from params p join runs r on p.run_uuid = r.run_uuid "
                                     "where p.key = 'sampling.guidance_scale_used'").fetchall())
+        families = con.execute("select r.name, t.value from runs r join tags t on t.run_uuid = r.run_uuid "
+                               "where t.key = 'rangefinder.model_family'").fetchall()
     assert runs["prodigy_step_size"] == runs["finetune"] == "FINISHED" and "lr_range_test" not in runs, runs
     assert finder == {"lr_finder": "auto", "lr_finder_used": "prodigy_step"}, finder
-    # The guidance unset is SD3's pipeline's own (7.0): the step's run shows it beside the setting, and the grid and
+    assert float(factor_param) == factor  # the Prodigy run's MLflow run says the LR trained is 4x its step size
+    # The model was this family all along: read from the model, into every tracked step's MLflow run.
+    assert {v for _, v in families} == {family} and {n for n, _ in families} >= {"prodigy_step_size", "finetune"}
+    # The guidance unset is the family's pipeline's own: the step's run shows it beside the setting, and the grid and
     # the samples during training are drawn at it.
-    assert {float(v) for v in guidance.values()} == {7.0} and "finetune" in guidance, guidance
+    own = OWN_GUIDANCE[family]
+    assert {float(v) for v in guidance.values()} == {own} and "finetune" in guidance, guidance
     grid = json.loads(next((out / "pipeline-root" / "sample-images").glob("**/grid.json")).read_text())
     during = json.loads(next((out / "pipeline-root" / "finetune").glob("**/samples/index.json")).read_text())
-    assert grid["settings"]["guidance_scale"] == during["settings"]["guidance_scale"] == 7.0
+    assert grid["settings"]["guidance_scale"] == during["settings"]["guidance_scale"] == own

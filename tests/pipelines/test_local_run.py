@@ -70,9 +70,9 @@ def test_the_demos_run_on_default_sqlite_reads_back_whole(demo_run, demo_run_mlf
     # The reports are copied under OUT/reports with extensions a browser or editor opens.
     reports = sorted(Path(p).name for p in s["reports"])
     # Named after the step, not kfp.local's task folder (lr-range-test-3): the first range test and the zoom it asked
-    # for, each by what it is. Every report, and no other: the discovery set (tiny_run.DISCOVERY_REPORTS; the small
-    # SDXL run of test_demo_sdxl.py writes it with the Prodigy run's reports for the range test's, zoom off) and the
-    # zoom's two.
+    # for, each by what it is. Every report, and no other: the discovery set (tiny_run.DISCOVERY_REPORTS; the Flux
+    # run of test_local_run_prodigy_step.py writes it with the Prodigy run's reports for the range test's, zoom off)
+    # and the zoom's two.
     assert set(reports) == DISCOVERY_REPORTS | {"lr-range-test-zoom.html", "lr-range-test-zoom.md"}, reports
     assert all(Path(p).parent == out / "reports" for p in s["reports"])
     # The reports exist and the HTML embeds its plot (the KFP UI shows no image files).

@@ -83,8 +83,7 @@ def test_lr_finder_auto_on_a_flow_model_runs_the_prodigy_branch_and_fine_tunes_a
     assert s["lr_used"] == lr and s["halving_kept"] is None
     assert s["registered_model"] == "models:/rangefinder-sd/1"
     reports = {Path(p).name for p in s["reports"]}
-    # Every report of the branch and no other: the SD run's set with the Prodigy run's for the range test's, as the
-    # small SDXL run of test_demo_sdxl.py writes it.
+    # Every report of the branch and no other: the SD run's set with the Prodigy run's for the range test's.
     assert reports == PRODIGY_REPORTS, reports
     decision = next(Path(p) for p in s["reports"] if Path(p).name == "choose-lr-decision.md").read_text()
     assert "read off a Prodigy run's final step size d x lr" in decision and "12 updates" in decision

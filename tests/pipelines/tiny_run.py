@@ -1,4 +1,5 @@
-"""The smallest whole-pipeline config the pipeline tests run (test_local_run.py, test_demo_sdxl.py)."""
+"""The smallest whole-pipeline config the pipeline tests run (test_local_run.py, test_local_run_prodigy_step.py,
+and every step's function in test_components.py)."""
 
 from __future__ import annotations
 
@@ -22,9 +23,9 @@ TINY = {
 DISCOVERY_REPORTS = frozenset({"prepare-dataset-report.md", "lr-range-test-first.html", "lr-range-test-first.md",
                                "choose-lr-decision.md", "finetune.html", "finetune.md", "sample-images-grid.html"})
 # The same run on the prodigy_step branch (lr_finder auto's choice for SDXL's, SD3's and Flux's full fine-tune): the
-# Prodigy run's two reports where the range test's were, the rest alike. The small SDXL run (test_demo_sdxl.py) is
-# held to this set, so the SD and SDXL runs write the same reports but for the finder's, without the SDXL test
-# reading the SD run.
+# Prodigy run's two reports where the range test's were, the rest alike. The Flux run
+# (test_local_run_prodigy_step.py) is held to this set, so the SD and flow runs write the same reports but for the
+# finder's, without the Flux test reading the SD run.
 PRODIGY_REPORTS = (DISCOVERY_REPORTS - {"lr-range-test-first.html", "lr-range-test-first.md"}) | {
     "prodigy-step-size.html", "prodigy-step-size.md"}
 
