@@ -208,3 +208,20 @@ def test_select_steps_reads_a_curve_logged_by_epoch_given_the_updates_per_epoch(
         assert theirs[key] == ours[key], key
     unnamed = in_process("select-steps", str(export), "--loss-column", "Value", "--updates-per-epoch", "50")
     assert_one_line_error(unnamed, "no update or epoch column", "--epoch-column")
+
+
+def test_an_export_out_of_step_order_fills_the_lr_in_step_order(tmp_path):
+    # A W&B history as the export's rows came (not sorted by _step), with a validation on a row of its own: filled
+    # from the row above it in the file, it took another step's LR.
+    lr, loss = range_test_rows()
+    ours = analyze(write_rows(tmp_path / "metrics.csv", ["lr", "val_loss"], [lr, loss]))
+    rows = []
+    for i, (a, b) in enumerate(zip(lr, loss, strict=True)):
+        rows += [(3 * i, repr(float(a)), ""), (3 * i + 1, repr(float(a)), ""), (3 * i + 2, "", repr(float(b)))]
+    np.random.default_rng(0).shuffle(rows)
+    history = tmp_path / "wandb_history.csv"
+    history.write_text("_step,lr,val_loss\n" + "".join(f"{s},{a},{b}\n" for s, a, b in rows))
+    theirs = analyze(history)
+    assert theirs["lr_mid"] == ours["lr_mid"] and theirs["lr_low"] == ours["lr_low"]
+    assert any(f"{lr.size} of {lr.size} validation rows had no lr; each took the lr of the last row above it in "
+               "_step order" in note for note in theirs["reading"]), theirs["reading"]

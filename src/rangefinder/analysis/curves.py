@@ -42,18 +42,36 @@ CURVE_COLUMNS = ("update", "epoch", "lr", "train_loss", "val_loss", "stabilize_l
 # Reading
 
 
+@dataclass(frozen=True)
+class CurveFile:
+    """A curve CSV as read (`read_curve`): its columns, and what was done to its rows on the way."""
+
+    columns: dict[str, np.ndarray]  # one float array per column (string arrays for non-number ones), in file order
+    filled: dict[str, np.ndarray]  # per `fill_down` column: whether each kept row's cell came from a row above it
+    step: Optional[str]  # the file's column the rows were put in order by (to fill), or None: file order
+
+
 def read_curve_csv(path: str | Path, required: Sequence[str] = ("val_loss",),
                    skip_empty: Sequence[str] = (), columns: Optional[Mapping[str, str]] = None,
-                   flags: Optional[Mapping[str, str]] = None,
-                   fill_down: Sequence[str] = ()) -> dict[str, np.ndarray]:
+                   flags: Optional[Mapping[str, str]] = None) -> dict[str, np.ndarray]:
+    """The columns of `read_curve` (the engine's metrics.csv, or another trainer's export, read in file order)."""
+    return read_curve(path, required, skip_empty, columns, flags).columns
+
+
+def read_curve(path: str | Path, required: Sequence[str] = ("val_loss",),
+               skip_empty: Sequence[str] = (), columns: Optional[Mapping[str, str]] = None,
+               flags: Optional[Mapping[str, str]] = None, fill_down: Sequence[str] = (),
+               steps: Sequence[str] = ()) -> CurveFile:
     """Read a curve CSV (the engine's metrics.csv) into float arrays, one per column; empty cells become NaN.
 
     `columns` maps a contract column to the file's name for it (another trainer's export: `Step`, `Value`,
     `lr/unet`); that column is read under the contract name. `flags` names, per contract column, the command-line
-    flag that sets its name, for the message when it is missing. A kept row whose `fill_down` cell is empty takes
-    the last value above it in the file, as a log that writes the LR on each step's row and the validation loss on
-    a row of its own reads (W&B's history, a join of TensorBoard tags); `<column>_filled` then says, per kept row,
-    whether it did.
+    flag that sets its name, for the message when it is missing.
+    `steps`: the contract columns, in preference, that count the run's steps (update, epoch); the first the file
+    has, or else its one column named as a step (`step`, W&B's `_step`, `global_step`), orders the rows. A kept row
+    whose `fill_down` cell is empty takes the last value above it in that order, as a log that writes the LR on each
+    step's row and the validation loss on a row of its own reads (W&B's history, a join of TensorBoard tags); without
+    a step column, the row above it in the file.
     Rows whose cell is empty in a `skip_empty` column are left out (not measured there), while a written `nan` or
     `inf` is kept: it is a measurement that blew up.
     Columns that are not numbers throughout (none in the contract) are kept as string arrays. Raises
@@ -69,14 +87,14 @@ def read_curve_csv(path: str | Path, required: Sequence[str] = ("val_loss",),
     if not p.is_file():
         raise RangefinderError(f"curve file {p} does not exist; pass the metrics.csv a training run wrote")
     try:
-        return _read_csv(p, required, skip_empty, columns or {}, flags or {}, fill_down)
+        return _read_csv(p, required, skip_empty, columns or {}, flags or {}, fill_down, steps)
     except (UnicodeDecodeError, csv.Error) as e:
         raise RangefinderError(f"curve file {p} is not a CSV text file ({type(e).__name__}: {e}); pass the "
                                "metrics.csv a training run wrote") from None
 
 
 def _read_csv(p: Path, required: Sequence[str], skip_empty: Sequence[str], columns: Mapping[str, str],
-              flags: Mapping[str, str], fill_down: Sequence[str]) -> dict[str, np.ndarray]:
+              flags: Mapping[str, str], fill_down: Sequence[str], steps: Sequence[str]) -> CurveFile:
     # utf-8-sig: Excel's "CSV UTF-8" and PowerShell's Export-Csv start the file with a byte-order mark, which read as
     # utf-8 glued itself to the first column's name ("\ufefflr"). A UTF-16 mark: Windows PowerShell 5.1's `>`
     # (Out-File) writes a script's printed CSV so, which read as utf-8 was "not a CSV text file".
@@ -111,9 +129,11 @@ def _read_csv(p: Path, required: Sequence[str], skip_empty: Sequence[str], colum
         kept_lines: list[int] = []  # the line number of each kept row, for error messages
         skip_at = [header.index(c) for c in skip_empty if c in header]
         fill_at = {header.index(c): c for c in fill_down if c in header}
-        above: dict[int, str] = {}  # the last value of each fill_down column, in file order
-        # Per kept row and fill_down column: whether its cell came from above.
-        filled: dict[str, list[bool]] = {c: [] for c in fill_at.values()}
+        step_at = _step_column(header, steps)
+        # Of every row, kept or not: its step and its fill_down cells, to fill and replace by step once all are read.
+        row_steps: list[str] = []
+        row_fills: list[tuple[str, ...]] = []
+        kept_rows: list[int] = []  # each kept row's index among all rows
         # Row by row into the columns: a long file is held once, as its cells, not also as its rows.
         for lineno, row in enumerate(reader, start=2):
             if not any(c.strip() for c in row):
@@ -123,15 +143,14 @@ def _read_csv(p: Path, required: Sequence[str], skip_empty: Sequence[str], colum
                     f"{p} line {lineno} has {len(row)} cells but the header has {len(header)}; "
                     "the file is cut or not a curve CSV"
                 )
-            from_above = {i for i in fill_at if not row[i].strip() and i in above}
-            above |= {i: row[i] for i in fill_at if row[i].strip()}
+            row_steps.append(row[step_at].strip() if step_at is not None else "")
+            row_fills.append(tuple(row[i].strip() for i in fill_at))
             if any(not row[i].strip() for i in skip_at):
                 continue
+            kept_rows.append(len(row_steps) - 1)
             kept_lines.append(lineno)
-            for i, c in fill_at.items():
-                filled[c].append(i in from_above)
-            for j, (h, c) in enumerate(zip(header, row, strict=True)):
-                cells[h].append((above[j] if j in from_above else c).strip())
+            for h, c in zip(header, row, strict=True):
+                cells[h].append(c.strip())
     missing = [c for c in required if c not in cells]
     if missing:
         fix = "pass the metrics.csv of a run that measured validation loss"
@@ -140,6 +159,9 @@ def _read_csv(p: Path, required: Sequence[str], skip_empty: Sequence[str], colum
         raise RangefinderError(f"{p} has no {', '.join(missing)} column (it has {', '.join(header)}); {fix}")
     # Where the comma does not separate cells it may be the decimal mark ("1,5e-06;0,2113"), and reads as a point.
     number = float if sep == "," else lambda c: float(c.replace(",", "."))
+    step = np.array([_number_or_nan(c, number) for c in row_steps], dtype=float)
+    order = np.argsort(step, kind="stable") if step_at is not None else np.arange(step.size)
+    filled = _fill_down(cells, fill_at, row_fills, order, kept_rows)
     out: dict[str, np.ndarray] = {}
     for h, col in cells.items():
         try:
@@ -154,9 +176,44 @@ def _read_csv(p: Path, required: Sequence[str], skip_empty: Sequence[str], colum
                 ) from None
             out[h] = np.array(col, dtype=object)
     _refuse_long_form(p, out)
-    for c, flags_ in filled.items():
-        out[f"{c}_filled"] = np.array(flags_, dtype=bool)
-    return out
+    step_name = None if step_at is None else columns.get(header[step_at], header[step_at])  # as the file spells it
+    return CurveFile(columns=out, filled=filled, step=step_name)
+
+
+def _step_column(header: Sequence[str], steps: Sequence[str]) -> Optional[int]:
+    """The index of the header's column that counts steps: the first of `steps` it has, else its one column named
+    as a step (`step`, W&B's `_step`, `global_step`), else None (no order but the file's)."""
+    if not steps:
+        return None
+    ours = next((c for c in steps if c in header), None)
+    if ours is not None:
+        return header.index(ours)
+    named = [i for i, h in enumerate(header) if _LIKELY["update"](re.sub(r"[^a-z0-9]+", "_", h.lower()).strip("_"))]
+    return named[0] if len(named) == 1 else None
+
+
+def _number_or_nan(c: str, number: Callable[[str], float]) -> float:
+    try:
+        return number(c) if c else math.nan
+    except ValueError:  # a kept row's is named by the column check; another row's cannot be placed
+        return math.nan
+
+
+def _fill_down(cells: dict[str, list[str]], fill_at: Mapping[int, str], row_fills: Sequence[tuple[str, ...]],
+               order: np.ndarray, kept_rows: Sequence[int]) -> dict[str, np.ndarray]:
+    """Fill each kept row's empty `fill_at` cells (in `cells`) with the last value above it in `order`; per
+    column, whether each kept row's cell was filled."""
+    at_kept = {r: k for k, r in enumerate(kept_rows)}
+    filled = {c: np.zeros(len(kept_rows), dtype=bool) for c in fill_at.values()}
+    above: dict[str, str] = {}
+    for r in order.tolist():
+        for c, value in zip(fill_at.values(), row_fills[r], strict=True):
+            if value:
+                above[c] = value
+            elif c in above and r in at_kept:
+                cells[c][at_kept[r]] = above[c]
+                filled[c][at_kept[r]] = True
+    return filled
 
 
 def _refuse_long_form(p: Path, out: dict[str, np.ndarray]) -> None:

@@ -50,27 +50,30 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> dict:
     import numpy as np
 
-    from rangefinder.analysis import analyze_lr_curve, plot_lr_range_test, read_curve_csv, write_lr_report
+    from rangefinder.analysis import analyze_lr_curve, plot_lr_range_test, write_lr_report
+    from rangefinder.analysis.curves import read_curve
     from rangefinder.errors import RangefinderError
 
     if args.plot:  # before anything is read or written
         argtypes.refuse_writing_over(args.plot, "--plot", args.curve, "CURVE.csv",
                                      f"name the plot apart, e.g. {Path(args.plot).with_suffix('.png')}")
     columns = argtypes.named_columns(lr=args.lr_column, val_loss=args.loss_column)
-    curve = read_curve_csv(args.curve, required=("lr", "val_loss"), skip_empty=("val_loss",), columns=columns,
-                           flags={"lr": "--lr-column", "val_loss": "--loss-column"}, fill_down=("lr",))
-    filled = int(np.sum(curve.pop("lr_filled")))
+    read = read_curve(args.curve, required=("lr", "val_loss"), skip_empty=("val_loss",), columns=columns,
+                      flags={"lr": "--lr-column", "val_loss": "--loss-column"}, fill_down=("lr",), steps=("update",))
+    curve, filled = read.columns, int(np.sum(read.filled["lr"]))
     if curve["val_loss"].dtype == object or curve["lr"].dtype == object:
         raise RangefinderError(f"{args.curve}: lr and val_loss must be numbers")
     extra = {k: v for k, v in (("mid_position", args.mid_position), ("midpoint", args.midpoint)) if v is not None}
     bounds = analyze_lr_curve(curve["lr"], curve["val_loss"], ramp=args.ramp, seed=args.seed,
                               stabilize_loss=curve.get("stabilize_loss"), **extra)
+    notes = []
     if filled:
         # The validation's own row had no LR: the LR logged last above it is that of the last update before it.
-        note = (f"{filled} of {curve['val_loss'].size} validation rows had no lr; each took the lr of the last row "
-                "above it in the file (the LR logged at the step before the validation)")
-        bounds.reading.append(note)
-        bounds.advice.append(note)
+        above = f"above it in {read.step} order" if read.step else "above it in the file"
+        notes.append(f"{filled} of {curve['val_loss'].size} validation rows had no lr; each took the lr of the last "
+                     f"row {above} (the LR logged at the step before the validation)")
+    bounds.reading += notes
+    bounds.advice += notes
     result = bounds.to_dict()
     if columns:  # what was read as what, for the script that reads this result and for the report
         result["columns"] = columns

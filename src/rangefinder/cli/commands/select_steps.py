@@ -49,7 +49,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from rangefinder.analysis import plot_step_window, read_curve_csv, select_step_window, write_step_report
+    from rangefinder.analysis import plot_step_window, select_step_window, write_step_report
+    from rangefinder.analysis.curves import read_curve
     from rangefinder.errors import RangefinderError
 
     if args.plot:  # before anything is read or written
@@ -59,9 +60,10 @@ def run(args: argparse.Namespace) -> dict:
     # Given the updates an epoch takes, a curve by epoch alone (a validation logged once an epoch, at step epoch)
     # needs no update column: the updates are counted from its epochs.
     by_epoch = args.updates_per_epoch is not None and args.update_column is None
-    curve = read_curve_csv(args.curve, required=("val_loss",) if by_epoch else ("update", "val_loss"),
-                           skip_empty=("val_loss",), columns=columns,
-                           flags={"update": "--update-column", "val_loss": "--loss-column"})
+    read = read_curve(args.curve, required=("val_loss",) if by_epoch else ("update", "val_loss"),
+                      skip_empty=("val_loss",), columns=columns,
+                      flags={"update": "--update-column", "val_loss": "--loss-column"}, steps=("update", "epoch"))
+    curve = read.columns
     if args.updates_per_epoch is not None:
         if "update" in curve and "epoch" in curve:
             raise RangefinderError(f"{args.curve} has an epoch column and --updates-per-epoch was given too; "
@@ -72,7 +74,7 @@ def run(args: argparse.Namespace) -> dict:
             curve["update"] = curve["epoch"] * args.updates_per_epoch
         else:
             raise RangefinderError(f"{args.curve} has no update or epoch column (it has "
-                                   f"{', '.join(k for k in curve if not k.endswith('_filled'))}); name the one it "
+                                   f"{', '.join(curve)}); name the one it "
                                    "has with --update-column or --epoch-column")
     _refuse_a_range_test(args.curve, curve)
     window = select_step_window(curve["update"], curve.get("epoch"), curve["val_loss"], tolerance=args.tolerance,
