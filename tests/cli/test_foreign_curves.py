@@ -210,18 +210,44 @@ def test_select_steps_reads_a_curve_logged_by_epoch_given_the_updates_per_epoch(
     assert_one_line_error(unnamed, "no update or epoch column", "--epoch-column")
 
 
+def test_a_run_resumed_from_a_checkpoint_is_read_by_its_later_rows_at_each_step(tmp_path):
+    # kohya's --resume (or any trainer's) goes back to the checkpoint at update 300 and logs updates 300 on again;
+    # the rows logged past it before the restart are the run it discarded. They were averaged with the continued
+    # run's rows at the same step.
+    shape = ConstantRunShape()
+    updates = np.arange(0, 800, 10)
+    loss = noisy(shape.loss(updates / 20), 0.0005, seed=5)
+    ours = json.loads(in_process("select-steps", str(write_rows(tmp_path / "metrics.csv", ["update", "val_loss"],
+                                                                [updates, loss])), "--json").stdout)
+    lost = (updates >= 300) & (updates < 500)  # logged before the crash, its loss rising where the run diverged
+    export = write_rows(tmp_path / "resumed.csv", ["Wall time", "Step", "Value"],
+                        [np.concatenate([1.7e9 + updates[updates < 500], 1.8e9 + updates[updates >= 300]]),
+                         np.concatenate([updates[updates < 500], updates[updates >= 300]]),
+                         np.concatenate([loss[updates < 300], loss[lost] + 0.05, loss[updates >= 300]])])
+    proc = in_process("select-steps", str(export), "--json", "--update-column", "Step", "--loss-column", "Value")
+    assert proc.returncode == 0, proc.stderr
+    theirs = json.loads(proc.stdout)
+    for key in ("recommended_updates", "best_update", "window_start_update", "status"):
+        assert theirs[key] == ours[key], key
+    assert any(f"{int(lost.sum())} validation rows were replaced by a later row at the same Step" in note
+               for note in theirs["reading"]), theirs["reading"]
+
+
 def test_an_export_out_of_step_order_fills_the_lr_in_step_order(tmp_path):
     # A W&B history as the export's rows came (not sorted by _step), with a validation on a row of its own: filled
-    # from the row above it in the file, it took another step's LR.
+    # from the row above it in the file, it took another step's LR. The run was resumed before its 11th validation,
+    # which it logged again: the later row stands.
     lr, loss = range_test_rows()
     ours = analyze(write_rows(tmp_path / "metrics.csv", ["lr", "val_loss"], [lr, loss]))
     rows = []
     for i, (a, b) in enumerate(zip(lr, loss, strict=True)):
         rows += [(3 * i, repr(float(a)), ""), (3 * i + 1, repr(float(a)), ""), (3 * i + 2, "", repr(float(b)))]
     np.random.default_rng(0).shuffle(rows)
+    rows.insert(0, (3 * 10 + 2, "", repr(float(loss[10]) + 0.05)))  # the discarded run's, logged before the restart
     history = tmp_path / "wandb_history.csv"
     history.write_text("_step,lr,val_loss\n" + "".join(f"{s},{a},{b}\n" for s, a, b in rows))
     theirs = analyze(history)
     assert theirs["lr_mid"] == ours["lr_mid"] and theirs["lr_low"] == ours["lr_low"]
     assert any(f"{lr.size} of {lr.size} validation rows had no lr; each took the lr of the last row above it in "
                "_step order" in note for note in theirs["reading"]), theirs["reading"]
+    assert any("1 validation rows were replaced by a later row at the same _step" in n for n in theirs["reading"])

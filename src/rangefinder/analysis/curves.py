@@ -48,7 +48,8 @@ class CurveFile:
 
     columns: dict[str, np.ndarray]  # one float array per column (string arrays for non-number ones), in file order
     filled: dict[str, np.ndarray]  # per `fill_down` column: whether each kept row's cell came from a row above it
-    step: Optional[str]  # the file's column the rows were put in order by (to fill), or None: file order
+    step: Optional[str]  # the file's column the rows were put in order by (fill, replacement), or None: file order
+    replaced: int  # kept rows left out for a later row at the same step (a resumed run's discarded rows)
 
 
 def read_curve_csv(path: str | Path, required: Sequence[str] = ("val_loss",),
@@ -70,8 +71,9 @@ def read_curve(path: str | Path, required: Sequence[str] = ("val_loss",),
     `steps`: the contract columns, in preference, that count the run's steps (update, epoch); the first the file
     has, or else its one column named as a step (`step`, W&B's `_step`, `global_step`), orders the rows. A kept row
     whose `fill_down` cell is empty takes the last value above it in that order, as a log that writes the LR on each
-    step's row and the validation loss on a row of its own reads (W&B's history, a join of TensorBoard tags); without
-    a step column, the row above it in the file.
+    step's row and the validation loss on a row of its own reads (W&B's history, a join of TensorBoard tags); and of
+    kept rows at one step the last in the file stands: a run resumed from a checkpoint logs the steps after it again,
+    and the earlier rows are those of the run it discarded. Without a step column, both go by file order.
     Rows whose cell is empty in a `skip_empty` column are left out (not measured there), while a written `nan` or
     `inf` is kept: it is a measurement that blew up.
     Columns that are not numbers throughout (none in the contract) are kept as string arrays. Raises
@@ -162,6 +164,12 @@ def _read_csv(p: Path, required: Sequence[str], skip_empty: Sequence[str], colum
     step = np.array([_number_or_nan(c, number) for c in row_steps], dtype=float)
     order = np.argsort(step, kind="stable") if step_at is not None else np.arange(step.size)
     filled = _fill_down(cells, fill_at, row_fills, order, kept_rows)
+    # Of kept rows at one step, the last in the file stands.
+    kept_step = step[kept_rows]
+    stands = np.ones(len(kept_rows), dtype=bool)
+    if step_at is not None:
+        last = {s: i for i, s in enumerate(kept_step.tolist()) if math.isfinite(s)}
+        stands = np.array([not math.isfinite(s) or last[s] == i for i, s in enumerate(kept_step.tolist())], dtype=bool)
     out: dict[str, np.ndarray] = {}
     for h, col in cells.items():
         try:
@@ -176,8 +184,12 @@ def _read_csv(p: Path, required: Sequence[str], skip_empty: Sequence[str], colum
                 ) from None
             out[h] = np.array(col, dtype=object)
     _refuse_long_form(p, out)
+    if not stands.all():
+        out = {h: col[stands] for h, col in out.items()}
+        filled = {c: f[stands] for c, f in filled.items()}
     step_name = None if step_at is None else columns.get(header[step_at], header[step_at])  # as the file spells it
-    return CurveFile(columns=out, filled=filled, step=step_name)
+    return CurveFile(columns=out, filled=filled, step=step_name,
+                     replaced=int(np.sum(~stands)))
 
 
 def _step_column(header: Sequence[str], steps: Sequence[str]) -> Optional[int]:
@@ -214,6 +226,13 @@ def _fill_down(cells: dict[str, list[str]], fill_at: Mapping[int, str], row_fill
                 cells[c][at_kept[r]] = above[c]
                 filled[c][at_kept[r]] = True
     return filled
+
+
+def replaced_note(read: CurveFile, rows: str) -> str:
+    """The reading note for the rows `read` replaced by a later row at the same step."""
+    return (f"{read.replaced} {rows} rows were replaced by a later row at the same {read.step}: a run resumed from a "
+            "checkpoint logs the steps after it again, and the earlier rows are those of the run it discarded. "
+            "Check that the file holds one run if that is unexpected.")
 
 
 def _refuse_long_form(p: Path, out: dict[str, np.ndarray]) -> None:

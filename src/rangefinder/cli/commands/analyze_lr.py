@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> dict:
     import numpy as np
 
     from rangefinder.analysis import analyze_lr_curve, plot_lr_range_test, write_lr_report
-    from rangefinder.analysis.curves import read_curve
+    from rangefinder.analysis.curves import read_curve, replaced_note
     from rangefinder.errors import RangefinderError
 
     if args.plot:  # before anything is read or written
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> dict:
     extra = {k: v for k, v in (("mid_position", args.mid_position), ("midpoint", args.midpoint)) if v is not None}
     bounds = analyze_lr_curve(curve["lr"], curve["val_loss"], ramp=args.ramp, seed=args.seed,
                               stabilize_loss=curve.get("stabilize_loss"), **extra)
-    notes = []
+    notes = [replaced_note(read, "validation")] if read.replaced else []
     if filled:
         # The validation's own row had no LR: the LR logged last above it is that of the last update before it.
         above = f"above it in {read.step} order" if read.step else "above it in the file"

@@ -50,7 +50,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     from rangefinder.analysis import plot_step_window, select_step_window, write_step_report
-    from rangefinder.analysis.curves import read_curve
+    from rangefinder.analysis.curves import read_curve, replaced_note
     from rangefinder.errors import RangefinderError
 
     if args.plot:  # before anything is read or written
@@ -79,6 +79,10 @@ def run(args: argparse.Namespace) -> dict:
     _refuse_a_range_test(args.curve, curve)
     window = select_step_window(curve["update"], curve.get("epoch"), curve["val_loss"], tolerance=args.tolerance,
                                 stabilize_loss=curve.get("stabilize_loss"), seed=args.seed)
+    if read.replaced:
+        note = replaced_note(read, "validation")
+        window.reading.append(note)
+        window.advice.append(note)
     result = window.to_dict()
     if columns:  # what was read as what, for the script that reads this result and for the report
         result["columns"] = columns
