@@ -390,6 +390,19 @@ def test_promote_refusals_are_one_line_and_keep_the_password_out(mlflow_auth_ser
     assert promote_cli("--tracking-uri", uri) == (0, "")
     assert client.get_model_version_by_alias(name, "champion").version == mv.version
 
+    # --if-better refusing the reader's version (no better than its base model): the tag that records the refusal
+    # was dropped without a word where the server denied it; the line says the refusal and that it went unrecorded.
+    client.set_model_version_tag(name, mv.version, "rangefinder.improved_on_base", "false")
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", reader)
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", reader_password)
+    code, err = promote_cli("--tracking-uri", uri, "--if-better")
+    assert code == 1 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith("rangefinder promote: not promoted (--if-better): version 1 already holds @champion; "), err
+    assert err.endswith(f"; the refusal is not recorded on version {mv.version} (tag rangefinder.champion_refused): "
+                        "the server denied setting it (HTTP 403): the user in MLFLOW_TRACKING_USERNAME needs EDIT "
+                        "permission on the model to record it\n"), err
+    assert "rangefinder.champion_refused" not in client.get_model_version(name, mv.version).tags
+
 
 def test_promote_by_a_user_denied_the_model_says_so_not_that_it_is_missing(mlflow_auth_server, monkeypatch, capsys):
     """A user the server denies a registered model (DENY on it) was told "no registered model ...; check --model" of

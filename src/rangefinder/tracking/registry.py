@@ -653,12 +653,16 @@ def promote(
     if if_better and not allowed:
         stays = f"at version {previous}" if previous is not None else "unset"
         # Said on the version too, where the Models tab shows why a scheduled week stayed a candidate; a user who
-        # may only read the model is told the refusal all the same.
-        with contextlib.suppress(MlflowException):
-            client.set_model_version_tag(name, version, f"rangefinder.{to_alias}_refused",
-                                         _history(f"not promoted: {result['comparison']}"))
-        raise RunDidNotSucceed(f"not promoted (--if-better): {result['comparison']}; @{to_alias} stays {stays}",
-                               {**result, "promoted": False})
+        # may only read the model is told the refusal all the same, and that the tab will not show it.
+        tag, unrecorded = f"rangefinder.{to_alias}_refused", ""
+        try:
+            client.set_model_version_tag(name, version, tag, _history(f"not promoted: {result['comparison']}"))
+        except MlflowException as e:
+            why = ("the server denied setting it (HTTP 403): the user in MLFLOW_TRACKING_USERNAME needs EDIT "
+                   "permission on the model to record it" if _denied(e) else redact(e.message).splitlines()[0][:300])
+            unrecorded = f"; the refusal is not recorded on version {version} (tag {tag}): {why}"
+        raise RunDidNotSucceed(f"not promoted (--if-better): {result['comparison']}; @{to_alias} stays {stays}"
+                               + unrecorded, {**result, "promoted": False, "refusal_recorded": not unrecorded})
     try:
         client.set_registered_model_alias(name, to_alias, str(version))
         if previous != version:
