@@ -938,6 +938,14 @@ def test_promote_ranks_two_versions_only_where_their_val_loss_was_measured_alike
                                     "on the same validation images (4 images, digest v1)")
     other_base = compare_versions(version(2, val_loss="0.1", **{"rangefinder.base_model": "sd-other"}), version(1))
     assert other_base["better"] is None and "base model sd-other where it had sd-base" in other_base["comparison"]
+    # A hub id's main moved between two weeks: the delivered models are still measured alike on the same images, so
+    # they rank (--if-better was refused until a person promoted), and the comparison says from which commit to which.
+    moved = compare_versions(version(2, val_loss="0.1", **{"rangefinder.base_model_revision": "b" * 40}),
+                             version(1, **{"rangefinder.base_model_revision": "a" * 40}))
+    assert moved["better"] is True and moved["comparison"] == (
+        "val_loss 0.1 against @champion version 1's 0.2: 0.1 lower (50.0%), better, on the same validation images "
+        f"(4 images, digest v1); its base model sd-base moved from revision {'a' * 40} (version 1's) to {'b' * 40}: "
+        "pin model.revision to keep the base weights fixed from week to week")
     retrained = compare_versions(version(2), version(1, val_loss="", **{"rangefinder.train_on": "train+val",
                                                                         "rangefinder.validation_digest": ""}))
     assert retrained["better"] is None and "that version's weights saw the validation images" in retrained[

@@ -406,14 +406,16 @@ def _unlike_earlier(client: Any, name: str, version: str, tags: Mapping[str, str
 
 def _differences(tags: Mapping[str, str], was: Mapping[str, str]) -> list[tuple[str, bool]]:
     """How a version made as its lineage tags `tags` say differs from one made as `was` says: (the difference in a
-    person's words, whether it keeps their val_loss values from ranking them). Another base model, revision or family
-    does (the loss of other starting weights, or of another noise schedule, ranks no fine-tune); so do weights that
-    saw the other's validation images and another validation set. Another method, or other data with the same
-    validation set (a dataset that grew), is what a comparison is for."""
+    person's words, whether it keeps their val_loss values from ranking them). Another base model or family does
+    (the loss of another model, or of another noise schedule, ranks no fine-tune); so do weights that saw the
+    other's validation images and another validation set. Another method, other data with the same validation set
+    (a dataset that grew), or another revision of the same base model (a hub id's main moved between two scheduled
+    runs) is what a comparison is for: both delivered models are measured alike on the same images."""
     # Another base model has another revision too: the revision is news only for the same one.
     said = [k for k in TRAINED_AS if _changed(k, tags, was)
             and not (k == TAG_BASE_MODEL_REVISION and _changed(TAG_BASE_MODEL, tags, was))]
-    differs = [(f"{TRAINED_AS[k]} {tags[k]} where it had {was[k]}", k != TAG_METHOD) for k in said]
+    differs = [(f"{TRAINED_AS[k]} {tags[k]} where it had {was[k]}", k not in (TAG_METHOD, TAG_BASE_MODEL_REVISION))
+               for k in said]
     if _changed(TAG_TRAIN_ON, tags, was):
         whose = "its" if tags[TAG_TRAIN_ON] == "train+val" else "that version's"
         differs.append((f"trained on {TRAIN_ON_WORDS.get(tags[TAG_TRAIN_ON], tags[TAG_TRAIN_ON])} where it was "
@@ -701,7 +703,8 @@ def compare_versions(mv: Any, held: Any, alias: str = CHAMPION) -> dict[str, Any
     val_loss_change (mv's less held's, where they compare), better (True, False, or None where they do not compare
     or nothing is held), improved_on_base (its tag, None where it has none), comparison (that, in one sentence)}.
     Two val_loss values rank two versions only where both were measured on the same validation images (the
-    validation digest) of the same base model, by weights that never trained on them (_differences); a dataset that
+    validation digest) of the same base model (another revision of it is said, not refused), by weights that never
+    trained on them (_differences); a dataset that
     grows week by week draws another validation set each week unless its images are kept apart (split.val_dir). A
     version whose val_loss is not below its own base model's is said to be so."""
     loss = _tag_float(mv.tags, "val_loss")
@@ -745,6 +748,12 @@ def compare_versions(mv: Any, held: Any, alias: str = CHAMPION) -> dict[str, Any
                              f"images ({_validation_set(mv.tags)})")
         if worse_than_base:
             out["comparison"] += f"; but {base_note}"
+    if _changed(TAG_BASE_MODEL_REVISION, mv.tags, held.tags) and not _changed(TAG_BASE_MODEL, mv.tags, held.tags):
+        # Their val_loss ranks them all the same; the person promoting should know the base weights moved under it.
+        out["comparison"] += (f"; its base model {mv.tags.get(TAG_BASE_MODEL, '')} moved from revision "
+                              f"{held.tags[TAG_BASE_MODEL_REVISION]} (version {held.version}'s) to "
+                              f"{mv.tags[TAG_BASE_MODEL_REVISION]}: pin model.revision to keep the base weights "
+                              "fixed from week to week")
     return out
 
 
