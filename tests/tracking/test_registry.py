@@ -925,7 +925,8 @@ def test_promote_ranks_two_versions_only_where_their_val_loss_was_measured_alike
 
     week = {"rangefinder.base_model": "sd-base", "rangefinder.model_family": "sd1", "rangefinder.method": "lora",
             "rangefinder.dataset_digest": "d1", "rangefinder.train_on": "train",
-            "rangefinder.validation_digest": "v1", "rangefinder.validation_images": "4", "val_loss": "0.2"}
+            "rangefinder.validation_digest": "v1", "rangefinder.validation_images": "4", "val_loss": "0.2",
+            "rangefinder.validation_settings": "validation.timesteps=4, validation.seed=0, data.resolution=512"}
 
     def version(number: int, **tags: str) -> ModelVersion:
         merged = {k: v for k, v in {**week, **tags}.items() if v}
@@ -952,6 +953,12 @@ def test_promote_ranks_two_versions_only_where_their_val_loss_was_measured_alike
         "comparison"] and "version 1 has no val_loss" in retrained["comparison"]
     by_hand = compare_versions(version(2, val_loss="0.1"), version(1, **{"rangefinder.validation_digest": ""}))
     assert by_hand["better"] is None and "version 1 does not record its validation set" in by_hand["comparison"]
+    # A version of code that did not record how its val_loss was measured was read as measured alike.
+    unknown = compare_versions(version(2, val_loss="0.1"), version(1, **{"rangefinder.validation_settings": ""}))
+    assert unknown["better"] is None and unknown["comparison"] == (
+        "val_loss 0.1 against @champion version 1's 0.2 does not rank them: version 1 does not record how its "
+        "val_loss was measured (tag rangefinder.validation_settings: registered by hand or by earlier code), so "
+        "whether both were measured alike is unknown; where you know they were, promote it by hand with --version")
     first = compare_versions(version(1, **{"rangefinder.improved_on_base": "false"}), None)
     assert first["better"] is None and first["improved_on_base"] is False
     assert first["comparison"].startswith("no version held @champion before: nothing to compare with; its val_loss "
@@ -967,7 +974,8 @@ def test_the_first_week_is_promoted_if_better_only_where_it_beats_its_base_model
     run = client.create_run(client.create_experiment("first-week"))
     client.log_text(run.info.run_id, "weights", "model/x.txt")
     client.create_registered_model(name)
-    measured = {"rangefinder.validation_digest": "v1", "rangefinder.train_on": "train"}
+    measured = {"rangefinder.validation_digest": "v1", "rangefinder.train_on": "train",
+                "rangefinder.validation_settings": "validation.timesteps=4, validation.seed=0"}
 
     def week(val_loss: str, **tags: str) -> None:
         mv = client.create_model_version(name, f"runs:/{run.info.run_id}/model", run_id=run.info.run_id,

@@ -731,6 +731,11 @@ def compare_versions(mv: Any, held: Any, alias: str = CHAMPION) -> dict[str, Any
         elif not v.tags.get(TAG_VALIDATION_DIGEST) and v.tags.get(TAG_TRAIN_ON) != "train+val":
             reasons.append(f"version {v.version} does not record its validation set (registered by hand or by "
                            "earlier code), so whether both were measured on the same images is unknown")
+        elif not v.tags.get(TAG_VALIDATION_SETTINGS):
+            # Read as alike before: two versions measured at other timesteps, seed or resolution ranked.
+            reasons.append(f"version {v.version} does not record how its val_loss was measured (tag "
+                           f"{TAG_VALIDATION_SETTINGS}: registered by hand or by earlier code), so whether both were "
+                           "measured alike is unknown; where you know they were, promote it by hand with --version")
     said = f"val_loss {_num(loss)} against @{alias} version {held.version}'s {_num(theirs)}"
     if reasons:
         fix = (": to rank weekly versions by val_loss, keep the validation images in a folder of their own "
