@@ -159,6 +159,20 @@ def tiny_flux_dir() -> Path:
     return ensure_tiny_flux_model()
 
 
+@pytest.fixture(scope="session")
+def tiny_schnell_dir(tiny_flux_dir, tmp_path_factory) -> Path:
+    """The tiny Flux folder as FLUX.1-schnell has it: a transformer without the guidance embedding (its config's
+    guidance_embeds false; diffusers leaves the dev model's guidance weights unread)."""
+    import json
+    import shutil
+
+    folder = tmp_path_factory.mktemp("tiny-schnell") / "model"
+    shutil.copytree(tiny_flux_dir, folder)
+    config = folder / "transformer" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "guidance_embeds": False}))
+    return folder
+
+
 @pytest.fixture
 def base_model_dir(request: pytest.FixtureRequest) -> Path:
     """The tiny model of the family a test is parametrised with (`family`: "sd1" or "sdxl")."""

@@ -132,7 +132,8 @@ def _one_prompt(tmp_path):
     return prompts
 
 
-def test_cli_sample_renders_at_the_model_s_own_guidance_unless_told(tiny_flux_dir, tmp_path, capsys):
+def test_cli_sample_renders_at_the_model_s_own_guidance_unless_told(tiny_flux_dir, tiny_schnell_dir, tmp_path,
+                                                                    capsys):
     """`rangefinder sample` without --guidance sampled every family at 7.5; a Flux.1-dev model (the tiny one takes
     guidance) samples at FluxPipeline's own, 3.5: the grid says so, and its cell is the one FluxPipeline renders when
     given no guidance scale. --guidance still sets it."""
@@ -159,6 +160,21 @@ def test_cli_sample_renders_at_the_model_s_own_guidance_unless_told(tiny_flux_di
                   generator=torch.Generator().manual_seed(3), **pipeline_call_kwargs(pipe)).images[0]
     assert np.array_equal(cells["own"], np.asarray(direct))
     assert not np.array_equal(cells["own"], cells["told"])
+
+    # FLUX.1-schnell has no guidance embedding (guidance_embeds false) and FluxPipeline feeds it no scale: the grid
+    # said it sampled at 3.5. It says none, and a scale given is refused before any cell, as one that does nothing.
+    schnell = tiny_schnell_dir
+    out = tmp_path / "schnell-grid"
+    assert cli_main(["sample", "--model", str(schnell), "--prompts", str(prompts), "--seeds", "3", "--out", str(out),
+                     "--steps", "1", "--resolution", "32", "--json"]) == 0
+    assert json.loads((out / "grid.json").read_text())["settings"]["guidance_scale"] is None
+    assert "guidance_scale=none" in (out / "grid.html").read_text()
+    capsys.readouterr()
+    assert cli_main(["sample", "--model", str(schnell), "--prompts", str(prompts), "--seeds", "3", "--out",
+                     str(tmp_path / "refused"), "--guidance", "7.5"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "guidance scale 7.5: base model" in err and "no guidance embedding" in err, err
+    assert not (tmp_path / "refused" / "grid.json").exists()
 
 
 def test_bad_scheduler_and_missing_model_are_one_clear_error(tiny_model_dir, tmp_path):

@@ -43,7 +43,7 @@ from rangefinder.models.loading import (
     pipeline_call_kwargs,
     predict_as_the_file_says,
 )
-from rangefinder.training.family_detection import detect_family, guidance_scale_for
+from rangefinder.training.family_detection import detect_family, guidance_scale_in
 
 ColumnKind = str  # "pipeline" | "single_file" | "unet" | "lora" | "textual_inversion" | "engine_checkpoint"
 
@@ -400,7 +400,7 @@ def _grid_html(images, row_labels, col_labels, cell: int, settings: dict, extra_
             for c, img in enumerate(row)
         )
         body.append(f"<tr><th class=row>{html.escape(row_labels[r])}</th>{cells}</tr>")
-    settings_txt = html.escape(", ".join(f"{k}={v}" for k, v in settings.items()))
+    settings_txt = html.escape(", ".join(f"{k}={'none' if v is None else v}" for k, v in settings.items()))
     return (
         '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
@@ -450,7 +450,8 @@ def _scores_html(scores: list[dict[str, Any]]) -> str:
 PIXELS_PER_CALL = 4 * 512 * 512
 
 
-def check_negative_prompt_steers(family: str, guidance_scale: float, negative_prompt: Optional[str]) -> None:
+def check_negative_prompt_steers(family: str, guidance_scale: Optional[float],
+                                 negative_prompt: Optional[str]) -> None:
     """ConfigError for a negative prompt the grid's pipeline would draw without, every cell the same as with none:
     FluxPipeline reads one only with true_cfg_scale (its guidance_scale is Flux.1-dev's distilled guidance input),
     and the other pipelines for classifier-free guidance, which they run only above guidance scale 1. The registered
@@ -461,7 +462,7 @@ def check_negative_prompt_steers(family: str, guidance_scale: float, negative_pr
         raise ConfigError("--negative-prompt: a Flux model draws without one (its guidance scale is Flux.1-dev's "
                           "distilled guidance input, not classifier-free guidance, which a negative prompt steers); "
                           "leave it out")
-    if guidance_scale <= 1:
+    if guidance_scale is not None and guidance_scale <= 1:
         raise ConfigError(f"--negative-prompt: the guidance scale is {guidance_scale:g}, and classifier-free guidance, "
                           "which a negative prompt steers, runs only above 1; pass --guidance above 1, or leave the "
                           "negative prompt out")
@@ -489,7 +490,8 @@ def render_grid(
 
     `models[0]` is normally the base model, so the first column shows what training changed. A LoRA or embedding
     column is applied on top of `base_model` (default: `models[0]`). `guidance_scale` None: the base model's own
-    (family_detection.guidance_scale_for), which the manifest's settings record. `variant`: the base model's weights
+    (family_detection.guidance_scale_in), which the manifest's settings record: none for a model whose pipeline
+    ignores it (FLUX.1-schnell), which refuses one given. `variant`: the base model's weights
     variant (model.variant), where its folder holds it beside the plain weights. Returns the paths written and the
     layout:
     `{"grid", "html", "manifest", "images": [[path per column] per row], "rows", "columns", "layout", "settings",
@@ -536,7 +538,12 @@ def render_grid(
                               f"{base} is {FAMILY_NAMES[base_family]}: a grid compares weights of one family; pass "
                               "--model of its family")
     grid_family = base_family or detect_family(base)
-    guidance_scale = guidance_scale_for(grid_family, guidance_scale)
+    given_guidance = guidance_scale
+    guidance_scale = guidance_scale_in(base, grid_family, guidance_scale)
+    if guidance_scale is None and given_guidance is not None:
+        raise ConfigError(f"guidance scale {given_guidance:g}: base model {base} has no guidance embedding (its "
+                          "transformer's guidance_embeds is false, as FLUX.1-schnell's), so its pipeline ignores "
+                          "every guidance scale; leave the guidance scale out")
     check_negative_prompt_steers(grid_family, guidance_scale, negative_prompt)
     check_scheduler_takes(grid_family, scheduler)
     device = device or _default_device()
@@ -576,7 +583,7 @@ def render_grid(
                 [prompt for _, (_, prompt, _) in batch],
                 negative_prompt=None if negative_prompt is None else [negative_prompt] * len(batch),
                 num_inference_steps=steps,
-                guidance_scale=guidance_scale,
+                **({} if guidance_scale is None else {"guidance_scale": guidance_scale}),
                 height=res,
                 width=res,
                 generator=generators,

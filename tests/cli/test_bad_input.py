@@ -179,7 +179,10 @@ def test_compile_refuses_a_bad_config_and_writes_nothing(yaml_text, words, tmp_p
      ["training.noise_offset", "Flux.1 is a flow-matching model"]),
     ("tiny_model_dir", "training:\n  method: textual_inversion\n  textual_inversion:\n    initializer_token: zebra\n",
      ["training.textual_inversion.initializer_token: 'zebra' is 5 tokens"]),
-], ids=["sd3-textual-inversion", "sdxl-below-its-floor", "flux-ddpm-setting", "initializer-split-into-tokens"])
+    ("tiny_schnell_dir", "sampling:\n  guidance_scale: 3.5\n",
+     ["sampling.guidance_scale: base model", "no guidance embedding", "remove sampling.guidance_scale"]),
+], ids=["sd3-textual-inversion", "sdxl-below-its-floor", "flux-ddpm-setting", "initializer-split-into-tokens",
+        "schnell-sampling-guidance"])
 def test_compile_and_run_local_refuse_what_a_local_base_model_s_family_cannot_take(request, model, yaml_text, words,
                                                                                    tmp_path):
     """resolve-config's preflight (training.families.check_family_settings) refused these only at the pipeline's

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from rangefinder.errors import ConfigError
-from rangefinder.training.family_detection import FAMILY_LAYOUTS, family_of, import_named
+from rangefinder.training.family_detection import FAMILY_LAYOUTS, family_of, guidance_scale_in, import_named
 
 if TYPE_CHECKING:
     from rangefinder.config import RangefinderConfig, TrainingConfig
@@ -102,6 +102,12 @@ def check_family_settings(cfg: RangefinderConfig, family: str, *, native_data: b
         raise ConfigError(f"model.base_model: cannot read the configs of {folder} ({reason}); pass a complete "
                           "diffusers folder") from None
     rules.check_settings(cfg.training, scheduler_config, denoiser_config)
+    given = cfg.sampling.guidance_scale
+    if given is not None and guidance_scale_in(folder, family, given) is None:
+        # The sample step would refuse it after training (sampling.render_grid), where it changes nothing.
+        raise ConfigError(f"sampling.guidance_scale: base model {folder} has no guidance embedding (its "
+                          "transformer's guidance_embeds is false, as FLUX.1-schnell's), so its pipeline ignores "
+                          "every guidance scale; remove sampling.guidance_scale")
     check_method_family(cfg.training.method, family)
     if cfg.training.method == "textual_inversion":
         check_initializer_in_model(folder, cfg.training.textual_inversion.initializer_token)

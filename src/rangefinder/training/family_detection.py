@@ -167,6 +167,23 @@ def guidance_scale_for(family: str, setting: Optional[float] = None) -> float:
     return float(inspect.signature(pipeline.__call__).parameters["guidance_scale"].default)
 
 
+def guidance_scale_in(folder: Path, family: str, setting: Optional[float] = None) -> Optional[float]:
+    """The guidance scale the model in diffusers folder `folder` samples at (guidance_scale_for), or None where its
+    pipeline ignores every scale: a Flux transformer without the guidance embedding (FLUX.1-schnell, whose config
+    has `guidance_embeds` false: FluxPipeline feeds the scale to the transformer only where it is true, and schnell,
+    distilled to sample in few steps without guidance, has no input for it)."""
+    from rangefinder.training.family_rules import guidance_embedded
+
+    if family == "flux":
+        try:
+            denoiser = json.loads((Path(folder) / FAMILY_LAYOUTS[family].denoiser / "config.json").read_text())
+        except (OSError, ValueError):
+            denoiser = None  # unreadable here: loading the pipeline says why, naming the folder
+        if isinstance(denoiser, dict) and not guidance_embedded(denoiser):
+            return None
+    return guidance_scale_for(family, setting)
+
+
 def detect_family(folder: Path) -> str:
     """The family of a diffusers folder, from model_index.json's `_class_name`; ConfigError for a pipeline class
     rangefinder does not train."""

@@ -43,7 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--guidance", type=argtypes.float_in(0.0), default=d.guidance_scale,
                    help="guidance scale: classifier-free guidance's, or Flux.1-dev's distilled guidance input "
                    "(default: the model's own, what its diffusers pipeline samples at: 7.5 for SD 1.x/2.x, 5 for "
-                   "SDXL, 7 for SD3, 3.5 for Flux)")
+                   "SDXL, 7 for SD3, 3.5 for Flux.1-dev; none for FLUX.1-schnell, which has no guidance input)")
     p.add_argument("--scheduler", help="a diffusers scheduler class name, e.g. DDIMScheduler (default: the model's)")
     p.add_argument("--resolution", type=argtypes.resolution, help="image size in pixels (default: the model's)")
     p.add_argument("--negative-prompt", help="negative prompt for every cell (it steers classifier-free guidance: "
