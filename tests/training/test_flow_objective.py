@@ -109,3 +109,41 @@ def test_a_training_guidance_for_a_flux_model_without_the_guidance_embedding_is_
     for schnell in ({"guidance_embeds": False}, {}):
         with pytest.raises(ConfigError, match=r"^training.flow.guidance: this Flux model has no guidance embedding"):
             FluxRules.check_settings(cfg, {}, schnell)
+
+
+def test_the_kohya_lora_s_sd_scripts_objective_keys_are_those_that_draw_as_this_run_drew():
+    """sd-scripts' flux_train_network.py and sd3_train_network.py write their objective's settings as `ss_*` keys
+    (update_metadata), and the kohya LoRA had none. A setting says sd-scripts' value only where that value trains as
+    the run did: Flux's logit-normal of mean 0 under FLUX.1's resolution-dependent shift is sd-scripts' `flux_shift`,
+    under a constant shift its `shift`; a density no sd-scripts sampling draws (mode under a shift) writes none, as
+    SD3's logit-normal with cosmap, which diffusers' one weighting_scheme cannot name, writes no scheme."""
+    from rangefinder.training.family_rules import FluxRules, Sd1Rules, Sd3Rules
+
+    flux_scheduler = {"use_dynamic_shifting": True, "base_image_seq_len": 256, "max_image_seq_len": 4096,
+                      "base_shift": 0.5, "max_shift": 1.15, "shift": 3.0}
+    dev, schnell = {"guidance_embeds": True}, {"guidance_embeds": False}
+    assert FluxRules.kohya_training_metadata(FlowSettings(), flux_scheduler, dev) == {
+        "ss_apply_t5_attn_mask": "False", "ss_model_prediction_type": "raw", "ss_guidance_scale": "3.5",
+        "ss_timestep_sampling": "flux_shift", "ss_sigmoid_scale": "1.0", "ss_weighting_scheme": "none"}
+    shifted = FluxRules.kohya_training_metadata(
+        FlowSettings(shift=2.0, logit_std=0.8, loss_weighting="cosmap", guidance=4.0), flux_scheduler, dev)
+    assert {k: shifted.get(k) for k in ("ss_timestep_sampling", "ss_sigmoid_scale", "ss_discrete_flow_shift",
+                                        "ss_weighting_scheme", "ss_guidance_scale")} == {
+        "ss_timestep_sampling": "shift", "ss_sigmoid_scale": "0.8", "ss_discrete_flow_shift": "2.0",
+        "ss_weighting_scheme": "cosmap", "ss_guidance_scale": "4.0"}
+    unshifted = FluxRules.kohya_training_metadata(FlowSettings(timestep_sampling="uniform"),
+                                                  {**flux_scheduler, "use_dynamic_shifting": False, "shift": 1.0},
+                                                  schnell)
+    assert unshifted["ss_timestep_sampling"] == "uniform" and "ss_guidance_scale" not in unshifted
+    for drawn_otherwise in (FlowSettings(timestep_sampling="mode"), FlowSettings(logit_mean=0.5)):
+        meta = FluxRules.kohya_training_metadata(drawn_otherwise, flux_scheduler, dev)
+        assert not {"ss_timestep_sampling", "ss_weighting_scheme", "ss_sigmoid_scale"} & set(meta), meta
+    sd3_scheduler = {"shift": 3.0}
+    assert Sd3Rules.kohya_training_metadata(FlowSettings(), sd3_scheduler, {}) == {
+        "ss_apply_lg_attn_mask": "False", "ss_apply_t5_attn_mask": "False", "ss_weighting_scheme": "logit_normal",
+        "ss_logit_mean": "0.0", "ss_logit_std": "1.0"}
+    assert Sd3Rules.kohya_training_metadata(FlowSettings(timestep_sampling="mode", mode_scale=1.0), sd3_scheduler,
+                                            {})["ss_mode_scale"] == "1.0"
+    assert "ss_weighting_scheme" not in Sd3Rules.kohya_training_metadata(FlowSettings(loss_weighting="cosmap"),
+                                                                         sd3_scheduler, {})
+    assert Sd1Rules.kohya_training_metadata(FlowSettings(), {}, {}) == {}

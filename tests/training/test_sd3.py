@@ -119,6 +119,10 @@ def test_the_kohya_loras_metadata_is_sd_scripts_sd3_keys_with_the_run_s_updates(
     assert meta["ss_network_dim"] == str(lora.rank) and float(meta["ss_network_alpha"]) == lora.alpha
     assert meta["ss_steps"] == meta["rangefinder.updates"] == str(result.updates) == "4"
     assert meta["rangefinder.family"] == "sd3" and meta["rangefinder.method"] == "lora"
+    # And sd3_train_network.py's objective keys, which it lacked: the run's logit-normal density, no masks.
+    assert {k: v for k, v in meta.items() if k.startswith(("ss_apply", "ss_weighting", "ss_logit"))} == {
+        "ss_apply_lg_attn_mask": "False", "ss_apply_t5_attn_mask": "False", "ss_weighting_scheme": "logit_normal",
+        "ss_logit_mean": "0.0", "ss_logit_std": "1.0"}
 
 
 def assert_single_file_is_sd3s_layout_and_loads_as_its_folder(final) -> list[str]:

@@ -219,11 +219,14 @@ def _fused_rows(j: int, adapters: Mapping[int, LoraWeights], config: Mapping[str
 
 
 def kohya_metadata(meta: Mapping[str, str], any_layer: LoraWeights, network_module: str,
-                   base_model_version: Optional[str], spec: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+                   base_model_version: Optional[str], spec: Optional[Mapping[str, str]] = None,
+                   trainer: Optional[Mapping[str, str]] = None) -> dict[str, str]:
     """`meta` plus sd-scripts' own training metadata keys (train_network.py), which A1111's and ComfyUI's LoRA
     browsers show: the network module, the base model version, dim and alpha as trained (what the file's `.alpha`
     tensors hold: each family's `lora_to_kohya*` writes alpha = scale x rank), and the updates as `ss_steps`, the
-    same for every family; and the file's model spec (formats/model_spec.py), when its base model is known."""
+    same for every family; the file's model spec (formats/model_spec.py), when its base model is known; and
+    `trainer`, the family's keys of its objective (a flow model's, as its sd-scripts network trainer's
+    `update_metadata` writes them: training/family_rules.py kohya_training_metadata)."""
     out = {**meta, "ss_network_module": network_module, "ss_network_dim": str(any_layer.rank),
            "ss_network_alpha": repr(any_layer.scale * any_layer.rank)}
     if base_model_version is not None:
@@ -231,7 +234,7 @@ def kohya_metadata(meta: Mapping[str, str], any_layer: LoraWeights, network_modu
     out.update(spec or {})
     if "rangefinder.updates" in meta:
         out["ss_steps"] = meta["rangefinder.updates"]
-    return out
+    return out | dict(trainer or {})
 
 
 def lora_specs(architecture: Optional[str], kohya_implementation: str, facts: Optional[SpecFacts],
@@ -246,12 +249,14 @@ def lora_specs(architecture: Optional[str], kohya_implementation: str, facts: Op
 
 def save_lora_files(out_dir: Path, unet=None, text_encoder=None, metadata: Optional[Mapping[str, str]] = None,
                     text_encoder_2=None, sdxl: bool = False, flux: bool = False,
-                    prediction_type: Optional[str] = None, facts: Optional[SpecFacts] = None):
+                    prediction_type: Optional[str] = None, facts: Optional[SpecFacts] = None,
+                    trainer_metadata: Optional[Mapping[str, str]] = None):
     """Both LoRA files into `out_dir`; returns {"diffusers": path, "kohya": path}. `sdxl`: kohya's SDXL names;
     `flux`: `unet` is Flux's transformer, in Flux's names (lora_to_diffusers_flux, lora_to_kohya_flux).
     `prediction_type`: what the UNet's base model predicts ("epsilon" | "v_prediction"; as trained), which with its
     config names an SD 1.x/2.x base model; without it (or without the UNet) an SD 1.x/2.x LoRA claims none. Both
-    files carry the model spec of a LoRA on their base model, with the run's `facts`."""
+    files carry the model spec of a LoRA on their base model, with the run's `facts`. `trainer_metadata`:
+    sd-scripts' `ss_*` keys of the training objective (family_rules' kohya_training_metadata), for the kohya file."""
     out_dir = Path(out_dir)
     unet_layers = trained_lora_layers(unet) if unet is not None else {}
     te_layers = trained_lora_layers(text_encoder) if text_encoder is not None else {}
@@ -279,7 +284,7 @@ def save_lora_files(out_dir: Path, unet=None, text_encoder=None, metadata: Optio
         if unet is not None and prediction_type is not None:
             version, architecture = sd_base_model(unet.config, prediction_type)
     diffusers_spec, kohya_spec = lora_specs(architecture, implementation, facts, prediction_type)
-    kohya_meta = kohya_metadata(meta, any_layer, network_module, version, kohya_spec)
+    kohya_meta = kohya_metadata(meta, any_layer, network_module, version, kohya_spec, trainer_metadata)
     if flux:
         return {
             "diffusers": save_safetensors(lora_to_diffusers_flux(unet_layers, te_layers), out_dir / LORA_WEIGHTS_NAME,
@@ -358,32 +363,37 @@ def _kohya_module(name: str, down, up, scale: float) -> dict:
 
 
 # One signature per family's LoRA export, (out_dir, denoiser, text_encoder, text_encoder_2, metadata,
-# prediction_type, facts), which training/family_detection.py's FamilyLayout.lora_export names. SD 1.x/2.x's base model
-# is named by the prediction type too; SDXL's is one whatever it predicts (sd-scripts names it sdxl_base_v1-0 either
-# way), which its model spec's prediction_type says; the flow families predict no epsilon or v.
+# prediction_type, facts, trainer_metadata), which training/family_detection.py's FamilyLayout.lora_export names.
+# SD 1.x/2.x's base model is named by the prediction type too; SDXL's is one whatever it predicts (sd-scripts names it
+# sdxl_base_v1-0 either way), which its model spec's prediction_type says; the flow families predict no epsilon or v.
 def save_sd_lora_files(out_dir: Path, unet, text_encoder=None, text_encoder_2=None,
                        metadata: Optional[Mapping[str, str]] = None, prediction_type: Optional[str] = None,
-                       facts: Optional[SpecFacts] = None) -> dict[str, Path]:
-    return save_lora_files(out_dir, unet, text_encoder, metadata, prediction_type=prediction_type, facts=facts)
+                       facts: Optional[SpecFacts] = None,
+                       trainer_metadata: Optional[Mapping[str, str]] = None) -> dict[str, Path]:
+    return save_lora_files(out_dir, unet, text_encoder, metadata, prediction_type=prediction_type, facts=facts,
+                           trainer_metadata=trainer_metadata)
 
 
 def save_sdxl_lora_files(out_dir: Path, unet, text_encoder=None, text_encoder_2=None,
                          metadata: Optional[Mapping[str, str]] = None, prediction_type: Optional[str] = None,
-                         facts: Optional[SpecFacts] = None) -> dict[str, Path]:
+                         facts: Optional[SpecFacts] = None,
+                         trainer_metadata: Optional[Mapping[str, str]] = None) -> dict[str, Path]:
     return save_lora_files(out_dir, unet, text_encoder, metadata, text_encoder_2=text_encoder_2, sdxl=True,
-                           prediction_type=prediction_type, facts=facts)
+                           prediction_type=prediction_type, facts=facts, trainer_metadata=trainer_metadata)
 
 
 def save_flux_lora_files(out_dir: Path, transformer, text_encoder=None, text_encoder_2=None,
                          metadata: Optional[Mapping[str, str]] = None, prediction_type: Optional[str] = None,
-                         facts: Optional[SpecFacts] = None) -> dict[str, Path]:
+                         facts: Optional[SpecFacts] = None,
+                         trainer_metadata: Optional[Mapping[str, str]] = None) -> dict[str, Path]:
     return save_lora_files(out_dir, transformer, text_encoder, metadata, text_encoder_2=text_encoder_2, flux=True,
-                           facts=facts)
+                           facts=facts, trainer_metadata=trainer_metadata)
 
 
 def save_sd3_lora_files(out_dir: Path, transformer, text_encoder=None, text_encoder_2=None,
                         metadata: Optional[Mapping[str, str]] = None, prediction_type: Optional[str] = None,
-                        facts: Optional[SpecFacts] = None) -> dict[str, Path]:
+                        facts: Optional[SpecFacts] = None,
+                        trainer_metadata: Optional[Mapping[str, str]] = None) -> dict[str, Path]:
     """SD3's LoRA in diffusers' naming and in kohya's (`lora_kohya.safetensors`); returns {"diffusers": path,
     "kohya": path}."""
     layers = trained_lora_layers(transformer)
@@ -397,7 +407,7 @@ def save_sd3_lora_files(out_dir: Path, transformer, text_encoder=None, text_enco
     # "sgm"); sd-scripts' own "diffusers" for its SD3 LoRA (`determine_implementation`) names no codebase of them.
     diffusers_spec, kohya_spec = lora_specs(sd3_architecture(transformer.config), MODELSPEC_IMPL_SGM, facts, None)
     kohya_meta = kohya_metadata(meta, next(iter({**layers, **te, **te2}.values())), "networks.lora_sd3",
-                                sd3_model_type(transformer.config), kohya_spec)
+                                sd3_model_type(transformer.config), kohya_spec, trainer_metadata)
     return {"diffusers": save_safetensors(sd3_lora_to_diffusers(layers, te, te2), Path(out_dir) / LORA_WEIGHTS_NAME,
                                           {**meta, **diffusers_spec}),
             "kohya": save_safetensors(sd3_lora_to_kohya(layers, te, te2, transformer.config),

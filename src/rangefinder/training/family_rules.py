@@ -30,6 +30,25 @@ DDPM_DEFAULT_PREDICTION = "epsilon"
 DEFAULT_GUIDANCE = 3.5
 # The keys of a FlowMatchEulerDiscreteScheduler config that its resolution-dependent shift reads.
 DYNAMIC_SHIFT_KEYS = ("base_image_seq_len", "max_image_seq_len", "base_shift", "max_shift")
+# The resolution-dependent shift sd-scripts' `flux_shift` applies (flux_train_utils.py: mu on the line through
+# (256 tokens, 0.5) and (4096, 1.15)), in the scheduler config's keys: FLUX.1's own scheduler's.
+_SD_SCRIPTS_FLUX_SHIFT = {"base_image_seq_len": 256.0, "max_image_seq_len": 4096.0, "base_shift": 0.5,
+                          "max_shift": 1.15}
+# (training.flow.timestep_sampling, loss_weighting) -> diffusers' one `weighting_scheme` that draws sigma from that
+# density and weights the loss so (compute_density_for_timestep_sampling: logit_normal and mode draw their density,
+# any other uniformly; compute_loss_weighting_for_sd3: sigma_sqrt and cosmap weight, any other not).
+_DIFFUSERS_WEIGHTING_SCHEME = {("logit_normal", "none"): "logit_normal", ("mode", "none"): "mode",
+                               ("uniform", "none"): "none", ("uniform", "sigma_sqrt"): "sigma_sqrt",
+                               ("uniform", "cosmap"): "cosmap"}
+
+
+def _density_keys(flow: FlowSettings) -> dict[str, str]:
+    """sd-scripts' keys of the density's parameters, for the density that reads them (as `str` of the value)."""
+    if flow.timestep_sampling == "logit_normal":
+        return {"ss_logit_mean": str(float(flow.logit_mean)), "ss_logit_std": str(float(flow.logit_std))}
+    if flow.timestep_sampling == "mode":
+        return {"ss_mode_scale": str(float(flow.mode_scale))}
+    return {}
 
 
 def check_method_family(method: str, family: str) -> None:
@@ -61,6 +80,12 @@ class Sd1Rules:
     def settings_used(cls, flow: FlowSettings, scheduler_config: Mapping[str, Any],
                       denoiser_config: Mapping[str, Any]) -> dict[str, Any]:
         """No flow-matching settings apply (FlowRules.settings_used)."""
+        return {}
+
+    @classmethod
+    def kohya_training_metadata(cls, flow: FlowSettings, scheduler_config: Mapping[str, Any],
+                                denoiser_config: Mapping[str, Any]) -> dict[str, str]:
+        """No flow-matching keys (FlowRules.kohya_training_metadata)."""
         return {}
 
     @classmethod
@@ -183,6 +208,23 @@ class Sd3Rules(FlowRules):
                               "sampling.guidance_scale); remove training.flow.guidance")
 
     @classmethod
+    def kohya_training_metadata(cls, flow: FlowSettings, scheduler_config: Mapping[str, Any],
+                                denoiser_config: Mapping[str, Any]) -> dict[str, str]:
+        """sd-scripts' `ss_*` keys of an SD3 LoRA's objective (sd3_train_network.py's `update_metadata`), those whose
+        value this run has, as sd-scripts writes them (`str` of the value): no attention mask on CLIP's or T5's
+        tokens (the text encoders are called without one, as diffusers' StableDiffusion3Pipeline calls them), and the
+        density and weighting as its one `weighting_scheme` (diffusers' compute_density_for_timestep_sampling and
+        compute_loss_weighting_for_sd3) with the density's own parameters. A density and a weighting that one scheme
+        does not name together (logit-normal and cosmap) leave the scheme out. The shift, which sd-scripts' SD3
+        metadata does not hold, is the run's MLflow param training.flow.shift_used."""
+        out = {"ss_apply_lg_attn_mask": "False", "ss_apply_t5_attn_mask": "False"}
+        scheme = _DIFFUSERS_WEIGHTING_SCHEME.get((flow.timestep_sampling, flow.loss_weighting))
+        if scheme is not None:
+            out["ss_weighting_scheme"] = scheme
+            out |= _density_keys(flow)
+        return out
+
+    @classmethod
     def min_resolution(cls, native: int) -> int:
         return max(8, native // 4)  # SD3 was pre-trained from 256 px up (paper sec. 5.3) for its 1024 px native
 
@@ -252,6 +294,35 @@ class FluxRules(FlowRules):
         if cls.dynamic_shift_of(flow, scheduler_config) is not None:
             used["training.flow.shift_used"] = "resolution-dependent"
         return used | {"training.flow.guidance_used": "none (no guidance input)" if guidance is None else guidance}
+
+    @classmethod
+    def kohya_training_metadata(cls, flow: FlowSettings, scheduler_config: Mapping[str, Any],
+                                denoiser_config: Mapping[str, Any]) -> dict[str, str]:
+        """sd-scripts' `ss_*` keys of a Flux LoRA's objective (flux_train_network.py's `update_metadata`), those whose
+        value this run has, as sd-scripts writes them (`str` of the value): no T5 attention mask; the model's raw
+        output taken as the velocity (`raw`, where sd-scripts' default `sigma_scaled` rescales it); the guidance fed
+        to Flux.1-dev (none for schnell, which has no input for it); the loss weighting; and sigma's density and
+        shift as the `timestep_sampling` of flux_train_utils.py that draws the same: a logit-normal of mean 0 and
+        scale s is `flux_shift` under the resolution-dependent shift of Flux.1's scheduler (mu from 0.5 at 256 image
+        tokens to 1.15 at 4096, the line sd-scripts fixes), `shift` under a constant one, and uniform unshifted is
+        `uniform`. Another density or shift draws as none of them do, and leaves `ss_timestep_sampling` and the
+        weighting (which its default `sigma` reads as the density too) out."""
+        out = {"ss_apply_t5_attn_mask": "False", "ss_model_prediction_type": "raw"}
+        guidance = cls.training_guidance(flow, denoiser_config)
+        if guidance is not None:
+            out["ss_guidance_scale"] = str(guidance)
+        dynamic, shift = cls.dynamic_shift_of(flow, scheduler_config), cls.constant_shift(flow, scheduler_config)
+        if flow.timestep_sampling == "logit_normal" and flow.logit_mean == 0:
+            if dynamic is None:
+                out |= {"ss_timestep_sampling": "shift", "ss_sigmoid_scale": str(float(flow.logit_std)),
+                        "ss_discrete_flow_shift": str(shift)}
+            elif dynamic == _SD_SCRIPTS_FLUX_SHIFT:
+                out |= {"ss_timestep_sampling": "flux_shift", "ss_sigmoid_scale": str(float(flow.logit_std))}
+        elif flow.timestep_sampling == "uniform" and dynamic is None and shift == 1.0:
+            out["ss_timestep_sampling"] = "uniform"
+        if "ss_timestep_sampling" in out:  # under its default `sigma` the scheme would name the density too
+            out["ss_weighting_scheme"] = flow.loss_weighting
+        return out
 
     @classmethod
     def min_resolution(cls, native: int) -> int:

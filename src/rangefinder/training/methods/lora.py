@@ -20,6 +20,7 @@ import torch
 
 from rangefinder.config import FAMILY_NAMES
 from rangefinder.errors import ConfigError
+from rangefinder.training.families import family_rules
 from rangefinder.training.family_detection import FAMILY_LAYOUTS, import_named
 from rangefinder.training.methods.base import ModuleMethod, cast_frozen, module_state, split_state
 
@@ -123,7 +124,10 @@ class LoraMethod(ModuleMethod):
         te_2 = sd.text_encoder_2 if "text_encoder_2" in self._modules else None
         # Diffusers' names and kohya's, in the family's layout (formats/lora.py); both name the base model, by the
         # denoiser's config and what it was trained to predict, in their model spec.
+        # The kohya file also says, in sd-scripts' keys, how a flow model's objective trained (family_rules.py).
+        trainer = family_rules(sd.family).kohya_training_metadata(self.cfg.flow, sd.noise_scheduler.config,
+                                                                  sd.unet.config)
         import_named(FAMILY_LAYOUTS[sd.family].lora_export)(out_dir, sd.unet, te, te_2,
                                                             meta,
                                                             prediction_type=self.trained_prediction_type(sd),
-                                                            facts=self.spec_facts)
+                                                            facts=self.spec_facts, trainer_metadata=trainer)
