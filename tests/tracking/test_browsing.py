@@ -229,6 +229,15 @@ def test_the_guidance_scale_used_is_logged_beside_the_setting_and_resolved_again
     assert samples_at == 5.0 and params["sampling.guidance_scale_used"] == "5.0"
 
 
+def test_the_guidance_scale_used_by_a_model_without_a_guidance_input_is_none(tiny_schnell_dir):
+    """FLUX.1-schnell has no guidance embedding, and FluxPipeline feeds it no scale: the runs' param said 3.5."""
+    from rangefinder.config import RangefinderConfig
+    from rangefinder.tracking.runs import applicable_params
+
+    cfg = RangefinderConfig.model_validate({"model": {"base_model": str(tiny_schnell_dir)}})
+    assert applicable_params(cfg)["sampling.guidance_scale_used"] == "none (no guidance input)"
+
+
 def test_the_pipeline_run_s_description_names_a_delivered_checkpoint_by_its_update_and_epoch():
     from rangefinder.steps.register_model import delivered_lead
 
