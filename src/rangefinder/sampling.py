@@ -540,7 +540,7 @@ def render_grid(
     grid_family = base_family or detect_family(base)
     given_guidance = guidance_scale
     guidance_scale = guidance_scale_in(base, grid_family, guidance_scale)
-    if guidance_scale is None and given_guidance is not None:
+    if guidance_scale is None and given_guidance:  # 0, diffusers' own example for schnell, asks for none
         raise ConfigError(f"guidance scale {given_guidance:g}: base model {base} has no guidance embedding (its "
                           "transformer's guidance_embeds is false, as FLUX.1-schnell's), so its pipeline ignores "
                           "every guidance scale; leave the guidance scale out")

@@ -195,6 +195,15 @@ def test_compile_and_run_local_refuse_what_a_local_base_model_s_family_cannot_ta
     assert list(tmp_path.iterdir()) == [cfg]
 
 
+def test_a_guidance_scale_of_0_on_schnell_is_taken_as_none_asked_for(tiny_schnell_dir, tmp_path):
+    """diffusers' own FLUX.1-schnell example passes guidance_scale=0.0: a config copied from it compiles (a scale
+    that would change something is refused: the case above)."""
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(f"model:\n  base_model: {tiny_schnell_dir}\nsampling:\n  guidance_scale: 0.0\n")
+    done = in_process("compile", "--config", str(cfg), "--out", str(tmp_path / "p.yaml"))
+    assert done.returncode == 0, done.stderr
+
+
 def test_compile_refuses_to_write_its_package_over_its_config(tmp_path):
     """`compile --config my.yaml --out my.yaml` replaced the user's config with the compiled pipeline, and said
     nothing; a link to the config is the same file."""

@@ -103,7 +103,7 @@ def check_family_settings(cfg: RangefinderConfig, family: str, *, native_data: b
                           "diffusers folder") from None
     rules.check_settings(cfg.training, scheduler_config, denoiser_config)
     given = cfg.sampling.guidance_scale
-    if given is not None and guidance_scale_in(folder, family, given) is None:
+    if given and guidance_scale_in(folder, family, given) is None:  # 0: none asked for, as diffusers' schnell example
         # The sample step would refuse it after training (sampling.render_grid), where it changes nothing.
         raise ConfigError(f"sampling.guidance_scale: base model {folder} has no guidance embedding (its "
                           "transformer's guidance_embeds is false, as FLUX.1-schnell's), so its pipeline ignores "
