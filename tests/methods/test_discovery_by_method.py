@@ -40,8 +40,10 @@ def discovered(split_dir, tiny_model_dir, tmp_path_factory):
                       "registered_model_name": f"rf-{method}"},
             # Unset ends: the method's default sweep (config.DEFAULT_LR_RANGE).
             lr_range_test={"lr_min": None, "lr_max": None, "epochs": 6, "zoom": False},
-            finetune={"epochs": 3},
-            sampling={"num_inference_steps": 2},
+            # The constant fine-tune at the midpoint: no halving's race (tests/steps/test_halving.py) and no samples
+            # during training (each method's: tests/training/test_samples.py), which no test here reads.
+            finetune={"epochs": 3, "successive_halving": False},
+            sampling={"num_inference_steps": 2, "every_validations": None},
         )
         rt = run_lr_range_test(cfg, split_dir=split_dir, out_dir=work / method / "range-test")
         ft = run_finetune(cfg, split_dir=split_dir, lr_low=rt.lr_low, lr_high=rt.lr_high, lr_mid=rt.lr_mid,
