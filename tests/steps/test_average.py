@@ -32,19 +32,31 @@ def _config(tiny_model_dir, tmp, **finetune):
 @pytest.fixture(scope="module")
 def averaged(split_dir, tiny_model_dir, tmp_path_factory):
     """A 6-epoch full fine-tune (16 images at batch 4: 24 updates, a validation every 2, a checkpoint every 4) through
-    the step with finetune.average on, logging to a real sqlite store; and the same run's checkpoints kept whole (the
-    step removes all but its pick) from a plain run of the same spec."""
+    the step with finetune.average on, logging to a real sqlite store; and that run as its training left it, copied
+    to plain/ before the step went on (it removes all but its pick): its checkpoints whole and its result."""
+    import shutil
+
     from rangefinder.launch.processes import run_training
+    from rangefinder.steps import finetune
     from rangefinder.steps.finetune import run_finetune
 
     tmp = tmp_path_factory.mktemp("average")
-    with without_mlflow_run_env():
+    trained = []
+
+    def copied_as_trained(*args, **kwargs):
+        """The step's own training call, its run folder copied as soon as it returns (nothing else changed)."""
+        result = run_training(*args, **kwargs)
+        shutil.copytree(kwargs["out_dir"], tmp / "plain")
+        trained.append(result)
+        return result
+
+    with without_mlflow_run_env(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(finetune, "run_training", copied_as_trained)
         cfg = _config(tiny_model_dir, tmp, average="on")
         result = run_finetune(cfg, split_dir=split_dir, lr_low=LR, lr_high=LR, lr_mid=LR, lr_source="fixed",
                               model_dir=tmp / "ft")
-    split = read_split(split_dir)
-    spec = TrainSpec.finetune(cfg, split, bounds=(LR, LR), lr=LR, world_size=1)
-    plain = run_training(cfg, spec, out_dir=tmp / "plain", split=split)
+    (plain,) = trained
+    spec = TrainSpec.finetune(cfg, read_split(split_dir), bounds=(LR, LR), lr=LR, world_size=1)
     return cfg, tmp, result, spec, plain
 
 
@@ -62,9 +74,9 @@ def test_a_checkpoint_s_own_weights_measure_what_its_run_measured(averaged, spli
 
 
 def test_the_window_s_checkpoints_are_averaged_measured_and_the_lower_delivered(averaged, split_dir):
-    """The step averaged exactly the checkpoints inside its window (the plain run's, which are the same run's), its
-    measurement is that average's validation loss, and the average is delivered exactly when it measures below the
-    window's pick: chosen/ then holds the average, and the report, decision.json and MLflow say so."""
+    """The step averaged exactly the checkpoints inside its window (its run's, copied to plain/ before it pruned
+    them), its measurement is that average's validation loss, and the average is delivered exactly when it measures
+    below the window's pick: chosen/ then holds the average, and the report, decision.json and MLflow say so."""
     from diffusers import UNet2DConditionModel
     from mlflow import MlflowClient
 
