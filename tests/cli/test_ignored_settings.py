@@ -1,7 +1,9 @@
 """Issue 37: a command given a config uses each setting in it or says, in one line, which it does not use; where not
 using one would give a wrong answer without a word, it refuses instead. Through the real CLI, on real config files:
-each test runs its command in a process of its own first, and a second call of the same command in the test goes to
-the console script's entry point in this process (`in_process`, tests/cli/test_bad_input.py)."""
+each command runs in a process of its own in this file (train and its warning, compile and its warning, run --local,
+and compile of the shipped example, whose stderr must hold no warning at all, Python's at import included; a refused
+compile's one line in a process: tests/cli/test_bad_input.py), and the other calls go to the console script's entry
+point in this process (`in_process`, tests/cli/test_bad_input.py)."""
 
 from __future__ import annotations
 
@@ -66,7 +68,7 @@ def test_train_names_the_pipeline_settings_it_does_not_use(tmp_path, split_dir):
 def test_train_refuses_several_nodes_and_a_world_size_it_does_not_start(tmp_path, split_dir):
     """Trained anyway, both would be another run than the one asked for: one line each, nothing written."""
     for run, sections, words in (
-        (rangefinder, {"distributed": {"num_nodes": 2}}, ("distributed.num_nodes is 2", "`rangefinder submit`")),
+        (in_process, {"distributed": {"num_nodes": 2}}, ("distributed.num_nodes is 2", "`rangefinder submit`")),
         (in_process, {"training": {"world_size": 2}}, ("training.world_size is 2", "starts 1 process(es)",
                                                        "processes_per_node: 2")),
     ):
@@ -153,8 +155,8 @@ def test_the_pipeline_refuses_validation_off_when_the_range_test_measures_the_lr
     from rangefinder.steps.resolve_config import config_from_parameters
 
     out = tmp_path / "pipeline.yaml"
-    proc = rangefinder("compile", "--config", str(_config(tmp_path, {"validation": {"every_epochs": 0}})),
-                       "--out", str(out))
+    proc = in_process("compile", "--config", str(_config(tmp_path, {"validation": {"every_epochs": 0}})),
+                      "--out", str(out))
     assert_one_line_error(proc, "validation.every_epochs: 0", "the LR range test measures validation loss",
                           "lr_range_test.validate_every_updates")
     assert not out.exists()
@@ -185,8 +187,8 @@ def test_an_lr_free_optimizer_s_own_lr_is_not_a_setting_given(tmp_path):
     in the LR-free optimizer's lr (1.0), which then counted as given. A written lr is still named."""
     assert given_settings(parse_config({"training": {"optimizer": "prodigy"}})) == ["training.optimizer"]
     out = tmp_path / "pipeline.yaml"
-    proc = rangefinder("compile", "--config", str(_config(tmp_path, {"training": {"optimizer": "prodigy"}})),
-                       "--out", str(out))
+    proc = in_process("compile", "--config", str(_config(tmp_path, {"training": {"optimizer": "prodigy"}})),
+                      "--out", str(out))
     assert proc.returncode == 0 and out.is_file() and "warning" not in proc.stderr, proc.stderr
     proc = in_process("compile", "--config", str(_config(tmp_path, {"training": {"optimizer": "prodigy", "lr": 0.5}})),
                       "--out", str(out))
@@ -200,9 +202,9 @@ def test_the_pipeline_refuses_a_range_test_validated_only_at_its_ends(tmp_path):
     from rangefinder.planning import planned_validations
 
     out = tmp_path / "pipeline.yaml"
-    for run, every in ((rangefinder, 10), (in_process, 100)):
-        proc = run("compile", "--config", str(_config(tmp_path, {"validation": {"every_epochs": every}})),
-                   "--out", str(out))
+    for every in (10, 100):
+        proc = in_process("compile", "--config", str(_config(tmp_path, {"validation": {"every_epochs": every}})),
+                          "--out", str(out))
         assert_one_line_error(proc, f"validation.every_epochs ({every}) is not below lr_range_test.epochs (10)",
                               "at least 3 points")
         assert not out.exists()
@@ -224,8 +226,8 @@ def test_the_pipeline_refuses_a_fine_tune_validated_only_at_its_ends(tmp_path):
     from rangefinder.training.families import check_pipeline_settings
 
     out = tmp_path / "pipeline.yaml"
-    proc = rangefinder("compile", "--config", str(_config(tmp_path, {"lr": 1e-4, "finetune": {"epochs": 1}})),
-                       "--out", str(out))
+    proc = in_process("compile", "--config", str(_config(tmp_path, {"lr": 1e-4, "finetune": {"epochs": 1}})),
+                      "--out", str(out))
     assert_one_line_error(proc, "validation.every_epochs: 1 with finetune.epochs: 1 validates the fine-tune only at "
                           "its start and end", "needs validations at 3 or more updates",
                           "set validation.every_epochs below 1 (e.g. 0.5) or raise finetune.epochs")
