@@ -222,3 +222,15 @@ def _tracking(uri: str):
     from rangefinder.config import parse_config
 
     return parse_config({"tracking": {"tracking_uri": uri}})
+
+
+def test_the_samples_of_a_model_without_a_guidance_input_record_none(tiny_flux_dir, tiny_schnell_dir):
+    """FLUX.1-schnell has no guidance embedding and FluxPipeline feeds it no scale: the index of the samples during
+    training said they drew at 3.5 (and the delivered model's grid, drawn with the index's settings, was refused as
+    a scale given to schnell). The index records what `rangefinder sample`'s grid does; Flux.1-dev keeps its 3.5."""
+    from rangefinder.training.samples import samples_guidance_scale
+
+    assert samples_guidance_scale("flux", tiny_schnell_dir, None) is None
+    assert samples_guidance_scale("flux", tiny_schnell_dir, 0.0) is None  # diffusers' schnell example: none asked for
+    assert samples_guidance_scale("flux", tiny_flux_dir, None) == 3.5
+    assert samples_guidance_scale("flux", None, 2.0) == 2.0  # parts from no folder: the setting, as before

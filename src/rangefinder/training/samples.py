@@ -44,7 +44,7 @@ import torch
 from rangefinder.formats.atomic import atomic_path, read_written_json, write_json
 from rangefinder.models.loading import pipeline_call_kwargs
 from rangefinder.planning import planned_validations
-from rangefinder.training.family_detection import guidance_scale_for
+from rangefinder.training.family_detection import guidance_scale_for, guidance_scale_in
 from rangefinder.training.geometry import ModelGeometry, check_sampling_resolution
 from rangefinder.training.sinks import ImageSink
 from rangefinder.training.validation import preserved_rng
@@ -73,6 +73,15 @@ def resolve_every(setting: Any, planned: int) -> Optional[int]:
     return int(setting)
 
 
+def samples_guidance_scale(family: str, model_dir: Optional[Path], setting: Optional[float]) -> Optional[float]:
+    """The guidance scale the samples draw at and their index records: the one `rangefinder sample`'s grid records
+    (family_detection.guidance_scale_in), None for a model without the guidance input (FLUX.1-schnell, whose scale
+    FluxPipeline never feeds its transformer); the family's own where the parts came from no folder."""
+    if model_dir is None:
+        return guidance_scale_for(family, setting)
+    return guidance_scale_in(model_dir, family, setting)
+
+
 def read_index(run_dir: Path) -> Optional[dict[str, Any]]:
     """The samples index of a run folder (see the module's doc), or None when it has none."""
 
@@ -93,7 +102,7 @@ class TrainingSamples:
     cfg: SamplingConfig
     every: int  # render at every Nth validation (and the baseline and the last)
     resolution: int  # pixels, square
-    guidance_scale: float  # sampling.guidance_scale, or the base model's own when unset
+    guidance_scale: Optional[float]  # sampling.guidance_scale, or the base model's own; None: it has no guidance input
     sink: Optional[ImageSink]
     index: dict[str, Any]
     folder: Path
@@ -122,7 +131,7 @@ class TrainingSamples:
             check_scheduler_name(cfg.scheduler)
             check_scheduler_takes(run.sd.family, cfg.scheduler)
         folder = run.settings.out_dir / SAMPLES_DIR
-        guidance = guidance_scale_for(run.sd.family, cfg.guidance_scale)
+        guidance = samples_guidance_scale(run.sd.family, run.sd.model_dir, cfg.guidance_scale)
         settings = {"prompts": list(cfg.prompts), "seeds": cfg.seeds_for_training(),
                     "num_inference_steps": cfg.num_inference_steps, "guidance_scale": guidance,
                     "scheduler": cfg.scheduler, "resolution": resolution, "every_validations": every}
@@ -202,8 +211,9 @@ class TrainingSamples:
             generators = [torch.Generator("cpu").manual_seed(int(seed)) for _, seed in cells]
             with run.accelerator.autocast():
                 out = pipe(prompt=[p for p, _ in cells], num_inference_steps=cfg.num_inference_steps,
-                           guidance_scale=self.guidance_scale, height=self.resolution, width=self.resolution,
-                           generator=generators, **pipeline_call_kwargs(pipe))
+                           height=self.resolution, width=self.resolution, generator=generators,
+                           **({} if self.guidance_scale is None else {"guidance_scale": self.guidance_scale}),
+                           **pipeline_call_kwargs(pipe))
         return list(out.images)
 
     def _pipeline(self) -> Any:
