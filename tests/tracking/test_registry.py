@@ -343,6 +343,29 @@ def test_each_family_loads_as_its_pipeline_and_generates_what_its_samples_do(sql
     assert np.array_equal(np.asarray(image), np.asarray(direct))
 
 
+@pytest.mark.slow
+def test_a_model_without_a_guidance_input_has_no_default_guidance_and_predicts(sqlite_tracking_uri, tiny_schnell_dir):
+    """FLUX.1-schnell has no guidance embedding and FluxPipeline feeds it no scale: its model's default guidance_scale
+    was 3.5, where the grid records none. MLflow's params schema takes None as a double's default; the model predicts
+    without a scale, takes 0 (diffusers' own schnell example) as none, and refuses another, as the grid does."""
+    cfg = RangefinderConfig(tracking=TrackingConfig(tracking_uri=sqlite_tracking_uri, experiment_name="schnell"),
+                            model=ModelConfig(base_model=str(tiny_schnell_dir)))
+    with step_run(cfg, "finetune") as run:
+        version = run.log_diffusers_model(tiny_schnell_dir, num_inference_steps=1, resolution=32,
+                                          registered_model_name=None)
+    mlflow.set_tracking_uri(sqlite_tracking_uri)
+    model = mlflow.pyfunc.load_model(version.model_uri)
+    assert model.model_config["guidance_scale"] is None
+    assert {p.name: p.default for p in model.metadata.get_params_schema().params}["guidance_scale"] is None
+    prompt = pd.DataFrame({"prompt": ["a red circle"], "seed": [3]})
+    image = decode_image(model.predict(prompt)["image"][0])
+    assert image.size == (32, 32)
+    assert model.predict(prompt, params={"guidance_scale": 0.0})["image"][0] == model.predict(prompt)["image"][0]
+    with pytest.raises(MlflowException, match=r"^guidance_scale: 7.5 changes nothing: this model has no guidance "
+                                              r"embedding .*; leave guidance_scale out$"):
+        model.predict(prompt, params={"guidance_scale": 7.5})
+
+
 def test_promote_refusals_are_one_line_and_keep_the_password_out(mlflow_auth_server, monkeypatch, capsys):
     """On a server with basic auth, what may read the registry may not move an alias: a READ-only user (the check
     before it passes), a name MLflow refuses as an alias, and a password written into --tracking-uri each end

@@ -32,7 +32,7 @@ from rangefinder.training.family_detection import (
     FAMILY_LAYOUTS,
     detect_family,
     folder_t5_sequence_length,
-    guidance_scale_for,
+    guidance_scale_in,
 )
 
 _log = logging.getLogger(__name__)
@@ -136,7 +136,10 @@ def _signature(defaults: Mapping[str, Any]):
     outputs = Schema([ColSpec("string", "prompt"), ColSpec("long", "seed"), ColSpec("string", "image")])
     params = ParamSchema([
         ParamSpec("num_inference_steps", "long", int(defaults["num_inference_steps"])),
-        ParamSpec("guidance_scale", "double", float(defaults["guidance_scale"])),
+        # None where the model has no guidance input (FLUX.1-schnell): MLflow's ParamSpec takes a default of None (a
+        # call may still pass a double), which the model's script leaves out of the pipeline's call.
+        ParamSpec("guidance_scale", "double", None if defaults["guidance_scale"] is None
+                  else float(defaults["guidance_scale"])),
         ParamSpec("height", "long", int(defaults["height"])),
         ParamSpec("width", "long", int(defaults["width"])),
     ])
@@ -211,7 +214,8 @@ def log_diffusers_model(
     `alias` at it.
 
     num_inference_steps, guidance_scale and resolution become the model's defaults (overridable per predict call);
-    guidance_scale None: the model's own, its family's pipeline's default (family_detection.guidance_scale_for);
+    guidance_scale None: the model's own, its family's pipeline's default (family_detection.guidance_scale_in), and
+    none for a model without the guidance input (FLUX.1-schnell), as the grid records;
     resolution None: the model's native one.
     `scheduler` (a diffusers class name, sampling.scheduler) is the scheduler it samples with, set up from the
     folder's own scheduler config; None: the folder's. A pipeline run registers its weights with the settings its
@@ -246,7 +250,7 @@ def log_diffusers_model(
     # size_multiple: the pixels the pipeline's sides take (SD3's refuses others, Flux's quietly renders a smaller
     # image), which the model's script checks a call's height and width against.
     defaults: dict[str, Any] = {"num_inference_steps": int(num_inference_steps),
-                                "guidance_scale": guidance_scale_for(family, guidance_scale),
+                                "guidance_scale": guidance_scale_in(folder, family, guidance_scale),
                                 "height": res, "width": res, "size_multiple": geometry.sampling_multiple}
     # SD3's and Flux's T5 tokens per prompt, as trained (family_detection.t5_sequence_length), which the model's script
     # passes as max_sequence_length: it cannot import rangefinder, so the value travels in its config.

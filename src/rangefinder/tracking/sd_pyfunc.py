@@ -56,6 +56,11 @@ class StableDiffusionPyfunc(PythonModel):
             self.pipe.scheduler = getattr(diffusers, scheduler).from_config(self.pipe.scheduler.config)
         self.pipe.to(self.device)
         self.pipe.set_progress_bar_config(disable=True)
+        # FLUX.1-schnell's transformer has no guidance embedding (its config's guidance_embeds is false), and
+        # FluxPipeline feeds it no scale: a call's scale would change nothing.
+        transformer = getattr(self.pipe, "transformer", None)
+        self.guidance_input = not (type(self.pipe).__name__ == "FluxPipeline" and transformer is not None
+                                   and not transformer.config.get("guidance_embeds", False))
 
     # The DataFrame hint tells mlflow to validate against the logged signature rather than infer one from the hint.
     def predict(self, context, model_input: pd.DataFrame, params: dict | None = None) -> pd.DataFrame:
@@ -64,6 +69,9 @@ class StableDiffusionPyfunc(PythonModel):
         df = model_input if isinstance(model_input, pd.DataFrame) else pd.DataFrame({"prompt": list(model_input)})
         settings = {**self.defaults, **{k: v for k, v in (params or {}).items() if v is not None}}
         call = {k: settings[k] for k in CALL_SETTINGS if settings.get(k) is not None}
+        if not self.guidance_input:
+            self.check_no_guidance_asked((params or {}).get("guidance_scale"))
+            call.pop("guidance_scale", None)
         self.check_call(call)
         records = one_row_per_prompt(df)
         # A gap pandas leaves in the column (None, NaN) was drawn as the prompt "None" or "nan"; '' is a prompt (none).
@@ -125,6 +133,15 @@ class StableDiffusionPyfunc(PythonModel):
                 raise MlflowException.invalid_parameter_value(
                     f"{side}: {value} px is over {MAX_SIDE_FACTOR} times the model's {default} px, more memory and "
                     f"time than a picture of it takes; pass at most {MAX_SIDE_FACTOR * int(default)}")
+
+    def check_no_guidance_asked(self, guidance_scale) -> None:
+        """Refuse a guidance scale for a model without the guidance input, as rangefinder's grid does: 0 (diffusers'
+        own schnell example passes it) and the model config's default ask for none."""
+        if guidance_scale and guidance_scale != self.defaults.get("guidance_scale"):
+            raise MlflowException.invalid_parameter_value(
+                f"guidance_scale: {guidance_scale} changes nothing: this model has no guidance embedding (its "
+                "transformer's guidance_embeds is false, as FLUX.1-schnell's), so its pipeline ignores every "
+                "guidance scale; leave guidance_scale out")
 
     def check_negative_prompt_steers(self, guidance_scale: float) -> None:
         """Refuse a negative prompt the pipeline would draw without: FluxPipeline's guidance_scale is Flux.1-dev's
