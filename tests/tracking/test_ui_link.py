@@ -45,6 +45,12 @@ def test_a_local_runs_summary_links_the_experiment_its_steps_logged_to(sqlite_tr
                        experiment_id=exp_id).summary()
     assert summary["mlflow_ui"] == f"{mlflow_executable()} ui --backend-store-uri {sqlite_tracking_uri}"
     assert summary["mlflow_link"] == f"http://127.0.0.1:5000/#/experiments/{exp_id}/runs?workflowType=machine_learning"
+    # With tracking.ui_url on another port of this machine, the command served on 5000 and the link pointed at 8080:
+    # the command serves where the link points.
+    summary = LocalRun(out_dir=tmp_path, run_dir=tmp_path, tracking_uri=sqlite_tracking_uri, experiment_id=exp_id,
+                       ui_url="http://localhost:8080").summary()
+    assert summary["mlflow_ui"] == f"{mlflow_executable()} ui --backend-store-uri {sqlite_tracking_uri} --port 8080"
+    assert summary["mlflow_link"].startswith("http://localhost:8080/#/experiments/")
     # The linked experiment is the one holding the step's run.
     found = MlflowClient(tracking_uri=sqlite_tracking_uri).search_runs([exp_id])
     assert [r.info.run_id for r in found] == [run.run_id]
@@ -100,8 +106,17 @@ def test_the_ui_url_set_is_where_the_links_point_and_no_hint_is_given():
     assert ui_url_hint(IN_CLUSTER, ui) is None
     # A local store still needs its UI served; the link goes to where the person said it is served.
     command, link = ui_link("sqlite:///x.db", "7", "http://localhost:8080/")
-    assert command is not None and "--backend-store-uri sqlite:///x.db" in command
+    assert command is not None and "--backend-store-uri sqlite:///x.db --port 8080" in command
     assert link == "http://localhost:8080/#/experiments/7/runs?workflowType=machine_learning"
+    assert shlex.split(ui_link("sqlite:///x.db", "7", "http://127.0.0.1:5000")[0] or "")[-1] == "sqlite:///x.db"
+    # Where no `mlflow ui` option serves the link (a proxy's https, another host), the line says so in a comment a
+    # shell skips when it is pasted.
+    for ui_url in ("https://mlflow.example.org", "http://devbox.lan:8080", "http://localhost"):
+        command, link = ui_link("sqlite:///x.db", "7", ui_url)
+        assert command is not None and link.startswith(f"{ui_url}/#/")
+        assert command.endswith(f"  # serves http://127.0.0.1:5000; the link points at {ui_url} (tracking.ui_url), "
+                                "which must forward there"), command
+        assert shlex.split(command, comments=True)[1:] == ["ui", "--backend-store-uri", "sqlite:///x.db"]
 
 
 @pytest.mark.parametrize("uri,host", [

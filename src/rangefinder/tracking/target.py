@@ -388,12 +388,36 @@ def ui_link(uri: str, experiment_id: str, ui_url: Optional[str] = None) -> tuple
     experiment's model-training runs table in that UI). `ui_url`: the UI's address as the browser sees it
     (tracking.ui_url, checked and trimmed there), which the link is built on instead of `uri`. Credentials in `uri`
     never appear in either. The command is quoted for a shell: a local store under a folder with a space in its name
-    (`--out "run 1"`) split in two when pasted."""
+    (`--out "run 1"`) split in two when pasted. It serves where `ui_url` points (ui_command)."""
     route = UI_RUNS_ROUTE.format(experiment_id=experiment_id)
     if urlsplit(uri).scheme.lower() in ("http", "https"):
         return None, f"{(ui_url or safe_uri(uri)).rstrip('/')}/{route}"
-    command = shlex.join([mlflow_executable(), "ui", "--backend-store-uri", safe_uri(uri)])
-    return command, f"{(ui_url or f'http://127.0.0.1:{MLFLOW_UI_PORT}').rstrip('/')}/{route}"
+    return ui_command(uri, ui_url), f"{(ui_url or f'http://127.0.0.1:{MLFLOW_UI_PORT}').rstrip('/')}/{route}"
+
+
+def ui_command(uri: str, ui_url: Optional[str] = None) -> str:
+    """`mlflow ui` for the local store `uri`, serving where the link built on `ui_url` points: the command served on
+    5000 while the link pointed at, say, 8080. Where `ui_url` names the loopback `mlflow ui` binds by default
+    (localhost, 127.0.0.1; so no --host) and a port, the command takes that port (`--port`). Elsewhere (another host,
+    https, a path, no port: an ingress, a proxy or a tunnel serves it) no option of the command reaches the link, and
+    a shell comment on its line says where it serves and that the link needs what forwards there."""
+    command = [mlflow_executable(), "ui", "--backend-store-uri", safe_uri(uri)]
+    if ui_url is None:
+        return shlex.join(command)
+    parts = urlsplit(ui_url)
+    try:
+        port = parts.port
+    except ValueError:  # not a port number: the link names no place a command could serve
+        port = None
+    host = (parts.hostname or "").lower()
+    served_here = parts.scheme.lower() == "http" and host in ("localhost", "127.0.0.1") and port is not None
+    if served_here and not parts.path.strip("/"):
+        if port != MLFLOW_UI_PORT:
+            command += ["--port", str(port)]
+        return shlex.join(command)
+    shown = " ".join(ui_url.split())  # one line: a pasted comment must not end early
+    return (f"{shlex.join(command)}  # serves http://127.0.0.1:{MLFLOW_UI_PORT}; the link points at {shown} "
+            "(tracking.ui_url), which must forward there")
 
 
 def run_ui_link(uri: str, experiment_id: str, run_id: str,
