@@ -38,6 +38,52 @@ def test_server_down_fails_in_seconds_with_the_uri_and_the_fix():
     assert uri in msg and "MLFLOW_TRACKING_URI" in msg and "port-forward" in msg
 
 
+def test_the_check_tries_no_more_often_and_waits_no_longer_than_the_users_mlflow_settings_ask(monkeypatch):
+    """The check's own retries (2, at urllib3's backoff of 0.5) unless MLFLOW_HTTP_REQUEST_MAX_RETRIES or
+    MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR ask for less: with MLflow's calls set to fail at once, every step still sat
+    through the check's ~1 s of backoff. A real HTTP server on loopback answers 503 (a restarting pod behind its
+    proxy, which the check retries) and counts the requests."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    tries: list[str] = []
+
+    class Restarting(BaseHTTPRequestHandler):
+        def do_GET(self):
+            tries.append(self.path)
+            self.send_response(503)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Restarting)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    uri = f"http://127.0.0.1:{server.server_address[1]}"
+
+    def check() -> float:
+        tries.clear()
+        t0 = time.monotonic()
+        with pytest.raises(TrackingError, match="HTTP 503"):
+            check_tracking_server(uri)
+        return time.monotonic() - t0
+
+    try:
+        monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "7")  # more than the check's own: the check's 2
+        monkeypatch.setenv("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "0")  # no wait between them (0.5 x 2 s before)
+        assert check() < 0.9 and len(tries) == 3, tries
+        monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+        check()
+        assert len(tries) == 1, tries
+        monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "many")  # not a number: the check keeps its own
+        check()
+        assert len(tries) == 3, tries
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_step_run_against_a_down_server_raises_before_the_body_runs():
     cfg = RangefinderConfig(tracking=TrackingConfig(tracking_uri=f"http://127.0.0.1:{free_port()}"))
     entered = False

@@ -7,6 +7,7 @@ timeouts too (`bound_http_requests`): a server that dies mid-run costs a step se
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import shutil
@@ -28,6 +29,7 @@ TrackingSource = Union["RangefinderConfig", "TrackingConfig"]
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"  # in the working folder, as `mlflow ui` / `mlflow server` expect
 CHECK_TIMEOUT_S = 5.0  # per request; a healthy server answers the check in milliseconds
 CHECK_RETRIES = 2  # a restarting server or a blip gets two more chances (0.5 s, 1 s apart), then we stop
+CHECK_BACKOFF_FACTOR = 0.5  # urllib3's: no wait before the first retry, 2 x this before the second
 _CREDENTIAL_VARS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
 _checked: set[tuple[str, str]] = set()
 TAG_NOTE = "mlflow.note.content"  # a run's or an experiment's description in MLflow's UI (Markdown)
@@ -226,6 +228,23 @@ def _check_sqlite(uri: str) -> None:
         )
 
 
+def _check_retries() -> tuple[int, float]:
+    """The check's retries and backoff factor: CHECK_RETRIES and CHECK_BACKOFF_FACTOR, or fewer and shorter where the
+    user's MLFLOW_HTTP_REQUEST_MAX_RETRIES or MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR (HTTP_LIMITS) ask for less: someone
+    who set MLflow's calls to fail at once (0 retries) waited the check's ~1 s of backoff at every step all the same.
+    Larger values keep the check's own: it is the fail-fast call."""
+    from mlflow.environment_variables import MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR, MLFLOW_HTTP_REQUEST_MAX_RETRIES
+
+    retries, backoff = CHECK_RETRIES, CHECK_BACKOFF_FACTOR
+    with contextlib.suppress(ValueError):  # not a number: MLflow's own calls say so; the check keeps its values
+        if MLFLOW_HTTP_REQUEST_MAX_RETRIES.defined:
+            retries = max(0, min(retries, int(MLFLOW_HTTP_REQUEST_MAX_RETRIES.get())))
+    with contextlib.suppress(ValueError):
+        if MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR.defined:
+            backoff = max(0.0, min(backoff, float(MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR.get())))
+    return retries, backoff
+
+
 def _check_http(uri: str, experiment_name: str, timeout: float) -> None:
     from mlflow.exceptions import MlflowException
     from mlflow.utils.credentials import get_default_host_creds
@@ -233,14 +252,15 @@ def _check_http(uri: str, experiment_name: str, timeout: float) -> None:
 
     where = safe_uri(uri)
     _check_token_variable()
+    retries, backoff = _check_retries()
     try:
         resp = http_request(
             get_default_host_creds(uri),
             "/api/2.0/mlflow/experiments/get-by-name",
             "GET",
             params={"experiment_name": experiment_name},
-            max_retries=CHECK_RETRIES,
-            backoff_factor=0.5,
+            max_retries=retries,
+            backoff_factor=backoff,
             backoff_jitter=0.0,
             timeout=timeout,
             raise_on_status=False,
