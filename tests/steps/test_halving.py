@@ -426,6 +426,10 @@ def test_a_server_gone_before_the_race_makes_the_candidates_runs_when_it_answers
     for name in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv(SPOOL_ENV, str(tmp_path / "spool"))
+    # MLflow's calls, and the step's server check, fail at once once the server is gone (as in tests/tracking):
+    # their retries' backoff (HTTP_LIMITS) was ~14 s of this test's waiting, and the step's handling is the same.
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "0")
     uri, server = start_mlflow_server(tmp_path / "server")
     cfg = _cfg(tiny_model_dir, tmp_path, epochs=2).model_copy(deep=True)  # 8 updates, the race to 4
     cfg.tracking.tracking_uri, cfg.tracking.server_wait_seconds = uri, 0.0
