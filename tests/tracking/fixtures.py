@@ -5,7 +5,9 @@ tests/tracking/conftest.py loads these. Other test folders can use them with `py
 (session fixtures are then started once per session either way):
 
 - `mlflow_server_uri` (session): `http://127.0.0.1:PORT` of a real `mlflow server` (sqlite backend, local artifact
-  root, proxied artifacts), started once per session with `--allowed-hosts 127.0.0.1:PORT`.
+  root, proxied artifacts), started once per session with `--allowed-hosts 127.0.0.1:PORT`. Every server here is
+  `mlflow server`'s own command run in a fork of the test process (`ForkedMlflowCli`), which starts its uvicorn
+  server as a fresh interpreter as ever.
 - `mlflow_auth_server` (session): a server started with `--app-name basic-auth`; yields (uri, username, password).
   MLflow's basic auth needs Flask-WTF: the `dev` extra installs `mlflow[auth]`.
 - `sqlite_tracking_uri`: `sqlite:///<tmp_path>/.../mlflow.db`, the local default, fresh per test;
@@ -25,6 +27,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -46,9 +49,74 @@ def _mlflow_cli() -> str:
     return str(Path(sys.executable).with_name("mlflow"))
 
 
+class ForkedMlflowCli:
+    """`mlflow ARGS` (the `mlflow` console script's own click command, `mlflow.cli.cli`) in a fork of this process,
+    in a session of its own, its output to `log`: the part of subprocess.Popen the tests use (pid, poll, wait,
+    returncode). The command starts its uvicorn server as a fresh interpreter, as `mlflow server` always does; only
+    the CLI's own start is a fork, where mlflow is already imported (a fresh `mlflow` process spent ~4 CPU-s on its
+    imports before it started that server, on every server start of the suite)."""
+
+    def __init__(self, args: list[str], *, cwd: Path, env: dict, log: Path) -> None:
+        import mlflow.cli  # before the fork: imported once per test process
+
+        self.args, self.returncode = args, None
+        log_fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        pid = os.fork()
+        if pid == 0:  # the child: what a fresh `mlflow` process started with start_new_session would have
+            code = 1
+            try:
+                os.setsid()
+                os.dup2(log_fd, 1)
+                os.dup2(log_fd, 2)
+                os.close(log_fd)
+                devnull = os.open(os.devnull, os.O_RDONLY)
+                os.dup2(devnull, 0)
+                # Nothing else of this process's: xdist's channel to its controller, other servers' sockets (a
+                # Popen closes them too).
+                os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+                sys.stdout = open(1, "w", buffering=1, closefd=False)
+                sys.stderr = open(2, "w", buffering=1, closefd=False)
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    signal.signal(sig, signal.SIG_DFL)
+                os.chdir(cwd)
+                os.environ.clear()
+                os.environ.update(env)
+                mlflow.cli.cli.main(args=args, prog_name="mlflow", standalone_mode=True)
+                code = 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 1
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        os.close(log_fd)
+        self.pid = pid
+
+    def _reap(self, flags: int) -> Optional[int]:
+        if self.returncode is None:
+            done, status = os.waitpid(self.pid, flags)
+            if done:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def poll(self) -> Optional[int]:
+        return self._reap(os.WNOHANG)
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(["mlflow", *self.args], timeout or 0)
+            time.sleep(0.02)
+        assert self.returncode is not None
+        return self.returncode
+
+
 def start_mlflow_server(workdir: Path, *, app_name: str | None = None, env: dict | None = None,
                         allowed_hosts: str | None = None, port: int | None = None,
-                        extra_args: tuple[str, ...] = ()) -> tuple[str, subprocess.Popen]:
+                        extra_args: tuple[str, ...] = ()) -> tuple[str, ForkedMlflowCli]:
     """Start `mlflow server` on 127.0.0.1 and `port` (default: a free one); return (uri, process) once /health
     answers. A server restarted on its store and port is the same server to its clients."""
     from tests.mlflow_store import seed
@@ -69,10 +137,8 @@ def start_mlflow_server(workdir: Path, *, app_name: str | None = None, env: dict
     server_env.update(env or {})
     server_env.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     server_env.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")  # a third process we do not need
-    log = open(workdir / "server.log", "wb")
     # Own session, so teardown can stop the server and its uvicorn worker together.
-    proc = subprocess.Popen(cmd, cwd=workdir, env=server_env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = ForkedMlflowCli(cmd[1:], cwd=workdir, env=server_env, log=workdir / "server.log")
     uri = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + SERVER_START_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -90,7 +156,7 @@ def start_mlflow_server(workdir: Path, *, app_name: str | None = None, env: dict
     raise RuntimeError(f"mlflow server did not answer on {uri} within {SERVER_START_TIMEOUT_S}s")
 
 
-def stop_mlflow_server(proc: subprocess.Popen) -> None:
+def stop_mlflow_server(proc: subprocess.Popen | ForkedMlflowCli) -> None:
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
