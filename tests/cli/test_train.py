@@ -347,22 +347,36 @@ def _two_ranks_args(split_dir, tiny_model_dir, tmp_path):
     return args, {**os.environ, "OMP_NUM_THREADS": "1"}, out
 
 
+def _train_command(argv: list[str]) -> None:
+    """In the child: `rangefinder train ARGV`, exiting with its status."""
+    raise SystemExit(main(argv))
+
+
+def _start_the_command(args, out):
+    """`rangefinder train ARGS` in a process of its own: a fork of this one (its imports done; one torch thread, its
+    own stderr; `ForkedChild`), which launches torchrun and its ranks as the command does. The command's own start
+    is not what these tests are about: a fresh interpreter spent ~2 s of each launch on it."""
+    from tests.training.test_resume import ForkedChild
+
+    n = len(list(out.parent.glob("command-*.err")))
+    return ForkedChild(out.parent / f"command-{n}", out.parent / f"command-{n}.out", out.parent / f"command-{n}.err",
+                       target=_train_command, args=(args,))
+
+
 def _run_to_a_checkpoint_past(args, env, out, after: int):
     """`rangefinder train ARGS` started and run until a checkpoint past update `after` is in `out`: the process."""
-    import subprocess
-    import sys
     import time
 
     from rangefinder.formats import checkpoints
 
-    proc = subprocess.Popen([sys.executable, "-m", "rangefinder.cli.main", *args], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, env=env)
+    assert env["OMP_NUM_THREADS"] == "1"  # what the fork sets: one torch thread in the command, as its ranks have
+    proc = _start_the_command(args, out)
     deadline = time.monotonic() + 300
     while not [c for c in checkpoints.list_checkpoints(out / "checkpoints")
                if (checkpoints.checkpoint_update(c) or 0) > after]:
         if proc.poll() is not None or time.monotonic() >= deadline:
             proc.kill()
-            raise AssertionError(proc.communicate())
+            raise AssertionError(proc.communicate(timeout=60))
         time.sleep(0.05)
     return proc
 
@@ -402,9 +416,6 @@ def test_a_launcher_killed_with_sigkill_stops_its_ranks_at_a_checkpoint(split_di
     orphans holding the folder's lock: a resume was refused as "in use by another training run" until they had run
     to the end. Now they get SIGTERM when their launcher dies: they write a checkpoint together and stop, and
     --resume goes on."""
-    import subprocess
-    import sys
-
     args, env, out = _two_ranks_args(split_dir, tiny_model_dir, tmp_path)
     first = _kill_the_launcher(_run_to_a_checkpoint_past(args, env, out, 0), "command", out)
     # The folder is free: the resume goes on from there (a resume refused, or stopped, fails in the wait).
@@ -412,10 +423,10 @@ def test_a_launcher_killed_with_sigkill_stops_its_ranks_at_a_checkpoint(split_di
     assert second > first
 
     # The folder is free again and the run goes on from the checkpoint the second SIGTERM wrote, to its end.
-    resumed = subprocess.run([sys.executable, "-m", "rangefinder.cli.main", *args, "--resume", "--json"],
-                             capture_output=True, text=True, env=env, timeout=600)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    result = json.loads(resumed.stdout)
+    resumed = _start_the_command([*args, "--resume", "--json"], out)
+    stdout, stderr = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, stderr[-2000:]
+    result = json.loads(stdout)
     assert (result["status"], result["resumed_from"], result["updates"]) == ("ok", second, STEPS)
 
 

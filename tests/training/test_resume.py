@@ -88,6 +88,10 @@ class ForkedChild:
     def send_signal(self, sig: int) -> None:
         os.kill(self.pid, sig)
 
+    def kill(self) -> None:
+        """SIGKILL, unless it has ended (and been waited for)."""
+        self.process.kill()
+
     def communicate(self, timeout: float | None = None) -> tuple[str, str]:
         self.process.join(timeout)
         if self.process.exitcode is None:
