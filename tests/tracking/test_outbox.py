@@ -67,9 +67,11 @@ def test_an_outage_is_handled_alike_with_one_process_and_two(tmp_path, split_dir
     caplog.set_level(logging.WARNING)
 
     def setup(n: int) -> tuple[RangefinderConfig, TrainSpec]:
+        # No wait at the step's end (server_wait_seconds 0: one last check, then the relog line); the bounded wait
+        # itself: test_spool.py's dead-server step and test_server_loss.py.
         cfg = RangefinderConfig.model_validate({
             "training": {"processes_per_node": n},
-            "tracking": {"tracking_uri": uri, "experiment_name": f"outage-{n}", "server_wait_seconds": 2}})
+            "tracking": {"tracking_uri": uri, "experiment_name": f"outage-{n}", "server_wait_seconds": 0}})
         # 16 images at a global batch of 4 (4 per process alone, 2 each on two): 4 updates, a validation and a
         # sample grid every 2.
         tc = TrainingConfig(batch_size=4 // n, world_size=n, lr=1e-4, seed=7, steps=4,
