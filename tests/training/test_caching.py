@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.training.test_resume import ForkedChild, start_child
+from tests.training.test_resume import ForkedChild
 
 
 def _encode_until_killed(model: str, data: str, folder: str, kill_at: int) -> None:
@@ -40,6 +40,35 @@ def _encode_until_killed(model: str, data: str, folder: str, kill_at: int) -> No
     cache.ensure(paths, [file_sha256(p) for p in paths], flipped=True)
 
 
+def _engine_child_with_its_stderr_a_pipe(settings: dict, path: Path) -> tuple[int | None, str]:
+    """engine_child.main on `settings` in a fork of this process (its imports done: a fresh `python engine_child.py`
+    spent ~9 CPU-s importing before it trained), its stdout /dev/null and its stderr a pipe read here, as the fresh
+    child had them (`_as_a_fresh_process` reopens the pipe's write end by its /proc path): (exit status, stderr)."""
+    import json
+    import multiprocessing
+    import threading
+
+    import rangefinder.training.loop  # noqa: F401  (imported before the fork, which then has it too)
+    from tests.training.test_resume import _as_a_fresh_process, _engine_child_main
+
+    path.write_text(json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in settings.items()}))
+    read_end, write_end = os.pipe()
+    child = multiprocessing.get_context("fork").Process(
+        target=_as_a_fresh_process, args=(os.devnull, f"/proc/self/fd/{write_end}", _engine_child_main, str(path)))
+    child.start()
+    os.close(write_end)
+    chunks: list[bytes] = []
+    reader = threading.Thread(target=lambda: chunks.extend(iter(lambda: os.read(read_end, 65536), b"")), daemon=True)
+    reader.start()
+    child.join(600)
+    if child.exitcode is None:
+        child.kill()
+        child.join()
+    reader.join(60)
+    os.close(read_end)
+    return child.exitcode, b"".join(chunks).decode(errors="replace")
+
+
 @pytest.mark.slow
 def test_a_full_disk_under_the_cache_is_one_line_naming_the_cache_and_leaves_no_torn_entry(split_dir, tiny_model_dir,
                                                                                           tmp_path):
@@ -50,10 +79,9 @@ def test_a_full_disk_under_the_cache_is_one_line_naming_the_cache_and_leaves_no_
     settings = {"split_dir": split_dir, "model": tiny_model_dir, "out_dir": tmp_path / "out",
                 "training": {"batch_size": 4, "steps": 1, "lr": 1e-4, "cache_dir": str(cache)},
                 "validation": {"every_epochs": 0}, "max_file_bytes": 600}  # an entry at 32 px is over 1 KiB
-    # A process of its own whose stderr is a pipe: the limit holds for every file it writes, a forked child's log too.
-    child = start_child(settings, tmp_path, "full", fresh=True)
-    _, err = child.communicate(timeout=600)
-    assert child.returncode == 2 and "Traceback" not in err, err
+    # A process of its own whose stderr is a pipe: the limit holds for every file it writes, a log file too.
+    returncode, err = _engine_child_with_its_stderr_a_pipe(settings, tmp_path / "full.json")
+    assert returncode == 2 and "Traceback" not in err, err
     line = err.strip().splitlines()[-1]
     assert line.startswith(f"rangefinder train: error: cannot write the encoded-data cache under "
                            f"{cache / 'encoded' / 'latents'}/"), line
