@@ -96,9 +96,10 @@ def test_register_model_waits_for_the_server_then_names_the_command(tmp_path, ti
                                            "registered_model_name": "rf-retried", "server_wait_seconds": wait_s},
                                  sampling={"num_inference_steps": 2})
 
-    # Away for longer than the wait: one line, naming the command that registers these weights later.
+    # Away for longer than the wait (a short one: the step checks, waits it out, checks again): one line, naming the
+    # command that registers these weights later.
     with pytest.raises(TrackingError) as away:
-        run_register_model(cfg(2), model_dir=tiny_model_dir, lr=2e-4, epochs=3)
+        run_register_model(cfg(0.2), model_dir=tiny_model_dir, lr=2e-4, epochs=3)
     message = str(away.value)
     assert len(message.splitlines()) == 1 and "did not answer within" in message, message
     later = shlex.split(message.split("once it answers, run: ", 1)[1])
