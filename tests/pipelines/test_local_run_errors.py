@@ -40,7 +40,9 @@ def test_mlflow_down_shows_the_cause_on_the_terminal(tmp_path, monkeypatch, capf
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text("data:\n  resolution: 32\n")
     uri = f"http://127.0.0.1:{free_port()}"
-    proc = run_local(cfg, tmp_path / "out", {"MLFLOW_TRACKING_URI": uri}, monkeypatch, capfd)
+    # The first step's server check fails at once (its retries' backoff slept ~1 s before the cause was shown).
+    proc = run_local(cfg, tmp_path / "out", {"MLFLOW_TRACKING_URI": uri, "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"},
+                     monkeypatch, capfd)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     error = proc.stderr.strip().splitlines()[-1]
     # Not a terminal: plain lines, a line per step as it starts and ends, then the cause.
