@@ -298,7 +298,7 @@ def test_lr_finder_auto_fine_tunes_at_the_prodigy_step_size_and_registers_it(fam
     from rangefinder.analysis import read_curve_csv
     from rangefinder.config import FAMILY_NAMES, prodigy_step_factor
     from tests.mlflow_store import seed
-    from tests.pipelines.tiny_run import TINY, tiny_config
+    from tests.pipelines.tiny_run import TINY, prodigy_branch_params, tiny_config
 
     for var in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID"):
         monkeypatch.delenv(var, raising=False)
@@ -333,12 +333,7 @@ def test_lr_finder_auto_fine_tunes_at_the_prodigy_step_size_and_registers_it(fam
            "times" in decision, decision
     with sqlite3.connect(out / "mlflow.db") as con:
         runs = dict(con.execute("select name, status from runs").fetchall())
-        finder = dict(con.execute("select p.key, p.value from params p join runs r on p.run_uuid = r.run_uuid "
-                                  "where r.name = 'prodigy_step_size' and p.key like 'lr_finder%'").fetchall())
-        (factor_param,) = con.execute("select p.value from params p join runs r on p.run_uuid = r.run_uuid "
-                                      "where r.name = 'prodigy_step_size' and p.key = 'prodigy_step_factor'").fetchone()
-        guidance = dict(con.execute("select r.name, p.value from params p join runs r on p.run_uuid = r.run_uuid "
-                                    "where p.key = 'sampling.guidance_scale_used'").fetchall())
+        finder, factor_param, guidance = prodigy_branch_params(con)
         families = con.execute("select r.name, t.value from runs r join tags t on t.run_uuid = r.run_uuid "
                                "where t.key = 'rangefinder.model_family'").fetchall()
     assert runs["prodigy_step_size"] == runs["finetune"] == "FINISHED" and "lr_range_test" not in runs, runs

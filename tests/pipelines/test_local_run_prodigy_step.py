@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from rangefinder.config import FAMILY_NAMES
-from tests.pipelines.tiny_run import PRODIGY_REPORTS, TINY, tiny_config
+from tests.pipelines.tiny_run import PRODIGY_REPORTS, TINY, prodigy_branch_params, tiny_config
 
 pytestmark = pytest.mark.slow
 
@@ -97,12 +97,7 @@ def test_lr_finder_auto_on_a_flow_model_runs_the_prodigy_branch_and_fine_tunes_a
         nested = dict(con.execute(
             "select r.name, t.value from runs r join tags t on t.run_uuid = r.run_uuid "
             "where t.key = 'mlflow.parentRunId'").fetchall())
-        finder = dict(con.execute("select p.key, p.value from params p join runs r on p.run_uuid = r.run_uuid "
-                                  "where r.name = 'prodigy_step_size' and p.key like 'lr_finder%'").fetchall())
-        (factor_param,) = con.execute("select p.value from params p join runs r on p.run_uuid = r.run_uuid "
-                                      "where r.name = 'prodigy_step_size' and p.key = 'prodigy_step_factor'").fetchone()
-        guidance = dict(con.execute("select r.name, p.value from params p join runs r on p.run_uuid = r.run_uuid "
-                                    "where p.key = 'sampling.guidance_scale_used'").fetchall())
+        finder, factor_param, guidance = prodigy_branch_params(con)
     assert runs["prodigy_step_size"] == runs["finetune"] == runs[parent] == "FINISHED", runs
     assert "lr_range_test" not in runs and float(factor_param) == factor
     # The setting as the config says it, what it resolved to beside it (as every *_used param).

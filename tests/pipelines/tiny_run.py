@@ -29,6 +29,20 @@ DISCOVERY_REPORTS = frozenset({"prepare-dataset-report.md", "lr-range-test-first
 PRODIGY_REPORTS = (DISCOVERY_REPORTS - {"lr-range-test-first.html", "lr-range-test-first.md"}) | {
     "prodigy-step-size.html", "prodigy-step-size.md"}
 
+
+def prodigy_branch_params(con) -> tuple[dict, str, dict]:
+    """From a run's SQLite MLflow store (`con`, open), what the prodigy branch records as params: the Prodigy run's
+    `lr_finder` and `lr_finder_used`, its `prodigy_step_factor`, and each run's `sampling.guidance_scale_used`."""
+    def params(where: str):
+        return con.execute("select r.name, p.key, p.value from params p join runs r on p.run_uuid = r.run_uuid "
+                           f"where {where}").fetchall()
+
+    finder = {k: v for _, k, v in params("r.name = 'prodigy_step_size' and p.key like 'lr_finder%'")}
+    ((_, _, factor),) = params("r.name = 'prodigy_step_size' and p.key = 'prodigy_step_factor'")
+    guidance = {name: v for name, _, v in params("p.key = 'sampling.guidance_scale_used'")}
+    return finder, factor, guidance
+
+
 # The retrain the fixed-LR run turns on (test_local_run.py, the DAG's retrain branch): one epoch on train + validation.
 RETRAIN = {"retrain": {"enabled": True, "epochs": 1}}
 
