@@ -23,9 +23,11 @@ from rangefinder.planning import plan, val_count
 
 @pytest.mark.parametrize("raw", [{"model": {"hf_token": "hf_abcdefghijklmnopqrstuvwx"}},
                                  {"tracking": {"password": "hunter2-pw"}}, {"token": "hf_abcdefghijklmnopqrstuvwx"}])
-def test_a_secret_under_a_setting_the_config_lacks_is_named_not_shown(raw, capsys):
+def test_a_secret_under_a_setting_the_config_lacks_is_named_not_shown(raw, capsys, tmp_path):
     """A token pasted into base_config in the run form (or a config file) under a name the config does not have:
     the one line that refuses it printed its value, into the step's log and the run's record."""
+    from kfp.dsl import Markdown
+
     from rangefinder.pipelines import kfp_components as c
     from rangefinder.steps.resolve_config import parameters_from_config
 
@@ -37,7 +39,7 @@ def test_a_secret_under_a_setting_the_config_lacks_is_named_not_shown(raw, capsy
     params.pop("dataset_uri")
     params["base_config"] = json.dumps(raw)
     with pytest.raises(SystemExit):  # resolve-config's one line, on the run's log
-        c.resolve_config.python_func(**params, pipeline_job_id="")
+        c.resolve_config.python_func(**params, pipeline_job_id="", report=Markdown(uri=str(tmp_path / "report")))
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert "not a setting" in line and "hf_abc" not in line and "hunter2" not in line, line
 

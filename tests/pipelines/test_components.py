@@ -20,15 +20,22 @@ from rangefinder.steps.resolve_config import load_step_config, parameters_from_c
 from tests.conftest import HUB_REPO
 
 
-def _resolve(cfg) -> tuple:
+def _report(out: Path) -> Markdown:
+    """resolve-config's `report` artifact in `out`'s resolve-config task folder, as a pipeline root holds it."""
+    (out / "resolve-config").mkdir(parents=True, exist_ok=True)
+    return Markdown(name="report", uri=str(out / "resolve-config" / "report"))
+
+
+def _resolve(cfg, out: Path) -> tuple:
     """resolve_config's function with the pipeline's parameters for `cfg`, as kfp.local hands them over (no KFP run
-    id: no MLflow parent run)."""
+    id: no MLflow parent run); its report under `out`."""
     params = parameters_from_config(cfg)
     params.pop("dataset_uri")
-    return c.resolve_config.python_func(**params, pipeline_job_id="")
+    return c.resolve_config.python_func(**params, pipeline_job_id="", report=_report(out))
 
 
-def test_resolve_config_resolves_a_hub_id_from_the_offline_cache(fake_hub_cache, shapes_dataset_dir, monkeypatch):
+def test_resolve_config_resolves_a_hub_id_from_the_offline_cache(fake_hub_cache, shapes_dataset_dir, monkeypatch,
+                                                                  tmp_path):
     """A real user's hub id on an air-gapped cluster (test_a_hub_id_through_every_step_registers_the_kept_checkpoint
     below runs it through every step's function): the snapshot folder is in the config every later step reads, and
     its commit, the revision main named when this run resolved it (tracking tags every run with it)."""
@@ -36,11 +43,48 @@ def test_resolve_config_resolves_a_hub_id_from_the_offline_cache(fake_hub_cache,
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     r = _resolve(demo_config(data={"dataset_dir": str(shapes_dataset_dir)}, model={"base_model": HUB_REPO},
-                             lr=4e-3, retrain={"enabled": True}))
+                             lr=4e-3, retrain={"enabled": True}), tmp_path)
     assert (r.fixed_lr, r.retrain, r.mlflow_parent_run_id) == (4e-3, True, "")
     model = load_step_config(r.config_json).model
     snapshot = cache / f"models--{HUB_REPO.replace('/', '--')}" / "snapshots" / commit
     assert (model.base_model, model.resolved_dir, model.resolved_revision) == (HUB_REPO, str(snapshot), commit)
+    report = (tmp_path / "resolve-config" / "report").read_text()
+    assert f"- base model: `{HUB_REPO}`\n- resolved to: `{snapshot}`, revision `{commit}`\n" in report, report
+    assert "- learning rate: fixed by hand at 0.004" in report, report
+    assert "- retrain: on, for the epochs the fine-tune recommends" in report, report
+
+
+def test_resolve_config_s_report_says_what_the_run_resolved_to_and_what_it_leaves_unused(tiny_model_dir, tmp_path,
+                                                                                          capsys):
+    """The KFP UI shows the first step's `report`, as it shows the other steps': the model, its family, the method,
+    how the LR will be found and the retrain, and the parameters the run leaves unused in the log's words (a
+    retrain_epochs typed with the retrain off did nothing, and only the step's log said so)."""
+    r = _resolve(demo_config(model={"base_model": str(tiny_model_dir)}, lr=1e-4, retrain={"epochs": 3}), tmp_path)
+    assert (r.fixed_lr, r.retrain) == (1e-4, False)
+    report = (tmp_path / "resolve-config" / "report").read_text()
+    logged = [ln.removeprefix("rangefinder: warning: ") for ln in capsys.readouterr().err.splitlines()
+              if ln.startswith("rangefinder: warning: ")]
+    assert any("retrain.epochs (3) is not used" in ln for ln in logged), logged
+    from rangefinder.formats.text import markdown_text
+
+    assert report.startswith("# Resolved config\n\n"), report
+    for line in (f"- base model: `{tiny_model_dir}`",
+                 f"- resolved to: `{tiny_model_dir}`, revision none (a folder: not hashed)",
+                 "- family: Stable Diffusion 1.x/2.x", "- method: full", "- retrain: off", f"- warnings: {len(logged)}",
+                 "- learning rate: fixed by hand at 0.0001; discovery skipped (lr\\_finder auto has nothing to "
+                 "measure)",
+                 *(f"  - {markdown_text(ln)}" for ln in logged)):
+        assert f"{line}\n" in report, (line, report)
+    shown = report.replace("\\", "")  # as the KFP UI renders it
+    assert "retrain.epochs (3) is not used" in shown and "lr (pipeline parameter fixed_lr): 0.0001 is fixed" in shown
+    # What a person typed is shown as text and without its secrets: the UI renders the report for whoever can see
+    # the run, as it renders the log.
+    from rangefinder.steps.resolve_config import resolved_report
+
+    cfg = load_step_config(r.config_json)
+    typed = cfg.model.model_copy(update={"base_model": "https://me:hunter2-pw@models.example/<b>x</b>.safetensors"})
+    report = resolved_report(cfg.model_copy(update={"model": typed}), "sd1", [])
+    assert "hunter2" not in report and "`https://models.example/<b>x</b>.safetensors`" in report, report
 
 
 def test_resolve_config_converts_a_single_file_once(tiny_model_dir, tmp_path):
@@ -54,12 +98,12 @@ def test_resolve_config_converts_a_single_file_once(tiny_model_dir, tmp_path):
     single = export_full(tiny_model_dir, tmp_path / "tiny-sd.safetensors")
     cfg = demo_config(model={"base_model": str(single), "single_file_config": str(tiny_model_dir),
                              "cache_dir": str(tmp_path / "cache")})
-    first = load_step_config(_resolve(cfg).config_json).model
+    first = load_step_config(_resolve(cfg, tmp_path).config_json).model
     (converted,) = [p for p in (tmp_path / "cache" / "base-models").glob("tiny-sd-*") if p.is_dir()]
     assert first.base_model == str(single) and first.resolved_dir == str(converted)
     assert first.resolved_revision == f"sha256:{file_sha256(single)}"
     stamp = (converted / "model_index.json").stat().st_mtime_ns
-    again = load_step_config(_resolve(cfg).config_json).model
+    again = load_step_config(_resolve(cfg, tmp_path).config_json).model
     assert again.resolved_dir == str(converted)
     assert (converted / "model_index.json").stat().st_mtime_ns == stamp  # found, not converted again
 
@@ -106,13 +150,13 @@ def test_a_component_ends_on_bad_input_with_exit_2_and_one_line(tmp_path, capsys
                             "its path as dataset_dir and leave dataset_uri empty"),
     ("s3://AKIAEXAMPLE:hunter2-pw@bucket/cats", "pipeline parameter dataset_uri holds a user name and password"),
 ])
-def test_a_dataset_uri_the_importer_cannot_read_is_resolve_config_s_one_line(typed, said, capsys):
+def test_a_dataset_uri_the_importer_cannot_read_is_resolve_config_s_one_line(typed, said, capsys, tmp_path):
     """The run form's dataset_uri, checked as `submit --dataset-uri` is: a folder's path typed there (dataset_dir's
     kind of value) failed in the importer in KFP's own words, and a URI holding a password went on to it. The
     importer runs after resolve-config (test_pipeline.py), so this line is the run's error; the secret is not in it."""
     params = parameters_from_config(demo_config(), dataset_uri=typed)
     with pytest.raises(SystemExit) as stopped:
-        c.resolve_config.python_func(**params, pipeline_job_id="")
+        c.resolve_config.python_func(**params, pipeline_job_id="", report=_report(tmp_path))
     assert stopped.value.code == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith(f"rangefinder step resolve-config: error: ConfigError: {said}"), line
@@ -133,7 +177,7 @@ def _through_every_step(cfg, out: Path, *, finder: str) -> dict:
         (root / task).mkdir(parents=True, exist_ok=True)
         return kind(name=name, uri=str(root / task / name))
 
-    resolved = _resolve(cfg)
+    resolved = _resolve(cfg, out / "pipeline-root")
     config_json = resolved.config_json
     split = artifact(Dataset, "prepare-dataset", "split")
     c.prepare_dataset.python_func(config_json=config_json, split=split,

@@ -114,6 +114,10 @@ def test_dag_order_and_conditions(compiled):
         given = {k: task.inputs.parameters[k].runtime_value.constant.string_value
                  for k in ("pipeline_job_id", "pipeline_job_name")}
         assert given == {"pipeline_job_id": "{{$.pipeline_job_uuid}}", "pipeline_job_name": "{{$.pipeline_job_name}}"}
+    # What it resolved to is a Markdown report the KFP UI shows, as it shows the later steps' (a local run collects it
+    # as OUT/reports/resolve-config-report.md).
+    outputs = compiled.spec.components[resolve.component_ref.name].output_definitions.artifacts
+    assert outputs["report"].artifact_type.schema_title == "system.Markdown", outputs
 
     # The importer runs only when a dataset URI is given, and feeds prepare-dataset.
     (imp_dag, imp_name, imp), = compiled.tasks("importer")

@@ -20,8 +20,9 @@ TINY = {
 # The reports a discovery run of TINY writes under OUT/reports (no zoom; a retrain has no report of its own, its
 # column is in the grid's): the demo's run (test_local_run.py, the session's shared run) is held to this set and the
 # zoom's two reports.
-DISCOVERY_REPORTS = frozenset({"prepare-dataset-report.md", "lr-range-test-first.html", "lr-range-test-first.md",
-                               "choose-lr-decision.md", "finetune.html", "finetune.md", "sample-images-grid.html"})
+DISCOVERY_REPORTS = frozenset({"resolve-config-report.md", "prepare-dataset-report.md", "lr-range-test-first.html",
+                               "lr-range-test-first.md", "choose-lr-decision.md", "finetune.html", "finetune.md",
+                               "sample-images-grid.html"})
 # The same run on the prodigy_step branch (lr_finder auto's choice for SDXL's, SD3's and Flux's full fine-tune): the
 # Prodigy run's two reports where the range test's were, the rest alike. The Flux run
 # (test_local_run_prodigy_step.py) is held to this set, so the SD and flow runs write the same reports but for the

@@ -40,6 +40,7 @@ def _config_default(parameter: str) -> Any:
 
 @dsl.component(base_image=CPU_IMAGE, install_kfp_package=False, additional_funcs=[_config_default])
 def resolve_config(
+    report: Output[Markdown],
     base_config: str = "",
     dataset_dir: str = _config_default("dataset_dir"),
     base_model: str = _config_default("base_model"),
@@ -72,7 +73,7 @@ def resolve_config(
     """Validate the parameters into one config and resolve the base model to a local folder (downloaded or
     converted once; fails fast, before any GPU is requested); open the MLflow parent run of this pipeline run. The
     log warns of each parameter the run leaves unused (retrain_epochs with retrain off, the range test's with a
-    fixed LR), as the CLI does.
+    fixed LR), as the CLI does, and so does the `report` the KFP UI shows.
 
     Args:
         base_config: Every other setting, as the JSON of a rangefinder config; empty, the default: the default
@@ -113,8 +114,11 @@ def resolve_config(
         lr_finder: The finder discovery runs: range_test or prodigy_step (auto resolved for the model and method).
         retrain: Whether the full-data retrain runs.
         mlflow_parent_run_id: The MLflow run the steps' runs nest under (KFP's own when its MLflow plugin is on).
+        report: What the run resolved to, in Markdown: the base model and its folder, revision and family, the
+            method, how the LR will be found, the retrain, and the warnings of parameters the run leaves unused.
     """
     from collections import namedtuple
+    from pathlib import Path
 
     from rangefinder.errors import one_line_errors
     from rangefinder.steps.resolve_config import run_resolve_config
@@ -128,7 +132,7 @@ def resolve_config(
             retrain=retrain,
             retrain_epochs=retrain_epochs, prompts=prompts, mlflow_experiment=mlflow_experiment,
             mlflow_ui_url=mlflow_ui_url, pipeline_job_id=pipeline_job_id, pipeline_job_name=pipeline_job_name,
-            dataset_uri=dataset_uri,
+            dataset_uri=dataset_uri, report_path=Path(report.path),
         )
     ResolvedConfig = namedtuple("ResolvedConfig", "config_json fixed_lr lr_finder retrain mlflow_parent_run_id")
     return ResolvedConfig(r.config_json, r.fixed_lr, r.lr_finder, r.retrain, r.mlflow_parent_run_id)

@@ -24,6 +24,7 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 from rangefinder.config import (
@@ -35,7 +36,7 @@ from rangefinder.config import (
     setting_conflicts,
 )
 from rangefinder.errors import ConfigError
-from rangefinder.formats.text import warn
+from rangefinder.formats.text import markdown_code, markdown_text, warn
 from rangefinder.planning import check_finetune_validations
 from rangefinder.training.family_detection import family_of
 
@@ -233,15 +234,17 @@ class ResolvedConfig:
 
 
 def run_resolve_config(base_config: str = "", *, pipeline_job_id: str = "", pipeline_job_name: str = "",
-                       **params: Any) -> ResolvedConfig:
+                       report_path: Optional[Path] = None, **params: Any) -> ResolvedConfig:
+    """The run form's parameters resolved into the run's config (ResolvedConfig); `report_path`: where the Markdown
+    report of what the run resolved to goes (resolved_report), once every check has passed."""
     # The run form's dataset_uri, which the importer reads after this step: a folder's path typed there failed in
     # the importer, in KFP's words, and a URI with a password went on to it.
     check_dataset_uri(params.get("dataset_uri") or "", "pipeline parameter dataset_uri",
                       "give its path as dataset_dir and leave dataset_uri empty")
     cfg = config_from_parameters(base_config, **params)
     replaced = defaults_replacing_base_config(base_config, params)
-    if replaced:
-        warn([replaced])
+    warnings = [replaced] if replaced else []
+    warn(warnings)
     # The parent run first: a tracking server that does not answer stops the run before a model download.
     parent = start_parent_run(cfg, pipeline_job_id, pipeline_job_name) if pipeline_job_id else ""
     cfg, family = with_resolved_base_model(cfg)
@@ -253,7 +256,12 @@ def run_resolve_config(base_config: str = "", *, pipeline_job_id: str = "", pipe
     check_pipeline_config(cfg, family)  # lr_finder auto, resolved: the range test's needs on this family
     # The settings this run leaves unused, as the CLI warns of them: typed into the run form, they were dropped
     # without a word; and what the CLI could not tell before the model was fetched (a hub id's family).
-    warn(form_conflicts(base_config, params, family))
+    conflicts = form_conflicts(base_config, params, family)
+    warn(conflicts)
+    if report_path is not None:
+        from rangefinder.formats.atomic import write_text
+
+        write_text(report_path, resolved_report(cfg, family, warnings + conflicts))
     return ResolvedConfig(
         config_json=cfg.model_dump_json(),
         fixed_lr=float(cfg.pipeline_lr() or 0.0),  # an LR-free optimizer skips discovery too
@@ -262,6 +270,34 @@ def run_resolve_config(base_config: str = "", *, pipeline_job_id: str = "", pipe
         retrain=bool(cfg.retrain.enabled),
         mlflow_parent_run_id=parent,
     )
+
+
+def resolved_report(cfg: RangefinderConfig, family: str, warnings: list[str]) -> str:
+    """What the run resolved to, in Markdown (resolve-config's `report`, which the KFP UI shows): the base model as
+    given and the folder and revision it resolved to, its family, the method, how the LR will be found (the fixed LR,
+    an LR-free optimizer's, or lr_finder as set and as resolved), the retrain, and the `warnings` in the log's words
+    (each naming the run-form parameter). User text is shown as text, never as markup; a secret in it as ***."""
+    from rangefinder.redaction import redact
+    from rangefinder.steps.choose_lr import finder_words, skipped_because
+
+    model = cfg.model
+    given = markdown_code(redact(model.base_model)) if model.base_model else "empty: the embedded tiny model"
+    revision = markdown_code(model.resolved_revision) if model.resolved_revision else "none (a folder: not hashed)"
+    if cfg.lr is not None:
+        lr = f"fixed by hand at {cfg.lr:g}; discovery skipped (lr_finder {cfg.lr_finder} has nothing to measure)"
+    else:
+        lr = skipped_because(cfg) or f"discovered ({finder_words(cfg, family)})"
+    retrain = "off"
+    if cfg.retrain.enabled:
+        retrain = (f"on, {cfg.retrain.epochs} epochs" if cfg.retrain.epochs else
+                   "on, for the epochs the fine-tune recommends")
+    lines = ["# Resolved config", "", f"- base model: {given}",
+             f"- resolved to: {markdown_code(redact(model.resolved_dir or ''))}, revision {revision}",
+             f"- family: {FAMILY_NAMES[family]}", f"- method: {cfg.training.method}",
+             f"- learning rate: {markdown_text(lr)}", f"- retrain: {retrain}",
+             f"- warnings: {len(warnings) or 'none'}"]
+    lines += [f"  - {markdown_text(line)}" for line in warnings]
+    return "\n".join(lines) + "\n"
 
 
 def with_resolved_base_model(cfg: RangefinderConfig) -> tuple[RangefinderConfig, str]:
