@@ -169,12 +169,16 @@ def test_resolve_config_in_a_pod_takes_the_packages_defaults_for_inputs_left_out
     that holds only `method`: the defaults come from the package (this Python stands in for the image's)."""
     spec = yaml.safe_load((REPO / "components" / "resolve_config" / "component.yaml").read_text())
     container = spec["deploymentSpec"]["executors"]["exec-resolve-config"]["container"]
-    outputs = spec["components"]["comp-resolve-config"]["outputDefinitions"]["parameters"]
+    definitions = spec["components"]["comp-resolve-config"]["outputDefinitions"]
+    outputs = definitions["parameters"]
     executor_output = tmp_path / "executor_output.json"
+    # The driver hands every output artifact its URI, always (the report): only inputs can be left out.
+    artifacts = {name: {"artifacts": [{"name": name, "type": d["artifactType"], "uri": str(tmp_path / name)}]}
+                 for name, d in definitions["artifacts"].items()}
     executor_input = {
         "inputs": {"parameterValues": {"method": "lora"}},
         "outputs": {"parameters": {name: {"outputFile": str(tmp_path / name)} for name in outputs},
-                    "outputFile": str(executor_output)},
+                    "artifacts": artifacts, "outputFile": str(executor_output)},
     }
     args = [json.dumps(executor_input) if a == "{{$}}" else a for a in container["args"]]
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
@@ -186,6 +190,7 @@ def test_resolve_config_in_a_pod_takes_the_packages_defaults_for_inputs_left_out
     assert cfg.training.method == "lora"
     assert (cfg.data.resolution, cfg.finetune.epochs, cfg.tracking.experiment_name) == (512, 30, "rangefinder")
     assert values["mlflow_parent_run_id"] == ""  # no pipeline_job_id: no parent run
+    assert "- method: lora" in (tmp_path / "report").read_text()  # what the run resolved to, for the KFP UI
 
 
 def _users_retrain_pipeline(epochs_output: str):
