@@ -538,12 +538,8 @@ def render_grid(
                               f"{base} is {FAMILY_NAMES[base_family]}: a grid compares weights of one family; pass "
                               "--model of its family")
     grid_family = base_family or detect_family(base)
-    given_guidance = guidance_scale
-    guidance_scale = guidance_scale_in(base, grid_family, guidance_scale)
-    if guidance_scale is None and given_guidance:  # 0, diffusers' own example for schnell, asks for none
-        raise ConfigError(f"guidance scale {given_guidance:g}: base model {base} has no guidance embedding (its "
-                          "transformer's guidance_embeds is false, as FLUX.1-schnell's), so its pipeline ignores "
-                          "every guidance scale; leave the guidance scale out")
+    guidance_scale = guidance_scale_in(base, grid_family, guidance_scale, refuse=(
+        f"guidance scale {guidance_scale or 0:g}", "leave the guidance scale out"))
     check_negative_prompt_steers(grid_family, guidance_scale, negative_prompt)
     check_scheduler_takes(grid_family, scheduler)
     device = device or _default_device()

@@ -277,7 +277,7 @@ def applicable_params(cfg: Any) -> dict[str, str]:
         dropped += [f"retrain.{k}" for k in type(cfg.retrain).model_fields if k != "enabled"]
     from rangefinder.models.loading import local_model_folder
     from rangefinder.training.families import family_rules, objective_settings_used
-    from rangefinder.training.family_detection import family_of, guidance_scale_for, guidance_scale_in
+    from rangefinder.training.family_detection import family_of, guidance_scale_in
 
     family = family_of(cfg.model)
     if family:  # the objective's settings of the other kind (flow-matching or DDPM), refused unless left unset
@@ -288,9 +288,7 @@ def applicable_params(cfg: Any) -> dict[str, str]:
         # that samples, never written into the setting: a config copied from this run samples another model at its
         # own): the parent run made before a hub id is fetched gets it once resolve-config has the model.
         # None where the model has no guidance input (FLUX.1-schnell), read off its folder where it is here.
-        folder = local_model_folder(cfg.model)
-        used = (guidance_scale_in(folder, family, cfg.sampling.guidance_scale) if folder is not None
-                else guidance_scale_for(family, cfg.sampling.guidance_scale))
+        used = guidance_scale_in(local_model_folder(cfg.model), family, cfg.sampling.guidance_scale)
         params["sampling.guidance_scale_used"] = "none (no guidance input)" if used is None else _param_value(used)
         # And what the flow objective trains at where its settings are unset (SD3's shift 3.0, Flux's guidance 3.5),
         # which the settings' own params show as None.

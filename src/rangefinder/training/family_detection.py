@@ -167,19 +167,27 @@ def guidance_scale_for(family: str, setting: Optional[float] = None) -> float:
     return float(inspect.signature(pipeline.__call__).parameters["guidance_scale"].default)
 
 
-def guidance_scale_in(folder: Path, family: str, setting: Optional[float] = None) -> Optional[float]:
+def guidance_scale_in(folder: Optional[Path], family: str, setting: Optional[float] = None, *,
+                      refuse: Optional[tuple[str, str]] = None) -> Optional[float]:
     """The guidance scale the model in diffusers folder `folder` samples at (guidance_scale_for), or None where its
     pipeline ignores every scale: a Flux transformer without the guidance embedding (FLUX.1-schnell, whose config
     has `guidance_embeds` false: FluxPipeline feeds the scale to the transformer only where it is true, and schnell,
-    distilled to sample in few steps without guidance, has no input for it)."""
+    distilled to sample in few steps without guidance, has no input for it). `folder` None (parts from no folder,
+    or a model not here to read): the family's. `refuse`: (the setting's name, how to leave it out), to refuse a
+    `setting` given for such a model, where it would change nothing; 0 asks for none (diffusers' own schnell example
+    passes it) and is taken."""
     from rangefinder.training.family_rules import guidance_embedded
 
-    if family == "flux":
+    if family == "flux" and folder is not None:
         try:
             denoiser = json.loads((Path(folder) / FAMILY_LAYOUTS[family].denoiser / "config.json").read_text())
         except (OSError, ValueError):
             denoiser = None  # unreadable here: loading the pipeline says why, naming the folder
         if isinstance(denoiser, dict) and not guidance_embedded(denoiser):
+            if refuse is not None and setting:
+                raise ConfigError(f"{refuse[0]}: base model {folder} has no guidance embedding (its transformer's "
+                                  "guidance_embeds is false, as FLUX.1-schnell's), so its pipeline ignores every "
+                                  f"guidance scale; {refuse[1]}")
             return None
     return guidance_scale_for(family, setting)
 

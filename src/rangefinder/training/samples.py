@@ -44,7 +44,7 @@ import torch
 from rangefinder.formats.atomic import atomic_path, read_written_json, write_json
 from rangefinder.models.loading import pipeline_call_kwargs
 from rangefinder.planning import planned_validations
-from rangefinder.training.family_detection import guidance_scale_for, guidance_scale_in
+from rangefinder.training.family_detection import guidance_scale_in
 from rangefinder.training.geometry import ModelGeometry, check_sampling_resolution
 from rangefinder.training.sinks import ImageSink
 from rangefinder.training.validation import preserved_rng
@@ -77,8 +77,6 @@ def samples_guidance_scale(family: str, model_dir: Optional[Path], setting: Opti
     """The guidance scale the samples draw at and their index records: the one `rangefinder sample`'s grid records
     (family_detection.guidance_scale_in), None for a model without the guidance input (FLUX.1-schnell, whose scale
     FluxPipeline never feeds its transformer); the family's own where the parts came from no folder."""
-    if model_dir is None:
-        return guidance_scale_for(family, setting)
     return guidance_scale_in(model_dir, family, setting)
 
 
