@@ -409,7 +409,11 @@ def ui_link(uri: str, experiment_id: str, ui_url: Optional[str] = None) -> tuple
     (tracking.ui_url, checked and trimmed there), which the link is built on instead of `uri`. Credentials in `uri`
     never appear in either. The command is quoted for a shell: a local store under a folder with a space in its name
     (`--out "run 1"`) split in two when pasted. It serves where `ui_url` points (ui_command)."""
-    route = UI_RUNS_ROUTE.format(experiment_id=experiment_id)
+    return _ui_page(uri, ui_url, UI_RUNS_ROUTE.format(experiment_id=experiment_id))
+
+
+def _ui_page(uri: str, ui_url: Optional[str], route: str) -> tuple[Optional[str], str]:
+    """(ui_link's command, the link to `route` of the UI that serves `uri`: `ui_url`, the server, or `mlflow ui`'s)."""
     if urlsplit(uri).scheme.lower() in ("http", "https"):
         return None, f"{(ui_url or safe_uri(uri)).rstrip('/')}/{route}"
     return ui_command(uri, ui_url), f"{(ui_url or f'http://127.0.0.1:{MLFLOW_UI_PORT}').rstrip('/')}/{route}"
@@ -444,9 +448,7 @@ def run_ui_link(uri: str, experiment_id: str, run_id: str,
                 ui_url: Optional[str] = None) -> tuple[Optional[str], str]:
     """`ui_link` for one run: the command that serves the UI for `uri` (None for a server) and the link that opens
     the run's page there (its params, metrics, description and artifacts), without credentials."""
-    command, link = ui_link(uri, experiment_id, ui_url)
-    return command, link.replace(UI_RUNS_ROUTE.format(experiment_id=experiment_id),
-                                 UI_RUN_ROUTE.format(experiment_id=experiment_id, run_id=run_id))
+    return _ui_page(uri, ui_url, UI_RUN_ROUTE.format(experiment_id=experiment_id, run_id=run_id))
 
 
 def in_cluster_host(uri: str) -> Optional[str]:
