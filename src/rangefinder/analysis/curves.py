@@ -200,7 +200,7 @@ def _step_column(header: Sequence[str], steps: Sequence[str]) -> Optional[int]:
     ours = next((c for c in steps if c in header), None)
     if ours is not None:
         return header.index(ours)
-    named = [i for i, h in enumerate(header) if _LIKELY["update"](re.sub(r"[^a-z0-9]+", "_", h.lower()).strip("_"))]
+    named = [i for i, h in enumerate(header) if _LIKELY["update"](_plain_name(h))]
     return named[0] if len(named) == 1 else None
 
 
@@ -262,9 +262,14 @@ _MEANING = {"lr": "the learning rate of each validation", "val_loss": "the valid
             "update": "the optimizer update (global step) of each validation", "epoch": "the epoch of each validation"}
 
 
+def _plain_name(header_name: str) -> str:
+    """A column's name as _LIKELY reads it: lower case, every run of other characters one "_", none at the ends."""
+    return re.sub(r"[^a-z0-9]+", "_", header_name.lower()).strip("_")
+
+
 def _name_the_column(ours: str, flag: str, header: Sequence[str]) -> str:
     """How to name the file's column for `ours`: its flag, and the one column of `header` that looks like it."""
-    likely = [h for h in header if _LIKELY.get(ours, lambda n: False)(re.sub(r"[^a-z0-9]+", "_", h.lower()).strip("_"))]
+    likely = [h for h in header if _LIKELY.get(ours, lambda n: False)(_plain_name(h))]
     guess = f", e.g. {flag} {shlex.quote(likely[0])}" if len(likely) == 1 else ""
     return f"name the column that holds {_MEANING.get(ours, ours)} with {flag} NAME{guess}"
 
