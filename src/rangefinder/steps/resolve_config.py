@@ -133,13 +133,14 @@ def defaults_replacing_base_config(base_config: str, params: Mapping[str, Any]) 
             "each with base_config's value to keep it")
 
 
-def form_conflicts(base_config: str, params: Mapping[str, Any], family: str) -> list[str]:
+def form_conflicts(base_config: str, params: Mapping[str, Any], family: str, run_cfg: RangefinderConfig) -> list[str]:
     """The settings the run leaves unused (retrain_epochs with the retrain off, the range test's ramp and bounds with
     a fixed LR, ...), in the lines `rangefinder run`, `compile` and `submit` warn with (config.setting_conflicts), for
     the resolved base model's `family`. The run form sends every parameter, each at its default unless a person typed
     another value, so a parameter counts as given where it is not at its default or replaces what base_config sets:
     the config read so holds the same values as the run's, and only what a person gave (a fixed LR typed in the form
-    did not make lr_finder auto, its default, a setting left unused)."""
+    did not make lr_finder auto, its default, a setting left unused). `run_cfg`: the run's config as `params` give
+    it (config_from_parameters), which stands where reading only what was given changes a value."""
     defaults = parameter_defaults()
     base = json.loads(base_config) if base_config and base_config.strip() else {}
 
@@ -154,8 +155,8 @@ def form_conflicts(base_config: str, params: Mapping[str, Any], family: str) -> 
     given = {name: value for name, value in params.items()
              if name not in defaults or value != defaults[name] or in_base(PARAMETER_FIELDS[name])}
     as_given = config_from_parameters(base_config, **given)
-    if as_given.model_dump() != config_from_parameters(base_config, **params).model_dump():
-        as_given = config_from_parameters(base_config, **params)  # a default read otherwise: the run's own config
+    if as_given.model_dump() != run_cfg.model_dump():
+        as_given = run_cfg  # a default read otherwise: the run's own config
     return [naming_parameters(line) for line in setting_conflicts(as_given, family)]
 
 
@@ -241,7 +242,7 @@ def run_resolve_config(base_config: str = "", *, pipeline_job_id: str = "", pipe
     # the importer, in KFP's words, and a URI with a password went on to it.
     check_dataset_uri(params.get("dataset_uri") or "", "pipeline parameter dataset_uri",
                       "give its path as dataset_dir and leave dataset_uri empty")
-    cfg = config_from_parameters(base_config, **params)
+    cfg = asked = config_from_parameters(base_config, **params)
     replaced = defaults_replacing_base_config(base_config, params)
     warnings = [replaced] if replaced else []
     warn(warnings)
@@ -256,7 +257,7 @@ def run_resolve_config(base_config: str = "", *, pipeline_job_id: str = "", pipe
     check_pipeline_config(cfg, family)  # lr_finder auto, resolved: the range test's needs on this family
     # The settings this run leaves unused, as the CLI warns of them: typed into the run form, they were dropped
     # without a word; and what the CLI could not tell before the model was fetched (a hub id's family).
-    conflicts = form_conflicts(base_config, params, family)
+    conflicts = form_conflicts(base_config, params, family, asked)
     warn(conflicts)
     if report_path is not None:
         from rangefinder.formats.atomic import write_text
