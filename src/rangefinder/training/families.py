@@ -102,10 +102,11 @@ def check_family_settings(cfg: RangefinderConfig, family: str, *, native_data: b
         raise ConfigError(f"model.base_model: cannot read the configs of {folder} ({reason}); pass a complete "
                           "diffusers folder") from None
     rules.check_settings(cfg.training, scheduler_config, denoiser_config)
-    # A scale for a model without the guidance input: the sample step would refuse it after training
-    # (sampling.render_grid), where it changes nothing.
-    guidance_scale_in(folder, family, cfg.sampling.guidance_scale,
-                      refuse=("sampling.guidance_scale", "remove sampling.guidance_scale"))
+    if cfg.sampling.guidance_scale:  # unset or 0 asks for none; and unset would import diffusers for the default
+        # A scale for a model without the guidance input: the sample step would refuse it after training
+        # (sampling.render_grid), where it changes nothing.
+        guidance_scale_in(folder, family, cfg.sampling.guidance_scale,
+                          refuse=("sampling.guidance_scale", "remove sampling.guidance_scale"))
     check_method_family(cfg.training.method, family)
     if cfg.training.method == "textual_inversion":
         check_initializer_in_model(folder, cfg.training.textual_inversion.initializer_token)
