@@ -119,6 +119,27 @@ def test_the_ui_url_set_is_where_the_links_point_and_no_hint_is_given():
         assert shlex.split(command, comments=True)[1:] == ["ui", "--backend-store-uri", "sqlite:///x.db"]
 
 
+def test_a_ui_url_on_ipv6_loopback_gets_the_command_that_serves_it():
+    """`tracking.ui_url: http://[::1]:5055` printed `mlflow ui` on 127.0.0.1:5000 with a comment, where `mlflow ui
+    --host ::1 --port 5055` serves that link: MLflow's host check lets `[::1]:5055` in with no --allowed-hosts."""
+    from mlflow.server.security_utils import get_default_allowed_hosts, is_allowed_host_header
+
+    ui = TrackingConfig(ui_url="http://[::1]:5055/").ui_url
+    command, link = ui_link("sqlite:///x.db", "7", ui)
+    assert link == "http://[::1]:5055/#/experiments/7/runs?workflowType=machine_learning"
+    assert command is not None and shlex.split(command, comments=True)[1:] == [
+        "ui", "--backend-store-uri", "sqlite:///x.db", "--host", "::1", "--port", "5055"], command
+    assert shlex.split(ui_link("sqlite:///x.db", "7", "http://[::1]:5000")[0] or "")[-2:] == ["--host", "::1"]
+    # The Host header a browser sends for each link the command serves is one the installed MLflow answers.
+    for served in ("localhost:8080", "127.0.0.1:8080", "[::1]:5055"):
+        assert is_allowed_host_header(get_default_allowed_hosts(), served), served
+    # Another loopback MLflow would refuse (403) keeps the comment; so does [::1] with no port (80, root's).
+    for ui_url in ("http://127.0.0.2:8080", "http://[::1]"):
+        command, _ = ui_link("sqlite:///x.db", "7", ui_url)
+        assert command is not None and "  # serves http://127.0.0.1:5000;" in command, command
+    assert not is_allowed_host_header(get_default_allowed_hosts(), "127.0.0.2:8080")
+
+
 @pytest.mark.parametrize("uri,host", [
     (IN_CLUSTER, "mlflow.mlflow.svc"),
     ("http://mlflow.rangefinder.svc.cluster.local:5000", "mlflow.rangefinder.svc.cluster.local"),

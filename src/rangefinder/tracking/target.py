@@ -390,6 +390,10 @@ def _local_artifact_location(uri: str) -> Optional[str]:
 UI_RUNS_ROUTE = "#/experiments/{experiment_id}/runs?workflowType=machine_learning"
 UI_RUN_ROUTE = "#/experiments/{experiment_id}/runs/{run_id}"  # one run's page (the same UI's runs/:runUuid route)
 MLFLOW_UI_PORT = 5000
+# The loopback hosts a link may name that `mlflow ui` serves, each with the options that bind it there. MLflow 3's
+# host check lets them in by default (mlflow/server/security_utils.py, LOCALHOST_VARIANTS: a Host of `[::1]:5055`
+# answers 200 with no --allowed-hosts), where another loopback (127.0.0.2) would need --allowed-hosts as well.
+MLFLOW_UI_LOOPBACKS: dict[str, tuple[str, ...]] = {"localhost": (), "127.0.0.1": (), "::1": ("--host", "::1")}
 
 
 def mlflow_executable() -> str:
@@ -421,10 +425,11 @@ def _ui_page(uri: str, ui_url: Optional[str], route: str) -> tuple[Optional[str]
 
 def ui_command(uri: str, ui_url: Optional[str] = None) -> str:
     """`mlflow ui` for the local store `uri`, serving where the link built on `ui_url` points: the command served on
-    5000 while the link pointed at, say, 8080. Where `ui_url` names the loopback `mlflow ui` binds by default
-    (localhost, 127.0.0.1; so no --host) and a port, the command takes that port (`--port`). Elsewhere (another host,
-    https, a path, no port: an ingress, a proxy or a tunnel serves it) no option of the command reaches the link, and
-    a shell comment on its line says where it serves and that the link needs what forwards there."""
+    5000 while the link pointed at, say, 8080. Where `ui_url` names a loopback and a port, the command serves there:
+    the loopback `mlflow ui` binds by default (localhost, 127.0.0.1) with no --host, IPv6's `[::1]` with `--host ::1`,
+    and the port with `--port`. Elsewhere (another host, https, a path, no port: an ingress, a proxy or a tunnel
+    serves it) no option of the command reaches the link, and a shell comment on its line says where it serves and
+    that the link needs what forwards there."""
     command = [mlflow_executable(), "ui", "--backend-store-uri", safe_uri(uri)]
     if ui_url is None:
         return shlex.join(command)
@@ -434,8 +439,9 @@ def ui_command(uri: str, ui_url: Optional[str] = None) -> str:
     except ValueError:  # not a port number: the link names no place a command could serve
         port = None
     host = (parts.hostname or "").lower()
-    served_here = parts.scheme.lower() == "http" and host in ("localhost", "127.0.0.1") and port is not None
+    served_here = parts.scheme.lower() == "http" and host in MLFLOW_UI_LOOPBACKS and port is not None
     if served_here and not parts.path.strip("/"):
+        command += list(MLFLOW_UI_LOOPBACKS[host])
         if port != MLFLOW_UI_PORT:
             command += ["--port", str(port)]
         return shlex.join(command)
