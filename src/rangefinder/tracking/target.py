@@ -429,7 +429,8 @@ def ui_command(uri: str, ui_url: Optional[str] = None) -> str:
     the loopback `mlflow ui` binds by default (localhost, 127.0.0.1) with no --host, IPv6's `[::1]` with `--host ::1`,
     and the port with `--port`. Elsewhere (another host, https, a path, no port: an ingress, a proxy or a tunnel
     serves it) no option of the command reaches the link, and a shell comment on its line says where it serves and
-    that the link needs what forwards there."""
+    that the link needs what forwards there. The port served is the link's own: nothing in a URL tells an SSH
+    tunnel's local end (8080) from the remote port it forwards to (5000), so the README asks for one port at both."""
     command = [mlflow_executable(), "ui", "--backend-store-uri", safe_uri(uri)]
     if ui_url is None:
         return shlex.join(command)
