@@ -85,9 +85,9 @@ def test_flux_trains_validates_resumes_and_exports(method, split_dir, tiny_flux_
         # flux_train_network.py's objective keys, which the file lacked: what the run trained at, in its words.
         meta = read_metadata(final / LORA_KOHYA_NAME)
         assert {k: meta.get(k) for k in ("ss_timestep_sampling", "ss_sigmoid_scale", "ss_guidance_scale",
-                                         "ss_model_prediction_type", "ss_weighting_scheme")} == {
+                                         "ss_model_prediction_type", "ss_weighting_scheme", "ss_model_type")} == {
             "ss_timestep_sampling": "flux_shift", "ss_sigmoid_scale": "1.0", "ss_guidance_scale": "3.5",
-            "ss_model_prediction_type": "raw", "ss_weighting_scheme": "none"}
+            "ss_model_prediction_type": "raw", "ss_weighting_scheme": "none", "ss_model_type": "flux"}
         assert any(k.startswith("lora_unet_double_blocks_0_img_attn_qkv.") for k in kohya)
         assert any(k.startswith("lora_unet_single_blocks_0_linear1.") for k in kohya)  # q, k, v with MLP rows 0
         # The run's adapters (on the default targets) through both files: diffusers merges the same weights.

@@ -123,8 +123,9 @@ def test_the_kohya_lora_s_sd_scripts_objective_keys_are_those_that_draw_as_this_
                       "base_shift": 0.5, "max_shift": 1.15, "shift": 3.0}
     dev, schnell = {"guidance_embeds": True}, {"guidance_embeds": False}
     assert FluxRules.kohya_training_metadata(FlowSettings(), flux_scheduler, dev) == {
-        "ss_apply_t5_attn_mask": "False", "ss_model_prediction_type": "raw", "ss_guidance_scale": "3.5",
-        "ss_timestep_sampling": "flux_shift", "ss_sigmoid_scale": "1.0", "ss_weighting_scheme": "none"}
+        "ss_model_type": "flux", "ss_apply_t5_attn_mask": "False", "ss_model_prediction_type": "raw",
+        "ss_guidance_scale": "3.5", "ss_timestep_sampling": "flux_shift", "ss_sigmoid_scale": "1.0",
+        "ss_weighting_scheme": "none"}
     shifted = FluxRules.kohya_training_metadata(
         FlowSettings(shift=2.0, logit_std=0.8, loss_weighting="cosmap", guidance=4.0), flux_scheduler, dev)
     assert {k: shifted.get(k) for k in ("ss_timestep_sampling", "ss_sigmoid_scale", "ss_discrete_flow_shift",
@@ -135,6 +136,8 @@ def test_the_kohya_lora_s_sd_scripts_objective_keys_are_those_that_draw_as_this_
                                                   {**flux_scheduler, "use_dynamic_shifting": False, "shift": 1.0},
                                                   schnell)
     assert unshifted["ss_timestep_sampling"] == "uniform" and "ss_guidance_scale" not in unshifted
+    # flux_train_network.py writes `--model_type` (flux for dev and schnell alike; chroma is Chroma): it was missing.
+    assert unshifted["ss_model_type"] == "flux"
     for drawn_otherwise in (FlowSettings(timestep_sampling="mode"), FlowSettings(logit_mean=0.5)):
         meta = FluxRules.kohya_training_metadata(drawn_otherwise, flux_scheduler, dev)
         assert not {"ss_timestep_sampling", "ss_weighting_scheme", "ss_sigmoid_scale"} & set(meta), meta

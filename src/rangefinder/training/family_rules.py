@@ -299,15 +299,19 @@ class FluxRules(FlowRules):
     def kohya_training_metadata(cls, flow: FlowSettings, scheduler_config: Mapping[str, Any],
                                 denoiser_config: Mapping[str, Any]) -> dict[str, str]:
         """sd-scripts' `ss_*` keys of a Flux LoRA's objective (flux_train_network.py's `update_metadata`), those whose
-        value this run has, as sd-scripts writes them (`str` of the value): no T5 attention mask; the model's raw
-        output taken as the velocity (`raw`, where sd-scripts' default `sigma_scaled` rescales it); the guidance fed
-        to Flux.1-dev (none for schnell, which has no input for it); the loss weighting; and sigma's density and
-        shift as the `timestep_sampling` of flux_train_utils.py that draws the same: a logit-normal of mean 0 and
-        scale s is `flux_shift` under the resolution-dependent shift of Flux.1's scheduler (mu from 0.5 at 256 image
-        tokens to 1.15 at 4096, the line sd-scripts fixes), `shift` under a constant one, and uniform unshifted is
-        `uniform`. Another density or shift draws as none of them do, and leaves `ss_timestep_sampling` and the
-        weighting (which its default `sigma` reads as the density too) out."""
-        out = {"ss_apply_t5_attn_mask": "False", "ss_model_prediction_type": "raw"}
+        value this run has, as sd-scripts writes them (`str` of the value): the model type (`flux`, sd-scripts'
+        `--model_type` for Flux.1 dev and schnell alike, where `chroma` is another model); no T5 attention mask; the
+        model's raw output taken as the velocity (`raw`, where sd-scripts' default `sigma_scaled` rescales it); the
+        guidance fed to Flux.1-dev; the loss weighting; and sigma's density and shift as the `timestep_sampling` of
+        flux_train_utils.py that draws the same: a logit-normal of mean 0 and scale s is `flux_shift` under the
+        resolution-dependent shift of Flux.1's scheduler (mu from 0.5 at 256 image tokens to 1.15 at 4096, the line
+        sd-scripts fixes), `shift` under a constant one, and uniform unshifted is `uniform`.
+        Another density or shift draws as none of them do, and leaves `ss_timestep_sampling` and the weighting (which
+        its default `sigma` reads as the density too) out.
+        The guidance of schnell, which has no guidance input, is left out, where sd-scripts (flux_train_network.py
+        update_metadata at 48d368fa, lines 446-457, which writes every key from its arguments) writes its
+        --guidance_scale, 3.5, all the same."""
+        out = {"ss_model_type": "flux", "ss_apply_t5_attn_mask": "False", "ss_model_prediction_type": "raw"}
         guidance = cls.training_guidance(flow, denoiser_config)
         if guidance is not None:
             out["ss_guidance_scale"] = str(guidance)
