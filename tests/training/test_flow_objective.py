@@ -131,7 +131,12 @@ def test_the_kohya_lora_s_sd_scripts_objective_keys_are_those_that_draw_as_this_
     assert {k: shifted.get(k) for k in ("ss_timestep_sampling", "ss_sigmoid_scale", "ss_discrete_flow_shift",
                                         "ss_weighting_scheme", "ss_guidance_scale")} == {
         "ss_timestep_sampling": "shift", "ss_sigmoid_scale": "0.8", "ss_discrete_flow_shift": "2.0",
-        "ss_weighting_scheme": "cosmap", "ss_guidance_scale": "4.0"}
+        "ss_weighting_scheme": None, "ss_guidance_scale": "4.0"}
+    # sd-scripts weights a Flux loss only under `sigma_scaled` (flux_train_utils.py apply_model_prediction_type):
+    # `raw` beside `cosmap` said the run trained unweighted, as sd-scripts' run of those keys does. No key says it.
+    for weighted in ("cosmap", "sigma_sqrt"):
+        meta = FluxRules.kohya_training_metadata(FlowSettings(loss_weighting=weighted), flux_scheduler, dev)
+        assert meta["ss_model_prediction_type"] == "raw" and "ss_weighting_scheme" not in meta, meta
     unshifted = FluxRules.kohya_training_metadata(FlowSettings(timestep_sampling="uniform"),
                                                   {**flux_scheduler, "use_dynamic_shifting": False, "shift": 1.0},
                                                   schnell)

@@ -302,15 +302,18 @@ class FluxRules(FlowRules):
         value this run has, as sd-scripts writes them (`str` of the value): the model type (`flux`, sd-scripts'
         `--model_type` for Flux.1 dev and schnell alike, where `chroma` is another model); no T5 attention mask; the
         model's raw output taken as the velocity (`raw`, where sd-scripts' default `sigma_scaled` rescales it); the
-        guidance fed to Flux.1-dev; the loss weighting; and sigma's density and shift as the `timestep_sampling` of
-        flux_train_utils.py that draws the same: a logit-normal of mean 0 and scale s is `flux_shift` under the
-        resolution-dependent shift of Flux.1's scheduler (mu from 0.5 at 256 image tokens to 1.15 at 4096, the line
-        sd-scripts fixes), `shift` under a constant one, and uniform unshifted is `uniform`.
+        guidance fed to Flux.1-dev; the loss weighting where unweighted (`none`); and sigma's density and shift as the
+        `timestep_sampling` of flux_train_utils.py that draws the same: a logit-normal of mean 0 and scale s is
+        `flux_shift` under the resolution-dependent shift of Flux.1's scheduler (mu from 0.5 at 256 image tokens to
+        1.15 at 4096, the line sd-scripts fixes), `shift` under a constant one, and uniform unshifted is `uniform`.
         Another density or shift draws as none of them do, and leaves `ss_timestep_sampling` and the weighting (which
         its default `sigma` reads as the density too) out.
-        The guidance of schnell, which has no guidance input, is left out, where sd-scripts (flux_train_network.py
-        update_metadata at 48d368fa, lines 446-457, which writes every key from its arguments) writes its
-        --guidance_scale, 3.5, all the same."""
+        Two keys sd-scripts always writes (flux_train_network.py update_metadata at 48d368fa, lines 446-457, from its
+        arguments) are left out where its value would not say what this run did: the guidance of schnell, which has
+        no guidance input (sd-scripts writes its --guidance_scale, 3.5, all the same), and a sigma_sqrt or cosmap
+        weighting, which sd-scripts applies only under `sigma_scaled` (flux_train_utils.py
+        apply_model_prediction_type, lines 532-547): beside `raw` the key names a weighting sd-scripts' run of
+        these keys does not apply, and no sd-scripts run weights a raw velocity's loss."""
         out = {"ss_model_type": "flux", "ss_apply_t5_attn_mask": "False", "ss_model_prediction_type": "raw"}
         guidance = cls.training_guidance(flow, denoiser_config)
         if guidance is not None:
@@ -324,7 +327,8 @@ class FluxRules(FlowRules):
                 out |= {"ss_timestep_sampling": "flux_shift", "ss_sigmoid_scale": str(float(flow.logit_std))}
         elif flow.timestep_sampling == "uniform" and dynamic is None and shift == 1.0:
             out["ss_timestep_sampling"] = "uniform"
-        if "ss_timestep_sampling" in out:  # under its default `sigma` the scheme would name the density too
+        # Under its default `sigma` the scheme would name the density too; under `raw` a weighting goes unapplied.
+        if "ss_timestep_sampling" in out and flow.loss_weighting == "none":
             out["ss_weighting_scheme"] = flow.loss_weighting
         return out
 
