@@ -10,13 +10,15 @@ result first, then its line, and exits 1. Heavy imports (torch, kfp, mlflow) hap
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
+import logging
 import os
 import shlex
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Optional
 
@@ -94,7 +96,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         _refuse_empty_paths(args)
         # A Ctrl-C that surfaced as another error (a model load's "damaged weights") is a Ctrl-C; a SIGTERM stops the
         # command as a Ctrl-C does (the training loop's own rule aside: a checkpoint, then Preempted).
-        with on_sigint(), sigterm_stops(terminated):
+        with on_sigint(), sigterm_stops(terminated), _library_logs_follow_stderr():
             result = args.func(args)
     except Preempted as e:  # SIGTERM: a checkpoint at the current update is written
         print(f"rangefinder {args.command}: {_said(e)}", file=sys.stderr)
@@ -130,6 +132,43 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if result is None:
         return 0
     return _print_result(args, result)
+
+
+class _CurrentStderr:
+    """A stream that writes to sys.stderr as it is at each write (logging's own last-resort handler does the same)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text) if sys.stderr is not None else len(text)
+
+    def flush(self) -> None:
+        if sys.stderr is not None:
+            sys.stderr.flush()
+
+
+def _log_handlers() -> set[logging.Handler]:
+    loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+    return {h for lg in loggers if isinstance(lg, logging.Logger) for h in lg.handlers}
+
+
+@contextlib.contextmanager
+def _library_logs_follow_stderr() -> Iterator[None]:
+    """The log handlers that the command's imports add write to sys.stderr as it is at each line, not as it was on
+    import. huggingface_hub, diffusers, transformers and torch each add a StreamHandler on their import, bound to the
+    sys.stderr of that moment, and the commands import them: in a process that calls main() again with sys.stderr
+    swapped (a notebook, a test harness redirecting it), their lines went to the first call's stream, lost, or, that
+    stream closed, as "--- Logging error --- ValueError: I/O operation on closed file" on the new one."""
+    stderr = sys.stderr
+    before = _log_handlers()
+    try:
+        yield
+    finally:
+        for handler in _log_handlers() - before:
+            if isinstance(handler, logging.StreamHandler) and handler.stream is stderr:
+                with handler.lock or contextlib.nullcontext():
+                    # diffusers' and transformers' handlers also flush with `sys.stderr.flush` bound on import.
+                    if getattr(vars(handler).get("flush"), "__self__", None) is stderr:
+                        del handler.flush
+                    handler.stream = _CurrentStderr()
 
 
 def _print_result(args: argparse.Namespace, result: dict) -> int:
