@@ -11,13 +11,15 @@ analyze-lr, make-dataset, sample, relog, make-base-model. Every other call goes 
 from __future__ import annotations
 
 import io
+import logging
 import os
 import shlex
 import shutil
 import subprocess
 import sys
 import warnings
-from contextlib import redirect_stderr, redirect_stdout
+from collections.abc import Iterator
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import pytest
@@ -37,7 +39,8 @@ def rangefinder(*args: str, env: dict | None = None, timeout: float = 120) -> su
 
 def in_process(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     """`rangefinder(*args)` through the console script's own entry point in this process: its exit status (the
-    parser's SystemExit included) and what it printed, Python's warnings included as a fresh process shows them."""
+    parser's SystemExit included) and what it printed, Python's warnings and the libraries' log lines included as a
+    fresh process shows them."""
     from rangefinder.cli.main import main
 
     saved = dict(os.environ)
@@ -45,7 +48,8 @@ def in_process(*args: str, env: dict | None = None) -> subprocess.CompletedProce
     os.environ.update({k: v for k, v in saved.items() if not k.startswith("MLFLOW_")} | (env or {}))
     out, err = io.StringIO(), io.StringIO()
     try:
-        with warnings.catch_warnings(record=True) as caught, redirect_stdout(out), redirect_stderr(err):
+        with warnings.catch_warnings(record=True) as caught, _library_logs_to(err), redirect_stdout(out), \
+                redirect_stderr(err):
             # Python's default filters (pytest's would hide what a user sees), every occurrence recorded.
             warnings.resetwarnings()
             warnings.simplefilter("always")
@@ -60,6 +64,29 @@ def in_process(*args: str, env: dict | None = None) -> subprocess.CompletedProce
         os.environ.update(saved)
     shown = "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno, w.line) for w in caught)
     return subprocess.CompletedProcess(["rangefinder", *args], code, out.getvalue(), err.getvalue() + shown)
+
+
+@contextmanager
+def _library_logs_to(stream: io.StringIO) -> Iterator[None]:
+    """The log handlers that a library imported earlier in this process bound to the stderr of then (huggingface_hub,
+    diffusers, transformers and torch add one on their import; pytest's capture, or a test's own, closed since) write
+    to `stream` while inside, as in a fresh process whose command imports them. Those a command added follow
+    sys.stderr already (cli.main)."""
+    loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+    bound = [h for lg in loggers if isinstance(lg, logging.Logger) for h in lg.handlers
+             if type(h) is logging.StreamHandler
+             and (h.stream is sys.stderr or h.stream is sys.__stderr__ or getattr(h.stream, "closed", False))]
+    # diffusers' and transformers' handlers also flush with the `sys.stderr.flush` of their import.
+    saved = [(h.stream, vars(h).pop("flush", None)) for h in bound]
+    for handler in bound:
+        handler.stream = stream
+    try:
+        yield
+    finally:
+        for handler, (previous, flush) in zip(bound, saved, strict=True):
+            handler.stream = previous
+            if flush is not None:
+                handler.flush = flush  # type: ignore[method-assign]
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, *words: str) -> str:

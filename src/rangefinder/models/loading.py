@@ -25,12 +25,14 @@ training examples, whatever scheduler the model samples with.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import os
 import pickle
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -504,7 +506,8 @@ def _convert_single_file(path: Path, config: Optional[Path], out: Path, family: 
         kwargs.update(parts_not_in_single_file(path, config, family))
     pipeline_class: Any = getattr(diffusers, layout.pipeline)
     try:
-        pipe = pipeline_class.from_single_file(str(path), **kwargs)
+        with _without_the_offline_config_notice():
+            pipe = pipeline_class.from_single_file(str(path), **kwargs)
     except Exception as e:  # diffusers raises many kinds here (missing keys, hub errors, shape mismatches)
         hint = (
             f"its architecture was taken from {config}" if config is not None
@@ -514,6 +517,27 @@ def _convert_single_file(path: Path, config: Optional[Path], out: Path, family: 
         raise ConfigError(f"model.base_model: cannot convert the checkpoint {path}: {_first_line(e)}; {hint}") from None
     predict_as_the_file_says(pipe, path)
     pipe.save_pretrained(str(out), safe_serialization=True)
+
+
+class _OfflineConfigNotice(logging.Filter):
+    """Drops diffusers' two lines that `local_files_only` is set (HF_HUB_OFFLINE does) and no config of the file's
+    architecture is cached, so it downloads one: offline that download fails, and the refusal says so in its one
+    line, with the setting that gives the architecture. Every other record of that logger passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("`local_files_only` is True but no local configs were found")
+
+
+@contextlib.contextmanager
+def _without_the_offline_config_notice() -> Iterator[None]:
+    """_OfflineConfigNotice on diffusers' single-file loader while inside."""
+    logger = logging.getLogger("diffusers.loaders.single_file")  # diffusers' logging.get_logger(__name__)
+    notice = _OfflineConfigNotice()
+    logger.addFilter(notice)
+    try:
+        yield
+    finally:
+        logger.removeFilter(notice)
 
 
 def parts_not_in_single_file(path: Path, config: Path, family: str, dtype: Any = None) -> dict[str, Any]:
