@@ -832,19 +832,25 @@ def test_a_file_or_folder_name_reaches_the_terminal_with_its_control_characters_
     assert "\x1b" not in refused.stderr and "gone\\x1b[2J\\x1b[8m\\nx" in refused.stderr
 
 
-def test_sample_takes_the_single_file_config_a_bare_checkpoint_needs(tiny_model_dir, tmp_path):
+def test_sample_takes_the_single_file_config_a_bare_checkpoint_needs(tiny_model_dir, tmp_path, monkeypatch):
     """A single file that names no architecture (no metadata, as most downloads) needs a diffusers folder of its
     architecture, and the refusal said to set model.single_file_config: `sample` has no config file, so it had no way
     to. It takes --single-file-config, names it in that refusal, and refuses it beside a folder --model."""
+    from huggingface_hub import constants
+
     from rangefinder.formats.single_file import export_full
 
     bare = export_full(tiny_model_dir, tmp_path / "bare.safetensors")
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red circle\n")
     env = {"RANGEFINDER_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
+    # huggingface_hub reads HF_HUB_OFFLINE once, on its import, long before `env` here: without this, diffusers went
+    # to the hub for the file's configs (and said so only by the failed name lookup, offline).
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     common = ("--prompts", str(prompts), "--seeds", "0", "--steps", "1")
     line = assert_one_line_error(in_process("sample", "--model", str(bare), "--out", str(tmp_path / "a"), *common,
-                                            env=env), "--model: cannot convert the checkpoint", "--single-file-config")
+                                            env=env), "--model: cannot convert the checkpoint", "HF_HUB_OFFLINE",
+                                 "--single-file-config")
     assert "model.single_file_config" not in line
     done = in_process("sample", "--model", str(bare), "--single-file-config", str(tiny_model_dir), "--out",
                       str(tmp_path / "b"), *common, env=env)
