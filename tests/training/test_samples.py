@@ -234,3 +234,17 @@ def test_the_samples_of_a_model_without_a_guidance_input_record_none(tiny_flux_d
     assert samples_guidance_scale("flux", tiny_schnell_dir, 0.0) is None  # diffusers' schnell example: none asked for
     assert samples_guidance_scale("flux", tiny_flux_dir, None) == 3.5
     assert samples_guidance_scale("flux", None, 2.0) == 2.0  # parts from no folder: the setting, as before
+
+
+def test_a_guidance_scale_for_a_model_without_a_guidance_input_is_refused_before_training(split_dir, tiny_schnell_dir,
+                                                                                        tmp_path):
+    """A sampling.guidance_scale for FLUX.1-schnell, which changes nothing (FluxPipeline never feeds it its
+    transformer): `sample` and resolve-config's preflight refuse it, but a run started without the preflight (the
+    engine, `rangefinder train`) dropped it without a word. Refused alike, before any update."""
+    with pytest.raises(ConfigError, match=r"^sampling.guidance_scale: base model .* has no guidance embedding .*; "
+                                          r"remove sampling.guidance_scale$"):
+        # Settings a flow-matching model takes (training.noise_offset is DDPM's).
+        tc = training(tmp_path, method="lora", epochs=1, use_ema=False, cond_dropout=0.0, noise_offset=0.0)
+        train(TrainSpec(tc, EVERY_EPOCH, split_dir=split_dir, model=tiny_schnell_dir, sampling=SAMPLING),
+              out_dir=tmp_path / "run")
+    assert (tmp_path / "run" / "updates.csv").read_text().count("\n") == 1  # the header: not one update trained

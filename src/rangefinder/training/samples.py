@@ -76,8 +76,11 @@ def resolve_every(setting: Any, planned: int) -> Optional[int]:
 def samples_guidance_scale(family: str, model_dir: Optional[Path], setting: Optional[float]) -> Optional[float]:
     """The guidance scale the samples draw at and their index records: the one `rangefinder sample`'s grid records
     (family_detection.guidance_scale_in), None for a model without the guidance input (FLUX.1-schnell, whose scale
-    FluxPipeline never feeds its transformer); the family's own where the parts came from no folder."""
-    return guidance_scale_in(model_dir, family, setting)
+    FluxPipeline never feeds its transformer); the family's own where the parts came from no folder. ConfigError
+    for a `setting` above 0 given for a model without that input, as resolve-config's preflight says it, for a run
+    started without the preflight."""
+    return guidance_scale_in(model_dir, family, setting,
+                             refuse=("sampling.guidance_scale", "remove sampling.guidance_scale"))
 
 
 def read_index(run_dir: Path) -> Optional[dict[str, Any]]:
