@@ -394,8 +394,9 @@ class ModelConfig(_Section):
     resolved_dir: Optional[str] = None
     # Set with resolved_dir, not by hand: the revision base_model resolved to, which no later change upstream moves (a
     # hub id's snapshot commit, where `revision: main` names whatever main is that day; a single file's
-    # "sha256:<hex>", read anyway to find its conversion). None for a folder or the embedded model. The MLflow tag
-    # rangefinder.base_model_revision of every step's run and of the registered version.
+    # "sha256:<hex>", read anyway to find its conversion; a folder's and the embedded model's "weights:<hex>", a
+    # fingerprint of its weights, which someone may replace under the same path: models/fingerprint.py). The MLflow
+    # tag rangefinder.base_model_revision of every step's run and of the registered version.
     resolved_revision: Optional[str] = None
 
     @field_validator("revision")

@@ -66,10 +66,12 @@ def test_resolve_config_s_report_says_what_the_run_resolved_to_and_what_it_leave
               if ln.startswith("rangefinder: warning: ")]
     assert any("retrain.epochs (3) is not used" in ln for ln in logged), logged
     from rangefinder.formats.text import markdown_text
+    from rangefinder.models.fingerprint import folder_revision
 
     assert report.startswith("# Resolved config\n\n"), report
     for line in (f"- base model: `{tiny_model_dir}`",
-                 f"- resolved to: `{tiny_model_dir}`, revision none (a folder: not hashed)",
+                 f"- resolved to: `{tiny_model_dir}`, revision `{folder_revision(tiny_model_dir)}` (a fingerprint of "
+                 "the folder's weights and configs)",
                  "- family: Stable Diffusion 1.x/2.x", "- method: full", "- retrain: off", f"- warnings: {len(logged)}",
                  "- learning rate: fixed by hand at 0.0001; discovery skipped (lr\\_finder auto has nothing to "
                  "measure)",

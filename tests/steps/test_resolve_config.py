@@ -70,10 +70,14 @@ def test_run_resolve_config_outputs():
     r = run_resolve_config(base, **params)
     assert r.fixed_lr == 2e-4 and r.retrain is True and r.mlflow_parent_run_id == ""
     resolved = load_step_config(r.config_json)
-    # The embedded tiny model, resolved once for every later step.
+    # The embedded tiny model, resolved once for every later step, with the fingerprint of its weights as a folder's:
+    # another rangefinder release may ship others.
+    from rangefinder.models.fingerprint import folder_revision
+
     assert (Path(resolved.model.resolved_dir) / "model_index.json").is_file() and resolved.model.base_model is None
-    assert resolved.model_copy(update={"model": resolved.model.model_copy(update={"resolved_dir": None})}) \
-        == config_from_parameters(base, **params)
+    assert resolved.model.resolved_revision == folder_revision(Path(resolved.model.resolved_dir))
+    assert resolved.model_copy(update={"model": resolved.model.model_copy(
+        update={"resolved_dir": None, "resolved_revision": None})}) == config_from_parameters(base, **params)
     assert json.loads(r.config_json)["lr"] == 2e-4
 
 

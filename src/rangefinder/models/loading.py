@@ -26,6 +26,7 @@ training examples, whatever scheduler the model samples with.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -44,6 +45,7 @@ from rangefinder.formats import checkpoints
 from rangefinder.formats.digest import hash_file_into
 from rangefinder.formats.single_file import single_file_prediction_type
 from rangefinder.formats.weights_file import pickle_format, read_metadata
+from rangefinder.models.fingerprint import folder_revision
 from rangefinder.training.family_detection import (
     FAMILY_DENOISER,
     FAMILY_LAYOUTS,
@@ -82,9 +84,19 @@ class ResolvedModel:
     path: Path  # a diffusers folder with model_index.json and REQUIRED_PARTS
     kind: str  # "embedded" | "folder" | "single_file" | "hub"
     source: str  # for logs, tags and file metadata: "org/name@main", a path, "embedded tiny model"
-    # What `source` was when resolved, which a move upstream does not change (model.resolved_revision): a hub id's
-    # snapshot commit, a single file's "sha256:<hex>"; None for a folder or the embedded model (nothing hashed).
-    revision: Optional[str] = None
+    # The revision as resolving found it (`revision` below): a hub id's snapshot commit, a single file's
+    # "sha256:<hex>", or model.resolved_revision handed on with the folder; None for a folder and the embedded model.
+    known_revision: Optional[str] = None
+
+    @functools.cached_property
+    def revision(self) -> Optional[str]:
+        """What `source` was when resolved, which a move upstream does not change (model.resolved_revision): a hub
+        id's snapshot commit, a single file's "sha256:<hex>", a folder's and the embedded model's "weights:<hex>", a
+        fingerprint of its weights (fingerprint.py; ConfigError naming a weights file whose header is damaged). Read
+        off the files when first asked, by resolve-config: a model's every load would pay for it otherwise."""
+        if self.known_revision is None and self.kind in ("folder", "embedded"):
+            return folder_revision(self.path)
+        return self.known_revision
 
     @property
     def family(self) -> str:
@@ -149,6 +161,8 @@ def resolve_base_model(model_cfg: ModelConfig) -> ResolvedModel:
         from rangefinder.models.tiny import ensure_tiny_base_model
 
         folder = ensure_tiny_base_model(model_cfg.cache_dir)
+        # Its revision is a folder's fingerprint: another rangefinder release may ship other tiny weights (`make
+        # tiny-weights`), and the registry then says the base model's weights changed, as of a folder whose files did.
         return ResolvedModel(folder, "embedded", f"embedded tiny model ({folder})")
     if kind == "hub":
         return _resolve_hub(name, model_cfg)
@@ -324,6 +338,8 @@ def _has_auto_map(path: Path) -> bool:
 
 def _resolve_folder(folder: Path, variant: Optional[str]) -> ResolvedModel:
     _check_folder(folder, str(folder), variant)
+    # A folder's path stays when its weights are replaced (a PVC mount a team updates): its revision is their
+    # fingerprint, read without loading them (ResolvedModel.revision).
     return ResolvedModel(folder, "folder", str(folder))
 
 

@@ -9,9 +9,9 @@ the config's own checks, then, once the base model is resolved, the settings tha
 
 The base model is resolved here too (rangefinder.models.loading): a hub id is found in the Hugging Face cache or
 downloaded into it, a single file is converted to a diffusers folder, and `model.resolved_dir` in the config every
-later step receives names that folder (`model.resolved_revision` the snapshot's commit, or the file's sha256). So a
-missing, gated or malformed model stops the run here, with one clear error, and the model is fetched once per
-pipeline run, not once per step.
+later step receives names that folder (`model.resolved_revision` the snapshot's commit, the file's sha256, or a
+folder's fingerprint of its weights, models/fingerprint.py). So a missing, gated or malformed model stops the run
+here, with one clear error, and the model is fetched once per pipeline run, not once per step.
 
 Strings and numbers cannot be None in the KFP UI, so an empty string or 0 means "unset" for the parameters below
 whose config field is Optional (dataset_dir, base_model, fixed_lr, retrain_epochs, mlflow_ui_url, and lr_min/lr_max,
@@ -37,6 +37,7 @@ from rangefinder.config import (
 )
 from rangefinder.errors import ConfigError
 from rangefinder.formats.text import markdown_code, markdown_text, warn
+from rangefinder.models.fingerprint import REVISION_PREFIX as FOLDER_REVISION
 from rangefinder.planning import check_finetune_validations
 from rangefinder.training.family_detection import family_of
 
@@ -283,7 +284,9 @@ def resolved_report(cfg: RangefinderConfig, family: str, warnings: list[str]) ->
 
     model = cfg.model
     given = markdown_code(redact(model.base_model)) if model.base_model else "empty: the embedded tiny model"
-    revision = markdown_code(model.resolved_revision) if model.resolved_revision else "none (a folder: not hashed)"
+    revision = markdown_code(model.resolved_revision) if model.resolved_revision else "none"
+    if (model.resolved_revision or "").startswith(FOLDER_REVISION):
+        revision += " (a fingerprint of the folder's weights and configs)"
     if cfg.lr is not None:
         lr = f"fixed by hand at {cfg.lr:g}; discovery skipped (lr_finder {cfg.lr_finder} has nothing to measure)"
     else:
@@ -304,13 +307,14 @@ def resolved_report(cfg: RangefinderConfig, family: str, warnings: list[str]) ->
 def with_resolved_base_model(cfg: RangefinderConfig) -> tuple[RangefinderConfig, str]:
     """`cfg` with `model.resolved_dir` set to the local diffusers folder of `model.base_model` (downloaded or
     converted now, once) and `model.resolved_revision` to what it resolved to (a hub snapshot's commit, a single file's
-    sha256); and the model's family. ConfigError when the model cannot be had. A resolved_dir already in the config (a
-    base_config copied from an earlier run's) is ignored: this run resolves its own. No setting is changed: an unset
-    `sampling.guidance_scale` stays unset, and each step that samples reads the model's own off its family
-    (family_detection.guidance_scale_for; the runs' param sampling.guidance_scale_used), so that a config copied from
-    this run and given another base model samples that one at its own. A hub model's family is read off its
-    model_index.json alone first, so that a method it cannot train (textual inversion on SD3 or Flux) is refused
-    before its weights are downloaded; the rest of its rules once it is here (preflight)."""
+    sha256, a folder's fingerprint of its weights); and the model's family. ConfigError when the model cannot be had.
+    A resolved_dir already in the config (a base_config copied from an earlier run's) is ignored: this run resolves
+    its own. No setting is changed: an unset `sampling.guidance_scale` stays unset, and each step that samples reads
+    the model's own off its family (family_detection.guidance_scale_for; the runs' param
+    sampling.guidance_scale_used), so that a config copied from this run and given another base model samples that
+    one at its own. A hub model's family is read off its model_index.json alone first, so that a method it cannot
+    train (textual inversion on SD3 or Flux) is refused before its weights are downloaded; the rest of its rules once
+    it is here (preflight)."""
     from rangefinder.models.loading import hub_family, resolve_base_model
     from rangefinder.training.family_rules import check_method_family
 
