@@ -20,14 +20,14 @@ from rangefinder.steps.resolve_config import with_resolved_base_model
 UNET_WEIGHTS = Path("unet") / "diffusion_pytorch_model.safetensors"
 
 
-def _tensor_data_at(path: Path) -> int:
+def last_tensor_data_at(path: Path) -> int:
     """Where the data of the file's last tensor (by offset) begins, in bytes from the file's start."""
     (length,) = struct.unpack("<Q", path.read_bytes()[:8])
     header = json.loads(path.read_bytes()[8:8 + length])
     return 8 + length + max(v["data_offsets"][0] for k, v in header.items() if k != "__metadata__")
 
 
-def _flip_byte(path: Path, at: int) -> None:
+def flip_byte(path: Path, at: int) -> None:
     data = bytearray(path.read_bytes())
     data[at] ^= 0xFF
     path.write_bytes(bytes(data))
@@ -46,11 +46,11 @@ def test_a_folder_s_revision_changes_with_its_weights_and_only_with_them(tiny_mo
     assert resolve_base_model(ModelConfig(base_model=str(tiny_model_dir))).revision == resolved.revision
     assert resolve_base_model(ModelConfig(cache_dir=str(tiny_model_dir.parent))).revision == resolved.revision
     # One tensor's leading bytes (where any fine-tune changes them): another revision.
-    at = _tensor_data_at(folder / UNET_WEIGHTS)
-    _flip_byte(folder / UNET_WEIGHTS, at)
+    at = last_tensor_data_at(folder / UNET_WEIGHTS)
+    flip_byte(folder / UNET_WEIGHTS, at)
     changed = resolve_base_model(ModelConfig(base_model=str(folder))).revision
     assert changed != resolved.revision
-    _flip_byte(folder / UNET_WEIGHTS, at)
+    flip_byte(folder / UNET_WEIGHTS, at)
     assert folder_revision(folder) == resolved.revision  # put back: the revision it had
     # So does the scheduler's config (another noise schedule trains another model).
     scheduler = folder / "scheduler" / "scheduler_config.json"
@@ -59,7 +59,7 @@ def test_a_folder_s_revision_changes_with_its_weights_and_only_with_them(tiny_mo
     assert folder_revision(folder) not in (resolved.revision, changed)
     # What it does not read, as its docstring says: a byte past a tensor's first SAMPLE_BYTES.
     shutil.copyfile(tiny_model_dir / "scheduler" / "scheduler_config.json", scheduler)
-    _flip_byte(folder / UNET_WEIGHTS, at + SAMPLE_BYTES)
+    flip_byte(folder / UNET_WEIGHTS, at + SAMPLE_BYTES)
     assert folder_revision(folder) == resolved.revision
 
 
@@ -100,5 +100,5 @@ def test_pickle_weights_are_fingerprinted_unread(tiny_model_dir, tmp_path):
     weights = folder / "text_encoder" / "pytorch_model.bin"
     weights.write_bytes(pickle.dumps({"payload": _RunsCode(marker), "pad": b"\0" * 4096}))
     first = folder_revision(folder)
-    _flip_byte(weights, weights.stat().st_size - 100)
+    flip_byte(weights, weights.stat().st_size - 100)
     assert folder_revision(folder) != first and not marker.exists()

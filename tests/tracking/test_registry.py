@@ -970,6 +970,24 @@ def test_promote_ranks_two_versions_only_where_their_val_loss_was_measured_alike
         "val_loss 0.1 against @champion version 1's 0.2: 0.1 lower (50.0%), better, on the same validation images "
         f"(4 images, digest v1); its base model sd-base moved from revision {'a' * 40} (version 1's) to {'b' * 40}: "
         "pin model.revision to keep the base weights fixed from week to week")
+    # A folder and a single file have no model.revision to pin: their weights were replaced under the same path.
+    folder = compare_versions(version(2, val_loss="0.1", **{"rangefinder.base_model_revision": "weights:" + "b" * 32}),
+                              version(1, **{"rangefinder.base_model_revision": "weights:" + "a" * 32}))
+    assert folder["better"] is True and folder["comparison"].endswith(
+        f"(version 1's) to weights:{'b' * 32} (the weights in its folder were replaced): to keep the base weights "
+        "fixed from week to week, put new ones in a folder of their own and set model.base_model to it, instead of "
+        "replacing these"), folder["comparison"]
+    single = compare_versions(version(2, val_loss="0.1", **{"rangefinder.base_model_revision": "sha256:" + "b" * 64}),
+                              version(1, **{"rangefinder.base_model_revision": "sha256:" + "a" * 64}))
+    assert single["comparison"].endswith("(its file was replaced): to keep the base weights fixed from week to week, "
+                                         "save new ones under a file name of their own and set model.base_model to "
+                                         "it, instead of replacing this one"), single["comparison"]
+    embedded = {"rangefinder.base_model": "embedded-tiny"}
+    release = compare_versions(version(2, val_loss="0.1", **embedded,
+                                       **{"rangefinder.base_model_revision": "weights:" + "b" * 32}),
+                               version(1, **embedded, **{"rangefinder.base_model_revision": "weights:" + "a" * 32}))
+    assert release["comparison"].endswith("(another rangefinder release's embedded tiny model): to keep the base "
+                                          "weights fixed from week to week, run the schedule on one release")
     retrained = compare_versions(version(2), version(1, val_loss="", **{"rangefinder.train_on": "train+val",
                                                                         "rangefinder.validation_digest": ""}))
     assert retrained["better"] is None and "that version's weights saw the validation images" in retrained[
@@ -986,6 +1004,57 @@ def test_promote_ranks_two_versions_only_where_their_val_loss_was_measured_alike
     assert first["better"] is None and first["improved_on_base"] is False
     assert first["comparison"].startswith("no version held @champion before: nothing to compare with; its val_loss "
                                           "is not below its base model's")
+
+
+def test_a_version_from_a_folder_whose_weights_were_replaced_says_so(shared_sqlite_tracking_uri, tiny_model_dir,
+                                                                    tmp_path, capsys):
+    """A schedule retrains weekly from a folder (a PVC mount) in which someone replaced the weights: both versions
+    read as made from the same base model, with no revision, and promote --if-better ranked them as if only the
+    fine-tune differed. resolve-config's revision of the folder (the fingerprint of its weights) is in each version's
+    lineage tags, as StepRun.lineage takes them, and the second version's description and promote say the weights in
+    the folder were replaced, and how to keep them fixed."""
+    import shutil
+
+    from rangefinder.config import demo_config
+    from rangefinder.steps.resolve_config import with_resolved_base_model
+    from rangefinder.tracking.registry import TRAINED_AS, _unlike_earlier
+    from rangefinder.tracking.runs import common_tags
+    from tests.models.test_fingerprint import UNET_WEIGHTS, flip_byte, last_tensor_data_at
+
+    folder = tmp_path / "sd15"
+    shutil.copytree(tiny_model_dir, folder)
+    client = MlflowClient(tracking_uri=shared_sqlite_tracking_uri, registry_uri=shared_sqlite_tracking_uri)
+    name = "rf-folder-replaced"
+    run = client.create_run(client.create_experiment("folder-replaced"))
+    client.create_registered_model(name)
+    measured = {"rangefinder.validation_digest": "v1", "rangefinder.train_on": "train",
+                "rangefinder.validation_settings": "validation.timesteps=4, validation.seed=0"}
+    revision = "rangefinder.base_model_revision"
+
+    def week(val_loss: str) -> tuple[str, dict[str, str]]:
+        cfg, _ = with_resolved_base_model(demo_config(model={"base_model": str(folder)}))
+        tags = {"val_loss": val_loss, **measured, **{k: v for k, v in common_tags(cfg).items() if k in TRAINED_AS}}
+        mv = client.create_model_version(name, f"runs:/{run.info.run_id}/model", run_id=run.info.run_id, tags=tags)
+        client.set_registered_model_alias(name, "candidate", mv.version)
+        return str(mv.version), tags
+
+    first, monday = week("0.2")
+    client.set_registered_model_alias(name, "champion", first)
+    flip_byte(folder / UNET_WEIGHTS, last_tensor_data_at(folder / UNET_WEIGHTS))  # the weights replaced
+    second, tuesday = week("0.1")
+    assert monday[revision].startswith("weights:") and tuesday[revision] != monday[revision]
+    assert _unlike_earlier(client, name, second, tuesday)[0] == (
+        f"Unlike version {first} (the version before it, @champion): base model revision {tuesday[revision]} where it "
+        f"had {monday[revision]} (the weights in its folder were replaced).")
+    capsys.readouterr()
+    code = cli_main(["promote", "--model", name, "--tracking-uri", shared_sqlite_tracking_uri, "--json",
+                     "--if-better"])
+    promoted = json.loads(capsys.readouterr().out)
+    assert code == 0 and promoted["better"] is True, promoted
+    assert promoted["comparison"].endswith(
+        f"its base model {folder} moved from revision {monday[revision]} (version {first}'s) to {tuesday[revision]} "
+        "(the weights in its folder were replaced): to keep the base weights fixed from week to week, put new ones in "
+        "a folder of their own and set model.base_model to it, instead of replacing these"), promoted["comparison"]
 
 
 def test_the_first_week_is_promoted_if_better_only_where_it_beats_its_base_model(sqlite_tracking_uri, capsys):

@@ -55,8 +55,9 @@ OLD_REGISTERED_BY = "rangefinder.run_id"
 # on them). The runs that read the split carry its two digests too (log_dataset_manifest), and every step's run the
 # base model, revision and family (common_tags).
 TAG_BASE_MODEL = "rangefinder.base_model"
+EMBEDDED_BASE_MODEL = "embedded-tiny"  # TAG_BASE_MODEL's value for the embedded tiny model (model.base_model unset)
 # model.resolved_revision: a hub id's snapshot commit (`revision: main` names another commit once upstream moves), a
-# single file's sha256; none for a folder.
+# single file's "sha256:<hex>", a folder's (and the embedded model's) "weights:<hex>" (models/fingerprint.py).
 TAG_BASE_MODEL_REVISION = "rangefinder.base_model_revision"
 TAG_MODEL_FAMILY = "rangefinder.model_family"
 TAG_METHOD = "rangefinder.method"
@@ -372,7 +373,8 @@ def _later_run_holds(client: Any, name: str, alias: str, parent_run_id: Optional
 def _unlike_earlier(client: Any, name: str, version: str, tags: Mapping[str, str]) -> list[str]:
     """A sentence for each version a person compares version `version` of `name` with, the one before it (the
     previous run's, @candidate until now) and @champion, that was not made alike (its lineage tags, `tags` here):
-    another base model, another revision of the same one (a hub id's main moved), family or method, other training
+    another base model, another revision of the same one (a hub id's main moved, a folder's or a file's weights were
+    replaced under the same path), family or method, other training
     images (one trained on train + validation: the images the other's val_loss was measured on), another validation
     set (their val_loss values were measured on other images and do not compare), or other data. Nothing where they
     were alike, or for a version registered before these tags were. Where its val_loss and @champion's rank the two
@@ -414,12 +416,14 @@ def _differences(tags: Mapping[str, str], was: Mapping[str, str]) -> list[tuple[
     (the loss of another model, or of another noise schedule, ranks no fine-tune); so do weights that saw the
     other's validation images and another validation set. Another method, other data with the same validation set
     (a dataset that grew), or another revision of the same base model (a hub id's main moved between two scheduled
-    runs) is what a comparison is for: both delivered models are measured alike on the same images."""
+    runs, or someone replaced the weights in its folder or file: _base_moved says which) is what a comparison is for:
+    both delivered models are measured alike on the same images."""
     # Another base model has another revision too: the revision is news only for the same one.
     said = [k for k in TRAINED_AS if _changed(k, tags, was)
             and not (k == TAG_BASE_MODEL_REVISION and _changed(TAG_BASE_MODEL, tags, was))]
-    differs = [(f"{TRAINED_AS[k]} {tags[k]} where it had {was[k]}", k not in (TAG_METHOD, TAG_BASE_MODEL_REVISION))
-               for k in said]
+    differs = [(f"{TRAINED_AS[k]} {tags[k]} where it had {was[k]}"
+                + (f" ({_base_moved(tags)[0]})" if k == TAG_BASE_MODEL_REVISION and _base_moved(tags)[0] else ""),
+                k not in (TAG_METHOD, TAG_BASE_MODEL_REVISION)) for k in said]
     if _changed(TAG_TRAIN_ON, tags, was):
         whose = "its" if tags[TAG_TRAIN_ON] == "train+val" else "that version's"
         differs.append((f"trained on {TRAIN_ON_WORDS.get(tags[TAG_TRAIN_ON], tags[TAG_TRAIN_ON])} where it was "
@@ -439,6 +443,27 @@ def _differences(tags: Mapping[str, str], was: Mapping[str, str]) -> list[tuple[
         differs.append((f"other data (dataset digest {tags[TAG_DATASET_DIGEST]}, where it had "
                         f"{was[TAG_DATASET_DIGEST]})", False))
     return differs
+
+
+def _base_moved(tags: Mapping[str, str]) -> tuple[str, str]:
+    """(what another revision of the same base model means where its revision, in `tags`, is not a hub commit's; ""
+    for a hub id, whose main moved), and how to keep the base weights fixed from week to week. A hub id is pinned by
+    model.revision; a folder and a single file have no revision to pin, and hold other weights where someone
+    replaced their files under the same path; the embedded tiny model's are the rangefinder release's."""
+    from rangefinder.models.fingerprint import REVISION_PREFIX
+
+    revision, base = tags.get(TAG_BASE_MODEL_REVISION, ""), tags.get(TAG_BASE_MODEL, "")
+    fixed = "to keep the base weights fixed from week to week"
+    if revision.startswith(REVISION_PREFIX) and base == EMBEDDED_BASE_MODEL:
+        return "another rangefinder release's embedded tiny model", f"{fixed}, run the schedule on one release"
+    if revision.startswith(REVISION_PREFIX):
+        return ("the weights in its folder were replaced",
+                f"{fixed}, put new ones in a folder of their own and set model.base_model to it, instead of "
+                "replacing these")
+    if revision.startswith("sha256:"):
+        return ("its file was replaced", f"{fixed}, save new ones under a file name of their own and set "
+                                         "model.base_model to it, instead of replacing this one")
+    return "", f"pin model.revision {fixed}"
 
 
 def _changed(key: str, tags: Mapping[str, str], was: Mapping[str, str]) -> bool:
@@ -759,10 +784,10 @@ def compare_versions(mv: Any, held: Any, alias: str = CHAMPION) -> dict[str, Any
             out["comparison"] += f"; but {base_note}"
     if _changed(TAG_BASE_MODEL_REVISION, mv.tags, held.tags) and not _changed(TAG_BASE_MODEL, mv.tags, held.tags):
         # Their val_loss ranks them all the same; the person promoting should know the base weights moved under it.
+        why, fix = _base_moved(mv.tags)
         out["comparison"] += (f"; its base model {mv.tags.get(TAG_BASE_MODEL, '')} moved from revision "
                               f"{held.tags[TAG_BASE_MODEL_REVISION]} (version {held.version}'s) to "
-                              f"{mv.tags[TAG_BASE_MODEL_REVISION]}: pin model.revision to keep the base weights "
-                              "fixed from week to week")
+                              f"{mv.tags[TAG_BASE_MODEL_REVISION]}{f' ({why})' if why else ''}: {fix}")
     return out
 
 
