@@ -1106,7 +1106,8 @@ class TrackingConfig(_Section):
     # The MLflow UI's address as a person's browser opens it (an ingress, a port-forward's http://localhost:5000),
     # which the links a run shows point at: register-model's result, a local run's mlflow_link. None: the tracking
     # URI the steps log to, which on a cluster is often an in-cluster name (mlflow.mlflow.svc) no browser reaches.
-    # A local run's `mlflow ui` command serves at this URL's port: an SSH tunnel forwards the same port at both ends.
+    # A local run's `mlflow ui` command serves at this URL's port and path (--static-prefix): an SSH tunnel forwards
+    # the same port at both ends.
     ui_url: Optional[str] = None
 
     @field_validator("tracking_uri")

@@ -111,12 +111,26 @@ def test_the_ui_url_set_is_where_the_links_point_and_no_hint_is_given():
     assert shlex.split(ui_link("sqlite:///x.db", "7", "http://127.0.0.1:5000")[0] or "")[-1] == "sqlite:///x.db"
     # Where no `mlflow ui` option serves the link (a proxy's https, another host), the line says so in a comment a
     # shell skips when it is pasted.
-    for ui_url in ("https://mlflow.example.org", "http://devbox.lan:8080", "http://localhost"):
+    for ui_url in ("https://mlflow.example.org", "http://devbox.lan:8080", "http://localhost",
+                   "http://localhost:8080/my%20ui"):
         command, link = ui_link("sqlite:///x.db", "7", ui_url)
         assert command is not None and link.startswith(f"{ui_url}/#/")
         assert command.endswith(f"  # serves http://127.0.0.1:5000; the link points at {ui_url} (tracking.ui_url), "
                                 "which must forward there"), command
         assert shlex.split(command, comments=True)[1:] == ["ui", "--backend-store-uri", "sqlite:///x.db"]
+
+
+def test_a_ui_url_with_a_path_gets_the_command_that_serves_the_ui_under_it():
+    """`tracking.ui_url: http://localhost:8080/mlflow` printed `mlflow ui` on 127.0.0.1:5000 with a comment, where
+    `mlflow ui --port 8080 --static-prefix /mlflow` serves that link: MLflow 3.17 serves the page, its static files
+    and its ajax-api under the prefix (tried on a real `mlflow ui`: `/mlflow/` and `/mlflow/ajax-api/...` 200)."""
+    ui = TrackingConfig(ui_url="http://localhost:8080/mlflow/#/experiments/3").ui_url
+    command, link = ui_link("sqlite:///x.db", "7", ui)
+    assert link == "http://localhost:8080/mlflow/#/experiments/7/runs?workflowType=machine_learning"
+    assert command is not None and shlex.split(command, comments=True)[1:] == [
+        "ui", "--backend-store-uri", "sqlite:///x.db", "--port", "8080", "--static-prefix", "/mlflow"], command
+    assert shlex.split(ui_link("sqlite:///x.db", "7", "http://[::1]:5000/a/b-c")[0] or "")[-4:] == [
+        "--host", "::1", "--static-prefix", "/a/b-c"]
 
 
 def test_a_ui_url_on_ipv6_loopback_gets_the_command_that_serves_it():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shlex
 import shutil
 import sys
@@ -427,10 +428,13 @@ def ui_command(uri: str, ui_url: Optional[str] = None) -> str:
     """`mlflow ui` for the local store `uri`, serving where the link built on `ui_url` points: the command served on
     5000 while the link pointed at, say, 8080. Where `ui_url` names a loopback and a port, the command serves there:
     the loopback `mlflow ui` binds by default (localhost, 127.0.0.1) with no --host, IPv6's `[::1]` with `--host ::1`,
-    and the port with `--port`. Elsewhere (another host, https, a path, no port: an ingress, a proxy or a tunnel
-    serves it) no option of the command reaches the link, and a shell comment on its line says where it serves and
-    that the link needs what forwards there. The port served is the link's own: nothing in a URL tells an SSH
-    tunnel's local end (8080) from the remote port it forwards to (5000), so the README asks for one port at both."""
+    the port with `--port`, and a path (`http://localhost:8080/mlflow`) with `--static-prefix /mlflow`, under which
+    MLflow 3.17's `mlflow ui` serves the page, its static files and its ajax-api (tried on a real one: `/mlflow/` and
+    `/mlflow/ajax-api/2.0/mlflow/experiments/search` answer 200, `/` 404). Elsewhere (another host, https, no port,
+    a path with characters other than letters, digits and `-._~/`: an ingress, a proxy or a tunnel serves it) no
+    option of the command reaches the link, and a shell comment on its line says where it serves and that the link
+    needs what forwards there. The port served is the link's own: nothing in a URL tells an SSH tunnel's local end
+    (8080) from the remote port it forwards to (5000), so the README asks for one port at both."""
     command = [mlflow_executable(), "ui", "--backend-store-uri", safe_uri(uri)]
     if ui_url is None:
         return shlex.join(command)
@@ -440,11 +444,15 @@ def ui_command(uri: str, ui_url: Optional[str] = None) -> str:
     except ValueError:  # not a port number: the link names no place a command could serve
         port = None
     host = (parts.hostname or "").lower()
+    prefix = parts.path.strip("/")
     served_here = parts.scheme.lower() == "http" and host in MLFLOW_UI_LOOPBACKS and port is not None
-    if served_here and not parts.path.strip("/"):
+    # A path as it is typed: one percent-encoded (or with a space) is not the prefix a route of MLflow's would match.
+    if served_here and re.fullmatch(r"[A-Za-z0-9._~/-]*", prefix):
         command += list(MLFLOW_UI_LOOPBACKS[host])
         if port != MLFLOW_UI_PORT:
             command += ["--port", str(port)]
+        if prefix:  # MLflow wants it with a leading `/` and none at its end
+            command += ["--static-prefix", f"/{prefix}"]
         return shlex.join(command)
     shown = " ".join(ui_url.split())  # one line: a pasted comment must not end early
     return (f"{shlex.join(command)}  # serves http://127.0.0.1:{MLFLOW_UI_PORT}; the link points at {shown} "
