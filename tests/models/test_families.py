@@ -111,3 +111,29 @@ def test_a_guidance_scale_of_zero_is_kept_not_taken_for_unset():
     family's pipeline's own."""
     assert guidance_scale_for("sdxl", 0.0) == 0.0 and guidance_scale_for("sdxl", None) == 5.0
     assert guidance_scale_for("sd1", None) == 7.5 and guidance_scale_for("flux", 2) == 2.0
+
+
+def test_an_unset_guidance_is_read_from_the_pipeline_s_source_without_importing_torch_or_diffusers(tiny_flux_dir):
+    """The guidance scale a family's pipeline samples at when given none is its `__call__`'s default, as diffusers
+    writes it (StableDiffusionPipeline 7.5, StableDiffusionXLPipeline 5.0, StableDiffusion3Pipeline 7.0, FluxPipeline
+    3.5), read from diffusers' source: resolve-config, the first step of every run, logs it
+    (sampling.guidance_scale_used) and imported the pipeline, so torch, transformers and diffusers, to do it (~7-10
+    CPU-s for a Flux run's parameters on 2 busy cores). Checked in a fresh interpreter, for every family and on the
+    parameters a step logs for a Flux folder with the scale unset."""
+    import subprocess
+    import sys
+
+    code = ("import json, sys\nfrom rangefinder.config import RangefinderConfig\n"
+            "from rangefinder.tracking.runs import applicable_params\n"
+            "from rangefinder.training.family_detection import FAMILY_LAYOUTS, guidance_scale_for\n"
+            "cfg = RangefinderConfig.model_validate({'model': {'base_model': sys.argv[1]}, "
+            "'sampling': {'guidance_scale': None}})\n"
+            "used = applicable_params(cfg)['sampling.guidance_scale_used']\n"
+            "own = {f: guidance_scale_for(f) for f in FAMILY_LAYOUTS}\n"
+            "print(json.dumps([own, used, sorted(m for m in ('torch', 'diffusers', 'transformers') "
+            "if m in sys.modules)]))")
+    r = subprocess.run([sys.executable, "-c", code, str(tiny_flux_dir)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    own, used, loaded = json.loads(r.stdout.strip().splitlines()[-1])
+    assert own == {"sd1": 7.5, "sdxl": 5.0, "sd3": 7.0, "flux": 3.5} and used == "3.5", r.stdout
+    assert loaded == [], loaded

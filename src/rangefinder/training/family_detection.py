@@ -157,14 +157,56 @@ def guidance_scale_for(family: str, setting: Optional[float] = None) -> float:
     family's diffusers pipeline samples at when given none, its `__call__`'s default (StableDiffusionPipeline 7.5,
     StableDiffusionXLPipeline 5.0, StableDiffusion3Pipeline 7.0, FluxPipeline 3.5, which is Flux.1-dev's distilled
     guidance input and which schnell, without the guidance embedding, ignores). Read from diffusers rather than
-    written down here, so that it is the value a diffusers user of the same model gets. Imports diffusers only when
-    `setting` is None."""
+    written down here, so that it is the value a diffusers user of the same model gets: from its source where the
+    default is written there as a number, else from the imported class."""
     if setting is not None:
         return float(setting)
+    name = FAMILY_LAYOUTS[family].pipeline
+    written = _call_default_in_source(name, "guidance_scale")
+    if written is not None:
+        return written
     import inspect
 
-    pipeline = import_named(f"diffusers:{FAMILY_LAYOUTS[family].pipeline}")
+    pipeline = import_named(f"diffusers:{name}")
     return float(inspect.signature(pipeline.__call__).parameters["guidance_scale"].default)
+
+
+def _call_default_in_source(pipeline: str, parameter: str) -> Optional[float]:
+    """The number `parameter` defaults to in diffusers' `pipeline.__call__`, read from the installed diffusers'
+    source (the module under diffusers/pipelines/ that defines the class) without importing it: importing a pipeline
+    imports torch and transformers, ~10 CPU-s that a step which only logs the value (resolve-config's
+    sampling.guidance_scale_used, the first step of every run) spent before anything else. None where the default
+    is not written there as a number (or diffusers is not where Python would import it from): the caller imports."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec("diffusers")  # finds the package; runs none of it
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    marker = f"class {pipeline}("
+    for folder in spec.submodule_search_locations:
+        for path in sorted(Path(folder, "pipelines").glob("*/pipeline_*.py")):
+            try:
+                source = path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError):
+                continue
+            if marker not in source:
+                continue
+            for node in ast.parse(source).body:
+                if not (isinstance(node, ast.ClassDef) and node.name == pipeline):
+                    continue
+                call = next((f for f in node.body if isinstance(f, ast.FunctionDef) and f.name == "__call__"), None)
+                if call is None:
+                    return None
+                named = call.args.args[len(call.args.args) - len(call.args.defaults):] + call.args.kwonlyargs
+                defaults = [*call.args.defaults, *call.args.kw_defaults]
+                default = next((d for a, d in zip(named, defaults, strict=True) if a.arg == parameter), None)
+                try:
+                    value = ast.literal_eval(default) if default is not None else None
+                except ValueError:
+                    return None
+                return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    return None
 
 
 def guidance_scale_in(folder: Optional[Path], family: str, setting: Optional[float] = None, *,
