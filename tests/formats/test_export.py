@@ -126,18 +126,20 @@ import torch, transformers
 from safetensors.torch import save_file
 from transformers import CLIPTextModel, CLIPTokenizer, CLIPTokenizerFast
 
-folder, out = sys.argv[1], sys.argv[2]
-model, info = CLIPTextModel.from_pretrained(folder, subfolder="text_encoder", output_loading_info=True)
-slow = CLIPTokenizer.from_pretrained(folder, subfolder="tokenizer")
-fast = CLIPTokenizerFast.from_pretrained(folder, subfolder="tokenizer")
-prompts = json.loads(sys.argv[3])
-ids = slow(prompts, padding="max_length", max_length=slow.model_max_length, return_tensors="pt").input_ids
-with torch.no_grad():
-    hidden = model.eval()(ids)[0]
-save_file({"ids": ids.contiguous(), "hidden": hidden.contiguous()}, out)
-print(json.dumps({"version": transformers.__version__, "slow_class": type(slow).__name__,
-                  "fast_ids": fast(prompts, padding="max_length", max_length=77).input_ids,
-                  **{k: sorted(v) for k, v in info.items() if k in ("missing_keys", "unexpected_keys")}}))
+prompts = json.loads(sys.argv[1])
+reports = []
+for folder, out in zip(sys.argv[2::2], sys.argv[3::2]):
+    model, info = CLIPTextModel.from_pretrained(folder, subfolder="text_encoder", output_loading_info=True)
+    slow = CLIPTokenizer.from_pretrained(folder, subfolder="tokenizer")
+    fast = CLIPTokenizerFast.from_pretrained(folder, subfolder="tokenizer")
+    ids = slow(prompts, padding="max_length", max_length=slow.model_max_length, return_tensors="pt").input_ids
+    with torch.no_grad():
+        hidden = model.eval()(ids)[0]
+    save_file({"ids": ids.contiguous(), "hidden": hidden.contiguous()}, out)
+    reports.append({"version": transformers.__version__, "slow_class": type(slow).__name__,
+                    "fast_ids": fast(prompts, padding="max_length", max_length=77).input_ids,
+                    **{k: sorted(v) for k, v in info.items() if k in ("missing_keys", "unexpected_keys")}})
+print(json.dumps(reports))
 """
 
 
@@ -215,24 +217,33 @@ def test_text_encoder_saved_without_the_prefix_is_rewritten(tiny_model_dir, tmp_
     assert not info["missing_keys"] and not info["unexpected_keys"]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("which", ["tiny model", "full fine-tune final/"])
-def test_diffusers_folder_loads_in_transformers_4(which, transformers4_python, tiny_model_dir, saved_folder,
-                                                    tmp_path):
-    """transformers 4.x's own CLIPTextModel, slow CLIPTokenizer and fast tokenizer load the folder with no key
-    missing, and give the text embeddings transformers 5 gives here."""
+@pytest.fixture(scope="module")
+def read_by_transformers_4(transformers4_python, tiny_model_dir, saved_folder, tmp_path_factory):
+    """{which: (folder, report, the ids and embeddings file)}: both folders read by transformers 4.x in one process
+    of its venv (its imports are most of the cost of each)."""
     import json
     import subprocess
 
+    folders = {"tiny model": tiny_model_dir, "full fine-tune final/": saved_folder[0]}
+    work = tmp_path_factory.mktemp("transformers4")
+    outs = {which: work / f"t4-{i}.safetensors" for i, which in enumerate(folders)}
+    proc = subprocess.run([str(transformers4_python), "-c", TRANSFORMERS4_SCRIPT, json.dumps(PROMPTS),
+                           *(str(p) for which in folders for p in (folders[which], outs[which]))],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reports = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {which: (folders[which], report, outs[which]) for which, report in zip(folders, reports, strict=True)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["tiny model", "full fine-tune final/"])
+def test_diffusers_folder_loads_in_transformers_4(which, read_by_transformers_4):
+    """transformers 4.x's own CLIPTextModel, slow CLIPTokenizer and fast tokenizer load the folder with no key
+    missing, and give the text embeddings transformers 5 gives here."""
     from safetensors.torch import load_file
     from transformers import CLIPTextModel, CLIPTokenizer
 
-    folder = tiny_model_dir if which == "tiny model" else saved_folder[0]
-    out = tmp_path / "t4.safetensors"
-    proc = subprocess.run([str(transformers4_python), "-c", TRANSFORMERS4_SCRIPT, str(folder), str(out),
-                           json.dumps(PROMPTS)], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    folder, report, out = read_by_transformers_4[which]
     assert report["version"].startswith("4.") and report["slow_class"] == "CLIPTokenizer"
     assert report["missing_keys"] == [] and report["unexpected_keys"] == [], report
 
