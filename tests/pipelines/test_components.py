@@ -146,6 +146,42 @@ def test_a_component_ends_on_bad_input_with_exit_2_and_one_line(tmp_path, capsys
                            "are out of order"), line
 
 
+def _reports(out: Path) -> dict:
+    """A training component's report outputs (HTML and Markdown) in `out`, as a task folder holds them."""
+    from kfp.dsl import HTML
+
+    return {"report_html": HTML(name="report_html", uri=str(out / "report_html")),
+            "report_md": Markdown(name="report_md", uri=str(out / "report_md"))}
+
+
+def test_a_metric_that_is_not_finite_is_left_out_of_kfp_s_metrics_with_one_warning(tmp_path, monkeypatch, capsys):
+    """KFP writes a Metrics artifact's metadata into the executor output with Python's json, NaN as `NaN`: no JSON
+    for a cluster's launcher, MLMD or the UI. A value that is not a finite number stays out, and the step's log says
+    which and why; the finite ones are all there."""
+    from kfp.dsl import Metrics, Model
+
+    from rangefinder.steps import finetune
+
+    result = finetune.FinetuneResult(
+        recommended_epochs=3, recommended_updates=12, still_improving=False, best_val_loss=float("nan"),
+        model_dir=tmp_path / "model", curve_csv=tmp_path / "metrics.csv", checkpoints=[],
+        chosen={"update": 12, "epoch": 3.0, "val_loss": float("inf")}, lr=1e-4, updates_trained=16)
+    monkeypatch.setattr(finetune, "run_finetune", lambda *a, **k: result)
+    metrics = Metrics(name="metrics", uri=str(tmp_path / "metrics"))
+    c.finetune.python_func(config_json=demo_config().model_dump_json(),
+                           split=Dataset(name="split", uri=str(tmp_path / "split")), lr_low=1e-5, lr_high=1e-3,
+                           lr_mid=1e-4, lr_source="range-test", model=Model(name="model", uri=str(tmp_path / "m")),
+                           curve=Dataset(name="curve", uri=str(tmp_path / "curve")), metrics=metrics,
+                           **_reports(tmp_path))
+    json.dumps(metrics.metadata, allow_nan=False)  # as strict JSON as the launcher reads
+    assert metrics.metadata == {"recommended_epochs": 3.0, "recommended_updates": 12.0, "lr_used": 1e-4,
+                                "updates_trained": 16.0, "chosen_update": 12.0, "chosen_epoch": 3.0}
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line == ("rangefinder: warning: best_val_loss (nan), chosen_val_loss (inf) left out of the step's KFP "
+                    "metrics: not a finite number (KFP's metrics are JSON); the step's MLflow run and report show "
+                    "where it came from"), line
+
+
 @pytest.mark.parametrize(("typed", "said"), [
     ("/data/datasets/mine", "pipeline parameter dataset_uri '/data/datasets/mine' is not an object-store URI (s3://, "
                             "gs://, minio://), which KFP's importer downloads; for a folder on the data volume give "

@@ -220,6 +220,7 @@ def lr_range_test(
     from pathlib import Path
 
     from rangefinder.errors import one_line_errors
+    from rangefinder.pipelines.component_support import log_step_metrics
     from rangefinder.steps.lr_range_test import run_lr_range_test
     from rangefinder.steps.resolve_config import load_step_config
 
@@ -235,8 +236,7 @@ def lr_range_test(
             report_md=Path(report_md.path),
             mlflow_parent_run_id=mlflow_parent_run_id or None,
         )
-    for name, value in r.metrics().items():
-        metrics.log_metric(name, value)
+    log_step_metrics(metrics, r.metrics())
     LRBounds = namedtuple("LRBounds", "lr_low lr_high lr_mid needs_zoom zoom_lr_min zoom_lr_max")
     return LRBounds(r.lr_low, r.lr_high, r.lr_mid, r.needs_zoom, r.zoom_lr_min, r.zoom_lr_max)
 
@@ -275,6 +275,7 @@ def prodigy_step_size(
     from pathlib import Path
 
     from rangefinder.errors import one_line_errors
+    from rangefinder.pipelines.component_support import log_step_metrics
     from rangefinder.steps.prodigy_step_size import run_prodigy_step_size
     from rangefinder.steps.resolve_config import load_step_config
 
@@ -287,8 +288,7 @@ def prodigy_step_size(
             report_md=Path(report_md.path),
             mlflow_parent_run_id=mlflow_parent_run_id or None,
         )
-    for name, value in r.metrics().items():
-        metrics.log_metric(name, value)
+    log_step_metrics(metrics, r.metrics())
     ProdigyStepSize = namedtuple("ProdigyStepSize", "lr d updates factor")
     return ProdigyStepSize(r.lr, r.reading.d, r.reading.updates, r.reading.factor)
 
@@ -391,6 +391,7 @@ def finetune(
     from pathlib import Path
 
     from rangefinder.errors import one_line_errors
+    from rangefinder.pipelines.component_support import log_step_metrics
     from rangefinder.steps.finetune import run_finetune
     from rangefinder.steps.resolve_config import load_step_config
 
@@ -405,8 +406,7 @@ def finetune(
             report_md=Path(report_md.path),
             mlflow_parent_run_id=mlflow_parent_run_id or None,
         )
-    for name, value in r.metrics().items():
-        metrics.log_metric(name, value)
+    log_step_metrics(metrics, r.metrics())
     chosen = r.chosen or {}
     Finetuned = namedtuple("Finetuned", "recommended_epochs recommended_updates still_improving chosen_update "
                                         "chosen_epoch chosen_rule mixed_precision lr_used halving_kept")
@@ -449,6 +449,7 @@ def retrain_full(
     from pathlib import Path
 
     from rangefinder.errors import one_line_errors
+    from rangefinder.pipelines.component_support import log_step_metrics
     from rangefinder.steps.resolve_config import load_step_config
     from rangefinder.steps.retrain_full import run_retrain_full
 
@@ -461,8 +462,7 @@ def retrain_full(
             model_dir=Path(model.path),
             mlflow_parent_run_id=mlflow_parent_run_id or None,
         )
-    for name, value in r.metrics().items():
-        metrics.log_metric(name, value)
+    log_step_metrics(metrics, r.metrics())
     Retrained = namedtuple("Retrained", "epochs Output")
     return Retrained(r.epochs, r.epochs)
 
