@@ -154,6 +154,29 @@ def _reports(out: Path) -> dict:
             "report_md": Markdown(name="report_md", uri=str(out / "report_md"))}
 
 
+def test_a_range_test_that_read_no_bounds_leaves_them_out_of_its_kfp_metrics(tmp_path, monkeypatch):
+    """A range test whose curve diverged before the loss fell reads no bounds and proposes a zoom; its outputs carry
+    0.0 (a KFP output cannot be None), and its KFP metrics showed lr_low, lr_high and lr_mid 0 in the UI's table,
+    where its MLflow run has none. The step's result is the one the tiny model's sweep over 1e-3..1e4 returned (the
+    sweep itself, ~25 s, is the range test's own business: what is under test is what the component copies)."""
+    from kfp.dsl import Metrics
+
+    from rangefinder.steps import lr_range_test
+
+    diverged = lr_range_test.RangeTestResult(
+        stage="first", lr_min=1e-3, lr_max=1e4, status="diverged", lr_low=0.0, lr_high=0.0, lr_mid=0.0, quality=0.0,
+        flags=["diverged"], points_between=0, needs_zoom=True, zoom_lr_min=1e-4, zoom_lr_max=100.0,
+        curve_csv=tmp_path / "metrics.csv", bounds_json=tmp_path / "bounds.json")
+    monkeypatch.setattr(lr_range_test, "run_lr_range_test", lambda *a, **k: diverged)
+    metrics = Metrics(name="metrics", uri=str(tmp_path / "metrics"))
+    r = c.lr_range_test.python_func(config_json=demo_config().model_dump_json(),
+                                    split=Dataset(name="split", uri=str(tmp_path / "split")),
+                                    curve=Dataset(name="curve", uri=str(tmp_path / "curve")), metrics=metrics,
+                                    **_reports(tmp_path))
+    assert (r.needs_zoom, r.zoom_lr_min, r.zoom_lr_max) == (True, 1e-4, 100.0)
+    assert metrics.metadata == {"quality": 0.0, "points_between": 0.0}
+
+
 def test_a_metric_that_is_not_finite_is_left_out_of_kfp_s_metrics_with_one_warning(tmp_path, monkeypatch, capsys):
     """KFP writes a Metrics artifact's metadata into the executor output with Python's json, NaN as `NaN`: no JSON
     for a cluster's launcher, MLMD or the UI. A value that is not a finite number stays out, and the step's log says

@@ -206,7 +206,7 @@ def lr_range_test(
 
     Returns:
         curve: The loss-against-LR curve (metrics.csv) and the run's record.
-        metrics: The bounds and the curve's quality as KFP metrics.
+        metrics: The bounds (where the curve gave them) and the curve's quality as KFP metrics.
         report_html: The range test's report (curve, bounds, why), as HTML.
         report_md: The same report in Markdown.
         lr_low: The lowest LR at which the loss falls clearly.

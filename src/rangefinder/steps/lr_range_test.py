@@ -42,8 +42,11 @@ class RangeTestResult:
     bounds_json: Path
 
     def metrics(self) -> dict[str, float]:
-        return {"lr_low": self.lr_low, "lr_high": self.lr_high, "lr_mid": self.lr_mid, "quality": self.quality,
-                "points_between": float(self.points_between)}
+        """The step's KFP metrics. The bounds only where the curve gave them: a test that read none (a diverged or
+        flat curve, whose zoom comes next) returns 0.0 for them (a KFP output cannot be None), which the metrics
+        table would show as bounds at LR 0; its MLflow run leaves them out too."""
+        bounds = {"lr_low": self.lr_low, "lr_high": self.lr_high, "lr_mid": self.lr_mid} if self.status == "ok" else {}
+        return {**bounds, "quality": self.quality, "points_between": float(self.points_between)}
 
 
 def run_lr_range_test(
