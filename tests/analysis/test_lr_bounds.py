@@ -202,6 +202,20 @@ def test_bad_input():
         analyze_lr_curve([0, 1e-6], [0.2, 0.1, 0.3])
 
 
+def test_a_sweep_that_diverged_before_three_points_is_told_to_end_lower_not_to_validate_more_often():
+    """The tiny model's sweep over 10..1e6 (metrics.csv's lr and val_loss): its validation loss was NaN at the first
+    epoch's validation. The refusal said "validate more often during the sweep", which no number of validations
+    changes; it names the LR where the sweep diverged. Too few points that are all finite keep that advice."""
+    with pytest.raises(RangefinderError) as refused:
+        analyze_lr_curve([0.0, 10.0], [0.21332472539506853, np.nan])
+    assert str(refused.value) == (
+        "the sweep diverged at lr 10 (its validation loss stopped being finite there), leaving 1 finite (lr, "
+        "val_loss) point; a range test needs at least 3: sweep a range that ends below 10 (lr_range_test.lr_max, "
+        "and lr_min under it)")
+    with pytest.raises(RangefinderError, match=r"has 2 finite .*\(validate more often during the sweep\)$"):
+        analyze_lr_curve([0.0, 1e-5], [0.2, 0.19])
+
+
 @pytest.mark.parametrize("lr", [[-1, 0, 1], [-3, -2, -1, -0.5, 0.1, 0.2, 0.3]], ids=["as-baselines", "as-linear-ramp"])
 def test_a_negative_lr_is_refused(lr):
     # [-1, 0, 1] was read as two baselines and said "never fell by more than its noise"; the second as a linear ramp

@@ -307,6 +307,16 @@ def analyze_lr_curve(
         )
     n_finite = int(np.sum(np.isfinite(y_all) & np.isfinite(lr_all)))
     if n_finite < 3:
+        blown = np.flatnonzero(np.isfinite(lr_all) & ~np.isfinite(y_all))
+        if blown.size:
+            # A sweep that diverged early: more validations would not help, and "validate more often" sent the user
+            # the wrong way; the LRs it reached are the fix.
+            raise RangefinderError(
+                f"the sweep diverged at lr {lr_all[blown[0]]:g} (its validation loss stopped being finite there), "
+                f"leaving {n_finite} finite (lr, val_loss) point{'' if n_finite == 1 else 's'}; a range test needs "
+                f"at least 3: sweep a range that ends below {lr_all[blown[0]]:g} (lr_range_test.lr_max, and lr_min "
+                "under it)"
+            )
         raise RangefinderError(
             f"the curve has {n_finite} finite (lr, val_loss) points; a range test needs at least 3 "
             "(validate more often during the sweep)"
