@@ -365,3 +365,53 @@ def test_the_summary_says_where_the_earlier_runs_folders_are_and_how_much_they_h
     assert this.summary()["earlier_runs"] == said and this.run_dir.is_dir()
     assert earlier_runs(root, []) is None and "earlier_runs" not in _laid_out(tmp_path / "o2", tmp_path / "r2" / "x",
                                                                               ZOOMED).summary()
+
+
+def _earlier_runs_unprivileged(root: Path, names: list[str], conn) -> None:
+    """In a forked child: earlier_runs as a user the folders' permissions apply to (root reads any folder), or what
+    it raised."""
+    from rangefinder.pipelines.local_run import earlier_runs
+
+    if os.geteuid() == 0:
+        os.setgid(65534)
+        os.setuid(65534)  # nobody
+    try:
+        conn.send(earlier_runs(root, [root / name for name in names]))
+    except BaseException as e:  # noqa: BLE001 (sent back: the test's failure names it)
+        conn.send(repr(e))
+
+
+def test_earlier_runs_it_cannot_read_whole_are_counted_as_at_least_and_named(tmp_path):
+    """A run folder, or one inside it, that cannot be listed (its permissions; a failing disk) was left out of the sum
+    without a word: 2 MiB held were said as 1.0 MiB. Folders that are not there (a dangling link) or hold nothing count
+    as they are; nothing raises."""
+    import multiprocessing
+    import shutil
+    import tempfile
+
+    top = Path(tempfile.mkdtemp())  # tmp_path's folders are its owner's alone; `nobody` must reach these
+    try:
+        top.chmod(0o755)
+        root = top / "pipeline-root"
+        for name in ("rangefinder-finetune-1", "rangefinder-finetune-2"):
+            (root / name / "finetune-2").mkdir(parents=True)
+            (root / name / "finetune-2" / "model.safetensors").write_bytes(b"\0" * 2**20)
+        (root / "rangefinder-finetune-3").mkdir()  # a run stopped before its first step wrote anything
+        for path in (root, *root.rglob("*")):
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        (root / "rangefinder-finetune-4").symlink_to(top / "gone")
+        (root / "rangefinder-finetune-2" / "finetune-2").chmod(0)
+        fork = multiprocessing.get_context("fork")
+        ours, theirs = fork.Pipe()
+        child = fork.Process(target=_earlier_runs_unprivileged, args=(root, [f"rangefinder-finetune-{n}" for n in
+                                                                              range(1, 5)], theirs))
+        child.start()
+        child.join(60)
+        assert child.exitcode == 0 and ours.poll(), child.exitcode
+        assert ours.recv() == (
+            f"3 earlier runs' folders under {root}, at least 1.0 MiB in all (their final/ and checkpoints; MLflow "
+            f"keeps its own copy of what they logged; {root}/rangefinder-finetune-2/finetune-2 could not be read: "
+            "Permission denied): remove those you no longer need")
+    finally:
+        (root / "rangefinder-finetune-2" / "finetune-2").chmod(0o755)
+        shutil.rmtree(top)

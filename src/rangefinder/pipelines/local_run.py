@@ -262,17 +262,28 @@ def earlier_runs(root: Path, folders: list[Path]) -> Optional[str]:
     if not folders:
         return None
     size = 0
+    unread: list[OSError] = []
     for folder in folders:
-        for parent, _, files in os.walk(folder):
+        # A folder os.walk cannot list (its permissions, a failing disk) was left out of the sum without a word, which
+        # then understated what the folders hold; one gone meanwhile holds nothing.
+        for parent, _, files in os.walk(folder, onerror=unread.append):
             for name in files:
-                with contextlib.suppress(OSError):
+                try:
                     size += os.lstat(os.path.join(parent, name)).st_size
+                except OSError as e:
+                    unread.append(e)
+    unread = [e for e in unread if not isinstance(e, FileNotFoundError)]
     amount = f"{size / 2**30:.1f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
     one = len(folders) == 1
     runs, their, they = ("run's folder", "its", "it") if one else ("runs' folders", "their", "they")
     remove = "remove it once you no longer need it" if one else "remove those you no longer need"
+    missed = ""
+    if unread:
+        more = f" and {len(unread) - 1} more" if len(unread) > 1 else ""
+        missed = f"; {unread[0].filename}{more} could not be read: {unread[0].strerror}"
+        amount = f"at least {amount}"
     return (f"{len(folders)} earlier {runs} under {root}, {amount} in all ({their} final/ and checkpoints; MLflow "
-            f"keeps its own copy of what {they} logged): {remove}")
+            f"keeps its own copy of what {they} logged{missed}): {remove}")
 
 
 def _new_runs(root: Path, before: set[str], pipeline_name: str) -> list[Path]:
