@@ -287,6 +287,53 @@ def test_the_runs_a_killed_local_run_left_running_are_ended_by_the_next_one(tmp_
     assert tags["rangefinder.final_state"] == "UNKNOWN" and tags["rangefinder.error"] == ABANDONED
 
 
+def test_a_full_disk_outside_training_is_the_step_s_one_line_and_the_local_run_s(shapes_dataset_dir, tmp_path,
+                                                                                monkeypatch, capsys):
+    """prepare-dataset's split on a full disk (a tmpfs of one 4 KiB page: the split's first file fills it, the next
+    write gets the real ENOSPC) ended in a traceback, and the local run said "step prepare-dataset failed: OSError:
+    [Errno 28] No space left on device", naming neither the disk nor the fix. The component's function, in a local
+    run's step environment, ends with the training steps' one line; the runner quotes it as it is."""
+    from kfp.dsl import Dataset, Markdown
+
+    from rangefinder.config import demo_config
+    from rangefinder.pipelines import kfp_components as c
+    from rangefinder.pipelines.local_run import local_step_env
+
+    task = tmp_path / "prepare-dataset"
+    task.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4k", "tmpfs", str(task)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root (CAP_SYS_ADMIN), which CI has")
+    try:
+        for name, value in local_step_env(tmp_path, f"sqlite:///{tmp_path / 'mlflow.db'}").items():
+            monkeypatch.setenv(name, value)
+        cfg = demo_config(data={"dataset_dir": str(shapes_dataset_dir)})
+        with pytest.raises(SystemExit) as stopped:
+            c.prepare_dataset.python_func(config_json=cfg.model_dump_json(),
+                                          split=Dataset(name="split", uri=str(task / "split")),
+                                          report=Markdown(name="report", uri=str(task / "report")))
+        assert not (task / "split" / "split.json").exists()  # no split that looks finished
+    finally:
+        subprocess.run(["umount", str(task)], check=True)
+    assert stopped.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    said = (f"RangefinderError: cannot write the prepare-dataset step's outputs under {task}: disk full (0.00 GiB "
+            f"free on {task}); free some space at {task} or choose another --out, then run the same command again (a "
+            "local pipeline run starts over, in a new pipeline-root/ run folder)")
+    assert line == f"rangefinder step prepare-dataset: error: {said}", line
+    assert failure_summary(_task("prepare-dataset", [line]), "x") == f"step prepare-dataset failed: {said}"
+    # Reading an input the step may not read is no write of its own: it is not said as one.
+    from rangefinder.pipelines.component_support import step_errors
+
+    with pytest.raises(PermissionError), step_errors("prepare-dataset", Dataset(name="split", uri=str(task / "split"))):
+        raise PermissionError(13, "Permission denied", str(shapes_dataset_dir / "0.png"))
+    # A full disk elsewhere (a cache, a converted model) is named where it is, not as the task's outputs.
+    cache = tmp_path / "cache"
+    with pytest.raises(SystemExit), step_errors("resolve-config", Markdown(name="report", uri=str(task / "report"))):
+        raise OSError(28, "No space left on device", str(cache / "model.safetensors"))
+    assert f"error: RangefinderError: cannot write the resolve-config step's file model.safetensors under {cache}: " \
+           "disk full (" in capsys.readouterr().err
+
+
 def test_a_full_disk_in_a_local_run_s_training_names_the_command_that_goes_on(tmp_path, monkeypatch):
     """A full disk at a fine-tune's checkpoint inside `run --local` (reproduced on a tmpfs of 24 MiB: checkpoint 8
     of the fine-tune, 4 intact) ended "then run again with --resume (another --out starts anew)": `run --local` takes

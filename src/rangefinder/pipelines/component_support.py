@@ -1,16 +1,58 @@
-"""What the KFP components' bodies share, in a module of its own: a body imports it in the step's process, where
-importing rangefinder.pipelines.kfp_components would build every component again (~0.2 s a step)."""
+"""What the KFP components' bodies share (their errors in one line, their metrics), in a module of its own: a body
+imports it in the step's process, where importing rangefinder.pipelines.kfp_components would build every component
+again (~0.2 s a step)."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import math
-from collections.abc import Mapping
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from safetensors import SafetensorError
+
+from rangefinder.errors import one_line_errors
 from rangefinder.formats.text import warn
+from rangefinder.training.disk import disk_problem, write_errno
 
 if TYPE_CHECKING:
-    from kfp.dsl import Metrics
+    from kfp.dsl import Artifact, Metrics
+
+
+# What only a write raises: said as a refused write wherever it was (write() names no file). Permission denied or a
+# file in the way only where the path is under the task's folder: reading an input raises those too.
+_ONLY_WRITES = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, -1)  # -1: torch.save's failed write
+
+
+@contextlib.contextmanager
+def step_errors(step: str, output: Artifact) -> Iterator[None]:
+    """A component's step, its errors in one line (rangefinder.errors.one_line_errors), and a write the file system
+    refused (a full disk, a quota, a read-only volume) said as the training steps' own writes say it
+    (training.disk.disk_problem, under the task's folder, where `output`, one of its output artifacts, lies: the
+    free space, the fix, and in a local run the command to run again). Outside the engine such a write reached the
+    log as an OSError's traceback, which a local run quoted as "OSError: [Errno 28] No space left on device", naming
+    neither the disk nor what to do."""
+    folder = Path(output.path).parent
+    with one_line_errors(step):
+        try:
+            yield
+        except (OSError, SafetensorError, RuntimeError) as e:
+            named = getattr(e, "filename", None)
+            path = Path(os.fsdecode(named)).absolute() if isinstance(named, (str, bytes, os.PathLike)) else None
+            if path is not None and path.is_relative_to(folder.absolute()):
+                problem = disk_problem(f"the {step} step's outputs", folder, e)
+            elif write_errno(e) not in _ONLY_WRITES:
+                raise
+            elif path is None:  # write() names no file: the task's own outputs are what it writes
+                problem = disk_problem(f"the {step} step's outputs", folder, e)
+            else:  # a write elsewhere (a cache, a converted model), named where it was
+                problem = disk_problem(f"the {step} step's file {path.name}", path.parent, e)
+            if problem is None:
+                raise
+            raise problem from None
 
 
 def log_step_metrics(metrics: Metrics, values: Mapping[str, float]) -> None:

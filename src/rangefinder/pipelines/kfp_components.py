@@ -120,10 +120,10 @@ def resolve_config(
     from collections import namedtuple
     from pathlib import Path
 
-    from rangefinder.errors import one_line_errors
+    from rangefinder.pipelines.component_support import step_errors
     from rangefinder.steps.resolve_config import run_resolve_config
 
-    with one_line_errors("resolve-config"):
+    with step_errors("resolve-config", report):
         r = run_resolve_config(
             base_config, dataset_dir=dataset_dir, base_model=base_model, base_model_revision=base_model_revision,
             method=method, lr_finder=lr_finder, resolution=resolution, batch_size=batch_size, grad_accum=grad_accum,
@@ -162,11 +162,11 @@ def prepare_dataset(
     from collections import namedtuple
     from pathlib import Path
 
-    from rangefinder.errors import one_line_errors
+    from rangefinder.pipelines.component_support import step_errors
     from rangefinder.steps.prepare_dataset import run_prepare_dataset
     from rangefinder.steps.resolve_config import load_step_config
 
-    with one_line_errors("prepare-dataset"):
+    with step_errors("prepare-dataset", split):
         r = run_prepare_dataset(
             load_step_config(config_json),
             out_dir=Path(split.path),
@@ -219,12 +219,11 @@ def lr_range_test(
     from collections import namedtuple
     from pathlib import Path
 
-    from rangefinder.errors import one_line_errors
-    from rangefinder.pipelines.component_support import log_step_metrics
+    from rangefinder.pipelines.component_support import log_step_metrics, step_errors
     from rangefinder.steps.lr_range_test import run_lr_range_test
     from rangefinder.steps.resolve_config import load_step_config
 
-    with one_line_errors("lr-range-test"):
+    with step_errors("lr-range-test", curve):
         r = run_lr_range_test(
             load_step_config(config_json),
             split_dir=Path(split.path),
@@ -274,12 +273,11 @@ def prodigy_step_size(
     from collections import namedtuple
     from pathlib import Path
 
-    from rangefinder.errors import one_line_errors
-    from rangefinder.pipelines.component_support import log_step_metrics
+    from rangefinder.pipelines.component_support import log_step_metrics, step_errors
     from rangefinder.steps.prodigy_step_size import run_prodigy_step_size
     from rangefinder.steps.resolve_config import load_step_config
 
-    with one_line_errors("prodigy-step-size"):
+    with step_errors("prodigy-step-size", curve):
         r = run_prodigy_step_size(
             load_step_config(config_json),
             split_dir=Path(split.path),
@@ -326,11 +324,11 @@ def choose_lr(
     from collections import namedtuple
     from pathlib import Path
 
-    from rangefinder.errors import one_line_errors
+    from rangefinder.pipelines.component_support import step_errors
     from rangefinder.steps.choose_lr import run_choose_lr
     from rangefinder.steps.resolve_config import load_step_config
 
-    with one_line_errors("choose-lr"):
+    with step_errors("choose-lr", decision):
         r = run_choose_lr(load_step_config(config_json), source=source, lr_low=lr_low, lr_high=lr_high, lr_mid=lr_mid,
                           decision_path=Path(decision.path), updates=updates, factor=factor)
     ChosenLR = namedtuple("ChosenLR", "lr_low lr_high lr_mid source")
@@ -390,12 +388,11 @@ def finetune(
     from collections import namedtuple
     from pathlib import Path
 
-    from rangefinder.errors import one_line_errors
-    from rangefinder.pipelines.component_support import log_step_metrics
+    from rangefinder.pipelines.component_support import log_step_metrics, step_errors
     from rangefinder.steps.finetune import run_finetune
     from rangefinder.steps.resolve_config import load_step_config
 
-    with one_line_errors("finetune"):
+    with step_errors("finetune", model):
         r = run_finetune(
             load_step_config(config_json),
             split_dir=Path(split.path),
@@ -448,12 +445,11 @@ def retrain_full(
     from collections import namedtuple
     from pathlib import Path
 
-    from rangefinder.errors import one_line_errors
-    from rangefinder.pipelines.component_support import log_step_metrics
+    from rangefinder.pipelines.component_support import log_step_metrics, step_errors
     from rangefinder.steps.resolve_config import load_step_config
     from rangefinder.steps.retrain_full import run_retrain_full
 
-    with one_line_errors("retrain-full"):
+    with step_errors("retrain-full", model):
         r = run_retrain_full(
             load_step_config(config_json),
             split_dir=Path(split.path),
@@ -492,11 +488,11 @@ def sample_images(
     """
     from pathlib import Path
 
-    from rangefinder.errors import one_line_errors
+    from rangefinder.pipelines.component_support import step_errors
     from rangefinder.steps.resolve_config import load_step_config
     from rangefinder.steps.sample_images import run_sample_images
 
-    with one_line_errors("sample-images"):
+    with step_errors("sample-images", images):
         run_sample_images(
             load_step_config(config_json),
             finetuned_dir=Path(finetuned.path),
@@ -536,11 +532,11 @@ def register_model(
     from collections import namedtuple
     from pathlib import Path
 
-    from rangefinder.errors import one_line_errors
+    from rangefinder.pipelines.component_support import step_errors
     from rangefinder.steps.register_model import run_register_model
     from rangefinder.steps.resolve_config import load_step_config
 
-    with one_line_errors("register-model"):
+    with step_errors("register-model", result):
         r = run_register_model(load_step_config(config_json), model_dir=Path(model.path), lr=lr, epochs=epochs,
                                mlflow_parent_run_id=mlflow_parent_run_id or None, result_md=Path(result.path))
     Registered = namedtuple("Registered", "model_uri version")
