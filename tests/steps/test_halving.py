@@ -404,15 +404,17 @@ def test_an_odd_fine_tune_races_to_half_its_updates_rounded_up_and_lr_below_only
     assert all((c.status, c.updates, c.best_update) == ("paused", 2, 2) for c in race.candidates.values())
 
 
-def test_a_server_gone_before_the_race_makes_the_candidates_runs_when_it_answers(split_dir, tiny_model_dir, tmp_path,
-                                                                                  monkeypatch, one_thread):
+def test_a_server_gone_before_the_race_makes_the_candidates_and_the_cooldown_s_runs_when_it_answers(
+        split_dir, tiny_model_dir, tmp_path, monkeypatch, one_thread):
     """A real `mlflow server` stopped as the fine-tune opens its first candidate's child run: the run could not be
     made (MLflow gives a run its id), and the step failed with MLflow's error once the fine-tune had trained to the
     race. The step goes on (README, "A server that stops answering mid-run"); each candidate's run is made from its
     spool when the server answers (here `rangefinder relog`, which sends the fine-tune's spool and, for its tags on a
     candidate, the candidate's first), holding its curve, its tags and the outcome the fine-tune gave it through its
     outbox (it asked the server for the candidates' runs there, and failed the step with MLflow's own error, a server
-    gone after the race too)."""
+    gone after the race too). The cooldown (finetune.cooldown on) trains with the server still away: its child run is
+    made from its spool too, with its tags, its param and its curve to the recommended length, and the fine-tune's
+    run holds what it measured."""
     from mlflow import MlflowClient
 
     from rangefinder.cli.main import main as cli_main
@@ -431,9 +433,12 @@ def test_a_server_gone_before_the_race_makes_the_candidates_runs_when_it_answers
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "0")
     uri, server = start_mlflow_server(tmp_path / "server")
-    cfg = _cfg(tiny_model_dir, tmp_path, epochs=2).model_copy(deep=True)  # 8 updates, the race to 4
+    cfg = _cfg(tiny_model_dir, tmp_path, epochs=2, cooldown="on", average="off").model_copy(deep=True)  # race to 4 of 8
     cfg.tracking.tracking_uri, cfg.tracking.server_wait_seconds = uri, 0.0
     cfg.sampling.every_validations = None
+    # A validation every update, at 2 timesteps, the stabilize subset at every 4th: 9 points, so the fine-tune finds
+    # a step window, whose length the cooldown trains again (at every epoch it read no window: no cooldown).
+    cfg.validation.every_updates, cfg.validation.stabilize_every, cfg.validation.timesteps = 1, 4, 2
     open_candidate = halving._candidate_run
 
     def candidate_run_with_the_server_gone(*args, **kwargs):  # the real child run, once the server has stopped
@@ -448,9 +453,10 @@ def test_a_server_gone_before_the_race_makes_the_candidates_runs_when_it_answers
                               report_md=tmp_path / "finetune.md", mlflow_parent_run_id=parent)
     finally:
         stop_mlflow_server(server)
-    assert result.halving is not None
+    assert result.halving is not None and result.chosen is not None
+    cooled = result.chosen["cooldown"]
     spools = [read_spool(s) for s in (tmp_path / "spool").glob("*.jsonl")]
-    assert sum(spool.header["run_id"].startswith(PENDING) for spool in spools) == 2
+    assert sum(spool.header["run_id"].startswith(PENDING) for spool in spools) == 3  # the candidates, the cooldown
     assert sum(r["kind"] == "tags" and "halving.outcome" in r["tags"] for spool in spools for r in spool.records) == 2
     _, server = start_mlflow_server(tmp_path / "server", port=int(uri.rsplit(":", 1)[1]))
     try:
@@ -461,6 +467,10 @@ def test_a_server_gone_before_the_race_makes_the_candidates_runs_when_it_answers
         curves = {r.data.tags["halving.candidate"]: client.get_metric_history(r.info.run_id,
                                                                              curve_metric_name("val_loss"))
                   for r in children}
+        (cooldown,) = client.search_runs([client.get_run(parent).info.experiment_id],
+                                         filter_string="tags.`rangefinder.step` = 'finetune_cooldown'")
+        cooldown_curve = client.get_metric_history(cooldown.info.run_id, curve_metric_name("val_loss"))
+        finetune_run_metrics = client.get_run(cooldown.data.tags["mlflow.parentRunId"]).data.metrics
     finally:
         stop_mlflow_server(server)
     assert not list((tmp_path / "spool").glob("*.jsonl"))
@@ -471,6 +481,11 @@ def test_a_server_gone_before_the_race_makes_the_candidates_runs_when_it_answers
         name: "kept" if name == kept else "dropped" for name in ("lr_mid", "lr_high")}
     assert all(r.info.status == "FINISHED" and r.info.run_name.endswith(")") for r in children)
     assert all(max(m.step for m in curve) == 4 for curve in curves.values()), curves  # each to the pause
+    assert cooldown.data.tags["mlflow.parentRunId"] in finetune_run and cooldown.info.status == "FINISHED"
+    assert (cooldown.data.tags["cooldown"], cooldown.data.params["lr"]) == ("true", str(cooled["lr"]))
+    assert cooldown.data.tags["mlflow.note.content"].startswith("The fine-tune's cooldown")
+    assert [m.value for m in cooldown_curve if m.step == cooled["total_updates"]] == [cooled["val_loss"]]
+    assert finetune_run_metrics["cooldown_val_loss"] == cooled["val_loss"]
 
 
 def test_halving_runs_only_where_there_are_two_constant_lrs_to_compare():
