@@ -292,7 +292,8 @@ def test_a_full_disk_outside_training_is_the_step_s_one_line_and_the_local_run_s
     """prepare-dataset's split on a full disk (a tmpfs of one 4 KiB page: the split's first file fills it, the next
     write gets the real ENOSPC) ended in a traceback, and the local run said "step prepare-dataset failed: OSError:
     [Errno 28] No space left on device", naming neither the disk nor the fix. The component's function, in a local
-    run's step environment, ends with the training steps' one line; the runner quotes it as it is."""
+    run's step environment, ends with the training steps' one line; the runner quotes it as it is. So does a training
+    step's copy of its finished run into its artifact on that disk."""
     from kfp.dsl import Dataset, Markdown
 
     from rangefinder.config import demo_config
@@ -312,18 +313,31 @@ def test_a_full_disk_outside_training_is_the_step_s_one_line_and_the_local_run_s
                                           split=Dataset(name="split", uri=str(task / "split")),
                                           report=Markdown(name="report", uri=str(task / "report")))
         assert not (task / "split" / "split.json").exists()  # no split that looks finished
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        # A training step's finished run, copied from the work volume into its artifact (steps.workdir.publish), on
+        # the same full disk: shutil.copytree's Error carries no errno of its own, and was a traceback.
+        from kfp.dsl import Model
+
+        from rangefinder.pipelines.component_support import step_errors
+        from rangefinder.steps.workdir import publish
+
+        work = tmp_path / "work" / "finetune"
+        work.mkdir(parents=True)
+        (work / "model.safetensors").write_bytes(b"\0" * 16384)
+        with pytest.raises(SystemExit), step_errors("finetune", Model(name="model", uri=str(task / "model"))):
+            publish(work, task / "model")
+        (copied,) = capsys.readouterr().err.strip().splitlines()
     finally:
         subprocess.run(["umount", str(task)], check=True)
     assert stopped.value.code == 2
-    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert copied.startswith(f"rangefinder step finetune: error: RangefinderError: cannot write the finetune step's "
+                             f"outputs under {task}: disk full ("), copied
     said = (f"RangefinderError: cannot write the prepare-dataset step's outputs under {task}: disk full (0.00 GiB "
             f"free on {task}); free some space at {task} or choose another --out, then run the same command again (a "
             "local pipeline run starts over, in a new pipeline-root/ run folder)")
     assert line == f"rangefinder step prepare-dataset: error: {said}", line
     assert failure_summary(_task("prepare-dataset", [line]), "x") == f"step prepare-dataset failed: {said}"
     # Reading an input the step may not read is no write of its own: it is not said as one.
-    from rangefinder.pipelines.component_support import step_errors
-
     with pytest.raises(PermissionError), step_errors("prepare-dataset", Dataset(name="split", uri=str(task / "split"))):
         raise PermissionError(13, "Permission denied", str(shapes_dataset_dir / "0.png"))
     # A full disk elsewhere (a cache, a converted model) is named where it is, not as the task's outputs.

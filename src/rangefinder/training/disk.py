@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Optional
@@ -36,7 +37,12 @@ _TORCH_WRITE_FAILED = re.compile(r"file write failed|iostream error|unexpected p
 
 def write_errno(e: BaseException) -> Optional[int]:
     """The errno of a failed write: OSError carries it; safetensors (SafetensorError) and torch.save (RuntimeError)
-    only name it in their message, as "(os error 28)", or not at all (_TORCH_WRITE_FAILED: -1 here)."""
+    only name it in their message, as "(os error 28)", or not at all (_TORCH_WRITE_FAILED: -1 here); shutil.copytree
+    (shutil.Error, errno None) in the reason of its first failed file, as "[Errno 28] No space left on device"."""
+    if isinstance(e, shutil.Error):
+        rows = e.args[0] if e.args and isinstance(e.args[0], list) else []
+        m = re.search(r"\[Errno (\d+)\]", str(rows[0][-1])) if rows and isinstance(rows[0], tuple) else None
+        return int(m.group(1)) if m else None
     if isinstance(e, OSError):
         return e.errno
     if not isinstance(e, (SafetensorError, RuntimeError)):
