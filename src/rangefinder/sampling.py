@@ -42,6 +42,7 @@ from rangefinder.models.loading import (
     parts_not_in_single_file,
     pipeline_call_kwargs,
     predict_as_the_file_says,
+    refuse_shipped_code,
 )
 from rangefinder.training.family_detection import detect_family, guidance_scale_in
 
@@ -315,7 +316,9 @@ def export_pipeline(weights: Path, base_model: Path, out_dir: Path, variant: Opt
     weights, out_dir = Path(weights), Path(out_dir)
     column = resolve_column(weights)
     if column.kind == "pipeline":
+        refuse_shipped_code(weights, f"model {weights}")  # registered as it is: loaded wherever it is served
         return weights
+    refuse_shipped_code(Path(base_model), f"base model {base_model}")
     pipe = load_column_pipeline(column, Path(base_model), device="cpu", variant=variant)
     if column.kind == "lora":
         # Bake the adapters into the base weights, then drop the adapter layers: a plain pipeline remains.
@@ -519,6 +522,11 @@ def render_grid(
             fixed.append(c if n == 0 else GridColumn(f"{c.label} ({n + 1})", c.path, c.kind, c.token))
         columns = fixed
     base = Path(base_model) if base_model is not None else columns[0].path
+    for c in columns:  # no folder's own code runs, whichever column or base model names it
+        if c.kind == "pipeline":
+            refuse_shipped_code(c.path, f"column {c.label} ({c.path})")
+    if (base / "model_index.json").is_file() and all(c.path != base for c in columns):
+        refuse_shipped_code(base, f"base model {base}")
     if any(c.kind != "pipeline" for c in columns):
         if not (base / "model_index.json").is_file():
             raise ConfigError(

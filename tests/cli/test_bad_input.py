@@ -640,6 +640,61 @@ def test_a_runs_folder_as_a_sample_column_names_the_models_in_it(tmp_path, tiny_
     assert not out.exists()
 
 
+def test_a_model_folder_that_ships_code_is_refused_by_sample_export_and_register(tmp_path, tiny_model_dir,
+                                                                                  monkeypatch):
+    """Only training's base model was checked for code shipped in its folder (models/loading.py
+    refuse_shipped_code): `sample --model` and `--checkpoints`, export_pipeline (a full fine-tune's folder registered as
+    it is, or the base model an embedding goes onto) and `register` loaded or logged such a folder, where diffusers
+    named unet/evil.py in a traceback-free but misleading "damaged checkpoint" line, and an older diffusers imported
+    it. Each is one line now, before anything is loaded, written or logged, and the planted code never runs."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from rangefinder.errors import ConfigError
+    from rangefinder.sampling import export_pipeline
+
+    planted, marker = tmp_path / "model", tmp_path / "code-ran"
+    shutil.copytree(tiny_model_dir, planted)
+    code = (f"open({str(marker)!r}, 'w')\n"
+            "from diffusers import UNet2DConditionModel\nfrom transformers import CLIPTokenizer\n")
+    for part in ("unet", "tokenizer"):
+        (planted / part / "evil.py").write_text(code)
+    index = json.loads((planted / "model_index.json").read_text())
+    (planted / "model_index.json").write_text(json.dumps({**index, "unet": ["evil", "UNet2DConditionModel"]}))
+    tokenizer_config = planted / "tokenizer" / "tokenizer_config.json"
+    tokenizer_config.write_text(json.dumps({**json.loads(tokenizer_config.read_text()),
+                                            "auto_map": {"AutoTokenizer": ["evil.CLIPTokenizer", None]}}))
+    shipped = ("loads parts with code shipped in the folder (unet/evil.py, tokenizer/tokenizer_config.json "
+               "(auto_map)), and rangefinder never runs code from a model; pass a model saved by diffusers' own "
+               "classes (its save_pretrained) without that code")
+    out = tmp_path / "grid"
+    line = assert_one_line_error(in_process("sample", "--model", str(planted), "--out", str(out), "--steps", "1"))
+    assert line == f"rangefinder sample: error: --model: {planted} {shipped}"
+    line = assert_one_line_error(in_process("sample", "--model", str(tiny_model_dir), "--checkpoints", str(planted),
+                                            "--out", str(out), "--steps", "1"))
+    assert line == f"rangefinder sample: error: column model ({planted}) {shipped}"
+    assert not out.exists()
+
+    config = tmp_path / "config.yaml"
+    config.write_text("{}\n")
+    monkeypatch.chdir(tmp_path)  # a register that went on would make its local ./mlflow.db here
+    line = assert_one_line_error(in_process("register", str(planted), "--config", str(config), "--lr", "1e-4",
+                                            "--epochs", "1"))
+    assert line == f"rangefinder register: error: the delivered model {planted} {shipped}"
+
+    with pytest.raises(ConfigError) as e:
+        export_pipeline(planted, tiny_model_dir, tmp_path / "export")
+    assert str(e.value) == f"model {planted} {shipped}"
+    embedding = tmp_path / "embedding.safetensors"  # diffusers' learned_embeds: {token: (vectors, dim)}
+    save_file({"<shape>": torch.zeros(1, 32)}, str(embedding))
+    with pytest.raises(ConfigError) as e:
+        export_pipeline(embedding, planted, tmp_path / "export")
+    assert str(e.value) == f"base model {planted} {shipped}"
+    assert not (tmp_path / "export").exists() and not marker.exists()
+
+
 @pytest.mark.parametrize("content", [b"a red circle\nun cercle bleu \xe9\n", None], ids=["latin-1", "a-folder"])
 def test_a_prompts_file_that_is_not_utf8_text_or_is_a_folder_is_one_line(content, tmp_path, tiny_model_dir):
     prompts = tmp_path / "prompts.txt"

@@ -715,7 +715,7 @@ def test_a_folder_that_names_code_of_its_own_is_refused_before_anything_loads(ti
         with pytest.raises(ConfigError) as e:
             resolve_base_model(cfg)
         assert str(e.value) == (f"model.base_model: {folder} loads parts with code shipped in the folder "
-                                "(unet/layers.py), and rangefinder never runs code from a base model; pass a model "
+                                "(unet/layers.py), and rangefinder never runs code from a model; pass a model "
                                 "saved by diffusers' own classes (its save_pretrained) without that code")
     assert not marker.exists()
 

@@ -154,7 +154,8 @@ def resolve_base_model(model_cfg: ModelConfig) -> ResolvedModel:
     if model_cfg.resolved_dir:
         done = Path(model_cfg.resolved_dir)
         if _missing_parts(done) == []:  # resolved by the pipeline's first step, and visible here
-            _refuse_code(done, str(done))  # again: a folder on the data volume may have changed since
+            # Checked again: a folder on the data volume may have changed since.
+            refuse_shipped_code(done, f"model.base_model: {done}")
             return ResolvedModel(done, kind, describe_base_model(model_cfg), model_cfg.resolved_revision)
     name = model_cfg.base_model
     if name is None:
@@ -260,7 +261,7 @@ def _check_folder(folder: Path, what: str, variant: Optional[str] = None) -> Non
             "text_encoder_2/ and tokenizer_2/)"
         )
     layout = FAMILY_LAYOUTS[detect_family(folder)]  # a pipeline class rangefinder does not train: say so now
-    _refuse_code(folder, what)
+    refuse_shipped_code(folder, f"model.base_model: {what}")
     for part, _ in layout.classes:  # weights the load would not find (an fp16-only download): said now, not by the
         problem = _weights_missing(folder / part, variant or sole_variant(folder / part)) if _has_weights(part) \
             else None  # step that loads them
@@ -307,13 +308,14 @@ def _folder_above_or_inside(folder: Path) -> Optional[str]:
 AUTO_MAP_FILES = ("config.json", "tokenizer_config.json")
 
 
-def _refuse_code(folder: Path, what: str) -> None:
-    """ConfigError where the folder names code of its own to load a part with: loading a base model never runs code
-    from it, as a pickle is refused for that reason. model_index.json's `[library, class]` of a part whose folder
-    holds `<library>.py` is diffusers' custom component, which older diffusers releases import without asking (0.42,
-    in constraints.txt, refuses it unless told trust_remote_code); an `auto_map` in a part's config or tokenizer
-    config is transformers' custom code, which its AutoTokenizer (SD3's and Flux's T5 tokenizer) asks about on a
-    terminal. Whoever can write the data volume or owns the hub repo writes these files."""
+def refuse_shipped_code(folder: Path, what: str) -> None:
+    """ConfigError where the diffusers folder `folder` names code of its own to load a part with, `what` (the setting
+    or column, and the folder) leading its line: rangefinder never runs code from a model, whether it trains on it,
+    samples it, exports or registers it, as a pickle is refused for that reason. model_index.json's `[library, class]`
+    of a part whose folder holds `<library>.py` is diffusers' custom component, which older diffusers releases import
+    without asking (0.42, in constraints.txt, refuses it unless told trust_remote_code); an `auto_map` in a part's
+    config or tokenizer config is transformers' custom code, which its AutoTokenizer (SD3's and Flux's T5 tokenizer)
+    asks about on a terminal. Whoever can write the data volume or owns the hub repo writes these files."""
     index = json.loads((folder / "model_index.json").read_text())
     named = [f"{part}/{entry[0]}.py" for part, entry in index.items()
              if not part.startswith("_") and isinstance(entry, list) and len(entry) == 2
@@ -322,9 +324,8 @@ def _refuse_code(folder: Path, what: str) -> None:
               for name in AUTO_MAP_FILES if _has_auto_map(part / name)]
     if named:
         raise ConfigError(
-            f"model.base_model: {what} loads parts with code shipped in the folder ({', '.join(named)}), and "
-            "rangefinder never runs code from a base model; pass a model saved by diffusers' own classes (its "
-            "save_pretrained) without that code"
+            f"{what} loads parts with code shipped in the folder ({', '.join(named)}), and rangefinder never runs "
+            "code from a model; pass a model saved by diffusers' own classes (its save_pretrained) without that code"
         )
 
 

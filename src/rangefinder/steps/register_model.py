@@ -152,6 +152,10 @@ def run_register_model(cfg: RangefinderConfig, *, model_dir: Path, lr: float, ep
                        f"at lr {lr:.3g}, without validation." if retrained else
                        f"The fine-tune's final weights after {epochs} epochs at lr {lr:.3g} (no validated "
                        "checkpoint to choose from).")
+    if (weights / "model_index.json").is_file():  # logged as it is, before any run starts: the export checks its own
+        from rangefinder.models.loading import refuse_shipped_code
+
+        refuse_shipped_code(weights, f"the delivered model {weights}")
     with tempfile.TemporaryDirectory(prefix="rangefinder-register-") as scratch:
         if not (weights / "model_index.json").is_file():
             # LoRA and textual inversion deliver a small file; the registry gets a whole pipeline that generates

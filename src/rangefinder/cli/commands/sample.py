@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> dict:
 
     from rangefinder.config import ModelConfig, SamplingConfig
     from rangefinder.errors import ConfigError
-    from rangefinder.models.loading import resolve_base_model
+    from rangefinder.models.loading import refuse_shipped_code, resolve_base_model
     from rangefinder.sampling import GridColumn, read_prompts, render_grid
 
     d = SamplingConfig()
@@ -74,7 +74,9 @@ def run(args: argparse.Namespace) -> dict:
     if args.single_file_config and Path(args.model).expanduser().is_dir():
         raise ConfigError(f"--single-file-config is for a --model that is a single .safetensors file; {args.model} is "
                           "a folder, whose own configs give its architecture: drop --single-file-config")
-    if not (Path(args.model).expanduser() / "model_index.json").is_file():
+    if (Path(args.model).expanduser() / "model_index.json").is_file():
+        refuse_shipped_code(Path(args.model).expanduser(), f"--model: {args.model}")
+    else:
         # A single file or a hub id, resolved to a diffusers folder as `train --model` resolves it (a file converted
         # once into the rangefinder cache); anything else is refused there, naming what to pass.
         try:
