@@ -91,6 +91,58 @@ def test_a_single_file_config_of_another_family_is_refused_before_converting(tin
                                        cache_dir=str(tmp_path / "cache")))
 
 
+def _convert_offline_set_after_import(bare: Path, cache: Path, report) -> None:
+    """In a forked child: convert `bare` with HF_HUB_OFFLINE set after huggingface_hub read it on its import, as a
+    notebook sets it, every connection and name lookup refused and noted; sends (the outcome, what was tried)."""
+    import os
+    import socket
+
+    from huggingface_hub import constants
+
+    tried: list[str] = []
+
+    def refuse(*args, **kwargs):
+        tried.append(repr(args[:2])[:200])
+        raise OSError("this test allows no network")
+
+    socket.socket.connect = socket.socket.connect_ex = refuse
+    socket.getaddrinfo = refuse
+    constants.HF_HUB_OFFLINE = False  # as huggingface_hub read it on its import, before the variable was set
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    try:
+        resolve_base_model(ModelConfig(base_model=str(bare), cache_dir=str(cache)))
+        report.send(("converted", tried))
+    except ConfigError as e:
+        report.send((str(e), tried))
+
+
+def test_a_bare_file_is_converted_without_a_connection_when_hf_hub_offline_is_set_after_import(tiny_model_dir,
+                                                                                                 tmp_path):
+    """huggingface_hub reads HF_HUB_OFFLINE once, on its import; rangefinder reads it when it loads (hub_offline).
+    diffusers' from_single_file, for a file that names no architecture, downloads its family's configs though told
+    local_files_only where none are cached, so a process that set the variable after the import (a notebook, a
+    second main()) went to huggingface.co, though the run was offline. It asks the hub nothing now, and says in one
+    line what to set."""
+    import multiprocessing
+
+    from rangefinder.formats.single_file import export_full
+
+    bare = export_full(tiny_model_dir, tmp_path / "bare.safetensors")
+    ours, theirs = multiprocessing.get_context("fork").Pipe(duplex=False)
+    child = multiprocessing.get_context("fork").Process(target=_convert_offline_set_after_import,
+                                                        args=(bare, tmp_path / "cache", theirs))
+    child.start()
+    assert ours.poll(60), "the child sent nothing"
+    outcome, tried = ours.recv()
+    child.join(10)
+    assert tried == [], tried
+    assert outcome.startswith(f"model.base_model: cannot convert the checkpoint {bare}: "), outcome
+    assert "HF_HUB_OFFLINE" in outcome and outcome.endswith(
+        "set model.single_file_config to a local diffusers folder of the same architecture (diffusers otherwise "
+        "fetches one from the hub)"), outcome
+    assert "\n" not in outcome and not any((tmp_path / "cache").glob("base-models/*/model_index.json"))
+
+
 def test_a_single_file_config_of_a_unet_family_for_a_transformer_file_names_both_families(tiny_flux_dir,
                                                                                           tiny_model_dir, tmp_path):
     """A Flux (or SD3) file with an SD 1.x folder as its architecture was told the folder "is not a diffusers folder

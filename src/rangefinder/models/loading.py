@@ -523,7 +523,7 @@ def _convert_single_file(path: Path, config: Optional[Path], out: Path, family: 
         kwargs.update(parts_not_in_single_file(path, config, family))
     pipeline_class: Any = getattr(diffusers, layout.pipeline)
     try:
-        with _without_the_offline_config_notice():
+        with _without_the_offline_config_notice(), _hub_offline_while_set():
             pipe = pipeline_class.from_single_file(str(path), **kwargs)
     except Exception as e:  # diffusers raises many kinds here (missing keys, hub errors, shape mismatches)
         hint = (
@@ -555,6 +555,26 @@ def _without_the_offline_config_notice() -> Iterator[None]:
         yield
     finally:
         logger.removeFilter(notice)
+
+
+@contextlib.contextmanager
+def _hub_offline_while_set() -> Iterator[None]:
+    """huggingface_hub offline while inside where hub_offline() says so now. huggingface_hub reads HF_HUB_OFFLINE
+    once, at its import, into `constants.HF_HUB_OFFLINE`, which its every request reads back (is_offline_mode, in
+    the request hook of its HTTP session); a process that set the variable after (a notebook, a second `main()`) was
+    offline for rangefinder but not for the library, and diffusers' from_single_file, which downloads the configs of
+    a file's architecture though told local_files_only where none are cached, went to the hub. Inside, a request is
+    refused before it connects, as in a process started with HF_HUB_OFFLINE=1."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE or not hub_offline():
+        yield
+        return
+    constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        constants.HF_HUB_OFFLINE = False
 
 
 def parts_not_in_single_file(path: Path, config: Path, family: str, dtype: Any = None) -> dict[str, Any]:
