@@ -178,6 +178,27 @@ def test_the_plans_warnings_and_cancelling_settings_are_printed(split_dir, tiny_
     assert any("validation.every_epochs (2) is not used" in w for w in warnings), err
 
 
+def test_a_copied_summary_s_training_resume_does_not_go_on_in_a_folder_holding_a_run(split_dir, tmp_path, capsys):
+    """A pipeline step's run_summary.json holds training.resume: true, which the step sets so that a retried pod goes
+    on from its checkpoint. Its `training` section copied into a config for `rangefinder train` into a folder that
+    held a run went on without --resume or its check: from the run's checkpoint, or, with none left, from update 0
+    over the run's final/ and summary. `train` resumes with --resume only, and names the copy's as not used."""
+    out = tmp_path / "out"
+    (out / "final").mkdir(parents=True)
+    earlier = '{"status": "ok", "updates": 4}'
+    (out / "run_summary.json").write_text(earlier)
+    config = tmp_path / "copy.yaml"
+    config.write_text(yaml.safe_dump({"training": {"resume": True, "epochs": 1}}))
+    rc = main(["train", "--data", str(split_dir), "--out", str(out), "--config", str(config)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 2, err
+    assert err[0] == ("rangefinder: warning: ignored by `rangefinder train`: training.resume (`rangefinder train` "
+                      "resumes with --resume only, which checks the output folder holds a run to resume)"), err
+    assert err[1] == (f"rangefinder train: error: output folder {out} already holds a run; pass --resume "
+                      "(training.resume) to continue it, or choose an empty folder"), err
+    assert (out / "run_summary.json").read_text() == earlier and not (out / "metrics.csv").exists()
+
+
 @pytest.mark.parametrize("holds", ["nothing", "a lock file", "an updates.csv"])
 def test_resume_on_a_folder_that_holds_no_run_is_refused(holds, split_dir, tmp_path, capsys):
     """--resume on a folder with no checkpoint (empty, only a lock file left by a probe, a run stopped before its

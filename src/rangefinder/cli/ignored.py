@@ -64,6 +64,8 @@ TRAIN = (
            "they apply to the pipeline: `run`, `compile`, `submit`, `schedule`; `train` trains at training.lr for "
            "training.epochs or training.steps"),
     Unused(("tracking",), "`rangefinder train` logs to no MLflow server; its curve is OUT/metrics.csv"),
+    Unused(("training.resume",), "`rangefinder train` resumes with --resume only, which checks the output folder "
+                                 "holds a run to resume"),
     Unused(("kubernetes",), "pod settings of the pipeline: `compile`, `submit`, `schedule`"),
     RESOLVED,
     MULTI_NODE,

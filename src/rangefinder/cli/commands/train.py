@@ -96,8 +96,6 @@ def settings_from_args(args: argparse.Namespace):
         t["steps"] = None  # a flag budget replaces the file's budget of the other kind
     if args.steps is not None:
         t["epochs"] = None
-    if args.resume:
-        t["resume"] = True
     if args.validate_every_epochs is not None:
         v["every_epochs"] = args.validate_every_epochs
         v.setdefault("every_updates", None)
@@ -110,6 +108,9 @@ def settings_from_args(args: argparse.Namespace):
     # Only the sections given: a section the file or a flag gave is in cfg.model_fields_set.
     cfg = load_config(args.config, {name: section for name, section in overrides.items() if section})
     warn_ignored("train", ignored_by_train(cfg))
+    # --resume alone resumes, after checking there is a run to resume: a pipeline step's run_summary.json holds the
+    # training.resume its step set, and a copy of it continued, or overwrote, the run it found in the output folder.
+    cfg = cfg.model_copy(update={"training": cfg.training.model_copy(update={"resume": bool(args.resume)})})
     # What an earlier run resolved its base model to (a copied config.yaml holds it) is not this run's: it trained
     # that folder whatever model.base_model or --model said.
     cfg = cfg.unresolved()
