@@ -348,6 +348,35 @@ def test_a_full_disk_outside_training_is_the_step_s_one_line_and_the_local_run_s
            "disk full (" in capsys.readouterr().err
 
 
+def test_a_full_disk_in_a_step_on_a_cluster_names_no_command_option(tmp_path, monkeypatch, capsys):
+    """A pod's step on a full volume was told to "choose another --out" and, with a checkpoint there, to "run again
+    with --resume": a pipeline step has neither. Outside a local run (whose own words stand: the test above) a step
+    says to give it a larger volume and retry the run, and so do the processes it launches (the environment, set
+    only while the step runs)."""
+    from kfp.dsl import Model
+
+    from rangefinder.formats import checkpoints
+    from rangefinder.pipelines.component_support import step_errors
+    from rangefinder.training.disk import AGAIN_ENV, ELSEWHERE_ENV, disk_problem
+
+    for name in (AGAIN_ENV, ELSEWHERE_ENV):
+        monkeypatch.delenv(name, raising=False)
+    task = tmp_path / "finetune"
+    run = task / "work"  # the training's run folder, a checkpoint in it: where `train` is told to pass --resume
+    kept = run / checkpoints.RUN_DIR / checkpoints.checkpoint_name(4)
+    kept.mkdir(parents=True)
+    for name in checkpoints.REQUIRED:
+        (kept / name).write_bytes(b"")
+    with pytest.raises(SystemExit), step_errors("finetune", Model(name="model", uri=str(task / "model"))):
+        assert os.environ[AGAIN_ENV].startswith("then retry the run")  # what a launched rank inherits
+        raise disk_problem("the run's outputs", run, OSError(28, "No space left on device")) or AssertionError
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "--out" not in line and "--resume" not in line and f"the previous checkpoint {kept} is intact" in line
+    assert line.endswith(" or give the step a larger volume, then retry the run (its training steps go on from "
+                         "their newest checkpoint)"), line
+    assert AGAIN_ENV not in os.environ and ELSEWHERE_ENV not in os.environ
+
+
 def test_a_full_disk_in_a_local_run_s_training_names_the_command_that_goes_on(tmp_path, monkeypatch):
     """A full disk at a fine-tune's checkpoint inside `run --local` (reproduced on a tmpfs of 24 MiB: checkpoint 8
     of the fine-tune, 4 intact) ended "then run again with --resume (another --out starts anew)": `run --local` takes

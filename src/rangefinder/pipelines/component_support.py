@@ -16,7 +16,7 @@ from safetensors import SafetensorError
 
 from rangefinder.errors import one_line_errors
 from rangefinder.formats.text import warn
-from rangefinder.training.disk import disk_problem, write_errno
+from rangefinder.training.disk import AGAIN_ENV, ELSEWHERE_ENV, disk_problem, write_errno
 
 if TYPE_CHECKING:
     from kfp.dsl import Artifact, Metrics
@@ -26,17 +26,37 @@ if TYPE_CHECKING:
 # file in the way only where the path is under the task's folder: reading an input raises those too.
 _ONLY_WRITES = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, -1)  # -1: torch.save's failed write
 
+# What a failed write says to do in a step outside a local run (a pod): it has no --out to choose and no --resume to
+# pass, which a command's words (training.disk) offer; a retried run's training steps go on from their newest
+# checkpoint (the README on retries). A local run sets its own words (local_run.local_step_env), which stand.
+CLUSTER_WORDS = {ELSEWHERE_ENV: "or give the step a larger volume",
+                 AGAIN_ENV: "then retry the run (its training steps go on from their newest checkpoint)"}
+
+
+@contextlib.contextmanager
+def _cluster_words() -> Iterator[None]:
+    """CLUSTER_WORDS in the environment while inside, where no local run has set its own: the environment, so that
+    the processes the step launches (torchrun's ranks) say them too; as it was again after, for a caller that goes on
+    (a test, a user's own Python calling a component's function)."""
+    added = {} if AGAIN_ENV in os.environ else {k: v for k, v in CLUSTER_WORDS.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
+
 
 @contextlib.contextmanager
 def step_errors(step: str, output: Artifact) -> Iterator[None]:
     """A component's step, its errors in one line (rangefinder.errors.one_line_errors), and a write the file system
     refused (a full disk, a quota, a read-only volume) said as the training steps' own writes say it
     (training.disk.disk_problem, under the task's folder, where `output`, one of its output artifacts, lies: the
-    free space, the fix, and in a local run the command to run again). Outside the engine such a write reached the
-    log as an OSError's traceback, which a local run quoted as "OSError: [Errno 28] No space left on device", naming
-    neither the disk nor what to do."""
+    free space, the fix, and what to do then: in a local run the command to run again, elsewhere CLUSTER_WORDS).
+    Outside the engine such a write reached the log as an OSError's traceback, which a local run quoted as "OSError:
+    [Errno 28] No space left on device", naming neither the disk nor what to do."""
     folder = Path(output.path).parent
-    with one_line_errors(step):
+    with one_line_errors(step), _cluster_words():
         try:
             yield
         except (OSError, SafetensorError, RuntimeError) as e:

@@ -27,6 +27,10 @@ _ELSEWHERE = "or choose another --out"
 # Set by a local pipeline run for its steps (pipelines/local_run.py): what to do once space is freed, where `--resume`
 # is no way on: `run --local` and `demo` take no --resume, and the same command again starts the pipeline over.
 AGAIN_ENV = "RANGEFINDER_AGAIN"
+# Set with it by a pipeline step on a cluster (pipelines/component_support.py): the way out besides freeing space,
+# where a pod has no --out to choose. Both are environment variables so that a step's launched processes (torchrun's
+# ranks) say the same.
+ELSEWHERE_ENV = "RANGEFINDER_ELSEWHERE"
 
 
 # What torch.save's writer says of a write the file system refused, with no errno: "file write failed" (older torch),
@@ -59,7 +63,7 @@ def disk_problem(what: str, path: Path, e: BaseException, *, elsewhere: Optional
     """The one sentence for `e` raised while writing `what` under the folder `path`; None when `e` is not a storage
     problem (a bug or a bad input, which must not read as one). `elsewhere` and `again`: the way out besides freeing
     space there, and what to do then; by default those of a run's outputs (another --out; then --resume where a
-    checkpoint is there to resume from; in a local pipeline run's step, $RANGEFINDER_AGAIN's)."""
+    checkpoint is there to resume from; in a pipeline's step, $RANGEFINDER_AGAIN's and $RANGEFINDER_ELSEWHERE's)."""
     code = write_errno(e)
     if code is None or (code != -1 and code not in REFUSED_WRITES):
         return None
@@ -76,7 +80,7 @@ def disk_problem(what: str, path: Path, e: BaseException, *, elsewhere: Optional
     again = again or os.environ.get(AGAIN_ENV) or None
     if again is None and previous:  # another --out has nothing to resume: said apart from --resume
         elsewhere, again = "", "then run again with --resume (another --out starts anew)"
-    elsewhere = _ELSEWHERE if elsewhere is None else elsewhere
+    elsewhere = os.environ.get(ELSEWHERE_ENV, _ELSEWHERE) if elsewhere is None else elsewhere
     again = again or "then run again"
     if code == -1:  # torch.save names no reason; the usual one is a full disk
         why = "the write failed (torch.save names no reason: a full disk, a quota or a file-size limit)"
