@@ -119,7 +119,8 @@ def test_a_config_copied_from_a_run_is_checked_against_the_base_model_it_names(t
     out = tmp_path / "pipeline.yaml"
     proc = in_process("compile", "--config", str(_config(tmp_path, copied)), "--out", str(out))
     assert proc.returncode == 0 and out.is_file(), proc.stderr
-    assert "model.resolved_dir (each run resolves model.base_model afresh" in _warning(proc.stderr, "compile")
+    assert "model.resolved_dir, model.resolved_revision (each run resolves model.base_model afresh" in _warning(
+        proc.stderr, "compile")
 
 
 def test_a_local_run_names_the_pod_settings_and_submit_the_folder_a_uri_replaces(tmp_path):

@@ -492,6 +492,7 @@ def test_a_config_copied_from_a_run_trains_the_base_model_it_names(split_dir, ti
     earlier, _ = with_resolved_base_model(demo_config(model={"base_model": str(tiny_model_dir)}))
     copied = yaml.safe_load(config_text(earlier))
     assert copied["model"]["resolved_dir"] == str(tiny_model_dir)
+    assert copied["model"]["resolved_revision"].startswith("weights:")
     copied["model"]["base_model"] = str(tiny_sdxl_dir)  # the user's one change (and a cache of the test's own)
     copied["training"]["cache_dir"] = str(tmp_path / "cache")
     config = tmp_path / "copied.yaml"
@@ -502,7 +503,8 @@ def test_a_config_copied_from_a_run_trains_the_base_model_it_names(split_dir, ti
     err = capsys.readouterr().err
     assert rc == 0, err
     assert json.loads((out / "run_summary.json").read_text())["family"] == "sdxl"
-    assert "model.resolved_dir (each run resolves model.base_model afresh" in err
+    # A folder resolves to its weights' fingerprint (models/fingerprint.py): both are what an earlier run resolved.
+    assert "model.resolved_dir, model.resolved_revision (each run resolves model.base_model afresh" in err
 
 
 def test_a_prodigy_runs_config_switched_to_adamw_is_refused_at_lr_1(split_dir, tmp_path, capsys):
