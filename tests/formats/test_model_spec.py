@@ -52,6 +52,7 @@ PREDICTS = {"sd1": "epsilon", "sdxl": "epsilon", "sd3": None, "flux": None}
 @pytest.mark.parametrize(("family", "method"), list(EXPECTED), ids=[f"{f}-{m}" for f, m in EXPECTED])
 def test_every_exported_file_carries_the_model_spec_of_what_it_is(request, tmp_path, family, method):
     from rangefinder.config import ModelConfig, TrainingConfig
+    from rangefinder.models.fingerprint import folder_revision
     from rangefinder.models.loading import load_sd_components
     from rangefinder.training.methods import make_method
 
@@ -67,6 +68,11 @@ def test_every_exported_file_carries_the_model_spec_of_what_it_is(request, tmp_p
     written = {p.relative_to(tmp_path).as_posix() for p in tmp_path.glob("*.safetensors")}
     written |= {p.relative_to(tmp_path).as_posix() for p in tmp_path.glob("a1111/*.safetensors")}
     assert written == set(EXPECTED[family, method])  # every file a user picks up, and no other
+    # Each names the weights it was trained on, not only the folder's path, which keeps its name when they change.
+    revision = folder_revision(Path(folder))
+    assert revision.startswith("weights:")
+    assert {name: read_metadata(tmp_path / name).get("rangefinder.base_model_revision") for name in written} == \
+        dict.fromkeys(written, revision)
     predicts = {"epsilon": "epsilon", "v_prediction": "v", None: None}[PREDICTS[family]]
     for name, (architecture, implementation) in EXPECTED[family, method].items():
         spec = {k: v for k, v in read_metadata(tmp_path / name).items() if k.startswith("modelspec.")}

@@ -1,14 +1,17 @@
 """The base model from each source (embedded, folder, single file, hub id), resolved to one local diffusers folder;
 and each bad source's one clear error."""
 
+import hashlib
 from pathlib import Path
 
 import pytest
 import torch
 
-from rangefinder.config import ModelConfig
+from rangefinder.config import ModelConfig, TrainingConfig
 from rangefinder.errors import ConfigError
+from rangefinder.formats.weights_file import read_metadata
 from rangefinder.models.loading import load_sd_components, resolve_base_model
+from rangefinder.training.methods import make_method
 from tests.conftest import HUB_REPO, delivered_files
 from tests.models.fake_hub import FakeHubServer
 
@@ -79,6 +82,15 @@ def test_single_file_is_converted_once_into_a_diffusers_folder(tiny_model_dir, f
     parts = load_sd_components(ModelConfig(base_model=str(bare), single_file_config=str(tiny_model_dir),
                                            cache_dir=str(tmp_path / "cache")))
     assert _same_weights(parts.unet, folder_parts.unet)
+    # A LoRA trained on it names the file it came from by the file's own sha256, which no move or rename changes.
+    lora = make_method(TrainingConfig(method="lora"))
+    lora.setup(parts, torch.float32)
+    lora.save_final(parts, tmp_path / "lora")
+    sha256 = hashlib.sha256(bare.read_bytes()).hexdigest()
+    for name in ("lora_kohya.safetensors", "pytorch_lora_weights.safetensors"):
+        meta = read_metadata(tmp_path / "lora" / name)
+        assert (meta["rangefinder.base_model"], meta["rangefinder.base_model_revision"]) == (str(bare),
+                                                                                              f"sha256:{sha256}")
 
 
 def test_a_single_file_config_of_another_family_is_refused_before_converting(tiny_model_dir, tiny_sdxl_dir, tmp_path):

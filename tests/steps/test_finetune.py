@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -15,6 +16,8 @@ from rangefinder.analysis import RecommendedLength
 from rangefinder.config import RangefinderConfig, TrainingConfig, demo_config, parse_config
 from rangefinder.data.split import read_split
 from rangefinder.errors import ConfigError
+from rangefinder.formats.weights_file import read_metadata
+from rangefinder.models.loading import ResolvedModel
 from rangefinder.steps.finetune import keep_chosen_checkpoint, recommended_length
 from rangefinder.training.spec import TrainSpec
 
@@ -177,7 +180,9 @@ def test_the_lowest_validation_loss_inside_the_window_becomes_the_chosen_model(e
     name = checkpoints.checkpoint_name(best)
     raw = checkpoints.read_weights(run_dir / "checkpoints" / name)
     shadow = checkpoints.read_ema(run_dir / "checkpoints" / name)["shadow_params"]
-    info = keep_chosen_checkpoint(run_dir, window, curve, tiny_model_dir)
+    # As a run from a single file hands it on: the folder it was converted to, and the file it resolved from.
+    base = ResolvedModel(Path(tiny_model_dir), "single_file", "/models/sd15.safetensors", "sha256:" + "ab" * 32)
+    info = keep_chosen_checkpoint(run_dir, window, curve, tiny_model_dir, base)
 
     assert (info["checkpoint"], info["update"], info["epoch"]) == (name, best, best / 4)
     assert info["val_loss"] == pytest.approx(loss[best]) and info["rule"] == "window_lowest"
@@ -194,6 +199,9 @@ def test_the_lowest_validation_loss_inside_the_window_becomes_the_chosen_model(e
     assert any(not torch.equal(raw[f"unet.{n}"], avg) for n, avg in zip(names, shadow, strict=True))  # not the raw
     # The method's whole output, like final/: a diffusers folder and the single file for A1111/ComfyUI.
     assert {"model_index.json", "model.safetensors"} <= {p.name for p in (run_dir / "chosen").iterdir()}
+    # Its file names the run's base model and the revision it resolved to, not the converted folder's.
+    meta = read_metadata(run_dir / "chosen" / "model.safetensors")
+    assert (meta["rangefinder.base_model"], meta["rangefinder.base_model_revision"]) == (base.source, base.revision)
 
 
 def test_no_validated_checkpoint_keeps_everything(tmp_path):

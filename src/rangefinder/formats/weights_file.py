@@ -19,17 +19,23 @@ def export_metadata(
     *,
     method: str,
     base_model: Optional[str] = None,
+    base_model_revision: Optional[str] = None,
     lr: Optional[float] = None,
     epochs: Optional[float] = None,
     updates: Optional[int] = None,
     extra: Optional[Mapping[str, Any]] = None,
 ) -> dict[str, str]:
-    """Metadata for a weights file. safetensors metadata holds strings only, so numbers are written with repr."""
+    """Metadata for a weights file. safetensors metadata holds strings only, so numbers are written with repr.
+    `base_model_revision`: what `base_model` resolved to (model.resolved_revision: a hub snapshot's commit, a single
+    file's "sha256:<hex>", a folder's "weights:<hex>"), so that a file found later names the weights it was trained
+    on, not only a path or an id whose weights may have changed since."""
     meta = {
         "rangefinder.version": __version__,
         "rangefinder.method": method,
         "rangefinder.base_model": base_model or "embedded tiny model",
     }
+    if base_model_revision:
+        meta["rangefinder.base_model_revision"] = base_model_revision
     if lr is not None:
         meta["rangefinder.lr"] = repr(float(lr))
     if epochs is not None:
@@ -42,11 +48,12 @@ def export_metadata(
 
 
 def training_metadata(
-    cfg, base_model: Optional[str] = None, extra=None, updates: Optional[int] = None, epochs: Optional[float] = None
+    cfg, base_model: Optional[str] = None, extra=None, updates: Optional[int] = None, epochs: Optional[float] = None,
+    base_model_revision: Optional[str] = None,
 ) -> dict[str, str]:
-    """The facts every output file carries: base model, method, LR (or the schedule's range), budget, updates and
-    epochs taken, version. `epochs`: the epochs the weights were trained for; without it (unknown) the epochs
-    budget, when the budget is in epochs."""
+    """The facts every output file carries: base model and the revision it resolved to, method, LR (or the
+    schedule's range), budget, updates and epochs taken, version. `epochs`: the epochs the weights were trained for;
+    without it (unknown) the epochs budget, when the budget is in epochs."""
     info: dict[str, Any] = {"schedule": cfg.schedule}
     if cfg.schedule != "constant":
         info.update(lr_min=cfg.lr_min, lr_max=cfg.lr_max)
@@ -57,6 +64,7 @@ def training_metadata(
     return export_metadata(
         method=cfg.method,
         base_model=base_model,
+        base_model_revision=base_model_revision,
         lr=cfg.lr,
         epochs=cfg.epochs if epochs is None else epochs,
         updates=updates,

@@ -123,6 +123,9 @@ class SDComponents:
     # The loaded weights' fingerprint (weights_digest), before any training changes them: what a checkpoint records
     # as its base model, so that a resume on another one is refused wherever the folder now lies.
     digest: Optional[str] = None
+    # How `source` resolved: its revision (a hub commit, a file's sha256, a folder's fingerprint, read when first
+    # asked) is what the delivered files name beside it as rangefinder.base_model_revision.
+    resolved: Optional[ResolvedModel] = None
 
     def text_encoders(self) -> dict[str, Any]:
         """{part name: text encoder} of the family that training may change, in the order the family concatenates
@@ -929,7 +932,7 @@ def _load_folder(resolved: ResolvedModel, model_cfg: ModelConfig) -> SDComponent
         if key in parts:
             parts[key].eval()
     return SDComponents(source=resolved.source, model_dir=resolved.path, kind=resolved.kind, family=family,
-                        digest=weights_digest(parts), **parts)
+                        digest=weights_digest(parts), resolved=resolved, **parts)
 
 
 def _has_weights(part: str) -> bool:

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 
     from rangefinder.analysis import StepWindow
     from rangefinder.data.split import Split
+    from rangefinder.models.loading import ResolvedModel
 
 AVERAGE_DIR = "average"
 MEASURED = "average.json"
@@ -171,7 +172,7 @@ def average_weights(ckpts: list[Path]) -> dict[str, torch.Tensor]:
 
 
 def run_average(cfg: RangefinderConfig, spec: TrainSpec, work: Path, window: StepWindow, split: Split,
-                base_model: Path, base_source: Optional[str] = None,
+                base_model: Path, base: Optional[ResolvedModel] = None,
                 curve_losses: Optional[dict[int, float]] = None) -> Optional[WindowAverage]:
     """Average the fine-tune's checkpoints inside the window (run in `work`, all its checkpoints still there), measure
     the average, with finetune.soup_tries > 0 make and measure the greedy soup (`curve_losses`: the run's validation
@@ -200,7 +201,7 @@ def run_average(cfg: RangefinderConfig, spec: TrainSpec, work: Path, window: Ste
     if measured.how == "greedy_soup" and soup is not None:
         weights = soup.weights
     if measured.val_loss is not None:
-        save_checkpoint_model(found[max(measured.updates)], base_model, root / "final", source=base_source,
+        save_checkpoint_model(found[max(measured.updates)], base_model, root / "final", base=base,
                               weights=AveragedWeights(weights, measured.updates), variant=cfg.model.variant)
     write_json(root / MEASURED, measured.to_json())  # last: a retry finds the measurement and the model beside it
     return measured

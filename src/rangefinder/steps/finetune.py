@@ -40,6 +40,7 @@ from rangefinder.steps.workdir import publish, work_dir
 if TYPE_CHECKING:
     from rangefinder.analysis import Delivery, RecommendedLength, SampleStrip, StepWindow
     from rangefinder.analysis.halving import HalvingDecision
+    from rangefinder.models.loading import ResolvedModel
 
 
 # Delivery rules whose weights are no checkpoint of the run (analysis.DELIVERY_RULE_TEXT).
@@ -95,7 +96,7 @@ def keep_only_chosen(ckpt_root: Path, chosen: dict[str, Any], *also: Path) -> No
 
 
 def keep_chosen_checkpoint(run_dir: Path, window: Any, curve: dict, base_model: Path,
-                           base_source: Optional[str] = None, *, deliver: str = "lowest",
+                           base: Optional[ResolvedModel] = None, *, deliver: str = "lowest",
                            measured_besides: Optional[dict[str, Optional[float]]] = None,
                            keep_newest: bool = False, variant: Optional[str] = None) -> Optional[dict[str, Any]]:
     """Keep the checkpoint the window's rule picks (analysis.delivered_checkpoint: the lowest validation loss inside
@@ -174,7 +175,7 @@ def keep_chosen_checkpoint(run_dir: Path, window: Any, curve: dict, base_model: 
     if band is not None:
         info.update(band=band, window_pick={"checkpoint": found[pick.update].name, "update": pick.update,
                                             "val_loss": pick.val_loss, "rule": pick.rule})
-    save_checkpoint_model(ckpt, base_model, Path(run_dir) / checkpoints.CHOSEN_DIR, source=base_source,
+    save_checkpoint_model(ckpt, base_model, Path(run_dir) / checkpoints.CHOSEN_DIR, base=base,
                           variant=variant)
     checkpoints.keep_only(ckpt_root, ckpt, *newest)
     write_json(Path(run_dir) / checkpoints.CHOSEN_INFO, info)
@@ -389,12 +390,12 @@ def run_finetune(
                 cooled = run_cooldown(cfg, spec, work, window, split, sink=run)
             # So does the window average, which reads the window's checkpoints.
             if average_applies(cfg, validating):
-                averaged = run_average(cfg, spec, work, window, split, base.path, base.source,
+                averaged = run_average(cfg, spec, work, window, split, base.path, base,
                                        curve_losses=curve_losses(curve))
             # finetune.deliver: earliest_tied weighs the cooldown and the average too, before the checkpoints go.
             besides = {**({} if cooled is None else {"the cooldown's weights": cooled.val_loss}),
                        **({} if averaged is None else {"the window average": averaged.val_loss})}
-            chosen = keep_chosen_checkpoint(work, window, curve, base.path, base.source, deliver=cfg.finetune.deliver,
+            chosen = keep_chosen_checkpoint(work, window, curve, base.path, base, deliver=cfg.finetune.deliver,
                                             measured_besides=besides, keep_newest=True,
                                             variant=cfg.model.variant)
             if cooled is not None and chosen is not None:  # offered unless the earliest tied checkpoint was kept

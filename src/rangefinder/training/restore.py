@@ -19,7 +19,7 @@ from rangefinder.formats import checkpoints
 if TYPE_CHECKING:
     from rangefinder.config import TrainingConfig
     from rangefinder.formats.model_spec import SpecFacts
-    from rangefinder.models.loading import SDComponents
+    from rangefinder.models.loading import ResolvedModel, SDComponents
     from rangefinder.training.methods.base import Method
 
 
@@ -124,11 +124,13 @@ class AveragedWeights:
     updates: tuple[int, ...] = ()
 
 
-def save_checkpoint_model(ckpt_dir: Path, base_model: Path, out_dir: Path, source: str | None = None,
+def save_checkpoint_model(ckpt_dir: Path, base_model: Path, out_dir: Path, base: ResolvedModel | None = None,
                           weights: AveragedWeights | None = None, variant: str | None = None) -> Path:
     """Write the checkpoint's model into `out_dir` in the method's own output format, the files `final/` holds (a
     diffusers folder and single file; LoRA files; embeddings). Whole or absent (a temporary name, then a rename).
-    `source` names the base model in the files' metadata (default: the folder). `weights`: trained tensors of the
+    `base`: the base model as the run resolved it, whose source and revision the files' metadata name (default: the
+    folder `base_model` and its fingerprint; a single file's or a hub id's folder is no longer what the run named,
+    nor has the revision it resolved to). `weights`: trained tensors of the
     same run to write in place of the checkpoint's (`ckpt_dir` is the newest of the checkpoints they average).
     `variant`: the base model's (model.variant)."""
     from rangefinder.formats.atomic import atomic_dir
@@ -137,8 +139,8 @@ def save_checkpoint_model(ckpt_dir: Path, base_model: Path, out_dir: Path, sourc
     if weights is not None:
         method.load_trainable_state_dict(weights.tensors)
         method.averaged_updates = tuple(weights.updates) or None
-    if source is not None:
-        sd.source = source
+    if base is not None:
+        sd.source, sd.resolved = base.source, base
     with atomic_dir(out_dir) as tmp:
         method.save_final(sd, tmp)
     return Path(out_dir)

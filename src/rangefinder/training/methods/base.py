@@ -128,7 +128,8 @@ class Method(ABC):
 
     def output_metadata(self, sd: SDComponents, extra: Optional[dict[str, Any]] = None) -> dict[str, str]:
         """The facts every file of the deliverable carries (formats.weights_file.training_metadata): the base model
-        `sd` came from and its family (`rangefinder.family`), the method's own settings (`extra`), the updates and
+        `sd` came from, the revision it resolved to (`rangefinder.base_model_revision`) and its family
+        (`rangefinder.family`), the method's own settings (`extra`), the updates and
         epochs that trained the weights, and which checkpoints they average when they are an average
         (`rangefinder.averaged_updates`)."""
         from rangefinder.formats.weights_file import training_metadata
@@ -138,8 +139,10 @@ class Method(ABC):
             facts["family"] = sd.family
         if self.averaged_updates:
             facts["averaged_updates"] = list(self.averaged_updates)
+        resolved = getattr(sd, "resolved", None)
         return training_metadata(self.cfg, getattr(sd, "source", None), extra=facts, updates=self.updates_taken,
-                                 epochs=self.epochs_trained)
+                                 epochs=self.epochs_trained,
+                                 base_model_revision=None if resolved is None else resolved.revision)
 
     def trained_prediction_type(self, sd: SDComponents) -> Optional[str]:
         """What the weights were trained to predict, for the deliverables to name their base model: the setting
