@@ -73,6 +73,10 @@ def test_every_exported_file_carries_the_model_spec_of_what_it_is(request, tmp_p
     assert revision.startswith("weights:")
     assert {name: read_metadata(tmp_path / name).get("rangefinder.base_model_revision") for name in written} == \
         dict.fromkeys(written, revision)
+    if method == "lora":  # sd-scripts names a folder by its name; the hashes it writes of one are no hashes
+        kohya = read_metadata(tmp_path / "lora_kohya.safetensors")
+        assert {k: v for k, v in kohya.items() if k.startswith("ss_sd_model") or k.startswith("ss_new_sd")} == \
+            {"ss_sd_model_name": Path(folder).name}
     predicts = {"epsilon": "epsilon", "v_prediction": "v", None: None}[PREDICTS[family]]
     for name, (architecture, implementation) in EXPECTED[family, method].items():
         spec = {k: v for k, v in read_metadata(tmp_path / name).items() if k.startswith("modelspec.")}
@@ -95,3 +99,15 @@ def test_without_the_run_s_facts_a_file_still_names_its_base_model(tiny_model_di
     assert spec == {"modelspec.sai_model_spec": "1.0.1", "modelspec.architecture": "stable-diffusion-v1",
                     "modelspec.implementation": SGM, "modelspec.prediction_type": "epsilon",
                     "modelspec.predict_key": "epsilon"}
+
+
+@pytest.mark.parametrize(("base", "revision", "named"), [
+    ("org/sd-model@main", "a" * 40, {"ss_sd_model_name": "org/sd-model"}),  # a hub id, as sd-scripts is given it
+    ("embedded tiny model (/cache/tiny-sd)", "weights:" + "b" * 32, {}),  # nothing sd-scripts could have named
+    ("/gone/model.safetensors", "sha256:" + "c" * 64,  # a file this step cannot read: its sha256, no old hash
+     {"ss_sd_model_name": "model.safetensors", "ss_new_sd_model_hash": "c" * 64}),
+])
+def test_a_kohya_lora_names_a_hub_id_or_an_unread_file_as_sd_scripts_does(base, revision, named):
+    from rangefinder.formats.lora import kohya_base_model
+
+    assert kohya_base_model({"rangefinder.base_model": base, "rangefinder.base_model_revision": revision}) == named

@@ -91,6 +91,14 @@ def test_single_file_is_converted_once_into_a_diffusers_folder(tiny_model_dir, f
         meta = read_metadata(tmp_path / "lora" / name)
         assert (meta["rangefinder.base_model"], meta["rangefinder.base_model_revision"]) == (str(bare),
                                                                                               f"sha256:{sha256}")
+    # The kohya file names it as sd-scripts does (train_network.py at 48d368f, lines 1206-1213): the file's name,
+    # its sha256, and A1111's old hash, of the 64 KiB 1 MiB into the file (library/train_util.py `model_hash`).
+    data = bare.read_bytes()
+    assert len(data) > 0x110000  # the old hash reads a whole 64 KiB, not the empty tail of a short file
+    kohya = read_metadata(tmp_path / "lora" / "lora_kohya.safetensors")
+    assert {k: kohya.get(k) for k in ("ss_sd_model_name", "ss_new_sd_model_hash", "ss_sd_model_hash")} == {
+        "ss_sd_model_name": "bare.safetensors", "ss_new_sd_model_hash": sha256,
+        "ss_sd_model_hash": hashlib.sha256(data[0x100000:0x110000]).hexdigest()[:8]}
 
 
 def test_a_single_file_config_of_another_family_is_refused_before_converting(tiny_model_dir, tiny_sdxl_dir, tmp_path):

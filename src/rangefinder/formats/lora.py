@@ -35,10 +35,15 @@ from rangefinder.formats.model_spec import (
     sd_base_model,
 )
 from rangefinder.formats.single_file import map_keys, top_level_tables, unet_prefix_table
-from rangefinder.formats.weights_file import save_safetensors
+from rangefinder.formats.weights_file import EMBEDDED_BASE_MODEL, save_safetensors
 
 LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"  # diffusers' default name; ComfyUI reads it as well
 LORA_KOHYA_NAME = "lora_kohya.safetensors"  # A1111, ComfyUI, kohya's sd-scripts
+# A1111's "old model hash" of a checkpoint (modules/sd_models.py `model_hash`), which sd-scripts writes as a LoRA's
+# ss_sd_model_hash (library/train_util.py at 48d368f, `model_hash`, lines 3223-3237): the first 8 hex digits of the
+# sha256 of the 64 KiB (LEGACY_HASH_LENGTH) that start 1 MiB (LEGACY_HASH_OFFSET) into the file, empty if shorter.
+LEGACY_HASH_OFFSET = 0x100000
+LEGACY_HASH_LENGTH = 0x10000
 
 
 @dataclass(frozen=True)
@@ -228,13 +233,52 @@ def kohya_metadata(meta: Mapping[str, str], any_layer: LoraWeights, network_modu
     `trainer`, the family's keys of its objective (a flow model's, as its sd-scripts network trainer's
     `update_metadata` writes them: training/family_rules.py kohya_training_metadata)."""
     out = {**meta, "ss_network_module": network_module, "ss_network_dim": str(any_layer.rank),
-           "ss_network_alpha": repr(any_layer.scale * any_layer.rank)}
+           "ss_network_alpha": repr(any_layer.scale * any_layer.rank), **kohya_base_model(meta)}
     if base_model_version is not None:
         out["ss_base_model_version"] = base_model_version
     out.update(spec or {})
     if "rangefinder.updates" in meta:
         out["ss_steps"] = meta["rangefinder.updates"]
     return out | dict(trainer or {})
+
+
+def kohya_base_model(meta: Mapping[str, str]) -> dict[str, str]:
+    """The base model as sd-scripts names it in a LoRA's metadata (train_network.py at 48d368f, lines 1206-1213),
+    from the run's `rangefinder.base_model` and `rangefinder.base_model_revision`: `ss_sd_model_name`, a path's last
+    component or a hub id as given; and for a single file, `ss_new_sd_model_hash` (the whole file's sha256, as its
+    `calculate_sha256`, library/train_util.py lines 3240-3256: the revision the run resolved, so the file is not read
+    again) and `ss_sd_model_hash` (`legacy_model_hash`, where the file can still be read). sd-scripts writes the
+    hashes of any path that exists, and of a folder they come out as the words "IsADirectory" (its open() of a
+    folder fails), which name no model: a folder gets its name only, as a hub id does; the embedded tiny model none.
+
+    A1111 reads only the name: its LoRA tab shows `ss_sd_model_name` as "Model:"
+    (extensions-builtin/Lora/ui_edit_user_metadata.py, `get_metadata_table`) and puts it first among the file's
+    metadata (network.py, `metadata_tags_order`); it reads neither hash. Metadata viewers that look a LoRA's base
+    model up on Civitai by hash take `ss_new_sd_model_hash`, else `ss_sd_model_hash`."""
+    base = meta.get("rangefinder.base_model")
+    revision = meta.get("rangefinder.base_model_revision") or ""
+    if not base or base.startswith(EMBEDDED_BASE_MODEL):
+        return {}
+    if revision.startswith("sha256:"):  # a single file (models/loading.py _resolve_single_file)
+        out = {"ss_sd_model_name": Path(base).name, "ss_new_sd_model_hash": revision.removeprefix("sha256:")}
+        legacy = legacy_model_hash(Path(base))
+        return out if legacy is None else {**out, "ss_sd_model_hash": legacy}
+    if revision.startswith("weights:") or Path(base).is_absolute() or Path(base).exists():  # a folder
+        return {"ss_sd_model_name": Path(base).name}
+    return {"ss_sd_model_name": base.partition("@")[0]}  # a hub id, "org/name@revision" as the run names it
+
+
+def legacy_model_hash(path: Path) -> Optional[str]:
+    """A1111's old short hash of a checkpoint file (LEGACY_HASH_OFFSET): one 64 KiB read; None when the file cannot
+    be read here (a step that does not see the volume the run's file is on)."""
+    import hashlib
+
+    try:
+        with open(path, "rb") as f:
+            f.seek(LEGACY_HASH_OFFSET)
+            return hashlib.sha256(f.read(LEGACY_HASH_LENGTH)).hexdigest()[:8]
+    except OSError:
+        return None
 
 
 def lora_specs(architecture: Optional[str], kohya_implementation: str, facts: Optional[SpecFacts],

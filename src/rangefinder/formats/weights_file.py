@@ -14,6 +14,10 @@ from typing import Any, Optional
 from rangefinder import __version__
 from rangefinder.formats.atomic import atomic_path, give_usual_mode
 
+# `rangefinder.base_model` of a file trained on the embedded tiny model (model.base_model unset); the model's own
+# source (models/loading.py) adds its folder after it.
+EMBEDDED_BASE_MODEL = "embedded tiny model"
+
 
 def export_metadata(
     *,
@@ -32,7 +36,7 @@ def export_metadata(
     meta = {
         "rangefinder.version": __version__,
         "rangefinder.method": method,
-        "rangefinder.base_model": base_model or "embedded tiny model",
+        "rangefinder.base_model": base_model or EMBEDDED_BASE_MODEL,
     }
     if base_model_revision:
         meta["rangefinder.base_model_revision"] = base_model_revision
