@@ -9,7 +9,13 @@ import torch
 
 from rangefinder.config import TrainingConfig
 from rangefinder.errors import ConfigError
-from rangefinder.formats.embeddings import TI_A1111_DIR, TI_WEIGHTS_NAME, a1111_embedding_name, base_model_name
+from rangefinder.formats.embeddings import (
+    TI_A1111_DIR,
+    TI_WEIGHTS_NAME,
+    a1111_embedding_name,
+    base_model_name,
+    save_textual_inversion,
+)
 from rangefinder.formats.weights_file import read_metadata
 from rangefinder.training.methods import make_method
 from tests.formats.consumers import A1111Rejected, a1111_load_embedding, a1111_safe_check
@@ -123,6 +129,19 @@ def test_the_pt_names_its_base_model_as_a1111_names_a_checkpoint(tmp_path):
     assert base_model_name(str(tmp_path / "v1-5.ckpt")) == "v1-5"
     assert base_model_name(str(tmp_path / "my-model")) == "my-model"
     assert base_model_name("runwayml/stable-diffusion-v1-5@main") == "runwayml/stable-diffusion-v1-5@main"
+
+
+@pytest.mark.parametrize(("base", "revision", "shorthash"), [
+    ("/models/sd15.safetensors", "sha256:" + "0123456789abcdef" * 4, "0123456789"),
+    ("/models/sd15", "weights:" + "a" * 32, None),  # a folder: A1111 has no checkpoint hash of one
+])
+def test_the_pt_names_a_single_file_base_model_by_a1111_s_short_hash(base, revision, shorthash, tmp_path):
+    """A1111 sets an embedding's sd_checkpoint to the checkpoint's shorthash, its sha256's first 10 hex digits
+    (modules/sd_models.py CheckpointInfo), which the run's resolved revision of a single file is."""
+    files = save_textual_inversion(tmp_path, TOKEN, torch.zeros(1, 8), {"rangefinder.base_model": base,
+                                                                        "rangefinder.base_model_revision": revision})
+    data = torch.load(files["a1111_pt"], map_location="cpu", weights_only=True)
+    assert (data["sd_checkpoint"], data["sd_checkpoint_name"]) == (shorthash, "sd15")
 
 
 def test_a1111_safe_check_refuses_what_torch_save_writes_by_default(tmp_path):

@@ -61,7 +61,17 @@ def base_model_name(base_model: Optional[str]) -> str:
     return base_model
 
 
-def save_a1111_pt(path: Path, embeds, name: str, step: Optional[int], checkpoint_name: Optional[str]) -> Path:
+def a1111_checkpoint_hash(revision: Optional[str]) -> Optional[str]:
+    """A1111's short hash of the checkpoint an embedding was trained on (`sd_checkpoint`, which its training sets to
+    `checkpoint.shorthash`: modules/sd_models.py CheckpointInfo, the file's sha256's first 10 hex digits), from the
+    run's rangefinder.base_model_revision; None for a folder or a hub id, which A1111 has no checkpoint hash of."""
+    if revision and revision.startswith("sha256:"):
+        return revision.removeprefix("sha256:")[:10]
+    return None
+
+
+def save_a1111_pt(path: Path, embeds, name: str, step: Optional[int], checkpoint_name: Optional[str],
+                  checkpoint_hash: Optional[str] = None) -> Path:
     """An A1111 `.pt` embedding that passes its restricted unpickler (modules/safe.py).
 
     That loader accepts a zip only if every entry is `<dir>/data.pkl`, `<dir>/version` or `<dir>/data/<n>`, and
@@ -77,7 +87,7 @@ def save_a1111_pt(path: Path, embeds, name: str, step: Optional[int], checkpoint
         "string_to_param": {"*": embeds.detach().to(torch.float32).contiguous().clone()},
         "name": name,
         "step": step,
-        "sd_checkpoint": None,  # A1111's short hash of the checkpoint file; not known for a folder or hub model
+        "sd_checkpoint": checkpoint_hash,  # A1111's short hash of the checkpoint file (a1111_checkpoint_hash)
         "sd_checkpoint_name": checkpoint_name,
     }
     with atomic_path(path) as tmp:
@@ -110,7 +120,8 @@ def save_textual_inversion(
         "diffusers": save_safetensors({token: embeds}, out_dir / TI_WEIGHTS_NAME, {**meta, **diffusers_spec}),
         "a1111": save_safetensors({"emb_params": embeds}, a1111 / f"{name}.safetensors", {**meta, **a1111_spec}),
         "a1111_pt": save_a1111_pt(a1111 / f"{name}.pt", embeds, name, None if updates is None else int(updates),
-                                  base_model_name(meta.get("rangefinder.base_model"))),
+                                  base_model_name(meta.get("rangefinder.base_model")),
+                                  a1111_checkpoint_hash(meta.get("rangefinder.base_model_revision"))),
     }
 
 
