@@ -163,6 +163,61 @@ def test_a_bare_file_is_converted_without_a_connection_when_hf_hub_offline_is_se
     assert "\n" not in outcome and not any((tmp_path / "cache").glob("base-models/*/model_index.json"))
 
 
+def _convert_with_the_cache_set_after_import(bare: Path, hub: Path, elsewhere: Path, ours: Path, report) -> None:
+    """In a forked child: convert `bare` with HF_HUB_CACHE (and HF_HUB_OFFLINE) set after huggingface_hub read the
+    cache on its import as `elsewhere`, every connection refused and noted; sends (the outcome, what was tried)."""
+    import os
+    import socket
+
+    from huggingface_hub import constants
+
+    tried: list[str] = []
+
+    def refuse(*args, **kwargs):
+        tried.append(repr(args[:2])[:200])
+        raise OSError("this test allows no network")
+
+    socket.socket.connect = socket.socket.connect_ex = refuse
+    socket.getaddrinfo = refuse
+    constants.HF_HUB_CACHE = str(elsewhere)  # as huggingface_hub read it on its import, before the variable was set
+    os.environ.update(HF_HUB_CACHE=str(hub), HF_HUB_OFFLINE="1", RANGEFINDER_CACHE=str(ours))
+    try:
+        report.send((str(resolve_base_model(ModelConfig(base_model=str(bare))).path), tried))
+    except ConfigError as e:
+        report.send((str(e), tried))
+
+
+def test_a_bare_file_takes_its_architecture_from_the_hub_cache_set_after_import(tiny_model_dir, tmp_path):
+    """huggingface_hub reads HF_HUB_CACHE once, on its import; rangefinder reads it when it loads (hub_cache_dir).
+    diffusers' from_single_file, for a file that names no architecture, looks its family's configs up in the cache
+    it is given, else in the one huggingface_hub read: a process that set the variable after the import (a notebook,
+    a second main()) found a hub id's snapshot there but was refused the file's configs held in the same cache."""
+    import multiprocessing
+
+    from diffusers.loaders.single_file_utils import DIFFUSERS_DEFAULT_PIPELINE_PATHS
+
+    from rangefinder.formats.single_file import export_full
+    from tests.models.fake_hub import make_cached_repo
+
+    bare = export_full(tiny_model_dir, tmp_path / "bare.safetensors")
+    # The configs diffusers infers for an SD 1.x file, as `hf download` leaves them (the tiny model's, here).
+    make_cached_repo(tmp_path / "hub", DIFFUSERS_DEFAULT_PIPELINE_PATHS["v1"]["pretrained_model_name_or_path"],
+                     tiny_model_dir)
+    (tmp_path / "elsewhere").mkdir()
+    ours, theirs = multiprocessing.get_context("fork").Pipe(duplex=False)
+    child = multiprocessing.get_context("fork").Process(
+        target=_convert_with_the_cache_set_after_import,
+        args=(bare, tmp_path / "hub", tmp_path / "elsewhere", tmp_path / "ours", theirs))
+    child.start()
+    assert ours.poll(60), "the child sent nothing"
+    outcome, tried = ours.recv()
+    child.join(10)
+    assert tried == [], tried
+    converted = Path(outcome)  # it said "cannot convert the checkpoint ...: Cannot find an appropriate cached
+    assert converted.parent == tmp_path / "ours" / "base-models", outcome  # snapshot folder ..."
+    assert (converted / "model_index.json").is_file() and not any((tmp_path / "elsewhere").iterdir())
+
+
 def test_a_single_file_config_of_a_unet_family_for_a_transformer_file_names_both_families(tiny_flux_dir,
                                                                                           tiny_model_dir, tmp_path):
     """A Flux (or SD3) file with an SD 1.x folder as its architecture was told the folder "is not a diffusers folder

@@ -376,7 +376,7 @@ def _resolve_single_file(path: Path, model_cfg: ModelConfig) -> ResolvedModel:
         with FileLock(str(out) + ".lock"):
             if _missing_parts(out) != []:
                 with atomic_dir(out) as tmp:
-                    _convert_single_file(path, config, tmp, family)
+                    _convert_single_file(path, config, tmp, family, hub_cache_dir(model_cfg))
     return ResolvedModel(out, "single_file", str(path), f"sha256:{content}")
 
 
@@ -511,7 +511,11 @@ def _hub_snapshot_of(source: str, model_cfg: ModelConfig) -> Optional[Path]:
     return _cached_snapshot(repo_id, revision or "main", hub_cache_dir(model_cfg))
 
 
-def _convert_single_file(path: Path, config: Optional[Path], out: Path, family: str = "sd1") -> None:
+def _convert_single_file(path: Path, config: Optional[Path], out: Path, family: str, hub_cache: Path) -> None:
+    """`path` as a diffusers folder in `out`. Without `config`, diffusers looks the configs of the file's
+    architecture up in the Hugging Face cache `hub_cache` (hub_cache_dir's, read now): left to itself it takes
+    huggingface_hub's constants.HF_HUB_CACHE, read once at that library's import, and missed a cache a process set
+    after it (a notebook, a second `main()`) though a hub id's run found its snapshot there."""
     import diffusers
 
     if family == "flux":  # a transformer file alone, in Black Forest Labs' layout: diffusers' converter assumes
@@ -519,7 +523,7 @@ def _convert_single_file(path: Path, config: Optional[Path], out: Path, family: 
         return
 
     layout = FAMILY_LAYOUTS[family]
-    kwargs: dict[str, Any] = dict(layout.pipeline_kwargs)
+    kwargs: dict[str, Any] = dict(layout.pipeline_kwargs, cache_dir=str(hub_cache))
     if config is not None:
         _check_config_family(config, path, family)
         kwargs.update(config=str(config), local_files_only=True)
