@@ -13,6 +13,7 @@ import pytest
 
 from rangefinder.config import ModelConfig, demo_config
 from rangefinder.errors import ConfigError
+from rangefinder.models import fingerprint
 from rangefinder.models.fingerprint import SAMPLE_BYTES, folder_revision
 from rangefinder.models.loading import resolve_base_model
 from rangefinder.steps.resolve_config import with_resolved_base_model
@@ -33,7 +34,7 @@ def flip_byte(path: Path, at: int) -> None:
     path.write_bytes(bytes(data))
 
 
-def test_a_folder_s_revision_changes_with_its_weights_and_only_with_them(tiny_model_dir, tmp_path):
+def test_a_folder_s_revision_changes_with_its_weights_and_only_with_them(tiny_model_dir, tmp_path, monkeypatch):
     """A team retrains weekly from a folder whose weights someone replaces: the folder resolved with no revision, so
     both weeks' versions read as made from the same base model. Its revision is now a fingerprint of its files, the
     same for the same files wherever they lie, and another for one tensor's leading bytes changed."""
@@ -50,6 +51,9 @@ def test_a_folder_s_revision_changes_with_its_weights_and_only_with_them(tiny_mo
     flip_byte(folder / UNET_WEIGHTS, at)
     changed = resolve_base_model(ModelConfig(base_model=str(folder))).revision
     assert changed != resolved.revision
+    with monkeypatch.context() as m:  # read a sample at a time, as a large model's files: the same revisions as the
+        m.setattr(fingerprint, "ONE_READ_BYTES", 0)  # tiny model's one read a file gives
+        assert (folder_revision(folder), folder_revision(tiny_model_dir)) == (changed, resolved.revision)
     flip_byte(folder / UNET_WEIGHTS, at)
     assert folder_revision(folder) == resolved.revision  # put back: the revision it had
     # So does the scheduler's config (another noise schedule trains another model).
