@@ -319,8 +319,11 @@ def refuse_shipped_code(folder: Path, what: str) -> None:
     without asking (0.42, in constraints.txt, refuses it unless told trust_remote_code); an `auto_map` in a part's
     config or tokenizer config is transformers' custom code, which its AutoTokenizer (SD3's and Flux's T5 tokenizer)
     asks about on a terminal. Whoever can write the data volume or owns the hub repo writes these files."""
-    index = json.loads((folder / "model_index.json").read_text())
-    named = [f"{part}/{entry[0]}.py" for part, entry in index.items()
+    try:
+        index = json.loads((folder / "model_index.json").read_text())
+    except (OSError, ValueError):  # unreadable: the load that comes next says so, naming the file (detect_family)
+        index = None
+    named = [f"{part}/{entry[0]}.py" for part, entry in (index.items() if isinstance(index, dict) else ())
              if not part.startswith("_") and isinstance(entry, list) and len(entry) == 2
              and isinstance(entry[0], str) and (folder / part / f"{entry[0]}.py").is_file()]
     named += [f"{part.name}/{name} (auto_map)" for part in sorted(folder.iterdir()) if part.is_dir()
