@@ -695,16 +695,19 @@ def test_a_model_folder_that_ships_code_is_refused_by_sample_export_and_register
     assert not (tmp_path / "export").exists() and not marker.exists()
 
 
-def test_a_model_folder_whose_model_index_is_not_json_is_one_line_from_sample(tmp_path):
+@pytest.mark.parametrize("index,reason", [("{", "Expecting property name"), ("[1]", "a JSON list, not an object")],
+                         ids=["not-json", "a-list"])
+def test_a_model_folder_whose_model_index_is_not_json_is_one_line_from_sample(index, reason, tmp_path):
     """refuse_shipped_code, which `sample --model FOLDER` runs before anything else, read model_index.json unguarded:
-    a damaged one was a JSONDecodeError's traceback, where the load after it names the file in one line."""
+    a damaged one was a JSONDecodeError's traceback, where the load after it names the file in one line; a JSON list
+    was an AttributeError's there and in detect_family."""
     model = tmp_path / "model"
     model.mkdir()
-    (model / "model_index.json").write_text("{")
+    (model / "model_index.json").write_text(index)
     line = assert_one_line_error(in_process("sample", "--model", str(model), "--out", str(tmp_path / "grid"),
                                             "--steps", "1"))
     assert line.startswith(f"rangefinder sample: error: model.base_model: cannot read {model / 'model_index.json'} "
-                           "(Expecting property name"), line
+                           f"({reason}"), line
     assert line.endswith("; pass a diffusers folder"), line
     assert not (tmp_path / "grid").exists()
 

@@ -239,7 +239,10 @@ def detect_family(folder: Path) -> str:
     rangefinder does not train."""
     index = Path(folder) / "model_index.json"
     try:
-        class_name = json.loads(index.read_text()).get("_class_name", "")
+        read = json.loads(index.read_text())
+        if not isinstance(read, dict):  # a list or a number: .get was an AttributeError's traceback
+            raise ValueError(f"a JSON {type(read).__name__}, not an object")
+        class_name = read.get("_class_name", "")
     except (OSError, ValueError) as e:
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ConfigError(f"model.base_model: cannot read {index} ({reason}); pass a diffusers folder") from None
