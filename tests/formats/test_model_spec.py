@@ -111,3 +111,21 @@ def test_a_kohya_lora_names_a_hub_id_or_an_unread_file_as_sd_scripts_does(base, 
     from rangefinder.formats.lora import kohya_base_model
 
     assert kohya_base_model({"rangefinder.base_model": base, "rangefinder.base_model_revision": revision}) == named
+
+
+def test_a_kohya_lora_of_a_file_named_under_home_carries_its_old_hash(tmp_path, monkeypatch):
+    """A pipeline's steps name a single file as model.base_model gave it (describe_base_model), `~/...` unexpanded:
+    legacy_model_hash opened that literally, failed, and the LoRA lost ss_sd_model_hash, which the file's own
+    sd-scripts run would have written."""
+    import hashlib
+
+    from rangefinder.formats.lora import LEGACY_HASH_LENGTH, LEGACY_HASH_OFFSET, kohya_base_model
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    data = bytes(range(256)) * ((LEGACY_HASH_OFFSET + LEGACY_HASH_LENGTH) // 256 + 1)
+    (tmp_path / "sd15.safetensors").write_bytes(data)
+    named = kohya_base_model({"rangefinder.base_model": "~/sd15.safetensors",
+                              "rangefinder.base_model_revision": "sha256:" + "c" * 64})
+    old = hashlib.sha256(data[LEGACY_HASH_OFFSET:LEGACY_HASH_OFFSET + LEGACY_HASH_LENGTH]).hexdigest()[:8]
+    assert named == {"ss_sd_model_name": "sd15.safetensors", "ss_new_sd_model_hash": "c" * 64,
+                     "ss_sd_model_hash": old}

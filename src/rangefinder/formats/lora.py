@@ -261,7 +261,7 @@ def kohya_base_model(meta: Mapping[str, str]) -> dict[str, str]:
         return {}
     if revision.startswith("sha256:"):  # a single file (models/loading.py _resolve_single_file)
         out = {"ss_sd_model_name": Path(base).name, "ss_new_sd_model_hash": revision.removeprefix("sha256:")}
-        legacy = legacy_model_hash(Path(base))
+        legacy = legacy_model_hash(Path(base).expanduser())  # a pipeline's step names it as model.base_model did
         return out if legacy is None else {**out, "ss_sd_model_hash": legacy}
     if revision.startswith("weights:") or Path(base).is_absolute() or Path(base).exists():  # a folder
         return {"ss_sd_model_name": Path(base).name}
