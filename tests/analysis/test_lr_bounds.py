@@ -214,6 +214,14 @@ def test_a_sweep_that_diverged_before_three_points_is_told_to_end_lower_not_to_v
         "and lr_min under it)")
     with pytest.raises(RangefinderError, match=r"has 2 finite .*\(validate more often during the sweep\)$"):
         analyze_lr_curve([0.0, 1e-5], [0.2, 0.19])
+    # A loss not finite from the baseline at lr 0 on is no divergence: "end below 0" was the advice.
+    with pytest.raises(RangefinderError) as refused:
+        analyze_lr_curve([0.0, 1e-6, 1e-5], [np.nan, np.nan, 0.2])
+    assert str(refused.value) == (
+        "the validation loss is not finite at lr 0, the sweep's lowest, before any LR could make it diverge; the "
+        "model gives no finite loss: check the base model, and set training.mixed_precision no where fp16 overflows")
+    with pytest.raises(RangefinderError, match=r"^the sweep diverged at lr 1e-05 "):  # rows out of LR order
+        analyze_lr_curve([1e-4, 0.0, 1e-5], [np.nan, 0.2, np.inf])
 
 
 @pytest.mark.parametrize("lr", [[-1, 0, 1], [-3, -2, -1, -0.5, 0.1, 0.2, 0.3]], ids=["as-baselines", "as-linear-ramp"])

@@ -308,14 +308,23 @@ def analyze_lr_curve(
     n_finite = int(np.sum(np.isfinite(y_all) & np.isfinite(lr_all)))
     if n_finite < 3:
         blown = np.flatnonzero(np.isfinite(lr_all) & ~np.isfinite(y_all))
-        if blown.size:
+        # The lowest LR whose loss is not finite (the rows need not be in LR order).
+        at = float(lr_all[blown].min()) if blown.size else None
+        if at is not None and not np.any(np.isfinite(y_all) & (lr_all < at)):
+            # Not finite where the sweep began (the baseline at lr 0, before any update): no LR diverged it, and
+            # ending the sweep lower would not help.
+            raise RangefinderError(
+                f"the validation loss is not finite at lr {at:g}, the sweep's lowest, before any LR could make it "
+                "diverge; the model gives no finite loss: check the base model, and set training.mixed_precision no "
+                "where fp16 overflows"
+            )
+        if at is not None:
             # A sweep that diverged early: more validations would not help, and "validate more often" sent the user
             # the wrong way; the LRs it reached are the fix.
             raise RangefinderError(
-                f"the sweep diverged at lr {lr_all[blown[0]]:g} (its validation loss stopped being finite there), "
+                f"the sweep diverged at lr {at:g} (its validation loss stopped being finite there), "
                 f"leaving {n_finite} finite (lr, val_loss) point{'' if n_finite == 1 else 's'}; a range test needs "
-                f"at least 3: sweep a range that ends below {lr_all[blown[0]]:g} (lr_range_test.lr_max, and lr_min "
-                "under it)"
+                f"at least 3: sweep a range that ends below {at:g} (lr_range_test.lr_max, and lr_min under it)"
             )
         raise RangefinderError(
             f"the curve has {n_finite} finite (lr, val_loss) points; a range test needs at least 3 "
