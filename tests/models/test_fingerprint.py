@@ -106,3 +106,18 @@ def test_pickle_weights_are_fingerprinted_unread(tiny_model_dir, tmp_path):
     first = folder_revision(folder)
     flip_byte(weights, weights.stat().st_size - 100)
     assert folder_revision(folder) != first and not marker.exists()
+
+
+def test_a_loaded_folder_s_revision_is_that_of_the_weights_it_loaded(tiny_model_dir, tmp_path):
+    """`rangefinder train` asks a folder's revision first when it writes its files (output_metadata), hours after the
+    load: weights replaced in the folder meanwhile, the very case the fingerprint is for, were named as those the
+    run trained on, and a replacement caught half-copied failed the run's last write. It is read as the folder is
+    loaded."""
+    from rangefinder.models.loading import load_sd_components
+
+    folder = tmp_path / "sd15"
+    shutil.copytree(tiny_model_dir, folder)
+    loaded_from = folder_revision(folder)
+    sd = load_sd_components(ModelConfig(base_model=str(folder)))
+    flip_byte(folder / UNET_WEIGHTS, last_tensor_data_at(folder / UNET_WEIGHTS))  # replaced after the load
+    assert sd.resolved is not None and sd.resolved.revision == loaded_from

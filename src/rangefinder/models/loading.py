@@ -93,7 +93,9 @@ class ResolvedModel:
         """What `source` was when resolved, which a move upstream does not change (model.resolved_revision): a hub
         id's snapshot commit, a single file's "sha256:<hex>", a folder's and the embedded model's "weights:<hex>", a
         fingerprint of its weights (fingerprint.py; ConfigError naming a weights file whose header is damaged). Read
-        off the files when first asked, by resolve-config: a model's every load would pay for it otherwise."""
+        off the files when first asked: by resolve-config, or as the folder is loaded (_load_folder), so that it names
+        the weights loaded, not those the folder holds when the run's files are written; a resolve that loads
+        nothing reads none."""
         if self.known_revision is None and self.kind in ("folder", "embedded"):
             return folder_revision(self.path)
         return self.known_revision
@@ -911,6 +913,9 @@ def _load_folder(resolved: ResolvedModel, model_cfg: ModelConfig) -> SDComponent
     folder = str(resolved.path)
     family = detect_family(resolved.path)
     layout = FAMILY_LAYOUTS[family]
+    # The revision of the weights loaded now (a folder's fingerprint, ~0.1 s for SD 1.5), not of those the folder
+    # holds when the run's files are written, hours on, which someone may have replaced by then.
+    _ = resolved.revision
     # Variant files (e.g. fp16) keep their names in a hub snapshot or a saved folder; a converted file has none.
     has_variants = model_cfg.variant and resolved.kind in ("hub", "folder")
     var: dict[str, Any] = {"variant": model_cfg.variant} if has_variants else {}
