@@ -282,6 +282,8 @@ _OTHER_FIX = (
     ": a config is compiled into the pipeline and shown with its parameters; a gated or private hub model reads "
     "HF_TOKEN from the environment (on a cluster from the Secret kubernetes.hf_token_secret)"
 )
+# A browser's address of the MLflow UI (tracking.ui_url) is no model's: the browser signs in itself.
+_UI_FIX = ": every link the run shows would carry it; give the MLflow UI's URL alone (the browser signs in itself)"
 
 
 def _refuse_uri_credentials(uri: Optional[str], fix: str = _MLFLOW_FIX) -> None:
@@ -1686,7 +1688,8 @@ def _check_raw(raw: Any) -> None:
             # by kfp.local and kept in every step's executor output.
             try:
                 # model.base_model's said to set MLFLOW_TRACKING_PASSWORD: only the MLflow URIs' fix is MLflow's.
-                _refuse_uri_credentials(value, _MLFLOW_FIX if where in MLFLOW_URI_SETTINGS else _OTHER_FIX)
+                _refuse_uri_credentials(value, _MLFLOW_FIX if where in MLFLOW_URI_SETTINGS
+                                        else _UI_FIX if where == "tracking.ui_url" else _OTHER_FIX)
             except ValueError as e:
                 raise ConfigError(f"{name}: {e}") from None
         if value == REDACTED:

@@ -187,4 +187,6 @@ def test_a_ui_url_with_credentials_is_refused_unshown(given, held):
         parse_config({"tracking": {"ui_url": given}})
     msg = str(e.value)
     assert msg.startswith("tracking.ui_url:") and held in msg and "hunter2" not in msg and "alice" not in msg, msg
+    # The fix is the browser's own sign-in, not a model's token (the scan of every URL in a config says it first).
+    assert "the browser signs in itself" in msg and "HF_TOKEN" not in msg, msg
     assert TrackingConfig(ui_url="  ").ui_url is None  # blank: unset, as the run form's empty string
