@@ -3,6 +3,7 @@ terminal, secrets nowhere in the terminal or pipeline.log, and what MLflow did n
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import signal
@@ -402,3 +403,43 @@ def test_a_full_disk_in_a_local_run_s_training_names_the_command_that_goes_on(tm
     assert f"the previous checkpoint {previous} is intact" in said and "--resume" not in said, said
     assert said.endswith(f"free some space at {ckpts} or choose another --out, then run the same command again (a "
                          "local pipeline run starts over, in a new pipeline-root/ run folder)"), said
+
+
+def test_a_full_disk_under_kfp_s_own_write_of_a_step_s_outputs_is_the_local_run_s_one_line(tmp_path, monkeypatch):
+    """kfp's executor writes a step's executor_output.json after the step's function has returned, outside the step's
+    one-line errors (component_support.step_errors): on a full disk it ended in kfp's traceback, and the local run
+    said "step finetune failed: OSError: [Errno 28] No space left on device", naming neither the disk nor the fix.
+    The executor runs here as kfp.local runs it (kfp.dsl.executor_main), on a tmpfs its step's output filled."""
+    import traceback
+
+    from kfp.dsl import executor
+    from kfp.dsl.types import artifact_types
+
+    root = tmp_path / "pipeline-root"
+    root.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4k", "tmpfs", str(root)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root (CAP_SYS_ADMIN), which CI has")
+    monkeypatch.setattr(artifact_types, "CONTAINER_TASK_ROOT", None)  # the executor sets it for its process
+    task = root / "run" / "finetune-2"
+    try:
+        task.mkdir(parents=True)
+        (task / "model").write_bytes(b"\0" * 4096)  # the step's output fills the disk
+
+        def finetune() -> None:  # what the step's function did is done: only kfp's own write is left
+            pass
+
+        output = {"outputs": {"outputFile": str(task / "executor_output.json")}}
+        with pytest.raises(OSError) as refused:
+            executor.Executor(output, finetune).execute()
+        lines = traceback.format_exception(refused.value)
+        summary = failure_summary(_task("finetune-2", "".join(lines).splitlines()), "x", root)
+    finally:
+        subprocess.run(["umount", str(root)], check=True)
+    assert refused.value.errno == errno.ENOSPC  # what kfp raises, and the run quoted as it was
+    assert summary == (f"step finetune failed: RangefinderError: cannot write the finetune step's outputs under "
+                       f"{root}: disk full (0.00 GiB free on {root}); free some space at {root} or choose another "
+                       "--out, then run the same command again (a local pipeline run starts over, in a new "
+                       "pipeline-root/ run folder)"), summary
+    # Any other error of kfp's is quoted as it is.
+    assert failure_summary(_task("finetune-2", ["OSError: [Errno 5] Input/output error"]), "x", root) == (
+        "step finetune failed: OSError: [Errno 5] Input/output error")

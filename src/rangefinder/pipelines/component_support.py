@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 # What only a write raises: said as a refused write wherever it was (write() names no file). Permission denied or a
 # file in the way only where the path is under the task's folder: reading an input raises those too.
-_ONLY_WRITES = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, -1)  # -1: torch.save's failed write
+ONLY_WRITES = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, -1)  # -1: torch.save's failed write
 
 # What a failed write says to do in a step outside a local run (a pod): it has no --out to choose and no --resume to
 # pass, which a command's words (training.disk) offer; a retried run's training steps go on from their newest
@@ -64,7 +64,7 @@ def step_errors(step: str, output: Artifact) -> Iterator[None]:
             path = Path(os.fsdecode(named)).absolute() if isinstance(named, (str, bytes, os.PathLike)) else None
             if path is not None and path.is_relative_to(folder.absolute()):
                 problem = disk_problem(f"the {step} step's outputs", folder, e)
-            elif write_errno(e) not in _ONLY_WRITES:
+            elif write_errno(e) not in ONLY_WRITES:
                 raise
             elif path is None:  # write() names no file: the task's own outputs are what it writes
                 problem = disk_problem(f"the {step} step's outputs", folder, e)

@@ -23,15 +23,16 @@ from typing import Any, Optional
 
 from rangefinder.config import RangefinderConfig
 from rangefinder.data.dataset import check_out_outside_dataset
-from rangefinder.errors import QUICK_EXIT_ENV, STEP_ERROR_PREFIX, ConfigError, RangefinderError
+from rangefinder.errors import QUICK_EXIT_ENV, STEP_ERROR_PREFIX, ConfigError, RangefinderError, public_name
 from rangefinder.formats.atomic import atomic_dir, usable_folder, write_json
 from rangefinder.formats.digest import file_sha256
 from rangefinder.launch.processes import THREADS_ENV
+from rangefinder.pipelines.component_support import ONLY_WRITES
 from rangefinder.pipelines.progress import StepProgress, step_name
 from rangefinder.tracking.redaction import RedactingWriter, redact, safe_uri
 from rangefinder.tracking.spool import SPOOL_ENV
 from rangefinder.tracking.target import ui_link
-from rangefinder.training.disk import AGAIN_ENV
+from rangefinder.training.disk import AGAIN_ENV, disk_problem
 from rangefinder.training.outdir import OutDirLock
 
 
@@ -216,7 +217,7 @@ def run_pipeline_locally(cfg: RangefinderConfig, out_dir: str | Path, *, dataset
         log_hint = f"full log: {log_path}" if quiet else "its error is in the log above"
         where = redact(text)
         if m:
-            where = (failure_summary(_read_from(log_path, log_start), m.group(1)) if quiet
+            where = (failure_summary(_read_from(log_path, log_start), m.group(1), root) if quiet
                      else f"step {step_name(m.group(1))} failed")
         raise RangefinderError(f"the local pipeline run stopped: {where} ({log_hint}; artifacts so far under {root})"
                                ) from None
@@ -392,19 +393,20 @@ MAX_CAUSE_LINES = 6
 _FAILED = re.compile(r"Task '([^']+)' finished with status FAILURE")
 
 
-def failure_summary(log: str, named: str) -> str:
+def failure_summary(log: str, named: str, root: Optional[Path] = None) -> str:
     """What ended a run, from this run's kfp.local log: the first step that failed with its own error, and the steps
     that failed after it counted (an MLflow server that went away fails every later step that logs; the same error
     again says nothing new). A later step that failed for another reason keeps its own error. `named`: the task
-    kfp.local's exception names, for when the log holds no failure."""
+    kfp.local's exception names, for when the log holds no failure; `root`: the run's pipeline root, where kfp's own
+    writes of a step's outputs went (step_error)."""
     text = re.sub(r"\x1b\[[0-9;]*m", "", log)
     failed = list(dict.fromkeys(_FAILED.findall(text))) or [named]
     first = failed[0]
-    cause = step_error(log, first)
+    cause = step_error(log, first, root)
     said = f"step {step_name(first)} failed{f': {cause}' if cause else ''}"
     later = []
     for task in failed[1:]:
-        own = step_error(log, task)
+        own = step_error(log, task, root)
         # The same cause: the same error, or one of the two begins with the other (the outage in its own words, then
         # what that step could not do because of it: register-model's command for later).
         same = own is None or (cause is not None and (cause.startswith(own) or own.startswith(cause)))
@@ -418,9 +420,12 @@ def failure_summary(log: str, named: str) -> str:
 _STEP_ERROR = re.compile(rf"{STEP_ERROR_PREFIX} [\w-]+: error: (.*\S)")
 
 
-def step_error(log: str, task: str) -> Optional[str]:
+def step_error(log: str, task: str, root: Optional[Path] = None) -> Optional[str]:
     """The error `task` ended with, from kfp.local's log: the exception line of its last traceback and the lines
-    after it (module path dropped: `TrackingError: cannot reach ...`), else its last lines; None if not there."""
+    after it (module path dropped: `TrackingError: cannot reach ...`), else its last lines; None if not there. A
+    write the file system refused outside the step's function (kfp's executor writing executor_output.json or making
+    the outputs' folders under `root`, the run's pipeline root) is said as the steps' own writes say it
+    (_refused_write)."""
     text = re.sub(r"\x1b\[[0-9;]*m", "", log)
     name = re.escape(task)
     # From kfp's "... Executing task 'x'" line to its "... ERROR - Task 'x' finished with status FAILURE" line.
@@ -439,12 +444,39 @@ def step_error(log: str, task: str) -> Optional[str]:
     for i in range(len(lines) - 1, -1, -1):
         m = exception.match(lines[i])
         if m:
+            refused = _refused_write(lines[i], step_name(task), root) if root is not None else None
+            if refused:
+                return refused
             cause = [m.group(1) + ": " + lines[i][m.end():] if lines[i][m.end():] else m.group(1)]
             cause += lines[i + 1: i + MAX_CAUSE_LINES]
             break
     else:
         cause = lines[-3:]
     return " ".join(cause)[:2000] or None
+
+
+# An OSError's line in a traceback: "OSError: [Errno 28] No space left on device", with ": '/path'" after it where the
+# error named its file (open() on a full disk names none: the file is made, its first write fails).
+_OS_ERROR = re.compile(r"^(?:[A-Za-z_]\w*\.)*\w*Error: \[Errno (\d+)\] (.*?)(?:: '(.*)')?$")
+
+
+def _refused_write(line: str, step: str, root: Path) -> Optional[str]:
+    """The one line for a traceback's exception `line` when it is a write the file system refused (a full disk, a
+    quota, a read-only volume: what only a write raises, component_support.ONLY_WRITES): kfp's executor writes the
+    step's executor_output.json and its outputs' folders outside the step's function, where step_errors does not
+    reach, and the run quoted "OSError: [Errno 28] No space left on device", naming neither the disk nor the fix.
+    Said as disk_problem says a step's own write, under `root` (or where the error named its file), with the free
+    space there now and a local run's words for what to do then; None for any other line."""
+    m = _OS_ERROR.match(line)
+    if m is None or int(m.group(1)) not in ONLY_WRITES:
+        return None
+    named = Path(m.group(3)) if m.group(3) else None
+    error = OSError(int(m.group(1)), m.group(2), *([str(named)] if named else []))
+    if named is None or named.is_relative_to(root):
+        problem = disk_problem(f"the {step} step's outputs", root, error, again=LOCAL_AGAIN)
+    else:  # a write elsewhere (a cache), named where it was
+        problem = disk_problem(f"the {step} step's file {named.name}", named.parent, error, again=LOCAL_AGAIN)
+    return f"{public_name(problem)}: {problem}" if problem else None
 
 
 # The artifacts a person reads, by output name; KFP names artifact files after the output, without an extension.
