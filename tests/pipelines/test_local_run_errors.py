@@ -443,3 +443,43 @@ def test_a_full_disk_under_kfp_s_own_write_of_a_step_s_outputs_is_the_local_run_
     # Any other error of kfp's is quoted as it is.
     assert failure_summary(_task("finetune-2", ["OSError: [Errno 5] Input/output error"]), "x", root) == (
         "step finetune failed: OSError: [Errno 5] Input/output error")
+
+
+def test_a_local_run_s_log_on_a_full_disk_is_one_line_not_a_logging_error_per_line(tmp_path, capsys):
+    """pipeline.log on a full disk: kfp.local logs through Python's logging, which printed a "--- Logging error ---"
+    traceback on the terminal for each line the log could not take, and a step's streamed line raised an OSError out
+    of kfp.local mid-step. The log, written as a local run writes it (kfp.local's own logger, StepProgress, redact),
+    drops what the disk refuses, and the run says so in one line."""
+    import contextlib
+    import logging
+
+    from kfp.local import logging_utils
+
+    from rangefinder.errors import RangefinderError
+    from rangefinder.pipelines.local_run import RunLog
+    from rangefinder.pipelines.progress import StepProgress
+    from rangefinder.tracking.redaction import RedactingWriter
+
+    out = tmp_path / "out"
+    out.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4k", "tmpfs", str(out)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root (CAP_SYS_ADMIN), which CI has")
+    try:
+        log = RunLog(out / "pipeline.log")
+        with log, contextlib.redirect_stdout(RedactingWriter(StepProgress(log, sys.stderr))) as redacted, \
+                logging_utils.local_logger_context():
+            logging.info("Executing task 'finetune-2'")
+            for _ in range(100):  # a step's streamed log, past the disk's one page
+                print("    " + "x" * 100)
+            logging.info("Task 'finetune-2' finished with status SUCCESS")
+            redacted.flush()
+        with pytest.raises(RangefinderError) as stopped:
+            log.check(out, out / "pipeline-root", "stopped")
+    finally:
+        subprocess.run(["umount", str(out)], check=True)
+    assert "Logging error" not in capsys.readouterr().err
+    assert str(stopped.value) == (
+        f"the local pipeline run stopped: cannot write the local run's log pipeline.log under {out}: disk full (0.00 "
+        f"GiB free on {out}); free some space at {out} or choose another --out, then run the same command again (a "
+        "local pipeline run starts over, in a new pipeline-root/ run folder) (the log holds what was written before; "
+        f"artifacts so far under {out / 'pipeline-root'})"), stopped.value

@@ -16,10 +16,10 @@ import os
 import re
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import IO, Any, Optional
 
 from rangefinder.config import RangefinderConfig
 from rangefinder.data.dataset import check_out_outside_dataset
@@ -186,13 +186,14 @@ def run_pipeline_locally(cfg: RangefinderConfig, out_dir: str | Path, *, dataset
     os.environ.update(step_env)
     log_path = out / "pipeline.log"
     log_start = log_path.stat().st_size if log_path.is_file() else 0  # this run's part of an appended log
+    run_log = RunLog(log_path) if quiet else None
     if quiet:
         print(f"rangefinder: running the pipeline with kfp.local; step logs in {log_path}", file=sys.stderr)
     try:
         # kfp.local prints every step's log and outputs on stdout; they go to the log file with `quiet`, else to
         # stderr (--verbose), so stdout holds only the result, a --json one too. Either way they pass through
         # redact(). With `quiet`, StepProgress also shows on the terminal a line per step and the training bars.
-        with open(log_path, "a", encoding="utf-8") if quiet else contextlib.nullcontext(sys.stderr) as log, \
+        with run_log if run_log is not None else contextlib.nullcontext(sys.stderr) as log, \
                 _progress(log, quiet) as shown, \
                 contextlib.redirect_stdout(RedactingWriter(shown)) as redacted, warnings.catch_warnings():
             try:
@@ -210,6 +211,9 @@ def run_pipeline_locally(cfg: RangefinderConfig, out_dir: str | Path, *, dataset
             _end_interrupted_parent(tracking_uri, cfg, started[-1].name)
         raise
     except RuntimeError as e:
+        if run_log is not None:
+            # A log cut short names no step's error: the disk it could not be written to does.
+            run_log.check(out, root, "stopped")
         # kfp.local names a failed task, not always the first to fail, and by its outer name (register-model-2 for the
         # log's register-model-2-2); the log says which failed first and why.
         text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))
@@ -227,6 +231,8 @@ def run_pipeline_locally(cfg: RangefinderConfig, out_dir: str | Path, *, dataset
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+    if run_log is not None:
+        run_log.check(out, root, "ran to its end, but its log is cut short")
     new = _new_runs(root, before, PIPELINE_NAME)
     if not new:
         raise RangefinderError(f"kfp.local wrote no run folder under {root}")
@@ -238,6 +244,54 @@ def run_pipeline_locally(cfg: RangefinderConfig, out_dir: str | Path, *, dataset
     _publish_reports(run)
     lock.release()
     return run
+
+
+class RunLog:
+    """OUT/pipeline.log as a local run writes it (kfp.local's step logs, through StepProgress), appended to. A write
+    the file system refused (a full disk) is kept (`refused`) and the log's later writes are dropped: kfp.local logs
+    through Python's logging, which printed a "--- Logging error ---" traceback on the terminal for each line it could
+    not write, and a step's streamed line raised out of kfp.local mid-step; `check` says it in one line."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.refused: Optional[OSError] = None
+        self._file: Optional[IO[str]] = None
+
+    def __enter__(self) -> RunLog:
+        self._file = open(self.path, "a", encoding="utf-8")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._attempt(lambda f: f.close())
+
+    def write(self, text: str) -> int:
+        self._attempt(lambda f: f.write(text))
+        return len(text)
+
+    def flush(self) -> None:
+        self._attempt(lambda f: f.flush())
+
+    def _attempt(self, act: Callable[[IO[str]], object]) -> None:
+        if self._file is None or self.refused is not None:
+            return
+        try:
+            act(self._file)
+        except OSError as e:
+            self.refused = e
+            with contextlib.suppress(OSError):  # what is buffered is lost: the disk took none of it
+                self._file.close()
+            self._file = None
+
+    def check(self, out: Path, root: Path, ended: str) -> None:
+        """RangefinderError naming the disk, its free space and the fix when a write of the log was refused (`ended`:
+        how the run ended); the refused write itself when it is no storage problem (a bug)."""
+        if self.refused is None:
+            return
+        problem = disk_problem(f"the local run's log {self.path.name}", out, self.refused, again=LOCAL_AGAIN)
+        if problem is None:
+            raise self.refused
+        raise RangefinderError(f"the local pipeline run {ended}: {problem} (the log holds what was written before; "
+                               f"artifacts so far under {root})") from None
 
 
 # What a step's failed write says to do once space is freed (training.disk.AGAIN_ENV): the steps' own words
