@@ -483,3 +483,35 @@ def test_a_local_run_s_log_on_a_full_disk_is_one_line_not_a_logging_error_per_li
         f"GiB free on {out}); free some space at {out} or choose another --out, then run the same command again (a "
         "local pipeline run starts over, in a new pipeline-root/ run folder) (the log holds what was written before; "
         f"artifacts so far under {out / 'pipeline-root'})"), stopped.value
+
+
+def test_a_full_disk_under_the_reports_copy_names_the_reports_disk_not_the_source_s(tmp_path):
+    """A local run's last write copies its reports into OUT/reports (_publish_reports, shutil.copyfile). On a full
+    disk the copy's OSError names its source first and the file it wrote second, and the line named the source's
+    file and the free space of the source's disk (the pipeline root, with room to spare). What the command says
+    (cli.storage_problem) and what a step says (training.disk.disk_problem) name the disk the write went to."""
+    from rangefinder.cli.storage import storage_problem
+    from rangefinder.pipelines.local_run import _publish_reports
+    from rangefinder.training.disk import disk_problem
+
+    source = tmp_path / "pipeline-root" / "run" / "finetune-2"
+    source.mkdir(parents=True)
+    (source / "report_md").write_bytes(os.urandom(8192))  # more than the disk's one page
+    out = tmp_path / "out"
+    out.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4k", "tmpfs", str(out)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root (CAP_SYS_ADMIN), which CI has")
+    try:
+        run = LocalRun(out_dir=out, run_dir=source.parent, tracking_uri="sqlite:///unused.db",
+                       artifacts={"finetune-2": {"report_md": str(source / "report_md")}})
+        with pytest.raises(OSError) as refused:
+            _publish_reports(run)
+        said = storage_problem(refused.value, str(out))
+        step_said = str(disk_problem("the reports", out, refused.value))
+        left = sorted(p.name for p in out.iterdir())
+    finally:
+        subprocess.run(["umount", str(out)], check=True)
+    assert left == [], left  # nothing half-copied
+    assert said == (f"cannot write {out / 'reports'}: disk full (0.00 GiB free on {out}); free some space at {out} or "
+                    "pass a path on another file system"), said
+    assert f"disk full (0.00 GiB free on {out}); free some space at {out} or" in step_said, step_said

@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
-from rangefinder.formats.atomic import REFUSED_WRITES, TEMPORARY, free_space
+from rangefinder.formats.atomic import REFUSED_WRITES, TEMPORARY, free_space, refused_file
 
 _ELSEWHERE = "or pass a path on another file system"
 
@@ -28,7 +28,7 @@ def storage_problem(e: OSError, out: Optional[str] = None) -> Optional[str]:
     """One sentence for `e`, where `out` is the command's --out (named when the error names no file); None when `e`
     is not a storage problem. shutil.copytree's Error (errno None, a list of (source, target, reason) rows) counts
     by its first row."""
-    code, where = e.errno, e.filename
+    code, where = e.errno, refused_file(e)
     if isinstance(e, shutil.Error) and e.args and isinstance(e.args[0], list) and e.args[0]:
         row = e.args[0][0]
         m = _ERRNO_IN_TEXT.search(str(row[-1])) if isinstance(row, tuple) and len(row) == 3 else None

@@ -55,6 +55,14 @@ REFUSED_WRITES: dict[int, tuple[str, str]] = {
 }
 
 
+def refused_file(e: BaseException) -> Optional[str]:
+    """The file a refused write was writing, as the error names it: a copy's or a link's OSError (shutil.copyfile,
+    os.link) names its source first (`filename`) and the file it wrote second (`filename2`), and a full disk under
+    the copy was said as the source's, with the free space of the disk the source is on."""
+    named = getattr(e, "filename2", None) or getattr(e, "filename", None)
+    return os.fsdecode(named) if isinstance(named, (str, bytes, os.PathLike)) else None
+
+
 def free_space(path: PathLike) -> tuple[Path, str]:
     """The nearest existing folder at or above `path`, and the free space on it in words."""
     probe = Path(path)

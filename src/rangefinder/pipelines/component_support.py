@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from safetensors import SafetensorError
 
 from rangefinder.errors import one_line_errors
+from rangefinder.formats.atomic import refused_file
 from rangefinder.formats.text import warn
 from rangefinder.training.disk import AGAIN_ENV, ELSEWHERE_ENV, disk_problem, write_errno
 
@@ -60,8 +61,8 @@ def step_errors(step: str, output: Artifact) -> Iterator[None]:
         try:
             yield
         except (OSError, SafetensorError, RuntimeError) as e:
-            named = getattr(e, "filename", None)
-            path = Path(os.fsdecode(named)).absolute() if isinstance(named, (str, bytes, os.PathLike)) else None
+            named = refused_file(e)
+            path = Path(named).absolute() if named is not None else None
             if path is not None and path.is_relative_to(folder.absolute()):
                 problem = disk_problem(f"the {step} step's outputs", folder, e)
             elif write_errno(e) not in ONLY_WRITES:

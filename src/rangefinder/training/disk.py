@@ -20,7 +20,7 @@ from safetensors import SafetensorError
 
 from rangefinder.errors import RangefinderError
 from rangefinder.formats import checkpoints
-from rangefinder.formats.atomic import REFUSED_WRITES, free_space
+from rangefinder.formats.atomic import REFUSED_WRITES, free_space, refused_file
 
 _ELSEWHERE = "or choose another --out"
 
@@ -67,7 +67,7 @@ def disk_problem(what: str, path: Path, e: BaseException, *, elsewhere: Optional
     code = write_errno(e)
     if code is None or (code != -1 and code not in REFUSED_WRITES):
         return None
-    where = Path(getattr(e, "filename", None) or path)
+    where = Path(refused_file(e) or path)
     probe, free = free_space(where)
     # `path` is the checkpoints folder (a checkpoint's save) or the run's folder (its outputs, its lock file), whose
     # checkpoints are under RUN_DIR: they were not looked for there, and a run that had them was told of none.
