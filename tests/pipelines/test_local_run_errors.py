@@ -489,8 +489,12 @@ def test_a_full_disk_under_the_reports_copy_names_the_reports_disk_not_the_sourc
     """A local run's last write copies its reports into OUT/reports (_publish_reports, shutil.copyfile). On a full
     disk the copy's OSError names its source first and the file it wrote second, and the line named the source's
     file and the free space of the source's disk (the pipeline root, with room to spare). What the command says
-    (cli.storage_problem) and what a step says (training.disk.disk_problem) name the disk the write went to."""
+    (cli.storage_problem) and what a step says (training.disk.disk_problem) name the disk the write went to; the
+    local run says it ran to its end and where its reports are meanwhile, not only "cannot write OUT/reports"."""
+    import shutil
+
     from rangefinder.cli.storage import storage_problem
+    from rangefinder.errors import RangefinderError
     from rangefinder.pipelines.local_run import _publish_reports
     from rangefinder.training.disk import disk_problem
 
@@ -505,13 +509,21 @@ def test_a_full_disk_under_the_reports_copy_names_the_reports_disk_not_the_sourc
         run = LocalRun(out_dir=out, run_dir=source.parent, tracking_uri="sqlite:///unused.db",
                        artifacts={"finetune-2": {"report_md": str(source / "report_md")}})
         with pytest.raises(OSError) as refused:
+            shutil.copyfile(source / "report_md", out / "reports.md")
+        said = storage_problem(refused.value, str(out / "reports.md"))
+        (out / "reports.md").unlink()
+        with pytest.raises(RangefinderError) as published:
             _publish_reports(run)
-        said = storage_problem(refused.value, str(out))
         step_said = str(disk_problem("the reports", out, refused.value))
         left = sorted(p.name for p in out.iterdir())
     finally:
         subprocess.run(["umount", str(out)], check=True)
     assert left == [], left  # nothing half-copied
-    assert said == (f"cannot write {out / 'reports'}: disk full (0.00 GiB free on {out}); free some space at {out} or "
-                    "pass a path on another file system"), said
+    assert said == (f"cannot write {out / 'reports.md'}: disk full (0.00 GiB free on {out}); free some space at {out} "
+                    "or pass a path on another file system"), said
     assert f"disk full (0.00 GiB free on {out}); free some space at {out} or" in step_said, step_said
+    # The local run's own last write: the pipeline ran to its end, and its reports are in the run's folder.
+    assert str(published.value) == (
+        f"the local pipeline run ran to its end, but cannot write the run's reports under {out / 'reports'}: disk full "
+        f"(0.00 GiB free on {out}); free some space at {out} or choose another --out, then run the same command again; "
+        f"meanwhile they are in the run's folder {source.parent}"), published.value

@@ -555,7 +555,7 @@ def _publish_reports(run: LocalRun) -> None:
     dest = usable_folder(run.out_dir / "reports", "--out's reports folder")
     earlier = _reports_written(dest)
     written: dict[str, str] = {}
-    with atomic_dir(dest.resolve() if dest.is_symlink() else dest) as tmp:
+    with _reports_refused(run, dest), atomic_dir(dest.resolve() if dest.is_symlink() else dest) as tmp:
         for task in sorted(run.artifacts):
             for key, path in sorted(run.artifacts[task].items()):
                 src = Path(path)
@@ -580,6 +580,22 @@ def _publish_reports(run: LocalRun) -> None:
                 run.reports_kept.append(dest / old.name)
         write_json(tmp / REPORTS_MANIFEST, {"files": written})
     run.reports = sorted(dest / name for name in written)
+
+
+@contextlib.contextmanager
+def _reports_refused(run: LocalRun, dest: Path) -> Iterator[None]:
+    """The reports' copy into OUT/reports refused by the file system (a full disk) in one line that says the
+    pipeline ran to its end and where its reports are meanwhile: it was "cannot write OUT/reports: disk full", which
+    read as a run that failed and named no way to the reports it had made."""
+    try:
+        yield
+    except OSError as e:
+        problem = disk_problem("the run's reports", dest, e,
+                               again=f"then run the same command again; meanwhile they are in the run's folder "
+                                     f"{run.run_dir}")
+        if problem is None:
+            raise
+        raise RangefinderError(f"the local pipeline run ran to its end, but {problem}") from None
 
 
 def _reports_written(folder: Path) -> dict[str, str]:
