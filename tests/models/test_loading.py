@@ -111,13 +111,9 @@ def test_a_single_file_config_of_another_family_is_refused_before_converting(tin
                                        cache_dir=str(tmp_path / "cache")))
 
 
-def _convert_offline_set_after_import(bare: Path, cache: Path, report) -> None:
-    """In a forked child: convert `bare` with HF_HUB_OFFLINE set after huggingface_hub read it on its import, as a
-    notebook sets it, every connection and name lookup refused and noted; sends (the outcome, what was tried)."""
-    import os
+def _refuse_the_network() -> list[str]:
+    """In a forked child: every connection and name lookup refused from now on; the list notes each one tried."""
     import socket
-
-    from huggingface_hub import constants
 
     tried: list[str] = []
 
@@ -127,6 +123,17 @@ def _convert_offline_set_after_import(bare: Path, cache: Path, report) -> None:
 
     socket.socket.connect = socket.socket.connect_ex = refuse
     socket.getaddrinfo = refuse
+    return tried
+
+
+def _convert_offline_set_after_import(bare: Path, cache: Path, report) -> None:
+    """In a forked child: convert `bare` with HF_HUB_OFFLINE set after huggingface_hub read it on its import, as a
+    notebook sets it, every connection and name lookup refused and noted; sends (the outcome, what was tried)."""
+    import os
+
+    from huggingface_hub import constants
+
+    tried = _refuse_the_network()
     constants.HF_HUB_OFFLINE = False  # as huggingface_hub read it on its import, before the variable was set
     os.environ["HF_HUB_OFFLINE"] = "1"
     try:
@@ -167,18 +174,10 @@ def _convert_with_the_cache_set_after_import(bare: Path, hub: Path, elsewhere: P
     """In a forked child: convert `bare` with HF_HUB_CACHE (and HF_HUB_OFFLINE) set after huggingface_hub read the
     cache on its import as `elsewhere`, every connection refused and noted; sends (the outcome, what was tried)."""
     import os
-    import socket
 
     from huggingface_hub import constants
 
-    tried: list[str] = []
-
-    def refuse(*args, **kwargs):
-        tried.append(repr(args[:2])[:200])
-        raise OSError("this test allows no network")
-
-    socket.socket.connect = socket.socket.connect_ex = refuse
-    socket.getaddrinfo = refuse
+    tried = _refuse_the_network()
     constants.HF_HUB_CACHE = str(elsewhere)  # as huggingface_hub read it on its import, before the variable was set
     os.environ.update(HF_HUB_CACHE=str(hub), HF_HUB_OFFLINE="1", RANGEFINDER_CACHE=str(ours))
     try:
