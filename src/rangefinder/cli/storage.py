@@ -12,16 +12,13 @@ from __future__ import annotations
 
 import errno
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import Optional
 
-from rangefinder.formats.atomic import REFUSED_WRITES, TEMPORARY, free_space, refused_file
+from rangefinder.formats.atomic import REFUSED_WRITES, TEMPORARY, failed_copy, free_space, refused_file
 
 _ELSEWHERE = "or pass a path on another file system"
-
-_ERRNO_IN_TEXT = re.compile(r"\[Errno (\d+)\]")
 
 
 def storage_problem(e: OSError, out: Optional[str] = None) -> Optional[str]:
@@ -29,10 +26,8 @@ def storage_problem(e: OSError, out: Optional[str] = None) -> Optional[str]:
     is not a storage problem. shutil.copytree's Error (errno None, a list of (source, target, reason) rows) counts
     by its first row."""
     code, where = e.errno, refused_file(e)
-    if isinstance(e, shutil.Error) and e.args and isinstance(e.args[0], list) and e.args[0]:
-        row = e.args[0][0]
-        m = _ERRNO_IN_TEXT.search(str(row[-1])) if isinstance(row, tuple) and len(row) == 3 else None
-        code, where = (int(m.group(1)), row[1]) if m else (None, None)
+    if isinstance(e, shutil.Error):
+        code, where = failed_copy(e) or (None, None)
     if code not in REFUSED_WRITES:
         return None
     path = _as_named(Path(os.fsdecode(where))) if where is not None else Path(out) if out else None

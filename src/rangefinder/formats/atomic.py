@@ -55,6 +55,20 @@ REFUSED_WRITES: dict[int, tuple[str, str]] = {
 }
 
 
+_ERRNO_IN_TEXT = re.compile(r"\[Errno (\d+)\]")
+
+
+def failed_copy(e: BaseException) -> Optional[tuple[Optional[int], str]]:
+    """shutil.copytree's Error (errno None, a list of (source, target, reason) rows), by its first row: the errno its
+    reason names ("[Errno 28] No space left on device"; None where it names none) and the file it was copying to.
+    None for any other error."""
+    rows = e.args[0] if isinstance(e, shutil.Error) and e.args and isinstance(e.args[0], list) else []
+    if not rows or not (isinstance(rows[0], tuple) and len(rows[0]) == 3):
+        return None
+    m = _ERRNO_IN_TEXT.search(str(rows[0][2]))
+    return (int(m.group(1)) if m else None), rows[0][1]
+
+
 def refused_file(e: BaseException) -> Optional[str]:
     """The file a refused write was writing, as the error names it: a copy's or a link's OSError (shutil.copyfile,
     os.link) names its source first (`filename`) and the file it wrote second (`filename2`), and a full disk under

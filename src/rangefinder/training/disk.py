@@ -20,7 +20,7 @@ from safetensors import SafetensorError
 
 from rangefinder.errors import RangefinderError
 from rangefinder.formats import checkpoints
-from rangefinder.formats.atomic import REFUSED_WRITES, free_space, refused_file
+from rangefinder.formats.atomic import REFUSED_WRITES, failed_copy, free_space, refused_file
 
 _ELSEWHERE = "or choose another --out"
 
@@ -44,9 +44,8 @@ def write_errno(e: BaseException) -> Optional[int]:
     only name it in their message, as "(os error 28)", or not at all (_TORCH_WRITE_FAILED: -1 here); shutil.copytree
     (shutil.Error, errno None) in the reason of its first failed file, as "[Errno 28] No space left on device"."""
     if isinstance(e, shutil.Error):
-        rows = e.args[0] if e.args and isinstance(e.args[0], list) else []
-        m = re.search(r"\[Errno (\d+)\]", str(rows[0][-1])) if rows and isinstance(rows[0], tuple) else None
-        return int(m.group(1)) if m else None
+        copied = failed_copy(e)
+        return copied[0] if copied else None
     if isinstance(e, OSError):
         return e.errno
     if not isinstance(e, (SafetensorError, RuntimeError)):
