@@ -10,11 +10,11 @@ import math
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from safetensors import SafetensorError
 
-from rangefinder.errors import one_line_errors
+from rangefinder.errors import RangefinderError, one_line_errors
 from rangefinder.formats.atomic import refused_file
 from rangefinder.formats.text import warn
 from rangefinder.training.disk import AGAIN_ENV, ELSEWHERE_ENV, disk_problem, write_errno
@@ -63,17 +63,26 @@ def step_errors(step: str, output: Artifact) -> Iterator[None]:
         except (OSError, SafetensorError, RuntimeError) as e:
             named = refused_file(e)
             path = Path(named).absolute() if named is not None else None
-            if path is not None and path.is_relative_to(folder.absolute()):
-                problem = disk_problem(f"the {step} step's outputs", folder, e)
-            elif write_errno(e) not in ONLY_WRITES:
+            if not (path is not None and _under(path, folder)) and write_errno(e) not in ONLY_WRITES:
                 raise
-            elif path is None:  # write() names no file: the task's own outputs are what it writes
-                problem = disk_problem(f"the {step} step's outputs", folder, e)
-            else:  # a write elsewhere (a cache, a converted model), named where it was
-                problem = disk_problem(f"the {step} step's file {path.name}", path.parent, e)
+            problem = step_write_problem(step, folder, path, e)
             if problem is None:
                 raise
             raise problem from None
+
+
+def step_write_problem(step: str, folder: Path, path: Optional[Path], e: BaseException, *,
+                       again: Optional[str] = None) -> Optional[RangefinderError]:
+    """disk_problem for a write of step `step` the file system refused, to `path`: said as the step's outputs where it
+    lies under the task's `folder` or names no file (write() names none: the task's own outputs are what it writes),
+    else as that file where it was (a cache, a converted model). `again`: disk_problem's."""
+    if path is None or _under(path, folder):
+        return disk_problem(f"the {step} step's outputs", folder, e, again=again)
+    return disk_problem(f"the {step} step's file {path.name}", path.parent, e, again=again)
+
+
+def _under(path: Path, folder: Path) -> bool:
+    return path.absolute().is_relative_to(folder.absolute())
 
 
 def log_step_metrics(metrics: Metrics, values: Mapping[str, float]) -> None:

@@ -27,7 +27,7 @@ from rangefinder.errors import QUICK_EXIT_ENV, STEP_ERROR_PREFIX, ConfigError, R
 from rangefinder.formats.atomic import atomic_dir, usable_folder, write_json
 from rangefinder.formats.digest import file_sha256
 from rangefinder.launch.processes import THREADS_ENV
-from rangefinder.pipelines.component_support import ONLY_WRITES
+from rangefinder.pipelines.component_support import ONLY_WRITES, step_write_problem
 from rangefinder.pipelines.progress import StepProgress, step_name
 from rangefinder.tracking.redaction import RedactingWriter, redact, safe_uri
 from rangefinder.tracking.spool import SPOOL_ENV
@@ -526,10 +526,7 @@ def _refused_write(line: str, step: str, root: Path) -> Optional[str]:
         return None
     named = Path(m.group(3)) if m.group(3) else None
     error = OSError(int(m.group(1)), m.group(2), *([str(named)] if named else []))
-    if named is None or named.is_relative_to(root):
-        problem = disk_problem(f"the {step} step's outputs", root, error, again=LOCAL_AGAIN)
-    else:  # a write elsewhere (a cache), named where it was
-        problem = disk_problem(f"the {step} step's file {named.name}", named.parent, error, again=LOCAL_AGAIN)
+    problem = step_write_problem(step, root, named, error, again=LOCAL_AGAIN)
     return f"{public_name(problem)}: {problem}" if problem else None
 
 
