@@ -14,7 +14,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from rangefinder.errors import ConfigError
-from rangefinder.training.family_detection import FAMILY_LAYOUTS, family_of, guidance_scale_in, import_named
+from rangefinder.training.family_detection import (
+    FAMILY_LAYOUTS,
+    SAMPLING_GUIDANCE_REFUSAL,
+    family_of,
+    guidance_scale_in,
+    import_named,
+)
 
 if TYPE_CHECKING:
     from rangefinder.config import RangefinderConfig, TrainingConfig
@@ -106,7 +112,7 @@ def check_family_settings(cfg: RangefinderConfig, family: str, *, native_data: b
         # A scale for a model without the guidance input: the sample step would refuse it after training
         # (sampling.render_grid), where it changes nothing.
         guidance_scale_in(folder, family, cfg.sampling.guidance_scale,
-                          refuse=("sampling.guidance_scale", "remove sampling.guidance_scale"))
+                          refuse=SAMPLING_GUIDANCE_REFUSAL)
     check_method_family(cfg.training.method, family)
     if cfg.training.method == "textual_inversion":
         check_initializer_in_model(folder, cfg.training.textual_inversion.initializer_token)

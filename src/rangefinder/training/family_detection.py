@@ -10,6 +10,7 @@ which must know a model's family to load its parts, can import it: families.py n
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 from dataclasses import dataclass
@@ -171,6 +172,7 @@ def guidance_scale_for(family: str, setting: Optional[float] = None) -> float:
     return float(inspect.signature(pipeline.__call__).parameters["guidance_scale"].default)
 
 
+@functools.cache  # diffusers does not change under a running process, which asks again (params, samples, registry)
 def _call_default_in_source(pipeline: str, parameter: str) -> Optional[float]:
     """The number `parameter` defaults to in diffusers' `pipeline.__call__`, read from the installed diffusers'
     source (the module under diffusers/pipelines/ that defines the class) without importing it: importing a pipeline
@@ -207,6 +209,10 @@ def _call_default_in_source(pipeline: str, parameter: str) -> Optional[float]:
                     return None
                 return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
     return None
+
+
+# `refuse` of guidance_scale_in for the run's own setting: the preflight and the samples during training say it alike.
+SAMPLING_GUIDANCE_REFUSAL = ("sampling.guidance_scale", "remove sampling.guidance_scale")
 
 
 def guidance_scale_in(folder: Optional[Path], family: str, setting: Optional[float] = None, *,

@@ -44,7 +44,7 @@ import torch
 from rangefinder.formats.atomic import atomic_path, read_written_json, write_json
 from rangefinder.models.loading import pipeline_call_kwargs
 from rangefinder.planning import planned_validations
-from rangefinder.training.family_detection import guidance_scale_in
+from rangefinder.training.family_detection import SAMPLING_GUIDANCE_REFUSAL, guidance_scale_in
 from rangefinder.training.geometry import ModelGeometry, check_sampling_resolution
 from rangefinder.training.sinks import ImageSink
 from rangefinder.training.validation import preserved_rng
@@ -79,8 +79,7 @@ def samples_guidance_scale(family: str, model_dir: Optional[Path], setting: Opti
     FluxPipeline never feeds its transformer); the family's own where the parts came from no folder. ConfigError
     for a `setting` above 0 given for a model without that input, as resolve-config's preflight says it, for a run
     started without the preflight."""
-    return guidance_scale_in(model_dir, family, setting,
-                             refuse=("sampling.guidance_scale", "remove sampling.guidance_scale"))
+    return guidance_scale_in(model_dir, family, setting, refuse=SAMPLING_GUIDANCE_REFUSAL)
 
 
 def read_index(run_dir: Path) -> Optional[dict[str, Any]]:
