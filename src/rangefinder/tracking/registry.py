@@ -421,8 +421,9 @@ def _differences(tags: Mapping[str, str], was: Mapping[str, str]) -> list[tuple[
     # Another base model has another revision too: the revision is news only for the same one.
     said = [k for k in TRAINED_AS if _changed(k, tags, was)
             and not (k == TAG_BASE_MODEL_REVISION and _changed(TAG_BASE_MODEL, tags, was))]
+    moved, _ = _base_moved(tags)
     differs = [(f"{TRAINED_AS[k]} {tags[k]} where it had {was[k]}"
-                + (f" ({_base_moved(tags)[0]})" if k == TAG_BASE_MODEL_REVISION and _base_moved(tags)[0] else ""),
+                + (f" ({moved})" if k == TAG_BASE_MODEL_REVISION and moved else ""),
                 k not in (TAG_METHOD, TAG_BASE_MODEL_REVISION)) for k in said]
     if _changed(TAG_TRAIN_ON, tags, was):
         whose = "its" if tags[TAG_TRAIN_ON] == "train+val" else "that version's"
