@@ -29,7 +29,7 @@ from rangefinder.formats.model_spec import (
     SpecFacts,
     model_spec,
 )
-from rangefinder.formats.weights_file import save_safetensors
+from rangefinder.formats.weights_file import EMBEDDED_BASE_MODEL, save_safetensors
 
 TI_WEIGHTS_NAME = "learned_embeds.safetensors"  # diffusers' default name for `load_textual_inversion`
 TI_A1111_DIR = "a1111"  # `<trigger>.safetensors` and `<trigger>.pt`, for A1111's embeddings folder
@@ -54,7 +54,7 @@ def a1111_embedding_name(token: str) -> str:
 def base_model_name(base_model: Optional[str]) -> str:
     """What A1111 shows as an embedding's checkpoint: a file or folder's name, a hub id as is."""
     if not base_model:
-        return "embedded tiny model"
+        return EMBEDDED_BASE_MODEL
     p = Path(base_model)
     if p.is_absolute() or p.exists():
         return p.stem if p.suffix in (".safetensors", ".ckpt") else p.name

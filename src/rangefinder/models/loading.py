@@ -44,7 +44,7 @@ from rangefinder.errors import ConfigError
 from rangefinder.formats import checkpoints
 from rangefinder.formats.digest import hash_file_into
 from rangefinder.formats.single_file import single_file_prediction_type
-from rangefinder.formats.weights_file import pickle_format, read_metadata
+from rangefinder.formats.weights_file import EMBEDDED_BASE_MODEL, pickle_format, read_metadata
 from rangefinder.models.fingerprint import folder_revision
 from rangefinder.training.family_detection import (
     FAMILY_DENOISER,
@@ -139,7 +139,7 @@ class SDComponents:
 def describe_base_model(model_cfg: ModelConfig) -> str:
     if model_cfg.base_model and model_cfg.revision and _looks_like_hub_id(model_cfg.base_model):
         return f"{model_cfg.base_model}@{model_cfg.revision}"
-    return model_cfg.base_model or "embedded tiny model"
+    return model_cfg.base_model or EMBEDDED_BASE_MODEL
 
 
 def load_sd_components(model_cfg: Optional[ModelConfig] = None) -> SDComponents:
@@ -169,7 +169,7 @@ def resolve_base_model(model_cfg: ModelConfig) -> ResolvedModel:
         folder = ensure_tiny_base_model(model_cfg.cache_dir)
         # Its revision is a folder's fingerprint: another rangefinder release may ship other tiny weights (`make
         # tiny-weights`), and the registry then says the base model's weights changed, as of a folder whose files did.
-        return ResolvedModel(folder, "embedded", f"embedded tiny model ({folder})")
+        return ResolvedModel(folder, "embedded", f"{EMBEDDED_BASE_MODEL} ({folder})")
     if kind == "hub":
         return _resolve_hub(name, model_cfg)
     if "://" in name:
@@ -448,7 +448,7 @@ def _trained_on(meta: dict[str, str]) -> str:
     if not base:
         return ""
     repo_id, _, revision = base.partition("@")  # a hub id as exports write it, "org/name@revision"
-    if base in ("None", "embedded tiny model"):
+    if base in ("None", EMBEDDED_BASE_MODEL):
         instead = "leave model.base_model unset for it"
     elif revision and _looks_like_hub_id(repo_id):
         instead = f"pass {repo_id} as the base model (model.revision {revision})"
@@ -496,7 +496,7 @@ def _single_file_config(path: Path, model_cfg: ModelConfig, family: str = "sd1")
         snapshot = _hub_snapshot_of(base, model_cfg)  # in the cache, if the run that trained it left one here
         if snapshot is not None and (snapshot / denoiser).is_dir():
             return snapshot
-    if base in (None, "", "None", "embedded tiny model") and "rangefinder.method" in meta:
+    if base in (None, "", "None", EMBEDDED_BASE_MODEL) and "rangefinder.method" in meta:
         # Exported from the embedded model: its config is the tiny model's (of the file's family).
         ensure: Callable[[Optional[str]], Path] = import_named(TINY_MODELS[family])
         return ensure(model_cfg.cache_dir)
