@@ -303,6 +303,31 @@ def test_our_single_file_of_a_hub_model_at_a_revision_is_read_with_that_revision
     assert converted["timestep_spacing"] == "leading" != json.loads(scheduler.read_text())["timestep_spacing"]
 
 
+def test_files_trained_on_the_embedded_model_name_it_as_runs_write_it(tiny_model_dir, folder_parts, tmp_path):
+    """A run on the embedded model writes its name with its cache folder ("embedded tiny model (<folder>)"), which
+    loading compared with the bare name: its model.safetensors given back as the base model was converted with an
+    architecture looked up on the hub (unreachable offline), and its embedding said "pass that as the base model"."""
+    from safetensors.torch import save_file
+
+    from rangefinder.formats.single_file import export_full
+    from rangefinder.formats.weights_file import export_metadata
+
+    source = resolve_base_model(ModelConfig(cache_dir=str(tiny_model_dir.parent))).source
+    assert source.startswith("embedded tiny model (")
+    path = export_full(tiny_model_dir, tmp_path / "model.safetensors",
+                       export_metadata(method="full", base_model=source))
+    resolved = resolve_base_model(ModelConfig(base_model=str(path), cache_dir=str(tmp_path / "cache")))
+    assert resolved.kind == "single_file"
+    assert _same_weights(load_sd_components(ModelConfig(base_model=str(path), cache_dir=str(tmp_path / "cache"))).unet,
+                         folder_parts.unet)
+    embedding = tmp_path / "learned_embeds.safetensors"
+    save_file({"emb_params": torch.zeros(1, 32)}, str(embedding),
+              export_metadata(method="textual_inversion", base_model=source))
+    with pytest.raises(ConfigError) as e:
+        resolve_base_model(ModelConfig(base_model=str(embedding)))
+    assert f"it was trained on {source}: leave model.base_model unset for it, and this file to" in str(e.value)
+
+
 def test_hub_id_resolves_from_the_offline_cache_at_a_branch_tag_or_commit(offline_hub, folder_parts):
     cache, commit = offline_hub
     resolved = resolve_base_model(ModelConfig(base_model=HUB_REPO))

@@ -52,8 +52,9 @@ def a1111_embedding_name(token: str) -> str:
 
 
 def base_model_name(base_model: Optional[str]) -> str:
-    """What A1111 shows as an embedding's checkpoint: a file or folder's name, a hub id as is."""
-    if not base_model:
+    """What A1111 shows as an embedding's checkpoint: a file or folder's name, a hub id as is, the embedded tiny
+    model's name without the cache folder a run on it names."""
+    if not base_model or base_model.startswith(EMBEDDED_BASE_MODEL):
         return EMBEDDED_BASE_MODEL
     p = Path(base_model)
     if p.is_absolute() or p.exists():

@@ -442,13 +442,19 @@ def _what_file(keys: list[str], meta: dict[str, str]) -> str:
     return "an embedding, a VAE or another kind of file"
 
 
+def _embedded(base: str) -> bool:
+    """Whether a file's `rangefinder.base_model` names the embedded tiny model: "embedded tiny model (<its cache
+    folder>)" as a run on it writes the name, the bare name, or "None" as early releases wrote it."""
+    return base == "None" or base.startswith(EMBEDDED_BASE_MODEL)
+
+
 def _trained_on(meta: dict[str, str]) -> str:
     """The clause naming the base model an adapter says it was trained on (rangefinder.base_model), to pass instead."""
     base = meta.get("rangefinder.base_model")
     if not base:
         return ""
     repo_id, _, revision = base.partition("@")  # a hub id as exports write it, "org/name@revision"
-    if base in ("None", EMBEDDED_BASE_MODEL):
+    if _embedded(base):
         instead = "leave model.base_model unset for it"
     elif revision and _looks_like_hub_id(repo_id):
         instead = f"pass {repo_id} as the base model (model.revision {revision})"
@@ -496,7 +502,7 @@ def _single_file_config(path: Path, model_cfg: ModelConfig, family: str = "sd1")
         snapshot = _hub_snapshot_of(base, model_cfg)  # in the cache, if the run that trained it left one here
         if snapshot is not None and (snapshot / denoiser).is_dir():
             return snapshot
-    if base in (None, "", "None", EMBEDDED_BASE_MODEL) and "rangefinder.method" in meta:
+    if (not base or _embedded(base)) and "rangefinder.method" in meta:
         # Exported from the embedded model: its config is the tiny model's (of the file's family).
         ensure: Callable[[Optional[str]], Path] = import_named(TINY_MODELS[family])
         return ensure(model_cfg.cache_dir)
