@@ -55,7 +55,9 @@ OLD_REGISTERED_BY = "rangefinder.run_id"
 # on them). The runs that read the split carry its two digests too (log_dataset_manifest), and every step's run the
 # base model, revision and family (common_tags).
 TAG_BASE_MODEL = "rangefinder.base_model"
-EMBEDDED_BASE_MODEL = "embedded-tiny"  # TAG_BASE_MODEL's value for the embedded tiny model (model.base_model unset)
+# TAG_BASE_MODEL's value for the embedded tiny model (model.base_model unset): the tag earlier versions carry, which
+# versions are compared by; the files' own name for it is formats.weights_file.EMBEDDED_BASE_MODEL.
+EMBEDDED_BASE_MODEL_TAG = "embedded-tiny"
 # model.resolved_revision: a hub id's snapshot commit (`revision: main` names another commit once upstream moves), a
 # single file's "sha256:<hex>", a folder's (and the embedded model's) "weights:<hex>" (models/fingerprint.py).
 TAG_BASE_MODEL_REVISION = "rangefinder.base_model_revision"
@@ -455,7 +457,7 @@ def _base_moved(tags: Mapping[str, str]) -> tuple[str, str]:
 
     revision, base = tags.get(TAG_BASE_MODEL_REVISION, ""), tags.get(TAG_BASE_MODEL, "")
     fixed = "to keep the base weights fixed from week to week"
-    if revision.startswith(REVISION_PREFIX) and base == EMBEDDED_BASE_MODEL:
+    if revision.startswith(REVISION_PREFIX) and base == EMBEDDED_BASE_MODEL_TAG:
         return "another rangefinder release's embedded tiny model", f"{fixed}, run the schedule on one release"
     if revision.startswith(REVISION_PREFIX):
         return ("the weights in its folder were replaced",

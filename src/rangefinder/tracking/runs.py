@@ -41,7 +41,7 @@ from rangefinder.tracking.metrics import SAFE_TAG_VALUE, BatchedMetricLogger, is
 from rangefinder.tracking.outbox import Outbox, is_away_error
 from rangefinder.tracking.redaction import REDACTED, is_secret_key, redact, safe_uri
 from rangefinder.tracking.registry import (
-    EMBEDDED_BASE_MODEL,
+    EMBEDDED_BASE_MODEL_TAG,
     TAG_BASE_MODEL,
     TAG_BASE_MODEL_REVISION,
     TAG_DATASET_DIGEST,
@@ -156,7 +156,7 @@ def common_tags(cfg: Optional[TrackingSource] = None, *, source: str = PIPELINE_
         tags["rangefinder.image"] = image
     model = _get(cfg, "model", "base_model")
     if cfg is not None and hasattr(cfg, "model"):
-        tags[TAG_BASE_MODEL] = model or EMBEDDED_BASE_MODEL
+        tags[TAG_BASE_MODEL] = model or EMBEDDED_BASE_MODEL_TAG
         revision = _get(cfg, "model", "resolved_revision")
         if revision:
             tags[TAG_BASE_MODEL_REVISION] = revision
