@@ -349,15 +349,17 @@ def test_a_full_disk_outside_training_is_the_step_s_one_line_and_the_local_run_s
            "disk full (" in capsys.readouterr().err
 
 
-def test_a_full_disk_in_a_step_on_a_cluster_names_no_command_option(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("where", ["a cluster", "a user's own kfp.local run"])
+def test_a_full_disk_in_a_step_on_a_cluster_names_no_command_option(where, tmp_path, monkeypatch, capsys):
     """A pod's step on a full volume was told to "choose another --out" and, with a checkpoint there, to "run again
     with --resume": a pipeline step has neither. Outside a local run (whose own words stand: the test above) a step
     says to give it a larger volume and retry the run, and so do the processes it launches (the environment, set
-    only while the step runs)."""
+    only while the step runs). In a user's own kfp.local run of the components (its artifacts in a local folder) it
+    said the same, of a volume there is none of and a retry that starts over: it names kfp.local's pipeline_root."""
     from kfp.dsl import Model
 
     from rangefinder.formats import checkpoints
-    from rangefinder.pipelines.component_support import step_errors
+    from rangefinder.pipelines.component_support import CLUSTER_WORDS, KFP_LOCAL_WORDS, step_errors
     from rangefinder.training.disk import AGAIN_ENV, ELSEWHERE_ENV, disk_problem
 
     for name in (AGAIN_ENV, ELSEWHERE_ENV):
@@ -368,13 +370,20 @@ def test_a_full_disk_in_a_step_on_a_cluster_names_no_command_option(tmp_path, mo
     kept.mkdir(parents=True)
     for name in checkpoints.REQUIRED:
         (kept / name).write_bytes(b"")
-    with pytest.raises(SystemExit), step_errors("finetune", Model(name="model", uri=str(task / "model"))):
-        assert os.environ[AGAIN_ENV].startswith("then retry the run")  # what a launched rank inherits
+    # A cluster's artifact is remote (its path the launcher's mount of it); kfp.local's is the local folder.
+    uri, words = (("minio://mlpipeline/v2/artifacts/rangefinder/abc/finetune/model", CLUSTER_WORDS)
+                  if where == "a cluster" else (str(task / "model"), KFP_LOCAL_WORDS))
+    with pytest.raises(SystemExit), step_errors("finetune", Model(name="model", uri=uri)):
+        assert os.environ[AGAIN_ENV] == words[AGAIN_ENV]  # what a launched rank inherits
         raise disk_problem("the run's outputs", run, OSError(28, "No space left on device")) or AssertionError
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert "--out" not in line and "--resume" not in line and f"the previous checkpoint {kept} is intact" in line
-    assert line.endswith(" or give the step a larger volume, then retry the run (its training steps go on from "
-                         "their newest checkpoint)"), line
+    if where == "a cluster":
+        assert line.endswith(" or give the step a larger volume, then retry the run (its training steps go on from "
+                             "their newest checkpoint)"), line
+    else:
+        assert line.endswith(" or give kfp.local.init() another pipeline_root, then run the pipeline again "
+                             "(kfp.local starts it over, in a new run folder)"), line
     assert AGAIN_ENV not in os.environ and ELSEWHERE_ENV not in os.environ
 
 

@@ -32,14 +32,20 @@ ONLY_WRITES = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, -1)  # -1: 
 # checkpoint (the README on retries). A local run sets its own words (local_run.local_step_env), which stand.
 CLUSTER_WORDS = {ELSEWHERE_ENV: "or give the step a larger volume",
                  AGAIN_ENV: "then retry the run (its training steps go on from their newest checkpoint)"}
+# The same in a user's own kfp.local run of the components (an artifact's uri a local path, as a cluster's never is:
+# gs://, s3://, minio://): there is no volume to grow, and kfp.local runs a pipeline over in a new run folder.
+KFP_LOCAL_WORDS = {ELSEWHERE_ENV: "or give kfp.local.init() another pipeline_root",
+                   AGAIN_ENV: "then run the pipeline again (kfp.local starts it over, in a new run folder)"}
 
 
 @contextlib.contextmanager
-def _cluster_words() -> Iterator[None]:
-    """CLUSTER_WORDS in the environment while inside, where no local run has set its own: the environment, so that
-    the processes the step launches (torchrun's ranks) say them too; as it was again after, for a caller that goes on
-    (a test, a user's own Python calling a component's function)."""
-    added = {} if AGAIN_ENV in os.environ else {k: v for k, v in CLUSTER_WORDS.items() if k not in os.environ}
+def _cluster_words(output: Artifact) -> Iterator[None]:
+    """CLUSTER_WORDS (KFP_LOCAL_WORDS where `output`, one of the step's output artifacts, is in a local folder) in
+    the environment while inside, where no local run has set its own: the environment, so that the processes the step
+    launches (torchrun's ranks) say them too; as it was again after, for a caller that goes on (a test, a user's own
+    Python calling a component's function)."""
+    words = CLUSTER_WORDS if "://" in output.uri else KFP_LOCAL_WORDS
+    added = {} if AGAIN_ENV in os.environ else {k: v for k, v in words.items() if k not in os.environ}
     os.environ.update(added)
     try:
         yield
@@ -53,11 +59,12 @@ def step_errors(step: str, output: Artifact) -> Iterator[None]:
     """A component's step, its errors in one line (rangefinder.errors.one_line_errors), and a write the file system
     refused (a full disk, a quota, a read-only volume) said as the training steps' own writes say it
     (training.disk.disk_problem, under the task's folder, where `output`, one of its output artifacts, lies: the
-    free space, the fix, and what to do then: in a local run the command to run again, elsewhere CLUSTER_WORDS).
+    free space, the fix, and what to do then: in a local run the command to run again, elsewhere CLUSTER_WORDS or
+    KFP_LOCAL_WORDS).
     Outside the engine such a write reached the log as an OSError's traceback, which a local run quoted as "OSError:
     [Errno 28] No space left on device", naming neither the disk nor what to do."""
     folder = Path(output.path).parent
-    with one_line_errors(step), _cluster_words():
+    with one_line_errors(step), _cluster_words(output):
         try:
             yield
         except (OSError, SafetensorError, RuntimeError) as e:
