@@ -1,7 +1,8 @@
 """`full`'s diffusers folder, as transformers 4.x and 5.x, fast and slow tokenizers all load it.
 
 `save_pipeline_folder`: `save_pretrained`, then its text encoder's weights in the `text_model.` layout that
-transformers 4.x and 5.x both load, and its tokenizer with `vocab.json`/`merges.txt` for slow tokenizers.
+transformers 4.x and 5.x both load, its tokenizer with `vocab.json`/`merges.txt` for slow tokenizers, and its configs
+without the folder the models were loaded from (`_name_or_path`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,10 @@ from rangefinder.formats.atomic import give_usual_mode, write_json, write_text
 from rangefinder.formats.weights_file import save_safetensors
 
 CLIP_TEXT_PREFIX = "text_model."
+# The key diffusers' from_pretrained registers in a model's config, the folder or hub id it loaded the model from, and
+# save_pretrained writes into config.json (configuration_utils.py, `ConfigMixin.to_json_string` keeps it). No loader
+# reads it back: from_pretrained registers the folder it reads anew.
+LOADED_FROM_KEY = "_name_or_path"
 
 
 def clip_text_key(key: str) -> str:
@@ -76,12 +81,27 @@ def write_slow_tokenizer_files(tokenizer, tokenizer_dir: Path) -> None:
         write_json(tokenizer_dir / "added_tokens.json", added)
 
 
+def forget_where_loaded_from(folder: Path) -> None:
+    """Each config of a saved pipeline folder without `_name_or_path` (LOADED_FROM_KEY), in place: it named the base
+    model's folder on the machine that saved it (a home directory, a cache path) to whoever the folder is shared with,
+    and the folder's revision (models/fingerprint.py, which hashes the configs) changed with that path alone."""
+    for path in sorted(Path(folder).glob("*/*config.json")):  # unet/config.json, scheduler/scheduler_config.json...
+        try:
+            config = json.loads(path.read_text())
+        except ValueError:
+            continue  # not a JSON object diffusers wrote; nothing of ours to take out
+        if isinstance(config, dict) and LOADED_FROM_KEY in config:
+            del config[LOADED_FROM_KEY]
+            write_text(path, json.dumps(config, indent=2, sort_keys=True) + "\n")  # as diffusers writes its configs
+
+
 def save_pipeline_folder(pipe, out_dir: Path) -> Path:
-    """`pipe.save_pretrained` (safetensors), then the two fixes above, so the folder loads under transformers 4.x
-    and 5.x, with fast or slow tokenizers; its weights files get the mode a usual write gives (save_pretrained's
-    are 0600)."""
+    """`pipe.save_pretrained` (safetensors), then the fixes above, so the folder loads under transformers 4.x and
+    5.x, with fast or slow tokenizers, and names no folder of the machine that saved it; its weights files get the
+    mode a usual write gives (save_pretrained's are 0600)."""
     out_dir = Path(out_dir)
     pipe.save_pretrained(str(out_dir), safe_serialization=True)
+    forget_where_loaded_from(out_dir)
     for weights in out_dir.rglob("*.safetensors"):
         give_usual_mode(weights)  # save_pretrained's safetensors files are 0600
     if (out_dir / "text_encoder").is_dir():
