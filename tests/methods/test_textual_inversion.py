@@ -135,6 +135,10 @@ def test_the_pt_names_its_base_model_as_a1111_names_a_checkpoint(tmp_path):
 @pytest.mark.parametrize(("base", "revision", "shorthash"), [
     ("/models/sd15.safetensors", "sha256:" + "0123456789abcdef" * 4, "0123456789"),
     ("/models/sd15", "weights:" + "a" * 32, None),  # a folder: A1111 has no checkpoint hash of one
+    # As a pipeline's steps name them, as model.base_model spelt them: under home unexpanded, or relative to a folder
+    # the exporting step need not run in. Still a file's or folder's name, not the spelling whole.
+    ("~/models/sd15.safetensors", "sha256:" + "0123456789abcdef" * 4, "0123456789"),
+    ("models/sd15", "weights:" + "a" * 32, None),
 ])
 def test_the_pt_names_a_single_file_base_model_by_a1111_s_short_hash(base, revision, shorthash, tmp_path):
     """A1111 sets an embedding's sd_checkpoint to the checkpoint's shorthash, its sha256's first 10 hex digits

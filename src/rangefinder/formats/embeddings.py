@@ -29,7 +29,7 @@ from rangefinder.formats.model_spec import (
     SpecFacts,
     model_spec,
 )
-from rangefinder.formats.weights_file import EMBEDDED_BASE_MODEL, save_safetensors
+from rangefinder.formats.weights_file import EMBEDDED_BASE_MODEL, LOCAL_REVISION_PREFIXES, save_safetensors
 
 TI_WEIGHTS_NAME = "learned_embeds.safetensors"  # diffusers' default name for `load_textual_inversion`
 TI_A1111_DIR = "a1111"  # `<trigger>.safetensors` and `<trigger>.pt`, for A1111's embeddings folder
@@ -51,13 +51,16 @@ def a1111_embedding_name(token: str) -> str:
     return name
 
 
-def base_model_name(base_model: Optional[str]) -> str:
+def base_model_name(base_model: Optional[str], revision: Optional[str] = None) -> str:
     """What A1111 shows as an embedding's checkpoint: a file or folder's name, a hub id as is, the embedded tiny
-    model's name without the cache folder a run on it names."""
+    model's name without the cache folder a run on it names. A local file or folder is told by its `revision`
+    (rangefinder.base_model_revision: "sha256:" for a file, "weights:" for a folder) where its path does not say
+    so here: a pipeline's steps name it as model.base_model spelt it, `~/...` unexpanded or relative to another
+    folder, which was written whole, as if a hub id."""
     if not base_model or base_model.startswith(EMBEDDED_BASE_MODEL):
         return EMBEDDED_BASE_MODEL
-    p = Path(base_model)
-    if p.is_absolute() or p.exists():
+    p = Path(base_model).expanduser()
+    if p.is_absolute() or p.exists() or (revision or "").startswith(LOCAL_REVISION_PREFIXES):
         return p.stem if p.suffix in (".safetensors", ".ckpt") else p.name
     return base_model
 
@@ -121,7 +124,8 @@ def save_textual_inversion(
         "diffusers": save_safetensors({token: embeds}, out_dir / TI_WEIGHTS_NAME, {**meta, **diffusers_spec}),
         "a1111": save_safetensors({"emb_params": embeds}, a1111 / f"{name}.safetensors", {**meta, **a1111_spec}),
         "a1111_pt": save_a1111_pt(a1111 / f"{name}.pt", embeds, name, None if updates is None else int(updates),
-                                  base_model_name(meta.get("rangefinder.base_model")),
+                                  base_model_name(meta.get("rangefinder.base_model"),
+                                                  meta.get("rangefinder.base_model_revision")),
                                   a1111_checkpoint_hash(meta.get("rangefinder.base_model_revision"))),
     }
 

@@ -17,6 +17,9 @@ from rangefinder.formats.atomic import atomic_path, give_usual_mode
 # `rangefinder.base_model` of a file trained on the embedded tiny model (model.base_model unset); the model's own
 # source (models/loading.py) adds its folder after it.
 EMBEDDED_BASE_MODEL = "embedded tiny model"
+# How `rangefinder.base_model_revision` starts for a local base model: a single file's sha256, a folder's fingerprint
+# (models/fingerprint.py REVISION_PREFIX); a hub snapshot's is its bare commit.
+LOCAL_REVISION_PREFIXES = ("sha256:", "weights:")
 
 
 def export_metadata(
