@@ -880,3 +880,21 @@ def test_a_folder_that_names_code_of_its_own_is_refused_before_anything_loads(ti
     (folder / "model_index.json").write_text(json.dumps({**index, "_class_name": ["pipeline", "MyPipeline"]}))
     with pytest.raises(ConfigError, match=r"names a custom pipeline \['pipeline', 'MyPipeline'\], code shipped"):
         resolve_base_model(ModelConfig(base_model=str(folder)))
+
+
+def test_a_full_model_s_file_finds_its_config_in_the_folder_it_names_under_home(tmp_path, monkeypatch):
+    """A pipeline's steps name a folder base model as model.base_model spelt it, `~/...` unexpanded, and that is what
+    its model.safetensors says it was trained on (rangefinder.base_model): given back as a base model, the folder
+    was looked for under a folder named `~` in the working one, not found, and the file's architecture was fetched
+    from the hub instead (offline: refused)."""
+    from safetensors.torch import save_file
+
+    from rangefinder.formats.weights_file import export_metadata
+    from rangefinder.models.loading import _single_file_config
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "home" / "models" / "sd15" / "unet").mkdir(parents=True)
+    path = tmp_path / "model.safetensors"
+    save_file({"x": torch.zeros(1)}, str(path), export_metadata(method="full", base_model="~/models/sd15"))
+    assert _single_file_config(path, ModelConfig()) == tmp_path / "home" / "models" / "sd15"
