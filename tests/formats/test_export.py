@@ -15,7 +15,7 @@ from rangefinder.formats.single_file import (
     diffusers_to_ldm_state_dict,
     export_full,
 )
-from rangefinder.formats.weights_file import export_metadata, read_metadata
+from rangefinder.formats.weights_file import export_metadata, read_metadata, under_home
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def test_single_file_loads_back_with_from_single_file(tiny_model_dir, tiny_pipe,
     got = read_metadata(path)
     assert got["rangefinder.method"] == "full" and got["rangefinder.version"] == __version__
     assert float(got["rangefinder.lr"]) == 3e-5 and float(got["rangefinder.epochs"]) == 4.0
-    assert got["rangefinder.base_model"] == str(tiny_model_dir)
+    assert got["rangefinder.base_model"] == under_home(str(tiny_model_dir))  # ~/... where the cache is under home
 
     loaded = StableDiffusionPipeline.from_single_file(
         str(path), config=str(tiny_model_dir), local_files_only=True, safety_checker=None

@@ -129,3 +129,26 @@ def test_a_kohya_lora_of_a_file_named_under_home_carries_its_old_hash(tmp_path, 
     old = hashlib.sha256(data[LEGACY_HASH_OFFSET:LEGACY_HASH_OFFSET + LEGACY_HASH_LENGTH]).hexdigest()[:8]
     assert named == {"ss_sd_model_name": "sd15.safetensors", "ss_new_sd_model_hash": "c" * 64,
                      "ss_sd_model_hash": old}
+
+
+@pytest.mark.parametrize("method", ["lora", "textual_inversion"])
+def test_a_delivered_file_names_a_base_model_under_home_from_tilde(method, tiny_model_dir, tmp_path, monkeypatch):
+    """A LoRA or an embedding is made to be shared, and every file's header named the base model's whole path: a
+    folder under the trainer's home told everyone its account name (/home/<user>/...). It says `~/...` instead, and
+    what sd-scripts and A1111 show of it is the folder's name, as before."""
+    from tests.conftest import delivered_files
+
+    home = tiny_model_dir.parent
+    monkeypatch.setenv("HOME", str(home))
+    out = delivered_files(tiny_model_dir, method, tmp_path)
+    files = sorted(out.rglob("*.safetensors"))
+    assert len(files) == 2
+    for path in files:
+        meta = read_metadata(path)
+        assert not [k for k, v in meta.items() if str(home) in v], path.name
+        assert meta["rangefinder.base_model"] == f"~/{tiny_model_dir.name}"
+    if method == "lora":
+        assert read_metadata(out / "lora_kohya.safetensors")["ss_sd_model_name"] == tiny_model_dir.name
+    else:
+        pt = torch.load(out / "a1111" / "rf-concept.pt", map_location="cpu", weights_only=True)
+        assert pt["sd_checkpoint_name"] == tiny_model_dir.name

@@ -9,7 +9,7 @@ import torch
 
 from rangefinder.config import ModelConfig, TrainingConfig
 from rangefinder.errors import ConfigError
-from rangefinder.formats.weights_file import read_metadata
+from rangefinder.formats.weights_file import read_metadata, under_home
 from rangefinder.models.loading import load_sd_components, resolve_base_model
 from rangefinder.training.methods import make_method
 from tests.conftest import HUB_REPO, delivered_files
@@ -325,7 +325,8 @@ def test_files_trained_on_the_embedded_model_name_it_as_runs_write_it(tiny_model
               export_metadata(method="textual_inversion", base_model=source))
     with pytest.raises(ConfigError) as e:
         resolve_base_model(ModelConfig(base_model=str(embedding)))
-    assert f"it was trained on {source}: leave model.base_model unset for it, and this file to" in str(e.value)
+    assert f"it was trained on {under_home(source)}: leave model.base_model unset for it, and this file to" in \
+        str(e.value)  # the file names the cache folder from ~ where it is under home
 
 
 def test_hub_id_resolves_from_the_offline_cache_at_a_branch_tag_or_commit(offline_hub, folder_parts):
@@ -535,7 +536,7 @@ def test_a_folder_one_step_from_a_model_names_what_to_pass(given, tiny_model_dir
     else:
         folder = delivered_files(tiny_model_dir, "textual_inversion", tmp_path / "final")
         says = (f"it holds learned_embeds.safetensors, an adapter, which is trained on a base model and applied on "
-                f"top of it; it was trained on {tiny_model_dir}: pass that as the base model")
+                f"top of it; it was trained on {under_home(str(tiny_model_dir))}: pass that as the base model")
     with pytest.raises(ConfigError) as e:
         resolve_base_model(ModelConfig(base_model=str(folder)))
     assert str(e.value).startswith(f"model.base_model: {folder} is not a diffusers model folder (no "
@@ -590,8 +591,8 @@ def test_an_adapter_or_a_vae_file_as_the_base_model_is_named_with_what_to_pass(g
 
     if given == "an embedding":
         path = delivered_files(tiny_model_dir, "textual_inversion", tmp_path / "final") / "learned_embeds.safetensors"
-        says = (f"it looks like a textual-inversion embedding); it was trained on {tiny_model_dir}: pass that as the "
-                "base model, and this file to `rangefinder sample --checkpoints` to draw with it")
+        says = (f"it looks like a textual-inversion embedding); it was trained on {under_home(str(tiny_model_dir))}: "
+                "pass that as the base model, and this file to `rangefinder sample --checkpoints` to draw with it")
     else:
         whole = load_file(str(export_full(tiny_model_dir, tmp_path / "sd.safetensors")))
         path = tmp_path / "vae.safetensors"  # as VAE files are shipped: the autoencoder's own names

@@ -35,11 +35,12 @@ def export_metadata(
     """Metadata for a weights file. safetensors metadata holds strings only, so numbers are written with repr.
     `base_model_revision`: what `base_model` resolved to (model.resolved_revision: a hub snapshot's commit, a single
     file's "sha256:<hex>", a folder's "weights:<hex>"), so that a file found later names the weights it was trained
-    on, not only a path or an id whose weights may have changed since."""
+    on, not only a path or an id whose weights may have changed since. A path under the home folder is written from
+    `~` (under_home)."""
     meta = {
         "rangefinder.version": __version__,
         "rangefinder.method": method,
-        "rangefinder.base_model": base_model or EMBEDDED_BASE_MODEL,
+        "rangefinder.base_model": under_home(base_model) if base_model else EMBEDDED_BASE_MODEL,
     }
     if base_model_revision:
         meta["rangefinder.base_model_revision"] = base_model_revision
@@ -52,6 +53,20 @@ def export_metadata(
     for k, v in (extra or {}).items():
         meta[k if "." in k else f"rangefinder.{k}"] = v if isinstance(v, str) else json.dumps(v)
     return meta
+
+
+def under_home(base_model: str) -> str:
+    """`base_model` with the home folder of the process writing it as `~`, wherever a path starts with it (the name
+    of a folder or file, or the embedded model's "embedded tiny model (<its cache folder>)"): a file is made to be
+    shared, and its header told everyone the account name of the machine it was trained on (/home/<user>/...). The
+    readers of the name on that machine expand `~` as model.base_model is expanded (models/loading.py, lora.py
+    kohya_base_model, embeddings.py base_model_name). Other paths are written whole."""
+    import re
+
+    home = str(Path.home()).rstrip("/")
+    if not home:  # a home of "/" would make every absolute path "~..."
+        return base_model
+    return re.sub(rf"(^|\()(?:{re.escape(home)})(?=/|\)|$)", r"\1~", base_model)
 
 
 def training_metadata(
