@@ -74,11 +74,14 @@ def test_the_kohya_lora_names_its_base_model_as_sd_scripts_does_and_loads_in_dif
     method.save_final(parts, tmp_path)
 
     meta = read_metadata(tmp_path / LORA_KOHYA_NAME)
-    keys = ("ss_network_module", "ss_base_model_version", "modelspec.sai_model_spec", "modelspec.architecture",
-            "modelspec.implementation", "modelspec.prediction_type")
+    keys = ("ss_network_module", "ss_base_model_version", "ss_v2", "modelspec.sai_model_spec",
+            "modelspec.architecture", "modelspec.implementation", "modelspec.prediction_type")
     predicts = "v" if version.endswith("_v") else "epsilon"
+    # ss_v2: what A1111 tells an SD 2.x LoRA by (extensions-builtin/Lora/network.py `detect_version`), and hides it
+    # from its Lora tab under a checkpoint of another version (ui_extra_networks_lora.py `create_item`).
     assert {k: meta.get(k) for k in keys} == {
-        "ss_network_module": "networks.lora", "ss_base_model_version": version, "modelspec.sai_model_spec": "1.0.1",
+        "ss_network_module": "networks.lora", "ss_base_model_version": version, "ss_v2": str(unet == "sd2"),
+        "modelspec.sai_model_spec": "1.0.1",
         "modelspec.architecture": f"{architecture}/lora", "modelspec.implementation": "diffusers",
         "modelspec.prediction_type": predicts}
     assert {k: v for k, v in read_metadata(tmp_path / LORA_WEIGHTS_NAME).items() if k.startswith("modelspec.")} == {

@@ -29,6 +29,7 @@ from rangefinder.formats.model_spec import (
     MODELSPEC_IMPL_SGM,
     SpecFacts,
     flux_architecture,
+    is_sd2,
     model_spec,
     sd3_architecture,
     sd3_model_type,
@@ -327,6 +328,11 @@ def save_lora_files(out_dir: Path, unet=None, text_encoder=None, metadata: Optio
         network_module, implementation = "networks.lora", MODELSPEC_IMPL_DIFFUSERS
         if unet is not None and prediction_type is not None:
             version, architecture = sd_base_model(unet.config, prediction_type)
+        if unet is not None:
+            # sd-scripts' --v2 as it writes it (train_network.py), which A1111 tells an SD 2.x LoRA by: without it
+            # the LoRA counts as SD 1.x's (extensions-builtin/Lora/network.py `detect_version`), and its Lora tab
+            # hides it under an SD 2.x checkpoint (ui_extra_networks_lora.py `create_item`, lora_show_all off).
+            trainer_metadata = {"ss_v2": str(is_sd2(unet.config)), **(trainer_metadata or {})}
     diffusers_spec, kohya_spec = lora_specs(architecture, implementation, facts, prediction_type)
     kohya_meta = kohya_metadata(meta, any_layer, network_module, version, kohya_spec, trainer_metadata)
     if flux:

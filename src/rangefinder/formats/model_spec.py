@@ -64,6 +64,11 @@ class SpecFacts:
     date: Optional[str] = None  # ISO-8601, when the run started; None for a checkpoint from before it was recorded
 
 
+def is_sd2(unet_config: Mapping[str, Any]) -> bool:
+    """Whether an SD 1.x/2.x UNet is SD 2.x's, by its cross-attention width (SD2_CROSS_ATTENTION_DIM)."""
+    return unet_config.get("cross_attention_dim") == SD2_CROSS_ATTENTION_DIM
+
+
 def sd_base_model(unet_config: Mapping[str, Any], prediction_type: Optional[str]) -> tuple[str, str]:
     """(sd-scripts' `ss_base_model_version`, the model spec's architecture id) of an SD 1.x/2.x UNet trained to
     predict `prediction_type` ("epsilon" | "v_prediction"), as sd-scripts names them from its --v2 and
@@ -72,7 +77,7 @@ def sd_base_model(unet_config: Mapping[str, Any], prediction_type: Optional[str]
     `stable-diffusion-v2-768-v` for SD 2.x predicting v and `stable-diffusion-v2-512` otherwise
     (sai_model_spec.py's ARCH_SD_V1, ARCH_SD_V2_768_V, ARCH_SD_V2_512). A UNet of SD 2.x's cross-attention width is
     2.x; any other is 1.x, sd-scripts' own default without --v2 (the tiny model among them)."""
-    v2 = unet_config.get("cross_attention_dim") == SD2_CROSS_ATTENTION_DIM
+    v2 = is_sd2(unet_config)
     v = prediction_type == "v_prediction"
     version = ("sd_v2" if v2 else "sd_v1") + ("_v" if v else "")
     if not v2:
