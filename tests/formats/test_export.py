@@ -305,12 +305,17 @@ def test_delivered_weights_files_have_the_mode_a_usual_write_gives(saved_folder,
     assert stat.S_IMODE(path.stat().st_mode) == 0o640
 
 
-def test_a_delivered_folder_s_configs_name_no_path_of_the_machine_that_wrote_it(saved_folder, tiny_model_dir):
-    """diffusers' save_pretrained writes each model's `_name_or_path`, the folder it was loaded from, into its
-    config.json: a full fine-tune's final/ (and a fused LoRA's pipeline) named the trainer's base-model folder
-    (/home/<user>/..., a cache path) to whoever the folder was shared with, and changed the folder's revision when
-    only that path did. No file of the folder names it; the folder still loads (the tests above)."""
-    folder, _ = saved_folder
+@pytest.mark.parametrize("which", ["full fine-tune final/", "pipeline loaded whole"])
+def test_a_delivered_folder_s_configs_name_no_path_of_the_machine_that_wrote_it(which, saved_folder, tiny_pipe,
+                                                                                tiny_model_dir, tmp_path):
+    """diffusers' save_pretrained writes the folder each model was loaded from (`_name_or_path`) into its
+    config.json, and a pipeline loaded whole (sampling.export_pipeline's, a LoRA fused into its base model for the
+    registry) into model_index.json: a full fine-tune's final/ and a registered pipeline named the trainer's
+    base-model folder (/home/<user>/..., a cache path) to whoever they were shared with, and the folder's revision
+    changed when only that path did. No file of the folder names it; the folder still loads (the tests above)."""
+    from rangefinder.formats.diffusers_folder import save_pipeline_folder
+
+    folder = saved_folder[0] if which == "full fine-tune final/" else save_pipeline_folder(tiny_pipe, tmp_path / "f")
     named = [p.relative_to(folder).as_posix() for p in sorted(folder.rglob("*.json"))
              if str(tiny_model_dir) in p.read_text() or "_name_or_path" in p.read_text()]
     assert named == []

@@ -14,9 +14,10 @@ from rangefinder.formats.atomic import give_usual_mode, write_json, write_text
 from rangefinder.formats.weights_file import save_safetensors
 
 CLIP_TEXT_PREFIX = "text_model."
-# The key diffusers' from_pretrained registers in a model's config, the folder or hub id it loaded the model from, and
-# save_pretrained writes into config.json (configuration_utils.py, `ConfigMixin.to_json_string` keeps it). No loader
-# reads it back: from_pretrained registers the folder it reads anew.
+# The key diffusers' from_pretrained registers in a model's config, and in a pipeline's when it loads one whole, the
+# folder or hub id it loaded it from, and save_pretrained writes into config.json and model_index.json
+# (configuration_utils.py, `ConfigMixin.to_json_string` keeps it). No loader reads it back: from_pretrained
+# registers the folder it reads anew.
 LOADED_FROM_KEY = "_name_or_path"
 
 
@@ -85,10 +86,12 @@ def forget_where_loaded_from(folder: Path) -> None:
     """Each config of a saved pipeline folder without `_name_or_path` (LOADED_FROM_KEY), in place: it named the base
     model's folder on the machine that saved it (a home directory, a cache path) to whoever the folder is shared with,
     and the folder's revision (models/fingerprint.py, which hashes the configs) changed with that path alone."""
-    for path in sorted(Path(folder).glob("*/*config.json")):  # unet/config.json, scheduler/scheduler_config.json...
+    folder = Path(folder)
+    # model_index.json, then each part's: unet/config.json, scheduler/scheduler_config.json, ...
+    for path in [folder / "model_index.json", *sorted(folder.glob("*/*config.json"))]:
         try:
             config = json.loads(path.read_text())
-        except ValueError:
+        except (OSError, ValueError):  # OSError: no model_index.json (a folder saved part by part)
             continue  # not a JSON object diffusers wrote; nothing of ours to take out
         if isinstance(config, dict) and LOADED_FROM_KEY in config:
             del config[LOADED_FROM_KEY]
