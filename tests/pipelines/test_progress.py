@@ -114,9 +114,8 @@ def test_an_mlflow_outage_a_step_rides_out_is_said_on_the_terminal():
     said nothing of a server that went away mid-run and came back."""
     from rangefinder.tracking.outbox import AWAY_SAID, BACK_SAID
 
-    away = AWAY_SAID % ("http://127.0.0.1:5000", "connection refused", "finetune_lr_mid",
-                        "/out/mlflow-spool/finetune_lr_mid-abc.jsonl", "30 s")
-    back = BACK_SAID % ("http://127.0.0.1:5000", "60 metric values, 2 images", "finetune_lr_mid")
+    away = AWAY_SAID % ("http://127.0.0.1:5000", "connection refused", "finetune", "/out/mlflow-spool", "30 s")
+    back = BACK_SAID % ("http://127.0.0.1:5000", "finetune", "/out/mlflow-spool", "60 metric values, 2 images")
     log = (f"23:29:05.604 - INFO - Executing task {C}'finetune-2'{E}\n"
            f"    [KFP Executor 2026-12-07 09:44:27,602 WARNING]: {away}\n"
            f"    [KFP Executor 2026-12-07 09:44:46,490 WARNING]: {back}\n"

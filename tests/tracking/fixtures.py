@@ -14,6 +14,7 @@ tests/tracking/conftest.py loads these. Other test folders can use them with `py
   `shared_sqlite_tracking_uri` (session): one such store for many tests (give each its own experiment).
 - `clean_mlflow_env`: no MLFLOW_* variables leak from the caller's shell into a test, a down server fails in seconds,
   and the global tracking URI is restored afterwards (autouse in tests/tracking only).
+- `relay(port, uri)`: a server that comes back where nothing answered (a loopback relay to a running one).
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Optional
 
@@ -43,6 +46,50 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def relay(port: int, target: str) -> Iterator[str]:
+    """A TCP relay from 127.0.0.1:`port` to the server at `target` (`http://host:port`) until the block ends: a
+    server that comes back, on a port where nothing answered before, without starting one (seconds each). Yields the
+    relay's URI. As a reverse proxy does, it gives the server its own Host header (a server here allows only its
+    own address: `--allowed-hosts`)."""
+    from urllib.parse import urlparse
+
+    up = urlparse(target)
+    listener = socket.create_server(("127.0.0.1", port))
+    sockets: list[socket.socket] = [listener]
+    host_here, host_there = f"Host: 127.0.0.1:{port}\r\n".encode(), f"Host: {up.netloc}\r\n".encode()
+
+    def pump(src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                dst.sendall(data.replace(host_here, host_there))
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def accept() -> None:
+        while True:
+            try:
+                near, _ = listener.accept()
+                far = socket.create_connection((up.hostname, up.port), timeout=10)
+            except OSError:
+                return  # the listener closed: the block ended
+            far.settimeout(None)
+            for end in (near, far):  # each piece on at once: Nagle's wait on a relayed request is 40 ms a call
+                end.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sockets.extend((near, far))
+            for a, b in ((near, far), (far, near)):
+                threading.Thread(target=pump, args=(a, b), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        for s in sockets:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
 
 
 def _mlflow_cli() -> str:

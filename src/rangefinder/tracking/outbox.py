@@ -12,9 +12,13 @@ the one policy for a server that does not answer:
 - One warning line, when the spool is started, says the server is away and where the records are kept. The spool is
   shared by every process of the step (it is named by the step and the run), so one outage gets one line whether
   one process trains or several, and a worker's records wait behind those the step's process kept.
-- A try that gets an answer first sends the whole spool, oldest first, then the new record: MLflow gets everything
-  in the order it was logged. At its end a step waits up to `tracking.server_wait_seconds` for the server
-  (StepRun.finish); what is still not sent stays in the spool for `rangefinder relog`.
+- A step with child runs (the fine-tune's halving candidates and cooldown: tracking/runs.py child_run) has an outbox
+  and a spool per run, and one `StepLink` that they share in its process: one outage is one try's cost, one line
+  naming the step's spool folder, and, when a try gets an answer, one line saying what was sent of all its runs.
+- A try that gets an answer first sends the whole spool (every spool of the step's runs), oldest first, then the new
+  record: MLflow gets everything in the order it was logged. At its end a step waits up to
+  `tracking.server_wait_seconds` for the server (StepRun.finish); what is still not sent stays in the spool for
+  `rangefinder relog`.
 
 Metric values are buffered and sent in batches (one `log_batch` per `flush_every` values or `flush_seconds`); the
 buffer is flushed before any other record, so the order holds for them too. Appends and replays of a spool take a
@@ -28,6 +32,7 @@ import fcntl
 import logging
 import os
 import time
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -44,16 +49,40 @@ _log = logging.getLogger(__name__)
 # log shows them: the terminal said nothing of a server that went away and came back.
 AWAY_SAID = ("rangefinder: warning: MLflow at %s is not answering (%s); step %s goes on, keeps what it logs in %s and "
              "sends it in order when the server answers (next try in %s, then less and less often)")
-BACK_SAID = "rangefinder: warning: MLflow at %s answers again: sent %s that step %s had kept in its spool"
+BACK_SAID = "rangefinder: warning: MLflow at %s answers again: step %s sent what it had kept in %s: %s"
 
 FIRST_RETRY_S = 30.0  # after the first failure; doubled after each failed try
 MAX_RETRY_S = 600.0
 
 
-class Outbox:
-    """The records of one MLflow run, from one process: sent now, or spooled and sent in order later."""
+class StepLink:
+    """One step's MLflow server as the outboxes of its runs see it, in one process: the step's own run (the first
+    outbox made with it) and its child runs. An outage is the step's, not each run's: one failed try holds every run's
+    records until the next try is due, the line that says the server is away is said once, naming the step's spool
+    folder, and the try that gets an answer sends every run's spool (an ended child's too) and says so once."""
 
-    def __init__(self, client: Any, spool: Spool, *, flush_every: int = 500, flush_seconds: float = 10.0) -> None:
+    def __init__(self) -> None:
+        self.outboxes: list[Outbox] = []  # the step's own run's first, then its child runs' as they open
+        self.retry_wait = 0.0  # 0: the server answered the last try (or was never tried)
+        self.retry_at = 0.0  # monotonic time before which nothing is tried
+        self.reason = ""
+        self.said_away = False  # the away line is said for the outage going on
+
+    @property
+    def spool_dir(self) -> Path:
+        return self.outboxes[0].spool.path.parent
+
+    @property
+    def step(self) -> str:
+        return self.outboxes[0].spool.step
+
+
+class Outbox:
+    """The records of one MLflow run, from one process: sent now, or spooled and sent in order later. `link`: the
+    step's, when this run is one of its child runs (a new one otherwise: the step's own run)."""
+
+    def __init__(self, client: Any, spool: Spool, *, flush_every: int = 500, flush_seconds: float = 10.0,
+                 link: StepLink | None = None) -> None:
         self.client = client
         self.spool = spool
         self.run_id = spool.run_id
@@ -62,21 +91,25 @@ class Outbox:
         self.sent = 0  # metric values this process sent live (not those it spooled)
         self._metrics: list[list[Any]] = []  # [key, value, timestamp ms, step], not sent yet
         self._last_flush = time.monotonic()
-        self._retry_wait = 0.0  # 0: the server answered the last try (or was never tried)
-        self._retry_at = 0.0  # monotonic time before which nothing is tried
-        self._reason = ""
+        self.link = link if link is not None else StepLink()
+        self.link.outboxes.append(self)
 
     # --- what callers see
 
     @property
     def away(self) -> bool:
-        """The last try to reach the server failed."""
-        return self._retry_wait > 0
+        """The last try (of any run of the step) to reach the server failed."""
+        return self.link.retry_wait > 0
 
     @property
     def holding(self) -> bool:
-        """Records wait: the last try failed, or the spool (any process's) holds records."""
-        return self.away or self.spool.exists()
+        """Records wait: the last try failed, or a spool of the step's runs (any process's) holds records."""
+        return self.away or any(o.spool.exists() for o in self.link.outboxes)
+
+    @property
+    def leads(self) -> bool:
+        """This is the step's own run's outbox, not one of its child runs'."""
+        return self.link.outboxes[0] is self
 
     @property
     def pending(self) -> int:
@@ -125,7 +158,7 @@ class Outbox:
 
     def _send(self, record: Mapping[str, Any]) -> bool:
         """True when `record` reached MLflow now, False when it went to the spool."""
-        if time.monotonic() >= self._retry_at:
+        if time.monotonic() >= self.link.retry_at:
             try:
                 if self._drain():
                     apply_record(self.client, record, folder=self.spool.path.parent)
@@ -139,36 +172,49 @@ class Outbox:
         return False
 
     def _drain(self) -> bool:
-        """Send what the spool holds, oldest first. True when it is empty now; False when another process is
-        sending it (this record then waits behind it). Raises what the server's absence raised."""
-        if not self.spool.exists():
+        """Send what the spools of the step's runs hold, each oldest first (the child runs' before the step's own,
+        as they were made after it). True when this run's spool is empty now; False when another process is sending
+        it (this record then waits behind it). Raises what the server's absence raised."""
+        if not any(o.spool.exists() for o in self.link.outboxes):
             return True
-        with self._locked(blocking=False) as held:
-            if not held or not self.spool.exists():
-                return not self.spool.exists()
-            result = replay(self.spool.path, self.client)
-        if result.left:
-            raise _StillAway(f"the server stopped answering again with {describe(result.left)} left to send")
-        _log.warning(BACK_SAID, safe_uri(self.client.tracking_uri), describe(result.sent), self.spool.step)
-        return True
+        sent: Counter = Counter()
+        runs = 0
+        for outbox in reversed(self.link.outboxes):
+            with outbox._locked(blocking=False) as held:
+                if not held or not outbox.spool.exists():
+                    continue  # another process sends it, or it was sent (a record naming its run pulled it in)
+                result = replay(outbox.spool.path, outbox.client)
+            if result.left:
+                raise _StillAway(f"the server stopped answering again with {describe(result.left)} left to send")
+            sent.update(result.sent)
+            runs += 1
+        if runs:
+            what = describe(sent) + (f", for {runs} runs" if runs > 1 else "")
+            _log.warning(BACK_SAID, safe_uri(self.client.tracking_uri), self.link.step, self.link.spool_dir, what)
+            self.link.said_away = False  # the outage is over: the next one is said again
+        return not self.spool.exists()
 
     def _failed(self, e: BaseException | None) -> None:
+        link = self.link
         if e is not None:
-            self._reason = redact(e).splitlines()[0][:300] if str(e) else type(e).__name__
-        self._retry_wait = min(MAX_RETRY_S, max(FIRST_RETRY_S, 2 * self._retry_wait))
-        self._retry_at = time.monotonic() + self._retry_wait
+            link.reason = redact(e).splitlines()[0][:300] if str(e) else type(e).__name__
+        link.retry_wait = min(MAX_RETRY_S, max(FIRST_RETRY_S, 2 * link.retry_wait))
+        link.retry_at = time.monotonic() + link.retry_wait
 
     def _answered(self) -> None:
-        self._retry_wait, self._retry_at = 0.0, 0.0
+        self.link.retry_wait, self.link.retry_at = 0.0, 0.0
 
     def _append(self, record: Mapping[str, Any]) -> None:
         with self._locked(blocking=True):
             new = not self.spool.exists()
             self.spool.append(record)
-        if new:
-            wait = f"{self._retry_wait:.0f} s" if self.away else "a moment"
-            _log.warning(AWAY_SAID, safe_uri(self.client.tracking_uri), self._reason or "no answer", self.spool.step,
-                         self.spool.path, wait)
+        # Said by the process that starts a spool (not again by a worker appending to the step's), once per outage
+        # of the step whichever of its runs' spools starts first.
+        if new and not self.link.said_away:
+            self.link.said_away = True
+            wait = f"{self.link.retry_wait:.0f} s" if self.away else "a moment"
+            _log.warning(AWAY_SAID, safe_uri(self.client.tracking_uri), self.link.reason or "no answer",
+                         self.link.step, self.link.spool_dir, wait)
 
     def _locked(self, *, blocking: bool) -> contextlib.AbstractContextManager[bool]:
         return spool_lock(self.spool.path.parent, blocking=blocking)

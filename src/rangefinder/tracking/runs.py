@@ -30,6 +30,7 @@ import numbers as numbers_abc
 import os
 import subprocess
 import time
+from collections import Counter
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +39,7 @@ from typing import Any, Optional, TypeVar, Union
 from rangefinder.errors import TrackingError, on_sigint
 from rangefinder.formats.digest import hash_file_into
 from rangefinder.tracking.metrics import SAFE_TAG_VALUE, BatchedMetricLogger, is_lr_key, lr_text, metric_name
-from rangefinder.tracking.outbox import Outbox, is_away_error
+from rangefinder.tracking.outbox import Outbox, StepLink, is_away_error
 from rangefinder.tracking.redaction import REDACTED, is_secret_key, redact, safe_uri
 from rangefinder.tracking.registry import (
     EMBEDDED_BASE_MODEL_TAG,
@@ -509,6 +510,9 @@ class StepRun:
     owned: bool = True
     logged_through: Optional[Mapping[str, int]] = None  # a continued run: the last update each metric reached
     source: Optional[str] = None  # MLflow's mlflow.source.name of the run (step_source), for what it logs (a model)
+    # A child run's: the link to the server of the step whose run it is under (its outbox's), so one outage is the
+    # step's (tracking/outbox.py StepLink); None for a step's own run.
+    link: Optional[StepLink] = None
     # The data tags log_dataset_manifest set (the split's and validation set's digests, train_on), which the run's
     # child runs carry too (child_run): their val_loss compares with another run's only on the same validation set.
     data_tags: dict[str, str] = field(init=False, default_factory=dict)
@@ -519,7 +523,7 @@ class StepRun:
     def __post_init__(self) -> None:
         every = tracking_settings(self.cfg).log_every_updates if self.cfg is not None else 1
         self.spool = run_spool(self.tracking_uri, self.run_id, self.step_name, self.spool_dir)
-        self.outbox = Outbox(self.client, self.spool)
+        self.outbox = Outbox(self.client, self.spool, link=self.link)
         self.metrics = BatchedMetricLogger(self.outbox, every_updates=every, logged_through=self.logged_through)
 
     @property
@@ -788,20 +792,28 @@ class StepRun:
         When records wait (the server stopped answering, here or in a worker process), wait up to
         tracking.server_wait_seconds for it (not with `wait=False`); if it is still away, everything not logged
         stays in the spool and a warning says what and how to log it later. Never raises for a server that is away.
+        A child run's end does neither: the step goes on, sends the child's spool with its own when the server
+        answers, and its own end waits once and names what is left of all its runs.
         """
         if error:
             self._set_tags(self.run_id, {TAG_ERROR: redact(error)[:MAX_TAG_CHARS]})
         self.metrics.close()
-        if self.outbox.holding:
+        if self.outbox.holding and self.outbox.leads:
             self.outbox.wait_for_server(tracking_settings(self.cfg).server_wait_seconds if wait else 0.0)
         if self.owned:
             self.outbox.send({"kind": "end", "run_id": self.run_id, "status": status})
-        if self.spool.exists():
-            left = describe(read_spool(self.spool.path).counts())
+        left = [o.spool for o in self.outbox.link.outboxes if o.spool.exists()] if self.outbox.leads else []
+        if len(left) == 1:
             _log.warning("MLflow at %s did not take everything step %s logged: %s of run %s are not in MLflow. "
                          "They are kept in %s; when the server answers again, run: rangefinder relog %s",
-                         safe_uri(self.tracking_uri), self.step_name, left, self.run_id, self.spool.path,
-                         self.spool.path)
+                         safe_uri(self.tracking_uri), self.step_name, describe(read_spool(left[0].path).counts()),
+                         left[0].run_id, left[0].path, left[0].path)
+        elif left:
+            counts = sum((read_spool(spool.path).counts() for spool in left), Counter())
+            _log.warning("MLflow at %s did not take everything step %s logged: %s of %d of its runs are not in "
+                         "MLflow. They are kept in %s; when the server answers again, run: rangefinder relog %s",
+                         safe_uri(self.tracking_uri), self.step_name, describe(counts), len(left),
+                         left[0].path.parent, " ".join(str(spool.path) for spool in left))
 
 
 def _flatten_any(obj: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -831,7 +843,8 @@ def child_run(cfg: Optional[TrackingSource], sink: Sink, step_name: str, *, run_
     tags = {**sink.data_tags, **tags}
     # The server away: the part goes on in a run made when the server answers (its spool's first record), as every
     # record of the step waits for it. It failed the step, once the fine-tune had trained to the race.
-    opened = (step_run(cfg, step_name, parent_run_id=sink.run_id, run_name=run_name, tags=tags, source=sink.source)
+    opened = (step_run(cfg, step_name, parent_run_id=sink.run_id, run_name=run_name, tags=tags, source=sink.source,
+                       spool_dir=sink.spool.path.parent, link=sink.outbox.link)
               if not sink.offline and _answers(sink) else
               _pending_child_run(cfg, sink, step_name, run_name=run_name, tags=tags))
     with opened as run:
@@ -871,7 +884,7 @@ def _pending_child_run(cfg: Optional[TrackingSource], parent: StepRun, step_name
                 TAG_PARENT: parent.run_id, TAG_ATTEMPT: 1}
     step = StepRun(client=parent.client, run_id=f"{PENDING}{uuid.uuid4().hex}", experiment_id=parent.experiment_id,
                    step_name=step_name, parent_run_id=parent.run_id, tracking_uri=parent.tracking_uri, cfg=cfg,
-                   spool_dir=parent.spool.path.parent, source=parent.source)
+                   spool_dir=parent.spool.path.parent, source=parent.source, link=parent.outbox.link)
     step.outbox.send({"kind": "create", "run_id": step.run_id, "experiment_id": parent.experiment_id,
                       "run_name": run_name, "run_tags": _tag_values(all_tags)})
     with _ended(step):
@@ -890,6 +903,7 @@ def step_run(
     tags: Optional[Mapping[str, Any]] = None,
     spool_dir: Optional[str | os.PathLike] = None,
     source: Optional[str] = None,
+    link: Optional[StepLink] = None,
 ) -> Iterator[StepRun]:
     """Open a child run for one step; end it FINISHED, or FAILED (KILLED on Ctrl-C) with the error as a tag.
 
@@ -900,6 +914,7 @@ def step_run(
     the CLI on its own is a top-level run). The tracking server is checked before anything else. If it stops
     answering later, the step goes on; see StepRun.finish. `spool_dir`: where the run's spool goes if needed.
     `source`: the run's MLflow source (`source_tags`), the module that runs the step (default `step_source`).
+    `link`: a child run's, the step's link to the server (child_run; tracking/outbox.py StepLink).
 
     A step whose earlier attempt under the same parent did not finish (a KFP retry, a step run again to resume its
     training) goes on in that attempt's run, so MLflow shows one whole curve; a finished one is left as it is.
@@ -930,18 +945,19 @@ def step_run(
         all_tags[TAG_PARENT] = parent
     if run is not None:  # KFP's task run: KFP ends it, so the step does not
         step = StepRun(client=client, run_id=run.info.run_id, experiment_id=exp_id, step_name=step_name,
-                       parent_run_id=parent, tracking_uri=uri, cfg=cfg, spool_dir=folder, owned=False, source=source)
+                       parent_run_id=parent, tracking_uri=uri, cfg=cfg, spool_dir=folder, owned=False, source=source,
+                       link=link)
         step.set_tags(all_tags)
     else:
         earlier = _unfinished_attempt(client, exp_id, parent, step_name) if parent else None
         if earlier is not None:
-            step = _continue(client, earlier, cfg, uri, folder, source)
+            step = _continue(client, earlier, cfg, uri, folder, source, link)
         else:
             all_tags[TAG_ATTEMPT] = 1
             run = client.create_run(exp_id, run_name=run_name or step_name,
                                     tags=_tag_values(all_tags))
             step = StepRun(client=client, run_id=run.info.run_id, experiment_id=exp_id, step_name=step_name,
-                           parent_run_id=parent, tracking_uri=uri, cfg=cfg, spool_dir=folder, source=source)
+                           parent_run_id=parent, tracking_uri=uri, cfg=cfg, spool_dir=folder, source=source, link=link)
     with _ended(step):
         yield step
 
@@ -980,7 +996,7 @@ def latest_step_run(client: Any, exp_id: str, parent: str, step_name: str) -> An
 
 
 def _continue(client: Any, earlier: Any, cfg: Optional[TrackingSource], uri: str,
-              folder: Optional[Path], source: str) -> StepRun:
+              folder: Optional[Path], source: str, link: Optional[StepLink] = None) -> StepRun:
     """Reopen an earlier attempt's run: RUNNING again, its error tag gone, its attempt counted, and the curve it
     holds kept (what the resumed training logs again up to there is not logged twice)."""
     run_id = earlier.info.run_id
@@ -993,7 +1009,7 @@ def _continue(client: Any, earlier: Any, cfg: Optional[TrackingSource], uri: str
     _log.info("MLflow run %s of step %s goes on (attempt %d)", run_id, tags.get(TAG_STEP), attempt)
     return StepRun(client=client, run_id=run_id, experiment_id=earlier.info.experiment_id,
                    step_name=tags[TAG_STEP], parent_run_id=tags.get(TAG_PARENT), tracking_uri=uri, cfg=cfg,
-                   spool_dir=folder, logged_through=logged_through(client, run_id), source=source)
+                   spool_dir=folder, logged_through=logged_through(client, run_id), source=source, link=link)
 
 
 def logged_through(client: Any, run_id: str) -> dict[str, int]:
