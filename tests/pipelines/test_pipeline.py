@@ -246,6 +246,11 @@ def test_each_node_of_the_graph_says_what_it_does_and_in_which_branch(compiled):
             compiled.spec.components[t.component_ref.name].dag for _, dag in compiled.dags()
             for t in dag.tasks.values() if t.task_info.name == dataset_branch))]
         assert len(under) == len(set(under)), sorted(under)
+    # Each dataset branch's sub-pipeline node reads as what it does: the folder's (the usual branch) was shown as
+    # "train-and-evaluate-2", KFP's name for the second call of the same sub-pipeline.
+    sub_pipelines = sorted(t.task_info.name for _, dag in compiled.dags() for t in dag.tasks.values()
+                           if t.component_ref.name.startswith("comp-train-and-evaluate"))
+    assert sub_pipelines == ["train-and-evaluate", "train-and-evaluate"], sub_pipelines
 
 
 def test_the_lr_finder_is_a_parameter_resolved_at_run_time_and_picks_the_discovery_branch(compiled):

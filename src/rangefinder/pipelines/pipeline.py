@@ -411,7 +411,10 @@ def _build_pipeline(cfg: RangefinderConfig, *, local: bool) -> Callable:
                 train_and_evaluate(config_json=config_json, split=prepared.outputs["split"], **rest)
             with dsl.Else(name="dataset-folder"):
                 prepared = step(c.prepare_dataset(config_json=config_json), "prepare_dataset")
-                train_and_evaluate(config_json=config_json, split=prepared.outputs["split"], **rest)
+                # Named as the other branch's: KFP names a second call of one sub-pipeline "train-and-evaluate-2",
+                # which is what the UI's graph showed for this, the usual branch.
+                train_and_evaluate(config_json=config_json, split=prepared.outputs["split"],
+                                   **rest).set_display_name("train-and-evaluate")
 
     return rangefinder_finetune
 
