@@ -301,7 +301,8 @@ def _refuse_uri_credentials(uri: Optional[str], fix: str = _MLFLOW_FIX) -> None:
 class DataConfig(_Section):
     # None means the embedded default dataset (synthetic shapes, made offline by `rangefinder make-dataset`).
     dataset_dir: Optional[str] = None
-    # Training resolution in pixels (square). 512 suits SD 1.x; the embedded tiny model uses 32.
+    # Training resolution in pixels: the side of the square bucket, whose area every bucket has about (bucketing
+    # below; with it off, the side of the square crop). 512 suits SD 1.x; the embedded tiny model uses 32.
     resolution: int = Field(512, ge=8, le=8192)  # 8192: far above any SD model (SDXL: 1024)
     # Centre-crop to a square before resizing (False: resize the whole image, changing its aspect).
     center_crop: bool = True

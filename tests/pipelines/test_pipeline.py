@@ -101,6 +101,12 @@ def test_parameters_are_typed_with_descriptions(compiled):
     assert params["fixed_lr"].default_value.number_value == 0.0
     # Where the run's MLflow links point, settable in the form: unset by default (the pods' tracking URI).
     assert params["mlflow_ui_url"].default_value.string_value == "" and "browser" in params["mlflow_ui_url"].description
+    # Images train in aspect-ratio buckets by default (data.bucketing): the form said the resolution was square, and
+    # a user with portraits read that they would be cropped to squares.
+    resolution = params["resolution"].description
+    assert "square," not in resolution and "bucket" in resolution and "data.bucketing" in resolution, resolution
+    resolved = compiled.spec.components["comp-resolve-config"].input_definitions.parameters["resolution"].description
+    assert "square," not in resolved and "bucket" in resolved, resolved
 
 
 def test_dag_order_and_conditions(compiled):

@@ -84,7 +84,8 @@ def resolve_config(
         base_model_revision: Branch, tag or commit of a hub base_model; empty: main.
         method: What trains: full, lora or textual_inversion.
         lr_finder: How discovery measures the LR: range_test, prodigy_step or auto (by model family and method).
-        resolution: Training resolution in pixels (square, a multiple of 8).
+        resolution: Training resolution in pixels, a multiple of 8: each image trains at about resolution^2 pixels
+            in the aspect-ratio bucket nearest its own (a square crop with data.bucketing off).
         batch_size: Images per micro-batch per GPU.
         grad_accum: Micro-batches per optimizer update.
         ramp: The LR range test's ramp: exp or linear.

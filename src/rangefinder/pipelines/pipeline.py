@@ -355,7 +355,9 @@ def _build_pipeline(cfg: RangefinderConfig, *, local: bool) -> Callable:
                 size d x lr it ended on, times 4 on SDXL's and SD3's full fine-tune), or auto, the default
                 (prodigy_step for full and lora on an SD3 or Flux base model and for full on SDXL, range_test
                 otherwise; read off the model by resolve-config).
-            resolution: Training resolution in pixels (square, a multiple of 8); 512 for SD 1.x.
+            resolution: Training resolution in pixels, a multiple of 8 (512 for SD 1.x, 1024 for SDXL): each image
+                trains at about resolution^2 pixels in the aspect-ratio bucket nearest its own (a square crop with
+                data.bucketing off in base_config).
             batch_size: Images per micro-batch per GPU.
             grad_accum: Micro-batches per optimizer update (effective batch = batch_size x grad_accum x GPUs).
             ramp: LR range test ramp: exp (geometric, the usual choice for a wide range) or linear (Smith 2017).
