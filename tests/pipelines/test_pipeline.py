@@ -76,6 +76,10 @@ def compiled(tmp_path_factory) -> Compiled:
 
 def test_parameters_are_typed_with_descriptions(compiled):
     assert compiled.spec.pipeline_info.name == PIPELINE_NAME
+    # The first thing the UI shows of the pipeline: lr_finder auto measures the LR with a Prodigy run on SDXL's full
+    # fine-tune, SD3 and Flux, where it said an LR range test found it.
+    described = compiled.spec.pipeline_info.description
+    assert "LR range test" in described and "Prodigy" in described and "lr_finder" in described, described
     params = compiled.spec.root.input_definitions.parameters
     P = pb.ParameterType
     expected = {

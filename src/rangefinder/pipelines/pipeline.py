@@ -44,8 +44,9 @@ from rangefinder.tracking.spool import SPOOL_ENV
 
 PIPELINE_NAME = "rangefinder-finetune"
 PIPELINE_DESCRIPTION = (
-    "Fine-tune Stable Diffusion with the learning rate found by an LR range test and the training length found by "
-    "a constant-LR fine-tune; every metric, report and model is tracked in MLflow."
+    "Fine-tune Stable Diffusion with the learning rate found by measurement (an LR range test, or the step size of a "
+    "Prodigy run where that measured better: lr_finder) and the training length found by a constant-LR fine-tune; "
+    "every metric, report and model is tracked in MLflow."
 )
 
 # Steps whose pods need the GPU node pool; the cheap ones run on any node and may be cached.
