@@ -217,6 +217,10 @@ def test_dag_order_and_conditions(compiled):
     samples = compiled.tasks("sample-images")
     assert any("retrained" in t.inputs.artifacts for _, _, t in samples)
     assert any("retrained" not in t.inputs.artifacts for _, _, t in samples)
+    # The grid's description in the UI names what it shows: a row per prompt and seed, and the retrain's column where
+    # there is one (it named only base, checkpoints and final).
+    grid = compiled.spec.components["comp-sample-images"].output_definitions.artifacts["grid"].description
+    assert "retrain" in grid and "seed" in grid, grid
 
 
 def _graph_names(compiled, dag, branch: str = "") -> list[tuple[str, str, str]]:

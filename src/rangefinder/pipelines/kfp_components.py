@@ -473,8 +473,8 @@ def sample_images(
     retrained: Optional[Input[Model]] = None,
     mlflow_parent_run_id: str = "",
 ):
-    """Render the fixed prompts and seeds with the base model, the chosen checkpoint and the final weights into one
-    comparison grid.
+    """Render the fixed prompts and seeds with the base model, the fine-tune's checkpoints and final weights, and the
+    retrain's where there is one, into one comparison grid.
 
     Args:
         config_json: The run's validated config, as resolve-config returns it.
@@ -484,7 +484,8 @@ def sample_images(
             default: the run KFP's MLflow integration made for the task, else $MLFLOW_RUN_ID's, else none.
 
     Returns:
-        grid: The comparison grid (rows: prompts; columns: base, checkpoints, final), as HTML.
+        grid: The comparison grid, as HTML: a row per prompt and seed; a column per model (the base model, the
+            chosen checkpoint and the others kept, the fine-tune's final weights, the retrain's where there is one).
         images: The grid's rendered images, per prompt, seed and model.
     """
     from pathlib import Path
