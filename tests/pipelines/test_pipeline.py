@@ -217,6 +217,11 @@ def test_dag_order_and_conditions(compiled):
     samples = compiled.tasks("sample-images")
     assert any("retrained" in t.inputs.artifacts for _, _, t in samples)
     assert any("retrained" not in t.inputs.artifacts for _, _, t in samples)
+    # A first range test whose curve gave no bounds hands on 0 and a zoom; one needing no zoom, 0 as its range: the
+    # UI showed "lr_low: 0" under "the lowest LR at which the loss falls clearly".
+    tested = compiled.spec.components["comp-lr-range-test"].output_definitions.parameters
+    for name in ("lr_low", "lr_high", "lr_mid", "zoom_lr_min", "zoom_lr_max"):
+        assert "0:" in tested[name].description, (name, tested[name].description)
     # The grid's description in the UI names what it shows: a row per prompt and seed, and the retrain's column where
     # there is one (it named only base, checkpoints and final).
     grid = compiled.spec.components["comp-sample-images"].output_definitions.artifacts["grid"].description

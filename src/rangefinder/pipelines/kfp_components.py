@@ -210,12 +210,12 @@ def lr_range_test(
         metrics: The bounds (where the curve gave them) and the curve's quality as KFP metrics.
         report_html: The range test's report (curve, bounds, why), as HTML.
         report_md: The same report in Markdown.
-        lr_low: The lowest LR at which the loss falls clearly.
-        lr_high: The highest LR before the loss stops falling or diverges.
-        lr_mid: The LR to fine-tune at, between lr_low and lr_high.
+        lr_low: The lowest LR at which the loss falls clearly; 0: the curve gave none (a zoom follows).
+        lr_high: The highest LR before the loss stops falling or diverges; 0: the curve gave none (a zoom follows).
+        lr_mid: The LR to fine-tune at, between lr_low and lr_high; 0: the curve gave none (a zoom follows).
         needs_zoom: Whether the curve is censored or too sparse to read, so a narrower test should follow.
-        zoom_lr_min: Where a zoom re-test should start.
-        zoom_lr_max: Where a zoom re-test should end.
+        zoom_lr_min: Where a zoom re-test should start; 0: no zoom needed.
+        zoom_lr_max: Where a zoom re-test should end; 0: no zoom needed.
     """
     from collections import namedtuple
     from pathlib import Path
