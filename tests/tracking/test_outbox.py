@@ -186,3 +186,36 @@ def test_one_outage_of_a_step_with_child_runs_is_said_once_and_its_end_once(tmp_
     assert [(r.data.tags["halving.outcome"], r.data.metrics) for r in made] == [
         ("kept", {"validation/val_loss": 0.5})] * 2
     assert live.get_run(parent_id).info.status == "FINISHED"
+
+
+def test_a_record_mlflow_refuses_in_a_child_run_s_spool_is_named_and_the_step_s_own_records_still_go(
+        tmp_path, mlflow_server_uri, caplog):
+    """The server, back, refuses a record a child run kept (its run deleted meanwhile, here a run it never had): the
+    step's own records, sent with the children's spools when it answers, waited behind it, the step's run was left
+    RUNNING, and a log call of the step would raise MLflow's refusal of another run's record. The child's spool is
+    named and left for `rangefinder relog`; the step's own go."""
+    from rangefinder.tracking import StepRun
+
+    live = MlflowClient(tracking_uri=mlflow_server_uri)
+    exp = live.get_experiment_by_name("outage") or live.get_experiment(live.create_experiment("outage"))
+    parent_id = live.create_run(exp.experiment_id, run_name="finetune").info.run_id
+    port = free_port()
+    uri = f"http://127.0.0.1:{port}"  # nothing answers there until the relay starts
+    cfg = RangefinderConfig(tracking={"tracking_uri": uri, "experiment_name": "outage", "server_wait_seconds": 0})
+    folder = tmp_path / "spool"
+    caplog.set_level(logging.WARNING)
+    step = StepRun(client=MlflowClient(tracking_uri=uri), run_id=parent_id, experiment_id=exp.experiment_id,
+                   step_name="finetune", parent_run_id=None, tracking_uri=uri, cfg=cfg, spool_dir=folder)
+    child = StepRun(client=step.client, run_id="0" * 32, experiment_id=exp.experiment_id, step_name="finetune_lr_mid",
+                    parent_run_id=parent_id, tracking_uri=uri, cfg=cfg, spool_dir=folder, link=step.outbox.link)
+    child.set_tags({"halving.candidate": "lr_mid"})  # spooled: the server is away
+    step.set_tags({"status": "racing"})
+    caplog.clear()
+    with relay(port, mlflow_server_uri):
+        step.finish()
+    said = " ".join(r.getMessage() for r in caplog.records)
+    (left,) = folder.glob("*.jsonl")
+    assert left.name.startswith("finetune_lr_mid-") and f"refused a tags record of run {'0' * 32}" in said, said
+    assert f"rangefinder relog {left}" in said, said
+    run = live.get_run(parent_id)
+    assert run.data.tags["status"] == "racing" and run.info.status == "FINISHED"

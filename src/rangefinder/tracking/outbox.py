@@ -93,6 +93,7 @@ class Outbox:
         self._last_flush = time.monotonic()
         self.link = link if link is not None else StepLink()
         self.link.outboxes.append(self)
+        self.refused = False  # MLflow refused a record of this spool, sent with another run's: left for a relog
 
     # --- what callers see
 
@@ -180,10 +181,22 @@ class Outbox:
         sent: Counter = Counter()
         runs = 0
         for outbox in reversed(self.link.outboxes):
+            if outbox.refused and outbox is not self:
+                continue
             with outbox._locked(blocking=False) as held:
                 if not held or not outbox.spool.exists():
                     continue  # another process sends it, or it was sent (a record naming its run pulled it in)
-                result = replay(outbox.spool.path, outbox.client)
+                try:
+                    result = replay(outbox.spool.path, outbox.client)
+                except TrackingError as e:
+                    if outbox is self:
+                        raise
+                    # Another run's record MLflow refuses (its run deleted meanwhile): this run's records do not
+                    # wait behind it, nor fail the step; the step's end names the spool for `rangefinder relog`.
+                    outbox.refused = True
+                    _log.warning("rangefinder: warning: %s; step %s goes on, and leaves the rest of that spool for "
+                                 "`rangefinder relog`", e, self.link.step)
+                    continue
             if result.left:
                 raise _StillAway(f"the server stopped answering again with {describe(result.left)} left to send")
             sent.update(result.sent)
