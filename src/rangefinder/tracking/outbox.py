@@ -40,7 +40,7 @@ from typing import Any
 from rangefinder.errors import TrackingError
 from rangefinder.tracking.redaction import redact, safe_uri
 from rangefinder.tracking.spool import MAX_METRICS_PER_BATCH, RunNotMadeYet, Spool, apply_record, describe, replay
-from rangefinder.tracking.target import await_tracking_server, server_unreachable
+from rangefinder.tracking.target import await_tracking_server, away_reason, server_unreachable
 
 _log = logging.getLogger(__name__)
 
@@ -209,7 +209,9 @@ class Outbox:
 
     def _failed(self, e: BaseException | None) -> None:
         link = self.link
-        if e is not None:
+        if e is not None and server_unreachable(e):
+            link.reason = away_reason(e)
+        elif e is not None:  # a replay cut off, a run not made yet, a record refused at the step's end: its words
             link.reason = redact(e).splitlines()[0][:300] if str(e) else type(e).__name__
         link.retry_wait = min(MAX_RETRY_S, max(FIRST_RETRY_S, 2 * link.retry_wait))
         link.retry_at = time.monotonic() + link.retry_wait

@@ -315,6 +315,21 @@ def server_unreachable(e: BaseException) -> bool:
     return isinstance(e, MlflowException) and str(e).startswith("API request to")
 
 
+def away_reason(e: BaseException) -> str:
+    """Why the server did not answer (`server_unreachable(e)`), in the few words the server check says it in:
+    "connection refused", "timed out", "HTTP 503", ... (mlflow's own message is urllib3's, hundreds of characters)."""
+    import requests
+    from mlflow.exceptions import RestException
+
+    if isinstance(e, ServerAway):
+        return e.reason
+    if isinstance(e, RestException):
+        return f"HTTP {e.get_http_status_code()}"
+    if isinstance(e, requests.exceptions.HTTPError) and e.response is not None:
+        return f"HTTP {e.response.status_code}"
+    return _connection_reason(str(e))
+
+
 def _is_mlflow_json(resp: Any) -> bool:
     try:
         data = resp.json()
