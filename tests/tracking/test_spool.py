@@ -1,5 +1,6 @@
 """The spool of what MLflow did not take: bounded HTTP calls, whole lines on disk, and a replay that logs each record
-once, against a real `mlflow server` on loopback (tests/tracking/test_server_loss.py kills one mid-training)."""
+once, against a real `mlflow server` on loopback (tests/tracking/test_server_loss.py kills one mid-training); and what
+a step with child runs says of an outage, once for all its runs' spools."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from rangefinder.errors import TrackingError
 from rangefinder.tracking import step_run, tracking_client
 from rangefinder.tracking.spool import Spool, read_spool, replay
 from rangefinder.tracking.target import HTTP_LIMITS, bound_http_requests
-from tests.tracking.fixtures import free_port, start_mlflow_server, stop_mlflow_server
+from tests.tracking.fixtures import free_port, relay, start_mlflow_server, stop_mlflow_server
 
 
 @pytest.fixture
@@ -240,3 +241,88 @@ def test_relog_waits_for_a_step_still_writing_its_spool(tmp_path, mlflow_server_
     tags = MlflowClient(tracking_uri=mlflow_server_uri).get_run(run_id).data.tags
     assert tags["before"] == "1" and tags["during"] == "2"
     assert not spool.path.exists() and "2 tags to run" in out
+
+
+def test_one_outage_of_a_step_with_child_runs_is_said_once_and_its_end_once(tmp_path, mlflow_server_uri, caplog):
+    """A step with child runs (the fine-tune's halving candidates, its cooldown) has an outbox per run: one outage was
+    said once per run, each line naming another spool file, and "answers again" once per run that sent its spool (or
+    not at all for a child whose spool another's record pulled in). The step's runs share one link to the server:
+    one line when the first of them starts spooling, naming the step's spool folder, and one when the server answers,
+    saying what was sent for all of them. No training: a parent run made on the session's server, reached through a
+    port where nothing answers, then a relay to it (the server coming back)."""
+    from rangefinder.tracking import StepRun, child_run
+
+    live = MlflowClient(tracking_uri=mlflow_server_uri)
+    exp = live.get_experiment_by_name("outage") or live.get_experiment(live.create_experiment("outage"))
+    parent_id = live.create_run(exp.experiment_id, run_name="finetune").info.run_id
+    port = free_port()
+    uri = f"http://127.0.0.1:{port}"  # nothing answers there until the relay starts
+    cfg = RangefinderConfig(tracking={"tracking_uri": uri, "experiment_name": "outage", "server_wait_seconds": 0})
+    folder = tmp_path / "spool"
+    caplog.set_level(logging.WARNING)
+    step = StepRun(client=MlflowClient(tracking_uri=uri), run_id=parent_id, experiment_id=exp.experiment_id,
+                   step_name="finetune", parent_run_id=None, tracking_uri=uri, cfg=cfg, spool_dir=folder)
+    step.set_tags({"status": "racing"})  # the step's first record to find the server away
+    children = []
+    for name in ("lr_mid", "lr_high"):
+        with child_run(cfg, step, f"finetune_{name}", run_name=name, tags={"halving.candidate": name},
+                       description=f"candidate {name}") as child:
+            child.log_metrics({"val_loss": 0.5}, step=1)
+            children.append(child.run_id)
+    for child_id in children:
+        step.set_run_tags(child_id, {"halving.outcome": "kept"})
+    said = [r.getMessage() for r in caplog.records]
+    away = [line for line in said if "is not answering" in line]
+    assert len(away) == 1 and f"keeps what it logs in {folder} " in away[0], said
+    # Why, in the words the step's server check uses: it was urllib3's error, cut off at 300 characters mid-word.
+    assert f"MLflow at {uri} is not answering (connection refused); step finetune goes on" in away[0], away
+    assert len(list(folder.glob("*.jsonl"))) == 3  # the step's own spool and each child's
+    # The children ended with the server away: the step, going on, sends their spools; no relog line of their own.
+    assert not any("rangefinder relog" in line for line in said), said
+
+    caplog.clear()
+    with relay(port, mlflow_server_uri):
+        step.finish()
+    said = [r.getMessage() for r in caplog.records]
+    back = [line for line in said if "answers again" in line]
+    assert len(back) == 1 and f"step finetune sent what it had kept in {folder}: " in back[0], said
+    assert back[0].endswith("2 runs made, 5 tags, 2 metric values, 2 ends of the run, for 3 runs")
+    assert not list(folder.glob("*.jsonl")) and not any("is not answering" in line for line in said)
+    made = live.search_runs([exp.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent_id}'")
+    assert sorted(r.data.tags["halving.candidate"] for r in made) == ["lr_high", "lr_mid"]
+    assert [(r.data.tags["halving.outcome"], r.data.metrics) for r in made] == [
+        ("kept", {"validation/val_loss": 0.5})] * 2
+    assert live.get_run(parent_id).info.status == "FINISHED"
+
+
+def test_a_record_mlflow_refuses_in_a_child_run_s_spool_is_named_and_the_step_s_own_records_still_go(
+        tmp_path, mlflow_server_uri, caplog):
+    """The server, back, refuses a record a child run kept (its run deleted meanwhile, here a run it never had): the
+    step's own records, sent with the children's spools when it answers, waited behind it, the step's run was left
+    RUNNING, and a log call of the step would raise MLflow's refusal of another run's record. The child's spool is
+    named and left for `rangefinder relog`; the step's own go."""
+    from rangefinder.tracking import StepRun
+
+    live = MlflowClient(tracking_uri=mlflow_server_uri)
+    exp = live.get_experiment_by_name("outage") or live.get_experiment(live.create_experiment("outage"))
+    parent_id = live.create_run(exp.experiment_id, run_name="finetune").info.run_id
+    port = free_port()
+    uri = f"http://127.0.0.1:{port}"  # nothing answers there until the relay starts
+    cfg = RangefinderConfig(tracking={"tracking_uri": uri, "experiment_name": "outage", "server_wait_seconds": 0})
+    folder = tmp_path / "spool"
+    caplog.set_level(logging.WARNING)
+    step = StepRun(client=MlflowClient(tracking_uri=uri), run_id=parent_id, experiment_id=exp.experiment_id,
+                   step_name="finetune", parent_run_id=None, tracking_uri=uri, cfg=cfg, spool_dir=folder)
+    child = StepRun(client=step.client, run_id="0" * 32, experiment_id=exp.experiment_id, step_name="finetune_lr_mid",
+                    parent_run_id=parent_id, tracking_uri=uri, cfg=cfg, spool_dir=folder, link=step.outbox.link)
+    child.set_tags({"halving.candidate": "lr_mid"})  # spooled: the server is away
+    step.set_tags({"status": "racing"})
+    caplog.clear()
+    with relay(port, mlflow_server_uri):
+        step.finish()
+    said = " ".join(r.getMessage() for r in caplog.records)
+    (left,) = folder.glob("*.jsonl")
+    assert left.name.startswith("finetune_lr_mid-") and f"refused a tags record of run {'0' * 32}" in said, said
+    assert f"rangefinder relog {left}" in said, said
+    run = live.get_run(parent_id)
+    assert run.data.tags["status"] == "racing" and run.info.status == "FINISHED"
