@@ -326,3 +326,26 @@ def test_a_record_mlflow_refuses_in_a_child_run_s_spool_is_named_and_the_step_s_
     assert f"rangefinder relog {left}" in said, said
     run = live.get_run(parent_id)
     assert run.data.tags["status"] == "racing" and run.info.status == "FINISHED"
+
+
+def test_a_step_whose_child_runs_end_with_the_server_away_names_every_spool_left_in_one_line(tmp_path, caplog):
+    """The server never comes back: the step's end names what each of its runs left and one relog command for all of
+    them; the child runs' own ends said nothing (each said its own line, and waited tracking.server_wait_seconds)."""
+    from rangefinder.tracking import StepRun, child_run
+
+    uri = f"http://127.0.0.1:{free_port()}"  # nothing answers there
+    cfg = RangefinderConfig(tracking={"tracking_uri": uri, "experiment_name": "away", "server_wait_seconds": 0})
+    folder = tmp_path / "spool"
+    caplog.set_level(logging.WARNING)
+    step = StepRun(client=MlflowClient(tracking_uri=uri), run_id="f" * 32, experiment_id="1", step_name="finetune",
+                   parent_run_id=None, tracking_uri=uri, cfg=cfg, spool_dir=folder)
+    with child_run(cfg, step, "finetune_cooldown", run_name="cooldown", tags={}, description="cooldown") as child:
+        child.log_metrics({"val_loss": 0.5}, step=1)
+    step.set_tags({"status": "ok"})
+    step.finish()
+    ends = [r.getMessage() for r in caplog.records if "did not take everything" in r.getMessage()]
+    own = folder / f"finetune-{'f' * 32}.jsonl"
+    (cooldown,) = folder.glob("finetune_cooldown-*.jsonl")
+    assert len(ends) == 1 and own.is_file(), ends
+    assert "step finetune logged for 2 of its runs: " in ends[0] and "1 metric value" in ends[0], ends
+    assert ends[0].endswith(f"run: rangefinder relog {own} {cooldown}"), ends

@@ -810,9 +810,9 @@ class StepRun:
                          left[0].run_id, left[0].path, left[0].path)
         elif left:
             counts = sum((read_spool(spool.path).counts() for spool in left), Counter())
-            _log.warning("MLflow at %s did not take everything step %s logged: %s of %d of its runs are not in "
+            _log.warning("MLflow at %s did not take everything step %s logged for %d of its runs: %s are not in "
                          "MLflow. They are kept in %s; when the server answers again, run: rangefinder relog %s",
-                         safe_uri(self.tracking_uri), self.step_name, describe(counts), len(left),
+                         safe_uri(self.tracking_uri), self.step_name, len(left), describe(counts),
                          left[0].path.parent, " ".join(str(spool.path) for spool in left))
 
 
