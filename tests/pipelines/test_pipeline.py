@@ -105,6 +105,11 @@ def test_parameters_are_typed_with_descriptions(compiled):
     assert params["fixed_lr"].default_value.number_value == 0.0
     # Where the run's MLflow links point, settable in the form: unset by default (the pods' tracking URI).
     assert params["mlflow_ui_url"].default_value.string_value == "" and "browser" in params["mlflow_ui_url"].description
+    # Under KFP's MLflow integration the steps log into the experiment it names, whatever the form says: the form said
+    # only "the runs are logged under" it.
+    for described in (params["mlflow_experiment"].description, compiled.spec.components[
+            "comp-resolve-config"].input_definitions.parameters["mlflow_experiment"].description):
+        assert "KFP's MLflow integration" in described and "MLFLOW_EXPERIMENT_ID" in described, described
     # Images train in aspect-ratio buckets by default (data.bucketing): the form said the resolution was square, and
     # a user with portraits read that they would be cropped to squares.
     resolution = params["resolution"].description

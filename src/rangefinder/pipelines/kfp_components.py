@@ -100,7 +100,8 @@ def resolve_config(
         retrain: Retrain on train + validation for the recommended epochs and register that model.
         retrain_epochs: Epochs of the full-data retrain; 0: the epochs the fine-tune recommends.
         prompts: Prompts of the evaluation grid (one row each, fixed seeds), as a JSON list of strings.
-        mlflow_experiment: MLflow experiment the runs are logged under.
+        mlflow_experiment: MLflow experiment the runs are logged under; where KFP's MLflow integration is on, the
+            experiment it names the pods ($MLFLOW_EXPERIMENT_ID) wins.
         mlflow_ui_url: The MLflow UI's address as a browser opens it, which the run's MLflow links point at; empty:
             the tracking URI the pods use.
         pipeline_job_id: The KFP run id (dsl.PIPELINE_JOB_ID_PLACEHOLDER); the MLflow parent run is found by it.

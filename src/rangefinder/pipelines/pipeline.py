@@ -378,7 +378,8 @@ def _build_pipeline(cfg: RangefinderConfig, *, local: bool) -> Callable:
             retrain_epochs: Epochs of the full-data retrain, with retrain on. 0: the epochs the fine-tune
                 recommends.
             prompts: Prompts of the evaluation grid (one row each, fixed seeds), as a JSON list of strings.
-            mlflow_experiment: MLflow experiment the runs are logged under.
+            mlflow_experiment: MLflow experiment the runs are logged under. Where KFP's MLflow integration is on,
+                the experiment it names the pods ($MLFLOW_EXPERIMENT_ID) wins.
             mlflow_ui_url: The MLflow UI's address as your browser opens it (e.g. https://mlflow.example.org), which
                 the run's MLflow links point at (register-model's result). Empty: the tracking URI the pods log to,
                 which a browser outside the cluster cannot open when it is a Service's name (mlflow.mlflow.svc).
