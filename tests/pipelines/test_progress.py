@@ -126,6 +126,22 @@ def test_an_mlflow_outage_a_step_rides_out_is_said_on_the_terminal():
     assert said[0].startswith("MLflow at http://127.0.0.1:5000 is not answering (connection refused); step ")
 
 
+def test_a_second_outage_of_a_step_is_said_on_the_terminal_as_the_first():
+    """A server that goes away again after it came back: the step's away line is the same words as the first time
+    (its spool folder, the first try's wait), and the terminal, which says each warning once per run, left the second
+    outage out, showing "answers again" twice under one "not answering"."""
+    from rangefinder.tracking.outbox import AWAY_SAID, BACK_SAID
+
+    away = AWAY_SAID % ("http://127.0.0.1:5000", "connection refused", "finetune", "/out/mlflow-spool", "30 s")
+    back = BACK_SAID % ("http://127.0.0.1:5000", "finetune", "/out/mlflow-spool", "12 metric values")
+    log = (f"23:29:05.604 - INFO - Executing task {C}'finetune'{E}\n"
+           + f"    {away}\n    {back}\n" * 2
+           + f"23:29:25.933 - INFO - Task {C}'finetune'{E} finished with status \x1b[92mSUCCESS{E}\n")
+    warned = [ln for ln in _terminal_of(log) if ": warning: " in ln]
+    assert [ln.split(": warning: ")[1] for ln in warned] == [away.removeprefix("rangefinder: warning: "),
+                                                               back.removeprefix("rangefinder: warning: ")] * 2
+
+
 def test_a_range_test_s_line_says_what_its_zoom_means():
     """The first range test's bounds are provisional when a zoom follows, and the component's 0 is no bound: the line
     said "lr_low 0, lr_mid 0, lr_high 0, needs_zoom True" when the curve gave none. The zoomed test's line (needs_zoom

@@ -19,6 +19,8 @@ import re
 import time
 from typing import IO, Any, Optional
 
+from rangefinder.tracking.outbox import AWAY_SAID, BACK_SAID
+
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _START = re.compile(r"Executing task '([^']+)'")
 _END = re.compile(r"Task '([^']+)' finished with status (\w+)")
@@ -28,6 +30,10 @@ _OUTPUT_LINE = re.compile(r"^\s{4}(\w+): (.*)$")
 # under the first step that says it. The plan's are the same for every run of one batch and dataset, so the range
 # test, its zoom and the fine-tune each print them (the fine-tune once per successive-halving run).
 _WARNING = re.compile(r"rangefinder: warning: (.*)$")
+# Except the outbox's lines of an MLflow outage: a server can go away again after it came back, and a step says the
+# second outage in the first one's words (its spool folder, the first try's wait).
+_OUTAGE = re.compile("|".join(re.escape(said.removeprefix("rangefinder: warning: ")).replace("%s", ".*")
+                              for said in (AWAY_SAID, BACK_SAID)))
 # tqdm's default format: "desc:  42%|████▏     | 10/24 [00:03<00:04,  3.1update/s, loss=0.2, lr=0.001]"
 _BAR = re.compile(r"^\s*(?P<desc>[^|:]+?):\s+\d+%\|[^|]*\|\s*(?P<n>\d+)/(?P<total>\d+)\s+"
                   r"\[(?P<elapsed>[^<\]]*)<(?P<eta>[^,\]]*)(?:,\s*[^,\]]*)?(?P<post>(?:,[^\]]*)?)\]")
@@ -144,7 +150,7 @@ class StepProgress:
         m = _WARNING.search(line)
         if m:
             said = m.group(1).strip()
-            if said not in self._warned:  # several steps, runs and processes say it once each
+            if said not in self._warned or _OUTAGE.fullmatch(said):  # several steps, runs, processes say it once each
                 self._warned.add(said)
                 self._close_bar()
                 self._say(f"rangefinder:   {step_name(self._running)}: warning: {said}")
