@@ -349,3 +349,30 @@ def test_a_step_whose_child_runs_end_with_the_server_away_names_every_spool_left
     assert len(ends) == 1 and own.is_file(), ends
     assert "step finetune logged for 2 of its runs: " in ends[0] and "1 metric value" in ends[0], ends
     assert ends[0].endswith(f"run: rangefinder relog {own} {cooldown}"), ends
+
+
+def test_a_second_outage_is_said_after_the_first_s_spool_was_sent_by_a_relog(tmp_path, mlflow_server_uri, caplog):
+    """`rangefinder relog` sent the step's spool while the step ran, then the step's next try got an answer with
+    nothing left to send (no "answers again" line): the step still took the first outage for the one going on, and
+    said nothing when the server went away again."""
+    from rangefinder.tracking import StepRun
+
+    live = MlflowClient(tracking_uri=mlflow_server_uri)
+    exp = live.get_experiment_by_name("outage") or live.get_experiment(live.create_experiment("outage"))
+    run_id = live.create_run(exp.experiment_id, run_name="sample_images").info.run_id
+    port = free_port()
+    uri = f"http://127.0.0.1:{port}"  # nothing answers there but while the relay runs
+    cfg = RangefinderConfig(tracking={"tracking_uri": uri, "experiment_name": "outage", "server_wait_seconds": 0})
+    caplog.set_level(logging.WARNING)
+    step = StepRun(client=MlflowClient(tracking_uri=uri), run_id=run_id, experiment_id=exp.experiment_id,
+                   step_name="sample_images", parent_run_id=None, tracking_uri=uri, cfg=cfg,
+                   spool_dir=tmp_path / "spool")
+    step.set_tags({"first": "1"})  # the first outage: spooled
+    (spool,) = (tmp_path / "spool").glob("*.jsonl")
+    assert not replay(spool, live).left  # what `rangefinder relog SPOOL` does meanwhile
+    with relay(port, mlflow_server_uri):
+        assert step.outbox.wait_for_server(5)  # the step's next try: answered, nothing left to send
+    step.set_tags({"second": "2"})  # the relay is gone: the second outage
+    away = [r.getMessage() for r in caplog.records if "is not answering" in r.getMessage()]
+    assert len(away) == 2, away
+    assert live.get_run(run_id).data.tags["first"] == "1"

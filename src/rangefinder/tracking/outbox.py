@@ -204,7 +204,7 @@ class Outbox:
         if runs:
             what = describe(sent) + (f", for {runs} runs" if runs > 1 else "")
             _log.warning(BACK_SAID, safe_uri(self.client.tracking_uri), self.link.step, self.link.spool_dir, what)
-            self.link.said_away = False  # the outage is over: the next one is said again
+            self.link.said_away = False  # the outage is over (this run's spool may wait on another process's send)
         return not self.spool.exists()
 
     def _failed(self, e: BaseException | None) -> None:
@@ -217,7 +217,8 @@ class Outbox:
         link.retry_at = time.monotonic() + link.retry_wait
 
     def _answered(self) -> None:
-        self.link.retry_wait, self.link.retry_at = 0.0, 0.0
+        # The outage is over, whoever sent what it kept (`rangefinder relog` may have): the next one is said again.
+        self.link.retry_wait, self.link.retry_at, self.link.said_away = 0.0, 0.0, False
 
     def _append(self, record: Mapping[str, Any]) -> None:
         with self._locked(blocking=True):
