@@ -121,10 +121,17 @@ def test_a1111_loads_the_embedding_with_its_step_and_checkpoint(trained_ti, tiny
         assert emb["sd_checkpoint_name"] == tiny_model_dir.name
 
 
-def test_the_pt_names_its_base_model_as_a1111_names_a_checkpoint(tmp_path):
+def test_the_pt_names_its_base_model_as_a1111_names_a_checkpoint(tmp_path, monkeypatch):
     """A1111 shows an embedding's sd_checkpoint_name beside its own checkpoints' names, a file's name without its
     extension: a single-file base model (what models/loading.py resolves it from: its path) is named so; a folder
-    by its name, a hub id as it is, the embedded model by its name alone (not "embedded tiny model (/root/...)")."""
+    by its name, a hub id as it is, the embedded model by its name alone (not "embedded tiny model (/root/...)").
+    A pipeline's steps name the base model as model.base_model spelled it: under ~, or relative to a folder the
+    step does not see (it loads the resolved folder on the data volume), a file is still named by its stem."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "my-model").mkdir()
+    assert base_model_name("~/models/sd15-pruned.safetensors") == "sd15-pruned"
+    assert base_model_name("models/sd15-pruned.safetensors") == "sd15-pruned"
+    assert base_model_name("~/my-model") == "my-model"
     assert base_model_name("embedded tiny model (/root/.cache/rangefinder/tiny-sd-0123)") == "embedded tiny model"
     assert base_model_name(str(tmp_path / "sd15-pruned.safetensors")) == "sd15-pruned"
     assert base_model_name(str(tmp_path / "v1-5.ckpt")) == "v1-5"

@@ -56,12 +56,15 @@ def base_model_name(base_model: Optional[str], revision: Optional[str] = None) -
     model's name without the cache folder a run on it names. A local file or folder is told by its `revision`
     (rangefinder.base_model_revision: "sha256:" for a file, "weights:" for a folder) where its path does not say
     so here: a pipeline's steps name it as model.base_model spelt it, `~/...` unexpanded or relative to another
-    folder, which was written whole, as if a hub id."""
+    folder, which was written whole, as if a hub id; a checkpoint file is told by its suffix too, which no hub id
+    has."""
     if not base_model or base_model.startswith(EMBEDDED_BASE_MODEL):
         return EMBEDDED_BASE_MODEL
     p = Path(base_model).expanduser()
+    if p.suffix in (".safetensors", ".ckpt"):
+        return p.stem
     if p.is_absolute() or p.exists() or (revision or "").startswith(LOCAL_REVISION_PREFIXES):
-        return p.stem if p.suffix in (".safetensors", ".ckpt") else p.name
+        return p.name
     return base_model
 
 
