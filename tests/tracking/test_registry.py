@@ -970,6 +970,21 @@ def test_promote_ranks_two_versions_only_where_their_val_loss_was_measured_alike
         "val_loss 0.1 against @champion version 1's 0.2: 0.1 lower (50.0%), better, on the same validation images "
         f"(4 images, digest v1); its base model sd-base moved from revision {'a' * 40} (version 1's) to {'b' * 40}: "
         "pin model.revision to keep the base weights fixed from week to week")
+    # A flow model's loss weighting weights training only (validation is never weighted, as min-SNR's is not): two
+    # versions trained under other weightings are measured alike, and a version whose tag still names the weighting
+    # (registered before it was left out) ranks against one whose tag does not; the sigma grid's settings do not.
+    from rangefinder.tracking.registry import validation_settings
+
+    flow = "validation.timesteps=4, validation.seed=0, data.resolution=512, training.flow.shift_used=3.0"
+    assert validation_settings({"validation.timesteps": 4, "validation.seed": 0, "data.resolution": 512,
+                                "training.flow.loss_weighting": "cosmap", "training.flow.shift_used": 3.0}) == flow
+    weighted = compare_versions(version(2, val_loss="0.1", **{"rangefinder.validation_settings": flow}),
+                                version(1, **{"rangefinder.validation_settings":
+                                              f"{flow}, training.flow.loss_weighting=sigma_sqrt"}))
+    assert weighted["better"] is True, weighted["comparison"]
+    shifted = compare_versions(version(2, val_loss="0.1", **{"rangefinder.validation_settings": flow}),
+                               version(1, **{"rangefinder.validation_settings": flow.replace("3.0", "1.0")}))
+    assert shifted["better"] is None and "training.flow.shift_used 3.0 where it had 1.0" in shifted["comparison"]
     # A folder and a single file have no model.revision to pin: their weights were replaced under the same path.
     folder = compare_versions(version(2, val_loss="0.1", **{"rangefinder.base_model_revision": "weights:" + "b" * 32}),
                               version(1, **{"rangefinder.base_model_revision": "weights:" + "a" * 32}))
