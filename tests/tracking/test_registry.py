@@ -985,6 +985,14 @@ def test_promote_ranks_two_versions_only_where_their_val_loss_was_measured_alike
     shifted = compare_versions(version(2, val_loss="0.1", **{"rangefinder.validation_settings": flow}),
                                version(1, **{"rangefinder.validation_settings": flow.replace("3.0", "1.0")}))
     assert shifted["better"] is None and "training.flow.shift_used 3.0 where it had 1.0" in shifted["comparison"]
+    # The shift and Flux's guidance as set (None: the model's own) are measured by what they resolved to, logged
+    # beside them: a shift of 3.0 set by hand measures as SD3's unset one, 3.0, does.
+    assert validation_settings({"validation.timesteps": 4, "validation.seed": 0, "data.resolution": 512,
+                                "training.flow.shift": "None", "training.flow.shift_used": 3.0}) == flow
+    by_hand = compare_versions(version(2, val_loss="0.1", **{"rangefinder.validation_settings": flow}),
+                               version(1, **{"rangefinder.validation_settings": flow.replace(
+                                   "training.flow.shift_used", "training.flow.shift=3.0, training.flow.shift_used")}))
+    assert by_hand["better"] is True, by_hand["comparison"]
     # A folder and a single file have no model.revision to pin: their weights were replaced under the same path.
     folder = compare_versions(version(2, val_loss="0.1", **{"rangefinder.base_model_revision": "weights:" + "b" * 32}),
                               version(1, **{"rangefinder.base_model_revision": "weights:" + "a" * 32}))

@@ -83,8 +83,10 @@ VALIDATION_DEFINITION = ("validation.timesteps", "validation.seed", "data.resolu
 VALIDATION_DEFINITION_PREFIXES = ("training.flow.",)
 # Under those prefixes, what weights training alone: validation is never weighted (config.FlowSettings), as DDPM's
 # min_snr_gamma, left out above, weights training alone. A version registered before it was left out still names it
-# in its tag, which a comparison does not read.
+# in its tag, which a comparison does not read. So is a setting as set where what it resolved to is logged beside it
+# as `<setting>_used` (training.flow.shift None and 3.0 on SD3 are one shift, 3.0): only the latter is read.
 VALIDATION_UNRELATED = ("training.flow.loss_weighting",)
+USED_SUFFIX = "_used"
 # Whether the delivered weights' val_loss is below the base model's, measured alike (register_model sets it).
 TAG_IMPROVED_ON_BASE = "rangefinder.improved_on_base"
 TRAIN_ON_WORDS = {"train": "the training images alone", "train+val": "train + validation"}
@@ -440,8 +442,8 @@ def _differences(tags: Mapping[str, str], was: Mapping[str, str]) -> list[tuple[
         differs.append((f"another validation set ({_validation_set(tags)}, where it had {_validation_set(was)}), "
                         "so their val_loss values were measured on other images and do not compare", True))
     if _changed(TAG_VALIDATION_SETTINGS, tags, was):
-        ours, theirs = ({k: v for k, v in (kv.split("=", 1) for kv in t[TAG_VALIDATION_SETTINGS].split(", ")
-                                           if "=" in kv) if k not in VALIDATION_UNRELATED} for t in (tags, was))
+        ours, theirs = (_defining(dict(kv.split("=", 1) for kv in t[TAG_VALIDATION_SETTINGS].split(", ") if "=" in kv))
+                        for t in (tags, was))
         changed = [f"{k} {ours.get(k, 'unset')} where it had {theirs.get(k, 'unset')}"
                    for k in sorted(set(ours) | set(theirs)) if ours.get(k) != theirs.get(k)]
         if changed:
@@ -484,8 +486,15 @@ def validation_settings(params: Mapping[str, Any]) -> Optional[str]:
     readable tag value (`validation.timesteps=4, validation.seed=0, data.resolution=512, ...`); None where the params
     hold none of them (a run of earlier code)."""
     keys = [k for k in VALIDATION_DEFINITION if k in params]
-    keys += sorted(k for k in params if k.startswith(VALIDATION_DEFINITION_PREFIXES) and k not in VALIDATION_UNRELATED)
+    keys += sorted(k for k in _defining(params) if k.startswith(VALIDATION_DEFINITION_PREFIXES))
     return ", ".join(f"{k}={params[k]}" for k in keys) or None
+
+
+def _defining(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """`settings` without what does not change what a val_loss measures (VALIDATION_UNRELATED: a weighting of
+    training alone, and a setting as set where what it resolved to is beside it)."""
+    return {k: v for k, v in settings.items()
+            if k not in VALIDATION_UNRELATED and f"{k}{USED_SUFFIX}" not in settings}
 
 
 def _validation_set(tags: Mapping[str, str]) -> str:
