@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,16 +20,17 @@ from tests.training.test_resume import run_child
 # 16 train images, batch 4: 4 updates an epoch; validation on the 4 val images at K = 4 sigmas.
 SETTINGS = dict(batch_size=4, steps=4, lr=3e-4, seed=3, random_flip=True, cond_dropout=0.2)
 VALIDATION = dict(every_updates=2, timesteps=4)
+RUNS_CHECKPOINT = dict(checkpoint_every_updates=4)  # the `runs` fixture's: one checkpoint, at the end
 
 
 @pytest.fixture(scope="module")
 def runs(split_dir, tiny_sd3_dir, tmp_path_factory) -> dict:
-    """One full and one LoRA run of 4 updates each on the tiny SD3."""
+    """One full and one LoRA run of 4 updates each on the tiny SD3, with a checkpoint at the end."""
     cache = str(tmp_path_factory.mktemp("encoded"))
     out = {}
     for method in ("full", "lora"):
         folder = tmp_path_factory.mktemp(method)
-        out[method] = train(TrainSpec(TrainingConfig(method=method, cache_dir=cache, **SETTINGS),
+        out[method] = train(TrainSpec(TrainingConfig(method=method, cache_dir=cache, **SETTINGS, **RUNS_CHECKPOINT),
                                       ValidationConfig(**VALIDATION), split_dir=split_dir, model=tiny_sd3_dir),
                             out_dir=folder)
     return out
@@ -276,6 +278,25 @@ def test_sd3_resumes_after_sigkill_exactly_as_uninterrupted(method, split_dir, t
     a = load_file(str(whole / "final" / weights))
     b = load_file(str(cut / "final" / weights))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_resume_on_the_base_model_with_its_scheduler_shifting_otherwise_is_refused(runs, split_dir, tiny_sd3_dir,
+                                                                                   tmp_path):
+    """The same weights, the scheduler config's shift edited (3.0 to 1.0) mid-run: the weights' digest matched and
+    training.flow.shift, unset, was unchanged, so the run went on drawing its sigmas at another shift than its first
+    updates, and validating on another sigma grid, without a word."""
+    import shutil
+
+    model = Path(shutil.copytree(tiny_sd3_dir, tmp_path / "model"))
+    config = model / "scheduler" / "scheduler_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "shift": 1.0}))
+    out = Path(shutil.copytree(runs["lora"].out_dir, tmp_path / "run"))
+    spec = TrainSpec(TrainingConfig(method="lora", cache_dir=str(tmp_path / "cache"), resume=True, **SETTINGS,
+                                    **RUNS_CHECKPOINT),
+                     ValidationConfig(**VALIDATION), split_dir=split_dir, model=model)
+    with pytest.raises(ConfigError, match=r"cannot resume: .*the shift of the sigmas it trains at \(3\.0 -> 1\.0: "
+                                          r"the base model's scheduler config"):
+        train(spec, out_dir=out)
 
 
 @pytest.mark.parametrize("setting, words", [

@@ -57,7 +57,18 @@ def run_identity(run: Run) -> dict[str, Any]:
         # training.prediction_type), which the same weights under an edited scheduler config change; None for the
         # flow families, which predict the velocity whatever the config.
         "prediction_type": getattr(run.family, "prediction_type", None),
+        # The flow families' shift of the sigmas they draw and validate at: training.flow.shift, else the base
+        # model's scheduler config's (a constant, or Flux's resolution-dependent constants), which the same weights
+        # under an edited config change; None for the DDPM families.
+        "sigma_shift": _sigma_shift(run.family),
     }
+
+
+def _sigma_shift(family: Any) -> Any:
+    """The flow family's shift as its objective applies it (family_flow.FlowFamily.shift_sigmas): Flux's
+    resolution-dependent constants where it has them, else the constant shift; None for a DDPM family."""
+    dynamic = getattr(family, "dynamic_shift", None)
+    return dynamic if dynamic is not None else getattr(family, "shift", None)
 
 
 def _data_settings(data: DataConfig) -> dict[str, Any]:
@@ -90,6 +101,10 @@ def check_same_run(saved: dict[str, Any], run: Run, train_buckets: Optional[dict
         diffs.append(f"what the model is trained to predict ({identity['prediction_type']} -> "
                      f"{now['prediction_type']}: the base model's scheduler config, or training.prediction_type, "
                      "says otherwise now)")
+    if identity.get("sigma_shift") not in (None, now["sigma_shift"]):
+        diffs.append(f"the shift of the sigmas it trains at ({_show(identity['sigma_shift'])} -> "
+                     f"{_show(now['sigma_shift'])}: the base model's scheduler config, or training.flow.shift, says "
+                     "otherwise now)")
     if identity.get("train_on") not in (None, now["train_on"]):
         diffs.append(f"what it trains on ({identity['train_on']} -> {now['train_on']})")
     # Settings as written before a rename (use_8bit_adam: training.optimizer) read as today's.
