@@ -101,6 +101,29 @@ def test_single_file_is_converted_once_into_a_diffusers_folder(tiny_model_dir, f
         "ss_sd_model_hash": hashlib.sha256(data[0x100000:0x110000]).hexdigest()[:8]}
 
 
+def test_a_single_file_s_conversion_is_keyed_by_its_config_folder_s_files_not_only_its_path(tiny_flux_dir, tmp_path):
+    """A Flux transformer file is converted with the VAE, CLIP-L and T5 of the folder that gives its architecture (an
+    SD3 file without its text encoders likewise, and every file with that folder's configs): the conversion was
+    keyed by the folder's path, so the cached one, made with the weights a folder held before someone replaced them
+    under the same path, was taken again without a word. Its key follows the folder's files (fingerprint.py)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from rangefinder.models.loading import _single_file_key
+    from tests.models.test_fingerprint import flip_byte, last_tensor_data_at
+
+    config = Path(shutil.copytree(tiny_flux_dir, tmp_path / "flux"))
+    path = tmp_path / "transformer.safetensors"
+    save_file({"x": torch.zeros(1)}, str(path))
+    content, key = _single_file_key(path, config)
+    assert _single_file_key(path, config) == (content, key)  # the same files: the conversion found again
+    vae = config / "vae" / "diffusion_pytorch_model.safetensors"
+    flip_byte(vae, last_tensor_data_at(vae))
+    assert _single_file_key(path, config) != (content, key)
+    assert _single_file_key(path, config)[0] == content  # the file's own sha256 (its revision) is the file's alone
+
+
 def test_a_single_file_config_of_another_family_is_refused_before_converting(tiny_model_dir, tiny_sdxl_dir, tmp_path):
     from rangefinder.formats.single_file import export_full
 

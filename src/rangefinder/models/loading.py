@@ -5,9 +5,10 @@
 - a local diffusers folder (model_index.json, unet/, vae/, text_encoder/, tokenizer/, scheduler/);
 - a single-file checkpoint in safetensors (the layout A1111 and ComfyUI share). It is converted once, by diffusers'
   `from_single_file` and `save_pretrained`, into a diffusers folder in the rangefinder cache, keyed by the file's
-  content. Its architecture comes from a local diffusers folder, so nothing is fetched: `model.single_file_config`,
-  else the base model named in the file's rangefinder metadata, else diffusers' own inference (which fetches the
-  matching config from the hub). Pickle formats (.ckpt, .pt, .pth, .bin) are refused: loading one can run code;
+  content and the files of the folder giving its architecture. Its architecture comes from a local diffusers
+  folder, so nothing is fetched: `model.single_file_config`, else the base model named in the file's rangefinder
+  metadata, else diffusers' own inference (which fetches the matching config from the hub). Pickle formats (.ckpt,
+  .pt, .pth, .bin) are refused: loading one can run code;
 - a Hugging Face hub id (`org/name`, at `model.revision`), taken from the Hugging Face cache ($HF_HUB_CACHE, else
   $HF_HOME/hub) when it is there, downloaded into it otherwise, unless HF_HUB_OFFLINE is set. A gated or private
   repo needs HF_TOKEN (on a cluster: the Secret named by `kubernetes.hf_token_secret`).
@@ -466,13 +467,17 @@ def _trained_on(meta: dict[str, str]) -> str:
 def _single_file_key(path: Path, config: Optional[Path]) -> tuple[str, str]:
     """(the sha256 of the file's bytes, the conversion's key): the key is a sha256 of those bytes and of the
     architecture they are read with, so a new file or config converts anew; the file's own sha256 comes of the same
-    one read (the checksum a model page lists beside the file)."""
+    one read (the checksum a model page lists beside the file). The config folder counts by its files, not its path
+    alone: the conversion takes every part's config from it, and the parts a file lacks (a Flux transformer file's
+    VAE, CLIP-L and T5; an SD3 file's text encoders) whole, which someone may replace under the same path."""
     import diffusers
 
     h = hashlib.sha256()
     hash_file_into(h, path)
     content = h.hexdigest()  # the bytes' alone; hashing goes on from there for the key
     h.update(f"|{config}|{diffusers.__version__}".encode())
+    if config is not None and (config / "model_index.json").is_file():  # a bare unet/ folder: its path, as before
+        h.update(f"|{folder_revision(config)}".encode())
     predicts = single_file_prediction_type(path)
     if predicts is not None:  # read since the scheduler says it: an earlier conversion predicted the config's
         h.update(f"|{predicts}".encode())
