@@ -61,7 +61,7 @@ def base_model_name(base_model: Optional[str], revision: Optional[str] = None) -
     if not base_model or base_model.startswith(EMBEDDED_BASE_MODEL):
         return EMBEDDED_BASE_MODEL
     p = Path(base_model).expanduser()
-    if p.suffix in (".safetensors", ".ckpt"):
+    if p.suffix.lower() in (".safetensors", ".ckpt"):
         return p.stem
     if p.is_absolute() or p.exists() or (revision or "").startswith(LOCAL_REVISION_PREFIXES):
         return p.name
