@@ -229,13 +229,29 @@ def test_the_guidance_scale_used_is_logged_beside_the_setting_and_resolved_again
     assert samples_at == 5.0 and params["sampling.guidance_scale_used"] == "5.0"
 
 
-def test_the_guidance_scale_used_by_a_model_without_a_guidance_input_is_none(tiny_schnell_dir):
-    """FLUX.1-schnell has no guidance embedding, and FluxPipeline feeds it no scale: the runs' param said 3.5."""
+def test_the_guidance_scale_used_by_a_model_without_a_guidance_input_is_none(tiny_schnell_dir, tmp_path):
+    """FLUX.1-schnell has no guidance embedding, and FluxPipeline feeds it no scale: the runs' param said 3.5. A Flux
+    single file, whose family its tensor names tell before it is converted but not whether it takes guidance, had
+    Flux.1-dev's 3.5 written into the parent run made before resolve-config, where a param once logged stays: it is
+    left out until the file's folder is there to read."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
     from rangefinder.config import RangefinderConfig
+    from rangefinder.formats.flux_layout import FLUX_DOUBLE_BLOCK_KEY, FLUX_SINGLE_BLOCK_KEY
     from rangefinder.tracking.runs import applicable_params
 
     cfg = RangefinderConfig.model_validate({"model": {"base_model": str(tiny_schnell_dir)}})
     assert applicable_params(cfg)["sampling.guidance_scale_used"] == "none (no guidance input)"
+    # A transformer file in Black Forest Labs' layout, told Flux by its tensor names (family_detection.family_of).
+    schnell = tmp_path / "flux1-schnell.safetensors"
+    save_file({FLUX_DOUBLE_BLOCK_KEY: np.zeros(1, np.float32), FLUX_SINGLE_BLOCK_KEY: np.zeros(1, np.float32)},
+              str(schnell))
+    cfg = RangefinderConfig.model_validate({"model": {"base_model": str(schnell)}})
+    assert "sampling.guidance_scale_used" not in applicable_params(cfg)
+    resolved = cfg.model.model_copy(update={"resolved_dir": str(tiny_schnell_dir)})
+    assert applicable_params(cfg.model_copy(update={"model": resolved}))["sampling.guidance_scale_used"] == (
+        "none (no guidance input)")
 
 
 def test_the_pipeline_run_s_description_names_a_delivered_checkpoint_by_its_update_and_epoch():

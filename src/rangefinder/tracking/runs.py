@@ -289,9 +289,13 @@ def applicable_params(cfg: Any) -> dict[str, str]:
         # What the samples use beside what the config says (unset: the model's own, resolved here and by every step
         # that samples, never written into the setting: a config copied from this run samples another model at its
         # own): the parent run made before a hub id is fetched gets it once resolve-config has the model.
-        # None where the model has no guidance input (FLUX.1-schnell), read off its folder where it is here.
-        used = guidance_scale_in(local_model_folder(cfg.model), family, cfg.sampling.guidance_scale)
-        params["sampling.guidance_scale_used"] = "none (no guidance input)" if used is None else _param_value(used)
+        # None where the model has no guidance input (FLUX.1-schnell), read off its folder where it is here; a Flux
+        # single file not converted yet, dev's or schnell's, gets it once resolve-config has its folder (a param once
+        # logged on the parent run stays).
+        folder = local_model_folder(cfg.model)
+        if folder is not None or family != "flux":
+            used = guidance_scale_in(folder, family, cfg.sampling.guidance_scale)
+            params["sampling.guidance_scale_used"] = "none (no guidance input)" if used is None else _param_value(used)
         # And what the flow objective trains at where its settings are unset (SD3's shift 3.0, Flux's guidance 3.5),
         # which the settings' own params show as None.
         params.update({k: _param_value(v) for k, v in objective_settings_used(cfg, family).items()})
