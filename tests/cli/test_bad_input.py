@@ -509,6 +509,19 @@ def test_an_empty_path_argument_is_refused(args, flag, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("args", [
+    ["sample", "--model", "~rf-no-such-user/sd15", "--out", "OUT"],
+    ["train", "--data", "DATA", "--model", "~rf-no-such-user/sd15", "--out", "OUT", "--epochs", "1"],
+], ids=["sample-model", "train-model"])
+def test_a_path_under_the_home_of_no_such_user_is_one_line(args, tmp_path):
+    """`~sd15` (the slash after ~ forgotten) is the home folder of a user named sd15: pathlib's expanduser raised
+    RuntimeError ("Could not determine home directory.") and the command ended in its traceback."""
+    args = [str(tmp_path / a) if a in ("DATA", "OUT") else a for a in args]
+    assert_one_line_error(in_process(*args), "--model ~rf-no-such-user/sd15 begins with ~rf-no-such-user",
+                          "write ~/ for your own home folder")
+    assert list(tmp_path.iterdir()) == []
+
+
 # --- issue 36, class 5: one line instead of a traceback, on inputs beside the issue's examples
 
 
