@@ -922,3 +922,6 @@ def test_a_full_model_s_file_finds_its_config_in_the_folder_it_names_under_home(
     path = tmp_path / "model.safetensors"
     save_file({"x": torch.zeros(1)}, str(path), export_metadata(method="full", base_model="~/models/sd15"))
     assert _single_file_config(path, ModelConfig()) == tmp_path / "home" / "models" / "sd15"
+    # A name under the home of no user here (a file from another machine) names no folder, and raises nothing.
+    save_file({"x": torch.zeros(1)}, str(path), {"rangefinder.base_model": "~rf-no-such-user/sd15"})
+    assert _single_file_config(path, ModelConfig()) is None

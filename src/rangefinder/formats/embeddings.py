@@ -16,6 +16,7 @@ ComfyUI's embedding readers, diffusers' `load_textual_inversion`), so the header
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Optional
@@ -60,7 +61,7 @@ def base_model_name(base_model: Optional[str], revision: Optional[str] = None) -
     has."""
     if not base_model or base_model.startswith(EMBEDDED_BASE_MODEL):
         return EMBEDDED_BASE_MODEL
-    p = Path(base_model).expanduser()
+    p = Path(os.path.expanduser(base_model))  # os.path's: the home of a user not here stays as written
     if p.suffix.lower() in (".safetensors", ".ckpt"):
         return p.stem
     if p.is_absolute() or p.exists() or (revision or "").startswith(LOCAL_REVISION_PREFIXES):

@@ -501,9 +501,10 @@ def _single_file_config(path: Path, model_cfg: ModelConfig, family: str = "sd1")
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata() or {}
     base = meta.get("rangefinder.base_model")
-    # A folder as the run named it: a pipeline's steps name it as model.base_model spelt it, `~/...` unexpanded.
-    if base and (Path(base).expanduser() / denoiser).is_dir():
-        return Path(base).expanduser()
+    # A pipeline's steps name a folder as model.base_model spelled it, `~/...` included (os.path's expanduser leaves
+    # the home of a user not here as it is, where pathlib's raises).
+    if base and (Path(os.path.expanduser(base)) / denoiser).is_dir():
+        return Path(os.path.expanduser(base))
     if base and not Path(base).is_absolute():  # a hub id, "org/name@revision" as exports write it: its snapshot
         snapshot = _hub_snapshot_of(base, model_cfg)  # in the cache, if the run that trained it left one here
         if snapshot is not None and (snapshot / denoiser).is_dir():
