@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 import sys
 import typing
@@ -179,6 +180,25 @@ def _number_not_bool(annotation: Any) -> bool:
     return bool({int, float} & set(leaves)) and bool not in leaves
 
 
+# The settings that name a local path, which the code reads with `~` expanded (_PathSection's: the data's, the
+# split's and the model's; training.cache_dir is left unchecked, as a checkpoint written on another machine carries it
+# and is read here without it).
+PATH_SETTINGS = frozenset({"dataset_dir", "val_dir", "base_model", "cache_dir", "single_file_config", "resolved_dir"})
+
+
+def home_of_no_user(path: str) -> Optional[str]:
+    """Why `path` cannot be read where it begins with the home folder of a user this machine does not have (`~sd15`,
+    the slash after ~ forgotten: pathlib's expanduser raises RuntimeError for it, wherever the path is read); None
+    for any other path."""
+    if not path.startswith("~") or os.path.expanduser(path) != path:  # os.path's leaves such a path as it is
+        return None
+    user = path[1:].split("/", 1)[0]
+    if not user:  # HOME unset, and this process's user has no home folder either
+        return f"{path} begins with ~, and this process has no home folder (HOME is unset); set HOME, or spell it out"
+    return (f"{path} begins with ~{user}, the home folder of a user this machine does not have; write ~/ for your own "
+            "home folder, or spell the path out")
+
+
 class _Section(BaseModel):
     # No NaN or infinity anywhere: no setting means "unbounded" by inf (None does), and a NaN LR trains nothing.
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
@@ -199,6 +219,18 @@ class _Section(BaseModel):
         if any(isinstance(i, bool) for i in items) and _number_not_bool(field.annotation):
             raise ValueError(f"a YAML boolean (yes/no/on/off/true/false) is not a number (got {v!r}); write the "
                              "number itself")
+        return v
+
+
+class _PathSection(_Section):
+    """A section with PATH_SETTINGS among its fields: one under the home folder of no user here is refused."""
+
+    @field_validator(*PATH_SETTINGS, mode="after", check_fields=False)
+    @classmethod
+    def _a_home_that_is_here(cls, v: Any) -> Any:
+        problem = home_of_no_user(v) if isinstance(v, str) else None
+        if problem is not None:
+            raise ValueError(problem)
         return v
 
 
@@ -298,7 +330,7 @@ def _refuse_uri_credentials(uri: Optional[str], fix: str = _MLFLOW_FIX) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # Data, split, model
 
-class DataConfig(_Section):
+class DataConfig(_PathSection):
     # None means the embedded default dataset (synthetic shapes, made offline by `rangefinder make-dataset`).
     dataset_dir: Optional[str] = None
     # Training resolution in pixels: the side of the square bucket, whose area every bucket has about (bucketing
@@ -362,7 +394,7 @@ def default_bucket_step(resolution: int) -> int:
     return max(8, min(64, resolution // 4) // 8 * 8)
 
 
-class SplitConfig(_Section):
+class SplitConfig(_PathSection):
     # Share of images put into validation, rounded up (ceil(p*N)); 0 means no validation set (full-data retrain).
     val_split: float = Field(0.2, ge=0.0, lt=1.0)
     # Share of the *training* images drawn into the stabilize subset (a smooth, validation-style training loss).
@@ -377,7 +409,7 @@ class SplitConfig(_Section):
         return self.val_dir is not None or self.val_split > 0
 
 
-class ModelConfig(_Section):
+class ModelConfig(_PathSection):
     # A local diffusers folder, a single-file checkpoint (.safetensors; pickle formats are refused) or a Hugging Face
     # hub id (org/name). None means the embedded tiny model (`rangefinder make-base-model`). See models/loading.py.
     base_model: Optional[str] = None

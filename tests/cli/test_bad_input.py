@@ -520,6 +520,12 @@ def test_a_path_under_the_home_of_no_such_user_is_one_line(args, tmp_path):
     assert_one_line_error(in_process(*args), "--model ~rf-no-such-user/sd15 begins with ~rf-no-such-user",
                           "write ~/ for your own home folder")
     assert list(tmp_path.iterdir()) == []
+    if args[0] == "train":  # the same in a config file's path settings (a pipeline step's too), named by the setting
+        config = tmp_path / "my.yaml"
+        config.write_text("model:\n  base_model: ~rf-no-such-user/sd15\n")
+        assert_one_line_error(in_process("train", "--data", str(tmp_path / "DATA"), "--config", str(config), "--out",
+                                         str(tmp_path / "OUT"), "--epochs", "1"),
+                              "model.base_model: ~rf-no-such-user/sd15 begins with ~rf-no-such-user")
 
 
 # --- issue 36, class 5: one line instead of a traceback, on inputs beside the issue's examples

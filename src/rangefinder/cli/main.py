@@ -69,8 +69,9 @@ PATH_ARGS = ("out", "config", "data", "data_dir", "model", "curve", "plot", "rep
 
 def _refuse_empty_paths(args: argparse.Namespace) -> None:
     """RangefinderError for a path argument that is empty or blank, or under the home folder of a user this machine
-    does not have (`~sd15`, the slash forgotten: pathlib's expanduser raises RuntimeError for it, a traceback wherever
-    the path was read), or any argument holding a NUL character."""
+    does not have (config.home_of_no_user), or any argument holding a NUL character."""
+    from rangefinder.config import home_of_no_user
+
     for dest, value in vars(args).items():
         values = value if isinstance(value, list) else [value]
         flag = f"--{dest.replace('_', '-')}" if dest not in ("data_dir", "curve", "spools") else dest.upper()
@@ -82,13 +83,9 @@ def _refuse_empty_paths(args: argparse.Namespace) -> None:
             if dest in PATH_ARGS and not v.strip():
                 raise RangefinderError(f"{flag} is empty; give a path (an unset shell variable gives an empty "
                                        "argument)")
-            if dest in PATH_ARGS and v.startswith("~") and os.path.expanduser(v) == v:  # os.path's leaves it as is
-                user = v[1:].split("/", 1)[0]
-                if not user:  # HOME unset, and this process's user has no home folder either
-                    raise RangefinderError(f"{flag} {v} begins with ~, and this process has no home folder (HOME is "
-                                           "unset); set HOME, or spell the path out")
-                raise RangefinderError(f"{flag} {v} begins with ~{user}, the home folder of a user this machine does "
-                                       "not have; write ~/ for your own home folder, or spell the path out")
+            problem = home_of_no_user(v) if dest in PATH_ARGS else None
+            if problem is not None:
+                raise RangefinderError(f"{flag} {problem}")
 
 
 def _said(text: object) -> str:
