@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -275,6 +276,20 @@ def test_each_node_of_the_graph_says_what_it_does_and_in_which_branch(compiled):
     sub_pipelines = sorted(t.task_info.name for _, dag in compiled.dags() for t in dag.tasks.values()
                            if t.component_ref.name.startswith("comp-train-and-evaluate"))
     assert sub_pipelines == ["train-and-evaluate", "train-and-evaluate"], sub_pipelines
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/design.md"])
+def test_the_documents_drawings_of_the_graph_name_its_steps_as_the_ui_does(compiled, doc):
+    """The README and docs/design.md draw the DAG and say "those are the nodes' names on the run's graph": the
+    README's named the dataset importer "importer", a node the Kubeflow UI shows as dataset-importer. Every step of
+    the compiled graph is named in each drawing (a drawing's `choose-lr-from-...` stands for each choose-lr-from-*)."""
+    text = (Path(__file__).parents[2] / doc).read_text()
+    (drawing,) = [block for block in text.split("```")[1::2] if "record-final-status-in-mlflow" in block]
+    named = set(re.findall(r"[a-z0-9]+(?:-[a-z0-9]+)*", drawing))
+    elided = re.findall(r"([a-z0-9-]+-)\.\.\.", drawing)
+    steps = {n for _, n, _ in _graph_names(compiled, compiled.spec.root.dag)}
+    missing = sorted(n for n in steps if n not in named and not n.startswith(tuple(elided)))
+    assert missing == [], f"{doc}'s drawing of the DAG does not name {missing}"
 
 
 def test_the_lr_finder_is_a_parameter_resolved_at_run_time_and_picks_the_discovery_branch(compiled):
