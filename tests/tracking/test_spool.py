@@ -243,6 +243,24 @@ def test_relog_waits_for_a_step_still_writing_its_spool(tmp_path, mlflow_server_
     assert not spool.path.exists() and "2 tags to run" in out
 
 
+def step_away_from(server_uri: str, tmp_path: Path, step_name: str = "finetune"):
+    """(the server's own client, a step's run, the port): the step's run (experiment "outage") made on the
+    server at `server_uri`, its outbox reaching the server through a port where nothing answers until
+    `relay(port, server_uri)` starts (the server coming back); it spools to tmp_path/spool and waits for nothing at its
+    end. No training."""
+    from rangefinder.tracking import StepRun
+
+    live = MlflowClient(tracking_uri=server_uri)
+    exp = live.get_experiment_by_name("outage") or live.get_experiment(live.create_experiment("outage"))
+    run_id = live.create_run(exp.experiment_id, run_name=step_name).info.run_id
+    port = free_port()
+    uri = f"http://127.0.0.1:{port}"  # nothing answers there but while a relay runs
+    cfg = RangefinderConfig(tracking={"tracking_uri": uri, "experiment_name": "outage", "server_wait_seconds": 0})
+    step = StepRun(client=MlflowClient(tracking_uri=uri), run_id=run_id, experiment_id=exp.experiment_id,
+                   step_name=step_name, parent_run_id=None, tracking_uri=uri, cfg=cfg, spool_dir=tmp_path / "spool")
+    return live, step, port
+
+
 def test_one_outage_of_a_step_with_child_runs_is_said_once_and_its_end_once(tmp_path, mlflow_server_uri, caplog):
     """A step with child runs (the fine-tune's halving candidates, its cooldown) has an outbox per run: one outage was
     said once per run, each line naming another spool file, and "answers again" once per run that sent its spool (or
@@ -250,18 +268,11 @@ def test_one_outage_of_a_step_with_child_runs_is_said_once_and_its_end_once(tmp_
     one line when the first of them starts spooling, naming the step's spool folder, and one when the server answers,
     saying what was sent for all of them. No training: a parent run made on the session's server, reached through a
     port where nothing answers, then a relay to it (the server coming back)."""
-    from rangefinder.tracking import StepRun, child_run
+    from rangefinder.tracking import child_run
 
-    live = MlflowClient(tracking_uri=mlflow_server_uri)
-    exp = live.get_experiment_by_name("outage") or live.get_experiment(live.create_experiment("outage"))
-    parent_id = live.create_run(exp.experiment_id, run_name="finetune").info.run_id
-    port = free_port()
-    uri = f"http://127.0.0.1:{port}"  # nothing answers there until the relay starts
-    cfg = RangefinderConfig(tracking={"tracking_uri": uri, "experiment_name": "outage", "server_wait_seconds": 0})
-    folder = tmp_path / "spool"
     caplog.set_level(logging.WARNING)
-    step = StepRun(client=MlflowClient(tracking_uri=uri), run_id=parent_id, experiment_id=exp.experiment_id,
-                   step_name="finetune", parent_run_id=None, tracking_uri=uri, cfg=cfg, spool_dir=folder)
+    live, step, port = step_away_from(mlflow_server_uri, tmp_path)
+    parent_id, uri, cfg, folder = step.run_id, step.tracking_uri, step.cfg, step.spool_dir
     step.set_tags({"status": "racing"})  # the step's first record to find the server away
     children = []
     for name in ("lr_mid", "lr_high"):
@@ -288,7 +299,7 @@ def test_one_outage_of_a_step_with_child_runs_is_said_once_and_its_end_once(tmp_
     assert len(back) == 1 and f"step finetune sent what it had kept in {folder}: " in back[0], said
     assert back[0].endswith("2 runs made, 5 tags, 2 metric values, 2 ends of the run, for 3 runs")
     assert not list(folder.glob("*.jsonl")) and not any("is not answering" in line for line in said)
-    made = live.search_runs([exp.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent_id}'")
+    made = live.search_runs([step.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent_id}'")
     assert sorted(r.data.tags["halving.candidate"] for r in made) == ["lr_high", "lr_mid"]
     assert [(r.data.tags["halving.outcome"], r.data.metrics) for r in made] == [
         ("kept", {"validation/val_loss": 0.5})] * 2
@@ -303,17 +314,10 @@ def test_a_record_mlflow_refuses_in_a_child_run_s_spool_is_named_and_the_step_s_
     named and left for `rangefinder relog`; the step's own go."""
     from rangefinder.tracking import StepRun
 
-    live = MlflowClient(tracking_uri=mlflow_server_uri)
-    exp = live.get_experiment_by_name("outage") or live.get_experiment(live.create_experiment("outage"))
-    parent_id = live.create_run(exp.experiment_id, run_name="finetune").info.run_id
-    port = free_port()
-    uri = f"http://127.0.0.1:{port}"  # nothing answers there until the relay starts
-    cfg = RangefinderConfig(tracking={"tracking_uri": uri, "experiment_name": "outage", "server_wait_seconds": 0})
-    folder = tmp_path / "spool"
     caplog.set_level(logging.WARNING)
-    step = StepRun(client=MlflowClient(tracking_uri=uri), run_id=parent_id, experiment_id=exp.experiment_id,
-                   step_name="finetune", parent_run_id=None, tracking_uri=uri, cfg=cfg, spool_dir=folder)
-    child = StepRun(client=step.client, run_id="0" * 32, experiment_id=exp.experiment_id, step_name="finetune_lr_mid",
+    live, step, port = step_away_from(mlflow_server_uri, tmp_path)
+    parent_id, uri, cfg, folder = step.run_id, step.tracking_uri, step.cfg, step.spool_dir
+    child = StepRun(client=step.client, run_id="0" * 32, experiment_id=step.experiment_id, step_name="finetune_lr_mid",
                     parent_run_id=parent_id, tracking_uri=uri, cfg=cfg, spool_dir=folder, link=step.outbox.link)
     child.set_tags({"halving.candidate": "lr_mid"})  # spooled: the server is away
     step.set_tags({"status": "racing"})
@@ -355,18 +359,9 @@ def test_a_second_outage_is_said_after_the_first_s_spool_was_sent_by_a_relog(tmp
     """`rangefinder relog` sent the step's spool while the step ran, then the step's next try got an answer with
     nothing left to send (no "answers again" line): the step still took the first outage for the one going on, and
     said nothing when the server went away again."""
-    from rangefinder.tracking import StepRun
-
-    live = MlflowClient(tracking_uri=mlflow_server_uri)
-    exp = live.get_experiment_by_name("outage") or live.get_experiment(live.create_experiment("outage"))
-    run_id = live.create_run(exp.experiment_id, run_name="sample_images").info.run_id
-    port = free_port()
-    uri = f"http://127.0.0.1:{port}"  # nothing answers there but while the relay runs
-    cfg = RangefinderConfig(tracking={"tracking_uri": uri, "experiment_name": "outage", "server_wait_seconds": 0})
     caplog.set_level(logging.WARNING)
-    step = StepRun(client=MlflowClient(tracking_uri=uri), run_id=run_id, experiment_id=exp.experiment_id,
-                   step_name="sample_images", parent_run_id=None, tracking_uri=uri, cfg=cfg,
-                   spool_dir=tmp_path / "spool")
+    live, step, port = step_away_from(mlflow_server_uri, tmp_path, "sample_images")
+    run_id = step.run_id
     step.set_tags({"first": "1"})  # the first outage: spooled
     (spool,) = (tmp_path / "spool").glob("*.jsonl")
     assert not replay(spool, live).left  # what `rangefinder relog SPOOL` does meanwhile
