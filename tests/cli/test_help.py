@@ -148,3 +148,10 @@ def test_the_standalone_commands_help_ends_in_examples_each_on_its_line_that_par
         assert runs, (name, shown)
         for argv in runs:
             commands[name].parse_args(argv[1:])  # exits (fails the test) on a flag or value it does not take
+
+
+def test_demo_s_fixed_lr_says_it_skips_whichever_lr_finder_the_family_runs():
+    """`demo --lr` said it skips the LR range test; on `--family sdxl`, `sd3` and `flux` lr_finder auto measures the LR
+    with a Prodigy run instead, which a fixed LR skips as well (the pipeline's fixed_lr says so)."""
+    (lr,) = [a for a in _commands()["demo"]._actions if "--lr" in a.option_strings]
+    assert "range test" in (lr.help or "") and "Prodigy run" in (lr.help or ""), lr.help

@@ -26,7 +26,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--out", default="rangefinder-demo", help="output folder (default ./rangefinder-demo)")
     p.add_argument("--retrain", action="store_true", help="also retrain on all data for the recommended epochs")
-    p.add_argument("--lr", type=float, help="a fixed learning rate: skips the LR range test")
+    p.add_argument("--lr", type=float, help="a fixed learning rate: skips LR discovery (the LR range test, or the "
+                   "Prodigy run lr_finder auto makes on sdxl, sd3 and flux)")
     p.add_argument("--family", choices=("sd1", "sdxl", "sd3", "flux"), default="sd1",
                    help="which embedded tiny model to run on: SD 1.x (default), SDXL, SD3.5 or Flux.1; the engine "
                    "reads the family from the model, as for any base model")
