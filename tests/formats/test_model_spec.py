@@ -106,6 +106,8 @@ def test_without_the_run_s_facts_a_file_still_names_its_base_model(tiny_model_di
     ("embedded tiny model (/cache/tiny-sd)", "weights:" + "b" * 32, {}),  # nothing sd-scripts could have named
     ("/gone/model.safetensors", "sha256:" + "c" * 64,  # a file this step cannot read: its sha256, no old hash
      {"ss_sd_model_name": "model.safetensors", "ss_new_sd_model_hash": "c" * 64}),
+    ("~rf-no-such-user/model.safetensors", "sha256:" + "c" * 64,  # another machine's user: no RuntimeError
+     {"ss_sd_model_name": "model.safetensors", "ss_new_sd_model_hash": "c" * 64}),
 ])
 def test_a_kohya_lora_names_a_hub_id_or_an_unread_file_as_sd_scripts_does(base, revision, named):
     from rangefinder.formats.lora import kohya_base_model

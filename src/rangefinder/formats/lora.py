@@ -15,6 +15,7 @@ scale 1 in both (no `.alpha`, no peft config: diffusers then takes alpha = rank)
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -262,7 +263,9 @@ def kohya_base_model(meta: Mapping[str, str]) -> dict[str, str]:
         return {}
     if revision.startswith("sha256:"):  # a single file (models/loading.py _resolve_single_file)
         out = {"ss_sd_model_name": Path(base).name, "ss_new_sd_model_hash": revision.removeprefix("sha256:")}
-        legacy = legacy_model_hash(Path(base).expanduser())  # a pipeline's step names it as model.base_model did
+        # A pipeline's step names it as model.base_model did, `~/...` unexpanded; os.path's expanduser leaves the home
+        # of a user not here as written, where pathlib's raises.
+        legacy = legacy_model_hash(Path(os.path.expanduser(base)))
         return out if legacy is None else {**out, "ss_sd_model_hash": legacy}
     if revision.startswith("weights:") or Path(base).is_absolute() or Path(base).exists():  # a folder
         return {"ss_sd_model_name": Path(base).name}
