@@ -44,7 +44,7 @@ from rangefinder.models.loading import (
     predict_as_the_file_says,
     refuse_shipped_code,
 )
-from rangefinder.training.family_detection import detect_family, guidance_scale_in
+from rangefinder.training.family_detection import detect_family, guidance_scale_in, sampling_dtype
 
 ColumnKind = str  # "pipeline" | "single_file" | "unet" | "lora" | "textual_inversion" | "engine_checkpoint"
 
@@ -240,11 +240,11 @@ def pipeline_class(base_model: Path) -> tuple[Any, dict[str, Any]]:
 def load_column_pipeline(column: GridColumn, base_model: Path, *, device: str, dtype=None, scheduler=None,
                          variant: Optional[str] = None):
     """A pipeline of the base model's family (StableDiffusionPipeline or StableDiffusionXLPipeline) with the
-    column's weights; adapters go on top of `base_model`, loaded in its weights' `variant` (model.variant)."""
-    import torch
+    column's weights; adapters go on top of `base_model`, loaded in its weights' `variant` (model.variant). `dtype`
+    None: the family's on `device` (family_detection.sampling_dtype: bf16 for SD3 and Flux on a GPU)."""
     from diffusers import UNet2DConditionModel
 
-    dtype = dtype or (torch.float16 if device.startswith("cuda") else torch.float32)
+    dtype = dtype or sampling_dtype(detect_family(Path(base_model)), device)
     cls, family_kwargs = pipeline_class(base_model)
     common = dict(dtype=dtype, **family_kwargs)  # `torch_dtype` is deprecated since diffusers 0.40
     if column.kind == "pipeline":

@@ -12,7 +12,15 @@ from safetensors.torch import save_file
 from rangefinder.config import ModelConfig
 from rangefinder.errors import ConfigError
 from rangefinder.models.loading import resolve_base_model
-from rangefinder.training.family_detection import detect_family, family_of, guidance_scale_for, single_file_family
+from rangefinder.training.family_detection import (
+    FAMILY_LAYOUTS,
+    detect_family,
+    family_of,
+    guidance_scale_for,
+    sampling_dtype,
+    sampling_dtypes,
+    single_file_family,
+)
 
 
 def test_family_comes_from_model_index(tiny_model_dir, tiny_sdxl_dir, tiny_sd3_dir, tmp_path):
@@ -137,3 +145,18 @@ def test_an_unset_guidance_is_read_from_the_pipeline_s_source_without_importing_
     own, used, loaded = json.loads(r.stdout.strip().splitlines()[-1])
     assert own == {"sd1": 7.5, "sdxl": 5.0, "sd3": 7.0, "flux": 3.5} and used == "3.5", r.stdout
     assert loaded == [], loaded
+
+
+def test_flux_and_sd3_sample_in_bf16_on_a_gpu_never_in_fp16_where_t5_overflows():
+    """The grid and the registered model loaded every family in fp16 on a GPU: T5-XXL overflows in fp16 (NaN, black
+    images), and diffusers' and the model cards load SD3.5 and Flux.1 in bf16. The flow families take bf16 where the
+    GPU computes in it, fp32 where it does not; SD 1.x/2.x and SDXL keep fp16; a CPU samples in fp32."""
+    by_precision = {f: sampling_dtypes(f) for f in FAMILY_LAYOUTS}
+    assert by_precision == {"sd1": {"bf16": "float16", "fp16": "float16", "no": "float32"},
+                            "sdxl": {"bf16": "float16", "fp16": "float16", "no": "float32"},
+                            "sd3": {"bf16": "bfloat16", "fp16": "float32", "no": "float32"},
+                            "flux": {"bf16": "bfloat16", "fp16": "float32", "no": "float32"}}
+    assert {sampling_dtype(f, "cpu") for f in FAMILY_LAYOUTS} == {torch.float32}
+    # A "cuda" device without bf16 (torch says so of every GPU where it has no CUDA, as here): fp16 for SD, not Flux.
+    if not torch.cuda.is_available():
+        assert sampling_dtype("sd1", "cuda") == torch.float16 and sampling_dtype("flux", "cuda") == torch.float32

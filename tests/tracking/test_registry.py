@@ -320,6 +320,13 @@ def test_each_family_loads_as_its_pipeline_and_generates_what_its_samples_do(sql
     assert type(model.unwrap_python_model().pipe).__name__ == pipeline_class
     # The T5 length is the model config's, written by the registration from the family's one source: the model's
     # script cannot import rangefinder, and kept a second table of its own.
+    # The dtype, as the grid's (family_detection.sampling_dtypes): the script loaded every family in fp16 on a GPU.
+    assert model.model_config["sampling_dtypes"]["bf16"] == ("float16" if family == "sdxl" else "bfloat16")
+    script = model.unwrap_python_model()
+    if not torch.cuda.is_available():  # the script's choice on a GPU without bf16, as torch says this machine is
+        script.device = "cuda"
+        assert script.dtype() == (torch.float16 if family == "sdxl" else torch.float32)
+        script.device = "cpu"
     t5 = model.model_config.get("max_sequence_length")
     assert t5 == (None if family == "sdxl" else t5_sequence_length(family, model.unwrap_python_model().pipe))
     own = {"sdxl": 5.0, "sd3": 7.0, "flux": 3.5}[family]
@@ -785,7 +792,8 @@ def test_the_registered_model_renders_by_default_what_the_run_s_grid_shows(run_r
     cfg, model = run_registered
     s = cfg.sampling
     assert model.model_config == {"num_inference_steps": 4, "guidance_scale": 5.0, "scheduler": "DDIMScheduler",
-                                  "height": 64, "width": 64, "size_multiple": 8}
+                                  "height": 64, "width": 64, "size_multiple": 8,
+                                  "sampling_dtypes": {"bf16": "float16", "fp16": "float16", "no": "float32"}}
     assert {p.name: p.default for p in model.metadata.get_params_schema().params} == {
         "num_inference_steps": 4, "guidance_scale": 5.0, "height": 64, "width": 64}
     prompt, seed = s.prompts[0], s.seeds[1]

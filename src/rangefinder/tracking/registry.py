@@ -33,6 +33,7 @@ from rangefinder.training.family_detection import (
     detect_family,
     folder_t5_sequence_length,
     guidance_scale_in,
+    sampling_dtypes,
 )
 
 _log = logging.getLogger(__name__)
@@ -268,6 +269,9 @@ def log_diffusers_model(
         defaults["max_sequence_length"] = t5_tokens
     if scheduler:
         defaults["scheduler"] = scheduler
+    # The dtype the model samples in, by what the machine loading it offers (family_detection.sampling_dtypes): the
+    # model's script cannot import rangefinder, and loaded Flux and SD3 in fp16, where T5 overflows.
+    defaults["sampling_dtypes"] = sampling_dtypes(family)
     mlflow.set_tracking_uri(run.tracking_uri)
     earlier = _version_registered_by(run.client, registered_model_name, run.run_id) if registered_model_name else None
     info = None

@@ -9,10 +9,11 @@ MAX_SEED, as the run's seeds; default: the row number) and `negative_prompt` col
 from the model config): num_inference_steps, guidance_scale, height, width. The config holds the training run's
 sampling settings: those four, the scheduler its samples used (`scheduler`, where sampling.scheduler named one) and,
 for a model with T5, the max_sequence_length it was trained with; and the multiple of pixels its sides take
-(`size_multiple`), which a call's height and width are checked against. Output: a DataFrame with `prompt`, `seed`
-and `image`, a row per prompt, the image as a base64-encoded PNG (a string, so it survives MLflow's JSON serving as
-well). Each image depends only on its own (prompt, seed), never on the other rows, because each row gets its own
-seeded generator.
+(`size_multiple`), which a call's height and width are checked against; and the dtype the model samples in by the
+precision the machine offers (`sampling_dtypes`: bf16 for SD3 and Flux on a GPU that has it). Output: a DataFrame
+with `prompt`, `seed` and `image`, a row per prompt, the image as a base64-encoded PNG (a string, so it survives
+MLflow's JSON serving as well). Each image depends only on its own (prompt, seed), never on the other rows,
+because each row gets its own seeded generator.
 """
 
 import base64
@@ -46,8 +47,7 @@ class StableDiffusionPyfunc(PythonModel):
 
         self.defaults = dict(context.model_config or {})
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        dtype = torch.float16 if self.device == "cuda" else torch.float32
-        self.pipe = DiffusionPipeline.from_pretrained(context.artifacts["pipeline"], dtype=dtype)
+        self.pipe = DiffusionPipeline.from_pretrained(context.artifacts["pipeline"], dtype=self.dtype())
         # The scheduler the training run's samples were drawn with (sampling.scheduler, e.g. the demo's DDIM, where a
         # saved SD 1.x folder keeps the training DDPM), set up from the saved one's config as rangefinder's grid does,
         # so it predicts what the weights were trained to. None in the config: the folder's own.
@@ -61,6 +61,20 @@ class StableDiffusionPyfunc(PythonModel):
         transformer = getattr(self.pipe, "transformer", None)
         self.guidance_input = not (type(self.pipe).__name__ == "FluxPipeline" and transformer is not None
                                    and not transformer.config.get("guidance_embeds", False))
+
+    def dtype(self):
+        """The dtype the model samples in on this machine: the config's `sampling_dtypes` (written by the registration
+        from rangefinder's family_detection.sampling_dtypes: bf16 for SD3 and Flux, whose T5 overflows in fp16) for
+        the precision this device offers, as rangefinder's config.resolve_mixed_precision tells it. A model
+        registered without them: fp16 on a GPU, fp32 on a CPU."""
+        import torch
+
+        if self.device != "cuda":
+            precision = "no"
+        else:
+            precision = "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
+        name = dict(self.defaults.get("sampling_dtypes") or {}).get(precision)
+        return getattr(torch, name) if name else (torch.float16 if self.device == "cuda" else torch.float32)
 
     # The DataFrame hint tells mlflow to validate against the logged signature rather than infer one from the hint.
     def predict(self, context, model_input: pd.DataFrame, params: dict | None = None) -> pd.DataFrame:

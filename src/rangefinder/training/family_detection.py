@@ -127,6 +127,30 @@ SDXL_SINGLE_FILE_TE2_PREFIX = SGM_CLIP_G_PREFIX
 SD3_SINGLE_FILE_KEY_PREFIX = LDM_UNET_PREFIX + "joint_blocks."
 
 
+def sampling_dtypes(family: str) -> dict[str, str]:
+    """The torch dtype (its name) a pipeline of `family` samples in, by the precision the machine offers
+    (config.resolve_mixed_precision's `auto`: "bf16" on a CUDA GPU that computes in bf16, "fp16" on an older one, "no"
+    on a CPU). SD 1.x/2.x and SDXL sample in fp16 on any GPU. The flow families (SD3, Flux: the families with T5)
+    sample in bf16, as diffusers' FluxPipeline example and the SD3.5 model cards load them: T5-XXL overflows in fp16
+    (NaN, black images), which is why the engine keeps it out of fp16 too (training/setup.py), and Flux's transformer
+    is released in bf16; on a GPU without bf16 they sample in fp32. A CPU samples every family in fp32.
+
+    A dict of names rather than a torch.dtype, as the registered model's config carries it (tracking/sd_pyfunc.py
+    cannot import rangefinder, and reads its dtype from there)."""
+    flow = FAMILY_LAYOUTS[family].t5 is not None
+    return {"bf16": "bfloat16" if flow else "float16", "fp16": "float32" if flow else "float16", "no": "float32"}
+
+
+def sampling_dtype(family: str, device: str) -> Any:
+    """The torch.dtype a pipeline of `family` samples in on `device` ("cuda", "cpu", ...): sampling_dtypes' choice
+    for the precision the device offers."""
+    import torch
+
+    from rangefinder.config import resolve_mixed_precision
+
+    return getattr(torch, sampling_dtypes(family)[resolve_mixed_precision("auto", device)])
+
+
 def t5_sequence_length(family: str, parts: Any) -> int:
     """T5 tokens per caption for a model of `family`, a family with T5: its layout's `t5_tokens`, or fewer where the
     model's T5 tokenizer (an attribute of `parts`, its loaded parts or its pipeline) stops sooner, as the tiny Flux's
