@@ -301,9 +301,13 @@ def test_our_single_file_of_a_hub_model_loads_back_offline_through_the_cached_sn
     assert _same_weights(load_sd_components(ModelConfig(base_model=str(path))).unet, folder_parts.unet)
 
 
-def test_our_single_file_of_a_hub_model_at_a_revision_is_read_with_that_revision_s_config(tiny_model_dir, tmp_path):
-    """The export names the revision it was trained on ("org/name@v1"): loading the file back takes the architecture
-    and scheduler from that revision's cached snapshot, not from main's, which has moved on to another config."""
+@pytest.mark.parametrize("spelled", ["branch", "commit"])
+def test_our_single_file_of_a_hub_model_at_a_revision_is_read_with_that_revision_s_config(tiny_model_dir, tmp_path,
+                                                                                         spelled):
+    """The export names the revision it was trained on ("org/name@v1", or "org/name" with the commit it resolved to
+    as rangefinder.base_model_revision): loading the file back takes the architecture and scheduler from that
+    revision's cached snapshot, not from main's, which has moved on to another config. The recorded commit was
+    ignored: a run on "org/name" read main's."""
     import json
     import shutil
 
@@ -318,8 +322,9 @@ def test_our_single_file_of_a_hub_model_at_a_revision_is_read_with_that_revision
     scheduler.write_text(json.dumps({**json.loads(scheduler.read_text()), "timestep_spacing": "trailing"}))
     main = make_cached_repo(cache, HUB_REPO, newer, refs=("main",))
     assert main != v1
-    path = export_full(tiny_model_dir, tmp_path / "from-v1.safetensors",
-                       export_metadata(method="full", base_model=f"{HUB_REPO}@v1"))
+    named = (dict(base_model=f"{HUB_REPO}@v1") if spelled == "branch"
+             else dict(base_model=HUB_REPO, base_model_revision=v1))
+    path = export_full(tiny_model_dir, tmp_path / "from-v1.safetensors", export_metadata(method="full", **named))
     # model.cache_dir is the hub cache the snapshot is looked up in, and where the file is converted to.
     resolved = resolve_base_model(ModelConfig(base_model=str(path), cache_dir=str(cache)))
     converted = json.loads((resolved.path / "scheduler" / "scheduler_config.json").read_text())

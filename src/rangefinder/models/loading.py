@@ -506,7 +506,8 @@ def _single_file_config(path: Path, model_cfg: ModelConfig, family: str = "sd1")
     if base and (Path(os.path.expanduser(base)) / denoiser).is_dir():
         return Path(os.path.expanduser(base))
     if base and not Path(base).is_absolute():  # a hub id, "org/name@revision" as exports write it: its snapshot
-        snapshot = _hub_snapshot_of(base, model_cfg)  # in the cache, if the run that trained it left one here
+        # in the cache, if the run that trained it left one here: the commit it was trained on where the file says
+        snapshot = _hub_snapshot_of(base, model_cfg, meta.get("rangefinder.base_model_revision"))
         if snapshot is not None and (snapshot / denoiser).is_dir():
             return snapshot
     if (not base or _embedded(base)) and "rangefinder.method" in meta:
@@ -516,9 +517,11 @@ def _single_file_config(path: Path, model_cfg: ModelConfig, family: str = "sd1")
     return None
 
 
-def _hub_snapshot_of(source: str, model_cfg: ModelConfig) -> Optional[Path]:
+def _hub_snapshot_of(source: str, model_cfg: ModelConfig, commit: Optional[str] = None) -> Optional[Path]:
     """The cached snapshot of the hub model `source` names ("org/name" or "org/name@revision"), without any network
-    call; None when it is not a valid hub id or not in the cache."""
+    call; None when it is not a valid hub id or not in the cache. `commit`: the file's rangefinder.base_model_revision,
+    the commit its run resolved `source` to: that snapshot first, as the branch (main where `source` names none) may
+    have moved on to another config since; the branch's where the cache no longer holds the commit."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     repo_id, _, revision = source.partition("@")
@@ -526,7 +529,13 @@ def _hub_snapshot_of(source: str, model_cfg: ModelConfig) -> Optional[Path]:
         validate_repo_id(repo_id)
     except HFValidationError:
         return None
-    return _cached_snapshot(repo_id, revision or "main", hub_cache_dir(model_cfg))
+    cache = hub_cache_dir(model_cfg)
+    # A hub revision is a 40-hex commit; a file's sha256 or a folder's fingerprint recorded there is none.
+    if commit and re.fullmatch(r"[0-9a-f]{40}", commit):
+        snapshot = _cached_snapshot(repo_id, commit, cache)
+        if snapshot is not None:
+            return snapshot
+    return _cached_snapshot(repo_id, revision or "main", cache)
 
 
 def _convert_single_file(path: Path, config: Optional[Path], out: Path, family: str, hub_cache: Path) -> None:
