@@ -11,6 +11,7 @@ import yaml
 from rangefinder.config import (
     MLFLOW_EXPERIMENT_NAME_CHARS,
     OTHER_TOOLS_NAMES,
+    ModelConfig,
     RangefinderConfig,
     TrainingConfig,
     demo_config,
@@ -886,3 +887,40 @@ def test_a_section_at_its_defaults_is_not_named_unused_but_a_changed_one_is():
     # Written out whole, the changed ones are still named, and only they.
     whole = parse_config(yaml.safe_load(yaml.safe_dump(parse_config(changed).model_dump(mode="json"))))
     assert setting_conflicts(whole) == lines
+
+
+def _reads_of_a_path_from_the_environment():
+    """(variable, its value, a call that reads it): every path a user sets outside the config and the command line."""
+    from rangefinder.models.loading import hub_cache_dir
+    from rangefinder.models.tiny import default_cache_dir
+    from rangefinder.steps.workdir import work_dir
+    from rangefinder.tracking.spool import spool_dir
+    from rangefinder.tracking.target import resolve_tracking_uri
+    from rangefinder.training.caching import cache_root
+
+    home = "~rf-no-such-user/cache"
+    return {"RANGEFINDER_CACHE": (home, default_cache_dir),
+            "HF_HUB_CACHE": (home, lambda: hub_cache_dir(ModelConfig())),
+            "HF_HOME": (home, lambda: hub_cache_dir(ModelConfig())),
+            "RANGEFINDER_MLFLOW_SPOOL": (home, spool_dir),
+            "RANGEFINDER_WORK": (home, lambda: work_dir(Path("artifact"), "key")),
+            "MLFLOW_TRACKING_URI": ("sqlite:///~rf-no-such-user/mlflow.db", resolve_tracking_uri),
+            "training.cache_dir": (None, lambda: cache_root(home))}
+
+
+@pytest.mark.parametrize("variable", ["RANGEFINDER_CACHE", "HF_HUB_CACHE", "HF_HOME", "RANGEFINDER_MLFLOW_SPOOL",
+                                      "RANGEFINDER_WORK", "MLFLOW_TRACKING_URI", "training.cache_dir"])
+def test_a_path_from_the_environment_under_the_home_of_no_such_user_is_one_line(variable, monkeypatch):
+    """`~name/...` set where the config's and the command line's checks do not look (an environment variable, or
+    training.cache_dir, which a checkpoint carries from elsewhere) reached pathlib's expanduser, whose RuntimeError
+    ("Could not determine home directory.") ended the command in a traceback."""
+    for name in ("HF_HUB_CACHE", "HF_HOME", "RANGEFINDER_MLFLOW_SPOOL", "RANGEFINDER_WORK", "MLFLOW_TRACKING_URI"):
+        monkeypatch.delenv(name, raising=False)
+    value, read = _reads_of_a_path_from_the_environment()[variable]
+    if value is not None:
+        monkeypatch.setenv(variable, value)
+    with pytest.raises(ConfigError) as e:
+        read()
+    message = str(e.value)
+    assert "\n" not in message and message.startswith(f"${variable}: " if value is not None else f"{variable}: ")
+    assert "begins with ~rf-no-such-user, the home folder of a user this machine does not have; write ~/" in message

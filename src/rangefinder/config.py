@@ -181,8 +181,8 @@ def _number_not_bool(annotation: Any) -> bool:
 
 
 # The settings that name a local path, which the code reads with `~` expanded (_PathSection's: the data's, the
-# split's and the model's; training.cache_dir is left unchecked, as a checkpoint written on another machine carries it
-# and is read here without it).
+# split's and the model's; training.cache_dir is left to expand_home where it is used, as a checkpoint written on
+# another machine carries it and is read here without it).
 PATH_SETTINGS = frozenset({"dataset_dir", "val_dir", "base_model", "cache_dir", "single_file_config", "resolved_dir"})
 
 
@@ -197,6 +197,16 @@ def home_of_no_user(path: str) -> Optional[str]:
         return f"{path} begins with ~, and this process has no home folder (HOME is unset); set HOME, or spell it out"
     return (f"{path} begins with ~{user}, the home folder of a user this machine does not have; write ~/ for your own "
             "home folder, or spell the path out")
+
+
+def expand_home(path: str | os.PathLike, what: str) -> Path:
+    """`path` with `~` expanded, as pathlib's expanduser does; ConfigError naming `what` (where the path was set: an
+    environment variable such as $RANGEFINDER_CACHE, or a setting the config's validation leaves alone) where it
+    begins with the home folder of a user this machine does not have, for which pathlib's raises RuntimeError."""
+    problem = home_of_no_user(os.fspath(path))
+    if problem is not None:
+        raise ConfigError(f"{what}: {problem}")
+    return Path(path).expanduser()
 
 
 class _Section(BaseModel):

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from rangefinder.config import expand_home
 from rangefinder.errors import RangefinderError
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -91,7 +92,7 @@ def free_space(path: PathLike) -> tuple[Path, str]:
 def usable_folder(path: PathLike, what: str) -> Path:
     """`path` as a Path; RangefinderError naming `what` when it, or a folder above it, is a file (so it can never
     be a folder: mkdir would fail with FileExistsError or NotADirectoryError, far from the setting that named it)."""
-    p = Path(path).expanduser()
+    p = expand_home(path, what)
     for q in (p, *p.parents):
         if q.exists() or q.is_symlink():
             if not q.is_dir():

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, Optional
 from urllib.parse import urlsplit
 
-from rangefinder.config import FAMILY_NAMES, ModelConfig
+from rangefinder.config import FAMILY_NAMES, ModelConfig, expand_home
 from rangefinder.errors import ConfigError
 from rangefinder.formats import checkpoints
 from rangefinder.formats.digest import hash_file_into
@@ -702,9 +702,11 @@ def hub_cache_dir(model_cfg: ModelConfig) -> Path:
     if model_cfg.cache_dir:
         return Path(model_cfg.cache_dir).expanduser()
     if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
-    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
-    return Path(home).expanduser() / "hub"
+        return expand_home(os.environ["HF_HUB_CACHE"], "$HF_HUB_CACHE")
+    if os.environ.get("HF_HOME"):
+        return expand_home(os.environ["HF_HOME"], "$HF_HOME") / "hub"
+    return expand_home(os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface"),
+                       "$XDG_CACHE_HOME") / "hub"
 
 
 def hub_offline() -> bool:

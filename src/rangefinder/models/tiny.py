@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from rangefinder.config import expand_home
 from rangefinder.formats.atomic import atomic_dir
 from rangefinder.formats.diffusers_folder import save_pipeline_folder
 from rangefinder.models import shipped
@@ -76,7 +77,7 @@ class TinyModelSettings:
 
 def default_cache_dir() -> Path:
     env = os.environ.get("RANGEFINDER_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "rangefinder"
+    return expand_home(env, "$RANGEFINDER_CACHE") if env else Path.home() / ".cache" / "rangefinder"
 
 
 def library_versions() -> str:

@@ -15,6 +15,8 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
+from rangefinder.config import expand_home
+
 WORK_ENV = "RANGEFINDER_WORK"
 
 
@@ -23,7 +25,7 @@ def work_dir(artifact_dir: Path, key: Optional[str]) -> Path:
     root = os.environ.get(WORK_ENV, "").strip()
     if not root or not key:
         return Path(artifact_dir)
-    return Path(root).expanduser() / key
+    return expand_home(root, f"${WORK_ENV}") / key
 
 
 def publish(work: Path, artifact_dir: Path) -> None:

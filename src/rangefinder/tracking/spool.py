@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from rangefinder.config import expand_home
 from rangefinder.errors import TrackingError
 from rangefinder.formats.atomic import atomic_dir, write_text
 from rangefinder.tracking.redaction import redact, safe_uri
@@ -80,9 +81,9 @@ def spool_dir(explicit: Optional[str | os.PathLike] = None) -> Path:
     if explicit is not None:
         return Path(explicit)
     if os.environ.get(SPOOL_ENV, "").strip():
-        return Path(os.environ[SPOOL_ENV]).expanduser()
+        return expand_home(os.environ[SPOOL_ENV], f"${SPOOL_ENV}")
     if os.environ.get("RANGEFINDER_WORK", "").strip():
-        return Path(os.environ["RANGEFINDER_WORK"]).expanduser() / "mlflow-spool"
+        return expand_home(os.environ["RANGEFINDER_WORK"], "$RANGEFINDER_WORK") / "mlflow-spool"
     return Path("mlflow-spool").absolute()
 
 

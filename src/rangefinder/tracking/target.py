@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Union
 from urllib.parse import unquote, urlsplit
 
+from rangefinder.config import expand_home
 from rangefinder.errors import TrackingError
 from rangefinder.formats.text import is_header_token
 from rangefinder.tracking.redaction import CREDENTIALS_FIX, safe_uri, uri_credentials
@@ -93,8 +94,9 @@ def resolve_tracking_uri(cfg: Optional[TrackingSource] = None) -> str:
     A relative sqlite path is made absolute here, so that the steps a local run starts in other folders (kfp.local
     subprocesses) write to the same database. A URI with credentials in it is refused (TrackingError).
     """
-    uri = (tracking_settings(cfg).tracking_uri or env_tracking_uri() or DEFAULT_TRACKING_URI).strip()
-    db = sqlite_path(uri)
+    setting = tracking_settings(cfg).tracking_uri
+    uri = (setting or env_tracking_uri() or DEFAULT_TRACKING_URI).strip()
+    db = sqlite_path(uri, "tracking.tracking_uri" if setting else "$MLFLOW_TRACKING_URI")
     if db is not None and not uri.startswith("sqlite:////"):
         query = uri.split("?", 1)[1] if "?" in uri else ""
         uri = f"sqlite:///{db}" + (f"?{query}" if query else "")
@@ -382,15 +384,16 @@ def default_experiment_id(client: Any, cfg: Optional[TrackingSource] = None) -> 
         return exp.experiment_id
 
 
-def sqlite_path(uri: str) -> Optional[Path]:
-    """The database file of a sqlite:/// URI (absolute), None for other URIs and in-memory databases."""
+def sqlite_path(uri: str, where: Optional[str] = None) -> Optional[Path]:
+    """The database file of a sqlite:/// URI (absolute), None for other URIs and in-memory databases. `where`: what
+    set the URI, which ConfigError names where its path begins with the home folder of no user here."""
     if urlsplit(uri).scheme.lower() != "sqlite" or "://" not in uri:
         return None
     path = unquote(uri.split("://", 1)[1].split("?", 1)[0])
     path = path[1:] if path.startswith("/") else path
     if not path or path.startswith(":memory:"):
         return None
-    return Path(path).expanduser().absolute()
+    return expand_home(path, where or f"the MLflow database of {safe_uri(uri)}").absolute()
 
 
 def _local_artifact_location(uri: str) -> Optional[str]:

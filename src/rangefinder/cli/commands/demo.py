@@ -43,7 +43,7 @@ def demo_model_cache(out: Path, family: str = "sd1") -> Path:
     from rangefinder.models import tiny, tiny_flux, tiny_sd3, tiny_sdxl
 
     if os.environ.get("RANGEFINDER_CACHE"):
-        return Path(os.environ["RANGEFINDER_CACHE"]).expanduser()
+        return tiny.default_cache_dir()
     shared = tiny.default_cache_dir()
     name = {"sdxl": lambda: tiny_sdxl.cache_name(tiny_sdxl.TinySdxlSettings()),
             "sd3": lambda: tiny_sd3.cache_name(tiny_sd3.TinySd3Settings()),
