@@ -214,6 +214,12 @@ def test_step_report_shows_each_sigmas_loss_and_states_the_weighting(tmp_path):
                      f"| val loss at sigma 0.75 (val_loss_b1) | {loss[at] / 3:.4g} | at update {u} (baseline "
                      f"{loss[0] / 3:.4g}) |"]
     assert "plain mean of the 2 per-sigma losses" in text
+    # Flux's grid moves with the image size: over aspect buckets a column mixes sigmas, and its label says which.
+    spanned = write_step_report(w, curve, tmp_path / "buckets", validation_weighting={
+        **weighting, "grid_span": [[0.25, 0.31], [0.75, 0.8]]})["markdown"].read_text()
+    assert [ln.split(" | ")[0] for ln in spanned.splitlines() if ln.startswith("| val loss at sigma")] == [
+        "| val loss at sigma 0.25-0.31 by image size (val_loss_b0)",
+        "| val loss at sigma 0.75-0.8 by image size (val_loss_b1)"]
     plain = write_step_report(w, curve, tmp_path / "ddpm", validation_weighting={"statement": "x", "grid": None})
     assert "sigma" not in plain["markdown"].read_text()
 

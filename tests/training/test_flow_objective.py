@@ -155,3 +155,22 @@ def test_the_kohya_lora_s_sd_scripts_objective_keys_are_those_that_draw_as_this_
     assert "ss_weighting_scheme" not in Sd3Rules.kohya_training_metadata(FlowSettings(loss_weighting="cosmap"),
                                                                          sd3_scheduler, {})
     assert Sd1Rules.kohya_training_metadata(FlowSettings(), {}, {}) == {}
+
+
+def test_a_per_sigma_column_over_image_sizes_says_the_span_of_sigmas_it_mixes():
+    """Flux's dynamic shift gives each image size its own validation grid: over aspect buckets a val_loss_b{k} column
+    mixes their sigmas, and the run's summary (whose grid labels the reports' per-sigma rows) named the first size's
+    alone. Sizes of as many image tokens (24x40 and 40x24) share one grid, as SD3's constant shift gives every size."""
+    from rangefinder.training.family_flux import FluxFamily
+    from rangefinder.training.loop import validation_weighting_over
+
+    flux = FluxFamily(FlowSettings(), 3.0, dynamic_shift={"base_image_seq_len": 256, "max_image_seq_len": 4096,
+                                                          "base_shift": 0.5, "max_shift": 1.15})
+    square = validation_weighting_over(flux, 2, [(64, 64)])
+    assert "grid_span" not in square
+    mixed = validation_weighting_over(flux, 2, [(64, 64), (64, 64), (96, 64)])
+    tall = flux.validation_sigmas(2, (96, 64))
+    assert mixed["grid"] == square["grid"] != tall
+    assert mixed["grid_span"] == [[min(a, b), max(a, b)] for a, b in zip(square["grid"], tall, strict=True)]
+    assert "grid_span" not in validation_weighting_over(flux, 2, [(48, 80), (80, 48)])
+    assert "grid_span" not in validation_weighting_over(family(), 2, [(64, 64), (96, 64)])

@@ -470,8 +470,11 @@ def _bucket_rows(curve: Optional[dict], best_update: Optional[float]) -> list[tu
 def _sigma_rows(curve: Optional[dict], weighting: Optional[dict],
                 best_update: Optional[float]) -> list[tuple[str, Any, str]]:
     """With a fixed sigma grid (flow-matching families), one row per sigma: its val loss at the row nearest the best
-    update (the last row without one), and at the baseline; the losses at different sigma differ in scale."""
+    update (the last row without one), and at the baseline; the losses at different sigma differ in scale. Where
+    the grid moves with the image size and the validation images come in several (`grid_span`: Flux's dynamic shift
+    over aspect buckets), each row is labelled with the span of sigmas its column mixes."""
     grid = (weighting or {}).get("grid")
+    span = (weighting or {}).get("grid_span")
     if not curve or not grid or "update" not in curve:
         return []
     updates = np.asarray(curve["update"], dtype=float)
@@ -480,7 +483,9 @@ def _sigma_rows(curve: Optional[dict], weighting: Optional[dict],
     for k, sigma in enumerate(grid):
         column = curve.get(f"val_loss_b{k}")
         if column is not None:
-            rows.append((f"val loss at sigma {sigma:.3g} (val_loss_b{k})", float(column[at]),
+            at_sigma = (f"sigma {span[k][0]:.3g}-{span[k][1]:.3g} by image size" if span and len(span) > k
+                        else f"sigma {sigma:.3g}")
+            rows.append((f"val loss at {at_sigma} (val_loss_b{k})", float(column[at]),
                          f"at update {int(updates[at])} (baseline {_fmt(float(column[0]))})"))
     return rows
 

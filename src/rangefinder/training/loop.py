@@ -74,6 +74,7 @@ from rangefinder.training.validation import (
 
 if TYPE_CHECKING:
     from rangefinder.data.split import Split
+    from rangefinder.training.family import Family
 
 
 @on_sigint()  # Ctrl-C ends the run as interrupted, whichever error it surfaced as
@@ -444,6 +445,18 @@ def _latent_hw(run: Run) -> tuple[int, int]:
     return side, side
 
 
+def validation_weighting_over(family: Family, num_buckets: int, sizes: list[tuple[int, int]]) -> dict[str, Any]:
+    """run_summary.json's `validation_weighting`: the family's, at the first of the validation latents' (h, w)
+    `sizes`; where a flow family's grid moves with the image size (Flux's dynamic shift) and the sizes give more than
+    one grid (aspect buckets), with `grid_span`, each sigma's lowest and highest over them: a per-sigma column mixes
+    them, and the first size's sigma alone, which its label said, is not what it measured."""
+    weighting = family.validation_weighting(num_buckets, sizes[0]).as_dict()
+    grids = {g for hw in sizes if (g := family.validation_weighting(num_buckets, hw).grid) is not None}
+    if len(grids) > 1:
+        weighting["grid_span"] = [[min(g[k] for g in grids), max(g[k] for g in grids)] for k in range(num_buckets)]
+    return weighting
+
+
 def _finish(run: Run, state: RunState, *, save_final: bool, seconds: float, cpu_seconds: float) -> TrainResult:
     """Write the final weights (a finished, undiverged run) and run_summary.json; the run's result."""
     settings, log = run.settings, state.log
@@ -498,8 +511,10 @@ def _finish(run: Run, state: RunState, *, save_final: bool, seconds: float, cpu_
             "family": run.family.name,  # detected from the base model (models/loading.py: detect_family)
             "prediction_type": run.family.prediction_type,
             # how val_loss combines its per-bucket (per-sigma) losses, and the flow families' sigma grid
-            "validation_weighting": run.family.validation_weighting(
-                run.val_cfg.timesteps, _latent_hw(run)).as_dict(),
+            "validation_weighting": validation_weighting_over(
+                run.family, run.val_cfg.timesteps,
+                [_latent_hw(run), *((int(s.latents.shape[-2]), int(s.latents.shape[-1]))
+                                    for s in run.data.val_sets if s.name == "val")]),
             "compile": "on" if settings.compile else "off",  # training.compile resolved
             "mixed_precision_used": run.cfg.mixed_precision,  # training.mixed_precision resolved (auto: per device)
             "use_ema_used": run.ema is not None,  # training.use_ema resolved (TrainingConfig.keeps_ema)
