@@ -117,6 +117,11 @@ def test_parameters_are_typed_with_descriptions(compiled):
     assert "square," not in resolution and "bucket" in resolution and "data.bucketing" in resolution, resolution
     resolved = compiled.spec.components["comp-resolve-config"].input_definitions.parameters["resolution"].description
     assert "square," not in resolved and "bucket" in resolved, resolved
+    # The form sends every field, so each one left at its default still replaces what a pasted base_config sets: the
+    # pipeline's form said only "the other parameters override it", where resolve-config's said so.
+    for described in (params["base_config"].description, compiled.spec.components[
+            "comp-resolve-config"].input_definitions.parameters["base_config"].description):
+        assert "each at its default too" in described and "warns of each it replaced" in described, described
 
 
 def test_dag_order_and_conditions(compiled):

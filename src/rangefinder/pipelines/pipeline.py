@@ -384,7 +384,9 @@ def _build_pipeline(cfg: RangefinderConfig, *, local: bool) -> Callable:
                 the run's MLflow links point at (register-model's result). Empty: the tracking URI the pods log to,
                 which a browser outside the cluster cannot open when it is a Service's name (mlflow.mlflow.svc).
             base_config: Every other setting, as the JSON of a rangefinder config (`rangefinder compile --config`
-                fills it in); the other parameters override it.
+                fills it in, and sets the other parameters' defaults to its values). The other parameters override
+                it, each at its default too (the form sends every one): give those whose field base_config sets
+                otherwise the value it sets (resolve-config warns of each it replaced).
         """
         status = step(c.record_status(mlflow_experiment=mlflow_experiment,
                                       pipeline_job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
