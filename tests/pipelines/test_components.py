@@ -123,6 +123,14 @@ def test_prepare_dataset_writes_the_split_artifact_and_its_report(shapes_dataset
     written = read_split(Path(split.path))
     assert (len(written.train), len(written.val), len(written.stabilize)) == (16, 4, 4)
     assert Path(report.path).read_text().strip()
+    # skipped_files and the report name the same kinds of file left out, from one list: the UI's description said
+    # "unreadable, too small, no caption", where the report also lists animated images, files not trained on, broken
+    # links, metadata rows and copies of a split.val_dir image.
+    from rangefinder.data.split import SKIPPED_KINDS
+
+    described = c.prepare_dataset.component_spec.outputs["skipped_files"].description
+    assert SKIPPED_KINDS in described and "{" not in described, described
+    assert f"- skipped files ({SKIPPED_KINDS}): 0" in Path(report.path).read_text()
 
 
 def test_choose_lr_passes_the_bounds_on_and_writes_the_decision(tmp_path):

@@ -37,6 +37,15 @@ from rangefinder.formats.atomic import usable_folder, write_text
 from rangefinder.formats.digest import file_sha256
 from rangefinder.planning import val_count
 
+# What the summary's `skipped` holds, by kind (each file is listed with its own reason): the one list prepare-dataset's
+# skipped_files output and its report name, and the runs' rangefinder.skipped_files tag counts. The reasons are
+# written by validate.py (images, captions), dataset.py (the folder's scan: other files, links, metadata rows) and
+# split_dataset below (copies of a split.val_dir image).
+SKIPPED_KINDS = ("unreadable, corrupt, animated or too small images; images without a usable caption (none, empty, "
+                 "not UTF-8, or two that disagree); files not trained on (neither an image nor its caption, a mask, "
+                 "a split's manifests); broken, looping or repeated links and folders that cannot be read; metadata "
+                 "rows naming no image; training images identical to a split.val_dir image")
+
 SUBSETS = SPLIT_SUBSETS
 SUMMARY_FILE = SPLIT_SUMMARY
 FORMAT_VERSION = 1

@@ -37,7 +37,7 @@ def run_prepare_dataset(
     report_path: Optional[Path] = None,
 ) -> PreparedDataset:
     from rangefinder.data.buckets import BucketSettings
-    from rangefinder.data.split import split_dataset
+    from rangefinder.data.split import SKIPPED_KINDS, split_dataset
     from rangefinder.data.synthetic import EMBEDDED_KIND, make_synthetic_dataset
 
     out_dir = Path(out_dir)
@@ -84,7 +84,7 @@ def run_prepare_dataset(
         source = dataset_dir or cfg.data.dataset_dir or f"embedded {EMBEDDED_KIND}"
         lines = ["# Dataset", "", f"- images from: {markdown_code(str(source))}",
                  f"- training images: {result.train_images}", f"- validation images: {result.val_images}",
-                 f"- stabilize subset: {len(split.stabilize)}", f"- skipped files: {skipped}"]
+                 f"- stabilize subset: {len(split.stabilize)}", f"- skipped files ({SKIPPED_KINDS}): {skipped}"]
         for item in skipped_files:
             lines.append(f"  - {markdown_code(str(item.get('file_name')))}: {markdown_text(str(item.get('reason')))}")
         lines += [f"- not read: {markdown_text(line)}" for line in notes]

@@ -699,7 +699,7 @@ class StepRun:
         datasets = []
         digests = {TAG_DATASET_DIGEST: digest}
         # What this run's data was, beside its digest, in the runs table: how many images the split found, and how
-        # many files it left out (unreadable, too small, no caption, a copy of a split.val_dir image), so a week whose
+        # many files it left out (data.split.SKIPPED_KINDS: unreadable, no caption, ...), so a week whose
         # folder took a bad file shows it without opening split.json.
         if isinstance(summary.get("images"), int):
             digests[TAG_DATASET_IMAGES] = str(summary["images"])
