@@ -356,7 +356,7 @@ def test_retrain_full_in_a_users_pipeline_registers_the_retrain_s_weights(shapes
     config's flag it said "The fine-tune's final weights" of the retrain's. The published files run such a pipeline
     under kfp.local (test_reuse.py, the range test); the retrain branch's outputs go through kfp.local's DAG in
     test_local_run.py."""
-    from kfp.dsl import Metrics, Model
+    from kfp.dsl import HTML, Metrics, Model
     from mlflow import MlflowClient
 
     from tests.mlflow_store import seed
@@ -380,15 +380,29 @@ def test_retrain_full_in_a_users_pipeline_registers_the_retrain_s_weights(shapes
     c.prepare_dataset.python_func(config_json=config_json, split=split,
                                   report=artifact(Markdown, "prepare-dataset", "report"))
     model = artifact(Model, "retrain-full", "model")
+    report_html = artifact(HTML, "retrain-full", "report_html")
+    report_md = artifact(Markdown, "retrain-full", "report_md")
     full = c.retrain_full.python_func(config_json=config_json, split=split, lr_low=1e-4, lr_high=1e-4, lr=1e-4,
                                       recommended_epochs=1, model=model,
-                                      metrics=artifact(Metrics, "retrain-full", "metrics"))
+                                      metrics=artifact(Metrics, "retrain-full", "metrics"),
+                                      report_html=report_html, report_md=report_md)
     assert (full.epochs, full.Output) == (1, 1)
+    # The retrain shows its curve in the KFP UI as the other training steps do: a report whose HTML embeds the plot
+    # of its training loss (the UI shows no image files), and the same in Markdown; it showed nothing of its run.
+    page, md = Path(report_html.path).read_text(), Path(report_md.path).read_text()
+    assert "data:image/png;base64," in page and "Retrained on train + validation for 1 epochs" in page, page[:2000]
+    assert md.startswith("## Full-data retrain") and "| train loss, last epoch |" in md, md
     c.register_model.python_func(config_json=config_json, model=model, lr=1e-4, epochs=full.epochs,
                                  mlflow_parent_run_id="", result=artifact(Markdown, "register-model", "result"))
     mv = MlflowClient(uri).get_model_version(cfg.tracking.registered_model_name, "1")
     assert mv.tags["rangefinder.weights"] == "retrain_full final"
     assert mv.description.startswith("Retrained on train + validation for 1 epochs")
+    # The retrain's MLflow run holds the same report, and the curve it names (curves/updates.csv).
+    client = MlflowClient(uri)
+    (retrain,) = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                                    "attributes.run_name = 'retrain_full'")
+    logged = {a.path for folder in ("report", "curves") for a in client.list_artifacts(retrain.info.run_id, folder)}
+    assert {"report/retrain_report.html", "report/retrain.png", "curves/updates.csv"} <= logged, logged
 
 
 # Each family's own pipeline's guidance, which the run samples at with sampling.guidance_scale unset.

@@ -180,6 +180,11 @@ def test_fixed_lr_from_a_hub_id_skips_discovery_then_retrains(tmp_path, shapes_d
     assert not [t for t in tasks if t.startswith("lr-range-test")], tasks
     assert [t for t in tasks if t.startswith("finetune")] and [t for t in tasks if t.startswith("retrain-full")]
     assert s["retrained_epochs"] == 1
+    # The retrain's report, published as the other steps' are, with its training loss plotted in the page (the KFP UI
+    # shows no image files): the retrain step showed nothing of its run.
+    retrain_page = out / "reports" / "retrain-full.html"
+    assert {str(retrain_page), str(out / "reports" / "retrain-full.md")} <= set(s["reports"]), s["reports"]
+    assert "data:image/png;base64," in retrain_page.read_text()
     runs = _mlflow_runs(out / "mlflow.db")
     assert "lr_range_test" not in runs and runs.get("finetune") == runs.get("retrain_full") == "FINISHED", runs
     # The retrain trains at the LR the fine-tune used, and its run says so by that name.

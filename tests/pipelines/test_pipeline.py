@@ -297,6 +297,23 @@ def test_the_documents_drawings_of_the_graph_name_its_steps_as_the_ui_does(compi
     assert missing == [], f"{doc}'s drawing of the DAG does not name {missing}"
 
 
+def test_every_training_step_shows_a_report_in_the_ui(compiled):
+    """The KFP UI shows a step's HTML and Markdown outputs in its Visualizations tab (and no image files): retrain-full
+    had none, so a user looking at the retrain saw nothing of its run, where range-test and finetune show theirs. Its
+    earlier outputs stay for the pipelines that read them."""
+    for step in ("lr-range-test", "prodigy-step-size", "finetune", "retrain-full"):
+        for _, _, task in compiled.tasks(step):
+            outputs = compiled.spec.components[task.component_ref.name].output_definitions
+            kinds = {name: a.artifact_type.schema_title for name, a in outputs.artifacts.items()}
+            assert (kinds.get("report_html"), kinds.get("report_md")) == ("system.HTML", "system.Markdown"), (step,
+                                                                                                            kinds)
+            if step == "retrain-full":
+                assert (kinds["model"], kinds["metrics"]) == ("system.Model", "system.Metrics"), kinds
+                assert {"epochs", "Output"} <= set(outputs.parameters), outputs.parameters
+                described = outputs.artifacts["report_html"].description
+                assert "training loss" in described, described
+
+
 def test_the_lr_finder_is_a_parameter_resolved_at_run_time_and_picks_the_discovery_branch(compiled):
     """lr_finder reaches resolve-config with the method (auto is resolved there, at run time, so a UI user who
     changes `method` gets its finder), and resolve-config's resolved value picks, inside discover-lr, the Prodigy run

@@ -209,3 +209,45 @@ def plot_prodigy_step(updates: np.ndarray, step_sizes: np.ndarray, step_size: fl
     out = _save(fig, out_path)
     plt.close(fig)
     return out
+
+
+def plot_retrain(updates: dict, out_path: str | Path, *, title: Optional[str] = None) -> Path:
+    """The full-data retrain's run (updates.csv's columns): its training loss after each update, raw and as the mean
+    of about an epoch of updates (a retrain validates nothing, so this is its only curve), and the LR it trained at
+    on a second axis (flat, or the triangular schedule's cycles), epochs on the top axis. Returns the PNG's path."""
+    plt = _pyplot()
+    update = np.asarray(updates["update"], dtype=float)
+    loss = np.asarray(updates["train_loss"], dtype=float)
+    fig, ax = plt.subplots(figsize=FIGSIZE, constrained_layout=True)
+    ax.plot(update, loss, "o", color=RAW, ms=3.5, label="train loss (each update)")
+    epoch = np.asarray(updates.get("epoch", ()), dtype=float)
+    # A trailing mean over an epoch's updates: the batches of one update differ in difficulty, an epoch holds them all.
+    per_epoch = max(1, int(round(len(update) / max(1.0, float(np.nanmax(epoch))))) if epoch.size else 1)
+    ok = np.isfinite(loss)
+    if ok.sum() > 1:
+        kept = loss[ok]
+        mean = np.array([kept[max(0, i + 1 - per_epoch):i + 1].mean() for i in range(len(kept))])
+        ax.plot(update[ok], mean, "-", color=SMOOTH, lw=2.2,
+                label=f"train loss (mean of the last {per_epoch} update{'s' if per_epoch != 1 else ''})")
+    if ok.any():
+        ax.set_ylim(*_y_limits(loss[ok]))
+    ax.set_xlabel("update (optimizer step)")
+    ax.set_ylabel("training loss (MSE)")
+    lines, labels = ax.get_legend_handles_labels()
+    lr = np.asarray(updates.get("lr", ()), dtype=float)
+    if lr.shape == update.shape and np.isfinite(lr).any():
+        lr_ax = ax.twinx()
+        lr_ax.plot(update, lr, "-", color=BAND, lw=1.4, label="lr")
+        lr_ax.set_ylabel("learning rate")
+        more, more_labels = lr_ax.get_legend_handles_labels()
+        lines, labels = lines + more, labels + more_labels
+    if epoch.shape == update.shape and np.all(np.isfinite(epoch)) and np.ptp(update) > 0 and np.ptp(epoch) > 0:
+        a, b = np.polyfit(update, epoch, 1)  # epochs grow linearly with updates
+        top = ax.secondary_xaxis("top", functions=(lambda u: a * u + b, lambda ep: (ep - b) / a))
+        top.set_xlabel("epoch")
+    ax.legend(lines, labels, fontsize=8.5, loc="best", framealpha=0.85)
+    ax.set_title(title or "Full-data retrain: training loss (no validation)", fontsize=11)
+    ax.grid(True, alpha=0.3)
+    out = _save(fig, out_path)
+    plt.close(fig)
+    return out

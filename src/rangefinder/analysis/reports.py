@@ -23,7 +23,7 @@ from rangefinder.analysis.halving import BELOW, HalvingDecision
 from rangefinder.analysis.lr_bounds import FLAG_ADVICE as LR_FLAG_ADVICE
 from rangefinder.analysis.lr_bounds import STATUS_ADVICE as LR_STATUS_ADVICE
 from rangefinder.analysis.lr_bounds import LRBounds
-from rangefinder.analysis.plots import plot_lr_range_test, plot_prodigy_step, plot_step_window
+from rangefinder.analysis.plots import plot_lr_range_test, plot_prodigy_step, plot_retrain, plot_step_window
 from rangefinder.analysis.prodigy_step import FACTOR_FROM_TABLE, ProdigyStep, step_size_estimates
 from rangefinder.analysis.step_window import FLAG_ADVICE as STEP_FLAG_ADVICE
 from rangefinder.analysis.step_window import (
@@ -412,6 +412,51 @@ def write_step_report(window: StepWindow, curve: Optional[dict], out_dir: str | 
         notes.append(("retrain", retrain))
     return _write_report(out, "step_report", "step_window.json", "Step window", window.status, lead, png, rows,
                          notes, _source_line(curve, source), window.to_dict(), samples)
+
+
+def write_retrain_report(updates: dict, out_dir: str | Path, *, status: str, lead: str, epochs: int,
+                         why_epochs: str, lr: float, schedule: str, bounds: tuple[float, float],
+                         train_images: Optional[int] = None, source: Optional[str] = None,
+                         plan_warnings: Sequence[str] = ()) -> dict[str, Path]:
+    """Write retrain.png, retrain_report.html (self-contained), retrain_report.md and retrain.json into out_dir: the
+    full-data retrain's run, which validates nothing, by its training loss (`updates`: its updates.csv columns) and
+    the LR it trained at. `lead`: the run's description; `why_epochs`: where its length came from; `schedule`:
+    constant or triangular (between `bounds`); `train_images`: train + validation; `source`, `plan_warnings` as for
+    write_lr_report. Returns {"plot", "html", "markdown", "json"} -> paths."""
+    out = Path(out_dir)
+    png = plot_retrain(updates, out / "retrain.png")
+    loss = np.asarray(updates.get("train_loss", ()), dtype=float)
+    epoch = np.asarray(updates.get("epoch", ()), dtype=float)
+
+    def mean_loss(part: np.ndarray) -> Optional[float]:
+        kept = loss[part & np.isfinite(loss)] if part.shape == loss.shape else loss[:0]
+        return float(kept.mean()) if kept.size else None
+
+    first = mean_loss(epoch <= 1) if epoch.size else None
+    last = mean_loss(epoch > np.nanmax(epoch) - 1) if epoch.size and np.isfinite(epoch).any() else None
+    triangular = schedule == "triangular"
+    rows: list[tuple[str, Any, str]] = [
+        ("epochs", epochs, why_epochs),
+        ("updates", int(loss.size), "on train + validation" + (f", {train_images} images" if train_images else "")
+         + ": more per epoch than the fine-tune's"),
+        ("lr", lr, "the LR the fine-tune kept (its lr_used)" + ("; the schedule cycles between the bounds instead"
+                                                               if triangular else "")),
+        ("schedule", f"triangular {_fmt(bounds[0])} - {_fmt(bounds[1])}" if triangular else schedule,
+         "retrain.schedule"),
+        ("train loss, first epoch", first, "mean over its updates"),
+        ("train loss, last epoch", last, "mean over its updates"),
+    ]
+    notes: list[tuple[str, str]] = [
+        ("no validation", "Every image trains, so no loss is validated and no checkpoint is chosen: the final weights "
+                          "are delivered. The length was read off the fine-tune's validation curve (its report); the "
+                          "training loss here shows the run trained, not how well it generalises."),
+    ]
+    notes += _reading_notes((), plan_warnings)
+    decision = {"status": status, "epochs": epochs, "updates": int(loss.size), "lr": lr, "schedule": schedule,
+                "lr_low": bounds[0], "lr_high": bounds[1], "train_loss_first_epoch": first,
+                "train_loss_last_epoch": last}
+    return _write_report(out, "retrain_report", "retrain.json", "Full-data retrain", status, lead, png, rows, notes,
+                         _source_line(updates, source), decision)
 
 
 def _length_rows(length: Optional[RecommendedLength]) -> list[tuple[str, Any, str]]:

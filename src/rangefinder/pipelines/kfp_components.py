@@ -442,6 +442,8 @@ def retrain_full(
     recommended_epochs: int,
     model: Output[Model],
     metrics: Output[Metrics],
+    report_html: Output[HTML],
+    report_md: Output[Markdown],
     mlflow_parent_run_id: str = "",
 ) -> NamedTuple("Retrained", epochs=int, Output=int):  # type: ignore[valid-type]
     """Retrain from the base model on train + validation for the recommended epochs, without validation.
@@ -459,6 +461,8 @@ def retrain_full(
     Returns:
         model: The final weights after the retrain.
         metrics: The retrain's training loss and length as KFP metrics.
+        report_html: The retrain's report (training loss and LR against updates, the length and why), as HTML.
+        report_md: The same report in Markdown.
         epochs: The epochs the retrain ran.
         Output: The same as `epochs`, under its earlier name (KFP's for a bare return), kept; read `epochs`.
     """
@@ -476,6 +480,8 @@ def retrain_full(
             lr_low=lr_low, lr_high=lr_high, lr=lr,
             recommended_epochs=recommended_epochs,
             model_dir=Path(model.path),
+            report_html=Path(report_html.path),
+            report_md=Path(report_md.path),
             mlflow_parent_run_id=mlflow_parent_run_id or None,
         )
     log_step_metrics(metrics, r.metrics())

@@ -53,10 +53,17 @@ def retrain_preview(cfg: RangefinderConfig, split: Split, *, recommended_epochs:
 
 
 def run_retrain_full(cfg: RangefinderConfig, *, split_dir: Path, lr_low: float, lr_high: float, lr: float,
-                     recommended_epochs: int, model_dir: Path,
+                     recommended_epochs: int, model_dir: Path, report_html: Optional[Path] = None,
+                     report_md: Optional[Path] = None,
                      mlflow_parent_run_id: Optional[str] = None) -> RetrainResult:
-    """`lr`: the fine-tune's kept LR (its `lr_used`); `lr_low`, `lr_high`: the bounds, for a triangular schedule."""
+    """`lr`: the fine-tune's kept LR (its `lr_used`); `lr_low`, `lr_high`: the bounds, for a triangular schedule.
+    The report (training loss and LR against updates; the run's `report/` in MLflow) is also written to
+    `report_html` and `report_md` where given (the KFP outputs' files)."""
+    import tempfile
+
     from rangefinder import tracking
+    from rangefinder.analysis import copy_report, read_curve_csv
+    from rangefinder.analysis.reports import write_retrain_report
     from rangefinder.data.split import read_split
     from rangefinder.training.family_detection import family_of
 
@@ -74,6 +81,20 @@ def run_retrain_full(cfg: RangefinderConfig, *, split_dir: Path, lr_low: float, 
         publish(work, model_dir)
         retrained = RetrainResult(epochs=epochs, updates=result.updates, model_dir=Path(model_dir))
         run.log_decisions(retrained.metrics())
-        run.describe(f"Retrained on train + validation for {epochs} epochs ({result.updates} updates) at lr {lr:.3g}: "
-                     f"{_why_this_length(cfg)}, and the fine-tune's kept LR; nothing is validated.")
+        lead = (f"Retrained on train + validation for {epochs} epochs ({result.updates} updates) at lr {lr:.3g}: "
+                f"{_why_this_length(cfg)}, and the fine-tune's kept LR; nothing is validated.")
+        # The step's one curve, its training loss, in the report the KFP UI shows as the other training steps' (the
+        # plot embedded), and in the run's report/ as theirs are; kept out of the model artifact it would be part of.
+        with tempfile.TemporaryDirectory(prefix="retrain-report-") as report_dir:
+            report = write_retrain_report(
+                read_curve_csv(result.updates_csv, required=("update", "train_loss")), report_dir,
+                status=result.status, lead=lead, epochs=epochs, why_epochs=_why_this_length(cfg), lr=lr,
+                schedule=spec.training.schedule, bounds=(lr_low, lr_high),
+                train_images=spec.plan.train_images if spec.plan is not None else None,
+                source=tracking.logged_curve(result.updates_csv),
+                plan_warnings=spec.plan.warnings if spec.plan is not None else ())
+            copy_report(report, report_html, report_md)
+            run.log_report(report_dir, held_elsewhere=[])
+        run.log_artifact(result.updates_csv, tracking.CURVES_ARTIFACT)  # the curve the report names
+        run.describe(lead)
     return retrained
