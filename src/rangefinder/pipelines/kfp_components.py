@@ -460,7 +460,8 @@ def retrain_full(
 
     Returns:
         model: The final weights after the retrain.
-        metrics: The retrain's training loss and length as KFP metrics.
+        metrics: The retrain's length as KFP metrics: retrain_epochs and retrain_updates (its training loss is in
+            the report).
         report_html: The retrain's report (training loss and LR against updates, the length and why), as HTML.
         report_md: The same report in Markdown.
         epochs: The epochs the retrain ran.
