@@ -521,6 +521,24 @@ def test_a_fine_tune_that_diverges_says_so_and_what_to_do(split_dir, tiny_model_
     assert not (tmp_path / "ft" / "final").exists() and next((tmp_path / "ft").rglob("metrics.csv"), None)
 
 
+def test_a_retrain_that_diverges_says_so_and_delivers_nothing(split_dir, tiny_model_dir, tmp_path, monkeypatch):
+    """The retrain on train + validation at an LR its loss turns NaN at: it published its folder with no final/, and
+    register-model took that folder whole for a model and failed on what was not in it, far from the cause."""
+    from rangefinder.errors import RangefinderError
+    from rangefinder.steps.retrain_full import run_retrain_full
+
+    for var in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME"):
+        monkeypatch.delenv(var, raising=False)
+    cfg = demo_config(model={"base_model": str(tiny_model_dir)}, training={"cache_dir": str(tmp_path / "cache")},
+                      sampling={"every_validations": None},
+                      tracking={"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "registered_model_name": None})
+    with pytest.raises(RangefinderError, match=r"^the retrain diverged at lr 1e\+06 .*lower the LR, or leave the "
+                                               r"retrain off"):
+        run_retrain_full(cfg, split_dir=split_dir, lr_low=1e6, lr_high=1e6, lr=1e6, recommended_epochs=1,
+                         model_dir=tmp_path / "retrain")
+    assert not (tmp_path / "retrain" / "final").exists()
+
+
 def test_a_fine_tune_validated_too_seldom_for_its_step_window_is_refused_before_anything_trains(
         split_dir, tiny_model_dir, tmp_path, monkeypatch):
     """validation.every_updates not below the fine-tune's updates (8: 2 epochs of 16 images at batch 4): it validated

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from rangefinder.config import RangefinderConfig
+from rangefinder.errors import RangefinderError
 from rangefinder.launch.processes import run_training, step_world_size
 from rangefinder.steps.workdir import publish, work_dir
 from rangefinder.training.spec import TrainSpec
@@ -78,6 +79,15 @@ def run_retrain_full(cfg: RangefinderConfig, *, split_dir: Path, lr_low: float, 
         run.log_dataset_manifest(split_dir, train_on=spec.train_on)  # its Datasets: train and val, both trained on
         work = work_dir(model_dir, f"{mlflow_parent_run_id}/retrain_full" if mlflow_parent_run_id else None)
         result = run_training(cfg, spec, out_dir=work, metric_sink=run, step_name="retrain_full", split=split)
+        if result.status == "diverged":
+            # No final weights (training never writes NaN ones): published, the folder went on to register-model,
+            # which took it whole for a model and failed on what was not in it, far from the cause.
+            cycling = (f", its schedule cycling {lr_low:.3g}-{lr_high:.3g}" if spec.training.schedule != "constant"
+                       else "")
+            raise RangefinderError(f"the retrain diverged at lr {lr:.3g}{cycling} (its loss stopped being finite by "
+                                   f"update {result.updates}), so it delivered no weights; lower the LR, or leave the "
+                                   "retrain off (retrain.enabled: false) to deliver the fine-tune's chosen model. Its "
+                                   f"curve: {result.updates_csv}")
         publish(work, model_dir)
         retrained = RetrainResult(epochs=epochs, updates=result.updates, model_dir=Path(model_dir))
         run.log_decisions(retrained.metrics())
