@@ -135,6 +135,7 @@ def test_the_pt_names_its_base_model_as_a1111_names_a_checkpoint(tmp_path, monke
     assert base_model_name("~rf-no-such-user/sd15.safetensors") == "sd15"  # no such home: no RuntimeError either
     assert base_model_name(str(tmp_path / "SD15.SafeTensors")) == "SD15"  # the suffix in any case, as loading reads it
     assert base_model_name("embedded tiny model (/root/.cache/rangefinder/tiny-sd-0123)") == "embedded tiny model"
+    assert base_model_name("None") == "embedded tiny model"  # as early releases named it, which loading reads so
     assert base_model_name(str(tmp_path / "sd15-pruned.safetensors")) == "sd15-pruned"
     assert base_model_name(str(tmp_path / "v1-5.ckpt")) == "v1-5"
     assert base_model_name(str(tmp_path / "my-model")) == "my-model"

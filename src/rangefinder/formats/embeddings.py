@@ -16,7 +16,6 @@ ComfyUI's embedding readers, diffusers' `load_textual_inversion`), so the header
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Optional
@@ -30,7 +29,13 @@ from rangefinder.formats.model_spec import (
     SpecFacts,
     model_spec,
 )
-from rangefinder.formats.weights_file import EMBEDDED_BASE_MODEL, LOCAL_REVISION_PREFIXES, save_safetensors
+from rangefinder.formats.weights_file import (
+    EMBEDDED_BASE_MODEL,
+    LOCAL_REVISION_PREFIXES,
+    base_model_path,
+    names_embedded_model,
+    save_safetensors,
+)
 
 TI_WEIGHTS_NAME = "learned_embeds.safetensors"  # diffusers' default name for `load_textual_inversion`
 TI_A1111_DIR = "a1111"  # `<trigger>.safetensors` and `<trigger>.pt`, for A1111's embeddings folder
@@ -59,9 +64,9 @@ def base_model_name(base_model: Optional[str], revision: Optional[str] = None) -
     so here: a pipeline's steps name it as model.base_model spelt it, `~/...` unexpanded or relative to another
     folder, which was written whole, as if a hub id; a checkpoint file is told by its suffix too, which no hub id
     has."""
-    if not base_model or base_model.startswith(EMBEDDED_BASE_MODEL):
+    if not base_model or names_embedded_model(base_model):
         return EMBEDDED_BASE_MODEL
-    p = Path(os.path.expanduser(base_model))  # os.path's: the home of a user not here stays as written
+    p = base_model_path(base_model)
     if p.suffix.lower() in (".safetensors", ".ckpt"):
         return p.stem
     if p.is_absolute() or p.exists() or (revision or "").startswith(LOCAL_REVISION_PREFIXES):

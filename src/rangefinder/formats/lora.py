@@ -15,7 +15,6 @@ scale 1 in both (no `.alpha`, no peft config: diffusers then takes alpha = rank)
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +36,7 @@ from rangefinder.formats.model_spec import (
     sd_base_model,
 )
 from rangefinder.formats.single_file import map_keys, top_level_tables, unet_prefix_table
-from rangefinder.formats.weights_file import EMBEDDED_BASE_MODEL, save_safetensors
+from rangefinder.formats.weights_file import base_model_path, names_embedded_model, save_safetensors
 
 LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"  # diffusers' default name; ComfyUI reads it as well
 LORA_KOHYA_NAME = "lora_kohya.safetensors"  # A1111, ComfyUI, kohya's sd-scripts
@@ -259,13 +258,11 @@ def kohya_base_model(meta: Mapping[str, str]) -> dict[str, str]:
     model up on Civitai by hash take `ss_new_sd_model_hash`, else `ss_sd_model_hash`."""
     base = meta.get("rangefinder.base_model")
     revision = meta.get("rangefinder.base_model_revision") or ""
-    if not base or base.startswith(EMBEDDED_BASE_MODEL):
+    if not base or names_embedded_model(base):
         return {}
     if revision.startswith("sha256:"):  # a single file (models/loading.py _resolve_single_file)
         out = {"ss_sd_model_name": Path(base).name, "ss_new_sd_model_hash": revision.removeprefix("sha256:")}
-        # A pipeline's step names it as model.base_model did, `~/...` unexpanded; os.path's expanduser leaves the home
-        # of a user not here as written, where pathlib's raises.
-        legacy = legacy_model_hash(Path(os.path.expanduser(base)))
+        legacy = legacy_model_hash(base_model_path(base))
         return out if legacy is None else {**out, "ss_sd_model_hash": legacy}
     if revision.startswith("weights:") or Path(base).is_absolute() or Path(base).exists():  # a folder
         return {"ss_sd_model_name": Path(base).name}

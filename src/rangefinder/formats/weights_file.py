@@ -7,6 +7,7 @@ metadata keys (`export_metadata`), and is written to a temporary name and rename
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional
@@ -59,14 +60,26 @@ def under_home(base_model: str) -> str:
     """`base_model` with the home folder of the process writing it as `~`, wherever a path starts with it (the name
     of a folder or file, or the embedded model's "embedded tiny model (<its cache folder>)"): a file is made to be
     shared, and its header told everyone the account name of the machine it was trained on (/home/<user>/...). The
-    readers of the name on that machine expand `~` as model.base_model is expanded (models/loading.py, lora.py
-    kohya_base_model, embeddings.py base_model_name). Other paths are written whole."""
+    readers of the name on that machine expand `~` (base_model_path). Other paths are written whole."""
     import re
 
     home = str(Path.home()).rstrip("/")
     if not home:  # a home of "/" would make every absolute path "~..."
         return base_model
     return re.sub(rf"(^|\()(?:{re.escape(home)})(?=/|\)|$)", r"\1~", base_model)
+
+
+def base_model_path(base_model: str) -> Path:
+    """The path a file's `rangefinder.base_model` names, `~` expanded as under_home wrote it (a pipeline's steps also
+    write model.base_model as it was spelt, `~/...` included), by os.path's expanduser: a file from elsewhere may
+    name the home of a user not here, which it leaves as written, where pathlib's raises RuntimeError."""
+    return Path(os.path.expanduser(base_model))
+
+
+def names_embedded_model(base_model: str) -> bool:
+    """Whether a file's `rangefinder.base_model` names the embedded tiny model: "embedded tiny model (<its cache
+    folder>)" as a run on it writes the name, the bare name, or "None" as early releases wrote it."""
+    return base_model == "None" or base_model.startswith(EMBEDDED_BASE_MODEL)
 
 
 def training_metadata(

@@ -45,7 +45,13 @@ from rangefinder.errors import ConfigError
 from rangefinder.formats import checkpoints
 from rangefinder.formats.digest import hash_file_into
 from rangefinder.formats.single_file import single_file_prediction_type
-from rangefinder.formats.weights_file import EMBEDDED_BASE_MODEL, pickle_format, read_metadata
+from rangefinder.formats.weights_file import (
+    EMBEDDED_BASE_MODEL,
+    base_model_path,
+    names_embedded_model,
+    pickle_format,
+    read_metadata,
+)
 from rangefinder.models.fingerprint import folder_revision
 from rangefinder.training.family_detection import (
     FAMILY_DENOISER,
@@ -443,19 +449,13 @@ def _what_file(keys: list[str], meta: dict[str, str]) -> str:
     return "an embedding, a VAE or another kind of file"
 
 
-def _embedded(base: str) -> bool:
-    """Whether a file's `rangefinder.base_model` names the embedded tiny model: "embedded tiny model (<its cache
-    folder>)" as a run on it writes the name, the bare name, or "None" as early releases wrote it."""
-    return base == "None" or base.startswith(EMBEDDED_BASE_MODEL)
-
-
 def _trained_on(meta: dict[str, str]) -> str:
     """The clause naming the base model an adapter says it was trained on (rangefinder.base_model), to pass instead."""
     base = meta.get("rangefinder.base_model")
     if not base:
         return ""
     repo_id, _, revision = base.partition("@")  # a hub id as exports write it, "org/name@revision"
-    if _embedded(base):
+    if names_embedded_model(base):
         instead = "leave model.base_model unset for it"
     elif revision and _looks_like_hub_id(repo_id):
         instead = f"pass {repo_id} as the base model (model.revision {revision})"
@@ -501,16 +501,14 @@ def _single_file_config(path: Path, model_cfg: ModelConfig, family: str = "sd1")
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata() or {}
     base = meta.get("rangefinder.base_model")
-    # A pipeline's steps name a folder as model.base_model spelled it, `~/...` included (os.path's expanduser leaves
-    # the home of a user not here as it is, where pathlib's raises).
-    if base and (Path(os.path.expanduser(base)) / denoiser).is_dir():
-        return Path(os.path.expanduser(base))
+    if base and (base_model_path(base) / denoiser).is_dir():  # a folder, `~/...` as a pipeline's steps spell it
+        return base_model_path(base)
     if base and not Path(base).is_absolute():  # a hub id, "org/name@revision" as exports write it: its snapshot
         # in the cache, if the run that trained it left one here: the commit it was trained on where the file says
         snapshot = _hub_snapshot_of(base, model_cfg, meta.get("rangefinder.base_model_revision"))
         if snapshot is not None and (snapshot / denoiser).is_dir():
             return snapshot
-    if (not base or _embedded(base)) and "rangefinder.method" in meta:
+    if (not base or names_embedded_model(base)) and "rangefinder.method" in meta:
         # Exported from the embedded model: its config is the tiny model's (of the file's family).
         ensure: Callable[[Optional[str]], Path] = import_named(TINY_MODELS[family])
         return ensure(model_cfg.cache_dir)
