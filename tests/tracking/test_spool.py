@@ -18,7 +18,7 @@ from mlflow import MlflowClient
 from rangefinder.config import RangefinderConfig
 from rangefinder.errors import TrackingError
 from rangefinder.tracking import step_run, tracking_client
-from rangefinder.tracking.spool import Spool, read_spool, replay
+from rangefinder.tracking.spool import PENDING, SPOOL_ENV, Spool, read_spool, replay
 from rangefinder.tracking.target import HTTP_LIMITS, bound_http_requests
 from tests.tracking.fixtures import free_port, relay, start_mlflow_server, stop_mlflow_server
 
@@ -353,6 +353,28 @@ def test_a_step_whose_child_runs_end_with_the_server_away_names_every_spool_left
     assert len(ends) == 1 and own.is_file(), ends
     assert "step finetune logged for 2 of its runs: " in ends[0] and "1 metric value" in ends[0], ends
     assert ends[0].endswith(f"run: rangefinder relog {own} {cooldown}"), ends
+
+
+def test_a_worker_of_a_child_run_opened_while_the_server_was_away_logs_into_it_once_the_server_answers(
+        tmp_path, mlflow_server_uri, monkeypatch):
+    """A halving candidate trained by several processes, its run opened while the server was away (a pending id):
+    rank 0's sink (step_metric_sink, in a worker process) asked the server, back by then, for the run by that id,
+    which MLflow does not know, and the worker ended in "Run with id=pending-... not found"."""
+    from rangefinder.tracking import child_run
+    from rangefinder.tracking.runs import step_metric_sink
+
+    live, step, port = step_away_from(mlflow_server_uri, tmp_path)
+    monkeypatch.setenv(SPOOL_ENV, str(step.spool_dir))  # the worker's spool folder is the step's, as in a pod
+    with child_run(step.cfg, step, "finetune_lr_mid", run_name="lr_mid", tags={}, description="candidate") as child:
+        assert child.run_id.startswith(PENDING)
+        with relay(port, mlflow_server_uri):
+            worker = step_metric_sink(step.cfg, child.run_id, "finetune_lr_mid")
+            worker.log_metrics({"train_loss": 0.5}, step=1)
+            worker.close()
+    with relay(port, mlflow_server_uri):
+        step.finish()
+    (made,) = live.search_runs([step.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{step.run_id}'")
+    assert made.data.metrics == {"train_loss": 0.5} and made.info.status == "FINISHED"
 
 
 def test_a_second_outage_is_said_after_the_first_s_spool_was_sent_by_a_relog(tmp_path, mlflow_server_uri, caplog):

@@ -1032,14 +1032,16 @@ def step_metric_sink(cfg: Optional[TrackingSource], run_id: str, step_name: str)
     """The engine's MetricSink for a step run that another process opened: rank 0 of a multi-process training run
     logs its curve into the step's run this way (the step's own process opens and ends the run). It sends through an
     outbox on the step run's spool, so an outage is handled as in the step's own process; `close()` it when
-    training ends."""
+    training ends. A child run opened while the server was away (a pending id, made from its spool's first record)
+    has no curve yet, and MLflow does not know the id: it is not asked."""
     client = tracking_client(cfg, check=False)
     outbox = Outbox(client, run_spool(resolve_tracking_uri(cfg), run_id, step_name))
     every = tracking_settings(cfg).log_every_updates if cfg is not None else 1
     logged = None
     try:
-        run = client.get_run(run_id)
-        if run.data.tags.get(TAG_ATTEMPT, "1") != "1":  # a continued run: its curve holds the first attempt's
+        run = None if run_id.startswith(PENDING) else client.get_run(run_id)
+        # A continued run: its curve holds the first attempt's.
+        if run is not None and run.data.tags.get(TAG_ATTEMPT, "1") != "1":
             logged = logged_through(client, run_id)
     except Exception as e:
         if not is_away_error(e):
