@@ -154,3 +154,20 @@ def test_a_delivered_file_names_a_base_model_under_home_from_tilde(method, tiny_
     else:
         pt = torch.load(out / "a1111" / "rf-concept.pt", map_location="cpu", weights_only=True)
         assert pt["sd_checkpoint_name"] == tiny_model_dir.name
+
+
+def test_a_file_written_by_a_process_with_no_home_folder_names_its_base_model_whole(monkeypatch):
+    """HOME unset, and the process's user not in the passwd database (a container run under an arbitrary UID): the
+    home folder cannot be told, and writing a base model's path from `~` ended the export of a finished training in
+    pathlib's RuntimeError ("Could not determine home directory")."""
+    import pwd
+
+    from rangefinder.formats.weights_file import export_metadata
+
+    def no_such_user(uid: int):
+        raise KeyError(f"getpwuid(): uid not found: {uid}")
+
+    monkeypatch.delenv("HOME", raising=False)
+    monkeypatch.setattr(pwd, "getpwuid", no_such_user)
+    meta = export_metadata(method="lora", base_model="/models/sd15", base_model_revision="weights:0")
+    assert meta["rangefinder.base_model"] == "/models/sd15"

@@ -63,8 +63,10 @@ def under_home(base_model: str) -> str:
     readers of the name on that machine expand `~` (base_model_path). Other paths are written whole."""
     import re
 
-    home = str(Path.home()).rstrip("/")
-    if not home:  # a home of "/" would make every absolute path "~..."
+    # os.path's, which leaves "~" as it is where no home folder can be told (HOME unset, and this process's user not
+    # in the passwd database: a container under an arbitrary UID), where pathlib's Path.home() raises RuntimeError.
+    home = os.path.expanduser("~").rstrip("/")
+    if not home or home.startswith("~"):  # a home of "/" would make every absolute path "~..."
         return base_model
     return re.sub(rf"(^|\()(?:{re.escape(home)})(?=/|\)|$)", r"\1~", base_model)
 
