@@ -101,6 +101,25 @@ def test_single_file_is_converted_once_into_a_diffusers_folder(tiny_model_dir, f
         "ss_sd_model_hash": hashlib.sha256(data[0x100000:0x110000]).hexdigest()[:8]}
 
 
+def test_a_folder_a_file_names_that_holds_another_family_s_model_is_passed_over(tiny_sdxl_dir, tmp_path, monkeypatch):
+    """A file names the folder it was trained on from `~` (`~/models/sd15`); on the machine it was shared to, `~` is
+    that user's home, and a folder of that name there held an SDXL model: the SD 1.x file was converted with its
+    configs and failed deep in diffusers. It is passed over, as a folder that is not there is."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from rangefinder.models.loading import _single_file_config
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    shutil.copytree(tiny_sdxl_dir, tmp_path / "models" / "sd15", ignore=shutil.ignore_patterns("*.safetensors"))
+    path = tmp_path / "model.safetensors"
+    save_file({"x": torch.zeros(1)}, str(path),
+              {"rangefinder.base_model": "~/models/sd15", "rangefinder.method": "full"})
+    assert _single_file_config(path, ModelConfig(), "sdxl") == tmp_path / "models" / "sd15"  # its own family's
+    assert _single_file_config(path, ModelConfig(), "sd1") is None
+
+
 def test_a_single_file_s_conversion_is_keyed_by_its_config_folder_s_files_not_only_its_path(tiny_flux_dir, tmp_path):
     """A Flux transformer file is converted with the VAE, CLIP-L and T5 of the folder that gives its architecture (an
     SD3 file without its text encoders likewise, and every file with that folder's configs): the conversion was

@@ -501,12 +501,15 @@ def _single_file_config(path: Path, model_cfg: ModelConfig, family: str = "sd1")
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata() or {}
     base = meta.get("rangefinder.base_model")
-    if base and (base_model_path(base) / denoiser).is_dir():  # a folder, `~/...` as a pipeline's steps spell it
+    # A folder, `~/...` as a pipeline's steps spell it: on the machine a file was shared to, `~` is that user's home,
+    # where a folder of the same name may hold another family's model, which converted the file deep into diffusers'
+    # errors. One of another family is passed over, as a folder that is not there is.
+    if base and _of_family(base_model_path(base), family):
         return base_model_path(base)
     if base and not Path(base).is_absolute():  # a hub id, "org/name@revision" as exports write it: its snapshot
         # in the cache, if the run that trained it left one here: the commit it was trained on where the file says
         snapshot = _hub_snapshot_of(base, model_cfg, meta.get("rangefinder.base_model_revision"))
-        if snapshot is not None and (snapshot / denoiser).is_dir():
+        if snapshot is not None and _of_family(snapshot, family):
             return snapshot
     if (not base or names_embedded_model(base)) and "rangefinder.method" in meta:
         # Exported from the embedded model: its config is the tiny model's (of the file's family).
@@ -631,6 +634,19 @@ def parts_not_in_single_file(path: Path, config: Path, family: str, dtype: Any =
     parts = {part: import_named(classes[part]).from_pretrained(str(config), subfolder=part, local_files_only=True)
              for part, prefix in held.items() if not any(k.startswith(prefix) for k in keys)}
     return {part: module.to(dtype) for part, module in parts.items()} if dtype is not None else parts
+
+
+def _of_family(folder: Path, family: str) -> bool:
+    """Whether `folder` may give the architecture of a file of `family`: its denoiser's folder is there, and its
+    model_index.json, where it has one, names no pipeline of another family."""
+    if not (folder / FAMILY_DENOISER.get(family, "unet")).is_dir():
+        return False
+    if not (folder / "model_index.json").is_file():
+        return True  # the parts alone: their configs are what the conversion reads
+    try:
+        return detect_family(folder) == family
+    except ConfigError:  # a damaged model_index.json, or a pipeline rangefinder does not train
+        return False
 
 
 def _check_config_family(config: Path, path: Path, family: str) -> None:
