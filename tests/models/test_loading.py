@@ -2,6 +2,7 @@
 and each bad source's one clear error."""
 
 import hashlib
+import re
 from pathlib import Path
 
 import pytest
@@ -141,6 +142,10 @@ def test_a_single_file_s_conversion_is_keyed_by_its_config_folder_s_files_not_on
     flip_byte(vae, last_tensor_data_at(vae))
     assert _single_file_key(path, config) != (content, key)
     assert _single_file_key(path, config)[0] == content  # the file's own sha256 (its revision) is the file's alone
+    # A damaged header there is the config folder's problem, named by the setting that gave it, not model.base_model.
+    vae.write_bytes(b"\x01")
+    with pytest.raises(ConfigError, match=rf"^model\.single_file_config: {re.escape(str(vae))} is not a readable "):
+        _single_file_key(path, config)
 
 
 def test_a_single_file_config_of_another_family_is_refused_before_converting(tiny_model_dir, tiny_sdxl_dir, tmp_path):

@@ -67,10 +67,10 @@ PICKLE_SUFFIXES = (".bin", ".ckpt", ".pt", ".pth")
 CONFIG_SUFFIXES = (".json", ".txt", ".model")  # configs, tokenizer vocabularies and merges, sentencepiece models
 
 
-def folder_revision(folder: Path) -> str:
+def folder_revision(folder: Path, setting: str = "model.base_model") -> str:
     """`weights:<32 hex>`, the fingerprint of the diffusers folder `folder`'s weights and configs (this module's
-    docstring says what it does and does not tell apart); ConfigError naming the file whose safetensors header cannot
-    be read."""
+    docstring says what it does and does not tell apart); ConfigError naming `setting`, the one that gave the folder,
+    and the file whose safetensors header cannot be read."""
     h = hashlib.sha256(b"rangefinder folder revision 1\n")
     try:
         with ThreadPoolExecutor(READ_THREADS) as pool:
@@ -83,8 +83,11 @@ def folder_revision(folder: Path) -> str:
                     _hash_pickle(h, path)
                 else:
                     h.update(path.read_bytes())
+    except _Unreadable as e:
+        raise ConfigError(f"{setting}: {e.path} is not a readable safetensors file ({e.why}); copy the model's "
+                          "folder again from where it came, or replace that file") from None
     except OSError as e:  # a file unreadable (permissions, a mount gone) after the folder's check found it
-        raise ConfigError(f"model.base_model: cannot read {e.filename or folder} ({e.strerror or e}); check the "
+        raise ConfigError(f"{setting}: cannot read {e.filename or folder} ({e.strerror or e}); check the "
                           "folder's files can be read by this step") from None
     return f"{REVISION_PREFIX}{h.hexdigest()[:32]}"
 
@@ -171,6 +174,13 @@ def _hash_pickle(h: Any, path: Path) -> None:
         h.update(f.read(PICKLE_TAIL))
 
 
-def _unreadable(path: Path, why: str) -> ConfigError:
-    return ConfigError(f"model.base_model: {path} is not a readable safetensors file ({why}); copy the model's "
-                       "folder again from where it came, or replace that file")
+class _Unreadable(Exception):
+    """A weights file whose safetensors header cannot be read: said by folder_revision, naming its setting."""
+
+    def __init__(self, path: Path, why: str) -> None:
+        super().__init__(f"{path}: {why}")
+        self.path, self.why = path, why
+
+
+def _unreadable(path: Path, why: str) -> _Unreadable:
+    return _Unreadable(path, why)

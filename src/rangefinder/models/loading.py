@@ -382,7 +382,9 @@ def _resolve_single_file(path: Path, model_cfg: ModelConfig) -> ResolvedModel:
     family = _check_sd_checkpoint(path)
     config = _single_file_config(path, model_cfg, family)
     root = Path(model_cfg.cache_dir).expanduser() if model_cfg.cache_dir else default_cache_dir()
-    content, key = _single_file_key(path, config)
+    # The folder giving its architecture: model.single_file_config's, else one the file's metadata names.
+    named = "model.single_file_config" if model_cfg.single_file_config else f"model.base_model ({path}'s config)"
+    content, key = _single_file_key(path, config, named)
     out = root / "base-models" / f"{path.stem[:40]}-{key}"
     if _missing_parts(out) != []:
         with FileLock(str(out) + ".lock"):
@@ -464,7 +466,8 @@ def _trained_on(meta: dict[str, str]) -> str:
     return f"it was trained on {base}: {instead}, and this file to `rangefinder sample --checkpoints` to draw with it"
 
 
-def _single_file_key(path: Path, config: Optional[Path]) -> tuple[str, str]:
+def _single_file_key(path: Path, config: Optional[Path], setting: str = "model.single_file_config"
+                     ) -> tuple[str, str]:
     """(the sha256 of the file's bytes, the conversion's key): the key is a sha256 of those bytes and of the
     architecture they are read with, so a new file or config converts anew; the file's own sha256 comes of the same
     one read (the checksum a model page lists beside the file). The config folder counts by its files, not its path
@@ -477,7 +480,7 @@ def _single_file_key(path: Path, config: Optional[Path]) -> tuple[str, str]:
     content = h.hexdigest()  # the bytes' alone; hashing goes on from there for the key
     h.update(f"|{config}|{diffusers.__version__}".encode())
     if config is not None and (config / "model_index.json").is_file():  # a bare unet/ folder: its path, as before
-        h.update(f"|{folder_revision(config)}".encode())
+        h.update(f"|{folder_revision(config, setting)}".encode())
     predicts = single_file_prediction_type(path)
     if predicts is not None:  # read since the scheduler says it: an earlier conversion predicted the config's
         h.update(f"|{predicts}".encode())
