@@ -355,6 +355,28 @@ def test_our_single_file_of_a_hub_model_at_a_revision_is_read_with_that_revision
     assert converted["timestep_spacing"] == "leading" != json.loads(scheduler.read_text())["timestep_spacing"]
 
 
+def test_a_single_file_whose_trained_commit_left_the_cache_says_which_snapshot_it_reads_instead(tiny_model_dir,
+                                                                                                tmp_path, capsys):
+    """The commit a file's rangefinder.base_model_revision records is no longer in the cache: its architecture is read
+    from main's snapshot, which may differ, and one warning line names the file, both commits and the fix. The
+    fallback was silent."""
+    from rangefinder.formats.single_file import export_full
+    from rangefinder.formats.weights_file import export_metadata
+    from tests.models.fake_hub import make_cached_repo
+
+    cache = tmp_path / "hf-hub-cache"
+    main = make_cached_repo(cache, HUB_REPO, tiny_model_dir, refs=("main",))
+    gone = "0123456789abcdef" * 2 + "01234567"  # a commit the cache never held
+    path = export_full(tiny_model_dir, tmp_path / "from-gone.safetensors",
+                       export_metadata(method="full", base_model=HUB_REPO, base_model_revision=gone))
+    resolved = resolve_base_model(ModelConfig(base_model=str(path), cache_dir=str(cache)))
+    assert (resolved.path / "model_index.json").is_file()
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("rangefinder: warning:")]
+    assert len(lines) == 1, lines
+    for said in (str(path), gone, main, f"hf download {HUB_REPO} --revision {gone}", "model.single_file_config"):
+        assert said in lines[0], (said, lines[0])
+
+
 def test_files_trained_on_the_embedded_model_name_it_as_runs_write_it(tiny_model_dir, folder_parts, tmp_path):
     """A run on the embedded model writes its name with its cache folder ("embedded tiny model (<folder>)"), which
     loading compared with the bare name: its model.safetensors given back as the base model was converted with an

@@ -511,14 +511,34 @@ def _single_file_config(path: Path, model_cfg: ModelConfig, family: str = "sd1")
         return base_model_path(base)
     if base and not Path(base).is_absolute():  # a hub id, "org/name@revision" as exports write it: its snapshot
         # in the cache, if the run that trained it left one here: the commit it was trained on where the file says
-        snapshot = _hub_snapshot_of(base, model_cfg, meta.get("rangefinder.base_model_revision"))
+        commit = meta.get("rangefinder.base_model_revision")
+        snapshot = _hub_snapshot_of(base, model_cfg, commit)
         if snapshot is not None and _of_family(snapshot, family):
+            if commit and _HUB_COMMIT.fullmatch(commit) and snapshot.name != commit:
+                _warn_other_snapshot(path, base, commit, snapshot, hub_cache_dir(model_cfg))
             return snapshot
     if (not base or names_embedded_model(base)) and "rangefinder.method" in meta:
         # Exported from the embedded model: its config is the tiny model's (of the file's family).
         ensure: Callable[[Optional[str]], Path] = import_named(TINY_MODELS[family])
         return ensure(model_cfg.cache_dir)
     return None
+
+
+# A hub revision is a 40-hex commit; a file's sha256 or a folder's fingerprint recorded as its revision is none.
+_HUB_COMMIT = re.compile(r"[0-9a-f]{40}")
+
+
+def _warn_other_snapshot(path: Path, base: str, commit: str, snapshot: Path, cache: Path) -> None:
+    """The line saying a single file's architecture is read from another snapshot of its hub base model than the
+    commit it was trained on (rangefinder.base_model_revision), which the cache no longer holds: the branch may have
+    moved on to another config since, and the conversion goes on with it."""
+    from rangefinder.formats.text import warn
+
+    repo_id = base.partition("@")[0]
+    warn([f"{path} was trained on {repo_id} at commit {commit}, which the Hugging Face cache {cache} does not hold; "
+          f"its architecture is read from the snapshot {snapshot.name} ({base.partition('@')[2] or 'main'}) instead, "
+          f"whose config may differ; fetch the commit with `HF_HUB_CACHE={cache} hf download {repo_id} --revision "
+          f"{commit} {HUB_INCLUDE}`, or set model.single_file_config to a diffusers folder of that commit"])
 
 
 def _hub_snapshot_of(source: str, model_cfg: ModelConfig, commit: Optional[str] = None) -> Optional[Path]:
@@ -534,8 +554,7 @@ def _hub_snapshot_of(source: str, model_cfg: ModelConfig, commit: Optional[str] 
     except HFValidationError:
         return None
     cache = hub_cache_dir(model_cfg)
-    # A hub revision is a 40-hex commit; a file's sha256 or a folder's fingerprint recorded there is none.
-    if commit and re.fullmatch(r"[0-9a-f]{40}", commit):
+    if commit and _HUB_COMMIT.fullmatch(commit):
         snapshot = _cached_snapshot(repo_id, commit, cache)
         if snapshot is not None:
             return snapshot
