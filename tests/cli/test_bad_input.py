@@ -121,6 +121,24 @@ def test_demo_refuses_a_bad_lr_before_building_anything(lr, tmp_path):
     assert not (out / "dataset").exists() and not (out / "cache").exists()  # no dataset, no model build
 
 
+@pytest.mark.parametrize("variable,value", [("RANGEFINDER_CACHE", "~rf-no-such-user/cache"),
+                                            ("RANGEFINDER_WORK", "~rf-no-such-user/work"),
+                                            ("RANGEFINDER_MLFLOW_SPOOL", "~rf-no-such-user/spool"),
+                                            ("MLFLOW_TRACKING_URI", "sqlite:///~rf-no-such-user/mlflow.db")])
+def test_demo_and_run_local_refuse_a_variable_s_path_under_no_user_s_home_before_writing(variable, value, tmp_path):
+    """A variable the run reads, set to a path under the home of a user not on this machine: the demo made its --out,
+    dataset and model before it read $RANGEFINDER_CACHE and refused it (the others, in a step of the run it started);
+    run --local took --out's lock and made its pipeline root. Both now refuse it first, with nothing written."""
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("data:\n  resolution: 32\n")
+    for command in (["demo"], ["run", "--local", "--config", str(cfg)]):
+        out = tmp_path / f"{command[0]}-out"
+        line = assert_one_line_error(in_process(*command, "--out", str(out), env={variable: value}),
+                                     f"${variable}: ", "the home folder of a user this machine does not have")
+        assert line.startswith(f"rangefinder {command[0]}: error:")
+        assert not out.exists()
+
+
 @pytest.mark.parametrize(
     "yaml_text,words",
     [

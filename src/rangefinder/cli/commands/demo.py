@@ -96,10 +96,11 @@ def prepare_demo(out: Path, retrain: bool = False, lr: float | None = None, fami
 
 
 def run(args: argparse.Namespace) -> dict:
-    from rangefinder.pipelines.local_run import run_pipeline_locally
+    from rangefinder.pipelines.local_run import check_environment_paths, run_pipeline_locally
     from rangefinder.pipelines.pipeline import compile_pipeline
 
     out = Path(args.out).resolve()
+    check_environment_paths()  # before --out, its dataset and its model are made: the run reads them all
     out.mkdir(parents=True, exist_ok=True)
     cfg = prepare_demo(out, retrain=args.retrain, lr=args.lr, family=getattr(args, "family", "sd1"))
     compile_pipeline(cfg, str(out / "pipeline.yaml"))
