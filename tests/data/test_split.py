@@ -178,6 +178,35 @@ def test_a_training_image_identical_to_a_hand_picked_validation_image_is_left_ou
         s["file_name"]: s["reason"] for s in split.summary["skipped"]}["leak.png"]
 
 
+def test_every_file_left_out_carries_its_kind_of_those_the_skipped_files_summary_names(tmp_path):
+    """One file of each kind the split leaves out, from each of the three modules that write the reasons (the scan,
+    the validation, the split's copy of a split.val_dir image): each carries its SkipKind, of which SKIPPED_KINDS
+    (prepare-dataset's skipped_files and report) is made. The summary was written by hand beside those modules, and a
+    new kind of skip there would not have reached it."""
+    import os
+    import shutil
+
+    from rangefinder.data.dataset import SkipKind
+    from rangefinder.data.split import SKIPPED_KINDS
+
+    data = _dataset(tmp_path / "data", 3)
+    val = _dataset(tmp_path / "val", 2, green=9)
+    (data / "broken.png").write_bytes(b"junk")
+    (data / "broken.txt").write_text("a broken image")
+    Image.new("RGB", (8, 8), (0, 0, 9)).save(data / "uncaptioned.png")
+    (data / "notes.md").write_text("not an image")
+    os.symlink(data / "gone.png", data / "dangling.png")
+    (data / "metadata.jsonl").write_text('{"file_name": "missing.png", "text": "no such image"}\n')
+    shutil.copy(val / "img001.png", data / "leak.png")
+    (data / "leak.txt").write_text("a copy of a validation image")
+    split = split_dataset(data, tmp_path / "split", val_dir=val, min_image_size=1)
+    kinds = {s["file_name"]: s["kind"] for s in split.summary["skipped"]}
+    assert kinds == {"broken.png": "image", "uncaptioned.png": "caption", "notes.md": "not_trained",
+                     "dangling.png": "link", "missing.png": "metadata", "leak.png": "val_copy"}
+    assert sorted(kinds.values()) == sorted(kind.name.lower() for kind in SkipKind)  # every kind met here
+    assert all(SkipKind[kind.upper()].value in SKIPPED_KINDS for kind in kinds.values())
+
+
 def test_min_image_size_defaults_to_half_the_training_resolution_and_lists_what_it_skips(tmp_path, capsys):
     data = tmp_path / "data"
     data.mkdir()

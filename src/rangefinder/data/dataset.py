@@ -33,6 +33,7 @@ import re
 import unicodedata
 import zlib
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path, PurePosixPath
 from typing import Optional
 
@@ -108,6 +109,33 @@ def item_id(file_name: str) -> int:
     return zlib.crc32(str(PurePosixPath(file_name)).encode("utf-8"))
 
 
+class SkipKind(Enum):
+    """Each kind of file the split leaves out, as the summary of them names it (data.split.SKIPPED_KINDS: the skipped
+    files of prepare-dataset's output and report): every skip carries one, so a new kind reaches that summary."""
+
+    IMAGE = "unreadable, corrupt, animated or too small images"  # validate.py
+    CAPTION = "images without a usable caption (none, empty, not UTF-8, or two that disagree)"
+    NOT_TRAINED = "files not trained on (neither an image nor its caption, a mask, a split's manifests)"
+    LINK = "broken, looping or repeated links and folders that cannot be read"
+    METADATA = "metadata rows naming no image"
+    VAL_COPY = "training images identical to a split.val_dir image"  # split.py
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A file left out, with why (one phrase naming the fix) and its kind."""
+
+    file_name: str
+    reason: str
+    kind: SkipKind
+
+    def __str__(self) -> str:
+        return f"{self.file_name}: {self.reason}"
+
+    def to_json(self) -> dict:
+        return {"file_name": self.file_name, "reason": self.reason, "kind": self.kind.name.lower()}
+
+
 @dataclass(frozen=True)
 class Candidate:
     """An image found in the folder, with its caption as far as the folder tells (None: none found)."""
@@ -121,13 +149,13 @@ class Candidate:
 class Scan:
     root: Path
     candidates: list[Candidate]
-    # Problems found while scanning, before any image is opened: (file_name, reason).
-    problems: list[tuple[str, str]]
+    # Problems found while scanning, before any image is opened.
+    problems: list[Skipped]
     # What the layout says that rangefinder does not read, each a warning's line (kohya's repeat folders).
     notes: list[str] = field(default_factory=list)
 
 
-def _read_metadata(root: Path) -> tuple[dict[str, str], list[tuple[str, str]], Optional[str]]:
+def _read_metadata(root: Path) -> tuple[dict[str, str], list[Skipped], Optional[str]]:
     """Captions from the root's `metadata.jsonl` or `metadata.csv`, with the problems found and the file's name (None:
     neither is there). A file that is not UTF-8, one without a file_name or text field at all, both files at once,
     or one image listed twice with different captions stops here with a DataError (every caption in it is suspect);
@@ -135,7 +163,7 @@ def _read_metadata(root: Path) -> tuple[dict[str, str], list[tuple[str, str]], O
     captions: dict[str, str] = {}
     first_line: dict[str, int] = {}
     conflicts: list[str] = []
-    problems: list[tuple[str, str]] = []
+    problems: list[Skipped] = []
     for name in METADATA_FILES:
         if (root / name).is_dir():
             # Read as "no metadata.jsonl" it left every caption to .txt files without a word, and its contents were
@@ -165,7 +193,7 @@ def _read_metadata(root: Path) -> tuple[dict[str, str], list[tuple[str, str]], O
     for lineno, row in rows:
         file_name, text = row.get("file_name"), row.get(CAPTION_FIELD)
         if file_name is None or not str(file_name).strip():
-            problems.append((f"{name}:{lineno}", "no file_name; row ignored"))
+            problems.append(Skipped(f"{name}:{lineno}", "no file_name; row ignored", SkipKind.METADATA))
             continue
         rel = str(PurePosixPath(str(file_name).replace("\\", "/")))
         text = "" if text is None else str(text)
@@ -183,7 +211,7 @@ def _read_metadata(root: Path) -> tuple[dict[str, str], list[tuple[str, str]], O
     return captions, problems, name
 
 
-def _jsonl_rows(content: str, problems: list[tuple[str, str]]) -> tuple[list[tuple[int, dict]], set[str]]:
+def _jsonl_rows(content: str, problems: list[Skipped]) -> tuple[list[tuple[int, dict]], set[str]]:
     """`metadata.jsonl`'s objects with their line numbers, and every field any of them has; a line that is not a JSON
     object is listed in `problems`."""
     rows: list[tuple[int, dict]] = []
@@ -195,8 +223,8 @@ def _jsonl_rows(content: str, problems: list[tuple[str, str]]) -> tuple[list[tup
         except json.JSONDecodeError:
             obj = None
         if not isinstance(obj, dict):
-            problems.append((f"{METADATA_FILES[0]}:{lineno}", "not a JSON object with file_name and text; line "
-                                                              "ignored"))
+            problems.append(Skipped(f"{METADATA_FILES[0]}:{lineno}", "not a JSON object with file_name and text; "
+                                    "line ignored", SkipKind.METADATA))
             continue
         rows.append((lineno, obj))
     return rows, {field for _, obj in rows for field in obj}
@@ -226,7 +254,7 @@ def _missing_field(path: Path, field: str, holds: str, fields: set[str]) -> str:
             f"reads each image's {holds}; rename the {kind} that holds it to {field} {where}{example}")
 
 
-def _walk_images(root: Path, exclude: Optional[Path], problems: list[tuple[str, str]],
+def _walk_images(root: Path, exclude: Optional[Path], problems: list[Skipped],
                  texts: list[PurePosixPath], others: list[PurePosixPath]) -> list[PurePosixPath]:
     """Image files under `root`, following symbolic links to folders once each; never recursing forever.
 
@@ -246,7 +274,7 @@ def _walk_images(root: Path, exclude: Optional[Path], problems: list[tuple[str, 
         try:
             entries = sorted(os.scandir(folder), key=lambda e: e.name)
         except OSError as e:
-            problems.append((str(rel), f"folder cannot be read ({e.strerror}); left out"))
+            problems.append(Skipped(str(rel), f"folder cannot be read ({e.strerror}); left out", SkipKind.LINK))
             return
         for entry in entries:
             if entry.name.startswith("."):
@@ -274,7 +302,8 @@ def _walk_images(root: Path, exclude: Optional[Path], problems: list[tuple[str, 
                     others.append(child)
             elif entry.is_symlink() and os.path.splitext(entry.name)[1].lower() in IMAGE_EXTENSIONS:
                 target = os.readlink(entry.path)
-                problems.append((str(child), f"broken symbolic link (points to {target}, which does not exist)"))
+                problems.append(Skipped(str(child), f"broken symbolic link (points to {target}, which does not "
+                                                    "exist)", SkipKind.LINK))
 
     walk(str(root), PurePosixPath("."))
     while links:
@@ -285,10 +314,11 @@ def _walk_images(root: Path, exclude: Optional[Path], problems: list[tuple[str, 
             here = Path(os.path.realpath(os.path.dirname(path)))
             if target == here or target in here.parents:
                 where = target.relative_to(root).as_posix() if target.is_relative_to(root) else str(target)
-                problems.append((str(rel), f"symbolic link loop (points back to {where or '.'}); folder left out"))
+                problems.append(Skipped(str(rel), f"symbolic link loop (points back to {where or '.'}); folder left "
+                                                  "out", SkipKind.LINK))
             else:
-                problems.append((str(rel), f"symbolic link to {target}, a folder already included; left out so its "
-                                           "images count once"))
+                problems.append(Skipped(str(rel), f"symbolic link to {target}, a folder already included; left out "
+                                                  "so its images count once", SkipKind.LINK))
             continue
         walk(path, rel)
     images.sort(key=str)
@@ -327,25 +357,28 @@ def scan_dataset(root: str | Path, exclude: Optional[Path] = None) -> Scan:
     captions_of: dict[PurePosixPath, list[PurePosixPath]] = {}
     for t in texts:
         captions_of.setdefault(t.with_suffix(""), []).append(t)
-    problems += [(str(t), "not used: EveryDream2's repeat count of 1, which is what rangefinder does"
-                  if t.name == MULTIPLY_FILE else "not used: a caption file with no image of the same name beside it")
+    problems += [Skipped(str(t), "not used: EveryDream2's repeat count of 1, which is what rangefinder does"
+                         if t.name == MULTIPLY_FILE else "not used: a caption file with no image of the same name "
+                         "beside it", SkipKind.NOT_TRAINED)
                  for t in texts if t.with_suffix("") not in image_of]
     # A split written into the dataset (by a `split --out` it now refuses, or copied in): its manifests were each told
     # they were a captions table to convert.
     splits = {o.parent for o in others if o.name == SPLIT_SUMMARY}
     split_names = [*(f"{name}.jsonl" for name in SPLIT_SUBSETS), SPLIT_SUMMARY]
     left = [o for o in others if o.parent in splits and o.name in split_names]
-    problems += [(str(o), _not_used(o, image_of.get(o.with_suffix("")))) for o in others if o not in left]
-    problems += [(str(o), f"not used: a file of a split `rangefinder split` wrote into the dataset folder "
-                          f"({', '.join(split_names)}), not captions; move them out of the dataset folder")
+    problems += [Skipped(str(o), _not_used(o, image_of.get(o.with_suffix(""))), SkipKind.NOT_TRAINED)
+                 for o in others if o not in left]
+    problems += [Skipped(str(o), f"not used: a file of a split `rangefinder split` wrote into the dataset folder "
+                                 f"({', '.join(split_names)}), not captions; move them out of the dataset folder",
+                         SkipKind.NOT_TRAINED)
                  for o in left]
     for label in labels:
         # Trained as images they taught the model black and white silhouettes (textual inversion, which needs no
         # caption, kept them); listed as uncaptioned, they read as images the user forgot to caption.
         suffix = next(x for x in ONETRAINER_LABELS if label.name.lower().endswith(x))
         of = image_of.get(label.with_name(label.name[: -len(suffix)]), label.name[: -len(suffix)])
-        problems.append((str(label), f"not used: OneTrainer's {ONETRAINER_LABELS[suffix]} of {of}; rangefinder "
-                                     "trains on the whole image alone"))
+        problems.append(Skipped(str(label), f"not used: OneTrainer's {ONETRAINER_LABELS[suffix]} of {of}; "
+                                            "rangefinder trains on the whole image alone", SkipKind.NOT_TRAINED))
 
     candidates = []
     for rel in images:
@@ -357,25 +390,27 @@ def scan_dataset(root: str | Path, exclude: Optional[Path] = None) -> Scan:
         for cap in sorted(captions_of.get(rel.with_suffix(""), []), key=_caption_order):
             outside = _linked_outside(root / cap, root)
             if outside:
-                problems.append((name, f"caption file {cap} is {outside}; copy the file itself into the folder"))
+                problems.append(Skipped(name, f"caption file {cap} is {outside}; copy the file itself into the "
+                                              "folder", SkipKind.CAPTION))
                 break
             try:
                 read[str(cap)] = (root / cap).read_text(encoding="utf-8-sig")  # a BOM is not caption text
             except UnicodeDecodeError:
-                problems.append((name, f"caption file {cap} is not UTF-8 text; save it as UTF-8"))
+                problems.append(Skipped(name, f"caption file {cap} is not UTF-8 text; save it as UTF-8",
+                                        SkipKind.CAPTION))
                 break
         else:
             if len({clean_caption(text) for text in read.values()}) > 1:
                 # Which one the user means is anyone's guess: kohya reads one extension, EveryDream2 merges both.
-                problems.append((name, f"its caption files disagree ({' and '.join(read)}); delete the one that is "
-                                       "not its caption"))
+                problems.append(Skipped(name, f"its caption files disagree ({' and '.join(read)}); delete the one "
+                                              "that is not its caption", SkipKind.CAPTION))
             elif read:
                 source, caption = next(iter(read.items()))
                 candidates.append(Candidate(name, caption, source))
             else:
                 candidates.append(Candidate(name, None, None))
     for name in sorted(set(meta) - found):
-        problems.append((name, f"listed in {meta_file} but no such image file"))
+        problems.append(Skipped(name, f"listed in {meta_file} but no such image file", SkipKind.METADATA))
     return Scan(root=root, candidates=candidates, problems=problems, notes=repeat_folder_notes(root, images))
 
 

@@ -30,21 +30,18 @@ from typing import Optional
 
 from rangefinder.data.buckets import BucketSettings, Placement, bucket_table, image_size, place
 from rangefinder.data.captions import long_caption_report, long_captions
-from rangefinder.data.dataset import IMAGE_EXTENSIONS, SPLIT_SUBSETS, SPLIT_SUMMARY, Item, item_id
+from rangefinder.data.dataset import IMAGE_EXTENSIONS, SPLIT_SUBSETS, SPLIT_SUMMARY, Item, SkipKind, Skipped, item_id
 from rangefinder.data.validate import validate_dataset
 from rangefinder.errors import DataError
 from rangefinder.formats.atomic import usable_folder, write_text
 from rangefinder.formats.digest import file_sha256
 from rangefinder.planning import val_count
 
-# What the summary's `skipped` holds, by kind (each file is listed with its own reason): the one list prepare-dataset's
-# skipped_files output and its report name, and the runs' rangefinder.skipped_files tag counts. The reasons are
-# written by validate.py (images, captions), dataset.py (the folder's scan: other files, links, metadata rows) and
-# split_dataset below (copies of a split.val_dir image).
-SKIPPED_KINDS = ("unreadable, corrupt, animated or too small images; images without a usable caption (none, empty, "
-                 "not UTF-8, or two that disagree); files not trained on (neither an image nor its caption, a mask, "
-                 "a split's manifests); broken, looping or repeated links and folders that cannot be read; metadata "
-                 "rows naming no image; training images identical to a split.val_dir image")
+# What the summary's `skipped` holds, by kind (each file is listed with its own reason and its SkipKind): the one list
+# prepare-dataset's skipped_files output and its report name, and the runs' rangefinder.skipped_files tag counts. The
+# reasons are written by validate.py (images, captions), dataset.py (the folder's scan: other files, links, metadata
+# rows) and split_dataset below (copies of a split.val_dir image), each with its kind, of which this is made.
+SKIPPED_KINDS = "; ".join(kind.value for kind in SkipKind)
 
 SUBSETS = SPLIT_SUBSETS
 SUMMARY_FILE = SPLIT_SUMMARY
@@ -159,13 +156,13 @@ def make_split(
         rel = Path(os.path.relpath(manual_val, root)).as_posix()
         val = [Item(item_id(f"{rel}/{it.file_name}"), f"{rel}/{it.file_name}", it.text, sha256=it.sha256)
                for it in vdata.items]
-        skipped += [{"file_name": f"{rel}/{s.file_name}", "reason": s.reason} for s in vdata.skipped]
+        skipped += [replace(s, file_name=f"{rel}/{s.file_name}").to_json() for s in vdata.skipped]
         notes += vdata.notes
         # A training image identical to a hand-picked validation image would leak it: kept out of training, listed.
         val_by_sha = {it.sha256: it.file_name for it in val}
         leaks = [it for it in data.items if it.sha256 in val_by_sha]
-        skipped += [{"file_name": it.file_name,
-                     "reason": f"the same image as validation image {val_by_sha[it.sha256]}; left out of training"}
+        skipped += [Skipped(it.file_name, f"the same image as validation image {val_by_sha[it.sha256]}; left out of "
+                            "training", SkipKind.VAL_COPY).to_json()
                     for it in leaks]
         duplicates += [[val_by_sha[it.sha256], it.file_name] for it in leaks]
         kept = [it for it in data.items if it.sha256 not in val_by_sha]

@@ -15,21 +15,18 @@ from typing import Optional
 
 from PIL import Image, UnidentifiedImageError
 
-from rangefinder.data.dataset import IMAGE_EXTENSIONS, Item, clean_caption, item_id, kohya_folder, scan_dataset
+from rangefinder.data.dataset import (
+    IMAGE_EXTENSIONS,
+    Item,
+    SkipKind,
+    Skipped,
+    clean_caption,
+    item_id,
+    kohya_folder,
+    scan_dataset,
+)
 from rangefinder.data.pixels import load_rgb
 from rangefinder.errors import DataError
-
-
-@dataclass(frozen=True)
-class Skipped:
-    file_name: str
-    reason: str
-
-    def __str__(self) -> str:
-        return f"{self.file_name}: {self.reason}"
-
-    def to_json(self) -> dict:
-        return {"file_name": self.file_name, "reason": self.reason}
 
 
 @dataclass
@@ -127,7 +124,7 @@ def validate_dataset(
     template; without it, it is skipped and listed.
     """
     scan = scan_dataset(root, exclude=exclude)
-    skipped = [Skipped(name, reason) for name, reason in scan.problems]
+    skipped = list(scan.problems)
     items: list[Item] = []
     for c in scan.candidates:
         if c.caption is None and not captionless:
@@ -135,15 +132,15 @@ def validate_dataset(
             kohya = kohya_folder(c.file_name)  # kohya captions an image with none by its folder's name
             hint = f"; kohya's caption from its folder's name, \"{kohya[2]}\", is not read" if kohya else ""
             skipped.append(Skipped(c.file_name, f"missing caption (no {stem}.txt or {stem}.caption, and no "
-                                                 f"metadata.jsonl or metadata.csv row{hint})"))
+                                                 f"metadata.jsonl or metadata.csv row{hint})", SkipKind.CAPTION))
             continue
         text = clean_caption(c.caption or "")
         if not text and not captionless:
-            skipped.append(Skipped(c.file_name, f"empty caption in {c.caption_source}"))
+            skipped.append(Skipped(c.file_name, f"empty caption in {c.caption_source}", SkipKind.CAPTION))
             continue
         problem, sha = inspect_image(scan.root / c.file_name, min_image_size)
         if problem:
-            skipped.append(Skipped(c.file_name, problem))
+            skipped.append(Skipped(c.file_name, problem, SkipKind.IMAGE))
             continue
         items.append(Item(id=item_id(c.file_name), file_name=c.file_name, text=text, sha256=sha))
     skipped.sort(key=lambda s: s.file_name)
