@@ -18,7 +18,7 @@ from mlflow import MlflowClient
 from rangefinder.config import RangefinderConfig
 from rangefinder.errors import TrackingError
 from rangefinder.tracking import step_run, tracking_client
-from rangefinder.tracking.spool import PENDING, SPOOL_ENV, Spool, read_spool, replay
+from rangefinder.tracking.spool import AWAY_MARKER, PENDING, SPOOL_ENV, Spool, read_spool, replay
 from rangefinder.tracking.target import HTTP_LIMITS, bound_http_requests
 from tests.tracking.fixtures import free_port, relay, start_mlflow_server, stop_mlflow_server
 
@@ -299,11 +299,61 @@ def test_one_outage_of_a_step_with_child_runs_is_said_once_and_its_end_once(tmp_
     assert len(back) == 1 and f"step finetune sent what it had kept in {folder}: " in back[0], said
     assert back[0].endswith("2 runs made, 5 tags, 2 metric values, 2 ends of the run, for 3 runs")
     assert not list(folder.glob("*.jsonl")) and not any("is not answering" in line for line in said)
+    assert not (folder / AWAY_MARKER).exists()  # the outage said over: the next one is said again
     made = live.search_runs([step.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent_id}'")
     assert sorted(r.data.tags["halving.candidate"] for r in made) == ["lr_high", "lr_mid"]
     assert [(r.data.tags["halving.outcome"], r.data.metrics) for r in made] == [
         ("kept", {"validation/val_loss": 0.5})] * 2
     assert live.get_run(parent_id).info.status == "FINISHED"
+
+
+def _training_worker(cfg: RangefinderConfig, run_id: str, step_name: str, said: Path) -> None:
+    """Rank 0 of a multi-process training run, in a process of its own (launch/processes.py worker): it logs its
+    curve into one of the step's runs through step_metric_sink, and what it says goes to the file `said`."""
+    from rangefinder.tracking.runs import step_metric_sink
+
+    logging.getLogger("rangefinder").addHandler(logging.FileHandler(said))
+    sink = step_metric_sink(cfg, run_id, step_name)
+    sink.log_metrics({"train_loss": 0.5}, step=1)
+    sink.close()
+
+
+@pytest.mark.parametrize("first", ["worker", "step"])
+def test_one_outage_is_said_once_by_the_step_s_process_and_its_training_worker(first, tmp_path, monkeypatch, caplog):
+    """A training worker logs into a child run of the step (a halving candidate) from a process of its own, with an
+    outbox of its own: it said the outage when it started that run's spool, and the step's process said it again
+    when it started its own run's (or the other way round). The first process to say it writes so in the spool
+    folder; the other, whose runs include one of the first's, says nothing. No server: a port where nothing answers;
+    the worker is a real second process."""
+    import multiprocessing
+
+    from rangefinder.tracking import StepRun
+
+    caplog.set_level(logging.WARNING)
+    folder = tmp_path / "spool"
+    monkeypatch.setenv("RANGEFINDER_MLFLOW_SPOOL", str(folder))  # the worker's, as a local run sets it
+    uri = f"http://127.0.0.1:{free_port()}"
+    cfg = RangefinderConfig(tracking={"tracking_uri": uri, "experiment_name": "outage", "server_wait_seconds": 0})
+    parent_id, child_id = "a" * 32, "b" * 32  # made while the server answered
+    step = StepRun(client=MlflowClient(tracking_uri=uri), run_id=parent_id, experiment_id="1", step_name="finetune",
+                   parent_run_id=None, tracking_uri=uri, cfg=cfg, spool_dir=folder)
+    StepRun(client=step.client, run_id=child_id, experiment_id="1", step_name="finetune_lr_mid",
+            parent_run_id=parent_id, tracking_uri=uri, cfg=cfg, spool_dir=folder, link=step.outbox.link)
+    if first == "step":
+        step.set_tags({"status": "training"})  # the step's process, before training: its own run's spool starts
+    worker = multiprocessing.get_context("fork").Process(
+        target=_training_worker, args=(cfg, child_id, "finetune_lr_mid", tmp_path / "worker.log"))
+    worker.start()
+    worker.join(60)
+    assert worker.exitcode == 0
+    if first == "worker":
+        step.set_tags({"status": "trained"})  # the step's process, after training: its own run's spool starts
+    lines = {"step": [r.getMessage() for r in caplog.records],
+             "worker": (tmp_path / "worker.log").read_text().splitlines()}
+    said = {who: [line for line in lines[who] if "is not answering" in line] for who in lines}
+    assert [len(said[first]), len(said["worker" if first == "step" else "step"])] == [1, 0], said
+    assert sorted(p.name for p in folder.glob("*.jsonl")) == [f"finetune-{parent_id}.jsonl",
+                                                              f"finetune_lr_mid-{child_id}.jsonl"]
 
 
 def test_a_record_mlflow_refuses_in_a_child_run_s_spool_is_named_and_the_step_s_own_records_still_go(

@@ -10,8 +10,10 @@ the one policy for a server that does not answer:
   again after 30 s, then 60, 120, ... up to every 10 minutes, so a server away for long costs training one bounded
   call per try, and fewer and fewer of them.
 - One warning line, when the spool is started, says the server is away and where the records are kept. The spool is
-  shared by every process of the step (it is named by the step and the run), so one outage gets one line whether
-  one process trains or several, and a worker's records wait behind those the step's process kept.
+  shared by every process of the step (it is named by the step and the run), so a worker's records wait behind those
+  the step's process kept. A training worker logs into one of the step's runs from a process of its own, whose first
+  record can start another spool than the step's process starts: the runs that said the outage are written in the
+  spool folder (spool.AWAY_MARKER), so one outage gets one line whether one process trains or several.
 - A step with child runs (the fine-tune's halving candidates and cooldown: tracking/runs.py child_run) has an outbox
   and a spool per run, and one `StepLink` that they share in its process: one outage is one try's cost, one line
   naming the step's spool folder, and, when a try gets an answer, one line saying what was sent of all its runs.
@@ -39,7 +41,16 @@ from typing import Any
 
 from rangefinder.errors import TrackingError
 from rangefinder.tracking.redaction import redact, safe_uri
-from rangefinder.tracking.spool import MAX_METRICS_PER_BATCH, RunNotMadeYet, Spool, apply_record, describe, replay
+from rangefinder.tracking.spool import (
+    MAX_METRICS_PER_BATCH,
+    RunNotMadeYet,
+    Spool,
+    apply_record,
+    describe,
+    replay,
+    said_away,
+    write_said_away,
+)
 from rangefinder.tracking.target import await_tracking_server, away_reason, server_unreachable
 
 _log = logging.getLogger(__name__)
@@ -205,6 +216,10 @@ class Outbox:
             what = describe(sent) + (f", for {runs} runs" if runs > 1 else "")
             _log.warning(BACK_SAID, safe_uri(self.client.tracking_uri), self.link.step, self.link.spool_dir, what)
             self.link.said_away = False  # the outage is over (this run's spool may wait on another process's send)
+            ours = {o.run_id for o in self.link.outboxes}
+            with spool_lock(self.link.spool_dir):  # and said over: the next one is said again, by any process
+                write_said_away(self.link.spool_dir,
+                                [line for line in said_away(self.link.spool_dir) if not line & ours])
         return not self.spool.exists()
 
     def _failed(self, e: BaseException | None) -> None:
@@ -221,13 +236,23 @@ class Outbox:
         self.link.retry_wait, self.link.retry_at, self.link.said_away = 0.0, 0.0, False
 
     def _append(self, record: Mapping[str, Any]) -> None:
+        say = False
         with self._locked(blocking=True):
             new = not self.spool.exists()
+            # Read before this spool starts: a line of ours whose spools are all gone was said of an outage over.
+            said = said_away(self.spool.path.parent) if new else []
             self.spool.append(record)
-        # Said by the process that starts a spool (not again by a worker appending to the step's), once per outage
-        # of the step whichever of its runs' spools starts first.
-        if new and not self.link.said_away:
+            if new:  # a spool started: the outage is said here unless another process of the step said it
+                ours = {o.run_id for o in self.link.outboxes}
+                with_ours = [line for line in said if line & ours]
+                say = not self.link.said_away and not with_ours
+                write_said_away(self.spool.path.parent,
+                                [line for line in said if not line & ours] + [ours.union(*with_ours)])
+        # Said by the process that starts a spool (not again by a worker appending to the step's, nor by one whose
+        # run another process said it of), once per outage of the step whichever of its runs' spools starts first.
+        if new:
             self.link.said_away = True
+        if say:
             wait = f"{self.link.retry_wait:.0f} s" if self.away else "a moment"
             _log.warning(AWAY_SAID, safe_uri(self.client.tracking_uri), self.link.reason or "no answer",
                          self.link.step, self.link.spool_dir, wait)

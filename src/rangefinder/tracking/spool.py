@@ -42,6 +42,11 @@ _log = logging.getLogger(__name__)
 SPOOL_ENV = "RANGEFINDER_MLFLOW_SPOOL"  # the folder spools go to; a local run sets it inside its output folder
 SPOOL_VERSION = 1
 MAX_METRICS_PER_BATCH = 1000  # MLflow's log_batch limits
+# In a spool folder, while an outage is said (tracking/outbox.py): a line per process that said it, of the run ids its
+# outboxes log to (a training worker's is one of the step process's runs), with those it learned of since. Read and
+# written under the folder's lock (outbox.spool_lock); a line none of whose runs has a spool left is an outage over
+# (sent, or relogged after the process that said it was killed).
+AWAY_MARKER = "away-said.txt"
 MAX_PARAMS_PER_BATCH = 100
 MAX_TAGS_PER_BATCH = 100
 
@@ -360,7 +365,28 @@ def replay(path: str | os.PathLike, client: Any) -> ReplayResult:
     p.unlink()
     files = p.with_name(p.stem + ".files")
     shutil.rmtree(files, ignore_errors=True)
+    write_said_away(p.parent, said_away(p.parent))  # an outage whose spools are all sent now is over
     return ReplayResult(sent=sent, left=Counter(), torn=contents.torn)
+
+
+def said_away(folder: Path) -> list[set[str]]:
+    """AWAY_MARKER's lines in `folder`, each the run ids of an outage said, less those whose runs have no spool left
+    (an outage over: its spools sent by whoever sent them, or relogged after the process that said it was killed)."""
+    try:
+        text = (folder / AWAY_MARKER).read_text()
+    except FileNotFoundError:
+        return []
+    lines = [set(line.split()) for line in text.splitlines()]
+    return [line for line in lines if any(next(folder.glob(f"*-{run_id}.jsonl"), None) for run_id in line)]
+
+
+def write_said_away(folder: Path, lines: list[set[str]]) -> None:
+    """AWAY_MARKER as `lines` (written whole under a temporary name, then renamed), or removed when there are none."""
+    marker = folder / AWAY_MARKER
+    if lines:
+        write_text(marker, "".join(" ".join(sorted(line)) + "\n" for line in lines))
+    else:
+        marker.unlink(missing_ok=True)
 
 
 def _rewrite(path: Path, header: dict, records: list[dict]) -> None:
