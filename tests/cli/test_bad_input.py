@@ -118,7 +118,19 @@ def test_demo_refuses_a_bad_lr_before_building_anything(lr, tmp_path):
     run = rangefinder if lr == "-1" else in_process
     line = assert_one_line_error(run("demo", "--lr", lr, "--out", str(out)), "lr:")
     assert "rangefinder demo: error:" in line
-    assert not (out / "dataset").exists() and not (out / "cache").exists()  # no dataset, no model build
+    assert not out.exists()  # no dataset, no model build, no empty --out left behind
+
+
+def test_demo_refuses_credentials_in_the_tracking_uri_before_writing(tmp_path):
+    """MLFLOW_TRACKING_URI with a user and password in it: the demo built its --out, dataset and model, and compiled
+    its pipeline, before the local run refused the URI. Now it is refused first, with nothing written, the password
+    not printed."""
+    out = tmp_path / "demo"
+    uri = f"http://someone:hunter2@127.0.0.1:{free_port()}"
+    line = assert_one_line_error(in_process("demo", "--out", str(out), env={"MLFLOW_TRACKING_URI": uri}),
+                                 "MLFLOW_TRACKING_URI", "holds")
+    assert line.startswith("rangefinder demo: error:") and "hunter2" not in line
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("variable,value", [("RANGEFINDER_CACHE", "~rf-no-such-user/cache"),

@@ -136,19 +136,20 @@ def check_environment_paths(cfg: Optional[RangefinderConfig] = None) -> None:
     """ConfigError for a folder the run will read from the environment ($RANGEFINDER_CACHE, $RANGEFINDER_MLFLOW_SPOOL,
     $RANGEFINDER_WORK, a sqlite MLFLOW_TRACKING_URI) or from `cfg`'s settings the config's checks leave alone
     (training.cache_dir, a sqlite tracking.tracking_uri), where it begins with the home folder of a user this machine
-    does not have: said before anything is written (the demo's dataset and model, --out's lock and pipeline root),
-    where each reader's own check came after them, or in a step."""
+    does not have, and TrackingError for a MLFLOW_TRACKING_URI holding credentials: said before anything is written
+    (the demo's dataset and model, --out's lock and pipeline root), where each reader's own check came after them, or
+    in a step."""
     from rangefinder.config import expand_home
     from rangefinder.models.tiny import default_cache_dir
     from rangefinder.steps.workdir import work_dir
     from rangefinder.tracking.spool import spool_dir
-    from rangefinder.tracking.target import sqlite_path
+    from rangefinder.tracking.target import env_tracking_uri, sqlite_path
 
     default_cache_dir()
     spool_dir()
     work_dir(Path(), "check")  # its key is any: the variable alone is read
     setting = cfg.tracking.tracking_uri if cfg is not None else None
-    uri = setting or os.environ.get("MLFLOW_TRACKING_URI")
+    uri = setting or env_tracking_uri()
     if uri:
         sqlite_path(uri, "tracking.tracking_uri" if setting else "$MLFLOW_TRACKING_URI")
     if cfg is not None and cfg.training.cache_dir:

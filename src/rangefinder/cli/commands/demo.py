@@ -54,11 +54,9 @@ def demo_model_cache(out: Path, family: str = "sd1") -> Path:
     return out / "cache"
 
 
-def prepare_demo(out: Path, retrain: bool = False, lr: float | None = None, family: str = "sd1"):
-    """The demo's config, with its dataset and base model made under `out` (or reused)."""
+def demo_settings(out: Path, retrain: bool = False, lr: float | None = None, family: str = "sd1"):
+    """The demo's config for `out`, validated, but for its base model, which prepare_demo makes: nothing written."""
     from rangefinder.config import auto_lr_finder, demo_run_config
-    from rangefinder.data.synthetic import EMBEDDED_KIND, make_synthetic_dataset
-    from rangefinder.models.tiny import ensure_tiny_base_model
 
     dataset = out / "dataset"
     overrides: dict = {"data": {"dataset_dir": str(dataset)}, "retrain": {"enabled": retrain}}
@@ -75,9 +73,16 @@ def prepare_demo(out: Path, retrain: bool = False, lr: float | None = None, fami
     # bounds (the demo's, for SD 1.x) would go unused.
     if auto_lr_finder(family, "full") == "prodigy_step":
         overrides["lr_range_test"] = {"lr_min": None, "lr_max": None}
-    # Validated before anything is made: a bad --lr costs one line, not a dataset and a model build.
-    cfg = demo_run_config(**overrides)
-    make_synthetic_dataset(dataset, kind=EMBEDDED_KIND, count=DEMO_IMAGES, seed=0, resolution=32)
+    return demo_run_config(**overrides)
+
+
+def prepare_demo(out: Path, retrain: bool = False, lr: float | None = None, family: str = "sd1"):
+    """The demo's config, with its dataset and base model made under `out` (or reused)."""
+    from rangefinder.data.synthetic import EMBEDDED_KIND, make_synthetic_dataset
+    from rangefinder.models.tiny import ensure_tiny_base_model
+
+    cfg = demo_settings(out, retrain=retrain, lr=lr, family=family)
+    make_synthetic_dataset(out / "dataset", kind=EMBEDDED_KIND, count=DEMO_IMAGES, seed=0, resolution=32)
     if family == "sdxl":
         from rangefinder.models.tiny_sdxl import ensure_tiny_sdxl_model
 
@@ -95,13 +100,23 @@ def prepare_demo(out: Path, retrain: bool = False, lr: float | None = None, fami
     return cfg
 
 
-def run(args: argparse.Namespace) -> dict:
-    from rangefinder.pipelines.local_run import check_environment_paths, run_pipeline_locally
+def compile_demo(out: Path, retrain: bool = False, lr: float | None = None, family: str = "sd1"):
+    """prepare_demo, and the pipeline it runs compiled to OUT/pipeline.yaml: the demo's config."""
     from rangefinder.pipelines.pipeline import compile_pipeline
 
-    out = Path(args.out).resolve()
-    check_environment_paths()  # before --out, its dataset and its model are made: the run reads them all
-    out.mkdir(parents=True, exist_ok=True)
-    cfg = prepare_demo(out, retrain=args.retrain, lr=args.lr, family=getattr(args, "family", "sd1"))
+    cfg = prepare_demo(out, retrain=retrain, lr=lr, family=family)
     compile_pipeline(cfg, str(out / "pipeline.yaml"))
+    return cfg
+
+
+def run(args: argparse.Namespace) -> dict:
+    from rangefinder.pipelines.local_run import check_environment_paths, run_pipeline_locally
+
+    out = Path(args.out).resolve()
+    family = getattr(args, "family", "sd1")
+    # Every check the input allows before --out, its dataset and its model are made (the run reads them all): a bad
+    # --lr, a variable's path, credentials in MLFLOW_TRACKING_URI cost one line, and leave no folder behind.
+    check_environment_paths(demo_settings(out, retrain=args.retrain, lr=args.lr, family=family))
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = compile_demo(out, retrain=args.retrain, lr=args.lr, family=family)
     return run_pipeline_locally(cfg, out, quiet=not args.verbose).summary()
