@@ -133,6 +133,19 @@ def test_a_kohya_lora_of_a_file_named_under_home_carries_its_old_hash(tmp_path, 
                      "ss_sd_model_hash": old}
 
 
+@pytest.mark.parametrize("folder", ["sd15", "gone"])
+def test_a_kohya_lora_without_the_revision_names_a_folder_under_home_by_its_name(folder, tmp_path, monkeypatch):
+    """A file without rangefinder.base_model_revision (an older release's) naming its base model `~/...`, as the run
+    spelt it: Path(base).exists() read `~` literally, so a folder there, or one this machine does not have, was
+    named as a hub id is, by its whole spelling `~/sd15`; sd-scripts names a folder by its basename
+    (train_network.py at 48d368f, lines 1208-1213)."""
+    from rangefinder.formats.lora import kohya_base_model
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "sd15").mkdir()
+    assert kohya_base_model({"rangefinder.base_model": f"~/{folder}"}) == {"ss_sd_model_name": folder}
+
+
 @pytest.mark.parametrize("method", ["lora", "textual_inversion"])
 def test_a_delivered_file_names_a_base_model_under_home_from_tilde(method, tiny_model_dir, tmp_path, monkeypatch):
     """A LoRA or an embedding is made to be shared, and every file's header named the base model's whole path: a

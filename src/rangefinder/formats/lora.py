@@ -264,8 +264,11 @@ def kohya_base_model(meta: Mapping[str, str]) -> dict[str, str]:
         out = {"ss_sd_model_name": Path(base).name, "ss_new_sd_model_hash": revision.removeprefix("sha256:")}
         legacy = legacy_model_hash(base_model_path(base))
         return out if legacy is None else {**out, "ss_sd_model_hash": legacy}
-    if revision.startswith("weights:") or Path(base).is_absolute() or Path(base).exists():  # a folder
-        return {"ss_sd_model_name": Path(base).name}
+    # A folder, `~/...` as the run spelt it expanded (a file without the revision: an older release's, or one
+    # written outside a run), where unexpanded it was named by its whole spelling, as a hub id is.
+    path = base_model_path(base)
+    if revision.startswith("weights:") or path.is_absolute() or path.exists():
+        return {"ss_sd_model_name": path.name}
     return {"ss_sd_model_name": base.partition("@")[0]}  # a hub id, "org/name@revision" as the run names it
 
 
