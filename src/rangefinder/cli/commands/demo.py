@@ -22,7 +22,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "demo",
         help="run the whole pipeline on the embedded default dataset and tiny model",
         description="Make the synthetic dataset and the tiny base model if missing, run every step locally "
-        "(kfp.local), and print the chosen LR bounds, midpoint, recommended epochs and the report paths.",
+        "(kfp.local), and print the LR it trained at and where it came from (the LR range test's bounds and "
+        "midpoint, or on sdxl, sd3 and flux a Prodigy run's step size), the recommended epochs and the report paths.",
     )
     p.add_argument("--out", default="rangefinder-demo", help="output folder (default ./rangefinder-demo)")
     p.add_argument("--retrain", action="store_true", help="also retrain on all data for the recommended epochs")
