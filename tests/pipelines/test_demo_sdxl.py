@@ -19,32 +19,30 @@ from pathlib import Path
 
 import pytest
 
-from tests.tracking.fixtures import free_port
-
 pytestmark = pytest.mark.slow
 
 
 def test_demo_family_sdxl_changes_only_the_base_model_and_the_unused_bounds(tiny_model_dir, tiny_sdxl_dir, tmp_path,
                                                                           monkeypatch, capsys):
-    """`rangefinder demo --family sdxl` compiles OUT/pipeline.yaml (cli.commands.demo.compile_demo) before it runs
-    it; here the demo is refused before it writes anything, since the MLflow URI holds credentials (one line, no step
-    process, the secret not printed), and compile_demo writes the YAML it would have run. The SD demo's pipeline,
-    compiled as `demo` compiles it, into the same folder (so every other path is the same), differs only in the model
-    and in the range test's bounds: lr_finder auto measures SDXL's full fine-tune with prodigy_step, so the SDXL demo
-    leaves them unset (as on SD3 and Flux)."""
-    from rangefinder.cli.commands.demo import compile_demo, prepare_demo
+    """`rangefinder demo --family sdxl` compiles OUT/pipeline.yaml before it runs it; here the run is refused after
+    that, before its first step starts, since --out's reports folder is a file (pipelines.local_run: one line, no
+    step process). The SD demo's pipeline, compiled as `demo` compiles it, into the same folder (so every other path
+    is the same), differs only in the model and in the range test's bounds: lr_finder auto measures SDXL's full
+    fine-tune with prodigy_step, so the SDXL demo leaves them unset (as on SD3 and Flux). (A URI holding credentials
+    stopped it here until e173547, since when the demo refuses it before writing anything, the YAML included.)"""
+    from rangefinder.cli.commands.demo import prepare_demo
     from rangefinder.cli.main import main
     from rangefinder.config import auto_lr_finder
     from rangefinder.pipelines.pipeline import compile_pipeline
 
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://someone:hunter2@127.0.0.1:{free_port()}")
     out = tmp_path / "demo"
+    out.mkdir()
+    (out / "reports").write_text("not a folder\n")
     assert main(["demo", "--family", "sdxl", "--out", str(out)]) == 2
     err = capsys.readouterr().err
-    assert "MLFLOW_TRACKING_URI" in err and "holds" in err and "hunter2" not in err, err[-3000:]
+    assert "--out's reports folder" in err and "is a file" in err, err[-3000:]
     assert not (out / "pipeline-root").exists()  # refused before kfp.local made its root: no step ran
-    compile_demo(out, family="sdxl")  # the demo refuses the URI before it writes: its pipeline, as it compiles it
     sdxl = (out / "pipeline.yaml").read_text()
     sd_cfg = prepare_demo(out)
     assert (sd_cfg.lr_range_test.lr_min, sd_cfg.lr_range_test.lr_max) == (1e-5, 1e-2)  # the SD demo's, used there
