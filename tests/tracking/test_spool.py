@@ -356,6 +356,33 @@ def test_one_outage_is_said_once_by_the_step_s_process_and_its_training_worker(f
                                                               f"finetune_lr_mid-{child_id}.jsonl"]
 
 
+def test_an_outage_after_a_worker_s_spool_was_sent_by_the_step_s_process_is_said(tmp_path, mlflow_server_uri, caplog):
+    """A training worker said an outage; the server came back and the step's process sent the worker's spool with its
+    own; the worker, whose next try was not due yet, started its spool again without a word (the outage it took for
+    the one going on), but wrote its run in the spool folder as one said. When the server went away again, the step's
+    process found that line and said nothing: the new outage went unsaid. The worker's outbox is made here as
+    step_metric_sink makes it in its own process; the server is the session's, reached through a relay."""
+    from rangefinder.tracking import StepRun
+    from rangefinder.tracking.outbox import Outbox
+    from rangefinder.tracking.runs import run_spool
+
+    caplog.set_level(logging.WARNING)
+    live, step, port = step_away_from(mlflow_server_uri, tmp_path)
+    folder, uri = tmp_path / "spool", step.outbox.client.tracking_uri
+    child_id = live.create_run(step.experiment_id, run_name="finetune_lr_mid").info.run_id
+    StepRun(client=step.client, run_id=child_id, experiment_id=step.experiment_id, step_name="finetune_lr_mid",
+            parent_run_id=step.run_id, tracking_uri=uri, cfg=step.cfg, spool_dir=folder, link=step.outbox.link)
+    worker = Outbox(MlflowClient(tracking_uri=uri), run_spool(uri, child_id, "finetune_lr_mid", folder))
+    worker.send({"kind": "tags", "run_id": child_id, "tags": {"first": "1"}})  # the worker says the outage
+    with relay(port, mlflow_server_uri):
+        assert step.outbox.wait_for_server(5)  # the step's process sends the worker's spool
+    worker.send({"kind": "tags", "run_id": child_id, "tags": {"second": "2"}})  # its retry not due: spooled
+    step.set_tags({"status": "trained"})  # the step's process: the server away again
+    away = [r.getMessage() for r in caplog.records if "is not answering" in r.getMessage()]
+    assert len(away) == 2, away
+    assert live.get_run(child_id).data.tags["first"] == "1"
+
+
 def test_a_record_mlflow_refuses_in_a_child_run_s_spool_is_named_and_the_step_s_own_records_still_go(
         tmp_path, mlflow_server_uri, caplog):
     """The server, back, refuses a record a child run kept (its run deleted meanwhile, here a run it never had): the

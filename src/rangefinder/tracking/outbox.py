@@ -246,8 +246,12 @@ class Outbox:
                 ours = {o.run_id for o in self.link.outboxes}
                 with_ours = [line for line in said if line & ours]
                 say = not self.link.said_away and not with_ours
-                write_said_away(self.spool.path.parent,
-                                [line for line in said if not line & ours] + [ours.union(*with_ours)])
+                # Written where this process says it now or joins a line said: where it said an outage whose spools
+                # another process has sent since (it has not tried the server again), a line of its own would silence
+                # the step's other processes in the next outage, which it never said.
+                if say or with_ours:
+                    write_said_away(self.spool.path.parent,
+                                    [line for line in said if not line & ours] + [ours.union(*with_ours)])
         # Said by the process that starts a spool (not again by a worker appending to the step's, nor by one whose
         # run another process said it of), once per outage of the step whichever of its runs' spools starts first.
         if new:
