@@ -111,17 +111,17 @@ def _hash_safetensors(h: Any, path: Path, pool: ThreadPoolExecutor) -> None:
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
-            raise _unreadable(path, f"{size} bytes, shorter than a header's length")
+            raise _Unreadable(path, f"{size} bytes, shorter than a header's length")
         (length,) = struct.unpack("<Q", head)
         if length > MAX_HEADER_BYTES or 8 + length > size:
-            raise _unreadable(path, f"its first 8 bytes give a header of {length} bytes, in a file of {size}")
+            raise _Unreadable(path, f"its first 8 bytes give a header of {length} bytes, in a file of {size}")
         header_bytes = f.read(length)
         try:
             header = json.loads(header_bytes)
         except (UnicodeDecodeError, ValueError):
-            raise _unreadable(path, "its header is not JSON") from None
+            raise _Unreadable(path, "its header is not JSON") from None
         if not isinstance(header, dict):
-            raise _unreadable(path, "its header is not a JSON object")
+            raise _Unreadable(path, "its header is not a JSON object")
         h.update(header_bytes)
         base = 8 + length
         spans = []
@@ -131,9 +131,9 @@ def _hash_safetensors(h: Any, path: Path, pool: ThreadPoolExecutor) -> None:
             offsets = info.get("data_offsets") if isinstance(info, dict) else None
             if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
                     and 0 <= offsets[0] <= offsets[1]):
-                raise _unreadable(path, f"tensor {name!r} in its header has no valid data_offsets")
+                raise _Unreadable(path, f"tensor {name!r} in its header has no valid data_offsets")
             if base + offsets[1] > size:
-                raise _unreadable(path, f"it is cut short: its header places tensor {name!r} up to byte "
+                raise _Unreadable(path, f"it is cut short: its header places tensor {name!r} up to byte "
                                         f"{base + offsets[1]} of a file of {size} bytes")
             spans.append((offsets[0], min(offsets[1], offsets[0] + SAMPLE_BYTES)))
         for sample in _read_spans(f, base, sorted(spans), pool):
@@ -181,6 +181,3 @@ class _Unreadable(Exception):
         super().__init__(f"{path}: {why}")
         self.path, self.why = path, why
 
-
-def _unreadable(path: Path, why: str) -> _Unreadable:
-    return _Unreadable(path, why)
