@@ -101,17 +101,9 @@ def prepare_demo(out: Path, retrain: bool = False, lr: float | None = None, fami
     return cfg
 
 
-def compile_demo(out: Path, retrain: bool = False, lr: float | None = None, family: str = "sd1"):
-    """prepare_demo, and the pipeline it runs compiled to OUT/pipeline.yaml: the demo's config."""
-    from rangefinder.pipelines.pipeline import compile_pipeline
-
-    cfg = prepare_demo(out, retrain=retrain, lr=lr, family=family)
-    compile_pipeline(cfg, str(out / "pipeline.yaml"))
-    return cfg
-
-
 def run(args: argparse.Namespace) -> dict:
     from rangefinder.pipelines.local_run import check_environment_paths, run_pipeline_locally
+    from rangefinder.pipelines.pipeline import compile_pipeline
 
     out = Path(args.out).resolve()
     family = getattr(args, "family", "sd1")
@@ -119,5 +111,6 @@ def run(args: argparse.Namespace) -> dict:
     # --lr, a variable's path, credentials in MLFLOW_TRACKING_URI cost one line, and leave no folder behind.
     check_environment_paths(demo_settings(out, retrain=args.retrain, lr=args.lr, family=family))
     out.mkdir(parents=True, exist_ok=True)
-    cfg = compile_demo(out, retrain=args.retrain, lr=args.lr, family=family)
+    cfg = prepare_demo(out, retrain=args.retrain, lr=args.lr, family=family)
+    compile_pipeline(cfg, str(out / "pipeline.yaml"))
     return run_pipeline_locally(cfg, out, quiet=not args.verbose).summary()
