@@ -87,6 +87,11 @@ class StepLink:
     def step(self) -> str:
         return self.outboxes[0].spool.step
 
+    @property
+    def run_ids(self) -> set[str]:
+        """The runs this process logs to for the step: its own run's and its child runs' (AWAY_MARKER's lines)."""
+        return {o.run_id for o in self.outboxes}
+
 
 class Outbox:
     """The records of one MLflow run, from one process: sent now, or spooled and sent in order later. `link`: the
@@ -216,7 +221,7 @@ class Outbox:
             what = describe(sent) + (f", for {runs} runs" if runs > 1 else "")
             _log.warning(BACK_SAID, safe_uri(self.client.tracking_uri), self.link.step, self.link.spool_dir, what)
             self.link.said_away = False  # the outage is over (this run's spool may wait on another process's send)
-            ours = {o.run_id for o in self.link.outboxes}
+            ours = self.link.run_ids
             with spool_lock(self.link.spool_dir):  # and said over: the next one is said again, by any process
                 write_said_away(self.link.spool_dir,
                                 [line for line in said_away(self.link.spool_dir) if not line & ours])
@@ -243,7 +248,7 @@ class Outbox:
             said = said_away(self.spool.path.parent) if new else []
             self.spool.append(record)
             if new:  # a spool started: the outage is said here unless another process of the step said it
-                ours = {o.run_id for o in self.link.outboxes}
+                ours = self.link.run_ids
                 with_ours = [line for line in said if line & ours]
                 say = not self.link.said_away and not with_ours
                 # Written where this process says it now or joins a line said: where it said an outage whose spools
