@@ -31,6 +31,7 @@ from rangefinder.formats.model_spec import (
 )
 from rangefinder.formats.weights_file import (
     EMBEDDED_BASE_MODEL,
+    FILE_REVISION_PREFIX,
     LOCAL_REVISION_PREFIXES,
     base_model_path,
     names_embedded_model,
@@ -78,8 +79,8 @@ def a1111_checkpoint_hash(revision: Optional[str]) -> Optional[str]:
     """A1111's short hash of the checkpoint an embedding was trained on (`sd_checkpoint`, which its training sets to
     `checkpoint.shorthash`: modules/sd_models.py CheckpointInfo, the file's sha256's first 10 hex digits), from the
     run's rangefinder.base_model_revision; None for a folder or a hub id, which A1111 has no checkpoint hash of."""
-    if revision and revision.startswith("sha256:"):
-        return revision.removeprefix("sha256:")[:10]
+    if revision and revision.startswith(FILE_REVISION_PREFIX):
+        return revision.removeprefix(FILE_REVISION_PREFIX)[:10]
     return None
 
 

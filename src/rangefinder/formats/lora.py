@@ -36,7 +36,13 @@ from rangefinder.formats.model_spec import (
     sd_base_model,
 )
 from rangefinder.formats.single_file import map_keys, top_level_tables, unet_prefix_table
-from rangefinder.formats.weights_file import base_model_path, names_embedded_model, save_safetensors
+from rangefinder.formats.weights_file import (
+    FILE_REVISION_PREFIX,
+    FOLDER_REVISION_PREFIX,
+    base_model_path,
+    names_embedded_model,
+    save_safetensors,
+)
 
 LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"  # diffusers' default name; ComfyUI reads it as well
 LORA_KOHYA_NAME = "lora_kohya.safetensors"  # A1111, ComfyUI, kohya's sd-scripts
@@ -260,14 +266,14 @@ def kohya_base_model(meta: Mapping[str, str]) -> dict[str, str]:
     revision = meta.get("rangefinder.base_model_revision") or ""
     if not base or names_embedded_model(base):
         return {}
-    if revision.startswith("sha256:"):  # a single file (models/loading.py _resolve_single_file)
-        out = {"ss_sd_model_name": Path(base).name, "ss_new_sd_model_hash": revision.removeprefix("sha256:")}
+    if revision.startswith(FILE_REVISION_PREFIX):  # a single file (models/loading.py _resolve_single_file)
+        out = {"ss_sd_model_name": Path(base).name, "ss_new_sd_model_hash": revision.removeprefix(FILE_REVISION_PREFIX)}
         legacy = legacy_model_hash(base_model_path(base))
         return out if legacy is None else {**out, "ss_sd_model_hash": legacy}
     # A folder, `~/...` as the run spelt it expanded (a file without the revision: an older release's, or one
     # written outside a run), where unexpanded it was named by its whole spelling, as a hub id is.
     path = base_model_path(base)
-    if revision.startswith("weights:") or path.is_absolute() or path.exists():
+    if revision.startswith(FOLDER_REVISION_PREFIX) or path.is_absolute() or path.exists():
         return {"ss_sd_model_name": path.name}
     return {"ss_sd_model_name": base.partition("@")[0]}  # a hub id, "org/name@revision" as the run names it
 

@@ -18,9 +18,12 @@ from rangefinder.formats.atomic import atomic_path, give_usual_mode
 # `rangefinder.base_model` of a file trained on the embedded tiny model (model.base_model unset); the model's own
 # source (models/loading.py) adds its folder after it.
 EMBEDDED_BASE_MODEL = "embedded tiny model"
-# How `rangefinder.base_model_revision` starts for a local base model: a single file's sha256, a folder's fingerprint
-# (models/fingerprint.py REVISION_PREFIX); a hub snapshot's is its bare commit.
-LOCAL_REVISION_PREFIXES = ("sha256:", "weights:")
+# How `rangefinder.base_model_revision` (model.resolved_revision) starts for a local base model: a single file's
+# sha256 (models/loading.py), a folder's and the embedded model's fingerprint (models/fingerprint.py); a hub
+# snapshot's is its bare commit. The values are in files, tags and cache keys already written: never change them.
+FILE_REVISION_PREFIX = "sha256:"
+FOLDER_REVISION_PREFIX = "weights:"
+LOCAL_REVISION_PREFIXES = (FILE_REVISION_PREFIX, FOLDER_REVISION_PREFIX)
 
 
 def export_metadata(

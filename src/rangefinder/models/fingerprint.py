@@ -49,8 +49,8 @@ from pathlib import Path
 from typing import Any
 
 from rangefinder.errors import ConfigError
+from rangefinder.formats.weights_file import FOLDER_REVISION_PREFIX
 
-REVISION_PREFIX = "weights:"
 SAMPLE_BYTES = 256  # of each tensor's data, from its start: 64 fp32 values (weights_digest reads 64 too)
 # safetensors refuses a header over 100 MB (its MAX_HEADER_SIZE); one that claims more is damaged.
 MAX_HEADER_BYTES = 100_000_000
@@ -89,7 +89,7 @@ def folder_revision(folder: Path, setting: str = "model.base_model") -> str:
     except OSError as e:  # a file unreadable (permissions, a mount gone) after the folder's check found it
         raise ConfigError(f"{setting}: cannot read {e.filename or folder} ({e.strerror or e}); check the "
                           "folder's files can be read by this step") from None
-    return f"{REVISION_PREFIX}{h.hexdigest()[:32]}"
+    return f"{FOLDER_REVISION_PREFIX}{h.hexdigest()[:32]}"
 
 
 def _fingerprinted_files(folder: Path) -> list[Path]:

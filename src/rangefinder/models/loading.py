@@ -47,6 +47,7 @@ from rangefinder.formats.digest import hash_file_into
 from rangefinder.formats.single_file import single_file_prediction_type
 from rangefinder.formats.weights_file import (
     EMBEDDED_BASE_MODEL,
+    FILE_REVISION_PREFIX,
     base_model_path,
     names_embedded_model,
     pickle_format,
@@ -391,7 +392,7 @@ def _resolve_single_file(path: Path, model_cfg: ModelConfig) -> ResolvedModel:
             if _missing_parts(out) != []:
                 with atomic_dir(out) as tmp:
                     _convert_single_file(path, config, tmp, family, hub_cache_dir(model_cfg))
-    return ResolvedModel(out, "single_file", str(path), f"sha256:{content}")
+    return ResolvedModel(out, "single_file", str(path), f"{FILE_REVISION_PREFIX}{content}")
 
 
 def _check_sd_checkpoint(path: Path) -> str:

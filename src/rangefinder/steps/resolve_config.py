@@ -37,7 +37,7 @@ from rangefinder.config import (
 )
 from rangefinder.errors import ConfigError
 from rangefinder.formats.text import markdown_code, markdown_text, warn
-from rangefinder.models.fingerprint import REVISION_PREFIX as FOLDER_REVISION
+from rangefinder.formats.weights_file import FOLDER_REVISION_PREFIX
 from rangefinder.planning import check_finetune_validations
 from rangefinder.training.family_detection import family_of
 
@@ -285,7 +285,7 @@ def resolved_report(cfg: RangefinderConfig, family: str, warnings: list[str]) ->
     model = cfg.model
     given = markdown_code(redact(model.base_model)) if model.base_model else "empty: the embedded tiny model"
     revision = markdown_code(model.resolved_revision) if model.resolved_revision else "none"
-    if (model.resolved_revision or "").startswith(FOLDER_REVISION):
+    if (model.resolved_revision or "").startswith(FOLDER_REVISION_PREFIX):
         revision += " (a fingerprint of the folder's weights and configs)"
     if cfg.lr is not None:
         lr = f"fixed by hand at {cfg.lr:g}; discovery skipped (lr_finder {cfg.lr_finder} has nothing to measure)"

@@ -464,17 +464,17 @@ def _base_moved(tags: Mapping[str, str]) -> tuple[str, str]:
     for a hub id, whose main moved), and how to keep the base weights fixed from week to week. A hub id is pinned by
     model.revision; a folder and a single file have no revision to pin, and hold other weights where someone
     replaced their files under the same path; the embedded tiny model's are the rangefinder release's."""
-    from rangefinder.models.fingerprint import REVISION_PREFIX
+    from rangefinder.formats.weights_file import FILE_REVISION_PREFIX, FOLDER_REVISION_PREFIX
 
     revision, base = tags.get(TAG_BASE_MODEL_REVISION, ""), tags.get(TAG_BASE_MODEL, "")
     fixed = "to keep the base weights fixed from week to week"
-    if revision.startswith(REVISION_PREFIX) and base == EMBEDDED_BASE_MODEL_TAG:
+    if revision.startswith(FOLDER_REVISION_PREFIX) and base == EMBEDDED_BASE_MODEL_TAG:
         return "another rangefinder release's embedded tiny model", f"{fixed}, run the schedule on one release"
-    if revision.startswith(REVISION_PREFIX):
+    if revision.startswith(FOLDER_REVISION_PREFIX):
         return ("the weights in its folder were replaced",
                 f"{fixed}, put new ones in a folder of their own and set model.base_model to it, instead of "
                 "replacing these")
-    if revision.startswith("sha256:"):
+    if revision.startswith(FILE_REVISION_PREFIX):
         return ("its file was replaced", f"{fixed}, save new ones under a file name of their own and set "
                                          "model.base_model to it, instead of replacing this one")
     return "", f"pin model.revision {fixed}"
