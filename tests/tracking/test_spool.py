@@ -300,8 +300,12 @@ def test_one_outage_of_a_step_with_child_runs_is_said_once_and_its_end_once(tmp_
     assert back[0].endswith("2 runs made, 5 tags, 2 metric values, 2 ends of the run, for 3 runs")
     assert not list(folder.glob("*.jsonl")) and not any("is not answering" in line for line in said)
     assert not (folder / AWAY_MARKER).exists()  # the outage said over: the next one is said again
-    made = live.search_runs([step.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent_id}'")
-    assert sorted(r.data.tags["halving.candidate"] for r in made) == ["lr_high", "lr_mid"]
+    made = live.search_runs([step.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent_id}'",
+                            order_by=["attributes.start_time ASC"])
+    # Made in MLflow in the order the step made them: the newest child's spool was sent first, so the UI listed the
+    # candidates made in the outage backwards.
+    assert [r.data.tags["halving.candidate"] for r in made] == ["lr_mid", "lr_high"]
+    assert made[0].info.start_time < made[1].info.start_time
     assert [(r.data.tags["halving.outcome"], r.data.metrics) for r in made] == [
         ("kept", {"validation/val_loss": 0.5})] * 2
     assert live.get_run(parent_id).info.status == "FINISHED"

@@ -189,14 +189,16 @@ class Outbox:
         return False
 
     def _drain(self) -> bool:
-        """Send what the spools of the step's runs hold, each oldest first (the child runs' before the step's own,
-        as they were made after it). True when this run's spool is empty now; False when another process is sending
-        it (this record then waits behind it). Raises what the server's absence raised."""
+        """Send what the spools of the step's runs hold, each oldest first: the child runs' in the order they were
+        made (MLflow starts a run made from a spool when it gets it, and lists a step's candidates by that start), then
+        the step's own, whose records name them. True when this run's spool is empty now; False when another process
+        is sending it (this record then waits behind it). Raises what the server's absence raised."""
         if not any(o.spool.exists() for o in self.link.outboxes):
             return True
         sent: Counter = Counter()
         runs = 0
-        for outbox in reversed(self.link.outboxes):
+        own, *children = self.link.outboxes
+        for outbox in (*children, own):
             if outbox.refused and outbox is not self:
                 continue
             with outbox._locked(blocking=False) as held:
