@@ -5,6 +5,7 @@ that mean nothing for SD3 are one line each."""
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 from pathlib import Path
 
@@ -296,6 +297,18 @@ def test_a_resume_on_the_base_model_with_its_scheduler_shifting_otherwise_is_ref
                      ValidationConfig(**VALIDATION), split_dir=split_dir, model=model)
     with pytest.raises(ConfigError, match=r"cannot resume: .*the shift of the sigmas it trains at \(3\.0 -> 1\.0: "
                                           r"the base model's scheduler config"):
+        train(spec, out_dir=out)
+
+
+def test_a_resume_with_training_flow_shift_changed_by_hand_names_it_once(runs, split_dir, tiny_sd3_dir, tmp_path):
+    """training.flow.shift set by hand on a run that trained at the scheduler's shift: the refusal named the one
+    change twice, as the shift of the sigmas (blaming the scheduler config or the setting) and as the setting."""
+    out = Path(shutil.copytree(runs["lora"].out_dir, tmp_path / "run"))
+    spec = TrainSpec(TrainingConfig(method="lora", cache_dir=str(tmp_path / "cache"), resume=True, flow={"shift": 1.0},
+                                    **SETTINGS, **RUNS_CHECKPOINT),
+                     ValidationConfig(**VALIDATION), split_dir=split_dir, model=tiny_sd3_dir)
+    with pytest.raises(ConfigError, match=r"different settings or data \(the shift of the sigmas it trains at \(3\.0 "
+                                          r"-> 1\.0: training\.flow\.shift null -> 1\.0\)\); resume with"):
         train(spec, out_dir=out)
 
 

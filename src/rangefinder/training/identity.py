@@ -101,17 +101,24 @@ def check_same_run(saved: dict[str, Any], run: Run, train_buckets: Optional[dict
         diffs.append(f"what the model is trained to predict ({identity['prediction_type']} -> "
                      f"{now['prediction_type']}: the base model's scheduler config, or training.prediction_type, "
                      "says otherwise now)")
-    if identity.get("sigma_shift") not in (None, now["sigma_shift"]):
-        diffs.append(f"the shift of the sigmas it trains at ({_show(identity['sigma_shift'])} -> "
-                     f"{_show(now['sigma_shift'])}: the base model's scheduler config, or training.flow.shift, says "
-                     "otherwise now)")
-    if identity.get("train_on") not in (None, now["train_on"]):
-        diffs.append(f"what it trains on ({identity['train_on']} -> {now['train_on']})")
     # Settings as written before a rename (use_8bit_adam: training.optimizer) read as today's.
     before = migrate_training(saved["training"])
+    training = run.cfg.model_dump(mode="json")
+    said: frozenset[str] = frozenset()  # training.* settings whose change an item above names already
+    if identity.get("sigma_shift") not in (None, now["sigma_shift"]):
+        # Set by hand (training.flow.shift changed) or read off the base model's scheduler config (edited, or
+        # another model's): the item names the one that moved it, and the setting is not named again below.
+        was_set, set_now = (before.get("flow") or {}).get("shift"), training["flow"]["shift"]
+        why = (f"training.flow.shift {_show(was_set)} -> {_show(set_now)}" if was_set != set_now else
+               "the base model's scheduler config says otherwise now")
+        diffs.append(f"the shift of the sigmas it trains at ({_show(identity['sigma_shift'])} -> "
+                     f"{_show(now['sigma_shift'])}: {why})")
+        said = frozenset({"flow.shift"})
+    if identity.get("train_on") not in (None, now["train_on"]):
+        diffs.append(f"what it trains on ({identity['train_on']} -> {now['train_on']})")
     branch = run.settings.branch
-    diffs += _changed("training", before, run.cfg.model_dump(mode="json"), TrainingConfig(),
-                      RESUMABLE_CHANGES | BRANCH_CHANGES if branch else RESUMABLE_CHANGES)
+    diffs += _changed("training", before, training, TrainingConfig(),
+                      (RESUMABLE_CHANGES | BRANCH_CHANGES if branch else RESUMABLE_CHANGES) | said)
     if branch and not diffs:
         diffs += _same_lr_so_far(before, saved, run)
     if "validation" in identity:
@@ -149,9 +156,9 @@ def _same_lr_so_far(before: dict[str, Any], saved: dict[str, Any], run: Run) -> 
 
 def _changed(section: str, before: dict[str, Any], now: dict[str, Any], defaults: Any,
              may_change: frozenset[str] = frozenset()) -> list[str]:
-    """`section.key before -> now` for each setting that differs, leaving out `may_change`; within a section of
-    settings (training.flow, training.lora), each of its own that differs: `training.flow.guidance null -> 1.0`, where
-    the whole section's JSON was written twice."""
+    """`section.key before -> now` for each setting that differs, leaving out `may_change` (`flow.shift`: a setting
+    of a section within); within a section of settings (training.flow, training.lora), each of its own that differs:
+    `training.flow.guidance null -> 1.0`, where the whole section's JSON was written twice."""
     known = defaults if isinstance(defaults, dict) else defaults.model_dump(mode="json")
     before = {**{k: known[k] for k in now if k in known and k not in before}, **before}
     keys = sorted(k for k in set(before) | set(now) if k not in may_change and before.get(k) != now.get(k))
@@ -159,7 +166,9 @@ def _changed(section: str, before: dict[str, Any], now: dict[str, Any], defaults
     for k in keys:
         was, is_ = before.get(k), now.get(k)
         if isinstance(was, dict) and isinstance(is_, dict):
-            out += _changed(f"{section}.{k}", was, is_, known.get(k) if isinstance(known.get(k), dict) else {})
+            within = frozenset(m.removeprefix(f"{k}.") for m in may_change if m.startswith(f"{k}."))
+            out += _changed(f"{section}.{k}", was, is_, known.get(k) if isinstance(known.get(k), dict) else {},
+                            within)
         else:
             out.append(f"{section}.{k} {_show(was)} -> {_show(is_)}")
     return out
