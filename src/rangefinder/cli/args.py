@@ -7,6 +7,7 @@ import argparse
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from rangefinder.errors import RangefinderError
 
@@ -103,3 +104,27 @@ def curve_source(curve: str, columns: dict[str, str]) -> str:
     """The curve file for a report, and the columns read from it under another name."""
     named = ", ".join(f"{ours} from {theirs!r}" for ours, theirs in columns.items())
     return f"{curve} ({named})" if named else curve
+
+
+def refuse_plot_over_curve(args: argparse.Namespace) -> None:
+    """RangefinderError, before anything is read or written, when a curve command's --plot names its CURVE.csv."""
+    if args.plot:
+        refuse_writing_over(args.plot, "--plot", args.curve, "CURVE.csv",
+                            f"name the plot apart, e.g. {Path(args.plot).with_suffix('.png')}")
+
+
+def curve_result(args: argparse.Namespace, found: Any, curve: dict, columns: dict[str, str], notes: list[str],
+                 plot: Callable[[Any, str], Path], report: Callable[..., dict[str, Path]]) -> dict[str, Any]:
+    """What a curve command (analyze-lr, select-steps) returns of what it `found` in CURVE.csv (its bounds, its step
+    window): `notes` on how the file was read added to its reading and advice, the columns read under another name
+    (for the script that reads the result, and for the report), and the --plot and --report written."""
+    found.reading += notes
+    found.advice += notes
+    result: dict[str, Any] = found.to_dict()
+    if columns:
+        result["columns"] = columns
+    if args.plot:
+        result["plot"] = str(plot(found, args.plot))
+    if args.report:
+        result["report"] = str(report(found, curve, args.report, source=curve_source(args.curve, columns))["html"])
+    return result

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from rangefinder.cli import args as argtypes
 from rangefinder.cli.output import add_json_flag
@@ -54,9 +53,7 @@ def run(args: argparse.Namespace) -> dict:
     from rangefinder.analysis.curves import read_curve, replaced_note
     from rangefinder.errors import RangefinderError
 
-    if args.plot:  # before anything is read or written
-        argtypes.refuse_writing_over(args.plot, "--plot", args.curve, "CURVE.csv",
-                                     f"name the plot apart, e.g. {Path(args.plot).with_suffix('.png')}")
+    argtypes.refuse_plot_over_curve(args)
     columns = argtypes.named_columns(lr=args.lr_column, val_loss=args.loss_column)
     read = read_curve(args.curve, required=("lr", "val_loss"), skip_empty=("val_loss",), columns=columns,
                       flags={"lr": "--lr-column", "val_loss": "--loss-column"}, fill_down=("lr",), steps=("update",))
@@ -72,14 +69,4 @@ def run(args: argparse.Namespace) -> dict:
         above = f"above it in {read.step} order" if read.step else "above it in the file"
         notes.append(f"{filled} of {curve['val_loss'].size} validation rows had no lr; each took the lr of the last "
                      f"row {above} (the LR logged at the step before the validation)")
-    bounds.reading += notes
-    bounds.advice += notes
-    result = bounds.to_dict()
-    if columns:  # what was read as what, for the script that reads this result and for the report
-        result["columns"] = columns
-    if args.plot:
-        result["plot"] = str(plot_lr_range_test(bounds, args.plot))
-    if args.report:
-        paths = write_lr_report(bounds, curve, args.report, source=argtypes.curve_source(args.curve, columns))
-        result["report"] = str(paths["html"])
-    return result
+    return argtypes.curve_result(args, bounds, curve, columns, notes, plot_lr_range_test, write_lr_report)

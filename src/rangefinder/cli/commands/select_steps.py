@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from rangefinder.cli import args as argtypes
 from rangefinder.cli.output import add_json_flag
@@ -53,9 +52,7 @@ def run(args: argparse.Namespace) -> dict:
     from rangefinder.analysis.curves import read_curve, replaced_note
     from rangefinder.errors import RangefinderError
 
-    if args.plot:  # before anything is read or written
-        argtypes.refuse_writing_over(args.plot, "--plot", args.curve, "CURVE.csv",
-                                     f"name the plot apart, e.g. {Path(args.plot).with_suffix('.png')}")
+    argtypes.refuse_plot_over_curve(args)
     columns = argtypes.named_columns(update=args.update_column, epoch=args.epoch_column, val_loss=args.loss_column)
     # Given the updates an epoch takes, a curve by epoch alone (a validation logged once an epoch, at step epoch)
     # needs no update column: the updates are counted from its epochs.
@@ -79,19 +76,8 @@ def run(args: argparse.Namespace) -> dict:
     _refuse_a_range_test(args.curve, curve)
     window = select_step_window(curve["update"], curve.get("epoch"), curve["val_loss"], tolerance=args.tolerance,
                                 stabilize_loss=curve.get("stabilize_loss"), seed=args.seed)
-    if read.replaced:
-        note = replaced_note(read, "validation")
-        window.reading.append(note)
-        window.advice.append(note)
-    result = window.to_dict()
-    if columns:  # what was read as what, for the script that reads this result and for the report
-        result["columns"] = columns
-    if args.plot:
-        result["plot"] = str(plot_step_window(window, args.plot))
-    if args.report:
-        paths = write_step_report(window, curve, args.report, source=argtypes.curve_source(args.curve, columns))
-        result["report"] = str(paths["html"])
-    return result
+    notes = [replaced_note(read, "validation")] if read.replaced else []
+    return argtypes.curve_result(args, window, curve, columns, notes, plot_step_window, write_step_report)
 
 
 def _refuse_a_range_test(path: str, curve: dict) -> None:
