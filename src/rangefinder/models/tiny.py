@@ -474,25 +474,34 @@ def build_tiny_base_model(
     out = Path(out_dir).expanduser().resolve()
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} already exists and is not empty")
+
+    def build() -> tuple[dict[str, Any], dict[str, Any]]:
+        parts = build_tiny_components(settings)
+        return parts, _pretrain(parts, settings, log=log)
+
+    def pipeline(**parts: Any) -> Any:
+        return StableDiffusionPipeline(**parts, safety_checker=None, feature_extractor=None,
+                                       requires_safety_checker=False)
+
+    return save_built_model(out, pipeline, build, {"builder_version": BUILDER_VERSION,
+                                                   "settings": dataclasses.asdict(settings),
+                                                   "vocabulary": vocabulary_words()})
+
+
+def save_built_model(out_dir: str | Path, pipeline: Callable[..., Any],
+                     build: Callable[[], tuple[dict[str, Any], dict[str, Any]]], info: dict[str, Any]) -> Path:
+    """A tiny model (the SD model's, SDXL's, SD3's, Flux's) built into `out_dir`, written under a temporary name and
+    renamed: its parts made and pre-trained by `build` (the parts, and the pre-training's figures) under
+    deterministic_build, bit for bit the same weights whatever the core count; saved as the diffusers folder of
+    `pipeline(**parts)`, with rangefinder_tiny.json, `info` and the figures as "pretraining"."""
+    out = Path(out_dir).expanduser().resolve()
     with atomic_dir(out, replace=False) as tmp:
         with deterministic_build():
-            parts = build_tiny_components(settings)
-            stats = _pretrain(parts, settings, log=log)
-        pipe = StableDiffusionPipeline(
-            vae=parts["vae"],
-            text_encoder=parts["text_encoder"],
-            tokenizer=parts["tokenizer"],
-            unet=parts["unet"],
-            scheduler=parts["scheduler"],
-            safety_checker=None,
-            feature_extractor=None,
-            requires_safety_checker=False,
-        )
+            parts, stats = build()
         # With vocab.json/merges.txt and the `text_model.` weight names, so transformers 4.x loads it too.
-        save_pipeline_folder(pipe, tmp)
-        info = {"builder_version": BUILDER_VERSION, "settings": dataclasses.asdict(settings), "pretraining": stats,
-                "vocabulary": vocabulary_words()}
-        (tmp / "rangefinder_tiny.json").write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+        save_pipeline_folder(pipeline(**parts), tmp)
+        text = json.dumps({**info, "pretraining": stats}, indent=2, sort_keys=True) + "\n"
+        (tmp / "rangefinder_tiny.json").write_text(text)
     return out
 
 

@@ -23,15 +23,12 @@ The model built with the default settings ships as package data, as the other ti
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from rangefinder.formats.atomic import atomic_dir
-from rangefinder.formats.diffusers_folder import save_pipeline_folder
 from rangefinder.models import tiny
 
 BUILDER_VERSION = 1  # bump when the builder changes what it writes (the cache key also hashes this file's source)
@@ -209,14 +206,10 @@ def build_tiny_flux_model(out_dir: str | Path, settings: Optional[TinyFluxSettin
 
     settings = settings or TinyFluxSettings()
     log = log or tiny._log_stderr
-    out = Path(out_dir).expanduser().resolve()
-    with atomic_dir(out, replace=False) as tmp:
-        with tiny.deterministic_build():  # bit-for-bit the same weights whatever the core count
-            parts = build_tiny_flux_components(settings)
-            stats = _pretrain(parts, settings, log)
-        pipe = FluxPipeline(**parts)
-        save_pipeline_folder(pipe, tmp)
-        info = {"builder_version": BUILDER_VERSION, "family": "flux", "settings": dataclasses.asdict(settings),
-                "pretraining": stats}
-        (tmp / "rangefinder_tiny.json").write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
-    return out
+
+    def build() -> tuple[dict[str, Any], dict[str, Any]]:
+        parts = build_tiny_flux_components(settings)
+        return parts, _pretrain(parts, settings, log)
+
+    return tiny.save_built_model(out_dir, FluxPipeline, build, {
+        "builder_version": BUILDER_VERSION, "family": "flux", "settings": dataclasses.asdict(settings)})

@@ -19,15 +19,12 @@ the defaults ships as package data, as the tiny SD model's (models/shipped.py).
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from rangefinder.formats.atomic import atomic_dir
-from rangefinder.formats.diffusers_folder import save_pipeline_folder
 from rangefinder.models import tiny
 
 BUILDER_VERSION = 1  # bump when the builder changes what it writes (the cache key also hashes this file's source)
@@ -196,13 +193,11 @@ def build_tiny_sd3_model(out_dir: str | Path, base: Path, settings: Optional[Tin
 
     settings = settings or TinySd3Settings()
     log = log or tiny._log_stderr
-    out = Path(out_dir).expanduser().resolve()
-    with atomic_dir(out, replace=False) as tmp:
-        with tiny.deterministic_build():  # bit-for-bit the same weights whatever the core count
-            parts = build_tiny_sd3_components(settings, base)
-            stats = _pretrain(parts, settings, log)
-        save_pipeline_folder(StableDiffusion3Pipeline(**parts), tmp)
-        info = {"builder_version": BUILDER_VERSION, "family": "sd3", "settings": dataclasses.asdict(settings),
-                "pretraining": stats, "vae_and_tokenizer_from": base.name}
-        (tmp / "rangefinder_tiny.json").write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
-    return out
+
+    def build() -> tuple[dict[str, Any], dict[str, Any]]:
+        parts = build_tiny_sd3_components(settings, base)
+        return parts, _pretrain(parts, settings, log)
+
+    return tiny.save_built_model(out_dir, StableDiffusion3Pipeline, build, {
+        "builder_version": BUILDER_VERSION, "family": "sd3", "settings": dataclasses.asdict(settings),
+        "vae_and_tokenizer_from": base.name})

@@ -17,15 +17,12 @@ The model built with the default settings ships as package data, as the tiny SD 
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from rangefinder.formats.atomic import atomic_dir
-from rangefinder.formats.diffusers_folder import save_pipeline_folder
 from rangefinder.models import tiny
 
 BUILDER_VERSION = 1  # bump when the builder changes what it writes (the cache key also hashes this file's source)
@@ -178,18 +175,11 @@ def build_tiny_sdxl_model(out_dir: str | Path, base: Path, settings: Optional[Ti
 
     settings = settings or TinySdxlSettings()
     log = log or tiny._log_stderr
-    out = Path(out_dir).expanduser().resolve()
-    with atomic_dir(out, replace=False) as tmp:
-        with tiny.deterministic_build():  # bit-for-bit the same weights whatever the core count
-            parts = build_tiny_sdxl_components(settings, base)
-            stats = _pretrain(parts, settings, log)
-        pipe = StableDiffusionXLPipeline(
-            vae=parts["vae"], text_encoder=parts["text_encoder"], text_encoder_2=parts["text_encoder_2"],
-            tokenizer=parts["tokenizer"], tokenizer_2=parts["tokenizer_2"], unet=parts["unet"],
-            scheduler=parts["scheduler"],
-        )
-        save_pipeline_folder(pipe, tmp)
-        info = {"builder_version": BUILDER_VERSION, "family": "sdxl", "settings": dataclasses.asdict(settings),
-                "pretraining": stats, "vae_and_tokenizer_from": base.name}
-        (tmp / "rangefinder_tiny.json").write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
-    return out
+
+    def build() -> tuple[dict[str, Any], dict[str, Any]]:
+        parts = build_tiny_sdxl_components(settings, base)
+        return parts, _pretrain(parts, settings, log)
+
+    return tiny.save_built_model(out_dir, StableDiffusionXLPipeline, build, {
+        "builder_version": BUILDER_VERSION, "family": "sdxl", "settings": dataclasses.asdict(settings),
+        "vae_and_tokenizer_from": base.name})
