@@ -293,11 +293,15 @@ def resume_short(short_run: dict, tmp_path: Path, split_dir, model, validation=S
         assert files() == before
 
 
-def test_a_resumed_run_s_files_name_when_and_as_what_the_run_began(short_run, split_dir, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("older", [False, True], ids=["recorded", "older-checkpoint"])
+def test_a_resumed_run_s_files_name_when_and_as_what_the_run_began(short_run, split_dir, tiny_model_dir, tmp_path,
+                                                                   older):
     """The model spec's date and title (formats/model_spec.py SpecFacts) are what the run recorded when it began, kept
     in its checkpoints: resumed (here a copy of the finished run under another folder name, from its last
     checkpoint, whose start is set back to a day long past), final/ names that start and the first folder's name,
-    not the resume's clock or folder, and run_summary.json says the same."""
+    not the resume's clock or folder, and run_summary.json says the same. A checkpoint an older rangefinder wrote
+    recorded neither: its start is unknown, so final/ names no date (it named the resume's clock as the run's), and
+    its title is the folder's name, as an export of that checkpoint names them (restore._spec_facts)."""
     import shutil
 
     from rangefinder.formats import checkpoints
@@ -310,6 +314,8 @@ def test_a_resumed_run_s_files_name_when_and_as_what_the_run_began(short_run, sp
     state = json.loads((newest / checkpoints.STATE_NAME).read_text())
     assert state["title"] == short_run["out"].name  # recorded at the start: the output folder's name, no spec title
     state["started"] = "2001-02-03T04:05:06+00:00"
+    if older:
+        del state["started"], state["title"]
     (newest / checkpoints.STATE_NAME).write_text(json.dumps(state))
     manifest = json.loads((newest / checkpoints.MANIFEST_NAME).read_text())
     manifest["sha256"][checkpoints.STATE_NAME] = file_sha256(newest / checkpoints.STATE_NAME)
@@ -320,8 +326,12 @@ def test_a_resumed_run_s_files_name_when_and_as_what_the_run_began(short_run, sp
     resumed = train(spec, out_dir=out)
     assert (resumed.status, resumed.resumed_from) == ("ok", 2)
     meta = read_metadata(out / "final" / SINGLE_FILE_NAME)
-    assert (meta["modelspec.date"], meta["modelspec.title"]) == ("2001-02-03T04:05:06+00:00", short_run["out"].name)
     summary = json.loads((out / "run_summary.json").read_text())
+    if older:
+        assert "modelspec.date" not in meta and meta["modelspec.title"] == out.name
+        assert (summary["started"], summary["title"]) == (None, out.name)
+        return
+    assert (meta["modelspec.date"], meta["modelspec.title"]) == ("2001-02-03T04:05:06+00:00", short_run["out"].name)
     assert (summary["started"], summary["title"]) == ("2001-02-03T04:05:06+00:00", short_run["out"].name)
 
 

@@ -151,7 +151,10 @@ def restore_checkpoint(run: Run, state: RunState) -> None:
     state.loss_sum, state.loss_count = st["loss_since_row"]
     state.status = st["status"]
     state.log.restore(st["metrics_rows"], st["update_rows"])
-    state.started, state.title = st.get("started", state.started), st.get("title", state.title)  # not in older ones
+    # A checkpoint of an older rangefinder recorded neither: its run's start is unknown (not this resume's clock,
+    # which the deliverables would name as the run's date), and its title falls back to the output folder's name, as
+    # restore._spec_facts reads such a checkpoint.
+    state.started, state.title = st.get("started", ""), st.get("title", state.title)
     state.resumed_from = state.update
 
 

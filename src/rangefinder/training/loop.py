@@ -470,7 +470,7 @@ def _finish(run: Run, state: RunState, *, save_final: bool, seconds: float, cpu_
         # the average (EMA's, a schedule-free optimizer's) is what it saves
         run.method.epochs_trained = run.stream.epochs_after(state.micro_batches_done)
         run.method.spec_facts = SpecFacts(title=state.title, resolution=run.data.data_cfg.resolution,
-                                          date=state.started)
+                                          date=state.started or None)
         with run.schedule_free_eval(), run.ema_weights(on=True), run.fp32_weights(), atomic_dir(final_dir) as tmp:
             run.method.save_final(run.sd, tmp)
     run.accelerator.wait_for_everyone()
@@ -505,7 +505,9 @@ def _finish(run: Run, state: RunState, *, save_final: bool, seconds: float, cpu_
             "validation": run.val_cfg.model_dump(),
             "train_on": settings.train_on,
             "resolution": run.data.data_cfg.resolution,
-            "started": state.started,  # the run's start (a resumed run's too), its deliverables' model-spec date
+            # the run's start (a resumed run's too), its deliverables' model-spec date; None: resumed from an older
+            # rangefinder's checkpoint, which did not record it
+            "started": state.started or None,
             "title": state.title,  # their model-spec title
             "buckets": _bucket_summary(run, state),
             "family": run.family.name,  # detected from the base model (models/loading.py: detect_family)

@@ -87,7 +87,7 @@ def _spec_facts(ckpt_dir: Path, state: dict[str, Any]) -> SpecFacts:
     run_dir = Path(ckpt_dir).resolve().parent.parent  # <run>/checkpoints/checkpoint-<update>
     return SpecFacts(title=state.get("title") or run_dir.name,
                      resolution=state.get("identity", {}).get("data", {}).get("resolution"),
-                     date=state.get("started"))
+                     date=state.get("started") or None)
 
 
 def delivered_state(ckpt_dir: Path, base_model: Path) -> dict[str, Any]:

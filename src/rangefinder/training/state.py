@@ -34,7 +34,8 @@ class RunState:
     resumed_from: Optional[int] = None  # the update this process resumed at (not saved)
     # When the run began (ISO-8601, UTC, to the second) and the title its deliverables carry: what their model spec
     # names as its date and title (formats/model_spec.py SpecFacts). Recorded once, when the run starts afresh, and
-    # put back from its checkpoint by a resume, so a resumed run's files say what the uninterrupted run's say.
+    # put back from its checkpoint by a resume, so a resumed run's files say what the uninterrupted run's say. An
+    # empty `started`: unknown (a resume of an older rangefinder's checkpoint), and the files name no date.
     started: str = ""
     title: str = ""
 
