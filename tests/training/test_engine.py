@@ -506,6 +506,7 @@ def test_exported_files_record_the_epochs_their_weights_trained(budget, split_di
     """16 images, batch 4: 4 updates an epoch. The final files say the epochs the run took, and a checkpoint written
     out as the fine-tune's `chosen/` is (save_checkpoint_model) says its own, not the run's budget; with a budget
     in steps, the files said no epochs at all."""
+    from rangefinder.formats.digest import file_sha256
     from rangefinder.formats.weights_file import read_metadata
     from rangefinder.training.restore import save_checkpoint_model
 
@@ -515,7 +516,18 @@ def test_exported_files_record_the_epochs_their_weights_trained(budget, split_di
     assert result.status == "ok" and result.epochs == result.updates / 4
     chosen = save_checkpoint_model(tmp_path / "run" / "checkpoints" / "checkpoint-000002", tiny_model_dir,
                                    tmp_path / "chosen")
-    for folder, updates in ((result.final_dir, result.updates), (chosen, 2)):
+    # A checkpoint an older rangefinder wrote has no `epoch` in its state.json: its update's row gives it (the files
+    # said the run's budget of 2 epochs, or none).
+    older = Path(shutil.copytree(tmp_path / "run" / "checkpoints" / "checkpoint-000002",
+                                 tmp_path / "older" / "checkpoints" / "checkpoint-000002"))
+    state = json.loads((older / "state.json").read_text())
+    del state["epoch"]
+    (older / "state.json").write_text(json.dumps(state))
+    manifest = json.loads((older / "manifest.json").read_text())
+    manifest["sha256"]["state.json"] = file_sha256(older / "state.json")
+    (older / "manifest.json").write_text(json.dumps(manifest))
+    from_older = save_checkpoint_model(older, tiny_model_dir, tmp_path / "chosen-older")
+    for folder, updates in ((result.final_dir, result.updates), (chosen, 2), (from_older, 2)):
         for name in ("pytorch_lora_weights.safetensors", "lora_kohya.safetensors"):
             meta = read_metadata(folder / name)
             assert (meta["rangefinder.updates"], float(meta.get("rangefinder.epochs", "nan"))) == (

@@ -60,7 +60,7 @@ def _rebuilt(ckpt_dir: Path, cfg: TrainingConfig, base_model: Path,
     method.setup(sd, torch.float32)
     method.load_trainable_state_dict(checkpoints.read_weights(ckpt_dir))
     state = checkpoints.read_state(ckpt_dir)
-    method.epochs_trained = state.get("epoch")  # None in checkpoints written before it
+    method.epochs_trained = checkpoint_epoch(state)
     method.spec_facts = _spec_facts(ckpt_dir, state)
     # In the run's order (Run.schedule_free_eval around Run.ema_weights): a schedule-free optimizer's eval mode, then
     # the EMA, which replaces every trainable tensor; the other way round the optimizer averaged the EMA with its z,
@@ -76,6 +76,16 @@ def _rebuilt(ckpt_dir: Path, cfg: TrainingConfig, base_model: Path,
         ema.load_state_dict(ema_state)
         ema.copy_to(params)
     return method, sd
+
+
+def checkpoint_epoch(state: dict[str, Any]) -> float | None:
+    """The epochs a checkpoint's weights trained for, from its state.json: its `epoch`, or in one an older rangefinder
+    wrote (without it) the epoch of its own update's row in the run's updates (`update_rows`). None where neither is
+    there: the files then say the run's epochs budget, which is not this checkpoint's."""
+    if state.get("epoch") is not None:
+        return float(state["epoch"])
+    row = next((r for r in state.get("update_rows") or () if r.get("update") == state.get("update")), None)
+    return None if row is None or row.get("epoch") is None else float(row["epoch"])
 
 
 def _spec_facts(ckpt_dir: Path, state: dict[str, Any]) -> SpecFacts:
