@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
+import os
+import sqlite3
+import threading
 import time
 
 import pytest
@@ -130,6 +134,31 @@ def test_unwritable_sqlite_folder(tmp_path):
     blocker.write_text("not a folder")
     with pytest.raises(TrackingError, match="writable location"):
         check_tracking_server(f"sqlite:///{blocker / 'sub' / 'mlflow.db'}")
+
+
+def test_a_new_sqlite_store_waits_for_another_process_making_it(tmp_path):
+    """Two runs started at once on one new database (one MLFLOW_TRACKING_URI in two terminals) each ran MLflow's
+    migrations on it: both failed, and the file was left half-migrated for every later run. The check opens the store
+    under a flock on the database's folder, which this test holds as the other process making it would."""
+    db = tmp_path / "mlflow.db"
+    done = threading.Event()
+
+    def check() -> None:
+        check_tracking_server(f"sqlite:///{db}")
+        done.set()
+
+    other = os.open(tmp_path, os.O_RDONLY)
+    fcntl.flock(other, fcntl.LOCK_EX)
+    thread = threading.Thread(target=check)
+    thread.start()
+    try:
+        assert not done.wait(0.5) and not db.exists()  # waits, and makes nothing meanwhile
+    finally:
+        os.close(other)
+    thread.join(60)
+    assert done.is_set()
+    with sqlite3.connect(db) as con:  # the store was opened (made) under the lock
+        assert con.execute("SELECT name FROM sqlite_master WHERE name = 'experiments'").fetchone()
 
 
 def test_missing_credentials_are_refused_with_the_variables_to_set(mlflow_auth_server):

@@ -229,6 +229,32 @@ def _check_sqlite(uri: str) -> None:
             f"the folder {folder} of the MLflow database {safe_uri(uri)} is not writable; "
             "set MLFLOW_TRACKING_URI or tracking.tracking_uri to a writable location"
         )
+    _open_sqlite_store(uri, folder)
+
+
+def _open_sqlite_store(uri: str, folder: Path) -> None:
+    """Open this process's MLflow store of `uri` while holding an exclusive flock on the database's folder, so that
+    one process at a time runs MLflow's schema migrations on a new file and the others find its tables made. Two
+    runs started at once on one new database (two terminals with the same MLFLOW_TRACKING_URI) each migrated it: both
+    steps failed ("table _alembic_tmp_experiments already exists", "Online migration expected to match one row"),
+    and the file was left half-migrated, refusing every later run. The folder is locked, not a file in it: SQLite's
+    own locks on the database are POSIX locks, which closing any descriptor of the file would drop, and no lock file
+    is left beside the user's database. MLflow keeps the store it opened for the process (its registry's cache), so
+    later calls reuse it. Where the folder cannot be flocked (some network file systems), it opens unlocked, as
+    before."""
+    import fcntl
+
+    from mlflow import MlflowClient
+
+    fd: Optional[int] = None
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        fcntl.flock(fd, fcntl.LOCK_EX)  # another's migration takes seconds; SIGINT still ends the wait
+    try:
+        MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+    finally:
+        if fd is not None:
+            os.close(fd)  # drops the flock
 
 
 def _check_retries() -> tuple[int, float]:
