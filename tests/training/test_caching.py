@@ -262,3 +262,35 @@ def test_a_run_with_flips_encodes_the_mirrored_latents_a_run_without_them_left_o
     again = cache()
     again.latents(paths, keys, flipped=True, progress=False)
     assert again.stats.as_dict() == {"encoded": 0, "reused": 2}
+
+
+def test_a_run_without_flips_keeps_the_mirrored_latents_another_run_wrote_meanwhile(shapes_dataset_dir,
+                                                                                     tiny_model_dir, tmp_path):
+    """Two runs at once on one cache, one with random_flip: the one without it found the entries missing, encoded
+    them, and wrote its latent alone over the entry the other had written meanwhile with its mirrored latent, so the
+    other's training then failed on an entry it had made ('cache entry ... cannot be read any more')."""
+    from diffusers import AutoencoderKL
+    from safetensors import safe_open
+
+    from rangefinder.data.pixels import load_rgb, to_model_array
+    from rangefinder.formats.digest import file_sha256
+    from rangefinder.training.caching import LatentCache, VaeEncoder
+
+    paths = sorted(Path(shapes_dataset_dir).glob("*.png"))[:2]
+    keys = [file_sha256(p) for p in paths]
+    vae = AutoencoderKL.from_pretrained(os.path.join(tiny_model_dir, "vae"))
+    flipping = LatentCache(VaeEncoder(vae, torch.device("cpu"), "sample", 3),
+                           lambda p: to_model_array(load_rgb(p), 32), tmp_path, batch_size=2)
+
+    def load_while_the_other_run_caches(path: Path):
+        if not flipping.stats.encoded:  # after this run's look at the cache, before its writes
+            flipping.ensure(paths, keys, flipped=True, progress=False)
+        return to_model_array(load_rgb(path), 32)
+
+    plain = LatentCache(VaeEncoder(vae, torch.device("cpu"), "sample", 3), load_while_the_other_run_caches, tmp_path,
+                        batch_size=2)
+    plain.ensure(paths, keys, flipped=False, progress=False)
+    assert flipping.stats.encoded == 2
+    for key in keys:
+        with safe_open(str(flipping.entry_path(key)), framework="pt") as f:
+            assert set(f.keys()) == {"latent", "flipped"}

@@ -173,6 +173,10 @@ class LatentCache:
                     mirrored = np.stack([np.ascontiguousarray(a[:, :, ::-1]) for a in arrays])
                     zf = self.encoder(torch.from_numpy(mirrored), [keys[i] + "/flip" for i in chunk])
                 for j, i in enumerate(chunk):
+                    # Another run sharing the cache may have written the entry since the look above, one with the
+                    # mirrored latent this run does not need: written over, the other's training found it gone.
+                    if _has(self.entry_path(keys[i]), wanted):
+                        continue
                     entry = {"latent": z[j].clone()}
                     if zf is not None:
                         entry["flipped"] = zf[j].clone()
