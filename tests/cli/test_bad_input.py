@@ -133,6 +133,26 @@ def test_demo_refuses_credentials_in_the_tracking_uri_before_writing(tmp_path):
     assert not out.exists()
 
 
+def test_demo_on_the_out_of_a_running_demo_is_refused_before_writing(tmp_path):
+    """A second demo on the --out of one still running (by mistake, in another terminal): it made the dataset and
+    model there and compiled its pipeline over the running one's pipeline.yaml before the folder's lock refused it."""
+    import fcntl
+
+    from rangefinder.training.outdir import LOCK_NAME
+
+    out = tmp_path / "demo"
+    out.mkdir()
+    (out / "pipeline.yaml").write_text("the running demo's\n")
+    running = os.open(out / LOCK_NAME, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(running, fcntl.LOCK_EX)  # as the running demo's process holds it
+    try:
+        assert_one_line_error(in_process("demo", "--out", str(out)), "is in use by another rangefinder run")
+    finally:
+        os.close(running)
+    assert sorted(p.name for p in out.iterdir()) == [LOCK_NAME, "pipeline.yaml"]
+    assert (out / "pipeline.yaml").read_text() == "the running demo's\n"
+
+
 @pytest.mark.parametrize("variable,value", [("RANGEFINDER_CACHE", "~rf-no-such-user/cache"),
                                             ("RANGEFINDER_WORK", "~rf-no-such-user/work"),
                                             ("RANGEFINDER_MLFLOW_SPOOL", "~rf-no-such-user/spool"),

@@ -104,6 +104,7 @@ def prepare_demo(out: Path, retrain: bool = False, lr: float | None = None, fami
 def run(args: argparse.Namespace) -> dict:
     from rangefinder.pipelines.local_run import check_environment_paths, run_pipeline_locally
     from rangefinder.pipelines.pipeline import compile_pipeline
+    from rangefinder.training.outdir import OutDirLock
 
     out = Path(args.out).resolve()
     family = getattr(args, "family", "sd1")
@@ -111,6 +112,10 @@ def run(args: argparse.Namespace) -> dict:
     # --lr, a variable's path, credentials in MLFLOW_TRACKING_URI cost one line, and leave no folder behind.
     check_environment_paths(demo_settings(out, retrain=args.retrain, lr=args.lr, family=family))
     out.mkdir(parents=True, exist_ok=True)
+    # One run at a time in --out, from the demo's first write (run_pipeline_locally takes this lock over): a second
+    # demo on a running one's folder made the dataset and model there and compiled its pipeline over the running
+    # one's pipeline.yaml before the local run's lock refused it.
+    lock = OutDirLock(out)  # noqa: F841  (held until this returns)
     cfg = prepare_demo(out, retrain=args.retrain, lr=args.lr, family=family)
     compile_pipeline(cfg, str(out / "pipeline.yaml"))
     return run_pipeline_locally(cfg, out, quiet=not args.verbose).summary()
