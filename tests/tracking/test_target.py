@@ -161,6 +161,19 @@ def test_a_new_sqlite_store_waits_for_another_process_making_it(tmp_path):
         assert con.execute("SELECT name FROM sqlite_master WHERE name = 'experiments'").fetchone()
 
 
+def test_a_damaged_sqlite_database_is_one_line_naming_it(tmp_path):
+    """A file that is no SQLite database where MLFLOW_TRACKING_URI points (a download cut short, another tool's file):
+    the check passed it, and the step failed in SQLAlchemy's words, with the query it ran."""
+    db = tmp_path / "mlflow.db"
+    db.write_bytes(b"not a database, but long enough for SQLite to read a header from it" * 20)
+    with pytest.raises(TrackingError) as e:
+        check_tracking_server(f"sqlite:///{db}")
+    said = str(e.value)
+    assert f"the MLflow database {db} cannot be opened" in said and "file is not a database" in said, said
+    assert "\n" not in said and "SELECT" not in said and "move it away" in said, said
+    assert db.read_bytes().startswith(b"not a database")  # left as it was
+
+
 def test_missing_credentials_are_refused_with_the_variables_to_set(mlflow_auth_server):
     uri, _, _ = mlflow_auth_server
     with pytest.raises(TrackingError) as e:

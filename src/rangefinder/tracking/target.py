@@ -252,9 +252,25 @@ def _open_sqlite_store(uri: str, folder: Path) -> None:
         fcntl.flock(fd, fcntl.LOCK_EX)  # another's migration takes seconds; SIGINT still ends the wait
     try:
         MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+    except Exception as e:  # SQLAlchemy's and MLflow's errors, each with the query or the schema versions it met
+        raise TrackingError(_unopenable(uri, e)) from None
     finally:
         if fd is not None:
             os.close(fd)  # drops the flock
+
+
+def _unopenable(uri: str, e: BaseException) -> str:
+    """Why the SQLite database of `uri` cannot be opened, in one line: the driver's own words (SQLAlchemy wraps them
+    with the query it ran; MLflow, for a schema older than its own, says how to upgrade it), and the fix. A damaged
+    file (a copy cut short, another tool's file) passed the check, and the step failed in SQLAlchemy's words, over
+    several lines."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    why = (str(e).splitlines() or [type(e).__name__])[0]
+    fix = ("wait for the process holding it (a sqlite3 shell, `mlflow gc`) to finish, then run again"
+           if "locked" in why else "move it away (a new one is made in its place), or point MLFLOW_TRACKING_URI (or "
+           "tracking.tracking_uri) at another database")
+    return f"the MLflow database {sqlite_path(uri)} cannot be opened: {why}; {fix}"
 
 
 def _check_retries() -> tuple[int, float]:
