@@ -107,6 +107,50 @@ def test_a_lock_this_process_holds_is_its_next_run_s_and_a_dropped_lock_frees_th
     assert _try(out).stdout.strip() == "held"
 
 
+# Another process trying the lock over and over (as a second run on the same --out would, at any moment) until its
+# stdin closes: says "free" the first time it gets it, else "never free".
+WATCH = """
+import fcntl, os, select, sys
+print("watching", flush=True)
+while not select.select([sys.stdin], [], [], 0)[0]:
+    fd = os.open(sys.argv[1], os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        continue
+    else:
+        print("free", flush=True)
+        sys.exit(0)
+    finally:
+        os.close(fd)
+print("never free", flush=True)
+"""
+
+
+def test_a_lock_taken_over_in_this_process_never_frees_the_folder_meanwhile(tmp_path):
+    """demo holds --out's lock from its first write, and run_pipeline_locally takes it over: released and taken again,
+    the folder was free for a moment, in which a second demo on it could take it and refuse the first."""
+    import time
+
+    out = tmp_path / "out"
+    lock = OutDirLock(out)
+    watcher = subprocess.Popen([sys.executable, "-c", WATCH, str(out / LOCK_NAME)], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True)
+    assert watcher.stdout is not None and watcher.stdin is not None
+    try:
+        assert watcher.stdout.readline().strip() == "watching"
+        end = time.monotonic() + 0.5
+        while time.monotonic() < end and watcher.poll() is None:
+            lock = OutDirLock(out)
+        watcher.stdin.close()
+        assert watcher.stdout.read().strip() == "never free"
+    finally:
+        watcher.kill()
+        watcher.wait()
+    assert json.loads((out / LOCK_NAME).read_text())["pid"] == os.getpid()
+    del lock
+
+
 def test_the_probes_of_one_run_s_processes_do_not_clash(tmp_path):
     """Every process of a multi-process run probes the folder in its setup, at about the same moment (they meet
     before rank 0 takes the lock): a probe that finds another process's probe under way goes on."""

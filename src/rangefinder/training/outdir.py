@@ -29,15 +29,18 @@ class OutDirLock:
         self.path, self._fd = Path(out_dir) / LOCK_NAME, None
         if hold:
             earlier = _held.pop(self.path.resolve(), None)
-            if earlier is not None:
-                earlier.release()
-            self._fd = _open_lock(self.path)
-            try:
-                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = _holder(self._fd)
-                self.release()
-                raise _held_error(out_dir, holder) from None
+            if earlier is not None and earlier._fd is not None:
+                # Its descriptor, flock and all: released and taken again, the folder was free a moment, in which
+                # another run could take it (demo holds it from its first write, then run_pipeline_locally takes it).
+                self._fd, earlier._fd = earlier._fd, None
+            else:
+                self._fd = _open_lock(self.path)
+                try:
+                    fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    holder = _holder(self._fd)
+                    self.release()
+                    raise _held_error(out_dir, holder) from None
             info = {"pid": os.getpid(), "host": socket.gethostname(),
                     "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
             os.ftruncate(self._fd, 0)
