@@ -288,6 +288,34 @@ def test_the_runs_a_killed_local_run_left_running_are_ended_by_the_next_one(tmp_
     assert tags["rangefinder.final_state"] == "UNKNOWN" and tags["rangefinder.error"] == ABANDONED
 
 
+def test_a_ctrl_c_ending_the_parent_run_waits_for_a_step_making_the_store(tmp_path):
+    """A Ctrl-C in a local run's first seconds, while its first step makes a new SQLite store (MLflow's migrations take
+    seconds): the command's own look for the parent run to end opened the store as well, and ran the migrations
+    beside the step's. It opens the store under the folder's lock the step holds while it makes it (held here)."""
+    import fcntl
+    import threading
+
+    from rangefinder.config import demo_config
+    from rangefinder.pipelines.local_run import _end_interrupted_parent, local_tracking_uri
+
+    ended = threading.Event()
+
+    def end() -> None:
+        _end_interrupted_parent(local_tracking_uri(tmp_path), demo_config(), "rangefinder-finetune-1")
+        ended.set()
+
+    step = os.open(tmp_path, os.O_RDONLY)
+    fcntl.flock(step, fcntl.LOCK_EX)
+    thread = threading.Thread(target=end)
+    thread.start()
+    try:
+        assert not ended.wait(0.5) and not (tmp_path / "mlflow.db").exists()
+    finally:
+        os.close(step)
+    thread.join(60)
+    assert ended.is_set()
+
+
 def test_a_full_disk_outside_training_is_the_step_s_one_line_and_the_local_run_s(shapes_dataset_dir, tmp_path,
                                                                                 monkeypatch, capsys):
     """prepare-dataset's split on a full disk (a tmpfs of one 4 KiB page: the split's first file fills it, the next

@@ -403,10 +403,14 @@ def _end_parents(tracking_uri: str, cfg: RangefinderConfig, run_names: set[str],
     from mlflow import MlflowClient
 
     from rangefinder.tracking.runs import TAG_CREATED_BY, TAG_KFP_RUN_NAME
-    from rangefinder.tracking.target import bound_http_requests
+    from rangefinder.tracking.target import bound_http_requests, check_tracking_server, sqlite_path
 
     bound_http_requests()
     try:
+        if sqlite_path(tracking_uri) is not None:
+            # Opened under its folder's lock: a Ctrl-C in the run's first seconds finds a step making a new store,
+            # and a second opening ran MLflow's migrations beside the step's.
+            check_tracking_server(tracking_uri)
         client = MlflowClient(tracking_uri=tracking_uri)
         exp_id = _experiment_id(tracking_uri, cfg)
         if exp_id is None:
