@@ -686,3 +686,27 @@ def test_kfp_refuses_pipeline_outputs_from_inside_the_exit_handler(compiled):
     outputs_from_the_exit_handler.__annotations__ = {"retrain": bool, "return": float}
     with pytest.raises(InvalidTopologyException, match=r"from within the control flow group dsl\.ExitHandler"):
         dsl.pipeline(name="outputs-from-the-exit-handler")(outputs_from_the_exit_handler)
+
+
+def test_a_compile_cut_short_leaves_the_earlier_pipeline_whole(tmp_path):
+    """The compiler writes the YAML where it was asked to: a write the disk refused part-way (a full disk; here the
+    file-size limit, EFBIG, as a full disk fails with ENOSPC), or a Ctrl-C in it, left a truncated pipeline.yaml in
+    place of the one there before, which the Kubeflow UI then refused on upload. It is written beside, then renamed."""
+    import errno
+    import resource
+    import signal
+
+    path = tmp_path / "pipeline.yaml"
+    path.write_text("the earlier pipeline\n")
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing us
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, limits[1]))  # the YAML is over 300 kB
+    try:
+        with pytest.raises(OSError) as e:
+            compile_pipeline(None, str(path))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, previous)
+    assert e.value.errno == errno.EFBIG
+    assert path.read_text() == "the earlier pipeline\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["pipeline.yaml"]  # no temporary file left

@@ -435,6 +435,7 @@ def compile_pipeline(cfg: Optional[RangefinderConfig], package_path: str) -> str
     from kfp import compiler
 
     from rangefinder.errors import ConfigError
+    from rangefinder.formats.atomic import atomic_path
     from rangefinder.tracking.redaction import CREDENTIALS_FIX, url_with_credentials
 
     if cfg is not None:
@@ -449,10 +450,12 @@ def compile_pipeline(cfg: Optional[RangefinderConfig], package_path: str) -> str
         check_optimizer(cfg.training, cfg.kubernetes.gpu_count > 0, instead="kubernetes.gpu_count is 0: give the "
                         "training pods a GPU (kubernetes.gpu_count), or choose training.optimizer: adamw")
 
-    compiler.Compiler().compile(build_pipeline(cfg), package_path=package_path)
-    leaked = url_with_credentials(Path(package_path).read_text(encoding="utf-8"))
-    if leaked:
-        Path(package_path).unlink()
-        raise ConfigError(f"the compiled pipeline would carry credentials in the URL {leaked}; remove them from the "
-                          f"config and {CREDENTIALS_FIX}")
+    # Written beside and renamed when whole and checked (kfp writes where it is told: a full disk or a Ctrl-C
+    # part-way left a truncated package in place of the one there before); the suffix tells kfp the format.
+    with atomic_path(package_path, suffix=Path(package_path).suffix) as tmp:
+        compiler.Compiler().compile(build_pipeline(cfg), package_path=str(tmp))
+        leaked = url_with_credentials(tmp.read_text(encoding="utf-8"))
+        if leaked:  # the temporary file is removed as the block raises
+            raise ConfigError(f"the compiled pipeline would carry credentials in the URL {leaked}; remove them from "
+                              f"the config and {CREDENTIALS_FIX}")
     return package_path

@@ -23,6 +23,7 @@ from typing import Optional
 
 from rangefinder.config import RangefinderConfig, parse_config
 from rangefinder.errors import ConfigError, RangefinderError
+from rangefinder.formats.atomic import write_bytes
 
 DETERMINISTIC_ENV = {"PYTHONHASHSEED": "0", "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "python"}
 # What this process compiled, by config and the environment the compile reads ($RANGEFINDER_IMAGE and the other image
@@ -48,7 +49,7 @@ def compile_reproducibly(cfg: RangefinderConfig, package_path: str) -> str:
     read = sorted((k, v) for k, v in os.environ.items() if k.startswith(("RANGEFINDER_", "KFP_")))
     key = hashlib.sha256(json.dumps([given, read]).encode()).hexdigest()
     if key in _COMPILED:
-        Path(package_path).write_bytes(_COMPILED[key])
+        write_bytes(package_path, _COMPILED[key])  # whole or absent, as the compile writes it
         return package_path
     if compiles_deterministically():
         compile_pipeline(cfg, package_path)
