@@ -481,8 +481,12 @@ def test_prepare_dataset_is_never_served_from_the_cache(compiled):
 
 
 def test_config_drives_pods_and_defaults(tmp_path):
+    # Line breaks in defaults (U+2028 from a web page's text, a newline in a folder's name): KFP writes each default
+    # into the package's header comment as it is, where the break ended the comment and the package did not load.
+    prompt, folder = "a cat\u2028on a mat", "/data/two\nlines \x85é"
     cfg = parse_config({
-        "data": {"resolution": 768},
+        "data": {"resolution": 768, "dataset_dir": folder},
+        "sampling": {"prompts": [prompt]},
         "lr_range_test": {"lr_max": 0.05},
         "kubernetes": {
             "image": "registry.example.com/team/trainer:1", "gpu_count": 2, "accelerator_type": "nvidia.com/gpu",
@@ -497,6 +501,10 @@ def test_config_drives_pods_and_defaults(tmp_path):
     params = c.spec.root.input_definitions.parameters
     assert params["resolution"].default_value.number_value == 768
     assert params["lr_max"].default_value.number_value == pytest.approx(0.05)
+    assert params["dataset_dir"].default_value.string_value == folder
+    assert [v.string_value for v in params["prompts"].default_value.list_value.values] == [prompt]
+    header = path.read_text(encoding="utf-8").split("\ncomponents:\n")[0]
+    assert "dataset_dir: str [Default: '/data/two\\nlines \\x85é']" in header
     for _, _, task in c.tasks("finetune"):
         ex = c.executors[c.executor_of(task)].container
         assert ex.image == "registry.example.com/team/trainer:1"

@@ -452,10 +452,35 @@ def compile_pipeline(cfg: Optional[RangefinderConfig], package_path: str) -> str
 
     # Written beside and renamed when whole and checked (kfp writes where it is told: a full disk or a Ctrl-C
     # part-way left a truncated package in place of the one there before); the suffix tells kfp the format.
+    pipeline = build_pipeline(cfg)
     with atomic_path(package_path, suffix=Path(package_path).suffix) as tmp:
-        compiler.Compiler().compile(build_pipeline(cfg), package_path=str(tmp))
+        compiler.Compiler().compile(pipeline, package_path=str(tmp))
+        _header_on_comment_lines(pipeline, str(tmp))
         leaked = url_with_credentials(tmp.read_text(encoding="utf-8"))
         if leaked:  # the temporary file is removed as the block raises
             raise ConfigError(f"the compiled pipeline would carry credentials in the URL {leaked}; remove them from "
                               f"the config and {CREDENTIALS_FIX}")
     return package_path
+
+
+def _header_on_comment_lines(pipeline, package_path: str) -> None:
+    """The package's header comment written again with each string parameter's default printable (formats.text's
+    escapes): KFP writes a default into it as it is (kfp 2.14, pipeline_spec_builder.extract_comments_from_pipeline_
+    spec), so a line break in one (a U+2028 in a prompt pasted from a web page, which the base config's JSON keeps,
+    a newline in a folder's name) ended the comment, and the rest of the value was read as YAML: the package did not
+    load, in the Kubeflow UI or anywhere. The spec below the header keeps every value whole."""
+    from google.protobuf import json_format  # type: ignore[import-untyped]  # no stubs in the pinned set
+    from kfp.compiler.pipeline_spec_builder import extract_comments_from_pipeline_spec
+
+    from rangefinder.formats.atomic import write_text
+    from rangefinder.formats.text import printable
+
+    spec = json_format.MessageToDict(pipeline.pipeline_spec)
+    written = extract_comments_from_pipeline_spec(spec, pipeline.description)
+    for param in spec["root"].get("inputDefinitions", {}).get("parameters", {}).values():
+        if isinstance(param.get("defaultValue"), str):
+            param["defaultValue"] = printable(param["defaultValue"])
+    header = extract_comments_from_pipeline_spec(spec, pipeline.description)
+    text = Path(package_path).read_text(encoding="utf-8")
+    if header != written and text.startswith(written):
+        write_text(package_path, header + text[len(written):])
