@@ -126,10 +126,11 @@ def test_promote_on_a_local_store_answers_as_on_a_server(sqlite_tracking_uri, ti
 def test_register_by_hand_says_the_chosen_checkpoint_whichever_folder_it_is_given(sqlite_tracking_uri, tiny_model_dir,
                                                                                   tmp_path, given):
     """`rangefinder register` takes the fine-tune's model folder or its chosen/: either way the version is the chosen
-    checkpoint and says so (tags, description), not "final weights, no validated checkpoint"."""
+    checkpoint and says so (tags, description), not "final weights, no validated checkpoint". Under a folder whose
+    name MLflow would read as a URI's fragment and escapes (`#`, `%41`): the model's artifacts were not found."""
     import shutil
 
-    model = tmp_path / "model"
+    model = tmp_path / "run #1 %41 é" / "model"
     shutil.copytree(tiny_model_dir, model / "chosen")
     shutil.copytree(tiny_model_dir, model / "final")
     (model / "chosen.json").write_text(json.dumps({
@@ -139,7 +140,7 @@ def test_register_by_hand_says_the_chosen_checkpoint_whichever_folder_it_is_give
     config = tmp_path / "config.yaml"
     config.write_text(f"tracking: {{tracking_uri: '{sqlite_tracking_uri}', registered_model_name: {name}, "
                       "experiment_name: by-hand}\n")
-    assert cli_main(["register", str(tmp_path / given), "--config", str(config), "--lr", "2.091234e-4", "--epochs",
+    assert cli_main(["register", str(model.parent / given), "--config", str(config), "--lr", "2.091234e-4", "--epochs",
                      "5"]) == 0
     version = MlflowClient(sqlite_tracking_uri).get_model_version(name, "1")
     # The LR as the runs' tags write it (tracking.metrics.lr_text), not 0.000209123.

@@ -281,11 +281,13 @@ def log_diffusers_model(
             # An input example would make mlflow load the whole pipeline and generate at logging time; the signature
             # already says what goes in and out.
             warnings.filterwarnings("ignore", message=".*input example was not provided.*")
-            artifacts = {"pipeline": str(folder)}
+            # As file: URIs, which mlflow reads its artifacts' values as: a plain path was parsed as one, so a folder
+            # named with a `#` lost the rest of its path as the URI's fragment, and `%41` read as `A`.
+            artifacts = {"pipeline": Path(folder).absolute().as_uri()}
             if delivered is not None:
                 # Named `delivered` in the model whatever the folder's name (chosen/, final/, or a pipeline/ that would
                 # land on the exported pipeline's): mlflow files a folder artifact under its own name.
-                artifacts[DELIVERED] = str(shutil.copytree(delivered, Path(staging) / DELIVERED))
+                artifacts[DELIVERED] = Path(shutil.copytree(delivered, Path(staging) / DELIVERED)).absolute().as_uri()
             info = Model.log(
                 artifact_path=None,
                 name=name,
