@@ -26,6 +26,34 @@ def test_uri_from_config_then_environment_then_local_sqlite(monkeypatch, tmp_pat
     assert resolve_tracking_uri(cfg) == "sqlite:////tmp/x/mlflow.db"
 
 
+def test_a_local_store_lands_in_its_folder_or_its_folder_is_refused(monkeypatch, tmp_path, capsys):
+    """A folder named with a `%` before two hex digits (SQLAlchemy decodes `%41` to `A`) or a `?` (a URI's query):
+    a local run's store, and the working folder's default, were written in another folder than the one named (`run
+    x` for `run %20x`), where the run's own `mlflow ui` line did not look. Refused in one line, before the demo makes
+    anything; other names (`#`, `%` alone, spaces, é) hold the store."""
+    from mlflow import MlflowClient
+
+    from rangefinder.cli.main import main as cli_main
+    from rangefinder.pipelines.local_run import local_tracking_uri
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    kept = tmp_path / "out #1 50% é"
+    MlflowClient(local_tracking_uri(kept)).search_experiments()
+    assert [p.name for p in tmp_path.rglob("*")] == [kept.name, "mlflow.db"]
+    capsys.readouterr()
+    for name, mark, what in (("run %41", "%41", "an escape of 'A'"), ("run ?q", "?", "a URI's query")):
+        assert cli_main(["demo", "--out", str(tmp_path / name / "demo")]) == 2
+        assert capsys.readouterr().err == (
+            f"rangefinder demo: error: --out {tmp_path / name / 'demo'} holds {mark!r}, which MLflow's "
+            f"sqlite:/// URI reads as {what}, so the store would be written in another folder; rename the folder, or "
+            "set MLFLOW_TRACKING_URI to a store elsewhere\n")
+        assert not (tmp_path / name).exists()
+    (tmp_path / "cwd %20").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd %20")
+    with pytest.raises(TrackingError, match="^the folder of the MLflow database .*cwd %20 holds '%20', which"):
+        resolve_tracking_uri(None)
+
+
 def test_experiment_name_from_environment_wins(monkeypatch):
     assert resolve_experiment_name(TrackingConfig(experiment_name="mine")) == "mine"
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "kfp-experiment")

@@ -127,18 +127,19 @@ def unlogged_spools(out_dir: Path) -> list[Path]:
 
 def local_tracking_uri(out_dir: Path) -> str:
     """$MLFLOW_TRACKING_URI (refused when it holds credentials), else a SQLite store inside the output folder."""
-    from rangefinder.tracking.target import env_tracking_uri
+    from rangefinder.tracking.target import env_tracking_uri, sqlite_uri
 
-    return env_tracking_uri() or f"sqlite:///{(out_dir / 'mlflow.db').resolve()}"
+    return env_tracking_uri() or sqlite_uri((out_dir / "mlflow.db").resolve(), "--out")
 
 
-def check_environment_paths(cfg: Optional[RangefinderConfig] = None) -> None:
+def check_environment_paths(cfg: Optional[RangefinderConfig] = None, out: Optional[Path] = None) -> None:
     """ConfigError for a folder the run will read from the environment ($RANGEFINDER_CACHE, $RANGEFINDER_MLFLOW_SPOOL,
     $RANGEFINDER_WORK, a sqlite MLFLOW_TRACKING_URI) or from `cfg`'s settings the config's checks leave alone
     (training.cache_dir, a sqlite tracking.tracking_uri), where it begins with the home folder of a user this machine
     does not have, and TrackingError for a MLFLOW_TRACKING_URI holding credentials: said before anything is written
     (the demo's dataset and model, --out's lock and pipeline root), where each reader's own check came after them, or
-    in a step."""
+    in a step. With `out`, the run's output folder, TrackingError too where the store in it has no sqlite:/// URI
+    (local_tracking_uri)."""
     from rangefinder.config import expand_home
     from rangefinder.models.tiny import default_cache_dir
     from rangefinder.steps.workdir import work_dir
@@ -152,6 +153,8 @@ def check_environment_paths(cfg: Optional[RangefinderConfig] = None) -> None:
     uri = setting or env_tracking_uri()
     if uri:
         sqlite_path(uri, "tracking.tracking_uri" if setting else "$MLFLOW_TRACKING_URI")
+    elif out is not None:
+        local_tracking_uri(out)
     if cfg is not None and cfg.training.cache_dir:
         expand_home(cfg.training.cache_dir, "training.cache_dir")
 
@@ -162,7 +165,7 @@ def run_pipeline_locally(cfg: RangefinderConfig, out_dir: str | Path, *, dataset
     from rangefinder.training.families import check_pipeline_settings
 
     check_pipeline_settings(cfg)  # with resolve-config's preflight, before kfp.local starts a step
-    check_environment_paths(cfg)
+    check_environment_paths(cfg, Path(out_dir).resolve())
     if cfg.distributed.num_nodes > 1:
         raise ConfigError(
             f"distributed.num_nodes is {cfg.distributed.num_nodes}, but a local run (kfp.local) is single-node: set "

@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> dict:
     family = getattr(args, "family", "sd1")
     # Every check the input allows before --out, its dataset and its model are made (the run reads them all): a bad
     # --lr, a variable's path, credentials in MLFLOW_TRACKING_URI cost one line, and leave no folder behind.
-    check_environment_paths(demo_settings(out, retrain=args.retrain, lr=args.lr, family=family))
+    check_environment_paths(demo_settings(out, retrain=args.retrain, lr=args.lr, family=family), out)
     out.mkdir(parents=True, exist_ok=True)
     # One run at a time in --out, from the demo's first write (run_pipeline_locally takes this lock over): a second
     # demo on a running one's folder made the dataset and model there and compiled its pipeline over the running
