@@ -1139,6 +1139,18 @@ class SamplingConfig(_Section):
 MLFLOW_EXPERIMENT_NAME_CHARS = 500  # mlflow.utils.validation.MAX_EXPERIMENT_NAME_LENGTH
 
 
+def experiment_name_problem(name: str) -> Optional[str]:
+    """Why MLflow refuses `name` as an experiment's (mlflow.utils.validation._validate_experiment_name), after "is",
+    with the fix; None when it takes it. An empty name compiled, and stopped the run's first step with
+    "MlflowException: Invalid experiment name: ''"."""
+    if not name.strip():
+        return "is empty or only blank space, which MLflow refuses as an experiment name; give a name"
+    if len(name) > MLFLOW_EXPERIMENT_NAME_CHARS:
+        return (f"is {len(name)} characters long; MLflow takes an experiment name of at most "
+                f"{MLFLOW_EXPERIMENT_NAME_CHARS}")
+    return None
+
+
 class TrackingConfig(_Section):
     # None: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working folder.
     tracking_uri: Optional[str] = None
@@ -1175,14 +1187,10 @@ class TrackingConfig(_Section):
     @field_validator("experiment_name")
     @classmethod
     def _an_experiment_mlflow_takes(cls, v: str) -> str:
-        # MLflow's rules (mlflow.utils.validation._validate_experiment_name): an empty name compiled, and stopped the
-        # run's first step with "MlflowException: Invalid experiment name: ''".
-        if not v.strip():
-            raise ValueError("is empty or only blank space, which MLflow refuses as an experiment name; give a name, "
-                             "or leave the setting out for rangefinder's own (rangefinder)")
-        if len(v) > MLFLOW_EXPERIMENT_NAME_CHARS:
-            raise ValueError(f"is {len(v)} characters long; MLflow takes an experiment name of at most "
-                             f"{MLFLOW_EXPERIMENT_NAME_CHARS}")
+        problem = experiment_name_problem(v)
+        if problem:
+            raise ValueError(f"{problem}, or leave the setting out for rangefinder's own (rangefinder)"
+                             if not v.strip() else problem)
         return v
 
     @field_validator("registered_model_name")

@@ -55,9 +55,21 @@ def test_a_local_store_lands_in_its_folder_or_its_folder_is_refused(monkeypatch,
 
 
 def test_experiment_name_from_environment_wins(monkeypatch):
+    from rangefinder.pipelines.local_run import check_environment_paths
+
     assert resolve_experiment_name(TrackingConfig(experiment_name="mine")) == "mine"
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "kfp-experiment")
     assert resolve_experiment_name(TrackingConfig(experiment_name="mine")) == "kfp-experiment"
+    # Refused as tracking.experiment_name is, not in MLflow's traceback from the first step; by demo and run --local
+    # before they write anything.
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", " ")
+    with pytest.raises(TrackingError, match="^MLFLOW_EXPERIMENT_NAME is empty or only blank space, which MLflow "):
+        resolve_experiment_name(TrackingConfig(experiment_name="mine"))
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "team/" + "x" * 500)
+    with pytest.raises(TrackingError) as refused:
+        check_environment_paths(RangefinderConfig())
+    assert str(refused.value) == ("MLFLOW_EXPERIMENT_NAME is 505 characters long; MLflow takes an experiment name of "
+                                  "at most 500, or unset it for tracking.experiment_name")
 
 
 def test_server_down_fails_in_seconds_with_the_uri_and_the_fix():

@@ -136,7 +136,8 @@ def check_environment_paths(cfg: Optional[RangefinderConfig] = None, out: Option
     """ConfigError for a folder the run will read from the environment ($RANGEFINDER_CACHE, $RANGEFINDER_MLFLOW_SPOOL,
     $RANGEFINDER_WORK, a sqlite MLFLOW_TRACKING_URI) or from `cfg`'s settings the config's checks leave alone
     (training.cache_dir, a sqlite tracking.tracking_uri), where it begins with the home folder of a user this machine
-    does not have, and TrackingError for a MLFLOW_TRACKING_URI holding credentials: said before anything is written
+    does not have, and TrackingError for a MLFLOW_TRACKING_URI holding credentials or a MLFLOW_EXPERIMENT_NAME MLflow
+    refuses: said before anything is written
     (the demo's dataset and model, --out's lock and pipeline root), where each reader's own check came after them, or
     in a step. With `out`, the run's output folder, TrackingError too where the store in it has no sqlite:/// URI
     (local_tracking_uri)."""
@@ -144,9 +145,10 @@ def check_environment_paths(cfg: Optional[RangefinderConfig] = None, out: Option
     from rangefinder.models.tiny import default_cache_dir
     from rangefinder.steps.workdir import work_dir
     from rangefinder.tracking.spool import spool_dir
-    from rangefinder.tracking.target import env_tracking_uri, sqlite_path
+    from rangefinder.tracking.target import env_tracking_uri, resolve_experiment_name, sqlite_path
 
     default_cache_dir()
+    resolve_experiment_name(cfg)  # $MLFLOW_EXPERIMENT_NAME, which MLflow may refuse
     spool_dir()
     work_dir(Path(), "check")  # its key is any: the variable alone is read
     setting = cfg.tracking.tracking_uri if cfg is not None else None

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Union
 from urllib.parse import unquote, urlsplit
 
-from rangefinder.config import expand_home
+from rangefinder.config import expand_home, experiment_name_problem
 from rangefinder.errors import TrackingError
 from rangefinder.formats.text import is_header_token
 from rangefinder.tracking.redaction import CREDENTIALS_FIX, safe_uri, uri_credentials
@@ -136,8 +136,16 @@ def refuse_uri_credentials(uri: str, where: str) -> None:
 
 
 def resolve_experiment_name(cfg: Optional[TrackingSource] = None) -> str:
-    """$MLFLOW_EXPERIMENT_NAME wins (KFP's MLflow plugin and users set it), else tracking.experiment_name."""
-    return os.environ.get("MLFLOW_EXPERIMENT_NAME") or tracking_settings(cfg).experiment_name
+    """$MLFLOW_EXPERIMENT_NAME wins (KFP's MLflow plugin and users set it), else tracking.experiment_name;
+    TrackingError where MLflow would refuse the variable's name, as the config refuses the setting's: a step ended in
+    MLflow's traceback."""
+    name = os.environ.get("MLFLOW_EXPERIMENT_NAME")
+    if not name:
+        return tracking_settings(cfg).experiment_name
+    problem = experiment_name_problem(name)
+    if problem:
+        raise TrackingError(f"MLFLOW_EXPERIMENT_NAME {problem}, or unset it for tracking.experiment_name")
+    return name
 
 
 def _credential_hint() -> str:
