@@ -68,7 +68,8 @@ def test_the_report_lists_the_aspect_ratio_buckets(tmp_path, mixed_aspect_datase
     assert read_split(tmp_path / "square").summary["buckets"] is None
 
 
-def test_the_report_lists_long_captions_duplicates_and_the_size_floor(tmp_path, shapes_dataset_dir, tiny_model_dir):
+def test_the_report_lists_long_captions_duplicates_and_the_size_floor(tmp_path, shapes_dataset_dir, tiny_model_dir,
+                                                                      capsys):
     import shutil
 
     data = tmp_path / "data"
@@ -76,7 +77,12 @@ def test_the_report_lists_long_captions_duplicates_and_the_size_floor(tmp_path, 
     shutil.copy(data / "00000.png", data / "again.png")
     (data / "again.txt").write_text(", ".join(["a red circle on a blue background"] * 12))
     cfg = demo_config(data={"dataset_dir": str(data)}, model={"resolved_dir": str(tiny_model_dir)})
+    capsys.readouterr()
     run_prepare_dataset(cfg, out_dir=tmp_path / "split", report_path=tmp_path / "r.md")
+    # Said on the step's output too, once for the dataset: the report alone went unread, and training cut the tail.
+    assert capsys.readouterr().err == (
+        "rangefinder: warning: 1 caption(s) are longer than the 75 tokens the text encoder reads, and train with their "
+        "tail cut off: again.png (95); shorten them, or put what matters first (the dataset report lists them all)\n")
     report = (tmp_path / "r.md").read_text()
     assert "captions longer than the text encoder reads (75 tokens; the rest is cut off): 1" in report
     assert "  - `again.png`: 95 tokens" in report

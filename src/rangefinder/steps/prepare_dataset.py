@@ -75,7 +75,16 @@ def run_prepare_dataset(
                           # ("a photo of a <tok>"), as diffusers' textual_inversion example trains every image.
                           captionless=cfg.training.method == "textual_inversion")
     notes = list(split.summary.get("notes", []))
-    warn(notes)  # a local run's progress shows each such line once
+    long = split.summary.get("long_captions")
+    cut = []
+    if long and long["count"]:
+        # Said once for the dataset: the captions are cut without a word (truncation=True), the report went unread.
+        named = ", ".join(f"{x['file_name']} ({x['tokens']})" for x in long["files"][:3])
+        more = f" and {long['count'] - 3} more" if long["count"] > 3 else ""
+        cut = [f"{long['count']} caption(s) are longer than the {long['limit']} tokens the text encoder reads, and "
+               f"train with their tail cut off: {named}{more}; shorten them, or put what matters first (the dataset "
+               "report lists them all)"]
+    warn(notes + cut)  # a local run's progress shows each such line once
     skipped_files = list(split.summary.get("skipped", []))
     skipped = len(skipped_files)
     result = PreparedDataset(split_dir=out_dir, dataset_root=root.resolve(), train_images=len(split.train),
@@ -88,7 +97,6 @@ def run_prepare_dataset(
         for item in skipped_files:
             lines.append(f"  - {markdown_code(str(item.get('file_name')))}: {markdown_text(str(item.get('reason')))}")
         lines += [f"- not read: {markdown_text(line)}" for line in notes]
-        long = split.summary.get("long_captions")
         if long is None:
             lines.append("- captions longer than the text encoder reads: not counted (no resolved model)")
         else:
