@@ -157,6 +157,29 @@ def test_a_latin1_metadata_jsonl_is_one_clear_error(tmp_path, capsys):
     assert "save the file as UTF-8" in err and "iconv" in err
 
 
+def test_captions_and_metadata_saved_as_utf16_by_windows_are_read_and_others_named_by_line_and_byte(tmp_path):
+    """Windows PowerShell 5.1's `>` and Notepad's "Unicode" save UTF-16 with its byte-order mark: such a caption was
+    skipped as "not UTF-8", and such a metadata.jsonl called Latin-1 (by the mark's 0xff), with `iconv -f cp1252` as
+    the fix, which turns it into NULs between the letters. Read as the curve CSVs are; a Latin-1 caption names its
+    line and byte, and UTF-32 (whose mark begins with UTF-16's) is not read as UTF-16."""
+    for name in ("a", "b", "c", "d"):
+        _img(tmp_path / f"{name}.png", (len(name), ord(name), 0))
+    (tmp_path / "a.txt").write_bytes("un caf\u00e9, 中文 😀\r\n".encode("utf-16"))
+    (tmp_path / "b.txt").write_bytes("a cat".encode("utf-16-be").join([b"\xfe\xff", b""]))
+    (tmp_path / "c.txt").write_bytes("a dog\ncaf\u00e9".encode("latin-1"))
+    (tmp_path / "d.txt").write_bytes("a cow".encode("utf-32"))
+    scan = scan_dataset(tmp_path)
+    assert {c.file_name: c.caption for c in scan.candidates} == {"a.png": "un café, 中文 😀\r\n", "b.png": "a cat"}
+    assert {p.file_name: p.reason for p in scan.problems} == {
+        "c.png": "caption file c.txt line 2 is not UTF-8 text (byte 0xe9; probably saved as Latin-1 or Windows-1252); "
+                 "save it as UTF-8",
+        "d.png": "caption file d.txt is UTF-32 text (it begins with UTF-32's byte-order mark); save it as UTF-8"}
+    for name in ("c.txt", "d.txt", "a.txt", "b.txt"):
+        (tmp_path / name).unlink()
+    (tmp_path / "metadata.jsonl").write_bytes('{"file_name": "a.png", "text": "caf\u00e9"}\n'.encode("utf-16"))
+    assert [(c.file_name, c.caption) for c in scan_dataset(tmp_path).candidates if c.caption] == [("a.png", "café")]
+
+
 def test_symbolic_links_are_followed_once_and_loops_and_broken_links_listed(tmp_path):
     import os
 

@@ -394,10 +394,9 @@ def scan_dataset(root: str | Path, exclude: Optional[Path] = None) -> Scan:
                                               "folder", SkipKind.CAPTION))
                 break
             try:
-                read[str(cap)] = (root / cap).read_text(encoding="utf-8-sig")  # a BOM is not caption text
-            except UnicodeDecodeError:
-                problems.append(Skipped(name, f"caption file {cap} is not UTF-8 text; save it as UTF-8",
-                                        SkipKind.CAPTION))
+                read[str(cap)] = decode_utf8((root / cap).read_bytes())  # a byte-order mark is not caption text
+            except NotUtf8 as e:
+                problems.append(Skipped(name, f"caption file {cap} {e}; save it as UTF-8", SkipKind.CAPTION))
                 break
         else:
             if len({clean_caption(text) for text in read.values()}) > 1:

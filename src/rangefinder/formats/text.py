@@ -3,6 +3,7 @@ shown in a Markdown report as the text it is."""
 
 from __future__ import annotations
 
+import codecs
 import re
 import sys
 from collections.abc import Iterable
@@ -13,8 +14,19 @@ class NotUtf8(ValueError):
 
 
 def decode_utf8(raw: bytes) -> str:
-    """`raw` as UTF-8 text, a byte-order mark (Windows editors write one) dropped; NotUtf8 ("line N is not UTF-8
-    text (byte 0xNN; probably saved as Latin-1 or Windows-1252)") where it is not, for the caller to add its fix."""
+    """`raw` as UTF-8 text, a byte-order mark (Windows editors write one) dropped, or as UTF-16 where it begins with
+    UTF-16's mark (Windows PowerShell 5.1's `>` and Notepad's "Unicode" write it; curve CSVs are read so too); NotUtf8
+    ("line N is not UTF-8 text (byte 0xNN; probably saved as Latin-1 or Windows-1252)") where it is neither, for the
+    caller to add its fix. A UTF-16 file was called Latin-1 by its mark's first byte, 0xff, and converted from cp1252
+    as told, it became a file of NULs between the letters."""
+    if raw.startswith((codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE)):  # UTF-32 LE's mark begins with UTF-16 LE's
+        raise NotUtf8("is UTF-32 text (it begins with UTF-32's byte-order mark)")
+    if raw.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        try:
+            return raw.decode("utf-16")
+        except UnicodeDecodeError as e:
+            raise NotUtf8(f"begins with UTF-16's byte-order mark but is not UTF-16 text (byte {e.start}: "
+                          f"{e.reason})") from None
     try:
         return raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
