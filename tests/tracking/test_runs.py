@@ -284,10 +284,13 @@ def test_a_failing_step_is_marked_failed_with_its_error(cfg):
     with pytest.raises(ValueError):
         with step_run(cfg, "train") as run:
             run.log_metrics({"train_loss": 0.3}, step=2)
+            run.set_tags({"rangefinder.prompts": "a cat, " * 1000})
             raise ValueError("loss is NaN at update 7")
     data = _client(cfg).get_run(run.run_id)
     assert data.info.status == "FAILED"
     assert data.data.tags["rangefinder.error"] == "ValueError: loss is NaN at update 7"
+    # A tag over MAX_TAG_CHARS says it was cut, as a param does: cut without a word, it read as the whole value.
+    assert data.data.tags["rangefinder.prompts"] == "a cat, " * 711 + "a c...(+2020 chars)"
     assert data.data.metrics["train_loss"] == 0.3  # what was measured before the failure is kept
 
 

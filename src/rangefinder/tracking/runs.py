@@ -330,10 +330,13 @@ def _param_value(v: Any) -> str:
         s = repr(v)
     else:
         s = str(v)
-    s = redact(s)
-    if len(s) > MAX_PARAM_CHARS:
-        s = s[: MAX_PARAM_CHARS - 20] + f"...(+{len(s) - MAX_PARAM_CHARS + 20} chars)"
-    return s
+    return _cut(redact(s), MAX_PARAM_CHARS)
+
+
+def _cut(s: str, limit: int) -> str:
+    """`s`, or where longer than `limit`, its start and how much was left off: a value cut without a word reads as
+    the whole one."""
+    return s if len(s) <= limit else s[: limit - 20] + f"...(+{len(s) - limit + 20} chars)"
 
 
 def _tag_value(v: Any) -> str:
@@ -345,7 +348,7 @@ def _tag_value(v: Any) -> str:
         s = json.dumps(v, default=str, sort_keys=True)
     else:
         s = str(v)
-    return redact(s)[:MAX_TAG_CHARS]
+    return _cut(redact(s), MAX_TAG_CHARS)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -800,7 +803,7 @@ class StepRun:
         answers, and its own end waits once and names what is left of all its runs.
         """
         if error:
-            self._set_tags(self.run_id, {TAG_ERROR: redact(error)[:MAX_TAG_CHARS]})
+            self._set_tags(self.run_id, {TAG_ERROR: error})  # redacted and cut as every tag is
         self.metrics.close()
         if self.outbox.holding and self.outbox.leads:
             self.outbox.wait_for_server(tracking_settings(self.cfg).server_wait_seconds if wait else 0.0)
