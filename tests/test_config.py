@@ -95,6 +95,9 @@ def test_a_secret_under_a_setting_the_config_lacks_is_named_not_shown(raw, capsy
         # Compiled, and refused by MLflow in the run's first step.
         ({"tracking": {"experiment_name": ""}}, "tracking.experiment_name", "MLflow refuses as an experiment name"),
         ({"tracking": {"experiment_name": "x" * 501}}, "tracking.experiment_name", "at most 500"),
+        # Trained the tokenizer's unknown word (CLIP's end-of-text, in every prompt) in its place.
+        ({"training": {"textual_inversion": {"placeholder_token": ""}}}, "training.textual_inversion.placeholder_token",
+         "is empty or only blank space, and textual inversion trains the word it names"),
     ],
 )
 def test_invalid_values_name_the_field(raw, field, hint):

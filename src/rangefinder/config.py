@@ -530,6 +530,17 @@ class TextualInversionSettings(_Section):
     # Used to build captions from templates when a dataset has none.
     learnable_property: Literal["object", "style"] = "object"
 
+    @field_validator("placeholder_token")
+    @classmethod
+    def _a_word(cls, v: str) -> str:
+        # Empty, the tokenizer adds no token for it and gives it its unknown word's id (CLIP's end-of-text, which
+        # every prompt holds), whose row was trained; and every caption holds "" already, so none had it added. Blank,
+        # it is no word a caption or prompt is read into.
+        if not v.strip():
+            raise ValueError("is empty or only blank space, and textual inversion trains the word it names; give a "
+                             "new word, e.g. '<my-concept>'")
+        return v
+
 
 Method = Literal["full", "lora", "textual_inversion"]
 Schedule = Literal["constant", "linear-ramp", "exp-ramp", "cosine", "triangular", "triangular2", "exp_range", "wsd"]
