@@ -88,6 +88,25 @@ def test_step_report(tmp_path):
     assert "rose_after_min" in paths["markdown"].read_text()
 
 
+def test_the_reports_leave_the_process_s_matplotlib_backend_and_pyplot_alone(tmp_path):
+    """A notebook's inline plots keep showing after a step wrote its reports: the plots switched the whole process to
+    Agg (matplotlib.use("Agg", force=True)) for pyplot's figures. A backend other than Agg stands in for the
+    notebook's, and no figure is left in pyplot's registry."""
+    import matplotlib
+    import matplotlib.pyplot as plt
+
+    before = matplotlib.get_backend()
+    matplotlib.use("svg")
+    try:
+        e = np.arange(61) / 2
+        paths = write_step_report(select_step_window(e * 10, e, noisy(ConstantRunShape().loss(e), 0.001, 0)), None,
+                                  tmp_path)
+        assert matplotlib.get_backend() == "svg" and plt.get_fignums() == []
+        assert png_size(paths["plot"]) == (800, 480)
+    finally:
+        matplotlib.use(before)
+
+
 def test_step_report_gives_the_recommended_epochs_and_the_updates_they_take(tmp_path):
     """The lead said "Train for 10 epochs (about 41 updates)" on a run of 4 updates per epoch: the window's centre in
     updates beside its rounded epochs. The lead, the rows and the plot's marker say the epochs and their 40 updates."""

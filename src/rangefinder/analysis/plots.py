@@ -1,9 +1,10 @@
-"""PNG plots of the decisions, made to be read at a glance (matplotlib, Agg backend: no display needed)."""
+"""PNG plots of the decisions, made to be read at a glance (matplotlib's Figure drawn by Agg: no display needed, and
+the process's backend is left as it is)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
@@ -11,6 +12,10 @@ from rangefinder.analysis.halving import HalvingDecision
 from rangefinder.analysis.lr_bounds import LRBounds
 from rangefinder.analysis.step_window import TIE_BAND, Delivery, RecommendedLength, StepWindow
 from rangefinder.formats.atomic import atomic_path
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 FIGSIZE = (8.0, 4.8)  # inches
 DPI = 100  # 800 x 480 px: sharp in the KFP/MLflow UI, ~40 KB
@@ -25,13 +30,14 @@ DROPPED = {"lr_mid": OTHER_MID, "lr_high": "#c0457a", "lr_below": "#3d8fa8"}
 MID_STYLES = {"tuned": (0, (6, 2)), "geometric": ":", "arithmetic": "-."}
 
 
-def _pyplot():
-    import matplotlib
+def _figure() -> tuple[Figure, Axes]:
+    """A figure of its own, drawn to PNG by Agg whatever backend the process uses. Not pyplot's: its figures need
+    the whole process switched to Agg (`matplotlib.use`), which in a notebook that called a step or a report stopped
+    every later inline plot of the user's showing, and they stay in pyplot's registry unless closed."""
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    return plt
+    fig = Figure(figsize=FIGSIZE, layout="constrained")
+    return fig, fig.subplots()
 
 
 def _save(fig, out_path: str | Path) -> Path:
@@ -55,14 +61,13 @@ def plot_lr_range_test(bounds: LRBounds, out_path: str | Path, *, title: Optiona
     Log LR axis for exponential sweeps, linear for linear ones; a baseline at LR 0 is drawn at the left edge of a
     log axis. Returns the PNG's path.
     """
-    plt = _pyplot()
     fit = bounds.fit
     if fit is None:
         raise ValueError("bounds carry no curve (fit is None); pass the result of analyze_lr_curve")
     log = fit.ramp == "exp"
     # Where each point is drawn: a 0 LR cannot sit on a log axis, so it goes one step left (as analysed).
     xs = np.exp(fit.x) if log else fit.lr
-    fig, ax = plt.subplots(figsize=FIGSIZE, constrained_layout=True)
+    fig, ax = _figure()
     if bounds.lr_low is not None and bounds.lr_high is not None:
         ax.axvspan(bounds.lr_low, bounds.lr_high, color=BAND, alpha=0.15, lw=0,
                    label=f"bounds {bounds.lr_low:.2g} - {bounds.lr_high:.2g}")
@@ -103,9 +108,7 @@ def plot_lr_range_test(bounds: LRBounds, out_path: str | Path, *, title: Optiona
                           f"({bounds.quality:.2f}){flags}", fontsize=11)
     ax.grid(True, which="major", alpha=0.3)
     ax.legend(fontsize=8.5, loc="best", framealpha=0.85)
-    out = _save(fig, out_path)
-    plt.close(fig)
-    return out
+    return _save(fig, out_path)
 
 
 def plot_step_window(window: StepWindow, out_path: str | Path, *, title: Optional[str] = None,
@@ -116,12 +119,11 @@ def plot_step_window(window: StepWindow, out_path: str | Path, *, title: Optiona
     with `halving` (rangefinder.steps.halving's decision), the dropped candidate's measured curve up to the pause, and
     the pause; with `delivered` (the fine-tune's choice), a star at its update and loss, and for finetune.deliver's
     earliest tied checkpoint the band's top it lies under. Returns the PNG's path."""
-    plt = _pyplot()
     fit = window.fit
     if fit is None:
         raise ValueError("window carries no curve (fit is None); pass the result of select_step_window")
-    fig, ax = plt.subplots(figsize=FIGSIZE, constrained_layout=True)
-    if window.window_start_update is not None:
+    fig, ax = _figure()
+    if window.window_start_update is not None and window.window_end_update is not None:
         ax.axvspan(window.window_start_update, window.window_end_update, color=BAND, alpha=0.15, lw=0,
                    label=f"window (within {window.band:.3g} of the best)")
     ax.plot(fit.update, fit.val_loss, "o", color=RAW, ms=3.5, label="val loss (measured)")
@@ -145,7 +147,7 @@ def plot_step_window(window: StepWindow, out_path: str | Path, *, title: Optiona
                 ax.plot(u, v, ".-", color=DROPPED.get(name, OTHER_MID), ms=3, lw=1, alpha=0.8,
                         label=f"{name} {c.lr:.3g}: dropped at update {halving.pause_update}")
     ax.set_ylim(lo, hi)
-    if window.best_update is not None:
+    if window.best_update is not None and window.best_val_loss is not None:
         ax.plot([window.best_update], [window.best_val_loss], "v", color=SMOOTH, ms=9, label="best (smoothed)")
     length = length or RecommendedLength.of_window(window)
     if length is not None:
@@ -172,9 +174,7 @@ def plot_step_window(window: StepWindow, out_path: str | Path, *, title: Optiona
     ax.grid(True, alpha=0.3)
     # Below the axes: a U-shaped curve leaves no free corner for it.
     fig.legend(fontsize=8.5, loc="outside lower center", ncols=3, frameon=False)
-    out = _save(fig, out_path)
-    plt.close(fig)
-    return out
+    return _save(fig, out_path)
 
 
 def plot_prodigy_step(updates: np.ndarray, step_sizes: np.ndarray, step_size: float, out_path: str | Path, *,
@@ -182,8 +182,7 @@ def plot_prodigy_step(updates: np.ndarray, step_sizes: np.ndarray, step_size: fl
     """The prodigy_step finder's run: Prodigy's step size d x lr after every update (log axis), the last one (the LR
     read) marked, and the LR trained (`factor` times it) where that differs, with the validation loss on a second axis
     when `curve` (metrics.csv's columns) has one. Returns the PNG's path."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=FIGSIZE, constrained_layout=True)
+    fig, ax = _figure()
     ax.plot(updates, step_sizes, "-", color=SMOOTH, lw=2, label="step size d x lr after each update (prodigy_d_lr)")
     ax.axhline(step_size, color=BAND, lw=2, ls="--", label=f"LR read: the last step size {step_size:.3g}")
     if factor != 1:
@@ -206,19 +205,16 @@ def plot_prodigy_step(updates: np.ndarray, step_sizes: np.ndarray, step_size: fl
         ax.legend(fontsize=8.5, loc="best", framealpha=0.85)
     ax.set_title(title or "Prodigy's step size: the LR the fine-tune trains at", fontsize=11)
     ax.grid(True, which="major", alpha=0.3)
-    out = _save(fig, out_path)
-    plt.close(fig)
-    return out
+    return _save(fig, out_path)
 
 
 def plot_retrain(updates: dict, out_path: str | Path, *, title: Optional[str] = None) -> Path:
     """The full-data retrain's run (updates.csv's columns): its training loss after each update, raw and as the mean
     of about an epoch of updates (a retrain validates nothing, so this is its only curve), and the LR it trained at
     on a second axis (flat, or the triangular schedule's cycles), epochs on the top axis. Returns the PNG's path."""
-    plt = _pyplot()
     update = np.asarray(updates["update"], dtype=float)
     loss = np.asarray(updates["train_loss"], dtype=float)
-    fig, ax = plt.subplots(figsize=FIGSIZE, constrained_layout=True)
+    fig, ax = _figure()
     ax.plot(update, loss, "o", color=RAW, ms=3.5, label="train loss (each update)")
     epoch = np.asarray(updates.get("epoch", ()), dtype=float)
     # A trailing mean over an epoch's updates: the batches of one update differ in difficulty, an epoch holds them all.
@@ -248,6 +244,4 @@ def plot_retrain(updates: dict, out_path: str | Path, *, title: Optional[str] = 
     ax.legend(lines, labels, fontsize=8.5, loc="best", framealpha=0.85)
     ax.set_title(title or "Full-data retrain: training loss (no validation)", fontsize=11)
     ax.grid(True, alpha=0.3)
-    out = _save(fig, out_path)
-    plt.close(fig)
-    return out
+    return _save(fig, out_path)
