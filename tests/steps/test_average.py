@@ -62,15 +62,20 @@ def averaged(split_dir, tiny_model_dir, tmp_path_factory):
 
 def test_a_checkpoint_s_own_weights_measure_what_its_run_measured(averaged, split_dir):
     """measure_weights is the run's validation: a checkpoint's weights, measured outside the run, give the loss the
-    run's curve has at that update, bit for bit."""
+    run's curve has at that update, bit for bit. It leaves the caller's global RNGs as they were (it loads the model
+    as a run does, which seeds them)."""
     from rangefinder.training.loop import measure_weights
 
     _, tmp, _, spec, plain = averaged
     curve = dict(zip(plain.curve["update"], plain.curve["val_loss"], strict=True))
     for ckpt in checkpoints.list_checkpoints(tmp / "plain" / "checkpoints")[:2]:
+        torch.manual_seed(1)  # the caller's own states, not those the fixture's runs left
+        np.random.seed(1)
+        before = torch.get_rng_state(), np.random.get_state()[1].tolist()
         row = measure_weights(spec, checkpoints.read_weights(ckpt), out_dir=tmp / f"m-{ckpt.name}",
                               split=read_split(split_dir))
         assert row["val_loss"] == curve[float(checkpoints.checkpoint_update(ckpt))]
+        assert torch.equal(torch.get_rng_state(), before[0]) and np.random.get_state()[1].tolist() == before[1]
 
 
 def test_the_window_s_checkpoints_are_averaged_measured_and_the_lower_delivered(averaged, split_dir):

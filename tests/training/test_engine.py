@@ -7,6 +7,7 @@ import json
 import math
 import shutil
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -82,14 +83,30 @@ def test_updates_taken_equal_the_planners_total_updates(combo, split_dir, tiny_m
 
 @pytest.fixture(scope="module")
 def triangular_runs(split_dir, tiny_model_dir, encoded_cache, tmp_path_factory):
-    """The same triangular-LR run twice: validated every epoch, and not validated at all."""
+    """The same triangular-LR run twice: validated every epoch, and not validated at all; and the process's global
+    RNG states before and after the second ("global_rngs")."""
     cfg = settings(encoded_cache, epochs=2, schedule="triangular", lr_min=1e-5, lr_max=3e-4, cycle_epochs=0.5,
                    random_flip=True, cond_dropout=0.25, min_snr_gamma=5.0, noise_offset=0.05)
     out = {}
     for name, val_cfg in (("validated", ValidationConfig(every_epochs=1)), ("plain", NO_VALIDATION)):
         d = tmp_path_factory.mktemp(name)
+        before = global_rng_states(seed=len(name))  # the caller's own states, not those the earlier run left
         out[name] = (d, train(TrainSpec(cfg, val_cfg, split_dir=split_dir, model=tiny_model_dir), out_dir=d))
+        out["global_rngs"] = (before, global_rng_states())
     return cfg, out
+
+
+def global_rng_states(seed: Optional[int] = None) -> tuple:
+    """Python's, NumPy's and torch's global RNG states, after seeding each with `seed` where given."""
+    import random
+
+    import numpy as np
+
+    if seed is not None:
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+    return random.getstate(), np.random.get_state()[1].tolist(), torch.get_rng_state().tolist()
 
 
 def test_validation_does_not_change_the_trained_weights(triangular_runs):
@@ -101,6 +118,14 @@ def test_validation_does_not_change_the_trained_weights(triangular_runs):
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert rows(val_dir / "updates.csv") == rows(plain_dir / "updates.csv")
+
+
+def test_a_run_leaves_the_caller_s_global_rngs_as_it_found_them(triangular_runs):
+    """train() seeds Python's, NumPy's and torch's global RNGs for the model's setup (accelerate's set_seed): run from
+    a notebook, it left them seeded with training.seed, so every later draw of the user's repeated the same numbers."""
+    _, runs = triangular_runs
+    before, after = runs["global_rngs"]
+    assert after == before
 
 
 def test_metrics_csv_has_the_curve_columns(triangular_runs, split_dir):

@@ -78,6 +78,7 @@ if TYPE_CHECKING:
 
 
 @on_sigint()  # Ctrl-C ends the run as interrupted, whichever error it surfaced as
+@preserved_rng()  # the run seeds the global RNGs (load_model): the caller's states are put back after, a notebook's say
 def train(
     spec: TrainSpec, *, out_dir: Union[str, Path], metric_sink: Optional[MetricSink] = None, save_final: bool = True,
     pause_after_update: Optional[int] = None, split: Optional[Split] = None,
@@ -204,25 +205,26 @@ def weights_measurer(spec: TrainSpec, *, out_dir: Union[str, Path],
     """measure_weights for several sets of weights on one setup: the model loaded and the data encoded once, then
     each call loads the given tensors and validates them, a row each in out_dir/metrics.csv, in call order. The
     fine-tune measures its window average and greedy soup this way (rangefinder.steps.average)."""
-    settings = check_settings(spec, out_dir, split)
-    accelerator = start_accelerator(settings.cfg)
-    sd, family = load_model(settings, accelerator)
-    if settings.cfg.validates_averaged_weights(family.name):
-        raise ConfigError("measure_weights measures the weights it is given; a run with EMA or a schedule-free "
-                          "optimizer validates its averaged weights instead, which these are not")
-    encoded = encode_data(settings, sd, family, accelerator, spec.data or native_data_config(sd))
-    run = prepare_run(settings, accelerator, sd, family, encoded)
-    if not run.validating:
-        raise ConfigError(f"the run measures nothing: split {spec.split_dir} has no validation images")
-    with outputs_written(settings.out_dir):
-        log = RunLog(settings.out_dir, settings.val_cfg.timesteps, run.main, bucket_columns(run.data.val_sets))
+    with preserved_rng():  # load_model seeds the global RNGs: the caller's states are put back after, as train's
+        settings = check_settings(spec, out_dir, split)
+        accelerator = start_accelerator(settings.cfg)
+        sd, family = load_model(settings, accelerator)
+        if settings.cfg.validates_averaged_weights(family.name):
+            raise ConfigError("measure_weights measures the weights it is given; a run with EMA or a schedule-free "
+                              "optimizer validates its averaged weights instead, which these are not")
+        encoded = encode_data(settings, sd, family, accelerator, spec.data or native_data_config(sd))
+        run = prepare_run(settings, accelerator, sd, family, encoded)
+        if not run.validating:
+            raise ConfigError(f"the run measures nothing: split {spec.split_dir} has no validation images")
+        with outputs_written(settings.out_dir):
+            log = RunLog(settings.out_dir, settings.val_cfg.timesteps, run.main, bucket_columns(run.data.val_sets))
 
-        def measure(weights: dict[str, torch.Tensor]) -> dict[str, Any]:
-            run.method.load_trainable_state_dict({k: v.to(run.device) for k, v in weights.items()})
-            validate(run, RunState.fresh(settings.cfg.seed, log, settings.title), None)
-            return dict(log.metrics_rows[-1])
+            def measure(weights: dict[str, torch.Tensor]) -> dict[str, Any]:
+                run.method.load_trainable_state_dict({k: v.to(run.device) for k, v in weights.items()})
+                validate(run, RunState.fresh(settings.cfg.seed, log, settings.title), None)
+                return dict(log.metrics_rows[-1])
 
-        yield measure
+            yield measure
 
 
 def _preempt(run: Run, state: RunState, stop: StopRequest, saved_already: bool) -> None:
