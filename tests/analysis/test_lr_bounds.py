@@ -200,6 +200,14 @@ def test_bad_input():
         analyze_lr_curve([0, 1e-6, 1e-5], [0.2, np.nan, np.nan])
     with pytest.raises(RangefinderError, match="differ in length"):
         analyze_lr_curve([0, 1e-6], [0.2, 0.1, 0.3])
+    # What the config refuses, refused from Python too (a notebook's call): a negative seed failed in NumPy's
+    # seeding, a factor of 1 or less read a falling curve as diverged.
+    lr, y = [0, 1e-5, 1e-4, 1e-3], [0.2, 0.19, 0.18, 0.3]
+    with pytest.raises(RangefinderError, match=r"^seed must be a whole number of 0 or more \(got -1\)"):
+        analyze_lr_curve(lr, y, seed=-1)
+    for factor in (0.5, 1.0, float("nan")):
+        with pytest.raises(RangefinderError, match=r"^divergence_factor must be above 1"):
+            analyze_lr_curve(lr, y, divergence_factor=factor)
 
 
 def test_a_sweep_that_diverged_before_three_points_is_told_to_end_lower_not_to_validate_more_often():

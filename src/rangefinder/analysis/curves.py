@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import NormalDist
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 import numpy as np
 
@@ -386,6 +386,18 @@ def reading_notes(rows: RowOrder, n_rows: int, rows_per_point: int, axis_name: s
             "consecutive rows each (the analysis' cost grows with the square of the points)."
         )
     return notes
+
+
+def check_reading_settings(seed: Any, divergence_factor: Optional[float]) -> None:
+    """RangefinderError naming the argument, for a `seed` or `divergence_factor` of the analysis that the config's
+    fields refuse (config.Seed, lr_range_test.divergence_factor): called from Python, a negative seed failed deep in
+    NumPy's seeding, and a factor of 1 or less read a healthy curve as diverged."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise RangefinderError(f"seed must be a whole number of 0 or more (got {seed!r}); it seeds the permutation "
+                               "test (and the range test's bootstrap)")
+    if divergence_factor is not None and not divergence_factor > 1:
+        raise RangefinderError(f"divergence_factor must be above 1, the multiple of the best loss past which the curve "
+                               f"counts as diverged, or None to read every point (got {divergence_factor!r})")
 
 
 def finite_prefix(*arrays: np.ndarray) -> int:

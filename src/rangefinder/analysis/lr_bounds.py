@@ -43,6 +43,7 @@ from rangefinder.analysis.curves import (
     MAX_CURVE_POINTS,
     Ramp,
     bin_means,
+    check_reading_settings,
     choose_span,
     crossing,
     divergence_cut,
@@ -290,7 +291,9 @@ def analyze_lr_curve(
     `rise_cut_points` None reads the whole curve even when it climbs back above its start (step 1).
     `midpoint` picks the rule for lr_mid: "tuned" places it `mid_position` of the way from lr_low to lr_high on
     the sweep's axis (0: lr_low, 1: lr_high), "geometric" at sqrt(lr_low * lr_high), "arithmetic" at their mean.
-    Raises RangefinderError when the arrays differ in length or hold fewer than 3 finite losses.
+    `divergence_factor`: the multiple of the best loss past which the rest of the curve is read as diverged (above
+    1; None: never). Raises RangefinderError when the arrays differ in length or hold fewer than 3 finite losses, or
+    for a setting outside its range.
     """
     lr_all = np.asarray(lr, dtype=float).ravel()
     y_all = np.asarray(val_loss, dtype=float).ravel()
@@ -352,6 +355,7 @@ def analyze_lr_curve(
         raise RangefinderError(f"mid_position must lie in [0, 1] (0: lr_low, 1: lr_high); got {mid_position!r}")
     if midpoint not in MIDPOINT_RULES:
         raise RangefinderError(f"midpoint must be one of {', '.join(MIDPOINT_RULES)} (got {midpoint!r})")
+    check_reading_settings(seed, divergence_factor)
 
     # --- 0. the rows in LR order, without the NaN/inf ones that finite rows follow
     rows = order_rows(lr_all, y_all)

@@ -23,6 +23,7 @@ import numpy as np
 from rangefinder.analysis.curves import (
     MAX_CURVE_POINTS,
     bin_means,
+    check_reading_settings,
     choose_span,
     divergence_cut,
     end_slope,
@@ -128,7 +129,7 @@ def select_step_window(
 
     One (update, epoch, val_loss) per validation, read in update order; `epoch` may be None or NaN where unknown (it is
     then interpolated from the rows that have it, or left out). Raises RangefinderError for mismatched lengths,
-    a tolerance outside (0, 1) or fewer than 3 finite losses.
+    a tolerance outside (0, 1), a negative seed, a divergence_factor of 1 or less, or fewer than 3 finite losses.
     """
     u_all = np.asarray(update, dtype=float).ravel()
     y_all = np.asarray(val_loss, dtype=float).ravel()
@@ -139,6 +140,7 @@ def select_step_window(
         )
     if not 0 < tolerance < 1:
         raise RangefinderError(f"tolerance must be in (0, 1), e.g. 0.02 for 2% (got {tolerance})")
+    check_reading_settings(seed, divergence_factor)
     n_finite = int(np.sum(np.isfinite(y_all) & np.isfinite(u_all)))
     if n_finite < STEP_WINDOW_MIN_UPDATES:
         raise RangefinderError(
