@@ -53,6 +53,23 @@ def test_missing_folder_is_one_clear_error(tmp_path, monkeypatch):
                                    "rangefinder runs in) does not exist")
 
 
+def test_a_dataset_dir_given_that_is_no_folder_is_one_clear_error_and_the_split_made_before_stays(
+        tmp_path, shapes_dataset_dir, monkeypatch):
+    """The dataset_dir argument (an imported artifact's folder; a notebook's own folder): a folder that does not exist
+    ended in shutil's FileNotFoundError, after the split's earlier copy of the images was deleted, so the split.json
+    left behind named images that were gone. A folder under ~ is read there."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    first = run_prepare_dataset(demo_config(), out_dir=tmp_path / "split", dataset_dir=str(shapes_dataset_dir))
+    for bad, what in ((tmp_path / "nope", "does not exist"), (tmp_path / "split" / "split.json", "is a file")):
+        with pytest.raises(DataError, match=rf"^dataset_dir {bad} {what}"):
+            run_prepare_dataset(demo_config(), out_dir=tmp_path / "split", dataset_dir=bad)
+    split = read_split(first.split_dir)
+    assert all(split.path_of(it).is_file() for it in split.train + split.val)
+    (tmp_path / "data").symlink_to(shapes_dataset_dir)
+    again = run_prepare_dataset(demo_config(), out_dir=tmp_path / "split", dataset_dir="~/data")
+    assert (again.train_images, again.val_images) == (16, 4)
+
+
 def test_the_report_lists_the_aspect_ratio_buckets(tmp_path, mixed_aspect_dataset_dir):
     cfg = demo_config(data={"dataset_dir": str(mixed_aspect_dataset_dir)})  # 32 px, bucketing on
     run_prepare_dataset(cfg, out_dir=tmp_path / "split", report_path=tmp_path / "report.md")

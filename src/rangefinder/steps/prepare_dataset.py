@@ -15,6 +15,7 @@ from typing import Optional
 
 from rangefinder.config import RangefinderConfig
 from rangefinder.errors import DataError
+from rangefinder.formats.atomic import atomic_dir
 from rangefinder.formats.text import markdown_code, markdown_text, warn
 
 EMBEDDED_IMAGES = 20  # the embedded dataset (synthetic.EMBEDDED_KIND): 16 train + 4 validation at the default split
@@ -40,14 +41,19 @@ def run_prepare_dataset(
     from rangefinder.data.split import SKIPPED_KINDS, split_dataset
     from rangefinder.data.synthetic import EMBEDDED_KIND, make_synthetic_dataset
 
+    if dataset_dir is not None:
+        given = Path(dataset_dir).expanduser()
+        if not given.is_dir():
+            what = "is a file, not a folder" if given.exists() else "does not exist"
+            raise DataError(f"dataset_dir {given} {what}; give the folder of images and captions")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if dataset_dir is not None:
-        # An imported artifact: copy it into the split so every later pod has the images.
+        # An imported artifact: copy it into the split so every later pod has the images. The copy takes the place
+        # of an earlier one only once whole: a copy that fails leaves the split made before as it was.
         root = out_dir / "dataset"
-        if root.exists():
-            shutil.rmtree(root)
-        shutil.copytree(dataset_dir, root)
+        with atomic_dir(root) as tmp:
+            shutil.copytree(given, tmp, dirs_exist_ok=True)
     elif cfg.data.dataset_dir:
         root = Path(cfg.data.dataset_dir).expanduser()
         if not root.is_dir():
