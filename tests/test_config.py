@@ -213,6 +213,14 @@ def test_val_split_always_leaves_a_training_image():
         plan(1, val_split=0.0, epochs=1, train_images=0)
 
 
+def test_plan_refuses_a_scale_lr_or_steps_unit_the_config_would_refuse():
+    """Called from Python: "Linear" planned an unscaled LR and "steps" counted micro-batches, without a word."""
+    with pytest.raises(ConfigError, match=r"^scale_lr must be one of none, linear, sqrt \(got 'Linear'\)$"):
+        plan(20, epochs=1, lr=1e-4, scale_lr="Linear")
+    with pytest.raises(ConfigError, match=r"^steps_unit must be one of update, micro-batch \(got 'steps'\)$"):
+        plan(20, steps=8, steps_unit="steps")
+
+
 def test_yaml_loading(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text(

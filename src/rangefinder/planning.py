@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Optional
+from typing import Optional, get_args
 
 from pydantic import BaseModel
 
@@ -96,6 +96,12 @@ def plan(
     for name, v in (("batch_size", batch_size), ("grad_accum", grad_accum), ("world_size", world_size)):
         if v < 1:
             raise ConfigError(f"{name} must be >= 1 (got {v})")
+    # Checked here, not only by the config: called from Python, an unknown scale_lr planned an unscaled LR and an
+    # unknown steps_unit counted micro-batches, without a word.
+    choices = (("scale_lr", scale_lr, get_args(ScaleLR)), ("steps_unit", steps_unit, get_args(StepsUnit)))
+    for name, value, allowed in choices:
+        if value not in allowed:
+            raise ConfigError(f"{name} must be one of {', '.join(allowed)} (got {value!r})")
     if (epochs is None) == (steps is None):
         raise ConfigError("give exactly one budget: epochs, or steps with steps_unit update|micro-batch")
     if (epochs is not None and epochs < 1) or (steps is not None and steps < 1):
