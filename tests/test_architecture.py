@@ -486,3 +486,14 @@ def test_every_torch_load_says_whether_it_may_unpickle(imports, sources):
             ):
                 silent.append(f"{module}:{node.lineno}")
     assert not silent, f"torch.load without weights_only=: {silent}"
+
+
+def test_every_step_s_run_function_says_what_it_does():
+    """help(run_<step>) in a notebook: the steps are the library's plain functions (one each, steps/<step>.py), and
+    run_prepare_dataset, run_finetune and run_sample_images said nothing of their arguments or what they return."""
+    silent = []
+    for path in sorted((SRC / PACKAGE / "steps").glob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef) and node.name == f"run_{path.stem}" and not ast.get_docstring(node):
+                silent.append(f"{path.name}: {node.name}")
+    assert not silent, f"run_<step>() without a docstring: {silent}"

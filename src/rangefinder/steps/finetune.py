@@ -317,6 +317,13 @@ def run_finetune(
     report_md: Optional[Path] = None,
     mlflow_parent_run_id: Optional[str] = None,
 ) -> FinetuneResult:
+    """Train the fine-tune on the split at `split_dir` at `lr_mid` (or the LR successive halving keeps of `lr_mid`
+    and `lr_high`; the bounds `lr_low`..`lr_high` for a triangular schedule), find the step window in its curve and
+    write the delivered model, its checkpoints and metrics.csv to `model_dir`; the LR's `lr_source` (range-test,
+    prodigy-step, fixed) is named in the report and MLflow. The report goes to `out_dir` (None: `model_dir/report`),
+    and is copied to `report_html` and `report_md` where given; the step's MLflow run is a child of
+    `mlflow_parent_run_id` where given. Returns the recommended length, the weights kept and the LR trained
+    (FinetuneResult); RangefinderError for bad settings or a run that wrote no weights."""
     from rangefinder import tracking
     from rangefinder.analysis import RecommendedLength, copy_report, select_step_window, write_step_report
     from rangefinder.analysis.reports import step_headline, write_unmeasured_step_report

@@ -37,6 +37,11 @@ def run_prepare_dataset(
     dataset_dir: Optional[Path] = None,
     report_path: Optional[Path] = None,
 ) -> PreparedDataset:
+    """Split the images into the split folder `out_dir`: those of `dataset_dir` (an imported artifact's folder,
+    copied into `out_dir/dataset`), else of the config's data.dataset_dir (split in place), else the embedded
+    synthetic dataset (made in `out_dir/dataset`). `report_path`: where the Markdown report of the split goes (the
+    images, the files skipped and why). Returns the split's folder, its image counts and the files skipped
+    (PreparedDataset); DataError for a folder that is missing or holds too few usable images."""
     from rangefinder.data.buckets import BucketSettings
     from rangefinder.data.split import SKIPPED_KINDS, split_dataset
     from rangefinder.data.synthetic import EMBEDDED_KIND, make_synthetic_dataset

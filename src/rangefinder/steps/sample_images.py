@@ -71,6 +71,11 @@ def grid_note(prompts: int, seeds: int, labels: list[str], scores: list[dict]) -
 def run_sample_images(cfg: RangefinderConfig, *, finetuned_dir: Path, retrained_dir: Optional[Path] = None,
                       out_dir: Path, grid_html: Optional[Path] = None,
                       mlflow_parent_run_id: Optional[str] = None) -> dict:
+    """Render the config's sampling prompts and seeds with the base model and the fine-tune's models in
+    `finetuned_dir` (its chosen checkpoint, other kept checkpoints, its final weights) and the retrain's in
+    `retrained_dir` where given, into `out_dir` (the grid, its images and manifest), and log them to the step's
+    MLflow run (a child of `mlflow_parent_run_id` where given); the grid's HTML is copied to `grid_html` where given.
+    Returns render_grid's paths and layout (rangefinder.sampling.render_grid)."""
     from rangefinder import tracking
     from rangefinder.launch.processes import apply_torch_threads
     from rangefinder.sampling import render_grid
