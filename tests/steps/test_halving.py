@@ -382,6 +382,12 @@ def test_a_step_retried_after_the_decision_goes_on_from_it_without_racing_again(
     spec = TrainSpec.finetune(cfg, split, bounds=(LR_LOW, LR_HIGH), lr=LR_MID, world_size=1)
     assert run_halving(cfg, spec, work, lr_mid=LR_MID, lr_high=LR_HIGH, split=split) == result.halving
     assert files() == before
+    # A second fine-tune into the folder (a notebook's second call, with new bounds) is refused, not answered with
+    # this decision's LR; the folder stays as it is.
+    with pytest.raises(RangefinderError, match=rf"is the race of another fine-tune \(lr_mid {LR_MID:g}, lr_high "
+                                               rf"{LR_HIGH:g}\), not of lr_mid {LR_MID * 2:g} and lr_high"):
+        run_halving(cfg, spec, work, lr_mid=LR_MID * 2, lr_high=LR_HIGH, split=split)
+    assert files() == before
 
 
 def test_an_odd_fine_tune_races_to_half_its_updates_rounded_up_and_lr_below_only_past_the_margin(

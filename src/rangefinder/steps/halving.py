@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
@@ -51,6 +52,7 @@ from rangefinder.analysis.halving import (
     pick,
 )
 from rangefinder.config import RangefinderConfig
+from rangefinder.errors import RangefinderError
 from rangefinder.formats import checkpoints
 from rangefinder.formats.atomic import rename_into_place, write_json
 from rangefinder.training.sinks import MetricSink
@@ -83,6 +85,8 @@ def run_halving(cfg: RangefinderConfig, spec: TrainSpec, work: Path, *, lr_mid: 
     root = Path(work) / HALVING_DIR
     decision_path = root / DECISION
     decision = HalvingDecision.from_json(json.loads(decision_path.read_text())) if decision_path.is_file() else None
+    if decision is not None:
+        _check_same_race(decision, decision_path, lr_mid, lr_high)
     if decision is None:
         plan = spec.plan if spec.plan is not None else spec.plan_from(_read(spec))
         half = pause_update(plan.total_updates)
@@ -112,6 +116,19 @@ def run_halving(cfg: RangefinderConfig, spec: TrainSpec, work: Path, *, lr_mid: 
         decision = decision.done_moving()
         write_json(decision_path, decision.to_json())
     return decision
+
+
+def _check_same_race(decision: HalvingDecision, decision_path: Path, lr_mid: float, lr_high: float) -> None:
+    """RangefinderError when the decision a folder holds raced other LRs than these: a retried step races the same
+    ones, but a second fine-tune into the same folder (a notebook's second call with new bounds) went on from the
+    first's decision, and trained and reported the first's LR for the bounds it was given."""
+    raced = decision.candidates
+    if all(name in raced and math.isclose(raced[name].lr, lr, rel_tol=1e-9)
+           for name, lr in (("lr_mid", lr_mid), ("lr_high", lr_high))):
+        return
+    was = ", ".join(f"{name} {raced[name].lr:g}" for name in ("lr_mid", "lr_high") if name in raced)
+    raise RangefinderError(f"{decision_path} is the race of another fine-tune ({was}), not of lr_mid {lr_mid:g} and "
+                           f"lr_high {lr_high:g}; give this fine-tune a new folder, or delete that one")
 
 
 def _race(cfg: RangefinderConfig, spec: TrainSpec, out_dir: Path, sink: Optional[MetricSink], name: str, lr: float,
