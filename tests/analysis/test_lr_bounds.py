@@ -203,6 +203,11 @@ def test_bad_input():
     # What the config refuses, refused from Python too (a notebook's call): a negative seed failed in NumPy's
     # seeding, a factor of 1 or less read a falling curve as diverged.
     lr, y = [0, 1e-5, 1e-4, 1e-3], [0.2, 0.19, 0.18, 0.3]
+    # A column of text, or pandas' NA in an object column: NumPy's ValueError and TypeError, not RangefinderError.
+    with pytest.raises(RangefinderError, match=r"^val_loss must be numbers, one per row \(.*'diverged'"):
+        analyze_lr_curve(lr, [0.2, 0.19, 0.18, "diverged"])
+    with pytest.raises(RangefinderError, match=r"^stabilize_loss must be numbers"):
+        analyze_lr_curve(lr, y, stabilize_loss=np.array([0.2, 0.19, 0.18, object()], dtype=object))
     with pytest.raises(RangefinderError, match=r"^seed must be a whole number of 0 or more \(got -1\)"):
         analyze_lr_curve(lr, y, seed=-1)
     for factor in (0.5, 1.0, float("nan")):

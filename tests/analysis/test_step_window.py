@@ -123,6 +123,8 @@ def test_bad_input():
         select_step_window([0, 1, 2], [0, 1, 2], [1, np.nan, np.nan])
     with pytest.raises(RangefinderError, match=r"^seed must be a whole number of 0 or more \(got -1\)"):
         select_step_window([0, 1, 2], [0, 1, 2], [1, 0.9, 0.8], seed=-1)
+    with pytest.raises(RangefinderError, match=r"^epoch must be numbers, one per row"):
+        select_step_window([0, 1, 2], ["0", "1", "two"], [1, 0.9, 0.8])
     with pytest.raises(RangefinderError, match=r"^divergence_factor must be above 1, .* \(got -1\)$"):
         select_step_window([0, 1, 2], [0, 1, 2], [1, 0.9, 0.8], divergence_factor=-1)
 

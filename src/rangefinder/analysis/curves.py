@@ -388,6 +388,17 @@ def reading_notes(rows: RowOrder, n_rows: int, rows_per_point: int, axis_name: s
     return notes
 
 
+def numbers(name: str, values: Any) -> np.ndarray:
+    """`values` (a list, an array, a pandas column) as a flat float array; RangefinderError naming `name` where one is
+    not a number: a column of text, or pandas' NA in an object column, failed in NumPy's conversion with its
+    ValueError or TypeError, which a caller catching RangefinderError did not catch. None and NaN read as NaN."""
+    try:
+        return np.asarray(values, dtype=float).ravel()
+    except (TypeError, ValueError) as e:
+        raise RangefinderError(f"{name} must be numbers, one per row ({e}); pass a numeric column (pandas: "
+                               "pd.to_numeric(column, errors='coerce') reads what is not a number as NaN)") from None
+
+
 def check_reading_settings(seed: Any, divergence_factor: Optional[float]) -> None:
     """RangefinderError naming the argument, for a `seed` or `divergence_factor` of the analysis that the config's
     fields refuse (config.Seed, lr_range_test.divergence_factor): called from Python, a negative seed failed deep in

@@ -53,6 +53,7 @@ from rangefinder.analysis.curves import (
     lowess,
     merge_ties,
     noise_sigma,
+    numbers,
     order_rows,
     reading_notes,
     rise_cut,
@@ -295,8 +296,7 @@ def analyze_lr_curve(
     1; None: never). Raises RangefinderError when the arrays differ in length or hold fewer than 3 finite losses, or
     for a setting outside its range.
     """
-    lr_all = np.asarray(lr, dtype=float).ravel()
-    y_all = np.asarray(val_loss, dtype=float).ravel()
+    lr_all, y_all = numbers("lr", lr), numbers("val_loss", val_loss)
     if lr_all.shape != y_all.shape:
         raise RangefinderError(f"lr and val_loss differ in length ({lr_all.size} vs {y_all.size}); pass one per row")
     negative = np.flatnonzero(lr_all < 0)
@@ -344,7 +344,7 @@ def analyze_lr_curve(
         )
     stab_all = None
     if stabilize_loss is not None:
-        stab_all = np.asarray(stabilize_loss, dtype=float).ravel()
+        stab_all = numbers("stabilize_loss", stabilize_loss)
         if stab_all.shape != lr_all.shape:
             raise RangefinderError(f"stabilize_loss has {stab_all.size} values for {lr_all.size} LRs; pass one per row")
     if ramp is None:

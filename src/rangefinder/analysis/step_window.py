@@ -31,6 +31,7 @@ from rangefinder.analysis.curves import (
     lowess,
     merge_ties,
     noise_sigma,
+    numbers,
     order_rows,
     reading_notes,
     trend_test,
@@ -131,9 +132,8 @@ def select_step_window(
     then interpolated from the rows that have it, or left out). Raises RangefinderError for mismatched lengths,
     a tolerance outside (0, 1), a negative seed, a divergence_factor of 1 or less, or fewer than 3 finite losses.
     """
-    u_all = np.asarray(update, dtype=float).ravel()
-    y_all = np.asarray(val_loss, dtype=float).ravel()
-    e_all = np.full_like(u_all, np.nan) if epoch is None else np.asarray(epoch, dtype=float).ravel()
+    u_all, y_all = numbers("update", update), numbers("val_loss", val_loss)
+    e_all = np.full_like(u_all, np.nan) if epoch is None else numbers("epoch", epoch)
     if not (u_all.shape == y_all.shape == e_all.shape):
         raise RangefinderError(
             f"update, epoch and val_loss differ in length ({u_all.size}, {e_all.size}, {y_all.size}); pass one per row"
@@ -159,7 +159,7 @@ def select_step_window(
         )
     s_all = None
     if stabilize_loss is not None:
-        s_all = np.asarray(stabilize_loss, dtype=float).ravel()
+        s_all = numbers("stabilize_loss", stabilize_loss)
         if s_all.shape != u_all.shape:
             raise RangefinderError(f"stabilize_loss has {s_all.size} values for {u_all.size} updates; one per row")
         if not np.any(np.isfinite(s_all)):
