@@ -123,6 +123,21 @@ def test_the_demos_run_on_default_sqlite_reads_back_whole(demo_run, demo_run_mlf
     assert client.list_artifacts(by_name["sample_images"].info.run_id, "images")  # the grid via log_image
 
 
+def test_the_demo_s_delivery_reason_names_the_band_that_drew_its_window(demo_run):
+    """The reason chosen.json gives (the registered version's description) says how close to its minimum the window's
+    smoothed loss stays as the band that drew the window: the demo's curve is noisy, so the band is the 2 % tolerance
+    widened to 2 standard errors, and a reason saying "within 2 %" named a window narrower than its own updates."""
+    import re
+
+    ft = task_dir(demo_run.summary, "finetune")
+    window = json.loads((ft / "curve" / "step_window.json").read_text())
+    reason = json.loads((ft / "model" / "chosen.json").read_text())["reason"]  # a window average's quotes the pick's
+    said = re.search(r"stays within ([0-9.e-]+)(%?) of its minimum", reason)
+    assert said, reason
+    band = float(said[1]) / 100 * window["best_val_loss"] if said[2] else float(said[1])
+    assert band == pytest.approx(window["band"], rel=5e-3), (reason, window["band"], window["tolerance"])
+
+
 def test_fixed_lr_from_a_hub_id_skips_discovery_then_retrains(tmp_path, shapes_dataset_dir, fake_hub_cache,
                                                                monkeypatch):
     """A real user's first run, whole: `rangefinder run --local --config FILE` on a terminal, the base model a hub

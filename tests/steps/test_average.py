@@ -210,8 +210,8 @@ def test_a_step_retried_before_it_ends_goes_on_from_the_run_s_end(averaged, spli
 
     cfg, tmp, _, spec, plain = averaged
     work = shutil.copytree(tmp / "plain", tmp / "before-the-end")
-    window = SimpleNamespace(recommended_updates=8, recommended_epochs=2, status="ok", tolerance=0.02,
-                             window_start_update=4, window_end_update=12)
+    window = SimpleNamespace(recommended_updates=8, recommended_epochs=2, status="ok", tolerance=0.02, band=0.0,
+                             best_val_loss=None, window_start_update=4, window_end_update=12)
     info = keep_chosen_checkpoint(work, window, plain.curve_arrays(), tiny_model_dir, keep_newest=True)
     assert info is not None and info["update"] in (4, 8, 12)
     left = [checkpoints.checkpoint_update(p) for p in checkpoints.list_checkpoints(work / checkpoints.RUN_DIR)]

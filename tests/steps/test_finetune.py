@@ -176,7 +176,8 @@ def test_the_lowest_validation_loss_inside_the_window_becomes_the_chosen_model(e
     assert loss[4] != loss[8]
     best, worse = sorted((4, 8), key=loss.__getitem__)
     window = SimpleNamespace(recommended_updates=worse, recommended_epochs=worse // 4, status="ok", tolerance=0.02,
-                             window_start_update=2.0, window_end_update=8.0)
+                             band=0.02 * loss[best], best_val_loss=loss[best], window_start_update=2.0,
+                             window_end_update=8.0)
     name = checkpoints.checkpoint_name(best)
     raw = checkpoints.read_weights(run_dir / "checkpoints" / name)
     shadow = checkpoints.read_ema(run_dir / "checkpoints" / name)["shadow_params"]
@@ -295,7 +296,8 @@ def test_with_only_the_final_checkpoint_the_reason_and_the_report_say_the_final_
     curve = read_curve_csv(ema_run[1].metrics_csv)
     start, end, centre, status = window
     window = SimpleNamespace(recommended_updates=centre, recommended_epochs=None if centre is None else centre / 4,
-                             status=status, tolerance=0.02, window_start_update=start, window_end_update=end)
+                             status=status, tolerance=0.02, band=0.0, best_val_loss=None,
+                             window_start_update=start, window_end_update=end)
     info = keep_chosen_checkpoint(run_dir, window, curve, tiny_model_dir)
 
     assert (info["update"], info["rule"], info["final_weights"]) == (8, rule, True)
@@ -326,8 +328,8 @@ def test_earliest_tied_delivers_the_first_checkpoint_within_the_band_and_keeps_i
     updates = [int(u) for u in curve["update"]]
     low = float(curve["val_loss"][updates.index(8)])
     curve["val_loss"][updates.index(4)] = low * 1.005
-    window = SimpleNamespace(recommended_updates=8, recommended_epochs=2, status="ok", tolerance=0.02,
-                             window_start_update=2.0, window_end_update=8.0)
+    window = SimpleNamespace(recommended_updates=8, recommended_epochs=2, status="ok", tolerance=0.02, band=0.0,
+                             best_val_loss=None, window_start_update=2.0, window_end_update=8.0)
     average = {"none": {}, "an average 3 % lower": {"the window average": low * 0.97},
                "an average 0.5 % lower": {"the window average": low * 0.995}}[besides]
     name = {u: checkpoints.checkpoint_name(u) for u in (4, 8)}

@@ -116,6 +116,17 @@ class StepWindow:
         return {k: _jsonable(v) for k, v in self.__dict__.items() if k != "fit"}
 
 
+def within_words(window: StepWindow) -> str:
+    """How far above its minimum a window's smoothed validation loss stays, in words: the relative tolerance asked
+    for or, where the curve is noisier than that, the band it was widened to, which is what drew the window."""
+    minimum = abs(window.best_val_loss or 0.0)
+    if not window.band > window.tolerance * minimum * (1 + 1e-9):
+        return f"within {window.tolerance:.0%} of its minimum"
+    share = f", {window.band / minimum:.1%}" if minimum else ""
+    return (f"within {window.band:.3g} of its minimum (the {window.tolerance:.0%} tolerance widened to 2 standard "
+            f"errors of the curve's noise{share})")
+
+
 def select_step_window(
     update: Any,
     epoch: Any,

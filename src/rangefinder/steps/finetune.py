@@ -192,6 +192,8 @@ def chosen_delivery(chosen: Optional[dict[str, Any]]) -> Optional[Delivery]:
 def pick_reason(pick: Delivery, window: StepWindow) -> str:
     """Why the window's rule (analysis.delivered_checkpoint) picked `pick`, for chosen.json's reason: said of the
     run's final weights too, where they are what is delivered (the run's only checkpoint, or its lowest)."""
+    from rangefinder.analysis.step_window import within_words
+
     if pick.rule == "run_lowest":
         final = ("these are the run's final weights" if pick.final
                  else "the run's final weights are not delivered: it trained past any useful length")
@@ -205,7 +207,7 @@ def pick_reason(pick: Delivery, window: StepWindow) -> str:
                 f"the checkpoint with the lowest validation loss near its end, update {pick.update}{final} is kept; "
                 "fine-tune for more epochs to find the minimum")
     past = "" if pick.final else " (the run went on past the window, so its final weights overfit)"
-    return (f"smoothed validation loss stays within {window.tolerance:.0%} of its minimum from update "
+    return (f"smoothed validation loss stays {within_words(window)} from update "
             f"{window.window_start_update:.0f} to {window.window_end_update:.0f}; the centre of that window, update "
             f"{window.recommended_updates} (epoch {window.recommended_epochs}), is the recommended length, and update "
             f"{pick.update} is {pick.what()}{past}")
