@@ -408,6 +408,27 @@ def test_a_range_test_the_zoom_replaced_says_so_instead_of_train_at(tmp_path):
     assert f"this test read lr_mid {b.lr_mid:.3g}" in replaced
 
 
+def test_the_range_test_plot_gives_its_lrs_as_the_report_s_lead_does():
+    """The plot's legend said the bounds and lr_mid to 2 significant figures (the demo's 0.00021 and 0.00014) beside
+    a lead saying 0.000209 and 0.000143: the reader compares them, so they carry the same digits."""
+    from rangefinder.analysis.plots import lr_range_test_figure
+    from rangefinder.analysis.reports import lr_headline
+
+    shape = RangeTestShape(rise=0.05)
+    lr = lr_sweep(30)
+    b = analyze_lr_curve(lr, noisy(shape.loss(lr), 0.002, 0))
+    assert b.status == "ok" and b.lr_low and b.lr_high and b.lr_mid
+    fig = lr_range_test_figure(b)
+    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    lead = lr_headline(b)
+    for v in (b.lr_low, b.lr_high, b.lr_mid):
+        assert f"{v:.3g}" in lead
+    assert f"bounds {b.lr_low:.3g} - {b.lr_high:.3g}" in legend, legend
+    assert f"lr_mid ({b.midpoint}) {b.lr_mid:.3g}" in legend, legend
+    others = {rule: v for rule, v in (b.midpoints or {}).items() if rule != b.midpoint}
+    assert others and all(f"{rule} midpoint {v:.3g}" in legend for rule, v in others.items()), legend
+
+
 def test_step_plot_draws_each_dropped_halving_candidate_in_its_own_colour(tmp_path):
     """Three candidates race when lr_below fires: the two dropped ones get two colours, each found in the PNG."""
     from matplotlib.image import imread

@@ -56,11 +56,14 @@ def _y_limits(*series: Optional[np.ndarray]) -> tuple[float, float]:
 
 def plot_lr_range_test(bounds: LRBounds, out_path: str | Path, *, title: Optional[str] = None) -> Path:
     """Raw and smoothed validation loss against LR, stabilize loss, the bounds shaded, lr_mid marked and the
-    other midpoint rules' points drawn thin.
+    other midpoint rules' points drawn thin (lr_range_test_figure). Returns the PNG's path."""
+    return _save(lr_range_test_figure(bounds, title=title), out_path)
 
-    Log LR axis for exponential sweeps, linear for linear ones; a baseline at LR 0 is drawn at the left edge of a
-    log axis. Returns the PNG's path.
-    """
+
+def lr_range_test_figure(bounds: LRBounds, *, title: Optional[str] = None):
+    """plot_lr_range_test's figure, unsaved. Log LR axis for exponential sweeps, linear for linear ones; a baseline
+    at LR 0 is drawn at the left edge of a log axis. The LRs in the legend have the 3 significant figures of the
+    report's lead (reports.lr_headline), so a reader matches them digit for digit."""
     fit = bounds.fit
     if fit is None:
         raise ValueError("bounds carry no curve (fit is None); pass the result of analyze_lr_curve")
@@ -70,7 +73,7 @@ def plot_lr_range_test(bounds: LRBounds, out_path: str | Path, *, title: Optiona
     fig, ax = _figure()
     if bounds.lr_low is not None and bounds.lr_high is not None:
         ax.axvspan(bounds.lr_low, bounds.lr_high, color=BAND, alpha=0.15, lw=0,
-                   label=f"bounds {bounds.lr_low:.2g} - {bounds.lr_high:.2g}")
+                   label=f"bounds {bounds.lr_low:.3g} - {bounds.lr_high:.3g}")
     ax.plot(xs, fit.val_loss, "o", color=RAW, ms=4, label="val loss (measured)")
     ax.plot(xs, fit.smoothed, "-", color=SMOOTH, lw=2.2, label="val loss (smoothed)")
     stab_ok = None
@@ -92,9 +95,9 @@ def plot_lr_range_test(bounds: LRBounds, out_path: str | Path, *, title: Optiona
     for rule, lr_rule in (bounds.midpoints or {}).items():
         # The other rules' midpoints, thin, for comparison (analysis.midpoint picks lr_mid among them).
         if rule != bounds.midpoint:
-            ax.axvline(lr_rule, color=OTHER_MID, lw=1.2, ls=MID_STYLES[rule], label=f"{rule} midpoint {lr_rule:.2g}")
+            ax.axvline(lr_rule, color=OTHER_MID, lw=1.2, ls=MID_STYLES[rule], label=f"{rule} midpoint {lr_rule:.3g}")
     if bounds.lr_mid is not None:
-        ax.axvline(bounds.lr_mid, color=BAND, lw=2, ls="--", label=f"lr_mid ({bounds.midpoint}) {bounds.lr_mid:.2g}")
+        ax.axvline(bounds.lr_mid, color=BAND, lw=2, ls="--", label=f"lr_mid ({bounds.midpoint}) {bounds.lr_mid:.3g}")
         if bounds.lr_mid_ci80:
             y_bar = lo + 0.04 * (hi - lo)
             ax.plot(bounds.lr_mid_ci80, [y_bar, y_bar], "-", color=BAND, lw=5, alpha=0.8, solid_capstyle="butt",
@@ -108,7 +111,7 @@ def plot_lr_range_test(bounds: LRBounds, out_path: str | Path, *, title: Optiona
                           f"({bounds.quality:.2f}){flags}", fontsize=11)
     ax.grid(True, which="major", alpha=0.3)
     ax.legend(fontsize=8.5, loc="best", framealpha=0.85)
-    return _save(fig, out_path)
+    return fig
 
 
 def plot_step_window(window: StepWindow, out_path: str | Path, *, title: Optional[str] = None,
