@@ -458,6 +458,28 @@ def test_step_plot_draws_each_dropped_halving_candidate_in_its_own_colour(tmp_pa
     assert found(DROPPED["lr_below"]) == 0  # the kept candidate is the run's own curve, not a dropped one
 
 
+def test_the_step_plot_names_the_lr_its_run_trained_at_as_the_lead_does():
+    """After successive halving the plot named the dropped candidate's LR alone (the demo's "lr_mid 0.000143: dropped
+    at update 160"), never the LR of the run it draws, which the report's lead gives: its title now says it."""
+    from rangefinder.analysis.halving import HalvingCandidate, HalvingDecision
+    from rangefinder.analysis.plots import step_window_figure
+    from rangefinder.analysis.reports import step_headline
+
+    e = np.arange(41) / 2
+    shape = ConstantRunShape()
+    w = select_step_window(e * 10, e, noisy(shape.loss(e), 0.001, 0))
+    u = e[:21] * 10
+    decision = HalvingDecision(pause_update=100, kept="lr_high", lr=2.0912e-4, candidates={
+        "lr_mid": HalvingCandidate.measured(1.4253e-4, "paused", 100, u, shape.loss(e[:21]) + 0.004, 100),
+        "lr_high": HalvingCandidate.measured(2.0912e-4, "paused", 100, u, shape.loss(e[:21]), 100)})
+    fig = step_window_figure(w, halving=decision)
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    title = fig.axes[0].get_title()
+    assert "The LR is 0.000209, lr_high, kept by successive halving." in step_headline(w, decision)
+    assert title.startswith("Step window at lr_high 0.000209 (kept): "), title
+    assert "lr_mid 0.000143: dropped at update 100" in legend, legend
+
+
 def test_the_markdown_report_has_the_html_report_s_columns(tmp_path):
     """reports/*.md showed each row's quantity and value but not the third column the HTML page shows: the halving
     candidates' best validation losses by the pause, the window's band, the noise's p(improvement). Both now give the

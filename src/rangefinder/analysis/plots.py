@@ -121,7 +121,15 @@ def plot_step_window(window: StepWindow, out_path: str | Path, *, title: Optiona
     shaded and the recommended length marked (`length`, the fine-tune's, which may be a fallback; else the window's);
     with `halving` (rangefinder.steps.halving's decision), the dropped candidate's measured curve up to the pause, and
     the pause; with `delivered` (the fine-tune's choice), a star at its update and loss, and for finetune.deliver's
-    earliest tied checkpoint the band's top it lies under. Returns the PNG's path."""
+    earliest tied checkpoint the band's top it lies under (step_window_figure). Returns the PNG's path."""
+    fig = step_window_figure(window, title=title, halving=halving, delivered=delivered, length=length)
+    return _save(fig, out_path)
+
+
+def step_window_figure(window: StepWindow, *, title: Optional[str] = None, halving: Optional[HalvingDecision] = None,
+                       delivered: Optional[Delivery] = None, length: Optional[RecommendedLength] = None):
+    """plot_step_window's figure, unsaved. With `halving`, the title names the kept run's LR, as the dropped
+    candidates' labels name theirs and as the report's lead says it (reports.step_headline): the LR the curve is of."""
     fit = window.fit
     if fit is None:
         raise ValueError("window carries no curve (fit is None); pass the result of select_step_window")
@@ -173,11 +181,13 @@ def plot_step_window(window: StepWindow, out_path: str | Path, *, title: Optiona
         top = ax.secondary_xaxis("top", functions=(lambda u: a * u + b, lambda ep: (ep - b) / a))
         top.set_xlabel("epoch")
     flags = f" · {', '.join(window.flags)}" if window.flags else ""
-    ax.set_title(title or f"Step window: {window.status}{flags}", fontsize=11)
+    # The legend's three columns fill the figure's width; the kept LR goes in the title, not beside its curve.
+    kept = "" if halving is None else f" at {halving.kept} {halving.lr:.3g} (kept)"
+    ax.set_title(title or f"Step window{kept}: {window.status}{flags}", fontsize=11)
     ax.grid(True, alpha=0.3)
     # Below the axes: a U-shaped curve leaves no free corner for it.
     fig.legend(fontsize=8.5, loc="outside lower center", ncols=3, frameon=False)
-    return _save(fig, out_path)
+    return fig
 
 
 def plot_prodigy_step(updates: np.ndarray, step_sizes: np.ndarray, step_size: float, out_path: str | Path, *,
