@@ -107,6 +107,26 @@ def test_the_reports_leave_the_process_s_matplotlib_backend_and_pyplot_alone(tmp
         matplotlib.use(before)
 
 
+def test_a_step_report_whose_band_was_widened_says_so_beside_the_tolerance(tmp_path):
+    """The demo's report gave "tolerance 0.02" and a window "within 0.00279 of its minimum" (5.5 % of it) with no word
+    that this curve's noise had widened the band, so the two rows read as a window too wide for its tolerance."""
+    from rangefinder.analysis.step_window import band_widened
+
+    e = np.arange(41) / 2
+    shape = ConstantRunShape()
+    rows = {}
+    for noise in (0.001, 0.01):
+        w = select_step_window(e * 10, e, noisy(shape.loss(e), noise, 0))
+        md = write_step_report(w, None, tmp_path / str(noise))["markdown"].read_text()
+        rows[noise] = (w, next(line for line in md.splitlines() if line.startswith("| tolerance |")))
+    plain, noisier = rows[0.001], rows[0.01]
+    assert not band_widened(plain[0]) and band_widened(noisier[0])
+    assert "widened here" not in plain[1], plain[1]
+    w = noisier[0]
+    assert f"widened here to 2 standard errors, the curve being noisier: the window's band is " \
+           f"{w.band / w.best_val_loss:.1%} of the minimum" in noisier[1], noisier[1]
+
+
 def test_step_report_gives_the_recommended_epochs_and_the_updates_they_take(tmp_path):
     """The lead said "Train for 10 epochs (about 41 updates)" on a run of 4 updates per epoch: the window's centre in
     updates beside its rounded epochs. The lead, the rows and the plot's marker say the epochs and their 40 updates."""

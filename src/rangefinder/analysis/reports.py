@@ -31,6 +31,7 @@ from rangefinder.analysis.step_window import (
     Delivery,
     RecommendedLength,
     StepWindow,
+    band_widened,
 )
 from rangefinder.analysis.step_window import STATUS_ADVICE as STEP_STATUS_ADVICE
 from rangefinder.defaults import LOW_QUALITY
@@ -375,6 +376,12 @@ def write_step_report(window: StepWindow, curve: Optional[dict], out_dir: str | 
     length = length or RecommendedLength.of_window(window)
     png = plot_step_window(window, out / "step_window.png", halving=halving, delivered=delivered, length=length)
     lead = step_headline(window, halving, delivered, length)
+    # The window row gives the band that drew the window; where the curve's noise widened it past the tolerance, this
+    # row says so, or the two rows read as a window too wide for its tolerance.
+    tolerance_why = "relative; widened to 2 standard errors when the curve is noisier"
+    if band_widened(window) and window.best_val_loss:
+        tolerance_why = (f"relative; widened here to 2 standard errors, the curve being noisier: the window's band is "
+                         f"{window.band / abs(window.best_val_loss):.1%} of the minimum")
     rows: list[tuple[str, Any, str]] = [
         *_length_rows(length),
         ("window (epochs)", [window.window_start_epoch, window.window_end_epoch],
@@ -388,7 +395,7 @@ def write_step_report(window: StepWindow, curve: Optional[dict], out_dir: str | 
           if window.recommended_epochs is None and window.recommended_updates is not None else []),
         ("val - stabilize at best", window.val_minus_stabilize,
          "the generalisation gap; growing after the best means overfitting"),
-        ("tolerance", window.tolerance, "relative; widened to 2 standard errors when the curve is noisier"),
+        ("tolerance", window.tolerance, tolerance_why),
         ("noise (s.d.)", window.noise_sigma, f"p(improvement) = {window.p_improvement:.3g}"),
         ("points used", window.points_used, f"{window.points_dropped} left out"),
     ]

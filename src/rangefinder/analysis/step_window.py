@@ -116,13 +116,18 @@ class StepWindow:
         return {k: _jsonable(v) for k, v in self.__dict__.items() if k != "fit"}
 
 
+def band_widened(window: StepWindow) -> bool:
+    """Whether the window's band is wider than its relative tolerance asked: the curve was noisier, and the band is
+    2 standard errors of its minimum instead."""
+    return window.band > window.tolerance * abs(window.best_val_loss or 0.0) * (1 + 1e-9)
+
+
 def within_words(window: StepWindow) -> str:
     """How far above its minimum a window's smoothed validation loss stays, in words: the relative tolerance asked
     for or, where the curve is noisier than that, the band it was widened to, which is what drew the window."""
-    minimum = abs(window.best_val_loss or 0.0)
-    if not window.band > window.tolerance * minimum * (1 + 1e-9):
+    if not band_widened(window):
         return f"within {window.tolerance:.0%} of its minimum"
-    share = f", {window.band / minimum:.1%}" if minimum else ""
+    share = f", {window.band / abs(window.best_val_loss):.1%}" if window.best_val_loss else ""
     return (f"within {window.band:.3g} of its minimum (the {window.tolerance:.0%} tolerance widened to 2 standard "
             f"errors of the curve's noise{share})")
 
