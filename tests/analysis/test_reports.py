@@ -301,7 +301,7 @@ def test_report_shows_every_midpoint_and_marks_the_chosen(tmp_path, capsys):
     md = (tmp_path / "rep" / "lr_report.md").read_text()
     rows = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in md.splitlines() if "midpoint:" in line}
     assert set(rows) == {"midpoint: tuned", "midpoint: geometric", "midpoint: arithmetic (chosen)"}
-    assert rows["midpoint: arithmetic (chosen)"] == f"{out['lr_mid']:.4g}"
+    assert rows["midpoint: arithmetic (chosen)"] == f"{out['lr_mid']:.3g}"
     assert "midpoint: arithmetic (chosen)" in (tmp_path / "rep" / "lr_report.html").read_text()
     with pytest.raises(SystemExit) as e:  # argparse: usage and "invalid choice" on stderr
         main(["analyze-lr", str(tmp_path / "lr.csv"), "--midpoint", "harmonic"])
@@ -447,6 +447,32 @@ def test_the_range_test_plot_gives_its_lrs_as_the_report_s_lead_does():
     assert f"lr_mid ({b.midpoint}) {b.lr_mid:.3g}" in legend, legend
     others = {rule: v for rule, v in (b.midpoints or {}).items() if rule != b.midpoint}
     assert others and all(f"{rule} midpoint {v:.3g}" in legend for rule, v in others.items()), legend
+
+
+def test_the_reports_tables_give_each_lr_with_the_digits_of_their_lead(tmp_path):
+    """The demo's reports led with "lr_mid = 0.000143" and "The LR is 0.000209" above tables saying 0.0001425 and
+    0.0002091: the same LRs, read as two values. Every LR in a table has the lead's 3 significant figures."""
+    from rangefinder.analysis.halving import HalvingCandidate, HalvingDecision
+
+    shape = RangeTestShape(rise=0.05)
+    lr = lr_sweep(30)
+    b = analyze_lr_curve(lr, noisy(shape.loss(lr), 0.002, 0))
+    md = write_lr_report(b, None, tmp_path / "lr")["markdown"].read_text()
+    cells = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in md.splitlines()[6:] if "|" in line}
+    lead = md.splitlines()[2]
+    for key in ("lr_low", "lr_mid", "lr_high"):
+        assert cells[key] == f"{getattr(b, key):.3g}" and cells[key] in lead, (key, cells[key], lead)
+    assert cells["lr_mid 80% interval"] == " - ".join(f"{v:.3g}" for v in b.lr_mid_ci80)
+
+    e = np.arange(41) / 2
+    w = select_step_window(e * 10, e, noisy(ConstantRunShape().loss(e), 0.001, 0))
+    u = e[:21] * 10
+    decision = HalvingDecision(pause_update=100, kept="lr_high", lr=2.0912e-4, candidates={
+        "lr_mid": HalvingCandidate.measured(1.4253e-4, "paused", 100, u, ConstantRunShape().loss(e[:21]) + 0.004, 100),
+        "lr_high": HalvingCandidate.measured(2.0912e-4, "paused", 100, u, ConstantRunShape().loss(e[:21]), 100)})
+    md = write_step_report(w, None, tmp_path / "step", halving=decision)["markdown"].read_text()
+    assert "The LR is 0.000209, lr_high" in md.splitlines()[2]
+    assert "| lr_high (kept) | 0.000209 |" in md and "| lr_mid (dropped) | 0.000143 |" in md, md
 
 
 def test_step_plot_draws_each_dropped_halving_candidate_in_its_own_colour(tmp_path):

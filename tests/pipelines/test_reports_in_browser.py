@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 
 def _fmt(v: float) -> str:
-    return f"{v:.4g}"  # as the reports print a float
+    return f"{v:.3g}"  # as the reports print an LR
 
 
 @pytest.fixture(scope="module")

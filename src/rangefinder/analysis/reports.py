@@ -81,6 +81,15 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+def _lr(v: Any) -> Any:
+    """An LR, or a range of them, for a report's table: 3 significant figures, as the lead, the plot's legend, the
+    progress lines and the run names give it (0.000209), where the table's 4 (0.0002091, 0.0001425) read beside the
+    lead's 0.000143 as another value."""
+    if isinstance(v, (list, tuple)):
+        return [_lr(i) for i in v]
+    return f"{v:.3g}" if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+
+
 def _png_data_uri(png: Path) -> str:
     return "data:image/png;base64," + base64.b64encode(png.read_bytes()).decode("ascii")
 
@@ -263,18 +272,19 @@ def write_lr_report(bounds: LRBounds, curve: Optional[dict], out_dir: str | Path
     png = plot_lr_range_test(bounds, out / "lr_range_test.png")
     lead = lr_headline(bounds, zoom)
     rows: list[tuple[str, Any, str]] = [
-        ("lr_low", bounds.lr_low, "validation loss has started to fall"),
-        ("lr_high", bounds.lr_high, "it has nearly reached its minimum (flattens or turns up after)"),
-        ("lr_mid", bounds.lr_mid, f"the {bounds.midpoint} midpoint (below)"),
-        ("lr_mid 80% interval", bounds.lr_mid_ci80, "from a seeded bootstrap of the curve"),
+        ("lr_low", _lr(bounds.lr_low), "validation loss has started to fall"),
+        ("lr_high", _lr(bounds.lr_high), "it has nearly reached its minimum (flattens or turns up after)"),
+        ("lr_mid", _lr(bounds.lr_mid), f"the {bounds.midpoint} midpoint (below)"),
+        ("lr_mid 80% interval", _lr(bounds.lr_mid_ci80), "from a seeded bootstrap of the curve"),
         *_midpoint_rows(bounds),
         ("quality", f"{bounds.quality:.2f} ({bounds.quality_label})",
          ", ".join(f"{k} {v:.2f}" for k, v in bounds.quality_parts.items())),
         ("signal-to-noise", bounds.snr, f"drop below the start in standard errors; p = {bounds.p_descent:.3g}"),
         ("noise (s.d.)", bounds.noise_sigma, "per-point validation-loss noise, from the data"),
         ("points used", bounds.points_used, f"{bounds.points_dropped} left out; sweep {bounds.ramp}"),
-        ("lr_steepest (fastai 'steep')", bounds.lr_steepest, "for comparison: steepest raw slope, noise-sensitive"),
-        ("lr_min / 10 (fastai 'minimum')", bounds.lr_min_div10, "for comparison"),
+        ("lr_steepest (fastai 'steep')", _lr(bounds.lr_steepest),
+         "for comparison: steepest raw slope, noise-sensitive"),
+        ("lr_min / 10 (fastai 'minimum')", _lr(bounds.lr_min_div10), "for comparison"),
     ]
     advice = LR_STATUS_ADVICE[bounds.status]
     if zoom is not None and bounds.status == "ok":  # not "train at lr_mid": the zoom's bounds are trained at
@@ -300,11 +310,12 @@ def write_prodigy_report(reading: ProdigyStep, updates: dict, curve: Optional[di
                             out / "prodigy_step.png", curve=curve, factor=reading.factor)
     best = None if reading.best_update is None else f"at update {reading.best_update}"
     rows: list[tuple[str, Any, str]] = [
-        ("LR (step size)", reading.step_size, "d x lr after the last update: the constant LR the fine-tune trains at"
-         if reading.factor == 1 else "d x lr after the last update"),
+        ("LR (step size)", _lr(reading.step_size),
+         "d x lr after the last update: the constant LR the fine-tune trains at" if reading.factor == 1
+         else "d x lr after the last update"),
         *([] if reading.factor == 1 else [
-            ("LR trained", reading.lr_trained, f"{reading.factor:g} x the step size: the constant LR the fine-tune "
-                                               "trains at")]),
+            ("LR trained", _lr(reading.lr_trained),
+             f"{reading.factor:g} x the step size: the constant LR the fine-tune trains at")]),
         ("d", reading.d, "Prodigy's final estimate of the distance to the solution"),
         ("Prodigy lr", reading.lr, "the multiplier of d, as diffusers' recipe sets it"),
         ("updates", reading.updates, "as many as the fine-tune's (finetune.epochs), constant schedule"),
@@ -349,7 +360,7 @@ def _midpoint_rows(bounds: LRBounds) -> list[tuple[str, Any, str]]:
         "arithmetic": "(lr_low + lr_high) / 2, the EveryDream2 write-up's rule",
     }
     mids = bounds.midpoints or {}
-    return [(f"midpoint: {rule}" + (" (chosen)" if rule == bounds.midpoint else ""), mids.get(rule), text)
+    return [(f"midpoint: {rule}" + (" (chosen)" if rule == bounds.midpoint else ""), _lr(mids.get(rule)), text)
             for rule, text in how.items()]
 
 
@@ -446,9 +457,9 @@ def write_retrain_report(updates: dict, out_dir: str | Path, *, status: str, lea
         ("epochs", epochs, why_epochs),
         ("updates", int(loss.size), "on train + validation" + (f", {train_images} images" if train_images else "")
          + ": more per epoch than the fine-tune's"),
-        ("lr", lr, "the LR the fine-tune kept (its lr_used)" + ("; the schedule cycles between the bounds instead"
+        ("lr", _lr(lr), "the LR the fine-tune kept (its lr_used)" + ("; the schedule cycles between the bounds instead"
                                                                if triangular else "")),
-        ("schedule", f"triangular {_fmt(bounds[0])} - {_fmt(bounds[1])}" if triangular else schedule,
+        ("schedule", f"triangular {_lr(bounds[0])} - {_lr(bounds[1])}" if triangular else schedule,
          "retrain.schedule"),
         ("train loss, first epoch", first, "mean over its updates"),
         ("train loss, last epoch", last, "mean over its updates"),
@@ -496,7 +507,7 @@ def _halving_rows(halving: HalvingDecision) -> list[tuple[str, Any, str]]:
     for name, c in halving.candidates.items():
         what = "kept" if name == halving.kept else "dropped"
         at = f" at update {c.best_update}" if c.best_update is not None else ""
-        rows.append((f"{name} ({what})", c.lr, f"best val loss by update {halving.pause_update}: "
+        rows.append((f"{name} ({what})", _lr(c.lr), f"best val loss by update {halving.pause_update}: "
                                                f"{_fmt(c.best_val_loss)}{at}; {c.status}"))
     return rows
 
@@ -555,7 +566,7 @@ def write_unmeasured_step_report(epochs: float, updates: int, lr: float, lr_sour
     rows: list[tuple[str, Any, str]] = [
         ("epochs trained", epochs, "finetune.epochs, as configured"),
         ("updates trained", updates, "the final weights are delivered"),
-        ("lr", lr, f"lr source: {lr_source}"),
+        ("lr", _lr(lr), f"lr source: {lr_source}"),
     ]
     notes = [("no step window", "with no validation images there is no loss to read a window from, so the length "
                                 "is not measured; set split.val_split above 0 (or split.val_dir) to have it measured")]
