@@ -481,9 +481,10 @@ def test_prepare_dataset_is_never_served_from_the_cache(compiled):
 
 
 def test_config_drives_pods_and_defaults(tmp_path):
-    # Line breaks in defaults (U+2028 from a web page's text, a newline in a folder's name): KFP writes each default
-    # into the package's header comment as it is, where the break ended the comment and the package did not load.
-    prompt, folder = "a cat\u2028on a mat", "/data/two\nlines \x85é"
+    # Line breaks in defaults (U+2028 from a web page's text, a newline or a carriage return in a folder's name): KFP
+    # writes each default into the package's header comment as it is, where the break ended the comment and the
+    # package did not load.
+    prompt, folder = "a cat\u2028on a mat", "/data/two\nlines \x85é\rcr"
     cfg = parse_config({
         "data": {"resolution": 768, "dataset_dir": folder},
         "sampling": {"prompts": [prompt]},
@@ -504,7 +505,7 @@ def test_config_drives_pods_and_defaults(tmp_path):
     assert params["dataset_dir"].default_value.string_value == folder
     assert [v.string_value for v in params["prompts"].default_value.list_value.values] == [prompt]
     header = path.read_text(encoding="utf-8").split("\ncomponents:\n")[0]
-    assert "dataset_dir: str [Default: '/data/two\\nlines \\x85é']" in header
+    assert "dataset_dir: str [Default: '/data/two\\nlines \\x85é\\rcr']" in header
     for _, _, task in c.tasks("finetune"):
         ex = c.executors[c.executor_of(task)].container
         assert ex.image == "registry.example.com/team/trainer:1"

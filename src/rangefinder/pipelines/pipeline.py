@@ -481,6 +481,9 @@ def _header_on_comment_lines(pipeline, package_path: str) -> None:
         if isinstance(param.get("defaultValue"), str):
             param["defaultValue"] = printable(param["defaultValue"])
     header = extract_comments_from_pipeline_spec(spec, pipeline.description)
-    text = Path(package_path).read_text(encoding="utf-8")
+    # Read as written: a universal-newline read makes a default's carriage return a newline, the header no longer
+    # matches what KFP wrote, and the package was left with the raw break.
+    with open(package_path, encoding="utf-8", newline="") as f:
+        text = f.read()
     if header != written and text.startswith(written):
         write_text(package_path, header + text[len(written):])
