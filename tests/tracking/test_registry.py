@@ -225,14 +225,19 @@ def test_a_retried_registration_finishes_its_version_instead_of_adding_one(sqlit
 
 def test_model_is_filed_under_the_runs_experiment(sqlite_tracking_uri, tiny_model_dir, tmp_path, monkeypatch):
     """MLflow 3 files logged models under the active experiment; ours must go with the step's run, and nothing may
-    land in ./mlruns of the folder a step happens to run in (the demo keeps everything under its --out)."""
+    land in ./mlruns of the folder a step happens to run in (the demo keeps everything under its --out). A pipeline
+    folder named with a space or a letter outside ASCII (`rangefinder register` given a folder of one's own) is
+    logged: MLflow reads the last name of a file: URI's path unescaped, and found no such artifact."""
+    import shutil
+
     workdir = tmp_path / "cwd"
     workdir.mkdir()
     monkeypatch.chdir(workdir)
+    folder = shutil.copytree(tiny_model_dir, tmp_path / "my model é")
     cfg = RangefinderConfig(tracking=TrackingConfig(tracking_uri=sqlite_tracking_uri, experiment_name="filed",
                                                     registered_model_name=None))
     with step_run(cfg, "finetune") as run:
-        version = run.log_diffusers_model(tiny_model_dir, num_inference_steps=2)
+        version = run.log_diffusers_model(folder, num_inference_steps=2)
     model_id = version.model_uri.removeprefix("models:/")
     assert mlflow.get_logged_model(model_id).experiment_id == run.experiment_id
     assert not (workdir / "mlruns").exists()

@@ -281,13 +281,11 @@ def log_diffusers_model(
             # An input example would make mlflow load the whole pipeline and generate at logging time; the signature
             # already says what goes in and out.
             warnings.filterwarnings("ignore", message=".*input example was not provided.*")
-            # As file: URIs, which mlflow reads its artifacts' values as: a plain path was parsed as one, so a folder
-            # named with a `#` lost the rest of its path as the URI's fragment, and `%41` read as `A`.
-            artifacts = {"pipeline": Path(folder).absolute().as_uri()}
+            artifacts = {"pipeline": _artifact_uri(folder)}
             if delivered is not None:
                 # Named `delivered` in the model whatever the folder's name (chosen/, final/, or a pipeline/ that would
                 # land on the exported pipeline's): mlflow files a folder artifact under its own name.
-                artifacts[DELIVERED] = Path(shutil.copytree(delivered, Path(staging) / DELIVERED)).absolute().as_uri()
+                artifacts[DELIVERED] = _artifact_uri(shutil.copytree(delivered, Path(staging) / DELIVERED))
             info = Model.log(
                 artifact_path=None,
                 name=name,
@@ -459,6 +457,15 @@ def _differences(tags: Mapping[str, str], was: Mapping[str, str]) -> list[tuple[
         differs.append((f"other data (dataset digest {tags[TAG_DATASET_DIGEST]}, where it had "
                         f"{was[TAG_DATASET_DIGEST]})", False))
     return differs
+
+
+def _artifact_uri(folder: Path) -> str:
+    """The value mlflow reads a pyfunc artifact `folder` from: the file: URI of the folder it is in, then its name as
+    it is. mlflow parses the value as a URI: a plain path's `#` began the URI's fragment and its `%41` read as `A`;
+    but the last name, which it takes from the URI's path as written, must stay unescaped, or a folder named with a
+    space or a letter outside ASCII (`rangefinder register` given a folder of one's own) is no such artifact."""
+    folder = Path(folder).absolute()
+    return f"{folder.parent.as_uri().rstrip('/')}/{folder.name}"
 
 
 def _base_moved(tags: Mapping[str, str]) -> tuple[str, str]:
