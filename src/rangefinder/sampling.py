@@ -653,8 +653,8 @@ def read_prompts(path: Union[str, Path]) -> list[str]:
     try:
         text = decode_utf8(p.read_bytes())
     except NotUtf8 as e:
-        raise ConfigError(f"prompts file {p} {e}; save it as UTF-8, e.g. `iconv -f cp1252 -t utf-8 {p.name} > "
-                          "fixed.txt`, and pass fixed.txt") from None
+        how = f", e.g. `iconv -f {e.encoding} -t utf-8 {p.name} > fixed.txt`, and pass fixed.txt" if e.encoding else ""
+        raise ConfigError(f"prompts file {p} {e}; save it as UTF-8{how}") from None
     prompts = [ln.strip() for ln in text.splitlines()]
     prompts = [ln for ln in prompts if ln and not ln.startswith("#")]
     if not prompts:

@@ -178,6 +178,10 @@ def test_captions_and_metadata_saved_as_utf16_by_windows_are_read_and_others_nam
         (tmp_path / name).unlink()
     (tmp_path / "metadata.jsonl").write_bytes('{"file_name": "a.png", "text": "caf\u00e9"}\n'.encode("utf-16"))
     assert [(c.file_name, c.caption) for c in scan_dataset(tmp_path).candidates if c.caption] == [("a.png", "café")]
+    # A UTF-32 one's fix converts from UTF-32: from cp1252 as a Latin-1 file's is, it too became NULs between letters.
+    (tmp_path / "metadata.jsonl").write_bytes('{"file_name": "a.png", "text": "a cat"}\n'.encode("utf-32"))
+    with pytest.raises(DataError, match=r"is UTF-32 text .*`iconv -f utf-32 -t utf-8 metadata\.jsonl > fixed\.jsonl`"):
+        scan_dataset(tmp_path)
 
 
 def test_symbolic_links_are_followed_once_and_loops_and_broken_links_listed(tmp_path):

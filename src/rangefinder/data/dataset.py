@@ -184,8 +184,9 @@ def _read_metadata(root: Path) -> tuple[dict[str, str], list[Skipped], Optional[
     try:
         content = decode_utf8(path.read_bytes())
     except NotUtf8 as e:
-        raise DataError(f"{path} {e}; save the file as UTF-8, e.g. `iconv -f cp1252 -t utf-8 {name} > "
-                        f"fixed{path.suffix}` then rename fixed{path.suffix} to {name}") from None
+        how = (f", e.g. `iconv -f {e.encoding} -t utf-8 {name} > fixed{path.suffix}` then rename "
+               f"fixed{path.suffix} to {name}") if e.encoding else ""
+        raise DataError(f"{path} {e}; save the file as UTF-8{how}") from None
     rows, fields = _csv_rows(path, content) if name.endswith(".csv") else _jsonl_rows(content, problems)
     for column, holds in (("file_name", "path"), (CAPTION_FIELD, "caption")):
         if rows and column not in fields:

@@ -10,7 +10,13 @@ from collections.abc import Iterable
 
 
 class NotUtf8(ValueError):
-    """The bytes are not UTF-8; the message says at which line and byte, and the usual reason."""
+    """The bytes are not UTF-8; the message says at which line and byte, and the usual reason. `encoding`: what they
+    probably are, for the caller's `iconv -f` fix (cp1252 for Latin-1's bytes, utf-32 where its mark says so); None
+    where no conversion would make the text (a UTF-16 file cut short)."""
+
+    def __init__(self, message: str, encoding: str | None = None) -> None:
+        super().__init__(message)
+        self.encoding = encoding
 
 
 def decode_utf8(raw: bytes) -> str:
@@ -20,7 +26,7 @@ def decode_utf8(raw: bytes) -> str:
     caller to add its fix. A UTF-16 file was called Latin-1 by its mark's first byte, 0xff, and converted from cp1252
     as told, it became a file of NULs between the letters."""
     if raw.startswith((codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE)):  # UTF-32 LE's mark begins with UTF-16 LE's
-        raise NotUtf8("is UTF-32 text (it begins with UTF-32's byte-order mark)")
+        raise NotUtf8("is UTF-32 text (it begins with UTF-32's byte-order mark)", "utf-32")
     if raw.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
         try:
             return raw.decode("utf-16")
@@ -32,7 +38,7 @@ def decode_utf8(raw: bytes) -> str:
     except UnicodeDecodeError as e:
         line = raw[: e.start].count(b"\n") + 1
         raise NotUtf8(f"line {line} is not UTF-8 text (byte 0x{raw[e.start]:02x}; probably saved as Latin-1 or "
-                      "Windows-1252)") from None
+                      "Windows-1252)", "cp1252") from None
 
 
 # What CommonMark (and the KFP UI's markdown-to-jsx) can read as markup in running text: `<` opens raw HTML, which a
