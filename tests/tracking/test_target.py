@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import importlib.util
 import os
@@ -199,6 +200,32 @@ def test_a_new_sqlite_store_waits_for_another_process_making_it(tmp_path):
     assert done.is_set()
     with sqlite3.connect(db) as con:  # the store was opened (made) under the lock
         assert con.execute("SELECT name FROM sqlite_master WHERE name = 'experiments'").fetchone()
+
+
+def test_a_ctrl_c_while_the_check_waits_for_the_store_leaves_its_folder_open_nowhere(tmp_path):
+    """A Ctrl-C while the check waits for another process making the store (a local run's end opens it on Ctrl-C)
+    left the descriptor of the database's folder open for the rest of the process."""
+    import signal
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    other = os.open(tmp_path, os.O_RDONLY)
+    fcntl.flock(other, fcntl.LOCK_EX)
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        with pytest.raises(KeyboardInterrupt):
+            check_tracking_server(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        os.close(other)
+    opened = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            opened.append(os.readlink(f"/proc/self/fd/{fd}"))
+    assert str(tmp_path) not in opened
 
 
 def test_a_damaged_sqlite_database_is_one_line_naming_it(tmp_path):

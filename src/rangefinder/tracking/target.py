@@ -271,10 +271,11 @@ def _open_sqlite_store(uri: str, folder: Path) -> None:
     from mlflow import MlflowClient
 
     fd: Optional[int] = None
-    with contextlib.suppress(OSError):
-        fd = os.open(folder, os.O_RDONLY)
-        fcntl.flock(fd, fcntl.LOCK_EX)  # another's migration takes seconds; SIGINT still ends the wait
     try:
+        with contextlib.suppress(OSError):
+            fd = os.open(folder, os.O_RDONLY)
+            # Another's migration takes seconds; SIGINT still ends the wait (the descriptor closed below, not left).
+            fcntl.flock(fd, fcntl.LOCK_EX)
         MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
     except Exception as e:  # SQLAlchemy's and MLflow's errors, each with the query or the schema versions it met
         raise TrackingError(_unopenable(uri, e)) from None
