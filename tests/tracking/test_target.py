@@ -53,6 +53,9 @@ def test_a_local_store_lands_in_its_folder_or_its_folder_is_refused(monkeypatch,
     monkeypatch.chdir(tmp_path / "cwd %20")
     with pytest.raises(TrackingError, match="^the folder of the MLflow database .*cwd %20 holds '%20', which"):
         resolve_tracking_uri(None)
+    # A relative tracking.tracking_uri is refused with its own name as the way out: it wins over MLFLOW_TRACKING_URI.
+    with pytest.raises(TrackingError, match=r"rename the folder, or set tracking\.tracking_uri to a store elsewhere$"):
+        resolve_tracking_uri(TrackingConfig(tracking_uri="sqlite:///mlflow.db"))
 
 
 def test_experiment_name_from_environment_wins(monkeypatch):

@@ -99,23 +99,25 @@ def resolve_tracking_uri(cfg: Optional[TrackingSource] = None) -> str:
     db = sqlite_path(uri, "tracking.tracking_uri" if setting else "$MLFLOW_TRACKING_URI")
     if db is not None and not uri.startswith("sqlite:////"):
         query = uri.split("?", 1)[1] if "?" in uri else ""
-        uri = sqlite_uri(db, "the folder of the MLflow database") + (f"?{query}" if query else "")
+        uri = sqlite_uri(db, "the folder of the MLflow database", "tracking.tracking_uri" if setting else
+                         "MLFLOW_TRACKING_URI") + (f"?{query}" if query else "")
     return uri
 
 
-def sqlite_uri(db: Path, where: str) -> str:
+def sqlite_uri(db: Path, where: str, instead: str = "MLFLOW_TRACKING_URI") -> str:
     """The sqlite:/// URI of the database file `db` (made absolute); TrackingError naming `where` (what the folder
-    is) when no URI names it: SQLAlchemy decodes a `%` before two hex digits (`run %20x` opened `run  x`) and reads a
-    `?` as the URI's query, so the store was written in another folder than the one named, where the run's `mlflow ui`
-    line did not look; escaped, they reach SQLAlchemy whole, but MLflow makes the escaped text's folder beside it
-    (mlflow.store.db.utils._make_parent_dirs_if_sqlite, 3.17)."""
+    is), and `instead` (the setting that would put the store elsewhere: a relative tracking.tracking_uri wins over
+    the variable), when no URI names it: SQLAlchemy decodes a `%` before two hex digits (`run %20x` opened `run  x`)
+    and reads a `?` as the URI's query, so the store was written in another folder than the one named, where the
+    run's `mlflow ui` line did not look; escaped, they reach SQLAlchemy whole, but MLflow makes the escaped text's
+    folder beside it (mlflow.store.db.utils._make_parent_dirs_if_sqlite, 3.17)."""
     path = str(Path(db).absolute())
     bad = re.search(r"%[0-9A-Fa-f]{2}|\?", path)
     if bad:
         what = "a URI's query" if bad.group() == "?" else f"an escape of {unquote(bad.group())!r}"
         raise TrackingError(f"{where} {Path(path).parent} holds {bad.group()!r}, which MLflow's sqlite:/// URI reads "
                             f"as {what}, so the store would be written in another folder; rename the folder, or set "
-                            "MLFLOW_TRACKING_URI to a store elsewhere")
+                            f"{instead} to a store elsewhere")
     return "sqlite:///" + path
 
 
