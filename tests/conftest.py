@@ -120,7 +120,8 @@ def one_thread_as_a_local_run(monkeypatch):
 @pytest.fixture(scope="session", autouse=True)
 def new_mlflow_stores_from_a_template():
     """Every new SQLite MLflow store this process opens starts as a copy of one migrated, empty store instead of
-    running MLflow's migrations again (about 10 s each; tests/mlflow_store.py). Child processes migrate as usual."""
+    running MLflow's migrations again (about 10 s each; tests/mlflow_store.py). Child processes migrate as usual. And
+    each fork of this process first closes MLflow's open SQLite connections (mlflow_store.close_sqlite_connections)."""
     from tests import mlflow_store
 
     mlflow_store.install()

@@ -6,7 +6,8 @@ what keeps tests apart). The copy is the file MLflow's own `_initialize_tables` 
 store that opens it finds its tables and creates its default experiment itself, with the test's own artifact root,
 as it does on a new file. Kept on disk (under the tiny models' cache), keyed by MLflow's version and schema head.
 
-Used by tests/conftest.py (every store this process opens) and `start_mlflow_server` (the server's store).
+Used by tests/conftest.py (every store this process opens, and every fork of this process: no MLflow connection
+crosses it) and `start_mlflow_server` (the server's store).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import os
 import shutil
 import sqlite3
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -77,10 +79,41 @@ def _original() -> Any:
 _INITIALIZE_TABLES = _original()
 
 
+# MLflow's SQLAlchemy stores keep one engine per database URI for the process (a class's `_engine_map`), and each
+# engine keeps its connections open in its pool.
+_ENGINE_MAPS = (("mlflow.store.tracking.sqlalchemy_store", "SqlAlchemyStore"),
+                ("mlflow.store.model_registry.sqlalchemy_store", "SqlAlchemyStore"),
+                ("mlflow.store.jobs.sqlalchemy_store", "SqlAlchemyJobStore"))
+
+
+def close_sqlite_connections() -> None:
+    """Close the database connections MLflow's stores hold open in this process, so that none crosses a fork: a
+    forked child that opens a store this process had open (the same URI) gets MLflow's cached engine, and with it
+    this process's open SQLite connection, which must not cross a fork (https://sqlite.org/howtocorrupt.html#fork).
+    In a `ForkedMlflowCli`, which closes every inherited file descriptor, `mlflow server`'s first query on that
+    connection failed with "disk I/O error" (a test read the demo's store with an MlflowClient, then the session's
+    server started on it); in a multiprocessing fork, child and parent would share the connection's descriptor while
+    SQLite's locks on it are the parent's alone. The engines stay: each opens a new connection on its next query."""
+    for module_name, store in _ENGINE_MAPS:
+        module = sys.modules.get(module_name)  # a store module never imported has no engine
+        if module is not None:
+            for engine in list(getattr(module, store)._engine_map.values()):
+                engine.dispose()
+
+
 def install() -> None:
     """New SQLite stores opened by this process start from the template: the tracking store calls
-    `_initialize_tables` through its module, the model registry's store by the name it imported."""
+    `_initialize_tables` through its module, the model registry's store by the name it imported. And every fork of
+    this process (os.fork, multiprocessing's fork context) first closes MLflow's open connections
+    (`close_sqlite_connections`)."""
     from mlflow.store.db import utils
     from mlflow.store.model_registry import sqlalchemy_store as registry
 
     utils._initialize_tables = registry._initialize_tables = _initialize_from_template
+    global _FORK_HOOK_REGISTERED
+    if not _FORK_HOOK_REGISTERED:  # os.register_at_fork cannot unregister: once per process
+        os.register_at_fork(before=close_sqlite_connections)
+        _FORK_HOOK_REGISTERED = True
+
+
+_FORK_HOOK_REGISTERED = False

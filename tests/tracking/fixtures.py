@@ -106,8 +106,13 @@ class ForkedMlflowCli:
     def __init__(self, args: list[str], *, cwd: Path, env: dict, log: Path) -> None:
         import mlflow.cli  # before the fork: imported once per test process
 
+        from tests.mlflow_store import close_sqlite_connections
+
         self.args, self.returncode = args, None
         log_fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        # The child's `mlflow server` opens its store through MLflow's engine for that URI, cached in this process: a
+        # connection this process had open on it would be one whose descriptor the child closes below.
+        close_sqlite_connections()
         pid = os.fork()
         if pid == 0:  # the child: what a fresh `mlflow` process started with start_new_session would have
             code = 1

@@ -424,3 +424,20 @@ def test_a_ctrl_c_inside_a_step_s_model_load_ends_the_step_interrupted_not_faile
         signal.signal(signal.SIGINT, previous)
     assert _client(cfg).get_run(run.run_id).info.status == "KILLED"
     assert signal.getsignal(signal.SIGINT) is previous
+
+
+def test_a_forked_mlflow_command_opens_a_store_this_process_has_open(tmp_path):
+    """`ForkedMlflowCli` runs `mlflow` in a fork of the test process, which reuses MLflow's engine for a URI the test
+    already opened. The test's open SQLite connection must not cross the fork: the child closes every inherited
+    descriptor, and `mlflow server` started on the demo's store after a test had read it through an MlflowClient
+    failed with "disk I/O error" (tests/pipelines, test_reports_in_browser.py before test_local_run.py)."""
+    from tests.mlflow_store import seed
+    from tests.tracking.fixtures import ForkedMlflowCli
+
+    seed(tmp_path / "mlflow.db")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert [e.name for e in MlflowClient(tracking_uri=uri).search_experiments()] == ["Default"]  # this process's
+    env = {"PATH": "/usr/bin:/bin", "MLFLOW_TRACKING_URI": uri, "MLFLOW_DISABLE_TELEMETRY": "true"}
+    child = ForkedMlflowCli(["experiments", "search"], cwd=tmp_path, env=env, log=tmp_path / "child.log")
+    assert child.wait(timeout=60) == 0, (tmp_path / "child.log").read_text()[-2000:]
+    assert "Default" in (tmp_path / "child.log").read_text()
