@@ -325,3 +325,40 @@ def test_a_deleted_experiment_is_refused_naming_the_restore(sqlite_tracking_uri)
     cfg = RangefinderConfig(tracking=TrackingConfig(tracking_uri=sqlite_tracking_uri, experiment_name="binned"))
     with pytest.raises(TrackingError, match="'binned' is deleted; restore it"), step_run(cfg, "train"):
         pytest.fail("the step body must not run")
+
+
+def _auth_user(uri: str, admin: tuple[str, str]) -> tuple[str, str]:
+    """A new user of the basic-auth server at `uri` (its permission: the server's default, READ), made by `admin`."""
+    import uuid
+
+    import requests
+
+    user, password = f"user-{uuid.uuid4().hex[:8]}", f"pw-{uuid.uuid4().hex}"
+    reply = requests.post(f"{uri}/api/2.0/mlflow/users/create", json={"username": user, "password": password},
+                          auth=admin, timeout=10)
+    assert reply.status_code == 200, reply.text
+    return user, password
+
+
+def test_a_user_with_read_only_is_told_the_permission_it_needs_before_the_body_runs(mlflow_auth_server, monkeypatch):
+    """The check reads (get-experiment-by-name), which READ allows: making the run was refused with MLflow's
+    traceback ending in `failed with error code 403 != 200. Response body: 'Permission denied'`."""
+    import uuid
+
+    from mlflow import MlflowClient
+
+    uri, admin, admin_password = mlflow_auth_server
+    reader, password = _auth_user(uri, (admin, admin_password))
+    name = f"read-only-{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", admin)
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", admin_password)
+    MlflowClient(uri).create_experiment(name)
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", reader)
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", password)
+    cfg = RangefinderConfig(tracking=TrackingConfig(tracking_uri=uri, experiment_name=name))
+    with pytest.raises(TrackingError) as e, step_run(cfg, "train"):
+        pytest.fail("the step body must not run")
+    assert str(e.value).startswith(f"the MLflow tracking server at {uri} accepted the credentials but denied access "
+                                   "(HTTP 403); the user in MLFLOW_TRACKING_USERNAME needs EDIT permission on the "
+                                   "experiment"), str(e.value)
+    assert password not in str(e.value) and "\n" not in str(e.value)

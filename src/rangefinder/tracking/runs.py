@@ -63,6 +63,7 @@ from rangefinder.tracking.target import (
     check_tracking_server,
     default_experiment_id,
     ensure_tracking_server,
+    refusals_named,
     resolve_experiment_name,
     resolve_tracking_uri,
     tracking_settings,
@@ -402,7 +403,8 @@ def ensure_parent_run(
     if kfp_run_name:
         all_tags[TAG_KFP_RUN_NAME] = kfp_run_name
     all_tags.update(tags or {})
-    run = client.create_run(exp_id, run_name=redact(name), tags=_tag_values(all_tags))
+    with refusals_named(resolve_tracking_uri(cfg)):  # a READ user, let in by the check, is denied the run
+        run = client.create_run(exp_id, run_name=redact(name), tags=_tag_values(all_tags))
     run_id = run.info.run_id
     # Two steps racing to create the parent: the earliest one wins, the loser's run is deleted.
     first = _find_parent(client, exp_id, key, kfp_run_name)
@@ -926,45 +928,48 @@ def step_run(
     A step whose earlier attempt under the same parent did not finish (a KFP retry, a step run again to resume its
     training) goes on in that attempt's run, so MLflow shows one whole curve; a finished one is left as it is.
     """
-    client = tracking_client(cfg)
-    source = source or step_source(step_name)
-    all_tags = _step_tags(cfg, step_name, source, tags or {})
-    kfp_task = kfp_task_run(client)
-    if kfp_task is not None and parent_run_id in (None, kfp_task.data.tags[TAG_PARENT]):
-        # KFP made this step's run, nested under its pipeline run: log into it; a run of our own would be a third
-        # level under KFP's task run.
-        run, parent = kfp_task, kfp_task.data.tags[TAG_PARENT]
-    else:
-        run = None
-        parent = parent_run_id or os.environ.get("MLFLOW_RUN_ID") or None
-        if parent is None and (pipeline_run_name or kfp_run_id):
-            parent = ensure_parent_run(cfg, name=pipeline_run_name, kfp_run_id=kfp_run_id)
-    if run is not None:
-        exp_id = run.info.experiment_id
-    elif parent:
-        exp_id = _get_run(client, parent, "the parent run id").info.experiment_id
-    else:
-        exp_id = default_experiment_id(client, cfg)
-
     uri = resolve_tracking_uri(cfg)
-    folder = Path(spool_dir) if spool_dir is not None else None
-    if parent:
-        all_tags[TAG_PARENT] = parent
-    if run is not None:  # KFP's task run: KFP ends it, so the step does not
-        step = StepRun(client=client, run_id=run.info.run_id, experiment_id=exp_id, step_name=step_name,
-                       parent_run_id=parent, tracking_uri=uri, cfg=cfg, spool_dir=folder, owned=False, source=source,
-                       link=link)
-        step.set_tags(all_tags)
-    else:
-        earlier = _unfinished_attempt(client, exp_id, parent, step_name) if parent else None
-        if earlier is not None:
-            step = _continue(client, earlier, cfg, uri, folder, source, link)
+    # A user the check let in (READ) may still be denied making the run: said as what to fix, not a traceback.
+    with refusals_named(uri):
+        client = tracking_client(cfg)
+        source = source or step_source(step_name)
+        all_tags = _step_tags(cfg, step_name, source, tags or {})
+        kfp_task = kfp_task_run(client)
+        if kfp_task is not None and parent_run_id in (None, kfp_task.data.tags[TAG_PARENT]):
+            # KFP made this step's run, nested under its pipeline run: log into it; a run of our own would be a third
+            # level under KFP's task run.
+            run, parent = kfp_task, kfp_task.data.tags[TAG_PARENT]
         else:
-            all_tags[TAG_ATTEMPT] = 1
-            run = client.create_run(exp_id, run_name=run_name or step_name,
-                                    tags=_tag_values(all_tags))
+            run = None
+            parent = parent_run_id or os.environ.get("MLFLOW_RUN_ID") or None
+            if parent is None and (pipeline_run_name or kfp_run_id):
+                parent = ensure_parent_run(cfg, name=pipeline_run_name, kfp_run_id=kfp_run_id)
+        if run is not None:
+            exp_id = run.info.experiment_id
+        elif parent:
+            exp_id = _get_run(client, parent, "the parent run id").info.experiment_id
+        else:
+            exp_id = default_experiment_id(client, cfg)
+
+        folder = Path(spool_dir) if spool_dir is not None else None
+        if parent:
+            all_tags[TAG_PARENT] = parent
+        if run is not None:  # KFP's task run: KFP ends it, so the step does not
             step = StepRun(client=client, run_id=run.info.run_id, experiment_id=exp_id, step_name=step_name,
-                           parent_run_id=parent, tracking_uri=uri, cfg=cfg, spool_dir=folder, source=source, link=link)
+                           parent_run_id=parent, tracking_uri=uri, cfg=cfg, spool_dir=folder, owned=False,
+                           source=source, link=link)
+            step.set_tags(all_tags)
+        else:
+            earlier = _unfinished_attempt(client, exp_id, parent, step_name) if parent else None
+            if earlier is not None:
+                step = _continue(client, earlier, cfg, uri, folder, source, link)
+            else:
+                all_tags[TAG_ATTEMPT] = 1
+                run = client.create_run(exp_id, run_name=run_name or step_name,
+                                        tags=_tag_values(all_tags))
+                step = StepRun(client=client, run_id=run.info.run_id, experiment_id=exp_id, step_name=step_name,
+                               parent_run_id=parent, tracking_uri=uri, cfg=cfg, spool_dir=folder, source=source,
+                               link=link)
     with _ended(step):
         yield step
 

@@ -13,6 +13,7 @@ import re
 import shlex
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Union
 from urllib.parse import unquote, urlsplit
@@ -349,29 +350,72 @@ def _check_http(uri: str, experiment_name: str, timeout: float) -> None:
     body = resp.text[:500] if resp.text else ""
     if status in (200, 404) and _is_mlflow_json(resp):
         return  # 404 RESOURCE_DOES_NOT_EXIST: the experiment is new, which is fine; we were let in
-    if status == 401:
-        raise TrackingError(f"the MLflow tracking server at {where} refused the credentials (HTTP 401); "
-                            + _credential_hint())
     if status == 403 and "host" in body.lower():
         raise TrackingError(
             f"the MLflow tracking server at {where} rejected the request's Host header (HTTP 403); start it with "
             f"--allowed-hosts including '{urlsplit(uri).netloc.rsplit('@', 1)[-1]}' (or reach it by an allowed name)"
         )
-    if status == 403:
-        raise TrackingError(
-            f"the MLflow tracking server at {where} accepted the credentials but denied access (HTTP 403); "
-            "ask its admin for permission on the experiment, or " + _credential_hint()
-        )
+    if status in (401, 403):
+        raise TrackingError(refusal_message(uri, status))
     raise TrackingError(
         f"{where} did not answer like an MLflow tracking server (HTTP {status}); check MLFLOW_TRACKING_URI "
         "(scheme, host, port and path prefix) and the server's log"
     )
 
 
+def refusal_message(uri: str, status: int) -> str:
+    """What to fix where the server at `uri` refused us: HTTP 401 (no credentials, or ones it no longer takes: a
+    password changed while a step ran) or 403 (a user without permission: READ on the experiment may not make a run)."""
+    where = safe_uri(uri)
+    if status == 401:
+        return f"the MLflow tracking server at {where} refused the credentials (HTTP 401); " + _credential_hint()
+    return (f"the MLflow tracking server at {where} accepted the credentials but denied access (HTTP 403); the user "
+            "in MLFLOW_TRACKING_USERNAME needs EDIT permission on the experiment: ask the server's admin, or "
+            + _credential_hint())
+
+
+def answer_status(e: BaseException) -> Optional[int]:
+    """The HTTP status of the answer an MLflow call got, or None where it got none (down, unreachable, timed out).
+    An answer that is not MLflow's JSON (basic auth's `Permission denied`, a proxy's HTML page) comes as a plain
+    MlflowException of rest_utils.verify_rest_response's wording, whose status only its message carries."""
+    import requests  # type: ignore[import-untyped]  # no stubs in the pinned set
+    from mlflow.exceptions import MlflowException, RestException
+
+    if isinstance(e, RestException):
+        return int(e.get_http_status_code())
+    if isinstance(e, requests.exceptions.HTTPError):  # artifact uploads raise the response's own error
+        return e.response.status_code if e.response is not None else None
+    if isinstance(e, MlflowException):
+        found = re.match(r"API request to endpoint \S+ failed with error code (\d{3}) ", str(e))
+        return int(found.group(1)) if found else None
+    return None
+
+
+def refused_credentials(e: BaseException) -> Optional[int]:
+    """401 or 403 where an MLflow call's answer refused our credentials or their user, else None: a refusal of the
+    user, not of the record, which the same records sent with credentials the server takes get through."""
+    status = answer_status(e)
+    return status if status in (401, 403) else None
+
+
+@contextlib.contextmanager
+def refusals_named(uri: str) -> Iterator[None]:
+    """Raise a refusal of our credentials (refused_credentials) in the block as the TrackingError that says what to
+    fix: MLflow's own was a traceback ending in `API request to endpoint /api/2.0/mlflow/runs/create failed with
+    error code 403 != 200. Response body: 'Permission denied'` where the check let a READ user in."""
+    try:
+        yield
+    except Exception as e:
+        status = refused_credentials(e)
+        if status is None:
+            raise
+        raise TrackingError(refusal_message(uri, status)) from None
+
+
 def server_unreachable(e: BaseException) -> bool:
     """Whether an error from an MLflow call means the server did not answer (down, unreachable, timed out, or a
     5xx from it or a proxy in front), as opposed to an answer refusing the request (a bad value, a deleted run)."""
-    import requests  # type: ignore[import-untyped]  # no stubs in the pinned set
+    import requests
     from mlflow.exceptions import MlflowException, RestException
 
     if isinstance(e, ServerAway):
