@@ -933,9 +933,38 @@ def test_a_registration_the_server_refuses_is_not_tried_again(sqlite_tracking_ur
         return "registered on a later try"
 
     cfg = RangefinderConfig(tracking=TrackingConfig(tracking_uri=sqlite_tracking_uri))
-    with pytest.raises(RestException, match="no EDIT"):
+    with pytest.raises(TrackingError, match=r"denied the user in MLFLOW_TRACKING_USERNAME \(HTTP 403\) the "
+                       r"permission to register the model: it needs EDIT on the registered model .*then run: "
+                       r"rangefinder register$"):
         retry_while_server_away(cfg, register, what="register the model", later=lambda: "rangefinder register")
     assert len(tries) == 1
+
+
+def test_a_registration_with_credentials_the_server_no_longer_takes_names_them_and_the_later_command(
+        mlflow_auth_server, monkeypatch):
+    """basic auth's 401 is no JSON, which MLflow raises as a plain MlflowException: taken for an outage, it went to
+    the server check, which said the credentials were refused with no word on the command that registers the weights
+    once they are fixed; taken for the answer it is, it was MLflow's traceback. It is said at once, with both."""
+    import time
+
+    from mlflow import MlflowClient
+
+    from rangefinder.tracking.registry import retry_while_server_away
+
+    uri, user, _ = mlflow_auth_server
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", user)
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "changed-by-the-admin-8812")
+    cfg = RangefinderConfig(tracking=TrackingConfig(tracking_uri=uri, server_wait_seconds=30))
+    started = time.monotonic()
+    with pytest.raises(TrackingError) as e:
+        retry_while_server_away(cfg, lambda: MlflowClient(uri).create_registered_model("rotated"),
+                                what="register the model", later=lambda: "rangefinder register ...")
+    assert time.monotonic() - started < 10  # not waited for as an outage
+    assert str(e.value) == (
+        f"the MLflow tracking server at {uri} refused the credentials (HTTP 401); set MLFLOW_TRACKING_USERNAME and "
+        "MLFLOW_TRACKING_PASSWORD (basic auth) or MLFLOW_TRACKING_TOKEN (bearer) to credentials the server accepts "
+        "(now set: MLFLOW_TRACKING_USERNAME, MLFLOW_TRACKING_PASSWORD); so could not register the model; once it "
+        "takes them, run: rangefinder register ...")
 
 
 def test_promote_where_there_is_no_database_creates_none(tmp_path, monkeypatch, capsys):

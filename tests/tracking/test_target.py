@@ -362,3 +362,40 @@ def test_a_user_with_read_only_is_told_the_permission_it_needs_before_the_body_r
                                    "(HTTP 403); the user in MLFLOW_TRACKING_USERNAME needs EDIT permission on the "
                                    "experiment"), str(e.value)
     assert password not in str(e.value) and "\n" not in str(e.value)
+
+
+def test_credentials_refused_mid_run_are_said_with_the_variables_and_what_was_logged_is_kept(
+        mlflow_auth_server, monkeypatch, tmp_path, caplog):
+    """The admin changes the step's user's password while it trains: the basic-auth server answers 401, which was
+    taken for an outage (`MLflow ... is not answering (no answer)`). It is said as a refusal naming the variables to
+    set; the training goes on and what it logs waits in the spool for credentials the server takes, no secret in it."""
+    import logging
+    import uuid
+
+    import requests
+
+    from rangefinder.tracking.spool import read_spool
+
+    uri, admin, admin_password = mlflow_auth_server
+    user, password = _auth_user(uri, (admin, admin_password))
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", user)
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", password)
+    new_password = f"pw-{uuid.uuid4().hex}"
+    cfg = RangefinderConfig(tracking=TrackingConfig(tracking_uri=uri, experiment_name=f"rotated-{user}",
+                                                    server_wait_seconds=0))
+    caplog.set_level(logging.WARNING)
+    with step_run(cfg, "train", spool_dir=tmp_path / "spool") as run:  # the user made the experiment: may write it
+        run.log_params({"before": 1})
+        reply = requests.patch(f"{uri}/api/2.0/mlflow/users/update-password", auth=(admin, admin_password),
+                               json={"username": user, "password": new_password}, timeout=10)
+        assert reply.status_code == 200, reply.text
+        run.log_params({"after": 2})
+        run.log_metrics({"train_loss": 0.5}, step=1)
+    said = [r.getMessage() for r in caplog.records]
+    refused = [line for line in said if "refused the credentials (HTTP 401)" in line]
+    assert len(refused) == 1 and "MLFLOW_TRACKING_PASSWORD" in refused[0] and str(tmp_path / "spool") in refused[0]
+    assert not any("not answering" in line for line in said), said
+    kept = read_spool(run.spool.path)
+    assert kept.counts() == {"params": 1, "metrics": 1, "end": 1}, kept.counts()
+    for text in [*said, *(p.read_text() for p in (tmp_path / "spool").rglob("*") if p.is_file())]:
+        assert password not in text and new_password not in text and admin_password not in text

@@ -51,7 +51,13 @@ from rangefinder.tracking.spool import (
     said_away,
     write_said_away,
 )
-from rangefinder.tracking.target import await_tracking_server, away_reason, server_unreachable
+from rangefinder.tracking.target import (
+    await_tracking_server,
+    away_reason,
+    refusal_message,
+    refused_credentials,
+    server_unreachable,
+)
 
 _log = logging.getLogger(__name__)
 
@@ -60,6 +66,11 @@ _log = logging.getLogger(__name__)
 # log shows them: the terminal said nothing of a server that went away and came back.
 AWAY_SAID = ("rangefinder: warning: MLflow at %s is not answering (%s); step %s goes on, keeps what it logs in %s and "
              "sends it in order when the server answers (next try in %s, then less and less often)")
+# A server that answers but no longer takes the step's credentials (its admin changed the password while the step
+# ran): no outage, though the records wait the same way, for the same tries; said with the variables to set.
+REFUSED_SAID = ("rangefinder: warning: %s; step %s goes on, keeps what it logs in %s and sends it in order once the "
+                "server takes the step's credentials again (next try in %s, then less and less often), or run "
+                "`rangefinder relog` on that folder with credentials it takes")
 BACK_SAID = "rangefinder: warning: MLflow at %s answers again: step %s sent what it had kept in %s: %s"
 
 FIRST_RETRY_S = 30.0  # after the first failure; doubled after each failed try
@@ -77,6 +88,7 @@ class StepLink:
         self.retry_wait = 0.0  # 0: the server answered the last try (or was never tried)
         self.retry_at = 0.0  # monotonic time before which nothing is tried
         self.reason = ""
+        self.refused = False  # the last try's answer refused the credentials (target.refused_credentials)
         self.said_away = False  # the away line is said for the outage going on
 
     @property
@@ -231,7 +243,11 @@ class Outbox:
 
     def _failed(self, e: BaseException | None) -> None:
         link = self.link
-        if e is not None and server_unreachable(e):
+        status = refused_credentials(e) if e is not None else None
+        link.refused = status is not None
+        if status is not None:
+            link.reason = refusal_message(self.client.tracking_uri, status)
+        elif e is not None and server_unreachable(e):
             link.reason = away_reason(e)
         elif e is not None:  # a replay cut off, a run not made yet, a record refused at the step's end: its words
             link.reason = redact(e).splitlines()[0][:300] if str(e) else type(e).__name__
@@ -240,7 +256,7 @@ class Outbox:
 
     def _answered(self) -> None:
         # The outage is over, whoever sent what it kept (`rangefinder relog` may have): the next one is said again.
-        self.link.retry_wait, self.link.retry_at, self.link.said_away = 0.0, 0.0, False
+        self.link.retry_wait, self.link.retry_at, self.link.said_away, self.link.refused = 0.0, 0.0, False, False
 
     def _append(self, record: Mapping[str, Any]) -> None:
         say = False
@@ -265,6 +281,9 @@ class Outbox:
             self.link.said_away = True
         if say:
             wait = f"{self.link.retry_wait:.0f} s" if self.away else "a moment"
+            if self.link.refused:
+                _log.warning(REFUSED_SAID, self.link.reason, self.link.step, self.link.spool_dir, wait)
+                return
             _log.warning(AWAY_SAID, safe_uri(self.client.tracking_uri), self.link.reason or "no answer",
                          self.link.step, self.link.spool_dir, wait)
 
@@ -294,6 +313,8 @@ class _StillAway(Exception):
 
 
 def is_away_error(e: BaseException) -> bool:
-    """The server did not answer (as opposed to refusing a record, which is raised to the caller), or the record's run
-    is not made yet (a child run made from another spool when the server answers)."""
-    return isinstance(e, (_StillAway, RunNotMadeYet)) or server_unreachable(e)
+    """The server did not answer (as opposed to refusing a record, which is raised to the caller), the record's run
+    is not made yet (a child run made from another spool when the server answers), or the server refused the
+    credentials (refused_credentials: records the same credentials sent a moment before; they wait for ones it takes,
+    where raising failed the step's training with MLflow's traceback)."""
+    return isinstance(e, (_StillAway, RunNotMadeYet)) or server_unreachable(e) or refused_credentials(e) is not None

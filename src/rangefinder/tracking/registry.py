@@ -600,6 +600,8 @@ def retry_while_server_away(cfg: Any, action: Callable[[], T], *, what: str, lat
     from rangefinder.tracking.target import (
         ServerAway,
         await_tracking_server,
+        refusal_message,
+        refused_credentials,
         resolve_tracking_uri,
         server_unreachable,
         tracking_settings,
@@ -612,6 +614,15 @@ def retry_while_server_away(cfg: Any, action: Callable[[], T], *, what: str, lat
         try:
             return action()
         except Exception as e:
+            status = refused_credentials(e)
+            if status == 401:  # an answer, not an outage (basic auth's is no JSON: MLflow's error was a traceback)
+                raise TrackingError(f"{refusal_message(uri, status)}; so could not {what}; once it takes them, "
+                                    f"run: {later()}") from None
+            if status == 403:
+                raise TrackingError(
+                    f"the MLflow tracking server at {safe_uri(uri)} denied the user in MLFLOW_TRACKING_USERNAME "
+                    f"(HTTP 403) the permission to {what}: it needs EDIT on the registered model (or the right to "
+                    f"create one); ask the server's admin, then run: {later()}") from None
             if not server_unreachable(e):
                 raise
         try:

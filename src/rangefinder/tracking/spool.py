@@ -337,12 +337,13 @@ class ReplayResult:
 
 def replay(path: str | os.PathLike, client: Any) -> ReplayResult:
     """Log every record of the spool at `path` in order. When all went, the spool (and its files) is removed; when
-    the server stops answering part-way, the spool is rewritten to what is left and the result says what.
+    the server stops answering (or taking the credentials: a password changed) part-way, the spool is rewritten to
+    what is left and the result says what.
 
     Any other error (a run deleted meanwhile, a record MLflow refuses) raises TrackingError naming the record; the
     records before it are logged and dropped from the spool, that one and the rest are kept.
     """
-    from rangefinder.tracking.target import server_unreachable
+    from rangefinder.tracking.target import refused_credentials, server_unreachable
 
     p = Path(path)
     contents = read_spool(p)
@@ -353,7 +354,7 @@ def replay(path: str | os.PathLike, client: Any) -> ReplayResult:
         except Exception as e:
             rest = contents.records[i:]
             _rewrite(p, contents.header, rest)
-            if server_unreachable(e) or isinstance(e, RunNotMadeYet):
+            if server_unreachable(e) or isinstance(e, RunNotMadeYet) or refused_credentials(e) is not None:
                 left: Counter = Counter()
                 for r in rest:
                     left[r["kind"]] += record_size(r)

@@ -416,16 +416,17 @@ def server_unreachable(e: BaseException) -> bool:
     """Whether an error from an MLflow call means the server did not answer (down, unreachable, timed out, or a
     5xx from it or a proxy in front), as opposed to an answer refusing the request (a bad value, a deleted run)."""
     import requests
-    from mlflow.exceptions import MlflowException, RestException
+    from mlflow.exceptions import MlflowException
 
     if isinstance(e, ServerAway):
         return True
-    if isinstance(e, RestException):
-        return e.get_http_status_code() >= 500
-    if isinstance(e, requests.exceptions.HTTPError):  # artifact uploads raise the response's own error
-        return e.response is None or e.response.status_code >= 500
     if isinstance(e, (requests.exceptions.ConnectionError, requests.exceptions.Timeout)):
         return True
+    status = answer_status(e)
+    if status is not None:  # an answer: a refusal (a 401 of a changed password too) is no outage
+        return status >= 500
+    if isinstance(e, requests.exceptions.HTTPError):
+        return True  # no response to read
     # mlflow's http_request wraps every failure to get any answer in a plain MlflowException of this wording.
     return isinstance(e, MlflowException) and str(e).startswith("API request to")
 
@@ -433,16 +434,10 @@ def server_unreachable(e: BaseException) -> bool:
 def away_reason(e: BaseException) -> str:
     """Why the server did not answer (`server_unreachable(e)`), in the few words the server check says it in:
     "connection refused", "timed out", "HTTP 503", ... (mlflow's own message is urllib3's, hundreds of characters)."""
-    import requests
-    from mlflow.exceptions import RestException
-
     if isinstance(e, ServerAway):
         return e.reason
-    if isinstance(e, RestException):
-        return f"HTTP {e.get_http_status_code()}"
-    if isinstance(e, requests.exceptions.HTTPError) and e.response is not None:
-        return f"HTTP {e.response.status_code}"
-    return _connection_reason(str(e))
+    status = answer_status(e)
+    return f"HTTP {status}" if status is not None else _connection_reason(str(e))
 
 
 def _is_mlflow_json(resp: Any) -> bool:
