@@ -14,7 +14,9 @@ tests/tracking/conftest.py loads these. Other test folders can use them with `py
   `shared_sqlite_tracking_uri` (session): one such store for many tests (give each its own experiment).
 - `clean_mlflow_env`: no MLFLOW_* variables leak from the caller's shell into a test, a down server fails in seconds,
   and the global tracking URI is restored afterwards (autouse in tests/tracking only).
-- `relay(port, uri)`: a server that comes back where nothing answered (a loopback relay to a running one).
+- `relay(port, uri)`: a server that comes back where nothing answered (a loopback relay to a running one); with
+  `tls=` (a context from `self_signed_tls(folder)`), the server behind an ingress that ends TLS with its own
+  certificate.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import contextlib
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -49,11 +52,12 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def relay(port: int, target: str) -> Iterator[str]:
+def relay(port: int, target: str, tls: Optional[ssl.SSLContext] = None) -> Iterator[str]:
     """A TCP relay from 127.0.0.1:`port` to the server at `target` (`http://host:port`) until the block ends: a
     server that comes back, on a port where nothing answered before, without starting one (seconds each). Yields the
     relay's URI. As a reverse proxy does, it gives the server its own Host header (a server here allows only its
-    own address: `--allowed-hosts`)."""
+    own address: `--allowed-hosts`). `tls`: the relay ends TLS with this context, as an ingress in front of MLflow
+    does (`https://` then; self_signed_tls makes one)."""
     from urllib.parse import urlparse
 
     up = urlparse(target)
@@ -72,9 +76,18 @@ def relay(port: int, target: str) -> Iterator[str]:
         while True:
             try:
                 near, _ = listener.accept()
-                far = socket.create_connection((up.hostname, up.port), timeout=10)
             except OSError:
                 return  # the listener closed: the block ended
+            if tls is not None:
+                try:
+                    near = tls.wrap_socket(near, server_side=True)
+                except (ssl.SSLError, OSError):
+                    near.close()  # the client would not take the certificate: the next one may
+                    continue
+            try:
+                far = socket.create_connection((up.hostname, up.port), timeout=10)
+            except OSError:
+                return
             far.settimeout(None)
             for end in (near, far):  # each piece on at once: Nagle's wait on a relayed request is 40 ms a call
                 end.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -84,12 +97,43 @@ def relay(port: int, target: str) -> Iterator[str]:
 
     threading.Thread(target=accept, daemon=True).start()
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"{'https' if tls else 'http'}://127.0.0.1:{port}"
     finally:
         for s in sockets:
             with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
             s.close()
+
+
+def self_signed_tls(folder: Path) -> tuple[ssl.SSLContext, Path]:
+    """A server-side TLS context with a fresh self-signed certificate for 127.0.0.1 (an EC key: milliseconds), and
+    the certificate's PEM file, which a client trusts it by (MLFLOW_TRACKING_SERVER_CERT_PATH)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    folder.mkdir(parents=True, exist_ok=True)
+    cert_file, key_file = folder / "server-cert.pem", folder / "server-key.pem"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert_file, key_file)
+    return context, cert_file
 
 
 def _mlflow_cli() -> str:

@@ -399,3 +399,32 @@ def test_credentials_refused_mid_run_are_said_with_the_variables_and_what_was_lo
     assert kept.counts() == {"params": 1, "metrics": 1, "end": 1}, kept.counts()
     for text in [*said, *(p.read_text() for p in (tmp_path / "spool").rglob("*") if p.is_file())]:
         assert password not in text and new_password not in text and admin_password not in text
+
+
+def test_a_tls_server_the_check_cannot_trust_names_the_settings_not_an_outage(mlflow_server_uri, tmp_path, monkeypatch):
+    """An ingress's self-signed certificate, a CA bundle path that is no file, an https:// URI of a plain-HTTP port:
+    each was "cannot reach the MLflow tracking server", a check that it runs and of its port-forward, an outage
+    waited for. Each names what to set, and the certificate trusted by MLFLOW_TRACKING_SERVER_CERT_PATH gets in."""
+    from rangefinder.tracking.target import ServerAway
+    from tests.tracking.fixtures import relay, self_signed_tls
+
+    context, cert = self_signed_tls(tmp_path)
+    with relay(free_port(), mlflow_server_uri, tls=context) as uri:
+        with pytest.raises(TrackingError) as e:
+            check_tracking_server(uri)
+        assert not isinstance(e.value, ServerAway)
+        assert str(e.value) == (
+            f"the MLflow tracking server at {uri} presented a TLS certificate this machine does not trust (self-signed "
+            "certificate); set MLFLOW_TRACKING_SERVER_CERT_PATH to the PEM file of its certificate or of the CA that "
+            "signed it (or MLFLOW_TRACKING_INSECURE_TLS=true to skip the check, on a network you trust)")
+        monkeypatch.setenv("MLFLOW_TRACKING_SERVER_CERT_PATH", str(tmp_path / "no-such.pem"))
+        with pytest.raises(TrackingError, match=r"^MLFLOW_TRACKING_SERVER_CERT_PATH names \S+no-such.pem, which is no "
+                           "file here; set it to the PEM file of the certificate of the MLflow tracking server at "):
+            check_tracking_server(uri)
+        monkeypatch.setenv("MLFLOW_TRACKING_SERVER_CERT_PATH", str(cert))
+        check_tracking_server(uri)
+    monkeypatch.delenv("MLFLOW_TRACKING_SERVER_CERT_PATH")
+    plain = mlflow_server_uri.replace("http://", "https://")
+    with pytest.raises(TrackingError, match=r"does not answer TLS on that port .*: http:// or https://$") as e:
+        check_tracking_server(plain)
+    assert not isinstance(e.value, ServerAway)

@@ -339,6 +339,9 @@ def _check_http(uri: str, experiment_name: str, timeout: float) -> None:
             raise_on_status=False,
         )
     except MlflowException as e:
+        tls = _tls_problem(uri, str(e))
+        if tls is not None:  # an answer we will not take, not an outage: waiting for it would not help
+            raise TrackingError(tls) from None
         reason = _connection_reason(str(e))
         raise ServerAway(
             f"cannot reach the MLflow tracking server at {where} ({reason}); check MLFLOW_TRACKING_URI "
@@ -361,6 +364,28 @@ def _check_http(uri: str, experiment_name: str, timeout: float) -> None:
         f"{where} did not answer like an MLflow tracking server (HTTP {status}); check MLFLOW_TRACKING_URI "
         "(scheme, host, port and path prefix) and the server's log"
     )
+
+
+def _tls_problem(uri: str, message: str) -> Optional[str]:
+    """What to fix where the TLS handshake with the server at `uri` failed (`message`: MLflow's error, which wraps
+    urllib3's), or None for another failure. Each was said as "cannot reach the MLflow tracking server", with a check
+    that it runs and of its port-forward, and waited for as an outage: a self-signed certificate, a CA bundle path
+    that does not exist, an https:// URI of a server that speaks plain HTTP."""
+    where = safe_uri(uri)
+    if "certificate verify failed" in message.lower():
+        why = re.search(r"certificate verify failed: ([^(')]+)", message, re.IGNORECASE)
+        detail = f" ({why.group(1).strip()})" if why else ""
+        return (f"the MLflow tracking server at {where} presented a TLS certificate this machine does not "
+                f"trust{detail}; set MLFLOW_TRACKING_SERVER_CERT_PATH to the PEM file of its certificate or of the CA "
+                "that signed it (or MLFLOW_TRACKING_INSECURE_TLS=true to skip the check, on a network you trust)")
+    bundle = re.search(r"Could not find a suitable TLS CA certificate bundle, invalid path: (.+)$", message)
+    if bundle:
+        return (f"MLFLOW_TRACKING_SERVER_CERT_PATH names {bundle.group(1).strip()}, which is no file here; set it to "
+                f"the PEM file of the certificate of the MLflow tracking server at {where} or of its CA")
+    if "wrong_version_number" in message.lower() or "wrong version number" in message.lower():
+        return (f"the MLflow tracking server at {where} does not answer TLS on that port (it serves plain HTTP "
+                "there?); check the scheme of MLFLOW_TRACKING_URI (or tracking.tracking_uri): http:// or https://")
+    return None
 
 
 def refusal_message(uri: str, status: int) -> str:
