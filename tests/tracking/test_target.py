@@ -428,3 +428,30 @@ def test_a_tls_server_the_check_cannot_trust_names_the_settings_not_an_outage(ml
     with pytest.raises(TrackingError, match=r"does not answer TLS on that port .*: http:// or https://$") as e:
         check_tracking_server(plain)
     assert not isinstance(e.value, ServerAway)
+
+
+def test_an_artifact_store_the_step_cannot_write_stops_it_at_its_first_artifact_naming_serve_artifacts(
+        mlflow_server_uri, tmp_path):
+    """A server started with --no-serve-artifacts hands each client its artifact root to write itself (s3://... with
+    no boto3 or credentials, a folder of the server's disk): the step failed at its config.yaml with the store's own
+    error as a traceback (`No module named 'boto3'`). An experiment's own artifact location is such a root, here a
+    folder under a file, which no process can write."""
+    import uuid
+
+    from mlflow import MlflowClient
+
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    name = f"unwritable-store-{uuid.uuid4().hex[:8]}"
+    MlflowClient(mlflow_server_uri).create_experiment(name, artifact_location=str(blocker / "artifacts"))
+    cfg = RangefinderConfig(tracking=TrackingConfig(tracking_uri=mlflow_server_uri, experiment_name=name))
+    with pytest.raises(TrackingError) as e, step_run(cfg, "train", spool_dir=tmp_path / "spool") as run:
+        run.log_config(cfg)
+        pytest.fail("the step must stop at its first artifact")
+    assert str(e.value).startswith(f"MLflow run {run.run_id} keeps its artifacts in "), str(e.value)
+    assert "which this process cannot write (" in str(e.value) and str(e.value).endswith(
+        "start the MLflow server with --serve-artifacts (the default: the steps then upload through it to its "
+        "--artifacts-destination), or give the steps what that store needs (its client library, e.g. boto3 for "
+        "s3://, and its credentials)"), str(e.value)
+    ended = run.client.get_run(run.run_id)
+    assert ended.info.status == "FAILED" and "--serve-artifacts" in ended.data.tags["rangefinder.error"]

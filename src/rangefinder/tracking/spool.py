@@ -166,7 +166,28 @@ def apply_record(client: Any, record: Mapping[str, Any], base: Optional[Path] = 
                                        source=d["source"], profile=d["profile"]),
                                tags=[InputTag("mlflow.data.context", d["context"])]) for d in record["datasets"]]
         client.log_inputs(run_id, datasets=inputs)
-    elif kind == "artifact":
+    elif kind in ("artifact", "text", "image"):
+        try:
+            _apply_artifact(client, run_id, record, base)
+        except TrackingError:
+            raise
+        except Exception as e:
+            unwritable = _unwritable_store(client, run_id, e)
+            if unwritable is None:
+                raise
+            raise unwritable from None
+    elif kind == "end":
+        # mlflow prints the run's URL on stdout, where it would break a command's --json output.
+        with contextlib.redirect_stdout(sys.stderr):
+            client.set_terminated(run_id, status=record["status"])
+    else:
+        raise TrackingError(f"unknown MLflow spool record kind {kind!r}; was the spool written by a newer rangefinder?")
+
+
+def _apply_artifact(client: Any, run_id: str, record: Mapping[str, Any], base: Optional[Path]) -> None:
+    """apply_record's files: an artifact (file or folder), a text, an image (a step's or an image metric's)."""
+    kind = record["kind"]
+    if kind == "artifact":
         path = _resolve(record["path"], base)
         if path.is_dir():
             client.log_artifacts(run_id, str(path), record.get("artifact_path"))
@@ -187,12 +208,40 @@ def apply_record(client: Any, record: Mapping[str, Any], base: Optional[Path] = 
             client.log_image(run_id, image, key=record["key"], step=int(record.get("step") or 0), synchronous=True)
         else:
             client.log_image(run_id, image, artifact_file=record["artifact_file"])
-    elif kind == "end":
-        # mlflow prints the run's URL on stdout, where it would break a command's --json output.
-        with contextlib.redirect_stdout(sys.stderr):
-            client.set_terminated(run_id, status=record["status"])
+
+
+# The artifact URIs whose files go through the tracking server (served artifacts), whose failures are the server's.
+_SERVED_ARTIFACTS = ("mlflow-artifacts", "http", "https")
+
+
+def _unwritable_store(client: Any, run_id: str, e: Exception) -> Optional[TrackingError]:
+    """The TrackingError saying that run `run_id`'s artifact store is one this process cannot write, where `e`
+    (raised logging a file to it) came from there; None for another error (the server away or refusing us, which
+    the caller waits for or names). A server started with --no-serve-artifacts hands each client its artifact root
+    (s3://..., a folder of its own disk) to write itself: the step failed with `No module named 'boto3'`, or
+    botocore's NoCredentialsError, as a traceback."""
+    from urllib.parse import urlsplit
+
+    from rangefinder.tracking.target import refused_credentials, server_unreachable
+
+    if server_unreachable(e) or refused_credentials(e) is not None:
+        return None
+    try:
+        store = client.get_run(run_id).info.artifact_uri
+    except Exception:
+        return None
+    if urlsplit(store).scheme.lower() in _SERVED_ARTIFACTS:
+        return None
+    why = redact(e).splitlines()[0][:200] if str(e) else type(e).__name__
+    if urlsplit(str(client.tracking_uri)).scheme.lower() in ("http", "https"):
+        fix = ("start the MLflow server with --serve-artifacts (the default: the steps then upload through it to its "
+               "--artifacts-destination), or give the steps what that store needs (its client library, e.g. boto3 "
+               "for s3://, and its credentials)")
     else:
-        raise TrackingError(f"unknown MLflow spool record kind {kind!r}; was the spool written by a newer rangefinder?")
+        fix = ("set MLFLOW_TRACKING_URI (or tracking.tracking_uri) to a store whose artifact folder this process "
+               "can write")
+    return TrackingError(f"MLflow run {run_id} keeps its artifacts in {safe_uri(store)}, which this process cannot "
+                         f"write ({type(e).__name__}: {why}); {fix}")
 
 
 def _resolve(path: str, base: Optional[Path]) -> Path:
