@@ -395,6 +395,10 @@ def test_credentials_refused_mid_run_are_said_with_the_variables_and_what_was_lo
     refused = [line for line in said if "refused the credentials (HTTP 401)" in line]
     assert len(refused) == 1 and "MLFLOW_TRACKING_PASSWORD" in refused[0] and str(tmp_path / "spool") in refused[0]
     assert not any("not answering" in line for line in said), said
+    end = [line for line in said if "did not take everything" in line]
+    assert len(end) == 1 and end[0].endswith(
+        "with MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) set to credentials the "
+        f"server takes, run: rangefinder relog {run.spool.path}"), end
     kept = read_spool(run.spool.path)
     assert kept.counts() == {"params": 1, "metrics": 1, "end": 1}, kept.counts()
     for text in [*said, *(p.read_text() for p in (tmp_path / "spool").rglob("*") if p.is_file())]:

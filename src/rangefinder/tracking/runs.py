@@ -812,17 +812,23 @@ class StepRun:
         if self.owned:
             self.outbox.send({"kind": "end", "run_id": self.run_id, "status": status})
         left = [o.spool for o in self.outbox.link.outboxes if o.spool.exists()] if self.outbox.leads else []
+        # Credentials the server refused come back by being set again, not by waiting for it.
+        when = (CREDENTIALS_AGAIN if self.outbox.link.refused else "when the server answers again")
         if len(left) == 1:
             _log.warning("MLflow at %s did not take everything step %s logged: %s of run %s are not in MLflow. "
-                         "They are kept in %s; when the server answers again, run: rangefinder relog %s",
+                         "They are kept in %s; %s, run: rangefinder relog %s",
                          safe_uri(self.tracking_uri), self.step_name, describe(read_spool(left[0].path).counts()),
-                         left[0].run_id, left[0].path, left[0].path)
+                         left[0].run_id, left[0].path, when, left[0].path)
         elif left:
             counts = sum((read_spool(spool.path).counts() for spool in left), Counter())
             _log.warning("MLflow at %s did not take everything step %s logged for %d of its runs: %s are not in "
-                         "MLflow. They are kept in %s; when the server answers again, run: rangefinder relog %s",
+                         "MLflow. They are kept in %s; %s, run: rangefinder relog %s",
                          safe_uri(self.tracking_uri), self.step_name, len(left), describe(counts),
-                         left[0].path.parent, " ".join(str(spool.path) for spool in left))
+                         left[0].path.parent, when, " ".join(str(spool.path) for spool in left))
+
+
+CREDENTIALS_AGAIN = ("with MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) set to "
+                     "credentials the server takes")
 
 
 def _flatten_any(obj: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -55,6 +55,15 @@ class ServerAway(TrackingError):
         self.reason = reason
 
 
+class CredentialsRefused(TrackingError):
+    """The tracking server answered, refusing our credentials (HTTP 401) or their user (403): no outage, and nothing
+    waiting for the server fixes it; the credentials do."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 # What every MLflow HTTP call of a step may cost, unless the user's environment says otherwise. MLflow's defaults
 # (120 s timeout, 7 retries with backoff factor 2) keep one call retrying ~4 minutes against a dead server, and
 # the training loop logs every few updates. 20 s still covers a busy server answering a metadata call (it takes
@@ -359,7 +368,7 @@ def _check_http(uri: str, experiment_name: str, timeout: float) -> None:
             f"--allowed-hosts including '{urlsplit(uri).netloc.rsplit('@', 1)[-1]}' (or reach it by an allowed name)"
         )
     if status in (401, 403):
-        raise TrackingError(refusal_message(uri, status))
+        raise CredentialsRefused(refusal_message(uri, status), status)
     raise TrackingError(
         f"{where} did not answer like an MLflow tracking server (HTTP {status}); check MLFLOW_TRACKING_URI "
         "(scheme, host, port and path prefix) and the server's log"
@@ -419,6 +428,8 @@ def answer_status(e: BaseException) -> Optional[int]:
 def refused_credentials(e: BaseException) -> Optional[int]:
     """401 or 403 where an MLflow call's answer refused our credentials or their user, else None: a refusal of the
     user, not of the record, which the same records sent with credentials the server takes get through."""
+    if isinstance(e, CredentialsRefused):  # the server check's
+        return e.status
     status = answer_status(e)
     return status if status in (401, 403) else None
 
@@ -434,7 +445,7 @@ def refusals_named(uri: str) -> Iterator[None]:
         status = refused_credentials(e)
         if status is None:
             raise
-        raise TrackingError(refusal_message(uri, status)) from None
+        raise CredentialsRefused(refusal_message(uri, status), status) from None
 
 
 def server_unreachable(e: BaseException) -> bool:
