@@ -374,6 +374,7 @@ def test_credentials_refused_mid_run_are_said_with_the_variables_and_what_was_lo
 
     import requests
 
+    from rangefinder.tracking import child_run
     from rangefinder.tracking.spool import read_spool
 
     uri, admin, admin_password = mlflow_auth_server
@@ -389,6 +390,9 @@ def test_credentials_refused_mid_run_are_said_with_the_variables_and_what_was_lo
         reply = requests.patch(f"{uri}/api/2.0/mlflow/users/update-password", auth=(admin, admin_password),
                                json={"username": user, "password": new_password}, timeout=10)
         assert reply.status_code == 200, reply.text
+        # A halving candidate opened now: its run is made, as for a server away, once the credentials are taken.
+        with child_run(cfg, run, "train", run_name="candidate", tags={}, description="a candidate") as child:
+            child.log_metrics({"val_loss": 0.7}, step=1)
         run.log_params({"after": 2})
         run.log_metrics({"train_loss": 0.5}, step=1)
     said = [r.getMessage() for r in caplog.records]
@@ -398,9 +402,10 @@ def test_credentials_refused_mid_run_are_said_with_the_variables_and_what_was_lo
     end = [line for line in said if "did not take everything" in line]
     assert len(end) == 1 and end[0].endswith(
         "with MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) set to credentials the "
-        f"server takes, run: rangefinder relog {run.spool.path}"), end
+        f"server takes, run: rangefinder relog {run.spool.path} {child.spool.path}"), end
     kept = read_spool(run.spool.path)
     assert kept.counts() == {"params": 1, "metrics": 1, "end": 1}, kept.counts()
+    assert read_spool(child.spool.path).counts()["create"] == 1
     for text in [*said, *(p.read_text() for p in (tmp_path / "spool").rglob("*") if p.is_file())]:
         assert password not in text and new_password not in text and admin_password not in text
 

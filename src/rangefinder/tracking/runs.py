@@ -57,6 +57,7 @@ from rangefinder.tracking.registry import (
 from rangefinder.tracking.spool import PENDING, Spool, apply_record, describe, read_spool, spool_dir
 from rangefinder.tracking.target import (
     TAG_NOTE,
+    CredentialsRefused,
     ServerAway,
     TrackingSource,
     bound_http_requests,
@@ -870,10 +871,12 @@ def child_run(cfg: Optional[TrackingSource], sink: Sink, step_name: str, *, run_
 
 
 def _answers(run: StepRun) -> bool:
-    """Whether the server of `run` answers now (one bounded check: tracking/target.py HTTP_LIMITS)."""
+    """Whether the server of `run` answers now and takes its credentials (one bounded check: tracking/target.py
+    HTTP_LIMITS). Credentials it stopped taking while the step trained failed the step as the part opened; its
+    records wait for ones it takes, as the step's own do."""
     try:
         check_tracking_server(run.tracking_uri)
-    except ServerAway:
+    except (ServerAway, CredentialsRefused):
         return False
     return True
 
