@@ -464,3 +464,23 @@ def test_an_artifact_store_the_step_cannot_write_stops_it_at_its_first_artifact_
         "s3://, and its credentials)"), str(e.value)
     ended = run.client.get_run(run.run_id)
     assert ended.info.status == "FAILED" and "--serve-artifacts" in ended.data.tags["rangefinder.error"]
+
+
+def test_an_image_that_cannot_be_read_is_not_blamed_on_the_artifact_store(mlflow_server_uri, tmp_path):
+    """Only what fails writing to the store names it: a record's own picture that cannot be read is its own error."""
+    import uuid
+
+    from mlflow import MlflowClient
+    from PIL import UnidentifiedImageError
+
+    from rangefinder.tracking.spool import apply_record
+
+    client = MlflowClient(mlflow_server_uri)
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    experiment = client.create_experiment(f"unread-{uuid.uuid4().hex[:8]}", artifact_location=str(blocker / "a"))
+    run_id = client.create_run(experiment).info.run_id
+    (tmp_path / "grid.png").write_bytes(b"not a png")
+    with pytest.raises(UnidentifiedImageError):
+        apply_record(client, {"kind": "image", "run_id": run_id, "path": str(tmp_path / "grid.png"),
+                              "artifact_file": "samples/grid.png"})

@@ -27,7 +27,7 @@ import os
 import shutil
 import sys
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -167,15 +167,7 @@ def apply_record(client: Any, record: Mapping[str, Any], base: Optional[Path] = 
                                tags=[InputTag("mlflow.data.context", d["context"])]) for d in record["datasets"]]
         client.log_inputs(run_id, datasets=inputs)
     elif kind in ("artifact", "text", "image"):
-        try:
-            _apply_artifact(client, run_id, record, base)
-        except TrackingError:
-            raise
-        except Exception as e:
-            unwritable = _unwritable_store(client, run_id, e)
-            if unwritable is None:
-                raise
-            raise unwritable from None
+        _apply_artifact(client, run_id, record, base)
     elif kind == "end":
         # mlflow prints the run's URL on stdout, where it would break a command's --json output.
         with contextlib.redirect_stdout(sys.stderr):
@@ -189,14 +181,16 @@ def _apply_artifact(client: Any, run_id: str, record: Mapping[str, Any], base: O
     kind = record["kind"]
     if kind == "artifact":
         path = _resolve(record["path"], base)
-        if path.is_dir():
-            client.log_artifacts(run_id, str(path), record.get("artifact_path"))
-        elif path.is_file():
-            client.log_artifact(run_id, str(path), record.get("artifact_path"))
-        else:
+        if not path.exists():
             raise TrackingError(f"cannot log {path} to MLflow: no such file or folder")
+        with _store_named(client, run_id):
+            if path.is_dir():
+                client.log_artifacts(run_id, str(path), record.get("artifact_path"))
+            else:
+                client.log_artifact(run_id, str(path), record.get("artifact_path"))
     elif kind == "text":
-        client.log_text(run_id, record["text"], record["artifact_file"])
+        with _store_named(client, run_id):
+            client.log_text(run_id, record["text"], record["artifact_file"])
     elif kind == "image":
         image = record.get("image")
         if image is None:
@@ -204,10 +198,25 @@ def _apply_artifact(client: Any, run_id: str, record: Mapping[str, Any], base: O
 
             with Image.open(_resolve(record["path"], base)) as im:
                 image = im.convert("RGB")
-        if record.get("key") is not None:
-            client.log_image(run_id, image, key=record["key"], step=int(record.get("step") or 0), synchronous=True)
-        else:
-            client.log_image(run_id, image, artifact_file=record["artifact_file"])
+        with _store_named(client, run_id):
+            if record.get("key") is not None:
+                client.log_image(run_id, image, key=record["key"], step=int(record.get("step") or 0),
+                                 synchronous=True)
+            else:
+                client.log_image(run_id, image, artifact_file=record["artifact_file"])
+
+
+@contextlib.contextmanager
+def _store_named(client: Any, run_id: str) -> Iterator[None]:
+    """An error of the block, which writes to run `run_id`'s artifact store, raised as _unwritable_store's
+    TrackingError where the store is one this process writes itself and cannot."""
+    try:
+        yield
+    except Exception as e:
+        unwritable = _unwritable_store(client, run_id, e)
+        if unwritable is None:
+            raise
+        raise unwritable from None
 
 
 # The artifact URIs whose files go through the tracking server (served artifacts), whose failures are the server's.
