@@ -432,6 +432,12 @@ def test_a_tls_server_the_check_cannot_trust_names_the_settings_not_an_outage(ml
             check_tracking_server(uri)
         monkeypatch.setenv("MLFLOW_TRACKING_SERVER_CERT_PATH", str(cert))
         check_tracking_server(uri)
+        # Both set, which MLflow refuses before any request: it was "cannot reach the MLflow tracking server".
+        monkeypatch.setenv("MLFLOW_TRACKING_INSECURE_TLS", "true")
+        with pytest.raises(TrackingError, match="^MLFLOW_TRACKING_INSECURE_TLS and MLFLOW_TRACKING_SERVER_CERT_PATH "
+                           "are both set, which MLflow refuses; unset one: "):
+            check_tracking_server(uri)
+        monkeypatch.delenv("MLFLOW_TRACKING_INSECURE_TLS")
     monkeypatch.delenv("MLFLOW_TRACKING_SERVER_CERT_PATH")
     plain = mlflow_server_uri.replace("http://", "https://")
     with pytest.raises(TrackingError, match=r"does not answer TLS on that port .*: http:// or https://$") as e:

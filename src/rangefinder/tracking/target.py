@@ -184,6 +184,19 @@ def _check_token_variable() -> None:
                             "no request can carry; set it to the token alone")
 
 
+def _check_tls_variables() -> None:
+    """TrackingError where MLFLOW_TRACKING_INSECURE_TLS and MLFLOW_TRACKING_SERVER_CERT_PATH are both set, which
+    MLflow refuses before any request (mlflow.utils.rest_utils.http_request): it was said as "cannot reach the MLflow
+    tracking server (no answer)" of a server that was up, and waited for as an outage."""
+    from mlflow.environment_variables import MLFLOW_TRACKING_INSECURE_TLS, MLFLOW_TRACKING_SERVER_CERT_PATH
+
+    with contextlib.suppress(ValueError):  # not a boolean: MLflow's own calls say so
+        if MLFLOW_TRACKING_INSECURE_TLS.get() and MLFLOW_TRACKING_SERVER_CERT_PATH.get():
+            raise TrackingError("MLFLOW_TRACKING_INSECURE_TLS and MLFLOW_TRACKING_SERVER_CERT_PATH are both set, which "
+                                "MLflow refuses; unset one: MLFLOW_TRACKING_SERVER_CERT_PATH trusts the server's "
+                                "certificate, MLFLOW_TRACKING_INSECURE_TLS skips the check")
+
+
 def check_tracking_server(uri: str, *, experiment_name: str = "Default", timeout: float = CHECK_TIMEOUT_S) -> None:
     """Raise TrackingError unless `uri` can be written to: the server answers and accepts our credentials.
 
@@ -334,6 +347,7 @@ def _check_http(uri: str, experiment_name: str, timeout: float) -> None:
 
     where = safe_uri(uri)
     _check_token_variable()
+    _check_tls_variables()
     retries, backoff = _check_retries()
     try:
         resp = http_request(
