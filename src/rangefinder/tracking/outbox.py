@@ -14,6 +14,10 @@ the one policy for a server that does not answer:
   the step's process kept. A training worker logs into one of the step's runs from a process of its own, whose first
   record can start another spool than the step's process starts: the runs that said the outage are written in the
   spool folder (spool.AWAY_MARKER), so one outage gets one line whether one process trains or several.
+- A server that answers refusing the step's credentials (HTTP 401, or 403 for a user without permission: its admin
+  changed the password while the step ran) is no outage, but nothing the step could do now would get its records in:
+  they wait in the spool the same way, tried again on the same schedule, and the one line says the credentials were
+  refused and names the variables to set (tracking/target.py refusal_message), never their values.
 - A step with child runs (the fine-tune's halving candidates and cooldown: tracking/runs.py child_run) has an outbox
   and a spool per run, and one `StepLink` that they share in its process: one outage is one try's cost, one line
   naming the step's spool folder, and, when a try gets an answer, one line saying what was sent of all its runs.
