@@ -491,3 +491,36 @@ def test_a_negative_prompt_the_pipeline_would_draw_without_is_refused(family_dir
     err = capsys.readouterr().err
     assert f"--negative-prompt: {refused}" in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "grid" / "grid.json").exists()
+
+
+def test_a_grid_that_fails_part_way_leaves_the_earlier_grid_in_its_folder_whole(base_twice_grid, tiny_model_dir,
+                                                                                 tmp_path):
+    """`sample` into the --out of an earlier grid, stopped after its first column (here a damaged second column; a
+    Ctrl-C or a full disk alike): the folder holds the earlier grid as it was, not its grid.png beside new cells. A
+    folder holding anything but a grid is refused before any cell, since the new grid takes its place whole."""
+    import shutil
+
+    out = Path(shutil.copytree(Path(base_twice_grid["manifest"]).parent, tmp_path / "grid"))
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    for part in tiny_model_dir.iterdir():
+        (damaged / part.name).symlink_to(part)
+    (damaged / "unet").unlink()
+    (damaged / "unet").mkdir()
+    for part in (tiny_model_dir / "unet").iterdir():  # its weights cut short, as a copy interrupted leaves them
+        if part.suffix == ".safetensors":
+            with part.open("rb") as whole:
+                (damaged / "unet" / part.name).write_bytes(whole.read(1000))
+        else:
+            (damaged / "unet" / part.name).symlink_to(part)
+    with pytest.raises(ConfigError, match="column damaged .* cannot be loaded"):
+        render_grid([tiny_model_dir, damaged], PROMPTS[:1], SEEDS[:1], out_dir=out, steps=1, device="cpu")
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["damaged", "grid"]  # no temporary folder left beside it
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match=r"run holds notes.txt, which is no part of a sample grid"):
+        render_grid([tiny_model_dir], PROMPTS[:1], SEEDS[:1], out_dir=tmp_path / "run", steps=1, device="cpu")
+    assert [p.name for p in (tmp_path / "run").iterdir()] == ["notes.txt"]

@@ -25,7 +25,7 @@ from typing import Any, Optional, Union
 from rangefinder.config import FAMILY_NAMES
 from rangefinder.errors import ConfigError, RangefinderError
 from rangefinder.formats import checkpoints
-from rangefinder.formats.atomic import atomic_dir, atomic_path, write_text
+from rangefinder.formats.atomic import TEMPORARY, atomic_dir, atomic_path, usable_folder, write_text
 from rangefinder.formats.diffusers_folder import save_pipeline_folder
 from rangefinder.formats.embeddings import TI_WEIGHTS_NAME
 from rangefinder.formats.flux_layout import FLUX_DOUBLE_BLOCK_KEY, FLUX_SINGLE_BLOCK_KEY
@@ -551,11 +551,8 @@ def render_grid(
     check_negative_prompt_steers(grid_family, guidance_scale, negative_prompt)
     check_scheduler_takes(grid_family, scheduler)
     device = device or _default_device()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = grid_folder(out_dir)
     manifest_path = out / "grid.json"
-    if manifest_path.exists():
-        manifest_path.unlink()  # an older grid's manifest must not vouch for a half-written new one
 
     rows = [(i, p, s) for i, p in enumerate(prompts) for s in seeds]
     row_labels = [f"{p} | seed {s}" for _, p, s in rows]
@@ -595,7 +592,6 @@ def render_grid(
             ).images
             for (r, (p_index, _, seed)), img in zip(batch, rendered, strict=True):
                 path = col_dir / f"p{p_index:02d}-s{seed}.png"
-                _save_png(img, path)
                 images[r][c_index] = img
                 paths[r][c_index] = str(path)
             size = res
@@ -606,7 +602,6 @@ def render_grid(
     cell = cell_size or max(size or 0, 128)
     grid, layout = compose_grid(images, row_labels, [c.label for c in columns], cell)
     grid_path = out / "grid.png"
-    _save_png(grid, grid_path)
     settings = {
         "steps": steps,
         "guidance_scale": guidance_scale,
@@ -615,8 +610,6 @@ def render_grid(
     }
     scores = prompt_scores(images, [p for _, p, _ in rows], [c.label for c in columns])
     html_path = out / "grid.html"
-    write_text(html_path, _grid_html(images, row_labels, [c.label for c in columns], cell, settings,
-                                     _scores_html(scores)))
     result = {
         "grid": str(grid_path),
         "html": str(html_path),
@@ -639,8 +632,36 @@ def render_grid(
     # KFP artifact downloaded elsewhere), and the render folder's absolute path means nothing once it has.
     local = {**result, "grid": grid_path.name, "html": html_path.name, "manifest": manifest_path.name,
              "images": [[Path(p).relative_to(out).as_posix() for p in row] for row in paths]}
-    write_text(manifest_path, json.dumps(local, indent=2))
+    # Every file goes into a folder beside `out` that takes its place whole, the manifest in it: a Ctrl-C, a full
+    # disk or a column that failed to load part-way left the earlier grid's grid.png and grid.html beside cells of
+    # this one, which a reader took for one grid. The cells were held for the grid image anyway.
+    with atomic_dir(out) as work:
+        for row, row_paths in zip(images, paths, strict=True):
+            for img, cell_path in zip(row, row_paths, strict=True):
+                _save_png(img, work / Path(cell_path).relative_to(out))
+        _save_png(grid, work / grid_path.name)
+        write_text(work / html_path.name, _grid_html(images, row_labels, [c.label for c in columns], cell, settings,
+                                                     _scores_html(scores)))
+        write_text(work / manifest_path.name, json.dumps(local, indent=2))
     return result
+
+
+# What a grid's folder holds (render_grid); anything else in --out would be lost when the new grid takes its place.
+GRID_ENTRIES = frozenset({"grid.json", "grid.png", "grid.html", "images"})
+
+
+def grid_folder(out_dir: Union[str, Path]) -> Path:
+    """`out_dir` as the folder a grid replaces whole: absent, empty or an earlier grid's; ConfigError, before any
+    cell is rendered, where it holds anything else (a run's folder, the working folder), which the swap would
+    delete."""
+    out = usable_folder(out_dir, "the grid's output folder").absolute()
+    if out.is_dir():
+        others = sorted(p.name for p in out.iterdir() if p.name not in GRID_ENTRIES and not TEMPORARY.match(p.name))
+        if others:
+            raise ConfigError(f"{out} holds {', '.join(others[:3])}{' and more' if len(others) > 3 else ''}, "
+                              "which is no part of a sample grid, and a grid replaces its folder whole; pass a new "
+                              "or empty folder, or an earlier grid's")
+    return out
 
 
 def read_prompts(path: Union[str, Path]) -> list[str]:

@@ -37,7 +37,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--labels", nargs="*", help="column labels, one per column (base model first)")
     p.add_argument("--prompts", help="text file with one prompt per line (default: the sampling config's prompts)")
     p.add_argument("--seeds", nargs="+", type=argtypes.seed, default=None, help=f"seeds (default {d.seeds})")
-    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--out", required=True,
+                   help="output folder: a new or empty one, or an earlier grid's, which the new grid replaces once "
+                   "whole (a run stopped part-way leaves the earlier grid as it was)")
     p.add_argument("--steps", type=argtypes.int_in(1, 10_000, what="the denoising steps"),
                    default=d.num_inference_steps, help=f"denoising steps (default {d.num_inference_steps})")
     p.add_argument("--guidance", type=argtypes.float_in(0.0), default=d.guidance_scale,
