@@ -23,3 +23,16 @@ class _TorchvisionFallbackFilter(logging.Filter):
 # On the logger by its name, which transformers' logging.get_logger returns once it is imported: nothing is imported
 # here, and the filter is in place before any import of diffusers' pipelines, in every process that imports rangefinder.
 logging.getLogger("transformers.utils.import_utils").addFilter(_TorchvisionFallbackFilter())
+
+
+class _SqlStoreErrorFilter(logging.Filter):
+    """Drops the traceback MLflow's SQL store logs (`logger.exception`) for a query the database did not run, before
+    it raises the same error as an MlflowException: a SQLite database another program holds ("database is locked")
+    printed SQLAlchemy's traceback into a step's log, which goes on with its records in the spool
+    (tracking/outbox.py) and says it in one line; where the error ends a command, its line names it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("SQLAlchemy database error")
+
+
+logging.getLogger("mlflow.store.db.utils").addFilter(_SqlStoreErrorFilter())

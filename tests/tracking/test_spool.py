@@ -4,6 +4,7 @@ a step with child runs says of an outage, once for all its runs' spools."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -474,3 +475,48 @@ def test_a_second_outage_is_said_after_the_first_s_spool_was_sent_by_a_relog(tmp
     away = [r.getMessage() for r in caplog.records if "is not answering" in r.getMessage()]
     assert len(away) == 2, away
     assert live.get_run(run_id).data.tags["first"] == "1"
+
+
+@contextlib.contextmanager
+def sqlite_busy_timeout(ms: int):
+    """MLflow's SQLite store waits 20 s for a locked database (the PRAGMA busy_timeout it sets in each session); here
+    `ms`, set after it on the same connection, so that a test meets the lock in a moment."""
+    from sqlalchemy import event
+    from sqlalchemy.engine import Engine
+
+    def shorter(conn, cursor, statement, *_):
+        if statement.lstrip().upper().startswith("PRAGMA BUSY_TIMEOUT"):
+            cursor.execute(f"PRAGMA busy_timeout = {int(ms)}")
+
+    event.listen(Engine, "after_cursor_execute", shorter)
+    try:
+        yield
+    finally:
+        event.remove(Engine, "after_cursor_execute", shorter)
+
+
+def test_a_sqlite_store_locked_by_another_program_is_an_outage_and_the_step_s_records_wait(
+        tmp_path, shared_sqlite_tracking_uri, caplog):
+    """Another program holding the SQLite database in a transaction longer than MLflow waits (a sqlite3 shell, `mlflow
+    gc`) failed the step mid-training in MLflow's traceback, `database is locked`: it is the store not answering, as
+    a server's 503 is. The records go to the spool with one line saying so, and to MLflow when the lock is gone."""
+    import sqlite3
+
+    cfg = RangefinderConfig(tracking={"tracking_uri": shared_sqlite_tracking_uri, "experiment_name": "locked",
+                                      "server_wait_seconds": 5})
+    caplog.set_level(logging.WARNING)
+    holder = sqlite3.connect(shared_sqlite_tracking_uri.removeprefix("sqlite:///"), isolation_level=None)
+    with sqlite_busy_timeout(100):
+        try:
+            with step_run(cfg, "finetune", spool_dir=tmp_path / "spool") as run:
+                holder.execute("BEGIN IMMEDIATE")  # a write transaction: readers go on, writers wait
+                run.log_params({"lr_low": 0.001})
+                assert run.offline and list((tmp_path / "spool").glob("*.jsonl"))
+                holder.execute("ROLLBACK")
+        finally:
+            holder.close()
+    said = [r.getMessage() for r in caplog.records if "is not answering" in r.getMessage()]
+    assert len(said) == 1 and "database is locked" in said[0], said
+    assert not any(r.exc_info or "Traceback" in r.getMessage() for r in caplog.records)
+    assert MlflowClient(tracking_uri=shared_sqlite_tracking_uri).get_run(run.run_id).data.params["lr_low"] == "0.001"
+    assert not list((tmp_path / "spool").glob("*.jsonl"))

@@ -478,7 +478,17 @@ def server_unreachable(e: BaseException) -> bool:
     if isinstance(e, requests.exceptions.HTTPError):
         return True  # no response to read
     # mlflow's http_request wraps every failure to get any answer in a plain MlflowException of this wording.
-    return isinstance(e, MlflowException) and str(e).startswith("API request to")
+    return isinstance(e, MlflowException) and (str(e).startswith("API request to") or store_unavailable(e))
+
+
+def store_unavailable(e: BaseException) -> bool:
+    """Whether `e` is a SQL store MLflow opens in this process (sqlite:///, postgresql://) failing to run a query,
+    what a server behind HTTP answers as a 503: a SQLite database another program holds in a transaction longer than
+    MLflow waits (its 20 s: a sqlite3 shell, `mlflow gc`), a database server gone. MLflow's session raises every
+    driver OperationalError as TEMPORARILY_UNAVAILABLE (mlflow/store/db/utils.py)."""
+    from mlflow.exceptions import MlflowException
+
+    return isinstance(e, MlflowException) and e.error_code == "TEMPORARILY_UNAVAILABLE"
 
 
 def away_reason(e: BaseException) -> str:
@@ -487,7 +497,15 @@ def away_reason(e: BaseException) -> str:
     if isinstance(e, ServerAway):
         return e.reason
     status = answer_status(e)
-    return f"HTTP {status}" if status is not None else _connection_reason(str(e))
+    if status is not None:
+        return f"HTTP {status}"
+    if store_unavailable(e):  # the driver's own words, without the query SQLAlchemy wraps them in
+        while e.__cause__ is not None:
+            e = e.__cause__
+        why = (str(e).splitlines() or [type(e).__name__])[0][:200]
+        return why + (" by another program, such as a sqlite3 shell or `mlflow gc`" if why == "database is locked"
+                      else "")
+    return _connection_reason(str(e))
 
 
 def _is_mlflow_json(resp: Any) -> bool:
