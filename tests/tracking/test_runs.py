@@ -441,3 +441,21 @@ def test_a_forked_mlflow_command_opens_a_store_this_process_has_open(tmp_path):
     child = ForkedMlflowCli(["experiments", "search"], cwd=tmp_path, env=env, log=tmp_path / "child.log")
     assert child.wait(timeout=60) == 0, (tmp_path / "child.log").read_text()[-2000:]
     assert "Default" in (tmp_path / "child.log").read_text()
+
+
+def test_a_param_key_over_mlflow_s_250_characters_is_cut_saying_so(cfg, monkeypatch):
+    """A node selector's label key (up to 317 characters) becomes a param's key in a pod, and MLflow keeps 250 (its
+    SQL store's column): it failed the step ("exceeds the maximum length"). The key is cut, ending in a note of what
+    was cut and a digest that keeps two of one start apart."""
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")  # in a pod: the kubernetes settings are params
+    prefix = ".".join(["a" * 63] * 3 + ["b" * 61])  # a DNS subdomain of 253 characters
+    labels = {f"{prefix}/{'c' * 63}": "gpu", f"{prefix}/{'c' * 62}d": "big"}
+    long = cfg.model_copy(update={"kubernetes": cfg.kubernetes.model_copy(update={"node_selector": labels})})
+    with step_run(long, "finetune", pipeline_run_name="nightly-" + "x" * 300, run_name="f" * 260) as run:
+        run.log_config(long)
+    client = _client(cfg)
+    for run_id in (run.parent_run_id, run.run_id):
+        data = client.get_run(run_id)
+        keys = [k for k in data.data.params if k.startswith("kubernetes.node_selector.")]
+        assert len(keys) == 2 and all(len(k) == 250 and "chars cut" in k for k in keys), keys
+        assert {data.data.params[k] for k in keys} == {"gpu", "big"}
