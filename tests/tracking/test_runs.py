@@ -443,10 +443,11 @@ def test_a_forked_mlflow_command_opens_a_store_this_process_has_open(tmp_path):
     assert "Default" in (tmp_path / "child.log").read_text()
 
 
-def test_a_param_key_over_mlflow_s_250_characters_is_cut_saying_so(cfg, monkeypatch):
-    """A node selector's label key (up to 317 characters) becomes a param's key in a pod, and MLflow keeps 250 (its
-    SQL store's column): it failed the step ("exceeds the maximum length"). The key is cut, ending in a note of what
-    was cut and a digest that keeps two of one start apart."""
+def test_a_run_name_and_a_param_key_over_mlflow_s_250_characters_are_cut_saying_so(cfg, monkeypatch):
+    """A KFP run's name (or `--name`) becomes the parent run's name, and a node selector's label key (up to 317
+    characters) a param's key, in a pod: MLflow keeps 250 of either (its SQL store's columns). A param key over it
+    failed the step ("exceeds the maximum length"), a run name was kept whole by SQLite and refused by the SQL servers
+    MLflow runs on. Both are cut, ending in a note of what was cut, the key with a digest that keeps two apart."""
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")  # in a pod: the kubernetes settings are params
     prefix = ".".join(["a" * 63] * 3 + ["b" * 61])  # a DNS subdomain of 253 characters
     labels = {f"{prefix}/{'c' * 63}": "gpu", f"{prefix}/{'c' * 62}d": "big"}
@@ -454,8 +455,10 @@ def test_a_param_key_over_mlflow_s_250_characters_is_cut_saying_so(cfg, monkeypa
     with step_run(long, "finetune", pipeline_run_name="nightly-" + "x" * 300, run_name="f" * 260) as run:
         run.log_config(long)
     client = _client(cfg)
-    for run_id in (run.parent_run_id, run.run_id):
+    for run_id, name in ((run.parent_run_id, "nightly-"), (run.run_id, "f")):
         data = client.get_run(run_id)
+        assert len(data.info.run_name) <= 250 and data.info.run_name.startswith(name)
+        assert data.info.run_name.endswith("chars)"), data.info.run_name
         keys = [k for k in data.data.params if k.startswith("kubernetes.node_selector.")]
         assert len(keys) == 2 and all(len(k) == 250 and "chars cut" in k for k in keys), keys
         assert {data.data.params[k] for k in keys} == {"gpu", "big"}

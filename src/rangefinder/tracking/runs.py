@@ -54,7 +54,15 @@ from rangefinder.tracking.registry import (
     TAG_VALIDATION_SETTINGS,
     validation_settings,
 )
-from rangefinder.tracking.spool import PENDING, Spool, apply_record, describe, read_spool, spool_dir
+from rangefinder.tracking.spool import (
+    MLFLOW_NAME_CHARS,
+    PENDING,
+    Spool,
+    apply_record,
+    describe,
+    read_spool,
+    spool_dir,
+)
 from rangefinder.tracking.target import (
     TAG_NOTE,
     CredentialsRefused,
@@ -341,6 +349,12 @@ def _cut(s: str, limit: int) -> str:
     return s if len(s) <= limit else s[: limit - 20] + f"...(+{len(s) - limit + 20} chars)"
 
 
+def _run_name(name: str) -> str:
+    """A run's name as MLflow keeps it: a KFP run's name (`submit --name`, one typed in the KFP UI) names the parent
+    run, and one over MLFLOW_NAME_CHARS ends in how much was cut."""
+    return _cut(redact(name), MLFLOW_NAME_CHARS)
+
+
 def _tag_value(v: Any) -> str:
     if isinstance(v, bool):
         s = "true" if v else "false"
@@ -405,7 +419,7 @@ def ensure_parent_run(
         all_tags[TAG_KFP_RUN_NAME] = kfp_run_name
     all_tags.update(tags or {})
     with refusals_named(resolve_tracking_uri(cfg)):  # a READ user, let in by the check, is denied the run
-        run = client.create_run(exp_id, run_name=redact(name), tags=_tag_values(all_tags))
+        run = client.create_run(exp_id, run_name=_run_name(name or key), tags=_tag_values(all_tags))
     run_id = run.info.run_id
     # Two steps racing to create the parent: the earliest one wins, the loser's run is deleted.
     first = _find_parent(client, exp_id, key, kfp_run_name)
@@ -904,7 +918,7 @@ def _pending_child_run(cfg: Optional[TrackingSource], parent: StepRun, step_name
                    step_name=step_name, parent_run_id=parent.run_id, tracking_uri=parent.tracking_uri, cfg=cfg,
                    spool_dir=parent.spool.path.parent, source=parent.source, link=parent.outbox.link)
     step.outbox.send({"kind": "create", "run_id": step.run_id, "experiment_id": parent.experiment_id,
-                      "run_name": run_name, "run_tags": _tag_values(all_tags)})
+                      "run_name": _run_name(run_name), "run_tags": _tag_values(all_tags)})
     with _ended(step):
         yield step
 
@@ -974,7 +988,7 @@ def step_run(
                 step = _continue(client, earlier, cfg, uri, folder, source, link)
             else:
                 all_tags[TAG_ATTEMPT] = 1
-                run = client.create_run(exp_id, run_name=run_name or step_name,
+                run = client.create_run(exp_id, run_name=_run_name(run_name or step_name),
                                         tags=_tag_values(all_tags))
                 step = StepRun(client=client, run_id=run.info.run_id, experiment_id=exp_id, step_name=step_name,
                                parent_run_id=parent, tracking_uri=uri, cfg=cfg, spool_dir=folder, source=source,
