@@ -520,3 +520,24 @@ def test_a_sqlite_store_locked_by_another_program_is_an_outage_and_the_step_s_re
     assert not any(r.exc_info or "Traceback" in r.getMessage() for r in caplog.records)
     assert MlflowClient(tracking_uri=shared_sqlite_tracking_uri).get_run(run.run_id).data.params["lr_low"] == "0.001"
     assert not list((tmp_path / "spool").glob("*.jsonl"))
+
+
+def test_a_sqlite_store_locked_while_a_step_makes_its_run_is_one_line_naming_it(tmp_path, shared_sqlite_tracking_uri):
+    """The same lock met before the step has a run to keep records for (the check before it only reads, which a
+    writer's transaction lets through): the step stopped in MLflow's traceback, with the query it ran."""
+    import sqlite3
+
+    db = shared_sqlite_tracking_uri.removeprefix("sqlite:///")
+    cfg = RangefinderConfig(tracking={"tracking_uri": shared_sqlite_tracking_uri, "experiment_name": "locked"})
+    MlflowClient(tracking_uri=shared_sqlite_tracking_uri).search_experiments(max_results=1)  # the store made first
+    holder = sqlite3.connect(db, isolation_level=None)
+    with sqlite_busy_timeout(100):
+        try:
+            holder.execute("BEGIN IMMEDIATE")
+            with pytest.raises(TrackingError) as refused, step_run(cfg, "finetune", spool_dir=tmp_path / "spool"):
+                pass
+        finally:
+            holder.close()
+    said = str(refused.value)
+    assert len(said.splitlines()) == 1 and db in said and "database is locked" in said and "sqlite3 shell" in said
+    assert "INSERT" not in said and not (tmp_path / "spool").exists()

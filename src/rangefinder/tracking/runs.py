@@ -68,6 +68,7 @@ from rangefinder.tracking.target import (
     CredentialsRefused,
     ServerAway,
     TrackingSource,
+    away_reason,
     bound_http_requests,
     check_tracking_server,
     default_experiment_id,
@@ -75,6 +76,8 @@ from rangefinder.tracking.target import (
     refusals_named,
     resolve_experiment_name,
     resolve_tracking_uri,
+    sqlite_path,
+    store_unavailable,
     tracking_settings,
 )
 
@@ -952,8 +955,9 @@ def step_run(
     training) goes on in that attempt's run, so MLflow shows one whole curve; a finished one is left as it is.
     """
     uri = resolve_tracking_uri(cfg)
-    # A user the check let in (READ) may still be denied making the run: said as what to fix, not a traceback.
-    with refusals_named(uri):
+    # A user the check let in (READ) may still be denied making the run, and a SQLite store another program holds
+    # locked lets the check's reads through: each said as what to fix, not a traceback.
+    with refusals_named(uri), _lock_named(uri):
         client = tracking_client(cfg)
         source = source or step_source(step_name)
         all_tags = _step_tags(cfg, step_name, source, tags or {})
@@ -995,6 +999,24 @@ def step_run(
                                link=link)
     with _ended(step):
         yield step
+
+
+@contextlib.contextmanager
+def _lock_named(uri: str) -> Iterator[None]:
+    """Raise a SQLite store's lock met in the block as the TrackingError that says what to end: another program
+    writing to it past MLflow's 20 s (a sqlite3 shell left in a transaction, `mlflow gc`), met while a step makes its
+    run (the check before only reads), stopped the step in MLflow's traceback with the query it ran. Once the run is
+    open the same lock is an outage its records wait out (tracking/outbox.py)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        yield
+    except MlflowException as e:
+        db = sqlite_path(uri)
+        if db is None or not store_unavailable(e):
+            raise
+        raise TrackingError(f"the MLflow database {db} is locked by another program ({away_reason(e)}); end its "
+                            "transaction (a sqlite3 shell, `mlflow gc`), then run the step again") from None
 
 
 @contextlib.contextmanager
