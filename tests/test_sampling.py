@@ -524,3 +524,19 @@ def test_a_grid_that_fails_part_way_leaves_the_earlier_grid_in_its_folder_whole(
     with pytest.raises(ConfigError, match=r"run holds notes.txt, which is no part of a sample grid"):
         render_grid([tiny_model_dir], PROMPTS[:1], SEEDS[:1], out_dir=tmp_path / "run", steps=1, device="cpu")
     assert [p.name for p in (tmp_path / "run").iterdir()] == ["notes.txt"]
+
+
+def test_a_grid_s_folder_is_never_the_working_folder_and_a_link_to_it_stays_a_link(tmp_path, monkeypatch):
+    """A grid replaces its folder whole: an empty working folder given as `--out .` was moved from under the shell,
+    and a link given as --out became a folder of its own, on the link's disk, the link's target left unused."""
+    from rangefinder.sampling import grid_folder
+
+    monkeypatch.chdir(tmp_path)
+    for given in (".", str(tmp_path), str(tmp_path.parent)):
+        with pytest.raises(ConfigError, match="working folder"):
+            grid_folder(given)
+    target = tmp_path / "disk" / "grids"
+    target.mkdir(parents=True)
+    (tmp_path / "link").symlink_to(target)
+    assert grid_folder(tmp_path / "link") == target.resolve()
+    assert grid_folder("samples") == (tmp_path / "samples").resolve()

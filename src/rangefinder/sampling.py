@@ -654,7 +654,12 @@ def grid_folder(out_dir: Union[str, Path]) -> Path:
     """`out_dir` as the folder a grid replaces whole: absent, empty or an earlier grid's; ConfigError, before any
     cell is rendered, where it holds anything else (a run's folder, the working folder), which the swap would
     delete."""
-    out = usable_folder(out_dir, "the grid's output folder").absolute()
+    # Resolved: a link's target takes the new grid and the link stays (swapped, the link became a folder of its own,
+    # on the link's disk); the working folder, or one holding it, would be moved from under the shell.
+    out = usable_folder(out_dir, "the grid's output folder").resolve()
+    if out == Path.cwd().resolve() or out in Path.cwd().resolve().parents:
+        raise ConfigError(f"{out} is the working folder or holds it, and a grid replaces its folder whole; pass a "
+                          "new folder, e.g. --out samples")
     if out.is_dir():
         others = sorted(p.name for p in out.iterdir() if p.name not in GRID_ENTRIES and not TEMPORARY.match(p.name))
         if others:
