@@ -66,8 +66,14 @@ def test_a_dataset_dir_given_that_is_no_folder_is_one_clear_error_and_the_split_
     split = read_split(first.split_dir)
     assert all(split.path_of(it).is_file() for it in split.train + split.val)
     (tmp_path / "data").symlink_to(shapes_dataset_dir)
+    # A copy killed mid-way (an evicted pod, a notebook's kernel) left its half-filled folder, a copy of the dataset
+    # hidden in the split, where the copy retried beside it under another name left it for good.
+    killed = tmp_path / "split" / ".dataset.99999.tmpab12cd"
+    (killed / "sub").mkdir(parents=True)
+    (killed / "sub" / "img.png").write_bytes(b"half")
     again = run_prepare_dataset(demo_config(), out_dir=tmp_path / "split", dataset_dir="~/data")
     assert (again.train_images, again.val_images) == (16, 4)
+    assert not killed.exists()
 
 
 def test_the_report_lists_the_aspect_ratio_buckets(tmp_path, mixed_aspect_dataset_dir):

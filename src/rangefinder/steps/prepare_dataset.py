@@ -15,7 +15,7 @@ from typing import Optional
 
 from rangefinder.config import RangefinderConfig
 from rangefinder.errors import DataError
-from rangefinder.formats.atomic import atomic_dir
+from rangefinder.formats.atomic import atomic_dir, sweep_leftovers
 from rangefinder.formats.text import markdown_code, markdown_text, warn
 
 EMBEDDED_IMAGES = 20  # the embedded dataset (synthetic.EMBEDDED_KIND): 16 train + 4 validation at the default split
@@ -57,6 +57,9 @@ def run_prepare_dataset(
         # An imported artifact: copy it into the split so every later pod has the images. The copy takes the place
         # of an earlier one only once whole: a copy that fails leaves the split made before as it was.
         root = out_dir / "dataset"
+        # A copy killed mid-way left its folder (`.dataset.PID.tmp...`, as large as the dataset) in the split, which
+        # every later step downloads: the step holds its output folder, so what a killed attempt left goes first.
+        sweep_leftovers(out_dir)
         with atomic_dir(root) as tmp:
             shutil.copytree(given, tmp, dirs_exist_ok=True)
     elif cfg.data.dataset_dir:
