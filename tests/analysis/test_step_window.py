@@ -278,3 +278,17 @@ def test_a_curve_at_fewer_than_3_updates_is_refused():
         select_step_window([0, 0, 0, 0], [0, 0, 0, 0], [0.2, 0.19, 0.21, 0.2])
     with pytest.raises(RangefinderError, match=r"2 distinct update values \(0, 10\)"):
         select_step_window([0, 10, 10, 0], None, [0.2, 0.19, 0.21, 0.2])
+
+
+def test_the_window_s_words_give_a_tolerance_that_is_no_whole_percent_as_it_is():
+    """chosen.json's reason (analysis.step_window.within_words) gave the tolerance rounded to a whole percent: a
+    finetune.tolerance of 0.005 read "within 0% of its minimum", and 0.025 widened by the noise "the 2% tolerance"."""
+    from rangefinder.analysis.step_window import band_widened, within_words
+
+    shape = ConstantRunShape()
+    clean = select_step_window(UPDATES, EPOCHS, noisy(shape.loss(EPOCHS), 1e-6, 0), tolerance=0.005)
+    assert clean.status == "ok" and not band_widened(clean)
+    assert within_words(clean) == "within 0.5% of its minimum"
+    widened = select_step_window(UPDATES, EPOCHS, noisy(shape.loss(EPOCHS), 0.02, 0), tolerance=0.025)
+    assert band_widened(widened)
+    assert "(the 2.5% tolerance widened to 2 standard errors" in within_words(widened), within_words(widened)

@@ -125,10 +125,12 @@ def band_widened(window: StepWindow) -> bool:
 def within_words(window: StepWindow) -> str:
     """How far above its minimum a window's smoothed validation loss stays, in words: the relative tolerance asked
     for or, where the curve is noisier than that, the band it was widened to, which is what drew the window."""
+    # The tolerance as given (0.5%, 2.5%): a whole percent rounded 0.005 to "0%" and 0.025 to "2%".
+    tolerance = f"{window.tolerance * 100:.3g}%"
     if not band_widened(window):
-        return f"within {window.tolerance:.0%} of its minimum"
+        return f"within {tolerance} of its minimum"
     share = f", {window.band / abs(window.best_val_loss):.1%}" if window.best_val_loss else ""
-    return (f"within {window.band:.3g} of its minimum (the {window.tolerance:.0%} tolerance widened to 2 standard "
+    return (f"within {window.band:.3g} of its minimum (the {tolerance} tolerance widened to 2 standard "
             f"errors of the curve's noise{share})")
 
 
