@@ -29,6 +29,22 @@ def test_imported_artifact_is_copied_into_the_split(tmp_path, shapes_dataset_dir
     assert all(split.path_of(it).is_file() for it in split.train)
 
 
+def test_an_imported_dataset_s_broken_link_is_listed_as_in_place_not_fatal(tmp_path, shapes_dataset_dir):
+    """A link to nothing in an imported dataset failed the step with shutil's Error, a list naming the copy's
+    temporary folder, where the same folder split in place lists it among the skipped files; links that resolve are
+    copied as the files they name, so every later pod has the images."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for f in Path(shapes_dataset_dir).iterdir():
+        (data / f.name).symlink_to(f)
+    (data / "gone.png").symlink_to(tmp_path / "nowhere.png")
+    r = run_prepare_dataset(demo_config(), out_dir=tmp_path / "split", dataset_dir=data, report_path=tmp_path / "r.md")
+    assert (r.train_images, r.val_images, r.skipped) == (16, 4, 1)
+    assert "`gone.png`: broken symbolic link" in (tmp_path / "r.md").read_text()
+    split = read_split(r.split_dir)
+    assert not any(split.path_of(it).is_symlink() for it in split.train + split.val)
+
+
 def test_bad_files_are_listed_not_fatal(tmp_path, shapes_dataset_dir):
     import shutil
 

@@ -8,6 +8,7 @@ later step gets its own download of the split and nothing else; a `dataset_dir` 
 
 from __future__ import annotations
 
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,16 @@ class PreparedDataset:
     train_images: int
     val_images: int
     skipped: int
+
+
+def _copy_file_or_broken_link(src: str, dst: str) -> str:
+    """copytree's copy of one file, links followed (every later pod needs the images), but a link to nothing copied as
+    that link: the split lists it among the skipped files, as it does in a folder split in place, where copy2 failed
+    the whole copy with shutil's Error."""
+    if os.path.islink(src) and not os.path.exists(src):
+        os.symlink(os.readlink(src), dst)
+        return dst
+    return shutil.copy2(src, dst)
 
 
 def run_prepare_dataset(
@@ -61,7 +72,7 @@ def run_prepare_dataset(
         # every later step downloads: the step holds its output folder, so what a killed attempt left goes first.
         sweep_leftovers(out_dir)
         with atomic_dir(root) as tmp:
-            shutil.copytree(given, tmp, dirs_exist_ok=True)
+            shutil.copytree(given, tmp, dirs_exist_ok=True, copy_function=_copy_file_or_broken_link)
     elif cfg.data.dataset_dir:
         root = Path(cfg.data.dataset_dir).expanduser()
         if not root.is_dir():
