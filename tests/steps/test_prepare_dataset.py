@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,26 @@ def test_an_imported_dataset_s_broken_link_is_listed_as_in_place_not_fatal(tmp_p
     assert "`gone.png`: broken symbolic link" in (tmp_path / "r.md").read_text()
     split = read_split(r.split_dir)
     assert not any(split.path_of(it).is_symlink() for it in split.train + split.val)
+
+
+def test_an_imported_dataset_s_link_back_into_itself_is_listed_as_in_place_not_copied_without_end(
+        tmp_path, shapes_dataset_dir):
+    """A link to a folder of the imported dataset (here its own root: a loop) was followed by the copy into the split,
+    which copied the whole dataset again at each of 40 levels before the system refused the path, and failed with
+    shutil's Error; the same folder split in place lists the loop among the skipped files, as it now does."""
+    data = tmp_path / "data"
+    (data / "shapes").mkdir(parents=True)
+    for f in Path(shapes_dataset_dir).iterdir():
+        (data / "shapes" / f.name).symlink_to(f)
+    (data / "loop").symlink_to(data)
+    (data / "again").symlink_to(data / "shapes")  # a second way to a folder: its images count once
+    r = run_prepare_dataset(demo_config(), out_dir=tmp_path / "split", dataset_dir=data, report_path=tmp_path / "r.md")
+    assert (r.train_images, r.val_images) == (16, 4)
+    report = (tmp_path / "r.md").read_text()
+    assert "`loop`: symbolic link loop (points back to .)" in report, report
+    assert "`again`: symbolic link to" in report and "a folder already included" in report, report
+    copied = tmp_path / "split" / "dataset"
+    assert os.readlink(copied / "loop") == "." and os.readlink(copied / "again") == "shapes"
 
 
 def test_bad_files_are_listed_not_fatal(tmp_path, shapes_dataset_dir):

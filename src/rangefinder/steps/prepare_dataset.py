@@ -41,6 +41,31 @@ def _copy_file_or_broken_link(src: str, dst: str) -> str:
     return shutil.copy2(src, dst)
 
 
+def _copy_dataset(src: Path, dst: Path) -> None:
+    """Copy the imported dataset `src` into `dst`, links to files and to folders outside it followed (every later pod
+    needs the images), but a link to a folder inside it (a loop back to an ancestor, a second way to a folder) made
+    again as a link to the same folder of the copy: followed, a loop copied the whole dataset again at each of 40
+    levels before the system refused the path, where the split (data.dataset) lists such links among the skipped
+    files, as it does for a folder split in place."""
+    real = Path(os.path.realpath(src))
+    inside: list[tuple[str, str]] = []  # (the link, its folder), relative to src
+
+    def links_inside(folder: str, names: list[str]) -> set[str]:
+        kept = set()
+        for name in names:
+            path = os.path.join(folder, name)
+            target = Path(os.path.realpath(path))
+            if os.path.islink(path) and target.is_dir() and target.is_relative_to(real):
+                inside.append((os.path.relpath(path, src), target.relative_to(real).as_posix()))
+                kept.add(name)
+        return kept
+
+    shutil.copytree(src, dst, dirs_exist_ok=True, ignore=links_inside, copy_function=_copy_file_or_broken_link)
+    for link, folder in inside:
+        made = dst / link
+        os.symlink(os.path.relpath(dst / folder, made.parent), made)
+
+
 def run_prepare_dataset(
     cfg: RangefinderConfig,
     *,
@@ -72,7 +97,7 @@ def run_prepare_dataset(
         # every later step downloads: the step holds its output folder, so what a killed attempt left goes first.
         sweep_leftovers(out_dir)
         with atomic_dir(root) as tmp:
-            shutil.copytree(given, tmp, dirs_exist_ok=True, copy_function=_copy_file_or_broken_link)
+            _copy_dataset(given, tmp)
     elif cfg.data.dataset_dir:
         root = Path(cfg.data.dataset_dir).expanduser()
         if not root.is_dir():
