@@ -95,6 +95,8 @@ def test_a_fixed_lr_says_the_lr_finder_had_nothing_to_measure(tmp_path):
     ({}, "races lr_mid against lr_high (successive halving, constant schedule)"),
     ({"finetune": {"halving_below_margin": 0.1}}, "lr_below = lr_mid^2 / lr_high joins the race where lr_high is "
                                                   "more than 10% behind"),
+    # As set: a whole percent said 12% for 0.125.
+    ({"finetune": {"halving_below_margin": 0.125}}, "more than 12.5% behind"),
     ({"finetune": {"successive_halving": False}}, "trains at lr_mid (constant schedule; successive halving is off)"),
     ({"validation": {"every_epochs": 0.0}}, "trains at lr_mid (constant schedule; successive halving needs "
                                             "validation)"),

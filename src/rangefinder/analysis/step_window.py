@@ -39,6 +39,7 @@ from rangefinder.analysis.curves import (
 from rangefinder.analysis.lr_bounds import PERMUTATIONS, SIGNIFICANCE, _jsonable
 from rangefinder.defaults import DIVERGENCE_FACTOR, STEP_WINDOW_MIN_UPDATES
 from rangefinder.errors import RangefinderError
+from rangefinder.formats.text import percent
 
 WindowStatus = Literal["ok", "still_improving", "no_improvement"]
 
@@ -125,8 +126,7 @@ def band_widened(window: StepWindow) -> bool:
 def within_words(window: StepWindow) -> str:
     """How far above its minimum a window's smoothed validation loss stays, in words: the relative tolerance asked
     for or, where the curve is noisier than that, the band it was widened to, which is what drew the window."""
-    # The tolerance as given (0.5%, 2.5%): a whole percent rounded 0.005 to "0%" and 0.025 to "2%".
-    tolerance = f"{window.tolerance * 100:.3g}%"
+    tolerance = percent(window.tolerance)  # as given: a whole percent rounded 0.005 to "0%" and 0.025 to "2%"
     if not band_widened(window):
         return f"within {tolerance} of its minimum"
     share = f", {window.band / abs(window.best_val_loss):.1%}" if window.best_val_loss else ""

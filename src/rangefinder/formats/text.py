@@ -47,6 +47,12 @@ def decode_utf8(raw: bytes) -> str:
 _MARKDOWN_MARKUP = frozenset("\\`*_[]<>&|~!")
 
 
+def percent(fraction: float) -> str:
+    """A fraction a user set (a tolerance, a margin), as a percent with the digits it was given: 0.005 as 0.5%, 0.125
+    as 12.5%, 0.2 as 20%. A whole percent (`:.0%`) said 0% for 0.005 and 12% for 0.125."""
+    return f"{fraction * 100:.3g}%"
+
+
 def printable(text: object) -> str:
     """`text` with each character that is not printable (a control or invisible format character, Unicode Cc and Cf:
     a newline or an ESC in a file name, a right-to-left override; any other but the space, too) written as its escape,

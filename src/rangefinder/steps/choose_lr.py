@@ -16,6 +16,7 @@ from typing import Optional
 
 from rangefinder.config import FAMILY_NAMES, LR_FREE_OPTIMIZERS, RangefinderConfig
 from rangefinder.errors import RangefinderError
+from rangefinder.formats.text import percent
 
 SOURCES = ("range-test", "zoom", "prodigy-step", "fixed")
 
@@ -77,7 +78,7 @@ def finetune_words(cfg: RangefinderConfig, chosen: ChosenLR) -> str:
     if halving_applies(ft.successive_halving, cfg.validation.enabled(), ft.schedule, chosen.lr_mid, chosen.lr_high):
         below = ("" if ft.halving_below_margin is None else
                  f" lr_below = lr_mid^2 / lr_high joins the race where lr_high is more than "
-                 f"{ft.halving_below_margin:.0%} behind lr_mid by then, and the lower of those two goes on.")
+                 f"{percent(ft.halving_below_margin)} behind lr_mid by then, and the lower of those two goes on.")
         return ("The fine-tune races lr_mid against lr_high (successive halving, constant schedule): both train half "
                 "its epochs, and the one with the lower validation loss by then trains on." + below +
                 " The fine-tune's report says which one it kept.")

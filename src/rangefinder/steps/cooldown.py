@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from rangefinder.config import SCHEDULE_FREE_OPTIMIZERS, RangefinderConfig
 from rangefinder.formats import checkpoints
 from rangefinder.formats.atomic import rename_into_place, write_json
+from rangefinder.formats.text import percent
 from rangefinder.training.schedules import decay_updates
 from rangefinder.training.sinks import MetricSink
 from rangefinder.training.spec import TrainSpec
@@ -181,4 +182,4 @@ def _cooldown_run(cfg: RangefinderConfig, sink: Optional[MetricSink],
     return child_run(cfg, sink, STEP, run_name=f"cooldown lr {lr:.3g}", tags={"cooldown": "true", "lr": lr_text(lr)},
                      params={"lr": lr},
                      description=f"The fine-tune's cooldown: its recommended length again at lr {lr:.3g}, the last "
-                     f"{cfg.finetune.cooldown_fraction:.0%} decaying linearly to 0 (rangefinder.steps.cooldown).")
+                     f"{percent(cfg.finetune.cooldown_fraction)} decaying linearly to 0 (rangefinder.steps.cooldown).")
