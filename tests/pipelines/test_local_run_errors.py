@@ -288,7 +288,7 @@ def test_the_runs_a_killed_local_run_left_running_are_ended_by_the_next_one(tmp_
     assert tags["rangefinder.final_state"] == "UNKNOWN" and tags["rangefinder.error"] == ABANDONED
 
 
-def test_a_ctrl_c_ending_the_parent_run_waits_for_a_step_making_the_store(tmp_path):
+def test_a_ctrl_c_ending_the_parent_run_waits_for_a_step_making_the_store(tmp_path, monkeypatch):
     """A Ctrl-C in a local run's first seconds, while its first step makes a new SQLite store (MLflow's migrations take
     seconds): the command's own look for the parent run to end opened the store as well, and ran the migrations
     beside the step's. It opens the store under the folder's lock the step holds while it makes it (held here)."""
@@ -298,6 +298,9 @@ def test_a_ctrl_c_ending_the_parent_run_waits_for_a_step_making_the_store(tmp_pa
     from rangefinder.config import demo_config
     from rangefinder.pipelines.local_run import _end_interrupted_parent, local_tracking_uri
 
+    # The store in --out, as a local run's: a session fixture's step run in-process leaves $MLFLOW_TRACKING_URI set
+    # to its own store for the rest of the worker, which local_tracking_uri takes first.
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     ended = threading.Event()
 
     def end() -> None:
