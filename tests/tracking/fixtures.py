@@ -300,6 +300,24 @@ def shared_sqlite_tracking_uri(tmp_path_factory) -> str:
 
 
 @contextlib.contextmanager
+def sqlite_busy_timeout(ms: int):
+    """MLflow's SQLite store waits 20 s for a locked database (the PRAGMA busy_timeout it sets in each session); here
+    `ms`, set after it on the same connection, so that a test meets the lock in a moment."""
+    from sqlalchemy import event
+    from sqlalchemy.engine import Engine
+
+    def shorter(conn, cursor, statement, *_):
+        if statement.lstrip().upper().startswith("PRAGMA BUSY_TIMEOUT"):
+            cursor.execute(f"PRAGMA busy_timeout = {int(ms)}")
+
+    event.listen(Engine, "after_cursor_execute", shorter)
+    try:
+        yield
+    finally:
+        event.remove(Engine, "after_cursor_execute", shorter)
+
+
+@contextlib.contextmanager
 def without_mlflow_run_env():
     """The MLflow run the environment may name (a tracking URI, a run id, an experiment) hidden from the block and
     put back after it: for module-scoped fixtures, which cannot use monkeypatch, running a step that must log to the

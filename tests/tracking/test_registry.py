@@ -967,6 +967,41 @@ def test_a_registration_with_credentials_the_server_no_longer_takes_names_them_a
         "takes them, run: rangefinder register ...")
 
 
+def test_a_registration_on_a_sqlite_store_another_program_holds_locked_gives_up_after_the_wait(
+        shared_sqlite_tracking_uri):
+    """A SQLite store another program holds locked is an outage (tracking/target.py store_unavailable) whose check
+    sends no request, so it passes at once: the registration was tried again without end, for as long as the lock
+    held, where a server that stays away is given up on after tracking.server_wait_seconds."""
+    import sqlite3
+
+    from rangefinder.tracking.registry import retry_while_server_away
+    from tests.tracking.fixtures import sqlite_busy_timeout
+
+    uri = shared_sqlite_tracking_uri
+    MlflowClient(tracking_uri=uri).search_experiments(max_results=1)  # the store made first
+    cfg = RangefinderConfig(tracking=TrackingConfig(tracking_uri=uri, server_wait_seconds=0))
+    tries = []
+
+    def register() -> Any:
+        tries.append(1)
+        if len(tries) > 20:
+            raise AssertionError("tried again without end while the store stayed locked")
+        return MlflowClient(tracking_uri=uri, registry_uri=uri).create_registered_model("locked-store")
+
+    holder = sqlite3.connect(uri.removeprefix("sqlite:///"), isolation_level=None)
+    with sqlite_busy_timeout(50):
+        try:
+            holder.execute("BEGIN IMMEDIATE")
+            with pytest.raises(TrackingError) as e:
+                retry_while_server_away(cfg, register, what="register the model", later=lambda: "rangefinder register")
+        finally:
+            holder.close()
+    said = str(e.value)
+    assert len(said.splitlines()) == 1 and "database is locked" in said, said
+    assert said.endswith("so could not register the model; once it answers, run: rangefinder register"), said
+    assert len(tries) == 1
+
+
 def test_promote_where_there_is_no_database_creates_none(tmp_path, monkeypatch, capsys):
     """Run beside a local run's OUT folder, `promote` opened the default ./mlflow.db, which created an empty store
     there, and said only that the model was not in it."""

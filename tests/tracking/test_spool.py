@@ -4,7 +4,6 @@ a step with child runs says of an outage, once for all its runs' spools."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
@@ -21,7 +20,7 @@ from rangefinder.errors import TrackingError
 from rangefinder.tracking import step_run, tracking_client
 from rangefinder.tracking.spool import AWAY_MARKER, PENDING, SPOOL_ENV, Spool, read_spool, replay
 from rangefinder.tracking.target import HTTP_LIMITS, bound_http_requests
-from tests.tracking.fixtures import free_port, relay, start_mlflow_server, stop_mlflow_server
+from tests.tracking.fixtures import free_port, relay, sqlite_busy_timeout, start_mlflow_server, stop_mlflow_server
 
 
 @pytest.fixture
@@ -475,24 +474,6 @@ def test_a_second_outage_is_said_after_the_first_s_spool_was_sent_by_a_relog(tmp
     away = [r.getMessage() for r in caplog.records if "is not answering" in r.getMessage()]
     assert len(away) == 2, away
     assert live.get_run(run_id).data.tags["first"] == "1"
-
-
-@contextlib.contextmanager
-def sqlite_busy_timeout(ms: int):
-    """MLflow's SQLite store waits 20 s for a locked database (the PRAGMA busy_timeout it sets in each session); here
-    `ms`, set after it on the same connection, so that a test meets the lock in a moment."""
-    from sqlalchemy import event
-    from sqlalchemy.engine import Engine
-
-    def shorter(conn, cursor, statement, *_):
-        if statement.lstrip().upper().startswith("PRAGMA BUSY_TIMEOUT"):
-            cursor.execute(f"PRAGMA busy_timeout = {int(ms)}")
-
-    event.listen(Engine, "after_cursor_execute", shorter)
-    try:
-        yield
-    finally:
-        event.remove(Engine, "after_cursor_execute", shorter)
 
 
 def test_a_sqlite_store_locked_by_another_program_is_an_outage_and_the_step_s_records_wait(

@@ -600,6 +600,7 @@ def retry_while_server_away(cfg: Any, action: Callable[[], T], *, what: str, lat
     from rangefinder.tracking.target import (
         ServerAway,
         await_tracking_server,
+        away_reason,
         refusal_message,
         refused_credentials,
         resolve_tracking_uri,
@@ -625,6 +626,7 @@ def retry_while_server_away(cfg: Any, action: Callable[[], T], *, what: str, lat
                     f"create one); ask the server's admin, then run: {later()}") from None
             if not server_unreachable(e):
                 raise
+            failure = e
         try:
             # One check at least: its ServerAway says why in the words every step uses for the same outage, so a
             # run that fails here and in later steps shows one cause (pipelines.local_run.failure_summary).
@@ -634,6 +636,13 @@ def retry_while_server_away(cfg: Any, action: Callable[[], T], *, what: str, lat
                 f"{away}; it did not answer within tracking.server_wait_seconds ({wait_s:g} s), so could not {what}; "
                 f"once it answers, run: {later()}"
             ) from None
+        if time.monotonic() >= deadline:
+            # The check passed, yet the action still meets the outage: a store whose check sends no query (a SQLite
+            # file another program holds locked, a SQL server gone: store_unavailable) was tried again without end.
+            raise TrackingError(
+                f"MLflow at {safe_uri(uri)} is not answering ({away_reason(failure)}); it did not answer within "
+                f"tracking.server_wait_seconds ({wait_s:g} s), so could not {what}; once it answers, run: {later()}"
+            )
         _log.warning("MLflow at %s answers again; trying to %s again", safe_uri(uri), what)
 
 
