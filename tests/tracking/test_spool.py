@@ -522,3 +522,33 @@ def test_a_sqlite_store_locked_while_a_step_makes_its_run_is_one_line_naming_it(
     said = str(refused.value)
     assert len(said.splitlines()) == 1 and db in said and "database is locked" in said and "sqlite3 shell" in said
     assert "INSERT" not in said and not (tmp_path / "spool").exists()
+
+
+def test_a_child_run_opened_while_another_program_holds_the_sqlite_store_locked_waits_in_its_spool(
+        tmp_path, shared_sqlite_tracking_uri, caplog):
+    """The lock met as a halving candidate or the cooldown opens, once the step's run is open: it is the outage its
+    records wait out, as while the server is away, where it failed the step that had trained up to it in one line
+    saying to run the step again."""
+    import sqlite3
+
+    from rangefinder.tracking import child_run
+
+    uri = shared_sqlite_tracking_uri
+    cfg = RangefinderConfig(tracking={"tracking_uri": uri, "experiment_name": "locked-child", "server_wait_seconds": 5})
+    caplog.set_level(logging.WARNING)
+    holder = sqlite3.connect(uri.removeprefix("sqlite:///"), isolation_level=None)
+    with sqlite_busy_timeout(100):
+        try:
+            with step_run(cfg, "finetune", spool_dir=tmp_path / "spool") as run:
+                holder.execute("BEGIN IMMEDIATE")
+                with child_run(cfg, run, "finetune_cooldown", run_name="cooldown", tags={},
+                               description="cooldown") as child:
+                    child.log_metrics({"val_loss": 0.5}, step=1)
+                assert run.offline
+                holder.execute("ROLLBACK")
+        finally:
+            holder.close()
+    (made,) = MlflowClient(tracking_uri=uri).search_runs(
+        [run.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{run.run_id}'")
+    assert made.info.run_name == "cooldown" and made.data.metrics["validation/val_loss"] == 0.5
+    assert not list((tmp_path / "spool").glob("*.jsonl"))

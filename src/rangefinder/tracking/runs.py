@@ -876,11 +876,19 @@ def child_run(cfg: Optional[TrackingSource], sink: Sink, step_name: str, *, run_
     tags = {**sink.data_tags, **tags}
     # The server away: the part goes on in a run made when the server answers (its spool's first record), as every
     # record of the step waits for it. It failed the step, once the fine-tune had trained to the race.
-    opened = (step_run(cfg, step_name, parent_run_id=sink.run_id, run_name=run_name, tags=tags, source=sink.source,
-                       spool_dir=sink.spool.path.parent, link=sink.outbox.link)
-              if not sink.offline and _answers(sink) else
-              _pending_child_run(cfg, sink, step_name, run_name=run_name, tags=tags))
-    with opened as run:
+    with contextlib.ExitStack() as stack:
+        run: Optional[StepRun] = None
+        if not sink.offline and _answers(sink):
+            try:
+                run = stack.enter_context(step_run(cfg, step_name, parent_run_id=sink.run_id, run_name=run_name,
+                                                   tags=tags, source=sink.source, spool_dir=sink.spool.path.parent,
+                                                   link=sink.outbox.link))
+            except (StoreLocked, CredentialsRefused):
+                # A SQLite file another program holds locked, met as the run is made (its check sends no query), or
+                # credentials refused since the check: what the step's records wait out, where it failed the step.
+                run = None
+        if run is None:
+            run = stack.enter_context(_pending_child_run(cfg, sink, step_name, run_name=run_name, tags=tags))
         run.describe(description)
         if params:
             run.log_params(params)
@@ -1001,6 +1009,10 @@ def step_run(
         yield step
 
 
+class StoreLocked(TrackingError):
+    """_lock_named's: a SQLite store another program holds locked, met as a step's run is made."""
+
+
 @contextlib.contextmanager
 def _lock_named(uri: str) -> Iterator[None]:
     """Raise a SQLite store's lock met in the block as the TrackingError that says what to end: another program
@@ -1015,7 +1027,7 @@ def _lock_named(uri: str) -> Iterator[None]:
         db = sqlite_path(uri)
         if db is None or not store_unavailable(e):
             raise
-        raise TrackingError(f"the MLflow database {db} is locked by another program ({away_reason(e)}); end its "
+        raise StoreLocked(f"the MLflow database {db} is locked by another program ({away_reason(e)}); end its "
                             "transaction (a sqlite3 shell, `mlflow gc`), then run the step again") from None
 
 
