@@ -18,7 +18,7 @@ from mlflow import MlflowClient
 from rangefinder.config import RangefinderConfig
 from rangefinder.errors import TrackingError
 from rangefinder.tracking import step_run, tracking_client
-from rangefinder.tracking.spool import AWAY_MARKER, PENDING, SPOOL_ENV, Spool, read_spool, replay
+from rangefinder.tracking.spool import AWAY_MARKER, PENDING, SPOOL_ENV, Spool, apply_record, read_spool, replay
 from rangefinder.tracking.target import HTTP_LIMITS, bound_http_requests
 from tests.tracking.fixtures import free_port, relay, sqlite_busy_timeout, start_mlflow_server, stop_mlflow_server
 
@@ -552,3 +552,20 @@ def test_a_child_run_opened_while_another_program_holds_the_sqlite_store_locked_
         [run.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{run.run_id}'")
     assert made.info.run_name == "cooldown" and made.data.metrics["validation/val_loss"] == 0.5
     assert not list((tmp_path / "spool").glob("*.jsonl"))
+
+
+def test_a_folder_that_cannot_be_read_whole_is_not_blamed_on_a_local_artifact_store(tmp_path,
+                                                                                   shared_sqlite_tracking_uri):
+    """Only a store this process cannot write is named as one: a folder logged with a link in it that leads nowhere
+    (a file removed meanwhile) was said to be a store this process cannot write, with a fix of MLFLOW_TRACKING_URI, on
+    a laptop's store beside its database that takes every other file; a full disk lost the step's own words for it."""
+    client = MlflowClient(tracking_uri=shared_sqlite_tracking_uri)
+    store = (tmp_path / "mlartifacts").as_uri()
+    run_id = client.create_run(client.create_experiment(f"source-{time.time_ns()}", store)).info.run_id
+    folder = tmp_path / "outputs"
+    folder.mkdir()
+    (folder / "kept.txt").write_text("kept")
+    (folder / "gone.txt").symlink_to(tmp_path / "removed.txt")
+    with pytest.raises(OSError) as e:
+        apply_record(client, {"kind": "artifact", "run_id": run_id, "path": str(folder)})
+    assert "gone.txt" in str(e.value) and "keeps its artifacts" not in str(e.value)

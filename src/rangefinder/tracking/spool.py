@@ -262,6 +262,8 @@ def _unwritable_store(client: Any, run_id: str, e: Exception) -> Optional[Tracki
         return None
     if urlsplit(store).scheme.lower() in _SERVED_ARTIFACTS:
         return None
+    if urlsplit(store).scheme.lower() in ("", "file") and _writable_folder(store):
+        return None  # a store this process writes: the failure is the file's own (a link to nowhere, a full disk)
     why = redact(e).splitlines()[0][:200] if str(e) else type(e).__name__
     if urlsplit(str(client.tracking_uri)).scheme.lower() in ("http", "https"):
         fix = ("start the MLflow server with --serve-artifacts (the default: the steps then upload through it to its "
@@ -272,6 +274,18 @@ def _unwritable_store(client: Any, run_id: str, e: Exception) -> Optional[Tracki
                "can write")
     return TrackingError(f"MLflow run {run_id} keeps its artifacts in {safe_uri(store)}, which this process cannot "
                          f"write ({type(e).__name__}: {why}); {fix}")
+
+
+def _writable_folder(store: str) -> bool:
+    """Whether this process can make and write the local folder of artifact URI `store` (its nearest folder that
+    exists is a folder it may write)."""
+    from mlflow.utils.file_utils import local_file_uri_to_path
+
+    path = Path(local_file_uri_to_path(store)).absolute()
+    for q in (path, *path.parents):
+        if q.exists() or q.is_symlink():
+            return q.is_dir() and os.access(q, os.W_OK)
+    return False
 
 
 def _resolve(path: str, base: Optional[Path]) -> Path:
