@@ -445,6 +445,18 @@ def test_a_tls_server_the_check_cannot_trust_names_the_settings_not_an_outage(ml
     assert not isinstance(e.value, ServerAway)
 
 
+def test_a_ca_bundle_variable_that_names_no_file_is_the_one_named(monkeypatch):
+    """requests reads its CA bundle from REQUESTS_CA_BUNDLE (or CURL_CA_BUNDLE) where MLFLOW_TRACKING_SERVER_CERT_PATH
+    is unset, and fails alike where it names no file: the check said MLFLOW_TRACKING_SERVER_CERT_PATH named the
+    path, a variable that was not set, and left the one to fix unsaid."""
+    monkeypatch.delenv("MLFLOW_TRACKING_SERVER_CERT_PATH", raising=False)
+    monkeypatch.delenv("CURL_CA_BUNDLE", raising=False)
+    monkeypatch.setenv("REQUESTS_CA_BUNDLE", "/nonexistent/ca.pem")
+    with pytest.raises(TrackingError, match=r"^REQUESTS_CA_BUNDLE names /nonexistent/ca.pem, which is no file here; "
+                       r"set it to the PEM file .*, or unset it$"):
+        check_tracking_server(f"https://127.0.0.1:{free_port()}")
+
+
 def test_an_artifact_store_the_step_cannot_write_stops_it_at_its_first_artifact_naming_serve_artifacts(
         mlflow_server_uri, tmp_path):
     """A server started with --no-serve-artifacts hands each client its artifact root to write itself (s3://... with

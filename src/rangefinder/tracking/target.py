@@ -389,6 +389,10 @@ def _check_http(uri: str, experiment_name: str, timeout: float) -> None:
     )
 
 
+# Where a CA bundle path comes from, MLflow's variable first (rest_utils' verify=), then those requests reads itself.
+_CA_BUNDLE_VARS = ("MLFLOW_TRACKING_SERVER_CERT_PATH", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE")
+
+
 def _tls_problem(uri: str, message: str) -> Optional[str]:
     """What to fix where the TLS handshake with the server at `uri` failed (`message`: MLflow's error, which wraps
     urllib3's), or None for another failure. Each was said as "cannot reach the MLflow tracking server", with a check
@@ -403,8 +407,12 @@ def _tls_problem(uri: str, message: str) -> Optional[str]:
                 "that signed it (or MLFLOW_TRACKING_INSECURE_TLS=true to skip the check, on a network you trust)")
     bundle = re.search(r"Could not find a suitable TLS CA certificate bundle, invalid path: (.+)$", message)
     if bundle:
-        return (f"MLFLOW_TRACKING_SERVER_CERT_PATH names {bundle.group(1).strip()}, which is no file here; set it to "
-                f"the PEM file of the certificate of the MLflow tracking server at {where} or of its CA")
+        # requests takes its bundle from REQUESTS_CA_BUNDLE or CURL_CA_BUNDLE where MLflow's own variable is unset.
+        path = bundle.group(1).strip()
+        named = next((v for v in _CA_BUNDLE_VARS if os.environ.get(v) == path), _CA_BUNDLE_VARS[0])
+        return (f"{named} names {path}, which is no file here; set it to the PEM file of the certificate of the "
+                f"MLflow tracking server at {where} or of its CA" + ("" if named == _CA_BUNDLE_VARS[0] else
+                                                                     ", or unset it"))
     if "wrong_version_number" in message.lower() or "wrong version number" in message.lower():
         return (f"the MLflow tracking server at {where} does not answer TLS on that port (it serves plain HTTP "
                 "there?); check the scheme of MLFLOW_TRACKING_URI (or tracking.tracking_uri): http:// or https://")
