@@ -19,7 +19,7 @@ from rangefinder.config import RangefinderConfig
 from rangefinder.errors import TrackingError
 from rangefinder.tracking import step_run, tracking_client
 from rangefinder.tracking.spool import AWAY_MARKER, PENDING, SPOOL_ENV, Spool, apply_record, read_spool, replay
-from rangefinder.tracking.target import HTTP_LIMITS, bound_http_requests
+from rangefinder.tracking.target import HTTP_LIMITS, bound_http_requests, ensure_tracking_server
 from tests.tracking.fixtures import free_port, relay, sqlite_busy_timeout, start_mlflow_server, stop_mlflow_server
 
 
@@ -569,3 +569,24 @@ def test_a_folder_that_cannot_be_read_whole_is_not_blamed_on_a_local_artifact_st
     with pytest.raises(OSError) as e:
         apply_record(client, {"kind": "artifact", "run_id": run_id, "path": str(folder)})
     assert "gone.txt" in str(e.value) and "keeps its artifacts" not in str(e.value)
+
+
+def test_a_sqlite_store_that_fails_otherwise_as_a_step_makes_its_run_is_not_said_to_be_locked(tmp_path,
+                                                                                            sqlite_tracking_uri):
+    """Any query SQLite cannot run is MLflow's TEMPORARILY_UNAVAILABLE, a lock or not: a database this process cannot
+    write (its file read-only, its journal not to be made) was said to be locked by another program, with the
+    transaction of a sqlite3 shell to end. Here its rollback journal's name is taken by a folder after the check."""
+    db = Path(sqlite_tracking_uri.removeprefix("sqlite:///"))
+    cfg = RangefinderConfig(tracking={"tracking_uri": sqlite_tracking_uri, "experiment_name": "unwritable"})
+    ensure_tracking_server(sqlite_tracking_uri)  # the check passed: the store opened, as at the step's start
+    MlflowClient(tracking_uri=sqlite_tracking_uri).create_experiment("unwritable")
+    journal = db.with_name(db.name + "-journal")
+    journal.mkdir()
+    try:
+        with pytest.raises(TrackingError) as e, step_run(cfg, "finetune", spool_dir=tmp_path / "spool"):
+            pass
+    finally:
+        journal.rmdir()
+    said = str(e.value)
+    assert len(said.splitlines()) == 1 and str(db) in said and "disk I/O error" in said, said
+    assert "locked" not in said and "sqlite3 shell" not in said, said

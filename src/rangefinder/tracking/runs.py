@@ -1010,7 +1010,8 @@ def step_run(
 
 
 class StoreLocked(TrackingError):
-    """_lock_named's: a SQLite store another program holds locked, met as a step's run is made."""
+    """_lock_named's: a SQLite store that cannot run a query (another program holds it locked, its file cannot be
+    written), met as a step's run is made."""
 
 
 @contextlib.contextmanager
@@ -1027,8 +1028,12 @@ def _lock_named(uri: str) -> Iterator[None]:
         db = sqlite_path(uri)
         if db is None or not store_unavailable(e):
             raise
-        raise StoreLocked(f"the MLflow database {db} is locked by another program ({away_reason(e)}); end its "
-                            "transaction (a sqlite3 shell, `mlflow gc`), then run the step again") from None
+        why = away_reason(e)
+        if not why.startswith("database is locked"):  # every query SQLite cannot run is the same error code
+            raise StoreLocked(f"the MLflow database {db} cannot take the step's run ({why}); make sure this process "
+                              "can write it, its folder and the disk they are on, then run the step again") from None
+        raise StoreLocked(f"the MLflow database {db} is locked by another program ({why}); end its "
+                          "transaction (a sqlite3 shell, `mlflow gc`), then run the step again") from None
 
 
 @contextlib.contextmanager
