@@ -457,6 +457,20 @@ def test_a_ca_bundle_variable_that_names_no_file_is_the_one_named(monkeypatch):
         check_tracking_server(f"https://127.0.0.1:{free_port()}")
 
 
+def test_an_empty_cert_path_beside_insecure_tls_is_the_pair_mlflow_refuses(monkeypatch):
+    """MLflow refuses MLFLOW_TRACKING_SERVER_CERT_PATH set at all beside MLFLOW_TRACKING_INSECURE_TLS=true, empty too
+    (a manifest's `value: ""`): the check let an empty one through, and said MLflow's refusal as a server that did
+    not answer, waited for as an outage."""
+    from rangefinder.tracking.target import ServerAway
+
+    monkeypatch.setenv("MLFLOW_TRACKING_INSECURE_TLS", "true")
+    monkeypatch.setenv("MLFLOW_TRACKING_SERVER_CERT_PATH", "")
+    with pytest.raises(TrackingError, match="^MLFLOW_TRACKING_INSECURE_TLS and MLFLOW_TRACKING_SERVER_CERT_PATH are "
+                       "both set, which MLflow refuses; unset one: ") as e:
+        check_tracking_server(f"https://127.0.0.1:{free_port()}")
+    assert not isinstance(e.value, ServerAway)
+
+
 def test_an_artifact_store_the_step_cannot_write_stops_it_at_its_first_artifact_naming_serve_artifacts(
         mlflow_server_uri, tmp_path):
     """A server started with --no-serve-artifacts hands each client its artifact root to write itself (s3://... with

@@ -191,7 +191,8 @@ def _check_tls_variables() -> None:
     from mlflow.environment_variables import MLFLOW_TRACKING_INSECURE_TLS, MLFLOW_TRACKING_SERVER_CERT_PATH
 
     with contextlib.suppress(ValueError):  # not a boolean: MLflow's own calls say so
-        if MLFLOW_TRACKING_INSECURE_TLS.get() and MLFLOW_TRACKING_SERVER_CERT_PATH.get():
+        # Set at all, empty too (a manifest's `value: ""`): MLflow's test is `is not None`.
+        if MLFLOW_TRACKING_INSECURE_TLS.get() and MLFLOW_TRACKING_SERVER_CERT_PATH.get() is not None:
             raise TrackingError("MLFLOW_TRACKING_INSECURE_TLS and MLFLOW_TRACKING_SERVER_CERT_PATH are both set, which "
                                 "MLflow refuses; unset one: MLFLOW_TRACKING_SERVER_CERT_PATH trusts the server's "
                                 "certificate, MLFLOW_TRACKING_INSECURE_TLS skips the check")
