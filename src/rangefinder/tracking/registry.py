@@ -611,6 +611,7 @@ def retry_while_server_away(cfg: Any, action: Callable[[], T], *, what: str, lat
     uri = resolve_tracking_uri(cfg)
     wait_s = tracking_settings(cfg).server_wait_seconds
     deadline = time.monotonic() + wait_s
+    answered = False
     while True:
         try:
             return action()
@@ -626,7 +627,14 @@ def retry_while_server_away(cfg: Any, action: Callable[[], T], *, what: str, lat
                     f"create one); ask the server's admin, then run: {later()}") from None
             if not server_unreachable(e):
                 raise
-            failure = e
+            if answered and time.monotonic() >= deadline:
+                # The check answers, yet the action still meets the outage: a store whose check sends no query (a
+                # SQLite file another program holds locked, a SQL server gone: store_unavailable) was tried again
+                # without end.
+                raise TrackingError(
+                    f"MLflow at {safe_uri(uri)} is not answering ({away_reason(e)}); it did not answer within "
+                    f"tracking.server_wait_seconds ({wait_s:g} s), so could not {what}; once it answers, run: "
+                    f"{later()}") from None
         try:
             # One check at least: its ServerAway says why in the words every step uses for the same outage, so a
             # run that fails here and in later steps shows one cause (pipelines.local_run.failure_summary).
@@ -636,13 +644,7 @@ def retry_while_server_away(cfg: Any, action: Callable[[], T], *, what: str, lat
                 f"{away}; it did not answer within tracking.server_wait_seconds ({wait_s:g} s), so could not {what}; "
                 f"once it answers, run: {later()}"
             ) from None
-        if time.monotonic() >= deadline:
-            # The check passed, yet the action still meets the outage: a store whose check sends no query (a SQLite
-            # file another program holds locked, a SQL server gone: store_unavailable) was tried again without end.
-            raise TrackingError(
-                f"MLflow at {safe_uri(uri)} is not answering ({away_reason(failure)}); it did not answer within "
-                f"tracking.server_wait_seconds ({wait_s:g} s), so could not {what}; once it answers, run: {later()}"
-            )
+        answered = True  # tried once more after the check answers, however late
         _log.warning("MLflow at %s answers again; trying to %s again", safe_uri(uri), what)
 
 
