@@ -364,6 +364,35 @@ def test_a_user_with_read_only_is_told_the_permission_it_needs_before_the_body_r
     assert password not in str(e.value) and "\n" not in str(e.value)
 
 
+def test_relog_by_a_user_the_server_denies_says_the_permission_not_that_it_stopped_answering(
+        mlflow_auth_server, monkeypatch, tmp_path, capsys):
+    """`rangefinder relog` by a user that may read the run but not write it: its check only reads, and the first
+    record's 403, a refusal that waits in a step's spool, was said as a server that "stopped answering again", with
+    `relog` to run again once it answers, of a server that answered all along."""
+    import uuid
+
+    from mlflow import MlflowClient
+
+    from rangefinder.cli.main import main as cli_main
+    from rangefinder.tracking.spool import Spool
+
+    uri, admin, admin_password = mlflow_auth_server
+    reader, password = _auth_user(uri, (admin, admin_password))
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", admin)
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", admin_password)
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment(f"relog-read-only-{uuid.uuid4().hex[:8]}")).info.run_id
+    spool = Spool(tmp_path / "spool" / f"train-{run_id}.jsonl", tracking_uri=uri, run_id=run_id, step="train")
+    spool.append({"kind": "params", "run_id": run_id, "params": {"lr": "0.001"}})
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", reader)
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", password)
+    assert cli_main(["relog", str(spool.path)]) != 0
+    err = capsys.readouterr().err
+    assert "(HTTP 403)" in err and "EDIT permission" in err and "stopped answering" not in err, err
+    assert f"rangefinder relog {spool.path}" in err and password not in err, err
+    assert spool.path.is_file()
+
+
 def test_credentials_refused_mid_run_are_said_with_the_variables_and_what_was_logged_is_kept(
         mlflow_auth_server, monkeypatch, tmp_path, caplog):
     """The admin changes the step's user's password while it trains: the basic-auth server answers 401, which was

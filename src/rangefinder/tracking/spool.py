@@ -426,6 +426,7 @@ class ReplayResult:
     sent: Counter
     left: Counter  # what is still in the spool (the server stopped answering again)
     torn: int
+    refused: Optional[int] = None  # where `left` is kept for a refusal of the credentials: its HTTP status
 
 
 def replay(path: str | os.PathLike, client: Any) -> ReplayResult:
@@ -451,7 +452,7 @@ def replay(path: str | os.PathLike, client: Any) -> ReplayResult:
                 left: Counter = Counter()
                 for r in rest:
                     left[r["kind"]] += record_size(r)
-                return ReplayResult(sent=sent, left=left, torn=contents.torn)
+                return ReplayResult(sent=sent, left=left, torn=contents.torn, refused=refused_credentials(e))
             msg = redact(e).splitlines()[0][:300] if str(e) else type(e).__name__
             raise TrackingError(f"MLflow refused a {record['kind']} record of run {record['run_id']} in {p} ({msg}); "
                                 f"logged {describe(sent)} before it, which are dropped from the spool") from None

@@ -54,6 +54,7 @@ def run(args: argparse.Namespace) -> dict:
         bound_http_requests,
         ensure_tracking_server,
         env_tracking_uri,
+        refusal_message,
         refuse_uri_credentials,
     )
 
@@ -82,6 +83,11 @@ def run(args: argparse.Namespace) -> dict:
         line = f"{path}: {describe(result.sent)} to run {header['run_id']} at {safe_uri(uri)}"
         if result.torn:
             line += f" ({result.torn} unreadable lines skipped: a write cut off when the step was killed)"
+        if result.left and result.refused is not None:  # an answer: waiting for the server would not help
+            raise TrackingError(f"{refusal_message(uri, result.refused)}; logged {describe(result.sent)}, and "
+                                f"{describe(result.left)} are still in {path}: run `rangefinder relog {path}` again "
+                                "with credentials it takes"
+                                + (f" (done before it: {'; '.join(done)})" if done else ""))
         if result.left:
             raise TrackingError(f"the MLflow server at {safe_uri(uri)} stopped answering again; logged "
                                 f"{describe(result.sent)}, and {describe(result.left)} are still in {path}: "
