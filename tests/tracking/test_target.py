@@ -393,6 +393,38 @@ def test_relog_by_a_user_the_server_denies_says_the_permission_not_that_it_stopp
     assert spool.path.is_file()
 
 
+def test_a_step_whose_user_the_server_denies_writing_ends_naming_the_credentials_not_an_outage(
+        mlflow_auth_server, monkeypatch, tmp_path, caplog):
+    """A user the server lets read the run but not write it (its admin took EDIT away while the step ran): the
+    check at the step's end only reads, and the records' 403 met sending the spool was said as the server that
+    stopped answering, so the last line said to relog when the server answers again, of a server that answered."""
+    import logging
+    import uuid
+
+    from mlflow import MlflowClient
+
+    from rangefinder.tracking import StepRun
+
+    uri, admin, admin_password = mlflow_auth_server
+    reader, password = _auth_user(uri, (admin, admin_password))
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", admin)
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", admin_password)
+    admin_client = MlflowClient(uri)
+    experiment = admin_client.create_experiment(f"denied-{uuid.uuid4().hex[:8]}")
+    run_id = admin_client.create_run(experiment).info.run_id
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", reader)
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", password)
+    cfg = RangefinderConfig(tracking=TrackingConfig(tracking_uri=uri, server_wait_seconds=0))
+    caplog.set_level(logging.WARNING)
+    step = StepRun(client=MlflowClient(uri), run_id=run_id, experiment_id=experiment, step_name="train",
+                   parent_run_id=None, tracking_uri=uri, cfg=cfg, spool_dir=tmp_path / "spool")
+    step.log_params({"lr": 0.001})
+    step.finish()
+    end = [r.getMessage() for r in caplog.records if "did not take everything" in r.getMessage()]
+    assert len(end) == 1 and "set to credentials the server takes, run: rangefinder relog" in end[0], end
+    assert "when the server answers again" not in end[0], end
+
+
 def test_credentials_refused_mid_run_are_said_with_the_variables_and_what_was_logged_is_kept(
         mlflow_auth_server, monkeypatch, tmp_path, caplog):
     """The admin changes the step's user's password while it trains: the basic-auth server answers 401, which was

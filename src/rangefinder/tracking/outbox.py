@@ -56,6 +56,7 @@ from rangefinder.tracking.spool import (
     write_said_away,
 )
 from rangefinder.tracking.target import (
+    CredentialsRefused,
     await_tracking_server,
     away_reason,
     refusal_message,
@@ -231,6 +232,8 @@ class Outbox:
                     _log.warning("rangefinder: warning: %s; step %s goes on, and leaves the rest of that spool for "
                                  "`rangefinder relog`", e, self.link.step)
                     continue
+            if result.left and result.refused is not None:  # an answer, said as the refusal it is (_failed)
+                raise CredentialsRefused(refusal_message(self.client.tracking_uri, result.refused), result.refused)
             if result.left:
                 raise _StillAway(f"the server stopped answering again with {describe(result.left)} left to send")
             sent.update(result.sent)
