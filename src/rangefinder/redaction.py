@@ -46,3 +46,9 @@ def redact(text: Any) -> str:
     for secret in _env_secrets():
         s = s.replace(secret, REDACTED)
     return _TOKEN_SHAPES.sub(REDACTED, s)
+
+
+def error_line(e: BaseException, limit: int) -> str:
+    """`e`'s message as one line a log or an error can carry: its first line, redacted and cut to `limit` characters;
+    its type's name where it has none."""
+    return redact(e).splitlines()[0][:limit] if str(e) else type(e).__name__

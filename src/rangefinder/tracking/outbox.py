@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from rangefinder.errors import TrackingError
-from rangefinder.tracking.redaction import redact, safe_uri
+from rangefinder.tracking.redaction import error_line, safe_uri
 from rangefinder.tracking.spool import (
     MAX_METRICS_PER_BATCH,
     RunNotMadeYet,
@@ -257,7 +257,7 @@ class Outbox:
         elif e is not None and server_unreachable(e):
             link.reason = away_reason(e)
         elif e is not None:  # a replay cut off, a run not made yet, a record refused at the step's end: its words
-            link.reason = redact(e).splitlines()[0][:300] if str(e) else type(e).__name__
+            link.reason = error_line(e, 300)
         link.retry_wait = min(MAX_RETRY_S, max(FIRST_RETRY_S, 2 * link.retry_wait))
         link.retry_at = time.monotonic() + link.retry_wait
 

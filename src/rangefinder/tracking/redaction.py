@@ -17,10 +17,10 @@ from urllib.parse import urlsplit, urlunsplit
 # The rules for what is a secret setting and a URL with credentials live with the settings (config reads them when
 # it validates); they are used from here too.
 from rangefinder.config import CREDENTIALS_FIX, REDACTED, is_secret_key, uri_credentials
-from rangefinder.redaction import URL_USERINFO, redact
+from rangefinder.redaction import URL_USERINFO, error_line, redact
 
-__all__ = ["CREDENTIALS_FIX", "REDACTED", "RedactingWriter", "is_secret_key", "redact", "safe_uri", "uri_credentials",
-           "url_with_credentials"]
+__all__ = ["CREDENTIALS_FIX", "REDACTED", "RedactingWriter", "error_line", "is_secret_key", "redact", "safe_uri",
+           "uri_credentials", "url_with_credentials"]
 
 
 def url_with_credentials(text: str) -> Optional[str]:

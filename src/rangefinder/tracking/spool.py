@@ -36,7 +36,7 @@ from typing import Any, Optional
 from rangefinder.config import expand_home
 from rangefinder.errors import TrackingError
 from rangefinder.formats.atomic import atomic_dir, write_text
-from rangefinder.tracking.redaction import redact, safe_uri
+from rangefinder.tracking.redaction import error_line, safe_uri
 
 _log = logging.getLogger(__name__)
 
@@ -264,7 +264,7 @@ def _unwritable_store(client: Any, run_id: str, e: Exception) -> Optional[Tracki
         return None
     if urlsplit(store).scheme.lower() in ("", "file") and _writable_folder(store):
         return None  # a store this process writes: the failure is the file's own (a link to nowhere, a full disk)
-    why = redact(e).splitlines()[0][:200] if str(e) else type(e).__name__
+    why = error_line(e, 200)
     if urlsplit(str(client.tracking_uri)).scheme.lower() in ("http", "https"):
         fix = ("start the MLflow server with --serve-artifacts (the default: the steps then upload through it to its "
                "--artifacts-destination), or give the steps what that store needs (its client library, e.g. boto3 "
@@ -453,7 +453,7 @@ def replay(path: str | os.PathLike, client: Any) -> ReplayResult:
                 for r in rest:
                     left[r["kind"]] += record_size(r)
                 return ReplayResult(sent=sent, left=left, torn=contents.torn, refused=refused_credentials(e))
-            msg = redact(e).splitlines()[0][:300] if str(e) else type(e).__name__
+            msg = error_line(e, 300)
             raise TrackingError(f"MLflow refused a {record['kind']} record of run {record['run_id']} in {p} ({msg}); "
                                 f"logged {describe(sent)} before it, which are dropped from the spool") from None
         sent[record["kind"]] += record_size(record)
