@@ -315,13 +315,19 @@ def _unopenable(uri: str, e: BaseException) -> str:
     with the query it ran; MLflow, for a schema older than its own, says how to upgrade it), and the fix. A damaged
     file (a copy cut short, another tool's file) passed the check, and the step failed in SQLAlchemy's words, over
     several lines."""
-    while e.__cause__ is not None:
-        e = e.__cause__
-    why = (str(e).splitlines() or [type(e).__name__])[0]
+    why = _driver_words(e)
     fix = ("wait for the process holding it (a sqlite3 shell, `mlflow gc`) to finish, then run again"
            if "locked" in why else "move it away (a new one is made in its place), or point MLFLOW_TRACKING_URI (or "
            "tracking.tracking_uri) at another database")
     return f"the MLflow database {sqlite_path(uri)} cannot be opened: {why}; {fix}"
+
+
+def _driver_words(e: BaseException) -> str:
+    """The first line of the innermost cause of `e`: a SQL driver's own words ("database is locked", "disk I/O error"),
+    without the query SQLAlchemy and MLflow wrap them in; its type's name where it says none."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    return (str(e).splitlines() or [type(e).__name__])[0]
 
 
 def _check_retries() -> tuple[int, float]:
@@ -508,10 +514,8 @@ def away_reason(e: BaseException) -> str:
     status = answer_status(e)
     if status is not None:
         return f"HTTP {status}"
-    if store_unavailable(e):  # the driver's own words, without the query SQLAlchemy wraps them in
-        while e.__cause__ is not None:
-            e = e.__cause__
-        why = (str(e).splitlines() or [type(e).__name__])[0][:200]
+    if store_unavailable(e):
+        why = _driver_words(e)[:200]
         return why + (" by another program, such as a sqlite3 shell or `mlflow gc`" if why == "database is locked"
                       else "")
     return _connection_reason(str(e))
