@@ -657,7 +657,7 @@ def grid_folder(out_dir: Union[str, Path]) -> Path:
     # Resolved: a link's target takes the new grid and the link stays (swapped, the link became a folder of its own,
     # on the link's disk); the working folder, or one holding it, would be moved from under the shell.
     out = usable_folder(out_dir, "the grid's output folder").resolve()
-    if out == Path.cwd().resolve() or out in Path.cwd().resolve().parents:
+    if Path.cwd().resolve().is_relative_to(out):
         raise ConfigError(f"{out} is the working folder or holds it, and a grid replaces its folder whole; pass a "
                           "new folder, e.g. --out samples")
     if out.is_dir():

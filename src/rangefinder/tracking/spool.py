@@ -260,9 +260,10 @@ def _unwritable_store(client: Any, run_id: str, e: Exception) -> Optional[Tracki
         store = client.get_run(run_id).info.artifact_uri
     except Exception:
         return None
-    if urlsplit(store).scheme.lower() in _SERVED_ARTIFACTS:
+    scheme = urlsplit(store).scheme.lower()
+    if scheme in _SERVED_ARTIFACTS:
         return None
-    if urlsplit(store).scheme.lower() in ("", "file") and _writable_folder(store):
+    if scheme in ("", "file") and _writable_folder(store):
         return None  # a store this process writes: the failure is the file's own (a link to nowhere, a full disk)
     why = error_line(e, 200)
     if urlsplit(str(client.tracking_uri)).scheme.lower() in ("http", "https"):
