@@ -15,14 +15,12 @@ Imports live inside the bodies: KFP ships each body to the pod as source, so mod
 # No `from __future__ import annotations`: KFP reads the components' annotations as real types. Their outputs are
 # declared the way KFP documents, `-> NamedTuple("Name", field=type)`, a call mypy does not accept as a type; hence
 # the `type: ignore[valid-type]` on each. A class-based NamedTuple would not exist in the pod: KFP ships only the body.
-from collections.abc import Callable
-from typing import Any, NamedTuple, Optional, TypeVar
+from typing import Any, NamedTuple, Optional
 
 from kfp import dsl
 from kfp.dsl import HTML, Dataset, Input, Markdown, Metrics, Model, Output
 
 from rangefinder.container_images import default_images
-from rangefinder.data.split import SKIPPED_KINDS
 
 # The release's default names; `rangefinder.pipelines.pipeline` sets the image each task really runs in when it
 # compiles.
@@ -38,21 +36,6 @@ def _config_default(parameter: str) -> Any:
     from rangefinder.steps.resolve_config import parameter_defaults
 
     return parameter_defaults()[parameter]
-
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _described(**words: str) -> Callable[[_F], _F]:
-    """Fill the `{name}` fields of a component's docstring, which KFP reads for the UI's descriptions, with the
-    library's own words, so an output is described from the code that writes it. Applied under `@dsl.component`, it
-    runs first; KFP ships the body without its decorators (the pod's copy keeps the fields unfilled, unread there)."""
-
-    def fill(func: _F) -> _F:
-        func.__doc__ = (func.__doc__ or "").format(**words)
-        return func
-
-    return fill
 
 
 @dsl.component(base_image=CPU_IMAGE, install_kfp_package=False, additional_funcs=[_config_default])
@@ -158,7 +141,6 @@ def resolve_config(
 
 
 @dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
-@_described(skipped_kinds=SKIPPED_KINDS)
 def prepare_dataset(
     config_json: str,
     split: Output[Dataset],
@@ -177,7 +159,11 @@ def prepare_dataset(
         report: What was kept, skipped and why, in Markdown: each file left out, named with its reason.
         train_images: Images in the training part.
         val_images: Images held out for validation loss.
-        skipped_files: Files left out, each named with its reason in `report`: {skipped_kinds}.
+        skipped_files: Files left out, each named with its reason in `report`: unreadable, corrupt, animated or too
+            small images; images without a usable caption (none, empty, not UTF-8, or two that disagree); files not
+            trained on (neither an image nor its caption, a mask, a split's manifests); broken, looping or repeated
+            links and folders that cannot be read; metadata rows naming no image; training images identical to a
+            split.val_dir image.
     """
     from collections import namedtuple
     from pathlib import Path
