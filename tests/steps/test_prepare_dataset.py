@@ -66,6 +66,27 @@ def test_an_imported_dataset_s_link_back_into_itself_is_listed_as_in_place_not_c
     assert os.readlink(copied / "loop") == "." and os.readlink(copied / "again") == "shapes"
 
 
+def test_an_imported_dataset_s_two_links_to_one_outside_folder_count_its_images_once_as_in_place(
+        tmp_path, shapes_dataset_dir):
+    """Two links to one folder outside an imported dataset were copied into the split as two real folders, whose
+    scan counted each image twice (20 images trained and validated as 40, a copy of one in validation while the other
+    trained) without a word, where the same folder split in place counts them once and lists the second link. The
+    copy makes it a link again, so the two agree to the file."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "b").symlink_to(shapes_dataset_dir)
+    (data / "a").symlink_to(shapes_dataset_dir)
+    copied = run_prepare_dataset(demo_config(), out_dir=tmp_path / "copied", dataset_dir=data,
+                                 report_path=tmp_path / "copied.md")
+    in_place = run_prepare_dataset(demo_config(data={"dataset_dir": str(data)}), out_dir=tmp_path / "in_place")
+    assert (copied.train_images, copied.val_images, copied.skipped) == (16, 4, 1)
+    assert (in_place.train_images, in_place.val_images, in_place.skipped) == (16, 4, 1)
+    ours, theirs = read_split(copied.split_dir), read_split(in_place.split_dir)
+    assert [it.file_name for it in ours.train + ours.val] == [it.file_name for it in theirs.train + theirs.val]
+    assert "`b`: symbolic link to" in (tmp_path / "copied.md").read_text()
+    assert os.readlink(tmp_path / "copied" / "dataset" / "b") == "a"
+
+
 def test_bad_files_are_listed_not_fatal(tmp_path, shapes_dataset_dir):
     import shutil
 

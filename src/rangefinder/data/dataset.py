@@ -256,22 +256,24 @@ def _missing_field(path: Path, field: str, holds: str, fields: set[str]) -> str:
 
 
 def _walk_images(root: Path, exclude: Optional[Path], problems: list[Skipped],
-                 texts: list[PurePosixPath], others: list[PurePosixPath]) -> list[PurePosixPath]:
+                 texts: list[PurePosixPath], others: list[PurePosixPath],
+                 repeats: Optional[dict[PurePosixPath, PurePosixPath]] = None) -> list[PurePosixPath]:
     """Image files under `root`, following symbolic links to folders once each; never recursing forever.
 
     Real folders are walked first, links to folders after, so a folder reached both ways is listed under its real
     path. A link to a folder already walked (a loop back to an ancestor, or a second way to the same folder) and a
     broken link to an image are listed in `problems`, not silently left out. Caption files are collected in `texts`,
     and every other file but the root's metadata file in `others`, for the caller to list. `os.scandir`, not
-    `Path.rglob`: one stat per entry, which matters at 100,000 images.
+    `Path.rglob`: one stat per entry, which matters at 100,000 images. `repeats`, when given, gets each link left out
+    that way, mapped to the folder it reaches as first walked (both relative to `root`).
     """
     images: list[PurePosixPath] = []
-    visited: set[tuple[int, int]] = set()
+    visited: dict[tuple[int, int], PurePosixPath] = {}  # each folder walked, by device and inode: where
     links: list[tuple[PurePosixPath, str]] = []  # links to folders, walked after the real tree
 
     def walk(folder: str, rel: PurePosixPath) -> None:
         st = os.stat(folder)
-        visited.add((st.st_dev, st.st_ino))
+        visited.setdefault((st.st_dev, st.st_ino), rel)
         try:
             entries = sorted(os.scandir(folder), key=lambda e: e.name)
         except OSError as e:
@@ -311,6 +313,8 @@ def _walk_images(root: Path, exclude: Optional[Path], problems: list[Skipped],
         rel, path = links.pop(0)
         st = os.stat(path)
         if (st.st_dev, st.st_ino) in visited:
+            if repeats is not None:
+                repeats[rel] = visited[(st.st_dev, st.st_ino)]
             target = Path(os.path.realpath(path))
             here = Path(os.path.realpath(os.path.dirname(path)))
             if target == here or target in here.parents:
@@ -324,6 +328,16 @@ def _walk_images(root: Path, exclude: Optional[Path], problems: list[Skipped],
         walk(path, rel)
     images.sort(key=str)
     return images
+
+
+def repeated_folder_links(root: Path) -> dict[PurePosixPath, PurePosixPath]:
+    """The links under `root` that `scan_dataset` leaves out as a second way to a folder it already walked (a loop
+    back to an ancestor, two links to one folder inside or outside `root`), each mapped to that folder's path as the
+    scan first walked it, both relative to `root`: what a copy of the dataset has to make again as links, so that
+    the copy's scan counts each image once, as the scan in place does."""
+    repeats: dict[PurePosixPath, PurePosixPath] = {}
+    _walk_images(Path(os.path.realpath(root)), None, [], [], [], repeats)
+    return repeats
 
 
 def scan_dataset(root: str | Path, exclude: Optional[Path] = None) -> Scan:

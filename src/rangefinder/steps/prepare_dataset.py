@@ -42,28 +42,27 @@ def _copy_file_or_broken_link(src: str, dst: str) -> str:
 
 
 def _copy_dataset(src: Path, dst: Path) -> None:
-    """Copy the imported dataset `src` into `dst`, links to files and to folders outside it followed (every later pod
-    needs the images), but a link to a folder inside it (a loop back to an ancestor, a second way to a folder) made
-    again as a link to the same folder of the copy: followed, a loop copied the whole dataset again at each of 40
-    levels before the system refused the path, where the split (data.dataset) lists such links among the skipped
-    files, as it does for a folder split in place."""
-    real = Path(os.path.realpath(src))
-    inside: list[tuple[str, str]] = []  # (the link, its folder), relative to src
+    """Copy the imported dataset `src` into `dst`, links to files and to folders followed (every later pod needs the
+    images), but a second way to a folder the dataset's scan already walked (data.dataset.repeated_folder_links: a
+    loop back to an ancestor, two links to one folder inside or outside it) made again as a link to that folder's
+    copy. Followed, a loop copied the whole dataset again at each of 40 levels before the system refused the path,
+    and two links to one outside folder made two real folders of the copy, whose scan counted each of its images
+    twice (a copy in training, the other in validation), where the scan in place lists the second link among the
+    skipped files and counts them once."""
+    from rangefinder.data.dataset import repeated_folder_links
 
-    def links_inside(folder: str, names: list[str]) -> set[str]:
-        kept = set()
-        for name in names:
-            path = os.path.join(folder, name)
-            target = Path(os.path.realpath(path))
-            if os.path.islink(path) and target.is_dir() and target.is_relative_to(real):
-                inside.append((os.path.relpath(path, src), target.relative_to(real).as_posix()))
-                kept.add(name)
-        return kept
+    repeats = {link.as_posix(): folder.as_posix() for link, folder in repeated_folder_links(src).items()}
 
-    shutil.copytree(src, dst, dirs_exist_ok=True, ignore=links_inside, copy_function=_copy_file_or_broken_link)
-    for link, folder in inside:
+    def repeated(folder: str, names: list[str]) -> set[str]:
+        here = os.path.relpath(folder, src)
+        return {name for name in names
+                if (name if here == "." else f"{here}/{name}") in repeats}
+
+    shutil.copytree(src, dst, dirs_exist_ok=True, ignore=repeated, copy_function=_copy_file_or_broken_link)
+    for link, folder in repeats.items():
         made = dst / link
-        os.symlink(os.path.relpath(dst / folder, made.parent), made)
+        if made.parent.is_dir() and not os.path.lexists(made):  # under a folder the copy made (not itself left out)
+            os.symlink(os.path.relpath(dst / folder, made.parent), made)
 
 
 def run_prepare_dataset(
