@@ -322,9 +322,18 @@ def test_the_largest_seeds_compile(tmp_path):
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text("training:\n  seed: 4294967295\nsplit:\n  seed: 0\nsampling:\n  seeds: [4294967295]\n")
     out = tmp_path / "pipeline.yaml"
+    # What a compile killed mid-write (kill -9) left, which stayed beside the package for ever, goes; one a compile
+    # running now fills (its process alive: the one that started this test) and a user's own dot-file stay.
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    left = [tmp_path / f".pipeline.yaml.{dead.pid}.tmp.yaml", tmp_path / f".pipeline.yaml.{os.getppid()}.tmp.yaml",
+            tmp_path / ".pipeline.yaml.notes"]
+    for p in left:
+        p.write_text("kind: half\n")
     proc = in_process("compile", "--config", str(cfg), "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     assert out.stat().st_size > 1000
+    assert [p.exists() for p in left] == [False, True, True]
 
 
 def test_run_local_refuses_credentials_in_mlflow_tracking_uri_before_running(tmp_path):

@@ -187,6 +187,39 @@ def atomic_path(path: PathLike, *, suffix: str = "", durable: bool = True) -> It
         tmp.unlink(missing_ok=True)
 
 
+def sweep_dead_writers(path: PathLike, *, suffix: str = "") -> list[Path]:
+    """Remove the temporary files `atomic_path(path, suffix=suffix)` left beside `path` from writers killed mid-write
+    (kill -9, the OOM killer, a power cut: the block's `finally` never ran), each of which stayed beside the file for
+    ever. Only a temporary whose process (the PID in its name) is not running on this machine goes: one a writer is
+    filling now, here, is left to it. The paths removed."""
+    path = Path(path)
+    mine = re.compile(rf"^\.{re.escape(path.name)}\.(\d+)\.tmp{re.escape(suffix)}$")
+    removed: list[Path] = []
+    try:
+        siblings = list(path.parent.iterdir())
+    except OSError:
+        return removed
+    for p in siblings:
+        found = mine.match(p.name)
+        if found and not _running(int(found.group(1))) and not p.is_dir():
+            p.unlink(missing_ok=True)
+            removed.append(p)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    """Whether a process `pid` runs on this machine (another user's too)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
+
+
 def write_bytes(path: PathLike, data: bytes) -> Path:
     with atomic_path(path) as tmp:
         tmp.write_bytes(data)
