@@ -12,6 +12,7 @@ import os
 import re
 import sys
 import typing
+from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, Literal, Optional, Union
 from urllib.parse import parse_qsl, urlsplit
@@ -1791,6 +1792,23 @@ def parse_config(raw: dict) -> RangefinderConfig:
         return RangefinderConfig.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(format_validation_error(e)) from None
+
+
+# What a step's run_<step>(cfg, ...) takes: a RangefinderConfig, or its sections as a mapping (as_config).
+ConfigLike = Union["RangefinderConfig", Mapping[str, Any]]
+
+
+def as_config(cfg: ConfigLike) -> RangefinderConfig:
+    """`cfg` as a RangefinderConfig: one already is returned as it is; a mapping of its sections (a dict written in a
+    notebook, a config file read with yaml.safe_load) is validated as a config file is (parse_config: ConfigError
+    naming each bad setting). Anything else is a TypeError naming what to pass, not an AttributeError from deep
+    inside the step it was handed to."""
+    if isinstance(cfg, RangefinderConfig):
+        return cfg
+    if isinstance(cfg, Mapping):
+        return parse_config(dict(cfg))
+    raise TypeError(f"cfg is a {type(cfg).__name__}; pass a RangefinderConfig (rangefinder.config.load_config(path) "
+                    "reads a config file) or a dict of its sections, e.g. {'training': {'method': 'lora'}}")
 
 
 def given_settings(section: BaseModel, prefix: str = "", *, defaults_too: bool = False) -> list[str]:

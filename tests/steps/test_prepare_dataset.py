@@ -259,3 +259,19 @@ def test_the_split_section_s_settings_reach_the_split_and_its_report(tmp_path, s
     by_hand = run_prepare_dataset(demo_config(data={"dataset_dir": str(train)}, split={"val_dir": str(val)}),
                                   out_dir=tmp_path / "by_hand")
     assert (by_hand.train_images, by_hand.val_images) == (17, 3)
+
+
+def test_a_notebook_s_dict_is_taken_as_a_config_and_its_bad_key_named(tmp_path, shapes_dataset_dir):
+    """A dict handed to a step (a notebook's, a YAML file read with yaml.safe_load) was an AttributeError from inside
+    the step ('dict' object has no attribute 'data'); it is validated as a config file is, a bad key named in one
+    line, and anything else is a TypeError saying what to pass."""
+    from rangefinder.errors import ConfigError
+
+    r = run_prepare_dataset({"data": {"dataset_dir": str(shapes_dataset_dir), "resolution": 32}},
+                            out_dir=tmp_path / "split")
+    assert (r.train_images, r.val_images) == (16, 4)
+    with pytest.raises(ConfigError, match="data.resolutoin") as bad:
+        run_prepare_dataset({"data": {"resolutoin": 64}}, out_dir=tmp_path / "bad")
+    assert "\n" not in str(bad.value) and not (tmp_path / "bad").exists()
+    with pytest.raises(TypeError, match="cfg is a str; pass a RangefinderConfig"):
+        run_prepare_dataset("config.yaml", out_dir=tmp_path / "bad")  # type: ignore[arg-type]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from rangefinder.config import FAMILY_NAMES, LR_FREE_OPTIMIZERS, RangefinderConfig
+from rangefinder.config import FAMILY_NAMES, LR_FREE_OPTIMIZERS, ConfigLike, RangefinderConfig, as_config
 from rangefinder.errors import RangefinderError
 from rangefinder.formats.text import percent
 
@@ -29,11 +29,12 @@ class ChosenLR:
     source: str
 
 
-def run_choose_lr(cfg: RangefinderConfig, *, source: str, lr_low: float, lr_high: float, lr_mid: float,
+def run_choose_lr(cfg: ConfigLike, *, source: str, lr_low: float, lr_high: float, lr_mid: float,
                   decision_path: Optional[Path] = None, updates: int = 0, factor: float = 1.0) -> ChosenLR:
     """The bounds checked, and the decision written to `decision_path`. `updates` and `factor`: the prodigy-step
     source's run length (0: not said) and the factor its step size was multiplied by (ProdigyStep.factor), for the
     decision's text."""
+    cfg = as_config(cfg)  # a dict from a notebook is validated as a config file is
     if source not in SOURCES:
         raise RangefinderError(f"choose_lr source must be one of {', '.join(SOURCES)} (got {source!r})")
     for name, v in (("lr_low", lr_low), ("lr_high", lr_high), ("lr_mid", lr_mid)):

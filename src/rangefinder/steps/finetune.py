@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from rangefinder.config import RangefinderConfig, resolve_mixed_precision
+from rangefinder.config import ConfigLike, as_config, resolve_mixed_precision
 from rangefinder.errors import RangefinderError
 from rangefinder.formats import checkpoints
 from rangefinder.formats.atomic import write_json
@@ -306,7 +306,7 @@ def recommended_length(window: StepWindow, chosen: Optional[dict[str, Any]], con
 
 
 def run_finetune(
-    cfg: RangefinderConfig,
+    cfg: ConfigLike,
     *,
     split_dir: Path,
     lr_low: float,
@@ -326,6 +326,7 @@ def run_finetune(
     and is copied to `report_html` and `report_md` where given; the step's MLflow run is a child of
     `mlflow_parent_run_id` where given. Returns the recommended length, the weights kept and the LR trained
     (FinetuneResult); RangefinderError for bad settings or a run that wrote no weights."""
+    cfg = as_config(cfg)  # a dict from a notebook is validated as a config file is
     from rangefinder import tracking
     from rangefinder.analysis import RecommendedLength, copy_report, select_step_window, write_step_report
     from rangefinder.analysis.reports import step_headline, write_unmeasured_step_report

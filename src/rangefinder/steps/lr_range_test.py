@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from rangefinder.analysis.zoom import ended_above_start, points_between, zoom_range
-from rangefinder.config import LR_FREE_OPTIMIZERS, RangefinderConfig
+from rangefinder.config import LR_FREE_OPTIMIZERS, ConfigLike, as_config
 from rangefinder.errors import ConfigError, RangefinderError
 from rangefinder.formats.atomic import write_json
 from rangefinder.launch.processes import batch_note, run_training, step_world_size
@@ -50,7 +50,7 @@ class RangeTestResult:
 
 
 def run_lr_range_test(
-    cfg: RangefinderConfig,
+    cfg: ConfigLike,
     *,
     split_dir: Path,
     out_dir: Path,
@@ -62,6 +62,7 @@ def run_lr_range_test(
     mlflow_parent_run_id: Optional[str] = None,
 ) -> RangeTestResult:
     """Sweep, analyse, report; `lr_min`/`lr_max` None: the configured range (a zoom passes its own)."""
+    cfg = as_config(cfg)  # a dict from a notebook is validated as a config file is
     from rangefinder import tracking
     from rangefinder.analysis import analyze_lr_curve, copy_report, write_lr_report
     from rangefinder.analysis.reports import lr_headline

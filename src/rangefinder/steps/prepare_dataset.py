@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from rangefinder.config import RangefinderConfig
+from rangefinder.config import ConfigLike, as_config
 from rangefinder.errors import DataError
 from rangefinder.formats.atomic import atomic_dir, sweep_leftovers
 from rangefinder.formats.text import markdown_code, markdown_text, warn
@@ -66,7 +66,7 @@ def _copy_dataset(src: Path, dst: Path) -> None:
 
 
 def run_prepare_dataset(
-    cfg: RangefinderConfig,
+    cfg: ConfigLike,
     *,
     out_dir: Path,
     dataset_dir: Optional[Path] = None,
@@ -77,6 +77,7 @@ def run_prepare_dataset(
     synthetic dataset (made in `out_dir/dataset`). `report_path`: where the Markdown report of the split goes (the
     images, the files skipped and why). Returns the split's folder, its image counts and the files skipped
     (PreparedDataset); DataError for a folder that is missing or holds too few usable images."""
+    cfg = as_config(cfg)  # a dict from a notebook is validated as a config file is
     from rangefinder.data.buckets import BucketSettings
     from rangefinder.data.split import SKIPPED_KINDS, split_dataset
     from rangefinder.data.synthetic import EMBEDDED_KIND, make_synthetic_dataset

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rangefinder.analysis.prodigy_step import ProdigyStep
-from rangefinder.config import LR_FREE_LR, RangefinderConfig, TrainingConfig
+from rangefinder.config import LR_FREE_LR, ConfigLike, RangefinderConfig, TrainingConfig, as_config
 from rangefinder.errors import RangefinderError
 from rangefinder.formats import checkpoints
 from rangefinder.formats.atomic import write_json
@@ -74,7 +74,7 @@ def probe_config(cfg: RangefinderConfig) -> RangefinderConfig:
 
 
 def run_prodigy_step_size(
-    cfg: RangefinderConfig,
+    cfg: ConfigLike,
     *,
     split_dir: Path,
     out_dir: Path,
@@ -84,6 +84,7 @@ def run_prodigy_step_size(
 ) -> ProdigyStepResult:
     """Train the probe, read its last step size (and the LR trained, config.prodigy_step_factor times it), report;
     RangefinderError when it diverged or read no step size."""
+    cfg = as_config(cfg)  # a dict from a notebook is validated as a config file is
     from rangefinder import tracking
     from rangefinder.analysis import copy_report, read_curve_csv, read_prodigy_step, write_prodigy_report
     from rangefinder.data.split import read_split

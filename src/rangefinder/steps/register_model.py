@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from rangefinder.config import RangefinderConfig
+from rangefinder.config import ConfigLike, RangefinderConfig, as_config
 
 
 @dataclass(frozen=True)
@@ -114,9 +114,10 @@ def retrained_on_all_data(model_dir: Path) -> Optional[bool]:
     return None
 
 
-def run_register_model(cfg: RangefinderConfig, *, model_dir: Path, lr: float, epochs: int,
+def run_register_model(cfg: ConfigLike, *, model_dir: Path, lr: float, epochs: int,
                        mlflow_parent_run_id: Optional[str] = None, result_md: Optional[Path] = None) -> Registered:
     """`result_md`: where to write the result in Markdown (result_markdown), the step's visualization in KFP."""
+    cfg = as_config(cfg)  # a dict from a notebook is validated as a config file is
     from rangefinder import tracking
     from rangefinder.tracking.registry import TAG_IMPROVED_ON_BASE
     from rangefinder.tracking.target import run_ui_link, ui_url_hint

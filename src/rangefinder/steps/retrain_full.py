@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from rangefinder.config import RangefinderConfig
+from rangefinder.config import ConfigLike, RangefinderConfig, as_config
 from rangefinder.errors import RangefinderError
 from rangefinder.launch.processes import run_training, step_world_size
 from rangefinder.steps.workdir import publish, work_dir
@@ -53,13 +53,14 @@ def retrain_preview(cfg: RangefinderConfig, split: Split, *, recommended_epochs:
             f"{plan.train_images} images ({_why_this_length(cfg)}).")
 
 
-def run_retrain_full(cfg: RangefinderConfig, *, split_dir: Path, lr_low: float, lr_high: float, lr: float,
+def run_retrain_full(cfg: ConfigLike, *, split_dir: Path, lr_low: float, lr_high: float, lr: float,
                      recommended_epochs: int, model_dir: Path, report_html: Optional[Path] = None,
                      report_md: Optional[Path] = None,
                      mlflow_parent_run_id: Optional[str] = None) -> RetrainResult:
     """`lr`: the fine-tune's kept LR (its `lr_used`); `lr_low`, `lr_high`: the bounds, for a triangular schedule.
     The report (training loss and LR against updates; the run's `report/` in MLflow) is also written to
     `report_html` and `report_md` where given (the KFP outputs' files)."""
+    cfg = as_config(cfg)  # a dict from a notebook is validated as a config file is
     import tempfile
 
     from rangefinder import tracking

@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
-from rangefinder.config import RangefinderConfig
+from rangefinder.config import ConfigLike, RangefinderConfig, as_config
 
 
 def column_slug(label: str) -> str:
@@ -68,7 +68,7 @@ def grid_note(prompts: int, seeds: int, labels: list[str], scores: list[dict]) -
     return note + "."
 
 
-def run_sample_images(cfg: RangefinderConfig, *, finetuned_dir: Path, retrained_dir: Optional[Path] = None,
+def run_sample_images(cfg: ConfigLike, *, finetuned_dir: Path, retrained_dir: Optional[Path] = None,
                       out_dir: Path, grid_html: Optional[Path] = None,
                       mlflow_parent_run_id: Optional[str] = None) -> dict:
     """Render the config's sampling prompts and seeds with the base model and the fine-tune's models in
@@ -76,6 +76,7 @@ def run_sample_images(cfg: RangefinderConfig, *, finetuned_dir: Path, retrained_
     `retrained_dir` where given, into `out_dir` (the grid, its images and manifest), and log them to the step's
     MLflow run (a child of `mlflow_parent_run_id` where given); the grid's HTML is copied to `grid_html` where given.
     Returns render_grid's paths and layout (rangefinder.sampling.render_grid)."""
+    cfg = as_config(cfg)  # a dict from a notebook is validated as a config file is
     from rangefinder import tracking
     from rangefinder.launch.processes import apply_torch_threads
     from rangefinder.sampling import render_grid
