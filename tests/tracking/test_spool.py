@@ -521,6 +521,7 @@ def test_a_sqlite_store_locked_while_a_step_makes_its_run_is_one_line_naming_it(
             holder.close()
     said = str(refused.value)
     assert len(said.splitlines()) == 1 and db in said and "database is locked" in said and "sqlite3 shell" in said
+    assert said.count("another program") == 1 and said.count("sqlite3 shell") == 1, said  # said once, not twice over
     assert "INSERT" not in said and not (tmp_path / "spool").exists()
 
 

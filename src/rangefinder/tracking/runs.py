@@ -1032,8 +1032,9 @@ def _lock_named(uri: str) -> Iterator[None]:
         if not why.startswith("database is locked"):  # every query SQLite cannot run is the same error code
             raise StoreLocked(f"the MLflow database {db} cannot take the step's run ({why}); make sure this process "
                               "can write it, its folder and the disk they are on, then run the step again") from None
-        raise StoreLocked(f"the MLflow database {db} is locked by another program ({why}); end its "
-                          "transaction (a sqlite3 shell, `mlflow gc`), then run the step again") from None
+        # `why` names the program (away_reason): said once, where the line said it twice over.
+        raise StoreLocked(f"the MLflow database {db}: {why}, for longer than MLflow waits; end that program's "
+                          "transaction, then run the step again") from None
 
 
 @contextlib.contextmanager
