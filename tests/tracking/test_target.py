@@ -491,6 +491,12 @@ def test_a_tls_server_the_check_cannot_trust_names_the_settings_not_an_outage(ml
         with pytest.raises(TrackingError, match=r"^MLFLOW_TRACKING_SERVER_CERT_PATH names \S+no-such.pem, which is no "
                            "file here; set it to the PEM file of the certificate of the MLflow tracking server at "):
             check_tracking_server(uri)
+        _, other = self_signed_tls(tmp_path / "another")  # a file that exists, of another server's certificate
+        monkeypatch.setenv("MLFLOW_TRACKING_SERVER_CERT_PATH", str(other))
+        with pytest.raises(TrackingError) as e:
+            check_tracking_server(uri)
+        assert str(e.value).startswith(f"MLFLOW_TRACKING_SERVER_CERT_PATH names {other}, which does not verify the "
+                                       f"TLS certificate the MLflow tracking server at {uri} presented"), e.value
         monkeypatch.setenv("MLFLOW_TRACKING_SERVER_CERT_PATH", str(cert))
         check_tracking_server(uri)
         # Both set, which MLflow refuses before any request: it was "cannot reach the MLflow tracking server".

@@ -409,6 +409,14 @@ def _tls_problem(uri: str, message: str) -> Optional[str]:
     if "certificate verify failed" in message.lower():
         why = re.search(r"certificate verify failed: ([^(')]+)", message, re.IGNORECASE)
         detail = f" ({why.group(1).strip()})" if why else ""
+        # MLflow's own bundle was given, and holds neither the server's certificate nor its CA: told to set the
+        # variable that was already set, the user looked for a typo in its name. (REQUESTS_CA_BUNDLE is often the
+        # system's bundle, set by the image: the line below is the one for it.)
+        given = _CA_BUNDLE_VARS[0]
+        if os.environ.get(given):
+            return (f"{given} names {os.environ[given]}, which does not verify the TLS certificate the MLflow tracking "
+                    f"server at {where} presented{detail}; set it to the PEM file of that server's certificate or of "
+                    "the CA that signed it")
         return (f"the MLflow tracking server at {where} presented a TLS certificate this machine does not "
                 f"trust{detail}; set MLFLOW_TRACKING_SERVER_CERT_PATH to the PEM file of its certificate or of the CA "
                 "that signed it (or MLFLOW_TRACKING_INSECURE_TLS=true to skip the check, on a network you trust)")
