@@ -69,9 +69,9 @@ def test_an_imported_dataset_s_link_back_into_itself_is_listed_as_in_place_not_c
 def test_an_imported_dataset_s_two_links_to_one_outside_folder_count_its_images_once_as_in_place(
         tmp_path, shapes_dataset_dir):
     """Two links to one folder outside an imported dataset were copied into the split as two real folders, whose
-    scan counted each image twice (20 images trained and validated as 40, a copy of one in validation while the other
-    trained) without a word, where the same folder split in place counts them once and lists the second link. The
-    copy makes it a link again, so the two agree to the file."""
+    scan counted each image twice (20 images trained and validated as 40, each at double weight: identical images
+    stay on one side), where the same folder split in place counts them once and lists the second link. The copy
+    makes it a link again, so the two agree to the file."""
     data = tmp_path / "data"
     data.mkdir()
     (data / "b").symlink_to(shapes_dataset_dir)

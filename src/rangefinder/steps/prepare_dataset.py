@@ -47,8 +47,9 @@ def _copy_dataset(src: Path, dst: Path) -> None:
     loop back to an ancestor, two links to one folder inside or outside it) made again as a link to that folder's
     copy. Followed, a loop copied the whole dataset again at each of 40 levels before the system refused the path,
     and two links to one outside folder made two real folders of the copy, whose scan counted each of its images
-    twice (a copy in training, the other in validation), where the scan in place lists the second link among the
-    skipped files and counts them once."""
+    twice (both copies on one side of the split, as identical images are kept: trained, or validated, at double
+    weight, and the counts doubled), where the scan in place lists the second link among the skipped files and
+    counts them once."""
     from rangefinder.data.dataset import repeated_folder_links
 
     repeats = {link.as_posix(): folder.as_posix() for link, folder in repeated_folder_links(src).items()}
