@@ -503,6 +503,34 @@ def test_a_sqlite_store_locked_by_another_program_is_an_outage_and_the_step_s_re
     assert not list((tmp_path / "spool").glob("*.jsonl"))
 
 
+def test_a_step_ending_while_another_program_holds_the_sqlite_store_waits_out_the_lock(
+        tmp_path, shared_sqlite_tracking_uri):
+    """The lock held through the step's end: the check before each try only reads, which the lock lets through, so
+    the step tried its records once and left them for `rangefinder relog`, where a server away is waited for up to
+    tracking.server_wait_seconds. The lock gone within that time, the records reach MLflow and no spool is left."""
+    import sqlite3
+    import threading
+
+    cfg = RangefinderConfig(tracking={"tracking_uri": shared_sqlite_tracking_uri, "experiment_name": "locked",
+                                      "server_wait_seconds": 20})
+    holder = sqlite3.connect(shared_sqlite_tracking_uri.removeprefix("sqlite:///"), isolation_level=None,
+                             check_same_thread=False)
+    release = threading.Timer(1.0, holder.execute, ("ROLLBACK",))
+    with sqlite_busy_timeout(100):
+        try:
+            with step_run(cfg, "finetune", spool_dir=tmp_path / "spool") as run:
+                holder.execute("BEGIN IMMEDIATE")
+                run.log_params({"lr_low": 0.001})
+                assert run.offline
+                release.start()  # the other program ends its transaction a moment into the step's end
+        finally:
+            release.join()
+            holder.close()
+    got = MlflowClient(tracking_uri=shared_sqlite_tracking_uri).get_run(run.run_id)
+    assert got.data.params["lr_low"] == "0.001" and got.info.status == "FINISHED"
+    assert not list((tmp_path / "spool").glob("*.jsonl"))
+
+
 def test_a_sqlite_store_locked_while_a_step_makes_its_run_is_one_line_naming_it(tmp_path, shared_sqlite_tracking_uri):
     """The same lock met before the step has a run to keep records for (the check before it only reads, which a
     writer's transaction lets through): the step stopped in MLflow's traceback, with the query it ran."""

@@ -80,6 +80,7 @@ BACK_SAID = "rangefinder: warning: MLflow at %s answers again: step %s sent what
 
 FIRST_RETRY_S = 30.0  # after the first failure; doubled after each failed try
 MAX_RETRY_S = 600.0
+WRITE_RETRY_S = 1.0  # at a step's end, between tries of a store that answers its check but not the writes
 
 
 class StepLink:
@@ -175,16 +176,26 @@ class Outbox:
         self.flush()
         if not self.holding:
             return True
-        try:
-            await_tracking_server(self.client.tracking_uri, seconds)
-            self._drain()
-        except Exception as e:
-            # A step's end must not fail on logging: a server that refuses (or a spooled record it refuses) leaves
-            # the records in the spool, and the step's last warning names them and the relog command.
-            if not (is_away_error(e) or isinstance(e, TrackingError)):
-                raise
-            self._failed(e)  # not tried again at once: what follows goes to the spool
-            return False
+        deadline = time.monotonic() + seconds
+        while True:
+            try:
+                await_tracking_server(self.client.tracking_uri, max(0.0, deadline - time.monotonic()))
+                self._drain()
+                break
+            except Exception as e:
+                # A step's end must not fail on logging: a server that refuses (or a spooled record it refuses)
+                # leaves the records in the spool, and the step's last warning names them and the relog command.
+                if not (is_away_error(e) or isinstance(e, TrackingError)):
+                    raise
+                # A store whose check answers while its writes do not (a SQLite file another program holds locked:
+                # the check only reads; a server answering 503 to writes) is waited for as long as one that does
+                # not answer at all: the step tried once and left its records for a relog.
+                away = isinstance(e, _StillAway) or server_unreachable(e)  # a refusal is not waited out
+                if away and time.monotonic() + WRITE_RETRY_S < deadline:
+                    time.sleep(WRITE_RETRY_S)
+                    continue
+                self._failed(e)  # not tried again at once: what follows goes to the spool
+                return False
         self._answered()
         return not self.holding
 
