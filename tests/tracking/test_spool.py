@@ -550,6 +550,18 @@ def test_a_sqlite_store_locked_while_a_step_makes_its_run_is_one_line_naming_it(
     said = str(refused.value)
     assert len(said.splitlines()) == 1 and db in said and "database is locked" in said and "sqlite3 shell" in said
     assert said.count("another program") == 1 and said.count("sqlite3 shell") == 1, said  # said once, not twice over
+    # resolve-config making the pipeline's parent run met the same lock in MLflow's traceback.
+    from rangefinder.tracking import ensure_parent_run
+
+    holder = sqlite3.connect(db, isolation_level=None)
+    with sqlite_busy_timeout(100):
+        try:
+            holder.execute("BEGIN IMMEDIATE")
+            with pytest.raises(TrackingError) as refused:
+                ensure_parent_run(cfg, name="locked-parent")
+        finally:
+            holder.close()
+    assert str(refused.value) == said
     assert "INSERT" not in said and not (tmp_path / "spool").exists()
 
 

@@ -398,8 +398,16 @@ def ensure_parent_run(
     `kfp_run_id` (or `name`; $KFP_RUN_ID / $KFP_RUN_NAME fill them in when not given), and by `kfp_run_name` as
     well when it is known (`_find_parent`), and made when missing: named `name`, tagged with the KFP run, pipeline
     version, git revision, image, base model and `tags` (e.g. `{"rangefinder.dataset_digest": ...}`), with `cfg`'s
-    settings as params when it is a whole RangefinderConfig.
+    settings as params when it is a whole RangefinderConfig. A SQLite store another program holds locked is the
+    one line `step_run` says of it (StoreLocked), where it was MLflow's traceback.
     """
+    with _lock_named(resolve_tracking_uri(cfg)):
+        return _ensure_parent_run(cfg, name=name, kfp_run_id=kfp_run_id, kfp_run_name=kfp_run_name, tags=tags,
+                                  log_config=log_config)
+
+
+def _ensure_parent_run(cfg: Optional[TrackingSource], *, name: Optional[str], kfp_run_id: Optional[str],
+                       kfp_run_name: Optional[str], tags: Optional[Mapping[str, Any]], log_config: bool) -> str:
     client = tracking_client(cfg)
     env_run = os.environ.get("MLFLOW_RUN_ID")
     if env_run:
