@@ -87,6 +87,24 @@ def test_an_imported_dataset_s_two_links_to_one_outside_folder_count_its_images_
     assert os.readlink(tmp_path / "copied" / "dataset" / "b") == "a"
 
 
+def test_an_imported_dataset_that_fails_its_split_leaves_no_earlier_split_naming_the_replaced_images(
+        tmp_path, shapes_dataset_dir):
+    """Prepared again into the same folder, a new dataset's copy replaces the earlier one before its images are
+    split: one with too few usable images (or a kill while they are read) left the earlier split.json, which named
+    the images of the copy replaced, and read_split took it as finished. A copy that fails (a full disk) keeps it."""
+    import shutil
+
+    run_prepare_dataset(demo_config(), out_dir=tmp_path / "split", dataset_dir=Path(shapes_dataset_dir))
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("00000.png", "00000.txt"):
+        shutil.copy(Path(shapes_dataset_dir) / name, data / f"new-{name}")
+    with pytest.raises(DataError, match="usable image"):
+        run_prepare_dataset(demo_config(), out_dir=tmp_path / "split", dataset_dir=data)
+    with pytest.raises(DataError, match="is not a finished split folder"):
+        read_split(tmp_path / "split")
+
+
 def test_bad_files_are_listed_not_fatal(tmp_path, shapes_dataset_dir):
     import shutil
 

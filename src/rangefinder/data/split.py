@@ -302,7 +302,8 @@ def read_split(split_dir: str | Path, root: str | Path | None = None) -> Split:
     d = Path(split_dir).expanduser()
     summary_path = d / SUMMARY_FILE
     if not summary_path.is_file():
-        if _holds_images(d):
+        # A split unfinished (its manifests there, the summary not yet) may hold its own copy of the images.
+        if _holds_images(d) and not any((d / f"{name}.jsonl").is_file() for name in SUBSETS):
             # Told to make a split "--out" this folder, a user who passed the dataset itself wrote the split into it.
             raise DataError(
                 f"{d} is a dataset folder (it holds images), not a split of one; split it first with `rangefinder "

@@ -99,6 +99,12 @@ def run_prepare_dataset(
         sweep_leftovers(out_dir)
         with atomic_dir(root) as tmp:
             _copy_dataset(given, tmp)
+            # The split made before names the images of the copy now replaced: no finished split once the new copy is
+            # in (a kill, or a new dataset with too few usable images, left the old split.json naming images gone or
+            # others in their place, and read as finished). A copy that fails keeps both; write_split writes it last.
+            from rangefinder.data.split import SUMMARY_FILE
+
+            (out_dir / SUMMARY_FILE).unlink(missing_ok=True)
     elif cfg.data.dataset_dir:
         root = Path(cfg.data.dataset_dir).expanduser()
         if not root.is_dir():
