@@ -105,6 +105,46 @@ def test_an_imported_dataset_that_fails_its_split_leaves_no_earlier_split_naming
         read_split(tmp_path / "split")
 
 
+def test_an_imported_dataset_prepared_again_on_a_disk_with_room_for_one_copy_keeps_the_split_made_before(
+        tmp_path, shapes_dataset_dir, capsys):
+    """The copy is made beside the earlier one and swapped in when whole, so for a moment the split's disk holds two:
+    on a disk with room for one (a tmpfs of 256 KiB; the split with its copy takes 184 KiB), the step ends with its
+    one line on the full disk, and the split made before is whole and still reads, its images all there."""
+    import subprocess
+
+    from kfp.dsl import Dataset, Markdown
+
+    from rangefinder.pipelines import kfp_components as c
+
+    task = tmp_path / "prepare-dataset"
+    task.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(task)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root (CAP_SYS_ADMIN), which CI has")
+    try:
+        def prepare() -> object:
+            return c.prepare_dataset.python_func(config_json=demo_config().model_dump_json(),
+                                                 dataset=Dataset(name="dataset", uri=str(shapes_dataset_dir)),
+                                                 split=Dataset(name="split", uri=str(task / "split")),
+                                                 report=Markdown(name="report", uri=str(task / "report")))
+
+        prepare()
+        before = {p.name: p.read_bytes() for p in (task / "split" / "dataset").iterdir()}
+        capsys.readouterr()
+        with pytest.raises(SystemExit):
+            prepare()
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert f"error: RangefinderError: cannot write the prepare-dataset step's outputs under {task}: disk full" \
+               in line, line
+        assert {p.name: p.read_bytes() for p in (task / "split" / "dataset").iterdir()} == before
+        assert sorted(p.name for p in (task / "split").iterdir()) == ["dataset", "split.json", "stabilize.jsonl",
+                                                                      "train.jsonl", "val.jsonl"]
+        split = read_split(task / "split")
+        assert (len(split.train), len(split.val)) == (16, 4)
+        assert all(split.path_of(it).is_file() for it in split.train + split.val)
+    finally:
+        subprocess.run(["umount", str(task)], check=True)
+
+
 def test_bad_files_are_listed_not_fatal(tmp_path, shapes_dataset_dir):
     import shutil
 
