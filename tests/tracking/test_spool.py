@@ -79,13 +79,16 @@ def test_records_survive_a_torn_line_and_replay_once(tmp_path, mlflow_server_uri
     artifact.unlink()  # a pod's outputs are gone by relog time: the spool kept its own copy of each
     curve.unlink()
     with open(spool.path, "a") as f:
-        f.write('{"kind": "metrics", "run_id": "')  # a write cut off by a kill
-    assert dict(spool.counts) == {"metrics": 2, "params": 1, "tags": 1, "text": 1, "artifact": 2}
+        f.write('{"kind": "metrics", "run_id": "')  # a write cut off (a full disk, a power loss)
+    # A record appended after it (the step going on, once space was freed) was read as the torn line's tail, and
+    # dropped with it.
+    spool.append({"kind": "tags", "run_id": run_id, "tags": {"after": "torn"}})
+    assert dict(spool.counts) == {"metrics": 2, "params": 1, "tags": 2, "text": 1, "artifact": 2}
 
     kept = read_spool(spool.path)
-    assert kept.torn == 1 and kept.header["tracking_uri"] == mlflow_server_uri and len(kept.records) == 6
+    assert kept.torn == 1 and kept.header["tracking_uri"] == mlflow_server_uri and len(kept.records) == 7
     result = replay(spool.path, MlflowClient(tracking_uri=mlflow_server_uri))
-    assert result.torn == 1 and not result.left and sum(result.sent.values()) == 7
+    assert result.torn == 1 and not result.left and sum(result.sent.values()) == 8
     assert not spool.path.exists() and not spool.files_dir.exists()
 
     client = MlflowClient(tracking_uri=mlflow_server_uri)
@@ -93,6 +96,7 @@ def test_records_survive_a_torn_line_and_replay_once(tmp_path, mlflow_server_uri
     assert history[0].value == 0.5 and math.isnan(history[1].value)
     run = client.get_run(run_id)
     assert run.data.params == {"training.lr": "0.0001"} and run.data.tags["status"] == "ok"
+    assert run.data.tags["after"] == "torn"
     assert {a.path for a in client.list_artifacts(run_id, "report")} == {"report/report.md"}
     assert {a.path for a in client.list_artifacts(run_id, "curves")} == {"curves/metrics.csv"}
     assert client.download_artifacts(run_id, "notes/hello.txt", str(tmp_path)).endswith("hello.txt")

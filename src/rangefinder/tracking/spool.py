@@ -12,7 +12,8 @@ for a server away (`RunNotMadeYet`).
 
 A spool is a JSON Lines file: a header (the tracking URI without credentials, the run and its step), then one record
 per line. Each line goes out in one `write` to a file opened for appending and is fsynced, so a step killed while
-writing leaves whole lines and at worst a torn last one, which reading skips and counts. Files a record names
+writing leaves whole lines and at worst a torn last one, which reading skips and counts (and the next append ends
+first, so that its record is not read as the torn line's tail). Files a record names
 (artifacts, images) are copied beside the spool when it is written, because a pod's output folder is gone by the
 time someone relogs. A replay that stops part-way rewrites the spool (atomically) to what is left, so nothing is
 logged twice and nothing is dropped.
@@ -332,8 +333,13 @@ class Spool:
         lines.append(record)
         data = "".join(json.dumps(r, default=str) + "\n" for r in lines).encode("utf-8")
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
         try:
+            end = os.fstat(fd).st_size
+            if end and os.pread(fd, 1, end - 1) != b"\n":
+                # A line torn by a write cut off (a full disk, a power loss): ended first, or this record would be read
+                # as its tail and dropped with it.
+                data = b"\n" + data
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
