@@ -635,3 +635,33 @@ def test_a_sqlite_store_that_fails_otherwise_as_a_step_makes_its_run_is_not_said
     said = str(e.value)
     assert len(said.splitlines()) == 1 and str(db) in said and "disk I/O error" in said, said
     assert "locked" not in said and "sqlite3 shell" not in said, said
+
+
+def test_a_value_a_sql_store_refuses_in_the_code_of_an_outage_is_said_not_kept_for_ever(tmp_path,
+                                                                                       shared_sqlite_tracking_uri):
+    """MLflow raises every driver OperationalError as TEMPORARILY_UNAVAILABLE, a value its column refuses too (an emoji
+    in a MySQL utf8mb3 column): it was kept as an outage, sent again at every relog for ever, and a live step spooled
+    it and all that followed. Here SQLite refuses a tag's value in a trigger's error, with that code."""
+    import sqlite3
+
+    uri = shared_sqlite_tracking_uri
+    cfg = RangefinderConfig(tracking={"tracking_uri": uri, "experiment_name": "refused-value"})
+    MlflowClient(tracking_uri=uri).search_experiments(max_results=1)  # the store made first
+    db = sqlite3.connect(uri.removeprefix("sqlite:///"), isolation_level=None)
+    db.execute("CREATE TRIGGER refuse_value BEFORE INSERT ON tags WHEN NEW.value = 'refused \U0001F600' "
+               "BEGIN SELECT json('not json'); END")
+    try:
+        with step_run(cfg, "finetune", spool_dir=tmp_path / "spool") as run:
+            spool = spool_of(tmp_path / "relog", uri, run.run_id)
+            spool.append({"kind": "tags", "run_id": run.run_id, "tags": {"a": "refused \U0001F600"}})
+            with pytest.raises(TrackingError) as relogged:
+                replay(spool.path, run.client)
+            with pytest.raises(TrackingError) as live:
+                run.set_tags({"b": "refused \U0001F600"})
+            assert not run.offline and not list((tmp_path / "spool").glob("*.jsonl"))
+    finally:
+        db.execute("DROP TRIGGER refuse_value")
+        db.close()
+    for said in (str(relogged.value), str(live.value)):
+        assert len(said.splitlines()) == 1 and "tags record" in said and "malformed JSON" in said, said
+    assert "refused a tags record" in str(relogged.value) and "INSERT" not in str(live.value)

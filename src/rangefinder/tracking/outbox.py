@@ -62,6 +62,7 @@ from rangefinder.tracking.target import (
     refusal_message,
     refused_credentials,
     server_unreachable,
+    store_error,
 )
 
 _log = logging.getLogger(__name__)
@@ -210,6 +211,13 @@ class Outbox:
                     self._answered()
                     return True
             except Exception as e:
+                if store_error(e) and not is_away_error(e):
+                    # A query the store refuses for the record's own sake, under the code of an outage: spooled, it
+                    # was tried at every try and every relog, for ever.
+                    raise TrackingError(
+                        f"the MLflow store {safe_uri(self.client.tracking_uri)} refused a {record['kind']} record of "
+                        f"run {record['run_id']} ({error_line(e, 300)}), which no wait gets in; change the value or "
+                        "the store (its column's character set, its limits), then run the step again") from None
                 if not is_away_error(e):
                     raise
                 self._failed(e)

@@ -77,7 +77,7 @@ from rangefinder.tracking.target import (
     resolve_experiment_name,
     resolve_tracking_uri,
     sqlite_path,
-    store_unavailable,
+    store_error,
     tracking_settings,
 )
 
@@ -1034,7 +1034,7 @@ def _lock_named(uri: str) -> Iterator[None]:
         yield
     except MlflowException as e:
         db = sqlite_path(uri)
-        if db is None or not store_unavailable(e):
+        if db is None or not store_error(e):
             raise
         why = away_reason(e)
         if not why.startswith("database is locked"):  # every query SQLite cannot run is the same error code

@@ -504,14 +504,32 @@ def server_unreachable(e: BaseException) -> bool:
     return isinstance(e, MlflowException) and (str(e).startswith("API request to") or store_unavailable(e))
 
 
-def store_unavailable(e: BaseException) -> bool:
-    """Whether `e` is a SQL store MLflow opens in this process (sqlite:///, postgresql://) failing to run a query,
-    what a server behind HTTP answers as a 503: a SQLite database another program holds in a transaction longer than
-    MLflow waits (its 20 s: a sqlite3 shell, `mlflow gc`), a database server gone. MLflow's session raises every
-    driver OperationalError as TEMPORARILY_UNAVAILABLE (mlflow/store/db/utils.py)."""
+def store_error(e: BaseException) -> bool:
+    """Whether `e` is a query a SQL store MLflow opens in this process (sqlite:///, postgresql://) could not run:
+    MLflow's session raises every driver OperationalError as TEMPORARILY_UNAVAILABLE (mlflow/store/db/utils.py), an
+    outage (store_unavailable) or not (a value the store refuses, a file this process cannot write)."""
     from mlflow.exceptions import MlflowException
 
     return isinstance(e, MlflowException) and e.error_code == "TEMPORARILY_UNAVAILABLE"
+
+
+# A SQL driver's words (_driver_words, lowercase) for a store that is away, not refusing: SQLite's lock, a server
+# refusing or losing the connection, gone away, out of connections, timing out, restarting (PostgreSQL, MySQL).
+_OUTAGE_WORDS = ("database is locked", "database table is locked", "connection refused", "could not connect",
+                 "can't connect", "lost connection", "closed the connection", "connection reset",
+                 "connection is closed", "connection already closed", "server has gone away", "too many connections",
+                 "timeout", "timed out", "deadlock", "starting up", "shutting down", "terminating connection",
+                 "could not translate host name")
+
+
+def store_unavailable(e: BaseException) -> bool:
+    """Whether `e` is a SQL store opened in this process not answering a query (store_error), what a server behind
+    HTTP answers as a 503: a SQLite database another program holds in a transaction longer than MLflow waits (its
+    20 s: a sqlite3 shell, `mlflow gc`), a database server gone, out of connections or timing out. The driver's own
+    words tell it from a value the store refuses under the same code (MySQL's `Incorrect string value` of an emoji in
+    a utf8mb3 column, SQLite's `too many SQL variables`), which no wait gets in: spooled, it was tried at every
+    relog for ever."""
+    return store_error(e) and any(words in _driver_words(e).lower() for words in _OUTAGE_WORDS)
 
 
 def away_reason(e: BaseException) -> str:
@@ -522,7 +540,7 @@ def away_reason(e: BaseException) -> str:
     status = answer_status(e)
     if status is not None:
         return f"HTTP {status}"
-    if store_unavailable(e):
+    if store_error(e):
         why = _driver_words(e)[:200]
         return why + (" by another program, such as a sqlite3 shell or `mlflow gc`" if why == "database is locked"
                       else "")
