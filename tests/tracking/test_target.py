@@ -583,3 +583,31 @@ def test_an_image_that_cannot_be_read_is_not_blamed_on_the_artifact_store(mlflow
     with pytest.raises(UnidentifiedImageError):
         apply_record(client, {"kind": "image", "run_id": run_id, "path": str(tmp_path / "grid.png"),
                               "artifact_file": "samples/grid.png"})
+
+
+def test_a_host_header_refused_mid_run_is_said_as_the_host_not_a_permission(mlflow_server_uri, tmp_path, caplog):
+    """A server restarted without --allowed-hosts while a step runs answers its calls 403, `Invalid Host header`: the
+    step said the user needed EDIT permission and, at its end, to relog with other credentials. Its records wait as
+    for a refusal, said as the Host header and the option that lets it in."""
+    import logging
+    import uuid
+
+    from mlflow import MlflowClient
+
+    from rangefinder.tracking import StepRun
+
+    host_uri = f"http://localhost:{mlflow_server_uri.rsplit(':', 1)[1]}"  # a name the fixture's server does not allow
+    client = MlflowClient(mlflow_server_uri)
+    experiment = client.create_experiment(f"host-{uuid.uuid4().hex[:8]}")
+    run_id = client.create_run(experiment).info.run_id
+    cfg = RangefinderConfig(tracking=TrackingConfig(tracking_uri=host_uri, server_wait_seconds=0))
+    caplog.set_level(logging.WARNING)
+    step = StepRun(client=MlflowClient(host_uri), run_id=run_id, experiment_id=experiment, step_name="train",
+                   parent_run_id=None, tracking_uri=host_uri, cfg=cfg, spool_dir=tmp_path / "spool")
+    step.log_params({"lr": 0.001})
+    step.finish()
+    said = [r.getMessage() for r in caplog.records]
+    (refused,) = [line for line in said if "Host header" in line and "goes on" in line]
+    (end,) = [line for line in said if "did not take everything" in line]
+    for line in (refused, end):
+        assert "--allowed-hosts" in line and "permission" not in line and "credentials" not in line, line

@@ -57,8 +57,10 @@ from rangefinder.tracking.spool import (
 )
 from rangefinder.tracking.target import (
     CredentialsRefused,
+    HostRefused,
     await_tracking_server,
     away_reason,
+    host_refused,
     refusal_message,
     refused_credentials,
     server_unreachable,
@@ -75,8 +77,8 @@ AWAY_SAID = ("rangefinder: warning: MLflow at %s is not answering (%s); step %s 
 # A server that answers but no longer takes the step's credentials (its admin changed the password while the step
 # ran): no outage, though the records wait the same way, for the same tries; said with the variables to set.
 REFUSED_SAID = ("rangefinder: warning: %s; step %s goes on, keeps what it logs in %s and sends it in order once the "
-                "server takes the step's credentials again (next try in %s, then less and less often), or run "
-                "`rangefinder relog` on that folder with credentials it takes")
+                "server takes the step's %s again (next try in %s, then less and less often), or run "
+                "`rangefinder relog` on that folder %s")
 BACK_SAID = "rangefinder: warning: MLflow at %s answers again: step %s sent what it had kept in %s: %s"
 
 FIRST_RETRY_S = 30.0  # after the first failure; doubled after each failed try
@@ -96,6 +98,7 @@ class StepLink:
         self.retry_at = 0.0  # monotonic time before which nothing is tried
         self.reason = ""
         self.refused = False  # the last try's answer refused the credentials (target.refused_credentials)
+        self.host_refused = False  # ... or, with the same 403, the Host header (target.host_refused)
         self.said_away = False  # the away line is said for the outage going on
 
     @property
@@ -252,7 +255,8 @@ class Outbox:
                                  "`rangefinder relog`", e, self.link.step)
                     continue
             if result.left and result.refused is not None:  # an answer, said as the refusal it is (_failed)
-                raise CredentialsRefused(refusal_message(self.client.tracking_uri, result.refused), result.refused)
+                refused = HostRefused if result.host else CredentialsRefused
+                raise refused(refusal_message(self.client.tracking_uri, result.refused, result.host), result.refused)
             if result.left:
                 raise _StillAway(f"the server stopped answering again with {describe(result.left)} left to send")
             sent.update(result.sent)
@@ -271,8 +275,9 @@ class Outbox:
         link = self.link
         status = refused_credentials(e) if e is not None else None
         link.refused = status is not None
+        link.host_refused = e is not None and status is not None and host_refused(e)
         if status is not None:
-            link.reason = refusal_message(self.client.tracking_uri, status)
+            link.reason = refusal_message(self.client.tracking_uri, status, link.host_refused)
         elif e is not None and server_unreachable(e):
             link.reason = away_reason(e)
         elif e is not None:  # a replay cut off, a run not made yet, a record refused at the step's end: its words
@@ -283,6 +288,7 @@ class Outbox:
     def _answered(self) -> None:
         # The outage is over, whoever sent what it kept (`rangefinder relog` may have): the next one is said again.
         self.link.retry_wait, self.link.retry_at, self.link.said_away, self.link.refused = 0.0, 0.0, False, False
+        self.link.host_refused = False
 
     def _append(self, record: Mapping[str, Any]) -> None:
         say = False
@@ -308,7 +314,9 @@ class Outbox:
         if say:
             wait = f"{self.link.retry_wait:.0f} s" if self.away else "a moment"
             if self.link.refused:
-                _log.warning(REFUSED_SAID, self.link.reason, self.link.step, self.link.spool_dir, wait)
+                what, relog = (("Host header", "once it does") if self.link.host_refused else
+                               ("credentials", "with credentials it takes"))
+                _log.warning(REFUSED_SAID, self.link.reason, self.link.step, self.link.spool_dir, what, wait, relog)
                 return
             _log.warning(AWAY_SAID, safe_uri(self.client.tracking_uri), self.link.reason or "no answer",
                          self.link.step, self.link.spool_dir, wait)

@@ -839,7 +839,9 @@ class StepRun:
             self.outbox.send({"kind": "end", "run_id": self.run_id, "status": status})
         left = [o.spool for o in self.outbox.link.outboxes if o.spool.exists()] if self.outbox.leads else []
         # Credentials the server refused come back by being set again, not by waiting for it.
-        when = (CREDENTIALS_AGAIN if self.outbox.link.refused else "when the server answers again")
+        when = ("once the server allows the Host header it is reached by (--allowed-hosts)"
+                if self.outbox.link.host_refused else CREDENTIALS_AGAIN if self.outbox.link.refused
+                else "when the server answers again")
         if len(left) == 1:
             _log.warning("MLflow at %s did not take everything step %s logged: %s of run %s are not in MLflow. "
                          "They are kept in %s; %s, run: rangefinder relog %s",

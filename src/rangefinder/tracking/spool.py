@@ -434,6 +434,7 @@ class ReplayResult:
     left: Counter  # what is still in the spool (the server stopped answering again)
     torn: int
     refused: Optional[int] = None  # where `left` is kept for a refusal of the credentials: its HTTP status
+    host: bool = False  # that refusal was of the Host header (target.host_refused), not of the credentials
 
 
 def replay(path: str | os.PathLike, client: Any) -> ReplayResult:
@@ -444,7 +445,7 @@ def replay(path: str | os.PathLike, client: Any) -> ReplayResult:
     Any other error (a run deleted meanwhile, a record MLflow refuses) raises TrackingError naming the record; the
     records before it are logged and dropped from the spool, that one and the rest are kept.
     """
-    from rangefinder.tracking.target import refused_credentials, server_unreachable
+    from rangefinder.tracking.target import host_refused, refused_credentials, server_unreachable
 
     p = Path(path)
     contents = read_spool(p)
@@ -459,7 +460,8 @@ def replay(path: str | os.PathLike, client: Any) -> ReplayResult:
                 left: Counter = Counter()
                 for r in rest:
                     left[r["kind"]] += record_size(r)
-                return ReplayResult(sent=sent, left=left, torn=contents.torn, refused=refused_credentials(e))
+                return ReplayResult(sent=sent, left=left, torn=contents.torn, refused=refused_credentials(e),
+                                    host=host_refused(e))
             msg = error_line(e, 300)
             raise TrackingError(f"MLflow refused a {record['kind']} record of run {record['run_id']} in {p} ({msg}); "
                                 f"logged {describe(sent)} before it, which are dropped from the spool") from None

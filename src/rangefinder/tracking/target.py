@@ -64,6 +64,12 @@ class CredentialsRefused(TrackingError):
         self.status = status
 
 
+class HostRefused(CredentialsRefused):
+    """The tracking server answered 403 to the Host header the request named (MLflow 3's --allowed-hosts check,
+    `Invalid Host header`), not to the credentials: nothing waiting for it fixes it either; the server's options do
+    (or a name it allows)."""
+
+
 # What every MLflow HTTP call of a step may cost, unless the user's environment says otherwise. MLflow's defaults
 # (120 s timeout, 7 retries with backoff factor 2) keep one call retrying ~4 minutes against a dead server, and
 # the training loop logs every few updates. 20 s still covers a busy server answering a metadata call (it takes
@@ -384,10 +390,7 @@ def _check_http(uri: str, experiment_name: str, timeout: float) -> None:
     if status in (200, 404) and _is_mlflow_json(resp):
         return  # 404 RESOURCE_DOES_NOT_EXIST: the experiment is new, which is fine; we were let in
     if status == 403 and "host" in body.lower():
-        raise TrackingError(
-            f"the MLflow tracking server at {where} rejected the request's Host header (HTTP 403); start it with "
-            f"--allowed-hosts including '{urlsplit(uri).netloc.rsplit('@', 1)[-1]}' (or reach it by an allowed name)"
-        )
+        raise HostRefused(_host_message(uri), status)
     if status in (401, 403):
         raise CredentialsRefused(refusal_message(uri, status), status)
     raise TrackingError(
@@ -434,10 +437,26 @@ def _tls_problem(uri: str, message: str) -> Optional[str]:
     return None
 
 
-def refusal_message(uri: str, status: int) -> str:
+def _host_message(uri: str) -> str:
+    return (f"the MLflow tracking server at {safe_uri(uri)} rejected the request's Host header (HTTP 403); start it "
+            f"with --allowed-hosts including '{urlsplit(uri).netloc.rsplit('@', 1)[-1]}' (or reach it by an allowed "
+            "name)")
+
+
+def host_refused(e: BaseException) -> bool:
+    """Whether `e` is the server's 403 to the request's Host header (HostRefused, or MLflow's own `Invalid Host
+    header` answer to a call: mlflow/server/security_utils.py INVALID_HOST_MSG), not to the credentials."""
+    return isinstance(e, HostRefused) or (answer_status(e) == 403 and "invalid host header" in str(e).lower())
+
+
+def refusal_message(uri: str, status: int, host: bool = False) -> str:
     """What to fix where the server at `uri` refused us: HTTP 401 (no credentials, or ones it no longer takes: a
-    password changed while a step ran) or 403 (a user without permission: READ on the experiment may not make a run)."""
+    password changed while a step ran) or 403 (a user without permission: READ on the experiment may not make a run;
+    or, with `host` (host_refused), a Host header it does not allow: a server restarted without --allowed-hosts
+    mid-run was said to deny the user EDIT permission)."""
     where = safe_uri(uri)
+    if host:
+        return _host_message(uri)
     if status == 401:
         return f"the MLflow tracking server at {where} refused the credentials (HTTP 401); " + _credential_hint()
     return (f"the MLflow tracking server at {where} accepted the credentials but denied access (HTTP 403); the user "
@@ -482,7 +501,8 @@ def refusals_named(uri: str) -> Iterator[None]:
         status = refused_credentials(e)
         if status is None:
             raise
-        raise CredentialsRefused(refusal_message(uri, status), status) from None
+        host = host_refused(e)
+        raise (HostRefused if host else CredentialsRefused)(refusal_message(uri, status, host), status) from None
 
 
 def server_unreachable(e: BaseException) -> bool:

@@ -84,9 +84,9 @@ def run(args: argparse.Namespace) -> dict:
         if result.torn:
             line += f" ({result.torn} unreadable lines skipped: a write cut off when the step was killed)"
         if result.left and result.refused is not None:  # an answer: waiting for the server would not help
-            raise TrackingError(f"{refusal_message(uri, result.refused)}; logged {describe(result.sent)}, and "
-                                f"{describe(result.left)} are still in {path}: run `rangefinder relog {path}` again "
-                                "with credentials it takes"
+            raise TrackingError(f"{refusal_message(uri, result.refused, result.host)}; logged {describe(result.sent)}, "
+                                f"and {describe(result.left)} are still in {path}: run `rangefinder relog {path}` "
+                                + ("again once it allows it" if result.host else "again with credentials it takes")
                                 + (f" (done before it: {'; '.join(done)})" if done else ""))
         if result.left:
             raise TrackingError(f"the MLflow server at {safe_uri(uri)} stopped answering again; logged "
