@@ -967,6 +967,21 @@ def test_a_registration_with_credentials_the_server_no_longer_takes_names_them_a
         "takes them, run: rangefinder register ...")
 
 
+def test_a_registration_the_server_refuses_for_its_host_header_names_allowed_hosts_not_a_permission(mlflow_server_uri):
+    """A server restarted without --allowed-hosts answers the registration 403, `Invalid Host header`: it was said to
+    deny the user EDIT on the registered model."""
+    from rangefinder.tracking.registry import retry_while_server_away
+
+    uri = f"http://localhost:{mlflow_server_uri.rsplit(':', 1)[1]}"  # a name the fixture's server does not allow
+    cfg = RangefinderConfig(tracking=TrackingConfig(tracking_uri=uri, server_wait_seconds=30))
+    with pytest.raises(TrackingError) as e:
+        retry_while_server_away(cfg, lambda: MlflowClient(uri).create_registered_model("host-refused"),
+                                what="register the model", later=lambda: "rangefinder register ...")
+    said = str(e.value)
+    assert "--allowed-hosts" in said and "permission" not in said, said
+    assert said.endswith("run: rangefinder register ..."), said
+
+
 def test_a_registration_on_a_sqlite_store_another_program_holds_locked_gives_up_after_the_wait(
         shared_sqlite_tracking_uri):
     """A SQLite store another program holds locked is an outage (tracking/target.py store_unavailable) whose check

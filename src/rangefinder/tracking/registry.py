@@ -601,6 +601,7 @@ def retry_while_server_away(cfg: Any, action: Callable[[], T], *, what: str, lat
         ServerAway,
         await_tracking_server,
         away_reason,
+        host_refused,
         refusal_message,
         refused_credentials,
         resolve_tracking_uri,
@@ -620,6 +621,9 @@ def retry_while_server_away(cfg: Any, action: Callable[[], T], *, what: str, lat
             if status == 401:  # an answer, not an outage (basic auth's is no JSON: MLflow's error was a traceback)
                 raise TrackingError(f"{refusal_message(uri, status)}; so could not {what}; once it takes them, "
                                     f"run: {later()}") from None
+            if status == 403 and host_refused(e):  # the Host header, not the user: no permission would help
+                raise TrackingError(f"{refusal_message(uri, status, host=True)}; so could not {what}; once it allows "
+                                    f"it, run: {later()}") from None
             if status == 403:
                 raise TrackingError(
                     f"the MLflow tracking server at {safe_uri(uri)} denied the user in MLFLOW_TRACKING_USERNAME "
