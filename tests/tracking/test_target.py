@@ -611,3 +611,30 @@ def test_a_host_header_refused_mid_run_is_said_as_the_host_not_a_permission(mlfl
     (end,) = [line for line in said if "did not take everything" in line]
     for line in (refused, end):
         assert "--allowed-hosts" in line and "permission" not in line and "credentials" not in line, line
+
+
+def test_a_store_file_this_process_cannot_write_for_now_is_waited_out_and_a_refused_value_is_not():
+    """MLflow raises every query SQLite cannot run as TEMPORARILY_UNAVAILABLE. A full or failing disk, a database made
+    read-only or moved while the step ran is mended by its user, and the records kept are sent then: failing the step
+    mid-training over one record would lose what it trained. A value the store refuses is no outage: no wait gets it
+    in (the driver's words tell them apart)."""
+    import sqlite3
+
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import TEMPORARILY_UNAVAILABLE
+
+    from rangefinder.tracking.target import store_unavailable
+
+    def raised(words: str) -> MlflowException:
+        try:
+            try:
+                raise sqlite3.OperationalError(words)
+            except sqlite3.OperationalError as cause:
+                raise MlflowException(str(cause), error_code=TEMPORARILY_UNAVAILABLE) from cause  # as MLflow's session
+        except MlflowException as e:
+            return e
+
+    for words in ("database is locked", "database or disk is full", "disk I/O error",
+                  "attempt to write a readonly database", "unable to open database file"):
+        assert store_unavailable(raised(words)), words
+    assert not store_unavailable(raised("malformed JSON"))

@@ -534,8 +534,13 @@ def store_error(e: BaseException) -> bool:
 
 
 # A SQL driver's words (_driver_words, lowercase) for a store that is away, not refusing: SQLite's lock, a server
-# refusing or losing the connection, gone away, out of connections, timing out, restarting (PostgreSQL, MySQL).
-_OUTAGE_WORDS = ("database is locked", "database table is locked", "connection refused", "could not connect",
+# refusing or losing the connection, gone away, out of connections, timing out, restarting (PostgreSQL, MySQL); and
+# a store's file this process cannot write for now (a full disk, a failing one, a database made read-only or moved
+# while the step ran), which its user mends, after which the records kept are sent: failing the step mid-training
+# over a record would lose what it trained.
+_OUTAGE_WORDS = ("database is locked", "database table is locked", "disk is full", "disk i/o error",
+                 "no space left", "readonly database", "unable to open database file", "connection refused",
+                 "could not connect",
                  "can't connect", "lost connection", "closed the connection", "connection reset",
                  "connection is closed", "connection already closed", "server has gone away", "too many connections",
                  "timeout", "timed out", "deadlock", "starting up", "shutting down", "terminating connection",
