@@ -252,6 +252,50 @@ def test_two_local_runs_that_drew_one_kfp_run_id_keep_their_own_parent_runs(sqli
     assert states == {monday: ("FAILED", "FAILED"), tuesday: ("FINISHED", "SUCCEEDED")}
 
 
+def test_a_step_called_in_a_notebook_leaves_mlflow_s_process_settings_as_it_found_them(sqlite_tracking_uri, tmp_path,
+                                                                                        monkeypatch):
+    """A notebook's kernel after a step: the step's store stayed MLflow's tracking URI (and $MLFLOW_TRACKING_URI,
+    which mlflow.set_tracking_uri exports) and its $MLFLOW_HTTP_REQUEST_* limits stayed set, so the next step called
+    without a tracking setting logged to the earlier step's store, not to the user's own or the default. What a step
+    sets is put back when it returns and when it raises; the user's own settings stay."""
+    import os
+
+    import mlflow
+    import mlflow.tracking.fluent as fluent
+
+    from rangefinder.config import demo_config
+    from rangefinder.errors import ConfigError
+    from rangefinder.steps.record_status import run_record_status
+    from rangefinder.steps.resolve_config import parameters_from_config, run_resolve_config
+
+    def state() -> tuple:
+        return ({k: v for k, v in os.environ.items() if k.startswith("MLFLOW_")}, mlflow.get_tracking_uri(),
+                mlflow.active_run(), fluent._active_experiment_id)
+
+    def resolve(job: str, **model: str) -> str:
+        params = parameters_from_config(demo_config(model=model, tracking={"tracking_uri": sqlite_tracking_uri,
+                                                                           "experiment_name": "kernel"}))
+        return run_resolve_config(params.pop("base_config"), pipeline_job_id=job, **params).mlflow_parent_run_id
+
+    mlflow.set_tracking_uri(None)  # a fresh kernel's (clean_mlflow_env puts back what was there)
+    monkeypatch.chdir(tmp_path)
+    before = state()
+    assert resolve("job-1") and state() == before and not mlflow.is_tracking_uri_set()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a step that raises once its parent run is made
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    with pytest.raises(ConfigError, match="org/not-downloaded"):
+        resolve("job-2", base_model="org/not-downloaded")
+    assert state() == before
+
+    mine = f"sqlite:///{tmp_path / 'mine.db'}"  # the user's own store and timeout
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mine)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "7")
+    before = state()
+    assert resolve("job-3") and state() == before and mlflow.get_tracking_uri() == mine
+    run_record_status(state="SUCCEEDED", mlflow_experiment="kernel", pipeline_job_id="job-4")  # no setting: mine
+    assert MlflowClient(mine).get_experiment_by_name("kernel") is not None
+
+
 def test_the_exit_handler_ends_the_parent_as_kfp_ended_the_run_and_names_only_a_failure(sqlite_tracking_uri,
                                                                                          monkeypatch):
     """record-status's state, as MLflow shows the parent run: cancelled KILLED, failed or unknown FAILED, succeeded

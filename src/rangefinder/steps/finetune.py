@@ -35,6 +35,7 @@ from rangefinder.errors import RangefinderError
 from rangefinder.formats import checkpoints
 from rangefinder.formats.atomic import write_json
 from rangefinder.launch.processes import batch_note, run_training, step_world_size
+from rangefinder.steps.kept_settings import keeps_mlflow_settings
 from rangefinder.steps.workdir import publish, work_dir
 
 if TYPE_CHECKING:
@@ -305,6 +306,7 @@ def recommended_length(window: StepWindow, chosen: Optional[dict[str, Any]], con
         epochs=int(configured_epochs), updates=int(trained_updates), basis="configured")
 
 
+@keeps_mlflow_settings
 def run_finetune(
     cfg: ConfigLike,
     *,

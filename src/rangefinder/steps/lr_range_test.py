@@ -20,6 +20,7 @@ from rangefinder.config import LR_FREE_OPTIMIZERS, ConfigLike, as_config
 from rangefinder.errors import ConfigError, RangefinderError
 from rangefinder.formats.atomic import write_json
 from rangefinder.launch.processes import batch_note, run_training, step_world_size
+from rangefinder.steps.kept_settings import keeps_mlflow_settings
 from rangefinder.steps.workdir import publish, work_dir
 
 
@@ -49,6 +50,7 @@ class RangeTestResult:
         return {**bounds, "quality": self.quality, "points_between": float(self.points_between)}
 
 
+@keeps_mlflow_settings
 def run_lr_range_test(
     cfg: ConfigLike,
     *,

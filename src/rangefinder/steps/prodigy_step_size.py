@@ -29,6 +29,7 @@ from rangefinder.errors import RangefinderError
 from rangefinder.formats import checkpoints
 from rangefinder.formats.atomic import write_json
 from rangefinder.launch.processes import batch_note, run_training, step_world_size
+from rangefinder.steps.kept_settings import keeps_mlflow_settings
 from rangefinder.steps.workdir import publish, work_dir
 
 STEP = "prodigy_step_size"
@@ -73,6 +74,7 @@ def probe_config(cfg: RangefinderConfig) -> RangefinderConfig:
     return RangefinderConfig.model_validate(raw)
 
 
+@keeps_mlflow_settings
 def run_prodigy_step_size(
     cfg: ConfigLike,
     *,

@@ -7,11 +7,13 @@ and its error, instead of a parent run left "running" forever.
 from __future__ import annotations
 
 from rangefinder.config import RangefinderConfig
+from rangefinder.steps.kept_settings import keeps_mlflow_settings
 
 # KFP's final task states -> MLflow run states.
 STATES = {"SUCCEEDED": "FINISHED", "FAILED": "FAILED", "CANCELED": "KILLED", "CANCELLED": "KILLED"}
 
 
+@keeps_mlflow_settings
 def run_record_status(*, state: str, error_message: str = "", failed_task: str = "", mlflow_experiment: str = "",
                       pipeline_job_id: str = "", pipeline_job_name: str = "") -> str:
     """The parent run is found by the KFP run's id and, where given, its name, as resolve-config made it: kfp.local's

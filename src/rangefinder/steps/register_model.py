@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rangefinder.config import ConfigLike, RangefinderConfig, as_config
+from rangefinder.steps.kept_settings import keeps_mlflow_settings
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,7 @@ def retrained_on_all_data(model_dir: Path) -> Optional[bool]:
     return None
 
 
+@keeps_mlflow_settings
 def run_register_model(cfg: ConfigLike, *, model_dir: Path, lr: float, epochs: int,
                        mlflow_parent_run_id: Optional[str] = None, result_md: Optional[Path] = None) -> Registered:
     """`result_md`: where to write the result in Markdown (result_markdown), the step's visualization in KFP."""

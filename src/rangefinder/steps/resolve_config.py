@@ -39,6 +39,7 @@ from rangefinder.errors import ConfigError
 from rangefinder.formats.text import markdown_code, markdown_text, warn
 from rangefinder.formats.weights_file import FOLDER_REVISION_PREFIX
 from rangefinder.planning import check_finetune_validations
+from rangefinder.steps.kept_settings import keeps_mlflow_settings
 from rangefinder.training.family_detection import family_of
 
 # Pipeline parameter -> dotted config field. The order is the order the UI lists them in.
@@ -235,6 +236,7 @@ class ResolvedConfig:
     mlflow_parent_run_id: str  # "" when tracking is off
 
 
+@keeps_mlflow_settings
 def run_resolve_config(base_config: str = "", *, pipeline_job_id: str = "", pipeline_job_name: str = "",
                        report_path: Optional[Path] = None, **params: Any) -> ResolvedConfig:
     """The run form's parameters resolved into the run's config (ResolvedConfig); `report_path`: where the Markdown

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Optional
 from rangefinder.config import ConfigLike, RangefinderConfig, as_config
 from rangefinder.errors import RangefinderError
 from rangefinder.launch.processes import run_training, step_world_size
+from rangefinder.steps.kept_settings import keeps_mlflow_settings
 from rangefinder.steps.workdir import publish, work_dir
 from rangefinder.training.spec import TrainSpec
 
@@ -53,6 +54,7 @@ def retrain_preview(cfg: RangefinderConfig, split: Split, *, recommended_epochs:
             f"{plan.train_images} images ({_why_this_length(cfg)}).")
 
 
+@keeps_mlflow_settings
 def run_retrain_full(cfg: ConfigLike, *, split_dir: Path, lr_low: float, lr_high: float, lr: float,
                      recommended_epochs: int, model_dir: Path, report_html: Optional[Path] = None,
                      report_md: Optional[Path] = None,

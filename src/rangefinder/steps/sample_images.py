@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 from rangefinder.config import ConfigLike, RangefinderConfig, as_config
+from rangefinder.steps.kept_settings import keeps_mlflow_settings
 
 
 def column_slug(label: str) -> str:
@@ -68,6 +69,7 @@ def grid_note(prompts: int, seeds: int, labels: list[str], scores: list[dict]) -
     return note + "."
 
 
+@keeps_mlflow_settings
 def run_sample_images(cfg: ConfigLike, *, finetuned_dir: Path, retrained_dir: Optional[Path] = None,
                       out_dir: Path, grid_html: Optional[Path] = None,
                       mlflow_parent_run_id: Optional[str] = None) -> dict:
