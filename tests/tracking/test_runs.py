@@ -491,14 +491,25 @@ def test_a_run_name_and_a_param_key_over_mlflow_s_250_characters_are_cut_saying_
     """A KFP run's name (or `--name`) becomes the parent run's name, and a node selector's label key (up to 317
     characters) a param's key, in a pod: MLflow keeps 250 of either (its SQL store's columns). A param key over it
     failed the step ("exceeds the maximum length"), a run name was kept whole by SQLite and refused by the SQL servers
-    MLflow runs on. Both are cut, ending in a note of what was cut, the key with a digest that keeps two apart."""
+    MLflow runs on. Both are cut, ending in a note of what was cut, the key with a digest that keeps two apart. So are
+    a metric's and a tag's key, which a user's own step names (a decision per prompt): one over 250 characters failed
+    the step with MLflow's "'Metric name' exceeds the maximum length"."""
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")  # in a pod: the kubernetes settings are params
     prefix = ".".join(["a" * 63] * 3 + ["b" * 61])  # a DNS subdomain of 253 characters
     labels = {f"{prefix}/{'c' * 63}": "gpu", f"{prefix}/{'c' * 62}d": "big"}
     long = cfg.model_copy(update={"kubernetes": cfg.kubernetes.model_copy(update={"node_selector": labels})})
     with step_run(long, "finetune", pipeline_run_name="nightly-" + "x" * 300, run_name="f" * 260) as run:
         run.log_config(long)
+        per_prompt = "prompt_score." + "a red circle on a blue background " * 9  # 319 characters
+        run.log_metrics({per_prompt + "curve": 0.5}, step=2)
+        run.log_decisions({per_prompt + "colour": 0.8, per_prompt + "shape": 0.6, per_prompt + "verdict": "kept"},
+                          to_parent=False)
+        run.set_tags({per_prompt + "note": "bright"})
     client = _client(cfg)
+    data = client.get_run(run.run_id).data
+    cut = {k: v for k, v in {**data.metrics, **data.tags}.items() if k.startswith("prompt_score.")}
+    assert len(cut) == 5 and all(len(k) == 250 and "chars cut" in k for k in cut), (data.metrics, data.tags)
+    assert sorted(cut.values(), key=str) == sorted([0.5, 0.8, 0.6, "kept", "bright"], key=str)
     for run_id, name in ((run.parent_run_id, "nightly-"), (run.run_id, "f")):
         data = client.get_run(run_id)
         assert len(data.info.run_name) <= 250 and data.info.run_name.startswith(name)

@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 from rangefinder.errors import TrackingError
 from rangefinder.tracking.outbox import Outbox
+from rangefinder.tracking.spool import mlflow_key
 
 # Keys of validation measurements: always kept, whatever `every_updates` thins the per-update ones to.
 VALIDATION_PREFIXES = ("val_", "stabilize_")
@@ -55,8 +56,9 @@ VALIDATION_SECTION = "validation/"
 
 
 def metric_name(key: str) -> str:
-    """`key` with characters MLflow refuses replaced by "_": one bad name must not block every later batch."""
-    return _BAD_NAME_CHARS.sub("_", str(key)) or "_"
+    """`key` with characters MLflow refuses replaced by "_", and cut where longer than MLflow keeps (mlflow_key): one
+    bad name must not block every later batch, and a key over 250 characters failed the step."""
+    return mlflow_key(_BAD_NAME_CHARS.sub("_", str(key)) or "_")
 
 
 def curve_metric_name(key: str) -> str:

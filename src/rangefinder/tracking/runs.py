@@ -60,6 +60,7 @@ from rangefinder.tracking.spool import (
     Spool,
     apply_record,
     describe,
+    mlflow_key,
     read_spool,
     spool_dir,
 )
@@ -612,7 +613,7 @@ class StepRun:
         self._set_tags(run_id, {k: v for k, v in tags.items() if not is_secret_key(k)})
 
     def _set_tags(self, run_id: str, tags: Mapping[str, Any]) -> None:
-        clean = {k: _tag_value(v) for k, v in tags.items() if v is not None}
+        clean = _tag_values(tags)
         if clean:
             self._deliver({"kind": "tags", "run_id": run_id, "tags": clean})
 
@@ -922,8 +923,9 @@ def _step_tags(cfg: Optional[TrackingSource], step_name: str, source: str, tags:
 
 
 def _tag_values(tags: Mapping[str, Any]) -> dict[str, str]:
-    """`tags` as MLflow takes them when a run is created: each value a tag's text, the unset ones left out."""
-    return {k: _tag_value(v) for k, v in tags.items() if v is not None}
+    """`tags` as MLflow takes them (a run's when it is created, a step's later): each value a tag's text, the unset
+    ones left out, each key one MLflow keeps (mlflow_key: a user's own step's key over 250 characters failed it)."""
+    return {mlflow_key(k): _tag_value(v) for k, v in tags.items() if v is not None}
 
 
 @contextlib.contextmanager

@@ -51,16 +51,17 @@ MAX_METRICS_PER_BATCH = 1000  # MLflow's log_batch limits
 AWAY_MARKER = "away-said.txt"
 MAX_PARAMS_PER_BATCH = 100
 MAX_TAGS_PER_BATCH = 100
-# What MLflow's SQL store keeps of a param's key and of a run's name (its columns' String(250)): a longer key it
-# refuses ("exceeds the maximum length", which failed the step), a longer name SQLite keeps whole and the SQL servers
-# refuse.
+# What MLflow's SQL store keeps of a param's, a metric's or a tag's key and of a run's name (its columns'
+# String(250)): a longer key it refuses ("exceeds the maximum length", which failed the step), a longer name SQLite
+# keeps whole and the SQL servers refuse.
 MLFLOW_NAME_CHARS = 250
 
 
-def param_key(key: str) -> str:
-    """`key`, or where longer than MLflow keeps (a node selector's label key, up to 317 characters, under
-    `kubernetes.node_selector.`), its start and a note of how much was cut, with a digest of the whole key that keeps
-    two of one start apart; in the characters MLflow takes in a key. The whole key is in the run's config.yaml."""
+def mlflow_key(key: str) -> str:
+    """`key` (a param's, a metric's or a tag's), or where longer than MLflow keeps (a node selector's label key, up
+    to 317 characters, under `kubernetes.node_selector.`; a user's own step's decision or tag), its start and a note
+    of how much was cut, with a digest of the whole key that keeps two of one start apart; in the characters MLflow
+    takes in a key. A param's whole key is in the run's config.yaml."""
     if len(key) <= MLFLOW_NAME_CHARS:
         return key
     digest = hashlib.sha1(key.encode()).hexdigest()[:8]
@@ -169,7 +170,7 @@ def apply_record(client: Any, record: Mapping[str, Any], base: Optional[Path] = 
         existing = client.get_run(run_id).data.params
         new = []
         for k, v in record["params"].items():
-            k = param_key(k)
+            k = mlflow_key(k)
             if k not in existing:
                 new.append(Param(k, v))
             elif existing[k] != v:
