@@ -490,10 +490,18 @@ def test_every_torch_load_says_whether_it_may_unpickle(imports, sources):
 
 def test_every_step_s_run_function_says_what_it_does():
     """help(run_<step>) in a notebook: the steps are the library's plain functions (one each, steps/<step>.py), and
-    run_prepare_dataset, run_finetune and run_sample_images said nothing of their arguments or what they return."""
-    silent = []
+    run_prepare_dataset, run_finetune and run_sample_images said nothing of their arguments or what they return. One
+    that takes a config (ConfigLike) says it takes a dict too (config.as_config): its help said nothing of it."""
+    silent, mute_on_dicts = [], []
     for path in sorted((SRC / PACKAGE / "steps").glob("*.py")):
         for node in ast.parse(path.read_text()).body:
-            if isinstance(node, ast.FunctionDef) and node.name == f"run_{path.stem}" and not ast.get_docstring(node):
-                silent.append(f"{path.name}: {node.name}")
+            if isinstance(node, ast.FunctionDef) and node.name == f"run_{path.stem}":
+                doc = ast.get_docstring(node)
+                if not doc:
+                    silent.append(f"{path.name}: {node.name}")
+                takes_config = any(a.arg == "cfg" and a.annotation is not None and ast.unparse(a.annotation)
+                                   == "ConfigLike" for a in node.args.args)
+                if takes_config and "as_config" not in (doc or ""):
+                    mute_on_dicts.append(node.name)
     assert not silent, f"run_<step>() without a docstring: {silent}"
+    assert not mute_on_dicts, f"run_<step>() whose docstring does not say it takes a dict (as_config): {mute_on_dicts}"

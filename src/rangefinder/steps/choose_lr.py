@@ -33,7 +33,9 @@ def run_choose_lr(cfg: ConfigLike, *, source: str, lr_low: float, lr_high: float
                   decision_path: Optional[Path] = None, updates: int = 0, factor: float = 1.0) -> ChosenLR:
     """The bounds checked, and the decision written to `decision_path`. `updates` and `factor`: the prodigy-step
     source's run length (0: not said) and the factor its step size was multiplied by (ProdigyStep.factor), for the
-    decision's text."""
+    decision's text.
+    `cfg`: a RangefinderConfig, or a dict of its sections (a notebook's, a YAML file's) validated as a config file
+    is (rangefinder.config.as_config: ConfigError naming a bad setting); anything else is a TypeError."""
     cfg = as_config(cfg)  # a dict from a notebook is validated as a config file is
     if source not in SOURCES:
         raise RangefinderError(f"choose_lr source must be one of {', '.join(SOURCES)} (got {source!r})")

@@ -327,7 +327,9 @@ def run_finetune(
     prodigy-step, fixed) is named in the report and MLflow. The report goes to `out_dir` (None: `model_dir/report`),
     and is copied to `report_html` and `report_md` where given; the step's MLflow run is a child of
     `mlflow_parent_run_id` where given. Returns the recommended length, the weights kept and the LR trained
-    (FinetuneResult); RangefinderError for bad settings or a run that wrote no weights."""
+    (FinetuneResult); RangefinderError for bad settings or a run that wrote no weights.
+    `cfg`: a RangefinderConfig, or a dict of its sections (a notebook's, a YAML file's) validated as a config file
+    is (rangefinder.config.as_config: ConfigError naming a bad setting); anything else is a TypeError."""
     cfg = as_config(cfg)  # a dict from a notebook is validated as a config file is
     from rangefinder import tracking
     from rangefinder.analysis import RecommendedLength, copy_report, select_step_window, write_step_report

@@ -63,7 +63,9 @@ def run_lr_range_test(
     report_md: Optional[Path] = None,
     mlflow_parent_run_id: Optional[str] = None,
 ) -> RangeTestResult:
-    """Sweep, analyse, report; `lr_min`/`lr_max` None: the configured range (a zoom passes its own)."""
+    """Sweep, analyse, report; `lr_min`/`lr_max` None: the configured range (a zoom passes its own).
+    `cfg`: a RangefinderConfig, or a dict of its sections (a notebook's, a YAML file's) validated as a config file
+    is (rangefinder.config.as_config: ConfigError naming a bad setting); anything else is a TypeError."""
     cfg = as_config(cfg)  # a dict from a notebook is validated as a config file is
     from rangefinder import tracking
     from rangefinder.analysis import analyze_lr_curve, copy_report, write_lr_report

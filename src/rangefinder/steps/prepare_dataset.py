@@ -77,7 +77,9 @@ def run_prepare_dataset(
     copied into `out_dir/dataset`), else of the config's data.dataset_dir (split in place), else the embedded
     synthetic dataset (made in `out_dir/dataset`). `report_path`: where the Markdown report of the split goes (the
     images, the files skipped and why). Returns the split's folder, its image counts and the files skipped
-    (PreparedDataset); DataError for a folder that is missing or holds too few usable images."""
+    (PreparedDataset); DataError for a folder that is missing or holds too few usable images.
+    `cfg`: a RangefinderConfig, or a dict of its sections (a notebook's, a YAML file's) validated as a config file
+    is (rangefinder.config.as_config: ConfigError naming a bad setting); anything else is a TypeError."""
     cfg = as_config(cfg)  # a dict from a notebook is validated as a config file is
     from rangefinder.data.buckets import BucketSettings
     from rangefinder.data.split import SKIPPED_KINDS, split_dataset

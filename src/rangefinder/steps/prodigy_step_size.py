@@ -85,7 +85,9 @@ def run_prodigy_step_size(
     mlflow_parent_run_id: Optional[str] = None,
 ) -> ProdigyStepResult:
     """Train the probe, read its last step size (and the LR trained, config.prodigy_step_factor times it), report;
-    RangefinderError when it diverged or read no step size."""
+    RangefinderError when it diverged or read no step size.
+    `cfg`: a RangefinderConfig, or a dict of its sections (a notebook's, a YAML file's) validated as a config file
+    is (rangefinder.config.as_config: ConfigError naming a bad setting); anything else is a TypeError."""
     cfg = as_config(cfg)  # a dict from a notebook is validated as a config file is
     from rangefinder import tracking
     from rangefinder.analysis import copy_report, read_curve_csv, read_prodigy_step, write_prodigy_report

@@ -118,7 +118,9 @@ def retrained_on_all_data(model_dir: Path) -> Optional[bool]:
 @keeps_mlflow_settings
 def run_register_model(cfg: ConfigLike, *, model_dir: Path, lr: float, epochs: int,
                        mlflow_parent_run_id: Optional[str] = None, result_md: Optional[Path] = None) -> Registered:
-    """`result_md`: where to write the result in Markdown (result_markdown), the step's visualization in KFP."""
+    """`result_md`: where to write the result in Markdown (result_markdown), the step's visualization in KFP.
+    `cfg`: a RangefinderConfig, or a dict of its sections (a notebook's, a YAML file's) validated as a config file
+    is (rangefinder.config.as_config: ConfigError naming a bad setting); anything else is a TypeError."""
     cfg = as_config(cfg)  # a dict from a notebook is validated as a config file is
     from rangefinder import tracking
     from rangefinder.tracking.registry import TAG_IMPROVED_ON_BASE

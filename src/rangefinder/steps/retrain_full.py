@@ -61,7 +61,9 @@ def run_retrain_full(cfg: ConfigLike, *, split_dir: Path, lr_low: float, lr_high
                      mlflow_parent_run_id: Optional[str] = None) -> RetrainResult:
     """`lr`: the fine-tune's kept LR (its `lr_used`); `lr_low`, `lr_high`: the bounds, for a triangular schedule.
     The report (training loss and LR against updates; the run's `report/` in MLflow) is also written to
-    `report_html` and `report_md` where given (the KFP outputs' files)."""
+    `report_html` and `report_md` where given (the KFP outputs' files).
+    `cfg`: a RangefinderConfig, or a dict of its sections (a notebook's, a YAML file's) validated as a config file
+    is (rangefinder.config.as_config: ConfigError naming a bad setting); anything else is a TypeError."""
     cfg = as_config(cfg)  # a dict from a notebook is validated as a config file is
     import tempfile
 

@@ -77,7 +77,9 @@ def run_sample_images(cfg: ConfigLike, *, finetuned_dir: Path, retrained_dir: Op
     `finetuned_dir` (its chosen checkpoint, other kept checkpoints, its final weights) and the retrain's in
     `retrained_dir` where given, into `out_dir` (the grid, its images and manifest), and log them to the step's
     MLflow run (a child of `mlflow_parent_run_id` where given); the grid's HTML is copied to `grid_html` where given.
-    Returns render_grid's paths and layout (rangefinder.sampling.render_grid)."""
+    Returns render_grid's paths and layout (rangefinder.sampling.render_grid).
+    `cfg`: a RangefinderConfig, or a dict of its sections (a notebook's, a YAML file's) validated as a config file
+    is (rangefinder.config.as_config: ConfigError naming a bad setting); anything else is a TypeError."""
     cfg = as_config(cfg)  # a dict from a notebook is validated as a config file is
     from rangefinder import tracking
     from rangefinder.launch.processes import apply_torch_threads
