@@ -817,6 +817,20 @@ def test_relog_of_a_spool_with_a_damaged_header_is_one_line(header, tmp_path):
     assert spool.is_file()
 
 
+def test_main_called_again_in_one_process_reads_no_mlflow_setting_an_earlier_command_set(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """main() in a notebook or a test harness: a command left the HTTP limits it set for its MLflow calls
+    (tracking.target.HTTP_LIMITS) in the process's environment, where every later call read them as the user's."""
+    from rangefinder.cli.main import main
+
+    spool = tmp_path / "step.jsonl"
+    spool.write_text('{"kind": "spool", "version": 1, "run_id": "abc"}\n')
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "5")  # the user's own: it stays
+    before = {k: v for k, v in os.environ.items() if k.startswith("MLFLOW_")}
+    assert main(["relog", str(spool)]) == 2 and "damaged header line" in capsys.readouterr().err
+    assert {k: v for k, v in os.environ.items() if k.startswith("MLFLOW_")} == before
+
+
 # --- issue 36, class 8: first-run traps
 
 

@@ -28,6 +28,7 @@ from rangefinder.cli.storage import storage_problem
 from rangefinder.errors import Preempted, RangefinderError, RunDidNotSucceed, on_sigint, sigterm_stops
 from rangefinder.formats.text import printable
 from rangefinder.redaction import redact
+from rangefinder.steps.kept_settings import mlflow_settings_kept
 
 # Order is the order `rangefinder --help` lists them in.
 COMMANDS = [
@@ -102,7 +103,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         _refuse_empty_paths(args)
         # A Ctrl-C that surfaced as another error (a model load's "damaged weights") is a Ctrl-C; a SIGTERM stops the
         # command as a Ctrl-C does (the training loop's own rule aside: a checkpoint, then Preempted).
-        with on_sigint(), sigterm_stops(terminated), _library_logs_follow_stderr():
+        # main() called again in one process (a notebook, a test) reads no MLflow setting an earlier command set.
+        with on_sigint(), sigterm_stops(terminated), _library_logs_follow_stderr(), mlflow_settings_kept():
             result = args.func(args)
     except Preempted as e:  # SIGTERM: a checkpoint at the current update is written
         print(f"rangefinder {args.command}: {_said(e)}", file=sys.stderr)

@@ -90,37 +90,6 @@ def bound_http_requests() -> None:
         os.environ.setdefault(name, value)
 
 
-# What a step sets for the whole process: mlflow.set_tracking_uri (tracking_client's, the registry's) exports its URI
-# as MLFLOW_TRACKING_URI for subprocesses, and bound_http_requests the HTTP_LIMITS.
-_PROCESS_VARS = ("MLFLOW_TRACKING_URI", *HTTP_LIMITS)
-_MLFLOW_URI_MODULE = "mlflow.tracking._tracking_service.utils"  # where mlflow keeps set_tracking_uri's URI
-
-
-@contextlib.contextmanager
-def mlflow_settings_kept() -> Iterator[None]:
-    """MLflow's process-wide settings as the block found them once it ends, returned or raised: the tracking URI
-    (mlflow's own and $MLFLOW_TRACKING_URI) and the $MLFLOW_HTTP_REQUEST_* limits. A step run in a process that goes
-    on after it (a notebook's kernel, a test) left them set, so a later call without a tracking setting logged to the
-    earlier step's store, not the default; a user's own setting is what is put back. Inside the block nothing
-    changes: the processes a step starts inherit what it set."""
-    saved_env = {name: os.environ.get(name) for name in _PROCESS_VARS}
-    loaded = sys.modules.get(_MLFLOW_URI_MODULE)  # not imported yet: nothing was set
-    saved_uri = getattr(loaded, "_tracking_uri", None)
-    try:
-        yield
-    finally:
-        now = sys.modules.get(_MLFLOW_URI_MODULE)
-        if now is not None and getattr(now, "_tracking_uri", None) != saved_uri:
-            import mlflow
-
-            mlflow.set_tracking_uri(saved_uri)  # type: ignore[arg-type]  # None: unset, as mlflow's own tests do
-        for name, value in saved_env.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
 def tracking_settings(cfg: Optional[TrackingSource] = None) -> TrackingConfig:
     """The TrackingConfig inside `cfg` (a RangefinderConfig, a TrackingConfig, or None for the defaults)."""
     from rangefinder.config import TrackingConfig
