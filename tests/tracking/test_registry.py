@@ -1214,6 +1214,19 @@ def test_the_first_week_is_promoted_if_better_only_where_it_beats_its_base_model
     assert promote_cli("--if-better") == (0, "")
     assert str(client.get_model_version_by_alias(name, "champion").version) == "2"
 
+    # An alias MLflow takes (up to 255 characters) names the history tags (rangefinder.<alias>_since, _until,
+    # _refused), which it keeps to 250: one over it moved the alias and then failed saying it could not.
+    served = "served-by-the-shop-front-" + "x" * 220
+    assert promote_cli("--version", "1", "--alias", served)[0] == 0
+    assert promote_cli("--version", "2", "--alias", served) == (0, "")
+    assert str(client.get_model_version_by_alias(name, served).version) == "2"
+    code, err = promote_cli("--version", "1", "--alias", served, "--if-better")
+    assert code == 1 and "not promoted" in err, err
+    history = {v: {k for k in client.get_model_version(name, v).tags if k.startswith("rangefinder.served-by")}
+               for v in ("1", "2")}
+    assert [len(keys) for keys in history.values()] == [3, 1], history  # 1: since, until, refused; 2: since
+    assert all(len(k) == 250 and "chars cut" in k for keys in history.values() for k in keys), history
+
 
 def test_a_run_that_started_earlier_but_finished_later_does_not_take_candidate(sqlite_tracking_uri, tiny_model_dir,
                                                                                 split_dir):

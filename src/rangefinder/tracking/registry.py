@@ -28,6 +28,7 @@ from typing import Any, Optional, TypeVar
 from rangefinder.errors import RunDidNotSucceed, TrackingError
 from rangefinder.tracking.metrics import SAFE_TAG_VALUE, VALIDATION_SECTION, is_lr_key, lr_text
 from rangefinder.tracking.redaction import redact, safe_uri
+from rangefinder.tracking.spool import mlflow_key
 from rangefinder.training.family_detection import (
     FAMILY_LAYOUTS,
     detect_family,
@@ -741,7 +742,7 @@ def promote(
         stays = f"at version {previous}" if previous is not None else "unset"
         # Said on the version too, where the Models tab shows why a scheduled week stayed a candidate; a user who
         # may only read the model is told the refusal all the same, and that the tab will not show it.
-        tag, unrecorded = f"rangefinder.{to_alias}_refused", ""
+        tag, unrecorded = _history_tag(to_alias, "refused"), ""
         try:
             client.set_model_version_tag(name, version, tag, _history(f"not promoted: {result['comparison']}"))
         except MlflowException as e:
@@ -755,11 +756,11 @@ def promote(
         if previous != version:
             # An alias keeps no history: each version says when it took the alias, over which, and why; the one it
             # replaced, until when. So the Models tab answers "which version served in week N".
-            client.set_model_version_tag(name, version, f"rangefinder.{to_alias}_since", _history(result["comparison"]))
+            client.set_model_version_tag(name, version, _history_tag(to_alias, "since"), _history(result["comparison"]))
             with contextlib.suppress(MlflowException):  # held before, and given it again (a rollback)
-                client.delete_model_version_tag(name, version, f"rangefinder.{to_alias}_until")
+                client.delete_model_version_tag(name, version, _history_tag(to_alias, "until"))
             if previous is not None:
-                client.set_model_version_tag(name, previous, f"rangefinder.{to_alias}_until",
+                client.set_model_version_tag(name, previous, _history_tag(to_alias, "until"),
                                              _history(f"replaced by version {version}"))
     except MlflowException as e:
         # The check above only proves we may read: a user with READ on the model is refused here (HTTP 403), and a
@@ -772,6 +773,12 @@ def promote(
         raise TrackingError(f"could not point alias {to_alias!r} of registered model {name!r} at version {version}: "
                             f"{redact(e.message).splitlines()[0][:300]}") from None
     return {**result, "promoted": True}
+
+
+def _history_tag(alias: str, event: str) -> str:
+    """The version tag of an alias's history, rangefinder.<alias>_since, _until or _refused, in the 250 characters
+    MLflow keeps of a tag's key (mlflow_key): an alias takes 255, and one over it moved the alias, then failed."""
+    return mlflow_key(f"rangefinder.{alias}_{event}")
 
 
 def _history(what: str) -> str:
