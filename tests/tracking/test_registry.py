@@ -108,8 +108,12 @@ def test_promote_on_a_local_store_answers_as_on_a_server(sqlite_tracking_uri, ti
     name = "rf-local-promote"
     cfg = RangefinderConfig(tracking=TrackingConfig(tracking_uri=sqlite_tracking_uri, experiment_name="local-promote",
                                                     registered_model_name=name))
+    # A version tag of a user's own step, keyed by a prompt: a key over MLflow's 250 characters failed the step.
+    per_prompt = "rangefinder.reviewed." + "a red circle on a blue background " * 9
     with step_run(cfg, "register_model") as run:
-        run.log_diffusers_model(tiny_model_dir, num_inference_steps=2)
+        run.log_diffusers_model(tiny_model_dir, num_inference_steps=2, tags={per_prompt: "kept"})
+    (key,) = [k for k in MlflowClient(sqlite_tracking_uri).get_model_version(name, "1").tags if "reviewed" in k]
+    assert len(key) == 250 and "chars cut" in key, key
     with pytest.raises(TrackingError, match="no version with alias 'nope'"):
         promote(name, from_alias="nope", tracking_uri=sqlite_tracking_uri)
     assert promote(name, tracking_uri=sqlite_tracking_uri)["previous_version"] is None

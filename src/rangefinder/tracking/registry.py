@@ -315,6 +315,8 @@ def log_diffusers_model(
     shown = {k: lr_text(v) if is_lr_key(k) else f"{v:.6g}" for k, v in clean.items()}
     version_tags = {k.removeprefix(VALIDATION_SECTION): v for k, v in shown.items()}
     version_tags.update({k: redact(str(v)) for k, v in (tags or {}).items()})
+    # A key over the 250 characters MLflow keeps (a user's own tag or metric, named by a prompt) failed the step.
+    version_tags = {mlflow_key(k): v for k, v in version_tags.items()}
     # The run that registered the version, which a retry of it finds the version by; the run that trained the weights
     # is the version's own source run.
     version_tags[REGISTERED_BY] = run.run_id
