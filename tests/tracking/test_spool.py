@@ -140,6 +140,21 @@ def test_a_param_logged_again_with_another_value_keeps_the_first_and_logs_the_re
     assert any("plan.lr already logged as '0.0001'" in r.getMessage() for r in caplog.records)
 
 
+def test_a_spool_s_key_over_mlflow_s_250_characters_is_cut_as_it_is_sent(sqlite_tracking_uri):
+    """A spool written before keys were cut as a step logs them (a user's own step's metric or tag named by a
+    prompt) holds one over MLflow's 250 characters: its replay failed on it, every record after it held back."""
+    from rangefinder.tracking.spool import apply_record
+
+    client = MlflowClient(tracking_uri=sqlite_tracking_uri)
+    run_id = client.create_run(client.create_experiment("long-keys")).info.run_id
+    per_prompt = "prompt_score." + "a red circle on a blue background " * 9
+    apply_record(client, {"kind": "metrics", "run_id": run_id, "metrics": [[per_prompt + "colour", 0.8, 1, 0]]})
+    apply_record(client, {"kind": "tags", "run_id": run_id, "tags": {per_prompt + "verdict": "kept"}})
+    data = client.get_run(run_id).data
+    cut = [k for k in (*data.metrics, *data.tags) if k.startswith("prompt_score.")]
+    assert len(cut) == 2 and all(len(k) == 250 and "chars cut" in k for k in cut), cut
+
+
 def test_relog_command_reports_a_spool_it_cannot_read(tmp_path):
     not_a_spool = tmp_path / "x.jsonl"
     not_a_spool.write_text('{"kind": "metrics"}\n')

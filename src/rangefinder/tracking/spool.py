@@ -161,7 +161,9 @@ def apply_record(client: Any, record: Mapping[str, Any], base: Optional[Path] = 
             raise RunNotMadeYet(f"run {run_id} is not made in MLflow yet (its spool's first record makes it)")
         run_id = made
     if kind == "metrics":
-        rows = [Metric(key, float(value), int(ts), int(step)) for key, value, ts, step in record["metrics"]]
+        # Keys cut as a step cuts them now (mlflow_key): a spool written before may hold one MLflow refuses.
+        rows = [Metric(mlflow_key(key), float(value), int(ts), int(step))
+                for key, value, ts, step in record["metrics"]]
         for i in range(0, len(rows), MAX_METRICS_PER_BATCH):
             client.log_batch(run_id, metrics=rows[i: i + MAX_METRICS_PER_BATCH], synchronous=True)
     elif kind == "params":
@@ -179,7 +181,7 @@ def apply_record(client: Any, record: Mapping[str, Any], base: Optional[Path] = 
         for i in range(0, len(new), MAX_PARAMS_PER_BATCH):
             client.log_batch(run_id, params=new[i: i + MAX_PARAMS_PER_BATCH], synchronous=True)
     elif kind == "tags":
-        tags = [RunTag(k, v) for k, v in record["tags"].items()]
+        tags = [RunTag(mlflow_key(k), v) for k, v in record["tags"].items()]
         for i in range(0, len(tags), MAX_TAGS_PER_BATCH):
             client.log_batch(run_id, tags=tags[i: i + MAX_TAGS_PER_BATCH], synchronous=True)
     elif kind == "inputs":
