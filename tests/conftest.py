@@ -91,7 +91,8 @@ def one_torch_thread_per_worker():
 @pytest.fixture(autouse=True)
 def mlflow_environment_put_back():
     """What a test leaves in the process's MLFLOW_* environment is put back after it, so no test reads another's:
-    46 tests left $MLFLOW_TRACKING_URI (a step run in-process sets it) or the $MLFLOW_HTTP_REQUEST_* limits
+    46 tests left $MLFLOW_TRACKING_URI (tracking.step_run and tracking_client set it; a run_<step>() and the CLI's
+    main() put back what they set, steps.kept_settings) or the $MLFLOW_HTTP_REQUEST_* limits
     (tracking.target.bound_http_requests) to every later test in their worker, and an experiment id there
     ($MLFLOW_EXPERIMENT_ID, which mlflow.set_experiment sets) wins over a test's own experiment. Fixtures of a wider
     scope are set up before it, so what they set stays."""
