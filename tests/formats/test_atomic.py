@@ -133,6 +133,27 @@ def test_a_shared_folder_another_writer_finished_first_is_kept(tmp_path):
     assert (tmp_path / "model" / "weights.safetensors").read_bytes() == b"first"
 
 
+def test_two_writers_of_one_file_with_the_same_process_id_each_write_their_own_temporary_file(tmp_path):
+    """Two writers of one encoded-cache entry in the same process, as two pods of runs at once on the shared data
+    volume are (each container numbers its processes from 1, so their writers often have the same id): each fills a
+    file of its own, and both renames succeed, the last one's content in place and nothing left beside it. With the
+    process id alone in the temporary name they shared one file, and the second rename failed (FileNotFoundError:
+    the first had moved it), failing that run's step."""
+    from rangefinder.formats.atomic import atomic_path, sweep_leftovers
+
+    entry = tmp_path / "0f1e.safetensors"
+    with atomic_path(entry, durable=False) as first:
+        first.write_bytes(b"first")
+        with atomic_path(entry, durable=False) as second:
+            second.write_bytes(b"second")
+            assert {p.name for p in tmp_path.iterdir()} == {first.name, second.name}
+        assert entry.read_bytes() == b"second"
+    assert entry.read_bytes() == b"first"
+    assert [p.name for p in tmp_path.iterdir()] == [entry.name]
+    (tmp_path / first.name).write_bytes(b"left by a killed writer")
+    assert sweep_leftovers(tmp_path) == [tmp_path / first.name]  # its name is still one a sweep knows
+
+
 def test_a_file_renamed_into_a_folder_s_place_replaces_it(tmp_path):
     """rename_into_place moves a finished file where a folder of that name is (os.replace cannot put a file over a
     folder): the file is there afterwards, the folder gone."""

@@ -2,7 +2,9 @@
 
 A rename within one folder is atomic on POSIX file systems, so a reader (a resumed run, the next pipeline step, a
 user's tool) sees the old content or the new one, never half of it; a killed writer leaves only a dot-named `.tmp`
-sibling behind. The temporary name carries the process id, so two writers of the same path never share one.
+sibling behind. The temporary name carries the process id and a random token, so two writers of the same path never
+share one: not even two pods of runs at once on the shared data volume (the encoded cache), whose processes, each
+numbered in its own container, often have the same id.
 
 A folder that is already there cannot be renamed over; on Linux the two are swapped in one step (renameat2's
 RENAME_EXCHANGE). Elsewhere, and on file systems that refuse the swap (NFS, some FUSE mounts), the old one is renamed
@@ -24,6 +26,7 @@ import functools
 import json
 import os
 import re
+import secrets
 import shutil
 import sys
 import tempfile
@@ -175,7 +178,7 @@ def atomic_path(path: PathLike, *, suffix: str = "", durable: bool = True) -> It
         raise RangefinderError(f"{path} is a folder; pass the path of a file to write (e.g. {path / 'out'})")
     usable_folder(path.parent, "output folder")
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp{suffix}")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp{suffix}")
     try:
         yield tmp
         if durable:
@@ -280,9 +283,9 @@ _AT_FDCWD, _RENAME_EXCHANGE = -100, 2
 _NO_EXCHANGE = frozenset({errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP})
 # A folder replace_dir renamed aside: `.NAME.PID.old.tmp`.
 _MOVED_ASIDE = re.compile(r"^\.(?P<name>.+)\.\d+\.old\.tmp$")
-# What these writers fill or set aside, named after what they write (NAME): `.NAME.PID.tmp...` (atomic_path,
-# atomic_dir) and `.NAME.PID.old.tmp` (replace_dir). A writer killed mid-write leaves it behind.
-TEMPORARY = re.compile(r"^\.(?P<name>.+?)\.\d+\.(old\.)?tmp")
+# What these writers fill or set aside, named after what they write (NAME): `.NAME.PID.TOKEN.tmp...` (atomic_path),
+# `.NAME.PID.tmp...` (atomic_dir) and `.NAME.PID.old.tmp` (replace_dir). A writer killed mid-write leaves it behind.
+TEMPORARY = re.compile(r"^\.(?P<name>.+?)\.\d+(\.[0-9a-f]{8})?\.(old\.)?tmp")
 
 
 @functools.cache
