@@ -559,7 +559,14 @@ def test_compile_names_each_pair_of_settings_that_cancel_each_other(tmp_path):
     (["split", "DATA", "--out", "  "], "--out is empty"),
     (["analyze-lr", ""], "CURVE is empty"),
     (["train", "--data", "", "--out", "x", "--epochs", "1"], "--data is empty"),
-], ids=["split-out-blank", "analyze-lr-curve-empty", "train-data-empty"])
+    # Options whose absence means a default: an unset CI secret (`--token "$KFP_TOKEN"`) sent the pod's token or
+    # none, an empty --experiment ran in the config's experiment, an empty --tracking-uri promoted in ./mlflow.db.
+    (["submit", "--host", "http://127.0.0.1:9", "--config", "c.yaml", "--token", "\n"], "--token is empty"),
+    (["submit", "--host", "http://127.0.0.1:9", "--config", "c.yaml", "--experiment", ""], "--experiment is empty"),
+    (["schedule", "--host", "", "--config", "c.yaml", "--cron", "@daily"], "--host is empty"),
+    (["promote", "--tracking-uri", ""], "--tracking-uri is empty"),
+], ids=["split-out-blank", "analyze-lr-curve-empty", "train-data-empty", "submit-token-blank",
+        "submit-experiment-empty", "schedule-host-empty", "promote-tracking-uri-empty"])
 def test_an_empty_path_argument_is_refused(args, flag, tmp_path):
     # Issue 36, class 4: an empty path (an unset shell variable) is the working folder to pathlib.
     args = [str(tmp_path) if a == "DATA" else a for a in args]

@@ -66,11 +66,17 @@ def build_parser() -> argparse.ArgumentParser:
 # the working folder to pathlib: `split --out ""` wrote the split there.
 PATH_ARGS = ("out", "config", "data", "data_dir", "model", "curve", "plot", "report", "cache_dir", "tokenizer",
              "checkpoints", "spools", "prompts")
+# Options whose absence means a default (an environment variable's, a config's, a name made up): given empty (a CI
+# secret or shell variable that is unset), each was taken for absent, so `submit --token "$KFP_TOKEN"` sent the pod's
+# own token or none, `--experiment ""` ran in the config's experiment and `--tracking-uri ""` promoted in ./mlflow.db.
+NONEMPTY_ARGS = ("host", "token", "namespace", "experiment", "name", "ui_url", "ca_cert", "tracking_uri", "alias",
+                 "from_alias")
 
 
 def _refuse_empty_paths(args: argparse.Namespace) -> None:
-    """RangefinderError for a path argument that is empty or blank, or under the home folder of a user this machine
-    does not have (config.home_of_no_user), or any argument holding a NUL character."""
+    """RangefinderError for a path argument (or one of NONEMPTY_ARGS) that is empty or blank, or a path under the
+    home folder of a user this machine does not have (config.home_of_no_user), or any argument holding a NUL
+    character."""
     from rangefinder.config import home_of_no_user
 
     for dest, value in vars(args).items():
@@ -84,6 +90,9 @@ def _refuse_empty_paths(args: argparse.Namespace) -> None:
             if dest in PATH_ARGS and not v.strip():
                 raise RangefinderError(f"{flag} is empty; give a path (an unset shell variable gives an empty "
                                        "argument)")
+            if dest in NONEMPTY_ARGS and not v.strip():
+                raise RangefinderError(f"{flag} is empty (an unset shell variable or CI secret gives an empty "
+                                       f"argument); give its value, or leave {flag} out for its default")
             problem = home_of_no_user(v) if dest in PATH_ARGS else None
             if problem is not None:
                 raise RangefinderError(f"{flag} {problem}")
