@@ -376,6 +376,9 @@ def test_schedule_cli_rejects_bad_cron_before_any_request(tmp_path):
 
 @pytest.mark.parametrize("expr", ["0 0 3 * * *", "*/30 * * * * ?", "0 0 9 ? * 2-6", "0 15 10 1,15 jan-jun *",
                                   "0 0 0 * * SUN", "5-10/2 0 0 * * *", "0 0 3-3 * * *",  # a one-hour range
+                                  # the 31st of the months from April every other month (August has one); the 29th of
+                                  # February (leap years); the 31st of February or any Monday of it (either matches)
+                                  "0 0 3 31 4/2 *", "0 0 3 29 2 *", "0 0 3 31 2 mon",
                                   # robfig/cron's descriptors, which KFP's API server parses too
                                   "@daily", "@weekly", "@every 12h", "@every 1h30m", "@every 90s"])
 def test_valid_crons(expr):
@@ -400,6 +403,10 @@ def test_valid_crons(expr):
     ("@every", "@every takes one duration"),
     ("@every 7d", "no d: a week is 168h"),
     ("@every 0s", "under a second"),
+    # Dates no month named has: KFP would take the schedule and never run it.
+    ("0 0 3 31 2 *", "no month it names has a day 31, so KFP would never run it"),
+    ("0 0 3 30-31 feb ?", "no month it names has a day 30 or 31"),
+    ("0 0 3 31 4,6,9,11 *", "no month it names has a day 31"),
 ])
 def test_invalid_crons(expr, message):
     with pytest.raises(ConfigError, match=message):

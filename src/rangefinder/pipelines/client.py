@@ -83,6 +83,7 @@ _CRON_FIELDS: tuple[tuple[str, int, int, dict[str, int]], ...] = (
     ("day of week", 0, 6, {d: i for i, d in enumerate(("sun", "mon", "tue", "wed", "thu", "fri", "sat"))}),
 )
 _CRON_EXAMPLE = "'0 0 3 * * *' (every day at 03:00:00)"
+_DAYS_IN_MONTH = {1: 31, 2: 29, 3: 31, 4: 30, 5: 31, 6: 30, 7: 31, 8: 31, 9: 30, 10: 31, 11: 30, 12: 31}  # leap years'
 # robfig/cron v1's descriptors, which KFP's API server and scheduler take too (cron.Parse), and `@every` with a Go
 # duration: the interval form of a schedule.
 _CRON_DESCRIPTORS = ("@yearly", "@annually", "@monthly", "@weekly", "@daily", "@midnight", "@hourly")
@@ -111,13 +112,21 @@ def validate_cron(expr: str) -> str:
             f"cron {expr!r} has {len(fields)} fields; give 6: seconds minutes hours day-of-month month day-of-week, "
             f"e.g. {_CRON_EXAMPLE}"
         )
+    covered: list[set[int]] = []  # each field's values
     for value, (name, lo, hi, names) in zip(fields, _CRON_FIELDS, strict=True):
         if value == "?":
             if name not in ("day of month", "day of week"):
                 raise ConfigError(f"cron {expr!r}: '?' is only allowed in day-of-month or day-of-week, not {name}")
+            covered.append(set(range(lo, hi + 1)))
             continue
-        for part in value.split(","):
-            _check_cron_part(expr, part, name, lo, hi, names)
+        covered.append(set().union(*(_check_cron_part(expr, part, name, lo, hi, names) for part in value.split(","))))
+    days, months = covered[3], covered[4]
+    # A date no month of the schedule has (the 30th of February): robfig/cron, KFP's, takes it and never runs it, so
+    # the recurring run was made, said nothing and trained nothing. Where day-of-week is also set, either matches.
+    if fields[5] in ("*", "?") and not any(d <= _DAYS_IN_MONTH[m] for d in days for m in months):
+        dates = " or ".join(str(d) for d in sorted(days))
+        raise ConfigError(f"cron {expr!r}: no month it names has a day {dates}, so KFP would never run it; give a "
+                          "day one of its months has (cron has no last day of the month: 28 is in every month)")
     return " ".join(fields)
 
 
@@ -141,7 +150,9 @@ def _validate_cron_descriptor(expr: str) -> str:
     return f"@every {duration}"
 
 
-def _check_cron_part(expr: str, part: str, name: str, lo: int, hi: int, names: dict[str, int]) -> None:
+def _check_cron_part(expr: str, part: str, name: str, lo: int, hi: int, names: dict[str, int]) -> set[int]:
+    """The values one comma-separated entry of a cron field covers; ConfigError where it is not one robfig/cron
+    takes."""
     from rangefinder.errors import ConfigError
 
     def number(tok: str) -> int:
@@ -161,16 +172,19 @@ def _check_cron_part(expr: str, part: str, name: str, lo: int, hi: int, names: d
     if step:
         if not re.fullmatch(r"\d+", step) or int(step) == 0:
             raise ConfigError(f"cron {expr!r}: step {step!r} in the {name} field must be a positive whole number")
+    every = int(step or 1)
     if base == "*":
-        return
+        return set(range(lo, hi + 1, every))
     if not base:
         raise ConfigError(f"cron {expr!r}: empty entry in the {name} field")
     start, dash, end = base.partition("-")
     a = number(start)
+    b = a if not (dash or step) else hi  # robfig/cron: "N/step" runs from N to the field's end
     if dash:
         b = number(end)
         if b < a:
             raise ConfigError(f"cron {expr!r}: range {base!r} in the {name} field runs backwards")
+    return set(range(a, b + 1, every))
 
 
 # ---------------------------------------------------------------------------------------------------------------
