@@ -570,23 +570,34 @@ def test_wait_outlasts_a_few_failed_polls(kfp_server):
     assert (sub.state, sub.timed_out, len(polls)) == ("SUCCEEDED", False, 3)
 
 
-def test_wait_gives_up_after_its_tries_of_failed_polls(kfp_server):
+def test_wait_gives_up_after_its_tries_of_failed_polls(kfp_server, tmp_path):
     """An endpoint that keeps failing (HTTP 500 as much as 503) is polled WAIT_TRIES times in a row, then the wait
-    ends with one line: not once (500 taken for a refusal), nor once more than it says."""
+    ends with one line: not once (500 taken for a refusal), nor once more than it says. The run is made all the same:
+    the result names it and the line says the wait, exit status 1 as for a run that did not succeed. The command
+    ended as one that submitted nothing (status 2, the error alone), and a CI job lost the id of the run going on."""
     from rangefinder.pipelines.client import WAIT_TRIES
+    from tests.cli.test_bad_input import in_process
 
     polls: list[int] = []
 
     def down(method, path, rec):
         if method == "GET" and re.search(r"/runs/r\d+$", path):
             polls.append(1)
-            return 500, {"error": "internal error", "code": 13}
+            return (500, {"error": "internal error", "code": 13}) if len(polls) <= WAIT_TRIES else \
+                (401, {"error": "token expired", "code": 16})
         return None
 
     kfp_server.hook = down
-    with pytest.raises(EndpointError, match="HTTP 500"):
-        submit(parse_config(CFG), host=kfp_server.url, wait=True, timeout_s=30, poll_s=0.01)
+    sub = submit(parse_config(CFG), host=kfp_server.url, wait=True, timeout_s=30, poll_s=0.01)
+    assert (sub.run_id, sub.state) == ("r1", None) and "HTTP 500" in sub.wait_error
     assert len(polls) == WAIT_TRIES
+    # A refusal (a token that expired during a long wait) is not polled again.
+    r = in_process("submit", "--host", kfp_server.url, "--config", _config_file(tmp_path), "--json", "--wait")
+    assert r.returncode == 1 and json.loads(r.stdout)["run_id"] == "r2" and len(polls) == WAIT_TRIES + 1
+    (only,) = r.stderr.strip().splitlines()
+    assert re.fullmatch(r"rangefinder submit: run r2 was created, but --wait could not follow it: the KFP endpoint "
+                        r"\S+ refused the request \(HTTP 401, .*token expired\).*; see http://\S+/#/runs/details/r2",
+                        only), only
 
 
 def test_two_submits_racing_to_upload_share_the_winner(kfp_server):

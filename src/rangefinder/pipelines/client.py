@@ -626,6 +626,8 @@ class Submission:
     ui_url_given: bool = False  # False: ui_url is the endpoint, taken to serve the UI too
     state: Optional[str] = None
     timed_out: Optional[bool] = None  # --wait ran out of time with the run still going
+    # Why --wait stopped reading the run's state, the run made (the endpoint stopped answering, refused the token)
+    wait_error: Optional[str] = None
 
     # The KFP UI's routes, as kfp.Client links a run (`{ui}/#/runs/details/{id}`) and the UI its recurring runs.
     @property
@@ -768,7 +770,13 @@ def submit(
             if once:
                 sub.reused_run = False
         if wait:
-            sub.state, sub.timed_out = wait_for_run(client, sub.run_id, timeout_s, poll_s)
+            # The run is made whatever the wait meets: its id and link stay the result, and the failure is said
+            # beside them (it ended the command as if nothing had been submitted, the run going on unnamed).
+            try:
+                with _kfp_errors(ep):
+                    sub.state, sub.timed_out = wait_for_run(client, sub.run_id, timeout_s, poll_s)
+            except EndpointError as e:
+                sub.wait_error = str(e)
     return sub
 
 

@@ -87,8 +87,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="run the pipeline on a Kubeflow Pipelines endpoint",
         description="Compile the pipeline for a config, upload it (or reuse the same version), and create a run. "
         "Prints the run's id and link (--json: as JSON alone on stdout). Exit status 0 once the run is created "
-        "(with --wait: once it succeeded), 1 with --wait when it failed, was cancelled or was still going at "
-        "--timeout (the result is printed all the same), 2 when it could not be submitted.",
+        "(with --wait: once it succeeded), 1 with --wait when it failed, was cancelled, was still going at "
+        "--timeout or could no longer be read from the endpoint (the result is printed all the same), 2 when it "
+        "could not be submitted.",
     )
     add_endpoint_args(p)
     p.add_argument("--name", help="display name of the run (default: rangefinder-finetune-<version>)")
@@ -123,6 +124,9 @@ def run(args: argparse.Namespace) -> dict:
     out.update(experiment_id=sub.experiment_id, pipeline_id=sub.pipeline_id, version_id=sub.version_id,
                uploaded=sub.uploaded, **endpoint_result(args, sub))
     if args.wait and sub.state != "SUCCEEDED":
+        if sub.wait_error:
+            raise RunDidNotSucceed(f"run {sub.run_id} was created, but --wait could not follow it: {sub.wait_error}; "
+                                   f"see {sub.run_url}", out)
         if sub.timed_out:
             raise RunDidNotSucceed(f"run {sub.run_id} is still {sub.state} after --timeout {timeout} s (it goes "
                                    f"on on the cluster); see {sub.run_url}", out)
