@@ -871,6 +871,20 @@ def test_schedule_again_is_refused_unless_replace(kfp_server, tmp_path):
     assert in_process("schedule", "--host", kfp_server.url, "--config", cfg, "--cron", "@weekly", "--name",
                       "weekly").returncode == 0
 
+    # An old one the endpoint fails to disable stays enabled beside the new one: said, with the new one's result and
+    # status 1. It ended as a schedule that made nothing (status 2, the error alone): two schedules trained nightly.
+    kfp_server.hook = lambda method, path, rec: (503, {"error": "upstream connect error", "code": 14}) if (
+        method == "POST" and path.endswith(":disable")) else None
+    r = in_process("schedule", "--host", kfp_server.url, "--config", cfg, "--cron", "@daily", "--replace", "--json")
+    assert r.returncode == 1, r.stderr
+    out = json.loads(r.stdout)
+    assert out["recurring_run_id"] == "rr4" and out["replaced"] == []
+    assert kfp_server.recurring_runs["rr2"]["status"] != "DISABLED"
+    (line,) = r.stderr.strip().splitlines()
+    assert re.fullmatch(r"rangefinder schedule: recurring run rr4 was created, but recurring run rr2 is still enabled "
+                        r"\(the KFP endpoint \S+ answered HTTP 503 .*\); run the same command again to disable it, "
+                        r"or disable it in the KFP UI", line), line
+
 
 def test_every_submit_flag_reaches_the_request(kfp_server, tmp_path):
     """--name, --once, --dataset-uri and --namespace, through the command as a CI job gives them: each was read by

@@ -628,6 +628,8 @@ class Submission:
     timed_out: Optional[bool] = None  # --wait ran out of time with the run still going
     # Why --wait stopped reading the run's state, the run made (the endpoint stopped answering, refused the token)
     wait_error: Optional[str] = None
+    # Why --replace left a recurring run of the name enabled beside the one made (the endpoint failed to disable it)
+    replace_error: Optional[str] = None
 
     # The KFP UI's routes, as kfp.Client links a run (`{ui}/#/runs/details/{id}`) and the UI its recurring runs.
     @property
@@ -756,8 +758,15 @@ def submit(
                 no_catchup=not catchup, service_account=sa,
             )
             sub.recurring_run_id = rr.recurring_run_id
+            # The new one is made whatever disabling the old ones meets: its id stays the result, and one left
+            # enabled is said beside it (two schedules of the name would train side by side).
             for r in old:
-                client.disable_recurring_run(r.recurring_run_id)
+                try:
+                    with _kfp_errors(ep):
+                        client.disable_recurring_run(r.recurring_run_id)
+                except EndpointError as e:
+                    sub.replace_error = f"recurring run {r.recurring_run_id} is still enabled ({e})"
+                    break
                 sub.replaced.append(r.recurring_run_id)
             return sub
         live = _live_run(client, exp.experiment_id, name) if once else None

@@ -23,7 +23,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "run. The cron has 6 fields, seconds first, as KFP reads it: '0 0 3 * * *' is every day at 03:00 in the "
         "scheduler's time zone (UTC unless KFP's CRON_SCHEDULE_TIMEZONE says otherwise); '@daily' and "
         "'@every 12h' work too. An enabled recurring run of the same name in the experiment is refused unless "
-        "--replace.",
+        "--replace. Exit status 0 once the recurring run is made (with --replace: and the old ones disabled), 1 "
+        "when --replace made it but could not disable an old one (the result is printed all the same), 2 when "
+        "nothing was made.",
     )
     add_endpoint_args(p)
     p.add_argument("--cron", required=True, help="6-field cron: seconds minutes hours day-of-month month day-of-week; "
@@ -42,13 +44,18 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
+    from rangefinder.errors import RunDidNotSucceed
     from rangefinder.pipelines.client import submit, validate_cron
 
     cron = validate_cron(args.cron)  # a bad cron fails before the config is even read
     cfg = load_checked_config(args, "schedule")
     sub = submit(cfg, **endpoint_kwargs(args), cron=cron, replace=args.replace,
                  max_concurrency=args.max_concurrency, catchup=args.catchup)
-    return {"recurring_run_id": sub.recurring_run_id, "recurring_run_url": sub.recurring_run_url, "name": sub.name,
-            "cron": cron, "max_concurrency": args.max_concurrency, "catchup": args.catchup, "replaced": sub.replaced,
-            **experiment_result(args, sub), "experiment_id": sub.experiment_id, "pipeline_id": sub.pipeline_id,
-            "version_id": sub.version_id, "uploaded": sub.uploaded, **endpoint_result(args, sub)}
+    out = {"recurring_run_id": sub.recurring_run_id, "recurring_run_url": sub.recurring_run_url, "name": sub.name,
+           "cron": cron, "max_concurrency": args.max_concurrency, "catchup": args.catchup, "replaced": sub.replaced,
+           **experiment_result(args, sub), "experiment_id": sub.experiment_id, "pipeline_id": sub.pipeline_id,
+           "version_id": sub.version_id, "uploaded": sub.uploaded, **endpoint_result(args, sub)}
+    if sub.replace_error:
+        raise RunDidNotSucceed(f"recurring run {sub.recurring_run_id} was created, but {sub.replace_error}; run the "
+                               "same command again to disable it, or disable it in the KFP UI", out)
+    return out
