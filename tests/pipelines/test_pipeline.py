@@ -376,6 +376,11 @@ def test_kubernetes_settings(compiled):
         for _, _, task in compiled.tasks(prefix):
             k = compiled.k8s[compiled.executor_of(task)]
             assert not k.node_selector.labels and not k.tolerations, prefix
+    # The exit step removes a succeeded run's work folder from the data volume (steps/workdir.remove_run_work).
+    for _, _, task in compiled.tasks("record-status"):
+        env = {e.name: e.value for e in compiled.executors[compiled.executor_of(task)].container.env}
+        assert env["RANGEFINDER_WORK"] == "/data/work"
+        assert [m.mount_path for m in compiled.k8s[compiled.executor_of(task)].pvc_mount] == ["/data"]
     # MLflow credentials come from the Secret, as environment variables, on every step that logs.
     for prefix in ("lr-range-test", "finetune", "register-model", "record-status", "resolve-config"):
         for _, _, task in compiled.tasks(prefix):

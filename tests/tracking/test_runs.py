@@ -208,13 +208,17 @@ def test_of_two_parents_a_race_left_every_step_takes_the_first(shared_sqlite_tra
     assert second != first and ensure_parent_run(cfg, name="rf-race") == first
 
 
-def test_two_local_runs_that_drew_one_kfp_run_id_keep_their_own_parent_runs(sqlite_tracking_uri):
+def test_two_local_runs_that_drew_one_kfp_run_id_keep_their_own_parent_runs(sqlite_tracking_uri, tmp_path,
+                                                                           monkeypatch):
     """kfp.local draws a run's id from 10^8 numbers (kfp.local.placeholder_utils.make_random_id): of a few thousand
     local runs logging to one experiment (a team's MLflow server), two likely drew the same. The parent was found by
     that id alone, so the newer run's steps nested under the older run's parent: its fine-tune, with the older one's
     failed, went on in that failed run as a retry, and its exit step ended the older parent. The real resolve-config
     and record-status steps, given what kfp.local gives them (one id, each run's name as kfp.local makes it: the
-    pipeline's name and its start to the microsecond), keep each run's tree apart."""
+    pipeline's name and its start to the microsecond), keep each run's tree apart. On the data volume
+    ($RANGEFINDER_WORK, as a cluster's pods have it) the exit step removes the succeeded run's work folder, whose runs
+    are in their artifacts, and keeps the failed one's, which a retry of that run resumes from: every scheduled run's
+    checkpoints and weights stayed there until the volume was full."""
     from kfp.local.executor_input_utils import get_local_pipeline_resource_name
 
     from rangefinder.config import demo_config
@@ -225,6 +229,9 @@ def test_two_local_runs_that_drew_one_kfp_run_id_keep_their_own_parent_runs(sqli
     drawn = "72033077"  # the same id, drawn twice
     experiment = "local-runs"
     client = MlflowClient(sqlite_tracking_uri)
+    work = tmp_path / "work"
+    (work / "mlflow-spool").mkdir(parents=True)  # the steps' spools, on the same volume
+    monkeypatch.setenv("RANGEFINDER_WORK", str(work))
 
     def local_run(fails: bool) -> tuple[str, str]:
         params = parameters_from_config(demo_config(tracking={"tracking_uri": sqlite_tracking_uri,
@@ -233,6 +240,8 @@ def test_two_local_runs_that_drew_one_kfp_run_id_keep_their_own_parent_runs(sqli
         resolved = run_resolve_config(params.pop("base_config"), pipeline_job_id=drawn, pipeline_job_name=name,
                                       **params)
         cfg = load_step_config(resolved.config_json)
+        checkpoint = work / resolved.mlflow_parent_run_id / "finetune" / "checkpoints" / "checkpoint-000004"
+        checkpoint.mkdir(parents=True)  # where the training steps' work_dir puts their runs
         with pytest.raises(ValueError) if fails else contextlib.nullcontext():
             with step_run(cfg, "finetune", parent_run_id=resolved.mlflow_parent_run_id) as ft:
                 if fails:
@@ -250,6 +259,8 @@ def test_two_local_runs_that_drew_one_kfp_run_id_keep_their_own_parent_runs(sqli
     states = {run_id: (r.info.status, r.data.tags["rangefinder.final_state"])
               for run_id in (monday, tuesday) for r in [client.get_run(run_id)]}
     assert states == {monday: ("FAILED", "FAILED"), tuesday: ("FINISHED", "SUCCEEDED")}
+    assert sorted(p.name for p in work.iterdir()) == sorted([monday, "mlflow-spool"])  # the spools beside it stay
+    assert (work / monday / "finetune" / "checkpoints" / "checkpoint-000004").is_dir()
 
 
 def test_a_step_called_in_a_notebook_leaves_mlflow_s_process_settings_as_it_found_them(sqlite_tracking_uri, tmp_path,

@@ -151,6 +151,9 @@ def configure_task(task: dsl.PipelineTask, step: str, k8s: KubernetesConfig, loc
             if step in TRAINING_STEPS:
                 # Runs (and their checkpoints) outlive a preempted pod there; the retry resumes from them.
                 task.set_env_variable("RANGEFINDER_WORK", f"{mount}/work")
+    if step == "record_status" and k8s.data_pvc:
+        # The exit step removes a succeeded run's work folder there (steps/workdir.remove_run_work).
+        task.set_env_variable("RANGEFINDER_WORK", f"{k8s.data_mount_path.rstrip('/')}/work")
     return task.set_display_name(step.replace("_", "-"))
 
 

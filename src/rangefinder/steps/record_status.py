@@ -34,4 +34,10 @@ def run_record_status(*, state: str, error_message: str = "", failed_task: str =
             client.set_tag(parent, "rangefinder.failed_task", failed_task)
     tracking.finish_pipeline_run(cfg, parent, status=status)
     print(f"pipeline run {pipeline_job_id}: {state} -> MLflow run {parent} {status}")
+    if status == "FINISHED":  # a failed run's work stays: a retry of the run resumes its training steps from there
+        from rangefinder.steps.workdir import remove_run_work
+
+        removed = remove_run_work(parent)
+        if removed is not None:
+            print(f"removed the run's work folder {removed} (its steps' outputs are in their artifacts)")
     return status
