@@ -74,6 +74,7 @@ from rangefinder.tracking.target import (
     check_tracking_server,
     default_experiment_id,
     ensure_tracking_server,
+    no_artifact_bars_off_a_terminal,
     refusals_named,
     resolve_experiment_name,
     resolve_tracking_uri,
@@ -113,6 +114,7 @@ def tracking_client(cfg: Optional[TrackingSource] = None, *, check: bool = True)
 
     uri = resolve_tracking_uri(cfg)
     bound_http_requests()
+    no_artifact_bars_off_a_terminal()
     if check:
         ensure_tracking_server(uri, experiment_name=resolve_experiment_name(cfg))
     # The fluent calls mlflow makes inside Model.log / register_model read the global URI.

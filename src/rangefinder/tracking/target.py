@@ -90,6 +90,15 @@ def bound_http_requests() -> None:
         os.environ.setdefault(name, value)
 
 
+def no_artifact_bars_off_a_terminal() -> None:
+    """MLflow's artifact progress bars off where stderr is no terminal (a CI job's log, a pod's), unless the user set
+    MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR: MLflow draws them with tqdm, on by default, and logging a model copies its
+    files through the download path, so `rangefinder register` wrote a `Downloading artifacts: 8%|...` bar of
+    carriage returns into the log of every job that registered. MLflow reads the variable at every call."""
+    if sys.stderr is None or not sys.stderr.isatty():
+        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+
+
 def tracking_settings(cfg: Optional[TrackingSource] = None) -> TrackingConfig:
     """The TrackingConfig inside `cfg` (a RangefinderConfig, a TrackingConfig, or None for the defaults)."""
     from rangefinder.config import TrackingConfig

@@ -54,6 +54,7 @@ def run(args: argparse.Namespace) -> dict:
         bound_http_requests,
         ensure_tracking_server,
         env_tracking_uri,
+        no_artifact_bars_off_a_terminal,
         refusal_message,
         refuse_uri_credentials,
     )
@@ -61,6 +62,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.tracking_uri:
         refuse_uri_credentials(args.tracking_uri, "--tracking-uri")
     bound_http_requests()
+    no_artifact_bars_off_a_terminal()
     done: list[str] = []
     for path in spool_files(args.spools):
         if not path.is_file():  # a run's spool sent before its turn, with a spool naming that run (tracking.spool)
