@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rangefinder.cli.ignored import ignored_by_pipeline, ignored_by_submit, ignored_by_train
+from rangefinder.cli.ignored import ignored_by_pipeline, ignored_by_submit, ignored_by_train, tracking_off_the_cluster
 from rangefinder.config import RangefinderConfig, demo_config, given_settings, parse_config
 from rangefinder.errors import ConfigError
 from rangefinder.planning import plan
@@ -263,7 +263,8 @@ def test_compile_names_each_path_the_clusters_pods_cannot_read(tmp_path):
     cfg = _config(tmp_path, {"data": {"dataset_dir": str(tmp_path / "my data")},
                              "split": {"val_dir": "held-out"},
                              "model": {"base_model": "/home/me/sd15.safetensors",
-                                       "single_file_config": "/data/models/sd15-config"}})
+                                       "single_file_config": "/data/models/sd15-config"},
+                             "tracking": {"tracking_uri": "sqlite:///mlflow.db"}})
     proc = in_process("compile", "--config", str(cfg), "--out", str(tmp_path / "p.yaml"))
     assert proc.returncode == 0, proc.stderr
     lines = [ln.removeprefix("rangefinder: warning: ") for ln in proc.stderr.splitlines()]
@@ -274,9 +275,19 @@ def test_compile_names_each_path_the_clusters_pods_cannot_read(tmp_path):
         f"data.dataset_dir {tmp_path / 'my data'} {outside}{volume} (or import it: `rangefinder submit --dataset-uri`)",
         f"split.val_dir held-out is a relative path, read from a pod's own working folder{volume}",
         f"model.base_model /home/me/sd15.safetensors {outside}{volume}",
+        # The config's MLflow store wins over the one the pods are given: a laptop's went into every pod's own files.
+        "tracking.tracking_uri sqlite:///mlflow.db names a store outside the data volume (/data), in each pod's own "
+        "files, lost when the pod ends: in the pipeline's pods it replaces kubernetes.mlflow_tracking_uri "
+        "(http://mlflow.rangefinder.svc.cluster.local:5000) and the MLflow Secret's, so each step's records and the "
+        "registered model would not reach the cluster's MLflow; leave tracking.tracking_uri out of the cluster's "
+        "config",
     ]
+    (loopback,) = tracking_off_the_cluster(parse_config({"tracking": {"tracking_uri": "http://127.0.0.1:5000"}}))
+    assert loopback.startswith("tracking.tracking_uri http://127.0.0.1:5000 names 127.0.0.1, which in a pod is the "
+                               "pod itself")
     # Under the mount, a hub id, or no data volume at all (the image's own paths): nothing to say.
-    for sections in ({"data": {"dataset_dir": "/data/datasets/mine/"}, "model": {"base_model": "org/name"}},
+    for sections in ({"data": {"dataset_dir": "/data/datasets/mine/"}, "model": {"base_model": "org/name"},
+                      "tracking": {"tracking_uri": "sqlite:////data/mlflow.db"}},
                      {"data": {"dataset_dir": "/srv/mine"}, "kubernetes": {"data_pvc": None}}):
         proc = in_process("compile", "--config", str(_config(tmp_path, sections)), "--out", str(tmp_path / "p.yaml"))
         assert proc.returncode == 0 and "warning" not in proc.stderr, proc.stderr

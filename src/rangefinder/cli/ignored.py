@@ -133,6 +133,45 @@ def off_the_data_volume(cfg: RangefinderConfig, dataset_uri: str = "") -> list[s
     return lines
 
 
+def tracking_off_the_cluster(cfg: RangefinderConfig) -> list[str]:
+    """A warning's line where tracking.tracking_uri names a store the pipeline's pods cannot share: the setting
+    travels in base_config and wins over the MLFLOW_TRACKING_URI the pods are given (kubernetes.mlflow_tracking_uri or
+    the MLflow Secret), so a laptop's `sqlite:///mlflow.db` or `http://localhost:5000` compiled into a package had each
+    step log to a file in its own pod, lost with it, or wait for a server on the pod's own loopback, and the model was
+    registered nowhere anyone could read. A SQLite file on the data volume is shared by the pods, and passes."""
+    import ipaddress
+    from urllib.parse import urlsplit
+
+    uri = (cfg.tracking.tracking_uri or "").strip()
+    if not uri:
+        return []
+    parts = urlsplit(uri)
+    scheme = parts.scheme.lower()
+    why = None
+    if scheme in ("", "file", "sqlite"):
+        path = parts.path if scheme == "file" or not scheme else uri.split("://", 1)[-1].split("?", 1)[0][1:]
+        mount = PurePosixPath(cfg.kubernetes.data_mount_path)
+        posix = PurePosixPath(posixpath.normpath(path or "."))
+        if not (cfg.kubernetes.data_pvc and posix.is_absolute() and mount in posix.parents):
+            why = ("names a store in each pod's own files, lost when the pod ends" if not cfg.kubernetes.data_pvc else
+                   f"names a store outside the data volume ({mount}), in each pod's own files, lost when the pod ends")
+    else:
+        host = (parts.hostname or "").lower()
+        try:
+            loopback = host == "localhost" or host.endswith(".localhost") or ipaddress.ip_address(host).is_loopback \
+                or ipaddress.ip_address(host).is_unspecified
+        except ValueError:
+            loopback = False
+        if loopback:
+            why = f"names {host}, which in a pod is the pod itself, where no MLflow server listens"
+    if why is None:
+        return []
+    return [f"tracking.tracking_uri {uri} {why}: in the pipeline's pods it replaces kubernetes.mlflow_tracking_uri "
+            f"({cfg.kubernetes.mlflow_tracking_uri}) and the MLflow Secret's, so each step's records and the "
+            "registered model would not reach the cluster's MLflow; leave tracking.tracking_uri out of the cluster's "
+            "config"]
+
+
 def warn_ignored(command: str, ignored: list[tuple[list[str], str]]) -> None:
     """One line on stderr, as every warning: `rangefinder: warning: ignored by `rangefinder run`: training.lr, ...
     (why); ...`."""

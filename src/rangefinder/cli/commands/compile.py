@@ -6,7 +6,13 @@ import argparse
 from pathlib import Path
 
 from rangefinder.cli.args import refuse_writing_over
-from rangefinder.cli.ignored import ignored_by_pipeline, off_the_data_volume, warn_conflicts, warn_ignored
+from rangefinder.cli.ignored import (
+    ignored_by_pipeline,
+    off_the_data_volume,
+    tracking_off_the_cluster,
+    warn_conflicts,
+    warn_ignored,
+)
 from rangefinder.cli.output import add_json_flag
 from rangefinder.formats.text import warn
 
@@ -51,7 +57,7 @@ def run(args: argparse.Namespace) -> dict:
     sweep_dead_writers(out, suffix=".yaml")
     with atomic_path(out, suffix=".yaml") as tmp:
         compile_pipeline(cfg, str(tmp))
-    warn(off_the_data_volume(cfg))  # of a package written: one refused says only why
+    warn(off_the_data_volume(cfg) + tracking_off_the_cluster(cfg))  # of a package written: one refused says only why
     k8s = cfg.kubernetes
     return {
         "pipeline": PIPELINE_NAME,

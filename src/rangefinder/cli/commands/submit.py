@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 
 from rangefinder.cli import args as argtypes
-from rangefinder.cli.ignored import ignored_by_submit, off_the_data_volume, warn_conflicts, warn_ignored
+from rangefinder.cli.ignored import (
+    ignored_by_submit,
+    off_the_data_volume,
+    tracking_off_the_cluster,
+    warn_conflicts,
+    warn_ignored,
+)
 from rangefinder.cli.output import add_json_flag
 from rangefinder.formats.text import warn
 
@@ -45,7 +51,7 @@ def load_checked_config(args: argparse.Namespace, command: str):
     cfg = load_config(args.config)
     warn_ignored(command, ignored_by_submit(cfg, args.dataset_uri))
     warn_conflicts(cfg)
-    warn(off_the_data_volume(cfg, args.dataset_uri))
+    warn(off_the_data_volume(cfg, args.dataset_uri) + tracking_off_the_cluster(cfg))
     problem = args.namespace and kubernetes_name_problem(args.namespace, "label")
     if problem:
         raise ConfigError(f"--namespace: {problem}")
