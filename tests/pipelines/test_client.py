@@ -245,6 +245,12 @@ def test_submit_uploads_once_and_creates_a_run(kfp_server):
     assert json.loads(params["base_config"])["data"]["resolution"] == 256
     assert body["service_account"] == "sa-runner"
     assert all(r["headers"].get("authorization") == "Bearer secret-token" for r in kfp_server.requests)
+    # The run's default name, as `submit --help` says it: not the package's version name (v<version>-<hash>).
+    assert body["display_name"] == f"{PIPELINE_NAME}-{sub.version_id[:8]}"
+    from tests.cli.test_help import _commands
+
+    assert "finetune-<the first 8 characters of version_id, the KFP pipeline version's id" in " ".join(
+        _commands()["submit"].format_help().split())
 
     # The same config again reuses the pipeline and its version: nothing is uploaded twice.
     sub2 = submit(cfg, host=kfp_server.url, token="secret-token", wait=True, timeout_s=30)

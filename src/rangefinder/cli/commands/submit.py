@@ -98,7 +98,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "could not be submitted.",
     )
     add_endpoint_args(p)
-    p.add_argument("--name", help="display name of the run (default: rangefinder-finetune-<version>)")
+    p.add_argument("--name", help="display name of the run (default: rangefinder-finetune-<the first 8 characters "
+                   "of version_id, the KFP pipeline version's id the result gives>)")
     p.add_argument("--once", action="store_true",
                    help="with --name: start no second run of that name in the experiment; one that has not failed, "
                    "been cancelled or skipped is reported (and waited for) instead. For a CI job that may be retried")
