@@ -326,14 +326,17 @@ def test_the_largest_seeds_compile(tmp_path):
     # running now fills (its process alive: the one that started this test) and a user's own dot-file stay.
     dead = subprocess.Popen(["true"])
     dead.wait()
-    left = [tmp_path / f".pipeline.yaml.{dead.pid}.tmp.yaml", tmp_path / f".pipeline.yaml.{os.getppid()}.tmp.yaml",
-            tmp_path / ".pipeline.yaml.notes"]
+    # Killed as kfp wrote its output, or as the header was written again into it: a temporary of a temporary.
+    left = [tmp_path / f".pipeline.yaml.{dead.pid}.0123abcd.tmp.yaml",
+            tmp_path / f"..pipeline.yaml.{dead.pid}.0123abcd.tmp.yaml.{dead.pid}.4567cdef.tmp",
+            tmp_path / f".pipeline.yaml.{os.getppid()}.89abcdef.tmp.yaml", tmp_path / ".pipeline.yaml.notes",
+            tmp_path / f".other.yaml.{dead.pid}.0123abcd.tmp.yaml"]
     for p in left:
         p.write_text("kind: half\n")
     proc = in_process("compile", "--config", str(cfg), "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     assert out.stat().st_size > 1000
-    assert [p.exists() for p in left] == [False, True, True]
+    assert [p.exists() for p in left] == [False, False, True, True, True]
 
 
 def test_run_local_refuses_credentials_in_mlflow_tracking_uri_before_running(tmp_path):

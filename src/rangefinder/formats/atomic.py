@@ -190,13 +190,14 @@ def atomic_path(path: PathLike, *, suffix: str = "", durable: bool = True) -> It
         tmp.unlink(missing_ok=True)
 
 
-def sweep_dead_writers(path: PathLike, *, suffix: str = "") -> list[Path]:
-    """Remove the temporary files `atomic_path(path, suffix=suffix)` left beside `path` from writers killed mid-write
-    (kill -9, the OOM killer, a power cut: the block's `finally` never ran), each of which stayed beside the file for
-    ever. Only a temporary whose process (the PID in its name) is not running on this machine goes: one a writer is
-    filling now, here, is left to it. The paths removed."""
+def sweep_dead_writers(path: PathLike) -> list[Path]:
+    """Remove the temporary files `atomic_path(path)` left beside `path` from writers killed mid-write (kill -9, the
+    OOM killer, a power cut: the block's `finally` never ran), each of which stayed beside the file for ever, and
+    those a writer of that temporary file left in turn (`..NAME.PID.TOKEN.tmp.yaml.PID.TOKEN.tmp`: the compile's
+    header rewritten into kfp's output). Only a temporary whose process (the PID in its name) is not running on this
+    machine goes: one a writer is filling now, here, is left to it. The paths removed."""
     path = Path(path)
-    mine = re.compile(rf"^\.{re.escape(path.name)}\.(\d+)\.tmp{re.escape(suffix)}$")
+    mine = re.compile(rf"^\.+{re.escape(path.name)}\.(\d+)(\.[0-9a-f]{{8}})?\.tmp")
     removed: list[Path] = []
     try:
         siblings = list(path.parent.iterdir())

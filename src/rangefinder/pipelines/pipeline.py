@@ -438,7 +438,7 @@ def compile_pipeline(cfg: Optional[RangefinderConfig], package_path: str) -> str
     from kfp import compiler
 
     from rangefinder.errors import ConfigError
-    from rangefinder.formats.atomic import atomic_path
+    from rangefinder.formats.atomic import atomic_path, sweep_dead_writers
     from rangefinder.tracking.redaction import CREDENTIALS_FIX, url_with_credentials
 
     if cfg is not None:
@@ -456,6 +456,7 @@ def compile_pipeline(cfg: Optional[RangefinderConfig], package_path: str) -> str
     # Written beside and renamed when whole and checked (kfp writes where it is told: a full disk or a Ctrl-C
     # part-way left a truncated package in place of the one there before); the suffix tells kfp the format.
     pipeline = build_pipeline(cfg)
+    sweep_dead_writers(package_path)  # what a compile killed part-way left beside the package, which stayed for ever
     with atomic_path(package_path, suffix=Path(package_path).suffix) as tmp:
         compiler.Compiler().compile(pipeline, package_path=str(tmp))
         _header_on_comment_lines(pipeline, str(tmp))

@@ -34,7 +34,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> dict:
     from rangefinder.config import load_config
     from rangefinder.errors import ConfigError
-    from rangefinder.formats.atomic import atomic_path, sweep_dead_writers
     from rangefinder.pipelines.pipeline import PIPELINE_NAME, compile_pipeline
 
     out = Path(args.out)
@@ -52,11 +51,8 @@ def run(args: argparse.Namespace) -> dict:
     cfg = load_config(args.config)
     warn_ignored("compile", ignored_by_pipeline(cfg, local=False))
     warn_conflicts(cfg)
-    # Compile next to the target and rename: a failed compile never leaves a half-written package behind. The
-    # temporary name keeps .yaml, from which the KFP compiler picks the format. One a killed compile left goes first.
-    sweep_dead_writers(out, suffix=".yaml")
-    with atomic_path(out, suffix=".yaml") as tmp:
-        compile_pipeline(cfg, str(tmp))
+    # Written beside and renamed when whole (never a half-written package), after what a killed compile left there.
+    compile_pipeline(cfg, str(out))
     warn(off_the_data_volume(cfg) + tracking_off_the_cluster(cfg))  # of a package written: one refused says only why
     k8s = cfg.kubernetes
     return {
