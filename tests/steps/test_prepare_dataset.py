@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -85,6 +86,32 @@ def test_an_imported_dataset_s_two_links_to_one_outside_folder_count_its_images_
     assert [it.file_name for it in ours.train + ours.val] == [it.file_name for it in theirs.train + theirs.val]
     assert "`b`: symbolic link to" in (tmp_path / "copied.md").read_text()
     assert os.readlink(tmp_path / "copied" / "dataset" / "b") == "a"
+
+
+def test_a_link_to_a_folder_above_one_another_link_reached_counts_its_images_once_in_place_and_copied(
+        tmp_path, shapes_dataset_dir):
+    """`a` -> ext/sub, then `b` -> ext: the scan walked ext/sub twice, as `a` and as `b/sub` (its second way was a
+    real folder of a link's, not a link, which alone was checked), and counted its images twice, in place and in an
+    imported copy alike."""
+    ext = tmp_path / "ext"
+    (ext / "sub").mkdir(parents=True)
+    files = sorted(Path(shapes_dataset_dir).iterdir())
+    for i, f in enumerate(f for f in files if f.suffix == ".png"):
+        where = ext / "sub" if i % 2 else ext
+        for part in (f, f.with_suffix(".txt")):
+            shutil.copy(part, where / part.name)
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a").symlink_to(ext / "sub")
+    (data / "b").symlink_to(ext)
+    in_place = run_prepare_dataset(demo_config(data={"dataset_dir": str(data)}), out_dir=tmp_path / "in_place",
+                                   report_path=tmp_path / "in_place.md")
+    copied = run_prepare_dataset(demo_config(), out_dir=tmp_path / "copied", dataset_dir=data)
+    assert (in_place.train_images, in_place.val_images, in_place.skipped) == (16, 4, 1)
+    assert (copied.train_images, copied.val_images, copied.skipped) == (16, 4, 1)
+    assert "`b/sub`: folder already included as a" in (tmp_path / "in_place.md").read_text()
+    ours, theirs = read_split(copied.split_dir), read_split(in_place.split_dir)
+    assert [it.file_name for it in ours.train + ours.val] == [it.file_name for it in theirs.train + theirs.val]
 
 
 def test_an_imported_dataset_that_fails_its_split_leaves_no_earlier_split_naming_the_replaced_images(

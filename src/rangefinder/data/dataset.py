@@ -273,7 +273,16 @@ def _walk_images(root: Path, exclude: Optional[Path], problems: list[Skipped],
 
     def walk(folder: str, rel: PurePosixPath) -> None:
         st = os.stat(folder)
-        visited.setdefault((st.st_dev, st.st_ino), rel)
+        first = visited.get((st.st_dev, st.st_ino))
+        if first is not None:
+            # A real folder of a folder a link leads to, walked before by a link straight to it (`a` -> ext/sub,
+            # then `b` -> ext): its images were counted under both ways.
+            problems.append(Skipped(str(rel), f"folder already included as {first} (by way of a symbolic link); "
+                                              "left out so its images count once", SkipKind.LINK))
+            if repeats is not None:
+                repeats[rel] = first
+            return
+        visited[(st.st_dev, st.st_ino)] = rel
         try:
             entries = sorted(os.scandir(folder), key=lambda e: e.name)
         except OSError as e:
