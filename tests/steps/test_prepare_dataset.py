@@ -58,6 +58,9 @@ def test_an_imported_dataset_s_link_back_into_itself_is_listed_as_in_place_not_c
         (data / "shapes" / f.name).symlink_to(f)
     (data / "loop").symlink_to(data)
     (data / "again").symlink_to(data / "shapes")  # a second way to a folder: its images count once
+    # A loop under a hidden folder, which the scan never walks (a tool's thumbnails, a .git): made a link too.
+    (data / ".thumbs").mkdir()
+    (data / ".thumbs" / "up").symlink_to(data)
     r = run_prepare_dataset(demo_config(), out_dir=tmp_path / "split", dataset_dir=data, report_path=tmp_path / "r.md")
     assert (r.train_images, r.val_images) == (16, 4)
     report = (tmp_path / "r.md").read_text()
@@ -65,6 +68,7 @@ def test_an_imported_dataset_s_link_back_into_itself_is_listed_as_in_place_not_c
     assert "`again`: symbolic link to" in report and "a folder already included" in report, report
     copied = tmp_path / "split" / "dataset"
     assert os.readlink(copied / "loop") == "." and os.readlink(copied / "again") == "shapes"
+    assert os.readlink(copied / ".thumbs" / "up") == ".."
 
 
 def test_an_imported_dataset_s_two_links_to_one_outside_folder_count_its_images_once_as_in_place(

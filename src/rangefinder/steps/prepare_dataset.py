@@ -53,11 +53,22 @@ def _copy_dataset(src: Path, dst: Path) -> None:
     from rangefinder.data.dataset import repeated_folder_links
 
     repeats = {link.as_posix(): folder.as_posix() for link, folder in repeated_folder_links(src).items()}
+    real = Path(os.path.realpath(src))
 
     def repeated(folder: str, names: list[str]) -> set[str]:
         here = os.path.relpath(folder, src)
-        return {name for name in names
-                if (name if here == "." else f"{here}/{name}") in repeats}
+        left = set()
+        for name in names:
+            rel = name if here == "." else f"{here}/{name}"
+            path = os.path.join(folder, name)
+            target = Path(os.path.realpath(path))
+            if rel not in repeats and os.path.islink(path) and target.is_dir() and target.is_relative_to(real):
+                # A link into the dataset where the scan never looks (under a dot-named folder, a loop there too):
+                # followed, it copied the dataset again at each of 40 levels, and again inside each copy.
+                repeats[rel] = target.relative_to(real).as_posix()
+            if rel in repeats:
+                left.add(name)
+        return left
 
     shutil.copytree(src, dst, dirs_exist_ok=True, ignore=repeated, copy_function=_copy_file_or_broken_link)
     for link, folder in repeats.items():
