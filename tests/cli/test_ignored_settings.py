@@ -285,6 +285,8 @@ def test_compile_names_each_path_the_clusters_pods_cannot_read(tmp_path):
     (loopback,) = tracking_off_the_cluster(parse_config({"tracking": {"tracking_uri": "http://127.0.0.1:5000"}}))
     assert loopback.startswith("tracking.tracking_uri http://127.0.0.1:5000 names 127.0.0.1, which in a pod is the "
                                "pod itself")
+    # MLflow's own name of a Databricks workspace, no path: the pods reach it as this machine does.
+    assert tracking_off_the_cluster(parse_config({"tracking": {"tracking_uri": "databricks"}})) == []
     # Under the mount, a hub id, or no data volume at all (the image's own paths): nothing to say.
     for sections in ({"data": {"dataset_dir": "/data/datasets/mine/"}, "model": {"base_model": "org/name"},
                       "tracking": {"tracking_uri": "sqlite:////data/mlflow.db"}},

@@ -143,7 +143,7 @@ def tracking_off_the_cluster(cfg: RangefinderConfig) -> list[str]:
     from urllib.parse import urlsplit
 
     uri = (cfg.tracking.tracking_uri or "").strip()
-    if not uri:
+    if not uri or uri == "databricks":  # MLflow's name of the Databricks workspace the profile says, not a path
         return []
     parts = urlsplit(uri)
     scheme = parts.scheme.lower()
