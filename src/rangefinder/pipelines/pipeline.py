@@ -148,11 +148,9 @@ def configure_task(task: dsl.PipelineTask, step: str, k8s: KubernetesConfig, loc
             mount = k8s.data_mount_path.rstrip("/")
             task.set_env_variable("RANGEFINDER_CACHE", f"{mount}/cache")
             task.set_env_variable("HF_HOME", f"{mount}/cache/huggingface")
-            if step in TRAINING_STEPS:
-                # Runs (and their checkpoints) outlive a preempted pod there; the retry resumes from them.
-                task.set_env_variable("RANGEFINDER_WORK", f"{mount}/work")
-    if step == "record_status" and k8s.data_pvc:
-        # The exit step removes a succeeded run's work folder there (steps/workdir.remove_run_work).
+    if k8s.data_pvc and (step in TRAINING_STEPS or step == "record_status"):
+        # Runs (and their checkpoints) outlive a preempted pod there; the retry resumes from them, and the exit step
+        # removes a succeeded run's work folder (steps/workdir.remove_run_work).
         task.set_env_variable("RANGEFINDER_WORK", f"{k8s.data_mount_path.rstrip('/')}/work")
     return task.set_display_name(step.replace("_", "-"))
 

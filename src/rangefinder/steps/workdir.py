@@ -24,12 +24,18 @@ from rangefinder.config import expand_home
 WORK_ENV = "RANGEFINDER_WORK"
 
 
+def _work_root() -> Optional[Path]:
+    """`$RANGEFINDER_WORK`, its `~` expanded, or None where it is unset."""
+    root = os.environ.get(WORK_ENV, "").strip()
+    return expand_home(root, f"${WORK_ENV}") if root else None
+
+
 def work_dir(artifact_dir: Path, key: Optional[str]) -> Path:
     """The folder to train in: `$RANGEFINDER_WORK/<key>` when both are set, else the artifact folder itself."""
-    root = os.environ.get(WORK_ENV, "").strip()
-    if not root or not key:
+    root = _work_root()
+    if root is None or not key:
         return Path(artifact_dir)
-    return expand_home(root, f"${WORK_ENV}") / key
+    return root / key
 
 
 def publish(work: Path, artifact_dir: Path) -> None:
@@ -45,10 +51,10 @@ def remove_run_work(parent_run_id: str) -> Optional[Path]:
     run, copied into its artifact by `publish`): kept, each scheduled run's checkpoints and weights stayed on the data
     volume until it was full. The folder removed, or None where there is none (no $RANGEFINDER_WORK: kfp.local, the
     CLI). The spools beside it ($RANGEFINDER_WORK/mlflow-spool) stay."""
-    root = os.environ.get(WORK_ENV, "").strip()
-    if not root or not re.fullmatch(r"[0-9A-Za-z_-]+", parent_run_id or ""):  # an MLflow run id; never a path
+    root = _work_root()
+    if root is None or not re.fullmatch(r"[0-9A-Za-z_-]+", parent_run_id or ""):  # an MLflow run id; never a path
         return None
-    folder = expand_home(root, f"${WORK_ENV}") / parent_run_id
+    folder = root / parent_run_id
     if not folder.is_dir():
         return None
     shutil.rmtree(folder, ignore_errors=True)
