@@ -9,6 +9,7 @@ import os
 import sqlite3
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -393,6 +394,19 @@ def test_relog_by_a_user_the_server_denies_says_the_permission_not_that_it_stopp
     assert spool.path.is_file()
 
 
+def _log_a_param_and_end(uri: str, experiment: str, run_id: str, spool: Path) -> None:
+    """A step's run at `uri` that logs one param and ends, waiting for nothing (server_wait_seconds 0)."""
+    from mlflow import MlflowClient
+
+    from rangefinder.tracking import StepRun
+
+    cfg = RangefinderConfig(tracking=TrackingConfig(tracking_uri=uri, server_wait_seconds=0))
+    step = StepRun(client=MlflowClient(uri), run_id=run_id, experiment_id=experiment, step_name="train",
+                   parent_run_id=None, tracking_uri=uri, cfg=cfg, spool_dir=spool)
+    step.log_params({"lr": 0.001})
+    step.finish()
+
+
 def test_a_step_whose_user_the_server_denies_writing_ends_naming_the_credentials_not_an_outage(
         mlflow_auth_server, monkeypatch, tmp_path, caplog):
     """A user the server lets read the run but not write it (its admin took EDIT away while the step ran): the
@@ -403,8 +417,6 @@ def test_a_step_whose_user_the_server_denies_writing_ends_naming_the_credentials
 
     from mlflow import MlflowClient
 
-    from rangefinder.tracking import StepRun
-
     uri, admin, admin_password = mlflow_auth_server
     reader, password = _auth_user(uri, (admin, admin_password))
     monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", admin)
@@ -414,12 +426,8 @@ def test_a_step_whose_user_the_server_denies_writing_ends_naming_the_credentials
     run_id = admin_client.create_run(experiment).info.run_id
     monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", reader)
     monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", password)
-    cfg = RangefinderConfig(tracking=TrackingConfig(tracking_uri=uri, server_wait_seconds=0))
     caplog.set_level(logging.WARNING)
-    step = StepRun(client=MlflowClient(uri), run_id=run_id, experiment_id=experiment, step_name="train",
-                   parent_run_id=None, tracking_uri=uri, cfg=cfg, spool_dir=tmp_path / "spool")
-    step.log_params({"lr": 0.001})
-    step.finish()
+    _log_a_param_and_end(uri, experiment, run_id, tmp_path / "spool")
     end = [r.getMessage() for r in caplog.records if "did not take everything" in r.getMessage()]
     assert len(end) == 1 and "set to credentials the server takes, run: rangefinder relog" in end[0], end
     assert "when the server answers again" not in end[0], end
@@ -594,18 +602,12 @@ def test_a_host_header_refused_mid_run_is_said_as_the_host_not_a_permission(mlfl
 
     from mlflow import MlflowClient
 
-    from rangefinder.tracking import StepRun
-
     host_uri = f"http://localhost:{mlflow_server_uri.rsplit(':', 1)[1]}"  # a name the fixture's server does not allow
     client = MlflowClient(mlflow_server_uri)
     experiment = client.create_experiment(f"host-{uuid.uuid4().hex[:8]}")
     run_id = client.create_run(experiment).info.run_id
-    cfg = RangefinderConfig(tracking=TrackingConfig(tracking_uri=host_uri, server_wait_seconds=0))
     caplog.set_level(logging.WARNING)
-    step = StepRun(client=MlflowClient(host_uri), run_id=run_id, experiment_id=experiment, step_name="train",
-                   parent_run_id=None, tracking_uri=host_uri, cfg=cfg, spool_dir=tmp_path / "spool")
-    step.log_params({"lr": 0.001})
-    step.finish()
+    _log_a_param_and_end(host_uri, experiment, run_id, tmp_path / "spool")
     said = [r.getMessage() for r in caplog.records]
     (refused,) = [line for line in said if "Host header" in line and "goes on" in line]
     (end,) = [line for line in said if "did not take everything" in line]
